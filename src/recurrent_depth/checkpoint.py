@@ -1,0 +1,190 @@
+"""safetensors checkpoints: ours and the official Huginn-0125 layout, single file or sharded.
+
+A model directory holds `config.json` and `model.safetensors` (or `model-0000i-of-0000n.safetensors`
+shards plus `model.safetensors.index.json`), and usually the tokenizer files. Nothing is ever
+unpickled. Tied weights are stored once (`transformer.wte.weight`) and re-tied on load; an official
+file's extra `lm_head.weight` is accepted when it equals the embedding, its `freqs_cis` buffer is
+ignored (we compute our own RoPE table).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from recurrent_depth.config import ModelConfig, atomic_write_text
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+IGNORED_TENSORS = ("freqs_cis",)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _dtype_from_name(name: str | torch.dtype | None) -> torch.dtype | None:
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise ValueError(f"dtype={name!r} is invalid: expected one of {sorted(table)}")
+    return table[name]
+
+
+def save_pretrained(
+    model: torch.nn.Module,
+    path: str | os.PathLike[str],
+    tokenizer_dir: str | os.PathLike[str] | None = None,
+    max_shard_bytes: int | None = None,
+    metadata: dict[str, str] | None = None,
+) -> None:
+    """Write config.json + safetensors weights atomically; copy tokenizer files if given.
+
+    `max_shard_bytes` splits the weights into shards with an index file (as large checkpoints are).
+    """
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {}
+    seen: set[int] = set()
+    for name, tensor in model.state_dict().items():
+        ptr = tensor.untyped_storage().data_ptr() if tensor.device.type != "meta" else id(tensor)
+        if ptr in seen and name == "lm_head.weight":
+            continue  # tied to the embedding: stored once
+        seen.add(ptr)
+        state[name] = tensor.detach().contiguous().cpu()
+    meta = {"format": "pt", **(metadata or {})}
+    for stale in list(out.glob("model*.safetensors")) + [out / INDEX_NAME]:
+        if stale.exists():
+            stale.unlink()
+    if max_shard_bytes is None or sum(t.nbytes for t in state.values()) <= max_shard_bytes:
+        _atomic_save(state, out / WEIGHTS_NAME, meta)
+    else:
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for name, tensor in state.items():
+            if shards[-1] and size + tensor.nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = tensor
+            size += tensor.nbytes
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            _atomic_save(shard, out / filename, meta)
+            weight_map.update(dict.fromkeys(shard, filename))
+        index = {"metadata": {"total_size": sum(t.nbytes for t in state.values())}, "weight_map": weight_map}
+        atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=2) + "\n")
+    model.config.to_json(out / "config.json")
+    if tokenizer_dir is not None:
+        copy_tokenizer(tokenizer_dir, out)
+
+
+def copy_tokenizer(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    src, dst = Path(src), Path(dst)
+    if src.resolve() == dst.resolve():
+        return
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copyfile(src / name, dst / name)
+
+
+def _atomic_save(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file(state, str(tmp), metadata=metadata)
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a model directory, single or sharded."""
+    if (path / INDEX_NAME).exists():
+        index = json.loads((path / INDEX_NAME).read_text())
+        if "weight_map" not in index:
+            raise ValueError(f"{path / INDEX_NAME} has no 'weight_map'")
+        return [path / name for name in sorted(set(index["weight_map"].values()))]
+    if (path / WEIGHTS_NAME).exists():
+        return [path / WEIGHTS_NAME]
+    found = sorted(path.glob("*.safetensors"))
+    if found:
+        return found
+    if list(path.glob("*.bin")) or list(path.glob("*.pt")):
+        raise ValueError(f"{path} holds only pickled weights (.bin/.pt); convert them to safetensors first")
+    raise FileNotFoundError(f"no safetensors weights in {path}")
+
+
+def read_state_dict(path: str | os.PathLike[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for file in weight_files(Path(path)):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                tensor = handle.get_tensor(name)
+                state[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+    return state
+
+
+def load_pretrained(
+    path: str | os.PathLike[str],
+    dtype: torch.dtype | str | None = None,
+    device: Any = "cpu",
+    config_overrides: dict[str, Any] | None = None,
+):
+    """Build a `RecurrentDepthLM` from a model directory (ours or official Huginn-0125)."""
+    from recurrent_depth.model.recurrent import RecurrentDepthLM
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {path} does not exist")
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} has no config.json; is it a model directory?")
+    config = ModelConfig.from_json(path / "config.json")
+    if config_overrides:
+        values = config.to_dict()
+        values.pop("model_type")
+        values.update(config_overrides)
+        config = ModelConfig.from_dict(values)
+    dtype = _dtype_from_name(dtype)
+    state = read_state_dict(path, dtype)
+
+    with torch.device("meta"):
+        model = RecurrentDepthLM(config)
+    expected = {name: p for name, p in model.state_dict().items()}
+    problems: list[str] = []
+    for name in IGNORED_TENSORS:
+        state.pop(name, None)
+    wte = state.get("transformer.wte.weight")
+    stored_dtype = wte.dtype if wte is not None else torch.float32
+    if config.tie_embeddings and "lm_head.weight" in state:
+        head = state.pop("lm_head.weight")
+        if wte is not None and (head.shape != wte.shape or not torch.equal(head, wte)):
+            problems.append("lm_head.weight differs from transformer.wte.weight but the config ties them")
+    required = set(expected) - ({"lm_head.weight"} if config.tie_embeddings else set())
+    missing = sorted(required - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    mis_shaped = sorted(
+        f"{name}: file {tuple(state[name].shape)} vs model {tuple(expected[name].shape)}"
+        for name in set(state) & set(expected)
+        if tuple(state[name].shape) != tuple(expected[name].shape)
+    )
+    if missing:
+        problems.append(f"missing tensors: {missing}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {unexpected}")
+    if mis_shaped:
+        problems.append(f"mis-shaped tensors: {mis_shaped}")
+    if problems:
+        raise ValueError(f"cannot load {path}: " + "; ".join(problems))
+
+    # assign=True adopts the loaded tensors instead of copying them: one copy of the weights in memory.
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.transformer.wte.weight
+    model.to(device=device, dtype=dtype or stored_dtype)
+    model.eval()
+    return model

@@ -1,0 +1,71 @@
+"""`rdepth <command>`: one entry point; each subcommand lives in its own module.
+
+A command module defines ``register(subparsers)`` which adds its parser and sets
+``func=run`` (a function taking the parsed ``argparse.Namespace`` and returning an exit code).
+Modules are imported lazily by name so `rdepth --help` stays fast and one broken optional
+dependency cannot take down unrelated commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command name -> module that registers it (order = order in `rdepth --help`)
+COMMANDS: dict[str, str] = {
+    "quickstart": "recurrent_depth.cli.quickstart",
+    "train": "recurrent_depth.cli.train",
+    "generate": "recurrent_depth.cli.generate",
+    "eval": "recurrent_depth.cli.evaluate",
+    "analyze": "recurrent_depth.cli.analyze",
+    "serve": "recurrent_depth.cli.serve",
+    "average": "recurrent_depth.cli.average",
+    "tokenizer": "recurrent_depth.cli.tokenizer",
+    "export": "recurrent_depth.cli.export",
+    "lm-eval": "recurrent_depth.cli.lm_eval",
+    "info": "recurrent_depth.cli.info",
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rdepth",
+        description="Recurrent-depth language models: train, generate, analyse, evaluate, serve.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="<command>")
+    for name, module_name in COMMANDS.items():
+        if only is not None and name != only:
+            continue
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:  # command not implemented yet in this checkout
+                continue
+            raise
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `rdepth lm-eval ...` forwards its arguments untouched to lm-eval's own CLI.
+    if argv and argv[0] == "lm-eval":
+        from recurrent_depth.cli.lm_eval import run_passthrough
+
+        return run_passthrough(argv[1:])
+    only = argv[0] if argv and argv[0] in COMMANDS else None
+    parser = build_parser(only)
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"rdepth {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

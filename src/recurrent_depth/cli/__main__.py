@@ -1,0 +1,5 @@
+import sys
+
+from recurrent_depth.cli import main
+
+sys.exit(main())

@@ -1,0 +1,28 @@
+"""Flags shared by several subcommands, defined once so they read the same everywhere."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_model_arg(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    parser.add_argument(
+        "--model", required=required, metavar="DIR",
+        help="a saved model directory (ours or an official Huginn-0125 one; tokenizer inside)",
+    )
+
+
+def add_out_arg(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--out", default=default, metavar="DIR", help="output directory (default: %(default)s)")
+
+
+def add_seed_arg(parser: argparse.ArgumentParser, default: int = 0) -> None:
+    parser.add_argument("--seed", type=int, default=default, help="random seed (default: %(default)s)")
+
+
+def add_device_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    parser.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+        help="load weights in this dtype (default: as stored)",
+    )

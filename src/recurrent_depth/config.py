@@ -1,0 +1,277 @@
+"""Model configuration: one typed dataclass, validated once, saved beside every checkpoint.
+
+`ModelConfig` speaks two dialects of `config.json`: our own field names (written by
+`to_dict`) and the official Huginn-0125 `RavenConfig` keys (`n_embd`, `n_heads`,
+`n_layers_in_prelude`, ...), which `from_dict` translates through `HUGINN_KEY_MAP`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MODEL_TYPE = "recurrent_depth"
+HUGINN_MODEL_TYPE = "huginn_raven"
+MODEL_PARTS = ("prelude", "core", "coda")
+
+# Official Huginn `config.json` key -> our field.
+HUGINN_KEY_MAP: dict[str, str] = {
+    "n_embd": "hidden_size",
+    "n_heads": "num_heads",
+    "num_key_value_heads": "num_kv_heads",
+    "n_layers_in_prelude": "prelude_layers",
+    "n_layers_in_recurrent_block": "core_layers",
+    "n_layers_in_coda": "coda_layers",
+    "block_size": "max_seq_len",
+    "padded_vocab_size": "vocab_size",
+    "tie_embeddings": "tie_embeddings",
+    "tie_word_embeddings": "tie_embeddings",
+    "intermediate_size": "intermediate_size",
+    "mean_recurrence": "mean_recurrence",
+    "mean_backprop_depth": "mean_backprop_depth",
+    "rope_base": "rope_base",
+    "norm_eps": "norm_eps",
+    "qk_bias": "qk_bias",
+    "bias": "bias",
+    "bos_token_id": "bos_token_id",
+    "eos_token_id": "eos_token_id",
+    "pad_token_id": "pad_token_id",
+}
+
+# Keys that describe the file rather than the model (transformers bookkeeping, informational
+# Huginn fields whose value the forward pass hard-codes). Accepted and ignored on load.
+IGNORED_KEYS = frozenset(
+    {
+        "architectures", "auto_map", "dtype", "torch_dtype", "transformers_version", "model_type",
+        "_name_or_path", "use_cache", "return_dict", "output_hidden_states", "output_attentions",
+        "is_encoder_decoder", "tokenizer_class", "chunk_size_feed_forward", "problem_type",
+        "id2label", "label2id", "_attn_implementation_autoset", "_commit_hash",
+        # Huginn informational fields (the forward pass hard-codes their values)
+        "n_layers", "num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size_padded",
+        "padding_multiple", "norm_class_name", "mlp_class_name", "nonlin_name", "block_class_name",
+        "architecture_class_name", "init_strategy", "init_orthogonal", "state_init", "injection_type",
+        "activation_checkpoint_impl", "sampling_scheme", "test_time_noise", "test_time_noise_type",
+        "effective_expected_depth", "init_values", "head_dim", "num_key_value_heads", "vocab_size",
+    }
+)
+
+
+@dataclass
+class ModelConfig:
+    """Shape and defaults of a recurrent-depth LM: prelude -> r x core (with input injection) -> coda.
+
+    `mixer` is the token mixer of every block: one registered name, or a dict with one name per
+    part (`{"prelude": "attention", "core": "gated_deltanet", "coda": "attention"}`);
+    `mixer_options` are keyword arguments for the mixer constructors (e.g. `{"window": 128}`).
+    """
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    num_heads: int = 4
+    num_kv_heads: int | None = None  # None -> num_heads (no GQA, as Huginn)
+    head_dim: int | None = None  # None -> hidden_size // num_heads
+    intermediate_size: int = 176
+    prelude_layers: int = 1
+    core_layers: int = 2
+    coda_layers: int = 1
+    mean_recurrence: int = 4
+    mean_backprop_depth: int = 2
+    max_seq_len: int = 256
+    rope_base: float = 50_000.0
+    norm_eps: float = 1e-6
+    qk_bias: bool = True
+    bias: bool = False
+    tie_embeddings: bool = True
+    init_scale: float = 1.0
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    mixer: str | dict[str, str] = "attention"
+    mixer_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.head_dim is None and self.num_heads > 0:
+            self.head_dim = self.hidden_size // self.num_heads
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        def need(cond: bool, name: str, expected: str) -> None:
+            if not cond:
+                raise ValueError(
+                    f"ModelConfig.{name}={getattr(self, name, None)!r} is invalid: expected {expected}"
+                )
+
+        for name in ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "max_seq_len"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
+                 "an integer >= 1")
+        for name in ("prelude_layers", "core_layers", "coda_layers", "mean_recurrence",
+                     "mean_backprop_depth"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and not isinstance(value, bool) and value >= 0, name,
+                 "an integer >= 0")
+        need(self.core_layers >= 1, "core_layers", "at least 1 layer in the recurrent core")
+        need(self.hidden_size % self.num_heads == 0, "num_heads",
+             f"a divisor of hidden_size={self.hidden_size}")
+        need(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
+             f"a divisor of num_heads={self.num_heads} (grouped-query attention)")
+        need(self.head_dim % 2 == 0, "head_dim", "an even number (rotary embedding rotates pairs)")
+        need(self.rope_base > 1, "rope_base", "a number > 1")
+        need(0 < self.norm_eps < 1, "norm_eps", "a number in (0, 1)")
+        need(isinstance(self.init_scale, int | float) and self.init_scale >= 0, "init_scale",
+             "a number >= 0")
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            need(value is None or (isinstance(value, int) and 0 <= value < self.vocab_size), name,
+                 f"None or a token id in [0, {self.vocab_size})")
+        if isinstance(self.mixer, dict):
+            unknown = set(self.mixer) - set(MODEL_PARTS)
+            need(not unknown, "mixer", f"a name or a dict with keys {MODEL_PARTS} (got extra {sorted(unknown)})")
+            need(all(isinstance(v, str) for v in self.mixer.values()), "mixer", "string mixer names")
+        else:
+            need(isinstance(self.mixer, str), "mixer", "a mixer name or a dict part -> name")
+        need(isinstance(self.mixer_options, dict), "mixer_options", "a dict of keyword arguments")
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def num_layers(self) -> int:
+        """Unique layers: prelude + core + coda."""
+        return self.prelude_layers + self.core_layers + self.coda_layers
+
+    @property
+    def effective_expected_depth(self) -> int:
+        """Layers run at the mean recurrence: P + C + R * r̄ (sets the Takase output-layer init)."""
+        return self.prelude_layers + self.coda_layers + self.core_layers * self.mean_recurrence
+
+    def mixer_for(self, part: str) -> str:
+        if isinstance(self.mixer, dict):
+            return self.mixer.get(part, "attention")
+        return self.mixer
+
+    def num_parameters(self) -> int:
+        """Unique parameters of the default attention model (tied embedding counted once)."""
+        h, hd, nh, nkv, inter = (self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
+                                 self.intermediate_size)
+        attn = h * (nh + 2 * nkv) * hd + nh * hd * h + (nh + nkv) * hd * self.qk_bias
+        mlp = 3 * inter * h
+        block = attn + mlp + 4 * h
+        emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        return emb + self.num_layers * block + 2 * h * h + h
+
+    # ------------------------------------------------------------------ presets
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        values = dict(PRESETS[name])
+        values.update(overrides)
+        return cls(**values)
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["model_type"] = MODEL_TYPE
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """Build from our own keys or from an official Huginn `config.json` (detected by its keys)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"config must be a JSON object, got {type(data).__name__}")
+        if is_huginn_config(data):
+            return cls._from_huginn(data)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names - IGNORED_KEYS)
+        if unknown:
+            raise ValueError(f"unknown config keys {unknown}; known keys are {sorted(names)}")
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    @classmethod
+    def _from_huginn(cls, data: dict[str, Any]) -> ModelConfig:
+        values: dict[str, Any] = {}
+        for key, value in data.items():
+            if key in HUGINN_KEY_MAP:
+                values[HUGINN_KEY_MAP[key]] = value
+        if "vocab_size" not in values and "vocab_size" in data:
+            values["vocab_size"] = data["vocab_size"]
+        if "n_embd" in data and "n_heads" in data:
+            values.setdefault("head_dim", data["n_embd"] // data["n_heads"])
+        values.setdefault("num_kv_heads", values.get("num_heads"))
+        values.setdefault("rope_base", 50_000.0)
+        values.setdefault("norm_eps", 1e-6)
+        # The official file hard-codes these special tokens (huginn-0125.md §1).
+        values.setdefault("bos_token_id", 65504 if values.get("vocab_size", 0) > 65509 else None)
+        values.setdefault("eos_token_id", 65505 if values.get("vocab_size", 0) > 65509 else None)
+        values.setdefault("pad_token_id", 65509 if values.get("vocab_size", 0) > 65509 else None)
+        unknown = sorted(set(data) - set(HUGINN_KEY_MAP) - IGNORED_KEYS)
+        if unknown:
+            warnings.warn(f"ignoring Huginn config keys this library does not use: {unknown}", stacklevel=3)
+        return cls(**values)
+
+    def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+        if path is not None:
+            atomic_write_text(Path(path), text)
+        return text
+
+    @classmethod
+    def from_json(cls, path_or_text: str | os.PathLike[str]) -> ModelConfig:
+        text = str(path_or_text)
+        if not text.lstrip().startswith("{"):
+            path = Path(path_or_text)
+            if path.is_dir():
+                path = path / "config.json"
+            if not path.exists():
+                raise FileNotFoundError(f"no config file at {path}")
+            text = path.read_text()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"config is not valid JSON: {exc}") from exc
+        return cls.from_dict(data)
+
+
+def is_huginn_config(data: dict[str, Any]) -> bool:
+    return data.get("model_type") == HUGINN_MODEL_TYPE or "n_embd" in data
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a file so that a crash leaves either the old or the new content, never half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # The paper's model: 3,564,976,800 unique parameters (huginn-0125.md §1).
+    "huginn-0125": dict(
+        vocab_size=65536, hidden_size=5280, num_heads=55, num_kv_heads=55, head_dim=96,
+        intermediate_size=17920, prelude_layers=2, core_layers=4, coda_layers=2,
+        mean_recurrence=32, mean_backprop_depth=8, max_seq_len=4096, rope_base=50_000.0,
+        norm_eps=1e-6, qk_bias=True, tie_embeddings=True,
+        bos_token_id=65504, eos_token_id=65505, pad_token_id=65509,
+    ),
+    # For tests: seconds to build and run.
+    "tiny": dict(
+        vocab_size=256, hidden_size=64, num_heads=4, intermediate_size=176, prelude_layers=1,
+        core_layers=2, coda_layers=1, mean_recurrence=4, mean_backprop_depth=2, max_seq_len=256,
+    ),
+    # For CPU demos (quickstart): depth 4 sits below the mean recurrence of 8.
+    "small": dict(
+        vocab_size=4096, hidden_size=256, num_heads=4, intermediate_size=704, prelude_layers=1,
+        core_layers=2, coda_layers=1, mean_recurrence=8, mean_backprop_depth=4, max_seq_len=512,
+    ),
+}

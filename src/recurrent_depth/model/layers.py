@@ -1,0 +1,77 @@
+"""Building blocks shared by every part of the model: RMSNorm, SwiGLU MLP, RoPE, sandwich block."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from recurrent_depth.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * weight, the statistics in float32 whatever the input dtype (as Huginn)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            x32 = x.float()
+            normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU with one fused input projection: fc(x) = [gate | up], out = proj(silu(gate) * up)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.bias)
+        self.proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.fc(x).chunk(2, dim=-1)
+        return self.proj(F.silu(gate) * up)
+
+
+def rope_table(head_dim: int, max_len: int, base: float, device: torch.device | None = None) -> Tensor:
+    """(cos, sin) of angle pos * base^(-2i/d) for interleaved pairs: [max_len, head_dim/2, 2], fp32."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_len, device=device, dtype=torch.float64), inv_freq)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate adjacent pairs (x[2i], x[2i+1]) (GPT-J / complex style, not NeoX rotate-half).
+
+    x: [B, T, H, D]; cos, sin: [B, T, 1, D/2] (or broadcastable). Computed in fp32.
+    """
+    pairs = x.float().unflatten(-1, (-1, 2))  # [B, T, H, D/2, 2]
+    a, b = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1)
+    return rotated.flatten(-2).to(x.dtype)
+
+
+class SandwichBlock(nn.Module):
+    """x <- norm_2(x + mix(norm_1(x))); x <- norm_4(x + mlp(norm_3(x))).
+
+    Every block ends in a norm, so the recurrent state stays normalised however deep it runs.
+    The token mixer (`attn`, named as in the Huginn checkpoint) is any registered mixer.
+    """
+
+    def __init__(self, config: ModelConfig, mixer: nn.Module) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.norm_eps
+        self.norm_1 = RMSNorm(h, eps)
+        self.attn = mixer
+        self.norm_2 = RMSNorm(h, eps)
+        self.mlp = GatedMLP(config)
+        self.norm_3 = RMSNorm(h, eps)
+        self.norm_4 = RMSNorm(h, eps)
+
+    def forward(self, x: Tensor, ctx, layer_key: tuple) -> Tensor:
+        x = self.norm_2(x + self.attn(self.norm_1(x), ctx, layer_key))
+        return self.norm_4(x + self.mlp(self.norm_3(x)))

@@ -1,0 +1,350 @@
+"""The recurrent-depth language model (Huginn-0125 architecture).
+
+    e    = prelude(wte(x) * sqrt(h))                     input injection, computed once
+    s_0  ~ TruncNormal(0, sigma^2, ±3 sigma) * sqrt(h)   sigma = sqrt(2 / (5h)) * init_scale
+    s_i  = core(adapter(concat[s_{i-1}, e]))             i = 1..r, the same weights every step
+    p    = lm_head(ln_f(coda(ln_f(s_r))))                ln_f is used twice, logits in float32
+
+`num_steps` chooses r: an int runs r steps under autograd; a pair (n, k) runs n steps without
+gradients and k with (truncated backprop, the state entering the k steps is detached while the
+prelude output e still receives gradients); None samples a depth in training mode and uses
+`mean_recurrence` in eval mode. Parameter names equal the official checkpoint's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from recurrent_depth.config import ModelConfig
+from recurrent_depth.model.layers import RMSNorm, SandwichBlock
+from recurrent_depth.model.mixers import MixerContext, build_mixer
+
+NumSteps = int | tuple[int, int] | None
+
+
+@dataclass
+class RecurrentOutput:
+    """What `RecurrentDepthLM.forward` returns.
+
+    logits: [B, T, V] float32. latent_states: ln_f(s_r) [B, T, h] (as the reference).
+    final_state: the raw s_r [B, T, h] (what warm starts reuse). all_states: the raw states
+    s_0..s_r stacked to [r + 1, B, T, h] when asked for, else None. num_steps: (n, k) as run.
+    """
+
+    logits: Tensor
+    latent_states: Tensor
+    final_state: Tensor
+    loss: Tensor | None = None
+    all_states: Tensor | None = None
+    num_steps: tuple[int, int] = (0, 0)
+
+
+def sample_lognormal_poisson_depth(
+    mean_recurrence: float, backprop_depth: int, sigma: float = 0.5, generator: torch.Generator | None = None
+) -> tuple[int, int]:
+    """The paper's depth draw: tau ~ N(log r̄ - sigma²/2, sigma), r = Poisson(e^tau) + 1 -> (r - k', k')."""
+    mu = math.log(max(mean_recurrence, 1e-6)) - sigma**2 / 2
+    tau = torch.normal(torch.tensor(mu, dtype=torch.float64), sigma, generator=generator)
+    r = int(torch.poisson(tau.exp().reshape(1), generator=generator).item()) + 1
+    grad_steps = min(r, backprop_depth)
+    return r - grad_steps, grad_steps
+
+
+class RecurrentDepthLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        h = config.hidden_size
+        options = dict(config.mixer_options)
+
+        def blocks(part: str, count: int) -> nn.ModuleList:
+            name = config.mixer_for(part)
+            return nn.ModuleList(
+                SandwichBlock(config, build_mixer(name, config, part, **options)) for _ in range(count)
+            )
+
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, h),
+                prelude=blocks("prelude", config.prelude_layers),
+                adapter=nn.Linear(2 * h, h, bias=config.bias),
+                core_block=blocks("core", config.core_layers),
+                coda=blocks("coda", config.coda_layers),
+                ln_f=RMSNorm(h, config.norm_eps),
+            )
+        )
+        self.lm_head = nn.Linear(h, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
+        self.emb_scale = math.sqrt(h)
+        # Per-iteration activation checkpointing (set from outside, e.g. by the trainer).
+        self.gradient_checkpointing = False
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ init
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Takase init: std = sqrt(2/(5h)) everywhere, output projections std / sqrt(2 L_eff).
+
+        L_eff = P + C + R * mean_recurrence layers run at the mean depth; norms are ones, biases zero.
+        Truncated at ±3 std, as the reference.
+        """
+        std = math.sqrt(2 / (5 * self.config.hidden_size))
+        out_std = std / math.sqrt(2 * self.config.effective_expected_depth)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                s = out_std if name.endswith(("attn.proj", "mlp.proj")) else std
+                nn.init.trunc_normal_(module.weight, std=s, a=-3 * s, b=3 * s)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.trunc_normal_(module.weight, std=std, a=-3 * std, b=3 * std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+        for name, param in self.named_parameters():
+            if name.endswith(("qk_bias", "q_bias", "k_bias")):
+                nn.init.zeros_(param)
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
+
+    # ------------------------------------------------------------------ pieces (used by inference too)
+    def make_context(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        cache: Any | None = None,
+    ) -> MixerContext:
+        """Positions and masks for one call; left padding shifts each row's positions to start at 0."""
+        B, T = input_ids.shape
+        device = input_ids.device
+        past = cache.seq_len if cache is not None else 0
+        key_valid = attention_mask.bool() if attention_mask is not None else None
+        if key_valid is not None and bool(key_valid.all()):
+            key_valid = None  # nothing padded: take the fast causal path
+        if position_ids is None:
+            if key_valid is not None:
+                position_ids = (key_valid.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+            else:
+                position_ids = torch.arange(past, past + T, device=device).expand(B, T)
+        attn_mask = None
+        if key_valid is not None or (past > 0 and T > 1):
+            q_idx = torch.arange(past, past + T, device=device)[:, None]
+            k_idx = torch.arange(past + T, device=device)[None, :]
+            allowed = (k_idx <= q_idx)[None, None]  # [1, 1, T, past + T]
+            if key_valid is not None:
+                # A padded query attends to itself only, so no softmax row is empty (no NaN).
+                allowed = (allowed & key_valid[:, None, None, :]) | (k_idx == q_idx)[None, None]
+            attn_mask = allowed
+        return MixerContext(
+            positions=position_ids, past_len=past, key_valid=key_valid, attn_mask=attn_mask,
+            cache=cache, rope_base=self.config.rope_base, max_seq_len=self.config.max_seq_len,
+        )
+
+    def embed(self, input_ids: Tensor, ctx: MixerContext, inputs_embeds: Tensor | None = None) -> Tensor:
+        """The input injection e = prelude(wte(x) * sqrt(h)): [B, T] -> [B, T, h]."""
+        x = self.transformer.wte(input_ids) if inputs_embeds is None else inputs_embeds
+        x = x * self.emb_scale
+        for i, block in enumerate(self.transformer.prelude):
+            x = block(x, ctx, ("prelude", i))
+        return x
+
+    def initial_state(
+        self, e: Tensor, init_scale: float = 1.0, generator: torch.Generator | None = None
+    ) -> Tensor:
+        """s_0: i.i.d. truncated normal (±3 sigma), sigma = sqrt(2/(5h)) * init_scale, times sqrt(h)."""
+        if init_scale == 0:
+            return torch.zeros_like(e)
+        std = math.sqrt(2 / (5 * self.config.hidden_size)) * init_scale
+        s = torch.empty(e.shape, dtype=torch.float32, device=e.device)
+        nn.init.trunc_normal_(s, std=std, a=-3 * std, b=3 * std, generator=generator)
+        return (s * self.emb_scale).to(e.dtype)
+
+    def core_step(self, state: Tensor, e: Tensor, step: int, ctx: MixerContext) -> Tensor:
+        """One recurrence: s <- core(adapter(concat[s, e])). Returns the raw state [B, T, h]."""
+        x = self.transformer.adapter(torch.cat([state, e], dim=-1))
+        for j, block in enumerate(self.transformer.core_block):
+            x = block(x, ctx, ("core", j, step))
+        return x
+
+    def predict(self, latent: Tensor, ctx: MixerContext) -> Tensor:
+        """Logits from ln_f-normalised latents: lm_head(ln_f(coda(latent))) -> [B, T, V] float32."""
+        x = latent
+        for c, block in enumerate(self.transformer.coda):
+            x = block(x, ctx, ("coda", c))
+        return self.lm_head(self.transformer.ln_f(x)).float()
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        input_ids: Tensor,
+        num_steps: NumSteps = None,
+        *,
+        labels: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        input_states: Tensor | None = None,
+        init_scale: float | None = None,
+        generator: torch.Generator | None = None,
+        cache: Any | None = None,
+        output_all_states: bool = False,
+    ) -> RecurrentOutput:
+        """Run prelude -> num_steps core steps -> coda on `input_ids` [B, T].
+
+        attention_mask: [B, T_cached + T], 1 for real tokens, 0 for (left) padding.
+        input_states: s_0 [B, T, h] instead of a random draw. labels: [B, T] unshifted (shifted
+        here), -100 ignored. cache: a cache object (see model/cache.py) to read and extend.
+        """
+        n_free, n_grad = self.resolve_num_steps(num_steps, generator)
+        self.check_inputs(input_ids, labels, attention_mask, input_states, cache)
+        scale = self.config.init_scale if init_scale is None else init_scale
+        if not isinstance(scale, int | float) or scale < 0:
+            raise ValueError(f"init_scale={scale!r} is invalid: expected a number >= 0")
+
+        ctx = self.make_context(input_ids, attention_mask, position_ids, cache)
+        e = self.embed(input_ids, ctx)
+        state = input_states.to(e.dtype) if input_states is not None else self.initial_state(e, scale, generator)
+        states = [state] if output_all_states else None
+
+        if n_free:
+            with torch.no_grad():
+                for step in range(n_free):
+                    state = self.core_step(state, e, step, ctx)
+                    if states is not None:
+                        states.append(state)
+            state = state.detach()
+        use_checkpoint = self.gradient_checkpointing and torch.is_grad_enabled() and cache is None
+        for step in range(n_free, n_free + n_grad):
+            if use_checkpoint:
+                state = checkpoint(self.core_step, state, e, step, ctx, use_reentrant=False)
+            else:
+                state = self.core_step(state, e, step, ctx)
+            if states is not None:
+                states.append(state)
+
+        latent = self.transformer.ln_f(state)
+        logits = self.predict(latent, ctx)
+        if cache is not None:
+            cache.advance(input_ids.shape[1])
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+            )
+        return RecurrentOutput(
+            logits=logits, latent_states=latent, final_state=state, loss=loss,
+            all_states=torch.stack(states) if states is not None else None, num_steps=(n_free, n_grad),
+        )
+
+    # ------------------------------------------------------------------ input checks
+    def resolve_num_steps(self, num_steps: NumSteps, generator: torch.Generator | None = None) -> tuple[int, int]:
+        """-> (steps without gradient, steps with gradient)."""
+        if num_steps is None:
+            if self.training:
+                return sample_lognormal_poisson_depth(
+                    self.config.mean_recurrence, self.config.mean_backprop_depth, generator=generator
+                )
+            return 0, self.config.mean_recurrence
+        if isinstance(num_steps, bool) or isinstance(num_steps, Tensor):
+            raise ValueError(f"num_steps must be an int, a pair (no_grad_steps, grad_steps) or None; "
+                             f"got {type(num_steps).__name__} (use int(t) for a tensor)")
+        if isinstance(num_steps, int):
+            if num_steps < 0:
+                raise ValueError(f"num_steps={num_steps} is invalid: expected an integer >= 0")
+            return 0, num_steps
+        if (
+            isinstance(num_steps, tuple | list)
+            and len(num_steps) == 2
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in num_steps)
+        ):
+            return int(num_steps[0]), int(num_steps[1])
+        raise ValueError(
+            f"num_steps={num_steps!r} is invalid: expected an int >= 0, a pair of ints >= 0 "
+            "(no_grad_steps, grad_steps), or None"
+        )
+
+    def check_inputs(
+        self,
+        input_ids: Tensor,
+        labels: Tensor | None,
+        attention_mask: Tensor | None,
+        input_states: Tensor | None,
+        cache: Any | None,
+    ) -> None:
+        cfg = self.config
+        if not isinstance(input_ids, Tensor):
+            raise ValueError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool or input_ids.is_complex():
+            raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must have shape [batch, seq_len>0], got {tuple(input_ids.shape)}")
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
+            bad = ((input_ids < 0) | (input_ids >= cfg.vocab_size)).nonzero()[0].tolist()
+            raise ValueError(
+                f"token id {int(input_ids[bad[0], bad[1]])} at (row {bad[0]}, position {bad[1]}) is outside "
+                f"the vocabulary [0, {cfg.vocab_size})"
+            )
+        past = cache.seq_len if cache is not None else 0
+        total = past + input_ids.shape[1]
+        if total > cfg.max_seq_len:
+            raise ValueError(
+                f"sequence length {total} (cached {past} + new {input_ids.shape[1]}) exceeds "
+                f"max_seq_len={cfg.max_seq_len}"
+            )
+        B, T = input_ids.shape
+        if attention_mask is not None:
+            if tuple(attention_mask.shape) != (B, total):
+                raise ValueError(
+                    f"attention_mask must have shape [batch, cached + new] = {(B, total)}, "
+                    f"got {tuple(attention_mask.shape)}"
+                )
+            if attention_mask.dtype.is_floating_point and not bool(
+                ((attention_mask == 0) | (attention_mask == 1)).all()
+            ):
+                raise ValueError("attention_mask must contain only 0 (padding) and 1 (real token)")
+        if labels is not None:
+            if tuple(labels.shape) != (B, T):
+                raise ValueError(f"labels must have the shape of input_ids {(B, T)}, got {tuple(labels.shape)}")
+            if labels.dtype.is_floating_point:
+                raise ValueError(f"labels must hold integer token ids, got dtype {labels.dtype}")
+            valid = (labels == -100) | ((labels >= 0) & (labels < cfg.vocab_size))
+            if not bool(valid.all()):
+                raise ValueError(f"labels must be token ids in [0, {cfg.vocab_size}) or -100 (ignored)")
+        if input_states is not None and tuple(input_states.shape) != (B, T, cfg.hidden_size):
+            raise ValueError(
+                f"input_states must have shape [batch, seq_len, hidden_size] = {(B, T, cfg.hidden_size)}, "
+                f"got {tuple(input_states.shape)}"
+            )
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_pretrained(self, path: Any, **kwargs: Any) -> None:
+        from recurrent_depth.checkpoint import save_pretrained
+
+        save_pretrained(self, path, **kwargs)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: Any, dtype: torch.dtype | None = None, device: Any = "cpu", **kwargs: Any
+    ) -> RecurrentDepthLM:
+        from recurrent_depth.checkpoint import load_pretrained
+
+        return load_pretrained(path, dtype=dtype, device=device, **kwargs)
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.wte.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.wte.weight.dtype
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())

@@ -1,0 +1,67 @@
+import json
+
+import pytest
+
+import recurrent_depth as rd
+from recurrent_depth.config import PRESETS
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_build_and_round_trip_json(name):
+    cfg = rd.ModelConfig.from_preset(name)
+    assert rd.ModelConfig.from_json(cfg.to_json()) == cfg
+
+
+def test_huginn_preset_has_the_papers_parameter_count():
+    assert rd.ModelConfig.from_preset("huginn-0125").num_parameters() == 3_564_976_800
+
+
+def test_small_preset_mean_recurrence_is_above_depth_4():
+    assert rd.ModelConfig.from_preset("small").mean_recurrence >= 8
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"num_heads": 5}, "num_heads"),
+        ({"num_kv_heads": 3}, "num_kv_heads"),
+        ({"hidden_size": 0}, "hidden_size"),
+        ({"core_layers": 0}, "core_layers"),
+        ({"mean_recurrence": -1}, "mean_recurrence"),
+        ({"norm_eps": 0.0}, "norm_eps"),
+        ({"eos_token_id": 256}, "eos_token_id"),
+        ({"init_scale": -1.0}, "init_scale"),
+        ({"mixer": {"middle": "attention"}}, "mixer"),
+        ({"head_dim": 15, "num_heads": 1, "hidden_size": 15}, "head_dim"),
+    ],
+    ids=lambda v: str(v) if isinstance(v, str) else None,
+)
+def test_validation_names_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        rd.ModelConfig.from_preset("tiny", **overrides)
+
+
+def test_unknown_preset_and_unknown_keys_are_refused():
+    with pytest.raises(ValueError, match="unknown preset"):
+        rd.ModelConfig.from_preset("gigantic")
+    with pytest.raises(ValueError, match="unknown config keys"):
+        rd.ModelConfig.from_dict({"hidden_size": 64, "hidden_sise": 3})
+
+
+HUGINN_CONFIG_JSON = {
+    "architectures": ["RavenForCausalLM"],
+    "auto_map": {"AutoConfig": "raven_config_minimal.RavenConfig"},
+    "model_type": "huginn_raven",
+    "n_embd": 5280, "n_heads": 55, "n_layers": 8, "n_layers_in_prelude": 2,
+    "n_layers_in_recurrent_block": 4, "n_layers_in_coda": 2, "mean_recurrence": 32,
+    "mean_backprop_depth": 8, "block_size": 4096, "vocab_size": 65536, "padding_multiple": 4096,
+    "intermediate_size": 17920, "bias": False, "qk_bias": True, "tie_embeddings": True,
+    "norm_eps": 1e-6, "norm_class_name": "RMSNorm_llama", "init_strategy": "takase",
+    "state_init": "like-init", "injection_type": "linear", "torch_dtype": "bfloat16",
+    "transformers_version": "4.47.1", "sampling_scheme": "poisson-lognormal-filling",
+}
+
+
+def test_reads_the_official_huginn_config_keys():
+    cfg = rd.ModelConfig.from_dict(json.loads(json.dumps(HUGINN_CONFIG_JSON)))
+    assert cfg == rd.ModelConfig.from_preset("huginn-0125")

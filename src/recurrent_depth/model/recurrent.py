@@ -253,7 +253,7 @@ class RecurrentDepthLM(nn.Module):
                     self.config.mean_recurrence, self.config.mean_backprop_depth, generator=generator
                 )
             return 0, self.config.mean_recurrence
-        if isinstance(num_steps, bool) or isinstance(num_steps, Tensor):
+        if isinstance(num_steps, (bool, Tensor)):
             raise ValueError(f"num_steps must be an int, a pair (no_grad_steps, grad_steps) or None; "
                              f"got {type(num_steps).__name__} (use int(t) for a tensor)")
         if isinstance(num_steps, int):

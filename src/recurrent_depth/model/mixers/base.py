@@ -12,7 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from recurrent_depth.config import ModelConfig

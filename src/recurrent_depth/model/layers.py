@@ -38,10 +38,13 @@ class GatedMLP(nn.Module):
 
 
 def rope_table(head_dim: int, max_len: int, base: float, device: torch.device | None = None) -> Tensor:
-    """(cos, sin) of angle pos * base^(-2i/d) for interleaved pairs: [max_len, head_dim/2, 2], fp32."""
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(max_len, device=device, dtype=torch.float64), inv_freq)
-    return torch.stack([angles.cos(), angles.sin()], dim=-1).float()
+    """(cos, sin) of angle pos * base^(-2i/d) for interleaved pairs: [max_len, head_dim/2, 2], fp32.
+
+    Computed in float32 exactly as the official implementation does, so angles match it bit for bit.
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv_freq)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

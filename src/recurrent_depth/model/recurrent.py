@@ -160,13 +160,18 @@ class RecurrentDepthLM(nn.Module):
     def initial_state(
         self, e: Tensor, init_scale: float = 1.0, generator: torch.Generator | None = None
     ) -> Tensor:
-        """s_0: i.i.d. truncated normal (±3 sigma), sigma = sqrt(2/(5h)) * init_scale, times sqrt(h)."""
+        """s_0: i.i.d. truncated normal (±3 sigma), sigma = sqrt(2/(5h)) * init_scale, times sqrt(h).
+
+        Like the reference, a plain normal draw is made first and then overwritten by the truncated
+        draw (in e's dtype), so with the global RNG the stream of random numbers matches it exactly;
+        init_scale = 0 gives zeros after the same draw.
+        """
+        s = torch.randn(e.shape, dtype=e.dtype, device=e.device, generator=generator)
         if init_scale == 0:
-            return torch.zeros_like(e)
+            return s.zero_()
         std = math.sqrt(2 / (5 * self.config.hidden_size)) * init_scale
-        s = torch.empty(e.shape, dtype=torch.float32, device=e.device)
         nn.init.trunc_normal_(s, std=std, a=-3 * std, b=3 * std, generator=generator)
-        return (s * self.emb_scale).to(e.dtype)
+        return s * self.emb_scale
 
     def core_step(self, state: Tensor, e: Tensor, step: int, ctx: MixerContext) -> Tensor:
         """One recurrence: s <- core(adapter(concat[s, e])). Returns the raw state [B, T, h]."""

@@ -1,0 +1,106 @@
+"""`rdepth tokenizer train|encode`: train a byte-level BPE on a corpus, or inspect one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from recurrent_depth.cli.common import add_model_arg, add_out_arg, add_seed_arg
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "tokenizer",
+        help="train or inspect a byte-level BPE tokenizer",
+        description="Train a byte-level BPE tokenizer (Huginn-0125 special-token layout) or encode text.",
+    )
+    actions = parser.add_subparsers(dest="action", metavar="<action>")
+
+    train = actions.add_parser(
+        "train",
+        help="train a tokenizer on a corpus and save it (AutoTokenizer-loadable)",
+        description=(
+            "Train a byte-level BPE. The last 32 ids are special tokens: <|begin_text|>, "
+            "<|end_text|>, <|begin_header|>, <|end_header|>, <|end_turn|>, <|pad|>, then reserved "
+            "slots (at --vocab-size 65536 these are Huginn-0125's ids)."
+        ),
+    )
+    train.add_argument(
+        "--data", default="stdlib", metavar="stdlib|DIR|FILE.jsonl",
+        help="corpus: 'stdlib' (the Python standard library's source), a directory of text files, "
+             "or a JSONL file with a 'text' field (default: %(default)s)",
+    )
+    train.add_argument(
+        "--vocab-size", type=int, default=4096,
+        help="total vocabulary incl. 256 bytes and 32 special slots; 65536 as in the paper "
+             "(default: %(default)s)",
+    )
+    train.add_argument(
+        "--max-bytes", type=int, default=None,
+        help="train on at most this many bytes from the start of the corpus (default: all)",
+    )
+    train.add_argument(
+        "--val-fraction", type=float, default=0.0,
+        help="leave out the documents that `rdepth train` with this --val-fraction and --seed "
+             "holds out for validation (default: %(default)s, train on everything)",
+    )
+    add_seed_arg(train)
+    train.add_argument(
+        "--assistant-name", default="Huginn",
+        help="role name the chat template writes for 'assistant' messages (default: %(default)s)",
+    )
+    add_out_arg(train, default="runs/tokenizer")
+    train.set_defaults(func=run)
+
+    encode = actions.add_parser("encode", help="print the token ids and byte-level tokens of a text (JSON)")
+    add_model_arg(encode)
+    encode.add_argument("text", help="text to encode")
+    encode.add_argument(
+        "--no-bos", action="store_true", help="do not prepend <|begin_text|> (default: prepend it)"
+    )
+    encode.set_defaults(func=run)
+    parser.set_defaults(func=run, _parser=parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "train":
+        return _train(args)
+    if args.action == "encode":
+        return _encode(args)
+    args._parser.print_help()
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from recurrent_depth.data.tokenizer import build_tokenizer
+
+    _, meta = build_tokenizer(
+        args.data,
+        args.vocab_size,
+        val_fraction=args.val_fraction,
+        seed=args.seed,
+        max_bytes=args.max_bytes,
+        out_dir=args.out,
+        assistant_name=args.assistant_name,
+        show_progress=True,
+    )
+    corpus = meta["corpus"]
+    print(
+        f"trained a {args.vocab_size}-token byte-level BPE in {meta['train_seconds']:.1f} s on "
+        f"{corpus['name']} ({corpus['num_documents']} documents, {corpus['num_bytes'] / 1e6:.1f} MB, "
+        f"sha256 {corpus['sha256'][:12]})"
+    )
+    print(f"special token ids: {json.dumps(meta['special_token_ids'])}")
+    print(f"saved to {args.out} (load with AutoTokenizer.from_pretrained({args.out!r}))")
+    return 0
+
+
+def _encode(args: argparse.Namespace) -> int:
+    from recurrent_depth.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(args.model)
+    enc = tok.encode(args.text, add_special_tokens=not args.no_bos)
+    # Byte-level token strings, as transformers' convert_ids_to_tokens shows them ("Ġ" = space).
+    tokens = [tok.id_to_token(i) for i in enc.ids]
+    print(json.dumps({"num_tokens": len(enc.ids), "ids": enc.ids, "tokens": tokens}, ensure_ascii=False))
+    return 0

@@ -1,0 +1,383 @@
+"""Document sources: the embedded `stdlib` corpus, a directory of text files, a JSONL file.
+
+Every corpus is a re-iterable stream of :class:`Document` in a canonical order (sorted by id),
+so a second pass yields exactly the same documents and the content hash in :class:`CorpusInfo`
+identifies the data a run saw. Documents are read lazily, one at a time: a corpus larger than
+RAM streams.
+
+The train/validation split is document-level and decided by hashing each document id with a
+seed (:class:`DocumentSplit`): it needs no random state, is the same on every machine, and a
+document never changes side when other documents are added or removed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sysconfig
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+# Path components that put a file outside the embedded corpus (DESIGN.md, "The embedded corpus").
+STDLIB_EXCLUDED_DIRS: frozenset[str] = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idle_test", "lib2to3"}
+)
+# Bytes inspected for a NUL when deciding that a file is binary.
+_BINARY_SNIFF_BYTES = 8192
+
+
+@dataclass(frozen=True)
+class Document:
+    """One training document: a stable id (a relative path, or a line number) and its text."""
+
+    id: str
+    text: str
+
+
+@dataclass(frozen=True)
+class CorpusInfo:
+    """What a run must record to know which data it saw.
+
+    ``sha256`` hashes every (id, text) pair in canonical order, so two machines with the same
+    files get the same hash and any edit, addition or removal changes it.
+    """
+
+    name: str  # "stdlib", or the path the user gave
+    kind: Literal["stdlib", "directory", "jsonl", "memory"]
+    path: str | None  # absolute root directory or file; None for in-memory corpora
+    num_documents: int
+    num_bytes: int  # UTF-8 bytes of all document texts
+    sha256: str
+    num_skipped: int  # files skipped as binary or not UTF-8 (directory corpora)
+    python_version: str | None = None  # stdlib only: the content depends on the Python build
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Corpus:
+    """A re-iterable, sorted stream of documents. Subclasses implement :meth:`__iter__`."""
+
+    name: str
+    kind: Literal["stdlib", "directory", "jsonl", "memory"]
+    path: Path | None = None
+    python_version: str | None = None
+
+    def __iter__(self) -> Iterator[Document]:
+        raise NotImplementedError
+
+    @property
+    def num_skipped(self) -> int:
+        """Files skipped during the most recent complete pass (0 for sources that never skip)."""
+        return 0
+
+    def ids(self) -> Iterator[str]:
+        for doc in self:
+            yield doc.id
+
+    def info(self) -> CorpusInfo:
+        """Count, size and content hash (one streaming pass; cached on the object)."""
+        cached = getattr(self, "_info", None)
+        if cached is not None:
+            return cached
+        digest = hashlib.sha256()
+        count = 0
+        total = 0
+        previous_id: str | None = None
+        for doc in self:
+            if previous_id is not None and doc.id <= previous_id:
+                raise AssertionError(f"corpus {self.name!r} is not sorted by id at {doc.id!r}")
+            previous_id = doc.id
+            _hash_document(digest, doc)
+            count += 1
+            total += len(doc.text.encode("utf-8"))
+        info = CorpusInfo(
+            name=self.name,
+            kind=self.kind,
+            path=None if self.path is None else str(self.path),
+            num_documents=count,
+            num_bytes=total,
+            sha256=digest.hexdigest(),
+            num_skipped=self.num_skipped,
+            python_version=self.python_version,
+        )
+        self._info = info
+        return info
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+def _hash_document(digest: hashlib._Hash, doc: Document) -> None:
+    # Length-prefix both fields so ("ab", "c") and ("a", "bc") hash differently.
+    for field in (doc.id.encode("utf-8"), doc.text.encode("utf-8")):
+        digest.update(len(field).to_bytes(8, "little"))
+        digest.update(field)
+
+
+def corpus_sha256(docs: Iterable[Document]) -> str:
+    """Content hash of documents, taken in id order (the hash :meth:`Corpus.info` records)."""
+    digest = hashlib.sha256()
+    for doc in sorted(docs, key=lambda d: d.id):
+        _hash_document(digest, doc)
+    return digest.hexdigest()
+
+
+class DocumentListCorpus(Corpus):
+    """An in-memory corpus (tests, API users). Documents are kept sorted by id; ids must be unique."""
+
+    kind = "memory"
+
+    def __init__(self, docs: Iterable[Document | str], name: str = "memory") -> None:
+        items = [d if isinstance(d, Document) else Document(f"{i:09d}", d) for i, d in enumerate(docs)]
+        items.sort(key=lambda d: d.id)
+        for a, b in zip(items, items[1:]):
+            if a.id == b.id:
+                raise ValueError(f"documents: duplicate id {a.id!r}; ids must be unique")
+        self._docs = items
+        self.name = name
+
+    def __iter__(self) -> Iterator[Document]:
+        return iter(self._docs)
+
+    def __len__(self) -> int:
+        return len(self._docs)
+
+
+def _walk_sorted(root: Path, skip_dir: Callable[[str], bool]) -> list[str]:
+    """Relative POSIX paths of regular files under ``root``, sorted; directory symlinks not followed."""
+    found: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not skip_dir(d)]
+        rel_dir = Path(dirpath).relative_to(root)
+        for fname in filenames:
+            found.append((rel_dir / fname).as_posix())
+    found.sort()
+    return found
+
+
+def _decode_text(data: bytes) -> str | None:
+    """UTF-8 text, or None for binary (a NUL byte near the start) or undecodable content."""
+    if b"\x00" in data[:_BINARY_SNIFF_BYTES]:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+class StdlibCorpus(Corpus):
+    """The embedded default corpus: the running Python's standard-library ``.py`` sources.
+
+    Files are sorted by path relative to ``sysconfig.get_paths()["stdlib"]``; any file with a
+    path component in :data:`STDLIB_EXCLUDED_DIRS` is left out (about 660 files, ~11 MB on
+    CPython 3.11). Content differs between Python builds, hence ``python_version`` in the info.
+    """
+
+    kind = "stdlib"
+
+    def __init__(self, root: str | Path | None = None) -> None:
+        self.path = Path(root if root is not None else sysconfig.get_paths()["stdlib"]).resolve()
+        if not self.path.is_dir():
+            raise ValueError(f"stdlib corpus: directory {self.path} does not exist")
+        self.name = "stdlib"
+        self.python_version = f"{platform.python_implementation()} {platform.python_version()}"
+        self._skipped = 0
+
+    def files(self) -> list[str]:
+        paths = _walk_sorted(self.path, lambda d: d in STDLIB_EXCLUDED_DIRS or d == "__pycache__")
+        return [p for p in paths if p.endswith(".py")]
+
+    def __iter__(self) -> Iterator[Document]:
+        skipped = 0
+        for rel in self.files():
+            text = _decode_text((self.path / rel).read_bytes())
+            if text is None:
+                skipped += 1
+                continue
+            yield Document(rel, text)
+        self._skipped = skipped
+
+    @property
+    def num_skipped(self) -> int:
+        return self._skipped
+
+
+class DirectoryCorpus(Corpus):
+    """Every text file under a directory (recursive, sorted by relative path).
+
+    Hidden files and directories (names starting with ".") and ``__pycache__`` are not visited.
+    Binary files (a NUL byte in the first 8 KiB) and files that are not valid UTF-8 are skipped
+    and counted in ``num_skipped``. ``suffixes`` (e.g. ``(".py", ".md")``) restricts the files.
+    """
+
+    kind = "directory"
+
+    def __init__(self, root: str | Path, suffixes: Sequence[str] | None = None) -> None:
+        root = Path(root)
+        if not root.is_dir():
+            raise ValueError(f"data: {str(root)!r} is not a directory")
+        self.path = root.resolve()
+        self.name = str(root)
+        self.suffixes = tuple(suffixes) if suffixes else None
+        self._skipped = 0
+
+    def files(self) -> list[str]:
+        paths = _walk_sorted(self.path, lambda d: d.startswith(".") or d == "__pycache__")
+        paths = [p for p in paths if not Path(p).name.startswith(".")]
+        if self.suffixes is not None:
+            paths = [p for p in paths if p.endswith(self.suffixes)]
+        return paths
+
+    def __iter__(self) -> Iterator[Document]:
+        skipped = 0
+        for rel in self.files():
+            full = self.path / rel
+            if not full.is_file():  # a dangling symlink or a special file
+                skipped += 1
+                continue
+            text = _decode_text(full.read_bytes())
+            if text is None:
+                skipped += 1
+                continue
+            yield Document(rel, text)
+        self._skipped = skipped
+
+    @property
+    def num_skipped(self) -> int:
+        return self._skipped
+
+
+class JsonlCorpus(Corpus):
+    """One document per line of a JSONL file, taken from the string field ``text_field``.
+
+    Document ids are the 1-based line numbers, zero-padded (``"line-0000000001"``) so that id
+    order is file order. Blank lines are skipped. A line that is not a JSON object with a
+    string ``text_field`` raises ``ValueError`` naming the file and line.
+    """
+
+    kind = "jsonl"
+
+    def __init__(self, path: str | Path, text_field: str = "text") -> None:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"data: JSONL file {str(path)!r} does not exist")
+        self.path = path.resolve()
+        self.name = str(path)
+        self.text_field = text_field
+
+    def __iter__(self) -> Iterator[Document]:
+        with open(self.path, "rb") as handle:
+            for lineno, raw in enumerate(handle, start=1):
+                if not raw.strip():
+                    continue
+                where = f"{self.path}:{lineno}"
+                try:
+                    record = json.loads(raw)
+                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    raise ValueError(f"{where}: not valid JSON ({exc})") from None
+                if not isinstance(record, dict):
+                    raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+                if self.text_field not in record:
+                    raise ValueError(
+                        f"{where}: missing field {self.text_field!r} (fields: {sorted(record)[:10]})"
+                    )
+                text = record[self.text_field]
+                if not isinstance(text, str):
+                    raise ValueError(
+                        f"{where}: field {self.text_field!r} must be a string, got {type(text).__name__}"
+                    )
+                yield Document(f"line-{lineno:010d}", text)
+
+
+def load_corpus(spec: str | Path | Corpus, text_field: str = "text") -> Corpus:
+    """A corpus from a spec: ``"stdlib"``, a directory path, or a ``.jsonl`` file path."""
+    if isinstance(spec, Corpus):
+        return spec
+    text = str(spec)
+    if text == "stdlib":
+        return StdlibCorpus()
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return DirectoryCorpus(path)
+    if path.is_file() and path.suffix.lower() == ".jsonl":
+        return JsonlCorpus(path, text_field=text_field)
+    if path.is_file():
+        raise ValueError(
+            f"data: {text!r} is a file but not .jsonl; expected 'stdlib', a directory, or a .jsonl file"
+        )
+    raise ValueError(f"data: {text!r} does not exist; expected 'stdlib', a directory, or a .jsonl file")
+
+
+def _split_key(doc_id: str, seed: int) -> float:
+    """A uniform number in [0, 1) fixed by (seed, id): the same on every machine and Python."""
+    digest = hashlib.sha256(f"{seed}\x00{doc_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+@dataclass(frozen=True)
+class DocumentSplit:
+    """Document-level train/validation assignment.
+
+    A document is in validation when ``sha256(seed, id)`` mapped to [0, 1) is below
+    ``val_fraction``. Build it with :meth:`plan`, which also guarantees non-empty sides: when
+    the threshold leaves validation empty (tiny corpora) the document with the smallest key is
+    moved there, and when it leaves training empty the largest-key document is moved back.
+    """
+
+    val_fraction: float
+    seed: int
+    forced_validation: str | None = None
+    forced_train: str | None = None
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.val_fraction < 1.0):
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+
+    @classmethod
+    def plan(cls, doc_ids: Iterable[str], val_fraction: float, seed: int = 0) -> DocumentSplit:
+        """One streaming pass over the ids; memory does not grow with the corpus."""
+        if not (0.0 <= val_fraction < 1.0):
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        count = num_val = 0
+        lowest: tuple[float, str] | None = None
+        highest: tuple[float, str] | None = None
+        for doc_id in doc_ids:
+            key = _split_key(doc_id, seed)
+            count += 1
+            num_val += key < val_fraction
+            if lowest is None or (key, doc_id) < lowest:
+                lowest = (key, doc_id)
+            if highest is None or (key, doc_id) > highest:
+                highest = (key, doc_id)
+        forced_val = forced_train = None
+        if lowest is not None and highest is not None:
+            if val_fraction > 0 and num_val == 0 and count >= 2:
+                forced_val = lowest[1]
+            if num_val == count:
+                forced_train = highest[1]
+        return cls(val_fraction, seed, forced_val, forced_train)
+
+    def is_validation(self, doc_id: str) -> bool:
+        if doc_id == self.forced_train:
+            return False
+        if doc_id == self.forced_validation:
+            return True
+        return _split_key(doc_id, self.seed) < self.val_fraction
+
+    def select(self, docs: Iterable[Document], side: Literal["train", "validation"]) -> Iterator[Document]:
+        """The documents of one side, in corpus order."""
+        if side not in ("train", "validation"):
+            raise ValueError(f"side must be 'train' or 'validation', got {side!r}")
+        want_val = side == "validation"
+        for doc in docs:
+            if self.is_validation(doc.id) == want_val:
+                yield doc
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+

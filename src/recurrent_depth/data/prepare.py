@@ -1,0 +1,240 @@
+"""`prepare_dataset`: corpus -> document split -> tokens -> packed rows -> shards on disk.
+
+Streaming throughout: documents are read one at a time, tokenised in small batches into a
+temporary on-disk store, then packed (in a seeded document order) straight into shard files.
+Peak memory is one batch of documents plus one shard write buffer, whatever the corpus size.
+
+The output directory is a cache: ``dataset.json`` records a key over everything that
+determines the rows (corpus hash, tokenizer hash, every packing parameter); a later call with
+the same key reuses the shards instead of rebuilding them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from recurrent_depth.data.corpus import Corpus, Document, DocumentSplit, load_corpus
+from recurrent_depth.data.io import atomic_write_text
+from recurrent_depth.data.packing import PackingStats, pack_documents, tokenize_documents
+from recurrent_depth.data.shards import (
+    DEFAULT_MAX_SHARD_BYTES,
+    SHARD_FORMAT,
+    SHARD_FORMAT_VERSION,
+    ShardDataset,
+    ShardWriter,
+    TokenizedDocs,
+    remove_split_files,
+    shards_complete,
+    token_dtype,
+    write_index,
+)
+from recurrent_depth.data.tokenizer import load_tokenizer, special_token_ids, tokenizer_sha256
+
+DATASET_FILE = "dataset.json"
+PREPARE_VERSION = 1
+SPLITS = ("train", "validation")
+
+
+@dataclass
+class PreparedDataset:
+    """Where the shards are, plus the metadata a run should record."""
+
+    out_dir: Path
+    train_index: Path
+    val_index: Path | None  # None when val_fraction == 0
+    metadata: dict[str, Any]
+
+    def dataset(self, split: str = "train", **kwargs: Any) -> ShardDataset:
+        """A :class:`ShardDataset` over one split (kwargs: seed, shuffle, rank, world_size)."""
+        if split == "train":
+            return ShardDataset(self.train_index, **kwargs)
+        if split == "validation":
+            if self.val_index is None:
+                raise ValueError("split 'validation' does not exist: prepared with val_fraction=0")
+            return ShardDataset(self.val_index, **kwargs)
+        raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
+
+
+def _count_bytes(docs: Iterator[Document], counter: dict[str, int]) -> Iterator[Document]:
+    for doc in docs:
+        counter["documents"] += 1
+        counter["bytes"] += len(doc.text.encode("utf-8"))
+        yield doc
+
+
+def _progress(docs: Iterator[Document], total: int | None, label: str, enabled: bool) -> Iterator[Document]:
+    if not enabled:
+        return docs
+    from tqdm import tqdm
+
+    return iter(tqdm(docs, total=total, desc=f"tokenising {label}", unit="doc"))
+
+
+def prepare_dataset(
+    corpus_spec: str | Path | Corpus,
+    tokenizer: Tokenizer | str | Path,
+    seq_len: int,
+    out_dir: str | Path,
+    val_fraction: float = 0.05,
+    seed: int = 0,
+    *,
+    keep_all: bool = False,
+    val_keep_all: bool = True,
+    append_eos: bool = True,
+    shuffle_documents: bool = True,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    batch_size: int = 64,
+    progress: bool = False,
+) -> PreparedDataset:
+    """Write train (and validation) shards of ``seq_len + 1``-token rows; reuse them if current.
+
+    Args:
+        corpus_spec: ``"stdlib"``, a directory, a ``.jsonl`` file, or a :class:`Corpus`.
+        tokenizer: a `tokenizers.Tokenizer`, or a directory / ``tokenizer.json`` path.
+        seq_len: model context; rows hold ``seq_len + 1`` tokens (inputs + shifted labels).
+        val_fraction: share of documents held out, decided per document id (see
+            :class:`DocumentSplit`); 0 writes no validation split.
+        seed: seeds the split and the document order before packing.
+        keep_all: False = the paper's rule for training rows (a row that fills drops the rest
+            of its document); True = keep every token.
+        val_keep_all: the same switch for validation rows; default True so the small held-out
+            set is not thinned.
+        append_eos: end every document with ``<|end_text|>`` (``<|begin_text|>`` always starts
+            one), so a model learns where documents end.
+        shuffle_documents: pack documents in a seeded random order rather than corpus order.
+        max_shard_bytes: size bound of one shard file.
+        batch_size: documents per tokenizer call.
+        progress: show tqdm bars.
+    Returns:
+        :class:`PreparedDataset` with index paths and metadata: ``corpus`` (CorpusInfo),
+        ``tokenizer`` (hash, vocab size, special ids), ``params``, ``splits`` (documents,
+        bytes, rows, tokens, dropped tokens per split), ``key`` and ``reused``.
+    """
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
+    if not (0.0 <= val_fraction < 1.0):
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
+    specials = special_token_ids(tok)
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    dtype = token_dtype(vocab_size)
+    corpus = load_corpus(corpus_spec)
+    info = corpus.info()
+    if info.num_documents == 0:
+        raise ValueError(f"data: corpus {info.name!r} has no documents")
+
+    params = {
+        "seq_len": seq_len,
+        "val_fraction": val_fraction,
+        "seed": seed,
+        "keep_all": keep_all,
+        "val_keep_all": val_keep_all,
+        "append_eos": append_eos,
+        "shuffle_documents": shuffle_documents,
+        "max_shard_bytes": max_shard_bytes,
+    }
+    tok_meta = {"sha256": tokenizer_sha256(tok), "vocab_size": vocab_size, "special_token_ids": specials}
+    key_source = {"version": PREPARE_VERSION, "corpus": info.sha256, "tokenizer": tok_meta["sha256"]}
+    key_source.update(params)
+    key = hashlib.sha256(json.dumps(key_source, sort_keys=True).encode()).hexdigest()
+
+    out = Path(out_dir)
+    wanted = SPLITS if val_fraction > 0 else SPLITS[:1]
+    reused = _load_if_current(out, key, wanted)
+    if reused is not None:
+        return reused
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / DATASET_FILE).unlink(missing_ok=True)  # invalidate before touching any shard
+    for split in SPLITS:
+        remove_split_files(out, split)
+
+    plan = DocumentSplit.plan(corpus.ids(), val_fraction, seed)
+    split_meta: dict[str, dict[str, Any]] = {}
+    for k, split in enumerate(wanted):
+        counter = {"documents": 0, "bytes": 0}
+        docs = _count_bytes(plan.select(iter(corpus), split), counter)
+        docs = _progress(docs, None, split, progress)
+        store = TokenizedDocs.write(out / f".{split}-docs", tokenize_documents(docs, tok, batch_size), dtype)
+        stats = PackingStats()
+        row_keep_all = keep_all if split == "train" else val_keep_all
+        rows = pack_documents(
+            store,
+            seq_len,
+            specials["begin_text"],
+            specials["end_text"] if append_eos else None,
+            keep_all=row_keep_all,
+            shuffle_seed=(seed, k) if shuffle_documents else None,
+            stats=stats,
+        )
+        with ShardWriter(out, split, seq_len + 1, dtype, max_shard_bytes) as writer:
+            writer.write_rows(rows)
+        store.delete()
+        if writer.num_rows == 0:
+            raise ValueError(
+                f"data: the {split} split of {info.name!r} ({counter['documents']} documents, "
+                f"{stats.tokens_in} tokens) does not fill one row of seq_len + 1 = {seq_len + 1} tokens; "
+                "use a smaller seq_len, more data, or (for validation) a larger val_fraction"
+            )
+        split_meta[split] = {
+            "documents": counter["documents"],
+            "bytes": counter["bytes"],
+            "keep_all": row_keep_all,
+            "rows": writer.num_rows,
+            "tokens": writer.num_rows * (seq_len + 1),
+            "packing": stats.to_dict(),
+        }
+        write_index(
+            out / f"{split}.json",
+            {
+                "format": SHARD_FORMAT,
+                "version": SHARD_FORMAT_VERSION,
+                "split": split,
+                "dtype": dtype.name,
+                "seq_len": seq_len,
+                "row_len": seq_len + 1,
+                "num_rows": writer.num_rows,
+                "num_tokens": writer.num_rows * (seq_len + 1),
+                "vocab_size": vocab_size,
+                "shards": writer.shards,
+                "key": key,
+            },
+        )
+
+    metadata = {
+        "key": key,
+        "corpus": info.to_dict(),
+        "tokenizer": tok_meta,
+        "params": params,
+        "split": plan.to_dict(),
+        "splits": split_meta,
+    }
+    atomic_write_text(out / DATASET_FILE, json.dumps(metadata, indent=2, sort_keys=True) + "\n")
+    return _result(out, wanted, {**metadata, "reused": False})
+
+
+def _result(out: Path, splits: tuple[str, ...], metadata: dict[str, Any]) -> PreparedDataset:
+    val = out / "validation.json" if "validation" in splits else None
+    return PreparedDataset(out, out / "train.json", val, metadata)
+
+
+def _load_if_current(out: Path, key: str, splits: tuple[str, ...]) -> PreparedDataset | None:
+    meta_path = out / DATASET_FILE
+    if not meta_path.is_file():
+        return None
+    try:
+        metadata = json.loads(meta_path.read_text())
+    except json.JSONDecodeError:
+        return None
+    if metadata.get("key") != key or set(metadata.get("splits", {})) != set(splits):
+        return None
+    if not all(shards_complete(out / f"{split}.json") for split in splits):
+        return None
+    return _result(out, splits, {**metadata, "reused": True})

@@ -1,0 +1,374 @@
+"""Token shards on disk: flat NumPy memmaps of packed rows plus a small JSON index.
+
+Layout of a split called ``train`` in a directory::
+
+    train.json          {"format", "version", "split", "dtype", "seq_len", "row_len",
+                         "num_rows", "num_tokens", "shards": [{"file", "num_rows"}], ...}
+    train-00000.bin     num_rows * row_len tokens, C order, dtype uint16 (vocab <= 65536) or uint32
+    train-00001.bin     ...
+
+Every file is written streaming (rows never accumulate in memory) into a temporary name,
+fsynced and renamed, and the index is written after its shards, so a crash leaves either a
+complete split or none. :class:`ShardDataset` memory-maps the shards and reads rows lazily in
+a seeded order whose position is a few plain ints (:meth:`ShardDataset.state_dict`), so a
+trainer resumes on exactly the next row.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from recurrent_depth.data.io import TMP_SUFFIX, AtomicFile, atomic_write_text
+
+SHARD_FORMAT = "recurrent-depth-token-shards"
+SHARD_FORMAT_VERSION = 1
+DEFAULT_MAX_SHARD_BYTES = 512 * 2**20
+_WRITE_BUFFER_ROWS = 1024
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits (vocab_size <= 65536), else uint32."""
+    if vocab_size < 1 or vocab_size > 2**32:
+        raise ValueError(f"vocab_size must be in [1, 2**32], got {vocab_size}")
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def _check_ids(tokens: np.ndarray, dtype: np.dtype) -> None:
+    if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(dtype).max):
+        raise ValueError(
+            f"token ids must be in [0, {np.iinfo(dtype).max}] for {dtype.name} storage, "
+            f"got range [{tokens.min()}, {tokens.max()}]"
+        )
+
+
+class ShardWriter:
+    """Stream rows of ``row_len`` tokens into ``<prefix>-NNNNN.bin`` files of bounded size.
+
+    Use as a context manager; :attr:`shards` lists ``{"file", "num_rows"}`` once closed. On an
+    exception the unfinished shard's temporary file is removed.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        prefix: str,
+        row_len: int,
+        dtype: np.dtype | type,
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    ) -> None:
+        self.out_dir = Path(out_dir)
+        self.prefix = prefix
+        self.row_len = int(row_len)
+        self.dtype = np.dtype(dtype)
+        if self.row_len < 1:
+            raise ValueError(f"row_len must be >= 1, got {row_len}")
+        self.rows_per_shard = max(1, int(max_shard_bytes) // (self.row_len * self.dtype.itemsize))
+        self.shards: list[dict[str, Any]] = []
+        self.num_rows = 0
+        self._file: AtomicFile | None = None
+        self._handle = None
+        self._rows_in_shard = 0
+        self._buffer: list[np.ndarray] = []
+
+    def __enter__(self) -> ShardWriter:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        elif self._file is not None:
+            self._file.__exit__(exc_type, exc, tb)
+            self._file = None
+
+    def write(self, row: np.ndarray) -> None:
+        row = np.asarray(row).reshape(-1)
+        if row.size != self.row_len:
+            raise ValueError(f"row must have {self.row_len} tokens, got {row.size}")
+        _check_ids(row, self.dtype)
+        self._buffer.append(row.astype(self.dtype))
+        if len(self._buffer) >= _WRITE_BUFFER_ROWS:
+            self._flush()
+
+    def write_rows(self, rows: Iterable[np.ndarray]) -> None:
+        for row in rows:
+            self.write(row)
+
+    def _flush(self) -> None:
+        pending = self._buffer
+        self._buffer = []
+        start = 0
+        while start < len(pending):
+            if self._file is None:
+                name = f"{self.prefix}-{len(self.shards):05d}.bin"
+                self._file = AtomicFile(self.out_dir / name)
+                self._handle = self._file.__enter__()
+                self.shards.append({"file": name, "num_rows": 0})
+                self._rows_in_shard = 0
+            take = min(self.rows_per_shard - self._rows_in_shard, len(pending) - start)
+            self._handle.write(np.stack(pending[start : start + take]).tobytes())
+            start += take
+            self._rows_in_shard += take
+            self.num_rows += take
+            self.shards[-1]["num_rows"] = self._rows_in_shard
+            if self._rows_in_shard == self.rows_per_shard:
+                self._close_shard()
+
+    def _close_shard(self) -> None:
+        if self._file is not None:
+            self._file.__exit__(None, None, None)
+            self._file = None
+            self._handle = None
+
+    def close(self) -> list[dict[str, Any]]:
+        if self._buffer:
+            self._flush()
+        self._close_shard()
+        return self.shards
+
+
+def write_index(path: str | Path, index: dict[str, Any]) -> None:
+    atomic_write_text(path, json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def read_index(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"shards: index {str(path)!r} does not exist")
+    index = json.loads(path.read_text())
+    if index.get("format") != SHARD_FORMAT or index.get("version") != SHARD_FORMAT_VERSION:
+        raise ValueError(
+            f"shards: {str(path)!r} is not a {SHARD_FORMAT} v{SHARD_FORMAT_VERSION} index "
+            f"(format={index.get('format')!r}, version={index.get('version')!r})"
+        )
+    return index
+
+
+def shards_complete(index_path: str | Path) -> bool:
+    """True when the index exists and every shard it lists has exactly the expected size."""
+    try:
+        index = read_index(index_path)
+    except (ValueError, json.JSONDecodeError):
+        return False
+    root = Path(index_path).parent
+    itemsize = np.dtype(index["dtype"]).itemsize
+    for shard in index["shards"]:
+        file = root / shard["file"]
+        if not file.is_file() or file.stat().st_size != shard["num_rows"] * index["row_len"] * itemsize:
+            return False
+    return True
+
+
+class ShardDataset:
+    """Lazily read packed rows ``[row_len]`` from a shard index, in a seeded, resumable order.
+
+    Order: epoch ``e`` visits every row once in ``default_rng([seed, e]).permutation(len)``
+    (or in storage order with ``shuffle=False``). :meth:`next_batch` consumes
+    ``batch_size * world_size`` rows of that order per call and returns this rank's
+    ``batch_size`` of them, so all ranks share one position and see disjoint rows.
+
+    Resume: ``state_dict()`` is ``{"epoch", "position", "seed", "num_rows", "shuffle",
+    "world_size"}`` (plain ints); ``load_state_dict`` restores it and checks that the data and
+    settings match.
+    """
+
+    def __init__(
+        self,
+        index_path: str | Path,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        if world_size < 1 or not (0 <= rank < world_size):
+            raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
+        self.index_path = Path(index_path)
+        self.index = read_index(self.index_path)
+        self.row_len: int = int(self.index["row_len"])
+        self.seq_len: int = self.row_len - 1
+        self.dtype = np.dtype(self.index["dtype"])
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.rank = rank
+        self.world_size = world_size
+        counts = [int(s["num_rows"]) for s in self.index["shards"]]
+        self._starts = np.cumsum([0] + counts)  # global row index where each shard begins
+        self.num_rows = int(self._starts[-1])
+        if self.num_rows != int(self.index["num_rows"]):
+            raise ValueError(f"shards: {self.index_path} lists {self.num_rows} rows, header says "
+                             f"{self.index['num_rows']}")
+        self._maps: list[np.memmap | None] = [None] * len(counts)
+        self.epoch = 0
+        self.position = 0
+        self._order_epoch = -1
+        self._order: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def _shard(self, k: int) -> np.memmap:
+        mapped = self._maps[k]
+        if mapped is None:
+            file = self.index_path.parent / self.index["shards"][k]["file"]
+            rows = int(self.index["shards"][k]["num_rows"])
+            mapped = np.memmap(file, dtype=self.dtype, mode="r", shape=(rows, self.row_len))
+            self._maps[k] = mapped
+        return mapped
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        """Row ``i`` in storage order, as int64 ``[row_len]``."""
+        if not (-self.num_rows <= i < self.num_rows):
+            raise IndexError(f"row {i} out of range for {self.num_rows} rows")
+        i %= self.num_rows
+        k = int(np.searchsorted(self._starts, i, side="right") - 1)
+        return np.asarray(self._shard(k)[i - self._starts[k]], dtype=np.int64)
+
+    def rows(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Rows at storage indices, int64 ``[len(indices), row_len]``."""
+        indices = np.asarray(indices, dtype=np.int64)
+        out = np.empty((indices.size, self.row_len), dtype=np.int64)
+        shard_of = np.searchsorted(self._starts, indices, side="right") - 1
+        for k in np.unique(shard_of):
+            sel = shard_of == k
+            out[sel] = self._shard(int(k))[indices[sel] - self._starts[k]]
+        return out
+
+    def order(self, epoch: int) -> np.ndarray:
+        """Storage indices in the order epoch ``epoch`` visits them."""
+        if self._order_epoch != epoch or self._order is None:
+            if self.shuffle:
+                self._order = np.random.default_rng([self.seed, epoch]).permutation(self.num_rows)
+            else:
+                self._order = np.arange(self.num_rows)
+            self._order_epoch = epoch
+        return self._order
+
+    def next_batch(self, batch_size: int) -> torch.Tensor:
+        """This rank's next ``batch_size`` rows, int64 ``[batch_size, row_len]``; crosses epochs."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if self.num_rows == 0:
+            raise ValueError(f"shards: {self.index_path} holds no rows")
+        need = batch_size * self.world_size
+        picked: list[np.ndarray] = []
+        while need > 0:
+            order = self.order(self.epoch)
+            take = min(need, self.num_rows - self.position)
+            picked.append(order[self.position : self.position + take])
+            self.position += take
+            need -= take
+            if self.position == self.num_rows:
+                self.epoch += 1
+                self.position = 0
+        chosen = np.concatenate(picked)[self.rank * batch_size : (self.rank + 1) * batch_size]
+        return torch.from_numpy(self.rows(chosen))
+
+    def iter_batches(self, batch_size: int, drop_last: bool = False) -> Iterator[torch.Tensor]:
+        """One pass in storage order (for evaluation); this rank's share; leaves the position alone."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        mine = np.arange(self.rank, self.num_rows, self.world_size)
+        for start in range(0, mine.size, batch_size):
+            chunk = mine[start : start + batch_size]
+            if drop_last and chunk.size < batch_size:
+                return
+            yield torch.from_numpy(self.rows(chunk))
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "epoch": int(self.epoch),
+            "position": int(self.position),
+            "seed": self.seed,
+            "num_rows": self.num_rows,
+            "shuffle": int(self.shuffle),
+            "world_size": self.world_size,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        for key in ("seed", "num_rows", "shuffle", "world_size"):
+            mine = self.state_dict()[key]
+            if int(state[key]) != mine:
+                raise ValueError(
+                    f"data state: {key}={state[key]} in the checkpoint but {mine} here; "
+                    "resume with the same data, seed and world size"
+                )
+        position = int(state["position"])
+        if not (0 <= position < max(self.num_rows, 1)):
+            raise ValueError(f"data state: position must be in [0, {self.num_rows}), got {position}")
+        self.epoch = int(state["epoch"])
+        self.position = position
+
+
+class TokenizedDocs(Sequence):
+    """Variable-length token lists on disk (``<prefix>.tokens`` + ``<prefix>.offsets``).
+
+    The intermediate between tokenising and packing: it lets the packer visit documents in a
+    shuffled order without holding the corpus's tokens in memory.
+    """
+
+    def __init__(self, prefix: str | Path, dtype: np.dtype | type) -> None:
+        self.prefix = Path(prefix)
+        self.dtype = np.dtype(dtype)
+        self.offsets = np.fromfile(self._path(".offsets"), dtype=np.int64)
+        total = int(self.offsets[-1])
+        self.tokens = (
+            np.memmap(self._path(".tokens"), dtype=self.dtype, mode="r", shape=(total,))
+            if total
+            else np.empty(0, dtype=self.dtype)
+        )
+
+    def _path(self, suffix: str) -> Path:
+        return self.prefix.with_name(self.prefix.name + suffix)
+
+    @classmethod
+    def write(cls, prefix: str | Path, docs: Iterable[np.ndarray], dtype: np.dtype | type) -> TokenizedDocs:
+        prefix = Path(prefix)
+        dtype = np.dtype(dtype)
+        tokens_path = prefix.with_name(prefix.name + ".tokens")
+        offsets_path = prefix.with_name(prefix.name + ".offsets")
+        end = 0
+        pending = [0]
+        with open(tokens_path, "wb") as tokens_file, open(offsets_path, "wb") as offsets_file:
+            for doc in docs:
+                arr = np.asarray(doc).reshape(-1)
+                _check_ids(arr, dtype)
+                tokens_file.write(arr.astype(dtype).tobytes())
+                end += arr.size
+                pending.append(end)
+                if len(pending) >= 65536:
+                    offsets_file.write(np.asarray(pending, dtype=np.int64).tobytes())
+                    pending = []
+            offsets_file.write(np.asarray(pending, dtype=np.int64).tobytes())
+        return cls(prefix, dtype)
+
+    def __len__(self) -> int:
+        return self.offsets.size - 1
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            raise TypeError("TokenizedDocs does not support slicing")
+        if not (0 <= i < len(self)):
+            raise IndexError(f"document {i} out of range for {len(self)} documents")
+        return np.asarray(self.tokens[self.offsets[i] : self.offsets[i + 1]], dtype=np.int64)
+
+    def delete(self) -> None:
+        self.tokens = np.empty(0, dtype=self.dtype)  # release the memmap before unlinking
+        for suffix in (".tokens", ".offsets"):
+            self._path(suffix).unlink(missing_ok=True)
+
+
+def remove_split_files(out_dir: str | Path, split: str) -> None:
+    """Delete a split's index, shards and leftover temporary files (before rewriting it)."""
+    root = Path(out_dir)
+    patterns = [f"{split}.json", f"{split}.json{TMP_SUFFIX}", f"{split}-*.bin", f"{split}-*.bin{TMP_SUFFIX}",
+                f".{split}-docs.tokens", f".{split}-docs.offsets"]
+    for pattern in patterns:
+        for path in root.glob(pattern):
+            path.unlink()

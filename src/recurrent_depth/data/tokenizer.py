@@ -1,0 +1,321 @@
+"""Byte-level BPE tokenizers with Huginn-0125's special-token layout.
+
+Layout: the last 32 ids of the vocabulary are special tokens, in this order::
+
+    vocab_size - 32  <|begin_text|>   bos, written at every document start
+    vocab_size - 31  <|end_text|>     eos, written at every document end
+    vocab_size - 30  <|begin_header|> chat: opens a role header
+    vocab_size - 29  <|end_header|>   chat: closes it
+    vocab_size - 28  <|end_turn|>     chat: ends a turn (a stop token)
+    vocab_size - 27  <|pad|>
+    vocab_size - 26 .. vocab_size - 1 <|reserved_special_0..25|> (unused)
+
+so at ``vocab_size = 65536`` the ids are exactly Huginn-0125's (bos 65504, eos 65505,
+end_turn 65508, pad 65509) and at any size a config can compute them from ``vocab_size``.
+Ids ``0..255`` are the 256 byte symbols and everything in between is learned merges, so any
+UTF-8 text round-trips: ``decode(encode(text)) == text``.
+
+A saved directory holds ``tokenizer.json`` (the `tokenizers` file), ``tokenizer_config.json``,
+``special_tokens_map.json`` and ``chat_template.jinja``; ``transformers.AutoTokenizer`` loads it
+as a ``PreTrainedTokenizerFast`` with bos/eos/pad and the chat template set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from recurrent_depth.data.corpus import Corpus, Document, DocumentSplit, load_corpus
+from recurrent_depth.data.io import atomic_write_text
+
+BEGIN_TEXT = "<|begin_text|>"
+END_TEXT = "<|end_text|>"
+BEGIN_HEADER = "<|begin_header|>"
+END_HEADER = "<|end_header|>"
+END_TURN = "<|end_turn|>"
+PAD = "<|pad|>"
+NUM_SPECIAL_SLOTS = 32
+SPECIAL_TOKENS: tuple[str, ...] = (BEGIN_TEXT, END_TEXT, BEGIN_HEADER, END_HEADER, END_TURN, PAD) + tuple(
+    f"<|reserved_special_{i}|>" for i in range(NUM_SPECIAL_SLOTS - 6)
+)
+# Keys of `special_token_ids`: the token name without its <| |> brackets.
+SPECIAL_TOKEN_NAMES: dict[str, str] = {
+    "begin_text": BEGIN_TEXT,
+    "end_text": END_TEXT,
+    "begin_header": BEGIN_HEADER,
+    "end_header": END_HEADER,
+    "end_turn": END_TURN,
+    "pad": PAD,
+}
+NUM_BYTE_SYMBOLS = 256
+MIN_VOCAB_SIZE = NUM_BYTE_SYMBOLS + NUM_SPECIAL_SLOTS
+DEFAULT_VOCAB_SIZE = 4096
+DEFAULT_ASSISTANT_NAME = "Huginn"  # the header Huginn-0125's chat template opens the reply with
+
+# Pre-tokenisation split (the widely used cl100k pattern): words with one leading non-letter,
+# numbers in groups of at most three digits, punctuation runs, newline runs, and whitespace runs
+# that leave the last space to the next word. Splitting is lossless, so round trips stay exact.
+SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def special_token_layout(vocab_size: int) -> dict[str, int]:
+    """The ids `train_tokenizer` gives the named special tokens for a vocabulary of this size."""
+    _check_vocab_size(vocab_size)
+    base = vocab_size - NUM_SPECIAL_SLOTS
+    return {name: base + SPECIAL_TOKENS.index(token) for name, token in SPECIAL_TOKEN_NAMES.items()}
+
+
+def _check_vocab_size(vocab_size: int) -> None:
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+        raise ValueError(f"vocab_size must be an int, got {vocab_size!r}")
+    if not (MIN_VOCAB_SIZE <= vocab_size <= 2**31 - 1):
+        raise ValueError(
+            f"vocab_size must be in [{MIN_VOCAB_SIZE}, 2**31 - 1] (256 byte symbols + 32 special "
+            f"tokens + merges), got {vocab_size}"
+        )
+
+
+def _texts(docs: Iterable[Document | str], max_bytes: int | None) -> Iterator[str]:
+    """Document texts in order, stopping once ``max_bytes`` UTF-8 bytes have been produced."""
+    budget = max_bytes
+    for doc in docs:
+        text = doc.text if isinstance(doc, Document) else doc
+        if budget is None:
+            yield text
+            continue
+        data = text.encode("utf-8")
+        if len(data) >= budget:
+            # Cut on a character boundary so the trainer never sees half a code point.
+            yield data[:budget].decode("utf-8", errors="ignore")
+            return
+        budget -= len(data)
+        yield text
+
+
+def _empty_byte_level_bpe() -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def train_tokenizer(
+    docs: Iterable[Document | str],
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    *,
+    max_bytes: int | None = None,
+    min_frequency: int = 0,
+    max_token_length: int | None = None,
+    show_progress: bool = False,
+) -> Tokenizer:
+    """Train a byte-level BPE with the special-token layout described in the module docstring.
+
+    Args:
+        docs: documents or plain strings, read once, in order.
+        vocab_size: total size including the 256 byte symbols and the 32 special slots.
+        max_bytes: train on at most this many UTF-8 bytes, taken from the start of ``docs``
+            (None = all). Training speed is roughly linear in it.
+        min_frequency: a merge must occur at least this often.
+        max_token_length: longest merged token in characters (None = unlimited).
+    Returns:
+        a `tokenizers.Tokenizer` whose ``encode`` prepends ``<|begin_text|>`` unless called
+        with ``add_special_tokens=False``.
+    Raises:
+        ValueError: bad arguments, or a corpus too small to yield ``vocab_size`` tokens.
+    """
+    _check_vocab_size(vocab_size)
+    if max_bytes is not None and (isinstance(max_bytes, bool) or max_bytes < 1):
+        raise ValueError(f"max_bytes must be a positive int or None, got {max_bytes!r}")
+    if min_frequency < 0:
+        raise ValueError(f"min_frequency must be >= 0, got {min_frequency}")
+    tok = _empty_byte_level_bpe()
+    target = vocab_size - NUM_SPECIAL_SLOTS
+    trainer = trainers.BpeTrainer(
+        vocab_size=target,
+        min_frequency=min_frequency,
+        show_progress=show_progress,
+        special_tokens=[],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        max_token_length=max_token_length,
+    )
+    tok.train_from_iterator(_texts(docs, max_bytes), trainer=trainer)
+    learned = tok.get_vocab_size(with_added_tokens=True)
+    if learned != target:
+        raise ValueError(
+            f"vocab_size={vocab_size}: the corpus only supports {learned - NUM_BYTE_SYMBOLS} merges "
+            f"({learned + NUM_SPECIAL_SLOTS} tokens in all); use a smaller vocab_size or more data"
+        )
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    expected = special_token_layout(vocab_size)
+    got = special_token_ids(tok)
+    # A learned merge that spelled out a special token would have captured its string.
+    if got != expected:
+        raise ValueError(f"special tokens landed at {got}, expected {expected}; this is a bug")
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BEGIN_TEXT} $A",
+        pair=f"{BEGIN_TEXT} $A {BEGIN_TEXT} $B:1",
+        special_tokens=[(BEGIN_TEXT, expected["begin_text"])],
+    )
+    return tok
+
+
+def special_token_ids(tok: Tokenizer | Any) -> dict[str, int]:
+    """``{"begin_text", "end_text", "begin_header", "end_header", "end_turn", "pad"} -> id``.
+
+    Accepts a `tokenizers.Tokenizer` or a transformers fast tokenizer (its backend is used),
+    so it also reads an official Huginn-0125 tokenizer.
+    """
+    backend = getattr(tok, "backend_tokenizer", tok)
+    if not isinstance(backend, Tokenizer):
+        raise ValueError(
+            f"tok must be a tokenizers.Tokenizer or a fast HF tokenizer, got {type(tok).__name__}"
+        )
+    ids = {name: backend.token_to_id(token) for name, token in SPECIAL_TOKEN_NAMES.items()}
+    missing = [SPECIAL_TOKEN_NAMES[name] for name, i in ids.items() if i is None]
+    if missing:
+        raise ValueError(f"tokenizer lacks special tokens {missing}; train one with train_tokenizer()")
+    return ids  # type: ignore[return-value]
+
+
+def tokenizer_sha256(tok: Tokenizer) -> str:
+    """Hash of the serialised tokenizer (identifies it in dataset caches and run metadata)."""
+    return hashlib.sha256(tok.to_str().encode("utf-8")).hexdigest()
+
+
+def chat_template(assistant_name: str = DEFAULT_ASSISTANT_NAME) -> str:
+    """A Jinja chat template in Huginn-0125's format.
+
+    ``bos`` then, per message, ``<|begin_header|>ROLE<|end_header|>\\n\\nCONTENT<|end_turn|>``
+    (content trimmed); the role ``assistant`` is written as ``assistant_name``, and the
+    generation prompt opens a header for it.
+    """
+    if not re.fullmatch(r"[A-Za-z0-9_\- ]{1,64}", assistant_name):
+        raise ValueError(
+            f"assistant_name must be 1-64 letters, digits, spaces, '_' or '-', got {assistant_name!r}"
+        )
+    name = assistant_name
+    return (
+        "{{- bos_token -}}"
+        "{%- for message in messages -%}"
+        f"{{%- set role = '{name}' if message['role'] == 'assistant' else message['role'] -%}}"
+        f"{{{{- '{BEGIN_HEADER}' + role + '{END_HEADER}\\n\\n'"
+        f" + message['content'] | trim + '{END_TURN}' -}}}}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}"
+        f"{{{{- '{BEGIN_HEADER}{name}{END_HEADER}\\n\\n' -}}}}"
+        "{%- endif -%}"
+    )
+
+
+def save_tokenizer(
+    tok: Tokenizer,
+    out_dir: str | Path,
+    *,
+    assistant_name: str = DEFAULT_ASSISTANT_NAME,
+    model_max_length: int | None = None,
+    metadata: dict | None = None,
+) -> Path:
+    """Write ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json`` and
+    ``chat_template.jinja`` (+ ``tokenizer_training.json`` when ``metadata`` is given).
+
+    The config names ``PreTrainedTokenizerFast``, which transformers 4.x and 5.x both load; the
+    chat template is in the config (4.x reads it there) and in ``chat_template.jinja`` (5.x).
+    Each file is written atomically. Returns the directory.
+    """
+    special_token_ids(tok)  # fail early on a tokenizer without our special tokens
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    template = chat_template(assistant_name)
+    chat_tokens = [BEGIN_HEADER, END_HEADER, END_TURN]
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BEGIN_TEXT,
+        "eos_token": END_TEXT,
+        "pad_token": PAD,
+        "extra_special_tokens": chat_tokens,  # transformers 5 name
+        "clean_up_tokenization_spaces": False,  # would change code text (" ." -> ".") on decode
+        "model_max_length": model_max_length if model_max_length is not None else int(1e30),
+        "chat_template": template,
+    }
+    special_map = {
+        "bos_token": BEGIN_TEXT,
+        "eos_token": END_TEXT,
+        "pad_token": PAD,
+        "additional_special_tokens": chat_tokens,  # transformers 4 name
+    }
+    atomic_write_text(out / "tokenizer.json", tok.to_str(pretty=True))
+    atomic_write_text(out / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
+    atomic_write_text(out / "special_tokens_map.json", json.dumps(special_map, indent=2) + "\n")
+    atomic_write_text(out / "chat_template.jinja", template)
+    if metadata is not None:
+        atomic_write_text(out / "tokenizer_training.json", json.dumps(metadata, indent=2) + "\n")
+    return out
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """A `tokenizers.Tokenizer` from a directory holding ``tokenizer.json`` (or that file)."""
+    p = Path(path)
+    file = p / "tokenizer.json" if p.is_dir() else p
+    if not file.is_file():
+        raise ValueError(f"tokenizer: no tokenizer.json at {str(p)!r}; expected a directory or file")
+    return Tokenizer.from_file(str(file))
+
+
+def build_tokenizer(
+    corpus: Corpus | str | Path,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    *,
+    val_fraction: float = 0.0,
+    seed: int = 0,
+    max_bytes: int | None = None,
+    out_dir: str | Path | None = None,
+    assistant_name: str = DEFAULT_ASSISTANT_NAME,
+    show_progress: bool = False,
+) -> tuple[Tokenizer, dict[str, Any]]:
+    """Train a tokenizer on a corpus's training documents; optionally save it with metadata.
+
+    With ``val_fraction > 0`` the documents that :func:`prepare_dataset` (same fraction and
+    seed) would hold out for validation are left out, so the tokenizer never saw them.
+    Returns the tokenizer and the metadata written to ``tokenizer_training.json``.
+    """
+    import time
+
+    import tokenizers
+
+    source = load_corpus(corpus)
+    info = source.info()
+    docs: Iterable[Document] = source
+    split = None
+    if val_fraction > 0:
+        split = DocumentSplit.plan(source.ids(), val_fraction, seed)
+        docs = split.select(iter(source), "train")
+    start = time.perf_counter()
+    tok = train_tokenizer(docs, vocab_size, max_bytes=max_bytes, show_progress=show_progress)
+    seconds = time.perf_counter() - start
+    metadata = {
+        "corpus": info.to_dict(),
+        "vocab_size": vocab_size,
+        "max_bytes": max_bytes,
+        "split": None if split is None else split.to_dict(),
+        "train_seconds": round(seconds, 3),
+        "tokenizer_sha256": tokenizer_sha256(tok),
+        "special_token_ids": special_token_ids(tok),
+        "tokenizers_version": tokenizers.__version__,
+    }
+    if out_dir is not None:
+        save_tokenizer(tok, out_dir, assistant_name=assistant_name, metadata=metadata)
+    return tok, metadata

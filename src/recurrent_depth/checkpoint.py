@@ -24,7 +24,9 @@ from recurrent_depth.config import ModelConfig, atomic_write_text
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 IGNORED_TENSORS = ("freqs_cis",)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "tokenizer_training.json",
+)
 
 
 def _dtype_from_name(name: str | torch.dtype | None) -> torch.dtype | None:

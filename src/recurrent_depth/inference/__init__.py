@@ -1,0 +1,31 @@
+"""Generation with every test-time compute control of a recurrent-depth model.
+
+    from recurrent_depth.inference import generate
+    out = generate(model, input_ids, max_new_tokens=64, num_steps=32, exit_criterion="kl")
+    out.sequences, out.steps, out.exit_reasons, out.cache_bytes
+
+Modules: `cache` (KV caches keyed by (layer, step) with sharing and the deepest-entry fallback),
+`criteria` (adaptive exit), `sampling` (token choice, per-row generators, stops), `runner` (the
+model pieces, plain and fused), `autoregressive` / `speculative` / `parallel` (the decoding
+loops) and `generate` (the entry points).
+"""
+
+from recurrent_depth.inference.cache import DynamicRecurrentCache, StaticRecurrentCache, make_cache
+from recurrent_depth.inference.criteria import CRITERIA
+from recurrent_depth.inference.generate import GenerationStream, generate, stream_generate
+from recurrent_depth.inference.options import GenerationOptions
+from recurrent_depth.inference.output import EXIT_REASONS, GenerationOutput, TokenEvent
+
+__all__ = [
+    "CRITERIA",
+    "EXIT_REASONS",
+    "DynamicRecurrentCache",
+    "GenerationOptions",
+    "GenerationOutput",
+    "GenerationStream",
+    "StaticRecurrentCache",
+    "TokenEvent",
+    "generate",
+    "make_cache",
+    "stream_generate",
+]

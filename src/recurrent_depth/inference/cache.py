@@ -1,0 +1,371 @@
+"""KV caches for generation, keyed by (layer, recurrence step), with per-token depth.
+
+Every core layer j keeps `num_slots` KV entries per token. Step i of the recurrence reads and
+writes slot `slot(i)`:
+
+- `full` (kv_budget None): slot(i) = i, one entry per step (num_slots = the deepest step run);
+- shared budget k (kv_budget = k): slot(i) = i mod k, the paper's zero-shot KV sharing (§6.2).
+
+Tokens may run fewer steps than the deepest one (adaptive exit). A later token that reads step i
+of such a token gets the slot if that token wrote it, else the token's **deepest available
+entry of the same core layer** (the paper's remark 6.1). Prelude and coda layers keep one entry.
+
+Two implementations of the same semantics:
+
+- `DynamicRecurrentCache`: the plain reference. Entries are stored per column (token position)
+  and the fallback is resolved at read time, row by row. Slow, obviously right.
+- `StaticRecurrentCache`: preallocated `[num_slots, B, Hkv, capacity, D]` per layer. When a token
+  finishes (`close`), its unwritten slots are filled with its deepest entry, so every read is a
+  plain slice. Tests compare the two.
+
+Both follow the model's cache protocol (`seq_len`, `update_kv`, `get_state`/`set_state`,
+`advance`, `nbytes`, see `recurrent_depth.model.cache`), plus:
+
+- `write_mask`: None or bool `[B, T]`; when set, only those (row, new column) entries are
+  written, the rest keep their value (rows that already exited, frozen columns);
+- `close(depth)`: the new columns `[seq_len, seq_len + T)` ran `depth` `[B, T]` steps;
+- `truncate(n)`: forget columns from n on (speculative rollback);
+- `logical_nbytes(valid)`: bytes a cache storing only what was computed would hold, per row.
+
+Columns are cache positions. They equal token positions unless a batch has holes (rejected
+speculative drafts of one row), which the attention mask hides.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+LayerKey = tuple
+
+
+def _check_budget(num_steps: int, kv_budget: int | None) -> None:
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
+        raise ValueError(f"num_steps={num_steps!r} is invalid: expected an integer >= 0")
+    if kv_budget is not None and (isinstance(kv_budget, bool) or not isinstance(kv_budget, int) or kv_budget < 1):
+        raise ValueError(f"kv_budget={kv_budget!r} is invalid: expected None (full cache) or an integer >= 1")
+
+
+class _SlotPolicy:
+    """Maps a layer key to (base key, slot): core steps share slots under a budget."""
+
+    def __init__(self, num_steps: int, kv_budget: int | None) -> None:
+        _check_budget(num_steps, kv_budget)
+        self.num_steps = num_steps
+        self.kv_budget = kv_budget
+        # The full policy needs one slot per step; a budget never more than the steps run.
+        self.core_slots = max(1, num_steps if kv_budget is None else min(kv_budget, num_steps))
+
+    def split(self, key: LayerKey) -> tuple[tuple, int]:
+        if key[0] == "core":
+            step = key[2]
+            if self.kv_budget is None:
+                if step >= self.core_slots:
+                    raise RuntimeError(
+                        f"step {step} exceeds the cache's {self.core_slots} slots (allocated for num_steps="
+                        f"{self.num_steps})"
+                    )
+                return key[:2], step
+            return key[:2], step % self.kv_budget
+        return key, 0
+
+    def slots_of(self, base: tuple) -> int:
+        return self.core_slots if base[0] == "core" else 1
+
+
+def _masked_state(new: Any, old: Any, rows: Tensor) -> Any:
+    """Keep `old` for rows not in `rows` (bool [B]) in every batch-first tensor of a state."""
+    if old is None:
+        return new
+    if isinstance(new, Tensor):
+        if new.dim() and new.shape[0] == rows.shape[0] and isinstance(old, Tensor) and old.shape == new.shape:
+            return torch.where(rows.view(-1, *([1] * (new.dim() - 1))), new, old)
+        return new
+    if isinstance(new, list | tuple):
+        return type(new)(_masked_state(n, o, rows) for n, o in zip(new, old))
+    if isinstance(new, dict):
+        return {k: _masked_state(v, old.get(k), rows) for k, v in new.items()}
+    return new
+
+
+class _CacheBase:
+    """What both caches share: policy, states, depth bookkeeping and byte accounting."""
+
+    def __init__(self, batch_size: int, num_steps: int, kv_budget: int | None, device: Any) -> None:
+        self.policy = _SlotPolicy(num_steps, kv_budget)
+        self.batch_size = batch_size
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.seq_len = 0
+        self.write_mask: Tensor | None = None
+        self.states: dict[tuple, Any] = {}
+        self.depth = torch.zeros(batch_size, 0, dtype=torch.long, device=self.device)
+        self._entry_bytes: dict[tuple, int] = {}
+
+    @property
+    def kv_budget(self) -> int | None:
+        return self.policy.kv_budget
+
+    @property
+    def num_core_slots(self) -> int:
+        return self.policy.core_slots
+
+    # ------------------------------------------------------------------ protocol
+    def get_state(self, key: LayerKey) -> Any:
+        return self.states.get(self.policy.split(key))
+
+    def set_state(self, key: LayerKey, value: Any) -> None:
+        skey = self.policy.split(key)
+        if self.write_mask is not None:
+            value = _masked_state(value, self.states.get(skey), self.write_mask.any(dim=1))
+        self.states[skey] = value
+
+    def advance(self, num_tokens: int) -> None:
+        self.seq_len += num_tokens
+
+    def truncate(self, num_columns: int) -> None:
+        """Forget every column from `num_columns` on (their storage is reused by later writes)."""
+        if not 0 <= num_columns <= self.seq_len:
+            raise ValueError(f"cannot truncate a cache of {self.seq_len} columns to {num_columns}")
+        self.seq_len = num_columns
+
+    # ------------------------------------------------------------------ depth and bytes
+    def _record_depth(self, depth: Tensor) -> None:
+        start, end = self.seq_len, self.seq_len + depth.shape[1]
+        if self.depth.shape[1] < end:
+            grown = torch.zeros(self.batch_size, max(end, 2 * self.depth.shape[1]), dtype=torch.long,
+                                device=self.device)
+            grown[:, : self.depth.shape[1]] = self.depth
+            self.depth = grown
+        self.depth[:, start:end] = depth
+
+    def logical_nbytes(self, valid: Tensor | None = None, core_only: bool = False) -> Tensor:
+        """Bytes per row `[B]` of the KV entries a cache storing only computed entries holds.
+
+        valid: bool `[B, seq_len]` marking real columns (None: all). Core layers count
+        min(depth, num_slots) entries per column, prelude and coda layers one.
+        """
+        n = self.seq_len
+        depth = self.depth[:, :n]
+        if valid is None:
+            valid = torch.ones_like(depth, dtype=torch.bool)
+        valid = valid[:, :n].to(depth.device)
+        total = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
+        for base, nbytes in self._entry_bytes.items():
+            if base[0] == "core":
+                per_col = depth.clamp(max=self.policy.core_slots)
+            elif core_only:
+                continue
+            else:
+                per_col = torch.ones_like(depth)
+            total += (per_col * valid).sum(dim=1) * nbytes
+        return total
+
+    def _note_entry(self, base: tuple, k: Tensor, v: Tensor) -> None:
+        if base not in self._entry_bytes:
+            self._entry_bytes[base] = (k[0, 0].numel() * k.element_size() + v[0, 0].numel() * v.element_size())
+
+
+class StaticRecurrentCache(_CacheBase):
+    """Preallocated KV storage `[num_slots, B, Hkv, capacity, D]` per layer (fast path).
+
+    Capacity doubles when a write runs past it. After a forward, `close(depth)` fills the slots a
+    token did not reach with its deepest entry, so later reads are plain slices of the storage.
+    """
+
+    def __init__(
+        self, batch_size: int, num_steps: int, kv_budget: int | None = None, capacity: int = 256,
+        device: Any = None,
+    ) -> None:
+        super().__init__(batch_size, num_steps, kv_budget, device)
+        if capacity < 1:
+            raise ValueError(f"capacity={capacity} is invalid: expected an integer >= 1")
+        self.capacity = capacity
+        self.kv: dict[tuple, tuple[Tensor, Tensor]] = {}
+        self._views: dict[LayerKey, tuple[Tensor, Tensor]] = {}
+
+    def _storage(self, base: tuple, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if base not in self.kv:
+            S = self.policy.slots_of(base)
+            B, _, Hkv, D = k.shape
+            Dv = v.shape[-1]
+            self.kv[base] = (
+                torch.zeros(S, B, Hkv, self.capacity, D, dtype=k.dtype, device=k.device),
+                torch.zeros(S, B, Hkv, self.capacity, Dv, dtype=v.dtype, device=v.device),
+            )
+            self._note_entry(base, k, v)
+        return self.kv[base]
+
+    def _grow(self, needed: int) -> None:
+        capacity = self.capacity
+        while capacity < needed:
+            capacity *= 2
+        for base, (K, V) in self.kv.items():
+            newK = K.new_zeros(*K.shape[:3], capacity, K.shape[-1])
+            newV = V.new_zeros(*V.shape[:3], capacity, V.shape[-1])
+            newK[..., : self.capacity, :] = K
+            newV[..., : self.capacity, :] = V
+            self.kv[base] = (newK, newV)
+        self.capacity = capacity
+        self._views.clear()
+
+    def update_kv(self, key: LayerKey, k: Tensor, v: Tensor, ctx: Any = None) -> tuple[Tensor, Tensor]:
+        """Write k, v `[B, T, Hkv, D]` at columns [seq_len, seq_len + T); return all `[B, seq_len + T, Hkv, D]`."""
+        start = self.seq_len
+        end = start + k.shape[1]
+        if end > self.capacity:
+            self._grow(end)
+        views = self._views.get(key)
+        if views is None:
+            base, slot = self.policy.split(key)
+            K, V = self._storage(base, k, v)
+            views = self._views[key] = (K[slot], V[slot])  # [B, Hkv, capacity, D]
+        Ks, Vs = views
+        kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, D]
+        if self.write_mask is None:
+            Ks[:, :, start:end] = kt
+            Vs[:, :, start:end] = vt
+        else:
+            keep = self.write_mask[:, None, :, None]  # [B, 1, T, 1]
+            Ks[:, :, start:end] = torch.where(keep, kt, Ks[:, :, start:end])
+            Vs[:, :, start:end] = torch.where(keep, vt, Vs[:, :, start:end])
+        return Ks[:, :, :end].transpose(1, 2), Vs[:, :, :end].transpose(1, 2)
+
+    def close(self, depth: Tensor | int, num_tokens: int | None = None) -> None:
+        """The columns [seq_len, seq_len + T) ran `depth` ([B, T] or an int) steps; fill the rest."""
+        if isinstance(depth, int):
+            depth = torch.full((self.batch_size, num_tokens or 1), depth, dtype=torch.long, device=self.device)
+        self._record_depth(depth)
+        S = self.policy.core_slots
+        if not bool((depth < S).any()):
+            return
+        T = depth.shape[1]
+        start, end = self.seq_len, self.seq_len + T
+        # Slot s of a column that ran d steps holds step s if s < d; else use slot d - 1 (deepest).
+        # (Under a budget, d >= k means every slot was written; then min(s, d - 1) = s.)
+        src = torch.minimum(
+            torch.arange(S, device=depth.device)[:, None, None], (depth - 1).clamp(min=0)[None]
+        )  # [S, B, T]
+        for base, (K, V) in self.kv.items():
+            if base[0] != "core":
+                continue
+            for store in (K, V):
+                cols = store[..., start:end, :]  # [S, B, Hkv, T, D]
+                index = src[:, :, None, :, None].expand_as(cols)
+                store[..., start:end, :] = torch.gather(cols, 0, index)
+
+    def nbytes(self) -> int:
+        """Allocated bytes (KV storage plus recurrent states)."""
+        total = sum(K.nbytes + V.nbytes for K, V in self.kv.values())
+        return total + _state_bytes(self.states)
+
+    def core_nbytes(self) -> int:
+        return sum(K.nbytes + V.nbytes for base, (K, V) in self.kv.items() if base[0] == "core")
+
+
+class DynamicRecurrentCache(_CacheBase):
+    """The plain reference: per-column entries, the deepest-entry fallback resolved at read time.
+
+    `entries[(base, slot)][col]` is a pair `[B, Hkv, D]`; `written[(base, slot)][col]` is bool `[B]`;
+    `deepest[base][col]` is the slot of the deepest step each row wrote (-1 if none).
+    """
+
+    def __init__(
+        self, batch_size: int, num_steps: int, kv_budget: int | None = None, device: Any = None, **_: Any
+    ) -> None:
+        super().__init__(batch_size, num_steps, kv_budget, device)
+        self.entries: dict[tuple, list[tuple[Tensor, Tensor]]] = {}
+        self.written: dict[tuple, list[Tensor]] = {}
+        self.deepest: dict[tuple, list[Tensor]] = {}
+
+    def update_kv(self, key: LayerKey, k: Tensor, v: Tensor, ctx: Any = None) -> tuple[Tensor, Tensor]:
+        base, slot = self.policy.split(key)
+        self._note_entry(base, k, v)
+        B, T = k.shape[:2]
+        entries = self.entries.setdefault((base, slot), [])
+        written = self.written.setdefault((base, slot), [])
+        deepest = self.deepest.setdefault(base, [])
+        for t in range(T):
+            col = self.seq_len + t
+            if self.write_mask is None:
+                rows = torch.ones(B, dtype=torch.bool, device=k.device)
+            else:
+                rows = self.write_mask[:, t]
+            while len(entries) <= col:
+                entries.append((torch.zeros_like(k[:, 0]), torch.zeros_like(v[:, 0])))
+                written.append(torch.zeros(B, dtype=torch.bool, device=k.device))
+            while len(deepest) <= col:
+                deepest.append(torch.full((B,), -1, dtype=torch.long, device=k.device))
+            old_k, old_v = entries[col]
+            m = rows[:, None, None]
+            entries[col] = (torch.where(m, k[:, t], old_k), torch.where(m, v[:, t], old_v))
+            written[col] = written[col] | rows
+            deepest[col] = torch.where(rows, torch.full_like(deepest[col], slot), deepest[col])
+        return self._read(base, slot, self.seq_len + T)
+
+    def _read(self, base: tuple, slot: int, end: int) -> tuple[Tensor, Tensor]:
+        out_k, out_v = [], []
+        written = self.written.get((base, slot), [])
+        for col in range(end):
+            k_rows, v_rows = [], []
+            for b in range(self.batch_size):
+                use = slot
+                if not (col < len(written) and bool(written[col][b])):
+                    use = int(self.deepest[base][col][b])  # remark 6.1: the deepest entry of this layer
+                stored = self.entries.get((base, use), [])
+                if use < 0 or col >= len(stored):  # never written for this row: a hidden column
+                    use, stored = slot, self.entries[(base, slot)]
+                k_e, v_e = stored[col]
+                k_rows.append(k_e[b])
+                v_rows.append(v_e[b])
+            out_k.append(torch.stack(k_rows))
+            out_v.append(torch.stack(v_rows))
+        return torch.stack(out_k, dim=1), torch.stack(out_v, dim=1)  # [B, end, Hkv, D]
+
+    def close(self, depth: Tensor | int, num_tokens: int | None = None) -> None:
+        if isinstance(depth, int):
+            depth = torch.full((self.batch_size, num_tokens or 1), depth, dtype=torch.long, device=self.device)
+        self._record_depth(depth)
+
+    def truncate(self, num_columns: int) -> None:
+        super().truncate(num_columns)
+        for store in (self.entries, self.written, self.deepest):
+            for key, cols in store.items():
+                store[key] = cols[:num_columns]
+
+    def nbytes(self) -> int:
+        total = sum(k.nbytes + v.nbytes for cols in self.entries.values() for k, v in cols)
+        return total + _state_bytes(self.states)
+
+    def core_nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for (base, _), cols in self.entries.items() if base[0] == "core"
+                   for k, v in cols)
+
+
+def _state_bytes(states: dict) -> int:
+    def walk(value: Any) -> int:
+        if isinstance(value, Tensor):
+            return value.nbytes
+        if isinstance(value, list | tuple):
+            return sum(walk(v) for v in value)
+        if isinstance(value, dict):
+            return sum(walk(v) for v in value.values())
+        return 0
+
+    return sum(walk(v) for v in states.values())
+
+
+CACHE_IMPLEMENTATIONS = ("static", "dynamic")
+
+
+def make_cache(
+    implementation: str, batch_size: int, num_steps: int, kv_budget: int | None = None,
+    capacity: int = 256, device: Any = None,
+) -> StaticRecurrentCache | DynamicRecurrentCache:
+    """Build a generation cache: "static" (preallocated, fast) or "dynamic" (plain reference)."""
+    if implementation == "static":
+        return StaticRecurrentCache(batch_size, num_steps, kv_budget, capacity=capacity, device=device)
+    if implementation == "dynamic":
+        return DynamicRecurrentCache(batch_size, num_steps, kv_budget, device=device)
+    raise ValueError(f"cache_implementation={implementation!r} is invalid: expected one of {CACHE_IMPLEMENTATIONS}")

@@ -1,0 +1,131 @@
+"""Per-token exit criteria for adaptive recurrence (the paper's §6.1 and the reference's evaluators).
+
+Each criterion keeps per-row statistics across the steps of one token. `start(prev_state)` is
+called with s_0 `[B, h]`, then `update(state, logits)` after every step with the raw state
+`[B, h]` and, for output-based criteria, the logits `[B, V]`; it returns bool `[B]`: "this row
+may stop now". Default thresholds are the reference's, except `kl`, which uses the paper's 5e-4.
+
+| name             | statistic after step t                                  | exits when     | default |
+|------------------|---------------------------------------------------------|----------------|---------|
+| kl               | KL(p_{t-1} || p_t), clamped at 0 (p_0 = uniform)        | < threshold    | 5e-4    |
+| entropy-diff     | |H(p_t) - H(p_{t-1})| (H_0 = 100)                      | < threshold    | 1e-3    |
+| latent-diff      | ||s_t - s_{t-1}|| / ||s_t|| on raw states                | < threshold    | 0.03    |
+| cosine           | 1 - cos(s_t, s_{t-1}), clamped at 0                     | < threshold    | 1e-3    |
+| argmax-stability | consecutive steps with an unchanged argmax              | >= threshold   | 5       |
+
+With `<`, a threshold of 0 never exits (the statistics are >= 0), which makes "threshold 0" equal
+to fixed depth; argmax-stability counts steps, so its threshold is an integer >= 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class CriterionSpec:
+    name: str
+    default_threshold: float
+    needs_logits: bool
+    integer_threshold: bool = False
+
+
+CRITERIA: dict[str, CriterionSpec] = {
+    "kl": CriterionSpec("kl", 5e-4, True),
+    "entropy-diff": CriterionSpec("entropy-diff", 1e-3, True),
+    "latent-diff": CriterionSpec("latent-diff", 0.03, False),
+    "cosine": CriterionSpec("cosine", 1e-3, False),
+    "argmax-stability": CriterionSpec("argmax-stability", 5, True, integer_threshold=True),
+}
+
+
+def resolve_criterion(name: str | None, threshold: float | None) -> tuple[CriterionSpec | None, float | None]:
+    """Validate a criterion name and threshold; None threshold -> the criterion's default."""
+    if name is None:
+        if threshold is not None:
+            raise ValueError(
+                f"exit_threshold={threshold!r} was given without an exit_criterion; choose one of {sorted(CRITERIA)}"
+            )
+        return None, None
+    if not isinstance(name, str) or name not in CRITERIA:
+        raise ValueError(f"exit_criterion={name!r} is unknown: expected None or one of {sorted(CRITERIA)}")
+    spec = CRITERIA[name]
+    if threshold is None:
+        return spec, float(spec.default_threshold)
+    if isinstance(threshold, bool) or not isinstance(threshold, int | float) or math.isnan(threshold):
+        raise ValueError(f"exit_threshold={threshold!r} is invalid: expected a number >= 0")
+    if spec.integer_threshold:
+        if threshold < 1 or threshold != int(threshold):
+            raise ValueError(
+                f"exit_threshold={threshold!r} is invalid for {name!r}: expected an integer >= 1 "
+                "(the number of consecutive steps with an unchanged argmax)"
+            )
+    elif threshold < 0:
+        raise ValueError(f"exit_threshold={threshold!r} is invalid for {name!r}: expected a number >= 0")
+    return spec, float(threshold)
+
+
+class ExitCriterion:
+    """Running statistics of one criterion for a batch of rows during one token's recurrence."""
+
+    def __init__(self, spec: CriterionSpec, threshold: float) -> None:
+        self.spec = spec
+        self.threshold = threshold
+        self.last_statistic: Tensor | None = None
+
+    @property
+    def needs_logits(self) -> bool:
+        return self.spec.needs_logits
+
+    def start(self, state: Tensor, vocab_size: int) -> None:
+        """Reset for a new token whose initial state is `state` `[B, h]`."""
+        B = state.shape[0]
+        name = self.spec.name
+        if name == "kl":
+            self.prev = torch.full((B, vocab_size), -math.log(vocab_size), device=state.device)
+        elif name == "entropy-diff":
+            self.prev = torch.full((B,), 100.0, device=state.device)
+        elif name in ("latent-diff", "cosine"):
+            self.prev = state.float()
+        else:  # argmax-stability
+            self.prev = torch.full((B,), -1, dtype=torch.long, device=state.device)
+            self.count = torch.zeros(B, dtype=torch.long, device=state.device)
+
+    def update(self, state: Tensor, logits: Tensor | None) -> Tensor:
+        """Statistics after one more step; returns bool `[B]` (criterion met)."""
+        name = self.spec.name
+        if name == "kl":
+            logp = F.log_softmax(logits.float(), dim=-1)
+            # KL(prev || current) = sum p_prev (log p_prev - log p_cur), as F.kl_div(cur, prev, log_target)
+            stat = (self.prev.exp() * (self.prev - logp)).sum(-1).clamp(min=0)
+            self.prev = logp
+            met = stat < self.threshold
+        elif name == "entropy-diff":
+            logp = F.log_softmax(logits.float(), dim=-1)
+            entropy = -(logp.exp() * logp).sum(-1)
+            stat = (entropy - self.prev).abs()
+            self.prev = entropy
+            met = stat < self.threshold
+        elif name == "latent-diff":
+            s = state.float()
+            stat = (s - self.prev).norm(dim=-1) / s.norm(dim=-1).clamp(min=1e-12)
+            self.prev = s
+            met = stat < self.threshold
+        elif name == "cosine":
+            s = state.float()
+            stat = (1 - F.cosine_similarity(s, self.prev, dim=-1, eps=1e-12)).clamp(min=0)
+            self.prev = s
+            met = stat < self.threshold
+        else:
+            top = logits.argmax(-1)
+            self.count = torch.where(top == self.prev, self.count + 1, torch.zeros_like(self.count))
+            self.prev = top
+            stat = self.count
+            met = stat >= self.threshold
+        self.last_statistic = stat
+        return met

@@ -1,0 +1,146 @@
+"""`generate` and `stream_generate`: one entry point for every decoding mode."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from recurrent_depth.inference import autoregressive, parallel, speculative
+from recurrent_depth.inference.options import GenerationOptions
+from recurrent_depth.inference.output import GenerationOutput, TokenEvent
+from recurrent_depth.inference.session import Session, prepare_inputs
+
+_LOOPS = {"autoregressive": autoregressive.decode, "speculative": speculative.decode, "parallel": parallel.decode}
+
+
+class GenerationStream:
+    """Iterate to receive `TokenEvent`s as tokens are committed; `.output` holds the result after.
+
+    Rows of a batch may commit at different rates (speculative and parallel modes), so events
+    carry their row and index.
+    """
+
+    def __init__(self, model: Any, input_ids: Any, attention_mask: Any, options: GenerationOptions,
+                 tokenizer: Any) -> None:
+        options.validate(model.config.mean_recurrence)
+        ids, mask = prepare_inputs(model, input_ids, attention_mask)
+        self.model = model
+        self.options = options
+        self.session = Session(model, ids, mask, options, tokenizer)
+        self.output: GenerationOutput | None = None
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        if self.output is not None:
+            raise RuntimeError("a GenerationStream can be iterated only once")
+        session = self.session
+        was_training = self.model.training
+        self.model.eval()
+        start = time.perf_counter()
+        first_token_at = None
+        try:
+            with torch.inference_mode():
+                for event in _LOOPS[self.options.mode](session):
+                    if first_token_at is None:
+                        first_token_at = time.perf_counter()
+                    yield event
+        finally:
+            self.model.train(was_training)
+        finish = time.perf_counter()
+        prefill = (first_token_at or finish) - start
+        cache = session.cache
+        core = cache.logical_nbytes(session.valid[:, : cache.seq_len], core_only=True)
+        self.output = session.recorder.build(
+            session.input_ids, session.pad_token_id,
+            cache_allocated_bytes=cache.nbytes(), core_cache_bytes=core.cpu(), mode=self.options.mode,
+            prefill_seconds=prefill, decode_seconds=finish - start - prefill, stats=dict(session.stats),
+        )
+
+
+def _options(kwargs: dict[str, Any]) -> tuple[GenerationOptions, Any, Any]:
+    tokenizer = kwargs.pop("tokenizer", None)
+    streamer = kwargs.pop("streamer", None)
+    unknown = set(kwargs) - GenerationOptions.names()
+    if unknown:
+        known = sorted(GenerationOptions.names())
+        raise ValueError(f"unknown generation argument(s) {sorted(unknown)}; known: {known}")
+    return GenerationOptions(**kwargs), tokenizer, streamer
+
+
+def stream_generate(model: Any, input_ids: Any, attention_mask: Any = None, **kwargs: Any) -> GenerationStream:
+    """Like `generate`, but returns a `GenerationStream` that yields each token as it is committed."""
+    options, tokenizer, streamer = _options(kwargs)
+    if streamer is not None:
+        raise ValueError("stream_generate yields events itself; pass streamer= to generate instead")
+    return GenerationStream(model, input_ids, attention_mask, options, tokenizer)
+
+
+def generate(
+    model: Any,
+    input_ids: Tensor | list,
+    max_new_tokens: int = 64,
+    num_steps: int | None = 32,
+    attention_mask: Tensor | None = None,
+    exit_criterion: str | None = None,
+    exit_threshold: float | None = None,
+    kv_budget: int | None = None,
+    warm_start: bool = False,
+    draft_steps: int | None = None,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    seed: int | list[int] | None = None,
+    stop: int | str | list | None = None,
+    init_scale: float = 1.0,
+    *,
+    streamer: Callable[[TokenEvent], Any] | None = None,
+    tokenizer: Any = None,
+    **more: Any,
+) -> GenerationOutput:
+    """Generate from a recurrent-depth model with every test-time compute control.
+
+    input_ids: `[B, T]` (or `[T]`) token ids; attention_mask: `[B, T]` 1 = token, 0 = left padding.
+    num_steps: recurrence depth r (None: the config's mean_recurrence). The prompt always runs at r.
+
+    Depth control, one token at a time (the default mode):
+      exit_criterion: None (fixed depth r) or "kl" | "entropy-diff" | "latent-diff" | "cosine" |
+        "argmax-stability": each row stops its recurrence on its own (see `criteria.py`);
+      exit_threshold: None = the criterion's default (kl 5e-4, entropy-diff 1e-3, latent-diff 0.03,
+        cosine 1e-3, argmax-stability 5); min_steps (1) and max_steps (r) bound the steps;
+      warm_start: s_0 of a token = the raw final state of the previous one (continuous CoT).
+    KV cache: kv_budget=k makes step i read and write slot i mod k (None: one slot per step);
+      tokens that exited early are read at their deepest entry; cache_implementation "static"
+      (preallocated, default) or "dynamic" (the plain reference).
+    Self-speculative: draft_steps=N drafts `lookahead` (8) tokens at N steps, verified at r steps in one
+      forward; verification_threshold=1 (exact: identical to greedy at r) or < 1 (accept a draft whose
+      verifier probability is at least threshold * the top probability).
+    Parallel: sampler="parallel" runs the diffusion-forcing style wavefront sampler (inner_steps 4,
+      headway 1, max_wavefront 128; freezes on exit_criterion latent-diff/cosine or at max_steps).
+    Sampling: do_sample with temperature, top_k, top_p, min_p; repetition_penalty (1.0 = off) applies to
+      greedy too. seed: int (row b uses seed + b) or one int per row; each row draws s_0 and samples
+      from its own generator, so a row in a batch equals the row alone. init_scale=0 gives s_0 = 0.
+    Stopping: stop ids and stop strings (strings need `tokenizer=`), and the config's eos_token_id.
+    streamer: a callable receiving each `TokenEvent` as it is committed. output_logits=True keeps
+      the logits of every chosen token. fast=False uses the model's own modules (reference runner).
+
+    Returns a `GenerationOutput` (`.sequences [B, T + new]`, `.steps [B, new]`, `.exit_reasons`,
+    `.cache_bytes [B, new]`, `.lengths`, `.finish_reasons`, timings, mode statistics).
+    """
+    kwargs = dict(
+        max_new_tokens=max_new_tokens, num_steps=num_steps, exit_criterion=exit_criterion,
+        exit_threshold=exit_threshold, kv_budget=kv_budget, warm_start=warm_start, draft_steps=draft_steps,
+        do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+        stop=stop, init_scale=init_scale, tokenizer=tokenizer, **more,
+    )
+    options, tokenizer, _ = _options(kwargs)
+    stream = GenerationStream(model, input_ids, attention_mask, options, tokenizer)
+    for event in stream:
+        if streamer is not None:
+            streamer(event)
+    assert stream.output is not None
+    return stream.output

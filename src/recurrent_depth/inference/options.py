@@ -1,0 +1,167 @@
+"""Every argument of `generate`, validated once, with errors that name the field and its range."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+from recurrent_depth.inference.cache import CACHE_IMPLEMENTATIONS
+from recurrent_depth.inference.criteria import CriterionSpec, resolve_criterion
+
+SAMPLERS = ("autoregressive", "parallel")
+PARALLEL_CRITERIA = ("latent-diff", "cosine")
+
+
+@dataclass
+class GenerationOptions:
+    """Generation settings (see `recurrent_depth.inference.generate` for what each one does)."""
+
+    max_new_tokens: int = 64
+    num_steps: int | None = 32
+    exit_criterion: str | None = None
+    exit_threshold: float | None = None
+    min_steps: int = 1
+    max_steps: int | None = None
+    kv_budget: int | None = None
+    warm_start: bool = False
+    draft_steps: int | None = None
+    lookahead: int = 8
+    verification_threshold: float = 1.0
+    sampler: str = "autoregressive"
+    inner_steps: int = 4
+    headway: int = 1
+    max_wavefront: int = 128
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    seed: Any = None
+    stop: Any = None
+    init_scale: float = 1.0
+    cache_implementation: str = "static"
+    fast: bool = True
+    output_logits: bool = False
+
+    # resolved by `validate`
+    criterion: CriterionSpec | None = None
+    threshold: float | None = None
+
+    @classmethod
+    def names(cls) -> set[str]:
+        return {f.name for f in fields(cls)} - {"criterion", "threshold"}
+
+    @property
+    def mode(self) -> str:
+        if self.sampler == "parallel":
+            return "parallel"
+        if self.draft_steps is not None:
+            return "speculative"
+        return "autoregressive"
+
+    @property
+    def deepest_step(self) -> int:
+        """The most recurrence steps any position runs (sizes the full KV cache)."""
+        return max(self.num_steps, self.max_steps or 0)
+
+    def validate(self, mean_recurrence: int) -> GenerationOptions:
+        """Check every field; fill defaults that depend on the model. Returns self."""
+
+        def integer(name: str, low: int, allow_none: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                extra = "None or " if allow_none else ""
+                raise ValueError(f"{name}={value!r} is invalid: expected {extra}an integer >= {low}")
+
+        def number(name: str, low: float, high: float, low_open: bool, high_open: bool = False,
+                   allow_none: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
+            if ok:
+                ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+            if not ok:
+                lo = "(" if low_open else "["
+                hi = ")" if high_open else "]"
+                extra = "None or " if allow_none else ""
+                raise ValueError(f"{name}={value!r} is invalid: expected {extra}a number in {lo}{low}, {high}{hi}")
+
+        if self.num_steps is None:
+            self.num_steps = mean_recurrence
+        integer("max_new_tokens", 0)
+        integer("num_steps", 0)
+        integer("min_steps", 1)
+        integer("max_steps", 1, allow_none=True)
+        integer("kv_budget", 1, allow_none=True)
+        integer("draft_steps", 0, allow_none=True)
+        integer("lookahead", 1)
+        integer("inner_steps", 1)
+        integer("headway", 1)
+        integer("max_wavefront", 1)
+        integer("top_k", 1, allow_none=True)
+        number("temperature", 0, math.inf, low_open=True, high_open=True)
+        number("top_p", 0, 1, low_open=True, allow_none=True)
+        number("min_p", 0, 1, low_open=False, allow_none=True)
+        number("repetition_penalty", 0, math.inf, low_open=True, high_open=True)
+        number("verification_threshold", 0, 1, low_open=True)
+        number("init_scale", 0, math.inf, low_open=False, high_open=True)
+        for name in ("warm_start", "do_sample", "fast", "output_logits"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: expected True or False")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler={self.sampler!r} is invalid: expected one of {SAMPLERS}")
+        if self.cache_implementation not in CACHE_IMPLEMENTATIONS:
+            raise ValueError(
+                f"cache_implementation={self.cache_implementation!r} is invalid: expected one of "
+                f"{CACHE_IMPLEMENTATIONS}"
+            )
+        self.criterion, self.threshold = resolve_criterion(self.exit_criterion, self.exit_threshold)
+        if self.max_steps is not None and self.criterion is None and self.sampler != "parallel":
+            raise ValueError(
+                f"max_steps={self.max_steps} only applies with an exit_criterion (fixed depth runs num_steps)"
+            )
+        if self.max_steps is None:
+            self.max_steps = self.num_steps
+        if self.criterion is not None and self.min_steps > self.max_steps:
+            raise ValueError(f"min_steps={self.min_steps} is invalid: expected <= max_steps={self.max_steps}")
+        if self.criterion is not None and self.max_steps < 1:
+            raise ValueError("adaptive exit needs max_steps >= 1 (num_steps=0 runs no recurrence)")
+
+        mode = self.mode
+        if mode == "speculative":
+            if self.draft_steps >= self.num_steps:
+                raise ValueError(
+                    f"draft_steps={self.draft_steps} is invalid: the draft must be cheaper than the verifier, "
+                    f"expected an integer in [0, num_steps={self.num_steps})"
+                )
+            conflicts = {"exit_criterion": self.exit_criterion is not None, "warm_start": self.warm_start,
+                         "do_sample": self.do_sample, "repetition_penalty": self.repetition_penalty != 1.0}
+            bad = [name for name, on in conflicts.items() if on]
+            if bad:
+                raise ValueError(
+                    f"self-speculative decoding (draft_steps={self.draft_steps}) is greedy at a fixed depth; "
+                    f"it does not combine with {', '.join(bad)}"
+                )
+        if mode == "parallel":
+            if self.draft_steps is not None or self.warm_start or self.repetition_penalty != 1.0:
+                raise ValueError(
+                    "sampler='parallel' does not combine with draft_steps, warm_start or repetition_penalty"
+                )
+            if self.kv_budget not in (None, 1):
+                raise ValueError(
+                    f"kv_budget={self.kv_budget} is invalid for sampler='parallel': the wavefront keeps one KV "
+                    "entry per core layer (the latest); expected None or 1"
+                )
+            if self.criterion is not None and self.criterion.name not in PARALLEL_CRITERIA:
+                raise ValueError(
+                    f"exit_criterion={self.exit_criterion!r} is invalid for sampler='parallel': positions freeze "
+                    f"on a latent criterion, expected None (freeze at max_steps) or one of {PARALLEL_CRITERIA}"
+                )
+            if self.max_steps < 1:
+                raise ValueError("sampler='parallel' needs num_steps (or max_steps) >= 1")
+        return self

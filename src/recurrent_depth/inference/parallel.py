@@ -1,0 +1,135 @@
+"""A diffusion-forcing style parallel sampler (Geiping, Yang, Su 2025; the reference's
+`generate_diffusion_style`).
+
+Instead of finishing a token's recurrence before starting the next, keep a *wavefront* of
+positions at the end of the sequence whose latent states refine together:
+
+- every sweep runs `inner_steps` core steps on all wavefront positions in one forward, reads
+  their logits, and uses each position's current prediction as the (guessed) input token of the
+  next position; `headway` new positions join the wavefront per sweep;
+- the front position (its input is final) freezes when its latent converges (`exit_criterion`
+  latent-diff or cosine), when it has run `max_steps` steps, or when the wavefront holds more
+  than `max_wavefront` positions. Freezing commits its prediction as the next token; if the
+  next position's guess was right it may freeze in the same sweep.
+
+Every core layer keeps one KV entry per position, its latest (KV sharing with budget 1), which
+is what lets positions at different depths attend to each other. Rows of a batch keep their own
+front; a write mask protects positions that one row has frozen while another row still refines
+them, so each row gets what it would get alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from recurrent_depth.inference.output import TokenEvent
+from recurrent_depth.inference.session import Session
+
+
+def _statistic(name: str, new: Tensor, old: Tensor) -> Tensor:
+    """Latent change of the last step per position `[B, W]` (raw states `[B, W, h]`)."""
+    new, old = new.float(), old.float()
+    if name == "latent-diff":
+        return (new - old).norm(dim=-1) / new.norm(dim=-1).clamp(min=1e-12)
+    return (1 - F.cosine_similarity(new, old, dim=-1, eps=1e-12)).clamp(min=0)
+
+
+def _choose(session: Session, logits: Tensor, rows: list[int], starts: list[int]) -> Tensor:
+    """Tokens `[B, W]` from logits `[B, W, V]`; sampled rows draw noise for their own columns only."""
+    processed = session.chooser.process(logits)
+    if not session.options.do_sample:
+        return processed.argmax(-1)
+    probs = processed.float().softmax(-1)
+    noise = torch.ones_like(probs)
+    for b, start in zip(rows, starts):
+        noise[b, start:].exponential_(generator=session.generators[b])
+    return (probs / noise).argmax(-1)
+
+
+def decode(session: Session) -> Iterator[TokenEvent]:
+    opts, runner, cache = session.options, session.runner, session.cache
+    B, T = session.B, session.T
+    limit = opts.max_steps
+    name = opts.criterion.name if opts.criterion is not None else None
+    _, logits = session.prefill(opts.num_steps)
+    rows = session.unfinished
+    first = session.chooser.choose(logits, rows)
+    nbytes = session.row_bytes()
+    for b in rows:
+        yield session.commit(b, int(first[b]), opts.num_steps, "prefill",
+                             logits[b] if opts.output_logits else None, nbytes[b])
+    # Column c's prediction is new token number c - T + 1, so the last one needed is T + max_new - 2.
+    stop_column = T + opts.max_new_tokens - 1
+    h = session.model.config.hidden_size
+    tokens = torch.full((B, stop_column + 1), session.pad_token_id, dtype=torch.long, device=session.device)
+    tokens[:, T] = first  # inputs of the columns; beyond a row's front they are guesses
+    states = torch.zeros(B, max(stop_column, T), h, dtype=session.model.dtype, device=session.device)
+    done = torch.zeros(B, max(stop_column, T), dtype=torch.long, device=session.device)
+    front = [T] * B
+    end = T
+    sweeps = 0
+    while session.unfinished:
+        rows = session.unfinished
+        add = min(opts.headway, stop_column - end)
+        if add > 0:
+            tokens[:, end + 1 : end + add] = tokens[:, end : end + 1]  # unknown yet: repeat the guess
+            states[:, end : end + add] = session.initial_states(states[:, end : end + add], rows)
+            end += add
+        start = min(front[b] for b in rows)
+        # Columns before `start` are frozen in every unfinished row: their entries are final.
+        cache.seq_len = start
+        width = end - start
+        fronts = torch.tensor(front, device=session.device)
+        columns = torch.arange(start, end, device=session.device)
+        write = (columns[None] >= fronts[:, None]) & session.unfinished_mask()[:, None]  # [B, W]
+        everyone = bool(write.all())
+        cache.write_mask = None if everyone else write
+        ids = tokens[:, start:end]
+        step = runner.context(ids, session.mask(end), cache)
+        e = runner.embed(ids, step)
+        injected = runner.inject(e)
+        s = states[:, start:end]
+        previous = s
+        for i in range(opts.inner_steps):
+            previous = s
+            new = runner.core_step(s, injected, e, i, step)
+            s = new if everyone else torch.where(write[..., None], new, s)
+        logits = runner.predict(s, step)  # [B, W, V]
+        cache.write_mask = None
+        states[:, start:end] = s
+        done[:, start:end] += opts.inner_steps * write
+        cache.close(done[:, start:end], width)
+        statistic = _statistic(name, s, previous) if name is not None else None
+        predicted = _choose(session, logits, rows, [front[b] - start for b in rows])
+        used = ids.tolist()  # the inputs this sweep ran on, before the guesses move
+        upcoming = tokens[:, start + 1 : end + 1]
+        tokens[:, start + 1 : end + 1] = torch.where(write, predicted, upcoming)
+        predicted_l, done_l = predicted.tolist(), done[:, start:end].tolist()
+        stat_l = statistic.tolist() if statistic is not None else None
+        nbytes = session.row_bytes(end)
+        for b in rows:
+            while front[b] < end and not session.recorder.finished[b]:
+                c = front[b]
+                j = c - start
+                steps = done_l[b][j]
+                if stat_l is not None and steps >= opts.min_steps and stat_l[b][j] < opts.threshold:
+                    reason = "converged"
+                elif steps >= limit:
+                    reason = "max-steps"
+                elif end - c > opts.max_wavefront:
+                    reason = "wavefront"
+                else:
+                    break
+                token = predicted_l[b][j]
+                yield session.commit(b, token, steps, reason, logits[b, j] if opts.output_logits else None,
+                                     nbytes[b])
+                front[b] = c + 1
+                if c + 1 < end and used[b][j + 1] != token:
+                    break  # the next position ran on a wrong guess: it refines on the right input first
+        sweeps += 1
+    generated = sum(session.recorder.count(b) for b in range(B))
+    session.stats.update(sweeps=sweeps, tokens_per_sweep=round(generated / max(1, sweeps), 3))

@@ -1,0 +1,182 @@
+"""Choosing the next token: logits processors, per-row random generators, stop conditions.
+
+Every row of a batch owns a `torch.Generator` seeded from `seed` (an int gives row b the seed
+`seed + b`; a list gives one seed per row). A row draws its random initial states and its samples
+from its own generator only, in the same order as it would alone, so a batched run reproduces
+each row's solo run drawn with that row's seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class RowGenerators:
+    """One `torch.Generator` per row; `seeds[b]` reproduces row b alone with `seed=seeds[b]`."""
+
+    def __init__(self, seed: int | Sequence[int] | None, batch_size: int, device: torch.device) -> None:
+        if seed is None:
+            # Unseeded: derive from the global RNG, so torch.manual_seed still controls the run.
+            seeds = [int(s) for s in torch.randint(0, 2**62, (batch_size,)).tolist()]
+        elif isinstance(seed, int) and not isinstance(seed, bool):
+            seeds = [seed + b for b in range(batch_size)]
+        elif isinstance(seed, Sequence) and not isinstance(seed, str) and len(seed) == batch_size and all(
+            isinstance(s, int) and not isinstance(s, bool) for s in seed
+        ):
+            seeds = list(seed)
+        else:
+            raise ValueError(
+                f"seed={seed!r} is invalid: expected None, an int (row b uses seed + b) or a list of "
+                f"{batch_size} ints (one per row)"
+            )
+        self.seeds = seeds
+        self.generators = []
+        for s in seeds:
+            g = torch.Generator(device=device)
+            g.manual_seed(s % (2**63))
+            self.generators.append(g)
+
+    def __getitem__(self, row: int) -> torch.Generator:
+        return self.generators[row]
+
+
+def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
+    """CTRL-style penalty on tokens already in the row (prompt + generated): positive logits are
+    divided by `penalty`, negative ones multiplied. logits `[B, V]`, seen bool `[B, V]`."""
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def filter_logits(
+    logits: Tensor, temperature: float, top_k: int | None, top_p: float | None, min_p: float | None
+) -> Tensor:
+    """Temperature, then top-k, top-p (nucleus) and min-p filtering; removed entries become -inf."""
+    logits = logits / temperature
+    neg_inf = torch.tensor(float("-inf"), device=logits.device, dtype=logits.dtype)
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = torch.where(logits < kth, neg_inf, logits)
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
+        before = probs.cumsum(-1) - probs
+        drop_sorted = before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = torch.where(drop, neg_inf, logits)
+    if min_p is not None and min_p > 0:
+        probs = logits.softmax(-1)
+        floor = probs.max(dim=-1, keepdim=True).values * min_p
+        logits = torch.where(probs < floor, neg_inf, logits)
+    return logits
+
+
+def sample_rows(logits: Tensor, generators: RowGenerators, rows: Sequence[int]) -> Tensor:
+    """Sample one token per row from softmax(logits) `[B, V]`, each row with its own generator.
+
+    Uses the exponential race (argmax of p / Exp(1) noise), which draws exactly V numbers per row,
+    so a row's stream of draws does not depend on the other rows.
+    """
+    probs = logits.float().softmax(-1)
+    noise = torch.ones_like(probs)
+    for b in rows:
+        noise[b].exponential_(generator=generators[b])
+    return (probs / noise).argmax(-1)
+
+
+class TokenChooser:
+    """Greedy or sampled choice with the processors in a fixed order: repetition penalty,
+    temperature, top-k, top-p, min-p. Keeps the per-row "seen tokens" table for the penalty."""
+
+    def __init__(self, options: Any, vocab_size: int, generators: RowGenerators) -> None:
+        self.options = options
+        self.vocab_size = vocab_size
+        self.generators = generators
+        self.seen: Tensor | None = None
+
+    def observe_prompt(self, input_ids: Tensor, valid: Tensor) -> None:
+        if self.options.repetition_penalty == 1.0:
+            return
+        B = input_ids.shape[0]
+        self.seen = torch.zeros(B, self.vocab_size, dtype=torch.bool, device=input_ids.device)
+        valid = valid.bool()
+        rows = torch.arange(B, device=input_ids.device)[:, None].expand_as(input_ids)
+        self.seen[rows[valid], input_ids[valid]] = True  # padding does not count as seen
+
+    def observe(self, tokens: Tensor, rows: Tensor | None = None) -> None:
+        """Record generated tokens `[B]` (only for `rows` bool [B] when given)."""
+        if self.seen is None:
+            return
+        mark = torch.ones_like(tokens, dtype=torch.bool) if rows is None else rows
+        self.seen[torch.arange(tokens.shape[0], device=tokens.device)[mark], tokens[mark]] = True
+
+    def process(self, logits: Tensor) -> Tensor:
+        """Processed logits `[B, V]` (greedy uses them too, so the penalty applies to greedy)."""
+        opts = self.options
+        if self.seen is not None:
+            logits = apply_repetition_penalty(logits, self.seen, opts.repetition_penalty)
+        if opts.do_sample:
+            logits = filter_logits(logits, opts.temperature, opts.top_k, opts.top_p, opts.min_p)
+        return logits
+
+    def choose(self, logits: Tensor, rows: Sequence[int]) -> Tensor:
+        """Next token `[B]` from logits `[B, V]`; `rows` are the unfinished rows that draw randomness."""
+        processed = self.process(logits)
+        if not self.options.do_sample:
+            return processed.argmax(-1)
+        return sample_rows(processed, self.generators, rows)
+
+
+class StopChecker:
+    """Stop token ids (including the config's eos) and stop strings (need a tokenizer)."""
+
+    def __init__(self, stop: Any, eos_token_id: int | None, vocab_size: int, tokenizer: Any = None) -> None:
+        ids: set[int] = set()
+        strings: list[str] = []
+        items = [] if stop is None else ([stop] if isinstance(stop, int | str) else list(stop))
+        for item in items:
+            if isinstance(item, bool) or not isinstance(item, int | str):
+                raise ValueError(f"stop={stop!r} is invalid: expected token ids (int) and/or strings")
+            if isinstance(item, int):
+                if not 0 <= item < vocab_size:
+                    raise ValueError(f"stop token id {item} is outside the vocabulary [0, {vocab_size})")
+                ids.add(item)
+            elif item == "":
+                raise ValueError("stop strings must be non-empty")
+            else:
+                strings.append(item)
+        if strings and tokenizer is None:
+            raise ValueError(f"stop strings {strings!r} need a tokenizer: pass tokenizer=... to generate")
+        if eos_token_id is not None:
+            ids.add(eos_token_id)
+        self.ids = ids
+        self.strings = strings
+        self.tokenizer = tokenizer
+        self._id_tensor: Tensor | None = None
+
+    def is_stop_token(self, tokens: Tensor) -> Tensor:
+        """bool `[B]`: the token is a stop id."""
+        if not self.ids:
+            return torch.zeros_like(tokens, dtype=torch.bool)
+        if self._id_tensor is None or self._id_tensor.device != tokens.device:
+            self._id_tensor = torch.tensor(sorted(self.ids), device=tokens.device)
+        return torch.isin(tokens, self._id_tensor)
+
+    def hits_string(self, generated: list[int]) -> bool:
+        """True when the decoded generated text of one row contains a stop string."""
+        if not self.strings:
+            return False
+        text = decode(self.tokenizer, generated)
+        return any(s in text for s in self.strings)
+
+
+def decode(tokenizer: Any, ids: list[int]) -> str:
+    """Decode with a `tokenizers.Tokenizer` or a transformers tokenizer."""
+    try:
+        return tokenizer.decode(ids, skip_special_tokens=False)
+    except TypeError:
+        return tokenizer.decode(ids)

@@ -1,0 +1,188 @@
+"""State shared by every decoding mode: inputs, cache, runner, token choice, stops, recording."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from recurrent_depth.inference.cache import make_cache
+from recurrent_depth.inference.criteria import ExitCriterion
+from recurrent_depth.inference.options import GenerationOptions
+from recurrent_depth.inference.output import Recorder, TokenEvent
+from recurrent_depth.inference.runner import make_runner
+from recurrent_depth.inference.sampling import RowGenerators, StopChecker, TokenChooser, decode
+
+
+def prepare_inputs(model: Any, input_ids: Any, attention_mask: Any) -> tuple[Tensor, Tensor | None]:
+    """Validate ids `[B, T]` (or `[T]`, or lists) and a left-padding mask; returns tensors on the model's device."""
+    cfg = model.config
+    if not isinstance(input_ids, Tensor):
+        try:
+            input_ids = torch.tensor(input_ids, dtype=torch.long)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"input_ids must be a tensor or a (nested) list of ints: {exc}") from None
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool or input_ids.is_complex():
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must have shape [batch>0, seq_len>0], got {tuple(input_ids.shape)}")
+    input_ids = input_ids.long()
+    bad = (input_ids < 0) | (input_ids >= cfg.vocab_size)
+    if bool(bad.any()):
+        b, t = bad.nonzero()[0].tolist()
+        raise ValueError(
+            f"input_ids[{b}, {t}]={int(input_ids[b, t])} is outside the vocabulary [0, {cfg.vocab_size})"
+        )
+    mask = None
+    if attention_mask is not None:
+        if not isinstance(attention_mask, Tensor):
+            attention_mask = torch.tensor(attention_mask)
+        if attention_mask.dim() == 1:
+            attention_mask = attention_mask[None]
+        if tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise ValueError(
+                f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, "
+                f"got {tuple(attention_mask.shape)}"
+            )
+        if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise ValueError("attention_mask must contain only 0 (padding) and 1 (real token)")
+        mask = attention_mask.bool()
+        if not bool(mask[:, -1].all()) or bool((mask[:, 1:].long() - mask[:, :-1].long() < 0).any()):
+            raise ValueError(
+                "attention_mask must describe left padding: each row is zeros (padding) then ones, ending in a "
+                "real token; pad on the left"
+            )
+        if bool(mask.all()):
+            mask = None
+    device = model.device
+    return input_ids.to(device), (mask.to(device) if mask is not None else None)
+
+
+class Session:
+    """One generation call: everything the mode loops read and update."""
+
+    def __init__(self, model: Any, input_ids: Tensor, mask: Tensor | None, options: GenerationOptions,
+                 tokenizer: Any = None) -> None:
+        cfg = model.config
+        self.model = model
+        self.options = options
+        self.tokenizer = tokenizer
+        self.input_ids = input_ids
+        self.B, self.T = input_ids.shape
+        self.device = input_ids.device
+        self.vocab_size = cfg.vocab_size
+        prompt_valid = mask if mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+        longest = int(prompt_valid.sum(dim=1).max())
+        if longest + options.max_new_tokens > cfg.max_seq_len:
+            raise ValueError(
+                f"prompt length {longest} + max_new_tokens {options.max_new_tokens} exceeds the model's "
+                f"max_seq_len={cfg.max_seq_len}"
+            )
+        self.runner = make_runner(model, options.fast)
+        kv_budget = 1 if options.mode == "parallel" else options.kv_budget
+        # Columns: the prompt, the new tokens, and room for a speculative round or a wavefront.
+        slack = options.lookahead + 1 if options.mode == "speculative" else options.headway + 1
+        self.cache = make_cache(
+            options.cache_implementation, self.B, options.deepest_step, kv_budget,
+            capacity=self.T + options.max_new_tokens + slack, device=self.device,
+        )
+        # valid[b, c]: column c of row b is a real token (left padding and rejected drafts are not).
+        self.padded = mask is not None
+        self.valid = torch.ones(self.B, self.T + options.max_new_tokens + slack, dtype=torch.bool,
+                                device=self.device)
+        self.valid[:, : self.T] = prompt_valid
+        self.generators = RowGenerators(options.seed, self.B, self.device)
+        self.chooser = TokenChooser(options, cfg.vocab_size, self.generators)
+        self.chooser.observe_prompt(input_ids, prompt_valid)
+        self.stops = StopChecker(options.stop, cfg.eos_token_id, cfg.vocab_size, tokenizer)
+        self.recorder = Recorder(self.B, options.max_new_tokens, options.output_logits)
+        self.pad_token_id = next(
+            (t for t in (cfg.pad_token_id, cfg.eos_token_id) if t is not None), 0
+        )
+        self.criterion = ExitCriterion(options.criterion, options.threshold) if options.criterion else None
+        self.stats: dict[str, Any] = {}
+        self.prefill_seconds = 0.0
+
+    # ------------------------------------------------------------------ columns and masks
+    def _ensure_columns(self, n: int) -> None:
+        if self.valid.shape[1] < n:
+            grown = torch.ones(self.B, max(n, 2 * self.valid.shape[1]), dtype=torch.bool, device=self.device)
+            grown[:, : self.valid.shape[1]] = self.valid
+            self.valid = grown
+
+    def mask(self, end: int) -> Tensor | None:
+        """The attention mask for columns [0, end), or None when every column is real."""
+        self._ensure_columns(end)
+        return self.valid[:, :end] if self.padded else None
+
+    def hide(self, row: int, start: int, end: int) -> None:
+        """Mark columns [start, end) of a row as not real (a rejected draft left in the cache)."""
+        self.valid[row, start:end] = False
+        self.padded = True
+
+    # ------------------------------------------------------------------ rows
+    @property
+    def unfinished(self) -> list[int]:
+        return [b for b in range(self.B) if not self.recorder.finished[b]]
+
+    def unfinished_mask(self) -> Tensor:
+        return torch.tensor([not f for f in self.recorder.finished], dtype=torch.bool, device=self.device)
+
+    def initial_states(self, like: Tensor, rows: list[int], valid: Tensor | None = None) -> Tensor:
+        """s_0 `[B, T, h]`: zeros for init_scale 0; otherwise each row in `rows` draws from its own
+        generator for its real columns only (so the draw matches the row run alone)."""
+        scale = self.options.init_scale
+        s = torch.zeros_like(like)
+        if scale == 0:
+            return s
+        for b in rows:
+            cols = valid[b].nonzero().squeeze(1) if valid is not None else None
+            n = like.shape[1] if cols is None else cols.numel()
+            draw = self.runner.initial_state(like[b : b + 1, :n], scale, self.generators[b])
+            if cols is None:
+                s[b] = draw[0]
+            else:
+                s[b, cols] = draw[0]
+        return s
+
+    # ------------------------------------------------------------------ recording
+    def commit(self, row: int, token: int, steps: int, reason: str, logits: Tensor | None,
+               cache_bytes: int | None) -> TokenEvent:
+        """Append a token to a row, apply stop rules, and describe it as a stream event."""
+        rec = self.recorder
+        index = rec.add(row, token, steps, reason, logits)
+        if cache_bytes is not None:
+            rec.set_bytes(row, cache_bytes)
+        if token in self.stops.ids or self.stops.hits_string(rec.tokens[row]):
+            rec.finish(row, "stop")
+        text = decode(self.tokenizer, [token]) if self.tokenizer is not None else None
+        return TokenEvent(row=row, index=index, token=token, steps=steps, reason=reason,
+                          finished=rec.finished[row], cache_bytes=cache_bytes, text=text)
+
+    def row_bytes(self, end: int | None = None) -> list[int]:
+        """Logical KV bytes per row over columns [0, end) (default: the cached columns)."""
+        end = self.cache.seq_len if end is None else end
+        saved = self.cache.seq_len
+        self.cache.seq_len = end
+        try:
+            return self.cache.logical_nbytes(self.valid[:, :end]).tolist()
+        finally:
+            self.cache.seq_len = saved
+
+    # ------------------------------------------------------------------ prefill
+    def prefill(self, depth: int) -> tuple[Tensor, Tensor]:
+        """Run the prompt at full depth; returns (last raw state `[B, h]`, last logits `[B, V]`)."""
+        runner, cache = self.runner, self.cache
+        step = runner.context(self.input_ids, self.mask(self.T), cache)
+        e = runner.embed(self.input_ids, step)
+        injected = runner.inject(e)
+        s = self.initial_states(e, list(range(self.B)), self.valid[:, : self.T] if self.padded else None)
+        for i in range(depth):
+            s = runner.core_step(s, injected, e, i, step)
+        logits = runner.predict(s, step, last_only=True)[:, 0]
+        cache.close(depth, self.T)
+        cache.advance(self.T)
+        return s[:, -1], logits

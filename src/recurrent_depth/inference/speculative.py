@@ -1,0 +1,110 @@
+"""Self-speculative decoding (paper §6.4): draft with N steps, verify with M > N in one forward.
+
+A round starts from the pending token y (chosen, not yet fed). It drafts `lookahead` tokens
+autoregressively at N steps, feeding y, d_1, ..., d_{L-1}. Then one forward over those L columns
+continues their states from step N to step M: the draft states are reused, because steps 0..N-1
+of a position depend only on steps 0..N-1 of earlier positions (the recurrence is causal in both
+time and depth), so they are exactly what an M-step forward would compute. The verifier's
+choice g_t at each column is compared with the draft d_t:
+
+- exact mode (verification_threshold = 1): accept while d_t == argmax g_t; the output is
+  identical to greedy decoding at M steps;
+- probability mode (threshold < 1): accept while p_M(d_t) >= threshold * max p_M.
+
+The first rejected draft is replaced by the verifier's token. Columns holding rejected drafts are
+rolled back when every row rejected them, and hidden by the attention mask otherwise, so rows of
+a batch advance independently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from recurrent_depth.inference.output import TokenEvent
+from recurrent_depth.inference.session import Session
+
+
+def decode(session: Session) -> Iterator[TokenEvent]:
+    opts, runner, cache = session.options, session.runner, session.cache
+    M, N, L = opts.num_steps, opts.draft_steps, opts.lookahead
+    exact = opts.verification_threshold >= 1.0
+    _, logits = session.prefill(M)
+    rows = session.unfinished
+    pending = session.chooser.choose(logits, rows)  # [B]
+    nbytes = session.row_bytes()
+    for b in rows:
+        yield session.commit(b, int(pending[b]), M, "prefill", logits[b] if opts.output_logits else None, nbytes[b])
+    column = session.T
+    rounds = drafted = accepted = 0
+    while session.unfinished:
+        rows = session.unfinished
+        active = session.unfinished_mask()
+        feed = torch.where(active, pending, session.pad_token_id)
+        ids, states, embeds, injections, drafts = [], [], [], [], []
+        for t in range(L):  # draft: L tokens at N steps each
+            token_ids = feed[:, None]
+            step = runner.context(token_ids, session.mask(column + t + 1), cache)
+            e = runner.embed(token_ids, step)
+            injected = runner.inject(e)
+            s = session.initial_states(e, rows)
+            for i in range(N):
+                s = runner.core_step(s, injected, e, i, step)
+            draft_logits = runner.predict(s, step, last_only=True)[:, 0]
+            cache.advance(1)
+            feed = draft_logits.argmax(-1)
+            ids.append(token_ids)
+            states.append(s)
+            embeds.append(e)
+            injections.append(injected)
+            drafts.append(feed)
+        # verify: one forward over the L columns, steps N..M-1 on top of the draft states
+        cache.truncate(column)
+        token_ids = torch.cat(ids, 1)
+        step = runner.context(token_ids, session.mask(column + L), cache)
+        s, e, injected = torch.cat(states, 1), torch.cat(embeds, 1), torch.cat(injections, 1)
+        for i in range(N, M):
+            s = runner.core_step(s, injected, e, i, step)
+        verify_logits = runner.predict(s, step)  # [B, L, V]
+        cache.close(M, L)
+        cache.advance(L)
+        draft = torch.stack(drafts, 1)  # [B, L]: d_1..d_L
+        best = verify_logits.argmax(-1)  # [B, L]: the verifier's token after each column
+        if exact:
+            ok = draft == best
+        else:
+            probs = verify_logits.softmax(-1)
+            p_draft = probs.gather(-1, draft[..., None])[..., 0]
+            ok = p_draft >= opts.verification_threshold * probs.max(-1).values
+        n_ok = ok.long().cumprod(1).sum(1).tolist()  # leading accepted drafts per row
+        draft_list, best_list = draft.tolist(), best.tolist()
+        rounds += 1
+        drafted += L * len(rows)
+        nbytes = session.row_bytes(column + L)
+        keep_columns = []
+        for b in rows:
+            n = n_ok[b]
+            accepted += n
+            emitted = [(draft_list[b][t], "accepted", t) for t in range(n)]
+            if n < L:
+                emitted.append((best_list[b][n], "corrected", n))
+            for token, reason, t in emitted:
+                yield session.commit(b, token, M, reason, verify_logits[b, t] if opts.output_logits else None,
+                                     nbytes[b])
+                pending[b] = token
+                if session.recorder.finished[b]:
+                    break
+            # Column c + t holds d_t for t >= 1; it is a real token iff d_t was accepted.
+            keep_columns.append(min(n, L - 1) + 1)
+        # Roll back the columns every row rejected; hide the other rejected ones row by row.
+        keep = max(keep_columns, default=L)
+        for b, k in zip(rows, keep_columns):
+            if k < keep:
+                session.hide(b, column + k, column + keep)
+        cache.truncate(column + keep)
+        column += keep
+    session.stats.update(
+        rounds=rounds, drafted_tokens=drafted, accepted_drafts=accepted,
+        acceptance_rate=round(accepted / drafted, 4) if drafted else 0.0,
+    )

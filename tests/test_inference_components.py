@@ -1,0 +1,276 @@
+"""Pieces of generation: caches, exit criteria, token choice, the fused runner, argument checks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import recurrent_depth as rd
+from recurrent_depth.inference import DynamicRecurrentCache, StaticRecurrentCache, generate
+from recurrent_depth.inference.criteria import CRITERIA, ExitCriterion, resolve_criterion
+from recurrent_depth.inference.runner import FastRunner, ModelRunner
+from recurrent_depth.inference.sampling import RowGenerators, apply_repetition_penalty, filter_logits
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model() -> rd.RecurrentDepthLM:
+    torch.manual_seed(1234)
+    return rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval()
+
+
+# ---------------------------------------------------------------------------------------- caches
+def _kv(B: int, T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, T, 2, 6, generator=g), torch.randn(B, T, 2, 6, generator=g)
+
+
+@pytest.mark.parametrize("budget", [None, 1, 3], ids=["full", "k1", "k3"])
+def test_static_cache_matches_the_reference_under_early_exits_and_masks(budget):
+    """Random schedule: a prompt at full depth, then tokens exiting at different steps per row."""
+    B, r = 3, 5
+    caches = [StaticRecurrentCache(B, r, budget, capacity=2), DynamicRecurrentCache(B, r, budget)]
+    depths = [None, [5, 2, 3], [1, 5, 4], [3, 3, 1]]
+    for t, depth in enumerate(depths):
+        T = 4 if depth is None else 1
+        d = torch.full((B, T), r) if depth is None else torch.tensor(depth)[:, None]
+        for cache in caches:
+            cache.update_kv(("prelude", 0), *_kv(B, T, 100 + t))
+        for step in range(r):
+            running = (d[:, 0] > step)
+            k, v = _kv(B, T, 10 * t + step)
+            outs = []
+            for cache in caches:
+                cache.write_mask = None if bool(running.all()) else running[:, None].expand(B, T)
+                outs.append(cache.update_kv(("core", 0, step), k, v))
+                cache.write_mask = None
+            # rows that already stopped see garbage for their own column; compare the others
+            rows = running.nonzero().squeeze(1)
+            torch.testing.assert_close(outs[0][0][rows], outs[1][0][rows], rtol=0, atol=0)
+            torch.testing.assert_close(outs[0][1][rows], outs[1][1][rows], rtol=0, atol=0)
+        for cache in caches:
+            cache.close(d)
+            cache.advance(T)
+    assert caches[0].capacity >= caches[0].seq_len == 7  # grew from 2
+    for a, b in zip(caches[0].logical_nbytes(), caches[1].logical_nbytes()):
+        assert int(a) == int(b)
+
+
+def test_cache_reads_the_deepest_entry_of_an_early_exited_token():
+    cache = DynamicRecurrentCache(1, 4)
+    for step in range(2):  # token 0 ran 2 of 4 steps
+        cache.update_kv(("core", 0, step), torch.full((1, 1, 1, 2), float(step)), torch.zeros(1, 1, 1, 2))
+    cache.close(2)
+    cache.advance(1)
+    k, _ = cache.update_kv(("core", 0, 3), torch.full((1, 1, 1, 2), 9.0), torch.zeros(1, 1, 1, 2))
+    assert k[0, :, 0, 0].tolist() == [1.0, 9.0]  # step 3 of token 0 is missing: its deepest is step 1
+    static = StaticRecurrentCache(1, 4)
+    for step in range(2):
+        static.update_kv(("core", 0, step), torch.full((1, 1, 1, 2), float(step)), torch.zeros(1, 1, 1, 2))
+    static.close(2)
+    static.advance(1)
+    k, _ = static.update_kv(("core", 0, 3), torch.full((1, 1, 1, 2), 9.0), torch.zeros(1, 1, 1, 2))
+    assert k[0, :, 0, 0].tolist() == [1.0, 9.0]
+
+
+def test_budget_maps_step_to_slot_modulo_k():
+    cache = StaticRecurrentCache(1, 8, kv_budget=3)
+    for step in range(8):
+        cache.update_kv(("core", 0, step), torch.full((1, 1, 1, 2), float(step)), torch.zeros(1, 1, 1, 2))
+    K, _ = cache.kv[("core", 0)]
+    assert K.shape[0] == 3
+    assert K[:, 0, 0, 0, 0].tolist() == [6.0, 7.0, 5.0]  # slot i holds the last step = i mod 3
+    full = StaticRecurrentCache(1, 8)
+    full.update_kv(("core", 0, 0), torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2))
+    assert cache.core_nbytes() * 8 == full.core_nbytes() * 3
+
+
+def test_truncate_and_bad_budget():
+    cache = StaticRecurrentCache(1, 2)
+    cache.advance(3)
+    cache.truncate(1)
+    assert cache.seq_len == 1
+    with pytest.raises(ValueError, match="truncate"):
+        cache.truncate(5)
+    with pytest.raises(ValueError, match="kv_budget"):
+        StaticRecurrentCache(1, 4, kv_budget=0)
+
+
+# ---------------------------------------------------------------------------------------- criteria
+def test_kl_statistic_matches_torch_kl_div_and_is_clamped():
+    crit = ExitCriterion(*resolve_criterion("kl", None))
+    state = torch.zeros(2, 4)
+    crit.start(state, 5)
+    first = torch.randn(2, 5)
+    crit.update(state, first)
+    uniform = torch.full((2, 5), -math.log(5))
+    expected = F.kl_div(F.log_softmax(first, -1), uniform, reduction="none", log_target=True).sum(-1)
+    torch.testing.assert_close(crit.last_statistic, expected)
+    crit.threshold = 0.0
+    assert not crit.update(state, first).any()  # KL 0 (or -1e-9 after rounding) is not < 0 ...
+    assert crit.last_statistic.min() >= 0  # ... because it is clamped at 0
+    crit.threshold = 1e-6
+    assert crit.update(state, first).all()
+
+
+def test_every_criterion_has_a_default_threshold_and_bad_values_fail():
+    assert resolve_criterion("kl", None)[1] == 5e-4
+    assert {name: spec.default_threshold for name, spec in CRITERIA.items()} == {
+        "kl": 5e-4, "entropy-diff": 1e-3, "latent-diff": 0.03, "cosine": 1e-3, "argmax-stability": 5}
+    with pytest.raises(ValueError, match="exit_threshold=-0.1"):
+        resolve_criterion("kl", -0.1)
+    with pytest.raises(ValueError, match="integer >= 1"):
+        resolve_criterion("argmax-stability", 0)
+    with pytest.raises(ValueError, match="unknown"):
+        resolve_criterion("klx", None)
+
+
+def test_argmax_stability_counts_unchanged_steps():
+    crit = ExitCriterion(*resolve_criterion("argmax-stability", 2))
+    crit.start(torch.zeros(1, 3), 4)
+    logits = torch.tensor([[0.0, 1.0, 0.0, 0.0]])
+    assert [bool(crit.update(None, logits)) for _ in range(3)] == [False, False, True]
+
+
+# ---------------------------------------------------------------------------------------- token choice
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = filter_logits(logits, 1.0, None, 0.8, None).isfinite()
+    assert kept.tolist() == [[True, True, False, False]]
+    kept = filter_logits(logits, 1.0, None, 0.81, None).isfinite()
+    assert kept.tolist() == [[True, True, True, False]]
+    kept = filter_logits(logits, 1.0, 2, None, None).isfinite()
+    assert kept.tolist() == [[True, True, False, False]]
+    kept = filter_logits(logits, 1.0, None, None, 0.5).isfinite()  # min-p: p >= 0.5 * 0.5
+    assert kept.tolist() == [[True, True, False, False]]
+
+
+def test_repetition_penalty_follows_the_ctrl_rule():
+    logits = torch.tensor([[2.0, -2.0, 1.0]])
+    seen = torch.tensor([[True, True, False]])
+    assert apply_repetition_penalty(logits, seen, 2.0).tolist() == [[1.0, -4.0, 1.0]]
+
+
+def test_row_generators_reproduce_rows():
+    a, b = RowGenerators(5, 3, torch.device("cpu")), RowGenerators([7], 1, torch.device("cpu"))
+    assert torch.equal(torch.rand(3, generator=a[2]), torch.rand(3, generator=b[0]))
+    with pytest.raises(ValueError, match="seed"):
+        RowGenerators([1, 2], 3, torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------------------------- fused runner
+@pytest.mark.parametrize("kv_heads", [6, 2], ids=["mha", "gqa"])
+def test_fast_runner_matches_the_model_outputs_and_gradients(kv_heads):
+    """Odd sizes: hidden 36, 6 heads of dim 6, T = 5; biases on; grads w.r.t. state, e and weights."""
+    cfg = rd.ModelConfig(vocab_size=97, hidden_size=36, num_heads=6, num_kv_heads=kv_heads, intermediate_size=50,
+                         prelude_layers=1, core_layers=2, coda_layers=1, bias=True, max_seq_len=32)
+    torch.manual_seed(0)
+    model = rd.RecurrentDepthLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))  # non-zero biases
+    ids = torch.randint(0, 97, (2, 5))
+    results = []
+    for runner_cls in (ModelRunner, FastRunner):
+        runner = runner_cls(model)
+        model.zero_grad()
+        step = runner.context(ids, None, None)
+        e = runner.embed(ids, step)
+        state = torch.randn(2, 5, 36, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        s = runner.core_step(state, runner.inject(e), e, 0, step)
+        s = runner.core_step(s, runner.inject(e), e, 1, step)
+        logits = runner.predict(s, step)
+        (logits.square().mean() + s.sum()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((logits.detach(), state.grad.clone(), grads))
+    (ref_logits, ref_state_grad, ref_grads), (fast_logits, fast_state_grad, fast_grads) = results
+    torch.testing.assert_close(fast_logits, ref_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast_state_grad, ref_state_grad, rtol=1e-4, atol=1e-5)
+    assert ref_grads.keys() == fast_grads.keys()
+    for name in ref_grads:
+        torch.testing.assert_close(fast_grads[name], ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_fast_runner_is_used_only_for_plain_attention():
+    cfg = rd.ModelConfig.from_preset("tiny")
+    cfg.mixer_options = {"window": 4}
+    windowed = rd.RecurrentDepthLM(cfg)
+    assert not FastRunner.supports(windowed)
+    with pytest.raises(ValueError, match="plain softmax attention"):
+        FastRunner(windowed)
+    out = generate(windowed, torch.randint(0, 256, (1, 6)), max_new_tokens=3, num_steps=2, init_scale=0.0)
+    assert out.sequences.shape == (1, 9)
+
+
+# ---------------------------------------------------------------------------------------- argument checks
+BAD = {
+    "kv_budget=0": (dict(kv_budget=0), "kv_budget=0"),
+    "draft>=steps": (dict(draft_steps=4, num_steps=4), "draft_steps=4"),
+    "negative-threshold": (dict(exit_criterion="kl", exit_threshold=-1e-3), "exit_threshold"),
+    "unknown-criterion": (dict(exit_criterion="entropy"), "exit_criterion='entropy'"),
+    "threshold-without-criterion": (dict(exit_threshold=0.1), "without an exit_criterion"),
+    "temperature": (dict(do_sample=True, temperature=0.0), "temperature"),
+    "top_p": (dict(do_sample=True, top_p=1.5), "top_p"),
+    "top_k": (dict(top_k=0), "top_k"),
+    "min_p": (dict(min_p=-0.1), "min_p"),
+    "repetition_penalty": (dict(repetition_penalty=0.0), "repetition_penalty"),
+    "num_steps": (dict(num_steps=-1), "num_steps"),
+    "max_new_tokens": (dict(max_new_tokens=-1), "max_new_tokens"),
+    "min>max": (dict(exit_criterion="kl", min_steps=5, max_steps=3), "min_steps"),
+    "verification": (dict(draft_steps=1, verification_threshold=1.5), "verification_threshold"),
+    "spec+exit": (dict(draft_steps=1, exit_criterion="kl"), "does not combine"),
+    "spec+sample": (dict(draft_steps=1, do_sample=True), "does not combine"),
+    "parallel+budget": (dict(sampler="parallel", kv_budget=4), "kv_budget=4"),
+    "parallel+kl": (dict(sampler="parallel", exit_criterion="kl"), "parallel"),
+    "sampler": (dict(sampler="beam"), "sampler"),
+    "cache": (dict(cache_implementation="paged"), "cache_implementation"),
+    "seed": (dict(seed="x"), "seed"),
+    "stop-string-no-tokenizer": (dict(stop="\n"), "tokenizer"),
+    "stop-id": (dict(stop=[999]), "stop token id 999"),
+    "unknown-kwarg": (dict(num_step=3), "unknown generation argument"),
+    "init_scale": (dict(init_scale=-1.0), "init_scale"),
+    "warm_start": (dict(warm_start="yes"), "warm_start"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_arguments_raise_clear_value_errors(model, case):
+    kwargs, message = BAD[case]
+    kwargs = {"num_steps": 4, **kwargs}
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        generate(model, torch.randint(0, 256, (1, 5)), max_new_tokens=kwargs.pop("max_new_tokens", 3), **kwargs)
+
+
+BAD_INPUTS = {
+    "id-too-large": (torch.tensor([[1, 2, 256]]), None, r"input_ids\[0, 2\]=256"),
+    "negative-id": (torch.tensor([[-1, 2]]), None, "outside the vocabulary"),
+    "float-ids": (torch.tensor([[1.0, 2.0]]), None, "integer token ids"),
+    "empty": (torch.zeros(1, 0, dtype=torch.long), None, "seq_len>0"),
+    "mask-shape": (torch.tensor([[1, 2, 3]]), torch.tensor([[1, 1]]), "shape of input_ids"),
+    "right-padding": (torch.tensor([[1, 2, 3]]), torch.tensor([[1, 1, 0]]), "left padding"),
+    "mask-values": (torch.tensor([[1, 2, 3]]), torch.tensor([[1, 2, 1]]), "only 0"),
+    "too-long": (torch.zeros(1, 250, dtype=torch.long), None, "max_seq_len"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_inputs_raise_clear_value_errors(model, case):
+    ids, mask, message = BAD_INPUTS[case]
+    with pytest.raises(ValueError, match=message):
+        generate(model, ids, attention_mask=mask, max_new_tokens=10, num_steps=2)
+
+
+def test_lists_are_accepted_as_input_ids(model):
+    a = generate(model, [3, 4, 5], max_new_tokens=3, num_steps=2, init_scale=0.0)
+    b = generate(model, torch.tensor([[3, 4, 5]]), max_new_tokens=3, num_steps=2, init_scale=0.0)
+    assert torch.equal(a.sequences, b.sequences)

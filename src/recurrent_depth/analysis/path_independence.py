@@ -1,0 +1,110 @@
+"""Path independence: do different random starts s_0 end in the same place?
+
+Following the paper (section 7, after Anil et al. 2022): run the same prompt from several random
+s_0 and compare, per token, the spread of its final states across starts with how far apart
+*different* tokens' final states are. A path-independent model has spread << separation.
+
+    spread[t]     = mean over pairs of starts (a, b) of ‖f_a[t] − f_b[t]‖
+    separation[t] = min over other positions t' of ‖mean_a f_a[t] − mean_a f_a[t']‖
+    ratio[t]      = spread[t] / separation[t]     (< 1: the token's final state is identifiable)
+
+f are the final ln_f-normalised states. The chosen tokens' whole paths are kept for overlay plots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from recurrent_depth.analysis.trajectory import iterate_states
+
+
+@dataclass
+class PathIndependence:
+    """seeds [K]; finals [K, T, h]; spread, separation, ratio [T]; paths {position: [K, S+1, h]}."""
+
+    seeds: list[int]
+    finals: np.ndarray
+    spread: np.ndarray
+    separation: np.ndarray
+    ratio: np.ndarray
+    paths: dict[int, np.ndarray]
+    init_scale: float
+
+    def summary(self) -> dict:
+        return {
+            "num_starts": len(self.seeds),
+            "seeds": list(self.seeds),
+            "init_scale": self.init_scale,
+            "median_spread": float(np.median(self.spread)),
+            "median_separation": float(np.median(self.separation)),
+            "median_ratio": float(np.median(self.ratio)),
+            "max_ratio": float(np.max(self.ratio)),
+            "fraction_ratio_below_1": float(np.mean(self.ratio < 1.0)),
+        }
+
+
+def spread_and_separation(finals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """From final states [K, T, h] (K >= 2, T >= 2): spread [T] and separation [T] as defined above."""
+    finals = np.asarray(finals, dtype=np.float64)
+    if finals.ndim != 3 or finals.shape[0] < 2 or finals.shape[1] < 2:
+        raise ValueError(f"finals must be [starts >= 2, tokens >= 2, hidden], got shape {finals.shape}")
+    K, T, _ = finals.shape
+    diffs = [np.linalg.norm(finals[a] - finals[b], axis=-1) for a in range(K) for b in range(a + 1, K)]
+    spread = np.mean(diffs, axis=0)
+    centre = finals.mean(axis=0)  # [T, h]
+    sq = np.einsum("th,th->t", centre, centre)
+    dist2 = sq[:, None] + sq[None, :] - 2 * centre @ centre.T
+    dist = np.sqrt(np.clip(dist2, 0.0, None))
+    np.fill_diagonal(dist, np.inf)
+    return spread, dist.min(axis=1)
+
+
+def path_independence(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    num_steps: int,
+    *,
+    seeds: list[int],
+    positions: list[int] | None = None,
+    attention_mask: Tensor | None = None,
+    row: int = 0,
+    init_scale: float = 1.0,
+) -> PathIndependence:
+    """Run `num_steps` from one random s_0 per seed and measure path independence for row `row`.
+
+    positions: indices among the row's real tokens whose full normed paths to keep (for plots).
+    """
+    if len(seeds) < 2 or len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds must hold at least 2 distinct seeds, got {seeds!r}")
+    if not isinstance(init_scale, int | float) or init_scale <= 0:
+        raise ValueError(f"init_scale={init_scale!r} is invalid: path independence needs random starts (> 0)")
+    valid = np.arange(input_ids.shape[1])
+    if attention_mask is not None:
+        valid = np.flatnonzero(attention_mask[row].cpu().numpy())
+    keep = list(positions or [])
+    for p in keep:
+        if not 0 <= p < len(valid):
+            raise ValueError(f"position {p} is out of range: the row has {len(valid)} real tokens")
+    finals, paths = [], {p: [] for p in keep}
+    for seed in seeds:
+        path_steps = []
+        for state, _ in iterate_states(
+            model, input_ids, num_steps, attention_mask=attention_mask, init_scale=init_scale, seed=seed
+        ):
+            normed = state.normed[row, valid].float().cpu().numpy()  # [T_row, h]
+            if keep:
+                path_steps.append(normed[keep])
+        finals.append(normed)
+        for j, p in enumerate(keep):
+            paths[p].append(np.stack([s[j] for s in path_steps]))
+    final_arr = np.stack(finals)
+    spread, separation = spread_and_separation(final_arr)
+    ratio = spread / np.where(separation > 0, separation, np.finfo(np.float64).tiny)
+    return PathIndependence(
+        seeds=list(seeds), finals=final_arr, spread=spread, separation=separation, ratio=ratio,
+        paths={p: np.stack(v) for p, v in paths.items()}, init_scale=float(init_scale),
+    )

@@ -1,0 +1,119 @@
+"""`rdepth analyze`: trajectories, convergence, PCA, path independence of one prompt -> a report.
+
+    rdepth analyze --model runs/quickstart/model --prompt "def add(a, b):" --out runs/analysis
+
+writes OUT/report.html (self-contained), OUT/*.png, OUT/analysis.json and OUT/states/*.npy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from recurrent_depth.cli.common import add_device_args, add_model_arg, add_out_arg, add_seed_arg
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "analyze",
+        help="see the latent reasoning of one prompt: convergence, trajectories, path independence",
+        description="Run a prompt through the recurrence and write an HTML report with figures "
+        "(distance to s*, PCA trajectories, path independence, token correlation, depth view) and "
+        "a JSON file with the numbers.",
+    )
+    add_model_arg(p)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the text to analyse (tokenized with the model's tokenizer.json)")
+    source.add_argument("--prompt-file", metavar="FILE", help="read the prompt text from this UTF-8 file")
+    source.add_argument("--ids", help="comma-separated token ids instead of text (no tokenizer needed)")
+    add_out_arg(p, "runs/analysis")
+    add_seed_arg(p)
+    add_device_args(p)
+    p.add_argument("--steps", type=int, default=64, help="recurrence steps recorded and plotted (default: %(default)s)")
+    p.add_argument("--limit-steps", type=int, default=128,
+                   help="steps from the same s0 to the limit point s* (default: %(default)s)")
+    p.add_argument("--starts", type=int, default=4,
+                   help="random initial states for path independence (default: %(default)s)")
+    p.add_argument("--init-scale", type=float, default=1.0,
+                   help="scale of the random s0; 0 = zeros (default: %(default)s)")
+    p.add_argument("--converge-tol", type=float, default=0.05,
+                   help="relative distance to s* that counts as converged (default: %(default)s)")
+    p.add_argument("--tokens", default=None,
+                   help="comma-separated token positions to plot in PCA (default: chosen automatically)")
+    p.add_argument("--max-plot-tokens", type=int, default=6,
+                   help="tokens chosen automatically for the PCA figure (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="refuse prompts longer than this many tokens (default: %(default)s)")
+    p.add_argument("--no-special-tokens", action="store_true",
+                   help="do not add the tokenizer's special tokens such as BOS (default: add them)")
+    p.add_argument("--no-states", action="store_true",
+                   help="do not keep the trajectory as .npy files in OUT/states (default: keep them)")
+    p.set_defaults(func=run)
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+
+def _load_tokenizer(model_dir: Path):
+    from tokenizers import Tokenizer
+
+    file = model_dir / "tokenizer.json"
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"{model_dir} has no tokenizer.json; save the model with its tokenizer, or pass --ids"
+        )
+    return Tokenizer.from_file(str(file))
+
+
+def run(args: argparse.Namespace) -> int:
+    from recurrent_depth.analysis.report import AnalysisConfig, analyze_to_dir
+    from recurrent_depth.checkpoint import load_pretrained
+
+    start = time.perf_counter()
+    model_dir = Path(args.model)
+    config = AnalysisConfig(
+        num_steps=args.steps, limit_steps=args.limit_steps, num_starts=args.starts, init_scale=args.init_scale,
+        seed=args.seed, converge_tol=args.converge_tol,
+        tokens=_int_list(args.tokens, "--tokens") if args.tokens else None,
+        max_plot_tokens=args.max_plot_tokens, max_tokens=args.max_tokens, save_states=not args.no_states,
+    )
+    config.validate()  # fail on bad flags before loading weights
+    model = load_pretrained(model_dir, dtype=args.dtype, device=args.device)
+
+    tokenizer = None if args.ids else _load_tokenizer(model_dir)
+    prompt = None
+    if args.ids:
+        ids = _int_list(args.ids, "--ids")
+    else:
+        prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text(encoding="utf-8")
+        ids = tokenizer.encode(prompt, add_special_tokens=not args.no_special_tokens).ids
+    if not ids:
+        raise ValueError("the prompt is empty after tokenization")
+    vocab = model.config.vocab_size
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise ValueError(f"token ids {bad[:5]} are outside the model's vocabulary [0, {vocab})")
+
+    if tokenizer is not None:
+        def decode(i: int) -> str:
+            return tokenizer.decode([i], skip_special_tokens=False)
+    else:
+        decode = str
+    texts = [decode(i) for i in ids]
+    print(f"analysing {len(ids)} tokens, {config.num_steps} steps (s* at {config.limit_steps}), "
+          f"{config.num_starts} starts")
+    result, files = analyze_to_dir(
+        model, ids, args.out, token_texts=texts, decode=decode, config=config, prompt=prompt,
+        model_name=str(model_dir), progress=True,
+    )
+    counts = ", ".join(f"{k}: {v}" for k, v in result.counts.items())
+    print(f"trajectory shapes: {counts}")
+    print(f"path independence: median spread / nearest-token distance = {result.path.summary()['median_ratio']:.3g}")
+    print(f"report: {files['html']}  (numbers: {files['json']}, {len(files) - 2} PNGs)")
+    print(f"done in {time.perf_counter() - start:.1f}s")
+    return 0

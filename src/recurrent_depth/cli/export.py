@@ -1,0 +1,75 @@
+"""`rdepth export`: re-save a model directory, optionally with a remote-code modeling file.
+
+    rdepth export --model runs/quickstart/model --out exported --remote-code
+    rdepth export --model huginn-0125/ --out huginn-ours --dtype bfloat16 --max-shard-mb 4000
+
+Without `--remote-code` the model is re-saved in the library's layout (official Huginn-0125
+directories are converted: our config keys, the tied head stored once, no RoPE buffer), optionally
+in another dtype or sharded. With `--remote-code` the output also holds
+`modeling_recurrent_depth.py` and an `auto_map`, so a plain transformers environment loads it with
+`AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)` (fixed-depth forward and
+`generate()`; softmax-attention models only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+from recurrent_depth.cli.common import add_model_arg
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "export",
+        help="re-save a model (library layout, dtype, shards), optionally loadable with trust_remote_code",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_model_arg(parser)
+    parser.add_argument(
+        "--out", default=None, metavar="DIR",
+        help="output directory (default: write into --model itself; needs --remote-code)",
+    )
+    parser.add_argument(
+        "--remote-code", action="store_true",
+        help="add modeling_recurrent_depth.py + auto_map for trust_remote_code=True (default: off)",
+    )
+    parser.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+        help="cast the weights to this dtype (default: as stored)",
+    )
+    parser.add_argument(
+        "--max-shard-mb", type=float, default=None, metavar="MB",
+        help="split the weights into shards of at most this size (default: one file)",
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from recurrent_depth.checkpoint import load_pretrained, save_pretrained
+    from recurrent_depth.config import ModelConfig
+    from recurrent_depth.integrations.export import TOKENIZER_FILES, check_exportable, export_remote_code
+
+    src = Path(args.model)
+    out = Path(args.out) if args.out is not None else None
+    if args.max_shard_mb is not None and args.max_shard_mb <= 0:
+        raise ValueError(f"--max-shard-mb={args.max_shard_mb} is invalid: expected a size > 0")
+    reshape = args.dtype is not None or args.max_shard_mb is not None
+    if out is None and (reshape or not args.remote_code):
+        raise ValueError("--out is required unless only --remote-code files are added to --model in place")
+    if args.remote_code:
+        check_exportable(ModelConfig.from_json(src))  # fail before writing anything
+    if out is not None and (reshape or not args.remote_code):
+        model = load_pretrained(src, dtype=args.dtype)
+        max_bytes = int(args.max_shard_mb * 2**20) if args.max_shard_mb is not None else None
+        save_pretrained(model, out, max_shard_bytes=max_bytes)
+        if out.resolve() != src.resolve():
+            for name in TOKENIZER_FILES:
+                if (src / name).is_file():
+                    shutil.copyfile(src / name, out / name)
+        src = out
+    written = export_remote_code(src, out) if args.remote_code else src
+    print(f"wrote {written}" + (" (loads with trust_remote_code=True)" if args.remote_code else ""))
+    return 0

@@ -1,0 +1,75 @@
+"""Export a model directory that a plain transformers environment loads with `trust_remote_code=True`.
+
+The exported directory holds our usual files (config.json, safetensors weights, tokenizer files)
+plus `modeling_recurrent_depth.py` (one self-contained file: torch + transformers) and an
+`auto_map` in config.json that points the Auto classes at it, the way Huginn-0125 itself ships.
+In a process that imported `recurrent_depth`, the library's own classes take precedence.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from recurrent_depth.checkpoint import load_pretrained, save_pretrained
+from recurrent_depth.config import MODEL_TYPE, ModelConfig, atomic_write_text
+
+REMOTE_CODE_FILE = "modeling_recurrent_depth.py"
+AUTO_MAP = {
+    "AutoConfig": "modeling_recurrent_depth.RecurrentDepthConfig",
+    "AutoModelForCausalLM": "modeling_recurrent_depth.RecurrentDepthForCausalLM",
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+SUPPORTED_MIXER_OPTIONS = frozenset({"window"})
+
+
+def remote_code_source() -> str:
+    """The text of the self-contained modeling file."""
+    return resources.files("recurrent_depth.integrations.remote").joinpath(REMOTE_CODE_FILE).read_text()
+
+
+def check_exportable(config: ModelConfig) -> None:
+    """The remote-code file implements softmax attention only; say so before writing anything."""
+    mixers = set(config.mixer.values()) if isinstance(config.mixer, dict) else {config.mixer}
+    if mixers != {"attention"}:
+        raise ValueError(
+            f"--remote-code supports the 'attention' mixer only; this model uses {sorted(mixers)}. "
+            "Load it with the recurrent_depth library instead (AutoModelForCausalLM works after "
+            "`import recurrent_depth`)"
+        )
+    unsupported = sorted(set(config.mixer_options) - SUPPORTED_MIXER_OPTIONS)
+    if unsupported:
+        raise ValueError(
+            f"--remote-code supports mixer_options {sorted(SUPPORTED_MIXER_OPTIONS)} only; got {unsupported}"
+        )
+
+
+def export_remote_code(model_dir: str | Path, out_dir: str | Path | None = None) -> Path:
+    """Write (or add, when `out_dir` is None or equals `model_dir`) the remote-code files.
+
+    Official Huginn-0125 directories are converted to our config and weight layout on the way.
+    Returns the output directory.
+    """
+    src = Path(model_dir)
+    out = Path(out_dir) if out_dir is not None else src
+    if not (src / "config.json").is_file():
+        raise FileNotFoundError(f"{src} has no config.json; expected a saved model directory")
+    config = ModelConfig.from_json(src / "config.json")
+    check_exportable(config)
+    raw = json.loads((src / "config.json").read_text())
+    if raw.get("model_type") != MODEL_TYPE or out.resolve() != src.resolve():
+        # Re-save through the library: our key names, tied head stored once, no RoPE buffer.
+        model = load_pretrained(src)
+        save_pretrained(model, out)
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file() and out.resolve() != src.resolve():
+                shutil.copyfile(src / name, out / name)
+    values: dict[str, Any] = config.to_dict()
+    values["architectures"] = ["RecurrentDepthForCausalLM"]
+    values["auto_map"] = dict(AUTO_MAP)
+    atomic_write_text(out / "config.json", json.dumps(values, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(out / REMOTE_CODE_FILE, remote_code_source())
+    return out

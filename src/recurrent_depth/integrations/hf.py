@@ -1,0 +1,500 @@
+"""transformers 5 wrapper: `AutoModelForCausalLM` loads our checkpoints and official Huginn-0125 ones.
+
+    import recurrent_depth  # registers the Auto classes (lazily, see integrations/autoregister.py)
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path)          # ours or Huginn-0125, no remote code
+    out = model(input_ids, num_steps=8, init_scale=0.0)         # same logits as RecurrentDepthLM
+    ids = model.generate(input_ids, max_new_tokens=16, num_steps=8, kv_budget=4)
+
+`RecurrentDepthForCausalLM` holds the very modules of a `RecurrentDepthLM` (`transformer`,
+`lm_head`) as its own children, so parameter names are the checkpoint's and the math is the
+library's: the wrapper only translates transformers' calling conventions (`cache`, `use_cache`,
+`return_dict`, ...). transformers 5 pitfalls handled here (see reference/ecosystem.md): the cache
+keyword is `cache` (``past_key_values`` is accepted as an alias), `_tied_weights_keys` is a dict,
+`GenerationMixin` is inherited explicitly, and `generate()` never builds a config-sized
+`DynamicCache` (one cache layer per (layer, step) is created lazily by `RecurrentDepthCache`).
+
+Options only `recurrent_depth.generate` implements (per-token exit, warm start, self-speculative
+drafts) are routed there by :meth:`RecurrentDepthForCausalLM.generate`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from recurrent_depth.integrations.hf_config import HuginnRavenConfig, RecurrentDepthConfig
+from recurrent_depth.model.layers import RMSNorm
+from recurrent_depth.model.recurrent import RecurrentDepthLM
+
+
+# ---------------------------------------------------------------------------------------------- cache
+class RecurrentDepthCache(DynamicCache):
+    """A transformers `DynamicCache` that is also a recurrent-depth cache (see model/cache.py).
+
+    Every (layer, step) pair gets its own transformers cache layer, created lazily, keys and values
+    stored as transformers does, `[B, Hkv, T, D]`:
+
+        prelude layer i -> i;   coda layer c -> P + c;   core layer j at step t -> P + C + slot(t) * R + j
+
+    with slot(t) = t (the full cache) or t mod `kv_budget` (the paper's zero-shot KV sharing: step t
+    reads and writes slot t mod k, overwriting what an earlier step of the same call wrote there).
+    Recurrent states of non-attention mixers are kept per (layer, step) in `states`.
+    Beam search (`reorder_cache`), `batch_select_indices` and `crop` (attention-only) work as in
+    transformers; `get_seq_length()` is the number of committed tokens.
+    """
+
+    def __init__(
+        self, prelude_layers: int, core_layers: int, coda_layers: int, kv_budget: int | None = None
+    ) -> None:
+        super().__init__()
+        check_kv_budget(kv_budget)
+        self.prelude_layers = prelude_layers
+        self.core_layers = core_layers
+        self.coda_layers = coda_layers
+        self.kv_budget = kv_budget
+        self.states: dict[tuple, Any] = {}
+        self._seen = 0
+
+    @classmethod
+    def for_config(cls, config: Any, kv_budget: int | None = None) -> RecurrentDepthCache:
+        mc = config.to_model_config() if hasattr(config, "to_model_config") else config
+        return cls(mc.prelude_layers, mc.core_layers, mc.coda_layers, kv_budget)
+
+    # ------------------------------------------------------------------ the model's cache protocol
+    @property
+    def seq_len(self) -> int:
+        return self._seen
+
+    def layer_index(self, key: tuple) -> int:
+        part = key[0]
+        if part == "prelude":
+            return key[1]
+        if part == "coda":
+            return self.prelude_layers + key[1]
+        if part == "core":
+            step = key[2] if self.kv_budget is None else key[2] % self.kv_budget
+            return self.prelude_layers + self.coda_layers + step * self.core_layers + key[1]
+        raise ValueError(f"unknown layer key {key!r}")
+
+    def update_kv(self, key: tuple, k: Tensor, v: Tensor, ctx: Any = None) -> tuple[Tensor, Tensor]:
+        """Store this call's k, v `[B, T, Hkv, D]` for layer `key`; return all positions' `[B, past + T, Hkv, D]`."""
+        idx = self.layer_index(key)
+        while len(self.layers) <= idx:
+            self.layers.append(self.layer_class_to_replicate())
+        layer = self.layers[idx]
+        new_k, new_v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, D]
+        T = k.shape[1]
+        held = layer.get_seq_length()
+        if held == self._seen:
+            layer.update(new_k, new_v)
+        elif held == self._seen + T and self.kv_budget is not None:
+            # A shared slot that an earlier step of this call already wrote: overwrite those positions.
+            layer.keys = torch.cat([layer.keys[:, :, : self._seen], new_k], dim=2)
+            layer.values = torch.cat([layer.values[:, :, : self._seen], new_v], dim=2)
+        else:
+            raise RuntimeError(
+                f"cache layer {key} holds {held} positions but {self._seen} are committed; this "
+                "(layer, step) was skipped for some tokens. Per-token early exit needs the fallback "
+                "policies of recurrent_depth.generate"
+            )
+        return layer.keys.transpose(1, 2), layer.values.transpose(1, 2)
+
+    def get_state(self, key: tuple) -> Any:
+        return self.states.get(key)
+
+    def set_state(self, key: tuple, value: Any) -> None:
+        self.states[key] = value
+
+    def advance(self, num_tokens: int) -> None:
+        self._seen += num_tokens
+
+    def nbytes(self) -> int:
+        total = sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers if layer.is_initialized)
+        return total + sum(t.nbytes for t in _tensors(self.states))
+
+    # ------------------------------------------------------------------ transformers' protocol
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._seen
+
+    @property
+    def is_croppable(self) -> bool:
+        return not self.states and super().is_croppable
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if self.states:
+            raise ValueError("crop: recurrent mixer states cannot be rolled back; use an attention-only model")
+        if tokens_to_remove > 0:  # transformers' legacy form: the length to keep
+            tokens_to_remove = tokens_to_remove - self._seen
+        if tokens_to_remove == 0:
+            return
+        super().crop(tokens_to_remove)
+        self._seen += tokens_to_remove
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self.states = _map_tensors(self.states, lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self.states = _map_tensors(self.states, lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        super().batch_select_indices(indices)
+        self.states = _map_tensors(self.states, lambda t: t[indices])
+
+
+def check_kv_budget(kv_budget: Any) -> None:
+    if kv_budget is not None and (isinstance(kv_budget, bool) or not isinstance(kv_budget, int) or kv_budget < 1):
+        raise ValueError(f"kv_budget={kv_budget!r} is invalid: expected None (full cache) or an integer >= 1")
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [t for item in value for t in _tensors(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors(item)]
+    return []
+
+
+def _map_tensors(value: Any, fn: Any) -> Any:
+    if isinstance(value, Tensor):
+        return fn(value)
+    if isinstance(value, list | tuple):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
+# ---------------------------------------------------------------------------------------------- model
+@dataclass
+class RecurrentDepthCausalLMOutput(CausalLMOutputWithPast):
+    """`CausalLMOutputWithPast` plus the recurrent-depth extras.
+
+    latent_states: ln_f(s_r) `[B, T, h]`; final_state: the raw s_r `[B, T, h]`;
+    hidden_states (with ``output_hidden_states=True``): the raw states s_0..s_r, each `[B, T, h]`.
+    """
+
+    latent_states: Tensor | None = None
+    final_state: Tensor | None = None
+
+
+# Options of `recurrent_depth.generate` that transformers' own decoding loop cannot express.
+ROUTED_GENERATE_OPTIONS = (
+    "exit_criterion", "exit_threshold", "min_steps", "max_steps", "warm_start", "draft_steps", "lookahead",
+    "verification_threshold", "sampler", "inner_steps", "headway", "max_wavefront", "seed", "stop",
+    "cache_implementation", "fast", "output_logits",
+)
+# Options both loops understand; passed along when a call is routed to `recurrent_depth.generate`.
+SHARED_GENERATE_OPTIONS = (
+    "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+    "attention_mask", "num_steps", "init_scale", "kv_budget",
+)
+# forward() keyword arguments transformers may send that carry no information for this model.
+_IGNORED_FORWARD_KWARGS = ("output_attentions", "cache_position", "logits_to_keep", "token_type_ids")
+
+
+class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
+    """transformers causal LM over the library's `RecurrentDepthLM` (same parameters, same math)."""
+
+    config_class = RecurrentDepthConfig
+    base_model_prefix = "transformer"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["SandwichBlock"]
+    _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
+    _keys_to_ignore_on_load_unexpected = [r"^freqs_cis$"]  # the official file's RoPE buffer
+
+    def __init__(self, config: RecurrentDepthConfig | HuginnRavenConfig) -> None:
+        super().__init__(config)
+        core = RecurrentDepthLM(config.to_model_config())
+        # Adopt the modules, not the RecurrentDepthLM object: parameter names stay the checkpoint's
+        # (`transformer.*`, `lm_head.weight`) and moving/casting this model moves the core's too.
+        self.transformer = core.transformer
+        self.lm_head = core.lm_head
+        object.__setattr__(self, "_core", core)  # not a submodule: its parameters are ours
+        self._output_projections = {
+            id(m) for name, m in self.named_modules() if name.endswith(("attn.proj", "mlp.proj"))
+        }
+        self.post_init()
+
+    # ------------------------------------------------------------------ plumbing
+    @property
+    def core(self) -> RecurrentDepthLM:
+        """The library model sharing these parameters (for `recurrent_depth.generate` and analysis)."""
+        self._sync_runtime_config()
+        return self._core
+
+    def _sync_runtime_config(self) -> None:
+        """Copy the fields users change after loading (depth, init scale, context) into the core's config."""
+        core_cfg = self._core.config
+        for name, hf_name in (("mean_recurrence", "mean_recurrence"), ("init_scale", "init_scale"),
+                              ("mean_backprop_depth", "mean_backprop_depth"),
+                              ("max_seq_len", "max_position_embeddings")):
+            value = getattr(self.config, hf_name)
+            if getattr(core_cfg, name) != value:
+                setattr(core_cfg, name, value)
+                try:
+                    core_cfg.validate()
+                except ValueError as exc:
+                    raise ValueError(f"config.{hf_name}={value!r}: {exc}") from None
+        self._core.gradient_checkpointing = self.is_gradient_checkpointing
+        self._core.training = self.training
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return bool(getattr(self, "_gradient_checkpointing", False))
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        """Per-iteration activation checkpointing (the paper's), applied by the core's loop."""
+        self._gradient_checkpointing = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        self._gradient_checkpointing = False
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.transformer.wte
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.transformer.wte = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+        self._core.lm_head = value
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # generate() would build DynamicCache(config) with one layer per config layer; we need one
+        # per (layer, step), so forward() creates a RecurrentDepthCache on its first cached call.
+        return False
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """The Takase init of `RecurrentDepthLM.reset_parameters`, one module at a time.
+
+        transformers calls this only for modules whose weights were not loaded; its guards skip
+        parameters that were.
+        """
+        mc = self._core.config
+        std = math.sqrt(2 / (5 * mc.hidden_size))
+        out_std = std / math.sqrt(2 * mc.effective_expected_depth)
+        if isinstance(module, nn.Linear):
+            s = out_std if id(module) in self._output_projections else std
+            nn.init.trunc_normal_(module.weight, std=s, a=-3 * s, b=3 * s)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.trunc_normal_(module.weight, std=std, a=-3 * std, b=3 * std)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+        for name in ("qk_bias", "q_bias", "k_bias"):
+            param = module._parameters.get(name)
+            if param is not None:
+                nn.init.zeros_(param)
+
+    def train(self, mode: bool = True) -> RecurrentDepthForCausalLM:
+        super().train(mode)
+        self._core.training = mode
+        return self
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        cache: Cache | None = None,
+        use_cache: bool | None = None,
+        labels: Tensor | None = None,
+        num_steps: int | tuple[int, int] | None = None,
+        init_scale: float | None = None,
+        input_states: Tensor | None = None,
+        kv_budget: int | None = None,
+        generator: torch.Generator | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        inputs_embeds: Tensor | None = None,
+        num_items_in_batch: int | Tensor | None = None,
+        **kwargs: Any,
+    ) -> RecurrentDepthCausalLMOutput | tuple:
+        """`RecurrentDepthLM.forward` with transformers' conventions.
+
+        num_steps / init_scale / input_states / generator: as `RecurrentDepthLM.forward` (None ->
+        `config.mean_recurrence` in eval mode, a sampled depth in train mode; `config.init_scale`).
+        cache: a `RecurrentDepthCache` (an empty transformers cache is replaced by one); with
+        `use_cache=True` and no cache, one is created with `kv_budget` (None = full cache).
+        labels: `[B, T]` unshifted, -100 ignored (shifted inside, as transformers does).
+        """
+        cache = _cache_alias(cache, kwargs)
+        unknown = sorted(k for k in kwargs if k not in _IGNORED_FORWARD_KWARGS)
+        if unknown:
+            raise ValueError(
+                f"unexpected forward() arguments {unknown}; recurrent-depth options are num_steps, "
+                "init_scale, input_states, kv_budget, generator (exit / warm start / draft options "
+                "belong to generate())"
+            )
+        if inputs_embeds is not None:
+            raise ValueError("inputs_embeds is not supported: pass input_ids (the prelude scales the embedding)")
+        if input_ids is None:
+            raise ValueError("input_ids is required")
+        check_kv_budget(kv_budget)
+        self._sync_runtime_config()
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        output_hidden_states = (
+            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        )
+
+        if cache is not None and not isinstance(cache, RecurrentDepthCache):
+            if not isinstance(cache, Cache) or cache.get_seq_length() != 0:
+                raise ValueError(
+                    f"cache must be a RecurrentDepthCache (or an empty transformers Cache), got "
+                    f"{type(cache).__name__} holding {getattr(cache, 'get_seq_length', lambda: '?')()} tokens"
+                )
+            cache = None
+            use_cache = True
+        if cache is None and use_cache:
+            cache = RecurrentDepthCache.for_config(self._core.config, kv_budget)
+        if cache is not None and kv_budget is not None and cache.kv_budget != kv_budget:
+            raise ValueError(f"kv_budget={kv_budget} differs from the cache's kv_budget={cache.kv_budget}")
+
+        out = self._core(
+            input_ids, num_steps, labels=None, attention_mask=attention_mask, position_ids=position_ids,
+            input_states=input_states, init_scale=init_scale, generator=generator, cache=cache,
+            output_all_states=bool(output_hidden_states),
+        )
+        loss = None
+        if labels is not None:
+            self._core.check_inputs(input_ids, labels, None, None, None)
+            reduction = "mean" if num_items_in_batch is None else "sum"
+            loss = F.cross_entropy(
+                out.logits[:, :-1].reshape(-1, out.logits.shape[-1]), labels[:, 1:].reshape(-1),
+                ignore_index=-100, reduction=reduction,
+            )
+            if num_items_in_batch is not None:
+                loss = loss / num_items_in_batch
+        hidden = tuple(out.all_states.unbind(0)) if out.all_states is not None else None
+        result = RecurrentDepthCausalLMOutput(
+            loss=loss, logits=out.logits, cache=cache if use_cache else None, hidden_states=hidden,
+            latent_states=out.latent_states, final_state=out.final_state,
+        )
+        return result if return_dict else result.to_tuple()
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, inputs: Tensor | None = None, generation_config: Any = None, **kwargs: Any) -> Any:
+        """transformers' `generate`, plus `recurrent_depth.generate` for what it alone implements.
+
+        `num_steps`, `init_scale` and `kv_budget` work in transformers' own loop (greedy, sampling,
+        beam search, stopping criteria...). Any of ``exit_criterion``, ``exit_threshold``,
+        ``warm_start``, ``draft_steps``, ``verification_threshold``, ``min_steps``, ``seed`` or
+        ``stop`` routes the call to `recurrent_depth.generate`; it returns the sequences, or with
+        ``return_dict_in_generate=True`` the library's output (`sequences`, `steps`, ...).
+        """
+        routed = {k: kwargs.pop(k) for k in list(kwargs) if k in ROUTED_GENERATE_OPTIONS}
+        if not routed:
+            return super().generate(inputs, generation_config=generation_config, **kwargs)
+        return self._generate_with_library(inputs, generation_config, routed, kwargs)
+
+    def _generate_with_library(
+        self, inputs: Tensor | None, generation_config: Any, routed: dict[str, Any], kwargs: dict[str, Any]
+    ) -> Any:
+        from recurrent_depth.inference import generate as rd_generate
+
+        if generation_config is not None:
+            raise ValueError(
+                f"generate: pass options as keyword arguments, not a generation_config, together with {sorted(routed)}"
+            )
+        input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
+        if input_ids is None:
+            raise ValueError("generate: input_ids are required")
+        return_dict = bool(kwargs.pop("return_dict_in_generate", False))
+        options: dict[str, Any] = dict(routed)
+        for name in SHARED_GENERATE_OPTIONS:
+            value = kwargs.pop(name, None)
+            if value is not None:
+                options[name] = value
+        max_length = kwargs.pop("max_length", None)
+        if "max_new_tokens" not in options:  # transformers' rule: max_length counts the prompt
+            gc = self.generation_config
+            if max_length is None and gc.max_new_tokens is not None:
+                options["max_new_tokens"] = gc.max_new_tokens
+            else:
+                options["max_new_tokens"] = (max_length or gc.max_length) - input_ids.shape[-1]
+        options.setdefault("num_steps", None)  # None: the config's mean_recurrence, as in forward()
+        stop_strings = kwargs.pop("stop_strings", None)
+        tokenizer = kwargs.pop("tokenizer", None)
+        if stop_strings:
+            given = options.get("stop")
+            given = [given] if isinstance(given, str | int) else list(given or [])
+            options["stop"] = given + ([stop_strings] if isinstance(stop_strings, str) else list(stop_strings))
+        for name in ("pad_token_id", "eos_token_id", "use_cache"):
+            kwargs.pop(name, None)  # padding and eos follow the model config in the library
+        if kwargs:
+            raise ValueError(
+                f"generate: {sorted(kwargs)} cannot be combined with {sorted(routed)}; those run in "
+                f"recurrent_depth.generate, which also takes {list(SHARED_GENERATE_OPTIONS)}, max_length, "
+                "stop_strings (with tokenizer=) and return_dict_in_generate"
+            )
+        out = rd_generate(self.core, input_ids, tokenizer=tokenizer, **options)
+        return out if return_dict else out.sequences
+
+
+class RavenForCausalLM(RecurrentDepthForCausalLM):
+    """The official Huginn-0125 architecture name, loaded through our implementation (no remote code)."""
+
+    config_class = HuginnRavenConfig
+
+
+def _cache_alias(cache: Any, kwargs: dict[str, Any]) -> Any:
+    """transformers 4 called the cache `past_key_values`; accept it so old callers are not silently wrong."""
+    legacy = kwargs.pop("past_key_values", None)
+    if legacy is not None:
+        if cache is not None and cache is not legacy:
+            raise ValueError("pass the cache once: `cache` and `past_key_values` were both given")
+        return legacy
+    return cache
+
+
+def register_models() -> None:
+    """`AutoModelForCausalLM.register` for both config classes (idempotent)."""
+    from transformers.models.auto.modeling_auto import AutoModel, AutoModelForCausalLM
+
+    from recurrent_depth.integrations.hf_config import register_configs
+
+    register_configs()
+    for auto in (AutoModelForCausalLM, AutoModel):
+        auto.register(RecurrentDepthConfig, RecurrentDepthForCausalLM, exist_ok=True)
+        auto.register(HuginnRavenConfig, RavenForCausalLM, exist_ok=True)
+
+
+def from_library_model(model: RecurrentDepthLM) -> RecurrentDepthForCausalLM:
+    """Wrap an in-memory `RecurrentDepthLM` for transformers-based tools (lm-eval's HFLM, pipelines...).
+
+    The wrapper shares the model's parameters and its config: setting `wrapper.config.mean_recurrence`
+    (or init_scale, max_position_embeddings) changes the default depth of both.
+    """
+    config = RecurrentDepthConfig.from_model_config(model.config)
+    with torch.device("meta"):
+        wrapped = RecurrentDepthForCausalLM(config)
+    wrapped.transformer = model.transformer
+    wrapped.lm_head = model.lm_head
+    object.__setattr__(wrapped, "_core", model)
+    wrapped._output_projections = {
+        id(m) for name, m in wrapped.named_modules() if name.endswith(("attn.proj", "mlp.proj"))
+    }
+    wrapped.train(model.training)
+    return wrapped

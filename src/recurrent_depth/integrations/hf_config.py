@@ -1,0 +1,200 @@
+"""transformers configs for our checkpoints (``recurrent_depth``) and official Huginn-0125 ones (``huginn_raven``).
+
+Both are thin `PretrainedConfig` subclasses whose fields are the file's own keys, so a config
+saved by transformers reads back with `ModelConfig.from_json` and vice versa. Each converts to
+the library's `ModelConfig` with :meth:`to_model_config`, which also validates it (a bad value
+raises a `ValueError` naming the field). The runtime defaults that lm-eval's ``hf`` backend
+overrides through ``--model_args`` live here: ``mean_recurrence`` (the depth used when
+``num_steps`` is not given), ``init_scale`` and ``max_position_embeddings`` (the context).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import field
+from typing import Any
+
+from transformers import PretrainedConfig
+
+from recurrent_depth.config import HUGINN_KEY_MAP, HUGINN_MODEL_TYPE, MODEL_TYPE, ModelConfig
+
+# Keys transformers writes into every config.json; `ModelConfig.from_dict` ignores them.
+_HF_BOOKKEEPING = ("model_type", "architectures", "transformers_version", "dtype", "auto_map", "use_cache")
+
+
+class RecurrentDepthConfig(PretrainedConfig):
+    """Our `config.json` (the fields of `ModelConfig`) as a transformers config.
+
+    Aliases for transformers' standard names: ``max_position_embeddings`` -> ``max_seq_len``,
+    ``num_attention_heads`` -> ``num_heads``, ``num_key_value_heads`` -> ``num_kv_heads``,
+    ``tie_word_embeddings`` -> ``tie_embeddings``; ``num_hidden_layers`` is prelude + core + coda.
+    """
+
+    model_type = MODEL_TYPE
+    attribute_map = {
+        "max_position_embeddings": "max_seq_len",
+        "num_attention_heads": "num_heads",
+        "num_key_value_heads": "num_kv_heads",
+        "tie_word_embeddings": "tie_embeddings",
+    }
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int = 176
+    prelude_layers: int = 1
+    core_layers: int = 2
+    coda_layers: int = 1
+    mean_recurrence: int = 4
+    mean_backprop_depth: int = 2
+    max_seq_len: int = 256
+    rope_base: float = 50_000.0
+    norm_eps: float = 1e-6
+    qk_bias: bool = True
+    bias: bool = False
+    tie_embeddings: bool = True
+    init_scale: float = 1.0
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    mixer: Any = "attention"
+    mixer_options: dict = field(default_factory=dict)
+    use_cache: bool = True
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        super().__post_init__(**kwargs)
+        resolved = self.to_model_config()  # validates, and fills num_kv_heads / head_dim
+        self.num_kv_heads = resolved.num_kv_heads
+        self.head_dim = resolved.head_dim
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.prelude_layers + self.core_layers + self.coda_layers
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
+        """transformers applies `from_pretrained(..., field=value)` overrides after `__init__`: validate again."""
+        out = super().from_dict(config_dict, **kwargs)
+        config = out[0] if isinstance(out, tuple) else out
+        config.to_model_config()
+        return out
+
+    @classmethod
+    def from_model_config(cls, config: ModelConfig, **kwargs: Any) -> RecurrentDepthConfig:
+        values = config.to_dict()
+        values.pop("model_type")
+        return cls(**values, **kwargs)
+
+    def to_model_config(self) -> ModelConfig:
+        names = [f.name for f in dataclasses.fields(ModelConfig)]
+        return ModelConfig(**{name: getattr(self, name) for name in names})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Our fields plus transformers' bookkeeping keys: what `ModelConfig.from_json` reads back."""
+        full = super().to_dict()
+        names = {f.name for f in dataclasses.fields(ModelConfig)}
+        return {k: v for k, v in full.items() if k in names or k in _HF_BOOKKEEPING}
+
+
+# Huginn keys stored as is; defaults are the official Huginn-0125 values.
+_HUGINN_DEFAULTS: dict[str, Any] = {
+    "n_embd": 5280, "n_heads": 55, "n_layers": 8, "n_layers_in_prelude": 2,
+    "n_layers_in_recurrent_block": 4, "n_layers_in_coda": 2, "mean_recurrence": 32,
+    "mean_backprop_depth": 8, "block_size": 4096, "vocab_size": 65536, "padded_vocab_size": 65536,
+    "intermediate_size": 17920, "bias": False, "qk_bias": True, "tie_embeddings": True,
+    "norm_eps": 1e-6, "rope_base": 50_000.0,
+}
+
+
+class HuginnRavenConfig(PretrainedConfig):
+    """The official Huginn-0125 `config.json` (model type ``huginn_raven``), keys kept as the file has them.
+
+    Informational keys of the official file (``norm_class_name``, ``state_init``, ...) are kept as
+    attributes and written back on save. ``init_scale`` is ours (the official code passes it to
+    ``forward`` only); its default 1.0 is the official behaviour (a random initial state).
+    """
+
+    model_type = HUGINN_MODEL_TYPE
+    attribute_map = {
+        "hidden_size": "n_embd",
+        "num_attention_heads": "n_heads",
+        "num_hidden_layers": "n_layers",
+        "max_position_embeddings": "block_size",
+        "tie_word_embeddings": "tie_embeddings",
+    }
+
+    n_embd: int = 5280
+    n_heads: int = 55
+    n_layers: int = 8
+    n_layers_in_prelude: int = 2
+    n_layers_in_recurrent_block: int = 4
+    n_layers_in_coda: int = 2
+    mean_recurrence: int = 32
+    mean_backprop_depth: int = 8
+    block_size: int = 4096
+    vocab_size: int = 65536
+    padded_vocab_size: int | None = None
+    intermediate_size: int = 17920
+    bias: bool = False
+    qk_bias: bool = True
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-6
+    rope_base: float = 50_000.0
+    init_scale: float = 1.0
+    bos_token_id: int | None = None
+    eos_token_id: Any = None
+    pad_token_id: int | None = None
+    use_cache: bool = True
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        super().__post_init__(**kwargs)
+        if self.padded_vocab_size is None:
+            self.padded_vocab_size = self.vocab_size
+        resolved = self.to_model_config()  # validate now, not at the first forward
+        # The official file hard-codes its special tokens; ModelConfig knows them (65504/65505/65509).
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if getattr(self, name) is None:
+                setattr(self, name, getattr(resolved, name))
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
+        """transformers applies `from_pretrained(..., field=value)` overrides after `__init__`: validate again."""
+        out = super().from_dict(config_dict, **kwargs)
+        config = out[0] if isinstance(out, tuple) else out
+        config.to_model_config()
+        return out
+
+    def huginn_dict(self) -> dict[str, Any]:
+        """The keys `ModelConfig` understands, in the official file's naming."""
+        out = {key: getattr(self, key) for key in _HUGINN_DEFAULTS}
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(self, key)
+            if isinstance(value, list | tuple):  # generation may stop on several ids; the model needs one
+                value = value[0] if value else None
+            if value is not None:
+                out[key] = value
+        return {k: v for k, v in out.items() if k in HUGINN_KEY_MAP or k == "vocab_size"}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The official keys; without `auto_map`, whose remote-code files are not saved with us."""
+        out = super().to_dict()
+        out.pop("auto_map", None)
+        return out
+
+    def to_model_config(self) -> ModelConfig:
+        values = self.huginn_dict()
+        values["model_type"] = HUGINN_MODEL_TYPE
+        config = ModelConfig.from_dict(values)
+        config.init_scale = self.init_scale
+        config.validate()
+        return config
+
+
+def register_configs() -> None:
+    """`AutoConfig.register` for both model types (idempotent)."""
+    from transformers.models.auto.configuration_auto import AutoConfig
+
+    AutoConfig.register(MODEL_TYPE, RecurrentDepthConfig, exist_ok=True)
+    AutoConfig.register(HUGINN_MODEL_TYPE, HuginnRavenConfig, exist_ok=True)

@@ -1,0 +1,375 @@
+"""A recurrent-depth language model for `trust_remote_code=True`, in one file (torch + transformers only).
+
+Written next to a saved model by `rdepth export --remote-code`, so the directory loads in a plain
+transformers >= 5 environment without the `recurrent_depth` library:
+
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+    model(input_ids, num_steps=16).logits
+    model.generate(input_ids, max_new_tokens=32, num_steps=16)
+
+The architecture (Huginn-0125's):
+
+    e    = prelude(wte(x) * sqrt(h))                     input injection, computed once
+    s_0  ~ TruncNormal(0, sigma^2, +-3 sigma) * sqrt(h)  sigma = sqrt(2 / (5h)) * init_scale
+    s_i  = core(adapter(concat[s_{i-1}, e]))             i = 1..r, the same weights every step
+    p    = lm_head(ln_f(coda(ln_f(s_r))))                logits in float32
+
+This file covers fixed-depth inference and training with softmax attention (grouped-query
+attention and a sliding window included); per-token early exit, KV-cache sharing, warm starts and
+the other token mixers need the `recurrent_depth` library, which registers its own classes and
+takes precedence over this file whenever it is imported.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import DynamicCache, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+
+class RecurrentDepthConfig(PretrainedConfig):
+    model_type = "recurrent_depth"
+    attribute_map = {
+        "max_position_embeddings": "max_seq_len",
+        "num_attention_heads": "num_heads",
+        "num_key_value_heads": "num_kv_heads",
+        "tie_word_embeddings": "tie_embeddings",
+    }
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int = 176
+    prelude_layers: int = 1
+    core_layers: int = 2
+    coda_layers: int = 1
+    mean_recurrence: int = 4
+    mean_backprop_depth: int = 2
+    max_seq_len: int = 256
+    rope_base: float = 50_000.0
+    norm_eps: float = 1e-6
+    qk_bias: bool = True
+    bias: bool = False
+    tie_embeddings: bool = True
+    init_scale: float = 1.0
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    mixer: Any = "attention"
+    mixer_options: Any = None
+    use_cache: bool = True
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        super().__post_init__(**kwargs)
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.mixer_options is None:
+            self.mixer_options = {}
+        mixers = set(self.mixer.values()) if isinstance(self.mixer, dict) else {self.mixer}
+        if mixers - {"attention"} or set(self.mixer_options) - {"window"}:
+            raise ValueError(
+                f"this file implements softmax attention only (mixer_options: window); got mixer={self.mixer!r}, "
+                f"mixer_options={self.mixer_options!r}. Install recurrent_depth to run this model."
+            )
+        if self.num_heads % self.num_kv_heads or self.head_dim % 2:
+            raise ValueError("num_kv_heads must divide num_heads and head_dim must be even")
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.prelude_layers + self.core_layers + self.coda_layers
+
+
+def rope_table(head_dim: int, max_len: int, base: float, device: torch.device) -> Tensor:
+    """(cos, sin) of pos * base^(-2i/d) for interleaved pairs: [max_len, head_dim/2, 2], float32."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv_freq)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate adjacent pairs of x [B, T, H, D] by the angles in cos, sin [B, T, 1, D/2], in float32."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    a, b = pairs[..., 0], pairs[..., 1]
+    return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            x32 = x.float()
+            normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, config: RecurrentDepthConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.bias)
+        self.proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.bias)
+        self.proj.is_output_projection = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.fc(x).chunk(2, dim=-1)
+        return self.proj(F.silu(gate) * up)
+
+
+class Context:
+    """Per-call facts every layer reads: positions [B, T], the boolean mask or None, the cache."""
+
+    def __init__(self, positions: Tensor, past: int, mask: Tensor | None, cache: Any, config: Any) -> None:
+        self.positions, self.past, self.mask, self.cache = positions, past, mask, cache
+        table = rope_table(config.head_dim, config.max_seq_len, config.rope_base, positions.device)
+        picked = table[positions]  # [B, T, D/2, 2]
+        self.cos, self.sin = picked[..., 0].unsqueeze(2), picked[..., 1].unsqueeze(2)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: RecurrentDepthConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.window = (config.mixer_options or {}).get("window")
+        self.Wqkv = nn.Linear(
+            config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, bias=config.bias
+        )
+        self.proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.bias)
+        self.proj.is_output_projection = True
+        self.has_qk_bias = config.qk_bias
+        if config.qk_bias:
+            if self.num_kv_heads == self.num_heads:
+                self.qk_bias = nn.Parameter(torch.zeros(2, 1, self.num_heads, self.head_dim))
+            else:
+                self.q_bias = nn.Parameter(torch.zeros(self.num_heads, self.head_dim))
+                self.k_bias = nn.Parameter(torch.zeros(self.num_kv_heads, self.head_dim))
+
+    def forward(self, x: Tensor, ctx: Context, layer_key: tuple) -> Tensor:
+        B, T, _ = x.shape
+        D, H, Hkv = self.head_dim, self.num_heads, self.num_kv_heads
+        q, k, v = self.Wqkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
+        if self.has_qk_bias:
+            if Hkv == H:
+                q, k = q + self.qk_bias[0], k + self.qk_bias[1]
+            else:
+                q, k = q + self.q_bias, k + self.k_bias
+        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+        if ctx.cache is not None:
+            k, v = ctx.cache.update_kv(layer_key, k, v)  # [B, past + T, Hkv, D]
+        mask = ctx.mask
+        is_causal = mask is None and ctx.past == 0 and T > 1
+        if self.window is not None:
+            q_idx = torch.arange(ctx.past, ctx.past + T, device=x.device)[:, None]
+            k_idx = torch.arange(k.shape[1], device=x.device)[None, :]
+            allowed = (k_idx <= q_idx) & (k_idx > q_idx - self.window)
+            mask = allowed[None, None] if mask is None else mask & allowed
+            is_causal = False
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=mask, is_causal=is_causal, enable_gqa=Hkv != H,
+        )
+        return self.proj(out.transpose(1, 2).reshape(B, T, H * D))
+
+
+class SandwichBlock(nn.Module):
+    def __init__(self, config: RecurrentDepthConfig) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.norm_eps
+        self.norm_1 = RMSNorm(h, eps)
+        self.attn = Attention(config)
+        self.norm_2 = RMSNorm(h, eps)
+        self.mlp = GatedMLP(config)
+        self.norm_3 = RMSNorm(h, eps)
+        self.norm_4 = RMSNorm(h, eps)
+
+    def forward(self, x: Tensor, ctx: Context, layer_key: tuple) -> Tensor:
+        x = self.norm_2(x + self.attn(self.norm_1(x), ctx, layer_key))
+        return self.norm_4(x + self.mlp(self.norm_3(x)))
+
+
+class RecurrentDepthCache(DynamicCache):
+    """One transformers cache layer per (layer, step).
+
+    prelude layer i -> i, coda layer c -> P + c, core layer j at step t -> P + C + t * R + j.
+    """
+
+    def __init__(self, config: RecurrentDepthConfig) -> None:
+        super().__init__()
+        self.P, self.R, self.C = config.prelude_layers, config.core_layers, config.coda_layers
+        self.seen = 0
+
+    def update_kv(self, key: tuple, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        part = key[0]
+        idx = key[1] if part == "prelude" else self.P + key[1] if part == "coda" else (
+            self.P + self.C + key[2] * self.R + key[1]
+        )
+        while len(self.layers) <= idx:
+            self.layers.append(self.layer_class_to_replicate())
+        if self.layers[idx].get_seq_length() != self.seen:
+            raise RuntimeError(f"cache layer {key} is out of step with the {self.seen} cached tokens")
+        keys, values = self.layers[idx].update(k.transpose(1, 2), v.transpose(1, 2))
+        return keys.transpose(1, 2), values.transpose(1, 2)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            tokens_to_remove -= self.seen
+        if tokens_to_remove:
+            super().crop(tokens_to_remove)
+            self.seen += tokens_to_remove
+
+
+class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = RecurrentDepthConfig
+    base_model_prefix = "transformer"
+    _no_split_modules = ["SandwichBlock"]
+    _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
+    _keys_to_ignore_on_load_unexpected = [r"^freqs_cis$"]
+
+    def __init__(self, config: RecurrentDepthConfig) -> None:
+        super().__init__(config)
+        h = config.hidden_size
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, h),
+                prelude=nn.ModuleList(SandwichBlock(config) for _ in range(config.prelude_layers)),
+                adapter=nn.Linear(2 * h, h, bias=config.bias),
+                core_block=nn.ModuleList(SandwichBlock(config) for _ in range(config.core_layers)),
+                coda=nn.ModuleList(SandwichBlock(config) for _ in range(config.coda_layers)),
+                ln_f=RMSNorm(h, config.norm_eps),
+            )
+        )
+        self.lm_head = nn.Linear(h, config.vocab_size, bias=False)
+        self.emb_scale = math.sqrt(h)
+        self.post_init()
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # one cache layer per (layer, step), created by forward()
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Takase init: std sqrt(2/(5h)); output projections std / sqrt(2 (P + C + R r̄)); +-3 std truncation."""
+        cfg = self.config
+        std = math.sqrt(2 / (5 * cfg.hidden_size))
+        if getattr(module, "is_output_projection", False):
+            std = std / math.sqrt(2 * (cfg.prelude_layers + cfg.coda_layers + cfg.core_layers * cfg.mean_recurrence))
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.trunc_normal_(module.weight, std=std, a=-3 * std, b=3 * std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+        for name in ("qk_bias", "q_bias", "k_bias"):
+            if module._parameters.get(name) is not None:
+                nn.init.zeros_(module._parameters[name])
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.transformer.wte
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.transformer.wte = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def _context(self, input_ids: Tensor, attention_mask: Tensor | None, cache: Any) -> Context:
+        """Positions and masks; left padding shifts each row's positions so its first real token is 0."""
+        B, T = input_ids.shape
+        device, past = input_ids.device, cache.seen if cache is not None else 0
+        valid = attention_mask.bool() if attention_mask is not None else None
+        if valid is not None and bool(valid.all()):
+            valid = None
+        if valid is not None:
+            positions = (valid.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+        else:
+            positions = torch.arange(past, past + T, device=device).expand(B, T)
+        mask = None
+        if valid is not None or (past > 0 and T > 1):
+            q_idx = torch.arange(past, past + T, device=device)[:, None]
+            k_idx = torch.arange(past + T, device=device)[None, :]
+            mask = (k_idx <= q_idx)[None, None]
+            if valid is not None:  # a padded query sees itself, so no softmax row is empty
+                mask = (mask & valid[:, None, None, :]) | (k_idx == q_idx)[None, None]
+        return Context(positions, past, mask, cache, self.config)
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        cache: Any = None,
+        use_cache: bool | None = None,
+        labels: Tensor | None = None,
+        num_steps: int | None = None,
+        init_scale: float | None = None,
+        input_states: Tensor | None = None,
+        return_dict: bool | None = None,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        """Prelude -> num_steps core steps (None: config.mean_recurrence) -> coda; s_0 scaled by init_scale."""
+        cache = kwargs.pop("past_key_values", None) if cache is None else cache
+        cfg = self.config
+        steps = cfg.mean_recurrence if num_steps is None else num_steps
+        scale = cfg.init_scale if init_scale is None else init_scale
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"num_steps={num_steps!r} is invalid: expected None or an integer >= 0")
+        if scale < 0:
+            raise ValueError(f"init_scale={init_scale!r} is invalid: expected a number >= 0")
+        use_cache = cfg.use_cache if use_cache is None else use_cache
+        if cache is not None and not isinstance(cache, RecurrentDepthCache):
+            if cache.get_seq_length() != 0:
+                raise ValueError("cache must be a RecurrentDepthCache")
+            cache = None
+        if cache is None and use_cache:
+            cache = RecurrentDepthCache(cfg)
+        if (cache.seen if cache is not None else 0) + input_ids.shape[1] > cfg.max_seq_len:
+            raise ValueError(f"sequence longer than max_seq_len={cfg.max_seq_len}")
+        ctx = self._context(input_ids, attention_mask, cache)
+
+        x = self.transformer.wte(input_ids) * self.emb_scale
+        for i, block in enumerate(self.transformer.prelude):
+            x = block(x, ctx, ("prelude", i))
+        e = x
+        if input_states is not None:
+            state = input_states.to(e.dtype)
+        elif scale == 0:  # the library draws (and discards) the same random numbers here
+            state = torch.randn(e.shape, dtype=e.dtype, device=e.device).zero_()
+        else:
+            state = torch.randn(e.shape, dtype=e.dtype, device=e.device)
+            std = math.sqrt(2 / (5 * cfg.hidden_size)) * scale
+            nn.init.trunc_normal_(state, std=std, a=-3 * std, b=3 * std)
+            state = state * self.emb_scale
+        for step in range(steps):
+            x = self.transformer.adapter(torch.cat([state, e], dim=-1))
+            for j, block in enumerate(self.transformer.core_block):
+                x = block(x, ctx, ("core", j, step))
+            state = x
+        x = self.transformer.ln_f(state)
+        for c, block in enumerate(self.transformer.coda):
+            x = block(x, ctx, ("coda", c))
+        logits = self.lm_head(self.transformer.ln_f(x)).float()
+        if cache is not None:
+            cache.seen += input_ids.shape[1]
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+            )
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)

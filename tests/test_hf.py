@@ -1,0 +1,306 @@
+"""transformers 5 integration: Auto classes, forward/generate parity with the library, cache, tokenizer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerFast
+
+import recurrent_depth as rd
+from recurrent_depth.integrations import register_transformers
+from recurrent_depth.integrations.hf import (
+    RavenForCausalLM,
+    RecurrentDepthCache,
+    RecurrentDepthForCausalLM,
+    from_library_model,
+)
+from tests.test_checkpoint import write_official_layout
+
+register_transformers()
+TINY_VOCAB = 288  # 256 byte symbols + 32 special tokens: the smallest tokenizer the data module trains
+
+
+def tiny_config(**overrides) -> rd.ModelConfig:
+    values = dict(vocab_size=TINY_VOCAB, max_seq_len=96, bos_token_id=TINY_VOCAB - 32, eos_token_id=TINY_VOCAB - 31,
+                  pad_token_id=TINY_VOCAB - 27)
+    values.update(overrides)
+    return rd.ModelConfig.from_preset("tiny", **values)
+
+
+def make_model_dir(path: Path, seed: int = 0, with_tokenizer: bool = True, **overrides) -> rd.RecurrentDepthLM:
+    """A saved tiny model (+ a byte-level tokenizer with the chat template) in `path`."""
+    from recurrent_depth.data.tokenizer import save_tokenizer, train_tokenizer
+
+    torch.manual_seed(seed)
+    model = rd.RecurrentDepthLM(tiny_config(**overrides)).eval()
+    model.save_pretrained(path)
+    if with_tokenizer:
+        tok = train_tokenizer(["a=1;b=a;?b=1\n", "def f(x):\n    return x\n"], vocab_size=TINY_VOCAB)
+        save_tokenizer(tok, path, model_max_length=model.config.max_seq_len)
+    return model
+
+
+def ids(batch: int = 2, length: int = 7, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def greedy_reference(model: rd.RecurrentDepthLM, x: torch.Tensor, new: int, num_steps: int) -> torch.Tensor:
+    """Greedy decoding by full forwards, no cache: the oracle for every cached path."""
+    seq = x
+    with torch.no_grad():
+        for _ in range(new):
+            nxt = model(seq, num_steps=num_steps, init_scale=0.0).logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], dim=1)
+    return seq
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matmuls run fastest on one thread (and far faster when the machine is busy)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    make_model_dir(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def library_model(model_dir):
+    return rd.RecurrentDepthLM.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir).eval()
+
+
+@pytest.mark.parametrize("num_steps", [0, 3, (2, 1)], ids=["r0", "r3", "pair-2-1"])
+def test_auto_model_gives_the_library_logits(hf_model, library_model, num_steps):
+    assert isinstance(hf_model, RecurrentDepthForCausalLM)
+    x = ids()
+    with torch.no_grad():
+        ours = library_model(x, num_steps=num_steps, init_scale=0.0).logits
+        theirs = hf_model(x, num_steps=num_steps, init_scale=0.0).logits
+    assert torch.equal(ours, theirs)
+    torch.manual_seed(7)
+    random_ours = library_model(x, num_steps=2).logits
+    torch.manual_seed(7)
+    random_theirs = hf_model(x, num_steps=2).logits
+    assert torch.equal(random_ours, random_theirs)  # same s0 stream from the same seed
+
+
+def test_config_fields_set_the_defaults(model_dir, library_model):
+    config = AutoConfig.from_pretrained(model_dir, mean_recurrence=2, init_scale=0.0)
+    assert config.max_position_embeddings == library_model.config.max_seq_len
+    assert config.num_hidden_layers == 4 and config.tie_word_embeddings
+    model = AutoModelForCausalLM.from_pretrained(model_dir, mean_recurrence=2, init_scale=0.0).eval()
+    x = ids()
+    with torch.no_grad():
+        expected = library_model(x, num_steps=2, init_scale=0.0).logits
+        assert torch.equal(model(x).logits, expected)  # depth and init_scale from the config
+        model.config.mean_recurrence = 3  # changed after loading, as lm-eval scripts do
+        assert torch.equal(model(x).logits, library_model(x, num_steps=3, init_scale=0.0).logits)
+
+
+def test_transformers_save_reads_back_in_the_library(hf_model, library_model, tmp_path):
+    hf_model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["model_type"] == "recurrent_depth" and "tie_word_embeddings" not in saved
+    again = rd.RecurrentDepthLM.from_pretrained(tmp_path)
+    x = ids()
+    with torch.no_grad():
+        assert torch.equal(again(x, num_steps=2, init_scale=0.0).logits,
+                           library_model(x, num_steps=2, init_scale=0.0).logits)
+
+
+@pytest.mark.parametrize("trust_remote_code", [False, True], ids=["plain", "trust-remote-code"])
+def test_official_huginn_directory_loads_without_remote_code(tmp_path, trust_remote_code):
+    torch.manual_seed(3)
+    reference = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval()
+    write_official_layout(reference, tmp_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float32, trust_remote_code=trust_remote_code, mean_recurrence=3
+    ).eval()
+    assert isinstance(model, RavenForCausalLM)  # our class even when remote code is allowed
+    x = ids()
+    with torch.no_grad():
+        assert torch.equal(model(x, init_scale=0.0).logits, reference(x, num_steps=3, init_scale=0.0).logits)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["same-length", "left-padded"])
+def test_generate_cached_equals_uncached_and_library(hf_model, library_model, padded):
+    x = ids(batch=3, length=6, seed=1)
+    mask = None
+    if padded:
+        mask = torch.ones_like(x)
+        mask[0, :2] = 0
+        mask[2, :1] = 0
+    kw = dict(max_new_tokens=6, num_steps=3, init_scale=0.0, do_sample=False, attention_mask=mask)
+    cached = hf_model.generate(x, **kw)
+    uncached = hf_model.generate(x, use_cache=False, **kw)
+    library = rd.generate(library_model, x, max_new_tokens=6, num_steps=3, init_scale=0.0,
+                          attention_mask=mask).sequences
+    assert torch.equal(cached, uncached)
+    assert torch.equal(cached, library)
+    if not padded:
+        assert torch.equal(cached, greedy_reference(library_model, x, 6, 3))
+    else:  # each row as if alone
+        for b in range(x.shape[0]):
+            alone = x[b : b + 1, int((mask[b] == 0).sum()) :]
+            expected = greedy_reference(library_model, alone, 6, 3)[0, alone.shape[1] :]
+            assert torch.equal(cached[b, x.shape[1] :], expected)
+
+
+def decode_logits(model, x: torch.Tensor, num_steps: int, kv_budget: int | None) -> torch.Tensor:
+    """Prefill all but the last token, then decode it with the cache: the last position's logits."""
+    with torch.no_grad():
+        out = model(x[:, :-1], num_steps=num_steps, init_scale=0.0, use_cache=True, kv_budget=kv_budget)
+        return model(x[:, -1:], cache=out.cache, num_steps=num_steps, init_scale=0.0).logits[:, -1]
+
+
+def test_kv_budget_shares_slots(hf_model, library_model):
+    x = ids(length=9, seed=2)
+    with torch.no_grad():
+        full = library_model(x, num_steps=4, init_scale=0.0).logits[:, -1]
+    assert torch.allclose(decode_logits(hf_model, x, 4, None), full, atol=1e-5)
+    assert torch.allclose(decode_logits(hf_model, x, 4, 4), full, atol=1e-5)  # budget = depth: exact
+    shared = decode_logits(hf_model, x, 4, 1)
+    assert not torch.allclose(shared, full, atol=1e-5)  # one slot: approximate (the paper's sharing)
+    with torch.no_grad():
+        out = hf_model(x, num_steps=4, init_scale=0.0, use_cache=True, kv_budget=1)
+        prefill = library_model(x, num_steps=4, init_scale=0.0).logits
+    assert torch.allclose(out.logits, prefill, atol=1e-5)  # the prompt itself is exact with any budget
+    core_layers = hf_model.config.core_layers
+    full_cache = hf_model(x, num_steps=4, init_scale=0.0, use_cache=True).cache
+    assert len(out.cache.layers) == 2 + core_layers and len(full_cache.layers) == 2 + 4 * core_layers
+    assert out.cache.nbytes() < full_cache.nbytes()
+    tokens = hf_model.generate(x, max_new_tokens=4, num_steps=4, init_scale=0.0, kv_budget=2, do_sample=False)
+    library = rd.generate(library_model, x, max_new_tokens=4, num_steps=4, init_scale=0.0, kv_budget=2)
+    assert torch.equal(tokens, library.sequences)
+
+
+def test_beam_search_cached_equals_uncached(hf_model):
+    x = ids(batch=2, length=5, seed=3)
+    kw = dict(max_new_tokens=5, num_steps=2, init_scale=0.0, num_beams=3, do_sample=False)
+    assert torch.equal(hf_model.generate(x, **kw), hf_model.generate(x, use_cache=False, **kw))
+
+
+def test_generate_routes_library_only_options(hf_model, library_model):
+    x = ids(batch=2, length=5, seed=4)
+    out = hf_model.generate(x, max_new_tokens=5, num_steps=4, init_scale=0.0, exit_criterion="kl",
+                            exit_threshold=0.0, return_dict_in_generate=True)
+    assert torch.equal(out.steps, torch.full_like(out.steps, 4))  # threshold 0 never exits early
+    fixed = hf_model.generate(x, max_new_tokens=5, num_steps=4, init_scale=0.0, do_sample=False)
+    assert torch.equal(out.sequences, fixed)
+    adaptive = hf_model.generate(x, max_new_tokens=5, num_steps=4, init_scale=0.0, exit_criterion="kl",
+                                 exit_threshold=10.0, return_dict_in_generate=True)
+    assert int(adaptive.steps[:, 1:].max()) < 4  # the first token comes from the full-depth prefill
+    with pytest.raises(ValueError, match="num_beams"):
+        hf_model.generate(x, max_new_tokens=2, exit_criterion="kl", num_beams=2)
+
+
+def test_training_loss_and_gradients_match_the_library(model_dir):
+    library = rd.RecurrentDepthLM.from_pretrained(model_dir).train()
+    wrapped = AutoModelForCausalLM.from_pretrained(model_dir).train()
+    x = ids(length=8)
+    labels = x.clone()
+    labels[:, :3] = -100
+    ours = library(x, num_steps=(1, 2), labels=labels, init_scale=0.0).loss
+    theirs = wrapped(input_ids=x, num_steps=(1, 2), labels=labels, init_scale=0.0).loss
+    assert torch.equal(ours, theirs)
+    ours.backward()
+    theirs.backward()
+    for (name, a), (_, b) in zip(library.named_parameters(), wrapped.named_parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6), name
+    summed = wrapped(input_ids=x, num_steps=(1, 2), labels=labels, init_scale=0.0, num_items_in_batch=10).loss
+    count = int((labels[:, 1:] != -100).sum())
+    assert torch.allclose(summed * 10 / count, theirs.detach(), atol=1e-6)
+
+
+def test_wrapping_an_in_memory_model_shares_parameters(library_model):
+    wrapped = from_library_model(library_model)
+    assert wrapped.transformer.wte.weight is library_model.transformer.wte.weight
+    x = ids()
+    with torch.no_grad():
+        assert torch.equal(wrapped(x, num_steps=2, init_scale=0.0).logits,
+                           library_model(x, num_steps=2, init_scale=0.0).logits)
+
+
+def test_cache_protocols(hf_model):
+    x = ids(length=6)
+    out = hf_model(x, num_steps=2, init_scale=0.0, cache=DynamicCache())  # an empty transformers cache is replaced
+    cache = out.cache
+    assert isinstance(cache, RecurrentDepthCache) and cache.get_seq_length() == 6 == cache.seq_len
+    cache.crop(-2)
+    assert cache.get_seq_length() == 4 and all(layer.keys.shape[2] == 4 for layer in cache.layers)
+    with torch.no_grad():
+        again = hf_model(x[:, 4:], cache=cache, num_steps=2, init_scale=0.0).logits
+        full = hf_model(x, num_steps=2, init_scale=0.0, use_cache=False).logits[:, 4:]
+    assert torch.allclose(again, full, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda m, x: m(x, kv_budget=0), "kv_budget=0"),
+        (lambda m, x: m(x, num_step=3), "num_step"),
+        (lambda m, x: m(x, num_steps=-1), "num_steps=-1"),
+        (lambda m, x: m(x, init_scale=-1.0), "init_scale"),
+        (lambda m, x: m(x, inputs_embeds=torch.zeros(2, 7, 64)), "inputs_embeds"),
+        (lambda m, x: m(x[:, :3], cache=m(x, kv_budget=2).cache, kv_budget=3), "kv_budget=3"),
+        (lambda m, x: m(torch.full((1, 97), 1)), "max_seq_len=96"),
+    ],
+    ids=["budget-0", "typo", "negative-depth", "negative-init", "embeds", "budget-mismatch", "too-long"],
+)
+def test_bad_arguments_raise_clear_errors(hf_model, call, message):
+    with pytest.raises(ValueError, match=message):
+        call(hf_model, ids())
+
+
+def test_bad_config_values_name_the_field(model_dir):
+    with pytest.raises(ValueError, match="mean_recurrence"):
+        AutoConfig.from_pretrained(model_dir, mean_recurrence=-1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.config.mean_recurrence = -2
+    with pytest.raises(ValueError, match="config.mean_recurrence=-2"):
+        model(ids())
+
+
+def test_tokenizer_is_fast_with_a_chat_template(model_dir):
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    assert isinstance(tok, PreTrainedTokenizerFast)
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|begin_text|>", "<|end_text|>", "<|pad|>")
+    assert tok.bos_token_id == TINY_VOCAB - 32 and tok.eos_token_id == TINY_VOCAB - 31
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert prompt == (
+        "<|begin_text|><|begin_header|>user<|end_header|>\n\nhi<|end_turn|><|begin_header|>Huginn<|end_header|>\n\n"
+    )
+    assert tok.decode(tok("a=1;?a=")["input_ids"], skip_special_tokens=True) == "a=1;?a="
+
+
+def test_import_registers_lazily_in_a_fresh_process(model_dir):
+    """`import recurrent_depth` must not import transformers, yet AutoModelForCausalLM must know our types."""
+    script = textwrap.dedent(f"""
+        import sys
+        import recurrent_depth, recurrent_depth.integrations
+        assert "transformers" not in sys.modules, "importing recurrent_depth imported transformers"
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(model_dir)!r})
+        assert type(model).__name__ == "RecurrentDepthForCausalLM", type(model)
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("ok")

@@ -1,0 +1,97 @@
+"""`rdepth export --remote-code`: the exported directory loads in a process that never imports recurrent_depth."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import recurrent_depth as rd
+from recurrent_depth.cli import main
+from recurrent_depth.integrations.export import REMOTE_CODE_FILE
+from tests.test_hf import greedy_reference, ids, make_model_dir
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_remote_code_export_loads_without_the_library(tmp_path):
+    # GQA and a sliding window exercise every branch of the standalone attention.
+    model = make_model_dir(tmp_path / "src", num_kv_heads=2, mixer_options={"window": 5})
+    assert main(["export", "--model", str(tmp_path / "src"), "--out", str(tmp_path / "out"), "--remote-code"]) == 0
+    out = tmp_path / "out"
+    config = json.loads((out / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_recurrent_depth.RecurrentDepthForCausalLM"
+    assert (out / REMOTE_CODE_FILE).is_file() and (out / "chat_template.jinja").is_file()
+    x = ids(batch=2, length=9)
+    with torch.no_grad():
+        fixed = model(x, num_steps=3, init_scale=0.0).logits
+        torch.manual_seed(5)
+        random_s0 = model(x, num_steps=3).logits
+    greedy = greedy_reference(model, x, 5, 3)
+    torch.save({"x": x, "fixed": fixed, "random_s0": random_s0, "greedy": greedy}, tmp_path / "expected.pt")
+
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["recurrent_depth"] = None  # make any import of the library fail loudly
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        torch.set_num_threads(1)
+        model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        ref = torch.load({str(tmp_path / "expected.pt")!r})
+        x = ref["x"]
+        with torch.no_grad():
+            assert torch.equal(model(x, num_steps=3, init_scale=0.0).logits, ref["fixed"])
+            torch.manual_seed(5)
+            assert torch.equal(model(x, num_steps=3).logits, ref["random_s0"])
+        out = model.generate(x, max_new_tokens=5, num_steps=3, init_scale=0.0, do_sample=False)
+        assert torch.equal(out, ref["greedy"]), (out, ref["greedy"])
+        assert AutoTokenizer.from_pretrained({str(out)!r}).chat_template
+        print("ok")
+    """)
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf-home"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("ok")
+
+
+def test_export_converts_dtype_and_shards_in_the_library_layout(tmp_path):
+    model = make_model_dir(tmp_path / "src")
+    assert main(["export", "--model", str(tmp_path / "src"), "--out", str(tmp_path / "bf16"),
+                 "--dtype", "bfloat16", "--max-shard-mb", "0.05"]) == 0
+    loaded = rd.RecurrentDepthLM.from_pretrained(tmp_path / "bf16")
+    assert loaded.dtype == torch.bfloat16
+    assert (tmp_path / "bf16" / "model.safetensors.index.json").is_file()
+    assert (tmp_path / "bf16" / "tokenizer.json").is_file()
+    as_bf16 = rd.RecurrentDepthLM(model.config).eval()
+    as_bf16.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in model.state_dict().items()})
+    x = ids()
+    with torch.no_grad():
+        assert torch.equal(loaded.float()(x, num_steps=2, init_scale=0.0).logits,
+                           as_bf16(x, num_steps=2, init_scale=0.0).logits)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--remote-code"], "supports the 'attention' mixer only"),
+        ([], "--out is required"),
+        (["--out", "X", "--max-shard-mb", "0"], "--max-shard-mb=0"),
+    ],
+    ids=["other-mixer", "no-out", "bad-shard-size"],
+)
+def test_export_errors_are_clear(tmp_path, capsys, argv, message):
+    make_model_dir(tmp_path / "src", with_tokenizer=False, mixer={"core": "linear_attention"})
+    assert main(["export", "--model", str(tmp_path / "src"), *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,145 @@
+"""`rdepth train`: train any preset from a YAML config and/or flat flags (flags win).
+
+    rdepth train --preset tiny --data stdlib --max-steps 200 --save-every 50 --out runs/tiny
+    rdepth train --config examples/train_small.yaml --max-minutes 30 --resume
+    torchrun --standalone --nproc_per_node=2 -m recurrent_depth.cli train --config ...   # DDP
+
+Every TrainConfig field has a flag (`--max-steps`, `--eval-depths 1,4,8`, `--compile/--no-compile`);
+`--model-set KEY=VALUE` overrides a ModelConfig field, and the optimizer flags override `optim`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import types
+import typing
+from dataclasses import MISSING, fields
+from typing import Any
+
+# optimizer flag -> OptimConfig field
+OPTIM_FLAGS: dict[str, tuple[str, type, str]] = {
+    "optim_preset": ("preset", str, "optimizer recipe to start from: demo or huginn-0125"),
+    "optimizer": ("name", str, "adamw, ellis-adam (the paper's Adam) or muon (+ AdamW for embeddings and norms)"),
+    "lr": ("lr", float, "peak learning rate (AdamW / ellis-adam groups)"),
+    "muon_lr": ("muon_lr", float, "Muon's learning rate for the block and adapter matrices"),
+    "weight_decay": ("weight_decay", float, "weight decay (not on norms and biases)"),
+    "warmup_steps": ("warmup_steps", int, "linear warmup steps"),
+    "cooldown_fraction": ("cooldown_fraction", float, "share of the run spent in the final linear cool-down"),
+    "grad_clip": ("grad_clip", float, "gradient-norm clip"),
+}
+SKIPPED_FIELDS = ("model", "optim")
+
+
+def _field_type(hint: Any) -> tuple[type, bool]:
+    """(base type, is_list) from a TrainConfig annotation like `int | None` or `list[int] | None`."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] if isinstance(hint, types.UnionType) else [hint]
+    base = args[0]
+    if typing.get_origin(base) is list:
+        return typing.get_args(base)[0], True
+    return base, False
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,4,8, got {text!r}") from exc
+
+
+def _model_set(text: str) -> tuple[str, Any]:
+    import yaml
+
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. hidden_size=128), got {text!r}")
+    key, value = text.split("=", 1)
+    return key.strip(), yaml.safe_load(value)
+
+
+def _default_text(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from recurrent_depth.train.config import FIELD_HELP, TrainConfig
+    from recurrent_depth.train.optim import OptimConfig
+
+    parser = subparsers.add_parser(
+        "train",
+        help="train a recurrent-depth model (YAML config + flat flags; torchrun for several processes)",
+        description="Train with the paper's recipe: sampled depth per micro-batch, truncated backprop, "
+                    "validation at several depths, atomic checkpoints, exact --resume.",
+    )
+    parser.add_argument("--config", metavar="FILE.yaml", help="training config file; flags below override it "
+                        "(default: none, the defaults shown)")
+    hints = typing.get_type_hints(TrainConfig)
+    defaults = TrainConfig()
+    for f in fields(TrainConfig):
+        if f.name in SKIPPED_FIELDS:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        base, is_list = _field_type(hints[f.name])
+        default = getattr(defaults, f.name) if f.default is not MISSING or f.default_factory is not MISSING else None
+        help_text = f"{FIELD_HELP[f.name]} (default: {_default_text(default)})"
+        if base is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif is_list:
+            parser.add_argument(flag, type=_int_list, default=None, metavar="N,N,...", help=help_text)
+        else:
+            parser.add_argument(flag, type=base, default=None, metavar=f.name.upper().split("_")[-1],
+                                help=help_text)
+    parser.add_argument("--model-set", action="append", type=_model_set, default=[], metavar="KEY=VALUE",
+                        help="override a ModelConfig field, e.g. --model-set hidden_size=128 (repeatable; "
+                             "default: the preset's values)")
+    optim_defaults = OptimConfig.from_preset("demo")
+    for dest, (name, kind, text) in OPTIM_FLAGS.items():
+        default = "demo" if name == "preset" else getattr(optim_defaults, name)
+        parser.add_argument("--" + dest.replace("_", "-"), dest=dest, type=kind, default=None,
+                            help=f"{text} (default: {_default_text(default)})")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved configuration as JSON and exit (default: off)")
+    parser.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace):
+    """The TrainConfig from --config and the flags (flags win)."""
+    from recurrent_depth.train.config import TrainConfig
+
+    overrides: dict[str, Any] = {}
+    for f in fields(TrainConfig):
+        if f.name in ("model", "optim"):
+            continue
+        value = getattr(args, f.name, None)
+        if value is not None:
+            overrides[f.name] = value
+    if args.model_set:
+        overrides["model"] = dict(args.model_set)
+    optim = {name: getattr(args, dest) for dest, (name, _, _) in OPTIM_FLAGS.items() if getattr(args, dest) is not None}
+    if optim:
+        overrides["optim"] = optim
+    return TrainConfig.from_sources(args.config, overrides)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    if args.print_config:
+        print(json.dumps(cfg.to_dict(), indent=2))
+        return 0
+    from recurrent_depth.train.distributed import shutdown
+    from recurrent_depth.train.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        result = trainer.run()
+    finally:
+        shutdown(trainer.env)
+    if trainer.env.is_main and result.final_eval is not None:
+        from recurrent_depth.train.report import format_depth_table
+
+        print(format_depth_table({str(d): v for d, v in result.final_eval.loss.items()}))
+        print(f"model: {result.model_dir}")
+    return 0

@@ -1,0 +1,305 @@
+"""`TrainConfig`: everything one training run needs, as one validated dataclass.
+
+Sources, later ones winning: the dataclass defaults, a YAML file (`TrainConfig.from_yaml`), then
+flat overrides (`TrainConfig.from_sources(path, overrides)`, which is what `rdepth train` calls).
+The YAML mirrors the fields; `model:` holds `ModelConfig` overrides on top of `preset`, and
+`optim:` holds `OptimConfig` fields on top of its `preset` (default "demo")::
+
+    preset: small
+    model: {hidden_size: 192}
+    data: stdlib
+    seq_len: 256
+    batch_size: 8
+    max_steps: 2000
+    optim: {preset: demo, name: muon, lr: 0.004}
+    eval_depths: [1, 2, 4, 8, 16, 32]
+
+The resolved config is written to `<out>/run.json` and into every checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from recurrent_depth.config import PRESETS, ModelConfig
+from recurrent_depth.train.depth import SCHEMES
+from recurrent_depth.train.optim import OptimConfig
+
+DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+DTYPE_ALIASES: dict[str, str] = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+DEFAULT_OPTIM_PRESET = "demo"
+# Validation depths relative to the training mean recurrence r̄: with r̄ = 32 these are the paper's
+# 1, 4, 8, 16, 32, 64 (huginn-0125.md §5, plus 2r̄ to check extrapolation).
+EVAL_DEPTH_FRACTIONS: tuple[float, ...] = (1 / 8, 1 / 4, 1 / 2, 1, 2)
+
+# One line of help per field (CLI --help and the docs read these).
+FIELD_HELP: dict[str, str] = {
+    "preset": "model preset to start from",
+    "model": "ModelConfig overrides on top of the preset (YAML mapping; CLI: --model-set KEY=VALUE)",
+    "data": "corpus: 'stdlib' (the Python standard library's source), a directory, or a .jsonl file",
+    "text_field": "JSONL field that holds the text",
+    "tokenizer": "tokenizer directory; none = train one on the data (its size sets the model's vocab)",
+    "vocab_size": "vocabulary of a tokenizer trained here; none = the preset's (at least 512)",
+    "tokenizer_max_bytes": "train the tokenizer on at most this many bytes of training text",
+    "val_fraction": "share of documents held out for validation",
+    "keep_all": "pack every token, instead of the paper's rule (a row that fills drops the rest of its document)",
+    "data_dir": "where token shards are cached; none = <out>/data",
+    "seq_len": "tokens per training row; none = the model's max_seq_len",
+    "batch_size": "sequences per micro-batch (per rank)",
+    "grad_accum": "micro-batches per optimizer step",
+    "max_steps": "stop after this many optimizer steps",
+    "max_tokens": "stop after this many training tokens (all ranks)",
+    "max_minutes": "stop training after this many minutes of wall time (checkpoint and eval follow)",
+    "optim": "optimizer recipe (YAML mapping of OptimConfig fields, 'preset' picks the base recipe)",
+    "depth_scheme": f"depth sampler per micro-batch: one of {', '.join(SCHEMES)}",
+    "mean_recurrence": "sampler's mean depth r̄; none = the model's mean_recurrence",
+    "backprop_depth": "gradient steps k (truncated backprop); none = the model's mean_backprop_depth",
+    "depth_sigma": "log-normal spread of the paper's sampler",
+    "max_depth": "cap on a sampled depth (bounds the long tail's cost); none = no cap",
+    "baseline": "non-recurrent baseline: the same model run with one core pass every step",
+    "dtype": "compute dtype: float32, or bfloat16 autocast (weights and optimizer stay float32)",
+    "compile": "torch.compile the core block (not the loop: one graph serves every depth)",
+    "activation_checkpointing": "recompute each core iteration in backward (less memory, ~25% slower)",
+    "fsdp": "shard parameters with FSDP2 (fully_shard) instead of replicating them with DDP",
+    "eval_depths": "validation depths; none = 1 and r̄ times 1/8, 1/4, 1/2, 1, 2 (the paper's 1..64 at r̄=32)",
+    "eval_interval": "validate every N optimizer steps (0 = only at the end)",
+    "eval_batches": "validation batches per evaluation (a fixed token budget)",
+    "save_every": "checkpoint every N optimizer steps (0 = only at the end)",
+    "keep_last": "checkpoints to keep",
+    "seed": "seed for weights, data order, depth draws and initial states",
+    "out": "output directory (metrics.jsonl, run.json, checkpoints/, model/)",
+    "resume": "continue from the newest checkpoint in <out>/checkpoints",
+    "progress": "show a progress bar (only on a terminal)",
+    "tensorboard": "also write TensorBoard events to <out>/tensorboard (if tensorboard is installed)",
+}
+
+
+@dataclass
+class TrainConfig:
+    """A training run. See FIELD_HELP for what each field means; `validate` says what is allowed."""
+
+    preset: str = "tiny"
+    model: dict[str, Any] = field(default_factory=dict)
+    data: str = "stdlib"
+    text_field: str = "text"
+    tokenizer: str | None = None
+    vocab_size: int | None = None
+    tokenizer_max_bytes: int | None = None
+    val_fraction: float = 0.02
+    keep_all: bool = False
+    data_dir: str | None = None
+    seq_len: int | None = None
+    batch_size: int = 8
+    grad_accum: int = 1
+    max_steps: int | None = 1000
+    max_tokens: int | None = None
+    max_minutes: float | None = None
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig.from_preset(DEFAULT_OPTIM_PRESET))
+    depth_scheme: str = "poisson-lognormal"
+    mean_recurrence: float | None = None
+    backprop_depth: int | None = None
+    depth_sigma: float = 0.5
+    max_depth: int | None = None
+    baseline: bool = False
+    dtype: str = "float32"
+    compile: bool = False
+    activation_checkpointing: bool = False
+    fsdp: bool = False
+    eval_depths: list[int] | None = None
+    eval_interval: int = 0
+    eval_batches: int = 8
+    save_every: int = 0
+    keep_last: int = 3
+    seed: int = 0
+    out: str = "runs/train"
+    resume: bool = False
+    progress: bool = True
+    tensorboard: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.optim, dict):
+            self.optim = optim_from_dict(self.optim)
+        if isinstance(self.dtype, str) and self.dtype in DTYPE_ALIASES:
+            self.dtype = DTYPE_ALIASES[self.dtype]
+        if isinstance(self.eval_depths, tuple):
+            self.eval_depths = list(self.eval_depths)
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Raise a ValueError naming the field, the value and what is allowed."""
+
+        def bad(name: str, expected: str) -> ValueError:
+            return ValueError(f"TrainConfig.{name}={getattr(self, name)!r} is invalid: expected {expected}")
+
+        def need_int(name: str, low: int, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if optional and value is None:
+                return
+            if not _is_int(value) or value < low:
+                raise bad(name, f"{'None or ' if optional else ''}an integer >= {low}")
+
+        if self.preset not in PRESETS:
+            raise bad("preset", f"one of {sorted(PRESETS)}")
+        if not isinstance(self.model, dict):
+            raise bad("model", "a mapping of ModelConfig overrides")
+        known = {f.name for f in fields(ModelConfig)}
+        unknown = sorted(set(self.model) - known)
+        if unknown:
+            raise ValueError(f"TrainConfig.model has unknown ModelConfig keys {unknown}; known: {sorted(known)}")
+        if not isinstance(self.data, str) or not self.data:
+            raise bad("data", "'stdlib', a directory or a .jsonl file")
+        for name in ("vocab_size", "tokenizer_max_bytes", "seq_len", "max_steps", "max_tokens",
+                     "backprop_depth", "max_depth"):
+            need_int(name, 1, optional=True)
+        for name in ("batch_size", "grad_accum", "eval_batches", "keep_last"):
+            need_int(name, 1)
+        for name in ("eval_interval", "save_every", "seed"):
+            need_int(name, 0)
+        if not _is_real(self.val_fraction) or not 0 < self.val_fraction < 1:
+            raise bad("val_fraction", "a number in (0, 1): validation needs held-out documents")
+        if self.max_minutes is not None and (not _is_real(self.max_minutes) or self.max_minutes <= 0):
+            raise bad("max_minutes", "None or a number > 0")
+        if self.max_steps is None and self.max_tokens is None and self.max_minutes is None:
+            raise ValueError("TrainConfig needs a budget: set max_steps, max_tokens or max_minutes (or several)")
+        if not isinstance(self.optim, OptimConfig):
+            raise bad("optim", "an OptimConfig or a mapping of its fields")
+        if self.depth_scheme not in SCHEMES:
+            raise bad("depth_scheme", f"one of {SCHEMES}")
+        if self.mean_recurrence is not None and (not _is_real(self.mean_recurrence) or self.mean_recurrence < 1):
+            raise bad("mean_recurrence", "None or a number >= 1")
+        if not _is_real(self.depth_sigma) or self.depth_sigma < 0:
+            raise bad("depth_sigma", "a number >= 0")
+        if self.dtype not in DTYPES:
+            raise bad("dtype", f"one of {DTYPES} (or fp32 / bf16)")
+        depths = self.eval_depths
+        if depths is not None and (not isinstance(depths, list) or not depths
+                                   or not all(_is_int(d) and d >= 0 for d in depths)):
+            raise bad("eval_depths", "None or a non-empty list of integers >= 0")
+        for name in ("keep_all", "baseline", "compile", "activation_checkpointing", "fsdp", "resume",
+                     "progress", "tensorboard"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "true or false")
+        if not isinstance(self.out, str) or not self.out:
+            raise bad("out", "a directory path")
+
+    # ------------------------------------------------------------------ derived values
+    def model_config(self, vocab_size: int | None = None, **token_ids: int | None) -> ModelConfig:
+        """The ModelConfig this run trains: preset + `model` overrides (+ the tokenizer's vocab and ids)."""
+        values = dict(self.model)
+        if vocab_size is not None:
+            given = values.get("vocab_size")
+            if given is not None and given != vocab_size:
+                raise ValueError(
+                    f"TrainConfig.model.vocab_size={given} disagrees with the tokenizer's vocabulary "
+                    f"({vocab_size}); drop the override, the tokenizer sets it"
+                )
+            values["vocab_size"] = vocab_size
+        for name, value in token_ids.items():
+            values.setdefault(name, value)
+        if self.seq_len is not None:
+            values["max_seq_len"] = max(self.seq_len, values.get("max_seq_len", PRESETS[self.preset]["max_seq_len"]))
+        return ModelConfig.from_preset(self.preset, **values)
+
+    def resolved_seq_len(self, model_cfg: ModelConfig) -> int:
+        return self.seq_len if self.seq_len is not None else model_cfg.max_seq_len
+
+    def tokenizer_vocab_size(self) -> int:
+        """Vocabulary of a tokenizer trained for this run."""
+        from recurrent_depth.data import MIN_VOCAB_SIZE
+
+        if self.vocab_size is not None:
+            return self.vocab_size
+        preset_vocab = int(self.model.get("vocab_size", PRESETS[self.preset]["vocab_size"]))
+        return preset_vocab if preset_vocab >= MIN_VOCAB_SIZE else 512
+
+    def resolved_eval_depths(self, mean_recurrence: float) -> list[int]:
+        if self.eval_depths is not None:
+            return sorted(set(self.eval_depths))
+        if self.baseline:
+            return [1]
+        scaled = {max(1, round(mean_recurrence * f)) for f in EVAL_DEPTH_FRACTIONS}
+        return sorted({1} | scaled)
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["model"] = dict(self.model)
+        out["optim"] = self.optim.to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        if not isinstance(data, dict):
+            raise ValueError(f"a training config must be a mapping, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown training config key(s) {unknown}; known keys: {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> TrainConfig:
+        return cls.from_dict(read_yaml(path))
+
+    @classmethod
+    def from_sources(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+        """Defaults < YAML file < overrides. `overrides` are field values (None entries are ignored);
+        `model` and `optim` overrides merge into the YAML's mappings key by key."""
+        data: dict[str, Any] = read_yaml(path) if path is not None else {}
+        for key, value in (overrides or {}).items():
+            if value is None:
+                continue
+            if key in ("model", "optim") and isinstance(value, dict):
+                base = data.get(key) or {}
+                if not isinstance(base, dict):
+                    raise ValueError(f"config key {key!r} must be a mapping, got {type(base).__name__}")
+                data[key] = {**base, **value}
+            else:
+                data[key] = value
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def optim_from_dict(data: dict[str, Any]) -> OptimConfig:
+    """An OptimConfig from a mapping; its optional `preset` key (default "demo") gives the base recipe."""
+    values = dict(data)
+    preset = values.pop("preset", DEFAULT_OPTIM_PRESET)
+    if "betas" in values and isinstance(values["betas"], list):
+        values["betas"] = tuple(values["betas"])
+    known = {f.name for f in fields(OptimConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown optim key(s) {unknown}; known: {sorted(known | {'preset'})}")
+    return dataclasses.replace(OptimConfig.from_preset(preset), **values)
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"training config {str(p)!r} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"training config {str(p)!r} is not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"training config {str(p)!r} must hold a mapping at the top, got {type(data).__name__}")
+    return data
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

@@ -1,0 +1,184 @@
+"""Data parallelism applied from outside the model: torchrun DDP, or FSDP2 (`fully_shard`).
+
+    torchrun --standalone --nproc_per_node=2 -m recurrent_depth.cli train --preset tiny ...
+
+`init_distributed` reads torchrun's environment (gloo on CPU, nccl on GPU); without it every
+function here is a no-op for a single process. The model itself knows nothing of this module.
+Depth is locked-step: every rank draws the same (no_grad, grad) steps for the same micro-batch
+from `DepthSampler(seed).sample(step)`, so all ranks run the same graph and DDP's gradient
+all-reduce matches up; each rank reads disjoint rows (`ShardDataset(rank, world_size)`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits. `world_size == 1` means no process group."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    backend: str | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(device: str | None = None) -> DistEnv:
+    """Join torchrun's process group if its environment is set; pick the device.
+
+    device: None = "cuda:<local_rank>" when CUDA is available, else "cpu".
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device is None:
+        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if world <= 1:
+        return DistEnv(device=dev)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+    return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend)
+
+
+def shutdown(env: DistEnv) -> None:
+    if env.enabled and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(env: DistEnv) -> None:
+    if env.enabled:
+        dist.barrier()
+
+
+def mean_across_ranks(value: float, env: DistEnv) -> float:
+    """The mean of a Python float over ranks (float64 all-reduce)."""
+    if not env.enabled:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=env.device if env.backend == "nccl" else "cpu")
+    dist.all_reduce(t)
+    return float(t.item()) / env.world_size
+
+
+def broadcast_object(obj: Any, env: DistEnv) -> Any:
+    """Rank 0's `obj` on every rank."""
+    if not env.enabled:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def wrap_model(model: nn.Module, env: DistEnv, fsdp: bool = False) -> nn.Module:
+    """The module the training loop calls: `model` itself, DDP around it, or `model` FSDP2-sharded.
+
+    FSDP2 shards each prelude/core/coda block, then the root (embedding, adapter, final norm);
+    `fully_shard` modifies `model` in place and the core block stays one unit reused at every step.
+    """
+    if not env.enabled:
+        if fsdp:
+            raise ValueError("fsdp=True needs several processes: launch with torchrun --nproc_per_node=N")
+        return model
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for part in ("prelude", "core_block", "coda"):
+            for block in model.transformer[part]:
+                fully_shard(block)
+        fully_shard(model)
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [env.device.index] if env.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids)
+
+
+@contextlib.contextmanager
+def gradient_sync(wrapped: nn.Module, enabled: bool) -> Iterator[None]:
+    """Skip the gradient all-reduce/reduce-scatter for accumulation micro-batches (`enabled=False`)."""
+    if enabled:
+        yield
+        return
+    if hasattr(wrapped, "no_sync"):  # DDP
+        with wrapped.no_sync():
+            yield
+        return
+    if hasattr(wrapped, "set_requires_gradient_sync"):  # FSDP2
+        wrapped.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            wrapped.set_requires_gradient_sync(True)
+        return
+    yield
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    return hasattr(model, "set_requires_gradient_sync")
+
+
+def full_model_state(model: nn.Module, env: DistEnv) -> dict[str, torch.Tensor]:
+    """Unsharded CPU state dict (on every rank for DDP/single; on rank 0 for FSDP, empty elsewhere)."""
+    if is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def load_full_model_state(model: nn.Module, state: dict[str, torch.Tensor], env: DistEnv) -> None:
+    """Load an unsharded state dict (tied `lm_head.weight` may be absent) into `model`."""
+    if is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        state = dict(state)
+        if "lm_head.weight" not in state and "transformer.wte.weight" in state:
+            state["lm_head.weight"] = state["transformer.wte.weight"]
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+        return
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if m != "lm_head.weight"]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
+
+
+def optimizer_state(model: nn.Module, optimizer: Any, env: DistEnv) -> dict[str, Any]:
+    """The optimizer state to save: the OptimizerSet's own dict, or for FSDP the full FQN-keyed one."""
+    if is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(
+            model, list(optimizer), options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+    return optimizer.state_dict()
+
+
+def load_optimizer_state(model: nn.Module, optimizer: Any, state: dict[str, Any], env: DistEnv) -> None:
+    if is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(
+            model, list(optimizer), state, options=StateDictOptions(full_state_dict=True)
+        )
+        return
+    optimizer.load_state_dict(state)

@@ -1,0 +1,635 @@
+"""The training loop: the paper's recipe, one readable loop from one CPU to torchrun.
+
+    result = Trainer(TrainConfig(preset="tiny", data="stdlib", max_steps=200, out="runs/tiny")).run()
+
+Each optimizer step runs `grad_accum` micro-batches. Micro-batch number `m` (counted over the whole
+run, so a resumed run continues the count) draws its depth `(no_grad_steps, grad_steps) =
+DepthSampler(seed).sample(m)` (the same on every rank: locked-step) and its initial state from a
+generator seeded by (seed, m, rank); the loss is next-token cross-entropy on the final output.
+Then: clip the gradient norm, skip (and count) the step if the norm is not finite, step the
+optimizer(s) at the scheduled learning rate. Parallelism, activation checkpointing and compile
+are applied to the model from outside (see `prepare_model`).
+
+Outputs in `cfg.out`: `run.json` (resolved config, versions, hardware, data hashes), `metrics.jsonl`
+(one line per optimizer step, flushed), `eval.jsonl` (validation by depth), `checkpoints/step-N/`,
+`tensorboard/` and, at the end, `model/` (weights + tokenizer: a model directory).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recurrent_depth.config import ModelConfig
+from recurrent_depth.model.recurrent import RecurrentDepthLM
+from recurrent_depth.train import checkpointing as ckpt
+from recurrent_depth.train import distributed as ddist
+from recurrent_depth.train.config import TrainConfig
+from recurrent_depth.train.depth import DepthSampler, stream_seed
+from recurrent_depth.train.optim import build_optimizers, clip_and_check_grads
+from recurrent_depth.train.schedule import set_lr
+from recurrent_depth.train.validation import DepthEval, autocast_context, evaluate_depths
+
+METRICS_FILE = "metrics.jsonl"
+EVAL_FILE = "eval.jsonl"
+RUN_FILE = "run.json"
+MODEL_DIR = "model"
+TOKENIZER_DIR = "tokenizer"
+# Config fields a resumed run may change; any other difference makes --resume refuse.
+RESUMABLE_CHANGES = frozenset(
+    {"max_steps", "max_tokens", "max_minutes", "eval_interval", "eval_batches", "eval_depths", "save_every",
+     "keep_last", "resume", "progress", "tensorboard", "out", "data_dir", "compile", "activation_checkpointing"}
+)
+
+
+class StopTraining(Exception):
+    """Raised by an `on_step` callback to stop the loop at once (tests use it to simulate a crash)."""
+
+
+@dataclass
+class LoopState:
+    """What the loop needs besides weights and optimizer to continue exactly (saved in checkpoints)."""
+
+    step: int = 0  # optimizer steps done
+    micro_step: int = 0  # micro-batches done (the depth sampler's step)
+    tokens: int = 0  # training tokens consumed, all ranks
+    skipped_steps: int = 0  # optimizer steps skipped for a non-finite gradient
+    elapsed_s: float = 0.0  # training wall time so far (earlier sessions included)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    model: RecurrentDepthLM
+    model_dir: Path | None
+    steps: int
+    tokens: int
+    skipped_steps: int
+    elapsed_s: float
+    stop_reason: str
+    final_eval: DepthEval | None
+    last_checkpoint: Path | None
+    tokenizer_dir: Path
+    losses: list[float] = field(default_factory=list)
+
+
+class Trainer:
+    """Set up from a `TrainConfig`, then `run()`.
+
+    corpus: optional `Corpus` object used instead of `cfg.data` (tests, notebooks).
+    on_step: optional callback `(trainer, record)` after each optimizer step; may raise `StopTraining`.
+    log: where status lines go (default: print on rank 0).
+    deadline: optional `time.perf_counter()` value by which training must stop (on top of
+        `cfg.max_minutes`); `rdepth quickstart` uses it to leave time for evaluation and saving.
+    """
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        *,
+        corpus: Any | None = None,
+        on_step: Callable[[Trainer, dict[str, Any]], None] | None = None,
+        log: Callable[[str], None] | None = None,
+        device: str | None = None,
+        deadline: float | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.deadline = deadline
+        self.env = ddist.init_distributed(device)
+        self.out = Path(cfg.out)
+        self.on_step = on_step
+        self._log = log if log is not None else print
+        self.state = LoopState()
+        self.losses: list[float] = []
+        self.session_start = 0.0
+        self.session_start_elapsed = 0.0
+        self.session_steps = 0
+        self._setup(corpus)
+
+    # ------------------------------------------------------------------ setup
+    def log(self, message: str) -> None:
+        if self.env.is_main:
+            self._log(message)
+
+    def _setup(self, corpus: Any | None) -> None:
+        cfg, env = self.cfg, self.env
+        root = ckpt.checkpoints_root(self.out)
+        self.resume_from = ckpt.latest_checkpoint(root) if cfg.resume else None
+        if not cfg.resume and ckpt.list_checkpoints(root):
+            raise ValueError(
+                f"{self.out} already holds checkpoints; pass --resume to continue that run or choose a new --out"
+            )
+        if cfg.resume and self.resume_from is None:
+            self.log(f"no checkpoint in {root}: starting from scratch")
+        self.out.mkdir(parents=True, exist_ok=True)
+
+        self.tokenizer_dir, self.data = self._prepare_data(corpus)
+        tok_meta = self.data.metadata["tokenizer"]
+        specials = tok_meta["special_token_ids"]
+        overrides: dict[str, Any] = {}
+        if cfg.baseline:
+            overrides = {"mean_recurrence": 1, "mean_backprop_depth": 1}
+        else:
+            if cfg.mean_recurrence is not None:
+                overrides["mean_recurrence"] = max(1, round(cfg.mean_recurrence))
+            if cfg.backprop_depth is not None:
+                overrides["mean_backprop_depth"] = cfg.backprop_depth
+        base = cfg.replace(model={**overrides, **cfg.model}) if overrides else cfg
+        self.model_config: ModelConfig = base.model_config(
+            tok_meta["vocab_size"],
+            bos_token_id=specials["begin_text"], eos_token_id=specials["end_text"], pad_token_id=specials["pad"],
+        )
+        self.seq_len = cfg.resolved_seq_len(self.model_config)
+        if self.seq_len != self.data.metadata["params"]["seq_len"]:
+            raise AssertionError("prepared rows do not match seq_len")
+
+        mean = cfg.mean_recurrence if cfg.mean_recurrence is not None else self.model_config.mean_recurrence
+        k = cfg.backprop_depth if cfg.backprop_depth is not None else self.model_config.mean_backprop_depth
+        self.sampler = DepthSampler(
+            mean_recurrence=max(1, mean), backprop_depth=max(1, k), sigma=cfg.depth_sigma, seed=cfg.seed,
+            scheme=cfg.depth_scheme, max_steps=cfg.max_depth,
+        )
+        self.eval_depths = cfg.resolved_eval_depths(self.sampler.mean_recurrence)
+
+        torch.manual_seed(cfg.seed)  # the weight init
+        self.model = RecurrentDepthLM(self.model_config).to(env.device)
+        self.wrapped = prepare_model(self.model, cfg, env)
+        self.optimizer = build_optimizers(self.model, cfg.optim)
+        self.train_data = self.data.dataset("train", seed=cfg.seed, rank=env.rank, world_size=env.world_size)
+        self.val_data = self.data.dataset("validation", shuffle=False, rank=env.rank, world_size=env.world_size)
+        self.tokens_per_step = cfg.batch_size * self.seq_len * cfg.grad_accum * env.world_size
+
+        if self.resume_from is not None:
+            self._load_checkpoint(self.resume_from)
+        self.metrics = JsonlLog(self.out / METRICS_FILE, enabled=env.is_main, keep_through=self.state.step)
+        self.eval_log = JsonlLog(self.out / EVAL_FILE, enabled=env.is_main, keep_through=self.state.step)
+        self.tb = _tensorboard(self.out, enabled=cfg.tensorboard and env.is_main)
+        if env.is_main:
+            _atomic_json(self.out / RUN_FILE, self.run_metadata())
+
+    def _prepare_data(self, corpus: Any | None):
+        """Tokenizer (trained here unless given) and token shards; rank 0 builds, the others reuse."""
+        from recurrent_depth.data import build_tokenizer, load_corpus, prepare_dataset
+
+        cfg, env = self.cfg, self.env
+        source = corpus if corpus is not None else load_corpus(cfg.data, text_field=cfg.text_field)
+        if cfg.tokenizer is not None:
+            tok_dir = Path(cfg.tokenizer)
+            if not (tok_dir / "tokenizer.json").is_file():
+                raise ValueError(f"TrainConfig.tokenizer={cfg.tokenizer!r} holds no tokenizer.json")
+        else:
+            tok_dir = self.out / TOKENIZER_DIR
+            if env.is_main and not (tok_dir / "tokenizer.json").is_file():
+                start = time.perf_counter()
+                build_tokenizer(source, cfg.tokenizer_vocab_size(), val_fraction=cfg.val_fraction, seed=cfg.seed,
+                                max_bytes=cfg.tokenizer_max_bytes, out_dir=tok_dir)
+                self.log(f"trained a {cfg.tokenizer_vocab_size()}-token BPE tokenizer in "
+                         f"{time.perf_counter() - start:.1f}s -> {tok_dir}")
+            ddist.barrier(env)
+        seq_len = cfg.seq_len
+        if seq_len is None:
+            seq_len = cfg.model_config().max_seq_len
+        data_dir = Path(cfg.data_dir) if cfg.data_dir is not None else self.out / "data"
+        data = None
+        if env.is_main:
+            start = time.perf_counter()
+            data = prepare_dataset(source, tok_dir, seq_len, data_dir, val_fraction=cfg.val_fraction,
+                                   seed=cfg.seed, keep_all=cfg.keep_all)
+            if not data.metadata.get("reused"):
+                splits = data.metadata["splits"]
+                self.log(f"packed {splits['train']['rows']} training and {splits['validation']['rows']} validation "
+                         f"rows of {seq_len + 1} tokens in {time.perf_counter() - start:.1f}s -> {data_dir}")
+        ddist.barrier(env)
+        if data is None:
+            data = prepare_dataset(source, tok_dir, seq_len, data_dir, val_fraction=cfg.val_fraction,
+                                   seed=cfg.seed, keep_all=cfg.keep_all)
+        return tok_dir, data
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> TrainResult:
+        cfg = self.cfg
+        self.log(f"training {self.model.num_parameters():,} parameters on {self.env.device} "
+                 f"({self.env.world_size} process{'es' if self.env.world_size > 1 else ''}); "
+                 f"depth {self.sampler.scheme} r̄={self.sampler.mean_recurrence} k={self.sampler.backprop_depth}"
+                 f"{' (baseline: one core pass)' if cfg.baseline else ''}; out: {self.out}")
+        bar = _progress_bar(cfg, self.env, self.state.step)
+        self.session_start = time.perf_counter()
+        self.session_start_elapsed = self.state.elapsed_s
+        self.session_steps = 0
+        last_saved = self.state.step if self.resume_from is not None else -1
+        stop_reason = "max_steps"
+        final_eval = None
+        last_checkpoint = self.resume_from
+        try:
+            while True:
+                reason = self.stop_reason()
+                if reason is not None:
+                    stop_reason = reason
+                    break
+                record = self.train_step()
+                self.metrics.write(record)
+                self._tensorboard_step(record)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                    depth=record["num_steps"][-1])
+                step = self.state.step
+                if cfg.eval_interval and step % cfg.eval_interval == 0:
+                    self.evaluate(final=False)
+                if cfg.save_every and step % cfg.save_every == 0:
+                    last_checkpoint = self.save_checkpoint()
+                    last_saved = step
+                if self.on_step is not None:
+                    self.on_step(self, record)
+        finally:
+            if bar is not None:
+                bar.close()
+        final_eval = self.evaluate(final=True)
+        if last_saved != self.state.step and self.state.step > 0:
+            last_checkpoint = self.save_checkpoint()
+        model_dir = self.save_model(self.out / MODEL_DIR)
+        self.log(f"stopped after {self.state.step} steps ({stop_reason}), {self.state.tokens:,} tokens, "
+                 f"{self.state.elapsed_s:.0f}s; skipped {self.state.skipped_steps} non-finite steps")
+        self.metrics.close()
+        self.eval_log.close()
+        if self.tb is not None:
+            self.tb.close()
+        return TrainResult(
+            out=self.out, model=self.model, model_dir=model_dir, steps=self.state.step, tokens=self.state.tokens,
+            skipped_steps=self.state.skipped_steps, elapsed_s=self.state.elapsed_s, stop_reason=stop_reason,
+            final_eval=final_eval, last_checkpoint=last_checkpoint, tokenizer_dir=self.tokenizer_dir,
+            losses=list(self.losses),
+        )
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step over `grad_accum` micro-batches; returns its metrics record."""
+        cfg, env, state = self.cfg, self.env, self.state
+        start = time.perf_counter()
+        lr = self.lr_for_step(state.step)
+        set_lr(self.optimizer, lr)
+        self.wrapped.train()
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        depths: list[int] = []
+        grad_depths: list[int] = []
+        for micro in range(cfg.grad_accum):
+            rows = self.train_data.next_batch(cfg.batch_size).to(env.device)  # [B, T + 1]
+            inputs, targets = rows[:, :-1], rows[:, 1:]
+            num_steps = (0, 1) if cfg.baseline else self.sampler.sample(state.micro_step)
+            generator = torch.Generator(device=env.device).manual_seed(
+                stream_seed(cfg.seed + 1, state.micro_step * env.world_size + env.rank)
+            )
+            with ddist.gradient_sync(self.wrapped, micro == cfg.grad_accum - 1):
+                with autocast_context(cfg.dtype, env.device):
+                    out = self.wrapped(inputs, num_steps=num_steps, generator=generator)
+                loss = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+                (loss / cfg.grad_accum).backward()
+            loss_sum += loss.detach().double().cpu()
+            depths.append(sum(num_steps))
+            grad_depths.append(num_steps[1])
+            state.micro_step += 1
+        grad_norm, finite = clip_and_check_grads(self.model.parameters(), cfg.optim.grad_clip)
+        if finite:
+            self.optimizer.step()
+        else:
+            state.skipped_steps += 1
+            self.log(f"step {state.step + 1}: non-finite gradient norm ({grad_norm}); step skipped "
+                     f"({state.skipped_steps} so far)")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_value = ddist.mean_across_ranks(float(loss_sum) / cfg.grad_accum, env)
+        state.step += 1
+        state.tokens += self.tokens_per_step
+        seconds = time.perf_counter() - start
+        self.session_steps += 1
+        state.elapsed_s = self.session_start_elapsed + (time.perf_counter() - self.session_start)
+        self.losses.append(loss_value)
+        return {
+            "step": state.step,
+            "loss": loss_value if math.isfinite(loss_value) else None,
+            "num_steps": depths,
+            "grad_steps": grad_depths,
+            "lr": lr,
+            "tokens_per_s": self.tokens_per_step / seconds,
+            "tokens": state.tokens,
+            "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
+            "skipped": not finite,
+            "skipped_total": state.skipped_steps,
+            "step_s": seconds,
+            "elapsed_s": state.elapsed_s,
+        }
+
+    # ------------------------------------------------------------------ budget and schedule
+    def remaining_seconds(self) -> float | None:
+        """Training time left under `max_minutes` and the `deadline` (None: no time limit)."""
+        left = []
+        if self.cfg.max_minutes is not None:
+            left.append(self.cfg.max_minutes * 60.0 - self.state.elapsed_s)
+        if self.deadline is not None:
+            left.append(self.deadline - time.perf_counter())
+        return min(left) if left else None
+
+    def seconds_per_step(self) -> float | None:
+        if self.session_steps == 0:
+            return None
+        return (self.state.elapsed_s - self.session_start_elapsed) / self.session_steps
+
+    def planned_steps(self) -> int | None:
+        """The run's length in optimizer steps, as best known now (None: unknown yet).
+
+        Step and token budgets give it exactly (so the schedule, and a resumed run, are reproducible);
+        a time budget is projected from the steps so far, so the cool-down lands at the end of the time.
+        """
+        cfg = self.cfg
+        candidates = []
+        if cfg.max_steps is not None:
+            candidates.append(cfg.max_steps)
+        if cfg.max_tokens is not None:
+            candidates.append(math.ceil(cfg.max_tokens / self.tokens_per_step))
+        left, per_step = self.remaining_seconds(), self.seconds_per_step()
+        if left is not None and per_step:
+            candidates.append(self.state.step + max(0, int(left / per_step)))
+        if not candidates:
+            return None
+        return max(min(candidates), self.state.step + 1)
+
+    def lr_for_step(self, step: int) -> float:
+        optim = self.cfg.optim
+        total = self.planned_steps()
+        if total is None:
+            return optim.lr_at(step, None) if not optim.cooldown_steps else optim.lr
+        return optim.lr_at(step, max(total, step + 1))
+
+    def stop_reason(self) -> str | None:
+        cfg, state = self.cfg, self.state
+        if cfg.max_steps is not None and state.step >= cfg.max_steps:
+            return "max_steps"
+        if cfg.max_tokens is not None and state.tokens >= cfg.max_tokens:
+            return "max_tokens"
+        left = self.remaining_seconds()
+        if left is not None:
+            # Stop when the next step would overrun: a time cap is a promise about wall time.
+            over = (self.seconds_per_step() or 0.0) > left
+            over = bool(ddist.broadcast_object(over, self.env)) if self.env.enabled else over
+            if over:
+                return "time_limit"
+        return None
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, final: bool = False) -> DepthEval:
+        cfg = self.cfg
+        result = evaluate_depths(
+            self.wrapped if ddist.is_fsdp(self.wrapped) else self.model, self.val_data, self.eval_depths,
+            batch_size=cfg.batch_size, max_batches=cfg.eval_batches, dtype=cfg.dtype, seed=cfg.seed,
+            device=self.env.device, sharded=ddist.is_fsdp(self.wrapped), world_size=self.env.world_size,
+        )
+        record = {"step": self.state.step, "final": final, **result.to_dict()}
+        self.eval_log.write(record)
+        if self.tb is not None:
+            for d, v in result.loss.items():
+                self.tb.add_scalar(f"val_loss/depth_{d}", v, self.state.step)
+            for d, v in result.token_correlation.items():
+                self.tb.add_scalar(f"token_correlation/depth_{d}", v, self.state.step)
+        table = "  ".join(f"{d}:{v:.3f}" for d, v in sorted(result.loss.items()))
+        self.log(f"step {self.state.step} validation loss by depth  {table}")
+        return result
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path | None:
+        """Write checkpoint `step-<step>` (collective: every rank must call it)."""
+        env, step = self.env, self.state.step
+        model_state = ddist.full_model_state(self.wrapped, env)
+        optim_state = ddist.optimizer_state(self.wrapped, self.optimizer, env)
+        root = ckpt.checkpoints_root(self.out)
+        tmp = root / f".tmp-{ckpt.checkpoint_name(step)}"
+        if env.is_main:
+            tmp = ckpt.begin_checkpoint(root, step)
+        ddist.barrier(env)
+        if not env.is_main:
+            ckpt.write_tensors(tmp / f"rng-rank{env.rank}.safetensors", ckpt.rng_state_tensors())
+        final = None
+        if env.is_main:
+            from recurrent_depth.checkpoint import save_pretrained
+
+            save_pretrained(ckpt.StateView(self.model_config, model_state), tmp, tokenizer_dir=self.tokenizer_dir)
+            ckpt.save_state_files(tmp, "optimizer", optim_state)
+            ckpt.write_tensors(tmp / ckpt.RNG_TENSORS, ckpt.rng_state_tensors())
+            ckpt.write_json(tmp / ckpt.TRAINER_STATE, {
+                **self.state.to_dict(),
+                "data": self.train_data.state_dict(),
+                "world_size": env.world_size,
+                "config": self.cfg.to_dict(),
+                "sampler": self.sampler.to_dict(),
+            })
+        ddist.barrier(env)
+        if env.is_main:
+            final = ckpt.commit_checkpoint(tmp, step, keep_last=self.cfg.keep_last)
+        ddist.barrier(env)
+        return final if env.is_main else root / ckpt.checkpoint_name(step)
+
+    def _load_checkpoint(self, path: Path) -> None:
+        loaded = ckpt.load_checkpoint(path, rank=self.env.rank)
+        saved_cfg = loaded.trainer_state.get("config", {})
+        current = self.cfg.to_dict()
+        changed = sorted(k for k in current if k not in RESUMABLE_CHANGES and saved_cfg.get(k) != _jsonable(current[k]))
+        if changed:
+            detail = ", ".join(f"{k}: {saved_cfg.get(k)!r} -> {current[k]!r}" for k in changed)
+            raise ValueError(f"cannot resume from {path}: the configuration changed ({detail})")
+        if loaded.trainer_state.get("world_size") != self.env.world_size:
+            raise ValueError(f"cannot resume from {path}: it was written by {loaded.trainer_state.get('world_size')} "
+                             f"process(es), this run has {self.env.world_size}")
+        ddist.load_full_model_state(self.wrapped, loaded.model_state, self.env)
+        ddist.load_optimizer_state(self.wrapped, self.optimizer, loaded.optimizer_state, self.env)
+        self.train_data.load_state_dict(loaded.trainer_state["data"])
+        for name in ("step", "micro_step", "tokens", "skipped_steps", "elapsed_s"):
+            setattr(self.state, name, type(getattr(self.state, name))(loaded.trainer_state[name]))
+        if loaded.rng:
+            ckpt.restore_rng_state(loaded.rng)
+        self.log(f"resumed from {path} at step {self.state.step}")
+
+    def save_model(self, path: Path) -> Path | None:
+        """The final weights + tokenizer as a model directory (rank 0 writes)."""
+        from recurrent_depth.checkpoint import save_pretrained
+
+        state = ddist.full_model_state(self.wrapped, self.env)
+        if self.env.is_main:
+            save_pretrained(ckpt.StateView(self.model_config, state), path, tokenizer_dir=self.tokenizer_dir)
+        ddist.barrier(self.env)
+        return path
+
+    # ------------------------------------------------------------------ metadata and logging
+    def run_metadata(self) -> dict[str, Any]:
+        return {
+            "config": self.cfg.to_dict(),
+            "model_config": self.model_config.to_dict(),
+            "parameters": self.model.num_parameters(),
+            "seq_len": self.seq_len,
+            "tokens_per_step": self.tokens_per_step,
+            "sampler": self.sampler.to_dict(),
+            "eval_depths": self.eval_depths,
+            "seeds": {"weights": self.cfg.seed, "data": self.cfg.seed, "depth": self.cfg.seed,
+                      "initial_state": self.cfg.seed + 1},
+            "data": {k: self.data.metadata.get(k) for k in ("corpus", "tokenizer", "params", "splits", "key")},
+            "tokenizer_dir": str(self.tokenizer_dir),
+            "resumed_from": str(self.resume_from) if self.resume_from else None,
+            "world_size": self.env.world_size,
+            "backend": self.env.backend,
+            "git": git_revision(),
+            "versions": library_versions(),
+            "hardware": hardware_info(self.env.device),
+            "command": sys.argv,
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+
+    def _tensorboard_step(self, record: dict[str, Any]) -> None:
+        if self.tb is None:
+            return
+        step = record["step"]
+        for key in ("loss", "lr", "tokens_per_s", "grad_norm"):
+            if record.get(key) is not None:
+                self.tb.add_scalar(f"train/{key}", record[key], step)
+        self.tb.add_scalar("train/depth", sum(record["num_steps"]) / len(record["num_steps"]), step)
+
+
+def prepare_model(model: RecurrentDepthLM, cfg: TrainConfig, env: ddist.DistEnv) -> nn.Module:
+    """Apply, from outside the model and in this order: activation checkpointing, compile, parallelism."""
+    model.gradient_checkpointing = cfg.activation_checkpointing
+    if cfg.compile:
+        compile_core(model)
+    return ddist.wrap_model(model, env, fsdp=cfg.fsdp)
+
+
+def compile_core(model: RecurrentDepthLM) -> None:
+    """torch.compile each core block in place (parameter names unchanged: no `_orig_mod.` prefix).
+
+    Only the block is compiled, not the loop over steps, so one graph serves every depth.
+    """
+    for block in model.transformer.core_block:
+        block.compile(dynamic=False)
+
+
+class JsonlLog:
+    """Append-only JSON lines, flushed per line. On resume, lines after `keep_through` are dropped."""
+
+    def __init__(self, path: Path, enabled: bool = True, keep_through: int = 0) -> None:
+        self.path = path
+        self.enabled = enabled
+        self.handle = None
+        if not enabled:
+            return
+        if path.exists():
+            kept = []
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line).get("step", 0) <= keep_through:
+                        kept.append(line)
+                except json.JSONDecodeError:
+                    break  # a line torn by a crash: everything after it is newer anyway
+            _atomic_text(path, "".join(f"{line}\n" for line in kept))
+        self.handle = open(path, "a")  # noqa: SIM115 (kept open for the run; closed by close())
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.handle is None:
+            return
+        self.handle.write(json.dumps(record) + "\n")
+        self.handle.flush()
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+            self.handle = None
+
+
+def _progress_bar(cfg: TrainConfig, env: ddist.DistEnv, initial: int):
+    if not (cfg.progress and env.is_main):
+        return None
+    from tqdm.auto import tqdm
+
+    # disable=None: no bar when stdout is not a terminal (CI logs stay clean).
+    return tqdm(total=cfg.max_steps, initial=initial, unit="step", dynamic_ncols=True, disable=None)
+
+
+def _tensorboard(out: Path, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard not installed: metrics.jsonl has everything
+        return None
+    return SummaryWriter(log_dir=str(out / "tensorboard"))
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value))
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _atomic_json(path: Path, data: Any) -> None:
+    _atomic_text(path, json.dumps(data, indent=2, default=str) + "\n")
+
+
+def git_revision() -> dict[str, Any]:
+    """Commit and dirty flag of the checkout this package runs from (None outside a git checkout)."""
+    here = Path(__file__).resolve().parent
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        if rev.returncode != 0:
+            return {"commit": None, "dirty": None}
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                                capture_output=True, text=True, timeout=10)
+        return {"commit": rev.stdout.strip(), "dirty": bool(status.stdout.strip())}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def library_versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in ("torch", "numpy", "tokenizers", "safetensors", "transformers", "recurrent-depth"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def hardware_info(device: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or None,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+    }
+    if torch.cuda.is_available():
+        info["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def train(cfg: TrainConfig, **kwargs: Any) -> TrainResult:
+    """Train as `cfg` says; see `Trainer`."""
+    return Trainer(cfg, **kwargs).run()

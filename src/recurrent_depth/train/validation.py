@@ -1,0 +1,173 @@
+"""Validation loss at several test-time depths, and the collapse monitor, in one pass per batch.
+
+For each batch the prelude runs once, the core is iterated up to the deepest requested depth,
+and the coda reads the state out at every requested depth on the way. That costs
+`max(depths)` core steps instead of `sum(depths)`, and every depth starts from the same s0
+draw, so the differences between depths are paired (not blurred by different random starts).
+The numbers equal `model(inputs, num_steps=d)` run separately with the same generator seed
+(tests check this).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from recurrent_depth.model.recurrent import RecurrentDepthLM
+from recurrent_depth.train.monitor import token_correlation
+
+
+@dataclass
+class DepthEval:
+    """Mean next-token loss (nats) and mean token correlation per depth, over `tokens` targets."""
+
+    loss: dict[int, float] = field(default_factory=dict)
+    token_correlation: dict[int, float] = field(default_factory=dict)
+    tokens: int = 0
+
+    def best_depth(self) -> int:
+        return min(self.loss, key=lambda d: (self.loss[d], d))
+
+    def to_dict(self) -> dict:
+        return {
+            "val_loss_by_depth": {str(d): v for d, v in sorted(self.loss.items())},
+            "token_correlation_by_depth": {str(d): v for d, v in sorted(self.token_correlation.items())},
+            "val_tokens": self.tokens,
+        }
+
+
+def autocast_context(dtype: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast for dtype "bfloat16", nothing for "float32"."""
+    if dtype == "bfloat16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def depth_losses(
+    model: RecurrentDepthLM,
+    rows: Tensor,
+    depths: list[int],
+    generator: torch.Generator | None = None,
+    dtype: str = "float32",
+) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
+    """Summed loss and summed per-sequence token correlation per depth for one batch of rows.
+
+    rows: [B, T + 1] token ids (inputs rows[:, :-1], targets rows[:, 1:]).
+    Returns ({depth: summed token loss}, {depth: summed correlation over the B sequences}).
+    """
+    inputs, targets = rows[:, :-1], rows[:, 1:]
+    wanted = sorted(set(depths))
+    losses: dict[int, Tensor] = {}
+    corr: dict[int, Tensor] = {}
+    with autocast_context(dtype, rows.device):
+        ctx = model.make_context(inputs)
+        e = model.embed(inputs, ctx)
+        state = model.initial_state(e, model.config.init_scale, generator)
+        done = 0
+        for depth in wanted:
+            while done < depth:
+                state = model.core_step(state, e, done, ctx)
+                done += 1
+            logits = model.predict(model.transformer.ln_f(state), ctx)
+            losses[depth] = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+            corr[depth] = token_correlation(state).sum()
+    return losses, corr
+
+
+@torch.no_grad()
+def forward_losses(
+    model: torch.nn.Module,
+    rows: Tensor,
+    depths: list[int],
+    generator_seed: int,
+    dtype: str = "float32",
+) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
+    """Like `depth_losses`, but one full `model(...)` call per depth (needed when the model is
+    FSDP-sharded: only its forward gathers the parameters). Same s0 draw for every depth."""
+    inputs, targets = rows[:, :-1], rows[:, 1:]
+    losses: dict[int, Tensor] = {}
+    corr: dict[int, Tensor] = {}
+    for depth in sorted(set(depths)):
+        gen = torch.Generator(device=rows.device).manual_seed(generator_seed)
+        with autocast_context(dtype, rows.device):
+            out = model(inputs, num_steps=depth, generator=gen)
+        losses[depth] = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten(), reduction="sum")
+        corr[depth] = token_correlation(out.final_state).sum()
+    return losses, corr
+
+
+@torch.no_grad()
+def evaluate_depths(
+    model: torch.nn.Module,
+    dataset,
+    depths: list[int],
+    *,
+    batch_size: int,
+    max_batches: int,
+    dtype: str = "float32",
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    sharded: bool = False,
+    world_size: int = 1,
+) -> DepthEval:
+    """Validation loss and token correlation at each depth over the first `max_batches` batches.
+
+    dataset: a `ShardDataset` (this rank's share, storage order; its training position is untouched).
+    Every rank runs the same number of batches; sums are all-reduced when `world_size > 1`.
+    The s0 draw of batch i is seeded by (seed, i), so repeated evaluations see the same starts.
+    """
+    if not depths:
+        raise ValueError("depths must name at least one depth")
+    device = torch.device(device)
+    per_rank = len(dataset) // world_size
+    batch_size = max(1, min(batch_size, per_rank))
+    num_batches = min(max_batches, per_rank // batch_size)
+    if num_batches < 1:
+        raise ValueError(f"validation split has {len(dataset)} rows: too few for {world_size} rank(s)")
+    was_training = model.training
+    model.eval()
+    loss_sum = {d: torch.zeros((), dtype=torch.float64) for d in depths}
+    corr_sum = {d: torch.zeros((), dtype=torch.float64) for d in depths}
+    tokens = 0
+    sequences = 0
+    try:
+        for i, rows in enumerate(dataset.iter_batches(batch_size, drop_last=True)):
+            if i >= num_batches:
+                break
+            rows = rows.to(device)
+            batch_seed = (seed * 1_000_003 + i) % (2**63)
+            if sharded:
+                losses, corr = forward_losses(model, rows, depths, batch_seed, dtype)
+            else:
+                gen = torch.Generator(device=device).manual_seed(batch_seed)
+                losses, corr = depth_losses(model, rows, depths, gen, dtype)
+            for d in depths:
+                loss_sum[d] += losses[d].double().cpu()
+                corr_sum[d] += corr[d].double().cpu()
+            tokens += rows[:, 1:].numel()
+            sequences += rows.shape[0]
+    finally:
+        model.train(was_training)
+    totals = torch.tensor(
+        [tokens, sequences] + [float(loss_sum[d]) for d in depths] + [float(corr_sum[d]) for d in depths],
+        dtype=torch.float64,
+    )
+    if world_size > 1:
+        import torch.distributed as dist
+
+        reduce_device = device if device.type == "cuda" else torch.device("cpu")
+        totals = totals.to(reduce_device)
+        dist.all_reduce(totals)
+        totals = totals.cpu()
+    tokens, sequences = int(totals[0]), int(totals[1])
+    n = len(depths)
+    result = DepthEval(tokens=tokens)
+    for j, d in enumerate(depths):
+        result.loss[d] = float(totals[2 + j]) / tokens
+        result.token_correlation[d] = float(totals[2 + n + j]) / sequences
+    return result

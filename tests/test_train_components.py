@@ -1,0 +1,114 @@
+"""Pieces of the trainer: collapse monitor, state flattening, atomic checkpoint directories, depth evaluation."""
+
+import os
+
+import pytest
+import torch
+
+import recurrent_depth as rd
+from recurrent_depth.train import checkpointing as ckpt
+from recurrent_depth.train.monitor import token_correlation, token_correlation_reference
+from recurrent_depth.train.optim import OptimConfig, build_optimizers
+from recurrent_depth.train.validation import depth_losses
+from tests.train_support import OneThread
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    with OneThread():
+        yield
+
+
+@pytest.mark.parametrize("B, T, h", [(1, 2, 3), (3, 17, 60), (2, 33, 7)], ids=["B1-T2-h3", "B3-T17-h60", "B2-T33-h7"])
+def test_token_correlation_matches_the_quadratic_definition(B, T, h):
+    torch.manual_seed(0)
+    hidden = torch.randn(B, T, h) + 0.3  # a shared offset makes the correlation clearly nonzero
+    torch.testing.assert_close(token_correlation(hidden), token_correlation_reference(hidden), rtol=1e-5, atol=1e-6)
+
+
+def test_token_correlation_extremes_and_mask():
+    same = torch.randn(1, 1, 16).expand(2, 9, 16)
+    torch.testing.assert_close(token_correlation(same), torch.ones(2))
+    hidden = torch.randn(1, 12, 8)
+    mask = torch.zeros(1, 12, dtype=torch.bool)
+    mask[0, :5] = True
+    torch.testing.assert_close(token_correlation(hidden, mask), token_correlation_reference(hidden[:, :5]))
+    assert torch.isnan(token_correlation(torch.randn(1, 1, 8))).all()
+    with pytest.raises(ValueError, match="shape"):
+        token_correlation(torch.randn(8))
+
+
+def _stepped_optimizer(name: str):
+    torch.manual_seed(0)
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny"))
+    opt = build_optimizers(model, OptimConfig(name=name, lr=1e-3))
+    out = model(torch.randint(0, 256, (2, 9)), num_steps=2)
+    out.logits.square().mean().backward()
+    opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("name", ["adamw", "ellis-adam", "muon"])
+def test_optimizer_state_round_trips_exactly_through_safetensors_and_json(tmp_path, name):
+    model, opt = _stepped_optimizer(name)
+    ckpt.save_state_files(tmp_path, "optimizer", opt.state_dict())
+    restored = ckpt.load_state_files(tmp_path, "optimizer")
+    _, fresh = _stepped_optimizer(name)
+    fresh.load_state_dict(restored)
+    before, after = opt.state_dict(), fresh.state_dict()
+    for a, b in zip(before["optimizers"], after["optimizers"]):
+        assert a["param_groups"] == b["param_groups"]
+        assert a["state"].keys() == b["state"].keys()
+        for key in a["state"]:
+            for field, value in a["state"][key].items():
+                assert torch.equal(value, b["state"][key][field]) if torch.is_tensor(value) else value == b[
+                    "state"][key][field]
+
+
+def test_flatten_state_rejects_objects_it_cannot_store_without_pickle():
+    with pytest.raises(ValueError, match="no pickling"):
+        ckpt.flatten_state({"x": object()})
+
+
+def _fake_checkpoint(root, step):
+    tmp = ckpt.begin_checkpoint(root, step)
+    for name in ckpt.REQUIRED_FILES:
+        (tmp / name).write_text("{}")
+    return tmp
+
+
+def test_checkpoint_directories_appear_whole_and_prune(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (5, 10, 15):
+        ckpt.commit_checkpoint(_fake_checkpoint(root, step), step, keep_last=2)
+    assert [s for s, _ in ckpt.list_checkpoints(root)] == [10, 15]
+    # A save interrupted before its rename leaves only a hidden temporary directory: never listed.
+    _fake_checkpoint(root, 20)
+    (root / "step-00000025").mkdir()  # and a directory missing files is not a checkpoint either
+    assert ckpt.latest_checkpoint(root).name == "step-00000015"
+    assert not any(p.name.startswith(".trash") for p in root.iterdir())
+    with pytest.raises(ValueError, match="already exists"):
+        ckpt.commit_checkpoint(_fake_checkpoint(root, 15), 15)
+
+
+def test_rng_state_round_trip(tmp_path):
+    torch.manual_seed(123)
+    ckpt.write_tensors(tmp_path / "rng.safetensors", ckpt.rng_state_tensors())
+    expected = torch.rand(4)
+    torch.manual_seed(999)
+    ckpt.restore_rng_state(ckpt.read_tensors(tmp_path / "rng.safetensors"))
+    assert torch.equal(torch.rand(4), expected)
+    assert os.path.getsize(tmp_path / "rng.safetensors") > 0
+
+
+@pytest.mark.parametrize("depths", [[0, 1, 3], [2, 5]], ids=["with-zero", "odd"])
+def test_one_pass_depth_losses_equal_separate_forwards(depths):
+    torch.manual_seed(0)
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval()
+    rows = torch.randint(0, 256, (3, 18))
+    losses, corr = depth_losses(model, rows, depths, torch.Generator().manual_seed(7))
+    for d in depths:
+        out = model(rows[:, :-1], num_steps=d, generator=torch.Generator().manual_seed(7))
+        expected = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), rows[:, 1:].flatten(), reduction="sum")
+        torch.testing.assert_close(losses[d], expected, rtol=0, atol=0)
+        torch.testing.assert_close(corr[d], token_correlation(out.final_state).sum(), rtol=0, atol=0)

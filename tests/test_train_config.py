@@ -1,0 +1,111 @@
+"""TrainConfig: defaults, YAML + flag precedence, validation messages, `rdepth train` flags."""
+
+import json
+
+import pytest
+
+from recurrent_depth.cli import build_parser, main
+from recurrent_depth.cli.train import config_from_args
+from recurrent_depth.train.config import TrainConfig
+
+
+def test_defaults_are_valid_and_round_trip():
+    cfg = TrainConfig()
+    again = TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert again == cfg
+
+
+@pytest.mark.parametrize(
+    "mean, expected",
+    [(32, [1, 4, 8, 16, 32, 64]), (8, [1, 2, 4, 8, 16]), (4, [1, 2, 4, 8])],
+    ids=["paper-r32", "small-r8", "tiny-r4"],
+)
+def test_default_eval_depths_scale_with_the_run(mean, expected):
+    assert TrainConfig().resolved_eval_depths(mean) == expected
+
+
+def test_baseline_evaluates_one_pass_by_default():
+    assert TrainConfig(baseline=True).resolved_eval_depths(8) == [1]
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "preset: small\nmodel: {hidden_size: 128, num_heads: 4}\nseq_len: 128\n"
+        "optim: {name: muon, lr: 0.002}\neval_depths: [1, 8]\n"
+    )
+    cfg = TrainConfig.from_sources(path, {"seq_len": 64, "model": {"core_layers": 1}, "optim": {"lr": 0.001}})
+    assert cfg.preset == "small" and cfg.seq_len == 64 and cfg.eval_depths == [1, 8]
+    assert cfg.model == {"hidden_size": 128, "num_heads": 4, "core_layers": 1}
+    assert cfg.optim.name == "muon" and cfg.optim.lr == 0.001
+    model_cfg = cfg.model_config(vocab_size=512)
+    assert (model_cfg.hidden_size, model_cfg.core_layers, model_cfg.vocab_size) == (128, 1, 512)
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"batch_size": 0}, "batch_size"),
+        ({"preset": "huge"}, "preset"),
+        ({"dtype": "float16"}, "dtype"),
+        ({"val_fraction": 0.0}, "val_fraction"),
+        ({"eval_depths": []}, "eval_depths"),
+        ({"max_minutes": -1}, "max_minutes"),
+        ({"depth_scheme": "geometric"}, "depth_scheme"),
+        ({"model": {"hidden_sise": 3}}, "hidden_sise"),
+        ({"compile": "yes"}, "compile"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_bad_values_name_the_field(changes, field):
+    with pytest.raises(ValueError, match=field):
+        TrainConfig(**changes)
+
+
+def test_a_budget_is_required():
+    with pytest.raises(ValueError, match="budget"):
+        TrainConfig(max_steps=None)
+
+
+def test_unknown_yaml_key_is_reported(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("max_step: 10\n")
+    with pytest.raises(ValueError, match="max_step"):
+        TrainConfig.from_yaml(path)
+
+
+def test_vocab_disagreeing_with_the_tokenizer_is_an_error():
+    with pytest.raises(ValueError, match="vocab"):
+        TrainConfig(model={"vocab_size": 300}).model_config(vocab_size=512)
+
+
+def test_cli_flags_override_yaml(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("preset: tiny\nmax_steps: 50\nbatch_size: 2\noptim: {name: adamw}\n")
+    args = build_parser("train").parse_args(
+        ["train", "--config", str(path), "--max-steps", "7", "--eval-depths", "1,3", "--compile",
+         "--model-set", "hidden_size=32", "--lr", "0.01", "--seed", "5"]
+    )
+    cfg = config_from_args(args)
+    assert (cfg.max_steps, cfg.batch_size, cfg.eval_depths, cfg.compile, cfg.seed) == (7, 2, [1, 3], True, 5)
+    assert cfg.model == {"hidden_size": 32}
+    assert (cfg.optim.name, cfg.optim.lr) == ("adamw", 0.01)
+
+
+def test_train_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    assert "--max-steps" in text and "(default: 1000)" in text and "(default: poisson-lognormal)" in text
+
+
+def test_print_config(capsys):
+    assert main(["train", "--preset", "small", "--max-steps", "3", "--print-config"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["preset"] == "small" and printed["max_steps"] == 3
+
+
+def test_bad_flag_value_is_a_clean_error(capsys):
+    assert main(["train", "--batch-size", "0", "--print-config"]) == 2
+    assert "batch_size" in capsys.readouterr().err

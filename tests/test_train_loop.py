@@ -1,0 +1,172 @@
+"""The training loop end to end on the tiny preset: outputs, exact resume (also after kill -9), skips."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import recurrent_depth as rd
+from recurrent_depth.train.trainer import StopTraining, Trainer
+from tests.train_support import OneThread, prepare_root, tiny_train_config
+
+
+@pytest.fixture(scope="module")
+def train_root(tmp_path_factory):
+    return prepare_root(tmp_path_factory.mktemp("train_root"))
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    with OneThread():
+        yield
+
+
+def read_metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_run_writes_metrics_metadata_checkpoints_and_a_model_dir(train_root, tmp_path):
+    out = tmp_path / "run"
+    cfg = tiny_train_config(train_root, out, max_steps=4, save_every=2, keep_last=1, eval_interval=2)
+    result = Trainer(cfg).run()
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    for m in metrics:
+        assert {"step", "loss", "num_steps", "lr", "tokens_per_s", "grad_norm"} <= set(m)
+        assert m["loss"] > 0 and m["tokens_per_s"] > 0 and len(m["num_steps"]) == 1
+    assert result.losses == [m["loss"] for m in metrics]
+    assert metrics[0]["lr"] < metrics[1]["lr"]  # warmup
+
+    run = json.loads((out / "run.json").read_text())
+    assert run["config"]["max_steps"] == 4 and run["data"]["corpus"]["num_documents"] == 60
+    assert len(run["data"]["corpus"]["sha256"]) == 64 and run["versions"]["torch"]
+    assert run["sampler"]["mean_recurrence"] == 4 and run["seeds"]["weights"] == 0
+
+    evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [2, 4, 4] and evals[-1]["final"]
+    assert set(evals[-1]["val_loss_by_depth"]) == {"1", "2", "4"}
+    assert 0 <= evals[-1]["token_correlation_by_depth"]["4"] <= 1
+
+    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert checkpoints == ["step-00000004"]  # keep_last=1 removed step 2
+
+    model = rd.RecurrentDepthLM.from_pretrained(out / "model")
+    assert model.config.vocab_size == 384 and model.config.eos_token_id == 384 - 31
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, result.model.state_dict()[name]), name
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out / "model")
+    assert tok.decode(tok("def alpha_0(x):").input_ids, skip_special_tokens=True) == "def alpha_0(x):"
+
+
+def test_resume_after_a_crash_repeats_the_uninterrupted_losses_bitwise(train_root, tmp_path):
+    straight = Trainer(tiny_train_config(train_root, tmp_path / "a", max_steps=7, save_every=3)).run()
+
+    def crash_at_5(trainer, record):
+        if record["step"] == 5:
+            raise StopTraining
+
+    with pytest.raises(StopTraining):
+        Trainer(tiny_train_config(train_root, tmp_path / "b", max_steps=7, save_every=3), on_step=crash_at_5).run()
+    assert len(read_metrics(tmp_path / "b")) == 5
+    resumed = Trainer(tiny_train_config(train_root, tmp_path / "b", max_steps=7, save_every=3, resume=True)).run()
+    losses_b = [m["loss"] for m in read_metrics(tmp_path / "b")]
+    assert [m["step"] for m in read_metrics(tmp_path / "b")] == list(range(1, 8))  # 4, 5 dropped and redone
+    assert losses_b == straight.losses
+    for name, tensor in straight.model.state_dict().items():
+        assert torch.equal(tensor, resumed.model.state_dict()[name]), name
+
+
+def test_resume_refuses_a_changed_config_and_a_fresh_run_refuses_old_checkpoints(train_root, tmp_path):
+    Trainer(tiny_train_config(train_root, tmp_path, max_steps=2, save_every=2)).run()
+    with pytest.raises(ValueError, match="--resume"):
+        Trainer(tiny_train_config(train_root, tmp_path, max_steps=4))
+    with pytest.raises(ValueError, match="batch_size"):
+        Trainer(tiny_train_config(train_root, tmp_path, max_steps=4, batch_size=2, resume=True))
+
+
+@pytest.mark.slow
+def test_resume_after_kill_9_is_exact(train_root, tmp_path):
+    """A real `rdepth train` process killed with SIGKILL mid-run, then resumed, ends with the losses of
+    the same command run straight through (here in-process, from the same parsed flags)."""
+    from recurrent_depth.cli import build_parser
+    from recurrent_depth.cli.train import config_from_args
+
+    def flags(out, *extra):
+        return ["train", "--preset", "tiny", "--data", str(train_root / "corpus"),
+                "--tokenizer", str(train_root / "tokenizer"), "--data-dir", str(train_root / "data"),
+                "--val-fraction", "0.1", "--keep-all", "--seq-len", "32", "--batch-size", "4", "--max-steps", "30",
+                "--save-every", "4", "--eval-batches", "1", "--eval-depths", "1", "--no-tensorboard",
+                "--out", str(out), *extra]
+
+    straight = Trainer(config_from_args(build_parser("train").parse_args(flags(tmp_path / "straight")))).run()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same thread count as this process (one_thread)
+    command = [sys.executable, "-m", "recurrent_depth.cli", *flags(tmp_path / "killed")]
+    victim = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and victim.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 10:
+            break
+        time.sleep(0.01)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert len(metrics.read_text().splitlines()) < 30, "the run finished before it could be killed"
+    subprocess.run([*command, "--resume"], check=True, env=env, capture_output=True)
+    assert [m["loss"] for m in read_metrics(tmp_path / "killed")] == straight.losses
+    assert len(straight.losses) == 30
+
+
+def test_non_finite_steps_are_skipped_counted_and_logged(train_root, tmp_path):
+    cfg = tiny_train_config(train_root, tmp_path, max_steps=4)
+    messages = []
+    trainer = Trainer(cfg, log=messages.append)
+    calls = {"n": 0}
+
+    def poison(module, args, output):
+        calls["n"] += 1
+        return output * float("nan") if trainer.state.micro_step == 1 else output
+
+    trainer.model.transformer.ln_f.register_forward_hook(poison)
+    snapshots = []
+    trainer.on_step = lambda t, record: snapshots.append(
+        {k: v.clone() for k, v in t.model.state_dict().items()})
+    trainer.run()
+    metrics = read_metrics(tmp_path)
+    assert [m["skipped"] for m in metrics] == [False, True, False, False]
+    assert metrics[1]["loss"] is None and metrics[1]["grad_norm"] is None and metrics[-1]["skipped_total"] == 1
+    for name in snapshots[0]:
+        assert torch.equal(snapshots[0][name], snapshots[1][name]), name  # the poisoned step changed nothing
+    assert all(m["loss"] is not None and m["loss"] < 10 for m in metrics[2:])
+    assert any("non-finite" in m for m in messages)
+
+
+@pytest.mark.parametrize("options", [{"baseline": True}, {"grad_accum": 3, "batch_size": 2}],
+                         ids=["baseline", "grad-accum-3"])
+def test_depth_draws_per_micro_batch(train_root, tmp_path, options):
+    Trainer(tiny_train_config(train_root, tmp_path, max_steps=3, **options)).run()
+    metrics = read_metrics(tmp_path)
+    if options.get("baseline"):
+        assert all(m["num_steps"] == [1] and m["grad_steps"] == [1] for m in metrics)
+        assert json.loads((tmp_path / "model" / "config.json").read_text())["mean_recurrence"] == 1
+    else:
+        from recurrent_depth.train.depth import DepthSampler
+
+        sampler = DepthSampler(4, 2, seed=0)
+        drawn = [d for m in metrics for d in m["num_steps"]]
+        assert drawn == [sum(sampler.sample(i)) for i in range(9)]
+        assert metrics[-1]["tokens"] == 3 * 3 * 2 * 32
+
+
+def test_activation_checkpointing_and_bf16_train(train_root, tmp_path):
+    plain = Trainer(tiny_train_config(train_root, tmp_path / "plain", max_steps=2)).run()
+    ac = Trainer(tiny_train_config(train_root, tmp_path / "ac", max_steps=2, activation_checkpointing=True)).run()
+    assert ac.losses == plain.losses  # recomputation is exact on CPU
+    bf16 = Trainer(tiny_train_config(train_root, tmp_path / "bf16", max_steps=2, dtype="bf16")).run()
+    assert all(abs(a - b) < 0.05 for a, b in zip(bf16.losses, plain.losses))

@@ -1,0 +1,122 @@
+"""Chunked GLA: one masked matmul per chunk, or sub-chunks when decays are too strong for that.
+
+Within a chunk let G be the cumulative log decay (`[C, K]`, non-increasing for decays) and S the
+entering state. Then
+
+    O = (Q ⊙ e^G) S + A V,        A_ij = Σ_d q_id k_jd e^{G_id − G_jd}  (j ≤ i)
+    S ← diag(e^{G_C}) S + (K ⊙ e^{G_C − G})ᵀ V
+
+Intra-chunk scores A, two exact ways:
+
+- factored (the fast path): A = (Q ⊙ e^G)(K ⊙ e^{−G})ᵀ, one matmul. The factors are e^{±G}, so it
+  is used only while every |G| in the call is at most 60 (e^60 ≈ 1e26, far from float32's 3e38;
+  rounding stays relative, so accuracy does not suffer). With fla's gates, logsigmoid(·)/16,
+  a 64-token chunk needs a mean decay stronger than e^{-0.9} per token to leave this path.
+- sub-chunked (any gate strength, as flash-linear-attention does it): cut the chunk into
+  sub-chunks of 16; blocks on the diagonal are computed directly from the `[16, 16, K]` tensor of
+  e^{G_i − G_j}; a block of queries in sub-chunk i against earlier keys factors through the
+  reference point r = G at the end of sub-chunk i − 1: (Q ⊙ e^{G − r})(K ⊙ e^{r − G})ᵀ, with both
+  exponents ≤ 0. Every exponent taken is a decay, so nothing can overflow.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from recurrent_depth.ops._common import acc_dtype, check_chunk_size, check_inputs, from_chunks, steps, to_chunks
+
+SUB_CHUNK = 16
+# Largest |cumulative log decay| in a chunk for which the factored scores stay in float range.
+MAX_FACTORED_LOG_DECAY = 60.0
+
+
+def chunk_gla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated linear attention (Yang et al. 2023), chunked.
+
+    `S_t = diag(exp(g_t)) S_{t−1} + k_t v_tᵀ`, `o_t = S_tᵀ (scale · q_t)`.
+
+    Args:
+        q, k: `[B, T, H, K]`.
+        v: `[B, T, H, V]`.
+        g: `[B, T, H, K]` per-channel log decay (≤ 0; fla layers use logsigmoid(·) / 16).
+        scale: query scale; `None` means `K ** -0.5`.
+        initial_state: `[B, H, K, V]`.
+        output_final_state: also return the state after the last token (float32, or float64).
+        chunk_size: tokens per chunk, a power of two (sub-chunks are min(16, chunk_size)).
+
+    Returns:
+        `(o [B, T, H, V] in q's dtype, final_state [B, H, K, V] or None)`.
+    """
+    B, T, H, K, V, scale = check_inputs(q, k, v, scale=scale, g=g, g_per_key=True, initial_state=initial_state)
+    C = check_chunk_size(chunk_size)
+    dt, out_dtype = acc_dtype(q, initial_state), q.dtype
+    qc = to_chunks(q.to(dt) * scale, C)  # [B, H, N, C, K]
+    kc = to_chunks(k.to(dt), C)  # [B, H, N, C, K]
+    vc = to_chunks(v.to(dt), C)  # [B, H, N, C, V]
+    G = to_chunks(g.to(dt), C).cumsum(dim=-2)  # [B, H, N, C, K]
+
+    # Inter-chunk: a diagonal linear recurrence on the states, one cheap step per chunk.
+    G_end = G[..., -1:, :]  # [B, H, N, 1, K]
+    dS = (kc * (G_end - G).exp()).transpose(-1, -2) @ vc  # [B, H, N, K, V]
+    chunk_decay = G_end.exp().transpose(-1, -2)  # [B, H, N, K, 1]
+    S = qc.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
+    states = []
+    for a_n, dS_n in zip(steps(chunk_decay, 2), steps(dS, 2)):
+        states.append(S)
+        S = a_n * S + dS_n
+    q_in = qc * G.exp()  # queries decayed back to the chunk's start
+    o = q_in @ torch.stack(states, dim=2)  # [B, H, N, C, V]
+
+    if G.abs().amax() <= MAX_FACTORED_LOG_DECAY:
+        o = o + intra_chunk_factored(q_in, kc, vc, G)
+    else:
+        o = o + intra_chunk_subchunked(qc, kc, vc, G, min(SUB_CHUNK, C))
+    return from_chunks(o, T).to(out_dtype), S if output_final_state else None
+
+
+def intra_chunk_factored(q_in: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """Intra-chunk outputs `[B, H, N, C, V]` as ((Q ⊙ e^G)(K ⊙ e^{−G})ᵀ ⊙ causal) V; needs |G| ≤ 60.
+
+    q_in: `Q ⊙ e^G [B, H, N, C, K]`, kc: `[B, H, N, C, K]`, vc: `[B, H, N, C, V]`, G: `[B, H, N, C, K]`.
+    """
+    C = G.shape[-2]
+    causal = torch.ones(C, C, dtype=torch.bool, device=G.device).tril()
+    scores = (q_in @ (kc * (-G).exp()).transpose(-1, -2)).masked_fill(~causal, 0.0)
+    return scores @ vc
+
+
+def intra_chunk_subchunked(
+    qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, G: torch.Tensor, c: int
+) -> torch.Tensor:
+    """Intra-chunk outputs `[B, H, N, C, V]` for any decay strength, through sub-chunks of `c`.
+
+    qc, kc: `[B, H, N, C, K]`, vc: `[B, H, N, C, V]`, G: `[B, H, N, C, K]` (in-chunk cumsum).
+    """
+    C = G.shape[-2]
+    m = C // c
+    dev = G.device
+    # Diagonal blocks: direct, with exponents masked before exp.
+    qs, ks, vs, Gs = (x.unflatten(3, (m, c)) for x in (qc, kc, vc, G))  # [B, H, N, m, c, D]
+    sub_causal = torch.ones(c, c, dtype=torch.bool, device=dev).tril()[..., None]  # [c, c, 1]
+    pair_decay = (Gs[..., :, None, :] - Gs[..., None, :, :]).masked_fill(~sub_causal, float("-inf")).exp()
+    A_diag = (qs[..., :, None, :] * ks[..., None, :, :] * pair_decay).sum(-1)  # [B, H, N, m, c, c]
+    o = A_diag @ vs  # [B, H, N, m, c, V]
+    # Keys in earlier sub-chunks, factored through each query sub-chunk's start r.
+    if m > 1:
+        ends = Gs[..., -1, :]  # [B, H, N, m, K]: G at the last token of each sub-chunk
+        r = torch.cat([torch.zeros_like(ends[..., :1, :]), ends[..., :-1, :]], dim=-2)  # [B, H, N, m, K]
+        q_off = qs * (Gs - r[..., None, :]).exp()  # [B, H, N, m, c, K]
+        earlier = torch.arange(C, device=dev)[None, :] < (torch.arange(m, device=dev) * c)[:, None]
+        k_expo = (r[..., :, None, :] - G[..., None, :, :]).masked_fill(~earlier[..., None], float("-inf"))
+        k_off = kc[..., None, :, :] * k_expo.exp()  # [B, H, N, m, C, K]
+        o = o + (q_off @ k_off.transpose(-1, -2)) @ vc[..., None, :, :]
+    return o.flatten(3, 4)

@@ -137,13 +137,20 @@ def is_fsdp(model: nn.Module) -> bool:
     return hasattr(model, "set_requires_gradient_sync")
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (FSDP2 shards in place, so its module is the model itself)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
 def full_model_state(model: nn.Module, env: DistEnv) -> dict[str, torch.Tensor]:
     """Unsharded CPU state dict (on every rank for DDP/single; on rank 0 for FSDP, empty elsewhere)."""
     if is_fsdp(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    return {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
 
 
 def load_full_model_state(model: nn.Module, state: dict[str, torch.Tensor], env: DistEnv) -> None:
@@ -156,7 +163,7 @@ def load_full_model_state(model: nn.Module, state: dict[str, torch.Tensor], env:
             state["lm_head.weight"] = state["transformer.wte.weight"]
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
         return
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing, unexpected = unwrap(model).load_state_dict(state, strict=False)
     missing = [m for m in missing if m != "lm_head.weight"]
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}")

@@ -73,10 +73,12 @@ def path_independence(
     attention_mask: Tensor | None = None,
     row: int = 0,
     init_scale: float = 1.0,
+    progress: bool = False,
 ) -> PathIndependence:
     """Run `num_steps` from one random s_0 per seed and measure path independence for row `row`.
 
     positions: indices among the row's real tokens whose full normed paths to keep (for plots).
+    progress: show a progress bar over all starts' steps.
     """
     if len(seeds) < 2 or len(set(seeds)) != len(seeds):
         raise ValueError(f"seeds must hold at least 2 distinct seeds, got {seeds!r}")
@@ -90,17 +92,26 @@ def path_independence(
         if not 0 <= p < len(valid):
             raise ValueError(f"position {p} is out of range: the row has {len(valid)} real tokens")
     finals, paths = [], {p: [] for p in keep}
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(seeds) * (num_steps + 1), desc="path independence", unit="step")
     for seed in seeds:
         path_steps = []
         for state, _ in iterate_states(
             model, input_ids, num_steps, attention_mask=attention_mask, init_scale=init_scale, seed=seed
         ):
+            if bar is not None:
+                bar.update()
             normed = state.normed[row, valid].float().cpu().numpy()  # [T_row, h]
             if keep:
                 path_steps.append(normed[keep])
         finals.append(normed)
         for j, p in enumerate(keep):
             paths[p].append(np.stack([s[j] for s in path_steps]))
+    if bar is not None:
+        bar.close()
     final_arr = np.stack(finals)
     spread, separation = spread_and_separation(final_arr)
     ratio = spread / np.where(separation > 0, separation, np.finfo(np.float64).tiny)

@@ -16,7 +16,7 @@ from recurrent_depth.analysis.classify import KINDS
 from recurrent_depth.analysis.path_independence import PathIndependence
 from recurrent_depth.analysis.pca import PCA
 
-MAX_TICK_LABELS = 80  # more token labels than this overlap; show every n-th instead
+MAX_TICK_LABELS = {"y": 80, "x": 60}  # more token labels than this overlap; show every n-th instead
 ROW_INCHES = 0.24  # height per token row in heatmaps
 MAX_HEIGHT_INCHES = 36.0
 KIND_COLOURS = {"fixed point": "tab:blue", "orbit": "tab:red", "slider": "tab:green"}
@@ -24,7 +24,7 @@ KIND_COLOURS = {"fixed point": "tab:blue", "orbit": "tab:red", "slider": "tab:gr
 
 def _token_axis(ax, labels: list[str], axis: str = "y") -> None:
     n = len(labels)
-    stride = max(1, -(-n // MAX_TICK_LABELS))
+    stride = max(1, -(-n // MAX_TICK_LABELS[axis]))
     ticks = list(range(0, n, stride))
     size = 8 if n <= 40 else 7 if n <= 80 else 6
     if axis == "y":
@@ -37,6 +37,11 @@ def _token_axis(ax, labels: list[str], axis: str = "y") -> None:
 
 def _heatmap_height(num_tokens: int) -> float:
     return min(MAX_HEIGHT_INCHES, max(3.5, ROW_INCHES * num_tokens + 1.6))
+
+
+def _colorbar_shrink(fig: Figure) -> float:
+    """Keep colour bars about 6 inches tall even on very tall heatmaps."""
+    return min(0.8, 6.0 / fig.get_figheight())
 
 
 def _step_axis(ax, num_steps: int) -> None:
@@ -70,7 +75,7 @@ def plot_convergence(
     ax.set_ylabel("token (position: text)")
     ax.set_title(f"Distance to the limit point s* (ln_f state after {limit_steps} steps, same s0)\n"
                  "black bar: step from which the token stays converged", fontsize=10)
-    fig.colorbar(im, ax=ax, label="‖ln_f(s_i) − s*‖ (log scale)", shrink=0.8)
+    fig.colorbar(im, ax=ax, label="‖ln_f(s_i) − s*‖ (log scale)", shrink=_colorbar_shrink(fig))
     return fig
 
 
@@ -130,17 +135,25 @@ def plot_path_independence(
     """
     T = len(labels)
     overlay = overlay[:3]
-    fig = Figure(figsize=(max(11, 0.22 * T + 2), 8.5), layout="constrained")
+    fig = Figure(figsize=(min(16, max(11, 0.22 * T + 2)), 8.5), layout="constrained")
     grid = fig.add_gridspec(2, max(1, len(overlay)), height_ratios=[1.1, 1])
     ax = fig.add_subplot(grid[0, :])
     x = np.arange(T)
-    ax.bar(x - 0.2, pi.separation, width=0.4, label="distance to nearest other token", color="tab:gray")
-    ax.bar(x + 0.2, pi.spread, width=0.4, label="spread across starts (mean pairwise)", color="tab:orange")
+    if T <= 60:
+        ax.bar(x - 0.2, pi.separation, width=0.4, label="distance to nearest other token", color="tab:gray")
+        ax.bar(x + 0.2, pi.spread, width=0.4, label="spread across starts (mean pairwise)", color="tab:orange")
+    else:  # bars thinner than a pixel pair are unreadable; points stay legible
+        ax.plot(x, pi.separation, ".", ms=4, label="distance to nearest other token", color="tab:gray")
+        ax.plot(x, pi.spread, ".", ms=4, label="spread across starts (mean pairwise)", color="tab:orange")
     ax.set_yscale("log")
+    shown = np.concatenate([pi.separation, pi.spread])
+    shown = shown[np.isfinite(shown) & (shown > 0)]
+    if shown.size:  # headroom above the data so the legend covers nothing
+        ax.set_ylim(shown.min() / 2, shown.max() * 50)
     ax.set_xlim(-0.7, T - 0.3)
     _token_axis(ax, labels, axis="x")
     ax.set_ylabel("L2 distance of final ln_f states")
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, loc="upper right", ncols=2, framealpha=0.9)
     ax.set_title(f"Path independence over {len(pi.seeds)} random starts: median spread / nearest-token "
                  f"distance = {np.median(pi.ratio):.3g}", fontsize=10)
     colours = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink"]
@@ -190,13 +203,13 @@ def plot_depth_view(entropy: np.ndarray, changes: list[list[int]], labels: list[
     im = ax.imshow(entropy, aspect="auto", interpolation="nearest", cmap="viridis")
     xs = [step for row in changes for step in row]
     ys = [t for t, row in enumerate(changes) for _ in row]
-    ax.scatter(xs, ys, s=10, color="white", edgecolor="black", lw=0.4, label="top-1 prediction changes")
+    ax.scatter(xs, ys, s=10, color="white", edgecolor="black", lw=0.4)
     _token_axis(ax, labels)
     _step_axis(ax, cols - 1)
     ax.set_ylabel("token (position: text)")
-    ax.set_title("Next-token entropy if the model stopped after step i", fontsize=10)
-    ax.legend(fontsize=8, loc="upper right", framealpha=0.9)
-    fig.colorbar(im, ax=ax, label="entropy (nats)", shrink=0.8)
+    ax.set_title("Next-token entropy if the model stopped after step i\n"
+                 "white dot: the top-1 prediction differs from the previous step's", fontsize=10)
+    fig.colorbar(im, ax=ax, label="entropy (nats)", shrink=_colorbar_shrink(fig))
     return fig
 
 

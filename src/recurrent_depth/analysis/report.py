@@ -276,7 +276,8 @@ def analyze(
     # Path independence needs random starts; with init_scale 0 the main run is deterministic.
     pi_scale = cfg.init_scale if cfg.init_scale > 0 else 1.0
     seeds = [cfg.seed + 1 + k for k in range(cfg.num_starts)]
-    pi = path_independence(model, ids, cfg.num_steps, seeds=seeds, positions=chosen[:3], init_scale=pi_scale)
+    pi = path_independence(model, ids, cfg.num_steps, seeds=seeds, positions=chosen[:3], init_scale=pi_scale,
+                           progress=progress)
     timings["path_independence"] = time.perf_counter() - clock
 
     model_cfg = getattr(model, "config", None)

@@ -1,0 +1,105 @@
+"""Post-hoc weight averaging over saved checkpoints (the paper's released "EMA" model).
+
+Huginn-0125's averaged model (`huginn_swa_75_7_ema_0.9_merge`) is an exponential moving average
+over saved checkpoints, not one kept during training: take the last N checkpoints at a dilation
+d (every d-th one, counting back from the newest), then, oldest first,
+
+    ema = w_1;   ema = beta * ema + (1 - beta) * w_i   for i = 2..N        (beta = 0.9)
+
+so the newest checkpoint weighs 1 - beta and older ones decay geometrically.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from recurrent_depth.checkpoint import TOKENIZER_FILES, read_state_dict
+from recurrent_depth.config import ModelConfig
+from recurrent_depth.train.checkpointing import StateView, checkpoints_root, list_checkpoints
+
+
+def select_checkpoints(paths: Sequence[Path], last: int, dilation: int = 1) -> list[Path]:
+    """Every `dilation`-th of `paths` (oldest first), counting back from the newest, at most `last`."""
+    if not isinstance(last, int) or isinstance(last, bool) or last < 1:
+        raise ValueError(f"last={last!r} is invalid: expected an integer >= 1")
+    if not isinstance(dilation, int) or isinstance(dilation, bool) or dilation < 1:
+        raise ValueError(f"dilation={dilation!r} is invalid: expected an integer >= 1")
+    picked = list(paths)[::-1][::dilation][:last]
+    return picked[::-1]
+
+
+def run_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The complete checkpoints of a training run directory (or of its `checkpoints/` folder), oldest first."""
+    run_dir = Path(run_dir)
+    root = run_dir if run_dir.name == "checkpoints" else checkpoints_root(run_dir)
+    found = [path for _, path in list_checkpoints(root)]
+    if not found:
+        raise ValueError(f"no complete checkpoints under {root}")
+    return found
+
+
+def ema_state(paths: Sequence[Path], beta: float = 0.9) -> dict[str, torch.Tensor]:
+    """The EMA (oldest first) of the floating-point weights of `paths`; other tensors from the newest.
+
+    Accumulates in float32 (float64 for float64 weights) and returns each tensor in its stored dtype.
+    """
+    if not paths:
+        raise ValueError("need at least one checkpoint to average")
+    if not isinstance(beta, int | float) or isinstance(beta, bool) or not 0 <= beta < 1:
+        raise ValueError(f"beta={beta!r} is invalid: expected a number in [0, 1)")
+    configs = [json.loads((Path(p) / "config.json").read_text()) for p in paths]
+    for path, config in zip(paths[1:], configs[1:]):
+        if config != configs[0]:
+            raise ValueError(f"{path} has a different config.json from {paths[0]}; only one model's checkpoints "
+                             "can be averaged")
+    first = read_state_dict(paths[0])
+    dtypes = {k: v.dtype for k, v in first.items()}
+    ema = {k: (v.to(torch.float64 if v.dtype == torch.float64 else torch.float32) if v.is_floating_point() else v)
+           for k, v in first.items()}
+    for path in paths[1:]:
+        state = read_state_dict(path)
+        if set(state) != set(ema):
+            raise ValueError(f"{path} holds different tensors from {paths[0]}")
+        for name, tensor in state.items():
+            if tensor.is_floating_point():
+                ema[name].lerp_(tensor.to(ema[name].dtype), 1.0 - beta)
+            else:
+                ema[name] = tensor
+    return {k: v.to(dtypes[k]) for k, v in ema.items()}
+
+
+def average_checkpoints(
+    paths: Sequence[str | Path],
+    out: str | Path,
+    *,
+    beta: float = 0.9,
+    last: int | None = None,
+    dilation: int = 1,
+    tokenizer_dir: str | Path | None = None,
+) -> Path:
+    """Average checkpoints (model directories, oldest first) into the model directory `out`.
+
+    last/dilation select which of `paths` enter the average (default: all). The tokenizer files are
+    copied from `tokenizer_dir` or, by default, from the newest checkpoint. Returns `out`.
+    """
+    from recurrent_depth.checkpoint import copy_tokenizer, save_pretrained
+
+    chosen = [Path(p) for p in paths]
+    if last is not None or dilation != 1:
+        chosen = select_checkpoints(chosen, last if last is not None else len(chosen), dilation)
+    for path in chosen:
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} is not a model directory (no config.json)")
+    state = ema_state(chosen, beta)
+    config = ModelConfig.from_json(chosen[-1] / "config.json")
+    out = Path(out)
+    save_pretrained(StateView(config, state), out, metadata={"averaged_from": json.dumps([str(p) for p in chosen]),
+                                                               "ema_beta": str(beta)})
+    source = Path(tokenizer_dir) if tokenizer_dir is not None else chosen[-1]
+    if any((source / name).exists() for name in TOKENIZER_FILES):
+        copy_tokenizer(source, out)
+    return out

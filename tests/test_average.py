@@ -1,0 +1,71 @@
+"""Post-hoc EMA over checkpoints (`rdepth average`)."""
+
+import pytest
+import torch
+
+import recurrent_depth as rd
+from recurrent_depth.cli import main
+from recurrent_depth.train.averaging import average_checkpoints, ema_state, select_checkpoints
+
+
+def _save_models(root, count):
+    paths, states = [], []
+    for i in range(count):
+        torch.manual_seed(i)
+        model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny"))
+        path = root / "checkpoints" / f"step-{(i + 1) * 10:08d}"
+        model.save_pretrained(path)
+        for name in ("optimizer.safetensors", "optimizer.json", "trainer_state.json"):
+            (path / name).write_text("{}")  # the other files of a training checkpoint
+        (path / "tokenizer.json").write_text(f'{{"marker": {i}}}')
+        paths.append(path)
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+    return paths, states
+
+
+@pytest.mark.parametrize(
+    "count, last, dilation, expected",
+    [(10, 3, 1, [7, 8, 9]), (10, 3, 3, [3, 6, 9]), (5, 10, 2, [0, 2, 4]), (4, 1, 1, [3])],
+    ids=["last3", "dilated3", "fewer-than-asked", "newest-only"],
+)
+def test_selection_counts_back_from_the_newest(count, last, dilation, expected):
+    assert select_checkpoints(list(range(count)), last, dilation) == expected
+
+
+def test_ema_matches_the_formula(tmp_path):
+    paths, states = _save_models(tmp_path, 3)
+    beta = 0.9
+    got = ema_state(paths, beta)
+    assert set(got) == set(states[0]) - {"lm_head.weight"}  # the tied head is stored once
+    for name in got:
+        expected = states[0][name].clone()
+        for later in states[1:]:
+            expected = beta * expected + (1 - beta) * later[name]
+        torch.testing.assert_close(got[name], expected, rtol=1e-6, atol=1e-7)
+
+
+def test_cli_averages_a_run_into_a_loadable_model_dir(tmp_path, capsys):
+    paths, states = _save_models(tmp_path / "run", 4)
+    out = tmp_path / "ema"
+    assert main(["average", "--run", str(tmp_path / "run"), "--last", "2", "--dilation", "2", "--beta", "0.5",
+                 "--out", str(out)]) == 0
+    assert "step-00000020" in capsys.readouterr().out
+    model = rd.RecurrentDepthLM.from_pretrained(out)
+    wte = model.state_dict()["transformer.wte.weight"]
+    expected = 0.5 * states[1]["transformer.wte.weight"] + 0.5 * states[3]["transformer.wte.weight"]
+    torch.testing.assert_close(wte, expected)
+    assert (out / "tokenizer.json").read_text() == '{"marker": 3}'  # copied from the newest
+
+
+def test_bad_arguments_are_clean_errors(tmp_path, capsys):
+    paths, _ = _save_models(tmp_path, 2)
+    with pytest.raises(ValueError, match="beta"):
+        average_checkpoints(paths, tmp_path / "o", beta=1.0)
+    with pytest.raises(ValueError, match="dilation"):
+        select_checkpoints(paths, 2, 0)
+    assert main(["average", "--run", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")]) == 2
+    assert "no complete checkpoints" in capsys.readouterr().err
+    other = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", hidden_size=32))
+    other.save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match="different config"):
+        ema_state([paths[0], tmp_path / "other"])

@@ -1,0 +1,60 @@
+"""`rdepth quickstart` end to end on a tiny recipe (the real one is measured, not tested: it takes minutes)."""
+
+import json
+
+import pytest
+
+import recurrent_depth as rd
+from recurrent_depth.cli import main
+from recurrent_depth.train.quickstart import QuickstartRecipe, choose_threads, quickstart
+from tests.train_support import VOCAB, OneThread, write_corpus
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    with OneThread():
+        yield
+
+
+def test_quickstart_writes_summary_model_plots_and_report(tmp_path, capsys):
+    corpus = write_corpus(tmp_path / "corpus")
+    recipe = QuickstartRecipe(
+        preset="tiny", data=str(corpus), vocab_size=VOCAB, seq_len=32, batch_size=4, max_tokens=8 * 4 * 32,
+        val_fraction=0.1, eval_depths=(1, 2, 4, 8), eval_batches=2, sample_tokens=6,
+    )
+    out = tmp_path / "qs"
+    summary = quickstart(minutes=2, out=out, recipe=recipe, threads=1)
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved["val_loss_by_depth"].keys() == {"1", "2", "4", "8"}
+    assert saved["steps"] == 8 and saved["stop_reason"] == "max_tokens" and saved["total_seconds"] < 120
+    assert saved["best_depth"] in (1, 2, 4, 8)
+    losses = saved["val_loss_by_depth"]
+    assert saved["depth_gain"] == pytest.approx(losses["1"] - min(losses.values()))
+    assert saved["test_time_scaling"] == (saved["depth_gain"] >= 0.05)
+    assert summary["val_loss_by_depth"] == saved["val_loss_by_depth"]
+    for name in ("loss_curve.png", "val_loss_by_depth.png", "sampled_depths.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    assert "data:image/png;base64," in (out / "report.html").read_text()
+    assert "| 8 |" in (out / "report.md").read_text()
+    model = rd.RecurrentDepthLM.from_pretrained(out / "model")
+    assert model.config.vocab_size == VOCAB
+    printed = capsys.readouterr().out
+    assert "depth  val loss" in printed and "sample (greedy" in printed
+    # A second run in the same directory starts from scratch and reuses the tokenizer and the shards.
+    quickstart(minutes=2, out=out, recipe=recipe, threads=1)
+    assert "reusing the tokenizer" in capsys.readouterr().out
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 8
+
+
+def test_choose_threads_returns_a_candidate():
+    assert choose_threads((1,)) == 1
+    assert choose_threads((1, 2)) in (1, 2)
+
+
+def test_cli_help_and_bad_minutes(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["quickstart", "--help"])
+    assert info.value.code == 0
+    assert "(default: 10.0)" in capsys.readouterr().out
+    assert main(["quickstart", "--minutes", "0.1", "--out", "unused"]) == 2
+    assert "minutes" in capsys.readouterr().err

@@ -62,17 +62,18 @@ def test_token_correlation_matches_reference_values_and_gradients(shape, masked)
     b = hidden.clone().requires_grad_(True)
     fast = token_correlation(a, mask)
     ref = token_correlation_reference(b, mask)
-    torch.testing.assert_close(fast, ref.to(fast.dtype), atol=1e-6, rtol=1e-6)
-    fast.backward()
-    ref.backward()
+    assert fast.shape == (shape[0],) and fast.dtype == torch.float32
+    torch.testing.assert_close(fast, ref, atol=1e-6, rtol=1e-6)
+    fast.sum().backward()
+    ref.sum().backward()
     torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5)
-    per_row = token_correlation(hidden, mask, per_sequence=True)
-    assert per_row.shape == (shape[0],)
+    single = token_correlation(hidden[0], None if mask is None else mask[0])  # [T, h] -> scalar
+    assert single.dim() == 0 and float(single) == pytest.approx(float(fast[0].detach()), abs=1e-6)
 
 
 def test_token_correlation_extremes():
     v = torch.randn(1, 1, 8)
-    assert float(token_correlation(v.expand(2, 6, 8))) == pytest.approx(1.0, abs=1e-6)  # collapse
+    torch.testing.assert_close(token_correlation(v.expand(2, 6, 8)), torch.ones(2))  # collapse
     eye = torch.eye(5)[None]
     assert float(token_correlation(eye)) == pytest.approx(0.0, abs=1e-7)
     opposite = torch.stack([v[0, 0], -v[0, 0]])[None]
@@ -84,16 +85,14 @@ def test_token_correlation_extremes():
 def test_token_correlation_masks_and_errors():
     hidden = torch.randn(2, 4, 6)
     mask = torch.tensor([[0, 0, 0, 1], [1, 1, 1, 1]])
-    rows = token_correlation(hidden, mask, per_sequence=True)
-    assert torch.isnan(rows[0]) and not torch.isnan(rows[1])
-    assert float(token_correlation(hidden, mask)) == pytest.approx(float(rows[1]))
-    with pytest.raises(ValueError, match="no sequence with at least 2 real tokens"):
-        token_correlation(hidden, torch.tensor([[0, 0, 0, 1], [0, 0, 0, 1]]))
-    with pytest.raises(ValueError, match=r"hidden must be a tensor \[batch, seq_len, hidden\]"):
-        token_correlation(torch.randn(4, 6))
-    with pytest.raises(ValueError, match="seq_len >= 2"):
-        token_correlation(torch.randn(2, 1, 6))
-    with pytest.raises(ValueError, match="attention_mask must have shape"):
+    rows = token_correlation(hidden, mask)
+    assert torch.isnan(rows[0]) and not torch.isnan(rows[1])  # one real token: no pair
+    torch.testing.assert_close(rows[1], token_correlation(hidden[1]))
+    torch.testing.assert_close(token_correlation(hidden, mask.bool()), rows, equal_nan=True)
+    assert torch.isnan(token_correlation(torch.randn(1, 1, 6))).all()
+    with pytest.raises(ValueError, match=r"hidden must have shape \[batch, seq_len, hidden\]"):
+        token_correlation(torch.randn(6))
+    with pytest.raises(ValueError, match="mask must have shape"):
         token_correlation(hidden, torch.ones(2, 3))
 
 

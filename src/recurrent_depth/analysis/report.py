@@ -296,7 +296,7 @@ def analyze(
 
 def _correlation_over_steps(states: np.ndarray) -> np.ndarray:
     """token_correlation of states [S+1, T, h] at each step: [S+1]."""
-    return np.array([float(token_correlation(torch.from_numpy(np.asarray(s))[None])) for s in states])
+    return np.array([float(token_correlation(torch.from_numpy(np.asarray(s)))) for s in states])
 
 
 def build_figures(result: AnalysisResult) -> dict[str, Figure]:

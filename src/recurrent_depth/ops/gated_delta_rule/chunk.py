@@ -69,7 +69,7 @@ def chunk_delta_rule_fwd(
     # (I + A) X = rhs with A = StrictLower(diag(β) kk). No mask needed: with unitriangular=True the
     # solver reads only the strictly lower triangle of its matrix, and its gradient is zero elsewhere.
     X = torch.linalg.solve_triangular(bc * kk, torch.cat([bc * vc, rhs_k], dim=-1), upper=False, unitriangular=True)
-    U_tilde, W = X[..., :V], X[..., V:]
+    U_tilde, W = X.split([V, K], dim=-1)  # split, not slicing: its backward is one cat, no zero-fill
 
     S = q.new_zeros(B, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
     states, pseudo_values = [], []

@@ -160,7 +160,7 @@ def _read_initial_state(
 def _carry_initial_state(g: torch.Tensor, levels0: torch.Tensor, offset: int, T: int, L_state: int) -> torch.Tensor:
     """The carried levels as seen from the last token: levels ≤ h_f merge into h_f, all decay."""
     B, H, L0, K, V = levels0.shape
-    h_f = int(_initial_levels_for(range(offset + T - 1, offset + T), offset)[0])
+    h_f = ((offset + T - 1) ^ (offset - 1)).bit_length()  # level of the carried low levels at the end
     assert h_f < levels_needed(offset + T) <= L_state  # validated: level_scales covers every position
     total_decay = g.sum(1).exp()[..., None, None, None]  # [B, H, 1, 1, 1]
     target = torch.arange(L0, device=g.device).clamp(min=h_f)  # new level of each carried level

@@ -1,0 +1,73 @@
+"""`rdepth serve`: an OpenAI-compatible HTTP server for a saved model directory.
+
+    rdepth serve --model runs/quickstart/model --port 8000
+    curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+        -d '{"model": "model", "prompt": "def add(a, b):", "max_tokens": 32, "num_steps": 16}'
+
+Per-request test-time compute goes in the JSON body (`num_steps`, `exit_criterion`,
+`exit_threshold`, `kv_budget`, `warm_start`, `draft_steps`, ...); see docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from recurrent_depth.cli.common import add_device_args, add_model_arg
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API (continuous batching, per-request depth)",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. "
+        "Requests join and leave the running batch between decode steps and each one runs at its own depth.",
+    )
+    add_model_arg(p)
+    add_device_args(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; use 0.0.0.0 only behind a firewall (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: the model directory's name)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: the RDEPTH_API_KEY environment variable, else no key)")
+    p.add_argument("--max-batch", type=int, default=32,
+                   help="sequences decoded together at most (default: %(default)s)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting for a free row at most; more are refused with 429 (default: %(default)s)")
+    p.add_argument("--prefill-tokens", type=int, default=4096,
+                   help="prompt tokens admitted per scheduler tick, so running rows keep decoding "
+                        "(default: %(default)s)")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may take from arrival to its last token (default: %(default)s)")
+    p.add_argument("--max-num-steps", type=int, default=None,
+                   help="deepest recurrence a request may ask for (default: max(64, 4 x mean_recurrence))")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn log level (default: %(default)s)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from recurrent_depth.serving import serve
+
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port {args.port} is invalid: expected 1..65535")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads {args.threads} is invalid: expected an integer >= 1")
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    api_key = args.api_key if args.api_key is not None else (os.environ.get("RDEPTH_API_KEY") or None)
+    serve(
+        args.model, host=args.host, port=args.port, log_level=args.log_level,
+        model_name=args.served_model_name, api_key=api_key, max_batch=args.max_batch, max_queue=args.max_queue,
+        prefill_tokens=args.prefill_tokens, request_timeout=args.request_timeout,
+        max_num_steps=args.max_num_steps, dtype=dtype, device=args.device,
+    )
+    return 0

@@ -1,0 +1,359 @@
+"""The scheduler: one thread that owns the model and runs every request, a tick at a time.
+
+Each tick it (1) drops sequences whose client left or whose time ran out, (2) admits waiting
+requests into free rows (their prefill, up to a prompt-token budget per tick, so running rows
+are not starved), (3) runs one batched decode step for every running row and (4) advances each
+solo session (speculative decoding, unsupported mixers) by one token. Requests therefore join and
+leave the running batch between decode steps, and each row runs at its own depth.
+
+The HTTP layer talks to the engine through `submit` (non-blocking; a bounded queue refuses with
+`QueueFull` instead of growing) and receives `PromptEvent` / `TokenOut` / `Done` / `Failed`
+events through each job's `sink`, called on the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from recurrent_depth.serving.batch import BatchDecoder, PromptScores, RowRequest, TokenResult
+from recurrent_depth.serving.metrics import Metrics
+from recurrent_depth.serving.solo import SoloRun
+from recurrent_depth.serving.text import TextState
+
+log = logging.getLogger("recurrent_depth.serving")
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its bound (HTTP 429)."""
+
+
+class EngineUnavailable(Exception):
+    """The engine is stopping or has failed (HTTP 503)."""
+
+
+# ---------------------------------------------------------------------------------------- events
+@dataclass
+class PromptEvent:
+    index: int
+    scores: PromptScores
+
+
+@dataclass
+class TokenOut:
+    index: int
+    token: int
+    text: str
+    steps: int
+    reason: str
+    logprob: float | None
+    top: list[tuple[int, float]] | None
+
+
+@dataclass
+class Done:
+    index: int
+    finish_reason: str  # "stop" | "length"
+    text: str  # the tail of the text held back until the end
+    completion_tokens: int
+    core_steps: int
+
+
+@dataclass
+class Failed:
+    index: int
+    status: int
+    message: str
+    error_type: str
+
+
+Event = PromptEvent | TokenOut | Done | Failed
+
+
+# ---------------------------------------------------------------------------------------- jobs
+@dataclass(eq=False)
+class Job:
+    """One sequence to generate (one choice of one API request).
+
+    solo: run through `stream_generate` (needed for speculative decoding); generation_kwargs
+    are then the `generate` arguments. stop_ids end the sequence (the stop token is counted but
+    not shown); text handles stop strings. deadline: `time.monotonic()` after which it fails.
+    """
+
+    row: RowRequest
+    max_tokens: int
+    stop_ids: frozenset[int]
+    text: TextState
+    sink: Callable[[Event], None]
+    deadline: float
+    index: int = 0
+    solo: bool = False
+    generation_kwargs: dict[str, Any] = field(default_factory=dict)
+    arrival: float = field(default_factory=time.monotonic)
+    cancelled: bool = False
+    finished: bool = False
+    completion_tokens: int = 0
+    core_steps: int = 0
+    first_token_at: float | None = None
+
+    def emit(self, event: Event) -> None:
+        try:
+            self.sink(event)
+        except Exception:  # noqa: BLE001 - a dead consumer must never stop the engine
+            log.debug("dropping an event for a job whose consumer is gone", exc_info=True)
+
+
+class Engine:
+    """Owns the model; runs submitted jobs with continuous batching on a background thread."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        metrics: Metrics | None = None,
+        *,
+        max_batch: int = 32,
+        max_queue: int = 256,
+        prefill_tokens: int = 4096,
+    ) -> None:
+        for name, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 1),
+                                 ("prefill_tokens", prefill_tokens, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}={value!r} is invalid: expected an integer >= {low}")
+        self.model = model.eval()
+        self.metrics = metrics or Metrics()
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.prefill_tokens = prefill_tokens
+        self.batch = BatchDecoder(model, max_batch) if BatchDecoder.supports(model) else None
+        self.solos: list[tuple[Job, SoloRun]] = []
+        self.waiting: deque[Job] = deque()
+        self.cond = threading.Condition()
+        self.stopping = False
+        self.failure: str | None = None
+        self.thread: threading.Thread | None = None
+        self.metrics.gauges["rdepth_queue_depth"] = lambda: len(self.waiting)
+        self.metrics.gauges["rdepth_running_sequences"] = lambda: self.running
+        self.metrics.gauges["rdepth_max_batch"] = lambda: self.max_batch
+
+    # ------------------------------------------------------------------ HTTP side
+    @property
+    def batches(self) -> bool:
+        """True when the model runs in the continuous batch (else every request is solo)."""
+        return self.batch is not None
+
+    @property
+    def running(self) -> int:
+        return (len(self.batch) if self.batch is not None else 0) + len(self.solos)
+
+    @property
+    def healthy(self) -> bool:
+        return self.failure is None and not self.stopping and self.thread is not None and self.thread.is_alive()
+
+    def start(self) -> None:
+        if self.thread is not None:
+            return
+        self.thread = threading.Thread(target=self._run, name="rdepth-engine", daemon=True)
+        self.thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+    def submit(self, jobs: list[Job]) -> None:
+        """Queue jobs (all or none). Raises QueueFull or EngineUnavailable."""
+        with self.cond:
+            if not self.healthy:
+                raise EngineUnavailable(self.failure or "the server is shutting down")
+            if len(self.waiting) + len(jobs) > self.max_queue:
+                raise QueueFull(
+                    f"the server is at capacity ({len(self.waiting)} requests waiting, at most {self.max_queue}); "
+                    "retry later"
+                )
+            self.waiting.extend(jobs)
+            self.cond.notify()
+
+    def cancel(self, jobs: list[Job]) -> None:
+        """The client is gone: free the jobs' rows at the next tick (no events follow)."""
+        with self.cond:
+            for job in jobs:
+                job.cancelled = True
+            self.cond.notify()
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                while True:
+                    with self.cond:
+                        while not self.stopping and not self.waiting and self.running == 0:
+                            self.cond.wait()
+                        if self.stopping:
+                            break
+                        now = time.monotonic()
+                        self._purge_waiting(now)
+                        admitted = self._take_admissible()
+                    self._reap(now)
+                    for job in admitted:
+                        self._start(job)
+                    if self.batch is not None and len(self.batch):
+                        self._decode()
+                    for job, run in list(self.solos):
+                        self._advance_solo(job, run)
+        except BaseException as exc:  # noqa: BLE001 - report any crash of the loop to every client
+            self.failure = f"the generation engine stopped: {type(exc).__name__}: {exc}"
+            log.error("engine thread crashed:\n%s", traceback.format_exc())
+        finally:
+            reason = self.failure or "the server is shutting down"
+            with self.cond:
+                pending = list(self.waiting)
+                self.waiting.clear()
+            pending += [seq.tag for seq in (self.batch.rows if self.batch is not None else [])]
+            pending += [job for job, _ in self.solos]
+            for job in pending:
+                self._fail(job, 503, reason, "service_unavailable")
+
+    def _purge_waiting(self, now: float) -> None:
+        """Drop waiting jobs whose client left; fail those whose deadline passed (lock held)."""
+        kept: deque[Job] = deque()
+        for job in self.waiting:
+            if job.cancelled:
+                continue
+            if now > job.deadline:
+                self._fail(job, 504, "the request timed out while waiting in the queue", "timeout")
+                continue
+            kept.append(job)
+        self.waiting = kept
+
+    def _take_admissible(self) -> list[Job]:
+        """Waiting jobs that fit the free rows and this tick's prompt-token budget (lock held)."""
+        free = self.max_batch - self.running
+        budget = self.prefill_tokens
+        out: list[Job] = []
+        while self.waiting and len(out) < free:
+            cost = len(self.waiting[0].row.prompt)
+            if out and cost > budget:
+                break
+            budget -= cost
+            out.append(self.waiting.popleft())
+        return out
+
+    def _reap(self, now: float) -> None:
+        """Free rows of cancelled jobs; fail jobs past their deadline."""
+        if self.batch is not None:
+            for seq in list(self.batch.rows):
+                job: Job = seq.tag
+                if job.cancelled or now > job.deadline:
+                    self.batch.remove(seq)
+                    if not job.cancelled:
+                        self._fail(job, 504, "the request timed out during generation", "timeout")
+        for job, run in list(self.solos):
+            if job.cancelled or now > job.deadline:
+                self._drop_solo(job, run)
+                if not job.cancelled:
+                    self._fail(job, 504, "the request timed out during generation", "timeout")
+
+    def _start(self, job: Job) -> None:
+        """Prefill a job and deliver its first token (or its prompt scores alone)."""
+        self.metrics.prompt(len(job.row.prompt))
+        try:
+            if job.solo or self.batch is None:
+                run = SoloRun(self.model, job.row, job.generation_kwargs, tag=job)
+                if job.row.prompt_logprobs:
+                    job.emit(PromptEvent(job.index, run.prompt_scores()))
+                if job.max_tokens == 0:
+                    self._finish(job, "length")
+                    return
+                self.solos.append((job, run))
+                self._advance_solo(job, run)
+                return
+            seq, first, scores = self.batch.add(job.row, tag=job)
+        except Exception as exc:  # noqa: BLE001 - one bad request must not stop the others
+            log.error("prefill failed:\n%s", traceback.format_exc())
+            self._fail(job, 500, f"generation failed: {type(exc).__name__}: {exc}", "server_error")
+            return
+        if scores is not None:
+            job.emit(PromptEvent(job.index, scores))
+        if seq is None:
+            self._finish(job, "length")
+        elif self._deliver(job, first):
+            self.batch.remove(seq)
+
+    def _decode(self) -> None:
+        rows = list(self.batch.rows)
+        try:
+            results = self.batch.step()
+        except Exception as exc:  # noqa: BLE001 - fail this batch, keep serving
+            log.error("decode step failed:\n%s", traceback.format_exc())
+            self.batch.reset()
+            for seq in rows:
+                self._fail(seq.tag, 500, f"generation failed: {type(exc).__name__}: {exc}", "server_error")
+            return
+        self.metrics.decode_step(len(rows))
+        for seq, result in zip(rows, results):
+            if self._deliver(seq.tag, result):
+                self.batch.remove(seq)
+
+    def _advance_solo(self, job: Job, run: SoloRun) -> None:
+        try:
+            result = run.next()
+        except Exception as exc:  # noqa: BLE001
+            log.error("solo generation failed:\n%s", traceback.format_exc())
+            self._drop_solo(job, run)
+            self._fail(job, 500, f"generation failed: {type(exc).__name__}: {exc}", "server_error")
+            return
+        if result is None:  # the session ended on its own (its stop rules equal ours)
+            self._drop_solo(job, run)
+            self._finish(job, "length")
+        elif self._deliver(job, result):
+            self._drop_solo(job, run)
+
+    def _drop_solo(self, job: Job, run: SoloRun) -> None:
+        self.solos = [(j, r) for j, r in self.solos if j is not job]
+        run.close()
+
+    # ------------------------------------------------------------------ results
+    def _deliver(self, job: Job, result: TokenResult) -> bool:
+        """Send one token to the job's client; returns True when the job is finished."""
+        now = time.monotonic()
+        job.completion_tokens += 1
+        job.core_steps += result.steps
+        self.metrics.token(result.steps)
+        if job.first_token_at is None:
+            job.first_token_at = now
+            self.metrics.first_token(now - job.arrival)
+        finish = None
+        hit = False
+        if result.token in job.stop_ids:
+            text, finish = "", "stop"
+        else:
+            text, hit = job.text.push(result.token)
+            if hit:
+                finish = "stop"
+        if finish is None and job.completion_tokens >= job.max_tokens:
+            finish = "length"
+        job.emit(TokenOut(job.index, result.token, text, result.steps, result.reason, result.logprob, result.top))
+        if finish is not None:
+            self._finish(job, finish, tail=not hit)
+        return finish is not None
+
+    def _finish(self, job: Job, reason: str, tail: bool = True) -> None:
+        job.finished = True
+        text = job.text.flush() if tail else ""
+        job.emit(Done(job.index, reason, text, job.completion_tokens, job.core_steps))
+
+    def _fail(self, job: Job, status: int, message: str, error_type: str) -> None:
+        if job.finished:
+            return
+        job.finished = True
+        job.emit(Failed(job.index, status, message, error_type))

@@ -1,0 +1,347 @@
+"""The OpenAI wire format: request validation and OpenAI-style errors.
+
+Every field is checked by hand so that a bad request gets a 400 whose message names the field,
+what was received and what is allowed (never a stack trace, never a silent clamp). Standard
+fields we do not implement are ignored when they cannot change the result (`user`,
+`stream_options` beyond `include_usage`, `metadata`, ...) and refused when they would
+(`logit_bias`, `presence_penalty`/`frequency_penalty` other than 0, `suffix`, `best_of` other
+than n, tools, non-text response formats). Test-time compute knobs are extra body fields
+(`extra_body=` in the openai client): `num_steps`, `exit_criterion`, `exit_threshold`,
+`min_steps`, `max_steps`, `kv_budget`, `warm_start`, `draft_steps`, `lookahead`,
+`verification_threshold`, `init_scale`, plus `top_k`, `min_p`, `repetition_penalty`,
+`ignore_eos`, `stop_token_ids`, `add_special_tokens` and `return_steps`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from recurrent_depth.inference.criteria import CRITERIA
+from recurrent_depth.inference.options import GenerationOptions
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param)
+
+
+@dataclass
+class Limits:
+    """What the server accepts: the model's context and depth, and request-size bounds."""
+
+    max_seq_len: int
+    mean_recurrence: int
+    vocab_size: int
+    max_num_steps: int = 128
+    max_n: int = 16
+    max_sequences: int = 256  # prompts x n in one request
+    max_top_logprobs: int = 20
+    max_stop: int = 16
+    max_lookahead: int = 64
+
+
+# ---------------------------------------------------------------------------------------- field readers
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def get_int(body: dict, name: str, default: Any, low: int | None = None, high: int | None = None,
+            nullable: bool = True) -> Any:
+    value = body.get(name, default)
+    if value is None and nullable:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(name, f"'{name}' must be an integer, got {_describe(value)}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        hi = "" if high is None else f" and <= {high}"
+        raise bad(name, f"'{name}'={value} is out of range: expected an integer >= {low}{hi}")
+    return value
+
+
+def get_number(body: dict, name: str, default: Any, low: float, high: float = math.inf,
+               low_open: bool = False, nullable: bool = True) -> Any:
+    value = body.get(name, default)
+    if value is None and nullable:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise bad(name, f"'{name}' must be a finite number, got {_describe(value)}")
+    if (value <= low if low_open else value < low) or value > high:
+        lo = "(" if low_open else "["
+        raise bad(name, f"'{name}'={value} is out of range: expected a number in {lo}{low}, {high}]")
+    return value
+
+
+def get_bool(body: dict, name: str, default: bool | None) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(name, f"'{name}' must be true or false, got {_describe(value)}")
+    return value
+
+
+def get_str(body: dict, name: str, default: str | None = None) -> Any:
+    value = body.get(name, default)
+    if value is not None and not isinstance(value, str):
+        raise bad(name, f"'{name}' must be a string, got {_describe(value)}")
+    return value
+
+
+def refuse_unsupported(body: dict, n: int) -> None:
+    """400 for standard fields that would change the result and that we do not implement."""
+    if body.get("logit_bias") not in (None, {}):
+        raise bad("logit_bias", "'logit_bias' is not supported by this server")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = body.get(name)
+        if value not in (None, 0, 0.0):
+            raise bad(name, f"'{name}'={_describe(value)} is not supported (only 0); "
+                            "use the extra field 'repetition_penalty' instead")
+    if body.get("suffix") not in (None, ""):
+        raise bad("suffix", "'suffix' (insertion) is not supported by this server")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:
+        raise bad("best_of", f"'best_of'={_describe(best_of)} is not supported (only equal to n={n})")
+    for name in ("tools", "functions"):
+        if body.get(name) not in (None, []):
+            raise bad(name, f"'{name}' (tool calling) is not supported by this server")
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise bad("tool_choice", "'tool_choice' is not supported by this server (no tools)")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise bad("response_format", "'response_format' other than {\"type\": \"text\"} is not supported")
+    if body.get("prompt_logprobs") is not None:
+        raise bad("prompt_logprobs", "'prompt_logprobs' is not supported; use echo=true with logprobs")
+
+
+# ---------------------------------------------------------------------------------------- common fields
+@dataclass
+class Sampling:
+    """Fields shared by completions and chat, validated (the prompt is known later)."""
+
+    model: str | None
+    max_tokens: int | None
+    n: int
+    stream: bool
+    include_usage: bool
+    stop: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    seed: int | None
+    return_steps: bool
+    generation: dict[str, Any] = field(default_factory=dict)  # `generate` keyword arguments
+
+    @property
+    def speculative(self) -> bool:
+        return self.generation.get("draft_steps") is not None
+
+    def options(self, prompt_len: int, max_tokens: int, limits: Limits) -> GenerationOptions:
+        """Validated `GenerationOptions` for a prompt of this length (400 on a bad combination)."""
+        if prompt_len + max_tokens > limits.max_seq_len:
+            raise APIError(
+                400,
+                f"the prompt has {prompt_len} tokens and max_tokens is {max_tokens}: {prompt_len + max_tokens} "
+                f"exceeds the model's context of {limits.max_seq_len} tokens; shorten the prompt or lower max_tokens",
+                param="max_tokens" if prompt_len < limits.max_seq_len else "prompt",
+                code="context_length_exceeded",
+            )
+        try:
+            return GenerationOptions(max_new_tokens=max_tokens, **self.generation).validate(limits.mean_recurrence)
+        except ValueError as exc:
+            name = str(exc).split("=", 1)[0] if "=" in str(exc).split(" ", 1)[0] else None
+            raise bad(name, str(exc)) from None
+
+
+def parse_sampling(body: dict, limits: Limits, served_names: set[str], eos_configured: bool) -> Sampling:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model", f"'model' must be a string, got {_describe(model)}")
+    if model is not None and model not in served_names:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {sorted(served_names)}",
+                       param="model", code="model_not_found")
+    n = get_int(body, "n", 1, 1, limits.max_n, nullable=True) or 1
+    refuse_unsupported(body, n)
+    stream = get_bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad("stream_options", f"'stream_options' must be an object, got {_describe(options)}")
+    include_usage = bool(stream and options and options.get("include_usage") is True)
+
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise bad("stop", f"'stop' must be a string or a list of strings, got {_describe(body.get('stop'))}")
+    if len(stop) > limits.max_stop:
+        raise bad("stop", f"'stop' has {len(stop)} strings; at most {limits.max_stop} are allowed")
+    if any(s == "" for s in stop):
+        raise bad("stop", "'stop' strings must not be empty")
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limits.vocab_size for t in stop_ids
+    ):
+        raise bad("stop_token_ids", f"'stop_token_ids' must be a list of token ids in [0, {limits.vocab_size}), "
+                                    f"got {_describe(body.get('stop_token_ids'))}")
+
+    seed = get_int(body, "seed", None, -(2**63), 2**63 - 1)
+    temperature = get_number(body, "temperature", 1.0, 0.0, 100.0)
+    temperature = 1.0 if temperature is None else temperature
+    top_p = get_number(body, "top_p", None, 0.0, 1.0, low_open=True)
+    top_k = body.get("top_k")
+    if top_k in (-1, 0):  # vLLM's spelling of "no top-k"
+        top_k = None
+    top_k = get_int({"top_k": top_k}, "top_k", None, 1)
+    min_p = get_number(body, "min_p", None, 0.0, 1.0)
+    repetition_penalty = get_number(body, "repetition_penalty", 1.0, 0.0, 100.0, low_open=True)
+
+    num_steps = get_int(body, "num_steps", None, 0, limits.max_num_steps)
+    deepest = num_steps if num_steps is not None else limits.mean_recurrence
+    criterion = body.get("exit_criterion")
+    if criterion is not None and (not isinstance(criterion, str) or criterion not in CRITERIA):
+        raise bad("exit_criterion", f"'exit_criterion'={_describe(criterion)} is unknown: expected null or one "
+                                    f"of {sorted(CRITERIA)}")
+    threshold = get_number(body, "exit_threshold", None, 0.0)
+    min_steps = get_int(body, "min_steps", None, 1, limits.max_num_steps)
+    max_steps = get_int(body, "max_steps", None, 1, limits.max_num_steps)
+    kv_budget = get_int(body, "kv_budget", None, 1, limits.max_num_steps)
+    warm_start = get_bool(body, "warm_start", False)
+    draft_steps = get_int(body, "draft_steps", None, 0, max(0, deepest - 1))
+    lookahead = get_int(body, "lookahead", None, 1, limits.max_lookahead)
+    verification = get_number(body, "verification_threshold", None, 0.0, 1.0, low_open=True)
+    init_scale = get_number(body, "init_scale", None, 0.0, 100.0)
+    ignore_eos = get_bool(body, "ignore_eos", False)
+    if ignore_eos and draft_steps is not None and eos_configured:
+        raise bad("ignore_eos", "'ignore_eos' cannot be combined with 'draft_steps' for a model whose config "
+                                "sets eos_token_id (speculative sessions always stop there)")
+    if draft_steps is not None and (num_steps if num_steps is not None else deepest) < 1:
+        raise bad("draft_steps", "'draft_steps' needs num_steps >= 1")
+
+    generation: dict[str, Any] = dict(
+        num_steps=num_steps, exit_criterion=criterion, exit_threshold=threshold, kv_budget=kv_budget,
+        warm_start=warm_start, draft_steps=draft_steps, do_sample=temperature > 0,
+        temperature=temperature if temperature > 0 else 1.0, top_k=top_k, top_p=top_p, min_p=min_p,
+        repetition_penalty=repetition_penalty if repetition_penalty is not None else 1.0,
+    )
+    for name, value in (("min_steps", min_steps), ("max_steps", max_steps), ("lookahead", lookahead),
+                        ("verification_threshold", verification), ("init_scale", init_scale)):
+        if value is not None:
+            generation[name] = value
+    return Sampling(
+        model=model, max_tokens=None, n=n, stream=stream, include_usage=include_usage, stop=stop,
+        stop_token_ids=list(stop_ids), ignore_eos=ignore_eos, seed=seed,
+        return_steps=get_bool(body, "return_steps", False), generation=generation,
+    )
+
+
+# ---------------------------------------------------------------------------------------- endpoints
+@dataclass
+class CompletionRequest:
+    sampling: Sampling
+    prompts: list[str | list[int]]
+    echo: bool
+    logprobs: int | None
+    add_special_tokens: bool
+
+
+def parse_completion(body: dict, limits: Limits, served_names: set[str], eos_configured: bool) -> CompletionRequest:
+    sampling = parse_sampling(body, limits, served_names, eos_configured)
+    if "prompt" not in body:
+        raise bad("prompt", "'prompt' is required")
+    prompt = body["prompt"]
+
+    def token_ids(value: Any) -> bool:
+        return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+    if isinstance(prompt, str) or (token_ids(prompt) and prompt):
+        prompts: list[Any] = [prompt]  # one text or one token-id prompt
+    elif isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                  or all(token_ids(p) for p in prompt)):
+        prompts = list(prompt)  # a batch of texts or of token-id prompts
+    else:
+        raise bad("prompt", "'prompt' must be a string, a list of strings, a list of token ids or a list of lists "
+                            f"of token ids (non-empty), got {_describe(prompt)}")
+    for p in prompts:
+        if isinstance(p, list):
+            if not p:
+                raise bad("prompt", "a token-id prompt must not be empty")
+            bad_ids = [t for t in p if not 0 <= t < limits.vocab_size]
+            if bad_ids:
+                raise bad("prompt", f"token id {bad_ids[0]} in 'prompt' is outside the vocabulary [0, "
+                                    f"{limits.vocab_size})")
+    if len(prompts) * sampling.n > limits.max_sequences:
+        raise bad("prompt", f"{len(prompts)} prompts x n={sampling.n} is more than the {limits.max_sequences} "
+                            "sequences one request may ask for")
+    sampling.max_tokens = get_int(body, "max_tokens", 16, 0, limits.max_seq_len)
+    logprobs = get_int(body, "logprobs", None, 0, limits.max_top_logprobs)
+    echo = get_bool(body, "echo", False)
+    if echo and sampling.stream and sampling.n > 1:
+        raise bad("echo", "'echo' with n > 1 is not supported when streaming")
+    return CompletionRequest(sampling, prompts, echo, logprobs, get_bool(body, "add_special_tokens", True))
+
+
+@dataclass
+class ChatRequest:
+    sampling: Sampling
+    messages: list[dict[str, str]]
+    logprobs: bool
+    top_logprobs: int | None
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def parse_chat(body: dict, limits: Limits, served_names: set[str], eos_configured: bool) -> ChatRequest:
+    sampling = parse_sampling(body, limits, served_names, eos_configured)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", f"'messages' must be a non-empty list of messages, got {_describe(messages)}")
+    clean = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise bad("messages", f"{where} must be an object with 'role' and 'content', got {_describe(message)}")
+        role = message.get("role")
+        if role not in ROLES:
+            raise bad("messages", f"{where}.role={_describe(role)} is invalid: expected one of {list(ROLES)}")
+        content = message.get("content")
+        if content is None:
+            content = ""
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad("messages", f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) "
+                                          f"are supported, got {_describe(part)}")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise bad("messages", f"{where}.content must be a string or a list of text parts, got "
+                                  f"{_describe(content)}")
+        clean.append({"role": role, "content": content})
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    sampling.max_tokens = get_int({name: max_tokens}, name, None, 1, limits.max_seq_len)
+    logprobs = get_bool(body, "logprobs", False)
+    top = get_int(body, "top_logprobs", None, 0, limits.max_top_logprobs)
+    if top is not None and not logprobs:
+        raise bad("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    return ChatRequest(sampling, clean, logprobs, top)

@@ -1,0 +1,67 @@
+"""Requests the batch decoder does not take, generated alone by `recurrent_depth.inference`.
+
+Self-speculative decoding (`draft_steps`) drafts and verifies several tokens per round, and
+models with non-attention mixers keep recurrent states the KV pool does not hold; both are run
+by the inference package's own `stream_generate`, one request per session. The engine advances
+each such session by one token per scheduler tick, between batched decode steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from recurrent_depth.inference import stream_generate
+from recurrent_depth.inference.output import TokenEvent
+from recurrent_depth.serving.batch import PromptScores, RowRequest, TokenResult, logprobs_of
+
+
+class SoloRun:
+    """One request as its own generation session, yielding `TokenResult`s one at a time."""
+
+    def __init__(self, model: Any, request: RowRequest, generation_kwargs: dict[str, Any], tag: object = None) -> None:
+        self.model = model
+        self.request = request
+        self.tag = tag
+        kwargs = dict(generation_kwargs)
+        kwargs["seed"] = request.seed
+        kwargs["output_logits"] = request.top_logprobs is not None
+        self.stream = stream_generate(model, torch.tensor([request.prompt]), **kwargs)
+        self._events: Iterator[TokenEvent] = iter(self.stream)
+
+    @torch.inference_mode()
+    def prompt_scores(self) -> PromptScores:
+        """Prompt log-probabilities from one full forward at the request's depth.
+
+        The forward draws s_0 with a generator seeded like the session's (same seed, same shape,
+        same order), so the scores are those of the session's own prefill.
+        """
+        opts = self.request.options
+        ids = torch.tensor([self.request.prompt], device=self.model.device)
+        generator = torch.Generator(device=self.model.device).manual_seed(self.request.seed % (2**63))
+        logits = self.model(ids, num_steps=opts.num_steps, init_scale=opts.init_scale, generator=generator).logits[0]
+        if ids.shape[1] < 2:
+            return PromptScores([None], [None])
+        picked, tops = logprobs_of(logits[:-1], ids[0, 1:], self.request.top_logprobs or 0)
+        return PromptScores([None, *picked], [None, *tops])
+
+    def next(self) -> TokenResult | None:
+        """The next token, or None when the session has ended."""
+        event = next(self._events, None)
+        if event is None:
+            return None
+        result = TokenResult(event.token, event.steps, event.reason)
+        if self.request.top_logprobs is not None:
+            # The session keeps the logits that chose each token (output_logits=True).
+            logits = self.stream.session.recorder.logits[0][event.index]
+            picked, tops = logprobs_of(logits[None], torch.tensor([event.token]), self.request.top_logprobs)
+            result.logprob, result.top = picked[0], tops[0]
+        return result
+
+    def close(self) -> None:
+        """Stop the session early (the generator's cleanup restores the model's mode)."""
+        close = getattr(self._events, "close", None)
+        if close is not None:
+            close()

@@ -1,0 +1,489 @@
+"""The OpenAI-compatible server, end to end: a real uvicorn server on 127.0.0.1 with a tiny model
+and tiny tokenizer, driven by the official `openai` client (and lm-eval's `local-completions`).
+
+Exactness: every answer is compared with `recurrent_depth.inference.generate` run on that request
+alone (init_scale=0 or a fixed seed), whatever else the batch held. Tolerance: log-probabilities
+of the same computation at different batch shapes differ by float32 rounding only (observed
+<= 1e-6); we allow 1e-4. Token ids, text, steps per token and finish reasons must match exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+
+import recurrent_depth as rd
+from recurrent_depth.data.tokenizer import load_tokenizer, save_tokenizer, special_token_ids, train_tokenizer
+from recurrent_depth.inference import generate
+from recurrent_depth.serving import build_app
+
+TOL = 1e-4
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog. " * 4,
+    "for i in range(10):\n    print(i * i)\n",
+    "héllo wörld, ünïcode text 🙂 and more text.\n",
+] * 4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny decode steps are overhead-bound; extra threads only add contention on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A saved tiny model (vocab 320, eos = <|end_text|>) with a tiny byte-level BPE tokenizer."""
+    out = tmp_path_factory.mktemp("serve_model")
+    tok = train_tokenizer(CORPUS, 320)
+    save_tokenizer(tok, out)
+    torch.manual_seed(1234)
+    cfg = rd.ModelConfig.from_preset("tiny", vocab_size=320, eos_token_id=special_token_ids(tok)["end_text"])
+    rd.RecurrentDepthLM(cfg).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """An independent copy of the model and the tokenizer, to compute expected answers."""
+    return rd.RecurrentDepthLM.from_pretrained(model_dir).eval(), load_tokenizer(model_dir)
+
+
+class LiveServer:
+    """uvicorn on 127.0.0.1, an OS-chosen free port, in a background thread."""
+
+    def __init__(self, app) -> None:
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    def client(self, api_key: str = "unused", **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60, **kw)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with LiveServer(build_app(model_dir, model_name="tiny")) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return server.client()
+
+
+def expected(reference, prompt_ids: list[int], max_tokens: int, stops=None, **kw):
+    """(text, token ids, steps, finish_reason, log-probs) of `generate` on this request alone."""
+    model, tok = reference
+    kw.setdefault("num_steps", model.config.mean_recurrence)  # the server's default depth
+    eos = model.config.eos_token_id
+    stop_ids = [eos] if stops is None else stops
+    out = generate(model, torch.tensor(prompt_ids), max_new_tokens=max_tokens, stop=stop_ids or None,
+                   output_logits=True, **kw)
+    tokens = out.token_lists()[0]
+    steps = out.steps[0, : len(tokens)].tolist()
+    finish = "stop" if tokens and tokens[-1] in stop_ids else "length"
+    shown = tokens[:-1] if finish == "stop" else tokens
+    logprobs = torch.log_softmax(out.logits[0], -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+    return tok.decode(shown, skip_special_tokens=True), tokens, steps, finish, logprobs
+
+
+def encode(reference, text: str) -> list[int]:
+    return reference[1].encode(text).ids
+
+
+# ---------------------------------------------------------------------------------------- basics
+def test_health_models_and_metrics(server, client):
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok" and health["model"] == "tiny" and health["batching"] is True
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"] and models.data[0].object == "model"
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+    client.completions.create(model="tiny", prompt="def add", max_tokens=3, temperature=0)
+    text = httpx.get(server.url + "/metrics").text
+    for series in ("rdepth_requests_total{endpoint=\"completions\",status=\"200\"}", "rdepth_generation_tokens_total",
+                   "rdepth_queue_depth", "rdepth_mean_steps_per_token", "rdepth_request_latency_seconds_bucket",
+                   "rdepth_time_to_first_token_seconds_count", "rdepth_running_sequences"):
+        assert series in text, series
+
+
+@pytest.mark.parametrize("extra", [
+    dict(num_steps=3),
+    dict(num_steps=6, exit_criterion="kl", exit_threshold=1e-2),
+    dict(num_steps=5, exit_criterion="latent-diff", exit_threshold=0.2, min_steps=2),
+    dict(num_steps=5, kv_budget=2),
+    dict(num_steps=5, warm_start=True, exit_criterion="cosine", exit_threshold=5e-3),
+    dict(num_steps=5, draft_steps=2),
+    dict(num_steps=0),
+], ids=["fixed-3", "kl-exit", "latent-exit-min2", "kv-budget-2", "warm-start-cosine", "speculative", "zero-steps"])
+def test_completion_equals_generate_alone(client, reference, extra):
+    prompt = "def add(a, b):"
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, logprobs=0,
+                                  extra_body=dict(init_scale=0, return_steps=True, **extra))
+    text, tokens, steps, finish, logprobs = expected(reference, encode(reference, prompt), 10, init_scale=0.0,
+                                                     **extra)
+    choice = r.choices[0]
+    assert choice.text == text and choice.finish_reason == finish
+    assert choice.model_extra["steps"] == steps
+    assert max(abs(a - b) for a, b in zip(choice.logprobs.token_logprobs, logprobs)) < TOL
+    assert r.usage.completion_tokens == len(tokens)
+    assert r.usage.model_extra["steps_per_token"] == pytest.approx(sum(steps) / len(steps), abs=1e-4)
+    if "exit_criterion" not in extra and "draft_steps" not in extra:
+        assert steps == [extra["num_steps"]] * len(steps)
+
+
+def test_sampling_with_a_seed_is_reproducible_and_equals_generate(client, reference):
+    kw = dict(model="tiny", prompt="The quick", max_tokens=8, temperature=0.9, top_p=0.95, seed=5)
+    a = client.completions.create(**kw, extra_body=dict(top_k=50))
+    b = client.completions.create(**kw, extra_body=dict(top_k=50))
+    assert a.choices[0].text == b.choices[0].text
+    text, *_ = expected(reference, encode(reference, "The quick"), 8, do_sample=True, temperature=0.9, top_p=0.95,
+                        top_k=50, seed=5)
+    assert a.choices[0].text == text
+
+
+def test_chat_completion_and_stream(client, reference, model_dir):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "add two numbers"}]
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                       logprobs=True, top_logprobs=2, extra_body=dict(init_scale=0, num_steps=3))
+    rendered = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    ids = reference[1].encode(rendered, add_special_tokens=False).ids
+    stops = [reference[0].config.eos_token_id, reference[1].token_to_id("<|end_turn|>")]
+    text, tokens, _, finish, logprobs = expected(reference, ids, 8, stops=stops, init_scale=0.0, num_steps=3)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == text and r.choices[0].finish_reason == finish
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(tokens) and all(len(c.top_logprobs) == 2 for c in content)
+    assert max(abs(c.logprob - lp) for c, lp in zip(content, logprobs)) < TOL
+    assert r.usage.prompt_tokens == len(ids)
+
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body=dict(init_scale=0, num_steps=3)))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [finish]
+    assert chunks[-1].usage.completion_tokens == len(tokens) and not chunks[-1].choices
+
+
+def test_streamed_completion_equals_the_whole_one_and_ends_with_done(server, client):
+    kw = dict(model="tiny", prompt=["def add", "for i in"], max_tokens=9, temperature=0, n=2,
+              extra_body=dict(init_scale=0, ignore_eos=True))
+    whole = client.completions.create(**kw)
+    parts: dict[int, str] = {}
+    finish = {}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            parts[c.index] = parts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    assert {c.index: c.text for c in whole.choices} == parts
+    assert finish == {i: "length" for i in range(4)}
+    assert whole.choices[0].text == whole.choices[1].text  # greedy: the n copies agree
+    with httpx.stream("POST", server.url + "/v1/completions",
+                      json=dict(prompt="def", max_tokens=3, temperature=0, stream=True)) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in resp.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+
+
+def test_echo_logprobs_score_token_prompts_like_a_full_forward(client, reference):
+    """lm-eval's scoring request: token-id prompts, echo, logprobs=1, max_tokens=1, temperature 0."""
+    model, _ = reference
+    prompts = [[288, 70, 72, 79, 33, 65], [288, 84, 71, 68, 33], [5, 6, 7, 8, 9, 10, 11, 12, 13]]
+    r = client.completions.create(model="tiny", prompt=prompts, echo=True, logprobs=1, max_tokens=1, temperature=0,
+                                  seed=1234, extra_body=dict(init_scale=0))
+    for choice, ids in zip(sorted(r.choices, key=lambda c: c.index), prompts):
+        lp = choice.logprobs
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert len(lp.tokens) == len(ids) + 1
+        with torch.no_grad():
+            logits = model(torch.tensor([ids]), num_steps=model.config.mean_recurrence, init_scale=0.0).logits[0]
+        want = torch.log_softmax(logits, -1)
+        scored = want[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+        assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1 : len(ids)], scored)) < TOL
+        for t, top in enumerate(lp.top_logprobs[1 : len(ids)]):
+            assert max(top.values()) == pytest.approx(float(want[t].max()), abs=TOL)
+
+
+def test_lm_eval_local_completions_scores_and_generates_through_the_server(server, reference, model_dir):
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    model, tok = reference
+    lm = LocalCompletionsAPI(base_url=server.url + "/v1/completions", model="tiny", tokenizer_backend="huggingface",
+                             tokenizer=str(model_dir), max_length=256, num_concurrent=1, batch_size=2)
+    pairs = [("def add(a, b):", " return"), ("The quick brown", " fox"), ("for i in", " range")]
+    got = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)],
+                           disable_tqdm=True)
+    for (ctx, cont), (score, _) in zip(pairs, got):
+        ctx_ids, cont_ids = lm.tok_encode(ctx), lm.tok_encode(cont)
+        ids = torch.tensor([ctx_ids + cont_ids])
+        generator = torch.Generator().manual_seed(1234)  # lm-eval's default seed, our s_0 draw
+        with torch.no_grad():
+            logits = model(ids, num_steps=model.config.mean_recurrence, generator=generator).logits[0]
+        logp = torch.log_softmax(logits, -1)
+        want = sum(float(logp[len(ctx_ids) - 1 + j, t]) for j, t in enumerate(cont_ids))
+        assert score == pytest.approx(want, abs=1e-3)
+    out = lm.generate_until([Instance("generate_until", {}, ("def add", {"until": ["\n"], "max_gen_toks": 5}), 0)],
+                            disable_tqdm=True)
+    assert isinstance(out[0], str) and "\n" not in out[0]
+
+
+# ---------------------------------------------------------------------------------------- bad input
+BAD = [
+    # (id, path, body (dict, or raw bytes), status)
+    ("malformed-json", "/v1/completions", b'{"prompt": "x", ', 400),
+    ("body-not-object", "/v1/completions", b'["prompt"]', 400),
+    ("not-utf8", "/v1/completions", b"\xff\xfe", 400),
+    ("missing-prompt", "/v1/completions", {"model": "tiny"}, 400),
+    ("prompt-wrong-type", "/v1/completions", {"prompt": 5}, 400),
+    ("prompt-mixed-list", "/v1/completions", {"prompt": ["a", 3]}, 400),
+    ("empty-token-prompt", "/v1/completions", {"prompt": [[]]}, 400),
+    ("token-outside-vocab", "/v1/completions", {"prompt": [1, 2, 9999]}, 400),
+    ("unknown-model", "/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404),
+    ("model-not-string", "/v1/completions", {"model": 3, "prompt": "x"}, 400),
+    ("prompt-longer-than-context", "/v1/completions", {"prompt": [5] * 300, "max_tokens": 1}, 400),
+    ("prompt-plus-max-tokens", "/v1/completions", {"prompt": [5] * 200, "max_tokens": 100}, 400),
+    ("max-tokens-string", "/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400),
+    ("max-tokens-negative", "/v1/completions", {"prompt": "x", "max_tokens": -1}, 400),
+    ("max-tokens-float", "/v1/completions", {"prompt": "x", "max_tokens": 2.5}, 400),
+    ("temperature-string", "/v1/completions", {"prompt": "x", "temperature": "hot"}, 400),
+    ("temperature-negative", "/v1/completions", {"prompt": "x", "temperature": -1}, 400),
+    ("top-p-zero", "/v1/completions", {"prompt": "x", "top_p": 0}, 400),
+    ("seed-string", "/v1/completions", {"prompt": "x", "seed": "abc"}, 400),
+    ("stop-number", "/v1/completions", {"prompt": "x", "stop": 5}, 400),
+    ("stop-empty-string", "/v1/completions", {"prompt": "x", "stop": [""]}, 400),
+    ("logprobs-too-many", "/v1/completions", {"prompt": "x", "logprobs": 1000}, 400),
+    ("n-too-large", "/v1/completions", {"prompt": "x", "n": 1000}, 400),
+    ("n-zero", "/v1/completions", {"prompt": "x", "n": 0}, 400),
+    ("logit-bias", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, 400),
+    ("frequency-penalty", "/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, 400),
+    ("best-of", "/v1/completions", {"prompt": "x", "best_of": 3}, 400),
+    ("suffix", "/v1/completions", {"prompt": "x", "suffix": "end"}, 400),
+    ("num-steps-negative", "/v1/completions", {"prompt": "x", "num_steps": -1}, 400),
+    ("num-steps-huge", "/v1/completions", {"prompt": "x", "num_steps": 100000}, 400),
+    ("num-steps-string", "/v1/completions", {"prompt": "x", "num_steps": "8"}, 400),
+    ("exit-criterion-unknown", "/v1/completions", {"prompt": "x", "exit_criterion": "nope"}, 400),
+    ("exit-threshold-negative", "/v1/completions", {"prompt": "x", "exit_criterion": "kl", "exit_threshold": -1}, 400),
+    ("exit-threshold-alone", "/v1/completions", {"prompt": "x", "exit_threshold": 0.1}, 400),
+    ("min-over-max-steps", "/v1/completions",
+     {"prompt": "x", "exit_criterion": "kl", "min_steps": 9, "max_steps": 3}, 400),
+    ("kv-budget-zero", "/v1/completions", {"prompt": "x", "kv_budget": 0}, 400),
+    ("draft-steps-not-below-num-steps", "/v1/completions", {"prompt": "x", "num_steps": 4, "draft_steps": 4}, 400),
+    ("draft-with-exit", "/v1/completions",
+     {"prompt": "x", "num_steps": 4, "draft_steps": 2, "exit_criterion": "kl"}, 400),
+    ("warm-start-string", "/v1/completions", {"prompt": "x", "warm_start": "yes"}, 400),
+    ("init-scale-negative", "/v1/completions", {"prompt": "x", "init_scale": -1}, 400),
+    ("messages-missing", "/v1/chat/completions", {"model": "tiny"}, 400),
+    ("messages-empty", "/v1/chat/completions", {"messages": []}, 400),
+    ("message-bad-role", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400),
+    ("message-image", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
+    ("chat-tools", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400),
+    ("chat-json-mode", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, 400),
+    ("chat-max-tokens-zero", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400),
+    ("top-logprobs-without-logprobs", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400),
+    ("unknown-route", "/v1/engines", {"prompt": "x"}, 404),
+]
+
+
+@pytest.mark.parametrize("path,body,status", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_requests_get_openai_errors(server, path, body, status):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server.url + path, content=content, headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert isinstance(error["message"], str) and error["message"] and "type" in error and "param" in error
+
+
+def test_harmless_unsupported_fields_are_ignored_and_the_server_keeps_serving(server, client):
+    r = client.completions.create(model="tiny", prompt="def", max_tokens=2, temperature=0, user="someone",
+                                  presence_penalty=0, extra_body=dict(metadata={"a": 1}, best_of=1))
+    assert r.choices[0].finish_reason in ("stop", "length")
+    r = httpx.get(server.url + "/v1/completions")
+    assert r.status_code == 405 and "error" in r.json()
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+# ---------------------------------------------------------------------------------------- load
+SETTINGS = [
+    dict(num_steps=4),
+    dict(num_steps=6, exit_criterion="kl", exit_threshold=1e-2),
+    dict(num_steps=3, exit_criterion="latent-diff", exit_threshold=0.2),
+    dict(num_steps=5, kv_budget=2),
+    dict(num_steps=5, warm_start=True, exit_criterion="cosine", exit_threshold=5e-3),
+    dict(num_steps=2),
+    dict(num_steps=7, exit_criterion="argmax-stability", exit_threshold=2),
+    dict(num_steps=4, draft_steps=1),
+]
+
+
+def test_32_concurrent_streams_complete_and_equal_single_requests(server, reference):
+    """32 streaming clients at once, each with its own depth settings: every stream completes,
+    nothing is lost, and each text equals `generate` on that request alone."""
+    jobs = []
+    for i in range(32):
+        extra = dict(SETTINGS[i % len(SETTINGS)], init_scale=0, ignore_eos=i % 2 == 0, return_steps=True)
+        jobs.append((f"client {i}: def f(x):", 6 + i % 9, extra))
+
+    async def one(client: openai.AsyncOpenAI, prompt: str, max_tokens: int, extra: dict):
+        text, steps, finish, usage = "", [], None, None
+        stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body=extra)
+        async for chunk in stream:
+            for c in chunk.choices:
+                text += c.text
+                steps += (c.model_extra or {}).get("steps") or []
+                finish = c.finish_reason or finish
+            usage = chunk.usage or usage
+        return text, steps, finish, usage
+
+    async def run_all():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
+            return await asyncio.gather(*(one(c, *job) for job in jobs))
+
+    before = _metric(server, "rdepth_decode_steps_total"), _metric(server, "rdepth_batch_rows_total")
+    results = asyncio.run(run_all())
+    after = _metric(server, "rdepth_decode_steps_total"), _metric(server, "rdepth_batch_rows_total")
+    for (prompt, max_tokens, extra), (text, steps, finish, usage) in zip(jobs, results):
+        kw = {k: v for k, v in extra.items() if k not in ("ignore_eos", "return_steps", "init_scale")}
+        stops = [] if extra["ignore_eos"] else None
+        want_text, tokens, want_steps, want_finish, _ = expected(reference, encode(reference, prompt), max_tokens,
+                                                                 stops=stops, init_scale=0.0, **kw)
+        assert (text, steps, finish) == (want_text, want_steps, want_finish), prompt
+        assert usage.completion_tokens == len(tokens)
+    mean_rows = (after[1] - before[1]) / max(1, after[0] - before[0])
+    assert mean_rows > 4, f"the batch held {mean_rows:.1f} rows per decode step on average"
+
+
+def _metric(server: LiveServer, name: str) -> float:
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_a_client_that_disconnects_frees_its_slot(server):
+    body = dict(prompt="def", max_tokens=200, temperature=0, stream=True, ignore_eos=True, num_steps=8)
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as resp:
+        lines = resp.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        assert httpx.get(server.url + "/health").json()["running"] == 1
+    deadline = time.monotonic() + 10
+    while httpx.get(server.url + "/health").json()["running"] != 0:
+        assert time.monotonic() < deadline, "the disconnected stream still holds its row"
+        time.sleep(0.05)
+    tokens = _metric(server, "rdepth_generation_tokens_total")
+    time.sleep(0.2)
+    assert _metric(server, "rdepth_generation_tokens_total") == tokens  # nothing runs for it any more
+
+
+def test_overload_answers_429_and_timeouts_504(model_dir):
+    app = build_app(model_dir, model_name="tiny", max_batch=1, max_queue=2, request_timeout=30.0)
+    with LiveServer(app) as live:
+        async def fire():
+            async with httpx.AsyncClient(base_url=live.url, timeout=60) as c:
+                body = dict(prompt="def", max_tokens=40, temperature=0, ignore_eos=True, num_steps=8)
+                return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(8)))
+
+        responses = asyncio.run(fire())
+        codes = sorted(r.status_code for r in responses)
+        assert 429 in codes and 200 in codes and set(codes) <= {200, 429}, codes
+        refused = next(r for r in responses if r.status_code == 429).json()["error"]
+        assert refused["type"] == "rate_limit_error" and "capacity" in refused["message"]
+        assert all(len(r.json()["choices"][0]["text"]) >= 0 for r in responses if r.status_code == 200)
+        assert httpx.get(live.url + "/health").json()["status"] == "ok"
+
+    app = build_app(model_dir, model_name="tiny", request_timeout=0.3)
+    with LiveServer(app) as live:
+        r = httpx.post(live.url + "/v1/completions", timeout=30,
+                       json=dict(prompt="def", max_tokens=250, temperature=0, ignore_eos=True, num_steps=64))
+        assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
+        deadline = time.monotonic() + 10
+        while httpx.get(live.url + "/health").json()["running"]:
+            assert time.monotonic() < deadline, "the timed-out request still holds its row"
+            time.sleep(0.05)
+
+
+def test_default_queue_admits_at_least_64_waiting_requests(server):
+    from recurrent_depth.cli import build_parser
+
+    args = build_parser("serve").parse_args(["serve", "--model", "m"])
+    assert args.max_queue >= 64 and args.host == "127.0.0.1"
+
+
+# ---------------------------------------------------------------------------------------- auth and CLI
+def test_api_key_guards_every_route_but_health(model_dir):
+    with LiveServer(build_app(model_dir, model_name="tiny", api_key="s3cret")) as live:
+        assert httpx.get(live.url + "/health").status_code == 200
+        for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"),
+                             ("POST", "/v1/chat/completions")):
+            r = httpx.request(method, live.url + path, json={"prompt": "x"})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+        with pytest.raises(openai.AuthenticationError):
+            live.client(api_key="wrong").models.list()
+        good = live.client(api_key="s3cret")
+        assert good.completions.create(model="tiny", prompt="def", max_tokens=2).choices[0].text is not None
+
+
+def test_rdepth_serve_command_reads_the_api_key_from_the_environment(model_dir, monkeypatch):
+    """`rdepth serve` builds the app from the directory; uvicorn.run is replaced by a live server."""
+    from recurrent_depth.cli import main
+
+    seen = {}
+
+    def run(app, host, port, log_level):
+        seen.update(host=host, port=port)
+        with LiveServer(app) as live:
+            seen["no_key"] = httpx.get(live.url + "/v1/models").status_code
+            seen["health"] = httpx.get(live.url + "/health").status_code
+            r = httpx.get(live.url + "/v1/models", headers={"Authorization": "Bearer env-key"})
+            seen["models"] = [m["id"] for m in r.json()["data"]]
+
+    monkeypatch.setattr(uvicorn, "run", run)
+    monkeypatch.setenv("RDEPTH_API_KEY", "env-key")
+    threads = torch.get_num_threads()
+    assert main(["serve", "--model", str(model_dir), "--port", "8123", "--threads", "1"]) == 0
+    torch.set_num_threads(threads)
+    assert seen == dict(host="127.0.0.1", port=8123, no_key=401, health=200, models=[model_dir.name])
+    assert main(["serve", "--model", str(model_dir / "missing")]) == 2
+    assert main(["serve", "--model", str(model_dir), "--port", "0"]) == 2

@@ -332,3 +332,25 @@ def test_top_level_generate_forwards(model, prompts):
     a = rd.generate(model, prompts[0], max_new_tokens=4, num_steps=3, init_scale=0.0)
     b = generate(model, prompts[0], max_new_tokens=4, num_steps=3, init_scale=0.0)
     assert torch.equal(a.sequences, b.sequences)
+
+
+# ---------------------------------------------------------------------------------------- teacher forcing
+def test_teacher_forcing_at_fixed_depth_equals_one_parallel_forward(model, prompts):
+    ids, mask = left_pad(prompts)
+    teacher = torch.randint(0, 256, (3, 6), generator=torch.Generator().manual_seed(3))
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=6, num_steps=4, init_scale=0.0,
+                   output_logits=True, teacher_tokens=teacher)
+    assert torch.equal(out.new_tokens, teacher)
+    full = model(torch.cat([ids, teacher], 1), num_steps=4, init_scale=0.0,
+                 attention_mask=torch.cat([mask, torch.ones_like(teacher)], 1)).logits
+    T = ids.shape[1]
+    torch.testing.assert_close(out.logits, full[:, T - 1 : T + 5], **TOL)
+    assert torch.equal(out.predictions, full[:, T - 1 : T + 5].argmax(-1))
+
+
+def test_teacher_forcing_arguments_are_checked(model, prompts):
+    with pytest.raises(ValueError, match="teacher_tokens must have shape"):
+        generate(model, prompts[0], max_new_tokens=6, num_steps=2, teacher_tokens=torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="does not combine with draft_steps"):
+        generate(model, prompts[0], max_new_tokens=2, num_steps=2, draft_steps=1,
+                 teacher_tokens=torch.zeros(1, 2, dtype=torch.long))

@@ -88,8 +88,12 @@ def decode(session: Session) -> Iterator[TokenEvent]:
         token_list = tokens.tolist()
         nbytes = session.row_bytes()
         for b in rows:
-            yield session.commit(b, token_list[b], steps[b], EXIT_REASONS[codes[b]],
-                                 logits[b] if opts.output_logits else None, nbytes[b])
+            event = session.commit(b, token_list[b], steps[b], EXIT_REASONS[codes[b]],
+                                   logits[b] if opts.output_logits else None, nbytes[b])
+            token_list[b] = event.token  # differs from the choice only under teacher forcing
+            yield event
+        if session.teacher is not None:
+            tokens = torch.tensor(token_list, device=session.device)
         active = session.unfinished_mask()
         session.chooser.observe(tokens, active)
         if not session.unfinished:

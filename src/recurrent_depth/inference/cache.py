@@ -212,32 +212,42 @@ class StaticRecurrentCache(_CacheBase):
 
     def update_kv(self, key: LayerKey, k: Tensor, v: Tensor, ctx: Any = None) -> tuple[Tensor, Tensor]:
         """Write k, v `[B, T, Hkv, D]` at columns [seq_len, seq_len + T); return all `[B, seq_len + T, Hkv, D]`."""
+        K, V = self.update_heads(key, k.transpose(1, 2), v.transpose(1, 2))
+        return K.transpose(1, 2), V.transpose(1, 2)
+
+    def update_heads(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """`update_kv` in the storage's head-major layout: k, v `[B, Hkv, T, D]` -> `[B, Hkv, seq_len + T, D]`."""
         start = self.seq_len
-        end = start + k.shape[1]
+        end = start + k.shape[2]
         if end > self.capacity:
             self._grow(end)
         views = self._views.get(key)
         if views is None:
             base, slot = self.policy.split(key)
-            K, V = self._storage(base, k, v)
+            K, V = self._storage(base, k.transpose(1, 2), v.transpose(1, 2))
             views = self._views[key] = (K[slot], V[slot])  # [B, Hkv, capacity, D]
         Ks, Vs = views
-        kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, D]
+        T = end - start
+        new_k, new_v = Ks.narrow(2, start, T), Vs.narrow(2, start, T)
         if self.write_mask is None:
-            Ks[:, :, start:end] = kt
-            Vs[:, :, start:end] = vt
+            new_k.copy_(k)
+            new_v.copy_(v)
         else:
             keep = self.write_mask[:, None, :, None]  # [B, 1, T, 1]
-            Ks[:, :, start:end] = torch.where(keep, kt, Ks[:, :, start:end])
-            Vs[:, :, start:end] = torch.where(keep, vt, Vs[:, :, start:end])
-        return Ks[:, :, :end].transpose(1, 2), Vs[:, :, :end].transpose(1, 2)
+            new_k.copy_(torch.where(keep, k, new_k))
+            new_v.copy_(torch.where(keep, v, new_v))
+        return Ks.narrow(2, 0, end), Vs.narrow(2, 0, end)
 
     def close(self, depth: Tensor | int, num_tokens: int | None = None) -> None:
         """The columns [seq_len, seq_len + T) ran `depth` ([B, T] or an int) steps; fill the rest."""
-        if isinstance(depth, int):
-            depth = torch.full((self.batch_size, num_tokens or 1), depth, dtype=torch.long, device=self.device)
-        self._record_depth(depth)
         S = self.policy.core_slots
+        if isinstance(depth, int):
+            value = depth
+            depth = torch.full((self.batch_size, num_tokens or 1), value, dtype=torch.long, device=self.device)
+            if value >= S:  # every slot written: nothing to fill (and no host sync)
+                self._record_depth(depth)
+                return
+        self._record_depth(depth)
         if not bool((depth < S).any()):
             return
         T = depth.shape[1]
@@ -303,6 +313,11 @@ class DynamicRecurrentCache(_CacheBase):
             written[col] = written[col] | rows
             deepest[col] = torch.where(rows, torch.full_like(deepest[col], slot), deepest[col])
         return self._read(base, slot, self.seq_len + T)
+
+    def update_heads(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """`update_kv` in head-major layout: `[B, Hkv, T, D]` in, `[B, Hkv, seq_len + T, D]` out."""
+        K, V = self.update_kv(key, k.transpose(1, 2), v.transpose(1, 2))
+        return K.transpose(1, 2), V.transpose(1, 2)
 
     def _read(self, base: tuple, slot: int, end: int) -> tuple[Tensor, Tensor]:
         out_k, out_v = [], []

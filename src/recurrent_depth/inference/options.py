@@ -44,6 +44,7 @@ class GenerationOptions:
     cache_implementation: str = "static"
     fast: bool = True
     output_logits: bool = False
+    teacher_tokens: Any = None
 
     # resolved by `validate`
     criterion: CriterionSpec | None = None
@@ -133,6 +134,8 @@ class GenerationOptions:
             raise ValueError("adaptive exit needs max_steps >= 1 (num_steps=0 runs no recurrence)")
 
         mode = self.mode
+        if self.teacher_tokens is not None and mode == "speculative":
+            raise ValueError("teacher_tokens (teacher forcing) does not combine with draft_steps")
         if mode == "speculative":
             if self.draft_steps >= self.num_steps:
                 raise ValueError(

@@ -51,6 +51,8 @@ class GenerationOutput:
     cache_bytes: [B, new] the row's logical KV-cache bytes after each token.
     lengths: [B] new tokens per row; finish_reasons: "stop" (stop id/string or eos) or "length".
     logits: [B, new, V] float32 logits that chose each token when `output_logits=True`.
+    predictions: [B, new] the model's own choice at each position; equals the new tokens except
+    under teacher forcing (`teacher_tokens=`), where the given tokens are fed instead.
     """
 
     sequences: Tensor
@@ -64,6 +66,7 @@ class GenerationOutput:
     cache_allocated_bytes: int = 0
     core_cache_bytes: Tensor | None = None
     logits: Tensor | None = None
+    predictions: Tensor | None = None
     mode: str = "autoregressive"
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -117,6 +120,7 @@ class Recorder:
     def __init__(self, batch_size: int, max_new_tokens: int, keep_logits: bool) -> None:
         self.max_new = max_new_tokens
         self.tokens: list[list[int]] = [[] for _ in range(batch_size)]
+        self.predictions: list[list[int]] = [[] for _ in range(batch_size)]
         self.steps: list[list[int]] = [[] for _ in range(batch_size)]
         self.codes: list[list[int]] = [[] for _ in range(batch_size)]
         self.bytes: list[list[int]] = [[] for _ in range(batch_size)]
@@ -127,9 +131,11 @@ class Recorder:
     def count(self, row: int) -> int:
         return len(self.tokens[row])
 
-    def add(self, row: int, token: int, steps: int, reason: str, logits: Tensor | None = None) -> int:
-        """Append one token; returns its index."""
+    def add(self, row: int, token: int, steps: int, reason: str, logits: Tensor | None = None,
+            prediction: int | None = None) -> int:
+        """Append one token (and the model's own choice, when a teacher forced another); returns its index."""
         self.tokens[row].append(token)
+        self.predictions[row].append(token if prediction is None else prediction)
         self.steps[row].append(steps)
         self.codes[row].append(REASON_CODE[reason])
         if self.logits is not None and logits is not None:
@@ -178,5 +184,6 @@ class Recorder:
             prompt_length=T,
             pad_token_id=pad_token_id,
             logits=logits,
+            predictions=table(self.predictions, pad_token_id, torch.long),
             **extra,
         )

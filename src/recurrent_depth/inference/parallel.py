@@ -60,8 +60,10 @@ def decode(session: Session) -> Iterator[TokenEvent]:
     first = session.chooser.choose(logits, rows)
     nbytes = session.row_bytes()
     for b in rows:
-        yield session.commit(b, int(first[b]), opts.num_steps, "prefill",
-                             logits[b] if opts.output_logits else None, nbytes[b])
+        event = session.commit(b, int(first[b]), opts.num_steps, "prefill",
+                               logits[b] if opts.output_logits else None, nbytes[b])
+        first[b] = event.token
+        yield event
     # Column c's prediction is new token number c - T + 1, so the last one needed is T + max_new - 2.
     stop_column = T + opts.max_new_tokens - 1
     h = session.model.config.hidden_size
@@ -124,10 +126,12 @@ def decode(session: Session) -> Iterator[TokenEvent]:
                     reason = "wavefront"
                 else:
                     break
-                token = predicted_l[b][j]
-                yield session.commit(b, token, steps, reason, logits[b, j] if opts.output_logits else None,
-                                     nbytes[b])
+                event = session.commit(b, predicted_l[b][j], steps, reason,
+                                       logits[b, j] if opts.output_logits else None, nbytes[b])
+                token = event.token  # the prediction, or the teacher's token
+                yield event
                 front[b] = c + 1
+                tokens[b, c + 1] = token
                 if c + 1 < end and used[b][j + 1] != token:
                     break  # the next position ran on a wrong guess: it refines on the right input first
         sweeps += 1

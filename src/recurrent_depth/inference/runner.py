@@ -9,13 +9,15 @@ recurrence step, because at batch 1 decoding is bound by per-operation overhead,
   reused by every step (the input injection does not change between steps);
 - the q/k biases are folded into one bias vector and RoPE is one complex multiplication on q
   and k together, with angles looked up from a table built once;
-- RMSNorm is `torch.nn.functional.rms_norm` (one fused call, same arithmetic as the model's).
+- RMSNorm takes five operations, with sqrt(h) folded into its weight;
+- keys and values stay in the cache's head-major layout `[B, Hkv, T, D]` (no transposes).
 
 Outputs agree with the reference to float rounding (tests compare both at odd sizes).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,25 +103,30 @@ class FastRunner(ModelRunner):
         t = model.transformer
         h = cfg.hidden_size
         self.H, self.Hkv, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.eps = cfg.norm_eps
+        # A 0-d tensor, not a Python float: adding a float costs three more operations per call.
+        self.norm_offset = torch.tensor(h * cfg.norm_eps, dtype=torch.float32, device=model.device)
         self.gqa = self.Hkv != self.H
+        self.dtype = model.dtype
         angles = self._table  # [L, D/2, 2] (cos, sin)
         self._freq_table = torch.complex(angles[..., 0], angles[..., 1])  # [L, D/2]
         self.blocks = {
-            "prelude": [self._prepare(b) for b in t.prelude],
-            "core": [self._prepare(b) for b in t.core_block],
-            "coda": [self._prepare(b) for b in t.coda],
+            "prelude": [self._prepare(b, h) for b in t.prelude],
+            "core": [self._prepare(b, h) for b in t.core_block],
+            "coda": [self._prepare(b, h) for b in t.coda],
         }
         w = t.adapter.weight
-        self.adapter_s = w[:, :h]
-        self.adapter_e = w[:, h:]
+        self.adapter_s = w[:, :h].t()
+        self.adapter_e = w[:, h:].t()
         self.adapter_bias = t.adapter.bias
-        self.ln_f = t.ln_f.weight
+        self.ln_f = t.ln_f.weight * math.sqrt(h)
         self.wte = t.wte.weight
-        self.lm_head = model.lm_head.weight
+        self.lm_head = model.lm_head.weight.t()
         self.emb_scale = model.emb_scale
 
-    def _prepare(self, block: Any) -> dict[str, Any]:
+    @staticmethod
+    def _prepare(block: Any, h: int) -> dict[str, Any]:
+        """A block's weights as the fast path uses them: transposed views (no per-call `t()`),
+        the q/k bias folded into the qkv bias, norm weights times sqrt(h) (see `_norm`)."""
         attn = block.attn
         H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
         bias = attn.Wqkv.bias
@@ -131,15 +138,16 @@ class FastRunner(ModelRunner):
             )
             extra = torch.cat([qk, qk.new_zeros(Hkv * D)])
             bias = extra if bias is None else bias + extra
+        scale = math.sqrt(h)
         return {
-            "norm": [block.norm_1.weight, block.norm_2.weight, block.norm_3.weight, block.norm_4.weight],
-            "qkv": attn.Wqkv.weight,
+            "norm": [n.weight * scale for n in (block.norm_1, block.norm_2, block.norm_3, block.norm_4)],
+            "qkv": attn.Wqkv.weight.t(),
             "qkv_bias": bias,
-            "proj": attn.proj.weight,
+            "proj": attn.proj.weight.t(),
             "proj_bias": attn.proj.bias,
-            "fc": block.mlp.fc.weight,
+            "fc": block.mlp.fc.weight.t(),
             "fc_bias": block.mlp.fc.bias,
-            "out": block.mlp.proj.weight,
+            "out": block.mlp.proj.weight.t(),
             "out_bias": block.mlp.proj.bias,
         }
 
@@ -147,56 +155,80 @@ class FastRunner(ModelRunner):
     def context(
         self, input_ids: Tensor, attention_mask: Tensor | None, cache: Any, position_ids: Tensor | None = None
     ) -> Step:
-        step = super().context(input_ids, attention_mask, cache, position_ids)
-        step.freqs = self._freq_table[step.ctx.positions].unsqueeze(2)  # [B, T, 1, D/2]
-        return step
+        ctx = self.model.make_context(input_ids, attention_mask, position_ids, cache)
+        return Step(ctx, self._freq_table[ctx.positions].unsqueeze(1))  # [B, 1, T, D/2]
 
     def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
-        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        """RMSNorm in a few operations: x / sqrt(mean(x^2) + eps) * w = x / sqrt(sum(x^2) + h eps) * (sqrt(h) w),
+        with sqrt(h) folded into the stored weight."""
+        if self.dtype != torch.float32:  # statistics in float32, as the model's RMSNorm
+            x32 = x.float()
+            return (x32 * torch.rsqrt((x32 * x32).sum(-1, keepdim=True).add_(self.norm_offset))).to(x.dtype) * weight
+        return x * torch.rsqrt((x * x).sum(-1, keepdim=True).add_(self.norm_offset)) * weight
 
-    def _block(self, x: Tensor, p: dict[str, Any], step: Step, key: tuple) -> Tensor:
-        B, T, _ = x.shape
+    @staticmethod
+    def _linear(x: Tensor, weight_t: Tensor, bias: Tensor | None, residual: Tensor | None = None) -> Tensor:
+        """x @ W^T (+ bias) (+ residual) on 2-D `[N, in]` activations, in one `addmm` when possible."""
+        if residual is not None:
+            out = torch.addmm(residual, x, weight_t)
+            return out if bias is None else out + bias
+        return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
+
+    def _block(self, x: Tensor, p: dict[str, Any], step: Step, key: tuple, B: int, T: int) -> Tensor:
+        """One sandwich block on 2-D activations `x` `[B * T, h]`."""
         H, Hkv, D = self.H, self.Hkv, self.D
         n1, n2, n3, n4 = p["norm"]
-        qkv = F.linear(self._norm(x, n1), p["qkv"], p["qkv_bias"])  # [B, T, (H + 2 Hkv) D]
-        qk = qkv[..., : (H + Hkv) * D].unflatten(-1, (H + Hkv, D // 2, 2))
+        qkv = self._linear(self._norm(x, n1), p["qkv"], p["qkv_bias"])
+        qkv = qkv.view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # [B, H + 2 Hkv, T, D]
+        qk = qkv[:, : H + Hkv]
+        if self.dtype != torch.float32:
+            qk = qk.float()
         # Interleaved RoPE on q and k at once: pairs (x0, x1) as complex numbers times e^{i angle}.
-        qk = torch.view_as_real(torch.view_as_complex(qk.float()) * step.freqs).flatten(-2).to(x.dtype)
-        q, k = qk.split([H, Hkv], dim=2)  # [B, T, H, D], [B, T, Hkv, D]
-        v = qkv[..., (H + Hkv) * D :].view(B, T, Hkv, D)
+        qk = torch.view_as_real(torch.view_as_complex(qk.unflatten(-1, (D // 2, 2))) * step.freqs).flatten(-2)
+        if self.dtype != torch.float32:
+            qk = qk.to(self.dtype)
+        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv :]
         ctx = step.ctx
-        if ctx.cache is not None:
-            k, v = ctx.cache.update_kv(key, k, v, ctx)
+        cache = ctx.cache
+        if cache is not None:
+            if hasattr(cache, "update_heads"):
+                k, v = cache.update_heads(key, k, v)
+            else:
+                k, v = (t.transpose(1, 2) for t in cache.update_kv(key, k.transpose(1, 2), v.transpose(1, 2), ctx))
         att = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=ctx.attn_mask, is_causal=ctx.is_causal, enable_gqa=self.gqa,
+            q, k, v, attn_mask=ctx.attn_mask, is_causal=ctx.is_causal, enable_gqa=self.gqa
         )  # [B, H, T, D]
-        x = self._norm(x + F.linear(att.transpose(1, 2).reshape(B, T, H * D), p["proj"], p["proj_bias"]), n2)
-        gate, up = F.linear(self._norm(x, n3), p["fc"], p["fc_bias"]).chunk(2, dim=-1)
-        return self._norm(x + F.linear(F.silu(gate) * up, p["out"], p["out_bias"]), n4)
+        att = att.transpose(1, 2).reshape(B * T, H * D)
+        x = self._norm(self._linear(att, p["proj"], p["proj_bias"], residual=x), n2)
+        gate, up = self._linear(self._norm(x, n3), p["fc"], p["fc_bias"]).chunk(2, dim=-1)
+        return self._norm(self._linear(F.silu(gate) * up, p["out"], p["out_bias"], residual=x), n4)
 
     def embed(self, input_ids: Tensor, step: Step) -> Tensor:
-        x = F.embedding(input_ids, self.wte) * self.emb_scale
+        B, T = input_ids.shape
+        x = F.embedding(input_ids.reshape(-1), self.wte) * self.emb_scale
         for i, p in enumerate(self.blocks["prelude"]):
-            x = self._block(x, p, step, ("prelude", i))
-        return x
+            x = self._block(x, p, step, ("prelude", i), B, T)
+        return x.view(B, T, -1)
 
     def inject(self, e: Tensor) -> Tensor:
-        return F.linear(e, self.adapter_e, self.adapter_bias)
+        return self._linear(e.flatten(0, 1), self.adapter_e, self.adapter_bias).view(e.shape)  # [B, T, h]
 
     def core_step(self, state: Tensor, injected: Tensor, e: Tensor, index: int, step: Step) -> Tensor:
-        x = torch.addmm(injected.flatten(0, 1), state.flatten(0, 1), self.adapter_s.t()).view_as(state)
+        B, T, h = state.shape
+        x = torch.addmm(injected.reshape(B * T, h), state.reshape(B * T, h), self.adapter_s)
         for j, p in enumerate(self.blocks["core"]):
-            x = self._block(x, p, step, ("core", j, index))
-        return x
+            x = self._block(x, p, step, ("core", j, index), B, T)
+        return x.view(B, T, h)
 
     def predict(self, state: Tensor, step: Step, last_only: bool = False) -> Tensor:
-        x = self._norm(state, self.ln_f)
+        B, T, h = state.shape
+        x = self._norm(state.reshape(B * T, h), self.ln_f)
         for c, p in enumerate(self.blocks["coda"]):
-            x = self._block(x, p, step, ("coda", c))
+            x = self._block(x, p, step, ("coda", c), B, T)
+        x = x.view(B, T, h)
         if last_only:
             x = x[:, -1:]
-        return F.linear(self._norm(x, self.ln_f), self.lm_head).float()
+        return torch.matmul(self._norm(x, self.ln_f), self.lm_head).float()
 
 
 def make_runner(model: Any, fast: bool = True) -> ModelRunner:

@@ -103,8 +103,31 @@ class Session:
             (t for t in (cfg.pad_token_id, cfg.eos_token_id) if t is not None), 0
         )
         self.criterion = ExitCriterion(options.criterion, options.threshold) if options.criterion else None
+        self.teacher = self._teacher(options.teacher_tokens)
         self.stats: dict[str, Any] = {}
         self.prefill_seconds = 0.0
+
+    def _teacher(self, tokens: Any) -> list[list[int]] | None:
+        """Teacher forcing: feed these `[B, >= max_new_tokens]` ids instead of the chosen ones."""
+        if tokens is None:
+            return None
+        tokens = torch.as_tensor(tokens)
+        if tokens.dim() == 1:
+            tokens = tokens[None]
+        n = self.options.max_new_tokens
+        if tokens.dim() != 2 or tokens.shape[0] != self.B or tokens.shape[1] < n:
+            raise ValueError(
+                f"teacher_tokens must have shape [batch={self.B}, >= max_new_tokens={n}], got {tuple(tokens.shape)}"
+            )
+        if tokens.dtype.is_floating_point or bool(((tokens < 0) | (tokens >= self.vocab_size)).any()):
+            raise ValueError(f"teacher_tokens must be token ids in [0, {self.vocab_size})")
+        return tokens[:, :n].tolist()
+
+    def forced(self, row: int, chosen: int) -> int:
+        """The token to commit at a row's next position: the teacher's when teacher forcing."""
+        if self.teacher is None:
+            return chosen
+        return self.teacher[row][self.recorder.count(row)]
 
     # ------------------------------------------------------------------ columns and masks
     def _ensure_columns(self, n: int) -> None:
@@ -151,12 +174,15 @@ class Session:
     # ------------------------------------------------------------------ recording
     def commit(self, row: int, token: int, steps: int, reason: str, logits: Tensor | None,
                cache_bytes: int | None) -> TokenEvent:
-        """Append a token to a row, apply stop rules, and describe it as a stream event."""
+        """Append the chosen token (or the teacher's) to a row, apply stop rules (not under teacher
+        forcing), and describe it as a stream event. The committed token is `event.token`."""
         rec = self.recorder
-        index = rec.add(row, token, steps, reason, logits)
+        prediction = token
+        token = self.forced(row, token)
+        index = rec.add(row, token, steps, reason, logits, prediction)
         if cache_bytes is not None:
             rec.set_bytes(row, cache_bytes)
-        if token in self.stops.ids or self.stops.hits_string(rec.tokens[row]):
+        if self.teacher is None and (token in self.stops.ids or self.stops.hits_string(rec.tokens[row])):
             rec.finish(row, "stop")
         text = decode(self.tokenizer, [token]) if self.tokenizer is not None else None
         return TokenEvent(row=row, index=index, token=token, steps=steps, reason=reason,

@@ -1,0 +1,197 @@
+"""Generation benchmark: speed, compute and agreement of every decoding mode, side by side.
+
+    python benchmarks/generation.py                       # random model of the issue's shape
+    python benchmarks/generation.py --model runs/quickstart/model --num-steps 32
+
+Per mode (batch 1 unless noted): decode tokens/s (best of --repeats, prefill excluded), mean
+recurrence steps per generated token, logical KV-cache MB (and the core's share of it), and
+agreement with fixed-depth greedy decoding at r = --num-steps over --agreement-tokens-long
+continuations of held-out prompts: teacher-forced per-token agreement (the mode's choice at each
+position when fed the fixed-depth continuation) and the free-running matching prefix.
+Without --model, the model is random (h 256, 4 heads, 1/2/1 layers, MLP 704, vocab 2048) and the
+prompts random ids; with --model, prompts are windows of held-out stdlib documents (the
+validation side of the quickstart's document split) unless --prompts-file is given.
+Prints one JSON line, then a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+import recurrent_depth as rd
+from recurrent_depth.inference import generate
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model directory (default: a random model of the issue's shape)")
+    p.add_argument("--num-steps", type=int, default=None,
+                   help="recurrence depth r (default: 16 for the random model, else the config's mean_recurrence)")
+    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens for the speed runs (default: %(default)s)")
+    p.add_argument("--new-tokens", type=int, default=64, help="new tokens per speed run (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="speed runs per mode, best kept (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=8, help="rows of the batched mode (default: %(default)s)")
+    p.add_argument("--draft-steps", type=int, default=None, help="speculative draft depth (default: r // 4)")
+    p.add_argument("--lookahead", type=int, default=8, help="speculative drafts per round (default: %(default)s)")
+    p.add_argument("--inner-steps", type=int, default=4, help="parallel sampler steps per sweep (default: %(default)s)")
+    p.add_argument("--agreement-prompts", type=int, default=4,
+                   help="held-out prompts for agreement (default: %(default)s)")
+    p.add_argument("--agreement-tokens", type=int, default=128,
+                   help="continuation length for agreement (default: %(default)s)")
+    p.add_argument("--prompts-file", default=None, help="one prompt per line (needs --model with a tokenizer)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default: %(default)s; decoding at batch 1 is overhead-bound)")
+    p.add_argument("--seed", type=int, default=0, help="seed for the random model and prompts (default: %(default)s)")
+    p.add_argument("--quick", action="store_true", help="tiny settings for a smoke test")
+    return p.parse_args(argv)
+
+
+def random_model(seed: int) -> rd.RecurrentDepthLM:
+    cfg = rd.ModelConfig(vocab_size=2048, hidden_size=256, num_heads=4, intermediate_size=704, prelude_layers=1,
+                         core_layers=2, coda_layers=1, mean_recurrence=16, max_seq_len=1024)
+    torch.manual_seed(seed)
+    return rd.RecurrentDepthLM(cfg).eval()
+
+
+def heldout_prompts(model_dir: Path, count: int, length: int, prompts_file: str | None) -> list[list[int]]:
+    """Token windows of held-out text: lines of --prompts-file, or validation documents of stdlib."""
+    from recurrent_depth.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    if prompts_file:
+        texts = [line for line in Path(prompts_file).read_text().splitlines() if line.strip()]
+    else:
+        from recurrent_depth.data.corpus import DocumentSplit, load_corpus
+
+        corpus = load_corpus("stdlib")
+        split = DocumentSplit.plan((d.id for d in corpus), val_fraction=0.02, seed=0)
+        texts = [d.text for d in split.select(corpus, "validation")]
+    prompts = []
+    for text in texts:
+        ids = tok.encode(text).ids
+        if len(ids) >= length:
+            prompts.append(ids[:length])
+        if len(prompts) == count:
+            break
+    if not prompts:
+        raise SystemExit("no held-out text long enough for the requested prompt length")
+    return prompts
+
+
+def modes(r: int, draft: int, lookahead: int, inner: int) -> dict[str, dict]:
+    return {
+        "fixed": {},
+        "kl exit": dict(exit_criterion="kl"),
+        "kv budget 4": dict(kv_budget=4),
+        "warm start + kl": dict(warm_start=True, exit_criterion="kl"),
+        "speculative exact": dict(draft_steps=draft, lookahead=lookahead),
+        "parallel": dict(sampler="parallel", inner_steps=inner, exit_criterion="latent-diff"),
+    }
+
+
+def best_of(repeats: int, fn) -> tuple[float, rd.inference.GenerationOutput]:
+    best, out = 0.0, None
+    for _ in range(repeats):
+        result = fn()
+        if result.tokens_per_second > best:
+            best, out = result.tokens_per_second, result
+    return best, out
+
+
+def prefix_length(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.quick:
+        args.prompt_len, args.new_tokens, args.repeats = 16, 8, 1
+        args.agreement_prompts, args.agreement_tokens, args.batch = 2, 8, 2
+    torch.set_num_threads(args.threads)
+    if args.model:
+        model = rd.RecurrentDepthLM.from_pretrained(args.model, dtype=torch.float32).eval()
+        r = args.num_steps or model.config.mean_recurrence
+        needed = max(args.agreement_prompts, args.batch)
+        prompts = heldout_prompts(Path(args.model), needed, args.prompt_len, args.prompts_file)
+    else:
+        model = random_model(args.seed)
+        r = args.num_steps or 16
+        g = torch.Generator().manual_seed(args.seed)
+        n = max(args.agreement_prompts, args.batch)
+        prompts = torch.randint(0, model.config.vocab_size, (n, args.prompt_len), generator=g).tolist()
+    draft = args.draft_steps if args.draft_steps is not None else max(1, r // 4)
+    table = modes(r, draft, args.lookahead, args.inner_steps)
+    common = dict(num_steps=r, init_scale=0.0)  # zero s_0: deterministic, comparable across modes
+
+    single = torch.tensor([prompts[0]])
+    generate(model, single, max_new_tokens=4, **common)  # warm-up
+    results = {}
+    for name, kw in table.items():
+        tps, out = best_of(args.repeats, lambda kw=kw: generate(model, single, max_new_tokens=args.new_tokens,
+                                                                **common, **kw))
+        results[name] = dict(
+            tokens_per_s=round(tps, 2),
+            mean_steps=round(float(out.steps[:, 1:].float().mean()), 3),
+            cache_mb=round(float(out.cache_bytes[0, -1]) / 2**20, 3),
+            core_cache_mb=round(float(out.core_cache_bytes[0]) / 2**20, 3),
+            **{k: v for k, v in out.stats.items() if k in ("acceptance_rate", "tokens_per_sweep")},
+        )
+    batch_ids = torch.tensor(prompts[: args.batch])
+    tps, out = best_of(args.repeats, lambda: generate(model, batch_ids, max_new_tokens=args.new_tokens, **common))
+    results[f"batch of {args.batch}"] = dict(
+        tokens_per_s=round(tps, 2), mean_steps=round(float(out.steps[:, 1:].float().mean()), 3),
+        cache_mb=round(float(out.cache_bytes[:, -1].sum()) / 2**20, 3),
+        core_cache_mb=round(float(out.core_cache_bytes.sum()) / 2**20, 3),
+        speedup_vs_single=round(tps / results["fixed"]["tokens_per_s"], 2),
+    )
+
+    # Agreement with fixed depth r: all prompts in one batch (rows are independent by construction).
+    agree_ids = torch.tensor(prompts[: args.agreement_prompts])
+    n_new = args.agreement_tokens
+    reference = generate(model, agree_ids, max_new_tokens=n_new, **common).token_lists()
+    teacher = torch.tensor(reference)
+    for name, kw in [*table.items(), (f"batch of {args.batch}", {})]:
+        free = generate(model, agree_ids, max_new_tokens=n_new, **common, **kw).token_lists()
+        prefix = sum(prefix_length(a, b) for a, b in zip(free, reference)) / len(reference)
+        forced = None
+        if "draft_steps" not in kw:  # speculative exact mode equals greedy by construction
+            tf = generate(model, agree_ids, max_new_tokens=n_new, teacher_tokens=teacher, **common, **kw)
+            forced = round(float((tf.predictions == teacher).float().mean()), 4)
+        results[name].update(agreement_teacher_forced=forced, free_running_prefix=round(prefix, 1))
+
+    fixed = results["fixed"]["tokens_per_s"]
+    for name, row in results.items():
+        if not name.startswith("batch"):
+            row["speedup_vs_fixed"] = round(row["tokens_per_s"] / fixed, 2)
+    record = dict(
+        benchmark="generation", model=args.model or "random(h256,4h,1/2/1,mlp704,V2048)", num_steps=r,
+        draft_steps=draft, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+        agreement_prompts=len(reference), agreement_tokens=n_new, threads=args.threads,
+        torch=torch.__version__, python=platform.python_version(), machine=platform.machine(), modes=results,
+    )
+    print(json.dumps(record))
+    cols = ["tokens_per_s", "speedup_vs_fixed", "mean_steps", "cache_mb", "core_cache_mb",
+            "agreement_teacher_forced", "free_running_prefix"]
+    print(f"\n{'mode':<20}" + "".join(f"{c:>26}" for c in cols))
+    for name, row in results.items():
+        cells = [row.get(c if not (name.startswith("batch") and c == "speedup_vs_fixed") else "speedup_vs_single")
+                 for c in cols]
+        print(f"{name:<20}" + "".join(f"{'-' if v is None else v!s:>26}" for v in cells))
+    print(f"\nr = {r}, draft {draft}, batch rows {args.batch}; free-running prefix in tokens of {n_new}; "
+          "batch 'speedup' is vs one row at a time")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""`rdepth generate` and the tokenizer-facing parts of generation (stop strings, streaming text)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+import recurrent_depth as rd
+from recurrent_depth.cli import main
+from recurrent_depth.inference import generate
+
+TEXTS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "for i in range(10):\n    print(i)\n",
+    "class Stack:\n    def push(self, x):\n        self.items.append(x)\n",
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny model with its own byte-level BPE tokenizer (trained on a few strings)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|end|>"], show_progress=False)
+    tok.train_from_iterator(TEXTS, trainer)
+    cfg = rd.ModelConfig.from_preset("tiny")
+    cfg.vocab_size = 320
+    torch.manual_seed(0)
+    model = rd.RecurrentDepthLM(cfg)
+    path = tmp_path_factory.mktemp("model")
+    model.save_pretrained(path)
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir):
+    return rd.RecurrentDepthLM.from_pretrained(model_dir).eval(), Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+
+def api_text(loaded, prompt: str, **kw) -> str:
+    model, tok = loaded
+    out = generate(model, tok.encode(prompt).ids, tokenizer=tok, **kw)
+    return tok.decode(out.token_lists()[0])
+
+
+def test_cli_streams_the_same_text_as_the_api(model_dir, loaded, capsys):
+    code = main(["generate", "--model", str(model_dir), "--prompt", "def add", "--max-new-tokens", "8",
+                 "--num-steps", "3", "--init-scale", "0"])
+    assert code == 0
+    captured = capsys.readouterr()
+    expected = api_text(loaded, "def add", max_new_tokens=8, num_steps=3, init_scale=0.0)
+    assert captured.out == "def add" + expected + "\n"
+    assert "tokens=8" in captured.err and "mean_steps=3.0" in captured.err
+    assert "exits: fixed 7, prefill 1" in captured.err
+
+
+def test_cli_json_batch_with_adaptive_exit(model_dir, loaded, capsys):
+    code = main(["generate", "--model", str(model_dir), "--prompt", "for i", "--prompt", "The quick brown",
+                 "--max-new-tokens", "5", "--num-steps", "6", "--exit-criterion", "kl", "--exit-threshold", "0.01",
+                 "--init-scale", "0", "--json"])
+    assert code == 0
+    record = json.loads(capsys.readouterr().out)
+    for prompt, completion, steps in zip(record["prompts"], record["completions"], record["steps"]):
+        assert completion == api_text(loaded, prompt, max_new_tokens=5, num_steps=6, exit_criterion="kl",
+                                      exit_threshold=0.01, init_scale=0.0)
+        assert steps[0] == 6 and all(1 <= s <= 6 for s in steps)
+    assert record["stats"]["mode"] == "autoregressive"
+
+
+@pytest.mark.parametrize("flags", [
+    ["--draft-steps", "1", "--lookahead", "3"],
+    ["--parallel", "--inner-steps", "3"],
+    ["--kv-budget", "2", "--warm-start"],
+    ["--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--min-p", "0.05", "--seed", "3"],
+], ids=["speculative", "parallel", "budget+warm", "sampling"])
+def test_cli_modes_run(model_dir, capsys, flags):
+    code = main(["generate", "--model", str(model_dir), "--prompt", "class", "--max-new-tokens", "4",
+                 "--num-steps", "3", "--no-stream", *flags])
+    assert code == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("class") and "tokens=4" in captured.err
+
+
+def test_cli_bad_arguments_exit_with_a_message(model_dir, capsys):
+    assert main(["generate", "--model", str(model_dir), "--prompt", "x", "--kv-budget", "0"]) == 2
+    assert "kv_budget=0" in capsys.readouterr().err
+    assert main(["generate", "--model", str(model_dir / "missing"), "--prompt", "x"]) == 2
+
+
+def test_cli_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = capsys.readouterr().out
+    assert "--exit-criterion" in text and "(default: 64)" in text and "--draft-steps" in text
+
+
+def test_stop_strings_end_a_row(loaded):
+    model, tok = loaded
+    kw = dict(max_new_tokens=12, num_steps=3, init_scale=0.0)
+    ids = tok.encode("def add").ids
+    free = generate(model, ids, **kw).token_lists()[0]
+    text = tok.decode(free)
+    target = text[len(text) // 2 : len(text) // 2 + 2]
+    out = generate(model, ids, stop=[target], tokenizer=tok, **kw)
+    tokens = out.token_lists()[0]
+    assert tokens == free[: len(tokens)] and out.finish_reasons == ["stop"]
+    assert target in tok.decode(tokens) and target not in tok.decode(tokens[:-1])
+
+
+def test_stream_events_carry_text(loaded):
+    from recurrent_depth.inference import stream_generate
+
+    model, tok = loaded
+    stream = stream_generate(model, tok.encode("for").ids, max_new_tokens=5, num_steps=2, tokenizer=tok)
+    events = list(stream)
+    assert [e.text for e in events] == [tok.decode([t]) for t in stream.output.token_lists()[0]]

@@ -1,6 +1,7 @@
 """Softmax attention as in Huginn: fused Wqkv, per-head q/k bias before interleaved RoPE, causal SDPA.
 
-Grouped-query attention (`num_kv_heads < num_heads`) and an optional sliding window are supported.
+Grouped-query attention (`num_kv_heads < num_heads`; the config's value, or the mixer option
+`num_kv_heads`, 1 = multi-query) and an optional sliding window are supported.
 With `num_kv_heads == num_heads` the q/k bias is the checkpoint's single `qk_bias` [2, 1, H, D];
 with GQA the two biases have different head counts and are stored as `q_bias` / `k_bias`.
 """
@@ -18,12 +19,22 @@ from recurrent_depth.model.mixers.base import LayerKey, MixerContext, register_m
 
 @register_mixer("attention")
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, part: str = "core", window: int | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, part: str = "core", window: int | None = None, num_kv_heads: int | None = None
+    ) -> None:
         super().__init__()
         if window is not None and (not isinstance(window, int) or window < 1):
             raise ValueError(f"attention window={window!r} is invalid: expected None or an integer >= 1")
+        if num_kv_heads is not None and (
+            isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1
+            or config.num_heads % num_kv_heads
+        ):
+            raise ValueError(
+                f"attention num_kv_heads={num_kv_heads!r} is invalid: expected None (the config's "
+                f"{config.num_kv_heads}) or a divisor of num_heads={config.num_heads} (1 = multi-query attention)"
+            )
         self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.num_kv_heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
         self.head_dim = config.head_dim
         self.window = window
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
@@ -68,6 +79,10 @@ class Attention(nn.Module):
             attn_mask=mask, is_causal=is_causal, enable_gqa=self.num_kv_heads != self.num_heads,
         )
         return self.proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+    def state_nbytes(self, batch: int, seq_len: int, dtype: torch.dtype = torch.float32) -> int:
+        """KV cache of one layer after `seq_len` tokens: 2 * Hkv * D elements per token."""
+        return 2 * batch * seq_len * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def window_mask(ctx: MixerContext, kv_len: int, window: int) -> Tensor:

@@ -8,13 +8,14 @@ one entry per (layer, step). Output projections are named `proj` so the Takase i
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor, nn
 
-from recurrent_depth.config import ModelConfig
+from recurrent_depth.config import MODEL_PARTS, ModelConfig
 from recurrent_depth.model.layers import rope_table
 
 LayerKey = tuple  # ("prelude", i) | ("core", j, step) | ("coda", c)
@@ -72,9 +73,43 @@ def available_mixers() -> list[str]:
 
 
 def build_mixer(name: str, config: ModelConfig, part: str, **options: Any) -> nn.Module:
-    """Construct mixer `name` for a block of `part` ("prelude" / "core" / "coda")."""
+    """Construct mixer `name` for a block of `part` ("prelude" / "core" / "coda").
+
+    `options` (from `ModelConfig.mixer_options`) may be flat keyword arguments, given to every
+    mixer, or scoped: a dict under a mixer's name or a part's name applies only there, e.g.
+    `{"gated_deltanet": {"conv_size": 4}, "prelude": {"window": 64}}`. Options the mixer does not
+    accept raise a ValueError that lists the ones it does.
+    """
     if name not in _MIXERS:
         raise ValueError(f"unknown mixer {name!r} for the {part}; available: {available_mixers()}")
-    return _MIXERS[name](config, part=part, **options)
+    factory = _MIXERS[name]
+    options = scoped_options(name, part, options)
+    accepted = _accepted_options(factory)
+    unknown = sorted(set(options) - accepted) if accepted is not None else []
+    if unknown:
+        raise ValueError(
+            f"mixer_options {unknown} are not options of mixer {name!r} (used in the {part}); it accepts "
+            f"{sorted(accepted)}. Scope options to one mixer or part, e.g. mixer_options={{{name!r}: {{...}}}}"
+        )
+    return factory(config, part=part, **options)
 
 
+def scoped_options(name: str, part: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Flat options plus those scoped under `name` and then under `part` (later ones win).
+
+    A key is a scope when it names a registered mixer or a part and its value is a dict.
+    """
+    scopes = set(_MIXERS) | set(MODEL_PARTS)
+    out = {k: v for k, v in options.items() if not (k in scopes and isinstance(v, dict))}
+    for scope in (name, part):
+        if isinstance(options.get(scope), dict):
+            out.update(options[scope])
+    return out
+
+
+def _accepted_options(factory: MixerFactory) -> set[str] | None:
+    """Named keyword parameters of a factory (None when it takes **kwargs and checks them itself)."""
+    params = inspect.signature(factory).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None
+    return {n for n, p in params.items() if n not in ("config", "part") and p.kind is not p.VAR_POSITIONAL}

@@ -1,6 +1,17 @@
 """Token mixers: one interface (`base.py`), one file per mixer, a registry that builds them by name."""
 
-from recurrent_depth.model.mixers import attention  # noqa: F401  (registers "attention")
+# Importing a mixer module registers its names.
+from recurrent_depth.model.mixers import (  # noqa: F401
+    attention,
+    deltanet,
+    dsa,
+    gla,
+    hydra,
+    linear_attention,
+    log_linear,
+    mla,
+    nsa,
+)
 from recurrent_depth.model.mixers.base import (
     LayerKey,
     MixerContext,

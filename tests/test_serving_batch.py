@@ -1,0 +1,248 @@
+"""The serving pieces without HTTP: the continuous batch equals `generate` alone for every row,
+whatever joins and leaves around it; prompt scores equal a full forward; text and stop strings;
+request validation; the engine's solo path for models the batch does not take.
+
+Tolerance: log-probabilities of one computation at different batch shapes differ by float32
+rounding only (observed <= 1e-6); we allow 1e-4. Tokens, steps and exit reasons match exactly.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import recurrent_depth as rd
+from recurrent_depth.data.tokenizer import save_tokenizer, train_tokenizer
+from recurrent_depth.inference import generate
+from recurrent_depth.inference.options import GenerationOptions
+from recurrent_depth.serving.batch import BatchDecoder, RowRequest
+from recurrent_depth.serving.engine import Done, Engine, Job, TokenOut
+from recurrent_depth.serving.protocol import APIError, Limits, parse_chat, parse_completion
+from recurrent_depth.serving.text import IncrementalDecoder, TextCodec, TextState
+
+TOL = 1e-4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model() -> rd.RecurrentDepthLM:
+    torch.manual_seed(1234)
+    return rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval()
+
+
+MODES = {
+    "fixed-6": dict(num_steps=6),
+    "fixed-3": dict(num_steps=3),
+    "zero-steps": dict(num_steps=0),
+    "kl": dict(num_steps=6, exit_criterion="kl", exit_threshold=1e-2),
+    "entropy-min-max": dict(num_steps=6, exit_criterion="entropy-diff", min_steps=2, max_steps=9),
+    "latent": dict(num_steps=5, exit_criterion="latent-diff", exit_threshold=0.1),
+    "argmax": dict(num_steps=7, exit_criterion="argmax-stability", exit_threshold=2, repetition_penalty=1.5),
+    "budget-2-kl": dict(num_steps=6, kv_budget=2, exit_criterion="kl", exit_threshold=1e-2),
+    "budget-4": dict(num_steps=6, kv_budget=4),
+    "warm-cosine": dict(num_steps=6, warm_start=True, exit_criterion="cosine", exit_threshold=5e-3),
+    "sampled-random-s0": dict(num_steps=4, do_sample=True, temperature=0.8, top_k=40, top_p=0.9, init_scale=1.0),
+    "sampled-kl": dict(num_steps=5, do_sample=True, min_p=0.01, exit_criterion="kl", exit_threshold=1e-2),
+}
+
+
+def run_schedule(model, jobs, joins_per_tick: int, max_rows: int):
+    """Feed jobs (prompt, options kwargs, seed) to a BatchDecoder, `joins_per_tick` at a time,
+    removing each row when it has its tokens. Returns each job's TokenResults."""
+    dec = BatchDecoder(model, max_rows=max_rows)
+    pending = list(range(len(jobs)))
+    out: dict[int, list] = {}
+    ticks = 0
+    while pending or len(dec):
+        for _ in range(joins_per_tick):
+            if pending and len(dec) < max_rows:
+                j = pending.pop(0)
+                prompt, kw, seed = jobs[j]
+                opts = GenerationOptions(**kw).validate(model.config.mean_recurrence)
+                seq, first, _ = dec.add(RowRequest(prompt, opts, seed, top_logprobs=3), tag=j)
+                out[j] = [first]
+                if len(out[j]) >= kw["max_new_tokens"]:
+                    dec.remove(seq)
+        for seq, result in zip(list(dec.rows), dec.step()):
+            out[seq.tag].append(result)
+            if len(out[seq.tag]) >= jobs[seq.tag][1]["max_new_tokens"]:
+                dec.remove(seq)
+        ticks += 1
+    return out, ticks
+
+
+@pytest.mark.parametrize("joins,max_rows", [(1, 4), (3, 8), (12, 12)],
+                         ids=["trickle-4rows", "bursts-8rows", "all-at-once"])
+def test_continuous_batch_equals_each_request_alone(model, joins, max_rows):
+    g = torch.Generator().manual_seed(7)
+    jobs = []
+    for j, mode in enumerate(MODES.values()):
+        prompt = torch.randint(0, 256, (3 + (5 * j) % 11,), generator=g).tolist()
+        kw = dict(max_new_tokens=3 + (7 * j) % 8, init_scale=0.0)
+        kw.update(mode)
+        jobs.append((prompt, kw, 100 + j))
+    out, ticks = run_schedule(model, jobs, joins, max_rows)
+    assert ticks < sum(kw["max_new_tokens"] for _, kw, _ in jobs)  # rows really were batched
+    for j, (prompt, kw, seed) in enumerate(jobs):
+        alone = generate(model, torch.tensor(prompt), seed=seed, output_logits=True, **kw)
+        tokens = alone.token_lists()[0]
+        mine = out[j]
+        name = list(MODES)[j]
+        assert [r.token for r in mine] == tokens, name
+        assert [r.steps for r in mine] == alone.steps[0, : len(tokens)].tolist(), name
+        assert [r.reason for r in mine] == alone.exit_reasons[0], name
+        logp = torch.log_softmax(alone.logits[0], -1)
+        want = logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor([r.logprob for r in mine]), want, rtol=0, atol=TOL)
+        top = logp.topk(3, dim=-1)
+        for r, ids, values in zip(mine, top.indices.tolist(), top.values):
+            torch.testing.assert_close(torch.tensor([v for _, v in r.top]), values, rtol=0, atol=TOL)
+            assert [i for i, _ in r.top] == ids
+
+
+def test_adaptive_rows_exit_at_their_own_depth(model):
+    """In one batch, rows with and without an exit criterion use different numbers of steps."""
+    opts_fixed = GenerationOptions(max_new_tokens=6, num_steps=8, init_scale=0.0).validate(4)
+    opts_exit = GenerationOptions(max_new_tokens=6, num_steps=8, exit_criterion="kl", exit_threshold=0.5,
+                                  init_scale=0.0).validate(4)
+    dec = BatchDecoder(model, 4)
+    dec.add(RowRequest([1, 2, 3], opts_fixed, 0))
+    dec.add(RowRequest([4, 5, 6, 7], opts_exit, 0))
+    steps = [[r.steps for r in dec.step()] for _ in range(5)]
+    assert all(row[0] == 8 for row in steps)
+    assert all(row[1] < 8 for row in steps)
+
+
+def test_prompt_scores_equal_a_full_forward_and_zero_new_tokens_keeps_no_row(model):
+    prompt = [5, 17, 99, 3, 250, 42, 8]
+    opts = GenerationOptions(max_new_tokens=0, num_steps=5, init_scale=0.0).validate(4)
+    dec = BatchDecoder(model, 2)
+    seq, first, scores = dec.add(RowRequest(prompt, opts, 0, top_logprobs=2, prompt_logprobs=True))
+    assert seq is None and first is None and len(dec) == 0
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt]), num_steps=5, init_scale=0.0).logits[0], -1)
+    want = logp[:-1].gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    assert scores.logprobs[0] is None and scores.top[0] is None
+    torch.testing.assert_close(torch.tensor(scores.logprobs[1:]), want, rtol=0, atol=TOL)
+    assert [t[0][0] for t in scores.top[1:]] == logp[:-1].argmax(-1).tolist()
+
+
+# ---------------------------------------------------------------------------------------- text
+@pytest.fixture(scope="module")
+def codec(tmp_path_factory) -> TextCodec:
+    out = tmp_path_factory.mktemp("tok")
+    save_tokenizer(train_tokenizer(["héllo wörld 🙂 def add(a, b): return a + b\n"] * 8, 300), out)
+    return TextCodec(out, 300)
+
+
+def test_incremental_decoding_equals_decoding_everything(codec):
+    ids = codec.encode("héllo 🙂 wörld, def add", add_special_tokens=True)
+    dec = IncrementalDecoder(codec)
+    pieces = [dec.push(t) for t in ids]
+    assert "".join(pieces) + dec.flush() == codec.decode(ids)
+    assert all("\ufffd" not in p for p in pieces)  # split UTF-8 sequences are held back, never emitted broken
+
+
+@pytest.mark.parametrize("stop,text,emitted", [
+    (["b):"], "def add(a, b): return", "def add(a, "),
+    (["🙂"], "héllo 🙂 wörld", "héllo "),
+    (["zz"], "héllo wörld", "héllo wörld"),
+    (["ld", "wö"], "héllo wörld", "héllo "),
+], ids=["ascii-across-tokens", "emoji", "no-hit", "earliest-of-two"])
+def test_stop_strings_cut_the_text_before_the_stop(codec, stop, text, emitted):
+    state = TextState(codec, stop)
+    shown, hit = "", False
+    for t in codec.encode(text, add_special_tokens=False):
+        piece, hit = state.push(t)
+        shown += piece
+        if hit:
+            break
+    if not hit:
+        shown += state.flush()
+    assert shown == emitted and hit == (emitted != text)
+
+
+def test_token_strings_are_distinct_for_partial_utf8(codec):
+    ids = codec.encode("🙂", add_special_tokens=False)
+    strings = [codec.token_string(t) for t in ids]
+    assert b"".join(codec.token_bytes(t) for t in ids) == "🙂".encode()
+    assert len(set(strings)) == len(ids)
+
+
+# ---------------------------------------------------------------------------------------- validation
+LIMITS = Limits(max_seq_len=256, mean_recurrence=4, vocab_size=300, max_num_steps=64)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "num_steps": 65}, "num_steps"),
+    ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "x", "kv_budget": "2"}, "kv_budget"),
+    ({"prompt": "x", "exit_criterion": "kl", "exit_threshold": "low"}, "exit_threshold"),
+    ({"prompt": "x", "logit_bias": {"1": 1}}, "logit_bias"),
+    ({"prompt": [1, 2, 300]}, "prompt"),
+], ids=["depth-over-server-limit", "bool-is-not-int", "string-budget", "string-threshold", "logit-bias", "vocab"])
+def test_validation_names_the_field(body, param):
+    with pytest.raises(APIError) as info:
+        parse_completion(body, LIMITS, {"m"}, eos_configured=False)
+    assert info.value.status == 400 and info.value.param == param and param in info.value.message
+
+
+def test_validation_accepts_the_documented_extra_fields():
+    req = parse_completion({"prompt": [[1, 2], [3]], "n": 2, "num_steps": 8, "exit_criterion": "kl",
+                            "exit_threshold": 1e-3, "kv_budget": 4, "warm_start": True, "top_k": -1,
+                            "user": "u", "stream_options": {"include_usage": True}}, LIMITS, {"m"}, False)
+    assert len(req.prompts) == 2 and req.sampling.n == 2
+    opts = req.sampling.options(2, 16, LIMITS)
+    assert (opts.num_steps, opts.exit_criterion, opts.kv_budget, opts.warm_start, opts.top_k) == (8, "kl", 4, True,
+                                                                                                  None)
+    chat = parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                  {"type": "text", "text": "b"}]}]},
+                      LIMITS, {"m"}, False)
+    assert chat.messages == [{"role": "user", "content": "ab"}]
+    with pytest.raises(APIError) as info:
+        req.sampling.options(250, 16, LIMITS)
+    assert info.value.code == "context_length_exceeded"
+
+
+# ---------------------------------------------------------------------------------------- engine solo path
+def test_engine_serves_models_the_batch_does_not_take_through_generate(tmp_path):
+    """A model with a linear-attention core runs each request as its own generate session."""
+    torch.manual_seed(3)
+    cfg = rd.ModelConfig.from_preset("tiny", mixer={"prelude": "attention", "core": "linear_attention",
+                                                    "coda": "attention"})
+    model = rd.RecurrentDepthLM(cfg).eval()
+    assert not BatchDecoder.supports(model)
+    engine = Engine(model, max_batch=4)
+    engine.start()
+    try:
+        codec = TextCodec(None, cfg.vocab_size)
+        prompts = [[1, 2, 3], [9, 8, 7, 6, 5]]
+        events: dict[int, list] = {0: [], 1: []}
+        done = threading.Event()
+
+        def sink(event):
+            events[event.index].append(event)
+            if sum(isinstance(e, Done) for es in events.values() for e in es) == len(prompts):
+                done.set()
+
+        opts = GenerationOptions(max_new_tokens=5, num_steps=3, init_scale=0.0).validate(4)
+        jobs = [Job(RowRequest(p, opts, 0), 5, frozenset(), TextState(codec, []), sink, time.monotonic() + 60,
+                    index=i, generation_kwargs=dict(num_steps=3, init_scale=0.0, max_new_tokens=5))
+                for i, p in enumerate(prompts)]
+        engine.submit(jobs)
+        assert done.wait(60)
+    finally:
+        engine.stop()
+    for i, p in enumerate(prompts):
+        alone = generate(model, torch.tensor(p), max_new_tokens=5, num_steps=3, init_scale=0.0)
+        assert [e.token for e in events[i] if isinstance(e, TokenOut)] == alone.token_lists()[0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -37,14 +39,21 @@ class GatedMLP(nn.Module):
         return self.proj(F.silu(gate) * up)
 
 
-def rope_table(head_dim: int, max_len: int, base: float, device: torch.device | None = None) -> Tensor:
+def rope_table(head_dim: int, max_len: int, base: float, device: torch.device | str | None = None) -> Tensor:
     """(cos, sin) of angle pos * base^(-2i/d) for interleaved pairs: [max_len, head_dim/2, 2], fp32.
 
     Computed in float32 exactly as the official implementation does, so angles match it bit for bit.
+    Tables are cached per (dim, length, base, device): decoding reads them once per token per layer.
     """
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv_freq)
-    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+    return _rope_table(head_dim, max_len, float(base), str(torch.device(device or "cpu")))
+
+
+@functools.lru_cache(maxsize=16)
+def _rope_table(head_dim: int, max_len: int, base: float, device: str) -> Tensor:
+    with torch.inference_mode(False), torch.no_grad():
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+        angles = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv_freq)
+        return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

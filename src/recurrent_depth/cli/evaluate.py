@@ -1,0 +1,87 @@
+"""`rdepth eval`: quality against test-time depth (held-out text, reasoning tasks, lm-eval tasks).
+
+    rdepth eval --model runs/quickstart/model --depths 1,2,4,8,16,32
+    rdepth eval --model runs/chains/model --data none --reasoning chains --difficulties 1,2,4,6,8,10,12
+    rdepth eval --model DIR --data none --lm-eval-tasks rd_chains_mc --fewshot 0,1,4 --baseline BASE_DIR
+
+Writes `<out>/results.json` and figures: bits per byte against depth (with saturation marked
+and the baseline as a line, as the paper's figure 7), per-task accuracy against depth, accuracy
+against depth per few-shot count (figure 9), and accuracy against difficulty per depth for
+reasoning tasks (depth extrapolation).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from recurrent_depth.cli.common import add_device_args, add_model_arg, add_out_arg, add_seed_arg
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def _name_list(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "eval", help="perplexity / bits per byte and task accuracy against test-time depth",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_model_arg(parser)
+    add_out_arg(parser, "runs/eval")
+    add_seed_arg(parser)
+    add_device_args(parser)
+    parser.add_argument("--depths", type=_int_list, default=[1, 2, 4, 8, 16, 32],
+                        help="test-time recurrences to evaluate (default: 1,2,4,8,16,32)")
+    parser.add_argument("--data", default="stdlib",
+                        help="held-out text: 'stdlib', a directory, a .jsonl file, or 'none' to skip (default: stdlib)")
+    parser.add_argument("--val-fraction", type=float, default=0.02,
+                        help="fraction of documents on the validation side of the split (default: 0.02)")
+    parser.add_argument("--split-seed", type=int, default=0,
+                        help="seed of the document split, as used in training (default: 0)")
+    parser.add_argument("--max-docs", type=int, default=32, help="held-out documents to score (default: 32)")
+    parser.add_argument("--max-tokens", type=int, default=20_000, help="tokens to score at most (default: 20000)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="scoring window in tokens (default: the model's max_seq_len)")
+    parser.add_argument("--reasoning", type=_name_list, default=[],
+                        help="reasoning tasks generated in code, e.g. chains,addition (default: none)")
+    parser.add_argument("--difficulties", type=_int_list, default=None,
+                        help="difficulties of the reasoning tasks (default: the 9 easiest)")
+    parser.add_argument("--count", type=int, default=100, help="problems per difficulty (default: 100)")
+    parser.add_argument("--lm-eval-tasks", type=_name_list, default=[],
+                        help="lm-eval tasks, the shipped offline rd_* ones included (default: none)")
+    parser.add_argument("--fewshot", type=_int_list, default=[0],
+                        help="few-shot counts for the lm-eval tasks; several give figure 9 (default: 0)")
+    parser.add_argument("--limit", type=int, default=None, help="lm-eval examples per task (default: all)")
+    parser.add_argument("--baseline", default=None, metavar="DIR",
+                        help="a baseline model (e.g. non-recurrent), evaluated at its own depth (default: none)")
+    parser.add_argument("--baseline-depth", type=int, default=None,
+                        help="depth of the baseline (default: its config's mean_recurrence)")
+    parser.add_argument("--init-scale", type=float, default=None,
+                        help="scale of the random initial state, 0 = zeros (default: the model config's)")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default: 8)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from recurrent_depth.evaluation.depth_eval import EvalConfig, evaluate_depths
+
+    config = EvalConfig(
+        model=args.model, depths=args.depths, out=args.out, data=None if args.data == "none" else args.data,
+        val_fraction=args.val_fraction, split_seed=args.split_seed, max_docs=args.max_docs,
+        max_tokens=args.max_tokens, seq_len=args.seq_len, reasoning_tasks=args.reasoning,
+        difficulties=args.difficulties, count=args.count, lm_eval_tasks=args.lm_eval_tasks, fewshot=args.fewshot,
+        limit=args.limit, baseline=args.baseline, baseline_depth=args.baseline_depth, init_scale=args.init_scale,
+        seed=args.seed, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
+    )
+    evaluate_depths(config)
+    return 0

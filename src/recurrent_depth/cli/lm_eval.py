@@ -1,0 +1,81 @@
+"""`rdepth lm-eval ...`: lm-evaluation-harness's own CLI, in a process that knows recurrent-depth models.
+
+    rdepth lm-eval run --model recurrent-depth --model_args pretrained=DIR,num_steps=16 --tasks rd_chains_mc
+    rdepth lm-eval run --model hf --model_args pretrained=DIR,mean_recurrence=32 --tasks rd_stdlib_bpb
+    rdepth lm-eval ls tasks
+
+Every argument goes to lm-eval unchanged (lm-eval has no plugin entry point, so this wrapper
+imports `recurrent_depth` first: that registers the ``recurrent-depth`` backend and our model types
+with transformers' Auto classes, so ``--model hf`` loads our checkpoints and Huginn-0125 too).
+Two conveniences: the shipped offline tasks (``rd_*``) are added to ``--include_path``, and
+``--device cpu`` is added when no device is given and CUDA is absent (lm-eval defaults to cuda:0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+LM_EVAL_SUBCOMMANDS = ("run", "ls", "validate")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "lm-eval",
+        help="run lm-evaluation-harness with the recurrent-depth backend and offline rd_* tasks available",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=False,
+    )
+    parser.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="arguments for lm-eval (see lm-eval --help)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_passthrough(list(args.lm_eval_args))
+
+
+def prepare_argv(argv: list[str], cuda_available: bool) -> list[str]:
+    """Add our task directory to --include_path and a CPU device when needed (see the module docstring)."""
+    from recurrent_depth.evaluation.tasks import TASKS_DIR
+
+    argv = list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        return argv
+    command = argv[0] if argv[0] in LM_EVAL_SUBCOMMANDS else "run"
+    for i, arg in enumerate(argv):
+        if arg == "--include_path" and i + 1 < len(argv):
+            argv[i + 1] = f"{argv[i + 1]}:{TASKS_DIR}"
+            break
+        if arg.startswith("--include_path="):
+            argv[i] = f"{arg}:{TASKS_DIR}"
+            break
+    else:
+        argv += ["--include_path", str(TASKS_DIR)]
+    has_device = any(a == "--device" or a.startswith("--device=") for a in argv)
+    if command == "run" and not has_device and not cuda_available:
+        argv += ["--device", "cpu"]
+    return argv
+
+
+def run_passthrough(argv: list[str]) -> int:
+    """Import recurrent_depth (registering everything), then run lm-eval's CLI main with `argv`."""
+    import recurrent_depth  # noqa: F401
+    import recurrent_depth.integrations  # noqa: F401  (Auto classes + the lm-eval backend, lazily)
+
+    try:
+        from lm_eval.__main__ import cli_evaluate
+    except ImportError as exc:
+        print(f"rdepth lm-eval: lm-eval is not installed ({exc}); pip install 'lm-eval[hf]'", file=sys.stderr)
+        return 2
+    import torch
+
+    saved = sys.argv
+    sys.argv = ["lm-eval", *prepare_argv(argv, torch.cuda.is_available())]
+    try:
+        cli_evaluate()
+    except SystemExit as exc:  # argparse and lm-eval exit with a code
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv = saved
+    return 0

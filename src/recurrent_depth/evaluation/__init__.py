@@ -1,0 +1,1 @@
+"""Evaluation: quality against depth, synthetic reasoning tasks, the lm-evaluation-harness backend."""

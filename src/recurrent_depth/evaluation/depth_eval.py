@@ -1,0 +1,222 @@
+"""`rdepth eval` as a function: quality against test-time depth, with a non-recurrent baseline beside it.
+
+    results = evaluate_depths(EvalConfig(model="runs/quickstart/model", depths=[1, 2, 4, 8, 16, 32]))
+
+Three kinds of measurement, each at every depth in `depths`:
+
+1. held-out text: loss, perplexity, bits per byte (`quality.text_quality`), default the
+   embedded corpus's validation documents;
+2. reasoning tasks generated in code (`reasoning_tasks`, e.g. ``chains``): exact-match accuracy
+   per difficulty (`reasoning.accuracy_grid`);
+3. any lm-eval task (`lm_eval_tasks`, the shipped offline ``rd_*`` ones included), through the
+   ``recurrent-depth`` backend, optionally for several few-shot counts (the paper's figure 9).
+
+A baseline model (`baseline`, e.g. a non-recurrent twin trained at fixed depth 1) is evaluated
+once, at its own depth, and drawn as a horizontal line. Writes `results.json` and PNG figures.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recurrent_depth.evaluation.readout import check_depths
+
+
+@dataclass
+class EvalConfig:
+    model: str
+    depths: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    out: str = "runs/eval"
+    data: str | None = "stdlib"  # None: skip the text measurement
+    val_fraction: float = 0.02
+    split_seed: int = 0
+    max_docs: int = 32
+    max_tokens: int = 20_000
+    seq_len: int | None = None
+    reasoning_tasks: list[str] = field(default_factory=list)
+    difficulties: list[int] | None = None
+    count: int = 100
+    lm_eval_tasks: list[str] = field(default_factory=list)
+    fewshot: list[int] = field(default_factory=lambda: [0])
+    limit: int | None = None
+    baseline: str | None = None
+    baseline_depth: int | None = None
+    init_scale: float | None = None
+    seed: int = 0
+    batch_size: int = 8
+    device: str = "cpu"
+    dtype: str | None = None
+
+    def validate(self) -> EvalConfig:
+        self.depths = check_depths(self.depths, "depths")
+        for name in ("max_docs", "max_tokens", "count", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} is invalid: expected an integer >= 1")
+        if not 0 < self.val_fraction < 1:
+            raise ValueError(f"val_fraction={self.val_fraction!r} is invalid: expected a number in (0, 1)")
+        if not self.fewshot or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in self.fewshot):
+            raise ValueError(f"fewshot={self.fewshot!r} is invalid: expected a list of integers >= 0")
+        if self.init_scale is not None and self.init_scale < 0:
+            raise ValueError(f"init_scale={self.init_scale!r} is invalid: expected a number >= 0")
+        if self.data is None and not self.reasoning_tasks and not self.lm_eval_tasks:
+            raise ValueError("nothing to evaluate: give data, reasoning_tasks or lm_eval_tasks")
+        return self
+
+
+def _load(path: str, device: str, dtype: str | None):
+    from transformers import AutoTokenizer
+
+    from recurrent_depth.checkpoint import load_pretrained
+
+    model = load_pretrained(path, dtype=dtype, device=device)
+    tokenizer = AutoTokenizer.from_pretrained(path) if (Path(path) / "tokenizer.json").is_file() else None
+    return model, tokenizer
+
+
+def _documents(config: EvalConfig):
+    from recurrent_depth.data.corpus import DocumentSplit, load_corpus
+
+    corpus = load_corpus(config.data)
+    split = DocumentSplit.plan(corpus.ids(), config.val_fraction, seed=config.split_seed)
+    for doc in itertools.islice(split.select(corpus, "validation"), config.max_docs):
+        yield doc.text
+
+
+def _text_quality(model, tokenizer, config: EvalConfig, depths: list[int]) -> dict[str, Any]:
+    from recurrent_depth.evaluation.quality import TextCodec, text_quality
+
+    if tokenizer is None:
+        raise ValueError(f"{config.model} has no tokenizer.json: text measurements need the model's tokenizer")
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else model.config.bos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    if bos is None:
+        raise ValueError("the tokenizer has no bos token (<|begin_text|>); text scores need one")
+    result = text_quality(
+        model, _documents(config), TextCodec(tokenizer), depths, bos, pad, seq_len=config.seq_len,
+        max_tokens=config.max_tokens, batch_size=config.batch_size, init_scale=config.init_scale, seed=config.seed,
+    )
+    return result.to_dict()
+
+
+def _reasoning(model, config: EvalConfig, task_name: str, depths: list[int]) -> dict[str, Any]:
+    from recurrent_depth.evaluation.reasoning.data import ProblemEncoder
+    from recurrent_depth.evaluation.reasoning.tasks import get_task
+
+    if model.config.vocab_size < 288:
+        raise ValueError("reasoning tasks need a model trained on them (byte tokenizer, vocabulary >= 288)")
+    from recurrent_depth.evaluation.reasoning.evaluate import accuracy_grid
+
+    task = get_task(task_name)
+    difficulties = config.difficulties or list(range(task.min_difficulty, task.min_difficulty + 9))
+    grid = accuracy_grid(model, task, difficulties, depths, count=config.count, seed=config.seed + 1,
+                         encoder=ProblemEncoder(), init_scale=config.init_scale)
+    return grid.to_dict() | {"table": grid.table()}
+
+
+def _lm_eval(path: str, config: EvalConfig, depths: list[int], fewshot: int) -> dict[int, dict[str, float]]:
+    """task/metric -> {depth: value} for one few-shot count, one backend instance reused across depths."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from recurrent_depth.evaluation.lm_eval_backend import RecurrentDepthEvalLM
+    from recurrent_depth.evaluation.tasks import TASKS_DIR
+
+    lm = RecurrentDepthEvalLM(pretrained=path, device=config.device, batch_size=config.batch_size,
+                              init_scale=config.init_scale, seed=config.seed,
+                              dtype=config.dtype or "auto")
+    manager = TaskManager(include_path=str(TASKS_DIR))
+    curves: dict[str, dict[int, float]] = {}
+    for depth in depths:
+        lm.depth = depth
+        out = lm_eval.simple_evaluate(model=lm, tasks=list(config.lm_eval_tasks), num_fewshot=fewshot,
+                                      limit=config.limit, task_manager=manager, random_seed=config.seed,
+                                      numpy_random_seed=config.seed, torch_random_seed=config.seed,
+                                      fewshot_random_seed=config.seed)
+        for task, metrics in out["results"].items():
+            for key, value in metrics.items():
+                if isinstance(value, int | float) and "stderr" not in key and not key.startswith("sample_len"):
+                    curves.setdefault(f"{task}/{key.split(',')[0]}", {})[depth] = float(value)
+    return curves
+
+
+def evaluate_depths(config: EvalConfig, log: Any = print) -> dict[str, Any]:
+    """Run every measurement of `config`, write results.json and the figures, return the results."""
+    from recurrent_depth.evaluation import plots
+
+    config.validate()
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    model, tokenizer = _load(config.model, config.device, config.dtype)
+    depths = config.depths
+    results: dict[str, Any] = {"config": asdict(config), "model_mean_recurrence": model.config.mean_recurrence}
+    baseline = None
+    if config.baseline is not None:
+        baseline, baseline_tok = _load(config.baseline, config.device, config.dtype)
+        base_depth = config.baseline_depth if config.baseline_depth is not None else baseline.config.mean_recurrence
+        results["baseline"] = {"model": config.baseline, "depth": base_depth}
+
+    if config.data is not None:
+        log(f"text: scoring {config.data} held-out documents at depths {depths}")
+        text = _text_quality(model, tokenizer, config, depths)
+        results["text"] = text
+        curves = {"recurrent model": {int(d): v["bits_per_byte"] for d, v in text["by_depth"].items()}}
+        lines = {}
+        if baseline is not None:
+            base = _text_quality(baseline, baseline_tok, config, [results["baseline"]["depth"]])
+            results["baseline"]["text"] = base
+            lines[f"baseline (r={results['baseline']['depth']})"] = next(iter(base["by_depth"].values()))[
+                "bits_per_byte"]
+        plots.plot_metric_vs_depth(curves, out / "bits_per_byte_vs_depth.png", "bits per byte",
+                                   "held-out text vs test-time depth", higher_is_better=False, baselines=lines)
+        for d in depths:
+            row = text["by_depth"][str(d)]
+            log(f"  r={d:<4} loss {row['loss']:.4f}  ppl {row['perplexity']:.2f}  bpb {row['bits_per_byte']:.4f}")
+
+    for task_name in config.reasoning_tasks:
+        log(f"reasoning: {task_name} at depths {depths}")
+        grid = _reasoning(model, config, task_name, depths)
+        results.setdefault("reasoning", {})[task_name] = grid
+        from recurrent_depth.evaluation.reasoning.evaluate import AccuracyGrid
+
+        restored = AccuracyGrid(grid["task"], grid["difficulty_name"], grid["difficulties"], grid["depths"],
+                                grid["count"], {int(k): {int(r): a for r, a in v.items()}
+                                                for k, v in grid["accuracy"].items()}, grid["chance"])
+        plots.plot_reasoning_grid(restored, out / f"{task_name}_accuracy_vs_depth.png")
+        log(grid["table"])
+
+    if config.lm_eval_tasks:
+        by_fewshot = {}
+        for k in config.fewshot:
+            log(f"lm-eval: {config.lm_eval_tasks} ({k}-shot) at depths {depths}")
+            by_fewshot[k] = _lm_eval(config.model, config, depths, k)
+        results["lm_eval"] = {str(k): {name: {str(d): v for d, v in curve.items()} for name, curve in c.items()}
+                              for k, c in by_fewshot.items()}
+        first = by_fewshot[config.fewshot[0]]
+        lines = {}
+        if config.baseline is not None:
+            base = _lm_eval(config.baseline, config, [results["baseline"]["depth"]], config.fewshot[0])
+            results["baseline"]["lm_eval"] = {name: next(iter(c.values())) for name, c in base.items()}
+            lines = {f"baseline {name}": v for name, v in results["baseline"]["lm_eval"].items()}
+        plots.plot_metric_vs_depth(first, out / "accuracy_vs_depth.png", "score",
+                                   f"lm-eval tasks ({config.fewshot[0]}-shot) vs test-time depth", baselines=lines)
+        if len(config.fewshot) > 1:
+            for name in first:
+                plots.plot_fewshot_vs_depth({k: c[name] for k, c in by_fewshot.items()},
+                                            out / f"fewshot_vs_depth_{name.replace('/', '_')}.png", name)
+        for name, curve in first.items():
+            log(f"  {name}: " + "  ".join(f"r={d}: {v:.3f}" for d, v in sorted(curve.items())))
+
+    results["seconds"] = round(time.time() - started, 1)
+    results["torch_threads"] = torch.get_num_threads()
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    log(f"wrote {out / 'results.json'}")
+    return results

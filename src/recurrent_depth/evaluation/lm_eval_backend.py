@@ -1,0 +1,250 @@
+"""lm-evaluation-harness backend ``recurrent-depth``: every test-time compute control as a model arg.
+
+    rdepth lm-eval run --model recurrent-depth \\
+        --model_args pretrained=DIR,num_steps=32,exit_criterion=kl,exit_threshold=5e-4,kv_budget=16 \\
+        --tasks rd_chains_mc --include_path $(python -m recurrent_depth.evaluation.tasks) --device cpu
+
+Model args (besides lm-eval's usual ``hf`` ones: ``pretrained``, ``tokenizer``, ``dtype``,
+``batch_size``, ``max_length``, ...):
+
+- ``num_steps``: recurrence depth (default: the model's ``mean_recurrence``);
+- ``exit_criterion`` / ``exit_threshold`` / ``min_steps``: per-token early exit (`kl`,
+  `entropy-diff`, `latent-diff`, `cosine`, `argmax-stability`; threshold None = its default);
+- ``kv_budget``: KV-cache sharing, step i reads and writes slot i mod k;
+- ``warm_start``: each token starts from the previous token's final state;
+- ``init_scale``: scale of the random initial state (0 = deterministic zeros);
+- ``seed``: seeds the initial-state draws, so a run is reproducible;
+- ``steps_log``: a JSON file to which the steps-per-token statistics are written.
+
+Scoring requests (`loglikelihood`, `loglikelihood_rolling`) use one batched forward at fixed depth
+with a full cache, else teacher-forced token-by-token recurrence (`evaluation/scoring.py`);
+generation (`generate_until`) uses `recurrent_depth.generate`. Steps per token are recorded for
+both and reported under ``config.recurrent_depth`` in lm-eval's results.
+
+This class extends lm-eval's `HFLM` (tokenization, batching, chat templates, rolling windows) and
+loads the model through transformers' Auto classes, which `import recurrent_depth` taught our
+model types.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+from tqdm import tqdm
+
+from recurrent_depth.evaluation.scoring import Scored, batched_logprobs, stepwise_logprobs
+from recurrent_depth.inference.criteria import resolve_criterion
+from recurrent_depth.integrations import register_transformers
+
+log = logging.getLogger(__name__)
+DEFAULT_AUTO_BATCH = 16  # "batch_size=auto" probes GPU memory; on CPU a fixed size is as good
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+        return value.lower() in ("true", "1", "yes")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ValueError(f"{name}={value!r} is invalid: expected true or false")
+
+
+def _optional_int(name: str, value: Any, low: int) -> int | None:
+    if value is None or (isinstance(value, str) and value.lower() == "none"):
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r} is invalid: expected None or an integer >= {low}")
+    return value
+
+
+def _resolve_device(device: str | None) -> str:
+    """lm-eval's CLI defaults to cuda:0; fall back to the CPU (with a warning) when CUDA is absent."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        log.warning("device=%s requested but CUDA is not available; evaluating on cpu", device)
+        return "cpu"
+    return str(device)
+
+
+@register_model("recurrent-depth")
+class RecurrentDepthEvalLM(HFLM):
+    """lm-eval `LM` for recurrent-depth models (ours and official Huginn-0125 directories)."""
+
+    def __init__(
+        self,
+        pretrained: Any,
+        num_steps: int | None = None,
+        exit_criterion: str | None = None,
+        exit_threshold: float | None = None,
+        min_steps: int = 1,
+        kv_budget: int | None = None,
+        warm_start: bool = False,
+        init_scale: float | None = None,
+        seed: int = 0,
+        steps_log: str | None = None,
+        device: str | None = None,
+        batch_size: int | str = 1,
+        **kwargs: Any,
+    ) -> None:
+        register_transformers()
+        self.num_steps = _optional_int("num_steps", num_steps, 0)
+        if isinstance(exit_criterion, str) and exit_criterion.lower() == "none":
+            exit_criterion = None
+        if isinstance(exit_threshold, str):
+            try:
+                exit_threshold = float(exit_threshold)
+            except ValueError:
+                raise ValueError(f"exit_threshold={exit_threshold!r} is invalid: expected a number") from None
+        resolve_criterion(exit_criterion, exit_threshold)  # validates both
+        self.exit_criterion, self.exit_threshold = exit_criterion, exit_threshold
+        self.min_steps = _optional_int("min_steps", min_steps, 1) or 1
+        self.kv_budget = _optional_int("kv_budget", kv_budget, 1)
+        self.warm_start = _as_bool("warm_start", warm_start)
+        if init_scale is not None and (isinstance(init_scale, bool) or not isinstance(init_scale, int | float)
+                                       or init_scale < 0):
+            raise ValueError(f"init_scale={init_scale!r} is invalid: expected a number >= 0")
+        self.init_scale = init_scale
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed={seed!r} is invalid: expected an integer")
+        self.seed = seed
+        self.steps_log = Path(steps_log) if steps_log else None
+        if batch_size == "auto" or (isinstance(batch_size, str) and batch_size.startswith("auto")):
+            log.warning("batch_size=%s: using %d (no memory probing on this backend)", batch_size,
+                        DEFAULT_AUTO_BATCH)
+            batch_size = DEFAULT_AUTO_BATCH
+        kwargs.setdefault("backend", "causal")
+        super().__init__(pretrained=pretrained, device=_resolve_device(device), batch_size=batch_size, **kwargs)
+        self._core = self.model.core
+        depth = self.num_steps if self.num_steps is not None else self._core.config.mean_recurrence
+        self.depth = depth
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.step_counts: dict[str, Counter] = {"loglikelihood": Counter(), "generate_until": Counter()}
+
+    # ------------------------------------------------------------------ statistics
+    def _record(self, kind: str, steps: list[int]) -> None:
+        self.step_counts[kind].update(steps)
+
+    def steps_summary(self) -> dict[str, Any]:
+        """Per request type: tokens, mean steps per token, and the histogram of steps."""
+        out: dict[str, Any] = {}
+        for kind, counts in self.step_counts.items():
+            tokens = sum(counts.values())
+            if tokens:
+                out[kind] = {
+                    "tokens": tokens,
+                    "mean_steps": round(sum(s * n for s, n in counts.items()) / tokens, 4),
+                    "histogram": {str(s): n for s, n in sorted(counts.items())},
+                }
+        return out
+
+    def _write_steps_log(self) -> None:
+        if self.steps_log is not None:
+            self.steps_log.parent.mkdir(parents=True, exist_ok=True)
+            self.steps_log.write_text(json.dumps(self.settings() | {"steps": self.steps_summary()}, indent=2) + "\n")
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            "num_steps": self.depth, "exit_criterion": self.exit_criterion, "exit_threshold": self.exit_threshold,
+            "min_steps": self.min_steps, "kv_budget": self.kv_budget, "warm_start": self.warm_start,
+            "init_scale": self.init_scale if self.init_scale is not None else self._core.config.init_scale,
+            "seed": self.seed,
+        }
+
+    def get_model_info(self) -> dict[str, Any]:
+        info = super().get_model_info()
+        info["recurrent_depth"] = self.settings() | {"steps": self.steps_summary()}
+        return info
+
+    # ------------------------------------------------------------------ scoring
+    @property
+    def _stepwise(self) -> bool:
+        return self.exit_criterion is not None or self.kv_budget is not None or self.warm_start
+
+    def _model_call(self, inps: torch.Tensor, attn_mask: Any = None, labels: Any = None) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model(inps, num_steps=self.depth, init_scale=self.init_scale, generator=self._generator,
+                              use_cache=False).logits
+
+    def _loglikelihood_tokens(
+        self,
+        requests: list[tuple[Any, list[int], list[int]]],
+        disable_tqdm: bool = False,
+        override_bs: int | None = None,
+    ) -> list[tuple[float, bool]]:
+        """Score (context, continuation) token lists; longest first, in batches of `batch_size`."""
+        order = sorted(range(len(requests)), key=lambda i: -(len(requests[i][1]) + len(requests[i][2])))
+        batch_size = int(override_bs or self.batch_size)
+        results: list[Scored | None] = [None] * len(requests)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eot_token_id
+        limit = self.max_length + 1  # the last continuation token is never fed
+        with tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="Scoring (recurrent-depth)") as bar:
+            for start in range(0, len(order), batch_size):
+                chunk = order[start : start + batch_size]
+                batch = []
+                for i in chunk:
+                    context, continuation = list(requests[i][1]), list(requests[i][2])
+                    if len(continuation) >= limit:
+                        raise ValueError(f"a continuation of {len(continuation)} tokens exceeds max_length")
+                    keep = limit - len(continuation)
+                    batch.append((context[-keep:], continuation))  # left-truncate the context, as HFLM does
+                if self._stepwise:
+                    scored = stepwise_logprobs(
+                        self._core, batch, self.depth, pad, self.exit_criterion, self.exit_threshold,
+                        self.min_steps, self.kv_budget, self.warm_start, self.init_scale, self._generator,
+                    )
+                else:
+                    scored = batched_logprobs(self._core, batch, self.depth, pad, self.init_scale, self._generator)
+                for i, item in zip(chunk, scored):
+                    results[i] = item
+                    self._record("loglikelihood", item.steps)
+                    if requests[i][0] is not None:
+                        self.cache_hook.add_partial("loglikelihood", requests[i][0], (item.logprob, item.is_greedy))
+                bar.update(len(chunk))
+        self._write_steps_log()
+        return [(r.logprob, r.is_greedy) for r in results]  # type: ignore[union-attr]
+
+    # ------------------------------------------------------------------ generation
+    def _model_generate(
+        self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs: Any
+    ) -> torch.Tensor:
+        from recurrent_depth.inference import generate as rd_generate
+
+        kwargs = dict(generation_kwargs)
+        attention_mask = kwargs.pop("attention_mask", None)
+        temperature = kwargs.pop("temperature", 0.0)
+        do_sample = kwargs.pop("do_sample", None)
+        if do_sample is None:
+            do_sample = bool(temperature and temperature > 0)
+        options: dict[str, Any] = {"do_sample": bool(do_sample)}
+        if do_sample:
+            options["temperature"] = float(temperature)
+        for name in ("top_k", "top_p", "min_p", "repetition_penalty"):
+            if kwargs.get(name) is not None:
+                options[name] = kwargs.pop(name)
+        # Per-request overrides of the model args (lm-eval --gen_kwargs), e.g. num_steps=8.
+        for name, default in (("num_steps", self.depth), ("exit_criterion", self.exit_criterion),
+                              ("exit_threshold", self.exit_threshold), ("min_steps", self.min_steps),
+                              ("kv_budget", self.kv_budget), ("warm_start", self.warm_start)):
+            options[name] = kwargs.pop(name, default)
+        if kwargs:
+            raise ValueError(f"generation arguments {sorted(kwargs)} are not supported by the recurrent-depth backend")
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self._generator))
+        out = rd_generate(
+            self._core, context, max_new_tokens=max_length - context.shape[1], attention_mask=attention_mask,
+            stop=list(stop) if stop else None, tokenizer=self.tokenizer, seed=seed,
+            init_scale=self.init_scale if self.init_scale is not None else self._core.config.init_scale,
+            **options,
+        )
+        for row, n in zip(out.steps.tolist(), out.lengths.tolist()):
+            self._record("generate_until", row[:n])
+        self._write_steps_log()
+        return out.sequences

@@ -1,0 +1,54 @@
+"""Read a model's predictions at many depths in one pass.
+
+Running the core to depth 32 passes through depths 1, 2, 4, ... on the way, with the same s_0:
+`logits_at_depths` applies the coda at each requested depth instead of re-running the prelude
+and the first steps for every depth. The result at depth d equals `model(ids, num_steps=d)` with
+the same initial state (the tests check it), at the cost of one pass to the deepest depth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from recurrent_depth.model.recurrent import RecurrentDepthLM
+
+
+def check_depths(depths: Sequence[int], name: str = "depths") -> list[int]:
+    """Sorted, de-duplicated depths; each an integer >= 0."""
+    if not depths:
+        raise ValueError(f"{name} is empty: give at least one depth (an integer >= 0)")
+    for d in depths:
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            raise ValueError(f"{name} contains {d!r}: expected integers >= 0")
+    return sorted(set(depths))
+
+
+@torch.no_grad()
+def logits_at_depths(
+    model: RecurrentDepthLM,
+    input_ids: Tensor,
+    depths: Sequence[int],
+    attention_mask: Tensor | None = None,
+    init_scale: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Iterator[tuple[int, Tensor]]:
+    """Yield `(depth, logits [B, T, V] float32)` for each depth in ascending order.
+
+    The initial state is drawn once (from `generator`, scaled by `init_scale`, default the config's)
+    and shared by every depth, as one forward at the deepest depth would see it.
+    """
+    wanted = check_depths(depths)
+    scale = model.config.init_scale if init_scale is None else init_scale
+    model.check_inputs(input_ids, None, attention_mask, None, None)
+    ctx = model.make_context(input_ids, attention_mask)
+    e = model.embed(input_ids, ctx)
+    state = model.initial_state(e, scale, generator)
+    step = 0
+    for depth in wanted:
+        while step < depth:
+            state = model.core_step(state, e, step, ctx)
+            step += 1
+        yield depth, model.predict(model.transformer.ln_f(state), ctx)

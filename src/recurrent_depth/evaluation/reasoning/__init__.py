@@ -1,0 +1,32 @@
+"""Reasoning tasks that need depth: generators with a difficulty knob, solvers, training, evaluation."""
+
+from recurrent_depth.evaluation.reasoning.data import ProblemEncoder, byte_tokenizer, write_jsonl
+from recurrent_depth.evaluation.reasoning.evaluate import AccuracyGrid, accuracy_grid
+from recurrent_depth.evaluation.reasoning.tasks import (
+    TASKS,
+    Addition,
+    Problem,
+    ReasoningTask,
+    VariableChains,
+    get_task,
+    make_problems,
+)
+from recurrent_depth.evaluation.reasoning.train import ReasoningRunConfig, run_reasoning, train_reasoning
+
+__all__ = [
+    "TASKS",
+    "AccuracyGrid",
+    "Addition",
+    "Problem",
+    "ProblemEncoder",
+    "ReasoningRunConfig",
+    "ReasoningTask",
+    "VariableChains",
+    "accuracy_grid",
+    "byte_tokenizer",
+    "get_task",
+    "make_problems",
+    "run_reasoning",
+    "train_reasoning",
+    "write_jsonl",
+]

@@ -1,0 +1,134 @@
+"""Accuracy of a model on a reasoning task, for every (difficulty, test-time depth) pair.
+
+Exact match of the greedy answer: with teacher forcing, greedy decoding writes the answer exactly
+when the argmax at every answer position (and at the end token) is the expected token, so one
+forward per depth decides it (no generation loop). All depths come from one pass
+(`readout.logits_at_depths`), from the same seeded initial state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from recurrent_depth.evaluation.readout import check_depths, logits_at_depths
+from recurrent_depth.evaluation.reasoning.data import ProblemEncoder
+from recurrent_depth.evaluation.reasoning.tasks import ReasoningTask, make_problems
+from recurrent_depth.model.recurrent import RecurrentDepthLM
+
+
+@dataclass
+class AccuracyGrid:
+    """accuracy[difficulty][depth] in [0, 1], over `count` problems per difficulty."""
+
+    task: str
+    difficulty_name: str
+    difficulties: list[int]
+    depths: list[int]
+    count: int
+    accuracy: dict[int, dict[int, float]] = field(default_factory=dict)
+    chance: float | None = None
+    trained_difficulties: list[int] | None = None
+
+    def best(self, difficulty: int) -> tuple[int, float]:
+        """(depth, accuracy) of the best depth for one difficulty (the shallowest on ties)."""
+        row = self.accuracy[difficulty]
+        depth = max(self.depths, key=lambda d: (row[d], -d))
+        return depth, row[depth]
+
+    def saturation_depth(self, difficulty: int, tolerance: float = 0.01) -> int:
+        """The shallowest depth whose accuracy is within `tolerance` of the best (the paper's saturation)."""
+        _, top = self.best(difficulty)
+        return min(d for d in self.depths if self.accuracy[difficulty][d] >= top - tolerance)
+
+    def solved_up_to(self, threshold: float = 0.9) -> int | None:
+        """The largest difficulty d such that every difficulty <= d reaches `threshold` at some depth."""
+        solved = None
+        for difficulty in self.difficulties:
+            if self.best(difficulty)[1] < threshold:
+                break
+            solved = difficulty
+        return solved
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "task": self.task, "difficulty_name": self.difficulty_name, "difficulties": self.difficulties,
+            "depths": self.depths, "count": self.count, "chance": self.chance,
+            "trained_difficulties": self.trained_difficulties,
+            "accuracy": {str(d): {str(r): a for r, a in row.items()} for d, row in self.accuracy.items()},
+            "best": {str(d): {"depth": self.best(d)[0], "accuracy": self.best(d)[1]} for d in self.difficulties},
+            "saturation_depth": {str(d): self.saturation_depth(d) for d in self.difficulties},
+        }
+
+    def table(self) -> str:
+        head = f"{self.difficulty_name:>8} | " + " ".join(f"r={d:<4}" for d in self.depths)
+        lines = [head, "-" * len(head)]
+        trained = set(self.trained_difficulties or [])
+        for difficulty in self.difficulties:
+            mark = " " if difficulty in trained or not trained else "*"
+            cells = " ".join(f"{self.accuracy[difficulty][d]:<6.2f}" for d in self.depths)
+            lines.append(f"{difficulty:>7}{mark} | {cells}")
+        if trained:
+            lines.append("* harder than any training problem")
+        return "\n".join(lines)
+
+
+@torch.no_grad()
+def answer_correct_at_depths(
+    model: RecurrentDepthLM,
+    batch: dict[str, torch.Tensor],
+    depths: Sequence[int],
+    init_scale: float | None = None,
+    seed: int = 0,
+) -> dict[int, torch.Tensor]:
+    """depth -> bool [B]: is the whole answer (and the end token) the greedy choice at that depth."""
+    input_ids, labels = batch["input_ids"], batch["labels"]
+    targets = labels[:, 1:]
+    scored = targets != -100
+    generator = torch.Generator(device=input_ids.device).manual_seed(seed)
+    out = {}
+    for depth, logits in logits_at_depths(model, input_ids, depths, init_scale=init_scale, generator=generator):
+        hits = (logits[:, :-1].argmax(-1) == targets) | ~scored
+        out[depth] = hits.all(dim=1)
+    return out
+
+
+def accuracy_grid(
+    model: RecurrentDepthLM,
+    task: ReasoningTask,
+    difficulties: Sequence[int],
+    depths: Sequence[int],
+    count: int = 100,
+    seed: int = 1,
+    batch_size: int = 100,
+    encoder: ProblemEncoder | None = None,
+    init_scale: float | None = None,
+    trained_difficulties: Sequence[int] | None = None,
+) -> AccuracyGrid:
+    """Accuracy on `count` fresh problems per difficulty (seeded; disjoint from training streams by seed)."""
+    depths = check_depths(depths)
+    encoder = encoder or ProblemEncoder()
+    grid = AccuracyGrid(
+        task.name, task.difficulty_name, list(difficulties), depths, count,
+        chance=1 / task.num_chains if hasattr(task, "num_chains") else None,
+        trained_difficulties=list(trained_difficulties) if trained_difficulties is not None else None,
+    )
+    was_training = model.training
+    model.eval()
+    try:
+        for difficulty in difficulties:
+            problems = make_problems(task, count, [difficulty], seed=seed)
+            correct = dict.fromkeys(depths, 0)
+            for start in range(0, count, batch_size):
+                batch = encoder.batch(problems[start : start + batch_size])
+                batch = {k: v.to(model.device) for k, v in batch.items()}
+                hits = answer_correct_at_depths(model, batch, depths, init_scale, seed=seed + start)
+                for depth in depths:
+                    correct[depth] += int(hits[depth].sum())
+            grid.accuracy[difficulty] = {d: correct[d] / count for d in depths}
+    finally:
+        model.train(was_training)
+    return grid

@@ -1,0 +1,218 @@
+"""Synthetic reasoning tasks whose difficulty is a knob, each with an independent solver.
+
+Two families, both generated in code (no data files, same problems on every machine):
+
+``chains`` (multi-hop variable chains; difficulty = hops)::
+
+    t=4;Q=7;b=t;m=Q;c=b;?c=    ->  4
+
+    Several chains are interleaved (each definition after the one it refers to); the query names
+    the last variable of one chain, `hops` references away from its digit. Resolving h hops needs
+    h sequential lookups, so a model that runs its recurrent core longer can follow longer chains.
+    The other chains are distractors with distinct root digits, so guessing from the context
+    scores about 1 / num_chains.
+
+``addition`` (multi-digit addition, most significant digit first; difficulty = digits)::
+
+    0472+0839=   ->  01311
+
+    Fixed-width, zero-padded operands and sum; the first answer digit depends on the whole
+    carry chain, which a causal model must resolve before it writes anything.
+
+`Problem.prompt` is what the model reads and `Problem.answer` the continuation it must produce;
+`task.solve(prompt)` recomputes the answer from the prompt text alone (the tests compare the two).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import string
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class Problem:
+    task: str
+    difficulty: int
+    prompt: str
+    answer: str
+
+    @property
+    def text(self) -> str:
+        return self.prompt + self.answer
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "text": self.text}
+
+
+class ReasoningTask:
+    """A problem family: `sample(rng, difficulty)` draws one problem, `solve(prompt)` answers it."""
+
+    name: ClassVar[str]
+    difficulty_name: ClassVar[str]
+    min_difficulty: ClassVar[int]
+    max_difficulty: ClassVar[int]
+
+    def sample(self, rng: random.Random, difficulty: int) -> Problem:
+        raise NotImplementedError
+
+    def solve(self, prompt: str) -> str:
+        raise NotImplementedError
+
+    def training_segments(self, rng: random.Random, difficulty: int) -> list[tuple[str, bool]]:
+        """A training row as (text, supervised) pieces; by default the prompt, then the supervised answer."""
+        problem = self.sample(rng, difficulty)
+        return [(problem.prompt, False), (problem.answer, True)]
+
+    def check_difficulty(self, difficulty: int) -> None:
+        if isinstance(difficulty, bool) or not isinstance(difficulty, int) or not (
+            self.min_difficulty <= difficulty <= self.max_difficulty
+        ):
+            raise ValueError(
+                f"{self.name}: {self.difficulty_name}={difficulty!r} is invalid: expected an integer in "
+                f"[{self.min_difficulty}, {self.max_difficulty}]"
+            )
+
+    def alphabet(self) -> str:
+        """Every character a prompt or answer of this task can contain."""
+        raise NotImplementedError
+
+
+class VariableChains(ReasoningTask):
+    """Multi-hop variable chains with distractors (see the module docstring)."""
+
+    name = "chains"
+    difficulty_name = "hops"
+    min_difficulty = 0
+    NAMES = string.ascii_letters  # 52 one-character variable names
+
+    def __init__(self, num_chains: int = 4, distractor_hops: int | None = None) -> None:
+        if isinstance(num_chains, bool) or not isinstance(num_chains, int) or not 1 <= num_chains <= 10:
+            raise ValueError(f"num_chains={num_chains!r} is invalid: expected an integer in [1, 10] (distinct digits)")
+        if distractor_hops is not None and (not isinstance(distractor_hops, int) or distractor_hops < 0):
+            raise ValueError(f"distractor_hops={distractor_hops!r} is invalid: expected None or an integer >= 0")
+        self.num_chains = num_chains
+        self.distractor_hops = distractor_hops
+
+    @property
+    def max_difficulty(self) -> int:  # type: ignore[override]
+        # Every chain of h hops uses h + 1 names; distractors may be as long as the target.
+        return len(self.NAMES) // self.num_chains - 1
+
+    def _chains(self, rng: random.Random, difficulty: int) -> tuple[str, list[list[tuple[str, str, int]]]]:
+        """Interleaved definitions and, per chain, its variables as (name, root digit, hops from the root).
+
+        Chain 0 is the target; its last variable is `difficulty` hops from its digit.
+        """
+        self.check_difficulty(difficulty)
+        longest = difficulty if self.distractor_hops is None else min(self.distractor_hops, self.max_difficulty)
+        lengths = [difficulty] + [rng.randint(0, longest) for _ in range(self.num_chains - 1)]
+        names = rng.sample(self.NAMES, sum(n + 1 for n in lengths))
+        roots = rng.sample(string.digits, self.num_chains)
+        chains: list[list[str]] = []
+        for hops, root in zip(lengths, roots):
+            own, names = names[: hops + 1], names[hops + 1 :]
+            chains.append([f"{own[0]}={root};"] + [f"{own[i]}={own[i - 1]};" for i in range(1, hops + 1)])
+        # A uniformly random interleaving that keeps each chain in order.
+        slots = [c for c, chain in enumerate(chains) for _ in chain]
+        rng.shuffle(slots)
+        cursor = [0] * len(chains)
+        parts = []
+        for c in slots:
+            parts.append(chains[c][cursor[c]])
+            cursor[c] += 1
+        variables = [
+            [(text[0], root, depth) for depth, text in enumerate(chain)] for chain, root in zip(chains, roots)
+        ]
+        return "".join(parts), variables
+
+    def sample(self, rng: random.Random, difficulty: int) -> Problem:
+        definitions, chains = self._chains(rng, difficulty)
+        name, root, _ = chains[0][-1]
+        return Problem(self.name, difficulty, f"{definitions}?{name}=", root)
+
+    def training_segments(self, rng: random.Random, difficulty: int) -> list[tuple[str, bool]]:
+        """One query per chain: the target's last variable first (as in evaluation), then a random
+        variable of each distractor chain, in random order. Four answers per row instead of one.
+
+        Never two queries on one chain: an earlier answer would give away the later one (if t=z,
+        the value of t is the value of z).
+        """
+        definitions, chains = self._chains(rng, difficulty)
+        queries = [rng.choice(chain) for chain in chains[1:]]
+        rng.shuffle(queries)
+        segments = [(definitions, False)]
+        for name, root, _ in [chains[0][-1], *queries]:
+            segments += [(f"?{name}=", False), (root, True)]
+        return segments
+
+    _DEF = re.compile(r"([A-Za-z])=([A-Za-z0-9]);")
+    _QUERY = re.compile(r"\?([A-Za-z])=$")
+
+    def solve(self, prompt: str) -> str:
+        """Read the definitions in order and follow references from the queried name to a digit."""
+        query = self._QUERY.search(prompt)
+        if query is None:
+            raise ValueError(f"chains: no query '?x=' at the end of {prompt!r}")
+        env = dict(self._DEF.findall(prompt[: query.start()]))
+        value, seen = query.group(1), set()
+        while value.isalpha():
+            if value in seen or value not in env:
+                raise ValueError(f"chains: {value!r} is undefined or circular in {prompt!r}")
+            seen.add(value)
+            value = env[value]
+        return value
+
+    def alphabet(self) -> str:
+        return self.NAMES + string.digits + "=;?"
+
+
+class Addition(ReasoningTask):
+    """Zero-padded multi-digit addition, answer most significant digit first."""
+
+    name = "addition"
+    difficulty_name = "digits"
+    min_difficulty = 1
+    max_difficulty = 40
+
+    def sample(self, rng: random.Random, difficulty: int) -> Problem:
+        self.check_difficulty(difficulty)
+        a, b = rng.randrange(10**difficulty), rng.randrange(10**difficulty)
+        prompt = f"{a:0{difficulty}d}+{b:0{difficulty}d}="
+        return Problem(self.name, difficulty, prompt, f"{a + b:0{difficulty + 1}d}")
+
+    _PROMPT = re.compile(r"^(\d+)\+(\d+)=$")
+
+    def solve(self, prompt: str) -> str:
+        match = self._PROMPT.match(prompt)
+        if match is None or len(match.group(1)) != len(match.group(2)):
+            raise ValueError(f"addition: expected 'A+B=' with equal-width operands, got {prompt!r}")
+        width = len(match.group(1)) + 1
+        return str(int(match.group(1)) + int(match.group(2))).zfill(width)
+
+    def alphabet(self) -> str:
+        return string.digits + "+="
+
+
+TASKS: dict[str, type[ReasoningTask]] = {"chains": VariableChains, "addition": Addition}
+
+
+def get_task(name: str, **options: Any) -> ReasoningTask:
+    if name not in TASKS:
+        raise ValueError(f"unknown reasoning task {name!r}; choose one of {sorted(TASKS)}")
+    return TASKS[name](**options)
+
+
+def make_problems(
+    task: ReasoningTask, count: int, difficulties: list[int] | range, seed: int = 0
+) -> list[Problem]:
+    """`count` problems per difficulty, deterministic in `seed` (each difficulty has its own stream)."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"count={count!r} is invalid: expected an integer >= 1")
+    problems = []
+    for difficulty in difficulties:
+        rng = random.Random(f"{task.name}:{seed}:{difficulty}")
+        problems.extend(task.sample(rng, difficulty) for _ in range(count))
+    return problems

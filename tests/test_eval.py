@@ -1,0 +1,202 @@
+"""Quality against depth: one-pass readout, text scores, teacher-forced scoring, accuracy grids, `rdepth eval`."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import recurrent_depth as rd
+from recurrent_depth.cli import main
+from recurrent_depth.evaluation.quality import text_quality, windows
+from recurrent_depth.evaluation.readout import logits_at_depths
+from recurrent_depth.evaluation.reasoning import VariableChains, accuracy_grid
+from recurrent_depth.evaluation.reasoning.evaluate import AccuracyGrid
+from recurrent_depth.evaluation.reasoning.train import Curriculum, ReasoningRunConfig, train_reasoning
+from recurrent_depth.evaluation.scoring import batched_logprobs, stepwise_logprobs
+from tests.test_hf import make_model_dir
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(11)
+    return rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", vocab_size=288, max_seq_len=128)).eval()
+
+
+@pytest.mark.parametrize("init_scale", [0.0, 1.0], ids=["zero-s0", "random-s0"])
+def test_one_pass_readout_equals_separate_forwards(model, init_scale):
+    x = torch.randint(0, 288, (3, 13), generator=torch.Generator().manual_seed(0))
+    depths = [0, 1, 3, 4, 7]
+    got = dict(logits_at_depths(model, x, depths, init_scale=init_scale,
+                                generator=torch.Generator().manual_seed(5)))
+    assert sorted(got) == depths
+    for depth in depths:
+        with torch.no_grad():
+            expected = model(x, num_steps=depth, init_scale=init_scale,
+                             generator=torch.Generator().manual_seed(5)).logits
+        assert torch.allclose(got[depth], expected, atol=1e-6), depth
+
+
+def test_windows_predict_every_token_once():
+    ids = list(range(23))
+    chunks = windows(ids, 8)
+    targets = [t for w in chunks for t in w[1:]]
+    assert targets == ids[1:]
+    assert all(len(w) <= 8 for w in chunks)
+    with pytest.raises(ValueError, match="seq_len=1"):
+        windows(ids, 1)
+
+
+class ByteCodec:
+    def encode(self, text):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_text_quality_matches_a_direct_computation(model):
+    texts = ["def f(x):\n    return x + 1\n" * 3, "héllo wörld"]
+    result = text_quality(model, texts, ByteCodec(), [2, 3], bos_token_id=256, pad_token_id=0, seq_len=17,
+                          batch_size=3, init_scale=0.0)
+    total, tokens, nbytes = 0.0, 0, 0
+    for text in texts:
+        ids = torch.tensor([[256, *text.encode("utf-8")]])
+        with torch.no_grad():
+            logits = model(ids, num_steps=3, init_scale=0.0).logits
+        total += float(F.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum"))
+        tokens += ids.shape[1] - 1
+        nbytes += len(text.encode("utf-8"))
+    # Windows of 17 tokens see less context than one long forward; compare with the same windows.
+    windowed = 0.0
+    for text in texts:
+        for w in windows([256, *text.encode("utf-8")], 17):
+            ids = torch.tensor([w])
+            with torch.no_grad():
+                logits = model(ids, num_steps=3, init_scale=0.0).logits
+            windowed += float(F.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum"))
+    assert result.tokens == tokens and result.bytes == nbytes and result.documents == 2
+    assert math.isclose(result.nll[3], windowed, rel_tol=1e-5)
+    assert math.isclose(result.bits_per_byte(3), windowed / math.log(2) / nbytes, rel_tol=1e-5)
+    assert math.isclose(result.loss(3), windowed / tokens, rel_tol=1e-5)
+    capped = text_quality(model, texts, ByteCodec(), [1], 256, 0, max_tokens=20, init_scale=0.0)
+    assert capped.tokens == 20 and capped.bytes == 20
+
+
+@pytest.fixture(scope="module")
+def requests():
+    return [([1, 2, 3, 4, 5], [6, 7, 8]), ([9], [10, 11]), ([3, 3, 3], [4]), ([7, 7], [1, 2, 3, 4])]
+
+
+def test_stepwise_scoring_matches_the_batched_forward(model, requests):
+    plain = batched_logprobs(model, requests, 3, 0, init_scale=0.0)
+    for kwargs in ({}, {"exit_criterion": "kl", "exit_threshold": 0.0}, {"kv_budget": 3}):
+        stepped = stepwise_logprobs(model, requests, 3, 0, init_scale=0.0, **kwargs)
+        for a, b in zip(plain, stepped):
+            assert math.isclose(a.logprob, b.logprob, rel_tol=1e-5, abs_tol=1e-5), kwargs
+            assert a.is_greedy == b.is_greedy and b.steps == [3] * len(b.steps)
+
+
+def test_adaptive_scoring_is_per_row_and_records_steps(model, requests):
+    together = stepwise_logprobs(model, requests, 6, 0, exit_criterion="kl", exit_threshold=1e-2, init_scale=0.0)
+    assert any(s < 6 for r in together for s in r.steps)
+    for request, batched in zip(requests, together):
+        alone = stepwise_logprobs(model, [request], 6, 0, exit_criterion="kl", exit_threshold=1e-2,
+                                  init_scale=0.0)[0]
+        assert alone.steps == batched.steps
+        assert math.isclose(alone.logprob, batched.logprob, rel_tol=1e-5, abs_tol=1e-5)
+    shared = stepwise_logprobs(model, requests, 4, 0, kv_budget=1, init_scale=0.0)
+    warm = stepwise_logprobs(model, requests, 4, 0, warm_start=True, init_scale=0.0)
+    full = batched_logprobs(model, requests, 4, 0, init_scale=0.0)
+    assert any(not math.isclose(a.logprob, b.logprob, rel_tol=1e-6) for a, b in zip(shared, full))
+    assert any(not math.isclose(a.logprob, b.logprob, rel_tol=1e-6) for a, b in zip(warm, full))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({"exit_criterion": "bogus"}, "bogus"), ({"kv_budget": 0}, "kv_budget=0"), ({"min_steps": 0}, "min_steps=0"),
+     ({"exit_threshold": 0.1}, "without an exit_criterion")],
+    ids=["criterion", "budget", "min-steps", "threshold-alone"],
+)
+def test_scoring_rejects_bad_arguments(model, requests, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        stepwise_logprobs(model, requests, 3, 0, **kwargs)
+
+
+def test_accuracy_grid_is_seeded_and_summarised(model):
+    task = VariableChains()
+    grid = accuracy_grid(model, task, [0, 1], [1, 2], count=6, seed=3)
+    again = accuracy_grid(model, task, [0, 1], [1, 2], count=6, seed=3)
+    assert grid.accuracy == again.accuracy
+    assert all(0 <= a <= 1 for row in grid.accuracy.values() for a in row.values())
+    synthetic = AccuracyGrid("chains", "hops", [1, 2, 3], [1, 2, 4], 10,
+                             {1: {1: 0.9, 2: 1.0, 4: 1.0}, 2: {1: 0.2, 2: 0.95, 4: 0.96}, 3: {1: 0.1, 2: 0.3, 4: 0.6}},
+                             chance=0.25, trained_difficulties=[1, 2])
+    assert synthetic.best(2) == (4, 0.96) and synthetic.saturation_depth(2) == 2
+    assert synthetic.solved_up_to(0.9) == 2 and synthetic.solved_up_to(0.5) == 3
+    assert "* harder than any training problem" in synthetic.table()
+
+
+def test_curriculum_promotes_when_the_hardest_level_is_mastered():
+    curriculum = Curriculum(0, 3, enabled=True, promote_at=0.8, window=10)
+    assert curriculum.current == 1
+    assert not curriculum.observe([1] * 4, [True] * 4)  # too few observations yet
+    assert curriculum.observe([1] * 2 + [0] * 3, [True] * 5)
+    assert curriculum.current == 2
+    assert not curriculum.observe([2] * 10, [False] * 10)
+    assert Curriculum(0, 3, enabled=False, promote_at=0.8).current == 3
+
+
+def test_reasoning_training_runs_and_writes_metrics(tmp_path):
+    config = ReasoningRunConfig(hidden_size=32, num_heads=2, intermediate_size=64, mean_recurrence=2,
+                                backprop_depth=1, batch_size=4, max_steps=3, log_every=1, out=str(tmp_path),
+                                train_difficulties=(0, 2))
+    model, stats = train_reasoning(config, log=lambda _: None)
+    assert stats["steps"] == 3
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in rows)
+    with pytest.raises(ValueError, match="train_difficulties"):
+        ReasoningRunConfig(train_difficulties=(5, 2)).validate()
+
+
+def test_rdepth_eval_writes_results_and_figures(tmp_path):
+    make_model_dir(tmp_path / "model", max_seq_len=128)
+    make_model_dir(tmp_path / "base", seed=1, mean_recurrence=1, max_seq_len=128)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.py").write_text("def f(x):\n    return x * 2\n" * 8)
+    (data / "b.py").write_text("class A:\n    pass\n" * 8)
+    out = tmp_path / "out"
+    argv = ["eval", "--model", str(tmp_path / "model"), "--depths", "1,2,4", "--data", str(data),
+            "--val-fraction", "0.5", "--max-docs", "2", "--reasoning", "chains", "--difficulties", "0,1",
+            "--count", "4", "--baseline", str(tmp_path / "base"), "--out", str(out)]
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert sorted(results["text"]["by_depth"]) == ["1", "2", "4"]
+    assert results["baseline"]["depth"] == 1 and "text" in results["baseline"]
+    assert results["reasoning"]["chains"]["difficulties"] == [0, 1]
+    for name in ("bits_per_byte_vs_depth.png", "chains_accuracy_vs_depth.png"):
+        assert (out / name).stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [(["--depths", "1,-2"], "depths contains -2"), (["--data", "none"], "nothing to evaluate"),
+     (["--max-docs", "0"], "max_docs=0")],
+    ids=["negative-depth", "nothing", "max-docs"],
+)
+def test_rdepth_eval_bad_arguments(tmp_path, capsys, argv, message):
+    make_model_dir(tmp_path / "model", with_tokenizer=False)
+    assert main(["eval", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "o"), *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,124 @@
+"""lm-evaluation-harness: the recurrent-depth backend, lm-eval's own hf backend, the `rdepth lm-eval` wrapper."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import lm_eval
+import pytest
+import torch
+from lm_eval.api.registry import get_model
+from lm_eval.tasks import TaskManager
+
+import recurrent_depth.integrations  # noqa: F401  (what `import recurrent_depth` installs)
+from recurrent_depth.cli import main
+from recurrent_depth.cli.lm_eval import prepare_argv
+from recurrent_depth.evaluation.lm_eval_backend import RecurrentDepthEvalLM
+from recurrent_depth.evaluation.tasks import TASKS_DIR
+from tests.test_hf import make_model_dir
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("lm-eval-model")
+    make_model_dir(path, max_seq_len=160)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    return TaskManager(include_path=str(TASKS_DIR))
+
+
+def evaluate(lm, tasks, names, limit=4, **kwargs):
+    return lm_eval.simple_evaluate(model=lm, tasks=names, limit=limit, task_manager=tasks, random_seed=0,
+                                   numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0, **kwargs)
+
+
+def test_backend_is_registered_by_name():
+    assert get_model("recurrent-depth") is RecurrentDepthEvalLM
+    assert get_model("hf") is not None  # registering ours keeps lm-eval's own table
+
+
+def test_offline_tasks_run_through_the_backend_and_record_steps(model_dir, tasks, tmp_path):
+    lm = RecurrentDepthEvalLM(pretrained=str(model_dir), num_steps=3, init_scale=0.0, device="cpu", batch_size=4,
+                              steps_log=str(tmp_path / "steps.json"))
+    out = evaluate(lm, tasks, ["rd_chains_mc", "rd_chains_gen", "rd_addition_gen"])
+    assert set(out["results"]) == {"rd_chains_mc", "rd_chains_gen", "rd_addition_gen"}
+    assert 0 <= out["results"]["rd_chains_mc"]["acc,none"] <= 1
+    info = out["config"]["recurrent_depth"]
+    assert info["num_steps"] == 3 and info["steps"]["loglikelihood"]["histogram"] == {"3": 40}
+    assert info["steps"]["generate_until"]["mean_steps"] == 3.0
+    assert json.loads((tmp_path / "steps.json").read_text())["steps"] == info["steps"]
+
+
+def test_exit_criterion_and_kv_budget_reach_scoring(model_dir, tasks):
+    fixed = RecurrentDepthEvalLM(pretrained=str(model_dir), num_steps=6, init_scale=0.0, device="cpu", batch_size=8)
+    adaptive = RecurrentDepthEvalLM(pretrained=str(model_dir), num_steps=6, init_scale=0.0, device="cpu",
+                                    batch_size=8, exit_criterion="latent-diff", exit_threshold=10.0, min_steps=2)
+    zero = RecurrentDepthEvalLM(pretrained=str(model_dir), num_steps=6, init_scale=0.0, device="cpu",
+                                batch_size=8, exit_criterion="kl", exit_threshold=0.0, kv_budget=6)
+    results = {name: evaluate(lm, tasks, ["rd_chains_mc"], limit=3)["results"]["rd_chains_mc"]["acc,none"]
+               for name, lm in (("fixed", fixed), ("adaptive", adaptive), ("zero", zero))}
+    assert results["zero"] == results["fixed"]  # threshold 0 with budget = depth is fixed depth exactly
+    assert adaptive.steps_summary()["loglikelihood"]["histogram"] == {"2": 30}  # exits as soon as allowed
+    assert zero.steps_summary()["loglikelihood"]["mean_steps"] == 6
+
+
+def test_hf_backend_with_mean_recurrence_matches_the_backend(model_dir, tasks):
+    """lm-eval's own `hf` backend evaluates at the depth given by `mean_recurrence=N` in model_args."""
+    ours = RecurrentDepthEvalLM(pretrained=str(model_dir), num_steps=2, init_scale=0.0, device="cpu")
+    theirs = lm_eval.api.registry.get_model("hf").create_from_arg_string(
+        f"pretrained={model_dir},mean_recurrence=2,init_scale=0.0,dtype=float32", {"device": "cpu", "batch_size": 1}
+    )
+    assert theirs.model.config.mean_recurrence == 2
+    a = evaluate(ours, tasks, ["rd_stdlib_bpb"], limit=1)["results"]["rd_stdlib_bpb"]["bits_per_byte,none"]
+    b = evaluate(theirs, tasks, ["rd_stdlib_bpb"], limit=1)["results"]["rd_stdlib_bpb"]["bits_per_byte,none"]
+    assert math.isclose(a, b, rel_tol=1e-4)
+    deeper = lm_eval.api.registry.get_model("hf").create_from_arg_string(
+        f"pretrained={model_dir},mean_recurrence=5,init_scale=0.0,dtype=float32", {"device": "cpu", "batch_size": 1}
+    )
+    c = evaluate(deeper, tasks, ["rd_stdlib_bpb"], limit=1)["results"]["rd_stdlib_bpb"]["bits_per_byte,none"]
+    assert not math.isclose(a, c, rel_tol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [({"num_steps": -1}, "num_steps=-1"), ({"exit_criterion": "bogus"}, "bogus"), ({"kv_budget": 0}, "kv_budget=0"),
+     ({"warm_start": "maybe"}, "warm_start='maybe'"), ({"init_scale": -1.0}, "init_scale=-1.0"),
+     ({"exit_threshold": 0.1}, "without an exit_criterion")],
+    ids=["depth", "criterion", "budget", "warm-start", "init-scale", "threshold-alone"],
+)
+def test_bad_model_args_are_named(model_dir, args, message):
+    with pytest.raises(ValueError, match=message):
+        RecurrentDepthEvalLM(pretrained=str(model_dir), device="cpu", **args)
+
+
+def test_wrapper_adds_the_shipped_tasks_and_a_cpu_device():
+    assert prepare_argv(["run", "--tasks", "x"], cuda_available=False) == [
+        "run", "--tasks", "x", "--include_path", str(TASKS_DIR), "--device", "cpu"]
+    assert prepare_argv(["--model", "hf", "--include_path", "mine", "--device", "cuda"], cuda_available=False) == [
+        "--model", "hf", "--include_path", f"mine:{TASKS_DIR}", "--device", "cuda"]
+    assert prepare_argv(["ls", "tasks"], cuda_available=False) == ["ls", "tasks", "--include_path", str(TASKS_DIR)]
+    assert prepare_argv(["--help"], cuda_available=False) == ["--help"]
+
+
+def test_rdepth_lm_eval_runs_lm_evals_cli(model_dir, tmp_path):
+    argv = ["lm-eval", "run", "--model", "recurrent-depth", "--model_args",
+            f"pretrained={model_dir},num_steps=2,init_scale=0", "--tasks", "rd_chains_mc", "--limit", "2",
+            "--output_path", str(tmp_path / "results")]
+    assert main(argv) == 0
+    written = list((tmp_path / "results").rglob("results_*.json"))
+    assert len(written) == 1
+    results = json.loads(written[0].read_text())
+    assert "rd_chains_mc" in results["results"]
+    assert results["config"]["recurrent_depth"]["num_steps"] == 2

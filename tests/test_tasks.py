@@ -1,0 +1,127 @@
+"""Reasoning task generators: deterministic, well formed, answers confirmed by the independent solvers."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+
+from recurrent_depth.evaluation.reasoning import (
+    Addition,
+    ProblemEncoder,
+    VariableChains,
+    get_task,
+    make_problems,
+    write_jsonl,
+)
+from recurrent_depth.evaluation.tasks import utils as task_utils
+
+
+@pytest.mark.parametrize("task", [VariableChains(), VariableChains(num_chains=2), Addition()],
+                         ids=["chains-4", "chains-2", "addition"])
+def test_generators_are_deterministic_and_solver_agrees(task):
+    difficulties = list(range(task.min_difficulty, min(task.max_difficulty, 12) + 1))
+    first = make_problems(task, 20, difficulties, seed=3)
+    assert first == make_problems(task, 20, difficulties, seed=3)
+    assert first != make_problems(task, 20, difficulties, seed=4)
+    for problem in first:
+        assert task.solve(problem.prompt) == problem.answer, problem
+
+
+def chain_links(prompt: str) -> list[tuple[str, str]]:
+    return re.findall(r"([A-Za-z])=([A-Za-z0-9]);", prompt)
+
+
+@pytest.mark.parametrize("hops", [0, 1, 5, 12], ids=lambda h: f"hops-{h}")
+def test_chain_problems_have_the_stated_structure(hops):
+    task = VariableChains()
+    for problem in make_problems(task, 30, [hops], seed=0):
+        links = chain_links(problem.prompt)
+        defined = set()
+        for name, ref in links:  # every reference was defined earlier, every name once
+            assert name not in defined
+            assert ref.isdigit() or ref in defined
+            defined.add(name)
+        roots = [ref for _, ref in links if ref.isdigit()]
+        assert len(roots) == task.num_chains == len(set(roots))  # distinct root digits: no lucky guess
+        env = dict(links)
+        name = problem.prompt[-2]
+        steps = 0
+        while env[name].isalpha():
+            name, steps = env[name], steps + 1
+        assert steps == hops == problem.difficulty
+
+
+def test_training_rows_query_every_chain_with_correct_answers():
+    task = VariableChains()
+    rng = random.Random(0)
+    for hops in (0, 3, 6):
+        segments = task.training_segments(rng, hops)
+        definitions = segments[0][0]
+        queries = segments[1::2]
+        answers = segments[2::2]
+        assert len(queries) == task.num_chains
+        for (query, supervised_q), (answer, supervised_a) in zip(queries, answers):
+            assert not supervised_q and supervised_a
+            assert task.solve(definitions + query) == answer
+
+
+def test_addition_is_most_significant_digit_first_and_fixed_width():
+    problem = Addition().sample(random.Random(1), 4)
+    a, b = problem.prompt[:-1].split("+")
+    assert len(a) == len(b) == 4 and len(problem.answer) == 5
+    assert int(problem.answer) == int(a) + int(b)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: VariableChains().sample(random.Random(0), 13), "hops=13"),
+        (lambda: VariableChains().sample(random.Random(0), -1), "hops=-1"),
+        (lambda: Addition().sample(random.Random(0), 0), "digits=0"),
+        (lambda: VariableChains(num_chains=11), "num_chains=11"),
+        (lambda: get_task("sorting"), "unknown reasoning task"),
+        (lambda: make_problems(Addition(), 0, [1]), "count=0"),
+        (lambda: VariableChains().solve("a=b;?a="), "undefined or circular"),
+    ],
+    ids=["too-many-hops", "negative-hops", "zero-digits", "too-many-chains", "unknown-task", "zero-count",
+         "bad-prompt"],
+)
+def test_bad_arguments_are_named(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_encoder_labels_only_the_answers():
+    encoder = ProblemEncoder()
+    problem = make_problems(VariableChains(), 1, [2], seed=0)[0]
+    batch = encoder.batch([problem, make_problems(Addition(), 1, [3], seed=0)[0]])
+    ids, labels = batch["input_ids"], batch["labels"]
+    assert ids[0, 0] == encoder.bos
+    scored = labels[0][labels[0] != -100].tolist()
+    assert encoder.tokenizer.decode(scored) == problem.answer  # the digit, not the end token
+    row = encoder.training_batch([[("ab", False), ("c", True)]])
+    assert row["labels"][0].tolist() == [-100, -100, -100, encoder.encode_text("c")[0], encoder.eos]
+    # One token per character: digits never merge.
+    assert len(encoder.encode_text("0123456789")) == 10
+
+
+def test_jsonl_corpus_for_the_trainer(tmp_path):
+    path = write_jsonl(tmp_path / "chains.jsonl", VariableChains(), 5, [1, 2], seed=0)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 10
+    assert all(row["text"] == row["prompt"] + row["answer"] for row in rows)
+
+
+def test_lm_eval_dataset_builders_accept_metadata():
+    data = task_utils.chains_dataset(hops=[1, 3], count=4, version=1.0)  # lm-eval passes its metadata too
+    test = data["test"]
+    assert len(test) == 8 and len(data["train"]) == 32
+    for row in test:
+        assert row["choices"][row["label"]] == row["answer"]
+        assert VariableChains().solve(row["prompt"]) == row["answer"]
+    assert data["test"][0] == task_utils.chains_dataset(hops=[1, 3], count=4)["test"][0]
+    addition = task_utils.addition_dataset(digits=2, count=3)
+    assert all(len(row["answer"]) == 3 for row in addition["test"])

@@ -50,7 +50,7 @@ def chunk_delta_rule_fwd(
     kk = kc @ kc.transpose(-1, -2)  # [B, H, N, C, C]
     qk = qc @ kc.transpose(-1, -2)
     if g is None:
-        qk = qk.masked_fill(~torch.ones(C, C, dtype=torch.bool, device=q.device).tril(), 0.0)
+        qk = qk.masked_fill_(~torch.ones(C, C, dtype=torch.bool, device=q.device).tril(), 0.0)  # bmm keeps inputs
         rhs_k = bc * kc
         q_in, k_out, chunk_decay = qc, kc, None
     else:

@@ -90,7 +90,7 @@ def intra_chunk_factored(q_in: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
     """
     C = G.shape[-2]
     causal = torch.ones(C, C, dtype=torch.bool, device=G.device).tril()
-    scores = (q_in @ (kc * (-G).exp()).transpose(-1, -2)).masked_fill(~causal, 0.0)
+    scores = (q_in @ (kc * (-G).exp()).transpose(-1, -2)).masked_fill_(~causal, 0.0)  # in place: bmm keeps inputs
     return scores @ vc
 
 

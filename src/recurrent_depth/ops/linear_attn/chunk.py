@@ -45,18 +45,24 @@ def chunk_linear_attn(
     C = check_chunk_size(chunk_size)
     dt, out_dtype = acc_dtype(q, S0), q.dtype
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
-    S0 = q.new_zeros(B, H, K, V) if S0 is None else S0.to(dt)
     if normalize:
         v = torch.cat([v, v.new_ones(B, T, H, 1)], dim=-1)
-        z0 = q.new_zeros(B, H, K) if z0 is None else z0.to(dt)
-        S0 = torch.cat([S0, z0[..., None]], dim=-1)
+        if S0 is not None or z0 is not None:
+            S0 = q.new_zeros(B, H, K, V) if S0 is None else S0.to(dt)
+            z0 = q.new_zeros(B, H, K) if z0 is None else z0.to(dt)
+            S0 = torch.cat([S0, z0[..., None]], dim=-1)
     qc, kc, vc = to_chunks(q * scale, C), to_chunks(k, C), to_chunks(v, C)  # [B, H, N, C, D]
 
     dS = kc.transpose(-1, -2) @ vc  # [B, H, N, K, V]
-    S_after = S0[:, :, None] + dS.cumsum(dim=2)
-    S_before = torch.cat([S0[:, :, None], S_after[:, :, :-1]], dim=2)
+    S_after = dS.cumsum(dim=2)
+    if S0 is None:
+        S_before = torch.cat([torch.zeros_like(dS[:, :, :1]), S_after[:, :, :-1]], dim=2)
+    else:
+        S_after = S0.to(dt)[:, :, None] + S_after
+        S_before = torch.cat([S0.to(dt)[:, :, None], S_after[:, :, :-1]], dim=2)
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    scores = (qc @ kc.transpose(-1, -2)).masked_fill(~causal, 0.0)  # [B, H, N, C, C]
+    # In place is safe: the matmul's backward needs its inputs, not its output.
+    scores = (qc @ kc.transpose(-1, -2)).masked_fill_(~causal, 0.0)  # [B, H, N, C, C]
     o = from_chunks(qc @ S_before + scores @ vc, T)  # [B, T, H, V(+1)]
 
     S = S_after[:, :, -1]

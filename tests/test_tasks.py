@@ -125,3 +125,24 @@ def test_lm_eval_dataset_builders_accept_metadata():
     assert data["test"][0] == task_utils.chains_dataset(hops=[1, 3], count=4)["test"][0]
     addition = task_utils.addition_dataset(digits=2, count=3)
     assert all(len(row["answer"]) == 3 for row in addition["test"])
+
+
+def test_export_writes_a_corpus_the_trainer_config_points_to(tmp_path):
+    from pathlib import Path
+
+    from recurrent_depth.data.corpus import load_corpus
+    from recurrent_depth.evaluation.reasoning.__main__ import main as reasoning_main
+    from recurrent_depth.train.config import TrainConfig
+
+    assert reasoning_main(["export", "--task", "chains", "--difficulties", "0-2", "--count", "3",
+                           "--out", str(tmp_path / "chains")]) == 0
+    docs = list(load_corpus(str(tmp_path / "chains" / "train.jsonl")))
+    assert len(docs) == 9 and all(VariableChains().solve(d.text[:-1]) == d.text[-1] for d in docs)
+    assert (tmp_path / "chains" / "tokenizer" / "tokenizer.json").is_file()
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    for name in ("reasoning_chains.yaml", "reasoning_addition.yaml"):
+        config = TrainConfig.from_yaml(examples / name)
+        assert config.tokenizer and config.data.endswith("train.jsonl")
+        assert config.model_config().max_seq_len >= config.seq_len
+    assert reasoning_main(["export", "--task", "chains", "--difficulties", "0-40", "--count", "1",
+                           "--out", str(tmp_path / "bad")]) == 2

@@ -83,5 +83,6 @@ def write_jsonl(
     """A JSONL corpus (`text` = prompt + answer, plus the fields) that `rdepth train --data FILE.jsonl` reads."""
     problems = make_problems(task, count, list(difficulties), seed=seed)
     lines = [json.dumps(p.to_dict(), sort_keys=True) for p in problems]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(Path(path), "\n".join(lines) + "\n")
     return Path(path)

@@ -48,6 +48,7 @@ class ReasoningRunConfig:
     depths: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
     curriculum: bool = True
     promote_at: float = 0.85  # accuracy on the current hardest difficulty that admits the next one
+    depth_curriculum: bool = True  # sample depths around min(mean_recurrence, difficulty + 1), at least 2
     hidden_size: int = 128
     num_heads: int = 4
     intermediate_size: int = 352
@@ -170,9 +171,10 @@ def train_reasoning(config: ReasoningRunConfig, log: Any = print) -> tuple[Recur
                 break
             difficulties = curriculum.draw(rng, config.batch_size)
             batch = encoder.training_batch([task.training_segments(rng, d) for d in difficulties])
-            num_steps = sample_lognormal_poisson_depth(
-                config.mean_recurrence, config.backprop_depth, generator=depth_generator
-            )
+            mean_depth = config.mean_recurrence
+            if config.depth_curriculum:  # easy problems need little depth: cheaper steps, more of them
+                mean_depth = min(config.mean_recurrence, max(2, curriculum.current + 1))
+            num_steps = sample_lognormal_poisson_depth(mean_depth, config.backprop_depth, generator=depth_generator)
             lr = _lr_at(config, step, fraction)
             for group in optimizer.param_groups:
                 group["lr"] = lr

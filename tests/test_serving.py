@@ -476,14 +476,19 @@ def test_rdepth_serve_command_reads_the_api_key_from_the_environment(model_dir, 
         with LiveServer(app) as live:
             seen["no_key"] = httpx.get(live.url + "/v1/models").status_code
             seen["health"] = httpx.get(live.url + "/health").status_code
-            r = httpx.get(live.url + "/v1/models", headers={"Authorization": "Bearer env-key"})
+            auth = {"Authorization": "Bearer env-key"}
+            r = httpx.get(live.url + "/v1/models", headers=auth)
             seen["models"] = [m["id"] for m in r.json()["data"]]
+            r = httpx.post(live.url + "/v1/completions", headers=auth, timeout=30,
+                           json=dict(prompt="def", max_tokens=3, temperature=0, ignore_eos=True, return_steps=True))
+            seen["steps"] = r.json()["choices"][0]["steps"]  # --num-steps sets the default depth
 
     monkeypatch.setattr(uvicorn, "run", run)
     monkeypatch.setenv("RDEPTH_API_KEY", "env-key")
     threads = torch.get_num_threads()
-    assert main(["serve", "--model", str(model_dir), "--port", "8123", "--threads", "1"]) == 0
+    assert main(["serve", "--model", str(model_dir), "--port", "8123", "--threads", "1", "--num-steps", "3"]) == 0
     torch.set_num_threads(threads)
-    assert seen == dict(host="127.0.0.1", port=8123, no_key=401, health=200, models=[model_dir.name])
+    assert seen == dict(host="127.0.0.1", port=8123, no_key=401, health=200, models=[model_dir.name],
+                        steps=[3, 3, 3])
     assert main(["serve", "--model", str(model_dir / "missing")]) == 2
     assert main(["serve", "--model", str(model_dir), "--port", "0"]) == 2

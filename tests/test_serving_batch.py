@@ -56,15 +56,14 @@ MODES = {
 }
 
 
-def run_schedule(model, jobs, joins_per_tick: int, max_rows: int):
-    """Feed jobs (prompt, options kwargs, seed) to a BatchDecoder, `joins_per_tick` at a time,
-    removing each row when it has its tokens. Returns each job's TokenResults."""
+def run_schedule(model, jobs, joins_per_iteration: int, max_rows: int):
+    """Feed jobs (prompt, options kwargs, seed) to a BatchDecoder, `joins_per_iteration` at a time,
+    removing each row when it has its tokens. Returns each job's TokenResults and the decoder."""
     dec = BatchDecoder(model, max_rows=max_rows)
     pending = list(range(len(jobs)))
     out: dict[int, list] = {}
-    ticks = 0
     while pending or len(dec):
-        for _ in range(joins_per_tick):
+        for _ in range(joins_per_iteration):
             if pending and len(dec) < max_rows:
                 j = pending.pop(0)
                 prompt, kw, seed = jobs[j]
@@ -73,12 +72,11 @@ def run_schedule(model, jobs, joins_per_tick: int, max_rows: int):
                 out[j] = [first]
                 if len(out[j]) >= kw["max_new_tokens"]:
                     dec.remove(seq)
-        for seq, result in zip(list(dec.rows), dec.step()):
+        for seq, result in dec.step():
             out[seq.tag].append(result)
             if len(out[seq.tag]) >= jobs[seq.tag][1]["max_new_tokens"]:
                 dec.remove(seq)
-        ticks += 1
-    return out, ticks
+    return out, dec
 
 
 @pytest.mark.parametrize("joins,max_rows", [(1, 4), (3, 8), (12, 12)],
@@ -91,8 +89,8 @@ def test_continuous_batch_equals_each_request_alone(model, joins, max_rows):
         kw = dict(max_new_tokens=3 + (7 * j) % 8, init_scale=0.0)
         kw.update(mode)
         jobs.append((prompt, kw, 100 + j))
-    out, ticks = run_schedule(model, jobs, joins, max_rows)
-    assert ticks < sum(kw["max_new_tokens"] for _, kw, _ in jobs)  # rows really were batched
+    out, dec = run_schedule(model, jobs, joins, max_rows)
+    assert dec.core_rows / dec.iterations > 2  # rows really shared core steps
     for j, (prompt, kw, seed) in enumerate(jobs):
         alone = generate(model, torch.tensor(prompt), seed=seed, output_logits=True, **kw)
         tokens = alone.token_lists()[0]
@@ -110,17 +108,39 @@ def test_continuous_batch_equals_each_request_alone(model, joins, max_rows):
             assert [i for i, _ in r.top] == ids
 
 
-def test_adaptive_rows_exit_at_their_own_depth(model):
-    """In one batch, rows with and without an exit criterion use different numbers of steps."""
-    opts_fixed = GenerationOptions(max_new_tokens=6, num_steps=8, init_scale=0.0).validate(4)
-    opts_exit = GenerationOptions(max_new_tokens=6, num_steps=8, exit_criterion="kl", exit_threshold=0.5,
+def test_rows_exit_at_their_own_depth_and_start_their_next_token_at_once(model):
+    """An adaptive row finishes tokens while a deep fixed-depth row is still recurring: it does
+    not wait for the deepest row of the batch."""
+    opts_fixed = GenerationOptions(max_new_tokens=4, num_steps=12, init_scale=0.0).validate(4)
+    opts_exit = GenerationOptions(max_new_tokens=12, num_steps=12, exit_criterion="kl", exit_threshold=0.5,
                                   init_scale=0.0).validate(4)
     dec = BatchDecoder(model, 4)
-    dec.add(RowRequest([1, 2, 3], opts_fixed, 0))
-    dec.add(RowRequest([4, 5, 6, 7], opts_exit, 0))
-    steps = [[r.steps for r in dec.step()] for _ in range(5)]
-    assert all(row[0] == 8 for row in steps)
-    assert all(row[1] < 8 for row in steps)
+    fixed, _, _ = dec.add(RowRequest([1, 2, 3], opts_fixed, 0))
+    adaptive, _, _ = dec.add(RowRequest([4, 5, 6, 7], opts_exit, 0))
+    finished = {id(fixed): [], id(adaptive): []}
+    for _ in range(12):  # one token of the fixed row
+        for seq, result in dec.step():
+            finished[id(seq)].append(result.steps)
+    assert finished[id(fixed)] == [12]
+    assert len(finished[id(adaptive)]) >= 2 and all(s < 12 for s in finished[id(adaptive)])
+    assert dec.core_rows == 2 * dec.iterations  # both rows recurred in every iteration
+
+
+def test_fixed_depth_rows_recur_in_lockstep(model):
+    """A fixed-depth row that joins mid-token waits for its cohort's next token boundary."""
+    opts = GenerationOptions(max_new_tokens=8, num_steps=5, init_scale=0.0).validate(4)
+    dec = BatchDecoder(model, 4)
+    dec.add(RowRequest([1, 2, 3], opts, 0))
+    dec.step()
+    dec.step()
+    dec.add(RowRequest([4, 5], opts, 0))  # joins at step 2 of the first row's token
+    sizes = []
+    for _ in range(13):
+        before = dec.core_rows
+        finished = dec.step()
+        sizes.append((dec.core_rows - before, len(finished)))
+    assert sizes[:3] == [(1, 0), (1, 0), (1, 1)]  # the first row finishes its token alone
+    assert sizes[3:8] == [(2, 0)] * 4 + [(2, 2)]  # then both recur together, one call per step
 
 
 def test_prompt_scores_equal_a_full_forward_and_zero_new_tokens_keeps_no_row(model):

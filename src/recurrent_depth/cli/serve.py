@@ -42,6 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(default: %(default)s)")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request may take from arrival to its last token (default: %(default)s)")
+    p.add_argument("--num-steps", type=int, default=None,
+                   help="recurrence depth of requests that do not set num_steps, e.g. lm-eval's scoring requests "
+                        "(default: the model's mean_recurrence)")
     p.add_argument("--max-num-steps", type=int, default=None,
                    help="deepest recurrence a request may ask for (default: max(64, 4 x mean_recurrence))")
     p.add_argument("--threads", type=int, default=None,
@@ -68,6 +71,6 @@ def run(args: argparse.Namespace) -> int:
         args.model, host=args.host, port=args.port, log_level=args.log_level,
         model_name=args.served_model_name, api_key=api_key, max_batch=args.max_batch, max_queue=args.max_queue,
         prefill_tokens=args.prefill_tokens, request_timeout=args.request_timeout,
-        max_num_steps=args.max_num_steps, dtype=dtype, device=args.device,
+        max_num_steps=args.max_num_steps, num_steps=args.num_steps, dtype=dtype, device=args.device,
     )
     return 0

@@ -56,12 +56,15 @@ def build_app(
     prefill_tokens: int = 4096,
     request_timeout: float = 600.0,
     max_num_steps: int | None = None,
+    num_steps: int | None = None,
     dtype: Any = None,
     device: str = "cpu",
 ) -> Any:
     """A ready FastAPI app for a model directory (or a loaded `RecurrentDepthLM` plus `tokenizer_dir`).
 
-    The engine thread starts with the app (its lifespan) and stops with it.
+    `num_steps` is the depth of requests that do not set one (None: the model's mean_recurrence);
+    `max_num_steps` bounds what a request may ask for. The engine thread starts with the app (its
+    lifespan) and stops with it.
     """
     if isinstance(model, str | Path):
         from recurrent_depth.checkpoint import load_pretrained
@@ -79,8 +82,11 @@ def build_app(
     steps = max_num_steps if max_num_steps is not None else default_max_num_steps(cfg.mean_recurrence)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"max_num_steps={steps!r} is invalid: expected an integer >= 1")
+    if num_steps is not None and (isinstance(num_steps, bool) or not isinstance(num_steps, int)
+                                  or not 0 <= num_steps <= steps):
+        raise ValueError(f"num_steps={num_steps!r} is invalid: expected an integer in [0, max_num_steps={steps}]")
     limits = Limits(cfg.max_seq_len, cfg.mean_recurrence, cfg.vocab_size, max_num_steps=steps,
-                    max_sequences=min(max_queue, 256))
+                    max_sequences=min(max_queue, 256), default_num_steps=num_steps)
     engine = Engine(model, Metrics(), max_batch=max_batch, max_queue=max_queue, prefill_tokens=prefill_tokens)
     codec = TextCodec(tokenizer_dir, cfg.vocab_size)
     settings = ServerSettings(model_name=model_name, api_key=api_key, request_timeout=request_timeout,

@@ -1,32 +1,40 @@
-"""Continuous batching with per-sequence depth: sequences join and leave between decode steps.
+"""Continuous batching at the depth level: every row recurs at its own pace.
 
 `BatchDecoder` keeps the running sequences as rows 0..n-1 of a `SlotKVPool`. `add` runs one
-request's prompt (its own prefill, at full depth) into a free row and picks its first token;
-`step` feeds every row its pending token in one batched call and runs the recurrence with each
-row's own settings: its depth (`num_steps`), its exit criterion and threshold, its KV budget, warm
-start or a fresh s_0 from its own generator. A row that stops early keeps its state, logits and
-cache entries (a per-row write mask), exactly as `recurrent_depth.inference`'s autoregressive loop
-does for a batch, so each row produces what `generate` would produce for that request alone:
-same tokens, same steps per token, logits equal to float rounding. `remove` frees a row by moving
-the last row into it, so the running rows stay contiguous.
+request's prompt (its own prefill, at full depth) into a free row and picks its first token.
+`step` is one *iteration*, which advances every row by one recurrence step:
 
-The model pieces are `recurrent_depth.inference.runner.FastRunner`'s (all-attention models);
-token choice, per-row generators and exit statistics are the inference package's own classes.
+1. start: rows holding a chosen token embed it (prelude) and draw s_0 (random from the row's own
+   generator, zeros, or the previous token's final state with warm start);
+2. recur: one core step for every row that is inside a token, each at its own step index (so at
+   its own KV slot), with its own exit criterion and threshold;
+3. finish: rows that met their criterion or reached their depth read their logits (coda), fill
+   the KV slots they did not reach with their deepest entry, and choose their next token.
+
+A row therefore starts its next token as soon as its previous one exits, instead of waiting for
+the deepest row of the batch: adaptive exit saves real compute. Rows at the same fixed depth
+start their tokens together (a row that joins such a cohort waits for its next token boundary),
+which keeps a batch of fixed-depth requests in lockstep, with one model call per step for all.
+
+Each row computes exactly what `recurrent_depth.inference.generate` computes for that request
+alone, in the same order, from the same generator: same tokens, same steps per token, logits
+equal to float rounding. `remove` frees a row by moving the last row into its place. The model
+pieces are `recurrent_depth.inference.runner.FastRunner`'s (all-attention models); token choice,
+per-row generators and exit statistics are the inference package's own classes.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from recurrent_depth.inference.criteria import ExitCriterion
 from recurrent_depth.inference.options import GenerationOptions
-from recurrent_depth.inference.runner import FastRunner
+from recurrent_depth.inference.runner import FastRunner, Step
 from recurrent_depth.inference.sampling import RowGenerators, TokenChooser
+from recurrent_depth.serving.exits import RowCriterion
 from recurrent_depth.serving.kv_pool import SlotKVPool
 
 
@@ -79,26 +87,33 @@ def logprobs_of(logits: Tensor, chosen: Tensor, k: int) -> tuple[list[float], li
 
 @dataclass(eq=False)
 class Sequence:
-    """A running row: its request, its generator and token chooser, and where it is."""
+    """A running row: its request, generator and token chooser, and where it is.
+
+    length: cache columns written (prompt + finished tokens); the current token sits at column
+    `length`. pending: the chosen token not yet fed. phase: steps run for the current token, or
+    None while the row waits to start its pending token.
+    """
 
     request: RowRequest
     generators: RowGenerators
     chooser: TokenChooser
-    length: int  # columns written to the cache (prompt + fed tokens)
-    pending: int = -1  # the last chosen token, fed at the next step
-    last_state: Tensor | None = None  # raw final state of the last position [h] (warm start)
+    length: int
+    pending: int = -1
+    phase: int | None = None
     tag: object = None  # the caller's handle
-    generated: int = 0
 
     @property
     def options(self) -> GenerationOptions:
         return self.request.options
 
     @property
+    def adaptive(self) -> bool:
+        return self.options.criterion is not None
+
+    @property
     def limit(self) -> int:
-        """The most steps a new token may run: max_steps with an exit criterion, else num_steps."""
-        opts = self.options
-        return opts.max_steps if opts.criterion is not None else opts.num_steps
+        """The most steps a token may run: max_steps with an exit criterion, else num_steps."""
+        return self.options.max_steps if self.adaptive else self.options.num_steps
 
     @property
     def row_slots(self) -> int:
@@ -107,21 +122,19 @@ class Sequence:
         deepest = opts.deepest_step
         return max(1, deepest if opts.kv_budget is None else min(opts.kv_budget, deepest))
 
+    def slot(self, step: int) -> int:
+        """The KV slot of core step `step`: the step itself, or step mod k under a budget."""
+        budget = self.options.kv_budget
+        return min(step if budget is None else step % budget, self.row_slots - 1)
 
-def slot_table(budgets: list[int | None], row_slots: list[int], steps: int, device: torch.device) -> Tensor:
-    """Slot of each (row, core step) `[B, steps]`: step under the full policy, step mod k under a
-    budget k; clamped to the row's slots (only rows past their own depth ever hit the clamp, and
-    their writes are masked)."""
-    i = torch.arange(steps, device=device)[None]
-    k = torch.tensor([b or 0 for b in budgets], device=device)[:, None]
-    slots = torch.where(k > 0, i % k.clamp(min=1), i)
-    return torch.minimum(slots, torch.tensor(row_slots, device=device)[:, None] - 1)
+    @property
+    def criterion_key(self) -> tuple[str, float] | None:
+        opts = self.options
+        return (opts.criterion.name, opts.threshold) if opts.criterion is not None else None
 
 
 class BatchDecoder:
-    """Rows of independent requests decoded together, one token per row per `step`."""
-
-    CONVERGED, MAX_STEPS, FIXED = "converged", "max-steps", "fixed"
+    """Rows of independent requests decoded together, one recurrence step per `step()`."""
 
     @staticmethod
     def supports(model: object) -> bool:
@@ -134,18 +147,32 @@ class BatchDecoder:
         self.runner = FastRunner(model)
         self.device = model.device
         self.max_rows = max_rows
-        self.pool = SlotKVPool(self.device)
         self.rows: list[Sequence] = []
+        self.iterations = 0  # step() calls that ran the core
+        self.core_rows = 0  # rows summed over those calls
+        self._allocate()
+
+    def _allocate(self) -> None:
+        h, V, R = self.config.hidden_size, self.config.vocab_size, self.max_rows
+        dtype = self.model.dtype
+        self.pool = SlotKVPool(self.device)
+        # Per-row tensors, indexed like the pool's rows: the current token's state and injection,
+        # and the latest logits of rows whose exit criterion reads them.
+        self.state = torch.zeros(R, h, dtype=dtype, device=self.device)
+        self.embedded = torch.zeros(R, h, dtype=dtype, device=self.device)
+        self.injected = torch.zeros(R, h, dtype=dtype, device=self.device)
+        self.logits = torch.zeros(R, V, device=self.device)
+        self.criteria: dict[tuple[str, float], RowCriterion] = {}
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def reset(self) -> None:
         """Forget every row and the KV storage (after an error left them in an unknown state)."""
-        self.pool = SlotKVPool(self.device)
         self.rows = []
+        self._allocate()
 
-    # ------------------------------------------------------------------ joining
+    # ------------------------------------------------------------------ joining and leaving
     @torch.inference_mode()
     def add(self, request: RowRequest, tag: object = None) -> tuple[Sequence | None, TokenResult | None,
                                                                    PromptScores | None]:
@@ -169,7 +196,7 @@ class BatchDecoder:
 
         runner, pool = self.runner, self.pool
         depth = opts.num_steps  # the prompt runs at full depth
-        table = slot_table([opts.kv_budget], [seq.row_slots], depth, self.device)
+        table = torch.tensor([[seq.slot(i) for i in range(depth)]], dtype=torch.long)
         pool.bind_prefill(row, T, table)
         step = runner.context(ids, None, None)
         step.ctx.cache = pool
@@ -190,10 +217,13 @@ class BatchDecoder:
             scores = PromptScores([None, *picked], [None, *tops])
         if opts.max_new_tokens == 0:
             return None, None, scores
-        seq.last_state = s[0, -1]
+        self.state[row] = s[0, -1]  # what a warm start continues from
         first = self._choose([seq], logits[-1:], [depth], ["prefill"])[0]
         seq.pending = first.token
         self.rows.append(seq)
+        key = seq.criterion_key
+        if key is not None and key not in self.criteria:
+            self.criteria[key] = RowCriterion(opts.criterion, opts.threshold, self.max_rows, self.config.vocab_size)
         return seq, first, scores
 
     @torch.inference_mode()
@@ -203,126 +233,132 @@ class BatchDecoder:
         last = len(self.rows) - 1
         if row != last:
             moved = self.rows[last]
-            self.pool.move_row(last, row, moved.length)
+            self.pool.move_row(last, row, moved.length + 1)  # + the column of its current token
+            for table in (self.state, self.embedded, self.injected, self.logits):
+                table[row] = table[last]
+            for crit in self.criteria.values():
+                crit.move(last, row)
             self.rows[row] = moved
         self.rows.pop()
 
-    # ------------------------------------------------------------------ one decode step
+    # ------------------------------------------------------------------ one iteration
     @torch.inference_mode()
-    def step(self) -> list[TokenResult]:
-        """Feed every row its pending token; returns each row's next token (in row order)."""
-        rows = self.rows
-        n = len(rows)
-        if n == 0:
+    def step(self) -> list[tuple[Sequence, TokenResult]]:
+        """Advance every row by one recurrence step; returns the rows that finished a token."""
+        if not self.rows:
             return []
-        runner, pool, device = self.runner, self.pool, self.device
-        V = self.config.vocab_size
-        ids = torch.tensor([[r.pending] for r in rows], dtype=torch.long, device=device)
-        positions = [r.length for r in rows]
-        pos = torch.tensor(positions, dtype=torch.long, device=device)
-        limits_list = [r.limit for r in rows]
-        depth = max(limits_list)
-        row_slots = [r.row_slots for r in rows]
-        pool.bind_decode(n, pos, slot_table([r.options.kv_budget for r in rows], row_slots, depth, device))
+        starting = self._may_start()
+        if starting:
+            self._start(starting)
+        done: list[tuple[int, str]] = [(b, "fixed") for b in starting if self.rows[b].limit == 0]
+        recurring = [b for b, r in enumerate(self.rows) if r.phase is not None and r.phase < r.limit]
+        if recurring:
+            done += self._recur(recurring)
+        return self._finish(done) if done else []
 
-        step = runner.context(ids, None, None, position_ids=pos[:, None])
+    def _may_start(self) -> list[int]:
+        """Rows with a pending token that start it now. A fixed-depth row waits while rows of the
+        same fixed depth are inside a token, so such rows form one cohort that recurs in lockstep."""
+        busy = {r.limit for r in self.rows if not r.adaptive and r.phase is not None}
+        return [b for b, r in enumerate(self.rows) if r.phase is None and (r.adaptive or r.limit not in busy)]
+
+    def _bind(self, rows: list[int], ids: Tensor | None = None, core_slots: list[int] | None = None) -> Step:
+        """A model-call context for one token per row in `rows`, each at its own position."""
+        seqs = [self.rows[b] for b in rows]
+        columns = [r.length for r in seqs]
+        cols = torch.tensor(columns, dtype=torch.long, device=self.device)
+        if ids is None:  # core / coda calls read states, not ids; the shape is what matters
+            ids = torch.zeros(len(rows), 1, dtype=torch.long, device=self.device)
+        step = self.runner.context(ids, None, None, position_ids=cols[:, None])
         ctx = step.ctx
-        ctx.cache = pool
-        L = max(positions) + 1
+        L = max(columns) + 1
+        ctx.cache = self.pool
         ctx.past_len = L - 1
-        if min(positions) != L - 1:  # rows of different lengths: hide each row's columns past its own
-            valid = torch.arange(L, device=device)[None] <= pos[:, None]  # [B, L]
+        if min(columns) != L - 1:  # rows of different lengths: hide each row's columns past its own
+            valid = torch.arange(L, device=self.device)[None] <= cols[:, None]  # [B, L]
             ctx.key_valid = valid
             ctx.attn_mask = valid[:, None, None, :]  # [B, 1, 1, L]
-        e = runner.embed(ids, step)  # [B, 1, h]
-        injected = runner.inject(e)
-        state = self._initial_states(rows, e)
+        self.pool.bind_tokens(rows, cols, L, core_slots)
+        return step
 
-        # Exit criteria: one statistics object per (criterion, threshold), over its rows.
-        groups: dict[tuple[str, float], list[int]] = defaultdict(list)
-        for b, r in enumerate(rows):
-            if r.options.criterion is not None:
-                groups[(r.options.criterion.name, r.options.threshold)].append(b)
-        criteria = []
-        for b_list in groups.values():
-            opts = rows[b_list[0]].options
-            crit = ExitCriterion(opts.criterion, opts.threshold)
-            idx = torch.tensor(b_list, device=device)
-            min_steps = torch.tensor([rows[b].options.min_steps for b in b_list], device=device)
-            crit.start(state[idx, 0], V)
-            criteria.append((crit, idx, min_steps))
-        has_criteria = bool(criteria)
-        needs_logits = torch.tensor(
-            [r.options.criterion is not None and r.options.criterion.needs_logits for r in rows], device=device
-        )
-        any_logit_rows = bool(needs_logits.any())
-        limits = torch.tensor(limits_list, device=device)
-        fixed_code = [self.FIXED if r.options.criterion is None else self.MAX_STEPS for r in rows]
-        converged = torch.zeros(n, dtype=torch.bool, device=device)
-        steps = torch.zeros(n, dtype=torch.long, device=device)
-        running = limits > 0
-        logits = None
-        shortest = min(limits_list)
-        someone_stopped = False
-        for i in range(depth):
-            if i > 0:
-                running &= i < limits
-            everyone = not someone_stopped and i < shortest
-            if has_criteria and not everyone and not bool(running.any()):
-                break
-            pool.write_mask = None if everyone else running
-            new_state = runner.core_step(state, injected, e, i, step)
-            state = new_state if everyone else torch.where(running[:, None, None], new_state, state)
-            steps += running
-            step_logits = None
-            if any_logit_rows:
-                wanted = running & needs_logits
-                pool.write_mask = wanted  # only these rows' coda entries follow this step
-                step_logits = runner.predict(state, step, last_only=True)[:, 0]
-                logits = step_logits if logits is None else torch.where(wanted[:, None], step_logits, logits)
-            for crit, idx, min_steps in criteria:
-                if crit.needs_logits and step_logits is None:
-                    continue
-                met = crit.update(state[idx, 0], step_logits[idx] if crit.needs_logits else None)
-                stopping = met & running[idx] & (i + 1 >= min_steps)
-                if bool(stopping.any()):  # the one host sync per group and step that exits need
-                    converged[idx] |= stopping
-                    running[idx] &= ~stopping
-                    someone_stopped = True
-        # Rows whose logits are not yet final (fixed depth, latent criteria): one coda pass.
-        final = ~needs_logits
-        if bool(final.any()):
-            pool.write_mask = None if bool(final.all()) else final
-            final_logits = runner.predict(state, step, last_only=True)[:, 0]
-            logits = final_logits if logits is None else torch.where(final[:, None], final_logits, logits)
-        pool.write_mask = None
-        pool.close_decode(steps, torch.tensor(row_slots, device=device))
-
-        for b, r in enumerate(rows):
-            r.length += 1
-            r.last_state = state[b, 0]
-        converged_list = converged.tolist()
-        reasons = [self.CONVERGED if c else fixed_code[b] for b, c in enumerate(converged_list)]
-        results = self._choose(rows, logits, steps.tolist(), reasons)
-        for r, res in zip(rows, results):
-            r.pending = res.token
-        return results
-
-    def _initial_states(self, rows: list[Sequence], e: Tensor) -> Tensor:
-        """s_0 `[B, 1, h]` per row: the previous final state (warm start), zeros (init_scale 0),
-        or a draw from the row's own generator, as `Session.initial_states` does alone."""
-        if all(not r.options.warm_start and r.options.init_scale == 0 for r in rows):
-            return torch.zeros_like(e)
-        parts = []
-        for b, r in enumerate(rows):
+    def _start(self, rows: list[int]) -> None:
+        """Embed each row's pending token and set its initial state (as `Session.initial_states`)."""
+        seqs = [self.rows[b] for b in rows]
+        index = torch.tensor(rows, device=self.device)
+        ids = torch.tensor([[r.pending] for r in seqs], dtype=torch.long, device=self.device)
+        step = self._bind(rows, ids)
+        e = self.runner.embed(ids, step)  # [m, 1, h]
+        self.embedded[index] = e[:, 0]
+        self.injected[index] = self.runner.inject(e)[:, 0]
+        for j, (b, r) in enumerate(zip(rows, seqs)):
             opts = r.options
             if opts.warm_start:
-                parts.append(r.last_state.to(e.dtype)[None])
-            elif opts.init_scale == 0:
-                parts.append(torch.zeros_like(e[b, 0])[None])
+                continue  # the state still holds the previous token's final state
+            if opts.init_scale == 0:
+                self.state[b] = 0
             else:
-                parts.append(self.runner.initial_state(e[b : b + 1], opts.init_scale, r.generators[0])[0, 0][None])
-        return torch.cat(parts)[:, None]
+                self.state[b] = self.runner.initial_state(e[j : j + 1], opts.init_scale, r.generators[0])[0, 0]
+        for r in seqs:
+            r.phase = 0
+        for key, crit in self.criteria.items():
+            members = [b for b, r in zip(rows, seqs) if r.criterion_key == key]
+            if members:
+                sub = torch.tensor(members, device=self.device)
+                crit.start(sub, self.state[sub])
+
+    def _recur(self, rows: list[int]) -> list[tuple[int, str]]:
+        """One core step for each row at its own step; returns the rows that exit, with why."""
+        seqs = [self.rows[b] for b in rows]
+        index = torch.tensor(rows, device=self.device)
+        step = self._bind(rows, core_slots=[r.slot(r.phase) for r in seqs])
+        state = self.runner.core_step(self.state[index, None], self.injected[index, None],
+                                      self.embedded[index, None], 0, step)[:, 0]
+        self.state[index] = state
+        self.iterations += 1
+        self.core_rows += len(rows)
+        for r in seqs:
+            r.phase += 1
+        reading = [b for b, r in zip(rows, seqs) if r.adaptive and self.criteria[r.criterion_key].needs_logits]
+        if reading:  # output-based criteria: logits after every step (the coda's KV follows along)
+            read_index = torch.tensor(reading, device=self.device)
+            self.logits[read_index] = self.runner.predict(self.state[read_index, None], self._bind(reading),
+                                                          last_only=True)[:, 0]
+        converged = set()
+        for key, crit in self.criteria.items():
+            members = [b for b, r in zip(rows, seqs) if r.criterion_key == key]
+            if not members:
+                continue
+            sub = torch.tensor(members, device=self.device)
+            met = crit.update(sub, self.state[sub], self.logits[sub] if crit.needs_logits else None).tolist()
+            converged |= {b for b, m in zip(members, met) if m and self.rows[b].phase >= self.rows[b].options.min_steps}
+        done = []
+        for b, r in zip(rows, seqs):
+            if b in converged:
+                done.append((b, "converged"))
+            elif r.phase >= r.limit:
+                done.append((b, "max-steps" if r.adaptive else "fixed"))
+        return done
+
+    def _finish(self, done: list[tuple[int, str]]) -> list[tuple[Sequence, TokenResult]]:
+        """Logits, KV fill and the next token for rows whose current token exited."""
+        rows = [b for b, _ in done]
+        seqs = [self.rows[b] for b in rows]
+        index = torch.tensor(rows, device=self.device)
+        # Rows whose criterion does not read logits (fixed depth, latent criteria): one coda pass.
+        unread = [b for b, r in zip(rows, seqs) if not (r.adaptive and self.criteria[r.criterion_key].needs_logits)]
+        if unread:
+            unread_index = torch.tensor(unread, device=self.device)
+            self.logits[unread_index] = self.runner.predict(self.state[unread_index, None], self._bind(unread),
+                                                            last_only=True)[:, 0]
+        depth = torch.tensor([r.phase for r in seqs], device=self.device)
+        cols = torch.tensor([r.length for r in seqs], device=self.device)
+        self.pool.close_tokens(rows, cols, depth, torch.tensor([r.row_slots for r in seqs], device=self.device))
+        results = self._choose(seqs, self.logits[index], [r.phase for r in seqs], [why for _, why in done])
+        for r, result in zip(seqs, results):
+            r.length += 1
+            r.phase = None
+            r.pending = result.token
+        return list(zip(seqs, results))
 
     def _choose(self, rows: list[Sequence], logits: Tensor, steps: list[int], reasons: list[str]) -> list[TokenResult]:
         """Each row's token from its logits `[B, V]` with its own chooser; logprobs when asked for."""
@@ -335,9 +371,7 @@ class BatchDecoder:
                     tokens[b] = r.chooser.choose(logits[b : b + 1], [0])[0]
         for b, r in enumerate(rows):
             r.chooser.observe(tokens[b : b + 1])
-            r.generated += 1
-        token_list = tokens.tolist()
-        results = [TokenResult(t, s, why) for t, s, why in zip(token_list, steps, reasons)]
+        results = [TokenResult(t, s, why) for t, s, why in zip(tokens.tolist(), steps, reasons)]
         want = [b for b, r in enumerate(rows) if r.request.top_logprobs is not None]
         if want:
             k = max(rows[b].request.top_logprobs for b in want)

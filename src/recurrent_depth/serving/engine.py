@@ -290,17 +290,20 @@ class Engine:
             self.batch.remove(seq)
 
     def _decode(self) -> None:
+        """One iteration of the batch: every row advances one recurrence step."""
         rows = list(self.batch.rows)
+        iterations, core_rows = self.batch.iterations, self.batch.core_rows
         try:
-            results = self.batch.step()
+            finished = self.batch.step()
         except Exception as exc:  # noqa: BLE001 - fail this batch, keep serving
             log.error("decode step failed:\n%s", traceback.format_exc())
             self.batch.reset()
             for seq in rows:
                 self._fail(seq.tag, 500, f"generation failed: {type(exc).__name__}: {exc}", "server_error")
             return
-        self.metrics.decode_step(len(rows))
-        for seq, result in zip(rows, results):
+        if self.batch.iterations > iterations:
+            self.metrics.decode_step(self.batch.core_rows - core_rows)
+        for seq, result in finished:
             if self._deliver(seq.tag, result):
                 self.batch.remove(seq)
 

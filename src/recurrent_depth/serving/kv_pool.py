@@ -4,17 +4,17 @@ Every base layer key (`("prelude", i)`, `("core", j)`, `("coda", c)`) owns two t
 `[S, R, Hkv, C, D]`: S slots (one per recurrence step of the core, 1 for prelude and coda),
 R rows (one per running sequence) and C columns (token positions). Each row is one request: its
 column c holds its token at position c, so rows of different lengths need no padding and no
-realignment when requests join or leave. A decode call writes one column per row (at that row's
-own position) and reads columns `[0, L)`, L = the longest row; the attention mask hides a row's
-columns beyond its own length.
+realignment when requests join or leave. A token call writes one column per listed row (at that
+row's own position) and reads columns `[0, L)`, L = the longest listed row; the attention mask
+hides a row's columns beyond its own.
 
 The slot a core step uses is per row: `step` under the full policy, `step mod k` under a KV budget
-k (the paper's sharing, as `recurrent_depth.inference.cache`). A token that ran d steps has its
-slots d.. filled with its deepest entry (`close_*`), the paper's remark 6.1, so later reads are
-plain slices and each row reads exactly what it would read when generated alone.
+k (the paper's sharing, as `recurrent_depth.inference.cache`); rows in one call may be at different
+steps. A token that ran d steps has its slots d.. filled with its deepest entry (`close_*`), the
+paper's remark 6.1, so each row reads exactly what it would read when generated alone.
 
 The pool follows the model's cache protocol (`update_kv`, `get_state`/`set_state`, `advance`,
-`seq_len`, `nbytes`) for the one call it is bound to (`bind_prefill` / `bind_decode`). Only
+`seq_len`, `nbytes`) for the one call it is bound to (`bind_prefill` / `bind_tokens`). Only
 attention mixers are supported (recurrent-state mixers keep a single per-batch state).
 """
 
@@ -38,15 +38,14 @@ class SlotKVPool:
         self.rows = 0  # allocated rows R
         self.capacity = 0  # allocated columns C
         self.seq_len = 0  # protocol field; positions come from the bound call, not from here
-        self.write_mask: Tensor | None = None  # bool [B]: rows that write in the current call
-        self._row_start = 0
-        self._row_count = 0
-        self._cols: Tensor | None = None  # decode: [B] column of each row; None: prefill of one row
-        self._row_index: Tensor | None = None  # decode: [B] absolute row of each bound row
+        self._rows: list[int] = []  # the rows of the bound call
+        self._row_index: Tensor | None = None  # [B] the same rows as a tensor (token calls)
+        self._cols: Tensor | None = None  # token calls: [B] column of each row; None: a prefill
+        self._contiguous = False  # the rows are r0, r0 + 1, ... (reads can be views)
         self._prefill_len = 0
         self._read_len = 0
-        self._slot_table: Tensor | None = None  # [B, steps] slot of each (row, core step)
-        self._uniform_slots: list[int] | None = None  # slot per step when every row agrees
+        self._slot_table: Tensor | None = None  # prefill: [1, steps] slot of each core step
+        self._token_slots: int | Tensor = 0  # token calls: the core slot, one int or [B]
 
     # ------------------------------------------------------------------ sizing
     def reserve(self, slots: int, rows: int, capacity: int, max_rows: int, max_capacity: int) -> None:
@@ -90,36 +89,34 @@ class SlotKVPool:
 
         slot_table: long `[1, steps]`, the slot of each core step for this row.
         """
-        self._row_start, self._row_count = row, 1
+        self._rows = [row]
         self._cols = None
-        self._row_index = None
         self._prefill_len = length
         self._read_len = length
-        self._set_slots(slot_table)
-        self.write_mask = None
-
-    def bind_decode(self, rows: int, positions: Tensor, slot_table: Tensor) -> None:
-        """The next model call feeds one token to each of rows [0, rows), at `positions` `[B]`."""
-        self._row_start, self._row_count = 0, rows
-        self._cols = positions
-        self._row_index = torch.arange(rows, device=self.device)
-        self._read_len = int(positions.max()) + 1
-        self._set_slots(slot_table)
-        self.write_mask = None
-
-    def _set_slots(self, slot_table: Tensor) -> None:
         self._slot_table = slot_table.to(self.device)
-        # Columns where every row uses the same slot read a plain view instead of a gather.
-        first = slot_table[:1]
-        same = (slot_table == first).all(dim=0).tolist()
-        self._uniform_slots = [int(s) if ok else -1 for s, ok in zip(first[0].tolist(), same)]
+
+    def bind_tokens(self, rows: list[int], cols: Tensor, read_len: int, core_slots: list[int] | None) -> None:
+        """The next model call feeds one token to each of `rows`, at columns `cols` `[B]`.
+
+        core_slots: the KV slot each row's core step uses (rows may be at different steps);
+        None for prelude / coda calls.
+        """
+        self._rows = rows
+        self._row_index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self._contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+        self._cols = cols
+        self._read_len = read_len
+        if core_slots is None or len(set(core_slots)) == 1:
+            self._token_slots = core_slots[0] if core_slots else 0
+        else:
+            self._token_slots = torch.tensor(core_slots, dtype=torch.long, device=self.device)
 
     def _slot(self, key: LayerKey) -> int | Tensor:
         if key[0] != "core":
             return 0
-        step = key[2]
-        uniform = self._uniform_slots[step]
-        return uniform if uniform >= 0 else self._slot_table[:, step]
+        if self._cols is None:  # prefill: the step's slot
+            return int(self._slot_table[0, key[2]])
+        return self._token_slots
 
     # ------------------------------------------------------------------ the cache protocol
     def update_kv(self, key: LayerKey, k: Tensor, v: Tensor, ctx: Any = None) -> tuple[Tensor, Tensor]:
@@ -127,22 +124,18 @@ class SlotKVPool:
         base = key[:2] if key[0] == "core" else key
         K, V = self._storage(base, k, v)
         slot = self._slot(key)
-        if self._cols is None:  # prefill: one row, columns [0, T), every step writes
-            r, T = self._row_start, self._prefill_len
+        if self._cols is None:  # prefill: one row, columns [0, T)
+            r, T = self._rows[0], self._prefill_len
             K[slot, r, :, :T] = k[0].transpose(0, 1)
             V[slot, r, :, :T] = v[0].transpose(0, 1)
             return K[slot, r : r + 1, :, :T].transpose(1, 2), V[slot, r : r + 1, :, :T].transpose(1, 2)
-        rows, cols, n, L = self._row_index, self._cols, self._row_count, self._read_len
-        new_k, new_v = k[:, 0], v[:, 0]  # [B, Hkv, D]
-        if self.write_mask is not None:
-            keep = self.write_mask[:, None, None]
-            new_k = torch.where(keep, new_k, K[slot, rows, :, cols])
-            new_v = torch.where(keep, new_v, V[slot, rows, :, cols])
-        K[slot, rows, :, cols] = new_k
-        V[slot, rows, :, cols] = new_v
-        if isinstance(slot, int):
-            k_all, v_all = K[slot, :n, :, :L], V[slot, :n, :, :L]  # views [B, Hkv, L, D]
-        else:  # rows disagree on the slot (mixed KV budgets): gather each row's own
+        rows, cols, L = self._row_index, self._cols, self._read_len
+        K[slot, rows, :, cols] = k[:, 0]  # [B, Hkv, D] at each row's own column
+        V[slot, rows, :, cols] = v[:, 0]
+        if isinstance(slot, int) and self._contiguous:
+            r0, r1 = self._rows[0], self._rows[0] + len(self._rows)
+            k_all, v_all = K[slot, r0:r1, :, :L], V[slot, r0:r1, :, :L]  # views [B, Hkv, L, D]
+        else:  # scattered rows, or rows at different steps: gather each row's own slot
             k_all, v_all = K[slot, rows, :, :L], V[slot, rows, :, :L]
         return k_all.transpose(1, 2), v_all.transpose(1, 2)
 
@@ -168,24 +161,24 @@ class SlotKVPool:
                 for store in (K, V):
                     store[depth:row_slots, row, :, :length] = store[depth - 1, row, :, :length]
 
-    def close_decode(self, depth: Tensor, row_slots: Tensor) -> None:
-        """Row b's new column ran `depth[b]` steps: its slots depth[b]..row_slots[b]-1 get the
-        deepest entry (slot depth[b]-1), as `StaticRecurrentCache.close` does."""
+    def close_tokens(self, rows: list[int], cols: Tensor, depth: Tensor, row_slots: Tensor) -> None:
+        """Row rows[b]'s token at column cols[b] ran depth[b] steps: its slots depth[b]..row_slots[b]-1
+        get the deepest entry (slot depth[b]-1), as `StaticRecurrentCache.close` does."""
         need = (depth > 0) & (depth < row_slots)
         if not bool(need.any()):
             return
         idx = need.nonzero().squeeze(1)  # rows to fill
-        rows = self._row_index[idx]
-        cols = self._cols[idx]
+        row_index = torch.tensor(rows, dtype=torch.long, device=self.device)[idx]
+        col_index = cols[idx]
         s = torch.arange(self.slots, device=self.device)[None]  # [1, S]
         src = torch.where(s < row_slots[idx, None], torch.minimum(s, depth[idx, None] - 1), s)  # [n, S]
         for base, (K, V) in self.kv.items():
             if base[0] != "core":
                 continue
             for store in (K, V):
-                current = store[:, rows, :, cols]  # [n, S, Hkv, D]
-                index = src[:, :, None, None].expand_as(current)
-                store[:, rows, :, cols] = torch.gather(current, 1, index)
+                current = store[:, row_index, :, col_index]  # [n, S, Hkv, D]
+                gathered = torch.gather(current, 1, src[:, :, None, None].expand_as(current))
+                store[:, row_index, :, col_index] = gathered
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy columns [0, length) of row `src` to row `dst` (keeps running rows contiguous)."""

@@ -43,8 +43,8 @@ class Metrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.core_steps = 0
-        self.decode_steps = 0
-        self.batch_rows = 0  # sum over decode steps of the rows in the batch
+        self.decode_steps = 0  # batched core-step iterations
+        self.batch_rows = 0  # rows summed over those iterations
         self.latency = Histogram()
         self.ttft = Histogram()
         # Live values read at scrape time (the engine provides them).
@@ -98,10 +98,11 @@ class Metrics:
                 ("rdepth_generation_tokens_total", "counter", "Tokens generated.", self.generation_tokens),
                 ("rdepth_core_steps_total", "counter", "Recurrence steps run for generated tokens.", self.core_steps),
                 ("rdepth_mean_steps_per_token", "gauge", "Mean recurrence steps per generated token.", mean_steps),
-                ("rdepth_decode_steps_total", "counter", "Batched decode steps run.", self.decode_steps),
-                ("rdepth_batch_rows_total", "counter", "Sequences summed over batched decode steps.",
+                ("rdepth_decode_steps_total", "counter", "Batched recurrence-step iterations run.",
+                 self.decode_steps),
+                ("rdepth_batch_rows_total", "counter", "Sequences summed over batched recurrence steps.",
                  self.batch_rows),
-                ("rdepth_mean_batch_rows", "gauge", "Mean sequences per batched decode step.", mean_batch),
+                ("rdepth_mean_batch_rows", "gauge", "Mean sequences per batched recurrence step.", mean_batch),
             ]
             for name, kind, text, value in scalars:
                 lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {_fmt(value)}"]

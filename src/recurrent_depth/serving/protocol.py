@@ -55,6 +55,7 @@ class Limits:
     max_top_logprobs: int = 20
     max_stop: int = 16
     max_lookahead: int = 64
+    default_num_steps: int | None = None  # depth of requests that do not say (None: mean_recurrence)
 
 
 # ---------------------------------------------------------------------------------------- field readers
@@ -214,6 +215,8 @@ def parse_sampling(body: dict, limits: Limits, served_names: set[str], eos_confi
     repetition_penalty = get_number(body, "repetition_penalty", 1.0, 0.0, 100.0, low_open=True)
 
     num_steps = get_int(body, "num_steps", None, 0, limits.max_num_steps)
+    if num_steps is None:
+        num_steps = limits.default_num_steps
     deepest = num_steps if num_steps is not None else limits.mean_recurrence
     criterion = body.get("exit_criterion")
     if criterion is not None and (not isinstance(criterion, str) or criterion not in CRITERIA):
@@ -232,7 +235,7 @@ def parse_sampling(body: dict, limits: Limits, served_names: set[str], eos_confi
     if ignore_eos and draft_steps is not None and eos_configured:
         raise bad("ignore_eos", "'ignore_eos' cannot be combined with 'draft_steps' for a model whose config "
                                 "sets eos_token_id (speculative sessions always stop there)")
-    if draft_steps is not None and (num_steps if num_steps is not None else deepest) < 1:
+    if draft_steps is not None and deepest < 1:
         raise bad("draft_steps", "'draft_steps' needs num_steps >= 1")
 
     generation: dict[str, Any] = dict(

@@ -6,12 +6,15 @@
 
 For every op in `recurrent_depth.ops` and every form (`chunk_*`, `fused_recurrent_*`,
 `naive_recurrent_*`): wall time of the forward pass (under no_grad, as in prefill) and of forward
-plus backward (gradients for q, k, v, gates and beta), best of --repeats (the recurrent forms run
---slow-repeats times). Speedups are against the naive form. The error column is the worst
-norm-relative error ‖x − naive‖/‖naive‖ over the output and every gradient. With --fla, the
-matching pure-PyTorch reference of flash-linear-attention (fla-core, loaded by path) is timed too
-where one exists: naive_chunk_linear_attn, delta_rule_chunkwise, naive_chunk_gated_delta_rule,
-naive_recurrent_gla (fla has no chunked GLA reference) and naive_log_linear_attn (O(T²)).
+plus backward (gradients for q, k, v, gates and beta), best of --repeats for the chunked forms
+(timed in interleaved rounds with fla's chunked references, so that load drifts on a shared
+machine hit both alike) and of --slow-repeats for the recurrent ones. Speedups are against the
+naive form. The error column is the worst norm-relative error ‖x − naive‖/‖naive‖ over the
+output and every gradient. With --fla, the matching pure-PyTorch reference of
+flash-linear-attention (fla-core, loaded by path) is timed too where one exists:
+naive_chunk_linear_attn, delta_rule_chunkwise, naive_chunk_gated_delta_rule (best of --repeats,
+like ours), naive_recurrent_gla (fla has no chunked GLA reference) and naive_log_linear_attn
+(O(T²); both best of --slow-repeats).
 Prints one JSON line, then a table.
 """
 
@@ -131,23 +134,30 @@ def fla_reference(op: str, chunk_size: int) -> tuple[str, Callable[..., torch.Te
     return None
 
 
-def time_form(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], repeats: int) -> dict:
-    """Best forward time (no_grad), best forward+backward time, and the output and gradients."""
-    fwd, fwd_bwd = float("inf"), float("inf")
-    result: dict = {}
-    for _ in range(repeats):
-        with torch.no_grad():
-            t0 = time.perf_counter()
-            fn(*inputs)
-            fwd = min(fwd, time.perf_counter() - t0)
-        leaves = [x.clone().requires_grad_() for x in inputs]
+def time_once(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor]) -> tuple[float, float, dict]:
+    """One forward (no_grad) and one forward+backward: (fwd s, fwd+bwd s, output and gradients)."""
+    with torch.no_grad():
         t0 = time.perf_counter()
-        o = fn(*leaves)
-        cot = torch.randn(o.shape, generator=torch.Generator().manual_seed(1))
-        (o * cot).sum().backward()
-        fwd_bwd = min(fwd_bwd, time.perf_counter() - t0)
-        result = {"o": o.detach(), **{f"d{i}": x.grad for i, x in enumerate(leaves)}}
-    return {"fwd_s": fwd, "fwd_bwd_s": fwd_bwd, "tensors": result}
+        fn(*inputs)
+        fwd = time.perf_counter() - t0
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    t0 = time.perf_counter()
+    o = fn(*leaves)
+    cot = torch.randn(o.shape, generator=torch.Generator().manual_seed(1))
+    (o * cot).sum().backward()
+    fwd_bwd = time.perf_counter() - t0
+    return fwd, fwd_bwd, {"o": o.detach(), **{f"d{i}": x.grad for i, x in enumerate(leaves)}}
+
+
+def time_forms(fns: dict[str, Callable[..., torch.Tensor]], inputs: list[torch.Tensor], repeats: int) -> dict:
+    """Best-of-`repeats` times per form, in interleaved rounds so load drifts hit every form alike."""
+    best: dict[str, dict] = {name: {"fwd_s": float("inf"), "fwd_bwd_s": float("inf")} for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            fwd, fwd_bwd, tensors = time_once(fn, inputs)
+            b = best[name]
+            b["fwd_s"], b["fwd_bwd_s"], b["tensors"] = min(b["fwd_s"], fwd), min(b["fwd_bwd_s"], fwd_bwd), tensors
+    return best
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -160,27 +170,24 @@ def run(args: argparse.Namespace) -> dict:
     rows = []
     for op in args.ops:
         inputs = make_inputs(op, B, T, H, D, args.seed)
-        timed: dict[str, dict] = {}
+        fast: dict[str, Callable[..., torch.Tensor]] = {}  # timed --repeats times, interleaved
+        slow: dict[str, Callable[..., torch.Tensor]] = {}  # timed --slow-repeats times
         for form in args.forms:
             fn = getattr(ops, f"{form}_{op}")
             kw = {"chunk_size": args.chunk_size} if form == "chunk" else {}
-            call = lambda *xs, fn=fn, kw=kw: fn(*xs, **kw)[0]  # noqa: E731
-            if form == "chunk":
-                time_form(call, inputs, 1)  # warm-up (allocator, first-call dispatch)
-            repeats = args.repeats if form == "chunk" else args.slow_repeats
-            timed[form] = time_form(call, inputs, repeats)
-            print(
-                f"  {op:17s} {form:16s} fwd {timed[form]['fwd_s']:.3f}s  fwd+bwd {timed[form]['fwd_bwd_s']:.3f}s",
-                file=sys.stderr,
-                flush=True,
-            )
+            (fast if form == "chunk" else slow)[form] = lambda *xs, fn=fn, kw=kw: fn(*xs, **kw)[0]
         if args.fla:
             ref = fla_reference(op, args.chunk_size)
             # fla's chunked linear attention has a fixed chunk of 64, its delta rule no padding.
             fits = {"linear_attn": T % 64 == 0, "delta_rule": T % args.chunk_size == 0}.get(op, True)
             if ref is not None and fits:
                 name, fn = ref
-                timed[f"fla:{name}"] = time_form(fn, inputs, args.slow_repeats)
+                (fast if "chunk" in name else slow)[f"fla:{name}"] = fn
+        for fn in fast.values():
+            time_once(fn, inputs)  # warm-up (allocator, first-call dispatch)
+        timed = {**time_forms(fast, inputs, args.repeats), **time_forms(slow, inputs, args.slow_repeats)}
+        for form, t in timed.items():
+            print(f"  {op:17s} {form:34s} fwd {t['fwd_s']:.3f}s  fwd+bwd {t['fwd_bwd_s']:.3f}s", file=sys.stderr)
         naive = timed.get("naive_recurrent")
         for form, t in timed.items():
             row = {"op": op, "form": form, "fwd_s": round(t["fwd_s"], 4), "fwd_bwd_s": round(t["fwd_bwd_s"], 4)}

@@ -277,6 +277,20 @@ def test_prefill_then_token_by_token_decode_equals_full_pass(op: Op):
     assert_close("decode", torch.cat(outs, dim=1), o_full, TOL_OUT)
 
 
+@pytest.mark.parametrize("op", OPS[:4], ids=OP_IDS[:4])
+def test_zero_padded_steps_leave_the_state_untouched(op: Op):
+    """Right padding with zero k, v, beta and log-gates must not change the state (fla bug class)."""
+    s = Shape(2, 19, 2, 8, 6, 8)
+    inputs, state = make_inputs(op, s)
+    _, S = op.chunk(*inputs, initial_state=state, output_final_state=True, chunk_size=8)
+    pad = 6
+    padded = [torch.cat([x, torch.zeros_like(x[:, :pad])], dim=1) for x in inputs]
+    padded[0][:, s.T :] = torch.randn(s.B, pad, s.H, s.K)  # queries of padded steps are arbitrary
+    for fn, kw in ((op.chunk, {"chunk_size": 8}), (op.fused, {})):
+        _, S_pad = fn(*padded, initial_state=state, output_final_state=True, **kw)
+        assert_close(f"{fn.__name__} padded state", S_pad, S, TOL_OUT)
+
+
 @pytest.mark.parametrize("op", OPS, ids=OP_IDS)
 def test_chunked_forms_are_causal(op: Op):
     s = Shape(1, 30, 2, 8, 8, 8)

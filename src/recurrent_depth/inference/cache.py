@@ -24,7 +24,8 @@ Both follow the model's cache protocol (`seq_len`, `update_kv`, `get_state`/`set
 - `write_mask`: None or bool `[B, T]`; when set, only those (row, new column) entries are
   written, the rest keep their value (rows that already exited, frozen columns);
 - `close(depth)`: the new columns `[seq_len, seq_len + T)` ran `depth` `[B, T]` steps;
-- `truncate(n)`: forget columns from n on (speculative rollback);
+- `truncate(n)`: forget columns from n on (speculative rollback); `seek(n)`: write at column n
+  next, keeping every entry (more steps on columns already written);
 - `logical_nbytes(valid)`: bytes a cache storing only what was computed would hold, per row.
 
 Columns are cache positions. They equal token positions unless a batch has holes (rejected
@@ -128,6 +129,13 @@ class _CacheBase:
         """Forget every column from `num_columns` on (their storage is reused by later writes)."""
         if not 0 <= num_columns <= self.seq_len:
             raise ValueError(f"cannot truncate a cache of {self.seq_len} columns to {num_columns}")
+        self.seq_len = num_columns
+
+    def seek(self, num_columns: int) -> None:
+        """Make the next write start at column `num_columns`, keeping every entry: used to run more
+        steps on columns already written (speculative verification, the parallel wavefront)."""
+        if num_columns < 0:
+            raise ValueError(f"cannot seek a cache to column {num_columns}")
         self.seq_len = num_columns
 
     # ------------------------------------------------------------------ depth and bytes

@@ -8,9 +8,15 @@ positions at the end of the sequence whose latent states refine together:
   their logits, and uses each position's current prediction as the (guessed) input token of the
   next position; `headway` new positions join the wavefront per sweep;
 - the front position (its input is final) freezes when its latent converges (`exit_criterion`
-  latent-diff or cosine), when it has run `max_steps` steps, or when the wavefront holds more
-  than `max_wavefront` positions. Freezing commits its prediction as the next token; if the
-  next position's guess was right it may freeze in the same sweep.
+  latent-diff or cosine), when it has run `max_steps` steps *on its final input*, or when the
+  wavefront holds more than `max_wavefront` positions. Freezing commits its prediction as the
+  next token; if the next position's guess was right it may freeze in the same sweep.
+
+Steps run while a position's input was a wrong guess do not count toward `max_steps` (the state
+is kept, as a warm start, but the count restarts when the input changes). Without that rule a
+position could freeze after a few steps on its true input, and on a model whose predictions
+settle slowly most tokens would differ from sequential decoding; with it, a position always gets
+its depth on the right input, and the speed-up comes from positions whose guesses were right.
 
 Every core layer keeps one KV entry per position, its latest (KV sharing with budget 1), which
 is what lets positions at different depths attend to each other. Rows of a batch keep their own
@@ -70,10 +76,11 @@ def decode(session: Session) -> Iterator[TokenEvent]:
     tokens = torch.full((B, stop_column + 1), session.pad_token_id, dtype=torch.long, device=session.device)
     tokens[:, T] = first  # inputs of the columns; beyond a row's front they are guesses
     states = torch.zeros(B, max(stop_column, T), h, dtype=session.model.dtype, device=session.device)
-    done = torch.zeros(B, max(stop_column, T), dtype=torch.long, device=session.device)
+    done = torch.zeros(B, max(stop_column, T) + 1, dtype=torch.long, device=session.device)
+    fresh = torch.zeros_like(done)  # steps since the column's input token last changed
     front = [T] * B
     end = T
-    sweeps = 0
+    sweeps = columns_run = 0
     while session.unfinished:
         rows = session.unfinished
         add = min(opts.headway, stop_column - end)
@@ -83,8 +90,9 @@ def decode(session: Session) -> Iterator[TokenEvent]:
             end += add
         start = min(front[b] for b in rows)
         # Columns before `start` are frozen in every unfinished row: their entries are final.
-        cache.seq_len = start
+        cache.seek(start)
         width = end - start
+        columns_run += width
         fronts = torch.tensor(front, device=session.device)
         columns = torch.arange(start, end, device=session.device)
         write = (columns[None] >= fronts[:, None]) & session.unfinished_mask()[:, None]  # [B, W]
@@ -104,13 +112,17 @@ def decode(session: Session) -> Iterator[TokenEvent]:
         cache.write_mask = None
         states[:, start:end] = s
         done[:, start:end] += opts.inner_steps * write
+        fresh[:, start:end] += opts.inner_steps * write
         cache.close(done[:, start:end], width)
         statistic = _statistic(name, s, previous) if name is not None else None
         predicted = _choose(session, logits, rows, [front[b] - start for b in rows])
         used = ids.tolist()  # the inputs this sweep ran on, before the guesses move
         upcoming = tokens[:, start + 1 : end + 1]
+        changed = write & (predicted != upcoming)
         tokens[:, start + 1 : end + 1] = torch.where(write, predicted, upcoming)
+        fresh[:, start + 1 : end + 1].masked_fill_(changed, 0)
         predicted_l, done_l = predicted.tolist(), done[:, start:end].tolist()
+        fresh_l = fresh[:, start:end].tolist()
         stat_l = statistic.tolist() if statistic is not None else None
         nbytes = session.row_bytes(end)
         for b in rows:
@@ -118,9 +130,10 @@ def decode(session: Session) -> Iterator[TokenEvent]:
                 c = front[b]
                 j = c - start
                 steps = done_l[b][j]
-                if stat_l is not None and steps >= opts.min_steps and stat_l[b][j] < opts.threshold:
+                settled = fresh_l[b][j]  # steps run on the final input
+                if stat_l is not None and settled >= opts.min_steps and stat_l[b][j] < opts.threshold:
                     reason = "converged"
-                elif steps >= limit:
+                elif settled >= limit:
                     reason = "max-steps"
                 elif end - c > opts.max_wavefront:
                     reason = "wavefront"
@@ -131,9 +144,12 @@ def decode(session: Session) -> Iterator[TokenEvent]:
                 token = event.token  # the prediction, or the teacher's token
                 yield event
                 front[b] = c + 1
-                tokens[b, c + 1] = token
+                if tokens[b, c + 1] != token:  # a teacher's or sampled token that differs from the guess
+                    tokens[b, c + 1] = token
+                    fresh[b, c + 1] = 0
                 if c + 1 < end and used[b][j + 1] != token:
                     break  # the next position ran on a wrong guess: it refines on the right input first
         sweeps += 1
     generated = sum(session.recorder.count(b) for b in range(B))
-    session.stats.update(sweeps=sweeps, tokens_per_sweep=round(generated / max(1, sweeps), 3))
+    session.stats.update(sweeps=sweeps, tokens_per_sweep=round(generated / max(1, sweeps), 3),
+                         mean_wavefront=round(columns_run / max(1, sweeps), 2))

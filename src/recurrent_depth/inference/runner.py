@@ -9,7 +9,7 @@ recurrence step, because at batch 1 decoding is bound by per-operation overhead,
   reused by every step (the input injection does not change between steps);
 - the q/k biases are folded into one bias vector and RoPE is one complex multiplication on q
   and k together, with angles looked up from a table built once;
-- RMSNorm takes five operations, with sqrt(h) folded into its weight;
+- RMSNorm takes six element-wise operations, with sqrt(h) folded into its weight;
 - keys and values stay in the cache's head-major layout `[B, Hkv, T, D]` (no transposes).
 
 Outputs agree with the reference to float rounding (tests compare both at odd sizes).
@@ -184,7 +184,8 @@ class FastRunner(ModelRunner):
         if self.dtype != torch.float32:
             qk = qk.float()
         # Interleaved RoPE on q and k at once: pairs (x0, x1) as complex numbers times e^{i angle}.
-        qk = torch.view_as_real(torch.view_as_complex(qk.unflatten(-1, (D // 2, 2))) * step.freqs).flatten(-2)
+        pairs = qk.view(B, H + Hkv, T, D // 2, 2)
+        qk = torch.view_as_real(torch.view_as_complex(pairs) * step.freqs).view(B, H + Hkv, T, D)
         if self.dtype != torch.float32:
             qk = qk.to(self.dtype)
         q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv :]

@@ -59,8 +59,8 @@ def decode(session: Session) -> Iterator[TokenEvent]:
             embeds.append(e)
             injections.append(injected)
             drafts.append(feed)
-        # verify: one forward over the L columns, steps N..M-1 on top of the draft states
-        cache.truncate(column)
+        # verify: one forward over the L columns, steps N..M-1 on top of the draft states and entries
+        cache.seek(column)
         token_ids = torch.cat(ids, 1)
         step = runner.context(token_ids, session.mask(column + L), cache)
         s, e, injected = torch.cat(states, 1), torch.cat(embeds, 1), torch.cat(injections, 1)

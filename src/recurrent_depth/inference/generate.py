@@ -42,8 +42,9 @@ class GenerationStream:
         start = time.perf_counter()
         first_token_at = None
         try:
+            loop = _LOOPS[self.options.mode] if self.options.max_new_tokens > 0 else _nothing
             with torch.inference_mode():
-                for event in _LOOPS[self.options.mode](session):
+                for event in loop(session):
                     if first_token_at is None:
                         first_token_at = time.perf_counter()
                     yield event
@@ -58,6 +59,11 @@ class GenerationStream:
             cache_allocated_bytes=cache.nbytes(), core_cache_bytes=core.cpu(), mode=self.options.mode,
             prefill_seconds=prefill, decode_seconds=finish - start - prefill, stats=dict(session.stats),
         )
+
+
+def _nothing(session: Session) -> Iterator[TokenEvent]:
+    """max_new_tokens=0: no prefill, no tokens."""
+    yield from ()
 
 
 def _options(kwargs: dict[str, Any]) -> tuple[GenerationOptions, Any, Any]:

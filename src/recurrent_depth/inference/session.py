@@ -105,7 +105,6 @@ class Session:
         self.criterion = ExitCriterion(options.criterion, options.threshold) if options.criterion else None
         self.teacher = self._teacher(options.teacher_tokens)
         self.stats: dict[str, Any] = {}
-        self.prefill_seconds = 0.0
 
     def _teacher(self, tokens: Any) -> list[list[int]] | None:
         """Teacher forcing: feed these `[B, >= max_new_tokens]` ids instead of the chosen ones."""

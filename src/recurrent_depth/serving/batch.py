@@ -150,6 +150,9 @@ class BatchDecoder:
         self.rows: list[Sequence] = []
         self.iterations = 0  # step() calls that ran the core
         self.core_rows = 0  # rows summed over those calls
+        # Contexts of recent state-reading calls (core, coda), reused while the same rows sit at
+        # the same columns: a fixed-depth cohort keeps one context for every step of a token.
+        self._contexts: dict[tuple, tuple[Step, Tensor, Tensor]] = {}
         self._allocate()
 
     def _allocate(self) -> None:
@@ -170,6 +173,7 @@ class BatchDecoder:
     def reset(self) -> None:
         """Forget every row and the KV storage (after an error left them in an unknown state)."""
         self.rows = []
+        self._contexts.clear()
         self._allocate()
 
     # ------------------------------------------------------------------ joining and leaving
@@ -262,10 +266,17 @@ class BatchDecoder:
         busy = {r.limit for r in self.rows if not r.adaptive and r.phase is not None}
         return [b for b, r in enumerate(self.rows) if r.phase is None and (r.adaptive or r.limit not in busy)]
 
-    def _bind(self, rows: list[int], ids: Tensor | None = None, core_slots: list[int] | None = None) -> Step:
-        """A model-call context for one token per row in `rows`, each at its own position."""
-        seqs = [self.rows[b] for b in rows]
-        columns = [r.length for r in seqs]
+    def _select(self, rows: list[int]) -> slice | Tensor:
+        """An index for the per-row tables: a slice (a view) when the rows are contiguous."""
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            return slice(rows[0], rows[0] + len(rows))
+        return torch.tensor(rows, device=self.device)
+
+    def _context(self, rows: list[int], ids: Tensor | None = None) -> tuple[Step, Tensor, Tensor]:
+        """A model-call context for one token per row in `rows`, each at its own position.
+
+        Returns (the runner's Step, the rows as a tensor, their columns)."""
+        columns = [self.rows[b].length for b in rows]
         cols = torch.tensor(columns, dtype=torch.long, device=self.device)
         if ids is None:  # core / coda calls read states, not ids; the shape is what matters
             ids = torch.zeros(len(rows), 1, dtype=torch.long, device=self.device)
@@ -278,13 +289,26 @@ class BatchDecoder:
             valid = torch.arange(L, device=self.device)[None] <= cols[:, None]  # [B, L]
             ctx.key_valid = valid
             ctx.attn_mask = valid[:, None, None, :]  # [B, 1, 1, L]
-        self.pool.bind_tokens(rows, cols, L, core_slots)
+        return step, torch.tensor(rows, dtype=torch.long, device=self.device), cols
+
+    def _bind(self, rows: list[int], ids: Tensor | None = None, core_slots: list[int] | None = None) -> Step:
+        """Bind the pool to `rows` for the next model call and return its context."""
+        if ids is None:  # the context depends only on which rows and their columns
+            key = (tuple(rows), tuple(self.rows[b].length for b in rows))
+            if key not in self._contexts:
+                if len(self._contexts) >= 16:
+                    self._contexts.clear()
+                self._contexts[key] = self._context(rows)
+            step, row_index, cols = self._contexts[key]
+        else:
+            step, row_index, cols = self._context(rows, ids)
+        self.pool.bind_tokens(rows, row_index, cols, step.ctx.past_len + 1, core_slots)
         return step
 
     def _start(self, rows: list[int]) -> None:
         """Embed each row's pending token and set its initial state (as `Session.initial_states`)."""
         seqs = [self.rows[b] for b in rows]
-        index = torch.tensor(rows, device=self.device)
+        index = self._select(rows)
         ids = torch.tensor([[r.pending] for r in seqs], dtype=torch.long, device=self.device)
         step = self._bind(rows, ids)
         e = self.runner.embed(ids, step)  # [m, 1, h]
@@ -309,10 +333,10 @@ class BatchDecoder:
     def _recur(self, rows: list[int]) -> list[tuple[int, str]]:
         """One core step for each row at its own step; returns the rows that exit, with why."""
         seqs = [self.rows[b] for b in rows]
-        index = torch.tensor(rows, device=self.device)
+        index = self._select(rows)
         step = self._bind(rows, core_slots=[r.slot(r.phase) for r in seqs])
-        state = self.runner.core_step(self.state[index, None], self.injected[index, None],
-                                      self.embedded[index, None], 0, step)[:, 0]
+        state = self.runner.core_step(self.state[index].unsqueeze(1), self.injected[index].unsqueeze(1),
+                                      self.embedded[index].unsqueeze(1), 0, step)[:, 0]
         self.state[index] = state
         self.iterations += 1
         self.core_rows += len(rows)
@@ -320,8 +344,8 @@ class BatchDecoder:
             r.phase += 1
         reading = [b for b, r in zip(rows, seqs) if r.adaptive and self.criteria[r.criterion_key].needs_logits]
         if reading:  # output-based criteria: logits after every step (the coda's KV follows along)
-            read_index = torch.tensor(reading, device=self.device)
-            self.logits[read_index] = self.runner.predict(self.state[read_index, None], self._bind(reading),
+            read_index = self._select(reading)
+            self.logits[read_index] = self.runner.predict(self.state[read_index].unsqueeze(1), self._bind(reading),
                                                           last_only=True)[:, 0]
         converged = set()
         for key, crit in self.criteria.items():
@@ -343,16 +367,14 @@ class BatchDecoder:
         """Logits, KV fill and the next token for rows whose current token exited."""
         rows = [b for b, _ in done]
         seqs = [self.rows[b] for b in rows]
-        index = torch.tensor(rows, device=self.device)
+        index = self._select(rows)
         # Rows whose criterion does not read logits (fixed depth, latent criteria): one coda pass.
         unread = [b for b, r in zip(rows, seqs) if not (r.adaptive and self.criteria[r.criterion_key].needs_logits)]
         if unread:
-            unread_index = torch.tensor(unread, device=self.device)
-            self.logits[unread_index] = self.runner.predict(self.state[unread_index, None], self._bind(unread),
+            unread_index = self._select(unread)
+            self.logits[unread_index] = self.runner.predict(self.state[unread_index].unsqueeze(1), self._bind(unread),
                                                             last_only=True)[:, 0]
-        depth = torch.tensor([r.phase for r in seqs], device=self.device)
-        cols = torch.tensor([r.length for r in seqs], device=self.device)
-        self.pool.close_tokens(rows, cols, depth, torch.tensor([r.row_slots for r in seqs], device=self.device))
+        self.pool.close_tokens(rows, [r.length for r in seqs], [r.phase for r in seqs], [r.row_slots for r in seqs])
         results = self._choose(seqs, self.logits[index], [r.phase for r in seqs], [why for _, why in done])
         for r, result in zip(seqs, results):
             r.length += 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 from pathlib import Path
@@ -332,6 +333,20 @@ def test_bad_requests_get_openai_errors(server, path, body, status):
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert isinstance(error["message"], str) and error["message"] and "type" in error and "param" in error
+
+
+def test_an_oversized_body_is_refused_before_it_is_read(server):
+    """The client announces 64 MiB and sends nothing more: the answer must not wait for them."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 67108864\r\n\r\n{}")
+        answer = b""
+        while b'"error"' not in answer:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 413") and b'"error"' in answer
 
 
 def test_harmless_unsupported_fields_are_ignored_and_the_server_keeps_serving(server, client):

@@ -38,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests waiting for a free row at most; more are refused with 429 (default: %(default)s)")
     p.add_argument("--prefill-tokens", type=int, default=4096,
-                   help="prompt tokens admitted per scheduler tick, so running rows keep decoding "
+                   help="prompt tokens admitted per scheduler iteration, so running rows keep decoding "
                         "(default: %(default)s)")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request may take from arrival to its last token (default: %(default)s)")

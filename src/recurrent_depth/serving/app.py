@@ -144,6 +144,9 @@ def create_app(engine: Engine, codec: TextCodec, settings: ServerSettings) -> Fa
                            type="authentication_error", code="invalid_api_key")
 
     async def read_json(request: Request) -> dict[str, Any]:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:  # refuse before reading it
+            raise APIError(413, f"the request body is {declared} bytes; at most {MAX_BODY_BYTES} are accepted")
         raw = await request.body()
         if len(raw) > MAX_BODY_BYTES:
             raise APIError(413, f"the request body is {len(raw)} bytes; at most {MAX_BODY_BYTES} are accepted")

@@ -1,10 +1,11 @@
-"""The scheduler: one thread that owns the model and runs every request, a tick at a time.
+"""The scheduler: one thread that owns the model and runs every request, an iteration at a time.
 
-Each tick it (1) drops sequences whose client left or whose time ran out, (2) admits waiting
-requests into free rows (their prefill, up to a prompt-token budget per tick, so running rows
-are not starved), (3) runs one batched decode step for every running row and (4) advances each
-solo session (speculative decoding, unsupported mixers) by one token. Requests therefore join and
-leave the running batch between decode steps, and each row runs at its own depth.
+Each iteration it (1) drops sequences whose client left or whose time ran out, (2) admits waiting
+requests into free rows (their prefill, up to a prompt-token budget per iteration, so running rows
+are not starved), (3) advances every running row of the batch by one recurrence step
+(`BatchDecoder.step`; rows that finish a token deliver it) and (4) advances each solo session
+(speculative decoding, unsupported mixers) by one token. Requests therefore join and leave the
+running batch between steps, and each row runs at its own depth.
 
 The HTTP layer talks to the engine through `submit` (non-blocking; a bounded queue refuses with
 `QueueFull` instead of growing) and receives `PromptEvent` / `TokenOut` / `Done` / `Failed`
@@ -184,7 +185,7 @@ class Engine:
             self.cond.notify()
 
     def cancel(self, jobs: list[Job]) -> None:
-        """The client is gone: free the jobs' rows at the next tick (no events follow)."""
+        """The client is gone: free the jobs' rows at the next iteration (no events follow)."""
         with self.cond:
             for job in jobs:
                 job.cancelled = True
@@ -236,7 +237,7 @@ class Engine:
         self.waiting = kept
 
     def _take_admissible(self) -> list[Job]:
-        """Waiting jobs that fit the free rows and this tick's prompt-token budget (lock held)."""
+        """Waiting jobs that fit the free rows and this iteration's prompt-token budget (lock held)."""
         free = self.max_batch - self.running
         budget = self.prefill_tokens
         out: list[Job] = []

@@ -3,7 +3,7 @@
 Self-speculative decoding (`draft_steps`) drafts and verifies several tokens per round, and
 models with non-attention mixers keep recurrent states the KV pool does not hold; both are run
 by the inference package's own `stream_generate`, one request per session. The engine advances
-each such session by one token per scheduler tick, between batched decode steps.
+each such session by one token per iteration, between batched recurrence steps.
 """
 
 from __future__ import annotations

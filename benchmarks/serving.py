@@ -1,0 +1,230 @@
+"""Serving throughput and latency: continuous batching vs one request at a time.
+
+    python benchmarks/serving.py                       # tiny random model, ~2 minutes on 2 cores
+    python benchmarks/serving.py --preset small --requests 64 --concurrency 1,8,32
+    python benchmarks/serving.py --model runs/quickstart/model
+
+Starts `rdepth serve` in a subprocess on 127.0.0.1, then for each depth mode (fixed depth and
+adaptive exit) sends the same set of streaming requests (token-id prompts of varied length,
+varied max_tokens, greedy, eos ignored so every request generates its full length) from 1, 8
+and 32 concurrent clients (closed loop: each client sends its next request when the previous one
+ends). Concurrency 1 is "one at a time". Reports aggregate tokens/s, request latency p50/p90/p99,
+time to first token p50/p90, mean steps per token and the server's mean batch size, and the
+speedup of each concurrency over one at a time. Prints one JSON line, then a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+import recurrent_depth as rd
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="a saved model directory (default: a random --preset model)")
+    p.add_argument("--preset", default="tiny", help="preset of the random model (default: %(default)s)")
+    p.add_argument("--requests", type=int, default=64, help="requests per run (default: %(default)s)")
+    p.add_argument("--concurrency", default="1,8,32", help="concurrent clients per run (default: %(default)s)")
+    p.add_argument("--prompt-tokens", default="8,48", help="prompt length range (default: %(default)s)")
+    p.add_argument("--max-tokens", default="16,48", help="max_tokens range per request (default: %(default)s)")
+    p.add_argument("--num-steps", type=int, default=32, help="recurrence depth (default: %(default)s, the paper's)")
+    p.add_argument("--exit-criterion", default="kl", help="criterion of the adaptive mode (default: %(default)s)")
+    p.add_argument("--exit-threshold", type=float, default=None,
+                   help="threshold of the adaptive mode (default: the criterion's)")
+    p.add_argument("--max-batch", type=int, default=32, help="server --max-batch (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=1, help="server torch threads (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model, prompts and lengths (default: %(default)s)")
+    p.add_argument("--out", default=None, help="also write the JSON line to this file")
+    return p.parse_args()
+
+
+def pair(text: str) -> tuple[int, int]:
+    a, b = (int(x) for x in text.split(","))
+    return a, b
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return float("nan")
+
+
+async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
+    start = time.perf_counter()
+    first = None
+    usage = None
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {await response.aread()}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            if chunk.get("choices") and first is None:
+                first = time.perf_counter()
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    end = time.perf_counter()
+    return {"latency": end - start, "ttft": (first or end) - start, "tokens": usage["completion_tokens"],
+            "steps": usage["completion_steps"]}
+
+
+async def run_load(url: str, bodies: list[dict], concurrency: int) -> dict:
+    queue: asyncio.Queue[dict] = asyncio.Queue()
+    for body in bodies:
+        queue.put_nowait(body)
+    results: list[dict] = []
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while True:
+            try:
+                body = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            results.append(await one_request(client, body))
+
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    tokens = sum(r["tokens"] for r in results)
+    latencies = [r["latency"] for r in results]
+    ttfts = [r["ttft"] for r in results]
+    return {
+        "concurrency": concurrency, "requests": len(results), "tokens": tokens, "seconds": round(wall, 3),
+        "tokens_per_s": round(tokens / wall, 2),
+        "latency_p50": round(percentile(latencies, 0.5), 3), "latency_p90": round(percentile(latencies, 0.9), 3),
+        "latency_p99": round(percentile(latencies, 0.99), 3),
+        "ttft_p50": round(percentile(ttfts, 0.5), 4), "ttft_p90": round(percentile(ttfts, 0.9), 4),
+        "steps_per_token": round(sum(r["steps"] for r in results) / max(1, tokens), 3),
+    }
+
+
+def main() -> int:
+    args = parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model is None:
+            torch.manual_seed(args.seed)
+            model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset(args.preset))
+            model_dir = Path(tmp) / f"{args.preset}-random"
+            model.save_pretrained(model_dir)
+            cfg = model.config
+            source = f"random {args.preset}"
+        else:
+            model_dir = Path(args.model)
+            cfg = rd.ModelConfig.from_json(model_dir / "config.json")
+            source = str(model_dir)
+        num_steps = args.num_steps
+        p_lo, p_hi = pair(args.prompt_tokens)
+        t_lo, t_hi = pair(args.max_tokens)
+        # The same prompts and lengths for every run; ids below the special-token range.
+        vocab = max(2, cfg.vocab_size - 32)
+        requests = [([rng.randrange(vocab) for _ in range(rng.randint(p_lo, p_hi))], rng.randint(t_lo, t_hi))
+                    for _ in range(args.requests)]
+        modes = {
+            "fixed": dict(num_steps=num_steps),
+            "adaptive": dict(num_steps=num_steps, exit_criterion=args.exit_criterion,
+                             **({"exit_threshold": args.exit_threshold} if args.exit_threshold is not None else {})),
+        }
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        env = dict(os.environ, RDEPTH_API_KEY="")
+        server = subprocess.Popen(
+            [sys.executable, "-m", "recurrent_depth.cli", "serve", "--model", str(model_dir), "--port", str(port),
+             "--threads", str(args.threads), "--max-batch", str(args.max_batch), "--log-level", "warning"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+        try:
+            deadline = time.monotonic() + 180
+            while True:
+                try:
+                    if httpx.get(url + "/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the server did not start: {server.stderr.read().decode()[-2000:]}")
+                time.sleep(0.2)
+            runs = []
+            for mode, extra in modes.items():
+                bodies = [dict(prompt=prompt, max_tokens=n, temperature=0, ignore_eos=True, seed=i, stream=True,
+                               stream_options={"include_usage": True}, **extra)
+                          for i, (prompt, n) in enumerate(requests)]
+                asyncio.run(run_load(url, bodies[:2], 1))  # warm-up
+                for c in levels:
+                    steps0, rows0 = metric(url, "rdepth_decode_steps_total"), metric(url, "rdepth_batch_rows_total")
+                    result = asyncio.run(run_load(url, bodies, c))
+                    steps1, rows1 = metric(url, "rdepth_decode_steps_total"), metric(url, "rdepth_batch_rows_total")
+                    result["mode"] = mode
+                    result["mean_batch_rows"] = round((rows1 - rows0) / max(1.0, steps1 - steps0), 2)
+                    runs.append(result)
+                    print(f"  {mode:8s} c={c:<3d} {result['tokens_per_s']:9.1f} tok/s", file=sys.stderr)
+        finally:
+            server.terminate()
+            server.wait(30)
+
+    for r in runs:
+        base = next(b for b in runs if b["mode"] == r["mode"] and b["concurrency"] == min(levels))
+        r["speedup_vs_one_at_a_time"] = round(r["tokens_per_s"] / base["tokens_per_s"], 2)
+    summary = {
+        "benchmark": "serving", "model": source, "preset": None if args.model else args.preset,
+        "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "num_steps": num_steps,
+        "exit_criterion": args.exit_criterion, "exit_threshold": args.exit_threshold,
+        "requests": args.requests, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+        "max_batch": args.max_batch, "server_threads": args.threads, "torch": torch.__version__,
+        "cpu_count": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2), "platform": platform.platform(),
+        "runs": runs,
+    }
+    line = json.dumps(summary)
+    print(line)
+    if args.out:
+        Path(args.out).write_text(line + "\n")
+    header = (f"{'mode':8s} {'clients':>7s} {'tok/s':>8s} {'speedup':>7s} {'p50 lat':>8s} {'p90 lat':>8s} "
+              f"{'p99 lat':>8s} {'p50 ttft':>9s} {'steps/tok':>9s} {'batch':>6s}")
+    print(header)
+    print("-" * len(header))
+    for r in runs:
+        print(f"{r['mode']:8s} {r['concurrency']:7d} {r['tokens_per_s']:8.1f} {r['speedup_vs_one_at_a_time']:6.2f}x "
+              f"{r['latency_p50']:7.2f}s {r['latency_p90']:7.2f}s {r['latency_p99']:7.2f}s {r['ttft_p50']:8.3f}s "
+              f"{r['steps_per_token']:9.2f} {r['mean_batch_rows']:6.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

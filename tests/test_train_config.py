@@ -1,6 +1,7 @@
 """TrainConfig: defaults, YAML + flag precedence, validation messages, `rdepth train` flags."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -109,3 +110,10 @@ def test_print_config(capsys):
 def test_bad_flag_value_is_a_clean_error(capsys):
     assert main(["train", "--batch-size", "0", "--print-config"]) == 2
     assert "batch_size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "examples").glob("train_*.yaml")),
+                         ids=lambda p: p.name)
+def test_example_configs_load(path):
+    cfg = TrainConfig.from_yaml(path)
+    assert cfg.out.startswith("runs/")

@@ -18,7 +18,7 @@ import json
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +46,14 @@ class QuickstartRecipe:
     batch_size: int = 8
     max_tokens: int = 4_000_000
     val_fraction: float = 0.02
-    optim: OptimConfig = field(default_factory=lambda: replace(
-        OptimConfig.from_preset("demo"), name="muon", lr=4e-3, muon_lr=0.02, warmup_steps=20, cooldown_fraction=0.3,
-        weight_decay=0.0,
-    ))
+    optim: OptimConfig = field(
+        default_factory=lambda: OptimConfig.from_preset(
+            "demo",
+            lr=4e-3,
+            warmup_steps=20,
+            cooldown_fraction=0.3,
+        )
+    )
     eval_depths: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     eval_batches: int = 6
     sample_prompt: str = "def "

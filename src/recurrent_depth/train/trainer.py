@@ -167,6 +167,7 @@ class Trainer:
         )
         self.eval_depths = cfg.resolved_eval_depths(self.sampler.mean_recurrence)
 
+        self._warn_about_slow_bf16()
         torch.manual_seed(cfg.seed)  # the weight init
         self.model = RecurrentDepthLM(self.model_config).to(env.device)
         self.wrapped = prepare_model(self.model, cfg, env)
@@ -209,25 +210,45 @@ class Trainer:
         data = None
         if env.is_main:
             start = time.perf_counter()
-            data = prepare_dataset(source, tok_dir, seq_len, data_dir, val_fraction=cfg.val_fraction,
-                                   seed=cfg.seed, keep_all=cfg.keep_all)
+            data = prepare_dataset(
+                source, tok_dir, seq_len, data_dir, val_fraction=cfg.val_fraction, seed=cfg.seed, keep_all=cfg.keep_all
+            )
             if not data.metadata.get("reused"):
                 splits = data.metadata["splits"]
-                self.log(f"packed {splits['train']['rows']} training and {splits['validation']['rows']} validation "
-                         f"rows of {seq_len + 1} tokens in {time.perf_counter() - start:.1f}s -> {data_dir}")
+                self.log(
+                    f"packed {splits['train']['rows']} training and {splits['validation']['rows']} validation "
+                    f"rows of {seq_len + 1} tokens in {time.perf_counter() - start:.1f}s -> {data_dir}"
+                )
         ddist.barrier(env)
         if data is None:
-            data = prepare_dataset(source, tok_dir, seq_len, data_dir, val_fraction=cfg.val_fraction,
-                                   seed=cfg.seed, keep_all=cfg.keep_all)
+            data = prepare_dataset(
+                source, tok_dir, seq_len, data_dir, val_fraction=cfg.val_fraction, seed=cfg.seed, keep_all=cfg.keep_all
+            )
         return tok_dir, data
+
+    def _warn_about_slow_bf16(self) -> None:
+        """bf16 matmuls are emulated on CPUs without AVX512-BF16/AMX (~50x slower than fp32, measured)."""
+        if self.env.device.type != "cpu" or torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return
+        if self.cfg.dtype == "bfloat16":
+            self.log(
+                "warning: this CPU has no native bf16 matmuls; bfloat16 autocast will be much slower than float32 here"
+            )
+        if self.cfg.optim.name == "muon":
+            self.log(
+                "warning: Muon's Newton-Schulz iteration runs in bf16, which this CPU emulates; "
+                "each optimizer step will be slow (ellis-adam or adamw avoid it)"
+            )
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> TrainResult:
         cfg = self.cfg
-        self.log(f"training {self.model.num_parameters():,} parameters on {self.env.device} "
-                 f"({self.env.world_size} process{'es' if self.env.world_size > 1 else ''}); "
-                 f"depth {self.sampler.scheme} r̄={self.sampler.mean_recurrence} k={self.sampler.backprop_depth}"
-                 f"{' (baseline: one core pass)' if cfg.baseline else ''}; out: {self.out}")
+        self.log(
+            f"training {self.model.num_parameters():,} parameters on {self.env.device} "
+            f"({self.env.world_size} process{'es' if self.env.world_size > 1 else ''}); "
+            f"depth {self.sampler.scheme} r̄={self.sampler.mean_recurrence} k={self.sampler.backprop_depth}"
+            f"{' (baseline: one core pass)' if cfg.baseline else ''}; out: {self.out}"
+        )
         bar = _progress_bar(cfg, self.env, self.state.step)
         self.session_start = time.perf_counter()
         self.session_start_elapsed = self.state.elapsed_s

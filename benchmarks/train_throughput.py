@@ -1,0 +1,193 @@
+"""Training throughput and AFU of the recurrent-depth model, recurrent vs the non-recurrent baseline.
+
+AFU (achieved FLOP utilisation) = model FLOPs per second of a full training step (forward, loss,
+backward, AdamW step) divided by the FLOP/s of square matmuls (2048, 3072, 4096; the best size)
+measured in the same run and dtype. Model FLOPs are counted by hand
+(`recurrent_depth.train.flops`: linear layers + causal attention; activation recompute and the
+optimizer are overhead, not model FLOPs). Shapes: `small` (h 256) and a wide variant (h 1024,
+16 heads, MLP 2816); recurrent steps run at the sampler's expected depth (r̄ + 1 = 9 steps, the
+last k = 4 with gradients), the baseline runs one core pass.
+
+    python benchmarks/train_throughput.py                  # about 4 minutes on 2 cores
+    python benchmarks/train_throughput.py --clock cpu      # on a busy machine: CPU time, 1 thread
+    python benchmarks/train_throughput.py --compile        # torch.compile the core blocks
+
+On a CPU without native bf16 matmuls (no AVX512-BF16 / AMX: `torch.ops.mkldnn._is_mkldnn_bf16_supported()`
+is False) bf16 runs ~50x slower than fp32; a case whose one step would not fit the remaining time
+budget is reported as null with the reason.
+
+Prints one JSON line (afu_small_fp32, afu_small_bf16, afu_h1024_fp32, afu_h1024_bf16, ...) and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import recurrent_depth as rd
+from recurrent_depth.train.flops import training_step_flops
+
+SHAPES = {
+    "small": dict(),
+    "h1024": dict(hidden_size=1024, num_heads=16, intermediate_size=2816),
+}
+# Tokens per step (batch x sequence) for each shape: enough rows to keep the GEMMs efficient.
+BATCH = {"small": (8, 256), "h1024": (4, 256)}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class Clock:
+    """Wall time, or this process's CPU time (all threads) for comparisons on a busy machine."""
+
+    def __init__(self, kind: str) -> None:
+        self.now = time.perf_counter if kind == "wall" else time.process_time
+
+
+def matmul_peak(dtype: torch.dtype, clock: Clock, sizes=(2048, 3072, 4096), min_seconds: float = 0.6,
+                slow_seconds: float = 2.0) -> dict:
+    """Best median FLOP/s of square `torch.mm` over `sizes`.
+
+    A probe at n=1024 comes first: when one product there already takes over `slow_seconds` (bf16 on a
+    CPU that emulates it), the probe's figure is the peak, since a 2048 product would take minutes.
+    """
+    probe = _mm_seconds(1024, dtype, clock, repeats=1)[0]
+    if probe > slow_seconds:
+        return {"flops": 2 * 1024**3 / probe, "size": 1024, "by_size": {"1024": 2 * 1024**3 / probe},
+                "note": f"one 1024 product took {probe:.1f}s: larger sizes skipped"}
+    results = {}
+    for n in sizes:
+        times = _mm_seconds(n, dtype, clock, repeats=20, min_seconds=min_seconds)
+        results[n] = 2 * n**3 / statistics.median(times)
+    best = max(results, key=results.get)
+    return {"flops": results[best], "size": best, "by_size": {str(k): v for k, v in results.items()}}
+
+
+def _mm_seconds(n: int, dtype: torch.dtype, clock: Clock, repeats: int, min_seconds: float = 0.0) -> list[float]:
+    """Times of `repeats` products (fewer once `min_seconds` is reached), after one warm-up."""
+    a, b, out = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype), torch.empty(n, n, dtype=dtype)
+    torch.mm(a, b, out=out)
+    times: list[float] = []
+    while len(times) < repeats and (not times or sum(times) < min_seconds):
+        start = clock.now()
+        torch.mm(a, b, out=out)
+        times.append(clock.now() - start)
+    return times
+
+
+def train_step(model, optimizer, rows, num_steps, dtype) -> None:
+    inputs, targets = rows[:, :-1], rows[:, 1:]
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == torch.bfloat16 else contextlib.nullcontext()
+    with ctx:
+        out = model(inputs, num_steps=num_steps)
+    F.cross_entropy(out.logits.flatten(0, 1), targets.flatten()).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def measure(shape: str, dtype_name: str, recurrent: bool, peak: float, clock: Clock, budget_left: float,
+            compile_core: bool, min_seconds: float = 2.0) -> dict:
+    cfg = rd.ModelConfig.from_preset("small", **SHAPES[shape])
+    B, T = BATCH[shape]
+    k = cfg.mean_backprop_depth
+    num_steps = (cfg.mean_recurrence + 1 - k, k) if recurrent else (0, 1)
+    flops = training_step_flops(cfg, B, T, num_steps)
+    row = {"shape": shape, "dtype": dtype_name, "mode": "recurrent" if recurrent else "baseline",
+           "num_steps": list(num_steps), "tokens_per_step": B * T, "model_tflop_per_step": flops.total / 1e12}
+    # Two steps at matmul peak is the least this case can take; skip it if that does not fit.
+    floor = 2 * flops.total / peak
+    if floor > budget_left:
+        row["skipped"] = (f"two steps need >= {floor:.0f}s at this dtype's matmul speed; "
+                          f"{max(budget_left, 0):.0f}s of the budget are left for it")
+        return row
+    torch.manual_seed(0)
+    model = rd.RecurrentDepthLM(cfg).train()
+    if compile_core:
+        from recurrent_depth.train.trainer import compile_core as apply_compile
+
+        apply_compile(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rows = torch.randint(0, cfg.vocab_size, (B, T + 1))
+    start = clock.now()
+    train_step(model, optimizer, rows, num_steps, DTYPES[dtype_name])  # warm-up
+    first = clock.now() - start
+    times = []
+    while sum(times) < min_seconds and len(times) < 10 and (not times or sum(times) + first < budget_left / 2):
+        start = clock.now()
+        train_step(model, optimizer, rows, num_steps, DTYPES[dtype_name])
+        times.append(clock.now() - start)
+    seconds = statistics.median(times)
+    row.update(step_s=seconds, steps_timed=len(times), tokens_per_s=B * T / seconds,
+               model_tflops=flops.total / seconds / 1e12, afu=flops.total / seconds / peak)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="wall time, or process CPU time for a busy machine (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's; 1 with --clock cpu)")
+    parser.add_argument("--budget", type=float, default=270.0, help="seconds for the whole run (default: %(default)s)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the core blocks (default: off)")
+    args = parser.parse_args(argv)
+    threads = args.threads or (1 if args.clock == "cpu" else torch.get_num_threads())
+    torch.set_num_threads(threads)
+    clock = Clock(args.clock)
+    deadline = clock.now() + args.budget
+
+    peaks = {}
+    rows = []
+    for dtype_name, dtype in DTYPES.items():  # fp32 first: it gets the budget when bf16 is emulated
+        peaks[dtype_name] = matmul_peak(dtype, clock)
+        for shape in SHAPES:
+            for recurrent in (True, False):
+                left = (deadline - clock.now()) / max(1, 8 - len(rows))
+                rows.append(measure(shape, dtype_name, recurrent, peaks[dtype_name]["flops"], clock, left,
+                                    args.compile))
+    result: dict = {
+        "benchmark": "train_throughput",
+        "clock": args.clock,
+        "threads": threads,
+        "compile": args.compile,
+        "bf16_native": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "matmul_peak_gflops": {k: v["flops"] / 1e9 for k, v in peaks.items()},
+        "matmul_peak_size": {k: v["size"] for k, v in peaks.items()},
+        "matmul_notes": {k: v["note"] for k, v in peaks.items() if "note" in v},
+    }
+    for row in rows:
+        suffix = "" if row["mode"] == "recurrent" else "_baseline"
+        key = f"{row['shape']}_{row['dtype']}{suffix}"
+        result[f"afu_{key}"] = row.get("afu")
+        result[f"tokens_per_s_{key}"] = row.get("tokens_per_s")
+        if "skipped" in row:
+            result[f"skipped_{key}"] = row["skipped"]
+    result["rows"] = rows
+    result["seconds"] = args.budget - (deadline - clock.now())
+    print(json.dumps(result))
+
+    print(f"\nmatmul peak ({args.clock} clock, {threads} thread(s)): "
+          + ", ".join(f"{k} {v['flops'] / 1e9:.1f} GFLOP/s at n={v['size']}" for k, v in peaks.items()))
+    print(f"{'shape':<7}{'dtype':<6}{'mode':<11}{'depth':<8}{'tok/step':>9}{'step s':>9}{'tok/s':>9}"
+          f"{'TFLOP/s':>9}{'AFU':>7}")
+    for row in rows:
+        depth = f"{row['num_steps'][0]}+{row['num_steps'][1]}"
+        if "skipped" in row:
+            print(f"{row['shape']:<7}{row['dtype']:<6}{row['mode']:<11}{depth:<8}{row['tokens_per_step']:>9}  "
+                  f"skipped: {row['skipped']}")
+            continue
+        print(f"{row['shape']:<7}{row['dtype']:<6}{row['mode']:<11}{depth:<8}{row['tokens_per_step']:>9}"
+              f"{row['step_s']:>9.3f}{row['tokens_per_s']:>9.0f}{row['model_tflops']:>9.3f}{row['afu']:>7.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -47,25 +47,32 @@ def test_chain_problems_have_the_stated_structure(hops):
         roots = [ref for _, ref in links if ref.isdigit()]
         assert len(roots) == task.num_chains == len(set(roots))  # distinct root digits: no lucky guess
         env = dict(links)
-        name = problem.prompt[-2]
+        name = problem.prompt[-1]
         steps = 0
         while env[name].isalpha():
             name, steps = env[name], steps + 1
         assert steps == hops == problem.difficulty
 
 
-def test_training_rows_query_every_chain_with_correct_answers():
+@pytest.mark.parametrize("intermediate", [False, True], ids=["answer-only", "intermediate"])
+def test_training_rows_supervise_the_answer_and_optionally_every_reference(intermediate):
     task = VariableChains()
     rng = random.Random(0)
     for hops in (0, 3, 6):
-        segments = task.training_segments(rng, hops)
-        definitions = segments[0][0]
-        queries = segments[1::2]
-        answers = segments[2::2]
-        assert len(queries) == task.num_chains
-        for (query, supervised_q), (answer, supervised_a) in zip(queries, answers):
-            assert not supervised_q and supervised_a
-            assert task.solve(definitions + query) == answer
+        segments = task.training_segments(rng, hops, intermediate=intermediate)
+        (query, q_label), (answer, a_label) = segments[-2:]
+        definitions = "".join(text for text, _ in segments[:-2])
+        assert q_label is False and a_label is True
+        assert task.solve(definitions + query) == answer
+        references = 0
+        for i, (text, label) in enumerate(segments[:-2]):
+            if isinstance(label, str):  # a reference predicts its variable's value where it names it
+                assert intermediate and text == ";"
+                references += 1
+                assert task.solve(definitions + f"?={segments[i - 1][0][2]}") == label
+            else:
+                assert label is False
+        assert references == (len(chain_links(definitions)) - task.num_chains if intermediate else 0)
 
 
 def test_addition_is_most_significant_digit_first_and_fixed_width():
@@ -84,7 +91,7 @@ def test_addition_is_most_significant_digit_first_and_fixed_width():
         (lambda: VariableChains(num_chains=11), "num_chains=11"),
         (lambda: get_task("sorting"), "unknown reasoning task"),
         (lambda: make_problems(Addition(), 0, [1]), "count=0"),
-        (lambda: VariableChains().solve("a=b;?a="), "undefined or circular"),
+        (lambda: VariableChains().solve("a=b;?=a"), "undefined or circular"),
     ],
     ids=["too-many-hops", "negative-hops", "zero-digits", "too-many-chains", "unknown-task", "zero-count",
          "bad-prompt"],

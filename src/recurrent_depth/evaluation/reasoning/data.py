@@ -48,13 +48,23 @@ class ProblemEncoder:
     def encode_text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def row(self, segments: Sequence[tuple[str, bool]], end: bool) -> tuple[list[int], list[int]]:
-        """bos + segments (+ eos, supervised, when `end`): the tokens and their labels."""
+    def row(self, segments: Sequence[tuple[str, bool | str]], end: bool) -> tuple[list[int], list[int]]:
+        """bos + segments (+ eos, supervised, when `end`): the tokens and their labels.
+
+        A segment's label is False (unscored), True (its own tokens) or a string whose tokens are
+        the labels instead (the position before predicts them; see `training_segments`).
+        """
         tokens, labels = [self.bos], [-100]
-        for text, supervised in segments:
+        for text, label in segments:
             ids = self.encode_text(text)
             tokens += ids
-            labels += ids if supervised else [-100] * len(ids)
+            if isinstance(label, str):
+                target = self.encode_text(label)
+                if len(target) != len(ids):
+                    raise ValueError(f"label {label!r} must have as many tokens as its text {text!r}")
+                labels += target
+            else:
+                labels += ids if label else [-100] * len(ids)
         if end:
             tokens.append(self.eos)
             labels.append(self.eos)
@@ -73,7 +83,7 @@ class ProblemEncoder:
         """Evaluation rows: the answer is scored, the end token is not (a row may be followed by more)."""
         return self.pad_rows([self.row([(p.prompt, False), (p.answer, True)], end=False) for p in problems])
 
-    def training_batch(self, rows: Sequence[Sequence[tuple[str, bool]]], end: bool = True) -> dict[str, Tensor]:
+    def training_batch(self, rows: Sequence[Sequence[tuple[str, bool | str]]], end: bool = True) -> dict[str, Tensor]:
         return self.pad_rows([self.row(segments, end) for segments in rows])
 
 

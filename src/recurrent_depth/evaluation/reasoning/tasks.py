@@ -4,10 +4,12 @@ Two families, both generated in code (no data files, same problems on every mach
 
 ``chains`` (multi-hop variable chains; difficulty = hops)::
 
-    t=4;Q=7;b=t;m=Q;c=b;?c=    ->  4
+    t=4;Q=7;b=t;m=Q;c=b;?=c    ->  4
 
-    Several chains are interleaved (each definition after the one it refers to); the query names
-    the last variable of one chain, `hops` references away from its digit. Resolving h hops needs
+    Several chains are interleaved (each definition after the one it refers to); the query
+    ``?=c`` is written like a definition of ``?`` and names the last variable of one chain, `hops`
+    references away from its digit. Its answer follows the name, where every reference sits: one
+    lookup, "the value of the variable named here", resolves queries and definitions alike. Resolving h hops needs
     h sequential lookups, so a model that runs its recurrent core longer can follow longer chains.
     The other chains are distractors with distinct root digits, so guessing from the context
     scores about 1 / num_chains.
@@ -61,8 +63,12 @@ class ReasoningTask:
     def solve(self, prompt: str) -> str:
         raise NotImplementedError
 
-    def training_segments(self, rng: random.Random, difficulty: int) -> list[tuple[str, bool]]:
-        """A training row as (text, supervised) pieces; by default the prompt, then the supervised answer."""
+    def training_segments(
+        self, rng: random.Random, difficulty: int, intermediate: bool = False
+    ) -> list[tuple[str, bool | str]]:
+        """A training row as (text, label) pieces: label False (not scored), True (predict the text)
+        or a string of the same length (predict it instead of the text). By default the prompt,
+        then the supervised answer. `intermediate` asks for extra supervision where a task has it."""
         problem = self.sample(rng, difficulty)
         return [(problem.prompt, False), (problem.answer, True)]
 
@@ -101,10 +107,12 @@ class VariableChains(ReasoningTask):
         # Every chain of h hops uses h + 1 names; distractors may be as long as the target.
         return len(self.NAMES) // self.num_chains - 1
 
-    def _chains(self, rng: random.Random, difficulty: int) -> tuple[str, list[list[tuple[str, str, int]]]]:
-        """Interleaved definitions and, per chain, its variables as (name, root digit, hops from the root).
-
-        Chain 0 is the target; its last variable is `difficulty` hops from its digit.
+    def _chains(
+        self, rng: random.Random, difficulty: int
+    ) -> tuple[list[tuple[str, str]], list[list[tuple[str, str, int]]]]:
+        """The interleaved definitions as (text, value), and per chain its variables as
+        (name, root digit, hops from the root). Chain 0 is the target; its last variable is
+        `difficulty` hops from its digit.
         """
         self.check_difficulty(difficulty)
         longest = difficulty if self.distractor_hops is None else min(self.distractor_hops, self.max_difficulty)
@@ -121,41 +129,47 @@ class VariableChains(ReasoningTask):
         cursor = [0] * len(chains)
         parts = []
         for c in slots:
-            parts.append(chains[c][cursor[c]])
+            parts.append((chains[c][cursor[c]], roots[c]))
             cursor[c] += 1
         variables = [
             [(text[0], root, depth) for depth, text in enumerate(chain)] for chain, root in zip(chains, roots)
         ]
-        return "".join(parts), variables
+        return parts, variables
 
     def sample(self, rng: random.Random, difficulty: int) -> Problem:
         definitions, chains = self._chains(rng, difficulty)
         name, root, _ = chains[0][-1]
-        return Problem(self.name, difficulty, f"{definitions}?{name}=", root)
+        return Problem(self.name, difficulty, "".join(t for t, _ in definitions) + f"?={name}", root)
 
-    def training_segments(self, rng: random.Random, difficulty: int) -> list[tuple[str, bool]]:
-        """One query per chain: the target's last variable first (as in evaluation), then a random
-        variable of each distractor chain, in random order. Four answers per row instead of one.
+    def training_segments(
+        self, rng: random.Random, difficulty: int, intermediate: bool = False
+    ) -> list[tuple[str, bool | str]]:
+        """The evaluation problem; with `intermediate`, every reference is supervised too.
 
-        Never two queries on one chain: an earlier answer would give away the later one (if t=z,
-        the value of t is the value of z).
+        A reference `b=a;` then predicts the value of `a` where it names it (the label of the
+        following ';' is that digit). That is the lookup the query needs, at every definition, and
+        it leaks nothing: the labels never appear in the text. (Several queries per row would leak:
+        their answers are distinct root digits, so the last one follows by elimination; two
+        queries on one chain give each other away.)
         """
         definitions, chains = self._chains(rng, difficulty)
-        queries = [rng.choice(chain) for chain in chains[1:]]
-        rng.shuffle(queries)
-        segments = [(definitions, False)]
-        for name, root, _ in [chains[0][-1], *queries]:
-            segments += [(f"?{name}=", False), (root, True)]
-        return segments
+        segments: list[tuple[str, bool | str]] = []
+        for text, value in definitions:
+            if intermediate and text[2].isalpha():
+                segments += [(text[:-1], False), (";", value)]
+            else:
+                segments.append((text, False))
+        name, root, _ = chains[0][-1]
+        return segments + [(f"?={name}", False), (root, True)]
 
     _DEF = re.compile(r"([A-Za-z])=([A-Za-z0-9]);")
-    _QUERY = re.compile(r"\?([A-Za-z])=$")
+    _QUERY = re.compile(r"\?=([A-Za-z])$")
 
     def solve(self, prompt: str) -> str:
         """Read the definitions in order and follow references from the queried name to a digit."""
         query = self._QUERY.search(prompt)
         if query is None:
-            raise ValueError(f"chains: no query '?x=' at the end of {prompt!r}")
+            raise ValueError(f"chains: no query '?=x' at the end of {prompt!r}")
         env = dict(self._DEF.findall(prompt[: query.start()]))
         value, seen = query.group(1), set()
         while value.isalpha():

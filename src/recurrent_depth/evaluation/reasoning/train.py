@@ -49,6 +49,7 @@ class ReasoningRunConfig:
     curriculum: bool = True
     promote_at: float = 0.85  # accuracy on the current hardest difficulty that admits the next one
     depth_curriculum: bool = True  # sample depths around min(mean_recurrence, difficulty + 1), at least 2
+    intermediate: bool = True  # chains: every reference also predicts its value (see training_segments)
     hidden_size: int = 128
     num_heads: int = 4
     intermediate_size: int = 352
@@ -170,7 +171,9 @@ def train_reasoning(config: ReasoningRunConfig, log: Any = print) -> tuple[Recur
             if fraction >= 1:
                 break
             difficulties = curriculum.draw(rng, config.batch_size)
-            batch = encoder.training_batch([task.training_segments(rng, d) for d in difficulties])
+            batch = encoder.training_batch(
+                [task.training_segments(rng, d, intermediate=config.intermediate) for d in difficulties]
+            )
             mean_depth = config.mean_recurrence
             if config.depth_curriculum:  # easy problems need little depth: cheaper steps, more of them
                 mean_depth = min(config.mean_recurrence, max(2, curriculum.current + 1))
@@ -186,7 +189,7 @@ def train_reasoning(config: ReasoningRunConfig, log: Any = print) -> tuple[Recur
                 optimizer.step()
             with torch.no_grad():  # per row: the fraction of its answer tokens that are the argmax
                 targets = batch["labels"][:, 1:]
-                scored = targets != -100
+                scored = (targets != -100) & (targets != encoder.eos)  # the end token is too easy to count
                 right = (output.logits[:, :-1].argmax(-1) == targets) & scored
                 hits = (right.sum(1) / scored.sum(1).clamp(min=1)).tolist()
             loss_value = float(output.loss.detach())

@@ -88,6 +88,7 @@ class ExitCriterion:
         name = self.spec.name
         if name == "kl":
             self.prev = torch.full((B, vocab_size), -math.log(vocab_size), device=state.device)
+            self.prev_probs = self.prev.exp()
         elif name == "entropy-diff":
             self.prev = torch.full((B,), 100.0, device=state.device)
         elif name in ("latent-diff", "cosine"):
@@ -102,8 +103,8 @@ class ExitCriterion:
         if name == "kl":
             logp = F.log_softmax(logits.float(), dim=-1)
             # KL(prev || current) = sum p_prev (log p_prev - log p_cur), as F.kl_div(cur, prev, log_target)
-            stat = (self.prev.exp() * (self.prev - logp)).sum(-1).clamp(min=0)
-            self.prev = logp
+            stat = (self.prev_probs * (self.prev - logp)).sum(-1).clamp(min=0)
+            self.prev, self.prev_probs = logp, logp.exp()
             met = stat < self.threshold
         elif name == "entropy-diff":
             logp = F.log_softmax(logits.float(), dim=-1)

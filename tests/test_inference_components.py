@@ -212,6 +212,20 @@ def test_fast_runner_is_used_only_for_plain_attention():
     assert out.sequences.shape == (1, 9)
 
 
+def test_recurrent_state_mixers_decode_exactly_and_refuse_rollback_modes():
+    cfg = rd.ModelConfig.from_preset("tiny")
+    cfg.mixer = {"core": "gated_deltanet"}
+    torch.manual_seed(0)
+    model = rd.RecurrentDepthLM(cfg).eval()
+    ids = torch.randint(0, 256, (2, 7))
+    out = generate(model, ids, max_new_tokens=5, num_steps=3, init_scale=0.0, output_logits=True)
+    full = model(out.sequences, num_steps=3, init_scale=0.0).logits
+    torch.testing.assert_close(out.logits, full[:, 6:11], rtol=1e-4, atol=1e-4)  # states go through the cache
+    for mode in (dict(draft_steps=1), dict(sampler="parallel")):
+        with pytest.raises(ValueError, match="recurrent-state mixers"):
+            generate(model, ids, max_new_tokens=5, num_steps=3, **mode)
+
+
 # ---------------------------------------------------------------------------------------- argument checks
 BAD = {
     "kv_budget=0": (dict(kv_budget=0), "kv_budget=0"),

@@ -62,6 +62,7 @@ def decode(session: Session) -> Iterator[TokenEvent]:
     limit = opts.max_steps
     name = opts.criterion.name if opts.criterion is not None else None
     _, logits = session.prefill(opts.num_steps)
+    session.require_kv_cache_only("the parallel sampler")
     rows = session.unfinished
     first = session.chooser.choose(logits, rows)
     nbytes = session.row_bytes()

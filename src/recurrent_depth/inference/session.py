@@ -197,6 +197,17 @@ class Session:
         finally:
             self.cache.seq_len = saved
 
+    def require_kv_cache_only(self, what: str) -> None:
+        """Modes that re-run cached positions need every layer's cache to be KV entries: a recurrent
+        state (linear-attention mixers) has already absorbed the positions and cannot be rolled back."""
+        if self.cache.states:
+            layers = sorted({key[0][0] for key in self.cache.states})
+            raise ValueError(
+                f"{what} re-runs positions already in the cache, which the recurrent-state mixers of this "
+                f"model ({', '.join(layers)} layers: {self.model.config.mixer!r}) cannot undo; use the "
+                "default autoregressive mode"
+            )
+
     # ------------------------------------------------------------------ prefill
     def prefill(self, depth: int) -> tuple[Tensor, Tensor]:
         """Run the prompt at full depth; returns (last raw state `[B, h]`, last logits `[B, V]`)."""

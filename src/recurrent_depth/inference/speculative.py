@@ -31,6 +31,7 @@ def decode(session: Session) -> Iterator[TokenEvent]:
     M, N, L = opts.num_steps, opts.draft_steps, opts.lookahead
     exact = opts.verification_threshold >= 1.0
     _, logits = session.prefill(M)
+    session.require_kv_cache_only("self-speculative decoding")
     rows = session.unfinished
     pending = session.chooser.choose(logits, rows)  # [B]
     nbytes = session.row_bytes()

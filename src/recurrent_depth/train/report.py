@@ -52,7 +52,7 @@ def plot_loss_curve(metrics: Sequence[dict[str, Any]], path: str | Path, evals: 
     losses = np.array([m["loss"] for m in metrics if m.get("loss") is not None])
     if steps.size:
         ax.plot(steps, losses, color="0.75", linewidth=0.8, label="train loss")
-        ax.plot(steps, _smooth(losses, max(1, steps.size // 25)), color="C0", linewidth=1.6,
+        ax.plot(steps, _smooth(losses, max(3, steps.size // 10)), color="C0", linewidth=1.6,
                 label="train loss (moving average)")
     for record in evals:
         by_depth = record.get("val_loss_by_depth", {})
@@ -87,6 +87,7 @@ def plot_val_by_depth(val_loss_by_depth: dict[str, float], path: str | Path, tra
         ax.set_xscale("log", base=2)
         ax.set_xticks(depths)
         ax.set_xticklabels([str(d) for d in depths])
+    ax.margins(y=0.15)  # room for the value labels
     ax.set_xlabel("test-time depth (core steps)")
     ax.set_ylabel("validation loss (nats/token)")
     ax.set_title("Validation loss vs test-time depth")
@@ -97,16 +98,19 @@ def plot_val_by_depth(val_loss_by_depth: dict[str, float], path: str | Path, tra
     return Path(path)
 
 
-def plot_depth_histogram(depths: Sequence[int], path: str | Path, mean_recurrence: float | None = None) -> Path:
-    """Histogram of the depths the sampler drew during training (one per micro-batch)."""
+def plot_depth_histogram(depths: Sequence[int], path: str | Path, expected_mean: float | None = None) -> Path:
+    """Histogram of the depths the sampler drew during training (one per micro-batch).
+
+    expected_mean: the sampler's E[r] (r̄ + 1 for the paper's log-normal Poisson), drawn as a dashed line.
+    """
     plt, fig, ax = _figure()
     values = np.asarray(depths, dtype=np.int64)
     if values.size:
         bins = np.arange(values.min(), values.max() + 2) - 0.5
         ax.hist(values, bins=bins, color="C2", edgecolor="white")
-        ax.axvline(values.mean(), color="C3", linewidth=1.2, label=f"mean {values.mean():.1f}")
-        if mean_recurrence is not None:
-            ax.axvline(mean_recurrence, color="0.4", linestyle="--", linewidth=1, label=f"r̄ = {mean_recurrence:g}")
+        ax.axvline(values.mean(), color="C3", linewidth=1.2, label=f"mean drawn {values.mean():.1f}")
+        if expected_mean is not None:
+            ax.axvline(expected_mean, color="0.4", linestyle="--", linewidth=1, label=f"expected {expected_mean:g}")
         ax.legend()
     ax.set_xlabel("sampled depth r (core steps)")
     ax.set_ylabel("micro-batches")

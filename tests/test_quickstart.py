@@ -1,13 +1,17 @@
 """`rdepth quickstart` end to end on a tiny recipe (the real one is measured, not tested: it takes minutes)."""
 
 import json
+import sys
 
 import pytest
+import torch
 
 import recurrent_depth as rd
 from recurrent_depth.cli import main
-from recurrent_depth.train.quickstart import QuickstartRecipe, choose_threads, quickstart
+from recurrent_depth.train.quickstart import QuickstartRecipe, ThreadGuard, choose_threads, quickstart
 from tests.train_support import VOCAB, OneThread, write_corpus
+
+quickstart_module = sys.modules["recurrent_depth.train.quickstart"]  # the package exports a function of that name
 
 
 @pytest.fixture(autouse=True)
@@ -46,9 +50,27 @@ def test_quickstart_writes_summary_model_plots_and_report(tmp_path, capsys):
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 8
 
 
-def test_choose_threads_returns_a_candidate():
+def test_choose_threads_returns_a_candidate(monkeypatch):
     assert choose_threads((1,)) == 1
     assert choose_threads((1, 2)) in (1, 2)
+    monkeypatch.setattr(quickstart_module, "_load_average", lambda: 3.0)  # someone else is busy
+    torch.set_num_threads(2)
+    assert choose_threads() == 1 and torch.get_num_threads() == 1
+
+
+def test_thread_guard_drops_to_one_thread_under_competition(monkeypatch):
+    messages = []
+    guard = ThreadGuard(messages.append, every=2)
+    torch.set_num_threads(2)
+    monkeypatch.setattr(quickstart_module, "_load_average", lambda: 2.5)  # our 2 threads and a bit
+    guard(None, {"step": 2})
+    assert torch.get_num_threads() == 2 and not guard.changes
+    monkeypatch.setattr(quickstart_module, "_load_average", lambda: 4.0)
+    guard(None, {"step": 3})  # not a check step
+    assert torch.get_num_threads() == 2
+    guard(None, {"step": 4})
+    assert torch.get_num_threads() == 1 and guard.changes == [{"step": 4, "load": 4.0, "threads": 1}]
+    assert "1 thread" in messages[0]
 
 
 def test_cli_help_and_bad_minutes(capsys):

@@ -1,6 +1,7 @@
 """Pieces of the trainer: collapse monitor, state flattening, atomic checkpoint directories, depth evaluation."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import recurrent_depth as rd
 from recurrent_depth.train import checkpointing as ckpt
 from recurrent_depth.train.monitor import token_correlation, token_correlation_reference
 from recurrent_depth.train.optim import OptimConfig, build_optimizers
-from recurrent_depth.train.validation import depth_losses
+from recurrent_depth.train.validation import depth_losses, evaluate_depths
 from tests.train_support import OneThread
 
 
@@ -112,3 +113,30 @@ def test_one_pass_depth_losses_equal_separate_forwards(depths):
         expected = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), rows[:, 1:].flatten(), reduction="sum")
         torch.testing.assert_close(losses[d], expected, rtol=0, atol=0)
         torch.testing.assert_close(corr[d], token_correlation(out.final_state).sum(), rtol=0, atol=0)
+
+
+class _Rows:
+    """The part of ShardDataset that evaluate_depths uses: len() and iter_batches()."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def iter_batches(self, batch_size, drop_last=False):
+        for start in range(0, len(self.rows) - batch_size + 1, batch_size):
+            yield self.rows[start : start + batch_size]
+
+
+def test_evaluate_depths_budget_and_deadline():
+    torch.manual_seed(0)
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval()
+    data = _Rows(torch.randint(0, 256, (12, 17)))
+    full = evaluate_depths(model, data, [1, 3], batch_size=4, max_batches=10)
+    assert full.tokens == 12 * 16 and set(full.loss) == {1, 3}
+    rushed = evaluate_depths(model, data, [1, 3], batch_size=4, max_batches=10, deadline=time.perf_counter() - 1)
+    assert rushed.tokens == 4 * 16  # a deadline in the past still evaluates one batch
+    first = evaluate_depths(model, data, [1, 3], batch_size=4, max_batches=1)
+    assert rushed.loss == first.loss
+    assert model.training is False

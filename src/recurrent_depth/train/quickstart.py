@@ -15,6 +15,7 @@ The recipe (`QuickstartRecipe`) was tuned on a 2-core CPU; see docs/training.md 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -69,17 +70,22 @@ class QuickstartRecipe:
 
 
 def choose_threads(candidates: tuple[int, ...] | None = None) -> int:
-    """The faster torch thread count for this machine right now (busy neighbours make 1 beat 2).
+    """The torch thread count for this machine right now, and set it.
 
-    Times a few fp32 matmuls of the model's size per candidate; ~1 s.
+    Several threads only pay off on an otherwise idle machine: when other processes keep the cores
+    busy (1-minute load average >= 1), threads that wait for each other at every parallel region can
+    make a step 10x slower than one thread (measured on a shared 2-core box), so 1 it is. Otherwise the
+    candidates (default: 1 and torch's default) are timed on a few fp32 matmuls of the model's size (~1 s).
     """
     current = torch.get_num_threads()
-    options = candidates or tuple(sorted({1, current}))
-    if len(options) == 1:
-        return options[0]
+    if candidates is None:
+        candidates = (1,) if _load_average() >= 1.0 else tuple(sorted({1, current}))
+    if len(candidates) == 1:
+        torch.set_num_threads(candidates[0])
+        return candidates[0]
     a, b = torch.randn(1024, 256), torch.randn(256, 1024)
     best, best_time = current, float("inf")
-    for n in options:
+    for n in candidates:
         torch.set_num_threads(n)
         a @ b  # warm-up
         times = []
@@ -92,6 +98,36 @@ def choose_threads(candidates: tuple[int, ...] | None = None) -> int:
             best, best_time = n, min(times)
     torch.set_num_threads(best)
     return best
+
+
+class ThreadGuard:
+    """An `on_step` callback that drops to one thread when other processes start competing for the cores.
+
+    Our own threads account for about `threads` of the load average; anything clearly above that is
+    someone else, and multi-threaded steps then stall (see `choose_threads`).
+    """
+
+    def __init__(self, log: Callable[[str], None], every: int = 5) -> None:
+        self.log = log
+        self.every = every
+        self.changes: list[dict[str, Any]] = []
+
+    def __call__(self, trainer, record: dict[str, Any]) -> None:
+        threads = torch.get_num_threads()
+        if threads == 1 or record["step"] % self.every:
+            return
+        load = _load_average()
+        if load > threads + 1.0:
+            torch.set_num_threads(1)
+            self.changes.append({"step": record["step"], "load": load, "threads": 1})
+            self.log(f"other processes are using the CPU (load {load:.1f}): continuing with 1 thread")
+
+
+def _load_average() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # not available on this platform
+        return 0.0
 
 
 def prepare_tokenizer(out: Path, recipe: QuickstartRecipe, seed: int, log: Callable[[str], None]) -> Path:
@@ -198,7 +234,8 @@ def quickstart(
     prep_seconds = time.perf_counter() - start
 
     cfg = recipe.train_config(out, seed)
-    trainer = Trainer(cfg, log=log)
+    guard = ThreadGuard(log)
+    trainer = Trainer(cfg, log=log, on_step=guard, eval_deadline=deadline - FIXED_RESERVE_S)
     per_batch = estimate_eval_seconds(trainer, list(recipe.eval_depths), 1)
     # On a slow or busy machine, evaluate fewer batches rather than eat the training time (at least 2).
     affordable = int(0.3 * (deadline - time.perf_counter()) / (1.3 * per_batch))
@@ -213,7 +250,9 @@ def quickstart(
         f"{', '.join(map(str, recipe.eval_depths))} and saving)")
     if train_window < 30:
         log("warning: under 30 s left for training; raise --minutes for a meaningful result")
+    run_start = time.perf_counter()
     result = trainer.run()
+    run_end = time.perf_counter()
     train_seconds = result.elapsed_s
 
     assert result.final_eval is not None
@@ -263,8 +302,10 @@ def quickstart(
         "tokens_per_s": result.tokens / train_seconds if train_seconds else 0.0,
         "train_seconds": train_seconds,
         "prep_seconds": prep_seconds,
+        "eval_and_save_seconds": run_end - run_start - train_seconds,
         "minutes": minutes,
         "threads": used_threads,
+        "thread_changes": guard.changes,
         "seed": seed,
         "mean_recurrence": trainer.sampler.mean_recurrence,
         "backprop_depth": trainer.sampler.backprop_depth,

@@ -97,6 +97,8 @@ class Trainer:
     log: where status lines go (default: print on rank 0).
     deadline: optional `time.perf_counter()` value by which training must stop (on top of
         `cfg.max_minutes`); `rdepth quickstart` uses it to leave time for evaluation and saving.
+    eval_deadline: optional `time.perf_counter()` value by which the final evaluation should end
+        (it then evaluates fewer than `cfg.eval_batches` batches, at least one).
     """
 
     def __init__(
@@ -108,9 +110,11 @@ class Trainer:
         log: Callable[[str], None] | None = None,
         device: str | None = None,
         deadline: float | None = None,
+        eval_deadline: float | None = None,
     ) -> None:
         self.cfg = cfg
         self.deadline = deadline
+        self.eval_deadline = eval_deadline
         self.env = ddist.init_distributed(device)
         self.out = Path(cfg.out)
         self.on_step = on_step
@@ -417,6 +421,7 @@ class Trainer:
             self.wrapped if ddist.is_fsdp(self.wrapped) else self.model, self.val_data, self.eval_depths,
             batch_size=cfg.batch_size, max_batches=cfg.eval_batches, dtype=cfg.dtype, seed=cfg.seed,
             device=self.env.device, sharded=ddist.is_fsdp(self.wrapped), world_size=self.env.world_size,
+            deadline=self.eval_deadline if final else None,
         )
         record = {"step": self.state.step, "final": final, **result.to_dict()}
         self.eval_log.write(record)

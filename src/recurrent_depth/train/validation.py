@@ -11,6 +11,7 @@ The numbers equal `model(inputs, num_steps=d)` run separately with the same gene
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -114,12 +115,15 @@ def evaluate_depths(
     device: torch.device | str = "cpu",
     sharded: bool = False,
     world_size: int = 1,
+    deadline: float | None = None,
 ) -> DepthEval:
     """Validation loss and token correlation at each depth over the first `max_batches` batches.
 
     dataset: a `ShardDataset` (this rank's share, storage order; its training position is untouched).
     Every rank runs the same number of batches; sums are all-reduced when `world_size > 1`.
     The s0 draw of batch i is seeded by (seed, i), so repeated evaluations see the same starts.
+    deadline: optional `time.perf_counter()` value; batches after the first stop early when the next one
+    would end past it (single process only: ranks must run the same number of batches).
     """
     if not depths:
         raise ValueError("depths must name at least one depth")
@@ -136,8 +140,12 @@ def evaluate_depths(
     tokens = 0
     sequences = 0
     try:
+        started = time.perf_counter()
         for i, rows in enumerate(dataset.iter_batches(batch_size, drop_last=True)):
             if i >= num_batches:
+                break
+            per_batch = (time.perf_counter() - started) / max(i, 1)
+            if deadline is not None and world_size == 1 and i > 0 and time.perf_counter() + per_batch > deadline:
                 break
             rows = rows.to(device)
             batch_seed = (seed * 1_000_003 + i) % (2**63)

@@ -13,7 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from recurrent_depth.ops._common import matmul_add_
 from recurrent_depth.ops.gated_delta_rule.chunk import _ChunkDeltaRule, unit_lower_inverse
+from recurrent_depth.ops.linear_attn.chunk import _ChunkLinearAttn
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -75,3 +77,26 @@ def test_chunk_delta_rule_survives_zero_beta_and_keys():
     (o.sum() + S.sum()).backward()
     for x in (q, k, v, beta, g, S0):
         assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("with_state", [True, False], ids=["S0", "no-S0"])
+@pytest.mark.parametrize("dims", [(2, 3, 4, 5, 3), (1, 1, 5, 2, 7)], ids=["N3-C4-K5-V3", "N1-C5-K2-V7"])
+def test_chunk_linear_attn_backward_passes_gradcheck(dims: tuple[int, ...], with_state: bool):
+    BH, N, C, K, V = dims
+    gen = _gen(2)
+    q, k = (torch.randn(BH, N, C, K, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(BH, N, C, V, generator=gen, dtype=torch.float64)
+    S0 = torch.randn(BH, K, V, generator=gen, dtype=torch.float64) if with_state else None
+    inputs = [x.requires_grad_() if x is not None else None for x in (q, k, v, S0)]
+    assert torch.autograd.gradcheck(_ChunkLinearAttn.apply, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+def test_matmul_add_accumulates_in_place_with_transposed_operands():
+    gen = _gen(3)
+    out = torch.randn(2, 3, 4, 5, generator=gen)
+    a = torch.randn(2, 3, 6, 4, generator=gen).mT  # [2, 3, 4, 6], a transposed view
+    b = torch.randn(2, 3, 6, 5, generator=gen)
+    expected = out + a @ b
+    got = matmul_add_(out, a, b)
+    assert got is out
+    assert torch.allclose(out, expected, rtol=1e-6, atol=1e-6)

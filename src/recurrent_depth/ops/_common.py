@@ -158,3 +158,14 @@ def steps(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, ...]:
     gathers all the slice gradients with one `stack`.
     """
     return x.unbind(dim)
+
+
+def matmul_add_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`out += a @ b` in place for batched `[*, M, K] @ [*, K, N]` (same batch dims, no broadcasting).
+
+    One `baddbmm_` accumulates inside the GEMM instead of writing `a @ b` out and adding it in a
+    second pass (measured ~15% faster for the 64x64 blocks of the chunked ops). `out` must be
+    contiguous; `a` and `b` may be transposed views.
+    """
+    out.view(-1, *out.shape[-2:]).baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
+    return out

@@ -34,7 +34,14 @@ from __future__ import annotations
 
 import torch
 
-from recurrent_depth.ops._common import acc_dtype, check_chunk_size, check_inputs, from_chunks, to_chunks
+from recurrent_depth.ops._common import (
+    acc_dtype,
+    check_chunk_size,
+    check_inputs,
+    from_chunks,
+    matmul_add_,
+    to_chunks,
+)
 
 # Leaf size of the block inversion: small enough that LAPACK's unblocked triangular solve is cheap,
 # big enough that the Python recursion stays shallow (C = 64: two levels, four leaf solves).
@@ -113,7 +120,7 @@ class _ChunkDeltaRule(torch.autograd.Function):
             S = torch.baddbmm(S, k_end[:, n].mT, U_n)
         S_before = torch.stack(states, dim=1)  # [BH, N, K, V]
         U = torch.stack(pseudo_values, dim=1)  # [BH, N, C, V]
-        o = ((q if q_s is None else q_s) @ S_before).add_(P @ U)  # [BH, N, C, V]
+        o = matmul_add_((q if q_s is None else q_s) @ S_before, P, U)  # [BH, N, C, V]
 
         ctx.has_S0 = S0 is not None
         ctx.save_for_backward(q, k, v, beta, KD, P, D, Tinv, W, U, S_before, gamma, end_decay, a, q_s, k_o, k_in)
@@ -165,7 +172,7 @@ class _ChunkDeltaRule(torch.autograd.Function):
             dqk = dP * D
         dq = dqk @ k
         # (dkk + dkk.mT) @ k would materialise a strided transposed sum; BLAS takes .mT for free.
-        dk = (dkk @ k).add_(dkk.mT @ k).add_(dqk.mT @ q)
+        dk = matmul_add_(matmul_add_(dkk @ k, dkk.mT, k), dqk.mT, q)
         if gated:
             rhs_k = (k_in * dRk).sum(-1)  # Σ_K Γk ⊙ d(βΓk): feeds dβ and dG
             dk.add_((b * gamma) * dRk).add_(dk_end * end_decay)

@@ -4,16 +4,72 @@ For chunk n with queries Q, keys K, values V (each `[C, D]`) and the state S_n b
 
     O_n = Q S_n + tril(Q Kᵀ) V          S_{n+1} = S_n + Kᵀ V
 
-The states are an (exclusive) cumulative sum over chunks, so no Python loop is needed at all.
-The normaliser rides along as an extra value column of ones: its state column is z = Σ k.
+The states are an (exclusive) running sum over chunks; the backward pass is hand-written
+(`_ChunkLinearAttn`). The normaliser rides along as an extra value column of ones: its state column is z = Σ k.
 """
 
 from __future__ import annotations
 
 import torch
 
-from recurrent_depth.ops._common import acc_dtype, check_chunk_size, check_inputs, from_chunks, to_chunks
+from recurrent_depth.ops._common import (
+    acc_dtype,
+    check_chunk_size,
+    check_inputs,
+    from_chunks,
+    matmul_add_,
+    to_chunks,
+)
 from recurrent_depth.ops.linear_attn.utils import NORMALIZER_EPS, LinearAttnState, check_linear_attn_state
+
+
+class _ChunkLinearAttn(torch.autograd.Function):
+    """Chunked linear attention on chunked tensors, heads folded into the batch, hand-written backward.
+
+    Inputs: q (already scaled), k `[BH, N, C, K]`, v `[BH, N, C, V]`, S0 `[BH, K, V]` or None.
+    Outputs: o `[BH, N, C, V]`, final state `[BH, K, V]`.
+
+    With P = tril(Q Kᵀ), S_n the state before chunk n and dS_n the cotangent of the state after it
+    (dS_{N−1} = the final state's cotangent, dS_{n−1} = dS_n + Q_nᵀ dO_n):
+
+        dQ = dO S_nᵀ + tril(dO Vᵀ) K      dK = V dS_nᵀ + tril(dO Vᵀ)ᵀ Q      dV = K dS_n + Pᵀ dO
+
+    Eight batched matmuls and two running sums over chunks (a loop of adds on `[BH, K, V]`,
+    cheaper than `cumsum` along a strided dimension); autograd's version of the same adds cumsum
+    and flip passes, a concatenation and mask passes over every `[C, C]` block.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, S0):  # noqa: ANN001, ANN205 (autograd.Function protocol)
+        BH, N, C, K = q.shape
+        V = v.shape[-1]
+        dS = k.mT @ v  # [BH, N, K, V]: each chunk's write k vᵀ
+        S_before = torch.empty_like(dS)
+        S = q.new_zeros(BH, K, V) if S0 is None else S0.clone()
+        for n in range(N):
+            S_before[:, n] = S
+            S += dS[:, n]
+        P = (q @ k.mT).tril_()  # [BH, N, C, C]
+        o = matmul_add_(q @ S_before, P, v)
+        ctx.has_S0 = S0 is not None
+        ctx.save_for_backward(q, k, v, P, S_before)
+        return o, S
+
+    @staticmethod
+    def backward(ctx, do, dS_final):  # noqa: ANN001, ANN205
+        q, k, v, P, S_before = ctx.saved_tensors
+        N = q.shape[1]
+        dS_o = q.mT @ do  # [BH, N, K, V]: the outputs' pull on the state before each chunk
+        dS_after = torch.empty_like(dS_o)
+        dS = dS_final.clone()
+        for n in range(N - 1, -1, -1):
+            dS_after[:, n] = dS
+            dS += dS_o[:, n]
+        dP = (do @ v.mT).tril_()
+        dq = matmul_add_(do @ S_before.mT, dP, k)
+        dk = matmul_add_(v @ dS_after.mT, dP.mT, q)
+        dv = matmul_add_(k @ dS_after, P.mT, do)
+        return dq, dk, dv, dS if ctx.has_S0 else None
 
 
 def chunk_linear_attn(
@@ -51,21 +107,11 @@ def chunk_linear_attn(
             S0 = q.new_zeros(B, H, K, V) if S0 is None else S0.to(dt)
             z0 = q.new_zeros(B, H, K) if z0 is None else z0.to(dt)
             S0 = torch.cat([S0, z0[..., None]], dim=-1)
-    qc, kc, vc = to_chunks(q * scale, C), to_chunks(k, C), to_chunks(v, C)  # [B, H, N, C, D]
-
-    dS = kc.transpose(-1, -2) @ vc  # [B, H, N, K, V]
-    S_after = dS.cumsum(dim=2)
-    if S0 is None:
-        S_before = torch.cat([torch.zeros_like(dS[:, :, :1]), S_after[:, :, :-1]], dim=2)
-    else:
-        S_after = S0.to(dt)[:, :, None] + S_after
-        S_before = torch.cat([S0.to(dt)[:, :, None], S_after[:, :, :-1]], dim=2)
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    # In place is safe: the matmul's backward needs its inputs, not its output.
-    scores = (qc @ kc.transpose(-1, -2)).masked_fill_(~causal, 0.0)  # [B, H, N, C, C]
-    o = from_chunks(qc @ S_before + scores @ vc, T)  # [B, T, H, V(+1)]
-
-    S = S_after[:, :, -1]
+    qc, kc, vc = (to_chunks(x, C).flatten(0, 1) for x in (q * scale, k, v))  # [B·H, N, C, D]
+    S0_flat = None if S0 is None else S0.to(dt).flatten(0, 1)
+    o, S = _ChunkLinearAttn.apply(qc, kc, vc, S0_flat)
+    o = from_chunks(o.unflatten(0, (B, H)), T)  # [B, T, H, V(+1)]
+    S = S.unflatten(0, (B, H))
     if normalize:
         o = o[..., :V] / (o[..., V:] + NORMALIZER_EPS)
         final: LinearAttnState = (S[..., :V], S[..., V])

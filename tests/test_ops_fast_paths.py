@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from recurrent_depth.ops._common import matmul_add_
 from recurrent_depth.ops.gated_delta_rule.chunk import _ChunkDeltaRule, unit_lower_inverse
+from recurrent_depth.ops.gla.chunk import _ChunkGLAFactored
 from recurrent_depth.ops.linear_attn.chunk import _ChunkLinearAttn
 
 
@@ -100,3 +101,16 @@ def test_matmul_add_accumulates_in_place_with_transposed_operands():
     got = matmul_add_(out, a, b)
     assert got is out
     assert torch.allclose(out, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("with_state", [True, False], ids=["S0", "no-S0"])
+@pytest.mark.parametrize("dims", [(2, 3, 4, 5, 3), (1, 1, 6, 2, 7)], ids=["N3-C4-K5-V3", "N1-C6-K2-V7"])
+def test_chunk_gla_factored_backward_passes_gradcheck(dims: tuple[int, ...], with_state: bool):
+    BH, N, C, K, V = dims
+    gen = _gen(4)
+    q, k = (torch.randn(BH, N, C, K, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(BH, N, C, V, generator=gen, dtype=torch.float64)
+    G = F.logsigmoid(torch.randn(BH, N, C, K, generator=gen, dtype=torch.float64)).cumsum(-2)
+    S0 = torch.randn(BH, K, V, generator=gen, dtype=torch.float64) if with_state else None
+    inputs = [x.requires_grad_() if x is not None else None for x in (q, k, v, G, S0)]
+    assert torch.autograd.gradcheck(_ChunkGLAFactored.apply, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)

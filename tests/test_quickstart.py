@@ -77,6 +77,39 @@ def test_cli_help_and_bad_minutes(capsys):
     with pytest.raises(SystemExit) as info:
         main(["quickstart", "--help"])
     assert info.value.code == 0
-    assert "(default: 10.0)" in capsys.readouterr().out
+    assert "(default: 10)" in capsys.readouterr().out
     assert main(["quickstart", "--minutes", "0.1", "--out", "unused"]) == 2
     assert "minutes" in capsys.readouterr().err
+
+
+def test_quickstart_task_runs_the_reasoning_preset(monkeypatch, capsys):
+    from recurrent_depth.evaluation.reasoning import train as reasoning_train
+
+    seen = {}
+
+    def fake_run(config):
+        seen["config"] = config
+        return {"extrapolation": {"trained_up_to": 12, "beyond_training_at_0.9": 16, "beyond_training_at_0.5": 20}}
+
+    monkeypatch.setattr(reasoning_train, "run_reasoning", fake_run)
+    assert main(["quickstart", "--task", "modsum", "--minutes", "3", "--threads", "1"]) == 0
+    config = seen["config"]
+    assert config.task == "modsum" and config.minutes == 3 and config.threads == 1
+    assert config.out == "runs/quickstart-modsum"
+    assert config.train_difficulties == reasoning_train.TASK_PRESETS["modsum"]["train_difficulties"]
+    assert max(config.test_difficulties) > config.train_difficulties[1]  # it measures extrapolation
+    assert "beyond training up to 16" in capsys.readouterr().out
+    assert main(["quickstart", "--task", "modsum", "--minutes", "-1"]) == 2
+    assert "--minutes=-1" in capsys.readouterr().err
+
+
+def test_task_preset_overrides_and_errors():
+    from recurrent_depth.evaluation.reasoning import TASK_PRESETS, task_preset
+
+    assert set(TASK_PRESETS) >= {"modsum", "chains", "addition"}
+    config = task_preset("modsum", minutes=None, batch_size=8)
+    assert config.minutes == TASK_PRESETS["modsum"]["minutes"] and config.batch_size == 8
+    with pytest.raises(ValueError, match="unknown reasoning task 'sorting'"):
+        task_preset("sorting")
+    with pytest.raises(ValueError, match="batch_size=0"):
+        task_preset("chains", batch_size=0)

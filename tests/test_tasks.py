@@ -11,6 +11,7 @@ import pytest
 from recurrent_depth.evaluation.reasoning import (
     Addition,
     ProblemEncoder,
+    RunningSum,
     VariableChains,
     get_task,
     make_problems,
@@ -19,8 +20,8 @@ from recurrent_depth.evaluation.reasoning import (
 from recurrent_depth.evaluation.tasks import utils as task_utils
 
 
-@pytest.mark.parametrize("task", [VariableChains(), VariableChains(num_chains=2), Addition()],
-                         ids=["chains-4", "chains-2", "addition"])
+@pytest.mark.parametrize("task", [VariableChains(), VariableChains(num_chains=2), Addition(), RunningSum()],
+                         ids=["chains-4", "chains-2", "addition", "modsum"])
 def test_generators_are_deterministic_and_solver_agrees(task):
     difficulties = list(range(task.min_difficulty, min(task.max_difficulty, 12) + 1))
     first = make_problems(task, 20, difficulties, seed=3)
@@ -31,7 +32,8 @@ def test_generators_are_deterministic_and_solver_agrees(task):
 
 
 def chain_links(prompt: str) -> list[tuple[str, str]]:
-    return re.findall(r"([A-Za-z])=([A-Za-z0-9]);", prompt)
+    """(defined name, source) pairs of `source>name;` definitions."""
+    return [(name, source) for source, name in re.findall(r"([A-Za-z0-9])>([A-Za-z]);", prompt)]
 
 
 @pytest.mark.parametrize("hops", [0, 1, 5, 12], ids=lambda h: f"hops-{h}")
@@ -67,12 +69,26 @@ def test_training_rows_supervise_the_answer_and_optionally_every_reference(inter
         references = 0
         for i, (text, label) in enumerate(segments[:-2]):
             if isinstance(label, str):  # a reference predicts its variable's value where it names it
-                assert intermediate and text == ";"
+                assert intermediate and text == ">"
                 references += 1
-                assert task.solve(definitions + f"?={segments[i - 1][0][2]}") == label
+                assert task.solve(definitions + f"?{segments[i - 1][0]}") == label
             else:
                 assert label is False
         assert references == (len(chain_links(definitions)) - task.num_chains if intermediate else 0)
+
+
+@pytest.mark.parametrize("intermediate", [False, True], ids=["answer-only", "intermediate"])
+def test_running_sum_rows_label_every_partial_sum(intermediate):
+    task = RunningSum()
+    segments = task.training_segments(random.Random(2), 7, intermediate=intermediate)
+    prompt = "".join(text for text, _ in segments[:-1])
+    assert len(prompt) == 8 and prompt.endswith("=")
+    assert segments[-1] == (task.solve(prompt), True)
+    if intermediate:
+        (first, unscored), (rest, labels), _ = segments
+        assert unscored is False and len(labels) == len(rest)
+        for i, label in enumerate(labels):  # the label after digit i is the sum of digits 0..i, mod 10
+            assert label == task.solve(prompt[: i + 1] + "=")
 
 
 def test_addition_is_most_significant_digit_first_and_fixed_width():
@@ -91,7 +107,7 @@ def test_addition_is_most_significant_digit_first_and_fixed_width():
         (lambda: VariableChains(num_chains=11), "num_chains=11"),
         (lambda: get_task("sorting"), "unknown reasoning task"),
         (lambda: make_problems(Addition(), 0, [1]), "count=0"),
-        (lambda: VariableChains().solve("a=b;?=a"), "undefined or circular"),
+        (lambda: VariableChains().solve("b>a;?a"), "undefined or circular"),
     ],
     ids=["too-many-hops", "negative-hops", "zero-digits", "too-many-chains", "unknown-task", "zero-count",
          "bad-prompt"],

@@ -7,26 +7,36 @@ from recurrent_depth.evaluation.reasoning.tasks import (
     Addition,
     Problem,
     ReasoningTask,
+    RunningSum,
     VariableChains,
     get_task,
     make_problems,
 )
-from recurrent_depth.evaluation.reasoning.train import ReasoningRunConfig, run_reasoning, train_reasoning
+from recurrent_depth.evaluation.reasoning.train import (
+    TASK_PRESETS,
+    ReasoningRunConfig,
+    run_reasoning,
+    task_preset,
+    train_reasoning,
+)
 
 __all__ = [
     "TASKS",
+    "TASK_PRESETS",
     "AccuracyGrid",
     "Addition",
     "Problem",
     "ProblemEncoder",
     "ReasoningRunConfig",
     "ReasoningTask",
+    "RunningSum",
     "VariableChains",
     "accuracy_grid",
     "byte_tokenizer",
     "get_task",
     "make_problems",
     "run_reasoning",
+    "task_preset",
     "train_reasoning",
     "write_jsonl",
 ]

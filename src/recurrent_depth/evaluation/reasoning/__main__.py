@@ -17,7 +17,7 @@ from pathlib import Path
 from recurrent_depth.data.tokenizer import save_tokenizer
 from recurrent_depth.evaluation.reasoning.data import byte_tokenizer, write_jsonl
 from recurrent_depth.evaluation.reasoning.tasks import TASKS, get_task
-from recurrent_depth.evaluation.reasoning.train import ReasoningRunConfig, run_reasoning
+from recurrent_depth.evaluation.reasoning.train import run_reasoning, task_preset
 
 
 def difficulty_range(text: str) -> list[int]:
@@ -37,12 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train on a reasoning task, then measure accuracy against depth")
     train.add_argument("--task", default="chains", choices=sorted(TASKS), help="task family (default: chains)")
-    train.add_argument("--minutes", type=float, default=20.0, help="training time budget (default: 20)")
+    train.add_argument("--minutes", type=float, default=None, help="training time budget (default: the preset's, 20)")
     train.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (default: none)")
     train.add_argument("--train-difficulties", type=difficulty_range, default=None,
                        help="difficulties seen in training, 'LOW-HIGH' (default: the preset's, chains 0-6)")
-    train.add_argument("--depths", type=difficulty_range, default=[1, 2, 4, 8, 16, 32],
-                       help="test-time depths (default: 1,2,4,8,16,32)")
+    train.add_argument("--depths", type=difficulty_range, default=None,
+                       help="test-time depths (default: the preset's, e.g. 1,2,4,8,16,32)")
     train.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     train.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     train.add_argument("--out", default="runs/reasoning", help="output directory (default: runs/reasoning)")
@@ -56,10 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
-            config = ReasoningRunConfig(task=args.task, minutes=args.minutes, max_steps=args.max_steps,
-                                        depths=args.depths, threads=args.threads, seed=args.seed, out=args.out)
-            if args.train_difficulties is not None:
-                config.train_difficulties = (min(args.train_difficulties), max(args.train_difficulties))
+            train_range = args.train_difficulties
+            config = task_preset(
+                args.task, minutes=args.minutes, max_steps=args.max_steps, depths=args.depths, threads=args.threads,
+                seed=args.seed, out=args.out,
+                train_difficulties=(min(train_range), max(train_range)) if train_range else None,
+            )
             summary = run_reasoning(config)
             print(json.dumps(summary["extrapolation"]))
         else:

@@ -113,7 +113,7 @@ def accuracy_grid(
     encoder = encoder or ProblemEncoder()
     grid = AccuracyGrid(
         task.name, task.difficulty_name, list(difficulties), depths, count,
-        chance=1 / task.num_chains if hasattr(task, "num_chains") else None,
+        chance=task.chance(),
         trained_difficulties=list(trained_difficulties) if trained_difficulties is not None else None,
     )
     was_training = model.training

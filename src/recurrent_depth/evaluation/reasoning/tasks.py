@@ -1,18 +1,30 @@
 """Synthetic reasoning tasks whose difficulty is a knob, each with an independent solver.
 
-Two families, both generated in code (no data files, same problems on every machine):
+Three families, all generated in code (no data files, same problems on every machine):
 
 ``chains`` (multi-hop variable chains; difficulty = hops)::
 
-    t=4;Q=7;b=t;m=Q;c=b;?=c    ->  4
+    4>t;7>Q;t>b;Q>m;b>c;?c    ->  4
 
-    Several chains are interleaved (each definition after the one it refers to); the query
-    ``?=c`` is written like a definition of ``?`` and names the last variable of one chain, `hops`
-    references away from its digit. Its answer follows the name, where every reference sits: one
-    lookup, "the value of the variable named here", resolves queries and definitions alike. Resolving h hops needs
-    h sequential lookups, so a model that runs its recurrent core longer can follow longer chains.
-    The other chains are distractors with distinct root digits, so guessing from the context
-    scores about 1 / num_chains.
+    Read ``x>y`` as "y takes the value of x". Several chains are interleaved (each definition
+    after the one it refers to); the query ``?c`` names the last variable of one chain, `hops`
+    references away from its digit, and its answer follows. The format is chosen for attention:
+    a defined name sees its source two tokens back, and a reference (``b`` in ``b>c``, ``c`` in
+    ``?c``) is the very token of the definition it needs, so "find the earlier definition of the
+    token I am, take its value" is one content match on the current token, for references and
+    the query alike. Resolving h hops needs h sequential lookups, so a model that runs its
+    recurrent core longer can follow longer chains. The other chains are distractors with
+    distinct root digits, so guessing from the context scores about 1 / num_chains.
+
+``modsum`` (the sum of a string of digits modulo 10; difficulty = number of digits)::
+
+    39417=   ->  4
+
+    Every running sum depends on the one before it: n dependent additions. A causal model can
+    carry the running sum one position further per layer (each digit adds itself to its left
+    neighbour's running sum, a fixed-offset lookup that attention learns easily), so answering
+    takes depth proportional to n, and a recurrent core run longer handles longer strings.
+    Guessing scores 10%.
 
 ``addition`` (multi-digit addition, most significant digit first; difficulty = digits)::
 
@@ -85,6 +97,10 @@ class ReasoningTask:
         """Every character a prompt or answer of this task can contain."""
         raise NotImplementedError
 
+    def chance(self) -> float | None:
+        """Accuracy of the best guess that ignores the reasoning (None when negligible)."""
+        return None
+
 
 class VariableChains(ReasoningTask):
     """Multi-hop variable chains with distractors (see the module docstring)."""
@@ -122,7 +138,7 @@ class VariableChains(ReasoningTask):
         chains: list[list[str]] = []
         for hops, root in zip(lengths, roots):
             own, names = names[: hops + 1], names[hops + 1 :]
-            chains.append([f"{own[0]}={root};"] + [f"{own[i]}={own[i - 1]};" for i in range(1, hops + 1)])
+            chains.append([f"{root}>{own[0]};"] + [f"{own[i - 1]}>{own[i]};" for i in range(1, hops + 1)])
         # A uniformly random interleaving that keeps each chain in order.
         slots = [c for c, chain in enumerate(chains) for _ in chain]
         rng.shuffle(slots)
@@ -132,45 +148,45 @@ class VariableChains(ReasoningTask):
             parts.append((chains[c][cursor[c]], roots[c]))
             cursor[c] += 1
         variables = [
-            [(text[0], root, depth) for depth, text in enumerate(chain)] for chain, root in zip(chains, roots)
+            [(text[2], root, depth) for depth, text in enumerate(chain)] for chain, root in zip(chains, roots)
         ]
         return parts, variables
 
     def sample(self, rng: random.Random, difficulty: int) -> Problem:
         definitions, chains = self._chains(rng, difficulty)
         name, root, _ = chains[0][-1]
-        return Problem(self.name, difficulty, "".join(t for t, _ in definitions) + f"?={name}", root)
+        return Problem(self.name, difficulty, "".join(t for t, _ in definitions) + f"?{name}", root)
 
     def training_segments(
         self, rng: random.Random, difficulty: int, intermediate: bool = False
     ) -> list[tuple[str, bool | str]]:
         """The evaluation problem; with `intermediate`, every reference is supervised too.
 
-        A reference `b=a;` then predicts the value of `a` where it names it (the label of the
-        following ';' is that digit). That is the lookup the query needs, at every definition, and
-        it leaks nothing: the labels never appear in the text. (Several queries per row would leak:
-        their answers are distinct root digits, so the last one follows by elimination; two
-        queries on one chain give each other away.)
+        A reference `a` in `a>b;` then predicts the value of `a` (the label of the following '>'
+        is that digit), exactly as the query `?c` predicts its answer: the lookup the query needs,
+        supervised at every reference. It leaks nothing: the labels never appear in the text.
+        (Several queries per row would leak: their answers are distinct root digits, so the last
+        one follows by elimination; two queries on one chain give each other away.)
         """
         definitions, chains = self._chains(rng, difficulty)
         segments: list[tuple[str, bool | str]] = []
         for text, value in definitions:
-            if intermediate and text[2].isalpha():
-                segments += [(text[:-1], False), (";", value)]
+            if intermediate and text[0].isalpha():
+                segments += [(text[0], False), (">", value), (text[2:], False)]
             else:
                 segments.append((text, False))
         name, root, _ = chains[0][-1]
-        return segments + [(f"?={name}", False), (root, True)]
+        return segments + [(f"?{name}", False), (root, True)]
 
-    _DEF = re.compile(r"([A-Za-z])=([A-Za-z0-9]);")
-    _QUERY = re.compile(r"\?=([A-Za-z])$")
+    _DEF = re.compile(r"([A-Za-z0-9])>([A-Za-z]);")
+    _QUERY = re.compile(r"\?([A-Za-z])$")
 
     def solve(self, prompt: str) -> str:
         """Read the definitions in order and follow references from the queried name to a digit."""
         query = self._QUERY.search(prompt)
         if query is None:
-            raise ValueError(f"chains: no query '?=x' at the end of {prompt!r}")
-        env = dict(self._DEF.findall(prompt[: query.start()]))
+            raise ValueError(f"chains: no query '?x' at the end of {prompt!r}")
+        env = {target: source for source, target in self._DEF.findall(prompt[: query.start()])}
         value, seen = query.group(1), set()
         while value.isalpha():
             if value in seen or value not in env:
@@ -180,7 +196,10 @@ class VariableChains(ReasoningTask):
         return value
 
     def alphabet(self) -> str:
-        return self.NAMES + string.digits + "=;?"
+        return self.NAMES + string.digits + ">;?"
+
+    def chance(self) -> float:
+        return 1 / self.num_chains  # guessing one of the root digits in the context
 
 
 class Addition(ReasoningTask):
@@ -210,7 +229,52 @@ class Addition(ReasoningTask):
         return string.digits + "+="
 
 
-TASKS: dict[str, type[ReasoningTask]] = {"chains": VariableChains, "addition": Addition}
+class RunningSum(ReasoningTask):
+    """The sum of n digits modulo 10: a chain of n dependent additions (see the module docstring)."""
+
+    name = "modsum"
+    difficulty_name = "digits"
+    min_difficulty = 1
+    max_difficulty = 200
+
+    def sample(self, rng: random.Random, difficulty: int) -> Problem:
+        self.check_difficulty(difficulty)
+        digits = "".join(rng.choice(string.digits) for _ in range(difficulty))
+        return Problem(self.name, difficulty, digits + "=", str(sum(map(int, digits)) % 10))
+
+    def training_segments(
+        self, rng: random.Random, difficulty: int, intermediate: bool = False
+    ) -> list[tuple[str, bool | str]]:
+        """With `intermediate`, each digit also predicts the running sum so far (mod 10) instead of
+        the next digit: the step the answer needs, supervised at every position (never in the text).
+        """
+        problem = self.sample(rng, difficulty)
+        if not intermediate:
+            return [(problem.prompt, False), (problem.answer, True)]
+        digits = problem.prompt[:-1]
+        running = [sum(map(int, digits[: i + 1])) % 10 for i in range(len(digits))]
+        labels = "".join(str(v) for v in running)  # the label of token i + 1 is the sum up to token i
+        return [(digits[0], False), (digits[1:] + "=", labels), (problem.answer, True)]
+
+    _PROMPT = re.compile(r"^(\d+)=$")
+
+    def solve(self, prompt: str) -> str:
+        match = self._PROMPT.match(prompt)
+        if match is None:
+            raise ValueError(f"modsum: expected digits followed by '=', got {prompt!r}")
+        total = 0
+        for ch in match.group(1):
+            total = (total + int(ch)) % 10
+        return str(total)
+
+    def alphabet(self) -> str:
+        return string.digits + "="
+
+    def chance(self) -> float:
+        return 0.1  # one digit of ten
+
+
+TASKS: dict[str, type[ReasoningTask]] = {"chains": VariableChains, "addition": Addition, "modsum": RunningSum}
 
 
 def get_task(name: str, **options: Any) -> ReasoningTask:

@@ -49,7 +49,10 @@ class ReasoningRunConfig:
     curriculum: bool = True
     promote_at: float = 0.85  # accuracy on the current hardest difficulty that admits the next one
     depth_curriculum: bool = True  # sample depths around min(mean_recurrence, difficulty + 1), at least 2
-    intermediate: bool = True  # chains: every reference also predicts its value (see training_segments)
+    intermediate: bool = True  # supervise every intermediate step where the task has one (training_segments)
+    # Shift each training row's positions by a random offset (< max_seq_len - length), so that the longer
+    # problems of the extrapolation test do not meet positions training never saw.
+    position_jitter: bool = True
     hidden_size: int = 128
     num_heads: int = 4
     intermediate_size: int = 352
@@ -107,6 +110,29 @@ class ReasoningRunConfig:
             mean_backprop_depth=self.backprop_depth, max_seq_len=self.max_seq_len,
             bos_token_id=ids["begin_text"], eos_token_id=ids["end_text"], pad_token_id=ids["pad"],
         )
+
+
+# Per-task recipes for `rdepth quickstart --task NAME` (ReasoningRunConfig fields over its defaults),
+# tuned on a 2-core CPU; the measured accuracy grids are in docs/evaluation.md.
+TASK_PRESETS: dict[str, dict[str, Any]] = {
+    # Running sums need one dependent addition per digit: depth grows with the string's length.
+    "modsum": dict(
+        train_difficulties=(1, 12), test_difficulties=[1, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 24, 28, 32],
+        depths=[1, 2, 4, 8, 16, 32, 64], hidden_size=64, intermediate_size=176, batch_size=32, lr=3e-3,
+        minutes=20.0,
+    ),
+    "chains": dict(train_difficulties=(0, 6), minutes=20.0),
+    "addition": dict(train_difficulties=(1, 6), minutes=20.0),
+}
+
+
+def task_preset(task: str, **overrides: Any) -> ReasoningRunConfig:
+    """The tuned recipe for `task`, with `overrides` (None values ignored) on top; validated."""
+    if task not in TASK_PRESETS:
+        raise ValueError(f"unknown reasoning task {task!r}: expected one of {sorted(TASK_PRESETS)}")
+    values = {"task": task, **TASK_PRESETS[task]}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return ReasoningRunConfig(**values).validate()
 
 
 class Curriculum:
@@ -181,7 +207,13 @@ def train_reasoning(config: ReasoningRunConfig, log: Any = print) -> tuple[Recur
             lr = _lr_at(config, step, fraction)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            output = model(batch["input_ids"], num_steps=num_steps, labels=batch["labels"])
+            position_ids = None
+            if config.position_jitter:
+                B, T = batch["input_ids"].shape
+                room = max(config.max_seq_len - T, 0)
+                offsets = torch.tensor([rng.randint(0, room) for _ in range(B)]).unsqueeze(1)
+                position_ids = torch.arange(T).unsqueeze(0) + offsets
+            output = model(batch["input_ids"], num_steps=num_steps, labels=batch["labels"], position_ids=position_ids)
             optimizer.zero_grad(set_to_none=True)
             output.loss.backward()
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
@@ -235,7 +267,8 @@ def run_reasoning(config: ReasoningRunConfig, log: Any = print) -> dict[str, Any
     model, stats = train_reasoning(config, log=log)
     save_model(model, out / "model")
     task = get_task(config.task, **config.task_options)
-    lo, hi = config.train_difficulties
+    # The hardest difficulty training actually drew: the curriculum may not reach the configured top.
+    lo, hi = config.train_difficulties[0], stats["curriculum_reached"]
     grid = accuracy_grid(
         model, task, config.resolved_test_difficulties(), config.depths, count=config.eval_count,
         seed=10_000 + config.seed, trained_difficulties=list(range(lo, hi + 1)),
@@ -250,8 +283,11 @@ def run_reasoning(config: ReasoningRunConfig, log: Any = print) -> dict[str, Any
 
 
 def summarize(grid: AccuracyGrid, config: ReasoningRunConfig, stats: dict[str, Any]) -> dict[str, Any]:
-    """Headline numbers: how far past training it extrapolates and how much depth adds."""
-    hi = config.train_difficulties[1]
+    """Headline numbers: how far past training it extrapolates and how much depth adds.
+
+    "Beyond training" starts above the hardest difficulty training drew (`curriculum_reached`).
+    """
+    hi = stats.get("curriculum_reached", config.train_difficulties[1])
     shallow = grid.depths[0]
     harder = [d for d in grid.difficulties if d > hi]
     gain = {

@@ -26,13 +26,71 @@ class RMSNorm(nn.Module):
         return normed.to(x.dtype) * self.weight
 
 
+@functools.cache
+def _cpu_has_native_bf16() -> bool:
+    """True when oneDNN runs bf16 GEMMs natively on this CPU (AVX512-BF16 or AMX)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class _TransposedWeightGradLinear(torch.autograd.Function):
+    """y = x W^T + b, whose input gradient multiplies by a contiguous copy of W^T.
+
+    Why: on CPUs without native bf16, oneDNN's fast bf16/fp16 GEMM covers `x @ W.t()` (the forward)
+    and `g.t() @ x` (the weight gradient) but not `g @ W` (the input gradient), which falls back to
+    a reference kernel about 20x slower. `g @ (W^T contiguous).t()` is the same product in the fast
+    layout; the copy costs in*out, the product tokens*in*out. Results equal F.linear's up to the
+    summation order of the GEMM.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        x, weight = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad @ weight.t().contiguous().t()
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        if ctx.needs_input_grad[1]:
+            grad_w = flat_grad.t() @ x.reshape(-1, x.shape[-1])
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = flat_grad.sum(0)
+        return grad_x, grad_w, grad_b
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state dict) with a fast backward for bf16/fp16 on CPUs that
+    emulate those dtypes (see `_TransposedWeightGradLinear`); everywhere else plain F.linear."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.device.type != "cpu" or not torch.is_grad_enabled() or _cpu_has_native_bf16():
+            return F.linear(x, self.weight, self.bias)
+        if torch.is_autocast_enabled("cpu"):
+            dtype = torch.get_autocast_dtype("cpu")
+            if dtype not in (torch.bfloat16, torch.float16):
+                return F.linear(x, self.weight, self.bias)
+            bias = None if self.bias is None else self.bias.to(dtype)
+            with torch.autocast("cpu", enabled=False):
+                return _TransposedWeightGradLinear.apply(x.to(dtype), self.weight.to(dtype), bias)
+        if x.dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == x.dtype:
+            return _TransposedWeightGradLinear.apply(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
 class GatedMLP(nn.Module):
     """SwiGLU with one fused input projection: fc(x) = [gate | up], out = proj(silu(gate) * up)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.bias)
-        self.proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.bias)
+        self.fc = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.bias)
+        self.proj = Linear(config.intermediate_size, config.hidden_size, bias=config.bias)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.fc(x).chunk(2, dim=-1)
@@ -59,12 +117,15 @@ def _rope_table(head_dim: int, max_len: int, base: float, device: str) -> Tensor
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate adjacent pairs (x[2i], x[2i+1]) (GPT-J / complex style, not NeoX rotate-half).
 
-    x: [B, T, H, D]; cos, sin: [B, T, 1, D/2] (or broadcastable). Computed in fp32.
+    x: [B, T, H, D]; cos, sin: [B, T, 1, D/2] (or broadcastable). Computed in fp32 as one complex
+    product per pair, (a + ib)(cos + i sin), like the official implementation: one kernel forward
+    and backward instead of six, about twice as fast as real arithmetic on CPU.
     """
     pairs = x.float().unflatten(-1, (-1, 2))  # [B, T, H, D/2, 2]
-    a, b = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1)
-    return rotated.flatten(-2).to(x.dtype)
+    if pairs.stride(-1) != 1 or any(stride % 2 for stride in pairs.stride()[:-1]):
+        pairs = pairs.contiguous()  # view_as_complex needs (real, imag) adjacent and aligned
+    rotated = torch.view_as_complex(pairs) * torch.complex(cos, sin)
+    return torch.view_as_real(rotated).flatten(-2).to(x.dtype)
 
 
 class SandwichBlock(nn.Module):

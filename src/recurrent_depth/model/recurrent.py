@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from recurrent_depth.config import ModelConfig
-from recurrent_depth.model.layers import RMSNorm, SandwichBlock
+from recurrent_depth.model.layers import Linear, RMSNorm, SandwichBlock
 from recurrent_depth.model.mixers import MixerContext, build_mixer
 
 NumSteps = int | tuple[int, int] | None
@@ -75,13 +75,13 @@ class RecurrentDepthLM(nn.Module):
             dict(
                 wte=nn.Embedding(config.vocab_size, h),
                 prelude=blocks("prelude", config.prelude_layers),
-                adapter=nn.Linear(2 * h, h, bias=config.bias),
+                adapter=Linear(2 * h, h, bias=config.bias),
                 core_block=blocks("core", config.core_layers),
                 coda=blocks("coda", config.coda_layers),
                 ln_f=RMSNorm(h, config.norm_eps),
             )
         )
-        self.lm_head = nn.Linear(h, config.vocab_size, bias=False)
+        self.lm_head = Linear(h, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
         self.emb_scale = math.sqrt(h)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from recurrent_depth.config import ModelConfig
-from recurrent_depth.model.layers import apply_rope
+from recurrent_depth.model.layers import Linear, apply_rope
 from recurrent_depth.model.mixers.base import LayerKey, MixerContext, register_mixer
 
 
@@ -38,8 +38,8 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.window = window
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        self.Wqkv = nn.Linear(config.hidden_size, qkv_out, bias=config.bias)
-        self.proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.bias)
+        self.Wqkv = Linear(config.hidden_size, qkv_out, bias=config.bias)
+        self.proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.bias)
         self.has_qk_bias = config.qk_bias
         if config.qk_bias:
             if self.num_kv_heads == self.num_heads:

@@ -189,6 +189,8 @@ def run(args: argparse.Namespace) -> dict:
         for form, t in timed.items():
             print(f"  {op:17s} {form:34s} fwd {t['fwd_s']:.3f}s  fwd+bwd {t['fwd_bwd_s']:.3f}s", file=sys.stderr)
         naive = timed.get("naive_recurrent")
+        fused = timed.get("fused_recurrent")
+        fla_chunk = next((t for name, t in timed.items() if name.startswith("fla:") and "chunk" in name), None)
         for form, t in timed.items():
             row = {"op": op, "form": form, "fwd_s": round(t["fwd_s"], 4), "fwd_bwd_s": round(t["fwd_bwd_s"], 4)}
             if naive is not None:
@@ -196,6 +198,10 @@ def run(args: argparse.Namespace) -> dict:
                 row["speedup_fwd_bwd"] = round(naive["fwd_bwd_s"] / t["fwd_bwd_s"], 2)
                 if form != "naive_recurrent":
                     row["max_rel_err"] = max(rel_err(t["tensors"][k], naive["tensors"][k]) for k in naive["tensors"])
+            if fused is not None and form == "chunk":
+                row["speedup_fwd_bwd_vs_fused"] = round(fused["fwd_bwd_s"] / t["fwd_bwd_s"], 2)
+            if fla_chunk is not None and form == "chunk":
+                row["fla_chunk_over_ours_fwd_bwd"] = round(fla_chunk["fwd_bwd_s"] / t["fwd_bwd_s"], 2)
             rows.append(row)
     return {
         "benchmark": "ops",
@@ -237,6 +243,19 @@ def print_table(report: dict) -> None:
         f"\nB={c['B']} T={c['T']} H={c['H']} K=V={c['K']} chunk={c['chunk_size']} float32, {c['threads']} thread(s); "
         "x = speedup over naive_recurrent; error = worst of output and gradients vs naive_recurrent"
     )
+    chunk_rows = [r for r in report["results"] if r["form"] == "chunk"]
+    if not chunk_rows:
+        return
+    # The targets for the chunked forms, forward+backward, side by side in this run.
+    print("\nchunked fwd+bwd vs the targets (>= 20x the step-by-step forms, faster than fla's chunk ref, err <= 1e-5):")
+    head = ("op", 17), ("x naive_recurrent", 18), ("x fused_recurrent", 18), ("fla chunk / ours", 18), ("rel err", 12)
+    print(" ".join(f"{name:>{width}s}" if i else f"{name:{width}s}" for i, (name, width) in enumerate(head)))
+    for r in chunk_rows:
+        x_naive = f"{r['speedup_fwd_bwd']:.1f}" if "speedup_fwd_bwd" in r else "-"
+        x_fused = f"{r['speedup_fwd_bwd_vs_fused']:.1f}" if "speedup_fwd_bwd_vs_fused" in r else "-"
+        fla = f"{r['fla_chunk_over_ours_fwd_bwd']:.2f}" if "fla_chunk_over_ours_fwd_bwd" in r else "(no fla chunk ref)"
+        err = f"{r['max_rel_err']:.1e}" if "max_rel_err" in r else "-"
+        print(f"{r['op']:17s} {x_naive:>18s} {x_fused:>18s} {fla:>18s} {err:>12s}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -85,9 +85,10 @@ def test_cli_json_batch_with_adaptive_exit(model_dir, loaded, capsys):
 @pytest.mark.parametrize("flags", [
     ["--draft-steps", "1", "--lookahead", "3"],
     ["--parallel", "--inner-steps", "3"],
+    ["--parallel", "--inner-steps", "2", "--wavefront", "2", "--exit-criterion", "latent-diff"],
     ["--kv-budget", "2", "--warm-start"],
     ["--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--min-p", "0.05", "--seed", "3"],
-], ids=["speculative", "parallel", "budget+warm", "sampling"])
+], ids=["speculative", "parallel", "parallel-wavefront", "budget+warm", "sampling"])
 def test_cli_modes_run(model_dir, capsys, flags):
     code = main(["generate", "--model", str(model_dir), "--prompt", "class", "--max-new-tokens", "4",
                  "--num-steps", "3", "--no-stream", *flags])

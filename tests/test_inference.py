@@ -187,6 +187,33 @@ def test_parallel_sampler_with_full_sweeps_equals_autoregressive_with_one_kv_slo
     torch.testing.assert_close(wave.logits, reference.logits, **TOL)
 
 
+@pytest.mark.parametrize("criterion", ["latent-diff", "cosine"])
+def test_parallel_sampler_with_a_wavefront_of_one_equals_autoregressive_exit_with_one_kv_slot(
+    model, prompts, criterion
+):
+    """wavefront 1 and one step per sweep: each position runs alone on its final input until its latent
+    converges, i.e. token-by-token decoding with the same latent exit and kv_budget=1."""
+    kw = dict(max_new_tokens=8, num_steps=6, init_scale=0.0, output_logits=True, exit_criterion=criterion,
+              exit_threshold=0.2 if criterion == "latent-diff" else 2e-2)  # some tokens converge, some do not
+    reference = generate(model, prompts[0], kv_budget=1, **kw)
+    wave = generate(model, prompts[0], sampler="parallel", inner_steps=1, wavefront=1, **kw)
+    assert torch.equal(wave.sequences, reference.sequences)
+    assert torch.equal(wave.steps, reference.steps)
+    assert wave.exit_reasons == reference.exit_reasons
+    assert {"converged", "max-steps"} <= set(reference.exit_reasons[0])
+    torch.testing.assert_close(wave.logits, reference.logits, **TOL)
+
+
+@pytest.mark.parametrize("width", [1, 2, 3])
+def test_parallel_sampler_wavefront_bounds_the_positions_in_flight(model, prompts, width):
+    out = generate(model, prompts[0], max_new_tokens=10, num_steps=8, init_scale=0.0, sampler="parallel",
+                   inner_steps=2, exit_criterion="latent-diff", exit_threshold=0.1, wavefront=width)
+    assert int(out.lengths[0]) == 10
+    assert 1 <= out.stats["mean_wavefront"] <= width
+    if width > 1:
+        assert out.stats["mean_wavefront"] > 1
+
+
 def test_parallel_sampler_static_cache_equals_the_reference_cache(model, prompts):
     ids, mask = left_pad(prompts)
     kw = dict(attention_mask=mask, max_new_tokens=7, num_steps=6, init_scale=0.0, output_logits=True,

@@ -246,6 +246,7 @@ BAD = {
     "spec+sample": (dict(draft_steps=1, do_sample=True), "does not combine"),
     "parallel+budget": (dict(sampler="parallel", kv_budget=4), "kv_budget=4"),
     "parallel+kl": (dict(sampler="parallel", exit_criterion="kl"), "parallel"),
+    "wavefront=0": (dict(sampler="parallel", wavefront=0), "wavefront=0"),
     "sampler": (dict(sampler="beam"), "sampler"),
     "cache": (dict(cache_implementation="paged"), "cache_implementation"),
     "seed": (dict(seed="x"), "seed"),

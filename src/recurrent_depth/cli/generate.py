@@ -58,8 +58,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--inner-steps", type=int, default=4,
                    help="parallel: core steps per sweep (default: %(default)s)")
     s.add_argument("--headway", type=int, default=1, help="parallel: new positions per sweep (default: %(default)s)")
+    s.add_argument("--wavefront", type=int, default=4,
+                   help="parallel: new positions join while fewer than this many refine (default: %(default)s)")
     s.add_argument("--max-wavefront", type=int, default=128,
-                   help="parallel: most positions refining at once (default: %(default)s)")
+                   help="parallel: freeze the front when more positions than this refine (default: %(default)s)")
     t = p.add_argument_group("sampling")
     t.add_argument("--do-sample", action="store_true",
                    help="sample instead of greedy (implied by --temperature/--top-k/--top-p/--min-p)")
@@ -103,7 +105,7 @@ def _generation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kv_budget=args.kv_budget, warm_start=args.warm_start, draft_steps=args.draft_steps,
         lookahead=args.lookahead, verification_threshold=args.verification_threshold,
         sampler="parallel" if args.parallel else "autoregressive", inner_steps=args.inner_steps,
-        headway=args.headway, max_wavefront=args.max_wavefront, do_sample=do_sample,
+        headway=args.headway, wavefront=args.wavefront, max_wavefront=args.max_wavefront, do_sample=do_sample,
         repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop, init_scale=args.init_scale,
     )
     kwargs.update({k: v for k, v in sampling.items() if v is not None})

@@ -43,31 +43,41 @@ def recur(
     running = active.clone()
     everyone = bool(running.all())  # fast path while no row has stopped
     criterion.start(state[:, 0], session.vocab_size)
-    steps = torch.zeros(B, dtype=torch.long, device=state.device)
+    # While every row runs they have all run the same number of steps: count per row only after that.
+    steps = None if everyone else torch.zeros(B, dtype=torch.long, device=state.device)
     codes = torch.full((B,), MAX_STEPS, dtype=torch.long, device=state.device)
     logits = None
+    ran = 0
     for i in range(opts.max_steps):
         if not everyone:
             cache.write_mask = running[:, None]
         new_state = runner.core_step(state, injected, e, i, step)
-        state = new_state if everyone else torch.where(running[:, None, None], new_state, state)
-        steps += running
+        ran = i + 1
+        if everyone:
+            state = new_state
+        else:
+            state = torch.where(running[:, None, None], new_state, state)
+            steps += running
         step_logits = None
         if criterion.needs_logits:
             step_logits = runner.predict(state, step, last_only=True)[:, 0]
             logits = step_logits if logits is None or everyone else torch.where(
                 running[:, None], step_logits, logits
             )
-        met = criterion.update(state[:, 0], step_logits)
-        if i + 1 >= opts.min_steps:
-            stopping = met & running
+        met = criterion.update(None if criterion.needs_logits else state[:, 0], step_logits)
+        if ran >= opts.min_steps:
+            stopping = met if everyone else met & running
             if bool(stopping.any()):  # the one host sync per step that exit decisions need
+                if steps is None:
+                    steps = torch.where(active, ran, 0)
                 codes = torch.where(stopping, CONVERGED, codes)
                 running &= ~stopping
                 everyone = False
                 if not bool(running.any()):
                     break
     cache.write_mask = None
+    if steps is None:
+        steps = torch.where(active, ran, 0)
     if logits is None:  # latent criteria: one coda pass on every row's exit state
         logits = runner.predict(state, step, last_only=True)[:, 0]
     return state, logits, steps, codes

@@ -97,13 +97,17 @@ class ExitCriterion:
             self.prev = torch.full((B,), -1, dtype=torch.long, device=state.device)
             self.count = torch.zeros(B, dtype=torch.long, device=state.device)
 
-    def update(self, state: Tensor, logits: Tensor | None) -> Tensor:
-        """Statistics after one more step; returns bool `[B]` (criterion met)."""
+    def update(self, state: Tensor | None, logits: Tensor | None) -> Tensor:
+        """Statistics after one more step; returns bool `[B]` (criterion met).
+
+        state: raw states `[B, h]` (read by the latent criteria only); logits: `[B, V]` (read by the
+        output criteria only, see `needs_logits`)."""
         name = self.spec.name
         if name == "kl":
             logp = F.log_softmax(logits.float(), dim=-1)
-            # KL(prev || current) = sum p_prev (log p_prev - log p_cur), as F.kl_div(cur, prev, log_target)
-            stat = (self.prev_probs * (self.prev - logp)).sum(-1).clamp(min=0)
+            # KL(prev || current) = sum p_prev (log p_prev - log p_cur): the reference's
+            # F.kl_div(log p_cur, log p_prev, reduction="none", log_target=True).sum(-1), as one dot product.
+            stat = torch.linalg.vecdot(self.prev_probs, self.prev - logp).clamp_(min=0)
             self.prev, self.prev_probs = logp, logp.exp()
             met = stat < self.threshold
         elif name == "entropy-diff":

@@ -31,6 +31,7 @@ class GenerationOptions:
     sampler: str = "autoregressive"
     inner_steps: int = 4
     headway: int = 1
+    wavefront: int = 4
     max_wavefront: int = 128
     do_sample: bool = False
     temperature: float = 1.0
@@ -103,6 +104,7 @@ class GenerationOptions:
         integer("lookahead", 1)
         integer("inner_steps", 1)
         integer("headway", 1)
+        integer("wavefront", 1)
         integer("max_wavefront", 1)
         integer("top_k", 1, allow_none=True)
         number("temperature", 0, math.inf, low_open=True, high_open=True)

@@ -44,15 +44,16 @@ def _statistic(name: str, new: Tensor, old: Tensor) -> Tensor:
     return (1 - F.cosine_similarity(new, old, dim=-1, eps=1e-12)).clamp(min=0)
 
 
-def _choose(session: Session, logits: Tensor, rows: list[int], starts: list[int]) -> Tensor:
-    """Tokens `[B, W]` from logits `[B, W, V]`; sampled rows draw noise for their own columns only."""
+def _choose(session: Session, logits: Tensor, rows: list[int], spans: list[tuple[int, int]]) -> Tensor:
+    """Tokens `[B, W]` from logits `[B, W, V]`; a sampled row draws noise for its own columns
+    `[lo, hi)` of the window only (so a row in a batch draws what it would draw alone)."""
     processed = session.chooser.process(logits)
     if not session.options.do_sample:
         return processed.argmax(-1)
     probs = processed.float().softmax(-1)
     noise = torch.ones_like(probs)
-    for b, start in zip(rows, starts):
-        noise[b, start:].exponential_(generator=session.generators[b])
+    for b, (lo, hi) in zip(rows, spans):
+        noise[b, lo:hi].exponential_(generator=session.generators[b])
     return (probs / noise).argmax(-1)
 
 
@@ -79,24 +80,31 @@ def decode(session: Session) -> Iterator[TokenEvent]:
     states = torch.zeros(B, max(stop_column, T), h, dtype=session.model.dtype, device=session.device)
     done = torch.zeros(B, max(stop_column, T) + 1, dtype=torch.long, device=session.device)
     fresh = torch.zeros_like(done)  # steps since the column's input token last changed
-    front = [T] * B
-    end = T
+    front = [T] * B  # per row: the first column not yet frozen
+    ends = [T] * B  # per row: one past its last column in the wavefront
     sweeps = columns_run = 0
     while session.unfinished:
         rows = session.unfinished
-        add = min(opts.headway, stop_column - end)
-        if add > 0:
-            tokens[:, end + 1 : end + add] = tokens[:, end : end + 1]  # unknown yet: repeat the guess
-            states[:, end : end + add] = session.initial_states(states[:, end : end + add], rows)
-            end += add
+        # New positions join a row's wavefront while fewer than `wavefront` refine: a position far beyond
+        # the front runs on a guess of a guess, and every extra position makes each forward dearer.
+        for b in rows:
+            end_b = ends[b]
+            add = min(opts.headway, stop_column - end_b, opts.wavefront - (end_b - front[b]))
+            if add > 0:
+                tokens[b, end_b + 1 : end_b + add] = tokens[b, end_b]  # unknown yet: repeat the guess
+                states[b, end_b : end_b + add] = session.initial_states(states[:, end_b : end_b + add], [b])[b]
+                ends[b] = end_b + add
         start = min(front[b] for b in rows)
+        end = max(ends[b] for b in rows)
         # Columns before `start` are frozen in every unfinished row: their entries are final.
         cache.seek(start)
         width = end - start
         columns_run += width
-        fronts = torch.tensor(front, device=session.device)
         columns = torch.arange(start, end, device=session.device)
-        write = (columns[None] >= fronts[:, None]) & session.unfinished_mask()[:, None]  # [B, W]
+        lo = torch.tensor(front, device=session.device)
+        hi = torch.tensor(ends, device=session.device)
+        write = (columns[None] >= lo[:, None]) & (columns[None] < hi[:, None])
+        write &= session.unfinished_mask()[:, None]  # [B, W]: the (row, column) pairs this sweep refines
         everyone = bool(write.all())
         cache.write_mask = None if everyone else write
         ids = tokens[:, start:end]
@@ -111,12 +119,13 @@ def decode(session: Session) -> Iterator[TokenEvent]:
             s = new if everyone else torch.where(write[..., None], new, s)
         logits = runner.predict(s, step)  # [B, W, V]
         cache.write_mask = None
+        # (before the write-back below: with one inner step `previous` is a view of `states`)
+        statistic = _statistic(name, s, previous) if name is not None else None
         states[:, start:end] = s
         done[:, start:end] += opts.inner_steps * write
         fresh[:, start:end] += opts.inner_steps * write
         cache.close(done[:, start:end], width)
-        statistic = _statistic(name, s, previous) if name is not None else None
-        predicted = _choose(session, logits, rows, [front[b] - start for b in rows])
+        predicted = _choose(session, logits, rows, [(front[b] - start, ends[b] - start) for b in rows])
         used = ids.tolist()  # the inputs this sweep ran on, before the guesses move
         upcoming = tokens[:, start + 1 : end + 1]
         changed = write & (predicted != upcoming)
@@ -125,9 +134,9 @@ def decode(session: Session) -> Iterator[TokenEvent]:
         predicted_l, done_l = predicted.tolist(), done[:, start:end].tolist()
         fresh_l = fresh[:, start:end].tolist()
         stat_l = statistic.tolist() if statistic is not None else None
-        nbytes = session.row_bytes(end)
+        nbytes = session.row_bytes(end, ends)
         for b in rows:
-            while front[b] < end and not session.recorder.finished[b]:
+            while front[b] < ends[b] and not session.recorder.finished[b]:
                 c = front[b]
                 j = c - start
                 steps = done_l[b][j]
@@ -136,7 +145,7 @@ def decode(session: Session) -> Iterator[TokenEvent]:
                     reason = "converged"
                 elif settled >= limit:
                     reason = "max-steps"
-                elif end - c > opts.max_wavefront:
+                elif ends[b] - c > opts.max_wavefront:
                     reason = "wavefront"
                 else:
                     break
@@ -148,7 +157,7 @@ def decode(session: Session) -> Iterator[TokenEvent]:
                 if tokens[b, c + 1] != token:  # a teacher's or sampled token that differs from the guess
                     tokens[b, c + 1] = token
                     fresh[b, c + 1] = 0
-                if c + 1 < end and used[b][j + 1] != token:
+                if c + 1 < ends[b] and used[b][j + 1] != token:
                     break  # the next position ran on a wrong guess: it refines on the right input first
         sweeps += 1
     generated = sum(session.recorder.count(b) for b in range(B))

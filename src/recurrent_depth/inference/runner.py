@@ -105,6 +105,7 @@ class FastRunner(ModelRunner):
         self.H, self.Hkv, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         # A 0-d tensor, not a Python float: adding a float costs three more operations per call.
         self.norm_offset = torch.tensor(h * cfg.norm_eps, dtype=torch.float32, device=model.device)
+        self.norm_root = self.norm_offset.sqrt()
         self.gqa = self.Hkv != self.H
         self.dtype = model.dtype
         angles = self._table  # [L, D/2, 2] (cos, sin)
@@ -156,15 +157,15 @@ class FastRunner(ModelRunner):
         self, input_ids: Tensor, attention_mask: Tensor | None, cache: Any, position_ids: Tensor | None = None
     ) -> Step:
         ctx = self.model.make_context(input_ids, attention_mask, position_ids, cache)
-        return Step(ctx, self._freq_table[ctx.positions].unsqueeze(1))  # [B, 1, T, D/2]
+        return Step(ctx, self._freq_table[ctx.positions].unsqueeze(2))  # [B, T, 1, D/2]
 
     def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
-        """RMSNorm in a few operations: x / sqrt(mean(x^2) + eps) * w = x / sqrt(sum(x^2) + h eps) * (sqrt(h) w),
-        with sqrt(h) folded into the stored weight."""
+        """RMSNorm in four operations: x / sqrt(mean(x^2) + eps) * w = x / hypot(|x|, sqrt(h eps)) * (sqrt(h) w),
+        with sqrt(h) folded into the stored weight (`hypot` adds the epsilon without squaring the norm back)."""
         if self.dtype != torch.float32:  # statistics in float32, as the model's RMSNorm
             x32 = x.float()
             return (x32 * torch.rsqrt((x32 * x32).sum(-1, keepdim=True).add_(self.norm_offset))).to(x.dtype) * weight
-        return x * torch.rsqrt((x * x).sum(-1, keepdim=True).add_(self.norm_offset)) * weight
+        return x / torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), self.norm_root) * weight
 
     @staticmethod
     def _linear(x: Tensor, weight_t: Tensor, bias: Tensor | None, residual: Tensor | None = None) -> Tensor:
@@ -179,16 +180,18 @@ class FastRunner(ModelRunner):
         H, Hkv, D = self.H, self.Hkv, self.D
         n1, n2, n3, n4 = p["norm"]
         qkv = self._linear(self._norm(x, n1), p["qkv"], p["qkv_bias"])
-        qkv = qkv.view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # [B, H + 2 Hkv, T, D]
-        qk = qkv[:, : H + Hkv]
-        if self.dtype != torch.float32:
-            qk = qk.float()
+        heads = qkv.view(B, T, H + 2 * Hkv, D)
+        # In-place updates of this call's own buffers save allocations, but autograd needs the originals.
+        inplace = not torch.is_grad_enabled()
         # Interleaved RoPE on q and k at once: pairs (x0, x1) as complex numbers times e^{i angle}.
-        pairs = qk.view(B, H + Hkv, T, D // 2, 2)
-        qk = torch.view_as_real(torch.view_as_complex(pairs) * step.freqs).view(B, H + Hkv, T, D)
-        if self.dtype != torch.float32:
-            qk = qk.to(self.dtype)
-        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv :]
+        qk = heads[:, :, : H + Hkv]
+        if inplace and self.dtype == torch.float32:
+            torch.view_as_complex(qk.unflatten(-1, (D // 2, 2))).mul_(step.freqs)
+        else:  # (no complex half types: rotate a float32 copy)
+            pairs = torch.view_as_complex(qk.float().unflatten(-1, (D // 2, 2)))
+            qk = torch.view_as_real(pairs * step.freqs).flatten(-2).to(self.dtype)
+        q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)  # [B, H(kv), T, D]
+        v = heads[:, :, H + Hkv :].transpose(1, 2)
         ctx = step.ctx
         cache = ctx.cache
         if cache is not None:
@@ -201,8 +204,11 @@ class FastRunner(ModelRunner):
         )  # [B, H, T, D]
         att = att.transpose(1, 2).reshape(B * T, H * D)
         x = self._norm(self._linear(att, p["proj"], p["proj_bias"], residual=x), n2)
-        gate, up = self._linear(self._norm(x, n3), p["fc"], p["fc_bias"]).chunk(2, dim=-1)
-        return self._norm(self._linear(F.silu(gate) * up, p["out"], p["out_bias"], residual=x), n4)
+        gate_up = self._linear(self._norm(x, n3), p["fc"], p["fc_bias"])
+        inner = gate_up.shape[1] // 2
+        gate, up = gate_up[:, :inner], gate_up[:, inner:]
+        hidden = F.silu(gate, inplace=True).mul_(up) if inplace else F.silu(gate) * up
+        return self._norm(self._linear(hidden, p["out"], p["out_bias"], residual=x), n4)
 
     def embed(self, input_ids: Tensor, step: Step) -> Tensor:
         B, T = input_ids.shape

@@ -187,13 +187,18 @@ class Session:
         return TokenEvent(row=row, index=index, token=token, steps=steps, reason=reason,
                           finished=rec.finished[row], cache_bytes=cache_bytes, text=text)
 
-    def row_bytes(self, end: int | None = None) -> list[int]:
-        """Logical KV bytes per row over columns [0, end) (default: the cached columns)."""
+    def row_bytes(self, end: int | None = None, row_ends: list[int] | None = None) -> list[int]:
+        """Logical KV bytes per row over columns [0, end) (default: the cached columns), or over
+        [0, row_ends[b]) for row b."""
         end = self.cache.seq_len if end is None else end
+        valid = self.valid[:, :end]
+        if row_ends is not None:
+            limits = torch.tensor(row_ends, device=self.device)[:, None]
+            valid = valid & (torch.arange(end, device=self.device)[None] < limits)
         saved = self.cache.seq_len
         self.cache.seq_len = end
         try:
-            return self.cache.logical_nbytes(self.valid[:, :end]).tolist()
+            return self.cache.logical_nbytes(valid).tolist()
         finally:
             self.cache.seq_len = saved
 

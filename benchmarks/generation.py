@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,8 +43,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="rows of the batched mode (default: %(default)s)")
     p.add_argument("--draft-steps", type=int, default=None, help="speculative draft depth (default: r // 4)")
     p.add_argument("--lookahead", type=int, default=8, help="speculative drafts per round (default: %(default)s)")
-    p.add_argument("--inner-steps", type=int, default=None,
-                   help="parallel sampler steps per sweep (default: max(4, r // 4))")
+    p.add_argument("--inner-steps", type=int, default=4,
+                   help="parallel sampler steps per sweep (default: %(default)s)")
+    p.add_argument("--wavefront", type=int, default=4,
+                   help="parallel sampler positions refining at once (default: %(default)s)")
     p.add_argument("--agreement-prompts", type=int, default=4,
                    help="held-out prompts for agreement (default: %(default)s)")
     p.add_argument("--agreement-tokens", type=int, default=128,
@@ -52,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default: %(default)s; decoding at batch 1 is overhead-bound)")
     p.add_argument("--seed", type=int, default=0, help="seed for the random model and prompts (default: %(default)s)")
+    p.add_argument("--no-baselines", action="store_true",
+                   help="skip the official-style loop and model-module baselines (default: run them)")
     p.add_argument("--quick", action="store_true", help="tiny settings for a smoke test")
     return p.parse_args(argv)
 
@@ -88,15 +93,33 @@ def heldout_prompts(model_dir: Path, count: int, length: int, prompts_file: str 
     return prompts
 
 
-def modes(r: int, draft: int, lookahead: int, inner: int) -> dict[str, dict]:
+def modes(r: int, draft: int, lookahead: int, inner: int, wavefront: int) -> dict[str, dict]:
     return {
         "fixed": {},
         "kl exit": dict(exit_criterion="kl"),
         "kv budget 4": dict(kv_budget=4),
         "warm start + kl": dict(warm_start=True, exit_criterion="kl"),
         "speculative exact": dict(draft_steps=draft, lookahead=lookahead),
-        "parallel": dict(sampler="parallel", inner_steps=inner, exit_criterion="latent-diff"),
+        "parallel": dict(sampler="parallel", inner_steps=inner, wavefront=wavefront, exit_criterion="latent-diff"),
     }
+
+
+def official_style_loop(model: rd.RecurrentDepthLM, ids: torch.Tensor, r: int, new_tokens: int) -> Any:
+    """The official implementation's decoding shape: the model's own forward, one token at a time, on a
+    plain growing KV cache (`model.cache.DynamicCache`), greedy, fixed depth. Returns an object with
+    `tokens_per_second` (prefill excluded), like `generate`'s output."""
+    from types import SimpleNamespace
+
+    from recurrent_depth.model.cache import DynamicCache
+
+    with torch.inference_mode():
+        cache = DynamicCache()
+        token = model(ids, num_steps=r, init_scale=0.0, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
+        start = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            token = model(token, num_steps=r, init_scale=0.0, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
+        seconds = time.perf_counter() - start
+    return SimpleNamespace(tokens_per_second=(new_tokens - 1) / seconds)
 
 
 def best_of(repeats: int, runs: dict[str, Callable[[], Any]]) -> dict[str, tuple[float, rd.inference.GenerationOutput]]:
@@ -137,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         n = max(args.agreement_prompts, args.batch)
         prompts = torch.randint(0, model.config.vocab_size, (n, args.prompt_len), generator=g).tolist()
     draft = args.draft_steps if args.draft_steps is not None else max(1, r // 4)
-    inner = args.inner_steps if args.inner_steps is not None else max(4, r // 4)
-    table = modes(r, draft, args.lookahead, inner)
+    inner = args.inner_steps
+    table = modes(r, draft, args.lookahead, inner, args.wavefront)
     common = dict(num_steps=r, init_scale=0.0)  # zero s_0: deterministic, comparable across modes
 
     single = torch.tensor([prompts[0]])
@@ -147,6 +170,16 @@ def main(argv: list[str] | None = None) -> int:
     runs = {name: (lambda kw=kw: generate(model, single, max_new_tokens=args.new_tokens, **common, **kw))
             for name, kw in table.items()}
     runs["batch"] = lambda: generate(model, batch_ids, max_new_tokens=args.new_tokens, **common)
+    # Baselines measured in the same rounds: the official implementation's loop shape, and our loop
+    # on the model's own modules (fast=False), for fixed depth and KL exit.
+    baselines = {
+        "official-style loop": lambda: official_style_loop(model, single, r, args.new_tokens),
+        "model modules, fixed": lambda: generate(model, single, max_new_tokens=args.new_tokens, fast=False, **common),
+        "model modules, kl": lambda: generate(model, single, max_new_tokens=args.new_tokens, fast=False,
+                                              exit_criterion="kl", **common),
+    }
+    if not args.no_baselines:
+        runs.update(baselines)
     timed = best_of(args.repeats, runs)
     results = {}
     for name in table:
@@ -180,16 +213,22 @@ def main(argv: list[str] | None = None) -> int:
             forced = round(float((tf.predictions == teacher).float().mean()), 4)
         results[name].update(agreement_teacher_forced=forced, free_running_prefix=round(prefix, 1))
 
+    baseline_rows = {}
+    for name in baselines:
+        if name in timed:
+            baseline_rows[name] = round(timed[name][0], 2)
     fixed = results["fixed"]["tokens_per_s"]
     for name, row in results.items():
         if not name.startswith("batch"):
             row["speedup_vs_fixed"] = round(row["tokens_per_s"] / fixed, 2)
     record = dict(
         benchmark="generation", model=args.model or "random(h256,4h,1/2/1,mlp704,V2048)", num_steps=r,
-        draft_steps=draft, inner_steps=inner, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+        draft_steps=draft, inner_steps=inner, wavefront=args.wavefront, prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens,
         agreement_prompts=len(reference), agreement_tokens=n_new, threads=args.threads,
         torch=torch.__version__, python=platform.python_version(), machine=platform.machine(),
         load_average=[round(x, 2) for x in os.getloadavg()], cpus=os.cpu_count(), modes=results,
+        baselines_tokens_per_s=baseline_rows,
     )
     print(json.dumps(record))
     cols = ["tokens_per_s", "speedup_vs_fixed", "mean_steps", "cache_mb", "core_cache_mb",
@@ -199,8 +238,13 @@ def main(argv: list[str] | None = None) -> int:
         cells = [row.get(c if not (name.startswith("batch") and c == "speedup_vs_fixed") else "speedup_vs_single")
                  for c in cols]
         print(f"{name:<20}" + "".join(f"{'-' if v is None else v!s:>26}" for v in cells))
-    print(f"\nr = {r}, draft {draft}, batch rows {args.batch}; free-running prefix in tokens of {n_new}; "
-          "batch 'speedup' is vs one row at a time")
+    if baseline_rows:
+        print("\nbaselines, same rounds (tokens/s):")
+        for name, tps in baseline_rows.items():
+            ratio = ", ".join(f"{mode} {results[mode]['tokens_per_s'] / tps:.2f}x" for mode in ("fixed", "kl exit"))
+            print(f"  {name:<24}{tps:>10}   ours vs this: {ratio}")
+    print(f"\nr = {r}, draft {draft}, inner {inner}, wavefront {args.wavefront}, batch rows {args.batch}; "
+          f"free-running prefix in tokens of {n_new}; batch 'speedup' is vs one row at a time")
     return 0
 
 

@@ -232,10 +232,11 @@ class FastRunner(ModelRunner):
         x = self._norm(state.reshape(B * T, h), self.ln_f)
         for c, p in enumerate(self.blocks["coda"]):
             x = self._block(x, p, step, ("coda", c), B, T)
-        x = x.view(B, T, h)
-        if last_only:
-            x = x[:, -1:]
-        return torch.matmul(self._norm(x, self.ln_f), self.lm_head).float()
+        if last_only and T > 1:
+            x = x.view(B, T, h)[:, -1]
+            T = 1
+        logits = torch.mm(self._norm(x, self.ln_f), self.lm_head).view(B, T, -1)
+        return logits if logits.dtype == torch.float32 else logits.float()
 
 
 def make_runner(model: Any, fast: bool = True) -> ModelRunner:

@@ -10,7 +10,10 @@ last k = 4 with gradients), the baseline runs one core pass.
 
     python benchmarks/train_throughput.py                  # about 4 minutes on 2 cores
     python benchmarks/train_throughput.py --clock cpu      # on a busy machine: CPU time, 1 thread
-    python benchmarks/train_throughput.py --compile        # torch.compile the core blocks
+    python benchmarks/train_throughput.py --compile        # torch.compile the core blocks in every case
+
+Without --compile, the fp32 `small` cases also run with the core blocks compiled (the trainer's
+`compile: true`), reported as `afu_small_fp32_compiled` beside the eager figure.
 
 With the wall clock, each case is also bracketed by a 2048 product timed right before and after it
 (`afu_nearby_*`, the AFU* column), since on a shared machine the load can change between the peak
@@ -128,7 +131,8 @@ def measure(shape: str, dtype_name: str, recurrent: bool, peak: float, clock: Cl
     num_steps = (cfg.mean_recurrence + 1 - k, k) if recurrent else (0, 1)
     flops = training_step_flops(cfg, B, T, num_steps)
     row = {"shape": shape, "dtype": dtype_name, "mode": "recurrent" if recurrent else "baseline",
-           "num_steps": list(num_steps), "tokens_per_step": B * T, "model_tflop_per_step": flops.total / 1e12}
+           "compiled": compile_core, "num_steps": list(num_steps), "tokens_per_step": B * T,
+           "model_tflop_per_step": flops.total / 1e12}
     # Two steps at matmul peak is the least this case can take; skip it if that does not fit.
     floor = 2 * flops.total / peak
     if floor > budget_left:
@@ -185,15 +189,18 @@ def main(argv: list[str] | None = None) -> int:
     bf16_native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     peaks = {}
     rows = []
+    cases = {dtype: [(shape, recurrent, args.compile) for shape in SHAPES for recurrent in (True, False)]
+             for dtype in DTYPES}
+    if not args.compile:
+        cases["fp32"] += [("small", True, True), ("small", False, True)]
     for dtype_name, dtype in DTYPES.items():
         peaks[dtype_name] = matmul_peak(dtype, clock)
-        for i, (shape, recurrent) in enumerate((s, r) for s in SHAPES for r in (True, False)):
-            # Share what is left among the cases still to run; emulated bf16 (checked last) gets no share
-            # in advance, since its cases rarely fit at all.
-            pending = 4 - i + (4 if dtype_name == "fp32" and bf16_native else 0)
+        for i, (shape, recurrent, compiled) in enumerate(cases[dtype_name]):
+            # Share what is left among the cases still to run, emulated bf16's included.
+            pending = len(cases[dtype_name]) - i + (len(cases["bf16"]) if dtype_name == "fp32" else 0)
             left = (deadline - clock.now()) / pending
             rows.append(measure(shape, dtype_name, recurrent, peaks[dtype_name]["flops"], clock, left,
-                                args.compile, bracket=args.clock == "wall"))
+                                compiled, bracket=args.clock == "wall"))
     result: dict = {
         "benchmark": "train_throughput",
         "clock": args.clock,
@@ -207,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         "matmul_notes": {k: v["note"] for k, v in peaks.items() if "note" in v},
     }
     for row in rows:
-        suffix = "" if row["mode"] == "recurrent" else "_baseline"
+        suffix = ("" if row["mode"] == "recurrent" else "_baseline") + (
+            "_compiled" if row["compiled"] and not args.compile else "")
         key = f"{row['shape']}_{row['dtype']}{suffix}"
         result[f"afu_{key}"] = row.get("afu")
         if "afu_nearby" in row:
@@ -221,15 +229,16 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\nmatmul peak ({args.clock} clock, {threads} thread(s)): "
           + ", ".join(f"{k} {v['flops'] / 1e9:.1f} GFLOP/s at n={v['size']}" for k, v in peaks.items()))
-    print(f"{'shape':<7}{'dtype':<6}{'mode':<11}{'depth':<8}{'tok/step':>9}{'step s':>9}{'tok/s':>9}"
+    print(f"{'shape':<7}{'dtype':<6}{'mode':<20}{'depth':<8}{'tok/step':>9}{'step s':>9}{'tok/s':>9}"
           f"{'TFLOP/s':>9}{'AFU':>7}{'AFU*':>7}")
     for row in rows:
         depth = f"{row['num_steps'][0]}+{row['num_steps'][1]}"
+        mode = row["mode"] + (" compiled" if row["compiled"] else "")
         if "skipped" in row:
-            print(f"{row['shape']:<7}{row['dtype']:<6}{row['mode']:<11}{depth:<8}{row['tokens_per_step']:>9}  "
+            print(f"{row['shape']:<7}{row['dtype']:<6}{mode:<20}{depth:<8}{row['tokens_per_step']:>9}  "
                   f"skipped: {row['skipped']}")
             continue
-        print(f"{row['shape']:<7}{row['dtype']:<6}{row['mode']:<11}{depth:<8}{row['tokens_per_step']:>9}"
+        print(f"{row['shape']:<7}{row['dtype']:<6}{mode:<20}{depth:<8}{row['tokens_per_step']:>9}"
               f"{row['step_s']:>9.3f}{row['tokens_per_s']:>9.0f}{row['model_tflops']:>9.3f}{row['afu']:>7.2f}"
               + (f"{row['afu_nearby']:>7.2f}" if "afu_nearby" in row else ""))
     if args.clock == "wall":

@@ -12,6 +12,7 @@ from recurrent_depth.evaluation.reasoning import (
     Addition,
     ProblemEncoder,
     RunningSum,
+    ShellGame,
     VariableChains,
     get_task,
     make_problems,
@@ -20,8 +21,10 @@ from recurrent_depth.evaluation.reasoning import (
 from recurrent_depth.evaluation.tasks import utils as task_utils
 
 
-@pytest.mark.parametrize("task", [VariableChains(), VariableChains(num_chains=2), Addition(), RunningSum()],
-                         ids=["chains-4", "chains-2", "addition", "modsum"])
+@pytest.mark.parametrize(
+    "task", [VariableChains(), VariableChains(num_chains=2), Addition(), RunningSum(), ShellGame()],
+    ids=["chains-4", "chains-2", "addition", "modsum", "shells"],
+)
 def test_generators_are_deterministic_and_solver_agrees(task):
     difficulties = list(range(task.min_difficulty, min(task.max_difficulty, 12) + 1))
     first = make_problems(task, 20, difficulties, seed=3)
@@ -169,3 +172,25 @@ def test_export_writes_a_corpus_the_trainer_config_points_to(tmp_path):
         assert config.model_config().max_seq_len >= config.seq_len
     assert reasoning_main(["export", "--task", "chains", "--difficulties", "0-40", "--count", "1",
                            "--out", str(tmp_path / "bad")]) == 2
+
+
+@pytest.mark.parametrize("intermediate", [False, True], ids=["answer-only", "intermediate"])
+def test_shell_game_rows_label_the_cup_after_every_swap(intermediate):
+    task = ShellGame()
+    segments = task.training_segments(random.Random(5), 9, intermediate=intermediate)
+    prompt = "".join(text for text, _ in segments[:-1])
+    assert re.fullmatch(r"[0-4]>[a-d]{9}=", prompt)
+    assert segments[-1] == (task.solve(prompt), True)
+    if intermediate:
+        (_, unscored), (rest, labels), _ = segments
+        assert unscored is False and len(labels) == len(rest) == 9
+        for k, label in enumerate(labels):  # the cup after swap k = the answer to the first k + 1 swaps
+            assert label == task.solve(prompt[: 3 + k] + "=")
+
+
+def test_shell_game_swaps_move_only_the_touched_cups():
+    task = ShellGame()
+    assert task.solve("0>a=") == "1" and task.solve("1>a=") == "0" and task.solve("2>a=") == "2"
+    assert task.solve("4>dd=") == "4" and task.solve("0>abcd=") == "4"
+    with pytest.raises(ValueError, match="shells: expected"):
+        task.solve("5>a=")

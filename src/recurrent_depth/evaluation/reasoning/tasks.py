@@ -1,6 +1,6 @@
 """Synthetic reasoning tasks whose difficulty is a knob, each with an independent solver.
 
-Three families, all generated in code (no data files, same problems on every machine):
+Four families, all generated in code (no data files, same problems on every machine):
 
 ``chains`` (multi-hop variable chains; difficulty = hops)::
 
@@ -25,6 +25,17 @@ Three families, all generated in code (no data files, same problems on every mac
     neighbour's running sum, a fixed-offset lookup that attention learns easily), so answering
     takes depth proportional to n, and a recurrent core run longer handles longer strings.
     Guessing scores 10%.
+
+``shells`` (the shell game; difficulty = number of swaps)::
+
+    2>abdcab=   ->  1
+
+    A ball starts under cup 2 of five; each letter swaps two neighbouring cups (a: 0-1, b: 1-2,
+    c: 2-3, d: 3-4), and the answer is the cup the ball ends under. Swaps of neighbouring cups
+    generate the symmetric group S5, whose word problem has no constant-depth shortcut (it is
+    NC1-complete, unlike the running sum modulo 10 that counting solves in a few layers), so a
+    model must carry the ball's cup from swap to swap: depth grows with the number of swaps.
+    Guessing scores about 20%.
 
 ``addition`` (multi-digit addition, most significant digit first; difficulty = digits)::
 
@@ -274,7 +285,71 @@ class RunningSum(ReasoningTask):
         return 0.1  # one digit of ten
 
 
-TASKS: dict[str, type[ReasoningTask]] = {"chains": VariableChains, "addition": Addition, "modsum": RunningSum}
+class ShellGame(ReasoningTask):
+    """Where is the ball? Five cups; each letter swaps two neighbouring cups (see the module docstring)."""
+
+    name = "shells"
+    difficulty_name = "swaps"
+    min_difficulty = 1
+    max_difficulty = 200
+    SWAPS: ClassVar[dict[str, tuple[int, int]]] = {"a": (0, 1), "b": (1, 2), "c": (2, 3), "d": (3, 4)}
+
+    @classmethod
+    def _after(cls, cup: int, letter: str) -> int:
+        left, right = cls.SWAPS[letter]
+        return right if cup == left else left if cup == right else cup
+
+    def _positions(self, start: int, letters: str) -> list[int]:
+        """The ball's cup after each swap."""
+        cups, cup = [], start
+        for letter in letters:
+            cup = self._after(cup, letter)
+            cups.append(cup)
+        return cups
+
+    def _draw(self, rng: random.Random, difficulty: int) -> tuple[int, str]:
+        self.check_difficulty(difficulty)
+        return rng.randrange(5), "".join(rng.choice("abcd") for _ in range(difficulty))
+
+    def sample(self, rng: random.Random, difficulty: int) -> Problem:
+        start, letters = self._draw(rng, difficulty)
+        return Problem(self.name, difficulty, f"{start}>{letters}=", str(self._positions(start, letters)[-1]))
+
+    def training_segments(
+        self, rng: random.Random, difficulty: int, intermediate: bool = False
+    ) -> list[tuple[str, bool | str]]:
+        """With `intermediate`, each swap also predicts the ball's cup after it (never in the text)."""
+        start, letters = self._draw(rng, difficulty)
+        cups = self._positions(start, letters)
+        answer = str(cups[-1])
+        if not intermediate:
+            return [(f"{start}>{letters}=", False), (answer, True)]
+        labels = "".join(map(str, cups))  # the label of token k + 1 is the cup after swap k
+        return [(f"{start}>{letters[0]}", False), (letters[1:] + "=", labels), (answer, True)]
+
+    _PROMPT = re.compile(r"^([0-4])>([a-d]+)=$")
+
+    def solve(self, prompt: str) -> str:
+        match = self._PROMPT.match(prompt)
+        if match is None:
+            raise ValueError(f"shells: expected 'CUP>SWAPS=' (cup 0-4, swaps a-d), got {prompt!r}")
+        cup = int(match.group(1))
+        for letter in match.group(2):
+            left, right = self.SWAPS[letter]
+            if cup in (left, right):
+                cup = left + right - cup
+        return str(cup)
+
+    def alphabet(self) -> str:
+        return "01234abcd>="
+
+    def chance(self) -> float:
+        return 0.2  # one cup of five
+
+
+TASKS: dict[str, type[ReasoningTask]] = {
+    "chains": VariableChains, "addition": Addition, "modsum": RunningSum, "shells": ShellGame,
+}
 
 
 def get_task(name: str, **options: Any) -> ReasoningTask:

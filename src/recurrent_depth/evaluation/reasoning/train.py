@@ -119,7 +119,7 @@ TASK_PRESETS: dict[str, dict[str, Any]] = {
     "modsum": dict(
         train_difficulties=(1, 12), test_difficulties=[1, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 24, 28, 32],
         depths=[1, 2, 4, 8, 16, 32, 64], hidden_size=64, intermediate_size=176, batch_size=32, lr=3e-3,
-        minutes=20.0,
+        max_seq_len=128, minutes=20.0,
     ),
     "chains": dict(train_difficulties=(0, 6), minutes=20.0),
     "addition": dict(train_difficulties=(1, 6), minutes=20.0),

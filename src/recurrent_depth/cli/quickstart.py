@@ -2,7 +2,7 @@
 about 10 minutes on a 2-core CPU and shows that thinking longer (more core steps) lowers the loss.
 
 With `--task NAME` it runs the reasoning recipe instead: a small model trained on a synthetic task
-generated in code (e.g. `modsum`), then accuracy against test-time depth, beyond the training range too."""
+generated in code (e.g. `shells`), then accuracy against test-time depth, beyond the training range too."""
 
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "test-time depth, on problems harder than any seen in training too (depth extrapolation).",
     )
     parser.add_argument("--task", default=None, choices=sorted(_task_names()),
-                        help="reasoning task instead of the stdlib corpus, e.g. modsum (running sum of a digit "
-                             "string; about 22 minutes in all) (default: none)")
+                        help="reasoning task instead of the stdlib corpus, e.g. shells (track a ball under cup "
+                             "swaps; about 20 minutes in all) (default: none)")
     parser.add_argument("--minutes", type=float, default=None,
                         help="total wall-clock budget in minutes, tokenizer to report (default: 10); with --task, "
-                             "the training time (default: the task preset's, 20), evaluation comes after")
+                             "the training time (default: the task preset's, 18-20), evaluation comes after")
     parser.add_argument("--out", default=None, metavar="DIR",
                         help="output directory (default: runs/quickstart, or runs/quickstart-TASK)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")

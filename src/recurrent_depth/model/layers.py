@@ -26,13 +26,16 @@ class RMSNorm(nn.Module):
         return normed.to(x.dtype) * self.weight
 
 
-@functools.cache
-def _cpu_has_native_bf16() -> bool:
-    """True when oneDNN runs bf16 GEMMs natively on this CPU (AVX512-BF16 or AMX)."""
+def _cpu_emulates_bf16() -> bool:
+    """True when oneDNN has no native bf16 GEMMs on this CPU (no AVX512-BF16 or AMX)."""
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
     except (AttributeError, RuntimeError):
         return False
+
+
+# Probed once at import: a plain bool that torch.compile can specialise on.
+CPU_EMULATES_BF16 = _cpu_emulates_bf16()
 
 
 class _TransposedWeightGradLinear(torch.autograd.Function):
@@ -70,7 +73,7 @@ class Linear(nn.Linear):
     emulate those dtypes (see `_TransposedWeightGradLinear`); everywhere else plain F.linear."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.device.type != "cpu" or not torch.is_grad_enabled() or _cpu_has_native_bf16():
+        if not CPU_EMULATES_BF16 or x.device.type != "cpu" or not torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
         if torch.is_autocast_enabled("cpu"):
             dtype = torch.get_autocast_dtype("cpu")

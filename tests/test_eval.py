@@ -15,7 +15,13 @@ from recurrent_depth.evaluation.quality import text_quality, windows
 from recurrent_depth.evaluation.readout import logits_at_depths
 from recurrent_depth.evaluation.reasoning import VariableChains, accuracy_grid
 from recurrent_depth.evaluation.reasoning.evaluate import AccuracyGrid
-from recurrent_depth.evaluation.reasoning.train import Curriculum, ReasoningRunConfig, train_reasoning
+from recurrent_depth.evaluation.reasoning.train import (
+    Curriculum,
+    ReasoningRunConfig,
+    run_reasoning,
+    task_preset,
+    train_reasoning,
+)
 from recurrent_depth.evaluation.scoring import batched_logprobs, stepwise_logprobs
 from tests.test_hf import make_model_dir
 
@@ -168,6 +174,24 @@ def test_reasoning_training_runs_and_writes_metrics(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in rows)
     with pytest.raises(ValueError, match="train_difficulties"):
         ReasoningRunConfig(train_difficulties=(5, 2)).validate()
+
+
+def test_run_reasoning_writes_model_grid_plot_and_extrapolation(tmp_path):
+    config = task_preset("shells", hidden_size=32, num_heads=2, intermediate_size=64, mean_recurrence=2,
+                         backprop_depth=1, batch_size=4, max_steps=4, log_every=2, eval_count=4,
+                         test_difficulties=[1, 2, 6], depths=[1, 2], train_difficulties=(1, 5), out=str(tmp_path))
+    summary = run_reasoning(config, log=lambda _: None)
+    # Four steps cannot master one swap: the curriculum stays at 2, so "beyond training" starts at 3.
+    assert summary["train"]["curriculum_reached"] == 2
+    assert summary["extrapolation"]["trained_up_to"] == 2
+    grid = json.loads((tmp_path / "accuracy.json").read_text())
+    assert grid["trained_difficulties"] == [1, 2] and grid["chance"] == 0.2
+    assert set(grid["accuracy"]) == {"1", "2", "6"} and set(grid["accuracy"]["6"]) == {"1", "2"}
+    assert all(0 <= a <= 1 for row in grid["accuracy"].values() for a in row.values())
+    assert json.loads((tmp_path / "summary.json").read_text())["depth_gain"].keys() == {"1", "2", "6"}
+    assert (tmp_path / "accuracy_vs_depth.png").read_bytes()[:4] == b"\x89PNG"
+    model = rd.RecurrentDepthLM.from_pretrained(tmp_path / "model")
+    assert model.config.hidden_size == 32
 
 
 def test_rdepth_eval_writes_results_and_figures(tmp_path):

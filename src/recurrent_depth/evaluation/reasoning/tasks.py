@@ -50,6 +50,7 @@ Four families, all generated in code (no data files, same problems on every mach
 
 from __future__ import annotations
 
+import itertools
 import random
 import re
 import string
@@ -94,6 +95,13 @@ class ReasoningTask:
         then the supervised answer. `intermediate` asks for extra supervision where a task has it."""
         problem = self.sample(rng, difficulty)
         return [(problem.prompt, False), (problem.answer, True)]
+
+    @staticmethod
+    def stepwise_segments(prefix: str, steps: str, states: list[int]) -> list[tuple[str, bool | str]]:
+        """Segments of `prefix + steps + "="` then the answer, where each step token also predicts the
+        state after it (states[k] after steps[k]; the last one is the answer), never shown in the text."""
+        labels = "".join(map(str, states))  # the label of token k + 1 is the state after step k
+        return [(prefix + steps[0], False), (steps[1:] + "=", labels), (str(states[-1]), True)]
 
     def check_difficulty(self, difficulty: int) -> None:
         if isinstance(difficulty, bool) or not isinstance(difficulty, int) or not (
@@ -263,9 +271,7 @@ class RunningSum(ReasoningTask):
         if not intermediate:
             return [(problem.prompt, False), (problem.answer, True)]
         digits = problem.prompt[:-1]
-        running = [sum(map(int, digits[: i + 1])) % 10 for i in range(len(digits))]
-        labels = "".join(str(v) for v in running)  # the label of token i + 1 is the sum up to token i
-        return [(digits[0], False), (digits[1:] + "=", labels), (problem.answer, True)]
+        return self.stepwise_segments("", digits, [total % 10 for total in itertools.accumulate(map(int, digits))])
 
     _PROMPT = re.compile(r"^(\d+)=$")
 
@@ -321,11 +327,9 @@ class ShellGame(ReasoningTask):
         """With `intermediate`, each swap also predicts the ball's cup after it (never in the text)."""
         start, letters = self._draw(rng, difficulty)
         cups = self._positions(start, letters)
-        answer = str(cups[-1])
         if not intermediate:
-            return [(f"{start}>{letters}=", False), (answer, True)]
-        labels = "".join(map(str, cups))  # the label of token k + 1 is the cup after swap k
-        return [(f"{start}>{letters[0]}", False), (letters[1:] + "=", labels), (answer, True)]
+            return [(f"{start}>{letters}=", False), (str(cups[-1]), True)]
+        return self.stepwise_segments(f"{start}>", letters, cups)
 
     _PROMPT = re.compile(r"^([0-4])>([a-d]+)=$")
 

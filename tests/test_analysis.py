@@ -24,14 +24,8 @@ from recurrent_depth.analysis.trajectory import Trajectory, collect_trajectory
 ATOL_RUN = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Two intra-op threads on a shared 2-core machine spin against other processes and run these
-    # tiny matmuls ~20x slower; the results do not depend on the thread count.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny matmuls run fastest on one thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -31,13 +31,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FAST = dict(num_steps=8, limit_steps=12, num_starts=2, max_plot_tokens=2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # See tests/test_analysis.py: two threads on a busy 2-core machine are much slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny matmuls run fastest on one thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

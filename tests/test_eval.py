@@ -25,13 +25,8 @@ from recurrent_depth.evaluation.reasoning.train import (
 from recurrent_depth.evaluation.scoring import batched_logprobs, stepwise_logprobs
 from tests.test_hf import make_model_dir
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny matmuls run fastest on one thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -60,13 +60,8 @@ def greedy_reference(model: rd.RecurrentDepthLM, x: torch.Tensor, new: int, num_
     return seq
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls run fastest on one thread (and far faster when the machine is busy)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny matmuls run fastest on one thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,8 @@ from recurrent_depth.cli import main
 from recurrent_depth.integrations.export import REMOTE_CODE_FILE
 from tests.test_hf import greedy_reference, ids, make_model_dir
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny matmuls run fastest on one thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_remote_code_export_loads_without_the_library(tmp_path):

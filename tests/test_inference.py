@@ -17,13 +17,8 @@ from recurrent_depth.inference import generate, stream_generate
 TOL = dict(rtol=1e-4, atol=1e-4)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny decode steps are overhead-bound; extra threads only add contention on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny matmuls run fastest on one thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,8 @@ from recurrent_depth.inference.criteria import CRITERIA, ExitCriterion, resolve_
 from recurrent_depth.inference.runner import FastRunner, ModelRunner
 from recurrent_depth.inference.sampling import RowGenerators, apply_repetition_penalty, filter_logits
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny matmuls run fastest on one thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import math
 
 import lm_eval
 import pytest
-import torch
 from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 
@@ -18,13 +17,8 @@ from recurrent_depth.evaluation.lm_eval_backend import RecurrentDepthEvalLM
 from recurrent_depth.evaluation.tasks import TASKS_DIR
 from tests.test_hf import make_model_dir
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny matmuls run fastest on one thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -43,13 +43,8 @@ RECURRENT = [n for n in MIXERS if MIXERS[n][0] in (
 LOG_LINEAR = ["log_linear_mamba2", "log_linear_gated_deltanet"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids thread hand-off costs that dominate on a busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny matmuls run fastest on one thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def small_config(mixer: str = "attention", options: dict | None = None, **overrides) -> rd.ModelConfig:

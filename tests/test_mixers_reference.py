@@ -34,12 +34,8 @@ from recurrent_depth.ops.log_linear_attn import LogLinearState
 TOL = dict(rtol=1e-10, atol=1e-10)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny matmuls run fastest on one thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def rand(*shape, gen):

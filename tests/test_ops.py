@@ -41,14 +41,8 @@ TOL_BF16 = 2e-2
 TOL_F64 = 1e-10
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The tensors here are tiny: intra-op threads only add synchronisation, which stalls badly
-    when the machine is busy (10-40x slower observed with 2 threads under load)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny matmuls run fastest on one thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:

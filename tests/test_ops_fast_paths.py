@@ -18,13 +18,8 @@ from recurrent_depth.ops.gated_delta_rule.chunk import _ChunkDeltaRule, unit_low
 from recurrent_depth.ops.gla.chunk import _ChunkGLAFactored
 from recurrent_depth.ops.linear_attn.chunk import _ChunkLinearAttn
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny matmuls run fastest on one thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _gen(seed: int = 0) -> torch.Generator:

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 
 import recurrent_depth as rd
 from recurrent_depth.inference import DynamicRecurrentCache, StaticRecurrentCache, generate
+from recurrent_depth.inference import runner as runner_module
 from recurrent_depth.inference.criteria import CRITERIA, ExitCriterion, resolve_criterion
-from recurrent_depth.inference.runner import FastRunner, ModelRunner
+from recurrent_depth.inference.runner import FastRunner, ModelRunner, make_runner
 from recurrent_depth.inference.sampling import RowGenerators, apply_repetition_penalty, filter_logits
 
 # Tiny matmuls run fastest on one thread (see conftest.one_thread).
@@ -194,6 +195,44 @@ def test_fast_runner_matches_the_model_outputs_and_gradients(kv_heads):
     assert ref_grads.keys() == fast_grads.keys()
     for name in ref_grads:
         torch.testing.assert_close(fast_grads[name], ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("copy_limit", [0, 2**30], ids=["views", "copies"])
+def test_fast_runner_weight_layouts_give_the_reference_logits(model, monkeypatch, copy_limit):
+    """Both weight layouts (views of the parameters, contiguous transposed copies) compute the same."""
+    monkeypatch.setattr(runner_module, "COPY_LIMIT_BYTES", copy_limit)
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        fast, ref = FastRunner(model), ModelRunner(model)
+        assert fast.copy_weights == (copy_limit > 0)
+        outs = []
+        for runner in (ref, fast):
+            step = runner.context(ids, None, None)
+            e = runner.embed(ids, step)
+            s = runner.core_step(torch.zeros_like(e), runner.inject(e), e, 0, step)
+            outs.append(runner.predict(s, step))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_make_runner_reuses_the_fast_runner_until_a_weight_changes():
+    torch.manual_seed(5)
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval()
+    ids = torch.randint(0, 256, (1, 5))
+    kw = dict(max_new_tokens=4, num_steps=2, init_scale=0.0, output_logits=True)
+    with torch.inference_mode():
+        first = make_runner(model)
+        assert make_runner(model) is first
+        before = generate(model, ids, **kw).logits
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)  # an in-place update, as an optimizer step makes
+    with torch.inference_mode():
+        second = make_runner(model)
+        assert second is not first
+        after = generate(model, ids, **kw).logits
+    reference = generate(model, ids, **kw, fast=False).logits
+    torch.testing.assert_close(after, reference, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(before, after)
+    assert make_runner(model, fast=False) is not second and isinstance(make_runner(model, fast=False), ModelRunner)
 
 
 def test_fast_runner_is_used_only_for_plain_attention():

@@ -59,6 +59,9 @@ class _ChunkLinearAttn(torch.autograd.Function):
     def backward(ctx, do, dS_final):  # noqa: ANN001, ANN205
         q, k, v, P, S_before = ctx.saved_tensors
         N = q.shape[1]
+        # do arrives as a transposed view of the [B, T, H, V] cotangent; four matmuls read it and
+        # each would copy it to fold its batch dims, so copy once.
+        do = do.contiguous()
         dS_o = q.mT @ do  # [BH, N, K, V]: the outputs' pull on the state before each chunk
         dS_after = torch.empty_like(dS_o)
         dS = dS_final.clone()

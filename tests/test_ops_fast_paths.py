@@ -63,6 +63,32 @@ def test_chunk_delta_rule_backward_passes_gradcheck(dims: tuple[int, ...], gated
     assert torch.autograd.gradcheck(_ChunkDeltaRule.apply, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)
 
 
+def test_chunk_gated_delta_rule_factored_decay_matches_exact_decay(monkeypatch: pytest.MonkeyPatch):
+    """While every |G| ≤ MAX_FACTORED_LOG_DECAY the decay matrix D is the outer product e^{G} e^{−G}ᵀ;
+    it must give what the exact exp(G_i − G_j) path gives: outputs, state and every gradient."""
+    import recurrent_depth.ops.gated_delta_rule.chunk as gdr
+
+    inputs = _delta_inputs(2, 3, 8, 5, 3, gated=True, with_state=True)
+    gen = _gen(2)
+    w_o = torch.randn(2, 3, 8, 3, generator=gen, dtype=torch.float64)
+    w_S = torch.randn(2, 5, 3, generator=gen, dtype=torch.float64)
+
+    def run() -> list[torch.Tensor]:
+        for x in inputs:
+            x.grad = None
+        o, S = _ChunkDeltaRule.apply(*inputs)
+        ((o * w_o).sum() + (S * w_S).sum()).backward()
+        return [o.detach(), S.detach(), *(x.grad for x in inputs)]
+
+    factored = run()
+    monkeypatch.setattr(gdr, "MAX_FACTORED_LOG_DECAY", -1.0)  # |G| ≤ -1 never holds: the exact path
+    exact = run()
+    for name, a, b in zip(["o", "S", "dq", "dk", "dv", "dbeta", "dg", "dS0"], factored, exact, strict=True):
+        assert ((a - b).norm() / b.norm()).item() < 1e-12, name
+    # The exact path's backward on its own, by finite differences.
+    assert torch.autograd.gradcheck(_ChunkDeltaRule.apply, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
 def test_chunk_delta_rule_survives_zero_beta_and_keys():
     """Zero beta rows and zero keys (padding) must not produce NaNs in the backward pass."""
     q, k, v, beta, g, S0 = _delta_inputs(1, 2, 4, 3, 3, gated=True, with_state=True)

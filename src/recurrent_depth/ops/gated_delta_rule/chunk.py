@@ -14,7 +14,8 @@ With the explicit inverse L⁻¹ (the UT transform; block recursion, see `unit_l
     S ← a S + K̄ᵀ U,                       a = Γ_C,  K̄ = K ⊙ exp(G_C − G)
 
 Everything but the two small products that carry S from chunk to chunk is batched over chunks.
-Every exponent is a decay (≤ 0), so nothing can overflow however strong the gates are.
+Every exponent is a decay (≤ 0), or a factor e^{±G} while every |G| ≤ 60 (then D is an outer
+product, see `MAX_FACTORED_LOG_DECAY`), so nothing can overflow however strong the gates are.
 
 Backward (`_ChunkDeltaRule.backward`), with dO the output cotangent and dS the cotangent of the
 state after the current chunk (the final state's cotangent, or zeros, to start with):
@@ -46,6 +47,10 @@ from recurrent_depth.ops._common import (
 # Leaf size of the block inversion: small enough that LAPACK's unblocked triangular solve is cheap,
 # big enough that the Python recursion stays shallow (C = 64: two levels, four leaf solves).
 INVERSE_LEAF = 16
+
+# Largest |cumulative log decay| inside a chunk for which D = e^{G} e^{−G}ᵀ is formed as an outer
+# product: e^60 ≈ 1e26 is far from float32's 3e38. Beyond it the exact exp(G_i − G_j) is used.
+MAX_FACTORED_LOG_DECAY = 60.0
 
 
 def unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
@@ -93,12 +98,20 @@ class _ChunkDeltaRule(torch.autograd.Function):
             q_s = k_o = k_in = None
         else:
             G = g.cumsum(-1)  # [BH, N, C]
-            # D_ij = exp(G_i − G_j) for j ≤ i, else 0. Zero the exponent above the diagonal first:
-            # there G_i − G_j > 0 could overflow. (tril_ is ~15x faster than masked_fill_ here.)
-            D = (G[..., :, None] - G[..., None, :]).tril_().exp_().tril_()
+            Gamma = G.exp()  # [BH, N, C]
+            if G.abs().amax() <= MAX_FACTORED_LOG_DECAY:
+                # D_ij = e^{G_i} · e^{−G_j}: an outer product of two [C] vectors instead of an exp
+                # of the whole [C, C] block (~8x dearer than a multiply); both factors are finite
+                # and the product is exact to a few ulp.
+                D = (Gamma[..., :, None] * Gamma.reciprocal()[..., None, :]).tril_()
+            else:
+                # Strong decays: D_ij = exp(G_i − G_j) for j ≤ i, else 0. Zero the exponent above
+                # the diagonal first: there G_i − G_j > 0 could overflow. (tril_ is ~15x faster
+                # than masked_fill_ here.)
+                D = (G[..., :, None] - G[..., None, :]).tril_().exp_().tril_()
             P.mul_(D)
             KD.mul_(D)
-            gamma = G.exp()[..., None]  # [BH, N, C, 1]
+            gamma = Gamma[..., None]  # [BH, N, C, 1]
             k_in = gamma * k  # keys decayed back to the chunk's start
             q_s = q * gamma  # queries decayed back to the chunk's start
             end_decay = (G[..., -1:] - G).exp_()[..., None]  # [BH, N, C, 1]
@@ -108,18 +121,24 @@ class _ChunkDeltaRule(torch.autograd.Function):
         U_tilde = Tinv @ (b * v)  # [BH, N, C, V]
         W = Tinv @ (b * (k if k_in is None else k_in))  # [BH, N, C, K]
 
-        S = q.new_zeros(BH, K, V) if S0 is None else S0
-        states, pseudo_values = [], []
+        # The only sequential part. Each step writes straight into S_before[:, n + 1] and U[:, n]
+        # (out= views: no per-step lists and no stack copies afterwards).
+        S_before = q.new_empty(BH, N, K, V)  # [:, n]: the state entering chunk n
+        U = torch.empty_like(U_tilde)  # [BH, N, C, V]: pseudo-values
+        if S0 is None:
+            S_before[:, 0].zero_()
+        else:
+            S_before[:, 0].copy_(S0)
         k_end = k if k_o is None else k_o
         for n in range(N):
-            states.append(S)
-            U_n = torch.baddbmm(U_tilde[:, n], W[:, n], S, alpha=-1.0)  # [BH, C, V]
-            pseudo_values.append(U_n)
-            if a is not None:
-                S = S * a[:, n, None, None]
-            S = torch.baddbmm(S, k_end[:, n].mT, U_n)
-        S_before = torch.stack(states, dim=1)  # [BH, N, K, V]
-        U = torch.stack(pseudo_values, dim=1)  # [BH, N, C, V]
+            S_n = S_before[:, n]
+            U_n = torch.baddbmm(U_tilde[:, n], W[:, n], S_n, alpha=-1.0, out=U[:, n])  # [BH, C, V]
+            S_next = S_before[:, n + 1] if n + 1 < N else torch.empty_like(S_n)
+            if a is None:
+                torch.baddbmm(S_n, k_end[:, n].mT, U_n, out=S_next)
+            else:
+                torch.mul(S_n, a[:, n, None, None], out=S_next).baddbmm_(k_end[:, n].mT, U_n)
+        S = S_next
         o = matmul_add_((q if q_s is None else q_s) @ S_before, P, U)  # [BH, N, C, V]
 
         ctx.has_S0 = S0 is not None
@@ -135,22 +154,27 @@ class _ChunkDeltaRule(torch.autograd.Function):
         q_dec = q if q_s is None else q_s
         k_end = k if k_o is None else k_o
 
+        # do arrives as a transposed view of the [B, T, H, V] cotangent; four matmuls read it and
+        # each would copy it to fold its batch dims, so copy once.
+        do = do.contiguous()
         dU_o = P.mT @ do  # [BH, N, C, V]: dU from the outputs
         dq_s = do @ S_before.mT  # [BH, N, C, K]
         dS_o = q_dec.mT @ do  # [BH, N, K, V]: dS from the outputs
-        # Reverse loop: dS is the cotangent of the state after chunk n.
-        dS = dS_final
-        d_after, d_pseudo = [], []
+        # Reverse loop, written in place like the forward one: dS_after[:, n] is the cotangent of
+        # the state after chunk n, dU[:, n] that of the pseudo-values U_n.
+        dS_after = torch.empty_like(dS_o)  # [BH, N, K, V]
+        dU = torch.empty_like(dU_o)  # [BH, N, C, V]
+        dS_after[:, -1].copy_(dS_final)
         for n in range(N - 1, -1, -1):
-            d_after.append(dS)
-            dU_n = torch.baddbmm(dU_o[:, n], k_end[:, n], dS)
-            d_pseudo.append(dU_n)
+            dS_n = dS_after[:, n]
+            dU_n = torch.baddbmm(dU_o[:, n], k_end[:, n], dS_n, out=dU[:, n])
+            dS_prev = dS_after[:, n - 1] if n > 0 else torch.empty_like(dS_n)
             if gated:
-                dS = dS * a[:, n, None, None]
-            dS = torch.baddbmm(dS + dS_o[:, n], W[:, n].mT, dU_n, alpha=-1.0)
-        dS0 = dS if ctx.has_S0 else None
-        dS_after = torch.stack(d_after[::-1], dim=1)  # [BH, N, K, V]
-        dU = torch.stack(d_pseudo[::-1], dim=1)  # [BH, N, C, V]
+                torch.addcmul(dS_o[:, n], dS_n, a[:, n, None, None], out=dS_prev)
+            else:
+                torch.add(dS_n, dS_o[:, n], out=dS_prev)
+            dS_prev.baddbmm_(W[:, n].mT, dU_n, alpha=-1.0)
+        dS0 = dS_prev if ctx.has_S0 else None
 
         dk_end = U @ dS_after.mT  # [BH, N, C, K]
         # U = Ũ − W S with [Ũ, W] = L⁻¹ [βV, βΓK]: the right-hand sides get dRv = L⁻ᵀ dU and
@@ -171,8 +195,9 @@ class _ChunkDeltaRule(torch.autograd.Function):
             dkk.mul_(D)
             dqk = dP * D
         dq = dqk @ k
-        # (dkk + dkk.mT) @ k would materialise a strided transposed sum; BLAS takes .mT for free.
-        dk = matmul_add_(matmul_add_(dkk @ k, dkk.mT, k), dqk.mT, q)
+        # k kᵀ is symmetric, so its cotangent reaches k from both sides: (dkk + dkkᵀ) k. The
+        # transposed add is one elementwise pass, cheaper than a second [C, C] @ [C, K] matmul.
+        dk = matmul_add_((dkk + dkk.mT) @ k, dqk.mT, q)
         if gated:
             rhs_k = (k_in * dRk).sum(-1)  # Σ_K Γk ⊙ d(βΓk): feeds dβ and dG
             dk.add_((b * gamma) * dRk).add_(dk_end * end_decay)

@@ -10,11 +10,19 @@ plus backward (gradients for q, k, v, gates and beta), best of --repeats for the
 (timed in interleaved rounds with fla's chunked references, so that load drifts on a shared
 machine hit both alike) and of --slow-repeats for the recurrent ones. Speedups are against the
 naive form. The error column is the worst norm-relative error ‖x − naive‖/‖naive‖ over the
-output and every gradient. With --fla, the matching pure-PyTorch reference of
-flash-linear-attention (fla-core, loaded by path) is timed too where one exists:
-naive_chunk_linear_attn, delta_rule_chunkwise, naive_chunk_gated_delta_rule (best of --repeats,
-like ours), naive_recurrent_gla (fla has no chunked GLA reference) and naive_log_linear_attn
-(O(T²); both best of --slow-repeats).
+output and every gradient. Rows keep the best time; `fwd_bwd_median_s` is the median over the
+rounds (on a shared machine the best is the steadier figure, the median shows the spread).
+
+With --fla, flash-linear-attention's pure-PyTorch references (fla-core, loaded by path) are timed
+side by side where they exist:
+- chunked: naive_chunk_linear_attn, delta_rule_chunkwise, naive_chunk_gated_delta_rule (best of
+  --repeats, interleaved with ours; fla has no chunked GLA reference);
+- step-by-step: naive_recurrent_linear_attn, delta_rule_recurrence, naive_recurrent_gla,
+  naive_recurrent_gated_delta_rule (best of --slow-repeats); the "x fla recurrent" column is
+  their fwd+bwd time over our chunked one, the comparison the issue quotes for fla itself
+  (naive chunk vs recurrent Gated DeltaNet). Next to our naive_recurrent rows they also show that
+  our step-by-step baseline is a plain loop, not a slowed-down one;
+- naive_log_linear_attn (O(T²) parallel form; best of --slow-repeats).
 Prints one JSON line, then a table.
 """
 
@@ -25,6 +33,7 @@ import importlib.util
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -108,30 +117,47 @@ def load_fla_naive(op: str):
     return module
 
 
-def fla_reference(op: str, chunk_size: int) -> tuple[str, Callable[..., torch.Tensor]] | None:
-    """(name, fn(q, k, v, *extras) -> o) for fla's reference of `op`, or None when fla has none."""
-    m = load_fla_naive(op)
-    if op == "linear_attn":
-        return "naive_chunk_linear_attn", lambda q, k, v: m.naive_chunk_linear_attn(q, k, v)
-    if op == "delta_rule":
+def fla_references(op: str, chunk_size: int) -> dict[str, tuple[str, Callable[..., torch.Tensor]]]:
+    """fla's references of `op` by kind ("chunk", "recurrent", "parallel"): (name, fn(q, k, v, *extras) -> o).
 
-        def delta(q, k, v, beta):
+    Every fn takes our inputs ([B, T, H, D], gates in our order) and returns o [B, T, H, V]; all
+    use our default scale K^-0.5 (fla's delta rule and GLA fix it to that).
+    """
+    m = load_fla_naive(op)
+    refs: dict[str, tuple[str, Callable[..., torch.Tensor]]] = {}
+    if op == "linear_attn":
+        refs["chunk"] = "naive_chunk_linear_attn", lambda q, k, v: m.naive_chunk_linear_attn(q, k, v)
+        refs["recurrent"] = "naive_recurrent_linear_attn", lambda q, k, v: m.naive_recurrent_linear_attn(q, k, v)[0]
+    elif op == "delta_rule":
+        # fla's delta rule references are [B, H, T, D].
+        def delta_chunk(q, k, v, beta):
             o, _ = m.delta_rule_chunkwise(*(x.transpose(1, 2) for x in (q, k, v, beta)), chunk_size=chunk_size)
             return o.transpose(1, 2)
 
-        return "delta_rule_chunkwise", delta
-    if op == "gated_delta_rule":
-        return "naive_chunk_gated_delta_rule", lambda q, k, v, g, beta: m.naive_chunk_gated_delta_rule(
-            q, k, v, g, beta, chunk_size=chunk_size
-        )[0]
-    if op == "gla":
-        return "naive_recurrent_gla", lambda q, k, v, gk: m.naive_recurrent_gla(q, k, v, gk)[0]
-    if op == "log_linear_attn":
-        # fla's default scale here is 1.0 (Mamba-2 style); pass ours, K^-0.5.
-        return "naive_log_linear_attn", lambda q, k, v, g, lam: m.naive_log_linear_attn(
-            q, k, v, g, lam, scale=q.shape[-1] ** -0.5
+        def delta_recurrent(q, k, v, beta):
+            return m.delta_rule_recurrence(*(x.transpose(1, 2) for x in (q, k, v, beta)))[0].transpose(1, 2)
+
+        refs["chunk"] = "delta_rule_chunkwise", delta_chunk
+        refs["recurrent"] = "delta_rule_recurrence", delta_recurrent
+    elif op == "gated_delta_rule":
+        refs["chunk"] = (
+            "naive_chunk_gated_delta_rule",
+            lambda q, k, v, g, beta: m.naive_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size)[0],
         )
-    return None
+        # Note fla's recurrent form takes beta before g.
+        refs["recurrent"] = (
+            "naive_recurrent_gated_delta_rule",
+            lambda q, k, v, g, beta: m.naive_recurrent_gated_delta_rule(q, k, v, beta, g)[0],
+        )
+    elif op == "gla":
+        refs["recurrent"] = "naive_recurrent_gla", lambda q, k, v, gk: m.naive_recurrent_gla(q, k, v, gk)[0]
+    elif op == "log_linear_attn":
+        # fla's default scale here is 1.0 (Mamba-2 style); pass ours, K^-0.5.
+        refs["parallel"] = (
+            "naive_log_linear_attn",
+            lambda q, k, v, g, lam: m.naive_log_linear_attn(q, k, v, g, lam, scale=q.shape[-1] ** -0.5),
+        )
+    return refs
 
 
 def time_once(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor]) -> tuple[float, float, dict]:
@@ -150,14 +176,20 @@ def time_once(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor]) -> tu
 
 
 def time_forms(fns: dict[str, Callable[..., torch.Tensor]], inputs: list[torch.Tensor], repeats: int) -> dict:
-    """Best-of-`repeats` times per form, in interleaved rounds so load drifts hit every form alike."""
-    best: dict[str, dict] = {name: {"fwd_s": float("inf"), "fwd_bwd_s": float("inf")} for name in fns}
+    """Best-of-`repeats` times (and the fwd+bwd median) per form, in interleaved rounds so load
+    drifts hit every form alike."""
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
+    out: dict[str, dict] = {}
     for _ in range(repeats):
         for name, fn in fns.items():
             fwd, fwd_bwd, tensors = time_once(fn, inputs)
-            b = best[name]
-            b["fwd_s"], b["fwd_bwd_s"], b["tensors"] = min(b["fwd_s"], fwd), min(b["fwd_bwd_s"], fwd_bwd), tensors
-    return best
+            runs[name].append((fwd, fwd_bwd))
+            out[name] = {"tensors": tensors}
+    for name, times in runs.items():
+        out[name]["fwd_s"] = min(t[0] for t in times)
+        out[name]["fwd_bwd_s"] = min(t[1] for t in times)
+        out[name]["fwd_bwd_median_s"] = statistics.median(t[1] for t in times)
+    return out
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -176,13 +208,15 @@ def run(args: argparse.Namespace) -> dict:
             fn = getattr(ops, f"{form}_{op}")
             kw = {"chunk_size": args.chunk_size} if form == "chunk" else {}
             (fast if form == "chunk" else slow)[form] = lambda *xs, fn=fn, kw=kw: fn(*xs, **kw)[0]
+        fla_names: dict[str, str] = {}  # kind -> timed name
         if args.fla:
-            ref = fla_reference(op, args.chunk_size)
-            # fla's chunked linear attention has a fixed chunk of 64, its delta rule no padding.
-            fits = {"linear_attn": T % 64 == 0, "delta_rule": T % args.chunk_size == 0}.get(op, True)
-            if ref is not None and fits:
-                name, fn = ref
-                (fast if "chunk" in name else slow)[f"fla:{name}"] = fn
+            for kind, (name, fn) in fla_references(op, args.chunk_size).items():
+                # fla's chunked linear attention has a fixed chunk of 64, its chunked delta rule no padding.
+                fits = {"linear_attn": T % 64 == 0, "delta_rule": T % args.chunk_size == 0}.get(op, True)
+                if kind == "chunk" and not fits:
+                    continue
+                fla_names[kind] = f"fla:{name}"
+                (fast if kind == "chunk" else slow)[f"fla:{name}"] = fn
         for fn in fast.values():
             time_once(fn, inputs)  # warm-up (allocator, first-call dispatch)
         timed = {**time_forms(fast, inputs, args.repeats), **time_forms(slow, inputs, args.slow_repeats)}
@@ -190,9 +224,16 @@ def run(args: argparse.Namespace) -> dict:
             print(f"  {op:17s} {form:34s} fwd {t['fwd_s']:.3f}s  fwd+bwd {t['fwd_bwd_s']:.3f}s", file=sys.stderr)
         naive = timed.get("naive_recurrent")
         fused = timed.get("fused_recurrent")
-        fla_chunk = next((t for name, t in timed.items() if name.startswith("fla:") and "chunk" in name), None)
+        fla_chunk = timed.get(fla_names.get("chunk", ""))
+        fla_recurrent = timed.get(fla_names.get("recurrent", ""))
         for form, t in timed.items():
-            row = {"op": op, "form": form, "fwd_s": round(t["fwd_s"], 4), "fwd_bwd_s": round(t["fwd_bwd_s"], 4)}
+            row = {
+                "op": op,
+                "form": form,
+                "fwd_s": round(t["fwd_s"], 4),
+                "fwd_bwd_s": round(t["fwd_bwd_s"], 4),
+                "fwd_bwd_median_s": round(t["fwd_bwd_median_s"], 4),
+            }
             if naive is not None:
                 row["speedup_fwd"] = round(naive["fwd_s"] / t["fwd_s"], 2)
                 row["speedup_fwd_bwd"] = round(naive["fwd_bwd_s"] / t["fwd_bwd_s"], 2)
@@ -202,6 +243,8 @@ def run(args: argparse.Namespace) -> dict:
                 row["speedup_fwd_bwd_vs_fused"] = round(fused["fwd_bwd_s"] / t["fwd_bwd_s"], 2)
             if fla_chunk is not None and form == "chunk":
                 row["fla_chunk_over_ours_fwd_bwd"] = round(fla_chunk["fwd_bwd_s"] / t["fwd_bwd_s"], 2)
+            if fla_recurrent is not None and form == "chunk":
+                row["fla_recurrent_over_ours_fwd_bwd"] = round(fla_recurrent["fwd_bwd_s"] / t["fwd_bwd_s"], 2)
             rows.append(row)
     return {
         "benchmark": "ops",
@@ -228,7 +271,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def print_table(report: dict) -> None:
-    cols = ("fwd s", 8), ("fwd+bwd s", 10), ("x fwd", 7), ("x fwd+bwd", 10), ("max rel err", 12)
+    cols = ("fwd s", 8), ("fwd+bwd s", 10), ("median", 8), ("x fwd", 7), ("x fwd+bwd", 10), ("max rel err", 12)
     head = f"{'op':17s} {'form':34s} " + " ".join(f"{name:>{width}s}" for name, width in cols)
     print(head)
     print("-" * len(head))
@@ -236,26 +279,44 @@ def print_table(report: dict) -> None:
         err = f"{r['max_rel_err']:.1e}" if "max_rel_err" in r else "-"
         x_f = f"{r['speedup_fwd']:.1f}" if "speedup_fwd" in r else "-"
         x_fb = f"{r['speedup_fwd_bwd']:.1f}" if "speedup_fwd_bwd" in r else "-"
-        times = f"{r['fwd_s']:8.3f} {r['fwd_bwd_s']:10.3f}"
+        times = f"{r['fwd_s']:8.3f} {r['fwd_bwd_s']:10.3f} {r['fwd_bwd_median_s']:8.3f}"
         print(f"{r['op']:17s} {r['form']:34s} {times} {x_f:>7s} {x_fb:>10s} {err:>12s}")
     c = report["config"]
     print(
         f"\nB={c['B']} T={c['T']} H={c['H']} K=V={c['K']} chunk={c['chunk_size']} float32, {c['threads']} thread(s); "
-        "x = speedup over naive_recurrent; error = worst of output and gradients vs naive_recurrent"
+        "times best of the rounds (median: fwd+bwd median); x = speedup over naive_recurrent; "
+        "error = worst of output and gradients vs naive_recurrent"
     )
     chunk_rows = [r for r in report["results"] if r["form"] == "chunk"]
     if not chunk_rows:
         return
     # The issue's targets for the chunked forms, forward+backward, side by side in this run.
     print("\nchunked fwd+bwd vs the targets (>= 20x the step-by-step forms, faster than fla's chunk ref, err <= 1e-5):")
-    head = ("op", 17), ("x naive_recurrent", 18), ("x fused_recurrent", 18), ("fla chunk / ours", 18), ("rel err", 12)
+    head = (
+        ("op", 17),
+        ("ms chunk", 9),
+        ("x naive_recurrent", 18),
+        ("x fused_recurrent", 18),
+        ("x fla chunk", 12),
+        ("x fla recurrent", 16),
+        ("rel err", 9),
+    )
     print(" ".join(f"{name:>{width}s}" if i else f"{name:{width}s}" for i, (name, width) in enumerate(head)))
+
+    def ratio(r: dict, key: str, fmt: str) -> str:
+        return format(r[key], fmt) if key in r else "-"
+
     for r in chunk_rows:
-        x_naive = f"{r['speedup_fwd_bwd']:.1f}" if "speedup_fwd_bwd" in r else "-"
-        x_fused = f"{r['speedup_fwd_bwd_vs_fused']:.1f}" if "speedup_fwd_bwd_vs_fused" in r else "-"
-        fla = f"{r['fla_chunk_over_ours_fwd_bwd']:.2f}" if "fla_chunk_over_ours_fwd_bwd" in r else "(no fla chunk ref)"
-        err = f"{r['max_rel_err']:.1e}" if "max_rel_err" in r else "-"
-        print(f"{r['op']:17s} {x_naive:>18s} {x_fused:>18s} {fla:>18s} {err:>12s}")
+        cells = (
+            f"{r['fwd_bwd_s'] * 1e3:9.1f}",
+            f"{ratio(r, 'speedup_fwd_bwd', '.1f'):>18s}",
+            f"{ratio(r, 'speedup_fwd_bwd_vs_fused', '.1f'):>18s}",
+            f"{ratio(r, 'fla_chunk_over_ours_fwd_bwd', '.2f'):>12s}",
+            f"{ratio(r, 'fla_recurrent_over_ours_fwd_bwd', '.1f'):>16s}",
+            f"{ratio(r, 'max_rel_err', '.1e'):>9s}",
+        )
+        print(f"{r['op']:17s} " + " ".join(cells))
+    print("x fla chunk / x fla recurrent: fla's pure-PyTorch reference time over ours ('-': fla has none)")
 
 
 def main(argv: list[str] | None = None) -> int:

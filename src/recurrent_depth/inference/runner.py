@@ -9,7 +9,7 @@ recurrence step, because at batch 1 decoding is bound by per-operation overhead,
   reused by every step (the input injection does not change between steps);
 - the q/k biases are folded into one bias vector and RoPE is one complex multiplication on q
   and k together, with angles looked up from a table built once;
-- RMSNorm takes six element-wise operations, with sqrt(h) folded into its weight;
+- RMSNorm takes four element-wise operations, with sqrt(h) folded into its weight;
 - keys and values stay in the cache's head-major layout `[B, Hkv, T, D]` (no transposes);
 - each weight is stored in the layout whose rows are the longer dimension. Decoding multiplies one
   row of activations by every weight once per step, which streams the weights from memory; on the

@@ -214,25 +214,27 @@ def test_fast_runner_weight_layouts_give_the_reference_logits(model, monkeypatch
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
 
 
-def test_make_runner_reuses_the_fast_runner_until_a_weight_changes():
+def test_generate_sees_weight_changes_made_between_calls():
+    """The fast runner's weight copies are rebuilt per call: changes made in place, under no_grad or
+    through `.data` (which no version counter records), show up in the next call."""
     torch.manual_seed(5)
     model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval()
     ids = torch.randint(0, 256, (1, 5))
     kw = dict(max_new_tokens=4, num_steps=2, init_scale=0.0, output_logits=True)
-    with torch.inference_mode():
-        first = make_runner(model)
-        assert make_runner(model) is first
-        before = generate(model, ids, **kw).logits
-    with torch.no_grad():
-        model.lm_head.weight.mul_(2.0)  # an in-place update, as an optimizer step makes
-    with torch.inference_mode():
-        second = make_runner(model)
-        assert second is not first
+    before = generate(model, ids, **kw).logits
+    for change in ("no_grad", "data"):
+        if change == "no_grad":
+            with torch.no_grad():
+                model.transformer.core_block[0].mlp.fc.weight.mul_(1.5)
+        else:
+            model.lm_head.weight.data.mul_(2.0)
         after = generate(model, ids, **kw).logits
-    reference = generate(model, ids, **kw, fast=False).logits
-    torch.testing.assert_close(after, reference, rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(before, after)
-    assert make_runner(model, fast=False) is not second and isinstance(make_runner(model, fast=False), ModelRunner)
+        reference = generate(model, ids, **kw, fast=False).logits
+        torch.testing.assert_close(after, reference, rtol=1e-5, atol=1e-5, msg=change)
+        assert not torch.allclose(before, after), change
+        before = after
+    assert isinstance(make_runner(model), FastRunner) and isinstance(make_runner(model, fast=False), ModelRunner)
+    assert not make_runner(model).lm_head.requires_grad  # built without autograd history
 
 
 def test_fast_runner_is_used_only_for_plain_attention():

@@ -19,16 +19,12 @@ recurrence step, because at batch 1 decoding is bound by per-operation overhead,
   as long as those copies stay under `COPY_LIMIT_BYTES` (a 3.5B model keeps the views: doubling
   its weights in memory would cost more than it saves).
 
-`make_runner` keeps one fast runner per model and rebuilds it when any parameter changes (new
-tensor or in-place update), so repeated `generate` calls do not redo the copies.
-
 Outputs agree with the reference to float rounding (tests compare both at odd sizes).
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -264,25 +260,15 @@ class FastRunner(ModelRunner):
         return logits if logits.dtype == torch.float32 else logits.float()
 
 
-_FAST_RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _parameter_versions(model: Any) -> tuple:
-    """Identifies the current weights: each parameter's storage, version counter, dtype and device
-    (an optimizer step or `load_state_dict` bumps the version; `.to()` makes new tensors)."""
-    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in model.parameters())
-
-
 def make_runner(model: Any, fast: bool = True) -> ModelRunner:
-    """The fast runner when asked for and supported (reused while the weights are unchanged), else the
-    reference."""
+    """The runner for one generation call (no gradients): the fast runner when asked for and
+    supported, else the reference.
+
+    A fast runner is built per call, not cached on the model: its copies and folded weights would
+    go stale if a weight changed through `param.data`, which no version counter records. Building
+    one costs about 7 ms for the `small` preset and 80 ms at h 1024 (58 M parameters) here.
+    """
     if not (fast and FastRunner.supports(model)):
         return ModelRunner(model)
-    key = _parameter_versions(model)
-    cached = _FAST_RUNNERS.get(model)
-    if cached is not None and cached[0] == key and not torch.is_grad_enabled():
-        return cached[1]
-    runner = FastRunner(model)
-    if not torch.is_grad_enabled():  # a runner built under grad holds graph-connected tensors
-        _FAST_RUNNERS[model] = (key, runner)
-    return runner
+    with torch.no_grad():  # the copies and folded weights are constants, not graph nodes
+        return FastRunner(model)

@@ -11,6 +11,7 @@ last k = 4 with gradients), the baseline runs one core pass.
     python benchmarks/train_throughput.py                  # about 4 minutes on 2 cores
     python benchmarks/train_throughput.py --clock cpu      # on a busy machine: CPU time, 1 thread
     python benchmarks/train_throughput.py --compile        # torch.compile the core blocks in every case
+    python benchmarks/train_throughput.py --compile-mode max-autotune-no-cudagraphs   # mode of compiled cases
 
 Without --compile, the fp32 `small` cases also run with the core blocks compiled (the trainer's
 `compile: true`), reported as `afu_small_fp32_compiled` beside the eager figure.
@@ -40,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 import recurrent_depth as rd
+from recurrent_depth.train.config import COMPILE_MODES
 from recurrent_depth.train.flops import training_step_flops
 
 SHAPES = {
@@ -123,7 +125,7 @@ def train_step(model, optimizer, rows, num_steps, dtype) -> None:
 
 
 def measure(shape: str, dtype_name: str, recurrent: bool, peak: float, clock: Clock, budget_left: float,
-            compile_core: bool, bracket: bool, min_seconds: float = 3.0) -> dict:
+            compile_core: bool, bracket: bool, min_seconds: float = 3.0, compile_mode: str = "default") -> dict:
     cfg = rd.ModelConfig.from_preset("small", **SHAPES[shape])
     emulated = dtype_name == "bf16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
     B, T = (EMULATED_BATCH if emulated else BATCH)[shape]
@@ -145,7 +147,7 @@ def measure(shape: str, dtype_name: str, recurrent: bool, peak: float, clock: Cl
     if compile_core:
         from recurrent_depth.train.trainer import compile_core as apply_compile
 
-        apply_compile(model)
+        apply_compile(model, compile_mode)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rows = torch.randint(0, cfg.vocab_size, (B, T + 1))
     start = clock.now()
@@ -180,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch threads (default: torch's; 1 with --clock cpu)")
     parser.add_argument("--budget", type=float, default=280.0, help="seconds for the whole run (default: %(default)s)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the core blocks (default: off)")
+    parser.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
+                        help="torch.compile mode of the compiled cases (default: %(default)s)")
     args = parser.parse_args(argv)
     threads = args.threads or (1 if args.clock == "cpu" else torch.get_num_threads())
     torch.set_num_threads(threads)
@@ -200,12 +204,13 @@ def main(argv: list[str] | None = None) -> int:
             pending = len(cases[dtype_name]) - i + (len(cases["bf16"]) if dtype_name == "fp32" else 0)
             left = (deadline - clock.now()) / pending
             rows.append(measure(shape, dtype_name, recurrent, peaks[dtype_name]["flops"], clock, left,
-                                compiled, bracket=args.clock == "wall"))
+                                compiled, bracket=args.clock == "wall", compile_mode=args.compile_mode))
     result: dict = {
         "benchmark": "train_throughput",
         "clock": args.clock,
         "threads": threads,
         "compile": args.compile,
+        "compile_mode": args.compile_mode,
         "bf16_native": bf16_native,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,

@@ -55,6 +55,7 @@ def test_yaml_then_overrides(tmp_path):
         ({"depth_scheme": "geometric"}, "depth_scheme"),
         ({"model": {"hidden_sise": 3}}, "hidden_sise"),
         ({"compile": "yes"}, "compile"),
+        ({"compile_mode": "fastest"}, "compile_mode"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )
@@ -85,10 +86,12 @@ def test_cli_flags_override_yaml(tmp_path):
     path.write_text("preset: tiny\nmax_steps: 50\nbatch_size: 2\noptim: {name: adamw}\n")
     args = build_parser("train").parse_args(
         ["train", "--config", str(path), "--max-steps", "7", "--eval-depths", "1,3", "--compile",
-         "--model-set", "hidden_size=32", "--lr", "0.01", "--seed", "5"]
+         "--compile-mode", "max-autotune-no-cudagraphs", "--model-set", "hidden_size=32", "--lr", "0.01",
+         "--seed", "5"]
     )
     cfg = config_from_args(args)
     assert (cfg.max_steps, cfg.batch_size, cfg.eval_depths, cfg.compile, cfg.seed) == (7, 2, [1, 3], True, 5)
+    assert cfg.compile_mode == "max-autotune-no-cudagraphs"
     assert cfg.model == {"hidden_size": 32}
     assert (cfg.optim.name, cfg.optim.lr) == ("adamw", 0.01)
 
@@ -117,3 +120,18 @@ def test_bad_flag_value_is_a_clean_error(capsys):
 def test_example_configs_load(path):
     cfg = TrainConfig.from_yaml(path)
     assert cfg.out.startswith("runs/")
+
+
+def test_compile_core_compiles_each_core_block_with_the_mode(monkeypatch):
+    """Compiling is slow on CPU; record the calls instead (the compiled path's numerics are torch's)."""
+    import torch
+
+    import recurrent_depth as rd
+    from recurrent_depth.train.trainer import compile_core
+
+    calls = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: calls.append((type(self).__name__, kw)))
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny"))
+    compile_core(model, "max-autotune-no-cudagraphs")
+    assert len(calls) == model.config.core_layers
+    assert all(kw == {"dynamic": False, "mode": "max-autotune-no-cudagraphs"} for _, kw in calls)

@@ -51,7 +51,8 @@ TOKENIZER_DIR = "tokenizer"
 # Config fields a resumed run may change; any other difference makes --resume refuse.
 RESUMABLE_CHANGES = frozenset(
     {"max_steps", "max_tokens", "max_minutes", "eval_interval", "eval_batches", "eval_depths", "save_every",
-     "keep_last", "resume", "progress", "tensorboard", "out", "data_dir", "compile", "activation_checkpointing"}
+     "keep_last", "resume", "progress", "tensorboard", "out", "data_dir", "compile", "compile_mode",
+     "activation_checkpointing"}
 )
 
 
@@ -535,17 +536,18 @@ def prepare_model(model: RecurrentDepthLM, cfg: TrainConfig, env: ddist.DistEnv)
     """Apply, from outside the model and in this order: activation checkpointing, compile, parallelism."""
     model.gradient_checkpointing = cfg.activation_checkpointing
     if cfg.compile:
-        compile_core(model)
+        compile_core(model, cfg.compile_mode)
     return ddist.wrap_model(model, env, fsdp=cfg.fsdp)
 
 
-def compile_core(model: RecurrentDepthLM) -> None:
-    """torch.compile each core block in place (parameter names unchanged: no `_orig_mod.` prefix).
+def compile_core(model: RecurrentDepthLM, mode: str = "default") -> None:
+    """torch.compile each core block in place (parameter names unchanged: no `_orig_mod.` prefix),
+    with torch.compile's `mode` (see `config.COMPILE_MODES`).
 
     Only the block is compiled, not the loop over steps, so one graph serves every depth.
     """
     for block in model.transformer.core_block:
-        block.compile(dynamic=False)
+        block.compile(dynamic=False, mode=mode)
 
 
 class JsonlLog:

@@ -144,7 +144,8 @@ class BatchDecoder:
     def __init__(self, model: torch.nn.Module, max_rows: int) -> None:
         self.model = model
         self.config = model.config
-        self.runner = FastRunner(model)
+        with torch.no_grad():  # weight copies and folded weights are constants, not graph nodes
+            self.runner = FastRunner(model)
         self.device = model.device
         self.max_rows = max_rows
         self.rows: list[Sequence] = []

@@ -120,18 +120,15 @@ class FastRunner(ModelRunner):
         self.dtype = model.dtype
         angles = self._table  # [L, D/2, 2] (cos, sin)
         self._freq_table = torch.complex(angles[..., 0], angles[..., 1])  # [L, D/2]
-        wide = [b.attn.Wqkv.weight for b in (*t.prelude, *t.core_block, *t.coda)]
-        wide += [b.attn.proj.weight for b in (*t.prelude, *t.core_block, *t.coda)]
-        wide += [b.mlp.fc.weight for b in (*t.prelude, *t.core_block, *t.coda)] + [model.lm_head.weight]
+        blocks = {"prelude": t.prelude, "core": t.core_block, "coda": t.coda}
+        matrices = [model.lm_head.weight, t.adapter.weight[:, :h]] + [
+            w for b in (*t.prelude, *t.core_block, *t.coda)
+            for w in (b.attn.Wqkv.weight, b.attn.proj.weight, b.mlp.fc.weight, b.mlp.proj.weight)
+        ]
+        copy_bytes = sum(w.numel() * w.element_size() for w in matrices if self._wide(w))
         # Measured on CPUs; GPU libraries read either layout at full speed, so no copies there.
-        self.copy_weights = (
-            model.device.type == "cpu" and sum(w.numel() * w.element_size() for w in wide) <= COPY_LIMIT_BYTES
-        )
-        self.blocks = {
-            "prelude": [self._prepare(b, h) for b in t.prelude],
-            "core": [self._prepare(b, h) for b in t.core_block],
-            "coda": [self._prepare(b, h) for b in t.coda],
-        }
+        self.copy_weights = model.device.type == "cpu" and copy_bytes <= COPY_LIMIT_BYTES
+        self.blocks = {part: [self._prepare(b, h) for b in parts] for part, parts in blocks.items()}
         w = t.adapter.weight
         self.adapter_s = self._layout(w[:, :h])  # (a strided view of the adapter otherwise)
         self.adapter_e = w[:, h:].t()
@@ -141,13 +138,15 @@ class FastRunner(ModelRunner):
         self.lm_head = self._layout(model.lm_head.weight)
         self.emb_scale = model.emb_scale
 
+    @staticmethod
+    def _wide(weight: Tensor) -> bool:
+        """An `[out, in]` weight whose output side is the longer one, or square (see the module docstring)."""
+        return weight.shape[0] >= weight.shape[1]
+
     def _layout(self, weight: Tensor) -> Tensor:
-        """`weight^T` `[in, out]` for `x @ weight^T`: a contiguous copy when the output is the longer
-        side or square (and copies are allowed), else the view of the `[out, in]` parameter."""
-        out_features, in_features = weight.shape
-        if self.copy_weights and out_features >= in_features:
-            return weight.t().contiguous()
-        return weight.t()
+        """`weight^T` `[in, out]` for `x @ weight^T`: a contiguous copy of wide weights (when copies
+        are allowed), else the view of the `[out, in]` parameter."""
+        return weight.t().contiguous() if self.copy_weights and self._wide(weight) else weight.t()
 
     def _prepare(self, block: Any, h: int) -> dict[str, Any]:
         """A block's weights as the fast path uses them: `[in, out]` (see `_layout`), the q/k bias

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from recurrent_depth.inference.options import GenerationOptions
-from recurrent_depth.inference.runner import FastRunner, Step
+from recurrent_depth.inference.runner import FastRunner, Step, make_runner
 from recurrent_depth.inference.sampling import RowGenerators, TokenChooser
 from recurrent_depth.serving.exits import RowCriterion
 from recurrent_depth.serving.kv_pool import SlotKVPool
@@ -144,8 +144,7 @@ class BatchDecoder:
     def __init__(self, model: torch.nn.Module, max_rows: int) -> None:
         self.model = model
         self.config = model.config
-        with torch.no_grad():  # weight copies and folded weights are constants, not graph nodes
-            self.runner = FastRunner(model)
+        self.runner = make_runner(model)  # the fast runner (see `supports`), built without autograd
         self.device = model.device
         self.max_rows = max_rows
         self.rows: list[Sequence] = []

@@ -26,6 +26,13 @@ def _gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def _qkv64(seed: int, BH: int, N: int, C: int, K: int, V: int):
+    """A generator and chunked float64 q, k `[BH, N, C, K]`, v `[BH, N, C, V]` drawn from it (in that order)."""
+    gen = _gen(seed)
+    q, k = (torch.randn(BH, N, C, K, generator=gen, dtype=torch.float64) for _ in range(2))
+    return gen, q, k, torch.randn(BH, N, C, V, generator=gen, dtype=torch.float64)
+
+
 @pytest.mark.parametrize("C", [1, 3, 16, 17, 32, 64], ids=lambda c: f"C{c}")
 def test_unit_lower_inverse_matches_dense_inverse(C: int):
     gen = _gen()
@@ -105,9 +112,7 @@ def test_chunk_delta_rule_survives_zero_beta_and_keys():
 @pytest.mark.parametrize("dims", [(2, 3, 4, 5, 3), (1, 1, 5, 2, 7)], ids=["N3-C4-K5-V3", "N1-C5-K2-V7"])
 def test_chunk_linear_attn_backward_passes_gradcheck(dims: tuple[int, ...], with_state: bool):
     BH, N, C, K, V = dims
-    gen = _gen(2)
-    q, k = (torch.randn(BH, N, C, K, generator=gen, dtype=torch.float64) for _ in range(2))
-    v = torch.randn(BH, N, C, V, generator=gen, dtype=torch.float64)
+    gen, q, k, v = _qkv64(2, *dims)
     S0 = torch.randn(BH, K, V, generator=gen, dtype=torch.float64) if with_state else None
     inputs = [x.requires_grad_() if x is not None else None for x in (q, k, v, S0)]
     assert torch.autograd.gradcheck(_ChunkLinearAttn.apply, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)
@@ -128,9 +133,7 @@ def test_matmul_add_accumulates_in_place_with_transposed_operands():
 @pytest.mark.parametrize("dims", [(2, 3, 4, 5, 3), (1, 1, 6, 2, 7)], ids=["N3-C4-K5-V3", "N1-C6-K2-V7"])
 def test_chunk_gla_factored_backward_passes_gradcheck(dims: tuple[int, ...], with_state: bool):
     BH, N, C, K, V = dims
-    gen = _gen(4)
-    q, k = (torch.randn(BH, N, C, K, generator=gen, dtype=torch.float64) for _ in range(2))
-    v = torch.randn(BH, N, C, V, generator=gen, dtype=torch.float64)
+    gen, q, k, v = _qkv64(4, *dims)
     G = F.logsigmoid(torch.randn(BH, N, C, K, generator=gen, dtype=torch.float64)).cumsum(-2)
     S0 = torch.randn(BH, K, V, generator=gen, dtype=torch.float64) if with_state else None
     inputs = [x.requires_grad_() if x is not None else None for x in (q, k, v, G, S0)]

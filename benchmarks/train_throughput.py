@@ -12,6 +12,7 @@ last k = 4 with gradients), the baseline runs one core pass.
     python benchmarks/train_throughput.py --clock cpu      # on a busy machine: CPU time, 1 thread
     python benchmarks/train_throughput.py --compile        # torch.compile the core blocks in every case
     python benchmarks/train_throughput.py --compile-mode max-autotune-no-cudagraphs   # mode of compiled cases
+    python benchmarks/train_throughput.py --default-malloc # glibc's malloc as is (the trainer tunes it)
 
 Without --compile, the fp32 `small` cases also run with the core blocks compiled (the trainer's
 `compile: true`), reported as `afu_small_fp32_compiled` beside the eager figure.
@@ -41,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 import recurrent_depth as rd
+from recurrent_depth.train.allocator import keep_freed_memory
 from recurrent_depth.train.config import COMPILE_MODES
 from recurrent_depth.train.flops import training_step_flops
 
@@ -184,7 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="torch.compile the core blocks (default: off)")
     parser.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
                         help="torch.compile mode of the compiled cases (default: %(default)s)")
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="leave glibc's malloc thresholds alone (the trainer raises them on CPU: "
+                             "keep_freed_memory)")
     args = parser.parse_args(argv)
+    kept_freed_memory = False if args.default_malloc else keep_freed_memory()
     threads = args.threads or (1 if args.clock == "cpu" else torch.get_num_threads())
     torch.set_num_threads(threads)
     clock = Clock(args.clock)
@@ -211,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": threads,
         "compile": args.compile,
         "compile_mode": args.compile_mode,
+        "keep_freed_memory": kept_freed_memory,
         "bf16_native": bf16_native,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,

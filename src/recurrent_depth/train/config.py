@@ -68,6 +68,8 @@ FIELD_HELP: dict[str, str] = {
     "compile": "torch.compile the core block (not the loop: one graph serves every depth)",
     "compile_mode": f"torch.compile mode with compile: one of {', '.join(COMPILE_MODES)}",
     "activation_checkpointing": "recompute each core iteration in backward (less memory, ~25% slower)",
+    "keep_freed_memory": "on CPU with glibc, keep freed memory in the process between steps instead of "
+                         "page-faulting it in again every step (up to 1.2x faster here; memory stays at its peak)",
     "fsdp": "shard parameters with FSDP2 (fully_shard) instead of replicating them with DDP",
     "eval_depths": "validation depths; none = 1 and r̄ times 1/8, 1/4, 1/2, 1, 2 (the paper's 1..64 at r̄=32)",
     "eval_interval": "validate every N optimizer steps (0 = only at the end)",
@@ -113,6 +115,7 @@ class TrainConfig:
     compile: bool = False
     compile_mode: str = "default"
     activation_checkpointing: bool = False
+    keep_freed_memory: bool = True
     fsdp: bool = False
     eval_depths: list[int] | None = None
     eval_interval: int = 0
@@ -187,8 +190,8 @@ class TrainConfig:
         if depths is not None and (not isinstance(depths, list) or not depths
                                    or not all(_is_int(d) and d >= 0 for d in depths)):
             raise bad("eval_depths", "None or a non-empty list of integers >= 0")
-        for name in ("keep_all", "baseline", "compile", "activation_checkpointing", "fsdp", "resume",
-                     "progress", "tensorboard"):
+        for name in ("keep_all", "baseline", "compile", "activation_checkpointing", "keep_freed_memory", "fsdp",
+                     "resume", "progress", "tensorboard"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "true or false")
         if not isinstance(self.out, str) or not self.out:

@@ -37,6 +37,7 @@ from recurrent_depth.config import ModelConfig
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 from recurrent_depth.train import checkpointing as ckpt
 from recurrent_depth.train import distributed as ddist
+from recurrent_depth.train.allocator import keep_freed_memory
 from recurrent_depth.train.config import TrainConfig
 from recurrent_depth.train.depth import DepthSampler, stream_seed
 from recurrent_depth.train.optim import build_optimizers, clip_and_check_grads
@@ -52,7 +53,7 @@ TOKENIZER_DIR = "tokenizer"
 RESUMABLE_CHANGES = frozenset(
     {"max_steps", "max_tokens", "max_minutes", "eval_interval", "eval_batches", "eval_depths", "save_every",
      "keep_last", "resume", "progress", "tensorboard", "out", "data_dir", "compile", "compile_mode",
-     "activation_checkpointing"}
+     "activation_checkpointing", "keep_freed_memory"}
 )
 
 
@@ -117,6 +118,8 @@ class Trainer:
         self.deadline = deadline
         self.eval_deadline = eval_deadline
         self.env = ddist.init_distributed(device)
+        if cfg.keep_freed_memory and self.env.device.type == "cpu":
+            keep_freed_memory()
         self.out = Path(cfg.out)
         self.on_step = on_step
         self._log = log if log is not None else print

@@ -545,6 +545,10 @@ def test_presets_build_and_overrides_apply() -> None:
     build_optimizers(ToyHuginn(), demo)
     with pytest.raises(ValueError, match="preset"):
         OptimConfig.from_preset("nope")
+    adamw = OptimConfig.from_preset("demo", name="adamw", lr=2e-3)  # the optimizer's own `name` field
+    assert (adamw.name, adamw.lr, adamw.warmup_steps) == ("adamw", 2e-3, demo.warmup_steps)
+    with pytest.raises(ValueError, match="unknown optim field.*learning_rate"):
+        OptimConfig.from_preset("demo", learning_rate=1.0)
 
 
 def test_config_round_trips_through_plain_data() -> None:

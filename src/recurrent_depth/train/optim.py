@@ -499,11 +499,18 @@ class OptimConfig:
     # -- presets and plain-data round trip --
 
     @classmethod
-    def from_preset(cls, name: str, **overrides: Any) -> OptimConfig:
-        """A named recipe (``"huginn-0125"``, ``"demo"``), optionally with fields overridden."""
-        if name not in OPTIM_PRESETS:
-            raise ValueError(f"optimizer preset must be one of {tuple(OPTIM_PRESETS)}, got {name!r}")
-        return replace(OPTIM_PRESETS[name], **overrides)
+    def from_preset(cls, preset: str, /, **overrides: Any) -> OptimConfig:
+        """A named recipe (``"huginn-0125"``, ``"demo"``), optionally with fields overridden.
+
+        The preset is positional-only, so the optimizer's own `name` field can be overridden too:
+        ``OptimConfig.from_preset("demo", name="adamw")``.
+        """
+        if preset not in OPTIM_PRESETS:
+            raise ValueError(f"optimizer preset must be one of {tuple(OPTIM_PRESETS)}, got {preset!r}")
+        unknown = sorted(set(overrides) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown optim field(s) {unknown}; allowed: {sorted(f.name for f in fields(cls))}")
+        return replace(OPTIM_PRESETS[preset], **overrides)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

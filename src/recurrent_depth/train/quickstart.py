@@ -72,14 +72,17 @@ class QuickstartRecipe:
 def choose_threads(candidates: tuple[int, ...] | None = None) -> int:
     """The torch thread count for this machine right now, and set it.
 
-    Several threads only pay off on an otherwise idle machine: when other processes keep the cores
-    busy (1-minute load average >= 1), threads that wait for each other at every parallel region can
-    make a step 10x slower than one thread (measured on a shared 2-core box), so 1 it is. Otherwise the
+    Several threads only pay off on an otherwise idle machine: when other processes keep a core busy,
+    threads that wait for each other at every parallel region can make a step 10x slower than one
+    thread (measured on a shared 2-core box), so 1 it is. What counts is the CPU time other processes
+    use over half a second now (`OtherProcessesLoad`), not the 1-minute load average, which still
+    remembers a job that just ended (say the `pip install` before the quickstart). Otherwise the
     candidates (default: 1 and torch's default) are timed on a few fp32 matmuls of the model's size (~1 s).
     """
     current = torch.get_num_threads()
     if candidates is None:
-        candidates = (1,) if _load_average() >= 1.0 else tuple(sorted({1, current}))
+        busy = others_busy_cores(0.5)
+        candidates = (1,) if busy >= OTHERS_BUSY_CORES_LIMIT else tuple(sorted({1, current}))
     if len(candidates) == 1:
         torch.set_num_threads(candidates[0])
         return candidates[0]
@@ -103,24 +106,72 @@ def choose_threads(candidates: tuple[int, ...] | None = None) -> int:
 class ThreadGuard:
     """An `on_step` callback that drops to one thread when other processes start competing for the cores.
 
-    Our own threads account for about `threads` of the load average; anything clearly above that is
-    someone else, and multi-threaded steps then stall (see `choose_threads`).
+    Every `every` steps it reads how many cores other processes kept busy since the last check
+    (`OtherProcessesLoad`); at `OTHERS_BUSY_CORES_LIMIT` or more, multi-threaded steps stall (see
+    `choose_threads`), so it continues with one.
     """
 
     def __init__(self, log: Callable[[str], None], every: int = 5) -> None:
         self.log = log
         self.every = every
         self.changes: list[dict[str, Any]] = []
+        self.load = OtherProcessesLoad()
 
     def __call__(self, trainer, record: dict[str, Any]) -> None:
         threads = torch.get_num_threads()
         if threads == 1 or record["step"] % self.every:
             return
-        load = _load_average()
-        if load > threads + 1.0:
+        busy = self.load.read()
+        if busy >= OTHERS_BUSY_CORES_LIMIT:
             torch.set_num_threads(1)
-            self.changes.append({"step": record["step"], "load": load, "threads": 1})
-            self.log(f"other processes are using the CPU (load {load:.1f}): continuing with 1 thread")
+            self.changes.append({"step": record["step"], "others_busy_cores": round(busy, 2), "threads": 1})
+            self.log(f"other processes are using {busy:.1f} cores: continuing with 1 thread")
+
+
+# Other processes' CPU use (in cores) from which one thread beats several on a shared machine.
+OTHERS_BUSY_CORES_LIMIT = 0.5
+
+
+class OtherProcessesLoad:
+    """Cores kept busy by other processes between two readings.
+
+    The machine's busy CPU time (Linux `/proc/stat`: user, nice, system, irq, softirq; not steal,
+    which the hypervisor takes whoever runs) minus this process's own CPU time, over the wall time
+    between readings. Where `/proc/stat` does not exist, the 1-minute load average minus this
+    process's own threads stands in.
+    """
+
+    def __init__(self) -> None:
+        self._mark()
+
+    def _mark(self) -> None:
+        self.wall, self.busy, self.own = time.perf_counter(), _machine_busy_seconds(), time.process_time()
+
+    def read(self) -> float:
+        before = (self.wall, self.busy, self.own)
+        self._mark()
+        if self.busy is None or before[1] is None:
+            return max(0.0, _load_average() - torch.get_num_threads())
+        elapsed = max(self.wall - before[0], 1e-6)
+        return max(0.0, ((self.busy - before[1]) - (self.own - before[2])) / elapsed)
+
+
+def others_busy_cores(window_s: float) -> float:
+    """Cores other processes keep busy over the next `window_s` seconds (this process sleeps meanwhile)."""
+    load = OtherProcessesLoad()
+    time.sleep(window_s)
+    return load.read()
+
+
+def _machine_busy_seconds() -> float | None:
+    """Busy CPU seconds of the whole machine since boot, summed over cores; None without /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[1:8])
+    except (OSError, ValueError):
+        return None
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 def _load_average() -> float:

@@ -19,7 +19,7 @@ from typing import Any
 
 # optimizer flag -> OptimConfig field
 OPTIM_FLAGS: dict[str, tuple[str, type, str]] = {
-    "optim_preset": ("preset", str, "optimizer recipe to start from: demo or huginn-0125"),
+    "optim_preset": ("preset", str, "optimizer recipe to start from: demo, demo-muon or huginn-0125"),
     "optimizer": ("name", str, "adamw, ellis-adam (the paper's Adam) or muon (+ AdamW for embeddings and norms)"),
     "lr": ("lr", float, "peak learning rate (AdamW / ellis-adam groups)"),
     "muon_lr": ("muon_lr", float, "Muon's learning rate for the block and adapter matrices"),
@@ -84,7 +84,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         flag = "--" + f.name.replace("_", "-")
         base, is_list = _field_type(hints[f.name])
         default = getattr(defaults, f.name) if f.default is not MISSING or f.default_factory is not MISSING else None
-        help_text = f"{FIELD_HELP[f.name]} (default: {_default_text(default)})"
+        # argparse %-formats help strings: a literal % (e.g. "~25% slower") must be doubled
+        help_text = f"{FIELD_HELP[f.name]} (default: {_default_text(default)})".replace("%", "%%")
         if base is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif is_list:

@@ -361,6 +361,17 @@ def test_path_independence_on_a_model(model, ids):
         path_independence(model, ids, 2, seeds=[1, 2], positions=[9])
 
 
+def test_package_exports_the_path_independence_function_not_its_module():
+    # the submodule of the same name is imported (above, and by report.py); the package name must
+    # still be the function, as docs/analysis.md imports it
+    import recurrent_depth.analysis
+    import recurrent_depth.analysis.report  # noqa: F401
+    from recurrent_depth.analysis import path_independence as exported
+
+    assert exported is path_independence
+    assert recurrent_depth.analysis.path_independence is path_independence
+
+
 # ----------------------------------------------------------------------------- depth view
 def test_settling_step_and_change_points():
     top = np.array([[5, 5, 5, 5], [1, 2, 2, 2], [1, 2, 1, 3], [7, 8, 7, 7]])

@@ -13,6 +13,8 @@ matplotlib).
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
 # public name -> submodule that defines it
@@ -39,3 +41,21 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return __all__
+
+
+class _Package(types.ModuleType):
+    """Keeps a function bound under its name when its same-named submodule is imported.
+
+    Importing `recurrent_depth.analysis.path_independence` (the submodule) makes the import system
+    set the package attribute `path_independence` to that module, which would hide the function
+    `path_independence` from `from recurrent_depth.analysis import path_independence`.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if (isinstance(value, types.ModuleType) and _EXPORTS.get(name) == name
+                and value.__name__ == f"{__name__}.{name}"):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -56,12 +56,20 @@ def test_yaml_then_overrides(tmp_path):
         ({"model": {"hidden_sise": 3}}, "hidden_sise"),
         ({"compile": "yes"}, "compile"),
         ({"compile_mode": "fastest"}, "compile_mode"),
+        # checked up front, not after the tokenizer and the shards are built
+        ({"depth_scheme": "fixed", "mean_recurrence": 2.5}, "TrainConfig.mean_recurrence=2.5"),
+        ({"depth_scheme": "uniform", "mean_recurrence": 3.5}, "TrainConfig.mean_recurrence=3.5"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )
 def test_bad_values_name_the_field(changes, field):
     with pytest.raises(ValueError, match=field):
         TrainConfig(**changes)
+
+
+def test_integral_mean_recurrence_is_fine_for_every_scheme():
+    assert TrainConfig(depth_scheme="fixed", mean_recurrence=4.0).mean_recurrence == 4.0
+    assert TrainConfig(depth_scheme="poisson-lognormal", mean_recurrence=2.5).mean_recurrence == 2.5
 
 
 def test_a_budget_is_required():

@@ -180,6 +180,9 @@ class TrainConfig:
             raise bad("depth_scheme", f"one of {SCHEMES}")
         if self.mean_recurrence is not None and (not _is_real(self.mean_recurrence) or self.mean_recurrence < 1):
             raise bad("mean_recurrence", "None or a number >= 1")
+        if (self.depth_scheme in ("fixed", "uniform") and self.mean_recurrence is not None
+                and float(self.mean_recurrence) != int(self.mean_recurrence)):
+            raise bad("mean_recurrence", f"an integer for depth_scheme {self.depth_scheme!r}")
         if not _is_real(self.depth_sigma) or self.depth_sigma < 0:
             raise bad("depth_sigma", "a number >= 0")
         if self.compile_mode not in COMPILE_MODES:

@@ -17,7 +17,7 @@ from recurrent_depth.train.optim import (
 )
 from recurrent_depth.train.quickstart import QuickstartRecipe, quickstart
 from recurrent_depth.train.schedule import lr_at, set_lr
-from recurrent_depth.train.trainer import Trainer, TrainResult, train
+from recurrent_depth.train.trainer import StopTraining, Trainer, TrainResult, train
 from recurrent_depth.train.validation import DepthEval, evaluate_depths
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "OptimConfig",
     "OptimizerSet",
     "QuickstartRecipe",
+    "StopTraining",
     "TrainConfig",
     "TrainResult",
     "Trainer",

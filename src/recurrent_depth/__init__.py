@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import recurrent_depth.integrations  # noqa: F401  (installs lazy transformers / lm-eval registration hooks)
 from recurrent_depth.config import ModelConfig
 from recurrent_depth.model import DynamicCache, RecurrentDepthLM, RecurrentOutput
 

@@ -156,17 +156,24 @@ def test_lm_eval_dataset_builders_accept_metadata():
 def test_lm_eval_metadata_changes_size_and_difficulty():
     # `--metadata '{"hops": [6, 8], "count": 3}'` as docs/evaluation.md shows: lm-eval passes the
     # metadata and the yaml's dataset_kwargs to the builder together, so a key in both raised TypeError
-    from lm_eval.tasks import TaskManager, get_task_dict
+    from lm_eval.tasks import TaskManager
 
     from recurrent_depth.evaluation.tasks import TASKS_DIR
 
-    tasks = get_task_dict(["rd_chains_mc", "rd_chains_gen", "rd_addition_gen"],
-                          TaskManager(include_path=str(TASKS_DIR), metadata={"hops": [6, 8], "count": 3}))
+    def load(names, **metadata):
+        manager = TaskManager(include_path=str(TASKS_DIR), **({"metadata": metadata} if metadata else {}))
+        if hasattr(manager, "load"):  # newer lm-eval (0.4.13 here) deprecates get_task_dict for it
+            return manager.load(names)["tasks"]
+        from lm_eval.tasks import get_task_dict
+
+        return get_task_dict(names, manager)
+
+    tasks = load(["rd_chains_mc", "rd_chains_gen", "rd_addition_gen"], hops=[6, 8], count=3)
     for name in ("rd_chains_mc", "rd_chains_gen"):
         test = tasks[name].dataset["test"]
         assert len(test) == 6 and sorted(set(test["difficulty"])) == [6, 8]
     assert len(tasks["rd_addition_gen"].dataset["test"]) == 9  # count applies, hops is not its knob
-    default = get_task_dict(["rd_chains_mc"], TaskManager(include_path=str(TASKS_DIR)))["rd_chains_mc"]
+    default = load(["rd_chains_mc"])["rd_chains_mc"]
     assert len(default.dataset["test"]) == 200 and sorted(set(default.dataset["test"]["difficulty"])) == [1, 2, 3, 4]
 
 

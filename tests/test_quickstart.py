@@ -54,6 +54,7 @@ def test_quickstart_writes_summary_model_plots_and_report(tmp_path, capsys):
 
 
 def test_choose_threads_returns_a_candidate(monkeypatch):
+    monkeypatch.setattr(quickstart_module.os, "cpu_count", lambda: 2)  # a 2-core machine
     assert choose_threads((1,)) == 1
     assert choose_threads((1, 2)) in (1, 2)
     monkeypatch.setattr(quickstart_module, "others_busy_cores", lambda window: 1.2)  # someone else is busy
@@ -88,7 +89,15 @@ def test_others_busy_cores_sees_a_busy_process():
         spin.wait()
 
 
+def test_cores_too_busy_counts_the_idle_cores_left():
+    too_busy = quickstart_module.cores_too_busy
+    assert not too_busy(2, 0.3, cpus=2) and too_busy(2, 0.5, cpus=2) and too_busy(2, 1.2, cpus=2)
+    # A large shared host (a container's /proc/stat covers all of it): busy neighbours, idle cores left.
+    assert not too_busy(2, 30.0, cpus=64) and too_busy(2, 63.0, cpus=64)
+
+
 def test_thread_guard_drops_to_one_thread_under_competition(monkeypatch):
+    monkeypatch.setattr(quickstart_module.os, "cpu_count", lambda: 2)
     messages = []
     readings = iter([0.2, 1.3])
     monkeypatch.setattr(quickstart_module.OtherProcessesLoad, "read", lambda self: next(readings))

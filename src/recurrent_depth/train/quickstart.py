@@ -82,7 +82,7 @@ def choose_threads(candidates: tuple[int, ...] | None = None) -> int:
     current = torch.get_num_threads()
     if candidates is None:
         busy = others_busy_cores(0.5)
-        candidates = (1,) if busy >= OTHERS_BUSY_CORES_LIMIT else tuple(sorted({1, current}))
+        candidates = (1,) if cores_too_busy(current, busy) else tuple(sorted({1, current}))
     if len(candidates) == 1:
         torch.set_num_threads(candidates[0])
         return candidates[0]
@@ -107,8 +107,8 @@ class ThreadGuard:
     """An `on_step` callback that drops to one thread when other processes start competing for the cores.
 
     Every `every` steps it reads how many cores other processes kept busy since the last check
-    (`OtherProcessesLoad`); at `OTHERS_BUSY_CORES_LIMIT` or more, multi-threaded steps stall (see
-    `choose_threads`), so it continues with one.
+    (`OtherProcessesLoad`); when the cores left idle cannot hold our threads (`cores_too_busy`),
+    multi-threaded steps stall (see `choose_threads`), so it continues with one.
     """
 
     def __init__(self, log: Callable[[str], None], every: int = 5) -> None:
@@ -122,14 +122,25 @@ class ThreadGuard:
         if threads == 1 or record["step"] % self.every:
             return
         busy = self.load.read()
-        if busy >= OTHERS_BUSY_CORES_LIMIT:
+        if cores_too_busy(threads, busy):
             torch.set_num_threads(1)
             self.changes.append({"step": record["step"], "others_busy_cores": round(busy, 2), "threads": 1})
             self.log(f"other processes are using {busy:.1f} cores: continuing with 1 thread")
 
 
-# Other processes' CPU use (in cores) from which one thread beats several on a shared machine.
-OTHERS_BUSY_CORES_LIMIT = 0.5
+# How much of a core our threads may share with other processes before one thread beats several.
+SHARED_CORE_LIMIT = 0.5
+
+
+def cores_too_busy(threads: int, others_busy: float, cpus: int | None = None) -> bool:
+    """Whether other processes leave fewer idle cores than `threads` need (less `SHARED_CORE_LIMIT`).
+
+    `cpus` defaults to the CPUs `/proc/stat` counts (os.cpu_count()): on a 2-core machine, others
+    using half a core or more means one thread; on a large shared host (where `/proc/stat` covers the
+    whole host, as in most containers) others may keep many cores busy while enough stay idle.
+    """
+    cpus = cpus if cpus is not None else (os.cpu_count() or 1)
+    return cpus - others_busy < threads - SHARED_CORE_LIMIT + 1e-9
 
 
 class OtherProcessesLoad:

@@ -152,3 +152,11 @@ def test_task_preset_overrides_and_errors():
         task_preset("sorting")
     with pytest.raises(ValueError, match="batch_size=0"):
         task_preset("chains", batch_size=0)
+
+
+def test_other_processes_load_without_proc_stat_uses_the_load_average_less_our_own_use(monkeypatch):
+    monkeypatch.setattr(quickstart_module, "_machine_busy_seconds", lambda: None)  # e.g. macOS
+    monkeypatch.setattr(quickstart_module, "_load_average", lambda: 1.5)
+    load = quickstart_module.OtherProcessesLoad()
+    time.sleep(0.2)  # this process idle: the whole load average is someone else's
+    assert load.read() == pytest.approx(1.5, abs=0.1)

@@ -148,8 +148,8 @@ class OtherProcessesLoad:
 
     The machine's busy CPU time (Linux `/proc/stat`: user, nice, system, irq, softirq; not steal,
     which the hypervisor takes whoever runs) minus this process's own CPU time, over the wall time
-    between readings. Where `/proc/stat` does not exist, the 1-minute load average minus this
-    process's own threads stands in.
+    between readings. Where `/proc/stat` does not exist, the 1-minute load average minus the cores
+    this process used meanwhile stands in.
     """
 
     def __init__(self) -> None:
@@ -161,10 +161,11 @@ class OtherProcessesLoad:
     def read(self) -> float:
         before = (self.wall, self.busy, self.own)
         self._mark()
-        if self.busy is None or before[1] is None:
-            return max(0.0, _load_average() - torch.get_num_threads())
         elapsed = max(self.wall - before[0], 1e-6)
-        return max(0.0, ((self.busy - before[1]) - (self.own - before[2])) / elapsed)
+        own_cores = (self.own - before[2]) / elapsed
+        if self.busy is None or before[1] is None:
+            return max(0.0, _load_average() - own_cores)
+        return max(0.0, (self.busy - before[1]) / elapsed - own_cores)
 
 
 def others_busy_cores(window_s: float) -> float:

@@ -508,9 +508,7 @@ class OptimConfig:
         """
         if preset not in OPTIM_PRESETS:
             raise ValueError(f"optimizer preset must be one of {tuple(OPTIM_PRESETS)}, got {preset!r}")
-        unknown = sorted(set(overrides) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"unknown optim field(s) {unknown}; allowed: {sorted(f.name for f in fields(cls))}")
+        cls._check_field_names(overrides)
         return replace(OPTIM_PRESETS[preset], **overrides)
 
     def to_dict(self) -> dict[str, Any]:
@@ -520,11 +518,15 @@ class OptimConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> OptimConfig:
+        cls._check_field_names(data)
+        return cls(**data)
+
+    @classmethod
+    def _check_field_names(cls, data: dict[str, Any]) -> None:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown optim field(s) {unknown}; allowed: {sorted(known)}")
-        return cls(**data)
 
     # -- schedule --
 

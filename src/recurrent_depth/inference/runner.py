@@ -122,8 +122,7 @@ class FastRunner(ModelRunner):
         self._freq_table = torch.complex(angles[..., 0], angles[..., 1])  # [L, D/2]
         blocks = {"prelude": t.prelude, "core": t.core_block, "coda": t.coda}
         matrices = [model.lm_head.weight, t.adapter.weight[:, :h]] + [
-            w for b in (*t.prelude, *t.core_block, *t.coda)
-            for w in (b.attn.Wqkv.weight, b.attn.proj.weight, b.mlp.fc.weight, b.mlp.proj.weight)
+            w for b in (*t.prelude, *t.core_block, *t.coda) for w in self._block_matrices(b).values()
         ]
         copy_bytes = sum(w.numel() * w.element_size() for w in matrices if self._wide(w))
         # Measured on CPUs; GPU libraries read either layout at full speed, so no copies there.
@@ -148,6 +147,12 @@ class FastRunner(ModelRunner):
         are allowed), else the view of the `[out, in]` parameter."""
         return weight.t().contiguous() if self.copy_weights and self._wide(weight) else weight.t()
 
+    @staticmethod
+    def _block_matrices(block: Any) -> dict[str, Tensor]:
+        """A block's `[out, in]` weight matrices, by the names `_prepare` gives their layouts."""
+        attn, mlp = block.attn, block.mlp
+        return {"qkv": attn.Wqkv.weight, "proj": attn.proj.weight, "fc": mlp.fc.weight, "out": mlp.proj.weight}
+
     def _prepare(self, block: Any, h: int) -> dict[str, Any]:
         """A block's weights as the fast path uses them: `[in, out]` (see `_layout`), the q/k bias
         folded into the qkv bias, norm weights times sqrt(h) (see `_norm`)."""
@@ -165,13 +170,10 @@ class FastRunner(ModelRunner):
         scale = math.sqrt(h)
         return {
             "norm": [n.weight * scale for n in (block.norm_1, block.norm_2, block.norm_3, block.norm_4)],
-            "qkv": self._layout(attn.Wqkv.weight),
+            **{name: self._layout(w) for name, w in self._block_matrices(block).items()},
             "qkv_bias": bias,
-            "proj": self._layout(attn.proj.weight),
             "proj_bias": attn.proj.bias,
-            "fc": self._layout(block.mlp.fc.weight),
             "fc_bias": block.mlp.fc.bias,
-            "out": self._layout(block.mlp.proj.weight),
             "out_bias": block.mlp.proj.bias,
         }
 

@@ -169,3 +169,14 @@ def matmul_add_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Te
     """
     out.view(-1, *out.shape[-2:]).baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
     return out
+
+
+def entering_states(like: torch.Tensor, S0: torch.Tensor | None) -> torch.Tensor:
+    """An empty `[BH, N, K, V]` buffer shaped like `like` whose `[:, 0]` is the initial state (`S0`, or
+    zeros): the sequential loops then write the state entering chunk n + 1 into `[:, n + 1]` in place."""
+    states = torch.empty_like(like)
+    if S0 is None:
+        states[:, 0].zero_()
+    else:
+        states[:, 0].copy_(S0)
+    return states

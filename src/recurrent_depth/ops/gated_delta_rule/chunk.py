@@ -39,6 +39,7 @@ from recurrent_depth.ops._common import (
     acc_dtype,
     check_chunk_size,
     check_inputs,
+    entering_states,
     from_chunks,
     matmul_add_,
     to_chunks,
@@ -123,12 +124,8 @@ class _ChunkDeltaRule(torch.autograd.Function):
 
         # The only sequential part. Each step writes straight into S_before[:, n + 1] and U[:, n]
         # (out= views: no per-step lists and no stack copies afterwards).
-        S_before = q.new_empty(BH, N, K, V)  # [:, n]: the state entering chunk n
+        S_before = entering_states(q.new_empty(BH, N, K, V), S0)  # [:, n]: the state entering chunk n
         U = torch.empty_like(U_tilde)  # [BH, N, C, V]: pseudo-values
-        if S0 is None:
-            S_before[:, 0].zero_()
-        else:
-            S_before[:, 0].copy_(S0)
         k_end = k if k_o is None else k_o
         for n in range(N):
             S_n = S_before[:, n]

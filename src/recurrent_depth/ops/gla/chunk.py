@@ -27,6 +27,7 @@ from recurrent_depth.ops._common import (
     acc_dtype,
     check_chunk_size,
     check_inputs,
+    entering_states,
     from_chunks,
     matmul_add_,
     steps,
@@ -68,11 +69,7 @@ class _ChunkGLAFactored(torch.autograd.Function):
         a = a_row.mT  # [BH, N, K, 1]
         dS = k_out.mT @ v  # [BH, N, K, V]
         # S_before[:, n] is the state entering chunk n, written in place (no list + stack copy).
-        S_before = torch.empty_like(dS)
-        if S0 is None:
-            S_before[:, 0].zero_()
-        else:
-            S_before[:, 0].copy_(S0)
+        S_before = entering_states(dS, S0)
         for n in range(q.shape[1] - 1):
             torch.addcmul(dS[:, n], a[:, n], S_before[:, n], out=S_before[:, n + 1])
         S = torch.addcmul(dS[:, -1], a[:, -1], S_before[:, -1])

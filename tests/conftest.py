@@ -2,16 +2,15 @@ import pytest
 import torch
 
 import recurrent_depth as rd
+from tests.train_support import OneThread
 
 
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch thread for a module, restored after it: tests run tiny matmuls, which two intra-op
     threads on a shared 2-core machine run many times slower; results do not depend on it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with OneThread():
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -1,8 +1,9 @@
 """Training throughput and AFU of the recurrent-depth model, recurrent vs the non-recurrent baseline.
 
 AFU (achieved FLOP utilisation) = model FLOPs per second of a full training step (forward, loss,
-backward, AdamW step) divided by the FLOP/s of square matmuls (2048, 3072, 4096; the best size)
-measured in the same run and dtype. Model FLOPs are counted by hand
+backward, AdamW step) divided by the FLOP/s of square matmuls (2048, 3072, 4096; the best size, and
+the best of torch.mm's operand layouts and the library's blocked a^T @ b) measured in the same run
+and dtype. Model FLOPs are counted by hand
 (`recurrent_depth.train.flops`: linear layers + causal attention; activation recompute and the
 optimizer are overhead, not model FLOPs). Shapes: `small` (h 256) and a wide variant (h 1024,
 16 heads, MLP 2816); recurrent steps run at the sampler's expected depth (r̄ + 1 = 9 steps, the
@@ -42,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 import recurrent_depth as rd
+from recurrent_depth.model.linear import blocked_tn_mm
 from recurrent_depth.train.allocator import keep_freed_memory
 from recurrent_depth.train.config import COMPILE_MODES
 from recurrent_depth.train.flops import training_step_flops
@@ -65,53 +67,71 @@ class Clock:
         self.now = time.perf_counter if kind == "wall" else time.process_time
 
 
-def matmul_peak(dtype: torch.dtype, clock: Clock, sizes=(2048, 3072, 4096), min_seconds: float = 0.6,
-                slow_seconds: float = 2.0) -> dict:
-    """Best median FLOP/s of square `torch.mm` over `sizes`.
+# The square products the peak is taken over: torch.mm in each operand layout, and the library's own
+# blocked a^T @ b (what its Linear uses for emulated bf16, where it beats every torch.mm layout ~2x).
+SQUARE_PRODUCTS = {
+    "a@b": lambda a, b: torch.mm(a, b),
+    "a@b^T": lambda a, b: torch.mm(a, b.t()),
+    "a^T@b": lambda a, b: torch.mm(a.t(), b),
+    "a^T@b blocked": blocked_tn_mm,
+}
 
-    A probe at n=1024 comes first: when one product there already takes over `slow_seconds` (bf16 on a
-    CPU that emulates it), the probe's figure is the peak, since a 2048 product would take minutes.
+
+def matmul_peak(dtype: torch.dtype, clock: Clock, sizes=(2048, 3072, 4096), min_seconds: float = 0.6,
+                slow_seconds: float = 2.0, products: tuple[str, ...] | None = None) -> dict:
+    """Best median FLOP/s of square products over `sizes`, timed with the product that is fastest at
+    the first size among `products` (default: those within 2x of the fastest at n=512).
+
+    A probe at n=1024 comes first: when one product there already takes over `slow_seconds`, the
+    probe's figure is the peak, since a 2048 product would take minutes.
     """
-    probe = _mm_seconds(1024, dtype, clock, repeats=1)[0]
+    products = products or _competitive_products(dtype)
+    probe = _mm_seconds(1024, dtype, clock, products[0], repeats=1)[0]
     if probe > slow_seconds:
-        return {"flops": 2 * 1024**3 / probe, "size": 1024, "by_size": {"1024": 2 * 1024**3 / probe},
+        return {"flops": 2 * 1024**3 / probe, "size": 1024, "product": products[0],
+                "by_size": {"1024": 2 * 1024**3 / probe},
                 "note": f"one 1024 product took {probe:.1f}s: larger sizes skipped"}
+    if len(products) > 1:
+        first = {name: min(_mm_seconds(sizes[0], dtype, clock, name, repeats=1)) for name in products}
+        products = (min(first, key=first.get),)
     results = {}
     for n in sizes:
-        times = _mm_seconds(n, dtype, clock, repeats=20, min_seconds=min_seconds)
+        times = _mm_seconds(n, dtype, clock, products[0], repeats=20, min_seconds=min_seconds)
         results[n] = 2 * n**3 / statistics.median(times)
     best = max(results, key=results.get)
-    return {"flops": results[best], "size": best, "by_size": {str(k): v for k, v in results.items()}}
+    return {"flops": results[best], "size": best, "product": products[0],
+            "by_size": {str(k): v for k, v in results.items()}}
 
 
 @functools.cache
-def _fast_layout(dtype: torch.dtype) -> bool:
-    """Whether a @ b^T (the layout F.linear uses) beats a @ b for this dtype, probed at n=512.
+def _competitive_products(dtype: torch.dtype) -> tuple[str, ...]:
+    """The square products within 2x of the fastest at n=512, fastest first.
 
-    oneDNN's emulated bf16 is ~20x faster in that layout; the peak is the best the dtype offers here.
+    oneDNN's emulated bf16 is ~40x slower as a @ b than in the other layouts; timing it at 2048 would
+    take most of the budget.
     """
     a, b = torch.randn(512, 512, dtype=dtype), torch.randn(512, 512, dtype=dtype)
-    best = {}
-    for transposed in (False, True):
-        other = b.t() if transposed else b
-        torch.mm(a, other)
+    speed = {}
+    for name, product in SQUARE_PRODUCTS.items():
+        product(a, b)
         start = time.perf_counter()
         for _ in range(3):
-            torch.mm(a, other)
-        best[transposed] = time.perf_counter() - start
-    return best[True] < best[False]
+            product(a, b)
+        speed[name] = 1 / (time.perf_counter() - start)
+    fastest = max(speed.values())
+    return tuple(sorted((name for name in speed if speed[name] >= fastest / 2), key=speed.get, reverse=True))
 
 
-def _mm_seconds(n: int, dtype: torch.dtype, clock: Clock, repeats: int, min_seconds: float = 0.0) -> list[float]:
+def _mm_seconds(n: int, dtype: torch.dtype, clock: Clock, product: str, repeats: int,
+                min_seconds: float = 0.0) -> list[float]:
     """Times of `repeats` products (fewer once `min_seconds` is reached), after one warm-up."""
-    a, b, out = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype), torch.empty(n, n, dtype=dtype)
-    if _fast_layout(dtype):
-        b = b.t()
-    torch.mm(a, b, out=out)
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    fn = SQUARE_PRODUCTS[product]
+    fn(a, b)
     times: list[float] = []
     while len(times) < repeats and (not times or sum(times) < min_seconds):
         start = clock.now()
-        torch.mm(a, b, out=out)
+        fn(a, b)
         times.append(clock.now() - start)
     return times
 
@@ -126,7 +146,8 @@ def train_step(model, optimizer, rows, num_steps, dtype) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def measure(shape: str, dtype_name: str, recurrent: bool, peak: float, clock: Clock, budget_left: float,
+def measure(shape: str, dtype_name: str, recurrent: bool, peak: float, peak_product: str, clock: Clock,
+            budget_left: float,
             compile_core: bool, bracket: bool, min_seconds: float = 3.0, compile_mode: str = "default") -> dict:
     cfg = rd.ModelConfig.from_preset("small", **SHAPES[shape])
     emulated = dtype_name == "bf16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -143,7 +164,9 @@ def measure(shape: str, dtype_name: str, recurrent: bool, peak: float, clock: Cl
         row["skipped"] = (f"two steps need >= {floor:.0f}s at this dtype's matmul speed; "
                           f"{max(budget_left, 0):.0f}s of the budget are left for it")
         return row
-    before = matmul_peak(DTYPES[dtype_name], clock, sizes=(2048,), min_seconds=0.3)["flops"] if bracket else None
+    nearby_peak = functools.partial(matmul_peak, DTYPES[dtype_name], clock, sizes=(2048,), min_seconds=0.3,
+                                    products=(peak_product,))
+    before = nearby_peak()["flops"] if bracket else None
     torch.manual_seed(0)
     model = rd.RecurrentDepthLM(cfg).train()
     if compile_core:
@@ -170,7 +193,7 @@ def measure(shape: str, dtype_name: str, recurrent: bool, peak: float, clock: Cl
     if before is not None:
         # The 2048 product timed right before and after this case: on a shared machine the load moves,
         # and numerator and denominator should see the same conditions.
-        after = matmul_peak(DTYPES[dtype_name], clock, sizes=(2048,), min_seconds=0.3)["flops"]
+        after = nearby_peak()["flops"]
         nearby = (before + after) / 2
         row.update(nearby_peak_gflops=nearby / 1e9, afu_nearby=flops.total / seconds / nearby)
     return row
@@ -209,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             # Share what is left among the cases still to run, emulated bf16's included.
             pending = len(cases[dtype_name]) - i + (len(cases["bf16"]) if dtype_name == "fp32" else 0)
             left = (deadline - clock.now()) / pending
-            rows.append(measure(shape, dtype_name, recurrent, peaks[dtype_name]["flops"], clock, left,
+            rows.append(measure(shape, dtype_name, recurrent, peaks[dtype_name]["flops"],
+                                peaks[dtype_name]["product"], clock, left,
                                 compiled, bracket=args.clock == "wall", compile_mode=args.compile_mode))
     result: dict = {
         "benchmark": "train_throughput",
@@ -223,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "matmul_peak_gflops": {k: v["flops"] / 1e9 for k, v in peaks.items()},
         "matmul_peak_size": {k: v["size"] for k, v in peaks.items()},
+        "matmul_peak_product": {k: v["product"] for k, v in peaks.items()},
         "matmul_notes": {k: v["note"] for k, v in peaks.items() if "note" in v},
     }
     for row in rows:
@@ -240,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result))
 
     print(f"\nmatmul peak ({args.clock} clock, {threads} thread(s)): "
-          + ", ".join(f"{k} {v['flops'] / 1e9:.1f} GFLOP/s at n={v['size']}" for k, v in peaks.items()))
+          + ", ".join(f"{k} {v['flops'] / 1e9:.1f} GFLOP/s at n={v['size']} as {v['product']}"
+                    for k, v in peaks.items()))
     print(f"{'shape':<7}{'dtype':<6}{'mode':<20}{'depth':<8}{'tok/step':>9}{'step s':>9}{'tok/s':>9}"
           f"{'TFLOP/s':>9}{'AFU':>7}{'AFU*':>7}")
     for row in rows:

@@ -1,54 +1,150 @@
-"""The layout-aware Linear equals nn.Linear (outputs and gradients) on every path it takes."""
+"""Building blocks: the layout-aware Linear equals nn.Linear on every path it takes, RoPE, RMSNorm."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from recurrent_depth.model import layers
-from recurrent_depth.model.layers import Linear, _TransposedWeightGradLinear
+from recurrent_depth.model import layers, linear
+from recurrent_depth.model.linear import Linear, _EmulatedLowPrecisionLinear, blocked_tn_mm
 
 
-def pair(bias: bool, dtype: torch.dtype = torch.float32) -> tuple[Linear, torch.nn.Linear]:
+def pair(bias: bool, dtype: torch.dtype, features: tuple[int, int]) -> tuple[Linear, torch.nn.Linear]:
     torch.manual_seed(0)
-    ours = Linear(60, 36, bias=bias).to(dtype)
-    ref = torch.nn.Linear(60, 36, bias=bias).to(dtype)
+    ours = Linear(*features, bias=bias).to(dtype)
+    ref = torch.nn.Linear(*features, bias=bias).to(dtype)
     ref.load_state_dict(ours.state_dict())
     return ours, ref
 
 
-def run(module, x, grad, autocast):
+def run(module, x, grad, autocast_dtype):
     x = x.detach().clone().requires_grad_()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
         y = module(x)
     y.backward(grad.to(y.dtype))
     grads = [x.grad] + [p.grad for p in module.parameters()]
     return y, grads
 
 
+MODES = {  # name: (parameter dtype, autocast dtype)
+    "fp32": (torch.float32, None),
+    "autocast-bf16": (torch.float32, torch.bfloat16),
+    "bf16-weights": (torch.bfloat16, None),
+    "autocast-fp16": (torch.float32, torch.float16),
+    "fp16-weights": (torch.float16, None),
+}
+
+
+@pytest.mark.parametrize("shape", ["one-block", "several-blocks"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
-@pytest.mark.parametrize("mode", ["fp32", "autocast-bf16", "bf16-weights"])
-def test_linear_matches_nn_linear(monkeypatch, bias, mode):
-    monkeypatch.setattr(layers, "CPU_EMULATES_BF16", True)  # take the emulated-bf16 path on any CPU
-    dtype = torch.bfloat16 if mode == "bf16-weights" else torch.float32
-    ours, ref = pair(bias, dtype)
-    x = torch.randn(3, 7, 60, dtype=dtype)  # odd token count, non-square weight
-    grad = torch.randn(3, 7, 36)
-    y, grads = run(ours, x, grad, autocast=mode == "autocast-bf16")
-    y_ref, grads_ref = run(ref, x, grad, autocast=mode == "autocast-bf16")
+@pytest.mark.parametrize("mode", list(MODES))
+def test_linear_matches_nn_linear(monkeypatch, bias, mode, shape):
+    monkeypatch.setattr(linear, "CPU_EMULATES_BF16", True)  # take the emulated-bf16 path on any CPU
+    dtype, autocast_dtype = MODES[mode]
+    # Odd token counts and non-square weights; the second has several blocks of rows in every product.
+    (batch, tokens), features = ((3, 7), (60, 36)) if shape == "one-block" else ((2, 131), (60, 300))
+    ours, ref = pair(bias, dtype, features)
+    x = torch.randn(batch, tokens, features[0], dtype=dtype)
+    grad = torch.randn(batch, tokens, features[1])
+    y, grads = run(ours, x, grad, autocast_dtype)
+    y_ref, grads_ref = run(ref, x, grad, autocast_dtype)
     assert y.dtype == y_ref.dtype
-    tol = 0 if mode == "fp32" else 2e-2  # bf16 GEMMs may sum in another order
+    tol = 0 if mode == "fp32" else 3e-2  # low-precision GEMMs may sum in another order
     torch.testing.assert_close(y, y_ref, atol=tol, rtol=tol)
     for a, b in zip(grads, grads_ref):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a, b, atol=tol, rtol=tol)
 
 
-def test_transposed_weight_function_in_float64():
+def test_low_precision_function_in_float64():
+    # float64 takes the NT formulas (as fp16 does); create_graph the plain ones.
     torch.manual_seed(1)
     x = torch.randn(4, 5, 9, dtype=torch.float64, requires_grad=True)
     w = torch.randn(6, 9, dtype=torch.float64, requires_grad=True)
     b = torch.randn(6, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(_TransposedWeightGradLinear.apply, (x, w, b))
-    assert torch.autograd.gradcheck(_TransposedWeightGradLinear.apply, (x, w, None))
+
+    def f(x, w, b):  # the cached low-precision copies are detached: rebuilt from the perturbed w
+        return _EmulatedLowPrecisionLinear.apply(x, w, b, w.detach().clone(), w.detach().t().contiguous())
+
+    assert torch.autograd.gradcheck(f, (x, w, b))
+    assert torch.autograd.gradcheck(f, (x, w, None))
+    assert torch.autograd.gradgradcheck(f, (x, w, b))
+
+
+def test_cached_low_precision_weights_follow_the_parameter(monkeypatch):
+    monkeypatch.setattr(linear, "CPU_EMULATES_BF16", True)
+    torch.manual_seed(3)
+    layer = Linear(40, 24).train()
+    x = torch.randn(2, 9, 40, requires_grad=True)
+
+    def forward():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return layer(x)
+
+    forward()
+    cached = layer._low_precision_cache[1]
+    forward()
+    assert layer._low_precision_cache[1] is cached  # unchanged parameter: no new cast
+    with torch.no_grad():
+        layer.weight.mul_(-2.0)  # what an optimizer step does: the version counter moves
+    y = forward()
+    assert layer._low_precision_cache[1] is not cached
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = F.linear(x, layer.weight, layer.bias)
+    torch.testing.assert_close(y, expected, atol=3e-2, rtol=3e-2)
+
+
+def test_no_grad_rows_in_training_mode_take_the_fast_layouts(monkeypatch):
+    monkeypatch.setattr(linear, "CPU_EMULATES_BF16", True)
+    torch.manual_seed(4)
+    layer = Linear(40, 300)
+    x = torch.randn(2, linear.BLOCK_ROWS + 3, 40)  # the no-grad recurrent steps of truncated backprop
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = F.linear(x, layer.weight, layer.bias)
+        layer.eval()
+        assert torch.equal(layer(x), expected)  # evaluation and generation: F.linear, nothing cached
+        assert layer._low_precision_cache is None
+        layer.train()
+        y = layer(x)
+    assert layer._low_precision_cache is not None and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, expected, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_blocked_tn_mm_is_the_same_product_on_any_thread_count(dtype):
+    torch.manual_seed(2)
+    rows = 2 * linear.BLOCK_ROWS + 45  # a short last block
+    a, b = torch.randn(37, rows, dtype=dtype), torch.randn(37, 53, dtype=dtype)
+    results = [blocked_tn_mm(a, b, threads=n) for n in (1, 2, 3)]
+    for other in results[1:]:
+        assert torch.equal(other, results[0])  # fixed blocks: deterministic whatever the thread count
+    reference = a.double().t() @ b.double()
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(results[0].double(), reference, atol=tol, rtol=tol)
+    assert results[0].shape == (rows, 53) and results[0].dtype == dtype and results[0].is_contiguous()
+
+
+def test_blocked_tn_mm_reports_a_block_error():
+    a, b = torch.randn(5, 300), torch.randn(6, 8)  # inner sizes differ
+    with pytest.raises(RuntimeError):
+        blocked_tn_mm(a, b, threads=2)
+
+
+def _product_in_child(queue) -> None:
+    queue.put(blocked_tn_mm(torch.ones(4, 300), torch.ones(4, 3), threads=2).sum().item())
+
+
+def test_blocked_tn_mm_works_in_a_forked_child():
+    # The parent's worker threads do not survive fork: the child must build its own pool, not hang.
+    import multiprocessing
+
+    blocked_tn_mm(torch.ones(4, 300), torch.ones(4, 3), threads=2)  # the parent's pool exists
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_product_in_child, args=(queue,))
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    assert queue.get(timeout=5) == 4 * 300 * 3
 
 
 def rope_reference(x, cos, sin):

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from recurrent_depth.config import ModelConfig
+from recurrent_depth.model.linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -67,67 +68,6 @@ class _RMSNormFunction(torch.autograd.Function):
         mean_dot = torch.linalg.vecdot(grad_normed, normed).unsqueeze(-1).div_(x.shape[-1])
         grad_x = torch.addcmul(grad_normed, normed, mean_dot, value=-1).mul_(rstd)
         return grad_x, grad_weight, None
-
-
-def _cpu_emulates_bf16() -> bool:
-    """True when oneDNN has no native bf16 GEMMs on this CPU (no AVX512-BF16 or AMX)."""
-    try:
-        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    except (AttributeError, RuntimeError):
-        return False
-
-
-# Probed once at import: a plain bool that torch.compile can specialise on.
-CPU_EMULATES_BF16 = _cpu_emulates_bf16()
-
-
-class _TransposedWeightGradLinear(torch.autograd.Function):
-    """y = x W^T + b, whose input gradient multiplies by a contiguous copy of W^T.
-
-    Why: on CPUs without native bf16, oneDNN's fast bf16/fp16 GEMM covers `x @ W.t()` (the forward)
-    and `g.t() @ x` (the weight gradient) but not `g @ W` (the input gradient), which falls back to
-    a reference kernel about 20x slower. `g @ (W^T contiguous).t()` is the same product in the fast
-    layout; the copy costs in*out, the product tokens*in*out. Results equal F.linear's up to the
-    summation order of the GEMM.
-    """
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        x, weight = ctx.saved_tensors
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = grad @ weight.t().contiguous().t()
-        flat_grad = grad.reshape(-1, grad.shape[-1])
-        if ctx.needs_input_grad[1]:
-            grad_w = flat_grad.t() @ x.reshape(-1, x.shape[-1])
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = flat_grad.sum(0)
-        return grad_x, grad_w, grad_b
-
-
-class Linear(nn.Linear):
-    """nn.Linear (same parameters and state dict) with a fast backward for bf16/fp16 on CPUs that
-    emulate those dtypes (see `_TransposedWeightGradLinear`); everywhere else plain F.linear."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        if not CPU_EMULATES_BF16 or x.device.type != "cpu" or not torch.is_grad_enabled():
-            return F.linear(x, self.weight, self.bias)
-        if torch.is_autocast_enabled("cpu"):
-            dtype = torch.get_autocast_dtype("cpu")
-            if dtype not in (torch.bfloat16, torch.float16):
-                return F.linear(x, self.weight, self.bias)
-            bias = None if self.bias is None else self.bias.to(dtype)
-            with torch.autocast("cpu", enabled=False):
-                return _TransposedWeightGradLinear.apply(x.to(dtype), self.weight.to(dtype), bias)
-        if x.dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == x.dtype:
-            return _TransposedWeightGradLinear.apply(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
 
 
 class GatedMLP(nn.Module):

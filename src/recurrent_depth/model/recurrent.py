@@ -23,7 +23,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from recurrent_depth.config import ModelConfig
-from recurrent_depth.model.layers import Linear, RMSNorm, SandwichBlock
+from recurrent_depth.model.layers import RMSNorm, SandwichBlock
+from recurrent_depth.model.linear import Linear
 from recurrent_depth.model.mixers import MixerContext, build_mixer
 
 NumSteps = int | tuple[int, int] | None

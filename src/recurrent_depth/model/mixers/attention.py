@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from recurrent_depth.config import ModelConfig
-from recurrent_depth.model.layers import Linear, apply_rope
+from recurrent_depth.model.layers import apply_rope
+from recurrent_depth.model.linear import Linear
 from recurrent_depth.model.mixers.base import LayerKey, MixerContext, register_mixer
 
 

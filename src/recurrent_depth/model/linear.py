@@ -1,0 +1,216 @@
+"""nn.Linear with products in the fast GEMM layouts of CPUs that emulate bf16/fp16.
+
+On CPUs without native bf16 (no AVX512-BF16 or AMX), oneDNN's low-precision GEMMs differ by up to
+60x between layouts. Measured on a 2-core AVX2 EPYC at 2 threads, GFLOP/s of the products of one
+linear layer ([256 tokens] x 1024 -> 5632; other shapes alike):
+
+                                          bf16   fp16
+    a @ b^T  (NT; the forward's layout)     21     22-27  (scales with threads)
+    a @ b    (NN; autograd's input grad)   0.6    0.6
+    a^T @ b  (TN; autograd's weight grad)    8      5     (one thread; bf16 18-25 below ~3000 rows)
+    a^T @ b in blocks of 128 result rows,
+      one block per worker thread          39     10
+
+So bf16 computes all three products as blocked TN (`blocked_tn_mm`; the forward and the input
+gradient make a transposed copy of one operand, tokens*in, against tokens*in*out multiply-adds),
+and fp16 computes all three as NT. Blocks are fixed row ranges, so results do not depend on the
+thread count, and equal the unblocked product (tested).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# Result rows per product of `blocked_tn_mm`: fixed, so that results never depend on the thread count.
+BLOCK_ROWS = 128
+
+
+def _cpu_emulates_bf16() -> bool:
+    """True when oneDNN has no native bf16 GEMMs on this CPU (no AVX512-BF16 or AMX)."""
+    try:
+        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# Probed once at import: a plain bool that torch.compile can specialise on.
+CPU_EMULATES_BF16 = _cpu_emulates_bf16()
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def _worker_pool(threads: int) -> ThreadPoolExecutor:
+    """One pool per process, rebuilt when the thread count changes."""
+    global _pool
+    if _pool is None or _pool._max_workers != threads:
+        if _pool is not None:
+            _pool.shutdown(wait=False)
+        _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rdepth-weight-grad")
+    return _pool
+
+
+def _forget_pool_in_child() -> None:
+    # A forked child (e.g. a DataLoader worker) inherits the pool object but not its threads.
+    global _pool
+    _pool = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
+def blocked_tn_mm(a: Tensor, b: Tensor, threads: int | None = None) -> Tensor:
+    """a^T @ b for a [K, M] and b [K, N], as products of BLOCK_ROWS rows of the [M, N] result.
+
+    The blocks run on `threads` worker threads (default `torch.get_num_threads()`); on one thread
+    they run in the caller. Not differentiable: for forward and backward passes of a Function.
+    """
+    rows = a.shape[1]
+    result = a.new_empty(rows, b.shape[1])
+    starts = range(0, rows, BLOCK_ROWS)
+
+    def block(start: int) -> None:
+        stop = min(start + BLOCK_ROWS, rows)
+        with torch.no_grad():  # grad mode is per thread and on by default in a new one
+            torch.mm(a[:, start:stop].t(), b, out=result[start:stop])
+
+    threads = torch.get_num_threads() if threads is None else threads
+    if threads <= 1 or len(starts) == 1:
+        for start in starts:
+            block(start)
+    else:
+        list(_worker_pool(threads).map(block, starts))  # list(): waits, and re-raises a block's error
+    return result
+
+
+def _contiguous_t(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """t^T (t 2-D) as a contiguous tensor of `dtype`: one pass for the cast and the transpose together.
+
+    (`t.t().to(dtype, memory_format=torch.contiguous_format)` returns the strided view as is when the
+    dtype already matches.)
+    """
+    return t.new_empty((t.shape[1], t.shape[0]), dtype=dtype).copy_(t.t())
+
+
+def _blocked_or_plain(compiling: bool, dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and not compiling  # dynamo cannot trace the worker threads
+
+
+def _forward_product(x2d: Tensor, low_weight_t: Tensor, bias: Tensor | None, blocked: bool) -> Tensor:
+    """x W^T (+ b): blocked a^T @ b for bf16, else a @ b^T (NT) with b = (W^T)^T."""
+    dtype = low_weight_t.dtype
+    if blocked:
+        out = blocked_tn_mm(_contiguous_t(x2d.to(dtype), dtype), low_weight_t)
+    else:
+        out = x2d.to(dtype) @ low_weight_t
+    if bias is not None:
+        out += bias.to(dtype)
+    return out
+
+
+class _EmulatedLowPrecisionLinear(torch.autograd.Function):
+    """y = x W^T + b computed in the dtype of `low_weight` (bf16 or fp16) in the fast layouts.
+
+    `low_weight` and `low_weight_t` are W and W^T, contiguous in that dtype, not differentiable
+    (the Linear caches them while the parameter does not change); the gradient is returned for
+    `weight`, in its own dtype (fp32 under autocast). Results equal F.linear's up to the summation
+    order of the GEMMs. See the module docstring for the layouts.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, low_weight: Tensor,
+                low_weight_t: Tensor) -> Tensor:
+        dtype = low_weight.dtype
+        x = x.to(dtype)
+        ctx.save_for_backward(x, weight, low_weight, low_weight_t)
+        ctx.has_bias = bias is not None
+        blocked = _blocked_or_plain(torch.compiler.is_compiling(), dtype)
+        out = _forward_product(x.reshape(-1, x.shape[-1]), low_weight_t, bias, blocked)
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight, low_weight, low_weight_t = ctx.saved_tensors
+        dtype = low_weight.dtype
+        grad = grad.to(dtype).reshape(-1, grad.shape[-1])
+        flat_x = x.reshape(-1, x.shape[-1])
+        if torch.is_grad_enabled():
+            # backward(create_graph=True): plain products of the differentiable weight.
+            low_weight = weight.to(dtype)
+            low_weight_t = low_weight.t()
+        blocked = _blocked_or_plain(torch.is_grad_enabled() or torch.compiler.is_compiling(), dtype)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            if blocked:
+                grad_x = blocked_tn_mm(_contiguous_t(grad, dtype), low_weight)
+            else:
+                grad_x = grad @ low_weight_t.t()  # a @ b^T, not a @ b
+            grad_x = grad_x.view(x.shape)
+        if ctx.needs_input_grad[1]:
+            if blocked:
+                grad_w = blocked_tn_mm(grad, flat_x)
+            elif torch.is_grad_enabled() or torch.compiler.is_compiling():
+                grad_w = grad.t() @ flat_x
+            else:  # a @ b^T from transposed copies (fp16: 3-5x faster than a^T @ b)
+                grad_w = _contiguous_t(grad, dtype) @ _contiguous_t(flat_x, dtype).t()
+            grad_w = grad_w.to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad.sum(0, dtype=torch.promote_types(dtype, torch.float32))  # sum in fp32 at least
+        return grad_x, grad_w, grad_b, None, None
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state dict) whose bf16/fp16 training products use the fast
+    layouts on CPUs that emulate those dtypes (see `_EmulatedLowPrecisionLinear`); elsewhere F.linear.
+
+    Taken when a gradient is needed, or in training mode for rows of at least BLOCK_ROWS tokens
+    (the no-grad recurrent steps of truncated backprop). In training mode W and W^T in the low
+    dtype are cached until the parameter changes (its version counter moves: an optimizer step, a
+    load), instead of being cast again at every recurrent step.
+    """
+
+    _low_precision_cache: tuple[tuple, Tensor, Tensor] | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = self._emulated_dtype(x)
+        if dtype is None:
+            return F.linear(x, self.weight, self.bias)
+        compiling = torch.compiler.is_compiling()
+        low_weight, low_weight_t = self._low_precision_weights(dtype, cache=self.training and not compiling)
+        with torch.autocast("cpu", enabled=False):
+            if torch.is_grad_enabled():
+                return _EmulatedLowPrecisionLinear.apply(x, self.weight, self.bias, low_weight, low_weight_t)
+            out = _forward_product(x.reshape(-1, x.shape[-1]), low_weight_t, self.bias,
+                                   _blocked_or_plain(compiling, dtype))
+            return out.view(*x.shape[:-1], self.out_features)
+
+    def _emulated_dtype(self, x: Tensor) -> torch.dtype | None:
+        """The low-precision dtype this call computes in, when the fast layouts apply; else None."""
+        if not CPU_EMULATES_BF16 or x.device.type != "cpu":
+            return None
+        if not torch.is_grad_enabled() and not (self.training and x.numel() >= BLOCK_ROWS * x.shape[-1]):
+            return None
+        if torch.is_autocast_enabled("cpu"):
+            dtype = torch.get_autocast_dtype("cpu")
+        elif x.dtype == self.weight.dtype:
+            dtype = x.dtype
+        else:
+            return None
+        return dtype if dtype in (torch.bfloat16, torch.float16) else None
+
+    def _low_precision_weights(self, dtype: torch.dtype, cache: bool) -> tuple[Tensor, Tensor]:
+        """(W, W^T) as contiguous `dtype` tensors without autograd history."""
+        weight = self.weight.detach()
+        key = (dtype, weight.data_ptr(), weight._version)
+        if cache and self._low_precision_cache is not None and self._low_precision_cache[0] == key:
+            return self._low_precision_cache[1:]
+        low_weight = weight.to(dtype).contiguous()
+        low_weight_t = _contiguous_t(low_weight, dtype)
+        if cache:
+            self._low_precision_cache = (key, low_weight, low_weight_t)
+        return low_weight, low_weight_t

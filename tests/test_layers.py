@@ -107,6 +107,8 @@ def test_no_grad_rows_in_training_mode_take_the_fast_layouts(monkeypatch):
         y = layer(x)
     assert layer._low_precision_cache is not None and y.dtype == torch.bfloat16
     torch.testing.assert_close(y, expected, atol=3e-2, rtol=3e-2)
+    layer.eval()
+    assert layer._low_precision_cache is None  # the cached copies are freed for evaluation
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

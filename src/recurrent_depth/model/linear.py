@@ -12,9 +12,14 @@ linear layer ([256 tokens] x 1024 -> 5632; other shapes alike):
       one block per worker thread          39     10
 
 So bf16 computes all three products as blocked TN (`blocked_tn_mm`; the forward and the input
-gradient make a transposed copy of one operand, tokens*in, against tokens*in*out multiply-adds),
-and fp16 computes all three as NT. Blocks are fixed row ranges, so results do not depend on the
-thread count, and equal the unblocked product (tested).
+gradient copy the activation or its gradient transposed, tokens*features against tokens*in*out
+multiply-adds, and use W^T / W cast once per parameter update), and fp16 computes all three as NT.
+Blocks are fixed row ranges, so results do not depend on the thread count, and equal the unblocked
+product (tested).
+
+The worker count is `torch.get_num_threads()`: on the CPUs measured, the emulated bf16 a^T @ b
+kernel runs on the calling thread only (process CPU time = wall time), so the blocks do not
+oversubscribe the cores.
 """
 
 from __future__ import annotations
@@ -188,6 +193,11 @@ class Linear(nn.Linear):
             out = _forward_product(x.reshape(-1, x.shape[-1]), low_weight_t, self.bias,
                                    _blocked_or_plain(compiling, dtype))
             return out.view(*x.shape[:-1], self.out_features)
+
+    def train(self, mode: bool = True) -> Linear:
+        if not mode:
+            self._low_precision_cache = None  # evaluation and generation do not use it: free the memory
+        return super().train(mode)
 
     def _emulated_dtype(self, x: Tensor) -> torch.dtype | None:
         """The low-precision dtype this call computes in, when the fast layouts apply; else None."""

@@ -65,17 +65,29 @@ def test_a_run_writes_metrics_metadata_checkpoints_and_a_model_dir(train_root, t
     assert tok.decode(tok("def alpha_0(x):").input_ids, skip_special_tokens=True) == "def alpha_0(x):"
 
 
-def test_resume_after_a_crash_repeats_the_uninterrupted_losses_bitwise(train_root, tmp_path):
-    straight = Trainer(tiny_train_config(train_root, tmp_path / "a", max_steps=7, save_every=3)).run()
+# bf16 with 9 x 32 tokens per micro-batch: Linear's blocked products (several blocks) and its cache of
+# the cast weights must not make a resumed run differ from an uninterrupted one.
+@pytest.mark.parametrize("options", [{}, {"dtype": "bf16", "batch_size": 9}], ids=["fp32", "bf16"])
+def test_resume_after_a_crash_repeats_the_uninterrupted_losses_bitwise(train_root, tmp_path, monkeypatch, options):
+    from recurrent_depth.model import linear
+
+    monkeypatch.setattr(linear, "CPU_EMULATES_BF16", True)  # the emulated-bf16 path on any CPU
+    blocked_calls = []
+    original = linear.blocked_tn_mm
+    monkeypatch.setattr(linear, "blocked_tn_mm", lambda a, b: blocked_calls.append(a.shape) or original(a, b))
+    straight = Trainer(tiny_train_config(train_root, tmp_path / "a", max_steps=7, save_every=3, **options)).run()
+    assert bool(blocked_calls) == ("dtype" in options)
 
     def crash_at_5(trainer, record):
         if record["step"] == 5:
             raise StopTraining
 
     with pytest.raises(StopTraining):
-        Trainer(tiny_train_config(train_root, tmp_path / "b", max_steps=7, save_every=3), on_step=crash_at_5).run()
+        Trainer(tiny_train_config(train_root, tmp_path / "b", max_steps=7, save_every=3, **options),
+                on_step=crash_at_5).run()
     assert len(read_metrics(tmp_path / "b")) == 5
-    resumed = Trainer(tiny_train_config(train_root, tmp_path / "b", max_steps=7, save_every=3, resume=True)).run()
+    resumed = Trainer(tiny_train_config(train_root, tmp_path / "b", max_steps=7, save_every=3, resume=True,
+                                        **options)).run()
     losses_b = [m["loss"] for m in read_metrics(tmp_path / "b")]
     assert [m["step"] for m in read_metrics(tmp_path / "b")] == list(range(1, 8))  # 4, 5 dropped and redone
     assert losses_b == straight.losses

@@ -95,10 +95,11 @@ def test_cli_flags_override_yaml(tmp_path):
     args = build_parser("train").parse_args(
         ["train", "--config", str(path), "--max-steps", "7", "--eval-depths", "1,3", "--compile",
          "--compile-mode", "max-autotune-no-cudagraphs", "--model-set", "hidden_size=32", "--lr", "0.01",
-         "--seed", "5"]
+         "--seed", "5", "--muon-ns-dtype", "float32"]
     )
     cfg = config_from_args(args)
     assert (cfg.max_steps, cfg.batch_size, cfg.eval_depths, cfg.compile, cfg.seed) == (7, 2, [1, 3], True, 5)
+    assert cfg.optim.muon_ns_dtype == "float32"
     assert cfg.compile_mode == "max-autotune-no-cudagraphs"
     assert cfg.model == {"hidden_size": 32}
     assert (cfg.optim.name, cfg.optim.lr) == ("adamw", 0.01)

@@ -23,6 +23,8 @@ OPTIM_FLAGS: dict[str, tuple[str, type, str]] = {
     "optimizer": ("name", str, "adamw, ellis-adam (the paper's Adam) or muon (+ AdamW for embeddings and norms)"),
     "lr": ("lr", float, "peak learning rate (AdamW / ellis-adam groups)"),
     "muon_lr": ("muon_lr", float, "Muon's learning rate for the block and adapter matrices"),
+    "muon_ns_dtype": ("muon_ns_dtype", str, "Muon's Newton-Schulz dtype: auto (float32 on CPUs without native bf16), "
+                      "bfloat16 (torch.optim.Muon's) or float32"),
     "weight_decay": ("weight_decay", float, "weight decay (not on norms and biases)"),
     "warmup_steps": ("warmup_steps", int, "linear warmup steps"),
     "cooldown_fraction": ("cooldown_fraction", float, "share of the run spent in the final linear cool-down"),

@@ -235,17 +235,18 @@ class Trainer:
         return tok_dir, data
 
     def _warn_about_slow_bf16(self) -> None:
-        """bf16 matmuls are emulated on CPUs without AVX512-BF16/AMX (~50x slower than fp32, measured)."""
+        """bf16 matmuls are emulated on CPUs without AVX512-BF16/AMX (~4.5x slower per token than fp32
+        in the model's Linear, 40x for bf16 Newton-Schulz; measured, docs/training.md)."""
         if self.env.device.type != "cpu" or torch.ops.mkldnn._is_mkldnn_bf16_supported():
             return
         if self.cfg.dtype == "bfloat16":
             self.log(
-                "warning: this CPU has no native bf16 matmuls; bfloat16 autocast will be much slower than float32 here"
+                "warning: this CPU has no native bf16 matmuls; bfloat16 autocast will be slower than float32 here"
             )
-        if self.cfg.optim.name == "muon":
+        if self.cfg.optim.name == "muon" and self.cfg.optim.muon_ns_dtype == "bfloat16":
             self.log(
-                "warning: Muon's Newton-Schulz iteration runs in bf16, which this CPU emulates; "
-                "each optimizer step will be slow (ellis-adam or adamw avoid it)"
+                "warning: muon_ns_dtype bfloat16 runs Muon's Newton-Schulz iteration in bf16, which this CPU "
+                "emulates; each optimizer step will be slow (muon_ns_dtype auto or float32 avoids it)"
             )
 
     # ------------------------------------------------------------------ the loop

@@ -1,0 +1,93 @@
+"""recurrent_depth.train.muon.Muon: torch.optim.Muon's step in bf16, the same update in float32."""
+
+import copy
+
+import pytest
+import torch
+
+from recurrent_depth.train import muon as muon_module
+from recurrent_depth.train.muon import Muon, adjusted_lr, newton_schulz
+
+
+def matrices() -> list[torch.nn.Parameter]:
+    torch.manual_seed(0)
+    # tall, wide and square, as the model's qkv / proj / adapter
+    return [torch.nn.Parameter(torch.randn(*shape) * 0.1) for shape in ((48, 16), (16, 40), (24, 24))]
+
+
+def run(optimizer_class, params, steps: int = 3, **kwargs) -> list[torch.Tensor]:
+    params = copy.deepcopy(params)
+    opt = optimizer_class(params, lr=0.02, weight_decay=0.01, **kwargs)
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return [p.detach() for p in params]
+
+
+@pytest.mark.parametrize("adjust_lr_fn", [None, "match_rms_adamw"])
+def test_bfloat16_is_torch_muon_exactly(adjust_lr_fn):
+    params = matrices()
+    ours = run(Muon, params, ns_dtype="bfloat16", adjust_lr_fn=adjust_lr_fn)
+    theirs = run(torch.optim.Muon, params, adjust_lr_fn=adjust_lr_fn)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("adjust_lr_fn", [None, "match_rms_adamw"])
+def test_float32_matches_torch_muon_up_to_bf16_rounding(nesterov, adjust_lr_fn):
+    params = matrices()
+    ours = run(Muon, params, ns_dtype="float32", nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+    theirs = run(torch.optim.Muon, params, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+    start = [p.detach() for p in params]
+    for a, b, p0 in zip(ours, theirs, start):
+        # The updates (not the weights) agree to what 5 iterations of bf16 rounding allow: 2% of the step.
+        torch.testing.assert_close(a - p0, b - p0, atol=2e-2 * (b - p0).abs().max().item(), rtol=0)
+
+
+def test_newton_schulz_in_float32_follows_the_float64_iteration():
+    torch.manual_seed(1)
+    update = torch.randn(30, 12)
+    coefficients = (3.4445, -4.775, 2.0315)
+    ours = newton_schulz(update, coefficients, 5, 1e-7, torch.float32)
+    reference = newton_schulz(update.double(), coefficients, 5, 1e-7, torch.float64)
+    assert ours.dtype == torch.float32 and ours.shape == update.shape
+    torch.testing.assert_close(ours.double(), reference, atol=1e-5, rtol=1e-5)
+    in_bf16 = newton_schulz(update, coefficients, 5, 1e-7, torch.bfloat16)  # torch.optim.Muon's precision
+    assert (ours.double() - reference).abs().max() < (in_bf16.double() - reference).abs().max() / 50
+    singular_values = torch.linalg.svdvals(reference)
+    assert singular_values.min() > 0.5 and singular_values.max() < 1.5  # orthogonalised, as Muon's
+
+
+def test_adjusted_lr_is_torch_muons():
+    from torch.optim._muon import _adjust_lr  # what torch.optim.Muon itself uses
+
+    for shape in (torch.Size([48, 16]), torch.Size([16, 40])):
+        for fn in (None, "original", "match_rms_adamw"):
+            assert adjusted_lr(0.02, fn, shape) == pytest.approx(_adjust_lr(0.02, fn, shape))
+
+
+def test_auto_picks_float32_only_on_a_cpu_that_emulates_bf16(monkeypatch):
+    monkeypatch.setattr(muon_module, "CPU_EMULATES_BF16", True)
+    assert Muon(matrices()).ns_dtype == torch.float32
+    monkeypatch.setattr(muon_module, "CPU_EMULATES_BF16", False)
+    assert Muon(matrices()).ns_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="ns_dtype"):
+        Muon(matrices(), ns_dtype="half")
+
+
+def test_state_moves_between_torch_muon_and_ours():
+    params = matrices()
+    theirs = torch.optim.Muon(params, lr=0.02)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    theirs.step()
+    ours = Muon(params, lr=0.02, ns_dtype="float32")
+    ours.load_state_dict(theirs.state_dict())
+    buffers = [ours.state[p]["momentum_buffer"].clone() for p in params]
+    ours.step()  # continues from torch's momentum
+    for p, before in zip(params, buffers):
+        torch.testing.assert_close(ours.state[p]["momentum_buffer"], before.lerp(p.grad, 1 - 0.95))
+    assert set(ours.state_dict()["state"][0]) == {"momentum_buffer"}

@@ -111,12 +111,26 @@ def test_no_grad_rows_in_training_mode_take_the_fast_layouts(monkeypatch):
     assert layer._low_precision_cache is None  # the cached copies are freed for evaluation
 
 
+def test_inference_mode_in_training_mode_does_not_poison_the_cache(monkeypatch):
+    monkeypatch.setattr(linear, "CPU_EMULATES_BF16", True)
+    layer = Linear(40, 24).train()
+    x = torch.randn(2, linear.BLOCK_ROWS, 40)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x.requires_grad_())
+    y.float().sum().backward()  # would fail if an inference tensor had been cached and saved
+    assert layer.weight.grad is not None
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_blocked_tn_mm_is_the_same_product_on_any_thread_count(dtype):
     torch.manual_seed(2)
     rows = 2 * linear.BLOCK_ROWS + 45  # a short last block
     a, b = torch.randn(37, rows, dtype=dtype), torch.randn(37, 53, dtype=dtype)
     results = [blocked_tn_mm(a, b, threads=n) for n in (1, 2, 3)]
+    with torch.inference_mode():  # thread-local, like grad mode: the workers must follow the caller
+        results.append(blocked_tn_mm(a, b, threads=2))
     for other in results[1:]:
         assert torch.equal(other, results[0])  # fixed blocks: deterministic whatever the thread count
     reference = a.double().t() @ b.double()

@@ -79,9 +79,11 @@ def blocked_tn_mm(a: Tensor, b: Tensor, threads: int | None = None) -> Tensor:
     result = a.new_empty(rows, b.shape[1])
     starts = range(0, rows, BLOCK_ROWS)
 
+    inference = torch.is_inference_mode_enabled()  # thread-local, like grad mode: carried to the workers
+
     def block(start: int) -> None:
         stop = min(start + BLOCK_ROWS, rows)
-        with torch.no_grad():  # grad mode is per thread and on by default in a new one
+        with torch.inference_mode(inference), torch.no_grad():  # this order: inference_mode(False) enables grad
             torch.mm(a[:, start:stop].t(), b, out=result[start:stop])
 
     threads = torch.get_num_threads() if threads is None else threads
@@ -186,7 +188,9 @@ class Linear(nn.Linear):
         if dtype is None:
             return F.linear(x, self.weight, self.bias)
         compiling = torch.compiler.is_compiling()
-        low_weight, low_weight_t = self._low_precision_weights(dtype, cache=self.training and not compiling)
+        # Not cached under inference_mode: its tensors cannot be saved for a later backward.
+        cache = self.training and not compiling and not torch.is_inference_mode_enabled()
+        low_weight, low_weight_t = self._low_precision_weights(dtype, cache=cache)
         with torch.autocast("cpu", enabled=False):
             if torch.is_grad_enabled():
                 return _EmulatedLowPrecisionLinear.apply(x, self.weight, self.bias, low_weight, low_weight_t)

@@ -23,8 +23,9 @@ With the wall clock, each case is also bracketed by a 2048 product timed right b
 measurement at the start and the case.
 
 On a CPU without native bf16 matmuls (no AVX512-BF16 / AMX: `torch.ops.mkldnn._is_mkldnn_bf16_supported()`
-is False) bf16 runs ~50x slower than fp32; a case whose one step would not fit the remaining time
-budget is reported as null with the reason.
+is False) bf16 runs ~4x slower than fp32 even in the library's blocked products (torch.mm alone is
+slower still); a case whose one step would not fit the remaining time budget is reported as null with
+the reason.
 
 Prints one JSON line (afu_small_fp32, afu_small_bf16, afu_h1024_fp32, afu_h1024_bf16, ...) and a table.
 """

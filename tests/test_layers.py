@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from recurrent_depth.model import layers, linear
 from recurrent_depth.model.linear import Linear, _EmulatedLowPrecisionLinear, blocked_tn_mm
+from tests.train_support import OneThread
 
 
 def pair(bias: bool, dtype: torch.dtype, features: tuple[int, int]) -> tuple[Linear, torch.nn.Linear]:
@@ -145,14 +146,29 @@ def test_blocked_tn_mm_reports_a_block_error():
         blocked_tn_mm(a, b, threads=2)
 
 
+def test_blocked_tn_mm_runs_in_the_caller_when_the_kernel_is_parallel(monkeypatch):
+    monkeypatch.setattr(linear, "single_threaded_tn_kernel", lambda dtype: False)
+    monkeypatch.setattr(linear, "_worker_pool", lambda threads: pytest.fail("no worker threads expected"))
+    a, b = torch.randn(9, 300), torch.randn(9, 5)
+    torch.testing.assert_close(blocked_tn_mm(a, b, threads=2), a.t() @ b)
+
+
+def test_the_kernel_probe_answers_per_dtype_and_thread_count():
+    with OneThread():
+        assert linear.single_threaded_tn_kernel(torch.float32)  # one torch thread: nothing to oversubscribe
+    assert isinstance(linear.single_threaded_tn_kernel(torch.bfloat16), bool)
+
+
 def _product_in_child(queue) -> None:
-    queue.put(blocked_tn_mm(torch.ones(4, 300), torch.ones(4, 3), threads=2).sum().item())
+    ones = torch.ones(4, 300, dtype=torch.bfloat16), torch.ones(4, 3, dtype=torch.bfloat16)
+    queue.put(blocked_tn_mm(*ones, threads=2).sum().item())
 
 
-def test_blocked_tn_mm_works_in_a_forked_child():
+def test_blocked_tn_mm_works_in_a_forked_child(monkeypatch):
     # The parent's worker threads do not survive fork: the child must build its own pool, not hang.
     import multiprocessing
 
+    monkeypatch.setattr(linear, "single_threaded_tn_kernel", lambda dtype: True)  # use the pool on any CPU
     blocked_tn_mm(torch.ones(4, 300), torch.ones(4, 3), threads=2)  # the parent's pool exists
     context = multiprocessing.get_context("fork")
     queue = context.Queue()

@@ -19,12 +19,15 @@ product (tested).
 
 The worker count is `torch.get_num_threads()`: on the CPUs measured, the emulated bf16 a^T @ b
 kernel runs on the calling thread only (process CPU time = wall time), so the blocks do not
-oversubscribe the cores.
+oversubscribe the cores; where it is itself parallel (probed once per dtype), the blocks run one
+after another in the caller.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -69,11 +72,36 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
+def single_threaded_tn_kernel(dtype: torch.dtype) -> bool:
+    """Whether torch.mm's a^T @ b in `dtype` runs on the calling thread only (process CPU time about
+    equal to wall time over a few block-sized products).
+
+    When it does not (a CPU whose kernel is itself parallel), worker threads would oversubscribe the
+    cores, so `blocked_tn_mm` runs its blocks one after another instead. Either way each block is
+    the same product, so this timed probe changes speed, never results.
+    """
+    return _probe_tn_kernel(dtype, torch.get_num_threads())
+
+
+@functools.cache
+def _probe_tn_kernel(dtype: torch.dtype, torch_threads: int) -> bool:
+    if torch_threads == 1:
+        return True
+    a, b = torch.randn(512, BLOCK_ROWS, dtype=dtype), torch.randn(512, 1024, dtype=dtype)
+    torch.mm(a.t(), b)
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(3):
+        torch.mm(a.t(), b)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return cpu < 1.3 * wall
+
+
 def blocked_tn_mm(a: Tensor, b: Tensor, threads: int | None = None) -> Tensor:
     """a^T @ b for a [K, M] and b [K, N], as products of BLOCK_ROWS rows of the [M, N] result.
 
-    The blocks run on `threads` worker threads (default `torch.get_num_threads()`); on one thread
-    they run in the caller. Not differentiable: for forward and backward passes of a Function.
+    The blocks run on `threads` worker threads (default `torch.get_num_threads()`) when the torch.mm
+    kernel is single-threaded (`single_threaded_tn_kernel`); otherwise, or on one thread, they run in
+    the caller. Not differentiable: for forward and backward passes of a Function.
     """
     rows = a.shape[1]
     result = a.new_empty(rows, b.shape[1])
@@ -87,7 +115,7 @@ def blocked_tn_mm(a: Tensor, b: Tensor, threads: int | None = None) -> Tensor:
             torch.mm(a[:, start:stop].t(), b, out=result[start:stop])
 
     threads = torch.get_num_threads() if threads is None else threads
-    if threads <= 1 or len(starts) == 1:
+    if threads <= 1 or len(starts) == 1 or not single_threaded_tn_kernel(a.dtype):
         for start in starts:
             block(start)
     else:

@@ -153,10 +153,13 @@ def test_blocked_tn_mm_runs_in_the_caller_when_the_kernel_is_parallel(monkeypatc
     torch.testing.assert_close(blocked_tn_mm(a, b, threads=2), a.t() @ b)
 
 
-def test_the_kernel_probe_answers_per_dtype_and_thread_count():
+def test_the_kernel_probe_answers_per_dtype_and_thread_count_without_touching_the_rng():
     with OneThread():
         assert linear.single_threaded_tn_kernel(torch.float32)  # one torch thread: nothing to oversubscribe
+    linear._probe_tn_kernel.cache_clear()
+    before = torch.get_rng_state()
     assert isinstance(linear.single_threaded_tn_kernel(torch.bfloat16), bool)
+    assert torch.equal(torch.get_rng_state(), before)  # a resumed run must draw the same numbers
 
 
 def _product_in_child(queue) -> None:

@@ -49,17 +49,17 @@ def _cpu_emulates_bf16() -> bool:
 # Probed once at import: a plain bool that torch.compile can specialise on.
 CPU_EMULATES_BF16 = _cpu_emulates_bf16()
 
-_pool: ThreadPoolExecutor | None = None
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (workers, pool)
 
 
 def _worker_pool(threads: int) -> ThreadPoolExecutor:
     """One pool per process, rebuilt when the thread count changes."""
     global _pool
-    if _pool is None or _pool._max_workers != threads:
+    if _pool is None or _pool[0] != threads:
         if _pool is not None:
-            _pool.shutdown(wait=False)
-        _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rdepth-weight-grad")
-    return _pool
+            _pool[1].shutdown(wait=False)
+        _pool = (threads, ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rdepth-blocked-mm"))
+    return _pool[1]
 
 
 def _forget_pool_in_child() -> None:
@@ -87,7 +87,8 @@ def single_threaded_tn_kernel(dtype: torch.dtype) -> bool:
 def _probe_tn_kernel(dtype: torch.dtype, torch_threads: int) -> bool:
     if torch_threads == 1:
         return True
-    a, b = torch.randn(512, BLOCK_ROWS, dtype=dtype), torch.randn(512, 1024, dtype=dtype)
+    # Constant operands: the probe must not draw from torch's global generator (a resumed run would differ).
+    a, b = torch.full((512, BLOCK_ROWS), 0.5, dtype=dtype), torch.full((512, 1024), 0.25, dtype=dtype)
     torch.mm(a.t(), b)
     wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(3):
@@ -132,8 +133,9 @@ def _contiguous_t(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t.new_empty((t.shape[1], t.shape[0]), dtype=dtype).copy_(t.t())
 
 
-def _blocked_or_plain(compiling: bool, dtype: torch.dtype) -> bool:
-    return dtype == torch.bfloat16 and not compiling  # dynamo cannot trace the worker threads
+def _use_blocked(compiling: bool, dtype: torch.dtype) -> bool:
+    """Blocked a^T @ b for bf16 (the fast layout there), except under dynamo, which cannot trace threads."""
+    return dtype == torch.bfloat16 and not compiling
 
 
 def _forward_product(x2d: Tensor, low_weight_t: Tensor, bias: Tensor | None, blocked: bool) -> Tensor:
@@ -164,7 +166,7 @@ class _EmulatedLowPrecisionLinear(torch.autograd.Function):
         x = x.to(dtype)
         ctx.save_for_backward(x, weight, low_weight, low_weight_t)
         ctx.has_bias = bias is not None
-        blocked = _blocked_or_plain(torch.compiler.is_compiling(), dtype)
+        blocked = _use_blocked(torch.compiler.is_compiling(), dtype)
         out = _forward_product(x.reshape(-1, x.shape[-1]), low_weight_t, bias, blocked)
         return out.view(*x.shape[:-1], weight.shape[0])
 
@@ -178,7 +180,7 @@ class _EmulatedLowPrecisionLinear(torch.autograd.Function):
             # backward(create_graph=True): plain products of the differentiable weight.
             low_weight = weight.to(dtype)
             low_weight_t = low_weight.t()
-        blocked = _blocked_or_plain(torch.is_grad_enabled() or torch.compiler.is_compiling(), dtype)
+        blocked = _use_blocked(torch.is_grad_enabled() or torch.compiler.is_compiling(), dtype)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             if blocked:
@@ -223,7 +225,7 @@ class Linear(nn.Linear):
             if torch.is_grad_enabled():
                 return _EmulatedLowPrecisionLinear.apply(x, self.weight, self.bias, low_weight, low_weight_t)
             out = _forward_product(x.reshape(-1, x.shape[-1]), low_weight_t, self.bias,
-                                   _blocked_or_plain(compiling, dtype))
+                                   _use_blocked(compiling, dtype))
             return out.view(*x.shape[:-1], self.out_features)
 
     def train(self, mode: bool = True) -> Linear:

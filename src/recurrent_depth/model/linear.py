@@ -138,13 +138,14 @@ def _use_blocked(compiling: bool, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and not compiling
 
 
-def _forward_product(x2d: Tensor, low_weight_t: Tensor, bias: Tensor | None, blocked: bool) -> Tensor:
-    """x W^T (+ b): blocked a^T @ b for bf16, else a @ b^T (NT) with b = (W^T)^T."""
-    dtype = low_weight_t.dtype
+def _forward_product(x2d: Tensor, low_weight: Tensor, low_weight_t: Tensor, bias: Tensor | None,
+                     blocked: bool) -> Tensor:
+    """x W^T (+ b): blocked a^T @ b of x^T and W^T for bf16, else a @ b^T of x and W (never a @ b)."""
+    dtype = low_weight.dtype
     if blocked:
         out = blocked_tn_mm(_contiguous_t(x2d.to(dtype), dtype), low_weight_t)
     else:
-        out = x2d.to(dtype) @ low_weight_t
+        out = x2d.to(dtype) @ low_weight.t()
     if bias is not None:
         out += bias.to(dtype)
     return out
@@ -167,7 +168,7 @@ class _EmulatedLowPrecisionLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight, low_weight, low_weight_t)
         ctx.has_bias = bias is not None
         blocked = _use_blocked(torch.compiler.is_compiling(), dtype)
-        out = _forward_product(x.reshape(-1, x.shape[-1]), low_weight_t, bias, blocked)
+        out = _forward_product(x.reshape(-1, x.shape[-1]), low_weight, low_weight_t, bias, blocked)
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -224,7 +225,7 @@ class Linear(nn.Linear):
         with torch.autocast("cpu", enabled=False):
             if torch.is_grad_enabled():
                 return _EmulatedLowPrecisionLinear.apply(x, self.weight, self.bias, low_weight, low_weight_t)
-            out = _forward_product(x.reshape(-1, x.shape[-1]), low_weight_t, self.bias,
+            out = _forward_product(x.reshape(-1, x.shape[-1]), low_weight, low_weight_t, self.bias,
                                    _use_blocked(compiling, dtype))
             return out.view(*x.shape[:-1], self.out_features)
 

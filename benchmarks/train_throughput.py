@@ -95,7 +95,7 @@ def matmul_peak(dtype: torch.dtype, clock: Clock, sizes=(2048, 3072, 4096), min_
                 "by_size": {"1024": 2 * 1024**3 / probe},
                 "note": f"one 1024 product took {probe:.1f}s: larger sizes skipped"}
     if len(products) > 1:
-        first = {name: min(_mm_seconds(sizes[0], dtype, clock, name, repeats=1)) for name in products}
+        first = {name: _mm_seconds(sizes[0], dtype, clock, name, repeats=1)[0] for name in products}
         products = (min(first, key=first.get),)
     results = {}
     for n in sizes:

@@ -181,7 +181,8 @@ class _EmulatedLowPrecisionLinear(torch.autograd.Function):
             # backward(create_graph=True): plain products of the differentiable weight.
             low_weight = weight.to(dtype)
             low_weight_t = low_weight.t()
-        blocked = _use_blocked(torch.is_grad_enabled() or torch.compiler.is_compiling(), dtype)
+        plain = torch.is_grad_enabled() or torch.compiler.is_compiling()  # differentiable or traced products
+        blocked = _use_blocked(plain, dtype)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             if blocked:
@@ -192,7 +193,7 @@ class _EmulatedLowPrecisionLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             if blocked:
                 grad_w = blocked_tn_mm(grad, flat_x)
-            elif torch.is_grad_enabled() or torch.compiler.is_compiling():
+            elif plain:
                 grad_w = grad.t() @ flat_x
             else:  # a @ b^T from transposed copies (fp16: 3-5x faster than a^T @ b)
                 grad_w = _contiguous_t(grad, dtype) @ _contiguous_t(flat_x, dtype).t()

@@ -7,7 +7,10 @@ step of a run have a nonzero rate even when ``min_lr`` is 0:
     cool-down (last ``cooldown`` steps):  lr = min_lr + (base_lr - min_lr) * (total - step) / cooldown
     otherwise:                            lr = base_lr
 
-When warmup and cool-down overlap (short runs) the smaller of the two values wins.
+When warmup and cool-down overlap (short runs) the smaller of the two values wins. A ramp longer
+than the run is cut, not squeezed: with ``warmup > total`` the run never reaches ``base_lr``, and with
+``cooldown > total`` every step lies on the cool-down line (the trainer's projected length of a
+time-capped run can fall below a fixed ``cooldown``; that must not stop the run).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def lr_at(
         base_lr: the peak (constant-phase) learning rate, > 0.
         warmup: number of linear warmup steps (>= 0).
         total: planned number of optimizer steps, or ``None`` for an open-ended run (needs ``cooldown=0``).
-        cooldown: number of final steps that decay linearly towards ``min_lr`` (0 = none).
+        cooldown: number of final steps that decay linearly towards ``min_lr`` (0 = none); may exceed ``total``.
         min_lr: the value the cool-down decays to, in ``[0, base_lr]``.
     """
     if not _is_int(step) or step < 0:
@@ -51,8 +54,6 @@ def lr_at(
     else:
         if not _is_int(total) or total < 1:
             raise ValueError(f"total must be None or an integer >= 1, got {total!r}")
-        if cooldown > total:
-            raise ValueError(f"cooldown must be <= total ({total}), got {cooldown}")
         if step >= total:
             raise ValueError(f"step must be < total ({total}), got {step}; raise the total to train longer")
 

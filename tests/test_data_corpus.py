@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sysconfig
 from pathlib import Path
 
@@ -110,8 +111,9 @@ def test_jsonl_reads_text_field_and_skips_blank_lines(tmp_path: Path) -> None:
         ("[1, 2]", "expected a JSON object, got list"),
         ('{"content": "x"}', "missing field 'text'"),
         ('{"text": 3}', "field 'text' must be a string, got int"),
+        ('{"text": "a\\ud800b"}', "field 'text' is not valid Unicode text"),
     ],
-    ids=["bad-json", "not-object", "missing-field", "non-string"],
+    ids=["bad-json", "not-object", "missing-field", "non-string", "lone-surrogate"],
 )
 def test_jsonl_bad_lines_name_file_and_line(tmp_path: Path, line: str, message: str) -> None:
     path = tmp_path / "bad.jsonl"
@@ -119,6 +121,24 @@ def test_jsonl_bad_lines_name_file_and_line(tmp_path: Path, line: str, message: 
     with pytest.raises(ValueError, match=message) as err:
         list(JsonlCorpus(path))
     assert f"{path.resolve()}:2:" in str(err.value)
+
+
+def test_directory_corpus_accepts_file_names_that_are_not_utf8(tmp_path: Path) -> None:
+    # Linux file names are bytes; os.walk hands undecodable ones over with surrogate escapes.
+    (tmp_path / "ok.txt").write_text("ok")
+    with open(os.path.join(os.fsencode(tmp_path), b"caf\xe9.txt"), "wb") as handle:
+        handle.write(b"latin-1 name")
+    corpus = DirectoryCorpus(tmp_path)
+    info = corpus.info()
+    assert info.num_documents == 2 and info.num_bytes == len("oklatin-1 name")
+    odd = next(d.id for d in corpus if d.id != "ok.txt")
+    split = DocumentSplit.plan(corpus.ids(), 0.5, seed=0)
+    assert isinstance(split.is_validation(odd), bool)
+    digest = hashlib.sha256()
+    for name, text in sorted([(b"caf\xe9.txt", b"latin-1 name"), (b"ok.txt", b"ok")]):
+        for field in (name, text):
+            digest.update(len(field).to_bytes(8, "little") + field)
+    assert info.sha256 == digest.hexdigest()  # the hash covers the name's own bytes
 
 
 def test_load_corpus_specs(tmp_path: Path) -> None:

@@ -89,6 +89,32 @@ def test_incomplete_shard_is_detected(tmp_path: Path, rows: np.ndarray) -> None:
     assert not shards_complete(index)
 
 
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_dataset_names_a_damaged_shard(tmp_path: Path, rows: np.ndarray, damage: str) -> None:
+    index = _write_split(tmp_path, rows, np.uint16, 5 * 9 * 2)
+    file = tmp_path / "train-00003.bin"
+    if damage == "missing":
+        file.unlink()
+    else:
+        file.write_bytes(file.read_bytes()[:-2])
+    with pytest.raises(ValueError, match=r"train-00003\.bin (is missing|has 88 bytes), expected 90"):
+        ShardDataset(index)
+
+
+@pytest.mark.parametrize("text, message", [("{", "not valid JSON"), ("[1]", "a JSON list")], ids=["torn", "list"])
+def test_bad_index_file_is_named(tmp_path: Path, text: str, message: str) -> None:
+    (tmp_path / "train.json").write_text(text)
+    with pytest.raises(ValueError, match=message) as err:
+        ShardDataset(tmp_path / "train.json")
+    assert "train.json" in str(err.value)
+
+
+@pytest.mark.parametrize("bad", [0, -5, 2.5])
+def test_writer_rejects_non_positive_shard_size(tmp_path: Path, bad) -> None:
+    with pytest.raises(ValueError, match="max_shard_bytes must be a positive int"):
+        ShardWriter(tmp_path, "train", 9, np.uint16, bad)
+
+
 def test_order_is_seeded_and_each_epoch_is_a_permutation(tmp_path: Path, rows: np.ndarray) -> None:
     index = _write_split(tmp_path, rows, np.uint16, 10**9)
     a, b, c = ShardDataset(index, seed=1), ShardDataset(index, seed=1), ShardDataset(index, seed=2)
@@ -222,8 +248,9 @@ def test_rebuild_after_interrupted_write(tmp_path: Path, tok) -> None:
         ({"seq_len": 0}, "seq_len must be an int >= 1"),
         ({"seq_len": 16, "val_fraction": 1.0}, r"val_fraction must be in \[0, 1\)"),
         ({"seq_len": 100_000}, "does not fill one row"),
+        ({"seq_len": 16, "max_shard_bytes": 0}, "max_shard_bytes must be a positive int"),
     ],
-    ids=["seq-len-zero", "val-fraction-one", "corpus-too-small"],
+    ids=["seq-len-zero", "val-fraction-one", "corpus-too-small", "shard-bytes-zero"],
 )
 def test_prepare_dataset_errors(tmp_path: Path, tok, kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

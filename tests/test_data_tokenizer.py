@@ -189,6 +189,19 @@ def test_build_tokenizer_leaves_out_validation_documents(tmp_path: Path) -> None
     assert meta["tokenizer_sha256"] == tokenizer_sha256(train_only)
 
 
+@pytest.mark.parametrize("bad", [-0.1, 1.0], ids=["negative", "one"])
+def test_build_tokenizer_rejects_bad_val_fraction(bad: float) -> None:
+    corpus = DocumentListCorpus(["x = 1\n"] * 3)
+    with pytest.raises(ValueError, match=r"val_fraction must be in \[0, 1\)"):
+        build_tokenizer(corpus, MIN_VOCAB_SIZE, val_fraction=bad)
+
+
+def test_load_tokenizer_names_a_corrupt_file(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").write_text('{"version": ')
+    with pytest.raises(ValueError, match="tokenizer.json' is not a valid tokenizers file"):
+        load_tokenizer(tmp_path)
+
+
 def test_cli_train_and_encode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = tmp_path / "corpus"
     data.mkdir()

@@ -112,9 +112,15 @@ class Corpus:
         return f"{type(self).__name__}(name={self.name!r})"
 
 
+def _id_bytes(doc_id: str) -> bytes:
+    # A file name that is not valid UTF-8 reaches us with surrogate escapes (os.fsdecode);
+    # encoding them back gives the name's own bytes instead of a UnicodeEncodeError.
+    return doc_id.encode("utf-8", "surrogateescape")
+
+
 def _hash_document(digest: hashlib._Hash, doc: Document) -> None:
     # Length-prefix both fields so ("ab", "c") and ("a", "bc") hash differently.
-    for field in (doc.id.encode("utf-8"), doc.text.encode("utf-8")):
+    for field in (_id_bytes(doc.id), doc.text.encode("utf-8")):
         digest.update(len(field).to_bytes(8, "little"))
         digest.update(field)
 
@@ -291,6 +297,13 @@ class JsonlCorpus(Corpus):
                     raise ValueError(
                         f"{where}: field {self.text_field!r} must be a string, got {type(text).__name__}"
                     )
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise ValueError(
+                        f"{where}: field {self.text_field!r} is not valid Unicode text "
+                        f"(an unpaired surrogate escape such as \\ud800 at character {exc.start})"
+                    ) from None
                 yield Document(f"line-{lineno:010d}", text)
 
 
@@ -315,7 +328,7 @@ def load_corpus(spec: str | Path | Corpus, text_field: str = "text") -> Corpus:
 
 def _split_key(doc_id: str, seed: int) -> float:
     """A uniform number in [0, 1) fixed by (seed, id): the same on every machine and Python."""
-    digest = hashlib.sha256(f"{seed}\x00{doc_id}".encode()).digest()
+    digest = hashlib.sha256(f"{seed}\x00".encode() + _id_bytes(doc_id)).digest()
     return int.from_bytes(digest[:8], "big") / 2.0**64
 
 

@@ -121,6 +121,8 @@ def prepare_dataset(
         raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
     if not (0.0 <= val_fraction < 1.0):
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
     specials = special_token_ids(tok)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)

@@ -68,6 +68,10 @@ class ShardWriter:
         self.dtype = np.dtype(dtype)
         if self.row_len < 1:
             raise ValueError(f"row_len must be >= 1, got {row_len}")
+        integral = isinstance(max_shard_bytes, (int, np.integer)) and not isinstance(max_shard_bytes, bool)
+        if not integral or max_shard_bytes < 1:
+            raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
+        # A bound below one row still stores one row per shard.
         self.rows_per_shard = max(1, int(max_shard_bytes) // (self.row_len * self.dtype.itemsize))
         self.shards: list[dict[str, Any]] = []
         self.num_rows = 0
@@ -141,7 +145,12 @@ def read_index(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"shards: index {str(path)!r} does not exist")
-    index = json.loads(path.read_text())
+    try:
+        index = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"shards: index {str(path)!r} is not valid JSON ({exc})") from None
+    if not isinstance(index, dict):
+        raise ValueError(f"shards: {str(path)!r} is not a {SHARD_FORMAT} index (a JSON {type(index).__name__})")
     if index.get("format") != SHARD_FORMAT or index.get("version") != SHARD_FORMAT_VERSION:
         raise ValueError(
             f"shards: {str(path)!r} is not a {SHARD_FORMAT} v{SHARD_FORMAT_VERSION} index "
@@ -204,6 +213,16 @@ class ShardDataset:
         if self.num_rows != int(self.index["num_rows"]):
             raise ValueError(f"shards: {self.index_path} lists {self.num_rows} rows, header says "
                              f"{self.index['num_rows']}")
+        for shard, rows in zip(self.index["shards"], counts):
+            file = self.index_path.parent / shard["file"]
+            expected = rows * self.row_len * self.dtype.itemsize
+            size = file.stat().st_size if file.is_file() else None
+            if size != expected:
+                found = "is missing" if size is None else f"has {size} bytes"
+                raise ValueError(
+                    f"shards: {file} {found}, expected {expected} ({rows} rows of {self.row_len} "
+                    f"{self.dtype.name} tokens); the split is incomplete or damaged, prepare it again"
+                )
         self._maps: list[np.memmap | None] = [None] * len(counts)
         self.epoch = 0
         self.position = 0

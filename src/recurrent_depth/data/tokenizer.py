@@ -272,7 +272,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     file = p / "tokenizer.json" if p.is_dir() else p
     if not file.is_file():
         raise ValueError(f"tokenizer: no tokenizer.json at {str(p)!r}; expected a directory or file")
-    return Tokenizer.from_file(str(file))
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as exc:  # the Rust side raises a bare Exception for any parse error
+        raise ValueError(f"tokenizer: {str(file)!r} is not a valid tokenizers file ({exc})") from None
 
 
 def build_tokenizer(
@@ -296,6 +299,8 @@ def build_tokenizer(
 
     import tokenizers
 
+    if not (0.0 <= val_fraction < 1.0):
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     source = load_corpus(corpus)
     info = source.info()
     docs: Iterable[Document] = source

@@ -260,6 +260,30 @@ def test_huginn_adam_rejects_bad_hyperparameters(kwargs: dict, field: str) -> No
         HuginnAdam([torch.zeros(2, requires_grad=True)], **kwargs)
 
 
+def test_group_added_later_steps_like_one_given_at_construction() -> None:
+    # add_param_group used to skip initial_lr (KeyError in step with weight decay) and validation.
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, generator=gen), torch.randn(2, 4, generator=gen)
+    grads = [(torch.randn(3, generator=gen), torch.randn(2, 4, generator=gen)) for _ in range(3)]
+    late = [a.clone().requires_grad_(), b.clone().requires_grad_()]
+    both = [a.clone().requires_grad_(), b.clone().requires_grad_()]
+    opt_late = HuginnAdam([late[0]], lr=1e-2, weight_decay=0.1)
+    opt_late.add_param_group({"params": [late[1]], "lr": 1e-3, "betas": [0.8, 0.9]})
+    opt_both = HuginnAdam(
+        [{"params": [both[0]]}, {"params": [both[1]], "lr": 1e-3, "betas": (0.8, 0.9)}], lr=1e-2, weight_decay=0.1
+    )
+    for g in grads:
+        for params, opt in ((late, opt_late), (both, opt_both)):
+            params[0].grad, params[1].grad = g[0].clone(), g[1].clone()
+            opt.step()
+    assert opt_late.param_groups[1]["initial_lr"] == 1e-3
+    for x, y in zip(late, both):
+        assert torch.equal(x, y)
+    with pytest.raises(ValueError, match=r"param group 2: betas\[1\]"):
+        opt_late.add_param_group({"params": [torch.zeros(2, requires_grad=True)], "betas": (0.9, 1.5)})
+    assert len(opt_late.param_groups) == 2
+
+
 # ------------------------------------------------------------------------------------------------
 # A tiny model with Huginn-0125's parameter names (the real model lives in recurrent_depth.model).
 

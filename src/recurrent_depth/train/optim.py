@@ -76,7 +76,8 @@ class HuginnAdam(Optimizer):
         update_clipping: divide the step by ``max(1, RMS(g / sqrt(v)))`` per tensor (StableAdamW).
         running_init: initialise ``m = g`` and ``v = g*g`` on the first step instead of zeros.
         bias_correction: where Adam's bias correction goes (see the formula): ``"outside"``,
-            ``"inside"`` or ``"none"``. It only changes results together with ``atan2``.
+            ``"inside"`` or ``"none"``. Without ``atan2``, "outside" and "inside" are the same (Adam);
+            "none" drops the correction with or without ``atan2``.
         fully_decoupled_wd: ``True`` for ``p *= 1 - (lr/initial_lr)*wd`` (the reference), ``False`` for
             AdamW's ``p *= 1 - lr*wd``.
     """
@@ -112,10 +113,20 @@ class HuginnAdam(Optimizer):
         )
         _validate_adam_hparams(defaults, where="HuginnAdam")
         super().__init__(params, defaults)
-        for index, group in enumerate(self.param_groups):
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group`` (also used by ``__init__``), plus ``initial_lr`` and validation, so a
+        group added after construction is stepped like the others."""
+        index = len(self.param_groups)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
             group["betas"] = tuple(group["betas"])
             group.setdefault("initial_lr", group["lr"])
             _validate_adam_hparams(group, where=f"HuginnAdam param group {index}")
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

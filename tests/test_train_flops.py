@@ -36,3 +36,47 @@ def test_attention_is_half_of_the_full_square(model):
     flops = training_step_flops(cfg, B, T, (0, 2))
     linear = flops.forward - flops.attention_forward
     assert counter.get_total_flops() - linear == 2 * flops.attention_forward
+
+
+@pytest.mark.parametrize(
+    ("mixer", "options"),
+    [
+        ("attention", {"core": {"num_kv_heads": 1}}),
+        ({"prelude": "attention", "core": "attention", "coda": "attention"}, {"attention": {"num_kv_heads": 2}}),
+    ],
+    ids=["core-mqa", "per-part-dict-gqa"],
+)
+def test_per_part_attention_options_are_counted(mixer, options):
+    """Options the model builds from (GQA per part, a per-part mixer dict) change the count; they were ignored
+    (or the dict rejected)."""
+    torch.manual_seed(0)
+    cfg = rd.ModelConfig.from_preset("tiny", hidden_size=48, num_heads=4, intermediate_size=100, vocab_size=300,
+                                     mixer=mixer, mixer_options=options)
+    model = rd.RecurrentDepthLM(cfg).train()
+    B, T, num_steps = 2, 9, (2, 1)
+    with FlopCounterMode(display=False) as counter:
+        model(torch.randint(0, cfg.vocab_size, (B, T)), num_steps=num_steps).logits.sum().backward()
+    flops = training_step_flops(cfg, B, T, num_steps)
+    attention_backward = 2 * B * T * attention_flops(cfg, T) * (cfg.prelude_layers + cfg.coda_layers + cfg.core_layers)
+    assert counter.get_total_flops() == flops.total - flops.attention_forward - attention_backward
+
+
+def test_sliding_window_counts_only_the_band():
+    cfg = rd.ModelConfig.from_preset("tiny", mixer_options={"core": {"window": 4}})
+    full = rd.ModelConfig.from_preset("tiny")
+    T, H, D = 16, cfg.num_heads, cfg.head_dim
+    # pairs in the band: the causal triangle T^2/2 less the triangle beyond the window (T-W)^2/2
+    band = 4 * H * D * (T**2 / 2 - (T - 4) ** 2 / 2)
+    got = training_step_flops(cfg, 1, T, (3, 0)).attention_forward
+    assert got == training_step_flops(full, 1, T, (0, 0)).attention_forward + 3 * cfg.core_layers * band
+    assert attention_flops(cfg, T, window=T) == attention_flops(cfg, T, window=None) == 2 * H * D * T
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [((0, 8, (0, 1)), "batch"), ((1, 0, (0, 1)), "seq_len"), ((1, 8, (-1, 1)), "num_steps"), ((1, 8, 3), "num_steps")],
+    ids=["batch0", "seq0", "negative-steps", "int-steps"],
+)
+def test_bad_arguments_name_the_field(args, field):
+    with pytest.raises(ValueError, match=field):
+        training_step_flops(rd.ModelConfig.from_preset("tiny"), *args)

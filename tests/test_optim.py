@@ -247,13 +247,14 @@ def test_update_clipping_scales_the_step_after_a_spike() -> None:
         ({"lr": -1.0}, "lr"),
         ({"betas": (0.9, 1.0)}, "betas"),
         ({"betas": (0.9,)}, "betas"),
+        ({"betas": 0.9}, "betas"),
         ({"eps": 0.0}, "eps"),
         ({"weight_decay": -0.1}, "weight_decay"),
         ({"bias_correction": "middle"}, "bias_correction"),
         ({"atan2_a": 0.0}, "atan2_a"),
         ({"lr": 0.0, "weight_decay": 0.1}, "initial_lr"),
     ],
-    ids=["lr<0", "beta2=1", "one-beta", "eps0", "wd<0", "bad-bias-correction", "a0", "decay-without-lr"],
+    ids=["lr<0", "beta2=1", "one-beta", "scalar-betas", "eps0", "wd<0", "bad-bias-corr", "a0", "decay-without-lr"],
 )
 def test_huginn_adam_rejects_bad_hyperparameters(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
@@ -599,6 +600,7 @@ def test_cooldown_length() -> None:
         ({"name": "sgd"}, "optim.name"),
         ({"lr": 0.0}, "optim.lr"),
         ({"betas": (0.9, 1.5)}, r"optim.betas\[1\]"),
+        ({"betas": 0.9}, "optim.betas"),
         ({"weight_decay": -1.0}, "optim.weight_decay"),
         ({"eps": -1e-8}, "optim.eps"),
         ({"bias_correction": "x"}, "optim.bias_correction"),
@@ -617,6 +619,7 @@ def test_cooldown_length() -> None:
         "name",
         "lr0",
         "beta2>1",
+        "scalar-betas",
         "wd<0",
         "eps<0",
         "bias-correction",

@@ -100,7 +100,7 @@ class HuginnAdam(Optimizer):
     ) -> None:
         defaults = dict(
             lr=lr,
-            betas=tuple(betas),
+            betas=tuple(betas) if isinstance(betas, tuple | list) else betas,
             eps=eps,
             weight_decay=weight_decay,
             atan2=atan2,
@@ -121,10 +121,10 @@ class HuginnAdam(Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
-            group["betas"] = tuple(group["betas"])
             group.setdefault("initial_lr", group["lr"])
             _validate_adam_hparams(group, where=f"HuginnAdam param group {index}")
-        except (TypeError, ValueError):
+            group["betas"] = tuple(group["betas"])
+        except ValueError:
             self.param_groups.pop()
             raise
 
@@ -201,7 +201,7 @@ ELLISAdam = HuginnAdam
 def _validate_adam_hparams(h: dict[str, Any], where: str) -> None:
     _check_real(h["lr"], f"{where}: lr", low=0.0)
     betas = h["betas"]
-    if len(betas) != 2:
+    if not isinstance(betas, tuple | list) or len(betas) != 2:
         raise ValueError(f"{where}: betas must be a pair (b1, b2), got {betas!r}")
     for i, beta in enumerate(betas):
         _check_real(beta, f"{where}: betas[{i}]", low=0.0, high=1.0, high_open=True)
@@ -477,12 +477,12 @@ class OptimConfig:
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.betas, tuple | list) or len(self.betas) != 2:
+            raise ValueError(f"optim.betas must be a pair (b1, b2), got {self.betas!r}")
         object.__setattr__(self, "betas", tuple(self.betas))  # YAML/JSON give lists
         if self.name not in OPTIMIZERS:
             raise ValueError(f"optim.name must be one of {OPTIMIZERS}, got {self.name!r}")
         _check_real(self.lr, "optim.lr", low=0.0, low_open=True)
-        if len(self.betas) != 2:
-            raise ValueError(f"optim.betas must be a pair (b1, b2), got {self.betas!r}")
         for i, beta in enumerate(self.betas):
             _check_real(beta, f"optim.betas[{i}]", low=0.0, high=1.0, high_open=True)
         _check_real(self.weight_decay, "optim.weight_decay", low=0.0)

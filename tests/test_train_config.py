@@ -67,6 +67,47 @@ def test_bad_values_name_the_field(changes, field):
         TrainConfig(**changes)
 
 
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ({"hidden_size": "abc"}, "TrainConfig.model.hidden_size='abc'"),  # was a TypeError from ModelConfig
+        ({"rope_base": "fast"}, "TrainConfig.model.rope_base='fast'"),
+        ({"qk_bias": 2}, "TrainConfig.model.qk_bias=2"),  # was silently truthy
+        ({"mixer": 5}, "TrainConfig.model.mixer=5"),
+        ({"hidden_size": -3}, "ModelConfig.hidden_size=-3"),  # was only found after training a tokenizer
+        ({"num_heads": 3}, "ModelConfig.num_heads=3"),
+    ],
+    ids=["str-int", "str-float", "int-bool", "int-mixer", "negative", "not-a-divisor"],
+)
+def test_model_overrides_are_checked_up_front(model, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        TrainConfig(model=model)
+
+
+def test_model_overrides_that_fit_pass_and_token_ids_wait_for_the_tokenizer():
+    cfg = TrainConfig(model={"num_kv_heads": None, "rope_base": 10000, "mixer": {"core": "gla"},
+                             "eos_token_id": 300})  # 300 >= tiny's 256: the tokenizer sets the vocab later
+    assert cfg.model["eos_token_id"] == 300
+
+
+def test_yaml_numbers_in_exponent_form_are_numbers(tmp_path):
+    """PyYAML reads `3e-3` (no dot) as a string; a config must read it as 0.003 (as YAML 1.2 does)."""
+    path = tmp_path / "run.yaml"
+    path.write_text("optim: {lr: 3e-3, weight_decay: 1E-4}\ndepth_sigma: 5e-1\nname_like: 1e3x\n")
+    with pytest.raises(ValueError, match="name_like"):  # still a string, so still an unknown key
+        TrainConfig.from_yaml(path)
+    path.write_text("optim: {lr: 3e-3, weight_decay: 1E-4}\ndepth_sigma: 5e-1\n")
+    cfg = TrainConfig.from_yaml(path)
+    assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.depth_sigma) == (0.003, 0.0001, 0.5)
+    args = build_parser("train").parse_args(["train", "--model-set", "rope_base=1e4"])
+    assert config_from_args(args).model == {"rope_base": 10000.0}
+
+
+def test_a_config_path_that_is_a_directory_is_a_clean_error(tmp_path, capsys):
+    assert main(["train", "--config", str(tmp_path), "--print-config"]) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
 def test_integral_mean_recurrence_is_fine_for_every_scheme():
     assert TrainConfig(depth_scheme="fixed", mean_recurrence=4.0).mean_recurrence == 4.0
     assert TrainConfig(depth_scheme="poisson-lognormal", mean_recurrence=2.5).mean_recurrence == 2.5

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import recurrent_depth as rd
+from recurrent_depth.train.optim import OptimConfig
 from recurrent_depth.train.trainer import StopTraining, Trainer
 from tests.train_support import OneThread, prepare_root, tiny_train_config
 
@@ -67,7 +69,8 @@ def test_a_run_writes_metrics_metadata_checkpoints_and_a_model_dir(train_root, t
 
 # bf16 with 9 x 32 tokens per micro-batch: Linear's blocked products (several blocks) and its cache of
 # the cast weights must not make a resumed run differ from an uninterrupted one.
-@pytest.mark.parametrize("options", [{}, {"dtype": "bf16", "batch_size": 9}], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("options", [{}, {"dtype": "bf16", "batch_size": 9}, {"grad_accum": 2, "batch_size": 2}],
+                         ids=["fp32", "bf16", "grad-accum-2"])
 def test_resume_after_a_crash_repeats_the_uninterrupted_losses_bitwise(train_root, tmp_path, monkeypatch, options):
     from recurrent_depth.model import linear
 
@@ -103,6 +106,35 @@ def test_resume_refuses_a_changed_config_and_a_fresh_run_refuses_old_checkpoints
         Trainer(tiny_train_config(train_root, tmp_path, max_steps=4, batch_size=2, resume=True))
 
 
+def test_a_refused_resume_names_the_changes_and_leaves_the_run_untouched(train_root, tmp_path):
+    """The config check comes before the data work: a changed seed must not re-pack the run's shards."""
+    out, data_dir = tmp_path / "run", tmp_path / "data"
+    Trainer(tiny_train_config(train_root, out, max_steps=2, save_every=2, data_dir=str(data_dir))).run()
+    before = {p.name: p.read_bytes() for p in data_dir.iterdir() if p.is_file()}
+    changed = tiny_train_config(train_root, out, max_steps=4, resume=True, data_dir=str(data_dir), seed=1,
+                                optim=OptimConfig.from_preset("demo", lr=1e-2, warmup_steps=2, cooldown_fraction=0.25))
+    with pytest.raises(ValueError, match=r"optim\.lr: 0\.003 -> 0\.01, seed: 0 -> 1\)") as info:
+        Trainer(changed)
+    assert "description" not in str(info.value)  # only the optim fields that changed
+    assert {p.name: p.read_bytes() for p in data_dir.iterdir() if p.is_file()} == before
+
+
+def test_a_fresh_run_retrains_a_tokenizer_left_for_other_settings(train_root, tmp_path):
+    """`<out>/tokenizer` from an earlier run without checkpoints (say, one that failed) is reused only if
+    it was trained for this data and vocabulary size; a resumed run keeps its own."""
+    out = tmp_path / "run"
+    first = tiny_train_config(train_root, out, tokenizer=None, data_dir=None, vocab_size=320, max_steps=1)
+    assert Trainer(first).run().model.config.vocab_size == 320
+    shutil.rmtree(out / "checkpoints")
+    second = tiny_train_config(train_root, out, tokenizer=None, data_dir=None, vocab_size=384, max_steps=1,
+                               save_every=1)
+    assert Trainer(second).run().model.config.vocab_size == 384
+    tokenizer = (out / "tokenizer" / "tokenizer.json").read_bytes()
+    resumed = Trainer(second.replace(resume=True, max_steps=2)).run()
+    assert resumed.model.config.vocab_size == 384 and resumed.steps == 2
+    assert (out / "tokenizer" / "tokenizer.json").read_bytes() == tokenizer
+
+
 @pytest.mark.slow
 def test_resume_after_kill_9_is_exact(train_root, tmp_path):
     """A real `rdepth train` process killed with SIGKILL mid-run, then resumed, ends with the losses of
@@ -136,7 +168,8 @@ def test_resume_after_kill_9_is_exact(train_root, tmp_path):
 
 
 def test_non_finite_steps_are_skipped_counted_and_logged(train_root, tmp_path):
-    cfg = tiny_train_config(train_root, tmp_path, max_steps=4)
+    # progress=True (the default): the bar's postfix must cope with the step's loss being None
+    cfg = tiny_train_config(train_root, tmp_path, max_steps=4, progress=True)
     messages = []
     trainer = Trainer(cfg, log=messages.append)
     calls = {"n": 0}

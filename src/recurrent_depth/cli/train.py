@@ -52,10 +52,15 @@ def _int_list(text: str) -> list[int]:
 def _model_set(text: str) -> tuple[str, Any]:
     import yaml
 
+    from recurrent_depth.train.config import load_yaml
+
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. hidden_size=128), got {text!r}")
     key, value = text.split("=", 1)
-    return key.strip(), yaml.safe_load(value)
+    try:
+        return key.strip(), load_yaml(value)
+    except yaml.YAMLError as exc:
+        raise argparse.ArgumentTypeError(f"the value of {text!r} is not valid YAML: {exc}") from exc
 
 
 def _default_text(value: Any) -> str:

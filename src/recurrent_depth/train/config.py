@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
+import types
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,8 @@ DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 COMPILE_MODES: tuple[str, ...] = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 DTYPE_ALIASES: dict[str, str] = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 DEFAULT_OPTIM_PRESET = "demo"
+# ModelConfig fields the tokenizer sets (so their range is only known once it exists).
+TOKEN_ID_FIELDS: tuple[str, ...] = ("bos_token_id", "eos_token_id", "pad_token_id")
 # Validation depths relative to the training mean recurrence r̄: with r̄ = 32 these are the paper's
 # 1, 4, 8, 16, 32, 64 (huginn-0125.md §5, plus 2r̄ to check extrapolation).
 EVAL_DEPTH_FRACTIONS: tuple[float, ...] = (1 / 8, 1 / 4, 1 / 2, 1, 2)
@@ -159,6 +164,7 @@ class TrainConfig:
         unknown = sorted(set(self.model) - known)
         if unknown:
             raise ValueError(f"TrainConfig.model has unknown ModelConfig keys {unknown}; known: {sorted(known)}")
+        self._validate_model_overrides()
         if not isinstance(self.data, str) or not self.data:
             raise bad("data", "'stdlib', a directory or a .jsonl file")
         for name in ("vocab_size", "tokenizer_max_bytes", "seq_len", "max_steps", "max_tokens",
@@ -199,6 +205,20 @@ class TrainConfig:
                 raise bad(name, "true or false")
         if not isinstance(self.out, str) or not self.out:
             raise bad("out", "a directory path")
+
+    def _validate_model_overrides(self) -> None:
+        """Check the `model` overrides now, before a tokenizer is trained: each value's type, then the
+        ModelConfig they make (token ids aside: their range depends on the tokenizer's vocabulary)."""
+        hints = typing.get_type_hints(ModelConfig)
+        for key, value in self.model.items():
+            if not _matches_hint(value, hints[key]):
+                expected = str(hints[key]).replace("typing.", "").replace("<class '", "").replace("'>", "")
+                raise ValueError(f"TrainConfig.model.{key}={value!r} is invalid: expected {expected} "
+                                 f"(a ModelConfig field)")
+        values = {k: v for k, v in self.model.items() if k not in TOKEN_ID_FIELDS}
+        if self.seq_len is not None:
+            values["max_seq_len"] = max(self.seq_len, values.get("max_seq_len", PRESETS[self.preset]["max_seq_len"]))
+        ModelConfig.from_preset(self.preset, **values)
 
     # ------------------------------------------------------------------ derived values
     def model_config(self, vocab_size: int | None = None, **token_ids: int | None) -> ModelConfig:
@@ -293,14 +313,32 @@ def optim_from_dict(data: dict[str, Any]) -> OptimConfig:
     return dataclasses.replace(OptimConfig.from_preset(preset), **values)
 
 
+# YAML 1.1 (PyYAML) reads `3e-3` as a string (its floats need a dot: `3.0e-3`); YAML 1.2 and people
+# read it as a number, so the loader also resolves exponent forms without a dot as floats.
+_FLOAT_WITHOUT_DOT = re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$")
+
+
+def load_yaml(text: str) -> Any:
+    """`yaml.safe_load`, except that `1e-4` (no dot) is a float, as in YAML 1.2."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_WITHOUT_DOT, list("-+0123456789"))
+    return yaml.load(text, Loader=Loader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     import yaml
 
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"training config {str(p)!r} is a directory, not a YAML file")
     if not p.is_file():
         raise FileNotFoundError(f"training config {str(p)!r} does not exist")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = load_yaml(p.read_text())
     except yaml.YAMLError as exc:
         raise ValueError(f"training config {str(p)!r} is not valid YAML: {exc}") from exc
     if data is None:
@@ -308,6 +346,25 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"training config {str(p)!r} must hold a mapping at the top, got {type(data).__name__}")
     return data
+
+
+def _matches_hint(value: Any, hint: Any) -> bool:
+    """Whether a config value fits a ModelConfig annotation (int, float, bool, str, dict, unions, None)."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return any(_matches_hint(value, arg) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return _is_int(value)
+    if hint is float:
+        return _is_real(value)
+    if hint is str:
+        return isinstance(value, str)
+    if hint is dict or typing.get_origin(hint) is dict:
+        return isinstance(value, dict)
+    return True
 
 
 def _is_int(value: Any) -> bool:

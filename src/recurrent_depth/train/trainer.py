@@ -145,6 +145,8 @@ class Trainer:
             )
         if cfg.resume and self.resume_from is None:
             self.log(f"no checkpoint in {root}: starting from scratch")
+        if self.resume_from is not None:  # before any data work, which could overwrite the run's caches
+            self._check_resumable(self.resume_from)
         self.out.mkdir(parents=True, exist_ok=True)
 
         self.tokenizer_dir, self.data = self._prepare_data(corpus)
@@ -204,7 +206,12 @@ class Trainer:
                 raise ValueError(f"TrainConfig.tokenizer={cfg.tokenizer!r} holds no tokenizer.json")
         else:
             tok_dir = self.out / TOKENIZER_DIR
-            if env.is_main and not (tok_dir / "tokenizer.json").is_file():
+            # A resumed run keeps the tokenizer its checkpoint was trained with; a fresh run reuses one
+            # left in `out` only if it was trained for this run's data and settings.
+            if env.is_main and not (
+                (tok_dir / "tokenizer.json").is_file()
+                and (self.resume_from is not None or self._tokenizer_matches(tok_dir, source))
+            ):
                 start = time.perf_counter()
                 build_tokenizer(source, cfg.tokenizer_vocab_size(), val_fraction=cfg.val_fraction, seed=cfg.seed,
                                 max_bytes=cfg.tokenizer_max_bytes, out_dir=tok_dir)
@@ -233,6 +240,25 @@ class Trainer:
                 source, tok_dir, seq_len, data_dir, val_fraction=cfg.val_fraction, seed=cfg.seed, keep_all=cfg.keep_all
             )
         return tok_dir, data
+
+    def _tokenizer_matches(self, tok_dir: Path, source: Any) -> bool:
+        """Whether `tok_dir` holds a tokenizer trained here on this corpus with this run's settings."""
+        try:
+            meta = json.loads((tok_dir / "tokenizer_training.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return False
+        cfg = self.cfg
+        split = meta.get("split") or {}
+        matches = (
+            (meta.get("corpus") or {}).get("sha256") == source.info().sha256
+            and meta.get("vocab_size") == cfg.tokenizer_vocab_size()
+            and meta.get("max_bytes") == cfg.tokenizer_max_bytes
+            and split.get("val_fraction") == cfg.val_fraction
+            and split.get("seed") == cfg.seed
+        )
+        if not matches:
+            self.log(f"{tok_dir} was trained for other data or settings: training a new tokenizer")
+        return matches
 
     def _warn_about_slow_bf16(self) -> None:
         """bf16 matmuls are emulated on CPUs without AVX512-BF16/AMX (~4.5x slower per token than fp32
@@ -277,7 +303,8 @@ class Trainer:
                 self._tensorboard_step(record)
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                    loss_text = "nan" if record["loss"] is None else f"{record['loss']:.3f}"  # None: not finite
+                    bar.set_postfix(loss=loss_text, tok_s=f"{record['tokens_per_s']:.0f}",
                                     depth=record["num_steps"][-1])
                 step = self.state.step
                 if cfg.eval_interval and step % cfg.eval_interval == 0:
@@ -472,17 +499,22 @@ class Trainer:
         ddist.barrier(env)
         return final if env.is_main else root / ckpt.checkpoint_name(step)
 
+    def _check_resumable(self, path: Path) -> None:
+        """Refuse to resume from `path` with a changed config or another number of processes."""
+        try:
+            trainer_state = json.loads((path / ckpt.TRAINER_STATE).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot resume from {path}: unreadable {ckpt.TRAINER_STATE} ({exc})") from exc
+        changes = _config_changes(trainer_state.get("config", {}), self.cfg.to_dict())
+        if changes:
+            raise ValueError(f"cannot resume from {path}: the configuration changed ({', '.join(changes)}); "
+                             f"only {', '.join(sorted(RESUMABLE_CHANGES - {'resume'}))} may change on --resume")
+        if trainer_state.get("world_size") != self.env.world_size:
+            raise ValueError(f"cannot resume from {path}: it was written by {trainer_state.get('world_size')} "
+                             f"process(es), this run has {self.env.world_size}")
+
     def _load_checkpoint(self, path: Path) -> None:
         loaded = ckpt.load_checkpoint(path, rank=self.env.rank)
-        saved_cfg = loaded.trainer_state.get("config", {})
-        current = self.cfg.to_dict()
-        changed = sorted(k for k in current if k not in RESUMABLE_CHANGES and saved_cfg.get(k) != _jsonable(current[k]))
-        if changed:
-            detail = ", ".join(f"{k}: {saved_cfg.get(k)!r} -> {current[k]!r}" for k in changed)
-            raise ValueError(f"cannot resume from {path}: the configuration changed ({detail})")
-        if loaded.trainer_state.get("world_size") != self.env.world_size:
-            raise ValueError(f"cannot resume from {path}: it was written by {loaded.trainer_state.get('world_size')} "
-                             f"process(es), this run has {self.env.world_size}")
         ddist.load_full_model_state(self.wrapped, loaded.model_state, self.env)
         ddist.load_optimizer_state(self.wrapped, self.optimizer, loaded.optimizer_state, self.env)
         self.train_data.load_state_dict(loaded.trainer_state["data"])
@@ -603,6 +635,21 @@ def _tensorboard(out: Path, enabled: bool):
     except ImportError:  # tensorboard not installed: metrics.jsonl has everything
         return None
     return SummaryWriter(log_dir=str(out / "tensorboard"))
+
+
+def _config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """`field: old -> new` for each non-resumable field that differs (`optim.lr: ...` inside mappings)."""
+    changes = []
+    for key in sorted(current):
+        old, new = saved.get(key), _jsonable(current[key])
+        if key in RESUMABLE_CHANGES or old == new:
+            continue
+        if isinstance(old, dict) and isinstance(new, dict):
+            changes += [f"{key}.{sub}: {old.get(sub)!r} -> {new.get(sub)!r}"
+                        for sub in sorted(set(old) | set(new)) if old.get(sub) != new.get(sub)]
+        else:
+            changes.append(f"{key}: {old!r} -> {new!r}")
+    return changes
 
 
 def _jsonable(value: Any) -> Any:

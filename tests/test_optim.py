@@ -655,3 +655,17 @@ def test_groups_on_the_real_model() -> None:
     assert any(n.endswith("qk_bias") for n in groups["no_decay"][1]["param_names"]) == model.config.qk_bias
     covered = sum(len(g["params"]) for _, g in groups.values())
     assert covered == len(params)
+
+
+def test_update_clipping_survives_a_zero_gradient_in_float16() -> None:
+    # eps^2 = 1e-12 underflows to 0 in float16, so the clipping RMS was 0/0 and every weight became NaN.
+    grads = [torch.tensor([0.0, 1e-3, 1.0, -2.0]), torch.tensor([0.5, 0.0, -1.0, 3.0])]
+    half = torch.ones(4, dtype=torch.float16, requires_grad=True)
+    full = torch.ones(4, dtype=torch.float32, requires_grad=True)
+    opt_half, opt_full = HuginnAdam([half], lr=1e-2), HuginnAdam([full], lr=1e-2)
+    for g in grads:
+        half.grad, full.grad = g.half(), g.clone()
+        opt_half.step()
+        opt_full.step()
+    assert torch.isfinite(half).all()
+    torch.testing.assert_close(half.float(), full.detach(), atol=2e-3, rtol=0)

@@ -168,7 +168,9 @@ class HuginnAdam(Optimizer):
         if group["update_clipping"]:
             # The reference floors v in place, so the floor persists into later steps and the denominator.
             v.clamp_(min=eps * eps)
-            rms = (grad * grad).div_(v).mean().sqrt()
+            # At least float32: in float16 eps^2 rounds to 0, and one zero gradient made the RMS 0/0 = NaN.
+            wide = torch.promote_types(grad.dtype, torch.float32)
+            rms = grad.to(wide).square().div_(v.to(wide).clamp(min=eps * eps)).mean().sqrt()
             step_size = lr / rms.clamp(min=1.0)
 
         wd = group["weight_decay"]

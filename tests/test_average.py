@@ -69,3 +69,16 @@ def test_bad_arguments_are_clean_errors(tmp_path, capsys):
     other.save_pretrained(tmp_path / "other")
     with pytest.raises(ValueError, match="different config"):
         ema_state([paths[0], tmp_path / "other"])
+
+
+def test_output_over_an_input_checkpoint_or_a_missing_tokenizer_is_refused(tmp_path):
+    """Writing the average over one of its inputs would replace a training checkpoint's weights; a named
+    tokenizer directory without tokenizer files would silently give a model directory without one."""
+    paths, _ = _save_models(tmp_path, 2)
+    before = (paths[1] / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="one of the checkpoints"):
+        average_checkpoints(paths, paths[1])
+    assert (paths[1] / "model.safetensors").read_bytes() == before
+    with pytest.raises(ValueError, match="tokenizer_dir"):
+        average_checkpoints(paths, tmp_path / "o", tokenizer_dir=tmp_path / "nowhere")
+    assert not (tmp_path / "o").exists()

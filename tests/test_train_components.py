@@ -93,6 +93,17 @@ def test_checkpoint_directories_appear_whole_and_prune(tmp_path):
         ckpt.commit_checkpoint(_fake_checkpoint(root, 15), 15)
 
 
+def test_a_save_removes_what_a_crashed_save_or_prune_left(tmp_path):
+    """A kill during a save (any step) or a prune leaves hidden directories that would stay forever."""
+    root = tmp_path / "checkpoints"
+    _fake_checkpoint(root, 20)  # killed before its rename
+    (root / ".trash-step-00000005").mkdir()  # killed while deleting an old checkpoint
+    (root / ".trash-step-00000005" / "model.safetensors").write_text("half deleted")
+    (root / "notes").mkdir()  # not ours: kept
+    ckpt.commit_checkpoint(_fake_checkpoint(root, 30), 30, keep_last=2)
+    assert sorted(p.name for p in root.iterdir()) == ["notes", "step-00000030"]
+
+
 def test_rng_state_round_trip(tmp_path):
     torch.manual_seed(123)
     ckpt.write_tensors(tmp_path / "rng.safetensors", ckpt.rng_state_tensors())

@@ -94,9 +94,14 @@ def average_checkpoints(
     for path in chosen:
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} is not a model directory (no config.json)")
+    out = Path(out)
+    if any(out.resolve() == Path(p).resolve() for p in paths):
+        raise ValueError(f"out={str(out)!r} is one of the checkpoints being averaged; choose a new directory")
+    if tokenizer_dir is not None and not any((Path(tokenizer_dir) / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"tokenizer_dir={str(tokenizer_dir)!r} holds no tokenizer files "
+                         f"({', '.join(TOKENIZER_FILES)})")
     state = ema_state(chosen, beta)
     config = ModelConfig.from_json(chosen[-1] / "config.json")
-    out = Path(out)
     save_pretrained(StateView(config, state), out, metadata={"averaged_from": json.dumps([str(p) for p in chosen]),
                                                                "ema_beta": str(beta)})
     source = Path(tokenizer_dir) if tokenizer_dir is not None else chosen[-1]

@@ -33,6 +33,7 @@ RNG_TENSORS = "rng.safetensors"
 TRAINER_STATE = "trainer_state.json"
 REQUIRED_FILES = ("config.json", "model.safetensors", OPTIMIZER_TENSORS, OPTIMIZER_META, TRAINER_STATE)
 _NAME = re.compile(r"^step-(\d{8,})$")
+_LEFTOVER = re.compile(r"^\.(tmp|trash)-step-\d{8,}$")
 
 
 def checkpoint_name(step: int) -> str:
@@ -175,11 +176,15 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 
 def begin_checkpoint(root: Path, step: int) -> Path:
-    """A fresh temporary directory to write step `step`'s files into."""
+    """A fresh temporary directory to write step `step`'s files into.
+
+    Temporary and trash directories left by a crash during an earlier save or prune (of any step)
+    are removed first: nothing else writes into `root`, and they would otherwise stay forever."""
     root.mkdir(parents=True, exist_ok=True)
+    for entry in root.iterdir():
+        if entry.is_dir() and _LEFTOVER.match(entry.name):
+            shutil.rmtree(entry)
     tmp = root / f".tmp-{checkpoint_name(step)}"
-    if tmp.exists():  # left by a crash during an earlier save
-        shutil.rmtree(tmp)
     tmp.mkdir()
     return tmp
 

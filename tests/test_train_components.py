@@ -154,6 +154,19 @@ def test_evaluate_depths_budget_and_deadline():
     assert model.training is False
 
 
+def test_evaluate_depths_repeated_and_bad_depths():
+    """A repeated depth is evaluated once (its losses were summed twice: double the loss)."""
+    torch.manual_seed(0)
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval()
+    data = _Rows(torch.randint(0, 256, (4, 17)))
+    once = evaluate_depths(model, data, [1, 3], batch_size=2, max_batches=2)
+    twice = evaluate_depths(model, data, [3, 1, 3], batch_size=2, max_batches=2)
+    assert twice.loss == once.loss and twice.token_correlation == once.token_correlation
+    for bad in ([-1], [1.5], [True]):
+        with pytest.raises(ValueError, match="depths"):
+            evaluate_depths(model, data, bad, batch_size=2, max_batches=1)
+
+
 KEEP_FREED_MEMORY_PROBE = """
 import resource, sys, torch
 from recurrent_depth.train.allocator import keep_freed_memory

@@ -127,6 +127,9 @@ def evaluate_depths(
     """
     if not depths:
         raise ValueError("depths must name at least one depth")
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in depths):
+        raise ValueError(f"depths={list(depths)!r} is invalid: expected integers >= 0")
+    depths = sorted(set(depths))  # a repeated depth would add its batch losses twice
     device = torch.device(device)
     per_rank = len(dataset) // world_size
     batch_size = max(1, min(batch_size, per_rank))

@@ -13,6 +13,7 @@ import torch
 
 import recurrent_depth as rd
 from recurrent_depth.train.optim import OptimConfig
+from recurrent_depth.train.schedule import lr_at
 from recurrent_depth.train.trainer import StopTraining, Trainer
 from tests.train_support import OneThread, prepare_root, tiny_train_config
 
@@ -190,6 +191,17 @@ def test_non_finite_steps_are_skipped_counted_and_logged(train_root, tmp_path):
         assert torch.equal(snapshots[0][name], snapshots[1][name]), name  # the poisoned step changed nothing
     assert all(m["loss"] is not None and m["loss"] < 10 for m in metrics[2:])
     assert any("non-finite" in m for m in messages)
+
+
+def test_time_capped_run_warms_up_before_its_length_is_known(train_root, tmp_path):
+    # Before the first timed step a time-capped run's length is unknown: the first step must still be in
+    # warmup (it ran at the full lr when a cool-down length was set).
+    optim = OptimConfig.from_preset("demo", lr=3e-3, warmup_steps=2, cooldown_fraction=None, cooldown_steps=5000)
+    Trainer(tiny_train_config(train_root, tmp_path, optim=optim, max_steps=None, max_minutes=0.02)).run()
+    first = read_metrics(tmp_path)[0]
+    assert first["step"] == 1
+    assert first["lr"] == pytest.approx(lr_at(0, 3e-3, 2, None))
+    assert first["lr"] < 3e-3
 
 
 @pytest.mark.parametrize("options", [{"baseline": True}, {"grad_accum": 3, "batch_size": 2}],

@@ -41,7 +41,7 @@ from recurrent_depth.train.allocator import keep_freed_memory
 from recurrent_depth.train.config import TrainConfig
 from recurrent_depth.train.depth import DepthSampler, stream_seed
 from recurrent_depth.train.optim import build_optimizers, clip_and_check_grads
-from recurrent_depth.train.schedule import set_lr
+from recurrent_depth.train.schedule import lr_at, set_lr
 from recurrent_depth.train.validation import DepthEval, autocast_context, evaluate_depths
 
 METRICS_FILE = "metrics.jsonl"
@@ -428,7 +428,8 @@ class Trainer:
         optim = self.cfg.optim
         total = self.planned_steps()
         if total is None:
-            return optim.lr_at(step, None) if not optim.cooldown_steps else optim.lr
+            # Length not known yet (a time cap before the first timed step): warmup, no cool-down yet.
+            return lr_at(step, optim.lr, optim.warmup_steps, None)
         return optim.lr_at(step, max(total, step + 1))
 
     def stop_reason(self) -> str | None:

@@ -33,6 +33,13 @@ def test_small_preset_mean_recurrence_is_above_depth_4():
         ({"init_scale": -1.0}, "init_scale"),
         ({"mixer": {"middle": "attention"}}, "mixer"),
         ({"head_dim": 15, "num_heads": 1, "hidden_size": 15}, "head_dim"),
+        # wrong types (e.g. from a hand-written config.json) name the field instead of a TypeError
+        ({"hidden_size": "abc"}, "hidden_size"),
+        ({"rope_base": "fast"}, "rope_base"),
+        ({"norm_eps": float("nan")}, "norm_eps"),
+        ({"qk_bias": 2}, "qk_bias"),
+        ({"tie_embeddings": "no"}, "tie_embeddings"),
+        ({"bias": None}, "bias"),
     ],
     ids=lambda v: str(v) if isinstance(v, str) else None,
 )

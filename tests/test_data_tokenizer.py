@@ -196,6 +196,17 @@ def test_build_tokenizer_rejects_bad_val_fraction(bad: float) -> None:
         build_tokenizer(corpus, MIN_VOCAB_SIZE, val_fraction=bad)
 
 
+def test_training_cuts_very_long_words() -> None:
+    # The `tokenizers` trainer is quadratic in a word's length: a corpus file holding one line of
+    # a million letters took hours. Training now sees runs cut to 1024 characters, so no merge is
+    # longer; encoding still reads the whole run, and the text round-trips.
+    text = "a" * 5000
+    tok = train_tokenizer([text], 300)
+    assert max(len(t) for t in tok.get_vocab() if not t.startswith("<|")) == 1024
+    assert tok.pre_tokenizer.pre_tokenize_str(text)[0][1] == (0, 5000)
+    assert tok.decode(tok.encode(text).ids) == text
+
+
 def test_load_tokenizer_names_a_corrupt_file(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text('{"version": ')
     with pytest.raises(ValueError, match="tokenizer.json' is not a valid tokenizers file"):

@@ -101,14 +101,24 @@ def _texts(docs: Iterable[Document | str], max_bytes: int | None) -> Iterator[st
         yield text
 
 
+# Longest pre-token (in characters) the BPE trainer sees. The `tokenizers` trainer takes time
+# quadratic in a word's length (1M letters without a break: hours), so longer runs are cut into
+# pieces of this size while training only. Real text never comes close (stdlib's longest is 96),
+# and encoding keeps the uncut pattern.
+_MAX_TRAINING_WORD_CHARS = 1024
+
+
+def _byte_level_pre_tokenizer(max_word_chars: int | None = None) -> pre_tokenizers.PreTokenizer:
+    steps = [pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated")]
+    if max_word_chars is not None:
+        steps.append(pre_tokenizers.Split(Regex(rf"[\s\S]{{1,{max_word_chars}}}"), behavior="isolated"))
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    return pre_tokenizers.Sequence(steps)
+
+
 def _empty_byte_level_bpe() -> Tokenizer:
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
+    tok.pre_tokenizer = _byte_level_pre_tokenizer()
     tok.decoder = decoders.ByteLevel()
     return tok
 
@@ -152,7 +162,9 @@ def train_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         max_token_length=max_token_length,
     )
+    tok.pre_tokenizer = _byte_level_pre_tokenizer(_MAX_TRAINING_WORD_CHARS)
     tok.train_from_iterator(_texts(docs, max_bytes), trainer=trainer)
+    tok.pre_tokenizer = _byte_level_pre_tokenizer()
     learned = tok.get_vocab_size(with_added_tokens=True)
     if learned != target:
         raise ValueError(

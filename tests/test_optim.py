@@ -558,6 +558,7 @@ def test_huginn_preset_has_the_papers_values() -> None:
     assert cfg.atan2 and cfg.update_clipping and cfg.running_init and cfg.fully_decoupled_wd
     assert cfg.bias_correction == "outside"
     assert (cfg.warmup_steps, cfg.cooldown_steps, cfg.min_lr, cfg.grad_clip) == (4096, 4096, 0.0, 1.0)
+    assert cfg.skip_first_step and not OptimConfig.from_preset("demo").skip_first_step
     total = 100_000
     assert cfg.lr_at(0, total) == pytest.approx(4e-5 / 4096)
     assert cfg.lr_at(50_000, total) == 4e-5
@@ -614,6 +615,7 @@ def test_cooldown_length() -> None:
         ({"cooldown_steps": 10, "cooldown_fraction": 0.1}, "exclusive"),
         ({"cooldown_fraction": 1.5}, "optim.cooldown_fraction"),
         ({"min_lr": 1.0, "lr": 1e-3}, "optim.min_lr"),
+        ({"skip_first_step": "yes"}, "optim.skip_first_step"),
     ],
     ids=[
         "name",
@@ -633,6 +635,7 @@ def test_cooldown_length() -> None:
         "cooldown-both",
         "cooldown-fraction>1",
         "min-lr>lr",
+        "skip-first-step-str",
     ],
 )
 def test_config_validation_names_the_field(kwargs: dict, field: str) -> None:

@@ -193,6 +193,24 @@ def test_non_finite_steps_are_skipped_counted_and_logged(train_root, tmp_path):
     assert any("non-finite" in m for m in messages)
 
 
+def test_skip_first_step_measures_the_first_gradient_and_changes_nothing(train_root, tmp_path):
+    optim = OptimConfig.from_preset("demo", lr=3e-3, warmup_steps=0, cooldown_fraction=None, skip_first_step=True)
+    trainer = Trainer(tiny_train_config(train_root, tmp_path, optim=optim, max_steps=3))
+    initial = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    snapshots = []
+    trainer.on_step = lambda t, record: snapshots.append(
+        ({k: v.clone() for k, v in t.model.state_dict().items()}, sum(len(o.state) for o in t.optimizer)))
+    trainer.run()
+    metrics = read_metrics(tmp_path)
+    assert [m["skip_reason"] for m in metrics] == ["first_step", None, None]
+    assert [m["skipped"] for m in metrics] == [True, False, False]
+    assert metrics[-1]["skipped_total"] == 0 and metrics[0]["grad_norm"] is not None
+    after_first, moments_after_first = snapshots[0]
+    assert moments_after_first == 0  # no optimizer state yet: running init happens on the first real step
+    assert all(torch.equal(initial[k], after_first[k]) for k in initial)
+    assert any(not torch.equal(after_first[k], snapshots[1][0][k]) for k in initial)
+
+
 def test_time_capped_run_warms_up_before_its_length_is_known(train_root, tmp_path):
     # Before the first timed step a time-capped run's length is unknown: the first step must still be in
     # warmup (it ran at the full lr when a cool-down length was set).

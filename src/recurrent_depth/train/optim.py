@@ -476,6 +476,7 @@ class OptimConfig:
     cooldown_steps: int | None = None
     cooldown_fraction: float | None = None
     min_lr: float = 0.0
+    skip_first_step: bool = False  # the official trainer applies no update on its first optimizer step
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -516,6 +517,8 @@ class OptimConfig:
         if self.cooldown_fraction is not None:
             _check_real(self.cooldown_fraction, "optim.cooldown_fraction", low=0.0, high=1.0)
         _check_real(self.min_lr, "optim.min_lr", low=0.0, high=self.lr)
+        if not isinstance(self.skip_first_step, bool):
+            raise ValueError(f"optim.skip_first_step must be true or false, got {self.skip_first_step!r}")
 
     # -- presets and plain-data round trip --
 
@@ -595,6 +598,7 @@ OPTIM_PRESETS: dict[str, OptimConfig] = {
         warmup_steps=4096,
         cooldown_steps=4096,
         min_lr=0.0,
+        skip_first_step=True,  # huginn-0125.md section 5: "the first optimizer step is skipped too"
         description="the paper's ELLISAdam recipe (4096 GPUs, 16.8M tokens per step)",
     ),
     # benchmarks/optim_sweep.py (150 steps, the small layout at h 128, byte-level stdlib, batch 8 x 64):

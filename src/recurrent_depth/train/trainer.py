@@ -361,12 +361,17 @@ class Trainer:
             grad_depths.append(num_steps[1])
             state.micro_step += 1
         grad_norm, finite = clip_and_check_grads(self.model.parameters(), cfg.optim.grad_clip)
-        if finite:
-            self.optimizer.step()
-        else:
+        skip_reason = None
+        if not finite:
+            skip_reason = "non_finite"
             state.skipped_steps += 1
             self.log(f"step {state.step + 1}: non-finite gradient norm ({grad_norm}); step skipped "
                      f"({state.skipped_steps} so far)")
+        elif cfg.optim.skip_first_step and state.step == 0:
+            # As the official trainer: the first step measures the loss and gradient, changes nothing.
+            skip_reason = "first_step"
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss_value = ddist.mean_across_ranks(float(loss_sum) / cfg.grad_accum, env)
         state.step += 1
@@ -384,7 +389,8 @@ class Trainer:
             "tokens_per_s": self.tokens_per_step / seconds,
             "tokens": state.tokens,
             "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
-            "skipped": not finite,
+            "skipped": skip_reason is not None,
+            "skip_reason": skip_reason,
             "skipped_total": state.skipped_steps,
             "step_s": seconds,
             "elapsed_s": state.elapsed_s,

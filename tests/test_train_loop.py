@@ -120,6 +120,20 @@ def test_a_refused_resume_names_the_changes_and_leaves_the_run_untouched(train_r
     assert {p.name: p.read_bytes() for p in data_dir.iterdir() if p.is_file()} == before
 
 
+def test_a_checkpoint_written_before_a_config_field_existed_still_resumes(train_root, tmp_path):
+    """A field added to TrainConfig/OptimConfig later (at its default: the old behaviour) is not a change."""
+    out = tmp_path / "run"
+    Trainer(tiny_train_config(train_root, out, max_steps=2, save_every=2)).run()
+    state_file = next((out / "checkpoints").glob("step-*")) / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    del state["config"]["optim"]["skip_first_step"], state["config"]["keep_freed_memory"], state["config"]["seed"]
+    state_file.write_text(json.dumps(state))
+    assert Trainer(tiny_train_config(train_root, out, max_steps=3, resume=True)).run().steps == 3
+    with pytest.raises(ValueError, match=r"optim\.skip_first_step: False -> True"):
+        Trainer(tiny_train_config(train_root, out, max_steps=4, resume=True, optim=OptimConfig.from_preset(
+            "demo", lr=3e-3, warmup_steps=2, cooldown_fraction=0.25, skip_first_step=True)))
+
+
 def test_a_fresh_run_retrains_a_tokenizer_left_for_other_settings(train_root, tmp_path):
     """`<out>/tokenizer` from an earlier run without checkpoints (say, one that failed) is reused only if
     it was trained for this data and vocabulary size; a resumed run keeps its own."""

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ from recurrent_depth.train import distributed as ddist
 from recurrent_depth.train.allocator import keep_freed_memory
 from recurrent_depth.train.config import TrainConfig
 from recurrent_depth.train.depth import DepthSampler, stream_seed
-from recurrent_depth.train.optim import build_optimizers, clip_and_check_grads
+from recurrent_depth.train.optim import OptimConfig, build_optimizers, clip_and_check_grads
 from recurrent_depth.train.schedule import lr_at, set_lr
 from recurrent_depth.train.validation import DepthEval, autocast_context, evaluate_depths
 
@@ -512,7 +512,7 @@ class Trainer:
             trainer_state = json.loads((path / ckpt.TRAINER_STATE).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"cannot resume from {path}: unreadable {ckpt.TRAINER_STATE} ({exc})") from exc
-        changes = _config_changes(trainer_state.get("config", {}), self.cfg.to_dict())
+        changes = _config_changes(_with_field_defaults(trainer_state.get("config", {})), self.cfg.to_dict())
         if changes:
             raise ValueError(f"cannot resume from {path}: the configuration changed ({', '.join(changes)}); "
                              f"only {', '.join(sorted(RESUMABLE_CHANGES - {'resume'}))} may change on --resume")
@@ -642,6 +642,18 @@ def _tensorboard(out: Path, enabled: bool):
     except ImportError:  # tensorboard not installed: metrics.jsonl has everything
         return None
     return SummaryWriter(log_dir=str(out / "tensorboard"))
+
+
+def _with_field_defaults(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved run config with the fields it lacks (added to TrainConfig or OptimConfig after it was written)
+    at their defaults: a new field's default is the old behaviour, so it must not block a resume."""
+    def defaults(cls: type) -> dict[str, Any]:
+        return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+
+    filled = {**_jsonable(defaults(TrainConfig)), **saved}
+    if isinstance(saved.get("optim"), dict):
+        filled["optim"] = {**_jsonable(defaults(OptimConfig)), **saved["optim"]}
+    return filled
 
 
 def _config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:

@@ -149,6 +149,21 @@ def test_load_state_dict_rejects_mismatch(tmp_path: Path, rows: np.ndarray) -> N
         ShardDataset(index, seed=3).load_state_dict({**state, "position": 37})
 
 
+def test_load_state_dict_rejects_rows_built_from_other_data(tmp_path: Path, rows: np.ndarray) -> None:
+    """Shards rebuilt from another corpus or tokenizer can have the same row count; the index's key tells."""
+    index = _write_split(tmp_path, rows, np.uint16, 10**9)
+    meta = json.loads(index.read_text())
+    index.write_text(json.dumps({**meta, "key": "a" * 64}))
+    state = ShardDataset(index, seed=3).state_dict()
+    assert state["data_key"] == "a" * 64
+    index.write_text(json.dumps({**meta, "key": "b" * 64}))
+    with pytest.raises(ValueError, match="built from other data"):
+        ShardDataset(index, seed=3).load_state_dict(state)
+    # a checkpoint written before the key was recorded still resumes
+    legacy = {k: v for k, v in state.items() if k != "data_key"}
+    ShardDataset(index, seed=3).load_state_dict(legacy)
+
+
 def test_ranks_share_position_and_see_disjoint_rows(tmp_path: Path, rows: np.ndarray) -> None:
     index = _write_split(tmp_path, rows, np.uint16, 10**9)
     ranks = [ShardDataset(index, seed=0, rank=r, world_size=3) for r in range(3)]

@@ -300,8 +300,8 @@ class ShardDataset:
                 return
             yield torch.from_numpy(self.rows(chunk))
 
-    def state_dict(self) -> dict[str, int]:
-        return {
+    def state_dict(self) -> dict[str, int | str]:
+        state: dict[str, int | str] = {
             "epoch": int(self.epoch),
             "position": int(self.position),
             "seed": self.seed,
@@ -309,8 +309,13 @@ class ShardDataset:
             "shuffle": int(self.shuffle),
             "world_size": self.world_size,
         }
+        if "key" in self.index:
+            # What the rows were built from (corpus, tokenizer, packing): rebuilt shards with the same row
+            # count are still other data.
+            state["data_key"] = str(self.index["key"])
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int | str]) -> None:
         for key in ("seed", "num_rows", "shuffle", "world_size"):
             mine = self.state_dict()[key]
             if int(state[key]) != mine:
@@ -318,6 +323,13 @@ class ShardDataset:
                     f"data state: {key}={state[key]} in the checkpoint but {mine} here; "
                     "resume with the same data, seed and world size"
                 )
+        saved_key, my_key = state.get("data_key"), self.state_dict().get("data_key")
+        if saved_key is not None and my_key is not None and saved_key != my_key:
+            raise ValueError(
+                f"data state: the checkpoint's rows were built from other data (key {saved_key[:12]}...) than "
+                f"{self.index_path} (key {my_key[:12]}...: another corpus, tokenizer or packing); resume "
+                "with the same data"
+            )
         position = int(state["position"])
         if not (0 <= position < max(self.num_rows, 1)):
             raise ValueError(f"data state: position must be in [0, {self.num_rows}), got {position}")

@@ -134,6 +134,15 @@ def test_a_checkpoint_written_before_a_config_field_existed_still_resumes(train_
             "demo", lr=3e-3, warmup_steps=2, cooldown_fraction=0.25, skip_first_step=True)))
 
 
+def test_resuming_a_finished_run_logs_its_final_evaluation_once(train_root, tmp_path):
+    out = tmp_path / "run"
+    Trainer(tiny_train_config(train_root, out, max_steps=2, save_every=2)).run()
+    again = Trainer(tiny_train_config(train_root, out, max_steps=2, resume=True)).run()
+    assert again.steps == 2 and again.final_eval is not None
+    finals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["final"]) for r in finals] == [(2, True)]
+
+
 def test_a_fresh_run_retrains_a_tokenizer_left_for_other_settings(train_root, tmp_path):
     """`<out>/tokenizer` from an earlier run without checkpoints (say, one that failed) is reused only if
     it was trained for this data and vocabulary size; a resumed run keeps its own."""

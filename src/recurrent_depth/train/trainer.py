@@ -463,7 +463,11 @@ class Trainer:
             deadline=self.eval_deadline if final else None,
         )
         record = {"step": self.state.step, "final": final, **result.to_dict()}
-        self.eval_log.write(record)
+        # A resume that trains no further (the run had already ended) re-evaluates, but logs no second copy.
+        repeat = final and self.session_steps == 0 and any(
+            kept.get("step") == self.state.step and kept.get("final") for kept in self.eval_log.kept)
+        if not repeat:
+            self.eval_log.write(record)
         if self.tb is not None:
             for d, v in result.loss.items():
                 self.tb.add_scalar(f"val_loss/depth_{d}", v, self.state.step)
@@ -600,16 +604,19 @@ class JsonlLog:
         self.path = path
         self.enabled = enabled
         self.handle = None
+        self.kept: list[dict[str, Any]] = []  # the records kept from an earlier session
         if not enabled:
             return
         if path.exists():
             kept = []
             for line in path.read_text().splitlines():
                 try:
-                    if json.loads(line).get("step", 0) <= keep_through:
-                        kept.append(line)
+                    record = json.loads(line)
                 except json.JSONDecodeError:
                     break  # a line torn by a crash: everything after it is newer anyway
+                if record.get("step", 0) <= keep_through:
+                    kept.append(line)
+                    self.kept.append(record)
             _atomic_text(path, "".join(f"{line}\n" for line in kept))
         self.handle = open(path, "a")  # noqa: SIM115 (kept open for the run; closed by close())
 

@@ -660,6 +660,24 @@ def test_groups_on_the_real_model() -> None:
     assert covered == len(params)
 
 
+@pytest.mark.parametrize("mixer", ["gated_deltanet", "log_linear_mamba2"])
+def test_muon_takes_linear_weights_only(mixer: str) -> None:
+    """Depthwise convolution filters ([channels, taps]) and per-level weights are 2-D but not linear maps:
+    Newton-Schulz would orthogonalise their taps across channels. They go to AdamW."""
+    import recurrent_depth as rd
+
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", mixer=mixer))
+    groups = groups_by_name(build_optimizers(model, OptimConfig(name="muon", lr=1e-3, weight_decay=0.1)))
+    linear = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    muon_names = set(groups["matrices"][1]["param_names"])
+    assert muon_names and muon_names <= linear
+    adam_names = set(groups["embeddings"][1]["param_names"])
+    assert any(n.endswith("conv.weight") for n in adam_names)
+    assert all(n.endswith("weight") for n in adam_names)
+    covered = sum(len(g["params"]) for _, g in groups.values())
+    assert covered == len(dict(model.named_parameters()))
+
+
 def test_update_clipping_survives_a_zero_gradient_in_float16() -> None:
     # eps^2 = 1e-12 underflows to 0 in float16, so the clipping RMS was 0/0 and every weight became NaN.
     grads = [torch.tensor([0.0, 1e-3, 1.0, -2.0]), torch.tensor([0.5, 0.0, -1.0, 3.0])]

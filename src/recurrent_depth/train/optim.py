@@ -338,9 +338,9 @@ def build_optimizers(model: nn.Module, recipe: OptimConfig) -> OptimizerSet:
     * ``"adamw"`` / ``"ellis-adam"``: one ``torch.optim.AdamW`` / :class:`HuginnAdam` with groups
       ``matrices`` and ``embeddings`` (``recipe.weight_decay``) and ``no_decay`` (norms, biases; wd 0).
     * ``"muon"``: ``torch.optim.Muon`` (:class:`~recurrent_depth.train.muon.Muon`, Newton-Schulz in
-      ``recipe.muon_ns_dtype``) over the 2-D ``matrices`` (lr ``recipe.muon_lr``, so
-      ``lr_scale = muon_lr / lr``) plus AdamW over ``embeddings`` and ``no_decay`` (and any matrix that is
-      not 2-D, which Muon rejects).
+      ``recipe.muon_ns_dtype``) over the ``matrices`` that are linear-layer weights (lr ``recipe.muon_lr``,
+      so ``lr_scale = muon_lr / lr``) plus AdamW over ``embeddings`` and ``no_decay`` (and any other
+      matrix: convolution filters, per-level mixing weights, tensors that are not 2-D).
 
     Tied weights (Huginn's ``lm_head.weight`` is ``transformer.wte.weight``) are optimized once.
     """
@@ -359,8 +359,11 @@ def build_optimizers(model: nn.Module, recipe: OptimConfig) -> OptimizerSet:
 
     wd = recipe.weight_decay
     if recipe.name == "muon":
-        muon_items = [(n, p) for n, p in parts["matrix"] if p.ndim == 2]
-        other_matrices = [(n, p) for n, p in parts["matrix"] if p.ndim != 2]
+        # Muon orthogonalises linear maps; other 2-D weights (a depthwise convolution's [channels, taps]
+        # filters, per-level mixing weights) are not maps between feature spaces and stay with AdamW.
+        linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+        muon_items = [(n, p) for n, p in parts["matrix"] if p.ndim == 2 and id(p) in linear_weights]
+        other_matrices = [(n, p) for n, p in parts["matrix"] if not (p.ndim == 2 and id(p) in linear_weights)]
         adam_groups = [
             group("embeddings", parts["embedding"] + other_matrices, wd),
             group("no_decay", parts["no_decay"], 0.0),

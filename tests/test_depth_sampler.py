@@ -218,6 +218,15 @@ def test_bad_step_raises(step: object) -> None:
         DepthSampler(4, 2).sample(step)  # type: ignore[arg-type]
 
 
+def test_numpy_integer_scalars_are_steps() -> None:
+    import numpy as np
+
+    sampler = DepthSampler(8, 4, seed=3)
+    assert sampler.sample(np.int64(17)) == sampler.sample(np.int32(17)) == sampler.sample(17)
+    with pytest.raises(ValueError, match="step"):
+        sampler.sample(np.int64(-1))
+
+
 def test_to_dict_round_trips() -> None:
     sampler = DepthSampler(8, 4, sigma=0.3, seed=9, scheme="uniform", max_steps=12)
     assert DepthSampler(**sampler.to_dict()) == sampler

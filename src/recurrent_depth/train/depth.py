@@ -22,6 +22,7 @@ uninterrupted one, and the global torch RNG is neither read nor advanced.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -123,6 +124,8 @@ class DepthSampler:
 
     def total_steps(self, step: int) -> int:
         """Total depth ``r`` (>= 1) for global micro-batch ``step`` (>= 0), after the ``max_steps`` cap."""
+        if isinstance(step, numbers.Integral) and not isinstance(step, bool):
+            step = int(step)  # numpy integer scalars are fine
         if not _is_int(step) or step < 0:
             raise ValueError(f"step must be an integer >= 0 (the global micro-batch index), got {step!r}")
         if self.scheme == "fixed":

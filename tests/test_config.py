@@ -72,3 +72,21 @@ HUGINN_CONFIG_JSON = {
 def test_reads_the_official_huginn_config_keys():
     cfg = rd.ModelConfig.from_dict(json.loads(json.dumps(HUGINN_CONFIG_JSON)))
     assert cfg == rd.ModelConfig.from_preset("huginn-0125")
+
+
+def test_unknown_preset_override_names_the_field():
+    with pytest.raises(ValueError, match="hidden_sise"):
+        rd.ModelConfig.from_preset("tiny", hidden_sise=32)
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [({"n_heads": 0}, "num_heads"), ({"n_heads": "55"}, "num_heads"), ({"n_embd": None}, "hidden_size"),
+     ({"vocab_size": "65536"}, "vocab_size"), ({"vocab_size": None}, "vocab_size")],
+    ids=["heads-0", "heads-str", "embd-none", "vocab-str", "vocab-none"],
+)
+def test_bad_values_in_an_official_config_name_the_field(changes, field):
+    # Huginn's derived values (head_dim = n_embd // n_heads, the special ids by vocab size) must not
+    # raise ZeroDivisionError / TypeError before validation can name the field.
+    with pytest.raises(ValueError, match=field):
+        rd.ModelConfig.from_dict({**HUGINN_CONFIG_JSON, **changes})

@@ -230,6 +230,18 @@ BAD_CALLS = {
     "labels shape": (lambda m: m(torch.zeros(1, 3, dtype=torch.long), labels=torch.zeros(1, 2, dtype=torch.long))),
     "states shape": (lambda m: m(torch.zeros(1, 3, dtype=torch.long), input_states=torch.zeros(1, 3, 8))),
     "negative init_scale": (lambda m: m(torch.zeros(1, 3, dtype=torch.long), init_scale=-1.0)),
+    "nan init_scale": (lambda m: m(torch.zeros(1, 3, dtype=torch.long), init_scale=float("nan"))),
+    "inf init_scale": (lambda m: m(torch.zeros(1, 3, dtype=torch.long), init_scale=float("inf"))),
+    "int mask value 2": (lambda m: m(torch.zeros(1, 3, dtype=torch.long), attention_mask=torch.tensor([[1, 2, 1]]))),
+    "int mask value -1": (lambda m: m(torch.zeros(1, 3, dtype=torch.long), attention_mask=torch.tensor([[-1, 1, 1]]))),
+    "list mask": (lambda m: m(torch.zeros(1, 3, dtype=torch.long), attention_mask=[[1, 1, 1]])),
+    "bool labels": (lambda m: m(torch.zeros(1, 3, dtype=torch.long), labels=torch.ones(1, 3, dtype=torch.bool))),
+    "int states": (lambda m: m(torch.zeros(1, 3, dtype=torch.long), input_states=torch.zeros(1, 3, 64).long())),
+    "negative positions": (lambda m: m(torch.zeros(1, 3, dtype=torch.long), position_ids=torch.tensor([[-1, 0, 1]]))),
+    "positions past max": (lambda m: m(torch.zeros(1, 3, dtype=torch.long), position_ids=torch.tensor([[0, 1, 256]]))),
+    "1-d positions": (lambda m: m(torch.zeros(1, 3, dtype=torch.long), position_ids=torch.arange(3))),
+    "float positions": (lambda m: m(torch.zeros(1, 3, dtype=torch.long), position_ids=torch.zeros(1, 3))),
+    "generator not a Generator": (lambda m: m(torch.zeros(1, 3, dtype=torch.long), generator=0)),
 }
 
 
@@ -237,3 +249,27 @@ BAD_CALLS = {
 def test_bad_input_gets_a_clear_value_error(tiny_model, call):
     with pytest.raises(ValueError):
         call(tiny_model)
+
+
+def test_any_integer_dtype_of_ids_and_labels_is_accepted(tiny_model):
+    x = ids(T=7)
+    base = tiny_model(x, num_steps=2, init_scale=0.0, labels=x)
+    small = tiny_model(x.to(torch.uint8), num_steps=2, init_scale=0.0, labels=x.int())
+    assert torch.equal(small.logits, base.logits)
+    assert torch.equal(small.loss, base.loss)
+
+
+def test_given_positions_in_range_are_used(tiny_model):
+    x = ids(T=5)
+    plain = tiny_model(x, num_steps=2, init_scale=0.0).logits
+    same = tiny_model(x, num_steps=2, init_scale=0.0, position_ids=torch.arange(5)[None]).logits
+    last = tiny_model(x, num_steps=2, init_scale=0.0, position_ids=torch.arange(251, 256).expand(2, 5)).logits
+    assert torch.equal(same, plain)
+    assert not torch.allclose(last, plain)
+
+
+def test_model_without_prelude_coda_or_mean_depth_initialises():
+    # L_eff = P + C + R * mean_recurrence = 0 would divide by zero in the Takase out-projection std.
+    model = rd.RecurrentDepthLM(rd.ModelConfig(prelude_layers=0, coda_layers=0, mean_recurrence=0))
+    assert torch.isfinite(model.transformer.core_block[0].attn.proj.weight).all()
+    assert model(ids(T=3), num_steps=1).logits.shape == (2, 3, 256)

@@ -182,6 +182,10 @@ class ModelConfig:
     def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields {unknown}; known fields are {sorted(names)}")
         values = dict(PRESETS[name])
         values.update(overrides)
         return cls(**values)
@@ -213,15 +217,17 @@ class ModelConfig:
                 values[HUGINN_KEY_MAP[key]] = value
         if "vocab_size" not in values and "vocab_size" in data:
             values["vocab_size"] = data["vocab_size"]
-        if "n_embd" in data and "n_heads" in data:
-            values.setdefault("head_dim", data["n_embd"] // data["n_heads"])
+        if _is_int(data.get("n_embd")) and _is_int(data.get("n_heads")) and data["n_heads"] > 0:
+            values.setdefault("head_dim", data["n_embd"] // data["n_heads"])  # else validation names the field
         values.setdefault("num_kv_heads", values.get("num_heads"))
         values.setdefault("rope_base", 50_000.0)
         values.setdefault("norm_eps", 1e-6)
         # The official file hard-codes these special tokens (huginn-0125.md §1).
-        values.setdefault("bos_token_id", 65504 if values.get("vocab_size", 0) > 65509 else None)
-        values.setdefault("eos_token_id", 65505 if values.get("vocab_size", 0) > 65509 else None)
-        values.setdefault("pad_token_id", 65509 if values.get("vocab_size", 0) > 65509 else None)
+        vocab = values.get("vocab_size", 0)
+        official_vocab = _is_int(vocab) and vocab > 65509
+        values.setdefault("bos_token_id", 65504 if official_vocab else None)
+        values.setdefault("eos_token_id", 65505 if official_vocab else None)
+        values.setdefault("pad_token_id", 65509 if official_vocab else None)
         unknown = sorted(set(data) - set(HUGINN_KEY_MAP) - IGNORED_KEYS)
         if unknown:
             warnings.warn(f"ignoring Huginn config keys this library does not use: {unknown}", stacklevel=3)

@@ -95,11 +95,12 @@ class RecurrentDepthLM(nn.Module):
     def reset_parameters(self) -> None:
         """Takase init: std = sqrt(2/(5h)) everywhere, output projections std / sqrt(2 L_eff).
 
-        L_eff = P + C + R * mean_recurrence layers run at the mean depth; norms are ones, biases zero.
+        L_eff = P + C + R * mean_recurrence layers run at the mean depth (at least 1: a model with
+        no prelude or coda and mean_recurrence 0 is legal); norms are ones, biases zero.
         Truncated at ±3 std, as the reference.
         """
         std = math.sqrt(2 / (5 * self.config.hidden_size))
-        out_std = std / math.sqrt(2 * self.config.effective_expected_depth)
+        out_std = std / math.sqrt(2 * max(1, self.config.effective_expected_depth))
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
                 s = out_std if name.endswith(("attn.proj", "mlp.proj")) else std
@@ -209,11 +210,15 @@ class RecurrentDepthLM(nn.Module):
         input_states: s_0 [B, T, h] instead of a random draw. labels: [B, T] unshifted (shifted
         here), -100 ignored. cache: a cache object (see model/cache.py) to read and extend.
         """
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         n_free, n_grad = self.resolve_num_steps(num_steps, generator)
-        self.check_inputs(input_ids, labels, attention_mask, input_states, cache)
+        self.check_inputs(input_ids, labels, attention_mask, input_states, cache, position_ids)
         scale = self.config.init_scale if init_scale is None else init_scale
-        if not isinstance(scale, int | float) or scale < 0:
-            raise ValueError(f"init_scale={scale!r} is invalid: expected a number >= 0")
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale) or scale < 0:
+            raise ValueError(f"init_scale={scale!r} is invalid: expected a finite number >= 0")
+        if input_ids.dtype not in (torch.int32, torch.int64):
+            input_ids = input_ids.long()  # the embedding lookup takes int32/int64 only
 
         ctx = self.make_context(input_ids, attention_mask, position_ids, cache)
         e = self.embed(input_ids, ctx)
@@ -243,7 +248,7 @@ class RecurrentDepthLM(nn.Module):
         loss = None
         if labels is not None:
             loss = F.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+                logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1).long(), ignore_index=-100
             )
         return RecurrentOutput(
             logits=logits, latent_states=latent, final_state=state, loss=loss,
@@ -284,10 +289,13 @@ class RecurrentDepthLM(nn.Module):
         attention_mask: Tensor | None,
         input_states: Tensor | None,
         cache: Any | None,
+        position_ids: Tensor | None = None,
     ) -> None:
         cfg = self.config
-        if not isinstance(input_ids, Tensor):
-            raise ValueError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+        for name, value in (("input_ids", input_ids), ("labels", labels), ("attention_mask", attention_mask),
+                            ("input_states", input_states), ("position_ids", position_ids)):
+            if value is not None and not isinstance(value, Tensor):
+                raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
         if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool or input_ids.is_complex():
             raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
@@ -312,14 +320,12 @@ class RecurrentDepthLM(nn.Module):
                     f"attention_mask must have shape [batch, cached + new] = {(B, total)}, "
                     f"got {tuple(attention_mask.shape)}"
                 )
-            if attention_mask.dtype.is_floating_point and not bool(
-                ((attention_mask == 0) | (attention_mask == 1)).all()
-            ):
+            if attention_mask.is_complex() or not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
                 raise ValueError("attention_mask must contain only 0 (padding) and 1 (real token)")
         if labels is not None:
             if tuple(labels.shape) != (B, T):
                 raise ValueError(f"labels must have the shape of input_ids {(B, T)}, got {tuple(labels.shape)}")
-            if labels.dtype.is_floating_point:
+            if labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.is_complex():
                 raise ValueError(f"labels must hold integer token ids, got dtype {labels.dtype}")
             valid = (labels == -100) | ((labels >= 0) & (labels < cfg.vocab_size))
             if not bool(valid.all()):
@@ -329,6 +335,21 @@ class RecurrentDepthLM(nn.Module):
                 f"input_states must have shape [batch, seq_len, hidden_size] = {(B, T, cfg.hidden_size)}, "
                 f"got {tuple(input_states.shape)}"
             )
+        if input_states is not None and not input_states.dtype.is_floating_point:
+            raise ValueError(f"input_states must be a floating-point tensor, got dtype {input_states.dtype}")
+        if position_ids is not None:
+            if tuple(position_ids.shape) not in ((B, T), (1, T)):
+                raise ValueError(
+                    f"position_ids must have shape [batch, seq_len] = {(B, T)} (or [1, seq_len]), "
+                    f"got {tuple(position_ids.shape)}"
+                )
+            if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool or position_ids.is_complex():
+                raise ValueError(f"position_ids must hold integer positions, got dtype {position_ids.dtype}")
+            if position_ids.numel() and (int(position_ids.min()) < 0 or int(position_ids.max()) >= cfg.max_seq_len):
+                raise ValueError(
+                    f"position_ids must lie in [0, max_seq_len={cfg.max_seq_len}), got values in "
+                    f"[{int(position_ids.min())}, {int(position_ids.max())}]"
+                )
 
     # ------------------------------------------------------------------ checkpoints
     def save_pretrained(self, path: Any, **kwargs: Any) -> None:

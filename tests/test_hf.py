@@ -134,6 +134,22 @@ def test_official_huginn_directory_loads_without_remote_code(tmp_path, trust_rem
         assert torch.equal(model(x, init_scale=0.0).logits, reference(x, num_steps=3, init_scale=0.0).logits)
 
 
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16], ids=["fp32-files", "bf16-files"])
+def test_auto_model_keeps_the_stored_dtype_of_an_official_directory(tmp_path, stored):
+    # The official config says torch_dtype=bfloat16 whatever the files hold; transformers' "auto"
+    # would follow the config, the library keeps the stored dtype (and so must the Auto classes).
+    torch.manual_seed(3)
+    reference = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval()
+    write_official_layout(reference, tmp_path, dtype=stored)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    library = rd.RecurrentDepthLM.from_pretrained(tmp_path)
+    assert model.dtype == library.dtype == stored
+    x = ids()
+    with torch.no_grad():
+        assert torch.equal(model(x, num_steps=2, init_scale=0.0).logits, library(x, num_steps=2, init_scale=0.0).logits)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float16).dtype == torch.float16
+
+
 @pytest.mark.parametrize("padded", [False, True], ids=["same-length", "left-padded"])
 def test_generate_cached_equals_uncached_and_library(hf_model, library_model, padded):
     x = ids(batch=3, length=6, seed=1)
@@ -190,6 +206,20 @@ def test_beam_search_cached_equals_uncached(hf_model):
     x = ids(batch=2, length=5, seed=3)
     kw = dict(max_new_tokens=5, num_steps=2, init_scale=0.0, num_beams=3, do_sample=False)
     assert torch.equal(hf_model.generate(x, **kw), hf_model.generate(x, use_cache=False, **kw))
+
+
+def test_stop_strings_in_transformers_own_loop(hf_model, model_dir):
+    # generate() hands `tokenizer` on to forward with the model kwargs; it must not be refused there.
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    x = ids(batch=1, length=5, seed=4)
+    kw = dict(max_new_tokens=8, num_steps=2, init_scale=0.0, do_sample=False)
+    full = hf_model.generate(x, **kw)
+    new = full[0, 5:].tolist()
+    texts = [tok.decode([t]) for t in new]
+    cut = next(i for i in range(1, len(new))
+               if texts[i].isascii() and texts[i].isalpha() and texts[i] not in "".join(texts[:i]))
+    stopped = hf_model.generate(x, stop_strings=[texts[cut]], tokenizer=tok, **kw)
+    assert torch.equal(stopped, full[:, : 5 + cut + 1])
 
 
 def test_generate_routes_library_only_options(hf_model, library_model):

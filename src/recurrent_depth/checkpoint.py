@@ -122,6 +122,30 @@ def weight_files(path: Path) -> list[Path]:
     raise FileNotFoundError(f"no safetensors weights in {path}")
 
 
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+
+
+def stored_dtype(path: str | os.PathLike[str]) -> torch.dtype | None:
+    """The dtype of the stored embedding (`transformer.wte.weight`), read from the file headers only.
+
+    None when `path` is not a local model directory with safetensors weights holding that tensor.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    try:
+        files = weight_files(path)
+    except (FileNotFoundError, ValueError):
+        return None
+    for file in files:
+        if not file.is_file():
+            continue
+        with safe_open(str(file), framework="pt") as handle:
+            if "transformer.wte.weight" in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                return _SAFETENSORS_DTYPES.get(handle.get_slice("transformer.wte.weight").get_dtype())
+    return None
+
+
 def read_state_dict(path: str | os.PathLike[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(Path(path)):

@@ -201,8 +201,9 @@ SHARED_GENERATE_OPTIONS = (
     "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
     "attention_mask", "num_steps", "init_scale", "kv_budget",
 )
-# forward() keyword arguments transformers may send that carry no information for this model.
-_IGNORED_FORWARD_KWARGS = ("output_attentions", "cache_position", "logits_to_keep", "token_type_ids")
+# forward() keyword arguments transformers may send that carry no information for this model
+# (generate(..., stop_strings=, tokenizer=) passes the tokenizer on to forward with the model kwargs).
+_IGNORED_FORWARD_KWARGS = ("output_attentions", "cache_position", "logits_to_keep", "token_type_ids", "tokenizer")
 
 
 class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
@@ -228,6 +229,22 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             id(m) for name, m in self.named_modules() if name.endswith(("attn.proj", "mlp.proj"))
         }
         self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
+        """transformers' `from_pretrained`; without `dtype=` the weights keep their stored dtype.
+
+        transformers 5 defaults to ``dtype="auto"``, which takes the config's `dtype` / `torch_dtype`
+        first: Huginn-0125's config says bfloat16 over float32 files, so the Auto classes would load
+        another model than `RecurrentDepthLM.from_pretrained` (which keeps the stored dtype).
+        """
+        if kwargs.get("dtype") is None and kwargs.get("torch_dtype") is None:
+            from recurrent_depth.checkpoint import stored_dtype
+
+            dtype = stored_dtype(pretrained_model_name_or_path)
+            if dtype is not None:
+                kwargs["dtype"] = dtype
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     # ------------------------------------------------------------------ plumbing
     @property

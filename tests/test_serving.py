@@ -216,6 +216,25 @@ def test_streamed_completion_equals_the_whole_one_and_ends_with_done(server, cli
     assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
 
 
+def test_streamed_echo_logprobs_have_the_text_offsets_of_the_whole_answer(server, client):
+    """text_offset counts from the start of the returned text (echoed prompt + completion), streamed
+    or not; the streamed completion tokens used to restart at 0 after the echoed prompt."""
+    kw = dict(model="tiny", prompt="def add(a, b):", max_tokens=6, temperature=0, echo=True, logprobs=2,
+              extra_body=dict(init_scale=0, ignore_eos=True))
+    whole = client.completions.create(**kw).choices[0]
+    offsets, tokens, text = [], [], ""
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            text += c.text
+            if c.logprobs is not None:
+                offsets += c.logprobs.text_offset
+                tokens += c.logprobs.tokens
+    assert text == whole.text and tokens == whole.logprobs.tokens
+    assert offsets == whole.logprobs.text_offset
+    prompt_len = len(whole.logprobs.tokens) - 6
+    assert offsets[prompt_len] >= len("def add(a, b):")  # the first completion token starts after the prompt
+
+
 def test_echo_logprobs_score_token_prompts_like_a_full_forward(client, reference):
     """lm-eval's scoring request: token-id prompts, echo, logprobs=1, max_tokens=1, temperature 0."""
     model, _ = reference
@@ -328,6 +347,32 @@ def test_bad_requests_get_openai_errors(server, path, body, status):
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert isinstance(error["message"], str) and error["message"] and "type" in error and "param" in error
+
+
+NASTY = [
+    # (id, path, raw body, the field the error names): bodies json.loads rejects with something other
+    # than JSONDecodeError, and lone surrogates (valid JSON, not encodable text); each was a 500.
+    ("nested-too-deep", "/v1/completions", b"[" * 100_000, None),
+    ("int-over-digit-limit", "/v1/completions", b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", None),
+    ("surrogate-prompt", "/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 1}', "prompt"),
+    ("surrogate-prompt-list", "/v1/completions", b'{"prompt": ["ok", "\\udfff"], "max_tokens": 1}', "prompt"),
+    ("surrogate-stop", "/v1/completions", b'{"prompt": "x", "stop": ["\\ud800"], "max_tokens": 1}', "stop"),
+    ("surrogate-message", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "\\ud83d"}], "max_tokens": 1}', "messages"),
+]
+
+
+@pytest.mark.parametrize("path,raw,param", [b[1:] for b in NASTY], ids=[b[0] for b in NASTY])
+def test_unparseable_bodies_and_lone_surrogates_are_400s_naming_the_field(server, path, raw, param):
+    r = httpx.post(server.url + path, content=raw, headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    if param is None:
+        assert "not valid JSON" in error["message"]
+    else:
+        assert "not valid Unicode" in error["message"]
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
 
 
 def test_an_oversized_body_is_refused_before_it_is_read(server):
@@ -459,6 +504,23 @@ def test_default_queue_admits_at_least_64_waiting_requests(server):
 
     args = build_parser("serve").parse_args(["serve", "--model", "m"])
     assert args.max_queue >= 64 and args.host == "127.0.0.1"
+
+
+def test_a_model_without_tokenizer_refuses_stop_strings_it_could_never_match(reference):
+    """Token-id-only serving: a stop string has no text to be found in, so it is a 400, not ignored."""
+    model, _ = reference
+    with LiveServer(build_app(model, model_name="ids")) as live:
+        r = httpx.post(live.url + "/v1/completions", json=dict(prompt=[5, 6], max_tokens=2, stop=["a"]), timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
+        r = httpx.post(live.url + "/v1/completions", timeout=30,
+                       json=dict(prompt=[5, 6], max_tokens=2, stop_token_ids=[7], temperature=0))
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == ""
+
+
+def test_build_app_refuses_a_nan_request_timeout(reference):
+    model, _ = reference
+    with pytest.raises(ValueError, match="request_timeout"):
+        build_app(model, request_timeout=float("nan"))
 
 
 # ---------------------------------------------------------------------------------------- auth and CLI

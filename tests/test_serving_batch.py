@@ -213,6 +213,19 @@ def test_validation_names_the_field(body, param):
     assert info.value.status == 400 and info.value.param == param and param in info.value.message
 
 
+@pytest.mark.parametrize("body,param,words", [
+    ({"prompt": "x", "num_steps": 4, "draft_steps": 2}, "draft_steps", "temperature"),  # default temperature 1
+    ({"prompt": "x", "num_steps": 0, "exit_criterion": "kl"}, "num_steps", "num_steps"),
+], ids=["draft-with-sampling", "exit-at-depth-zero"])
+def test_option_conflicts_name_the_field_the_client_sent(body, param, words):
+    """Conflicts found by `GenerationOptions.validate` used to come back with param null (or naming
+    min_steps, which the client never sent) and spoke of do_sample, which is not a wire field."""
+    with pytest.raises(APIError) as info:
+        parse_completion(body, LIMITS, {"m"}, eos_configured=False).sampling.options(2, 4, LIMITS)
+    assert info.value.status == 400 and info.value.param == param, info.value.message
+    assert words in info.value.message and "do_sample" not in info.value.message
+
+
 def test_validation_accepts_the_documented_extra_fields():
     req = parse_completion({"prompt": [[1, 2], [3]], "n": 2, "num_steps": 8, "exit_criterion": "kl",
                             "exit_threshold": 1e-3, "kv_budget": 4, "warm_start": True, "top_k": -1,

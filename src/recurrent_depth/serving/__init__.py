@@ -76,7 +76,7 @@ def build_app(
         model_name = model_name or directory.resolve().name
         model = load_pretrained(directory, dtype=dtype, device=device)
     model_name = model_name or "recurrent-depth"
-    if request_timeout <= 0:
+    if not request_timeout > 0:  # also refuses NaN, under which no request would ever time out
         raise ValueError(f"request_timeout={request_timeout} is invalid: expected a number of seconds > 0")
     cfg = model.config
     steps = max_num_steps if max_num_steps is not None else default_max_num_steps(cfg.mean_recurrence)

@@ -152,8 +152,10 @@ def create_app(engine: Engine, codec: TextCodec, settings: ServerSettings) -> Fa
             raise APIError(413, f"the request body is {len(raw)} bytes; at most {MAX_BODY_BYTES} are accepted")
         try:
             body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+        except (ValueError, RecursionError) as exc:
+            # ValueError: malformed JSON, bad UTF-8, or an integer literal over Python's digit limit;
+            # RecursionError: arrays/objects nested too deeply to parse.
+            raise APIError(400, f"the request body is not valid JSON: {type(exc).__name__}: {exc}") from None
         if not isinstance(body, dict):
             raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
         return body
@@ -213,6 +215,9 @@ def create_app(engine: Engine, codec: TextCodec, settings: ServerSettings) -> Fa
     # ------------------------------------------------------------------ generation plumbing
     def make_jobs(sampling: Sampling, prompts: list[list[int]], top: int | None, prompt_scores: bool,
                   extra_stops: set[int], channel: Channel, start: float) -> tuple[list[Job], list[Choice]]:
+        if sampling.stop and not codec.has_tokenizer:  # no text to search: they could never match
+            raise APIError(400, "'stop' strings need the model directory's tokenizer.json, which this server does "
+                                "not have; use 'stop_token_ids'", param="stop")
         base_seed = sampling.seed if sampling.seed is not None else secrets.randbits(62)
         stops = set(sampling.stop_token_ids) | extra_stops | (set() if sampling.ignore_eos else base_stops)
         deadline = start + settings.request_timeout
@@ -386,7 +391,9 @@ def create_app(engine: Engine, codec: TextCodec, settings: ServerSettings) -> Fa
         elif isinstance(event, TokenOut):
             lp = None
             if req.logprobs is not None:
-                full = completion_logprobs(choice, echo=False)
+                # text_offset counts from the start of the returned text, the echoed prompt included
+                full = completion_logprobs(choice, echo=req.echo, first=len(choice.tokens) - 1 + (
+                    len(choice.prompt_ids) if req.echo else 0))
                 lp = {k: v[-1:] for k, v in full.items()}
             chunk(event.text, None, lp, [event.steps])
         elif isinstance(event, Done):

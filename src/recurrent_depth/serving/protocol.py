@@ -99,6 +99,15 @@ def get_bool(body: dict, name: str, default: bool | None) -> Any:
     return value
 
 
+def check_text(value: str, param: str, where: str) -> None:
+    """400 for a string that is not valid Unicode text (JSON allows lone surrogates like "\\ud800",
+    which no tokenizer can encode)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad(param, f"{where} is not valid Unicode text: {exc.reason} at character {exc.start}") from None
+
+
 def get_str(body: dict, name: str, default: str | None = None) -> Any:
     value = body.get(name, default)
     if value is not None and not isinstance(value, str):
@@ -166,8 +175,13 @@ class Sampling:
         try:
             return GenerationOptions(max_new_tokens=max_tokens, **self.generation).validate(limits.mean_recurrence)
         except ValueError as exc:
-            name = str(exc).split("=", 1)[0] if "=" in str(exc).split(" ", 1)[0] else None
-            raise bad(name, str(exc)) from None
+            # `generate`'s own check; it speaks of do_sample where the wire format has temperature.
+            message = str(exc).replace("do_sample", "temperature > 0 (send temperature: 0)")
+            head = message.split(" ", 1)[0]
+            name = head.split("=", 1)[0] if "=" in head else None
+            if name is None:
+                name = next((f for f in ("draft_steps", "max_steps", "exit_criterion") if f in message), None)
+            raise bad(name, message) from None
 
 
 def parse_sampling(body: dict, limits: Limits, served_names: set[str], eos_configured: bool) -> Sampling:
@@ -196,6 +210,8 @@ def parse_sampling(body: dict, limits: Limits, served_names: set[str], eos_confi
         raise bad("stop", f"'stop' has {len(stop)} strings; at most {limits.max_stop} are allowed")
     if any(s == "" for s in stop):
         raise bad("stop", "'stop' strings must not be empty")
+    for i, s in enumerate(stop):
+        check_text(s, "stop", f"'stop'[{i}]")
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limits.vocab_size for t in stop_ids
@@ -237,6 +253,9 @@ def parse_sampling(body: dict, limits: Limits, served_names: set[str], eos_confi
                                 "sets eos_token_id (speculative sessions always stop there)")
     if draft_steps is not None and deepest < 1:
         raise bad("draft_steps", "'draft_steps' needs num_steps >= 1")
+    if criterion is not None and (max_steps if max_steps is not None else deepest) < 1:
+        raise bad("num_steps", f"'exit_criterion'={criterion!r} needs at least one recurrence step, but num_steps is "
+                               f"{deepest}; set num_steps (or max_steps) >= 1")
 
     generation: dict[str, Any] = dict(
         num_steps=num_steps, exit_criterion=criterion, exit_threshold=threshold, kv_budget=kv_budget,
@@ -282,7 +301,9 @@ def parse_completion(body: dict, limits: Limits, served_names: set[str], eos_con
     else:
         raise bad("prompt", "'prompt' must be a string, a list of strings, a list of token ids or a list of lists "
                             f"of token ids (non-empty), got {_describe(prompt)}")
-    for p in prompts:
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            check_text(p, "prompt", "'prompt'" if len(prompts) == 1 else f"'prompt'[{i}]")
         if isinstance(p, list):
             if not p:
                 raise bad("prompt", "a token-id prompt must not be empty")
@@ -339,6 +360,7 @@ def parse_chat(body: dict, limits: Limits, served_names: set[str], eos_configure
         if not isinstance(content, str):
             raise bad("messages", f"{where}.content must be a string or a list of text parts, got "
                                   f"{_describe(content)}")
+        check_text(content, "messages", f"{where}.content")
         clean.append({"role": role, "content": content})
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"

@@ -100,3 +100,19 @@ def test_bad_checkpoints_list_what_is_wrong(tiny_model, tmp_path):
     (tmp_path / "d" / "pytorch_model.bin").write_bytes(b"not unpickled")
     with pytest.raises(ValueError, match="pickled"):
         rd.RecurrentDepthLM.from_pretrained(tmp_path / "d")
+
+
+def test_damaged_files_and_integer_tensors_name_the_file_or_tensor(tiny_model, tmp_path):
+    write_official_layout(tiny_model, tmp_path / "index", dtype=torch.float32)
+    (tmp_path / "index" / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json is not valid JSON"):
+        rd.RecurrentDepthLM.from_pretrained(tmp_path / "index")
+    tiny_model.save_pretrained(tmp_path / "corrupt")
+    (tmp_path / "corrupt" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00garbage!")
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a readable safetensors file"):
+        rd.RecurrentDepthLM.from_pretrained(tmp_path / "corrupt")
+    # An integer tensor would be adopted as is (model.to(dtype) casts floating tensors only).
+    write_official_layout(tiny_model, tmp_path / "int", dtype=torch.float32,
+                          extra={"transformer.ln_f.weight": torch.ones(64, dtype=torch.int32)})
+    with pytest.raises(ValueError, match=r"not floating point: \['transformer.ln_f.weight: torch.int32'\]"):
+        rd.RecurrentDepthLM.from_pretrained(tmp_path / "int")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from recurrent_depth.config import ModelConfig, atomic_write_text
@@ -108,8 +108,11 @@ def _atomic_save(state: dict[str, torch.Tensor], path: Path, metadata: dict[str,
 def weight_files(path: Path) -> list[Path]:
     """The safetensors files of a model directory, single or sharded."""
     if (path / INDEX_NAME).exists():
-        index = json.loads((path / INDEX_NAME).read_text())
-        if "weight_map" not in index:
+        try:
+            index = json.loads((path / INDEX_NAME).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path / INDEX_NAME} is not valid JSON: {exc}") from None
+        if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
             raise ValueError(f"{path / INDEX_NAME} has no 'weight_map'")
         return [path / name for name in sorted(set(index["weight_map"].values()))]
     if (path / WEIGHTS_NAME).exists():
@@ -134,25 +137,25 @@ def stored_dtype(path: str | os.PathLike[str]) -> torch.dtype | None:
     if not path.is_dir():
         return None
     try:
-        files = weight_files(path)
-    except (FileNotFoundError, ValueError):
-        return None
-    for file in files:
-        if not file.is_file():
-            continue
-        with safe_open(str(file), framework="pt") as handle:
-            if "transformer.wte.weight" in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                return _SAFETENSORS_DTYPES.get(handle.get_slice("transformer.wte.weight").get_dtype())
+        for file in weight_files(path):
+            with safe_open(str(file), framework="pt") as handle:
+                if "transformer.wte.weight" in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    return _SAFETENSORS_DTYPES.get(handle.get_slice("transformer.wte.weight").get_dtype())
+    except (OSError, ValueError, SafetensorError):
+        return None  # the loader itself reports unreadable files
     return None
 
 
 def read_state_dict(path: str | os.PathLike[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(Path(path)):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                tensor = handle.get_tensor(name)
-                state[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    tensor = handle.get_tensor(name)
+                    state[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+        except SafetensorError as exc:
+            raise ValueError(f"{file} is not a readable safetensors file: {exc}") from None
     return state
 
 
@@ -186,10 +189,10 @@ def load_pretrained(
     for name in IGNORED_TENSORS:
         state.pop(name, None)
     wte = state.get("transformer.wte.weight")
-    stored_dtype = wte.dtype if wte is not None else torch.float32
+    wte_dtype = wte.dtype if wte is not None and wte.is_floating_point() else torch.float32
     if config.tie_embeddings and "lm_head.weight" in state:
         head = state.pop("lm_head.weight")
-        if wte is not None and (head.shape != wte.shape or not torch.equal(head, wte)):
+        if wte is not None and (head.shape != wte.shape or not torch.equal(head.to(wte.dtype), wte)):
             problems.append("lm_head.weight differs from transformer.wte.weight but the config ties them")
     required = set(expected) - ({"lm_head.weight"} if config.tie_embeddings else set())
     missing = sorted(required - set(state))
@@ -199,8 +202,13 @@ def load_pretrained(
         for name in set(state) & set(expected)
         if tuple(state[name].shape) != tuple(expected[name].shape)
     )
+    wrong_dtype = sorted(
+        f"{name}: {state[name].dtype}" for name in set(state) & set(expected) if not state[name].is_floating_point()
+    )
     if missing:
         problems.append(f"missing tensors: {missing}")
+    if wrong_dtype:
+        problems.append(f"tensors that are not floating point: {wrong_dtype}")
     if unexpected:
         problems.append(f"unexpected tensors: {unexpected}")
     if mis_shaped:
@@ -212,6 +220,6 @@ def load_pretrained(
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_embeddings:
         model.lm_head.weight = model.transformer.wte.weight
-    model.to(device=device, dtype=dtype or stored_dtype)
+    model.to(device=device, dtype=dtype or wte_dtype)
     model.eval()
     return model

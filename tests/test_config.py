@@ -90,3 +90,11 @@ def test_bad_values_in_an_official_config_name_the_field(changes, field):
     # raise ZeroDivisionError / TypeError before validation can name the field.
     with pytest.raises(ValueError, match=field):
         rd.ModelConfig.from_dict({**HUGINN_CONFIG_JSON, **changes})
+
+
+def test_official_config_with_transformers_alias_keys_is_read_not_defaulted():
+    # RavenConfig maps hidden_size -> n_embd and num_attention_heads -> n_heads; a config written with
+    # the aliases must not silently fall back to our defaults (hidden 64, 4 heads).
+    data = {k: v for k, v in HUGINN_CONFIG_JSON.items() if k not in ("n_embd", "n_heads")}
+    cfg = rd.ModelConfig.from_dict({**data, "hidden_size": 5280, "num_attention_heads": 55})
+    assert cfg == rd.ModelConfig.from_preset("huginn-0125")

@@ -215,10 +215,14 @@ class ModelConfig:
         for key, value in data.items():
             if key in HUGINN_KEY_MAP:
                 values[HUGINN_KEY_MAP[key]] = value
-        if "vocab_size" not in values and "vocab_size" in data:
-            values["vocab_size"] = data["vocab_size"]
-        if _is_int(data.get("n_embd")) and _is_int(data.get("n_heads")) and data["n_heads"] > 0:
-            values.setdefault("head_dim", data["n_embd"] // data["n_heads"])  # else validation names the field
+        # RavenConfig's transformers aliases (attribute_map), used when its own key is absent.
+        for alias, name in (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
+                            ("num_attention_heads", "num_heads")):
+            if name not in values and alias in data:
+                values[name] = data[alias]
+        embd, heads = values.get("hidden_size"), values.get("num_heads")
+        if _is_int(embd) and _is_int(heads) and heads > 0:
+            values.setdefault("head_dim", embd // heads)  # else validation names the field
         values.setdefault("num_kv_heads", values.get("num_heads"))
         values.setdefault("rope_base", 50_000.0)
         values.setdefault("norm_eps", 1e-6)

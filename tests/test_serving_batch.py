@@ -226,6 +226,17 @@ def test_option_conflicts_name_the_field_the_client_sent(body, param, words):
     assert words in info.value.message and "do_sample" not in info.value.message
 
 
+@pytest.mark.parametrize("fields,want", [
+    ({"max_completion_tokens": None, "max_tokens": 5}, 5),
+    ({"max_completion_tokens": 7, "max_tokens": 5}, 7),
+    ({"max_tokens": None}, None),
+], ids=["null-new-name-falls-back", "new-name-wins", "both-unset"])
+def test_chat_max_tokens_null_means_unset(fields, want):
+    """An explicit null max_completion_tokens used to hide max_tokens (the answer ran to the context's end)."""
+    chat = parse_chat({"messages": [{"role": "user", "content": "a"}], **fields}, LIMITS, {"m"}, False)
+    assert chat.sampling.max_tokens == want
+
+
 def test_validation_accepts_the_documented_extra_fields():
     req = parse_completion({"prompt": [[1, 2], [3]], "n": 2, "num_steps": 8, "exit_criterion": "kl",
                             "exit_threshold": 1e-3, "kv_budget": 4, "warm_start": True, "top_k": -1,

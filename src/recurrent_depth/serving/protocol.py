@@ -362,8 +362,9 @@ def parse_chat(body: dict, limits: Limits, served_names: set[str], eos_configure
                                   f"{_describe(content)}")
         check_text(content, "messages", f"{where}.content")
         clean.append({"role": role, "content": content})
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    # max_completion_tokens wins when set; null means "not set" for either name
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(name)
     sampling.max_tokens = get_int({name: max_tokens}, name, None, 1, limits.max_seq_len)
     logprobs = get_bool(body, "logprobs", False)
     top = get_int(body, "top_logprobs", None, 0, limits.max_top_logprobs)

@@ -273,3 +273,12 @@ def test_model_without_prelude_coda_or_mean_depth_initialises():
     model = rd.RecurrentDepthLM(rd.ModelConfig(prelude_layers=0, coda_layers=0, mean_recurrence=0))
     assert torch.isfinite(model.transformer.core_block[0].attn.proj.weight).all()
     assert model(ids(T=3), num_steps=1).logits.shape == (2, 3, 256)
+
+
+def test_cache_refuses_a_different_batch_size(tiny_model):
+    from recurrent_depth.model.cache import DynamicCache
+
+    cache = DynamicCache()
+    tiny_model(ids(T=4), num_steps=2, init_scale=0.0, cache=cache)
+    with pytest.raises(ValueError, match="batch size 1"):
+        tiny_model(ids(B=1, T=1), num_steps=2, init_scale=0.0, cache=cache)

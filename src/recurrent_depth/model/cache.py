@@ -30,6 +30,11 @@ class DynamicCache:
     def update_kv(self, key: tuple, k: Tensor, v: Tensor, ctx: Any = None) -> tuple[Tensor, Tensor]:
         if key in self.kv:
             old_k, old_v = self.kv[key]
+            if old_k.shape[0] != k.shape[0]:
+                raise ValueError(
+                    f"batch size {k.shape[0]} differs from the {old_k.shape[0]} rows this cache holds; "
+                    "use a new cache for a new batch"
+                )
             if old_k.shape[1] != self.seq_len:
                 raise RuntimeError(
                     f"cache entry {key} holds {old_k.shape[1]} positions but {self.seq_len} are cached; "

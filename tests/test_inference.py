@@ -171,6 +171,35 @@ def test_speculative_probability_mode_accepts_by_threshold(model, prompts):
             assert p == top
 
 
+@pytest.fixture(scope="module")
+def short_model() -> rd.RecurrentDepthLM:
+    torch.manual_seed(0)
+    return rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", max_seq_len=24)).eval()
+
+
+def test_speculative_drafts_stop_at_max_seq_len(short_model):
+    # prompt + new tokens fill the context exactly; a round must not draft past it
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=4, num_steps=4, init_scale=0.0)
+    greedy = generate(short_model, ids, **kw)
+    spec = generate(short_model, ids, draft_steps=3, lookahead=8, **kw)
+    assert torch.equal(spec.sequences, greedy.sequences)
+
+
+def test_speculative_batch_with_a_stopped_row_stays_within_max_seq_len(short_model):
+    # A row that stops keeps feeding padding while the others (with rejected, hidden columns) go on:
+    # its positions must not run past max_seq_len, and every row still equals its run alone.
+    ids = torch.randint(0, 256, (3, 8), generator=torch.Generator().manual_seed(2))
+    kw = dict(max_new_tokens=16, num_steps=4, init_scale=0.0)
+    greedy = generate(short_model, ids, **kw).token_lists()
+    stop = greedy[0][1]
+    assert all(stop not in row for row in greedy[1:])
+    spec = generate(short_model, ids, draft_steps=3, lookahead=4, stop=[stop], **kw)
+    assert spec.finish_reasons == ["stop", "length", "length"]
+    alone = [generate(short_model, ids[b : b + 1], **kw, stop=[stop]).token_lists()[0] for b in range(3)]
+    assert spec.token_lists() == alone
+
+
 # ---------------------------------------------------------------------------------------- parallel sampler
 def test_parallel_sampler_with_full_sweeps_equals_autoregressive_with_one_kv_slot(model, prompts):
     """inner_steps = max_steps and headway 1: the front runs all its steps on final inputs, reading

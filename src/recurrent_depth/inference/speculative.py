@@ -39,12 +39,22 @@ def decode(session: Session) -> Iterator[TokenEvent]:
         yield session.commit(b, int(pending[b]), M, "prefill", logits[b] if opts.output_logits else None, nbytes[b])
     column = session.T
     rounds = drafted = accepted = 0
+    max_len = session.model.config.max_seq_len
     while session.unfinished:
         rows = session.unfinished
         active = session.unfinished_mask()
+        # Position of each row's pending token: its real columns so far. Drafts must stay within
+        # max_seq_len (a row needs at most its remaining tokens, which validation made fit); finished
+        # rows feed padding on hidden columns, so their positions stop growing.
+        session.mask(column + L)
+        position = session.valid[:, :column].sum(1).tolist()
+        L = min(opts.lookahead, *(max_len - position[b] for b in rows))
+        for b in range(session.B):
+            if b not in rows:
+                session.hide(b, column, column + L)
         feed = torch.where(active, pending, session.pad_token_id)
         ids, states, embeds, injections, drafts = [], [], [], [], []
-        for t in range(L):  # draft: L tokens at N steps each
+        for t in range(L):  # draft: L tokens at N steps each (fewer near max_seq_len)
             token_ids = feed[:, None]
             step = runner.context(token_ids, session.mask(column + t + 1), cache)
             e = runner.embed(token_ids, step)
@@ -90,14 +100,17 @@ def decode(session: Session) -> Iterator[TokenEvent]:
             emitted = [(draft_list[b][t], "accepted", t) for t in range(n)]
             if n < L:
                 emitted.append((best_list[b][n], "corrected", n))
+            committed = 0
             for token, reason, t in emitted:
                 yield session.commit(b, token, M, reason, verify_logits[b, t] if opts.output_logits else None,
                                      nbytes[b])
                 pending[b] = token
+                committed += 1
                 if session.recorder.finished[b]:
                     break
-            # Column c + t holds d_t for t >= 1; it is a real token iff d_t was accepted.
-            keep_columns.append(min(n, L - 1) + 1)
+            # Column c holds the pending token and c + t holds d_t for t >= 1: real iff committed and fed,
+            # i.e. min(n, L - 1) + 1 columns, or fewer when the row finished inside the round.
+            keep_columns.append(committed)
         # Roll back the columns every row rejected; hide the other rejected ones row by row.
         keep = max(keep_columns, default=L)
         for b, k in zip(rows, keep_columns):

@@ -1,4 +1,5 @@
 import json
+import warnings
 
 import pytest
 
@@ -72,6 +73,15 @@ HUGINN_CONFIG_JSON = {
 def test_reads_the_official_huginn_config_keys():
     cfg = rd.ModelConfig.from_dict(json.loads(json.dumps(HUGINN_CONFIG_JSON)))
     assert cfg == rd.ModelConfig.from_preset("huginn-0125")
+
+
+def test_init_scale_in_a_huginn_format_config_is_kept():
+    # Our transformers config writes init_scale into the Huginn-format config.json; reading it back must
+    # not drop it (a model saved with init_scale=0.0 came back with 1.0).
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and no "ignoring Huginn config keys" warning
+        cfg = rd.ModelConfig.from_dict({**HUGINN_CONFIG_JSON, "init_scale": 0.0})
+    assert cfg.init_scale == 0.0
 
 
 def test_unknown_preset_override_names_the_field():

@@ -29,6 +29,7 @@ def _is_real(value: Any) -> bool:
     """A finite int or float (not a bool, not a string that looks like a number)."""
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
+
 # Official Huginn `config.json` key -> our field.
 HUGINN_KEY_MAP: dict[str, str] = {
     "n_embd": "hidden_size",
@@ -51,6 +52,7 @@ HUGINN_KEY_MAP: dict[str, str] = {
     "bos_token_id": "bos_token_id",
     "eos_token_id": "eos_token_id",
     "pad_token_id": "pad_token_id",
+    "init_scale": "init_scale",  # not in the official file; written by our Huginn-format config on save
 }
 
 # Keys that describe the file rather than the model (transformers bookkeeping, informational

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -306,7 +307,11 @@ BAD_INPUTS = {
     "id-too-large": (torch.tensor([[1, 2, 256]]), None, r"input_ids\[0, 2\]=256"),
     "negative-id": (torch.tensor([[-1, 2]]), None, "outside the vocabulary"),
     "float-ids": (torch.tensor([[1.0, 2.0]]), None, "integer token ids"),
+    "float-list": ([[1.5, 2]], None, "integer token ids"),  # not truncated to 1
+    "float-numpy": (np.array([[1.0, 2.0]]), None, "integer token ids"),
     "empty": (torch.zeros(1, 0, dtype=torch.long), None, "seq_len>0"),
+    "empty-list": ([], None, "seq_len>0"),
+    "mask-strings": ([[1, 2]], [["a", "b"]], "attention_mask"),
     "mask-shape": (torch.tensor([[1, 2, 3]]), torch.tensor([[1, 1]]), "shape of input_ids"),
     "right-padding": (torch.tensor([[1, 2, 3]]), torch.tensor([[1, 1, 0]]), "left padding"),
     "mask-values": (torch.tensor([[1, 2, 3]]), torch.tensor([[1, 2, 1]]), "only 0"),

@@ -19,11 +19,12 @@ def prepare_inputs(model: Any, input_ids: Any, attention_mask: Any) -> tuple[Ten
     """Validate ids `[B, T]` (or `[T]`, or lists) and a left-padding mask; returns tensors on the model's device."""
     cfg = model.config
     if not isinstance(input_ids, Tensor):
-        try:
-            input_ids = torch.tensor(input_ids, dtype=torch.long)
-        except (TypeError, ValueError) as exc:
+        try:  # keep the given type: a cast to long would silently truncate 1.5 to 1
+            input_ids = torch.as_tensor(input_ids)
+        except (TypeError, ValueError, RuntimeError) as exc:
             raise ValueError(f"input_ids must be a tensor or a (nested) list of ints: {exc}") from None
-    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool or input_ids.is_complex():
+    nonint = input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool or input_ids.is_complex()
+    if nonint and input_ids.numel() > 0:
         raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
@@ -39,7 +40,10 @@ def prepare_inputs(model: Any, input_ids: Any, attention_mask: Any) -> tuple[Ten
     mask = None
     if attention_mask is not None:
         if not isinstance(attention_mask, Tensor):
-            attention_mask = torch.tensor(attention_mask)
+            try:
+                attention_mask = torch.as_tensor(attention_mask)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                raise ValueError(f"attention_mask must be a tensor or a (nested) list of 0/1: {exc}") from None
         if attention_mask.dim() == 1:
             attention_mask = attention_mask[None]
         if tuple(attention_mask.shape) != tuple(input_ids.shape):

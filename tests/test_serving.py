@@ -523,6 +523,16 @@ def test_build_app_refuses_a_nan_request_timeout(reference):
         build_app(model, request_timeout=float("nan"))
 
 
+def test_serve_bounds_the_wait_for_open_streams_on_shutdown(reference, monkeypatch):
+    # uvicorn's default waits for every open stream on Ctrl-C / SIGTERM, up to the whole request timeout.
+    from recurrent_depth import serving
+
+    calls = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.update(kw))
+    serving.serve(reference[0], port=1234)
+    assert calls["port"] == 1234 and calls["timeout_graceful_shutdown"] == serving.SHUTDOWN_GRACE_S <= 10
+
+
 # ---------------------------------------------------------------------------------------- auth and CLI
 def test_api_key_guards_every_route_but_health(model_dir):
     with LiveServer(build_app(model_dir, model_name="tiny", api_key="s3cret")) as live:

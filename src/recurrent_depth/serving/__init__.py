@@ -94,9 +94,14 @@ def build_app(
     return create_app(engine, codec, settings)
 
 
+# Seconds a Ctrl-C / SIGTERM waits for open requests before closing them (uvicorn's default waits for every
+# stream to finish, which can be the whole request timeout).
+SHUTDOWN_GRACE_S = 5.0
+
+
 def serve(model: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", **kwargs: Any) -> None:
-    """Build the app and run it with uvicorn until interrupted."""
+    """Build the app and run it with uvicorn until interrupted (open requests get `SHUTDOWN_GRACE_S`)."""
     import uvicorn
 
     app = build_app(model, **kwargs)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)

@@ -14,7 +14,7 @@ from recurrent_depth.inference import DynamicRecurrentCache, StaticRecurrentCach
 from recurrent_depth.inference import runner as runner_module
 from recurrent_depth.inference.criteria import CRITERIA, ExitCriterion, resolve_criterion
 from recurrent_depth.inference.runner import FastRunner, ModelRunner, make_runner
-from recurrent_depth.inference.sampling import RowGenerators, apply_repetition_penalty, filter_logits
+from recurrent_depth.inference.sampling import RowGenerators, apply_repetition_penalty, filter_logits, sample_rows
 
 # Tiny matmuls run fastest on one thread (see conftest.one_thread).
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -150,6 +150,16 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
     assert kept.tolist() == [[True, True, False, False]]
     kept = filter_logits(logits, 1.0, None, None, 0.5).isfinite()  # min-p: p >= 0.5 * 0.5
     assert kept.tolist() == [[True, True, False, False]]
+
+
+@pytest.mark.parametrize("temperature", [1e-3, 1e-40, 5e-324], ids=["1e-3", "1e-40", "5e-324"])
+def test_tiny_temperatures_sample_the_argmax(temperature):
+    # logits / 1e-40 overflow to +-inf (and 5e-324 rounds to 0 in float32): softmax would be NaN
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.9], [3.0, -2.0, 0.0, 2.5]])
+    probs = filter_logits(logits, temperature, None, None, None).softmax(-1)
+    torch.testing.assert_close(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]), rtol=0, atol=1e-6)
+    generators = RowGenerators(0, 2, torch.device("cpu"))
+    assert sample_rows(filter_logits(logits, temperature, None, 0.9, 0.1), generators, [0, 1]).tolist() == [1, 0]
 
 
 def test_repetition_penalty_follows_the_ctrl_rule():

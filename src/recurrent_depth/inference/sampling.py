@@ -55,7 +55,12 @@ def filter_logits(
     logits: Tensor, temperature: float, top_k: int | None, top_p: float | None, min_p: float | None
 ) -> Tensor:
     """Temperature, then top-k, top-p (nucleus) and min-p filtering; removed entries become -inf."""
-    logits = logits / temperature
+    # Shift each row to a maximum of 0 first (softmax and the filters do not change), and keep the maxima
+    # at 0: a tiny temperature then sends the other logits to -inf instead of everything to +-inf or, with
+    # a temperature that rounds to 0 in float32, the maxima to 0/0; either way the softmax would be NaN.
+    peak = logits.amax(dim=-1, keepdim=True)
+    shifted = logits - torch.where(peak.isfinite(), peak, 0)
+    logits = torch.where(shifted == 0, shifted, shifted / temperature)
     neg_inf = torch.tensor(float("-inf"), device=logits.device, dtype=logits.dtype)
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]

@@ -278,6 +278,8 @@ BAD = {
     "kv_budget=0": (dict(kv_budget=0), "kv_budget=0"),
     "draft>=steps": (dict(draft_steps=4, num_steps=4), "draft_steps=4"),
     "negative-threshold": (dict(exit_criterion="kl", exit_threshold=-1e-3), "exit_threshold"),
+    "infinite-step-count": (dict(exit_criterion="argmax-stability", exit_threshold=math.inf), "exit_threshold=inf"),
+    "huge-int-threshold": (dict(exit_criterion="kl", exit_threshold=10**400), "exit_threshold"),
     "unknown-criterion": (dict(exit_criterion="entropy"), "exit_criterion='entropy'"),
     "threshold-without-criterion": (dict(exit_threshold=0.1), "without an exit_criterion"),
     "temperature": (dict(do_sample=True, temperature=0.0), "temperature"),

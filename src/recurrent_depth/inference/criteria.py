@@ -57,10 +57,16 @@ def resolve_criterion(name: str | None, threshold: float | None) -> tuple[Criter
     spec = CRITERIA[name]
     if threshold is None:
         return spec, float(spec.default_threshold)
-    if isinstance(threshold, bool) or not isinstance(threshold, int | float) or math.isnan(threshold):
+    if isinstance(threshold, bool) or not isinstance(threshold, int | float):
+        raise ValueError(f"exit_threshold={threshold!r} is invalid: expected a number >= 0")
+    try:
+        as_float = float(threshold)
+    except OverflowError:
+        raise ValueError(f"exit_threshold={threshold!r} is invalid: too large for a float") from None
+    if math.isnan(as_float):
         raise ValueError(f"exit_threshold={threshold!r} is invalid: expected a number >= 0")
     if spec.integer_threshold:
-        if threshold < 1 or threshold != int(threshold):
+        if not math.isfinite(threshold) or threshold < 1 or threshold != int(threshold):
             raise ValueError(
                 f"exit_threshold={threshold!r} is invalid for {name!r}: expected an integer >= 1 "
                 "(the number of consecutive steps with an unchanged argmax)"

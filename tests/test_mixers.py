@@ -163,6 +163,18 @@ def test_log_linear_leading_padding_writes_nothing(case):
     assert levels[:, :, 0].abs().max() > 0
 
 
+@pytest.mark.parametrize("case", list(MIXERS))
+def test_bf16_autocast_training_step_is_finite(case):
+    """`rdepth train --dtype bfloat16` runs the model under autocast; the chunked linear ops raised there."""
+    model = core_model(case).train()
+    x = tokens(2, 11)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x, num_steps=2, init_scale=0.0, labels=x)
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
 # ---------------------------------------------------------------------------------------------------
 FAST_PATHS = ["linear_attention", "linear_attention-nonorm", "deltanet", "gla", "gated_deltanet",
               "log_linear_mamba2", "log_linear_gated_deltanet"]

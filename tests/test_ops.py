@@ -335,6 +335,28 @@ def test_float64_inputs_stay_float64(op: Op):
         assert_close("f64 state", a, b, TOL_F64)
 
 
+@pytest.mark.parametrize("op", OPS, ids=OP_IDS)
+@pytest.mark.parametrize("form", ["chunk", "fused", "naive"])
+def test_bf16_autocast_leaves_the_ops_in_float32(op: Op, form: str):
+    """Under `torch.autocast` (the trainer's bf16 mode) the ops keep their own float32 arithmetic:
+    the chunked forms used to raise on their in-place products, the loops to accumulate in bf16."""
+    s = SHAPES["T37-C16-K16-V24"]
+    inputs, state = make_inputs(op, s)
+    kw = {"chunk_size": 16} if form == "chunk" else {}
+    fn = getattr(op, form)
+    ref = run_with_grads(fn, inputs, state, **kw)
+    leaves, st = with_grad(inputs, state)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, final = fn(*leaves, initial_state=st, output_final_state=True, **kw)
+    assert o.dtype == torch.float32
+    assert_close("autocast o", o, ref["o"], TOL_OUT)
+    for i, f in enumerate(state_tensors(final)):
+        assert f.dtype == torch.float32
+        assert_close("autocast final state", f, ref[f"final_state[{i}]"], TOL_OUT)
+    (o.sum() + sum(f.sum() for f in state_tensors(final))).backward()  # the hand-written backwards run
+    assert all(torch.isfinite(x.grad).all() for x in leaves)
+
+
 # ----------------------------------------------------------------------------------------------
 # Reductions and independent oracles (float64, so they are exact up to rounding).
 

@@ -12,10 +12,36 @@ inside torch.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
+
+F_ = TypeVar("F_", bound=Callable)
+
+
+def autocast_off(fn: F_) -> F_:
+    """Run an op (or an autograd.Function's forward/backward) with autocast disabled.
+
+    The ops choose their own precision (float32 accumulation, float64 for float64 inputs). Under
+    `torch.autocast` every matmul inside would instead run in bf16, so the state would accumulate in
+    bf16 and the in-place products of the chunked forms (`baddbmm_`, `out=`) would get mismatched
+    dtypes and raise. The device is taken from the first tensor argument.
+    """
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        t = next((a for a in itertools.chain(args, kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if t is None or not torch.is_autocast_enabled(t.device.type):
+            return fn(*args, **kwargs)
+        with torch.autocast(t.device.type, enabled=False):
+            return fn(*args, **kwargs)
+
+    return run  # type: ignore[return-value]
 
 
 def _shape(x: torch.Tensor) -> tuple[int, ...]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from recurrent_depth.ops._common import acc_dtype, check_chunk_size, check_like, from_chunks, to_chunks
+from recurrent_depth.ops._common import acc_dtype, autocast_off, check_chunk_size, check_like, from_chunks, to_chunks
 from recurrent_depth.ops.log_linear_attn.utils import (
     LogLinearState,
     check_log_linear_inputs,
@@ -41,6 +41,7 @@ def _check(q, k, v, g, beta, level_scales, scale, initial_state):
     return out
 
 
+@autocast_off
 def recurrent_log_linear_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -98,6 +99,7 @@ def recurrent_log_linear_gated_delta_rule(
     return o.to(out_dtype), final if output_final_state else None
 
 
+@autocast_off
 def chunk_log_linear_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from recurrent_depth.ops._common import check_inputs
+from recurrent_depth.ops._common import autocast_off, check_inputs
 from recurrent_depth.ops.gated_delta_rule.fused_recurrent import fused_recurrent_delta_rule_fwd
 
 
+@autocast_off
 def fused_recurrent_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

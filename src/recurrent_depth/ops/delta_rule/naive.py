@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from recurrent_depth.ops._common import acc_dtype, check_inputs, heads_first, steps
+from recurrent_depth.ops._common import acc_dtype, autocast_off, check_inputs, heads_first, steps
 
 
+@autocast_off
 def naive_recurrent_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -37,6 +37,7 @@ import torch
 
 from recurrent_depth.ops._common import (
     acc_dtype,
+    autocast_off,
     check_chunk_size,
     check_inputs,
     entering_states,
@@ -143,6 +144,7 @@ class _ChunkDeltaRule(torch.autograd.Function):
         return o, S
 
     @staticmethod
+    @autocast_off
     def backward(ctx, do, dS_final):  # noqa: ANN001, ANN205
         q, k, v, beta, KD, P, D, Tinv, W, U, S_before, gamma, end_decay, a, q_s, k_o, k_in = ctx.saved_tensors
         gated = D is not None
@@ -248,6 +250,7 @@ def chunk_delta_rule_fwd(
     return o, S.reshape(B, H, K, V)
 
 
+@autocast_off
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

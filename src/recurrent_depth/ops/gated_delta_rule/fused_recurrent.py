@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from recurrent_depth.ops._common import acc_dtype, check_inputs, steps
+from recurrent_depth.ops._common import acc_dtype, autocast_off, check_inputs, steps
 
 
 def fused_recurrent_delta_rule_fwd(
@@ -49,6 +49,7 @@ def fused_recurrent_delta_rule_fwd(
     return o, S.reshape(B, H, K, V)
 
 
+@autocast_off
 def fused_recurrent_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

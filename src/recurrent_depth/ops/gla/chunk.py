@@ -25,6 +25,7 @@ import torch
 
 from recurrent_depth.ops._common import (
     acc_dtype,
+    autocast_off,
     check_chunk_size,
     check_inputs,
     entering_states,
@@ -80,6 +81,7 @@ class _ChunkGLAFactored(torch.autograd.Function):
         return o, S
 
     @staticmethod
+    @autocast_off
     def backward(ctx, do, dS_final):  # noqa: ANN001, ANN205
         q, k, v, q_in, k_neg, k_out, e_in, e_neg, e_out, a, P, S_before = ctx.saved_tensors
         N = v.shape[1]
@@ -109,6 +111,7 @@ class _ChunkGLAFactored(torch.autograd.Function):
         return dq, dk, dv, dG, dS0
 
 
+@autocast_off
 def chunk_gla(
     q: torch.Tensor,
     k: torch.Tensor,

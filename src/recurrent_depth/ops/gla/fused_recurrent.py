@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from recurrent_depth.ops._common import acc_dtype, check_inputs, steps
+from recurrent_depth.ops._common import acc_dtype, autocast_off, check_inputs, steps
 
 
+@autocast_off
 def fused_recurrent_gla(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -14,6 +14,7 @@ import torch
 
 from recurrent_depth.ops._common import (
     acc_dtype,
+    autocast_off,
     check_chunk_size,
     check_inputs,
     from_chunks,
@@ -56,6 +57,7 @@ class _ChunkLinearAttn(torch.autograd.Function):
         return o, S
 
     @staticmethod
+    @autocast_off
     def backward(ctx, do, dS_final):  # noqa: ANN001, ANN205
         q, k, v, P, S_before = ctx.saved_tensors
         N = q.shape[1]
@@ -75,6 +77,7 @@ class _ChunkLinearAttn(torch.autograd.Function):
         return dq, dk, dv, dS if ctx.has_S0 else None
 
 
+@autocast_off
 def chunk_linear_attn(
     q: torch.Tensor,
     k: torch.Tensor,

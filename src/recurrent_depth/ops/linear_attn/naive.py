@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from recurrent_depth.ops._common import acc_dtype, check_inputs, heads_first, steps
+from recurrent_depth.ops._common import acc_dtype, autocast_off, check_inputs, heads_first, steps
 from recurrent_depth.ops.linear_attn.utils import NORMALIZER_EPS, LinearAttnState, check_linear_attn_state
 
 
+@autocast_off
 def naive_recurrent_linear_attn(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from recurrent_depth.ops._common import acc_dtype, check_chunk_size, from_chunks, steps, to_chunks
+from recurrent_depth.ops._common import acc_dtype, autocast_off, check_chunk_size, from_chunks, steps, to_chunks
 from recurrent_depth.ops.log_linear_attn.utils import (
     LogLinearState,
     bit_length,
@@ -31,6 +31,7 @@ from recurrent_depth.ops.log_linear_attn.utils import (
 )
 
 
+@autocast_off
 def chunk_log_linear_attn(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -10,10 +10,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from recurrent_depth.ops._common import acc_dtype, steps
+from recurrent_depth.ops._common import acc_dtype, autocast_off, steps
 from recurrent_depth.ops.log_linear_attn.utils import LogLinearState, check_log_linear_inputs, trailing_ones
 
 
+@autocast_off
 def fused_recurrent_log_linear_attn(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from recurrent_depth.ops._common import acc_dtype, heads_first, steps
+from recurrent_depth.ops._common import acc_dtype, autocast_off, heads_first, steps
 from recurrent_depth.ops.log_linear_attn.utils import (
     LogLinearState,
     check_log_linear_inputs,
@@ -23,6 +23,7 @@ from recurrent_depth.ops.log_linear_attn.utils import (
 )
 
 
+@autocast_off
 def naive_recurrent_log_linear_attn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -59,6 +60,7 @@ def naive_recurrent_log_linear_attn(
     return o, final if output_final_state else None
 
 
+@autocast_off
 def naive_parallel_log_linear_attn(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -280,6 +280,8 @@ BAD = {
     "negative-threshold": (dict(exit_criterion="kl", exit_threshold=-1e-3), "exit_threshold"),
     "infinite-step-count": (dict(exit_criterion="argmax-stability", exit_threshold=math.inf), "exit_threshold=inf"),
     "huge-int-threshold": (dict(exit_criterion="kl", exit_threshold=10**400), "exit_threshold"),
+    "huge-int-temperature": (dict(do_sample=True, temperature=10**400), "temperature"),
+    "huge-int-init_scale": (dict(init_scale=10**400), "init_scale"),
     "unknown-criterion": (dict(exit_criterion="entropy"), "exit_criterion='entropy'"),
     "threshold-without-criterion": (dict(exit_threshold=0.1), "without an exit_criterion"),
     "temperature": (dict(do_sample=True, temperature=0.0), "temperature"),
@@ -336,6 +338,17 @@ def test_bad_inputs_raise_clear_value_errors(model, case):
     ids, mask, message = BAD_INPUTS[case]
     with pytest.raises(ValueError, match=message):
         generate(model, ids, attention_mask=mask, max_new_tokens=10, num_steps=2)
+
+
+@pytest.mark.parametrize("huge,enough", [
+    (dict(draft_steps=1, lookahead=10**30), dict(draft_steps=1, lookahead=5)),
+    (dict(sampler="parallel", headway=10**30), dict(sampler="parallel", headway=5)),
+], ids=["lookahead", "headway"])
+def test_huge_lookahead_or_headway_is_legal(model, huge, enough):
+    # they only bound what a round drafts / a sweep adds (here at most 5 tokens); nothing is sized by them
+    kw = dict(max_new_tokens=5, num_steps=2, init_scale=0.0)
+    assert torch.equal(generate(model, [1, 2, 3], **huge, **kw).sequences,
+                       generate(model, [1, 2, 3], **enough, **kw).sequences)
 
 
 def test_lists_are_accepted_as_input_ids(model):

@@ -84,7 +84,11 @@ class GenerationOptions:
             value = getattr(self, name)
             if value is None and allow_none:
                 return
-            ok = isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            try:
+                ok = ok and not math.isnan(value)
+            except OverflowError:  # an int beyond float range
+                ok = False
             if ok:
                 ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
             if not ok:

@@ -88,7 +88,11 @@ class Session:
         self.runner = make_runner(model, options.fast)
         kv_budget = 1 if options.mode == "parallel" else options.kv_budget
         # Columns: the prompt, the new tokens, and room for a speculative round or a wavefront.
-        slack = options.lookahead + 1 if options.mode == "speculative" else options.headway + 1
+        # (A round drafts at most max_seq_len tokens and a sweep adds at most max_new_tokens positions.)
+        if options.mode == "speculative":
+            slack = min(options.lookahead, cfg.max_seq_len) + 1
+        else:
+            slack = min(options.headway, options.max_new_tokens) + 1
         self.cache = make_cache(
             options.cache_implementation, self.B, options.deepest_step, kv_budget,
             capacity=self.T + options.max_new_tokens + slack, device=self.device,

@@ -28,7 +28,7 @@ from recurrent_depth.inference.session import Session
 
 def decode(session: Session) -> Iterator[TokenEvent]:
     opts, runner, cache = session.options, session.runner, session.cache
-    M, N, L = opts.num_steps, opts.draft_steps, opts.lookahead
+    M, N = opts.num_steps, opts.draft_steps
     exact = opts.verification_threshold >= 1.0
     _, logits = session.prefill(M)
     session.require_kv_cache_only("self-speculative decoding")
@@ -46,9 +46,9 @@ def decode(session: Session) -> Iterator[TokenEvent]:
         # Position of each row's pending token: its real columns so far. Drafts must stay within
         # max_seq_len (a row needs at most its remaining tokens, which validation made fit); finished
         # rows feed padding on hidden columns, so their positions stop growing.
-        session.mask(column + L)
         position = session.valid[:, :column].sum(1).tolist()
         L = min(opts.lookahead, *(max_len - position[b] for b in rows))
+        session.mask(column + L)  # (makes room for the columns hidden below)
         for b in range(session.B):
             if b not in rows:
                 session.hide(b, column, column + L)

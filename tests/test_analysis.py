@@ -381,3 +381,30 @@ def test_settling_step_and_change_points():
     assert report_steps(10) == [0, 1, 2, 4, 8, 10]
     with pytest.raises(ValueError, match="top_ids must be"):
         settling_step(np.zeros(3))
+
+
+# ----------------------------------------------------------------------------- regressions
+def test_reused_out_dir_does_not_keep_an_earlier_runs_files(model, ids, tmp_path):
+    collect_trajectory(model, ids, 3, limit_steps=5, seed=1, out_dir=tmp_path)
+    collect_trajectory(model, ids[:, :4], 2, seed=2, with_predictions=False, out_dir=tmp_path)
+    loaded = Trajectory.load(tmp_path)
+    assert loaded.raw.shape[:3] == (3, 1, 4)
+    # the first run's s* and predictions (other tokens, other s0) must not come back with the second run
+    assert loaded.limit is None and loaded.entropy is None and loaded.top_ids is None
+    with pytest.raises(ValueError, match="has no limit point"):
+        distance_to_limit(loaded)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_non_finite_init_scale_is_refused(model, ids, scale):
+    with pytest.raises(ValueError, match="init_scale=.* is invalid"):
+        collect_trajectory(model, ids, 2, init_scale=scale)
+    with pytest.raises(ValueError, match="init_scale=.* is invalid"):
+        path_independence(model, ids, 2, seeds=[1, 2], init_scale=scale)
+
+
+def test_path_independence_checks_the_row_and_repeated_positions(model, ids):
+    with pytest.raises(ValueError, match="row=1 is out of range: input_ids has batch size 1"):
+        path_independence(model, ids, 2, seeds=[1, 2], row=1)
+    pi = path_independence(model, ids, 2, seeds=[1, 2], positions=[3, 3, 0])
+    assert sorted(pi.paths) == [0, 3] and pi.paths[3].shape == (2, 3, model.config.hidden_size)

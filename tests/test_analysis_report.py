@@ -198,6 +198,22 @@ def test_cli_analyze_errors(model_dir, tmp_path, capsys):
     assert "has no tokenizer.json" in capsys.readouterr().err
 
 
+def test_cli_analyze_refuses_unclear_inputs_with_a_reason(model_dir, tmp_path, capsys):
+    base = ["analyze", "--model", str(model_dir), "--steps", "8", "--limit-steps", "8", "--starts", "2"]
+    # "1 2,3" used to become the ids [12, 3]
+    assert main([*base, "--ids", "1 2,3", "--out", str(tmp_path / "a")]) == 2
+    assert "--ids must be comma-separated integers, got '1 2,3'" in capsys.readouterr().err
+    assert main([*base, "--prompt-file", str(tmp_path), "--out", str(tmp_path / "b")]) == 2
+    assert "--prompt-file" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    assert main([*base, "--ids", "1,2", "--out", str(tmp_path / "file")]) == 2
+    assert "is an existing file, not a directory" in capsys.readouterr().err
+    assert main([*base, "--ids", "1,2", "--init-scale", "inf", "--out", str(tmp_path / "c")]) == 2
+    assert "init_scale=inf is invalid" in capsys.readouterr().err
+    assert main([*base, "--ids", " 1, 2 ,3 ", "--out", str(tmp_path / "d"), "--no-states"]) == 0
+    assert [t["id"] for t in json.loads((tmp_path / "d" / "analysis.json").read_text())["tokens"]] == [1, 2, 3]
+
+
 def test_cli_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["analyze", "--help"])

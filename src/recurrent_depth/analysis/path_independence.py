@@ -13,6 +13,7 @@ f are the final ln_f-normalised states. The chosen tokens' whole paths are kept 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,12 +83,18 @@ def path_independence(
     """
     if len(seeds) < 2 or len(set(seeds)) != len(seeds):
         raise ValueError(f"seeds must hold at least 2 distinct seeds, got {seeds!r}")
-    if not isinstance(init_scale, int | float) or init_scale <= 0:
-        raise ValueError(f"init_scale={init_scale!r} is invalid: path independence needs random starts (> 0)")
+    if (not isinstance(init_scale, int | float) or isinstance(init_scale, bool) or not math.isfinite(init_scale)
+            or init_scale <= 0):
+        raise ValueError(
+            f"init_scale={init_scale!r} is invalid: path independence needs random starts (a finite number > 0)"
+        )
+    batch = input_ids.shape[0] if isinstance(input_ids, Tensor) and input_ids.dim() == 2 else 0
+    if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < batch:
+        raise ValueError(f"row={row!r} is out of range: input_ids has batch size {batch}")
     valid = np.arange(input_ids.shape[1])
     if attention_mask is not None:
         valid = np.flatnonzero(attention_mask[row].cpu().numpy())
-    keep = list(positions or [])
+    keep = list(dict.fromkeys(positions or []))  # a repeated position would stack its paths twice
     for p in keep:
         if not 0 <= p < len(valid):
             raise ValueError(f"position {p} is out of range: the row has {len(valid)} real tokens")

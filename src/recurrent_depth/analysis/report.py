@@ -13,6 +13,7 @@ import base64
 import html
 import io
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -87,7 +88,8 @@ class AnalysisConfig:
         need(is_int(self.limit_steps) and self.limit_steps >= self.num_steps, "limit_steps",
              f"an integer >= num_steps ({self.num_steps})")
         need(is_int(self.num_starts) and self.num_starts >= 2, "num_starts", "an integer >= 2")
-        need(isinstance(self.init_scale, int | float) and self.init_scale >= 0, "init_scale", "a number >= 0")
+        need(isinstance(self.init_scale, int | float) and not isinstance(self.init_scale, bool)
+             and math.isfinite(self.init_scale) and self.init_scale >= 0, "init_scale", "a finite number >= 0")
         need(is_int(self.seed), "seed", "an integer")
         need(isinstance(self.converge_tol, float | int) and 0 < self.converge_tol < 1, "converge_tol",
              "a number in (0, 1)")

@@ -14,6 +14,7 @@ so only one step is ever held in RAM, and the files can be reopened with `Trajec
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ from torch import Tensor
 DEFAULT_MAX_IN_MEMORY_BYTES = 1 << 30
 STATE_FILES = {"raw": "raw_states.npy", "normed": "normed_states.npy"}
 META_FILE = "trajectory.json"
+OPTIONAL_FILES = ("entropy.npy", "top_ids.npy", "top_probs.npy", "limit.npy")
 
 
 @dataclass
@@ -182,8 +184,9 @@ def iterate_states(
     """
     _check_ids(model, input_ids, attention_mask)
     _check_steps("num_steps", num_steps, 0)
-    if not isinstance(init_scale, int | float) or isinstance(init_scale, bool) or init_scale < 0:
-        raise ValueError(f"init_scale={init_scale!r} is invalid: expected a number >= 0")
+    if (not isinstance(init_scale, int | float) or isinstance(init_scale, bool) or not math.isfinite(init_scale)
+            or init_scale < 0):
+        raise ValueError(f"init_scale={init_scale!r} is invalid: expected a finite number >= 0")
     input_ids = input_ids.to(model.device)
     mask = None if attention_mask is None else attention_mask.to(model.device)
     ctx = model.make_context(input_ids, mask)
@@ -267,6 +270,10 @@ def collect_trajectory(
         )
     if path is not None:
         path.mkdir(parents=True, exist_ok=True)
+        # A reused directory must not mix runs: without this, `Trajectory.load` would pick up an
+        # earlier run's limit point or predictions, and an interrupted run would look complete.
+        for name in (META_FILE, *OPTIONAL_FILES):
+            (path / name).unlink(missing_ok=True)
     shape = (num_steps + 1, B, T, h)
     raw = _allocate(shape, np.float32, path, STATE_FILES["raw"])
     normed = _allocate(shape, np.float32, path, STATE_FILES["normed"])

@@ -57,7 +57,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _int_list(text: str, flag: str) -> list[int]:
     try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
+        # int() accepts spaces around a number but not inside one, so "1 2,3" is an error, not [12, 3].
+        return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
 
@@ -86,6 +87,15 @@ def run(args: argparse.Namespace) -> int:
         max_plot_tokens=args.max_plot_tokens, max_tokens=args.max_tokens, save_states=not args.no_states,
     )
     config.validate()  # fail on bad flags before loading weights
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is an existing file, not a directory; choose another path")
+    prompt = args.prompt
+    if args.prompt_file is not None:
+        try:
+            prompt = Path(args.prompt_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--prompt-file {args.prompt_file} cannot be read as UTF-8 text: {exc}") from None
     if args.threads < 0:
         raise ValueError(f"--threads={args.threads} is invalid: expected 0 (torch's default) or a positive count")
     if args.threads:
@@ -94,12 +104,10 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     model = load_pretrained(model_dir, dtype=args.dtype, device=args.device)
 
-    tokenizer = None if args.ids else _load_tokenizer(model_dir)
-    prompt = None
-    if args.ids:
+    tokenizer = None if args.ids is not None else _load_tokenizer(model_dir)
+    if args.ids is not None:
         ids = _int_list(args.ids, "--ids")
     else:
-        prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text(encoding="utf-8")
         ids = tokenizer.encode(prompt, add_special_tokens=not args.no_special_tokens).ids
     if not ids:
         raise ValueError("the prompt is empty after tokenization")

@@ -200,6 +200,39 @@ def test_chunked_layer_equals_recurrent_layer_with_gradients(case):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
+def test_float64_gated_deltanet_layer_equals_a_float64_token_loop():
+    """The layer computed from its parameters token by token in float64. Norms and gates used to be
+    computed in float32 even in a float64 model (7e-8 off), so float64 oracles could not be tight."""
+    import torch.nn.functional as F
+
+    mixer, cfg = make_mixer("gated_deltanet")
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    B, T = 2, 9
+    x = torch.randn(B, T, cfg.hidden_size, dtype=torch.float64)
+    out = mixer(x, context(cfg, B, T), ("core", 0, 0))
+    H, K, V, W = mixer.num_heads, mixer.key_dim, mixer.value_dim, mixer.conv_size
+    qkv = F.pad(torch.cat([mixer.q_proj(x), mixer.k_proj(x), mixer.v_proj(x)], -1), (0, 0, W - 1, 0))
+    qkv = F.silu(sum(qkv[:, i : i + T] * mixer.conv.weight[:, i] for i in range(W)) + mixer.conv.bias)
+    q, k, v = qkv.split([H * K, H * K, H * V], -1)
+    unit = lambda t: t * torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + 1e-6)  # noqa: E731
+    q, k, v = unit(q.view(B, T, H, K)), unit(k.view(B, T, H, K)), v.view(B, T, H, V)
+    beta = mixer.b_proj(x).sigmoid()
+    alpha = torch.exp(-mixer.A_log.exp() * F.softplus(mixer.a_proj(x) + mixer.dt_bias))
+    S = torch.zeros(B, H, K, V, dtype=torch.float64)
+    eye = torch.eye(K, dtype=torch.float64)
+    o = []
+    for t in range(T):
+        kt, bt = k[:, t, :, :, None], beta[:, t, :, None, None]
+        S = alpha[:, t, :, None, None] * (eye - bt * kt * kt.mT) @ S + bt * kt * v[:, t, :, None, :]
+        o.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t] * K**-0.5))
+    o = torch.stack(o, 1)
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * mixer.o_norm.weight
+    o = o * F.silu(mixer.g_proj(x).view(B, T, H, V))
+    torch.testing.assert_close(out, mixer.proj(o.reshape(B, T, H * V)), **F64_TOL)
+
+
 @pytest.mark.parametrize("case", ["mla", "mla-qlora", "dsa"])
 def test_mla_absorbed_equals_naive(case):
     naive, cfg = make_mixer(case, attn_impl="naive")

@@ -57,6 +57,12 @@ def check_power_of_two(mixer: str, name: str, value: Any, high: int = 1024) -> i
     return value
 
 
+def upcast(x: Tensor) -> Tensor:
+    """x in float32 when it is half precision; float32 and float64 stay as they are (a float64
+    model computes its norms and gates in float64, so float64 references match it to rounding)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 # ---------------------------------------------------------------------------- padding and positions
 def new_valid(ctx: MixerContext, T: int) -> Tensor | None:
     """[B, T] bool: which of this call's tokens are real (None when nothing is padded)."""
@@ -99,9 +105,7 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float
     (and get zero gradients) instead of NaN. Returns (o [B, H, T, Dv], probs [B, H, T, S]).
     """
     scores = q @ k.transpose(-1, -2)
-    if scores.dtype not in (torch.float32, torch.float64):
-        scores = scores.float()  # softmax statistics in float32 for half-precision models
-    scores = scores * scale
+    scores = upcast(scores) * scale  # softmax statistics in float32 for half-precision models
     mask = mask.expand(scores.shape)
     empty = ~mask.any(-1, keepdim=True)
     probs = scores.masked_fill(~(mask | empty), float("-inf")).softmax(-1).masked_fill(empty, 0.0)
@@ -145,14 +149,14 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor, gate: Tensor | None = None) -> Tensor:
-        x32 = x.float()
+        x32 = upcast(x)
         y = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
         return y if gate is None else y * F.silu(gate)
 
 
 def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     """Unit L2 norm over the last dim (keeps I - beta k k^T contractive for the delta rules)."""
-    return x * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + eps).to(x.dtype)
+    return x * torch.rsqrt(upcast(x).pow(2).sum(-1, keepdim=True) + eps).to(x.dtype)
 
 
 def inverse_softplus(x: Tensor) -> Tensor:

@@ -39,6 +39,7 @@ from recurrent_depth.model.mixers.common import (
     nbytes,
     or_default,
     state_dtype,
+    upcast,
     zero_padded,
 )
 from recurrent_depth.ops.delta_rule import chunk_delta_rule, fused_recurrent_delta_rule
@@ -105,7 +106,7 @@ class DeltaRuleMixer(RecurrentMixer):
         beta = zero_padded(self.b_proj(x).sigmoid(), valid)
         g = None
         if self.gated:
-            g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
+            g = -upcast(self.A_log).exp() * F.softplus(upcast(self.a_proj(x)) + self.dt_bias)
             g = zero_padded(g, valid)
         return q, k, v.view(B, T, H, V), beta, g, conv_state
 

@@ -30,7 +30,15 @@ from torch import Tensor, nn
 from recurrent_depth.config import ModelConfig
 from recurrent_depth.model.layers import apply_rope
 from recurrent_depth.model.mixers.base import LayerKey, MixerContext, register_mixer
-from recurrent_depth.model.mixers.common import allowed_keys, check_bool, check_choice, check_int, nbytes, or_default
+from recurrent_depth.model.mixers.common import (
+    allowed_keys,
+    check_bool,
+    check_choice,
+    check_int,
+    nbytes,
+    or_default,
+    upcast,
+)
 from recurrent_depth.model.mixers.mla import MultiHeadLatentAttention
 
 
@@ -152,10 +160,10 @@ class DeepSeekSparseAttention(MultiHeadLatentAttention):
             w_uk, _ = self.up_weights()
             q_lat = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)
             logits = (torch.einsum("bthc,bsc->bhts", q_lat, c_kv) + torch.einsum("bthr,bsr->bhts", q_rope, k_rope))
-            probs = (logits.float() * self.scale).masked_fill(~support[:, None], float("-inf")).softmax(-1)
+            probs = (upcast(logits) * self.scale).masked_fill(~support[:, None], float("-inf")).softmax(-1)
             target = probs.sum(1)
             target = target / target.sum(-1, keepdim=True)  # [B, T, S]
-        log_q = scores.float().masked_fill(~support, float("-inf")).log_softmax(-1)
+        log_q = upcast(scores).masked_fill(~support, float("-inf")).log_softmax(-1)
         terms = torch.where(support & (target > 0), target * (target.clamp_min(1e-30).log() - log_q), 0.0)
         kl = terms.sum(-1)  # [B, T]
         T = kl.shape[1]

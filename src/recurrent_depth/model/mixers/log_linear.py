@@ -42,6 +42,7 @@ from recurrent_depth.model.mixers.common import (
     nbytes,
     or_default,
     state_dtype,
+    upcast,
     zero_padded,
 )
 from recurrent_depth.model.mixers.deltanet import DeltaRuleMixer
@@ -127,8 +128,8 @@ class LogLinearMamba2(RecurrentMixer):
         xbc, conv_state = self.conv(zero_padded(self.xbc_proj(x), valid), state.get("conv"))
         xs, Bs, Cs = xbc.split([H * P, N, N], dim=-1)
         xs = xs.view(B, T, H, P)
-        dt = F.softplus(self.dt_proj(x).float() + self.dt_bias)  # [B, T, H]
-        g = zero_padded(-self.A_log.float().exp() * dt, valid)
+        dt = F.softplus(upcast(self.dt_proj(x)) + self.dt_bias)  # [B, T, H]
+        g = zero_padded(-upcast(self.A_log).exp() * dt, valid)
         v = zero_padded(xs * dt[..., None].to(xs.dtype), valid)
         q = Cs[:, :, None, :].expand(B, T, H, N)  # one group: C and B shared by all heads
         k = Bs[:, :, None, :].expand(B, T, H, N)

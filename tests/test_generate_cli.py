@@ -97,6 +97,7 @@ def test_cli_bad_arguments_exit_with_a_message(model_dir, capsys):
     assert main(["generate", "--model", str(model_dir), "--prompt", "x", "--kv-budget", "0"]) == 2
     assert "kv_budget=0" in capsys.readouterr().err
     assert main(["generate", "--model", str(model_dir / "missing"), "--prompt", "x"]) == 2
+    assert "no such directory" in capsys.readouterr().err  # not "has no tokenizer.json"
 
 
 def test_cli_help_shows_defaults(capsys):

@@ -88,6 +88,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _load_tokenizer(model_dir: str) -> Any:
     from tokenizers import Tokenizer
 
+    if not Path(model_dir).is_dir():
+        raise FileNotFoundError(f"--model {model_dir}: no such directory (expected a saved model directory)")
     path = Path(model_dir) / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"{model_dir} has no tokenizer.json; a model directory holds its tokenizer")

@@ -317,6 +317,14 @@ def test_bad_arguments_raise_clear_value_errors(model, case):
         generate(model, torch.randint(0, 256, (1, 5)), max_new_tokens=kwargs.pop("max_new_tokens", 3), **kwargs)
 
 
+def test_temperature_zero_means_greedy_when_not_sampling(model):
+    """OpenAI clients send temperature 0 for greedy; without do_sample the temperature is unused."""
+    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(0))
+    greedy = generate(model, ids, max_new_tokens=4, num_steps=3, init_scale=0.0)
+    zero = generate(model, ids, max_new_tokens=4, num_steps=3, init_scale=0.0, temperature=0)
+    assert torch.equal(greedy.sequences, zero.sequences)
+
+
 BAD_INPUTS = {
     "id-too-large": (torch.tensor([[1, 2, 256]]), None, r"input_ids\[0, 2\]=256"),
     "negative-id": (torch.tensor([[-1, 2]]), None, "outside the vocabulary"),

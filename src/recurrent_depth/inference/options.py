@@ -111,7 +111,8 @@ class GenerationOptions:
         integer("wavefront", 1)
         integer("max_wavefront", 1)
         integer("top_k", 1, allow_none=True)
-        number("temperature", 0, math.inf, low_open=True, high_open=True)
+        # Greedy decoding ignores the temperature, so 0 (the OpenAI way to ask for greedy) is fine there.
+        number("temperature", 0, math.inf, low_open=self.do_sample is not False, high_open=True)
         number("top_p", 0, 1, low_open=True, allow_none=True)
         number("min_p", 0, 1, low_open=False, allow_none=True)
         number("repetition_penalty", 0, math.inf, low_open=True, high_open=True)

@@ -408,3 +408,9 @@ def test_path_independence_checks_the_row_and_repeated_positions(model, ids):
         path_independence(model, ids, 2, seeds=[1, 2], row=1)
     pi = path_independence(model, ids, 2, seeds=[1, 2], positions=[3, 3, 0])
     assert sorted(pi.paths) == [0, 3] and pi.paths[3].shape == (2, 3, model.config.hidden_size)
+
+
+@pytest.mark.parametrize("bad", [[[5, 999]], [[-1, 5]], [[5.0, 6.0]]], ids=["above-vocab", "negative", "float"])
+def test_trajectory_refuses_ids_the_model_cannot_embed(model, bad):
+    with pytest.raises(ValueError, match="outside the vocabulary|integer token ids"):
+        collect_trajectory(model, torch.tensor(bad), 2)

@@ -141,6 +141,8 @@ def test_long_and_short_prompts_are_refused_with_a_clear_message(model_dir):
         analyze(model, [5, 6], config=AnalysisConfig(num_steps=4, limit_steps=8))
     with pytest.raises(ValueError, match=r"positions \[7\] outside the prompt's 0..2"):
         analyze(model, [5, 6, 7], config=AnalysisConfig(**FAST, tokens=[7]))
+    with pytest.raises(ValueError, match="integer token ids, got dtype torch.float32"):
+        analyze(model, [5.5, 6.0], config=AnalysisConfig(**FAST))  # was cast to [5, 6]
 
 
 def test_token_labels_and_choice():

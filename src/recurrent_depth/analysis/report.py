@@ -198,7 +198,11 @@ def choose_tokens(shapes: list[TrajectoryShape], limit: int) -> list[int]:
 
 
 def _as_batch(input_ids: Tensor | list[int]) -> Tensor:
-    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    ids = torch.as_tensor(input_ids)
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
+        # a cast would silently turn 1.5 into token 1
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {ids.dtype}")
+    ids = ids.long()
     if ids.dim() == 1:
         ids = ids[None]
     if ids.dim() != 2 or ids.shape[0] != 1:

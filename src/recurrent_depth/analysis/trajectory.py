@@ -148,6 +148,9 @@ def _check_ids(model: Any, input_ids: Tensor, attention_mask: Tensor | None) -> 
             raise ValueError("attention_mask must use left padding (zeros before the first real token only)")
         if not bool(mask.any(dim=1).all()):
             raise ValueError("attention_mask has a row without any real token")
+    # The model's own checks (integer dtype, ids inside the vocabulary, a 0/1 mask), so a bad id is a
+    # ValueError here instead of an IndexError from inside the embedding.
+    model.check_inputs(input_ids, None, attention_mask, None, None)
 
 
 def _check_steps(name: str, value: int, minimum: int) -> None:

@@ -301,6 +301,29 @@ def test_dsa_with_topk_at_least_t_equals_dense_mla():
     assert not torch.allclose(small(x, context(cfg, 2, 10), ("core", 0, 0)), a)
 
 
+def test_dsa_ties_in_the_indexer_scores_do_not_depend_on_cache_or_padding():
+    """Equal index scores (exact zeros after the ReLU are common) used to be broken by `topk`'s
+    memory order, so a cached decode or a left-padded row selected other keys than a full forward."""
+    sparse, cfg = make_mixer("dsa", topk=3)
+    with torch.no_grad():
+        sparse.indexer["weights"].weight.zero_()  # every score 0: the selection is all ties
+    B, T, pad = 2, 12, 3
+    x = torch.randn(B, T, cfg.hidden_size, dtype=torch.float64)
+    full = sparse(x, context(cfg, B, T), ("core", 0, 0))
+    cache = rd.DynamicCache()
+    steps = [sparse(x[:, :4], context(cfg, B, 4, cache=cache), ("core", 0, 0))]
+    cache.advance(4)
+    for t in range(4, T):
+        steps.append(sparse(x[:, t : t + 1], context(cfg, B, 1, cache=cache), ("core", 0, 0)))
+        cache.advance(1)
+    torch.testing.assert_close(torch.cat(steps, 1), full, **F64_TOL)
+    padded = torch.cat([torch.randn(B, pad, cfg.hidden_size, dtype=torch.float64), x], 1)
+    mask = torch.ones(B, T + pad, dtype=torch.long)
+    mask[:, :pad] = 0
+    out = sparse(padded, context(cfg, B, T + pad, mask=mask), ("core", 0, 0))
+    torch.testing.assert_close(out[:, pad:], full, **F64_TOL)
+
+
 def test_dsa_indexer_loss_trains_only_the_indexer():
     model = core_model("dsa")
     for layer in model.modules():

@@ -110,11 +110,19 @@ class DeepSeekSparseAttention(MultiHeadLatentAttention):
         return torch.einsum("bth,bths->bts", w, per_head)
 
     def select(self, scores: Tensor, allowed: Tensor) -> Tensor:
-        """[B, 1, T, S] bool: the top-k allowed keys of each query (all of them when fewer than k)."""
+        """[B, 1, T, S] bool: the top-k allowed keys of each query (all of them when fewer than k).
+
+        Equal scores are common (a key whose indexer dot products are all negative scores exactly 0
+        after the ReLU). Ties go to the most recent key, a rule that depends only on the order of
+        the real keys, so the choice is the same in a full forward, a cached decode and a padded row
+        (`topk` breaks ties by memory layout, which differs between those).
+        """
         allowed = allowed[:, 0].expand(scores.shape)
         masked = scores.masked_fill(~allowed, float("-inf"))
-        k = min(self.topk, scores.shape[-1])
-        idx = masked.topk(k, dim=-1).indices
+        S = scores.shape[-1]
+        k = min(self.topk, S)
+        order = masked.flip(-1).sort(dim=-1, descending=True, stable=True).indices[..., :k]
+        idx = S - 1 - order
         chosen = torch.zeros_like(allowed).scatter(-1, idx, True)
         return (chosen & allowed)[:, None]
 

@@ -431,6 +431,8 @@ BAD_OPTIONS = {
     "nsa zero block": ("nsa", {"block_size": 0}),
     "mqa kv heads": ("attention", {"num_kv_heads": 3}),
     "gla expand_k": ("gla", {"expand_k": 0.01}),
+    "gla expand_k infinite": ("gla", {"expand_k": float("inf")}),
+    "gla expand_v nan": ("gla", {"expand_v": float("nan")}),
     "conv size": ("gated_deltanet", {"conv_size": 1}),
     "bool as int": ("deltanet", {"expand_v": True}),
     "hydra in a causal LM": ("hydra", {}),

@@ -12,6 +12,7 @@ has k = 0 and log alpha = 0, so the state is untouched.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -58,8 +59,9 @@ class GatedLinearAttention(RecurrentMixer):
         self.num_heads = H = check_int(name, "num_heads", or_default(num_heads, config.num_heads))
         head_dim = check_int(name, "head_dim", or_default(head_dim, config.head_dim))
         for opt, value in (("expand_k", expand_k), ("expand_v", expand_v)):
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0 or int(value * head_dim) < 1:
-                raise ValueError(f"{name} option {opt}={value!r} is invalid: expected a number > 0 with "
+            if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0
+                    or int(value * head_dim) < 1):
+                raise ValueError(f"{name} option {opt}={value!r} is invalid: expected a finite number > 0 with "
                                  f"{opt} * head_dim >= 1 (head_dim={head_dim})")
         self.key_dim = K = int(expand_k * head_dim)
         self.value_dim = V = int(expand_v * head_dim)

@@ -116,3 +116,13 @@ def test_damaged_files_and_integer_tensors_name_the_file_or_tensor(tiny_model, t
                           extra={"transformer.ln_f.weight": torch.ones(64, dtype=torch.int32)})
     with pytest.raises(ValueError, match=r"not floating point: \['transformer.ln_f.weight: torch.int32'\]"):
         rd.RecurrentDepthLM.from_pretrained(tmp_path / "int")
+
+
+def test_an_unusable_device_is_a_value_error_naming_it(tiny_model, tmp_path):
+    tiny_model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="'nonsense' is not a torch device"):
+        rd.RecurrentDepthLM.from_pretrained(tmp_path, device="nonsense")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="'cuda' is not available on this machine"):
+            rd.RecurrentDepthLM.from_pretrained(tmp_path, device="cuda")
+    assert next(rd.RecurrentDepthLM.from_pretrained(tmp_path, device="cpu").parameters()).device.type == "cpu"

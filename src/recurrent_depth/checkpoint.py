@@ -159,6 +159,22 @@ def read_state_dict(path: str | os.PathLike[str], dtype: torch.dtype | None = No
     return state
 
 
+def usable_device(device: Any) -> torch.device:
+    """`device` as a torch.device that this machine has, or a ValueError naming it (not a traceback from
+    deep inside the first copy, e.g. "Torch not compiled with CUDA enabled")."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device {device!r} is not a torch device (e.g. 'cpu', 'cuda', 'cuda:1'): {exc}") from exc
+    if parsed.type == "meta":
+        return parsed
+    try:
+        torch.empty(0, device=parsed)
+    except (RuntimeError, AssertionError) as exc:
+        raise ValueError(f"device {device!r} is not available on this machine: {exc}") from exc
+    return parsed
+
+
 def load_pretrained(
     path: str | os.PathLike[str],
     dtype: torch.dtype | str | None = None,
@@ -168,6 +184,7 @@ def load_pretrained(
     """Build a `RecurrentDepthLM` from a model directory (ours or official Huginn-0125)."""
     from recurrent_depth.model.recurrent import RecurrentDepthLM
 
+    device = usable_device(device)
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {path} does not exist")

@@ -3,8 +3,11 @@
 import json
 
 import pytest
+import torch
 
-from recurrent_depth.cli import main
+import recurrent_depth as rd
+from recurrent_depth.cli import COMMANDS, main
+from recurrent_depth.model.cache import DynamicCache
 
 
 def test_top_level_help_lists_commands(capsys):
@@ -34,3 +37,59 @@ def test_help_shows_defaults():
     with pytest.raises(SystemExit) as exit_info:
         main(["info", "--help"])
     assert exit_info.value.code == 0
+
+
+def _info_for(config, tmp_path, capsys) -> dict:
+    config.to_json(tmp_path / "config.json")
+    assert main(["info", "--model", str(tmp_path), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"mixer": {"core": "gated_deltanet"}}, {"mixer": "mla"}, {"bias": True}, {"num_kv_heads": 2}],
+    ids=["gdn-core", "mla", "bias", "gqa"],
+)
+def test_info_counts_the_parameters_of_the_real_model(overrides, tmp_path, capsys):
+    config = rd.ModelConfig.from_preset("tiny", **overrides)
+    info = _info_for(config, tmp_path, capsys)
+    assert info["unique_parameters"] == rd.RecurrentDepthLM(config).num_parameters()
+
+
+@pytest.mark.parametrize(
+    "overrides", [{}, {"mixer": {"core": "gla"}}, {"mixer": "mla"}], ids=["attention", "gla-core", "mla"]
+)
+def test_info_cache_bytes_match_a_real_bf16_cache(overrides, tmp_path, capsys):
+    config = rd.ModelConfig.from_preset("tiny", max_seq_len=24, **overrides)
+    info = _info_for(config, tmp_path, capsys)
+    torch.manual_seed(0)
+    model = rd.RecurrentDepthLM(config).to(torch.bfloat16).eval()
+
+    def cache_nbytes(tokens: int) -> int:
+        cache = DynamicCache()
+        with torch.no_grad():
+            model(torch.randint(0, 256, (1, tokens)), num_steps=config.mean_recurrence, cache=cache, init_scale=0.0)
+        return cache.nbytes()
+
+    full, short = cache_nbytes(24), cache_nbytes(12)
+    assert info["cache_bytes_at_max_seq_len_bf16"] == full
+    assert info["kv_cache_bytes_per_token_bf16"] == (full - short) // 12
+
+
+def test_info_model_must_be_a_directory(tmp_path, capsys):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"\x9d\xff not json")
+    assert main(["info", "--model", str(weights)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a directory" in err and str(weights) in err
+    (tmp_path / "config.json").write_bytes(b"\xff\xfe{")
+    assert main(["info", "--model", str(tmp_path)]) == 2
+    assert str(tmp_path / "config.json") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [c for c in COMMANDS if c != "lm-eval"])
+def test_every_command_help_exits_cleanly(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert f"rdepth {command}" in capsys.readouterr().out

@@ -4,32 +4,59 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "info", help="show a preset's or a model directory's configuration and size",
-        description="Print the resolved ModelConfig, unique parameter count and the KV-cache bytes per "
-        "token at the mean recurrence, for a preset name or a saved model directory.",
+        description="Print the resolved ModelConfig, unique parameter count, and the bf16 cache at the mean "
+        "recurrence (bytes per token, and in all at max_seq_len; each mixer's own cache: KV for attention, a "
+        "fixed-size state for linear mixers), for a preset name or a saved model directory.",
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", help="a preset name: tiny, small, huginn-0125")
     source.add_argument("--model", metavar="DIR", help="a saved model directory (ours or official Huginn)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table (default: off)")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from recurrent_depth.config import ModelConfig
+    import torch
 
-    config = ModelConfig.from_preset(args.preset) if args.preset else ModelConfig.from_json(args.model)
+    from recurrent_depth.config import ModelConfig
+    from recurrent_depth.model.recurrent import RecurrentDepthLM
+
+    if args.preset:
+        config = ModelConfig.from_preset(args.preset)
+    else:
+        if not Path(args.model).is_dir():
+            raise ValueError(f"--model {args.model!r} is not a directory (expected a saved model directory)")
+        try:
+            config = ModelConfig.from_json(args.model)
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{Path(args.model) / 'config.json'} is not UTF-8 text: {exc}") from None
+    # The real module tree, without memory: counts every mixer, bias and head exactly.
+    with torch.device("meta"):
+        model = RecurrentDepthLM(config)
     layers_at_mean = config.prelude_layers + config.coda_layers + config.core_layers * config.mean_recurrence
-    kv_bytes = 2 * config.num_kv_heads * config.head_dim * 2 * layers_at_mean  # k and v, bf16
+    # Each mixer reports its own cache (KV for attention, a fixed-size state for linear mixers);
+    # a core layer holds one cache per step.
+    blocks = [(1, b) for b in (*model.transformer.prelude, *model.transformer.coda)]
+    blocks += [(config.mean_recurrence, b) for b in model.transformer.core_block]
+    length = config.max_seq_len
+
+    def cache_bytes(tokens: int) -> int:
+        return sum(n * block.attn.state_nbytes(1, tokens, torch.bfloat16) for n, block in blocks)
+
+    full, empty = cache_bytes(length), cache_bytes(0)
     info = {
         "config": config.to_dict(),
-        "unique_parameters": config.num_parameters(),
+        "unique_parameters": model.num_parameters(),
         "layers_at_mean_recurrence": layers_at_mean,
-        "kv_cache_bytes_per_token_bf16": kv_bytes,
+        # Growth per token, averaged over a full context (0 for fixed-size states).
+        "kv_cache_bytes_per_token_bf16": (full - empty) // length,
+        "cache_bytes_at_max_seq_len_bf16": full,
     }
     if args.json:
         print(json.dumps(info, sort_keys=True))
@@ -38,5 +65,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"{key:>22}  {value}")
     print(f"{'unique parameters':>22}  {info['unique_parameters']:,}")
     print(f"{'layers at mean depth':>22}  {layers_at_mean}")
-    print(f"{'KV bytes/token (bf16)':>22}  {kv_bytes:,}")
+    print(f"{'KV bytes/token (bf16)':>22}  {info['kv_cache_bytes_per_token_bf16']:,}")
+    print(f"{f'cache at {length} tokens':>22}  {full:,}")
     return 0

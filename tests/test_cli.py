@@ -93,3 +93,20 @@ def test_every_command_help_exits_cleanly(command, capsys):
         main([command, "--help"])
     assert exit_info.value.code == 0
     assert f"rdepth {command}" in capsys.readouterr().out
+
+
+
+@pytest.mark.parametrize(
+    "command", ["average", "export"], ids=["average-out-is-a-file", "export-out-under-a-file"]
+)
+def test_an_unusable_out_path_is_a_clean_error(command, tiny_model, tmp_path, capsys):
+    model_dir, blocker = tmp_path / "model", tmp_path / "file"
+    tiny_model.save_pretrained(model_dir)
+    blocker.write_text("not a directory")
+    argv = {
+        "average": ["average", "--checkpoints", str(model_dir), "--out", str(blocker)],
+        "export": ["export", "--model", str(model_dir), "--out", str(blocker / "sub")],
+    }[command]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"rdepth {command}: error:") and str(blocker) in err

@@ -56,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as exc:
+    # Bad values and unusable paths (--out naming an existing file, an unwritable directory, ...) are
+    # the user's to fix: one line that names them, not a traceback.
+    except (ValueError, OSError) as exc:
         print(f"rdepth {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -1,6 +1,7 @@
 """The core model: the paper's forward pass, depth control, padding, gradients, bad input."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -282,3 +283,16 @@ def test_cache_refuses_a_different_batch_size(tiny_model):
     tiny_model(ids(T=4), num_steps=2, init_scale=0.0, cache=cache)
     with pytest.raises(ValueError, match="batch size 1"):
         tiny_model(ids(B=1, T=1), num_steps=2, init_scale=0.0, cache=cache)
+
+
+@pytest.mark.parametrize(
+    "mixer, options, message",
+    [
+        ({"core": "nonexistent"}, {"nonexistent": {}}, "unknown mixer 'nonexistent' for the core"),
+        ({"core": "attention"}, {"attention": {"window": True}}, "window=True is invalid"),
+    ],
+    ids=["misspelled-mixer-with-scoped-options", "bool-window"],
+)
+def test_bad_mixer_settings_name_what_is_wrong(mixer, options, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", mixer=mixer, mixer_options=options))

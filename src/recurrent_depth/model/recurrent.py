@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from recurrent_depth.config import ModelConfig
+from recurrent_depth.config import MODEL_PARTS, ModelConfig
 from recurrent_depth.model.layers import RMSNorm, SandwichBlock
 from recurrent_depth.model.linear import Linear
-from recurrent_depth.model.mixers import MixerContext, build_mixer
+from recurrent_depth.model.mixers import MixerContext, available_mixers, build_mixer
 
 NumSteps = int | tuple[int, int] | None
 
@@ -65,6 +65,10 @@ class RecurrentDepthLM(nn.Module):
         self.config = config
         h = config.hidden_size
         options = dict(config.mixer_options)
+        for part in MODEL_PARTS:  # a misspelled name first, before its options read as misplaced ones
+            if config.mixer_for(part) not in available_mixers():
+                raise ValueError(f"unknown mixer {config.mixer_for(part)!r} for the {part}; "
+                                 f"available: {available_mixers()}")
 
         def blocks(part: str, count: int) -> nn.ModuleList:
             name = config.mixer_for(part)

@@ -24,7 +24,7 @@ class Attention(nn.Module):
         self, config: ModelConfig, part: str = "core", window: int | None = None, num_kv_heads: int | None = None
     ) -> None:
         super().__init__()
-        if window is not None and (not isinstance(window, int) or window < 1):
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"attention window={window!r} is invalid: expected None or an integer >= 1")
         if num_kv_heads is not None and (
             isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1

@@ -110,3 +110,14 @@ def test_an_unusable_out_path_is_a_clean_error(command, tiny_model, tmp_path, ca
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"rdepth {command}: error:") and str(blocker) in err
+
+
+def test_ctrl_c_is_a_one_line_exit_130(monkeypatch, capsys):
+    import recurrent_depth.cli.info as info
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(info, "run", interrupted)
+    assert main(["info", "--preset", "tiny"]) == 130
+    assert capsys.readouterr().err == "rdepth info: interrupted\n"

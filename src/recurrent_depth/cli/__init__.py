@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"rdepth {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"rdepth {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

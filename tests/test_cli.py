@@ -1,6 +1,7 @@
 """The `rdepth` entry point: dispatch, --help, and the `info` command."""
 
 import json
+import sys
 
 import pytest
 import torch
@@ -121,3 +122,17 @@ def test_ctrl_c_is_a_one_line_exit_130(monkeypatch, capsys):
     monkeypatch.setattr(info, "run", interrupted)
     assert main(["info", "--preset", "tiny"]) == 130
     assert capsys.readouterr().err == "rdepth info: interrupted\n"
+
+
+def test_a_missing_optional_dependency_is_a_clean_error(tmp_path, monkeypatch, capsys):
+    from tokenizers import Tokenizer, models
+
+    model_dir = tmp_path / "model"
+    rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).save_pretrained(model_dir)
+    Tokenizer(models.BPE()).save(str(model_dir / "tokenizer.json"))
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if lm-eval were not installed
+    argv = ["eval", "--model", str(model_dir), "--data", "none", "--lm-eval-tasks", "rd_chains_mc",
+            "--depths", "1", "--out", str(tmp_path / "out")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rdepth eval: error:") and "lm_eval" in err and "pip install" in err

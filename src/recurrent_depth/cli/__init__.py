@@ -61,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"rdepth {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:  # an optional dependency (lm-eval, ...) the command needs
+        print(f"rdepth {args.command}: error: {exc}; the optional dependencies come with "
+              f"pip install 'recurrent-depth[dev]' (or pip install -e '.[dev]' in a checkout)", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"rdepth {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -418,3 +418,15 @@ def test_teacher_forcing_arguments_are_checked(model, prompts):
     with pytest.raises(ValueError, match="does not combine with draft_steps"):
         generate(model, prompts[0], max_new_tokens=2, num_steps=2, draft_steps=1,
                  teacher_tokens=torch.zeros(1, 2, dtype=torch.long))
+
+
+def test_rd_generate_is_the_documented_function():
+    """`help(rd.generate)` / IDEs must show the real keywords, not `**kwargs`."""
+    import inspect
+
+    import recurrent_depth as rd
+    from recurrent_depth.inference import generate as real
+
+    assert rd.generate is real
+    params = inspect.signature(rd.generate).parameters
+    assert {"max_new_tokens", "num_steps", "exit_criterion", "kv_budget", "warm_start", "draft_steps"} <= set(params)

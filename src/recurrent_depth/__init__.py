@@ -5,21 +5,11 @@
     out = model(input_ids, num_steps=32)
 """
 
-from __future__ import annotations
-
-from typing import Any
-
-import recurrent_depth.integrations  # noqa: F401  (installs lazy transformers / lm-eval registration hooks)
+import recurrent_depth.integrations as _integrations  # noqa: F401  (installs lazy transformers / lm-eval hooks)
 from recurrent_depth.config import ModelConfig
+from recurrent_depth.inference import generate
 from recurrent_depth.model import DynamicCache, RecurrentDepthLM, RecurrentOutput
 
 __version__ = "0.1.0"
 
 __all__ = ["DynamicCache", "ModelConfig", "RecurrentDepthLM", "RecurrentOutput", "__version__", "generate"]
-
-
-def generate(model: RecurrentDepthLM, input_ids: Any, **kwargs: Any) -> Any:
-    """Generate with every test-time compute control (see `recurrent_depth.inference.generate`)."""
-    from recurrent_depth.inference import generate as _generate
-
-    return _generate(model, input_ids, **kwargs)

@@ -108,3 +108,9 @@ def test_official_config_with_transformers_alias_keys_is_read_not_defaulted():
     data = {k: v for k, v in HUGINN_CONFIG_JSON.items() if k not in ("n_embd", "n_heads")}
     cfg = rd.ModelConfig.from_dict({**data, "hidden_size": 5280, "num_attention_heads": 55})
     assert cfg == rd.ModelConfig.from_preset("huginn-0125")
+
+
+def test_a_config_file_that_is_not_utf8_is_named(tmp_path):
+    (tmp_path / "config.json").write_bytes(b"\xff{")
+    with pytest.raises(ValueError, match="config.json is not UTF-8"):
+        rd.ModelConfig.from_json(tmp_path)

@@ -254,7 +254,10 @@ class ModelConfig:
                 path = path / "config.json"
             if not path.exists():
                 raise FileNotFoundError(f"no config file at {path}")
-            text = path.read_text()
+            try:
+                text = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"config file {path} is not UTF-8 text: {exc}") from exc
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:

@@ -64,7 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="parallel: freeze the front when more positions than this refine (default: %(default)s)")
     t = p.add_argument_group("sampling")
     t.add_argument("--do-sample", action="store_true",
-                   help="sample instead of greedy (implied by --temperature/--top-k/--top-p/--min-p)")
+                   help="sample instead of greedy (implied by --temperature/--top-k/--top-p/--min-p; default: greedy)")
     t.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: 1.0)")
     t.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default: all)")
     t.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: off)")
@@ -72,14 +72,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="penalise tokens already present, > 1 (default: %(default)s = off)")
     t.add_argument("--stop", action="append", default=None, metavar="TEXT",
-                   help="stop when this text appears (repeatable; the model's eos always stops)")
+                   help="stop when this text appears (repeatable; the model's eos always stops; default: none)")
     add_seed_arg(p)
     o = p.add_argument_group("output")
     o.add_argument("--stream", dest="stream", action="store_true", default=None,
                    help="print tokens as they are generated (default: on for one prompt)")
-    o.add_argument("--no-stream", dest="stream", action="store_false", help="print the completion at the end")
+    o.add_argument("--no-stream", dest="stream", action="store_false",
+                   help="print the completion at the end (default: stream tokens as they come)")
     o.add_argument("--json", action="store_true",
-                   help="print one JSON object (completions, per-token steps and reasons, stats) instead")
+                   help="print one JSON object (completions, per-token steps and reasons, stats) instead "
+                        "(default: off)")
     o.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     add_device_args(p)
     p.set_defaults(func=run)

@@ -554,7 +554,7 @@ def test_rdepth_serve_command_reads_the_api_key_from_the_environment(model_dir, 
     seen = {}
 
     def run(app, host, port, log_level, **options):
-        seen.update(host=host, port=port, **options)
+        seen.update(host=host, port=port)
         with LiveServer(app) as live:
             seen["no_key"] = httpx.get(live.url + "/v1/models").status_code
             seen["health"] = httpx.get(live.url + "/health").status_code

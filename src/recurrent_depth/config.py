@@ -21,11 +21,12 @@ HUGINN_MODEL_TYPE = "huginn_raven"
 MODEL_PARTS = ("prelude", "core", "coda")
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """An int that is not a bool (config values from YAML/JSON)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_real(value: Any) -> bool:
+def is_real(value: Any) -> bool:
     """A finite int or float (not a bool, not a string that looks like a number)."""
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -109,7 +110,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
-        if (self.head_dim is None and _is_int(self.hidden_size) and _is_int(self.num_heads)
+        if (self.head_dim is None and is_int(self.hidden_size) and is_int(self.num_heads)
                 and self.num_heads > 0):
             self.head_dim = self.hidden_size // self.num_heads
         self.validate()
@@ -125,25 +126,25 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
                      "intermediate_size", "max_seq_len"):
             value = getattr(self, name)
-            need(_is_int(value) and value >= 1, name, "an integer >= 1")
+            need(is_int(value) and value >= 1, name, "an integer >= 1")
         for name in ("prelude_layers", "core_layers", "coda_layers", "mean_recurrence",
                      "mean_backprop_depth"):
             value = getattr(self, name)
-            need(_is_int(value) and value >= 0, name, "an integer >= 0")
+            need(is_int(value) and value >= 0, name, "an integer >= 0")
         need(self.core_layers >= 1, "core_layers", "at least 1 layer in the recurrent core")
         need(self.hidden_size % self.num_heads == 0, "num_heads",
              f"a divisor of hidden_size={self.hidden_size}")
         need(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
              f"a divisor of num_heads={self.num_heads} (grouped-query attention)")
         need(self.head_dim % 2 == 0, "head_dim", "an even number (rotary embedding rotates pairs)")
-        need(_is_real(self.rope_base) and self.rope_base > 1, "rope_base", "a number > 1")
-        need(_is_real(self.norm_eps) and 0 < self.norm_eps < 1, "norm_eps", "a number in (0, 1)")
-        need(_is_real(self.init_scale) and self.init_scale >= 0, "init_scale", "a number >= 0")
+        need(is_real(self.rope_base) and self.rope_base > 1, "rope_base", "a number > 1")
+        need(is_real(self.norm_eps) and 0 < self.norm_eps < 1, "norm_eps", "a number in (0, 1)")
+        need(is_real(self.init_scale) and self.init_scale >= 0, "init_scale", "a number >= 0")
         for name in ("qk_bias", "bias", "tie_embeddings"):
             need(isinstance(getattr(self, name), bool), name, "true or false")
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)
-            need(value is None or (_is_int(value) and 0 <= value < self.vocab_size), name,
+            need(value is None or (is_int(value) and 0 <= value < self.vocab_size), name,
                  f"None or a token id in [0, {self.vocab_size})")
         if isinstance(self.mixer, dict):
             unknown = set(self.mixer) - set(MODEL_PARTS)
@@ -223,14 +224,14 @@ class ModelConfig:
             if name not in values and alias in data:
                 values[name] = data[alias]
         embd, heads = values.get("hidden_size"), values.get("num_heads")
-        if _is_int(embd) and _is_int(heads) and heads > 0:
+        if is_int(embd) and is_int(heads) and heads > 0:
             values.setdefault("head_dim", embd // heads)  # else validation names the field
         values.setdefault("num_kv_heads", values.get("num_heads"))
         values.setdefault("rope_base", 50_000.0)
         values.setdefault("norm_eps", 1e-6)
         # The official file hard-codes these special tokens (huginn-0125.md §1).
         vocab = values.get("vocab_size", 0)
-        official_vocab = _is_int(vocab) and vocab > 65509
+        official_vocab = is_int(vocab) and vocab > 65509
         values.setdefault("bos_token_id", 65504 if official_vocab else None)
         values.setdefault("eos_token_id", 65505 if official_vocab else None)
         values.setdefault("pad_token_id", 65509 if official_vocab else None)

@@ -20,7 +20,6 @@ The resolved config is written to `<out>/run.json` and into every checkpoint.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import types
 import typing
@@ -28,7 +27,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from recurrent_depth.config import PRESETS, ModelConfig
+from recurrent_depth.config import PRESETS, ModelConfig, is_int, is_real
 from recurrent_depth.train.depth import SCHEMES
 from recurrent_depth.train.optim import OptimConfig
 
@@ -153,7 +152,7 @@ class TrainConfig:
             value = getattr(self, name)
             if optional and value is None:
                 return
-            if not _is_int(value) or value < low:
+            if not is_int(value) or value < low:
                 raise bad(name, f"{'None or ' if optional else ''}an integer >= {low}")
 
         if self.preset not in PRESETS:
@@ -174,9 +173,9 @@ class TrainConfig:
             need_int(name, 1)
         for name in ("eval_interval", "save_every", "seed"):
             need_int(name, 0)
-        if not _is_real(self.val_fraction) or not 0 < self.val_fraction < 1:
+        if not is_real(self.val_fraction) or not 0 < self.val_fraction < 1:
             raise bad("val_fraction", "a number in (0, 1): validation needs held-out documents")
-        if self.max_minutes is not None and (not _is_real(self.max_minutes) or self.max_minutes <= 0):
+        if self.max_minutes is not None and (not is_real(self.max_minutes) or self.max_minutes <= 0):
             raise bad("max_minutes", "None or a number > 0")
         if self.max_steps is None and self.max_tokens is None and self.max_minutes is None:
             raise ValueError("TrainConfig needs a budget: set max_steps, max_tokens or max_minutes (or several)")
@@ -184,12 +183,12 @@ class TrainConfig:
             raise bad("optim", "an OptimConfig or a mapping of its fields")
         if self.depth_scheme not in SCHEMES:
             raise bad("depth_scheme", f"one of {SCHEMES}")
-        if self.mean_recurrence is not None and (not _is_real(self.mean_recurrence) or self.mean_recurrence < 1):
+        if self.mean_recurrence is not None and (not is_real(self.mean_recurrence) or self.mean_recurrence < 1):
             raise bad("mean_recurrence", "None or a number >= 1")
         if (self.depth_scheme in ("fixed", "uniform") and self.mean_recurrence is not None
                 and float(self.mean_recurrence) != int(self.mean_recurrence)):
             raise bad("mean_recurrence", f"an integer for depth_scheme {self.depth_scheme!r}")
-        if not _is_real(self.depth_sigma) or self.depth_sigma < 0:
+        if not is_real(self.depth_sigma) or self.depth_sigma < 0:
             raise bad("depth_sigma", "a number >= 0")
         if self.compile_mode not in COMPILE_MODES:
             raise bad("compile_mode", f"one of {COMPILE_MODES}")
@@ -197,7 +196,7 @@ class TrainConfig:
             raise bad("dtype", f"one of {DTYPES} (or fp32 / bf16)")
         depths = self.eval_depths
         if depths is not None and (not isinstance(depths, list) or not depths
-                                   or not all(_is_int(d) and d >= 0 for d in depths)):
+                                   or not all(is_int(d) and d >= 0 for d in depths)):
             raise bad("eval_depths", "None or a non-empty list of integers >= 0")
         for name in ("keep_all", "baseline", "compile", "activation_checkpointing", "keep_freed_memory", "fsdp",
                      "resume", "progress", "tensorboard"):
@@ -357,19 +356,12 @@ def _matches_hint(value: Any, hint: Any) -> bool:
     if hint is bool:
         return isinstance(value, bool)
     if hint is int:
-        return _is_int(value)
+        return is_int(value)
     if hint is float:
-        return _is_real(value)
+        return is_real(value)
     if hint is str:
         return isinstance(value, str)
     if hint is dict or typing.get_origin(hint) is dict:
         return isinstance(value, dict)
     return True
 
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

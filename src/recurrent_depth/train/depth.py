@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from recurrent_depth.config import is_int, is_real
+
 SCHEMES: tuple[str, ...] = ("poisson-lognormal", "fixed", "uniform")
 
 _MASK64 = (1 << 64) - 1
@@ -61,13 +63,6 @@ def truncate(total_steps: int, backprop_depth: int) -> tuple[int, int]:
         raise ValueError(f"backprop_depth must be >= 1, got {backprop_depth}")
     return max(total_steps - backprop_depth, 0), min(total_steps, backprop_depth)
 
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -109,24 +104,24 @@ class DepthSampler:
         if self.scheme not in SCHEMES:
             raise ValueError(f"scheme must be one of {SCHEMES}, got {self.scheme!r}")
         mean = self.mean_recurrence
-        if not _is_real(mean) or mean < 1:
+        if not is_real(mean) or mean < 1:
             raise ValueError(f"mean_recurrence must be a finite number >= 1, got {mean!r}")
         if self.scheme in ("fixed", "uniform") and float(mean) != int(mean):
             raise ValueError(f"mean_recurrence must be an integer for scheme {self.scheme!r}, got {mean!r}")
-        if not _is_int(self.backprop_depth) or self.backprop_depth < 1:
+        if not is_int(self.backprop_depth) or self.backprop_depth < 1:
             raise ValueError(f"backprop_depth must be an integer >= 1, got {self.backprop_depth!r}")
-        if not _is_real(self.sigma) or self.sigma < 0:
+        if not is_real(self.sigma) or self.sigma < 0:
             raise ValueError(f"sigma must be a finite number >= 0, got {self.sigma!r}")
-        if not _is_int(self.seed) or self.seed < 0:
+        if not is_int(self.seed) or self.seed < 0:
             raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
-        if self.max_steps is not None and (not _is_int(self.max_steps) or self.max_steps < 1):
+        if self.max_steps is not None and (not is_int(self.max_steps) or self.max_steps < 1):
             raise ValueError(f"max_steps must be None or an integer >= 1, got {self.max_steps!r}")
 
     def total_steps(self, step: int) -> int:
         """Total depth ``r`` (>= 1) for global micro-batch ``step`` (>= 0), after the ``max_steps`` cap."""
         if isinstance(step, numbers.Integral) and not isinstance(step, bool):
             step = int(step)  # numpy integer scalars are fine
-        if not _is_int(step) or step < 0:
+        if not is_int(step) or step < 0:
             raise ValueError(f"step must be an integer >= 0 (the global micro-batch index), got {step!r}")
         if self.scheme == "fixed":
             r = int(self.mean_recurrence)

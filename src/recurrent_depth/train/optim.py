@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from recurrent_depth.config import is_int
 from recurrent_depth.train.muon import NS_DTYPES, Muon
 from recurrent_depth.train.schedule import lr_at
 
@@ -497,7 +498,7 @@ class OptimConfig:
             raise ValueError(f"optim.bias_correction must be one of {BIAS_CORRECTIONS}, got {self.bias_correction!r}")
         _check_real(self.muon_lr, "optim.muon_lr", low=0.0, low_open=True)
         _check_real(self.muon_momentum, "optim.muon_momentum", low=0.0, high=1.0, high_open=True)
-        if not _is_int(self.muon_ns_steps) or self.muon_ns_steps < 1:
+        if not is_int(self.muon_ns_steps) or self.muon_ns_steps < 1:
             raise ValueError(f"optim.muon_ns_steps must be an integer >= 1, got {self.muon_ns_steps!r}")
         _check_real(self.muon_weight_decay, "optim.muon_weight_decay", low=0.0)
         if self.muon_adjust_lr is not None and self.muon_adjust_lr not in MUON_ADJUST_LR:
@@ -508,14 +509,14 @@ class OptimConfig:
             raise ValueError(f"optim.muon_ns_dtype must be one of {NS_DTYPES}, got {self.muon_ns_dtype!r}")
         if self.grad_clip is not None:
             _check_real(self.grad_clip, "optim.grad_clip (None disables clipping)", low=0.0, low_open=True)
-        if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
+        if not is_int(self.warmup_steps) or self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
         if self.cooldown_steps is not None and self.cooldown_fraction is not None:
             raise ValueError(
                 "optim.cooldown_steps and optim.cooldown_fraction are exclusive; got "
                 f"{self.cooldown_steps!r} and {self.cooldown_fraction!r}"
             )
-        if self.cooldown_steps is not None and (not _is_int(self.cooldown_steps) or self.cooldown_steps < 0):
+        if self.cooldown_steps is not None and (not is_int(self.cooldown_steps) or self.cooldown_steps < 0):
             raise ValueError(f"optim.cooldown_steps must be None or an integer >= 0, got {self.cooldown_steps!r}")
         if self.cooldown_fraction is not None:
             _check_real(self.cooldown_fraction, "optim.cooldown_fraction", low=0.0, high=1.0)
@@ -577,10 +578,6 @@ class OptimConfig:
             cooldown=self.cooldown_for(total_steps),
             min_lr=self.min_lr,
         )
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 OPTIM_PRESETS: dict[str, OptimConfig] = {

@@ -15,9 +15,10 @@ time-capped run can fall below a fixed ``cooldown``; that must not stop the run)
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
+
+from recurrent_depth.config import is_int, is_real
 
 
 def lr_at(
@@ -38,21 +39,21 @@ def lr_at(
         cooldown: number of final steps that decay linearly towards ``min_lr`` (0 = none); may exceed ``total``.
         min_lr: the value the cool-down decays to, in ``[0, base_lr]``.
     """
-    if not _is_int(step) or step < 0:
+    if not is_int(step) or step < 0:
         raise ValueError(f"step must be an integer >= 0, got {step!r}")
-    if not _is_real(base_lr) or base_lr <= 0:
+    if not is_real(base_lr) or base_lr <= 0:
         raise ValueError(f"base_lr must be a finite number > 0, got {base_lr!r}")
-    if not _is_int(warmup) or warmup < 0:
+    if not is_int(warmup) or warmup < 0:
         raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
-    if not _is_int(cooldown) or cooldown < 0:
+    if not is_int(cooldown) or cooldown < 0:
         raise ValueError(f"cooldown must be an integer >= 0, got {cooldown!r}")
-    if not _is_real(min_lr) or not 0 <= min_lr <= base_lr:
+    if not is_real(min_lr) or not 0 <= min_lr <= base_lr:
         raise ValueError(f"min_lr must be in [0, base_lr={base_lr!r}], got {min_lr!r}")
     if total is None:
         if cooldown:
             raise ValueError(f"a cool-down ({cooldown} steps) needs a known total number of steps, got total=None")
     else:
-        if not _is_int(total) or total < 1:
+        if not is_int(total) or total < 1:
             raise ValueError(f"total must be None or an integer >= 1, got {total!r}")
         if step >= total:
             raise ValueError(f"step must be < total ({total}), got {step}; raise the total to train longer")
@@ -72,7 +73,7 @@ def set_lr(optimizers: Any, lr: float) -> None:
     or an iterable of those. ``lr_scale`` lets one schedule drive groups with different peak rates
     (Muon's matrices at ``muon_lr`` next to AdamW at ``lr``).
     """
-    if not _is_real(lr) or lr < 0:
+    if not is_real(lr) or lr < 0:
         raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
     for group in _param_groups(optimizers):
         group["lr"] = lr * group.get("lr_scale", 1.0)
@@ -83,10 +84,3 @@ def _param_groups(optimizers: Any) -> Iterable[dict[str, Any]]:
         return optimizers.param_groups
     return [group for opt in optimizers for group in opt.param_groups]
 
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

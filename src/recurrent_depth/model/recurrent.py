@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from recurrent_depth.config import MODEL_PARTS, ModelConfig
+from recurrent_depth.config import MODEL_PARTS, ModelConfig, is_real
 from recurrent_depth.model.layers import RMSNorm, SandwichBlock
 from recurrent_depth.model.linear import Linear
-from recurrent_depth.model.mixers import MixerContext, available_mixers, build_mixer
+from recurrent_depth.model.mixers import MixerContext, build_mixer, check_mixer_name
 
 NumSteps = int | tuple[int, int] | None
 
@@ -66,9 +66,7 @@ class RecurrentDepthLM(nn.Module):
         h = config.hidden_size
         options = dict(config.mixer_options)
         for part in MODEL_PARTS:  # a misspelled name first, before its options read as misplaced ones
-            if config.mixer_for(part) not in available_mixers():
-                raise ValueError(f"unknown mixer {config.mixer_for(part)!r} for the {part}; "
-                                 f"available: {available_mixers()}")
+            check_mixer_name(config.mixer_for(part), part)
 
         def blocks(part: str, count: int) -> nn.ModuleList:
             name = config.mixer_for(part)
@@ -219,7 +217,7 @@ class RecurrentDepthLM(nn.Module):
         n_free, n_grad = self.resolve_num_steps(num_steps, generator)
         self.check_inputs(input_ids, labels, attention_mask, input_states, cache, position_ids)
         scale = self.config.init_scale if init_scale is None else init_scale
-        if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale) or scale < 0:
+        if not is_real(scale) or scale < 0:
             raise ValueError(f"init_scale={scale!r} is invalid: expected a finite number >= 0")
         if input_ids.dtype not in (torch.int32, torch.int64):
             input_ids = input_ids.long()  # the embedding lookup takes int32/int64 only
@@ -349,10 +347,10 @@ class RecurrentDepthLM(nn.Module):
                 )
             if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool or position_ids.is_complex():
                 raise ValueError(f"position_ids must hold integer positions, got dtype {position_ids.dtype}")
-            if position_ids.numel() and (int(position_ids.min()) < 0 or int(position_ids.max()) >= cfg.max_seq_len):
+            lowest, highest = int(position_ids.min()), int(position_ids.max())
+            if lowest < 0 or highest >= cfg.max_seq_len:
                 raise ValueError(
-                    f"position_ids must lie in [0, max_seq_len={cfg.max_seq_len}), got values in "
-                    f"[{int(position_ids.min())}, {int(position_ids.max())}]"
+                    f"position_ids must lie in [0, max_seq_len={cfg.max_seq_len}), got values in [{lowest}, {highest}]"
                 )
 
     # ------------------------------------------------------------------ checkpoints

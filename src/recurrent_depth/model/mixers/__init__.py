@@ -17,7 +17,8 @@ from recurrent_depth.model.mixers.base import (
     MixerContext,
     available_mixers,
     build_mixer,
+    check_mixer_name,
     register_mixer,
 )
 
-__all__ = ["LayerKey", "MixerContext", "available_mixers", "build_mixer", "register_mixer"]
+__all__ = ["LayerKey", "MixerContext", "available_mixers", "build_mixer", "check_mixer_name", "register_mixer"]

@@ -72,6 +72,12 @@ def available_mixers() -> list[str]:
     return sorted(_MIXERS)
 
 
+def check_mixer_name(name: str, part: str) -> None:
+    """A ValueError naming `name` unless it is a registered mixer."""
+    if name not in _MIXERS:
+        raise ValueError(f"unknown mixer {name!r} for the {part}; available: {available_mixers()}")
+
+
 def build_mixer(name: str, config: ModelConfig, part: str, **options: Any) -> nn.Module:
     """Construct mixer `name` for a block of `part` ("prelude" / "core" / "coda").
 
@@ -80,8 +86,7 @@ def build_mixer(name: str, config: ModelConfig, part: str, **options: Any) -> nn
     `{"gated_deltanet": {"conv_size": 4}, "prelude": {"window": 64}}`. Options the mixer does not
     accept raise a ValueError that lists the ones it does.
     """
-    if name not in _MIXERS:
-        raise ValueError(f"unknown mixer {name!r} for the {part}; available: {available_mixers()}")
+    check_mixer_name(name, part)
     factory = _MIXERS[name]
     options = scoped_options(name, part, options)
     accepted = _accepted_options(factory)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from recurrent_depth.config import ModelConfig
+from recurrent_depth.config import ModelConfig, is_int
 from recurrent_depth.model.mixers.base import scoped_options
 
 
@@ -61,12 +61,12 @@ def _attention_layer(cfg: ModelConfig, part: str, seq_len: int) -> tuple[float, 
 def training_step_flops(cfg: ModelConfig, batch: int, seq_len: int, num_steps: tuple[int, int]) -> StepFlops:
     """Model FLOPs of forward + backward on [batch, seq_len] tokens at depth (no_grad_steps, grad_steps)."""
     for name, value in (("batch", batch), ("seq_len", seq_len)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     if (
         not isinstance(num_steps, tuple | list)
         or len(num_steps) != 2
-        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in num_steps)
+        or not all(is_int(n) and n >= 0 for n in num_steps)
     ):
         raise ValueError(f"num_steps must be a pair (no_grad_steps, grad_steps) of integers >= 0, got {num_steps!r}")
     n_free, n_grad = num_steps

@@ -13,7 +13,6 @@ f are the final ln_f-normalised states. The chosen tokens' whole paths are kept 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +20,7 @@ import torch
 from torch import Tensor
 
 from recurrent_depth.analysis.trajectory import iterate_states
+from recurrent_depth.config import is_real
 
 
 @dataclass
@@ -83,8 +83,7 @@ def path_independence(
     """
     if len(seeds) < 2 or len(set(seeds)) != len(seeds):
         raise ValueError(f"seeds must hold at least 2 distinct seeds, got {seeds!r}")
-    if (not isinstance(init_scale, int | float) or isinstance(init_scale, bool) or not math.isfinite(init_scale)
-            or init_scale <= 0):
+    if not is_real(init_scale) or init_scale <= 0:
         raise ValueError(
             f"init_scale={init_scale!r} is invalid: path independence needs random starts (a finite number > 0)"
         )

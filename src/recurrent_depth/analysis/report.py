@@ -13,7 +13,6 @@ import base64
 import html
 import io
 import json
-import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -46,6 +45,7 @@ from recurrent_depth.analysis.depth_view import change_points, prediction_arrays
 from recurrent_depth.analysis.path_independence import PathIndependence, path_independence
 from recurrent_depth.analysis.pca import PCA, fit_trajectory_pca
 from recurrent_depth.analysis.trajectory import Trajectory, collect_trajectory
+from recurrent_depth.config import is_int, is_real
 
 FIGURES = {
     "convergence": ("convergence.png", "Distance to s* per token and step (paper fig. 11)"),
@@ -80,16 +80,12 @@ class AnalysisConfig:
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: expected {expected}")
 
-        def is_int(value: Any) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
-
         need(is_int(self.num_steps) and self.num_steps >= MIN_STEPS, "num_steps",
              f"an integer >= {MIN_STEPS} (trajectory shapes need a tail)")
         need(is_int(self.limit_steps) and self.limit_steps >= self.num_steps, "limit_steps",
              f"an integer >= num_steps ({self.num_steps})")
         need(is_int(self.num_starts) and self.num_starts >= 2, "num_starts", "an integer >= 2")
-        need(isinstance(self.init_scale, int | float) and not isinstance(self.init_scale, bool)
-             and math.isfinite(self.init_scale) and self.init_scale >= 0, "init_scale", "a finite number >= 0")
+        need(is_real(self.init_scale) and self.init_scale >= 0, "init_scale", "a finite number >= 0")
         need(is_int(self.seed), "seed", "an integer")
         need(isinstance(self.converge_tol, float | int) and 0 < self.converge_tol < 1, "converge_tol",
              "a number in (0, 1)")

@@ -14,7 +14,6 @@ so only one step is ever held in RAM, and the files can be reopened with `Trajec
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
+
+from recurrent_depth.config import is_real
 
 # Above this, in-memory collection refuses and asks for `out_dir` (a memory map on disk).
 DEFAULT_MAX_IN_MEMORY_BYTES = 1 << 30
@@ -187,8 +188,7 @@ def iterate_states(
     """
     _check_ids(model, input_ids, attention_mask)
     _check_steps("num_steps", num_steps, 0)
-    if (not isinstance(init_scale, int | float) or isinstance(init_scale, bool) or not math.isfinite(init_scale)
-            or init_scale < 0):
+    if not is_real(init_scale) or init_scale < 0:
         raise ValueError(f"init_scale={init_scale!r} is invalid: expected a finite number >= 0")
     input_ids = input_ids.to(model.device)
     mask = None if attention_mask is None else attention_mask.to(model.device)

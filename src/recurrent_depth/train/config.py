@@ -20,6 +20,7 @@ The resolved config is written to `<out>/run.json` and into every checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import types
 import typing
@@ -317,15 +318,22 @@ def optim_from_dict(data: dict[str, Any]) -> OptimConfig:
 _FLOAT_WITHOUT_DOT = re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$")
 
 
-def load_yaml(text: str) -> Any:
-    """`yaml.safe_load`, except that `1e-4` (no dot) is a float, as in YAML 1.2."""
+@functools.cache
+def _yaml_loader() -> type:
     import yaml
 
     class Loader(yaml.SafeLoader):
         pass
 
     Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_WITHOUT_DOT, list("-+0123456789"))
-    return yaml.load(text, Loader=Loader)  # noqa: S506 (a SafeLoader subclass)
+    return Loader
+
+
+def load_yaml(text: str) -> Any:
+    """`yaml.safe_load`, except that `1e-4` (no dot) is a float, as in YAML 1.2."""
+    import yaml
+
+    return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:

@@ -26,6 +26,9 @@ COMMANDS: dict[str, str] = {
     "lm-eval": "recurrent_depth.cli.lm_eval",
     "info": "recurrent_depth.cli.info",
 }
+# Commands whose work is torch compute: without --threads they measure the free cores once at start
+# (recurrent_depth.accel.threads); the others keep torch's default unless --threads is given.
+MEASURE_THREADS = frozenset({"quickstart", "train", "generate", "eval", "analyze", "serve"})
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -38,7 +41,37 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         if only is not None and name != only:
             continue
         importlib.import_module(module_name).register(subparsers)
+    for name, command_parser in subparsers.choices.items():
+        _add_threads_to_leaves(command_parser, measured=name in MEASURE_THREADS)
     return parser
+
+
+def _add_threads_to_leaves(parser: argparse.ArgumentParser, measured: bool) -> None:
+    """`--threads` on every command (on the leaves of a command with sub-actions, like `tokenizer train`)."""
+    from recurrent_depth.cli.common import add_threads_arg
+
+    nested = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not nested:
+        add_threads_arg(parser, measured)
+    for action in nested:
+        for child in action.choices.values():
+            _add_threads_to_leaves(child, measured)
+
+
+def _configure_threads(args: argparse.Namespace) -> None:
+    import torch
+
+    from recurrent_depth.accel.threads import configure_threads
+
+    requested = getattr(args, "threads", None)
+    if args.command not in MEASURE_THREADS:
+        if requested is not None:
+            torch.set_num_threads(requested)
+        return
+    # quickstart prints its thread count in its own first line
+    log = None if args.command == "quickstart" else (lambda line: print(f"rdepth {args.command}: {line}",
+                                                                        file=sys.stderr))
+    args.threads = configure_threads(requested, log)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        _configure_threads(args)
         return int(args.func(args) or 0)
     # Bad values and unusable paths (--out naming an existing file, an unwritable directory, ...) are
     # the user's to fix: one line that names them, not a traceback.

@@ -47,9 +47,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="refuse prompts longer than this many tokens (default: %(default)s)")
     p.add_argument("--no-special-tokens", action="store_true",
                    help="do not add the tokenizer's special tokens such as BOS (default: add them)")
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch intra-op threads; 0 = torch's default. Small models on a busy machine often "
-                   "run several times faster with 1 (default: %(default)s)")
     p.add_argument("--no-states", action="store_true",
                    help="do not keep the trajectory as .npy files in OUT/states (default: keep them)")
     p.set_defaults(func=run)
@@ -96,12 +93,6 @@ def run(args: argparse.Namespace) -> int:
             prompt = Path(args.prompt_file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"--prompt-file {args.prompt_file} cannot be read as UTF-8 text: {exc}") from None
-    if args.threads < 0:
-        raise ValueError(f"--threads={args.threads} is invalid: expected 0 (torch's default) or a positive count")
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
     model = load_pretrained(model_dir, dtype=args.dtype, device=args.device)
 
     tokenizer = None if args.ids is not None else _load_tokenizer(model_dir)

@@ -20,6 +20,23 @@ def add_seed_arg(parser: argparse.ArgumentParser, default: int = 0) -> None:
     parser.add_argument("--seed", type=int, default=default, help="random seed (default: %(default)s)")
 
 
+def add_threads_arg(parser: argparse.ArgumentParser, measured: bool = True) -> None:
+    default = ("measured at start from the cores other processes leave free; 1 when the machine is busy"
+               if measured else "torch's")
+    parser.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                        help=f"torch CPU threads (default: {default})")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
 def add_device_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     parser.add_argument(

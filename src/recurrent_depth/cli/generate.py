@@ -82,7 +82,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     o.add_argument("--json", action="store_true",
                    help="print one JSON object (completions, per-token steps and reasons, stats) instead "
                         "(default: off)")
-    o.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     add_device_args(p)
     p.set_defaults(func=run)
 
@@ -133,10 +132,6 @@ def run(args: argparse.Namespace) -> int:
     import recurrent_depth as rd
     from recurrent_depth.inference import generate, stream_generate
 
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads={args.threads} is invalid: expected an integer >= 1")
-        torch.set_num_threads(args.threads)
     tokenizer = _load_tokenizer(args.model)
     model = rd.RecurrentDepthLM.from_pretrained(args.model, dtype=args.dtype, device=args.device).eval()
     rows = [tokenizer.encode(text).ids for text in args.prompt]

@@ -28,8 +28,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", default=None, metavar="DIR",
                         help="output directory (default: runs/quickstart, or runs/quickstart-TASK)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: measured at start; 1 wins on a busy machine)")
     parser.set_defaults(func=run)
 
 
@@ -40,8 +38,6 @@ def _task_names() -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads={args.threads} is invalid: expected an integer >= 1")
     if args.minutes is not None and not args.minutes > 0:
         raise ValueError(f"--minutes={args.minutes} is invalid: expected a number > 0")
     if args.task is not None:

@@ -47,8 +47,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(default: the model's mean_recurrence)")
     p.add_argument("--max-num-steps", type=int, default=None,
                    help="deepest recurrence a request may ask for (default: max(64, 4 x mean_recurrence))")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level (default: %(default)s)")
     p.set_defaults(func=run)
@@ -61,10 +59,6 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port {args.port} is invalid: expected 1..65535")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads {args.threads} is invalid: expected an integer >= 1")
-        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     api_key = args.api_key if args.api_key is not None else (os.environ.get("RDEPTH_API_KEY") or None)
     serve(

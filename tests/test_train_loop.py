@@ -302,3 +302,27 @@ def test_a_gated_deltanet_core_trains_through_rdepth_train(train_root, tmp_path)
     assert type(model.transformer.prelude[0].attn).__name__ == "Attention"
     generated = rd.generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=4, num_steps=2, init_scale=0.0)
     assert generated.sequences.shape == (1, 7)
+
+
+def test_a_dsa_indexer_loss_is_trained_and_does_not_pile_up(train_root, tmp_path):
+    """With `indexer_loss` on, the trainer adds each micro-step's indexer KL to the loss and pops it:
+    the recorded terms (and the graphs they hold) never outlive a step, over 50 steps."""
+    from recurrent_depth.model.mixers.dsa import indexer_parameters
+
+    recorded: list[int] = []
+
+    def count_recorded(trainer, record):
+        recorded.append(sum(len(m.indexer_losses) for m in trainer.model.modules() if hasattr(m, "indexer_losses")))
+
+    model = {"mixer": {"core": "dsa"}, "mixer_options": {"dsa": {"topk": 4, "indexer_loss": True}}}
+    cfg = tiny_train_config(train_root, tmp_path / "dsa", max_steps=50, eval_depths=[1], eval_batches=1, model=model)
+    trainer = Trainer(cfg, on_step=count_recorded)
+    # In sparse mode the top-k choice passes no gradient: only the KL term can reach the indexer.
+    indexer_grads: list[float] = []
+    first = indexer_parameters(trainer.model)[0]
+    first.register_hook(lambda g: indexer_grads.append(float(g.abs().sum())))
+    trainer.run()
+    assert recorded == [0] * 50
+    kl = [m["indexer_kl"] for m in read_metrics(tmp_path / "dsa")]
+    assert len(kl) == 50 and all(k > 0 for k in kl)
+    assert len(indexer_grads) == 50 and all(g > 0 for g in indexer_grads)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from recurrent_depth.config import ModelConfig
+from recurrent_depth.model.mixers.dsa import pop_indexer_loss
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 from recurrent_depth.train import checkpointing as ckpt
 from recurrent_depth.train import distributed as ddist
@@ -342,6 +343,7 @@ class Trainer:
         set_lr(self.optimizer, lr)
         self.wrapped.train()
         loss_sum = torch.zeros((), dtype=torch.float64)
+        indexer_kl_sum, indexer_kl_count = 0.0, 0
         depths: list[int] = []
         grad_depths: list[int] = []
         for micro in range(cfg.grad_accum):
@@ -355,8 +357,16 @@ class Trainer:
                 with autocast_context(cfg.dtype, env.device):
                     out = self.wrapped(inputs, num_steps=num_steps, generator=generator)
                 loss = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
-                (loss / cfg.grad_accum).backward()
+                # DSA layers with `indexer_loss` record their indexer KL in the forward; it reads detached
+                # inputs, so adding it trains only the indexer. Popping it every micro-step also keeps
+                # the recorded terms (and their graphs) from piling up across steps.
+                indexer_kl = pop_indexer_loss(self.model)
+                total = loss if indexer_kl is None else loss + indexer_kl
+                (total / cfg.grad_accum).backward()
             loss_sum += loss.detach().double().cpu()
+            if indexer_kl is not None:
+                indexer_kl_sum += float(indexer_kl.detach())
+                indexer_kl_count += 1
             depths.append(sum(num_steps))
             grad_depths.append(num_steps[1])
             state.micro_step += 1
@@ -380,6 +390,7 @@ class Trainer:
         self.session_steps += 1
         state.elapsed_s = self.session_start_elapsed + (time.perf_counter() - self.session_start)
         self.losses.append(loss_value)
+        extra = {"indexer_kl": indexer_kl_sum / indexer_kl_count} if indexer_kl_count else {}
         return {
             "step": state.step,
             "loss": loss_value if math.isfinite(loss_value) else None,
@@ -394,6 +405,7 @@ class Trainer:
             "skipped_total": state.skipped_steps,
             "step_s": seconds,
             "elapsed_s": state.elapsed_s,
+            **extra,
         }
 
     # ------------------------------------------------------------------ budget and schedule

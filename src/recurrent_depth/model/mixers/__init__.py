@@ -6,7 +6,6 @@ from recurrent_depth.model.mixers import (  # noqa: F401
     deltanet,
     dsa,
     gla,
-    hydra,
     linear_attention,
     log_linear,
     mla,

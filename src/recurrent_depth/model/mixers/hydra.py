@@ -14,7 +14,7 @@ with one group of B, C shared by all heads; RMSNorm(y) * SiLU(z); `proj`. Defaul
 head_dim 64 (here the config's), state dim 64, A_log = 0 (A = -1), D = 1, dt ~ logU[1e-3, 0.1].
 
 Output 0 depends on the last token, so Hydra has no decode state and cannot be the mixer of a
-causal language model: the registry entry "hydra" refuses with a ValueError. Use `Hydra` directly
+causal language model, so it is not a registered mixer (`mixer="hydra"` is unknown). Use `Hydra` directly
 as an encoder / bidirectional layer; `forward(x, ctx=None, mask=None)` with mask [B, T] True for
 real tokens (padded tokens then change nothing for the real ones).
 """
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from recurrent_depth.config import ModelConfig
-from recurrent_depth.model.mixers.base import MixerContext, register_mixer
+from recurrent_depth.model.mixers.base import MixerContext
 from recurrent_depth.model.mixers.common import (
     GatedRMSNorm,
     check_choice,
@@ -154,12 +154,3 @@ class Hydra(nn.Module):
         y = self.o_norm(y, z.view(Bsz, T, self.num_heads, self.head_dim))
         return self.proj(y.reshape(Bsz, T, -1))
 
-
-@register_mixer("hydra")
-def refuse_hydra(config: ModelConfig, part: str = "core", **options: Any) -> nn.Module:
-    """The registry entry: Hydra sees future tokens, so a causal language model cannot use it."""
-    raise ValueError(
-        f"mixer 'hydra' cannot be used in the {part} of a causal language model: Hydra is bidirectional "
-        "(each output depends on later tokens) and has no decode state. Use a causal mixer here, or "
-        "recurrent_depth.model.mixers.hydra.Hydra directly as a bidirectional / encoder layer."
-    )

@@ -2,7 +2,9 @@
 
 One path for every code (1..8-bit indices, sign bits, and 16-bit raw values), so that the bytes a
 code object reports are the bits the method claims, rounded up to a whole byte per field and vector.
-Bits are written most significant first, value after value, across byte boundaries.
+Bits are written most significant first, value after value, across byte boundaries; the work is
+done on whole chunks of lcm(b, 8) bits (8 values of 3 bits in 3 bytes, 2 values of 4 bits in 1 byte),
+each assembled as one int64 word.
 """
 
 from __future__ import annotations
@@ -19,24 +21,35 @@ def packed_nbytes(count: int, bits: int) -> int:
     return math.ceil(count * bits / 8)
 
 
+# Widths whose lcm(b, 8)-bit chunk fits an int64 word: every codebook width (1..8) and the raw 16.
+PACKABLE_BITS = tuple(b for b in range(1, MAX_BITS + 1) if math.lcm(b, 8) <= 56)
+
+
 def _check_bits(bits: int) -> None:
-    if not isinstance(bits, int) or not 1 <= bits <= MAX_BITS:
-        raise ValueError(f"bits per packed value must be an int in [1, {MAX_BITS}], got {bits!r}")
+    if not isinstance(bits, int) or bits not in PACKABLE_BITS:
+        raise ValueError(f"bits per packed value must be one of {PACKABLE_BITS}, got {bits!r}")
+
+
+def _chunk(bits: int) -> tuple[int, int]:
+    """(values, bytes) of the smallest whole-byte chunk: lcm(bits, 8) bits, at most 56 (fits an int64)."""
+    chunk_bits = math.lcm(bits, 8)
+    return chunk_bits // bits, chunk_bits // 8
 
 
 def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
     """[..., n] integers in [0, 2^bits) -> [..., ceil(n·bits/8)] uint8."""
     _check_bits(bits)
     n = values.shape[-1]
-    v = values.to(torch.int32)
-    shifts = torch.arange(bits - 1, -1, -1, device=v.device, dtype=torch.int32)
-    stream = ((v.unsqueeze(-1) >> shifts) & 1).flatten(-2)  # [..., n*bits]
-    pad = packed_nbytes(n, bits) * 8 - n * bits
-    if pad:
-        stream = torch.nn.functional.pad(stream, (0, pad))
-    weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], device=v.device, dtype=torch.int32)
-    stream = stream.unflatten(-1, (-1, 8))  # [..., nbytes, 8]
-    return (stream * weights).sum(-1).to(torch.uint8)
+    per_chunk, chunk_bytes = _chunk(bits)
+    v = values.to(torch.int64)
+    if n % per_chunk:
+        v = torch.nn.functional.pad(v, (0, per_chunk - n % per_chunk))
+    v = v.unflatten(-1, (-1, per_chunk))  # [..., chunks, values]
+    value_shifts = torch.arange(per_chunk - 1, -1, -1, device=v.device) * bits
+    words = (v << value_shifts).sum(-1, keepdim=True)  # disjoint bit ranges: sum = or
+    byte_shifts = torch.arange(chunk_bytes - 1, -1, -1, device=v.device) * 8
+    packed = ((words >> byte_shifts) & 0xFF).flatten(-2).to(torch.uint8)
+    return packed[..., : packed_nbytes(n, bits)]  # trailing bytes past the last value are padding
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
@@ -47,8 +60,12 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
             f"packed codes must be uint8 [..., {packed_nbytes(count, bits)}] for {count} values of {bits} bits, "
             f"got {packed.dtype} {tuple(packed.shape)}"
         )
-    shifts = torch.arange(7, -1, -1, device=packed.device, dtype=torch.int32)
-    stream = ((packed.to(torch.int32).unsqueeze(-1) >> shifts) & 1).flatten(-2)[..., : count * bits]
-    stream = stream.unflatten(-1, (count, bits))  # [..., count, bits]
-    weights = torch.tensor([1 << (bits - 1 - i) for i in range(bits)], device=packed.device, dtype=torch.int32)
-    return (stream * weights).sum(-1).to(torch.int64)
+    per_chunk, chunk_bytes = _chunk(bits)
+    b = packed.to(torch.int64)
+    if b.shape[-1] % chunk_bytes:
+        b = torch.nn.functional.pad(b, (0, chunk_bytes - b.shape[-1] % chunk_bytes))
+    b = b.unflatten(-1, (-1, chunk_bytes))  # [..., chunks, bytes]
+    byte_shifts = torch.arange(chunk_bytes - 1, -1, -1, device=b.device) * 8
+    words = (b << byte_shifts).sum(-1, keepdim=True)
+    value_shifts = torch.arange(per_chunk - 1, -1, -1, device=b.device) * bits
+    return ((words >> value_shifts) & ((1 << bits) - 1)).flatten(-2)[..., :count]

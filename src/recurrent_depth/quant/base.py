@@ -111,15 +111,21 @@ class ScalarCodebook:
 
     def __init__(self, centroids: tuple[float, ...], bits: int) -> None:
         self.bits = bits
-        self._centroids = torch.tensor(centroids, dtype=torch.float32)
-        self._bounds = (self._centroids[1:] + self._centroids[:-1]) / 2
+        centroids_cpu = torch.tensor(centroids, dtype=torch.float32)
+        self._tables = {torch.device("cpu"): (centroids_cpu, (centroids_cpu[1:] + centroids_cpu[:-1]) / 2)}
+
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(centroids, boundaries) on `device`, copied there once."""
+        if device not in self._tables:
+            self._tables[device] = tuple(t.to(device) for t in self._tables[torch.device("cpu")])
+        return self._tables[device]
 
     def nbytes(self, count: int) -> int:
         return packed_nbytes(count, self.bits)
 
     def encode(self, y: torch.Tensor) -> torch.Tensor:
         """[..., n] values -> packed nearest-centroid indices [..., nbytes]."""
-        return pack_bits(torch.bucketize(y.contiguous(), self._bounds.to(y.device)), self.bits)
+        return pack_bits(torch.bucketize(y.contiguous(), self._on(y.device)[1]), self.bits)
 
     def decode(self, packed: torch.Tensor, count: int) -> torch.Tensor:
-        return self._centroids.to(packed.device)[unpack_bits(packed, self.bits, count)]
+        return self._on(packed.device)[0][unpack_bits(packed, self.bits, count)]

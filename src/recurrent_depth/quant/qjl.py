@@ -16,7 +16,7 @@ import torch
 from recurrent_depth.quant.base import Quantizer, derive_seed, store_norm
 from recurrent_depth.quant.codes import Codes
 from recurrent_depth.quant.packing import pack_bits, packed_nbytes, unpack_bits
-from recurrent_depth.quant.rotation import gaussian_matrix
+from recurrent_depth.quant.rotation import gaussian_matrix, on_device
 
 
 class QJL(Quantizer):
@@ -41,7 +41,7 @@ class QJL(Quantizer):
 
     def sketch(self, like: torch.Tensor) -> torch.Tensor:
         """S [m, D] on `like`'s device."""
-        return gaussian_matrix(self.sketch_size, self.dim, self._sketch_seed).to(like.device)
+        return on_device(gaussian_matrix, self.sketch_size, self.dim, self._sketch_seed, device=like.device)
 
     def encode(self, x: torch.Tensor) -> Codes:
         x = self._check_input(x)

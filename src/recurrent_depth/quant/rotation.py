@@ -36,6 +36,12 @@ def _random_signs(dim: int, seed: int) -> torch.Tensor:
     return (torch.randint(0, 2, (dim,), generator=_generator(seed)) * 2 - 1).to(torch.float32)
 
 
+@functools.lru_cache(maxsize=256)
+def on_device(make: object, *args: object, device: torch.device) -> torch.Tensor:
+    """`make(*args)` (a cached CPU tensor) copied once per device, not once per call."""
+    return make(*args).to(device)
+
+
 def fwht(x: torch.Tensor) -> torch.Tensor:
     """Unnormalised fast Walsh–Hadamard transform over the last axis (a power of two): x @ H."""
     n = x.shape[-1]
@@ -81,7 +87,7 @@ class DenseRotation(Rotation):
     kind = "qr"
 
     def _pi(self, like: torch.Tensor) -> torch.Tensor:
-        return _haar_matrix(self.dim, self.seed).to(device=like.device, dtype=like.dtype)
+        return on_device(_haar_matrix, self.dim, self.seed, device=like.device).to(like.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self._pi(x).T
@@ -101,7 +107,7 @@ class HadamardRotation(Rotation):
             )
 
     def _signs(self, like: torch.Tensor) -> torch.Tensor:
-        return _random_signs(self.dim, self.seed).to(device=like.device, dtype=like.dtype)
+        return on_device(_random_signs, self.dim, self.seed, device=like.device).to(like.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Π = H·diag(s)/√D, H symmetric: Πx is the row vector (x ⊙ s) @ H / √D.

@@ -22,7 +22,7 @@ from recurrent_depth.quant.base import Quantizer, ScalarCodebook, derive_seed, s
 from recurrent_depth.quant.codebook import MAX_CODEBOOK_BITS, sphere_codebook
 from recurrent_depth.quant.codes import Codes
 from recurrent_depth.quant.packing import pack_bits, packed_nbytes, unpack_bits
-from recurrent_depth.quant.rotation import Rotation, gaussian_matrix, make_rotation
+from recurrent_depth.quant.rotation import Rotation, gaussian_matrix, make_rotation, on_device
 
 
 def _check_int_bits(method: str, bits: object, lo: int, hi: int) -> int:
@@ -108,7 +108,7 @@ class TurboQuantProd(_Rotated):
 
     def sketch(self, like: torch.Tensor) -> torch.Tensor:
         """S [D, D] (rows are the sketch), on `like`'s device."""
-        return gaussian_matrix(self.dim, self.dim, self._sketch_seed).to(like.device)
+        return on_device(gaussian_matrix, self.dim, self.dim, self._sketch_seed, device=like.device)
 
     def encode(self, x: torch.Tensor) -> Codes:
         unit, norm = unit_and_norm(self._check_input(x))

@@ -202,6 +202,12 @@ def test_prod_unbiased_within_theorem_2(bits):
     assert errors.var().item() < math.sqrt(3) * math.pi**2 / d * 4.0**-bits  # Theorem 2, ‖y‖ = 1
 
 
+@pytest.mark.parametrize("spec", ["prod:2.5", "prod:3.5"])
+def test_prod_split_unbiased(spec):
+    """Each group's estimate is unbiased, so their sum is (no variance theorem covers the split)."""
+    assert abs(bias_z(inner_product_errors(lambda s: build_quantizer(spec, 128, seed=s)))) < 3
+
+
 @pytest.mark.parametrize("m", [128, 256])
 def test_qjl_unbiased_within_variance_bound(m):
     errors = inner_product_errors(lambda s: QJL(128, m, seed=s))

@@ -9,6 +9,7 @@ import torch
 
 from recurrent_depth.quant.codes import Codes
 from recurrent_depth.quant.packing import pack_bits, packed_nbytes, unpack_bits
+from recurrent_depth.quant.rotation import Rotation, make_rotation
 
 NORM_DTYPE = torch.float16  # every stored norm, residual norm and radius is fp16 (2 bytes), and counted
 
@@ -89,6 +90,32 @@ class Quantizer(ABC):
         if not isinstance(codes, Codes) or codes.method != self.spec or codes.dim != self.dim:
             got = f"{codes.method!r} (D={codes.dim})" if isinstance(codes, Codes) else type(codes).__name__
             raise ValueError(f"codes of {got} cannot be decoded by {self.spec!r} (D={self.dim})")
+
+
+class RotatedQuantizer(Quantizer):
+    """Shared by methods that code Πx: rotation from (kind, seed), spec suffix for non-default rotations."""
+
+    def __init__(self, dim: int, rotation: str, seed: int) -> None:
+        super().__init__(dim)
+        self.seed = int(seed)
+        self.rotation: Rotation = make_rotation(rotation, dim, derive_seed(seed, "rotation"))
+
+    @property
+    def spec(self) -> str:
+        suffix = "" if self.rotation.kind == "qr" else f":{self.rotation.kind}"
+        return f"{self.method}:{self.bits:g}{suffix}"
+
+    def decode(self, codes: Codes) -> torch.Tensor:
+        return self.rotation.inverse(self._rotated(codes))
+
+    def score(self, q: torch.Tensor, codes: Codes) -> torch.Tensor:
+        self._check_query(q)
+        return self.rotation.forward(q.float()) @ self._rotated(codes).mT
+
+    @abstractmethod
+    def _rotated(self, codes: Codes) -> torch.Tensor:
+        """The decoded vectors in the rotated basis, Πx̃ [..., D]."""
+
 
 
 def store_norm(norm: torch.Tensor, what: str) -> torch.Tensor:

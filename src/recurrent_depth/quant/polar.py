@@ -15,10 +15,9 @@ import math
 
 import torch
 
-from recurrent_depth.quant.base import ScalarCodebook, store_norm
+from recurrent_depth.quant.base import RotatedQuantizer, ScalarCodebook, store_norm
 from recurrent_depth.quant.codebook import polar_angle_codebook
 from recurrent_depth.quant.codes import Codes
-from recurrent_depth.quant.turboquant import _Rotated
 
 REFERENCE_LEVEL_BITS = (4, 2, 2, 2)
 
@@ -27,7 +26,7 @@ def _interleave(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.stack((a, b), dim=-1).flatten(-2)
 
 
-class PolarQuant(_Rotated):
+class PolarQuant(RotatedQuantizer):
     method = "polar"
 
     def __init__(self, dim: int, level_bits: tuple[int, ...] = REFERENCE_LEVEL_BITS, rotation: str = "qr",

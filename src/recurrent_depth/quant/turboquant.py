@@ -18,11 +18,11 @@ import math
 
 import torch
 
-from recurrent_depth.quant.base import Quantizer, ScalarCodebook, derive_seed, store_norm, unit_and_norm
+from recurrent_depth.quant.base import RotatedQuantizer, ScalarCodebook, derive_seed, store_norm, unit_and_norm
 from recurrent_depth.quant.codebook import MAX_CODEBOOK_BITS, sphere_codebook
 from recurrent_depth.quant.codes import Codes
 from recurrent_depth.quant.packing import pack_bits, packed_nbytes, unpack_bits
-from recurrent_depth.quant.rotation import Rotation, gaussian_matrix, make_rotation, on_device
+from recurrent_depth.quant.rotation import gaussian_matrix, on_device
 
 
 def _check_int_bits(method: str, bits: object, lo: int, hi: int) -> int:
@@ -32,32 +32,7 @@ def _check_int_bits(method: str, bits: object, lo: int, hi: int) -> int:
     return int(bits)
 
 
-class _Rotated(Quantizer):
-    """Shared by methods that code Πx: rotation from (kind, seed), spec suffix for non-default rotations."""
-
-    def __init__(self, dim: int, rotation: str, seed: int) -> None:
-        super().__init__(dim)
-        self.seed = int(seed)
-        self.rotation: Rotation = make_rotation(rotation, dim, derive_seed(seed, "rotation"))
-
-    @property
-    def spec(self) -> str:
-        suffix = "" if self.rotation.kind == "qr" else f":{self.rotation.kind}"
-        return f"{self.method}:{self.bits:g}{suffix}"
-
-    def decode(self, codes: Codes) -> torch.Tensor:
-        return self.rotation.inverse(self._rotated(codes))
-
-    def score(self, q: torch.Tensor, codes: Codes) -> torch.Tensor:
-        self._check_query(q)
-        return self.rotation.forward(q.float()) @ self._rotated(codes).mT
-
-    def _rotated(self, codes: Codes) -> torch.Tensor:
-        """The decoded vectors in the rotated basis, Πx̃ [..., D]."""
-        raise NotImplementedError
-
-
-class TurboQuantMSE(_Rotated):
+class TurboQuantMSE(RotatedQuantizer):
     method = "mse"
 
     def __init__(self, dim: int, bits: int, rotation: str = "qr", seed: int = 0) -> None:
@@ -85,7 +60,7 @@ class TurboQuantMSE(_Rotated):
         return self.codebook.decode(codes.fields["idx"], self.dim) * codes.fields["norm"].float()
 
 
-class TurboQuantProd(_Rotated):
+class TurboQuantProd(RotatedQuantizer):
     method = "prod"
 
     def __init__(self, dim: int, bits: int, rotation: str = "qr", seed: int = 0) -> None:

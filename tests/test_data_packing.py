@@ -117,3 +117,77 @@ def test_tokenize_documents_encodes_literal_specials_as_text() -> None:
         assert not specials & set(ids.tolist())  # no forged document boundaries
         assert tok.decode(ids.tolist()) == text
     assert tok.encode(texts[-1], add_special_tokens=False).ids != encoded[-1].tolist()  # default would split
+
+
+# ------------------------------------------------------------------ long documents in pieces (issue 19.13)
+def _literal_ids(tok, text: str) -> list[int]:
+    from tokenizers import Tokenizer
+
+    literal = Tokenizer.from_str(tok.to_str())
+    literal.encode_special_tokens = True
+    return literal.encode(text, add_special_tokens=False).ids
+
+
+def _code_tokenizer():
+    import random
+
+    from tests.train_support import synthetic_document
+
+    rng = random.Random(0)
+    docs = [synthetic_document(rng, i) for i in range(40)]
+    return docs, train_tokenizer(docs, vocab_size=400)
+
+
+def test_a_document_below_the_piece_size_is_one_piece_and_encoded_as_before() -> None:
+    from recurrent_depth.data.packing import PIECE_CHARS, text_pieces
+
+    docs, tok = _code_tokenizer()
+    assert list(text_pieces(docs[0], len(docs[0]))) == [docs[0]]
+    assert list(text_pieces("x" * PIECE_CHARS)) == ["x" * PIECE_CHARS]
+    encoded = list(tokenize_documents(docs, tok, batch_size=7))
+    assert [ids.tolist() for ids in encoded] == [_literal_ids(tok, d) for d in docs]
+
+
+@pytest.mark.parametrize("piece_chars", [64, 257, 1000])
+def test_a_long_document_is_encoded_in_pieces_to_the_same_ids(piece_chars: int) -> None:
+    from recurrent_depth.data.packing import text_pieces
+
+    docs, tok = _code_tokenizer()
+    long_doc = "\n\n  \n".join(docs) + " trailing words   \r\n\tend"
+    one_line = " ".join(d.replace("\n", " ") for d in docs[:10])  # no newline: cuts between words
+    for text in (long_doc, one_line):
+        pieces = list(text_pieces(text, piece_chars))
+        assert len(pieces) > 3 and "".join(pieces) == text and max(map(len, pieces)) <= piece_chars
+        [ids] = tokenize_documents([text], tok, piece_chars=piece_chars)
+        assert ids.tolist() == _literal_ids(tok, text)
+    # the batch around a long document keeps its order
+    encoded = list(tokenize_documents([docs[0], long_doc, docs[1]], tok, batch_size=2, piece_chars=piece_chars))
+    assert [e.tolist() for e in encoded] == [_literal_ids(tok, t) for t in (docs[0], long_doc, docs[1])]
+
+
+def test_piece_cuts_never_change_ids_on_random_text() -> None:
+    """Random text over the characters the split pattern treats specially (Unicode spaces, \\x1c, \\x85,
+    CRLF, contractions, digit runs): whenever every cut is a rule cut (newline before non-space, or
+    letter|space letter), the ids equal the whole text's. A window with neither gets a plain cut, which
+    still round-trips."""
+    import random
+
+    from recurrent_depth.data.packing import text_pieces
+
+    _, tok = _code_tokenizer()
+    alphabet = list(" \n\t\r\u00a0\u3000\x1c\x85") * 3 + list("abcXYZ019éü中,.:'()-_\"#") + [
+        "'s", "'ll", "<|end_text|>", "  ", "\n\n", "\r\n", "123456", "word", "Zeta"]
+    checked = 0
+    for seed in range(600):
+        rng = random.Random(seed)
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(10, 300)))
+        piece_chars = rng.randint(2, 40)
+        pieces = list(text_pieces(text, piece_chars))
+        [ids] = tokenize_documents([text], tok, piece_chars=piece_chars)
+        assert tok.decode(ids.tolist()) == text
+        cuts = np.cumsum([len(p) for p in pieces[:-1]]).tolist()
+        if cuts and all((text[c - 1] == "\n" and not text[c].isspace())
+                        or (text[c] == " " and text[c - 1].isalpha() and text[c + 1].isalpha()) for c in cuts):
+            checked += 1
+            assert ids.tolist() == _literal_ids(tok, text), (seed, pieces)
+    assert checked >= 30

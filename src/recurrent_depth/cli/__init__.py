@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rdepth {args.command}: error: {exc}; the optional dependencies come with "
               f"pip install 'recurrent-depth[dev]' (or pip install -e '.[dev]' in a checkout)", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"rdepth {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # a message says what was kept (`rdepth train` saves a checkpoint)
+        print(f"rdepth {args.command}: interrupted{f': {exc}' if str(exc) else ''}", file=sys.stderr)
         return 130
 
 

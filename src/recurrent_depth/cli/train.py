@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import types
 import typing
 from dataclasses import MISSING, fields
@@ -138,11 +139,15 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
     from recurrent_depth.train.distributed import shutdown
-    from recurrent_depth.train.trainer import Trainer
+    from recurrent_depth.train.trainer import TooManySkippedSteps, Trainer
 
     trainer = Trainer(cfg)
     try:
         result = trainer.run()
+    except TooManySkippedSteps as exc:  # the run ended and wrote everything, but did not train
+        if trainer.env.is_main:
+            print(f"rdepth train: error: {exc}", file=sys.stderr)
+        return 1
     finally:
         shutdown(trainer.env)
     if trainer.env.is_main and result.final_eval is not None:

@@ -17,7 +17,14 @@ from recurrent_depth.train.optim import (
 )
 from recurrent_depth.train.quickstart import QuickstartRecipe, quickstart
 from recurrent_depth.train.schedule import lr_at, set_lr
-from recurrent_depth.train.trainer import StopTraining, Trainer, TrainResult, train
+from recurrent_depth.train.trainer import (
+    StopTraining,
+    TooManySkippedSteps,
+    Trainer,
+    TrainingInterrupted,
+    TrainResult,
+    train,
+)
 from recurrent_depth.train.validation import DepthEval, evaluate_depths
 
 __all__ = [
@@ -30,6 +37,8 @@ __all__ = [
     "OptimizerSet",
     "QuickstartRecipe",
     "StopTraining",
+    "TooManySkippedSteps",
+    "TrainingInterrupted",
     "TrainConfig",
     "TrainResult",
     "Trainer",

@@ -7,23 +7,38 @@ A checkpoint is a directory `<out>/checkpoints/step-00000050/` holding
     rng.safetensors (+ rng-rank<r>.safetensors)       torch RNG states of every rank
     trainer_state.json                                step, micro-batch index, tokens, data position, ...
 
+    manifest.json                                     size and sha256 of every other file
+
 It is written into a hidden temporary directory (every file fsynced), which is then renamed into
 place and the parent directory fsynced: after a crash, even `kill -9`, a `step-*` directory is
 either complete or absent. Old checkpoints are renamed away before deletion for the same reason.
+
+Before writing, the free space is checked against the bytes the checkpoint needs, and old
+checkpoints beyond `keep_last` are pruned first (on a full disk the oldest kept one too, since
+`keep_last` counts the checkpoint about to be written). A failed write removes its temporary
+directory and raises `CheckpointWriteError`, one line naming the path.
+
+On resume, `newest_valid_checkpoint` checks each checkpoint against its manifest (checkpoints
+written before manifests existed get structural checks) and falls back to the newest valid one;
+`set_aside` renames an invalid one to `step-N.invalid-<k>` (never deleted), so the step can be
+written again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -31,8 +46,18 @@ OPTIMIZER_TENSORS = "optimizer.safetensors"
 OPTIMIZER_META = "optimizer.json"
 RNG_TENSORS = "rng.safetensors"
 TRAINER_STATE = "trainer_state.json"
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "recurrent-depth-checkpoint-manifest"
 REQUIRED_FILES = ("config.json", "model.safetensors", OPTIMIZER_TENSORS, OPTIMIZER_META, TRAINER_STATE)
 _NAME = re.compile(r"^step-(\d{8,})$")
+_HASH_CHUNK = 1 << 20  # sha256 is streamed in 1 MiB reads
+_MAX_JSON_BYTES = 64 << 20  # a manifest / trainer state / optimizer skeleton larger than this is not ours
+# Bytes a checkpoint needs besides its tensors (JSON files, tokenizer, filesystem slack).
+_SPACE_MARGIN = 4 << 20
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint or model directory could not be written (full disk, permissions): one line naming it."""
 _LEFTOVER = re.compile(r"^\.(tmp|trash)-step-\d{8,}$")
 
 
@@ -189,16 +214,27 @@ def begin_checkpoint(root: Path, step: int) -> Path:
     return tmp
 
 
-def commit_checkpoint(tmp: Path, step: int, keep_last: int | None = None) -> Path:
-    """Atomically publish `tmp` as `step-<step>`; then keep only the newest `keep_last`."""
+def commit_checkpoint(
+    tmp: Path, step: int, keep_last: int | None = None, log: Callable[[str], None] | None = None
+) -> Path:
+    """Write the manifest, atomically publish `tmp` as `step-<step>`; then keep only the newest `keep_last`.
+
+    An invalid checkpoint already holding that name (say, the corrupt newest one a resume skipped) is set
+    aside first; a valid one is never overwritten."""
     for entry in tmp.iterdir():
         if entry.is_file():
             with open(entry, "rb") as handle:
                 os.fsync(handle.fileno())
+    write_manifest(tmp)
     fsync_dir(tmp)
     final = tmp.parent / checkpoint_name(step)
     if final.exists():
-        raise ValueError(f"checkpoint {final} already exists; refusing to overwrite it")
+        problem = checkpoint_problem(final)
+        if problem is None:
+            raise ValueError(f"checkpoint {final} already exists; refusing to overwrite it")
+        moved = set_aside(final)
+        if log is not None:
+            log(f"checkpoint {final} was invalid ({problem}): moved it to {moved.name} before writing this step")
     os.rename(tmp, final)
     fsync_dir(tmp.parent)
     if keep_last is not None:
@@ -210,11 +246,205 @@ def prune_checkpoints(root: Path, keep_last: int) -> None:
     """Delete all but the newest `keep_last` checkpoints (each renamed away first, then removed)."""
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-    for _, path in list_checkpoints(root)[:-keep_last]:
+    _prune(root, keep_last)
+
+
+def _prune(root: Path, keep: int) -> None:
+    found = list_checkpoints(root)
+    for _, path in found[: max(0, len(found) - keep)]:
         trash = path.with_name(f".trash-{path.name}")
         os.rename(path, trash)
         shutil.rmtree(trash)
     fsync_dir(root)
+
+
+# ------------------------------------------------------------------ checksums and validation
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(directory: Path) -> None:
+    """`manifest.json`: size and sha256 of every other file in `directory` (read back after fsync)."""
+    files = {
+        entry.name: {"bytes": entry.stat().st_size, "sha256": file_sha256(entry)}
+        for entry in sorted(directory.iterdir())
+        if entry.is_file() and entry.name != MANIFEST
+    }
+    write_json(directory / MANIFEST, {"format": MANIFEST_FORMAT, "version": 1, "files": files})
+
+
+def _read_json(path: Path) -> Any:
+    """A JSON file of bounded size; a ValueError naming the file otherwise."""
+    if path.stat().st_size > _MAX_JSON_BYTES:
+        raise ValueError(f"{path.name} is larger than {_MAX_JSON_BYTES >> 20} MiB")
+    try:
+        return json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"{path.name} is not valid JSON ({_one_line(exc)})") from None
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why `path` cannot be resumed from, in a few words (None: it can).
+
+    With a manifest every listed file must be present with its size and sha256. A checkpoint written
+    before manifests existed gets structural checks: its JSON files parse and its safetensors headers
+    (which bound the tensor data they describe) open."""
+    missing = [name for name in REQUIRED_FILES if not (path / name).is_file()]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    try:
+        if (path / MANIFEST).is_file():
+            return _manifest_problem(path)
+        for name in (TRAINER_STATE, OPTIMIZER_META, "config.json"):
+            _read_json(path / name)
+        for name in ("model.safetensors", OPTIMIZER_TENSORS, RNG_TENSORS):
+            if (path / name).is_file():
+                try:
+                    with safe_open(str(path / name), framework="pt") as handle:
+                        handle.keys()
+                except SafetensorError as exc:
+                    return f"{name} is not a readable safetensors file ({_one_line(exc)})"
+    except (OSError, ValueError) as exc:
+        return _one_line(exc)
+    return None
+
+
+def _manifest_problem(path: Path) -> str | None:
+    manifest = _read_json(path / MANIFEST)
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        return f"{MANIFEST} is not a checkpoint manifest"
+    for name in REQUIRED_FILES:
+        if name not in files:
+            return f"{MANIFEST} does not list {name}"
+    for name, entry in files.items():
+        file = path / name
+        if "/" in name or name in ("", ".", "..") or not isinstance(entry, dict):
+            return f"{MANIFEST} has an invalid entry {name!r}"
+        if not file.is_file():
+            return f"missing {name}"
+        size = file.stat().st_size
+        if size != entry.get("bytes"):
+            return f"{name} has {size} bytes, {MANIFEST} says {entry.get('bytes')}"
+        if file_sha256(file) != entry.get("sha256"):
+            return f"{name} does not match its sha256 in {MANIFEST}"
+    return None
+
+
+def newest_valid_checkpoint(root: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint under `root` that passes `checkpoint_problem`, and the newer ones it skipped
+    (path, why), newest first. Directories named `step-N` count even when incomplete."""
+    root = Path(root)
+    skipped: list[tuple[Path, str]] = []
+    if not root.is_dir():
+        return None, skipped
+    named = sorted(((int(m.group(1)), e) for e in root.iterdir() if (m := _NAME.match(e.name)) and e.is_dir()),
+                   reverse=True)
+    for _, path in named:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path, skipped
+        skipped.append((path, problem))
+    return None, skipped
+
+
+def set_aside(path: Path) -> Path:
+    """Rename an invalid checkpoint to `<name>.invalid-<k>` (the first free k): kept, but out of the way."""
+    k = 1
+    while (target := path.with_name(f"{path.name}.invalid-{k}")).exists():
+        k += 1
+    os.rename(path, target)
+    fsync_dir(path.parent)
+    return target
+
+
+# ------------------------------------------------------------------ disk space and failed writes
+def tensor_bytes(state: Any) -> int:
+    """Bytes of every tensor in a nested state (what writing it to safetensors needs)."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(tensor_bytes(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return sum(tensor_bytes(v) for v in state)
+    return 0
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(entry.stat().st_size for entry in path.iterdir() if entry.is_file())
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def check_free_space(directory: Path, needed: int, what: str) -> None:
+    """Raise `CheckpointWriteError` when `directory`'s filesystem has less than `needed` bytes free."""
+    free = shutil.disk_usage(directory).free
+    if free < needed:
+        raise CheckpointWriteError(
+            f"not enough disk space to write {what}: it needs about {_megabytes(needed)}, "
+            f"{_megabytes(free)} free in {directory}"
+        )
+
+
+def make_room(root: Path, step: int, needed: int, keep_last: int | None,
+              log: Callable[[str], None] | None = None) -> None:
+    """Before writing checkpoint `step`: prune to `keep_last`, check the free space for `needed` bytes.
+
+    `keep_last` counts the checkpoint about to be written, so when the disk is short the oldest kept one
+    is removed first, but only if that makes enough room (never for a write that would fail anyway)."""
+    root.mkdir(parents=True, exist_ok=True)
+    needed += _SPACE_MARGIN
+    if keep_last is not None:
+        prune_checkpoints(root, keep_last)
+    free = shutil.disk_usage(root).free
+    found = list_checkpoints(root)
+    if free < needed and keep_last is not None and found and len(found) >= keep_last:
+        oldest = found[0][1]
+        if free + directory_bytes(oldest) >= needed:
+            if log is not None:
+                log(f"low disk space ({_megabytes(free)} free, {_megabytes(needed)} needed): removing {oldest} "
+                    f"before writing step {step} (keep_last={keep_last} counts the new checkpoint)")
+            _prune(root, keep_last - 1)
+    check_free_space(root, needed, f"checkpoint {root / checkpoint_name(step)}")
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+@contextmanager
+def staged_write(tmp: Path, final: Path, what: str) -> Iterator[None]:
+    """Remove `tmp` when writing into it fails; an OS or safetensors error becomes one line naming `final`."""
+    try:
+        yield
+    except (OSError, SafetensorError) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, CheckpointWriteError):
+            raise
+        raise CheckpointWriteError(f"could not write {what} {final}: {_one_line(exc)}") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def publish_directory(tmp: Path, final: Path) -> None:
+    """Move a fully written directory `tmp` to `final`, replacing an older `final` (kept until the new one
+    is in place, so a crash leaves the old or the new directory, never an empty one)."""
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old)
 
 
 class StateView:

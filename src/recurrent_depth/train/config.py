@@ -80,7 +80,9 @@ FIELD_HELP: dict[str, str] = {
     "eval_interval": "validate every N optimizer steps (0 = only at the end)",
     "eval_batches": "validation batches per evaluation (a fixed token budget)",
     "save_every": "checkpoint every N optimizer steps (0 = only at the end)",
-    "keep_last": "checkpoints to keep",
+    "keep_last": "checkpoints to keep (counting the one being written: on a full disk the oldest goes first)",
+    "max_skipped_fraction": "fail the run (exit 1) when more than this share of its optimizer steps was skipped "
+                            "for a non-finite gradient",
     "seed": "seed for weights, data order, depth draws and initial states",
     "out": "output directory (metrics.jsonl, run.json, checkpoints/, model/)",
     "resume": "continue from the newest checkpoint in <out>/checkpoints",
@@ -127,6 +129,7 @@ class TrainConfig:
     eval_batches: int = 8
     save_every: int = 0
     keep_last: int = 3
+    max_skipped_fraction: float = 0.5
     seed: int = 0
     out: str = "runs/train"
     resume: bool = False
@@ -176,6 +179,8 @@ class TrainConfig:
             need_int(name, 0)
         if not is_real(self.val_fraction) or not 0 < self.val_fraction < 1:
             raise bad("val_fraction", "a number in (0, 1): validation needs held-out documents")
+        if not is_real(self.max_skipped_fraction) or not 0 <= self.max_skipped_fraction <= 1:
+            raise bad("max_skipped_fraction", "a number in [0, 1]")
         if self.max_minutes is not None and (not is_real(self.max_minutes) or self.max_minutes <= 0):
             raise bad("max_minutes", "None or a number > 0")
         if self.max_steps is None and self.max_tokens is None and self.max_minutes is None:

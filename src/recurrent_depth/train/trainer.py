@@ -21,8 +21,11 @@ import json
 import math
 import os
 import platform
+import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
@@ -54,12 +57,27 @@ TOKENIZER_DIR = "tokenizer"
 RESUMABLE_CHANGES = frozenset(
     {"max_steps", "max_tokens", "max_minutes", "eval_interval", "eval_batches", "eval_depths", "save_every",
      "keep_last", "resume", "progress", "tensorboard", "out", "data_dir", "compile", "compile_mode",
-     "activation_checkpointing", "keep_freed_memory"}
+     "activation_checkpointing", "keep_freed_memory", "max_skipped_fraction"}
 )
 
 
 class StopTraining(Exception):
     """Raised by an `on_step` callback to stop the loop at once (tests use it to simulate a crash)."""
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) during training: raised after the step in progress finished and was checkpointed."""
+
+
+class TooManySkippedSteps(RuntimeError):
+    """More than `max_skipped_fraction` of the run's steps were skipped for a non-finite gradient.
+
+    Raised at the very end (checkpoint, model and final evaluation are written); `result` is the run's
+    `TrainResult`."""
+
+    def __init__(self, message: str, result: TrainResult) -> None:
+        super().__init__(message)
+        self.result = result
 
 
 @dataclass
@@ -139,7 +157,7 @@ class Trainer:
     def _setup(self, corpus: Any | None) -> None:
         cfg, env = self.cfg, self.env
         root = ckpt.checkpoints_root(self.out)
-        self.resume_from = ckpt.latest_checkpoint(root) if cfg.resume else None
+        self.resume_from = self._find_resume_checkpoint(root) if cfg.resume else None
         if not cfg.resume and ckpt.list_checkpoints(root):
             raise ValueError(
                 f"{self.out} already holds checkpoints; pass --resume to continue that run or choose a new --out"
@@ -194,6 +212,18 @@ class Trainer:
         self.tb = _tensorboard(self.out, enabled=cfg.tensorboard and env.is_main)
         if env.is_main:
             _atomic_json(self.out / RUN_FILE, self.run_metadata())
+
+    def _find_resume_checkpoint(self, root: Path) -> Path | None:
+        """The newest valid checkpoint; newer invalid ones are set aside (renamed, not deleted) and named."""
+        found, skipped = ckpt.newest_valid_checkpoint(root)
+        ddist.barrier(self.env)  # every rank has looked before rank 0 renames anything
+        if self.env.is_main:
+            for path, problem in skipped:
+                moved = ckpt.set_aside(path)
+                fallback = f"resuming from {found.name}" if found is not None else "no valid checkpoint is left"
+                self.log(f"skipping checkpoint {path}: {problem}; moved it to {moved.name}, {fallback}")
+        ddist.barrier(self.env)
+        return found
 
     def _prepare_data(self, corpus: Any | None):
         """Tokenizer (trained here unless given) and token shards; rank 0 builds, the others reuse."""
@@ -291,9 +321,10 @@ class Trainer:
         self.session_steps = 0
         last_saved = self.state.step if self.resume_from is not None else -1
         stop_reason = "max_steps"
-        final_eval = None
         last_checkpoint = self.resume_from
+        interrupt = _InterruptRequest()
         try:
+            interrupt.install()
             while True:
                 reason = self.stop_reason()
                 if reason is not None:
@@ -315,25 +346,47 @@ class Trainer:
                     last_saved = step
                 if self.on_step is not None:
                     self.on_step(self, record)
+                if interrupt.agreed(self.env):
+                    if last_saved != step:
+                        last_checkpoint = self.save_checkpoint()
+                    self.close_logs()
+                    raise TrainingInterrupted(f"stopped after step {step}; checkpoint {last_checkpoint} is saved: "
+                                              f"continue with --resume")
         finally:
+            interrupt.uninstall()
             if bar is not None:
                 bar.close()
-        final_eval = self.evaluate(final=True)
+        # Save before the final evaluation: an evaluation that crashes must not cost the run.
         if last_saved != self.state.step and self.state.step > 0:
             last_checkpoint = self.save_checkpoint()
         model_dir = self.save_model(self.out / MODEL_DIR)
+        final_eval = self.evaluate(final=True)
         self.log(f"stopped after {self.state.step} steps ({stop_reason}), {self.state.tokens:,} tokens, "
                  f"{self.state.elapsed_s:.0f}s; skipped {self.state.skipped_steps} non-finite steps")
-        self.metrics.close()
-        self.eval_log.close()
-        if self.tb is not None:
-            self.tb.close()
-        return TrainResult(
+        self.close_logs()
+        result = TrainResult(
             out=self.out, model=self.model, model_dir=model_dir, steps=self.state.step, tokens=self.state.tokens,
             skipped_steps=self.state.skipped_steps, elapsed_s=self.state.elapsed_s, stop_reason=stop_reason,
             final_eval=final_eval, last_checkpoint=last_checkpoint, tokenizer_dir=self.tokenizer_dir,
             losses=list(self.losses),
         )
+        self._check_skipped_share(result)
+        return result
+
+    def close_logs(self) -> None:
+        self.metrics.close()
+        self.eval_log.close()
+        if self.tb is not None:
+            self.tb.close()
+
+    def _check_skipped_share(self, result: TrainResult) -> None:
+        """A run that mostly skipped its steps did not train: fail it (after everything was written)."""
+        steps, skipped, limit = self.state.step, self.state.skipped_steps, self.cfg.max_skipped_fraction
+        if steps and skipped > limit * steps:
+            raise TooManySkippedSteps(
+                f"{skipped} of {steps} optimizer steps ({skipped / steps:.0%}) were skipped for a non-finite "
+                f"gradient, more than max_skipped_fraction {limit:g} (--max-skipped-fraction); "
+                f"the run's files are in {self.out}", result)
 
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over `grad_accum` micro-batches; returns its metrics record."""
@@ -491,36 +544,56 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path | None:
-        """Write checkpoint `step-<step>` (collective: every rank must call it)."""
+        """Write checkpoint `step-<step>` (collective: every rank must call it).
+
+        Rank 0 checks the free space (pruning first, see `ckpt.make_room`) and writes; a failure removes
+        the temporary directory and every rank raises the same one-line `CheckpointWriteError`."""
         env, step = self.env, self.state.step
         model_state = ddist.full_model_state(self.wrapped, env)
         optim_state = ddist.optimizer_state(self.wrapped, self.optimizer, env)
         root = ckpt.checkpoints_root(self.out)
         tmp = root / f".tmp-{ckpt.checkpoint_name(step)}"
+        final = root / ckpt.checkpoint_name(step)
+        error = None
         if env.is_main:
-            tmp = ckpt.begin_checkpoint(root, step)
-        ddist.barrier(env)
+            needed = ckpt.tensor_bytes(model_state) + ckpt.tensor_bytes(optim_state) + _dir_bytes(self.tokenizer_dir)
+            try:
+                with ckpt.staged_write(tmp, final, "checkpoint"):
+                    tmp = ckpt.begin_checkpoint(root, step)  # (removes what earlier crashed saves left)
+                    ckpt.make_room(root, step, needed, self.cfg.keep_last, log=self.log)
+            except ckpt.CheckpointWriteError as exc:
+                error = str(exc)
+        self._raise_if_failed(error)
         if not env.is_main:
             ckpt.write_tensors(tmp / f"rng-rank{env.rank}.safetensors", ckpt.rng_state_tensors())
-        final = None
+        ddist.barrier(env)
         if env.is_main:
             from recurrent_depth.checkpoint import save_pretrained
 
-            save_pretrained(ckpt.StateView(self.model_config, model_state), tmp, tokenizer_dir=self.tokenizer_dir)
-            ckpt.save_state_files(tmp, "optimizer", optim_state)
-            ckpt.write_tensors(tmp / ckpt.RNG_TENSORS, ckpt.rng_state_tensors())
-            ckpt.write_json(tmp / ckpt.TRAINER_STATE, {
-                **self.state.to_dict(),
-                "data": self.train_data.state_dict(),
-                "world_size": env.world_size,
-                "config": self.cfg.to_dict(),
-                "sampler": self.sampler.to_dict(),
-            })
-        ddist.barrier(env)
-        if env.is_main:
-            final = ckpt.commit_checkpoint(tmp, step, keep_last=self.cfg.keep_last)
-        ddist.barrier(env)
-        return final if env.is_main else root / ckpt.checkpoint_name(step)
+            try:
+                with ckpt.staged_write(tmp, final, "checkpoint"):
+                    save_pretrained(ckpt.StateView(self.model_config, model_state), tmp,
+                                    tokenizer_dir=self.tokenizer_dir)
+                    ckpt.save_state_files(tmp, "optimizer", optim_state)
+                    ckpt.write_tensors(tmp / ckpt.RNG_TENSORS, ckpt.rng_state_tensors())
+                    ckpt.write_json(tmp / ckpt.TRAINER_STATE, {
+                        **self.state.to_dict(),
+                        "data": self.train_data.state_dict(),
+                        "world_size": env.world_size,
+                        "config": self.cfg.to_dict(),
+                        "sampler": self.sampler.to_dict(),
+                    })
+                    final = ckpt.commit_checkpoint(tmp, step, keep_last=self.cfg.keep_last, log=self.log)
+            except ckpt.CheckpointWriteError as exc:
+                error = str(exc)
+        self._raise_if_failed(error)
+        return final
+
+    def _raise_if_failed(self, error: str | None) -> None:
+        """Rank 0's error on every rank (collective), so no rank waits for a save that failed."""
+        error = ddist.broadcast_object(error, self.env)
+        if error is not None:
+            raise ckpt.CheckpointWriteError(error)
 
     def _check_resumable(self, path: Path) -> None:
         """Refuse to resume from `path` with a changed config or another number of processes."""
@@ -548,13 +621,27 @@ class Trainer:
         self.log(f"resumed from {path} at step {self.state.step}")
 
     def save_model(self, path: Path) -> Path | None:
-        """The final weights + tokenizer as a model directory (rank 0 writes)."""
+        """The final weights + tokenizer as a model directory (rank 0 writes).
+
+        Written into a hidden temporary directory and renamed into place, so `path` is never left empty
+        or half-written (an earlier `path` is replaced only once the new one is complete)."""
         from recurrent_depth.checkpoint import save_pretrained
 
         state = ddist.full_model_state(self.wrapped, self.env)
+        error = None
         if self.env.is_main:
-            save_pretrained(ckpt.StateView(self.model_config, state), path, tokenizer_dir=self.tokenizer_dir)
-        ddist.barrier(self.env)
+            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+            try:
+                with ckpt.staged_write(tmp, path, "the model directory"):
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    ckpt.check_free_space(path.parent, ckpt.tensor_bytes(state) + _dir_bytes(self.tokenizer_dir),
+                                          f"the model directory {path}")
+                    save_pretrained(ckpt.StateView(self.model_config, state), tmp, tokenizer_dir=self.tokenizer_dir)
+                    ckpt.publish_directory(tmp, path)
+            except ckpt.CheckpointWriteError as exc:
+                error = str(exc)
+        self._raise_if_failed(error)
         return path
 
     # ------------------------------------------------------------------ metadata and logging
@@ -635,13 +722,57 @@ class JsonlLog:
     def write(self, record: dict[str, Any]) -> None:
         if self.handle is None:
             return
-        self.handle.write(json.dumps(record) + "\n")
+        # Strict JSON: a NaN or infinite value (a diverged validation loss) is written as null.
+        self.handle.write(json.dumps(_finite_or_null(record), allow_nan=False) + "\n")
         self.handle.flush()
 
     def close(self) -> None:
         if self.handle is not None:
             self.handle.close()
             self.handle = None
+
+
+def _finite_or_null(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_or_null(v) for v in value]
+    return value
+
+
+class _InterruptRequest:
+    """Ctrl-C during the training loop: the first SIGINT asks to stop after the current step (which is then
+    checkpointed: a step cut in half cannot be resumed exactly); a second one interrupts at once.
+
+    Only the main thread can receive signals; elsewhere (a Trainer run in a thread) nothing is installed."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+
+    def uninstall(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def agreed(self, env: ddist.DistEnv) -> bool:
+        """Whether to stop now: rank 0's request on every rank (ranks must stop after the same step)."""
+        return bool(ddist.broadcast_object(self.requested, env)) if env.enabled else self.requested
+
+
+def _dir_bytes(path: Path) -> int:
+    return ckpt.directory_bytes(path) if path.is_dir() else 0
 
 
 def _progress_bar(cfg: TrainConfig, env: ddist.DistEnv, initial: int):

@@ -1,0 +1,346 @@
+"""Training runs against broken checkpoints, full disks, crashes at the end, Ctrl-C, NaN and skipped steps
+(issue 19, items 10-13). Full disks are simulated (shutil.disk_usage / a writer raising ENOSPC)."""
+
+import errno
+import json
+import math
+import shutil
+import signal
+import types
+
+import pytest
+from safetensors import SafetensorError
+
+from recurrent_depth.cli import main
+from recurrent_depth.train import checkpointing as ckpt
+from recurrent_depth.train import trainer as trainer_module
+from recurrent_depth.train.config import TrainConfig
+from recurrent_depth.train.trainer import TooManySkippedSteps, Trainer, TrainingInterrupted
+from tests.train_support import OneThread, prepare_root, tiny_train_config
+
+
+@pytest.fixture(scope="module")
+def train_root(tmp_path_factory):
+    return prepare_root(tmp_path_factory.mktemp("train_root"))
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    with OneThread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def straight_losses(train_root, tmp_path_factory):
+    """Losses of an uninterrupted 6-step run (save_every 2) to compare resumed runs with."""
+    out = tmp_path_factory.mktemp("straight")
+    return Trainer(tiny_train_config(train_root, out, max_steps=6, save_every=2)).run().losses
+
+
+def losses(out):
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def names(root):
+    return sorted(p.name for p in root.iterdir())
+
+
+def cli_flags(train_root, out, *extra):
+    return ["train", "--preset", "tiny", "--data", str(train_root / "corpus"), "--tokenizer",
+            str(train_root / "tokenizer"), "--data-dir", str(train_root / "data"), "--val-fraction", "0.1",
+            "--keep-all", "--seq-len", "32", "--batch-size", "4", "--eval-batches", "1", "--eval-depths", "1",
+            "--no-tensorboard", "--no-progress", "--out", str(out), *extra]
+
+
+# ------------------------------------------------------------------ 10: broken newest checkpoint
+def _run_to_4(train_root, out):
+    Trainer(tiny_train_config(train_root, out, max_steps=4, save_every=2)).run()
+    return out / "checkpoints"
+
+
+def _remove_optimizer_json(path):
+    (path / "optimizer.json").unlink()
+
+
+def _flip_a_weight_byte(path):
+    data = bytearray((path / "model.safetensors").read_bytes())
+    data[-3] ^= 0xFF  # inside the tensor data: the file stays complete and parses
+    (path / "model.safetensors").write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(("damage", "reason"), [
+    (_remove_optimizer_json, "missing optimizer.json"),
+    (_flip_a_weight_byte, "model.safetensors does not match its sha256 in manifest.json"),
+], ids=["missing-file", "corrupt-weights"])
+def test_resume_falls_back_to_the_newest_valid_checkpoint_says_so_and_saves_that_step_again(
+        train_root, tmp_path, straight_losses, damage, reason):
+    root = _run_to_4(train_root, tmp_path)
+    damage(root / "step-00000004")
+    messages = []
+    result = Trainer(tiny_train_config(train_root, tmp_path, max_steps=6, save_every=2, resume=True),
+                     log=messages.append).run()
+    skip = [m for m in messages if m.startswith("skipping checkpoint")]
+    assert skip == [f"skipping checkpoint {root / 'step-00000004'}: {reason}; moved it to "
+                    f"step-00000004.invalid-1, resuming from step-00000002"]
+    assert result.steps == 6 and losses(tmp_path) == straight_losses  # steps 3-6 redone exactly
+    assert names(root) == ["step-00000002", "step-00000004", "step-00000004.invalid-1", "step-00000006"]
+    # the set-aside copy is the user's data: kept as it was
+    assert (root / "step-00000004.invalid-1" / "model.safetensors").is_file()
+
+
+def test_a_checkpoint_without_a_manifest_still_resumes_and_a_truncated_one_is_skipped(train_root, tmp_path):
+    root = _run_to_4(train_root, tmp_path)
+    for step in ("step-00000002", "step-00000004"):
+        (root / step / "manifest.json").unlink()  # as written before manifests existed
+    assert ckpt.checkpoint_problem(root / "step-00000004") is None
+    messages = []
+    Trainer(tiny_train_config(train_root, tmp_path, max_steps=4, resume=True), log=messages.append).run()
+    assert f"resumed from {root / 'step-00000004'} at step 4" in messages
+    assert not any(m.startswith("skipping") for m in messages)
+
+    weights = root / "step-00000004" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    assert "model.safetensors is not a readable safetensors file" in ckpt.checkpoint_problem(weights.parent)
+    assert ckpt.newest_valid_checkpoint(root) == (root / "step-00000002",
+                                                 [(weights.parent, ckpt.checkpoint_problem(weights.parent))])
+
+
+def test_no_valid_checkpoint_left_starts_from_scratch_and_keeps_the_broken_one(train_root, tmp_path):
+    Trainer(tiny_train_config(train_root, tmp_path, max_steps=2, save_every=2)).run()
+    root = tmp_path / "checkpoints"
+    (root / "step-00000002" / "trainer_state.json").write_text("{not json")
+    messages = []
+    assert Trainer(tiny_train_config(train_root, tmp_path, max_steps=2, resume=True),
+                   log=messages.append).run().steps == 2
+    assert any(m.startswith("skipping checkpoint") and "no valid checkpoint is left" in m for m in messages)
+    assert names(root) == ["step-00000002", "step-00000002.invalid-1"]
+
+
+def test_committing_over_an_invalid_checkpoint_sets_it_aside_but_a_valid_one_is_never_overwritten(train_root,
+                                                                                                  tmp_path):
+    root = _run_to_4(train_root, tmp_path)
+    _remove_optimizer_json(root / "step-00000004")
+    tmp = ckpt.begin_checkpoint(root, 4)
+    for entry in (root / "step-00000002").iterdir():
+        shutil.copyfile(entry, tmp / entry.name)
+    messages = []
+    ckpt.commit_checkpoint(tmp, 4, log=messages.append)
+    assert names(root) == ["step-00000002", "step-00000004", "step-00000004.invalid-1"]
+    assert "moved it to step-00000004.invalid-1" in messages[0]
+    tmp = ckpt.begin_checkpoint(root, 4)
+    (tmp / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="already exists; refusing to overwrite it"):
+        ckpt.commit_checkpoint(tmp, 4)
+
+
+# ------------------------------------------------------------------ 11: full disk
+def fake_disk(monkeypatch, free_bytes):
+    """shutil.disk_usage reporting `free_bytes()` free (a callable: it may depend on what is on disk)."""
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: types.SimpleNamespace(free=free_bytes()))
+
+
+def du(path):
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def test_a_save_without_free_space_is_one_clean_error_and_leaves_no_temporary(train_root, tmp_path, monkeypatch,
+                                                                              capsys):
+    fake_disk(monkeypatch, lambda: 1000)
+    out = tmp_path / "run"
+    assert main(cli_flags(train_root, out, "--max-steps", "2", "--save-every", "1")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"rdepth train: error: not enough disk space to write checkpoint "
+                          f"{out / 'checkpoints' / 'step-00000001'}: it needs about ")
+    assert err.endswith(f"0.0 MB free in {out / 'checkpoints'}") and "\n" not in err
+    assert names(out / "checkpoints") == [] and not (out / "model").exists()
+
+
+@pytest.mark.parametrize("raised", [
+    OSError(errno.ENOSPC, "No space left on device"),
+    SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
+                    'left on device" })'),
+], ids=["oserror", "safetensors"])
+def test_a_writer_hitting_a_full_disk_cleans_up_and_names_the_checkpoint(train_root, tmp_path, monkeypatch, raised):
+    import recurrent_depth.checkpoint as model_checkpoint
+
+    def full(*args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr(model_checkpoint, "save_file", full)  # the weights' writer
+    with pytest.raises(ckpt.CheckpointWriteError, match=r"could not write checkpoint \S+step-00000002: .*No "
+                                                         r"space left on device") as info:
+        Trainer(tiny_train_config(train_root, tmp_path, max_steps=2, save_every=2)).run()
+    assert "\n" not in str(info.value)
+    assert names(tmp_path / "checkpoints") == []
+
+
+@pytest.mark.parametrize("keep_last", [1, 2])
+def test_a_resume_on_a_full_disk_prunes_before_it_saves(train_root, tmp_path, monkeypatch, keep_last):
+    """Three checkpoints fill the disk; a resume with a smaller --keep-last prunes first. keep_last counts the
+    checkpoint about to be written: with keep_last 2 the space is only there once the oldest kept one goes."""
+    Trainer(tiny_train_config(train_root, tmp_path, max_steps=3, save_every=1)).run()
+    root = tmp_path / "checkpoints"
+    one = du(root / "step-00000003")
+    capacity = du(root) + ckpt._SPACE_MARGIN + (one // 2 if keep_last == 1 else -one // 2)
+    fake_disk(monkeypatch, lambda: capacity - du(root))
+    messages = []
+    result = Trainer(tiny_train_config(train_root, tmp_path, max_steps=4, save_every=1, resume=True,
+                                       keep_last=keep_last), log=messages.append).run()
+    assert result.steps == 4
+    assert names(root) == ["step-00000003", "step-00000004"][-keep_last:]
+    low = [m for m in messages if m.startswith("low disk space")]
+    assert len(low) == (keep_last == 2) and all("keep_last=2 counts the new checkpoint" in m for m in low)
+
+
+def test_when_pruning_cannot_make_room_nothing_beyond_keep_last_is_deleted(train_root, tmp_path, monkeypatch):
+    Trainer(tiny_train_config(train_root, tmp_path, max_steps=2, save_every=1)).run()
+    fake_disk(monkeypatch, lambda: 10)
+    with pytest.raises(ckpt.CheckpointWriteError, match="not enough disk space"):
+        Trainer(tiny_train_config(train_root, tmp_path, max_steps=3, save_every=1, resume=True)).run()
+    assert names(tmp_path / "checkpoints") == ["step-00000001", "step-00000002"]
+
+
+def test_a_failed_model_save_never_leaves_model_empty(train_root, tmp_path, monkeypatch):
+    import recurrent_depth.checkpoint as model_checkpoint
+
+    original = model_checkpoint.save_file
+
+    def full_in_model_dir(state, path, *args, **kwargs):
+        if ".model.tmp-" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(state, path, *args, **kwargs)
+
+    Trainer(tiny_train_config(train_root, tmp_path, max_steps=2)).run()
+    before = (tmp_path / "model" / "model.safetensors").read_bytes()
+    monkeypatch.setattr(model_checkpoint, "save_file", full_in_model_dir)
+    with pytest.raises(ckpt.CheckpointWriteError, match=rf"could not write the model directory {tmp_path / 'model'}"):
+        Trainer(tiny_train_config(train_root, tmp_path, max_steps=3, resume=True)).run()
+    assert (tmp_path / "model" / "model.safetensors").read_bytes() == before  # the earlier model is intact
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".model")]
+    assert names(tmp_path / "checkpoints") == ["step-00000002", "step-00000003"]  # saved before the model
+
+    fresh = tmp_path / "fresh"
+    with pytest.raises(ckpt.CheckpointWriteError):
+        Trainer(tiny_train_config(train_root, fresh, max_steps=1)).run()
+    assert not (fresh / "model").exists()
+
+
+# ------------------------------------------------------------------ 12: crash at the end, Ctrl-C
+def test_a_crash_in_the_final_evaluation_keeps_the_run(train_root, tmp_path, monkeypatch):
+    original = Trainer.evaluate
+
+    def crashing(self, final=False):
+        if final:
+            raise RuntimeError("evaluation crashed")
+        return original(self, final)
+
+    monkeypatch.setattr(Trainer, "evaluate", crashing)
+    with pytest.raises(RuntimeError, match="evaluation crashed"):
+        Trainer(tiny_train_config(train_root, tmp_path, max_steps=3)).run()  # save_every 0: only the final save
+    assert names(tmp_path / "checkpoints") == ["step-00000003"] and (tmp_path / "model" / "config.json").is_file()
+    monkeypatch.setattr(Trainer, "evaluate", original)
+    again = Trainer(tiny_train_config(train_root, tmp_path, max_steps=3, resume=True)).run()
+    assert again.steps == 3 and again.final_eval is not None and len(losses(tmp_path)) == 3
+
+
+def test_ctrl_c_checkpoints_the_finished_step_and_the_resume_is_exact(train_root, tmp_path, straight_losses):
+    def ctrl_c_at_3(trainer, record):
+        if record["step"] == 3:
+            signal.raise_signal(signal.SIGINT)  # handled at once: the loop stops after this step
+
+    handler = signal.getsignal(signal.SIGINT)
+    with pytest.raises(TrainingInterrupted, match=r"stopped after step 3; checkpoint \S+step-00000003 is saved"):
+        Trainer(tiny_train_config(train_root, tmp_path, max_steps=6, save_every=2), on_step=ctrl_c_at_3).run()
+    assert signal.getsignal(signal.SIGINT) is handler  # restored
+    assert names(tmp_path / "checkpoints") == ["step-00000002", "step-00000003"] and len(losses(tmp_path)) == 3
+    Trainer(tiny_train_config(train_root, tmp_path, max_steps=6, save_every=2, resume=True)).run()
+    assert losses(tmp_path) == straight_losses
+
+
+def test_ctrl_c_in_rdepth_train_exits_130_with_one_line(train_root, tmp_path, monkeypatch, capsys):
+    original = Trainer.train_step
+
+    def step_then_ctrl_c(self):
+        record = original(self)
+        if record["step"] == 2:
+            signal.raise_signal(signal.SIGINT)
+        return record
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_ctrl_c)
+    out = tmp_path / "run"
+    assert main(cli_flags(train_root, out, "--max-steps", "5")) == 130
+    err = capsys.readouterr().err
+    assert err == (f"rdepth train: interrupted: stopped after step 2; checkpoint "
+                   f"{out / 'checkpoints' / 'step-00000002'} is saved: continue with --resume\n")
+    monkeypatch.setattr(Trainer, "train_step", original)
+    assert main(cli_flags(train_root, out, "--max-steps", "5", "--resume")) == 0
+    assert len(losses(out)) == 5
+
+
+# ------------------------------------------------------------------ 13: NaN in eval.jsonl, skipped steps
+def _strict(line):
+    def refuse(name):
+        raise ValueError(f"bare {name} in a JSON line")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_a_nan_validation_loss_is_written_as_null(train_root, tmp_path):
+    trainer = Trainer(tiny_train_config(train_root, tmp_path, max_steps=2, eval_interval=1))
+    trainer.model.transformer.ln_f.register_forward_hook(
+        lambda module, args, output: output if module.training else output * float("nan"))
+    result = trainer.run()
+    assert all(math.isnan(v) for v in result.final_eval.loss.values())
+    records = [_strict(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert len(records) == 3 and all(set(r["val_loss_by_depth"].values()) == {None} for r in records)
+    for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
+        _strict(line)
+
+
+CLIP_AND_CHECK = trainer_module.clip_and_check_grads
+
+
+def _skip_from_step(monkeypatch, first_skipped):
+    """Steps from `first_skipped` on see a non-finite gradient norm (and are skipped)."""
+    original = CLIP_AND_CHECK
+    calls = {"n": 0}
+
+    def check(params, clip):
+        calls["n"] += 1
+        norm, finite = original(params, clip)
+        return (float("nan"), False) if calls["n"] >= first_skipped else (norm, finite)
+
+    monkeypatch.setattr(trainer_module, "clip_and_check_grads", check)
+
+
+def test_a_run_that_skipped_most_steps_fails_after_writing_everything(train_root, tmp_path, monkeypatch):
+    _skip_from_step(monkeypatch, 2)  # 3 of 4 steps skipped
+    with pytest.raises(TooManySkippedSteps, match=r"3 of 4 optimizer steps \(75%\) were skipped for a non-finite "
+                                                  r"gradient, more than max_skipped_fraction 0.5") as info:
+        Trainer(tiny_train_config(train_root, tmp_path / "a", max_steps=4)).run()
+    assert info.value.result.skipped_steps == 3 and (tmp_path / "a" / "model" / "config.json").is_file()
+    _skip_from_step(monkeypatch, 2)
+    lenient = tiny_train_config(train_root, tmp_path / "b", max_steps=4, max_skipped_fraction=0.75)
+    assert Trainer(lenient).run().steps == 4
+
+
+def test_rdepth_train_exits_1_when_too_many_steps_were_skipped(train_root, tmp_path, monkeypatch, capsys):
+    _skip_from_step(monkeypatch, 3)  # 2 of 4: not more than half
+    assert main(cli_flags(train_root, tmp_path / "half", "--max-steps", "4")) == 0
+    _skip_from_step(monkeypatch, 2)
+    assert main(cli_flags(train_root, tmp_path / "most", "--max-steps", "4", "--max-skipped-fraction", "0.25")) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rdepth train: error: 3 of 4 optimizer steps (75%)")
+    assert "--max-skipped-fraction" in err[0]
+    with pytest.raises(ValueError, match=r"max_skipped_fraction=1.5 is invalid: expected a number in \[0, 1\]"):
+        TrainConfig(max_skipped_fraction=1.5)
+
+
+def test_saving_a_checkpoint_writes_a_manifest_of_every_file(train_root, tmp_path):
+    result = Trainer(tiny_train_config(train_root, tmp_path, max_steps=1)).run()
+    manifest = json.loads((result.last_checkpoint / "manifest.json").read_text())
+    files = {p.name for p in result.last_checkpoint.iterdir()} - {"manifest.json"}
+    assert set(manifest["files"]) == files and set(ckpt.REQUIRED_FILES) <= files
+    for name, entry in manifest["files"].items():
+        assert entry == {"bytes": (result.last_checkpoint / name).stat().st_size,
+                         "sha256": ckpt.file_sha256(result.last_checkpoint / name)}

@@ -139,7 +139,7 @@ def _code_tokenizer():
 
 
 def test_a_document_below_the_piece_size_is_one_piece_and_encoded_as_before() -> None:
-    from recurrent_depth.data.packing import PIECE_CHARS, text_pieces
+    from recurrent_depth.data.tokenizer import PIECE_CHARS, text_pieces
 
     docs, tok = _code_tokenizer()
     assert list(text_pieces(docs[0], len(docs[0]))) == [docs[0]]
@@ -150,7 +150,7 @@ def test_a_document_below_the_piece_size_is_one_piece_and_encoded_as_before() ->
 
 @pytest.mark.parametrize("piece_chars", [64, 257, 1000])
 def test_a_long_document_is_encoded_in_pieces_to_the_same_ids(piece_chars: int) -> None:
-    from recurrent_depth.data.packing import text_pieces
+    from recurrent_depth.data.tokenizer import text_pieces
 
     docs, tok = _code_tokenizer()
     long_doc = "\n\n  \n".join(docs) + " trailing words   \r\n\tend"
@@ -172,7 +172,7 @@ def test_piece_cuts_never_change_ids_on_random_text() -> None:
     still round-trips."""
     import random
 
-    from recurrent_depth.data.packing import text_pieces
+    from recurrent_depth.data.tokenizer import text_pieces
 
     _, tok = _code_tokenizer()
     alphabet = list(" \n\t\r\u00a0\u3000\x1c\x85") * 3 + list("abcXYZ019éü中,.:'()-_\"#") + [
@@ -191,3 +191,18 @@ def test_piece_cuts_never_change_ids_on_random_text() -> None:
             checked += 1
             assert ids.tolist() == _literal_ids(tok, text), (seed, pieces)
     assert checked >= 30
+
+
+def test_the_bpe_trainer_sees_a_long_document_in_pieces_and_learns_the_same_tokenizer(monkeypatch) -> None:
+    from recurrent_depth.data import tokenizer as tokenizer_module
+
+    docs, _ = _code_tokenizer()
+    corpus = docs[:5] + ["\n".join(docs[5:])]  # one long document
+    whole = train_tokenizer(corpus, vocab_size=400).to_str()
+    pieces = []
+    original = tokenizer_module.text_pieces
+    monkeypatch.setattr(tokenizer_module, "PIECE_CHARS", 300)
+    monkeypatch.setattr(tokenizer_module, "text_pieces", lambda text, n: pieces.extend(original(text, n)) or
+                        original(text, n))
+    assert train_tokenizer(corpus, vocab_size=400).to_str() == whole
+    assert len(pieces) > 100 and max(map(len, pieces)) <= 300

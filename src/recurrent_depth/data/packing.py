@@ -20,6 +20,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from recurrent_depth.data.corpus import Document
+from recurrent_depth.data.tokenizer import PIECE_CHARS, text_pieces
 
 
 @dataclass
@@ -130,45 +131,6 @@ def pack_documents(
     if stats is not None:
         for key, value in final.to_dict().items():
             setattr(stats, key, value)
-
-
-# Documents longer than this many characters are tokenised in pieces of at most this size, so the
-# tokenizer's per-token bookkeeping (offsets, token strings: ~100x the text in bytes) stays bounded.
-PIECE_CHARS = 1 << 18
-
-
-def text_pieces(text: str, piece_chars: int = PIECE_CHARS) -> Iterator[str]:
-    """`text` in consecutive pieces of at most `piece_chars` characters; a text that fits is one piece.
-
-    A cut goes, by preference, right after a newline that a non-space character follows, else between a
-    letter and a space that a letter follows. The byte-level tokenizer's pre-tokenisation
-    (`tokenizer.SPLIT_PATTERN`) always ends a word at such a point and starts the next one there
-    without looking back, so the pieces' token ids concatenate to exactly the whole text's. Only a
-    window of `piece_chars` with neither point (one endless word) gets a plain cut.
-    """
-    if piece_chars < 2:
-        raise ValueError(f"piece_chars must be >= 2, got {piece_chars}")
-    start = 0
-    while len(text) - start > piece_chars:
-        cut = _cut_point(text, start, start + piece_chars)
-        yield text[start:cut]
-        start = cut
-    yield text[start:]
-
-
-def _cut_point(text: str, start: int, end: int) -> int:
-    """The last cut in (start, end] after a newline before non-space, else in `letter|space letter`, else end."""
-    pos = end
-    while (newline := text.rfind("\n", start, pos)) >= 0:
-        if not text[newline + 1].isspace():  # newline + 1 <= end - 1 < len(text)
-            return newline + 1
-        pos = newline
-    pos = end
-    while (space := text.rfind(" ", start + 1, pos)) >= 0:
-        if text[space - 1].isalpha() and space + 1 < len(text) and text[space + 1].isalpha():
-            return space
-        pos = space
-    return end
 
 
 def tokenize_documents(

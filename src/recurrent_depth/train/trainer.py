@@ -750,16 +750,19 @@ class _InterruptRequest:
 
     def __init__(self) -> None:
         self.requested = False
+        self._installed = False
         self._previous: Any = None
 
     def install(self) -> None:
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._installed = True
 
     def uninstall(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        if self._installed:
+            # None: the earlier handler was not set from Python; Python's own (KeyboardInterrupt) stands in
+            signal.signal(signal.SIGINT, self._previous if self._previous is not None else signal.default_int_handler)
+            self._installed = False
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested:

@@ -16,18 +16,14 @@ from recurrent_depth.train import checkpointing as ckpt
 from recurrent_depth.train import trainer as trainer_module
 from recurrent_depth.train.config import TrainConfig
 from recurrent_depth.train.trainer import TooManySkippedSteps, Trainer, TrainingInterrupted
-from tests.train_support import OneThread, prepare_root, tiny_train_config
+from tests.train_support import prepare_root, tiny_train_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread for the module
 
 
 @pytest.fixture(scope="module")
 def train_root(tmp_path_factory):
     return prepare_root(tmp_path_factory.mktemp("train_root"))
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    with OneThread():
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +99,21 @@ def test_a_checkpoint_without_a_manifest_still_resumes_and_a_truncated_one_is_sk
     assert "model.safetensors is not a readable safetensors file" in ckpt.checkpoint_problem(weights.parent)
     assert ckpt.newest_valid_checkpoint(root) == (root / "step-00000002",
                                                  [(weights.parent, ckpt.checkpoint_problem(weights.parent))])
+
+
+def test_unreadable_weights_make_a_checkpoint_invalid(train_root, tmp_path, monkeypatch):
+    root = _run_to_4(train_root, tmp_path)
+    original = ckpt.file_sha256
+
+    def unreadable(path):
+        if path.name == "model.safetensors" and path.parent.name == "step-00000004":
+            raise PermissionError(13, "Permission denied", str(path))
+        return original(path)
+
+    monkeypatch.setattr(ckpt, "file_sha256", unreadable)
+    found, [(skipped, problem)] = ckpt.newest_valid_checkpoint(root)
+    assert found == root / "step-00000002" and skipped == root / "step-00000004"
+    assert problem == f"[Errno 13] Permission denied: '{skipped / 'model.safetensors'}'"
 
 
 def test_no_valid_checkpoint_left_starts_from_scratch_and_keeps_the_broken_one(train_root, tmp_path):

@@ -69,11 +69,12 @@ class TrainingInterrupted(KeyboardInterrupt):
     """Ctrl-C (SIGINT) during training: raised after the step in progress finished and was checkpointed."""
 
 
-class TooManySkippedSteps(RuntimeError):
+class TooManySkippedSteps(ValueError):
     """More than `max_skipped_fraction` of the run's steps were skipped for a non-finite gradient.
 
     Raised at the very end (checkpoint, model and final evaluation are written); `result` is the run's
-    `TrainResult`."""
+    `TrainResult`. A ValueError because the usual cause is the configuration (a learning rate too high),
+    so every command that trains reports it in one line."""
 
     def __init__(self, message: str, result: TrainResult) -> None:
         super().__init__(message)

@@ -45,7 +45,12 @@ def cli_flags(train_root, out, *extra):
     return ["train", "--preset", "tiny", "--data", str(train_root / "corpus"), "--tokenizer",
             str(train_root / "tokenizer"), "--data-dir", str(train_root / "data"), "--val-fraction", "0.1",
             "--keep-all", "--seq-len", "32", "--batch-size", "4", "--eval-batches", "1", "--eval-depths", "1",
-            "--no-tensorboard", "--no-progress", "--out", str(out), *extra]
+            "--no-tensorboard", "--no-progress", "--threads", "1", "--out", str(out), *extra]
+
+
+def error_lines(capsys):
+    """What `rdepth train` said on stderr, less the line naming its thread count."""
+    return [line for line in capsys.readouterr().err.splitlines() if not line.startswith("rdepth train: using ")]
 
 
 # ------------------------------------------------------------------ 10: broken newest checkpoint
@@ -159,10 +164,10 @@ def test_a_save_without_free_space_is_one_clean_error_and_leaves_no_temporary(tr
     fake_disk(monkeypatch, lambda: 1000)
     out = tmp_path / "run"
     assert main(cli_flags(train_root, out, "--max-steps", "2", "--save-every", "1")) == 2
-    err = capsys.readouterr().err.strip()
+    [err] = error_lines(capsys)
     assert err.startswith(f"rdepth train: error: not enough disk space to write checkpoint "
                           f"{out / 'checkpoints' / 'step-00000001'}: it needs about ")
-    assert err.endswith(f"0.0 MB free in {out / 'checkpoints'}") and "\n" not in err
+    assert err.endswith(f"0.0 MB free in {out / 'checkpoints'}")
     assert names(out / "checkpoints") == [] and not (out / "model").exists()
 
 
@@ -280,9 +285,8 @@ def test_ctrl_c_in_rdepth_train_exits_130_with_one_line(train_root, tmp_path, mo
     monkeypatch.setattr(Trainer, "train_step", step_then_ctrl_c)
     out = tmp_path / "run"
     assert main(cli_flags(train_root, out, "--max-steps", "5")) == 130
-    err = capsys.readouterr().err
-    assert err == (f"rdepth train: interrupted: stopped after step 2; checkpoint "
-                   f"{out / 'checkpoints' / 'step-00000002'} is saved: continue with --resume\n")
+    assert error_lines(capsys) == [f"rdepth train: interrupted: stopped after step 2; checkpoint "
+                                   f"{out / 'checkpoints' / 'step-00000002'} is saved: continue with --resume"]
     monkeypatch.setattr(Trainer, "train_step", original)
     assert main(cli_flags(train_root, out, "--max-steps", "5", "--resume")) == 0
     assert len(losses(out)) == 5
@@ -340,9 +344,8 @@ def test_rdepth_train_exits_1_when_too_many_steps_were_skipped(train_root, tmp_p
     assert main(cli_flags(train_root, tmp_path / "half", "--max-steps", "4")) == 0
     _skip_from_step(monkeypatch, 2)
     assert main(cli_flags(train_root, tmp_path / "most", "--max-steps", "4", "--max-skipped-fraction", "0.25")) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("rdepth train: error: 3 of 4 optimizer steps (75%)")
-    assert "--max-skipped-fraction" in err[0]
+    [err] = error_lines(capsys)
+    assert err.startswith("rdepth train: error: 3 of 4 optimizer steps (75%)") and "--max-skipped-fraction" in err
     with pytest.raises(ValueError, match=r"max_skipped_fraction=1.5 is invalid: expected a number in \[0, 1\]"):
         TrainConfig(max_skipped_fraction=1.5)
 

@@ -82,3 +82,10 @@ def test_output_over_an_input_checkpoint_or_a_missing_tokenizer_is_refused(tmp_p
     with pytest.raises(ValueError, match="tokenizer_dir"):
         average_checkpoints(paths, tmp_path / "o", tokenizer_dir=tmp_path / "nowhere")
     assert not (tmp_path / "o").exists()
+
+
+def test_help_labels_the_ema_direction_as_an_assumption(capsys):
+    with pytest.raises(SystemExit):
+        main(["average", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "oldest first" in text and "is an assumption" in text

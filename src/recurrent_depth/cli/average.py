@@ -11,9 +11,13 @@ import argparse
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "average",
-        help="EMA-average saved checkpoints into a new model directory (the paper's averaged model)",
+        help="EMA-average saved checkpoints into a new model directory (the paper's averaged model; "
+             "its direction is assumed)",
         description="Exponential moving average over checkpoints, oldest first: ema = beta*ema + (1-beta)*w. "
-                    "Takes every --dilation-th checkpoint counting back from the newest, at most --last.",
+                    "Takes every --dilation-th checkpoint counting back from the newest, at most --last. "
+                    "The direction (oldest first, so the newest weighs 1-beta) is an assumption: the paper "
+                    "says only that its EMA starts from the last checkpoint and publishes no code; list the "
+                    "chosen checkpoints with --checkpoints newest first for the other reading.",
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--run", metavar="DIR", help="a training run directory (its checkpoints/ are used)")

@@ -20,7 +20,9 @@ from typing import Any
 
 # optimizer flag -> OptimConfig field
 OPTIM_FLAGS: dict[str, tuple[str, type, str]] = {
-    "optim_preset": ("preset", str, "optimizer recipe to start from: demo, demo-muon or huginn-0125"),
+    "optim_preset": ("preset", str, "optimizer recipe to start from: demo, demo-muon or huginn-0125 (the "
+                     "official launch config: the paper's lr 4e-5 with the config's cool-down; the paper ran "
+                     "at a constant rate)"),
     "optimizer": ("name", str, "adamw, ellis-adam (the paper's Adam) or muon (+ AdamW for embeddings and norms)"),
     "lr": ("lr", float, "peak learning rate (AdamW / ellis-adam groups)"),
     "muon_lr": ("muon_lr", float, "Muon's learning rate for the block and adapter matrices"),

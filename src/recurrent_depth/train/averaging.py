@@ -6,7 +6,10 @@ d (every d-th one, counting back from the newest), then, oldest first,
 
     ema = w_1;   ema = beta * ema + (1 - beta) * w_i   for i = 2..N        (beta = 0.9)
 
-so the newest checkpoint weighs 1 - beta and older ones decay geometrically.
+so the newest checkpoint weighs 1 - beta and older ones decay geometrically. The direction is an
+assumption: the paper says only "an exponential moving average starting from our last checkpoint
+with beta = 0.9" and the official repository has no averaging code; passing the paths newest first
+gives the other reading (the newest weighs the most).
 """
 
 from __future__ import annotations

@@ -62,7 +62,9 @@ FIELD_HELP: dict[str, str] = {
     "max_steps": "stop after this many optimizer steps",
     "max_tokens": "stop after this many training tokens (all ranks)",
     "max_minutes": "stop training after this many minutes of wall time (checkpoint and eval follow)",
-    "optim": "optimizer recipe (YAML mapping of OptimConfig fields, 'preset' picks the base recipe)",
+    "optim": "optimizer recipe (YAML mapping of OptimConfig fields, 'preset' picks the base recipe: demo, "
+             "demo-muon, or huginn-0125 = the official launch config, whose cool-down the paper's "
+             "constant-rate run never had)",
     "depth_scheme": f"depth sampler per micro-batch: one of {', '.join(SCHEMES)}",
     "mean_recurrence": "sampler's mean depth r̄; none = the model's mean_recurrence",
     "backprop_depth": "gradient steps k (truncated backprop); none = the model's mean_backprop_depth",

@@ -9,7 +9,9 @@
   :class:`recurrent_depth.train.muon.Muon`, which can orthogonalise in float32 on CPUs that emulate
   bf16) and the rest to AdamW.
 * :class:`OptimConfig`: the optimizer, schedule and clipping recipe as one validated dataclass,
-  with presets (``"huginn-0125"`` = the paper's values; ``"demo"`` = tuned for short CPU runs).
+  with presets (``"huginn-0125"`` = the official launch config of the paper's main run: the paper's
+  peak lr 4e-5, but the config's trapezoid cool-down, where the paper trained at a constant rate;
+  ``"demo"`` = tuned for short CPU runs).
 * :func:`clip_and_check_grads`: gradient-norm clipping that reports non-finite gradients so the
   trainer can skip (and count) the step.
 """
@@ -582,7 +584,8 @@ class OptimConfig:
 
 OPTIM_PRESETS: dict[str, OptimConfig] = {
     # huginn-0125.md section 5: launch_configs/frontier_nebel_512_nodes.yaml (schedule in micro-batch steps,
-    # which equal optimizer steps there: micro-batch 1 per rank, no accumulation).
+    # which equal optimizer steps there: micro-batch 1 per rank, no accumulation). The paper's main run
+    # used the same peak lr (4e-5) but a constant rate: the 4096-step cool-down is the launch config's.
     "huginn-0125": OptimConfig(
         name="ellis-adam",
         lr=4e-5,
@@ -599,7 +602,8 @@ OPTIM_PRESETS: dict[str, OptimConfig] = {
         cooldown_steps=4096,
         min_lr=0.0,
         skip_first_step=True,  # huginn-0125.md section 5: "the first optimizer step is skipped too"
-        description="the paper's ELLISAdam recipe (4096 GPUs, 16.8M tokens per step)",
+        description="the official launch config's ELLISAdam recipe (4096 GPUs, 16.8M tokens per step; "
+                    "the paper's peak lr 4e-5, the config's cool-down: the paper ran at a constant rate)",
     ),
     # benchmarks/optim_sweep.py (150 steps, the small layout at h 128, byte-level stdlib, batch 8 x 64):
     # val loss at depth 8 -- adamw 1e-3/3e-3/5e-3/1e-2: 2.017/1.726/1.881/4.155; ellis-adam

@@ -137,3 +137,12 @@ def test_an_official_case_that_needs_official_defaults_differs_today(model):
     change the tokens, so the cases left for issue 17 are not trivially equal to ours."""
     case = CASES["adaptive-kl-auto-r16"]
     assert any(ours(model, case, run) != (run["tokens"], run["steps"]) for run in case["runs"])
+
+
+def test_the_recorder_describes_the_recorded_cases():
+    """`record_official.py` re-records exactly these calls (kwargs, generation config, our options)."""
+    from tests.golden.record_official import cases
+
+    fields = ("name", "kwargs", "generation_config", "ours_closest", "note")
+    recorded = [{key: case[key] for key in fields} for case in GOLDEN["cases"]]
+    assert cases(GOLDEN["stop_ids"]) == recorded

@@ -36,6 +36,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,16 @@ def _ours_lookup(strategy: str) -> tuple[dict[str, Any] | None, str]:
     return None, f"no option of ours reads the cache as {strategy!r}"
 
 
+def _criterion_variants() -> Iterator[tuple[str, str, Any, dict[str, Any] | None]]:
+    """(criterion, label, official threshold, our closest options) at "auto" and at one other threshold."""
+    for criterion in AUTO:
+        for label, threshold in (("auto", "auto"), ("other", OTHER[criterion])):
+            value = AUTO[criterion] if threshold == "auto" else threshold
+            ours = None if criterion == "minp-kl" else {"num_steps": ADAPTIVE_MAX, "exit_criterion": criterion,
+                                                        "exit_threshold": value}
+            yield criterion, label, threshold, ours
+
+
 def cases(stop_ids: list[int]) -> list[dict[str, Any]]:
     """Every recorded call. `stop_ids`: extra eos ids for the stop-token cases."""
     fixed = {"num_steps": FIXED_DEPTH}
@@ -121,37 +132,27 @@ def cases(stop_ids: list[int]) -> list[dict[str, Any]]:
               {"num_steps": ADAPTIVE_MAX, "exit_criterion": "kl", "exit_threshold": AUTO["kl"], "warm_start": True},
               "official exits in prefill; ours runs the prompt at full depth"),
     ]
-    for criterion in AUTO:
-        ours_name = None if criterion == "minp-kl" else criterion
-        for label, threshold in (("auto", "auto"), ("other", OTHER[criterion])):
-            value = AUTO[criterion] if threshold == "auto" else threshold
-            ours = None if ours_name is None else {"num_steps": ADAPTIVE_MAX, "exit_criterion": ours_name,
-                                                   "exit_threshold": value}
-            note = ("we have no minp-kl criterion" if ours is None
-                    else "official: exit allowed in prefill, statistics from step 1; ours: prefill at full depth")
-            out.append(_case(f"adaptive-{criterion}-{label}-r16",
-                             {"num_steps": ADAPTIVE_MAX, "criterion": criterion, "exit_threshold": threshold},
-                             ours, note))
+    for criterion, label, threshold, ours in _criterion_variants():
+        note = ("we have no minp-kl criterion" if ours is None
+                else "official: exit allowed in prefill, statistics from step 1; ours: prefill at full depth")
+        out.append(_case(f"adaptive-{criterion}-{label}-r16",
+                         {"num_steps": ADAPTIVE_MAX, "criterion": criterion, "exit_threshold": threshold},
+                         ours, note))
     # Each criterion once more with the other two official defaults set to ours (latest-m4, no exit
     # in prefill), so the criterion's own semantics can be compared.
     ours_like = {"cache_lookup_strategy": "latest-m4", "do_not_exit_in_prefill": True}
-    for criterion in AUTO:
-        ours_name = None if criterion == "minp-kl" else criterion
-        for label, threshold in (("auto", "auto"), ("other", OTHER[criterion])):
-            value = AUTO[criterion] if threshold == "auto" else threshold
-            ours = None if ours_name is None else {"num_steps": ADAPTIVE_MAX, "exit_criterion": ours_name,
-                                                   "exit_threshold": value}
-            kwargs = {"num_steps": ADAPTIVE_MAX, "criterion": criterion, "exit_threshold": threshold, **ours_like}
-            out.append(_case(f"adaptive-{criterion}-{label}-r16-latest-m4-no-exit-in-prefill", kwargs, ours,
-                             "we have no minp-kl criterion" if ours is None else "criterion semantics alone"))
-            if label == "auto" and ours is not None:
-                out.append(_case(f"adaptive-{criterion}-auto-r16-min-steps-3-latest-m4-no-exit-in-prefill",
-                                 {**kwargs, "min_steps": 3}, {**ours, "min_steps": 4},
-                                 "official min_steps=3 skips check and statistic before step 4; ours "
-                                 "min_steps=4 updates the statistic from step 1"))
-                out.append(_case(f"adaptive-{criterion}-auto-r16-continuous-latest-m4-no-exit-in-prefill",
-                                 {**kwargs, "continuous_compute": True}, {**ours, "warm_start": True},
-                                 "warm start from the raw state at exit (both)"))
+    for criterion, label, threshold, ours in _criterion_variants():
+        kwargs = {"num_steps": ADAPTIVE_MAX, "criterion": criterion, "exit_threshold": threshold, **ours_like}
+        out.append(_case(f"adaptive-{criterion}-{label}-r16-latest-m4-no-exit-in-prefill", kwargs, ours,
+                         "we have no minp-kl criterion" if ours is None else "criterion semantics alone"))
+        if label == "auto" and ours is not None:
+            out.append(_case(f"adaptive-{criterion}-auto-r16-min-steps-3-latest-m4-no-exit-in-prefill",
+                             {**kwargs, "min_steps": 3}, {**ours, "min_steps": 4},
+                             "official min_steps=3 skips check and statistic before step 4; ours "
+                             "min_steps=4 updates the statistic from step 1"))
+            out.append(_case(f"adaptive-{criterion}-auto-r16-continuous-latest-m4-no-exit-in-prefill",
+                             {**kwargs, "continuous_compute": True}, {**ours, "warm_start": True},
+                             "warm start from the raw state at exit (both)"))
     for criterion in ("kl", "latent-diff"):
         base = {"num_steps": ADAPTIVE_MAX, "criterion": criterion, "exit_threshold": "auto"}
         ours = {"num_steps": ADAPTIVE_MAX, "exit_criterion": criterion, "exit_threshold": AUTO[criterion]}

@@ -378,7 +378,7 @@ def test_unparseable_bodies_and_lone_surrogates_are_400s_naming_the_field(server
 def test_an_oversized_body_is_refused_before_it_is_read(server):
     """The client announces 64 MiB and sends nothing more: the answer must not wait for them."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 67108864\r\n\r\n{}")
         answer = b""
         while b'"error"' not in answer:
@@ -525,12 +525,16 @@ def test_build_app_refuses_a_nan_request_timeout(reference):
 
 def test_serve_bounds_the_wait_for_open_streams_on_shutdown(reference, monkeypatch):
     # uvicorn's default waits for every open stream on Ctrl-C / SIGTERM, up to the whole request timeout.
+    # (Issue 19 item 5: serve() runs its own uvicorn Server, which ends open requests with a 503 after the
+    # grace period, so this looks at that server's config instead of uvicorn.run's arguments.)
     from recurrent_depth import serving
+    from recurrent_depth.serving.transport import Server
 
     calls = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.update(kw))
+    monkeypatch.setattr(Server, "run", lambda self: calls.update(port=self.config.port, grace=self.grace,
+                                                                 limit=self.config.timeout_graceful_shutdown))
     serving.serve(reference[0], port=1234)
-    assert calls["port"] == 1234 and calls["timeout_graceful_shutdown"] == serving.SHUTDOWN_GRACE_S <= 10
+    assert calls["port"] == 1234 and calls["grace"] == serving.SHUTDOWN_GRACE_S and calls["limit"] <= 10
 
 
 # ---------------------------------------------------------------------------------------- auth and CLI
@@ -548,12 +552,14 @@ def test_api_key_guards_every_route_but_health(model_dir):
 
 
 def test_rdepth_serve_command_reads_the_api_key_from_the_environment(model_dir, monkeypatch):
-    """`rdepth serve` builds the app from the directory; uvicorn.run is replaced by a live server."""
+    """`rdepth serve` builds the app from the directory; the server's run is replaced by a live server."""
     from recurrent_depth.cli import main
+    from recurrent_depth.serving.transport import Server
 
     seen = {}
 
-    def run(app, host, port, log_level, **options):
+    def run(self):
+        app, host, port = self.config.app, self.config.host, self.config.port
         seen.update(host=host, port=port)
         with LiveServer(app) as live:
             seen["no_key"] = httpx.get(live.url + "/v1/models").status_code
@@ -565,7 +571,7 @@ def test_rdepth_serve_command_reads_the_api_key_from_the_environment(model_dir, 
                            json=dict(prompt="def", max_tokens=3, temperature=0, ignore_eos=True, return_steps=True))
             seen["steps"] = r.json()["choices"][0]["steps"]  # --num-steps sets the default depth
 
-    monkeypatch.setattr(uvicorn, "run", run)
+    monkeypatch.setattr(Server, "run", run)
     monkeypatch.setenv("RDEPTH_API_KEY", "env-key")
     threads = torch.get_num_threads()
     assert main(["serve", "--model", str(model_dir), "--port", "8123", "--threads", "1", "--num-steps", "3"]) == 0

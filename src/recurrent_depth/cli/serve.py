@@ -11,7 +11,6 @@ Per-request test-time compute goes in the JSON body (`num_steps`, `exit_criterio
 from __future__ import annotations
 
 import argparse
-import os
 
 from recurrent_depth.cli.common import add_device_args, add_model_arg
 
@@ -31,8 +30,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the model directory's name)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health "
-                        "(default: the RDEPTH_API_KEY environment variable, else no key)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health; an empty key is refused "
+                        "(default: the RDEPTH_API_KEY environment variable, else no key; a blank variable counts "
+                        "as unset, with a warning)")
+    p.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated Host header names to answer (DNS-rebinding guard), '*' for any "
+                        "(default: localhost, 127.0.0.1, ::1 and --host; any when --host is 0.0.0.0 or ::)")
+    p.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a client may take to send a request's head, and again its whole body; "
+                        "slower ones get 408 (default: %(default)s)")
+    p.add_argument("--stall-timeout", type=float, default=60.0,
+                   help="seconds without a token while requests are open after which /health answers 503 "
+                        "'stalled' (default: %(default)s)")
+    p.add_argument("--tokenizer-workers", type=int, default=2,
+                   help="processes that parse, render (chat template) and tokenize requests off the event loop "
+                        "(default: %(default)s)")
+    p.add_argument("--tokenize-timeout", type=float, default=10.0,
+                   help="seconds a worker may spend on one request; past it the worker is killed and the request "
+                        "gets 400 (default: %(default)s)")
     p.add_argument("--max-batch", type=int, default=32,
                    help="sequences decoded together at most (default: %(default)s)")
     p.add_argument("--max-queue", type=int, default=256,
@@ -55,14 +70,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from recurrent_depth.serving import serve
+    from recurrent_depth.serving import resolve_api_key, serve
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port {args.port} is invalid: expected 1..65535")
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    api_key = args.api_key if args.api_key is not None else (os.environ.get("RDEPTH_API_KEY") or None)
+    api_key = resolve_api_key(args.api_key)
+    hosts = None if args.allowed_hosts is None else args.allowed_hosts.split(",")
     serve(
-        args.model, host=args.host, port=args.port, log_level=args.log_level,
+        args.model, host=args.host, port=args.port, log_level=args.log_level, allowed_hosts=hosts,
+        read_timeout=args.read_timeout, stall_timeout=args.stall_timeout, tokenizer_workers=args.tokenizer_workers,
+        tokenize_timeout=args.tokenize_timeout,
         model_name=args.served_model_name, api_key=api_key, max_batch=args.max_batch, max_queue=args.max_queue,
         prefill_tokens=args.prefill_tokens, request_timeout=args.request_timeout,
         max_num_steps=args.max_num_steps, num_steps=args.num_steps, dtype=dtype, device=args.device,

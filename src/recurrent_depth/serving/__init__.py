@@ -7,16 +7,21 @@
 Modules: `kv_pool` (per-row, per-step KV storage), `batch` (the continuous batch: prefill,
 one decode step with per-row depth and exit), `solo` (speculative / unsupported models through
 `recurrent_depth.inference`), `engine` (the scheduler thread, bounded queue, timeouts),
-`protocol` (request validation, OpenAI errors), `text` (tokenizer, chat template, stop strings),
-`metrics` (Prometheus text) and `app` (the FastAPI routes).
+`protocol` (request validation, OpenAI errors), `text` (tokenizer, stop strings), `chat_template`
+(the sandboxed Jinja renderer), `prep` (worker processes that parse, render and tokenize requests
+off the event loop), `transport` (timeouts, body limit, Host check, shutdown, banner), `metrics`
+(Prometheus text) and `app` (the FastAPI routes).
 """
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from recurrent_depth.serving.app import ServerSettings, create_app
+from recurrent_depth.serving.app import MAX_BODY_BYTES, ServerSettings, create_app
 from recurrent_depth.serving.batch import BatchDecoder, RowRequest, TokenResult
 from recurrent_depth.serving.engine import Engine
 from recurrent_depth.serving.metrics import Metrics
@@ -36,6 +41,7 @@ __all__ = [
     "build_app",
     "create_app",
     "default_max_num_steps",
+    "resolve_api_key",
     "serve",
 ]
 
@@ -59,12 +65,24 @@ def build_app(
     num_steps: int | None = None,
     dtype: Any = None,
     device: str = "cpu",
+    allowed_hosts: Iterable[str] | None = None,
+    read_timeout: float = 30.0,
+    stall_timeout: float = 60.0,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    tokenizer_workers: int = 2,
+    tokenize_timeout: float = 10.0,
+    worker_memory: int | None = 2 << 30,
 ) -> Any:
     """A ready FastAPI app for a model directory (or a loaded `RecurrentDepthLM` plus `tokenizer_dir`).
 
     `num_steps` is the depth of requests that do not set one (None: the model's mean_recurrence);
-    `max_num_steps` bounds what a request may ask for. The engine thread starts with the app (its
-    lifespan) and stops with it.
+    `max_num_steps` bounds what a request may ask for. `api_key` must be a non-blank string or None
+    (no key). `allowed_hosts`: the Host header names accepted (None: loopback names only; `["*"]`:
+    any). `read_timeout`: seconds for a request's head and, separately, for its whole body.
+    `stall_timeout`: seconds without progress while requests are open after which /health answers
+    503 "stalled". Requests are parsed, rendered and tokenized by `tokenizer_workers` processes,
+    each killed past `tokenize_timeout` seconds on one request or `worker_memory` bytes of growth.
+    The engine thread and the workers start with the app (its lifespan) and stop with it.
     """
     if isinstance(model, str | Path):
         from recurrent_depth.checkpoint import load_pretrained
@@ -76,8 +94,12 @@ def build_app(
         model_name = model_name or directory.resolve().name
         model = load_pretrained(directory, dtype=dtype, device=device)
     model_name = model_name or "recurrent-depth"
-    if not request_timeout > 0:  # also refuses NaN, under which no request would ever time out
-        raise ValueError(f"request_timeout={request_timeout} is invalid: expected a number of seconds > 0")
+    for name, value in (("request_timeout", request_timeout), ("read_timeout", read_timeout),
+                        ("stall_timeout", stall_timeout)):
+        if not value > 0:  # also refuses NaN, under which nothing would ever time out
+            raise ValueError(f"{name}={value} is invalid: expected a number of seconds > 0")
+    if api_key is not None and not api_key.strip():
+        raise ValueError("api_key is blank: pass a non-empty key, or None to serve without one")
     cfg = model.config
     steps = max_num_steps if max_num_steps is not None else default_max_num_steps(cfg.mean_recurrence)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
@@ -88,20 +110,48 @@ def build_app(
     limits = Limits(cfg.max_seq_len, cfg.mean_recurrence, cfg.vocab_size, max_num_steps=steps,
                     max_sequences=min(max_queue, 256), default_num_steps=num_steps)
     engine = Engine(model, Metrics(), max_batch=max_batch, max_queue=max_queue, prefill_tokens=prefill_tokens)
-    codec = TextCodec(tokenizer_dir, cfg.vocab_size)
-    settings = ServerSettings(model_name=model_name, api_key=api_key, request_timeout=request_timeout,
-                              limits=limits)
+    codec = TextCodec(tokenizer_dir, cfg.vocab_size, cfg.max_seq_len)
+    if codec.has_tokenizer and codec.chat is None:
+        print(f"rdepth serve: chat is off: {codec.chat_error}", file=sys.stderr)
+    settings = ServerSettings(
+        model_name=model_name, api_key=api_key.strip() if api_key is not None else None,
+        request_timeout=request_timeout, limits=limits, max_body_bytes=max_body_bytes, read_timeout=read_timeout,
+        stall_timeout=stall_timeout, allowed_hosts=tuple(allowed_hosts) if allowed_hosts is not None else None,
+        tokenizer_workers=tokenizer_workers, tokenize_timeout=tokenize_timeout, worker_memory=worker_memory,
+        default_num_steps=num_steps)
     return create_app(engine, codec, settings)
 
 
-# Seconds a Ctrl-C / SIGTERM waits for open requests before closing them (uvicorn's default waits for every
-# stream to finish, which can be the whole request timeout).
+def resolve_api_key(flag: str | None, environ: dict[str, str] | None = None) -> str | None:
+    """The key `rdepth serve` enforces: `--api-key` (a blank one is refused: an unset shell variable
+    must not silently turn the key off), else `$RDEPTH_API_KEY` (blank means unset, with a warning)."""
+    if flag is not None:
+        if not flag.strip():
+            raise ValueError("--api-key is empty: pass a key, or leave the flag out to serve without one")
+        return flag.strip()
+    value = (os.environ if environ is None else environ).get("RDEPTH_API_KEY")
+    if value is not None and not value.strip():
+        print("rdepth serve: warning: RDEPTH_API_KEY is set but blank; serving without an API key",
+              file=sys.stderr)
+        return None
+    return value.strip() if value is not None else None
+
+
+# Seconds a Ctrl-C / SIGTERM waits for open requests before ending them with a 503 (uvicorn's default
+# waits for every stream to finish, which can be the whole request timeout).
 SHUTDOWN_GRACE_S = 5.0
 
 
-def serve(model: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", **kwargs: Any) -> None:
-    """Build the app and run it with uvicorn until interrupted (open requests get `SHUTDOWN_GRACE_S`)."""
-    import uvicorn
+def serve(model: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+          allowed_hosts: Iterable[str] | None = None, read_timeout: float = 30.0, **kwargs: Any) -> None:
+    """Build the app and run it with uvicorn until interrupted: open requests get `SHUTDOWN_GRACE_S`,
+    then a 503 (streams: an error event and [DONE]). Host names accepted by default: loopback and
+    `host` (any when `host` is 0.0.0.0 / ::)."""
+    from recurrent_depth.serving.transport import allowed_host_names, make_server
 
-    app = build_app(model, **kwargs)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    names = allowed_host_names(host, allowed_hosts)
+    app = build_app(model, allowed_hosts=["*"] if names is None else sorted(names), read_timeout=read_timeout,
+                    **kwargs)
+    server = make_server(app, host=host, port=port, log_level=log_level, read_timeout=read_timeout,
+                         grace=SHUTDOWN_GRACE_S, drain=app.state.drain, banner=app.state.banner)
+    server.run()

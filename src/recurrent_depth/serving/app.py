@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import math
 import secrets
 import time
 import uuid
@@ -36,19 +37,14 @@ from recurrent_depth.serving.engine import (
     QueueFull,
     TokenOut,
 )
-from recurrent_depth.serving.protocol import (
-    APIError,
-    ChatRequest,
-    CompletionRequest,
-    Limits,
-    Sampling,
-    parse_chat,
-    parse_completion,
-)
+from recurrent_depth.serving.prep import PrepPool, PrepSpec
+from recurrent_depth.serving.protocol import APIError, ChatRequest, CompletionRequest, Limits, Sampling
 from recurrent_depth.serving.text import IncrementalDecoder, TextCodec, TextState
+from recurrent_depth.serving.transport import LOOPBACK_NAMES, HostGuard, allowed_host_names, read_body, require_json
 
 MAX_BODY_BYTES = 32 * 2**20
 POLL_SECONDS = 0.25  # how often a waiting non-streaming handler checks for a client that left
+NEGATIVE_INFINITY_LOGPROB = -9999.0  # what JSON (no -Infinity) shows for a token of probability 0
 
 
 @dataclass
@@ -61,6 +57,26 @@ class ServerSettings:
     limits: Limits | None = None
     aliases: tuple[str, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))
+    max_body_bytes: int = MAX_BODY_BYTES
+    read_timeout: float = 30.0  # seconds for a request's head, and for its whole body
+    stall_timeout: float = 60.0  # /health says "stalled" after this long without progress while busy
+    allowed_hosts: tuple[str, ...] | None = None  # Host header names accepted (None: loopback; "*": any)
+    tokenizer_workers: int = 2
+    tokenize_timeout: float = 10.0
+    worker_memory: int | None = 2 << 30  # address space a preparation worker may add after start-up
+    default_num_steps: int | None = None  # for the banner
+
+
+def finite_logprob(value: float | None) -> float | None:
+    """A log-probability JSON can carry: -inf (probability 0) -> -9999.0, NaN / +inf (a broken
+    model) -> null, rather than invalid JSON or a 500."""
+    if value is None or math.isfinite(value):
+        return value
+    return NEGATIVE_INFINITY_LOGPROB if value < 0 else None
+
+
+def finite_top(top: list[tuple[int, float]] | None) -> list[tuple[int, float | None]] | None:
+    return None if top is None else [(i, finite_logprob(v)) for i, v in top]
 
 
 # ---------------------------------------------------------------------------------------- per-choice state
@@ -110,19 +126,36 @@ def create_app(engine: Engine, codec: TextCodec, settings: ServerSettings) -> Fa
     metrics = engine.metrics
     eos_configured = cfg.eos_token_id is not None
     base_stops = set(codec.eos_ids) | ({cfg.eos_token_id} if cfg.eos_token_id is not None else set())
+    pool = PrepPool(PrepSpec(str(codec.model_dir) if codec.has_tokenizer else None, codec.vocab_size, limits,
+                             frozenset(names), eos_configured, settings.worker_memory),
+                    workers=settings.tokenizer_workers, timeout=settings.tokenize_timeout)
+    inflight: dict[int, float] = {}  # id(jobs) -> arrival, for the stall check of /health
+    api_key = settings.api_key.encode("utf-8") if settings.api_key is not None else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await pool.start()
         engine.start()
-        yield
+        try:
+            yield
+        finally:
+            await drain()
+            await pool.stop()
+
+    async def drain() -> None:
+        """End every open request now: each gets the engine's 503 (streams: an error event, [DONE])."""
         await asyncio.to_thread(engine.stop)
 
     app = FastAPI(title="recurrent-depth", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.drain = drain
+    app.state.banner = lambda url: banner(engine, settings, limits, url)
+    hosts = settings.allowed_hosts if settings.allowed_hosts is not None else LOOPBACK_NAMES
+    app.add_middleware(HostGuard, names=allowed_host_names("127.0.0.1", hosts))
 
     # ------------------------------------------------------------------ errors, auth, body
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -135,30 +168,22 @@ def create_app(engine: Engine, codec: TextCodec, settings: ServerSettings) -> Fa
         return _error(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
 
     def authorize(request: Request) -> None:
-        if settings.api_key is None:
+        if api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
+        # Header values arrive as bytes (Starlette shows them as latin-1); the key is compared as UTF-8.
+        header = request.headers.get("authorization", "").encode("latin-1")
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), api_key):
             raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                            type="authentication_error", code="invalid_api_key")
 
-    async def read_json(request: Request) -> dict[str, Any]:
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:  # refuse before reading it
-            raise APIError(413, f"the request body is {declared} bytes; at most {MAX_BODY_BYTES} are accepted")
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body is {len(raw)} bytes; at most {MAX_BODY_BYTES} are accepted")
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError) as exc:
-            # ValueError: malformed JSON, bad UTF-8, or an integer literal over Python's digit limit;
-            # RecursionError: arrays/objects nested too deeply to parse.
-            raise APIError(400, f"the request body is not valid JSON: {type(exc).__name__}: {exc}") from None
-        if not isinstance(body, dict):
-            raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
-        return body
+    async def prepare(request: Request, kind: str) -> tuple[Any, list[list[int]]]:
+        """The validated request and its token-id prompts: the body is read here (bounded in size and
+        time), parsed, checked, rendered and tokenized in a worker process (`prep.py`)."""
+        require_json(request.headers.get("content-type"))
+        raw = await read_body(request.receive, settings.max_body_bytes, settings.read_timeout,
+                              request.headers.get("content-length"))
+        return await pool.prepare(kind, raw)
 
     def timed(endpoint: str) -> Callable:
         """Count every answer of an endpoint by status (streams count when they end)."""
@@ -185,11 +210,31 @@ def create_app(engine: Engine, codec: TextCodec, settings: ServerSettings) -> Fa
     # ------------------------------------------------------------------ simple routes
     @app.get("/health")
     async def health() -> JSONResponse:
-        body = {"status": "ok" if engine.healthy else "unavailable", "model": settings.model_name,
-                "running": engine.running, "waiting": len(engine.waiting), "batching": engine.batches}
+        status = "ok" if engine.healthy else "unavailable"
+        body: dict[str, Any] = {"status": status, "model": settings.model_name, "running": engine.running,
+                                "waiting": len(engine.waiting), "batching": engine.batches,
+                                "stall_timeout": settings.stall_timeout}
+        idle = idle_seconds()
+        if idle is not None:
+            body["seconds_since_progress"] = round(idle, 3)
+            if status == "ok" and idle > settings.stall_timeout:
+                status = body["status"] = "stalled"
+                body["error"] = (f"the engine has made no progress for {idle:.1f} s "
+                                 f"(over {settings.stall_timeout:g} s) while requests are open")
         if engine.failure:
             body["error"] = engine.failure
-        return JSONResponse(body, status_code=200 if engine.healthy else 503)
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
+
+    def idle_seconds() -> float | None:
+        """Seconds since the engine last made progress on open requests (None when there are none):
+        since its last token, or since the oldest open request arrived if that is later."""
+        if not inflight or not (engine.running or engine.waiting):
+            return None
+        since = min(inflight.values())
+        last = getattr(engine, "last_progress", None)
+        if last is not None:
+            since = max(since, last)
+        return time.monotonic() - since
 
     def model_card(name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": settings.created, "owned_by": "recurrent-depth",
@@ -243,9 +288,10 @@ def create_app(engine: Engine, codec: TextCodec, settings: ServerSettings) -> Fa
                 choices.append(Choice(index, list(prompt)))
         return jobs, choices
 
-    def submit(jobs: list[Job]) -> None:
+    def submit(jobs: list[Job], start: float) -> None:
         try:
             engine.submit(jobs)
+            inflight[id(jobs)] = start
         except QueueFull as exc:
             metrics.reject("queue_full")
             raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from None
@@ -256,14 +302,15 @@ def create_app(engine: Engine, codec: TextCodec, settings: ServerSettings) -> Fa
     def apply(event: Event, choices: list[Choice]) -> Choice:
         choice = choices[event.index]
         if isinstance(event, PromptEvent):
-            choice.prompt_scores = event.scores
+            choice.prompt_scores = PromptScores([finite_logprob(v) for v in event.scores.logprobs],
+                                                [finite_top(t) for t in event.scores.top])
         elif isinstance(event, TokenOut):
             choice.text += event.text
             choice.tokens.append(event.token)
             choice.steps.append(event.steps)
             choice.reasons.append(event.reason)
-            choice.logprobs.append(event.logprob)
-            choice.tops.append(event.top)
+            choice.logprobs.append(finite_logprob(event.logprob))
+            choice.tops.append(finite_top(event.top))
         elif isinstance(event, Done):
             choice.text += event.text
             choice.finish_reason = event.finish_reason
@@ -292,6 +339,7 @@ def create_app(engine: Engine, codec: TextCodec, settings: ServerSettings) -> Fa
                 if isinstance(event, Done):
                     remaining -= 1
         finally:
+            inflight.pop(id(jobs), None)
             if remaining:
                 engine.cancel(jobs)
 
@@ -332,23 +380,12 @@ def create_app(engine: Engine, codec: TextCodec, settings: ServerSettings) -> Fa
     @timed("completions")
     async def completions(request: Request, start: float) -> Response:
         authorize(request)
-        req: CompletionRequest = parse_completion(await read_json(request), limits, names, eos_configured)
-        prompts = []
-        for p in req.prompts:
-            if isinstance(p, str):
-                try:
-                    ids = codec.encode(p, add_special_tokens=req.add_special_tokens)
-                except ValueError as exc:
-                    raise APIError(400, str(exc), param="prompt") from None
-                if not ids:
-                    raise APIError(400, "the prompt encodes to no tokens", param="prompt")
-                prompts.append(ids)
-            else:
-                prompts.append(p)
+        req: CompletionRequest
+        req, prompts = await prepare(request, "completions")
         channel = Channel()
         jobs, choices = make_jobs(req.sampling, prompts, req.logprobs, req.echo and req.logprobs is not None,
                                   set(), channel, start)
-        submit(jobs)
+        submit(jobs, start)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": settings.model_name}
         if req.sampling.stream:
@@ -415,19 +452,12 @@ def create_app(engine: Engine, codec: TextCodec, settings: ServerSettings) -> Fa
     @timed("chat")
     async def chat(request: Request, start: float) -> Response:
         authorize(request)
-        req: ChatRequest = parse_chat(await read_json(request), limits, names, eos_configured)
-        try:
-            text = codec.render_chat(req.messages)
-            prompt = codec.encode(text, add_special_tokens=False)  # the template writes its own bos
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="messages") from None
-        except Exception as exc:  # noqa: BLE001 - a template error is the request's problem
-            raise APIError(400, f"the chat template failed on these messages: {type(exc).__name__}: {exc}",
-                           param="messages") from None
+        req: ChatRequest
+        req, (prompt,) = await prepare(request, "chat")  # the template writes its own bos
         top = (req.top_logprobs or 0) if req.logprobs else None
         channel = Channel()
         jobs, choices = make_jobs(req.sampling, [prompt], top, False, set(codec.chat_stop_ids), channel, start)
-        submit(jobs)
+        submit(jobs, start)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": settings.model_name}
         if req.sampling.stream:
@@ -504,6 +534,7 @@ def create_app(engine: Engine, codec: TextCodec, settings: ServerSettings) -> Fa
                         yield _sse(tail)
                 yield "data: [DONE]\n\n"
             finally:
+                inflight.pop(id(jobs), None)
                 if remaining:  # the client left (the generator was closed) or an error ended the stream
                     engine.cancel(jobs)
                     status = 499 if status == 200 else status
@@ -513,3 +544,13 @@ def create_app(engine: Engine, codec: TextCodec, settings: ServerSettings) -> Fa
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     return app
+
+
+def banner(engine: Engine, settings: ServerSettings, limits: Limits, url: str) -> str:
+    """The start-up line: what is served, how deep by default, where."""
+    params = sum(p.numel() for p in engine.model.parameters())
+    depth = settings.default_num_steps if settings.default_num_steps is not None else limits.mean_recurrence
+    key = "API key required" if settings.api_key is not None else "no API key"
+    return (f"rdepth serve: model {settings.model_name!r} ({params / 1e6:.2f}M parameters, context "
+            f"{limits.max_seq_len}), default depth {depth}, max depth {limits.max_num_steps}, {key}; "
+            f"OpenAI API at {url}/v1")

@@ -140,6 +140,7 @@ class Engine:
         self.stopping = False
         self.failure: str | None = None
         self.thread: threading.Thread | None = None
+        self.last_progress: float | None = None  # time.monotonic() of the last token delivered (/health)
         self.metrics.gauges["rdepth_queue_depth"] = lambda: len(self.waiting)
         self.metrics.gauges["rdepth_running_sequences"] = lambda: self.running
         self.metrics.gauges["rdepth_max_batch"] = lambda: self.max_batch
@@ -329,7 +330,7 @@ class Engine:
     # ------------------------------------------------------------------ results
     def _deliver(self, job: Job, result: TokenResult) -> bool:
         """Send one token to the job's client; returns True when the job is finished."""
-        now = time.monotonic()
+        now = self.last_progress = time.monotonic()
         job.completion_tokens += 1
         job.core_steps += result.steps
         self.metrics.token(result.steps)

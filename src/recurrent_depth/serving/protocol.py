@@ -14,6 +14,7 @@ than n, tools, non-text response formats). Test-time compute knobs are extra bod
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,8 +27,10 @@ class APIError(Exception):
     """An error answered as `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.type = type
@@ -40,6 +43,19 @@ class APIError(Exception):
 
 def bad(param: str, message: str) -> APIError:
     return APIError(400, message, param=param)
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400 saying why not."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        # ValueError: malformed JSON, bad UTF-8, or an integer literal over Python's digit limit;
+        # RecursionError: arrays/objects nested too deeply to parse.
+        raise APIError(400, f"the request body is not valid JSON: {type(exc).__name__}: {exc}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
 
 
 @dataclass

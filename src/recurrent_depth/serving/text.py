@@ -1,18 +1,29 @@
 """Text for the server: encoding prompts, the chat template, incremental decoding, stop strings.
 
 `TextCodec` wraps the model directory's `tokenizer.json` (the fast Rust tokenizer) and, for chat,
-its Jinja chat template through transformers' `AutoTokenizer`. A model directory without a
-tokenizer is served for token-id prompts only: text fields are empty and tokens are shown as
+its Jinja chat template, compiled at start-up and rendered in a bounded sandbox
+(`chat_template.py`). A model directory without a tokenizer is served for token-id prompts only: text fields are empty and tokens are shown as
 `token_id:N`.
 """
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from recurrent_depth.serving.chat_template import ChatTemplate, load_template
+
 REPLACEMENT = "\ufffd"  # what decoding an incomplete UTF-8 sequence yields
+MAX_TEXT_CHARS = 64 << 20  # rendered chat prompts stop here whatever the context
+# Unicode noncharacters (reserved for a program's internal use) mark special-token text in messages.
+PLACEHOLDER_OPEN, PLACEHOLDER_CLOSE = "\ufdd0", "\ufdd1"
+_PLACEHOLDER = re.compile("\ufdd0(\\d+)\ufdd1")
+
+
+class ContextTooLong(ValueError):
+    """A text that cannot fit the model's context, known before tokenizing it."""
 
 
 @lru_cache(maxsize=1)
@@ -33,14 +44,17 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 class TextCodec:
-    """Encode/decode with a model directory's tokenizer; None-safe when there is none."""
+    """Encode/decode with a model directory's tokenizer; None-safe when there is none.
 
-    def __init__(self, model_dir: str | Path | None, vocab_size: int) -> None:
+    `context` (the model's max_seq_len) bounds what is worth tokenizing: a text longer than
+    `context` x the longest token (in bytes) cannot fit, and is refused before it is tokenized.
+    """
+
+    def __init__(self, model_dir: str | Path | None, vocab_size: int, context: int | None = None) -> None:
         self.vocab_size = vocab_size
+        self.context = context
         self.tokenizer: Any = None
         self.model_dir = Path(model_dir) if model_dir is not None else None
-        self._hf: Any = None
-        self._hf_error: str | None = None
         if self.model_dir is not None and (self.model_dir / "tokenizer.json").is_file():
             from recurrent_depth.data.tokenizer import load_tokenizer
 
@@ -48,6 +62,8 @@ class TextCodec:
         self.special_ids: set[int] = set()
         self.eos_ids: set[int] = set()
         self.chat_stop_ids: set[int] = set()
+        self.longest_token_bytes = 1
+        self._special_pattern: re.Pattern[str] | None = None
         if self.tokenizer is not None:
             added = self.tokenizer.get_added_tokens_decoder()
             self.special_ids = {i for i, t in added.items() if t.special}
@@ -58,47 +74,117 @@ class TextCodec:
             end_turn = self.tokenizer.token_to_id("<|end_turn|>")
             if end_turn is not None:
                 self.chat_stop_ids.add(end_turn)
+            specials = sorted({added[i].content for i in self.special_ids if added[i].content}, key=len, reverse=True)
+            if specials:
+                self._special_pattern = re.compile("|".join(re.escape(t) for t in specials))
         self._strings: dict[int, str] = {}
         byte_level = self.tokenizer is not None and "ByteLevel" in type(self.tokenizer.decoder).__name__
         self._byte_level = byte_level
+        if self.tokenizer is not None:
+            self.longest_token_bytes = max(
+                (len(self.token_bytes(i)) for i in range(self.tokenizer.get_vocab_size(with_added_tokens=True))),
+                default=1) or 1
+        self.chat: ChatTemplate | None = None
+        self.chat_error: str | None = None
+        if self.tokenizer is not None and self.model_dir is not None:
+            self._load_chat_template()
+
+    def _load_chat_template(self) -> None:
+        """Compile the directory's chat template now (start-up), not on the first chat request."""
+        assert self.model_dir is not None
+        try:
+            source, variables = load_template(self.model_dir)
+            if source is None:
+                self.chat_error = "no chat_template.jinja or chat_template in tokenizer_config.json"
+                return
+            cap = (self.context or MAX_TEXT_CHARS) * self.longest_token_bytes
+            self.chat = ChatTemplate(source, variables, max_output_chars=min(cap, MAX_TEXT_CHARS))
+        except Exception as exc:  # noqa: BLE001 - a broken template only disables chat
+            self.chat_error = f"the chat template could not be loaded: {type(exc).__name__}: {exc}"
 
     @property
     def has_tokenizer(self) -> bool:
         return self.tokenizer is not None
 
     # ------------------------------------------------------------------ prompts
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the tokens `text` encodes to, without tokenizing it: no token covers
+        more bytes than the vocabulary's longest (after the tokenizer's normalizer, which may
+        shorten text)."""
+        if self.tokenizer is not None and self.tokenizer.normalizer is not None:
+            text = self.tokenizer.normalizer.normalize_str(text)
+        return -(-len(text.encode("utf-8", "surrogatepass")) // self.longest_token_bytes)
+
+    def check_fits(self, text: str, param: str) -> None:
+        """ValueError (context_length_exceeded) for a text that cannot fit the context."""
+        if self.context is None:
+            return
+        least = self.min_tokens(text)
+        if least > self.context:
+            raise ContextTooLong(
+                f"the {param} is {len(text.encode('utf-8', 'surrogatepass'))} bytes, so at least {least} tokens "
+                f"(no token is longer than {self.longest_token_bytes} bytes): more than the model's context of "
+                f"{self.context} tokens")
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("this model directory has no tokenizer.json: send token-id prompts")
+        self.check_fits(text, "prompt")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def _chat_tokenizer(self) -> Any:
-        if self._hf is None and self._hf_error is None:
-            # The fast-tokenizer class reads tokenizer_config.json and chat_template.jinja without
-            # consulting config.json (whose model_type transformers does not know).
-            from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-            for loader in (PreTrainedTokenizerFast, AutoTokenizer):
-                try:
-                    self._hf = loader.from_pretrained(str(self.model_dir))
-                    self._hf_error = None
-                    break
-                except Exception as exc:  # noqa: BLE001 - report any loading failure as "no chat template"
-                    self._hf_error = f"{type(exc).__name__}: {exc}"
-        return self._hf
-
     def has_chat_template(self) -> bool:
-        if self.tokenizer is None:
-            return False
-        hf = self._chat_tokenizer()
-        return hf is not None and bool(getattr(hf, "chat_template", None))
+        return self.chat is not None
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        """The chat template applied to `messages`, with the assistant's generation prompt opened."""
-        if not self.has_chat_template():
-            detail = f" ({self._hf_error})" if self._hf_error else ""
-            raise ValueError(f"this model directory has no chat template{detail}; use /v1/completions")
-        return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of the chat template applied to `messages`, with the assistant's turn opened.
+
+        Special-token strings inside message contents stay plain text (so a message cannot forge
+        a turn): they are swapped for placeholders before rendering, and every text piece between
+        the template's own special tokens is encoded with special-token matching turned off.
+        """
+        if self.chat is None:
+            raise ValueError(f"this model directory has no usable chat template ({self.chat_error}); "
+                             "use /v1/completions")
+        for m in messages:
+            self.check_fits(m["content"], "message content")
+        escaped, literals = self._escape_specials(messages)
+        text = self.chat.render(escaped)
+        if not literals:  # the common case: exactly what tokenizing the rendered text gives
+            self.check_fits(text, "rendered chat prompt")
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        ids: list[int] = []
+        pieces = self._special_pattern.split(text) if self._special_pattern else [text]
+        controls = self._special_pattern.findall(text) if self._special_pattern else []
+        self.tokenizer.encode_special_tokens = True
+        try:
+            for i, piece in enumerate(pieces):
+                plain = _PLACEHOLDER.sub(lambda m: literals[int(m.group(1))], piece)
+                if plain:
+                    self.check_fits(plain, "rendered chat prompt")
+                    ids += self.tokenizer.encode(plain, add_special_tokens=False).ids
+                if i < len(controls):
+                    ids.append(self.tokenizer.token_to_id(controls[i]))
+        finally:
+            self.tokenizer.encode_special_tokens = False
+        return ids
+
+    def _escape_specials(self, messages: list[dict[str, str]]) -> tuple[list[dict[str, str]], list[str]]:
+        literals: list[str] = []
+        if self._special_pattern is None:
+            return messages, literals
+        out = []
+        for i, m in enumerate(messages):
+            content = m["content"]
+            if PLACEHOLDER_OPEN in content or PLACEHOLDER_CLOSE in content:
+                raise ValueError(f"messages[{i}].content holds the Unicode noncharacter U+FDD0 or U+FDD1, which "
+                                 "this server reserves for its own use")
+
+            def swap(match: re.Match[str]) -> str:
+                literals.append(match.group(0))
+                return f"{PLACEHOLDER_OPEN}{len(literals) - 1}{PLACEHOLDER_CLOSE}"
+
+            out.append({**m, "content": self._special_pattern.sub(swap, content)})
+        return out, literals
 
     # ------------------------------------------------------------------ output
     def decode(self, ids: list[int]) -> str:

@@ -1,0 +1,136 @@
+"""A model directory's chat template, rendered in a bounded Jinja sandbox.
+
+The template is a file someone handed us, so it runs in jinja2's `ImmutableSandboxedEnvironment`
+(no attribute access to internals, no mutation of the inputs) with resource caps on top: every
+`range()` draws from one iteration budget per render, `*`, `+` and `**` may not build values
+beyond the output cap, and rendering stops as soon as the output passes its cap. Whatever the
+caps do not catch (a filter building a huge string, a loop over a long message's characters)
+is stopped by the worker process that renders it (memory limit, wall-clock kill; see `prep.py`).
+
+The environment matches transformers' `apply_chat_template` (trim_blocks, lstrip_blocks,
+loopcontrols, `raise_exception`, `strftime_now`, `tojson`, the special-token variables), so
+templates written for it render the same text.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+MAX_TEMPLATE_BYTES = 1 << 20
+MAX_ITERATIONS = 100_000  # range() iterations per render, all ranges together
+SPECIAL_VARIABLES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+class TemplateLimit(ValueError):
+    """The template went past a resource cap."""
+
+
+class RenderedTooLong(ValueError):
+    """The rendered prompt is longer than the output cap (it cannot fit the model's context)."""
+
+
+def read_bounded(path: Path, limit: int = MAX_TEMPLATE_BYTES) -> str:
+    """A small regular text file (never a FIFO or device, never more than `limit` bytes)."""
+    if not path.is_file():
+        raise ValueError(f"{path} is not a regular file")
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path} is over {limit} bytes")
+    return data.decode("utf-8")
+
+
+def load_template(model_dir: Path) -> tuple[str | None, dict[str, str]]:
+    """(template source or None, special-token variables) from `chat_template.jinja` or
+    `tokenizer_config.json` (where transformers looks)."""
+    config: dict[str, Any] = {}
+    config_path = model_dir / "tokenizer_config.json"
+    if config_path.exists():
+        loaded = json.loads(read_bounded(config_path, 16 * MAX_TEMPLATE_BYTES))
+        config = loaded if isinstance(loaded, dict) else {}
+    variables = {}
+    for name in SPECIAL_VARIABLES:
+        value = config.get(name)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            variables[name] = value
+    file = model_dir / "chat_template.jinja"
+    if file.exists():
+        return read_bounded(file), variables
+    source = config.get("chat_template")
+    if isinstance(source, list):  # named templates: the default one
+        source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
+    return (source if isinstance(source, str) and source else None), variables
+
+
+class ChatTemplate:
+    """A compiled chat template; `render(messages)` opens the assistant's turn."""
+
+    def __init__(self, source: str, variables: dict[str, str], max_output_chars: int,
+                 max_iterations: int = MAX_ITERATIONS) -> None:
+        import jinja2
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        self.source = source
+        self.variables = dict(variables)
+        self.max_output_chars = max_output_chars
+        self.max_iterations = max_iterations
+        self.iterations = 0
+        cap = max_output_chars
+        owner = self
+
+        class BoundedSandbox(ImmutableSandboxedEnvironment):
+            intercepted_binops = frozenset(["*", "+", "**"])
+
+            def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+                sized = (str, list, tuple)
+                if operator == "**" and isinstance(right, int) and abs(right) > 64:
+                    raise TemplateLimit(f"the chat template raised a number to the power {right} (at most 64)")
+                if operator == "*":
+                    seq, count = (left, right) if isinstance(left, sized) else (right, left)
+                    if isinstance(seq, sized) and isinstance(count, int) and len(seq) * count > cap:
+                        raise TemplateLimit(f"the chat template built a value of {len(seq) * count} items "
+                                            f"(at most {cap})")
+                if operator == "+" and isinstance(left, sized) and isinstance(right, sized) \
+                        and len(left) + len(right) > cap:
+                    raise TemplateLimit(f"the chat template built a value of {len(left) + len(right)} items "
+                                        f"(at most {cap})")
+                return super().call_binop(context, operator, left, right)
+
+        def bounded_range(*args: int) -> Any:
+            steps = range(*args)
+            if owner.iterations + len(steps) > owner.max_iterations:
+                raise TemplateLimit(f"the chat template's loops went past {owner.max_iterations} range() iterations")
+            owner.iterations += len(steps)
+            return steps
+
+        def raise_exception(message: str) -> None:
+            raise jinja2.exceptions.TemplateError(message)
+
+        def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+                   sort_keys: bool = False) -> str:
+            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                              sort_keys=sort_keys)
+
+        env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = tojson
+        env.globals.update(range=bounded_range, raise_exception=raise_exception,
+                           strftime_now=lambda fmt: datetime.now().strftime(fmt))
+        self.template = env.from_string(source)
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        self.iterations = 0
+        out: list[str] = []
+        size = 0
+        for piece in self.template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                            tools=None, documents=None, **self.variables):
+            size += len(piece)
+            if size > self.max_output_chars:
+                raise RenderedTooLong(f"the rendered chat prompt is over {self.max_output_chars} characters")
+            out.append(piece)
+        return "".join(out)

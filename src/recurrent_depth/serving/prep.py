@@ -1,0 +1,255 @@
+"""Request preparation in worker processes: JSON parsing, validation, chat templates, tokenization.
+
+This is the CPU-heavy part of answering a request, and much of it holds the GIL (json.loads,
+the field checks, Jinja, `Tokenizer.encode`), so a thread would still stall the event loop and
+with it every client, `/health` included. A small pool of processes does it instead: the event
+loop only moves the raw body to a worker and gets back the validated request with token ids.
+Processes also bound what a hostile input can cost: each worker has an address-space limit
+(`memory_headroom` bytes above what it uses after start-up) and every task a wall-clock limit
+past which its worker is killed and replaced. Workers fork from a forkserver that has imported
+this module, so a new one starts in milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+from recurrent_depth.serving.chat_template import RenderedTooLong, TemplateLimit
+from recurrent_depth.serving.protocol import APIError, Limits, parse_chat, parse_completion, parse_json
+from recurrent_depth.serving.text import ContextTooLong, TextCodec
+
+log = logging.getLogger("recurrent_depth.serving")
+
+
+@dataclass
+class PrepSpec:
+    """What a worker needs to prepare requests like the server would."""
+
+    tokenizer_dir: str | None
+    vocab_size: int
+    limits: Limits
+    names: frozenset[str]
+    eos_configured: bool
+    memory_headroom: int | None = 2 << 30
+
+
+# ---------------------------------------------------------------------------------------- worker side
+class Preparer:
+    """Turns a raw body into `("ok", request, token-id prompts)` or `("error", status, message, type,
+    param, code)` (plain tuples: exceptions with keyword arguments do not survive pickling)."""
+
+    def __init__(self, spec: PrepSpec) -> None:
+        self.spec = spec
+        self.codec = TextCodec(spec.tokenizer_dir, spec.vocab_size, spec.limits.max_seq_len)
+
+    def prepare(self, kind: str, raw: bytes) -> tuple:
+        try:
+            return ("ok", *self._prepare(kind, raw))
+        except APIError as exc:
+            return ("error", exc.status, exc.message, exc.type, exc.param, exc.code)
+        except MemoryError:
+            return ("error", 400, "preparing this request ran out of memory (the worker's limit is "
+                    f"{self.spec.memory_headroom} bytes above its start-up size)", "invalid_request_error",
+                    "messages" if kind == "chat" else "prompt", None)
+
+    def _prepare(self, kind: str, raw: bytes) -> tuple[Any, list[list[int]]]:
+        spec, codec, limits = self.spec, self.codec, self.spec.limits
+        body = parse_json(raw)
+        if kind == "completions":
+            req = parse_completion(body, limits, set(spec.names), spec.eos_configured)
+            prompts = []
+            for p in req.prompts:
+                if isinstance(p, str):
+                    try:
+                        ids = codec.encode(p, add_special_tokens=req.add_special_tokens)
+                    except ContextTooLong as exc:
+                        raise context_error(str(exc), "prompt") from None
+                    except ValueError as exc:
+                        raise APIError(400, str(exc), param="prompt") from None
+                    if not ids:
+                        raise APIError(400, "the prompt encodes to no tokens", param="prompt")
+                    prompts.append(ids)
+                elif len(p) > limits.max_seq_len:
+                    raise context_error(f"the prompt has {len(p)} tokens: more than the model's context of "
+                                        f"{limits.max_seq_len} tokens", "prompt")
+                else:
+                    prompts.append(p)
+            req.prompts = []  # the texts stay here; the ids go back
+            return req, prompts
+        req = parse_chat(body, limits, set(spec.names), spec.eos_configured)
+        try:
+            prompt = codec.encode_chat(req.messages)
+        except (ContextTooLong, RenderedTooLong) as exc:
+            raise context_error(str(exc), "messages") from None
+        except TemplateLimit as exc:
+            raise APIError(400, str(exc), param="messages") from None
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+        except Exception as exc:  # noqa: BLE001 - a template error is the request's problem
+            raise APIError(400, f"the chat template failed on these messages: {type(exc).__name__}: {exc}",
+                           param="messages") from None
+        req.messages = []
+        return req, [prompt]
+
+
+def context_error(message: str, param: str) -> APIError:
+    return APIError(400, message, param=param, code="context_length_exceeded")
+
+
+def _address_space() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def worker_main(conn: Any, spec: PrepSpec) -> None:
+    """A worker's loop: one (kind, raw body) in, one result tuple out, until EOF or None."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle, not ours
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    preparer = Preparer(spec)
+    if spec.memory_headroom is not None:
+        import resource
+
+        limit = _address_space() + spec.memory_headroom
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    conn.send(("ready",))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        kind, raw = message
+        conn.send(preparer.prepare(kind, raw))
+
+
+# ---------------------------------------------------------------------------------------- server side
+def _context() -> Any:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
+
+
+class Worker:
+    """One worker process and the pipe to it."""
+
+    def __init__(self, spec: PrepSpec) -> None:
+        ctx = _context()
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=worker_main, args=(child, spec), name="rdepth-prep", daemon=True)
+        self.process.start()
+        child.close()
+        if not self.conn.poll(120):
+            self.kill()
+            raise RuntimeError("a request-preparation worker did not start within 120 s")
+        ready = self.conn.recv()
+        if ready != ("ready",):
+            raise RuntimeError(f"a request-preparation worker failed to start: {ready!r}")
+
+    def call(self, kind: str, raw: bytes) -> tuple:
+        self.conn.send((kind, raw))
+        return self.conn.recv()
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(5)
+        self.conn.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.send(None)
+        self.process.join(2)
+        self.kill()
+
+
+class PrepPool:
+    """`await pool.prepare(kind, raw)`: a worker prepares the request; the event loop stays free."""
+
+    def __init__(self, spec: PrepSpec, workers: int = 2, timeout: float = 10.0) -> None:
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"tokenizer_workers={workers!r} is invalid: expected an integer >= 1")
+        if not timeout > 0:
+            raise ValueError(f"tokenize_timeout={timeout!r} is invalid: expected a number of seconds > 0")
+        self.spec = spec
+        self.size = workers
+        self.timeout = timeout
+        self.idle: asyncio.Queue[Worker] | None = None
+        self.all: set[Worker] = set()
+        self.closed = False
+
+    async def start(self) -> None:
+        self.idle = asyncio.Queue()
+        workers = await asyncio.gather(*(asyncio.to_thread(Worker, self.spec) for _ in range(self.size)))
+        for w in workers:
+            self.all.add(w)
+            self.idle.put_nowait(w)
+
+    async def stop(self) -> None:
+        self.closed = True
+        workers, self.all = list(self.all), set()
+        await asyncio.gather(*(asyncio.to_thread(w.close) for w in workers))
+
+    def _replace(self, worker: Worker) -> None:
+        """Kill a worker (hung, dead or over its limit) and start another in the background."""
+        self.all.discard(worker)
+        worker.kill()
+
+        async def respawn() -> None:
+            if self.closed:
+                return
+            try:
+                fresh = await asyncio.to_thread(Worker, self.spec)
+            except Exception:  # noqa: BLE001 - keep serving with fewer workers
+                log.exception("could not replace a request-preparation worker")
+                return
+            if self.closed:
+                fresh.close()
+                return
+            self.all.add(fresh)
+            self.idle.put_nowait(fresh)
+
+        asyncio.get_running_loop().create_task(respawn())
+
+    async def prepare(self, kind: str, raw: bytes) -> tuple[Any, list[list[int]]]:
+        """(validated request, token-id prompts), or APIError."""
+        if self.idle is None:
+            raise APIError(503, "the server is not started", type="service_unavailable")
+        worker = await self.idle.get()
+        call = asyncio.ensure_future(asyncio.to_thread(worker.call, kind, raw))
+        try:
+            result = await asyncio.wait_for(asyncio.shield(call), self.timeout)
+        except TimeoutError:
+            self._replace(worker)
+            param = "messages" if kind == "chat" else "prompt"
+            raise APIError(400, f"preparing this request (JSON, chat template, tokenizer) took more than "
+                                f"{self.timeout:g} s; it was stopped", param=param,
+                           code="preparation_timeout") from None
+        except asyncio.CancelledError:  # the client left: give the worker back once it is done
+            call.add_done_callback(lambda f: self._release(worker, f))
+            raise
+        except (EOFError, OSError) as exc:
+            self._replace(worker)
+            raise APIError(503, f"a request-preparation worker died ({type(exc).__name__}); retry",
+                           type="service_unavailable", code="worker_died") from None
+        self.idle.put_nowait(worker)
+        if result[0] == "error":
+            _, status, message, type_, param, code = result
+            raise APIError(status, message, type=type_, param=param, code=code)
+        return result[1], result[2]
+
+    def _release(self, worker: Worker, call: asyncio.Future) -> None:
+        if call.cancelled() or call.exception() is not None:
+            self._replace(worker)
+        else:
+            self.idle.put_nowait(worker)

@@ -129,7 +129,7 @@ def create_app(engine: Engine, codec: TextCodec, settings: ServerSettings) -> Fa
     pool = PrepPool(PrepSpec(str(codec.model_dir) if codec.has_tokenizer else None, codec.vocab_size, limits,
                              frozenset(names), eos_configured, settings.worker_memory),
                     workers=settings.tokenizer_workers, timeout=settings.tokenize_timeout)
-    inflight: dict[int, float] = {}  # id(jobs) -> arrival, for the stall check of /health
+    inflight: dict[int, tuple[float, list[Job]]] = {}  # id(jobs) -> (arrival, jobs), for /health's stall check
     api_key = settings.api_key.encode("utf-8") if settings.api_key is not None else None
 
     @asynccontextmanager
@@ -228,9 +228,10 @@ def create_app(engine: Engine, codec: TextCodec, settings: ServerSettings) -> Fa
     def idle_seconds() -> float | None:
         """Seconds since the engine last made progress on open requests (None when there are none):
         since its last token, or since the oldest open request arrived if that is later."""
-        if not inflight or not (engine.running or engine.waiting):
+        open_since = [start for start, jobs in list(inflight.values()) if not all(j.finished for j in jobs)]
+        if not open_since:
             return None
-        since = min(inflight.values())
+        since = min(open_since)
         last = getattr(engine, "last_progress", None)
         if last is not None:
             since = max(since, last)
@@ -291,7 +292,7 @@ def create_app(engine: Engine, codec: TextCodec, settings: ServerSettings) -> Fa
     def submit(jobs: list[Job], start: float) -> None:
         try:
             engine.submit(jobs)
-            inflight[id(jobs)] = start
+            inflight[id(jobs)] = (start, jobs)
         except QueueFull as exc:
             metrics.reject("queue_full")
             raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from None

@@ -74,6 +74,8 @@ class ChatTemplate:
                  max_iterations: int = MAX_ITERATIONS) -> None:
         import jinja2
         import jinja2.ext
+        from jinja2.compiler import CodeGenerator
+        from jinja2.nodes import Impossible
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         self.source = source
@@ -84,8 +86,15 @@ class ChatTemplate:
         cap = max_output_chars
         owner = self
 
+        class NoConstantOutput(CodeGenerator):
+            """Never evaluate output expressions while compiling (jinja would, even unoptimized)."""
+
+            def _output_child_to_const(self, node: Any, frame: Any, finalize: Any) -> str:
+                raise Impossible()
+
         class BoundedSandbox(ImmutableSandboxedEnvironment):
             intercepted_binops = frozenset(["*", "+", "**"])
+            code_generator_class = NoConstantOutput
 
             def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
                 sized = (str, list, tuple)
@@ -117,7 +126,10 @@ class ChatTemplate:
             return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                               sort_keys=sort_keys)
 
-        env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        # optimized=False and NoConstantOutput: jinja folds constant expressions while compiling, so
+        # `{{ 'x' | center(10**10) }}` would run, outside every cap, at start-up.
+        env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols],
+                             optimized=False)
         env.filters["tojson"] = tojson
         env.globals.update(range=bounded_range, raise_exception=raise_exception,
                            strftime_now=lambda fmt: datetime.now().strftime(fmt))

@@ -88,10 +88,10 @@ class Preparer:
             prompt = codec.encode_chat(req.messages)
         except (ContextTooLong, RenderedTooLong) as exc:
             raise context_error(str(exc), "messages") from None
-        except TemplateLimit as exc:
+        except (TemplateLimit, ValueError) as exc:
             raise APIError(400, str(exc), param="messages") from None
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="messages") from None
+        except MemoryError:
+            raise
         except Exception as exc:  # noqa: BLE001 - a template error is the request's problem
             raise APIError(400, f"the chat template failed on these messages: {type(exc).__name__}: {exc}",
                            param="messages") from None
@@ -230,6 +230,7 @@ class PrepPool:
         try:
             result = await asyncio.wait_for(asyncio.shield(call), self.timeout)
         except TimeoutError:
+            call.add_done_callback(_consume)  # it ends with EOFError once the worker is killed
             self._replace(worker)
             param = "messages" if kind == "chat" else "prompt"
             raise APIError(400, f"preparing this request (JSON, chat template, tokenizer) took more than "
@@ -249,7 +250,14 @@ class PrepPool:
         return result[1], result[2]
 
     def _release(self, worker: Worker, call: asyncio.Future) -> None:
+        _consume(call)
         if call.cancelled() or call.exception() is not None:
             self._replace(worker)
         else:
             self.idle.put_nowait(worker)
+
+
+def _consume(call: asyncio.Future) -> None:
+    """Retrieve a finished call's outcome (asyncio logs exceptions nobody retrieved)."""
+    if not call.cancelled():
+        call.exception()

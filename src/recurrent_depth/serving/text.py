@@ -2,8 +2,8 @@
 
 `TextCodec` wraps the model directory's `tokenizer.json` (the fast Rust tokenizer) and, for chat,
 its Jinja chat template, compiled at start-up and rendered in a bounded sandbox
-(`chat_template.py`). A model directory without a tokenizer is served for token-id prompts only: text fields are empty and tokens are shown as
-`token_id:N`.
+(`chat_template.py`). A model directory without a tokenizer is served for token-id prompts only:
+text fields are empty and tokens are shown as `token_id:N`.
 """
 
 from __future__ import annotations

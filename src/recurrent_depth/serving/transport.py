@@ -50,6 +50,7 @@ def guarded_protocol(read_timeout: float) -> type[H11Protocol]:
 
         def _arm(self) -> None:
             self._disarm()
+            self._received = False
             self._head_timer = self.loop.call_later(self.timeout, self._head_timed_out)
 
         def _disarm(self) -> None:
@@ -58,6 +59,7 @@ def guarded_protocol(read_timeout: float) -> type[H11Protocol]:
                 self._head_timer = None
 
         def data_received(self, data: bytes) -> None:
+            self._received = True
             super().data_received(data)
             if self.cycle is not None and self.cycle is not self._seen_cycle:  # a request head arrived
                 self._seen_cycle = self.cycle
@@ -76,8 +78,8 @@ def guarded_protocol(read_timeout: float) -> type[H11Protocol]:
             self._head_timer = None
             if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
                 return
-            if self.conn.their_state is h11.SEND_RESPONSE or self.conn.our_state is not h11.IDLE:
-                self.transport.close()
+            if not self._received or self.conn.our_state is not h11.IDLE:
+                self.transport.close()  # a silent connection is just closed, as after a keep-alive
                 return
             body = json.dumps(APIError(408, f"the request head did not arrive within {self.timeout:g} s",
                                        type="timeout", code="request_timeout").body()).encode()

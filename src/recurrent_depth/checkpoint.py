@@ -20,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from recurrent_depth.config import ModelConfig, atomic_write_text
+from recurrent_depth.files import CONFIG_MAX_BYTES, inside, parse_safetensors_header, read_json
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -105,27 +106,31 @@ def _atomic_save(state: dict[str, torch.Tensor], path: Path, metadata: dict[str,
     os.replace(tmp, path)
 
 
-def weight_files(path: Path) -> list[Path]:
-    """The safetensors files of a model directory, single or sharded."""
+def weight_files(path: Path, allow_outside: bool = False) -> list[Path]:
+    """The safetensors files of a model directory, single or sharded.
+
+    An index's `weight_map` may name only files inside the directory (no absolute or `..` paths, no
+    symlinks out of it) unless `allow_outside=True`.
+    """
     if (path / INDEX_NAME).exists():
-        try:
-            index = json.loads((path / INDEX_NAME).read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{path / INDEX_NAME} is not valid JSON: {exc}") from None
+        index = read_json(path / INDEX_NAME, CONFIG_MAX_BYTES, "weight index")
         if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
             raise ValueError(f"{path / INDEX_NAME} has no 'weight_map'")
-        return [path / name for name in sorted(set(index["weight_map"].values()))]
+        names = sorted({str(name) for name in index["weight_map"].values()})
+        return [inside(path, name, f"{INDEX_NAME}: weight file", allow_outside) for name in names]
     if (path / WEIGHTS_NAME).exists():
-        return [path / WEIGHTS_NAME]
+        return [inside(path, WEIGHTS_NAME, "weight file", allow_outside)]
     found = sorted(path.glob("*.safetensors"))
     if found:
-        return found
+        return [inside(path, file.name, "weight file", allow_outside) for file in found]
     if list(path.glob("*.bin")) or list(path.glob("*.pt")):
         raise ValueError(f"{path} holds only pickled weights (.bin/.pt); convert them to safetensors first")
     raise FileNotFoundError(f"no safetensors weights in {path}")
 
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+_OTHER_DTYPES = {"I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                 "BOOL": torch.bool}
 
 
 def stored_dtype(path: str | os.PathLike[str]) -> torch.dtype | None:
@@ -138,17 +143,31 @@ def stored_dtype(path: str | os.PathLike[str]) -> torch.dtype | None:
         return None
     try:
         for file in weight_files(path):
-            with safe_open(str(file), framework="pt") as handle:
-                if "transformer.wte.weight" in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    return _SAFETENSORS_DTYPES.get(handle.get_slice("transformer.wte.weight").get_dtype())
-    except (OSError, ValueError, SafetensorError):
+            entry = parse_safetensors_header(file).get("transformer.wte.weight")
+            if entry is not None:
+                return _SAFETENSORS_DTYPES.get(entry[0])
+    except (OSError, ValueError):
         return None  # the loader itself reports unreadable files
     return None
 
 
-def read_state_dict(path: str | os.PathLike[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def read_header_shapes(path: str | os.PathLike[str], allow_outside: bool = False) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{tensor name: (safetensors dtype, shape)} of every weight file of a model directory, headers only."""
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for file in weight_files(Path(path), allow_outside):
+        for name, entry in parse_safetensors_header(file).items():
+            if name in tensors:
+                raise ValueError(f"tensor {name!r} is stored twice (again in {file})")
+            tensors[name] = entry
+    return tensors
+
+
+def read_state_dict(
+    path: str | os.PathLike[str], dtype: torch.dtype | None = None, allow_outside: bool = False
+) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
-    for file in weight_files(Path(path)):
+    for file in weight_files(Path(path), allow_outside):
+        parse_safetensors_header(file)  # a regular, complete file: one-line errors before any tensor is read
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
@@ -157,6 +176,24 @@ def read_state_dict(path: str | os.PathLike[str], dtype: torch.dtype | None = No
         except SafetensorError as exc:
             raise ValueError(f"{file} is not a readable safetensors file: {exc}") from None
     return state
+
+
+def _check_layer_counts(config: ModelConfig, header: dict[str, tuple[str, tuple[int, ...]]], path: Path) -> None:
+    """Layer counts and the embedding's shape from the header against the config, before the model is built
+    (building a model of 200,000 layers to find that the file holds 4 takes minutes)."""
+    problems = []
+    for part, field in (("prelude", "prelude_layers"), ("core_block", "core_layers"), ("coda", "coda_layers")):
+        prefix = f"transformer.{part}."
+        indices = {name[len(prefix):].split(".", 1)[0] for name in header if name.startswith(prefix)}
+        stored = len({i for i in indices if i.isdigit()})
+        if stored != getattr(config, field):
+            problems.append(f"config.json {field}={getattr(config, field)} but the weights hold {stored} {part} layers")
+    wte = header.get("transformer.wte.weight")
+    if wte is not None and tuple(wte[1]) != (config.vocab_size, config.hidden_size):
+        problems.append(f"config.json vocab_size x hidden_size = {(config.vocab_size, config.hidden_size)} but the "
+                        f"stored transformer.wte.weight is {tuple(wte[1])}")
+    if problems:
+        raise ValueError(f"cannot load {path}: " + "; ".join(problems))
 
 
 def usable_device(device: Any) -> torch.device:
@@ -180,8 +217,13 @@ def load_pretrained(
     dtype: torch.dtype | str | None = None,
     device: Any = "cpu",
     config_overrides: dict[str, Any] | None = None,
+    allow_outside: bool = False,
 ):
-    """Build a `RecurrentDepthLM` from a model directory (ours or official Huginn-0125)."""
+    """Build a `RecurrentDepthLM` from a model directory (ours or official Huginn-0125).
+
+    Everything is checked before a tensor is allocated: the config's bounds, then its shapes against
+    the safetensors headers. `allow_outside=True` lets an index name weight files outside `path`.
+    """
     from recurrent_depth.model.recurrent import RecurrentDepthLM
 
     device = usable_device(device)
@@ -197,30 +239,30 @@ def load_pretrained(
         values.update(config_overrides)
         config = ModelConfig.from_dict(values)
     dtype = _dtype_from_name(dtype)
-    state = read_state_dict(path, dtype)
+    header = read_header_shapes(path, allow_outside)
+    for name in IGNORED_TENSORS:
+        header.pop(name, None)
+    _check_layer_counts(config, header, path)
 
     with torch.device("meta"):
         model = RecurrentDepthLM(config)
     expected = {name: p for name, p in model.state_dict().items()}
     problems: list[str] = []
-    for name in IGNORED_TENSORS:
-        state.pop(name, None)
-    wte = state.get("transformer.wte.weight")
-    wte_dtype = wte.dtype if wte is not None and wte.is_floating_point() else torch.float32
-    if config.tie_embeddings and "lm_head.weight" in state:
-        head = state.pop("lm_head.weight")
-        if wte is not None and (head.shape != wte.shape or not torch.equal(head.to(wte.dtype), wte)):
-            problems.append("lm_head.weight differs from transformer.wte.weight but the config ties them")
+    tied_head = config.tie_embeddings and "lm_head.weight" in header
+    stored = {name: entry for name, entry in header.items() if not (tied_head and name == "lm_head.weight")}
+    wte = header.get("transformer.wte.weight")
+    if tied_head and wte is not None and tuple(header["lm_head.weight"][1]) != tuple(wte[1]):
+        problems.append("lm_head.weight differs from transformer.wte.weight but the config ties them")
     required = set(expected) - ({"lm_head.weight"} if config.tie_embeddings else set())
-    missing = sorted(required - set(state))
-    unexpected = sorted(set(state) - set(expected))
+    missing = sorted(required - set(stored))
+    unexpected = sorted(set(stored) - set(expected))
     mis_shaped = sorted(
-        f"{name}: file {tuple(state[name].shape)} vs model {tuple(expected[name].shape)}"
-        for name in set(state) & set(expected)
-        if tuple(state[name].shape) != tuple(expected[name].shape)
+        f"{name}: file {tuple(stored[name][1])} vs model {tuple(expected[name].shape)}"
+        for name in set(stored) & set(expected)
+        if tuple(stored[name][1]) != tuple(expected[name].shape)
     )
     wrong_dtype = sorted(
-        f"{name}: {state[name].dtype}" for name in set(state) & set(expected) if not state[name].is_floating_point()
+        f"{name}: {_OTHER_DTYPES.get(stored[name][0], stored[name][0])}" for name in set(stored) & set(expected) if stored[name][0] not in _SAFETENSORS_DTYPES
     )
     if missing:
         problems.append(f"missing tensors: {missing}")
@@ -232,6 +274,17 @@ def load_pretrained(
         problems.append(f"mis-shaped tensors: {mis_shaped}")
     if problems:
         raise ValueError(f"cannot load {path}: " + "; ".join(problems))
+
+    state = read_state_dict(path, dtype, allow_outside)
+    for name in IGNORED_TENSORS:
+        state.pop(name, None)
+    wte_tensor = state["transformer.wte.weight"]
+    wte_dtype = wte_tensor.dtype if wte_tensor.is_floating_point() else torch.float32
+    if tied_head:
+        head = state.pop("lm_head.weight")
+        if not torch.equal(head.to(wte_tensor.dtype), wte_tensor):
+            raise ValueError(f"cannot load {path}: lm_head.weight differs from transformer.wte.weight but the "
+                             f"config ties them")
 
     # assign=True adopts the loaded tensors instead of copying them: one copy of the weights in memory.
     model.load_state_dict(state, strict=False, assign=True)

@@ -151,7 +151,9 @@ def stored_dtype(path: str | os.PathLike[str]) -> torch.dtype | None:
     return None
 
 
-def read_header_shapes(path: str | os.PathLike[str], allow_outside: bool = False) -> dict[str, tuple[str, tuple[int, ...]]]:
+def read_header_shapes(
+    path: str | os.PathLike[str], allow_outside: bool = False
+) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{tensor name: (safetensors dtype, shape)} of every weight file of a model directory, headers only."""
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
     for file in weight_files(Path(path), allow_outside):
@@ -262,7 +264,8 @@ def load_pretrained(
         if tuple(stored[name][1]) != tuple(expected[name].shape)
     )
     wrong_dtype = sorted(
-        f"{name}: {_OTHER_DTYPES.get(stored[name][0], stored[name][0])}" for name in set(stored) & set(expected) if stored[name][0] not in _SAFETENSORS_DTYPES
+        f"{name}: {_OTHER_DTYPES.get(stored[name][0], stored[name][0])}"
+        for name in set(stored) & set(expected) if stored[name][0] not in _SAFETENSORS_DTYPES
     )
     if missing:
         problems.append(f"missing tensors: {missing}")

@@ -43,3 +43,13 @@ def add_device_args(parser: argparse.ArgumentParser) -> None:
         "--dtype", default=None, choices=["float32", "bfloat16", "float16"],
         help="load weights in this dtype (default: as stored)",
     )
+
+
+def add_max_depth_arg(parser: argparse.ArgumentParser) -> None:
+    from recurrent_depth.config import MAX_NUM_STEPS
+
+    parser.add_argument(
+        "--max-depth", type=int, default=None, metavar="N",
+        help=f"depth ceiling: no recurrence runs deeper than N core steps (default: {MAX_NUM_STEPS}, "
+             f"MAX_NUM_STEPS; raise it for deliberately deep runs)",
+    )

@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from recurrent_depth.cli.common import add_device_args, add_model_arg, add_seed_arg
+from recurrent_depth.cli.common import add_device_args, add_max_depth_arg, add_model_arg, add_seed_arg
 
 CRITERIA = ("kl", "entropy-diff", "latent-diff", "cosine", "argmax-stability")
 
@@ -33,6 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
     p.add_argument("--num-steps", type=int, default=None,
                    help="recurrence depth r (default: the model's mean_recurrence)")
+    add_max_depth_arg(p)
     g = p.add_argument_group("adaptive depth")
     g.add_argument("--exit-criterion", choices=CRITERIA, default=None,
                    help="stop each token's recurrence when this statistic converges (default: fixed depth)")
@@ -97,6 +98,16 @@ def _load_tokenizer(model_dir: str) -> Any:
     return Tokenizer.from_file(str(path))
 
 
+def check_depth_flags(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
+    """Each depth flag within the depth ceiling (--max-depth, default MAX_NUM_STEPS), before any work."""
+    from recurrent_depth.config import check_depth
+
+    if args.max_depth is not None and args.max_depth < 1:
+        raise ValueError(f"--max-depth={args.max_depth} is invalid: expected an integer >= 1")
+    for flag in flags:
+        check_depth(getattr(args, flag), "--" + flag.replace("_", "-"), args.max_depth)
+
+
 def _generation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p}
     do_sample = args.do_sample or any(v is not None for v in sampling.values())
@@ -132,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
     import recurrent_depth as rd
     from recurrent_depth.inference import generate, stream_generate
 
+    check_depth_flags(args, ("num_steps", "max_steps", "draft_steps", "inner_steps"))
     tokenizer = _load_tokenizer(args.model)
     model = rd.RecurrentDepthLM.from_pretrained(args.model, dtype=args.dtype, device=args.device).eval()
     rows = [tokenizer.encode(text).ids for text in args.prompt]

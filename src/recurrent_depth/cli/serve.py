@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from recurrent_depth.cli.common import add_device_args, add_model_arg
+from recurrent_depth.cli.common import add_device_args, add_max_depth_arg, add_model_arg
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -46,7 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="recurrence depth of requests that do not set num_steps, e.g. lm-eval's scoring requests "
                         "(default: the model's mean_recurrence)")
     p.add_argument("--max-num-steps", type=int, default=None,
-                   help="deepest recurrence a request may ask for (default: max(64, 4 x mean_recurrence))")
+                   help="deepest recurrence a request may ask for (default: max(64, 4 x mean_recurrence), "
+                        "at most --max-depth)")
+    add_max_depth_arg(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level (default: %(default)s)")
     p.set_defaults(func=run)
@@ -65,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         args.model, host=args.host, port=args.port, log_level=args.log_level,
         model_name=args.served_model_name, api_key=api_key, max_batch=args.max_batch, max_queue=args.max_queue,
         prefill_tokens=args.prefill_tokens, request_timeout=args.request_timeout,
-        max_num_steps=args.max_num_steps, num_steps=args.num_steps, dtype=dtype, device=args.device,
+        max_num_steps=args.max_num_steps, num_steps=args.num_steps, max_depth=args.max_depth, dtype=dtype,
+        device=args.device,
     )
     return 0

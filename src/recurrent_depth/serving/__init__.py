@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from recurrent_depth.config import MAX_NUM_STEPS, check_depth, is_int
 from recurrent_depth.serving.app import ServerSettings, create_app
 from recurrent_depth.serving.batch import BatchDecoder, RowRequest, TokenResult
 from recurrent_depth.serving.engine import Engine
@@ -40,9 +41,10 @@ __all__ = [
 ]
 
 
-def default_max_num_steps(mean_recurrence: int) -> int:
-    """The deepest recurrence a request may ask for unless the server says otherwise."""
-    return max(64, 4 * mean_recurrence)
+def default_max_num_steps(mean_recurrence: int, max_depth: int | None = None) -> int:
+    """The deepest recurrence a request may ask for unless the server says otherwise: max(64, 4 r̄),
+    never above the depth ceiling (`max_depth`, default MAX_NUM_STEPS)."""
+    return min(max(64, 4 * mean_recurrence), MAX_NUM_STEPS if max_depth is None else max_depth)
 
 
 def build_app(
@@ -57,13 +59,15 @@ def build_app(
     request_timeout: float = 600.0,
     max_num_steps: int | None = None,
     num_steps: int | None = None,
+    max_depth: int | None = None,
     dtype: Any = None,
     device: str = "cpu",
 ) -> Any:
     """A ready FastAPI app for a model directory (or a loaded `RecurrentDepthLM` plus `tokenizer_dir`).
 
     `num_steps` is the depth of requests that do not set one (None: the model's mean_recurrence);
-    `max_num_steps` bounds what a request may ask for. The engine thread starts with the app (its
+    `max_num_steps` bounds what a request may ask for, itself at most `max_depth` (the depth ceiling,
+    default MAX_NUM_STEPS). The engine thread starts with the app (its
     lifespan) and stops with it.
     """
     if isinstance(model, str | Path):
@@ -79,9 +83,11 @@ def build_app(
     if not request_timeout > 0:  # also refuses NaN, under which no request would ever time out
         raise ValueError(f"request_timeout={request_timeout} is invalid: expected a number of seconds > 0")
     cfg = model.config
-    steps = max_num_steps if max_num_steps is not None else default_max_num_steps(cfg.mean_recurrence)
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"max_num_steps={steps!r} is invalid: expected an integer >= 1")
+    if max_depth is not None and (not is_int(max_depth) or max_depth < 1):
+        raise ValueError(f"max_depth={max_depth!r} is invalid: expected an integer >= 1")
+    ceiling = MAX_NUM_STEPS if max_depth is None else max_depth
+    steps = max_num_steps if max_num_steps is not None else default_max_num_steps(cfg.mean_recurrence, ceiling)
+    check_depth(steps, "max_num_steps", ceiling, low=1)
     if num_steps is not None and (isinstance(num_steps, bool) or not isinstance(num_steps, int)
                                   or not 0 <= num_steps <= steps):
         raise ValueError(f"num_steps={num_steps!r} is invalid: expected an integer in [0, max_num_steps={steps}]")

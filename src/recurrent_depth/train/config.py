@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from recurrent_depth.config import PRESETS, ModelConfig, is_int, is_real
+from recurrent_depth.config import MAX_NUM_STEPS, PRESETS, ModelConfig, is_int, is_real
 from recurrent_depth.train.depth import SCHEMES
 from recurrent_depth.train.optim import OptimConfig
 
@@ -67,7 +67,8 @@ FIELD_HELP: dict[str, str] = {
     "mean_recurrence": "sampler's mean depth r̄; none = the model's mean_recurrence",
     "backprop_depth": "gradient steps k (truncated backprop); none = the model's mean_backprop_depth",
     "depth_sigma": "log-normal spread of the paper's sampler",
-    "max_depth": "cap on a sampled depth (bounds the long tail's cost); none = no cap",
+    "max_depth": "cap on a sampled depth (bounds the long tail's cost) and the depth ceiling of mean_recurrence, "
+                 "backprop_depth and eval_depths; none = no cap on samples, ceiling MAX_NUM_STEPS (1024)",
     "baseline": "non-recurrent baseline: the same model run with one core pass every step",
     "dtype": "compute dtype: float32, or bfloat16 autocast (weights and optimizer stay float32)",
     "compile": "torch.compile the core block (not the loop: one graph serves every depth)",
@@ -191,6 +192,12 @@ class TrainConfig:
             raise bad("mean_recurrence", f"an integer for depth_scheme {self.depth_scheme!r}")
         if not is_real(self.depth_sigma) or self.depth_sigma < 0:
             raise bad("depth_sigma", "a number >= 0")
+        ceiling = self.max_depth if self.max_depth is not None else MAX_NUM_STEPS
+        depth_hint = "(the depth ceiling: max_depth, else MAX_NUM_STEPS; raise it with --max-depth)"
+        if self.mean_recurrence is not None and self.mean_recurrence > ceiling:
+            raise bad("mean_recurrence", f"at most {ceiling} {depth_hint}")
+        if self.backprop_depth is not None and self.backprop_depth > ceiling:
+            raise bad("backprop_depth", f"at most {ceiling} {depth_hint}")
         if self.compile_mode not in COMPILE_MODES:
             raise bad("compile_mode", f"one of {COMPILE_MODES}")
         if self.dtype not in DTYPES:
@@ -199,6 +206,8 @@ class TrainConfig:
         if depths is not None and (not isinstance(depths, list) or not depths
                                    or not all(is_int(d) and d >= 0 for d in depths)):
             raise bad("eval_depths", "None or a non-empty list of integers >= 0")
+        if depths is not None and max(depths) > ceiling:
+            raise bad("eval_depths", f"depths of at most {ceiling} {depth_hint}")
         for name in ("keep_all", "baseline", "compile", "activation_checkpointing", "keep_freed_memory", "fsdp",
                      "resume", "progress", "tensorboard"):
             if not isinstance(getattr(self, name), bool):
@@ -255,7 +264,8 @@ class TrainConfig:
             return sorted(set(self.eval_depths))
         if self.baseline:
             return [1]
-        scaled = {max(1, round(mean_recurrence * f)) for f in EVAL_DEPTH_FRACTIONS}
+        ceiling = self.max_depth if self.max_depth is not None else MAX_NUM_STEPS
+        scaled = {min(ceiling, max(1, round(mean_recurrence * f))) for f in EVAL_DEPTH_FRACTIONS}
         return sorted({1} | scaled)
 
     # ------------------------------------------------------------------ serialisation

@@ -50,6 +50,7 @@ FIELD_HELP: dict[str, str] = {
     "model": "ModelConfig overrides on top of the preset (YAML mapping; CLI: --model-set KEY=VALUE)",
     "data": "corpus: 'stdlib' (the Python standard library's source), a directory, or a .jsonl file",
     "text_field": "JSONL field that holds the text",
+    "follow_symlinks": "read corpus files that are symlinks to files outside the data directory (default: refused)",
     "tokenizer": "tokenizer directory; none = train one on the data (its size sets the model's vocab)",
     "vocab_size": "vocabulary of a tokenizer trained here; none = the preset's (at least 512)",
     "tokenizer_max_bytes": "train the tokenizer on at most this many bytes of training text",
@@ -98,6 +99,7 @@ class TrainConfig:
     model: dict[str, Any] = field(default_factory=dict)
     data: str = "stdlib"
     text_field: str = "text"
+    follow_symlinks: bool = False
     tokenizer: str | None = None
     vocab_size: int | None = None
     tokenizer_max_bytes: int | None = None
@@ -208,7 +210,7 @@ class TrainConfig:
             raise bad("eval_depths", "None or a non-empty list of integers >= 0")
         if depths is not None and max(depths) > ceiling:
             raise bad("eval_depths", f"depths of at most {ceiling} {depth_hint}")
-        for name in ("keep_all", "baseline", "compile", "activation_checkpointing", "keep_freed_memory", "fsdp",
+        for name in ("follow_symlinks", "keep_all", "baseline", "compile", "activation_checkpointing", "keep_freed_memory", "fsdp",
                      "resume", "progress", "tensorboard"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "true or false")

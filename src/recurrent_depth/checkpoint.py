@@ -47,10 +47,14 @@ def save_pretrained(
     tokenizer_dir: str | os.PathLike[str] | None = None,
     max_shard_bytes: int | None = None,
     metadata: dict[str, str] | None = None,
+    tokenizer: Any = None,
 ) -> None:
-    """Write config.json + safetensors weights atomically; copy tokenizer files if given.
+    """Write config.json + safetensors weights atomically, and the tokenizer when given, so that the
+    directory serves `from_pretrained`, transformers' Auto classes and every `--model` option.
 
-    `max_shard_bytes` splits the weights into shards with an index file (as large checkpoints are).
+    `tokenizer`: a `tokenizers.Tokenizer`, a transformers tokenizer, or a directory holding one
+    (`tokenizer_dir` is the older name for the directory form). `max_shard_bytes` splits the weights
+    into shards with an index file (as large checkpoints are). Files get the permissions the umask gives.
     """
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -87,6 +91,32 @@ def save_pretrained(
     model.config.to_json(out / "config.json")
     if tokenizer_dir is not None:
         copy_tokenizer(tokenizer_dir, out)
+    if tokenizer is not None:
+        save_tokenizer_files(tokenizer, out, model_max_length=model.config.max_seq_len)
+
+
+def save_tokenizer_files(tokenizer: Any, out: Path, model_max_length: int | None = None) -> None:
+    """`tokenizer` (a directory, a `tokenizers.Tokenizer` or a transformers tokenizer) into `out`."""
+    from tokenizers import Tokenizer
+
+    if isinstance(tokenizer, str | os.PathLike):
+        if not (Path(tokenizer) / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"tokenizer={str(tokenizer)!r} is not a directory holding tokenizer.json")
+        copy_tokenizer(tokenizer, out)
+    elif isinstance(tokenizer, Tokenizer):
+        from recurrent_depth.data.tokenizer import save_tokenizer
+
+        try:
+            save_tokenizer(tokenizer, out, model_max_length=model_max_length)
+        except ValueError:  # not one of ours (no chat tokens): the tokenizer and a config AutoTokenizer reads
+            atomic_write_text(out / "tokenizer.json", tokenizer.to_str(pretty=True))
+            atomic_write_text(out / "tokenizer_config.json",
+                              json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
+    elif hasattr(tokenizer, "save_pretrained"):  # a transformers tokenizer
+        tokenizer.save_pretrained(str(out))
+    else:
+        raise ValueError(f"tokenizer must be a tokenizers.Tokenizer, a transformers tokenizer or a directory, "
+                         f"got {type(tokenizer).__name__}")
 
 
 def copy_tokenizer(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
@@ -98,9 +128,17 @@ def copy_tokenizer(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> 
             shutil.copyfile(src / name, dst / name)
 
 
+def current_umask() -> int:
+    """The process's file-creation mask (os.umask can only be read by setting it)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _atomic_save(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     save_file(state, str(tmp), metadata=metadata)
+    os.chmod(tmp, 0o666 & ~current_umask())  # safetensors creates 0600 files; other files follow the umask
     with open(tmp, "rb") as handle:
         os.fsync(handle.fileno())
     os.replace(tmp, path)

@@ -53,3 +53,34 @@ def add_max_depth_arg(parser: argparse.ArgumentParser) -> None:
         help=f"depth ceiling: no recurrence runs deeper than N core steps (default: {MAX_NUM_STEPS}, "
              f"MAX_NUM_STEPS; raise it for deliberately deep runs)",
     )
+
+
+def add_tokenizer_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tokenizer", default=None, metavar="DIR",
+        help="tokenizer directory (or tokenizer.json) to use (default: the one inside --model)",
+    )
+
+
+def tokenizer_source(args: argparse.Namespace) -> str:
+    """Where the command's tokenizer lives: --tokenizer, else the --model directory (which must hold one)."""
+    from pathlib import Path
+
+    if args.tokenizer is not None:
+        return args.tokenizer
+    model = Path(args.model)
+    if not model.is_dir():
+        raise FileNotFoundError(f"--model {args.model}: no such directory (expected a saved model directory)")
+    if not (model / "tokenizer.json").exists():
+        raise FileNotFoundError(
+            f"{args.model} has no tokenizer.json; pass --tokenizer DIR, or save the model with its tokenizer "
+            f"(model.save_pretrained(dir, tokenizer=...))"
+        )
+    return args.model
+
+
+def load_cli_tokenizer(args: argparse.Namespace):
+    """The `tokenizers.Tokenizer` of --tokenizer / --model, read as untrusted input (one-line errors)."""
+    from recurrent_depth.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(tokenizer_source(args))

@@ -12,10 +12,16 @@ import argparse
 import json
 import sys
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
-from recurrent_depth.cli.common import add_device_args, add_max_depth_arg, add_model_arg, add_seed_arg
+from recurrent_depth.cli.common import (
+    add_device_args,
+    add_max_depth_arg,
+    add_model_arg,
+    add_seed_arg,
+    add_tokenizer_arg,
+    load_cli_tokenizer,
+)
 
 CRITERIA = ("kl", "entropy-diff", "latent-diff", "cosine", "argmax-stability")
 
@@ -28,6 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "full depth; each new token then runs --num-steps core steps, or fewer with --exit-criterion.",
     )
     add_model_arg(p)
+    add_tokenizer_arg(p)
     p.add_argument("--prompt", action="append", required=True, metavar="TEXT",
                    help="prompt text; repeat for a batch (left-padded; each row exits on its own)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
@@ -87,17 +94,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _load_tokenizer(model_dir: str) -> Any:
-    from tokenizers import Tokenizer
-
-    if not Path(model_dir).is_dir():
-        raise FileNotFoundError(f"--model {model_dir}: no such directory (expected a saved model directory)")
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{model_dir} has no tokenizer.json; a model directory holds its tokenizer")
-    return Tokenizer.from_file(str(path))
-
-
 def check_depth_flags(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
     """Each depth flag within the depth ceiling (--max-depth, default MAX_NUM_STEPS), before any work."""
     from recurrent_depth.config import check_depth
@@ -144,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     from recurrent_depth.inference import generate, stream_generate
 
     check_depth_flags(args, ("num_steps", "max_steps", "draft_steps", "inner_steps"))
-    tokenizer = _load_tokenizer(args.model)
+    tokenizer = load_cli_tokenizer(args)
     model = rd.RecurrentDepthLM.from_pretrained(args.model, dtype=args.dtype, device=args.device).eval()
     rows = [tokenizer.encode(text).ids for text in args.prompt]
     if any(len(r) == 0 for r in rows):

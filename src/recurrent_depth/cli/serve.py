@@ -13,7 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 
-from recurrent_depth.cli.common import add_device_args, add_max_depth_arg, add_model_arg
+from recurrent_depth.cli.common import (
+    add_device_args,
+    add_max_depth_arg,
+    add_model_arg,
+    add_tokenizer_arg,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,6 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "Requests join and leave the running batch between decode steps and each one runs at its own depth.",
     )
     add_model_arg(p)
+    add_tokenizer_arg(p)
     add_device_args(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind; use 0.0.0.0 only behind a firewall (default: %(default)s)")
@@ -64,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else None
     api_key = args.api_key if args.api_key is not None else (os.environ.get("RDEPTH_API_KEY") or None)
     serve(
-        args.model, host=args.host, port=args.port, log_level=args.log_level,
+        args.model, tokenizer_dir=args.tokenizer, host=args.host, port=args.port, log_level=args.log_level,
         model_name=args.served_model_name, api_key=api_key, max_batch=args.max_batch, max_queue=args.max_queue,
         prefill_tokens=args.prefill_tokens, request_timeout=args.request_timeout,
         max_num_steps=args.max_num_steps, num_steps=args.num_steps, max_depth=args.max_depth, dtype=dtype,

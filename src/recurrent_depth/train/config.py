@@ -210,8 +210,8 @@ class TrainConfig:
             raise bad("eval_depths", "None or a non-empty list of integers >= 0")
         if depths is not None and max(depths) > ceiling:
             raise bad("eval_depths", f"depths of at most {ceiling} {depth_hint}")
-        for name in ("follow_symlinks", "keep_all", "baseline", "compile", "activation_checkpointing", "keep_freed_memory", "fsdp",
-                     "resume", "progress", "tensorboard"):
+        for name in ("follow_symlinks", "keep_all", "baseline", "compile", "activation_checkpointing",
+                     "keep_freed_memory", "fsdp", "resume", "progress", "tensorboard"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "true or false")
         if not isinstance(self.out, str) or not self.out:

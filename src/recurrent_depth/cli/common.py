@@ -84,3 +84,21 @@ def load_cli_tokenizer(args: argparse.Namespace):
     from recurrent_depth.data.tokenizer import load_tokenizer
 
     return load_tokenizer(tokenizer_source(args))
+
+
+def human_bytes(count: int) -> str:
+    """1536 -> '1.5 KiB' (binary units, as memory is sized)."""
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_count(count: int) -> str:
+    """3564976800 -> '3.56 B' (parameter counts, as papers write them)."""
+    for size, unit in ((10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "K")):
+        if abs(count) >= size:
+            return f"{count / size:.3g} {unit}"
+    return str(count)

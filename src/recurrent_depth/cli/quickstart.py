@@ -49,6 +49,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def extrapolation_line(task: str, extrapolation: dict) -> str:
+    """How far past its training difficulty the model solves the task, in words (None: not at all)."""
+
+    def beyond(level: str) -> str:
+        value = extrapolation[f"beyond_training_at_{level}"]
+        return f"up to difficulty {value}" if value is not None else "at no difficulty"
+
+    return (f"trained on {task} up to difficulty {extrapolation['trained_up_to']}; beyond training solved "
+            f"(>= 90%) {beyond('0.9')}, (>= 50%) {beyond('0.5')}")
+
+
 def run_task(args: argparse.Namespace) -> int:
     """Train on a reasoning task, then print the accuracy grid and how far depth carries past training."""
     from recurrent_depth.evaluation.reasoning.train import run_reasoning, task_preset
@@ -56,8 +67,6 @@ def run_task(args: argparse.Namespace) -> int:
     config = task_preset(args.task, minutes=args.minutes, seed=args.seed, threads=args.threads,
                          out=args.out or f"runs/quickstart-{args.task}")
     summary = run_reasoning(config)
-    extrapolation = summary["extrapolation"]
-    print(f"\ntrained on {args.task} up to {extrapolation['trained_up_to']}; solved (>= 90%) beyond training up to "
-          f"{extrapolation['beyond_training_at_0.9']}, (>= 50%) up to {extrapolation['beyond_training_at_0.5']}")
+    print("\n" + extrapolation_line(args.task, summary["extrapolation"]))
     print(f"wrote {config.out}/summary.json, accuracy.json, accuracy_vs_depth.png and model/")
     return 0

@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     import recurrent_depth as rd
     from recurrent_depth.inference import generate, stream_generate
 
-    check_depth_flags(args, ("num_steps", "max_steps", "draft_steps", "inner_steps"))
+    check_depth_flags(args, ("num_steps", "max_steps", "draft_steps") + (("inner_steps",) if args.parallel else ()))
     tokenizer = load_cli_tokenizer(args)
     model = rd.RecurrentDepthLM.from_pretrained(args.model, dtype=args.dtype, device=args.device).eval()
     rows = [tokenizer.encode(text).ids for text in args.prompt]

@@ -50,14 +50,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def extrapolation_line(task: str, extrapolation: dict) -> str:
-    """How far past its training difficulty the model solves the task, in words (None: not at all)."""
-
-    def beyond(level: str) -> str:
-        value = extrapolation[f"beyond_training_at_{level}"]
-        return f"up to difficulty {value}" if value is not None else "at no difficulty"
-
-    return (f"trained on {task} up to difficulty {extrapolation['trained_up_to']}; beyond training solved "
-            f"(>= 90%) {beyond('0.9')}, (>= 50%) {beyond('0.5')}")
+    """How far past its training difficulty the model solves the task, in words (None: at no difficulty)."""
+    best90, best50 = extrapolation["beyond_training_at_0.9"], extrapolation["beyond_training_at_0.5"]
+    at90 = f"beyond training up to {best90}" if best90 is not None else "at no difficulty beyond training"
+    at50 = f"up to {best50}" if best50 is not None else "at none"
+    return f"trained on {task} up to {extrapolation['trained_up_to']}; solved (>= 90%) {at90}, (>= 50%) {at50}"
 
 
 def run_task(args: argparse.Namespace) -> int:

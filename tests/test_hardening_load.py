@@ -182,9 +182,9 @@ def test_weight_map_may_not_leave_the_directory(tmp_path, model):
 
 
 def test_shard_index_may_not_name_files_outside(tmp_path):
-    from recurrent_depth.data.shards import ShardDataset, ShardWriter, read_index, write_index
-
     import numpy as np
+
+    from recurrent_depth.data.shards import ShardDataset, ShardWriter, read_index, write_index
 
     (tmp_path / "data").mkdir()
     with ShardWriter(tmp_path / "data", "train", row_len=4, dtype=np.uint16) as writer:

@@ -72,4 +72,9 @@ def run(args: argparse.Namespace) -> int:
         src = out
     written = export_remote_code(src, out) if args.remote_code else src
     print(f"wrote {written}" + (" (loads with trust_remote_code=True)" if args.remote_code else ""))
+    if args.remote_code:
+        # transformers 5's AutoTokenizer reads config.json before the tokenizer files, and its auto_map
+        # makes transformers ask "Do you wish to run the custom code?" unless told: say it for the tokenizer too.
+        print(f"  AutoModelForCausalLM.from_pretrained({str(written)!r}, trust_remote_code=True)\n"
+              f"  AutoTokenizer.from_pretrained({str(written)!r}, trust_remote_code=True)")
     return 0

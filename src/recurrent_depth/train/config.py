@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from recurrent_depth.config import MAX_NUM_STEPS, PRESETS, ModelConfig, is_int, is_real
+from recurrent_depth.files import CONFIG_MAX_BYTES, read_text
 from recurrent_depth.train.depth import SCHEMES
 from recurrent_depth.train.optim import OptimConfig
 
@@ -345,7 +346,10 @@ def load_yaml(text: str) -> Any:
     """`yaml.safe_load`, except that `1e-4` (no dot) is a float, as in YAML 1.2."""
     import yaml
 
-    return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
+    try:
+        return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
+    except RecursionError:
+        raise ValueError("YAML nested too deeply to parse") from None
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -354,12 +358,13 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if p.is_dir():
         raise ValueError(f"training config {str(p)!r} is a directory, not a YAML file")
-    if not p.is_file():
-        raise FileNotFoundError(f"training config {str(p)!r} does not exist")
+    text = read_text(p, CONFIG_MAX_BYTES, "training config")  # a regular file of bounded size
     try:
-        data = load_yaml(p.read_text())
+        data = load_yaml(text)
     except yaml.YAMLError as exc:
         raise ValueError(f"training config {str(p)!r} is not valid YAML: {exc}") from exc
+    except ValueError as exc:
+        raise ValueError(f"training config {str(p)!r}: {exc}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

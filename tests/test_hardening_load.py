@@ -302,7 +302,7 @@ def test_tokenizer_flag_for_a_directory_without_one(tmp_path, model, capsys):
     code, _ = run_cli(["generate", "--model", str(tmp_path / "bare"), "--tokenizer", str(tmp_path / "tokenizer.json"),
                        "--prompt", "def", "--max-new-tokens", "2", "--num-steps", "2", "--no-stream"], capsys)
     assert code == 0
-    for command in ("generate", "analyze", "serve"):
+    for command in ("generate", "analyze", "serve", "eval"):
         assert "--tokenizer" in subprocess_help(command)
 
 

@@ -53,6 +53,7 @@ class EvalConfig:
     batch_size: int = 8
     device: str = "cpu"
     dtype: str | None = None
+    tokenizer: str | None = None  # the model's tokenizer directory; None: the one inside `model`
 
     def validate(self) -> EvalConfig:
         self.depths = check_depths(self.depths, "depths")
@@ -71,13 +72,16 @@ class EvalConfig:
         return self
 
 
-def _load(path: str, device: str, dtype: str | None):
+def _load(path: str, device: str, dtype: str | None, tokenizer_dir: str | None = None):
     from transformers import AutoTokenizer
 
     from recurrent_depth.checkpoint import load_pretrained
 
     model = load_pretrained(path, dtype=dtype, device=device)
-    tokenizer = AutoTokenizer.from_pretrained(path) if (Path(path) / "tokenizer.json").is_file() else None
+    source = Path(tokenizer_dir if tokenizer_dir is not None else path)
+    if tokenizer_dir is not None and not (source / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"--tokenizer {tokenizer_dir}: no tokenizer.json in that directory")
+    tokenizer = AutoTokenizer.from_pretrained(str(source)) if (source / "tokenizer.json").is_file() else None
     return model, tokenizer
 
 
@@ -147,9 +151,10 @@ def _lm_eval(
 
     from recurrent_depth.evaluation.lm_eval_backend import RecurrentDepthEvalLM
 
+    extra = {"tokenizer": config.tokenizer} if config.tokenizer is not None and path == config.model else {}
     lm = RecurrentDepthEvalLM(pretrained=path, device=config.device, batch_size=config.batch_size,
                               init_scale=config.init_scale, seed=config.seed,
-                              dtype=config.dtype or "auto")
+                              dtype=config.dtype or "auto", **extra)
     curves: dict[str, dict[int, float]] = {}
     for depth in depths:
         lm.depth = depth
@@ -173,7 +178,7 @@ def evaluate_depths(config: EvalConfig, log: Any = print) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     manager = _task_manager(config) if config.lm_eval_tasks else None
-    model, tokenizer = _load(config.model, config.device, config.dtype)
+    model, tokenizer = _load(config.model, config.device, config.dtype, config.tokenizer)
     depths = config.depths
     results: dict[str, Any] = {"config": asdict(config), "model_mean_recurrence": model.config.mean_recurrence}
     baseline = None

@@ -179,6 +179,12 @@ def test_weight_map_may_not_leave_the_directory(tmp_path, model):
             rd.RecurrentDepthLM.from_pretrained(tmp_path / "model")
     loaded = rd.RecurrentDepthLM.from_pretrained(tmp_path / "model", allow_outside=True)  # the explicit opt-in
     assert torch.equal(loaded.transformer.wte.weight, model.transformer.wte.weight)
+    # A hub-cache snapshot: the index names files inside, which are symlinks into a blob store next door.
+    index["weight_map"] = {k: (first if v.endswith(first) else v) for k, v in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index))
+    (tmp_path / "model" / first).symlink_to(tmp_path / first)
+    loaded = rd.RecurrentDepthLM.from_pretrained(tmp_path / "model")
+    assert torch.equal(loaded.transformer.wte.weight, model.transformer.wte.weight)
 
 
 def test_shard_index_may_not_name_files_outside(tmp_path):

@@ -147,20 +147,20 @@ def _atomic_save(state: dict[str, torch.Tensor], path: Path, metadata: dict[str,
 def weight_files(path: Path, allow_outside: bool = False) -> list[Path]:
     """The safetensors files of a model directory, single or sharded.
 
-    An index's `weight_map` may name only files inside the directory (no absolute or `..` paths, no
-    symlinks out of it) unless `allow_outside=True`.
+    An index's `weight_map` may name only files inside the directory (no absolute or `..` paths)
+    unless `allow_outside=True`; symlinked files are read (a Hugging Face hub snapshot is made of them).
     """
     if (path / INDEX_NAME).exists():
         index = read_json(path / INDEX_NAME, CONFIG_MAX_BYTES, "weight index")
         if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
             raise ValueError(f"{path / INDEX_NAME} has no 'weight_map'")
         names = sorted({str(name) for name in index["weight_map"].values()})
-        return [inside(path, name, f"{INDEX_NAME}: weight file", allow_outside) for name in names]
+        return [inside(path, name, f"{INDEX_NAME}: weight file", allow_outside, follow_links=True) for name in names]
     if (path / WEIGHTS_NAME).exists():
-        return [inside(path, WEIGHTS_NAME, "weight file", allow_outside)]
+        return [path / WEIGHTS_NAME]
     found = sorted(path.glob("*.safetensors"))
     if found:
-        return [inside(path, file.name, "weight file", allow_outside) for file in found]
+        return found
     if list(path.glob("*.bin")) or list(path.glob("*.pt")):
         raise ValueError(f"{path} holds only pickled weights (.bin/.pt); convert them to safetensors first")
     raise FileNotFoundError(f"no safetensors weights in {path}")

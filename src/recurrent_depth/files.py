@@ -82,20 +82,24 @@ def read_json(path: str | os.PathLike[str], max_bytes: int = CONFIG_MAX_BYTES, w
     return parse_json(read_text(path, max_bytes, what), f"{what} {path}")
 
 
-def inside(root: str | os.PathLike[str], name: Any, what: str, allow_outside: bool = False) -> Path:
-    """`root / name`, refused (ValueError) unless it resolves inside `root`.
+def inside(
+    root: str | os.PathLike[str], name: Any, what: str, allow_outside: bool = False, follow_links: bool = False
+) -> Path:
+    """`root / name`, refused (ValueError) unless it lies inside `root`.
 
-    An absolute name, a `..` component or a symlink that leads out of the directory would make a
-    file in someone else's directory tree ours to read (`/etc/passwd` as a training document);
-    `allow_outside=True` is the caller's explicit opt-in.
+    An absolute name or a `..` component would make a file in someone else's directory tree ours to
+    read; so would a symlink leading out, unless `follow_links` (weight files: a Hugging Face hub
+    snapshot's files are symlinks into its blob store next door). `allow_outside=True` is the
+    caller's explicit opt-in to any path.
     """
     if not isinstance(name, str) or not name or "\x00" in name:
         raise ValueError(f"{what} {name!r} is not a file name")
     path = Path(root) / name
     if not allow_outside:
-        base = Path(root).resolve()
-        target = path.resolve()
-        if Path(name).is_absolute() or not target.is_relative_to(base):
+        escapes = Path(name).is_absolute() or ".." in Path(name).parts
+        if not escapes and not follow_links:
+            escapes = not path.resolve().is_relative_to(Path(root).resolve())
+        if escapes:
             raise ValueError(f"{what} {name!r} lies outside {root}; only files inside the directory are read")
     return path
 

@@ -51,7 +51,7 @@ FIELD_HELP: dict[str, str] = {
     "model": "ModelConfig overrides on top of the preset (YAML mapping; CLI: --model-set KEY=VALUE)",
     "data": "corpus: 'stdlib' (the Python standard library's source), a directory, or a .jsonl file",
     "text_field": "JSONL field that holds the text",
-    "follow_symlinks": "read corpus files that are symlinks to files outside the data directory (default: refused)",
+    "follow_symlinks": "read corpus files that are symlinks to files outside the data directory (else refused)",
     "tokenizer": "tokenizer directory; none = train one on the data (its size sets the model's vocab)",
     "vocab_size": "vocabulary of a tokenizer trained here; none = the preset's (at least 512)",
     "tokenizer_max_bytes": "train the tokenizer on at most this many bytes of training text",

@@ -308,7 +308,12 @@ def test_tokenizer_flag_for_a_directory_without_one(tmp_path, model, capsys):
     code, _ = run_cli(["generate", "--model", str(tmp_path / "bare"), "--tokenizer", str(tmp_path / "tokenizer.json"),
                        "--prompt", "def", "--max-new-tokens", "2", "--num-steps", "2", "--no-stream"], capsys)
     assert code == 0
-    for command in ("generate", "analyze", "serve", "eval"):
+    (tmp_path / "tok").mkdir()
+    bpe_tokenizer().save(str(tmp_path / "tok" / "tokenizer.json"))
+    code, _ = run_cli(["export", "--model", str(tmp_path / "bare"), "--tokenizer", str(tmp_path / "tok"),
+                       "--out", str(tmp_path / "exported"), "--dtype", "float32"], capsys)
+    assert code == 0 and (tmp_path / "exported" / "tokenizer.json").is_file()
+    for command in ("generate", "analyze", "serve", "eval", "export"):
         assert "--tokenizer" in subprocess_help(command)
 
 

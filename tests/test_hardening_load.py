@@ -55,7 +55,8 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str]:
 
 
 def one_line_error(err: str) -> str:
-    lines = [line for line in err.strip().splitlines() if line]
+    """The one `rdepth CMD: error: ...` line of stderr (other lines are notices, such as the thread choice)."""
+    lines = [line for line in err.splitlines() if ": error: " in line]
     assert len(lines) == 1 and "Traceback" not in err, err
     return lines[0]
 

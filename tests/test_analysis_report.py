@@ -192,7 +192,7 @@ def test_cli_analyze_errors(model_dir, tmp_path, capsys):
     assert "outside the model's vocabulary" in capsys.readouterr().err
     rc = main(["analyze", "--model", str(model_dir), "--ids", "1,2", "--steps", "3", "--out", str(tmp_path / "z")])
     assert rc == 2
-    assert "num_steps=3 is invalid" in capsys.readouterr().err
+    assert "--steps=3 is invalid" in capsys.readouterr().err  # issue 19: errors name the flag
     bare = tmp_path / "bare"
     rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).save_pretrained(bare)
     rc = main(["analyze", "--model", str(bare), "--prompt", "hi there", "--out", str(tmp_path / "w")])
@@ -211,7 +211,7 @@ def test_cli_analyze_refuses_unclear_inputs_with_a_reason(model_dir, tmp_path, c
     assert main([*base, "--ids", "1,2", "--out", str(tmp_path / "file")]) == 2
     assert "is an existing file, not a directory" in capsys.readouterr().err
     assert main([*base, "--ids", "1,2", "--init-scale", "inf", "--out", str(tmp_path / "c")]) == 2
-    assert "init_scale=inf is invalid" in capsys.readouterr().err
+    assert "--init-scale=inf is invalid" in capsys.readouterr().err  # issue 19: errors name the flag
     assert main([*base, "--ids", " 1, 2 ,3 ", "--out", str(tmp_path / "d"), "--no-states"]) == 0
     assert [t["id"] for t in json.loads((tmp_path / "d" / "analysis.json").read_text())["tokens"]] == [1, 2, 3]
 

@@ -52,13 +52,15 @@ def test_remote_code_export_loads_without_the_library(tmp_path):
             assert torch.equal(model(x, num_steps=3).logits, ref["random_s0"])
         out = model.generate(x, max_new_tokens=5, num_steps=3, init_scale=0.0, do_sample=False)
         assert torch.equal(out, ref["greedy"]), (out, ref["greedy"])
-        assert AutoTokenizer.from_pretrained({str(out)!r}).chat_template
+        assert AutoTokenizer.from_pretrained({str(out)!r}, trust_remote_code=True).chat_template
         print("ok")
     """)
     env = dict(os.environ, HF_HOME=str(tmp_path / "hf-home"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
+                          stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("ok")
+    assert "Do you wish to run the custom code" not in done.stdout + done.stderr  # no interactive question
 
 
 def test_export_converts_dtype_and_shards_in_the_library_layout(tmp_path):

@@ -20,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from recurrent_depth.config import ModelConfig, atomic_write_text
+from recurrent_depth.files import CONFIG_MAX_BYTES, inside, parse_safetensors_header, read_json
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -46,10 +47,14 @@ def save_pretrained(
     tokenizer_dir: str | os.PathLike[str] | None = None,
     max_shard_bytes: int | None = None,
     metadata: dict[str, str] | None = None,
+    tokenizer: Any = None,
 ) -> None:
-    """Write config.json + safetensors weights atomically; copy tokenizer files if given.
+    """Write config.json + safetensors weights atomically, and the tokenizer when given, so that the
+    directory serves `from_pretrained`, transformers' Auto classes and every `--model` option.
 
-    `max_shard_bytes` splits the weights into shards with an index file (as large checkpoints are).
+    `tokenizer`: a `tokenizers.Tokenizer`, a transformers tokenizer, or a directory holding one
+    (`tokenizer_dir` is the older name for the directory form). `max_shard_bytes` splits the weights
+    into shards with an index file (as large checkpoints are). Files get the permissions the umask gives.
     """
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -86,6 +91,32 @@ def save_pretrained(
     model.config.to_json(out / "config.json")
     if tokenizer_dir is not None:
         copy_tokenizer(tokenizer_dir, out)
+    if tokenizer is not None:
+        save_tokenizer_files(tokenizer, out, model_max_length=model.config.max_seq_len)
+
+
+def save_tokenizer_files(tokenizer: Any, out: Path, model_max_length: int | None = None) -> None:
+    """`tokenizer` (a directory, a `tokenizers.Tokenizer` or a transformers tokenizer) into `out`."""
+    from tokenizers import Tokenizer
+
+    if isinstance(tokenizer, str | os.PathLike):
+        if not (Path(tokenizer) / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"tokenizer={str(tokenizer)!r} is not a directory holding tokenizer.json")
+        copy_tokenizer(tokenizer, out)
+    elif isinstance(tokenizer, Tokenizer):
+        from recurrent_depth.data.tokenizer import save_tokenizer
+
+        try:
+            save_tokenizer(tokenizer, out, model_max_length=model_max_length)
+        except ValueError:  # not one of ours (no chat tokens): the tokenizer and a config AutoTokenizer reads
+            atomic_write_text(out / "tokenizer.json", tokenizer.to_str(pretty=True))
+            atomic_write_text(out / "tokenizer_config.json",
+                              json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
+    elif hasattr(tokenizer, "save_pretrained"):  # a transformers tokenizer
+        tokenizer.save_pretrained(str(out))
+    else:
+        raise ValueError(f"tokenizer must be a tokenizers.Tokenizer, a transformers tokenizer or a directory, "
+                         f"got {type(tokenizer).__name__}")
 
 
 def copy_tokenizer(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
@@ -97,24 +128,34 @@ def copy_tokenizer(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> 
             shutil.copyfile(src / name, dst / name)
 
 
+def current_umask() -> int:
+    """The process's file-creation mask (os.umask can only be read by setting it)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _atomic_save(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     save_file(state, str(tmp), metadata=metadata)
+    os.chmod(tmp, 0o666 & ~current_umask())  # safetensors creates 0600 files; other files follow the umask
     with open(tmp, "rb") as handle:
         os.fsync(handle.fileno())
     os.replace(tmp, path)
 
 
-def weight_files(path: Path) -> list[Path]:
-    """The safetensors files of a model directory, single or sharded."""
+def weight_files(path: Path, allow_outside: bool = False) -> list[Path]:
+    """The safetensors files of a model directory, single or sharded.
+
+    An index's `weight_map` may name only files inside the directory (no absolute or `..` paths)
+    unless `allow_outside=True`; symlinked files are read (a Hugging Face hub snapshot is made of them).
+    """
     if (path / INDEX_NAME).exists():
-        try:
-            index = json.loads((path / INDEX_NAME).read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{path / INDEX_NAME} is not valid JSON: {exc}") from None
+        index = read_json(path / INDEX_NAME, CONFIG_MAX_BYTES, "weight index")
         if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
             raise ValueError(f"{path / INDEX_NAME} has no 'weight_map'")
-        return [path / name for name in sorted(set(index["weight_map"].values()))]
+        names = sorted({str(name) for name in index["weight_map"].values()})
+        return [inside(path, name, f"{INDEX_NAME}: weight file", allow_outside, follow_links=True) for name in names]
     if (path / WEIGHTS_NAME).exists():
         return [path / WEIGHTS_NAME]
     found = sorted(path.glob("*.safetensors"))
@@ -126,6 +167,8 @@ def weight_files(path: Path) -> list[Path]:
 
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+_OTHER_DTYPES = {"I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                 "BOOL": torch.bool}
 
 
 def stored_dtype(path: str | os.PathLike[str]) -> torch.dtype | None:
@@ -138,17 +181,33 @@ def stored_dtype(path: str | os.PathLike[str]) -> torch.dtype | None:
         return None
     try:
         for file in weight_files(path):
-            with safe_open(str(file), framework="pt") as handle:
-                if "transformer.wte.weight" in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    return _SAFETENSORS_DTYPES.get(handle.get_slice("transformer.wte.weight").get_dtype())
-    except (OSError, ValueError, SafetensorError):
+            entry = parse_safetensors_header(file).get("transformer.wte.weight")
+            if entry is not None:
+                return _SAFETENSORS_DTYPES.get(entry[0])
+    except (OSError, ValueError):
         return None  # the loader itself reports unreadable files
     return None
 
 
-def read_state_dict(path: str | os.PathLike[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def read_header_shapes(
+    path: str | os.PathLike[str], allow_outside: bool = False
+) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{tensor name: (safetensors dtype, shape)} of every weight file of a model directory, headers only."""
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for file in weight_files(Path(path), allow_outside):
+        for name, entry in parse_safetensors_header(file).items():
+            if name in tensors:
+                raise ValueError(f"tensor {name!r} is stored twice (again in {file})")
+            tensors[name] = entry
+    return tensors
+
+
+def read_state_dict(
+    path: str | os.PathLike[str], dtype: torch.dtype | None = None, allow_outside: bool = False
+) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
-    for file in weight_files(Path(path)):
+    for file in weight_files(Path(path), allow_outside):
+        parse_safetensors_header(file)  # a regular, complete file: one-line errors before any tensor is read
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
@@ -157,6 +216,24 @@ def read_state_dict(path: str | os.PathLike[str], dtype: torch.dtype | None = No
         except SafetensorError as exc:
             raise ValueError(f"{file} is not a readable safetensors file: {exc}") from None
     return state
+
+
+def _check_layer_counts(config: ModelConfig, header: dict[str, tuple[str, tuple[int, ...]]], path: Path) -> None:
+    """Layer counts and the embedding's shape from the header against the config, before the model is built
+    (building a model of 200,000 layers to find that the file holds 4 takes minutes)."""
+    problems = []
+    for part, field in (("prelude", "prelude_layers"), ("core_block", "core_layers"), ("coda", "coda_layers")):
+        prefix = f"transformer.{part}."
+        indices = {name[len(prefix):].split(".", 1)[0] for name in header if name.startswith(prefix)}
+        stored = len({i for i in indices if i.isdigit()})
+        if stored != getattr(config, field):
+            problems.append(f"config.json {field}={getattr(config, field)} but the weights hold {stored} {part} layers")
+    wte = header.get("transformer.wte.weight")
+    if wte is not None and tuple(wte[1]) != (config.vocab_size, config.hidden_size):
+        problems.append(f"config.json vocab_size x hidden_size = {(config.vocab_size, config.hidden_size)} but the "
+                        f"stored transformer.wte.weight is {tuple(wte[1])}")
+    if problems:
+        raise ValueError(f"cannot load {path}: " + "; ".join(problems))
 
 
 def usable_device(device: Any) -> torch.device:
@@ -180,8 +257,13 @@ def load_pretrained(
     dtype: torch.dtype | str | None = None,
     device: Any = "cpu",
     config_overrides: dict[str, Any] | None = None,
+    allow_outside: bool = False,
 ):
-    """Build a `RecurrentDepthLM` from a model directory (ours or official Huginn-0125)."""
+    """Build a `RecurrentDepthLM` from a model directory (ours or official Huginn-0125).
+
+    Everything is checked before a tensor is allocated: the config's bounds, then its shapes against
+    the safetensors headers. `allow_outside=True` lets an index name weight files outside `path`.
+    """
     from recurrent_depth.model.recurrent import RecurrentDepthLM
 
     device = usable_device(device)
@@ -197,30 +279,31 @@ def load_pretrained(
         values.update(config_overrides)
         config = ModelConfig.from_dict(values)
     dtype = _dtype_from_name(dtype)
-    state = read_state_dict(path, dtype)
+    header = read_header_shapes(path, allow_outside)
+    for name in IGNORED_TENSORS:
+        header.pop(name, None)
+    _check_layer_counts(config, header, path)
 
     with torch.device("meta"):
         model = RecurrentDepthLM(config)
     expected = {name: p for name, p in model.state_dict().items()}
     problems: list[str] = []
-    for name in IGNORED_TENSORS:
-        state.pop(name, None)
-    wte = state.get("transformer.wte.weight")
-    wte_dtype = wte.dtype if wte is not None and wte.is_floating_point() else torch.float32
-    if config.tie_embeddings and "lm_head.weight" in state:
-        head = state.pop("lm_head.weight")
-        if wte is not None and (head.shape != wte.shape or not torch.equal(head.to(wte.dtype), wte)):
-            problems.append("lm_head.weight differs from transformer.wte.weight but the config ties them")
+    tied_head = config.tie_embeddings and "lm_head.weight" in header
+    stored = {name: entry for name, entry in header.items() if not (tied_head and name == "lm_head.weight")}
+    wte = header.get("transformer.wte.weight")
+    if tied_head and wte is not None and tuple(header["lm_head.weight"][1]) != tuple(wte[1]):
+        problems.append("lm_head.weight differs from transformer.wte.weight but the config ties them")
     required = set(expected) - ({"lm_head.weight"} if config.tie_embeddings else set())
-    missing = sorted(required - set(state))
-    unexpected = sorted(set(state) - set(expected))
+    missing = sorted(required - set(stored))
+    unexpected = sorted(set(stored) - set(expected))
     mis_shaped = sorted(
-        f"{name}: file {tuple(state[name].shape)} vs model {tuple(expected[name].shape)}"
-        for name in set(state) & set(expected)
-        if tuple(state[name].shape) != tuple(expected[name].shape)
+        f"{name}: file {tuple(stored[name][1])} vs model {tuple(expected[name].shape)}"
+        for name in set(stored) & set(expected)
+        if tuple(stored[name][1]) != tuple(expected[name].shape)
     )
     wrong_dtype = sorted(
-        f"{name}: {state[name].dtype}" for name in set(state) & set(expected) if not state[name].is_floating_point()
+        f"{name}: {_OTHER_DTYPES.get(stored[name][0], stored[name][0])}"
+        for name in set(stored) & set(expected) if stored[name][0] not in _SAFETENSORS_DTYPES
     )
     if missing:
         problems.append(f"missing tensors: {missing}")
@@ -232,6 +315,17 @@ def load_pretrained(
         problems.append(f"mis-shaped tensors: {mis_shaped}")
     if problems:
         raise ValueError(f"cannot load {path}: " + "; ".join(problems))
+
+    state = read_state_dict(path, dtype, allow_outside)
+    for name in IGNORED_TENSORS:
+        state.pop(name, None)
+    wte_tensor = state["transformer.wte.weight"]
+    wte_dtype = wte_tensor.dtype if wte_tensor.is_floating_point() else torch.float32
+    if tied_head:
+        head = state.pop("lm_head.weight")
+        if not torch.equal(head.to(wte_tensor.dtype), wte_tensor):
+            raise ValueError(f"cannot load {path}: lm_head.weight differs from transformer.wte.weight but the "
+                             f"config ties them")
 
     # assign=True adopts the loaded tensors instead of copying them: one copy of the weights in memory.
     model.load_state_dict(state, strict=False, assign=True)

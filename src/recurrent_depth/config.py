@@ -16,9 +16,37 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from recurrent_depth.files import CONFIG_MAX_BYTES, parse_json, read_text
+
 MODEL_TYPE = "recurrent_depth"
 HUGINN_MODEL_TYPE = "huginn_raven"
 MODEL_PARTS = ("prelude", "core", "coda")
+
+
+# The deepest recurrence any entry point runs unless asked for more (`--max-depth` on `train`,
+# `generate` and `serve`): 8x the 128 iterations the paper takes as a state's limit point, 32x
+# Huginn-0125's mean recurrence. One token at this depth already runs 4,096 core layers; a depth
+# from a config or a request beyond it is far more likely a mistake (or an attack) than a wish,
+# and would otherwise run for hours with nothing able to interrupt it.
+MAX_NUM_STEPS = 1024
+# Layers per part (prelude, core, coda): Huginn-0125 has 2/4/2; the deepest released transformers ~130.
+MAX_LAYERS = 1024
+# Parameters a config may describe: 280x Huginn-0125, more than fits in one machine's memory. A bound
+# checked before anything is allocated, so a typo (`hidden_size: 100000000`) is one line, not an
+# out-of-memory traceback minutes later.
+MAX_PARAMETERS = 10**12
+# Context length: positions are indexed with 32-bit-safe integers; RoPE tables are built lazily.
+MAX_SEQ_LEN = 2**31 - 1
+
+
+def check_depth(value: Any, name: str, ceiling: int | None = None, low: int = 0) -> None:
+    """A ValueError naming `name` unless `value` is None or an integer in [low, ceiling] (MAX_NUM_STEPS)."""
+    ceiling = MAX_NUM_STEPS if ceiling is None else ceiling
+    if value is not None and (not is_int(value) or not low <= value <= ceiling):
+        raise ValueError(
+            f"{name}={value!r} is invalid: expected an integer in [{low}, {ceiling}] (the depth ceiling; "
+            f"raise it with --max-depth)"
+        )
 
 
 def is_int(value: Any) -> bool:
@@ -132,6 +160,12 @@ class ModelConfig:
             value = getattr(self, name)
             need(is_int(value) and value >= 0, name, "an integer >= 0")
         need(self.core_layers >= 1, "core_layers", "at least 1 layer in the recurrent core")
+        for name in ("prelude_layers", "core_layers", "coda_layers"):
+            need(getattr(self, name) <= MAX_LAYERS, name, f"at most {MAX_LAYERS} layers (MAX_LAYERS)")
+        for name in ("mean_recurrence", "mean_backprop_depth"):
+            need(getattr(self, name) <= MAX_NUM_STEPS, name,
+                 f"at most {MAX_NUM_STEPS} steps (MAX_NUM_STEPS, the depth ceiling)")
+        need(self.max_seq_len <= MAX_SEQ_LEN, "max_seq_len", f"at most {MAX_SEQ_LEN} (MAX_SEQ_LEN)")
         need(self.hidden_size % self.num_heads == 0, "num_heads",
              f"a divisor of hidden_size={self.hidden_size}")
         need(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
@@ -153,6 +187,13 @@ class ModelConfig:
         else:
             need(isinstance(self.mixer, str), "mixer", "a mixer name or a dict part -> name")
         need(isinstance(self.mixer_options, dict), "mixer_options", "a dict of keyword arguments")
+        count = self.num_parameters()
+        if count > MAX_PARAMETERS:
+            raise ValueError(
+                f"ModelConfig describes {count:.3g} parameters (hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, vocab_size={self.vocab_size}, "
+                f"{self.num_layers} layers), more than MAX_PARAMETERS={MAX_PARAMETERS:.0e}; check these sizes"
+            )
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -255,15 +296,8 @@ class ModelConfig:
                 path = path / "config.json"
             if not path.exists():
                 raise FileNotFoundError(f"no config file at {path}")
-            try:
-                text = path.read_text(encoding="utf-8")
-            except UnicodeDecodeError as exc:
-                raise ValueError(f"config file {path} is not UTF-8 text: {exc}") from exc
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"config is not valid JSON: {exc}") from exc
-        return cls.from_dict(data)
+            text = read_text(path, CONFIG_MAX_BYTES, "config file")
+        return cls.from_dict(parse_json(text, "config"))
 
 
 def is_huginn_config(data: dict[str, Any]) -> bool:

@@ -31,11 +31,18 @@ COMMANDS: dict[str, str] = {
 MEASURE_THREADS = frozenset({"quickstart", "train", "generate", "eval", "analyze", "serve"})
 
 
+def _version() -> str:
+    from recurrent_depth import __version__
+
+    return __version__
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rdepth",
         description="Recurrent-depth language models: train, generate, analyse, evaluate, serve.",
     )
+    parser.add_argument("--version", action="version", version=f"rdepth {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="<command>")
     for name, module_name in COMMANDS.items():
         if only is not None and name != only:

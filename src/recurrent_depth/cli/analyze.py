@@ -8,10 +8,18 @@ writes OUT/report.html (self-contained), OUT/*.png, OUT/analysis.json and OUT/st
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from pathlib import Path
 
-from recurrent_depth.cli.common import add_device_args, add_model_arg, add_out_arg, add_seed_arg
+from recurrent_depth.cli.common import (
+    add_device_args,
+    add_model_arg,
+    add_out_arg,
+    add_seed_arg,
+    add_tokenizer_arg,
+    load_cli_tokenizer,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,6 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "a JSON file with the numbers.",
     )
     add_model_arg(p)
+    add_tokenizer_arg(p)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the text to analyse (tokenized with the model's tokenizer.json)")
     source.add_argument("--prompt-file", metavar="FILE", help="read the prompt text from this UTF-8 file")
@@ -60,15 +69,17 @@ def _int_list(text: str, flag: str) -> list[int]:
         raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
 
 
-def _load_tokenizer(model_dir: Path):
-    from tokenizers import Tokenizer
+# AnalysisConfig field -> the flag that sets it, so that errors name what the user typed.
+FIELD_FLAGS = {
+    "num_steps": "--steps", "limit_steps": "--limit-steps", "num_starts": "--starts", "init_scale": "--init-scale",
+    "converge_tol": "--converge-tol", "max_plot_tokens": "--max-plot-tokens", "max_tokens": "--max-tokens",
+    "tokens": "--tokens", "seed": "--seed",
+}
 
-    file = model_dir / "tokenizer.json"
-    if not file.is_file():
-        raise FileNotFoundError(
-            f"{model_dir} has no tokenizer.json; save the model with its tokenizer, or pass --ids"
-        )
-    return Tokenizer.from_file(str(file))
+
+def _in_flag_names(exc: ValueError) -> ValueError:
+    pattern = r"\b(" + "|".join(sorted(FIELD_FLAGS, key=len, reverse=True)) + r")\b"
+    return ValueError(re.sub(pattern, lambda m: FIELD_FLAGS[m.group(1)], str(exc)))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,7 +94,10 @@ def run(args: argparse.Namespace) -> int:
         tokens=_int_list(args.tokens, "--tokens") if args.tokens else None,
         max_plot_tokens=args.max_plot_tokens, max_tokens=args.max_tokens, save_states=not args.no_states,
     )
-    config.validate()  # fail on bad flags before loading weights
+    try:
+        config.validate()  # fail on bad flags before loading weights
+    except ValueError as exc:
+        raise _in_flag_names(exc) from None
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is an existing file, not a directory; choose another path")
@@ -95,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--prompt-file {args.prompt_file} cannot be read as UTF-8 text: {exc}") from None
     model = load_pretrained(model_dir, dtype=args.dtype, device=args.device)
 
-    tokenizer = None if args.ids is not None else _load_tokenizer(model_dir)
+    tokenizer = None if args.ids is not None else load_cli_tokenizer(args)
     if args.ids is not None:
         ids = _int_list(args.ids, "--ids")
     else:

@@ -43,3 +43,62 @@ def add_device_args(parser: argparse.ArgumentParser) -> None:
         "--dtype", default=None, choices=["float32", "bfloat16", "float16"],
         help="load weights in this dtype (default: as stored)",
     )
+
+
+def add_max_depth_arg(parser: argparse.ArgumentParser) -> None:
+    from recurrent_depth.config import MAX_NUM_STEPS
+
+    parser.add_argument(
+        "--max-depth", type=int, default=None, metavar="N",
+        help=f"depth ceiling: no recurrence runs deeper than N core steps (default: {MAX_NUM_STEPS}, "
+             f"MAX_NUM_STEPS; raise it for deliberately deep runs)",
+    )
+
+
+def add_tokenizer_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tokenizer", default=None, metavar="DIR",
+        help="tokenizer directory (or tokenizer.json) to use (default: the one inside --model)",
+    )
+
+
+def tokenizer_source(args: argparse.Namespace) -> str:
+    """Where the command's tokenizer lives: --tokenizer, else the --model directory (which must hold one)."""
+    from pathlib import Path
+
+    if args.tokenizer is not None:
+        return args.tokenizer
+    model = Path(args.model)
+    if not model.is_dir():
+        raise FileNotFoundError(f"--model {args.model}: no such directory (expected a saved model directory)")
+    if not (model / "tokenizer.json").exists():
+        raise FileNotFoundError(
+            f"{args.model} has no tokenizer.json; pass --tokenizer DIR, or save the model with its tokenizer "
+            f"(model.save_pretrained(dir, tokenizer=...))"
+        )
+    return args.model
+
+
+def load_cli_tokenizer(args: argparse.Namespace):
+    """The `tokenizers.Tokenizer` of --tokenizer / --model, read as untrusted input (one-line errors)."""
+    from recurrent_depth.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(tokenizer_source(args))
+
+
+def human_bytes(count: int) -> str:
+    """1536 -> '1.5 KiB' (binary units, as memory is sized)."""
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_count(count: int) -> str:
+    """3564976800 -> '3.56 B' (parameter counts, as papers write them)."""
+    for size, unit in ((10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "K")):
+        if abs(count) >= size:
+            return f"{count / size:.3g} {unit}"
+    return str(count)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from recurrent_depth.cli.common import add_device_args, add_model_arg, add_out_arg, add_seed_arg
+from recurrent_depth.cli.common import add_device_args, add_model_arg, add_out_arg, add_seed_arg, add_tokenizer_arg
 
 
 def _int_list(text: str) -> list[int]:
@@ -37,6 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_model_arg(parser)
+    add_tokenizer_arg(parser)
     add_out_arg(parser, "runs/eval")
     add_seed_arg(parser)
     add_device_args(parser)
@@ -81,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, seq_len=args.seq_len, reasoning_tasks=args.reasoning,
         difficulties=args.difficulties, count=args.count, lm_eval_tasks=args.lm_eval_tasks, fewshot=args.fewshot,
         limit=args.limit, baseline=args.baseline, baseline_depth=args.baseline_depth, init_scale=args.init_scale,
-        seed=args.seed, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
+        seed=args.seed, batch_size=args.batch_size, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
     )
     evaluate_depths(config)
     return 0

@@ -17,7 +17,7 @@ import argparse
 import shutil
 from pathlib import Path
 
-from recurrent_depth.cli.common import add_model_arg
+from recurrent_depth.cli.common import add_model_arg, add_tokenizer_arg
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,6 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_model_arg(parser)
+    add_tokenizer_arg(parser)
     parser.add_argument(
         "--out", default=None, metavar="DIR",
         help="output directory (default: write into --model itself; needs --remote-code)",
@@ -48,7 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from recurrent_depth.checkpoint import load_pretrained, save_pretrained
+    from recurrent_depth.checkpoint import copy_tokenizer, load_pretrained, save_pretrained
     from recurrent_depth.config import ModelConfig
     from recurrent_depth.integrations.export import TOKENIZER_FILES, check_exportable, export_remote_code
 
@@ -59,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
     reshape = args.dtype is not None or args.max_shard_mb is not None
     if out is None and (reshape or not args.remote_code):
         raise ValueError("--out is required unless only --remote-code files are added to --model in place")
+    if args.tokenizer is not None and not (Path(args.tokenizer) / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"--tokenizer {args.tokenizer}: no tokenizer.json in that directory")
     if args.remote_code:
         check_exportable(ModelConfig.from_json(src))  # fail before writing anything
     if out is not None and (reshape or not args.remote_code):
@@ -71,5 +74,12 @@ def run(args: argparse.Namespace) -> int:
                     shutil.copyfile(src / name, out / name)
         src = out
     written = export_remote_code(src, out) if args.remote_code else src
+    if args.tokenizer is not None:
+        copy_tokenizer(args.tokenizer, written)
     print(f"wrote {written}" + (" (loads with trust_remote_code=True)" if args.remote_code else ""))
+    if args.remote_code:
+        # transformers 5's AutoTokenizer reads config.json before the tokenizer files, and its auto_map
+        # makes transformers ask "Do you wish to run the custom code?" unless told: say it for the tokenizer too.
+        print(f"  AutoModelForCausalLM.from_pretrained({str(written)!r}, trust_remote_code=True)\n"
+              f"  AutoTokenizer.from_pretrained({str(written)!r}, trust_remote_code=True)")
     return 0

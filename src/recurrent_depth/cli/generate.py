@@ -12,10 +12,16 @@ import argparse
 import json
 import sys
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
-from recurrent_depth.cli.common import add_device_args, add_model_arg, add_seed_arg
+from recurrent_depth.cli.common import (
+    add_device_args,
+    add_max_depth_arg,
+    add_model_arg,
+    add_seed_arg,
+    add_tokenizer_arg,
+    load_cli_tokenizer,
+)
 
 CRITERIA = ("kl", "entropy-diff", "latent-diff", "cosine", "argmax-stability")
 
@@ -28,11 +34,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "full depth; each new token then runs --num-steps core steps, or fewer with --exit-criterion.",
     )
     add_model_arg(p)
+    add_tokenizer_arg(p)
     p.add_argument("--prompt", action="append", required=True, metavar="TEXT",
                    help="prompt text; repeat for a batch (left-padded; each row exits on its own)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
     p.add_argument("--num-steps", type=int, default=None,
                    help="recurrence depth r (default: the model's mean_recurrence)")
+    add_max_depth_arg(p)
     g = p.add_argument_group("adaptive depth")
     g.add_argument("--exit-criterion", choices=CRITERIA, default=None,
                    help="stop each token's recurrence when this statistic converges (default: fixed depth)")
@@ -86,15 +94,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _load_tokenizer(model_dir: str) -> Any:
-    from tokenizers import Tokenizer
+def check_depth_flags(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
+    """Each depth flag within the depth ceiling (--max-depth, default MAX_NUM_STEPS), before any work."""
+    from recurrent_depth.config import check_depth
 
-    if not Path(model_dir).is_dir():
-        raise FileNotFoundError(f"--model {model_dir}: no such directory (expected a saved model directory)")
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{model_dir} has no tokenizer.json; a model directory holds its tokenizer")
-    return Tokenizer.from_file(str(path))
+    if args.max_depth is not None and args.max_depth < 1:
+        raise ValueError(f"--max-depth={args.max_depth} is invalid: expected an integer >= 1")
+    for flag in flags:
+        check_depth(getattr(args, flag), "--" + flag.replace("_", "-"), args.max_depth)
 
 
 def _generation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -132,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
     import recurrent_depth as rd
     from recurrent_depth.inference import generate, stream_generate
 
-    tokenizer = _load_tokenizer(args.model)
+    check_depth_flags(args, ("num_steps", "max_steps", "draft_steps") + (("inner_steps",) if args.parallel else ()))
+    tokenizer = load_cli_tokenizer(args)
     model = rd.RecurrentDepthLM.from_pretrained(args.model, dtype=args.dtype, device=args.device).eval()
     rows = [tokenizer.encode(text).ids for text in args.prompt]
     if any(len(r) == 0 for r in rows):

@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from recurrent_depth.cli.common import human_bytes, human_count
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -63,8 +65,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for key, value in sorted(info["config"].items()):
         print(f"{key:>22}  {value}")
-    print(f"{'unique parameters':>22}  {info['unique_parameters']:,}")
+    params = info["unique_parameters"]
+    per_token = info["kv_cache_bytes_per_token_bf16"]
+    print(f"{'unique parameters':>22}  {human_count(params)} ({params:,}; {human_bytes(2 * params)} in bf16)")
     print(f"{'layers at mean depth':>22}  {layers_at_mean}")
-    print(f"{'KV bytes/token (bf16)':>22}  {info['kv_cache_bytes_per_token_bf16']:,}")
-    print(f"{f'cache at {length} tokens':>22}  {full:,}")
+    print(f"{'KV cache/token (bf16)':>22}  {human_bytes(per_token)} ({per_token:,} bytes)")
+    print(f"{f'cache at {length} tokens':>22}  {human_bytes(full)} ({full:,} bytes)")
     return 0

@@ -70,6 +70,9 @@ def run_passthrough(argv: list[str]) -> int:
         return 2
     import torch
 
+    from recurrent_depth.evaluation.lm_eval_env import quiet_git_probe
+
+    quiet_git_probe()
     saved = sys.argv
     sys.argv = ["lm-eval", *prepare_argv(argv, torch.cuda.is_available())]
     try:

@@ -49,6 +49,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def extrapolation_line(task: str, extrapolation: dict) -> str:
+    """How far past its training difficulty the model solves the task, in words (None: at no difficulty)."""
+    best90, best50 = extrapolation["beyond_training_at_0.9"], extrapolation["beyond_training_at_0.5"]
+    at90 = f"beyond training up to {best90}" if best90 is not None else "at no difficulty beyond training"
+    at50 = f"up to {best50}" if best50 is not None else "at none"
+    return f"trained on {task} up to {extrapolation['trained_up_to']}; solved (>= 90%) {at90}, (>= 50%) {at50}"
+
+
 def run_task(args: argparse.Namespace) -> int:
     """Train on a reasoning task, then print the accuracy grid and how far depth carries past training."""
     from recurrent_depth.evaluation.reasoning.train import run_reasoning, task_preset
@@ -56,8 +64,6 @@ def run_task(args: argparse.Namespace) -> int:
     config = task_preset(args.task, minutes=args.minutes, seed=args.seed, threads=args.threads,
                          out=args.out or f"runs/quickstart-{args.task}")
     summary = run_reasoning(config)
-    extrapolation = summary["extrapolation"]
-    print(f"\ntrained on {args.task} up to {extrapolation['trained_up_to']}; solved (>= 90%) beyond training up to "
-          f"{extrapolation['beyond_training_at_0.9']}, (>= 50%) up to {extrapolation['beyond_training_at_0.5']}")
+    print("\n" + extrapolation_line(args.task, summary["extrapolation"]))
     print(f"wrote {config.out}/summary.json, accuracy.json, accuracy_vs_depth.png and model/")
     return 0

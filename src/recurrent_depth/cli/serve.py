@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import argparse
 
-from recurrent_depth.cli.common import add_device_args, add_model_arg
+from recurrent_depth.cli.common import (
+    add_device_args,
+    add_max_depth_arg,
+    add_model_arg,
+    add_tokenizer_arg,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,6 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "Requests join and leave the running batch between decode steps and each one runs at its own depth.",
     )
     add_model_arg(p)
+    add_tokenizer_arg(p)
     add_device_args(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind; use 0.0.0.0 only behind a firewall (default: %(default)s)")
@@ -61,7 +67,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="recurrence depth of requests that do not set num_steps, e.g. lm-eval's scoring requests "
                         "(default: the model's mean_recurrence)")
     p.add_argument("--max-num-steps", type=int, default=None,
-                   help="deepest recurrence a request may ask for (default: max(64, 4 x mean_recurrence))")
+                   help="deepest recurrence a request may ask for (default: max(64, 4 x mean_recurrence), "
+                        "at most --max-depth)")
+    add_max_depth_arg(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level (default: %(default)s)")
     p.set_defaults(func=run)
@@ -78,11 +86,12 @@ def run(args: argparse.Namespace) -> int:
     api_key = resolve_api_key(args.api_key)
     hosts = None if args.allowed_hosts is None else args.allowed_hosts.split(",")
     serve(
-        args.model, host=args.host, port=args.port, log_level=args.log_level, allowed_hosts=hosts,
-        read_timeout=args.read_timeout, stall_timeout=args.stall_timeout, tokenizer_workers=args.tokenizer_workers,
-        tokenize_timeout=args.tokenize_timeout,
+        args.model, tokenizer_dir=args.tokenizer, host=args.host, port=args.port, log_level=args.log_level,
+        allowed_hosts=hosts, read_timeout=args.read_timeout, stall_timeout=args.stall_timeout,
+        tokenizer_workers=args.tokenizer_workers, tokenize_timeout=args.tokenize_timeout,
         model_name=args.served_model_name, api_key=api_key, max_batch=args.max_batch, max_queue=args.max_queue,
         prefill_tokens=args.prefill_tokens, request_timeout=args.request_timeout,
-        max_num_steps=args.max_num_steps, num_steps=args.num_steps, dtype=dtype, device=args.device,
+        max_num_steps=args.max_num_steps, num_steps=args.num_steps, max_depth=args.max_depth, dtype=dtype,
+        device=args.device,
     )
     return 0

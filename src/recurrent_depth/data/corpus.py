@@ -219,17 +219,22 @@ class DirectoryCorpus(Corpus):
     Hidden files and directories (names starting with ".") and ``__pycache__`` are not visited.
     Binary files (a NUL byte in the first 8 KiB) and files that are not valid UTF-8 are skipped
     and counted in ``num_skipped``. ``suffixes`` (e.g. ``(".py", ".md")``) restricts the files.
+    A file symlink that leads out of the directory is a ValueError (a link to ``/etc/passwd`` must not
+    become a training document) unless ``follow_symlinks=True``.
     """
 
     kind = "directory"
 
-    def __init__(self, root: str | Path, suffixes: Sequence[str] | None = None) -> None:
+    def __init__(
+        self, root: str | Path, suffixes: Sequence[str] | None = None, follow_symlinks: bool = False
+    ) -> None:
         root = Path(root)
         if not root.is_dir():
             raise ValueError(f"data: {str(root)!r} is not a directory")
         self.path = root.resolve()
         self.name = str(root)
         self.suffixes = tuple(suffixes) if suffixes else None
+        self.follow_symlinks = follow_symlinks
         self._skipped = 0
 
     def files(self) -> list[str]:
@@ -246,6 +251,11 @@ class DirectoryCorpus(Corpus):
             if not full.is_file():  # a dangling symlink or a special file
                 skipped += 1
                 continue
+            if not self.follow_symlinks and not full.resolve().is_relative_to(self.path):
+                raise ValueError(
+                    f"data: {rel!r} in {self.name} is a symlink to {full.resolve()}, outside the directory; "
+                    f"pass --follow-symlinks (follow_symlinks=True) to read it"
+                )
             text = _decode_text(full.read_bytes())
             if text is None:
                 skipped += 1
@@ -307,8 +317,10 @@ class JsonlCorpus(Corpus):
                 yield Document(f"line-{lineno:010d}", text)
 
 
-def load_corpus(spec: str | Path | Corpus, text_field: str = "text") -> Corpus:
-    """A corpus from a spec: ``"stdlib"``, a directory path, or a ``.jsonl`` file path."""
+def load_corpus(spec: str | Path | Corpus, text_field: str = "text", follow_symlinks: bool = False) -> Corpus:
+    """A corpus from a spec: ``"stdlib"``, a directory path, or a ``.jsonl`` file path.
+
+    ``follow_symlinks``: a directory corpus reads files that are symlinks out of the directory."""
     if isinstance(spec, Corpus):
         return spec
     text = str(spec)
@@ -316,7 +328,7 @@ def load_corpus(spec: str | Path | Corpus, text_field: str = "text") -> Corpus:
         return StdlibCorpus()
     path = Path(text).expanduser()
     if path.is_dir():
-        return DirectoryCorpus(path)
+        return DirectoryCorpus(path, follow_symlinks=follow_symlinks)
     if path.is_file() and path.suffix.lower() == ".jsonl":
         return JsonlCorpus(path, text_field=text_field)
     if path.is_file():

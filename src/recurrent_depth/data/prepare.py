@@ -36,6 +36,7 @@ from recurrent_depth.data.shards import (
     write_index,
 )
 from recurrent_depth.data.tokenizer import load_tokenizer, special_token_ids, tokenizer_sha256
+from recurrent_depth.files import CONFIG_MAX_BYTES, read_json
 
 DATASET_FILE = "dataset.json"
 PREPARE_VERSION = 1
@@ -232,9 +233,9 @@ def _load_if_current(out: Path, key: str, splits: tuple[str, ...]) -> PreparedDa
     if not meta_path.is_file():
         return None
     try:
-        metadata = json.loads(meta_path.read_text())
-    except json.JSONDecodeError:
-        return None
+        metadata = read_json(meta_path, CONFIG_MAX_BYTES, "dataset metadata")
+    except (ValueError, OSError):
+        return None  # unreadable: prepared again
     if metadata.get("key") != key or set(metadata.get("splits", {})) != set(splits):
         return None
     if not all(shards_complete(out / f"{split}.json") for split in splits):

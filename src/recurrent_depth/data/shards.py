@@ -24,7 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from recurrent_depth.config import is_int
 from recurrent_depth.data.io import TMP_SUFFIX, AtomicFile, atomic_write_text
+from recurrent_depth.files import CONFIG_MAX_BYTES, inside, read_json
 
 SHARD_FORMAT = "recurrent-depth-token-shards"
 SHARD_FORMAT_VERSION = 1
@@ -142,13 +144,12 @@ def write_index(path: str | Path, index: dict[str, Any]) -> None:
 
 
 def read_index(path: str | Path) -> dict[str, Any]:
+    """A shard index, checked: its format, `row_len`, `num_rows`, `dtype` and a `shards` list of
+    `{"file": a name inside the index's directory, "num_rows": int}`."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"shards: index {str(path)!r} does not exist")
-    try:
-        index = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"shards: index {str(path)!r} is not valid JSON ({exc})") from None
+    index = read_json(path, CONFIG_MAX_BYTES, "shards: index")
     if not isinstance(index, dict):
         raise ValueError(f"shards: {str(path)!r} is not a {SHARD_FORMAT} index (a JSON {type(index).__name__})")
     if index.get("format") != SHARD_FORMAT or index.get("version") != SHARD_FORMAT_VERSION:
@@ -156,19 +157,35 @@ def read_index(path: str | Path) -> dict[str, Any]:
             f"shards: {str(path)!r} is not a {SHARD_FORMAT} v{SHARD_FORMAT_VERSION} index "
             f"(format={index.get('format')!r}, version={index.get('version')!r})"
         )
+    shards = index.get("shards")
+    if not isinstance(shards, list) or not all(
+        isinstance(s, dict) and isinstance(s.get("file"), str) and is_int(s.get("num_rows")) and s["num_rows"] >= 0
+        for s in shards
+    ):
+        raise ValueError(f"shards: {str(path)!r}: 'shards' must be a list of {{'file': name, 'num_rows': int}}")
+    for name in ("row_len", "num_rows"):
+        if not is_int(index.get(name)) or index[name] < (1 if name == "row_len" else 0):
+            raise ValueError(f"shards: {str(path)!r}: {name!r} must be a non-negative integer, got {index.get(name)!r}")
+    if index.get("dtype") not in ("uint16", "uint32"):
+        raise ValueError(f"shards: {str(path)!r}: 'dtype' must be uint16 or uint32, got {index.get('dtype')!r}")
     return index
+
+
+def shard_file(index_path: str | Path, shard: dict[str, Any], allow_outside: bool = False) -> Path:
+    """The file of one shard entry, inside the index's directory unless `allow_outside`."""
+    return inside(Path(index_path).parent, shard["file"], f"shards: {Path(index_path).name} names file",
+                  allow_outside)
 
 
 def shards_complete(index_path: str | Path) -> bool:
     """True when the index exists and every shard it lists has exactly the expected size."""
     try:
         index = read_index(index_path)
-    except (ValueError, json.JSONDecodeError):
+        files = [shard_file(index_path, shard) for shard in index["shards"]]
+    except (ValueError, OSError):
         return False
-    root = Path(index_path).parent
     itemsize = np.dtype(index["dtype"]).itemsize
-    for shard in index["shards"]:
-        file = root / shard["file"]
+    for shard, file in zip(index["shards"], files):
         if not file.is_file() or file.stat().st_size != shard["num_rows"] * index["row_len"] * itemsize:
             return False
     return True
@@ -195,6 +212,7 @@ class ShardDataset:
         shuffle: bool = True,
         rank: int = 0,
         world_size: int = 1,
+        allow_outside: bool = False,
     ) -> None:
         if world_size < 1 or not (0 <= rank < world_size):
             raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
@@ -213,8 +231,8 @@ class ShardDataset:
         if self.num_rows != int(self.index["num_rows"]):
             raise ValueError(f"shards: {self.index_path} lists {self.num_rows} rows, header says "
                              f"{self.index['num_rows']}")
-        for shard, rows in zip(self.index["shards"], counts):
-            file = self.index_path.parent / shard["file"]
+        self._files = [shard_file(self.index_path, shard, allow_outside) for shard in self.index["shards"]]
+        for file, rows in zip(self._files, counts):
             expected = rows * self.row_len * self.dtype.itemsize
             size = file.stat().st_size if file.is_file() else None
             if size != expected:
@@ -235,7 +253,7 @@ class ShardDataset:
     def _shard(self, k: int) -> np.memmap:
         mapped = self._maps[k]
         if mapped is None:
-            file = self.index_path.parent / self.index["shards"][k]["file"]
+            file = self._files[k]
             rows = int(self.index["shards"][k]["num_rows"])
             mapped = np.memmap(file, dtype=self.dtype, mode="r", shape=(rows, self.row_len))
             self._maps[k] = mapped

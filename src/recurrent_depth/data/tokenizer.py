@@ -33,6 +33,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from recurrent_depth.data.corpus import Corpus, Document, DocumentSplit, load_corpus
 from recurrent_depth.data.io import atomic_write_text
+from recurrent_depth.files import TOKENIZER_MAX_BYTES, read_text
 
 BEGIN_TEXT = "<|begin_text|>"
 END_TEXT = "<|end_text|>"
@@ -322,10 +323,11 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     """A `tokenizers.Tokenizer` from a directory holding ``tokenizer.json`` (or that file)."""
     p = Path(path)
     file = p / "tokenizer.json" if p.is_dir() else p
-    if not file.is_file():
+    if not file.exists():
         raise ValueError(f"tokenizer: no tokenizer.json at {str(p)!r}; expected a directory or file")
+    text = read_text(file, TOKENIZER_MAX_BYTES, "tokenizer file")  # a regular file of bounded size
     try:
-        return Tokenizer.from_file(str(file))
+        return Tokenizer.from_str(text)
     except Exception as exc:  # the Rust side raises a bare Exception for any parse error
         raise ValueError(f"tokenizer: {str(file)!r} is not a valid tokenizers file ({exc})") from None
 

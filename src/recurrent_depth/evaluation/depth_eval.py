@@ -53,6 +53,7 @@ class EvalConfig:
     batch_size: int = 8
     device: str = "cpu"
     dtype: str | None = None
+    tokenizer: str | None = None  # the model's tokenizer directory; None: the one inside `model`
 
     def validate(self) -> EvalConfig:
         self.depths = check_depths(self.depths, "depths")
@@ -71,13 +72,16 @@ class EvalConfig:
         return self
 
 
-def _load(path: str, device: str, dtype: str | None):
+def _load(path: str, device: str, dtype: str | None, tokenizer_dir: str | None = None):
     from transformers import AutoTokenizer
 
     from recurrent_depth.checkpoint import load_pretrained
 
     model = load_pretrained(path, dtype=dtype, device=device)
-    tokenizer = AutoTokenizer.from_pretrained(path) if (Path(path) / "tokenizer.json").is_file() else None
+    source = Path(tokenizer_dir if tokenizer_dir is not None else path)
+    if tokenizer_dir is not None and not (source / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"--tokenizer {tokenizer_dir}: no tokenizer.json in that directory")
+    tokenizer = AutoTokenizer.from_pretrained(str(source)) if (source / "tokenizer.json").is_file() else None
     return model, tokenizer
 
 
@@ -90,7 +94,11 @@ def _documents(config: EvalConfig):
         yield doc.text
 
 
-def _text_quality(model, tokenizer, config: EvalConfig, depths: list[int]) -> dict[str, Any]:
+def _text_quality(
+    model, tokenizer, config: EvalConfig, depths: list[int], max_bytes: int | None = None
+) -> dict[str, Any]:
+    """Bits per byte etc. on the held-out text: the first `--max-tokens` tokens of it, or (a baseline,
+    whose tokenizer may differ) exactly the first `max_bytes` bytes the model was scored on."""
     from recurrent_depth.evaluation.quality import TextCodec, text_quality
 
     if tokenizer is None:
@@ -101,7 +109,8 @@ def _text_quality(model, tokenizer, config: EvalConfig, depths: list[int]) -> di
         raise ValueError("the tokenizer has no bos token (<|begin_text|>); text scores need one")
     result = text_quality(
         model, _documents(config), TextCodec(tokenizer), depths, bos, pad, seq_len=config.seq_len,
-        max_tokens=config.max_tokens, batch_size=config.batch_size, init_scale=config.init_scale, seed=config.seed,
+        max_tokens=config.max_tokens if max_bytes is None else None, max_bytes=max_bytes,
+        batch_size=config.batch_size, init_scale=config.init_scale, seed=config.seed,
     )
     return result.to_dict()
 
@@ -121,18 +130,31 @@ def _reasoning(model, config: EvalConfig, task_name: str, depths: list[int]) -> 
     return grid.to_dict() | {"table": grid.table()}
 
 
-def _lm_eval(path: str, config: EvalConfig, depths: list[int], fewshot: int) -> dict[int, dict[str, float]]:
-    """task/metric -> {depth: value} for one few-shot count, one backend instance reused across depths."""
-    import lm_eval
+def _task_manager(config: EvalConfig) -> Any:
+    """lm-eval's task index (the shipped rd_* tasks included), the task names checked before any model loads."""
     from lm_eval.tasks import TaskManager
 
-    from recurrent_depth.evaluation.lm_eval_backend import RecurrentDepthEvalLM
+    from recurrent_depth.evaluation.lm_eval_env import check_task_names, quiet_git_probe
     from recurrent_depth.evaluation.tasks import TASKS_DIR
 
+    manager = TaskManager(include_path=str(TASKS_DIR))
+    check_task_names(manager, list(config.lm_eval_tasks))
+    quiet_git_probe()
+    return manager
+
+
+def _lm_eval(
+    path: str, config: EvalConfig, depths: list[int], fewshot: int, manager: Any
+) -> dict[int, dict[str, float]]:
+    """task/metric -> {depth: value} for one few-shot count, one backend instance reused across depths."""
+    import lm_eval
+
+    from recurrent_depth.evaluation.lm_eval_backend import RecurrentDepthEvalLM
+
+    extra = {"tokenizer": config.tokenizer} if config.tokenizer is not None and path == config.model else {}
     lm = RecurrentDepthEvalLM(pretrained=path, device=config.device, batch_size=config.batch_size,
                               init_scale=config.init_scale, seed=config.seed,
-                              dtype=config.dtype or "auto")
-    manager = TaskManager(include_path=str(TASKS_DIR))
+                              dtype=config.dtype or "auto", **extra)
     curves: dict[str, dict[int, float]] = {}
     for depth in depths:
         lm.depth = depth
@@ -155,7 +177,8 @@ def evaluate_depths(config: EvalConfig, log: Any = print) -> dict[str, Any]:
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    model, tokenizer = _load(config.model, config.device, config.dtype)
+    manager = _task_manager(config) if config.lm_eval_tasks else None
+    model, tokenizer = _load(config.model, config.device, config.dtype, config.tokenizer)
     depths = config.depths
     results: dict[str, Any] = {"config": asdict(config), "model_mean_recurrence": model.config.mean_recurrence}
     baseline = None
@@ -171,7 +194,8 @@ def evaluate_depths(config: EvalConfig, log: Any = print) -> dict[str, Any]:
         curves = {"recurrent model": {int(d): v["bits_per_byte"] for d, v in text["by_depth"].items()}}
         lines = {}
         if baseline is not None:
-            base = _text_quality(baseline, baseline_tok, config, [results["baseline"]["depth"]])
+            base = _text_quality(baseline, baseline_tok, config, [results["baseline"]["depth"]],
+                                 max_bytes=text["bytes"])
             results["baseline"]["text"] = base
             lines[f"baseline (r={results['baseline']['depth']})"] = next(iter(base["by_depth"].values()))[
                 "bits_per_byte"]
@@ -180,6 +204,12 @@ def evaluate_depths(config: EvalConfig, log: Any = print) -> dict[str, Any]:
         for d in depths:
             row = text["by_depth"][str(d)]
             log(f"  r={d:<4} loss {row['loss']:.4f}  ppl {row['perplexity']:.2f}  bpb {row['bits_per_byte']:.4f}")
+        if baseline is not None:
+            base = results["baseline"]["text"]
+            row = next(iter(base["by_depth"].values()))
+            log(f"  baseline {config.baseline} (r={results['baseline']['depth']}): loss {row['loss']:.4f}  "
+                f"ppl {row['perplexity']:.2f}  bpb {row['bits_per_byte']:.4f}  (the same {base['bytes']:,} bytes; "
+                f"model {text['bytes']:,})")
 
     for task_name in config.reasoning_tasks:
         log(f"reasoning: {task_name} at depths {depths}")
@@ -197,13 +227,13 @@ def evaluate_depths(config: EvalConfig, log: Any = print) -> dict[str, Any]:
         by_fewshot = {}
         for k in config.fewshot:
             log(f"lm-eval: {config.lm_eval_tasks} ({k}-shot) at depths {depths}")
-            by_fewshot[k] = _lm_eval(config.model, config, depths, k)
+            by_fewshot[k] = _lm_eval(config.model, config, depths, k, manager)
         results["lm_eval"] = {str(k): {name: {str(d): v for d, v in curve.items()} for name, curve in c.items()}
                               for k, c in by_fewshot.items()}
         first = by_fewshot[config.fewshot[0]]
         lines = {}
         if config.baseline is not None:
-            base = _lm_eval(config.baseline, config, [results["baseline"]["depth"]], config.fewshot[0])
+            base = _lm_eval(config.baseline, config, [results["baseline"]["depth"]], config.fewshot[0], manager)
             results["baseline"]["lm_eval"] = {name: next(iter(c.values())) for name, c in base.items()}
             lines = {f"baseline {name}": v for name, v in results["baseline"]["lm_eval"].items()}
         plots.plot_metric_vs_depth(first, out / "accuracy_vs_depth.png", "score",

@@ -89,8 +89,11 @@ def text_quality(
     batch_size: int = 8,
     init_scale: float | None = None,
     seed: int = 0,
+    max_bytes: int | None = None,
 ) -> TextQuality:
-    """Score `texts` (at most `max_tokens` predicted tokens in all) at every depth."""
+    """Score `texts` (at most `max_tokens` predicted tokens, and `max_bytes` UTF-8 bytes, in all) at every
+    depth. A byte cap scores the same text whatever the tokenizer: how a baseline with another
+    tokenizer is compared on the text a model was scored on."""
     depths = check_depths(depths)
     seq_len = min(seq_len or model.config.max_seq_len, model.config.max_seq_len)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -119,6 +122,11 @@ def text_quality(
         for text in texts:
             if max_tokens is not None and result.tokens >= max_tokens:
                 break
+            if max_bytes is not None:
+                if result.bytes >= max_bytes:
+                    break
+                # the first bytes of the text, cut back to a whole character
+                text = text.encode("utf-8")[: max_bytes - result.bytes].decode("utf-8", errors="ignore")
             ids = [bos_token_id, *codec.encode(text)]
             if len(ids) < 2:
                 continue

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from recurrent_depth.model.layers import rope_table
+from recurrent_depth.model.layers import RotaryTable
 from recurrent_depth.model.mixers import MixerContext
 from recurrent_depth.model.mixers.attention import Attention
 
@@ -57,7 +57,7 @@ class ModelRunner:
         self.model = model
         cfg = model.config
         self.head_dim = cfg.head_dim
-        self._table = rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_base, model.device)  # [L, D/2, 2]
+        self._table = RotaryTable(cfg.head_dim, cfg.max_seq_len, cfg.rope_base, model.device)  # [L, D/2, 2]
 
     def context(
         self, input_ids: Tensor, attention_mask: Tensor | None, cache: Any, position_ids: Tensor | None = None
@@ -118,8 +118,8 @@ class FastRunner(ModelRunner):
         self.norm_root = self.norm_offset.sqrt()
         self.gqa = self.Hkv != self.H
         self.dtype = model.dtype
-        angles = self._table  # [L, D/2, 2] (cos, sin)
-        self._freq_table = torch.complex(angles[..., 0], angles[..., 1])  # [L, D/2]
+        self._freq_table = RotaryTable(cfg.head_dim, cfg.max_seq_len, cfg.rope_base, model.device,
+                                       as_complex=True)  # [L, D/2]
         blocks = {"prelude": t.prelude, "core": t.core_block, "coda": t.coda}
         matrices = [model.lm_head.weight, t.adapter.weight[:, :h]] + [
             w for b in (*t.prelude, *t.core_block, *t.coda) for w in self._block_matrices(b).values()

@@ -16,6 +16,7 @@ from typing import Any
 
 from recurrent_depth.checkpoint import load_pretrained, save_pretrained
 from recurrent_depth.config import MODEL_TYPE, ModelConfig, atomic_write_text
+from recurrent_depth.files import CONFIG_MAX_BYTES, read_json
 
 REMOTE_CODE_FILE = "modeling_recurrent_depth.py"
 AUTO_MAP = {
@@ -59,7 +60,7 @@ def export_remote_code(model_dir: str | Path, out_dir: str | Path | None = None)
         raise FileNotFoundError(f"{src} has no config.json; expected a saved model directory")
     config = ModelConfig.from_json(src / "config.json")
     check_exportable(config)
-    raw = json.loads((src / "config.json").read_text())
+    raw = read_json(src / "config.json", CONFIG_MAX_BYTES, "config file")
     if raw.get("model_type") != MODEL_TYPE or out.resolve() != src.resolve():
         # Re-save through the library: our key names, tied head stored once, no RoPE buffer.
         model = load_pretrained(src)

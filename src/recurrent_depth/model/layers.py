@@ -92,6 +92,47 @@ def rope_table(head_dim: int, max_len: int, base: float, device: torch.device | 
     return _rope_table(head_dim, max_len, float(base), str(torch.device(device or "cpu")))
 
 
+# Tables for contexts up to this many positions are built whole at once (Huginn-0125's 4096 among them:
+# the same table as ever, bit for bit); longer contexts get a table as long as the positions in use,
+# grown by doubling, instead of one for all of `max_seq_len` (a 5e7-token context would take 8 GB).
+ROPE_EAGER_POSITIONS = 4096
+
+
+def rope_table_length(max_len: int, positions: Tensor | None = None, needed: int | None = None) -> int:
+    """Rows of the table that serves `positions` (or the first `needed` positions) of a `max_len` context."""
+    if max_len <= ROPE_EAGER_POSITIONS:
+        return max_len  # no look at the positions: no device synchronisation for ordinary contexts
+    if needed is None:
+        needed = int(positions.max()) + 1 if positions is not None and positions.numel() else 1
+    return min(max_len, max(ROPE_EAGER_POSITIONS, 1 << (max(needed, 1) - 1).bit_length()))
+
+
+def rope_at(positions: Tensor, head_dim: int, max_len: int, base: float) -> Tensor:
+    """`rope_table(head_dim, max_len, base)[positions]` ([..., head_dim/2, 2]) from a table only as long as
+    the positions need."""
+    return rope_table(head_dim, rope_table_length(max_len, positions), base, positions.device)[positions]
+
+
+class RotaryTable:
+    """A table of `rope_table` rows (or their complex `cos + i sin`) for a `max_len` context, built for
+    the positions looked up so far: `table[positions]` -> [..., head_dim/2, 2] (complex: [..., head_dim/2])."""
+
+    def __init__(
+        self, head_dim: int, max_len: int, base: float, device: torch.device | str | None = None,
+        as_complex: bool = False,
+    ) -> None:
+        self.head_dim, self.max_len, self.base, self.device = head_dim, max_len, base, device
+        self.as_complex = as_complex
+        self._table: Tensor | None = None
+
+    def __getitem__(self, positions: Tensor) -> Tensor:
+        length = rope_table_length(self.max_len, positions)
+        if self._table is None or self._table.shape[0] < length:
+            table = rope_table(self.head_dim, length, self.base, self.device)
+            self._table = torch.complex(table[..., 0], table[..., 1]) if self.as_complex else table
+        return self._table[positions]
+
+
 @functools.lru_cache(maxsize=16)
 def _rope_table(head_dim: int, max_len: int, base: float, device: str) -> Tensor:
     with torch.inference_mode(False), torch.no_grad():

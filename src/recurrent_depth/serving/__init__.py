@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from recurrent_depth.config import MAX_NUM_STEPS, check_depth, is_int
 from recurrent_depth.serving.app import MAX_BODY_BYTES, ServerSettings, create_app
 from recurrent_depth.serving.batch import BatchDecoder, RowRequest, TokenResult
 from recurrent_depth.serving.engine import Engine
@@ -46,9 +47,10 @@ __all__ = [
 ]
 
 
-def default_max_num_steps(mean_recurrence: int) -> int:
-    """The deepest recurrence a request may ask for unless the server says otherwise."""
-    return max(64, 4 * mean_recurrence)
+def default_max_num_steps(mean_recurrence: int, max_depth: int | None = None) -> int:
+    """The deepest recurrence a request may ask for unless the server says otherwise: max(64, 4 r̄),
+    never above the depth ceiling (`max_depth`, default MAX_NUM_STEPS)."""
+    return min(max(64, 4 * mean_recurrence), MAX_NUM_STEPS if max_depth is None else max_depth)
 
 
 def build_app(
@@ -63,6 +65,7 @@ def build_app(
     request_timeout: float = 600.0,
     max_num_steps: int | None = None,
     num_steps: int | None = None,
+    max_depth: int | None = None,
     dtype: Any = None,
     device: str = "cpu",
     allowed_hosts: Iterable[str] | None = None,
@@ -76,7 +79,8 @@ def build_app(
     """A ready FastAPI app for a model directory (or a loaded `RecurrentDepthLM` plus `tokenizer_dir`).
 
     `num_steps` is the depth of requests that do not set one (None: the model's mean_recurrence);
-    `max_num_steps` bounds what a request may ask for. `api_key` must be a non-blank string or None
+    `max_num_steps` bounds what a request may ask for, itself at most `max_depth` (the depth ceiling,
+    default MAX_NUM_STEPS). `api_key` must be a non-blank string or None
     (no key). `allowed_hosts`: the Host header names accepted (None: loopback names only; `["*"]`:
     any). `read_timeout`: seconds for a request's head and, separately, for its whole body.
     `stall_timeout`: seconds without progress while requests are open after which /health answers
@@ -101,9 +105,11 @@ def build_app(
     if api_key is not None and not api_key.strip():
         raise ValueError("api_key is blank: pass a non-empty key, or None to serve without one")
     cfg = model.config
-    steps = max_num_steps if max_num_steps is not None else default_max_num_steps(cfg.mean_recurrence)
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"max_num_steps={steps!r} is invalid: expected an integer >= 1")
+    if max_depth is not None and (not is_int(max_depth) or max_depth < 1):
+        raise ValueError(f"max_depth={max_depth!r} is invalid: expected an integer >= 1")
+    ceiling = MAX_NUM_STEPS if max_depth is None else max_depth
+    steps = max_num_steps if max_num_steps is not None else default_max_num_steps(cfg.mean_recurrence, ceiling)
+    check_depth(steps, "max_num_steps", ceiling, low=1)
     if num_steps is not None and (isinstance(num_steps, bool) or not isinstance(num_steps, int)
                                   or not 0 <= num_steps <= steps):
         raise ValueError(f"num_steps={num_steps!r} is invalid: expected an integer in [0, max_num_steps={steps}]")

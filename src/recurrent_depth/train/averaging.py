@@ -22,6 +22,7 @@ import torch
 
 from recurrent_depth.checkpoint import TOKENIZER_FILES, read_state_dict
 from recurrent_depth.config import ModelConfig
+from recurrent_depth.files import CONFIG_MAX_BYTES, read_json
 from recurrent_depth.train.checkpointing import StateView, checkpoints_root, list_checkpoints
 
 
@@ -54,7 +55,7 @@ def ema_state(paths: Sequence[Path], beta: float = 0.9) -> dict[str, torch.Tenso
         raise ValueError("need at least one checkpoint to average")
     if not isinstance(beta, int | float) or isinstance(beta, bool) or not 0 <= beta < 1:
         raise ValueError(f"beta={beta!r} is invalid: expected a number in [0, 1)")
-    configs = [json.loads((Path(p) / "config.json").read_text()) for p in paths]
+    configs = [read_json(Path(p) / "config.json", CONFIG_MAX_BYTES, "config file") for p in paths]
     for path, config in zip(paths[1:], configs[1:]):
         if config != configs[0]:
             raise ValueError(f"{path} has a different config.json from {paths[0]}; only one model's checkpoints "

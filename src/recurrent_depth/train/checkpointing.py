@@ -156,8 +156,19 @@ def save_state_files(directory: Path, stem: str, state: Any) -> None:
 
 
 def load_state_files(directory: Path, stem: str) -> Any:
-    meta = json.loads((directory / f"{stem}.json").read_text())
-    return unflatten_state(meta, read_tensors(directory / f"{stem}.safetensors"))
+    """The state `save_state_files` wrote; a damaged pair of files is one ValueError naming them."""
+    from recurrent_depth.files import parse_safetensors_header, read_json
+
+    tensor_file = directory / f"{stem}.safetensors"
+    meta = read_json(directory / f"{stem}.json", 256 * 2**20, "checkpoint file")
+    parse_safetensors_header(tensor_file)  # truncated or not safetensors: a one-line error
+    tensors = read_tensors(tensor_file)
+    try:
+        return unflatten_state(meta, tensors)
+    except KeyError as exc:
+        raise ValueError(f"{directory / f'{stem}.json'} names tensor {exc} that {tensor_file} does not hold") from None
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{directory / f'{stem}.json'} is not a state this library wrote: {exc}") from None
 
 
 # ------------------------------------------------------------------ RNG
@@ -469,6 +480,20 @@ class LoadedCheckpoint:
     rng: dict[str, torch.Tensor]
 
 
+TRAINER_STATE_FIELDS = ("step", "micro_step", "tokens", "skipped_steps", "elapsed_s", "data")
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """`trainer_state.json` of a checkpoint, with the fields a resume needs (else one ValueError)."""
+    from recurrent_depth.files import read_json
+
+    state = read_json(path / TRAINER_STATE, 256 * 2**20, "checkpoint file")
+    missing = [name for name in TRAINER_STATE_FIELDS if not isinstance(state, dict) or name not in state]
+    if missing:
+        raise ValueError(f"{path / TRAINER_STATE} lacks the fields {missing}; the checkpoint is damaged")
+    return state
+
+
 def load_checkpoint(path: str | Path, rank: int = 0) -> LoadedCheckpoint:
     """Read every part of a checkpoint directory (this rank's RNG state included)."""
     from recurrent_depth.checkpoint import read_state_dict
@@ -482,6 +507,6 @@ def load_checkpoint(path: str | Path, rank: int = 0) -> LoadedCheckpoint:
         path=path,
         model_state=read_state_dict(path),
         optimizer_state=load_state_files(path, "optimizer"),
-        trainer_state=json.loads((path / TRAINER_STATE).read_text()),
+        trainer_state=read_trainer_state(path),
         rng=read_tensors(rng_file) if rng_file.is_file() else {},
     )

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from recurrent_depth.config import PRESETS, ModelConfig, is_int, is_real
+from recurrent_depth.config import MAX_NUM_STEPS, PRESETS, ModelConfig, is_int, is_real
+from recurrent_depth.files import CONFIG_MAX_BYTES, read_text
 from recurrent_depth.train.depth import SCHEMES
 from recurrent_depth.train.optim import OptimConfig
 
@@ -50,6 +51,7 @@ FIELD_HELP: dict[str, str] = {
     "model": "ModelConfig overrides on top of the preset (YAML mapping; CLI: --model-set KEY=VALUE)",
     "data": "corpus: 'stdlib' (the Python standard library's source), a directory, or a .jsonl file",
     "text_field": "JSONL field that holds the text",
+    "follow_symlinks": "read corpus files that are symlinks to files outside the data directory (else refused)",
     "tokenizer": "tokenizer directory; none = train one on the data (its size sets the model's vocab)",
     "vocab_size": "vocabulary of a tokenizer trained here; none = the preset's (at least 512)",
     "tokenizer_max_bytes": "train the tokenizer on at most this many bytes of training text",
@@ -69,7 +71,8 @@ FIELD_HELP: dict[str, str] = {
     "mean_recurrence": "sampler's mean depth r̄; none = the model's mean_recurrence",
     "backprop_depth": "gradient steps k (truncated backprop); none = the model's mean_backprop_depth",
     "depth_sigma": "log-normal spread of the paper's sampler",
-    "max_depth": "cap on a sampled depth (bounds the long tail's cost); none = no cap",
+    "max_depth": "cap on a sampled depth (bounds the long tail's cost) and the depth ceiling of mean_recurrence, "
+                 "backprop_depth and eval_depths; none = no cap on samples, ceiling MAX_NUM_STEPS (1024)",
     "baseline": "non-recurrent baseline: the same model run with one core pass every step",
     "dtype": "compute dtype: float32, or bfloat16 autocast (weights and optimizer stay float32)",
     "compile": "torch.compile the core block (not the loop: one graph serves every depth)",
@@ -101,6 +104,7 @@ class TrainConfig:
     model: dict[str, Any] = field(default_factory=dict)
     data: str = "stdlib"
     text_field: str = "text"
+    follow_symlinks: bool = False
     tokenizer: str | None = None
     vocab_size: int | None = None
     tokenizer_max_bytes: int | None = None
@@ -198,6 +202,12 @@ class TrainConfig:
             raise bad("mean_recurrence", f"an integer for depth_scheme {self.depth_scheme!r}")
         if not is_real(self.depth_sigma) or self.depth_sigma < 0:
             raise bad("depth_sigma", "a number >= 0")
+        ceiling = self.max_depth if self.max_depth is not None else MAX_NUM_STEPS
+        depth_hint = "(the depth ceiling: max_depth, else MAX_NUM_STEPS; raise it with --max-depth)"
+        if self.mean_recurrence is not None and self.mean_recurrence > ceiling:
+            raise bad("mean_recurrence", f"at most {ceiling} {depth_hint}")
+        if self.backprop_depth is not None and self.backprop_depth > ceiling:
+            raise bad("backprop_depth", f"at most {ceiling} {depth_hint}")
         if self.compile_mode not in COMPILE_MODES:
             raise bad("compile_mode", f"one of {COMPILE_MODES}")
         if self.dtype not in DTYPES:
@@ -206,8 +216,10 @@ class TrainConfig:
         if depths is not None and (not isinstance(depths, list) or not depths
                                    or not all(is_int(d) and d >= 0 for d in depths)):
             raise bad("eval_depths", "None or a non-empty list of integers >= 0")
-        for name in ("keep_all", "baseline", "compile", "activation_checkpointing", "keep_freed_memory", "fsdp",
-                     "resume", "progress", "tensorboard"):
+        if depths is not None and max(depths) > ceiling:
+            raise bad("eval_depths", f"depths of at most {ceiling} {depth_hint}")
+        for name in ("follow_symlinks", "keep_all", "baseline", "compile", "activation_checkpointing",
+                     "keep_freed_memory", "fsdp", "resume", "progress", "tensorboard"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "true or false")
         if not isinstance(self.out, str) or not self.out:
@@ -262,7 +274,8 @@ class TrainConfig:
             return sorted(set(self.eval_depths))
         if self.baseline:
             return [1]
-        scaled = {max(1, round(mean_recurrence * f)) for f in EVAL_DEPTH_FRACTIONS}
+        ceiling = self.max_depth if self.max_depth is not None else MAX_NUM_STEPS
+        scaled = {min(ceiling, max(1, round(mean_recurrence * f))) for f in EVAL_DEPTH_FRACTIONS}
         return sorted({1} | scaled)
 
     # ------------------------------------------------------------------ serialisation
@@ -340,7 +353,10 @@ def load_yaml(text: str) -> Any:
     """`yaml.safe_load`, except that `1e-4` (no dot) is a float, as in YAML 1.2."""
     import yaml
 
-    return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
+    try:
+        return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
+    except RecursionError:
+        raise ValueError("YAML nested too deeply to parse") from None
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -349,12 +365,13 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if p.is_dir():
         raise ValueError(f"training config {str(p)!r} is a directory, not a YAML file")
-    if not p.is_file():
-        raise FileNotFoundError(f"training config {str(p)!r} does not exist")
+    text = read_text(p, CONFIG_MAX_BYTES, "training config")  # a regular file of bounded size
     try:
-        data = load_yaml(p.read_text())
+        data = load_yaml(text)
     except yaml.YAMLError as exc:
         raise ValueError(f"training config {str(p)!r} is not valid YAML: {exc}") from exc
+    except ValueError as exc:
+        raise ValueError(f"training config {str(p)!r}: {exc}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -231,7 +231,9 @@ class Trainer:
         from recurrent_depth.data import build_tokenizer, load_corpus, prepare_dataset
 
         cfg, env = self.cfg, self.env
-        source = corpus if corpus is not None else load_corpus(cfg.data, text_field=cfg.text_field)
+        source = corpus if corpus is not None else load_corpus(
+            cfg.data, text_field=cfg.text_field, follow_symlinks=cfg.follow_symlinks
+        )
         if cfg.tokenizer is not None:
             tok_dir = Path(cfg.tokenizer)
             if not (tok_dir / "tokenizer.json").is_file():

@@ -107,8 +107,13 @@ def accuracy_grid(
     encoder: ProblemEncoder | None = None,
     init_scale: float | None = None,
     trained_difficulties: Sequence[int] | None = None,
+    progress: bool = False,
 ) -> AccuracyGrid:
-    """Accuracy on `count` fresh problems per difficulty (seeded; disjoint from training streams by seed)."""
+    """Accuracy on `count` fresh problems per difficulty (seeded; disjoint from training streams by seed).
+
+    `progress`: a progress bar with an ETA on stderr (problems scored out of all)."""
+    from tqdm.auto import tqdm
+
     depths = check_depths(depths)
     encoder = encoder or ProblemEncoder()
     grid = AccuracyGrid(
@@ -118,6 +123,8 @@ def accuracy_grid(
     )
     was_training = model.training
     model.eval()
+    bar = tqdm(total=count * len(difficulties), unit="problem", desc=f"evaluating {task.name} at depths {depths}",
+               dynamic_ncols=True, disable=not progress)
     try:
         for difficulty in difficulties:
             problems = make_problems(task, count, [difficulty], seed=seed)
@@ -128,7 +135,9 @@ def accuracy_grid(
                 hits = answer_correct_at_depths(model, batch, depths, init_scale, seed=seed + start)
                 for depth in depths:
                     correct[depth] += int(hits[depth].sum())
+                bar.update(len(problems[start : start + batch_size]))
             grid.accuracy[difficulty] = {d: correct[d] / count for d in depths}
     finally:
+        bar.close()
         model.train(was_training)
     return grid

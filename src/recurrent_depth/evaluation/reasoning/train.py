@@ -276,7 +276,7 @@ def run_reasoning(config: ReasoningRunConfig, log: Any = print) -> dict[str, Any
     lo, hi = config.train_difficulties[0], stats["curriculum_reached"]
     grid = accuracy_grid(
         model, task, config.resolved_test_difficulties(), config.depths, count=config.eval_count,
-        seed=10_000 + config.seed, trained_difficulties=list(range(lo, hi + 1)),
+        seed=10_000 + config.seed, trained_difficulties=list(range(lo, hi + 1)), progress=True,
     )
     summary = summarize(grid, config, stats)
     (out / "accuracy.json").write_text(json.dumps(grid.to_dict(), indent=2) + "\n")

@@ -16,7 +16,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from recurrent_depth.config import MODEL_PARTS, ModelConfig
-from recurrent_depth.model.layers import rope_table
+from recurrent_depth.model.layers import rope_at
 
 LayerKey = tuple  # ("prelude", i) | ("core", j, step) | ("coda", c)
 
@@ -48,8 +48,7 @@ class MixerContext:
     def rope(self, dim: int) -> tuple[Tensor, Tensor]:
         """(cos, sin) at this call's positions for a rotary dim, each [B, T, 1, dim/2], fp32."""
         if dim not in self._rope:
-            table = rope_table(dim, self.max_seq_len, self.rope_base, self.positions.device)
-            picked = table[self.positions]  # [B, T, dim/2, 2]
+            picked = rope_at(self.positions, dim, self.max_seq_len, self.rope_base)  # [B, T, dim/2, 2]
             self._rope[dim] = (picked[..., 0].unsqueeze(2), picked[..., 1].unsqueeze(2))
         return self._rope[dim]
 

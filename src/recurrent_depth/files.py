@@ -1,0 +1,147 @@
+"""Reading files a user hands us (configs, indexes, tokenizers, weight headers) as untrusted input.
+
+Every read here is bounded: only regular files (never a device such as /dev/zero, a FIFO or a
+socket, which would hang or never end), of at most a stated size, opened without blocking; JSON
+nested deeper than Python's recursion limit is a ValueError, not a RecursionError; a path named
+inside a directory must stay inside it unless the caller allows otherwise. Every failure is one
+ValueError (or FileNotFoundError) line naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+MiB = 2**20
+# Bounds on what we read whole. Generous for real files (the official Huginn-0125 config.json is
+# 2 KB, its tokenizer.json 4 MB; the largest public tokenizer.json files are ~35 MB).
+CONFIG_MAX_BYTES = 16 * MiB
+TOKENIZER_MAX_BYTES = 256 * MiB
+# safetensors' own limit on the JSON header of a weight file.
+SAFETENSORS_HEADER_MAX_BYTES = 100_000_000
+
+
+def open_regular(path: str | os.PathLike[str], max_bytes: int | None = None, what: str = "file") -> tuple[int, int]:
+    """(file descriptor, size) of a regular file of at most `max_bytes`, opened read-only without blocking.
+
+    O_NONBLOCK makes opening a FIFO return at once instead of waiting for a writer; the fstat then
+    refuses it (and every other non-regular file) before anything is read.
+    """
+    try:
+        fd = os.open(os.fspath(path), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {path} does not exist") from None
+    except IsADirectoryError:
+        raise ValueError(f"{what} {path} is a directory, expected a file") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{what} {path} is not a regular file (a device, FIFO or socket); refusing to read it")
+        if max_bytes is not None and info.st_size > max_bytes:
+            raise ValueError(f"{what} {path} has {info.st_size:,} bytes, more than the {max_bytes:,} allowed")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, info.st_size
+
+
+def read_bytes(path: str | os.PathLike[str], max_bytes: int, what: str = "file") -> bytes:
+    """The content of a regular file of at most `max_bytes` (a file growing while read is cut off there)."""
+    fd, _ = open_regular(path, max_bytes, what)
+    with os.fdopen(fd, "rb") as handle:
+        data = handle.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ValueError(f"{what} {path} has more than the {max_bytes:,} bytes allowed")
+    return data
+
+
+def read_text(path: str | os.PathLike[str], max_bytes: int, what: str = "file") -> str:
+    data = read_bytes(path, max_bytes, what)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{what} {path} is not UTF-8 text: {exc}") from None
+
+
+def parse_json(text: str | bytes, source: str) -> Any:
+    """json.loads with one-line errors: invalid JSON and JSON nested too deeply to parse."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{source} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{source} is JSON nested too deeply to parse") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{source} is not UTF-8 text: {exc}") from None
+
+
+def read_json(path: str | os.PathLike[str], max_bytes: int = CONFIG_MAX_BYTES, what: str = "file") -> Any:
+    return parse_json(read_text(path, max_bytes, what), f"{what} {path}")
+
+
+def inside(
+    root: str | os.PathLike[str], name: Any, what: str, allow_outside: bool = False, follow_links: bool = False
+) -> Path:
+    """`root / name`, refused (ValueError) unless it lies inside `root`.
+
+    An absolute name or a `..` component would make a file in someone else's directory tree ours to
+    read; so would a symlink leading out, unless `follow_links` (weight files: a Hugging Face hub
+    snapshot's files are symlinks into its blob store next door). `allow_outside=True` is the
+    caller's explicit opt-in to any path.
+    """
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise ValueError(f"{what} {name!r} is not a file name")
+    path = Path(root) / name
+    if not allow_outside:
+        escapes = Path(name).is_absolute() or ".." in Path(name).parts
+        if not escapes and not follow_links:
+            escapes = not path.resolve().is_relative_to(Path(root).resolve())
+        if escapes:
+            raise ValueError(f"{what} {name!r} lies outside {root}; only files inside the directory are read")
+    return path
+
+
+def parse_safetensors_header(path: str | os.PathLike[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{tensor name: (dtype, shape)} from a safetensors file's header, read without its data.
+
+    Checks what the safetensors format promises (an 8-byte little-endian header length, a JSON
+    header of at most 100 MB, each tensor's bytes inside the file), so that a truncated or forged
+    file is a one-line error before anything is allocated for its tensors.
+    """
+    fd, size = open_regular(path, None, "weights file")
+    with os.fdopen(fd, "rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            raise ValueError(f"weights file {path} is not a safetensors file: it has only {size} bytes")
+        length = int.from_bytes(head, "little")
+        if length > min(SAFETENSORS_HEADER_MAX_BYTES, size - 8):
+            raise ValueError(
+                f"weights file {path} is not a readable safetensors file: its header claims {length:,} bytes "
+                f"(the file has {size:,}; truncated or not safetensors)"
+            )
+        header = parse_json(handle.read(length), f"the safetensors header of {path}")
+    if not isinstance(header, dict):
+        raise ValueError(f"weights file {path} has a safetensors header that is not a JSON object")
+    data_bytes = size - 8 - length
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+            valid = isinstance(dtype, str) and all(isinstance(d, int) and d >= 0 for d in shape)
+            valid = valid and isinstance(start, int) and isinstance(end, int) and 0 <= start <= end
+        except (KeyError, TypeError, ValueError):
+            valid = False
+        if not valid:
+            raise ValueError(f"weights file {path}: the header entry of {name!r} is malformed")
+        if end > data_bytes:
+            raise ValueError(
+                f"weights file {path} is truncated: tensor {name!r} ends at byte {end:,} of the data, "
+                f"which holds {data_bytes:,}"
+            )
+        tensors[name] = (dtype, shape)
+    return tensors

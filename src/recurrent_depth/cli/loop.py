@@ -1,0 +1,233 @@
+"""`rdepth loop pretrain|search|eval`: training-free looping of a transformers causal LM's middle layers.
+
+    rdepth loop pretrain --out runs/loop-demo                     # the demo's small Llama (~5 CPU minutes)
+    rdepth loop search --model runs/loop-demo/model --widths 1,2,3 --iterations 2,3 --save runs/looped
+    rdepth loop eval --model runs/loop-demo/model --windows 3-4 --iterations 1,2,3,4 --rules naive,damped,rk
+
+`search` scores every window of the given widths at each K and rule on held-out text (validation
+loss of the embedded stdlib corpus by default, or --data FILE|DIR|FILE.jsonl) and prints the best;
+`--save DIR` writes the best looped model (its config.json carries the loop, which
+`recurrent_depth.looping.from_pretrained` re-applies). `eval` prints loss against K per window.
+See docs/looping.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from recurrent_depth.cli.common import add_model_arg, add_out_arg
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def _choice_list(allowed: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        values = [v.strip() for v in text.split(",") if v.strip()]
+        bad = [v for v in values if v not in allowed]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(allowed)}, got {text!r}")
+        return values
+    return parse
+
+
+def _window_list(text: str) -> list[tuple[int, int]]:
+    out = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        a, sep, b = part.partition("-")
+        try:
+            window = (int(a), int(b) if sep else int(a))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected windows like 2-3,4 (first-last layer), got {text!r}") from None
+        out.append(window)
+    if not out:
+        raise argparse.ArgumentTypeError("expected at least one window")
+    return out
+
+
+def _add_scoring_args(parser: argparse.ArgumentParser) -> None:
+    from recurrent_depth.looping.config import MODES, RULES
+
+    add_model_arg(parser)
+    parser.add_argument("--data", default="stdlib", metavar="stdlib|FILE|DIR|FILE.jsonl",
+                        help="held-out text: the validation documents of 'stdlib', or a user's text file, directory "
+                             "or .jsonl scored whole (default: %(default)s)")
+    parser.add_argument("--val-fraction", type=float, default=0.02,
+                        help="stdlib's validation share, as in training (default: %(default)s)")
+    parser.add_argument("--split-seed", type=int, default=0, help="seed of the document split (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=8192, help="held-out tokens to score (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=128, help="scoring window in tokens (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=8, help="windows per forward (default: %(default)s)")
+    parser.add_argument("--iterations", type=_int_list, default=[2, 3], help="K values (default: 2,3)")
+    parser.add_argument("--rules", type=_choice_list(RULES), default=["damped"],
+                        help=f"update rules, a subset of {','.join(RULES)} (default: damped)")
+    parser.add_argument("--modes", type=_choice_list(MODES), default=["block"],
+                        help=f"loop modes, a subset of {','.join(MODES)} (default: block)")
+    parser.add_argument("--beta", type=float, default=0.5, help="β of the rk rule (default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "loop", help="loop the middle layers of a pretrained transformers causal LM, without training",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    actions = parser.add_subparsers(dest="action", metavar="<action>")
+
+    pretrain = actions.add_parser("pretrain", help="train the demo's small Llama-style model on the stdlib corpus")
+    from recurrent_depth.looping.pretrain import PretrainRecipe
+
+    defaults = PretrainRecipe()
+    add_out_arg(pretrain, "runs/loop-demo")
+    for flag, field, kind in (("--layers", "num_layers", int), ("--hidden-size", "hidden_size", int),
+                              ("--max-steps", "max_steps", int), ("--max-minutes", "max_minutes", float),
+                              ("--seq-len", "seq_len", int), ("--vocab-size", "vocab_size", int),
+                              ("--seed", "seed", int)):
+        pretrain.add_argument(flag, dest=field, type=kind, default=getattr(defaults, field),
+                              help=f"(default: {getattr(defaults, field)})")
+    pretrain.set_defaults(func=run)
+
+    search = actions.add_parser("search", help="score candidate windows and K on held-out text; print the best")
+    _add_scoring_args(search)
+    search.add_argument("--widths", type=_int_list, default=[1, 2, 3], help="window widths in layers (default: 1,2,3)")
+    search.add_argument("--top", type=int, default=10, help="rows of the table to print (default: %(default)s)")
+    search.add_argument("--save", default=None, metavar="DIR",
+                        help="save the best looped model here (weights, tokenizer, loop in config.json)")
+    add_out_arg(search, "runs/loop-search")
+    search.set_defaults(func=run)
+
+    evaluate = actions.add_parser("eval", help="held-out loss against K for given windows")
+    _add_scoring_args(evaluate)
+    evaluate.add_argument("--windows", type=_window_list, default=None,
+                          help="windows as first-last layer, e.g. 2-3,4 (default: the loop in the model's config)")
+    add_out_arg(evaluate, "runs/loop-eval")
+    evaluate.set_defaults(func=run, iterations=None)
+    parser.set_defaults(func=run, _parser=parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "pretrain":
+        return _pretrain(args)
+    if args.action in ("search", "eval"):
+        return _score(args)
+    args._parser.print_help()
+    return 0
+
+
+def _pretrain(args: argparse.Namespace) -> int:
+    from recurrent_depth.looping.pretrain import PretrainRecipe, pretrain
+
+    recipe = PretrainRecipe(num_layers=args.num_layers, hidden_size=args.hidden_size, max_steps=args.max_steps,
+                            max_minutes=args.max_minutes, seq_len=args.seq_len, vocab_size=args.vocab_size,
+                            seed=args.seed)
+    summary = pretrain(args.out, recipe)
+    print(json.dumps({k: summary[k] for k in ("steps", "train_seconds", "validation_loss", "model_dir")}))
+    return 0
+
+
+def _load(args: argparse.Namespace):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(args.model)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model {args.model!r} is not a model directory (no config.json)")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(args.device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
+
+
+def _score(args: argparse.Namespace) -> int:
+    from recurrent_depth.looping import LoopConfig, apply_loop, find_decoder_layers, loop_of
+    from recurrent_depth.looping.config import CONFIG_KEY
+    from recurrent_depth.looping.evaluate import (
+        candidate_windows,
+        held_out_texts,
+        held_out_windows,
+        loop_grid,
+        score_loops,
+    )
+
+    for name in ("max_tokens", "seq_len", "batch_size"):
+        if getattr(args, name) < (2 if name == "seq_len" else 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    model, tokenizer = _load(args)
+    stored = getattr(model.config, CONFIG_KEY, None)
+    num_layers = len(find_decoder_layers(model)[1])
+    if args.action == "search":
+        windows = candidate_windows(num_layers, args.widths)
+        iterations = args.iterations
+    else:
+        if args.windows is None:
+            if stored is None:
+                raise ValueError("--windows is needed: the model's config.json holds no loop")
+            stored_cfg = LoopConfig.from_dict(stored)
+            args.windows = [(stored_cfg.start, stored_cfg.end)]
+        windows = args.windows
+        iterations = args.iterations or [1, 2, 3, 4]
+    for a, b in windows:
+        LoopConfig(a, b).check_depth(num_layers)
+    configs: list[Any] = [None, *loop_grid(windows, iterations, args.rules, args.modes, beta=args.beta)]
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else model.config.bos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    texts = held_out_texts(args.data, args.val_fraction, args.split_seed)
+    rows = held_out_windows(tokenizer, texts, args.seq_len, args.max_tokens, bos)
+    targets = sum(len(r) - 1 for r in rows)
+    print(f"scoring {len(configs)} configurations on {targets} held-out tokens ({args.data}), {num_layers} layers")
+    scores = score_loops(model, rows, configs, batch_size=args.batch_size, pad_token_id=pad)
+    base = scores[0].loss
+    results = [s.to_dict(base) for s in scores]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {"model": str(args.model), "data": args.data, "tokens": targets, "num_layers": num_layers,
+               "base_loss": round(base, 5), "results": results}
+    if args.action == "search":
+        ranked = sorted(scores[1:], key=lambda s: s.loss)
+        best = ranked[0]
+        summary["best"] = best.to_dict(base)
+        print(_table([scores[0], *ranked[: args.top]], base))
+        print(f"best: {best.config.label()} loss {best.loss:.4f} (base {base:.4f}, {best.loss - base:+.4f})")
+        if args.save:
+            apply_loop(model, best.config)
+            model.save_pretrained(args.save)
+            tokenizer.save_pretrained(args.save)
+            print(f"saved the looped model ({loop_of(model).label()}) to {args.save}")
+    else:
+        print(_k_table(scores, iterations, base))
+    (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"wrote {out / 'results.json'}")
+    return 0
+
+
+def _table(scores: list[Any], base: float) -> str:
+    lines = [f"{'configuration':<34} {'loss':>8} {'Δ base':>8} {'FLOPs×':>7}"]
+    for s in scores:
+        label = "base" if s.config is None else s.config.label()
+        lines.append(f"{label:<34} {s.loss:>8.4f} {s.loss - base:>+8.4f} {s.flops_ratio:>7.3f}")
+    return "\n".join(lines)
+
+
+def _k_table(scores: list[Any], iterations: list[int], base: float) -> str:
+    """Rows: window, mode, rule; columns: loss at each K (K = 1 is the base model)."""
+    ks = sorted(set(iterations) | {1})
+    rows: dict[tuple, dict[int, float]] = {}
+    for s in scores[1:]:
+        c = s.config
+        rule = f"rk β={c.beta:g}" if c.rule == "rk" else c.rule
+        rows.setdefault((f"[{c.start},{c.end}]", c.mode, rule), {1: base})[c.iterations] = s.loss
+    header = f"{'window':<9} {'mode':<6} {'rule':<10}" + "".join(f" {'K=' + str(k):>8}" for k in ks)
+    lines = [header]
+    for (window, mode, rule), by_k in rows.items():
+        cells = "".join(f" {by_k[k]:>8.4f}" if k in by_k else f" {'':>8}" for k in ks)
+        lines.append(f"{window:<9} {mode:<6} {rule:<10}{cells}")
+    return "\n".join(lines)

@@ -1,0 +1,168 @@
+"""Pretrain a small, non-recurrent Llama-style transformers model on the embedded corpus (the looping demo).
+
+No causal LM with weights ships in a package (reference/ecosystem.md §5), so the demo trains one:
+the project's BPE tokenizer and token shards (`recurrent_depth.data`), a `transformers.LlamaConfig`
+model, the project's optimizer recipe (`build_optimizers`, the ``"demo"`` preset's schedule) and a
+plain next-token loop. The result is a normal transformers directory (config.json,
+model.safetensors, tokenizer.json) that `AutoModelForCausalLM` loads, ready to be looped.
+
+The project's `Trainer` builds a `RecurrentDepthLM` from a `ModelConfig`, so it cannot train a
+transformers model; this loop reuses its data pipeline, optimizer and schedule instead.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from recurrent_depth.config import is_int, is_real
+
+MODEL_DIR = "model"
+
+
+@dataclass
+class PretrainRecipe:
+    """The demo's shape and budget (defaults: ~3 CPU minutes on one thread of a 2-core VM)."""
+
+    data: str = "stdlib"
+    vocab_size: int = 2048
+    tokenizer_max_bytes: int = 4_000_000
+    hidden_size: int = 192
+    num_layers: int = 8
+    num_heads: int = 6
+    num_kv_heads: int = 2
+    intermediate_size: int = 512
+    seq_len: int = 128
+    batch_size: int = 8
+    max_steps: int = 320
+    max_minutes: float = 5.0
+    lr: float = 3e-3
+    warmup_steps: int = 30
+    val_fraction: float = 0.02
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                     "seq_len", "batch_size", "max_steps", "tokenizer_max_bytes"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise ValueError(f"PretrainRecipe.{name} must be an integer >= 1, got {value!r}")
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError("PretrainRecipe: hidden_size must divide by num_heads and num_heads by num_kv_heads")
+        for name in ("max_minutes", "lr"):
+            value = getattr(self, name)
+            if not is_real(value) or value <= 0:
+                raise ValueError(f"PretrainRecipe.{name} must be a number > 0, got {value!r}")
+        if not 0 < self.val_fraction < 1:
+            raise ValueError(f"PretrainRecipe.val_fraction must be in (0, 1), got {self.val_fraction!r}")
+
+
+def llama_config(recipe: PretrainRecipe, vocab_size: int, specials: dict[str, int]):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=recipe.hidden_size,
+        intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=recipe.num_layers,
+        num_attention_heads=recipe.num_heads,
+        num_key_value_heads=recipe.num_kv_heads,
+        max_position_embeddings=max(2048, recipe.seq_len),
+        tie_word_embeddings=True,
+        bos_token_id=specials["begin_text"],
+        eos_token_id=specials["end_text"],
+        pad_token_id=specials["pad"],
+    )
+
+
+@torch.no_grad()
+def _rows_loss(model: torch.nn.Module, rows: torch.Tensor, batch_size: int) -> float:
+    total, count = 0.0, 0
+    for i in range(0, rows.shape[0], batch_size):
+        batch = rows[i : i + batch_size]
+        logits = model(batch[:, :-1]).logits
+        total += float(F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum"))
+        count += batch[:, 1:].numel()
+    return total / count
+
+
+def pretrain(out: str | Path, recipe: PretrainRecipe | None = None,
+             log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Train the demo model; write `<out>/model/` and `<out>/pretrain.json`; return the summary."""
+    from transformers import LlamaForCausalLM
+
+    from recurrent_depth.data import build_tokenizer, load_corpus, prepare_dataset, save_tokenizer
+    from recurrent_depth.train.optim import OptimConfig, build_optimizers, clip_and_check_grads
+    from recurrent_depth.train.schedule import set_lr
+
+    recipe = recipe or PretrainRecipe()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    corpus = load_corpus(recipe.data)
+    tok, tok_meta = build_tokenizer(corpus, recipe.vocab_size, val_fraction=recipe.val_fraction, seed=recipe.seed,
+                                    max_bytes=recipe.tokenizer_max_bytes, out_dir=out / "tokenizer")
+    log(f"tokenizer: {tok.get_vocab_size()} tokens in {time.perf_counter() - start:.0f}s")
+    data = prepare_dataset(corpus, out / "tokenizer", recipe.seq_len, out / "data",
+                           val_fraction=recipe.val_fraction, seed=recipe.seed, keep_all=True)
+    log(f"data: {data.metadata['splits']['train']['rows']} training rows of {recipe.seq_len + 1} tokens "
+        f"({time.perf_counter() - start:.0f}s)")
+    specials = tok_meta["special_token_ids"]
+    torch.manual_seed(recipe.seed)
+    model = LlamaForCausalLM(llama_config(recipe, tok.get_vocab_size(), specials))
+    optim = OptimConfig.from_preset("demo", lr=recipe.lr, warmup_steps=recipe.warmup_steps)
+    optimizer = build_optimizers(model, optim)
+    train = data.dataset("train", seed=recipe.seed)
+    val = data.dataset("validation", shuffle=False)
+    val_rows = torch.as_tensor(val.next_batch(min(32, val.num_rows)), dtype=torch.long)
+
+    train_start = time.perf_counter()
+    deadline = train_start + 60.0 * recipe.max_minutes
+    losses: list[float] = []
+    model.train()
+    step = 0
+    for step in range(recipe.max_steps):
+        if time.perf_counter() > deadline:
+            break
+        set_lr(optimizer, optim.lr_at(step, recipe.max_steps))
+        batch = torch.as_tensor(train.next_batch(recipe.batch_size), dtype=torch.long)
+        logits = model(batch[:, :-1]).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        _, finite = clip_and_check_grads(model.parameters(), optim.grad_clip)
+        if finite:
+            optimizer.step()
+        losses.append(loss.item())
+        if step % 50 == 0:
+            log(f"step {step}: loss {losses[-1]:.3f} ({time.perf_counter() - train_start:.0f}s)")
+    else:
+        step = recipe.max_steps
+    train_s = time.perf_counter() - train_start
+    model.eval()
+    val_loss = _rows_loss(model, val_rows, recipe.batch_size)
+    model_dir = out / MODEL_DIR
+    model.save_pretrained(model_dir)
+    save_tokenizer(tok, model_dir)
+    summary = {
+        "recipe": asdict(recipe),
+        "steps": step if step == recipe.max_steps else step,
+        "train_seconds": round(train_s, 1),
+        "total_seconds": round(time.perf_counter() - start, 1),
+        "threads": torch.get_num_threads(),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "final_train_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4),
+        "validation_loss": round(val_loss, 4),
+        "validation_tokens": int(val_rows[:, 1:].numel()),
+        "model_dir": str(model_dir),
+    }
+    (out / "pretrain.json").write_text(json.dumps(summary, indent=2) + "\n")
+    log(f"trained {summary['steps']} steps in {train_s:.0f}s: validation loss {val_loss:.3f} -> {model_dir}")
+    return summary

@@ -29,21 +29,21 @@ MODEL_DIR = "model"
 
 @dataclass
 class PretrainRecipe:
-    """The demo's shape and budget (defaults: ~3 CPU minutes on one thread of a 2-core VM)."""
+    """The demo's shape and budget (defaults: ~5 minutes on one thread of a shared 2-core VM)."""
 
     data: str = "stdlib"
     vocab_size: int = 2048
     tokenizer_max_bytes: int = 4_000_000
-    hidden_size: int = 192
+    hidden_size: int = 128
     num_layers: int = 8
-    num_heads: int = 6
+    num_heads: int = 4
     num_kv_heads: int = 2
-    intermediate_size: int = 512
+    intermediate_size: int = 384
     seq_len: int = 128
-    batch_size: int = 8
-    max_steps: int = 320
-    max_minutes: float = 5.0
-    lr: float = 3e-3
+    batch_size: int = 16
+    max_steps: int = 300
+    max_minutes: float = 5.5
+    lr: float = 4e-3
     warmup_steps: int = 30
     val_fraction: float = 0.02
     seed: int = 0

@@ -1,0 +1,111 @@
+"""`rdepth loop search|eval|pretrain` on a tiny random Llama with the project's tokenizer (no downloads)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from recurrent_depth.cli import main
+from recurrent_depth.data import save_tokenizer, special_token_ids, train_tokenizer
+from recurrent_depth.looping import from_pretrained, loop_of
+from recurrent_depth.looping.evaluate import candidate_windows, held_out_windows, loop_grid
+
+TEXT = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    x: int = 0\n    y: int = 0\n" * 6
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    tok = train_tokenizer([TEXT], vocab_size=300)
+    specials = special_token_ids(tok)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, bos_token_id=specials["begin_text"],
+        eos_token_id=specials["end_text"], pad_token_id=specials["pad"],
+    ))
+    model.save_pretrained(path)
+    save_tokenizer(tok, path)
+    return path
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "held_out.py"
+    path.write_text(TEXT)
+    return path
+
+
+def test_eval_prints_loss_against_k_and_writes_results(model_dir, text_file, tmp_path, capsys):
+    out = tmp_path / "eval"
+    code = main(["loop", "eval", "--model", str(model_dir), "--data", str(text_file), "--windows", "1-2,3",
+                 "--iterations", "1,2,4", "--rules", "naive,damped", "--max-tokens", "60", "--seq-len", "16",
+                 "--out", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "K=4" in printed and "[1,2]" in printed and "[3,3]" in printed
+    results = json.loads((out / "results.json").read_text())
+    assert results["tokens"] == 60
+    labels = [r["label"] for r in results["results"]]
+    assert labels[0] == "base" and len(labels) == 1 + 2 * 2 * 2  # base + windows x K>1 x rules
+    losses = [r["loss"] for r in results["results"]]
+    assert len(set(losses)) > 1  # the loops change the model
+
+
+def test_search_saves_the_best_loop_and_eval_reads_it_back(model_dir, text_file, tmp_path, capsys):
+    saved = tmp_path / "looped"
+    code = main(["loop", "search", "--model", str(model_dir), "--data", str(text_file), "--widths", "1,2",
+                 "--iterations", "2", "--max-tokens", "40", "--seq-len", "16", "--out", str(tmp_path / "s"),
+                 "--save", str(saved)])
+    assert code == 0
+    results = json.loads((tmp_path / "s" / "results.json").read_text())
+    best = results["best"]
+    assert best["loss"] == min(r["loss"] for r in results["results"][1:])
+    assert json.loads((saved / "config.json").read_text())["loop"] == best["config"]
+    assert (saved / "tokenizer.json").is_file()
+    assert loop_of(from_pretrained(str(saved))).to_dict() == best["config"]
+    capsys.readouterr()
+    assert main(["loop", "eval", "--model", str(saved), "--data", str(text_file), "--max-tokens", "20",
+                 "--seq-len", "16", "--iterations", "1,3", "--out", str(tmp_path / "e")]) == 0
+    window = f"[{best['config']['start']},{best['config']['end']}]"
+    assert window in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--windows", "9"], "does not fit a model with 4 decoder layers"),
+        ([], "--windows is needed"),
+        (["--windows", "1", "--seq-len", "1"], "--seq-len must be"),
+    ],
+)
+def test_eval_bad_input_is_one_line_error(model_dir, text_file, capsys, argv, message):
+    assert main(["loop", "eval", "--model", str(model_dir), "--data", str(text_file), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_model_dir_is_one_line_error(tmp_path, capsys):
+    assert main(["loop", "search", "--model", str(tmp_path / "nope")]) == 2
+    assert "not a model directory" in capsys.readouterr().err
+
+
+def test_grid_and_windows():
+    assert candidate_windows(4, [1, 3]) == [(0, 0), (1, 1), (2, 2), (3, 3), (0, 2), (1, 3)]
+    with pytest.raises(ValueError, match="outside 1..4"):
+        candidate_windows(4, [5])
+    grid = loop_grid([(1, 1), (1, 2)], [1, 2], ["damped"], ["block", "layer"])
+    # K = 1 is the base model; a one-layer window is the same in both modes, scored once
+    assert [(c.start, c.end, c.mode) for c in grid] == [(1, 1, "block"), (1, 2, "block"), (1, 2, "layer")]
+
+
+def test_held_out_windows_cover_max_tokens_targets():
+    class Tok:
+        def encode(self, text, add_special_tokens=False):
+            return list(range(len(text)))
+
+    rows = held_out_windows(Tok(), ["abcdefghij", "klmnop"], seq_len=4, max_tokens=11, bos_token_id=99)
+    assert sum(len(r) - 1 for r in rows) == 11
+    assert rows[0] == [99, 0, 1, 2] and rows[1][0] == 2  # windows overlap by one token

@@ -109,3 +109,20 @@ def test_held_out_windows_cover_max_tokens_targets():
     rows = held_out_windows(Tok(), ["abcdefghij", "klmnop"], seq_len=4, max_tokens=11, bos_token_id=99)
     assert sum(len(r) - 1 for r in rows) == 11
     assert rows[0] == [99, 0, 1, 2] and rows[1][0] == 2  # windows overlap by one token
+
+
+def test_pretrain_writes_a_transformers_model_directory(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"doc{i}.py").write_text(TEXT * (i + 1))
+    out = tmp_path / "run"
+    assert main(["loop", "pretrain", "--data", str(corpus), "--out", str(out), "--layers", "2", "--hidden-size", "24",
+                 "--max-steps", "3", "--seq-len", "16", "--vocab-size", "300"]) == 0
+    summary = json.loads((out / "pretrain.json").read_text())
+    assert summary["steps"] == 3 and summary["validation_loss"] > 0
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    assert model.config.num_hidden_layers == 2 and model.config.vocab_size == 300
+    assert AutoTokenizer.from_pretrained(out / "model").bos_token_id == model.config.bos_token_id

@@ -89,8 +89,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     defaults = PretrainRecipe()
     add_out_arg(pretrain, "runs/loop-demo")
+    pretrain.add_argument("--data", default=defaults.data, metavar="stdlib|DIR|FILE.jsonl",
+                          help="training corpus (default: %(default)s)")
     for flag, field, kind in (("--layers", "num_layers", int), ("--hidden-size", "hidden_size", int),
-                              ("--max-steps", "max_steps", int), ("--max-minutes", "max_minutes", float),
+                              ("--max-steps", "max_steps", int), ("--max-cpu-minutes", "max_cpu_minutes", float),
                               ("--seq-len", "seq_len", int), ("--vocab-size", "vocab_size", int),
                               ("--seed", "seed", int)):
         pretrain.add_argument(flag, dest=field, type=kind, default=getattr(defaults, field),
@@ -127,11 +129,11 @@ def run(args: argparse.Namespace) -> int:
 def _pretrain(args: argparse.Namespace) -> int:
     from recurrent_depth.looping.pretrain import PretrainRecipe, pretrain
 
-    recipe = PretrainRecipe(num_layers=args.num_layers, hidden_size=args.hidden_size, max_steps=args.max_steps,
-                            max_minutes=args.max_minutes, seq_len=args.seq_len, vocab_size=args.vocab_size,
+    recipe = PretrainRecipe(data=args.data, num_layers=args.num_layers, hidden_size=args.hidden_size, max_steps=args.max_steps,
+                            max_cpu_minutes=args.max_cpu_minutes, seq_len=args.seq_len, vocab_size=args.vocab_size,
                             seed=args.seed)
     summary = pretrain(args.out, recipe)
-    print(json.dumps({k: summary[k] for k in ("steps", "train_seconds", "validation_loss", "model_dir")}))
+    print(json.dumps({k: summary[k] for k in ("steps", "train_seconds", "train_cpu_seconds", "validation_loss", "model_dir")}))
     return 0
 
 

@@ -129,11 +129,11 @@ def run(args: argparse.Namespace) -> int:
 def _pretrain(args: argparse.Namespace) -> int:
     from recurrent_depth.looping.pretrain import PretrainRecipe, pretrain
 
-    recipe = PretrainRecipe(data=args.data, num_layers=args.num_layers, hidden_size=args.hidden_size, max_steps=args.max_steps,
-                            max_cpu_minutes=args.max_cpu_minutes, seq_len=args.seq_len, vocab_size=args.vocab_size,
-                            seed=args.seed)
+    fields = ("data", "num_layers", "hidden_size", "max_steps", "max_cpu_minutes", "seq_len", "vocab_size", "seed")
+    recipe = PretrainRecipe(**{name: getattr(args, name) for name in fields})
     summary = pretrain(args.out, recipe)
-    print(json.dumps({k: summary[k] for k in ("steps", "train_seconds", "train_cpu_seconds", "validation_loss", "model_dir")}))
+    keys = ("steps", "train_seconds", "train_cpu_seconds", "validation_loss", "model_dir")
+    print(json.dumps({k: summary[k] for k in keys}))
     return 0
 
 

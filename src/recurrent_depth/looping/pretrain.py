@@ -166,5 +166,6 @@ def pretrain(out: str | Path, recipe: PretrainRecipe | None = None,
         "model_dir": str(model_dir),
     }
     (out / "pretrain.json").write_text(json.dumps(summary, indent=2) + "\n")
-    log(f"trained {summary['steps']} steps in {train_s:.0f}s ({train_cpu_s:.0f} CPU s): validation loss {val_loss:.3f} -> {model_dir}")
+    log(f"trained {summary['steps']} steps in {train_s:.0f}s ({train_cpu_s:.0f} CPU s): "
+        f"validation loss {val_loss:.3f} -> {model_dir}")
     return summary

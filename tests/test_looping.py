@@ -308,3 +308,18 @@ def test_loop_config_validation(fields, message):
 def test_flops_ratio_is_one_plus_k_minus_one_times_window_share():
     assert LoopConfig(2, 3, iterations=3).flops_ratio(8) == pytest.approx(1 + 2 * 2 / 8)
     assert LoopConfig(2, 3, iterations=1).flops_ratio(8) == 1.0
+
+
+@pytest.mark.parametrize("run_base_first", [False, True])
+@torch.no_grad()
+def test_output_hidden_states_hold_one_entry_per_layer_and_the_combined_window_output(run_base_first):
+    model = _model()
+    ids = _ids()
+    if run_base_first:  # transformers installs its recording hooks at the first forward that records
+        model(ids, output_hidden_states=True)
+    apply_loop(model, LoopConfig(1, 2, iterations=3))
+    out = model(ids, output_hidden_states=True)
+    assert len(out.hidden_states) == 4 + 1
+    # entry 3 is the window's output (after layer 2): the input of layer 3 reproduces the logits
+    expected = _head(model, _plain(model, 3, out.hidden_states[3]))
+    torch.testing.assert_close(out.logits, expected, atol=ATOL, rtol=0)

@@ -23,7 +23,8 @@ from the pre-loop state (``stash="first"``, free) or an extra pass from the post
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -42,6 +43,30 @@ try:  # transformers is a dependency, but keep the import error readable
     from transformers.cache_utils import Cache
 except ImportError as exc:  # pragma: no cover
     raise ImportError("recurrent_depth.looping needs transformers >= 5") from exc
+
+
+@contextlib.contextmanager
+def _not_recorded() -> Iterator[None]:
+    """Keep the loop's own layer calls out of `output_hidden_states` / `output_attentions`.
+
+    transformers 5 records those with forward hooks that read a context variable (its collector);
+    unset it while the loop runs. Without that variable (another transformers version) the extra
+    passes would be recorded, which changes only those optional outputs.
+    """
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    collector = getattr(output_capturing, "_active_collector", None)
+    if collector is None:  # pragma: no cover
+        yield
+        return
+    token = collector.set(None)
+    try:
+        yield
+    finally:
+        collector.reset(token)
 
 
 class _PeekCache:
@@ -137,8 +162,9 @@ class Looper:
             for i in group:
                 self._handles.append(self.layers[i].register_forward_pre_hook(self._before_layer(i), with_kwargs=True))
             last = group[-1]
+            # prepended: later hooks (transformers' output recording) see the combined state
             self._handles.append(
-                self.layers[last].register_forward_hook(self._after_window(group), with_kwargs=True)
+                self.layers[last].register_forward_hook(self._after_window(group), with_kwargs=True, prepend=True)
             )
 
     def remove(self) -> None:
@@ -194,10 +220,11 @@ class Looper:
             first = output_hidden(output, where)
             self._inside = True
             try:
-                out = combine(self.cfg.rule, self.cfg.iterations, self.cfg.beta, x0,
-                              lambda x: self._window(group, x, write=False), first=first)
-                if self._writes_later():
-                    self._window(group, out, write=True)
+                with _not_recorded():
+                    out = combine(self.cfg.rule, self.cfg.iterations, self.cfg.beta, x0,
+                                  lambda x: self._window(group, x, write=False), first=first)
+                    if self._writes_later():
+                        self._window(group, out, write=True)
             finally:
                 self._inside = False
             return with_output_hidden(output, out)

@@ -29,7 +29,7 @@ MODEL_DIR = "model"
 
 @dataclass
 class PretrainRecipe:
-    """The demo's shape and budget (defaults: 300 steps, about 5 CPU minutes on one thread)."""
+    """The demo's shape and budget (defaults: 700 steps, about 5 CPU minutes on one thread)."""
 
     data: str = "stdlib"
     vocab_size: int = 2048
@@ -41,7 +41,7 @@ class PretrainRecipe:
     intermediate_size: int = 384
     seq_len: int = 128
     batch_size: int = 16
-    max_steps: int = 300
+    max_steps: int = 700
     max_cpu_minutes: float = 6.0  # this process's CPU time (a shared machine's load does not shorten the run)
     lr: float = 4e-3
     warmup_steps: int = 30

@@ -102,3 +102,14 @@ def human_count(count: int) -> str:
         if abs(count) >= size:
             return f"{count / size:.3g} {unit}"
     return str(count)
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type: comma-separated integers, at least one."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values

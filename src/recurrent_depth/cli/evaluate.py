@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import argparse
 
-from recurrent_depth.cli.common import add_device_args, add_model_arg, add_out_arg, add_seed_arg, add_tokenizer_arg
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one integer")
-    return values
+from recurrent_depth.cli.common import (
+    add_device_args,
+    add_model_arg,
+    add_out_arg,
+    add_seed_arg,
+    add_tokenizer_arg,
+    int_list,
+)
 
 
 def _name_list(text: str) -> list[str]:
@@ -41,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_out_arg(parser, "runs/eval")
     add_seed_arg(parser)
     add_device_args(parser)
-    parser.add_argument("--depths", type=_int_list, default=[1, 2, 4, 8, 16, 32],
+    parser.add_argument("--depths", type=int_list, default=[1, 2, 4, 8, 16, 32],
                         help="test-time recurrences to evaluate (default: 1,2,4,8,16,32)")
     parser.add_argument("--data", default="stdlib",
                         help="held-out text: 'stdlib', a directory, a .jsonl file, or 'none' to skip (default: stdlib)")
@@ -55,12 +52,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="scoring window in tokens (default: the model's max_seq_len)")
     parser.add_argument("--reasoning", type=_name_list, default=[],
                         help="reasoning tasks generated in code, e.g. chains,addition (default: none)")
-    parser.add_argument("--difficulties", type=_int_list, default=None,
+    parser.add_argument("--difficulties", type=int_list, default=None,
                         help="difficulties of the reasoning tasks (default: the 9 easiest)")
     parser.add_argument("--count", type=int, default=100, help="problems per difficulty (default: 100)")
     parser.add_argument("--lm-eval-tasks", type=_name_list, default=[],
                         help="lm-eval tasks, the shipped offline rd_* ones included (default: none)")
-    parser.add_argument("--fewshot", type=_int_list, default=[0],
+    parser.add_argument("--fewshot", type=int_list, default=[0],
                         help="few-shot counts for the lm-eval tasks; several give figure 9 (default: 0)")
     parser.add_argument("--limit", type=int, default=None, help="lm-eval examples per task (default: all)")
     parser.add_argument("--baseline", default=None, metavar="DIR",

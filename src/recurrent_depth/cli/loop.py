@@ -18,17 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from recurrent_depth.cli.common import add_model_arg, add_out_arg
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one integer")
-    return values
+from recurrent_depth.cli.common import add_model_arg, add_out_arg, int_list
 
 
 def _choice_list(allowed: tuple[str, ...]):
@@ -68,7 +58,7 @@ def _add_scoring_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=8192, help="held-out tokens to score (default: %(default)s)")
     parser.add_argument("--seq-len", type=int, default=128, help="scoring window in tokens (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=8, help="windows per forward (default: %(default)s)")
-    parser.add_argument("--iterations", type=_int_list, default=[2, 3], help="K values (default: 2,3)")
+    parser.add_argument("--iterations", type=int_list, default=[2, 3], help="K values (default: 2,3)")
     parser.add_argument("--rules", type=_choice_list(RULES), default=["damped"],
                         help=f"update rules, a subset of {','.join(RULES)} (default: damped)")
     parser.add_argument("--modes", type=_choice_list(MODES), default=["block"],
@@ -101,7 +91,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     search = actions.add_parser("search", help="score candidate windows and K on held-out text; print the best")
     _add_scoring_args(search)
-    search.add_argument("--widths", type=_int_list, default=[1, 2, 3], help="window widths in layers (default: 1,2,3)")
+    search.add_argument("--widths", type=int_list, default=[1, 2, 3], help="window widths in layers (default: 1,2,3)")
     search.add_argument("--top", type=int, default=10, help="rows of the table to print (default: %(default)s)")
     search.add_argument("--save", default=None, metavar="DIR",
                         help="save the best looped model here (weights, tokenizer, loop in config.json)")

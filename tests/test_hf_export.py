@@ -21,8 +21,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_remote_code_export_loads_without_the_library(tmp_path):
-    # GQA and a sliding window exercise every branch of the standalone attention.
-    model = make_model_dir(tmp_path / "src", num_kv_heads=2, mixer_options={"window": 5})
+    # GQA, QK-norm and a sliding window exercise every branch of the standalone attention.
+    model = make_model_dir(tmp_path / "src", num_kv_heads=2, qk_norm=True, mixer_options={"window": 5})
     assert main(["export", "--model", str(tmp_path / "src"), "--out", str(tmp_path / "out"), "--remote-code"]) == 0
     out = tmp_path / "out"
     config = json.loads((out / "config.json").read_text())

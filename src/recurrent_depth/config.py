@@ -126,6 +126,7 @@ class ModelConfig:
     rope_base: float = 50_000.0
     norm_eps: float = 1e-6
     qk_bias: bool = True
+    qk_norm: bool = False  # per-head RMSNorm of q and k (gain [head_dim]) before RoPE; off in Huginn
     bias: bool = False
     tie_embeddings: bool = True
     init_scale: float = 1.0
@@ -174,7 +175,7 @@ class ModelConfig:
         need(is_real(self.rope_base) and self.rope_base > 1, "rope_base", "a number > 1")
         need(is_real(self.norm_eps) and 0 < self.norm_eps < 1, "norm_eps", "a number in (0, 1)")
         need(is_real(self.init_scale) and self.init_scale >= 0, "init_scale", "a number >= 0")
-        for name in ("qk_bias", "bias", "tie_embeddings"):
+        for name in ("qk_bias", "qk_norm", "bias", "tie_embeddings"):
             need(isinstance(getattr(self, name), bool), name, "true or false")
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)
@@ -215,7 +216,7 @@ class ModelConfig:
         """Unique parameters of the default attention model (tied embedding counted once)."""
         h, hd, nh, nkv, inter = (self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
                                  self.intermediate_size)
-        attn = h * (nh + 2 * nkv) * hd + nh * hd * h + (nh + nkv) * hd * self.qk_bias
+        attn = h * (nh + 2 * nkv) * hd + nh * hd * h + (nh + nkv) * hd * self.qk_bias + 2 * hd * self.qk_norm
         mlp = 3 * inter * h
         block = attn + mlp + 4 * h
         emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)

@@ -34,6 +34,7 @@ OPTIM_FLAGS: dict[str, tuple[str, type, str]] = {
     "grad_clip": ("grad_clip", float, "gradient-norm clip"),
 }
 SKIPPED_FIELDS = ("model", "optim")
+METAVARS = {"qk_clip": "TAU"}
 
 
 def _field_type(hint: Any) -> tuple[type, bool]:
@@ -101,8 +102,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         elif is_list:
             parser.add_argument(flag, type=_int_list, default=None, metavar="N,N,...", help=help_text)
         else:
-            parser.add_argument(flag, type=base, default=None, metavar=f.name.upper().split("_")[-1],
-                                help=help_text)
+            metavar = METAVARS.get(f.name, f.name.upper().split("_")[-1])
+            parser.add_argument(flag, type=base, default=None, metavar=metavar, help=help_text)
     parser.add_argument("--model-set", action="append", type=_model_set, default=[], metavar="KEY=VALUE",
                         help="override a ModelConfig field, e.g. --model-set hidden_size=128 (repeatable; "
                              "default: the preset's values)")

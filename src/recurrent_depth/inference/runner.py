@@ -103,12 +103,14 @@ class FastRunner(ModelRunner):
     @staticmethod
     def supports(model: Any) -> bool:
         blocks = [*model.transformer.prelude, *model.transformer.core_block, *model.transformer.coda]
-        return all(type(b.attn) is Attention and b.attn.window is None for b in blocks)
+        return all(type(b.attn) is Attention and b.attn.window is None and b.attn.q_norm is None for b in blocks)
 
     def __init__(self, model: Any) -> None:
         super().__init__(model)
         if not self.supports(model):
-            raise ValueError("the fast runner needs every block to be plain softmax attention without a window")
+            raise ValueError(
+                "the fast runner needs every block to be plain softmax attention without a window or QK-norm"
+            )
         cfg = model.config
         t = model.transformer
         h = cfg.hidden_size

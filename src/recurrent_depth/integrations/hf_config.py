@@ -53,6 +53,7 @@ class RecurrentDepthConfig(PretrainedConfig):
     rope_base: float = 50_000.0
     norm_eps: float = 1e-6
     qk_bias: bool = True
+    qk_norm: bool = False
     bias: bool = False
     tie_embeddings: bool = True
     init_scale: float = 1.0

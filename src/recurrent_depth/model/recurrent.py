@@ -84,6 +84,14 @@ class RecurrentDepthLM(nn.Module):
                 ln_f=RMSNorm(h, config.norm_eps),
             )
         )
+        if config.qk_norm:
+            for part in MODEL_PARTS:
+                blocks_of_part = self.transformer["core_block" if part == "core" else part]
+                if any(getattr(block.attn, "q_norm", None) is None for block in blocks_of_part):
+                    raise ValueError(
+                        f"ModelConfig.qk_norm=True is implemented by the 'attention' mixer only, but the {part} "
+                        f"uses mixer {config.mixer_for(part)!r}; set qk_norm false or use 'attention' there"
+                    )
         self.lm_head = Linear(h, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight

@@ -73,6 +73,9 @@ FIELD_HELP: dict[str, str] = {
     "depth_sigma": "log-normal spread of the paper's sampler",
     "max_depth": "cap on a sampled depth (bounds the long tail's cost) and the depth ceiling of mean_recurrence, "
                  "backprop_depth and eval_depths; none = no cap on samples, ceiling MAX_NUM_STEPS (1024)",
+    "qk_clip": "QK-clip threshold tau: after each optimizer step, rescale W_q/W_k of every attention head whose "
+               "max logit in the step (all recurrence steps, all ranks) exceeds tau; none = off",
+    "record_max_logit": "record each step's max attention logit in metrics.jsonl (on whenever qk_clip is set)",
     "baseline": "non-recurrent baseline: the same model run with one core pass every step",
     "dtype": "compute dtype: float32, or bfloat16 autocast (weights and optimizer stay float32)",
     "compile": "torch.compile the core block (not the loop: one graph serves every depth)",
@@ -123,6 +126,8 @@ class TrainConfig:
     backprop_depth: int | None = None
     depth_sigma: float = 0.5
     max_depth: int | None = None
+    qk_clip: float | None = None
+    record_max_logit: bool = False
     baseline: bool = False
     dtype: str = "float32"
     compile: bool = False
@@ -200,6 +205,8 @@ class TrainConfig:
         if (self.depth_scheme in ("fixed", "uniform") and self.mean_recurrence is not None
                 and float(self.mean_recurrence) != int(self.mean_recurrence)):
             raise bad("mean_recurrence", f"an integer for depth_scheme {self.depth_scheme!r}")
+        if self.qk_clip is not None and (not is_real(self.qk_clip) or self.qk_clip <= 0):
+            raise bad("qk_clip", "None or a number > 0 (the max-logit threshold tau)")
         if not is_real(self.depth_sigma) or self.depth_sigma < 0:
             raise bad("depth_sigma", "a number >= 0")
         ceiling = self.max_depth if self.max_depth is not None else MAX_NUM_STEPS
@@ -218,8 +225,8 @@ class TrainConfig:
             raise bad("eval_depths", "None or a non-empty list of integers >= 0")
         if depths is not None and max(depths) > ceiling:
             raise bad("eval_depths", f"depths of at most {ceiling} {depth_hint}")
-        for name in ("follow_symlinks", "keep_all", "baseline", "compile", "activation_checkpointing",
-                     "keep_freed_memory", "fsdp", "resume", "progress", "tensorboard"):
+        for name in ("follow_symlinks", "keep_all", "record_max_logit", "baseline", "compile",
+                     "activation_checkpointing", "keep_freed_memory", "fsdp", "resume", "progress", "tensorboard"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "true or false")
         if not isinstance(self.out, str) or not self.out:

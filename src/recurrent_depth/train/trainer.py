@@ -45,6 +45,7 @@ from recurrent_depth.train.allocator import keep_freed_memory
 from recurrent_depth.train.config import TrainConfig
 from recurrent_depth.train.depth import DepthSampler, stream_seed
 from recurrent_depth.train.optim import OptimConfig, build_optimizers, clip_and_check_grads
+from recurrent_depth.train.qk_clip import QKClip
 from recurrent_depth.train.schedule import lr_at, set_lr
 from recurrent_depth.train.validation import DepthEval, autocast_context, evaluate_depths
 
@@ -202,6 +203,7 @@ class Trainer:
         self.model = RecurrentDepthLM(self.model_config).to(env.device)
         self.wrapped = prepare_model(self.model, cfg, env)
         self.optimizer = build_optimizers(self.model, cfg.optim)
+        self.qk_clip = QKClip(self.model, cfg.qk_clip) if cfg.qk_clip is not None or cfg.record_max_logit else None
         self.train_data = self.data.dataset("train", seed=cfg.seed, rank=env.rank, world_size=env.world_size)
         self.val_data = self.data.dataset("validation", shuffle=False, rank=env.rank, world_size=env.world_size)
         self.tokens_per_step = cfg.batch_size * self.seq_len * cfg.grad_accum * env.world_size
@@ -438,6 +440,8 @@ class Trainer:
             skip_reason = "first_step"
         else:
             self.optimizer.step()
+        # QK-clip after the update, on the maxima this step's training forwards recorded.
+        clip_record = self.qk_clip.step(apply=skip_reason is None) if self.qk_clip is not None else {}
         self.optimizer.zero_grad(set_to_none=True)
         loss_value = ddist.mean_across_ranks(float(loss_sum) / cfg.grad_accum, env)
         state.step += 1
@@ -462,6 +466,7 @@ class Trainer:
             "step_s": seconds,
             "elapsed_s": state.elapsed_s,
             **extra,
+            **clip_record,
         }
 
     # ------------------------------------------------------------------ budget and schedule
@@ -675,7 +680,7 @@ class Trainer:
         if self.tb is None:
             return
         step = record["step"]
-        for key in ("loss", "lr", "tokens_per_s", "grad_norm"):
+        for key in ("loss", "lr", "tokens_per_s", "grad_norm", "max_logit"):
             if record.get(key) is not None:
                 self.tb.add_scalar(f"train/{key}", record[key], step)
         self.tb.add_scalar("train/depth", sum(record["num_steps"]) / len(record["num_steps"]), step)

@@ -56,6 +56,7 @@ class RecurrentDepthConfig(PretrainedConfig):
     rope_base: float = 50_000.0
     norm_eps: float = 1e-6
     qk_bias: bool = True
+    qk_norm: bool = False
     bias: bool = False
     tie_embeddings: bool = True
     init_scale: float = 1.0
@@ -154,6 +155,10 @@ class Attention(nn.Module):
             else:
                 self.q_bias = nn.Parameter(torch.zeros(self.num_heads, self.head_dim))
                 self.k_bias = nn.Parameter(torch.zeros(self.num_kv_heads, self.head_dim))
+        self.qk_norm = getattr(config, "qk_norm", False)
+        if self.qk_norm:  # per-head RMSNorm of q and k, one gain [head_dim], before RoPE
+            self.q_norm = RMSNorm(self.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.norm_eps)
 
     def forward(self, x: Tensor, ctx: Context, layer_key: tuple) -> Tensor:
         B, T, _ = x.shape
@@ -165,6 +170,8 @@ class Attention(nn.Module):
                 q, k = q + self.qk_bias[0], k + self.qk_bias[1]
             else:
                 q, k = q + self.q_bias, k + self.k_bias
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
         if ctx.cache is not None:
             k, v = ctx.cache.update_kv(layer_key, k, v)  # [B, past + T, Hkv, D]

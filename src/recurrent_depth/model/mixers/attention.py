@@ -4,6 +4,15 @@ Grouped-query attention (`num_kv_heads < num_heads`; the config's value, or the 
 `num_kv_heads`, 1 = multi-query) and an optional sliding window are supported.
 With `num_kv_heads == num_heads` the q/k bias is the checkpoint's single `qk_bias` [2, 1, H, D];
 with GQA the two biases have different head counts and are stored as `q_bias` / `k_bias`.
+
+`config.qk_norm` adds QK-norm (Qwen3's form): q and k are RMS-normalised over head_dim per head,
+times a learnable gain of size head_dim shared by the heads (`q_norm.weight`, `k_norm.weight`),
+after the projection and q/k bias and before RoPE. RoPE is a rotation, so every scaled logit
+q.k / sqrt(D) is then at most max|g_q| * max|g_k| * sqrt(D). Off by default (Huginn has none).
+
+For QK-clip (`recurrent_depth.train.qk_clip`) the mixer can record, during training forwards,
+the per-head maximum of its pre-softmax logits (`record_max_logit`), and rescale its heads
+(`clip_heads`).
 """
 
 from __future__ import annotations
@@ -13,13 +22,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from recurrent_depth.config import ModelConfig
-from recurrent_depth.model.layers import apply_rope
+from recurrent_depth.model.layers import RMSNorm, apply_rope
 from recurrent_depth.model.linear import Linear
 from recurrent_depth.model.mixers.base import LayerKey, MixerContext, register_mixer
+from recurrent_depth.model.mixers.logits import MaxLogitRecorder, scale_parameter
 
 
 @register_mixer("attention")
-class Attention(nn.Module):
+class Attention(MaxLogitRecorder, nn.Module):
     def __init__(
         self, config: ModelConfig, part: str = "core", window: int | None = None, num_kv_heads: int | None = None
     ) -> None:
@@ -48,6 +58,8 @@ class Attention(nn.Module):
             else:
                 self.q_bias = nn.Parameter(torch.zeros(self.num_heads, self.head_dim))
                 self.k_bias = nn.Parameter(torch.zeros(self.num_kv_heads, self.head_dim))
+        self.q_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
 
     def qkv(self, x: Tensor, ctx: MixerContext) -> tuple[Tensor, Tensor, Tensor]:
         """Project and rotate: q [B, T, H, D], k and v [B, T, Hkv, D]."""
@@ -64,6 +76,8 @@ class Attention(nn.Module):
                 q, k = q + self.qk_bias[0], k + self.qk_bias[1]
             else:
                 q, k = q + self.q_bias, k + self.k_bias
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = ctx.rope(D)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
@@ -75,11 +89,44 @@ class Attention(nn.Module):
         mask, is_causal = ctx.attn_mask, ctx.is_causal
         if self.window is not None:
             mask, is_causal = window_mask(ctx, k.shape[1], self.window), False
+        if self.record_max_logit and self.training:
+            self.observe_logits(q, k, self.head_dim**-0.5, mask, is_causal)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [B, H, T, D]
             attn_mask=mask, is_causal=is_causal, enable_gqa=self.num_kv_heads != self.num_heads,
         )
         return self.proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+    @torch.no_grad()
+    def clip_heads(self, gamma: Tensor) -> None:
+        """Scale head h's logits by gamma[h] <= 1 (QK-clip): sqrt(gamma) on its q and on its k.
+
+        Parameters touched: the q and k rows of `Wqkv` (and of its bias), the q/k bias; with GQA a
+        key head serves several query heads, so the whole gamma goes on the query side. With
+        QK-norm the weights cannot change the logits (the norm removes their scale): the shared
+        gains are scaled instead, by the smallest gamma of the layer (one gain serves every head).
+        """
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        gamma = gamma.to(torch.float64)
+        if self.q_norm is not None:
+            scale = float(gamma.min())
+            q_scale, k_scale = (scale**0.5, scale**0.5) if Hkv == H else (scale, 1.0)
+            scale_parameter(self.q_norm.weight, torch.full((D,), q_scale, dtype=torch.float64))
+            scale_parameter(self.k_norm.weight, torch.full((D,), k_scale, dtype=torch.float64))
+            return
+        q_heads, k_heads = (gamma.sqrt(), gamma.sqrt()) if Hkv == H else (gamma, torch.ones(Hkv, dtype=gamma.dtype))
+        q_rows, k_rows = q_heads.repeat_interleave(D), k_heads.repeat_interleave(D)
+        rows = torch.cat([q_rows, k_rows, torch.ones(Hkv * D, dtype=gamma.dtype)])  # [q | k | v] of Wqkv
+        scale_parameter(self.Wqkv.weight, rows[:, None].expand(self.Wqkv.weight.shape))
+        if self.Wqkv.bias is not None:
+            scale_parameter(self.Wqkv.bias, rows)
+        if self.has_qk_bias:
+            if Hkv == H:
+                both = torch.stack([q_heads, k_heads])[:, None, :, None]  # [2, 1, H, 1]
+                scale_parameter(self.qk_bias, both.expand(self.qk_bias.shape))
+            else:
+                scale_parameter(self.q_bias, q_heads[:, None].expand(self.q_bias.shape))
+                scale_parameter(self.k_bias, k_heads[:, None].expand(self.k_bias.shape))
 
     def state_nbytes(self, batch: int, seq_len: int, dtype: torch.dtype = torch.float32) -> int:
         """KV cache of one layer after `seq_len` tokens: 2 * Hkv * D elements per token."""

@@ -27,12 +27,13 @@ from recurrent_depth.config import ModelConfig
 from recurrent_depth.model.layers import RMSNorm, apply_rope
 from recurrent_depth.model.mixers.base import LayerKey, MixerContext, register_mixer
 from recurrent_depth.model.mixers.common import check_choice, check_int, nbytes, or_default
+from recurrent_depth.model.mixers.logits import MaxLogitRecorder, scale_parameter
 
 ATTN_IMPLS = ("auto", "naive", "absorb")
 
 
 @register_mixer("mla")
-class MultiHeadLatentAttention(nn.Module):
+class MultiHeadLatentAttention(MaxLogitRecorder, nn.Module):
     mixer_name = "mla"
 
     def __init__(
@@ -139,8 +140,33 @@ class MultiHeadLatentAttention(nn.Module):
         if ctx.cache is not None:
             c_kv, k_rope = ctx.cache.update_kv(layer_key, c_kv[:, :, None], k_rope[:, :, None], ctx)
             c_kv, k_rope = c_kv[:, :, 0], k_rope[:, :, 0]  # [B, S, d_c], [B, S, d_R]
+        if self.record_max_logit and self.training:
+            self.observe_mla_logits(q_nope, q_rope, c_kv, k_rope, ctx)
         o = self.attend(q_nope, q_rope, c_kv, k_rope, ctx.attn_mask, ctx.is_causal, self.resolve_impl(ctx))
         return self.proj(o.reshape(B, T, self.num_heads * self.v_head_dim))
+
+    def observe_mla_logits(self, q_nope: Tensor, q_rope: Tensor, c_kv: Tensor, k_rope: Tensor,
+                           ctx: MixerContext) -> None:
+        """Record the per-head max logit (QK-clip) from the per-head keys [W_UK,h c_kv ; k_R]."""
+        B, S, H = c_kv.shape[0], c_kv.shape[1], self.num_heads
+        with torch.no_grad():
+            k_nope = self.wkv_b(c_kv).view(B, S, H, -1)[..., : self.qk_nope_dim]
+            k = torch.cat([k_nope, k_rope[:, :, None].expand(B, S, H, self.qk_rope_dim)], dim=-1)
+            self.observe_logits(torch.cat([q_nope, q_rope], dim=-1), k, self.scale, ctx.attn_mask, ctx.is_causal)
+
+    @torch.no_grad()
+    def clip_heads(self, gamma: Tensor) -> None:
+        """QK-clip as Kimi K2 does for MLA: head h's content parts (q_nope,h rows of the query
+        projection and k_nope,h rows of W_UK) by sqrt(gamma[h]), its rotary query rows by gamma[h];
+        the rotary key k_R is shared by every head and stays as it is."""
+        gamma = gamma.to(torch.float64)
+        d_nope, d_rope, d_v = self.qk_nope_dim, self.qk_rope_dim, self.v_head_dim
+        q_rows = torch.cat([gamma.sqrt()[:, None].expand(-1, d_nope), gamma[:, None].expand(-1, d_rope)], 1)
+        wq = self.wq_b if self.q_lora_rank else self.wq
+        scale_parameter(wq.weight, q_rows.reshape(-1, 1).expand(wq.weight.shape))
+        ones = torch.ones(len(gamma), d_v, dtype=gamma.dtype)
+        kv_rows = torch.cat([gamma.sqrt()[:, None].expand(-1, d_nope), ones], 1)
+        scale_parameter(self.wkv_b.weight, kv_rows.reshape(-1, 1).expand(self.wkv_b.weight.shape))
 
     def state_nbytes(self, batch: int, seq_len: int, dtype: torch.dtype = torch.float32) -> int:
         """Latent cache of one layer: (d_c + d_R) elements per token."""

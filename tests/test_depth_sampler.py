@@ -230,3 +230,57 @@ def test_numpy_integer_scalars_are_steps() -> None:
 def test_to_dict_round_trips() -> None:
     sampler = DepthSampler(8, 4, sigma=0.3, seed=9, scheme="uniform", max_steps=12)
     assert DepthSampler(**sampler.to_dict()) == sampler
+
+
+# ---------------------------------------------------------------------------- curriculum and per-rank draws
+
+
+def test_curriculum_ramps_the_mean_linearly_then_holds_it() -> None:
+    sampler = DepthSampler(mean_recurrence=16, backprop_depth=4, seed=0, ramp_steps=100, ramp_start=2.0)
+    assert [sampler.mean_at(s) for s in (0, 25, 50, 100, 5000)] == [2.0, 5.5, 9.0, 16.0, 16.0]
+    early = sum(sampler.total_steps(s) for s in range(0, 20)) / 20
+    late = sum(sampler.total_steps(s) for s in range(1000, 1400)) / 400
+    assert early < 6 and 15 < late < 19  # E[r] = mean + 1 on the plateau
+    fixed = DepthSampler(mean_recurrence=8, backprop_depth=2, scheme="fixed", ramp_steps=10)
+    assert [fixed.total_steps(s) for s in (0, 5, 10)] == [1, 4, 8]  # integer means for fixed/uniform
+    plain = DepthSampler(mean_recurrence=16, backprop_depth=4, seed=0)
+    assert [sampler.total_steps(s) for s in range(100, 140)] == [plain.total_steps(s) for s in range(100, 140)]
+
+
+def test_per_rank_draws_differ_between_ranks_and_locked_step_does_not() -> None:
+    locked = DepthSampler(mean_recurrence=8, backprop_depth=2, seed=3)
+    assert all(locked.sample(s, 0) == locked.sample(s, 1) for s in range(50))
+    free = DepthSampler(mean_recurrence=8, backprop_depth=2, seed=3, per_rank=True)
+    rank0, rank1 = [free.total_steps(s, 0) for s in range(200)], [free.total_steps(s, 1) for s in range(200)]
+    assert sum(a != b for a, b in zip(rank0, rank1)) > 150
+    assert rank0 == [free.total_steps(s, 0) for s in range(200)]  # still deterministic per (seed, step, rank)
+    assert 7 < sum(rank1) / 200 < 11
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"ramp_steps": -1}, "ramp_steps"), ({"ramp_start": 0.5}, "ramp_start"), ({"per_rank": 1}, "per_rank")],
+)
+def test_schedule_options_are_checked(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        DepthSampler(mean_recurrence=8, backprop_depth=2, **kwargs)
+
+
+def test_train_config_turns_the_curriculum_share_into_micro_steps() -> None:
+    from recurrent_depth.cli import build_parser
+    from recurrent_depth.cli.train import config_from_args
+    from recurrent_depth.train.config import TrainConfig
+
+    cfg = TrainConfig(max_steps=200, grad_accum=2, depth_curriculum=0.25)
+    assert cfg.curriculum_micro_steps(seq_len=64, world_size=1) == 100
+    tokens = TrainConfig(max_steps=None, max_tokens=8 * 64 * 40, depth_curriculum=0.5)
+    assert tokens.curriculum_micro_steps(seq_len=64, world_size=2) == 10  # 20 optimizer steps on two ranks
+    assert TrainConfig().curriculum_micro_steps(64, 1) == 0
+    with pytest.raises(ValueError, match="depth_curriculum"):
+        TrainConfig(max_steps=None, max_minutes=5.0, depth_curriculum=0.1)
+    with pytest.raises(ValueError, match="depth_curriculum"):
+        TrainConfig(depth_curriculum=1.5)
+    args = build_parser("train").parse_args(
+        ["train", "--depth-curriculum", "0.3", "--depth-curriculum-start", "2", "--depth-per-rank"])
+    cfg = config_from_args(args)
+    assert (cfg.depth_curriculum, cfg.depth_curriculum_start, cfg.depth_per_rank) == (0.3, 2.0, True)

@@ -91,3 +91,49 @@ def test_state_moves_between_torch_muon_and_ours():
     for p, before in zip(params, buffers):
         torch.testing.assert_close(ours.state[p]["momentum_buffer"], before.lerp(p.grad, 1 - 0.95))
     assert set(ours.state_dict()["state"][0]) == {"momentum_buffer"}
+
+
+NOTES_NS5 = (3.4445, -4.7750, 2.0315)  # research notes, "Muon: Implementation" (Keller Jordan's coefficients)
+
+
+def test_torch_muon_uses_the_notes_ns5_coefficients_and_so_do_we():
+    import inspect
+
+    from recurrent_depth.train.optim import OptimConfig, build_optimizers
+
+    assert inspect.signature(torch.optim.Muon).parameters["ns_coefficients"].default == NOTES_NS5
+    assert inspect.signature(torch.optim.Muon).parameters["ns_steps"].default == 5
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    muon = next(o for o in build_optimizers(model, OptimConfig(name="muon")) if isinstance(o, Muon))
+    assert muon.param_groups[0]["ns_coefficients"] == NOTES_NS5 and muon.param_groups[0]["ns_steps"] == 5
+
+
+def ns5_polynomial(x: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """phi^steps(x) with phi(x) = a x + b x^3 + c x^5: what NS5 does to each normalised singular value."""
+    a, b, c = NOTES_NS5
+    for _ in range(steps):
+        x = a * x + b * x**3 + c * x**5
+    return x
+
+
+@pytest.mark.parametrize("impl", ["torch-bf16", "ours-fp32"])
+@pytest.mark.parametrize("shape", [(64, 128), (128, 48)], ids=["wide", "tall"])
+def test_ns5_keeps_singular_vectors_and_maps_singular_values_into_the_band(impl, shape):
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    gen = torch.Generator().manual_seed(0)
+    G = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    if impl == "torch-bf16":
+        out = _zeropower_via_newtonschulz(G.float(), NOTES_NS5, 5, 1e-7).double()
+        tol = 0.03  # five iterations of bf16 rounding
+    else:
+        out = newton_schulz(G.float(), NOTES_NS5, 5, 1e-7, torch.float32).double()
+        tol = 1e-4
+    U, S, Vh = torch.linalg.svd(G, full_matrices=False)
+    in_basis = U.T @ out @ Vh.T  # = diag(phi^5(S / ||G||_F)) when the singular vectors are kept
+    diagonal = in_basis.diagonal()
+    off = in_basis - torch.diag(diagonal)
+    assert off.abs().max() < tol
+    torch.testing.assert_close(diagonal, ns5_polynomial(S / G.norm()), atol=tol, rtol=0)
+    singular_values = torch.linalg.svdvals(out)
+    assert singular_values.min() >= 0.6 and singular_values.max() <= 1.2

@@ -73,6 +73,11 @@ FIELD_HELP: dict[str, str] = {
     "depth_sigma": "log-normal spread of the paper's sampler",
     "max_depth": "cap on a sampled depth (bounds the long tail's cost) and the depth ceiling of mean_recurrence, "
                  "backprop_depth and eval_depths; none = no cap on samples, ceiling MAX_NUM_STEPS (1024)",
+    "depth_curriculum": "share of the run (0..1) over which the mean depth ramps up linearly from "
+                        "depth_curriculum_start to r̄ (needs max_steps or max_tokens); 0 = no curriculum",
+    "depth_curriculum_start": "the curriculum's first mean depth",
+    "depth_per_rank": "each data-parallel rank draws its own depth (seeded by seed, micro-batch, rank) instead "
+                      "of one locked-step depth for all ranks",
     "qk_clip": "QK-clip threshold tau: after each optimizer step, rescale W_q/W_k of every attention head whose "
                "max logit in the step (all recurrence steps, all ranks) exceeds tau; none = off",
     "record_max_logit": "record each step's max attention logit in metrics.jsonl (on whenever qk_clip is set)",
@@ -126,6 +131,9 @@ class TrainConfig:
     backprop_depth: int | None = None
     depth_sigma: float = 0.5
     max_depth: int | None = None
+    depth_curriculum: float = 0.0
+    depth_curriculum_start: float = 1.0
+    depth_per_rank: bool = False
     qk_clip: float | None = None
     record_max_logit: bool = False
     baseline: bool = False
@@ -205,6 +213,12 @@ class TrainConfig:
         if (self.depth_scheme in ("fixed", "uniform") and self.mean_recurrence is not None
                 and float(self.mean_recurrence) != int(self.mean_recurrence)):
             raise bad("mean_recurrence", f"an integer for depth_scheme {self.depth_scheme!r}")
+        if not is_real(self.depth_curriculum) or not 0 <= self.depth_curriculum <= 1:
+            raise bad("depth_curriculum", "a share of the run in [0, 1] (0 = no curriculum)")
+        if self.depth_curriculum and self.max_steps is None and self.max_tokens is None:
+            raise bad("depth_curriculum", "0 when the run has only a time budget (set max_steps or max_tokens)")
+        if not is_real(self.depth_curriculum_start) or self.depth_curriculum_start < 1:
+            raise bad("depth_curriculum_start", "a number >= 1")
         if self.qk_clip is not None and (not is_real(self.qk_clip) or self.qk_clip <= 0):
             raise bad("qk_clip", "None or a number > 0 (the max-logit threshold tau)")
         if not is_real(self.depth_sigma) or self.depth_sigma < 0:
@@ -225,7 +239,7 @@ class TrainConfig:
             raise bad("eval_depths", "None or a non-empty list of integers >= 0")
         if depths is not None and max(depths) > ceiling:
             raise bad("eval_depths", f"depths of at most {ceiling} {depth_hint}")
-        for name in ("follow_symlinks", "keep_all", "record_max_logit", "baseline", "compile",
+        for name in ("follow_symlinks", "keep_all", "depth_per_rank", "record_max_logit", "baseline", "compile",
                      "activation_checkpointing", "keep_freed_memory", "fsdp", "resume", "progress", "tensorboard"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "true or false")
@@ -263,6 +277,15 @@ class TrainConfig:
         if self.seq_len is not None:
             values["max_seq_len"] = max(self.seq_len, values.get("max_seq_len", PRESETS[self.preset]["max_seq_len"]))
         return ModelConfig.from_preset(self.preset, **values)
+
+    def curriculum_micro_steps(self, seq_len: int, world_size: int) -> int:
+        """The depth curriculum's length in micro-batches (0 without one), from the step or token budget."""
+        if not self.depth_curriculum:
+            return 0
+        budgets = [self.max_steps] if self.max_steps is not None else []
+        if self.max_tokens is not None:
+            budgets.append(-(-self.max_tokens // (self.batch_size * seq_len * self.grad_accum * world_size)))
+        return round(self.depth_curriculum * min(budgets) * self.grad_accum)
 
     def resolved_seq_len(self, model_cfg: ModelConfig) -> int:
         return self.seq_len if self.seq_len is not None else model_cfg.max_seq_len

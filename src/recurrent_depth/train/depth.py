@@ -13,6 +13,14 @@ and truncates backpropagation to the last ``k`` steps:
 The pair ``(no_grad_steps, grad_steps)`` is exactly what ``RecurrentDepthLM.forward(num_steps=(n, k))``
 takes. Note the ``+ 1``: the mean *total* depth is ``r_bar + 1`` (33 for the paper's r_bar = 32).
 
+Schedules beside the paper's: a **curriculum** (``ramp_steps > 0``) moves the mean depth linearly
+from ``ramp_start`` to ``r_bar`` over the first ``ramp_steps`` micro-batches and keeps ``r_bar``
+after (any scheme; ``fixed`` and ``uniform`` round the mean to an integer), so early training,
+when deep unrolls cost most and teach least, runs shallow. **Per-rank draws** (``per_rank=True``)
+give each data-parallel rank its own depth stream (seeded by ``(seed, step, rank)``) instead of
+the locked step: the ranks' micro-batches then cover more depths per optimizer step, at the cost
+of the fastest rank waiting for the deepest at the gradient all-reduce.
+
 Determinism. Every draw uses a fresh ``torch.Generator`` seeded from ``(seed, step)`` only, where
 ``step`` is the global micro-batch index. So every data-parallel rank draws the same depth for the
 same step ("locked-step", as in the Huginn run), a resumed run draws the same depths as an
@@ -80,6 +88,11 @@ class DepthSampler:
             (``r`` uniform on the integers ``1 .. 2*r_bar - 1``, mean ``r_bar``).
         max_steps: optional cap on the total depth ``r`` (>= 1), to bound the cost of the log-normal's long
             tail (P(r > 2*r_bar) is about 6% at sigma 0.5). ``None`` = no cap.
+        ramp_steps: curriculum length in micro-batches (>= 0; 0 = no curriculum): the mean depth goes
+            linearly from ``ramp_start`` at step 0 to ``mean_recurrence`` at ``ramp_steps``.
+        ramp_start: the curriculum's first mean depth (>= 1).
+        per_rank: draw a separate depth per data-parallel rank (``sample(step, rank)``) instead of one
+            locked-step depth for all ranks.
 
     Difference from the reference code: when ``mean_recurrence < backprop_depth``, the official training
     code centres the log-normal on ``max(r_bar, k)`` (it uses ``ln(t + s)`` with
@@ -99,6 +112,9 @@ class DepthSampler:
     seed: int = 0
     scheme: str = "poisson-lognormal"
     max_steps: int | None = None
+    ramp_steps: int = 0
+    ramp_start: float = 1.0
+    per_rank: bool = False
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -116,31 +132,53 @@ class DepthSampler:
             raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
         if self.max_steps is not None and (not is_int(self.max_steps) or self.max_steps < 1):
             raise ValueError(f"max_steps must be None or an integer >= 1, got {self.max_steps!r}")
+        if not is_int(self.ramp_steps) or self.ramp_steps < 0:
+            raise ValueError(f"ramp_steps must be an integer >= 0 (0 = no curriculum), got {self.ramp_steps!r}")
+        if not is_real(self.ramp_start) or self.ramp_start < 1:
+            raise ValueError(f"ramp_start must be a finite number >= 1, got {self.ramp_start!r}")
+        if not isinstance(self.per_rank, bool):
+            raise ValueError(f"per_rank must be True or False, got {self.per_rank!r}")
 
-    def total_steps(self, step: int) -> int:
-        """Total depth ``r`` (>= 1) for global micro-batch ``step`` (>= 0), after the ``max_steps`` cap."""
+    def mean_at(self, step: int) -> float:
+        """The mean depth at micro-batch ``step``: ``mean_recurrence``, or on the curriculum's ramp."""
+        if self.ramp_steps == 0 or step >= self.ramp_steps:
+            mean = float(self.mean_recurrence)
+        else:
+            mean = self.ramp_start + (self.mean_recurrence - self.ramp_start) * step / self.ramp_steps
+        return mean if self.scheme == "poisson-lognormal" else float(max(1, round(mean)))
+
+    def total_steps(self, step: int, rank: int = 0) -> int:
+        """Total depth ``r`` (>= 1) for global micro-batch ``step`` (>= 0), after the ``max_steps`` cap.
+
+        ``rank`` matters only with ``per_rank`` (otherwise every rank draws the same depth)."""
         if isinstance(step, numbers.Integral) and not isinstance(step, bool):
             step = int(step)  # numpy integer scalars are fine
         if not is_int(step) or step < 0:
             raise ValueError(f"step must be an integer >= 0 (the global micro-batch index), got {step!r}")
+        if not is_int(rank) or rank < 0:
+            raise ValueError(f"rank must be an integer >= 0, got {rank!r}")
+        mean = self.mean_at(step)
         if self.scheme == "fixed":
-            r = int(self.mean_recurrence)
+            r = int(mean)
         else:
-            gen = torch.Generator(device="cpu").manual_seed(stream_seed(self.seed, step))
+            seed = stream_seed(self.seed, step)
+            if self.per_rank:
+                seed = stream_seed(seed, rank + 1)
+            gen = torch.Generator(device="cpu").manual_seed(seed)
             if self.scheme == "uniform":
-                r = int(torch.randint(1, 2 * int(self.mean_recurrence), (), generator=gen))
+                r = int(torch.randint(1, 2 * int(mean), (), generator=gen))
             else:
                 # mu = log(r_bar) - sigma^2/2 makes E[exp(tau)] = r_bar, hence E[r] = r_bar + 1.
-                mu = math.log(self.mean_recurrence) - 0.5 * self.sigma**2
+                mu = math.log(mean) - 0.5 * self.sigma**2
                 tau = mu + self.sigma * torch.randn((), generator=gen, dtype=torch.float64)
                 r = int(torch.poisson(tau.exp(), generator=gen)) + 1
         if self.max_steps is not None:
             r = min(r, self.max_steps)
         return r
 
-    def sample(self, step: int) -> tuple[int, int]:
-        """``(no_grad_steps, grad_steps)`` for global micro-batch ``step``; pass it as ``num_steps``."""
-        return truncate(self.total_steps(step), self.backprop_depth)
+    def sample(self, step: int, rank: int = 0) -> tuple[int, int]:
+        """``(no_grad_steps, grad_steps)`` for global micro-batch ``step`` (on ``rank``); pass it as ``num_steps``."""
+        return truncate(self.total_steps(step, rank), self.backprop_depth)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-data description (for run metadata and checkpoints)."""

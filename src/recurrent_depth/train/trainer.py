@@ -194,7 +194,8 @@ class Trainer:
         k = cfg.backprop_depth if cfg.backprop_depth is not None else self.model_config.mean_backprop_depth
         self.sampler = DepthSampler(
             mean_recurrence=max(1, mean), backprop_depth=max(1, k), sigma=cfg.depth_sigma, seed=cfg.seed,
-            scheme=cfg.depth_scheme, max_steps=cfg.max_depth,
+            scheme=cfg.depth_scheme, max_steps=cfg.max_depth, per_rank=cfg.depth_per_rank,
+            ramp_steps=cfg.curriculum_micro_steps(self.seq_len, env.world_size), ramp_start=cfg.depth_curriculum_start,
         )
         self.eval_depths = cfg.resolved_eval_depths(self.sampler.mean_recurrence)
 
@@ -407,7 +408,7 @@ class Trainer:
         for micro in range(cfg.grad_accum):
             rows = self.train_data.next_batch(cfg.batch_size).to(env.device)  # [B, T + 1]
             inputs, targets = rows[:, :-1], rows[:, 1:]
-            num_steps = (0, 1) if cfg.baseline else self.sampler.sample(state.micro_step)
+            num_steps = (0, 1) if cfg.baseline else self.sampler.sample(state.micro_step, env.rank)
             generator = torch.Generator(device=env.device).manual_seed(
                 stream_seed(cfg.seed + 1, state.micro_step * env.world_size + env.rank)
             )

@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "lm-eval": "recurrent_depth.cli.lm_eval",
     "info": "recurrent_depth.cli.info",
     "loop": "recurrent_depth.cli.loop",
+    "experiment": "recurrent_depth.cli.experiment",
 }
 # Commands whose work is torch compute: without --threads they measure the free cores once at start
 # (recurrent_depth.accel.threads); the others keep torch's default unless --threads is given.

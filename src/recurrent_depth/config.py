@@ -135,6 +135,8 @@ class ModelConfig:
     pad_token_id: int | None = None
     mixer: str | dict[str, str] = "attention"
     mixer_options: dict[str, Any] = field(default_factory=dict)
+    # muP (Tensor Programs V): the width at which muP equals the standard parametrization; None = standard.
+    mup_base_width: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -188,6 +190,11 @@ class ModelConfig:
         else:
             need(isinstance(self.mixer, str), "mixer", "a mixer name or a dict part -> name")
         need(isinstance(self.mixer_options, dict), "mixer_options", "a dict of keyword arguments")
+        need(self.mup_base_width is None or (is_int(self.mup_base_width) and self.mup_base_width >= 1),
+             "mup_base_width", "None (standard parametrization) or an integer >= 1 (muP's base width)")
+        need(self.mup_base_width is None or not self.tie_embeddings, "mup_base_width",
+             "None with tie_embeddings=True: muP treats the embedding (input) and head (output) differently, "
+             "so set tie_embeddings false")
         count = self.num_parameters()
         if count > MAX_PARAMETERS:
             raise ValueError(
@@ -195,6 +202,11 @@ class ModelConfig:
                 f"intermediate_size={self.intermediate_size}, vocab_size={self.vocab_size}, "
                 f"{self.num_layers} layers), more than MAX_PARAMETERS={MAX_PARAMETERS:.0e}; check these sizes"
             )
+
+    @property
+    def width_multiplier(self) -> float:
+        """muP's m = hidden_size / mup_base_width (1 under the standard parametrization)."""
+        return 1.0 if self.mup_base_width is None else self.hidden_size / self.mup_base_width
 
     # ------------------------------------------------------------------ derived values
     @property

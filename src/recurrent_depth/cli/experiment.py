@@ -1,6 +1,8 @@
 """`rdepth experiment <name>`: small training experiments that test the research notes' claims.
 
     rdepth experiment logit-growth --out runs/logit-growth        # Muon vs AdamW max-logit growth
+    rdepth experiment coord-check --out runs/mup                   # muP coordinate check vs width
+    rdepth experiment lr-transfer --out runs/mup                   # best AdamW lr per width, muP vs standard
 """
 
 from __future__ import annotations
@@ -17,6 +19,13 @@ def _floats(text: str) -> tuple[float, ...]:
     if not values:
         raise argparse.ArgumentTypeError("expected at least one number")
     return values
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 64,128, got {text!r}") from exc
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -63,6 +72,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     })
     lg.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     lg.set_defaults(func=run_logit_growth_command)
+
+    from recurrent_depth.experiments.mup import MupConfig
+
+    mup_fields = {
+        "widths": (_ints, "model widths (hidden_size; head_dim fixed, heads = width / head_dim)"),
+        "base_width": (int, "muP base width (muP = standard there)"),
+        "head_dim": (int, "head dimension at every width"),
+        "lr": (float, "AdamW lr of the coordinate check"),
+        "lrs": (_floats, "AdamW lrs of the transfer sweep (at most 5)"),
+        "steps": (int, "coordinate-check steps"),
+        "transfer_steps": (int, "optimizer steps per transfer run"),
+        "recurrence": (int, "core steps per forward"),
+        "batch_size": (int, "sequences per step"),
+        "seq_len": (int, "bytes per sequence"),
+        "seeds": (int, "coordinate-check seeds averaged"),
+        "corpus": (str, "training text: stdlib, a directory or a .jsonl file (read as bytes)"),
+        "out": (str, "output directory"),
+    }
+    for name, transfer, text in (
+        ("coord-check", False, "muP coordinate check: activation RMS per layer vs width over the first steps, "
+                               "muP and standard (JSON + PNG)"),
+        ("lr-transfer", True, "the coordinate check plus final loss per (width, lr) under muP and standard: does "
+                              "the best lr transfer across widths? (JSON + PNG)"),
+    ):
+        sub = inner.add_parser(name, help=text)
+        _add_fields(sub, MupConfig(), mup_fields)
+        sub.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+        sub.set_defaults(func=run_mup_command, transfer=transfer)
     parser.set_defaults(func=lambda args: parser.print_help() or 0)
 
 
@@ -82,4 +119,22 @@ def run_logit_growth_command(args: argparse.Namespace) -> int:
     result = run_logit_growth(cfg)
     print(format_summary(result["summary"]))
     print(f"wrote {cfg.out}/logit_growth.json and {cfg.out}/logit_growth.png ({result['seconds']:.0f}s)")
+    return 0
+
+
+def run_mup_command(args: argparse.Namespace) -> int:
+    import torch
+
+    from recurrent_depth.experiments.mup import MupConfig, format_transfer, run_mup
+
+    torch.set_num_threads(args.threads)
+    cfg = _config(MupConfig, args)
+    result = run_mup(cfg, transfer=args.transfer)
+    for parametrization, check in result["coordinate_check"].items():
+        ratios = ", ".join(f"{k} {v:.2f}" for k, v in check["ratio_after_last_step"].items())
+        print(f"{parametrization}: max/min activation RMS across widths {cfg.widths} after {cfg.steps} steps: "
+              f"{check['max_ratio']:.3f} ({ratios})")
+    if result["lr_transfer"] is not None:
+        print(format_transfer(result["lr_transfer"]))
+    print(f"wrote {cfg.out} ({result['seconds']:.0f}s)")
     return 0

@@ -62,6 +62,7 @@ class RecurrentDepthConfig(PretrainedConfig):
     pad_token_id: int | None = None
     mixer: Any = "attention"
     mixer_options: dict = field(default_factory=dict)
+    mup_base_width: int | None = None
     use_cache: bool = True
 
     def __post_init__(self, **kwargs: Any) -> None:

@@ -103,7 +103,8 @@ class RecurrentDepthLM(nn.Module):
     # ------------------------------------------------------------------ init
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Takase init: std = sqrt(2/(5h)) everywhere, output projections std / sqrt(2 L_eff).
+        """Takase init: std = sqrt(2/(5h)) everywhere, output projections std / sqrt(2 L_eff);
+        with muP (`mup_base_width`) the untied lm_head's std is further divided by sqrt(m).
 
         L_eff = P + C + R * mean_recurrence layers run at the mean depth (at least 1: a model with
         no prelude or coda and mean_recurrence 0 is legal); norms are ones, biases zero.
@@ -124,6 +125,10 @@ class RecurrentDepthLM(nn.Module):
         for name, param in self.named_parameters():
             if name.endswith(("qk_bias", "q_bias", "k_bias")):
                 nn.init.zeros_(param)
+        if self.config.mup_base_width is not None:
+            # muP's output layer (Tensor Programs V, Table 3): init variance 1/fan_in^2, i.e. std times
+            # 1/sqrt(m) beyond the 1/sqrt(fan_in) above (equal to the standard init at the base width).
+            self.lm_head.weight.mul_(1 / math.sqrt(self.config.width_multiplier))
         if self.config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
 

@@ -333,6 +333,39 @@ class OptimizerSet:
         return f"OptimizerSet[{'; '.join(parts)}]"
 
 
+def mup_lr_multiplier(name: str, param: torch.Tensor, width_multiplier: float) -> float:
+    """muP's Adam learning-rate multiplier of one parameter (Tensor Programs V, Table 3), m = width / base width.
+
+    * hidden matrices (every block's projections, prelude, recurrent core and coda alike, and the
+      adapter): 1/m (lr proportional to 1/fan_in); the core's weights are hidden weights however
+      many times the recurrence applies them;
+    * the token embedding: 1/sqrt(m): the model multiplies it by sqrt(h), so an update of size lr
+      moves the embedding output by sqrt(h) lr; 1/sqrt(m) keeps that width-independent;
+    * the (untied) output head: 1/m, with its init std divided by sqrt(m) (the model does this);
+    * norm gains and biases: 1.
+    """
+    if parameter_kind(name, param) == "no_decay":
+        return 1.0
+    if "wte" in name or "embed" in name:
+        return width_multiplier**-0.5
+    return 1.0 / width_multiplier
+
+
+def mup_groups(groups: list[dict], named: dict[int, str], width_multiplier: float) -> list[dict]:
+    """Each group split by muP multiplier: same settings, `lr_scale` times the multiplier, name suffixed."""
+    out = []
+    for group in groups:
+        by_scale: dict[float, list] = {}
+        for item in group["params"]:
+            param = item[1]
+            by_scale.setdefault(mup_lr_multiplier(named[id(param)], param, width_multiplier), []).append(item)
+        for scale, items in by_scale.items():
+            lr_scale = group["lr_scale"] * scale
+            out.append({**group, "name": f"{group['name']}@mup{scale:.4g}", "params": items,
+                        "lr": group["lr"] * scale, "lr_scale": lr_scale})
+    return out
+
+
 def build_optimizers(model: nn.Module, recipe: OptimConfig) -> OptimizerSet:
     """Build the recipe's optimizer(s) over ``model``'s trainable parameters.
 
@@ -346,6 +379,9 @@ def build_optimizers(model: nn.Module, recipe: OptimConfig) -> OptimizerSet:
       matrix: convolution filters, per-level mixing weights, tensors that are not 2-D).
 
     Tied weights (Huginn's ``lm_head.weight`` is ``transformer.wte.weight``) are optimized once.
+    With muP (``model.config.mup_base_width``) every AdamW / HuginnAdam group is split by
+    :func:`mup_lr_multiplier`; Muon's matrices keep Muon's own shape scaling (its orthogonalised
+    update already fixes each step's spectral norm, whatever the width).
     """
     parts = split_parameters(model.named_parameters(remove_duplicate=False))
     if not any(parts.values()):
@@ -359,6 +395,13 @@ def build_optimizers(model: nn.Module, recipe: OptimConfig) -> OptimizerSet:
             "lr": recipe.lr * lr_scale,
             "lr_scale": lr_scale,
         }
+
+    config = getattr(model, "config", None)
+    width_multiplier = config.width_multiplier if getattr(config, "mup_base_width", None) is not None else None
+    named = {id(p): n for n, p in model.named_parameters()}
+
+    def with_mup(groups: list[dict]) -> list[dict]:
+        return groups if width_multiplier is None else mup_groups(groups, named, width_multiplier)
 
     wd = recipe.weight_decay
     if recipe.name == "muon":
@@ -386,7 +429,7 @@ def build_optimizers(model: nn.Module, recipe: OptimConfig) -> OptimizerSet:
                     adjust_lr_fn=recipe.muon_adjust_lr,
                 )
             )
-        adam_groups = [g for g in adam_groups if g["params"]]
+        adam_groups = with_mup([g for g in adam_groups if g["params"]])
         if adam_groups:
             optimizers.append(torch.optim.AdamW(adam_groups, lr=recipe.lr, betas=recipe.betas, eps=recipe.eps))
         return OptimizerSet(optimizers)
@@ -396,7 +439,7 @@ def build_optimizers(model: nn.Module, recipe: OptimConfig) -> OptimizerSet:
         group("embeddings", parts["embedding"], wd),
         group("no_decay", parts["no_decay"], 0.0),
     ]
-    groups = [g for g in groups if g["params"]]
+    groups = with_mup([g for g in groups if g["params"]])
     if recipe.name == "adamw":
         return OptimizerSet([torch.optim.AdamW(groups, lr=recipe.lr, betas=recipe.betas, eps=recipe.eps)])
     return OptimizerSet(

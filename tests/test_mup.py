@@ -46,7 +46,7 @@ def test_mup_lr_multipliers_and_head_init_follow_tensor_programs_v():
     assert lr["transformer.core_block.0.attn.Wqkv.weight"] == 0.25  # ... the recurrent core ...
     assert lr["transformer.prelude.0.mlp.fc.weight"] == 0.25  # ... and prelude / coda blocks
     assert lr["transformer.core_block.0.norm_1.weight"] == 1.0 and lr["transformer.ln_f.weight"] == 1.0
-    head_std = float(m.lm_head.weight.std())
+    head_std = float(m.lm_head.weight.detach().std())
     assert head_std == pytest.approx(math.sqrt(2 / (5 * 256)) / 2, rel=0.05)  # std / sqrt(m)
     muon = scales(m, "muon")  # Muon keeps its own scaling for the matrices
     assert muon["transformer.core_block.0.attn.Wqkv.weight"] == OptimConfig().muon_lr / 1e-3

@@ -1,5 +1,8 @@
 """`rdepth experiment <name>`: small training experiments that test the research notes' claims.
 
+The figures in docs/training.md were measured with one thread (`--threads 1`; tiny matmuls gain
+nothing from more).
+
     rdepth experiment logit-growth --out runs/logit-growth        # Muon vs AdamW max-logit growth
     rdepth experiment coord-check --out runs/mup                   # muP coordinate check vs width
     rdepth experiment lr-transfer --out runs/mup                   # best AdamW lr per width, muP vs standard
@@ -70,7 +73,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "seed": (int, "seed of weights and batches"),
         "out": (str, "output directory for logit_growth.json and logit_growth.png"),
     })
-    lg.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     lg.set_defaults(func=run_logit_growth_command)
 
     from recurrent_depth.experiments.mup import MupConfig
@@ -98,7 +100,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ):
         sub = inner.add_parser(name, help=text)
         _add_fields(sub, MupConfig(), mup_fields)
-        sub.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
         sub.set_defaults(func=run_mup_command, transfer=transfer)
     parser.set_defaults(func=lambda args: parser.print_help() or 0)
 
@@ -110,11 +111,8 @@ def _config(cls: type, args: argparse.Namespace) -> Any:
 
 
 def run_logit_growth_command(args: argparse.Namespace) -> int:
-    import torch
-
     from recurrent_depth.experiments.logit_growth import LogitGrowthConfig, format_summary, run_logit_growth
 
-    torch.set_num_threads(args.threads)
     cfg = _config(LogitGrowthConfig, args)
     result = run_logit_growth(cfg)
     print(format_summary(result["summary"]))
@@ -123,11 +121,8 @@ def run_logit_growth_command(args: argparse.Namespace) -> int:
 
 
 def run_mup_command(args: argparse.Namespace) -> int:
-    import torch
-
     from recurrent_depth.experiments.mup import MupConfig, format_transfer, run_mup
 
-    torch.set_num_threads(args.threads)
     cfg = _config(MupConfig, args)
     result = run_mup(cfg, transfer=args.transfer)
     for parametrization, check in result["coordinate_check"].items():

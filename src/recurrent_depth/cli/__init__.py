@@ -30,7 +30,7 @@ COMMANDS: dict[str, str] = {
 }
 # Commands whose work is torch compute: without --threads they measure the free cores once at start
 # (recurrent_depth.accel.threads); the others keep torch's default unless --threads is given.
-MEASURE_THREADS = frozenset({"quickstart", "train", "generate", "eval", "analyze", "serve", "loop"})
+MEASURE_THREADS = frozenset({"quickstart", "train", "generate", "eval", "analyze", "serve", "loop", "experiment"})
 
 
 def _version() -> str:

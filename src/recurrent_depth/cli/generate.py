@@ -55,6 +55,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     c = p.add_argument_group("KV cache")
     c.add_argument("--kv-budget", type=int, default=None,
                    help="KV entries per token and core layer; step i uses slot i mod k (default: one per step)")
+    c.add_argument("--kv-policy", default=None, metavar="SLOTS[+LOOKUP]",
+                   help="KV policy: slots per-step | last-step | shared-K, lookup for early-exited tokens "
+                        "deepest | skip, e.g. 'shared-4+skip' (default: per-step+deepest)")
     s = p.add_argument_group("speculative and parallel decoding")
     s.add_argument("--draft-steps", type=int, default=None,
                    help="self-speculative: draft with this many steps, verify with r (default: off)")
@@ -112,7 +115,7 @@ def _generation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs = dict(
         max_new_tokens=args.max_new_tokens, num_steps=args.num_steps, exit_criterion=args.exit_criterion,
         exit_threshold=args.exit_threshold, min_steps=args.min_steps, max_steps=args.max_steps,
-        kv_budget=args.kv_budget, warm_start=args.warm_start, draft_steps=args.draft_steps,
+        kv_budget=args.kv_budget, kv_policy=args.kv_policy, warm_start=args.warm_start, draft_steps=args.draft_steps,
         lookahead=args.lookahead, verification_threshold=args.verification_threshold,
         sampler="parallel" if args.parallel else "autoregressive", inner_steps=args.inner_steps,
         headway=args.headway, wavefront=args.wavefront, max_wavefront=args.max_wavefront, do_sample=do_sample,

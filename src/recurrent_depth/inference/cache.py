@@ -1,35 +1,20 @@
-"""KV caches for generation, keyed by (layer, recurrence step), with per-token depth.
+"""Generation caches keyed by (layer, recurrence step), with per-token depth.
 
-Every core layer j keeps `num_slots` KV entries per token. Step i of the recurrence reads and
-writes slot `slot(i)`:
-
-- `full` (kv_budget None): slot(i) = i, one entry per step (num_slots = the deepest step run);
-- shared budget k (kv_budget = k): slot(i) = i mod k, the paper's zero-shot KV sharing (§6.2).
-
-Tokens may run fewer steps than the deepest one (adaptive exit). A later token that reads step i
-of such a token gets the slot if that token wrote it, else the token's **deepest available
-entry of the same core layer** (the paper's remark 6.1). Prelude and coda layers keep one entry.
-
-Two implementations of the same semantics:
+Both storages follow one `KVPolicy` (`recurrent_depth.model.cache`: the slot rule per-step /
+shared-K / last-step and the lookup rule deepest / skip, each written once there) and the
+`StepCache` protocol (`seq_len`, `update_kv`/`update_heads`, `key_mask`, `get_state`/`set_state`,
+`advance`, `close`, `truncate`, `seek`, `nbytes`, `logical_nbytes`):
 
 - `DynamicRecurrentCache`: the plain reference. Entries are stored per column (token position)
-  and the fallback is resolved at read time, row by row. Slow, obviously right.
+  and the deepest-entry lookup is resolved at read time, row by row. Slow, obviously right.
 - `StaticRecurrentCache`: preallocated `[num_slots, B, Hkv, capacity, D]` per layer. When a token
-  finishes (`close`), its unwritten slots are filled with its deepest entry, so every read is a
-  plain slice. Tests compare the two.
+  finishes (`close`), the lookup rule settles the slots it did not reach (`Deepest` copies its
+  deepest entry into them), so every read is a plain slice. Tests compare the two.
 
-Both follow the model's cache protocol (`seq_len`, `update_kv`, `get_state`/`set_state`,
-`advance`, `nbytes`, see `recurrent_depth.model.cache`), plus:
-
-- `write_mask`: None or bool `[B, T]`; when set, only those (row, new column) entries are
-  written, the rest keep their value (rows that already exited, frozen columns);
-- `close(depth)`: the new columns `[seq_len, seq_len + T)` ran `depth` `[B, T]` steps;
-- `truncate(n)`: forget columns from n on (speculative rollback); `seek(n)`: write at column n
-  next, keeping every entry (more steps on columns already written);
-- `logical_nbytes(valid)`: bytes a cache storing only what was computed would hold, per row.
-
-Columns are cache positions. They equal token positions unless a batch has holes (rejected
-speculative drafts of one row), which the attention mask hides.
+`write_mask` (None or bool `[B, T]`): only those (row, new column) entries are written, the rest
+keep their value (rows that already exited, frozen columns). Prelude and coda layers keep one
+entry per token. Columns are cache positions; they equal token positions unless a batch has holes
+(rejected speculative drafts of one row), which the attention mask hides.
 """
 
 from __future__ import annotations
@@ -39,41 +24,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from recurrent_depth.model.cache import KVPolicy, parse_kv_policy
+
 LayerKey = tuple
 
 
-def _check_budget(num_steps: int, kv_budget: int | None) -> None:
+def _check_steps(num_steps: int) -> None:
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
         raise ValueError(f"num_steps={num_steps!r} is invalid: expected an integer >= 0")
-    if kv_budget is not None and (isinstance(kv_budget, bool) or not isinstance(kv_budget, int) or kv_budget < 1):
-        raise ValueError(f"kv_budget={kv_budget!r} is invalid: expected None (full cache) or an integer >= 1")
-
-
-class _SlotPolicy:
-    """Maps a layer key to (base key, slot): core steps share slots under a budget."""
-
-    def __init__(self, num_steps: int, kv_budget: int | None) -> None:
-        _check_budget(num_steps, kv_budget)
-        self.num_steps = num_steps
-        self.kv_budget = kv_budget
-        # The full policy needs one slot per step; a budget never more than the steps run.
-        self.core_slots = max(1, num_steps if kv_budget is None else min(kv_budget, num_steps))
-
-    def split(self, key: LayerKey) -> tuple[tuple, int]:
-        if key[0] == "core":
-            step = key[2]
-            if self.kv_budget is None:
-                if step >= self.core_slots:
-                    raise RuntimeError(
-                        f"step {step} exceeds the cache's {self.core_slots} slots (allocated for num_steps="
-                        f"{self.num_steps})"
-                    )
-                return key[:2], step
-            return key[:2], step % self.kv_budget
-        return key, 0
-
-    def slots_of(self, base: tuple) -> int:
-        return self.core_slots if base[0] == "core" else 1
 
 
 def _masked_state(new: Any, old: Any, rows: Tensor) -> Any:
@@ -94,8 +52,14 @@ def _masked_state(new: Any, old: Any, rows: Tensor) -> Any:
 class _CacheBase:
     """What both caches share: policy, states, depth bookkeeping and byte accounting."""
 
-    def __init__(self, batch_size: int, num_steps: int, kv_budget: int | None, device: Any) -> None:
-        self.policy = _SlotPolicy(num_steps, kv_budget)
+    def __init__(self, batch_size: int, num_steps: int, kv_budget: int | None, device: Any,
+                 policy: KVPolicy | str | None = None) -> None:
+        _check_steps(num_steps)
+        self.policy = policy if isinstance(policy, KVPolicy) and kv_budget is None else parse_kv_policy(
+            policy.name if isinstance(policy, KVPolicy) else policy, kv_budget)
+        self.num_steps = num_steps
+        # Per-step needs one slot per step; a budget never more than the steps run.
+        self.core_slots = self.policy.slots.num_slots(num_steps)
         self.batch_size = batch_size
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.seq_len = 0
@@ -103,21 +67,36 @@ class _CacheBase:
         self.states: dict[tuple, Any] = {}
         self.depth = torch.zeros(batch_size, 0, dtype=torch.long, device=self.device)
         self._entry_bytes: dict[tuple, int] = {}
+        self._skips = self.policy.lookup.hides_columns
+        self._written_end = 0
 
     @property
     def kv_budget(self) -> int | None:
-        return self.policy.kv_budget
+        return self.policy.budget
 
     @property
     def num_core_slots(self) -> int:
-        return self.policy.core_slots
+        return self.core_slots
+
+    def split(self, key: LayerKey) -> tuple[tuple, int]:
+        return self.policy.split(key, self.core_slots)
+
+    def key_mask(self, key: LayerKey) -> Tensor | None:
+        """Bool `[B, seq_len + T]` for a core key under a lookup that hides columns, else None."""
+        if not self._skips or key[0] != "core":
+            return None
+        end = self._written_end
+        visible = torch.ones(self.batch_size, end, dtype=torch.bool, device=self.device)
+        old = min(self.seq_len, self.depth.shape[1])
+        visible[:, :old] = self.policy.lookup.visible(key[2], self.depth[:, :old])
+        return visible
 
     # ------------------------------------------------------------------ protocol
     def get_state(self, key: LayerKey) -> Any:
-        return self.states.get(self.policy.split(key))
+        return self.states.get(self.split(key))
 
     def set_state(self, key: LayerKey, value: Any) -> None:
-        skey = self.policy.split(key)
+        skey = self.split(key)
         if self.write_mask is not None:
             value = _masked_state(value, self.states.get(skey), self.write_mask.any(dim=1))
         self.states[skey] = value
@@ -148,21 +127,24 @@ class _CacheBase:
             self.depth = grown
         self.depth[:, start:end] = depth
 
-    def logical_nbytes(self, valid: Tensor | None = None, core_only: bool = False) -> Tensor:
-        """Bytes per row `[B]` of the KV entries a cache storing only computed entries holds.
+    def logical_nbytes(self, valid: Tensor | None = None, core_only: bool = False, end: int | None = None) -> Tensor:
+        """Bytes per row `[B]` of the KV entries the policy keeps for columns [0, end) (default seq_len).
 
-        valid: bool `[B, seq_len]` marking real columns (None: all). Core layers count
-        min(depth, num_slots) entries per column, prelude and coda layers one.
+        valid: bool `[B, >= end]` marking real columns (None: all). Core layers keep
+        min(depth, num_slots) entries per column (a lookup reads those, it stores nothing more),
+        prelude and coda layers one.
         """
-        n = self.seq_len
+        n = self.seq_len if end is None else end
         depth = self.depth[:, :n]
+        if depth.shape[1] < n:
+            depth = torch.cat([depth, depth.new_zeros(self.batch_size, n - depth.shape[1])], dim=1)
         if valid is None:
             valid = torch.ones_like(depth, dtype=torch.bool)
         valid = valid[:, :n].to(depth.device)
         total = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
         for base, nbytes in self._entry_bytes.items():
             if base[0] == "core":
-                per_col = depth.clamp(max=self.policy.core_slots)
+                per_col = depth.clamp(max=self.core_slots)
             elif core_only:
                 continue
             else:
@@ -184,9 +166,9 @@ class StaticRecurrentCache(_CacheBase):
 
     def __init__(
         self, batch_size: int, num_steps: int, kv_budget: int | None = None, capacity: int = 256,
-        device: Any = None,
+        device: Any = None, policy: KVPolicy | str | None = None,
     ) -> None:
-        super().__init__(batch_size, num_steps, kv_budget, device)
+        super().__init__(batch_size, num_steps, kv_budget, device, policy)
         if capacity < 1:
             raise ValueError(f"capacity={capacity} is invalid: expected an integer >= 1")
         self.capacity = capacity
@@ -195,7 +177,7 @@ class StaticRecurrentCache(_CacheBase):
 
     def _storage(self, base: tuple, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if base not in self.kv:
-            S = self.policy.slots_of(base)
+            S = self.core_slots if base[0] == "core" else 1
             B, _, Hkv, D = k.shape
             Dv = v.shape[-1]
             self.kv[base] = (
@@ -226,12 +208,12 @@ class StaticRecurrentCache(_CacheBase):
     def update_heads(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """`update_kv` in the storage's head-major layout: k, v `[B, Hkv, T, D]` -> `[B, Hkv, seq_len + T, D]`."""
         start = self.seq_len
-        end = start + k.shape[2]
+        end = self._written_end = start + k.shape[2]
         if end > self.capacity:
             self._grow(end)
         views = self._views.get(key)
         if views is None:
-            base, slot = self.policy.split(key)
+            base, slot = self.split(key)
             K, V = self._storage(base, k.transpose(1, 2), v.transpose(1, 2))
             views = self._views[key] = (K[slot], V[slot])  # [B, Hkv, capacity, D]
         Ks, Vs = views
@@ -247,24 +229,20 @@ class StaticRecurrentCache(_CacheBase):
         return Ks.narrow(2, 0, end), Vs.narrow(2, 0, end)
 
     def close(self, depth: Tensor | int, num_tokens: int | None = None) -> None:
-        """The columns [seq_len, seq_len + T) ran `depth` ([B, T] or an int) steps; fill the rest."""
-        S = self.policy.core_slots
+        """The columns [seq_len, seq_len + T) ran `depth` ([B, T] or an int) steps; the lookup rule
+        settles the slots they did not reach."""
+        S = self.core_slots
         if isinstance(depth, int):
             value = depth
             depth = torch.full((self.batch_size, num_tokens or 1), value, dtype=torch.long, device=self.device)
-            if value >= S:  # every slot written: nothing to fill (and no host sync)
+            if value >= S:  # every slot written: nothing to settle (and no host sync)
                 self._record_depth(depth)
                 return
         self._record_depth(depth)
-        if not bool((depth < S).any()):
+        src = self.policy.lookup.fill_index(depth, S)  # [S, B, T] or None (nothing to copy)
+        if src is None or not bool((depth < S).any()):
             return
-        T = depth.shape[1]
-        start, end = self.seq_len, self.seq_len + T
-        # Slot s of a column that ran d steps holds step s if s < d; else use slot d - 1 (deepest).
-        # (Under a budget, d >= k means every slot was written; then min(s, d - 1) = s.)
-        src = torch.minimum(
-            torch.arange(S, device=depth.device)[:, None, None], (depth - 1).clamp(min=0)[None]
-        )  # [S, B, T]
+        start, end = self.seq_len, self.seq_len + depth.shape[1]
         for base, (K, V) in self.kv.items():
             if base[0] != "core":
                 continue
@@ -290,17 +268,19 @@ class DynamicRecurrentCache(_CacheBase):
     """
 
     def __init__(
-        self, batch_size: int, num_steps: int, kv_budget: int | None = None, device: Any = None, **_: Any
+        self, batch_size: int, num_steps: int, kv_budget: int | None = None, device: Any = None,
+        policy: KVPolicy | str | None = None, **_: Any,
     ) -> None:
-        super().__init__(batch_size, num_steps, kv_budget, device)
+        super().__init__(batch_size, num_steps, kv_budget, device, policy)
         self.entries: dict[tuple, list[tuple[Tensor, Tensor]]] = {}
         self.written: dict[tuple, list[Tensor]] = {}
         self.deepest: dict[tuple, list[Tensor]] = {}
 
     def update_kv(self, key: LayerKey, k: Tensor, v: Tensor, ctx: Any = None) -> tuple[Tensor, Tensor]:
-        base, slot = self.policy.split(key)
+        base, slot = self.split(key)
         self._note_entry(base, k, v)
         B, T = k.shape[:2]
+        self._written_end = self.seq_len + T
         entries = self.entries.setdefault((base, slot), [])
         written = self.written.setdefault((base, slot), [])
         deepest = self.deepest.setdefault(base, [])
@@ -335,7 +315,8 @@ class DynamicRecurrentCache(_CacheBase):
             for b in range(self.batch_size):
                 use = slot
                 if not (col < len(written) and bool(written[col][b])):
-                    use = int(self.deepest[base][col][b])  # remark 6.1: the deepest entry of this layer
+                    # remark 6.1: the deepest entry of this layer (under `Skip` it is hidden by key_mask)
+                    use = int(self.deepest[base][col][b])
                 stored = self.entries.get((base, use), [])
                 if use < 0 or col >= len(stored):  # never written for this row: a hidden column
                     use, stored = slot, self.entries[(base, slot)]
@@ -384,11 +365,11 @@ CACHE_IMPLEMENTATIONS = ("static", "dynamic")
 
 def make_cache(
     implementation: str, batch_size: int, num_steps: int, kv_budget: int | None = None,
-    capacity: int = 256, device: Any = None,
+    capacity: int = 256, device: Any = None, policy: KVPolicy | str | None = None,
 ) -> StaticRecurrentCache | DynamicRecurrentCache:
     """Build a generation cache: "static" (preallocated, fast) or "dynamic" (plain reference)."""
     if implementation == "static":
-        return StaticRecurrentCache(batch_size, num_steps, kv_budget, capacity=capacity, device=device)
+        return StaticRecurrentCache(batch_size, num_steps, kv_budget, capacity=capacity, device=device, policy=policy)
     if implementation == "dynamic":
-        return DynamicRecurrentCache(batch_size, num_steps, kv_budget, device=device)
+        return DynamicRecurrentCache(batch_size, num_steps, kv_budget, device=device, policy=policy)
     raise ValueError(f"cache_implementation={implementation!r} is invalid: expected one of {CACHE_IMPLEMENTATIONS}")

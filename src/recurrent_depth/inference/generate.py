@@ -57,6 +57,7 @@ class GenerationStream:
         self.output = session.recorder.build(
             session.input_ids, session.pad_token_id,
             cache_allocated_bytes=cache.nbytes(), core_cache_bytes=core.cpu(), mode=self.options.mode,
+            kv_policy=cache.policy.name,
             prefill_seconds=prefill, decode_seconds=finish - start - prefill, stats=dict(session.stats),
         )
 
@@ -88,7 +89,7 @@ def generate(
     model: Any,
     input_ids: Tensor | list,
     max_new_tokens: int = 64,
-    num_steps: int | None = 32,
+    num_steps: int | None = None,
     attention_mask: Tensor | None = None,
     exit_criterion: str | None = None,
     exit_threshold: float | None = None,
@@ -119,9 +120,12 @@ def generate(
       exit_threshold: None = the criterion's default (kl 5e-4, entropy-diff 1e-3, latent-diff 0.03,
         cosine 1e-3, argmax-stability 5); min_steps (1) and max_steps (r) bound the steps;
       warm_start: s_0 of a token = the raw final state of the previous one (continuous CoT).
-    KV cache: kv_budget=k makes step i read and write slot i mod k (None: one slot per step);
-      tokens that exited early are read at their deepest entry; cache_implementation "static"
-      (preallocated, default) or "dynamic" (the plain reference).
+    KV cache: kv_policy="<slots>[+<lookup>]" (see `recurrent_depth.model.cache`): slots "per-step"
+      (default, one entry per step), "shared-K" (step i reads and writes slot i mod K) or "last-step"
+      (= shared-1); lookup for tokens that exited early "deepest" (default: read their deepest entry
+      of the same core layer) or "skip" (leave them out at steps they did not reach).
+      kv_budget=k is the same as "shared-k". cache_implementation "static" (preallocated, default)
+      or "dynamic" (the plain reference).
     Self-speculative: draft_steps=N drafts `lookahead` (8) tokens at N steps, verified at r steps in one
       forward; verification_threshold=1 (exact: identical to greedy at r) or < 1 (accept a draft whose
       verifier probability is at least threshold * the top probability).

@@ -8,6 +8,7 @@ from typing import Any
 
 from recurrent_depth.inference.cache import CACHE_IMPLEMENTATIONS
 from recurrent_depth.inference.criteria import CriterionSpec, resolve_criterion
+from recurrent_depth.model.cache import KVPolicy, parse_kv_policy
 
 SAMPLERS = ("autoregressive", "parallel")
 PARALLEL_CRITERIA = ("latent-diff", "cosine")
@@ -18,12 +19,13 @@ class GenerationOptions:
     """Generation settings (see `recurrent_depth.inference.generate` for what each one does)."""
 
     max_new_tokens: int = 64
-    num_steps: int | None = 32
+    num_steps: int | None = None
     exit_criterion: str | None = None
     exit_threshold: float | None = None
     min_steps: int = 1
     max_steps: int | None = None
     kv_budget: int | None = None
+    kv_policy: str | None = None
     warm_start: bool = False
     draft_steps: int | None = None
     lookahead: int = 8
@@ -50,10 +52,11 @@ class GenerationOptions:
     # resolved by `validate`
     criterion: CriterionSpec | None = None
     threshold: float | None = None
+    policy: KVPolicy | None = None
 
     @classmethod
     def names(cls) -> set[str]:
-        return {f.name for f in fields(cls)} - {"criterion", "threshold"}
+        return {f.name for f in fields(cls)} - {"criterion", "threshold", "policy"}
 
     @property
     def mode(self) -> str:
@@ -129,6 +132,7 @@ class GenerationOptions:
                 f"{CACHE_IMPLEMENTATIONS}"
             )
         self.criterion, self.threshold = resolve_criterion(self.exit_criterion, self.exit_threshold)
+        self.policy = parse_kv_policy(self.kv_policy, self.kv_budget)
         if self.max_steps is not None and self.criterion is None and self.sampler != "parallel":
             raise ValueError(
                 f"max_steps={self.max_steps} only applies with an exit_criterion (fixed depth runs num_steps)"
@@ -167,6 +171,12 @@ class GenerationOptions:
                     f"kv_budget={self.kv_budget} is invalid for sampler='parallel': the wavefront keeps one KV "
                     "entry per core layer (the latest); expected None or 1"
                 )
+            if self.kv_policy not in (None, "last-step", "last-step+deepest", "deepest"):
+                raise ValueError(
+                    f"kv_policy={self.kv_policy!r} is invalid for sampler='parallel': the wavefront keeps one KV "
+                    "entry per core layer (the latest); expected None or 'last-step'"
+                )
+            self.policy = parse_kv_policy("last-step")
             if self.criterion is not None and self.criterion.name not in PARALLEL_CRITERIA:
                 raise ValueError(
                     f"exit_criterion={self.exit_criterion!r} is invalid for sampler='parallel': positions freeze "

@@ -68,6 +68,7 @@ class GenerationOutput:
     logits: Tensor | None = None
     predictions: Tensor | None = None
     mode: str = "autoregressive"
+    kv_policy: str = "per-step+deepest"  # the cache's KVPolicy name (cache_bytes are counted under it)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     stats: dict[str, Any] = field(default_factory=dict)
@@ -109,6 +110,7 @@ class GenerationOutput:
             "decode_seconds": round(self.decode_seconds, 4),
             "cache_mb": round(float(self.cache_bytes[:, -1].max()) / 2**20, 3) if self.cache_bytes.numel() else 0.0,
             "cache_allocated_mb": round(self.cache_allocated_bytes / 2**20, 3),
+            "kv_policy": self.kv_policy,
             "finish_reasons": self.finish_reasons,
             **self.stats,
         }

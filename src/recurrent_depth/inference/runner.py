@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from recurrent_depth.model.cache import combine_key_mask
 from recurrent_depth.model.layers import RotaryTable
 from recurrent_depth.model.mixers import MixerContext
 from recurrent_depth.model.mixers.attention import Attention
@@ -48,6 +49,15 @@ class Step:
     freqs: Tensor | None = None  # complex [B, T, 1, D/2]
 
 
+def _blocks(model: Any) -> list[Any]:
+    return [*model.transformer.prelude, *model.transformer.core_block, *model.transformer.coda]
+
+
+def all_attention(model: Any) -> bool:
+    """Every block mixes tokens with softmax attention (what cache lookups that hide columns need)."""
+    return all(type(b.attn) is Attention for b in _blocks(model))
+
+
 class ModelRunner:
     """Reference implementation: the model's own methods."""
 
@@ -55,18 +65,11 @@ class ModelRunner:
 
     def __init__(self, model: Any) -> None:
         self.model = model
-        cfg = model.config
-        self.head_dim = cfg.head_dim
-        self._table = RotaryTable(cfg.head_dim, cfg.max_seq_len, cfg.rope_base, model.device)  # [L, D/2, 2]
 
     def context(
         self, input_ids: Tensor, attention_mask: Tensor | None, cache: Any, position_ids: Tensor | None = None
     ) -> Step:
-        ctx = self.model.make_context(input_ids, attention_mask, position_ids, cache)
-        # Rotary factors from the table built once, instead of a fresh table per call.
-        picked = self._table[ctx.positions]  # [B, T, D/2, 2]
-        ctx._rope[self.head_dim] = (picked[..., 0].unsqueeze(2), picked[..., 1].unsqueeze(2))
-        return Step(ctx)
+        return Step(self.model.make_context(input_ids, attention_mask, position_ids, cache))
 
     def embed(self, input_ids: Tensor, step: Step) -> Tensor:
         return self.model.embed(input_ids, step.ctx)
@@ -102,8 +105,7 @@ class FastRunner(ModelRunner):
 
     @staticmethod
     def supports(model: Any) -> bool:
-        blocks = [*model.transformer.prelude, *model.transformer.core_block, *model.transformer.coda]
-        return all(type(b.attn) is Attention and b.attn.window is None and b.attn.q_norm is None for b in blocks)
+        return all_attention(model) and all(b.attn.window is None and b.attn.q_norm is None for b in _blocks(model))
 
     def __init__(self, model: Any) -> None:
         super().__init__(model)
@@ -221,13 +223,14 @@ class FastRunner(ModelRunner):
         v = heads[:, :, H + Hkv :].transpose(1, 2)
         ctx = step.ctx
         cache = ctx.cache
-        if cache is not None:
-            if hasattr(cache, "update_heads"):
-                k, v = cache.update_heads(key, k, v)
-            else:
-                k, v = (t.transpose(1, 2) for t in cache.update_kv(key, k.transpose(1, 2), v.transpose(1, 2), ctx))
+        mask, is_causal = ctx.attn_mask, ctx.is_causal
+        if cache is not None:  # a `StepCache` (model/cache.py), in its head-major layout
+            k, v = cache.update_heads(key, k, v)
+            key_mask = cache.key_mask(key)
+            if key_mask is not None:
+                mask, is_causal = combine_key_mask(mask, key_mask, T), False
         att = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=ctx.attn_mask, is_causal=ctx.is_causal, enable_gqa=self.gqa
+            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=self.gqa
         )  # [B, H, T, D]
         att = att.transpose(1, 2).reshape(B * T, H * D)
         x = self._norm(self._linear(att, p["proj"], p["proj_bias"], residual=x), n2)

@@ -11,7 +11,7 @@ from recurrent_depth.inference.cache import make_cache
 from recurrent_depth.inference.criteria import ExitCriterion
 from recurrent_depth.inference.options import GenerationOptions
 from recurrent_depth.inference.output import Recorder, TokenEvent
-from recurrent_depth.inference.runner import make_runner
+from recurrent_depth.inference.runner import all_attention, make_runner
 from recurrent_depth.inference.sampling import RowGenerators, StopChecker, TokenChooser, decode
 
 
@@ -86,7 +86,11 @@ class Session:
                 f"max_seq_len={cfg.max_seq_len}"
             )
         self.runner = make_runner(model, options.fast)
-        kv_budget = 1 if options.mode == "parallel" else options.kv_budget
+        if options.policy.lookup.hides_columns and not all_attention(model):
+            raise ValueError(
+                f"kv_policy={options.kv_policy!r} hides cache entries from the attention, which needs every "
+                f"layer to be softmax attention; this model's mixer is {cfg.mixer!r} (use the 'deepest' lookup)"
+            )
         # Columns: the prompt, the new tokens, and room for a speculative round or a wavefront.
         # (A round drafts at most max_seq_len tokens and a sweep adds at most max_new_tokens positions.)
         if options.mode == "speculative":
@@ -94,8 +98,8 @@ class Session:
         else:
             slack = min(options.headway, options.max_new_tokens) + 1
         self.cache = make_cache(
-            options.cache_implementation, self.B, options.deepest_step, kv_budget,
-            capacity=self.T + options.max_new_tokens + slack, device=self.device,
+            options.cache_implementation, self.B, options.deepest_step,
+            capacity=self.T + options.max_new_tokens + slack, device=self.device, policy=options.policy,
         )
         # valid[b, c]: column c of row b is a real token (left padding and rejected drafts are not).
         self.padded = mask is not None
@@ -199,16 +203,12 @@ class Session:
         """Logical KV bytes per row over columns [0, end) (default: the cached columns), or over
         [0, row_ends[b]) for row b."""
         end = self.cache.seq_len if end is None else end
+        self._ensure_columns(end)
         valid = self.valid[:, :end]
         if row_ends is not None:
             limits = torch.tensor(row_ends, device=self.device)[:, None]
             valid = valid & (torch.arange(end, device=self.device)[None] < limits)
-        saved = self.cache.seq_len
-        self.cache.seq_len = end
-        try:
-            return self.cache.logical_nbytes(valid).tolist()
-        finally:
-            self.cache.seq_len = saved
+        return self.cache.logical_nbytes(valid, end=end).tolist()
 
     def require_kv_cache_only(self, what: str) -> None:
         """Modes that re-run cached positions need every layer's cache to be KV entries: a recurrent

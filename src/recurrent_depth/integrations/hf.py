@@ -32,6 +32,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from recurrent_depth.integrations.hf_config import HuginnRavenConfig, RecurrentDepthConfig
+from recurrent_depth.model.cache import parse_kv_policy
 from recurrent_depth.model.layers import RMSNorm
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 
@@ -45,29 +46,33 @@ class RecurrentDepthCache(DynamicCache):
 
         prelude layer i -> i;   coda layer c -> P + c;   core layer j at step t -> P + C + slot(t) * R + j
 
-    with slot(t) = t (the full cache) or t mod `kv_budget` (the paper's zero-shot KV sharing: step t
-    reads and writes slot t mod k, overwriting what an earlier step of the same call wrote there).
+    with slot(t) the slot rule of the cache's `KVPolicy` (`recurrent_depth.model.cache`): t
+    (per-step) or t mod k (shared-K / `kv_budget=k`, the paper's zero-shot KV sharing: step t reads
+    and writes slot t mod k, overwriting what an earlier step of the same call wrote there).
+    transformers' own loop runs every token at the same depth, so the lookup rule never applies
+    here; per-token exit runs in `recurrent_depth.generate`, whose caches follow the same policies.
     Recurrent states of non-attention mixers are kept per (layer, step) in `states`.
     Beam search (`reorder_cache`), `batch_select_indices` and `crop` (attention-only) work as in
     transformers; `get_seq_length()` is the number of committed tokens.
     """
 
     def __init__(
-        self, prelude_layers: int, core_layers: int, coda_layers: int, kv_budget: int | None = None
+        self, prelude_layers: int, core_layers: int, coda_layers: int, kv_budget: int | None = None,
+        kv_policy: str | None = None,
     ) -> None:
         super().__init__()
-        check_kv_budget(kv_budget)
+        self.policy = parse_kv_policy(kv_policy, kv_budget)
         self.prelude_layers = prelude_layers
         self.core_layers = core_layers
         self.coda_layers = coda_layers
-        self.kv_budget = kv_budget
+        self.kv_budget = self.policy.budget
         self.states: dict[tuple, Any] = {}
         self._seen = 0
 
     @classmethod
-    def for_config(cls, config: Any, kv_budget: int | None = None) -> RecurrentDepthCache:
+    def for_config(cls, config: Any, kv_budget: int | None = None, kv_policy: str | None = None) -> RecurrentDepthCache:
         mc = config.to_model_config() if hasattr(config, "to_model_config") else config
-        return cls(mc.prelude_layers, mc.core_layers, mc.coda_layers, kv_budget)
+        return cls(mc.prelude_layers, mc.core_layers, mc.coda_layers, kv_budget, kv_policy)
 
     # ------------------------------------------------------------------ the model's cache protocol
     @property
@@ -81,7 +86,7 @@ class RecurrentDepthCache(DynamicCache):
         if part == "coda":
             return self.prelude_layers + key[1]
         if part == "core":
-            step = key[2] if self.kv_budget is None else key[2] % self.kv_budget
+            step = self.policy.slots.slot(key[2])
             return self.prelude_layers + self.coda_layers + step * self.core_layers + key[1]
         raise ValueError(f"unknown layer key {key!r}")
 
@@ -107,6 +112,9 @@ class RecurrentDepthCache(DynamicCache):
                 "policies of recurrent_depth.generate"
             )
         return layer.keys.transpose(1, 2), layer.values.transpose(1, 2)
+
+    def key_mask(self, key: tuple) -> Tensor | None:
+        return None  # every token runs every step in transformers' loop: nothing to leave out
 
     def get_state(self, key: tuple) -> Any:
         return self.states.get(key)
@@ -152,11 +160,6 @@ class RecurrentDepthCache(DynamicCache):
         self.states = _map_tensors(self.states, lambda t: t[indices])
 
 
-def check_kv_budget(kv_budget: Any) -> None:
-    if kv_budget is not None and (isinstance(kv_budget, bool) or not isinstance(kv_budget, int) or kv_budget < 1):
-        raise ValueError(f"kv_budget={kv_budget!r} is invalid: expected None (full cache) or an integer >= 1")
-
-
 def _tensors(value: Any) -> list[Tensor]:
     if isinstance(value, Tensor):
         return [value]
@@ -199,7 +202,7 @@ ROUTED_GENERATE_OPTIONS = (
 # Options both loops understand; passed along when a call is routed to `recurrent_depth.generate`.
 SHARED_GENERATE_OPTIONS = (
     "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-    "attention_mask", "num_steps", "init_scale", "kv_budget",
+    "attention_mask", "num_steps", "init_scale", "kv_budget", "kv_policy",
 )
 # forward() keyword arguments transformers may send that carry no information for this model
 # (generate(..., stop_strings=, tokenizer=) passes the tokenizer on to forward with the model kwargs).
@@ -341,6 +344,7 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         init_scale: float | None = None,
         input_states: Tensor | None = None,
         kv_budget: int | None = None,
+        kv_policy: str | None = None,
         generator: torch.Generator | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
@@ -353,7 +357,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         num_steps / init_scale / input_states / generator: as `RecurrentDepthLM.forward` (None ->
         `config.mean_recurrence` in eval mode, a sampled depth in train mode; `config.init_scale`).
         cache: a `RecurrentDepthCache` (an empty transformers cache is replaced by one); with
-        `use_cache=True` and no cache, one is created with `kv_budget` (None = full cache).
+        `use_cache=True` and no cache, one is created with `kv_policy` / `kv_budget` (None = one
+        entry per step; see `recurrent_depth.model.cache.parse_kv_policy`).
         labels: `[B, T]` unshifted, -100 ignored (shifted inside, as transformers does).
         """
         cache = _cache_alias(cache, kwargs)
@@ -361,14 +366,14 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         if unknown:
             raise ValueError(
                 f"unexpected forward() arguments {unknown}; recurrent-depth options are num_steps, "
-                "init_scale, input_states, kv_budget, generator (exit / warm start / draft options "
+                "init_scale, input_states, kv_budget, kv_policy, generator (exit / warm start / draft options "
                 "belong to generate())"
             )
         if inputs_embeds is not None:
             raise ValueError("inputs_embeds is not supported: pass input_ids (the prelude scales the embedding)")
         if input_ids is None:
             raise ValueError("input_ids is required")
-        check_kv_budget(kv_budget)
+        policy = parse_kv_policy(kv_policy, kv_budget)
         self._sync_runtime_config()
         use_cache = self.config.use_cache if use_cache is None else use_cache
         return_dict = self.config.return_dict if return_dict is None else return_dict
@@ -385,9 +390,11 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             cache = None
             use_cache = True
         if cache is None and use_cache:
-            cache = RecurrentDepthCache.for_config(self._core.config, kv_budget)
+            cache = RecurrentDepthCache.for_config(self._core.config, kv_budget, kv_policy)
         if cache is not None and kv_budget is not None and cache.kv_budget != kv_budget:
             raise ValueError(f"kv_budget={kv_budget} differs from the cache's kv_budget={cache.kv_budget}")
+        if cache is not None and kv_policy is not None and cache.policy != policy:
+            raise ValueError(f"kv_policy={kv_policy!r} differs from the cache's policy {cache.policy.name!r}")
 
         out = self._core(
             input_ids, num_steps, labels=None, attention_mask=attention_mask, position_ids=position_ids,

@@ -117,15 +117,12 @@ class Sequence:
 
     @property
     def row_slots(self) -> int:
-        """Core KV slots this row uses (as `inference.cache._SlotPolicy.core_slots`)."""
-        opts = self.options
-        deepest = opts.deepest_step
-        return max(1, deepest if opts.kv_budget is None else min(opts.kv_budget, deepest))
+        """Core KV slots this row uses (its policy's slot rule at its deepest step)."""
+        return self.options.policy.slots.num_slots(self.options.deepest_step)
 
     def slot(self, step: int) -> int:
-        """The KV slot of core step `step`: the step itself, or step mod k under a budget."""
-        budget = self.options.kv_budget
-        return min(step if budget is None else step % budget, self.row_slots - 1)
+        """The KV slot of core step `step` under the row's slot rule."""
+        return self.options.policy.slots.slot(step)
 
     @property
     def criterion_key(self) -> tuple[str, float] | None:
@@ -201,6 +198,7 @@ class BatchDecoder:
         runner, pool = self.runner, self.pool
         depth = opts.num_steps  # the prompt runs at full depth
         table = torch.tensor([[seq.slot(i) for i in range(depth)]], dtype=torch.long)
+        pool.set_policy(row, opts.policy)
         pool.bind_prefill(row, T, table)
         step = runner.context(ids, None, None)
         step.ctx.cache = pool
@@ -291,7 +289,7 @@ class BatchDecoder:
             ctx.attn_mask = valid[:, None, None, :]  # [B, 1, 1, L]
         return step, torch.tensor(rows, dtype=torch.long, device=self.device), cols
 
-    def _bind(self, rows: list[int], ids: Tensor | None = None, core_slots: list[int] | None = None) -> Step:
+    def _bind(self, rows: list[int], ids: Tensor | None = None, core_steps: list[int] | None = None) -> Step:
         """Bind the pool to `rows` for the next model call and return its context."""
         if ids is None:  # the context depends only on which rows and their columns
             key = (tuple(rows), tuple(self.rows[b].length for b in rows))
@@ -302,7 +300,8 @@ class BatchDecoder:
             step, row_index, cols = self._contexts[key]
         else:
             step, row_index, cols = self._context(rows, ids)
-        self.pool.bind_tokens(rows, row_index, cols, step.ctx.past_len + 1, core_slots)
+        core_slots = None if core_steps is None else [self.rows[b].slot(i) for b, i in zip(rows, core_steps)]
+        self.pool.bind_tokens(rows, row_index, cols, step.ctx.past_len + 1, core_slots, core_steps)
         return step
 
     def _start(self, rows: list[int]) -> None:
@@ -334,7 +333,7 @@ class BatchDecoder:
         """One core step for each row at its own step; returns the rows that exit, with why."""
         seqs = [self.rows[b] for b in rows]
         index = self._select(rows)
-        step = self._bind(rows, core_slots=[r.slot(r.phase) for r in seqs])
+        step = self._bind(rows, core_steps=[r.phase for r in seqs])
         state = self.runner.core_step(self.state[index].unsqueeze(1), self.injected[index].unsqueeze(1),
                                       self.embedded[index].unsqueeze(1), 0, step)[:, 0]
         self.state[index] = state

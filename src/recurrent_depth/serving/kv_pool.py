@@ -8,14 +8,17 @@ realignment when requests join or leave. A token call writes one column per list
 row's own position) and reads columns `[0, L)`, L = the longest listed row; the attention mask
 hides a row's columns beyond its own.
 
-The slot a core step uses is per row: `step` under the full policy, `step mod k` under a KV budget
-k (the paper's sharing, as `recurrent_depth.inference.cache`); rows in one call may be at different
-steps. A token that ran d steps has its slots d.. filled with its deepest entry (`close_*`), the
-paper's remark 6.1, so each row reads exactly what it would read when generated alone.
+Each row follows its request's `KVPolicy` (`recurrent_depth.model.cache`, the same rule classes as
+the generation caches): the slot a core step uses is the row's slot rule (`step`, or `step mod k`
+under a budget), and rows in one call may be at different steps. When a token closes at depth d,
+the row's lookup rule settles slots d.. (`Deepest` copies its deepest entry there, the paper's
+remark 6.1); under `Skip` the pool's `key_mask` hides the column from steps >= d. Each row reads
+exactly what it would read when generated alone.
 
-The pool follows the model's cache protocol (`update_kv`, `get_state`/`set_state`, `advance`,
-`seq_len`, `nbytes`) for the one call it is bound to (`bind_prefill` / `bind_tokens`). Only
-attention mixers are supported (recurrent-state mixers keep a single per-batch state).
+The pool follows the model's cache protocol (`update_kv` / `update_heads`, `key_mask`,
+`get_state`/`set_state`, `advance`, `seq_len`, `nbytes`) for the one call it is bound to
+(`bind_prefill` / `bind_tokens`). Only attention mixers are supported (recurrent-state mixers
+keep a single per-batch state).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from recurrent_depth.model.cache import KVPolicy
 
 LayerKey = tuple
 
@@ -46,6 +51,9 @@ class SlotKVPool:
         self._read_len = 0
         self._slot_table: Tensor | None = None  # prefill: [1, steps] slot of each core step
         self._token_slots: int | Tensor = 0  # token calls: the core slot, one int or [B]
+        self._token_steps: Tensor | None = None  # token calls: [B] core step of each row
+        self.depth = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # [R, C] steps each column ran
+        self.policies: dict[int, KVPolicy] = {}  # row -> its request's policy
 
     # ------------------------------------------------------------------ sizing
     def reserve(self, slots: int, rows: int, capacity: int, max_rows: int, max_capacity: int) -> None:
@@ -64,6 +72,9 @@ class SlotKVPool:
         for base, (K, V) in self.kv.items():
             S = new_s if base[0] == "core" else 1
             self.kv[base] = (self._regrow(K, S, new_r, new_c), self._regrow(V, S, new_r, new_c))
+        depth = self.depth.new_zeros(new_r, new_c)
+        depth[: self.depth.shape[0], : self.depth.shape[1]] = self.depth
+        self.depth = depth
         self.slots, self.rows, self.capacity = new_s, new_r, new_c
 
     @staticmethod
@@ -76,7 +87,7 @@ class SlotKVPool:
     def _storage(self, base: tuple, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if base not in self.kv:
             S = self.slots if base[0] == "core" else 1
-            Hkv, D, Dv = k.shape[2], k.shape[3], v.shape[3]
+            Hkv, D, Dv = k.shape[1], k.shape[3], v.shape[3]  # head-major [B, Hkv, T, D]
             self.kv[base] = (
                 torch.zeros(S, self.rows, Hkv, self.capacity, D, dtype=k.dtype, device=self.device),
                 torch.zeros(S, self.rows, Hkv, self.capacity, Dv, dtype=v.dtype, device=self.device),
@@ -96,12 +107,13 @@ class SlotKVPool:
         self._slot_table = slot_table.to(self.device)
 
     def bind_tokens(self, rows: list[int], row_index: Tensor, cols: Tensor, read_len: int,
-                    core_slots: list[int] | None) -> None:
+                    core_slots: list[int] | None, core_steps: list[int] | None = None) -> None:
         """The next model call feeds one token to each of `rows` (also as `row_index` `[B]`), at
         columns `cols` `[B]`.
 
-        core_slots: the KV slot each row's core step uses (rows may be at different steps);
-        None for prelude / coda calls.
+        core_slots: the KV slot each row's core step uses (rows may be at different steps), and
+        core_steps the steps themselves (what `key_mask` compares depths with); None for prelude /
+        coda calls.
         """
         self._rows = rows
         self._row_index = row_index
@@ -112,6 +124,12 @@ class SlotKVPool:
             self._token_slots = core_slots[0] if core_slots else 0
         else:
             self._token_slots = torch.tensor(core_slots, dtype=torch.long, device=self.device)
+        self._token_steps = None
+        if core_steps is not None and any(self.policies[r].lookup.hides_columns for r in rows):
+            self._token_steps = torch.tensor(
+                [s if self.policies[r].lookup.hides_columns else -1 for r, s in zip(rows, core_steps)],
+                dtype=torch.long, device=self.device,
+            )  # -1: a row whose lookup hides nothing sees every column
 
     def _slot(self, key: LayerKey) -> int | Tensor:
         if key[0] != "core":
@@ -123,28 +141,38 @@ class SlotKVPool:
     # ------------------------------------------------------------------ the cache protocol
     def update_kv(self, key: LayerKey, k: Tensor, v: Tensor, ctx: Any = None) -> tuple[Tensor, Tensor]:
         """Store this call's k, v `[B, T, Hkv, D]`; return every visible column `[B, L, Hkv, D]`."""
+        K, V = self.update_heads(key, k.transpose(1, 2), v.transpose(1, 2))
+        return K.transpose(1, 2), V.transpose(1, 2)
+
+    def update_heads(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """`update_kv` in head-major layout: k, v `[B, Hkv, T, D]` in, `[B, Hkv, L, D]` out."""
         base = key[:2] if key[0] == "core" else key
         K, V = self._storage(base, k, v)
         slot = self._slot(key)
         if self._cols is None:  # prefill: one row, columns [0, T)
             r, T = self._rows[0], self._prefill_len
-            K[slot, r, :, :T] = k[0].transpose(0, 1)
-            V[slot, r, :, :T] = v[0].transpose(0, 1)
-            return K[slot, r : r + 1, :, :T].transpose(1, 2), V[slot, r : r + 1, :, :T].transpose(1, 2)
+            K[slot, r, :, :T] = k[0]
+            V[slot, r, :, :T] = v[0]
+            return K[slot, r : r + 1, :, :T], V[slot, r : r + 1, :, :T]
         rows, cols, L = self._row_index, self._cols, self._read_len
-        K[slot, rows, :, cols] = k[:, 0]  # [B, Hkv, D] at each row's own column
-        V[slot, rows, :, cols] = v[:, 0]
+        K[slot, rows, :, cols] = k[:, :, 0]  # [B, Hkv, D] at each row's own column
+        V[slot, rows, :, cols] = v[:, :, 0]
         if isinstance(slot, int) and self._contiguous:
             r0, r1 = self._rows[0], self._rows[0] + len(self._rows)
-            k_all, v_all = K[slot, r0:r1, :, :L], V[slot, r0:r1, :, :L]  # views [B, Hkv, L, D]
-        else:
-            # Scattered rows, or rows at different steps: gather each row's (slot, row) entry.
-            # One index_select over the flattened (slot, row) dimension is several times faster
-            # than advanced indexing with two index tensors.
-            flat = slot * self.rows + rows  # [B] (slot: an int or one per row)
-            k_all = K.flatten(0, 1)[:, :, :L].index_select(0, flat)
-            v_all = V.flatten(0, 1)[:, :, :L].index_select(0, flat)
-        return k_all.transpose(1, 2), v_all.transpose(1, 2)
+            return K[slot, r0:r1, :, :L], V[slot, r0:r1, :, :L]  # views [B, Hkv, L, D]
+        # Scattered rows, or rows at different steps: gather each row's (slot, row) entry.
+        # One index_select over the flattened (slot, row) dimension is several times faster
+        # than advanced indexing with two index tensors.
+        flat = slot * self.rows + rows  # [B] (slot: an int or one per row)
+        return K.flatten(0, 1)[:, :, :L].index_select(0, flat), V.flatten(0, 1)[:, :, :L].index_select(0, flat)
+
+    def key_mask(self, key: LayerKey) -> Tensor | None:
+        """Bool `[B, L]` in token calls with rows whose lookup hides columns (`Skip`), else None."""
+        if key[0] != "core" or self._token_steps is None:
+            return None
+        L = self._read_len
+        visible = self.depth[self._row_index, :L] > self._token_steps[:, None]
+        return visible | (torch.arange(L, device=self.device)[None] == self._cols[:, None])  # own column
 
     def get_state(self, key: LayerKey) -> Any:
         raise NotImplementedError("the serving KV pool supports attention mixers only")
@@ -159,27 +187,36 @@ class SlotKVPool:
         return sum(K.nbytes + V.nbytes for K, V in self.kv.values())
 
     # ------------------------------------------------------------------ after a call
-    def close_prefill(self, row: int, length: int, depth: int, row_slots: int) -> None:
-        """The prompt columns [0, length) of `row` ran `depth` steps; fill its slots depth..row_slots-1."""
-        if depth <= 0 or depth >= row_slots:
+    def set_policy(self, row: int, policy: KVPolicy) -> None:
+        self.policies[row] = policy
+
+    def _settle(self, row: int, cols: slice | int, depth: int, row_slots: int) -> None:
+        """Columns `cols` of `row` ran `depth` steps: record it and let the row's lookup rule fill."""
+        self.depth[row, cols] = depth
+        if not 0 < depth < row_slots:  # under a budget k, d >= k wrote every slot (then n <= d)
             return
+        src = self.policies[row].lookup.fill_index(torch.tensor([[depth]], device=self.device), row_slots)
+        if src is None:
+            return
+        index = src[:, 0, 0]  # [row_slots]
         for base, (K, V) in self.kv.items():
             if base[0] == "core":
                 for store in (K, V):
-                    store[depth:row_slots, row, :, :length] = store[depth - 1, row, :, :length]
+                    store[:row_slots, row, :, cols] = store[index, row, :, cols]
+
+    def close_prefill(self, row: int, length: int, depth: int, row_slots: int) -> None:
+        """The prompt columns [0, length) of `row` ran `depth` steps."""
+        self._settle(row, slice(0, length), depth, row_slots)
 
     def close_tokens(self, rows: list[int], cols: list[int], depth: list[int], row_slots: list[int]) -> None:
-        """Row rows[b]'s token at column cols[b] ran depth[b] steps: its slots depth[b]..row_slots[b]-1
-        get the deepest entry (slot depth[b]-1), as `StaticRecurrentCache.close` does."""
+        """Row rows[b]'s token at column cols[b] ran depth[b] steps (as `StaticRecurrentCache.close`)."""
         for r, c, d, n in zip(rows, cols, depth, row_slots):
-            if 0 < d < n:  # under a budget k, d >= k wrote every slot (then n <= d)
-                for base, (K, V) in self.kv.items():
-                    if base[0] == "core":
-                        K[d:n, r, :, c] = K[d - 1, r, :, c]
-                        V[d:n, r, :, c] = V[d - 1, r, :, c]
+            self._settle(r, c, d, n)
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy columns [0, length) of row `src` to row `dst` (keeps running rows contiguous)."""
         for K, V in self.kv.values():
             K[:, dst, :, :length] = K[:, src, :, :length]
             V[:, dst, :, :length] = V[:, src, :, :length]
+        self.depth[dst, :length] = self.depth[src, :length]
+        self.policies[dst] = self.policies.pop(src)

@@ -7,7 +7,7 @@ fields we do not implement are ignored when they cannot change the result (`user
 (`logit_bias`, `presence_penalty`/`frequency_penalty` other than 0, `suffix`, `best_of` other
 than n, tools, non-text response formats). Test-time compute knobs are extra body fields
 (`extra_body=` in the openai client): `num_steps`, `exit_criterion`, `exit_threshold`,
-`min_steps`, `max_steps`, `kv_budget`, `warm_start`, `draft_steps`, `lookahead`,
+`min_steps`, `max_steps`, `kv_budget`, `kv_policy`, `warm_start`, `draft_steps`, `lookahead`,
 `verification_threshold`, `init_scale`, plus `top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos`, `stop_token_ids`, `add_special_tokens` and `return_steps`.
 """
@@ -21,6 +21,7 @@ from typing import Any
 
 from recurrent_depth.inference.criteria import CRITERIA
 from recurrent_depth.inference.options import GenerationOptions
+from recurrent_depth.model.cache import parse_kv_policy
 
 
 class APIError(Exception):
@@ -258,6 +259,11 @@ def parse_sampling(body: dict, limits: Limits, served_names: set[str], eos_confi
     min_steps = get_int(body, "min_steps", None, 1, limits.max_num_steps)
     max_steps = get_int(body, "max_steps", None, 1, limits.max_num_steps)
     kv_budget = get_int(body, "kv_budget", None, 1, limits.max_num_steps)
+    kv_policy = get_str(body, "kv_policy", None)
+    try:
+        parse_kv_policy(kv_policy, kv_budget)
+    except ValueError as exc:
+        raise bad("kv_policy", str(exc)) from None
     warm_start = get_bool(body, "warm_start", False)
     draft_steps = get_int(body, "draft_steps", None, 0, max(0, deepest - 1))
     lookahead = get_int(body, "lookahead", None, 1, limits.max_lookahead)
@@ -275,7 +281,7 @@ def parse_sampling(body: dict, limits: Limits, served_names: set[str], eos_confi
 
     generation: dict[str, Any] = dict(
         num_steps=num_steps, exit_criterion=criterion, exit_threshold=threshold, kv_budget=kv_budget,
-        warm_start=warm_start, draft_steps=draft_steps, do_sample=temperature > 0,
+        kv_policy=kv_policy, warm_start=warm_start, draft_steps=draft_steps, do_sample=temperature > 0,
         temperature=temperature if temperature > 0 else 1.0, top_k=top_k, top_p=top_p, min_p=min_p,
         repetition_penalty=repetition_penalty if repetition_penalty is not None else 1.0,
     )

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from recurrent_depth.config import ModelConfig
+from recurrent_depth.model.cache import combine_key_mask
 from recurrent_depth.model.layers import RMSNorm, apply_rope
 from recurrent_depth.model.linear import Linear
 from recurrent_depth.model.mixers.base import LayerKey, MixerContext, register_mixer
@@ -84,11 +85,15 @@ class Attention(MaxLogitRecorder, nn.Module):
     def forward(self, x: Tensor, ctx: MixerContext, layer_key: LayerKey) -> Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x, ctx)
+        key_mask = None
         if ctx.cache is not None:
             k, v = ctx.cache.update_kv(layer_key, k, v, ctx)  # [B, T_past + T, Hkv, D]
+            key_mask = ctx.cache.key_mask(layer_key)  # columns a lookup rule leaves out (None: all)
         mask, is_causal = ctx.attn_mask, ctx.is_causal
         if self.window is not None:
             mask, is_causal = window_mask(ctx, k.shape[1], self.window), False
+        if key_mask is not None:
+            mask, is_causal = combine_key_mask(mask, key_mask, T), False
         if self.record_max_logit and self.training:
             self.observe_logits(q, k, self.head_dim**-0.5, mask, is_causal)
         out = F.scaled_dot_product_attention(

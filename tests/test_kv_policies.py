@@ -10,6 +10,8 @@ The rules, per core layer, for a column that ran d steps, read by a later token 
 from __future__ import annotations
 
 import math
+import pathlib
+import re
 
 import pytest
 import torch
@@ -164,3 +166,18 @@ def test_skip_needs_an_attention_model():
     lin = rd.RecurrentDepthLM(cfg).eval()
     with pytest.raises(ValueError, match="softmax attention"):
         generate(lin, torch.tensor([[1, 2]]), kv_policy="skip", **ADAPTIVE)
+
+
+def test_only_model_and_inference_iterate_the_core():
+    """The recurrence runs in `RecurrentDepthLM.forward` and the engine; every other module calls the engine."""
+    root = pathlib.Path(rd.__file__).parent
+    allowed = {"model/recurrent.py", "inference/runner.py", "inference/engine.py"}
+    offenders = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root).as_posix()
+        if rel in allowed:
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\bcore_step\(", line):
+                offenders.append(f"{rel}:{n}")
+    assert not offenders, f"core_step called outside model/ and the engine: {offenders}"

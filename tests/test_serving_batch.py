@@ -286,3 +286,34 @@ def test_engine_serves_models_the_batch_does_not_take_through_generate(tmp_path)
     for i, p in enumerate(prompts):
         alone = generate(model, torch.tensor(p), max_new_tokens=5, num_steps=3, init_scale=0.0)
         assert [e.token for e in events[i] if isinstance(e, TokenOut)] == alone.token_lists()[0]
+
+
+# ---------------------------------------------------------------------------------------- deadlines
+@pytest.mark.parametrize("solo", [False, True], ids=["batch", "solo"])
+def test_a_deep_prefill_past_its_deadline_ends_within_a_core_step(model, solo):
+    """The deadline is checked between core steps, prefill included: a prompt at 100000 steps (minutes
+    of work) with a 0.2 s timeout fails with a 504 at once, and the engine records its progress."""
+    engine = Engine(model, max_batch=2)
+    assert engine.last_progress is None
+    engine.start()
+    try:
+        failed = threading.Event()
+        events = []
+
+        def sink(event):
+            events.append(event)
+            failed.set()
+
+        deep = dict(max_new_tokens=2, num_steps=100_000, init_scale=0.0)
+        opts = GenerationOptions(**deep).validate(4)
+        start = time.monotonic()
+        job = Job(RowRequest(list(range(1, 40)), opts, 0), 2, frozenset(), TextState(TextCodec(None, 256), []),
+                  sink, start + 0.2, solo=solo, generation_kwargs=deep)
+        engine.submit([job])
+        assert failed.wait(30)
+        elapsed = time.monotonic() - start
+    finally:
+        engine.stop()
+    assert len(events) == 1 and events[0].status == 504 and events[0].error_type == "timeout"
+    assert elapsed < 10  # the full prefill would take minutes
+    assert isinstance(engine.last_progress, float) and start < engine.last_progress <= time.monotonic()

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from recurrent_depth.config import is_real
+from recurrent_depth.inference.engine import Recurrence
 
 # Above this, in-memory collection refuses and asks for `out_dir` (a memory map on disk).
 DEFAULT_MAX_IN_MEMORY_BYTES = 1 << 30
@@ -181,7 +182,7 @@ def iterate_states(
 ) -> Iterator[tuple[StepState, Any]]:
     """Yield `(StepState, ctx)` for steps 0..num_steps of one run, computing each on demand.
 
-    Uses the model's own pieces (make_context, embed, initial_state, core_step, ln_f), so the
+    Runs the recurrence engine over the model's own modules (`inference.engine.Recurrence`), so the
     states are exactly those of `model(input_ids, num_steps, init_scale=..., generator=...)`.
     `ctx` is the mixer context, which `model.predict(normed, ctx)` needs to read logits.
     s_0 is drawn from a generator seeded with `seed` (or given as `input_states` [B, T, h]).
@@ -192,19 +193,18 @@ def iterate_states(
         raise ValueError(f"init_scale={init_scale!r} is invalid: expected a finite number >= 0")
     input_ids = input_ids.to(model.device)
     mask = None if attention_mask is None else attention_mask.to(model.device)
-    ctx = model.make_context(input_ids, mask)
-    e = model.embed(input_ids, ctx)
+    engine = Recurrence(model, fast=False)  # the model's own modules
+    pass_ = engine.begin(input_ids, mask)
+    e = pass_.e
     if input_states is not None:
         if tuple(input_states.shape) != tuple(e.shape):
             raise ValueError(f"input_states must have shape {tuple(e.shape)}, got {tuple(input_states.shape)}")
         state = input_states.to(device=e.device, dtype=e.dtype)
     else:
-        state = model.initial_state(e, init_scale, make_generator(seed, e.device))
+        state = engine.initial_state(e, init_scale, make_generator(seed, e.device))
     ln_f = model.transformer.ln_f
-    yield StepState(0, state, ln_f(state)), ctx
-    for step in range(num_steps):
-        state = model.core_step(state, e, step, ctx)
-        yield StepState(step + 1, state, ln_f(state)), ctx
+    for depth, s in engine.depths(state, pass_, range(num_steps + 1)):
+        yield StepState(depth, s, ln_f(s)), pass_.step.ctx
 
 
 def predictions(logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -11,6 +11,8 @@ Model args (besides lm-eval's usual ``hf`` ones: ``pretrained``, ``tokenizer``, 
 - ``exit_criterion`` / ``exit_threshold`` / ``min_steps``: per-token early exit (`kl`,
   `entropy-diff`, `latent-diff`, `cosine`, `argmax-stability`; threshold None = its default);
 - ``kv_budget``: KV-cache sharing, step i reads and writes slot i mod k;
+- ``kv_policy``: the KV policy by name (`recurrent_depth.model.cache.parse_kv_policy`), e.g.
+  ``shared-4+skip`` (early-exited tokens left out at steps they did not reach);
 - ``warm_start``: each token starts from the previous token's final state;
 - ``init_scale``: scale of the random initial state (0 = deterministic zeros);
 - ``seed``: seeds the initial-state draws, so a run is reproducible;
@@ -42,6 +44,7 @@ from tqdm import tqdm
 from recurrent_depth.evaluation.scoring import Scored, batched_logprobs, stepwise_logprobs
 from recurrent_depth.inference.criteria import resolve_criterion
 from recurrent_depth.integrations import register_transformers
+from recurrent_depth.model.cache import parse_kv_policy
 
 log = logging.getLogger(__name__)
 DEFAULT_AUTO_BATCH = 16  # "batch_size=auto" probes GPU memory; on CPU a fixed size is as good
@@ -88,6 +91,7 @@ class RecurrentDepthEvalLM(HFLM):
         min_steps: int = 1,
         kv_budget: int | None = None,
         warm_start: bool = False,
+        kv_policy: str | None = None,
         init_scale: float | None = None,
         seed: int = 0,
         steps_log: str | None = None,
@@ -108,6 +112,8 @@ class RecurrentDepthEvalLM(HFLM):
         self.exit_criterion, self.exit_threshold = exit_criterion, exit_threshold
         self.min_steps = _optional_int("min_steps", min_steps, 1) or 1
         self.kv_budget = _optional_int("kv_budget", kv_budget, 1)
+        parse_kv_policy(kv_policy, self.kv_budget)  # validates both
+        self.kv_policy = kv_policy
         self.warm_start = _as_bool("warm_start", warm_start)
         if init_scale is not None and (isinstance(init_scale, bool) or not isinstance(init_scale, int | float)
                                        or init_scale < 0):
@@ -154,7 +160,8 @@ class RecurrentDepthEvalLM(HFLM):
     def settings(self) -> dict[str, Any]:
         return {
             "num_steps": self.depth, "exit_criterion": self.exit_criterion, "exit_threshold": self.exit_threshold,
-            "min_steps": self.min_steps, "kv_budget": self.kv_budget, "warm_start": self.warm_start,
+            "min_steps": self.min_steps, "kv_budget": self.kv_budget, "kv_policy": self.kv_policy,
+            "warm_start": self.warm_start,
             "init_scale": self.init_scale if self.init_scale is not None else self._core.config.init_scale,
             "seed": self.seed,
         }
@@ -167,7 +174,8 @@ class RecurrentDepthEvalLM(HFLM):
     # ------------------------------------------------------------------ scoring
     @property
     def _stepwise(self) -> bool:
-        return self.exit_criterion is not None or self.kv_budget is not None or self.warm_start
+        return (self.exit_criterion is not None or self.kv_budget is not None or self.kv_policy is not None
+                or self.warm_start)
 
     def _model_call(self, inps: torch.Tensor, attn_mask: Any = None, labels: Any = None) -> torch.Tensor:
         with torch.no_grad():
@@ -200,6 +208,7 @@ class RecurrentDepthEvalLM(HFLM):
                     scored = stepwise_logprobs(
                         self._core, batch, self.depth, pad, self.exit_criterion, self.exit_threshold,
                         self.min_steps, self.kv_budget, self.warm_start, self.init_scale, self._generator,
+                        kv_policy=self.kv_policy,
                     )
                 else:
                     scored = batched_logprobs(self._core, batch, self.depth, pad, self.init_scale, self._generator)
@@ -233,7 +242,8 @@ class RecurrentDepthEvalLM(HFLM):
         # Per-request overrides of the model args (lm-eval --gen_kwargs), e.g. num_steps=8.
         for name, default in (("num_steps", self.depth), ("exit_criterion", self.exit_criterion),
                               ("exit_threshold", self.exit_threshold), ("min_steps", self.min_steps),
-                              ("kv_budget", self.kv_budget), ("warm_start", self.warm_start)):
+                              ("kv_budget", self.kv_budget), ("kv_policy", self.kv_policy),
+                              ("warm_start", self.warm_start)):
             options[name] = kwargs.pop(name, default)
         if kwargs:
             raise ValueError(f"generation arguments {sorted(kwargs)} are not supported by the recurrent-depth backend")

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
+from recurrent_depth.inference.engine import Recurrence
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 
 
@@ -43,12 +44,8 @@ def logits_at_depths(
     wanted = check_depths(depths)
     scale = model.config.init_scale if init_scale is None else init_scale
     model.check_inputs(input_ids, None, attention_mask, None, None)
-    ctx = model.make_context(input_ids, attention_mask)
-    e = model.embed(input_ids, ctx)
-    state = model.initial_state(e, scale, generator)
-    step = 0
-    for depth in wanted:
-        while step < depth:
-            state = model.core_step(state, e, step, ctx)
-            step += 1
-        yield depth, model.predict(model.transformer.ln_f(state), ctx)
+    engine = Recurrence(model, fast=False)  # the model's own modules
+    pass_ = engine.begin(input_ids, attention_mask)
+    s0 = engine.initial_state(pass_.e, scale, generator)
+    for depth, state in engine.depths(s0, pass_, wanted):
+        yield depth, engine.readout(state, pass_)

@@ -7,9 +7,9 @@
 - per-token early exit, a KV budget, or warm start: the context but its last token is prefilled
   at full depth, then the last context token and the continuation are fed one token at a time
   (teacher forcing), each recurring until its exit criterion holds (at most `num_steps`), so every
-  scored prediction runs under the criterion. Earlier tokens' KV entries are read through the
-  inference caches (slot i mod k under a budget; the deepest entry for tokens that exited early),
-  exactly as `recurrent_depth.generate` does when it decodes (`stepwise_logprobs`).
+  scored prediction runs under the criterion (the engine's `run_adaptive`). Earlier tokens' KV
+  entries are read through the inference caches under the request's KV policy (`kv_policy` /
+  `kv_budget`), exactly as `recurrent_depth.generate` does when it decodes (`stepwise_logprobs`).
 
 Both return, per request, the summed log-probability of the continuation, whether it is the
 greedy continuation, and the recurrence steps each continuation token was predicted with.
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
 
 from recurrent_depth.inference.cache import make_cache
 from recurrent_depth.inference.criteria import ExitCriterion, resolve_criterion
+from recurrent_depth.inference.engine import Recurrence
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 
 
@@ -85,6 +85,7 @@ def stepwise_logprobs(
     warm_start: bool = False,
     init_scale: float | None = None,
     generator: torch.Generator | None = None,
+    kv_policy: str | None = None,
 ) -> list[Scored]:
     """Teacher-forced, token by token: early exit per token and row, KV sharing, warm start."""
     for context, continuation in requests:
@@ -106,18 +107,16 @@ def stepwise_logprobs(
     for b, (context, _) in enumerate(requests):  # left padding: every continuation starts at column Lc
         ctx_ids[b, Lc - len(context) :] = torch.tensor(list(context), device=device)
         mask[b, Lc - len(context) :] = 1
-    cache = make_cache("static", B, num_steps, kv_budget, capacity=Lc + Ln, device=device)
+    cache = make_cache("static", B, num_steps, kv_budget, capacity=Lc + Ln, device=device, policy=kv_policy)
+    engine = Recurrence(model, fast=False)  # the model's own modules
 
     # Prefill all but the last context token at full depth; every prediction that is scored
     # (from the last context token on) then runs under the exit criterion.
     last_state = None
     if Lc > 1:
-        step_ctx = model.make_context(ctx_ids[:, :-1], mask[:, :-1], cache=cache)
-        e = model.embed(ctx_ids[:, :-1], step_ctx)
-        state = model.initial_state(e, scale, generator)
-        for i in range(num_steps):
-            state = model.core_step(state, e, i, step_ctx)
-        model.predict(model.transformer.ln_f(state), step_ctx)  # fills the coda's cache entries
+        pass_ = engine.begin(ctx_ids[:, :-1], mask[:, :-1], cache)
+        state = engine.run(engine.initial_state(pass_.e, scale, generator), pass_, num_steps)
+        engine.readout(state, pass_)  # fills the coda's cache entries
         cache.close(num_steps, Lc - 1)
         cache.advance(Lc - 1)
         last_state = state[:, -1:]
@@ -135,13 +134,15 @@ def stepwise_logprobs(
         live = j < lengths  # rows already done feed padding; their results are unused
         mask = torch.cat([mask[:, : Lc - 1 + j], torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
         ids = feed[:, j : j + 1]
-        step_ctx = model.make_context(ids, mask, cache=cache)
-        e = model.embed(ids, step_ctx)
+        pass_ = engine.begin(ids, mask, cache)
         if warm_start and last_state is not None:
             state = last_state
         else:
-            state = model.initial_state(e, scale, generator)
-        state, logits, used = _recur(model, state, e, step_ctx, cache, num_steps, criterion, min_steps)
+            state = engine.initial_state(pass_.e, scale, generator)
+        state, logits, used, _ = engine.run_adaptive(
+            state, pass_, criterion, model.config.vocab_size, num_steps=num_steps, max_steps=num_steps,
+            min_steps=min_steps,
+        )
         cache.close(used[:, None], 1)
         cache.advance(1)
         last_state = state
@@ -154,43 +155,3 @@ def stepwise_logprobs(
         Scored(float(logprob[b]), bool(greedy[b]), steps[b, : int(lengths[b])].tolist()) for b in range(B)
     ]
 
-
-def _recur(
-    model: RecurrentDepthLM,
-    state: Tensor,
-    e: Tensor,
-    step_ctx,
-    cache,
-    num_steps: int,
-    criterion: ExitCriterion | None,
-    min_steps: int,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """One new position per row: iterate until each row's criterion holds. -> (state, logits [B, V], steps [B])."""
-    B = state.shape[0]
-    if criterion is None:
-        for i in range(num_steps):
-            state = model.core_step(state, e, i, step_ctx)
-        logits = model.predict(model.transformer.ln_f(state), step_ctx)[:, -1]
-        return state, logits, torch.full((B,), num_steps, dtype=torch.long, device=state.device)
-    running = torch.ones(B, dtype=torch.bool, device=state.device)
-    used = torch.zeros(B, dtype=torch.long, device=state.device)
-    logits = None
-    criterion.start(state[:, 0], model.config.vocab_size)
-    for i in range(num_steps):
-        cache.write_mask = running[:, None]  # rows that exited keep their entries as at their exit
-        new_state = model.core_step(state, e, i, step_ctx)
-        state = torch.where(running[:, None, None], new_state, state)
-        used += running
-        step_logits = None
-        if criterion.needs_logits:
-            step_logits = model.predict(model.transformer.ln_f(state), step_ctx)[:, -1]
-            logits = step_logits if logits is None else torch.where(running[:, None], step_logits, logits)
-        met = criterion.update(state[:, 0], step_logits)
-        if i + 1 >= min_steps:
-            running &= ~met
-            if not bool(running.any()):
-                break
-    cache.write_mask = None
-    if logits is None:  # latent criteria: read the logits once, at each row's exit state
-        logits = model.predict(model.transformer.ln_f(state), step_ctx)[:, -1]
-    return state, logits, used

@@ -77,12 +77,25 @@ def resolve_criterion(name: str | None, threshold: float | None) -> tuple[Criter
 
 
 class ExitCriterion:
-    """Running statistics of one criterion for a batch of rows during one token's recurrence."""
+    """Running statistics of one criterion for a batch of rows during one token's recurrence.
+
+    `row_state()` / `load_row_state()` expose the per-row statistics (batch-first tensors), so
+    `RowCriterion` can keep them for rows that start their tokens at different steps.
+    """
+
+    ROW_STATE = ("prev", "prev_probs", "count")
 
     def __init__(self, spec: CriterionSpec, threshold: float) -> None:
         self.spec = spec
         self.threshold = threshold
         self.last_statistic: Tensor | None = None
+
+    def row_state(self) -> dict[str, Tensor]:
+        return {name: getattr(self, name) for name in self.ROW_STATE if hasattr(self, name)}
+
+    def load_row_state(self, state: dict[str, Tensor]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
 
     @property
     def needs_logits(self) -> bool:
@@ -140,3 +153,44 @@ class ExitCriterion:
             met = stat >= self.threshold
         self.last_statistic = stat
         return met
+
+
+class RowCriterion:
+    """One criterion and threshold with per-row statistics for `capacity` rows that start their
+    tokens whenever their previous one ends (the serving batch): `start` and `update` gather the
+    rows concerned into a working `ExitCriterion`, run it, and scatter its row state back."""
+
+    def __init__(self, spec: CriterionSpec, threshold: float, capacity: int, vocab_size: int) -> None:
+        self.spec = spec
+        self.threshold = threshold
+        self.capacity = capacity
+        self.vocab_size = vocab_size
+        self.store: dict[str, Tensor] = {}
+
+    @property
+    def needs_logits(self) -> bool:
+        return self.spec.needs_logits
+
+    def _scatter(self, crit: ExitCriterion, rows: Tensor) -> None:
+        for name, value in crit.row_state().items():
+            if name not in self.store:
+                self.store[name] = value.new_zeros(self.capacity, *value.shape[1:])
+            self.store[name][rows] = value
+
+    def start(self, rows: Tensor, state: Tensor) -> None:
+        """Rows `[m]` begin a token whose initial state is `state` `[m, h]`."""
+        crit = ExitCriterion(self.spec, self.threshold)
+        crit.start(state, self.vocab_size)
+        self._scatter(crit, rows)
+
+    def update(self, rows: Tensor, state: Tensor, logits: Tensor | None) -> Tensor:
+        """One more step for rows `[m]` (raw state `[m, h]`, logits `[m, V]`); bool `[m]`: met."""
+        crit = ExitCriterion(self.spec, self.threshold)
+        crit.load_row_state({name: stored[rows] for name, stored in self.store.items()})
+        met = crit.update(state, logits)
+        self._scatter(crit, rows)
+        return met
+
+    def move(self, src: int, dst: int) -> None:
+        for stored in self.store.values():
+            stored[dst] = stored[src]

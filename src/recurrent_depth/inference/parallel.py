@@ -58,7 +58,7 @@ def _choose(session: Session, logits: Tensor, rows: list[int], spans: list[tuple
 
 
 def decode(session: Session) -> Iterator[TokenEvent]:
-    opts, runner, cache = session.options, session.runner, session.cache
+    opts, engine, cache = session.options, session.engine, session.cache
     B, T = session.B, session.T
     limit = opts.max_steps
     name = opts.criterion.name if opts.criterion is not None else None
@@ -108,16 +108,11 @@ def decode(session: Session) -> Iterator[TokenEvent]:
         everyone = bool(write.all())
         cache.write_mask = None if everyone else write
         ids = tokens[:, start:end]
-        step = runner.context(ids, session.mask(end), cache)
-        e = runner.embed(ids, step)
-        injected = runner.inject(e)
-        s = states[:, start:end]
-        previous = s
-        for i in range(opts.inner_steps):
-            previous = s
-            new = runner.core_step(s, injected, e, i, step)
-            s = new if everyone else torch.where(write[..., None], new, s)
-        logits = runner.predict(s, step)  # [B, W, V]
+        pass_ = engine.begin(ids, session.mask(end), cache)
+        active = None if everyone else write
+        previous = engine.run(states[:, start:end], pass_, range(opts.inner_steps - 1), active=active)
+        s = engine.run(previous, pass_, range(opts.inner_steps - 1, opts.inner_steps), active=active)
+        logits = engine.readout(s, pass_)  # [B, W, V]
         cache.write_mask = None
         # (before the write-back below: with one inner step `previous` is a view of `states`)
         statistic = _statistic(name, s, previous) if name is not None else None

@@ -67,9 +67,10 @@ class ModelRunner:
         self.model = model
 
     def context(
-        self, input_ids: Tensor, attention_mask: Tensor | None, cache: Any, position_ids: Tensor | None = None
+        self, input_ids: Tensor, attention_mask: Tensor | None, cache: Any, position_ids: Tensor | None = None,
+        row_columns: list[int] | None = None,
     ) -> Step:
-        return Step(self.model.make_context(input_ids, attention_mask, position_ids, cache))
+        return Step(self.model.make_context(input_ids, attention_mask, position_ids, cache, row_columns))
 
     def embed(self, input_ids: Tensor, step: Step) -> Tensor:
         return self.model.embed(input_ids, step.ctx)
@@ -183,9 +184,10 @@ class FastRunner(ModelRunner):
 
     # ------------------------------------------------------------------ pieces
     def context(
-        self, input_ids: Tensor, attention_mask: Tensor | None, cache: Any, position_ids: Tensor | None = None
+        self, input_ids: Tensor, attention_mask: Tensor | None, cache: Any, position_ids: Tensor | None = None,
+        row_columns: list[int] | None = None,
     ) -> Step:
-        ctx = self.model.make_context(input_ids, attention_mask, position_ids, cache)
+        ctx = self.model.make_context(input_ids, attention_mask, position_ids, cache, row_columns)
         return Step(ctx, self._freq_table[ctx.positions].unsqueeze(2))  # [B, T, 1, D/2]
 
     def _norm(self, x: Tensor, weight: Tensor) -> Tensor:

@@ -9,9 +9,10 @@ from torch import Tensor
 
 from recurrent_depth.inference.cache import make_cache
 from recurrent_depth.inference.criteria import ExitCriterion
+from recurrent_depth.inference.engine import Recurrence
 from recurrent_depth.inference.options import GenerationOptions
 from recurrent_depth.inference.output import Recorder, TokenEvent
-from recurrent_depth.inference.runner import all_attention, make_runner
+from recurrent_depth.inference.runner import all_attention
 from recurrent_depth.inference.sampling import RowGenerators, StopChecker, TokenChooser, decode
 
 
@@ -85,7 +86,8 @@ class Session:
                 f"prompt length {longest} + max_new_tokens {options.max_new_tokens} exceeds the model's "
                 f"max_seq_len={cfg.max_seq_len}"
             )
-        self.runner = make_runner(model, options.fast)
+        self.engine = Recurrence(model, options.fast)
+        self.runner = self.engine.runner
         if options.policy.lookup.hides_columns and not all_attention(model):
             raise ValueError(
                 f"kv_policy={options.kv_policy!r} hides cache entries from the attention, which needs every "
@@ -224,14 +226,11 @@ class Session:
     # ------------------------------------------------------------------ prefill
     def prefill(self, depth: int) -> tuple[Tensor, Tensor]:
         """Run the prompt at full depth; returns (last raw state `[B, h]`, last logits `[B, V]`)."""
-        runner, cache = self.runner, self.cache
-        step = runner.context(self.input_ids, self.mask(self.T), cache)
-        e = runner.embed(self.input_ids, step)
-        injected = runner.inject(e)
-        s = self.initial_states(e, list(range(self.B)), self.valid[:, : self.T] if self.padded else None)
-        for i in range(depth):
-            s = runner.core_step(s, injected, e, i, step)
-        logits = runner.predict(s, step, last_only=True)[:, 0]
+        engine, cache = self.engine, self.cache
+        pass_ = engine.begin(self.input_ids, self.mask(self.T), cache)
+        s = self.initial_states(pass_.e, list(range(self.B)), self.valid[:, : self.T] if self.padded else None)
+        s = engine.run(s, pass_, depth)
+        logits = engine.readout(s, pass_, last_only=True)[:, 0]
         cache.close(depth, self.T)
         cache.advance(self.T)
         return s[:, -1], logits

@@ -27,7 +27,7 @@ from recurrent_depth.inference.session import Session
 
 
 def decode(session: Session) -> Iterator[TokenEvent]:
-    opts, runner, cache = session.options, session.runner, session.cache
+    opts, engine, cache = session.options, session.engine, session.cache
     M, N = opts.num_steps, opts.draft_steps
     exact = opts.verification_threshold >= 1.0
     _, logits = session.prefill(M)
@@ -56,28 +56,23 @@ def decode(session: Session) -> Iterator[TokenEvent]:
         ids, states, embeds, injections, drafts = [], [], [], [], []
         for t in range(L):  # draft: L tokens at N steps each (fewer near max_seq_len)
             token_ids = feed[:, None]
-            step = runner.context(token_ids, session.mask(column + t + 1), cache)
-            e = runner.embed(token_ids, step)
-            injected = runner.inject(e)
-            s = session.initial_states(e, rows)
-            for i in range(N):
-                s = runner.core_step(s, injected, e, i, step)
-            draft_logits = runner.predict(s, step, last_only=True)[:, 0]
+            pass_ = engine.begin(token_ids, session.mask(column + t + 1), cache)
+            s = engine.run(session.initial_states(pass_.e, rows), pass_, N)
+            draft_logits = engine.readout(s, pass_, last_only=True)[:, 0]
             cache.advance(1)
             feed = draft_logits.argmax(-1)
             ids.append(token_ids)
             states.append(s)
-            embeds.append(e)
-            injections.append(injected)
+            embeds.append(pass_.e)
+            injections.append(pass_.injected)
             drafts.append(feed)
         # verify: one forward over the L columns, steps N..M-1 on top of the draft states and entries
         cache.seek(column)
         token_ids = torch.cat(ids, 1)
-        step = runner.context(token_ids, session.mask(column + L), cache)
-        s, e, injected = torch.cat(states, 1), torch.cat(embeds, 1), torch.cat(injections, 1)
-        for i in range(N, M):
-            s = runner.core_step(s, injected, e, i, step)
-        verify_logits = runner.predict(s, step)  # [B, L, V]
+        pass_ = engine.rebind(token_ids, session.mask(column + L), cache, torch.cat(embeds, 1),
+                              torch.cat(injections, 1))
+        s = engine.run(torch.cat(states, 1), pass_, range(N, M))
+        verify_logits = engine.readout(s, pass_)  # [B, L, V]
         cache.close(M, L)
         cache.advance(L)
         draft = torch.stack(drafts, 1)  # [B, L]: d_1..d_L

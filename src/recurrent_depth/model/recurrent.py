@@ -139,10 +139,27 @@ class RecurrentDepthLM(nn.Module):
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
         cache: Any | None = None,
+        row_columns: list[int] | None = None,
     ) -> MixerContext:
-        """Positions and masks for one call; left padding shifts each row's positions to start at 0."""
+        """Positions and masks for one call; left padding shifts each row's positions to start at 0.
+
+        row_columns: one new token per row (T = 1), row b's at column (= position) row_columns[b]
+        of a cache whose rows have different lengths (the serving pool): keys [0, max + 1) are
+        read and each row sees only its own columns.
+        """
         B, T = input_ids.shape
         device = input_ids.device
+        if row_columns is not None:
+            cols = torch.tensor(row_columns, dtype=torch.long, device=device)
+            L = max(row_columns) + 1
+            key_valid = attn_mask = None
+            if min(row_columns) != L - 1:  # rows of different lengths: hide each row's columns past its own
+                key_valid = torch.arange(L, device=device)[None] <= cols[:, None]  # [B, L]
+                attn_mask = key_valid[:, None, None, :]  # [B, 1, 1, L]
+            return MixerContext(
+                positions=cols[:, None], past_len=L - 1, key_valid=key_valid, attn_mask=attn_mask, cache=cache,
+                rope_base=self.config.rope_base, max_seq_len=self.config.max_seq_len,
+            )
         past = cache.seq_len if cache is not None else 0
         key_valid = attention_mask.bool() if attention_mask is not None else None
         if key_valid is not None and bool(key_valid.all()):

@@ -18,23 +18,27 @@ which keeps a batch of fixed-depth requests in lockstep, with one model call per
 
 Each row computes exactly what `recurrent_depth.inference.generate` computes for that request
 alone, in the same order, from the same generator: same tokens, same steps per token, logits
-equal to float rounding. `remove` frees a row by moving the last row into its place. The model
-pieces are `recurrent_depth.inference.runner.FastRunner`'s (all-attention models); token choice,
-per-row generators and exit statistics are the inference package's own classes.
+equal to float rounding. `remove` frees a row by moving the last row into its place. The core
+runs through the inference package's recurrence engine (`inference.engine.Recurrence`, over the
+`FastRunner` of all-attention models): the prefill as `run`, each iteration as `step_rows`;
+token choice, per-row generators and exit statistics (`RowCriterion`) are the inference
+package's own classes. `add(..., should_stop=)` lets a caller end a prefill between core steps.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from recurrent_depth.inference.criteria import RowCriterion
+from recurrent_depth.inference.engine import Pass, Recurrence
 from recurrent_depth.inference.options import GenerationOptions
-from recurrent_depth.inference.runner import FastRunner, Step, make_runner
+from recurrent_depth.inference.runner import FastRunner, Step
 from recurrent_depth.inference.sampling import RowGenerators, TokenChooser
-from recurrent_depth.serving.exits import RowCriterion
 from recurrent_depth.serving.kv_pool import SlotKVPool
 
 
@@ -141,7 +145,8 @@ class BatchDecoder:
     def __init__(self, model: torch.nn.Module, max_rows: int) -> None:
         self.model = model
         self.config = model.config
-        self.runner = make_runner(model)  # the fast runner (see `supports`), built without autograd
+        self.engine = Recurrence(model)  # over the fast runner (see `supports`), built without autograd
+        self.runner = self.engine.runner
         self.device = model.device
         self.max_rows = max_rows
         self.rows: list[Sequence] = []
@@ -175,12 +180,14 @@ class BatchDecoder:
 
     # ------------------------------------------------------------------ joining and leaving
     @torch.inference_mode()
-    def add(self, request: RowRequest, tag: object = None) -> tuple[Sequence | None, TokenResult | None,
-                                                                   PromptScores | None]:
+    def add(self, request: RowRequest, tag: object = None, should_stop: Callable[[], bool] | None = None,
+            ) -> tuple[Sequence | None, TokenResult | None, PromptScores | None]:
         """Prefill a request into a new row and choose its first token.
 
         Returns (the row, its first token, prompt scores when asked for). With max_new_tokens = 0
-        only the prompt is scored and no row is kept (row and token are None).
+        only the prompt is scored and no row is kept (row and token are None). should_stop is
+        checked between the prefill's core steps; when it fires, `inference.engine.Stopped` is
+        raised and no row is kept.
         """
         if len(self.rows) >= self.max_rows:
             raise RuntimeError(f"the batch is full ({self.max_rows} rows)")
@@ -195,21 +202,21 @@ class BatchDecoder:
         self.pool.reserve(seq.row_slots, row + 1, T + opts.max_new_tokens,
                           max_rows=self.max_rows, max_capacity=self.config.max_seq_len)
 
-        runner, pool = self.runner, self.pool
+        engine, pool = self.engine, self.pool
         depth = opts.num_steps  # the prompt runs at full depth
         table = torch.tensor([[seq.slot(i) for i in range(depth)]], dtype=torch.long)
         pool.set_policy(row, opts.policy)
         pool.bind_prefill(row, T, table)
-        step = runner.context(ids, None, None)
-        step.ctx.cache = pool
-        e = runner.embed(ids, step)
-        injected = runner.inject(e)
+        pass_ = engine.begin(ids, None, pool)
         # As `Session.initial_states` for one unpadded row: no draw at all when init_scale is 0.
         scale = opts.init_scale
-        s = torch.zeros_like(e) if scale == 0 else runner.initial_state(e, scale, generators[0])
-        for i in range(depth):
-            s = runner.core_step(s, injected, e, i, step)
-        logits = runner.predict(s, step, last_only=not request.prompt_logprobs)[0]  # [T or 1, V]
+        s = torch.zeros_like(pass_.e) if scale == 0 else engine.initial_state(pass_.e, scale, generators[0])
+        engine.should_stop = should_stop
+        try:
+            s = engine.run(s, pass_, depth)
+        finally:
+            engine.should_stop = None
+        logits = engine.readout(s, pass_, last_only=not request.prompt_logprobs)[0]  # [T or 1, V]
         pool.close_prefill(row, T, depth, seq.row_slots)
 
         scores = None
@@ -275,19 +282,10 @@ class BatchDecoder:
 
         Returns (the runner's Step, the rows as a tensor, their columns)."""
         columns = [self.rows[b].length for b in rows]
-        cols = torch.tensor(columns, dtype=torch.long, device=self.device)
         if ids is None:  # core / coda calls read states, not ids; the shape is what matters
             ids = torch.zeros(len(rows), 1, dtype=torch.long, device=self.device)
-        step = self.runner.context(ids, None, None, position_ids=cols[:, None])
-        ctx = step.ctx
-        L = max(columns) + 1
-        ctx.cache = self.pool
-        ctx.past_len = L - 1
-        if min(columns) != L - 1:  # rows of different lengths: hide each row's columns past its own
-            valid = torch.arange(L, device=self.device)[None] <= cols[:, None]  # [B, L]
-            ctx.key_valid = valid
-            ctx.attn_mask = valid[:, None, None, :]  # [B, 1, 1, L]
-        return step, torch.tensor(rows, dtype=torch.long, device=self.device), cols
+        step = self.runner.context(ids, None, self.pool, row_columns=columns)
+        return step, torch.tensor(rows, dtype=torch.long, device=self.device), step.ctx.positions[:, 0]
 
     def _bind(self, rows: list[int], ids: Tensor | None = None, core_steps: list[int] | None = None) -> Step:
         """Bind the pool to `rows` for the next model call and return its context."""
@@ -334,8 +332,8 @@ class BatchDecoder:
         seqs = [self.rows[b] for b in rows]
         index = self._select(rows)
         step = self._bind(rows, core_steps=[r.phase for r in seqs])
-        state = self.runner.core_step(self.state[index].unsqueeze(1), self.injected[index].unsqueeze(1),
-                                      self.embedded[index].unsqueeze(1), 0, step)[:, 0]
+        pass_ = Pass(step, self.embedded[index].unsqueeze(1), self.injected[index].unsqueeze(1))
+        state = self.engine.step_rows(self.state[index].unsqueeze(1), pass_)[:, 0]
         self.state[index] = state
         self.iterations += 1
         self.core_rows += len(rows)

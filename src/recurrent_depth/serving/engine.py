@@ -4,7 +4,10 @@ Each iteration it (1) drops sequences whose client left or whose time ran out, (
 requests into free rows (their prefill, up to a prompt-token budget per iteration, so running rows
 are not starved), (3) advances every running row of the batch by one recurrence step
 (`BatchDecoder.step`; rows that finish a token deliver it) and (4) advances each solo session
-(speculative decoding, unsupported mixers) by one token. Requests therefore join and leave the
+(speculative decoding, unsupported mixers) by one token. A prefill or a solo token checks its
+job's deadline between core steps (the recurrence engine's `should_stop`), so a request past its
+timeout ends within one core step with a 504; `last_progress` is the time of the last core step.
+Requests therefore join and leave the
 running batch between steps, and each row runs at its own depth.
 
 The HTTP layer talks to the engine through `submit` (non-blocking; a bounded queue refuses with
@@ -25,6 +28,7 @@ from typing import Any
 
 import torch
 
+from recurrent_depth.inference.engine import Stopped
 from recurrent_depth.serving.batch import BatchDecoder, PromptScores, RowRequest, TokenResult
 from recurrent_depth.serving.metrics import Metrics
 from recurrent_depth.serving.solo import SoloRun
@@ -134,6 +138,10 @@ class Engine:
         self.max_queue = max_queue
         self.prefill_tokens = prefill_tokens
         self.batch = BatchDecoder(model, max_batch) if BatchDecoder.supports(model) else None
+        # time.monotonic() of the last completed core step (None before the first), for /health.
+        self.last_progress: float | None = None
+        if self.batch is not None:
+            self.batch.engine.on_step = self._progress
         self.solos: list[tuple[Job, SoloRun]] = []
         self.waiting: deque[Job] = deque()
         self.cond = threading.Condition()
@@ -193,6 +201,18 @@ class Engine:
             self.cond.notify()
 
     # ------------------------------------------------------------------ engine thread
+    def _progress(self) -> None:
+        self.last_progress = time.monotonic()
+
+    @staticmethod
+    def _expired(job: Job) -> Callable[[], bool]:
+        """The check the recurrence runs between core steps: the client left or the deadline passed."""
+        return lambda: job.cancelled or time.monotonic() > job.deadline
+
+    def _stopped(self, job: Job) -> None:
+        if not job.cancelled:
+            self._fail(job, 504, "the request timed out during generation", "timeout")
+
     def _run(self) -> None:
         try:
             with torch.inference_mode():
@@ -271,6 +291,7 @@ class Engine:
         try:
             if job.solo or self.batch is None:
                 run = SoloRun(self.model, job.row, job.generation_kwargs, tag=job)
+                run.watch(self._expired(job), self._progress)
                 if job.row.prompt_logprobs:
                     job.emit(PromptEvent(job.index, run.prompt_scores()))
                 if job.max_tokens == 0:
@@ -279,7 +300,10 @@ class Engine:
                 self.solos.append((job, run))
                 self._advance_solo(job, run)
                 return
-            seq, first, scores = self.batch.add(job.row, tag=job)
+            seq, first, scores = self.batch.add(job.row, tag=job, should_stop=self._expired(job))
+        except Stopped:  # past its deadline (or abandoned) between two prefill steps
+            self._stopped(job)
+            return
         except Exception as exc:  # noqa: BLE001 - one bad request must not stop the others
             log.error("prefill failed:\n%s", traceback.format_exc())
             self._fail(job, 500, f"generation failed: {type(exc).__name__}: {exc}", "server_error")
@@ -312,6 +336,10 @@ class Engine:
     def _advance_solo(self, job: Job, run: SoloRun) -> None:
         try:
             result = run.next()
+        except Stopped:
+            self._drop_solo(job, run)
+            self._stopped(job)
+            return
         except Exception as exc:  # noqa: BLE001
             log.error("solo generation failed:\n%s", traceback.format_exc())
             self._drop_solo(job, run)

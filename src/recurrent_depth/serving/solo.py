@@ -8,7 +8,7 @@ each such session by one token per iteration, between batched recurrence steps.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -46,6 +46,11 @@ class SoloRun:
             return PromptScores([None], [None])
         picked, tops = logprobs_of(logits[:-1], ids[0, 1:], self.request.top_logprobs or 0)
         return PromptScores([None, *picked], [None, *tops])
+
+    def watch(self, should_stop: Callable[[], bool], on_step: Callable[[], None]) -> None:
+        """Check `should_stop` between the session's core steps; call `on_step` after each."""
+        engine = self.stream.session.engine
+        engine.should_stop, engine.on_step = should_stop, on_step
 
     def next(self) -> TokenResult | None:
         """The next token, or None when the session has ended."""

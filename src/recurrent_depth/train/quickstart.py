@@ -123,18 +123,16 @@ def estimate_eval_seconds(trainer, depths: list[int], batches: int) -> float:
 
 @torch.no_grad()
 def greedy_completion(model, tokenizer, prompt: str, new_tokens: int, num_steps: int) -> str:
-    """Greedy continuation of `prompt` at a fixed depth, s0 = 0 (deterministic); plain full forwards."""
+    """Greedy continuation of `prompt` at a fixed depth, s0 = 0 (deterministic), by `rd.generate`
+    (which stops at the config's eos); the prompt keeps its last tokens when it would not fit."""
+    from recurrent_depth.inference import generate
+
     ids = tokenizer.encode(prompt).ids
-    eos = model.config.eos_token_id
+    new_tokens = min(new_tokens, model.config.max_seq_len - 1)
+    ids = ids[-(model.config.max_seq_len - new_tokens):]
     model.eval()
-    for _ in range(new_tokens):
-        window = ids[-model.config.max_seq_len:]
-        logits = model(torch.tensor([window]), num_steps=num_steps, init_scale=0.0).logits[0, -1]
-        token = int(logits.argmax())
-        if token == eos:
-            break
-        ids.append(token)
-    return tokenizer.decode(ids, skip_special_tokens=True)
+    out = generate(model, torch.tensor([ids]), max_new_tokens=new_tokens, num_steps=num_steps, init_scale=0.0)
+    return tokenizer.decode(out.sequences[0, : len(ids) + int(out.lengths[0])].tolist(), skip_special_tokens=True)
 
 
 def quickstart(

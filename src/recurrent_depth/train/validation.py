@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from recurrent_depth.inference.engine import Recurrence
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 from recurrent_depth.train.monitor import token_correlation
 
@@ -66,15 +67,11 @@ def depth_losses(
     losses: dict[int, Tensor] = {}
     corr: dict[int, Tensor] = {}
     with autocast_context(dtype, rows.device):
-        ctx = model.make_context(inputs)
-        e = model.embed(inputs, ctx)
-        state = model.initial_state(e, model.config.init_scale, generator)
-        done = 0
-        for depth in wanted:
-            while done < depth:
-                state = model.core_step(state, e, done, ctx)
-                done += 1
-            logits = model.predict(model.transformer.ln_f(state), ctx)
+        engine = Recurrence(model, fast=False)  # the model's own modules (autocast applies to them)
+        pass_ = engine.begin(inputs)
+        s0 = engine.initial_state(pass_.e, model.config.init_scale, generator)
+        for depth, state in engine.depths(s0, pass_, wanted):
+            logits = engine.readout(state, pass_)
             losses[depth] = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
             corr[depth] = token_correlation(state).sum()
     return losses, corr

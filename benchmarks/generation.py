@@ -12,8 +12,9 @@ position when fed the fixed-depth continuation) and the free-running matching pr
 Without --model, the model is random (h 256, 4 heads, 1/2/1 layers, MLP 704, vocab 2048) and the
 prompts random ids; with --model, prompts are windows of held-out stdlib documents (the
 validation side of the quickstart's document split) unless --prompts-file is given.
-Baselines in the same rounds: the official implementation's loop shape (the model's forward token by
-token on a plain growing cache) and our loop on the model's own modules (fast=False), fixed and KL.
+Baselines in the same rounds: the official implementation's loop shape (frozen in this file: plain
+PyTorch over the model's parameters, token by token on a plain growing per-(layer, step) cache),
+fixed and KL exit, and our loop on the model's own modules (fast=False), fixed and KL.
 Prints one JSON line, then a table.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -107,22 +109,105 @@ def modes(r: int, draft: int, lookahead: int, inner: int, wavefront: int) -> dic
     }
 
 
-def official_style_loop(model: rd.RecurrentDepthLM, ids: torch.Tensor, r: int, new_tokens: int) -> Any:
-    """The official implementation's decoding shape: the model's own forward, one token at a time, on a
-    plain growing KV cache (`model.cache.DynamicCache`), greedy, fixed depth. Returns an object with
-    `tokens_per_second` (prefill excluded), like `generate`'s output."""
+# ------------------------------------------------------------------------------ frozen baselines
+# The official implementation's decoding shape, written here in plain PyTorch over the model's
+# parameters and frozen: it must not change when the library's runtime does. Per call: prelude,
+# r steps of adapter + core (each layer at each step its own growing KV tensor), coda, head.
+def _rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
+    """Interleaved-pair RoPE on x [B, T, H, D] at positions [T], angles in float32 (as the reference)."""
+    D = x.shape[-1]
+    inv_freq = 1.0 / (base ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    angles = positions.float()[:, None] * inv_freq  # [T, D/2]
+    rot = torch.polar(torch.ones_like(angles), angles)[None, :, None]  # [1, T, 1, D/2]
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
+    return torch.view_as_real(pairs * rot).flatten(-2).to(x.dtype)
+
+
+def _official_block(block: Any, x: torch.Tensor, kv: dict, key: tuple, positions: torch.Tensor,
+                    base: float) -> torch.Tensor:
+    attn = block.attn
+    B, T, _ = x.shape
+    H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    q, k, v = attn.Wqkv(block.norm_1(x)).split([H * D, Hkv * D, Hkv * D], dim=-1)
+    q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
+    if attn.has_qk_bias:
+        q, k = (q + attn.qk_bias[0], k + attn.qk_bias[1]) if Hkv == H else (q + attn.q_bias, k + attn.k_bias)
+    q, k = _rope(q, positions, base), _rope(k, positions, base)
+    if key in kv:  # the plain growing cache: tokens that skipped this step are simply absent
+        k, v = torch.cat([kv[key][0], k], 1), torch.cat([kv[key][1], v], 1)
+    kv[key] = (k, v)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=T > 1, enable_gqa=Hkv != H)
+    x = block.norm_2(x + attn.proj(out.transpose(1, 2).reshape(B, T, H * D)))
+    return block.norm_4(x + block.mlp(block.norm_3(x)))
+
+
+class _OfficialStyle:
+    """embed / iterate_one_step / predict_from_latents, as the reference's entry points (s0 = 0)."""
+
+    def __init__(self, model: rd.RecurrentDepthLM) -> None:
+        self.model, self.t, self.base = model, model.transformer, model.config.rope_base
+        self.kv: dict = {}
+        self.seen = 0
+
+    def embed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(self.seen, self.seen + ids.shape[1])
+        self.seen += ids.shape[1]
+        x = self.t.wte(ids) * self.model.emb_scale
+        for i, b in enumerate(self.t.prelude):
+            x = _official_block(b, x, self.kv, ("prelude", i), positions, self.base)
+        return x, positions
+
+    def iterate_one_step(self, s: torch.Tensor, e: torch.Tensor, step: int, positions: torch.Tensor) -> torch.Tensor:
+        x = self.t.adapter(torch.cat([s, e], dim=-1))
+        for j, b in enumerate(self.t.core_block):
+            x = _official_block(b, x, self.kv, ("core", j, step), positions, self.base)
+        return x
+
+    def predict_from_latents(self, s: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.t.ln_f(s)
+        for c, b in enumerate(self.t.coda):
+            x = _official_block(b, x, self.kv, ("coda", c), positions, self.base)
+        return self.model.lm_head(self.t.ln_f(x)).float()[:, -1]
+
+
+def official_style_loop(model: rd.RecurrentDepthLM, ids: torch.Tensor, r: int, new_tokens: int,
+                        kl_threshold: float | None = None) -> Any:
+    """Greedy decoding in the official loop shape (frozen above), batch 1: fixed depth r, or with
+    `kl_threshold` the reference's adaptive loop (coda and KL(p_{t-1} || p_t) via `F.kl_div` after
+    every step, exit below the threshold; an exited token leaves no entries at deeper steps).
+    Returns `tokens_per_second` (prefill excluded), its CPU-time version and `mean_steps`."""
     from types import SimpleNamespace
 
-    from recurrent_depth.model.cache import DynamicCache
+    import torch.nn.functional as F
 
+    V = model.config.vocab_size
     with torch.inference_mode():
-        cache = DynamicCache()
-        token = model(ids, num_steps=r, init_scale=0.0, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
+        run = _OfficialStyle(model)
+        e, pos = run.embed(ids)
+        s = torch.zeros_like(e)
+        for i in range(r):
+            s = run.iterate_one_step(s, e, i, pos)
+        token = run.predict_from_latents(s, pos).argmax(-1, keepdim=True)
+        steps = 0
         start, cpu = time.perf_counter(), time.process_time()
         for _ in range(new_tokens - 1):
-            token = model(token, num_steps=r, init_scale=0.0, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
+            e, pos = run.embed(token)
+            s = torch.zeros_like(e)
+            prev = torch.full((1, V), -math.log(V))
+            for i in range(r):
+                s = run.iterate_one_step(s, e, i, pos)
+                steps += 1
+                if kl_threshold is not None:
+                    logp = F.log_softmax(run.predict_from_latents(s, pos), dim=-1)
+                    kl = F.kl_div(logp, prev, reduction="none", log_target=True).sum(-1)
+                    prev = logp
+                    if float(kl) < kl_threshold:
+                        break
+            token = run.predict_from_latents(s, pos).argmax(-1, keepdim=True)
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    return SimpleNamespace(tokens_per_second=(new_tokens - 1) / seconds, cpu_tokens_per_second=(new_tokens - 1) / cpu)
+    n = new_tokens - 1
+    return SimpleNamespace(tokens_per_second=n / seconds, cpu_tokens_per_second=n / cpu, mean_steps=steps / n)
 
 
 def timed_generate(model: rd.RecurrentDepthLM, ids: torch.Tensor, **kwargs: Any) -> Any:
@@ -199,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     # on the model's own modules (fast=False), for fixed depth and KL exit.
     baselines = {
         "official-style loop": lambda: official_style_loop(model, single, r, args.new_tokens),
+        "official-style kl loop": lambda: official_style_loop(model, single, r, args.new_tokens, kl_threshold=5e-4),
         "model modules, fixed": lambda: timed_generate(model, single, max_new_tokens=args.new_tokens, fast=False,
                                                        **common),
         "model modules, kl": lambda: timed_generate(model, single, max_new_tokens=args.new_tokens, fast=False,
@@ -245,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in baselines:
         if name in timed:
             baseline_rows[name] = dict(tokens_per_s=round(timed[name][0], 2), cpu_tokens_per_s=round(timed[name][2], 2))
+            if hasattr(timed[name][1], "mean_steps"):
+                baseline_rows[name]["mean_steps"] = round(timed[name][1].mean_steps, 3)
     fixed = results["fixed"]["tokens_per_s"]
     for name, row in results.items():
         if not name.startswith("batch"):

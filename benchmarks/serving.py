@@ -10,7 +10,11 @@ varied max_tokens, greedy, eos ignored so every request generates its full lengt
 and 32 concurrent clients (closed loop: each client sends its next request when the previous one
 ends). Concurrency 1 is "one at a time". Reports aggregate tokens/s, request latency p50/p90/p99,
 time to first token p50/p90, mean steps per token and the server's mean batch size, and the
-speedup of each concurrency over one at a time. Prints one JSON line, then a table.
+speedup of each concurrency over one at a time. Then, in this process, `rd.generate` at batch 1 on
+the first --single-requests of the same requests, fixed and adaptive, and how much of that
+single-stream adaptive gain the continuous batch keeps at the highest concurrency:
+(tokens/s adaptive / tokens/s fixed) of the batch divided by the same ratio of `rd.generate`.
+Prints one JSON line, then a table.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=32, help="server --max-batch (default: %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="server torch threads (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model, prompts and lengths (default: %(default)s)")
+    p.add_argument("--single-requests", type=int, default=16,
+                   help="requests run by rd.generate at batch 1 for the adaptive-gain ratio (default: %(default)s)")
     p.add_argument("--out", default=None, help="also write the JSON line to this file")
     return p.parse_args()
 
@@ -199,6 +205,12 @@ def main() -> int:
             server.terminate()
             server.wait(30)
 
+        single = single_stream(model_dir, requests[: args.single_requests], modes, args.threads)
+
+    top = max(levels)
+    batch_tps = {r["mode"]: r["tokens_per_s"] for r in runs if r["concurrency"] == top}
+    batch_gain = batch_tps["adaptive"] / batch_tps["fixed"]
+    single_gain = single["adaptive"]["tokens_per_s"] / single["fixed"]["tokens_per_s"]
     for r in runs:
         base = next(b for b in runs if b["mode"] == r["mode"] and b["concurrency"] == min(levels))
         r["speedup_vs_one_at_a_time"] = round(r["tokens_per_s"] / base["tokens_per_s"], 2)
@@ -209,7 +221,9 @@ def main() -> int:
         "requests": args.requests, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
         "max_batch": args.max_batch, "server_threads": args.threads, "torch": torch.__version__,
         "cpu_count": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2), "platform": platform.platform(),
-        "runs": runs,
+        "runs": runs, "single_stream": single,
+        "adaptive_gain_batch": round(batch_gain, 3), "adaptive_gain_single_stream": round(single_gain, 3),
+        "adaptive_gain_kept": round(batch_gain / single_gain, 3), "adaptive_gain_clients": top,
     }
     line = json.dumps(summary)
     print(line)
@@ -223,7 +237,29 @@ def main() -> int:
         print(f"{r['mode']:8s} {r['concurrency']:7d} {r['tokens_per_s']:8.1f} {r['speedup_vs_one_at_a_time']:6.2f}x "
               f"{r['latency_p50']:7.2f}s {r['latency_p90']:7.2f}s {r['latency_p99']:7.2f}s {r['ttft_p50']:8.3f}s "
               f"{r['steps_per_token']:9.2f} {r['mean_batch_rows']:6.1f}")
+    print(f"\nrd.generate batch 1 ({len(requests[: args.single_requests])} requests): fixed "
+          f"{single['fixed']['tokens_per_s']:.1f} tok/s, adaptive {single['adaptive']['tokens_per_s']:.1f} tok/s "
+          f"(gain {single_gain:.2f}x); batch at {top} clients gain {batch_gain:.2f}x; "
+          f"kept {batch_gain / single_gain:.2f}")
     return 0
+
+
+def single_stream(model_dir: Path, requests: list[tuple[list[int], int]], modes: dict, threads: int) -> dict:
+    """tokens/s of `rd.generate` one request at a time (prefill included, as the server's figure), per mode."""
+    torch.set_num_threads(threads)
+    model = rd.RecurrentDepthLM.from_pretrained(model_dir).eval()
+    out = {}
+    for mode, extra in modes.items():
+        rd.generate(model, torch.tensor(requests[0][0]), max_new_tokens=2, **extra)  # warm-up
+        tokens, start = 0, time.perf_counter()
+        steps = 0
+        for i, (prompt, n) in enumerate(requests):
+            result = rd.generate(model, torch.tensor(prompt), max_new_tokens=n, seed=i, **extra)
+            tokens += int(result.lengths[0])
+            steps += int(result.steps[0].sum())
+        seconds = time.perf_counter() - start
+        out[mode] = dict(tokens_per_s=round(tokens / seconds, 2), steps_per_token=round(steps / tokens, 2))
+    return out
 
 
 if __name__ == "__main__":

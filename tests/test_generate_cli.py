@@ -84,7 +84,8 @@ def test_cli_json_batch_with_adaptive_exit(model_dir, loaded, capsys):
     ["--parallel", "--inner-steps", "2", "--wavefront", "2", "--exit-criterion", "latent-diff"],
     ["--kv-budget", "2", "--warm-start"],
     ["--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--min-p", "0.05", "--seed", "3"],
-], ids=["speculative", "parallel", "parallel-wavefront", "budget+warm", "sampling"])
+    ["--kv-policy", "shared-2+skip", "--exit-criterion", "kl"],
+], ids=["speculative", "parallel", "parallel-wavefront", "budget+warm", "sampling", "kv-policy"])
 def test_cli_modes_run(model_dir, capsys, flags):
     code = main(["generate", "--model", str(model_dir), "--prompt", "class", "--max-new-tokens", "4",
                  "--num-steps", "3", "--no-stream", *flags])
@@ -95,6 +96,7 @@ def test_cli_modes_run(model_dir, capsys, flags):
 
 def test_cli_bad_arguments_exit_with_a_message(model_dir, capsys):
     assert main(["generate", "--model", str(model_dir), "--prompt", "x", "--kv-budget", "0"]) == 2
+    assert main(["generate", "--model", str(model_dir), "--prompt", "x", "--kv-policy", "shared-0"]) == 2
     assert "kv_budget=0" in capsys.readouterr().err
     assert main(["generate", "--model", str(model_dir / "missing"), "--prompt", "x"]) == 2
     assert "no such directory" in capsys.readouterr().err  # not "has no tokenizer.json"

@@ -9,6 +9,7 @@ The rules, per core layer, for a column that ran d steps, read by a later token 
 
 from __future__ import annotations
 
+import json
 import math
 import pathlib
 import re
@@ -166,6 +167,33 @@ def test_skip_needs_an_attention_model():
     lin = rd.RecurrentDepthLM(cfg).eval()
     with pytest.raises(ValueError, match="softmax attention"):
         generate(lin, torch.tensor([[1, 2]]), kv_policy="skip", **ADAPTIVE)
+
+
+def test_policies_from_transformers_http_and_info(model, capsys):
+    from recurrent_depth.cli import main
+    from recurrent_depth.integrations.hf import from_library_model
+    from recurrent_depth.serving.protocol import APIError, Limits, parse_completion
+
+    x = torch.tensor([[5, 9, 2, 7]])
+    hf = from_library_model(model)
+    fixed = dict(max_new_tokens=4, num_steps=4, init_scale=0.0)
+    own_loop = hf.generate(x, kv_policy="last-step", do_sample=False, **fixed)  # transformers' loop
+    assert torch.equal(own_loop, generate(model, x, kv_budget=1, **fixed).sequences)
+    routed = hf.generate(x, exit_criterion="kl", exit_threshold=5e-2, kv_policy="skip", max_new_tokens=6,
+                         num_steps=6, init_scale=0.0)
+    assert torch.equal(routed, generate(model, x, kv_policy="skip", **ADAPTIVE).sequences)
+
+    limits = Limits(max_seq_len=256, mean_recurrence=4, vocab_size=300, max_num_steps=64)
+    req = parse_completion({"prompt": [1, 2], "kv_policy": "shared-2+skip"}, limits, {"m"}, eos_configured=False)
+    assert req.sampling.generation["kv_policy"] == "shared-2+skip"
+    with pytest.raises(APIError, match="kv_policy"):
+        parse_completion({"prompt": [1, 2], "kv_policy": "bogus"}, limits, {"m"}, eos_configured=False)
+
+    assert main(["info", "--preset", "tiny", "--kv-policy", "shared-2", "--json"]) == 0
+    by_policy = json.loads(capsys.readouterr().out)["cache_bytes_at_max_seq_len_bf16_by_kv_policy"]
+    layer = by_policy["last-step+deepest"] // 4  # tiny: prelude, coda and 2 core layers, r̄ = 4
+    assert by_policy == {"per-step+deepest": 10 * layer, "shared-4+deepest": 10 * layer,
+                         "last-step+deepest": 4 * layer, "shared-2+deepest": 6 * layer}
 
 
 def test_only_model_and_inference_iterate_the_core():

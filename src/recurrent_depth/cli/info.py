@@ -14,11 +14,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "info", help="show a preset's or a model directory's configuration and size",
         description="Print the resolved ModelConfig, unique parameter count, and the bf16 cache at the mean "
         "recurrence (bytes per token, and in all at max_seq_len; each mixer's own cache: KV for attention, a "
-        "fixed-size state for linear mixers), for a preset name or a saved model directory.",
+        "fixed-size state for linear mixers), for a preset name or a saved model directory; and the same cache "
+        "under each KV policy (per-step, shared-4, last-step, and --kv-policy when given).",
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", help="a preset name: tiny, small, huginn-0125")
     source.add_argument("--model", metavar="DIR", help="a saved model directory (ours or official Huginn)")
+    parser.add_argument("--kv-policy", default=None, metavar="SLOTS[+LOOKUP]",
+                        help="also report the cache under this KV policy, e.g. shared-8 (default: off)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table (default: off)")
     parser.set_defaults(func=run)
 
@@ -27,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from recurrent_depth.config import ModelConfig
+    from recurrent_depth.model.cache import parse_kv_policy
     from recurrent_depth.model.recurrent import RecurrentDepthLM
 
     if args.preset:
@@ -44,11 +48,16 @@ def run(args: argparse.Namespace) -> int:
     layers_at_mean = config.prelude_layers + config.coda_layers + config.core_layers * config.mean_recurrence
     # Each mixer reports its own cache (KV for attention, a fixed-size state for linear mixers);
     # a core layer holds one cache per step.
-    blocks = [(1, b) for b in (*model.transformer.prelude, *model.transformer.coda)]
-    blocks += [(config.mean_recurrence, b) for b in model.transformer.core_block]
+    # A core layer keeps one cache per slot of the KV policy's slot rule (one per step by default).
+    policies = {name: parse_kv_policy(name) for name in ("per-step", "shared-4", "last-step")}
+    if args.kv_policy is not None:
+        policies[args.kv_policy] = parse_kv_policy(args.kv_policy)
     length = config.max_seq_len
 
-    def cache_bytes(tokens: int) -> int:
+    def cache_bytes(tokens: int, policy=policies["per-step"]) -> int:
+        slots = policy.slots.num_slots(config.mean_recurrence)
+        blocks = [(1, b) for b in (*model.transformer.prelude, *model.transformer.coda)]
+        blocks += [(slots, b) for b in model.transformer.core_block]
         return sum(n * block.attn.state_nbytes(1, tokens, torch.bfloat16) for n, block in blocks)
 
     full, empty = cache_bytes(length), cache_bytes(0)
@@ -59,6 +68,10 @@ def run(args: argparse.Namespace) -> int:
         # Growth per token, averaged over a full context (0 for fixed-size states).
         "kv_cache_bytes_per_token_bf16": (full - empty) // length,
         "cache_bytes_at_max_seq_len_bf16": full,
+        # Every token at the mean depth; a lookup rule changes what is read, not what is stored.
+        "cache_bytes_at_max_seq_len_bf16_by_kv_policy": {
+            policy.name: cache_bytes(length, policy) for policy in policies.values()
+        },
     }
     if args.json:
         print(json.dumps(info, sort_keys=True))
@@ -71,4 +84,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'layers at mean depth':>22}  {layers_at_mean}")
     print(f"{'KV cache/token (bf16)':>22}  {human_bytes(per_token)} ({per_token:,} bytes)")
     print(f"{f'cache at {length} tokens':>22}  {human_bytes(full)} ({full:,} bytes)")
+    for name, nbytes in info["cache_bytes_at_max_seq_len_bf16_by_kv_policy"].items():
+        print(f"{name:>22}  {human_bytes(nbytes)} ({nbytes:,} bytes)")
     return 0

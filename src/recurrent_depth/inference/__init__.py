@@ -4,14 +4,16 @@
     out = generate(model, input_ids, max_new_tokens=64, num_steps=32, exit_criterion="kl")
     out.sequences, out.steps, out.exit_reasons, out.cache_bytes
 
-Modules: `cache` (KV caches keyed by (layer, step) with sharing and the deepest-entry fallback),
-`criteria` (adaptive exit), `sampling` (token choice, per-row generators, stops), `runner` (the
-model pieces, plain and fused), `autoregressive` / `speculative` / `parallel` (the decoding
-loops) and `generate` (the entry points).
+Modules: `engine` (the recurrence engine: prefill, step loop with per-row exits, readout at
+depths; every interface iterates the core through it), `cache` (generation storages keyed by
+(layer, step) under a `model.cache.KVPolicy`), `criteria` (adaptive exit), `sampling` (token
+choice, per-row generators, stops), `runner` (the model pieces, plain and fused),
+`autoregressive` / `speculative` / `parallel` (the decoding loops) and `generate` (the entry points).
 """
 
 from recurrent_depth.inference.cache import DynamicRecurrentCache, StaticRecurrentCache, make_cache
 from recurrent_depth.inference.criteria import CRITERIA
+from recurrent_depth.inference.engine import Recurrence, Stopped
 from recurrent_depth.inference.generate import GenerationStream, generate, stream_generate
 from recurrent_depth.inference.options import GenerationOptions
 from recurrent_depth.inference.output import EXIT_REASONS, GenerationOutput, TokenEvent
@@ -23,7 +25,9 @@ __all__ = [
     "GenerationOptions",
     "GenerationOutput",
     "GenerationStream",
+    "Recurrence",
     "StaticRecurrentCache",
+    "Stopped",
     "TokenEvent",
     "generate",
     "make_cache",

@@ -53,9 +53,6 @@ class Pass:
     e: Tensor
     injected: Tensor
 
-    def sliced(self, rows: Tensor | slice) -> tuple[Tensor, Tensor]:
-        return self.e[rows], self.injected[rows]
-
 
 class Recurrence:
     """Prefill, step loop and readout over one runner (see the module docstring)."""

@@ -138,7 +138,7 @@ class Engine:
         self.max_queue = max_queue
         self.prefill_tokens = prefill_tokens
         self.batch = BatchDecoder(model, max_batch) if BatchDecoder.supports(model) else None
-        # time.monotonic() of the last completed core step (None before the first), for /health.
+        # time.monotonic() of the last completed core step or delivered token (None before the first), for /health.
         self.last_progress: float | None = None
         if self.batch is not None:
             self.batch.engine.on_step = self._progress
@@ -148,7 +148,6 @@ class Engine:
         self.stopping = False
         self.failure: str | None = None
         self.thread: threading.Thread | None = None
-        self.last_progress: float | None = None  # time.monotonic() of the last token delivered (/health)
         self.metrics.gauges["rdepth_queue_depth"] = lambda: len(self.waiting)
         self.metrics.gauges["rdepth_running_sequences"] = lambda: self.running
         self.metrics.gauges["rdepth_max_batch"] = lambda: self.max_batch

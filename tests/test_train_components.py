@@ -11,7 +11,7 @@ import recurrent_depth as rd
 from recurrent_depth.train import checkpointing as ckpt
 from recurrent_depth.train.monitor import token_correlation, token_correlation_reference
 from recurrent_depth.train.optim import OptimConfig, build_optimizers
-from recurrent_depth.train.validation import depth_losses, evaluate_depths
+from recurrent_depth.train.validation import depth_losses, validation_loss_by_depth
 from tests.train_support import OneThread
 
 
@@ -128,7 +128,7 @@ def test_one_pass_depth_losses_equal_separate_forwards(depths):
 
 
 class _Rows:
-    """The part of ShardDataset that evaluate_depths uses: len() and iter_batches()."""
+    """The part of ShardDataset that validation_loss_by_depth uses: len() and iter_batches()."""
 
     def __init__(self, rows):
         self.rows = rows
@@ -141,30 +141,31 @@ class _Rows:
             yield self.rows[start : start + batch_size]
 
 
-def test_evaluate_depths_budget_and_deadline():
+def test_validation_loss_by_depth_budget_and_deadline():
     torch.manual_seed(0)
     model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval()
     data = _Rows(torch.randint(0, 256, (12, 17)))
-    full = evaluate_depths(model, data, [1, 3], batch_size=4, max_batches=10)
+    full = validation_loss_by_depth(model, data, [1, 3], batch_size=4, max_batches=10)
     assert full.tokens == 12 * 16 and set(full.loss) == {1, 3}
-    rushed = evaluate_depths(model, data, [1, 3], batch_size=4, max_batches=10, deadline=time.perf_counter() - 1)
+    rushed = validation_loss_by_depth(model, data, [1, 3], batch_size=4, max_batches=10,
+                                      deadline=time.perf_counter() - 1)
     assert rushed.tokens == 4 * 16  # a deadline in the past still evaluates one batch
-    first = evaluate_depths(model, data, [1, 3], batch_size=4, max_batches=1)
+    first = validation_loss_by_depth(model, data, [1, 3], batch_size=4, max_batches=1)
     assert rushed.loss == first.loss
     assert model.training is False
 
 
-def test_evaluate_depths_repeated_and_bad_depths():
+def test_validation_loss_by_depth_repeated_and_bad_depths():
     """A repeated depth is evaluated once (its losses were summed twice: double the loss)."""
     torch.manual_seed(0)
     model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval()
     data = _Rows(torch.randint(0, 256, (4, 17)))
-    once = evaluate_depths(model, data, [1, 3], batch_size=2, max_batches=2)
-    twice = evaluate_depths(model, data, [3, 1, 3], batch_size=2, max_batches=2)
+    once = validation_loss_by_depth(model, data, [1, 3], batch_size=2, max_batches=2)
+    twice = validation_loss_by_depth(model, data, [3, 1, 3], batch_size=2, max_batches=2)
     assert twice.loss == once.loss and twice.token_correlation == once.token_correlation
     for bad in ([-1], [1.5], [True]):
         with pytest.raises(ValueError, match="depths"):
-            evaluate_depths(model, data, bad, batch_size=2, max_batches=1)
+            validation_loss_by_depth(model, data, bad, batch_size=2, max_batches=1)
 
 
 KEEP_FREED_MEMORY_PROBE = """

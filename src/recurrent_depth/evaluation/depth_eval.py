@@ -99,7 +99,7 @@ def _text_quality(
 ) -> dict[str, Any]:
     """Bits per byte etc. on the held-out text: the first `--max-tokens` tokens of it, or (a baseline,
     whose tokenizer may differ) exactly the first `max_bytes` bytes the model was scored on."""
-    from recurrent_depth.evaluation.quality import TextCodec, text_quality
+    from recurrent_depth.evaluation.quality import PlainTokenizer, text_quality
 
     if tokenizer is None:
         raise ValueError(f"{config.model} has no tokenizer.json: text measurements need the model's tokenizer")
@@ -108,7 +108,7 @@ def _text_quality(
     if bos is None:
         raise ValueError("the tokenizer has no bos token (<|begin_text|>); text scores need one")
     result = text_quality(
-        model, _documents(config), TextCodec(tokenizer), depths, bos, pad, seq_len=config.seq_len,
+        model, _documents(config), PlainTokenizer(tokenizer), depths, bos, pad, seq_len=config.seq_len,
         max_tokens=config.max_tokens if max_bytes is None else None, max_bytes=max_bytes,
         batch_size=config.batch_size, init_scale=config.init_scale, seed=config.seed,
     )

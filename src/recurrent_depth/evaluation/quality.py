@@ -21,7 +21,7 @@ from recurrent_depth.evaluation.readout import check_depths, logits_at_depths
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 
 
-class TextCodec:
+class PlainTokenizer:
     """Text <-> token ids without special tokens, over a `tokenizers.Tokenizer` or a transformers tokenizer."""
 
     def __init__(self, tokenizer: Any) -> None:
@@ -80,7 +80,7 @@ def windows(token_ids: Sequence[int], seq_len: int) -> list[list[int]]:
 def text_quality(
     model: RecurrentDepthLM,
     texts: Iterable[str],
-    codec: TextCodec,
+    codec: PlainTokenizer,
     depths: Sequence[int],
     bos_token_id: int,
     pad_token_id: int,

@@ -50,9 +50,9 @@ def held_out_texts(data: str, val_fraction: float = 0.02, seed: int = 0, max_doc
 def held_out_windows(tokenizer: Any, texts: Iterable[str], seq_len: int, max_tokens: int, bos_token_id: int | None
                      ) -> list[list[int]]:
     """Token windows of at most `seq_len` tokens, overlapping by one, `max_tokens` targets in all."""
-    from recurrent_depth.evaluation.quality import TextCodec, windows
+    from recurrent_depth.evaluation.quality import PlainTokenizer, windows
 
-    codec = TextCodec(tokenizer)
+    codec = PlainTokenizer(tokenizer)
     out: list[list[int]] = []
     targets = 0
     for text in texts:

@@ -25,7 +25,7 @@ from recurrent_depth.train.trainer import (
     TrainResult,
     train,
 )
-from recurrent_depth.train.validation import DepthEval, evaluate_depths
+from recurrent_depth.train.validation import DepthEval, validation_loss_by_depth
 
 __all__ = [
     "DepthEval",
@@ -45,7 +45,7 @@ __all__ = [
     "average_checkpoints",
     "build_optimizers",
     "clip_and_check_grads",
-    "evaluate_depths",
+    "validation_loss_by_depth",
     "lr_at",
     "quickstart",
     "set_lr",

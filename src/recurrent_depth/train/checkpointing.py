@@ -41,6 +41,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from recurrent_depth.data.io import fsync_dir
+
 CHECKPOINTS_DIR = "checkpoints"
 OPTIMIZER_TENSORS = "optimizer.safetensors"
 OPTIMIZER_META = "optimizer.json"
@@ -119,14 +121,6 @@ def _encode_key(key: Any) -> Any:
 
 
 # ------------------------------------------------------------------ file helpers
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_json(path: Path, data: Any) -> None:
     with open(path, "w") as handle:
         handle.write(json.dumps(data, indent=2, sort_keys=True) + "\n")

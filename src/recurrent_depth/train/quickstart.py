@@ -256,7 +256,7 @@ def quickstart(
         "images": {k: str(v) for k, v in images.items()},
     }
     summary["total_seconds"] = time.perf_counter() - start
-    summary["reports"] = report.write_report(out, summary, images, sample)
+    summary["reports"] = report.write_training_report(out, summary, images, sample)
     summary["total_seconds"] = time.perf_counter() - start
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 

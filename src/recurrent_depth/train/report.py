@@ -141,7 +141,9 @@ def format_depth_table(val_loss_by_depth: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
-def write_report(out: str | Path, summary: dict[str, Any], images: dict[str, str | Path], sample: str | None) -> dict:
+def write_training_report(
+    out: str | Path, summary: dict[str, Any], images: dict[str, str | Path], sample: str | None
+) -> dict:
     """Write `<out>/report.md` and a self-contained `<out>/report.html`; return their paths."""
     out = Path(out)
     title = summary.get("title", "Training report")

@@ -47,7 +47,7 @@ from recurrent_depth.train.depth import DepthSampler, stream_seed
 from recurrent_depth.train.optim import OptimConfig, build_optimizers, clip_and_check_grads
 from recurrent_depth.train.qk_clip import QKClip
 from recurrent_depth.train.schedule import lr_at, set_lr
-from recurrent_depth.train.validation import DepthEval, autocast_context, evaluate_depths
+from recurrent_depth.train.validation import DepthEval, autocast_context, validation_loss_by_depth
 
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
@@ -530,7 +530,7 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, final: bool = False) -> DepthEval:
         cfg = self.cfg
-        result = evaluate_depths(
+        result = validation_loss_by_depth(
             self.wrapped if ddist.is_fsdp(self.wrapped) else self.model, self.val_data, self.eval_depths,
             batch_size=cfg.batch_size, max_batches=cfg.eval_batches, dtype=cfg.dtype, seed=cfg.seed,
             device=self.env.device, sharded=ddist.is_fsdp(self.wrapped), world_size=self.env.world_size,

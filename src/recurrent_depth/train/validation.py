@@ -100,7 +100,7 @@ def forward_losses(
 
 
 @torch.no_grad()
-def evaluate_depths(
+def validation_loss_by_depth(
     model: torch.nn.Module,
     dataset,
     depths: list[int],

@@ -284,3 +284,74 @@ def test_train_config_turns_the_curriculum_share_into_micro_steps() -> None:
         ["train", "--depth-curriculum", "0.3", "--depth-curriculum-start", "2", "--depth-per-rank"])
     cfg = config_from_args(args)
     assert (cfg.depth_curriculum, cfg.depth_curriculum_start, cfg.depth_per_rank) == (0.3, 2.0, True)
+
+
+# ---------------------------------------------------------------------------- one sampler for the model and the trainer
+
+
+def test_train_depth_re_exports_the_models_sampler() -> None:
+    import recurrent_depth.model.depth as model_depth
+    import recurrent_depth.train as train
+    import recurrent_depth.train.depth as train_depth
+
+    for name in ("DepthSampler", "stream_seed", "truncate", "SCHEMES"):
+        assert getattr(train_depth, name) is getattr(model_depth, name)
+    assert train.DepthSampler is model_depth.DepthSampler
+
+
+def test_models_none_draw_and_trainers_draw_agree_given_the_same_generator_state() -> None:
+    import recurrent_depth as rd
+
+    config = rd.ModelConfig.from_preset("tiny")
+    config.mean_recurrence, config.mean_backprop_depth = 32, 8
+    model = rd.RecurrentDepthLM(config).train()
+    trainer_sampler = DepthSampler(32, 8, seed=5)  # what the trainer builds from the same config
+    # the trainer's per-micro-step stream handed to the model as its forward generator
+    model_draws = [model.resolve_num_steps(None, trainer_sampler.generator_for(step)) for step in range(300)]
+    assert model_draws == [trainer_sampler.sample(step) for step in range(300)]
+    assert len(set(model_draws)) > 20  # a real distribution, not a constant
+    # a whole forward: the depth comes first from the generator, then s_0 from the same stream
+    ids = torch.randint(0, config.vocab_size, (1, 4))
+    assert model(ids, generator=trainer_sampler.generator_for(7)).num_steps == trainer_sampler.sample(7)
+    # without a generator both draw from the global torch RNG, the same way
+    torch.manual_seed(11)
+    from_model = [model.resolve_num_steps(None) for _ in range(50)]
+    torch.manual_seed(11)
+    assert from_model == [model.depth_sampler().sample_from() for _ in range(50)]
+    assert model.depth_sampler() == DepthSampler(mean_recurrence=32, backprop_depth=8)
+
+
+def test_models_none_draw_needs_a_depth_to_sample_around() -> None:
+    import recurrent_depth as rd
+
+    model = rd.RecurrentDepthLM(rd.ModelConfig(prelude_layers=0, coda_layers=0, mean_recurrence=0))
+    assert model.eval().resolve_num_steps(None) == (0, 0)  # eval mode runs mean_recurrence steps
+    with pytest.raises(ValueError, match="mean_recurrence=0"):
+        model.train().resolve_num_steps(None)
+
+
+def test_expected_total_steps_is_the_mean_of_the_draws() -> None:
+    assert DepthSampler(32, 8).expected_total_steps() == 33.0
+    assert DepthSampler(6, 2, scheme="uniform").expected_total_steps() == 6.0
+    r = draws(DepthSampler(8, 4, seed=2), 4000)
+    pmf = exact_pmf(8, 0.5, 400)
+    sd = math.sqrt(float((pmf * np.arange(len(pmf)) ** 2).sum()) - 81.0)
+    assert abs(r.mean() - DepthSampler(8, 4).expected_total_steps()) < 4 * sd / math.sqrt(len(r))
+
+
+def test_the_depth_distribution_is_written_once() -> None:
+    """No second implementation of the log-normal Poisson draw (or any Poisson / log-normal sampler)."""
+    import ast
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    samplers = {"poisson", "Poisson", "lognormal", "LogNormal", "log_normal_", "sample_lognormal_poisson_depth"}
+    files = [*(repo / "src" / "recurrent_depth").rglob("*.py"), *(repo / "benchmarks").rglob("*.py")]
+    assert len(files) > 50
+    where = set()
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            name = getattr(node, "attr", None) or getattr(node, "id", None) or getattr(node, "name", None)
+            if name in samplers:
+                where.add(path.relative_to(repo).as_posix())
+    assert where == {"src/recurrent_depth/model/depth.py"}

@@ -1,6 +1,7 @@
-"""The model: layers, token mixers, caches and the recurrent-depth LM itself."""
+"""The model: layers, token mixers, caches, the depth sampler and the recurrent-depth LM itself."""
 
 from recurrent_depth.model.cache import DynamicCache
-from recurrent_depth.model.recurrent import RecurrentDepthLM, RecurrentOutput, sample_lognormal_poisson_depth
+from recurrent_depth.model.depth import DepthSampler
+from recurrent_depth.model.recurrent import RecurrentDepthLM, RecurrentOutput
 
-__all__ = ["DynamicCache", "RecurrentDepthLM", "RecurrentOutput", "sample_lognormal_poisson_depth"]
+__all__ = ["DepthSampler", "DynamicCache", "RecurrentDepthLM", "RecurrentOutput"]

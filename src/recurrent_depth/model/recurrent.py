@@ -7,7 +7,8 @@
 
 `num_steps` chooses r: an int runs r steps under autograd; a pair (n, k) runs n steps without
 gradients and k with (truncated backprop, the state entering the k steps is detached while the
-prelude output e still receives gradients); None samples a depth in training mode and uses
+prelude output e still receives gradients); None samples a depth in training mode (the paper's
+log-normal Poisson, `model/depth.py`, drawn from the forward's `generator`) and uses
 `mean_recurrence` in eval mode. Parameter names equal the official checkpoint's.
 """
 
@@ -23,6 +24,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from recurrent_depth.config import MODEL_PARTS, ModelConfig, is_real
+from recurrent_depth.model.depth import DepthSampler
 from recurrent_depth.model.layers import RMSNorm, SandwichBlock
 from recurrent_depth.model.linear import Linear
 from recurrent_depth.model.mixers import MixerContext, build_mixer, check_mixer_name
@@ -45,17 +47,6 @@ class RecurrentOutput:
     loss: Tensor | None = None
     all_states: Tensor | None = None
     num_steps: tuple[int, int] = (0, 0)
-
-
-def sample_lognormal_poisson_depth(
-    mean_recurrence: float, backprop_depth: int, sigma: float = 0.5, generator: torch.Generator | None = None
-) -> tuple[int, int]:
-    """The paper's depth draw: tau ~ N(log r̄ - sigma²/2, sigma), r = Poisson(e^tau) + 1 -> (r - k', k')."""
-    mu = math.log(max(mean_recurrence, 1e-6)) - sigma**2 / 2
-    tau = torch.normal(torch.tensor(mu, dtype=torch.float64), sigma, generator=generator)
-    r = int(torch.poisson(tau.exp().reshape(1), generator=generator).item()) + 1
-    grad_steps = min(r, backprop_depth)
-    return r - grad_steps, grad_steps
 
 
 class RecurrentDepthLM(nn.Module):
@@ -287,14 +278,23 @@ class RecurrentDepthLM(nn.Module):
             all_states=torch.stack(states) if states is not None else None, num_steps=(n_free, n_grad),
         )
 
+    def depth_sampler(self) -> DepthSampler:
+        """The sampler behind `num_steps=None` in training mode: the paper's log-normal Poisson around
+        `mean_recurrence`, gradients through the last `mean_backprop_depth` steps."""
+        mean, k = self.config.mean_recurrence, self.config.mean_backprop_depth
+        if mean < 1 or k < 1:
+            raise ValueError(
+                f"num_steps=None in training mode samples a depth around mean_recurrence={mean} with "
+                f"mean_backprop_depth={k} steps under autograd; both must be >= 1 (or pass num_steps)"
+            )
+        return DepthSampler(mean_recurrence=mean, backprop_depth=k)
+
     # ------------------------------------------------------------------ input checks
     def resolve_num_steps(self, num_steps: NumSteps, generator: torch.Generator | None = None) -> tuple[int, int]:
         """-> (steps without gradient, steps with gradient)."""
         if num_steps is None:
-            if self.training:
-                return sample_lognormal_poisson_depth(
-                    self.config.mean_recurrence, self.config.mean_backprop_depth, generator=generator
-                )
+            if self.training:  # the paper's depth draw, from the forward's generator (model/depth.py)
+                return self.depth_sampler().sample_from(generator)
             return 0, self.config.mean_recurrence
         if isinstance(num_steps, (bool, Tensor)):
             raise ValueError(f"num_steps must be an int, a pair (no_grad_steps, grad_steps) or None; "

@@ -211,7 +211,7 @@ def quickstart(
         "Validation loss vs test-time depth": report.plot_val_by_depth(
             by_depth, out / "val_loss_by_depth.png", trainer.sampler.mean_recurrence),
         "Sampled training depths": report.plot_depth_histogram(
-            report.sampled_depths(metrics), out / "sampled_depths.png", expected_depth(trainer.sampler)),
+            report.sampled_depths(metrics), out / "sampled_depths.png", trainer.sampler.expected_total_steps()),
     }
     tokenizer = load_tokenizer(tok_dir)
     sample_depth = int(round(trainer.sampler.mean_recurrence))
@@ -269,11 +269,6 @@ def quickstart(
     log(f"\nsample (greedy, depth {sample_depth}):\n{sample}\n")
     log(f"model: {result.model_dir}   report: {out / 'report.html'}   summary: {out / 'summary.json'}")
     return summary
-
-
-def expected_depth(sampler) -> float:
-    """E[r] of a DepthSampler (without its cap): r̄ + 1 for the paper's log-normal Poisson, r̄ otherwise."""
-    return sampler.mean_recurrence + (1 if sampler.scheme == "poisson-lognormal" else 0)
 
 
 def _recipe_dict(recipe: QuickstartRecipe) -> dict[str, Any]:

@@ -34,7 +34,8 @@ from recurrent_depth.evaluation.readout import check_depths
 from recurrent_depth.evaluation.reasoning.data import BYTE_VOCAB_SIZE, ProblemEncoder, special_ids
 from recurrent_depth.evaluation.reasoning.evaluate import AccuracyGrid, accuracy_grid
 from recurrent_depth.evaluation.reasoning.tasks import get_task
-from recurrent_depth.model.recurrent import RecurrentDepthLM, sample_lognormal_poisson_depth
+from recurrent_depth.model.depth import DepthSampler
+from recurrent_depth.model.recurrent import RecurrentDepthLM
 
 
 @dataclass
@@ -208,7 +209,7 @@ def train_reasoning(config: ReasoningRunConfig, log: Any = print) -> tuple[Recur
             mean_depth = config.mean_recurrence
             if config.depth_curriculum:  # easy problems need little depth: cheaper steps, more of them
                 mean_depth = min(config.mean_recurrence, max(2, curriculum.current + 1))
-            num_steps = sample_lognormal_poisson_depth(mean_depth, config.backprop_depth, generator=depth_generator)
+            num_steps = DepthSampler(mean_depth, config.backprop_depth).sample_from(depth_generator)
             lr = _lr_at(config, step, fraction)
             for group in optimizer.param_groups:
                 group["lr"] = lr

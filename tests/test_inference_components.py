@@ -208,6 +208,49 @@ def test_fast_runner_matches_the_model_outputs_and_gradients(kv_heads):
         torch.testing.assert_close(fast_grads[name], ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("kv_heads", [6, 2], ids=["mha", "gqa"])
+def test_fast_runner_decode_workspace_is_bit_identical_and_never_aliases_outputs(kv_heads):
+    """Decoding writes each block's intermediates into a preallocated workspace; the same steps with
+    fresh tensors for every intermediate give bit-identical states, KV entries and logits, and a
+    state returned by one step is not overwritten by the next."""
+    cfg = rd.ModelConfig(vocab_size=97, hidden_size=36, num_heads=6, num_kv_heads=kv_heads, intermediate_size=50,
+                         prelude_layers=1, core_layers=2, coda_layers=1, bias=True, max_seq_len=32)
+    torch.manual_seed(0)
+    model = rd.RecurrentDepthLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))  # non-zero biases
+    ids = torch.randint(0, 97, (3, 6), generator=torch.Generator().manual_seed(2))
+    runs = []
+    for use_workspace in (True, False):
+        with torch.no_grad():
+            runner, cache = FastRunner(model), StaticRecurrentCache(3, 3, capacity=8)
+            if not use_workspace:
+                runner._workspace = lambda B, T: runner_module.NO_WORKSPACE
+            step = runner.context(ids[:, :5], None, cache)
+            e = runner.embed(ids[:, :5], step)
+            s = torch.zeros_like(e)
+            for i in range(3):
+                s = runner.core_step(s, runner.inject(e), e, i, step)
+            runner.predict(s, step)
+            cache.advance(5)
+            cache.close(3, 5)
+            step = runner.context(ids[:, 5:], None, cache)  # one new token per row: the workspace path
+            e = runner.embed(ids[:, 5:], step)
+            states = [torch.zeros_like(e)]
+            for i in range(3):
+                states.append(runner.core_step(states[-1], runner.inject(e), e, i, step))
+            kept = [t.detach().clone() for t in states]
+            logits = runner.predict(states[-1], step)
+            assert bool(runner._workspaces) == use_workspace
+            assert all(torch.equal(a, b) for a, b in zip(states, kept))  # nothing returned was overwritten
+            runs.append(([t.detach() for t in states], logits.detach(), {k: v[0].clone() for k, v in cache.kv.items()}))
+    (states0, logits0, kv0), (states1, logits1, kv1) = runs
+    assert all(torch.equal(a, b) for a, b in zip(states0, states1))
+    assert torch.equal(logits0, logits1)
+    assert kv0.keys() == kv1.keys() and all(torch.equal(kv0[k], kv1[k]) for k in kv0)
+
+
 @pytest.mark.parametrize("copy_limit", [0, 2**30], ids=["views", "copies"])
 def test_fast_runner_weight_layouts_give_the_reference_logits(model, monkeypatch, copy_limit):
     """Both weight layouts (views of the parameters, contiguous transposed copies) compute the same."""

@@ -42,6 +42,27 @@ COPY_LIMIT_BYTES = 512 * 2**20
 
 
 @dataclass
+class Workspace:
+    """Preallocated intermediates of one block for decoding (`[B, ...]`, one new token per row), shared
+    by every block of a runner: each is consumed within the block that writes it, so a decode step
+    allocates only each block's output. The fields are None where a call allocates its own (then
+    `_block` computes the views itself)."""
+
+    stat: Tensor | None = None  # [B, 1] a norm's statistic
+    normed: Tensor | None = None  # [B, h] a norm's output that only a matrix product reads
+    qkv: Tensor | None = None  # [B, (H + 2 Hkv) D]
+    rope: Tensor | None = None  # complex view of qkv's q and k heads [B, 1, H + Hkv, D/2]
+    qkv_heads: tuple[Tensor, Tensor, Tensor] | None = None  # q, k, v views [B, H(kv), 1, D]
+    mixed: Tensor | None = None  # [B, h] attention out + residual, then normed in place
+    gate_up: Tensor | None = None  # [B, 2 inner]
+    gate_up_halves: tuple[Tensor, Tensor] | None = None
+    mlp_out: Tensor | None = None  # [B, h] MLP out + residual
+
+
+NO_WORKSPACE = Workspace()
+
+
+@dataclass
 class Step:
     """One model call's context: the model's `MixerContext` plus the fast path's rotary factors."""
 
@@ -141,6 +162,28 @@ class FastRunner(ModelRunner):
         self.wte = t.wte.weight
         self.lm_head = self._layout(model.lm_head.weight)
         self.emb_scale = model.emb_scale
+        self._workspaces: dict[int, Workspace] = {}  # by batch size (a runner serves one loop at a time)
+
+    def _workspace(self, B: int, T: int) -> Workspace:
+        """The decode workspace for B rows: float32 decoding (T = 1) without autograd, else none."""
+        if T != 1 or self.dtype != torch.float32 or torch.is_grad_enabled():
+            return NO_WORKSPACE
+        ws = self._workspaces.get(B)
+        if ws is None:
+            H, Hkv, D = self.H, self.Hkv, self.D
+            h, inner2 = self.ln_f.shape[0], self.blocks["core"][0]["fc"].shape[1]
+            new = torch.empty
+            device = self.ln_f.device
+            qkv = new(B, (H + 2 * Hkv) * D, device=device)
+            gate_up = new(B, inner2, device=device)
+            ws = self._workspaces[B] = Workspace(
+                stat=new(B, 1, device=device), normed=new(B, h, device=device), qkv=qkv,
+                rope=torch.view_as_complex(qkv.view(B, 1, H + 2 * Hkv, D // 2, 2)[:, :, : H + Hkv]),
+                qkv_heads=qkv.view(B, 1, H + 2 * Hkv, D).transpose(1, 2).split((H, Hkv, Hkv), dim=1),
+                mixed=new(B, h, device=device), gate_up=gate_up, gate_up_halves=gate_up.chunk(2, dim=1),
+                mlp_out=new(B, h, device=device),
+            )
+        return ws
 
     @staticmethod
     def _wide(weight: Tensor) -> bool:
@@ -190,39 +233,49 @@ class FastRunner(ModelRunner):
         ctx = self.model.make_context(input_ids, attention_mask, position_ids, cache, row_columns)
         return Step(ctx, self._freq_table[ctx.positions].unsqueeze(2))  # [B, T, 1, D/2]
 
-    def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
+    def _norm(self, x: Tensor, weight: Tensor, out: Tensor | None = None, stat: Tensor | None = None) -> Tensor:
         """RMSNorm in four operations: x / sqrt(mean(x^2) + eps) * w = x / hypot(|x|, sqrt(h eps)) * (sqrt(h) w),
-        with sqrt(h) folded into the stored weight (`hypot` adds the epsilon without squaring the norm back)."""
+        with sqrt(h) folded into the stored weight (`hypot` adds the epsilon without squaring the norm back).
+        out, stat: float32 buffers for the result `[N, h]` and the statistic `[N, 1]` (None: new ones)."""
         if self.dtype != torch.float32:  # statistics in float32, as the model's RMSNorm
             x32 = x.float()
             return (x32 * torch.rsqrt((x32 * x32).sum(-1, keepdim=True).add_(self.norm_offset))).to(x.dtype) * weight
-        return x / torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), self.norm_root) * weight
+        root = torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True, out=stat), self.norm_root, out=stat)
+        scaled = torch.div(x, root, out=out)
+        # (in place on this call's own quotient when no graph needs it: one allocation less per norm)
+        return scaled * weight if scaled.requires_grad else scaled.mul_(weight)
 
     @staticmethod
-    def _linear(x: Tensor, weight_t: Tensor, bias: Tensor | None, residual: Tensor | None = None) -> Tensor:
-        """x @ W^T (+ bias) (+ residual) on 2-D `[N, in]` activations, in one `addmm` when possible."""
+    def _linear(x: Tensor, weight_t: Tensor, bias: Tensor | None, residual: Tensor | None = None,
+                out: Tensor | None = None) -> Tensor:
+        """x @ W^T (+ bias) (+ residual) on 2-D `[N, in]` activations, in one `addmm` when possible
+        (out: a buffer for the result, which then must not be `residual`; None: a new tensor)."""
         if residual is not None:
-            out = torch.addmm(residual, x, weight_t)
-            return out if bias is None else out + bias
-        return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
+            y = torch.addmm(residual, x, weight_t, out=out)
+            return y if bias is None else (y + bias if out is None else y.add_(bias))
+        return torch.mm(x, weight_t, out=out) if bias is None else torch.addmm(bias, x, weight_t, out=out)
 
     def _block(self, x: Tensor, p: dict[str, Any], step: Step, key: tuple, B: int, T: int) -> Tensor:
         """One sandwich block on 2-D activations `x` `[B * T, h]`."""
         H, Hkv, D = self.H, self.Hkv, self.D
         n1, n2, n3, n4 = p["norm"]
-        qkv = self._linear(self._norm(x, n1), p["qkv"], p["qkv_bias"])
-        heads = qkv.view(B, T, H + 2 * Hkv, D)
+        ws = self._workspace(B, T)
+        qkv = self._linear(self._norm(x, n1, ws.normed, ws.stat), p["qkv"], p["qkv_bias"], out=ws.qkv)
         # In-place updates of this call's own buffers save allocations, but autograd needs the originals.
-        inplace = not torch.is_grad_enabled()
+        inplace = not qkv.requires_grad
         # Interleaved RoPE on q and k at once: pairs (x0, x1) as complex numbers times e^{i angle}.
-        qk = heads[:, :, : H + Hkv]
-        if inplace and self.dtype == torch.float32:
-            torch.view_as_complex(qk.unflatten(-1, (D // 2, 2))).mul_(step.freqs)
+        if ws.rope is not None:
+            ws.rope.mul_(step.freqs)
+            q, k, v = ws.qkv_heads
+        elif inplace and self.dtype == torch.float32:
+            torch.view_as_complex(qkv.view(B, T, H + 2 * Hkv, D // 2, 2)[:, :, : H + Hkv]).mul_(step.freqs)
+            q, k, v = qkv.view(B, T, H + 2 * Hkv, D).transpose(1, 2).split((H, Hkv, Hkv), dim=1)  # [B, H(kv), T, D]
         else:  # (no complex half types: rotate a float32 copy)
-            pairs = torch.view_as_complex(qk.float().unflatten(-1, (D // 2, 2)))
+            heads = qkv.view(B, T, H + 2 * Hkv, D)
+            pairs = torch.view_as_complex(heads[:, :, : H + Hkv].float().unflatten(-1, (D // 2, 2)))
             qk = torch.view_as_real(pairs * step.freqs).flatten(-2).to(self.dtype)
-        q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)  # [B, H(kv), T, D]
-        v = heads[:, :, H + Hkv :].transpose(1, 2)
+            q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
+            v = heads[:, :, H + Hkv :].transpose(1, 2)
         ctx = step.ctx
         cache = ctx.cache
         mask, is_causal = ctx.attn_mask, ctx.is_causal
@@ -235,12 +288,12 @@ class FastRunner(ModelRunner):
             q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=self.gqa
         )  # [B, H, T, D]
         att = att.transpose(1, 2).reshape(B * T, H * D)
-        x = self._norm(self._linear(att, p["proj"], p["proj_bias"], residual=x), n2)
-        gate_up = self._linear(self._norm(x, n3), p["fc"], p["fc_bias"])
-        inner = gate_up.shape[1] // 2
-        gate, up = gate_up[:, :inner], gate_up[:, inner:]
+        mixed = self._linear(att, p["proj"], p["proj_bias"], residual=x, out=ws.mixed)
+        x = self._norm(mixed, n2, ws.mixed, ws.stat)
+        gate_up = self._linear(self._norm(x, n3, ws.normed, ws.stat), p["fc"], p["fc_bias"], out=ws.gate_up)
+        gate, up = ws.gate_up_halves or gate_up.chunk(2, dim=1)
         hidden = F.silu(gate, inplace=True).mul_(up) if inplace else F.silu(gate) * up
-        return self._norm(self._linear(hidden, p["out"], p["out_bias"], residual=x), n4)
+        return self._norm(self._linear(hidden, p["out"], p["out_bias"], residual=x, out=ws.mlp_out), n4, stat=ws.stat)
 
     def embed(self, input_ids: Tensor, step: Step) -> Tensor:
         B, T = input_ids.shape

@@ -11,6 +11,10 @@ recurrence step, because at batch 1 decoding is bound by per-operation overhead,
   and k together, with angles looked up from a table built once;
 - RMSNorm takes four element-wise operations, with sqrt(h) folded into its weight;
 - keys and values stay in the cache's head-major layout `[B, Hkv, T, D]` (no transposes);
+- decoding (T = 1, float32, no autograd) writes each block's intermediates into one preallocated
+  `Workspace` (`out=` and in-place operations), so a step allocates only each block's output. Every
+  `StepCache.update_heads` copies the k, v it is given, so the views into the workspace never outlive
+  their block; a runner therefore serves one loop at a time (each engine builds its own);
 - each weight is stored in the layout whose rows are the longer dimension. Decoding multiplies one
   row of activations by every weight once per step, which streams the weights from memory; on the
   CPUs measured here a `[1, 256] @ [256, 2048]` product runs ~1.9x faster from a contiguous

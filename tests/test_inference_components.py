@@ -176,9 +176,8 @@ def test_row_generators_reproduce_rows():
 
 
 # ---------------------------------------------------------------------------------------- fused runner
-@pytest.mark.parametrize("kv_heads", [6, 2], ids=["mha", "gqa"])
-def test_fast_runner_matches_the_model_outputs_and_gradients(kv_heads):
-    """Odd sizes: hidden 36, 6 heads of dim 6, T = 5; biases on; grads w.r.t. state, e and weights."""
+def _odd_model(kv_heads: int) -> rd.RecurrentDepthLM:
+    """Hidden 36, 6 heads of dim 6 (kv_heads of them for keys/values), MLP 50, non-zero biases."""
     cfg = rd.ModelConfig(vocab_size=97, hidden_size=36, num_heads=6, num_kv_heads=kv_heads, intermediate_size=50,
                          prelude_layers=1, core_layers=2, coda_layers=1, bias=True, max_seq_len=32)
     torch.manual_seed(0)
@@ -186,6 +185,13 @@ def test_fast_runner_matches_the_model_outputs_and_gradients(kv_heads):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))  # non-zero biases
+    return model
+
+
+@pytest.mark.parametrize("kv_heads", [6, 2], ids=["mha", "gqa"])
+def test_fast_runner_matches_the_model_outputs_and_gradients(kv_heads):
+    """Odd sizes: hidden 36, 6 heads of dim 6, T = 5; biases on; grads w.r.t. state, e and weights."""
+    model = _odd_model(kv_heads)
     ids = torch.randint(0, 97, (2, 5))
     results = []
     for runner_cls in (ModelRunner, FastRunner):
@@ -213,13 +219,7 @@ def test_fast_runner_decode_workspace_is_bit_identical_and_never_aliases_outputs
     """Decoding writes each block's intermediates into a preallocated workspace; the same steps with
     fresh tensors for every intermediate give bit-identical states, KV entries and logits, and a
     state returned by one step is not overwritten by the next."""
-    cfg = rd.ModelConfig(vocab_size=97, hidden_size=36, num_heads=6, num_kv_heads=kv_heads, intermediate_size=50,
-                         prelude_layers=1, core_layers=2, coda_layers=1, bias=True, max_seq_len=32)
-    torch.manual_seed(0)
-    model = rd.RecurrentDepthLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.02 * torch.randn_like(p))  # non-zero biases
+    model = _odd_model(kv_heads)
     ids = torch.randint(0, 97, (3, 6), generator=torch.Generator().manual_seed(2))
     runs = []
     for use_workspace in (True, False):

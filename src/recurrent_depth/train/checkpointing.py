@@ -42,6 +42,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from recurrent_depth.data.io import fsync_dir
+from recurrent_depth.files import parse_safetensors_header, read_json
 
 CHECKPOINTS_DIR = "checkpoints"
 OPTIMIZER_TENSORS = "optimizer.safetensors"
@@ -53,7 +54,7 @@ MANIFEST_FORMAT = "recurrent-depth-checkpoint-manifest"
 REQUIRED_FILES = ("config.json", "model.safetensors", OPTIMIZER_TENSORS, OPTIMIZER_META, TRAINER_STATE)
 _NAME = re.compile(r"^step-(\d{8,})$")
 _HASH_CHUNK = 1 << 20  # sha256 is streamed in 1 MiB reads
-_MAX_JSON_BYTES = 64 << 20  # a manifest / trainer state / optimizer skeleton larger than this is not ours
+MAX_JSON_BYTES = 256 << 20  # a manifest / trainer state / optimizer skeleton larger than this is not ours
 # Bytes a checkpoint needs besides its tensors (JSON files, tokenizer, filesystem slack).
 _SPACE_MARGIN = 4 << 20
 
@@ -151,10 +152,8 @@ def save_state_files(directory: Path, stem: str, state: Any) -> None:
 
 def load_state_files(directory: Path, stem: str) -> Any:
     """The state `save_state_files` wrote; a damaged pair of files is one ValueError naming them."""
-    from recurrent_depth.files import parse_safetensors_header, read_json
-
     tensor_file = directory / f"{stem}.safetensors"
-    meta = read_json(directory / f"{stem}.json", 256 * 2**20, "checkpoint file")
+    meta = read_json(directory / f"{stem}.json", MAX_JSON_BYTES, "checkpoint file")
     parse_safetensors_header(tensor_file)  # truncated or not safetensors: a one-line error
     tensors = read_tensors(tensor_file)
     try:
@@ -282,16 +281,6 @@ def write_manifest(directory: Path) -> None:
     write_json(directory / MANIFEST, {"format": MANIFEST_FORMAT, "version": 1, "files": files})
 
 
-def _read_json(path: Path) -> Any:
-    """A JSON file of bounded size; a ValueError naming the file otherwise."""
-    if path.stat().st_size > _MAX_JSON_BYTES:
-        raise ValueError(f"{path.name} is larger than {_MAX_JSON_BYTES >> 20} MiB")
-    try:
-        return json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise ValueError(f"{path.name} is not valid JSON ({_one_line(exc)})") from None
-
-
 def checkpoint_problem(path: Path) -> str | None:
     """Why `path` cannot be resumed from, in a few words (None: it can).
 
@@ -305,13 +294,12 @@ def checkpoint_problem(path: Path) -> str | None:
         if (path / MANIFEST).is_file():
             return _manifest_problem(path)
         for name in (TRAINER_STATE, OPTIMIZER_META, "config.json"):
-            _read_json(path / name)
+            read_json(path / name, MAX_JSON_BYTES, "checkpoint file")
         for name in ("model.safetensors", OPTIMIZER_TENSORS, RNG_TENSORS):
             if (path / name).is_file():
                 try:
-                    with safe_open(str(path / name), framework="pt") as handle:
-                        handle.keys()
-                except SafetensorError as exc:
+                    parse_safetensors_header(path / name)
+                except ValueError as exc:
                     return f"{name} is not a readable safetensors file ({_one_line(exc)})"
     except (OSError, ValueError) as exc:
         return _one_line(exc)
@@ -319,7 +307,7 @@ def checkpoint_problem(path: Path) -> str | None:
 
 
 def _manifest_problem(path: Path) -> str | None:
-    manifest = _read_json(path / MANIFEST)
+    manifest = read_json(path / MANIFEST, MAX_JSON_BYTES, "checkpoint file")
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or manifest.get("format") != MANIFEST_FORMAT:
         return f"{MANIFEST} is not a checkpoint manifest"
@@ -479,9 +467,7 @@ TRAINER_STATE_FIELDS = ("step", "micro_step", "tokens", "skipped_steps", "elapse
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
     """`trainer_state.json` of a checkpoint, with the fields a resume needs (else one ValueError)."""
-    from recurrent_depth.files import read_json
-
-    state = read_json(path / TRAINER_STATE, 256 * 2**20, "checkpoint file")
+    state = read_json(path / TRAINER_STATE, MAX_JSON_BYTES, "checkpoint file")
     missing = [name for name in TRAINER_STATE_FIELDS if not isinstance(state, dict) or name not in state]
     if missing:
         raise ValueError(f"{path / TRAINER_STATE} lacks the fields {missing}; the checkpoint is damaged")

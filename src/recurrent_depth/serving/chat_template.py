@@ -19,6 +19,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from recurrent_depth.files import read_json, read_text
+
 MAX_TEMPLATE_BYTES = 1 << 20
 MAX_ITERATIONS = 100_000  # range() iterations per render, all ranges together
 SPECIAL_VARIABLES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
@@ -32,24 +34,13 @@ class RenderedTooLong(ValueError):
     """The rendered prompt is longer than the output cap (it cannot fit the model's context)."""
 
 
-def read_bounded(path: Path, limit: int = MAX_TEMPLATE_BYTES) -> str:
-    """A small regular text file (never a FIFO or device, never more than `limit` bytes)."""
-    if not path.is_file():
-        raise ValueError(f"{path} is not a regular file")
-    with open(path, "rb") as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise ValueError(f"{path} is over {limit} bytes")
-    return data.decode("utf-8")
-
-
 def load_template(model_dir: Path) -> tuple[str | None, dict[str, str]]:
     """(template source or None, special-token variables) from `chat_template.jinja` or
     `tokenizer_config.json` (where transformers looks)."""
     config: dict[str, Any] = {}
     config_path = model_dir / "tokenizer_config.json"
     if config_path.exists():
-        loaded = json.loads(read_bounded(config_path, 16 * MAX_TEMPLATE_BYTES))
+        loaded = read_json(config_path, 16 * MAX_TEMPLATE_BYTES, "tokenizer config")
         config = loaded if isinstance(loaded, dict) else {}
     variables = {}
     for name in SPECIAL_VARIABLES:
@@ -60,7 +51,7 @@ def load_template(model_dir: Path) -> tuple[str | None, dict[str, str]]:
             variables[name] = value
     file = model_dir / "chat_template.jinja"
     if file.exists():
-        return read_bounded(file), variables
+        return read_text(file, MAX_TEMPLATE_BYTES, "chat template"), variables
     source = config.get("chat_template")
     if isinstance(source, list):  # named templates: the default one
         source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)

@@ -607,8 +607,8 @@ class Trainer:
     def _check_resumable(self, path: Path) -> None:
         """Refuse to resume from `path` with a changed config or another number of processes."""
         try:
-            trainer_state = json.loads((path / ckpt.TRAINER_STATE).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+            trainer_state = ckpt.read_trainer_state(path)
+        except (OSError, ValueError) as exc:
             raise ValueError(f"cannot resume from {path}: unreadable {ckpt.TRAINER_STATE} ({exc})") from exc
         changes = _config_changes(_with_field_defaults(trainer_state.get("config", {})), self.cfg.to_dict())
         if changes:

@@ -47,22 +47,38 @@ def reference_read(spec: str, written: dict, depth: int, step: int, col: int, ro
     return True, written[(held, col, row)]
 
 
-@pytest.mark.parametrize("storage", [StaticRecurrentCache, DynamicRecurrentCache], ids=["static", "dynamic"])
+class GrowingStaticCache(StaticRecurrentCache):
+    """The static storage starting from one core slot, so it grows while columns of mixed depth are closed."""
+
+    INITIAL_SLOTS = 1
+
+
+SCHEDULES = {  # depth per (column, row): a prompt of 4 columns, then one token at a time
+    "deep-prompt": [[5] * 3] * 4 + [[5, 2, 3], [1, 5, 4], [3, 3, 1], [2, 4, 5]],
+    "shallow-prompt": [[1] * 3] * 4 + [[2, 1, 1], [1, 3, 2], [5, 2, 3], [1, 5, 4], [3, 3, 1], [2, 4, 5]],
+}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("storage", [StaticRecurrentCache, GrowingStaticCache, DynamicRecurrentCache],
+                         ids=["static", "static-growing", "dynamic"])
 @pytest.mark.parametrize("spec", POLICIES)
-def test_storage_follows_the_rule_after_prefill_and_early_exits(storage, spec):
-    """A prompt at full depth, then tokens whose rows exit at different steps (write masks)."""
+def test_storage_follows_the_rule_after_prefill_and_early_exits(storage, spec, schedule):
+    """A prompt, then tokens whose rows exit at different steps (write masks)."""
     B, r, P = 3, 5, 4
     cache = storage(B, r, capacity=2, policy=spec)
     g = torch.Generator().manual_seed(0)
     written: dict = {}
     depths: list[list[int]] = []  # [col][row]
-    schedule = [[r] * B] * P + [[5, 2, 3], [1, 5, 4], [3, 3, 1], [2, 4, 5]]
+    schedule = SCHEDULES[schedule]
     col = 0
     for T in [P] + [1] * (len(schedule) - P):
         d = torch.tensor(schedule[col : col + T]).t()  # [B, T]
         for step in range(r):
             running = d > step  # [B, T]
             k = torch.randn(B, T, 1, 2, generator=g)
+            if not bool(running.any()):
+                continue  # the engine runs no step that no row needs (so storage grows after closes)
             cache.write_mask = None if bool(running.all()) else running
             keys, _ = cache.update_kv(("core", 0, step), k, torch.zeros_like(k))
             mask = cache.key_mask(("core", 0, step))
@@ -209,3 +225,18 @@ def test_only_model_and_inference_iterate_the_core():
             if re.search(r"\bcore_step\(", line):
                 offenders.append(f"{rel}:{n}")
     assert not offenders, f"core_step called outside model/ and the engine: {offenders}"
+
+
+@pytest.mark.parametrize("spec", ["per-step", "per-step+skip"])
+def test_a_cache_that_grows_its_slots_generates_as_one_sized_up_front(model, spec, monkeypatch):
+    """Core slots are allocated as steps are reached; growing them mid-generation changes nothing."""
+    ids = torch.tensor([[5, 9, 2, 7], [0, 3, 3, 1]])
+    kwargs = dict(max_new_tokens=5, num_steps=12, exit_criterion="kl", exit_threshold=5e-2, init_scale=0.0,
+                  kv_policy=spec, output_logits=True)
+    monkeypatch.setattr(StaticRecurrentCache, "INITIAL_SLOTS", 64)
+    whole = generate(model, ids, **kwargs)
+    monkeypatch.setattr(StaticRecurrentCache, "INITIAL_SLOTS", 1)
+    grown = generate(model, ids, **kwargs)
+    assert len(set(whole.steps[:, 1:].flatten().tolist())) > 1  # tokens exited at different steps
+    assert torch.equal(whole.sequences, grown.sequences) and torch.equal(whole.steps, grown.steps)
+    assert torch.equal(whole.logits, grown.logits)

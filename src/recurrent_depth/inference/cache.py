@@ -160,9 +160,14 @@ class _CacheBase:
 class StaticRecurrentCache(_CacheBase):
     """Preallocated KV storage `[num_slots, B, Hkv, capacity, D]` per layer (fast path).
 
-    Capacity doubles when a write runs past it. After a forward, `close(depth)` fills the slots a
-    token did not reach with its deepest entry, so later reads are plain slices of the storage.
+    Capacity doubles when a write runs past it, and so do the core slots: storage starts with
+    `INITIAL_SLOTS` of the policy's `num_core_slots` and grows when a step beyond them is written,
+    so a deep request only holds the steps it reached (10^5 steps would otherwise zero gigabytes
+    before the first step, and a deadline could not stop that). After a forward, `close(depth)`
+    fills the slots a token did not reach with its deepest entry, so reads are plain slices.
     """
+
+    INITIAL_SLOTS = 64
 
     def __init__(
         self, batch_size: int, num_steps: int, kv_budget: int | None = None, capacity: int = 256,
@@ -172,12 +177,13 @@ class StaticRecurrentCache(_CacheBase):
         if capacity < 1:
             raise ValueError(f"capacity={capacity} is invalid: expected an integer >= 1")
         self.capacity = capacity
+        self.slot_capacity = min(self.core_slots, self.INITIAL_SLOTS)  # core slots allocated
         self.kv: dict[tuple, tuple[Tensor, Tensor]] = {}
         self._views: dict[LayerKey, tuple[Tensor, Tensor]] = {}
 
     def _storage(self, base: tuple, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if base not in self.kv:
-            S = self.core_slots if base[0] == "core" else 1
+            S = self.slot_capacity if base[0] == "core" else 1
             B, _, Hkv, D = k.shape
             Dv = v.shape[-1]
             self.kv[base] = (
@@ -200,6 +206,33 @@ class StaticRecurrentCache(_CacheBase):
         self.capacity = capacity
         self._views.clear()
 
+    def _grow_slots(self, slot: int) -> None:
+        """Allocate core slots up to `slot` (doubling, at most `num_core_slots`). A closed column's new
+        slots take what the lookup rule settles them to, from the slots already held."""
+        old = self.slot_capacity
+        new = old
+        while new <= slot:
+            new *= 2
+        new = min(new, self.core_slots)
+        closed = min(self.seq_len, self.depth.shape[1])
+        src = self.policy.lookup.fill_index(self.depth[:, :closed], new) if closed else None
+        for base, (K, V) in self.kv.items():
+            if base[0] != "core":
+                continue
+            grown = []
+            for store in (K, V):
+                bigger = store.new_zeros(new, *store.shape[1:])
+                bigger[:old] = store
+                if src is not None:
+                    # src < old here: no closed column ran more steps than the slots held
+                    cols = bigger[..., :closed, :]
+                    index = src[old:, :, None, :, None].expand(new - old, *cols.shape[1:])
+                    bigger[old:, ..., :closed, :] = torch.gather(cols, 0, index)
+                grown.append(bigger)
+            self.kv[base] = (grown[0], grown[1])
+        self.slot_capacity = new
+        self._views.clear()
+
     def update_kv(self, key: LayerKey, k: Tensor, v: Tensor, ctx: Any = None) -> tuple[Tensor, Tensor]:
         """Write k, v `[B, T, Hkv, D]` at columns [seq_len, seq_len + T); return all `[B, seq_len + T, Hkv, D]`."""
         K, V = self.update_heads(key, k.transpose(1, 2), v.transpose(1, 2))
@@ -214,6 +247,8 @@ class StaticRecurrentCache(_CacheBase):
         views = self._views.get(key)
         if views is None:
             base, slot = self.split(key)
+            if base[0] == "core" and slot >= self.slot_capacity:
+                self._grow_slots(slot)
             K, V = self._storage(base, k.transpose(1, 2), v.transpose(1, 2))
             views = self._views[key] = (K[slot], V[slot])  # [B, Hkv, capacity, D]
         Ks, Vs = views
@@ -231,7 +266,7 @@ class StaticRecurrentCache(_CacheBase):
     def close(self, depth: Tensor | int, num_tokens: int | None = None) -> None:
         """The columns [seq_len, seq_len + T) ran `depth` ([B, T] or an int) steps; the lookup rule
         settles the slots they did not reach."""
-        S = self.core_slots
+        S = self.slot_capacity
         if isinstance(depth, int):
             value = depth
             depth = torch.full((self.batch_size, num_tokens or 1), value, dtype=torch.long, device=self.device)

@@ -1,0 +1,108 @@
+"""The server's slot pool (serving/kv_pool.py) against the KV rules, at the storage level.
+
+`test_kv_policies.py` checks the generation caches against a reference of each rule; this drives
+`SlotKVPool` the way the continuous batch does (each prompt prefilled alone, then token calls in
+which rows sit at different core steps and close at different depths) and checks every column
+each row reads against the same rules, written again here:
+- slots: per-step keeps slot i for step i; shared-K (last-step = shared-1) keeps slot i mod K;
+- lookup deepest: a slot the token did not reach holds its deepest step, d - 1;
+- lookup skip: the column is hidden from steps i >= d (the row's own new column stays visible).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from recurrent_depth.model.cache import parse_kv_policy
+from recurrent_depth.serving.kv_pool import SlotKVPool
+
+R = 5  # core steps of every request
+PROMPTS = [2, 4, 3]  # prompt length of each row
+TOKENS = [[5, 2, 3, 1], [1, 5, 4, 2], [3, 3, 1, 5]]  # depth of each generated token, per row
+START = [0, 2, 1]  # idle calls before a row's first token, so rows in one call are at different steps
+
+
+def expected(spec: str, written: dict, depth: int, step: int, col: int, row: int) -> tuple[bool, object]:
+    """(visible, key) the rule gives for an older column that ran `depth` steps, read at `step`."""
+    k = {"per-step": math.inf, "shared-3": 3, "last-step": 1}[spec.split("+")[0]]
+    if spec.endswith("+skip") and depth <= step:
+        return False, None
+    slot = step if k == math.inf else step % k
+    if slot < depth:  # the latest step of this slot the token ran
+        held = max(s for s in range(depth) if (s if k == math.inf else s % k) == slot)
+    else:
+        held = depth - 1  # deepest entry
+    return True, written[(held, col, row)]
+
+
+@pytest.mark.parametrize("spec", ["per-step", "shared-3", "last-step", "per-step+skip", "shared-3+skip"])
+def test_the_pool_follows_the_rule_with_rows_at_different_steps(spec):
+    policy = parse_kv_policy(spec)
+    slots = policy.slots.num_slots(R)
+    g = torch.Generator().manual_seed(0)
+    pool = SlotKVPool()
+    rows = range(len(PROMPTS))
+    pool.reserve(slots, len(PROMPTS), max(PROMPTS) + len(TOKENS[0]), max_rows=4, max_capacity=64)
+    written: dict = {}  # (step, col, row) -> key [2]
+    depth_of: dict = {}  # (col, row) -> steps that column ran
+
+    for b in rows:  # each prompt alone at full depth
+        T = PROMPTS[b]
+        pool.set_policy(b, policy)
+        pool.bind_prefill(b, T, torch.tensor([[policy.slots.slot(i) for i in range(R)]]))
+        for step in range(R):
+            k = torch.randn(1, 1, T, 2, generator=g)
+            keys, _ = pool.update_heads(("core", 0, step), k, torch.zeros_like(k))
+            assert torch.equal(keys[0, 0], k[0, 0])  # the prompt attends to itself at this step
+            for c in range(T):
+                written[(step, c, b)] = k[0, 0, c]
+        pool.close_prefill(b, T, R, slots)
+        for c in range(T):
+            depth_of[(c, b)] = R
+
+    length = list(PROMPTS)  # each row's next column
+    token = [0] * len(PROMPTS)  # index of the token each row is working on
+    step_of = [-start for start in START]  # core step each row runs next (negative: still idle)
+    checked, mixed = 0, False
+    while any(t < len(TOKENS[b]) for b, t in enumerate(token)):
+        active = [b for b in rows if token[b] < len(TOKENS[b]) and step_of[b] >= 0]
+        for b in rows:
+            if step_of[b] < 0:
+                step_of[b] += 1
+        if not active:
+            continue
+        steps = [step_of[b] for b in active]
+        mixed |= len(set(steps)) > 1
+        cols = [length[b] for b in active]
+        read_len = max(cols) + 1
+        pool.bind_tokens(active, torch.tensor(active), torch.tensor(cols), read_len,
+                         [policy.slots.slot(s) for s in steps], steps)
+        key = ("core", 0, steps[0])  # the pool takes each row's step from bind_tokens
+        k = torch.randn(len(active), 1, 1, 2, generator=g)
+        keys, _ = pool.update_heads(key, k, torch.zeros_like(k))
+        mask = pool.key_mask(key)
+        for i, b in enumerate(active):
+            for c in range(cols[i]):
+                visible, want = expected(spec, written, depth_of[(c, b)], steps[i], c, b)
+                assert (mask is None or bool(mask[i, c])) == visible, (spec, b, c, steps[i])
+                if visible:
+                    assert torch.equal(keys[i, 0, c], want), (spec, b, c, steps[i])
+                    checked += 1
+            assert torch.equal(keys[i, 0, cols[i]], k[i, 0, 0])  # its own new column, this step
+            assert mask is None or bool(mask[i, cols[i]])
+            written[(steps[i], cols[i], b)] = k[i, 0, 0]
+        done = [(i, b) for i, b in enumerate(active) if steps[i] + 1 == TOKENS[b][token[b]]]
+        for b in active:
+            step_of[b] += 1
+        if done:
+            pool.close_tokens([b for _, b in done], [cols[i] for i, _ in done],
+                              [TOKENS[b][token[b]] for _, b in done], [slots] * len(done))
+            for i, b in done:
+                depth_of[(cols[i], b)] = TOKENS[b][token[b]]
+                length[b] += 1
+                token[b] += 1
+                step_of[b] = 0
+    assert checked > 50 and mixed  # many (row, column, step) reads, some in calls mixing steps

@@ -304,20 +304,26 @@ def test_eval_forwards_record_nothing():
     assert all(m.max_logit is None for m in model.modules() if hasattr(m, "max_logit"))
 
 
-def clipped_weights(rows: slice = slice(None), qk_norm: bool = False) -> tuple[dict, dict]:
-    """A fixed model's weights after one QK-clip on rows `rows` of a fixed batch (also run by the 2-rank worker)."""
+def clipped_weights(rows: slice = slice(None), qk_norm: bool = False, wrap=None, full_state=None,
+                    **overrides) -> tuple[dict, dict]:
+    """A fixed model's weights after one training forward + backward on rows `rows` of a fixed batch and one
+    QK-clip (also run by the 2-rank workers). wrap: applied to the model before the forward (FSDP2 in a
+    worker); full_state: how to read the unsharded weights back (default: the state dict)."""
     torch.manual_seed(0)
-    model = rd.RecurrentDepthLM(config(num_kv_heads=2, qk_norm=qk_norm)).train()
+    model = rd.RecurrentDepthLM(config(**{"num_kv_heads": 2, "qk_norm": qk_norm, **overrides})).train()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "Wqkv" in name:
                 p.mul_(5.0)
             if name.endswith("norm.weight") and "attn" in name:
                 p.normal_(0, 3.0)
+    wrapped = model if wrap is None else wrap(model)
     clip = QKClip(model, threshold=20.0)
     batch = torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(1))
-    model(batch[rows], num_steps=(1, 2), init_scale=0.0)
+    wrapped(batch[rows], labels=batch[rows], num_steps=(1, 2), init_scale=0.0).loss.backward()
     record = clip.step()
+    if full_state is not None:
+        return full_state(model), record
     return {n: p.detach().clone() for n, p in model.state_dict().items()}, record
 
 

@@ -1,0 +1,108 @@
+"""Worker for tests/test_gloo_ranks.py: one rank of a 2-process CPU group (gloo, file store).
+
+    python tests/gloo_worker.py RANK WORLD STORE_FILE OUT_DIR MODE [ARGS...]
+
+Modes:
+  fsdp-clip CASES_JSON    for each {case: config overrides}: FSDP2-shard the fixed model of
+                          `tests.test_qk_stability.clipped_weights`, run its training forward +
+                          backward on this rank's rows, QK-clip the sharded weights; rank 0 saves the
+                          unsharded weights, the clip record and the shard shapes it met.
+  ddp-depth               locked-step, then per-rank depth draws (`DepthSampler(per_rank=...)`): 4 DDP
+                          steps of the tiny model each; saves per step this rank's depth, its DDP
+                          gradients, the gradients every rank computes alone on its own rows with an
+                          unwrapped copy, and the weights after the step.
+One launch runs every case (process start-up dominates the time).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from recurrent_depth.train.distributed import DistEnv, full_model_state, wrap_model
+
+
+def fsdp_clip(env: DistEnv, overrides: dict) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    from tests.test_qk_stability import clipped_weights
+
+    shards = {}
+
+    def wrap(model):
+        wrapped = wrap_model(model, env, fsdp=True)
+        for name, p in model.named_parameters():
+            if ".attn." in name and isinstance(p, DTensor):
+                shards[name] = (tuple(p.to_local().shape), tuple(p.shape), [str(x) for x in p.placements])
+        return wrapped
+
+    state, record = clipped_weights(rows=slice(env.rank, None, env.world_size), wrap=wrap,
+                                    full_state=lambda m: full_model_state(m, env), **overrides)
+    return {"state": state, "record": record, "shards": shards}
+
+
+def flat_grads(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def gathered(value: torch.Tensor, env: DistEnv) -> list[torch.Tensor]:
+    parts = [torch.empty_like(value) for _ in range(env.world_size)]
+    dist.all_gather(parts, value)
+    return parts
+
+
+def ddp_depth(env: DistEnv, per_rank: bool) -> list[dict]:
+    import recurrent_depth as rd
+    from recurrent_depth.train.depth import DepthSampler
+
+    torch.manual_seed(0)
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).train()
+    alone = copy.deepcopy(model)  # the same weights, never wrapped: what this rank computes by itself
+    wrapped = wrap_model(model, env)
+    sampler = DepthSampler(mean_recurrence=4, backprop_depth=2, seed=3, per_rank=per_rank)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    records = []
+    for step in range(4):
+        depth = sampler.sample(step, env.rank)
+        ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(100 * step + env.rank))
+        wrapped(ids, labels=ids, num_steps=depth, init_scale=0.0).loss.backward()
+        alone.load_state_dict(model.state_dict())
+        alone.zero_grad(set_to_none=True)
+        alone(ids, labels=ids, num_steps=depth, init_scale=0.0).loss.backward()
+        records.append({"depth": list(depth), "ddp_grads": flat_grads(model).clone(),
+                        "local_grads": gathered(flat_grads(alone), env)})
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        records[-1]["weights"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+    return records
+
+
+def main() -> None:
+    rank, world, store, out, mode, *args = sys.argv[1:]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=int(rank), world_size=int(world),
+                            timeout=timedelta(seconds=120))
+    env = DistEnv(rank=int(rank), world_size=int(world), backend="gloo")
+    try:
+        if mode == "fsdp-clip":
+            found = {case: fsdp_clip(env, overrides) for case, overrides in json.loads(args[0]).items()}
+            if env.rank == 0:
+                torch.save(found, Path(out) / "fsdp-clip.pt")
+        elif mode == "ddp-depth":
+            found = {flag: ddp_depth(env, flag == "per-rank") for flag in ("lock-step", "per-rank")}
+            torch.save(found, Path(out) / f"ddp-depth-rank{env.rank}.pt")
+        else:
+            raise SystemExit(f"unknown mode {mode!r}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

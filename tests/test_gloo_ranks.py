@@ -1,0 +1,100 @@
+"""Two CPU processes (gloo, file store in tmp_path), spawned by the test: QK-clip on FSDP2-sharded
+weights equals one process; per-rank depth draws under real DDP, with gradients still all-reduced."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.test_qk_stability import clipped_weights
+
+REPO = Path(__file__).resolve().parent.parent
+WORLD = 2
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"),
+]
+
+
+def run_ranks(tmp_path: Path, *args: str) -> Path:
+    """Run tests/gloo_worker.py as WORLD processes; wait (generously) for all; return their output dir."""
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    store = tmp_path / "store"  # a fresh file store per run: no port to pick, nothing left behind
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'src'}"}
+    procs = [
+        subprocess.Popen([sys.executable, str(REPO / "tests" / "gloo_worker.py"), str(rank), str(WORLD), str(store),
+                          str(out), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in range(WORLD)
+    ]
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=300)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    for rank, proc in enumerate(procs):
+        assert proc.returncode == 0, f"rank {rank} failed:\n{logs[rank][-4000:] if rank < len(logs) else ''}"
+    return out
+
+
+FSDP_CASES = {
+    "gqa": dict(),
+    "mha-bias": dict(num_kv_heads=4, qk_bias=True),
+    "gqa-qk-norm": dict(qk_norm=True),
+}
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory) -> dict:
+    out = run_ranks(tmp_path_factory.mktemp("fsdp"), "fsdp-clip", json.dumps(FSDP_CASES))
+    return torch.load(out / "fsdp-clip.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("case", list(FSDP_CASES))
+def test_qk_clip_on_fsdp2_shards_equals_one_process(fsdp_runs, case):
+    two = fsdp_runs[case]
+    # The clip really met sharded parameters: DTensors split over the two ranks by rows.
+    wqkv = two["shards"]["transformer.prelude.0.attn.Wqkv.weight"]
+    assert wqkv[2] == ["S(0)"] and wqkv[0][0] * WORLD == wqkv[1][0]
+    one_state, one_record = clipped_weights(**FSDP_CASES[case])
+    assert one_record["qk_clipped_heads"] > 0 and two["record"] == one_record
+    assert set(two["state"]) <= set(one_state)
+    for name, value in two["state"].items():
+        assert torch.equal(value, one_state[name]), name  # bit-identical
+
+
+@pytest.fixture(scope="module")
+def depth_runs(tmp_path_factory) -> list[dict]:
+    out = run_ranks(tmp_path_factory.mktemp("ddp"), "ddp-depth")
+    return [torch.load(out / f"ddp-depth-rank{rank}.pt", weights_only=True) for rank in range(WORLD)]
+
+
+@pytest.mark.parametrize("flag", ["lock-step", "per-rank"])
+def test_ddp_all_reduces_gradients_whatever_depth_each_rank_draws(depth_runs, flag):
+    ranks = [runs[flag] for runs in depth_runs]
+    depths = [[tuple(step["depth"]) for step in rank] for rank in ranks]
+    if flag == "lock-step":
+        assert depths[0] == depths[1]
+    else:
+        assert any(a != b for a, b in zip(*depths, strict=True))  # the ranks ran different graphs
+    for step in range(len(ranks[0])):
+        r0, r1 = ranks[0][step], ranks[1][step]
+        assert torch.equal(r0["ddp_grads"], r1["ddp_grads"])
+        assert torch.equal(r0["weights"], r1["weights"])
+        # the all-reduced gradient is the mean of what each rank computes alone on its own rows and depth
+        local = r0["local_grads"]
+        assert not torch.equal(local[0], local[1])
+        torch.testing.assert_close(r0["ddp_grads"], (local[0] + local[1]) / 2, rtol=1e-5, atol=1e-7)

@@ -70,18 +70,20 @@ def main() -> None:
         return time.perf_counter() - start
 
     step(False), step(True)  # warm-up
-    plain, clipped, shares = [], [], []
+    plain, clipped, shares, record_shares = [], [], [], []
     for _ in range(args.repeats):
         plain.append(step(False))
         SPENT["record"] = 0.0
         clipped.append(step(True))
         # Inside the same step: what the recording and the clip took, as a share of that step (robust to load).
         shares.append((SPENT["record"] + SPENT["clip"]) / clipped[-1])
+        record_shares.append(SPENT["record"] / clipped[-1])
     p, c = statistics.median(plain), statistics.median(clipped)
     result = {
         "benchmark": "qk_clip_cost", "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch,
         "num_steps": list(steps), "threads": args.threads, "step_s": p, "step_with_qk_clip_s": c,
-        "overhead": c / p - 1, "share_in_step": statistics.median(shares), "plain_all": plain,
+        "overhead": c / p - 1, "share_in_step": statistics.median(shares),
+        "record_share_in_step": statistics.median(record_shares), "share_all": shares, "plain_all": plain,
         "qk_clip_all": clipped,
     }
     print(json.dumps(result))

@@ -54,6 +54,7 @@ FSDP_CASES = {
     "gqa": dict(),
     "mha-bias": dict(num_kv_heads=4, qk_bias=True),
     "gqa-qk-norm": dict(qk_norm=True),
+    "gqa-qk-norm-per-head": dict(qk_norm=True, qk_norm_per_head=True),
 }
 
 

@@ -20,9 +20,16 @@ from tests.test_hf import greedy_reference, ids, make_model_dir
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_remote_code_export_loads_without_the_library(tmp_path):
-    # GQA, QK-norm and a sliding window exercise every branch of the standalone attention.
-    model = make_model_dir(tmp_path / "src", num_kv_heads=2, qk_norm=True, mixer_options={"window": 5})
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared-qk-gain", "per-head-qk-gains"])
+def test_remote_code_export_loads_without_the_library(tmp_path, per_head):
+    # GQA, QK-norm (both gain shapes) and a sliding window exercise every branch of the standalone attention.
+    model = make_model_dir(tmp_path / "src", num_kv_heads=2, qk_norm=True, qk_norm_per_head=per_head,
+                           mixer_options={"window": 5})
+    with torch.no_grad():  # distinct gains per head and per dim, so a wrong broadcast would show
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.normal_(1.0, 0.5)
+    model.save_pretrained(tmp_path / "src")
     assert main(["export", "--model", str(tmp_path / "src"), "--out", str(tmp_path / "out"), "--remote-code"]) == 0
     out = tmp_path / "out"
     config = json.loads((out / "config.json").read_text())

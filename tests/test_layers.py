@@ -268,6 +268,28 @@ def test_rms_norm_fast_path_gradients_are_exact_in_float64():
     assert torch.autograd.gradgradcheck(fn, (x, w))  # create_graph=True sees 1/rms depend on x
 
 
+def test_rms_norm_per_head_gain_matches_the_composite_and_its_gradients():
+    # A gain per head [H, D] (QK-norm's qk_norm_per_head) for inputs [B, T, H, D]; the fast path's weight
+    # gradient sums over every dimension the gain broadcasts over, never over the heads.
+    torch.manual_seed(3)
+    norm = layers.RMSNorm(16, eps=1e-5, heads=3)
+    assert norm.weight.shape == (3, 16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = (torch.randn(2, 7, 3, 16) * 3).requires_grad_()
+    ref_x, ref_w = x.detach().clone().requires_grad_(), norm.weight.detach().clone().requires_grad_()
+    y, y_ref = norm(x), composite_rms_norm(ref_x, ref_w, 1e-5)
+    assert type(y.grad_fn).__name__ == "_RMSNormFunctionBackward" and torch.equal(y, y_ref)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    y_ref.backward(grad)
+    torch.testing.assert_close(x.grad, ref_x.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(norm.weight.grad, ref_w.grad, atol=1e-5, rtol=1e-5)
+    x64 = torch.randn(2, 3, 3, 6, dtype=torch.float64, requires_grad=True)
+    w64 = torch.rand(3, 6, dtype=torch.float64).add_(0.5).requires_grad_()
+    assert torch.autograd.gradcheck(lambda x, w: layers._RMSNormFunction.apply(x, w, 1e-6), (x64, w64))
+
+
 def test_rms_norm_takes_the_plain_formula_where_the_fast_path_does_not_apply():
     norm = layers.RMSNorm(8)
     x = torch.randn(2, 3, 8)

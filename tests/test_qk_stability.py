@@ -57,6 +57,8 @@ CASES = {
     "mqa-bias": dict(num_kv_heads=1, bias=True),
     "qk-norm": dict(qk_norm=True),
     "qk-norm-gqa": dict(qk_norm=True, num_kv_heads=2),
+    "qk-norm-per-head": dict(qk_norm=True, qk_norm_per_head=True),
+    "qk-norm-per-head-gqa": dict(qk_norm=True, qk_norm_per_head=True, num_kv_heads=2),
 }
 
 
@@ -78,7 +80,7 @@ def test_recorded_max_logit_equals_the_explicit_maximum(case, padded):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("case", ["qk-norm", "qk-norm-gqa"])
+@pytest.mark.parametrize("case", ["qk-norm", "qk-norm-gqa", "qk-norm-per-head-gqa"])
 def test_qk_norm_bounds_every_scaled_logit(case, seed):
     # Bound on the scaled pre-softmax logit l_ij = q_i . k_j / sqrt(D) (what SDPA exponentiates):
     # ||RMSNorm(x) * g|| <= max|g| sqrt(D), RoPE rotates pairs (norm kept), so |l_ij| <= max|g_q| max|g_k| sqrt(D).
@@ -114,6 +116,27 @@ def test_qk_norm_off_keeps_the_checkpoint_layout_and_on_adds_two_gains():
     assert config().to_dict()["qk_norm"] is False
 
 
+def test_qk_norm_per_head_gains_are_an_option_that_keeps_the_shared_layout_when_off(tmp_path):
+    shared = rd.RecurrentDepthLM(config(qk_norm=True, num_kv_heads=2))
+    torch.manual_seed(0)
+    per_head = rd.RecurrentDepthLM(config(qk_norm=True, qk_norm_per_head=True, num_kv_heads=2)).eval()
+    assert config(qk_norm=True).qk_norm_per_head is False  # off by default: one gain [head_dim] as Qwen3
+    assert shared.state_dict().keys() == per_head.state_dict().keys()
+    attn = per_head.transformer.core_block[0].attn
+    assert attn.q_norm.weight.shape == (4, 16) and attn.k_norm.weight.shape == (2, 16)
+    assert shared.transformer.core_block[0].attn.q_norm.weight.shape == (16,)
+    assert per_head.num_parameters() == per_head.config.num_parameters()
+    with torch.no_grad():
+        attn.q_norm.weight.normal_()
+    per_head.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["qk_norm_per_head"] is True
+    loaded = rd.RecurrentDepthLM.from_pretrained(tmp_path).eval()
+    x = torch.randint(0, 256, (2, 9))
+    assert torch.equal(loaded(x, num_steps=3, init_scale=0.0).logits, per_head(x, num_steps=3, init_scale=0.0).logits)
+    with pytest.raises(ValueError, match="qk_norm_per_head"):
+        config(qk_norm_per_head=True)
+
+
 def test_qk_norm_is_saved_in_the_config_and_reloads(tmp_path):
     torch.manual_seed(0)
     model = rd.RecurrentDepthLM(config(qk_norm=True)).eval()
@@ -126,15 +149,17 @@ def test_qk_norm_is_saved_in_the_config_and_reloads(tmp_path):
     assert torch.equal(loaded(x, num_steps=3, init_scale=0.0).logits, model(x, num_steps=3, init_scale=0.0).logits)
 
 
-def test_transformers_config_carries_qk_norm(tmp_path):
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared-gain", "per-head-gains"])
+def test_transformers_config_carries_qk_norm(tmp_path, per_head):
     from transformers import AutoModelForCausalLM
 
     from recurrent_depth.integrations import register_transformers
     from recurrent_depth.integrations.hf_config import RecurrentDepthConfig
 
     register_transformers()
-    cfg = config(qk_norm=True)
+    cfg = config(qk_norm=True, qk_norm_per_head=per_head)
     assert RecurrentDepthConfig.from_model_config(cfg).to_model_config().qk_norm is True
+    assert RecurrentDepthConfig.from_model_config(cfg).to_model_config().qk_norm_per_head is per_head
     torch.manual_seed(0)
     model = rd.RecurrentDepthLM(cfg).eval()
     with torch.no_grad():
@@ -148,6 +173,7 @@ def test_transformers_config_carries_qk_norm(tmp_path):
                                    model(x, num_steps=2, init_scale=0.0).logits, rtol=0, atol=0)
     hf.save_pretrained(tmp_path / "hf")
     assert rd.ModelConfig.from_json(tmp_path / "hf").qk_norm is True
+    assert rd.ModelConfig.from_json(tmp_path / "hf").qk_norm_per_head is per_head
 
 
 def test_qk_norm_prefill_then_decode_equals_full_forward():
@@ -185,7 +211,7 @@ def recorded(attn, x, ctx) -> torch.Tensor:
     return attn.max_logit.clone()
 
 
-@pytest.mark.parametrize("case", ["mha", "gqa", "mqa-bias", "qk-norm", "qk-norm-gqa"])
+@pytest.mark.parametrize("case", list(CASES))
 def test_qk_clip_with_lr_zero_brings_offending_heads_to_tau(case):
     model, attn = attention(config(**CASES[case]))
     clip = QKClip(model, threshold=1.0)
@@ -200,9 +226,17 @@ def test_qk_clip_with_lr_zero_brings_offending_heads_to_tau(case):
     attn.max_logit = before  # as after a training forward; no optimizer step at all (lr = 0)
     assert clip.step()["qk_clipped_heads"] == int(over.sum())
     after = recorded(attn, x, ctx)
-    if attn.q_norm is None:
+    per_head_gains = attn.q_norm is not None and attn.q_norm.weight.ndim == 2
+    if attn.q_norm is None or per_head_gains:
         torch.testing.assert_close(after[over], torch.full_like(after[over], tau), rtol=0, atol=1e-5)
         assert torch.equal(after[~over], before[~over])  # heads under tau: bit-identical logits
+    if per_head_gains:  # each head's own gains carry its gamma; the weights stay as they were
+        assert torch.equal(attn.Wqkv.weight, params["Wqkv.weight"])
+        g0, g1 = params["q_norm.weight"], attn.q_norm.weight.detach()
+        assert [not torch.equal(g1[h], g0[h]) for h in range(attn.num_heads)] == over.tolist()
+        if attn.num_kv_heads < attn.num_heads:  # GQA: the shared key heads' gains are left alone
+            assert torch.equal(attn.k_norm.weight, params["k_norm.weight"])
+    elif attn.q_norm is None:
         D, H, Hkv = attn.head_dim, attn.num_heads, attn.num_kv_heads
         w0, w1 = params["Wqkv.weight"], attn.Wqkv.weight.detach()
         for h in range(H):

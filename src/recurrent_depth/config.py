@@ -127,6 +127,7 @@ class ModelConfig:
     norm_eps: float = 1e-6
     qk_bias: bool = True
     qk_norm: bool = False  # per-head RMSNorm of q and k (gain [head_dim]) before RoPE; off in Huginn
+    qk_norm_per_head: bool = False  # with qk_norm: a gain per head ([heads, head_dim]), so QK-clip clips heads alone
     bias: bool = False
     tie_embeddings: bool = True
     init_scale: float = 1.0
@@ -177,8 +178,10 @@ class ModelConfig:
         need(is_real(self.rope_base) and self.rope_base > 1, "rope_base", "a number > 1")
         need(is_real(self.norm_eps) and 0 < self.norm_eps < 1, "norm_eps", "a number in (0, 1)")
         need(is_real(self.init_scale) and self.init_scale >= 0, "init_scale", "a number >= 0")
-        for name in ("qk_bias", "qk_norm", "bias", "tie_embeddings"):
+        for name in ("qk_bias", "qk_norm", "qk_norm_per_head", "bias", "tie_embeddings"):
             need(isinstance(getattr(self, name), bool), name, "true or false")
+        need(self.qk_norm or not self.qk_norm_per_head, "qk_norm_per_head",
+             "false unless qk_norm is true (it shapes QK-norm's gains)")
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)
             need(value is None or (is_int(value) and 0 <= value < self.vocab_size), name,
@@ -228,7 +231,8 @@ class ModelConfig:
         """Unique parameters of the default attention model (tied embedding counted once)."""
         h, hd, nh, nkv, inter = (self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
                                  self.intermediate_size)
-        attn = h * (nh + 2 * nkv) * hd + nh * hd * h + (nh + nkv) * hd * self.qk_bias + 2 * hd * self.qk_norm
+        gains = ((nh + nkv) if self.qk_norm_per_head else 2) * hd * self.qk_norm
+        attn = h * (nh + 2 * nkv) * hd + nh * hd * h + (nh + nkv) * hd * self.qk_bias + gains
         mlp = 3 * inter * h
         block = attn + mlp + 4 * h
         emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)

@@ -54,6 +54,7 @@ class RecurrentDepthConfig(PretrainedConfig):
     norm_eps: float = 1e-6
     qk_bias: bool = True
     qk_norm: bool = False
+    qk_norm_per_head: bool = False
     bias: bool = False
     tie_embeddings: bool = True
     init_scale: float = 1.0

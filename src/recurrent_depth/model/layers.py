@@ -13,12 +13,15 @@ from recurrent_depth.model.linear import Linear
 
 
 class RMSNorm(nn.Module):
-    """y = x / rms(x) * weight, the statistics in float32 whatever the input dtype (as Huginn)."""
+    """y = x / rms(x) * weight, the statistics in float32 whatever the input dtype (as Huginn).
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    heads: None for one gain [dim]; n for a gain per head [n, dim], for inputs [..., n, dim].
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, heads: int | None = None) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim) if heads is None else torch.ones(heads, dim))
 
     def forward(self, x: Tensor) -> Tensor:
         if (
@@ -61,7 +64,7 @@ class _RMSNormFunction(torch.autograd.Function):
         normed = x * rstd
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_weight = (grad * normed).reshape(-1, x.shape[-1]).sum(0)
+            grad_weight = (grad * normed).reshape(-1, *weight.shape).sum(0)  # over everything weight broadcasts over
         if not ctx.needs_input_grad[0]:
             return None, grad_weight, None
         grad_normed = grad * weight

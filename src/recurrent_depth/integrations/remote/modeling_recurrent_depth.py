@@ -57,6 +57,7 @@ class RecurrentDepthConfig(PretrainedConfig):
     norm_eps: float = 1e-6
     qk_bias: bool = True
     qk_norm: bool = False
+    qk_norm_per_head: bool = False
     bias: bool = False
     tie_embeddings: bool = True
     init_scale: float = 1.0
@@ -104,10 +105,10 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, heads: int | None = None) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim) if heads is None else torch.ones(heads, dim))
 
     def forward(self, x: Tensor) -> Tensor:
         with torch.autocast(device_type=x.device.type, enabled=False):
@@ -156,9 +157,10 @@ class Attention(nn.Module):
                 self.q_bias = nn.Parameter(torch.zeros(self.num_heads, self.head_dim))
                 self.k_bias = nn.Parameter(torch.zeros(self.num_kv_heads, self.head_dim))
         self.qk_norm = getattr(config, "qk_norm", False)
-        if self.qk_norm:  # per-head RMSNorm of q and k, one gain [head_dim], before RoPE
-            self.q_norm = RMSNorm(self.head_dim, config.norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.norm_eps)
+        if self.qk_norm:  # per-head RMSNorm of q and k, one gain [head_dim] (or one per head), before RoPE
+            per_head = getattr(config, "qk_norm_per_head", False)
+            self.q_norm = RMSNorm(self.head_dim, config.norm_eps, self.num_heads if per_head else None)
+            self.k_norm = RMSNorm(self.head_dim, config.norm_eps, self.num_kv_heads if per_head else None)
 
     def forward(self, x: Tensor, ctx: Context, layer_key: tuple) -> Tensor:
         B, T, _ = x.shape

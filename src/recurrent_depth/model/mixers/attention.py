@@ -9,6 +9,8 @@ with GQA the two biases have different head counts and are stored as `q_bias` / 
 times a learnable gain of size head_dim shared by the heads (`q_norm.weight`, `k_norm.weight`),
 after the projection and q/k bias and before RoPE. RoPE is a rotation, so every scaled logit
 q.k / sqrt(D) is then at most max|g_q| * max|g_k| * sqrt(D). Off by default (Huginn has none).
+`config.qk_norm_per_head` gives each head its own gain (`q_norm.weight` [H, D], `k_norm.weight`
+[Hkv, D]), so that QK-clip can rescale one head without touching the others.
 
 For QK-clip (`recurrent_depth.train.qk_clip`) the mixer can record, during training forwards,
 the per-head maximum of its pre-softmax logits (`record_max_logit`), and rescale its heads
@@ -59,8 +61,11 @@ class Attention(MaxLogitRecorder, nn.Module):
             else:
                 self.q_bias = nn.Parameter(torch.zeros(self.num_heads, self.head_dim))
                 self.k_bias = nn.Parameter(torch.zeros(self.num_kv_heads, self.head_dim))
-        self.q_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            per_head = config.qk_norm_per_head
+            self.q_norm = RMSNorm(self.head_dim, config.norm_eps, self.num_heads if per_head else None)
+            self.k_norm = RMSNorm(self.head_dim, config.norm_eps, self.num_kv_heads if per_head else None)
 
     def qkv(self, x: Tensor, ctx: MixerContext) -> tuple[Tensor, Tensor, Tensor]:
         """Project and rotate: q [B, T, H, D], k and v [B, T, Hkv, D]."""
@@ -108,18 +113,20 @@ class Attention(MaxLogitRecorder, nn.Module):
 
         Parameters touched: the q and k rows of `Wqkv` (and of its bias), the q/k bias; with GQA a
         key head serves several query heads, so the whole gamma goes on the query side. With
-        QK-norm the weights cannot change the logits (the norm removes their scale): the shared
-        gains are scaled instead, by the smallest gamma of the layer (one gain serves every head).
+        QK-norm the weights cannot change the logits (the norm removes their scale): the gains are
+        scaled instead, by the same rule head by head when each head has its own
+        (`qk_norm_per_head`), else by the smallest gamma of the layer (one gain serves every head).
         """
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         gamma = gamma.to(torch.float64)
-        if self.q_norm is not None:
-            scale = float(gamma.min())
-            q_scale, k_scale = (scale**0.5, scale**0.5) if Hkv == H else (scale, 1.0)
-            scale_parameter(self.q_norm.weight, torch.full((D,), q_scale, dtype=torch.float64))
-            scale_parameter(self.k_norm.weight, torch.full((D,), k_scale, dtype=torch.float64))
-            return
+        if self.q_norm is not None and self.q_norm.weight.ndim == 1:
+            gamma = gamma.min().expand(H)
         q_heads, k_heads = (gamma.sqrt(), gamma.sqrt()) if Hkv == H else (gamma, torch.ones(Hkv, dtype=gamma.dtype))
+        if self.q_norm is not None:
+            for norm, heads in ((self.q_norm, q_heads), (self.k_norm, k_heads)):
+                per_head = heads[:, None] if norm.weight.ndim == 2 else heads[:1]  # shared gain: all equal
+                scale_parameter(norm.weight, per_head.expand(norm.weight.shape))
+            return
         q_rows, k_rows = q_heads.repeat_interleave(D), k_heads.repeat_interleave(D)
         rows = torch.cat([q_rows, k_rows, torch.ones(Hkv * D, dtype=gamma.dtype)])  # [q | k | v] of Wqkv
         scale_parameter(self.Wqkv.weight, rows[:, None].expand(self.Wqkv.weight.shape))

@@ -331,6 +331,20 @@ def test_qk_clip_refuses_mixers_without_per_head_softmax_logits(mixer):
         QKClip(rd.RecurrentDepthLM(config()), threshold=0.0)
 
 
+def test_qk_clip_step_skips_nan_and_unrun_heads_and_reports_a_nan_max_as_none():
+    model, attn = attention(config())
+    clip = QKClip(model, threshold=5.0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    attn.max_logit = torch.tensor([float("nan"), 1.0, 2.0, 20.0])  # every other layer did not run (-inf)
+    assert clip.step() == {"max_logit": None, "qk_clipped_heads": 1}
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == {"transformer.prelude.0.attn.Wqkv.weight", "transformer.prelude.0.attn.qk_bias"}
+    D = attn.head_dim
+    assert torch.equal(attn.Wqkv.weight[:3 * D], before["transformer.prelude.0.attn.Wqkv.weight"][:3 * D])
+    attn.max_logit = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    assert clip.step() == {"max_logit": 4.0, "qk_clipped_heads": 0}
+
+
 def test_eval_forwards_record_nothing():
     model = rd.RecurrentDepthLM(config()).eval()
     QKClip(model, threshold=1.0)

@@ -79,18 +79,22 @@ class QKClip:
 
     def step(self, apply: bool = True) -> dict[str, Any]:
         maxima = self.maxima()
+        # One copy to the host for every decision below (a GPU syncs once per step, not once per layer).
+        on_host = [m.tolist() for m in torch.cat(maxima).cpu().split([len(m) for m in maxima])]
         clipped = 0
         if self.threshold is not None and apply:
             tau = self.threshold
-            for (_, module), s_max in zip(self.layers, maxima, strict=True):
-                over = s_max > tau  # NaN and -inf compare False: those heads are left alone
-                if bool(over.any()):
-                    gamma = torch.where(over, tau / s_max.double(), torch.ones_like(s_max, dtype=torch.float64))
+            for (_, module), s_max, values in zip(self.layers, maxima, on_host, strict=True):
+                over = [v > tau for v in values]  # NaN and -inf compare False: those heads are left alone
+                if any(over):
+                    over_t = torch.tensor(over, device=s_max.device)
+                    gamma = torch.where(over_t, tau / s_max.double(), torch.ones_like(s_max, dtype=torch.float64))
                     module.clip_heads(gamma)
-                    clipped += int(over.sum())
+                    clipped += sum(over)
         for _, module in self.layers:
             module.reset_max_logit()
-        overall = float(torch.cat(maxima).max())
+        flat = [v for values in on_host for v in values]
+        overall = math.nan if any(math.isnan(v) for v in flat) else max(flat, default=-math.inf)
         return {"max_logit": overall if math.isfinite(overall) else None, "qk_clipped_heads": clipped}
 
     def per_layer(self) -> dict[str, list[float]]:

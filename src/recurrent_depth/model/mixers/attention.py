@@ -121,14 +121,14 @@ class Attention(MaxLogitRecorder, nn.Module):
         gamma = gamma.to(torch.float64)
         if self.q_norm is not None and self.q_norm.weight.ndim == 1:
             gamma = gamma.min().expand(H)
-        q_heads, k_heads = (gamma.sqrt(), gamma.sqrt()) if Hkv == H else (gamma, torch.ones(Hkv, dtype=gamma.dtype))
+        q_heads, k_heads = (gamma.sqrt(), gamma.sqrt()) if Hkv == H else (gamma, gamma.new_ones(Hkv))
         if self.q_norm is not None:
             for norm, heads in ((self.q_norm, q_heads), (self.k_norm, k_heads)):
                 per_head = heads[:, None] if norm.weight.ndim == 2 else heads[:1]  # shared gain: all equal
                 scale_parameter(norm.weight, per_head.expand(norm.weight.shape))
             return
         q_rows, k_rows = q_heads.repeat_interleave(D), k_heads.repeat_interleave(D)
-        rows = torch.cat([q_rows, k_rows, torch.ones(Hkv * D, dtype=gamma.dtype)])  # [q | k | v] of Wqkv
+        rows = torch.cat([q_rows, k_rows, gamma.new_ones(Hkv * D)])  # [q | k | v] of Wqkv
         scale_parameter(self.Wqkv.weight, rows[:, None].expand(self.Wqkv.weight.shape))
         if self.Wqkv.bias is not None:
             scale_parameter(self.Wqkv.bias, rows)

@@ -164,7 +164,7 @@ class MultiHeadLatentAttention(MaxLogitRecorder, nn.Module):
         q_rows = torch.cat([gamma.sqrt()[:, None].expand(-1, d_nope), gamma[:, None].expand(-1, d_rope)], 1)
         wq = self.wq_b if self.q_lora_rank else self.wq
         scale_parameter(wq.weight, q_rows.reshape(-1, 1).expand(wq.weight.shape))
-        ones = torch.ones(len(gamma), d_v, dtype=gamma.dtype)
+        ones = gamma.new_ones(len(gamma), d_v)
         kv_rows = torch.cat([gamma.sqrt()[:, None].expand(-1, d_nope), ones], 1)
         scale_parameter(self.wkv_b.weight, kv_rows.reshape(-1, 1).expand(self.wkv_b.weight.shape))
 

@@ -55,6 +55,8 @@ FSDP_CASES = {
     "mha-bias": dict(num_kv_heads=4, qk_bias=True),
     "gqa-qk-norm": dict(qk_norm=True),
     "gqa-qk-norm-per-head": dict(qk_norm=True, qk_norm_per_head=True),
+    # one key head: its per-head gain [1, 16] is split unevenly (rank 1's shard is empty)
+    "mqa-qk-norm-per-head": dict(qk_norm=True, qk_norm_per_head=True, num_kv_heads=1),
 }
 
 

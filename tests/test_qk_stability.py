@@ -439,6 +439,10 @@ def test_qk_clip_flag_and_yaml(tmp_path):
     (tmp_path / "c.yaml").write_text("qk_clip: 100\nmodel: {qk_norm: true}\n")
     cfg = TrainConfig.from_yaml(tmp_path / "c.yaml")
     assert cfg.qk_clip == 100 and cfg.model_config().qk_norm is True
+    assert cfg.model_config().qk_norm_per_head is False
+    per_head = ["--model-set", "qk_norm=true", "--model-set", "qk_norm_per_head=true"]
+    args = build_parser("train").parse_args(["train", *per_head])
+    assert config_from_args(args).model_config().qk_norm_per_head is True
     with pytest.raises(ValueError, match="qk_clip"):
         TrainConfig(qk_clip=-1.0)
     train_parser = build_parser("train")._subparsers._group_actions[0].choices["train"]

@@ -108,7 +108,7 @@ def test_policy_names_parse_and_alias():
     assert parse_kv_policy("last-step") == parse_kv_policy(None, kv_budget=1) == KVPolicy(SharedBudget(1), Deepest())
     assert parse_kv_policy("skip") == KVPolicy(PerStep(), Skip())
     assert parse_kv_policy("shared-4+skip", kv_budget=4).name == "shared-4+skip"
-    for bad in ("shared-0", "full", "skip+skip", "", "per-step+last-step", 3):
+    for bad in ("shared-0", "m4-latest", "skip+skip", "", "per-step+last-step", 3):
         with pytest.raises(ValueError, match="kv_policy"):
             parse_kv_policy(bad)
     with pytest.raises(ValueError, match="contradicts"):

@@ -107,7 +107,8 @@ def stepwise_logprobs(
     for b, (context, _) in enumerate(requests):  # left padding: every continuation starts at column Lc
         ctx_ids[b, Lc - len(context) :] = torch.tensor(list(context), device=device)
         mask[b, Lc - len(context) :] = 1
-    cache = make_cache("static", B, num_steps, kv_budget, capacity=Lc + Ln, device=device, policy=kv_policy)
+    cache = make_cache("static", B, num_steps, kv_budget, capacity=Lc + Ln, device=device, policy=kv_policy,
+                       core_layers=model.config.core_layers)
     engine = Recurrence(model, fast=False)  # the model's own modules
 
     # Prefill all but the last context token at full depth; every prediction that is scored

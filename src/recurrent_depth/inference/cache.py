@@ -49,14 +49,38 @@ def _masked_state(new: Any, old: Any, rows: Tensor) -> Any:
     return new
 
 
+def bind_policy(policy: KVPolicy | str | None, kv_budget: int | None = None,
+                core_layers: int | None = None) -> KVPolicy:
+    """The policy a cache follows: `policy` (a name or a `KVPolicy`) with `kv_budget`, bound to a model
+    with `core_layers` core layers (needed by the official compress-sN / compress-rN)."""
+    if isinstance(policy, KVPolicy) and kv_budget is None:
+        resolved = policy
+    else:
+        resolved = parse_kv_policy(policy.name if isinstance(policy, KVPolicy) else policy, kv_budget)
+    if resolved.bound:
+        return resolved
+    if core_layers is None:
+        raise ValueError(
+            f"kv_policy {resolved.name!r} is given on the official flat step index and needs the model's core "
+            "layer count (core_layers=)"
+        )
+    return resolved.bind(core_layers)
+
+
+def _gather_slots(store: Tensor, index: Tensor, end: int) -> Tensor:
+    """`store` `[S, B, Hkv, C, D]` read at slot `index[b, c]` for each column c < end: `[B, Hkv, end, D]`."""
+    cols = store[..., :end, :]
+    full = index[None, :, None, :, None].expand(1, cols.shape[1], cols.shape[2], end, cols.shape[4])
+    return torch.gather(cols, 0, full)[0]
+
+
 class _CacheBase:
     """What both caches share: policy, states, depth bookkeeping and byte accounting."""
 
     def __init__(self, batch_size: int, num_steps: int, kv_budget: int | None, device: Any,
-                 policy: KVPolicy | str | None = None) -> None:
+                 policy: KVPolicy | str | None = None, core_layers: int | None = None) -> None:
         _check_steps(num_steps)
-        self.policy = policy if isinstance(policy, KVPolicy) and kv_budget is None else parse_kv_policy(
-            policy.name if isinstance(policy, KVPolicy) else policy, kv_budget)
+        self.policy = bind_policy(policy, kv_budget, core_layers)
         self.num_steps = num_steps
         # Per-step needs one slot per step; a budget never more than the steps run.
         self.core_slots = self.policy.slots.num_slots(num_steps)
@@ -68,6 +92,7 @@ class _CacheBase:
         self.depth = torch.zeros(batch_size, 0, dtype=torch.long, device=self.device)
         self._entry_bytes: dict[tuple, int] = {}
         self._skips = self.policy.lookup.hides_columns
+        self._reads_per_step = self.policy.lookup.reads_per_step
         self._written_end = 0
 
     @property
@@ -88,7 +113,7 @@ class _CacheBase:
         end = self._written_end
         visible = torch.ones(self.batch_size, end, dtype=torch.bool, device=self.device)
         old = min(self.seq_len, self.depth.shape[1])
-        visible[:, :old] = self.policy.lookup.visible(key[2], self.depth[:, :old])
+        visible[:, :old] = self.policy.visible(key, self.depth[:, :old])
         return visible
 
     # ------------------------------------------------------------------ protocol
@@ -144,7 +169,7 @@ class _CacheBase:
         total = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
         for base, nbytes in self._entry_bytes.items():
             if base[0] == "core":
-                per_col = depth.clamp(max=self.core_slots)
+                per_col = self.policy.slots.entries(depth).clamp(max=self.core_slots)
             elif core_only:
                 continue
             else:
@@ -171,9 +196,9 @@ class StaticRecurrentCache(_CacheBase):
 
     def __init__(
         self, batch_size: int, num_steps: int, kv_budget: int | None = None, capacity: int = 256,
-        device: Any = None, policy: KVPolicy | str | None = None,
+        device: Any = None, policy: KVPolicy | str | None = None, core_layers: int | None = None,
     ) -> None:
-        super().__init__(batch_size, num_steps, kv_budget, device, policy)
+        super().__init__(batch_size, num_steps, kv_budget, device, policy, core_layers)
         if capacity < 1:
             raise ValueError(f"capacity={capacity} is invalid: expected an integer >= 1")
         self.capacity = capacity
@@ -261,6 +286,12 @@ class StaticRecurrentCache(_CacheBase):
             keep = self.write_mask[:, None, :, None]  # [B, 1, T, 1]
             new_k.copy_(torch.where(keep, k, new_k))
             new_v.copy_(torch.where(keep, v, new_v))
+        if self._reads_per_step and key[0] == "core":
+            closed = min(start, self.depth.shape[1])
+            index = self.policy.read_slots(key, self.depth[:, :closed], end - closed)  # [B, end]
+            if index is not None:
+                base = self.split(key)[0]
+                return tuple(_gather_slots(store, index, end) for store in self.kv[base])
         return Ks.narrow(2, 0, end), Vs.narrow(2, 0, end)
 
     def close(self, depth: Tensor | int, num_tokens: int | None = None) -> None:
@@ -304,12 +335,13 @@ class DynamicRecurrentCache(_CacheBase):
 
     def __init__(
         self, batch_size: int, num_steps: int, kv_budget: int | None = None, device: Any = None,
-        policy: KVPolicy | str | None = None, **_: Any,
+        policy: KVPolicy | str | None = None, core_layers: int | None = None, **_: Any,
     ) -> None:
-        super().__init__(batch_size, num_steps, kv_budget, device, policy)
+        super().__init__(batch_size, num_steps, kv_budget, device, policy, core_layers)
         self.entries: dict[tuple, list[tuple[Tensor, Tensor]]] = {}
         self.written: dict[tuple, list[Tensor]] = {}
-        self.deepest: dict[tuple, list[Tensor]] = {}
+        self.deepest: dict[tuple, list[Tensor]] = {}  # slot of the last step each row wrote
+        self.highest: dict[tuple, list[Tensor]] = {}  # the highest slot each row wrote
 
     def update_kv(self, key: LayerKey, k: Tensor, v: Tensor, ctx: Any = None) -> tuple[Tensor, Tensor]:
         base, slot = self.split(key)
@@ -319,6 +351,7 @@ class DynamicRecurrentCache(_CacheBase):
         entries = self.entries.setdefault((base, slot), [])
         written = self.written.setdefault((base, slot), [])
         deepest = self.deepest.setdefault(base, [])
+        highest = self.highest.setdefault(base, [])
         for t in range(T):
             col = self.seq_len + t
             if self.write_mask is None:
@@ -330,11 +363,13 @@ class DynamicRecurrentCache(_CacheBase):
                 written.append(torch.zeros(B, dtype=torch.bool, device=k.device))
             while len(deepest) <= col:
                 deepest.append(torch.full((B,), -1, dtype=torch.long, device=k.device))
+                highest.append(torch.full((B,), -1, dtype=torch.long, device=k.device))
             old_k, old_v = entries[col]
             m = rows[:, None, None]
             entries[col] = (torch.where(m, k[:, t], old_k), torch.where(m, v[:, t], old_v))
             written[col] = written[col] | rows
             deepest[col] = torch.where(rows, torch.full_like(deepest[col], slot), deepest[col])
+            highest[col] = torch.where(rows, highest[col].clamp(min=slot), highest[col])
         return self._read(base, slot, self.seq_len + T)
 
     def update_heads(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -342,14 +377,27 @@ class DynamicRecurrentCache(_CacheBase):
         K, V = self.update_kv(key, k.transpose(1, 2), v.transpose(1, 2))
         return K.transpose(1, 2), V.transpose(1, 2)
 
+    def _has(self, base: tuple, slot: int, col: int, row: int) -> bool:
+        written = self.written.get((base, slot), [])
+        return col < len(written) and bool(written[col][row])
+
     def _read(self, base: tuple, slot: int, end: int) -> tuple[Tensor, Tensor]:
         out_k, out_v = [], []
-        written = self.written.get((base, slot), [])
+        lookup = self.policy.lookup
+        # always-last / randomized: rows with an earlier column that lacks this slot read elsewhere
+        lacking = [lookup.reads_per_step and base[0] == "core"
+                   and not all(self._has(base, slot, c, b) for c in range(self.seq_len))
+                   for b in range(self.batch_size)]
         for col in range(end):
             k_rows, v_rows = [], []
             for b in range(self.batch_size):
                 use = slot
-                if not (col < len(written) and bool(written[col][b])):
+                if lacking[b] and lookup.name == "always-last":
+                    use = int(self.highest[base][col][b])
+                elif lacking[b]:  # randomized: a slot of this layer at or below this one that the column wrote
+                    held = [s for s in range(slot + 1) if self._has(base, s, col, b)]
+                    use = held[int(torch.randint(len(held), ()))]
+                elif not self._has(base, slot, col, b):
                     # remark 6.1: the deepest entry of this layer (under `Skip` it is hidden by key_mask)
                     use = int(self.deepest[base][col][b])
                 stored = self.entries.get((base, use), [])
@@ -369,7 +417,7 @@ class DynamicRecurrentCache(_CacheBase):
 
     def truncate(self, num_columns: int) -> None:
         super().truncate(num_columns)
-        for store in (self.entries, self.written, self.deepest):
+        for store in (self.entries, self.written, self.deepest, self.highest):
             for key, cols in store.items():
                 store[key] = cols[:num_columns]
 
@@ -400,11 +448,14 @@ CACHE_IMPLEMENTATIONS = ("static", "dynamic")
 
 def make_cache(
     implementation: str, batch_size: int, num_steps: int, kv_budget: int | None = None,
-    capacity: int = 256, device: Any = None, policy: KVPolicy | str | None = None,
+    capacity: int = 256, device: Any = None, policy: KVPolicy | str | None = None, core_layers: int | None = None,
 ) -> StaticRecurrentCache | DynamicRecurrentCache:
-    """Build a generation cache: "static" (preallocated, fast) or "dynamic" (plain reference)."""
+    """Build a generation cache: "static" (preallocated, fast) or "dynamic" (plain reference).
+    core_layers: the model's core layer count (binds an official compress-sN / compress-rN policy)."""
     if implementation == "static":
-        return StaticRecurrentCache(batch_size, num_steps, kv_budget, capacity=capacity, device=device, policy=policy)
+        return StaticRecurrentCache(batch_size, num_steps, kv_budget, capacity=capacity, device=device, policy=policy,
+                                    core_layers=core_layers)
     if implementation == "dynamic":
-        return DynamicRecurrentCache(batch_size, num_steps, kv_budget, device=device, policy=policy)
+        return DynamicRecurrentCache(batch_size, num_steps, kv_budget, device=device, policy=policy,
+                                     core_layers=core_layers)
     raise ValueError(f"cache_implementation={implementation!r} is invalid: expected one of {CACHE_IMPLEMENTATIONS}")

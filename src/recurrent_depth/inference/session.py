@@ -88,9 +88,10 @@ class Session:
             )
         self.engine = Recurrence(model, options.fast)
         self.runner = self.engine.runner
-        if options.policy.lookup.hides_columns and not all_attention(model):
+        lookup = options.policy.lookup
+        if (lookup.hides_columns or lookup.reads_per_step) and not all_attention(model):
             raise ValueError(
-                f"kv_policy={options.kv_policy!r} hides cache entries from the attention, which needs every "
+                f"kv_policy={options.kv_policy!r} hides or picks cache entries of the attention, which needs every "
                 f"layer to be softmax attention; this model's mixer is {cfg.mixer!r} (use the 'deepest' lookup)"
             )
         # Columns: the prompt, the new tokens, and room for a speculative round or a wavefront.
@@ -102,6 +103,7 @@ class Session:
         self.cache = make_cache(
             options.cache_implementation, self.B, options.deepest_step,
             capacity=self.T + options.max_new_tokens + slack, device=self.device, policy=options.policy,
+            core_layers=cfg.core_layers,
         )
         # valid[b, c]: column c of row b is a real token (left padding and rejected drafts are not).
         self.padded = mask is not None

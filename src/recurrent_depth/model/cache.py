@@ -23,6 +23,7 @@ rule is one more class with `fill_index`, `visible` and `hides_columns` plus its
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -75,12 +76,16 @@ class StepCache(ModelCache, Protocol):
 
 
 # ---------------------------------------------------------------------------- slot rules
+# Every slot rule writes a prefix: a column that ran d steps holds slots [0, entries(d)) of each
+# base (one base per core layer, or one shared by all core layers for `FlatGroups`).
 @dataclass(frozen=True)
 class PerStep:
     """One entry per recurrence step: step i uses slot i."""
 
     name = "per-step"
     budget = None
+    shares_slots = False  # no two steps of one layer write one slot
+    per_layer = True  # each core layer has its own slots
 
     def slot(self, step: int) -> int:
         return step
@@ -89,12 +94,21 @@ class PerStep:
         """Slots a core layer needs when no token runs more than `deepest` steps."""
         return max(1, deepest)
 
+    def entries(self, depth: Tensor) -> Tensor:
+        """Slots (of one base) a column that ran `depth` steps wrote: slots [0, entries) hold entries."""
+        return depth
+
+    def bind(self, core_layers: int) -> PerStep:
+        return self
+
 
 @dataclass(frozen=True)
 class SharedBudget:
     """k entries per core layer: step i reads and writes slot i mod k (the paper's KV sharing)."""
 
     budget: int
+    shares_slots = True
+    per_layer = True
 
     @property
     def name(self) -> str:
@@ -106,14 +120,122 @@ class SharedBudget:
     def num_slots(self, deepest: int) -> int:
         return max(1, min(self.budget, deepest))
 
+    def entries(self, depth: Tensor) -> Tensor:
+        return depth.clamp(max=self.budget)
+
+    def bind(self, core_layers: int) -> SharedBudget:
+        return self
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """Steps 0..keep-1 keep their own slot; every later step shares slot `keep` (the official
+    `compress-anchor`, keep = 8 recurrences)."""
+
+    keep: int
+    budget = None
+    shares_slots = True
+    per_layer = True
+
+    @property
+    def name(self) -> str:
+        return f"anchor-{self.keep}"
+
+    def slot(self, step: int) -> int:
+        return min(step, self.keep)
+
+    def num_slots(self, deepest: int) -> int:
+        return max(1, min(self.keep + 1, deepest))
+
+    def entries(self, depth: Tensor) -> Tensor:
+        return depth.clamp(max=self.keep + 1)
+
+    def bind(self, core_layers: int) -> Anchor:
+        return self
+
+
+@dataclass(frozen=True)
+class FlatGroups:
+    """The official `compress-rN` on the flat step index: core layer j at step i has flat index
+    f = i * core_layers + j, and N consecutive flat indices share one slot (f // N) of one store
+    for all core layers, so a layer reads what another layer of its group wrote last."""
+
+    size: int
+    core_layers: int
+    budget = None
+    shares_slots = True
+    per_layer = False
+
+    @property
+    def name(self) -> str:
+        return f"compress-r{self.size}"
+
+    def flat_slot(self, layer: int, step: int) -> int:
+        return (step * self.core_layers + layer) // self.size
+
+    def num_slots(self, deepest: int) -> int:
+        return max(1, -(-deepest * self.core_layers // self.size))
+
+    def entries(self, depth: Tensor) -> Tensor:
+        return torch.div(depth * self.core_layers + self.size - 1, self.size, rounding_mode="floor")
+
+    def bind(self, core_layers: int) -> FlatGroups:
+        return self
+
+
+@dataclass(frozen=True)
+class Unbound:
+    """An official compression (`compress-sN`, `compress-rN`) given on the flat step index: it
+    becomes a slot rule once the model's core layer count is known (`KVPolicy.bind`)."""
+
+    kind: str  # "s" or "r"
+    size: int
+    budget = None
+    shares_slots = True
+
+    @property
+    def per_layer(self) -> bool:
+        return self.kind == "s"  # compress-rN groups core layers together
+
+    @property
+    def name(self) -> str:
+        return f"compress-{self.kind}{self.size}"
+
+    def bind(self, core_layers: int) -> PerStep | SharedBudget | FlatGroups:
+        n, L = self.size, core_layers
+        if self.kind == "s":
+            if n % L:
+                raise ValueError(
+                    f"kv_policy {self.name!r} has no meaning on a model with {L} core layers: slot = flat step "
+                    f"mod {n} keeps each core layer apart only when {n} is a multiple of {L}"
+                )
+            return SharedBudget(n // L)
+        return PerStep() if n == 1 else FlatGroups(n, L)
+
+    def _unbound(self, *_: Any) -> Any:
+        raise RuntimeError(f"kv_policy {self.name!r} needs the model's layout first (KVPolicy.bind(core_layers))")
+
+    slot = num_slots = entries = _unbound
+
+
+SlotRule = PerStep | SharedBudget | Anchor | FlatGroups | Unbound
+
 
 # ---------------------------------------------------------------------------- lookup rules
+# A lookup rule says what a core step reads of a column that ran fewer steps than it (or, for the
+# official `always-last` / `randomized`, of every column once one column lacks the step):
+#   fill_index: settled once, when a column closes (copy entries into slots it did not reach);
+#   visible:    which columns the attention sees (None: all);
+#   read_slots: chosen at every read, per column (None: the step's own slot).
 @dataclass(frozen=True)
 class Deepest:
-    """A token that ran d steps is read at its deepest entry (slot of step d - 1) for later steps."""
+    """A token that ran d steps is read at its deepest entry (slot of step d - 1) for later steps
+    (the official `latest-m4` / `available-m4`)."""
 
     name = "deepest"
     hides_columns = False
+    same_layer = True  # reads another step of the same core layer
+    reads_per_step = False
 
     @staticmethod
     def fill_index(depth: Tensor, num_slots: int) -> Tensor:
@@ -125,8 +247,12 @@ class Deepest:
                              (depth - 1).clamp(min=0)[None])
 
     @staticmethod
-    def visible(step: int, depth: Tensor) -> Tensor | None:
+    def visible(step: int, slot: int, depth: Tensor, slots: SlotRule) -> Tensor | None:
         return None  # every column is read (at its deepest entry)
+
+    @staticmethod
+    def read_slots(step: int, slot: int, depth: Tensor, num_new: int, slots: SlotRule) -> Tensor | None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -135,27 +261,109 @@ class Skip:
 
     name = "skip"
     hides_columns = True  # caches then answer `key_mask` for core keys
+    same_layer = False
+    reads_per_step = False
 
     @staticmethod
     def fill_index(depth: Tensor, num_slots: int) -> Tensor | None:
         return None  # unreached entries are never read
 
     @staticmethod
-    def visible(step: int, depth: Tensor) -> Tensor | None:
+    def visible(step: int, slot: int, depth: Tensor, slots: SlotRule) -> Tensor | None:
         """Bool like `depth`: the columns that reached core step `step`."""
         return depth > step
 
+    read_slots = staticmethod(Deepest.read_slots)
 
-SLOT_RULES = ("per-step", "last-step", "shared-K")
-LOOKUPS: dict[str, Any] = {"deepest": Deepest(), "skip": Skip()}
+
+@dataclass(frozen=True)
+class Full:
+    """A column is read at a slot iff it wrote that slot (the official dynamic cache's `full`,
+    which stacks whatever this step's slot holds). One entry per step: the same as `skip`; under a
+    shared slot a token stays visible wherever an earlier step of it wrote the slot."""
+
+    name = "full"
+    hides_columns = True
+    same_layer = False
+    reads_per_step = False
+    fill_index = staticmethod(Skip.fill_index)
+
+    @staticmethod
+    def visible(step: int, slot: int, depth: Tensor, slots: SlotRule) -> Tensor | None:
+        return slots.entries(depth) > slot
+
+    read_slots = staticmethod(Deepest.read_slots)
+
+
+def _lacking_rows(slot: int, depth: Tensor, slots: SlotRule) -> Tensor:
+    """Bool `[B]`: rows with a closed column (`depth` `[B, n]`) that did not write `slot`."""
+    return (slots.entries(depth) <= slot).any(dim=1)
+
+
+def _with_new(depth: Tensor, step: int, num_new: int) -> Tensor:
+    """`depth` `[B, n]` followed by the `num_new` columns being computed, which reached `step`."""
+    return torch.cat([depth, depth.new_full((depth.shape[0], num_new), step + 1)], dim=1)
+
+
+@dataclass(frozen=True)
+class AlwaysLast:
+    """The official `always-last-m4`: while some column lacks this step's slot, every column reads
+    the highest slot of the same core layer it wrote (it may lie above this step); otherwise every
+    column reads this step's slot."""
+
+    name = "always-last"
+    hides_columns = False
+    same_layer = True
+    reads_per_step = True
+    fill_index = staticmethod(Skip.fill_index)
+    visible = staticmethod(Deepest.visible)
+
+    @staticmethod
+    def read_slots(step: int, slot: int, depth: Tensor, num_new: int, slots: SlotRule) -> Tensor | None:
+        """Long `[B, n + num_new]`: the slot each column is read at (`depth` `[B, n]`: closed columns)."""
+        highest = (slots.entries(_with_new(depth, step, num_new)) - 1).clamp(min=0)
+        return torch.where(_lacking_rows(slot, depth, slots)[:, None], highest, slot)
+
+
+@dataclass(frozen=True)
+class Randomized:
+    """The official `randomized` (a sanity check): while some column lacks this step's slot, every
+    column reads a uniformly drawn slot of the same core layer, at or below this one, that it wrote;
+    otherwise this step's slot. Draws use torch's global RNG, as the official code does."""
+
+    name = "randomized"
+    hides_columns = False
+    same_layer = True
+    reads_per_step = True
+    fill_index = staticmethod(Skip.fill_index)
+    visible = staticmethod(Deepest.visible)
+
+    @staticmethod
+    def read_slots(step: int, slot: int, depth: Tensor, num_new: int, slots: SlotRule) -> Tensor | None:
+        held = slots.entries(_with_new(depth, step, num_new)).clamp(min=1, max=slot + 1)
+        drawn = (torch.rand(held.shape, device=depth.device) * held).long().clamp(max=held - 1)
+        return torch.where(_lacking_rows(slot, depth, slots)[:, None], drawn, slot)
+
+
+LookupRule = Deepest | Skip | Full | AlwaysLast | Randomized
+SLOT_RULES = ("per-step", "last-step", "shared-K", "anchor-K", "compress-sN", "compress-rN")
+LOOKUPS: dict[str, Any] = {"deepest": Deepest(), "skip": Skip(), "full": Full(), "always-last": AlwaysLast(),
+                           "randomized": Randomized()}
 
 
 @dataclass(frozen=True)
 class KVPolicy:
     """A slot rule and a lookup rule (see the module docstring)."""
 
-    slots: PerStep | SharedBudget
-    lookup: Deepest | Skip
+    slots: SlotRule
+    lookup: LookupRule
+
+    def __post_init__(self) -> None:
+        if self.lookup.same_layer and not self.slots.per_layer:
+            raise ValueError(
+                f"kv_policy {self.name!r} is invalid: {self.slots.name} shares one slot among core layers, so the "
+                f"{self.lookup.name!r} lookup (another step of the same core layer) has no meaning; use 'full'"
+            )
 
     @property
     def name(self) -> str:
@@ -165,52 +373,141 @@ class KVPolicy:
     def budget(self) -> int | None:
         return self.slots.budget
 
+    @property
+    def bound(self) -> bool:
+        return not isinstance(self.slots, Unbound)
+
+    def bind(self, core_layers: int) -> KVPolicy:
+        """This policy on a model with `core_layers` core layers (resolves `compress-sN` / `compress-rN`;
+        a ValueError names a rule that has no meaning on that layout)."""
+        return self if self.bound else KVPolicy(self.slots.bind(core_layers), self.lookup)
+
     def split(self, key: LayerKey, num_slots: int) -> tuple[tuple, int]:
-        """(base key, slot): core keys `("core", j, step)` -> `(("core", j), slot)`, others slot 0."""
+        """(base key, slot): core keys `("core", j, step)` -> `(("core", j), slot)` (`(("core",), slot)`
+        when all core layers share slots), others slot 0."""
         if key[0] != "core":
             return key, 0
-        slot = self.slots.slot(key[2])
+        if self.slots.per_layer:
+            base, slot = key[:2], self.slots.slot(key[2])
+        else:
+            base, slot = ("core",), self.slots.flat_slot(key[1], key[2])
         if slot >= num_slots:
             raise RuntimeError(
                 f"step {key[2]} exceeds the cache's {num_slots} core slots (policy {self.name}); size the "
                 "cache for the deepest step run"
             )
-        return key[:2], slot
+        return base, slot
+
+    def slot_of(self, key: LayerKey) -> int:
+        return self.split(key, 1 << 62)[1]
+
+    def visible(self, key: LayerKey, depth: Tensor) -> Tensor | None:
+        """Bool like `depth` (`[B, n]`, steps each column ran): which columns core key `key` attends to."""
+        return self.lookup.visible(key[2], self.slot_of(key), depth, self.slots)
+
+    def read_slots(self, key: LayerKey, depth: Tensor, num_new: int) -> Tensor | None:
+        """None, or long `[B, n + num_new]`: the slot of `key`'s base each column is read at."""
+        return self.lookup.read_slots(key[2], self.slot_of(key), depth, num_new, self.slots)
 
 
-def parse_kv_policy(spec: Any = None, kv_budget: Any = None) -> KVPolicy:
+# Official strategy names (`cache_lookup_strategy`): "<lookup>", "<lookup>-compress-<c>" or "compress-<c>".
+OFFICIAL_LOOKUPS = {"full": "full", "skip": "skip", "latest-m4": "deepest", "available-m4": "deepest",
+                    "always-last-m4": "always-last", "randomized": "randomized"}
+OFFICIAL_ANCHOR_RECURRENCES = 8  # compress-anchor keeps the first 8 recurrences
+_OFFICIAL = re.compile(r"(?:(?P<lookup>[a-z0-9-]+?)-)?compress-(?P<compress>s\d+|r\d+|anchor)|(?P<only>[a-z0-9-]+)")
+
+
+def _official_policy(spec: str) -> KVPolicy | None:
+    """The policy of an official strategy name, or None if `spec` is not one (slots unbound for
+    compress-sN / compress-rN: see `KVPolicy.bind`)."""
+    match = _OFFICIAL.fullmatch(spec)
+    if match is None:
+        return None
+    name = match["only"] if match["only"] is not None else match["lookup"]
+    if name is not None and name not in OFFICIAL_LOOKUPS:
+        return None
+    compress = match["compress"]
+    if compress is None:
+        slots: SlotRule = PerStep()
+    elif compress == "anchor":
+        slots = Anchor(OFFICIAL_ANCHOR_RECURRENCES)
+    elif int(compress[1:]) < 1:
+        raise ValueError(f"kv_policy={spec!r} is invalid: compress-{compress[0]}N needs N >= 1")
+    else:
+        slots = Unbound(compress[0], int(compress[1:]))
+    # The official `skip` and `full` read a column wherever it wrote the (possibly shared) slot; a bare
+    # compression takes the official default lookup, `full` (the official code fails where an entry is missing).
+    lookup = "full" if name in (None, "skip") and compress is not None else OFFICIAL_LOOKUPS[name or "full"]
+    return KVPolicy(slots, LOOKUPS[lookup])
+
+
+def _our_slots(part: str) -> SlotRule | None:
+    if part == "per-step":
+        return PerStep()
+    if part == "last-step":
+        return SharedBudget(1)
+    kind, _, number = part.rpartition("-")
+    if kind == "compress" and number[:1] in ("s", "r"):
+        kind, number = f"compress-{number[0]}", number[1:]
+    if not number.isdigit() or int(number) < 1:
+        return None
+    rules = {"shared": SharedBudget, "anchor": Anchor, "compress-s": lambda n: Unbound("s", n),
+             "compress-r": lambda n: Unbound("r", n)}
+    return rules[kind](int(number)) if kind in rules else None
+
+
+def parse_kv_policy(spec: Any = None, kv_budget: Any = None, core_layers: int | None = None) -> KVPolicy:
     """A `KVPolicy` from its name and/or a KV budget.
 
-    spec: None or "<slots>", "<lookup>" or "<slots>+<lookup>", with slots one of "per-step"
-    (default), "last-step" (= shared-1) or "shared-K" (K >= 1), and lookup "deepest" (default) or
-    "skip". kv_budget=K is the same as slots "shared-K" (both may be given if they agree).
+    spec: None, one of our names "<slots>", "<lookup>" or "<slots>+<lookup>", or an official
+    strategy name (`cache_lookup_strategy`, see `kv_policy_from_official`).
+    Our slots: "per-step" (default), "last-step" (= shared-1), "shared-K" (K >= 1), "anchor-K"
+    (steps >= K share slot K); lookups: "deepest" (default), "skip", "full", "always-last",
+    "randomized". kv_budget=K is the same as slots "shared-K" (both may be given if they agree).
+    core_layers: the model's core layer count, to resolve official compress-sN / compress-rN now
+    (otherwise the policy is unbound until a cache binds it).
     """
     if kv_budget is not None and (isinstance(kv_budget, bool) or not isinstance(kv_budget, int) or kv_budget < 1):
         raise ValueError(f"kv_budget={kv_budget!r} is invalid: expected None (one entry per step) or an integer >= 1")
-    slots: PerStep | SharedBudget | None = None
+    slots: SlotRule | None = None
     lookup = None
     if spec is not None:
         if not isinstance(spec, str) or not spec:
             raise ValueError(f"kv_policy={spec!r} is invalid: expected a name such as 'per-step', 'shared-4+skip'")
-        for part in spec.split("+"):
-            if part in LOOKUPS and lookup is None:
-                lookup = LOOKUPS[part]
-            elif slots is None and part == "per-step":
-                slots = PerStep()
-            elif slots is None and part == "last-step":
-                slots = SharedBudget(1)
-            elif slots is None and part.startswith("shared-") and part[7:].isdigit() and int(part[7:]) >= 1:
-                slots = SharedBudget(int(part[7:]))
-            else:
-                raise ValueError(
-                    f"kv_policy={spec!r} is invalid at {part!r}: expected '<slots>', '<lookup>' or '<slots>+<lookup>' "
-                    f"with slots one of {list(SLOT_RULES)} (K an integer >= 1) and lookup one of {sorted(LOOKUPS)}"
-                )
+        official = _official_policy(spec) if "+" not in spec and spec not in LOOKUPS else None
+        if official is not None:
+            slots, lookup = official.slots, official.lookup
+        else:
+            for part in spec.split("+"):
+                if part in LOOKUPS and lookup is None:
+                    lookup = LOOKUPS[part]
+                elif slots is None and _our_slots(part) is not None:
+                    slots = _our_slots(part)
+                else:
+                    raise ValueError(
+                        f"kv_policy={spec!r} is invalid at {part!r}: expected '<slots>', '<lookup>' or "
+                        f"'<slots>+<lookup>' with slots one of {list(SLOT_RULES[:4])} (K an integer >= 1) and lookup "
+                        f"one of {sorted(LOOKUPS)}, or an official strategy ({'/'.join(OFFICIAL_LOOKUPS)}, "
+                        "optionally followed by -compress-sN / -compress-rN / -compress-anchor)"
+                    )
     if kv_budget is not None:
         if slots is not None and slots.budget != kv_budget:
             raise ValueError(f"kv_budget={kv_budget} contradicts kv_policy={spec!r}; give one of them")
         slots = SharedBudget(kv_budget)
-    return KVPolicy(slots or PerStep(), lookup or LOOKUPS["deepest"])
+    policy = KVPolicy(slots or PerStep(), lookup or LOOKUPS["deepest"])
+    return policy if core_layers is None else policy.bind(core_layers)
+
+
+def kv_policy_from_official(strategy: str, config: Any) -> KVPolicy:
+    """The policy of an official `cache_lookup_strategy` on the model of `config` (a `ModelConfig`,
+    or anything with `core_layers`); a ValueError names a strategy that is unknown or has no
+    meaning on that layout."""
+    if not isinstance(strategy, str) or (policy := _official_policy(strategy)) is None:
+        raise ValueError(
+            f"cache_lookup_strategy={strategy!r} is invalid: expected one of {list(OFFICIAL_LOOKUPS)}, optionally "
+            "followed by -compress-sN / -compress-rN / -compress-anchor, or compress-sN / -rN / -anchor alone"
+        )
+    return policy.bind(config.core_layers)
 
 
 def combine_key_mask(attn_mask: Tensor | None, key_mask: Tensor | None, num_queries: int) -> Tensor | None:

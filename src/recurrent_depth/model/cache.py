@@ -417,7 +417,7 @@ OFFICIAL_ANCHOR_RECURRENCES = 8  # compress-anchor keeps the first 8 recurrences
 _OFFICIAL = re.compile(r"(?:(?P<lookup>[a-z0-9-]+?)-)?compress-(?P<compress>s\d+|r\d+|anchor)|(?P<only>[a-z0-9-]+)")
 
 
-def _official_policy(spec: str) -> KVPolicy | None:
+def _official_policy(spec: str, field: str = "kv_policy") -> KVPolicy | None:
     """The policy of an official strategy name, or None if `spec` is not one (slots unbound for
     compress-sN / compress-rN: see `KVPolicy.bind`)."""
     match = _OFFICIAL.fullmatch(spec)
@@ -432,13 +432,16 @@ def _official_policy(spec: str) -> KVPolicy | None:
     elif compress == "anchor":
         slots = Anchor(OFFICIAL_ANCHOR_RECURRENCES)
     elif int(compress[1:]) < 1:
-        raise ValueError(f"kv_policy={spec!r} is invalid: compress-{compress[0]}N needs N >= 1")
+        raise ValueError(f"{field}={spec!r} is invalid: compress-{compress[0]}N needs N >= 1")
     else:
         slots = Unbound(compress[0], int(compress[1:]))
     # The official `skip` and `full` read a column wherever it wrote the (possibly shared) slot; a bare
     # compression takes the official default lookup, `full` (the official code fails where an entry is missing).
     lookup = "full" if name in (None, "skip") and compress is not None else OFFICIAL_LOOKUPS[name or "full"]
-    return KVPolicy(slots, LOOKUPS[lookup])
+    try:
+        return KVPolicy(slots, LOOKUPS[lookup])
+    except ValueError as exc:
+        raise ValueError(f"{field}={spec!r}: {exc}") from None
 
 
 def _our_slots(part: str) -> SlotRule | None:
@@ -502,12 +505,16 @@ def kv_policy_from_official(strategy: str, config: Any) -> KVPolicy:
     """The policy of an official `cache_lookup_strategy` on the model of `config` (a `ModelConfig`,
     or anything with `core_layers`); a ValueError names a strategy that is unknown or has no
     meaning on that layout."""
-    if not isinstance(strategy, str) or (policy := _official_policy(strategy)) is None:
+    field = "cache_lookup_strategy"
+    if not isinstance(strategy, str) or (policy := _official_policy(strategy, field)) is None:
         raise ValueError(
             f"cache_lookup_strategy={strategy!r} is invalid: expected one of {list(OFFICIAL_LOOKUPS)}, optionally "
             "followed by -compress-sN / -compress-rN / -compress-anchor, or compress-sN / -rN / -anchor alone"
         )
-    return policy.bind(config.core_layers)
+    try:
+        return policy.bind(config.core_layers)
+    except ValueError as exc:
+        raise ValueError(f"{field}={strategy!r}: {exc}") from None
 
 
 def combine_key_mask(attn_mask: Tensor | None, key_mask: Tensor | None, num_queries: int) -> Tensor | None:

@@ -261,3 +261,47 @@ def test_each_lookup_strategy_gives_the_official_tokens_and_steps(golden_model, 
         n = int(out.lengths[0])
         tokens = out.sequences[0, len(run["prompt"]):][:n].tolist()
         assert (tokens, out.steps[0, :n].tolist()) == (run["tokens"], run["steps"]), run["prompt"]
+
+
+# ------------------------------------------------------------------ the other storages
+def test_serving_batch_takes_official_policies_and_refuses_per_read_lookups(tiny):
+    from recurrent_depth.inference.options import GenerationOptions
+    from recurrent_depth.serving.batch import BatchDecoder, RowRequest
+
+    jobs = [([5, 9, 2, 7], dict(ADAPTIVE, kv_policy="full")),
+            ([1, 2], dict(ADAPTIVE, kv_policy="latest-m4-compress-anchor", max_new_tokens=4)),
+            ([3, 3, 3], dict(ADAPTIVE, kv_policy="compress-s4"))]
+    dec = BatchDecoder(tiny, max_rows=3)
+    out: dict[int, list] = {}
+    for j, (prompt, kw) in enumerate(jobs):
+        opts = GenerationOptions(**kw).validate(tiny.config.mean_recurrence)
+        _, first, _ = dec.add(RowRequest(prompt, opts, 0), tag=j)
+        out[j] = [first]
+    while len(dec):
+        for seq, result in dec.step():
+            out[seq.tag].append(result)
+            if len(out[seq.tag]) >= jobs[seq.tag][1]["max_new_tokens"]:
+                dec.remove(seq)
+    for j, (prompt, kw) in enumerate(jobs):
+        alone = generate(tiny, torch.tensor(prompt), **kw)
+        assert [r.token for r in out[j]] == alone.token_lists()[0]
+        assert [r.steps for r in out[j]] == alone.steps[0].tolist()
+    for refused in ("always-last-m4", "randomized", "compress-r2"):
+        opts = GenerationOptions(**dict(ADAPTIVE, kv_policy=refused)).validate(tiny.config.mean_recurrence)
+        with pytest.raises(ValueError, match="cannot join the batch"):
+            dec.add(RowRequest([1, 2], opts, 0))
+
+
+@pytest.mark.parametrize("strategy", ["compress-s4", "compress-r2", "compress-r3", "compress-anchor"])
+def test_transformers_loop_follows_the_compression(tiny, strategy):
+    """transformers' own loop (every token at full depth) equals rd.generate under the same policy."""
+    from recurrent_depth.integrations.hf import from_library_model
+
+    x = torch.tensor([[5, 9, 2, 7]])
+    fixed = dict(max_new_tokens=4, num_steps=10, init_scale=0.0)
+    hf = from_library_model(tiny)
+    own_loop = hf.generate(x, kv_policy=strategy, do_sample=False, **fixed)
+    ours = generate(tiny, x, kv_policy=strategy, **fixed)
+    assert torch.equal(own_loop, ours.sequences)
+    shared = generate(tiny, x, kv_policy=strategy, output_logits=True, **fixed).logits
+    assert not torch.allclose(shared, generate(tiny, x, output_logits=True, **fixed).logits)  # the rule applies

@@ -140,7 +140,11 @@ def test_health_models_and_metrics(server, client):
     dict(num_steps=5, warm_start=True, exit_criterion="cosine", exit_threshold=5e-3),
     dict(num_steps=5, draft_steps=2),
     dict(num_steps=0),
-], ids=["fixed-3", "kl-exit", "latent-exit-min2", "kv-budget-2", "warm-start-cosine", "speculative", "zero-steps"])
+    dict(num_steps=6, exit_criterion="kl", exit_threshold=1e-2, kv_policy="full"),
+    dict(num_steps=10, exit_criterion="kl", exit_threshold=1e-2, kv_policy="latest-m4-compress-anchor"),
+    dict(num_steps=6, exit_criterion="kl", exit_threshold=1e-2, kv_policy="always-last-m4"),  # runs alone
+], ids=["fixed-3", "kl-exit", "latent-exit-min2", "kv-budget-2", "warm-start-cosine", "speculative", "zero-steps",
+        "official-full", "official-anchor", "official-always-last"])
 def test_completion_equals_generate_alone(client, reference, extra):
     prompt = "def add(a, b):"
     r = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, logprobs=0,

@@ -48,7 +48,9 @@ class RecurrentDepthCache(DynamicCache):
 
     with slot(t) the slot rule of the cache's `KVPolicy` (`recurrent_depth.model.cache`): t
     (per-step) or t mod k (shared-K / `kv_budget=k`, the paper's zero-shot KV sharing: step t reads
-    and writes slot t mod k, overwriting what an earlier step of the same call wrote there).
+    and writes slot t mod k, overwriting what an earlier step of the same call wrote there), and
+    the official strategies' compressions (`compress-sN`, `compress-anchor`; `compress-rN` keeps one
+    store for all core layers, j = 0).
     transformers' own loop runs every token at the same depth, so the lookup rule never applies
     here; per-token exit runs in `recurrent_depth.generate`, whose caches follow the same policies.
     Recurrent states of non-attention mixers are kept per (layer, step) in `states`.
@@ -61,7 +63,7 @@ class RecurrentDepthCache(DynamicCache):
         kv_policy: str | None = None,
     ) -> None:
         super().__init__()
-        self.policy = parse_kv_policy(kv_policy, kv_budget)
+        self.policy = parse_kv_policy(kv_policy, kv_budget, core_layers=core_layers)
         self.prelude_layers = prelude_layers
         self.core_layers = core_layers
         self.coda_layers = coda_layers
@@ -86,8 +88,9 @@ class RecurrentDepthCache(DynamicCache):
         if part == "coda":
             return self.prelude_layers + key[1]
         if part == "core":
-            step = self.policy.slots.slot(key[2])
-            return self.prelude_layers + self.coda_layers + step * self.core_layers + key[1]
+            base, slot = self.policy.split(key, 1 << 62)
+            layer = base[1] if len(base) > 1 else 0  # compress-rN: one store for all core layers
+            return self.prelude_layers + self.coda_layers + slot * self.core_layers + layer
         raise ValueError(f"unknown layer key {key!r}")
 
     def update_kv(self, key: tuple, k: Tensor, v: Tensor, ctx: Any = None) -> tuple[Tensor, Tensor]:
@@ -101,7 +104,7 @@ class RecurrentDepthCache(DynamicCache):
         held = layer.get_seq_length()
         if held == self._seen:
             layer.update(new_k, new_v)
-        elif held == self._seen + T and self.kv_budget is not None:
+        elif held == self._seen + T and self.policy.slots.shares_slots:
             # A shared slot that an earlier step of this call already wrote: overwrite those positions.
             layer.keys = torch.cat([layer.keys[:, :, : self._seen], new_k], dim=2)
             layer.values = torch.cat([layer.values[:, :, : self._seen], new_v], dim=2)
@@ -373,7 +376,7 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("inputs_embeds is not supported: pass input_ids (the prelude scales the embedding)")
         if input_ids is None:
             raise ValueError("input_ids is required")
-        policy = parse_kv_policy(kv_policy, kv_budget)
+        policy = parse_kv_policy(kv_policy, kv_budget, core_layers=self._core.config.core_layers)
         self._sync_runtime_config()
         use_cache = self.config.use_cache if use_cache is None else use_cache
         return_dict = self.config.return_dict if return_dict is None else return_dict

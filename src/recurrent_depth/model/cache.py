@@ -405,6 +405,11 @@ class KVPolicy:
         """Bool like `depth` (`[B, n]`, steps each column ran): which columns core key `key` attends to."""
         return self.lookup.visible(key[2], self.slot_of(key), depth, self.slots)
 
+    def visible_above(self, step: int) -> int:
+        """For a lookup that hides columns, on a per-layer slot rule: core step `step` sees exactly the
+        columns that ran more than this many steps (`skip`: the step; `full`: its slot)."""
+        return step if isinstance(self.lookup, Skip) else self.slots.slot(step)
+
     def read_slots(self, key: LayerKey, depth: Tensor, num_new: int) -> Tensor | None:
         """None, or long `[B, n + num_new]`: the slot of `key`'s base each column is read at."""
         return self.lookup.read_slots(key[2], self.slot_of(key), depth, num_new, self.slots)

@@ -37,6 +37,7 @@ from recurrent_depth.serving.engine import (
     QueueFull,
     TokenOut,
 )
+from recurrent_depth.serving.kv_pool import SlotKVPool
 from recurrent_depth.serving.prep import PrepPool, PrepSpec
 from recurrent_depth.serving.protocol import APIError, ChatRequest, CompletionRequest, Limits, Sampling
 from recurrent_depth.serving.text import IncrementalDecoder, TextCodec, TextState
@@ -277,7 +278,12 @@ def create_app(engine: Engine, codec: TextCodec, settings: ServerSettings) -> Fa
                                         f"{limits.max_seq_len} tokens", param="messages",
                                    code="context_length_exceeded")
             options = sampling.options(len(prompt), max_tokens, limits)
-            solo = sampling.speculative or not engine.batches
+            try:  # an official compress-sN / compress-rN needs the model's layout
+                options.policy = options.policy.bind(cfg.core_layers)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="kv_policy") from None
+            # the slot pool takes most policies; the rest (always-last, randomized, compress-rN) run alone
+            solo = sampling.speculative or not engine.batches or not SlotKVPool.takes(options.policy)
             generation = dict(sampling.generation, max_new_tokens=max_tokens, stop=sorted(stops) or None)
             for j in range(sampling.n):
                 index = p * sampling.n + j

@@ -192,6 +192,9 @@ class BatchDecoder:
         if len(self.rows) >= self.max_rows:
             raise RuntimeError(f"the batch is full ({self.max_rows} rows)")
         opts = request.options
+        opts.policy = opts.policy.bind(self.config.core_layers)
+        if not SlotKVPool.takes(opts.policy):
+            raise ValueError(f"kv_policy {opts.policy.name!r} cannot join the batch (see SlotKVPool.takes)")
         T = len(request.prompt)
         generators = RowGenerators([request.seed], 1, self.device)
         chooser = TokenChooser(opts, self.config.vocab_size, generators)

@@ -12,8 +12,10 @@ Each row follows its request's `KVPolicy` (`recurrent_depth.model.cache`, the sa
 the generation caches): the slot a core step uses is the row's slot rule (`step`, or `step mod k`
 under a budget), and rows in one call may be at different steps. When a token closes at depth d,
 the row's lookup rule settles slots d.. (`Deepest` copies its deepest entry there, the paper's
-remark 6.1); under `Skip` the pool's `key_mask` hides the column from steps >= d. Each row reads
-exactly what it would read when generated alone.
+remark 6.1); under `Skip` the pool's `key_mask` hides the column from steps >= d (under `Full`, from
+slots it did not write). Each row reads exactly what it would read when generated alone. Policies
+that pick entries at every read (`always-last`, `randomized`) or share slots among core layers
+(`compress-rN`) are refused (`SlotKVPool.takes`): the server runs those requests alone.
 
 The pool follows the model's cache protocol (`update_kv` / `update_heads`, `key_mask`,
 `get_state`/`set_state`, `advance`, `seq_len`, `nbytes`) for the one call it is bound to
@@ -127,9 +129,10 @@ class SlotKVPool:
         self._token_steps = None
         if core_steps is not None and any(self.policies[r].lookup.hides_columns for r in rows):
             self._token_steps = torch.tensor(
-                [s if self.policies[r].lookup.hides_columns else -1 for r, s in zip(rows, core_steps)],
+                [self.policies[r].visible_above(s) if self.policies[r].lookup.hides_columns else -1
+                 for r, s in zip(rows, core_steps)],
                 dtype=torch.long, device=self.device,
-            )  # -1: a row whose lookup hides nothing sees every column
+            )  # a row sees the columns that ran more steps than this; -1: a row whose lookup hides nothing
 
     def _slot(self, key: LayerKey) -> int | Tensor:
         if key[0] != "core":
@@ -187,7 +190,18 @@ class SlotKVPool:
         return sum(K.nbytes + V.nbytes for K, V in self.kv.values())
 
     # ------------------------------------------------------------------ after a call
+    @staticmethod
+    def takes(policy: KVPolicy) -> bool:
+        """Whether rows may follow `policy`: per-layer slots, and a lookup settled when a token closes
+        (not `always-last` / `randomized`, which pick entries at every read)."""
+        return policy.bound and policy.slots.per_layer and not policy.lookup.reads_per_step
+
     def set_policy(self, row: int, policy: KVPolicy) -> None:
+        if not self.takes(policy):
+            raise ValueError(
+                f"kv_policy {policy.name!r} is not supported by the serving slot pool (it takes per-layer slots "
+                "and the deepest / skip / full lookups); run the request alone"
+            )
         self.policies[row] = policy
 
     def _settle(self, row: int, cols: slice | int, depth: int, row_slots: int) -> None:

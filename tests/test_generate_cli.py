@@ -129,3 +129,16 @@ def test_stream_events_carry_text(loaded):
     stream = stream_generate(model, tok.encode("for").ids, max_new_tokens=5, num_steps=2, tokenizer=tok)
     events = list(stream)
     assert [e.text for e in events] == [tok.decode([t]) for t in stream.output.token_lists()[0]]
+
+
+@pytest.mark.parametrize("strategy", ["full", "latest-m4-compress-s4", "always-last-m4"])
+def test_cli_takes_official_lookup_strategies(model_dir, loaded, capsys, strategy):
+    code = main(["generate", "--model", str(model_dir), "--prompt", "for i", "--max-new-tokens", "5",
+                 "--num-steps", "6", "--exit-criterion", "kl", "--exit-threshold", "0.01", "--init-scale", "0",
+                 "--kv-policy", strategy, "--json"])
+    assert code == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["completions"][0] == api_text(loaded, "for i", max_new_tokens=5, num_steps=6, exit_criterion="kl",
+                                                exit_threshold=0.01, init_scale=0.0, kv_policy=strategy)
+    assert main(["generate", "--model", str(model_dir), "--prompt", "x", "--kv-policy", "compress-s3"]) == 2
+    assert "compress-s3" in capsys.readouterr().err  # tiny has 2 core layers: s3 would mix them

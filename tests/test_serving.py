@@ -322,6 +322,8 @@ BAD = [
     ("min-over-max-steps", "/v1/completions",
      {"prompt": "x", "exit_criterion": "kl", "min_steps": 9, "max_steps": 3}, 400),
     ("kv-budget-zero", "/v1/completions", {"prompt": "x", "kv_budget": 0}, 400),
+    ("kv-policy-unknown", "/v1/completions", {"prompt": "x", "kv_policy": "latest-m5"}, 400),
+    ("kv-policy-mixes-core-layers", "/v1/completions", {"prompt": "x", "kv_policy": "compress-s3"}, 400),
     ("draft-steps-not-below-num-steps", "/v1/completions", {"prompt": "x", "num_steps": 4, "draft_steps": 4}, 400),
     ("draft-with-exit", "/v1/completions",
      {"prompt": "x", "num_steps": 4, "draft_steps": 2, "exit_criterion": "kl"}, 400),

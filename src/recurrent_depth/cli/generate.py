@@ -56,8 +56,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument("--kv-budget", type=int, default=None,
                    help="KV entries per token and core layer; step i uses slot i mod k (default: one per step)")
     c.add_argument("--kv-policy", default=None, metavar="SLOTS[+LOOKUP]",
-                   help="KV policy: slots per-step | last-step | shared-K, lookup for early-exited tokens "
-                        "deepest | skip, e.g. 'shared-4+skip' (default: per-step+deepest)")
+                   help="KV policy: slots per-step | last-step | shared-K | anchor-K, lookup for early-exited "
+                        "tokens deepest | skip | full | always-last | randomized, e.g. 'shared-4+skip', or an "
+                        "official cache_lookup_strategy such as 'latest-m4-compress-s16' (docs/inference.md; "
+                        "default: per-step+deepest)")
     s = p.add_argument_group("speculative and parallel decoding")
     s.add_argument("--draft-steps", type=int, default=None,
                    help="self-speculative: draft with this many steps, verify with r (default: off)")

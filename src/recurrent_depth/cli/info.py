@@ -21,7 +21,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     source.add_argument("--preset", help="a preset name: tiny, small, huginn-0125")
     source.add_argument("--model", metavar="DIR", help="a saved model directory (ours or official Huginn)")
     parser.add_argument("--kv-policy", default=None, metavar="SLOTS[+LOOKUP]",
-                        help="also report the cache under this KV policy, e.g. shared-8 (default: off)")
+                        help="also report the cache under this KV policy, e.g. shared-8 or an official strategy "
+                             "such as latest-m4-compress-s16 (default: off)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table (default: off)")
     parser.set_defaults(func=run)
 
@@ -51,13 +52,15 @@ def run(args: argparse.Namespace) -> int:
     # A core layer keeps one cache per slot of the KV policy's slot rule (one per step by default).
     policies = {name: parse_kv_policy(name) for name in ("per-step", "shared-4", "last-step")}
     if args.kv_policy is not None:
-        policies[args.kv_policy] = parse_kv_policy(args.kv_policy)
+        policies[args.kv_policy] = parse_kv_policy(args.kv_policy, core_layers=config.core_layers)
     length = config.max_seq_len
 
     def cache_bytes(tokens: int, policy=policies["per-step"]) -> int:
         slots = policy.slots.num_slots(config.mean_recurrence)
         blocks = [(1, b) for b in (*model.transformer.prelude, *model.transformer.coda)]
-        blocks += [(slots, b) for b in model.transformer.core_block]
+        core = list(model.transformer.core_block)
+        # compress-rN keeps one store for all core layers
+        blocks += [(slots, b) for b in (core if policy.slots.per_layer else core[:1])]
         return sum(n * block.attn.state_nbytes(1, tokens, torch.bfloat16) for n, block in blocks)
 
     full, empty = cache_bytes(length), cache_bytes(0)

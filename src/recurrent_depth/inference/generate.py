@@ -123,9 +123,10 @@ def generate(
     KV cache: kv_policy="<slots>[+<lookup>]" (see `recurrent_depth.model.cache`): slots "per-step"
       (default, one entry per step), "shared-K" (step i reads and writes slot i mod K) or "last-step"
       (= shared-1); lookup for tokens that exited early "deepest" (default: read their deepest entry
-      of the same core layer) or "skip" (leave them out at steps they did not reach).
-      kv_budget=k is the same as "shared-k". cache_implementation "static" (preallocated, default)
-      or "dynamic" (the plain reference).
+      of the same core layer) or "skip" (leave them out at steps they did not reach); or an official
+      `cache_lookup_strategy` name ("full", "latest-m4-compress-s16", ...; docs/inference.md lists
+      each with its general rule). kv_budget=k is the same as "shared-k". cache_implementation
+      "static" (preallocated, default) or "dynamic" (the plain reference).
     Self-speculative: draft_steps=N drafts `lookahead` (8) tokens at N steps, verified at r steps in one
       forward; verification_threshold=1 (exact: identical to greedy at r) or < 1 (accept a draft whose
       verifier probability is at least threshold * the top probability).

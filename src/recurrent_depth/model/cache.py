@@ -9,16 +9,36 @@ the transformers `Cache` of `integrations/hf.py` follows `ModelCache`.
 A **KV policy** says which entry a (layer, step) reads and writes. It has two independent rules,
 each a small class written once here:
 
-- the slot rule, for core layers (prelude and coda layers keep one entry per token):
-  `PerStep` (slot = step, one entry per step, the reference's `full`) or `SharedBudget(k)`
-  (slot = step mod k, the paper's zero-shot KV sharing; k = 1 is `last-step`, the vLLM layout);
-- the lookup rule for tokens that ran fewer steps than a later token reads (adaptive exit):
-  `Deepest` (read the token's deepest entry of the same core layer, the paper's remark 6.1; the
-  reference's `latest-m4`) or `Skip` (leave the token out of the attention at steps it did not
-  reach; the reference's `skip`).
+- the slot rule, for core layers (prelude and coda layers keep one entry per token): `PerStep`
+  (slot = step), `SharedBudget(k)` (slot = step mod k, the paper's zero-shot KV sharing; k = 1 is
+  `last-step`, the vLLM layout), `Anchor(k)` (slot = min(step, k)) or `FlatGroups(N, L)` (the
+  official `compress-rN`: one store for all L core layers, N consecutive flat steps per slot).
+  Every rule writes a prefix: a column that ran d steps holds slots [0, entries(d)).
+- the lookup rule, for tokens that ran fewer steps than a later token reads (adaptive exit):
+  `Deepest` (read the token's deepest entry of the same core layer, the paper's remark 6.1),
+  `Skip` (leave the token out at steps it did not reach), `Full` (leave it out where it did not
+  write the slot), `AlwaysLast` and `Randomized` (pick a slot per column at every read while
+  some column lacks the current one).
 
-`KVPolicy.parse("shared-4+skip")` builds one from its name (see `parse_kv_policy`). A new lookup
-rule is one more class with `fill_index`, `visible` and `hides_columns` plus its entry in `LOOKUPS`.
+`parse_kv_policy` builds one from our names ("shared-4+skip", ...) or from an official
+`cache_lookup_strategy` name (seal-rg/recurrent-pretraining at 59e0b69, `HuginnDynamicCache`):
+
+    full -> per-step+full            skip -> per-step+skip (the same rule)
+    latest-m4, available-m4 -> per-step+deepest
+    always-last-m4 -> per-step+always-last      randomized -> per-step+randomized
+    compress-sN -> shared-(N/L)      compress-rN -> FlatGroups(N, L)      compress-anchor -> anchor-8
+    <lookup>-compress-<c>: both (a shared slot read by official skip is our full);
+    compress-<c> alone: lookup full.
+
+The official code indexes steps flat (prelude layers, then core layer j at recurrence i at
+P + i L + j, with Huginn's P = 2, L = 4 hard-coded); these are the general forms, equal to it on
+Huginn's layout. compress-sN and compress-rN depend on L: their policy is unbound (`KVPolicy.bound`)
+until `KVPolicy.bind(core_layers)` (caches bind it; `kv_policy_from_official(strategy, config)`
+parses and binds at once, for the options' `cache_lookup_strategy` alias). A rule with no meaning
+on a layout is a one-line ValueError: compress-sN with N not a multiple of L (core layers would
+share a slot), a same-layer lookup (deepest, always-last, randomized) with compress-rN.
+A new lookup rule is one more class with `fill_index`, `visible`, `read_slots` and its flags,
+plus its entry in `LOOKUPS`.
 """
 
 from __future__ import annotations

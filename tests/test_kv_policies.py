@@ -19,9 +19,8 @@ import torch
 
 import recurrent_depth as rd
 from recurrent_depth.inference import DynamicRecurrentCache, StaticRecurrentCache, generate
-from recurrent_depth.inference.options import GenerationOptions
 from recurrent_depth.model.cache import Deepest, KVPolicy, PerStep, SharedBudget, Skip, parse_kv_policy
-from recurrent_depth.serving.batch import BatchDecoder, RowRequest
+from tests.batch_support import serve_in_one_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -160,17 +159,7 @@ def test_serving_batch_under_skip_equals_generate_alone(model):
     jobs = [([5, 9, 2, 7], dict(ADAPTIVE, kv_policy="skip")),
             ([1, 2], dict(ADAPTIVE, kv_policy="shared-2+skip", max_new_tokens=4)),
             ([3, 3, 3], dict(ADAPTIVE))]
-    dec = BatchDecoder(model, max_rows=3)
-    out = {}
-    for j, (prompt, kw) in enumerate(jobs):
-        opts = GenerationOptions(**kw).validate(model.config.mean_recurrence)
-        _, first, _ = dec.add(RowRequest(prompt, opts, 0), tag=j)
-        out[j] = [first]
-    while len(dec):
-        for seq, result in dec.step():
-            out[seq.tag].append(result)
-            if len(out[seq.tag]) >= jobs[seq.tag][1]["max_new_tokens"]:
-                dec.remove(seq)
+    out = serve_in_one_batch(model, jobs)
     for j, (prompt, kw) in enumerate(jobs):
         alone = generate(model, torch.tensor(prompt), seed=0, **kw)
         assert [r.token for r in out[j]] == alone.token_lists()[0]

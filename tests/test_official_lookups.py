@@ -25,6 +25,7 @@ import torch
 import recurrent_depth as rd
 from recurrent_depth.inference import DynamicRecurrentCache, StaticRecurrentCache, generate
 from recurrent_depth.model.cache import kv_policy_from_official, parse_kv_policy
+from tests.batch_support import serve_in_one_batch
 from tests.official_golden_support import build_golden_model, load_golden
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -271,21 +272,12 @@ def test_serving_batch_takes_official_policies_and_refuses_per_read_lookups(tiny
     jobs = [([5, 9, 2, 7], dict(ADAPTIVE, kv_policy="full")),
             ([1, 2], dict(ADAPTIVE, kv_policy="latest-m4-compress-anchor", max_new_tokens=4)),
             ([3, 3, 3], dict(ADAPTIVE, kv_policy="compress-s4"))]
-    dec = BatchDecoder(tiny, max_rows=3)
-    out: dict[int, list] = {}
-    for j, (prompt, kw) in enumerate(jobs):
-        opts = GenerationOptions(**kw).validate(tiny.config.mean_recurrence)
-        _, first, _ = dec.add(RowRequest(prompt, opts, 0), tag=j)
-        out[j] = [first]
-    while len(dec):
-        for seq, result in dec.step():
-            out[seq.tag].append(result)
-            if len(out[seq.tag]) >= jobs[seq.tag][1]["max_new_tokens"]:
-                dec.remove(seq)
+    out = serve_in_one_batch(tiny, jobs)
     for j, (prompt, kw) in enumerate(jobs):
         alone = generate(tiny, torch.tensor(prompt), **kw)
         assert [r.token for r in out[j]] == alone.token_lists()[0]
         assert [r.steps for r in out[j]] == alone.steps[0].tolist()
+    dec = BatchDecoder(tiny, max_rows=1)
     for refused in ("always-last-m4", "randomized", "compress-r2"):
         opts = GenerationOptions(**dict(ADAPTIVE, kv_policy=refused)).validate(tiny.config.mean_recurrence)
         with pytest.raises(ValueError, match="cannot join the batch"):

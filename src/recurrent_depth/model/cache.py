@@ -326,43 +326,45 @@ def _with_new(depth: Tensor, step: int, num_new: int) -> Tensor:
 
 
 @dataclass(frozen=True)
-class AlwaysLast:
-    """The official `always-last-m4`: while some column lacks this step's slot, every column reads
-    the highest slot of the same core layer it wrote (it may lie above this step); otherwise every
-    column reads this step's slot."""
+class _PerRead:
+    """A lookup that, while some earlier column lacks this step's slot, reads every column at a slot
+    of the same core layer that `choose` picks from what it wrote; otherwise this step's slot."""
 
-    name = "always-last"
     hides_columns = False
     same_layer = True
     reads_per_step = True
     fill_index = staticmethod(Skip.fill_index)
     visible = staticmethod(Deepest.visible)
 
-    @staticmethod
-    def read_slots(step: int, slot: int, depth: Tensor, num_new: int, slots: SlotRule) -> Tensor | None:
+    @classmethod
+    def read_slots(cls, step: int, slot: int, depth: Tensor, num_new: int, slots: SlotRule) -> Tensor | None:
         """Long `[B, n + num_new]`: the slot each column is read at (`depth` `[B, n]`: closed columns)."""
-        highest = (slots.entries(_with_new(depth, step, num_new)) - 1).clamp(min=0)
-        return torch.where(_lacking_rows(slot, depth, slots)[:, None], highest, slot)
+        held = slots.entries(_with_new(depth, step, num_new))  # each column wrote slots [0, held)
+        return torch.where(_lacking_rows(slot, depth, slots)[:, None], cls.choose(held, slot), slot)
 
 
 @dataclass(frozen=True)
-class Randomized:
-    """The official `randomized` (a sanity check): while some column lacks this step's slot, every
-    column reads a uniformly drawn slot of the same core layer, at or below this one, that it wrote;
-    otherwise this step's slot. Draws use torch's global RNG, as the official code does."""
+class AlwaysLast(_PerRead):
+    """The official `always-last-m4`: the highest slot the column wrote (it may lie above this step)."""
 
-    name = "randomized"
-    hides_columns = False
-    same_layer = True
-    reads_per_step = True
-    fill_index = staticmethod(Skip.fill_index)
-    visible = staticmethod(Deepest.visible)
+    name = "always-last"
 
     @staticmethod
-    def read_slots(step: int, slot: int, depth: Tensor, num_new: int, slots: SlotRule) -> Tensor | None:
-        held = slots.entries(_with_new(depth, step, num_new)).clamp(min=1, max=slot + 1)
-        drawn = (torch.rand(held.shape, device=depth.device) * held).long().clamp(max=held - 1)
-        return torch.where(_lacking_rows(slot, depth, slots)[:, None], drawn, slot)
+    def choose(held: Tensor, slot: int) -> Tensor:
+        return (held - 1).clamp(min=0)
+
+
+@dataclass(frozen=True)
+class Randomized(_PerRead):
+    """The official `randomized` (a sanity check): a uniformly drawn slot at or below this one that the
+    column wrote. Draws use torch's global RNG, as the official code does."""
+
+    name = "randomized"
+
+    @staticmethod
+    def choose(held: Tensor, slot: int) -> Tensor:
+        count = held.clamp(min=1, max=slot + 1)
+        return (torch.rand(count.shape, device=count.device) * count).long().clamp(max=count - 1)
 
 
 LookupRule = Deepest | Skip | Full | AlwaysLast | Randomized

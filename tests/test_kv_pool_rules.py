@@ -6,12 +6,11 @@ which rows sit at different core steps and close at different depths) and checks
 each row reads against the same rules, written again here:
 - slots: per-step keeps slot i for step i; shared-K (last-step = shared-1) keeps slot i mod K;
 - lookup deepest: a slot the token did not reach holds its deepest step, d - 1;
-- lookup skip: the column is hidden from steps i >= d (the row's own new column stays visible).
+- lookup skip: the column is hidden from steps i >= d (the row's own new column stays visible);
+- lookup full: the column is hidden from slots it did not write (anchor-K: slot min(i, K)).
 """
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
@@ -25,20 +24,24 @@ TOKENS = [[5, 2, 3, 1], [1, 5, 4, 2], [3, 3, 1, 5]]  # depth of each generated t
 START = [0, 2, 1]  # idle calls before a row's first token, so rows in one call are at different steps
 
 
+SLOT_OF = {"per-step": lambda s: s, "shared-3": lambda s: s % 3, "last-step": lambda s: 0,
+           "anchor-2": lambda s: min(s, 2)}
+
+
 def expected(spec: str, written: dict, depth: int, step: int, col: int, row: int) -> tuple[bool, object]:
     """(visible, key) the rule gives for an older column that ran `depth` steps, read at `step`."""
-    k = {"per-step": math.inf, "shared-3": 3, "last-step": 1}[spec.split("+")[0]]
+    slot_of = SLOT_OF[spec.split("+")[0]]
     if spec.endswith("+skip") and depth <= step:
         return False, None
-    slot = step if k == math.inf else step % k
-    if slot < depth:  # the latest step of this slot the token ran
-        held = max(s for s in range(depth) if (s if k == math.inf else s % k) == slot)
-    else:
-        held = depth - 1  # deepest entry
+    same = [s for s in range(depth) if slot_of(s) == slot_of(step)]
+    if spec.endswith("+full") and not same:  # full: hidden where it did not write the slot
+        return False, None
+    held = max(same) if same else depth - 1  # the latest step of this slot it ran, else its deepest
     return True, written[(held, col, row)]
 
 
-@pytest.mark.parametrize("spec", ["per-step", "shared-3", "last-step", "per-step+skip", "shared-3+skip"])
+@pytest.mark.parametrize("spec", ["per-step", "shared-3", "last-step", "per-step+skip", "shared-3+skip",
+                                  "per-step+full", "shared-3+full", "anchor-2", "anchor-2+skip", "anchor-2+full"])
 def test_the_pool_follows_the_rule_with_rows_at_different_steps(spec):
     policy = parse_kv_policy(spec)
     slots = policy.slots.num_slots(R)

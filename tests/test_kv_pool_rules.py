@@ -42,7 +42,10 @@ def expected(spec: str, written: dict, depth: int, step: int, col: int, row: int
 
 @pytest.mark.parametrize("spec", ["per-step", "shared-3", "last-step", "per-step+skip", "shared-3+skip",
                                   "per-step+full", "shared-3+full", "anchor-2", "anchor-2+skip", "anchor-2+full"])
-def test_the_pool_follows_the_rule_with_rows_at_different_steps(spec):
+@pytest.mark.parametrize("initial_slots", [64, 1], ids=["sized", "growing"])
+def test_the_pool_follows_the_rule_with_rows_at_different_steps(spec, initial_slots, monkeypatch):
+    """`growing`: the pool starts from one core slot, so slots are added after columns closed at mixed depths."""
+    monkeypatch.setattr(SlotKVPool, "INITIAL_SLOTS", initial_slots)
     policy = parse_kv_policy(spec)
     slots = policy.slots.num_slots(R)
     g = torch.Generator().manual_seed(0)

@@ -297,3 +297,20 @@ def test_transformers_loop_follows_the_compression(tiny, strategy):
     assert torch.equal(own_loop, ours.sequences)
     shared = generate(tiny, x, kv_policy=strategy, output_logits=True, **fixed).logits
     assert not torch.allclose(shared, generate(tiny, x, output_logits=True, **fixed).logits)  # the rule applies
+
+
+def test_serving_batch_growing_its_slots_equals_generate_alone(tiny, monkeypatch):
+    """The pool allocates core slots as steps are reached; rows under different rules settle the new ones."""
+    from recurrent_depth.serving.kv_pool import SlotKVPool
+
+    monkeypatch.setattr(SlotKVPool, "INITIAL_SLOTS", 1)
+    deep_tokens = dict(ADAPTIVE, num_steps=2, max_steps=12, exit_threshold=1e-4)  # prompt at 2 steps, tokens deeper
+    jobs = [([5, 9, 2, 7], deep_tokens),
+            ([1, 2], dict(deep_tokens, kv_policy="latest-m4-compress-anchor", max_new_tokens=4)),
+            ([3, 3, 3], dict(deep_tokens, kv_policy="full"))]
+    out = serve_in_one_batch(tiny, jobs)
+    assert max(r.steps for r in out[0]) > 2  # slots were added after the prompt's columns closed
+    for j, (prompt, kw) in enumerate(jobs):
+        alone = generate(tiny, torch.tensor(prompt), **kw)
+        assert [r.token for r in out[j]] == alone.token_lists()[0]
+        assert [r.steps for r in out[j]] == alone.steps[0].tolist()

@@ -200,6 +200,8 @@ class FlatGroups:
         return torch.div(depth * self.core_layers + self.size - 1, self.size, rounding_mode="floor")
 
     def bind(self, core_layers: int) -> FlatGroups:
+        if core_layers != self.core_layers:
+            raise ValueError(f"kv_policy {self.name!r} was bound to {self.core_layers} core layers, not {core_layers}")
         return self
 
 

@@ -58,13 +58,19 @@ class SlotKVPool:
         self.policies: dict[int, KVPolicy] = {}  # row -> its request's policy
 
     # ------------------------------------------------------------------ sizing
+    INITIAL_SLOTS = 64  # core slots `reserve` allocates at most; deeper steps grow them (`_grow_slots`)
+
     def reserve(self, slots: int, rows: int, capacity: int, max_rows: int, max_capacity: int) -> None:
-        """Make room for at least these many core slots, rows and columns (copies on growth).
+        """Make room for at least these many rows and columns, and core slots up to `INITIAL_SLOTS`
+        (copies on growth).
 
         Rows and columns grow geometrically (up to `max_rows` / `max_capacity`), so a stream of
-        slightly larger requests does not copy the storage every time.
+        slightly larger requests does not copy the storage every time. Core slots beyond
+        `INITIAL_SLOTS` are allocated when a step first writes them, so a very deep request holds
+        only the steps it reached (10^5 steps would otherwise zero gigabytes before its first step,
+        and its deadline could not stop that).
         """
-        new_s = max(self.slots, slots)
+        new_s = max(self.slots, min(slots, self.INITIAL_SLOTS))
         new_r = self.rows if rows <= self.rows else min(max(rows, 2 * self.rows), max(rows, max_rows))
         new_c = self.capacity if capacity <= self.capacity else min(
             max(capacity, 2 * self.capacity), max(capacity, max_capacity)
@@ -78,6 +84,29 @@ class SlotKVPool:
         depth[: self.depth.shape[0], : self.depth.shape[1]] = self.depth
         self.depth = depth
         self.slots, self.rows, self.capacity = new_s, new_r, new_c
+
+    def _grow_slots(self, slot: int) -> None:
+        """Allocate core slots up to `slot` (doubling). Closed columns reached fewer slots than were
+        held, so each row's lookup rule settles the new ones from the old (`Deepest`: the deepest)."""
+        old = self.slots
+        new = old
+        while new <= slot:
+            new *= 2
+        for base, (K, V) in self.kv.items():
+            if base[0] != "core":
+                continue
+            grown = []
+            for store in (K, V):
+                bigger = self._regrow(store, new, self.rows, self.capacity)
+                for row, policy in self.policies.items():
+                    src = policy.lookup.fill_index(self.depth[row : row + 1], new)  # [new, 1, C] or None
+                    if src is not None:  # (slots this row's rule never uses may take any entry)
+                        src = src[old:, 0].clamp(max=old - 1)
+                        index = src[:, None, :, None].expand(new - old, *store.shape[2:])
+                        bigger[old:, row] = torch.gather(store[:, row], 0, index)
+                grown.append(bigger)
+            self.kv[base] = (grown[0], grown[1])
+        self.slots = new
 
     @staticmethod
     def _regrow(old: Tensor, S: int, R: int, C: int) -> Tensor:
@@ -122,6 +151,8 @@ class SlotKVPool:
         self._contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
         self._cols = cols
         self._read_len = read_len
+        if core_slots and max(core_slots) >= self.slots:
+            self._grow_slots(max(core_slots))
         if core_slots is None or len(set(core_slots)) == 1:
             self._token_slots = core_slots[0] if core_slots else 0
         else:
@@ -150,8 +181,10 @@ class SlotKVPool:
     def update_heads(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """`update_kv` in head-major layout: k, v `[B, Hkv, T, D]` in, `[B, Hkv, L, D]` out."""
         base = key[:2] if key[0] == "core" else key
-        K, V = self._storage(base, k, v)
         slot = self._slot(key)
+        if isinstance(slot, int) and slot >= self.slots:  # a prefill's step (token calls grow in bind_tokens)
+            self._grow_slots(slot)
+        K, V = self._storage(base, k, v)
         if self._cols is None:  # prefill: one row, columns [0, T)
             r, T = self._rows[0], self._prefill_len
             K[slot, r, :, :T] = k[0]
@@ -207,6 +240,7 @@ class SlotKVPool:
     def _settle(self, row: int, cols: slice | int, depth: int, row_slots: int) -> None:
         """Columns `cols` of `row` ran `depth` steps: record it and let the row's lookup rule fill."""
         self.depth[row, cols] = depth
+        row_slots = min(row_slots, self.slots)  # slots allocated later are settled by `_grow_slots`
         if not 0 < depth < row_slots:  # under a budget k, d >= k wrote every slot (then n <= d)
             return
         src = self.policies[row].lookup.fill_index(torch.tensor([[depth]], device=self.device), row_slots)

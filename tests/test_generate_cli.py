@@ -97,7 +97,7 @@ def test_cli_modes_run(model_dir, capsys, flags):
 def test_cli_bad_arguments_exit_with_a_message(model_dir, capsys):
     assert main(["generate", "--model", str(model_dir), "--prompt", "x", "--kv-budget", "0"]) == 2
     assert main(["generate", "--model", str(model_dir), "--prompt", "x", "--kv-policy", "shared-0"]) == 2
-    assert "kv_budget=0" in capsys.readouterr().err
+    assert "--kv-budget=0" in capsys.readouterr().err  # the flag, in the caller's terms (issue 17)
     assert main(["generate", "--model", str(model_dir / "missing"), "--prompt", "x"]) == 2
     assert "no such directory" in capsys.readouterr().err  # not "has no tokenizer.json"
 

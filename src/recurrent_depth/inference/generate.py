@@ -10,8 +10,9 @@ import torch
 from torch import Tensor
 
 from recurrent_depth.inference import autoregressive, parallel, speculative
-from recurrent_depth.inference.options import GenerationOptions
+from recurrent_depth.inference.options import GenerationOptions, OptionError
 from recurrent_depth.inference.output import GenerationOutput, TokenEvent
+from recurrent_depth.inference.schema import OFFICIAL_ALIASES, canonical, kwarg_spelling, unknown_names
 from recurrent_depth.inference.session import Session, prepare_inputs
 
 _LOOPS = {"autoregressive": autoregressive.decode, "speculative": speculative.decode, "parallel": parallel.decode}
@@ -67,22 +68,37 @@ def _nothing(session: Session) -> Iterator[TokenEvent]:
     yield from ()
 
 
-def _options(kwargs: dict[str, Any]) -> tuple[GenerationOptions, Any, Any]:
+def _options(kwargs: dict[str, Any]) -> tuple[GenerationOptions, Any, Any, dict[str, str]]:
+    """Keyword arguments (ours or the official aliases) -> options, tokenizer, streamer, and the
+    names the caller used (errors speak of those)."""
     tokenizer = kwargs.pop("tokenizer", None)
     streamer = kwargs.pop("streamer", None)
-    unknown = set(kwargs) - GenerationOptions.names()
+    unknown = unknown_names(kwargs, GenerationOptions.names() | set(OFFICIAL_ALIASES))
     if unknown:
-        known = sorted(GenerationOptions.names())
-        raise ValueError(f"unknown generation argument(s) {sorted(unknown)}; known: {known}")
-    return GenerationOptions(**kwargs), tokenizer, streamer
+        raise ValueError(
+            f"unknown generation argument(s) {unknown}; known: {sorted(GenerationOptions.names())} and the "
+            f"official names {sorted(OFFICIAL_ALIASES)}"
+        )
+    values, given_as = canonical(kwargs)
+    return GenerationOptions(**values), tokenizer, streamer, given_as
+
+
+def _stream(model: Any, input_ids: Any, attention_mask: Any, options: GenerationOptions, tokenizer: Any,
+            given_as: dict[str, str]) -> GenerationStream:
+    try:
+        return GenerationStream(model, input_ids, attention_mask, options, tokenizer)
+    except OptionError as exc:
+        if not given_as or all(k == v for k, v in given_as.items()):
+            raise
+        raise exc.spelled(kwarg_spelling(given_as)) from None
 
 
 def stream_generate(model: Any, input_ids: Any, attention_mask: Any = None, **kwargs: Any) -> GenerationStream:
     """Like `generate`, but returns a `GenerationStream` that yields each token as it is committed."""
-    options, tokenizer, streamer = _options(kwargs)
+    options, tokenizer, streamer, given_as = _options(kwargs)
     if streamer is not None:
         raise ValueError("stream_generate yields events itself; pass streamer= to generate instead")
-    return GenerationStream(model, input_ids, attention_mask, options, tokenizer)
+    return _stream(model, input_ids, attention_mask, options, tokenizer, given_as)
 
 
 def generate(
@@ -149,8 +165,8 @@ def generate(
         do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
         stop=stop, init_scale=init_scale, tokenizer=tokenizer, **more,
     )
-    options, tokenizer, _ = _options(kwargs)
-    stream = GenerationStream(model, input_ids, attention_mask, options, tokenizer)
+    options, tokenizer, _, given_as = _options(kwargs)
+    stream = _stream(model, input_ids, attention_mask, options, tokenizer, given_as)
     for event in stream:
         if streamer is not None:
             streamer(event)

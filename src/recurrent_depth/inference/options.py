@@ -3,15 +3,39 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
 from recurrent_depth.inference.cache import CACHE_IMPLEMENTATIONS
-from recurrent_depth.inference.criteria import CriterionSpec, resolve_criterion
+from recurrent_depth.inference.criteria import CRITERIA, CriterionSpec, resolve_criterion
 from recurrent_depth.model.cache import KVPolicy, parse_kv_policy
 
 SAMPLERS = ("autoregressive", "parallel")
 PARALLEL_CRITERIA = ("latent-diff", "cosine")
+
+
+class OptionError(ValueError):
+    """A bad generation option: `field` is the option at fault, the message speaks of fields by
+    their `GenerationOptions` names; `spelled` re-words it in a caller's terms (a CLI flag, a JSON
+    field, an official kwarg) without parsing it."""
+
+    def __init__(self, field: str, message: str, spelling: Any = None) -> None:
+        self.field = field
+        self.message = message
+        super().__init__(message if spelling is None else spell(message, spelling))
+
+    def spelled(self, spelling: Any) -> OptionError:
+        """The same error with every option name `n` in the message written `spelling(n)`."""
+        return OptionError(self.field, self.message, spelling)
+
+
+def spell(message: str, spelling: Any) -> str:
+    """`message` with option names re-spelled: names with an underscore wherever they stand as a
+    word, one-word names (stop, seed, ...) only as `name=`, where they cannot be ordinary words."""
+    names = sorted(GenerationOptions.names(), key=len, reverse=True)
+    pattern = "|".join(rf"{n}(?![\w-])" if "_" in n else rf"{n}(?==)" for n in names)
+    return re.sub(rf"(?<![\w\-.])(?:{pattern})", lambda m: spelling(m.group(0)), message)
 
 
 @dataclass
@@ -80,7 +104,7 @@ class GenerationOptions:
                 return
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 extra = "None or " if allow_none else ""
-                raise ValueError(f"{name}={value!r} is invalid: expected {extra}an integer >= {low}")
+                raise OptionError(name, f"{name}={value!r} is invalid: expected {extra}an integer >= {low}")
 
         def number(name: str, low: float, high: float, low_open: bool, high_open: bool = False,
                    allow_none: bool = False) -> None:
@@ -98,7 +122,9 @@ class GenerationOptions:
                 lo = "(" if low_open else "["
                 hi = ")" if high_open else "]"
                 extra = "None or " if allow_none else ""
-                raise ValueError(f"{name}={value!r} is invalid: expected {extra}a number in {lo}{low}, {high}{hi}")
+                raise OptionError(
+                    name, f"{name}={value!r} is invalid: expected {extra}a number in {lo}{low}, {high}{hi}"
+                )
 
         if self.num_steps is None:
             self.num_steps = mean_recurrence
@@ -123,33 +149,47 @@ class GenerationOptions:
         number("init_scale", 0, math.inf, low_open=False, high_open=True)
         for name in ("warm_start", "do_sample", "fast", "output_logits"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: expected True or False")
+                raise OptionError(name, f"{name}={getattr(self, name)!r} is invalid: expected True or False")
         if self.sampler not in SAMPLERS:
-            raise ValueError(f"sampler={self.sampler!r} is invalid: expected one of {SAMPLERS}")
+            raise OptionError("sampler", f"sampler={self.sampler!r} is invalid: expected one of {SAMPLERS}")
         if self.cache_implementation not in CACHE_IMPLEMENTATIONS:
-            raise ValueError(
+            raise OptionError(
+                "cache_implementation",
                 f"cache_implementation={self.cache_implementation!r} is invalid: expected one of "
                 f"{CACHE_IMPLEMENTATIONS}"
             )
-        self.criterion, self.threshold = resolve_criterion(self.exit_criterion, self.exit_threshold)
-        self.policy = parse_kv_policy(self.kv_policy, self.kv_budget)
+        try:
+            self.criterion, self.threshold = resolve_criterion(self.exit_criterion, self.exit_threshold)
+        except ValueError as exc:
+            name_ok = self.exit_criterion is None or self.exit_criterion in CRITERIA
+            raise OptionError("exit_threshold" if name_ok else "exit_criterion", str(exc)) from None
+        try:
+            self.policy = parse_kv_policy(self.kv_policy, self.kv_budget)
+        except ValueError as exc:
+            raise OptionError("kv_policy", str(exc)) from None
+        explicit_max_steps = self.max_steps is not None
         if self.max_steps is not None and self.criterion is None and self.sampler != "parallel":
-            raise ValueError(
+            raise OptionError(
+                "max_steps",
                 f"max_steps={self.max_steps} only applies with an exit_criterion (fixed depth runs num_steps)"
             )
         if self.max_steps is None:
             self.max_steps = self.num_steps
         if self.criterion is not None and self.min_steps > self.max_steps:
-            raise ValueError(f"min_steps={self.min_steps} is invalid: expected <= max_steps={self.max_steps}")
+            raise OptionError(
+                "min_steps", f"min_steps={self.min_steps} is invalid: expected <= max_steps={self.max_steps}"
+            )
         if self.criterion is not None and self.max_steps < 1:
-            raise ValueError("adaptive exit needs max_steps >= 1 (num_steps=0 runs no recurrence)")
+            raise OptionError("max_steps" if explicit_max_steps else "num_steps",
+                              "adaptive exit needs max_steps >= 1 (num_steps=0 runs no recurrence)")
 
         mode = self.mode
         if self.teacher_tokens is not None and mode == "speculative":
-            raise ValueError("teacher_tokens (teacher forcing) does not combine with draft_steps")
+            raise OptionError("teacher_tokens", "teacher_tokens (teacher forcing) does not combine with draft_steps")
         if mode == "speculative":
             if self.draft_steps >= self.num_steps:
-                raise ValueError(
+                raise OptionError(
+                    "draft_steps",
                     f"draft_steps={self.draft_steps} is invalid: the draft must be cheaper than the verifier, "
                     f"expected an integer in [0, num_steps={self.num_steps})"
                 )
@@ -157,31 +197,36 @@ class GenerationOptions:
                          "do_sample": self.do_sample, "repetition_penalty": self.repetition_penalty != 1.0}
             bad = [name for name, on in conflicts.items() if on]
             if bad:
-                raise ValueError(
+                raise OptionError(
+                    "draft_steps",
                     f"self-speculative decoding (draft_steps={self.draft_steps}) is greedy at a fixed depth; "
                     f"it does not combine with {', '.join(bad)}"
                 )
         if mode == "parallel":
             if self.draft_steps is not None or self.warm_start or self.repetition_penalty != 1.0:
-                raise ValueError(
+                raise OptionError(
+                    "sampler",
                     "sampler='parallel' does not combine with draft_steps, warm_start or repetition_penalty"
                 )
             if self.kv_budget not in (None, 1):
-                raise ValueError(
+                raise OptionError(
+                    "kv_budget",
                     f"kv_budget={self.kv_budget} is invalid for sampler='parallel': the wavefront keeps one KV "
                     "entry per core layer (the latest); expected None or 1"
                 )
             if self.kv_policy not in (None, "last-step", "last-step+deepest", "deepest"):
-                raise ValueError(
+                raise OptionError(
+                    "kv_policy",
                     f"kv_policy={self.kv_policy!r} is invalid for sampler='parallel': the wavefront keeps one KV "
                     "entry per core layer (the latest); expected None or 'last-step'"
                 )
             self.policy = parse_kv_policy("last-step")
             if self.criterion is not None and self.criterion.name not in PARALLEL_CRITERIA:
-                raise ValueError(
+                raise OptionError(
+                    "exit_criterion",
                     f"exit_criterion={self.exit_criterion!r} is invalid for sampler='parallel': positions freeze "
                     f"on a latent criterion, expected None (freeze at max_steps) or one of {PARALLEL_CRITERIA}"
                 )
             if self.max_steps < 1:
-                raise ValueError("sampler='parallel' needs num_steps (or max_steps) >= 1")
+                raise OptionError("sampler", "sampler='parallel' needs num_steps (or max_steps) >= 1")
         return self

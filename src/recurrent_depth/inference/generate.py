@@ -88,7 +88,7 @@ def _stream(model: Any, input_ids: Any, attention_mask: Any, options: Generation
     try:
         return GenerationStream(model, input_ids, attention_mask, options, tokenizer)
     except OptionError as exc:
-        if not given_as or all(k == v for k, v in given_as.items()):
+        if not given_as:
             raise
         raise exc.spelled(kwarg_spelling(given_as)) from None
 

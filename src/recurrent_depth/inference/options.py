@@ -175,13 +175,13 @@ class GenerationOptions:
             )
         if self.max_steps is None:
             self.max_steps = self.num_steps
+        if self.criterion is not None and self.max_steps < 1:
+            raise OptionError("max_steps" if explicit_max_steps else "num_steps",
+                              "adaptive exit needs max_steps >= 1 (num_steps=0 runs no recurrence)")
         if self.criterion is not None and self.min_steps > self.max_steps:
             raise OptionError(
                 "min_steps", f"min_steps={self.min_steps} is invalid: expected <= max_steps={self.max_steps}"
             )
-        if self.criterion is not None and self.max_steps < 1:
-            raise OptionError("max_steps" if explicit_max_steps else "num_steps",
-                              "adaptive exit needs max_steps >= 1 (num_steps=0 runs no recurrence)")
 
         mode = self.mode
         if self.teacher_tokens is not None and mode == "speculative":

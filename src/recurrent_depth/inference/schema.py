@@ -227,7 +227,7 @@ def official_auto_threshold(criterion: Any) -> float:
 
 
 def canonical(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
-    """Official names -> our options: (options by field name, {field: the name the caller used}).
+    """Official names -> our options: (options by field name, {field: the alias the caller used}).
 
     A value equal to the option's default counts as not given, so `rd.generate`'s flat keyword
     defaults never clash with an alias; two different values for one option are an OptionError."""
@@ -247,7 +247,10 @@ def canonical(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
             raise OptionError(field, f"{first} and {name} set the same option ({field}); give one of them")
         if field not in out or _is_set(value, default):
             out[field] = value
-            given_as[field] = name
+            if alias is not None:
+                given_as[field] = name
+            else:
+                given_as.pop(field, None)
     if isinstance(out.get("exit_threshold"), str) and out["exit_threshold"] == AUTO:
         out["exit_threshold"] = official_auto_threshold(out.get("exit_criterion"))
     return out, given_as

@@ -5,11 +5,14 @@ what was received and what is allowed (never a stack trace, never a silent clamp
 fields we do not implement are ignored when they cannot change the result (`user`,
 `stream_options` beyond `include_usage`, `metadata`, ...) and refused when they would
 (`logit_bias`, `presence_penalty`/`frequency_penalty` other than 0, `suffix`, `best_of` other
-than n, tools, non-text response formats). Test-time compute knobs are extra body fields
-(`extra_body=` in the openai client): `num_steps`, `exit_criterion`, `exit_threshold`,
-`min_steps`, `max_steps`, `kv_budget`, `kv_policy`, `warm_start`, `draft_steps`, `lookahead`,
-`verification_threshold`, `init_scale`, plus `top_k`, `min_p`, `repetition_penalty`,
-`ignore_eos`, `stop_token_ids`, `add_special_tokens` and `return_steps`.
+than n, tools, non-text response formats); any other field is a 400 naming it. Test-time
+compute knobs are extra body fields (`extra_body=` in the openai client), the options the schema
+(`recurrent_depth.inference.schema`, `http=True`) offers over HTTP, with the official aliases:
+`num_steps`, `exit_criterion` (`criterion`), `exit_threshold` (a number or "auto"), `min_steps`,
+`max_steps`, `kv_budget`, `kv_policy` (`cache_lookup_strategy`), `warm_start`
+(`continuous_compute`), `draft_steps`, `lookahead` (`lookahead_for_draft`),
+`verification_threshold`, `init_scale`, `top_k`, `min_p`, `repetition_penalty`; plus the
+server's `ignore_eos`, `stop_token_ids`, `add_special_tokens` and `return_steps`.
 """
 
 from __future__ import annotations
@@ -19,9 +22,21 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from recurrent_depth.inference.criteria import CRITERIA
-from recurrent_depth.inference.options import GenerationOptions
-from recurrent_depth.model.cache import parse_kv_policy
+from recurrent_depth.inference.options import GenerationOptions, OptionError
+from recurrent_depth.inference.schema import OFFICIAL_ALIASES, OPTIONS, canonical, check_type, names_for
+
+HTTP_OPTIONS = names_for("http")  # the schema's extra body fields, official aliases included
+# The standard OpenAI fields of /v1/completions and /v1/chat/completions (read, or ignored where
+# they cannot change the result, or refused by `refuse_unsupported`) and this server's own extras.
+OPENAI_FIELDS = frozenset({
+    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "stream", "stream_options", "stop",
+    "seed", "temperature", "top_p", "logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_bias",
+    "presence_penalty", "frequency_penalty", "user", "metadata", "store", "service_tier", "parallel_tool_calls",
+    "tools", "tool_choice", "functions", "function_call", "response_format", "modalities", "reasoning_effort",
+    "prediction", "audio", "web_search_options", "verbosity", "prompt_cache_key", "safety_identifier",
+})
+SERVER_FIELDS = frozenset({"ignore_eos", "stop_token_ids", "add_special_tokens", "return_steps", "prompt_logprobs"})
+KNOWN_FIELDS = OPENAI_FIELDS | SERVER_FIELDS | set(HTTP_OPTIONS)
 
 
 class APIError(Exception):
@@ -174,6 +189,7 @@ class Sampling:
     seed: int | None
     return_steps: bool
     generation: dict[str, Any] = field(default_factory=dict)  # `generate` keyword arguments
+    given_as: dict[str, str] = field(default_factory=dict)  # option -> the JSON field the client sent
 
     @property
     def speculative(self) -> bool:
@@ -191,14 +207,10 @@ class Sampling:
             )
         try:
             return GenerationOptions(max_new_tokens=max_tokens, **self.generation).validate(limits.mean_recurrence)
-        except ValueError as exc:
-            # `generate`'s own check; it speaks of do_sample where the wire format has temperature.
-            message = str(exc).replace("do_sample", "temperature > 0 (send temperature: 0)")
-            head = message.split(" ", 1)[0]
-            name = head.split("=", 1)[0] if "=" in head else None
-            if name is None:
-                name = next((f for f in ("draft_steps", "max_steps", "exit_criterion") if f in message), None)
-            raise bad(name, message) from None
+        except OptionError as exc:
+            spelling = http_spelling(self.given_as)
+            param = "temperature" if exc.field == "do_sample" else spelling(exc.field)
+            raise bad(param, str(exc.spelled(spelling))) from None
 
 
 def parse_sampling(body: dict, limits: Limits, served_names: set[str], eos_configured: bool) -> Sampling:
@@ -208,6 +220,10 @@ def parse_sampling(body: dict, limits: Limits, served_names: set[str], eos_confi
     if model is not None and model not in served_names:
         raise APIError(404, f"the model {model!r} does not exist; this server serves {sorted(served_names)}",
                        param="model", code="model_not_found")
+    unknown = sorted(set(body) - KNOWN_FIELDS)
+    if unknown:
+        raise bad(unknown[0], f"'{unknown[0]}' is not a field of this server; the generation options are "
+                              f"{sorted(HTTP_OPTIONS)} (see docs/inference.md)")
     n = get_int(body, "n", 1, 1, limits.max_n, nullable=True) or 1
     refuse_unsupported(body, n)
     stream = get_bool(body, "stream", False)
@@ -237,63 +253,60 @@ def parse_sampling(body: dict, limits: Limits, served_names: set[str], eos_confi
                                     f"got {_describe(body.get('stop_token_ids'))}")
 
     seed = get_int(body, "seed", None, -(2**63), 2**63 - 1)
-    temperature = get_number(body, "temperature", 1.0, 0.0, 100.0)
-    temperature = 1.0 if temperature is None else temperature
-    top_p = get_number(body, "top_p", None, 0.0, 1.0, low_open=True)
-    top_k = body.get("top_k")
-    if top_k in (-1, 0):  # vLLM's spelling of "no top-k"
-        top_k = None
-    top_k = get_int({"top_k": top_k}, "top_k", None, 1)
-    min_p = get_number(body, "min_p", None, 0.0, 1.0)
-    repetition_penalty = get_number(body, "repetition_penalty", 1.0, 0.0, 100.0, low_open=True)
-
-    num_steps = get_int(body, "num_steps", None, 0, limits.max_num_steps)
-    if num_steps is None:
-        num_steps = limits.default_num_steps
-    deepest = num_steps if num_steps is not None else limits.mean_recurrence
-    criterion = body.get("exit_criterion")
-    if criterion is not None and (not isinstance(criterion, str) or criterion not in CRITERIA):
-        raise bad("exit_criterion", f"'exit_criterion'={_describe(criterion)} is unknown: expected null or one "
-                                    f"of {sorted(CRITERIA)}")
-    threshold = get_number(body, "exit_threshold", None, 0.0)
-    min_steps = get_int(body, "min_steps", None, 1, limits.max_num_steps)
-    max_steps = get_int(body, "max_steps", None, 1, limits.max_num_steps)
-    kv_budget = get_int(body, "kv_budget", None, 1, limits.max_num_steps)
-    kv_policy = get_str(body, "kv_policy", None)
-    try:
-        parse_kv_policy(kv_policy, kv_budget)
-    except ValueError as exc:
-        raise bad("kv_policy", str(exc)) from None
-    warm_start = get_bool(body, "warm_start", False)
-    draft_steps = get_int(body, "draft_steps", None, 0, max(0, deepest - 1))
-    lookahead = get_int(body, "lookahead", None, 1, limits.max_lookahead)
-    verification = get_number(body, "verification_threshold", None, 0.0, 1.0, low_open=True)
-    init_scale = get_number(body, "init_scale", None, 0.0, 100.0)
     ignore_eos = get_bool(body, "ignore_eos", False)
-    if ignore_eos and draft_steps is not None and eos_configured:
-        raise bad("ignore_eos", "'ignore_eos' cannot be combined with 'draft_steps' for a model whose config "
-                                "sets eos_token_id (speculative sessions always stop there)")
-    if draft_steps is not None and deepest < 1:
-        raise bad("draft_steps", "'draft_steps' needs num_steps >= 1")
-    if criterion is not None and (max_steps if max_steps is not None else deepest) < 1:
-        raise bad("num_steps", f"'exit_criterion'={criterion!r} needs at least one recurrence step, but num_steps is "
-                               f"{deepest}; set num_steps (or max_steps) >= 1")
-
-    generation: dict[str, Any] = dict(
-        num_steps=num_steps, exit_criterion=criterion, exit_threshold=threshold, kv_budget=kv_budget,
-        kv_policy=kv_policy, warm_start=warm_start, draft_steps=draft_steps, do_sample=temperature > 0,
-        temperature=temperature if temperature > 0 else 1.0, top_k=top_k, top_p=top_p, min_p=min_p,
-        repetition_penalty=repetition_penalty if repetition_penalty is not None else 1.0,
-    )
-    for name, value in (("min_steps", min_steps), ("max_steps", max_steps), ("lookahead", lookahead),
-                        ("verification_threshold", verification), ("init_scale", init_scale)):
-        if value is not None:
-            generation[name] = value
+    generation, given_as = generation_fields(body, limits)
+    if ignore_eos and generation.get("draft_steps") is not None and eos_configured:
+        raise bad(given_as.get("draft_steps", "ignore_eos"),
+                  "'ignore_eos' cannot be combined with 'draft_steps' for a model whose config sets eos_token_id "
+                  "(speculative sessions always stop there)")
     return Sampling(
         model=model, max_tokens=None, n=n, stream=stream, include_usage=include_usage, stop=stop,
         stop_token_ids=list(stop_ids), ignore_eos=ignore_eos, seed=seed,
-        return_steps=get_bool(body, "return_steps", False), generation=generation,
+        return_steps=get_bool(body, "return_steps", False), generation=generation, given_as=given_as,
     )
+
+
+def generation_fields(body: dict, limits: Limits) -> tuple[dict[str, Any], dict[str, str]]:
+    """The schema's HTTP options (and official aliases) in `body`, type-checked and bounded by the
+    server's limits, as `generate` keyword arguments (+ the JSON names they came from).
+
+    OpenAI conventions on top: temperature defaults to 1 and 0 means greedy (do_sample is not a
+    wire field); top_k -1 or 0 means no top-k (vLLM's spelling)."""
+    values: dict[str, Any] = {}
+    for name in HTTP_OPTIONS:
+        value = body.get(name)
+        if name == "top_k" and value in (-1, 0) and not isinstance(value, bool):
+            value = None
+        if value is None:
+            continue
+        try:
+            check_type(name, value)
+        except OptionError as exc:
+            raise bad(name, f"'{name}' is invalid: {exc}") from None
+        option = OPTIONS[OFFICIAL_ALIASES[name].field if name in OFFICIAL_ALIASES else name]
+        cap = getattr(limits, option.http_max) if isinstance(option.http_max, str) else option.http_max
+        if cap is not None and isinstance(value, int | float) and value > cap:
+            raise bad(name, f"'{name}'={value} is out of range: this server allows at most {cap}")
+        values[name] = value
+    temperature = values.pop("temperature", 1.0)
+    if temperature < 0:
+        raise bad("temperature", f"'temperature'={temperature} is out of range: expected a number >= 0 (0 = greedy)")
+    values["do_sample"] = temperature > 0
+    if temperature > 0:
+        values["temperature"] = temperature
+    if "num_steps" not in values and limits.default_num_steps is not None:
+        values["num_steps"] = limits.default_num_steps
+    try:
+        return canonical(values)
+    except OptionError as exc:
+        raise bad(exc.field, str(exc)) from None
+
+
+def http_spelling(given_as: dict[str, str]) -> Any:
+    """Fields by their JSON names: the name the client sent, max_tokens for max_new_tokens, and
+    the temperature rule for do_sample (not a wire field)."""
+    wire = {"max_new_tokens": "max_tokens", "do_sample": "temperature > 0 (send temperature: 0)"}
+    return lambda name: given_as.get(name, wire.get(name, name))
 
 
 # ---------------------------------------------------------------------------------------- endpoints

@@ -31,6 +31,8 @@ from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from recurrent_depth.inference.options import OptionError
+from recurrent_depth.inference.schema import OFFICIAL_ALIASES, OPTIONS, canonical, kwarg_spelling, names_for
 from recurrent_depth.integrations.hf_config import HuginnRavenConfig, RecurrentDepthConfig
 from recurrent_depth.model.cache import parse_kv_policy
 from recurrent_depth.model.layers import RMSNorm
@@ -196,17 +198,11 @@ class RecurrentDepthCausalLMOutput(CausalLMOutputWithPast):
     final_state: Tensor | None = None
 
 
-# Options of `recurrent_depth.generate` that transformers' own decoding loop cannot express.
-ROUTED_GENERATE_OPTIONS = (
-    "exit_criterion", "exit_threshold", "min_steps", "max_steps", "warm_start", "draft_steps", "lookahead",
-    "verification_threshold", "sampler", "inner_steps", "headway", "max_wavefront", "seed", "stop",
-    "cache_implementation", "fast", "output_logits",
-)
-# Options both loops understand; passed along when a call is routed to `recurrent_depth.generate`.
-SHARED_GENERATE_OPTIONS = (
-    "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-    "attention_mask", "num_steps", "init_scale", "kv_budget", "kv_policy",
-)
+# From the options schema (inference/schema.py), official aliases included: what only
+# `recurrent_depth.generate` implements (routes the call there) and what transformers' own loop
+# understands too (passed along when a call is routed).
+ROUTED_GENERATE_OPTIONS = names_for("hf", "routed")
+SHARED_GENERATE_OPTIONS = (*names_for("hf", "shared"), "attention_mask")
 # forward() keyword arguments transformers may send that carry no information for this model
 # (generate(..., stop_strings=, tokenizer=) passes the tokenizer on to forward with the model kwargs).
 _IGNORED_FORWARD_KWARGS = ("output_attentions", "cache_position", "logits_to_keep", "token_type_ids", "tokenizer")
@@ -425,19 +421,29 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
     def generate(self, inputs: Tensor | None = None, generation_config: Any = None, **kwargs: Any) -> Any:
         """transformers' `generate`, plus `recurrent_depth.generate` for what it alone implements.
 
-        `num_steps`, `init_scale` and `kv_budget` work in transformers' own loop (greedy, sampling,
-        beam search, stopping criteria...). Any of ``exit_criterion``, ``exit_threshold``,
-        ``warm_start``, ``draft_steps``, ``verification_threshold``, ``min_steps``, ``seed`` or
-        ``stop`` routes the call to `recurrent_depth.generate`; it returns the sequences, or with
-        ``return_dict_in_generate=True`` the library's output (`sequences`, `steps`, ...).
+        `num_steps`, `init_scale`, `kv_budget` and `kv_policy` (official: `cache_lookup_strategy`)
+        work in transformers' own loop (greedy, sampling, beam search, stopping criteria...). Any
+        option the schema marks ``hf="routed"`` (`ROUTED_GENERATE_OPTIONS`: ``exit_criterion``,
+        ``exit_threshold``, ``warm_start``, ``draft_steps``, ..., and the official ``criterion``,
+        ``continuous_compute``, ``lookahead_for_draft``) routes the call to
+        `recurrent_depth.generate`, which also honours ``eos_token_id`` (an id or a list); it
+        returns the sequences, or with ``return_dict_in_generate=True`` the library's output
+        (`sequences`, `steps`, ...).
         """
-        routed = {k: kwargs.pop(k) for k in list(kwargs) if k in ROUTED_GENERATE_OPTIONS}
+        picked = {k: kwargs.pop(k) for k in list(kwargs) if k in ROUTED_GENERATE_OPTIONS or k in OFFICIAL_ALIASES}
+        try:
+            values, given_as = canonical(picked)
+        except OptionError as exc:
+            raise ValueError(f"generate: {exc}") from None
+        routed = {k: v for k, v in values.items() if OPTIONS[k].hf == "routed"}
+        kwargs.update((k, v) for k, v in values.items() if k not in routed)  # e.g. cache_lookup_strategy
         if not routed:
             return super().generate(inputs, generation_config=generation_config, **kwargs)
-        return self._generate_with_library(inputs, generation_config, routed, kwargs)
+        return self._generate_with_library(inputs, generation_config, routed, kwargs, given_as)
 
     def _generate_with_library(
-        self, inputs: Tensor | None, generation_config: Any, routed: dict[str, Any], kwargs: dict[str, Any]
+        self, inputs: Tensor | None, generation_config: Any, routed: dict[str, Any], kwargs: dict[str, Any],
+        given_as: dict[str, str],
     ) -> Any:
         from recurrent_depth.inference import generate as rd_generate
 
@@ -468,15 +474,23 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             given = options.get("stop")
             given = [given] if isinstance(given, str | int) else list(given or [])
             options["stop"] = given + ([stop_strings] if isinstance(stop_strings, str) else list(stop_strings))
-        for name in ("pad_token_id", "eos_token_id", "use_cache"):
-            kwargs.pop(name, None)  # padding and eos follow the model config in the library
+        eos = kwargs.pop("eos_token_id", None)
+        if eos is not None:  # a caller's eos ends its rows (the config's eos stops too)
+            given = options.get("stop")
+            given = [given] if isinstance(given, str | int) else list(given or [])
+            options["stop"] = given + (list(eos) if isinstance(eos, list | tuple) else [eos])
+        for name in ("pad_token_id", "use_cache"):
+            kwargs.pop(name, None)  # padding follows the model config in the library
         if kwargs:
             raise ValueError(
                 f"generate: {sorted(kwargs)} cannot be combined with {sorted(routed)}; those run in "
                 f"recurrent_depth.generate, which also takes {list(SHARED_GENERATE_OPTIONS)}, max_length, "
                 "stop_strings (with tokenizer=) and return_dict_in_generate"
             )
-        out = rd_generate(self.core, input_ids, tokenizer=tokenizer, **options)
+        try:
+            out = rd_generate(self.core, input_ids, tokenizer=tokenizer, **options)
+        except OptionError as exc:
+            raise exc.spelled(kwarg_spelling(given_as)) from None
         return out if return_dict else out.sequences
 
 

@@ -5,7 +5,9 @@
         --tasks rd_chains_mc --include_path $(python -m recurrent_depth.evaluation.tasks) --device cpu
 
 Model args (besides lm-eval's usual ``hf`` ones: ``pretrained``, ``tokenizer``, ``dtype``,
-``batch_size``, ``max_length``, ...):
+``batch_size``, ``max_length``, ...), the options the schema (`recurrent_depth.inference.schema`,
+``lm_eval="model"``) marks, with the official aliases (``criterion``, ``cache_lookup_strategy``,
+``continuous_compute``, ``exit_threshold=auto``):
 
 - ``num_steps``: recurrence depth (default: the model's ``mean_recurrence``);
 - ``exit_criterion`` / ``exit_threshold`` / ``min_steps``: per-token early exit (`kl`,
@@ -15,8 +17,13 @@ Model args (besides lm-eval's usual ``hf`` ones: ``pretrained``, ``tokenizer``, 
   ``shared-4+skip`` (early-exited tokens left out at steps they did not reach);
 - ``warm_start``: each token starts from the previous token's final state;
 - ``init_scale``: scale of the random initial state (0 = deterministic zeros);
-- ``seed``: seeds the initial-state draws, so a run is reproducible;
-- ``steps_log``: a JSON file to which the steps-per-token statistics are written.
+- ``seed`` (this backend's: it seeds the stream of initial-state draws) and ``steps_log`` (a JSON
+  file to which the steps-per-token statistics are written).
+
+``--gen_kwargs`` take lm-eval's ``until`` / ``max_gen_toks`` / ``do_sample`` / ``temperature``
+(greedy unless temperature > 0), the sampling options ``top_k``, ``top_p``, ``min_p``,
+``repetition_penalty`` (``lm_eval="gen"``) and per-request overrides of the model args above;
+any other name is refused with the list.
 
 Scoring requests (`loglikelihood`, `loglikelihood_rolling`) use one batched forward at fixed depth
 with a full cache, else teacher-forced token-by-token recurrence (`evaluation/scoring.py`);
@@ -42,30 +49,25 @@ from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
 from recurrent_depth.evaluation.scoring import Scored, batched_logprobs, stepwise_logprobs
-from recurrent_depth.inference.criteria import resolve_criterion
+from recurrent_depth.inference.options import GenerationOptions, OptionError
+from recurrent_depth.inference.schema import canonical, from_text, kwarg_spelling, names_for, unknown_names
 from recurrent_depth.integrations import register_transformers
-from recurrent_depth.model.cache import parse_kv_policy
 
 log = logging.getLogger(__name__)
 DEFAULT_AUTO_BATCH = 16  # "batch_size=auto" probes GPU memory; on CPU a fixed size is as good
 
 
-def _as_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-        return value.lower() in ("true", "1", "yes")
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    raise ValueError(f"{name}={value!r} is invalid: expected true or false")
+# From the options schema (inference/schema.py), official aliases included.
+MODEL_ARGS = names_for("lm_eval", "model")  # model_args, and per-request gen_kwargs overrides
+GEN_KWARGS = (*MODEL_ARGS, *names_for("lm_eval", "gen"))
 
 
-def _optional_int(name: str, value: Any, low: int) -> int | None:
-    if value is None or (isinstance(value, str) and value.lower() == "none"):
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}={value!r} is invalid: expected None or an integer >= {low}")
-    return value
+def _typed(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """lm-eval's text values (already typed where it could tell) as options by field name."""
+    try:
+        return canonical({k: from_text(k, v) for k, v in values.items()})
+    except OptionError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _resolve_device(device: str | None) -> str:
@@ -85,14 +87,6 @@ class RecurrentDepthEvalLM(HFLM):
     def __init__(
         self,
         pretrained: Any,
-        num_steps: int | None = None,
-        exit_criterion: str | None = None,
-        exit_threshold: float | None = None,
-        min_steps: int = 1,
-        kv_budget: int | None = None,
-        warm_start: bool = False,
-        kv_policy: str | None = None,
-        init_scale: float | None = None,
         seed: int = 0,
         steps_log: str | None = None,
         device: str | None = None,
@@ -100,25 +94,7 @@ class RecurrentDepthEvalLM(HFLM):
         **kwargs: Any,
     ) -> None:
         register_transformers()
-        self.num_steps = _optional_int("num_steps", num_steps, 0)
-        if isinstance(exit_criterion, str) and exit_criterion.lower() == "none":
-            exit_criterion = None
-        if isinstance(exit_threshold, str):
-            try:
-                exit_threshold = float(exit_threshold)
-            except ValueError:
-                raise ValueError(f"exit_threshold={exit_threshold!r} is invalid: expected a number") from None
-        resolve_criterion(exit_criterion, exit_threshold)  # validates both
-        self.exit_criterion, self.exit_threshold = exit_criterion, exit_threshold
-        self.min_steps = _optional_int("min_steps", min_steps, 1) or 1
-        self.kv_budget = _optional_int("kv_budget", kv_budget, 1)
-        parse_kv_policy(kv_policy, self.kv_budget)  # validates both
-        self.kv_policy = kv_policy
-        self.warm_start = _as_bool("warm_start", warm_start)
-        if init_scale is not None and (isinstance(init_scale, bool) or not isinstance(init_scale, int | float)
-                                       or init_scale < 0):
-            raise ValueError(f"init_scale={init_scale!r} is invalid: expected a number >= 0")
-        self.init_scale = init_scale
+        values, given_as = _typed({k: kwargs.pop(k) for k in list(kwargs) if k in MODEL_ARGS})
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed={seed!r} is invalid: expected an integer")
         self.seed = seed
@@ -130,8 +106,17 @@ class RecurrentDepthEvalLM(HFLM):
         kwargs.setdefault("backend", "causal")
         super().__init__(pretrained=pretrained, device=_resolve_device(device), batch_size=batch_size, **kwargs)
         self._core = self.model.core
-        depth = self.num_steps if self.num_steps is not None else self._core.config.mean_recurrence
-        self.depth = depth
+        try:
+            options = GenerationOptions(**values).validate(self._core.config.mean_recurrence)
+        except OptionError as exc:
+            raise exc.spelled(kwarg_spelling(given_as)) from None
+        self.num_steps = values.get("num_steps")
+        self.depth = options.num_steps
+        self.exit_criterion, self.exit_threshold = options.exit_criterion, options.exit_threshold
+        self.min_steps = options.min_steps
+        self.kv_budget, self.kv_policy = options.kv_budget, options.kv_policy
+        self.warm_start = options.warm_start
+        self.init_scale = values.get("init_scale")  # None: the config's
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self.step_counts: dict[str, Counter] = {"loglikelihood": Counter(), "generate_until": Counter()}
 
@@ -229,31 +214,32 @@ class RecurrentDepthEvalLM(HFLM):
 
         kwargs = dict(generation_kwargs)
         attention_mask = kwargs.pop("attention_mask", None)
-        temperature = kwargs.pop("temperature", 0.0)
-        do_sample = kwargs.pop("do_sample", None)
-        if do_sample is None:
-            do_sample = bool(temperature and temperature > 0)
-        options: dict[str, Any] = {"do_sample": bool(do_sample)}
-        if do_sample:
-            options["temperature"] = float(temperature)
-        for name in ("top_k", "top_p", "min_p", "repetition_penalty"):
-            if kwargs.get(name) is not None:
-                options[name] = kwargs.pop(name)
+        unknown = unknown_names(kwargs, GEN_KWARGS)
+        if unknown:
+            raise ValueError(f"generation arguments {unknown} are not supported by the recurrent-depth backend; "
+                             f"it takes {sorted(GEN_KWARGS)}")
+        values, given_as = _typed(kwargs)
+        # lm-eval's convention: greedy unless a temperature > 0 (or do_sample) asks for sampling.
+        temperature = values.pop("temperature", 0.0) or 0.0
+        if values.get("do_sample") is None:
+            values["do_sample"] = temperature > 0
+        if values["do_sample"]:
+            values["temperature"] = float(temperature)
         # Per-request overrides of the model args (lm-eval --gen_kwargs), e.g. num_steps=8.
-        for name, default in (("num_steps", self.depth), ("exit_criterion", self.exit_criterion),
-                              ("exit_threshold", self.exit_threshold), ("min_steps", self.min_steps),
-                              ("kv_budget", self.kv_budget), ("kv_policy", self.kv_policy),
-                              ("warm_start", self.warm_start)):
-            options[name] = kwargs.pop(name, default)
-        if kwargs:
-            raise ValueError(f"generation arguments {sorted(kwargs)} are not supported by the recurrent-depth backend")
+        options: dict[str, Any] = dict(
+            num_steps=self.depth, exit_criterion=self.exit_criterion, exit_threshold=self.exit_threshold,
+            min_steps=self.min_steps, kv_budget=self.kv_budget, kv_policy=self.kv_policy, warm_start=self.warm_start,
+        ) | values
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self._generator))
-        out = rd_generate(
-            self._core, context, max_new_tokens=max_length - context.shape[1], attention_mask=attention_mask,
-            stop=list(stop) if stop else None, tokenizer=self.tokenizer, seed=seed,
-            init_scale=self.init_scale if self.init_scale is not None else self._core.config.init_scale,
-            **options,
-        )
+        options.setdefault("init_scale", self.init_scale if self.init_scale is not None
+                           else self._core.config.init_scale)
+        try:
+            out = rd_generate(
+                self._core, context, max_new_tokens=max_length - context.shape[1], attention_mask=attention_mask,
+                stop=list(stop) if stop else None, tokenizer=self.tokenizer, seed=seed, **options,
+            )
+        except OptionError as exc:
+            raise exc.spelled(kwarg_spelling(given_as)) from None
         for row, n in zip(out.steps.tolist(), out.lengths.tolist()):
             self._record("generate_until", row[:n])
         self._write_steps_log()

@@ -262,3 +262,14 @@ def test_transformers_generate_honours_a_callers_eos_token_id(model_dir, model):
     out = wrapped.generate(prompt()[:1], criterion="kl", exit_threshold=0.0, eos_token_id=[eos], **common,
                            return_dict_in_generate=True)
     assert out.token_lists()[0] == free[: free.index(eos) + 1] and out.finish_reasons == ["stop"]
+
+
+def test_the_docs_options_table_is_the_schemas():
+    from pathlib import Path
+
+    from recurrent_depth.inference.schema import options_markdown
+
+    text = (Path(__file__).parents[1] / "docs" / "inference.md").read_text()
+    start = text.index("<!-- options-table:")
+    table = text[text.index("\n", start) + 1 : text.index("<!-- /options-table -->")]
+    assert table == options_markdown(), "regenerate the table with schema.options_markdown()"

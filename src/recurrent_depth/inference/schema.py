@@ -79,17 +79,21 @@ class Option:
     def allowed(self) -> tuple | None:
         return tuple(self.choices()) if callable(self.choices) else self.choices
 
-    def shown_default(self) -> str:
-        if self.shown is not None:
+    def shown_default(self, cli: bool = False) -> str:
+        """The default as help text shows it (`cli`: the flag's, where the CLI has its own)."""
+        if cli and self.cli_default is not None:
+            value = self.cli_default
+        elif self.shown is not None:
             return self.shown
-        value = self.cli_default if self.cli_default is not None else self.default
+        else:
+            value = self.default
         if isinstance(value, bool):
             return "on" if value else "off"
         return "none" if value is None else str(value)
 
     def describe(self) -> str:
         """The help text with its default, as every interface shows it."""
-        return f"{self.help} (default: {self.shown_default()})"
+        return f"{self.help} (default: {self.shown_default(cli=True)})"
 
 
 def _criteria() -> list[str]:
@@ -147,7 +151,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("repetition_penalty", "sampling", "penalise tokens already in the row, > 1 (CTRL rule; 1 = off)",
            "float", http=True, http_max=100.0, hf="shared", lm_eval="gen"),
     Option("seed", "sampling", "random seed: row b uses seed + b (or one seed per row)", "seed", cli_default=0,
-           hf="routed"),
+           shown="none: fresh randomness; rdepth's --seed 0", hf="routed"),
     Option("stop", "sampling", "stop when this text (or token id) appears; the model's eos always stops",
            "stop", shown="none", hf="routed"),
     Option("fast", "output", "the fused runner; --no-fast runs the model's own modules (the reference)", "bool",
@@ -369,3 +373,21 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 def cli_values(args: argparse.Namespace) -> dict[str, Any]:
     """The options and aliases given on the command line (not None), by their names."""
     return {name: getattr(args, name) for name in names_for("cli") if getattr(args, name, None) is not None}
+
+
+# ---------------------------------------------------------------------------------------- docs
+def options_markdown() -> str:
+    """The options table of docs/inference.md (a test keeps the two equal)."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    aliases = {a.field: a.name for a in OFFICIAL_ALIASES.values()}
+    rows = ["| option | group | default | CLI flag | HTTP | transformers | lm-eval | official name | what |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for o in OPTIONS.values():
+        hf_use = {"shared": "both loops", "routed": "routed"}.get(o.hf or "", "")
+        lm = {"model": "model_args, gen_kwargs", "gen": "gen_kwargs"}.get(o.lm_eval or "", "")
+        official = f"`{aliases[o.name]}`" if o.name in aliases else ""
+        rows.append(f"| `{o.name}` | {o.group} | {cell(o.shown_default())} | {f'`{o.flag}`' if o.cli else ''} | "
+                    f"{'yes' if o.http else ''} | {hf_use} | {lm} | {official} | {cell(o.help)} |")
+    return "\n".join(rows) + "\n"

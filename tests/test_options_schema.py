@@ -12,7 +12,6 @@ from dataclasses import fields
 import pytest
 import torch
 from lm_eval.utils import handle_arg_string
-from transformers import AutoModelForCausalLM
 
 import recurrent_depth as rd
 from recurrent_depth.cli import build_parser, main
@@ -32,9 +31,10 @@ from recurrent_depth.inference.schema import (
 from recurrent_depth.integrations import hf
 from recurrent_depth.serving import protocol
 from recurrent_depth.serving.protocol import APIError, Limits, parse_completion
-from tests.test_hf import make_model_dir
+from tests import test_hf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+model_dir, library_model, hf_model = test_hf.model_dir, test_hf.library_model, test_hf.hf_model  # its fixtures
 
 LIMITS = Limits(max_seq_len=96, mean_recurrence=4, vocab_size=256, max_num_steps=16)
 # `rdepth generate` flags that are not generation options (input, printing, device).
@@ -42,15 +42,8 @@ CLI_OWN = {"help", "model", "tokenizer", "prompt", "max_depth", "stream", "json"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("schema-model")
-    make_model_dir(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def model(model_dir):
-    return rd.RecurrentDepthLM.from_pretrained(model_dir).eval()
+def model(library_model):
+    return library_model.eval()
 
 
 def prompt() -> torch.Tensor:
@@ -131,22 +124,23 @@ def test_http_rejects_an_unknown_field_by_name():
     assert info.value.status == 400 and info.value.param == "num_step" and "'num_step'" in info.value.message
 
 
-def test_transformers_generate_rejects_an_unknown_kwarg_by_name(model_dir):
-    wrapped = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+def test_transformers_generate_rejects_an_unknown_kwarg_by_name(hf_model):
     with pytest.raises(ValueError, match="bogus_knob"):  # transformers' own loop
-        wrapped.generate(prompt(), max_new_tokens=2, bogus_knob=1)
+        hf_model.generate(prompt(), max_new_tokens=2, bogus_knob=1)
     with pytest.raises(ValueError, match="bogus_knob"):  # routed to recurrent_depth.generate
-        wrapped.generate(prompt(), max_new_tokens=2, criterion="kl", bogus_knob=1)
+        hf_model.generate(prompt(), max_new_tokens=2, criterion="kl", bogus_knob=1)
 
 
-def test_lm_eval_rejects_an_unknown_gen_kwarg_by_name(model_dir):
+def test_lm_eval_rejects_an_unknown_arg_by_name(model_dir):
     lm = RecurrentDepthEvalLM(pretrained=str(model_dir), device="cpu", num_steps=2)
     with pytest.raises(ValueError, match="bogus_knob"):
         lm._model_generate(prompt()[:1], 9, [], bogus_knob=1)
+    with pytest.raises(TypeError, match="num_stepz"):  # a model_arg neither we nor HFLM take
+        RecurrentDepthEvalLM(pretrained=str(model_dir), device="cpu", num_stepz=2)
 
 
 # ---------------------------------------------------------------------------------------- errors in the caller's terms
-def test_errors_name_the_option_as_the_caller_spelled_it(model, model_dir, capsys):
+def test_errors_name_the_option_as_the_caller_spelled_it(model, hf_model, model_dir, capsys):
     with pytest.raises(OptionError, match=r"^lookahead_for_draft=0 is invalid") as info:
         rd.generate(model, prompt(), max_new_tokens=2, num_steps=4, draft_steps=1, lookahead_for_draft=0)
     assert info.value.field == "lookahead"
@@ -168,9 +162,8 @@ def test_errors_name_the_option_as_the_caller_spelled_it(model, model_dir, capsy
         parse_completion({"prompt": "x", "criterion": "nope"}, LIMITS, {"m"}, False)
     assert http.value.param == "criterion"
 
-    wrapped = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     with pytest.raises(ValueError, match=r"continuous_compute='yes'"):
-        wrapped.generate(prompt(), max_new_tokens=2, continuous_compute="yes")
+        hf_model.generate(prompt(), max_new_tokens=2, continuous_compute="yes")
     with pytest.raises(ValueError, match=r"^--exit-threshold=-1 "):
         raise OptionError("exit_threshold", "exit_threshold=-1 is invalid").spelled(cli_spelling({}))
 
@@ -213,14 +206,13 @@ def same(a, b) -> bool:
 
 
 @pytest.mark.parametrize("case", list(ALIASES))
-def test_official_aliases_give_our_tokens(model, model_dir, case):
+def test_official_aliases_give_our_tokens(model, hf_model, case):
     official, ours, neighbour = ALIASES[case]
     want = rd.generate(model, prompt(), **COMMON, **ours)
     got = rd.generate(model, prompt(), **COMMON, **official)
     assert same(got, want) and not same(got, rd.generate(model, prompt(), **COMMON, **neighbour))
 
-    wrapped = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    assert same(wrapped.generate(prompt(), **COMMON, **official, return_dict_in_generate=True), want)
+    assert same(hf_model.generate(prompt(), **COMMON, **official, return_dict_in_generate=True), want)
 
     # HTTP and lm-eval hand the same options to generate
     body = {"prompt": "x", "temperature": 0, "init_scale": 0, "num_steps": 12, **official}
@@ -246,20 +238,18 @@ def test_cli_aliases_give_our_tokens(model_dir, capsys):
         "--exit-criterion", "kl", "--exit-threshold", "0.01", "--kv-policy", "per-step+skip")
 
 
-def test_cache_lookup_strategy_alone_stays_in_transformers_loop(model_dir):
-    wrapped = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+def test_cache_lookup_strategy_alone_stays_in_transformers_loop(hf_model):
     common = dict(max_new_tokens=4, num_steps=3, init_scale=0.0, do_sample=False)
-    want = wrapped.generate(prompt(), **common, kv_policy="per-step+deepest")
-    assert torch.equal(wrapped.generate(prompt(), **common, cache_lookup_strategy="latest-m4"), want)
+    want = hf_model.generate(prompt(), **common, kv_policy="per-step+deepest")
+    assert torch.equal(hf_model.generate(prompt(), **common, cache_lookup_strategy="latest-m4"), want)
 
 
-def test_transformers_generate_honours_a_callers_eos_token_id(model_dir, model):
-    wrapped = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+def test_transformers_generate_honours_a_callers_eos_token_id(hf_model, model_dir, model):
     common = dict(max_new_tokens=6, num_steps=4, init_scale=0.0)
     free = rd.generate(model, prompt()[:1], **common).token_lists()[0]
     assert len(set(free)) > 1
     eos = free[2]
-    out = wrapped.generate(prompt()[:1], criterion="kl", exit_threshold=0.0, eos_token_id=[eos], **common,
+    out = hf_model.generate(prompt()[:1], criterion="kl", exit_threshold=0.0, eos_token_id=[eos], **common,
                            return_dict_in_generate=True)
     assert out.token_lists()[0] == free[: free.index(eos) + 1] and out.finish_reasons == ["stop"]
 

@@ -205,12 +205,18 @@ class Sampling:
                 param="max_tokens" if prompt_len < limits.max_seq_len else "prompt",
                 code="context_length_exceeded",
             )
-        try:
-            return GenerationOptions(max_new_tokens=max_tokens, **self.generation).validate(limits.mean_recurrence)
-        except OptionError as exc:
-            spelling = http_spelling(self.given_as)
-            param = "temperature" if exc.field == "do_sample" else spelling(exc.field)
-            raise bad(param, str(exc.spelled(spelling))) from None
+        return validated(self.generation, self.given_as, max_tokens, limits)
+
+
+def validated(generation: dict[str, Any], given_as: dict[str, str], max_tokens: int,
+              limits: Limits) -> GenerationOptions:
+    """`GenerationOptions.validate`, its errors as 400s naming the JSON field."""
+    try:
+        return GenerationOptions(max_new_tokens=max_tokens, **generation).validate(limits.mean_recurrence)
+    except OptionError as exc:
+        spelling = http_spelling(given_as)
+        param = "temperature" if exc.field == "do_sample" else spelling(exc.field)
+        raise bad(param, str(exc.spelled(spelling))) from None
 
 
 def parse_sampling(body: dict, limits: Limits, served_names: set[str], eos_configured: bool) -> Sampling:
@@ -255,6 +261,7 @@ def parse_sampling(body: dict, limits: Limits, served_names: set[str], eos_confi
     seed = get_int(body, "seed", None, -(2**63), 2**63 - 1)
     ignore_eos = get_bool(body, "ignore_eos", False)
     generation, given_as = generation_fields(body, limits)
+    validated(generation, given_as, 1, limits)  # bad options are a 400 before the prompt is read
     if ignore_eos and generation.get("draft_steps") is not None and eos_configured:
         raise bad(given_as.get("draft_steps", "ignore_eos"),
                   "'ignore_eos' cannot be combined with 'draft_steps' for a model whose config sets eos_token_id "

@@ -263,3 +263,14 @@ def test_the_docs_options_table_is_the_schemas():
     start = text.index("<!-- options-table:")
     table = text[text.index("\n", start) + 1 : text.index("<!-- /options-table -->")]
     assert table == options_markdown(), "regenerate the table with schema.options_markdown()"
+
+
+@pytest.mark.parametrize("doc,names", [("serving.md", names_for("http")),
+                                       ("evaluation.md", names_for("lm_eval", "model"))],
+                         ids=["http-fields", "lm-eval-model-args"])
+def test_the_interface_docs_list_the_schemas_options(doc, names):
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / doc).read_text()
+    missing = [n for n in names if f"`{n}`" not in text]
+    assert not missing, f"docs/{doc} does not mention {missing}"

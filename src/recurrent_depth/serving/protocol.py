@@ -289,7 +289,7 @@ def generation_fields(body: dict, limits: Limits) -> tuple[dict[str, Any], dict[
         try:
             check_type(name, value)
         except OptionError as exc:
-            raise bad(name, f"'{name}' is invalid: {exc}") from None
+            raise bad(name, str(exc).replace("None or ", "null or ")) from None
         option = OPTIONS[OFFICIAL_ALIASES[name].field if name in OFFICIAL_ALIASES else name]
         cap = getattr(limits, option.http_max) if isinstance(option.http_max, str) else option.http_max
         if cap is not None and isinstance(value, int | float) and value > cap:

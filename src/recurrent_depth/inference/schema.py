@@ -119,8 +119,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            "bool", http=True, hf="routed", lm_eval="model"),
     Option("kv_budget", "cache", "KV entries per token and core layer: step i uses slot i mod k", "int",
            shown="one per step", http=True, http_max="max_num_steps", hf="shared", lm_eval="model"),
-    Option("kv_policy", "cache", "KV policy '<slots>[+<lookup>]': slots per-step | last-step | shared-K, lookup "
-           "for early-exited tokens deepest | skip, e.g. 'shared-4+skip'", "str", shown="per-step+deepest",
+    Option("kv_policy", "cache", "KV policy '<slots>[+<lookup>]': slots per-step | last-step | shared-K | anchor-K, "
+           "lookup for early-exited tokens deepest | skip | full | always-last | randomized, e.g. 'shared-4+skip', "
+           "or an official cache_lookup_strategy such as 'latest-m4-compress-s16' (docs/inference.md)", "str",
+           shown="per-step+deepest",
            http=True, hf="shared", lm_eval="model"),
     Option("cache_implementation", "cache", "KV storage: preallocated 'static' or the plain 'dynamic' reference",
            "str", choices=CACHE_IMPLEMENTATIONS, hf="routed"),
@@ -163,21 +165,6 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
 
 
 # ---------------------------------------------------------------------------------------- official aliases
-# The official cache lookup strategies our KV policies already implement; the others are refused
-# with the list (their runtime policies are tracked in issue 17).
-_OFFICIAL_LOOKUPS = {"latest-m4": "per-step+deepest", "skip": "per-step+skip"}
-
-
-def official_kv_policy(strategy: Any) -> str:
-    """The KV policy of an official `cache_lookup_strategy` name."""
-    if not isinstance(strategy, str) or strategy not in _OFFICIAL_LOOKUPS:
-        raise ValueError(
-            f"cache_lookup_strategy={strategy!r} is not available: expected one of {sorted(_OFFICIAL_LOOKUPS)} "
-            f"(or give kv_policy)"
-        )
-    return _OFFICIAL_LOOKUPS[strategy]
-
-
 @dataclass(frozen=True)
 class Alias:
     """An official kwarg that sets one of our options (`convert` maps its value)."""
@@ -200,7 +187,7 @@ class Alias:
 
 OFFICIAL_ALIASES: dict[str, Alias] = {a.name: a for a in (
     Alias("criterion", "exit_criterion"),
-    Alias("cache_lookup_strategy", "kv_policy", official_kv_policy),
+    Alias("cache_lookup_strategy", "kv_policy"),  # kv_policy takes the official strategy names
     Alias("continuous_compute", "warm_start"),
     Alias("lookahead_for_draft", "lookahead"),
 )}

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     from recurrent_depth import RecurrentDepthLM
     from recurrent_depth.evaluation.reasoning import ReasoningRunConfig, accuracy_grid, get_task
     from recurrent_depth.evaluation.reasoning.__main__ import difficulty_range
-    from recurrent_depth.evaluation.reasoning.train import save_model, summarize, train_reasoning
+    from recurrent_depth.evaluation.reasoning.train import summarize, train_reasoning
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -47,7 +47,6 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     if args.model is None:
         model, stats = train_reasoning(config)
-        save_model(model, config.out + "/model")
     else:
         model, stats = RecurrentDepthLM.from_pretrained(args.model).eval(), {"model": args.model}
     grid = accuracy_grid(model, get_task(args.task), difficulties, depths, count=args.count, seed=10_000,

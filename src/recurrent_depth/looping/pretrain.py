@@ -2,17 +2,15 @@
 
 No causal LM with weights ships in a package (reference/ecosystem.md §5), so the demo trains one:
 the project's BPE tokenizer and token shards (`recurrent_depth.data`), a `transformers.LlamaConfig`
-model, the project's optimizer recipe (`build_optimizers`, the ``"demo"`` preset's schedule) and a
-plain next-token loop. The result is a normal transformers directory (config.json,
-model.safetensors, tokenizer.json) that `AutoModelForCausalLM` loads, ready to be looped.
-
-The project's `Trainer` builds a `RecurrentDepthLM` from a `ModelConfig`, so it cannot train a
-transformers model; this loop reuses its data pipeline, optimizer and schedule instead.
+model, trained by the project's `Trainer` (the ``"demo"`` optimizer preset and schedule, one forward
+per step: no depth sampler for a plain causal LM). The result is a normal transformers directory
+(config.json, model.safetensors, tokenizer.json) that `AutoModelForCausalLM` loads, ready to be looped.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -98,9 +96,11 @@ def pretrain(out: str | Path, recipe: PretrainRecipe | None = None,
     """Train the demo model; write `<out>/model/` and `<out>/pretrain.json`; return the summary."""
     from transformers import LlamaForCausalLM
 
-    from recurrent_depth.data import build_tokenizer, load_corpus, prepare_dataset, save_tokenizer
-    from recurrent_depth.train.optim import OptimConfig, build_optimizers, clip_and_check_grads
-    from recurrent_depth.train.schedule import set_lr
+    from recurrent_depth.data import build_tokenizer, load_corpus, prepare_dataset
+    from recurrent_depth.train.batches import RowBatches
+    from recurrent_depth.train.config import TrainConfig
+    from recurrent_depth.train.optim import OptimConfig
+    from recurrent_depth.train.trainer import Trainer
 
     recipe = recipe or PretrainRecipe()
     out = Path(out)
@@ -117,55 +117,51 @@ def pretrain(out: str | Path, recipe: PretrainRecipe | None = None,
     specials = tok_meta["special_token_ids"]
     torch.manual_seed(recipe.seed)
     model = LlamaForCausalLM(llama_config(recipe, tok.get_vocab_size(), specials))
-    optim = OptimConfig.from_preset("demo", lr=recipe.lr, warmup_steps=recipe.warmup_steps)
-    optimizer = build_optimizers(model, optim)
-    train = data.dataset("train", seed=recipe.seed)
     val = data.dataset("validation", shuffle=False)
-    val_rows = torch.as_tensor(val.next_batch(min(32, val.num_rows)), dtype=torch.long)
+    val_rows = val.next_batch(min(32, val.num_rows))
 
-    train_start = time.perf_counter()
+    def validation(trainer: Trainer, final: bool) -> dict[str, float] | None:
+        if not final:
+            return None
+        trainer.model.eval()
+        return {"validation_loss": _rows_loss(trainer.model, val_rows, recipe.batch_size)}
+
     cpu_start = time.process_time()
-    losses: list[float] = []
-    model.train()
-    step = 0
-    for step in range(recipe.max_steps):
-        if time.process_time() - cpu_start > 60.0 * recipe.max_cpu_minutes:
-            break
-        set_lr(optimizer, optim.lr_at(step, recipe.max_steps))
-        batch = torch.as_tensor(train.next_batch(recipe.batch_size), dtype=torch.long)
-        logits = model(batch[:, :-1]).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        _, finite = clip_and_check_grads(model.parameters(), optim.grad_clip)
-        if finite:
-            optimizer.step()
-        losses.append(loss.item())
-        if step % 50 == 0:
-            log(f"step {step}: loss {losses[-1]:.3f} ({time.perf_counter() - train_start:.0f}s)")
-    else:
-        step = recipe.max_steps
-    train_s = time.perf_counter() - train_start
+
+    def cpu_budget(trainer: Trainer) -> str | None:
+        spent = time.process_time() - cpu_start > 60.0 * recipe.max_cpu_minutes
+        return "cpu_time" if spent else None
+
+    def progress(trainer: Trainer, record: dict[str, Any]) -> None:
+        if (record["step"] - 1) % 50 == 0:
+            log(f"step {record['step'] - 1}: loss {record['loss']:.3f} ({record['elapsed_s']:.0f}s)")
+
+    cfg = TrainConfig(
+        batch_size=recipe.batch_size, max_steps=recipe.max_steps, seed=recipe.seed, out=str(out),
+        optim=OptimConfig.from_preset("demo", lr=recipe.lr, warmup_steps=recipe.warmup_steps),
+        eval_interval=0, save_every=0, progress=False, tensorboard=False,
+    )
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # the demo always trains from scratch
+    trainer = Trainer(cfg, model=model, data=RowBatches(data.dataset("train", seed=recipe.seed)),
+                      tokenizer_dir=out / "tokenizer", evaluate=validation, stop_when=cpu_budget,
+                      on_step=progress, log=lambda _: None)
+    result = trainer.run()
     train_cpu_s = time.process_time() - cpu_start
-    model.eval()
-    val_loss = _rows_loss(model, val_rows, recipe.batch_size)
-    model_dir = out / MODEL_DIR
-    model.save_pretrained(model_dir)
-    save_tokenizer(tok, model_dir)
+    val_loss = result.final_eval["validation_loss"]
     summary = {
         "recipe": asdict(recipe),
-        "steps": step,
-        "train_seconds": round(train_s, 1),
+        "steps": result.steps,
+        "train_seconds": round(result.elapsed_s, 1),
         "train_cpu_seconds": round(train_cpu_s, 1),
         "total_seconds": round(time.perf_counter() - start, 1),
         "threads": torch.get_num_threads(),
         "parameters": sum(p.numel() for p in model.parameters()),
-        "final_train_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4),
+        "final_train_loss": round(sum(result.losses[-20:]) / max(1, len(result.losses[-20:])), 4),
         "validation_loss": round(val_loss, 4),
         "validation_tokens": int(val_rows[:, 1:].numel()),
-        "model_dir": str(model_dir),
+        "model_dir": str(result.model_dir),
     }
     (out / "pretrain.json").write_text(json.dumps(summary, indent=2) + "\n")
-    log(f"trained {summary['steps']} steps in {train_s:.0f}s ({train_cpu_s:.0f} CPU s): "
-        f"validation loss {val_loss:.3f} -> {model_dir}")
+    log(f"trained {summary['steps']} steps in {result.elapsed_s:.0f}s ({train_cpu_s:.0f} CPU s): "
+        f"validation loss {val_loss:.3f} -> {result.model_dir}")
     return summary

@@ -100,20 +100,16 @@ def clear_previous_run(out: Path) -> None:
         (out / name).unlink(missing_ok=True)
 
 
-def estimate_eval_seconds(trainer, depths: list[int], batches: int) -> float:
-    """Time the final evaluation will take, from one timed batch at a shallow depth (untrained weights
-    cost the same as trained ones)."""
+def estimate_eval_seconds(model, rows: torch.Tensor, depths: list[int], batches: int) -> float:
+    """Time the final evaluation will take, from one timed batch `rows [B, T + 1]` at a shallow depth
+    (untrained weights cost the same as trained ones, so `model` can be a freshly built one)."""
     from recurrent_depth.train.validation import depth_losses
 
-    model = trainer.model
-    rows = next(iter(trainer.val_data.iter_batches(trainer.cfg.batch_size, drop_last=False)))
-    was_training = model.training
     model.eval()
     depth_losses(model, rows, [1])  # warm-up
     start = time.perf_counter()
     depth_losses(model, rows, [4])
     seconds = time.perf_counter() - start
-    model.train(was_training)
     cfg = model.config
     # Cost in layer passes: prelude + 4 steps of the core + coda, vs prelude + max depth steps + a coda per depth.
     probe = cfg.prelude_layers + 4 * cfg.core_layers + cfg.coda_layers + 1
@@ -145,6 +141,7 @@ def quickstart(
 ) -> dict[str, Any]:
     """Run the quickstart within `minutes` of wall time in all; returns the summary (also in summary.json)."""
     from recurrent_depth.data import load_tokenizer, prepare_dataset
+    from recurrent_depth.model.recurrent import RecurrentDepthLM
     from recurrent_depth.train import report
     from recurrent_depth.train.trainer import Trainer
 
@@ -171,17 +168,23 @@ def quickstart(
     prep_seconds = time.perf_counter() - start
 
     cfg = recipe.train_config(out, seed)
-    guard = ThreadGuard(log)
-    trainer = Trainer(cfg, log=log, on_step=guard, eval_deadline=deadline - FIXED_RESERVE_S)
-    per_batch = estimate_eval_seconds(trainer, list(recipe.eval_depths), 1)
+    specials = data.metadata["tokenizer"]["special_token_ids"]
+    probe = RecurrentDepthLM(cfg.model_config(data.metadata["tokenizer"]["vocab_size"],
+                                              bos_token_id=specials["begin_text"], eos_token_id=specials["end_text"],
+                                              pad_token_id=specials["pad"]))
+    val_rows = next(iter(data.dataset("validation", shuffle=False).iter_batches(cfg.batch_size, drop_last=False)))
+    per_batch = estimate_eval_seconds(probe, val_rows, list(recipe.eval_depths), 1)
+    del probe
     # On a slow or busy machine, evaluate fewer batches rather than eat the training time (at least 2).
     affordable = int(0.3 * (deadline - time.perf_counter()) / (1.3 * per_batch))
     eval_batches = max(2, min(recipe.eval_batches, affordable))
     if eval_batches < recipe.eval_batches:
         log(f"this machine is slow right now: evaluating {eval_batches} instead of {recipe.eval_batches} batches")
-        trainer.cfg = trainer.cfg.replace(eval_batches=eval_batches)
+        cfg = cfg.replace(eval_batches=eval_batches)
     reserve = 1.3 * per_batch * eval_batches + FIXED_RESERVE_S
-    trainer.deadline = deadline - reserve
+    guard = ThreadGuard(log)
+    trainer = Trainer(cfg, log=log, on_step=guard, deadline=deadline - reserve,
+                      eval_deadline=deadline - FIXED_RESERVE_S)
     train_window = trainer.deadline - time.perf_counter()
     log(f"training for up to {max(train_window, 0):.0f}s (keeping {reserve:.0f}s for evaluation at depths "
         f"{', '.join(map(str, recipe.eval_depths))} and saving)")

@@ -10,6 +10,12 @@ Then: clip the gradient norm, skip (and count) the step if the norm is not finit
 optimizer(s) at the scheduled learning rate. Parallelism, activation checkpointing and compile
 are applied to the model from outside (see `prepare_model`).
 
+Recipes configure the loop through the constructor rather than writing their own: `model=` (any
+`nn.Module` whose output has `logits` or `loss`, e.g. a transformers causal LM), `data=` (a
+`BatchSource`: fresh problems, an answer-only loss mask through `-100` labels), `depth=` (a sampler
+with `sample(micro_step, rank)`), `evaluate=` (the evaluation hook), `stop_when=` and `deadline=`.
+A model without a depth sampler is called without `num_steps` (one forward, as any causal LM).
+
 Outputs in `cfg.out`: `run.json` (resolved config, versions, hardware, data hashes), `metrics.jsonl`
 (one line per optimizer step, flushed), `eval.jsonl` (validation by depth), `checkpoints/step-N/`,
 `tensorboard/` and, at the end, `model/` (weights + tokenizer: a model directory).
@@ -42,6 +48,7 @@ from recurrent_depth.model.recurrent import RecurrentDepthLM
 from recurrent_depth.train import checkpointing as ckpt
 from recurrent_depth.train import distributed as ddist
 from recurrent_depth.train.allocator import keep_freed_memory
+from recurrent_depth.train.batches import BatchSource, RowBatches
 from recurrent_depth.train.config import TrainConfig
 from recurrent_depth.train.depth import DepthSampler, stream_seed
 from recurrent_depth.train.optim import OptimConfig, build_optimizers, clip_and_check_grads
@@ -99,16 +106,16 @@ class LoopState:
 @dataclass
 class TrainResult:
     out: Path
-    model: RecurrentDepthLM
+    model: nn.Module
     model_dir: Path | None
     steps: int
     tokens: int
     skipped_steps: int
     elapsed_s: float
     stop_reason: str
-    final_eval: DepthEval | None
+    final_eval: Any  # a DepthEval by default; whatever the `evaluate` hook returned otherwise
     last_checkpoint: Path | None
-    tokenizer_dir: Path
+    tokenizer_dir: Path | None
     losses: list[float] = field(default_factory=list)
 
 
@@ -116,6 +123,18 @@ class Trainer:
     """Set up from a `TrainConfig`, then `run()`.
 
     corpus: optional `Corpus` object used instead of `cfg.data` (tests, notebooks).
+    model: a module to train instead of the `RecurrentDepthLM` that `cfg` describes (moved to the device,
+        not re-initialised). Its output needs `logits` (batches with `targets`) or `loss` (batches with
+        `labels`); the final weights are written with its `save_pretrained` when it has one.
+    data: a `BatchSource` used instead of `cfg.data`'s token shards (needs `model`, since the shards'
+        tokenizer is what would set the vocabulary). Without `evaluate`, such a run has no evaluation.
+    tokenizer_dir: a tokenizer directory saved beside the weights (with `data`; the shards bring their own).
+    depth: the depth sampler (`sample(micro_step, rank) -> num_steps`); default: `cfg`'s `DepthSampler`
+        for a `RecurrentDepthLM`, none (no `num_steps` argument) for any other model.
+    evaluate: hook `(trainer, final) -> result` run every `cfg.eval_interval` steps and at the end; a result
+        with `to_dict()` (or a dict) is logged to `eval.jsonl`. Default: validation loss by depth.
+    stop_when: hook `(trainer) -> reason | None` checked before each step, on top of the step, token and
+        time budgets (e.g. a CPU-time budget).
     on_step: optional callback `(trainer, record)` after each optimizer step; may raise `StopTraining`.
     log: where status lines go (default: print on rank 0).
     deadline: optional `time.perf_counter()` value by which training must stop (on top of
@@ -129,15 +148,26 @@ class Trainer:
         cfg: TrainConfig,
         *,
         corpus: Any | None = None,
+        model: nn.Module | None = None,
+        data: BatchSource | None = None,
+        tokenizer_dir: str | Path | None = None,
+        depth: Any | None = None,
+        evaluate: Callable[[Trainer, bool], Any] | None = None,
+        stop_when: Callable[[Trainer], str | None] | None = None,
         on_step: Callable[[Trainer, dict[str, Any]], None] | None = None,
         log: Callable[[str], None] | None = None,
         device: str | None = None,
         deadline: float | None = None,
         eval_deadline: float | None = None,
     ) -> None:
+        if data is not None and model is None:
+            raise ValueError("Trainer(data=...) needs model=... too: without token shards nothing sets the vocabulary")
+        if data is not None and corpus is not None:
+            raise ValueError("Trainer: pass corpus= (a text corpus to tokenize) or data= (a BatchSource), not both")
         self.cfg = cfg
         self.deadline = deadline
         self.eval_deadline = eval_deadline
+        self.stop_when = stop_when
         self.env = ddist.init_distributed(device)
         if cfg.keep_freed_memory and self.env.device.type == "cpu":
             keep_freed_memory()
@@ -149,14 +179,15 @@ class Trainer:
         self.session_start = 0.0
         self.session_start_elapsed = 0.0
         self.session_steps = 0
-        self._setup(corpus)
+        self._setup(corpus, model, data, tokenizer_dir, depth, evaluate)
 
     # ------------------------------------------------------------------ setup
     def log(self, message: str) -> None:
         if self.env.is_main:
             self._log(message)
 
-    def _setup(self, corpus: Any | None) -> None:
+    def _setup(self, corpus: Any | None, model: nn.Module | None, data: BatchSource | None,
+               tokenizer_dir: str | Path | None, depth: Any | None, evaluate: Any | None) -> None:
         cfg, env = self.cfg, self.env
         root = ckpt.checkpoints_root(self.out)
         self.resume_from = self._find_resume_checkpoint(root) if cfg.resume else None
@@ -170,6 +201,45 @@ class Trainer:
             self._check_resumable(self.resume_from)
         self.out.mkdir(parents=True, exist_ok=True)
 
+        self.data = self.train_data = self.val_data = None
+        self.seq_len: int | None = None
+        if data is None:
+            self._setup_shards(corpus, model)
+        else:
+            self.tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
+            self.source = data
+        if model is None:
+            self._warn_about_slow_bf16()
+            torch.manual_seed(cfg.seed)  # the weight init
+            self.model = RecurrentDepthLM(self.model_config).to(env.device)
+        else:
+            self.model = model.to(env.device)
+            self.model_config = getattr(model, "config", None)
+        self.sampler = depth if depth is not None else self._default_sampler()
+        self.eval_depths = (cfg.resolved_eval_depths(self.sampler.mean_recurrence)
+                            if isinstance(self.sampler, DepthSampler) else None)
+        if evaluate is None and self.val_data is not None and isinstance(self.model, RecurrentDepthLM):
+            evaluate = validation_by_depth
+        self.evaluate_hook = evaluate
+
+        self.wrapped = prepare_model(self.model, cfg, env)
+        self.optimizer = build_optimizers(self.model, cfg.optim)
+        self.qk_clip = QKClip(self.model, cfg.qk_clip) if cfg.qk_clip is not None or cfg.record_max_logit else None
+        # Known up front for packed rows (the schedule of a token budget needs it); measured per step otherwise.
+        self.tokens_per_step: int | None = (
+            cfg.batch_size * self.seq_len * cfg.grad_accum * env.world_size if self.seq_len is not None else None)
+
+        if self.resume_from is not None:
+            self._load_checkpoint(self.resume_from)
+        self.metrics = JsonlLog(self.out / METRICS_FILE, enabled=env.is_main, keep_through=self.state.step)
+        self.eval_log = JsonlLog(self.out / EVAL_FILE, enabled=env.is_main, keep_through=self.state.step)
+        self.tb = _tensorboard(self.out, enabled=cfg.tensorboard and env.is_main)
+        if env.is_main:
+            _atomic_json(self.out / RUN_FILE, self.run_metadata())
+
+    def _setup_shards(self, corpus: Any | None, model: nn.Module | None) -> None:
+        """The tokenizer and token shards `cfg.data` names; the model config their vocabulary implies."""
+        cfg, env = self.cfg, self.env
         self.tokenizer_dir, self.data = self._prepare_data(corpus)
         tok_meta = self.data.metadata["tokenizer"]
         specials = tok_meta["special_token_ids"]
@@ -189,33 +259,26 @@ class Trainer:
         self.seq_len = cfg.resolved_seq_len(self.model_config)
         if self.seq_len != self.data.metadata["params"]["seq_len"]:
             raise AssertionError("prepared rows do not match seq_len")
-
-        mean = cfg.mean_recurrence if cfg.mean_recurrence is not None else self.model_config.mean_recurrence
-        k = cfg.backprop_depth if cfg.backprop_depth is not None else self.model_config.mean_backprop_depth
-        self.sampler = DepthSampler(
-            mean_recurrence=max(1, mean), backprop_depth=max(1, k), sigma=cfg.depth_sigma, seed=cfg.seed,
-            scheme=cfg.depth_scheme, max_steps=cfg.max_depth, per_rank=cfg.depth_per_rank,
-            ramp_steps=cfg.curriculum_micro_steps(self.seq_len, env.world_size), ramp_start=cfg.depth_curriculum_start,
-        )
-        self.eval_depths = cfg.resolved_eval_depths(self.sampler.mean_recurrence)
-
-        self._warn_about_slow_bf16()
-        torch.manual_seed(cfg.seed)  # the weight init
-        self.model = RecurrentDepthLM(self.model_config).to(env.device)
-        self.wrapped = prepare_model(self.model, cfg, env)
-        self.optimizer = build_optimizers(self.model, cfg.optim)
-        self.qk_clip = QKClip(self.model, cfg.qk_clip) if cfg.qk_clip is not None or cfg.record_max_logit else None
+        if model is not None:
+            self.model_config = getattr(model, "config", None)
         self.train_data = self.data.dataset("train", seed=cfg.seed, rank=env.rank, world_size=env.world_size)
         self.val_data = self.data.dataset("validation", shuffle=False, rank=env.rank, world_size=env.world_size)
-        self.tokens_per_step = cfg.batch_size * self.seq_len * cfg.grad_accum * env.world_size
+        self.source = RowBatches(self.train_data, env.device, self.data.metadata)
 
-        if self.resume_from is not None:
-            self._load_checkpoint(self.resume_from)
-        self.metrics = JsonlLog(self.out / METRICS_FILE, enabled=env.is_main, keep_through=self.state.step)
-        self.eval_log = JsonlLog(self.out / EVAL_FILE, enabled=env.is_main, keep_through=self.state.step)
-        self.tb = _tensorboard(self.out, enabled=cfg.tensorboard and env.is_main)
-        if env.is_main:
-            _atomic_json(self.out / RUN_FILE, self.run_metadata())
+    def _default_sampler(self) -> DepthSampler | None:
+        """`cfg`'s depth sampler for a `RecurrentDepthLM` (the model config's r̄ and k unless `cfg` sets them)."""
+        cfg = self.cfg
+        if not isinstance(self.model, RecurrentDepthLM):
+            return None
+        model_cfg = self.model.config
+        mean = cfg.mean_recurrence if cfg.mean_recurrence is not None else model_cfg.mean_recurrence
+        k = cfg.backprop_depth if cfg.backprop_depth is not None else model_cfg.mean_backprop_depth
+        seq_len = self.seq_len if self.seq_len is not None else cfg.resolved_seq_len(model_cfg)
+        return DepthSampler(
+            mean_recurrence=max(1, mean), backprop_depth=max(1, k), sigma=cfg.depth_sigma, seed=cfg.seed,
+            scheme=cfg.depth_scheme, max_steps=cfg.max_depth, per_rank=cfg.depth_per_rank,
+            ramp_steps=cfg.curriculum_micro_steps(seq_len, self.env.world_size), ramp_start=cfg.depth_curriculum_start,
+        )
 
     def _find_resume_checkpoint(self, root: Path) -> Path | None:
         """The newest valid checkpoint; newer invalid ones are set aside (renamed, not deleted) and named."""
@@ -315,10 +378,12 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def run(self) -> TrainResult:
         cfg = self.cfg
+        sampler = self.sampler
+        depth = (f"; depth {sampler.scheme} r̄={sampler.mean_recurrence} k={sampler.backprop_depth}"
+                 if isinstance(sampler, DepthSampler) else "")
         self.log(
-            f"training {self.model.num_parameters():,} parameters on {self.env.device} "
-            f"({self.env.world_size} process{'es' if self.env.world_size > 1 else ''}); "
-            f"depth {self.sampler.scheme} r̄={self.sampler.mean_recurrence} k={self.sampler.backprop_depth}"
+            f"training {num_parameters(self.model):,} parameters on {self.env.device} "
+            f"({self.env.world_size} process{'es' if self.env.world_size > 1 else ''}){depth}"
             f"{' (baseline: one core pass)' if cfg.baseline else ''}; out: {self.out}"
         )
         bar = _progress_bar(cfg, self.env, self.state.step)
@@ -343,7 +408,7 @@ class Trainer:
                     bar.update(1)
                     loss_text = "nan" if record["loss"] is None else f"{record['loss']:.3f}"  # None: not finite
                     bar.set_postfix(loss=loss_text, tok_s=f"{record['tokens_per_s']:.0f}",
-                                    depth=record["num_steps"][-1])
+                                    depth=record["num_steps"][-1] if record["num_steps"] else None)
                 step = self.state.step
                 if cfg.eval_interval and step % cfg.eval_interval == 0:
                     self.evaluate(final=False)
@@ -405,17 +470,25 @@ class Trainer:
         indexer_kl_sum, indexer_kl_count = 0.0, 0
         depths: list[int] = []
         grad_depths: list[int] = []
+        observed: dict[str, Any] = {}
+        step_tokens = 0
         for micro in range(cfg.grad_accum):
-            rows = self.train_data.next_batch(cfg.batch_size).to(env.device)  # [B, T + 1]
-            inputs, targets = rows[:, :-1], rows[:, 1:]
-            num_steps = (0, 1) if cfg.baseline else self.sampler.sample(state.micro_step, env.rank)
-            generator = torch.Generator(device=env.device).manual_seed(
-                stream_seed(cfg.seed + 1, state.micro_step * env.world_size + env.rank)
-            )
+            batch = self.source.next_batch(cfg.batch_size)
+            inputs = {k: v for k, v in batch.items() if k != "targets"}
+            num_steps = None
+            if cfg.baseline:
+                num_steps = (0, 1)
+            elif self.sampler is not None:
+                num_steps = self.sampler.sample(state.micro_step, env.rank)
+            if num_steps is not None:
+                inputs["num_steps"] = num_steps
+                inputs["generator"] = torch.Generator(device=env.device).manual_seed(
+                    stream_seed(cfg.seed + 1, state.micro_step * env.world_size + env.rank)
+                )
             with ddist.gradient_sync(self.wrapped, micro == cfg.grad_accum - 1):
                 with autocast_context(cfg.dtype, env.device):
-                    out = self.wrapped(inputs, num_steps=num_steps, generator=generator)
-                loss = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+                    out = self.wrapped(**inputs)
+                loss = batch_loss(out, batch)
                 # DSA layers with `indexer_loss` record their indexer KL in the forward; it reads detached
                 # inputs, so adding it trains only the indexer. Popping it every micro-step also keeps
                 # the recorded terms (and their graphs) from piling up across steps.
@@ -426,8 +499,12 @@ class Trainer:
             if indexer_kl is not None:
                 indexer_kl_sum += float(indexer_kl.detach())
                 indexer_kl_count += 1
-            depths.append(sum(num_steps))
-            grad_depths.append(num_steps[1])
+            with torch.no_grad():
+                observed = self.source.observe(batch, out)
+            step_tokens += batch["input_ids"].numel()
+            if num_steps is not None:
+                depths.append(sum(num_steps))
+                grad_depths.append(num_steps[1])
             state.micro_step += 1
         grad_norm, finite = clip_and_check_grads(self.model.parameters(), cfg.optim.grad_clip)
         skip_reason = None
@@ -446,6 +523,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss_value = ddist.mean_across_ranks(float(loss_sum) / cfg.grad_accum, env)
         state.step += 1
+        self.tokens_per_step = step_tokens * env.world_size
         state.tokens += self.tokens_per_step
         seconds = time.perf_counter() - start
         self.session_steps += 1
@@ -468,6 +546,7 @@ class Trainer:
             "elapsed_s": state.elapsed_s,
             **extra,
             **clip_record,
+            **observed,
         }
 
     # ------------------------------------------------------------------ budget and schedule
@@ -495,7 +574,7 @@ class Trainer:
         candidates = []
         if cfg.max_steps is not None:
             candidates.append(cfg.max_steps)
-        if cfg.max_tokens is not None:
+        if cfg.max_tokens is not None and self.tokens_per_step:
             candidates.append(math.ceil(cfg.max_tokens / self.tokens_per_step))
         left, per_step = self.remaining_seconds(), self.seconds_per_step()
         if left is not None and per_step:
@@ -525,30 +604,21 @@ class Trainer:
             over = bool(ddist.broadcast_object(over, self.env)) if self.env.enabled else over
             if over:
                 return "time_limit"
-        return None
+        return self.stop_when(self) if self.stop_when is not None else None
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self, final: bool = False) -> DepthEval:
-        cfg = self.cfg
-        result = validation_loss_by_depth(
-            self.wrapped if ddist.is_fsdp(self.wrapped) else self.model, self.val_data, self.eval_depths,
-            batch_size=cfg.batch_size, max_batches=cfg.eval_batches, dtype=cfg.dtype, seed=cfg.seed,
-            device=self.env.device, sharded=ddist.is_fsdp(self.wrapped), world_size=self.env.world_size,
-            deadline=self.eval_deadline if final else None,
-        )
-        record = {"step": self.state.step, "final": final, **result.to_dict()}
-        # A resume that trains no further (the run had already ended) re-evaluates, but logs no second copy.
-        repeat = final and self.session_steps == 0 and any(
-            kept.get("step") == self.state.step and kept.get("final") for kept in self.eval_log.kept)
-        if not repeat:
-            self.eval_log.write(record)
-        if self.tb is not None:
-            for d, v in result.loss.items():
-                self.tb.add_scalar(f"val_loss/depth_{d}", v, self.state.step)
-            for d, v in result.token_correlation.items():
-                self.tb.add_scalar(f"token_correlation/depth_{d}", v, self.state.step)
-        table = "  ".join(f"{d}:{v:.3f}" for d, v in sorted(result.loss.items()))
-        self.log(f"step {self.state.step} validation loss by depth  {table}")
+    def evaluate(self, final: bool = False) -> Any:
+        """Run the evaluation hook (None without one) and log its result to `eval.jsonl`."""
+        if self.evaluate_hook is None:
+            return None
+        result = self.evaluate_hook(self, final)
+        if result is not None:
+            values = result.to_dict() if hasattr(result, "to_dict") else dict(result)
+            # A resume that trains no further (the run had already ended) re-evaluates, but logs no second copy.
+            repeat = final and self.session_steps == 0 and any(
+                kept.get("step") == self.state.step and kept.get("final") for kept in self.eval_log.kept)
+            if not repeat:
+                self.eval_log.write({"step": self.state.step, "final": final, **values})
         return result
 
     # ------------------------------------------------------------------ checkpoints
@@ -577,20 +647,17 @@ class Trainer:
             ckpt.write_tensors(tmp / f"rng-rank{env.rank}.safetensors", ckpt.rng_state_tensors())
         ddist.barrier(env)
         if env.is_main:
-            from recurrent_depth.checkpoint import save_pretrained
-
             try:
                 with ckpt.staged_write(tmp, final, "checkpoint"):
-                    save_pretrained(ckpt.StateView(self.model_config, model_state), tmp,
-                                    tokenizer_dir=self.tokenizer_dir)
+                    self._write_weights(model_state, tmp)
                     ckpt.save_state_files(tmp, "optimizer", optim_state)
                     ckpt.write_tensors(tmp / ckpt.RNG_TENSORS, ckpt.rng_state_tensors())
                     ckpt.write_json(tmp / ckpt.TRAINER_STATE, {
                         **self.state.to_dict(),
-                        "data": self.train_data.state_dict(),
+                        "data": self.source.state_dict(),
                         "world_size": env.world_size,
                         "config": self.cfg.to_dict(),
-                        "sampler": self.sampler.to_dict(),
+                        "sampler": self.sampler.to_dict() if self.sampler is not None else None,
                     })
                     final = ckpt.commit_checkpoint(tmp, step, keep_last=self.cfg.keep_last, log=self.log)
             except ckpt.CheckpointWriteError as exc:
@@ -622,7 +689,7 @@ class Trainer:
         loaded = ckpt.load_checkpoint(path, rank=self.env.rank)
         ddist.load_full_model_state(self.wrapped, loaded.model_state, self.env)
         ddist.load_optimizer_state(self.wrapped, self.optimizer, loaded.optimizer_state, self.env)
-        self.train_data.load_state_dict(loaded.trainer_state["data"])
+        self.source.load_state_dict(loaded.trainer_state["data"])
         for name in ("step", "micro_step", "tokens", "skipped_steps", "elapsed_s"):
             setattr(self.state, name, type(getattr(self.state, name))(loaded.trainer_state[name]))
         if loaded.rng:
@@ -634,8 +701,6 @@ class Trainer:
 
         Written into a hidden temporary directory and renamed into place, so `path` is never left empty
         or half-written (an earlier `path` is replaced only once the new one is complete)."""
-        from recurrent_depth.checkpoint import save_pretrained
-
         state = ddist.full_model_state(self.wrapped, self.env)
         error = None
         if self.env.is_main:
@@ -646,27 +711,48 @@ class Trainer:
                     path.parent.mkdir(parents=True, exist_ok=True)
                     ckpt.check_free_space(path.parent, ckpt.tensor_bytes(state) + _dir_bytes(self.tokenizer_dir),
                                           f"the model directory {path}")
-                    save_pretrained(ckpt.StateView(self.model_config, state), tmp, tokenizer_dir=self.tokenizer_dir)
+                    self._write_weights(state, tmp)
                     ckpt.publish_directory(tmp, path)
             except ckpt.CheckpointWriteError as exc:
                 error = str(exc)
         self._raise_if_failed(error)
         return path
 
+    def _write_weights(self, state: dict[str, torch.Tensor], directory: Path) -> None:
+        """`state` (+ config and tokenizer) as a model directory: ours, a transformers model's, or bare weights."""
+        if isinstance(self.model, RecurrentDepthLM):
+            from recurrent_depth.checkpoint import save_pretrained
+
+            save_pretrained(ckpt.StateView(self.model_config, state), directory, tokenizer_dir=self.tokenizer_dir)
+            return
+        if hasattr(self.model, "save_pretrained"):  # a transformers model: its own format and config
+            self.model.save_pretrained(directory, state_dict=state)
+        else:
+            from safetensors.torch import save_file
+
+            directory.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.clone().contiguous() for k, v in state.items()}, directory / "model.safetensors")
+        if self.tokenizer_dir is not None:
+            from recurrent_depth.checkpoint import copy_tokenizer
+
+            copy_tokenizer(self.tokenizer_dir, directory)
+
     # ------------------------------------------------------------------ metadata and logging
     def run_metadata(self) -> dict[str, Any]:
+        config = self.model_config
         return {
             "config": self.cfg.to_dict(),
-            "model_config": self.model_config.to_dict(),
-            "parameters": self.model.num_parameters(),
+            "model_config": config.to_dict() if hasattr(config, "to_dict") else None,
+            "model_class": type(self.model).__name__,
+            "parameters": num_parameters(self.model),
             "seq_len": self.seq_len,
             "tokens_per_step": self.tokens_per_step,
-            "sampler": self.sampler.to_dict(),
+            "sampler": self.sampler.to_dict() if self.sampler is not None else None,
             "eval_depths": self.eval_depths,
             "seeds": {"weights": self.cfg.seed, "data": self.cfg.seed, "depth": self.cfg.seed,
                       "initial_state": self.cfg.seed + 1},
-            "data": {k: self.data.metadata.get(k) for k in ("corpus", "tokenizer", "params", "splits", "key")},
-            "tokenizer_dir": str(self.tokenizer_dir),
+            "data": self.source.describe(),
+            "tokenizer_dir": str(self.tokenizer_dir) if self.tokenizer_dir is not None else None,
             "resumed_from": str(self.resume_from) if self.resume_from else None,
             "world_size": self.env.world_size,
             "backend": self.env.backend,
@@ -684,11 +770,58 @@ class Trainer:
         for key in ("loss", "lr", "tokens_per_s", "grad_norm", "max_logit"):
             if record.get(key) is not None:
                 self.tb.add_scalar(f"train/{key}", record[key], step)
-        self.tb.add_scalar("train/depth", sum(record["num_steps"]) / len(record["num_steps"]), step)
+        if record["num_steps"]:
+            self.tb.add_scalar("train/depth", sum(record["num_steps"]) / len(record["num_steps"]), step)
 
 
-def prepare_model(model: RecurrentDepthLM, cfg: TrainConfig, env: ddist.DistEnv) -> nn.Module:
-    """Apply, from outside the model and in this order: activation checkpointing, compile, parallelism."""
+def batch_loss(output: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Cross-entropy of `output.logits` against `batch["targets"]` (-100 unscored), else the model's own
+    `output.loss` (from `batch["labels"]`); see `recurrent_depth.train.batches`."""
+    if "targets" in batch:
+        return F.cross_entropy(output.logits.flatten(0, 1), batch["targets"].flatten())
+    loss = getattr(output, "loss", None)
+    if loss is None:
+        raise ValueError("the model returned no loss: give each batch `targets` (next-token ids) or `labels` "
+                         "the model scores itself")
+    return loss
+
+
+def num_parameters(model: nn.Module) -> int:
+    """Trainable + frozen parameters, tied ones once."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def validation_by_depth(trainer: Trainer, final: bool) -> DepthEval:
+    """The default evaluation hook: validation loss at `trainer.eval_depths` (same tokens and s0 at each)."""
+    cfg, wrapped = trainer.cfg, trainer.wrapped
+    result = validation_loss_by_depth(
+        wrapped if ddist.is_fsdp(wrapped) else trainer.model, trainer.val_data, trainer.eval_depths,
+        batch_size=cfg.batch_size, max_batches=cfg.eval_batches, dtype=cfg.dtype, seed=cfg.seed,
+        device=trainer.env.device, sharded=ddist.is_fsdp(wrapped), world_size=trainer.env.world_size,
+        deadline=trainer.eval_deadline if final else None,
+    )
+    if trainer.tb is not None:
+        for d, v in result.loss.items():
+            trainer.tb.add_scalar(f"val_loss/depth_{d}", v, trainer.state.step)
+        for d, v in result.token_correlation.items():
+            trainer.tb.add_scalar(f"token_correlation/depth_{d}", v, trainer.state.step)
+    table = "  ".join(f"{d}:{v:.3f}" for d, v in sorted(result.loss.items()))
+    trainer.log(f"step {trainer.state.step} validation loss by depth  {table}")
+    return result
+
+
+def prepare_model(model: nn.Module, cfg: TrainConfig, env: ddist.DistEnv) -> nn.Module:
+    """Apply, from outside the model and in this order: activation checkpointing, compile, parallelism.
+
+    A model other than a `RecurrentDepthLM` is compiled whole; activation checkpointing and FSDP, which
+    need to know its blocks, are refused for it."""
+    if not isinstance(model, RecurrentDepthLM):
+        if cfg.activation_checkpointing or cfg.fsdp:
+            raise ValueError(f"activation_checkpointing and fsdp apply to a RecurrentDepthLM, not to "
+                             f"{type(model).__name__}: turn them off for this model")
+        if cfg.compile:
+            model.compile(mode=cfg.compile_mode)
+        return ddist.wrap_model(model, env)
     model.gradient_checkpointing = cfg.activation_checkpointing
     if cfg.compile:
         compile_core(model, cfg.compile_mode)
@@ -783,8 +916,8 @@ class _InterruptRequest:
         return bool(ddist.broadcast_object(self.requested, env)) if env.enabled else self.requested
 
 
-def _dir_bytes(path: Path) -> int:
-    return ckpt.directory_bytes(path) if path.is_dir() else 0
+def _dir_bytes(path: Path | None) -> int:
+    return ckpt.directory_bytes(path) if path is not None and path.is_dir() else 0
 
 
 def _progress_bar(cfg: TrainConfig, env: ddist.DistEnv, initial: int):

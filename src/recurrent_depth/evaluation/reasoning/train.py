@@ -11,18 +11,21 @@ What makes it learnable in minutes on two cores (a plain attempt learned only to
   `backprop_depth`), so the model learns to use whatever depth it is given;
 - a small model (h = 128) and short rows (~100 tokens), ~3-10 optimizer steps per second.
 
+Training is the library's `Trainer`, configured by this recipe: a `ProblemStream` data source (fresh
+problems, labels only on the answers), a `CurriculumDepth` sampler, AdamW with warmup and a cool-down
+over the last 20% of the budget, and the accuracy grid as the final evaluation hook.
+
 The run writes `<out>/model` (a normal model directory with the byte tokenizer), `metrics.jsonl`
-(one line per logged step), `accuracy.json` (difficulty x depth grid, training range included),
-`accuracy_vs_depth.png` and `summary.json`.
+(one line per step), `run.json`, `eval.jsonl` and `accuracy.json` (difficulty x depth grid, training
+range included), `accuracy_vs_depth.png` and `summary.json`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import random
-import time
-from dataclasses import asdict, dataclass, field
+import shutil
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +37,12 @@ from recurrent_depth.evaluation.readout import check_depths
 from recurrent_depth.evaluation.reasoning.data import BYTE_VOCAB_SIZE, ProblemEncoder, special_ids
 from recurrent_depth.evaluation.reasoning.evaluate import AccuracyGrid, accuracy_grid
 from recurrent_depth.evaluation.reasoning.tasks import get_task
-from recurrent_depth.model.depth import DepthSampler
+from recurrent_depth.model.depth import DepthSampler, truncate
 from recurrent_depth.model.recurrent import RecurrentDepthLM
+from recurrent_depth.train.batches import BatchSource
+from recurrent_depth.train.config import TrainConfig
+from recurrent_depth.train.optim import OptimConfig
+from recurrent_depth.train.trainer import Trainer, TrainResult
 
 
 @dataclass
@@ -164,104 +171,129 @@ class Curriculum:
         return False
 
 
-def _lr_at(config: ReasoningRunConfig, step: int, elapsed_fraction: float) -> float:
-    """Linear warmup, constant, linear cooldown over the last 20% of the time (or step) budget."""
-    warm = min(1.0, (step + 1) / max(1, config.warmup_steps))
-    cool = min(1.0, max(0.0, (1.0 - elapsed_fraction) / 0.2))
-    return config.lr * warm * max(cool, 0.05)
+class ProblemStream(BatchSource):
+    """Fresh problems every micro-batch, difficulties from the curriculum, loss on the answers only
+    (`labels` are -100 elsewhere), positions shifted by a random offset when `position_jitter`."""
+
+    def __init__(self, config: ReasoningRunConfig, curriculum: Curriculum) -> None:
+        self.config, self.curriculum = config, curriculum
+        self.task = get_task(config.task, **config.task_options)
+        self.encoder = ProblemEncoder()
+        self.rng = random.Random(f"train:{config.seed}")
+        self.difficulties: list[int] = []
+        self.promotions: list[dict[str, int]] = []
+        self.steps = 0
+
+    def next_batch(self, batch_size: int) -> dict[str, torch.Tensor]:
+        config, rng = self.config, self.rng
+        self.difficulties = self.curriculum.draw(rng, batch_size)
+        batch = self.encoder.training_batch(
+            [self.task.training_segments(rng, d, intermediate=config.intermediate) for d in self.difficulties]
+        )
+        if config.position_jitter:
+            B, T = batch["input_ids"].shape
+            room = max(config.max_seq_len - T, 0)
+            offsets = torch.tensor([rng.randint(0, room) for _ in range(B)]).unsqueeze(1)
+            batch["position_ids"] = torch.arange(T).unsqueeze(0) + offsets
+        return batch
+
+    def observe(self, batch: dict[str, torch.Tensor], output: Any) -> dict[str, Any]:
+        """Per row, the fraction of its answer tokens that are the argmax; the curriculum learns from it."""
+        targets = batch["labels"][:, 1:]
+        scored = (targets != -100) & (targets != self.encoder.eos)  # the end token is too easy to count
+        right = (output.logits[:, :-1].argmax(-1) == targets) & scored
+        hits = (right.sum(1) / scored.sum(1).clamp(min=1)).tolist()
+        if self.curriculum.observe(self.difficulties, hits):
+            self.promotions.append({"step": self.steps, "difficulty": self.curriculum.current})
+        self.steps += 1
+        return {"answer_acc": round(sum(hits) / len(hits), 4), "curriculum": self.curriculum.current}
+
+    def describe(self) -> dict[str, Any]:
+        return {"source": "reasoning problems", "task": self.config.task, "options": self.config.task_options,
+                "train_difficulties": list(self.config.train_difficulties)}
+
+
+@dataclass(frozen=True)
+class CurriculumDepth(DepthSampler):
+    """The paper's depth distribution, centred on min(mean_recurrence, current difficulty + 1), at least 2:
+    easy problems need little depth, so early steps are cheaper and more of them fit the budget."""
+
+    curriculum: Curriculum | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # One stream for the whole run (the mean moves with the curriculum, so draws are not per-step).
+        object.__setattr__(self, "_generator", torch.Generator().manual_seed(self.seed))
+
+    def sample(self, step: int, rank: int = 0) -> tuple[int, int]:
+        mean = self.mean_recurrence
+        if self.curriculum is not None:
+            mean = min(mean, max(2, self.curriculum.current + 1))
+        return truncate(self.draw(self._generator, mean), self.backprop_depth)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**{f.name: getattr(self, f.name) for f in fields(DepthSampler)},
+                "curriculum": self.curriculum is not None}
+
+
+def trainer_config(config: ReasoningRunConfig) -> TrainConfig:
+    """The `TrainConfig` of a reasoning run: AdamW, warmup, a cool-down over the last 20% of the budget."""
+    optim = OptimConfig(name="adamw", lr=config.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=config.weight_decay,
+                        grad_clip=1.0, warmup_steps=config.warmup_steps, cooldown_fraction=0.2,
+                        min_lr=0.05 * config.lr, description="reasoning recipe")
+    return TrainConfig(batch_size=config.batch_size, max_steps=config.max_steps, max_minutes=config.minutes,
+                       optim=optim, seed=config.seed, out=config.out, eval_interval=0, save_every=0,
+                       progress=False, tensorboard=False)
 
 
 def train_reasoning(config: ReasoningRunConfig, log: Any = print) -> tuple[RecurrentDepthLM, dict[str, Any]]:
-    """Train on fresh problems until the time or step budget is spent; returns the model and stats."""
+    """Train on fresh problems until the time or step budget is spent (the `Trainer`, configured by this
+    recipe); returns the model and stats. The model directory is written to `<out>/model`."""
+    result, curriculum, stream = _train(config, log)
+    return result.model, _train_stats(result, curriculum, stream)
+
+
+def _train_stats(result: TrainResult, curriculum: Curriculum, stream: ProblemStream) -> dict[str, Any]:
+    return {
+        "steps": result.steps, "train_seconds": round(result.elapsed_s, 1), "tokens": result.tokens,
+        "curriculum_reached": curriculum.current, "promotions": stream.promotions,
+    }
+
+
+def _train(
+    config: ReasoningRunConfig, log: Any, evaluate: Any = None
+) -> tuple[TrainResult, Curriculum, ProblemStream]:
+    """The recipe's `Trainer` run (`evaluate`: its evaluation hook); the curriculum and stream it used."""
+    from recurrent_depth.evaluation.reasoning.data import byte_tokenizer
+
     config.validate()
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
+    # A reasoning run always trains from scratch (its problem stream has no position to resume from).
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    tokenizer_dir = out / "tokenizer"
+    save_tokenizer(byte_tokenizer(), tokenizer_dir, model_max_length=config.max_seq_len)
     torch.manual_seed(config.seed)
-    rng = random.Random(f"train:{config.seed}")
-    depth_generator = torch.Generator().manual_seed(config.seed)
-    task = get_task(config.task, **config.task_options)
-    encoder = ProblemEncoder()
-    model = RecurrentDepthLM(config.model_config()).train()
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=config.lr, betas=(0.9, 0.95),
-    )
+    model = RecurrentDepthLM(config.model_config())
     curriculum = Curriculum(*config.train_difficulties, config.curriculum, config.promote_at)
-    budget_s = config.minutes * 60
-    start = time.perf_counter()
-    step, tokens, promotions = 0, 0, []
-    with open(out / "metrics.jsonl", "w") as metrics:
-        while True:
-            elapsed = time.perf_counter() - start
-            fraction = elapsed / budget_s
-            if config.max_steps is not None:
-                fraction = max(fraction, step / config.max_steps)
-            if fraction >= 1:
-                break
-            difficulties = curriculum.draw(rng, config.batch_size)
-            batch = encoder.training_batch(
-                [task.training_segments(rng, d, intermediate=config.intermediate) for d in difficulties]
-            )
-            mean_depth = config.mean_recurrence
-            if config.depth_curriculum:  # easy problems need little depth: cheaper steps, more of them
-                mean_depth = min(config.mean_recurrence, max(2, curriculum.current + 1))
-            num_steps = DepthSampler(mean_depth, config.backprop_depth).sample_from(depth_generator)
-            lr = _lr_at(config, step, fraction)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            position_ids = None
-            if config.position_jitter:
-                B, T = batch["input_ids"].shape
-                room = max(config.max_seq_len - T, 0)
-                offsets = torch.tensor([rng.randint(0, room) for _ in range(B)]).unsqueeze(1)
-                position_ids = torch.arange(T).unsqueeze(0) + offsets
-            output = model(batch["input_ids"], num_steps=num_steps, labels=batch["labels"], position_ids=position_ids)
-            optimizer.zero_grad(set_to_none=True)
-            output.loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
-            if math.isfinite(grad_norm):
-                optimizer.step()
-            with torch.no_grad():  # per row: the fraction of its answer tokens that are the argmax
-                targets = batch["labels"][:, 1:]
-                scored = (targets != -100) & (targets != encoder.eos)  # the end token is too easy to count
-                right = (output.logits[:, :-1].argmax(-1) == targets) & scored
-                hits = (right.sum(1) / scored.sum(1).clamp(min=1)).tolist()
-            loss_value = float(output.loss.detach())
-            if curriculum.observe(difficulties, hits):
-                promotions.append({"step": step, "difficulty": curriculum.current})
-            tokens += int(batch["input_ids"].numel())
-            step += 1
-            if step % config.log_every == 0:
-                row = {
-                    "step": step, "loss": round(loss_value, 5), "answer_acc": round(sum(hits) / len(hits), 4),
-                    "curriculum": curriculum.current, "num_steps": list(num_steps), "lr": lr,
-                    "grad_norm": round(grad_norm, 4), "elapsed_s": round(time.perf_counter() - start, 1),
-                    "tokens_per_s": round(tokens / (time.perf_counter() - start), 1),
-                }
-                metrics.write(json.dumps(row) + "\n")
-                metrics.flush()
-                log(
-                    f"step {step:5d}  loss {row['loss']:.4f}  answer acc {row['answer_acc']:.2f}  "
-                    f"{task.difficulty_name} <= {curriculum.current}  r={sum(num_steps):2d}  "
-                    f"{row['tokens_per_s']:.0f} tok/s  {row['elapsed_s']:.0f}s"
-                )
+    stream = ProblemStream(config, curriculum)
+    depth = CurriculumDepth(config.mean_recurrence, config.backprop_depth, seed=config.seed,
+                            curriculum=curriculum if config.depth_curriculum else None)
+    difficulty_name = stream.task.difficulty_name
+
+    def log_progress(trainer: Trainer, record: dict[str, Any]) -> None:
+        if record["step"] % config.log_every == 0:
+            loss = float("nan") if record["loss"] is None else record["loss"]
+            log(f"step {record['step']:5d}  loss {loss:.4f}  answer acc {record['answer_acc']:.2f}  "
+                f"{difficulty_name} <= {record['curriculum']}  r={record['num_steps'][-1]:2d}  "
+                f"{trainer.state.tokens / max(record['elapsed_s'], 1e-9):.0f} tok/s  {record['elapsed_s']:.0f}s")
+
+    trainer = Trainer(trainer_config(config), model=model, data=stream, tokenizer_dir=tokenizer_dir, depth=depth,
+                      evaluate=evaluate, on_step=log_progress, log=log)
+    result = trainer.run()
     model.eval()
-    stats = {
-        "steps": step, "train_seconds": round(time.perf_counter() - start, 1), "tokens": tokens,
-        "curriculum_reached": curriculum.current, "promotions": promotions,
-    }
-    return model, stats
-
-
-def save_model(model: RecurrentDepthLM, path: Path) -> None:
-    from recurrent_depth.evaluation.reasoning.data import byte_tokenizer
-
-    model.save_pretrained(path)
-    save_tokenizer(byte_tokenizer(), path, model_max_length=model.config.max_seq_len)
+    return result, curriculum, stream
 
 
 def run_reasoning(config: ReasoningRunConfig, log: Any = print) -> dict[str, Any]:
@@ -270,15 +302,21 @@ def run_reasoning(config: ReasoningRunConfig, log: Any = print) -> dict[str, Any
 
     config.validate()
     out = Path(config.out)
-    model, stats = train_reasoning(config, log=log)
-    save_model(model, out / "model")
     task = get_task(config.task, **config.task_options)
-    # The hardest difficulty training actually drew: the curriculum may not reach the configured top.
-    lo, hi = config.train_difficulties[0], stats["curriculum_reached"]
-    grid = accuracy_grid(
-        model, task, config.resolved_test_difficulties(), config.depths, count=config.eval_count,
-        seed=10_000 + config.seed, trained_difficulties=list(range(lo, hi + 1)), progress=True,
-    )
+
+    def accuracy_by_depth(trainer: Trainer, final: bool) -> AccuracyGrid | None:
+        if not final:
+            return None
+        # The hardest difficulty training actually drew: the curriculum may not reach the configured top.
+        lo, hi = config.train_difficulties[0], trainer.source.curriculum.current
+        trainer.model.eval()
+        return accuracy_grid(
+            trainer.model, task, config.resolved_test_difficulties(), config.depths, count=config.eval_count,
+            seed=10_000 + config.seed, trained_difficulties=list(range(lo, hi + 1)), progress=True,
+        )
+
+    result, curriculum, stream = _train(config, log, evaluate=accuracy_by_depth)
+    grid, stats = result.final_eval, _train_stats(result, curriculum, stream)
     summary = summarize(grid, config, stats)
     (out / "accuracy.json").write_text(json.dumps(grid.to_dict(), indent=2) + "\n")
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

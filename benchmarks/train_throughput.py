@@ -44,8 +44,9 @@ import torch
 import torch.nn.functional as F
 
 import recurrent_depth as rd
-from recurrent_depth.model.linear import blocked_tn_mm
-from recurrent_depth.train.allocator import keep_freed_memory
+from recurrent_depth import accel
+from recurrent_depth.accel.allocator import keep_freed_memory
+from recurrent_depth.accel.linear import blocked_tn_mm
 from recurrent_depth.train.config import COMPILE_MODES
 from recurrent_depth.train.flops import training_step_flops
 
@@ -173,6 +174,7 @@ def measure(shape: str, dtype_name: str, recurrent: bool, peak: float, peak_prod
     before = nearby_peak()["flops"] if bracket else None
     torch.manual_seed(0)
     model = rd.RecurrentDepthLM(cfg).train()
+    accel.apply(model)  # as the trainer does (RDEPTH_NO_ACCEL=1: the plain model)
     if compile_core:
         from recurrent_depth.train.trainer import compile_core as apply_compile
 

@@ -70,9 +70,9 @@ def test_adjusted_lr_is_torch_muons():
 
 
 def test_auto_picks_float32_only_on_a_cpu_that_emulates_bf16(monkeypatch):
-    monkeypatch.setattr(muon_module, "CPU_EMULATES_BF16", True)
+    monkeypatch.setattr(muon_module, "cpu_emulates_bf16", lambda: True)
     assert Muon(matrices()).ns_dtype == torch.float32
-    monkeypatch.setattr(muon_module, "CPU_EMULATES_BF16", False)
+    monkeypatch.setattr(muon_module, "cpu_emulates_bf16", lambda: False)
     assert Muon(matrices()).ns_dtype == torch.bfloat16
     with pytest.raises(ValueError, match="ns_dtype"):
         Muon(matrices(), ns_dtype="half")

@@ -170,7 +170,7 @@ def test_validation_loss_by_depth_repeated_and_bad_depths():
 
 KEEP_FREED_MEMORY_PROBE = """
 import resource, sys, torch
-from recurrent_depth.train.allocator import keep_freed_memory
+from recurrent_depth.accel.allocator import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory() is True
 def faults_of_one_allocation():

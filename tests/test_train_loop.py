@@ -68,14 +68,15 @@ def test_a_run_writes_metrics_metadata_checkpoints_and_a_model_dir(train_root, t
     assert tok.decode(tok("def alpha_0(x):").input_ids, skip_special_tokens=True) == "def alpha_0(x):"
 
 
-# bf16 with 9 x 32 tokens per micro-batch: Linear's blocked products (several blocks) and its cache of
+# bf16 with 9 x 32 tokens per micro-batch: accel's blocked products (several blocks) and its cache of
 # the cast weights must not make a resumed run differ from an uninterrupted one.
 @pytest.mark.parametrize("options", [{}, {"dtype": "bf16", "batch_size": 9}, {"grad_accum": 2, "batch_size": 2}],
                          ids=["fp32", "bf16", "grad-accum-2"])
 def test_resume_after_a_crash_repeats_the_uninterrupted_losses_bitwise(train_root, tmp_path, monkeypatch, options):
-    from recurrent_depth.model import linear
+    from recurrent_depth import accel
+    from recurrent_depth.accel import linear
 
-    monkeypatch.setattr(linear, "CPU_EMULATES_BF16", True)  # the emulated-bf16 path on any CPU
+    monkeypatch.setattr(accel, "cpu_emulates_bf16", lambda: True)  # the trainer converts the linears on any CPU
     blocked_calls = []
     original = linear.blocked_tn_mm
     monkeypatch.setattr(linear, "blocked_tn_mm", lambda a, b: blocked_calls.append(a.shape) or original(a, b))

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from recurrent_depth import accel
 from recurrent_depth.train.optim import OptimizerSet
 
 BYTE_VOCAB = 256
@@ -46,6 +47,7 @@ def train(
     after_step: Callable[[int, float], None] | None = None,
 ) -> list[float]:
     """`steps` optimizer steps of next-token loss at a fixed depth; `after_step(step, loss)` after each."""
+    accel.apply(model)  # as the trainer does
     model.train()
     losses = []
     for step in range(steps):

@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from recurrent_depth.config import ModelConfig
-from recurrent_depth.model.linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -24,53 +23,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim) if heads is None else torch.ones(heads, dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        if (
-            x.dtype == torch.float32
-            and self.weight.dtype == torch.float32
-            and torch.is_grad_enabled()
-            and (x.requires_grad or self.weight.requires_grad)
-            and not torch.compiler.is_compiling()  # inductor fuses the plain formula better
-            and not torch.is_autocast_enabled(x.device.type)
-        ):
-            return _RMSNormFunction.apply(x, self.weight, self.eps)
         with torch.autocast(device_type=x.device.type, enabled=False):
             x32 = x.float()
             normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.to(x.dtype) * self.weight
-
-
-class _RMSNormFunction(torch.autograd.Function):
-    """fp32 RMSNorm under autograd with a hand-written backward (outputs equal `RMSNorm`'s bit for bit).
-
-    Why: autograd's backward of the composite formula walks [tokens, h] about ten times and keeps
-    three activations; this one saves x and the per-token 1/rms only and needs five passes:
-        x̂ = x·r,  dw = Σ_tokens dy·x̂,  g = dy·w,  dx = r·(g − x̂·mean(g·x̂)).
-    Measured 1.7x faster forward + backward at [8, 256, 256] on one CPU core.
-    """
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        rstd = x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
-        ctx.save_for_backward(x, weight, rstd)
-        ctx.eps = eps
-        return (x * rstd).mul_(weight)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
-        x, weight, rstd = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            # backward(create_graph=True): 1/rms recomputed from x, so second derivatives see its dependence.
-            rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ctx.eps)
-        normed = x * rstd
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            grad_weight = (grad * normed).reshape(-1, *weight.shape).sum(0)  # over everything weight broadcasts over
-        if not ctx.needs_input_grad[0]:
-            return None, grad_weight, None
-        grad_normed = grad * weight
-        mean_dot = torch.linalg.vecdot(grad_normed, normed).unsqueeze(-1).div_(x.shape[-1])
-        grad_x = torch.addcmul(grad_normed, normed, mean_dot, value=-1).mul_(rstd)
-        return grad_x, grad_weight, None
 
 
 class GatedMLP(nn.Module):
@@ -78,8 +34,8 @@ class GatedMLP(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.fc = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.bias)
-        self.proj = Linear(config.intermediate_size, config.hidden_size, bias=config.bias)
+        self.fc = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.bias)
+        self.proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.bias)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.fc(x).chunk(2, dim=-1)

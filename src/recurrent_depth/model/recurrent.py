@@ -26,7 +26,6 @@ from torch.utils.checkpoint import checkpoint
 from recurrent_depth.config import MODEL_PARTS, ModelConfig, is_real
 from recurrent_depth.model.depth import DepthSampler
 from recurrent_depth.model.layers import RMSNorm, SandwichBlock
-from recurrent_depth.model.linear import Linear
 from recurrent_depth.model.mixers import MixerContext, build_mixer, check_mixer_name
 
 NumSteps = int | tuple[int, int] | None
@@ -69,7 +68,7 @@ class RecurrentDepthLM(nn.Module):
             dict(
                 wte=nn.Embedding(config.vocab_size, h),
                 prelude=blocks("prelude", config.prelude_layers),
-                adapter=Linear(2 * h, h, bias=config.bias),
+                adapter=nn.Linear(2 * h, h, bias=config.bias),
                 core_block=blocks("core", config.core_layers),
                 coda=blocks("coda", config.coda_layers),
                 ln_f=RMSNorm(h, config.norm_eps),
@@ -83,7 +82,7 @@ class RecurrentDepthLM(nn.Module):
                         f"ModelConfig.qk_norm=True is implemented by the 'attention' mixer only, but the {part} "
                         f"uses mixer {config.mixer_for(part)!r}; set qk_norm false or use 'attention' there"
                     )
-        self.lm_head = Linear(h, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(h, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
         self.emb_scale = math.sqrt(h)

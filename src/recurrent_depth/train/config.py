@@ -86,6 +86,9 @@ FIELD_HELP: dict[str, str] = {
     "compile": "torch.compile the core block (not the loop: one graph serves every depth)",
     "compile_mode": f"torch.compile mode with compile: one of {', '.join(COMPILE_MODES)}",
     "activation_checkpointing": "recompute each core iteration in backward (less memory, ~25% slower)",
+    "accel": "apply recurrent_depth.accel's conversions to the model where they help (the fp32 RMSNorm "
+             "backward; bf16 products on CPUs that emulate bf16); --no-accel or RDEPTH_NO_ACCEL=1 trains the plain "
+             "model",
     "keep_freed_memory": "on CPU with glibc, keep freed memory in the process between steps instead of "
                          "page-faulting it in again every step (up to 1.2x faster here; memory stays at its peak)",
     "fsdp": "shard parameters with FSDP2 (fully_shard) instead of replicating them with DDP",
@@ -142,6 +145,7 @@ class TrainConfig:
     compile_mode: str = "default"
     activation_checkpointing: bool = False
     keep_freed_memory: bool = True
+    accel: bool = True
     fsdp: bool = False
     eval_depths: list[int] | None = None
     eval_interval: int = 0
@@ -240,7 +244,8 @@ class TrainConfig:
         if depths is not None and max(depths) > ceiling:
             raise bad("eval_depths", f"depths of at most {ceiling} {depth_hint}")
         for name in ("follow_symlinks", "keep_all", "depth_per_rank", "record_max_logit", "baseline", "compile",
-                     "activation_checkpointing", "keep_freed_memory", "fsdp", "resume", "progress", "tensorboard"):
+                     "activation_checkpointing", "keep_freed_memory", "accel", "fsdp", "resume", "progress",
+                     "tensorboard"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "true or false")
         if not isinstance(self.out, str) or not self.out:

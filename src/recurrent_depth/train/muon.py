@@ -16,7 +16,7 @@ import math
 import torch
 from torch import Tensor
 
-from recurrent_depth.model.linear import CPU_EMULATES_BF16
+from recurrent_depth.accel.cpu import cpu_emulates_bf16
 
 NS_DTYPES = ("auto", "bfloat16", "float32")
 
@@ -56,7 +56,7 @@ def resolve_ns_dtype(ns_dtype: str, params: list[Tensor]) -> torch.dtype:
         raise ValueError(f"ns_dtype must be one of {NS_DTYPES}, got {ns_dtype!r}")
     if ns_dtype == "auto":
         on_cpu = all(p.device.type == "cpu" for p in params)
-        return torch.float32 if on_cpu and CPU_EMULATES_BF16 else torch.bfloat16
+        return torch.float32 if on_cpu and cpu_emulates_bf16() else torch.bfloat16
     return getattr(torch, ns_dtype)
 
 

@@ -42,12 +42,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from recurrent_depth import accel
+from recurrent_depth.accel.allocator import keep_freed_memory
+from recurrent_depth.accel.cpu import slow_bf16_warnings
 from recurrent_depth.config import ModelConfig
 from recurrent_depth.model.mixers.dsa import pop_indexer_loss
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 from recurrent_depth.train import checkpointing as ckpt
 from recurrent_depth.train import distributed as ddist
-from recurrent_depth.train.allocator import keep_freed_memory
 from recurrent_depth.train.batches import BatchSource, RowBatches
 from recurrent_depth.train.config import TrainConfig
 from recurrent_depth.train.depth import DepthSampler, stream_seed
@@ -65,7 +67,7 @@ TOKENIZER_DIR = "tokenizer"
 RESUMABLE_CHANGES = frozenset(
     {"max_steps", "max_tokens", "max_minutes", "eval_interval", "eval_batches", "eval_depths", "save_every",
      "keep_last", "resume", "progress", "tensorboard", "out", "data_dir", "compile", "compile_mode",
-     "activation_checkpointing", "keep_freed_memory", "max_skipped_fraction"}
+     "activation_checkpointing", "keep_freed_memory", "accel", "max_skipped_fraction"}
 )
 
 
@@ -222,6 +224,8 @@ class Trainer:
             evaluate = validation_by_depth
         self.evaluate_hook = evaluate
 
+        # The tuning of `recurrent_depth.accel`, from outside the model (`accel: false` or RDEPTH_NO_ACCEL=1: none).
+        self.accel = accel.apply(self.model, enabled=cfg.accel and accel.enabled_by_default())
         self.wrapped = prepare_model(self.model, cfg, env)
         self.optimizer = build_optimizers(self.model, cfg.optim)
         self.qk_clip = QKClip(self.model, cfg.qk_clip) if cfg.qk_clip is not None or cfg.record_max_logit else None
@@ -361,19 +365,9 @@ class Trainer:
         return matches
 
     def _warn_about_slow_bf16(self) -> None:
-        """bf16 matmuls are emulated on CPUs without AVX512-BF16/AMX (~4.5x slower per token than fp32
-        in the model's Linear, 40x for bf16 Newton-Schulz; measured, docs/training.md)."""
-        if self.env.device.type != "cpu" or torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            return
-        if self.cfg.dtype == "bfloat16":
-            self.log(
-                "warning: this CPU has no native bf16 matmuls; bfloat16 autocast will be slower than float32 here"
-            )
-        if self.cfg.optim.name == "muon" and self.cfg.optim.muon_ns_dtype == "bfloat16":
-            self.log(
-                "warning: muon_ns_dtype bfloat16 runs Muon's Newton-Schulz iteration in bf16, which this CPU "
-                "emulates; each optimizer step will be slow (muon_ns_dtype auto or float32 avoids it)"
-            )
+        muon_ns_dtype = self.cfg.optim.muon_ns_dtype if self.cfg.optim.name == "muon" else None
+        for warning in slow_bf16_warnings(self.env.device, self.cfg.dtype, muon_ns_dtype):
+            self.log(warning)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> TrainResult:
@@ -756,6 +750,7 @@ class Trainer:
             "resumed_from": str(self.resume_from) if self.resume_from else None,
             "world_size": self.env.world_size,
             "backend": self.env.backend,
+            "accel": self.accel,
             "git": git_revision(),
             "versions": library_versions(),
             "hardware": hardware_info(self.env.device),

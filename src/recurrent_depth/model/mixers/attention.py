@@ -26,7 +26,6 @@ from torch import Tensor, nn
 from recurrent_depth.config import ModelConfig
 from recurrent_depth.model.cache import combine_key_mask
 from recurrent_depth.model.layers import RMSNorm, apply_rope
-from recurrent_depth.model.linear import Linear
 from recurrent_depth.model.mixers.base import LayerKey, MixerContext, register_mixer
 from recurrent_depth.model.mixers.logits import MaxLogitRecorder, scale_parameter
 
@@ -52,8 +51,8 @@ class Attention(MaxLogitRecorder, nn.Module):
         self.head_dim = config.head_dim
         self.window = window
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        self.Wqkv = Linear(config.hidden_size, qkv_out, bias=config.bias)
-        self.proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.bias)
+        self.Wqkv = nn.Linear(config.hidden_size, qkv_out, bias=config.bias)
+        self.proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.bias)
         self.has_qk_bias = config.qk_bias
         if config.qk_bias:
             if self.num_kv_heads == self.num_heads:

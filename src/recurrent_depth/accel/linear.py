@@ -1,4 +1,5 @@
-"""nn.Linear with products in the fast GEMM layouts of CPUs that emulate bf16/fp16.
+"""The CPU bf16/fp16 product: `convert_linears(model)` makes a model's nn.Linear layers compute their
+low-precision training products in the fast GEMM layouts of CPUs that emulate bf16/fp16.
 
 On CPUs without native bf16 (no AVX512-BF16 or AMX), oneDNN's low-precision GEMMs differ by up to
 60x between layouts. Measured on a 2-core AVX2 EPYC at 2 threads, GFLOP/s of the products of one
@@ -21,6 +22,10 @@ The worker count is `torch.get_num_threads()`: on the CPUs measured, the emulate
 kernel runs on the calling thread only (process CPU time = wall time), so the blocks do not
 oversubscribe the cores; where it is itself parallel (probed once per dtype), the blocks run one
 after another in the caller.
+
+The conversion changes each layer's class only (`FastLowPrecisionLinear`, a subclass of nn.Linear with
+no parameters or buffers of its own): the parameters, their names and the state dict stay the model's.
+`recurrent_depth.accel.apply` converts where it helps (CPUs that emulate bf16).
 """
 
 from __future__ import annotations
@@ -34,20 +39,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from recurrent_depth.accel.swap import swap_class
+
 # Result rows per product of `blocked_tn_mm`: fixed, so that results never depend on the thread count.
 BLOCK_ROWS = 128
-
-
-def _cpu_emulates_bf16() -> bool:
-    """True when oneDNN has no native bf16 GEMMs on this CPU (no AVX512-BF16 or AMX)."""
-    try:
-        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    except (AttributeError, RuntimeError):
-        return False
-
-
-# Probed once at import: a plain bool that torch.compile can specialise on.
-CPU_EMULATES_BF16 = _cpu_emulates_bf16()
 
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (workers, pool)
 
@@ -203,14 +198,14 @@ class _EmulatedLowPrecisionLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
-class Linear(nn.Linear):
-    """nn.Linear (same parameters and state dict) whose bf16/fp16 training products use the fast
-    layouts on CPUs that emulate those dtypes (see `_EmulatedLowPrecisionLinear`); elsewhere F.linear.
+class FastLowPrecisionLinear(nn.Linear):
+    """nn.Linear (same parameters and state dict) whose bf16/fp16 products on CPU use the fast layouts
+    (see `_EmulatedLowPrecisionLinear`); fp32, other devices and other calls go to F.linear.
 
     Taken when a gradient is needed, or in training mode for rows of at least BLOCK_ROWS tokens
     (the no-grad recurrent steps of truncated backprop). In training mode W and W^T in the low
     dtype are cached until the parameter changes (its version counter moves: an optimizer step, a
-    load), instead of being cast again at every recurrent step.
+    load), instead of being cast again at every recurrent step. Made by `convert_linears`.
     """
 
     _low_precision_cache: tuple[tuple, Tensor, Tensor] | None = None
@@ -230,14 +225,14 @@ class Linear(nn.Linear):
                                    _use_blocked(compiling, dtype))
             return out.view(*x.shape[:-1], self.out_features)
 
-    def train(self, mode: bool = True) -> Linear:
+    def train(self, mode: bool = True) -> FastLowPrecisionLinear:
         if not mode:
             self._low_precision_cache = None  # evaluation and generation do not use it: free the memory
         return super().train(mode)
 
     def _emulated_dtype(self, x: Tensor) -> torch.dtype | None:
         """The low-precision dtype this call computes in, when the fast layouts apply; else None."""
-        if not CPU_EMULATES_BF16 or x.device.type != "cpu":
+        if x.device.type != "cpu":
             return None
         if not torch.is_grad_enabled() and not (self.training and x.numel() >= BLOCK_ROWS * x.shape[-1]):
             return None
@@ -260,3 +255,19 @@ class Linear(nn.Linear):
         if cache:
             self._low_precision_cache = (key, low_weight, low_weight_t)
         return low_weight, low_weight_t
+
+
+def convert_linears(model: nn.Module) -> int:
+    """Make every plain nn.Linear of `model` a `FastLowPrecisionLinear` in place; returns how many.
+
+    Only the class changes (parameters, hooks and state dict are the layer's own), so the conversion
+    can come before or after the optimizer is built. Subclasses of nn.Linear are left alone."""
+    return swap_class(model, nn.Linear, FastLowPrecisionLinear)
+
+
+def restore_linears(model: nn.Module) -> int:
+    """Undo `convert_linears`: plain nn.Linear layers again (cached low-precision weights dropped)."""
+    for module in model.modules():
+        if type(module) is FastLowPrecisionLinear:
+            module.__dict__.pop("_low_precision_cache", None)
+    return swap_class(model, FastLowPrecisionLinear, nn.Linear)

@@ -15,7 +15,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Print the resolved ModelConfig, unique parameter count, and the bf16 cache at the mean "
         "recurrence (bytes per token, and in all at max_seq_len; each mixer's own cache: KV for attention, a "
         "fixed-size state for linear mixers), for a preset name or a saved model directory; and the same cache "
-        "under each KV policy (per-step, shared-4, last-step, and --kv-policy when given).",
+        "under each KV policy (per-step, shared-4, last-step, and --kv-policy when given), per token and in all; "
+        "with --kv-quant, the same again with the KV entries quantized (every norm counted).",
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", help="a preset name: tiny, small, huginn-0125")
@@ -23,6 +24,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-policy", default=None, metavar="SLOTS[+LOOKUP]",
                         help="also report the cache under this KV policy, e.g. shared-8 or an official strategy "
                              "such as latest-m4-compress-s16 (default: off)")
+    parser.add_argument("--kv-quant", default=None, metavar="k=METHOD:BITS,v=METHOD:BITS",
+                        help="also report each policy's cache with quantized KV entries, e.g. k=prod:3.5,v=mse:3.5 "
+                             "(default: off)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table (default: off)")
     parser.set_defaults(func=run)
 
@@ -31,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from recurrent_depth.config import ModelConfig
+    from recurrent_depth.inference.quant_cache import parse_kv_quant_option
     from recurrent_depth.model.cache import parse_kv_policy
     from recurrent_depth.model.recurrent import RecurrentDepthLM
 
@@ -54,6 +59,9 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_policy is not None:
         policies[args.kv_policy] = parse_kv_policy(args.kv_policy, core_layers=config.core_layers)
     length = config.max_seq_len
+    kv_quant = parse_kv_quant_option(args.kv_quant)
+    if kv_quant is not None and config.mixer != "attention":
+        raise ValueError(f"--kv-quant prices softmax-attention KV entries; this model's mixer is {config.mixer!r}")
 
     def cache_bytes(tokens: int, policy=policies["per-step"]) -> int:
         slots = policy.slots.num_slots(config.mean_recurrence)
@@ -75,7 +83,18 @@ def run(args: argparse.Namespace) -> int:
         "cache_bytes_at_max_seq_len_bf16_by_kv_policy": {
             policy.name: cache_bytes(length, policy) for policy in policies.values()
         },
+        "kv_cache_bytes_per_token_bf16_by_kv_policy": {
+            policy.name: (cache_bytes(length, policy) - cache_bytes(0, policy)) // length
+            for policy in policies.values()
+        },
     }
+    if kv_quant is not None:
+        per_layer = kv_quant.bytes_per_token(config.head_dim, config.num_kv_heads)
+        entries = {policy.name: config.prelude_layers + config.coda_layers
+                   + config.core_layers * policy.slots.num_slots(config.mean_recurrence)
+                   for policy in policies.values()}
+        info["kv_quant"] = kv_quant.name
+        info["kv_cache_bytes_per_token_quantized_by_kv_policy"] = {name: n * per_layer for name, n in entries.items()}
     if args.json:
         print(json.dumps(info, sort_keys=True))
         return 0
@@ -88,5 +107,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'KV cache/token (bf16)':>22}  {human_bytes(per_token)} ({per_token:,} bytes)")
     print(f"{f'cache at {length} tokens':>22}  {human_bytes(full)} ({full:,} bytes)")
     for name, nbytes in info["cache_bytes_at_max_seq_len_bf16_by_kv_policy"].items():
-        print(f"{name:>22}  {human_bytes(nbytes)} ({nbytes:,} bytes)")
+        per = info["kv_cache_bytes_per_token_bf16_by_kv_policy"][name]
+        print(f"{name:>22}  {human_bytes(nbytes)} ({nbytes:,} bytes; {per:,} bytes/token)")
+    for name, per in info.get("kv_cache_bytes_per_token_quantized_by_kv_policy", {}).items():
+        ratio = info["kv_cache_bytes_per_token_bf16_by_kv_policy"]["per-step+deepest"] / per
+        print(f"{name + ' quantized':>22}  {per:,} bytes/token ({info['kv_quant']}; {ratio:.1f}x smaller than "
+              f"per-step bf16)")
     return 0

@@ -449,9 +449,16 @@ CACHE_IMPLEMENTATIONS = ("static", "dynamic")
 def make_cache(
     implementation: str, batch_size: int, num_steps: int, kv_budget: int | None = None,
     capacity: int = 256, device: Any = None, policy: KVPolicy | str | None = None, core_layers: int | None = None,
+    kv_quant: Any = None,
 ) -> StaticRecurrentCache | DynamicRecurrentCache:
     """Build a generation cache: "static" (preallocated, fast) or "dynamic" (plain reference).
-    core_layers: the model's core layer count (binds an official compress-sN / compress-rN policy)."""
+    core_layers: the model's core layer count (binds an official compress-sN / compress-rN policy).
+    kv_quant: None, or a spec (see `recurrent_depth.inference.quant_cache`): the entries are quantized."""
+    if kv_quant is not None and implementation in CACHE_IMPLEMENTATIONS:
+        from recurrent_depth.inference.quant_cache import make_quantized_cache
+
+        return make_quantized_cache(implementation, batch_size, num_steps, kv_budget, capacity, device, policy,
+                                    kv_quant, core_layers)
     if implementation == "static":
         return StaticRecurrentCache(batch_size, num_steps, kv_budget, capacity=capacity, device=device, policy=policy,
                                     core_layers=core_layers)

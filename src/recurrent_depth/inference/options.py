@@ -9,6 +9,7 @@ from typing import Any
 
 from recurrent_depth.inference.cache import CACHE_IMPLEMENTATIONS
 from recurrent_depth.inference.criteria import CRITERIA, CriterionSpec, resolve_criterion
+from recurrent_depth.inference.quant_cache import parse_kv_quant_option
 from recurrent_depth.model.cache import KVPolicy, parse_kv_policy
 
 SAMPLERS = ("autoregressive", "parallel")
@@ -50,6 +51,7 @@ class GenerationOptions:
     max_steps: int | None = None
     kv_budget: int | None = None
     kv_policy: str | None = None
+    kv_quant: str | None = None
     warm_start: bool = False
     draft_steps: int | None = None
     lookahead: int = 8
@@ -167,6 +169,10 @@ class GenerationOptions:
             self.policy = parse_kv_policy(self.kv_policy, self.kv_budget)
         except ValueError as exc:
             raise OptionError("kv_policy", str(exc)) from None
+        try:
+            parse_kv_quant_option(self.kv_quant)
+        except ValueError as exc:
+            raise OptionError("kv_quant", str(exc)) from None
         explicit_max_steps = self.max_steps is not None
         if self.max_steps is not None and self.criterion is None and self.sampler != "parallel":
             raise OptionError(

@@ -283,12 +283,13 @@ class FastRunner(ModelRunner):
         ctx = step.ctx
         cache = ctx.cache
         mask, is_causal = ctx.attn_mask, ctx.is_causal
-        if cache is not None:  # a `StepCache` (model/cache.py), in its head-major layout
+        from_codes = cache is not None and getattr(cache, "attends_from_codes", False)  # inference/quant_cache.py
+        if cache is not None and not from_codes:  # a `StepCache` (model/cache.py), in its head-major layout
             k, v = cache.update_heads(key, k, v)
             key_mask = cache.key_mask(key)
             if key_mask is not None:
                 mask, is_causal = combine_key_mask(mask, key_mask, T), False
-        att = F.scaled_dot_product_attention(
+        att = cache.attend(key, q, k, v, mask, is_causal) if from_codes else F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=self.gqa
         )  # [B, H, T, D]
         att = att.transpose(1, 2).reshape(B * T, H * D)

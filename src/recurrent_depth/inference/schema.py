@@ -124,6 +124,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            "or an official cache_lookup_strategy such as 'latest-m4-compress-s16' (docs/inference.md)", "str",
            shown="per-step+deepest",
            http=True, hf="shared", lm_eval="model"),
+    Option("kv_quant", "cache", "quantize the KV cache, e.g. 'k=prod:3.5,v=mse:3.5' (TurboQuant; methods mse, prod, "
+           "qjl, polar, raw); ',attn=dequantize' decodes before attention instead of scoring the codes "
+           "(docs/quant.md)", "str", shown="off, full precision", http=True, hf="routed", lm_eval="model"),
     Option("cache_implementation", "cache", "KV storage: preallocated 'static' or the plain 'dynamic' reference",
            "str", choices=CACHE_IMPLEMENTATIONS, hf="routed"),
     Option("draft_steps", "mode", "self-speculative decoding: draft with this many core steps, verify at r",

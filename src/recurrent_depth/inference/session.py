@@ -103,7 +103,7 @@ class Session:
         self.cache = make_cache(
             options.cache_implementation, self.B, options.deepest_step,
             capacity=self.T + options.max_new_tokens + slack, device=self.device, policy=options.policy,
-            core_layers=cfg.core_layers,
+            core_layers=cfg.core_layers, kv_quant=options.kv_quant,
         )
         # valid[b, c]: column c of row b is a real token (left padding and rejected drafts are not).
         self.padded = mask is not None

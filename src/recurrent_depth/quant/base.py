@@ -69,6 +69,11 @@ class Quantizer(ABC):
         self._check_query(q)
         return q.float() @ self.decode(codes).mT
 
+    def combine(self, weights: torch.Tensor, codes: Codes) -> torch.Tensor:
+        """weights [..., M, N] times the decoded codes of [..., N, D] -> [..., M, D] (attention's
+        value read); rotated methods sum in the rotated basis and rotate the M results back once."""
+        return weights.float() @ self.decode(codes)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(spec={self.spec!r}, dim={self.dim})"
 
@@ -111,6 +116,9 @@ class RotatedQuantizer(Quantizer):
     def score(self, q: torch.Tensor, codes: Codes) -> torch.Tensor:
         self._check_query(q)
         return self.rotation.forward(q.float()) @ self._rotated(codes).mT
+
+    def combine(self, weights: torch.Tensor, codes: Codes) -> torch.Tensor:
+        return self.rotation.inverse(weights.float() @ self._rotated(codes))
 
     @abstractmethod
     def _rotated(self, codes: Codes) -> torch.Tensor:

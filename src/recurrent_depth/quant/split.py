@@ -118,3 +118,11 @@ class ChannelSplit(Quantizer):
         c_out, c_reg = self._groups(codes)
         q_out, q_reg = self._split(q.float())
         return self.outlier.score(q_out, c_out) + self.regular.score(q_reg, c_reg)
+
+    def combine(self, weights: torch.Tensor, codes: Codes) -> torch.Tensor:
+        c_out, c_reg = self._groups(codes)
+        out, reg = self.outlier.combine(weights, c_out), self.regular.combine(weights, c_reg)
+        x = out.new_empty((*out.shape[:-1], self.dim))
+        x[..., self._out_idx.to(x.device)] = out
+        x[..., self._reg_idx.to(x.device)] = reg
+        return x

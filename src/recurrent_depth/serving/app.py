@@ -282,8 +282,9 @@ def create_app(engine: Engine, codec: TextCodec, settings: ServerSettings) -> Fa
                 options.policy = options.policy.bind(cfg.core_layers)
             except ValueError as exc:
                 raise APIError(400, str(exc), param="kv_policy") from None
-            # the slot pool takes most policies; the rest (always-last, randomized, compress-rN) run alone
-            solo = sampling.speculative or not engine.batches or not SlotKVPool.takes(options.policy)
+            # the slot pool takes most policies; the rest (always-last, randomized, compress-rN) run alone,
+            # and so does a quantized cache (the pool keeps full-precision entries)
+            solo = sampling.runs_alone or not engine.batches or not SlotKVPool.takes(options.policy)
             generation = dict(sampling.generation, max_new_tokens=max_tokens, stop=sorted(stops) or None)
             for j in range(sampling.n):
                 index = p * sampling.n + j

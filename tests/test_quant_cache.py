@@ -1,0 +1,275 @@
+"""The quantized KV cache (inference/quant_cache.py) against the plain caches, and its interfaces.
+
+Oracles: the raw 16-bit codec run through the packed storage equals the unquantized static cache
+exactly (bf16 model, the dequantize read: the same SDPA on the same bf16 values); a real codec
+equals `DequantizedDynamicCache`, the plain per-column reference storing each entry's codec round
+trip; the codes read equals the dequantize read. Tolerance 1e-4 on logits where two float32
+computations differ only in summation order (observed <= 2e-6).
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+import torch.nn.functional as F
+
+import recurrent_depth as rd
+from recurrent_depth.inference import generate
+from recurrent_depth.inference.quant_cache import (
+    KVQuant,
+    QuantizedRecurrentCache,
+    RowCodec,
+)
+from recurrent_depth.quant import build_quantizer, kv_bytes_per_token, parse_kv_quant
+from tests.test_serving import LiveServer, model_dir, reference  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOL = 1e-4
+POLICIES = ["per-step", "shared-3", "last-step", "per-step+skip", "shared-3+skip"]
+EXITS = {"fixed": {}, "kl-exit": dict(exit_criterion="kl", exit_threshold=5e-2)}
+RUN = dict(max_new_tokens=6, num_steps=6, init_scale=0.0, output_logits=True)
+
+
+@pytest.fixture(scope="module")
+def model() -> rd.RecurrentDepthLM:
+    torch.manual_seed(1234)
+    return rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval()
+
+
+@pytest.fixture(scope="module")
+def bf16_model(model) -> rd.RecurrentDepthLM:
+    torch.manual_seed(1234)
+    return rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).to(torch.bfloat16).eval()
+
+
+PROMPT = torch.tensor([[5, 9, 2, 7, 11, 3, 8], [0, 0, 4, 6, 1, 12, 10]])
+MASK = torch.tensor([[1] * 7, [0, 0, 1, 1, 1, 1, 1]])
+
+
+def logits_of(out) -> torch.Tensor:
+    return out.logits if isinstance(out.logits, torch.Tensor) else torch.stack(list(out.logits))
+
+
+@pytest.mark.parametrize("exit_", EXITS)
+@pytest.mark.parametrize("spec", POLICIES)
+def test_raw16_through_the_packed_storage_equals_the_plain_static_cache(bf16_model, spec, exit_):
+    plain = generate(bf16_model, PROMPT, attention_mask=MASK, kv_policy=spec, **RUN, **EXITS[exit_])
+    raw = generate(bf16_model, PROMPT, attention_mask=MASK, kv_policy=spec, **RUN, **EXITS[exit_],
+                   kv_quant="k=raw:16,v=raw:16,attn=dequantize")
+    assert torch.equal(raw.sequences, plain.sequences)
+    assert torch.equal(raw.steps, plain.steps)
+    assert torch.equal(logits_of(raw), logits_of(plain))
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-runner", "reference-runner"])
+@pytest.mark.parametrize("attn", ["codes", "dequantize"])
+@pytest.mark.parametrize("exit_", EXITS)
+@pytest.mark.parametrize("spec", POLICIES)
+def test_quantized_cache_equals_its_dequantized_dynamic_reference(model, spec, exit_, attn, fast):
+    quant = f"k=prod:3.5,v=mse:3.5,attn={attn}"
+    kwargs = dict(attention_mask=MASK, kv_policy=spec, kv_quant=quant, fast=fast, **RUN, **EXITS[exit_])
+    static = generate(model, PROMPT, **kwargs)
+    plain = generate(model, PROMPT, cache_implementation="dynamic", **kwargs)
+    assert torch.equal(static.sequences, plain.sequences)
+    assert torch.equal(static.steps, plain.steps)
+    torch.testing.assert_close(logits_of(static), logits_of(plain), atol=TOL, rtol=0)
+    assert torch.equal(static.cache_bytes, plain.cache_bytes)
+    if exit_ == "kl-exit":
+        assert bool((static.steps < 6).any())  # early exits happened: the lookup rules were exercised
+
+
+def test_quantization_changes_the_entries_and_bits_order_the_error(model):
+    """A real codec is not the identity, and more bits give logits closer to the full cache."""
+    full = logits_of(generate(model, PROMPT, attention_mask=MASK, **RUN))
+    errors = [(logits_of(generate(model, PROMPT, attention_mask=MASK, kv_quant=f"k=mse:{b},v=mse:{b}", **RUN))
+               - full).abs().mean().item() for b in (2, 4, 8)]
+    assert errors[0] > errors[1] > errors[2] > 0
+
+
+@pytest.mark.parametrize("kv", ["k=prod:3.5,v=mse:3.5", "k=mse:2.5,v=mse:2", "k=qjl:2,v=polar", "k=prod:3"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+def test_scoring_the_codes_equals_sdpa_over_the_decoded_entries(kv, heads):
+    """`attend` (scores from codes, values summed in the rotated basis) vs decode + SDPA, with a
+    padding mask, a skip lookup hiding columns, and grouped-query heads."""
+    H, Hkv = heads
+    B, P, D = 2, 5, 16
+    g = torch.Generator().manual_seed(0)
+
+    def caches():
+        return [QuantizedRecurrentCache(B, 3, capacity=8, policy="per-step+skip", kv_quant=f"{kv},attn={a}")
+                for a in ("codes", "dequantize")]
+
+    codes_cache, plain_cache = caches()
+    pad = torch.ones(B, 1, 1, P + 1, dtype=torch.bool)
+    pad[1, ..., :2] = False
+    for T, mask, causal in [(P, None, True), (1, pad, False)]:
+        q = torch.randn(B, H, T, D, generator=g)
+        k, v = torch.randn(B, Hkv, T, D, generator=g), torch.randn(B, Hkv, T, D, generator=g)
+        if mask is not None:
+            mask = mask[..., : codes_cache.seq_len + T]
+        for step in range(2):
+            key = ("core", 0, step)
+            got = codes_cache.attend(key, q, k, v, mask, causal)
+            K, V = plain_cache.update_heads(key, k, v)
+            m, c = mask, causal
+            key_mask = plain_cache.key_mask(key)
+            if key_mask is not None:
+                from recurrent_depth.model.cache import combine_key_mask
+
+                m, c = combine_key_mask(m, key_mask, T), False
+            want = F.scaled_dot_product_attention(q, K, V, attn_mask=m, is_causal=c, enable_gqa=Hkv != H)
+            torch.testing.assert_close(got, want, atol=TOL, rtol=0)
+        depth = torch.tensor([[2] * T, [1] * T])
+        for cache in (codes_cache, plain_cache):
+            cache.close(depth)
+            cache.advance(T)
+
+
+def _reachable_tensors(obj, seen=None) -> list[torch.Tensor]:
+    """Every tensor held by the cache object, through dicts, lists, tuples (the codecs excluded:
+    quantizer state is per cache, not per token, and counted as `state_nbytes`)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _reachable_tensors(v)]
+    if isinstance(obj, list | tuple):
+        return [t for v in obj for t in _reachable_tensors(v)]
+    return []
+
+
+@pytest.mark.parametrize("spec", ["per-step", "shared-2", "last-step+skip"])
+@pytest.mark.parametrize("kv", ["k=prod:3.5,v=mse:3.5", "k=prod:2.5,v=mse:2.5", "k=raw:16,v=mse:4"])
+def test_every_tensor_reachable_from_a_quantized_cache_is_the_reported_bytes(model, kv, spec):
+    cfg = model.config
+    cache = QuantizedRecurrentCache(2, 4, capacity=9, policy=spec, kv_quant=kv)
+    ids = torch.tensor([[5, 9, 2, 7, 11, 3, 8, 1, 4]])
+    with torch.inference_mode():
+        engine = rd.inference.engine.Recurrence(model)
+        pass_ = engine.begin(ids.expand(2, -1), None, cache)
+        state = engine.run(engine.initial_state(pass_.e, 0.0, None), pass_, 4)
+        engine.readout(state, pass_)
+        cache.close(4, ids.shape[1])
+        cache.advance(ids.shape[1])
+    fields = {name: value for name, value in vars(cache).items() if name not in ("codecs", "kv_quant")}
+    tensors = _reachable_tensors(fields)
+    bookkeeping = [t for t in tensors if t.dtype in (torch.long, torch.bool)]
+    assert all(t is cache.depth or t is cache.write_mask for t in bookkeeping)  # per column depth, no entries
+    entries = [t for t in tensors if t.dtype not in (torch.long, torch.bool)]
+    assert entries and all(t.dtype == torch.uint8 for t in entries)  # codes only: no float copy survives
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in entries}
+    assert sum(storages.values()) == cache.nbytes()
+    # Capacity = the columns written and every slot filled: allocated = logical = the priced bytes.
+    per_layer = kv_bytes_per_token(parse_kv_quant(kv), cfg.head_dim, cfg.num_kv_heads)
+    assert per_layer == KVQuant.parse(kv).bytes_per_token(cfg.head_dim, cfg.num_kv_heads)
+    entries_per_token = 2 + cfg.core_layers * cache.num_core_slots
+    assert cache.nbytes() == 2 * 9 * entries_per_token * per_layer
+    assert cache.logical_nbytes().tolist() == [9 * entries_per_token * per_layer] * 2
+
+
+def test_generation_reports_the_quantized_bytes(model):
+    cfg = model.config
+    kv = "k=prod:3.5,v=mse:3.5"
+    out = generate(model, PROMPT[:1], max_new_tokens=4, num_steps=4, init_scale=0.0, kv_quant=kv)
+    plain = generate(model, PROMPT[:1], max_new_tokens=4, num_steps=4, init_scale=0.0)
+    per_layer = kv_bytes_per_token(parse_kv_quant(kv), cfg.head_dim, cfg.num_kv_heads)
+    float32_per_layer = 2 * cfg.num_kv_heads * cfg.head_dim * 4  # the float32 model's plain entries
+    assert torch.equal(out.cache_bytes * float32_per_layer, plain.cache_bytes * per_layer)
+
+
+def test_row_codec_round_trips_the_quantizer_codes():
+    q = build_quantizer("prod:3.5", 16, seed=3)
+    codec = RowCodec(q)
+    x = torch.randn(3, 5, 16)
+    rows = codec.encode(x)
+    assert rows.dtype == torch.uint8 and rows.shape == (3, 5, q.bytes_per_vector)
+    torch.testing.assert_close(codec.decode(rows, torch.float32), q.decode(q.encode(x)), atol=0, rtol=0)
+
+
+def test_kv_quant_composes_with_speculative_and_parallel_decoding(model):
+    kv = "k=prod:3.5,v=mse:3.5"
+    greedy = generate(model, PROMPT[:1], max_new_tokens=6, num_steps=6, init_scale=0.0, kv_quant=kv,
+                      cache_implementation="dynamic")
+    spec = generate(model, PROMPT[:1], max_new_tokens=6, num_steps=6, init_scale=0.0, kv_quant=kv, draft_steps=2)
+    assert torch.equal(spec.sequences, greedy.sequences)  # exact mode: the verifier decides every token
+    par = generate(model, PROMPT[:1], max_new_tokens=4, num_steps=4, init_scale=0.0, kv_quant=kv, sampler="parallel")
+    assert par.sequences.shape == (1, PROMPT.shape[1] + 4)
+
+
+# ---------------------------------------------------------------------------- interfaces
+BAD = {
+    "k=bogus:3": "unknown quantization method",
+    "k=prod:0": "bits must be",
+    "k=mse:3,attn=fast": "attn=",
+    "q=mse:3": "k=... or v=",
+    "": "k=",
+    "k=mse:3,seed=x": "seed=",
+}
+
+
+@pytest.mark.parametrize("spec", BAD)
+def test_bad_kv_quant_gets_a_clear_error_from_the_api(model, spec):
+    with pytest.raises(ValueError, match="kv_quant") as err:
+        generate(model, PROMPT[:1], max_new_tokens=2, kv_quant=spec)
+    assert BAD[spec] in str(err.value)
+
+
+def test_a_head_dim_the_quantizer_cannot_take_is_a_clear_error():
+    odd = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", head_dim=12, hidden_size=48)).eval()
+    with pytest.raises(ValueError, match="head dim 12"):
+        generate(odd, PROMPT[:1], max_new_tokens=2, kv_quant="k=mse:3:hadamard")
+
+
+def test_cli_generate_and_info_take_kv_quant(model_dir, capsys):  # noqa: F811
+    from recurrent_depth.cli import main
+
+    assert main(["info", "--preset", "small", "--kv-quant", "k=prod:2.5,v=mse:2.5", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    cfg = rd.ModelConfig.from_preset("small")
+    per_layer = kv_bytes_per_token(parse_kv_quant("k=prod:2.5,v=mse:2.5"), cfg.head_dim, cfg.num_kv_heads)
+    quantized = info["kv_cache_bytes_per_token_quantized_by_kv_policy"]
+    assert quantized["per-step+deepest"] == (2 + 2 * cfg.mean_recurrence) * per_layer
+    assert quantized["last-step+deepest"] == 4 * per_layer
+    assert info["kv_cache_bytes_per_token_bf16_by_kv_policy"]["last-step+deepest"] == 4 * 2 * 2 * 64 * 4
+
+    args = ["generate", "--model", str(model_dir), "--prompt", "ab", "--max-new-tokens", "3",
+            "--num-steps", "3", "--init-scale", "0", "--json"]
+    assert main(args + ["--kv-quant", "k=prod:3.5,v=mse:3.5"]) == 0
+    assert main(args + ["--kv-quant", "k=prod:-1"]) != 0
+    assert "kv_quant" in capsys.readouterr().err
+
+
+def test_transformers_generate_takes_kv_quant(model):
+    from recurrent_depth.integrations.hf import from_library_model
+
+    hf = from_library_model(model)
+    x = PROMPT[:1]
+    kv = "k=prod:3.5,v=mse:3.5"
+    routed = hf.generate(x, kv_quant=kv, max_new_tokens=4, num_steps=4, init_scale=0.0)
+    assert torch.equal(routed, generate(model, x, kv_quant=kv, max_new_tokens=4, num_steps=4, init_scale=0.0).sequences)
+    with pytest.raises(ValueError, match="kv_quant"):
+        hf.generate(x, kv_quant="k=nope:3", max_new_tokens=2)
+
+
+def test_http_kv_quant_runs_alone_and_bad_specs_get_400(model_dir, reference):  # noqa: F811
+    from recurrent_depth.serving import build_app
+
+    ref_model, tok = reference
+    kv = "k=prod:3.5,v=mse:3.5"
+    with LiveServer(build_app(model_dir, model_name="tiny")) as live:
+        url = f"http://127.0.0.1:{live.port}/v1/completions"
+        body = {"model": "tiny", "prompt": [5, 9, 2], "max_tokens": 4, "num_steps": 3, "init_scale": 0.0,
+                "temperature": 0, "kv_quant": kv, "ignore_eos": True}
+        ok = httpx.post(url, json=body, timeout=60)
+        assert ok.status_code == 200, ok.text
+        alone = generate(ref_model, torch.tensor([[5, 9, 2]]), max_new_tokens=4, num_steps=3, init_scale=0.0,
+                         kv_quant=kv)
+        assert ok.json()["choices"][0]["text"] == tok.decode(alone.sequences[0, 3:].tolist(),
+                                                             skip_special_tokens=True)
+        bad = httpx.post(url, json={**body, "kv_quant": "k=prod:0"}, timeout=60)
+        assert bad.status_code == 400 and "kv_quant" in bad.text
+        bad = httpx.post(url, json={**body, "kv_quant": 3.5}, timeout=60)
+        assert bad.status_code == 400 and "kv_quant" in bad.text

@@ -1,0 +1,238 @@
+"""KV memory benchmark: sharing, early exit and TurboQuant, alone and compounded, side by side.
+
+    python benchmarks/kv_memory.py --model runs/quickstart/model              # small preset, r = 32
+    python benchmarks/kv_memory.py --model M --shells-model runs/quickstart-shells/model --games 1000
+    python benchmarks/kv_memory.py --quick                                     # smoke test, seeded model
+
+For each configuration (a KV policy, an exit criterion, a KV quantization; `--configs` lists them),
+at r = --num-steps on held-out stdlib prompts of the model directory's tokenizer (a seeded `small`
+model on random prompts without --model):
+- `bytes_per_token`: the cache's logical KV bytes (every layer: prelude, coda and each core slot
+  the policy keeps; every norm counted) after the teacher-forced run, per cached token (prompt and
+  generated), and `decode_bytes_per_token` over the generated tokens only (early exit only changes
+  those; the prompt runs at full depth). Unquantized caches are counted in bf16 (2 bytes per
+  number; the model runs in float32, whose bytes are halved); quantized caches as stored.
+  `x_vs_per_step_bf16`: the per-step bf16 cache's bytes divided by this one's.
+- `agreement`: teacher-forced per-token agreement with full-cache fixed-depth greedy decoding
+  (per-step, no exit, no quantization) over --agreement-tokens tokens of --prompts prompts.
+- `tokens_per_s`: decode speed of one prompt (best of --repeats), and `x_speed_vs_unquantized`:
+  against the same policy and exit without quantization.
+- with --shells-model: accuracy on --games shells games (--swaps swaps each, greedy answer at
+  r), paired against the full cache: both right, only the full cache right, only this one right.
+Prints one JSON line, then a table; writes --plot (bytes vs agreement) when matplotlib is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import recurrent_depth as rd
+from recurrent_depth.inference import generate
+
+TQ35, TQ25 = "k=prod:3.5,v=mse:3.5", "k=prod:2.5,v=mse:2.5"
+CONFIGS: dict[str, dict[str, Any]] = {
+    "per-step bf16": {},
+    "shared-4": {"kv_policy": "shared-4"},
+    "kl exit": {"exit_criterion": "kl"},
+    "tq3.5": {"kv_quant": TQ35},
+    "tq2.5": {"kv_quant": TQ25},
+    "tq3.5 dequantize": {"kv_quant": TQ35 + ",attn=dequantize"},
+    "kl exit + tq3.5": {"exit_criterion": "kl", "kv_quant": TQ35},
+    "shared-4 + tq3.5": {"kv_policy": "shared-4", "kv_quant": TQ35},
+    "shared-4 + tq2.5": {"kv_policy": "shared-4", "kv_quant": TQ25},
+    "shared-4 + mse3.5": {"kv_policy": "shared-4", "kv_quant": "k=mse:3.5,v=mse:3.5"},
+    "shared-4 + kl": {"kv_policy": "shared-4", "exit_criterion": "kl"},
+    "shared-4 + kl + tq3.5": {"kv_policy": "shared-4", "exit_criterion": "kl", "kv_quant": TQ35},
+    "shared-4 + kl + tq2.5": {"kv_policy": "shared-4", "exit_criterion": "kl", "kv_quant": TQ25},
+}
+REFERENCE = "per-step bf16"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="a model directory (default: a seeded small model)")
+    p.add_argument("--num-steps", type=int, default=32, help="recurrence depth r (default: %(default)s)")
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
+                   help="configurations to measure (default: all)")
+    p.add_argument("--prompts", type=int, default=2, help="agreement prompts (default: %(default)s)")
+    p.add_argument("--prompt-len", type=int, default=48, help="prompt tokens (default: %(default)s)")
+    p.add_argument("--agreement-tokens", type=int, default=48, help="teacher-forced tokens (default: %(default)s)")
+    p.add_argument("--speed-tokens", type=int, default=16, help="tokens timed per run (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=2, help="timed runs, best kept (default: %(default)s)")
+    p.add_argument("--shells-model", default=None, help="a shells model directory (default: no shells games)")
+    p.add_argument("--games", type=int, default=1000, help="shells games with --shells-model (default: %(default)s)")
+    p.add_argument("--swaps", type=int, default=8, help="swaps per shells game (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and prompts without --model")
+    p.add_argument("--plot", default="kv_memory.png", help="bytes vs agreement plot (default: %(default)s)")
+    p.add_argument("--quick", action="store_true", help="r = 8, a few tokens, 1 repeat")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.num_steps, args.prompts, args.prompt_len, args.agreement_tokens = 8, 1, 16, 8
+        args.speed_tokens, args.repeats, args.games = 4, 1, min(args.games, 20)
+    for name in ("num_steps", "prompts", "prompt_len", "agreement_tokens", "speed_tokens", "repeats", "games",
+                 "swaps", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return args
+
+
+def load(args: argparse.Namespace) -> tuple[rd.RecurrentDepthLM, list[list[int]], str]:
+    if args.model:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from generation import heldout_prompts
+
+        model = rd.RecurrentDepthLM.from_pretrained(args.model, dtype=torch.float32).eval()
+        return model, heldout_prompts(Path(args.model), args.prompts, args.prompt_len, None), args.model
+    torch.manual_seed(args.seed)
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("small")).eval()
+    g = torch.Generator().manual_seed(args.seed)
+    prompts = torch.randint(0, model.config.vocab_size, (args.prompts, args.prompt_len), generator=g).tolist()
+    return model, prompts, f"seeded small (seed {args.seed}, untrained)"
+
+
+def bf16_factor(kwargs: dict[str, Any], model: rd.RecurrentDepthLM) -> float:
+    """Unquantized entries are counted in bf16: the float32 model's bytes times 2 / element size."""
+    return 1.0 if kwargs.get("kv_quant") else 2 / model.dtype.itemsize
+
+
+def measure(model: rd.RecurrentDepthLM, prompts: torch.Tensor, reference: torch.Tensor, kwargs: dict[str, Any],
+            args: argparse.Namespace) -> dict[str, Any]:
+    common = dict(num_steps=args.num_steps, init_scale=0.0)
+    n = reference.shape[1]
+    forced = generate(model, prompts, max_new_tokens=n, teacher_tokens=reference, **common, **kwargs)
+    agreement = (forced.predictions == reference).float().mean().item()
+    factor = bf16_factor(kwargs, model)
+    final = forced.cache_bytes[:, -1].double() * factor
+    first = forced.cache_bytes[:, 0].double() * factor
+    tokens = prompts.shape[1] + n
+    speeds = []
+    for _ in range(args.repeats):
+        out = generate(model, prompts[:1], max_new_tokens=args.speed_tokens, **common, **kwargs)
+        speeds.append(out.summary()["tokens_per_second"])
+    return dict(
+        kwargs=kwargs,
+        bytes_per_token=round(final.mean().item() / tokens, 1),
+        decode_bytes_per_token=round(((final - first) / max(1, n - 1)).mean().item(), 1),
+        agreement=round(agreement, 4),
+        mean_steps=round(forced.steps.float().mean().item(), 2),
+        tokens_per_s=max(speeds),
+    )
+
+
+def shells_games(model_dir: str, configs: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """Greedy answers to `--games` shells games under each configuration, paired with the full cache."""
+    from recurrent_depth.data.tokenizer import load_tokenizer
+    from recurrent_depth.evaluation.reasoning import ProblemEncoder, get_task, make_problems
+
+    model = rd.RecurrentDepthLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    encoder = ProblemEncoder(load_tokenizer(model_dir))
+    problems = make_problems(get_task("shells"), args.games, [args.swaps], seed=args.seed)
+    prompts = torch.tensor([encoder.row([(p.prompt, False)], end=False)[0] for p in problems])
+    answers = torch.tensor([encoder.encode_text(p.answer) for p in problems])
+    right = {}
+    for name, kwargs in configs.items():
+        hits = []
+        for start in range(0, len(problems), 256):
+            out = generate(model, prompts[start:start + 256], max_new_tokens=answers.shape[1],
+                           num_steps=args.num_steps, init_scale=0.0, **kwargs)
+            hits.append((out.sequences[:, prompts.shape[1]:] == answers[start:start + 256]).all(dim=1))
+        right[name] = torch.cat(hits)
+    full = right[REFERENCE]
+    report = {}
+    for name, hits in right.items():
+        only_full, only_this = int((full & ~hits).sum()), int((hits & ~full).sum())
+        diff = (hits.float() - full.float())
+        report[name] = dict(accuracy=round(hits.float().mean().item(), 4), both=int((full & hits).sum()),
+                            only_full=only_full, only_this=only_this,
+                            paired_diff=round(diff.mean().item(), 4),
+                            paired_se=round(diff.std().item() / math.sqrt(len(diff)), 4))
+    return dict(model=model_dir, games=len(problems), swaps=args.swaps, by_config=report)
+
+
+def plot(results: dict[str, dict[str, Any]], path: str) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot"
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, r in results.items():
+        ax.scatter(r["bytes_per_token"], r["agreement"])
+        ax.annotate(name, (r["bytes_per_token"], r["agreement"]), fontsize=7, xytext=(3, 3),
+                    textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("KV bytes per token (all layers, norms counted)")
+    ax.set_ylabel("teacher-forced agreement with the full cache")
+    ax.set_title("KV memory vs agreement")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def unquantized_twin(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in kwargs.items() if k != "kv_quant"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, prompt_lists, source = load(args)
+    prompts = torch.tensor(prompt_lists)
+    configs = {name: CONFIGS[name] for name in dict.fromkeys([REFERENCE, *args.configs])}
+    start = time.perf_counter()
+    reference = generate(model, prompts, max_new_tokens=args.agreement_tokens, num_steps=args.num_steps,
+                         init_scale=0.0).sequences[:, prompts.shape[1]:]
+    results = {name: measure(model, prompts, reference, kwargs, args) for name, kwargs in configs.items()}
+    base = results[REFERENCE]["bytes_per_token"]
+    speed_of = {json.dumps(r["kwargs"], sort_keys=True): r["tokens_per_s"] for r in results.values()}
+    for r in results.values():
+        r["x_vs_per_step_bf16"] = round(base / r["bytes_per_token"], 2)
+        twin = speed_of.get(json.dumps(unquantized_twin(r["kwargs"]), sort_keys=True))
+        if r["kwargs"].get("kv_quant") and twin:
+            r["x_speed_vs_unquantized"] = round(r["tokens_per_s"] / twin, 3)
+    shells = shells_games(args.shells_model, configs, args) if args.shells_model else None
+    report = {
+        "benchmark": "kv_memory", "model": source, "num_steps": args.num_steps,
+        "config": {k: v for k, v in model.config.to_dict().items()
+                   if k in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "prelude_layers", "core_layers",
+                            "coda_layers")},
+        "prompts": len(prompt_lists), "prompt_len": args.prompt_len, "agreement_tokens": args.agreement_tokens,
+        "threads": args.threads, "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__, "seconds": round(time.perf_counter() - start, 1), "results": results,
+        "shells": shells if shells else "not run (give --shells-model DIR)",
+    }
+    report["plot"] = plot(results, args.plot)
+    print(json.dumps(report))
+    print(f"\nmodel: {source}, r = {args.num_steps}, {len(prompt_lists)} x {args.agreement_tokens} teacher-forced "
+          f"tokens")
+    head = (f"{'config':<24}{'B/token':>9}{'decode B/tok':>13}{'x bf16':>8}{'agree':>8}{'steps':>7}{'tok/s':>8}"
+            f"{'x speed':>9}")
+    print(head)
+    for name, r in results.items():
+        speed = r.get("x_speed_vs_unquantized")
+        print(f"{name:<24}{r['bytes_per_token']:>9.0f}{r['decode_bytes_per_token']:>13.0f}"
+              f"{r['x_vs_per_step_bf16']:>8.2f}{r['agreement']:>8.3f}{r['mean_steps']:>7.1f}{r['tokens_per_s']:>8.1f}"
+              f"{'' if speed is None else f'{speed:.2f}':>9}")
+    if shells:
+        print(f"\nshells: {shells['games']} games of {shells['swaps']} swaps ({shells['model']})")
+        for name, r in shells["by_config"].items():
+            print(f"{name:<24} acc {r['accuracy']:.3f}  both {r['both']}  only full {r['only_full']}  "
+                  f"only this {r['only_this']}  diff {r['paired_diff']:+.4f} ± {r['paired_se']:.4f}")
+    print(f"\nplot: {report['plot']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -21,9 +21,9 @@ from recurrent_depth.inference import generate
 from recurrent_depth.inference.quant_cache import (
     KVQuant,
     QuantizedRecurrentCache,
-    RowCodec,
 )
 from recurrent_depth.quant import build_quantizer, kv_bytes_per_token, parse_kv_quant
+from recurrent_depth.quant.rows import RowCodec, TurboRows, row_codec
 from tests.test_serving import LiveServer, model_dir, reference  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -181,12 +181,32 @@ def test_generation_reports_the_quantized_bytes(model):
 
 
 def test_row_codec_round_trips_the_quantizer_codes():
-    q = build_quantizer("prod:3.5", 16, seed=3)
-    codec = RowCodec(q)
+    q = build_quantizer("polar", 16, seed=3)
+    codec = row_codec(q)
+    assert isinstance(codec, RowCodec)
     x = torch.randn(3, 5, 16)
     rows = codec.encode(x)
     assert rows.dtype == torch.uint8 and rows.shape == (3, 5, q.bytes_per_vector)
     torch.testing.assert_close(codec.decode(rows, torch.float32), q.decode(q.encode(x)), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("spec", ["mse:3", "mse:3.5", "prod:3.5", "prod:2.5", "prod:1", "prod:1.5",
+                                  "mse:4:hadamard", "prod:3"])
+@pytest.mark.parametrize("d", [16, 64])
+def test_fused_turbo_rows_equal_the_quantizer(spec, d):
+    """`TurboRows` (fused groups, one bit gather) decodes, scores and combines as the quantizer does,
+    in the same number of bytes."""
+    q = build_quantizer(spec, d, seed=5)
+    codec = row_codec(q)
+    assert isinstance(codec, TurboRows)
+    g = torch.Generator().manual_seed(1)
+    x, queries = torch.randn(3, 7, d, generator=g) * 3, torch.randn(3, 2, d, generator=g)
+    weights = torch.softmax(torch.randn(3, 2, 7, generator=g), dim=-1)
+    rows, codes = codec.encode(x), q.encode(x)
+    assert rows.dtype == torch.uint8 and rows.shape == (3, 7, q.bytes_per_vector)
+    torch.testing.assert_close(codec.decode(rows), q.decode(codes), atol=TOL, rtol=0)
+    torch.testing.assert_close(codec.score(queries, rows), q.score(queries, codes), atol=TOL, rtol=0)
+    torch.testing.assert_close(codec.combine(weights, rows), q.combine(weights, codes), atol=TOL, rtol=0)
 
 
 def test_kv_quant_composes_with_speculative_and_parallel_decoding(model):

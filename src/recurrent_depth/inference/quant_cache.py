@@ -8,8 +8,9 @@ plus optional `attn=codes|dequantize` (how attention reads the codes, default `c
 (the rotations and sketches; default 0). One key quantizer and one value quantizer per head dim
 serve every layer.
 
-Layout. Each (layer, slot) keeps one uint8 row per (batch row, KV head, column): the fields of that
-vector's `Codes` (packed indices, packed sign bits, fp16 norms) laid end to end. Every storage is
+Layout. Each (layer, slot) keeps one uint8 row per (batch row, KV head, column): that vector's code
+(packed indices, packed sign bits, fp16 norms; `recurrent_depth.quant.rows`, whose `TurboRows`
+runs TurboQuant in a few fused kernels per call) laid end to end. Every storage is
 then a `[S, B, Hkv, capacity, bytes]` uint8 tensor, and the static cache's slot rules, lookups
 (the deepest fill is a gather of rows along S), write masks, growth, truncation and seeks apply to
 it unchanged. An entry's bytes are exactly its codes' bytes, every norm counted; nothing else per
@@ -37,9 +38,11 @@ from torch import Tensor
 
 from recurrent_depth.inference.cache import DynamicRecurrentCache, LayerKey, StaticRecurrentCache
 from recurrent_depth.model.cache import KVPolicy, combine_key_mask
-from recurrent_depth.quant import Codes, Quantizer, QuantSpec, parse_kv_quant
+from recurrent_depth.quant import Quantizer, QuantSpec, parse_kv_quant
+from recurrent_depth.quant.rows import RowCodec, TurboRows, row_codec
 
 ATTENTION_READS = ("codes", "dequantize")
+Codec = RowCodec | TurboRows
 UNQUANTIZED = QuantSpec("raw", 16)  # a side the spec leaves out: bf16 through the same packed path
 
 
@@ -103,44 +106,17 @@ def parse_kv_quant_option(spec: Any) -> KVQuant | None:
     return None if spec is None else KVQuant.parse(spec)
 
 
-class RowCodec:
-    """One quantizer's `Codes` as one uint8 row per vector: the fields' bytes end to end."""
-
-    def __init__(self, quantizer: Quantizer) -> None:
-        self.quantizer = quantizer
-        probe = quantizer.encode(torch.zeros(1, quantizer.dim))
-        self.layout = [(name, t.dtype, t.shape[-1] * t.element_size()) for name, t in probe.fields.items()]
-        self.widths = [width for _, _, width in self.layout]
-        self.nbytes = sum(self.widths)
-        assert self.nbytes == quantizer.bytes_per_vector, (self.nbytes, quantizer.bytes_per_vector)
-
-    def encode(self, x: Tensor) -> Tensor:
-        """[..., D] floats -> [..., nbytes] uint8."""
-        codes = self.quantizer.encode(x)
-        return torch.cat([codes.fields[name].contiguous().view(torch.uint8) for name, _, _ in self.layout], dim=-1)
-
-    def codes(self, rows: Tensor) -> Codes:
-        """[..., nbytes] uint8 rows (any slice of a storage) -> the quantizer's Codes."""
-        fields = {}
-        for (name, dtype, _), part in zip(self.layout, rows.split(self.widths, dim=-1), strict=True):
-            fields[name] = part if dtype == torch.uint8 else part.contiguous().view(dtype)
-        return Codes(self.quantizer.spec, self.quantizer.dim, fields)
-
-    def decode(self, rows: Tensor, dtype: torch.dtype) -> Tensor:
-        return self.quantizer.decode(self.codes(rows)).to(dtype)
-
-
 class _Codecs:
     """The key and value codecs of one cache, built once per head dim."""
 
     def __init__(self, kv_quant: Any) -> None:
         self.kv_quant = KVQuant.parse(kv_quant)
-        self._codecs: dict[tuple[str, int], RowCodec] = {}
+        self._codecs: dict[tuple[str, int], RowCodec | TurboRows] = {}
 
-    def __call__(self, role: str, dim: int) -> RowCodec:
+    def __call__(self, role: str, dim: int) -> RowCodec | TurboRows:
         codec = self._codecs.get((role, dim))
         if codec is None:
-            codec = self._codecs[(role, dim)] = RowCodec(self.kv_quant.build(role, dim))
+            codec = self._codecs[(role, dim)] = row_codec(self.kv_quant.build(role, dim))
         return codec
 
 
@@ -171,7 +147,7 @@ class QuantizedRecurrentCache(StaticRecurrentCache):
         self.kv_quant = self.codecs.kv_quant
         self.attends_from_codes = self.kv_quant.attention == "codes"  # softmax attention calls `attend`
 
-    def _store(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, RowCodec, RowCodec]:
+    def _store(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Codec, Codec]:
         """Encode and write k, v `[B, Hkv, T, D]`; return every column's code rows and the codecs."""
         ck, cv = self.codecs("k", k.shape[-1]), self.codecs("v", v.shape[-1])
         rows_k, rows_v = super().update_heads(key, ck.encode(k), cv.encode(v))
@@ -190,12 +166,12 @@ class QuantizedRecurrentCache(StaticRecurrentCache):
         B, H, T, D = q.shape
         Hkv, S = rows_k.shape[1], rows_k.shape[2]
         grouped = q.reshape(B, Hkv, (H // Hkv) * T, D)  # query head h reads KV head h // (H / Hkv)
-        scores = ck.quantizer.score(grouped, ck.codes(rows_k)).view(B, H, T, S) * D**-0.5
+        scores = ck.score(grouped, rows_k).view(B, H, T, S) * D**-0.5
         key_mask = self.key_mask(key)
         if key_mask is not None:
             attn_mask, is_causal = combine_key_mask(attn_mask, key_mask, T), False
         weights = torch.softmax(causal_scores_mask(scores, attn_mask, is_causal), dim=-1)
-        out = cv.quantizer.combine(weights.view(B, Hkv, (H // Hkv) * T, S), cv.codes(rows_v))
+        out = cv.combine(weights.view(B, Hkv, (H // Hkv) * T, S), rows_v)
         return out.view(B, H, T, -1).to(q.dtype)
 
 

@@ -9,6 +9,7 @@ each assembled as one int64 word.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -36,6 +37,22 @@ def _chunk(bits: int) -> tuple[int, int]:
     return chunk_bits // bits, chunk_bits // 8
 
 
+@functools.cache
+def _shifts(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(value shifts, byte shifts) of one chunk, made once per width and device (cache hot paths
+    pack and unpack a few values per call, where building them each time would cost as much)."""
+    per_chunk, chunk_bytes = _chunk(bits)
+    return (torch.arange(per_chunk - 1, -1, -1, device=device) * bits,
+            torch.arange(chunk_bytes - 1, -1, -1, device=device) * 8)
+
+
+@functools.cache
+def _byte_values(bits: int, device: torch.device) -> torch.Tensor:
+    """[256, 8 / bits] int64: the values one byte holds, for widths that divide 8 (unpack is one lookup)."""
+    value_shifts, _ = _shifts(bits, device)
+    return (torch.arange(256, device=device)[:, None] >> value_shifts) & ((1 << bits) - 1)
+
+
 def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
     """[..., n] integers in [0, 2^bits) -> [..., ceil(n·bits/8)] uint8."""
     _check_bits(bits)
@@ -45,9 +62,10 @@ def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
     if n % per_chunk:
         v = torch.nn.functional.pad(v, (0, per_chunk - n % per_chunk))
     v = v.unflatten(-1, (-1, per_chunk))  # [..., chunks, values]
-    value_shifts = torch.arange(per_chunk - 1, -1, -1, device=v.device) * bits
+    value_shifts, byte_shifts = _shifts(bits, v.device)
     words = (v << value_shifts).sum(-1, keepdim=True)  # disjoint bit ranges: sum = or
-    byte_shifts = torch.arange(chunk_bytes - 1, -1, -1, device=v.device) * 8
+    if chunk_bytes == 1:  # widths dividing 8: a chunk is one byte
+        return words.squeeze(-1).to(torch.uint8)
     packed = ((words >> byte_shifts) & 0xFF).flatten(-2).to(torch.uint8)
     return packed[..., : packed_nbytes(n, bits)]  # trailing bytes past the last value are padding
 
@@ -61,11 +79,12 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
             f"got {packed.dtype} {tuple(packed.shape)}"
         )
     per_chunk, chunk_bytes = _chunk(bits)
+    if chunk_bytes == 1:
+        return _byte_values(bits, packed.device)[packed.long()].flatten(-2)[..., :count]
     b = packed.to(torch.int64)
     if b.shape[-1] % chunk_bytes:
         b = torch.nn.functional.pad(b, (0, chunk_bytes - b.shape[-1] % chunk_bytes))
     b = b.unflatten(-1, (-1, chunk_bytes))  # [..., chunks, bytes]
-    byte_shifts = torch.arange(chunk_bytes - 1, -1, -1, device=b.device) * 8
+    value_shifts, byte_shifts = _shifts(bits, b.device)
     words = (b << byte_shifts).sum(-1, keepdim=True)
-    value_shifts = torch.arange(per_chunk - 1, -1, -1, device=b.device) * bits
     return ((words >> value_shifts) & ((1 << bits) - 1)).flatten(-2)[..., :count]

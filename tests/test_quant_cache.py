@@ -243,6 +243,12 @@ def test_a_head_dim_the_quantizer_cannot_take_is_a_clear_error():
         generate(odd, PROMPT[:1], max_new_tokens=2, kv_quant="k=mse:3:hadamard")
 
 
+def test_kv_quant_needs_an_attention_model():
+    cfg = rd.ModelConfig.from_preset("tiny", mixer={"core": "gated_deltanet"})
+    with pytest.raises(ValueError, match="kv_quant.*softmax-attention"):
+        generate(rd.RecurrentDepthLM(cfg).eval(), PROMPT[:1], max_new_tokens=2, kv_quant="k=mse:3")
+
+
 def test_cli_generate_and_info_take_kv_quant(model_dir, capsys):  # noqa: F811
     from recurrent_depth.cli import main
 

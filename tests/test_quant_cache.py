@@ -299,3 +299,28 @@ def test_http_kv_quant_runs_alone_and_bad_specs_get_400(model_dir, reference):  
         assert bad.status_code == 400 and "kv_quant" in bad.text
         bad = httpx.post(url, json={**body, "kv_quant": 3.5}, timeout=60)
         assert bad.status_code == 400 and "kv_quant" in bad.text
+
+
+def test_stepwise_scoring_takes_kv_quant(model):
+    from recurrent_depth.evaluation.scoring import stepwise_logprobs
+
+    requests = [([5, 9, 2, 7], [11, 3, 8]), ([4, 6], [1, 12])]
+    plain = stepwise_logprobs(model, requests, 3, 0, init_scale=0.0)
+    fine = stepwise_logprobs(model, requests, 3, 0, init_scale=0.0, kv_quant="k=mse:8,v=mse:8")
+    coarse = stepwise_logprobs(model, requests, 3, 0, init_scale=0.0, kv_quant="k=mse:1,v=mse:1")
+    gaps = [max(abs(a.logprob - b.logprob) for a, b in zip(plain, other)) for other in (fine, coarse)]
+    assert 0 < gaps[0] < 1e-2 < gaps[1]  # quantization reaches scoring, and 8 bits barely moves it
+    with pytest.raises(ValueError, match="kv_quant"):
+        stepwise_logprobs(model, requests, 3, 0, kv_quant="k=mse")
+
+
+def test_lm_eval_backend_takes_kv_quant(tmp_path):
+    from recurrent_depth.evaluation.lm_eval_backend import RecurrentDepthEvalLM
+    from tests.test_hf import make_model_dir
+
+    make_model_dir(tmp_path, max_seq_len=160)
+    lm = RecurrentDepthEvalLM(pretrained=str(tmp_path), num_steps=2, init_scale=0.0, device="cpu",
+                              kv_quant="k=prod:3.5;v=mse:3.5")
+    assert lm.settings()["kv_quant"] == "k=prod:3.5,v=mse:3.5" and lm._stepwise
+    with pytest.raises(ValueError, match="kv_quant"):
+        RecurrentDepthEvalLM(pretrained=str(tmp_path), device="cpu", kv_quant="k=prod:0")

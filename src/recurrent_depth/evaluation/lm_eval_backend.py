@@ -15,6 +15,8 @@ Model args (besides lm-eval's usual ``hf`` ones: ``pretrained``, ``tokenizer``, 
 - ``kv_budget``: KV-cache sharing, step i reads and writes slot i mod k;
 - ``kv_policy``: the KV policy by name (`recurrent_depth.model.cache.parse_kv_policy`), e.g.
   ``shared-4+skip`` (early-exited tokens left out at steps they did not reach);
+- ``kv_quant``: a quantized KV cache, e.g. ``k=prod:3.5;v=mse:3.5`` (``;`` for ``,``, which lm-eval's
+  model_args use between args; see docs/quant.md);
 - ``warm_start``: each token starts from the previous token's final state;
 - ``init_scale``: scale of the random initial state (0 = deterministic zeros);
 - ``seed`` (this backend's: it seeds the stream of initial-state draws) and ``steps_log`` (a JSON
@@ -95,6 +97,8 @@ class RecurrentDepthEvalLM(HFLM):
     ) -> None:
         register_transformers()
         values, given_as = _typed({k: kwargs.pop(k) for k in list(kwargs) if k in MODEL_ARGS})
+        if isinstance(values.get("kv_quant"), str):  # model_args are split at commas: k=...;v=...
+            values["kv_quant"] = values["kv_quant"].replace(";", ",")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed={seed!r} is invalid: expected an integer")
         self.seed = seed
@@ -114,7 +118,7 @@ class RecurrentDepthEvalLM(HFLM):
         self.depth = options.num_steps
         self.exit_criterion, self.exit_threshold = options.exit_criterion, options.exit_threshold
         self.min_steps = options.min_steps
-        self.kv_budget, self.kv_policy = options.kv_budget, options.kv_policy
+        self.kv_budget, self.kv_policy, self.kv_quant = options.kv_budget, options.kv_policy, options.kv_quant
         self.warm_start = options.warm_start
         self.init_scale = values.get("init_scale")  # None: the config's
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -146,7 +150,7 @@ class RecurrentDepthEvalLM(HFLM):
         return {
             "num_steps": self.depth, "exit_criterion": self.exit_criterion, "exit_threshold": self.exit_threshold,
             "min_steps": self.min_steps, "kv_budget": self.kv_budget, "kv_policy": self.kv_policy,
-            "warm_start": self.warm_start,
+            "kv_quant": self.kv_quant, "warm_start": self.warm_start,
             "init_scale": self.init_scale if self.init_scale is not None else self._core.config.init_scale,
             "seed": self.seed,
         }
@@ -160,7 +164,7 @@ class RecurrentDepthEvalLM(HFLM):
     @property
     def _stepwise(self) -> bool:
         return (self.exit_criterion is not None or self.kv_budget is not None or self.kv_policy is not None
-                or self.warm_start)
+                or self.kv_quant is not None or self.warm_start)
 
     def _model_call(self, inps: torch.Tensor, attn_mask: Any = None, labels: Any = None) -> torch.Tensor:
         with torch.no_grad():
@@ -193,7 +197,7 @@ class RecurrentDepthEvalLM(HFLM):
                     scored = stepwise_logprobs(
                         self._core, batch, self.depth, pad, self.exit_criterion, self.exit_threshold,
                         self.min_steps, self.kv_budget, self.warm_start, self.init_scale, self._generator,
-                        kv_policy=self.kv_policy,
+                        kv_policy=self.kv_policy, kv_quant=self.kv_quant,
                     )
                 else:
                     scored = batched_logprobs(self._core, batch, self.depth, pad, self.init_scale, self._generator)
@@ -228,7 +232,8 @@ class RecurrentDepthEvalLM(HFLM):
         # Per-request overrides of the model args (lm-eval --gen_kwargs), e.g. num_steps=8.
         options: dict[str, Any] = dict(
             num_steps=self.depth, exit_criterion=self.exit_criterion, exit_threshold=self.exit_threshold,
-            min_steps=self.min_steps, kv_budget=self.kv_budget, kv_policy=self.kv_policy, warm_start=self.warm_start,
+            min_steps=self.min_steps, kv_budget=self.kv_budget, kv_policy=self.kv_policy, kv_quant=self.kv_quant,
+            warm_start=self.warm_start,
         ) | values
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self._generator))
         options.setdefault("init_scale", self.init_scale if self.init_scale is not None

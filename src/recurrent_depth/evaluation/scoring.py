@@ -86,8 +86,10 @@ def stepwise_logprobs(
     init_scale: float | None = None,
     generator: torch.Generator | None = None,
     kv_policy: str | None = None,
+    kv_quant: str | None = None,
 ) -> list[Scored]:
-    """Teacher-forced, token by token: early exit per token and row, KV sharing, warm start."""
+    """Teacher-forced, token by token: early exit per token and row, KV sharing, warm start, a
+    quantized KV cache (`kv_quant`, see `recurrent_depth.inference.quant_cache`)."""
     for context, continuation in requests:
         _check_request(context, continuation)
     spec, threshold = resolve_criterion(exit_criterion, exit_threshold)
@@ -108,7 +110,7 @@ def stepwise_logprobs(
         ctx_ids[b, Lc - len(context) :] = torch.tensor(list(context), device=device)
         mask[b, Lc - len(context) :] = 1
     cache = make_cache("static", B, num_steps, kv_budget, capacity=Lc + Ln, device=device, policy=kv_policy,
-                       core_layers=model.config.core_layers)
+                       core_layers=model.config.core_layers, kv_quant=kv_quant)
     engine = Recurrence(model, fast=False)  # the model's own modules
 
     # Prefill all but the last context token at full depth; every prediction that is scored

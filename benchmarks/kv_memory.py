@@ -50,6 +50,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "shared-4 + tq3.5": {"kv_policy": "shared-4", "kv_quant": TQ35},
     "shared-4 + tq2.5": {"kv_policy": "shared-4", "kv_quant": TQ25},
     "shared-4 + mse3.5": {"kv_policy": "shared-4", "kv_quant": "k=mse:3.5,v=mse:3.5"},
+    "shared-4 + mse2.5": {"kv_policy": "shared-4", "kv_quant": "k=mse:2.5,v=mse:2.5"},
     "shared-4 + kl": {"kv_policy": "shared-4", "exit_criterion": "kl"},
     "shared-4 + kl + tq3.5": {"kv_policy": "shared-4", "exit_criterion": "kl", "kv_quant": TQ35},
     "shared-4 + kl + tq2.5": {"kv_policy": "shared-4", "exit_criterion": "kl", "kv_quant": TQ25},
@@ -176,10 +177,10 @@ def plot(results: dict[str, dict[str, Any]], path: str) -> str:
     except ImportError:
         return "matplotlib is not installed: no plot"
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, r in results.items():
+    for i, (name, r) in enumerate(results.items()):
         ax.scatter(r["bytes_per_token"], r["agreement"])
-        ax.annotate(name, (r["bytes_per_token"], r["agreement"]), fontsize=7, xytext=(3, 3),
-                    textcoords="offset points")
+        ax.annotate(name, (r["bytes_per_token"], r["agreement"]), fontsize=7, xytext=(3, 3 - 10 * (i % 2)),
+                    textcoords="offset points")  # alternate above / below: equal points do not overprint
     ax.set_xscale("log")
     ax.set_xlabel("KV bytes per token (all layers, norms counted)")
     ax.set_ylabel("teacher-forced agreement with the full cache")

@@ -139,6 +139,12 @@ class TurboRows:
             byte_weights=2.0 ** torch.arange(7, -1, -1), bit_table=_bit_table(cpu), offsets=offsets,
             centroids=torch.cat(all_centroids),
         )
+        bit_table = tables["bit_table"]
+        tables["byte_signs"] = bit_table * 2 - 1  # [256, 8]: a byte of sign bits as ±1
+        for g, (_, b, _, _) in enumerate(self.fields):
+            if b and 8 % b == 0:  # [256, 8 / b]: the centroids a byte of b-bit indices holds
+                idx = (bit_table.unflatten(-1, (8 // b, b)) @ tables[f"powers{b}"]).long()
+                tables[f"byte_centroids{g}"] = tables[f"centroids{g}"][idx]
         self._tables = tables
         self.nbytes = self.bit_bytes + 2 * G * (2 if self.prod else 1)
         assert self.nbytes == quantizer.bytes_per_vector, (self.nbytes, quantizer.bytes_per_vector)
@@ -177,26 +183,35 @@ class TurboRows:
 
     # ------------------------------------------------------------------ decode
     def _fields(self, rows: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor, Tensor | None]:
-        """(centroid values [..., D] or None, signs ±1 [..., D] or None, norm and residual norm per column)."""
+        """(centroid values [..., D] or None, signs ±1 [..., D] or None, norm and residual norm per column).
+
+        Each group's field is a byte range of the row; a width dividing 8 is read by one lookup of a
+        [256, 8 / b] table of centroid values per byte, other widths through the bits of each byte."""
         t = self._t(rows.device)
-        bits = F.embedding(rows[..., : self.bit_bytes].long(), t["bit_table"]).flatten(-2)  # [..., 8 bit_bytes]
+        data = rows[..., : self.bit_bytes].long()
         norms = rows[..., self.bit_bytes:].contiguous().view(torch.float16).float()  # [..., G or 2G]
         values, signs = [], []
         for g, (cols, b, start, sign_start) in enumerate(self.fields):
             d = cols.stop - cols.start
-            if b:
-                idx = bits[..., start : start + d * b].unflatten(-1, (d, b)) @ t[f"powers{b}"]
+            if b and 8 % b == 0:
+                field = data[..., start // 8 : (start + d * b + 7) // 8]
+                values.append(F.embedding(field, t[f"byte_centroids{g}"]).flatten(-2)[..., :d])
+            elif b:
+                field = data[..., start // 8 : (start + d * b + 7) // 8]
+                bits = F.embedding(field, t["bit_table"]).flatten(-2)[..., : d * b]
+                idx = bits.unflatten(-1, (d, b)) @ t[f"powers{b}"]
                 values.append(t[f"centroids{g}"].index_select(0, idx.long().flatten()).view(idx.shape))
             else:
-                values.append(bits.new_zeros(*bits.shape[:-1], d))
+                values.append(norms.new_zeros(*norms.shape[:-1], d))
             if sign_start is not None:
-                signs.append(bits[..., sign_start : sign_start + d])
+                field = data[..., sign_start // 8 : (sign_start + d + 7) // 8]
+                signs.append(F.embedding(field, t["byte_signs"]).flatten(-2)[..., :d])
         G = self.groups
         out_values = (values[0] if len(values) == 1 else torch.cat(values, dim=-1)) if self.has_index else None
         norm = norms[..., :G] @ t["spread"]
         if not self.prod:
             return out_values, None, norm, None
-        sign = (signs[0] if G == 1 else torch.cat(signs, dim=-1)) * 2 - 1
+        sign = signs[0] if G == 1 else torch.cat(signs, dim=-1)
         return out_values, sign, norm, norms[..., G:] @ t["spread"]
 
     def _rotated(self, rows: Tensor) -> Tensor:

@@ -29,7 +29,8 @@ from tests.test_serving import LiveServer, model_dir, reference  # noqa: F401  (
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TOL = 1e-4
-POLICIES = ["per-step", "shared-3", "last-step", "per-step+skip", "shared-3+skip"]
+POLICIES = ["per-step", "shared-3", "last-step", "per-step+skip", "shared-3+skip", "anchor-2+full",
+            "per-step+always-last", "per-step+randomized", "latest-m4-compress-s4", "compress-r4"]
 EXITS = {"fixed": {}, "kl-exit": dict(exit_criterion="kl", exit_threshold=5e-2)}
 RUN = dict(max_new_tokens=6, num_steps=6, init_scale=0.0, output_logits=True)
 
@@ -57,7 +58,9 @@ def logits_of(out) -> torch.Tensor:
 @pytest.mark.parametrize("exit_", EXITS)
 @pytest.mark.parametrize("spec", POLICIES)
 def test_raw16_through_the_packed_storage_equals_the_plain_static_cache(bf16_model, spec, exit_):
+    torch.manual_seed(0)  # the randomized lookup draws from the global RNG
     plain = generate(bf16_model, PROMPT, attention_mask=MASK, kv_policy=spec, **RUN, **EXITS[exit_])
+    torch.manual_seed(0)
     raw = generate(bf16_model, PROMPT, attention_mask=MASK, kv_policy=spec, **RUN, **EXITS[exit_],
                    kv_quant="k=raw:16,v=raw:16,attn=dequantize")
     assert torch.equal(raw.sequences, plain.sequences)
@@ -68,7 +71,7 @@ def test_raw16_through_the_packed_storage_equals_the_plain_static_cache(bf16_mod
 @pytest.mark.parametrize("fast", [True, False], ids=["fast-runner", "reference-runner"])
 @pytest.mark.parametrize("attn", ["codes", "dequantize"])
 @pytest.mark.parametrize("exit_", EXITS)
-@pytest.mark.parametrize("spec", POLICIES)
+@pytest.mark.parametrize("spec", [p for p in POLICIES if "randomized" not in p])  # (draws differ by storage)
 def test_quantized_cache_equals_its_dequantized_dynamic_reference(model, spec, exit_, attn, fast):
     quant = f"k=prod:3.5,v=mse:3.5,attn={attn}"
     kwargs = dict(attention_mask=MASK, kv_policy=spec, kv_quant=quant, fast=fast, **RUN, **EXITS[exit_])

@@ -89,12 +89,14 @@ def run(args: argparse.Namespace) -> int:
         },
     }
     if kv_quant is not None:
+        # Entries per token as counted above (bf16 bytes / one bf16 entry), each at the codes' bytes.
         per_layer = kv_quant.bytes_per_token(config.head_dim, config.num_kv_heads)
-        entries = {policy.name: config.prelude_layers + config.coda_layers
-                   + config.core_layers * policy.slots.num_slots(config.mean_recurrence)
-                   for policy in policies.values()}
+        bf16_entry = 2 * 2 * config.head_dim * config.num_kv_heads
         info["kv_quant"] = kv_quant.name
-        info["kv_cache_bytes_per_token_quantized_by_kv_policy"] = {name: n * per_layer for name, n in entries.items()}
+        bf16 = info["kv_cache_bytes_per_token_bf16_by_kv_policy"]
+        info["kv_cache_bytes_per_token_quantized_by_kv_policy"] = {
+            name: per // bf16_entry * per_layer for name, per in bf16.items()
+        }
     if args.json:
         print(json.dumps(info, sort_keys=True))
         return 0

@@ -13,7 +13,8 @@ choice g_t at each column is compared with the draft d_t:
 
 The first rejected draft is replaced by the verifier's token. Columns holding rejected drafts are
 rolled back when every row rejected them, and hidden by the attention mask otherwise, so rows of
-a batch advance independently.
+a batch advance independently. A row stops at max_new_tokens, or with `finish_round` (the
+official loop) at the end of the round that reaches it.
 """
 
 from __future__ import annotations
@@ -101,7 +102,9 @@ def decode(session: Session) -> Iterator[TokenEvent]:
                                      nbytes[b])
                 pending[b] = token
                 committed += 1
-                if session.recorder.finished[b]:
+                if session.recorder.finished[b] and not (
+                    opts.finish_round and session.recorder.finish_reasons[b] == "length"
+                ):
                     break
             # Column c holds the pending token and c + t holds d_t for t >= 1: real iff committed and fed,
             # i.e. min(n, L - 1) + 1 columns, or fewer when the row finished inside the round.

@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from recurrent_depth.inference.options import eos_ids
 from recurrent_depth.serving.batch import PromptScores, RowRequest
 from recurrent_depth.serving.engine import (
     Done,
@@ -126,7 +127,7 @@ def create_app(engine: Engine, codec: TextCodec, settings: ServerSettings) -> Fa
     names = {settings.model_name, *settings.aliases}
     metrics = engine.metrics
     eos_configured = cfg.eos_token_id is not None
-    base_stops = set(codec.eos_ids) | ({cfg.eos_token_id} if cfg.eos_token_id is not None else set())
+    base_stops = set(codec.eos_ids) | set(eos_ids(cfg.eos_token_id, "eos_token_id", cfg.vocab_size))
     pool = PrepPool(PrepSpec(str(codec.model_dir) if codec.has_tokenizer else None, codec.vocab_size, limits,
                              frozenset(names), eos_configured, settings.worker_memory),
                     workers=settings.tokenizer_workers, timeout=settings.tokenize_timeout)

@@ -200,16 +200,18 @@ class Recurrence:
             if cache is not None:
                 cache.write_mask = None
             self._tick()
-        if steps is None:
-            steps = torch.where(active, ran, 0)
-        if logits is None or not (evaluated or read_last_check):
-            # latent criteria, or rows at max_steps past their last check: read the final states
-            if cache is not None and bool(running.any()) and logits is not None:
-                cache.write_mask = running[:, None].expand(B, T)
-            final = self.readout(state, pass_, last_only=True)[:, 0]
-            logits = final if logits is None else torch.where(running[:, None], final, logits)
         if cache is not None:
             cache.write_mask = None
+        if steps is None:
+            steps = torch.where(active, ran, 0)
+        if logits is None:  # latent criteria: one coda pass on every row's exit state
+            logits = self.readout(state, pass_, last_only=True)[:, 0]
+        elif not (evaluated or read_last_check):  # rows at max_steps past their last check
+            if cache is not None:  # (the coda entries of exited rows stay those of their exit)
+                cache.write_mask = running[:, None].expand(B, T).clone()
+            logits = torch.where(running[:, None], self.readout(state, pass_, last_only=True)[:, 0], logits)
+            if cache is not None:
+                cache.write_mask = None
         return state, logits, steps, codes
 
     def step_rows(self, state: Tensor, pass_: Pass) -> Tensor:

@@ -228,3 +228,35 @@ def test_official_defaults_stop_at_the_official_hard_coded_ids_in_its_vocabulary
     assert opts.stop_ids([7, 65505], 65536) == [7, 65505, 65504, 65508]
     assert opts.stop_ids(7, 256) == [7]  # a small vocabulary has none of them
     assert GenerationOptions().stop_ids([7, 9], 256) == [7, 9]
+
+
+def test_a_chat_answer_stops_at_the_end_of_its_turn(tmp_path):
+    """The tokenizer's special tokens set eos to end of text and end of turn (as the trainer does), so
+    generation from a chat-template prompt stops at <|end_turn|>. The seeded model is made to emit
+    end of turn where it would emit the third token of its answer (its embedding row, which is also
+    its output row, becomes that token's, slightly scaled), as the golden model does."""
+    from transformers import AutoTokenizer
+
+    from recurrent_depth.data.tokenizer import eos_token_ids, save_tokenizer, special_token_ids, train_tokenizer
+
+    corpus = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog. " * 4] * 4
+    tok = train_tokenizer(corpus, 320)
+    save_tokenizer(tok, tmp_path)
+    specials = special_token_ids(tok)
+    prompt = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(
+        [{"role": "user", "content": "add two numbers"}], add_generation_prompt=True, tokenize=True)
+    prompt = torch.tensor([prompt["input_ids"] if hasattr(prompt, "keys") else prompt])
+    torch.manual_seed(5)
+    cfg = rd.ModelConfig.from_preset("tiny", vocab_size=320, eos_token_id=eos_token_ids(specials))
+    model = rd.RecurrentDepthLM(cfg).eval()
+    kwargs = dict(max_new_tokens=10, num_steps=4, init_scale=0.0)
+    free = generate(model, prompt, eos_token_id=[], **kwargs).token_lists()[0]
+    with torch.no_grad():
+        model.transformer.wte.weight[specials["end_turn"]] = 1.05 * model.transformer.wte.weight[free[2]]
+    answer = generate(model, prompt, **kwargs)
+    tokens = answer.token_lists()[0]
+    assert tokens[-1] == specials["end_turn"] and answer.finish_reasons == ["stop"]
+    assert len(tokens) < 10
+    # with only end of text as eos (the config before issue 17) the answer runs past the end of its turn
+    past = generate(model, prompt, eos_token_id=specials["end_text"], **kwargs).token_lists()[0]
+    assert past[: len(tokens)] == tokens and len(past) > len(tokens)

@@ -74,8 +74,8 @@ class GenerationOptions:
       the official fixed-depth `generate_minimal`). Official: "normed" without an exit_criterion.
     finish_round: self-speculative decoding commits the whole last round even past
       max_new_tokens (the official loop); ours stops at max_new_tokens.
-    eos_token_id: an id or a list of ids that end a row, replacing the model config's; None =
-      the config's. Official defaults also stop at `OFFICIAL_STOP_IDS` (its hard-coded stops).
+    eos_token_id: an id or a list of ids that end a row, replacing the model config's ([]: none);
+      None = the config's. Official defaults also stop at `OFFICIAL_STOP_IDS` (its hard-coded stops).
     """
 
     max_new_tokens: int = 64

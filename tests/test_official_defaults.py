@@ -260,3 +260,20 @@ def test_a_chat_answer_stops_at_the_end_of_its_turn(tmp_path):
     # with only end of text as eos (the config before issue 17) the answer runs past the end of its turn
     past = generate(model, prompt, eos_token_id=specials["end_text"], **kwargs).token_lists()[0]
     assert past[: len(tokens)] == tokens and len(past) > len(tokens)
+
+
+def test_the_serving_batch_hands_the_official_schedule_to_a_solo_run():
+    """The continuous batch's step loop is ours; calls under the official schedule run alone
+    (`stream_generate`, which implements it), so a server gives the same tokens as rd.generate."""
+    from recurrent_depth.serving.batch import BatchDecoder
+
+    def runs(**kwargs) -> bool:
+        return BatchDecoder.runs(GenerationOptions(**kwargs).validate(4))
+
+    assert runs(exit_criterion="kl") and runs() and runs(warm_start=True)
+    assert runs(defaults="official")  # fixed depth without warm start: the same loop
+    assert runs(exit_criterion="kl", min_steps_rule="skip", min_steps=0)  # = our min_steps=1
+    assert not runs(exit_criterion="kl", defaults="official")  # exit in prefill
+    assert not runs(exit_criterion="kl", check_every=2)
+    assert not runs(exit_criterion="kl", min_steps_rule="skip", min_steps=2)
+    assert not runs(warm_start=True, defaults="official")  # the normed warm start

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from recurrent_depth.inference.options import eos_ids
-from recurrent_depth.serving.batch import PromptScores, RowRequest
+from recurrent_depth.serving.batch import BatchDecoder, PromptScores, RowRequest
 from recurrent_depth.serving.engine import (
     Done,
     Engine,
@@ -284,7 +284,8 @@ def create_app(engine: Engine, codec: TextCodec, settings: ServerSettings) -> Fa
             except ValueError as exc:
                 raise APIError(400, str(exc), param="kv_policy") from None
             # the slot pool takes most policies; the rest (always-last, randomized, compress-rN) run alone
-            solo = sampling.speculative or not engine.batches or not SlotKVPool.takes(options.policy)
+            solo = (sampling.speculative or not engine.batches or not SlotKVPool.takes(options.policy)
+                    or not BatchDecoder.runs(options))
             generation = dict(sampling.generation, max_new_tokens=max_tokens, stop=sorted(stops) or None)
             for j in range(sampling.n):
                 index = p * sampling.n + j

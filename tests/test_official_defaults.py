@@ -16,21 +16,12 @@ import recurrent_depth as rd
 from recurrent_depth.inference import generate
 from recurrent_depth.inference.criteria import ExitCriterion, resolve_criterion
 from recurrent_depth.inference.options import GenerationOptions
+from tests import test_inference
 from tests.test_inference import left_pad
 
+model, prompts = test_inference.model, test_inference.prompts  # its tiny model and prompts (fixtures)
+
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def model() -> rd.RecurrentDepthLM:
-    torch.manual_seed(1234)
-    return rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval()
-
-
-@pytest.fixture(scope="module")
-def prompts() -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(0, 256, (n,), generator=g) for n in (7, 4, 9)]
 
 
 # ---------------------------------------------------------------------------------------- the profile

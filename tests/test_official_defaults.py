@@ -268,3 +268,63 @@ def test_the_serving_batch_hands_the_official_schedule_to_a_solo_run():
     assert not runs(exit_criterion="kl", check_every=2)
     assert not runs(exit_criterion="kl", min_steps_rule="skip", min_steps=2)
     assert not runs(warm_start=True, defaults="official")  # the normed warm start
+
+
+@pytest.mark.parametrize("field, value", [("defaults", "paper"), ("min_steps_rule", "late"), ("check_every", 0),
+                                          ("exit_in_prefill", "yes"), ("warm_start_source", 3)])
+def test_http_official_fields_are_checked_with_the_field_named(field, value):
+    from recurrent_depth.serving.protocol import APIError, Limits, parse_completion
+
+    limits = Limits(max_seq_len=96, mean_recurrence=4, vocab_size=256, max_num_steps=16)
+    body = {"prompt": "x", "exit_criterion": "kl", field: value}
+    with pytest.raises(APIError) as info:
+        parse_completion(body, limits, {"m"}, False).sampling.options(1, 4, limits)
+    assert info.value.status == 400 and info.value.param == field
+    ok = parse_completion({"prompt": "x", "exit_criterion": "kl", "defaults": "official", "check_every": 2}, limits,
+                          {"m"}, False).sampling.options(1, 4, limits)
+    assert (ok.exit_in_prefill, ok.min_steps_rule, ok.check_every, ok.threshold) == (True, "skip", 2, 1e-3)
+
+
+def test_defaults_official_in_transformers_generate():
+    """transformers `generate(defaults="official")` gives rd.generate's tokens and steps under
+    defaults="official"; a call with no option of the library's own stays in transformers' loop,
+    as the official `generate` hands it to transformers."""
+    from recurrent_depth.integrations.hf import from_library_model
+
+    torch.manual_seed(1234)
+    library = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval()
+    ids = torch.tensor([[5, 17, 42, 9, 77, 3]])
+    options = dict(max_new_tokens=6, num_steps=8, init_scale=0.0, exit_criterion="kl", exit_threshold=3e-2)
+    expected = generate(library, ids, defaults="official", **options)
+    assert expected.steps.tolist() != generate(library, ids, **options).steps.tolist()  # the profiles differ here
+    wrapped = from_library_model(library)
+    out = wrapped.generate(ids, defaults="official", return_dict_in_generate=True, **options)
+    assert out.token_lists() == expected.token_lists() and out.steps.tolist() == expected.steps.tolist()
+    plain = wrapped.generate(ids, max_new_tokens=4, num_steps=3, init_scale=0.0, do_sample=False, defaults="official")
+    assert torch.equal(plain, wrapped.generate(ids, max_new_tokens=4, num_steps=3, init_scale=0.0, do_sample=False))
+    with pytest.raises(ValueError, match="defaults"):
+        wrapped.generate(ids, exit_criterion="kl", defaults="paper", max_new_tokens=2)
+
+
+def test_defaults_official_on_the_cli(tmp_path, capsys):
+    """`rdepth generate --defaults official` = the official options spelled out."""
+    import json
+
+    from recurrent_depth.cli import main
+    from recurrent_depth.data.tokenizer import save_tokenizer, train_tokenizer
+
+    save_tokenizer(train_tokenizer(["def add(a, b):\n    return a + b\n"] * 8, 300), tmp_path)
+    torch.manual_seed(1234)
+    rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", vocab_size=300)).save_pretrained(tmp_path)
+    base = ["generate", "--model", str(tmp_path), "--prompt", "def add(a", "--max-new-tokens", "6", "--num-steps",
+            "8", "--init-scale", "0", "--json", "--exit-criterion", "kl", "--exit-threshold", "0.03"]
+
+    def run(*flags: str) -> tuple[list, list]:
+        assert main([*base, *flags]) == 0
+        record = json.loads(capsys.readouterr().out)
+        return record["tokens"], record["steps"]
+
+    official = run("--defaults", "official")
+    assert official == run("--exit-in-prefill", "--min-steps-rule", "skip", "--min-steps", "0")
+    assert official != run()
+    assert run("--defaults", "official", "--no-exit-in-prefill") == run("--min-steps-rule", "skip", "--min-steps", "0")

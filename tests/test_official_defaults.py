@@ -328,3 +328,20 @@ def test_defaults_official_on_the_cli(tmp_path, capsys):
     assert official == run("--exit-in-prefill", "--min-steps-rule", "skip", "--min-steps", "0")
     assert official != run()
     assert run("--defaults", "official", "--no-exit-in-prefill") == run("--min-steps-rule", "skip", "--min-steps", "0")
+
+
+def test_speculative_drafts_see_the_rounds_earlier_drafts_under_a_hiding_lookup():
+    """A lookup that hides unreached steps (skip; the official full) must see a round's earlier drafts
+    at the draft's N steps: the same drafts, acceptances and tokens as the deepest lookup (the golden
+    model, where hiding them lost 4 of 16 acceptances)."""
+    from tests.official_golden_support import build_golden_model, load_golden
+
+    golden = load_golden()
+    model = build_golden_model(golden["model"])
+    p = torch.tensor([golden["prompts"][0]])
+    kwargs = dict(num_steps=8, draft_steps=4, lookahead=4, max_new_tokens=14, init_scale=0.0)
+    deepest = generate(model, p, **kwargs)
+    skip = generate(model, p, kv_policy="per-step+skip", **kwargs)
+    assert skip.token_lists() == deepest.token_lists() == generate(model, p, num_steps=8, max_new_tokens=14,
+                                                                   init_scale=0.0).token_lists()
+    assert skip.stats == deepest.stats and deepest.stats["accepted_drafts"] == 16

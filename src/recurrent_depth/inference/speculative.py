@@ -31,6 +31,7 @@ def decode(session: Session) -> Iterator[TokenEvent]:
     opts, engine, cache = session.options, session.engine, session.cache
     M, N = opts.num_steps, opts.draft_steps
     exact = opts.verification_threshold >= 1.0
+    hides = cache.policy.lookup.hides_columns
     _, logits = session.prefill(M)
     session.require_kv_cache_only("self-speculative decoding")
     rows = session.unfinished
@@ -60,6 +61,8 @@ def decode(session: Session) -> Iterator[TokenEvent]:
             pass_ = engine.begin(token_ids, session.mask(column + t + 1), cache)
             s = engine.run(session.initial_states(pass_.e, rows), pass_, N)
             draft_logits = engine.readout(s, pass_, last_only=True)[:, 0]
+            if hides:  # record the draft's N steps, or a lookup that hides unreached steps hides the draft
+                cache.close(N, 1)
             cache.advance(1)
             feed = draft_logits.argmax(-1)
             ids.append(token_ids)

@@ -300,6 +300,13 @@ def test_defaults_official_in_transformers_generate():
     wrapped = from_library_model(library)
     out = wrapped.generate(ids, defaults="official", return_dict_in_generate=True, **options)
     assert out.token_lists() == expected.token_lists() and out.steps.tolist() == expected.steps.tolist()
+    # the official kwargs, as the official model card writes them
+    out = wrapped.generate(ids, criterion="kl", exit_threshold=3e-2, do_not_exit_in_prefill=True,
+                           check_criterion_every_n_steps=2, min_steps=1, defaults="official", max_new_tokens=6,
+                           num_steps=8, init_scale=0.0, return_dict_in_generate=True)
+    same = generate(library, ids, defaults="official", exit_in_prefill=False, check_every=2, min_steps=1, **options)
+    assert out.token_lists() == same.token_lists() and out.steps.tolist() == same.steps.tolist()
+    assert same.steps.tolist() != expected.steps.tolist()
     plain = wrapped.generate(ids, max_new_tokens=4, num_steps=3, init_scale=0.0, do_sample=False, defaults="official")
     assert torch.equal(plain, wrapped.generate(ids, max_new_tokens=4, num_steps=3, init_scale=0.0, do_sample=False))
     with pytest.raises(ValueError, match="defaults"):

@@ -138,49 +138,15 @@ def test_our_defaults_differ_from_the_official_on_recorded_cases(model):
     rule change the tokens or steps of these calls under our defaults."""
     for name in ("adaptive-kl-lookup-latest-m4", "adaptive-kl-min-steps-3", "adaptive-latent-diff-exit-in-prefill"):
         case = CASES[name]
-        kwargs = {k: v for k, v in official_options(case).items() if k != "defaults"}
-        kwargs.pop("exit_in_prefill", None)
-        if "min_steps" in kwargs:
-            kwargs["min_steps"] = max(1, kwargs["min_steps"])
+        kwargs = {k: v for k, v in official_options(case).items() if k not in ("defaults", "do_not_exit_in_prefill")}
         assert any(run_ours(model, run, kwargs) != (run["tokens"], run.get("steps")) for run in case["runs"]), name
 
 
 # ------------------------------------------------------------------------------ defaults="official"
-# The official kwargs in our option names. The official default lookup "full" and the strategies
-# below have no KV policy of ours yet (issue 17's lookup policies); the compress-sN ones are
-# kv_budget N / 4 (Huginn's 4 core layers), latest-m4 is our default lookup.
-OFFICIAL_LOOKUPS = {"latest-m4": {}, "compress-s4": {"kv_budget": 1}, "compress-s8": {"kv_budget": 2},
-                    "latest-m4-compress-s4": {"kv_budget": 1}, "latest-m4-compress-s16": {"kv_budget": 4},
-                    "available-m4-compress-s16": {"kv_budget": 4}}
-RENAMED = {"criterion": "exit_criterion", "continuous_compute": "warm_start", "lookahead_for_draft": "lookahead",
-           "check_criterion_every_n_steps": "check_every"}
-PENDING_LOOKUP = "needs the official cache lookup {!r} as a KV policy (issue 17 item 2, the lookup policies)"
-
-
-def lookup_of(case) -> str:
-    """The lookup strategy the official call reads its cache with (its default: "full")."""
-    return case["kwargs"].get("cache_lookup_strategy", "full")
-
-
-def needs_missing_lookup(case) -> bool:
-    # At fixed depth (no criterion, or "none") every token has every step: the lookup never applies.
-    adaptive = case["kwargs"].get("criterion", "none") != "none"
-    return adaptive and lookup_of(case) not in OFFICIAL_LOOKUPS
-
-
 def official_options(case) -> dict:
-    """`rd.generate` options for an official call: defaults="official" plus its kwargs, renamed."""
-    options = {"defaults": "official", "eos_token_id": case["generation_config"]["eos_token_id"]}
-    for name, value in case["kwargs"].items():
-        if name == "exit_threshold" and value == "auto":
-            continue  # None = the criterion's default, under official defaults the official "auto"
-        if name == "do_not_exit_in_prefill":
-            options["exit_in_prefill"] = not value
-        elif name == "cache_lookup_strategy":
-            options.update(OFFICIAL_LOOKUPS.get(value, {}))
-        else:
-            options[RENAMED.get(name, name)] = value
-    return options
+    """`rd.generate` options for an official call: its kwargs as written (the official names are
+    aliases, "auto" thresholds included), defaults="official" and its generation config's eos."""
+    return {"defaults": "official", "eos_token_id": case["generation_config"]["eos_token_id"], **case["kwargs"]}
 
 
 def run_ours(model, run, options):
@@ -199,23 +165,19 @@ OFFICIAL_CALLS = [case["name"] for case in GOLDEN["cases"]
 @pytest.mark.parametrize("name", OFFICIAL_CALLS)
 def test_official_defaults_give_the_official_tokens_and_steps(model, name):
     case = CASES[name]
-    if needs_missing_lookup(case):
-        pytest.skip(PENDING_LOOKUP.format(lookup_of(case)))
     options = official_options(case)
     for run in case["runs"]:
         assert run_ours(model, run, options) == (run["tokens"], run.get("steps")), run["prompt"]
 
 
 def test_official_defaults_leave_no_recorded_call_untested():
-    """Every recorded call is checked above, waits only for a lookup policy, or is refused by the
-    official code itself (compress-rN / compress-anchor raise in its dynamic cache at 59e0b69)."""
+    """Every recorded call is checked above, or is refused by the official code itself
+    (compress-rN / compress-anchor raise in its dynamic cache at 59e0b69)."""
     refused = {c["name"] for c in GOLDEN["cases"] if any("error" in r for r in c["runs"])}
     assert refused == {f"adaptive-kl-lookup-{s}{p}" for s in ("compress-r4", "compress-anchor")
                        for p in ("", "-no-exit-in-prefill")}
-    pending = {n for n in OFFICIAL_CALLS if needs_missing_lookup(CASES[n])}
-    assert {lookup_of(CASES[n]) for n in pending} <= {"full", "available-m4", "always-last-m4", "skip",
-                                                      "latest-m4-compress-anchor"}
-    assert len(OFFICIAL_CALLS) - len(pending) >= 50  # the cases this file already checks exactly
+    assert set(OFFICIAL_CALLS) | refused | {n for n in CASES if n.startswith(("hf-generate", "stop-hf-generate"))} \
+        == set(CASES)
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n.startswith(("hf-generate", "stop-hf-generate"))])
@@ -226,7 +188,6 @@ def test_transformers_generate_with_official_defaults_gives_the_official_tokens(
 
     case = CASES[name]
     kwargs = dict(case["kwargs"])
-    kwargs.update(OFFICIAL_LOOKUPS[kwargs.pop("cache_lookup_strategy", "latest-m4")])
     wrapped = from_library_model(model)
     for run in case["runs"]:
         out = wrapped.generate(torch.tensor([run["prompt"]]), defaults="official", do_sample=False,

@@ -19,6 +19,7 @@ WARM_START_SOURCES = ("raw", "normed")
 # The official code's hard-coded stops (begin_text, end_text, end_turn of Huginn's tokenizer).
 OFFICIAL_STOP_IDS = (65504, 65505, 65508)
 OFFICIAL_SPECULATIVE_STEPS = 32  # the official generate_speculative's num_steps default
+OFFICIAL_KV_POLICY = "full"  # the official dynamic cache's default lookup strategy
 
 
 class OptionError(ValueError):
@@ -233,7 +234,8 @@ class GenerationOptions:
 
         mode = self.mode
         if asked_prefill_exit and (mode != "autoregressive" or self.criterion is None):
-            raise ValueError(
+            raise OptionError(
+                "exit_in_prefill",
                 f"exit_in_prefill=True needs an exit_criterion in the autoregressive mode (got mode {mode!r}, "
                 f"exit_criterion={self.exit_criterion!r})"
             )
@@ -287,12 +289,16 @@ class GenerationOptions:
     def _resolve_defaults(self) -> None:
         """Fill the profile-dependent fields left None (see the class docstring)."""
         if self.defaults is not None and self.defaults not in DEFAULTS:
-            raise ValueError(f"defaults={self.defaults!r} is invalid: expected None (ours) or one of {DEFAULTS}")
+            raise OptionError(
+                "defaults", f"defaults={self.defaults!r} is invalid: expected None (ours) or one of {DEFAULTS}"
+            )
         official = self.defaults == "official"
         for name, allowed in (("min_steps_rule", MIN_STEPS_RULES), ("warm_start_source", WARM_START_SOURCES)):
             value = getattr(self, name)
             if value is not None and value not in allowed:
-                raise ValueError(f"{name}={value!r} is invalid: expected None (the profile's) or one of {allowed}")
+                raise OptionError(
+                    name, f"{name}={value!r} is invalid: expected None (the profile's) or one of {allowed}"
+                )
         if self.exit_in_prefill is None:
             self.exit_in_prefill = official
         if self.min_steps_rule is None:
@@ -303,6 +309,10 @@ class GenerationOptions:
             self.warm_start_source = "normed" if official and self.exit_criterion is None else "raw"
         if self.finish_round is None:
             self.finish_round = official
+        # The lookup only matters for tokens that exit early; at fixed depth every lookup reads the same.
+        adaptive = self.exit_criterion not in (None, "none")
+        if official and adaptive and self.kv_policy is None and self.kv_budget is None:
+            self.kv_policy = OFFICIAL_KV_POLICY
         if official and self.num_steps is None and self.draft_steps is not None:
             self.num_steps = OFFICIAL_SPECULATIVE_STEPS
 
@@ -323,7 +333,8 @@ def eos_ids(value: Any, name: str, vocab_size: int) -> tuple[int, ...]:
     items = value if isinstance(value, list | tuple) else [value]
     for item in items:
         if isinstance(item, bool) or not isinstance(item, int) or not 0 <= item < vocab_size:
-            raise ValueError(
+            raise OptionError(
+                name,
                 f"{name}={value!r} is invalid: expected None, a token id or a list of token ids in [0, {vocab_size})"
             )
     return tuple(items)

@@ -123,7 +123,12 @@ def test_kl_statistic_matches_torch_kl_div_and_is_clamped():
 def test_every_criterion_has_a_default_threshold_and_bad_values_fail():
     assert resolve_criterion("kl", None)[1] == 5e-4
     assert {name: spec.default_threshold for name, spec in CRITERIA.items()} == {
-        "kl": 5e-4, "entropy-diff": 1e-3, "latent-diff": 0.03, "cosine": 1e-3, "argmax-stability": 5}
+        "kl": 5e-4, "entropy-diff": 1e-3, "latent-diff": 0.03, "cosine": 1e-3, "argmax-stability": 5,
+        "minp-kl": 1e-5, "none": 0.0}
+    # the official code's "auto" thresholds: kl is the only one that differs from ours
+    assert resolve_criterion("kl", None, official=True)[1] == 1e-3
+    assert all(resolve_criterion(name, None, official=True)[1] == spec.default_threshold
+               for name, spec in CRITERIA.items() if name != "kl")
     with pytest.raises(ValueError, match="exit_threshold=-0.1"):
         resolve_criterion("kl", -0.1)
     with pytest.raises(ValueError, match="integer >= 1"):

@@ -143,8 +143,12 @@ def test_health_models_and_metrics(server, client):
     dict(num_steps=6, exit_criterion="kl", exit_threshold=1e-2, kv_policy="full"),
     dict(num_steps=10, exit_criterion="kl", exit_threshold=1e-2, kv_policy="latest-m4-compress-anchor"),
     dict(num_steps=6, exit_criterion="kl", exit_threshold=1e-2, kv_policy="always-last-m4"),  # runs alone
+    # the official schedule runs solo (the batch's loop is ours): the prompt exits at 5 of 8 steps here,
+    # and the official min_steps rule with checks every 2nd step changes the tokens
+    dict(num_steps=8, exit_criterion="kl", exit_threshold=3e-2, defaults="official"),
+    dict(num_steps=8, exit_criterion="kl", exit_threshold=3e-2, min_steps=2, min_steps_rule="skip", check_every=2),
 ], ids=["fixed-3", "kl-exit", "latent-exit-min2", "kv-budget-2", "warm-start-cosine", "speculative", "zero-steps",
-        "official-full", "official-anchor", "official-always-last"])
+        "official-full", "official-anchor", "official-always-last", "official-kl", "official-schedule"])
 def test_completion_equals_generate_alone(client, reference, extra):
     prompt = "def add(a, b):"
     r = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, logprobs=0,

@@ -59,7 +59,8 @@ def test_a_run_writes_metrics_metadata_checkpoints_and_a_model_dir(train_root, t
     assert checkpoints == ["step-00000004"]  # keep_last=1 removed step 2
 
     model = rd.RecurrentDepthLM.from_pretrained(out / "model")
-    assert model.config.vocab_size == 384 and model.config.eos_token_id == 384 - 31
+    # eos: end of text and end of turn (issue 17: a chat answer stops at the end of its turn)
+    assert model.config.vocab_size == 384 and model.config.eos_token_id == [384 - 31, 384 - 28]
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, result.model.state_dict()[name]), name
     from transformers import AutoTokenizer

@@ -132,7 +132,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     init_scale: float = 1.0
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None  # an id, or several (end of text and end of turn)
     pad_token_id: int | None = None
     mixer: str | dict[str, str] = "attention"
     mixer_options: dict[str, Any] = field(default_factory=dict)
@@ -182,10 +182,17 @@ class ModelConfig:
             need(isinstance(getattr(self, name), bool), name, "true or false")
         need(self.qk_norm or not self.qk_norm_per_head, "qk_norm_per_head",
              "false unless qk_norm is true (it shapes QK-norm's gains)")
+        def token_id(value: Any) -> bool:
+            return is_int(value) and 0 <= value < self.vocab_size
+
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)
-            need(value is None or (is_int(value) and 0 <= value < self.vocab_size), name,
-                 f"None or a token id in [0, {self.vocab_size})")
+            if name == "eos_token_id" and isinstance(value, list | tuple):
+                need(len(value) > 0 and all(token_id(v) for v in value), name,
+                     f"None, a token id or a non-empty list of token ids in [0, {self.vocab_size})")
+                self.eos_token_id = list(value)  # a list in config.json either way
+                continue
+            need(value is None or token_id(value), name, f"None or a token id in [0, {self.vocab_size})")
         if isinstance(self.mixer, dict):
             unknown = set(self.mixer) - set(MODEL_PARTS)
             need(not unknown, "mixer", f"a name or a dict with keys {MODEL_PARTS} (got extra {sorted(unknown)})")

@@ -244,6 +244,12 @@ def special_token_ids(tok: Tokenizer | Any) -> dict[str, int]:
     return ids  # type: ignore[return-value]
 
 
+def eos_token_ids(specials: dict[str, int]) -> list[int]:
+    """The ids that end a generation (a model config's `eos_token_id`): end of text and end of turn,
+    so a chat answer stops at the end of its turn. `specials` is `special_token_ids(tok)`."""
+    return [specials["end_text"], specials["end_turn"]]
+
+
 def tokenizer_sha256(tok: Tokenizer) -> str:
     """Hash of the serialised tokenizer (identifies it in dataset caches and run metadata)."""
     return hashlib.sha256(tok.to_str().encode("utf-8")).hexdigest()

@@ -1,9 +1,10 @@
 """Token-by-token decoding: fixed depth, per-token adaptive exit, warm start, sampling.
 
-Per new token: embed it (prelude), start from s_0 (random, zeros, or the previous token's raw
-final state with warm start), iterate the core, and read the logits. With an exit criterion each
-row stops on its own: a row that has exited keeps its state and logits, and a write mask keeps
-its cache entries as they were at its exit, so every row gets exactly what it would get alone.
+Per new token: embed it (prelude), start from s_0 (random, zeros, or with warm start the previous
+token's final state, raw or ln_f-normed per `warm_start_source`), iterate the core, and read the
+logits. With an exit criterion each row stops on its own: a row that has exited keeps its state
+and logits, and a write mask keeps its cache entries as they were at its exit, so every row gets
+exactly what it would get alone. With `exit_in_prefill` the prompt runs under the criterion too.
 """
 
 from __future__ import annotations
@@ -17,13 +18,18 @@ from recurrent_depth.inference.session import Session
 
 
 def decode(session: Session) -> Iterator[TokenEvent]:
-    """Prefill at full depth, then one token at a time until every row stops."""
+    """Prefill (at full depth unless `exit_in_prefill`), then one token at a time until every row stops."""
     opts, engine, cache = session.options, session.engine, session.cache
     B, T = session.B, session.T
-    last_state, logits = session.prefill(opts.num_steps)
+    adaptive = opts.criterion is not None
+    if adaptive and opts.exit_in_prefill:
+        last_state, logits, used, _ = session.adaptive_prefill()
+        steps = used.tolist()
+    else:
+        last_state, logits = session.prefill(opts.num_steps)
+        steps = [opts.num_steps] * B
+    codes = [REASON_CODE["prefill"]] * B  # the first token: the prompt's last position
     last_state = last_state[:, None]  # [B, 1, h]
-    steps = [opts.num_steps] * B
-    codes = [REASON_CODE["prefill"]] * B
     column = T
     for _ in range(opts.max_new_tokens):
         rows = session.unfinished
@@ -44,15 +50,16 @@ def decode(session: Session) -> Iterator[TokenEvent]:
         # Feed the new tokens (finished rows feed padding; their results are never used).
         ids = torch.where(active, tokens, session.pad_token_id)[:, None]
         pass_ = engine.begin(ids, session.mask(column + 1), cache)
-        if opts.warm_start:
-            state = last_state
-        else:
+        if not opts.warm_start:
             state = session.initial_states(pass_.e, session.unfinished)
+        elif opts.warm_start_source == "normed":
+            state = engine.final_norm(last_state)
+        else:
+            state = last_state
         last_state, logits, used, exit_codes = engine.run_adaptive(
-            state, pass_, session.criterion, session.vocab_size, num_steps=opts.num_steps,
-            max_steps=opts.max_steps, min_steps=opts.min_steps, active=active,
+            state, pass_, session.criterion, session.vocab_size, active=active, **session.schedule,
         )
-        cache.close(used[:, None] if opts.exit_criterion else opts.num_steps, 1)
+        cache.close(used[:, None] if adaptive else opts.num_steps, 1)
         cache.advance(1)
         column += 1
         steps, codes = used.tolist(), exit_codes.tolist()

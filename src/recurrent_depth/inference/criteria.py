@@ -1,17 +1,22 @@
 """Per-token exit criteria for adaptive recurrence (the paper's §6.1 and the reference's evaluators).
 
 Each criterion keeps per-row statistics across the steps of one token. `start(prev_state)` is
-called with s_0 `[B, h]`, then `update(state, logits)` after every step with the raw state
-`[B, h]` and, for output-based criteria, the logits `[B, V]`; it returns bool `[B]`: "this row
-may stop now". Default thresholds are the reference's, except `kl`, which uses the paper's 5e-4.
+called with s_0 `[B, h]` (or `[B, T, h]`), then `update(state, logits)` at every evaluated step
+with the raw state and, for output-based criteria, the last position's logits `[B, V]`; it
+returns bool `[B]`: "this row may stop now". With several positions (a prompt that may exit
+during prefill) the latent statistics are averaged over a row's real positions, as the
+reference does. Default thresholds are the reference's ("auto"), except `kl`, which uses the
+paper's 5e-4 (the reference's 1e-3 under `defaults="official"`, see `official_threshold`).
 
 | name             | statistic after step t                                  | exits when     | default |
 |------------------|---------------------------------------------------------|----------------|---------|
 | kl               | KL(p_{t-1} || p_t), clamped at 0 (p_0 = uniform)        | < threshold    | 5e-4    |
+| minp-kl          | kl after min-p filtering: probs < 0.1 max set to 1/V    | < threshold    | 1e-5    |
 | entropy-diff     | |H(p_t) - H(p_{t-1})| (H_0 = 100)                      | < threshold    | 1e-3    |
 | latent-diff      | ||s_t - s_{t-1}|| / ||s_t|| on raw states                | < threshold    | 0.03    |
 | cosine           | 1 - cos(s_t, s_{t-1}), clamped at 0                     | < threshold    | 1e-3    |
 | argmax-stability | consecutive steps with an unchanged argmax              | >= threshold   | 5       |
+| none             | (the reference's adaptive path that never exits)        | never          | 0       |
 
 With `<`, a threshold of 0 never exits (the statistics are >= 0), which makes "threshold 0" equal
 to fixed depth; argmax-stability counts steps, so its threshold is an integer >= 1.
@@ -33,19 +38,28 @@ class CriterionSpec:
     default_threshold: float
     needs_logits: bool
     integer_threshold: bool = False
+    official_threshold: float | None = None  # the reference's "auto" where it differs from ours
+
+    @property
+    def never_exits(self) -> bool:
+        return self.name == "none"
 
 
 CRITERIA: dict[str, CriterionSpec] = {
-    "kl": CriterionSpec("kl", 5e-4, True),
+    "kl": CriterionSpec("kl", 5e-4, True, official_threshold=1e-3),
+    "minp-kl": CriterionSpec("minp-kl", 1e-5, True),
     "entropy-diff": CriterionSpec("entropy-diff", 1e-3, True),
     "latent-diff": CriterionSpec("latent-diff", 0.03, False),
     "cosine": CriterionSpec("cosine", 1e-3, False),
     "argmax-stability": CriterionSpec("argmax-stability", 5, True, integer_threshold=True),
+    "none": CriterionSpec("none", 0.0, False),
 }
 
 
-def resolve_criterion(name: str | None, threshold: float | None) -> tuple[CriterionSpec | None, float | None]:
-    """Validate a criterion name and threshold; None threshold -> the criterion's default."""
+def resolve_criterion(name: str | None, threshold: float | None,
+                      official: bool = False) -> tuple[CriterionSpec | None, float | None]:
+    """Validate a criterion name and threshold; None threshold -> the criterion's default (the
+    reference's "auto" value when `official`)."""
     if name is None:
         if threshold is not None:
             raise ValueError(
@@ -56,7 +70,8 @@ def resolve_criterion(name: str | None, threshold: float | None) -> tuple[Criter
         raise ValueError(f"exit_criterion={name!r} is unknown: expected None or one of {sorted(CRITERIA)}")
     spec = CRITERIA[name]
     if threshold is None:
-        return spec, float(spec.default_threshold)
+        official_default = spec.official_threshold if official else None
+        return spec, float(spec.default_threshold if official_default is None else official_default)
     if isinstance(threshold, bool) or not isinstance(threshold, int | float):
         raise ValueError(f"exit_threshold={threshold!r} is invalid: expected a number >= 0")
     try:
@@ -101,29 +116,42 @@ class ExitCriterion:
     def needs_logits(self) -> bool:
         return self.spec.needs_logits
 
-    def start(self, state: Tensor, vocab_size: int) -> None:
-        """Reset for a new token whose initial state is `state` `[B, h]`."""
+    def start(self, state: Tensor, vocab_size: int, valid: Tensor | None = None) -> None:
+        """Reset for a new token whose initial state is `state` `[B, h]`, or for the positions
+        `[B, T, h]` of a prompt (valid: bool `[B, T]`, the real ones; None = all)."""
         B = state.shape[0]
         name = self.spec.name
-        if name == "kl":
+        self.valid = valid
+        if name in ("kl", "minp-kl"):
             self.prev = torch.full((B, vocab_size), -math.log(vocab_size), device=state.device)
             self.prev_probs = self.prev.exp()
         elif name == "entropy-diff":
             self.prev = torch.full((B,), 100.0, device=state.device)
         elif name in ("latent-diff", "cosine"):
             self.prev = state.float()
-        else:  # argmax-stability
+        elif name == "argmax-stability":
             self.prev = torch.full((B,), -1, dtype=torch.long, device=state.device)
             self.count = torch.zeros(B, dtype=torch.long, device=state.device)
+
+    def _per_row(self, stat: Tensor) -> Tensor:
+        """`[B]` from a per-position statistic `[B]` or `[B, T]` (the mean over real positions)."""
+        if stat.dim() == 1:
+            return stat
+        if self.valid is None:
+            return stat.mean(-1)
+        valid = self.valid.to(stat.dtype)
+        return (stat * valid).sum(-1) / valid.sum(-1).clamp(min=1)
 
     def update(self, state: Tensor | None, logits: Tensor | None) -> Tensor:
         """Statistics after one more step; returns bool `[B]` (criterion met).
 
-        state: raw states `[B, h]` (read by the latent criteria only); logits: `[B, V]` (read by the
-        output criteria only, see `needs_logits`)."""
+        state: raw states `[B, h]` or `[B, T, h]` (read by the latent criteria only); logits: `[B, V]`
+        of the last position (read by the output criteria only, see `needs_logits`)."""
         name = self.spec.name
-        if name == "kl":
+        if name in ("kl", "minp-kl"):
             logp = F.log_softmax(logits.float(), dim=-1)
+            if name == "minp-kl":
+                logp = _min_p_filtered(logp)
             # KL(prev || current) = sum p_prev (log p_prev - log p_cur): the reference's
             # F.kl_div(log p_cur, log p_prev, reduction="none", log_target=True).sum(-1), as one dot product.
             stat = torch.linalg.vecdot(self.prev_probs, self.prev - logp).clamp_(min=0)
@@ -137,22 +165,34 @@ class ExitCriterion:
             met = stat < self.threshold
         elif name == "latent-diff":
             s = state.float()
-            stat = (s - self.prev).norm(dim=-1) / s.norm(dim=-1).clamp(min=1e-12)
+            stat = self._per_row((s - self.prev).norm(dim=-1) / s.norm(dim=-1).clamp(min=1e-12))
             self.prev = s
             met = stat < self.threshold
         elif name == "cosine":
             s = state.float()
-            stat = (1 - F.cosine_similarity(s, self.prev, dim=-1, eps=1e-12)).clamp(min=0)
+            stat = self._per_row((1 - F.cosine_similarity(s, self.prev, dim=-1, eps=1e-12)).clamp(min=0))
             self.prev = s
             met = stat < self.threshold
-        else:
+        elif name == "argmax-stability":
             top = logits.argmax(-1)
             self.count = torch.where(top == self.prev, self.count + 1, torch.zeros_like(self.count))
             self.prev = top
             stat = self.count
             met = stat >= self.threshold
+        else:  # none (a latent criterion: it reads the state's batch size only)
+            stat = torch.zeros(state.shape[0], device=state.device)
+            met = torch.zeros_like(stat, dtype=torch.bool)
         self.last_statistic = stat
         return met
+
+
+def _min_p_filtered(logp: Tensor) -> Tensor:
+    """Log-probabilities `[B, V]` after the reference's min-p filter: every probability below 0.1 x
+    the row's largest becomes 1/V, then the row is renormalised."""
+    probs = logp.exp()
+    low = probs < 0.1 * probs.max(-1, keepdim=True).values
+    probs = torch.where(low, 1.0 / probs.shape[-1], probs)
+    return (probs / probs.sum(-1, keepdim=True)).log()
 
 
 class RowCriterion:

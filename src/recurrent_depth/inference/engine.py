@@ -81,6 +81,10 @@ class Recurrence:
     def initial_state(self, e: Tensor, init_scale: float, generator: torch.Generator | None) -> Tensor:
         return self.runner.initial_state(e, init_scale, generator)
 
+    def final_norm(self, state: Tensor) -> Tensor:
+        """ln_f of raw states `[B, T, h]` (what the official fixed-depth loop warm-starts from)."""
+        return self.runner.final_norm(state)
+
     def readout(self, state: Tensor, pass_: Pass, last_only: bool = False) -> Tensor:
         """Logits float32 `[B, T, V]` (or `[B, 1, V]`) from raw states `[B, T, h]`."""
         return self.runner.predict(state, pass_.step, last_only=last_only)
@@ -127,15 +131,22 @@ class Recurrence:
     def run_adaptive(
         self, state: Tensor, pass_: Pass, criterion: ExitCriterion | None, vocab_size: int, *,
         num_steps: int, max_steps: int, min_steps: int = 1, active: Tensor | None = None,
+        first_check: int = 1, check_every: int = 1, read_last_check: bool = False, valid: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """One new position per row (`state` `[B, 1, h]`): recur until each row's criterion holds.
+        """New positions (`state` `[B, T, h]`: one token per row, or a prompt) recur until each row's
+        criterion holds; a row's positions stop together.
 
-        Without a criterion every row runs `num_steps`. A row that has exited keeps its state and
+        Without a criterion every row runs `num_steps`. The criterion is evaluated (statistic and
+        check) after steps first_check, first_check + check_every, ...; a row may exit at an
+        evaluated step once it has run `min_steps`. A row that has exited keeps its state and
         logits, and the write mask keeps its cache entries as at its exit, so every row gets
-        exactly what it would get alone. active: bool `[B]`, rows that still generate.
-        Returns (final raw state `[B, 1, h]`, logits `[B, V]`, steps `[B]`, exit codes `[B]`).
+        exactly what it would get alone. A row that reaches max_steps is read out at its final
+        state, or with `read_last_check` (the reference's loop) keeps the logits of its last
+        evaluated step. active: bool `[B]`, rows that still generate; valid: bool `[B, T]`, real
+        positions (the latent criteria average over them).
+        Returns (final raw state `[B, T, h]`, last-position logits `[B, V]`, steps `[B]`, exit codes `[B]`).
         """
-        B = state.shape[0]
+        B, T = state.shape[:2]
         device = state.device
         if active is None:
             active = torch.ones(B, dtype=torch.bool, device=device)
@@ -149,15 +160,16 @@ class Recurrence:
         cache = pass_.step.ctx.cache
         running = active.clone()
         everyone = bool(running.all())  # fast path while no row has stopped
-        criterion.start(state[:, 0], vocab_size)
+        criterion.start(state[:, 0] if T == 1 else state, vocab_size, valid if T > 1 else None)
         # While every row runs they have all run the same number of steps: count per row only after that.
         steps = None if everyone else torch.zeros(B, dtype=torch.long, device=device)
         codes = torch.full((B,), MAX_STEPS, dtype=torch.long, device=device)
         logits = None
         ran = 0
+        evaluated = False
         for i in range(max_steps):
             if not everyone and cache is not None:
-                cache.write_mask = running[:, None]
+                cache.write_mask = running[:, None].expand(B, T)
             new_state = self._core(state, pass_, i)
             ran = i + 1
             if everyone:
@@ -165,23 +177,26 @@ class Recurrence:
             else:
                 state = torch.where(running[:, None, None], new_state, state)
                 steps += running
-            step_logits = None
-            if criterion.needs_logits:
-                step_logits = self.readout(state, pass_, last_only=True)[:, 0]
-                logits = step_logits if logits is None or everyone else torch.where(
-                    running[:, None], step_logits, logits
-                )
-            met = criterion.update(None if criterion.needs_logits else state[:, 0], step_logits)
-            if ran >= min_steps:
-                stopping = met if everyone else met & running
-                if bool(stopping.any()):  # the one host sync per step that exit decisions need
-                    if steps is None:
-                        steps = torch.where(active, ran, 0)
-                    codes = torch.where(stopping, CONVERGED, codes)
-                    running &= ~stopping
-                    everyone = False
-                    if not bool(running.any()):
-                        break
+            evaluated = ran >= first_check and (ran - first_check) % check_every == 0
+            if evaluated:
+                step_logits = None
+                if criterion.needs_logits:
+                    step_logits = self.readout(state, pass_, last_only=True)[:, 0]
+                    logits = step_logits if logits is None or everyone else torch.where(
+                        running[:, None], step_logits, logits
+                    )
+                met = criterion.update(None if criterion.needs_logits else (state[:, 0] if T == 1 else state),
+                                       step_logits)
+                if ran >= min_steps:
+                    stopping = met if everyone else met & running
+                    if bool(stopping.any()):  # the one host sync per step that exit decisions need
+                        if steps is None:
+                            steps = torch.where(active, ran, 0)
+                        codes = torch.where(stopping, CONVERGED, codes)
+                        running &= ~stopping
+                        everyone = False
+                        if not bool(running.any()):
+                            break
             if cache is not None:
                 cache.write_mask = None
             self._tick()
@@ -191,6 +206,12 @@ class Recurrence:
             steps = torch.where(active, ran, 0)
         if logits is None:  # latent criteria: one coda pass on every row's exit state
             logits = self.readout(state, pass_, last_only=True)[:, 0]
+        elif not (evaluated or read_last_check):  # rows at max_steps past their last check
+            if cache is not None:  # (the coda entries of exited rows stay those of their exit)
+                cache.write_mask = running[:, None].expand(B, T).clone()
+            logits = torch.where(running[:, None], self.readout(state, pass_, last_only=True)[:, 0], logits)
+            if cache is not None:
+                cache.write_mask = None
         return state, logits, steps, codes
 
     def step_rows(self, state: Tensor, pass_: Pass) -> Tensor:

@@ -120,6 +120,7 @@ def generate(
     seed: int | list[int] | None = None,
     stop: int | str | list | None = None,
     init_scale: float = 1.0,
+    defaults: str | None = None,
     *,
     streamer: Callable[[TokenEvent], Any] | None = None,
     tokenizer: Any = None,
@@ -128,14 +129,23 @@ def generate(
     """Generate from a recurrent-depth model with every test-time compute control.
 
     input_ids: `[B, T]` (or `[T]`) token ids; attention_mask: `[B, T]` 1 = token, 0 = left padding.
-    num_steps: recurrence depth r (None: the config's mean_recurrence). The prompt always runs at r.
+    num_steps: recurrence depth r (None: the config's mean_recurrence). The prompt runs at r unless
+      exit_in_prefill.
+    defaults: None (ours, the paper's) or "official": every option left unset takes the official
+      code's default (exit in prefill, its min_steps rule, kl 1e-3, its warm-start source and
+      stops, the speculative last round); see `GenerationOptions` and docs/inference.md.
 
     Depth control, one token at a time (the default mode):
-      exit_criterion: None (fixed depth r) or "kl" | "entropy-diff" | "latent-diff" | "cosine" |
-        "argmax-stability": each row stops its recurrence on its own (see `criteria.py`);
-      exit_threshold: None = the criterion's default (kl 5e-4, entropy-diff 1e-3, latent-diff 0.03,
-        cosine 1e-3, argmax-stability 5); min_steps (1) and max_steps (r) bound the steps;
-      warm_start: s_0 of a token = the raw final state of the previous one (continuous CoT).
+      exit_criterion: None (fixed depth r) or "kl" | "minp-kl" | "entropy-diff" | "latent-diff" |
+        "cosine" | "argmax-stability" | "none": each row stops its recurrence on its own (see
+        `criteria.py`);
+      exit_threshold: None = the criterion's default (kl 5e-4, minp-kl 1e-5, entropy-diff 1e-3,
+        latent-diff 0.03, cosine 1e-3, argmax-stability 5); min_steps (1) and max_steps (r) bound
+        the steps; min_steps_rule "exit" (ours) or "skip" (official: nothing is checked before step
+        min_steps + 1); check_every=n evaluates the criterion every n-th step; exit_in_prefill lets
+        the prompt exit too;
+      warm_start: s_0 of a token = the final state of the previous one (continuous CoT), raw or,
+        with warm_start_source="normed", after ln_f.
     KV cache: kv_policy="<slots>[+<lookup>]" (see `recurrent_depth.model.cache`): slots "per-step"
       (default, one entry per step), "shared-K" (step i reads and writes slot i mod K) or "last-step"
       (= shared-1); lookup for tokens that exited early "deepest" (default: read their deepest entry
@@ -152,7 +162,9 @@ def generate(
     Sampling: do_sample with temperature, top_k, top_p, min_p; repetition_penalty (1.0 = off) applies to
       greedy too. seed: int (row b uses seed + b) or one int per row; each row draws s_0 and samples
       from its own generator, so a row in a batch equals the row alone. init_scale=0 gives s_0 = 0.
-    Stopping: stop ids and stop strings (strings need `tokenizer=`), and the config's eos_token_id.
+    Stopping: stop ids and stop strings (strings need `tokenizer=`), and the eos ids: eos_token_id=
+      (an id or a list) or else the config's. finish_round=True lets a speculative row finish the
+      round that reaches max_new_tokens.
     streamer: a callable receiving each `TokenEvent` as it is committed. output_logits=True keeps
       the logits of every chosen token. fast=False uses the model's own modules (reference runner).
 
@@ -163,7 +175,7 @@ def generate(
         max_new_tokens=max_new_tokens, num_steps=num_steps, exit_criterion=exit_criterion,
         exit_threshold=exit_threshold, kv_budget=kv_budget, warm_start=warm_start, draft_steps=draft_steps,
         do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-        stop=stop, init_scale=init_scale, tokenizer=tokenizer, **more,
+        stop=stop, init_scale=init_scale, defaults=defaults, tokenizer=tokenizer, **more,
     )
     options, tokenizer, _, given_as = _options(kwargs)
     stream = _stream(model, input_ids, attention_mask, options, tokenizer, given_as)

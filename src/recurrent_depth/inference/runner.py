@@ -123,6 +123,10 @@ class ModelRunner:
     def initial_state(self, e: Tensor, init_scale: float, generator: torch.Generator | None) -> Tensor:
         return self.model.initial_state(e, init_scale, generator)
 
+    def final_norm(self, state: Tensor) -> Tensor:
+        """ln_f of raw states `[B, T, h]` (the model's `latent_states`)."""
+        return self.model.transformer.ln_f(state)
+
 
 class FastRunner(ModelRunner):
     """Fused-operation implementation for all-attention models (see the module docstring)."""
@@ -316,6 +320,10 @@ class FastRunner(ModelRunner):
         for j, p in enumerate(self.blocks["core"]):
             x = self._block(x, p, step, ("core", j, index), B, T)
         return x.view(B, T, h)
+
+    def final_norm(self, state: Tensor) -> Tensor:
+        B, T, h = state.shape
+        return self._norm(state.reshape(B * T, h), self.ln_f).view(B, T, h)
 
     def predict(self, state: Tensor, step: Step, last_only: bool = False) -> Tensor:
         B, T, h = state.shape

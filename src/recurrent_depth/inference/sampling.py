@@ -137,9 +137,9 @@ class TokenChooser:
 
 
 class StopChecker:
-    """Stop token ids (including the config's eos) and stop strings (need a tokenizer)."""
+    """Stop token ids (including the eos ids) and stop strings (need a tokenizer)."""
 
-    def __init__(self, stop: Any, eos_token_id: int | None, vocab_size: int, tokenizer: Any = None) -> None:
+    def __init__(self, stop: Any, eos_ids: Sequence[int] = (), vocab_size: int = 0, tokenizer: Any = None) -> None:
         ids: set[int] = set()
         strings: list[str] = []
         items = [] if stop is None else ([stop] if isinstance(stop, int | str) else list(stop))
@@ -156,8 +156,7 @@ class StopChecker:
                 strings.append(item)
         if strings and tokenizer is None:
             raise ValueError(f"stop strings {strings!r} need a tokenizer: pass tokenizer=... to generate")
-        if eos_token_id is not None:
-            ids.add(eos_token_id)
+        ids.update(eos_ids)
         self.ids = ids
         self.strings = strings
         self.tokenizer = tokenizer

@@ -24,8 +24,15 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from recurrent_depth.inference.cache import CACHE_IMPLEMENTATIONS
-from recurrent_depth.inference.criteria import CRITERIA
-from recurrent_depth.inference.options import SAMPLERS, GenerationOptions, OptionError
+from recurrent_depth.inference.criteria import CRITERIA, resolve_criterion
+from recurrent_depth.inference.options import (
+    DEFAULTS,
+    MIN_STEPS_RULES,
+    SAMPLERS,
+    WARM_START_SOURCES,
+    GenerationOptions,
+    OptionError,
+)
 
 GROUPS = {
     "depth": "depth",
@@ -111,12 +118,24 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("exit_threshold", "exit", "the criterion's threshold; 'auto' = the official code's threshold for the "
            "criterion (kl 1e-3, entropy-diff 1e-3, latent-diff 0.03, cosine 1e-3, argmax-stability 5)", "float",
            shown="the criterion's own, kl 5e-4", http=True, hf="routed", lm_eval="model"),
-    Option("min_steps", "exit", "fewest core steps before a token may exit", "int", http=True,
+    Option("min_steps", "exit", "fewest core steps before a token may exit (see min_steps_rule)", "int",
+           shown="1; official: 0", http=True,
            http_max="max_num_steps", hf="routed", lm_eval="model"),
     Option("max_steps", "exit", "most core steps with an exit criterion", "int", shown="r", http=True,
            http_max="max_num_steps", hf="routed"),
     Option("warm_start", "exit", "start each token from the previous token's final state (continuous CoT)",
            "bool", http=True, hf="routed", lm_eval="model"),
+    Option("warm_start_source", "exit", "what warm start reuses: the 'raw' final state or its ln_f output "
+           "'normed' (the official fixed-depth loop's)", "str", choices=WARM_START_SOURCES,
+           shown="raw; official: normed without an exit criterion", http=True, hf="routed", lm_eval="model"),
+    Option("exit_in_prefill", "exit", "the prompt runs under the exit criterion too (its positions stop "
+           "together); the official default", "bool", shown="off; official: on", http=True, hf="routed",
+           lm_eval="model"),
+    Option("min_steps_rule", "exit", "'exit': statistics from step 1, exit from min_steps; 'skip' (official): "
+           "no check and no statistic before step min_steps + 1", "str", choices=MIN_STEPS_RULES,
+           shown="exit; official: skip", http=True, hf="routed", lm_eval="model"),
+    Option("check_every", "exit", "evaluate the exit criterion every n-th step only", "int", http=True,
+           http_max="max_num_steps", hf="routed", lm_eval="model"),
     Option("kv_budget", "cache", "KV entries per token and core layer: step i uses slot i mod k", "int",
            shown="one per step", http=True, http_max="max_num_steps", hf="shared", lm_eval="model"),
     Option("kv_policy", "cache", "KV policy '<slots>[+<lookup>]': slots per-step | last-step | shared-K | anchor-K, "
@@ -162,12 +181,23 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("fast", "output", "the fused runner; --no-fast runs the model's own modules (the reference)", "bool",
            hf="routed"),
     Option("output_logits", "output", "keep the logits of every chosen token", "bool", cli=False, hf="routed"),
+    Option("finish_round", "mode", "self-speculative: commit the whole last round, past max_new_tokens (the "
+           "official loop)", "bool", shown="off; official: on", http=True, hf="routed"),
+    Option("eos_token_id", "sampling", "ids that end a row (an id or a list; [] = none), replacing the model "
+           "config's; transformers generate's eos_token_id", "any", shown="the config's", cli=False),
+    Option("defaults", "depth", "whose defaults fill the options left unset: ours (the paper's) or 'official' "
+           "(the official Huginn code's, so its calls give its tokens)", "str", choices=DEFAULTS, shown="ours",
+           http=True, lm_eval="model"),
     Option("teacher_tokens", "output", "teacher forcing: the tokens to feed instead of the chosen ones", "any",
            cli=False),
 )}
 
 
 # ---------------------------------------------------------------------------------------- official aliases
+def _negated(value: Any) -> Any:
+    return not value if isinstance(value, bool) else value  # (a non-bool is refused by validation)
+
+
 @dataclass(frozen=True)
 class Alias:
     """An official kwarg that sets one of our options (`convert` maps its value)."""
@@ -175,6 +205,7 @@ class Alias:
     name: str
     field: str
     convert: Callable[[Any], Any] | None = None
+    value_kind: str | None = None  # the alias's own kind where `convert` keeps it (else "str")
 
     @property
     def flag(self) -> str:
@@ -182,6 +213,8 @@ class Alias:
 
     @property
     def kind(self) -> str:
+        if self.value_kind is not None:
+            return self.value_kind
         return "str" if self.convert is not None else OPTIONS[self.field].kind
 
     def describe(self) -> str:
@@ -192,6 +225,8 @@ OFFICIAL_ALIASES: dict[str, Alias] = {a.name: a for a in (
     Alias("criterion", "exit_criterion"),
     Alias("cache_lookup_strategy", "kv_policy"),  # kv_policy takes the official strategy names
     Alias("continuous_compute", "warm_start"),
+    Alias("do_not_exit_in_prefill", "exit_in_prefill", _negated, value_kind="bool"),
+    Alias("check_criterion_every_n_steps", "check_every"),
     Alias("lookahead_for_draft", "lookahead"),
 )}
 
@@ -204,10 +239,6 @@ def names_for(where: str, value: Any = True) -> tuple[str, ...]:
     return tuple(own + [a.name for a in OFFICIAL_ALIASES.values() if a.field in own])
 
 
-# The official code's "auto" thresholds differ from our defaults (the paper's) only for kl.
-_OFFICIAL_AUTO_OVERRIDES = {"kl": 1e-3}
-
-
 def _is_set(value: Any, default: Any) -> bool:
     scalar = isinstance(value, bool | int | float | str)
     return not (value is default or (scalar and type(value) is type(default) and value == default))
@@ -217,7 +248,7 @@ def official_auto_threshold(criterion: Any) -> float:
     """exit_threshold="auto": the criterion's threshold in the official code (huginn-0125.md §4)."""
     if not isinstance(criterion, str) or criterion not in CRITERIA:
         raise OptionError("exit_threshold", f"exit_threshold='auto' needs an exit_criterion, one of {_criteria()}")
-    return float(_OFFICIAL_AUTO_OVERRIDES.get(criterion, CRITERIA[criterion].default_threshold))
+    return resolve_criterion(criterion, None, official=True)[1]  # differs from ours for kl only
 
 
 def canonical(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:

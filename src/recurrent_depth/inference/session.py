@@ -10,7 +10,7 @@ from torch import Tensor
 from recurrent_depth.inference.cache import make_cache
 from recurrent_depth.inference.criteria import ExitCriterion
 from recurrent_depth.inference.engine import Recurrence
-from recurrent_depth.inference.options import GenerationOptions
+from recurrent_depth.inference.options import GenerationOptions, eos_ids
 from recurrent_depth.inference.output import Recorder, TokenEvent
 from recurrent_depth.inference.quant_cache import KVQuant
 from recurrent_depth.inference.runner import all_attention
@@ -121,12 +121,20 @@ class Session:
         self.generators = RowGenerators(options.seed, self.B, self.device)
         self.chooser = TokenChooser(options, cfg.vocab_size, self.generators)
         self.chooser.observe_prompt(input_ids, prompt_valid)
-        self.stops = StopChecker(options.stop, cfg.eos_token_id, cfg.vocab_size, tokenizer)
+        stop_ids = options.stop_ids(cfg.eos_token_id, cfg.vocab_size)
+        self.stops = StopChecker(options.stop, stop_ids, cfg.vocab_size, tokenizer)
         self.recorder = Recorder(self.B, options.max_new_tokens, options.output_logits)
-        self.pad_token_id = next(
-            (t for t in (cfg.pad_token_id, cfg.eos_token_id) if t is not None), 0
-        )
+        config_eos = eos_ids(cfg.eos_token_id, "eos_token_id", cfg.vocab_size)
+        self.pad_token_id = next((t for t in (cfg.pad_token_id, *config_eos) if t is not None), 0)
         self.criterion = ExitCriterion(options.criterion, options.threshold) if options.criterion else None
+        skip = options.min_steps_rule == "skip"
+        # The step loop's schedule (see `Recurrence.run_adaptive`): under the "skip" rule the first
+        # min_steps steps run unchecked; the official loop keeps its last check's logits at max_steps.
+        self.schedule = dict(
+            num_steps=options.num_steps, max_steps=options.max_steps,
+            min_steps=1 if skip else options.min_steps, first_check=options.min_steps + 1 if skip else 1,
+            check_every=options.check_every, read_last_check=skip,
+        )
         self.teacher = self._teacher(options.teacher_tokens)
         self.stats: dict[str, Any] = {}
 
@@ -244,3 +252,16 @@ class Session:
         cache.close(depth, self.T)
         cache.advance(self.T)
         return s[:, -1], logits
+
+    def adaptive_prefill(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Run the prompt under the exit criterion (`exit_in_prefill`): a row's positions stop
+        together. Returns (last raw state `[B, h]`, last logits `[B, V]`, steps `[B]`, exit codes `[B]`)."""
+        engine, cache = self.engine, self.cache
+        valid = self.valid[:, : self.T] if self.padded else None
+        pass_ = engine.begin(self.input_ids, self.mask(self.T), cache)
+        s = self.initial_states(pass_.e, list(range(self.B)), valid)
+        s, logits, used, codes = engine.run_adaptive(s, pass_, self.criterion, self.vocab_size,
+                                                     valid=valid, **self.schedule)
+        cache.close(used[:, None].expand(self.B, self.T).contiguous(), self.T)
+        cache.advance(self.T)
+        return s[:, -1], logits, used, codes

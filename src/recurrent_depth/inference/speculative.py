@@ -13,7 +13,8 @@ choice g_t at each column is compared with the draft d_t:
 
 The first rejected draft is replaced by the verifier's token. Columns holding rejected drafts are
 rolled back when every row rejected them, and hidden by the attention mask otherwise, so rows of
-a batch advance independently.
+a batch advance independently. A row stops at max_new_tokens, or with `finish_round` (the
+official loop) at the end of the round that reaches it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def decode(session: Session) -> Iterator[TokenEvent]:
     opts, engine, cache = session.options, session.engine, session.cache
     M, N = opts.num_steps, opts.draft_steps
     exact = opts.verification_threshold >= 1.0
+    hides = cache.policy.lookup.hides_columns
     _, logits = session.prefill(M)
     session.require_kv_cache_only("self-speculative decoding")
     rows = session.unfinished
@@ -59,6 +61,8 @@ def decode(session: Session) -> Iterator[TokenEvent]:
             pass_ = engine.begin(token_ids, session.mask(column + t + 1), cache)
             s = engine.run(session.initial_states(pass_.e, rows), pass_, N)
             draft_logits = engine.readout(s, pass_, last_only=True)[:, 0]
+            if hides:  # record the draft's N steps, or a lookup that hides unreached steps hides the draft
+                cache.close(N, 1)
             cache.advance(1)
             feed = draft_logits.argmax(-1)
             ids.append(token_ids)
@@ -101,7 +105,9 @@ def decode(session: Session) -> Iterator[TokenEvent]:
                                      nbytes[b])
                 pending[b] = token
                 committed += 1
-                if session.recorder.finished[b]:
+                if session.recorder.finished[b] and not (
+                    opts.finish_round and session.recorder.finish_reasons[b] == "length"
+                ):
                     break
             # Column c holds the pending token and c + t holds d_t for t >= 1: real iff committed and fed,
             # i.e. min(n, L - 1) + 1 columns, or fewer when the row finished inside the round.

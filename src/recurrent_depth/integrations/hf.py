@@ -31,7 +31,7 @@ from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from recurrent_depth.inference.options import OptionError
+from recurrent_depth.inference.options import DEFAULTS, OptionError
 from recurrent_depth.inference.schema import OFFICIAL_ALIASES, OPTIONS, canonical, kwarg_spelling, names_for
 from recurrent_depth.integrations.hf_config import HuginnRavenConfig, RecurrentDepthConfig
 from recurrent_depth.model.cache import parse_kv_policy
@@ -428,8 +428,13 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         ``continuous_compute``, ``lookahead_for_draft``) routes the call to
         `recurrent_depth.generate`, which also honours ``eos_token_id`` (an id or a list); it
         returns the sequences, or with ``return_dict_in_generate=True`` the library's output
-        (`sequences`, `steps`, ...).
+        (`sequences`, `steps`, ...). ``defaults="official"`` follows the official model's dispatch:
+        a routed call takes the official code's defaults (see `GenerationOptions`); any other call
+        runs in transformers' own loop, as the official `generate` hands it to transformers.
         """
+        defaults = kwargs.pop("defaults", None)
+        if defaults is not None and defaults not in DEFAULTS:
+            raise ValueError(f"generate: defaults={defaults!r} is invalid: expected None or one of {DEFAULTS}")
         picked = {k: kwargs.pop(k) for k in list(kwargs) if k in ROUTED_GENERATE_OPTIONS or k in OFFICIAL_ALIASES}
         try:
             values, given_as = canonical(picked)
@@ -439,6 +444,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         kwargs.update((k, v) for k, v in values.items() if k not in routed)  # e.g. cache_lookup_strategy
         if not routed:
             return super().generate(inputs, generation_config=generation_config, **kwargs)
+        if defaults is not None:
+            routed["defaults"] = defaults
         return self._generate_with_library(inputs, generation_config, routed, kwargs, given_as)
 
     def _generate_with_library(
@@ -475,10 +482,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             given = [given] if isinstance(given, str | int) else list(given or [])
             options["stop"] = given + ([stop_strings] if isinstance(stop_strings, str) else list(stop_strings))
         eos = kwargs.pop("eos_token_id", None)
-        if eos is not None:  # a caller's eos ends its rows (the config's eos stops too)
-            given = options.get("stop")
-            given = [given] if isinstance(given, str | int) else list(given or [])
-            options["stop"] = given + (list(eos) if isinstance(eos, list | tuple) else [eos])
+        if eos is not None:  # transformers' rule: the call's eos replaces the generation config's
+            options["eos_token_id"] = list(eos) if isinstance(eos, list | tuple) else eos
         for name in ("pad_token_id", "use_cache"):
             kwargs.pop(name, None)  # padding follows the model config in the library
         if kwargs:

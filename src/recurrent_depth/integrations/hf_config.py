@@ -59,7 +59,7 @@ class RecurrentDepthConfig(PretrainedConfig):
     tie_embeddings: bool = True
     init_scale: float = 1.0
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     mixer: Any = "attention"
     mixer_options: dict = field(default_factory=dict)
@@ -174,7 +174,7 @@ class HuginnRavenConfig(PretrainedConfig):
         out = {key: getattr(self, key) for key in _HUGINN_DEFAULTS}
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, key)
-            if isinstance(value, list | tuple):  # generation may stop on several ids; the model needs one
+            if isinstance(value, list | tuple) and key != "eos_token_id":  # bos / pad: the model needs one
                 value = value[0] if value else None
             if value is not None:
                 out[key] = value

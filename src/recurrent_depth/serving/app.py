@@ -25,7 +25,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from recurrent_depth.serving.batch import PromptScores, RowRequest
+from recurrent_depth.inference.options import eos_ids
+from recurrent_depth.serving.batch import BatchDecoder, PromptScores, RowRequest
 from recurrent_depth.serving.engine import (
     Done,
     Engine,
@@ -126,7 +127,7 @@ def create_app(engine: Engine, codec: TextCodec, settings: ServerSettings) -> Fa
     names = {settings.model_name, *settings.aliases}
     metrics = engine.metrics
     eos_configured = cfg.eos_token_id is not None
-    base_stops = set(codec.eos_ids) | ({cfg.eos_token_id} if cfg.eos_token_id is not None else set())
+    base_stops = set(codec.eos_ids) | set(eos_ids(cfg.eos_token_id, "eos_token_id", cfg.vocab_size))
     pool = PrepPool(PrepSpec(str(codec.model_dir) if codec.has_tokenizer else None, codec.vocab_size, limits,
                              frozenset(names), eos_configured, settings.worker_memory),
                     workers=settings.tokenizer_workers, timeout=settings.tokenize_timeout)
@@ -283,8 +284,9 @@ def create_app(engine: Engine, codec: TextCodec, settings: ServerSettings) -> Fa
             except ValueError as exc:
                 raise APIError(400, str(exc), param="kv_policy") from None
             # the slot pool takes most policies; the rest (always-last, randomized, compress-rN) run alone,
-            # and so does a quantized cache (the pool keeps full-precision entries)
-            solo = sampling.runs_alone or not engine.batches or not SlotKVPool.takes(options.policy)
+            # and so do a quantized cache (the pool keeps full-precision entries) and the official schedule
+            solo = (sampling.runs_alone or not engine.batches or not SlotKVPool.takes(options.policy)
+                    or not BatchDecoder.runs(options))
             generation = dict(sampling.generation, max_new_tokens=max_tokens, stop=sorted(stops) or None)
             for j in range(sampling.n):
                 index = p * sampling.n + j

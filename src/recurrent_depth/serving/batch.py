@@ -142,6 +142,18 @@ class BatchDecoder:
         """All-attention models without a window (the Huginn architecture)."""
         return FastRunner.supports(model)
 
+    @staticmethod
+    def runs(options: GenerationOptions) -> bool:
+        """Whether the batch's step loop implements these options: the official code's schedule
+        (exit in prefill, its min_steps rule past step 0, check every n steps) and the normed warm
+        start run alone, through `stream_generate`."""
+        adaptive = options.criterion is not None
+        return not (
+            (adaptive and (options.exit_in_prefill or options.check_every > 1
+                           or (options.min_steps_rule == "skip" and options.min_steps > 0)))
+            or (options.warm_start and options.warm_start_source == "normed")
+        )
+
     def __init__(self, model: torch.nn.Module, max_rows: int) -> None:
         self.model = model
         self.config = model.config

@@ -46,6 +46,7 @@ from recurrent_depth import accel
 from recurrent_depth.accel.allocator import keep_freed_memory
 from recurrent_depth.accel.cpu import slow_bf16_warnings
 from recurrent_depth.config import ModelConfig
+from recurrent_depth.data.tokenizer import eos_token_ids
 from recurrent_depth.model.mixers.dsa import pop_indexer_loss
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 from recurrent_depth.train import checkpointing as ckpt
@@ -258,7 +259,7 @@ class Trainer:
         base = cfg.replace(model={**overrides, **cfg.model}) if overrides else cfg
         self.model_config: ModelConfig = base.model_config(
             tok_meta["vocab_size"],
-            bos_token_id=specials["begin_text"], eos_token_id=specials["end_text"], pad_token_id=specials["pad"],
+            bos_token_id=specials["begin_text"], eos_token_id=eos_token_ids(specials), pad_token_id=specials["pad"],
         )
         self.seq_len = cfg.resolved_seq_len(self.model_config)
         if self.seq_len != self.data.metadata["params"]["seq_len"]:

@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 
 import recurrent_depth as rd
+from recurrent_depth.accel import runner as runner_module
+from recurrent_depth.accel.runner import FastRunner
 from recurrent_depth.inference import DynamicRecurrentCache, StaticRecurrentCache, generate
-from recurrent_depth.inference import runner as runner_module
 from recurrent_depth.inference.criteria import CRITERIA, ExitCriterion, resolve_criterion
-from recurrent_depth.inference.runner import FastRunner, ModelRunner, make_runner
+from recurrent_depth.inference.runner import ModelRunner, make_runner
 from recurrent_depth.inference.sampling import RowGenerators, apply_repetition_penalty, filter_logits, sample_rows
 
 # Tiny matmuls run fastest on one thread (see conftest.one_thread).
@@ -294,6 +295,14 @@ def test_generate_sees_weight_changes_made_between_calls():
         before = after
     assert isinstance(make_runner(model), FastRunner) and isinstance(make_runner(model, fast=False), ModelRunner)
     assert not make_runner(model).lm_head.requires_grad  # built without autograd history
+
+
+def test_the_accel_switch_turns_the_fast_runner_off(monkeypatch):
+    """`RDEPTH_NO_ACCEL=1` turns every accel conversion off, the fused decode runner included."""
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval()
+    assert isinstance(make_runner(model), FastRunner)
+    monkeypatch.setenv("RDEPTH_NO_ACCEL", "1")
+    assert type(make_runner(model)) is ModelRunner
 
 
 def test_fast_runner_is_used_only_for_plain_attention():

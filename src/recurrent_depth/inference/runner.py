@@ -1,69 +1,22 @@
-"""The model pieces a generation loop calls, in two implementations with the same results.
+"""The model pieces a generation loop calls: `ModelRunner`, the plain reference, and `make_runner`.
 
-`ModelRunner` is the plain reference: it calls the model's own `make_context`, `embed`,
-`core_step` and `predict`. `FastRunner` computes the same functions for models whose blocks
-are all plain softmax attention (the Huginn architecture), with far fewer tensor operations per
-recurrence step, because at batch 1 decoding is bound by per-operation overhead, not FLOPs:
-
-- the adapter `W [s; e]` is split into `W_s s + W_e e`; `W_e e` is computed once per token and
-  reused by every step (the input injection does not change between steps);
-- the q/k biases are folded into one bias vector and RoPE is one complex multiplication on q
-  and k together, with angles looked up from a table built once;
-- RMSNorm takes four element-wise operations, with sqrt(h) folded into its weight;
-- keys and values stay in the cache's head-major layout `[B, Hkv, T, D]` (no transposes);
-- decoding (T = 1, float32, no autograd) writes each block's intermediates into one preallocated
-  `Workspace` (`out=` and in-place operations), so a step allocates only each block's output. Every
-  `StepCache.update_heads` copies the k, v it is given, so the views into the workspace never outlive
-  their block; a runner therefore serves one loop at a time (each engine builds its own);
-- each weight is stored in the layout whose rows are the longer dimension. Decoding multiplies one
-  row of activations by every weight once per step, which streams the weights from memory; on the
-  CPUs measured here a `[1, 256] @ [256, 2048]` product runs ~1.9x faster from a contiguous
-  `[in, out]` copy than from the transposed view of the `[out, in]` parameter, while a tall `[704,
-  256]` product is not. Wide and square weights therefore get contiguous transposed copies,
-  on CPUs and as long as those copies stay under `COPY_LIMIT_BYTES` (a 3.5B model keeps the
-  views: doubling its weights in memory would cost more than it saves).
-
-Outputs agree with the reference to float rounding (tests compare both at odd sizes).
+`ModelRunner` calls the model's own `make_context`, `embed`, `core_step` and `predict`. The fused
+`FastRunner` (`recurrent_depth.accel.runner`) computes the same functions with far fewer tensor
+operations for all-attention models; `make_runner` applies it from outside the model, by default,
+unless `fast=False` or the accel switch (`RDEPTH_NO_ACCEL=1`) says no. Outputs agree with the
+reference to float rounding (tests compare both at odd sizes).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from recurrent_depth.model.cache import combine_key_mask
-from recurrent_depth.model.layers import RotaryTable
 from recurrent_depth.model.mixers import MixerContext
 from recurrent_depth.model.mixers.attention import Attention
-
-# Most bytes of contiguous transposed weight copies a fast runner makes (see the module docstring).
-COPY_LIMIT_BYTES = 512 * 2**20
-
-
-@dataclass
-class Workspace:
-    """Preallocated intermediates of one block for decoding (`[B, ...]`, one new token per row), shared
-    by every block of a runner: each is consumed within the block that writes it, so a decode step
-    allocates only each block's output. The fields are None where a call allocates its own (then
-    `_block` computes the views itself)."""
-
-    stat: Tensor | None = None  # [B, 1] a norm's statistic
-    normed: Tensor | None = None  # [B, h] a norm's output that only a matrix product reads
-    qkv: Tensor | None = None  # [B, (H + 2 Hkv) D]
-    rope: Tensor | None = None  # complex view of qkv's q and k heads [B, 1, H + Hkv, D/2]
-    qkv_heads: tuple[Tensor, Tensor, Tensor] | None = None  # q, k, v views [B, H(kv), 1, D]
-    mixed: Tensor | None = None  # [B, h] attention out + residual, then normed in place
-    gate_up: Tensor | None = None  # [B, 2 inner]
-    gate_up_halves: tuple[Tensor, Tensor] | None = None
-    mlp_out: Tensor | None = None  # [B, h] MLP out + residual
-
-
-NO_WORKSPACE = Workspace()
 
 
 @dataclass
@@ -74,13 +27,13 @@ class Step:
     freqs: Tensor | None = None  # complex [B, T, 1, D/2]
 
 
-def _blocks(model: Any) -> list[Any]:
+def blocks_of(model: Any) -> list[Any]:
     return [*model.transformer.prelude, *model.transformer.core_block, *model.transformer.coda]
 
 
 def all_attention(model: Any) -> bool:
     """Every block mixes tokens with softmax attention (what cache lookups that hide columns need)."""
-    return all(type(b.attn) is Attention for b in _blocks(model))
+    return all(type(b.attn) is Attention for b in blocks_of(model))
 
 
 class ModelRunner:
@@ -128,224 +81,18 @@ class ModelRunner:
         return self.model.transformer.ln_f(state)
 
 
-class FastRunner(ModelRunner):
-    """Fused-operation implementation for all-attention models (see the module docstring)."""
-
-    name = "fast"
-
-    @staticmethod
-    def supports(model: Any) -> bool:
-        return all_attention(model) and all(b.attn.window is None and b.attn.q_norm is None for b in _blocks(model))
-
-    def __init__(self, model: Any) -> None:
-        super().__init__(model)
-        if not self.supports(model):
-            raise ValueError(
-                "the fast runner needs every block to be plain softmax attention without a window or QK-norm"
-            )
-        cfg = model.config
-        t = model.transformer
-        h = cfg.hidden_size
-        self.H, self.Hkv, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        # A 0-d tensor, not a Python float: adding a float costs three more operations per call.
-        self.norm_offset = torch.tensor(h * cfg.norm_eps, dtype=torch.float32, device=model.device)
-        self.norm_root = self.norm_offset.sqrt()
-        self.gqa = self.Hkv != self.H
-        self.dtype = model.dtype
-        self._freq_table = RotaryTable(cfg.head_dim, cfg.max_seq_len, cfg.rope_base, model.device,
-                                       as_complex=True)  # [L, D/2]
-        blocks = {"prelude": t.prelude, "core": t.core_block, "coda": t.coda}
-        matrices = [model.lm_head.weight, t.adapter.weight[:, :h]] + [
-            w for b in (*t.prelude, *t.core_block, *t.coda) for w in self._block_matrices(b).values()
-        ]
-        copy_bytes = sum(w.numel() * w.element_size() for w in matrices if self._wide(w))
-        # Measured on CPUs; GPU libraries read either layout at full speed, so no copies there.
-        self.copy_weights = model.device.type == "cpu" and copy_bytes <= COPY_LIMIT_BYTES
-        self.blocks = {part: [self._prepare(b, h) for b in parts] for part, parts in blocks.items()}
-        w = t.adapter.weight
-        self.adapter_s = self._layout(w[:, :h])  # (a strided view of the adapter otherwise)
-        self.adapter_e = w[:, h:].t()
-        self.adapter_bias = t.adapter.bias
-        self.ln_f = t.ln_f.weight * math.sqrt(h)
-        self.wte = t.wte.weight
-        self.lm_head = self._layout(model.lm_head.weight)
-        self.emb_scale = model.emb_scale
-        self._workspaces: dict[int, Workspace] = {}  # by batch size (a runner serves one loop at a time)
-
-    def _workspace(self, B: int, T: int) -> Workspace:
-        """The decode workspace for B rows: float32 decoding (T = 1) without autograd, else none."""
-        if T != 1 or self.dtype != torch.float32 or torch.is_grad_enabled():
-            return NO_WORKSPACE
-        ws = self._workspaces.get(B)
-        if ws is None:
-            H, Hkv, D = self.H, self.Hkv, self.D
-            h, inner2 = self.ln_f.shape[0], self.blocks["core"][0]["fc"].shape[1]
-            new = torch.empty
-            device = self.ln_f.device
-            qkv = new(B, (H + 2 * Hkv) * D, device=device)
-            gate_up = new(B, inner2, device=device)
-            ws = self._workspaces[B] = Workspace(
-                stat=new(B, 1, device=device), normed=new(B, h, device=device), qkv=qkv,
-                rope=torch.view_as_complex(qkv.view(B, 1, H + 2 * Hkv, D // 2, 2)[:, :, : H + Hkv]),
-                qkv_heads=qkv.view(B, 1, H + 2 * Hkv, D).transpose(1, 2).split((H, Hkv, Hkv), dim=1),
-                mixed=new(B, h, device=device), gate_up=gate_up, gate_up_halves=gate_up.chunk(2, dim=1),
-                mlp_out=new(B, h, device=device),
-            )
-        return ws
-
-    @staticmethod
-    def _wide(weight: Tensor) -> bool:
-        """An `[out, in]` weight whose output side is the longer one, or square (see the module docstring)."""
-        return weight.shape[0] >= weight.shape[1]
-
-    def _layout(self, weight: Tensor) -> Tensor:
-        """`weight^T` `[in, out]` for `x @ weight^T`: a contiguous copy of wide weights (when copies
-        are allowed), else the view of the `[out, in]` parameter."""
-        return weight.t().contiguous() if self.copy_weights and self._wide(weight) else weight.t()
-
-    @staticmethod
-    def _block_matrices(block: Any) -> dict[str, Tensor]:
-        """A block's `[out, in]` weight matrices, by the names `_prepare` gives their layouts."""
-        attn, mlp = block.attn, block.mlp
-        return {"qkv": attn.Wqkv.weight, "proj": attn.proj.weight, "fc": mlp.fc.weight, "out": mlp.proj.weight}
-
-    def _prepare(self, block: Any, h: int) -> dict[str, Any]:
-        """A block's weights as the fast path uses them: `[in, out]` (see `_layout`), the q/k bias
-        folded into the qkv bias, norm weights times sqrt(h) (see `_norm`)."""
-        attn = block.attn
-        H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        bias = attn.Wqkv.bias
-        if attn.has_qk_bias:
-            qk = (
-                torch.cat([attn.qk_bias[0].reshape(-1), attn.qk_bias[1].reshape(-1)])
-                if Hkv == H
-                else torch.cat([attn.q_bias.reshape(-1), attn.k_bias.reshape(-1)])
-            )
-            extra = torch.cat([qk, qk.new_zeros(Hkv * D)])
-            bias = extra if bias is None else bias + extra
-        scale = math.sqrt(h)
-        return {
-            "norm": [n.weight * scale for n in (block.norm_1, block.norm_2, block.norm_3, block.norm_4)],
-            **{name: self._layout(w) for name, w in self._block_matrices(block).items()},
-            "qkv_bias": bias,
-            "proj_bias": attn.proj.bias,
-            "fc_bias": block.mlp.fc.bias,
-            "out_bias": block.mlp.proj.bias,
-        }
-
-    # ------------------------------------------------------------------ pieces
-    def context(
-        self, input_ids: Tensor, attention_mask: Tensor | None, cache: Any, position_ids: Tensor | None = None,
-        row_columns: list[int] | None = None,
-    ) -> Step:
-        ctx = self.model.make_context(input_ids, attention_mask, position_ids, cache, row_columns)
-        return Step(ctx, self._freq_table[ctx.positions].unsqueeze(2))  # [B, T, 1, D/2]
-
-    def _norm(self, x: Tensor, weight: Tensor, out: Tensor | None = None, stat: Tensor | None = None) -> Tensor:
-        """RMSNorm in four operations: x / sqrt(mean(x^2) + eps) * w = x / hypot(|x|, sqrt(h eps)) * (sqrt(h) w),
-        with sqrt(h) folded into the stored weight (`hypot` adds the epsilon without squaring the norm back).
-        out, stat: float32 buffers for the result `[N, h]` and the statistic `[N, 1]` (None: new ones)."""
-        if self.dtype != torch.float32:  # statistics in float32, as the model's RMSNorm
-            x32 = x.float()
-            return (x32 * torch.rsqrt((x32 * x32).sum(-1, keepdim=True).add_(self.norm_offset))).to(x.dtype) * weight
-        root = torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True, out=stat), self.norm_root, out=stat)
-        scaled = torch.div(x, root, out=out)
-        # (in place on this call's own quotient when no graph needs it: one allocation less per norm)
-        return scaled * weight if scaled.requires_grad else scaled.mul_(weight)
-
-    @staticmethod
-    def _linear(x: Tensor, weight_t: Tensor, bias: Tensor | None, residual: Tensor | None = None,
-                out: Tensor | None = None) -> Tensor:
-        """x @ W^T (+ bias) (+ residual) on 2-D `[N, in]` activations, in one `addmm` when possible
-        (out: a buffer for the result, which then must not be `residual`; None: a new tensor)."""
-        if residual is not None:
-            y = torch.addmm(residual, x, weight_t, out=out)
-            return y if bias is None else (y + bias if out is None else y.add_(bias))
-        return torch.mm(x, weight_t, out=out) if bias is None else torch.addmm(bias, x, weight_t, out=out)
-
-    def _block(self, x: Tensor, p: dict[str, Any], step: Step, key: tuple, B: int, T: int) -> Tensor:
-        """One sandwich block on 2-D activations `x` `[B * T, h]`."""
-        H, Hkv, D = self.H, self.Hkv, self.D
-        n1, n2, n3, n4 = p["norm"]
-        ws = self._workspace(B, T)
-        qkv = self._linear(self._norm(x, n1, ws.normed, ws.stat), p["qkv"], p["qkv_bias"], out=ws.qkv)
-        # In-place updates of this call's own buffers save allocations, but autograd needs the originals.
-        inplace = not qkv.requires_grad
-        # Interleaved RoPE on q and k at once: pairs (x0, x1) as complex numbers times e^{i angle}.
-        if ws.rope is not None:
-            ws.rope.mul_(step.freqs)
-            q, k, v = ws.qkv_heads
-        elif inplace and self.dtype == torch.float32:
-            torch.view_as_complex(qkv.view(B, T, H + 2 * Hkv, D // 2, 2)[:, :, : H + Hkv]).mul_(step.freqs)
-            q, k, v = qkv.view(B, T, H + 2 * Hkv, D).transpose(1, 2).split((H, Hkv, Hkv), dim=1)  # [B, H(kv), T, D]
-        else:  # (no complex half types: rotate a float32 copy)
-            heads = qkv.view(B, T, H + 2 * Hkv, D)
-            pairs = torch.view_as_complex(heads[:, :, : H + Hkv].float().unflatten(-1, (D // 2, 2)))
-            qk = torch.view_as_real(pairs * step.freqs).flatten(-2).to(self.dtype)
-            q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
-            v = heads[:, :, H + Hkv :].transpose(1, 2)
-        ctx = step.ctx
-        cache = ctx.cache
-        mask, is_causal = ctx.attn_mask, ctx.is_causal
-        from_codes = cache is not None and getattr(cache, "attends_from_codes", False)  # inference/quant_cache.py
-        if cache is not None and not from_codes:  # a `StepCache` (model/cache.py), in its head-major layout
-            k, v = cache.update_heads(key, k, v)
-            key_mask = cache.key_mask(key)
-            if key_mask is not None:
-                mask, is_causal = combine_key_mask(mask, key_mask, T), False
-        att = cache.attend(key, q, k, v, mask, is_causal) if from_codes else F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=self.gqa
-        )  # [B, H, T, D]
-        att = att.transpose(1, 2).reshape(B * T, H * D)
-        mixed = self._linear(att, p["proj"], p["proj_bias"], residual=x, out=ws.mixed)
-        x = self._norm(mixed, n2, ws.mixed, ws.stat)
-        gate_up = self._linear(self._norm(x, n3, ws.normed, ws.stat), p["fc"], p["fc_bias"], out=ws.gate_up)
-        gate, up = ws.gate_up_halves or gate_up.chunk(2, dim=1)
-        hidden = F.silu(gate, inplace=True).mul_(up) if inplace else F.silu(gate) * up
-        return self._norm(self._linear(hidden, p["out"], p["out_bias"], residual=x, out=ws.mlp_out), n4, stat=ws.stat)
-
-    def embed(self, input_ids: Tensor, step: Step) -> Tensor:
-        B, T = input_ids.shape
-        x = F.embedding(input_ids.reshape(-1), self.wte) * self.emb_scale
-        for i, p in enumerate(self.blocks["prelude"]):
-            x = self._block(x, p, step, ("prelude", i), B, T)
-        return x.view(B, T, -1)
-
-    def inject(self, e: Tensor) -> Tensor:
-        return self._linear(e.flatten(0, 1), self.adapter_e, self.adapter_bias).view(e.shape)  # [B, T, h]
-
-    def core_step(self, state: Tensor, injected: Tensor, e: Tensor, index: int, step: Step) -> Tensor:
-        B, T, h = state.shape
-        x = torch.addmm(injected.reshape(B * T, h), state.reshape(B * T, h), self.adapter_s)
-        for j, p in enumerate(self.blocks["core"]):
-            x = self._block(x, p, step, ("core", j, index), B, T)
-        return x.view(B, T, h)
-
-    def final_norm(self, state: Tensor) -> Tensor:
-        B, T, h = state.shape
-        return self._norm(state.reshape(B * T, h), self.ln_f).view(B, T, h)
-
-    def predict(self, state: Tensor, step: Step, last_only: bool = False) -> Tensor:
-        B, T, h = state.shape
-        x = self._norm(state.reshape(B * T, h), self.ln_f)
-        for c, p in enumerate(self.blocks["coda"]):
-            x = self._block(x, p, step, ("coda", c), B, T)
-        if last_only and T > 1:
-            x = x.view(B, T, h)[:, -1]
-            T = 1
-        logits = torch.mm(self._norm(x, self.ln_f), self.lm_head).view(B, T, -1)
-        return logits if logits.dtype == torch.float32 else logits.float()
-
-
 def make_runner(model: Any, fast: bool = True) -> ModelRunner:
-    """The runner for one generation call (no gradients): the fast runner when asked for and
-    supported, else the reference.
+    """The runner for one generation call (no gradients): the fast runner when asked for, allowed by
+    the accel switch and supported, else the reference.
 
     A fast runner is built per call, not cached on the model: its copies and folded weights would
     go stale if a weight changed through `param.data`, which no version counter records. Building
     one costs about 7 ms for the `small` preset and 80 ms at h 1024 (58 M parameters) here.
     """
-    if not (fast and FastRunner.supports(model)):
+    from recurrent_depth.accel import enabled_by_default
+    from recurrent_depth.accel.runner import FastRunner  # (accel.runner builds on this module)
+
+    if not (fast and enabled_by_default() and FastRunner.supports(model)):
         return ModelRunner(model)
     with torch.no_grad():  # the copies and folded weights are constants, not graph nodes
         return FastRunner(model)

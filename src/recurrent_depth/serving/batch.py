@@ -34,10 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from recurrent_depth.accel.runner import FastRunner
 from recurrent_depth.inference.criteria import RowCriterion
 from recurrent_depth.inference.engine import Pass, Recurrence
 from recurrent_depth.inference.options import GenerationOptions
-from recurrent_depth.inference.runner import FastRunner, Step
+from recurrent_depth.inference.runner import Step
 from recurrent_depth.inference.sampling import RowGenerators, TokenChooser
 from recurrent_depth.serving.kv_pool import SlotKVPool
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from recurrent_depth.model.cache import KVPolicy, parse_kv_policy
+from recurrent_depth.model.cache import KVPolicy, grown_slot_count, parse_kv_policy, settle_new_slots
 
 LayerKey = tuple
 
@@ -235,12 +235,9 @@ class StaticRecurrentCache(_CacheBase):
         """Allocate core slots up to `slot` (doubling, at most `num_core_slots`). A closed column's new
         slots take what the lookup rule settles them to, from the slots already held."""
         old = self.slot_capacity
-        new = old
-        while new <= slot:
-            new *= 2
-        new = min(new, self.core_slots)
+        new = grown_slot_count(old, slot, self.core_slots)
         closed = min(self.seq_len, self.depth.shape[1])
-        src = self.policy.lookup.fill_index(self.depth[:, :closed], new) if closed else None
+        fill = self.policy.lookup.fill_index(self.depth[:, :closed], new) if closed else None
         for base, (K, V) in self.kv.items():
             if base[0] != "core":
                 continue
@@ -248,11 +245,8 @@ class StaticRecurrentCache(_CacheBase):
             for store in (K, V):
                 bigger = store.new_zeros(new, *store.shape[1:])
                 bigger[:old] = store
-                if src is not None:
-                    # src < old here: no closed column ran more steps than the slots held
-                    cols = bigger[..., :closed, :]
-                    index = src[old:, :, None, :, None].expand(new - old, *cols.shape[1:])
-                    bigger[old:, ..., :closed, :] = torch.gather(cols, 0, index)
+                if fill is not None:
+                    settle_new_slots(bigger, old, fill)
                 grown.append(bigger)
             self.kv[base] = (grown[0], grown[1])
         self.slot_capacity = new

@@ -546,6 +546,28 @@ def kv_policy_from_official(strategy: str, config: Any) -> KVPolicy:
         raise ValueError(f"{field}={strategy!r}: {exc}") from None
 
 
+def grown_slot_count(held: int, slot: int, limit: int | None = None) -> int:
+    """Core slots a storage holding `held` grows to so that `slot` fits: doubled until it does (at most `limit`)."""
+    count = held
+    while count <= slot:
+        count *= 2
+    return count if limit is None else min(count, limit)
+
+
+def settle_new_slots(store: Tensor, held: int, fill: Tensor) -> None:
+    """After a storage grew from `held` core slots, give the new slots of its closed columns what the
+    lookup rule settles them to (in place).
+
+    store: `[S, B, Hkv, C', D]` with slots [0, held) filled; fill: long `[S, B, C]` (C <= C'), the
+    slot each (slot, row, column) entry takes, as a lookup's `fill_index`. A closed column ran at most
+    `held` steps, so its fill is below `held`; a value at or above it (a column or row whose rule never
+    reads these slots) is clamped, copying an entry that is never read."""
+    columns = fill.shape[2]
+    cols = store[..., :columns, :]
+    index = fill[held:].clamp(max=held - 1)[:, :, None, :, None].expand(store.shape[0] - held, *cols.shape[1:])
+    store[held:, ..., :columns, :] = torch.gather(cols, 0, index)
+
+
 def combine_key_mask(attn_mask: Tensor | None, key_mask: Tensor | None, num_queries: int) -> Tensor | None:
     """The attention mask `[B, 1, T, S]` of a call further limited to the columns `key_mask` `[B, S]`
     allows (None: `attn_mask` unchanged). The causal part is built when `attn_mask` is None."""

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from recurrent_depth.model.cache import KVPolicy
+from recurrent_depth.model.cache import KVPolicy, grown_slot_count, settle_new_slots
 
 LayerKey = tuple
 
@@ -89,21 +89,20 @@ class SlotKVPool:
         """Allocate core slots up to `slot` (doubling). Closed columns reached fewer slots than were
         held, so each row's lookup rule settles the new ones from the old (`Deepest`: the deepest)."""
         old = self.slots
-        new = old
-        while new <= slot:
-            new *= 2
+        new = grown_slot_count(old, slot)
+        # Each row's lookup rule, one fill for all rows (a rule that settles nothing: any entry, never read).
+        fill = torch.arange(new, device=self.device)[:, None, None].repeat(1, self.rows, self.capacity)
+        for row, policy in self.policies.items():
+            rule = policy.lookup.fill_index(self.depth[row : row + 1], new)  # [new, 1, C] or None
+            if rule is not None:
+                fill[:, row : row + 1] = rule
         for base, (K, V) in self.kv.items():
             if base[0] != "core":
                 continue
             grown = []
             for store in (K, V):
                 bigger = self._regrow(store, new, self.rows, self.capacity)
-                for row, policy in self.policies.items():
-                    src = policy.lookup.fill_index(self.depth[row : row + 1], new)  # [new, 1, C] or None
-                    if src is not None:  # (slots this row's rule never uses may take any entry)
-                        src = src[old:, 0].clamp(max=old - 1)
-                        index = src[:, None, :, None].expand(new - old, *store.shape[2:])
-                        bigger[old:, row] = torch.gather(store[:, row], 0, index)
+                settle_new_slots(bigger, old, fill)
                 grown.append(bigger)
             self.kv[base] = (grown[0], grown[1])
         self.slots = new

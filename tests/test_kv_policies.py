@@ -10,7 +10,6 @@ The rules, per core layer, for a column that ran d steps, read by a later token 
 from __future__ import annotations
 
 import json
-import math
 import pathlib
 import re
 
@@ -21,6 +20,7 @@ import recurrent_depth as rd
 from recurrent_depth.inference import DynamicRecurrentCache, StaticRecurrentCache, generate
 from recurrent_depth.model.cache import Deepest, KVPolicy, PerStep, SharedBudget, Skip, parse_kv_policy
 from tests.batch_support import serve_in_one_batch
+from tests.kv_rule_reference import reference_read
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -31,19 +31,6 @@ POLICIES = ["per-step", "shared-3", "last-step", "per-step+skip", "shared-3+skip
 def model() -> rd.RecurrentDepthLM:
     torch.manual_seed(1234)
     return rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval()
-
-
-def reference_read(spec: str, written: dict, depth: int, step: int, col: int, row: int) -> tuple[bool, object]:
-    """(visible, key) the rule gives for an old column that ran `depth` steps, read at `step`."""
-    k = {"per-step": math.inf, "shared-3": 3, "last-step": 1}[spec.split("+")[0]]
-    if spec.endswith("+skip") and depth <= step:
-        return False, None
-    slot = step % k if k != math.inf else step
-    if slot < depth:
-        held = max(s for s in range(depth) if (s % k if k != math.inf else s) == slot)
-    else:
-        held = depth - 1  # deepest entry
-    return True, written[(held, col, row)]
 
 
 class GrowingStaticCache(StaticRecurrentCache):

@@ -3,7 +3,7 @@
 `test_kv_policies.py` checks the generation caches against a reference of each rule; this drives
 `SlotKVPool` the way the continuous batch does (each prompt prefilled alone, then token calls in
 which rows sit at different core steps and close at different depths) and checks every column
-each row reads against the same rules, written again here:
+each row reads against the same plain rules (`tests/kv_rule_reference.py`):
 - slots: per-step keeps slot i for step i; shared-K (last-step = shared-1) keeps slot i mod K;
 - lookup deepest: a slot the token did not reach holds its deepest step, d - 1;
 - lookup skip: the column is hidden from steps i >= d (the row's own new column stays visible);
@@ -17,27 +17,12 @@ import torch
 
 from recurrent_depth.model.cache import parse_kv_policy
 from recurrent_depth.serving.kv_pool import SlotKVPool
+from tests.kv_rule_reference import reference_read
 
 R = 5  # core steps of every request
 PROMPTS = [2, 4, 3]  # prompt length of each row
 TOKENS = [[5, 2, 3, 1], [1, 5, 4, 2], [3, 3, 1, 5]]  # depth of each generated token, per row
 START = [0, 2, 1]  # idle calls before a row's first token, so rows in one call are at different steps
-
-
-SLOT_OF = {"per-step": lambda s: s, "shared-3": lambda s: s % 3, "last-step": lambda s: 0,
-           "anchor-2": lambda s: min(s, 2)}
-
-
-def expected(spec: str, written: dict, depth: int, step: int, col: int, row: int) -> tuple[bool, object]:
-    """(visible, key) the rule gives for an older column that ran `depth` steps, read at `step`."""
-    slot_of = SLOT_OF[spec.split("+")[0]]
-    if spec.endswith("+skip") and depth <= step:
-        return False, None
-    same = [s for s in range(depth) if slot_of(s) == slot_of(step)]
-    if spec.endswith("+full") and not same:  # full: hidden where it did not write the slot
-        return False, None
-    held = max(same) if same else depth - 1  # the latest step of this slot it ran, else its deepest
-    return True, written[(held, col, row)]
 
 
 @pytest.mark.parametrize("spec", ["per-step", "shared-3", "last-step", "per-step+skip", "shared-3+skip",
@@ -92,7 +77,7 @@ def test_the_pool_follows_the_rule_with_rows_at_different_steps(spec, initial_sl
         mask = pool.key_mask(key)
         for i, b in enumerate(active):
             for c in range(cols[i]):
-                visible, want = expected(spec, written, depth_of[(c, b)], steps[i], c, b)
+                visible, want = reference_read(spec, written, depth_of[(c, b)], steps[i], c, b)
                 assert (mask is None or bool(mask[i, c])) == visible, (spec, b, c, steps[i])
                 if visible:
                     assert torch.equal(keys[i, 0, c], want), (spec, b, c, steps[i])

@@ -19,8 +19,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from recurrent_depth.config import ModelConfig, atomic_write_text
-from recurrent_depth.files import CONFIG_MAX_BYTES, inside, parse_safetensors_header, read_json
+from recurrent_depth.config import ModelConfig
+from recurrent_depth.files import CONFIG_MAX_BYTES, atomic_write_text, inside, parse_safetensors_header, read_json
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recurrent_depth.files import CONFIG_MAX_BYTES, parse_json, read_text
+from recurrent_depth.files import CONFIG_MAX_BYTES, atomic_write_text, parse_json, read_text
 
 MODEL_TYPE = "recurrent_depth"
 HUGINN_MODEL_TYPE = "huginn_raven"
@@ -326,17 +326,6 @@ class ModelConfig:
 
 def is_huginn_config(data: dict[str, Any]) -> bool:
     return data.get("model_type") == HUGINN_MODEL_TYPE or "n_embd" in data
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write a file so that a crash leaves either the old or the new content, never half of it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 PRESETS: dict[str, dict[str, Any]] = {

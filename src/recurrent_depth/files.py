@@ -1,4 +1,5 @@
-"""Reading files a user hands us (configs, indexes, tokenizers, weight headers) as untrusted input.
+"""Files: reading what a user hands us (configs, indexes, tokenizers, weight headers) as untrusted
+input, and writing ours crash-safely (`AtomicFile`, `atomic_write_text`, at the end).
 
 Every read here is bounded: only regular files (never a device such as /dev/zero, a FIFO or a
 socket, which would hang or never end), of at most a stated size, opened without blocking; JSON
@@ -13,7 +14,7 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 MiB = 2**20
 # Bounds on what we read whole. Generous for real files (the official Huginn-0125 config.json is
@@ -145,3 +146,62 @@ def parse_safetensors_header(path: str | os.PathLike[str]) -> dict[str, tuple[st
             )
         tensors[name] = (dtype, shape)
     return tensors
+
+
+# ---------------------------------------------------------------- crash-safe writes
+# Write a temporary file, fsync it, rename it over the target: a reader sees either the old
+# complete file or the new complete file, never a torn one, even after kill -9 or a power loss
+# (the directory is fsynced after the rename).
+TMP_SUFFIX = ".tmp"
+
+
+def fsync_dir(path: Path) -> None:
+    """Persist a rename inside ``path`` (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with AtomicFile(path) as handle:
+        handle.write(data)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+class AtomicFile:
+    """``with AtomicFile(path) as f: f.write(...)`` streams into ``path + ".tmp"`` and publishes
+    it under ``path`` only when the block exits without an exception (otherwise the temporary
+    file is removed and ``path`` is untouched)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.tmp = self.path.with_name(self.path.name + TMP_SUFFIX)
+        self._handle: BinaryIO | None = None
+
+    def __enter__(self) -> BinaryIO:
+        self._handle = open(self.tmp, "wb")  # noqa: SIM115 - closed in __exit__
+        return self._handle
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        handle = self._handle
+        assert handle is not None
+        if exc_type is not None:
+            handle.close()
+            self.tmp.unlink(missing_ok=True)
+            return
+        handle.flush()
+        os.fsync(handle.fileno())
+        handle.close()
+        os.replace(self.tmp, self.path)
+        fsync_dir(self.path.parent)

@@ -21,7 +21,6 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from recurrent_depth.data.corpus import Corpus, Document, DocumentSplit, load_corpus
-from recurrent_depth.data.io import atomic_write_text
 from recurrent_depth.data.packing import PackingStats, pack_documents, tokenize_documents
 from recurrent_depth.data.shards import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -36,7 +35,7 @@ from recurrent_depth.data.shards import (
     write_index,
 )
 from recurrent_depth.data.tokenizer import load_tokenizer, special_token_ids, tokenizer_sha256
-from recurrent_depth.files import CONFIG_MAX_BYTES, read_json
+from recurrent_depth.files import CONFIG_MAX_BYTES, atomic_write_text, read_json
 
 DATASET_FILE = "dataset.json"
 PREPARE_VERSION = 1

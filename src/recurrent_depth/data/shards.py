@@ -25,8 +25,7 @@ import numpy as np
 import torch
 
 from recurrent_depth.config import is_int
-from recurrent_depth.data.io import TMP_SUFFIX, AtomicFile, atomic_write_text
-from recurrent_depth.files import CONFIG_MAX_BYTES, inside, read_json
+from recurrent_depth.files import CONFIG_MAX_BYTES, TMP_SUFFIX, AtomicFile, atomic_write_text, inside, read_json
 
 SHARD_FORMAT = "recurrent-depth-token-shards"
 SHARD_FORMAT_VERSION = 1

@@ -32,8 +32,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from recurrent_depth.data.corpus import Corpus, Document, DocumentSplit, load_corpus
-from recurrent_depth.data.io import atomic_write_text
-from recurrent_depth.files import TOKENIZER_MAX_BYTES, read_text
+from recurrent_depth.files import TOKENIZER_MAX_BYTES, atomic_write_text, read_text
 
 BEGIN_TEXT = "<|begin_text|>"
 END_TEXT = "<|end_text|>"

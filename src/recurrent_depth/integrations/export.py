@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from recurrent_depth.checkpoint import load_pretrained, save_pretrained
-from recurrent_depth.config import MODEL_TYPE, ModelConfig, atomic_write_text
-from recurrent_depth.files import CONFIG_MAX_BYTES, read_json
+from recurrent_depth.config import MODEL_TYPE, ModelConfig
+from recurrent_depth.files import CONFIG_MAX_BYTES, atomic_write_text, read_json
 
 REMOTE_CODE_FILE = "modeling_recurrent_depth.py"
 AUTO_MAP = {

@@ -41,8 +41,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from recurrent_depth.data.io import fsync_dir
-from recurrent_depth.files import parse_safetensors_header, read_json
+from recurrent_depth.files import fsync_dir, parse_safetensors_header, read_json
 
 CHECKPOINTS_DIR = "checkpoints"
 OPTIMIZER_TENSORS = "optimizer.safetensors"

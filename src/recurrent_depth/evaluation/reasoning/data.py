@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from recurrent_depth.data.io import atomic_write_text
 from recurrent_depth.data.tokenizer import MIN_VOCAB_SIZE, special_token_layout, train_tokenizer
 from recurrent_depth.evaluation.reasoning.tasks import Problem, ReasoningTask, make_problems
+from recurrent_depth.files import atomic_write_text
 
 BYTE_VOCAB_SIZE = MIN_VOCAB_SIZE  # no merges: one token per byte
 

@@ -1,4 +1,5 @@
-"""`rdepth experiment`: the logit-growth fit on known curves, and tiny end-to-end runs of each experiment."""
+"""`rdepth experiment`: the logit-growth fit on known curves, tiny end-to-end runs of each experiment, and
+their training through the `Trainer` against the plain loop it replaced."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import json
 
 import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
 
+from recurrent_depth import accel
 from recurrent_depth.cli import main
 from recurrent_depth.experiments.logit_growth import LogitGrowthConfig, growth_fit, saturation_step
 
@@ -57,3 +61,89 @@ def test_logit_growth_rejects_bad_settings():
         LogitGrowthConfig(variants=("plain", "weird"))
     with pytest.raises(ValueError, match="2 learning rates"):
         LogitGrowthConfig(muon_lrs=(0.02,))
+
+
+# --------------------------------------------------------------------------------------------------------
+# The experiments train through the Trainer; these pin that it changed nothing against the plain loop they
+# had before (kept below, verbatim but for its name, as the reference). Both paths run the same float32
+# operations in the same order on the CPU, so the results are compared for exact equality: any tolerance
+# would let a changed step (another lr, a clipped gradient, a different s_0 or batch) pass.
+
+
+def reference_batches(tokens, batch, seq_len, seed):
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        starts = torch.randint(0, len(tokens) - seq_len - 1, (batch,), generator=gen)
+        yield torch.stack([tokens[s : s + seq_len + 1] for s in starts.tolist()])
+
+
+def reference_loop(model, optimizer, data, steps, num_steps, after_step=None):
+    accel.apply(model)  # as the trainer does
+    model.train()
+    losses = []
+    for step in range(steps):
+        rows = next(data)
+        out = model(rows[:, :-1], num_steps=num_steps, init_scale=0.0)
+        loss = F.cross_entropy(out.logits.flatten(0, 1), rows[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        if after_step is not None:
+            after_step(step, losses[-1])
+    return losses
+
+
+@pytest.fixture(scope="module")
+def tokens(corpus):
+    from recurrent_depth.experiments.common import byte_tokens
+
+    return byte_tokens(str(corpus), 50_000)
+
+
+@pytest.mark.parametrize(("optimizer", "lr", "variant"), [("muon", 0.05, "qk-clip"), ("adamw", 0.01, "qk-norm")])
+def test_a_logit_growth_run_matches_the_plain_loop_it_replaced(tokens, optimizer, lr, variant):
+    from recurrent_depth.experiments.logit_growth import growth_model, growth_optimizer, run_one
+    from recurrent_depth.train.optim import build_optimizers
+    from recurrent_depth.train.qk_clip import QKClip
+
+    cfg = LogitGrowthConfig(steps=8, hidden_size=32, batch_size=2, seq_len=16, qk_clip_tau=1.5, fit_start=2)
+    run = run_one(cfg, tokens, optimizer, lr, variant)
+
+    model = growth_model(cfg, variant)
+    clip = QKClip(model, cfg.qk_clip_tau if variant == "qk-clip" else None)
+    records = []
+    losses = reference_loop(model, build_optimizers(model, growth_optimizer(cfg, optimizer, lr)),
+                            reference_batches(tokens, cfg.batch_size, cfg.seq_len, cfg.seed), cfg.steps,
+                            cfg.recurrence, after_step=lambda *_: records.append(clip.step()))
+    assert run["loss"] == losses
+    assert run["max_logit"] == [r["max_logit"] for r in records]
+    assert run["clipped_heads"] == [r["qk_clipped_heads"] for r in records]
+    assert (sum(run["clipped_heads"]) > 0) == (variant == "qk-clip")  # the clipping path was exercised
+
+
+def test_mup_training_matches_the_plain_loop_with_its_lr_multipliers(tokens):
+    from recurrent_depth.experiments.common import ByteWindows, train_fixed_depth
+    from recurrent_depth.experiments.mup import MupConfig, make_model
+    from recurrent_depth.train.optim import OptimConfig, build_optimizers
+
+    cfg = MupConfig(widths=(32, 64), base_width=32, head_dim=16, seq_len=16, batch_size=2)
+    recipe = OptimConfig(name="adamw", lr=0.01, grad_clip=None)
+    group_lrs = []
+
+    def record_lrs(trainer, _record):
+        group_lrs.append([g["lr"] for g in trainer.optimizer.param_groups])
+
+    run = train_fixed_depth(make_model(cfg, 64, "mup", seed=0), recipe, ByteWindows(tokens, cfg.seq_len, 0), 6,
+                            cfg.recurrence, cfg.batch_size, on_step=record_lrs)
+
+    model = make_model(cfg, 64, "mup", seed=0)
+    optimizer = build_optimizers(model, recipe)
+    losses = reference_loop(model, optimizer, reference_batches(tokens, cfg.batch_size, cfg.seq_len, 0), 6,
+                            cfg.recurrence)
+    assert run.losses == losses and run.out is None
+    reference_state = model.state_dict()
+    assert all(torch.equal(v, reference_state[k]) for k, v in run.model.state_dict().items())
+    expected = [g["lr"] for g in optimizer.param_groups]
+    assert len(set(expected)) > 1  # muP's per-group multipliers (1/m for matrices, 1/sqrt(m) for the embedding)
+    assert group_lrs == [expected] * 6  # the schedule kept them at every step

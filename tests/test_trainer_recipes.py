@@ -88,6 +88,31 @@ def test_the_evaluation_and_stop_hooks_are_called(tmp_path):
     assert [(r["step"], r["final"], r["steps_seen"]) for r in logged] == [(2, False, 2), (4, False, 4), (5, True, 5)]
 
 
+def test_a_run_without_out_writes_nothing(tmp_path, monkeypatch):
+    """`out=None` (the experiments' setting): no run.json, logs, checkpoints or model directory, anywhere."""
+    from recurrent_depth import ModelConfig, RecurrentDepthLM
+
+    monkeypatch.chdir(tmp_path)  # nothing may land in the working directory either
+    torch.manual_seed(0)
+    model = RecurrentDepthLM(ModelConfig(vocab_size=VOCAB, hidden_size=32, num_heads=2, intermediate_size=64,
+                                         prelude_layers=1, core_layers=1, coda_layers=1, mean_recurrence=2,
+                                         mean_backprop_depth=1, max_seq_len=16))
+    cfg = short_config(tmp_path, steps=4).replace(out=None, save_every=1, eval_interval=2, tensorboard=True)
+    records = []
+    result = Trainer(cfg, model=model, data=CountingBatches("targets"), evaluate=lambda t, final: {"step": 1},
+                     on_step=lambda _, record: records.append(record), log=lambda _: None).run()
+    assert list(tmp_path.iterdir()) == []
+    assert (result.out, result.model_dir, result.last_checkpoint) == (None, None, None)
+    assert result.steps == 4 and [r["loss"] for r in records] == result.losses and result.final_eval == {"step": 1}
+
+
+def test_a_run_without_out_needs_its_own_data_and_cannot_resume(tmp_path):
+    with pytest.raises(ValueError, match=r"out=None writes nothing, so it needs Trainer\(data=\.\.\.\)"):
+        Trainer(short_config(tmp_path).replace(out=None), log=lambda _: None)
+    with pytest.raises(ValueError, match="resume"):
+        short_config(tmp_path).replace(out=None, resume=True)
+
+
 # Mean training loss over steps 11-20 of `reasoning_run(seed)`, measured with the recipe's own loop at the
 # base commit acaedbb (before it became a Trainer configuration), same machine, one thread.
 BEFORE = {0: 4.3872, 1: 4.50448}

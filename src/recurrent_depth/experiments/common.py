@@ -1,15 +1,18 @@
-"""Pieces the experiments share: byte-level batches from a corpus and a plain training loop."""
+"""Pieces the experiments share: byte-level batches from a corpus and their recipe of the `Trainer`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from recurrent_depth import accel
-from recurrent_depth.train.optim import OptimizerSet
+from recurrent_depth.model.recurrent import RecurrentDepthLM
+from recurrent_depth.train.batches import BatchSource
+from recurrent_depth.train.config import TrainConfig
+from recurrent_depth.train.optim import OptimConfig
+from recurrent_depth.train.trainer import Trainer, TrainResult
 
 BYTE_VOCAB = 256
 
@@ -30,34 +33,38 @@ def byte_tokens(corpus: str = "stdlib", max_bytes: int = 2_000_000) -> torch.Ten
     return torch.from_numpy(np.frombuffer(b"".join(chunks), dtype=np.uint8).astype(np.int64))
 
 
-def batches(tokens: torch.Tensor, batch: int, seq_len: int, seed: int) -> Iterator[torch.Tensor]:
-    """Endless random windows [batch, seq_len + 1] of `tokens`, the same sequence for the same seed."""
-    gen = torch.Generator().manual_seed(seed)
-    while True:
-        starts = torch.randint(0, len(tokens) - seq_len - 1, (batch,), generator=gen)
-        yield torch.stack([tokens[s : s + seq_len + 1] for s in starts.tolist()])
+class ByteWindows(BatchSource):
+    """Random windows of `tokens` as next-token batches (`input_ids`, `targets`: [B, seq_len]); the same
+    windows in the same order for the same seed."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, seed: int) -> None:
+        self.tokens, self.seq_len = tokens, seq_len
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def next_batch(self, batch_size: int) -> dict[str, torch.Tensor]:
+        starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (batch_size,), generator=self.generator)
+        rows = torch.stack([self.tokens[s : s + self.seq_len + 1] for s in starts.tolist()])  # [B, T + 1]
+        return {"input_ids": rows[:, :-1], "targets": rows[:, 1:]}
 
 
-def train(
-    model: torch.nn.Module,
-    optimizer: OptimizerSet,
-    data: Iterator[torch.Tensor],
+def train_fixed_depth(
+    model: RecurrentDepthLM,
+    optim: OptimConfig,
+    data: ByteWindows,
     steps: int,
-    num_steps: int | tuple[int, int],
-    after_step: Callable[[int, float], None] | None = None,
-) -> list[float]:
-    """`steps` optimizer steps of next-token loss at a fixed depth; `after_step(step, loss)` after each."""
-    accel.apply(model)  # as the trainer does
-    model.train()
-    losses = []
-    for step in range(steps):
-        rows = next(data)
-        out = model(rows[:, :-1], num_steps=num_steps, init_scale=0.0)
-        loss = F.cross_entropy(out.logits.flatten(0, 1), rows[:, 1:].flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-        if after_step is not None:
-            after_step(step, losses[-1])
-    return losses
+    recurrence: int,
+    batch_size: int,
+    on_step: Callable[[Trainer, dict[str, Any]], None] | None = None,
+    **settings: Any,
+) -> TrainResult:
+    """`steps` optimizer steps of the `Trainer` at a fixed depth (`recurrence` core steps, all with gradients;
+    s_0 as the model config's `init_scale` says), on CPU, writing nothing. The lr follows `optim` (constant
+    without warmup and cool-down, muP's per-group multipliers kept). `on_step(trainer, record)` after each
+    step; `settings`: more `TrainConfig` fields (`qk_clip`, `record_max_logit`, ...).
+
+    A diverged run is a result here, not an error: its non-finite steps are skipped and counted, never fatal.
+    """
+    cfg = TrainConfig(batch_size=batch_size, max_steps=steps, optim=optim, depth_scheme="fixed",
+                      mean_recurrence=recurrence, backprop_depth=recurrence, max_skipped_fraction=1.0,
+                      out=None, progress=False, tensorboard=False, **settings)
+    return Trainer(cfg, model=model, data=data, on_step=on_step, log=lambda _: None, device="cpu").run()

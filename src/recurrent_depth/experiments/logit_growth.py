@@ -31,9 +31,8 @@ import numpy as np
 import torch
 
 import recurrent_depth as rd
-from recurrent_depth.experiments.common import BYTE_VOCAB, batches, byte_tokens, train
-from recurrent_depth.train.optim import OptimConfig, build_optimizers
-from recurrent_depth.train.qk_clip import QKClip
+from recurrent_depth.experiments.common import BYTE_VOCAB, ByteWindows, byte_tokens, train_fixed_depth
+from recurrent_depth.train.optim import OptimConfig
 
 THEORY = {"muon": {"exponent": 2.0, "t_sat_slope": -1.0}, "adamw": {"exponent": 1.0, "t_sat_slope": -2.0}}
 VARIANTS = ("plain", "qk-norm", "qk-clip")
@@ -70,27 +69,32 @@ class LogitGrowthConfig:
             raise ValueError("saturation and qk_clip_tau must be > 0")
 
 
-def run_one(cfg: LogitGrowthConfig, tokens: torch.Tensor, optimizer: str, lr: float, variant: str) -> dict:
-    """Train one model; return its per-step max logit and loss."""
+def growth_model(cfg: LogitGrowthConfig, variant: str) -> rd.RecurrentDepthLM:
     torch.manual_seed(cfg.seed)
-    model_cfg = rd.ModelConfig(
+    return rd.RecurrentDepthLM(rd.ModelConfig(
         vocab_size=BYTE_VOCAB, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads,
         intermediate_size=int(cfg.hidden_size * 2.75), prelude_layers=1, core_layers=1, coda_layers=1,
         mean_recurrence=cfg.recurrence, mean_backprop_depth=cfg.recurrence, max_seq_len=cfg.seq_len,
-        qk_norm=variant == "qk-norm",
-    )
-    model = rd.RecurrentDepthLM(model_cfg)
+        qk_norm=variant == "qk-norm", init_scale=0.0,  # s_0 = 0: the logits depend on the weights alone
+    ))
+
+
+def growth_optimizer(cfg: LogitGrowthConfig, optimizer: str, lr: float) -> OptimConfig:
+    """Constant lr, no clipping; Muon at `lr` for the block matrices, AdamW at `aux_lr` for the rest."""
     if optimizer == "muon":
-        recipe = OptimConfig(name="muon", lr=cfg.aux_lr, muon_lr=lr, grad_clip=None)
-    else:
-        recipe = OptimConfig(name="adamw", lr=lr, grad_clip=None)
-    opt = build_optimizers(model, recipe)
-    clip = QKClip(model, cfg.qk_clip_tau if variant == "qk-clip" else None)
+        return OptimConfig(name="muon", lr=cfg.aux_lr, muon_lr=lr, grad_clip=None)
+    return OptimConfig(name="adamw", lr=lr, grad_clip=None)
+
+
+def run_one(cfg: LogitGrowthConfig, tokens: torch.Tensor, optimizer: str, lr: float, variant: str) -> dict:
+    """Train one model; return its per-step max logit and loss."""
     records: list[dict] = []
-    losses = train(model, opt, batches(tokens, cfg.batch_size, cfg.seq_len, cfg.seed), cfg.steps, cfg.recurrence,
-                   after_step=lambda step, loss: records.append(clip.step()))
+    result = train_fixed_depth(
+        growth_model(cfg, variant), growth_optimizer(cfg, optimizer, lr), ByteWindows(tokens, cfg.seq_len, cfg.seed),
+        cfg.steps, cfg.recurrence, cfg.batch_size, on_step=lambda _, record: records.append(record),
+        record_max_logit=True, qk_clip=cfg.qk_clip_tau if variant == "qk-clip" else None)
     return {"optimizer": optimizer, "lr": lr, "variant": variant, "max_logit": [r["max_logit"] for r in records],
-            "clipped_heads": [r["qk_clipped_heads"] for r in records], "loss": losses}
+            "clipped_heads": [r["qk_clipped_heads"] for r in records], "loss": result.losses}
 
 
 def ols(x: np.ndarray, y: np.ndarray) -> dict[str, float]:

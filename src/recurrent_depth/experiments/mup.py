@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 import recurrent_depth as rd
-from recurrent_depth.experiments.common import BYTE_VOCAB, batches, byte_tokens, train
-from recurrent_depth.train.optim import OptimConfig, build_optimizers
+from recurrent_depth.experiments.common import BYTE_VOCAB, ByteWindows, byte_tokens, train_fixed_depth
+from recurrent_depth.train.optim import OptimConfig
 
 PARAMETRIZATIONS = ("standard", "mup")
 
@@ -60,6 +60,7 @@ def make_model(cfg: MupConfig, width: int, parametrization: str, seed: int) -> r
         intermediate_size=int(width * 2.75), prelude_layers=1, core_layers=1, coda_layers=1,
         mean_recurrence=cfg.recurrence, mean_backprop_depth=cfg.recurrence, max_seq_len=cfg.seq_len,
         tie_embeddings=False, mup_base_width=cfg.base_width if parametrization == "mup" else None,
+        init_scale=0.0,  # s_0 = 0: the activations depend on the width and the weights alone
     ))
 
 
@@ -89,11 +90,11 @@ def coordinate_trace(cfg: MupConfig, tokens: torch.Tensor, width: int, parametri
             trace.setdefault(name, []).append(sum(values) / len(values))
         sums.clear()
 
-    opt = build_optimizers(model, OptimConfig(name="adamw", lr=cfg.lr, grad_clip=None))
-    data = batches(tokens, cfg.batch_size, cfg.seq_len, seed)
-    train(model, opt, data, cfg.steps, cfg.recurrence, after_step=collect)
+    data = ByteWindows(tokens, cfg.seq_len, seed)
+    train_fixed_depth(model, OptimConfig(name="adamw", lr=cfg.lr, grad_clip=None), data, cfg.steps, cfg.recurrence,
+                      cfg.batch_size, on_step=collect)
     with torch.no_grad():  # the forward after the last update
-        model(next(data)[:, :-1], num_steps=cfg.recurrence, init_scale=0.0)
+        model(data.next_batch(cfg.batch_size)["input_ids"], num_steps=cfg.recurrence)
     collect()
     for h in hooks:
         h.remove()
@@ -125,11 +126,10 @@ def lr_transfer(cfg: MupConfig, tokens: torch.Tensor | None = None, log=print) -
         for width in cfg.widths:
             table[str(width)] = {}
             for lr in cfg.lrs:
-                model = make_model(cfg, width, parametrization, seed=0)
-                opt = build_optimizers(model, OptimConfig(name="adamw", lr=lr, grad_clip=None))
-                losses = train(model, opt, batches(tokens, cfg.batch_size, cfg.seq_len, 0), cfg.transfer_steps,
-                               cfg.recurrence)
-                tail = losses[-10:]
+                run = train_fixed_depth(
+                    make_model(cfg, width, parametrization, seed=0), OptimConfig(name="adamw", lr=lr, grad_clip=None),
+                    ByteWindows(tokens, cfg.seq_len, 0), cfg.transfer_steps, cfg.recurrence, cfg.batch_size)
+                tail = run.losses[-10:]
                 table[str(width)][f"{lr:g}"] = sum(tail) / len(tail)
                 log(f"{parametrization:<9} width {width:<4} lr {lr:<7g} loss {table[str(width)][f'{lr:g}']:.3f}")
         best = {w: min(row, key=lambda k, row=row: row[k]) for w, row in table.items()}

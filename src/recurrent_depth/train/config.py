@@ -100,7 +100,8 @@ FIELD_HELP: dict[str, str] = {
     "max_skipped_fraction": "fail the run (exit 1) when more than this share of its optimizer steps was skipped "
                             "for a non-finite gradient",
     "seed": "seed for weights, data order, depth draws and initial states",
-    "out": "output directory (metrics.jsonl, run.json, checkpoints/, model/)",
+    "out": "output directory (metrics.jsonl, run.json, checkpoints/, model/); none (API or YAML only) writes "
+           "nothing: the run's results are only what Trainer.run returns",
     "resume": "continue from the newest checkpoint in <out>/checkpoints",
     "progress": "show a progress bar (only on a terminal)",
     "tensorboard": "also write TensorBoard events to <out>/tensorboard (if tensorboard is installed)",
@@ -154,7 +155,7 @@ class TrainConfig:
     keep_last: int = 3
     max_skipped_fraction: float = 0.5
     seed: int = 0
-    out: str = "runs/train"
+    out: str | None = "runs/train"
     resume: bool = False
     progress: bool = True
     tensorboard: bool = True
@@ -248,8 +249,10 @@ class TrainConfig:
                      "tensorboard"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "true or false")
-        if not isinstance(self.out, str) or not self.out:
-            raise bad("out", "a directory path")
+        if self.out is not None and (not isinstance(self.out, str) or not self.out):
+            raise bad("out", "a directory path, or None to write nothing")
+        if self.out is None and self.resume:
+            raise bad("resume", "false when out is None (nothing is saved to resume from)")
 
     def _validate_model_overrides(self) -> None:
         """Check the `model` overrides now, before a tokenizer is trained: each value's type, then the

@@ -18,7 +18,8 @@ A model without a depth sampler is called without `num_steps` (one forward, as a
 
 Outputs in `cfg.out`: `run.json` (resolved config, versions, hardware, data hashes), `metrics.jsonl`
 (one line per optimizer step, flushed), `eval.jsonl` (validation by depth), `checkpoints/step-N/`,
-`tensorboard/` and, at the end, `model/` (weights + tokenizer: a model directory).
+`tensorboard/` and, at the end, `model/` (weights + tokenizer: a model directory). With `out=None`
+(and `data=`) nothing is written: experiments read the run from `on_step` and the `TrainResult`.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ class LoopState:
 
 @dataclass
 class TrainResult:
-    out: Path
+    out: Path | None  # None: nothing was written
     model: nn.Module
     model_dir: Path | None
     steps: int
@@ -123,7 +124,8 @@ class TrainResult:
 
 
 class Trainer:
-    """Set up from a `TrainConfig`, then `run()`.
+    """Set up from a `TrainConfig`, then `run()`. `cfg.out=None` writes nothing (no run.json, logs,
+    checkpoints or model directory; needs `data`): the run is what `on_step` sees and `run()` returns.
 
     corpus: optional `Corpus` object used instead of `cfg.data` (tests, notebooks).
     model: a module to train instead of the `RecurrentDepthLM` that `cfg` describes (moved to the device,
@@ -174,7 +176,7 @@ class Trainer:
         self.env = ddist.init_distributed(device)
         if cfg.keep_freed_memory and self.env.device.type == "cpu":
             keep_freed_memory()
-        self.out = Path(cfg.out)
+        self.out = Path(cfg.out) if cfg.out is not None else None
         self.on_step = on_step
         self._log = log if log is not None else print
         self.state = LoopState()
@@ -192,17 +194,12 @@ class Trainer:
     def _setup(self, corpus: Any | None, model: nn.Module | None, data: BatchSource | None,
                tokenizer_dir: str | Path | None, depth: Any | None, evaluate: Any | None) -> None:
         cfg, env = self.cfg, self.env
-        root = ckpt.checkpoints_root(self.out)
-        self.resume_from = self._find_resume_checkpoint(root) if cfg.resume else None
-        if not cfg.resume and ckpt.list_checkpoints(root):
-            raise ValueError(
-                f"{self.out} already holds checkpoints; pass --resume to continue that run or choose a new --out"
-            )
-        if cfg.resume and self.resume_from is None:
-            self.log(f"no checkpoint in {root}: starting from scratch")
-        if self.resume_from is not None:  # before any data work, which could overwrite the run's caches
-            self._check_resumable(self.resume_from)
-        self.out.mkdir(parents=True, exist_ok=True)
+        self.resume_from = None
+        if self.out is not None:
+            self._open_out_dir()
+        elif data is None:
+            raise ValueError("TrainConfig.out=None writes nothing, so it needs Trainer(data=...): the token shards "
+                             "and tokenizer of cfg.data are prepared in the out directory")
 
         self.data = self.train_data = self.val_data = None
         self.seq_len: int | None = None
@@ -236,11 +233,27 @@ class Trainer:
 
         if self.resume_from is not None:
             self._load_checkpoint(self.resume_from)
-        self.metrics = JsonlLog(self.out / METRICS_FILE, enabled=env.is_main, keep_through=self.state.step)
-        self.eval_log = JsonlLog(self.out / EVAL_FILE, enabled=env.is_main, keep_through=self.state.step)
-        self.tb = _tensorboard(self.out, enabled=cfg.tensorboard and env.is_main)
-        if env.is_main:
+        writes = env.is_main and self.out is not None
+        self.metrics = JsonlLog(self.out / METRICS_FILE if writes else None, keep_through=self.state.step)
+        self.eval_log = JsonlLog(self.out / EVAL_FILE if writes else None, keep_through=self.state.step)
+        self.tb = _tensorboard(self.out, enabled=cfg.tensorboard and writes)
+        if writes:
             _atomic_json(self.out / RUN_FILE, self.run_metadata())
+
+    def _open_out_dir(self) -> None:
+        """Find the checkpoint to resume from (refusing to mix a new run into an old one); create `out`."""
+        cfg = self.cfg
+        root = ckpt.checkpoints_root(self.out)
+        self.resume_from = self._find_resume_checkpoint(root) if cfg.resume else None
+        if not cfg.resume and ckpt.list_checkpoints(root):
+            raise ValueError(
+                f"{self.out} already holds checkpoints; pass --resume to continue that run or choose a new --out"
+            )
+        if cfg.resume and self.resume_from is None:
+            self.log(f"no checkpoint in {root}: starting from scratch")
+        if self.resume_from is not None:  # before any data work, which could overwrite the run's caches
+            self._check_resumable(self.resume_from)
+        self.out.mkdir(parents=True, exist_ok=True)
 
     def _setup_shards(self, corpus: Any | None, model: nn.Module | None) -> None:
         """The tokenizer and token shards `cfg.data` names; the model config their vocabulary implies."""
@@ -379,7 +392,7 @@ class Trainer:
         self.log(
             f"training {num_parameters(self.model):,} parameters on {self.env.device} "
             f"({self.env.world_size} process{'es' if self.env.world_size > 1 else ''}){depth}"
-            f"{' (baseline: one core pass)' if cfg.baseline else ''}; out: {self.out}"
+            f"{' (baseline: one core pass)' if cfg.baseline else ''}; out: {self.out or 'none (nothing is written)'}"
         )
         bar = _progress_bar(cfg, self.env, self.state.step)
         self.session_start = time.perf_counter()
@@ -416,8 +429,9 @@ class Trainer:
                     if last_saved != step:
                         last_checkpoint = self.save_checkpoint()
                     self.close_logs()
-                    raise TrainingInterrupted(f"stopped after step {step}; checkpoint {last_checkpoint} is saved: "
-                                              f"continue with --resume")
+                    saved = (f"checkpoint {last_checkpoint} is saved: continue with --resume"
+                             if last_checkpoint is not None else "nothing is saved (out is None)")
+                    raise TrainingInterrupted(f"stopped after step {step}; {saved}")
         finally:
             interrupt.uninstall()
             if bar is not None:
@@ -425,7 +439,7 @@ class Trainer:
         # Save before the final evaluation: an evaluation that crashes must not cost the run.
         if last_saved != self.state.step and self.state.step > 0:
             last_checkpoint = self.save_checkpoint()
-        model_dir = self.save_model(self.out / MODEL_DIR)
+        model_dir = self.save_model(self.out / MODEL_DIR) if self.out is not None else None
         final_eval = self.evaluate(final=True)
         self.log(f"stopped after {self.state.step} steps ({stop_reason}), {self.state.tokens:,} tokens, "
                  f"{self.state.elapsed_s:.0f}s; skipped {self.state.skipped_steps} non-finite steps")
@@ -618,11 +632,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path | None:
-        """Write checkpoint `step-<step>` (collective: every rank must call it).
+        """Write checkpoint `step-<step>` (collective: every rank must call it); None without `out`.
 
         Rank 0 checks the free space (pruning first, see `ckpt.make_room`) and writes; a failure removes
         the temporary directory and every rank raises the same one-line `CheckpointWriteError`."""
         env, step = self.env, self.state.step
+        if self.out is None:
+            return None
         model_state = ddist.full_model_state(self.wrapped, env)
         optim_state = ddist.optimizer_state(self.wrapped, self.optimizer, env)
         root = ckpt.checkpoints_root(self.out)
@@ -835,14 +851,14 @@ def compile_core(model: RecurrentDepthLM, mode: str = "default") -> None:
 
 
 class JsonlLog:
-    """Append-only JSON lines, flushed per line. On resume, lines after `keep_through` are dropped."""
+    """Append-only JSON lines, flushed per line. On resume, lines after `keep_through` are dropped.
+    `path=None` writes nothing (ranks other than 0, a run without `out`)."""
 
-    def __init__(self, path: Path, enabled: bool = True, keep_through: int = 0) -> None:
+    def __init__(self, path: Path | None, keep_through: int = 0) -> None:
         self.path = path
-        self.enabled = enabled
         self.handle = None
         self.kept: list[dict[str, Any]] = []  # the records kept from an earlier session
-        if not enabled:
+        if path is None:
             return
         if path.exists():
             kept = []

@@ -8,12 +8,15 @@ returns the codec for a quantizer:
   the quantizer's own `decode` / `score` / `combine`.
 - `TurboRows`: TurboQuant_mse and TurboQuant_prod, integer bits or a channel split, in a handful of
   kernels per call: the groups' rotations form one block-diagonal (permuted) matrix, their sketches
-  another, all index and sign bits are packed by one gather and unpacked by one byte-table lookup.
-  Decoding at batch 1 is bound by the number of tensor operations, not arithmetic, and the
-  per-group quantizers cost ~30 operations per group per call. The row holds the same fields with
-  the same byte sizes (`bytes_per_vector` of the quantizer; the bits are laid out group after
-  group), and decodes to the quantizer's values up to float rounding (tests; a coordinate within
-  rounding of a codebook boundary may take the neighbouring centroid).
+  another, all index and sign bits are packed by one gather, and reads cut each field's entries out
+  of whole-byte words by shifts and masks (`turbo_entries`), with the rotations, sketches and QJL
+  scales folded into two constant matrices. Decoding at batch 1 is bound by the number of tensor
+  operations, not arithmetic, and the per-group quantizers cost ~30 operations per group per call.
+  The work is done by plain functions of tensors (`turbo_encode`, `turbo_score`, ...), which
+  `recurrent_depth.accel.quant` compiles for decoding; called eagerly they are the reference. The
+  row holds the same fields with the same byte sizes (`bytes_per_vector` of the quantizer; the bits
+  are laid out group after group), and decodes to the quantizer's values up to float rounding
+  (tests; a coordinate within rounding of a codebook boundary may take the neighbouring centroid).
 
 Both give `encode(x) -> rows`, `decode(rows, dtype)`, `score(q, rows)` (q full precision) and
 `combine(weights, rows)` (attention's value read).
@@ -21,11 +24,14 @@ Both give `encode(x) -> rows`, `decode(rows, dtype)`, `score(q, rows)` (q full p
 
 from __future__ import annotations
 
+import math
+from typing import Any, NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from recurrent_depth.quant.base import Quantizer, store_norm
+from recurrent_depth.quant.base import NORM_DTYPE, Quantizer, store_norm
 from recurrent_depth.quant.codes import Codes
 from recurrent_depth.quant.packing import packed_nbytes
 from recurrent_depth.quant.split import ChannelSplit
@@ -65,9 +71,27 @@ class RowCodec:
         return self.quantizer.combine(weights, self.codes(rows))
 
 
-def _bit_table(device: torch.device) -> Tensor:
-    """[256, 8] float32: the bits of each byte, most significant first."""
-    return ((torch.arange(256, device=device)[:, None] >> torch.arange(7, -1, -1, device=device)) & 1).float()
+class TurboTables(NamedTuple):
+    """A `TurboRows` codec's constants on one device, as the plain functions below take them."""
+
+    rotate: Tensor  # [D, D]: x @ rotate = each group's Πx_g, groups side by side
+    member: Tensor  # [D, G]: rotated column -> its group
+    col_group: Tensor  # [D] long: each rotated column's group
+    col_shift: Tensor  # [D]: 4 g for the columns of group g (one search for all groups)
+    boundaries: Tensor  # every group's boundaries, shifted by 4 g, a separator before each group g > 0
+    offsets: Tensor  # [D] long: where each column's group starts in `centroids`
+    centroids: Tensor  # every group's centroids end to end
+    sketch_t: Tensor | None  # [D, D] the groups' QJL sketches, transposed (prod), else None
+    bit_col: Tensor  # [8 bit_bytes] long: the column of the [indices | signs | 0] stream of each packed bit
+    bit_shift: Tensor  # [8 bit_bytes] long: which bit of that column
+    pack: Tensor  # [8 bit_bytes, bit_bytes]: bits (most significant first) -> bytes
+    fields: tuple[tuple[int, int, int, int, int], ...]  # entry fields: (first byte, count, bits, table offset, norm)
+    field_shifts: tuple[Tensor, ...]  # [entries per word] long per field: each entry's place in its word
+    entry_table: Tensor  # every group's centroids, then -1, +1 (sign bits 0, 1)
+    pad: int  # zero bytes appended to a row so that every field's last word is whole
+    norm_bytes: int  # where the fp16 norms start in a row
+    query: Tensor  # [D, E]: q @ query gives q's weight on each entry (rotation, sketch and QJL scale)
+    back: Tensor  # [E, D]: entries @ back is the decoded vector
 
 
 class TurboRows:
@@ -75,6 +99,11 @@ class TurboRows:
 
     Row layout: [index bits of each group][sign bits of each group (prod)] each group's field
     padded to a whole byte, then fp16 norms ‖x_g‖ and (prod) ‖x_g‖·‖r_g‖ per group.
+
+    A row reads as E "entries" (D centroid indices, then, for prod, D sign bits): each entry's bits
+    are cut out of the row in one vectorized step, looked up, scaled by its group's norm, and the
+    rotations and sketches are folded into two constant matrices (`TurboTables.query`, `.back`), so
+    that scores, decodes and value sums are a few operations whatever the number of groups.
     """
 
     def __init__(self, quantizer: Quantizer) -> None:
@@ -90,13 +119,13 @@ class TurboRows:
         cpu = torch.device("cpu")
         rotate, unrotate, sketch = torch.zeros(D, D), torch.zeros(D, D), torch.zeros(D, D)
         member, qjl_scale = torch.zeros(D, G), torch.zeros(D)  # member: rotated column -> its group
-        tables: dict[str, Tensor] = {}
-        self._bounds: list[tuple[slice, Tensor]] = []
+        centroids: list[Tensor] = []
+        boundaries: list[Tensor] = []
         # Packed bits: each group's indices (MSB first) padded to a byte, then each group's signs.
         # sources[i] = (column of the [indices | signs | 0] vector, shift) of bit i; `fields` keeps
-        # each group's (columns, index bits, first index bit, first sign bit) for unpacking by slices.
+        # each group's (columns, index bits, first index bit, first sign bit).
         sources: list[tuple[int, int]] = []
-        zero = 2 * D
+        zero = 2 * D if self.prod else D
         self.fields: list[tuple[slice, int, int, int | None]] = []
         col = 0
         for g, (group, channels) in enumerate(groups):
@@ -112,15 +141,16 @@ class TurboRows:
                 qjl_scale[cols] = group.scale
             b = group.codebook.bits if group.codebook is not None else 0
             self.fields.append((cols, b, len(sources), None))
+            if g:  # a separator: the groups' searches do not overlap (see `turbo_encode`)
+                boundaries.append(torch.tensor([4.0 * g - 2]))
             if b:
-                centroids, bounds = group.codebook._on(cpu)
-                tables[f"centroids{g}"] = centroids
-                tables[f"powers{b}"] = 2.0 ** torch.arange(b - 1, -1, -1)
-                self._bounds.append((cols, bounds))
+                values, bounds = group.codebook._on(cpu)
+                centroids.append(values)
+                boundaries.append(bounds + 4.0 * g)
                 sources += [(c, s) for c in range(cols.start, cols.stop) for s in range(b - 1, -1, -1)]
                 sources += [(zero, 0)] * (8 * packed_nbytes(d * b, 1) - d * b)
             else:  # prod:1 stores no indices: its "centroid" is 0 and the residual the unit vector
-                tables[f"centroids{g}"] = torch.zeros(1)
+                centroids.append(torch.zeros(1))
         if self.prod:
             for g, (cols, b, start, _) in enumerate(self.fields):
                 d = cols.stop - cols.start
@@ -128,115 +158,150 @@ class TurboRows:
                 sources += [(D + c, 0) for c in range(cols.start, cols.stop)]
                 sources += [(zero, 0)] * (8 * packed_nbytes(d, 1) - d)
         self.bit_bytes = len(sources) // 8
-        src = torch.tensor(sources)
-        offsets = torch.zeros(D, dtype=torch.long)  # column c's centroids start at offsets[c] in `centroids`
-        for g, (cols, _, _, _) in enumerate(self.fields[1:], 1):
-            offsets[cols] = offsets[self.fields[g - 1][0].start] + len(tables[f"centroids{g - 1}"])
-        all_centroids = [tables[f"centroids{g}"] for g in range(G)]
-        tables.update(
-            rotate=rotate, unrotate=unrotate, sketch=sketch, sketch_t=sketch.T.contiguous(), member=member,
-            spread=member.T.contiguous(), qjl_scale=qjl_scale, bit_col=src[:, 0], bit_shift=src[:, 1],
-            byte_weights=2.0 ** torch.arange(7, -1, -1), bit_table=_bit_table(cpu), offsets=offsets,
-            centroids=torch.cat(all_centroids),
-        )
-        bit_table = tables["bit_table"]
-        tables["byte_signs"] = bit_table * 2 - 1  # [256, 8]: a byte of sign bits as ±1
-        for g, (_, b, _, _) in enumerate(self.fields):
-            if b and 8 % b == 0:  # [256, 8 / b]: the centroids a byte of b-bit indices holds
-                idx = (bit_table.unflatten(-1, (8 // b, b)) @ tables[f"powers{b}"]).long()
-                tables[f"byte_centroids{g}"] = tables[f"centroids{g}"][idx]
-        self._tables = tables
         self.nbytes = self.bit_bytes + 2 * G * (2 if self.prod else 1)
         assert self.nbytes == quantizer.bytes_per_vector, (self.nbytes, quantizer.bytes_per_vector)
-        self._on_device: dict[torch.device, dict[str, Tensor]] = {}
-        self._bounds_on: dict[torch.device, list[tuple[slice, Tensor]]] = {}
+        src = torch.tensor(sources)
+        starts = torch.tensor([0] + [len(c) for c in centroids]).cumsum(0)
+        col_group = member.argmax(dim=1)
+        # Entry fields: each group's indices, then (prod) each group's signs (see `turbo_entries`).
+        fields = [(start // 8, cols.stop - cols.start, b, int(starts[g]), g)
+                  for g, (cols, b, start, _) in enumerate(self.fields)]
+        if self.prod:
+            fields += [(sign_start // 8, cols.stop - cols.start, 1, int(starts[-1]), G + g)
+                       for g, (cols, _, _, sign_start) in enumerate(self.fields)]
+        shifts, pad = [], 0
+        for first, count, bits, _, _ in fields:
+            word_bytes, per_word = _word(max(bits, 1))
+            shifts.append(torch.arange(per_word - 1, -1, -1) * bits)
+            pad = max(pad, first + -(-count // per_word) * word_bytes - self.nbytes)
+        pack = torch.zeros(len(sources), self.bit_bytes)
+        pack[torch.arange(len(sources)), torch.arange(len(sources)) // 8] = 2.0 ** (7 - torch.arange(len(sources)) % 8)
+        sketch_t = sketch.T.contiguous()
+        query, back = rotate, unrotate
+        if self.prod:
+            query = torch.cat([rotate, (rotate @ sketch_t) * qjl_scale], dim=1)
+            back = torch.cat([unrotate, (qjl_scale[:, None] * sketch) @ unrotate])
+        all_centroids = torch.cat(centroids)
+        self._tables = TurboTables(
+            rotate=rotate, member=member, col_group=col_group, col_shift=4.0 * col_group.float(),
+            boundaries=torch.cat(boundaries) if boundaries else torch.zeros(0),
+            offsets=starts[col_group], centroids=all_centroids, sketch_t=sketch_t if self.prod else None,
+            bit_col=src[:, 0], bit_shift=src[:, 1], pack=pack,
+            fields=tuple(fields), field_shifts=tuple(shifts), pad=pad,
+            entry_table=torch.cat([all_centroids, torch.tensor([-1.0, 1.0])]),
+            norm_bytes=self.bit_bytes, query=query.contiguous(), back=back.contiguous(),
+        )
+        self._on_device: dict[torch.device, TurboTables] = {cpu: self._tables}
 
-    def _t(self, device: torch.device) -> dict[str, Tensor]:
-        """The codec's tables on `device`, copied there once."""
-        if device not in self._on_device:
-            tables = {k: v.to(device) for k, v in self._tables.items()}
-            self._on_device[device] = tables
-            self._bounds_on[device] = [(cols, b.to(device)) for cols, b in self._bounds]
-        return self._on_device[device]
+    def tables(self, device: torch.device) -> TurboTables:
+        """The codec's constants on `device`, copied there once."""
+        tables = self._on_device.get(device)
+        if tables is None:
+            tables = self._on_device[device] = TurboTables(
+                *(_to(v, device) for v in self._tables))
+        return tables
 
     # ------------------------------------------------------------------ encode
     def encode(self, x: Tensor) -> Tensor:
-        t = self._t(x.device)
-        y = x.float() @ t["rotate"]  # [..., D] each group rotated, groups side by side
-        norm = ((y * y) @ t["member"]).sqrt()  # [..., G]
-        unit = y / (norm.clamp_min(torch.finfo(torch.float32).tiny) @ t["spread"])
-        idx = torch.zeros(unit.shape, dtype=torch.long, device=unit.device)
-        for cols, bounds in self._bounds_on[x.device]:
-            idx[..., cols] = torch.bucketize(unit[..., cols].contiguous(), bounds)
-        norms = [norm]
-        if self.prod:  # 1-bit QJL of the residual, in the rotated basis (as TurboQuantProd)
-            residual = unit - t["centroids"][idx + t["offsets"]] if self.has_index else unit
-            signs = (residual @ t["sketch_t"] >= 0).long()
-            norms.append(norm * ((residual * residual) @ t["member"]).sqrt())
-        else:
-            signs = torch.zeros_like(idx)
-        stream = torch.cat([idx, signs, torch.zeros_like(idx[..., :1])], dim=-1)  # [indices | signs | 0]
-        bits = stream[..., t["bit_col"]] >> t["bit_shift"] & 1  # [..., 8 bit_bytes]
-        packed = (bits.unflatten(-1, (-1, 8)).float() @ t["byte_weights"]).to(torch.uint8)
-        stored = store_norm(torch.cat(norms, dim=-1), "vector norm")
-        return torch.cat([packed, stored.view(torch.uint8)], dim=-1)
+        rows, finite = turbo_encode(x, self.tables(x.device))
+        check_stored_norms(finite, x)
+        return rows
 
     # ------------------------------------------------------------------ decode
-    def _fields(self, rows: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor, Tensor | None]:
-        """(centroid values [..., D] or None, signs ±1 [..., D] or None, norm and residual norm per column).
-
-        Each group's field is a byte range of the row; a width dividing 8 is read by one lookup of a
-        [256, 8 / b] table of centroid values per byte, other widths through the bits of each byte."""
-        t = self._t(rows.device)
-        data = rows[..., : self.bit_bytes].long()
-        norms = rows[..., self.bit_bytes:].contiguous().view(torch.float16).float()  # [..., G or 2G]
-        values, signs = [], []
-        for g, (cols, b, start, sign_start) in enumerate(self.fields):
-            d = cols.stop - cols.start
-            if b and 8 % b == 0:
-                field = data[..., start // 8 : (start + d * b + 7) // 8]
-                values.append(F.embedding(field, t[f"byte_centroids{g}"]).flatten(-2)[..., :d])
-            elif b:
-                field = data[..., start // 8 : (start + d * b + 7) // 8]
-                bits = F.embedding(field, t["bit_table"]).flatten(-2)[..., : d * b]
-                idx = bits.unflatten(-1, (d, b)) @ t[f"powers{b}"]
-                values.append(t[f"centroids{g}"].index_select(0, idx.long().flatten()).view(idx.shape))
-            else:
-                values.append(norms.new_zeros(*norms.shape[:-1], d))
-            if sign_start is not None:
-                field = data[..., sign_start // 8 : (sign_start + d + 7) // 8]
-                signs.append(F.embedding(field, t["byte_signs"]).flatten(-2)[..., :d])
-        G = self.groups
-        out_values = (values[0] if len(values) == 1 else torch.cat(values, dim=-1)) if self.has_index else None
-        norm = norms[..., :G] @ t["spread"]
-        if not self.prod:
-            return out_values, None, norm, None
-        sign = signs[0] if G == 1 else torch.cat(signs, dim=-1)
-        return out_values, sign, norm, norms[..., G:] @ t["spread"]
-
-    def _rotated(self, rows: Tensor) -> Tensor:
-        t = self._t(rows.device)
-        values, signs, norm, rnorm = self._fields(rows)
-        out = values * norm if values is not None else 0
-        if signs is not None:
-            out = out + (t["qjl_scale"] * rnorm) * (signs @ t["sketch"])
-        return out
-
     def decode(self, rows: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-        return (self._rotated(rows) @ self._t(rows.device)["unrotate"]).to(dtype)
+        return turbo_decode(rows, self.tables(rows.device)).to(dtype)
 
     def score(self, q: Tensor, rows: Tensor) -> Tensor:
         """q [..., M, D] against rows [..., N, bytes] -> [..., M, N], no decoded key for the QJL part."""
-        t = self._t(rows.device)
-        qr = q.float() @ t["rotate"]
-        values, signs, norm, rnorm = self._fields(rows)
-        out = qr @ (values * norm).mT if values is not None else 0
-        if signs is not None:
-            out = out + (qr @ t["sketch_t"]) @ (signs * (t["qjl_scale"] * rnorm)).mT
-        return out
+        return turbo_score(q, rows, self.tables(rows.device))
 
     def combine(self, weights: Tensor, rows: Tensor) -> Tensor:
-        return (weights.float() @ self._rotated(rows)) @ self._t(rows.device)["unrotate"]
+        return turbo_combine(weights, rows, self.tables(rows.device))
+
+
+def check_stored_norms(finite: Tensor, x: Tensor) -> None:
+    """`store_norm`'s refusal for a fused encode, which returns whether every stored norm is finite."""
+    if not bool(finite):
+        store_norm(x.float().norm(dim=-1, keepdim=True), "vector norm")  # raises, naming the largest
+
+
+# Plain functions of tensors (no Python state), so that `recurrent_depth.accel.quant` can compile them
+# once for every codec; `TurboRows` calls them eagerly, which is the reference.
+def turbo_encode(x: Tensor, t: TurboTables) -> tuple[Tensor, Tensor]:
+    """[..., D] floats -> ([..., nbytes] uint8 rows, whether every stored norm is finite)."""
+    y = x.float() @ t.rotate  # [..., D] each group rotated, groups side by side
+    norm = ((y * y) @ t.member).sqrt()  # [..., G]
+    unit = y / norm.clamp_min(torch.finfo(torch.float32).tiny).index_select(-1, t.col_group)
+    # One search for every group: group g's coordinates and boundaries are shifted apart by 4 g, with
+    # a separator between groups, so the result is each coordinate's index into `t.centroids`.
+    where = torch.bucketize(unit + t.col_shift, t.boundaries)
+    stream = [where - t.offsets]
+    norms = norm
+    if t.sketch_t is not None:  # prod: 1-bit QJL of the residual, in the rotated basis (as TurboQuantProd)
+        residual = unit - t.centroids[where]
+        stream.append((residual @ t.sketch_t >= 0).long())
+        norms = torch.cat([norm, norm * ((residual * residual) @ t.member).sqrt()], dim=-1)
+    stream.append(torch.zeros_like(where[..., :1]))
+    bits = torch.cat(stream, dim=-1).index_select(-1, t.bit_col) >> t.bit_shift & 1  # [..., 8 bit_bytes]
+    packed = (bits.float() @ t.pack).to(torch.uint8)
+    stored = norms.to(NORM_DTYPE)
+    rows = torch.cat([packed, stored.view(torch.uint8)], dim=-1)
+    return rows, torch.isfinite(stored).all()
+
+
+def turbo_entries(rows: Tensor, t: TurboTables) -> Tensor:
+    """[..., N, bytes] rows -> [..., N, E] each entry's share of the rotated vector: the index
+    entries' centroid times the group's norm, then (prod) the sign entries' ±1 times the group's
+    residual norm, so that the vector in the rotated basis is `entries @ t.back` (decode) and
+    ⟨q, vector⟩ is `(q @ t.query) · entries` (score).
+
+    A field of b-bit entries is read in words of lcm(b, 8) bits (one byte for b = 1, 2, 4, 8; three
+    for b = 3), big-endian, each entry shifted and masked out of its word: no per-entry gather."""
+    norms = rows[..., t.norm_bytes:].contiguous().view(NORM_DTYPE).float()  # [..., G or 2G]
+    if t.pad:
+        rows = F.pad(rows, (0, t.pad))
+    parts = []
+    for (first, count, bits, offset, norm), shifts in zip(t.fields, t.field_shifts, strict=True):
+        if not bits:  # prod:1 stores no indices: its centroid is 0
+            parts.append(norms.new_zeros(*norms.shape[:-1], count))
+            continue
+        word_bytes, per_word = _word(bits)
+        words = -(-count // per_word)
+        chunk = rows[..., first: first + words * word_bytes].long()
+        if word_bytes > 1:
+            chunk = chunk.unflatten(-1, (words, word_bytes))
+            word = chunk[..., 0]
+            for i in range(1, word_bytes):
+                word = (word << 8) | chunk[..., i]
+        else:
+            word = chunk
+        index = ((word.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)[..., :count]
+        parts.append(t.entry_table[index + offset] * norms[..., norm: norm + 1])
+    return torch.cat(parts, dim=-1)
+
+
+def _word(bits: int) -> tuple[int, int]:
+    """(bytes, entries) of the smallest whole-byte word of b-bit entries."""
+    word_bits = math.lcm(bits, 8)
+    return word_bits // 8, word_bits // bits
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, Tensor):
+        return value.to(device)
+    return tuple(_to(v, device) for v in value) if isinstance(value, tuple) else value
+
+
+def turbo_decode(rows: Tensor, t: TurboTables) -> Tensor:
+    return turbo_entries(rows, t) @ t.back
+
+
+def turbo_score(q: Tensor, rows: Tensor, t: TurboTables) -> Tensor:
+    return (q.float() @ t.query) @ turbo_entries(rows, t).mT
+
+
+def turbo_combine(weights: Tensor, rows: Tensor, t: TurboTables) -> Tensor:
+    return (weights.float() @ turbo_entries(rows, t)) @ t.back
 
 
 def row_codec(quantizer: Quantizer) -> RowCodec | TurboRows:

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 import recurrent_depth as rd
+from recurrent_depth.accel import runner as accel_runner
+from recurrent_depth.accel.quant import CompiledCodes, _encode_pair, _turbo_attention, code_kernels
 from recurrent_depth.inference import generate
 from recurrent_depth.inference.quant_cache import (
     KVQuant,
@@ -98,6 +100,12 @@ def test_quantization_changes_the_entries_and_bits_order_the_error(model):
 def test_scoring_the_codes_equals_sdpa_over_the_decoded_entries(kv, heads):
     """`attend` (scores from codes, values summed in the rotated basis) vs decode + SDPA, with a
     padding mask, a skip lookup hiding columns, and grouped-query heads."""
+    check_codes_attention_against_sdpa(kv, heads)
+
+
+def check_codes_attention_against_sdpa(kv, heads, kernels=None, decode_tokens=1):
+    """A prefill of 5 tokens, then `decode_tokens` single tokens, two steps each, through
+    `attend(..., kernels)` vs decode + SDPA."""
     H, Hkv = heads
     B, P, D = 2, 5, 16
     g = torch.Generator().manual_seed(0)
@@ -107,16 +115,16 @@ def test_scoring_the_codes_equals_sdpa_over_the_decoded_entries(kv, heads):
                 for a in ("codes", "dequantize")]
 
     codes_cache, plain_cache = caches()
-    pad = torch.ones(B, 1, 1, P + 1, dtype=torch.bool)
+    pad = torch.ones(B, 1, 1, P + decode_tokens, dtype=torch.bool)
     pad[1, ..., :2] = False
-    for T, mask, causal in [(P, None, True), (1, pad, False)]:
+    for T, mask, causal in [(P, None, True)] + [(1, pad, False)] * decode_tokens:
         q = torch.randn(B, H, T, D, generator=g)
         k, v = torch.randn(B, Hkv, T, D, generator=g), torch.randn(B, Hkv, T, D, generator=g)
         if mask is not None:
             mask = mask[..., : codes_cache.seq_len + T]
         for step in range(2):
             key = ("core", 0, step)
-            got = codes_cache.attend(key, q, k, v, mask, causal)
+            got = codes_cache.attend(key, q, k, v, mask, causal, kernels)
             K, V = plain_cache.update_heads(key, k, v)
             m, c = mask, causal
             key_mask = plain_cache.key_mask(key)
@@ -130,6 +138,68 @@ def test_scoring_the_codes_equals_sdpa_over_the_decoded_entries(kv, heads):
         for cache in (codes_cache, plain_cache):
             cache.close(depth)
             cache.advance(T)
+
+
+class EagerKernels:
+    """The kernels interface run by the eager functions (what `CompiledCodes` compiles), counting calls."""
+
+    def __init__(self):
+        self.calls = {"encode": 0, "attend": 0}
+        self.inner = CompiledCodes()
+
+    def fits(self, ck, cv, x):
+        return self.inner.fits(ck, cv, x)
+
+    def encode(self, ck, cv, k, v):
+        self.calls["encode"] += 1
+        rows_k, rows_v, _ = _encode_pair(k, v, ck.tables(k.device), cv.tables(v.device))
+        return rows_k, rows_v
+
+    def attend(self, ck, cv, q, rows_k, rows_v, mask, is_causal):
+        self.calls["attend"] += 1
+        return _turbo_attention(q, rows_k, rows_v, ck.tables(q.device), cv.tables(q.device), mask, is_causal)
+
+
+@pytest.mark.parametrize("kv", ["k=prod:3.5,v=mse:3.5", "k=prod:1.5,v=mse:2.5", "k=qjl:2,v=mse:3"])
+def test_the_fused_kernel_functions_equal_sdpa_over_the_decoded_entries(kv):
+    """What the compiled kernels compute (their eager functions), in decode calls; other codecs
+    (QJL) take the codecs' own path."""
+    kernels = EagerKernels()
+    with torch.no_grad():  # (the kernels serve inference only)
+        check_codes_attention_against_sdpa(kv, (4, 2), kernels, decode_tokens=2)
+    fused = "qjl" not in kv
+    assert kernels.calls == ({"encode": 4, "attend": 4} if fused else {"encode": 0, "attend": 0})
+
+
+def test_the_fast_runner_passes_the_kernels_to_quantized_caches(model, monkeypatch):
+    """Decode calls of the fast runner go through the kernels; the result is the eager one."""
+    kernels = EagerKernels()
+    monkeypatch.setattr(accel_runner, "code_kernels", lambda: kernels)
+    kwargs = dict(attention_mask=MASK, kv_policy="shared-3+skip", kv_quant="k=prod:3.5,v=mse:3.5", **RUN)
+    fused = generate(model, PROMPT, **kwargs)
+    monkeypatch.setattr(accel_runner, "code_kernels", lambda: None)
+    eager = generate(model, PROMPT, **kwargs)
+    assert kernels.calls["attend"] > 0 and kernels.calls["encode"] == kernels.calls["attend"]
+    assert torch.equal(fused.sequences, eager.sequences)
+    torch.testing.assert_close(logits_of(fused), logits_of(eager), atol=TOL, rtol=0)
+
+
+def test_compiled_kernels_equal_sdpa_over_the_decoded_entries():
+    """torch.compile'd encode and attention (one prefill, then decode tokens of a growing sequence,
+    padding and skip masks, grouped-query heads) vs decode + SDPA; the one compiling test (~20-40 s
+    here; skipped where compiling fails, e.g. without a C++ compiler)."""
+    kernels = CompiledCodes()
+    with torch.no_grad():
+        check_codes_attention_against_sdpa("k=prod:3.5,v=mse:3.5", (4, 2), kernels, decode_tokens=3)
+    if kernels.failure is not None:
+        pytest.skip(f"torch.compile is unavailable here: {kernels.failure}")
+
+
+def test_the_compile_switch(monkeypatch):
+    monkeypatch.setenv("RDEPTH_NO_COMPILE", "1")
+    assert code_kernels() is None
+    monkeypatch.setenv("RDEPTH_NO_COMPILE", "0")
+    assert isinstance(code_kernels(), CompiledCodes) and code_kernels() is code_kernels()
 
 
 def _reachable_tensors(obj, seen=None) -> list[torch.Tensor]:

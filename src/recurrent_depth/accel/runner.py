@@ -21,6 +21,9 @@ decoding is bound by per-operation overhead, not FLOPs:
   on CPUs and as long as those copies stay under `COPY_LIMIT_BYTES` (a 3.5B model keeps the
   views: doubling its weights in memory would cost more than it saves).
 
+Quantized caches attend from their codes through `cache.attend`, with the compiled kernels of
+`recurrent_depth.accel.quant` for decode calls (off with `RDEPTH_NO_COMPILE=1`).
+
 Outputs agree with the reference to float rounding (tests compare both at odd sizes). The runtime
 applies it through `recurrent_depth.inference.runner.make_runner` (off with `fast=False` or
 `RDEPTH_NO_ACCEL=1`).
@@ -36,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from recurrent_depth.accel.quant import code_kernels
 from recurrent_depth.inference.runner import ModelRunner, Step, all_attention, blocks_of
 from recurrent_depth.model.cache import combine_key_mask
 from recurrent_depth.model.layers import RotaryTable
@@ -108,6 +112,7 @@ class FastRunner(ModelRunner):
         self.lm_head = self._layout(model.lm_head.weight)
         self.emb_scale = model.emb_scale
         self._workspaces: dict[int, Workspace] = {}  # by batch size (a runner serves one loop at a time)
+        self.code_kernels = code_kernels()  # compiled attention from quantized caches' codes, or None
 
     def _workspace(self, B: int, T: int) -> Workspace:
         """The decode workspace for B rows: float32 decoding (T = 1) without autograd, else none."""
@@ -230,9 +235,10 @@ class FastRunner(ModelRunner):
             key_mask = cache.key_mask(key)
             if key_mask is not None:
                 mask, is_causal = combine_key_mask(mask, key_mask, T), False
-        att = cache.attend(key, q, k, v, mask, is_causal) if from_codes else F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=self.gqa
-        )  # [B, H, T, D]
+        if from_codes:
+            att = cache.attend(key, q, k, v, mask, is_causal, self.code_kernels)  # [B, H, T, D]
+        else:
+            att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=self.gqa)
         att = att.transpose(1, 2).reshape(B * T, H * D)
         mixed = self._linear(att, p["proj"], p["proj_bias"], residual=x, out=ws.mixed)
         x = self._norm(mixed, n2, ws.mixed, ws.stat)

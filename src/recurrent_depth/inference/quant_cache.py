@@ -24,7 +24,8 @@ full-precision entry outlives the call. Two read paths compute the same function
   TurboQuant_prod's QJL part is ⟨S Πq, signs⟩ without a decoded key), softmax, and sum the values
   in the rotated basis (one inverse rotation per query instead of one per key). Softmax attention
   layers call it through `attend` (see the fast runner and the attention mixer); other mixers read
-  through `update_kv`, the dequantize path.
+  through `update_kv`, the dequantize path. The fast runner's decode calls pass `torch.compile`d
+  kernels of the same functions for TurboQuant codecs (`recurrent_depth.accel.quant`).
 `codes` is the default because benchmarks/kv_memory.py measured it faster (docs/quant.md).
 """
 
@@ -147,10 +148,15 @@ class QuantizedRecurrentCache(StaticRecurrentCache):
         self.kv_quant = self.codecs.kv_quant
         self.attends_from_codes = self.kv_quant.attention == "codes"  # softmax attention calls `attend`
 
-    def _store(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Codec, Codec]:
-        """Encode and write k, v `[B, Hkv, T, D]`; return every column's code rows and the codecs."""
+    def _store(self, key: LayerKey, k: Tensor, v: Tensor, kernels: Any = None) -> tuple[Tensor, Tensor, Codec, Codec]:
+        """Encode and write k, v `[B, Hkv, T, D]`; return every column's code rows and the codecs.
+        kernels: fused encode and attention for some codecs (`recurrent_depth.accel.quant`), or None."""
         ck, cv = self.codecs("k", k.shape[-1]), self.codecs("v", v.shape[-1])
-        rows_k, rows_v = super().update_heads(key, ck.encode(k), cv.encode(v))
+        if kernels is not None and kernels.fits(ck, cv, k):
+            new_k, new_v = kernels.encode(ck, cv, k, v)
+        else:
+            new_k, new_v = ck.encode(k), cv.encode(v)
+        rows_k, rows_v = super().update_heads(key, new_k, new_v)
         return rows_k, rows_v, ck, cv
 
     def update_heads(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -159,20 +165,30 @@ class QuantizedRecurrentCache(StaticRecurrentCache):
         return ck.decode(rows_k, k.dtype), cv.decode(rows_v, v.dtype)
 
     def attend(self, key: LayerKey, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
-               is_causal: bool) -> Tensor:
+               is_causal: bool, kernels: Any = None) -> Tensor:
         """Softmax attention of q `[B, H, T, D]` over every column's codes, the new k, v `[B, Hkv, T, D]`
-        written first; the result `[B, H, T, Dv]` equals SDPA over the decoded columns (GQA included)."""
-        rows_k, rows_v, ck, cv = self._store(key, k, v)
-        B, H, T, D = q.shape
-        Hkv, S = rows_k.shape[1], rows_k.shape[2]
-        grouped = q.reshape(B, Hkv, (H // Hkv) * T, D)  # query head h reads KV head h // (H / Hkv)
-        scores = ck.score(grouped, rows_k).view(B, H, T, S) * D**-0.5
+        written first; the result `[B, H, T, Dv]` equals SDPA over the decoded columns (GQA included).
+        kernels: as `_store`'s (the fast runner passes compiled ones; None: these eager functions)."""
+        rows_k, rows_v, ck, cv = self._store(key, k, v, kernels)
         key_mask = self.key_mask(key)
         if key_mask is not None:
-            attn_mask, is_causal = combine_key_mask(attn_mask, key_mask, T), False
-        weights = torch.softmax(causal_scores_mask(scores, attn_mask, is_causal), dim=-1)
-        out = cv.combine(weights.view(B, Hkv, (H // Hkv) * T, S), rows_v)
-        return out.view(B, H, T, -1).to(q.dtype)
+            attn_mask, is_causal = combine_key_mask(attn_mask, key_mask, q.shape[2]), False
+        if kernels is not None and kernels.fits(ck, cv, q):
+            return kernels.attend(ck, cv, q, rows_k, rows_v, attn_mask, is_causal)
+        return codes_attention(q, rows_k, rows_v, ck.score, cv.combine, attn_mask, is_causal)
+
+
+def codes_attention(q: Tensor, rows_k: Tensor, rows_v: Tensor, score: Any, combine: Any,
+                    attn_mask: Tensor | None, is_causal: bool) -> Tensor:
+    """Softmax attention of q `[B, H, T, D]` over code rows `[B, Hkv, S, bytes]`: `score(q, rows_k)`,
+    SDPA's mask rules and scale, then `combine(weights, rows_v)`; query head h reads KV head h // (H / Hkv)."""
+    B, H, T, D = q.shape
+    Hkv, S = rows_k.shape[1], rows_k.shape[2]
+    grouped = q.reshape(B, Hkv, (H // Hkv) * T, D)
+    scores = score(grouped, rows_k).view(B, H, T, S) * D**-0.5
+    weights = torch.softmax(causal_scores_mask(scores, attn_mask, is_causal), dim=-1)
+    out = combine(weights.view(B, Hkv, (H // Hkv) * T, S), rows_v)
+    return out.view(B, H, T, -1).to(q.dtype)
 
 
 class DequantizedDynamicCache(DynamicRecurrentCache):

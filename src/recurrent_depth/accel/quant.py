@@ -1,0 +1,106 @@
+"""Compiled kernels for quantized KV decoding: TurboQuant's encode and attention from codes through
+`torch.compile`, which the fast runner passes to `QuantizedRecurrentCache.attend`.
+
+A decode call of a quantized cache encodes one new key and value per head and then reads every
+column's codes; eagerly that is ~100 small tensor operations per attention layer (bit cutting,
+lookups, norms, rotations), whose per-operation overhead, not arithmetic, sets the speed at batch 1.
+Compiled, the whole read (score, softmax, value sum) is a few fused loops, and the two encodes are one
+more call. The functions compiled are the eager ones (`recurrent_depth.quant.rows.turbo_encode`,
+`turbo_score`, `turbo_combine` and `inference.quant_cache.codes_attention`), which stay the reference:
+tests compare both.
+
+- Only decode calls (one new token per row, no autograd, both sides TurboRows) are compiled; prefill
+  and every other codec run the eager functions.
+- The first decode call of a process compiles (about 10-30 s on a 2-core machine; inductor caches
+  the result on disk, so later processes take a few seconds); the sequence length is marked dynamic,
+  so a growing cache does not recompile.
+- Off with the accel switch (`RDEPTH_NO_ACCEL=1`, or `fast=False`, which skips the fast runner) or
+  with `RDEPTH_NO_COMPILE=1` alone. Where compiling fails (no C++ compiler, an unsupported device),
+  the kernels warn once and run eagerly from then on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from recurrent_depth.inference.quant_cache import codes_attention
+from recurrent_depth.quant.rows import TurboRows, TurboTables, turbo_combine, turbo_encode, turbo_score
+
+NO_COMPILE_ENV = "RDEPTH_NO_COMPILE"
+log = logging.getLogger(__name__)
+
+
+def _encode_pair(k: Tensor, v: Tensor, tk: TurboTables, tv: TurboTables) -> tuple[Tensor, Tensor, Tensor]:
+    rows_k, finite_k = turbo_encode(k, tk)
+    rows_v, finite_v = turbo_encode(v, tv)
+    return rows_k, rows_v, finite_k & finite_v
+
+
+def _turbo_attention(q: Tensor, rows_k: Tensor, rows_v: Tensor, tk: TurboTables, tv: TurboTables,
+                     attn_mask: Tensor | None, is_causal: bool) -> Tensor:
+    return codes_attention(q, rows_k, rows_v, lambda x, rows: turbo_score(x, rows, tk),
+                           lambda w, rows: turbo_combine(w, rows, tv), attn_mask, is_causal)
+
+
+class CompiledCodes:
+    """`torch.compile`d encode and attention for TurboRows codecs (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._encode = torch.compile(_encode_pair, dynamic=None)
+        self._attend = torch.compile(_turbo_attention, dynamic=None)
+        self.failure: str | None = None  # why compiling failed (then everything runs eagerly)
+
+    def fits(self, ck: Any, cv: Any, x: Tensor) -> bool:
+        """Whether this call runs compiled: a decode call (T = 1) without autograd on TurboRows codecs."""
+        return (self.failure is None and x.shape[2] == 1 and isinstance(ck, TurboRows) and isinstance(cv, TurboRows)
+                and not torch.is_grad_enabled())
+
+    def _run(self, compiled: Any, eager: Any, *args: Any) -> Any:
+        try:
+            return compiled(*args)
+        except Exception as exc:  # a compiler missing or failing: run eagerly from now on
+            if self.failure is None:
+                self.failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                log.warning("compiled quantized-KV kernels are unavailable (%s); decoding eagerly", self.failure)
+            return eager(*args)
+
+    def encode(self, ck: TurboRows, cv: TurboRows, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """k, v `[B, Hkv, 1, D]` -> their code rows, as `ck.encode(k), cv.encode(v)`."""
+        rows_k, rows_v, finite = self._run(self._encode, _encode_pair, k, v, ck.tables(k.device), cv.tables(v.device))
+        if not bool(finite):  # the eager encodes raise the clear error (a norm beyond fp16)
+            ck.encode(k), cv.encode(v)
+        return rows_k, rows_v
+
+    def attend(self, ck: TurboRows, cv: TurboRows, q: Tensor, rows_k: Tensor, rows_v: Tensor,
+               attn_mask: Tensor | None, is_causal: bool) -> Tensor:
+        """`codes_attention` with the codecs' score and combine, compiled."""
+        for rows in (rows_k, rows_v):
+            torch._dynamo.maybe_mark_dynamic(rows, 2)  # the sequence grows every token: no recompiles
+        if attn_mask is not None:
+            torch._dynamo.maybe_mark_dynamic(attn_mask, attn_mask.dim() - 1)
+        return self._run(self._attend, _turbo_attention, q, rows_k, rows_v, ck.tables(q.device), cv.tables(q.device),
+                         attn_mask, is_causal)
+
+
+_KERNELS: CompiledCodes | None = None
+
+
+def compile_enabled() -> bool:
+    """False when the environment says `RDEPTH_NO_COMPILE` (any value but "", "0")."""
+    return os.environ.get(NO_COMPILE_ENV, "") in ("", "0")
+
+
+def code_kernels() -> CompiledCodes | None:
+    """The process's compiled quantized-KV kernels (built once, so each variant compiles once), or
+    None when `RDEPTH_NO_COMPILE` says so."""
+    global _KERNELS
+    if not compile_enabled():
+        return None
+    if _KERNELS is None:
+        _KERNELS = CompiledCodes()
+    return _KERNELS

@@ -16,7 +16,11 @@ model on random prompts without --model):
 - `agreement`: teacher-forced per-token agreement with full-cache fixed-depth greedy decoding
   (per-step, no exit, no quantization) over --agreement-tokens tokens of --prompts prompts.
 - `tokens_per_s`: decode speed of one prompt (best of --repeats rounds, the configurations taking
-  turns), and `x_speed_vs_unquantized`: against the same policy and exit without quantization.
+  turns), and `x_speed_vs_unquantized`: against the same policy and exit without quantization;
+  `cpu_tokens_per_s` and `x_cpu_speed_vs_unquantized` the same from the decode's CPU time (steadier
+  on a shared machine); `first_call_s` / `best_call_s`: the first and the fastest timed call (the
+  first includes the quantized kernels' first-use compile when nothing ran before: --speed-only).
+  Quantized decoding compiles its kernels unless RDEPTH_NO_COMPILE=1 (or RDEPTH_NO_ACCEL=1).
 - with --shells-model: accuracy on --games shells games (--swaps swaps each, greedy answer at
   r), paired against the full cache: both right, only the full cache right, only this one right.
 Prints one JSON line, then a table; writes --plot (bytes vs agreement) when matplotlib is installed.
@@ -75,6 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model and prompts without --model")
     p.add_argument("--plot", default="kv_memory.png", help="bytes vs agreement plot (default: %(default)s)")
+    p.add_argument("--speed-only", action="store_true",
+                   help="decode speeds only (no bytes, agreement or plot): the first call of each configuration "
+                        "then includes any first-use compile")
     p.add_argument("--quick", action="store_true", help="r = 8, a few tokens, 1 repeat")
     args = p.parse_args(argv)
     if args.quick:
@@ -126,16 +133,30 @@ def measure(model: rd.RecurrentDepthLM, prompts: torch.Tensor, reference: torch.
 
 
 def decode_speeds(model: rd.RecurrentDepthLM, prompt: torch.Tensor, configs: dict[str, dict[str, Any]],
-                  args: argparse.Namespace) -> dict[str, float]:
-    """Best tokens/s of each configuration on one prompt; the configurations take turns in each
-    round, so a change in machine load hits all alike."""
-    best = dict.fromkeys(configs, 0.0)
+                  args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Per configuration on one prompt: best decode tokens/s (wall clock) and best tokens per CPU
+    second of the decode (the call's process time minus a prefill-only call's, less sensitive to other
+    processes on a shared machine), over --repeats rounds in which the configurations take turns, so
+    that a change in machine load hits all alike; and the first call's seconds (with any first-use
+    compile of the quantized kernels, recurrent_depth/accel/quant.py) next to the fastest call's."""
+    out = {name: dict(tokens_per_s=0.0, cpu_tokens_per_s=0.0, first_call_s=None, best_call_s=math.inf)
+           for name in configs}
+    common = dict(num_steps=args.num_steps, init_scale=0.0)
     for _ in range(args.repeats):
         for name, kwargs in configs.items():
-            out = generate(model, prompt, max_new_tokens=args.speed_tokens, num_steps=args.num_steps,
-                           init_scale=0.0, **kwargs)
-            best[name] = max(best[name], out.summary()["tokens_per_second"])
-    return best
+            cpu0, wall0 = time.process_time(), time.perf_counter()
+            run = generate(model, prompt, max_new_tokens=args.speed_tokens, **common, **kwargs)
+            cpu1, wall1 = time.process_time(), time.perf_counter()
+            generate(model, prompt, max_new_tokens=1, **common, **kwargs)  # the prefill alone
+            prefill_cpu = time.process_time() - cpu1
+            r = out[name]
+            r["tokens_per_s"] = max(r["tokens_per_s"], run.summary()["tokens_per_second"])
+            decode_cpu = max(cpu1 - cpu0 - prefill_cpu, 1e-9)
+            r["cpu_tokens_per_s"] = max(r["cpu_tokens_per_s"], round((args.speed_tokens - 1) / decode_cpu, 2))
+            if r["first_call_s"] is None:
+                r["first_call_s"] = round(wall1 - wall0, 3)
+            r["best_call_s"] = round(min(r["best_call_s"], wall1 - wall0), 3)
+    return out
 
 
 def shells_games(model_dir: str, configs: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
@@ -201,18 +222,23 @@ def main(argv: list[str] | None = None) -> int:
     prompts = torch.tensor(prompt_lists)
     configs = {name: CONFIGS[name] for name in dict.fromkeys([REFERENCE, *args.configs])}
     start = time.perf_counter()
-    reference = generate(model, prompts, max_new_tokens=args.agreement_tokens, num_steps=args.num_steps,
-                         init_scale=0.0).sequences[:, prompts.shape[1]:]
-    results = {name: measure(model, prompts, reference, kwargs, args) for name, kwargs in configs.items()}
-    for name, speed in decode_speeds(model, prompts[:1], configs, args).items():
-        results[name]["tokens_per_s"] = speed
-    base = results[REFERENCE]["bytes_per_token"]
-    speed_of = {json.dumps(r["kwargs"], sort_keys=True): r["tokens_per_s"] for r in results.values()}
-    for r in results.values():
-        r["x_vs_per_step_bf16"] = round(base / r["bytes_per_token"], 2)
-        twin = speed_of.get(json.dumps(unquantized_twin(r["kwargs"]), sort_keys=True))
-        if r["kwargs"].get("kv_quant") and twin:
-            r["x_speed_vs_unquantized"] = round(r["tokens_per_s"] / twin, 3)
+    results: dict[str, dict[str, Any]] = {name: {"kwargs": kwargs} for name, kwargs in configs.items()}
+    if not args.speed_only:
+        reference = generate(model, prompts, max_new_tokens=args.agreement_tokens, num_steps=args.num_steps,
+                             init_scale=0.0).sequences[:, prompts.shape[1]:]
+        results = {name: measure(model, prompts, reference, kwargs, args) for name, kwargs in configs.items()}
+        base = results[REFERENCE]["bytes_per_token"]
+        for r in results.values():
+            r["x_vs_per_step_bf16"] = round(base / r["bytes_per_token"], 2)
+    for name, speeds in decode_speeds(model, prompts[:1], configs, args).items():
+        results[name].update(speeds)
+    for key in ("tokens_per_s", "cpu_tokens_per_s"):
+        speed_of = {json.dumps(r["kwargs"], sort_keys=True): r[key] for r in results.values()}
+        for r in results.values():
+            twin = speed_of.get(json.dumps(unquantized_twin(r["kwargs"]), sort_keys=True))
+            if r["kwargs"].get("kv_quant") and twin:
+                r["x_speed_vs_unquantized" if key == "tokens_per_s" else "x_cpu_speed_vs_unquantized"] = round(
+                    r[key] / twin, 3)
     shells = shells_games(args.shells_model, configs, args) if args.shells_model else None
     report = {
         "benchmark": "kv_memory", "model": source, "num_steps": args.num_steps,
@@ -224,18 +250,20 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "seconds": round(time.perf_counter() - start, 1), "results": results,
         "shells": shells if shells else "not run (give --shells-model DIR)",
     }
-    report["plot"] = plot(results, args.plot)
+    report["plot"] = "not drawn (--speed-only)" if args.speed_only else plot(results, args.plot)
     print(json.dumps(report))
     print(f"\nmodel: {source}, r = {args.num_steps}, {len(prompt_lists)} x {args.agreement_tokens} teacher-forced "
-          f"tokens")
+          f"tokens, {args.speed_tokens} tokens timed, best of {args.repeats}")
     head = (f"{'config':<24}{'B/token':>9}{'decode B/tok':>13}{'x bf16':>8}{'agree':>8}{'steps':>7}{'tok/s':>8}"
-            f"{'x speed':>9}")
+            f"{'x speed':>9}{'x cpu':>7}{'first s':>9}{'best s':>8}")
     print(head)
     for name, r in results.items():
-        speed = r.get("x_speed_vs_unquantized")
-        print(f"{name:<24}{r['bytes_per_token']:>9.0f}{r['decode_bytes_per_token']:>13.0f}"
-              f"{r['x_vs_per_step_bf16']:>8.2f}{r['agreement']:>8.3f}{r['mean_steps']:>7.1f}{r['tokens_per_s']:>8.1f}"
-              f"{'' if speed is None else f'{speed:.2f}':>9}")
+        speed, cpu = r.get("x_speed_vs_unquantized"), r.get("x_cpu_speed_vs_unquantized")
+        memory = "".join(f"{'-':>{w}}" for w in (9, 13, 8, 8, 7)) if args.speed_only else (
+            f"{r['bytes_per_token']:>9.0f}{r['decode_bytes_per_token']:>13.0f}"
+            f"{r['x_vs_per_step_bf16']:>8.2f}{r['agreement']:>8.3f}{r['mean_steps']:>7.1f}")
+        print(f"{name:<24}{memory}{r['tokens_per_s']:>8.1f}{'' if speed is None else f'{speed:.2f}':>9}"
+              f"{'' if cpu is None else f'{cpu:.2f}':>7}{r['first_call_s']:>9.2f}{r['best_call_s']:>8.2f}")
     if shells:
         print(f"\nshells: {shells['games']} games of {shells['swaps']} swaps ({shells['model']})")
         for name, r in shells["by_config"].items():

@@ -33,6 +33,7 @@ from recurrent_depth.quant.rows import TurboRows, TurboTables, turbo_combine, tu
 
 NO_COMPILE_ENV = "RDEPTH_NO_COMPILE"
 log = logging.getLogger(__name__)
+OPTIONS = {"cpp_wrapper": True}
 
 
 def _encode_pair(k: Tensor, v: Tensor, tk: TurboTables, tv: TurboTables) -> tuple[Tensor, Tensor, Tensor]:
@@ -51,8 +52,8 @@ class CompiledCodes:
     """`torch.compile`d encode and attention for TurboRows codecs (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._encode = torch.compile(_encode_pair, dynamic=None)
-        self._attend = torch.compile(_turbo_attention, dynamic=None)
+        self._encode = torch.compile(_encode_pair, dynamic=None, options=OPTIONS)
+        self._attend = torch.compile(_turbo_attention, dynamic=None, options=OPTIONS)
         self.failure: str | None = None  # why compiling failed (then everything runs eagerly)
 
     def fits(self, ck: Any, cv: Any, x: Tensor) -> bool:

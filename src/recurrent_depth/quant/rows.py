@@ -75,7 +75,6 @@ class TurboTables(NamedTuple):
     """A `TurboRows` codec's constants on one device, as the plain functions below take them."""
 
     rotate: Tensor  # [D, D]: x @ rotate = each group's Πx_g, groups side by side
-    member: Tensor  # [D, G]: rotated column -> its group
     col_group: Tensor  # [D] long: each rotated column's group
     col_shift: Tensor  # [D]: 4 g for the columns of group g (one search for all groups)
     boundaries: Tensor  # every group's boundaries, shifted by 4 g, a separator before each group g > 0
@@ -84,10 +83,11 @@ class TurboTables(NamedTuple):
     sketch_t: Tensor | None  # [D, D] the groups' QJL sketches, transposed (prod), else None
     bit_col: Tensor  # [8 bit_bytes] long: the column of the [indices | signs | 0] stream of each packed bit
     bit_shift: Tensor  # [8 bit_bytes] long: which bit of that column
-    pack: Tensor  # [8 bit_bytes, bit_bytes]: bits (most significant first) -> bytes
-    fields: tuple[tuple[int, int, int, int, int], ...]  # entry fields: (first byte, count, bits, table offset, norm)
-    field_shifts: tuple[Tensor, ...]  # [entries per word] long per field: each entry's place in its word
-    entry_table: Tensor  # every group's centroids, then -1, +1 (sign bits 0, 1)
+    bit_place: Tensor  # [8 bit_bytes] long: the place of each bit in its byte (most significant first)
+    group_sizes: tuple[int, ...]  # the groups' sizes, side by side in the rotated basis
+    # entry fields: (first byte, count, bits, offset of its centroids or None for sign bits, norm)
+    fields: tuple[tuple[int, int, int, int | None, int], ...]
+    field_shifts: tuple[Tensor, ...]  # [entries per word] int per field: each entry's place in its word
     pad: int  # zero bytes appended to a row so that every field's last word is whole
     norm_bytes: int  # where the fp16 norms start in a row
     query: Tensor  # [D, E]: q @ query gives q's weight on each entry (rotation, sketch and QJL scale)
@@ -167,15 +167,14 @@ class TurboRows:
         fields = [(start // 8, cols.stop - cols.start, b, int(starts[g]), g)
                   for g, (cols, b, start, _) in enumerate(self.fields)]
         if self.prod:
-            fields += [(sign_start // 8, cols.stop - cols.start, 1, int(starts[-1]), G + g)
+            fields += [(sign_start // 8, cols.stop - cols.start, 1, None, G + g)
                        for g, (cols, _, _, sign_start) in enumerate(self.fields)]
         shifts, pad = [], 0
         for first, count, bits, _, _ in fields:
             word_bytes, per_word = _word(max(bits, 1))
-            shifts.append(torch.arange(per_word - 1, -1, -1) * bits)
+            word_dtype = torch.int32 if word_bytes <= 3 else torch.long  # (int32: twice the vector lanes)
+            shifts.append(torch.arange(per_word - 1, -1, -1, dtype=word_dtype) * bits)
             pad = max(pad, first + -(-count // per_word) * word_bytes - self.nbytes)
-        pack = torch.zeros(len(sources), self.bit_bytes)
-        pack[torch.arange(len(sources)), torch.arange(len(sources)) // 8] = 2.0 ** (7 - torch.arange(len(sources)) % 8)
         sketch_t = sketch.T.contiguous()
         query, back = rotate, unrotate
         if self.prod:
@@ -183,12 +182,12 @@ class TurboRows:
             back = torch.cat([unrotate, (qjl_scale[:, None] * sketch) @ unrotate])
         all_centroids = torch.cat(centroids)
         self._tables = TurboTables(
-            rotate=rotate, member=member, col_group=col_group, col_shift=4.0 * col_group.float(),
+            rotate=rotate, col_group=col_group, col_shift=4.0 * col_group.float(),
             boundaries=torch.cat(boundaries) if boundaries else torch.zeros(0),
             offsets=starts[col_group], centroids=all_centroids, sketch_t=sketch_t if self.prod else None,
-            bit_col=src[:, 0], bit_shift=src[:, 1], pack=pack,
+            bit_col=src[:, 0], bit_shift=src[:, 1], bit_place=7 - torch.arange(len(sources)) % 8,
+            group_sizes=tuple(group.dim for group, _ in groups),
             fields=tuple(fields), field_shifts=tuple(shifts), pad=pad,
-            entry_table=torch.cat([all_centroids, torch.tensor([-1.0, 1.0])]),
             norm_bytes=self.bit_bytes, query=query.contiguous(), back=back.contiguous(),
         )
         self._on_device: dict[torch.device, TurboTables] = {cpu: self._tables}
@@ -230,7 +229,7 @@ def check_stored_norms(finite: Tensor, x: Tensor) -> None:
 def turbo_encode(x: Tensor, t: TurboTables) -> tuple[Tensor, Tensor]:
     """[..., D] floats -> ([..., nbytes] uint8 rows, whether every stored norm is finite)."""
     y = x.float() @ t.rotate  # [..., D] each group rotated, groups side by side
-    norm = ((y * y) @ t.member).sqrt()  # [..., G]
+    norm = _group_norms(y, t)  # [..., G]
     unit = y / norm.clamp_min(torch.finfo(torch.float32).tiny).index_select(-1, t.col_group)
     # One search for every group: group g's coordinates and boundaries are shifted apart by 4 g, with
     # a separator between groups, so the result is each coordinate's index into `t.centroids`.
@@ -240,13 +239,20 @@ def turbo_encode(x: Tensor, t: TurboTables) -> tuple[Tensor, Tensor]:
     if t.sketch_t is not None:  # prod: 1-bit QJL of the residual, in the rotated basis (as TurboQuantProd)
         residual = unit - t.centroids[where]
         stream.append((residual @ t.sketch_t >= 0).long())
-        norms = torch.cat([norm, norm * ((residual * residual) @ t.member).sqrt()], dim=-1)
+        norms = torch.cat([norm, norm * _group_norms(residual, t)], dim=-1)
     stream.append(torch.zeros_like(where[..., :1]))
-    bits = torch.cat(stream, dim=-1).index_select(-1, t.bit_col) >> t.bit_shift & 1  # [..., 8 bit_bytes]
-    packed = (bits.float() @ t.pack).to(torch.uint8)
+    bits = ((torch.cat(stream, dim=-1).index_select(-1, t.bit_col) >> t.bit_shift) & 1) << t.bit_place
+    packed = bits.unflatten(-1, (-1, 8)).sum(-1).to(torch.uint8)
     stored = norms.to(NORM_DTYPE)
     rows = torch.cat([packed, stored.view(torch.uint8)], dim=-1)
     return rows, torch.isfinite(stored).all()
+
+
+def _group_norms(y: Tensor, t: TurboTables) -> Tensor:
+    """[..., D] rotated vectors -> [..., G] each group's norm (the groups are side by side)."""
+    if len(t.group_sizes) == 1:
+        return torch.linalg.vector_norm(y, dim=-1, keepdim=True)
+    return torch.stack([torch.linalg.vector_norm(part, dim=-1) for part in y.split(t.group_sizes, dim=-1)], dim=-1)
 
 
 def turbo_entries(rows: Tensor, t: TurboTables) -> Tensor:
@@ -267,7 +273,7 @@ def turbo_entries(rows: Tensor, t: TurboTables) -> Tensor:
             continue
         word_bytes, per_word = _word(bits)
         words = -(-count // per_word)
-        chunk = rows[..., first: first + words * word_bytes].long()
+        chunk = rows[..., first: first + words * word_bytes].to(shifts.dtype)
         if word_bytes > 1:
             chunk = chunk.unflatten(-1, (words, word_bytes))
             word = chunk[..., 0]
@@ -276,7 +282,8 @@ def turbo_entries(rows: Tensor, t: TurboTables) -> Tensor:
         else:
             word = chunk
         index = ((word.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)[..., :count]
-        parts.append(t.entry_table[index + offset] * norms[..., norm: norm + 1])
+        value = index * 2.0 - 1 if offset is None else t.centroids[index + offset]  # (None: sign bits)
+        parts.append(value * norms[..., norm: norm + 1])
     return torch.cat(parts, dim=-1)
 
 

@@ -52,8 +52,8 @@ class CompiledCodes:
     """`torch.compile`d encode and attention for TurboRows codecs (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._encode = torch.compile(_encode_pair, dynamic=None, options=OPTIONS)
-        self._attend = torch.compile(_turbo_attention, dynamic=None, options=OPTIONS)
+        self._encode = torch.compile(_encode_pair, dynamic=False, options=OPTIONS)
+        self._attend = torch.compile(_turbo_attention, dynamic=False, options=OPTIONS)
         self.failure: str | None = None  # why compiling failed (then everything runs eagerly)
 
     def fits(self, ck: Any, cv: Any, x: Tensor) -> bool:

@@ -88,6 +88,9 @@ class TurboTables(NamedTuple):
     # entry fields: (first byte, count, bits, offset of its centroids or None for sign bits, norm)
     fields: tuple[tuple[int, int, int, int | None, int], ...]
     field_shifts: tuple[Tensor, ...]  # [entries per word] int per field: each entry's place in its word
+    # eager reads, per field: [256, 8 / b] the values a byte holds (b = 1, 2, 4, 8), else [b] the bits' weights
+    byte_tables: tuple[Tensor, ...]
+    bit_table: Tensor  # [256, 8] the bits of each byte, most significant first
     pad: int  # zero bytes appended to a row so that every field's last word is whole
     norm_bytes: int  # where the fp16 norms start in a row
     query: Tensor  # [D, E]: q @ query gives q's weight on each entry (rotation, sketch and QJL scale)
@@ -169,8 +172,14 @@ class TurboRows:
         if self.prod:
             fields += [(sign_start // 8, cols.stop - cols.start, 1, None, G + g)
                        for g, (cols, _, _, sign_start) in enumerate(self.fields)]
-        shifts, pad = [], 0
-        for first, count, bits, _, _ in fields:
+        shifts, byte_tables, pad = [], [], 0
+        byte_bits = ((torch.arange(256)[:, None] >> torch.arange(7, -1, -1)) & 1)  # [256, 8] most significant first
+        for first, count, bits, offset, _ in fields:
+            table = weights = 2.0 ** torch.arange(bits - 1, -1, -1)
+            if bits and 8 % bits == 0:
+                index = (byte_bits.unflatten(-1, (8 // bits, bits)).float() @ weights).long()
+                table = index * 2.0 - 1 if offset is None else torch.cat(centroids)[index + offset]
+            byte_tables.append(table)
             word_bytes, per_word = _word(max(bits, 1))
             word_dtype = torch.int32 if word_bytes <= 3 else torch.long  # (int32: twice the vector lanes)
             shifts.append(torch.arange(per_word - 1, -1, -1, dtype=word_dtype) * bits)
@@ -187,7 +196,8 @@ class TurboRows:
             offsets=starts[col_group], centroids=all_centroids, sketch_t=sketch_t if self.prod else None,
             bit_col=src[:, 0], bit_shift=src[:, 1], bit_place=7 - torch.arange(len(sources)) % 8,
             group_sizes=tuple(group.dim for group, _ in groups),
-            fields=tuple(fields), field_shifts=tuple(shifts), pad=pad,
+            fields=tuple(fields), field_shifts=tuple(shifts), byte_tables=tuple(byte_tables), pad=pad,
+            bit_table=byte_bits.float(),
             norm_bytes=self.bit_bytes, query=query.contiguous(), back=back.contiguous(),
         )
         self._on_device: dict[torch.device, TurboTables] = {cpu: self._tables}
@@ -267,9 +277,20 @@ def turbo_entries(rows: Tensor, t: TurboTables) -> Tensor:
     if t.pad:
         rows = F.pad(rows, (0, t.pad))
     parts = []
-    for (first, count, bits, offset, norm), shifts in zip(t.fields, t.field_shifts, strict=True):
+    eager = not torch.compiler.is_compiling()
+    for (first, count, bits, offset, norm), shifts, table in zip(t.fields, t.field_shifts, t.byte_tables,
+                                                                 strict=True):
         if not bits:  # prod:1 stores no indices: its centroid is 0
             parts.append(norms.new_zeros(*norms.shape[:-1], count))
+            continue
+        if eager:  # fewer, larger operations eagerly: one lookup per byte
+            field = rows[..., first: first + -(-count * bits // 8)].long()
+            if table.shape[0] == 256:  # a width dividing 8: the values each byte holds
+                value = F.embedding(field, table).flatten(-2)[..., :count]
+            else:  # the bits of each byte, then each index from its bits (`table`: their weights)
+                index = F.embedding(field, t.bit_table).flatten(-2)[..., : count * bits].unflatten(-1, (count, bits))
+                value = t.centroids[(index @ table).long() + offset]
+            parts.append(value * norms[..., norm: norm + 1])
             continue
         word_bytes, per_word = _word(bits)
         words = -(-count // per_word)

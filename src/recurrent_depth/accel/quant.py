@@ -52,8 +52,7 @@ class CompiledCodes:
     """`torch.compile`d encode and attention for TurboRows codecs (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._encode = torch.compile(_encode_pair, dynamic=False, options=OPTIONS)
-        self._attend = torch.compile(_turbo_attention, dynamic=False, options=OPTIONS)
+        self._compiled: dict[Any, Any] = {}  # built at first use: `torch.compile` imports ~2 s of modules
         self.failure: str | None = None  # why compiling failed (then everything runs eagerly)
 
     def fits(self, ck: Any, cv: Any, x: Tensor) -> bool:
@@ -61,8 +60,11 @@ class CompiledCodes:
         return (self.failure is None and x.shape[2] == 1 and isinstance(ck, TurboRows) and isinstance(cv, TurboRows)
                 and not torch.is_grad_enabled())
 
-    def _run(self, compiled: Any, eager: Any, *args: Any) -> Any:
+    def _run(self, eager: Any, *args: Any) -> Any:
         try:
+            compiled = self._compiled.get(eager)
+            if compiled is None:
+                compiled = self._compiled[eager] = torch.compile(eager, dynamic=False, options=OPTIONS)
             return compiled(*args)
         except Exception as exc:  # a compiler missing or failing: run eagerly from now on
             if self.failure is None:
@@ -72,7 +74,7 @@ class CompiledCodes:
 
     def encode(self, ck: TurboRows, cv: TurboRows, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """k, v `[B, Hkv, 1, D]` -> their code rows, as `ck.encode(k), cv.encode(v)`."""
-        rows_k, rows_v, finite = self._run(self._encode, _encode_pair, k, v, ck.tables(k.device), cv.tables(v.device))
+        rows_k, rows_v, finite = self._run(_encode_pair, k, v, ck.tables(k.device), cv.tables(v.device))
         if not bool(finite):  # the eager encodes raise the clear error (a norm beyond fp16)
             ck.encode(k), cv.encode(v)
         return rows_k, rows_v
@@ -84,7 +86,7 @@ class CompiledCodes:
             torch._dynamo.maybe_mark_dynamic(rows, 2)  # the sequence grows every token: no recompiles
         if attn_mask is not None:
             torch._dynamo.maybe_mark_dynamic(attn_mask, attn_mask.dim() - 1)
-        return self._run(self._attend, _turbo_attention, q, rows_k, rows_v, ck.tables(q.device), cv.tables(q.device),
+        return self._run(_turbo_attention, q, rows_k, rows_v, ck.tables(q.device), cv.tables(q.device),
                          attn_mask, is_causal)
 
 

@@ -14,7 +14,9 @@ model on random prompts without --model):
   number; the model runs in float32, whose bytes are halved); quantized caches as stored.
   `x_vs_per_step_bf16`: the per-step bf16 cache's bytes divided by this one's.
 - `agreement`: teacher-forced per-token agreement with full-cache fixed-depth greedy decoding
-  (per-step, no exit, no quantization) over --agreement-tokens tokens of --prompts prompts.
+  (per-step, no exit, no quantization) over --agreement-tokens tokens of --prompts prompts, and
+  `agreement_se`, its standard error from the per-prompt agreements (tokens of one prompt are not
+  independent; the binomial one for a single prompt).
 - `tokens_per_s`: decode speed of one prompt (best of --repeats rounds, the configurations taking
   turns), and `x_speed_vs_unquantized`: against the same policy and exit without quantization;
   `cpu_tokens_per_s` and `x_cpu_speed_vs_unquantized` the same from the decode's CPU time (steadier
@@ -55,6 +57,18 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "shared-4 + tq2.5": {"kv_policy": "shared-4", "kv_quant": TQ25},
     "shared-4 + mse3.5": {"kv_policy": "shared-4", "kv_quant": "k=mse:3.5,v=mse:3.5"},
     "shared-4 + mse2.5": {"kv_policy": "shared-4", "kv_quant": "k=mse:2.5,v=mse:2.5"},
+    # the channel split's outliers: keys calibrated per head (the default), keys and values, or the first channels
+    "shared-4 + tq3.5 all": {"kv_policy": "shared-4", "kv_quant": TQ35 + ",outliers=calibrated"},
+    "shared-4 + tq2.5 all": {"kv_policy": "shared-4", "kv_quant": TQ25 + ",outliers=calibrated"},
+    "shared-4 + mse2.5 all": {"kv_policy": "shared-4", "kv_quant": "k=mse:2.5,v=mse:2.5,outliers=calibrated"},
+    "shared-4 + tq3.5 first": {"kv_policy": "shared-4", "kv_quant": TQ35 + ",outliers=first"},
+    "shared-4 + tq2.5 first": {"kv_policy": "shared-4", "kv_quant": TQ25 + ",outliers=first"},
+    "shared-4 + mse3.5 first": {"kv_policy": "shared-4", "kv_quant": "k=mse:3.5,v=mse:3.5,outliers=first"},
+    "shared-4 + mse2.5 first": {"kv_policy": "shared-4", "kv_quant": "k=mse:2.5,v=mse:2.5,outliers=first"},
+    # 2.5 bits on average by giving one side more bits
+    "shared-4 + k mse3 v mse2": {"kv_policy": "shared-4", "kv_quant": "k=mse:3,v=mse:2"},
+    "shared-4 + k mse2 v mse3": {"kv_policy": "shared-4", "kv_quant": "k=mse:2,v=mse:3"},
+    "shared-4 + k prod3 v mse2": {"kv_policy": "shared-4", "kv_quant": "k=prod:3,v=mse:2"},
     "shared-4 + kl": {"kv_policy": "shared-4", "exit_criterion": "kl"},
     "shared-4 + kl + tq3.5": {"kv_policy": "shared-4", "exit_criterion": "kl", "kv_quant": TQ35},
     "shared-4 + kl + tq2.5": {"kv_policy": "shared-4", "exit_criterion": "kl", "kv_quant": TQ25},
@@ -118,7 +132,10 @@ def measure(model: rd.RecurrentDepthLM, prompts: torch.Tensor, reference: torch.
     common = dict(num_steps=args.num_steps, init_scale=0.0)
     n = reference.shape[1]
     forced = generate(model, prompts, max_new_tokens=n, teacher_tokens=reference, **common, **kwargs)
-    agreement = (forced.predictions == reference).float().mean().item()
+    per_prompt = (forced.predictions == reference).float().mean(dim=1)
+    agreement = per_prompt.mean().item()
+    se = (per_prompt.std().item() / math.sqrt(len(per_prompt)) if len(per_prompt) > 1
+          else math.sqrt(agreement * (1 - agreement) / n))
     factor = bf16_factor(kwargs, model)
     final = forced.cache_bytes[:, -1].double() * factor
     first = forced.cache_bytes[:, 0].double() * factor
@@ -128,6 +145,7 @@ def measure(model: rd.RecurrentDepthLM, prompts: torch.Tensor, reference: torch.
         bytes_per_token=round(final.mean().item() / tokens, 1),
         decode_bytes_per_token=round(((final - first) / max(1, n - 1)).mean().item(), 1),
         agreement=round(agreement, 4),
+        agreement_se=round(se, 4),
         mean_steps=round(forced.steps.float().mean().item(), 2),
     )
 
@@ -254,20 +272,20 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(report))
     print(f"\nmodel: {source}, r = {args.num_steps}, {len(prompt_lists)} x {args.agreement_tokens} teacher-forced "
           f"tokens, {args.speed_tokens} tokens timed, best of {args.repeats}")
-    head = (f"{'config':<24}{'B/token':>9}{'decode B/tok':>13}{'x bf16':>8}{'agree':>8}{'steps':>7}{'tok/s':>8}"
-            f"{'x speed':>9}{'x cpu':>7}{'first s':>9}{'best s':>8}")
+    head = (f"{'config':<27}{'B/token':>9}{'decode B/tok':>13}{'x bf16':>8}{'agree':>8}{'± se':>7}{'steps':>7}"
+            f"{'tok/s':>8}{'x speed':>9}{'x cpu':>7}{'first s':>9}{'best s':>8}")
     print(head)
     for name, r in results.items():
         speed, cpu = r.get("x_speed_vs_unquantized"), r.get("x_cpu_speed_vs_unquantized")
-        memory = "".join(f"{'-':>{w}}" for w in (9, 13, 8, 8, 7)) if args.speed_only else (
+        memory = "".join(f"{'-':>{w}}" for w in (9, 13, 8, 8, 7, 7)) if args.speed_only else (
             f"{r['bytes_per_token']:>9.0f}{r['decode_bytes_per_token']:>13.0f}"
-            f"{r['x_vs_per_step_bf16']:>8.2f}{r['agreement']:>8.3f}{r['mean_steps']:>7.1f}")
-        print(f"{name:<24}{memory}{r['tokens_per_s']:>8.1f}{'' if speed is None else f'{speed:.2f}':>9}"
+            f"{r['x_vs_per_step_bf16']:>8.2f}{r['agreement']:>8.3f}{r['agreement_se']:>7.3f}{r['mean_steps']:>7.1f}")
+        print(f"{name:<27}{memory}{r['tokens_per_s']:>8.1f}{'' if speed is None else f'{speed:.2f}':>9}"
               f"{'' if cpu is None else f'{cpu:.2f}':>7}{r['first_call_s']:>9.2f}{r['best_call_s']:>8.2f}")
     if shells:
         print(f"\nshells: {shells['games']} games of {shells['swaps']} swaps ({shells['model']})")
         for name, r in shells["by_config"].items():
-            print(f"{name:<24} acc {r['accuracy']:.3f}  both {r['both']}  only full {r['only_full']}  "
+            print(f"{name:<27} acc {r['accuracy']:.3f}  both {r['both']}  only full {r['only_full']}  "
                   f"only this {r['only_this']}  diff {r['paired_diff']:+.4f} ± {r['paired_se']:.4f}")
     print(f"\nplot: {report['plot']}")
     return 0

@@ -10,6 +10,7 @@ computations differ only in summation order (observed <= 2e-6).
 from __future__ import annotations
 
 import json
+import math
 
 import httpx
 import pytest
@@ -21,8 +22,11 @@ from recurrent_depth.accel import runner as accel_runner
 from recurrent_depth.accel.quant import CompiledCodes, _encode_pair, _turbo_attention, code_kernels
 from recurrent_depth.inference import generate
 from recurrent_depth.inference.quant_cache import (
+    DequantizedDynamicCache,
     KVQuant,
     QuantizedRecurrentCache,
+    layer_codec,
+    shared_codec,
 )
 from recurrent_depth.quant import build_quantizer, kv_bytes_per_token, parse_kv_quant
 from recurrent_depth.quant.rows import RowCodec, TurboRows, row_codec
@@ -228,6 +232,14 @@ def test_every_tensor_reachable_from_a_quantized_cache_is_the_reported_bytes(mod
         cache.close(4, ids.shape[1])
         cache.advance(ids.shape[1])
     fields = {name: value for name, value in vars(cache).items() if name not in ("codecs", "kv_quant")}
+    # The codecs hold quantizer state only: per calibrated layer (keys), a [Hkv, D] channel
+    # permutation and its inverse, priced as one D-bit outlier mask per head, plus the seed.
+    layer_codecs = [c for pair in cache.codecs._layers.values() for c in pair]
+    calibrated = [c for c in layer_codecs if getattr(c, "perm", None) is not None]
+    split_keys = not float(KVQuant.parse(kv).k.bits).is_integer()  # the default rule calibrates split keys
+    assert len(calibrated) == split_keys * (2 + cfg.core_layers)  # prelude, coda and each core layer
+    assert all(c.perm.shape == (cfg.num_kv_heads, cfg.head_dim) for c in calibrated)
+    assert cache.codecs.state_nbytes() == 8 + len(calibrated) * cfg.num_kv_heads * math.ceil(cfg.head_dim / 8)
     tensors = _reachable_tensors(fields)
     bookkeeping = [t for t in tensors if t.dtype in (torch.long, torch.bool)]
     assert all(t is cache.depth or t is cache.write_mask for t in bookkeeping)  # per column depth, no entries
@@ -282,6 +294,127 @@ def test_fused_turbo_rows_equal_the_quantizer(spec, d):
     torch.testing.assert_close(codec.combine(weights, rows), q.combine(weights, codes), atol=TOL, rtol=0)
 
 
+def loud_heads(seed: int = 0) -> tuple[torch.Tensor, list[list[int]]]:
+    """Keys [B=2, Hkv=3, T=40, D=16] whose heads each have 8 loud channels of their own."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, 40, 16, generator=g)
+    loud = [sorted(torch.randperm(16, generator=g)[:8].tolist()) for _ in range(3)]
+    for h, channels in enumerate(loud):
+        x[:, h, :, channels] *= 6
+    return x, loud
+
+
+@pytest.mark.parametrize("spec", ["k=prod:3.5", "k=mse:2.5"])
+def test_calibrated_outliers_are_each_heads_loud_channels_and_code_better(spec):
+    """`outliers=calibrated` picks each head's high-energy channels from the calibration data, codes
+    them exactly as a ChannelSplit with those channels would, and beats the first-channels split on
+    data with outlier channels (reconstruction error and score error)."""
+    x, loud = loud_heads()
+    calibrated = layer_codec(spec, "k", 16, x)
+    first = layer_codec(spec + ",outliers=first", "k", 16, x)
+    assert calibrated.perm[:, :8].tolist() == loud and first.perm is None  # 8 outliers of 16 channels
+    rows = calibrated.encode(x)
+    assert rows.shape == (*x.shape[:-1], calibrated.nbytes) and calibrated.nbytes == first.nbytes
+    split = KVQuant.parse(spec).k
+    for h, channels in enumerate(loud):  # head by head: the quantizer with that head's outlier channels
+        want = split.build(16, 0, outlier_channels=channels)
+        torch.testing.assert_close(calibrated.decode(rows)[:, h], want.decode(want.encode(x[:, h])), atol=TOL, rtol=0)
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(2, 3, 5, 16, generator=g)
+    weights = torch.softmax(torch.randn(2, 3, 5, 40, generator=g), dim=-1)
+    decoded = calibrated.decode(rows)
+    torch.testing.assert_close(calibrated.score(q, rows), q @ decoded.mT, atol=TOL, rtol=0)
+    torch.testing.assert_close(calibrated.combine(weights, rows), weights @ decoded, atol=TOL, rtol=0)
+
+    def errors(codec) -> tuple[float, float]:
+        rows = codec.encode(x)
+        mse = ((codec.decode(rows) - x) ** 2).sum(-1).mean().item()
+        return mse, ((codec.score(q, rows) - q @ x.mT) ** 2).mean().item()
+
+    (mse_cal, score_cal), (mse_first, score_first) = errors(calibrated), errors(first)
+    assert mse_cal < 0.8 * mse_first and score_cal < 0.8 * score_first
+
+
+@pytest.mark.parametrize("rule,calibrated", [("", "k"), (",outliers=keys", "k"), (",outliers=calibrated", "kv"),
+                                             (",outliers=first", "")])
+def test_the_outlier_rule_chooses_which_sides_calibrate(rule, calibrated):
+    x, _ = loud_heads()
+    kv = KVQuant.parse("k=mse:2.5,v=prod:3.5" + rule)
+    assert KVQuant.parse(kv.name) == kv
+    for role in "kv":
+        assert (layer_codec(kv, role, 16, x).perm is not None) == (role in calibrated)
+    assert layer_codec("k=mse:3,v=mse:3" + rule, "k", 16, x).perm is None  # no split
+
+
+def test_per_row_permutations_stack_into_one_codec():
+    """A storage calibrating each batch row on its own stacks the rows' permutations `[B, Hkv, D]`:
+    row b is coded, decoded and scored as its own calibrated codec would."""
+    x = torch.cat([loud_heads(0)[0][:1], loud_heads(1)[0][:1]])  # two rows, different loud channels
+    own = [layer_codec("k=prod:2.5", "k", 16, x[b : b + 1]) for b in range(2)]
+    assert not torch.equal(own[0].perm, own[1].perm)
+    stacked = shared_codec(KVQuant.parse("k=prod:2.5"), "k", 16).permuted(torch.stack([c.perm for c in own]))
+    rows, q = stacked.encode(x), torch.randn(2, 3, 4, 16, generator=torch.Generator().manual_seed(3))
+    for b, codec in enumerate(own):
+        assert torch.equal(rows[b : b + 1], codec.encode(x[b : b + 1]))
+        torch.testing.assert_close(stacked.decode(rows)[b : b + 1], codec.decode(rows[b : b + 1]), atol=0, rtol=0)
+        torch.testing.assert_close(stacked.score(q, rows)[b : b + 1], codec.score(q[b : b + 1], rows[b : b + 1]),
+                                   atol=TOL, rtol=0)
+    assert stacked.state_nbytes == 2 * 3 * 2  # a 16-bit mask per (row, head)
+
+
+def test_calibration_is_deterministic_and_reaches_generation(model):
+    kv = "k=prod:2.5,v=mse:2.5"
+    run = dict(attention_mask=MASK, max_new_tokens=5, num_steps=4, init_scale=0.0, output_logits=True)
+    cal, again = (generate(model, PROMPT, kv_quant=kv, **run) for _ in range(2))
+    first = generate(model, PROMPT, kv_quant=kv + ",outliers=first", **run)
+    assert torch.equal(logits_of(cal), logits_of(again))
+    assert not torch.allclose(logits_of(cal), logits_of(first))
+
+
+def test_calibration_is_per_layer_and_survives_growth_truncation_and_seeks():
+    """One calibration per layer from its first write, shared by every step and slot: a storage
+    that grows (capacity 2) equals one that does not and the dynamic reference, through a
+    truncation and a seek, and the permutation never changes."""
+    kv = "k=prod:2.5,v=mse:2.5,attn=dequantize"
+    caches = [QuantizedRecurrentCache(2, 3, capacity=c, policy="shared-2", kv_quant=kv) for c in (2, 64)]
+    caches.append(DequantizedDynamicCache(2, 3, policy="shared-2", kv_quant=kv))
+    x, _ = loud_heads()
+    calls = [(x[:, :, :5], 5), (x[:, :, 5:6], 1), ("truncate", 4), (x[:, :, 6:9], 3), ("seek", 6), (x[:, :, 9:10], 1)]
+    perms = None
+    for item, T in calls:
+        if isinstance(item, str):
+            for cache in caches:
+                getattr(cache, item)(T)
+            continue
+        for step in range(3):
+            key = ("core", 0, step)
+            got = [cache.update_heads(key, item, item.flip(-1)) for cache in caches]
+            for k, v in got[1:]:
+                torch.testing.assert_close(k, got[0][0], atol=TOL, rtol=0)
+                torch.testing.assert_close(v, got[0][1], atol=TOL, rtol=0)
+        for cache in caches:
+            cache.close(3, T)
+            cache.advance(T)
+        now = [c.codecs._layers[("core", 0)][0].perm for c in caches]
+        perms = perms or now
+        assert all(torch.equal(p, q) for p, q in zip(now, perms, strict=True))
+    assert caches[0].capacity > 2 and len(caches[0].codecs._layers) == 1
+
+
+@pytest.mark.parametrize("kv", ["k=prod:3,v=prod:1", "k=prod:3,v=mse:3,attn=dequantize"])
+def test_odd_length_rows_of_one_kv_head_read_their_norms(kv):
+    """prod rows can have an odd length (9 and 5 bytes at D = 16): one head's one-token rows are then
+    slices whose strides fp16 cannot view; they are read through a copy, equal to the reference."""
+    torch.manual_seed(3)
+    one_head = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", num_kv_heads=1)).eval()
+    assert build_quantizer("prod:3", 16).bytes_per_vector % 2 == 1
+    run = dict(max_new_tokens=3, num_steps=3, init_scale=0.0, kv_quant=kv, output_logits=True)
+    static = generate(one_head, PROMPT[:1, :1], **run)
+    plain = generate(one_head, PROMPT[:1, :1], cache_implementation="dynamic", **run)
+    assert torch.equal(static.sequences, plain.sequences)
+    torch.testing.assert_close(logits_of(static), logits_of(plain), atol=TOL, rtol=0)
+
+
 def test_kv_quant_composes_with_speculative_and_parallel_decoding(model):
     kv = "k=prod:3.5,v=mse:3.5"
     greedy = generate(model, PROMPT[:1], max_new_tokens=6, num_steps=6, init_scale=0.0, kv_quant=kv,
@@ -300,6 +433,7 @@ BAD = {
     "q=mse:3": "k=... or v=",
     "": "k=",
     "k=mse:3,seed=x": "seed=",
+    "k=mse:2.5,outliers=top": "outliers=",
 }
 
 

@@ -144,8 +144,11 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            shown="per-step+deepest",
            http=True, hf="shared", lm_eval="model"),
     Option("kv_quant", "cache", "quantize the KV cache, e.g. 'k=prod:3.5,v=mse:3.5' (TurboQuant; methods mse, prod, "
-           "qjl, polar, raw); ',attn=dequantize' decodes before attention instead of scoring the codes "
-           "(docs/quant.md)", "str", shown="off, full precision", http=True, hf="routed", lm_eval="model"),
+           "qjl, polar, raw); ',attn=dequantize' decodes before attention instead of scoring the codes; "
+           "a fractional split codes each head's highest-energy key channels in the prompt at the higher width, "
+           "',outliers=calibrated' the values' too, ',outliers=first' channels 0..n_out-1 (docs/quant.md)", "str",
+           shown="off, full precision",
+           http=True, hf="routed", lm_eval="model"),
     Option("cache_implementation", "cache", "KV storage: preallocated 'static' or the plain 'dynamic' reference",
            "str", choices=CACHE_IMPLEMENTATIONS, hf="routed"),
     Option("draft_steps", "mode", "self-speculative decoding: draft with this many core steps, verify at r",

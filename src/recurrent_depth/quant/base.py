@@ -11,7 +11,7 @@ from recurrent_depth.quant.codes import Codes
 from recurrent_depth.quant.packing import pack_bits, packed_nbytes, unpack_bits
 from recurrent_depth.quant.rotation import Rotation, make_rotation
 
-NORM_DTYPE = torch.float16  # every stored norm, residual norm and radius is fp16 (2 bytes), and counted
+NORM_DTYPE = torch.float16  # every stored norm and radius is fp16 (2 bytes), and counted
 
 
 def derive_seed(seed: int, *tags: object) -> int:
@@ -135,6 +135,12 @@ def store_norm(norm: torch.Tensor, what: str) -> torch.Tensor:
     return stored
 
 
+def stored_ratio(norm: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+    """‖x‖ / n for the fp16 norm n that was stored (1 where n is 0: nothing is rebuilt from it)."""
+    stored = stored.float()
+    return torch.where(stored > 0, norm / stored.clamp_min(torch.finfo(torch.float32).tiny), 1.0)
+
+
 def unit_and_norm(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x / ‖x‖ (zero stays zero) and ‖x‖ as [..., 1] float32."""
     norm = x.norm(dim=-1, keepdim=True)
@@ -145,7 +151,7 @@ class ScalarCodebook:
     """A sorted codebook as tensors: nearest-centroid indices, packed storage, lookup."""
 
     def __init__(self, centroids: tuple[float, ...], bits: int) -> None:
-        self.bits = bits
+        self.bits, self.centroids = bits, centroids
         centroids_cpu = torch.tensor(centroids, dtype=torch.float32)
         self._tables = {torch.device("cpu"): (centroids_cpu, (centroids_cpu[1:] + centroids_cpu[:-1]) / 2)}
 

@@ -24,6 +24,7 @@ Both give `encode(x) -> rows`, `decode(rows, dtype)`, `score(q, rows)` (q full p
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any, NamedTuple
 
@@ -31,11 +32,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from recurrent_depth.quant.base import NORM_DTYPE, Quantizer, store_norm
+from recurrent_depth.quant.base import NORM_DTYPE, Quantizer, store_norm, stored_ratio
 from recurrent_depth.quant.codes import Codes
 from recurrent_depth.quant.packing import packed_nbytes
 from recurrent_depth.quant.split import ChannelSplit
-from recurrent_depth.quant.turboquant import TurboQuantMSE, TurboQuantProd
+from recurrent_depth.quant.turboquant import TurboQuantMSE, TurboQuantProd, residual_code
+
+
+def bytes_as(part: Tensor, dtype: torch.dtype) -> Tensor:
+    """uint8 `[..., n]` (a slice of code rows) read as `dtype` `[..., n / size]`, through a contiguous
+    copy: a row slice of a storage whose rows have an odd length (prod's residual byte, polar) can have
+    strides or an offset the wider dtype cannot view even when torch calls it contiguous (one row of
+    one KV head), and a slice of many rows is copied by `.contiguous()` anyway."""
+    return part.clone(memory_format=torch.contiguous_format).view(dtype)
 
 
 class RowCodec:
@@ -58,7 +67,7 @@ class RowCodec:
         """[..., nbytes] uint8 rows (any slice of a storage) -> the quantizer's Codes."""
         fields = {}
         for (name, dtype, _), part in zip(self.layout, rows.split(self.widths, dim=-1), strict=True):
-            fields[name] = part if dtype == torch.uint8 else part.contiguous().view(dtype)
+            fields[name] = part if dtype == torch.uint8 else bytes_as(part, dtype)
         return Codes(self.quantizer.spec, self.quantizer.dim, fields)
 
     def decode(self, rows: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -92,7 +101,10 @@ class TurboTables(NamedTuple):
     byte_tables: tuple[Tensor, ...]
     bit_table: Tensor  # [256, 8] the bits of each byte, most significant first
     pad: int  # zero bytes appended to a row so that every field's last word is whole
-    norm_bytes: int  # where the fp16 norms start in a row
+    norm_bytes: int  # where the fp16 norms start in a row (then, for prod, one residual byte per group)
+    residual_steps: tuple[float, ...]  # prod: each group's residual-norm grid step (`residual_code`), else ()
+    residual_step: Tensor  # [G] the same as a tensor (decoding), empty for mse
+    dither: tuple[Tensor, ...]  # prod: each group's stochastic-rounding hash weights, else ()
     query: Tensor  # [D, E]: q @ query gives q's weight on each entry (rotation, sketch and QJL scale)
     back: Tensor  # [E, D]: entries @ back is the decoded vector
 
@@ -101,7 +113,11 @@ class TurboRows:
     """TurboQuant (mse or prod; one group, or the two groups of a channel split) on cache rows.
 
     Row layout: [index bits of each group][sign bits of each group (prod)] each group's field
-    padded to a whole byte, then fp16 norms ‖x_g‖ and (prod) ‖x_g‖·‖r_g‖ per group.
+    padded to a whole byte, then the fp16 norm ‖x_g‖ of each group, then (prod) each group's
+    residual norm byte (`turboquant.residual_code`).
+
+    `permuted(perm)` gives the same codec with each KV head's channels permuted first (calibrated
+    outlier channels, `inference.quant_cache.layer_codec`), folded into its matrices.
 
     A row reads as E "entries" (D centroid indices, then, for prod, D sign bits): each entry's bits
     are cut out of the row in one vectorized step, looked up, scaled by its group's norm, and the
@@ -161,7 +177,8 @@ class TurboRows:
                 sources += [(D + c, 0) for c in range(cols.start, cols.stop)]
                 sources += [(zero, 0)] * (8 * packed_nbytes(d, 1) - d)
         self.bit_bytes = len(sources) // 8
-        self.nbytes = self.bit_bytes + 2 * G * (2 if self.prod else 1)
+        self.nbytes = self.bit_bytes + 2 * G + (G if self.prod else 0)  # fp16 norms, (prod) residual bytes
+        self.perm: Tensor | None = None  # a per-head channel permutation folded in (`permuted`)
         assert self.nbytes == quantizer.bytes_per_vector, (self.nbytes, quantizer.bytes_per_vector)
         src = torch.tensor(sources)
         starts = torch.tensor([0] + [len(c) for c in centroids]).cumsum(0)
@@ -199,8 +216,31 @@ class TurboRows:
             fields=tuple(fields), field_shifts=tuple(shifts), byte_tables=tuple(byte_tables), pad=pad,
             bit_table=byte_bits.float(),
             norm_bytes=self.bit_bytes, query=query.contiguous(), back=back.contiguous(),
+            residual_steps=tuple(group.residual_step for group, _ in groups) if self.prod else (),
+            residual_step=torch.tensor([group.residual_step for group, _ in groups] if self.prod else []),
+            dither=tuple(group.dither(rotate) for group, _ in groups) if self.prod else (),
         )
         self._on_device: dict[torch.device, TurboTables] = {cpu: self._tables}
+
+    def permuted(self, perm: Tensor) -> TurboRows:
+        """This codec over `[..., Hkv, N, D]` with head h's channels permuted first: it codes
+        x[..., perm[h]] (`perm` `[..., Hkv, D]`, leading axes broadcast against the data's), and reads
+        back in the original order. x[..., perm] @ R = x @ R[perm⁻¹], so the permutation folds into
+        the rotation and query matrices (rows) and the back matrix (columns), one per head, which the
+        same functions broadcast over the heads: no extra operation per call."""
+        twin = copy.copy(self)
+        unperm = perm.argsort(dim=-1).cpu()
+        t = self._tables
+        twin._tables = t._replace(rotate=t.rotate[unperm].contiguous(), query=t.query[unperm].contiguous(),
+                                  back=t.back.T[unperm].transpose(-1, -2).contiguous())
+        twin._on_device = {torch.device("cpu"): twin._tables}
+        twin.perm = perm
+        return twin
+
+    @property
+    def state_nbytes(self) -> int:
+        """Per-cache state beyond the seed: one D-bit outlier mask per head of a folded permutation."""
+        return 0 if self.perm is None else self.perm[..., 0].numel() * math.ceil(self.dim / 8)
 
     def tables(self, device: torch.device) -> TurboTables:
         """The codec's constants on `device`, copied there once."""
@@ -245,16 +285,21 @@ def turbo_encode(x: Tensor, t: TurboTables) -> tuple[Tensor, Tensor]:
     # a separator between groups, so the result is each coordinate's index into `t.centroids`.
     where = torch.bucketize(unit + t.col_shift, t.boundaries)
     stream = [where - t.offsets]
-    norms = norm
+    stored = norm.to(NORM_DTYPE)
+    residual_bytes = []
     if t.sketch_t is not None:  # prod: 1-bit QJL of the residual, in the rotated basis (as TurboQuantProd)
-        residual = unit - t.centroids[where]
-        stream.append((residual @ t.sketch_t >= 0).long())
-        norms = torch.cat([norm, norm * _group_norms(residual, t)], dim=-1)
+        ratio = stored_ratio(norm, stored).index_select(-1, t.col_group)  # Πx / n, n the stored norm
+        residual = unit * ratio - t.centroids[where]
+        signs = (residual @ t.sketch_t >= 0).long()
+        stream.append(signs)
+        rnorm = _group_norms(residual, t)
+        residual_bytes = [residual_code(rnorm[..., g : g + 1], part, weights, step) for g, (part, weights, step)
+                          in enumerate(zip(signs.split(t.group_sizes, dim=-1), t.dither, t.residual_steps,
+                                           strict=True))]
     stream.append(torch.zeros_like(where[..., :1]))
     bits = ((torch.cat(stream, dim=-1).index_select(-1, t.bit_col) >> t.bit_shift) & 1) << t.bit_place
     packed = bits.unflatten(-1, (-1, 8)).sum(-1).to(torch.uint8)
-    stored = norms.to(NORM_DTYPE)
-    rows = torch.cat([packed, stored.view(torch.uint8)], dim=-1)
+    rows = torch.cat([packed, stored.view(torch.uint8), *residual_bytes], dim=-1)
     return rows, torch.isfinite(stored).all()
 
 
@@ -273,7 +318,11 @@ def turbo_entries(rows: Tensor, t: TurboTables) -> Tensor:
 
     A field of b-bit entries is read in words of lcm(b, 8) bits (one byte for b = 1, 2, 4, 8; three
     for b = 3), big-endian, each entry shifted and masked out of its word: no per-entry gather."""
-    norms = rows[..., t.norm_bytes:].contiguous().view(NORM_DTYPE).float()  # [..., G or 2G]
+    G = len(t.group_sizes)
+    norms = bytes_as(rows[..., t.norm_bytes : t.norm_bytes + 2 * G], NORM_DTYPE).float()  # [..., G]
+    if t.residual_steps:  # prod: then each group's n·ρ, ρ its residual byte times the group's step
+        residual = rows[..., t.norm_bytes + 2 * G : t.norm_bytes + 3 * G].float() * t.residual_step
+        norms = torch.cat([norms, norms * residual], dim=-1)  # [..., 2G]
     if t.pad:
         rows = F.pad(rows, (0, t.pad))
     parts = []

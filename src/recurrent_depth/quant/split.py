@@ -44,11 +44,12 @@ def split_sizes(dim: int, bits: float) -> tuple[int, int, int]:
 
 
 def select_outlier_channels(x: torch.Tensor, count: int) -> list[int]:
-    """The `count` channels of x [..., D] with the largest mean square, in increasing order."""
+    """The `count` channels of x [..., D] with the largest mean square, in increasing order (ties: the
+    lower channel first, so the choice is deterministic)."""
     if not 0 < count < x.shape[-1]:
         raise ValueError(f"outlier count must be in [1, {x.shape[-1] - 1}], got {count}")
     energy = x.detach().float().pow(2).reshape(-1, x.shape[-1]).mean(0)
-    return sorted(energy.topk(count).indices.tolist())
+    return sorted(energy.sort(descending=True, stable=True).indices[:count].tolist())
 
 
 class ChannelSplit(Quantizer):

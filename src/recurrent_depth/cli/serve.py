@@ -70,6 +70,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="deepest recurrence a request may ask for (default: max(64, 4 x mean_recurrence), "
                         "at most --max-depth)")
     add_max_depth_arg(p)
+    p.add_argument("--kv-quant", default=None, metavar="SPEC",
+                   help="quantize the server's KV memory, e.g. 'k=prod:3.5,v=mse:3.5' (TurboQuant; docs/quant.md): "
+                        "the continuous batch stores code rows, and requests without a kv_quant field use it; "
+                        "a request asking for another spec runs alone (default: full precision)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level (default: %(default)s)")
     p.set_defaults(func=run)
@@ -92,6 +96,6 @@ def run(args: argparse.Namespace) -> int:
         model_name=args.served_model_name, api_key=api_key, max_batch=args.max_batch, max_queue=args.max_queue,
         prefill_tokens=args.prefill_tokens, request_timeout=args.request_timeout,
         max_num_steps=args.max_num_steps, num_steps=args.num_steps, max_depth=args.max_depth, dtype=dtype,
-        device=args.device,
+        device=args.device, kv_quant=args.kv_quant,
     )
     return 0

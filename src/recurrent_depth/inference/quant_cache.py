@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from recurrent_depth.inference.cache import DynamicRecurrentCache, LayerKey, StaticRecurrentCache
+from recurrent_depth.inference.runner import all_attention
 from recurrent_depth.model.cache import KVPolicy, combine_key_mask
 from recurrent_depth.quant import ChannelSplit, Quantizer, QuantSpec, parse_kv_quant, select_outlier_channels
 from recurrent_depth.quant.rows import RowCodec, TurboRows, row_codec
@@ -128,6 +129,19 @@ def parse_kv_quant_option(spec: Any) -> KVQuant | None:
     return None if spec is None else KVQuant.parse(spec)
 
 
+def kv_quant_for_model(model: Any, spec: Any, name: str = "kv_quant") -> KVQuant:
+    """`spec` parsed and checked against the model before any work: every layer softmax attention
+    (other mixers' caches hold other tensors) and a head dim the quantizers take; else a ValueError
+    naming `name` (the option as the caller spells it)."""
+    kv_quant = KVQuant.parse(spec)
+    cfg = model.config
+    if not all_attention(model):
+        raise ValueError(f"{name}={spec!r} quantizes softmax-attention keys and values; this model's mixer is "
+                         f"{cfg.mixer!r}, whose cache holds other tensors (drop {name})")
+    kv_quant.bytes_per_token(cfg.head_dim, cfg.num_kv_heads)
+    return kv_quant
+
+
 @functools.lru_cache(maxsize=64)
 def shared_codec(kv_quant: KVQuant, role: str, dim: int) -> Codec:
     """The row codec of `role` ("k" or "v") at head dim `dim`, built once per spec (split: channels 0..n_out-1
@@ -206,24 +220,33 @@ def causal_scores_mask(scores: Tensor, mask: Tensor | None, is_causal: bool) -> 
     return scores + mask
 
 
-class QuantizedRecurrentCache(StaticRecurrentCache):
-    """`StaticRecurrentCache` over code rows (see the module docstring)."""
+class CodeRowStorage:
+    """What makes a float KV storage a quantized one, for any storage whose `update_heads` writes
+    the rows it is given and returns every visible column, with `key_mask` for the columns a
+    lookup hides: the static cache (`QuantizedRecurrentCache`) and the serving pool
+    (`serving.kv_pool.QuantizedSlotKVPool`). Put it first among the bases; `use_codes` in `__init__`.
 
-    def __init__(
-        self, batch_size: int, num_steps: int, kv_budget: int | None = None, capacity: int = 256,
-        device: Any = None, policy: KVPolicy | str | None = None, kv_quant: Any = "k=prod:3.5,v=mse:3.5",
-        core_layers: int | None = None,
-    ) -> None:
-        super().__init__(batch_size, num_steps, kv_budget, capacity=capacity, device=device, policy=policy,
-                         core_layers=core_layers)
+    Keys and values are encoded into code rows before the storage sees them, so it holds uint8
+    rows `[..., bytes]` and gathers, copies and grows them as it would floats."""
+
+    codecs: _Codecs
+    kv_quant: KVQuant
+    attends_from_codes: bool  # softmax attention calls `attend` (see the fast runner and the attention mixer)
+
+    def use_codes(self, kv_quant: Any) -> None:
         self.codecs = _Codecs(kv_quant)
         self.kv_quant = self.codecs.kv_quant
-        self.attends_from_codes = self.kv_quant.attention == "codes"  # softmax attention calls `attend`
+        self.attends_from_codes = self.kv_quant.attention == "codes"
+
+    def layer_codecs(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Codec, Codec]:
+        """The (key, value) codecs that code this call's k, v `[B, Hkv, T, D]` at `key`: the one place
+        a storage chooses them (here one pair per layer, calibrated from its first write)."""
+        return self.codecs(key, self.split, k, v)
 
     def _store(self, key: LayerKey, k: Tensor, v: Tensor, kernels: Any = None) -> tuple[Tensor, Tensor, Codec, Codec]:
         """Encode and write k, v `[B, Hkv, T, D]`; return every column's code rows and the codecs.
         kernels: fused encode and attention for some codecs (`recurrent_depth.accel.quant`), or None."""
-        ck, cv = self.codecs(key, self.split, k, v)
+        ck, cv = self.layer_codecs(key, k, v)
         if kernels is not None and kernels.fits(ck, cv, k):
             new_k, new_v = kernels.encode(ck, cv, k, v)
         else:
@@ -232,15 +255,16 @@ class QuantizedRecurrentCache(StaticRecurrentCache):
         return rows_k, rows_v, ck, cv
 
     def update_heads(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """The dequantize read: `[B, Hkv, T, D]` in, every column decoded `[B, Hkv, seq_len + T, D]` out."""
+        """The dequantize read: `[B, Hkv, T, D]` in, every visible column decoded `[B, Hkv, S, D]` out."""
         rows_k, rows_v, ck, cv = self._store(key, k, v)
         return ck.decode(rows_k, k.dtype), cv.decode(rows_v, v.dtype)
 
     def attend(self, key: LayerKey, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
                is_causal: bool, kernels: Any = None) -> Tensor:
-        """Softmax attention of q `[B, H, T, D]` over every column's codes, the new k, v `[B, Hkv, T, D]`
-        written first; the result `[B, H, T, Dv]` equals SDPA over the decoded columns (GQA included).
-        kernels: as `_store`'s (the fast runner passes compiled ones; None: these eager functions)."""
+        """Softmax attention of q `[B, H, T, D]` over every visible column's codes, the new k, v
+        `[B, Hkv, T, D]` written first; the result `[B, H, T, Dv]` equals SDPA over the decoded
+        columns (GQA included), the storage's `key_mask` applied. kernels: as `_store`'s (the fast
+        runner passes compiled ones; None: these eager functions)."""
         rows_k, rows_v, ck, cv = self._store(key, k, v, kernels)
         key_mask = self.key_mask(key)
         if key_mask is not None:
@@ -261,6 +285,19 @@ def codes_attention(q: Tensor, rows_k: Tensor, rows_v: Tensor, score: Any, combi
     weights = torch.softmax(causal_scores_mask(scores, attn_mask, is_causal), dim=-1)
     out = combine(weights.view(B, Hkv, (H // Hkv) * T, S), rows_v)
     return out.view(B, H, T, -1).to(q.dtype)
+
+
+class QuantizedRecurrentCache(CodeRowStorage, StaticRecurrentCache):
+    """`StaticRecurrentCache` over code rows (see the module docstring)."""
+
+    def __init__(
+        self, batch_size: int, num_steps: int, kv_budget: int | None = None, capacity: int = 256,
+        device: Any = None, policy: KVPolicy | str | None = None, kv_quant: Any = "k=prod:3.5,v=mse:3.5",
+        core_layers: int | None = None,
+    ) -> None:
+        super().__init__(batch_size, num_steps, kv_budget, capacity=capacity, device=device, policy=policy,
+                         core_layers=core_layers)
+        self.use_codes(kv_quant)
 
 
 class DequantizedDynamicCache(DynamicRecurrentCache):

@@ -12,7 +12,7 @@ from recurrent_depth.inference.criteria import ExitCriterion
 from recurrent_depth.inference.engine import Recurrence
 from recurrent_depth.inference.options import GenerationOptions, eos_ids
 from recurrent_depth.inference.output import Recorder, TokenEvent
-from recurrent_depth.inference.quant_cache import KVQuant
+from recurrent_depth.inference.quant_cache import kv_quant_for_model
 from recurrent_depth.inference.runner import all_attention
 from recurrent_depth.inference.sampling import RowGenerators, StopChecker, TokenChooser, decode
 
@@ -95,13 +95,8 @@ class Session:
                 f"kv_policy={options.kv_policy!r} hides or picks cache entries of the attention, which needs every "
                 f"layer to be softmax attention; this model's mixer is {cfg.mixer!r} (use the 'deepest' lookup)"
             )
-        if options.kv_quant is not None and not all_attention(model):
-            raise ValueError(
-                f"kv_quant={options.kv_quant!r} quantizes softmax-attention keys and values; this model's mixer is "
-                f"{cfg.mixer!r}, whose cache holds other tensors (drop kv_quant)"
-            )
-        if options.kv_quant is not None:  # a head dim the quantizers cannot take fails here, before any work
-            KVQuant.parse(options.kv_quant).bytes_per_token(cfg.head_dim, cfg.num_kv_heads)
+        if options.kv_quant is not None:  # a model the quantizers cannot take fails here, before any work
+            kv_quant_for_model(model, options.kv_quant)
         # Columns: the prompt, the new tokens, and room for a speculative round or a wavefront.
         # (A round drafts at most max_seq_len tokens and a sweep adds at most max_new_tokens positions.)
         if options.mode == "speculative":

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from recurrent_depth.config import MAX_NUM_STEPS, check_depth, is_int
+from recurrent_depth.inference.quant_cache import KVQuant
 from recurrent_depth.serving.app import MAX_BODY_BYTES, ServerSettings, create_app
 from recurrent_depth.serving.batch import BatchDecoder, RowRequest, TokenResult
 from recurrent_depth.serving.engine import Engine
@@ -75,6 +76,7 @@ def build_app(
     tokenizer_workers: int = 2,
     tokenize_timeout: float = 10.0,
     worker_memory: int | None = 2 << 30,
+    kv_quant: str | None = None,
 ) -> Any:
     """A ready FastAPI app for a model directory (or a loaded `RecurrentDepthLM` plus `tokenizer_dir`).
 
@@ -87,7 +89,12 @@ def build_app(
     503 "stalled". Requests are parsed, rendered and tokenized by `tokenizer_workers` processes,
     each killed past `tokenize_timeout` seconds on one request or `worker_memory` bytes of growth.
     The engine thread and the workers start with the app (its lifespan) and stop with it.
+    `kv_quant` (e.g. "k=prod:3.5,v=mse:3.5"; None: full precision) quantizes the server's KV
+    memory: the continuous batch stores code rows, and requests that do not set `kv_quant` use it
+    (a request asking for another spec runs alone; docs/serving.md).
     """
+    if kv_quant is not None:  # a bad spec fails before the model loads
+        KVQuant.parse(kv_quant)
     if isinstance(model, str | Path):
         from recurrent_depth.checkpoint import load_pretrained
 
@@ -115,7 +122,8 @@ def build_app(
         raise ValueError(f"num_steps={num_steps!r} is invalid: expected an integer in [0, max_num_steps={steps}]")
     limits = Limits(cfg.max_seq_len, cfg.mean_recurrence, cfg.vocab_size, max_num_steps=steps,
                     max_sequences=min(max_queue, 256), default_num_steps=num_steps)
-    engine = Engine(model, Metrics(), max_batch=max_batch, max_queue=max_queue, prefill_tokens=prefill_tokens)
+    engine = Engine(model, Metrics(), max_batch=max_batch, max_queue=max_queue, prefill_tokens=prefill_tokens,
+                    kv_quant=kv_quant)
     codec = TextCodec(tokenizer_dir, cfg.vocab_size, cfg.max_seq_len)
     if codec.has_tokenizer and codec.chat is None:
         print(f"rdepth serve: chat is off: {codec.chat_error}", file=sys.stderr)

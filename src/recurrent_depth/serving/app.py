@@ -215,6 +215,7 @@ def create_app(engine: Engine, codec: TextCodec, settings: ServerSettings) -> Fa
         status = "ok" if engine.healthy else "unavailable"
         body: dict[str, Any] = {"status": status, "model": settings.model_name, "running": engine.running,
                                 "waiting": len(engine.waiting), "batching": engine.batches,
+                                "kv_quant": engine.kv_quant.name if engine.kv_quant is not None else None,
                                 "stall_timeout": settings.stall_timeout}
         idle = idle_seconds()
         if idle is not None:
@@ -284,10 +285,12 @@ def create_app(engine: Engine, codec: TextCodec, settings: ServerSettings) -> Fa
             except ValueError as exc:
                 raise APIError(400, str(exc), param="kv_policy") from None
             # the slot pool takes most policies; the rest (always-last, randomized, compress-rN) run alone,
-            # and so do a quantized cache (the pool keeps full-precision entries) and the official schedule
-            solo = (sampling.runs_alone or not engine.batches or not SlotKVPool.takes(options.policy)
-                    or not BatchDecoder.runs(options))
+            # and so do speculative decoding, the official schedule and a kv_quant other than the pool's
+            solo = (sampling.speculative or not engine.batches or not SlotKVPool.takes(options.policy)
+                    or not BatchDecoder.runs(options) or not engine.batch.takes_kv_quant(options.kv_quant))
             generation = dict(sampling.generation, max_new_tokens=max_tokens, stop=sorted(stops) or None)
+            if options.kv_quant is None and engine.kv_quant is not None:  # the server's memory setting
+                generation["kv_quant"] = engine.kv_quant.name
             for j in range(sampling.n):
                 index = p * sampling.n + j
                 row = RowRequest(list(prompt), options, seed=base_seed + j, top_logprobs=top,
@@ -561,6 +564,7 @@ def banner(engine: Engine, settings: ServerSettings, limits: Limits, url: str) -
     params = sum(p.numel() for p in engine.model.parameters())
     depth = settings.default_num_steps if settings.default_num_steps is not None else limits.mean_recurrence
     key = "API key required" if settings.api_key is not None else "no API key"
+    kv = f", KV cache {engine.kv_quant.name}" if engine.kv_quant is not None else ""
     return (f"rdepth serve: model {settings.model_name!r} ({params / 1e6:.2f}M parameters, context "
-            f"{limits.max_seq_len}), default depth {depth}, max depth {limits.max_num_steps}, {key}; "
+            f"{limits.max_seq_len}), default depth {depth}, max depth {limits.max_num_steps}{kv}, {key}; "
             f"OpenAI API at {url}/v1")

@@ -23,6 +23,10 @@ runs through the inference package's recurrence engine (`inference.engine.Recurr
 `FastRunner` of all-attention models): the prefill as `run`, each iteration as `step_rows`;
 token choice, per-row generators and exit statistics (`RowCriterion`) are the inference
 package's own classes. `add(..., should_stop=)` lets a caller end a prefill between core steps.
+
+`BatchDecoder(model, rows, kv_quant=SPEC)` keeps every row's entries as code rows
+(`kv_pool.QuantizedSlotKVPool`): each row then equals `generate(..., kv_quant=SPEC)` alone, and
+takes requests whose `kv_quant` is SPEC or unset.
 """
 
 from __future__ import annotations
@@ -38,9 +42,10 @@ from recurrent_depth.accel.runner import FastRunner
 from recurrent_depth.inference.criteria import RowCriterion
 from recurrent_depth.inference.engine import Pass, Recurrence
 from recurrent_depth.inference.options import GenerationOptions
+from recurrent_depth.inference.quant_cache import KVQuant, kv_quant_for_model
 from recurrent_depth.inference.runner import Step
 from recurrent_depth.inference.sampling import RowGenerators, TokenChooser
-from recurrent_depth.serving.kv_pool import SlotKVPool
+from recurrent_depth.serving.kv_pool import SlotKVPool, make_pool
 
 
 @dataclass
@@ -155,9 +160,14 @@ class BatchDecoder:
             or (options.warm_start and options.warm_start_source == "normed")
         )
 
-    def __init__(self, model: torch.nn.Module, max_rows: int) -> None:
+    def takes_kv_quant(self, kv_quant: str | None) -> bool:
+        """Whether a request's `kv_quant` is what the pool stores (unset: whatever the pool stores)."""
+        return kv_quant is None or KVQuant.parse(kv_quant) == self.kv_quant
+
+    def __init__(self, model: torch.nn.Module, max_rows: int, kv_quant: KVQuant | str | None = None) -> None:
         self.model = model
         self.config = model.config
+        self.kv_quant = None if kv_quant is None else kv_quant_for_model(model, kv_quant)
         self.engine = Recurrence(model)  # over the fast runner (see `supports`), built without autograd
         self.runner = self.engine.runner
         self.device = model.device
@@ -173,7 +183,7 @@ class BatchDecoder:
     def _allocate(self) -> None:
         h, V, R = self.config.hidden_size, self.config.vocab_size, self.max_rows
         dtype = self.model.dtype
-        self.pool = SlotKVPool(self.device)
+        self.pool = make_pool(self.kv_quant, self.device)
         # Per-row tensors, indexed like the pool's rows: the current token's state and injection,
         # and the latest logits of rows whose exit criterion reads them.
         self.state = torch.zeros(R, h, dtype=dtype, device=self.device)
@@ -208,6 +218,9 @@ class BatchDecoder:
         opts.policy = opts.policy.bind(self.config.core_layers)
         if not SlotKVPool.takes(opts.policy):
             raise ValueError(f"kv_policy {opts.policy.name!r} cannot join the batch (see SlotKVPool.takes)")
+        if not self.takes_kv_quant(opts.kv_quant):
+            raise ValueError(f"kv_quant={opts.kv_quant!r} cannot join a batch whose KV pool stores "
+                             f"{self.kv_quant.name if self.kv_quant else 'full-precision entries'}")
         T = len(request.prompt)
         generators = RowGenerators([request.seed], 1, self.device)
         chooser = TokenChooser(opts, self.config.vocab_size, generators)

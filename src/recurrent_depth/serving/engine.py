@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from recurrent_depth.inference.engine import Stopped
+from recurrent_depth.inference.quant_cache import KVQuant, kv_quant_for_model
 from recurrent_depth.serving.batch import BatchDecoder, PromptScores, RowRequest, TokenResult
 from recurrent_depth.serving.metrics import Metrics
 from recurrent_depth.serving.solo import SoloRun
@@ -127,7 +128,10 @@ class Engine:
         max_batch: int = 32,
         max_queue: int = 256,
         prefill_tokens: int = 4096,
+        kv_quant: str | KVQuant | None = None,
     ) -> None:
+        """kv_quant: the server's KV quantization (None: full precision): the batch's pool stores
+        code rows, and requests that do not set `kv_quant` use it (see `app.make_jobs`)."""
         for name, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 1),
                                  ("prefill_tokens", prefill_tokens, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -137,7 +141,8 @@ class Engine:
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.prefill_tokens = prefill_tokens
-        self.batch = BatchDecoder(model, max_batch) if BatchDecoder.supports(model) else None
+        self.kv_quant = None if kv_quant is None else kv_quant_for_model(model, kv_quant, "--kv-quant")
+        self.batch = BatchDecoder(model, max_batch, self.kv_quant) if BatchDecoder.supports(model) else None
         # time.monotonic() of the last completed core step or delivered token (None before the first), for /health.
         self.last_progress: float | None = None
         if self.batch is not None:
@@ -151,6 +156,7 @@ class Engine:
         self.metrics.gauges["rdepth_queue_depth"] = lambda: len(self.waiting)
         self.metrics.gauges["rdepth_running_sequences"] = lambda: self.running
         self.metrics.gauges["rdepth_max_batch"] = lambda: self.max_batch
+        self.metrics.gauges["rdepth_kv_pool_bytes"] = lambda: self.batch.pool.nbytes() if self.batch is not None else 0
 
     # ------------------------------------------------------------------ HTTP side
     @property

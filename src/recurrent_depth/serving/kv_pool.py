@@ -21,15 +21,24 @@ The pool follows the model's cache protocol (`update_kv` / `update_heads`, `key_
 `get_state`/`set_state`, `advance`, `seq_len`, `nbytes`) for the one call it is bound to
 (`bind_prefill` / `bind_tokens`). Only attention mixers are supported (recurrent-state mixers
 keep a single per-batch state).
+
+`QuantizedSlotKVPool` (`rdepth serve --kv-quant SPEC`) stores each entry as its code row, the
+generation cache's codecs and attention read (`inference.quant_cache.CodeRowStorage`): every
+storage is then `[S, R, Hkv, C, bytes]` uint8, and the slot rules, growth, settling, key masks and
+row moves above apply to the bytes unchanged; calibrated outlier channels are each row's own
+(from its prompt). Prompt and generated tokens are encoded as they are written, and no float
+copy of an entry outlives the call.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from recurrent_depth.inference.quant_cache import Codec, CodeRowStorage, KVQuant, layer_codec
 from recurrent_depth.model.cache import KVPolicy, grown_slot_count, settle_new_slots
 
 LayerKey = tuple
@@ -219,7 +228,9 @@ class SlotKVPool:
         """Protocol no-op: each row's length is tracked by its sequence, not by the pool."""
 
     def nbytes(self) -> int:
-        return sum(K.nbytes + V.nbytes for K, V in self.kv.values())
+        """Allocated KV bytes (code rows under `QuantizedSlotKVPool`); safe to call from another
+        thread (the metrics scrape) while the engine adds layers."""
+        return sum(K.nbytes + V.nbytes for K, V in list(self.kv.values()))
 
     # ------------------------------------------------------------------ after a call
     @staticmethod
@@ -267,3 +278,73 @@ class SlotKVPool:
             V[:, dst, :, :length] = V[:, src, :, :length]
         self.depth[dst, :length] = self.depth[src, :length]
         self.policies[dst] = self.policies.pop(src)
+
+
+class QuantizedSlotKVPool(CodeRowStorage, SlotKVPool):
+    """`SlotKVPool` over code rows (see the module docstring): each row reads what
+    `rd.generate(..., kv_quant=spec)` reads when its request is generated alone.
+
+    Where the spec calibrates outlier channels, they come from each row's own prompt, as `generate`
+    alone takes them from a layer's first write: a row's prefill calibrates each layer at its first
+    write there (`layer_codec`), the row keeps that channel order per (layer, side) in `orders`
+    (`[R, Hkv, D]`, moved with the row), and a call's codec is the shared one permuted by the
+    stacked orders of its rows (`permuted`; kept while the same rows come back)."""
+
+    def __init__(self, kv_quant: Any, device: Any = "cpu") -> None:
+        super().__init__(device)
+        self.use_codes(kv_quant)
+        self.orders: dict[tuple, Tensor] = {}  # (base, role) -> [R, Hkv, D]: each row's calibrated channel order
+        self._calibrated: set[tuple] = set()  # (base, role) the bound prefill has calibrated
+        self._permuted: dict[tuple, Codec] = {}  # (base, role, rows) -> that call's codec, until an order changes
+
+    def bind_prefill(self, row: int, length: int, slot_table: Tensor) -> None:
+        super().bind_prefill(row, length, slot_table)
+        self._calibrated.clear()
+
+    def layer_codecs(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Codec, Codec]:
+        base = key[:2] if key[0] == "core" else key
+        return self._codec(base, "k", k), self._codec(base, "v", v)
+
+    def _codec(self, base: tuple, role: str, x: Tensor) -> Codec:
+        if self._cols is None and (base, role) not in self._calibrated:  # the row's first write of this layer
+            self._calibrated.add((base, role))
+            own = layer_codec(self.kv_quant, role, x.shape[-1], x)
+            if getattr(own, "perm", None) is not None:
+                if (base, role) not in self.orders:
+                    self.orders[(base, role)] = own.perm.new_zeros(self.rows, *own.perm.shape)
+                self.orders[(base, role)][self._rows[0]] = own.perm
+                self._permuted.clear()
+            return own
+        order = self.orders.get((base, role))
+        if order is None:  # a codec without calibration
+            return layer_codec(self.kv_quant, role, x.shape[-1])
+        name = (base, role, tuple(self._rows))
+        codec = self._permuted.get(name)
+        if codec is None:
+            if len(self._permuted) >= 64:
+                self._permuted.clear()
+            rows = self._rows[0] if self._cols is None else self._row_index
+            codec = self._permuted[name] = layer_codec(self.kv_quant, role, x.shape[-1]).permuted(order[rows])
+        return codec
+
+    def reserve(self, slots: int, rows: int, capacity: int, max_rows: int, max_capacity: int) -> None:
+        super().reserve(slots, rows, capacity, max_rows, max_capacity)
+        for name, order in self.orders.items():
+            if order.shape[0] < self.rows:
+                self.orders[name] = torch.cat([order, order.new_zeros(self.rows - order.shape[0], *order.shape[1:])])
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        super().move_row(src, dst, length)
+        for order in self.orders.values():
+            order[dst] = order[src]
+        self._permuted.clear()
+
+    def state_nbytes(self) -> int:
+        """Quantizer state, not per token: each row's outlier channels per calibrated (layer, side),
+        priced as one D-bit mask per KV head (as `_Codecs.state_nbytes`)."""
+        return sum(order[..., 0].numel() * math.ceil(order.shape[-1] / 8) for order in self.orders.values())
+
+
+def make_pool(kv_quant: KVQuant | None, device: Any = "cpu") -> SlotKVPool:
+    """The batch's KV pool: float entries, or code rows of `kv_quant`."""
+    return SlotKVPool(device) if kv_quant is None else QuantizedSlotKVPool(kv_quant, device)

@@ -1,0 +1,199 @@
+"""Quantized KV entries in the server's continuous batch (`rdepth serve --kv-quant SPEC`).
+
+Oracle: each request of a quantized batch equals `generate(..., kv_quant=SPEC)` on that request
+alone (the quantized static cache, the same codecs and attention read): same tokens, steps and
+exit reasons, log-probabilities within 1e-4 (two float32 computations at different batch shapes
+differ by summation order; observed <= 1e-6), while they differ from the full-precision ones by
+far more (so the pool really reads codes). The pool holds uint8 code rows only, and `nbytes` is
+their bytes, smaller than the float pool's by the codec's ratio exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+import torch
+
+import recurrent_depth as rd
+from recurrent_depth.cli import main as cli_main
+from recurrent_depth.inference import generate
+from recurrent_depth.inference.options import GenerationOptions
+from recurrent_depth.inference.quant_cache import KVQuant, layer_codec
+from recurrent_depth.serving import build_app
+from recurrent_depth.serving.batch import BatchDecoder, RowRequest
+from recurrent_depth.serving.engine import Engine
+from recurrent_depth.serving.kv_pool import QuantizedSlotKVPool, SlotKVPool
+from tests.test_quant_cache import _reachable_tensors
+from tests.test_serving import LiveServer, model_dir, reference  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOL = 1e-4
+KV = "k=prod:3.5,v=mse:3.5"
+MODES = {
+    "fixed-per-step": dict(num_steps=5),
+    "fixed-shared-2": dict(num_steps=5, kv_policy="shared-2"),
+    "kl-per-step": dict(num_steps=6, exit_criterion="kl", exit_threshold=5e-2),
+    "kl-skip": dict(num_steps=6, kv_policy="per-step+skip", exit_criterion="kl", exit_threshold=5e-2),
+    "kl-shared-3": dict(num_steps=6, kv_policy="shared-3", exit_criterion="kl", exit_threshold=5e-2),
+}
+
+
+@pytest.fixture(scope="module")
+def model() -> rd.RecurrentDepthLM:
+    torch.manual_seed(1234)
+    return rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval()
+
+
+def jobs_for(modes: list[str]) -> list[tuple[list[int], dict, int]]:
+    """(prompt, options, seed) per mode: prompts of different lengths, different token counts."""
+    g = torch.Generator().manual_seed(11)
+    return [(torch.randint(0, 256, (3 + 4 * j,), generator=g).tolist(),
+             dict(max_new_tokens=4 + j, init_scale=0.0, **MODES[mode]), 50 + j) for j, mode in enumerate(modes)]
+
+
+def run_batch(model, jobs, kv_quant, max_rows: int = 3) -> tuple[dict[int, list], BatchDecoder]:
+    """Every job through one BatchDecoder (a new row as soon as one is free); each job's results."""
+    dec = BatchDecoder(model, max_rows, kv_quant=kv_quant)
+    pending, out = list(range(len(jobs))), {}
+    while pending or len(dec):
+        while pending and len(dec) < max_rows:
+            j = pending.pop(0)
+            prompt, kw, seed = jobs[j]
+            _, first, _ = dec.add(RowRequest(prompt, GenerationOptions(**kw).validate(4), seed, top_logprobs=0), tag=j)
+            out[j] = [first]
+        for seq, result in dec.step():
+            out[seq.tag].append(result)
+            if len(out[seq.tag]) >= jobs[seq.tag][1]["max_new_tokens"]:
+                dec.remove(seq)
+    return out, dec
+
+
+def alone(model, prompt, kw, seed, kv_quant) -> tuple[list[int], list[int], list[str], torch.Tensor]:
+    """(tokens, steps, exit reasons, log-softmax of each token's logits `[n, V]`) of `generate` alone."""
+    out = generate(model, torch.tensor(prompt), seed=seed, output_logits=True, kv_quant=kv_quant, **kw)
+    tokens = out.token_lists()[0]
+    return tokens, out.steps[0, : len(tokens)].tolist(), out.exit_reasons[0], torch.log_softmax(out.logits[0], -1)
+
+
+@pytest.mark.parametrize("initial_slots", [64, 1], ids=["sized", "growing-slots"])
+@pytest.mark.parametrize("kv", [KV, "k=prod:2.5,v=mse:2.5,attn=dequantize"])
+def test_a_quantized_batch_equals_each_request_generated_alone_with_kv_quant(model, kv, initial_slots,
+                                                                             monkeypatch):
+    """3 rows at once, 5 requests of different lengths (rows leave and new ones move in), fixed
+    depth and KL exit, per-step / shared-k / skip policies; `growing-slots`: the pool starts with one
+    core slot, so code rows are settled into slots added after columns closed at mixed depths."""
+    monkeypatch.setattr(SlotKVPool, "INITIAL_SLOTS", initial_slots)
+    jobs = jobs_for(list(MODES))
+    out, dec = run_batch(model, jobs, kv)
+    assert isinstance(dec.pool, QuantizedSlotKVPool) and dec.core_rows / dec.iterations > 1.5  # rows shared steps
+    far = 0.0
+    for j, (prompt, kw, seed) in enumerate(jobs):
+        tokens, steps, reasons, logp = alone(model, prompt, kw, seed, kv)
+        mine = out[j]
+        name = list(MODES)[j]
+        assert [r.token for r in mine] == tokens, name
+        assert [r.steps for r in mine] == steps, name
+        assert [r.reason for r in mine] == reasons, name
+        picked = logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor([r.logprob for r in mine]), picked, rtol=0, atol=TOL)
+        first_full = alone(model, prompt, kw, seed, None)[3][0]  # the prompt's logits, full precision
+        far = max(far, (first_full - logp[0]).abs().max().item())
+    assert far > 100 * TOL  # quantized entries change the logits: the pool does not read floats
+
+
+def test_the_pool_holds_code_rows_only_and_nbytes_is_what_it_holds(model):
+    jobs = jobs_for(["fixed-per-step", "kl-skip", "fixed-shared-2"])
+    _, quant = run_batch(model, jobs, KV)
+    _, plain = run_batch(model, jobs, None)
+    pool = quant.pool
+    fields = {name: value for name, value in vars(pool).items() if name not in ("codecs", "kv_quant")}
+    tensors = _reachable_tensors(fields)
+    assert {t.dtype for t in tensors} == {torch.uint8, torch.long}  # codes, and columns' depths and indices
+    entries = [t for t in tensors if t.dtype == torch.uint8]  # no float copy of an entry is kept
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in entries}
+    assert sum(storages.values()) == pool.nbytes() > 0
+    # The same schedule allocates the same (slots, rows, columns): the ratio is the codec's exactly.
+    cfg = model.config
+    code_bytes = KVQuant.parse(KV).bytes_per_token(cfg.head_dim, cfg.num_kv_heads)  # one layer, k and v
+    float_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    assert (pool.slots, pool.rows, pool.capacity) == (plain.pool.slots, plain.pool.rows, plain.pool.capacity)
+    assert pool.nbytes() * float_bytes == plain.pool.nbytes() * code_bytes
+    assert plain.pool.nbytes() > 4 * pool.nbytes()  # 3.5 bits + fp16 norms vs float32 (head dim 16)
+    # Quantizer state, not per token: each row's calibrated channel order per (layer, side).
+    probe = torch.randn(1, cfg.num_kv_heads, 3, cfg.head_dim)
+    sides = sum(getattr(layer_codec(KV, role, cfg.head_dim, probe), "perm", None) is not None for role in "kv")
+    assert sides and len(pool.orders) == sides * (2 + cfg.core_layers)  # prelude, coda and each core layer
+    assert pool.state_nbytes() == len(pool.orders) * pool.rows * cfg.num_kv_heads * math.ceil(cfg.head_dim / 8)
+
+
+def test_the_batch_takes_its_own_kv_quant_or_none_and_refuses_another(model):
+    dec = BatchDecoder(model, 2, kv_quant=KV)
+    assert dec.takes_kv_quant(None) and dec.takes_kv_quant("v=mse:3.5, k=prod:3.5")  # same spec, other order
+    assert not dec.takes_kv_quant("k=prod:2.5,v=mse:2.5")
+    other = GenerationOptions(max_new_tokens=2, num_steps=2, kv_quant="k=prod:2.5,v=mse:2.5").validate(4)
+    with pytest.raises(ValueError, match="kv_quant"):
+        dec.add(RowRequest([1, 2], other, 0))
+    assert not BatchDecoder(model, 2).takes_kv_quant(KV)  # a full-precision pool
+    assert BatchDecoder(model, 2).takes_kv_quant(None)
+
+
+def test_a_bad_or_unusable_server_kv_quant_is_a_clear_error(model, model_dir, capsys):  # noqa: F811
+    for bad in ("k=nope:3", "k=prod:0", "v=mse:3.5,attn=sideways"):
+        with pytest.raises(ValueError, match="kv_quant"):
+            Engine(model, kv_quant=bad)
+        assert cli_main(["serve", "--model", str(model_dir), "--kv-quant", bad, "--threads", "1"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("rdepth serve: error: kv_quant=") and len(err[-1]) < 300
+    torch.manual_seed(0)
+    linear = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", mixer="gla")).eval()
+    with pytest.raises(ValueError, match="--kv-quant.*softmax-attention"):
+        Engine(linear, kv_quant=KV)
+
+
+def test_a_quantizing_server_batches_its_requests_and_runs_other_specs_alone(model_dir, reference):  # noqa: F811
+    ref_model, tok = reference
+    other = "k=prod:2.5,v=mse:2.5"
+    with LiveServer(build_app(model_dir, model_name="tiny", kv_quant=KV)) as live:
+        health = httpx.get(live.url + "/health").json()
+        assert health["kv_quant"] == KVQuant.parse(KV).name and health["batching"] is True
+        prompts = [[5, 9, 2], [7, 1, 4, 4, 8, 3], [2, 6, 11, 9, 1]]
+        specs = [None, KV, other]  # unset: the server's; the server's own spelt out; another: alone
+        client = httpx.Client(base_url=live.url, timeout=60)
+        body = dict(model="tiny", max_tokens=5, num_steps=4, init_scale=0.0, temperature=0, ignore_eos=True)
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(
+                lambda ps: client.post("/v1/completions", json=dict(body, prompt=ps[0], **(
+                    {"kv_quant": ps[1]} if ps[1] else {}))), zip(prompts, specs)))
+        for prompt, spec, answer in zip(prompts, specs, answers):
+            assert answer.status_code == 200, answer.text
+            alone = generate(ref_model, torch.tensor([prompt]), max_new_tokens=5, num_steps=4, init_scale=0.0,
+                             kv_quant=spec or KV)
+            assert answer.json()["choices"][0]["text"] == tok.decode(alone.sequences[0, len(prompt):].tolist(),
+                                                                     skip_special_tokens=True)
+        metrics = client.get("/metrics").text
+        values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+                  if line and not line.startswith("#")}
+        assert values["rdepth_batch_rows_total"] > 0 and values["rdepth_kv_pool_bytes"] > 0
+        bad = client.post("/v1/completions", json=dict(body, prompt=[1, 2], kv_quant="k=prod:0"))
+        assert bad.status_code == 400 and "kv_quant" in bad.json()["error"]["message"]
+        client.close()
+
+
+@pytest.mark.parametrize("kv", [KV, "k=qjl:2,v=polar"])
+def test_a_one_token_prompt_on_one_kv_head_reads_its_codes(kv):
+    """One row, one KV head, one column: the storage's slice is 'contiguous' at an odd byte offset,
+    where a view of the fp16 norms failed (quant/rows.py `bytes_as` copies it). The static cache
+    and the batch equal the dequantized dynamic reference."""
+    torch.manual_seed(0)
+    mqa = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", num_kv_heads=1)).eval()
+    kw = dict(max_new_tokens=3, num_steps=2, init_scale=0.0)
+    static = generate(mqa, torch.tensor([5]), kv_quant=kv, **kw).token_lists()[0]
+    assert static == generate(mqa, torch.tensor([5]), kv_quant=kv, cache_implementation="dynamic",
+                              **kw).token_lists()[0]
+    out, _ = run_batch(mqa, [([5], kw, 0)], kv, max_rows=1)
+    assert [r.token for r in out[0]] == static

@@ -64,6 +64,17 @@ def pair(text: str) -> tuple[int, int]:
     return a, b
 
 
+def random_requests(rng: random.Random, vocab_size: int, prompt_tokens: str, max_tokens: str,
+                    count: int) -> list[tuple[list[int], int]]:
+    """(prompt ids, max_tokens) per request, lengths drawn from the "lo,hi" ranges; the same
+    requests for every run; ids below the special-token range."""
+    p_lo, p_hi = pair(prompt_tokens)
+    t_lo, t_hi = pair(max_tokens)
+    vocab = max(2, vocab_size - 32)
+    return [([rng.randrange(vocab) for _ in range(rng.randint(p_lo, p_hi))], rng.randint(t_lo, t_hi))
+            for _ in range(count)]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -157,12 +168,7 @@ def main() -> int:
             cfg = rd.ModelConfig.from_json(model_dir / "config.json")
             source = str(model_dir)
         num_steps = args.num_steps
-        p_lo, p_hi = pair(args.prompt_tokens)
-        t_lo, t_hi = pair(args.max_tokens)
-        # The same prompts and lengths for every run; ids below the special-token range.
-        vocab = max(2, cfg.vocab_size - 32)
-        requests = [([rng.randrange(vocab) for _ in range(rng.randint(p_lo, p_hi))], rng.randint(t_lo, t_hi))
-                    for _ in range(args.requests)]
+        requests = random_requests(rng, cfg.vocab_size, args.prompt_tokens, args.max_tokens, args.requests)
         modes = {
             "fixed": dict(num_steps=num_steps),
             "adaptive": dict(num_steps=num_steps, exit_criterion=args.exit_criterion,

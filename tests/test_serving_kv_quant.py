@@ -10,6 +10,7 @@ their bytes, smaller than the float pool's by the codec's ratio exactly.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 
 import httpx
@@ -159,22 +160,28 @@ def test_a_quantizing_server_batches_its_requests_and_runs_other_specs_alone(mod
     with LiveServer(build_app(model_dir, model_name="tiny", kv_quant=KV)) as live:
         health = httpx.get(live.url + "/health").json()
         assert health["kv_quant"] == KVQuant.parse(KV).name and health["batching"] is True
-        prompts = [[5, 9, 2], [7, 1, 4, 4, 8, 3], [2, 6, 11, 9, 1]]
-        specs = [None, KV, other]  # unset: the server's; the server's own spelt out; another: alone
+        prompts = [[5, 9, 2], [7, 1, 4, 4, 8, 3], [2, 6, 11, 9, 1], [3, 3, 8]]
+        # unset: the server's; the server's own spelt out; another spec: alone; a policy the pool
+        # does not take: alone, with the server's spec
+        specs = [None, KV, other, None]
+        extras = [{}, {}, {}, {"kv_policy": "per-step+always-last"}]
         client = httpx.Client(base_url=live.url, timeout=60)
-        body = dict(model="tiny", max_tokens=5, num_steps=4, init_scale=0.0, temperature=0, ignore_eos=True)
-        import concurrent.futures
+        body = dict(model="tiny", max_tokens=5, num_steps=4, init_scale=0.0, temperature=0, ignore_eos=True,
+                    logprobs=1)
+        def send(prompt, spec, extra):
+            return client.post("/v1/completions", json=dict(body, prompt=prompt, **extra, **(
+                {"kv_quant": spec} if spec else {})))
 
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            answers = list(pool.map(
-                lambda ps: client.post("/v1/completions", json=dict(body, prompt=ps[0], **(
-                    {"kv_quant": ps[1]} if ps[1] else {}))), zip(prompts, specs)))
-        for prompt, spec, answer in zip(prompts, specs, answers):
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(send, prompts, specs, extras))
+        for prompt, spec, extra, answer in zip(prompts, specs, extras, answers):
             assert answer.status_code == 200, answer.text
-            alone = generate(ref_model, torch.tensor([prompt]), max_new_tokens=5, num_steps=4, init_scale=0.0,
-                             kv_quant=spec or KV)
-            assert answer.json()["choices"][0]["text"] == tok.decode(alone.sequences[0, len(prompt):].tolist(),
-                                                                     skip_special_tokens=True)
+            tokens, _, _, logp = alone(ref_model, prompt, dict(max_new_tokens=5, num_steps=4, init_scale=0.0, **extra),
+                                       None, spec or KV)
+            choice = answer.json()["choices"][0]
+            assert choice["text"] == tok.decode(tokens, skip_special_tokens=True)
+            want = logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0]  # the quantized logits, not the float ones
+            torch.testing.assert_close(torch.tensor(choice["logprobs"]["token_logprobs"]), want, rtol=0, atol=TOL)
         metrics = client.get("/metrics").text
         values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
                   if line and not line.startswith("#")}

@@ -186,8 +186,9 @@ def test_a_quantizing_server_batches_its_requests_and_runs_other_specs_alone(mod
         values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
                   if line and not line.startswith("#")}
         assert values["rdepth_batch_rows_total"] > 0 and values["rdepth_kv_pool_bytes"] > 0
-        bad = client.post("/v1/completions", json=dict(body, prompt=[1, 2], kv_quant="k=prod:0"))
-        assert bad.status_code == 400 and "kv_quant" in bad.json()["error"]["message"]
+        for spec in ("k=prod:0", "k=qjl:2.03"):  # a bad spec; one this model's head dim (16) cannot take
+            bad = client.post("/v1/completions", json=dict(body, prompt=[1, 2], kv_quant=spec))
+            assert bad.status_code == 400 and "kv_quant" in bad.json()["error"]["message"], bad.text
         client.close()
 
 

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from recurrent_depth.inference.options import eos_ids
+from recurrent_depth.inference.quant_cache import kv_quant_for_model
 from recurrent_depth.serving.batch import BatchDecoder, PromptScores, RowRequest
 from recurrent_depth.serving.engine import (
     Done,
@@ -284,6 +285,11 @@ def create_app(engine: Engine, codec: TextCodec, settings: ServerSettings) -> Fa
                 options.policy = options.policy.bind(cfg.core_layers)
             except ValueError as exc:
                 raise APIError(400, str(exc), param="kv_policy") from None
+            if options.kv_quant is not None:  # a spec this model cannot take: 400 now, not 500 in generation
+                try:
+                    kv_quant_for_model(engine.model, options.kv_quant)
+                except ValueError as exc:
+                    raise APIError(400, str(exc), param=sampling.given_as.get("kv_quant", "kv_quant")) from None
             # the slot pool takes most policies; the rest (always-last, randomized, compress-rN) run alone,
             # and so do speculative decoding, the official schedule and a kv_quant other than the pool's
             solo = (sampling.speculative or not engine.batches or not SlotKVPool.takes(options.policy)

@@ -52,6 +52,8 @@ def parse_args() -> argparse.Namespace:
                    help="threshold of the adaptive mode (default: the criterion's)")
     p.add_argument("--max-batch", type=int, default=32, help="server --max-batch (default: %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="server torch threads (default: %(default)s)")
+    p.add_argument("--kv-quant", default=None, help="server --kv-quant (default: full precision; "
+                   "benchmarks/serving_kv_quant.py compares specs side by side)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model, prompts and lengths (default: %(default)s)")
     p.add_argument("--single-requests", type=int, default=16,
                    help="requests run by rd.generate at batch 1 for the adaptive-gain ratio (default: %(default)s)")
@@ -179,7 +181,8 @@ def main() -> int:
         env = dict(os.environ, RDEPTH_API_KEY="")
         server = subprocess.Popen(
             [sys.executable, "-m", "recurrent_depth.cli", "serve", "--model", str(model_dir), "--port", str(port),
-             "--threads", str(args.threads), "--max-batch", str(args.max_batch), "--log-level", "warning"],
+             "--threads", str(args.threads), "--max-batch", str(args.max_batch), "--log-level", "warning",
+             *(["--kv-quant", args.kv_quant] if args.kv_quant else [])],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )
         try:
@@ -205,13 +208,14 @@ def main() -> int:
                     steps1, rows1 = metric(url, "rdepth_decode_steps_total"), metric(url, "rdepth_batch_rows_total")
                     result["mode"] = mode
                     result["mean_batch_rows"] = round((rows1 - rows0) / max(1.0, steps1 - steps0), 2)
+                    result["kv_pool_bytes"] = int(metric(url, "rdepth_kv_pool_bytes"))
                     runs.append(result)
                     print(f"  {mode:8s} c={c:<3d} {result['tokens_per_s']:9.1f} tok/s", file=sys.stderr)
         finally:
             server.terminate()
             server.wait(30)
 
-        single = single_stream(model_dir, requests[: args.single_requests], modes, args.threads)
+        single = single_stream(model_dir, requests[: args.single_requests], modes, args.threads, args.kv_quant)
 
     top = max(levels)
     batch_tps = {r["mode"]: r["tokens_per_s"] for r in runs if r["concurrency"] == top}
@@ -225,7 +229,8 @@ def main() -> int:
         "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "num_steps": num_steps,
         "exit_criterion": args.exit_criterion, "exit_threshold": args.exit_threshold,
         "requests": args.requests, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-        "max_batch": args.max_batch, "server_threads": args.threads, "torch": torch.__version__,
+        "max_batch": args.max_batch, "server_threads": args.threads, "kv_quant": args.kv_quant,
+        "torch": torch.__version__,
         "cpu_count": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2), "platform": platform.platform(),
         "runs": runs, "single_stream": single,
         "adaptive_gain_batch": round(batch_gain, 3), "adaptive_gain_single_stream": round(single_gain, 3),
@@ -250,12 +255,15 @@ def main() -> int:
     return 0
 
 
-def single_stream(model_dir: Path, requests: list[tuple[list[int], int]], modes: dict, threads: int) -> dict:
-    """tokens/s of `rd.generate` one request at a time (prefill included, as the server's figure), per mode."""
+def single_stream(model_dir: Path, requests: list[tuple[list[int], int]], modes: dict, threads: int,
+                  kv_quant: str | None = None) -> dict:
+    """tokens/s of `rd.generate` one request at a time (prefill included, as the server's figure), per mode
+    (with the server's kv_quant)."""
     torch.set_num_threads(threads)
     model = rd.RecurrentDepthLM.from_pretrained(model_dir).eval()
     out = {}
     for mode, extra in modes.items():
+        extra = dict(extra, kv_quant=kv_quant)
         rd.generate(model, torch.tensor(requests[0][0]), max_new_tokens=2, **extra)  # warm-up
         tokens, start = 0, time.perf_counter()
         steps = 0

@@ -47,8 +47,6 @@ def test_one_training_loop():
 # Names defined in several modules on purpose: each decoding mode's module has its `decode`, and
 # each experiment its `plot`; they are reached through their module, never imported bare.
 SHARED_BY_DESIGN = {"decode", "plot"}
-# Known and not yet merged into one (see the notes on issue 18); listed so a new clash still fails.
-KNOWN_CLASHES = {"parse_json"}
 
 
 def test_a_public_class_or_function_name_means_one_thing():
@@ -64,4 +62,4 @@ def test_a_public_class_or_function_name_means_one_thing():
             if obj.__module__ == module.__name__:
                 defined[name].add(module.__name__)
     clashes = {name: sorted(mods) for name, mods in defined.items() if len(mods) > 1}
-    assert set(clashes) - SHARED_BY_DESIGN - KNOWN_CLASHES == set(), clashes
+    assert set(clashes) - SHARED_BY_DESIGN == set(), clashes

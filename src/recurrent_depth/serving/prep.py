@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from recurrent_depth.serving.chat_template import RenderedTooLong, TemplateLimit
-from recurrent_depth.serving.protocol import APIError, Limits, parse_chat, parse_completion, parse_json
+from recurrent_depth.serving.protocol import APIError, Limits, parse_chat, parse_completion, parse_request_body
 from recurrent_depth.serving.text import ContextTooLong, TextCodec
 
 log = logging.getLogger("recurrent_depth.serving")
@@ -61,7 +61,7 @@ class Preparer:
 
     def _prepare(self, kind: str, raw: bytes) -> tuple[Any, list[list[int]]]:
         spec, codec, limits = self.spec, self.codec, self.spec.limits
-        body = parse_json(raw)
+        body = parse_request_body(raw)
         if kind == "completions":
             req = parse_completion(body, limits, set(spec.names), spec.eos_configured)
             prompts = []

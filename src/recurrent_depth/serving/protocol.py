@@ -61,7 +61,7 @@ def bad(param: str, message: str) -> APIError:
     return APIError(400, message, param=param)
 
 
-def parse_json(raw: bytes) -> dict[str, Any]:
+def parse_request_body(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object, or a 400 saying why not."""
     try:
         body = json.loads(raw)

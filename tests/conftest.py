@@ -6,6 +6,7 @@ import torch
 # Quantized decoding compiles its kernels at first use (recurrent_depth/accel/quant.py), 10-30 s a
 # variant; the suite runs them eagerly, and tests/test_quant_cache.py compiles them once, on purpose.
 os.environ.setdefault("RDEPTH_NO_COMPILE", "1")
+os.environ.setdefault("RDEPTH_NO_CPP", "1")  # the C++ read (accel/quant_cpp.py): built in test_quant_cpp.py
 
 import recurrent_depth as rd
 from tests.train_support import OneThread

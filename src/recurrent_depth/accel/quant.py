@@ -14,9 +14,13 @@ tests compare both.
 - The first decode call of a process compiles (about 10-30 s on a 2-core machine; inductor caches
   the result on disk, so later processes take a few seconds); the sequence length is marked dynamic,
   so a growing cache does not recompile.
-- Off with the accel switch (`RDEPTH_NO_ACCEL=1`, or `fast=False`, which skips the fast runner) or
-  with `RDEPTH_NO_COMPILE=1` alone. Where compiling fails (no C++ compiler, an unsupported device),
-  the kernels warn once and run eagerly from then on.
+- On CPU the read prefers the hand-written C++ kernel (`accel.quant_cpp`, one call between two
+  matmuls), built at the first decode call of a machine; `RDEPTH_NO_CPP=1` skips it, and where it
+  cannot build, the compiled read runs.
+- Off with the accel switch (`RDEPTH_NO_ACCEL=1`, or `fast=False`, which skips the fast runner), or
+  with `RDEPTH_NO_COMPILE=1` and `RDEPTH_NO_CPP=1` together (either alone leaves the other path).
+  Where compiling fails (no C++ compiler, an unsupported device), the kernels warn once and run
+  eagerly from then on.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from recurrent_depth.accel import quant_cpp
 from recurrent_depth.inference.quant_cache import codes_attention
 from recurrent_depth.quant.rows import TurboRows, TurboTables, turbo_combine, turbo_encode, turbo_score
 
@@ -49,18 +54,33 @@ def _turbo_attention(q: Tensor, rows_k: Tensor, rows_v: Tensor, tk: TurboTables,
 
 
 class CompiledCodes:
-    """`torch.compile`d encode and attention for TurboRows codecs (see the module docstring)."""
+    """`torch.compile`d encode and attention for TurboRows codecs, the C++ read preferred on CPU (see
+    the module docstring). compile / cpp: whether to use each (`code_kernels` passes the environment's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, compile: bool = True, cpp: bool = False) -> None:
         self._compiled: dict[Any, Any] = {}  # built at first use: `torch.compile` imports ~2 s of modules
-        self.failure: str | None = None  # why compiling failed (then everything runs eagerly)
+        self.compile, self.cpp = compile, cpp
+        self._cpp: quant_cpp.CppCodes | None = None  # loaded at the first read
+        self.failure: str | None = None  # why compiling failed (then the compiled calls run eagerly)
 
     def fits(self, ck: Any, cv: Any, x: Tensor) -> bool:
-        """Whether this call runs compiled: a decode call (T = 1) without autograd on TurboRows codecs."""
-        return (self.failure is None and x.shape[2] == 1 and isinstance(ck, TurboRows) and isinstance(cv, TurboRows)
+        """Whether this call runs here: a decode call (T = 1) without autograd on TurboRows codecs."""
+        return (x.shape[2] == 1 and isinstance(ck, TurboRows) and isinstance(cv, TurboRows)
                 and not torch.is_grad_enabled())
 
+    def cpp_kernel(self) -> quant_cpp.CppCodes | None:
+        """The C++ read, built or loaded at the first call; None when off or where it cannot build."""
+        if self.cpp and self._cpp is None:
+            module = quant_cpp.load()
+            if module is None:
+                self.cpp = False
+            else:
+                self._cpp = quant_cpp.CppCodes(module)
+        return self._cpp if self.cpp else None
+
     def _run(self, eager: Any, *args: Any) -> Any:
+        if not self.compile or self.failure is not None:
+            return eager(*args)
         try:
             compiled = self._compiled.get(eager)
             if compiled is None:
@@ -81,7 +101,11 @@ class CompiledCodes:
 
     def attend(self, ck: TurboRows, cv: TurboRows, q: Tensor, rows_k: Tensor, rows_v: Tensor,
                attn_mask: Tensor | None, is_causal: bool) -> Tensor:
-        """`codes_attention` with the codecs' score and combine, compiled."""
+        """`codes_attention` with the codecs' score and combine: the C++ read, else compiled."""
+        if quant_cpp.CppCodes.fits(q, is_causal):
+            cpp = self.cpp_kernel()
+            if cpp is not None:
+                return cpp.attend(ck.tables(q.device), cv.tables(q.device), q, rows_k, rows_v, attn_mask)
         for rows in (rows_k, rows_v):
             torch._dynamo.maybe_mark_dynamic(rows, 2)  # the sequence grows every token: no recompiles
         if attn_mask is not None:
@@ -99,11 +123,11 @@ def compile_enabled() -> bool:
 
 
 def code_kernels() -> CompiledCodes | None:
-    """The process's compiled quantized-KV kernels (built once, so each variant compiles once), or
-    None when `RDEPTH_NO_COMPILE` says so."""
+    """The process's quantized-KV kernels (built once, so each variant compiles once), or None when
+    `RDEPTH_NO_COMPILE` and `RDEPTH_NO_CPP` both say so."""
     global _KERNELS
-    if not compile_enabled():
+    if not compile_enabled() and not quant_cpp.cpp_enabled():
         return None
     if _KERNELS is None:
-        _KERNELS = CompiledCodes()
+        _KERNELS = CompiledCodes(compile=compile_enabled(), cpp=quant_cpp.cpp_enabled())
     return _KERNELS

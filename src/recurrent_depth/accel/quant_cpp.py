@@ -1,0 +1,315 @@
+"""A hand-written CPU kernel for decoding from TurboQuant code rows: softmax attention of one query
+row per head over every column's codes, in one C++ call (`torch.utils.cpp_extension.load_inline`).
+
+The compiled read (`accel.quant`) costs ~25 µs of call overhead per attention call; this kernel is
+one operator between two matmuls: torch computes the query's weight on each entry (`q @ query`, the
+matmul `turbo_score` uses, so rotations, sketches, QJL scales and calibrated per-head permutations
+stay in torch), the kernel cuts each key row's entries out of its bytes (the layout `turbo_entries`
+reads: fp16 group norms, prod's residual byte, centroid indices, sign bits), scores, masks, softmaxes
+and sums the value rows' entries, and torch applies the back matrix (as `turbo_combine` does).
+
+- Built once per machine (~30-60 s, cached under `$XDG_CACHE_HOME/recurrent_depth/` or
+  `~/.cache/recurrent_depth/`, keyed by the source's hash); where it cannot build (no compiler) it
+  warns once and `accel.quant` runs its compiled or eager path.
+- Off with `RDEPTH_NO_CPP=1` (the torch.compile path then runs, unless `RDEPTH_NO_COMPILE=1`).
+- Decode only: T = 1 query row per head, CPU, float32 accumulation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from recurrent_depth.quant.rows import TurboTables
+
+NO_CPP_ENV = "RDEPTH_NO_CPP"
+log = logging.getLogger(__name__)
+
+CPP_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// The b-bit entries of one field, big-endian in words of lcm(b, 8) bits (as `turbo_entries` cuts
+// them), each its `table` value times the field's factor f; no byte past the field's is read.
+template <int BITS>
+inline void decode_field(const uint8_t* p, int64_t count, const float* table, float f, float* out) {
+  if constexpr (BITS == 0) {  // prod:1 stores no indices: the centroid table holds one 0
+    for (int64_t e = 0; e < count; ++e) out[e] = table[0] * f;
+  } else {
+    constexpr int WORD_BITS = BITS * 8 / (BITS % 8 == 0 ? 8 : (BITS % 4 == 0 ? 4 : (BITS % 2 == 0 ? 2 : 1)));
+    constexpr int WORD_BYTES = WORD_BITS / 8, PER = WORD_BITS / BITS;
+    constexpr uint64_t MASK = (uint64_t(1) << BITS) - 1;
+    int64_t e = 0;
+    for (; e + PER <= count; e += PER, p += WORD_BYTES) {
+      uint64_t w = 0;
+      for (int i = 0; i < WORD_BYTES; ++i) w = (w << 8) | p[i];
+      for (int j = 0; j < PER; ++j) out[e + j] = table[(w >> (WORD_BITS - BITS * (j + 1))) & MASK] * f;
+    }
+    if (e < count) {  // a last, partial word: only its bytes in the row
+      const int64_t left = count - e, bytes = (left * BITS + 7) / 8;
+      uint64_t w = 0;
+      for (int i = 0; i < WORD_BYTES; ++i) w = (w << 8) | (i < bytes ? p[i] : 0);
+      for (int64_t j = 0; j < left; ++j) out[e + j] = table[(w >> (WORD_BITS - BITS * (j + 1))) & MASK] * f;
+    }
+  }
+}
+
+// One row's entries, field by field: fields [F, 5] int32 (first byte, count, bits, offset in `values`,
+// which factor scales it). Factors: the G fp16 group norms at `norm_byte`, then (prod) each group's
+// norm times its residual byte times the group's step.
+inline void decode_row(const uint8_t* row, const int32_t* fields, int64_t F, const float* values,
+                       int64_t norm_byte, int64_t G, const float* residual_step, float* factor, float* out) {
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* n = row + norm_byte + 2 * g;  // little-endian fp16
+    const uint16_t h = static_cast<uint16_t>(n[0]) | (static_cast<uint16_t>(n[1]) << 8);
+    factor[g] = static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+  }
+  if (residual_step != nullptr) {
+    for (int64_t g = 0; g < G; ++g) {
+      factor[G + g] = factor[g] * (static_cast<float>(row[norm_byte + 2 * G + g]) * residual_step[g]);
+    }
+  }
+  for (int64_t i = 0; i < F; ++i) {
+    const int32_t* l = fields + 5 * i;
+    const uint8_t* p = row + l[0];
+    const float* table = values + l[3];
+    const float f = factor[l[4]];
+    switch (l[2]) {
+      case 0: decode_field<0>(p, l[1], table, f, out); break;
+      case 1: decode_field<1>(p, l[1], table, f, out); break;
+      case 2: decode_field<2>(p, l[1], table, f, out); break;
+      case 3: decode_field<3>(p, l[1], table, f, out); break;
+      case 4: decode_field<4>(p, l[1], table, f, out); break;
+      case 5: decode_field<5>(p, l[1], table, f, out); break;
+      case 6: decode_field<6>(p, l[1], table, f, out); break;
+      case 7: decode_field<7>(p, l[1], table, f, out); break;
+      default: decode_field<8>(p, l[1], table, f, out); break;
+    }
+    out += l[1];
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t e = 0;
+  for (; e + 8 <= n; e += 8) {
+    for (int j = 0; j < 8; ++j) acc[j] += a[e + j] * b[e + j];
+  }
+  float total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; e < n; ++e) total += a[e] * b[e];
+  return total;
+}
+
+struct Side {
+  const uint8_t* rows; int64_t s0, s1, s2;
+  const int32_t* fields; int64_t F, E;
+  const float* values; int64_t norm_byte, G; const float* residual_step;
+};
+
+Side side(const torch::Tensor& rows, const torch::Tensor& layout, const torch::Tensor& values,
+          int64_t norm_byte, int64_t G, const torch::Tensor& residual_step) {
+  TORCH_CHECK(rows.dtype() == torch::kUInt8 && rows.dim() == 4 && rows.stride(3) == 1,
+              "rows: uint8 [B, Hkv, S, bytes], rows contiguous");
+  TORCH_CHECK(layout.dtype() == torch::kInt32 && layout.is_contiguous() && layout.dim() == 2
+              && layout.size(1) == 5, "layout: int32 [fields, 5]");
+  int64_t E = 0;
+  for (int64_t i = 0; i < layout.size(0); ++i) {
+    E += layout.data_ptr<int32_t>()[5 * i + 1];
+    TORCH_CHECK(layout.data_ptr<int32_t>()[5 * i + 2] <= 8, "layout: at most 8 bits an entry");
+  }
+  TORCH_CHECK(values.dtype() == torch::kFloat32 && values.is_contiguous(), "values: float32");
+  TORCH_CHECK(residual_step.dtype() == torch::kFloat32 && residual_step.is_contiguous(), "residual_step: float32");
+  return {rows.data_ptr<uint8_t>(), rows.stride(0), rows.stride(1), rows.stride(2),
+          layout.data_ptr<int32_t>(), layout.size(0), E, values.data_ptr<float>(), norm_byte, G,
+          residual_step.numel() ? residual_step.data_ptr<float>() : nullptr};
+}
+
+}  // namespace
+
+// qq [B, Hkv, M, Ek] float32: each query row's weight on each key entry; mask: none (numel 0), or
+// bool / float32 [B, Hkv * M, S] (any strides); returns [B, Hkv, M, Ev]: the weighted value entries.
+torch::Tensor codes_attention(torch::Tensor qq, torch::Tensor rows_k, torch::Tensor rows_v,
+                              torch::Tensor layout_k, torch::Tensor values_k, int64_t norm_k, int64_t groups_k,
+                              torch::Tensor step_k,
+                              torch::Tensor layout_v, torch::Tensor values_v, int64_t norm_v, int64_t groups_v,
+                              torch::Tensor step_v, torch::Tensor mask, double scale) {
+  TORCH_CHECK(qq.dtype() == torch::kFloat32 && qq.is_contiguous() && qq.dim() == 4,
+              "qq: float32 [B, Hkv, M, E] contiguous");
+  const Side k = side(rows_k, layout_k, values_k, norm_k, groups_k, step_k);
+  const Side v = side(rows_v, layout_v, values_v, norm_v, groups_v, step_v);
+  const int64_t B = qq.size(0), Hkv = qq.size(1), M = qq.size(2), S = rows_k.size(2);
+  TORCH_CHECK(qq.size(3) == k.E && rows_v.size(2) == S && rows_k.size(0) == B && rows_k.size(1) == Hkv
+              && rows_v.size(0) == B && rows_v.size(1) == Hkv, "codes_attention: shapes disagree");
+  const bool has_mask = mask.numel() > 0;
+  const bool bool_mask = has_mask && mask.dtype() == torch::kBool;
+  if (has_mask) {
+    TORCH_CHECK(mask.dim() == 3 && mask.size(0) == B && mask.size(1) == Hkv * M && mask.size(2) == S
+                && (bool_mask || mask.dtype() == torch::kFloat32), "mask: bool or float32 [B, H, S]");
+  }
+  const int64_t m0 = has_mask ? mask.stride(0) : 0, m1 = has_mask ? mask.stride(1) : 0;
+  const int64_t m2 = has_mask ? mask.stride(2) : 0;
+  const bool* mb = bool_mask ? mask.data_ptr<bool>() : nullptr;
+  const float* mf = (has_mask && !bool_mask) ? mask.data_ptr<float>() : nullptr;
+  auto out = torch::zeros({B, Hkv, M, v.E}, qq.options());
+  const float* q = qq.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> entry(std::max(k.E, v.E)), factor(2 * std::max(k.G, v.G) + 2), p(M * S);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / Hkv, h = bh % Hkv;
+      const float* qb = q + bh * M * k.E;
+      for (int64_t s = 0; s < S; ++s) {
+        decode_row(k.rows + b * k.s0 + h * k.s1 + s * k.s2, k.fields, k.F, k.values, k.norm_byte, k.G,
+                   k.residual_step, factor.data(), entry.data());
+        for (int64_t m = 0; m < M; ++m) {
+          float score = dot(qb + m * k.E, entry.data(), k.E) * fscale;
+          if (has_mask) {
+            const int64_t at = b * m0 + (h * M + m) * m1 + s * m2;
+            if (bool_mask) {
+              if (!mb[at]) score = -std::numeric_limits<float>::infinity();
+            } else {
+              score += mf[at];
+            }
+          }
+          p[m * S + s] = score;
+        }
+      }
+      for (int64_t m = 0; m < M; ++m) {  // softmax as torch's: all -inf gives NaN, as SDPA's reference
+        float* pm = p.data() + m * S;
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t s = 0; s < S; ++s) top = std::max(top, pm[s]);
+        float total = 0;
+        for (int64_t s = 0; s < S; ++s) { pm[s] = std::exp(pm[s] - top); total += pm[s]; }
+        for (int64_t s = 0; s < S; ++s) pm[s] /= total;
+      }
+      float* ob = o + bh * M * v.E;
+      for (int64_t s = 0; s < S; ++s) {
+        decode_row(v.rows + b * v.s0 + h * v.s1 + s * v.s2, v.fields, v.F, v.values, v.norm_byte, v.G,
+                   v.residual_step, factor.data(), entry.data());
+        for (int64_t m = 0; m < M; ++m) {
+          const float w = p[m * S + s];
+          float* om = ob + m * v.E;
+          for (int64_t e = 0; e < v.E; ++e) om[e] += w * entry[e];
+        }
+      }
+    }
+  });
+  return out;
+}
+"""
+
+_lock = threading.Lock()
+_module: Any = None
+_failure: str | None = None
+
+
+def cpp_enabled() -> bool:
+    """False when the environment says `RDEPTH_NO_CPP` (any value but "", "0")."""
+    return os.environ.get(NO_CPP_ENV, "") in ("", "0")
+
+
+def build_dir() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "recurrent_depth" / "torch_extensions"
+
+
+def load() -> Any:
+    """The built extension (building it at the first call of a machine), or None where it cannot build
+    (then `failure()` says why; warned once)."""
+    global _module, _failure
+    with _lock:
+        if _module is None and _failure is None:
+            digest = hashlib.sha256((CPP_SOURCE + torch.__version__).encode()).hexdigest()[:12]
+            name = f"rdepth_quant_{digest}"
+            directory = build_dir() / name
+            try:
+                from torch.utils.cpp_extension import load_inline
+
+                directory.mkdir(parents=True, exist_ok=True)
+                _module = load_inline(name, cpp_sources=[CPP_SOURCE],
+                                      functions=["codes_attention"], extra_cflags=["-O3", "-march=native"],
+                                      build_directory=str(directory), verbose=False)
+            except Exception as exc:  # no compiler, no ninja, a failing build: the other paths run
+                _failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                log.warning("the C++ quantized-KV kernel is unavailable (%s); using the compiled path", _failure)
+    return _module
+
+
+def failure() -> str | None:
+    return _failure
+
+
+class EntryLayout:
+    """A TurboTables' row layout as the kernel reads it: per field (first byte, entries, bits, offset
+    into the values table, which factor: `TurboTables.fields`), the values table (every group's
+    centroids, then -1, +1 for sign bits), where the norms start, the group count and (prod) the
+    residual steps."""
+
+    def __init__(self, t: TurboTables) -> None:
+        G = len(t.group_sizes)
+        sign_at = int(t.centroids.numel())
+        layout = [(first, count, bits, sign_at if offset is None else offset, norm)
+                  for first, count, bits, offset, norm in t.fields]
+        self.layout = torch.tensor(layout, dtype=torch.int32)
+        self.values = torch.cat([t.centroids.float().cpu(), torch.tensor([-1.0, 1.0])]).contiguous()
+        self.norm_byte = t.norm_bytes
+        self.groups = G
+        self.residual_step = t.residual_step.float().cpu().contiguous()
+        self.entries = sum(count for _, count, _, _, _ in layout)
+
+
+class CppCodes:
+    """The C++ attention read for TurboRows codecs on CPU (see the module docstring)."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self._layouts: dict[int, tuple[TurboTables, EntryLayout]] = {}
+
+    def layout(self, t: TurboTables) -> EntryLayout:
+        cached = self._layouts.get(id(t))
+        if cached is None or cached[0] is not t:  # (keeps `t` alive, so its id stays its own)
+            cached = self._layouts[id(t)] = (t, EntryLayout(t))
+        return cached[1]
+
+    @staticmethod
+    def fits(q: Tensor, is_causal: bool) -> bool:
+        return q.device.type == "cpu" and q.shape[2] == 1 and not is_causal
+
+    def attend(self, tk: TurboTables, tv: TurboTables, q: Tensor, rows_k: Tensor, rows_v: Tensor,
+               attn_mask: Tensor | None) -> Tensor:
+        """`codes_attention(q [B, H, 1, D], ...)` with turbo_score / turbo_combine's results."""
+        B, H, _, D = q.shape
+        Hkv, S = rows_k.shape[1], rows_k.shape[2]
+        lk, lv = self.layout(tk), self.layout(tv)
+        qq = (q.reshape(B, Hkv, H // Hkv, D).float() @ tk.query).reshape(B, Hkv, H // Hkv, -1).contiguous()
+        if attn_mask is None:
+            mask = _NO_MASK
+        else:
+            mask = attn_mask.expand(B, H, 1, S)[:, :, 0]
+            if mask.dtype not in (torch.bool, torch.float32):
+                mask = mask.float()
+        if rows_k.stride(-1) != 1:
+            rows_k = rows_k.contiguous()
+        if rows_v.stride(-1) != 1:
+            rows_v = rows_v.contiguous()
+        values = self.module.codes_attention(
+            qq, rows_k, rows_v, lk.layout, lk.values, lk.norm_byte, lk.groups, lk.residual_step,
+            lv.layout, lv.values, lv.norm_byte, lv.groups, lv.residual_step, mask, D**-0.5)
+        return (values @ tv.back).view(B, H, 1, -1).to(q.dtype)
+
+
+_NO_MASK = torch.empty(0)

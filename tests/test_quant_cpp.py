@@ -1,0 +1,120 @@
+"""The C++ decode read of TurboQuant code rows (accel/quant_cpp.py) against `codes_attention` with the
+eager `turbo_score` / `turbo_combine` (the reference), and through the quantized cache against decode
++ SDPA. The extension is built once per session (~30-60 s the first time on a machine, then loaded
+from its cache); the module is skipped where it cannot build (no C++ compiler).
+
+Tolerance: atol 1e-5 on attention outputs of O(1) (inputs N(0, 1)): the two float32 computations
+differ only in summation order (observed <= 1e-6).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recurrent_depth.accel import quant_cpp
+from recurrent_depth.accel.quant import CompiledCodes
+from recurrent_depth.inference.quant_cache import KVQuant, codes_attention, layer_codec
+from recurrent_depth.quant.rows import turbo_combine, turbo_score
+from tests.test_quant_cache import check_codes_attention_against_sdpa
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOL = 1e-5
+SPECS = ["k=prod:3.5,v=mse:3.5,outliers=first", "k=prod:3.5,v=mse:3.5", "k=prod:2.5,v=mse:2.5", "k=mse:3,v=mse:4",
+         "k=prod:3,v=prod:2",
+         "k=prod:1.5,v=mse:1.5", "k=mse:1,v=mse:2", "k=prod:3.5,v=mse:3.5,outliers=calibrated",
+         "k=mse:2.5,v=prod:2.5,outliers=keys"]
+
+
+@pytest.fixture(scope="module")
+def kernel() -> quant_cpp.CppCodes:
+    module = quant_cpp.load()
+    if module is None:
+        pytest.skip(f"the C++ extension cannot build here: {quant_cpp.failure()}")
+    return quant_cpp.CppCodes(module)
+
+
+def reference(q, rows_k, rows_v, ck, cv, mask):
+    tk, tv = ck.tables(q.device), cv.tables(q.device)
+    return codes_attention(q, rows_k, rows_v, lambda x, rows: turbo_score(x, rows, tk),
+                           lambda w, rows: turbo_combine(w, rows, tv), mask, False)
+
+
+def codecs(spec, D, k, v):
+    return layer_codec(spec, "k", D, k), layer_codec(spec, "v", D, v)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (3, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("S", [1, 7, 65])
+def test_the_cpp_read_equals_the_eager_functions(kernel, spec, heads, S):
+    H, Hkv = heads
+    B, D = 2, 16
+    g = torch.Generator().manual_seed(S)
+    q = torch.randn(B, H, 1, D, generator=g)
+    k, v = torch.randn(B, Hkv, S, D, generator=g) * 3, torch.randn(B, Hkv, S, D, generator=g)
+    ck, cv = codecs(spec, D, k, v)
+    split = "." in spec.split(",")[0]  # (the default rule calibrates split keys' outlier channels)
+    assert (ck.perm is not None) == (split and "outliers=first" not in spec)
+    rows_k, rows_v = ck.encode(k), cv.encode(v)
+    pad = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    pad[1, ..., : S // 2] = False  # padding on the left of row 1 (none at S = 1)
+    float_mask = torch.randn(B, H, 1, S, generator=g)
+    for mask in (None, pad, float_mask, pad.expand(B, H, 1, S)):
+        got = kernel.attend(ck.tables(q.device), cv.tables(q.device), q, rows_k, rows_v, mask)
+        torch.testing.assert_close(got, reference(q, rows_k, rows_v, ck, cv, mask), atol=TOL, rtol=0)
+
+
+def test_the_cpp_read_takes_slices_of_a_storage_and_head_dim_64(kernel):
+    """Rows sliced out of a larger storage (strided), head dim 64 as the small model's."""
+    B, H, Hkv, D, S = 1, 8, 2, 64, 33
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, H, 1, D, generator=g)
+    k, v = torch.randn(B, Hkv, 40, D, generator=g), torch.randn(B, Hkv, 40, D, generator=g)
+    ck, cv = codecs("k=prod:3.5,v=mse:3.5", D, k, v)
+    rows_k, rows_v = ck.encode(k)[:, :, :S], cv.encode(v)[:, :, :S]
+    assert not rows_k.is_contiguous()
+    got = kernel.attend(ck.tables(q.device), cv.tables(q.device), q, rows_k, rows_v, None)
+    torch.testing.assert_close(got, reference(q, rows_k, rows_v, ck, cv, None), atol=TOL, rtol=0)
+
+
+def test_a_fully_masked_row_gives_nan_as_the_reference(kernel):
+    B, H, D, S = 1, 2, 16, 5
+    q, k = torch.randn(B, H, 1, D), torch.randn(B, H, S, D)
+    ck, cv = codecs("k=prod:3.5,v=mse:3.5", D, k, k)
+    rows = ck.encode(k), cv.encode(k)
+    mask = torch.zeros(B, 1, 1, S, dtype=torch.bool)
+    got = kernel.attend(ck.tables(q.device), cv.tables(q.device), q, *rows, mask)
+    assert torch.isnan(got).all() and torch.isnan(reference(q, *rows, ck, cv, mask)).all()
+
+
+@pytest.mark.parametrize("kv", ["k=prod:3.5,v=mse:3.5", "k=mse:2.5,v=prod:2.5,outliers=calibrated"])
+def test_the_cpp_read_through_the_cache_equals_sdpa_over_the_decoded_entries(kernel, kv):
+    """`CompiledCodes(compile=False, cpp=True)`: the C++ read in decode calls (padding and skip masks,
+    grouped-query heads, a growing sequence) vs decode + SDPA."""
+    kernels = CompiledCodes(compile=False, cpp=True)
+    with torch.no_grad():
+        check_codes_attention_against_sdpa(kv, (4, 2), kernels, decode_tokens=3)
+    assert kernels.cpp_kernel() is not None
+
+
+def test_the_cpp_switch(monkeypatch):
+    from recurrent_depth.accel.quant import code_kernels
+
+    monkeypatch.setenv("RDEPTH_NO_CPP", "1")
+    assert not quant_cpp.cpp_enabled()
+    monkeypatch.setenv("RDEPTH_NO_COMPILE", "1")
+    assert code_kernels() is None
+    monkeypatch.setenv("RDEPTH_NO_CPP", "0")
+    assert quant_cpp.cpp_enabled() and code_kernels() is not None
+
+
+def test_the_entry_layout_matches_the_row_layout():
+    """The fields of a prod split: two index fields (4 and 3 bits), two sign fields reading -1, +1."""
+    codec = layer_codec(KVQuant.parse("k=prod:3.5"), "k", 16)
+    t = codec.tables(torch.device("cpu"))
+    layout = quant_cpp.EntryLayout(t)
+    assert layout.entries == 2 * 16 and layout.layout.shape == (4, 5)
+    assert layout.layout[:, 2].tolist() == [3, 2, 1, 1]  # prod:3.5 = mse 3 / 2 bits + the signs
+    assert (layout.layout[2:, 3] == t.centroids.numel()).all() and layout.values[-2:].tolist() == [-1, 1]

@@ -15,7 +15,7 @@ import torch
 from recurrent_depth.accel import quant_cpp
 from recurrent_depth.accel.quant import CompiledCodes
 from recurrent_depth.inference.quant_cache import KVQuant, codes_attention, layer_codec
-from recurrent_depth.quant.rows import turbo_combine, turbo_score
+from recurrent_depth.quant.rows import turbo_combine, turbo_encode, turbo_score
 from tests.test_quant_cache import check_codes_attention_against_sdpa
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -118,3 +118,27 @@ def test_the_entry_layout_matches_the_row_layout():
     assert layout.entries == 2 * 16 and layout.layout.shape == (4, 5)
     assert layout.layout[:, 2].tolist() == [3, 2, 1, 1]  # prod:3.5 = mse 3 / 2 bits + the signs
     assert (layout.layout[2:, 3] == t.centroids.numel()).all() and layout.values[-2:].tolist() == [-1, 1]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_the_cpp_encode_writes_the_bytes_of_turbo_encode(kernel, spec):
+    """Every byte equal to the eager `turbo_encode` (indices, signs, fp16 norms, prod's residual
+    byte), on 2 x 3 x 200 random vectors at head dims 16 and 64, scaled over four decades."""
+    for D in (16, 64):
+        g = torch.Generator().manual_seed(D)
+        x = torch.randn(2, 3, 200, D, generator=g) * torch.logspace(-2, 2, 200)[:, None]
+        ck, cv = codecs(spec, D, x, x)
+        for codec in (ck, cv):
+            t = codec.tables(x.device)
+            want, finite = turbo_encode(x, t)
+            got_k, got_v, got_finite = kernel.encode(t, t, x, x[:, :, :1])
+            assert got_k.dtype == torch.uint8 and torch.equal(got_k, want) and bool(got_finite) == bool(finite)
+            assert torch.equal(got_v, want[:, :, :1])
+
+
+def test_the_cpp_encode_reports_a_norm_beyond_fp16(kernel):
+    ck, cv = codecs("k=prod:3.5,v=mse:3.5", 16, None, None)
+    x = torch.randn(1, 2, 1, 16)
+    t = ck.tables(x.device)
+    assert bool(kernel.encode(t, cv.tables(x.device), x, x)[2])
+    assert not bool(kernel.encode(t, cv.tables(x.device), x * 1e6, x)[2])

@@ -14,9 +14,9 @@ tests compare both.
 - The first decode call of a process compiles (about 10-30 s on a 2-core machine; inductor caches
   the result on disk, so later processes take a few seconds); the sequence length is marked dynamic,
   so a growing cache does not recompile.
-- On CPU the read prefers the hand-written C++ kernel (`accel.quant_cpp`, one call between two
-  matmuls), built at the first decode call of a machine; `RDEPTH_NO_CPP=1` skips it, and where it
-  cannot build, the compiled read runs.
+- On CPU the hand-written C++ kernels (`accel.quant_cpp`: the encode, the same bytes as
+  `turbo_encode`; the read, one call between two matmuls) are preferred, built at the first decode
+  call of a machine; `RDEPTH_NO_CPP=1` skips them, and where they cannot build, the compiled ones run.
 - Off with the accel switch (`RDEPTH_NO_ACCEL=1`, or `fast=False`, which skips the fast runner), or
   with `RDEPTH_NO_COMPILE=1` and `RDEPTH_NO_CPP=1` together (either alone leaves the other path).
   Where compiling fails (no C++ compiler, an unsupported device), the kernels warn once and run
@@ -93,8 +93,13 @@ class CompiledCodes:
             return eager(*args)
 
     def encode(self, ck: TurboRows, cv: TurboRows, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """k, v `[B, Hkv, 1, D]` -> their code rows, as `ck.encode(k), cv.encode(v)`."""
-        rows_k, rows_v, finite = self._run(_encode_pair, k, v, ck.tables(k.device), cv.tables(v.device))
+        """k, v `[B, Hkv, 1, D]` -> their code rows, as `ck.encode(k), cv.encode(v)` (the C++ encode on
+        CPU: the same bytes; else compiled)."""
+        cpp = self.cpp_kernel() if k.device.type == "cpu" else None
+        if cpp is not None:
+            rows_k, rows_v, finite = cpp.encode(ck.tables(k.device), cv.tables(v.device), k, v)
+        else:
+            rows_k, rows_v, finite = self._run(_encode_pair, k, v, ck.tables(k.device), cv.tables(v.device))
         if not bool(finite):  # the eager encodes raise the clear error (a norm beyond fp16)
             ck.encode(k), cv.encode(v)
         return rows_k, rows_v

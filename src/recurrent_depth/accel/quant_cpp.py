@@ -1,18 +1,21 @@
-"""A hand-written CPU kernel for decoding from TurboQuant code rows: softmax attention of one query
-row per head over every column's codes, in one C++ call (`torch.utils.cpp_extension.load_inline`).
+"""Hand-written CPU kernels for decoding from TurboQuant code rows (`torch.utils.cpp_extension.
+load_inline`): the encode of a decode call's new keys and values, and softmax attention of one query
+row per head over every column's codes, one C++ call each.
 
-The compiled read (`accel.quant`) costs ~25 µs of call overhead per attention call; this kernel is
-one operator between two matmuls: torch computes the query's weight on each entry (`q @ query`, the
-matmul `turbo_score` uses, so rotations, sketches, QJL scales and calibrated per-head permutations
-stay in torch), the kernel cuts each key row's entries out of its bytes (the layout `turbo_entries`
-reads: fp16 group norms, prod's residual byte, centroid indices, sign bits), scores, masks, softmaxes
-and sums the value rows' entries, and torch applies the back matrix (as `turbo_combine` does).
+A compiled call (`accel.quant`) costs ~25 µs of overhead at batch 1. The read here is one operator
+between two matmuls: torch computes the query's weight on each entry (`q @ query`, the matmul
+`turbo_score` uses, so rotations, sketches, QJL scales and calibrated per-head permutations stay in
+torch), the kernel cuts each key row's entries out of its bytes (the layout `turbo_entries` reads:
+fp16 group norms, prod's residual byte, centroid indices, sign bits), scores, masks, softmaxes and
+sums the value rows' entries, and torch applies the back matrix (as `turbo_combine` does).
 
 - Built once per machine (~30-60 s, cached under `$XDG_CACHE_HOME/recurrent_depth/` or
   `~/.cache/recurrent_depth/`, keyed by the source's hash); where it cannot build (no compiler) it
   warns once and `accel.quant` runs its compiled or eager path.
 - Off with `RDEPTH_NO_CPP=1` (the torch.compile path then runs, unless `RDEPTH_NO_COMPILE=1`).
-- Decode only: T = 1 query row per head, CPU, float32 accumulation.
+- The read: decode only (T = 1 query row per head), CPU, float32 accumulation. The encode: the same
+  bytes as `turbo_encode` (its matmuls and norms are the same ATen calls; the elementwise steps one
+  IEEE rounding each, built with `-ffp-contract=off`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from torch import Tensor
 
 from recurrent_depth.quant.rows import TurboTables
+from recurrent_depth.quant.turboquant import HASH_BITS, RESIDUAL_LEVELS
 
 NO_CPP_ENV = "RDEPTH_NO_CPP"
 log = logging.getLogger(__name__)
@@ -36,6 +40,7 @@ CPP_SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -210,6 +215,127 @@ torch::Tensor codes_attention(torch::Tensor qq, torch::Tensor rows_k, torch::Ten
   });
   return out;
 }
+
+namespace {
+
+// Each group's norm of [..., D] rows, [N, G] float, by the ATen calls `rows._group_norms` makes (the
+// same kernels on the same views, so the same bits).
+torch::Tensor group_norms(const torch::Tensor& y, const std::vector<int64_t>& sizes) {
+  if (sizes.size() == 1) return at::linalg_vector_norm(y, 2, {-1}, true).reshape({-1, 1}).contiguous();
+  std::vector<torch::Tensor> parts;
+  int64_t start = 0;
+  for (int64_t size : sizes) {
+    parts.push_back(at::linalg_vector_norm(y.narrow(-1, start, size), 2, {-1}, false));
+    start += size;
+  }
+  return at::stack(parts, -1).reshape({-1, static_cast<int64_t>(sizes.size())}).contiguous();
+}
+
+inline void put_bits(uint8_t* row, int64_t pos, int64_t value, int bits) {
+  for (int k = bits - 1; k >= 0; --k, ++pos) {
+    row[pos >> 3] |= static_cast<uint8_t>(((value >> k) & 1) << (7 - (pos & 7)));  // most significant first
+  }
+}
+
+}  // namespace
+
+// `rows.turbo_encode` of x [..., D]: tables = (rotate, col_group, col_shift, boundaries, offsets,
+// centroids, sketch_t or empty, fields [F, 5] int32, each group's dither weights (prod)); ints =
+// (G, the group sizes, norm byte, row bytes, residual levels, hash bits); steps: the residual steps.
+// Returns (rows uint8 [..., bytes], whether every stored norm is finite). Float steps are the
+// reference's, one rounding each (built with -ffp-contract=off), so the bytes are the same.
+std::vector<torch::Tensor> encode(torch::Tensor x, std::vector<torch::Tensor> t, std::vector<int64_t> ints,
+                                  std::vector<double> steps) {
+  const int64_t G = ints[0];
+  TORCH_CHECK(G >= 1 && G <= 8 && static_cast<int64_t>(t.size()) == 8 + (t[6].numel() > 0 ? G : 0), "encode: tables");
+  const std::vector<int64_t> sizes(ints.begin() + 1, ints.begin() + 1 + G);
+  const int64_t norm_byte = ints[G + 1], nbytes = ints[G + 2], levels = ints[G + 3], hash = int64_t(1) << ints[G + 4];
+  const torch::Tensor y = at::matmul(x.to(at::kFloat), t[0]).contiguous();
+  const bool prod = t[6].numel() > 0;
+  const int64_t D = y.size(-1), N = y.numel() / D;
+  const int64_t* col_group = t[1].data_ptr<int64_t>();
+  const float* col_shift = t[2].data_ptr<float>();
+  const float* bounds = t[3].data_ptr<float>();
+  const int64_t nb = t[3].numel();
+  const int64_t* offsets = t[4].data_ptr<int64_t>();
+  const float* centroids = t[5].data_ptr<float>();
+  const torch::Tensor norms = group_norms(y, sizes);
+  const float* yp = y.data_ptr<float>();
+  const float* np = norms.data_ptr<float>();
+  const float tiny = std::numeric_limits<float>::min();
+  std::vector<int64_t> entry(N * 2 * D, 0);  // [N, E]: indices, then (prod) sign bits
+  std::vector<uint16_t> stored(N * G);
+  bool finite = true;
+  torch::Tensor residual = prod ? torch::empty_like(y) : torch::Tensor();
+  float* rp = prod ? residual.data_ptr<float>() : nullptr;
+  for (int64_t n = 0; n < N; ++n) {
+    float ratio[8];
+    for (int64_t g = 0; g < G; ++g) {
+      const c10::Half h(np[n * G + g]);
+      stored[n * G + g] = h.x;
+      const float s = static_cast<float>(h);
+      finite = finite && std::isfinite(s);
+      ratio[g] = s > 0 ? np[n * G + g] / std::max(s, tiny) : 1.0f;
+    }
+    for (int64_t c = 0; c < D; ++c) {
+      const int64_t g = col_group[c];
+      const float unit = yp[n * D + c] / std::max(np[n * G + g], tiny);
+      const float shifted = unit + col_shift[c];
+      const int64_t where = std::lower_bound(bounds, bounds + nb, shifted) - bounds;  // bucketize, right=False
+      entry[n * 2 * D + c] = where - offsets[c];
+      if (prod) {
+        const float scaled = unit * ratio[g];
+        rp[n * D + c] = scaled - centroids[where];
+      }
+    }
+  }
+  auto shape = x.sizes().vec();
+  shape.back() = nbytes;
+  torch::Tensor rows = torch::zeros(shape, x.options().dtype(torch::kUInt8));
+  uint8_t* out = rows.data_ptr<uint8_t>();
+  torch::Tensor rnorms;
+  if (prod) {
+    const torch::Tensor signs = at::matmul(residual, t[6]).contiguous();
+    rnorms = group_norms(residual, sizes);
+    const float* sp = signs.data_ptr<float>();
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t c = 0; c < D; ++c) entry[n * 2 * D + D + c] = sp[n * D + c] >= 0 ? 1 : 0;
+    }
+  }
+  const int32_t* fields = t[7].data_ptr<int32_t>();
+  const int64_t F = t[7].size(0);
+  for (int64_t n = 0; n < N; ++n) {
+    uint8_t* row = out + n * nbytes;
+    const int64_t* e = entry.data() + n * 2 * D;
+    for (int64_t i = 0; i < F; ++i) {
+      const int32_t* l = fields + 5 * i;
+      for (int64_t j = 0; j < l[1]; ++j) {
+        if (l[2] > 0) put_bits(row, 8 * int64_t(l[0]) + j * l[2], e[j], l[2]);
+      }
+      e += l[1];
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      row[norm_byte + 2 * g] = stored[n * G + g] & 0xff;
+      row[norm_byte + 2 * g + 1] = stored[n * G + g] >> 8;
+    }
+    if (prod) {  // `turboquant.residual_code`: stochastic rounding of ||r|| / step, u hashed from the signs
+      const float* rn = rnorms.data_ptr<float>();
+      int64_t start = 0;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t* w = t[8 + g].data_ptr<int64_t>();
+        int64_t h = 0;
+        for (int64_t c = 0; c < sizes[g]; ++c) h += entry[n * 2 * D + D + start + c] * w[c];
+        h = (h + w[sizes[g]]) % hash;
+        const double u = (static_cast<double>(h) + 0.5) / static_cast<double>(hash);
+        double q = std::floor(static_cast<double>(rn[n * G + g]) / steps[g] + u);
+        q = std::min(std::max(q, 0.0), static_cast<double>(levels));
+        row[norm_byte + 2 * G + g] = static_cast<uint8_t>(q);
+        start += sizes[g];
+      }
+    }
+  }
+  return {rows, torch::tensor(finite)};
+}
 """
 
 _lock = threading.Lock()
@@ -241,7 +367,8 @@ def load() -> Any:
 
                 directory.mkdir(parents=True, exist_ok=True)
                 _module = load_inline(name, cpp_sources=[CPP_SOURCE],
-                                      functions=["codes_attention"], extra_cflags=["-O3", "-march=native"],
+                                      functions=["codes_attention", "encode"],
+                                      extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
                                       build_directory=str(directory), verbose=False)
             except Exception as exc:  # no compiler, no ninja, a failing build: the other paths run
                 _failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -270,6 +397,15 @@ class EntryLayout:
         self.groups = G
         self.residual_step = t.residual_step.float().cpu().contiguous()
         self.entries = sum(count for _, count, _, _, _ in layout)
+        # `encode`'s tables, ints and steps (see the C++ source)
+        self.encode_tables = [
+            t.rotate.float().contiguous(), t.col_group.long().contiguous(), t.col_shift.float().contiguous(),
+            t.boundaries.float().contiguous(), t.offsets.long().contiguous(), t.centroids.float().contiguous(),
+            _NO_MASK if t.sketch_t is None else t.sketch_t.float().contiguous(), self.layout,
+            *(d.long().contiguous() for d in t.dither)]
+        self.encode_ints = [G, *t.group_sizes, t.norm_bytes, self.norm_byte + 2 * G + len(t.residual_steps),
+                            RESIDUAL_LEVELS, HASH_BITS]
+        self.encode_steps = [float(step) for step in t.residual_steps]
 
 
 class CppCodes:
@@ -284,6 +420,13 @@ class CppCodes:
         if cached is None or cached[0] is not t:  # (keeps `t` alive, so its id stays its own)
             cached = self._layouts[id(t)] = (t, EntryLayout(t))
         return cached[1]
+
+    def encode(self, tk: TurboTables, tv: TurboTables, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """`turbo_encode` of k and v `[..., D]` (CPU), the same bytes: (rows_k, rows_v, all norms finite)."""
+        lk, lv = self.layout(tk), self.layout(tv)
+        rows_k, finite_k = self.module.encode(k, lk.encode_tables, lk.encode_ints, lk.encode_steps)
+        rows_v, finite_v = self.module.encode(v, lv.encode_tables, lv.encode_ints, lv.encode_steps)
+        return rows_k, rows_v, finite_k & finite_v
 
     @staticmethod
     def fits(q: Tensor, is_causal: bool) -> bool:

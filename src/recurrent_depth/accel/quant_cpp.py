@@ -146,7 +146,7 @@ Side side(const torch::Tensor& rows, const torch::Tensor& layout, const torch::T
 
 // qq [B, Hkv, M, Ek] float32: each query row's weight on each key entry; mask: none (numel 0), or
 // bool / float32 [B, Hkv * M, S] (any strides); returns [B, Hkv, M, Ev]: the weighted value entries.
-torch::Tensor codes_attention(torch::Tensor qq, torch::Tensor rows_k, torch::Tensor rows_v,
+static torch::Tensor codes_attention(torch::Tensor qq, torch::Tensor rows_k, torch::Tensor rows_v,
                               torch::Tensor layout_k, torch::Tensor values_k, int64_t norm_k, int64_t groups_k,
                               torch::Tensor step_k,
                               torch::Tensor layout_v, torch::Tensor values_v, int64_t norm_v, int64_t groups_v,
@@ -336,6 +336,38 @@ std::vector<torch::Tensor> encode(torch::Tensor x, std::vector<torch::Tensor> t,
   }
   return {rows, torch::tensor(finite)};
 }
+
+// Both encodes of a decode call: (rows_k, rows_v, whether every stored norm is finite).
+std::vector<torch::Tensor> encode_pair(torch::Tensor k, std::vector<torch::Tensor> tk, std::vector<int64_t> ik,
+                                       std::vector<double> sk, torch::Tensor v, std::vector<torch::Tensor> tv,
+                                       std::vector<int64_t> iv, std::vector<double> sv) {
+  auto rows_k = encode(k, tk, ik, sk), rows_v = encode(v, tv, iv, sv);
+  return {rows_k[0], rows_v[0], at::logical_and(rows_k[1], rows_v[1])};
+}
+
+// `codes_attention` of q [B, H, 1, D] around the read: the query's weight on each key entry
+// (`q @ query`, as `turbo_score`), the mask broadcast to [B, H, S], and the value entries' sum times
+// `back` (as `turbo_combine`), [B, H, 1, Dv] in q's dtype.
+torch::Tensor attend(torch::Tensor q, torch::Tensor query, torch::Tensor back, torch::Tensor rows_k,
+                     torch::Tensor rows_v, torch::Tensor layout_k, torch::Tensor values_k, int64_t norm_k,
+                     int64_t groups_k, torch::Tensor step_k, torch::Tensor layout_v, torch::Tensor values_v,
+                     int64_t norm_v, int64_t groups_v, torch::Tensor step_v, c10::optional<torch::Tensor> attn_mask) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Hkv = rows_k.size(1), S = rows_k.size(2);
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && H % Hkv == 0, "attend: q [B, H, 1, D], H a multiple of Hkv");
+  const torch::Tensor qq = at::matmul(q.reshape({B, Hkv, H / Hkv, D}).to(at::kFloat), query)
+                               .reshape({B, Hkv, H / Hkv, -1}).contiguous();
+  torch::Tensor mask = torch::empty({0});
+  if (attn_mask.has_value()) {
+    mask = attn_mask->expand({B, H, 1, S}).select(2, 0);
+    if (mask.dtype() != torch::kBool && mask.dtype() != torch::kFloat32) mask = mask.to(at::kFloat);
+  }
+  if (rows_k.stride(3) != 1) rows_k = rows_k.contiguous();
+  if (rows_v.stride(3) != 1) rows_v = rows_v.contiguous();
+  const torch::Tensor values = codes_attention(qq, rows_k, rows_v, layout_k, values_k, norm_k, groups_k, step_k,
+                                               layout_v, values_v, norm_v, groups_v, step_v, mask,
+                                               1.0 / std::sqrt(static_cast<double>(D)));
+  return at::matmul(values, back).view({B, H, 1, -1}).to(q.scalar_type());
+}
 """
 
 _lock = threading.Lock()
@@ -367,7 +399,7 @@ def load() -> Any:
 
                 directory.mkdir(parents=True, exist_ok=True)
                 _module = load_inline(name, cpp_sources=[CPP_SOURCE],
-                                      functions=["codes_attention", "encode"],
+                                      functions=["attend", "encode", "encode_pair"],
                                       extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
                                       build_directory=str(directory), verbose=False)
             except Exception as exc:  # no compiler, no ninja, a failing build: the other paths run
@@ -401,7 +433,7 @@ class EntryLayout:
         self.encode_tables = [
             t.rotate.float().contiguous(), t.col_group.long().contiguous(), t.col_shift.float().contiguous(),
             t.boundaries.float().contiguous(), t.offsets.long().contiguous(), t.centroids.float().contiguous(),
-            _NO_MASK if t.sketch_t is None else t.sketch_t.float().contiguous(), self.layout,
+            _EMPTY if t.sketch_t is None else t.sketch_t.float().contiguous(), self.layout,
             *(d.long().contiguous() for d in t.dither)]
         self.encode_ints = [G, *t.group_sizes, t.norm_bytes, self.norm_byte + 2 * G + len(t.residual_steps),
                             RESIDUAL_LEVELS, HASH_BITS]
@@ -424,9 +456,8 @@ class CppCodes:
     def encode(self, tk: TurboTables, tv: TurboTables, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """`turbo_encode` of k and v `[..., D]` (CPU), the same bytes: (rows_k, rows_v, all norms finite)."""
         lk, lv = self.layout(tk), self.layout(tv)
-        rows_k, finite_k = self.module.encode(k, lk.encode_tables, lk.encode_ints, lk.encode_steps)
-        rows_v, finite_v = self.module.encode(v, lv.encode_tables, lv.encode_ints, lv.encode_steps)
-        return rows_k, rows_v, finite_k & finite_v
+        return tuple(self.module.encode_pair(k, lk.encode_tables, lk.encode_ints, lk.encode_steps,
+                                             v, lv.encode_tables, lv.encode_ints, lv.encode_steps))
 
     @staticmethod
     def fits(q: Tensor, is_causal: bool) -> bool:
@@ -435,24 +466,10 @@ class CppCodes:
     def attend(self, tk: TurboTables, tv: TurboTables, q: Tensor, rows_k: Tensor, rows_v: Tensor,
                attn_mask: Tensor | None) -> Tensor:
         """`codes_attention(q [B, H, 1, D], ...)` with turbo_score / turbo_combine's results."""
-        B, H, _, D = q.shape
-        Hkv, S = rows_k.shape[1], rows_k.shape[2]
         lk, lv = self.layout(tk), self.layout(tv)
-        qq = (q.reshape(B, Hkv, H // Hkv, D).float() @ tk.query).reshape(B, Hkv, H // Hkv, -1).contiguous()
-        if attn_mask is None:
-            mask = _NO_MASK
-        else:
-            mask = attn_mask.expand(B, H, 1, S)[:, :, 0]
-            if mask.dtype not in (torch.bool, torch.float32):
-                mask = mask.float()
-        if rows_k.stride(-1) != 1:
-            rows_k = rows_k.contiguous()
-        if rows_v.stride(-1) != 1:
-            rows_v = rows_v.contiguous()
-        values = self.module.codes_attention(
-            qq, rows_k, rows_v, lk.layout, lk.values, lk.norm_byte, lk.groups, lk.residual_step,
-            lv.layout, lv.values, lv.norm_byte, lv.groups, lv.residual_step, mask, D**-0.5)
-        return (values @ tv.back).view(B, H, 1, -1).to(q.dtype)
+        return self.module.attend(q, tk.query, tv.back, rows_k, rows_v, lk.layout, lk.values, lk.norm_byte,
+                                  lk.groups, lk.residual_step, lv.layout, lv.values, lv.norm_byte, lv.groups,
+                                  lv.residual_step, attn_mask)
 
 
-_NO_MASK = torch.empty(0)
+_EMPTY = torch.empty(0)

@@ -218,17 +218,22 @@ static torch::Tensor codes_attention(torch::Tensor qq, torch::Tensor rows_k, tor
 
 namespace {
 
-// Each group's norm of [..., D] rows, [N, G] float, by the ATen calls `rows._group_norms` makes (the
-// same kernels on the same views, so the same bits).
-torch::Tensor group_norms(const torch::Tensor& y, const std::vector<int64_t>& sizes) {
-  if (sizes.size() == 1) return at::linalg_vector_norm(y, 2, {-1}, true).reshape({-1, 1}).contiguous();
-  std::vector<torch::Tensor> parts;
-  int64_t start = 0;
-  for (int64_t size : sizes) {
-    parts.push_back(at::linalg_vector_norm(y.narrow(-1, start, size), 2, {-1}, false));
-    start += size;
+// Each group's norm of [..., D] rows, G float tensors [...], by the ATen calls `rows._group_norms`
+// makes (the same kernels on the same views, so the same bits).
+std::vector<const float*> group_norms(const torch::Tensor& y, const std::vector<int64_t>& sizes,
+                                      std::vector<torch::Tensor>& keep) {
+  if (sizes.size() == 1) {
+    keep.push_back(at::linalg_vector_norm(y, 2, {-1}, true).contiguous());
+  } else {
+    int64_t start = 0;
+    for (int64_t size : sizes) {
+      keep.push_back(at::linalg_vector_norm(y.narrow(-1, start, size), 2, {-1}, false).contiguous());
+      start += size;
+    }
   }
-  return at::stack(parts, -1).reshape({-1, static_cast<int64_t>(sizes.size())}).contiguous();
+  std::vector<const float*> norms;
+  for (const auto& t : keep) norms.push_back(t.data_ptr<float>());
+  return norms;
 }
 
 inline void put_bits(uint8_t* row, int64_t pos, int64_t value, int bits) {
@@ -244,8 +249,8 @@ inline void put_bits(uint8_t* row, int64_t pos, int64_t value, int bits) {
 // (G, the group sizes, norm byte, row bytes, residual levels, hash bits); steps: the residual steps.
 // Returns (rows uint8 [..., bytes], whether every stored norm is finite). Float steps are the
 // reference's, one rounding each (built with -ffp-contract=off), so the bytes are the same.
-std::vector<torch::Tensor> encode(torch::Tensor x, std::vector<torch::Tensor> t, std::vector<int64_t> ints,
-                                  std::vector<double> steps) {
+std::tuple<torch::Tensor, bool> encode(torch::Tensor x, std::vector<torch::Tensor> t, std::vector<int64_t> ints,
+                                       std::vector<double> steps) {
   const int64_t G = ints[0];
   TORCH_CHECK(G >= 1 && G <= 8 && static_cast<int64_t>(t.size()) == 8 + (t[6].numel() > 0 ? G : 0), "encode: tables");
   const std::vector<int64_t> sizes(ints.begin() + 1, ints.begin() + 1 + G);
@@ -259,9 +264,9 @@ std::vector<torch::Tensor> encode(torch::Tensor x, std::vector<torch::Tensor> t,
   const int64_t nb = t[3].numel();
   const int64_t* offsets = t[4].data_ptr<int64_t>();
   const float* centroids = t[5].data_ptr<float>();
-  const torch::Tensor norms = group_norms(y, sizes);
+  std::vector<torch::Tensor> keep;
+  const std::vector<const float*> np = group_norms(y, sizes, keep);
   const float* yp = y.data_ptr<float>();
-  const float* np = norms.data_ptr<float>();
   const float tiny = std::numeric_limits<float>::min();
   std::vector<int64_t> entry(N * 2 * D, 0);  // [N, E]: indices, then (prod) sign bits
   std::vector<uint16_t> stored(N * G);
@@ -271,15 +276,15 @@ std::vector<torch::Tensor> encode(torch::Tensor x, std::vector<torch::Tensor> t,
   for (int64_t n = 0; n < N; ++n) {
     float ratio[8];
     for (int64_t g = 0; g < G; ++g) {
-      const c10::Half h(np[n * G + g]);
+      const c10::Half h(np[g][n]);
       stored[n * G + g] = h.x;
       const float s = static_cast<float>(h);
       finite = finite && std::isfinite(s);
-      ratio[g] = s > 0 ? np[n * G + g] / std::max(s, tiny) : 1.0f;
+      ratio[g] = s > 0 ? np[g][n] / std::max(s, tiny) : 1.0f;
     }
     for (int64_t c = 0; c < D; ++c) {
       const int64_t g = col_group[c];
-      const float unit = yp[n * D + c] / std::max(np[n * G + g], tiny);
+      const float unit = yp[n * D + c] / std::max(np[g][n], tiny);
       const float shifted = unit + col_shift[c];
       const int64_t where = std::lower_bound(bounds, bounds + nb, shifted) - bounds;  // bucketize, right=False
       entry[n * 2 * D + c] = where - offsets[c];
@@ -293,10 +298,11 @@ std::vector<torch::Tensor> encode(torch::Tensor x, std::vector<torch::Tensor> t,
   shape.back() = nbytes;
   torch::Tensor rows = torch::zeros(shape, x.options().dtype(torch::kUInt8));
   uint8_t* out = rows.data_ptr<uint8_t>();
-  torch::Tensor rnorms;
+  std::vector<torch::Tensor> keep_r;
+  std::vector<const float*> rn;
   if (prod) {
     const torch::Tensor signs = at::matmul(residual, t[6]).contiguous();
-    rnorms = group_norms(residual, sizes);
+    rn = group_norms(residual, sizes, keep_r);
     const float* sp = signs.data_ptr<float>();
     for (int64_t n = 0; n < N; ++n) {
       for (int64_t c = 0; c < D; ++c) entry[n * 2 * D + D + c] = sp[n * D + c] >= 0 ? 1 : 0;
@@ -319,7 +325,6 @@ std::vector<torch::Tensor> encode(torch::Tensor x, std::vector<torch::Tensor> t,
       row[norm_byte + 2 * g + 1] = stored[n * G + g] >> 8;
     }
     if (prod) {  // `turboquant.residual_code`: stochastic rounding of ||r|| / step, u hashed from the signs
-      const float* rn = rnorms.data_ptr<float>();
       int64_t start = 0;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t* w = t[8 + g].data_ptr<int64_t>();
@@ -327,22 +332,23 @@ std::vector<torch::Tensor> encode(torch::Tensor x, std::vector<torch::Tensor> t,
         for (int64_t c = 0; c < sizes[g]; ++c) h += entry[n * 2 * D + D + start + c] * w[c];
         h = (h + w[sizes[g]]) % hash;
         const double u = (static_cast<double>(h) + 0.5) / static_cast<double>(hash);
-        double q = std::floor(static_cast<double>(rn[n * G + g]) / steps[g] + u);
+        double q = std::floor(static_cast<double>(rn[g][n]) / steps[g] + u);
         q = std::min(std::max(q, 0.0), static_cast<double>(levels));
         row[norm_byte + 2 * G + g] = static_cast<uint8_t>(q);
         start += sizes[g];
       }
     }
   }
-  return {rows, torch::tensor(finite)};
+  return {rows, finite};
 }
 
 // Both encodes of a decode call: (rows_k, rows_v, whether every stored norm is finite).
-std::vector<torch::Tensor> encode_pair(torch::Tensor k, std::vector<torch::Tensor> tk, std::vector<int64_t> ik,
-                                       std::vector<double> sk, torch::Tensor v, std::vector<torch::Tensor> tv,
-                                       std::vector<int64_t> iv, std::vector<double> sv) {
-  auto rows_k = encode(k, tk, ik, sk), rows_v = encode(v, tv, iv, sv);
-  return {rows_k[0], rows_v[0], at::logical_and(rows_k[1], rows_v[1])};
+std::tuple<torch::Tensor, torch::Tensor, bool> encode_pair(
+    torch::Tensor k, std::vector<torch::Tensor> tk, std::vector<int64_t> ik, std::vector<double> sk,
+    torch::Tensor v, std::vector<torch::Tensor> tv, std::vector<int64_t> iv, std::vector<double> sv) {
+  auto [rows_k, finite_k] = encode(k, tk, ik, sk);
+  auto [rows_v, finite_v] = encode(v, tv, iv, sv);
+  return {rows_k, rows_v, finite_k && finite_v};
 }
 
 // `codes_attention` of q [B, H, 1, D] around the read: the query's weight on each key entry
@@ -453,11 +459,11 @@ class CppCodes:
             cached = self._layouts[id(t)] = (t, EntryLayout(t))
         return cached[1]
 
-    def encode(self, tk: TurboTables, tv: TurboTables, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def encode(self, tk: TurboTables, tv: TurboTables, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, bool]:
         """`turbo_encode` of k and v `[..., D]` (CPU), the same bytes: (rows_k, rows_v, all norms finite)."""
         lk, lv = self.layout(tk), self.layout(tv)
-        return tuple(self.module.encode_pair(k, lk.encode_tables, lk.encode_ints, lk.encode_steps,
-                                             v, lv.encode_tables, lv.encode_ints, lv.encode_steps))
+        return self.module.encode_pair(k, lk.encode_tables, lk.encode_ints, lk.encode_steps,
+                                       v, lv.encode_tables, lv.encode_ints, lv.encode_steps)
 
     @staticmethod
     def fits(q: Tensor, is_causal: bool) -> bool:

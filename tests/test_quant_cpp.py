@@ -14,7 +14,7 @@ import torch
 
 from recurrent_depth.accel import quant_cpp
 from recurrent_depth.accel.quant import CompiledCodes
-from recurrent_depth.inference.quant_cache import KVQuant, codes_attention, layer_codec
+from recurrent_depth.inference.quant_cache import KVQuant, codes_attention, layer_codec, shared_codec
 from recurrent_depth.quant.rows import turbo_combine, turbo_encode, turbo_score
 from tests.test_quant_cache import check_codes_attention_against_sdpa
 
@@ -142,3 +142,19 @@ def test_the_cpp_encode_reports_a_norm_beyond_fp16(kernel):
     t = ck.tables(x.device)
     assert bool(kernel.encode(t, cv.tables(x.device), x, x)[2])
     assert not bool(kernel.encode(t, cv.tables(x.device), x * 1e6, x)[2])
+
+
+def test_the_cpp_kernels_take_per_row_permutations(kernel):
+    """A pool's codec stacking each batch row's calibration `[B, Hkv, D]` (`TurboRows.permuted`):
+    the encode's bytes and the read equal the eager functions row by row."""
+    B, Hkv, H, D, S = 2, 2, 4, 16, 9
+    g = torch.Generator().manual_seed(5)
+    x, q = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, H, 1, D, generator=g)
+    perm = torch.stack([torch.randperm(D, generator=g) for _ in range(B * Hkv)]).view(B, Hkv, D)
+    ck = shared_codec(KVQuant.parse("k=prod:2.5,v=mse:2.5"), "k", D).permuted(perm)
+    cv = shared_codec(KVQuant.parse("k=prod:2.5,v=mse:2.5"), "v", D).permuted(perm)
+    t, tv = ck.tables(x.device), cv.tables(x.device)
+    rows_k, rows_v, _ = kernel.encode(t, tv, x, x)
+    assert torch.equal(rows_k, turbo_encode(x, t)[0]) and torch.equal(rows_v, turbo_encode(x, tv)[0])
+    got = kernel.attend(t, tv, q, rows_k, rows_v, None)
+    torch.testing.assert_close(got, reference(q, rows_k, rows_v, ck, cv, None), atol=TOL, rtol=0)

@@ -342,25 +342,28 @@ std::tuple<torch::Tensor, bool> encode(torch::Tensor x, std::vector<torch::Tenso
   return {rows, finite};
 }
 
+// One codec's constants, built once (`EntryLayout`), so that a call passes one object per side.
+struct Codec {
+  std::vector<torch::Tensor> tables; std::vector<int64_t> ints; std::vector<double> steps;
+  torch::Tensor layout, values, residual_step, query, back; int64_t norm_byte, groups;
+};
+
 // Both encodes of a decode call: (rows_k, rows_v, whether every stored norm is finite).
-std::tuple<torch::Tensor, torch::Tensor, bool> encode_pair(
-    torch::Tensor k, std::vector<torch::Tensor> tk, std::vector<int64_t> ik, std::vector<double> sk,
-    torch::Tensor v, std::vector<torch::Tensor> tv, std::vector<int64_t> iv, std::vector<double> sv) {
-  auto [rows_k, finite_k] = encode(k, tk, ik, sk);
-  auto [rows_v, finite_v] = encode(v, tv, iv, sv);
+std::tuple<torch::Tensor, torch::Tensor, bool> encode_pair(const torch::Tensor& k, const Codec& ck,
+                                                          const torch::Tensor& v, const Codec& cv) {
+  auto [rows_k, finite_k] = encode(k, ck.tables, ck.ints, ck.steps);
+  auto [rows_v, finite_v] = encode(v, cv.tables, cv.ints, cv.steps);
   return {rows_k, rows_v, finite_k && finite_v};
 }
 
 // `codes_attention` of q [B, H, 1, D] around the read: the query's weight on each key entry
 // (`q @ query`, as `turbo_score`), the mask broadcast to [B, H, S], and the value entries' sum times
 // `back` (as `turbo_combine`), [B, H, 1, Dv] in q's dtype.
-torch::Tensor attend(torch::Tensor q, torch::Tensor query, torch::Tensor back, torch::Tensor rows_k,
-                     torch::Tensor rows_v, torch::Tensor layout_k, torch::Tensor values_k, int64_t norm_k,
-                     int64_t groups_k, torch::Tensor step_k, torch::Tensor layout_v, torch::Tensor values_v,
-                     int64_t norm_v, int64_t groups_v, torch::Tensor step_v, c10::optional<torch::Tensor> attn_mask) {
+torch::Tensor attend(const torch::Tensor& q, const Codec& ck, const Codec& cv, torch::Tensor rows_k,
+                     torch::Tensor rows_v, c10::optional<torch::Tensor> attn_mask) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Hkv = rows_k.size(1), S = rows_k.size(2);
   TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && H % Hkv == 0, "attend: q [B, H, 1, D], H a multiple of Hkv");
-  const torch::Tensor qq = at::matmul(q.reshape({B, Hkv, H / Hkv, D}).to(at::kFloat), query)
+  const torch::Tensor qq = at::matmul(q.reshape({B, Hkv, H / Hkv, D}).to(at::kFloat), ck.query)
                                .reshape({B, Hkv, H / Hkv, -1}).contiguous();
   torch::Tensor mask = torch::empty({0});
   if (attn_mask.has_value()) {
@@ -369,10 +372,22 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor query, torch::Tensor back, t
   }
   if (rows_k.stride(3) != 1) rows_k = rows_k.contiguous();
   if (rows_v.stride(3) != 1) rows_v = rows_v.contiguous();
-  const torch::Tensor values = codes_attention(qq, rows_k, rows_v, layout_k, values_k, norm_k, groups_k, step_k,
-                                               layout_v, values_v, norm_v, groups_v, step_v, mask,
-                                               1.0 / std::sqrt(static_cast<double>(D)));
-  return at::matmul(values, back).view({B, H, 1, -1}).to(q.scalar_type());
+  const torch::Tensor values = codes_attention(qq, rows_k, rows_v, ck.layout, ck.values, ck.norm_byte, ck.groups,
+                                               ck.residual_step, cv.layout, cv.values, cv.norm_byte, cv.groups,
+                                               cv.residual_step, mask, 1.0 / std::sqrt(static_cast<double>(D)));
+  return at::matmul(values, cv.back).view({B, H, 1, -1}).to(q.scalar_type());
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<Codec>(m, "Codec")
+      .def(pybind11::init([](std::vector<torch::Tensor> tables, std::vector<int64_t> ints, std::vector<double> steps,
+                             torch::Tensor layout, torch::Tensor values, torch::Tensor residual_step,
+                             torch::Tensor query, torch::Tensor back, int64_t norm_byte, int64_t groups) {
+        return Codec{tables, ints, steps, layout, values, residual_step, query, back, norm_byte, groups};
+      }));
+  m.def("encode", &encode);
+  m.def("encode_pair", &encode_pair);
+  m.def("attend", &attend);
 }
 """
 
@@ -405,7 +420,6 @@ def load() -> Any:
 
                 directory.mkdir(parents=True, exist_ok=True)
                 _module = load_inline(name, cpp_sources=[CPP_SOURCE],
-                                      functions=["attend", "encode", "encode_pair"],
                                       extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
                                       build_directory=str(directory), verbose=False)
             except Exception as exc:  # no compiler, no ninja, a failing build: the other paths run
@@ -451,19 +465,28 @@ class CppCodes:
 
     def __init__(self, module: Any) -> None:
         self.module = module
-        self._layouts: dict[int, tuple[TurboTables, EntryLayout]] = {}
+        self._layouts: dict[int, tuple[TurboTables, EntryLayout, Any]] = {}
 
     def layout(self, t: TurboTables) -> EntryLayout:
+        return self._entry(t)[1]
+
+    def codec(self, t: TurboTables) -> Any:
+        """The C++ `Codec` of a TurboTables (its layout and matrices), built once."""
+        return self._entry(t)[2]
+
+    def _entry(self, t: TurboTables) -> tuple[TurboTables, EntryLayout, Any]:
         cached = self._layouts.get(id(t))
         if cached is None or cached[0] is not t:  # (keeps `t` alive, so its id stays its own)
-            cached = self._layouts[id(t)] = (t, EntryLayout(t))
-        return cached[1]
+            layout = EntryLayout(t)
+            codec = self.module.Codec(layout.encode_tables, layout.encode_ints, layout.encode_steps, layout.layout,
+                                      layout.values, layout.residual_step, t.query.float().contiguous(),
+                                      t.back.float().contiguous(), layout.norm_byte, layout.groups)
+            cached = self._layouts[id(t)] = (t, layout, codec)
+        return cached
 
     def encode(self, tk: TurboTables, tv: TurboTables, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, bool]:
         """`turbo_encode` of k and v `[..., D]` (CPU), the same bytes: (rows_k, rows_v, all norms finite)."""
-        lk, lv = self.layout(tk), self.layout(tv)
-        return self.module.encode_pair(k, lk.encode_tables, lk.encode_ints, lk.encode_steps,
-                                       v, lv.encode_tables, lv.encode_ints, lv.encode_steps)
+        return self.module.encode_pair(k, self.codec(tk), v, self.codec(tv))
 
     @staticmethod
     def fits(q: Tensor, is_causal: bool) -> bool:
@@ -472,10 +495,7 @@ class CppCodes:
     def attend(self, tk: TurboTables, tv: TurboTables, q: Tensor, rows_k: Tensor, rows_v: Tensor,
                attn_mask: Tensor | None) -> Tensor:
         """`codes_attention(q [B, H, 1, D], ...)` with turbo_score / turbo_combine's results."""
-        lk, lv = self.layout(tk), self.layout(tv)
-        return self.module.attend(q, tk.query, tv.back, rows_k, rows_v, lk.layout, lk.values, lk.norm_byte,
-                                  lk.groups, lk.residual_step, lv.layout, lv.values, lv.norm_byte, lv.groups,
-                                  lv.residual_step, attn_mask)
+        return self.module.attend(q, self.codec(tk), self.codec(tv), rows_k, rows_v, attn_mask)
 
 
 _EMPTY = torch.empty(0)

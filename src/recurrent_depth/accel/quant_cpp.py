@@ -10,8 +10,9 @@ fp16 group norms, prod's residual byte, centroid indices, sign bits), scores, ma
 sums the value rows' entries, and torch applies the back matrix (as `turbo_combine` does).
 
 - Built once per machine (~30-60 s, cached under `$XDG_CACHE_HOME/recurrent_depth/` or
-  `~/.cache/recurrent_depth/`, keyed by the source's hash); where it cannot build (no compiler) it
-  warns once and `accel.quant` runs its compiled or eager path.
+  `~/.cache/recurrent_depth/`, keyed by the source, the torch version and the CPU's features, as it
+  is built with -march=native); where it cannot build (no compiler) it warns once and `accel.quant`
+  runs its compiled or eager path.
 - Off with `RDEPTH_NO_CPP=1` (the torch.compile path then runs, unless `RDEPTH_NO_COMPILE=1`).
 - The read: decode only (T = 1 query row per head), CPU, float32 accumulation. The encode: the same
   bytes as `turbo_encode` (its matmuls and norms are the same ATen calls; the elementwise steps one
@@ -23,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 import threading
 from pathlib import Path
 from typing import Any
@@ -401,6 +403,21 @@ def cpp_enabled() -> bool:
     return os.environ.get(NO_CPP_ENV, "") in ("", "0")
 
 
+def cpu_fingerprint() -> str:
+    """The machine's architecture and CPU feature flags: the build uses -march=native, so a binary
+    cached on a shared home directory must not be loaded by a CPU with other features (SIGILL)."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo", "rb") as handle:  # bounded: the first flags line is near the top
+            for line in handle.read(1 << 16).decode("ascii", "replace").splitlines():
+                if line.startswith(("flags", "Features")):
+                    flags = line
+                    break
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()} {flags}"
+
+
 def build_dir() -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return base / "recurrent_depth" / "torch_extensions"
@@ -412,7 +429,7 @@ def load() -> Any:
     global _module, _failure
     with _lock:
         if _module is None and _failure is None:
-            digest = hashlib.sha256((CPP_SOURCE + torch.__version__).encode()).hexdigest()[:12]
+            digest = hashlib.sha256((CPP_SOURCE + torch.__version__ + cpu_fingerprint()).encode()).hexdigest()[:12]
             name = f"rdepth_quant_{digest}"
             directory = build_dir() / name
             try:

@@ -181,6 +181,11 @@ class SlotKVPool:
         return self._token_slots
 
     # ------------------------------------------------------------------ the cache protocol
+    @staticmethod
+    def base(key: LayerKey) -> tuple:
+        """The storage a layer key writes: ("core", j) for every step of core layer j, else the key."""
+        return key[:2] if key[0] == "core" else key
+
     def update_kv(self, key: LayerKey, k: Tensor, v: Tensor, ctx: Any = None) -> tuple[Tensor, Tensor]:
         """Store this call's k, v `[B, T, Hkv, D]`; return every visible column `[B, L, Hkv, D]`."""
         K, V = self.update_heads(key, k.transpose(1, 2), v.transpose(1, 2))
@@ -188,7 +193,7 @@ class SlotKVPool:
 
     def update_heads(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """`update_kv` in head-major layout: k, v `[B, Hkv, T, D]` in, `[B, Hkv, L, D]` out."""
-        base = key[:2] if key[0] == "core" else key
+        base = self.base(key)
         slot = self._slot(key)
         if isinstance(slot, int) and slot >= self.slots:  # a prefill's step (token calls grow in bind_tokens)
             self._grow_slots(slot)
@@ -302,7 +307,7 @@ class QuantizedSlotKVPool(CodeRowStorage, SlotKVPool):
         self._calibrated.clear()
 
     def layer_codecs(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Codec, Codec]:
-        base = key[:2] if key[0] == "core" else key
+        base = self.base(key)
         return self._codec(base, "k", k), self._codec(base, "v", v)
 
     def _codec(self, base: tuple, role: str, x: Tensor) -> Codec:

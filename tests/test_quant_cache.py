@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import recurrent_depth as rd
 from recurrent_depth.accel import runner as accel_runner
-from recurrent_depth.accel.quant import CompiledCodes, _encode_pair, _turbo_attention, code_kernels
+from recurrent_depth.accel.quant import CodeKernels, _encode_pair, _turbo_attention, code_kernels
 from recurrent_depth.inference import generate
 from recurrent_depth.inference.quant_cache import (
     DequantizedDynamicCache,
@@ -145,11 +145,11 @@ def check_codes_attention_against_sdpa(kv, heads, kernels=None, decode_tokens=1)
 
 
 class EagerKernels:
-    """The kernels interface run by the eager functions (what `CompiledCodes` compiles), counting calls."""
+    """The kernels interface run by the eager functions (what `CodeKernels` compiles), counting calls."""
 
     def __init__(self):
         self.calls = {"encode": 0, "attend": 0}
-        self.inner = CompiledCodes()
+        self.inner = CodeKernels()
 
     def fits(self, ck, cv, x):
         return self.inner.fits(ck, cv, x)
@@ -192,7 +192,7 @@ def test_compiled_kernels_equal_sdpa_over_the_decoded_entries():
     """torch.compile'd encode and attention (one prefill, then decode tokens of a growing sequence,
     padding and skip masks, grouped-query heads) vs decode + SDPA; the one compiling test (~20-40 s
     here; skipped where compiling fails, e.g. without a C++ compiler)."""
-    kernels = CompiledCodes()
+    kernels = CodeKernels()
     with torch.no_grad():
         check_codes_attention_against_sdpa("k=prod:3.5,v=mse:3.5", (4, 2), kernels, decode_tokens=3)
     if kernels.failure is not None:
@@ -204,7 +204,7 @@ def test_the_compile_switch(monkeypatch):
     monkeypatch.setenv("RDEPTH_NO_COMPILE", "1")
     assert code_kernels() is None
     monkeypatch.setenv("RDEPTH_NO_COMPILE", "0")
-    assert isinstance(code_kernels(), CompiledCodes) and code_kernels() is code_kernels()
+    assert isinstance(code_kernels(), CodeKernels) and code_kernels() is code_kernels()
 
 
 def _reachable_tensors(obj, seen=None) -> list[torch.Tensor]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from recurrent_depth.accel import quant_cpp
-from recurrent_depth.accel.quant import CompiledCodes
+from recurrent_depth.accel.quant import CodeKernels
 from recurrent_depth.inference.quant_cache import KVQuant, codes_attention, layer_codec, shared_codec
 from recurrent_depth.quant.rows import turbo_combine, turbo_encode, turbo_score
 from tests.test_quant_cache import check_codes_attention_against_sdpa
@@ -91,9 +91,9 @@ def test_a_fully_masked_row_gives_nan_as_the_reference(kernel):
 
 @pytest.mark.parametrize("kv", ["k=prod:3.5,v=mse:3.5", "k=mse:2.5,v=prod:2.5,outliers=calibrated"])
 def test_the_cpp_read_through_the_cache_equals_sdpa_over_the_decoded_entries(kernel, kv):
-    """`CompiledCodes(compile=False, cpp=True)`: the C++ read in decode calls (padding and skip masks,
+    """`CodeKernels(compile=False, cpp=True)`: the C++ read in decode calls (padding and skip masks,
     grouped-query heads, a growing sequence) vs decode + SDPA."""
-    kernels = CompiledCodes(compile=False, cpp=True)
+    kernels = CodeKernels(compile=False, cpp=True)
     with torch.no_grad():
         check_codes_attention_against_sdpa(kv, (4, 2), kernels, decode_tokens=3)
     assert kernels.cpp_kernel() is not None

@@ -53,8 +53,8 @@ def _turbo_attention(q: Tensor, rows_k: Tensor, rows_v: Tensor, tk: TurboTables,
                            lambda w, rows: turbo_combine(w, rows, tv), attn_mask, is_causal)
 
 
-class CompiledCodes:
-    """`torch.compile`d encode and attention for TurboRows codecs, the C++ read preferred on CPU (see
+class CodeKernels:
+    """The fused encode and attention for TurboRows codecs: C++ on CPU where it builds, else `torch.compile`d (see
     the module docstring). compile / cpp: whether to use each (`code_kernels` passes the environment's)."""
 
     def __init__(self, compile: bool = True, cpp: bool = False) -> None:
@@ -88,7 +88,7 @@ class CompiledCodes:
             return compiled(*args)
         except Exception as exc:  # a compiler missing or failing: run eagerly from now on
             if self.failure is None:
-                self.failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                self.failure = quant_cpp.failure_line(exc)
                 log.warning("compiled quantized-KV kernels are unavailable (%s); decoding eagerly", self.failure)
             return eager(*args)
 
@@ -119,7 +119,7 @@ class CompiledCodes:
                          attn_mask, is_causal)
 
 
-_KERNELS: CompiledCodes | None = None
+_KERNELS: CodeKernels | None = None
 
 
 def compile_enabled() -> bool:
@@ -127,12 +127,12 @@ def compile_enabled() -> bool:
     return os.environ.get(NO_COMPILE_ENV, "") in ("", "0")
 
 
-def code_kernels() -> CompiledCodes | None:
+def code_kernels() -> CodeKernels | None:
     """The process's quantized-KV kernels (built once, so each variant compiles once), or None when
     `RDEPTH_NO_COMPILE` and `RDEPTH_NO_CPP` both say so."""
     global _KERNELS
     if not compile_enabled() and not quant_cpp.cpp_enabled():
         return None
     if _KERNELS is None:
-        _KERNELS = CompiledCodes(compile=compile_enabled(), cpp=quant_cpp.cpp_enabled())
+        _KERNELS = CodeKernels(compile=compile_enabled(), cpp=quant_cpp.cpp_enabled())
     return _KERNELS

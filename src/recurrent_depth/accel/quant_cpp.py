@@ -440,13 +440,19 @@ def load() -> Any:
                                       extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
                                       build_directory=str(directory), verbose=False)
             except Exception as exc:  # no compiler, no ninja, a failing build: the other paths run
-                _failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                _failure = failure_line(exc)
                 log.warning("the C++ quantized-KV kernel is unavailable (%s); using the compiled path", _failure)
     return _module
 
 
 def failure() -> str | None:
     return _failure
+
+
+def failure_line(exc: BaseException) -> str:
+    """Why a build or compile failed, in one line (its exception's type and first message line)."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 class EntryLayout:
@@ -477,29 +483,28 @@ class EntryLayout:
         self.encode_steps = [float(step) for step in t.residual_steps]
 
 
+MAX_CODECS = 256  # C++ codecs kept per process: bounded, as a long-running server keeps making new ones
+
+
 class CppCodes:
     """The C++ attention read for TurboRows codecs on CPU (see the module docstring)."""
 
     def __init__(self, module: Any) -> None:
         self.module = module
-        self._layouts: dict[int, tuple[TurboTables, EntryLayout, Any]] = {}
-
-    def layout(self, t: TurboTables) -> EntryLayout:
-        return self._entry(t)[1]
+        self._codecs: dict[int, tuple[TurboTables, Any]] = {}
 
     def codec(self, t: TurboTables) -> Any:
         """The C++ `Codec` of a TurboTables (its layout and matrices), built once."""
-        return self._entry(t)[2]
-
-    def _entry(self, t: TurboTables) -> tuple[TurboTables, EntryLayout, Any]:
-        cached = self._layouts.get(id(t))
+        cached = self._codecs.get(id(t))
         if cached is None or cached[0] is not t:  # (keeps `t` alive, so its id stays its own)
+            if len(self._codecs) >= MAX_CODECS:  # the serving pool makes a permuted codec per set of rows
+                self._codecs.clear()
             layout = EntryLayout(t)
             codec = self.module.Codec(layout.encode_tables, layout.encode_ints, layout.encode_steps, layout.layout,
                                       layout.values, layout.residual_step, t.query.float().contiguous(),
                                       t.back.float().contiguous(), layout.norm_byte, layout.groups)
-            cached = self._layouts[id(t)] = (t, layout, codec)
-        return cached
+            cached = self._codecs[id(t)] = (t, codec)
+        return cached[1]
 
     def encode(self, tk: TurboTables, tv: TurboTables, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, bool]:
         """`turbo_encode` of k and v `[..., D]` (CPU), the same bytes: (rows_k, rows_v, all norms finite)."""

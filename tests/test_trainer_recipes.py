@@ -136,3 +136,29 @@ def test_the_reasoning_recipe_reproduces_its_previous_loss(tmp_path, seed):
     assert [r["step"] for r in rows] == list(range(1, 21))
     mean = sum(r["loss"] for r in rows[10:]) / 10
     assert abs(mean - BEFORE[seed]) <= REPRODUCTION_TOLERANCE, (mean, BEFORE[seed])
+
+
+def test_an_objective_owns_the_forward_and_the_loss(tmp_path):
+    """`Trainer(objective=...)`: the loop hands each micro-batch, its depth draw and its generator to the
+    objective and steps on the loss it returns; the default `LanguageModeling` is the same loss."""
+    import recurrent_depth as rd
+    from recurrent_depth.train.objective import LanguageModeling
+
+    seen = []
+
+    class Recording(LanguageModeling):
+        def loss(self, model, batch, num_steps, generator):
+            seen.append((num_steps, generator is not None))
+            loss, out = super().loss(model, batch, num_steps, generator)
+            return 2.0 * loss, out
+
+    def run(objective, out):
+        torch.manual_seed(0)
+        model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", vocab_size=VOCAB))
+        with OneThread():
+            return Trainer(short_config(out, steps=3), model=model, data=CountingBatches("targets"),
+                           objective=objective, log=lambda _: None).run()
+
+    doubled, plain = run(Recording(), tmp_path / "a"), run(None, tmp_path / "b")
+    assert len(seen) == 3 and all(isinstance(n, tuple) and has_gen for n, has_gen in seen)
+    assert doubled.losses[0] == pytest.approx(2.0 * plain.losses[0], rel=1e-6)

@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from recurrent_depth import accel
@@ -55,6 +54,7 @@ from recurrent_depth.train import distributed as ddist
 from recurrent_depth.train.batches import BatchSource, RowBatches
 from recurrent_depth.train.config import TrainConfig
 from recurrent_depth.train.depth import DepthSampler, stream_seed
+from recurrent_depth.train.objective import LanguageModeling, Objective
 from recurrent_depth.train.optim import OptimConfig, build_optimizers, clip_and_check_grads
 from recurrent_depth.train.qk_clip import QKClip
 from recurrent_depth.train.schedule import lr_at, set_lr
@@ -146,6 +146,8 @@ class Trainer:
         `cfg.max_minutes`); `rdepth quickstart` uses it to leave time for evaluation and saving.
     eval_deadline: optional `time.perf_counter()` value by which the final evaluation should end
         (it then evaluates fewer than `cfg.eval_batches` batches, at least one).
+    objective: the forward and loss of a micro-batch (`train/objective.py`); default `LanguageModeling`
+        (next-token cross-entropy at the drawn depth). RL's policy-gradient losses plug in here.
     """
 
     def __init__(
@@ -164,6 +166,7 @@ class Trainer:
         device: str | None = None,
         deadline: float | None = None,
         eval_deadline: float | None = None,
+        objective: Objective | None = None,
     ) -> None:
         if data is not None and model is None:
             raise ValueError("Trainer(data=...) needs model=... too: without token shards nothing sets the vocabulary")
@@ -173,6 +176,7 @@ class Trainer:
         self.deadline = deadline
         self.eval_deadline = eval_deadline
         self.stop_when = stop_when
+        self.objective: Objective = objective if objective is not None else LanguageModeling()
         self.env = ddist.init_distributed(device)
         if cfg.keep_freed_memory and self.env.device.type == "cpu":
             keep_freed_memory()
@@ -483,21 +487,18 @@ class Trainer:
         step_tokens = 0
         for micro in range(cfg.grad_accum):
             batch = self.source.next_batch(cfg.batch_size)
-            inputs = {k: v for k, v in batch.items() if k != "targets"}
-            num_steps = None
+            num_steps, generator = None, None
             if cfg.baseline:
                 num_steps = (0, 1)
             elif self.sampler is not None:
                 num_steps = self.sampler.sample(state.micro_step, env.rank)
             if num_steps is not None:
-                inputs["num_steps"] = num_steps
-                inputs["generator"] = torch.Generator(device=env.device).manual_seed(
+                generator = torch.Generator(device=env.device).manual_seed(
                     stream_seed(cfg.seed + 1, state.micro_step * env.world_size + env.rank)
                 )
             with ddist.gradient_sync(self.wrapped, micro == cfg.grad_accum - 1):
                 with autocast_context(cfg.dtype, env.device):
-                    out = self.wrapped(**inputs)
-                loss = batch_loss(out, batch)
+                    loss, out = self.objective.loss(self.wrapped, batch, num_steps, generator)
                 # DSA layers with `indexer_loss` record their indexer KL in the forward; it reads detached
                 # inputs, so adding it trains only the indexer. Popping it every micro-step also keeps
                 # the recorded terms (and their graphs) from piling up across steps.
@@ -784,18 +785,6 @@ class Trainer:
                 self.tb.add_scalar(f"train/{key}", record[key], step)
         if record["num_steps"]:
             self.tb.add_scalar("train/depth", sum(record["num_steps"]) / len(record["num_steps"]), step)
-
-
-def batch_loss(output: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Cross-entropy of `output.logits` against `batch["targets"]` (-100 unscored), else the model's own
-    `output.loss` (from `batch["labels"]`); see `recurrent_depth.train.batches`."""
-    if "targets" in batch:
-        return F.cross_entropy(output.logits.flatten(0, 1), batch["targets"].flatten())
-    loss = getattr(output, "loss", None)
-    if loss is None:
-        raise ValueError("the model returned no loss: give each batch `targets` (next-token ids) or `labels` "
-                         "the model scores itself")
-    return loss
 
 
 def num_parameters(model: nn.Module) -> int:

@@ -248,7 +248,7 @@ class Trainer:
             cfg.batch_size * self.seq_len * cfg.grad_accum * env.world_size if self.seq_len is not None else None)
 
         if self.resume_from is not None:
-            saving.load_checkpoint(self, self.resume_from)
+            saving.resume_from_checkpoint(self, self.resume_from)
         writes = env.is_main and self.out is not None
         self.metrics = JsonlLog(self.out / METRICS_FILE if writes else None, keep_through=self.state.step)
         self.eval_log = JsonlLog(self.out / EVAL_FILE if writes else None, keep_through=self.state.step)

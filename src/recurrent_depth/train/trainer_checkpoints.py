@@ -167,7 +167,7 @@ def check_resumable(path: Path, cfg: TrainConfig, world_size: int) -> None:
                          f"process(es), this run has {world_size}")
 
 
-def load_checkpoint(trainer: Trainer, path: Path) -> None:
+def resume_from_checkpoint(trainer: Trainer, path: Path) -> None:
     """Continue `trainer` from checkpoint `path`: weights, optimizer, data position, loop counters, RNG."""
     loaded = ckpt.load_checkpoint(path, rank=trainer.env.rank)
     ddist.load_full_model_state(trainer.wrapped, loaded.model_state, trainer.env)

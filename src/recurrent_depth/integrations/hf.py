@@ -165,16 +165,14 @@ class RecurrentDepthCache(DynamicCache):
 
 
 def _tensors(value: Any) -> list[Tensor]:
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, list | tuple):
-        return [t for item in value for t in _tensors(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in _tensors(item)]
-    return []
+    """Every tensor in a nest of lists, tuples and dicts, in order (one walk: `_map_tensors`'s)."""
+    found: list[Tensor] = []
+    _map_tensors(value, found.append)
+    return found
 
 
 def _map_tensors(value: Any, fn: Any) -> Any:
+    """`value` with `fn` applied to each tensor in its nest of lists, tuples and dicts."""
     if isinstance(value, Tensor):
         return fn(value)
     if isinstance(value, list | tuple):

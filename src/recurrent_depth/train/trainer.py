@@ -48,7 +48,7 @@ from recurrent_depth.model.mixers.dsa import pop_indexer_loss
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 from recurrent_depth.train import checkpointing as ckpt
 from recurrent_depth.train import distributed as ddist
-from recurrent_depth.train import trainer_checkpoints as saving
+from recurrent_depth.train import trainer_checkpoints
 from recurrent_depth.train.batches import BatchSource, RowBatches
 from recurrent_depth.train.config import TrainConfig
 from recurrent_depth.train.depth import DepthSampler, stream_seed
@@ -248,7 +248,7 @@ class Trainer:
             cfg.batch_size * self.seq_len * cfg.grad_accum * env.world_size if self.seq_len is not None else None)
 
         if self.resume_from is not None:
-            saving.resume_from_checkpoint(self, self.resume_from)
+            trainer_checkpoints.resume_from_checkpoint(self, self.resume_from)
         writes = env.is_main and self.out is not None
         self.metrics = JsonlLog(self.out / METRICS_FILE if writes else None, keep_through=self.state.step)
         self.eval_log = JsonlLog(self.out / EVAL_FILE if writes else None, keep_through=self.state.step)
@@ -260,7 +260,7 @@ class Trainer:
         """Find the checkpoint to resume from (refusing to mix a new run into an old one); create `out`."""
         cfg = self.cfg
         root = ckpt.checkpoints_root(self.out)
-        self.resume_from = saving.find_resume_checkpoint(root, self.env, self.log) if cfg.resume else None
+        self.resume_from = trainer_checkpoints.find_resume_checkpoint(root, self.env, self.log) if cfg.resume else None
         if not cfg.resume and ckpt.list_checkpoints(root):
             raise ValueError(
                 f"{self.out} already holds checkpoints; pass --resume to continue that run or choose a new --out"
@@ -268,7 +268,7 @@ class Trainer:
         if cfg.resume and self.resume_from is None:
             self.log(f"no checkpoint in {root}: starting from scratch")
         if self.resume_from is not None:  # before any data work, which could overwrite the run's caches
-            saving.check_resumable(self.resume_from, cfg, self.env.world_size)
+            trainer_checkpoints.check_resumable(self.resume_from, cfg, self.env.world_size)
         self.out.mkdir(parents=True, exist_ok=True)
 
     def _setup_shards(self, corpus: Any | None, model: nn.Module | None) -> None:
@@ -634,11 +634,11 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints and run record
     def save_checkpoint(self) -> Path | None:
         """Write checkpoint `step-<step>` (collective); None without `out`. See `trainer_checkpoints`."""
-        return saving.save_checkpoint(self)
+        return trainer_checkpoints.save_checkpoint(self)
 
     def save_model(self, path: Path) -> Path | None:
         """The final weights + tokenizer as the model directory `path` (collective; rank 0 writes)."""
-        return saving.save_model(self, path)
+        return trainer_checkpoints.save_model(self, path)
 
     def run_metadata(self) -> dict[str, Any]:
         """What `run.json` records (see `run_record`)."""

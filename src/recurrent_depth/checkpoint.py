@@ -20,7 +20,14 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from recurrent_depth.config import ModelConfig
-from recurrent_depth.files import CONFIG_MAX_BYTES, atomic_write_text, inside, parse_safetensors_header, read_json
+from recurrent_depth.files import (
+    CONFIG_MAX_BYTES,
+    atomic_path,
+    atomic_write_text,
+    inside,
+    parse_safetensors_header,
+    read_json,
+)
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -136,12 +143,9 @@ def current_umask() -> int:
 
 
 def _atomic_save(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file(state, str(tmp), metadata=metadata)
-    os.chmod(tmp, 0o666 & ~current_umask())  # safetensors creates 0600 files; other files follow the umask
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file(state, str(tmp), metadata=metadata)
+        os.chmod(tmp, 0o666 & ~current_umask())  # safetensors creates 0600 files; other files follow the umask
 
 
 def weight_files(path: Path, allow_outside: bool = False) -> list[Path]:

@@ -59,6 +59,16 @@ def is_real(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def check_field_names(names: Any, cls: type, what: str, listed_as: str = "allowed",
+                      extra: tuple[str, ...] = ()) -> None:
+    """One ValueError line, `unknown <what> [...]; <listed_as>: [...]`, for names (the keys of a config
+    mapping) that are neither fields of the dataclass `cls` nor in `extra`."""
+    known = {f.name for f in dataclasses.fields(cls)} | set(extra)
+    unknown = sorted(set(names) - known)
+    if unknown:
+        raise ValueError(f"unknown {what} {unknown}; {listed_as}: {sorted(known)}")
+
+
 # Official Huginn `config.json` key -> our field.
 HUGINN_KEY_MAP: dict[str, str] = {
     "n_embd": "hidden_size",

@@ -1,5 +1,6 @@
 """Files: reading what a user hands us (configs, indexes, tokenizers, weight headers) as untrusted
-input, and writing ours crash-safely (`AtomicFile`, `atomic_write_text`, at the end).
+input, and writing ours crash-safely (`AtomicFile`, `atomic_write_text`, `atomic_path`, at the end):
+the one place the library writes a file atomically.
 
 Every read here is bounded: only regular files (never a device such as /dev/zero, a FIFO or a
 socket, which would hang or never end), of at most a stated size, opened without blocking; JSON
@@ -13,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -169,6 +172,12 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def fsync_file(path: Path) -> None:
+    """Flush a file written by someone else's writer (safetensors' `save_file`) to disk."""
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with AtomicFile(path) as handle:
@@ -177,6 +186,28 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Rename the fully written and fsynced `tmp` over `path`, and persist the rename."""
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """``with atomic_path(path) as tmp: writer(tmp)`` for writers that take a file name rather than a
+    handle (safetensors' ``save_file``): ``tmp`` is fsynced and published under ``path`` when the block
+    exits without an exception, removed otherwise (``path`` then untouched)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    try:
+        yield tmp
+        fsync_file(tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _publish(tmp, path)
 
 
 class AtomicFile:
@@ -203,5 +234,4 @@ class AtomicFile:
         handle.flush()
         os.fsync(handle.fileno())
         handle.close()
-        os.replace(self.tmp, self.path)
-        fsync_dir(self.path.parent)
+        _publish(self.tmp, self.path)

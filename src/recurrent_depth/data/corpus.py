@@ -176,7 +176,36 @@ def _decode_text(data: bytes) -> str | None:
         return None
 
 
-class StdlibCorpus(Corpus):
+class FileTreeCorpus(Corpus):
+    """The files `files()` lists under `path`, one document each; binary and non-UTF-8 files are
+    skipped and counted in `num_skipped`."""
+
+    _skipped = 0
+
+    def files(self) -> list[str]:
+        raise NotImplementedError
+
+    def readable(self, rel: str) -> Path | None:
+        """The file to read for `rel`, or None to skip it."""
+        return self.path / rel
+
+    def __iter__(self) -> Iterator[Document]:
+        skipped = 0
+        for rel in self.files():
+            full = self.readable(rel)
+            text = _decode_text(full.read_bytes()) if full is not None else None
+            if text is None:
+                skipped += 1
+                continue
+            yield Document(rel, text)
+        self._skipped = skipped
+
+    @property
+    def num_skipped(self) -> int:
+        return self._skipped
+
+
+class StdlibCorpus(FileTreeCorpus):
     """The embedded default corpus: the running Python's standard-library ``.py`` sources.
 
     Files are sorted by path relative to ``sysconfig.get_paths()["stdlib"]``; any file with a
@@ -192,28 +221,13 @@ class StdlibCorpus(Corpus):
             raise ValueError(f"stdlib corpus: directory {self.path} does not exist")
         self.name = "stdlib"
         self.python_version = f"{platform.python_implementation()} {platform.python_version()}"
-        self._skipped = 0
 
     def files(self) -> list[str]:
         paths = _walk_sorted(self.path, lambda d: d in STDLIB_EXCLUDED_DIRS or d == "__pycache__")
         return [p for p in paths if p.endswith(".py")]
 
-    def __iter__(self) -> Iterator[Document]:
-        skipped = 0
-        for rel in self.files():
-            text = _decode_text((self.path / rel).read_bytes())
-            if text is None:
-                skipped += 1
-                continue
-            yield Document(rel, text)
-        self._skipped = skipped
 
-    @property
-    def num_skipped(self) -> int:
-        return self._skipped
-
-
-class DirectoryCorpus(Corpus):
+class DirectoryCorpus(FileTreeCorpus):
     """Every text file under a directory (recursive, sorted by relative path).
 
     Hidden files and directories (names starting with ".") and ``__pycache__`` are not visited.
@@ -235,7 +249,6 @@ class DirectoryCorpus(Corpus):
         self.name = str(root)
         self.suffixes = tuple(suffixes) if suffixes else None
         self.follow_symlinks = follow_symlinks
-        self._skipped = 0
 
     def files(self) -> list[str]:
         paths = _walk_sorted(self.path, lambda d: d.startswith(".") or d == "__pycache__")
@@ -244,28 +257,16 @@ class DirectoryCorpus(Corpus):
             paths = [p for p in paths if p.endswith(self.suffixes)]
         return paths
 
-    def __iter__(self) -> Iterator[Document]:
-        skipped = 0
-        for rel in self.files():
-            full = self.path / rel
-            if not full.is_file():  # a dangling symlink or a special file
-                skipped += 1
-                continue
-            if not self.follow_symlinks and not full.resolve().is_relative_to(self.path):
-                raise ValueError(
-                    f"data: {rel!r} in {self.name} is a symlink to {full.resolve()}, outside the directory; "
-                    f"pass --follow-symlinks (follow_symlinks=True) to read it"
-                )
-            text = _decode_text(full.read_bytes())
-            if text is None:
-                skipped += 1
-                continue
-            yield Document(rel, text)
-        self._skipped = skipped
-
-    @property
-    def num_skipped(self) -> int:
-        return self._skipped
+    def readable(self, rel: str) -> Path | None:
+        full = self.path / rel
+        if not full.is_file():  # a dangling symlink or a special file
+            return None
+        if not self.follow_symlinks and not full.resolve().is_relative_to(self.path):
+            raise ValueError(
+                f"data: {rel!r} in {self.name} is a symlink to {full.resolve()}, outside the directory; "
+                f"pass --follow-symlinks (follow_symlinks=True) to read it"
+            )
+        return full
 
 
 class JsonlCorpus(Corpus):

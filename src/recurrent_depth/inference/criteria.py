@@ -40,10 +40,6 @@ class CriterionSpec:
     integer_threshold: bool = False
     official_threshold: float | None = None  # the reference's "auto" where it differs from ours
 
-    @property
-    def never_exits(self) -> bool:
-        return self.name == "none"
-
 
 CRITERIA: dict[str, CriterionSpec] = {
     "kl": CriterionSpec("kl", 5e-4, True, official_threshold=1e-3),

@@ -160,15 +160,6 @@ class StopChecker:
         self.ids = ids
         self.strings = strings
         self.tokenizer = tokenizer
-        self._id_tensor: Tensor | None = None
-
-    def is_stop_token(self, tokens: Tensor) -> Tensor:
-        """bool `[B]`: the token is a stop id."""
-        if not self.ids:
-            return torch.zeros_like(tokens, dtype=torch.bool)
-        if self._id_tensor is None or self._id_tensor.device != tokens.device:
-            self._id_tensor = torch.tensor(sorted(self.ids), device=tokens.device)
-        return torch.isin(tokens, self._id_tensor)
 
     def hits_string(self, generated: list[int]) -> bool:
         """True when the decoded generated text of one row contains a stop string."""

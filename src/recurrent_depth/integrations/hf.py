@@ -35,8 +35,7 @@ from recurrent_depth.inference.options import DEFAULTS, OptionError
 from recurrent_depth.inference.schema import OFFICIAL_ALIASES, OPTIONS, canonical, kwarg_spelling, names_for
 from recurrent_depth.integrations.hf_config import HuginnRavenConfig, RecurrentDepthConfig
 from recurrent_depth.model.cache import parse_kv_policy
-from recurrent_depth.model.layers import RMSNorm
-from recurrent_depth.model.recurrent import RecurrentDepthLM
+from recurrent_depth.model.recurrent import RecurrentDepthLM, takase_init_
 
 
 # ---------------------------------------------------------------------------------------------- cache
@@ -166,16 +165,14 @@ class RecurrentDepthCache(DynamicCache):
 
 
 def _tensors(value: Any) -> list[Tensor]:
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, list | tuple):
-        return [t for item in value for t in _tensors(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in _tensors(item)]
-    return []
+    """Every tensor in a nest of lists, tuples and dicts, in order (one walk: `_map_tensors`'s)."""
+    found: list[Tensor] = []
+    _map_tensors(value, found.append)
+    return found
 
 
 def _map_tensors(value: Any, fn: Any) -> Any:
+    """`value` with `fn` applied to each tensor in its nest of lists, tuples and dicts."""
     if isinstance(value, Tensor):
         return fn(value)
     if isinstance(value, list | tuple):
@@ -311,15 +308,7 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         mc = self._core.config
         std = math.sqrt(2 / (5 * mc.hidden_size))
         out_std = std / math.sqrt(2 * mc.effective_expected_depth)
-        if isinstance(module, nn.Linear):
-            s = out_std if id(module) in self._output_projections else std
-            nn.init.trunc_normal_(module.weight, std=s, a=-3 * s, b=3 * s)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.trunc_normal_(module.weight, std=std, a=-3 * std, b=3 * std)
-        elif isinstance(module, RMSNorm):
-            nn.init.ones_(module.weight)
+        takase_init_(module, std, out_std if id(module) in self._output_projections else std)
         for name in ("qk_bias", "q_bias", "k_bias"):
             param = module._parameters.get(name)
             if param is not None:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from recurrent_depth.config import is_int, is_real
+from recurrent_depth.config import check_field_names, is_int, is_real
 
 MODES = ("block", "layer")
 RULES = ("naive", "damped", "rk")
@@ -84,10 +84,7 @@ class LoopConfig:
     def from_dict(cls, data: Any) -> LoopConfig:
         if not isinstance(data, dict):
             raise ValueError(f"a loop config must be a JSON object, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown loop config field(s) {unknown}; allowed: {sorted(known)}")
+        check_field_names(data, cls, "loop config field(s)")
         missing = sorted({"start", "end"} - set(data))
         if missing:
             raise ValueError(f"loop config is missing {missing}")

@@ -48,6 +48,19 @@ class RecurrentOutput:
     num_steps: tuple[int, int] = (0, 0)
 
 
+def takase_init_(module: nn.Module, std: float, linear_std: float) -> None:
+    """One module's own weights as the Takase init sets them: a Linear at `linear_std` (bias zero), an
+    embedding at `std` (both truncated at ±3 std), an RMSNorm at ones; other modules are left alone."""
+    if isinstance(module, nn.Linear):
+        nn.init.trunc_normal_(module.weight, std=linear_std, a=-3 * linear_std, b=3 * linear_std)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.trunc_normal_(module.weight, std=std, a=-3 * std, b=3 * std)
+    elif isinstance(module, RMSNorm):
+        nn.init.ones_(module.weight)
+
+
 class RecurrentDepthLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -103,15 +116,7 @@ class RecurrentDepthLM(nn.Module):
         std = math.sqrt(2 / (5 * self.config.hidden_size))
         out_std = std / math.sqrt(2 * max(1, self.config.effective_expected_depth))
         for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                s = out_std if name.endswith(("attn.proj", "mlp.proj")) else std
-                nn.init.trunc_normal_(module.weight, std=s, a=-3 * s, b=3 * s)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.trunc_normal_(module.weight, std=std, a=-3 * std, b=3 * std)
-            elif isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
+            takase_init_(module, std, out_std if name.endswith(("attn.proj", "mlp.proj")) else std)
         for name, param in self.named_parameters():
             if name.endswith(("qk_bias", "q_bias", "k_bias")):
                 nn.init.zeros_(param)

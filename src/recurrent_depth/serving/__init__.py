@@ -6,11 +6,13 @@
 
 Modules: `kv_pool` (per-row, per-step KV storage), `batch` (the continuous batch: prefill,
 one decode step with per-row depth and exit), `solo` (speculative / unsupported models through
-`recurrent_depth.inference`), `engine` (the scheduler thread, bounded queue, timeouts),
-`protocol` (request validation, OpenAI errors), `text` (tokenizer, stop strings), `chat_template`
-(the sandboxed Jinja renderer), `prep` (worker processes that parse, render and tokenize requests
-off the event loop), `transport` (timeouts, body limit, Host check, shutdown, banner), `metrics`
-(Prometheus text) and `app` (the FastAPI routes).
+`recurrent_depth.inference`), `engine` (`BatchScheduler`: the continuous-batching scheduler
+thread, bounded queue, timeouts), `protocol` (request validation, OpenAI errors), `text`
+(tokenizer, stop strings), `chat_template` (the sandboxed Jinja renderer), `prep` (worker
+processes that parse, render and tokenize requests off the event loop), `transport` (timeouts,
+body limit, Host check, shutdown, banner), `metrics` (Prometheus text), `handlers` (the routes:
+jobs from requests), `responses` (the OpenAI JSON), `streaming` (waiting for the scheduler's
+events; server-sent events) and `app` (the FastAPI app).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from recurrent_depth.config import MAX_NUM_STEPS, check_depth, is_int
 from recurrent_depth.inference.quant_cache import KVQuant
 from recurrent_depth.serving.app import MAX_BODY_BYTES, ServerSettings, create_app
 from recurrent_depth.serving.batch import BatchDecoder, RowRequest, TokenResult
-from recurrent_depth.serving.engine import Engine
+from recurrent_depth.serving.engine import BatchScheduler, Engine
 from recurrent_depth.serving.metrics import Metrics
 from recurrent_depth.serving.protocol import APIError, Limits
 from recurrent_depth.serving.text import TextCodec
@@ -33,7 +35,8 @@ from recurrent_depth.serving.text import TextCodec
 __all__ = [
     "APIError",
     "BatchDecoder",
-    "Engine",
+    "BatchScheduler",
+    "Engine",  # the earlier name of BatchScheduler
     "Limits",
     "Metrics",
     "RowRequest",
@@ -122,8 +125,8 @@ def build_app(
         raise ValueError(f"num_steps={num_steps!r} is invalid: expected an integer in [0, max_num_steps={steps}]")
     limits = Limits(cfg.max_seq_len, cfg.mean_recurrence, cfg.vocab_size, max_num_steps=steps,
                     max_sequences=min(max_queue, 256), default_num_steps=num_steps)
-    engine = Engine(model, Metrics(), max_batch=max_batch, max_queue=max_queue, prefill_tokens=prefill_tokens,
-                    kv_quant=kv_quant)
+    scheduler = BatchScheduler(model, Metrics(), max_batch=max_batch, max_queue=max_queue,
+                               prefill_tokens=prefill_tokens, kv_quant=kv_quant)
     codec = TextCodec(tokenizer_dir, cfg.vocab_size, cfg.max_seq_len)
     if codec.has_tokenizer and codec.chat is None:
         print(f"rdepth serve: chat is off: {codec.chat_error}", file=sys.stderr)
@@ -133,7 +136,7 @@ def build_app(
         stall_timeout=stall_timeout, allowed_hosts=tuple(allowed_hosts) if allowed_hosts is not None else None,
         tokenizer_workers=tokenizer_workers, tokenize_timeout=tokenize_timeout, worker_memory=worker_memory,
         default_num_steps=num_steps)
-    return create_app(engine, codec, settings)
+    return create_app(scheduler, codec, settings)
 
 
 def resolve_api_key(flag: str | None, environ: dict[str, str] | None = None) -> str | None:

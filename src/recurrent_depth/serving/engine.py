@@ -1,4 +1,5 @@
-"""The scheduler: one thread that owns the model and runs every request, an iteration at a time.
+"""The continuous-batching scheduler (`BatchScheduler`): one thread that owns the model and runs every
+request, an iteration at a time.
 
 Each iteration it (1) drops sequences whose client left or whose time ran out, (2) admits waiting
 requests into free rows (their prefill, up to a prompt-token budget per iteration, so running rows
@@ -10,9 +11,9 @@ timeout ends within one core step with a 504; `last_progress` is the time of the
 Requests therefore join and leave the
 running batch between steps, and each row runs at its own depth.
 
-The HTTP layer talks to the engine through `submit` (non-blocking; a bounded queue refuses with
+The HTTP layer talks to the scheduler through `submit` (non-blocking; a bounded queue refuses with
 `QueueFull` instead of growing) and receives `PromptEvent` / `TokenOut` / `Done` / `Failed`
-events through each job's `sink`, called on the engine thread.
+events through each job's `sink`, called on the scheduler thread.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class QueueFull(Exception):
 
 
 class EngineUnavailable(Exception):
-    """The engine is stopping or has failed (HTTP 503)."""
+    """The scheduler is stopping or has failed (HTTP 503)."""
 
 
 # ---------------------------------------------------------------------------------------- events
@@ -117,8 +118,9 @@ class Job:
             log.debug("dropping an event for a job whose consumer is gone", exc_info=True)
 
 
-class Engine:
-    """Owns the model; runs submitted jobs with continuous batching on a background thread."""
+class BatchScheduler:
+    """The continuous-batching scheduler: owns the model and runs submitted jobs, an iteration at a time,
+    on a background thread (requests join and leave the running batch between steps)."""
 
     def __init__(
         self,
@@ -131,7 +133,7 @@ class Engine:
         kv_quant: str | KVQuant | None = None,
     ) -> None:
         """kv_quant: the server's KV quantization (None: full precision): the batch's pool stores
-        code rows, and requests that do not set `kv_quant` use it (see `app.make_jobs`)."""
+        code rows, and requests that do not set `kv_quant` use it (see `handlers.Handlers.make_jobs`)."""
         for name, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 1),
                                  ("prefill_tokens", prefill_tokens, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -205,7 +207,7 @@ class Engine:
                 job.cancelled = True
             self.cond.notify()
 
-    # ------------------------------------------------------------------ engine thread
+    # ------------------------------------------------------------------ scheduler thread
     def _progress(self) -> None:
         self.last_progress = time.monotonic()
 
@@ -395,3 +397,7 @@ class Engine:
             return
         job.finished = True
         job.emit(Failed(job.index, status, message, error_type))
+
+
+# The scheduler's earlier name (`recurrent_depth.serving.Engine`), kept for code that imports it.
+Engine = BatchScheduler

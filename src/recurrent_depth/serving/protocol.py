@@ -18,7 +18,6 @@ server's `ignore_eos`, `stop_token_ids`, `add_special_tokens` and `return_steps`
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,19 +108,6 @@ def get_int(body: dict, name: str, default: Any, low: int | None = None, high: i
     return value
 
 
-def get_number(body: dict, name: str, default: Any, low: float, high: float = math.inf,
-               low_open: bool = False, nullable: bool = True) -> Any:
-    value = body.get(name, default)
-    if value is None and nullable:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise bad(name, f"'{name}' must be a finite number, got {_describe(value)}")
-    if (value <= low if low_open else value < low) or value > high:
-        lo = "(" if low_open else "["
-        raise bad(name, f"'{name}'={value} is out of range: expected a number in {lo}{low}, {high}]")
-    return value
-
-
 def get_bool(body: dict, name: str, default: bool | None) -> Any:
     value = body.get(name, default)
     if value is None:
@@ -138,13 +124,6 @@ def check_text(value: str, param: str, where: str) -> None:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise bad(param, f"{where} is not valid Unicode text: {exc.reason} at character {exc.start}") from None
-
-
-def get_str(body: dict, name: str, default: str | None = None) -> Any:
-    value = body.get(name, default)
-    if value is not None and not isinstance(value, str):
-        raise bad(name, f"'{name}' must be a string, got {_describe(value)}")
-    return value
 
 
 def refuse_unsupported(body: dict, n: int) -> None:

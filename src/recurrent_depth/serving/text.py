@@ -132,9 +132,6 @@ class TextCodec:
         self.check_fits(text, "prompt")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def has_chat_template(self) -> bool:
-        return self.chat is not None
-
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of the chat template applied to `messages`, with the assistant's turn opened.
 

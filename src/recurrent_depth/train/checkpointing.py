@@ -41,7 +41,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from recurrent_depth.files import fsync_dir, parse_safetensors_header, read_json
+from recurrent_depth.files import fsync_dir, fsync_file, parse_safetensors_header, read_json
 
 CHECKPOINTS_DIR = "checkpoints"
 OPTIMIZER_TENSORS = "optimizer.safetensors"
@@ -130,8 +130,7 @@ def write_json(path: Path, data: Any) -> None:
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
     save_file(tensors, str(path), metadata=metadata)
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
+    fsync_file(path)
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from recurrent_depth.config import MAX_NUM_STEPS, PRESETS, ModelConfig, is_int, is_real
+from recurrent_depth.config import MAX_NUM_STEPS, PRESETS, ModelConfig, check_field_names, is_int, is_real
 from recurrent_depth.files import CONFIG_MAX_BYTES, read_text
 from recurrent_depth.train.depth import SCHEMES
 from recurrent_depth.train.optim import OptimConfig
@@ -327,10 +327,7 @@ class TrainConfig:
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         if not isinstance(data, dict):
             raise ValueError(f"a training config must be a mapping, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown training config key(s) {unknown}; known keys: {sorted(known)}")
+        check_field_names(data, cls, "training config key(s)", listed_as="known keys")
         return cls(**data)
 
     @classmethod
@@ -364,10 +361,7 @@ def optim_from_dict(data: dict[str, Any]) -> OptimConfig:
     preset = values.pop("preset", DEFAULT_OPTIM_PRESET)
     if "betas" in values and isinstance(values["betas"], list):
         values["betas"] = tuple(values["betas"])
-    known = {f.name for f in fields(OptimConfig)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"unknown optim key(s) {unknown}; known: {sorted(known | {'preset'})}")
+    check_field_names(values, OptimConfig, "optim key(s)", listed_as="known", extra=("preset",))
     return dataclasses.replace(OptimConfig.from_preset(preset), **values)
 
 

@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from recurrent_depth.config import is_int
+from recurrent_depth.config import check_field_names, is_int
 from recurrent_depth.train.muon import NS_DTYPES, Muon
 from recurrent_depth.train.schedule import lr_at
 
@@ -596,10 +596,7 @@ class OptimConfig:
 
     @classmethod
     def _check_field_names(cls, data: dict[str, Any]) -> None:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown optim field(s) {unknown}; allowed: {sorted(known)}")
+        check_field_names(data, cls, "optim field(s)")
 
     # -- schedule --
 

@@ -20,22 +20,19 @@ Outputs in `cfg.out`: `run.json` (resolved config, versions, hardware, data hash
 (one line per optimizer step, flushed), `eval.jsonl` (validation by depth), `checkpoints/step-N/`,
 `tensorboard/` and, at the end, `model/` (weights + tokenizer: a model directory). With `out=None`
 (and `data=`) nothing is written: experiments read the run from `on_step` and the `TrainResult`.
+What goes into checkpoints and how a run resumes is `train/trainer_checkpoints.py`; run.json, the
+JSON-lines logs and tensorboard are `train/run_record.py`.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import platform
-import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,26 +48,41 @@ from recurrent_depth.model.mixers.dsa import pop_indexer_loss
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 from recurrent_depth.train import checkpointing as ckpt
 from recurrent_depth.train import distributed as ddist
+from recurrent_depth.train import trainer_checkpoints
 from recurrent_depth.train.batches import BatchSource, RowBatches
 from recurrent_depth.train.config import TrainConfig
 from recurrent_depth.train.depth import DepthSampler, stream_seed
 from recurrent_depth.train.objective import LanguageModeling, Objective
-from recurrent_depth.train.optim import OptimConfig, build_optimizers, clip_and_check_grads
+from recurrent_depth.train.optim import build_optimizers, clip_and_check_grads
 from recurrent_depth.train.qk_clip import QKClip
+from recurrent_depth.train.run_record import (
+    EVAL_FILE,
+    METRICS_FILE,
+    RUN_FILE,
+    JsonlLog,
+    git_revision,
+    hardware_info,
+    library_versions,
+    num_parameters,
+    open_tensorboard,
+    run_metadata,
+    tensorboard_step,
+    write_run_file,
+)
 from recurrent_depth.train.schedule import lr_at, set_lr
+from recurrent_depth.train.trainer_checkpoints import RESUMABLE_CHANGES
 from recurrent_depth.train.validation import DepthEval, autocast_context, validation_loss_by_depth
 
-METRICS_FILE = "metrics.jsonl"
-EVAL_FILE = "eval.jsonl"
-RUN_FILE = "run.json"
+# Public names of the run record and of checkpointing stay importable from here, where they lived before.
+__all__ = [
+    "EVAL_FILE", "METRICS_FILE", "MODEL_DIR", "RESUMABLE_CHANGES", "RUN_FILE", "TOKENIZER_DIR", "JsonlLog",
+    "LoopState", "StopTraining", "TooManySkippedSteps", "Trainer", "TrainingInterrupted", "TrainResult",
+    "compile_core", "git_revision", "hardware_info", "library_versions", "num_parameters", "prepare_model",
+    "train", "validation_by_depth",
+]
+
 MODEL_DIR = "model"
 TOKENIZER_DIR = "tokenizer"
-# Config fields a resumed run may change; any other difference makes --resume refuse.
-RESUMABLE_CHANGES = frozenset(
-    {"max_steps", "max_tokens", "max_minutes", "eval_interval", "eval_batches", "eval_depths", "save_every",
-     "keep_last", "resume", "progress", "tensorboard", "out", "data_dir", "compile", "compile_mode",
-     "activation_checkpointing", "keep_freed_memory", "accel", "max_skipped_fraction"}
-)
 
 
 class StopTraining(Exception):
@@ -236,19 +248,19 @@ class Trainer:
             cfg.batch_size * self.seq_len * cfg.grad_accum * env.world_size if self.seq_len is not None else None)
 
         if self.resume_from is not None:
-            self._load_checkpoint(self.resume_from)
+            trainer_checkpoints.resume_from_checkpoint(self, self.resume_from)
         writes = env.is_main and self.out is not None
         self.metrics = JsonlLog(self.out / METRICS_FILE if writes else None, keep_through=self.state.step)
         self.eval_log = JsonlLog(self.out / EVAL_FILE if writes else None, keep_through=self.state.step)
-        self.tb = _tensorboard(self.out, enabled=cfg.tensorboard and writes)
+        self.tb = open_tensorboard(self.out, enabled=cfg.tensorboard and writes)
         if writes:
-            _atomic_json(self.out / RUN_FILE, self.run_metadata())
+            write_run_file(self.out, self.run_metadata())
 
     def _open_out_dir(self) -> None:
         """Find the checkpoint to resume from (refusing to mix a new run into an old one); create `out`."""
         cfg = self.cfg
         root = ckpt.checkpoints_root(self.out)
-        self.resume_from = self._find_resume_checkpoint(root) if cfg.resume else None
+        self.resume_from = trainer_checkpoints.find_resume_checkpoint(root, self.env, self.log) if cfg.resume else None
         if not cfg.resume and ckpt.list_checkpoints(root):
             raise ValueError(
                 f"{self.out} already holds checkpoints; pass --resume to continue that run or choose a new --out"
@@ -256,7 +268,7 @@ class Trainer:
         if cfg.resume and self.resume_from is None:
             self.log(f"no checkpoint in {root}: starting from scratch")
         if self.resume_from is not None:  # before any data work, which could overwrite the run's caches
-            self._check_resumable(self.resume_from)
+            trainer_checkpoints.check_resumable(self.resume_from, cfg, self.env.world_size)
         self.out.mkdir(parents=True, exist_ok=True)
 
     def _setup_shards(self, corpus: Any | None, model: nn.Module | None) -> None:
@@ -301,18 +313,6 @@ class Trainer:
             scheme=cfg.depth_scheme, max_steps=cfg.max_depth, per_rank=cfg.depth_per_rank,
             ramp_steps=cfg.curriculum_micro_steps(seq_len, self.env.world_size), ramp_start=cfg.depth_curriculum_start,
         )
-
-    def _find_resume_checkpoint(self, root: Path) -> Path | None:
-        """The newest valid checkpoint; newer invalid ones are set aside (renamed, not deleted) and named."""
-        found, skipped = ckpt.newest_valid_checkpoint(root)
-        ddist.barrier(self.env)  # every rank has looked before rank 0 renames anything
-        if self.env.is_main:
-            for path, problem in skipped:
-                moved = ckpt.set_aside(path)
-                fallback = f"resuming from {found.name}" if found is not None else "no valid checkpoint is left"
-                self.log(f"skipping checkpoint {path}: {problem}; moved it to {moved.name}, {fallback}")
-        ddist.barrier(self.env)
-        return found
 
     def _prepare_data(self, corpus: Any | None):
         """Tokenizer (trained here unless given) and token shards; rank 0 builds, the others reuse."""
@@ -415,7 +415,7 @@ class Trainer:
                     break
                 record = self.train_step()
                 self.metrics.write(record)
-                self._tensorboard_step(record)
+                tensorboard_step(self.tb, record)
                 if bar is not None:
                     bar.update(1)
                     loss_text = "nan" if record["loss"] is None else f"{record['loss']:.3f}"  # None: not finite
@@ -631,165 +631,18 @@ class Trainer:
                 self.eval_log.write({"step": self.state.step, "final": final, **values})
         return result
 
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ checkpoints and run record
     def save_checkpoint(self) -> Path | None:
-        """Write checkpoint `step-<step>` (collective: every rank must call it); None without `out`.
-
-        Rank 0 checks the free space (pruning first, see `ckpt.make_room`) and writes; a failure removes
-        the temporary directory and every rank raises the same one-line `CheckpointWriteError`."""
-        env, step = self.env, self.state.step
-        if self.out is None:
-            return None
-        model_state = ddist.full_model_state(self.wrapped, env)
-        optim_state = ddist.optimizer_state(self.wrapped, self.optimizer, env)
-        root = ckpt.checkpoints_root(self.out)
-        tmp = root / f".tmp-{ckpt.checkpoint_name(step)}"
-        final = root / ckpt.checkpoint_name(step)
-        error = None
-        if env.is_main:
-            needed = ckpt.tensor_bytes(model_state) + ckpt.tensor_bytes(optim_state) + _dir_bytes(self.tokenizer_dir)
-            try:
-                with ckpt.staged_write(tmp, final, "checkpoint"):
-                    tmp = ckpt.begin_checkpoint(root, step)  # (removes what earlier crashed saves left)
-                    ckpt.make_room(root, step, needed, self.cfg.keep_last, log=self.log)
-            except ckpt.CheckpointWriteError as exc:
-                error = str(exc)
-        self._raise_if_failed(error)
-        if not env.is_main:
-            ckpt.write_tensors(tmp / f"rng-rank{env.rank}.safetensors", ckpt.rng_state_tensors())
-        ddist.barrier(env)
-        if env.is_main:
-            try:
-                with ckpt.staged_write(tmp, final, "checkpoint"):
-                    self._write_weights(model_state, tmp)
-                    ckpt.save_state_files(tmp, "optimizer", optim_state)
-                    ckpt.write_tensors(tmp / ckpt.RNG_TENSORS, ckpt.rng_state_tensors())
-                    ckpt.write_json(tmp / ckpt.TRAINER_STATE, {
-                        **self.state.to_dict(),
-                        "data": self.source.state_dict(),
-                        "world_size": env.world_size,
-                        "config": self.cfg.to_dict(),
-                        "sampler": self.sampler.to_dict() if self.sampler is not None else None,
-                    })
-                    final = ckpt.commit_checkpoint(tmp, step, keep_last=self.cfg.keep_last, log=self.log)
-            except ckpt.CheckpointWriteError as exc:
-                error = str(exc)
-        self._raise_if_failed(error)
-        return final
-
-    def _raise_if_failed(self, error: str | None) -> None:
-        """Rank 0's error on every rank (collective), so no rank waits for a save that failed."""
-        error = ddist.broadcast_object(error, self.env)
-        if error is not None:
-            raise ckpt.CheckpointWriteError(error)
-
-    def _check_resumable(self, path: Path) -> None:
-        """Refuse to resume from `path` with a changed config or another number of processes."""
-        try:
-            trainer_state = ckpt.read_trainer_state(path)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"cannot resume from {path}: unreadable {ckpt.TRAINER_STATE} ({exc})") from exc
-        changes = _config_changes(_with_field_defaults(trainer_state.get("config", {})), self.cfg.to_dict())
-        if changes:
-            raise ValueError(f"cannot resume from {path}: the configuration changed ({', '.join(changes)}); "
-                             f"only {', '.join(sorted(RESUMABLE_CHANGES - {'resume'}))} may change on --resume")
-        if trainer_state.get("world_size") != self.env.world_size:
-            raise ValueError(f"cannot resume from {path}: it was written by {trainer_state.get('world_size')} "
-                             f"process(es), this run has {self.env.world_size}")
-
-    def _load_checkpoint(self, path: Path) -> None:
-        loaded = ckpt.load_checkpoint(path, rank=self.env.rank)
-        ddist.load_full_model_state(self.wrapped, loaded.model_state, self.env)
-        ddist.load_optimizer_state(self.wrapped, self.optimizer, loaded.optimizer_state, self.env)
-        self.source.load_state_dict(loaded.trainer_state["data"])
-        for name in ("step", "micro_step", "tokens", "skipped_steps", "elapsed_s"):
-            setattr(self.state, name, type(getattr(self.state, name))(loaded.trainer_state[name]))
-        if loaded.rng:
-            ckpt.restore_rng_state(loaded.rng)
-        self.log(f"resumed from {path} at step {self.state.step}")
+        """Write checkpoint `step-<step>` (collective); None without `out`. See `trainer_checkpoints`."""
+        return trainer_checkpoints.save_checkpoint(self)
 
     def save_model(self, path: Path) -> Path | None:
-        """The final weights + tokenizer as a model directory (rank 0 writes).
+        """The final weights + tokenizer as the model directory `path` (collective; rank 0 writes)."""
+        return trainer_checkpoints.save_model(self, path)
 
-        Written into a hidden temporary directory and renamed into place, so `path` is never left empty
-        or half-written (an earlier `path` is replaced only once the new one is complete)."""
-        state = ddist.full_model_state(self.wrapped, self.env)
-        error = None
-        if self.env.is_main:
-            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-            try:
-                with ckpt.staged_write(tmp, path, "the model directory"):
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    ckpt.check_free_space(path.parent, ckpt.tensor_bytes(state) + _dir_bytes(self.tokenizer_dir),
-                                          f"the model directory {path}")
-                    self._write_weights(state, tmp)
-                    ckpt.publish_directory(tmp, path)
-            except ckpt.CheckpointWriteError as exc:
-                error = str(exc)
-        self._raise_if_failed(error)
-        return path
-
-    def _write_weights(self, state: dict[str, torch.Tensor], directory: Path) -> None:
-        """`state` (+ config and tokenizer) as a model directory: ours, a transformers model's, or bare weights."""
-        if isinstance(self.model, RecurrentDepthLM):
-            from recurrent_depth.checkpoint import save_pretrained
-
-            save_pretrained(ckpt.StateView(self.model_config, state), directory, tokenizer_dir=self.tokenizer_dir)
-            return
-        if hasattr(self.model, "save_pretrained"):  # a transformers model: its own format and config
-            self.model.save_pretrained(directory, state_dict=state)
-        else:
-            from safetensors.torch import save_file
-
-            directory.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.clone().contiguous() for k, v in state.items()}, directory / "model.safetensors")
-        if self.tokenizer_dir is not None:
-            from recurrent_depth.checkpoint import copy_tokenizer
-
-            copy_tokenizer(self.tokenizer_dir, directory)
-
-    # ------------------------------------------------------------------ metadata and logging
     def run_metadata(self) -> dict[str, Any]:
-        config = self.model_config
-        return {
-            "config": self.cfg.to_dict(),
-            "model_config": config.to_dict() if hasattr(config, "to_dict") else None,
-            "model_class": type(self.model).__name__,
-            "parameters": num_parameters(self.model),
-            "seq_len": self.seq_len,
-            "tokens_per_step": self.tokens_per_step,
-            "sampler": self.sampler.to_dict() if self.sampler is not None else None,
-            "eval_depths": self.eval_depths,
-            "seeds": {"weights": self.cfg.seed, "data": self.cfg.seed, "depth": self.cfg.seed,
-                      "initial_state": self.cfg.seed + 1},
-            "data": self.source.describe(),
-            "tokenizer_dir": str(self.tokenizer_dir) if self.tokenizer_dir is not None else None,
-            "resumed_from": str(self.resume_from) if self.resume_from else None,
-            "world_size": self.env.world_size,
-            "backend": self.env.backend,
-            "accel": self.accel,
-            "git": git_revision(),
-            "versions": library_versions(),
-            "hardware": hardware_info(self.env.device),
-            "command": sys.argv,
-            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
-
-    def _tensorboard_step(self, record: dict[str, Any]) -> None:
-        if self.tb is None:
-            return
-        step = record["step"]
-        for key in ("loss", "lr", "tokens_per_s", "grad_norm", "max_logit"):
-            if record.get(key) is not None:
-                self.tb.add_scalar(f"train/{key}", record[key], step)
-        if record["num_steps"]:
-            self.tb.add_scalar("train/depth", sum(record["num_steps"]) / len(record["num_steps"]), step)
-
-
-def num_parameters(model: nn.Module) -> int:
-    """Trainable + frozen parameters, tied ones once."""
-    return sum(p.numel() for p in model.parameters())
+        """What `run.json` records (see `run_record`)."""
+        return run_metadata(self)
 
 
 def validation_by_depth(trainer: Trainer, final: bool) -> DepthEval:
@@ -839,52 +692,6 @@ def compile_core(model: RecurrentDepthLM, mode: str = "default") -> None:
         block.compile(dynamic=False, mode=mode)
 
 
-class JsonlLog:
-    """Append-only JSON lines, flushed per line. On resume, lines after `keep_through` are dropped.
-    `path=None` writes nothing (ranks other than 0, a run without `out`)."""
-
-    def __init__(self, path: Path | None, keep_through: int = 0) -> None:
-        self.path = path
-        self.handle = None
-        self.kept: list[dict[str, Any]] = []  # the records kept from an earlier session
-        if path is None:
-            return
-        if path.exists():
-            kept = []
-            for line in path.read_text().splitlines():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    break  # a line torn by a crash: everything after it is newer anyway
-                if record.get("step", 0) <= keep_through:
-                    kept.append(line)
-                    self.kept.append(record)
-            _atomic_text(path, "".join(f"{line}\n" for line in kept))
-        self.handle = open(path, "a")  # noqa: SIM115 (kept open for the run; closed by close())
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self.handle is None:
-            return
-        # Strict JSON: a NaN or infinite value (a diverged validation loss) is written as null.
-        self.handle.write(json.dumps(_finite_or_null(record), allow_nan=False) + "\n")
-        self.handle.flush()
-
-    def close(self) -> None:
-        if self.handle is not None:
-            self.handle.close()
-            self.handle = None
-
-
-def _finite_or_null(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite_or_null(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite_or_null(v) for v in value]
-    return value
-
-
 class _InterruptRequest:
     """Ctrl-C during the training loop: the first SIGINT asks to stop after the current step (which is then
     checkpointed: a step cut in half cannot be resumed exactly); a second one interrupts at once.
@@ -917,10 +724,6 @@ class _InterruptRequest:
         return bool(ddist.broadcast_object(self.requested, env)) if env.enabled else self.requested
 
 
-def _dir_bytes(path: Path | None) -> int:
-    return ckpt.directory_bytes(path) if path is not None and path.is_dir() else 0
-
-
 def _progress_bar(cfg: TrainConfig, env: ddist.DistEnv, initial: int):
     if not (cfg.progress and env.is_main):
         return None
@@ -928,100 +731,6 @@ def _progress_bar(cfg: TrainConfig, env: ddist.DistEnv, initial: int):
 
     # disable=None: no bar when stdout is not a terminal (CI logs stay clean).
     return tqdm(total=cfg.max_steps, initial=initial, unit="step", dynamic_ncols=True, disable=None)
-
-
-def _tensorboard(out: Path, enabled: bool):
-    if not enabled:
-        return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard not installed: metrics.jsonl has everything
-        return None
-    return SummaryWriter(log_dir=str(out / "tensorboard"))
-
-
-def _with_field_defaults(saved: dict[str, Any]) -> dict[str, Any]:
-    """A saved run config with the fields it lacks (added to TrainConfig or OptimConfig after it was written)
-    at their defaults: a new field's default is the old behaviour, so it must not block a resume."""
-    def defaults(cls: type) -> dict[str, Any]:
-        return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
-
-    filled = {**_jsonable(defaults(TrainConfig)), **saved}
-    if isinstance(saved.get("optim"), dict):
-        filled["optim"] = {**_jsonable(defaults(OptimConfig)), **saved["optim"]}
-    return filled
-
-
-def _config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """`field: old -> new` for each non-resumable field that differs (`optim.lr: ...` inside mappings)."""
-    changes = []
-    for key in sorted(current):
-        old, new = saved.get(key), _jsonable(current[key])
-        if key in RESUMABLE_CHANGES or old == new:
-            continue
-        if isinstance(old, dict) and isinstance(new, dict):
-            changes += [f"{key}.{sub}: {old.get(sub)!r} -> {new.get(sub)!r}"
-                        for sub in sorted(set(old) | set(new)) if old.get(sub) != new.get(sub)]
-        else:
-            changes.append(f"{key}: {old!r} -> {new!r}")
-    return changes
-
-
-def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value))
-
-
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
-def _atomic_json(path: Path, data: Any) -> None:
-    _atomic_text(path, json.dumps(data, indent=2, default=str) + "\n")
-
-
-def git_revision() -> dict[str, Any]:
-    """Commit and dirty flag of the checkout this package runs from (None outside a git checkout)."""
-    here = Path(__file__).resolve().parent
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
-        if rev.returncode != 0:
-            return {"commit": None, "dirty": None}
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                                capture_output=True, text=True, timeout=10)
-        return {"commit": rev.stdout.strip(), "dirty": bool(status.stdout.strip())}
-    except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
-
-
-def library_versions() -> dict[str, str | None]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out: dict[str, str | None] = {"python": platform.python_version()}
-    for name in ("torch", "numpy", "tokenizers", "safetensors", "transformers", "recurrent-depth"):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = None
-    return out
-
-
-def hardware_info(device: torch.device) -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "processor": platform.processor() or None,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "device": str(device),
-    }
-    if torch.cuda.is_available():
-        info["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return info
 
 
 def train(cfg: TrainConfig, **kwargs: Any) -> TrainResult:

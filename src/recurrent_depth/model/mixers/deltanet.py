@@ -90,6 +90,10 @@ class DeltaRuleMixer(RecurrentMixer):
         self.g_proj = nn.Linear(h, H * V, bias=False) if self.use_output_gate else None
         self.o_norm = GatedRMSNorm(V, config.norm_eps)
         self.proj = nn.Linear(H * V, h, bias=config.bias)
+        self.add_extra_modules(config)
+
+    def add_extra_modules(self, config: ModelConfig) -> None:
+        """A subclass's own modules, created after the shared ones (so their initialisation follows theirs)."""
 
     def features(self, x: Tensor, valid: Tensor | None, conv_state: Tensor | None) -> tuple[Tensor, ...]:
         """q, k [B, T, H, K] (unit norm), v [B, T, H, V], beta [B, T, H], g [B, T, H] or None, conv state."""

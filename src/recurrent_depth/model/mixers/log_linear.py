@@ -158,21 +158,7 @@ class LogLinearGatedDeltaNet(DeltaRuleMixer):
     mixer_name = "log_linear_gated_deltanet"
     gated = True
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        part: str = "core",
-        num_heads: int | None = None,
-        head_dim: int | None = None,
-        expand_v: int = 1,
-        use_short_conv: bool = True,
-        conv_size: int = 4,
-        use_output_gate: bool | None = None,
-        mode: str = "auto",
-        chunk_size: int = 64,
-    ) -> None:
-        super().__init__(config, part, num_heads, head_dim, expand_v, use_short_conv, conv_size, use_output_gate,
-                         mode, chunk_size)
+    def add_extra_modules(self, config: ModelConfig) -> None:
         self.num_levels = levels_needed(config.max_seq_len)
         self.levels = LevelWeights(config.hidden_size, self.num_heads, self.num_levels)
 

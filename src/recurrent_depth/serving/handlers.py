@@ -1,0 +1,222 @@
+"""The route handlers of the OpenAI-compatible app (`app.py` wires them to URLs): authorization,
+reading and preparing a request, turning it into scheduler jobs (one per prompt and choice), and
+answering it as JSON (`responses.py`) or a stream of server-sent events (`streaming.py`)."""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from recurrent_depth.inference.options import eos_ids
+from recurrent_depth.inference.quant_cache import kv_quant_for_model
+from recurrent_depth.serving import responses
+from recurrent_depth.serving.batch import BatchDecoder, RowRequest
+from recurrent_depth.serving.engine import BatchScheduler, EngineUnavailable, Job, QueueFull
+from recurrent_depth.serving.kv_pool import SlotKVPool
+from recurrent_depth.serving.prep import PrepPool, PrepSpec
+from recurrent_depth.serving.protocol import APIError, ChatRequest, CompletionRequest, Limits, Sampling
+from recurrent_depth.serving.streaming import Channel, OpenRequests, collect, stream
+from recurrent_depth.serving.text import TextCodec, TextState
+from recurrent_depth.serving.transport import read_body, require_json
+
+if TYPE_CHECKING:
+    from recurrent_depth.serving.app import ServerSettings
+
+
+class Handlers:
+    """What the routes share (scheduler, tokenizer, settings, preparation workers, open requests) and
+    the routes themselves. Generation handlers take `(request, start)`: `start` is the request's arrival."""
+
+    def __init__(self, scheduler: BatchScheduler, codec: TextCodec, settings: ServerSettings) -> None:
+        cfg = scheduler.model.config
+        self.scheduler, self.codec, self.settings = scheduler, codec, settings
+        self.limits = settings.limits or Limits(cfg.max_seq_len, cfg.mean_recurrence, cfg.vocab_size)
+        self.names = {settings.model_name, *settings.aliases}
+        self.metrics = scheduler.metrics
+        eos_configured = cfg.eos_token_id is not None
+        self.base_stops = set(codec.eos_ids) | set(eos_ids(cfg.eos_token_id, "eos_token_id", cfg.vocab_size))
+        self.pool = PrepPool(PrepSpec(str(codec.model_dir) if codec.has_tokenizer else None, codec.vocab_size,
+                                      self.limits, frozenset(self.names), eos_configured, settings.worker_memory),
+                             workers=settings.tokenizer_workers, timeout=settings.tokenize_timeout)
+        self.open_requests = OpenRequests(scheduler)
+        self.api_key = settings.api_key.encode("utf-8") if settings.api_key is not None else None
+
+    # ------------------------------------------------------------------ auth and body
+    def authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        # Header values arrive as bytes (Starlette shows them as latin-1); the key is compared as UTF-8.
+        header = request.headers.get("authorization", "").encode("latin-1")
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           type="authentication_error", code="invalid_api_key")
+
+    async def prepare(self, request: Request, kind: str) -> tuple[Any, list[list[int]]]:
+        """The validated request and its token-id prompts: the body is read here (bounded in size and
+        time), parsed, checked, rendered and tokenized in a worker process (`prep.py`)."""
+        require_json(request.headers.get("content-type"))
+        raw = await read_body(request.receive, self.settings.max_body_bytes, self.settings.read_timeout,
+                              request.headers.get("content-length"))
+        return await self.pool.prepare(kind, raw)
+
+    # ------------------------------------------------------------------ simple routes
+    async def health(self) -> JSONResponse:
+        scheduler, settings = self.scheduler, self.settings
+        status = "ok" if scheduler.healthy else "unavailable"
+        body: dict[str, Any] = {"status": status, "model": settings.model_name, "running": scheduler.running,
+                                "waiting": len(scheduler.waiting), "batching": scheduler.batches,
+                                "kv_quant": scheduler.kv_quant.name if scheduler.kv_quant is not None else None,
+                                "stall_timeout": settings.stall_timeout}
+        idle = self.open_requests.idle_seconds()
+        if idle is not None:
+            body["seconds_since_progress"] = round(idle, 3)
+            if status == "ok" and idle > settings.stall_timeout:
+                status = body["status"] = "stalled"
+                body["error"] = (f"the engine has made no progress for {idle:.1f} s "
+                                 f"(over {settings.stall_timeout:g} s) while requests are open")
+        if scheduler.failure:
+            body["error"] = scheduler.failure
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.settings.model_name, "object": "model", "created": self.settings.created,
+                "owned_by": "recurrent-depth", "max_model_len": self.limits.max_seq_len}
+
+    async def list_models(self, request: Request) -> JSONResponse:
+        self.authorize(request)
+        return JSONResponse({"object": "list", "data": [self.model_card()]})
+
+    async def get_model(self, model_id: str, request: Request) -> JSONResponse:
+        self.authorize(request)
+        if model_id not in self.names:
+            raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
+        return JSONResponse(self.model_card())
+
+    async def prometheus(self, request: Request) -> PlainTextResponse:
+        self.authorize(request)
+        return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    # ------------------------------------------------------------------ generation plumbing
+    def make_jobs(self, sampling: Sampling, prompts: list[list[int]], top: int | None, prompt_scores: bool,
+                  extra_stops: set[int], channel: Channel,
+                  start: float) -> tuple[list[Job], list[responses.Choice]]:
+        codec, limits, scheduler = self.codec, self.limits, self.scheduler
+        if sampling.stop and not codec.has_tokenizer:  # no text to search: they could never match
+            raise APIError(400, "'stop' strings need the model directory's tokenizer.json, which this server does "
+                                "not have; use 'stop_token_ids'", param="stop")
+        base_seed = sampling.seed if sampling.seed is not None else secrets.randbits(62)
+        stops = set(sampling.stop_token_ids) | extra_stops | (set() if sampling.ignore_eos else self.base_stops)
+        deadline = start + self.settings.request_timeout
+        jobs, choices = [], []
+        for p, prompt in enumerate(prompts):
+            max_tokens = sampling.max_tokens
+            if max_tokens is None:  # chat default: the rest of the context
+                max_tokens = limits.max_seq_len - len(prompt)
+                if max_tokens < 1:
+                    raise APIError(400, f"the prompt has {len(prompt)} tokens, which fills the model's context of "
+                                        f"{limits.max_seq_len} tokens", param="messages",
+                                   code="context_length_exceeded")
+            options = sampling.options(len(prompt), max_tokens, limits)
+            try:  # an official compress-sN / compress-rN needs the model's layout
+                options.policy = options.policy.bind(scheduler.model.config.core_layers)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="kv_policy") from None
+            if options.kv_quant is not None:  # a spec this model cannot take: 400 now, not 500 in generation
+                try:
+                    kv_quant_for_model(scheduler.model, options.kv_quant)
+                except ValueError as exc:
+                    raise APIError(400, str(exc), param=sampling.given_as.get("kv_quant", "kv_quant")) from None
+            # the slot pool takes most policies; the rest (always-last, randomized, compress-rN) run alone,
+            # and so do speculative decoding, the official schedule and a kv_quant other than the pool's
+            solo = (sampling.speculative or not scheduler.batches or not SlotKVPool.takes(options.policy)
+                    or not BatchDecoder.runs(options) or not scheduler.batch.takes_kv_quant(options.kv_quant))
+            generation = dict(sampling.generation, max_new_tokens=max_tokens, stop=sorted(stops) or None)
+            if options.kv_quant is None and scheduler.kv_quant is not None:  # the server's memory setting
+                generation["kv_quant"] = scheduler.kv_quant.name
+            for j in range(sampling.n):
+                index = p * sampling.n + j
+                row = RowRequest(list(prompt), options, seed=base_seed + j, top_logprobs=top,
+                                 prompt_logprobs=prompt_scores)
+                jobs.append(Job(row=row, max_tokens=max_tokens, stop_ids=frozenset(stops),
+                                text=TextState(codec, sampling.stop), sink=channel.sink, deadline=deadline,
+                                index=index, solo=solo, generation_kwargs=generation, arrival=start))
+                choices.append(responses.Choice(index, list(prompt)))
+        return jobs, choices
+
+    def submit(self, jobs: list[Job], start: float) -> None:
+        try:
+            self.scheduler.submit(jobs)
+            self.open_requests.add(jobs, start)
+        except QueueFull as exc:
+            self.metrics.reject("queue_full")
+            raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from None
+        except EngineUnavailable as exc:
+            self.metrics.reject("unavailable")
+            raise APIError(503, str(exc), type="service_unavailable", code="engine_unavailable") from None
+
+    def _stream(self, endpoint: str, jobs: list[Job], choices: list[responses.Choice], channel: Channel,
+                start: float, **parts: Any) -> Response:
+        """A streaming request's answer (see `streaming.stream` for `parts`); counted when the stream ends."""
+        def ended(status: int) -> None:
+            self.metrics.request_done(endpoint, status, time.monotonic() - start)
+
+        return stream(jobs, choices, channel, self.open_requests, start + self.settings.request_timeout,
+                      ended=ended, **parts)
+
+    async def _collect(self, request: Request, jobs: list[Job], choices: list[responses.Choice],
+                       channel: Channel, start: float) -> None:
+        await collect(request, jobs, choices, channel, self.open_requests, start + self.settings.request_timeout)
+
+    # ------------------------------------------------------------------ generation routes
+    async def completions(self, request: Request, start: float) -> Response:
+        self.authorize(request)
+        codec = self.codec
+        req: CompletionRequest
+        req, prompts = await self.prepare(request, "completions")
+        channel = Channel()
+        jobs, choices = self.make_jobs(req.sampling, prompts, req.logprobs, req.echo and req.logprobs is not None,
+                                       set(), channel, start)
+        self.submit(jobs, start)
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": self.settings.model_name}
+        opening = None
+        if req.echo and req.logprobs is None:  # with logprobs the echo waits for the prompt scores
+            opening = lambda c: {**head, "choices": [{"index": c.index, "text": codec.decode(c.prompt_ids),  # noqa: E731
+                                                      "logprobs": None, "finish_reason": None}]}
+        if req.sampling.stream:
+            return self._stream(
+                "completions", jobs, choices, channel, start,
+                to_chunks=lambda event, choice: responses.completion_chunks(codec, event, choice, req, head),
+                final=lambda: {**head, "choices": [], "usage": responses.usage(choices, prompts)}
+                if req.sampling.include_usage else None, opening=opening)
+        await self._collect(request, jobs, choices, channel, start)
+        return JSONResponse(responses.completion_body(codec, req, head, choices, prompts))
+
+    async def chat(self, request: Request, start: float) -> Response:
+        self.authorize(request)
+        codec = self.codec
+        req: ChatRequest
+        req, (prompt,) = await self.prepare(request, "chat")  # the template writes its own bos
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        channel = Channel()
+        jobs, choices = self.make_jobs(req.sampling, [prompt], top, False, set(codec.chat_stop_ids), channel, start)
+        self.submit(jobs, start)
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": self.settings.model_name}
+        if req.sampling.stream:
+            return self._stream(
+                "chat", jobs, choices, channel, start,
+                to_chunks=lambda event, choice: responses.chat_chunks(codec, event, choice, req, head),
+                final=lambda: {**head, "choices": [], "usage": responses.usage(choices, [prompt])}
+                if req.sampling.include_usage else None,
+                opening=lambda c: {**head, "choices": [{"index": c.index, "delta": {
+                    "role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
+        await self._collect(request, jobs, choices, channel, start)
+        return JSONResponse(responses.chat_body(codec, req, head, choices, prompt))

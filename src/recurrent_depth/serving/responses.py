@@ -1,0 +1,195 @@
+"""The OpenAI JSON a request's answer is made of: each choice's state as the scheduler's events
+arrive (`Choice`, `apply_event`), the whole response (`completion_body`, `chat_body`), the stream's
+chunks (`completion_chunks`, `chat_chunks`), logprobs and usage."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from recurrent_depth.serving.batch import PromptScores
+from recurrent_depth.serving.engine import Done, Event, PromptEvent, TokenOut
+from recurrent_depth.serving.protocol import ChatRequest, CompletionRequest
+from recurrent_depth.serving.text import IncrementalDecoder, TextCodec
+
+NEGATIVE_INFINITY_LOGPROB = -9999.0  # what JSON (no -Infinity) shows for a token of probability 0
+
+
+def finite_logprob(value: float | None) -> float | None:
+    """A log-probability JSON can carry: -inf (probability 0) -> -9999.0, NaN / +inf (a broken
+    model) -> null, rather than invalid JSON or a 500."""
+    if value is None or math.isfinite(value):
+        return value
+    return NEGATIVE_INFINITY_LOGPROB if value < 0 else None
+
+
+def finite_top(top: list[tuple[int, float]] | None) -> list[tuple[int, float | None]] | None:
+    return None if top is None else [(i, finite_logprob(v)) for i, v in top]
+
+
+@dataclass
+class Choice:
+    """What one job has produced so far (assembled into the response)."""
+
+    index: int
+    prompt_ids: list[int]
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    tops: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    prompt_scores: PromptScores | None = None
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    core_steps: int = 0
+
+
+def apply_event(event: Event, choices: list[Choice]) -> Choice:
+    """Add a scheduler event to the choice it belongs to; that choice."""
+    choice = choices[event.index]
+    if isinstance(event, PromptEvent):
+        choice.prompt_scores = PromptScores([finite_logprob(v) for v in event.scores.logprobs],
+                                            [finite_top(t) for t in event.scores.top])
+    elif isinstance(event, TokenOut):
+        choice.text += event.text
+        choice.tokens.append(event.token)
+        choice.steps.append(event.steps)
+        choice.reasons.append(event.reason)
+        choice.logprobs.append(finite_logprob(event.logprob))
+        choice.tops.append(finite_top(event.top))
+    elif isinstance(event, Done):
+        choice.text += event.text
+        choice.finish_reason = event.finish_reason
+        choice.completion_tokens = event.completion_tokens
+        choice.core_steps = event.core_steps
+    return choice
+
+
+def usage(choices: list[Choice], prompts: list[list[int]]) -> dict[str, Any]:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion = sum(c.completion_tokens for c in choices)
+    steps = sum(c.core_steps for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion, "completion_steps": steps,
+            "steps_per_token": round(steps / completion, 4) if completion else 0.0}
+
+
+def _with_steps(item: dict[str, Any], steps: list[int] | None, return_steps: bool) -> dict[str, Any]:
+    """`item` with the per-token depths when the request asked for them (`return_steps`)."""
+    if steps is not None and return_steps:
+        item["steps"] = steps
+    return item
+
+
+# ------------------------------------------------------------------ completions
+def completion_logprobs(codec: TextCodec, choice: Choice, echo: bool, first: int = 0) -> dict[str, Any]:
+    """OpenAI legacy logprobs for tokens [first:] of (echoed prompt +) completion."""
+    ids, lps, tops = [], [], []
+    if echo:
+        scores = choice.prompt_scores
+        ids += choice.prompt_ids
+        lps += scores.logprobs if scores else [None] * len(choice.prompt_ids)
+        tops += scores.top if scores else [None] * len(choice.prompt_ids)
+    ids += choice.tokens
+    lps += choice.logprobs
+    tops += choice.tops
+    decoder = IncrementalDecoder(codec)
+    offsets, length = [], 0
+    for t in ids:  # offsets into the returned text (echoed prompt + completion)
+        offsets.append(length)
+        length += len(decoder.push(t))
+    return {
+        "tokens": [codec.token_string(t) for t in ids[first:]],
+        "token_logprobs": lps[first:],
+        "top_logprobs": [None if top is None else {codec.token_string(i): lp for i, lp in top}
+                         for top in tops[first:]],
+        "text_offset": offsets[first:],
+    }
+
+
+def completion_body(codec: TextCodec, req: CompletionRequest, head: dict[str, Any], choices: list[Choice],
+                    prompts: list[list[int]]) -> dict[str, Any]:
+    """The whole (non-streamed) answer of a completions request."""
+    body_choices = []
+    for c in choices:
+        text = (codec.decode(c.prompt_ids) if req.echo else "") + c.text
+        item: dict[str, Any] = {
+            "index": c.index, "text": text,
+            "logprobs": completion_logprobs(codec, c, req.echo) if req.logprobs is not None else None,
+            "finish_reason": c.finish_reason,
+        }
+        body_choices.append(_with_steps(item, c.steps, req.sampling.return_steps))
+    return {**head, "choices": body_choices, "usage": usage(choices, prompts)}
+
+
+def completion_chunks(codec: TextCodec, event: Event, choice: Choice, req: CompletionRequest,
+                      head: dict[str, Any]) -> list[dict[str, Any]]:
+    """The stream chunks one event of a completions request makes."""
+    out = []
+
+    def chunk(text: str, finish: str | None, logprobs: dict | None, steps: list[int] | None = None) -> None:
+        item: dict[str, Any] = {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        out.append({**head, "choices": [_with_steps(item, steps, req.sampling.return_steps)]})
+
+    if isinstance(event, PromptEvent) and req.echo:
+        lp = None
+        if req.logprobs is not None:
+            lp = completion_logprobs(codec, choice, echo=True)
+        chunk(codec.decode(choice.prompt_ids), None, lp)
+    elif isinstance(event, TokenOut):
+        lp = None
+        if req.logprobs is not None:
+            # text_offset counts from the start of the returned text, the echoed prompt included
+            full = completion_logprobs(codec, choice, echo=req.echo, first=len(choice.tokens) - 1 + (
+                len(choice.prompt_ids) if req.echo else 0))
+            lp = {k: v[-1:] for k, v in full.items()}
+        chunk(event.text, None, lp, [event.steps])
+    elif isinstance(event, Done):
+        chunk(event.text, event.finish_reason, None)
+    return out
+
+
+# ------------------------------------------------------------------ chat
+def chat_logprobs(codec: TextCodec, choice: Choice, first: int = 0) -> dict[str, Any]:
+    content = []
+    for t, lp, top in zip(choice.tokens[first:], choice.logprobs[first:], choice.tops[first:]):
+        content.append({
+            "token": codec.token_string(t), "logprob": lp, "bytes": list(codec.token_bytes(t)),
+            "top_logprobs": [{"token": codec.token_string(i), "logprob": v, "bytes": list(codec.token_bytes(i))}
+                             for i, v in (top or [])],
+        })
+    return {"content": content, "refusal": None}
+
+
+def chat_body(codec: TextCodec, req: ChatRequest, head: dict[str, Any], choices: list[Choice],
+              prompt: list[int]) -> dict[str, Any]:
+    """The whole (non-streamed) answer of a chat request."""
+    body_choices = []
+    for c in choices:
+        item: dict[str, Any] = {
+            "index": c.index, "message": {"role": "assistant", "content": c.text},
+            "logprobs": chat_logprobs(codec, c) if req.logprobs else None, "finish_reason": c.finish_reason,
+        }
+        body_choices.append(_with_steps(item, c.steps, req.sampling.return_steps))
+    return {**head, "object": "chat.completion", "choices": body_choices, "usage": usage(choices, [prompt])}
+
+
+def chat_chunks(codec: TextCodec, event: Event, choice: Choice, req: ChatRequest,
+                head: dict[str, Any]) -> list[dict[str, Any]]:
+    """The stream chunks one event of a chat request makes."""
+    if isinstance(event, TokenOut):
+        item: dict[str, Any] = {"index": choice.index, "delta": {"content": event.text},
+                                "logprobs": chat_logprobs(codec, choice, len(choice.tokens) - 1) if req.logprobs
+                                else None, "finish_reason": None}
+        return [{**head, "choices": [_with_steps(item, [event.steps], req.sampling.return_steps)]}]
+    if isinstance(event, Done):
+        out = []
+        if event.text:
+            out.append({**head, "choices": [{"index": choice.index, "delta": {"content": event.text},
+                                             "logprobs": None, "finish_reason": None}]})
+        out.append({**head, "choices": [{"index": choice.index, "delta": {}, "logprobs": None,
+                                         "finish_reason": event.finish_reason}]})
+        return out
+    return []

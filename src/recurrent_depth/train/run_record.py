@@ -1,0 +1,176 @@
+"""The record a training run leaves in its `out` directory, apart from checkpoints and weights:
+`run.json` (what ran: config, versions, hardware, git revision, data), `metrics.jsonl` and
+`eval.jsonl` (JSON lines, flushed per line, trimmed on resume) and `tensorboard/`."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from recurrent_depth.files import atomic_write_text
+
+if TYPE_CHECKING:
+    from recurrent_depth.train.trainer import Trainer
+
+METRICS_FILE = "metrics.jsonl"
+EVAL_FILE = "eval.jsonl"
+RUN_FILE = "run.json"
+TENSORBOARD_DIR = "tensorboard"
+# Scalars of a step's metrics record that go to tensorboard as `train/<key>`.
+TENSORBOARD_SCALARS = ("loss", "lr", "tokens_per_s", "grad_norm", "max_logit")
+
+
+def num_parameters(model: nn.Module) -> int:
+    """Trainable + frozen parameters, tied ones once."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def run_metadata(trainer: Trainer) -> dict[str, Any]:
+    """What `run.json` records about a trainer's run."""
+    cfg, config = trainer.cfg, trainer.model_config
+    return {
+        "config": cfg.to_dict(),
+        "model_config": config.to_dict() if hasattr(config, "to_dict") else None,
+        "model_class": type(trainer.model).__name__,
+        "parameters": num_parameters(trainer.model),
+        "seq_len": trainer.seq_len,
+        "tokens_per_step": trainer.tokens_per_step,
+        "sampler": trainer.sampler.to_dict() if trainer.sampler is not None else None,
+        "eval_depths": trainer.eval_depths,
+        "seeds": {"weights": cfg.seed, "data": cfg.seed, "depth": cfg.seed, "initial_state": cfg.seed + 1},
+        "data": trainer.source.describe(),
+        "tokenizer_dir": str(trainer.tokenizer_dir) if trainer.tokenizer_dir is not None else None,
+        "resumed_from": str(trainer.resume_from) if trainer.resume_from else None,
+        "world_size": trainer.env.world_size,
+        "backend": trainer.env.backend,
+        "accel": trainer.accel,
+        "git": git_revision(),
+        "versions": library_versions(),
+        "hardware": hardware_info(trainer.env.device),
+        "command": sys.argv,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def write_run_file(out: Path, metadata: dict[str, Any]) -> None:
+    """`out/run.json`, written crash-safely (values JSON lacks, such as paths, are written as text)."""
+    atomic_write_text(out / RUN_FILE, json.dumps(metadata, indent=2, default=str) + "\n")
+
+
+def git_revision() -> dict[str, Any]:
+    """Commit and dirty flag of the checkout this package runs from (None outside a git checkout)."""
+    here = Path(__file__).resolve().parent
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        if rev.returncode != 0:
+            return {"commit": None, "dirty": None}
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                                capture_output=True, text=True, timeout=10)
+        return {"commit": rev.stdout.strip(), "dirty": bool(status.stdout.strip())}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def library_versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in ("torch", "numpy", "tokenizers", "safetensors", "transformers", "recurrent-depth"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def hardware_info(device: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or None,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+    }
+    if torch.cuda.is_available():
+        info["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+class JsonlLog:
+    """Append-only JSON lines, flushed per line. On resume, lines after `keep_through` are dropped.
+    `path=None` writes nothing (ranks other than 0, a run without `out`)."""
+
+    def __init__(self, path: Path | None, keep_through: int = 0) -> None:
+        self.path = path
+        self.handle = None
+        self.kept: list[dict[str, Any]] = []  # the records kept from an earlier session
+        if path is None:
+            return
+        if path.exists():
+            kept = []
+            for line in path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    break  # a line torn by a crash: everything after it is newer anyway
+                if record.get("step", 0) <= keep_through:
+                    kept.append(line)
+                    self.kept.append(record)
+            atomic_write_text(path, "".join(f"{line}\n" for line in kept))
+        self.handle = open(path, "a")  # noqa: SIM115 (kept open for the run; closed by close())
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.handle is None:
+            return
+        # Strict JSON: a NaN or infinite value (a diverged validation loss) is written as null.
+        self.handle.write(json.dumps(_finite_or_null(record), allow_nan=False) + "\n")
+        self.handle.flush()
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+            self.handle = None
+
+
+def _finite_or_null(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_or_null(v) for v in value]
+    return value
+
+
+def open_tensorboard(out: Path | None, enabled: bool):
+    """A tensorboard `SummaryWriter` in `out/tensorboard`; None when disabled or tensorboard is not installed."""
+    if not enabled or out is None:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard not installed: metrics.jsonl has everything
+        return None
+    return SummaryWriter(log_dir=str(out / TENSORBOARD_DIR))
+
+
+def tensorboard_step(tb: Any, record: dict[str, Any]) -> None:
+    """A step's metrics record as tensorboard scalars (nothing without a writer)."""
+    if tb is None:
+        return
+    step = record["step"]
+    for key in TENSORBOARD_SCALARS:
+        if record.get(key) is not None:
+            tb.add_scalar(f"train/{key}", record[key], step)
+    if record["num_steps"]:
+        tb.add_scalar("train/depth", sum(record["num_steps"]) / len(record["num_steps"]), step)

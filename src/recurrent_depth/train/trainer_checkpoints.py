@@ -1,0 +1,211 @@
+"""A `Trainer`'s checkpoints and final model directory: saving them, and resuming a run from one.
+
+The on-disk format (staging, manifests, pruning, free-space checks) is `train/checkpointing.py`;
+this module decides what of a trainer goes in (weights, optimizer, RNG, loop and data position),
+which checkpoint a `--resume` continues from, and whether the configuration allows it. Saving is
+collective: every rank calls it, rank 0 writes, and a failure is the same one-line
+`CheckpointWriteError` on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from recurrent_depth.model.recurrent import RecurrentDepthLM
+from recurrent_depth.train import checkpointing as ckpt
+from recurrent_depth.train import distributed as ddist
+from recurrent_depth.train.config import TrainConfig
+from recurrent_depth.train.optim import OptimConfig
+
+if TYPE_CHECKING:
+    from recurrent_depth.train.trainer import Trainer
+
+# Config fields a resumed run may change; any other difference makes --resume refuse.
+RESUMABLE_CHANGES = frozenset(
+    {"max_steps", "max_tokens", "max_minutes", "eval_interval", "eval_batches", "eval_depths", "save_every",
+     "keep_last", "resume", "progress", "tensorboard", "out", "data_dir", "compile", "compile_mode",
+     "activation_checkpointing", "keep_freed_memory", "accel", "max_skipped_fraction"}
+)
+# The loop counters a checkpoint's trainer_state.json restores (see `LoopState`).
+LOOP_COUNTERS = ("step", "micro_step", "tokens", "skipped_steps", "elapsed_s")
+
+
+# ------------------------------------------------------------------ saving
+def save_checkpoint(trainer: Trainer) -> Path | None:
+    """Write checkpoint `step-<step>` (collective: every rank must call it); None without `out`.
+
+    Rank 0 checks the free space (pruning first, see `ckpt.make_room`) and writes; a failure removes
+    the temporary directory and every rank raises the same one-line `CheckpointWriteError`."""
+    env, step, cfg = trainer.env, trainer.state.step, trainer.cfg
+    if trainer.out is None:
+        return None
+    model_state = ddist.full_model_state(trainer.wrapped, env)
+    optim_state = ddist.optimizer_state(trainer.wrapped, trainer.optimizer, env)
+    root = ckpt.checkpoints_root(trainer.out)
+    tmp = root / f".tmp-{ckpt.checkpoint_name(step)}"
+    final = root / ckpt.checkpoint_name(step)
+    error = None
+    if env.is_main:
+        needed = ckpt.tensor_bytes(model_state) + ckpt.tensor_bytes(optim_state) + _dir_bytes(trainer.tokenizer_dir)
+        try:
+            with ckpt.staged_write(tmp, final, "checkpoint"):
+                tmp = ckpt.begin_checkpoint(root, step)  # (removes what earlier crashed saves left)
+                ckpt.make_room(root, step, needed, cfg.keep_last, log=trainer.log)
+        except ckpt.CheckpointWriteError as exc:
+            error = str(exc)
+    raise_if_failed(error, env)
+    if not env.is_main:
+        ckpt.write_tensors(tmp / f"rng-rank{env.rank}.safetensors", ckpt.rng_state_tensors())
+    ddist.barrier(env)
+    if env.is_main:
+        try:
+            with ckpt.staged_write(tmp, final, "checkpoint"):
+                write_weights(trainer, model_state, tmp)
+                ckpt.save_state_files(tmp, "optimizer", optim_state)
+                ckpt.write_tensors(tmp / ckpt.RNG_TENSORS, ckpt.rng_state_tensors())
+                ckpt.write_json(tmp / ckpt.TRAINER_STATE, {
+                    **trainer.state.to_dict(),
+                    "data": trainer.source.state_dict(),
+                    "world_size": env.world_size,
+                    "config": cfg.to_dict(),
+                    "sampler": trainer.sampler.to_dict() if trainer.sampler is not None else None,
+                })
+                final = ckpt.commit_checkpoint(tmp, step, keep_last=cfg.keep_last, log=trainer.log)
+        except ckpt.CheckpointWriteError as exc:
+            error = str(exc)
+    raise_if_failed(error, env)
+    return final
+
+
+def save_model(trainer: Trainer, path: Path) -> Path | None:
+    """The final weights + tokenizer as a model directory (collective; rank 0 writes).
+
+    Written into a hidden temporary directory and renamed into place, so `path` is never left empty
+    or half-written (an earlier `path` is replaced only once the new one is complete)."""
+    state = ddist.full_model_state(trainer.wrapped, trainer.env)
+    error = None
+    if trainer.env.is_main:
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            with ckpt.staged_write(tmp, path, "the model directory"):
+                shutil.rmtree(tmp, ignore_errors=True)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                ckpt.check_free_space(path.parent, ckpt.tensor_bytes(state) + _dir_bytes(trainer.tokenizer_dir),
+                                      f"the model directory {path}")
+                write_weights(trainer, state, tmp)
+                ckpt.publish_directory(tmp, path)
+        except ckpt.CheckpointWriteError as exc:
+            error = str(exc)
+    raise_if_failed(error, trainer.env)
+    return path
+
+
+def write_weights(trainer: Trainer, state: dict[str, torch.Tensor], directory: Path) -> None:
+    """`state` (+ config and tokenizer) as a model directory: ours, a transformers model's, or bare weights."""
+    from recurrent_depth.checkpoint import copy_tokenizer, save_pretrained
+
+    model, tokenizer_dir = trainer.model, trainer.tokenizer_dir
+    if isinstance(model, RecurrentDepthLM):
+        save_pretrained(ckpt.StateView(trainer.model_config, state), directory, tokenizer_dir=tokenizer_dir)
+        return
+    if hasattr(model, "save_pretrained"):  # a transformers model: its own format and config
+        model.save_pretrained(directory, state_dict=state)
+    else:
+        from safetensors.torch import save_file
+
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.clone().contiguous() for k, v in state.items()}, directory / "model.safetensors")
+    if tokenizer_dir is not None:
+        copy_tokenizer(tokenizer_dir, directory)
+
+
+def raise_if_failed(error: str | None, env: ddist.DistEnv) -> None:
+    """Rank 0's error on every rank (collective), so no rank waits for a save that failed."""
+    error = ddist.broadcast_object(error, env)
+    if error is not None:
+        raise ckpt.CheckpointWriteError(error)
+
+
+def _dir_bytes(path: Path | None) -> int:
+    return ckpt.directory_bytes(path) if path is not None and path.is_dir() else 0
+
+
+# ------------------------------------------------------------------ resuming
+def find_resume_checkpoint(root: Path, env: ddist.DistEnv, log: Callable[[str], None]) -> Path | None:
+    """The newest valid checkpoint; newer invalid ones are set aside (renamed, not deleted) and named."""
+    found, skipped = ckpt.newest_valid_checkpoint(root)
+    ddist.barrier(env)  # every rank has looked before rank 0 renames anything
+    if env.is_main:
+        for path, problem in skipped:
+            moved = ckpt.set_aside(path)
+            fallback = f"resuming from {found.name}" if found is not None else "no valid checkpoint is left"
+            log(f"skipping checkpoint {path}: {problem}; moved it to {moved.name}, {fallback}")
+    ddist.barrier(env)
+    return found
+
+
+def check_resumable(path: Path, cfg: TrainConfig, world_size: int) -> None:
+    """Refuse to resume from `path` with a changed config or another number of processes."""
+    try:
+        trainer_state = ckpt.read_trainer_state(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot resume from {path}: unreadable {ckpt.TRAINER_STATE} ({exc})") from exc
+    changes = _config_changes(_with_field_defaults(trainer_state.get("config", {})), cfg.to_dict())
+    if changes:
+        raise ValueError(f"cannot resume from {path}: the configuration changed ({', '.join(changes)}); "
+                         f"only {', '.join(sorted(RESUMABLE_CHANGES - {'resume'}))} may change on --resume")
+    if trainer_state.get("world_size") != world_size:
+        raise ValueError(f"cannot resume from {path}: it was written by {trainer_state.get('world_size')} "
+                         f"process(es), this run has {world_size}")
+
+
+def resume_from_checkpoint(trainer: Trainer, path: Path) -> None:
+    """Continue `trainer` from checkpoint `path`: weights, optimizer, data position, loop counters, RNG."""
+    loaded = ckpt.load_checkpoint(path, rank=trainer.env.rank)
+    ddist.load_full_model_state(trainer.wrapped, loaded.model_state, trainer.env)
+    ddist.load_optimizer_state(trainer.wrapped, trainer.optimizer, loaded.optimizer_state, trainer.env)
+    trainer.source.load_state_dict(loaded.trainer_state["data"])
+    for name in LOOP_COUNTERS:
+        setattr(trainer.state, name, type(getattr(trainer.state, name))(loaded.trainer_state[name]))
+    if loaded.rng:
+        ckpt.restore_rng_state(loaded.rng)
+    trainer.log(f"resumed from {path} at step {trainer.state.step}")
+
+
+def _with_field_defaults(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved run config with the fields it lacks (added to TrainConfig or OptimConfig after it was written)
+    at their defaults: a new field's default is the old behaviour, so it must not block a resume."""
+    def defaults(cls: type) -> dict[str, Any]:
+        return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+
+    filled = {**_jsonable(defaults(TrainConfig)), **saved}
+    if isinstance(saved.get("optim"), dict):
+        filled["optim"] = {**_jsonable(defaults(OptimConfig)), **saved["optim"]}
+    return filled
+
+
+def _config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """`field: old -> new` for each non-resumable field that differs (`optim.lr: ...` inside mappings)."""
+    changes = []
+    for key in sorted(current):
+        old, new = saved.get(key), _jsonable(current[key])
+        if key in RESUMABLE_CHANGES or old == new:
+            continue
+        if isinstance(old, dict) and isinstance(new, dict):
+            changes += [f"{key}.{sub}: {old.get(sub)!r} -> {new.get(sub)!r}"
+                        for sub in sorted(set(old) | set(new)) if old.get(sub) != new.get(sub)]
+        else:
+            changes.append(f"{key}: {old!r} -> {new!r}")
+    return changes
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value))

@@ -10,11 +10,17 @@ ValueError (or FileNotFoundError) line naming the file.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import stat
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
+
+log = logging.getLogger(__name__)
 
 MiB = 2**20
 # Bounds on what we read whole. Generous for real files (the official Huginn-0125 config.json is
@@ -205,3 +211,42 @@ class AtomicFile:
         handle.close()
         os.replace(self.tmp, self.path)
         fsync_dir(self.path.parent)
+
+
+# ---------------------------------------------------------------- locks between processes
+LOCK_POLL_SECONDS = 0.2
+
+
+@contextlib.contextmanager
+def held_lock(path: str | Path, timeout: float, what: str = "lock") -> Iterator[None]:
+    """An exclusive lock on the file `path` between processes, held for the block.
+
+    An flock, not the file's existence: the kernel drops it when its holder ends, however it ends
+    (kill -9 included), so a lock file left behind never blocks anyone. A live holder is waited for
+    (one message, naming the file and its pid), for at most `timeout` seconds: then a TimeoutError line.
+    """
+    import fcntl
+
+    path = Path(path)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        deadline = time.monotonic() + timeout
+        told = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"{what} {path} is still held by process {holder} after {timeout:g} s; "
+                                       "try again once that process is done") from None
+                if not told:
+                    log.warning("waiting for %s %s, held by process %s", what, path, holder)
+                    told = True
+                time.sleep(LOCK_POLL_SECONDS)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # who holds it, for the messages of those who wait
+        yield
+    finally:
+        os.close(fd)  # (releases the flock)

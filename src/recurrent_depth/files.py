@@ -46,7 +46,8 @@ def open_regular(path: str | os.PathLike[str], max_bytes: int | None = None, wha
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise ValueError(f"{what} {path} is not a regular file (a device, FIFO or socket); refusing to read it")
+            raise ValueError(f"{what} {path}{link_note(path)} is not a regular file (a directory, device, FIFO or "
+                             "socket); refusing to read it")
         if max_bytes is not None and info.st_size > max_bytes:
             raise ValueError(f"{what} {path} has {info.st_size:,} bytes, more than the {max_bytes:,} allowed")
     except BaseException:
@@ -111,29 +112,47 @@ def inside(
     return path
 
 
-def parse_safetensors_header(path: str | os.PathLike[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """{tensor name: (dtype, shape)} from a safetensors file's header, read without its data.
+def link_note(path: str | os.PathLike[str]) -> str:
+    """" (a symlink to TARGET)" for a path that is one, so that an error names the file actually read."""
+    try:
+        return f" (a symlink to {os.path.realpath(path)})" if os.path.islink(path) else ""
+    except OSError:
+        return ""
 
-    Checks what the safetensors format promises (an 8-byte little-endian header length, a JSON
-    header of at most 100 MB, each tensor's bytes inside the file), so that a truncated or forged
-    file is a one-line error before anything is allocated for its tensors.
-    """
+
+def parse_safetensors_header(path: str | os.PathLike[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{tensor name: (dtype, shape)} from a safetensors file's header, read without its data."""
     fd, size = open_regular(path, None, "weights file")
     with os.fdopen(fd, "rb") as handle:
-        head = handle.read(8)
-        if len(head) < 8:
-            raise ValueError(f"weights file {path} is not a safetensors file: it has only {size} bytes")
-        length = int.from_bytes(head, "little")
-        if length > min(SAFETENSORS_HEADER_MAX_BYTES, size - 8):
-            raise ValueError(
-                f"weights file {path} is not a readable safetensors file: its header claims {length:,} bytes "
-                f"(the file has {size:,}; truncated or not safetensors)"
-            )
-        header = parse_json(handle.read(length), f"the safetensors header of {path}")
+        return read_safetensors_header(handle, size, path)
+
+
+def read_safetensors_header(
+    handle: BinaryIO, size: int, path: str | os.PathLike[str]
+) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """`parse_safetensors_header` of an open regular file of `size` bytes (read from its start).
+
+    Checks what the safetensors format promises (an 8-byte little-endian header length, a JSON
+    header of at most 100 MB, each tensor's bytes inside the file, the file ending where its last
+    tensor does), so that a truncated, padded or forged file is a one-line error before anything is
+    allocated for its tensors, and a file is only as large as the tensors it declares: a symlink to a
+    huge file is refused at once, not mapped.
+    """
+    head = handle.read(8)
+    if len(head) < 8:
+        raise ValueError(f"weights file {path}{link_note(path)} is not a safetensors file: it has only {size} bytes")
+    length = int.from_bytes(head, "little")
+    if length > min(SAFETENSORS_HEADER_MAX_BYTES, size - 8):
+        raise ValueError(
+            f"weights file {path}{link_note(path)} is not a readable safetensors file: its header claims "
+            f"{length:,} bytes (the file has {size:,}; truncated or not safetensors)"
+        )
+    header = parse_json(handle.read(length), f"the safetensors header of {path}")
     if not isinstance(header, dict):
         raise ValueError(f"weights file {path} has a safetensors header that is not a JSON object")
     data_bytes = size - 8 - length
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    extent = 0
     for name, entry in header.items():
         if name == "__metadata__":
             continue
@@ -151,7 +170,20 @@ def parse_safetensors_header(path: str | os.PathLike[str]) -> dict[str, tuple[st
                 f"which holds {data_bytes:,}"
             )
         tensors[name] = (dtype, shape)
+        extent = max(extent, end)
+    if data_bytes > extent:
+        raise ValueError(
+            f"weights file {path}{link_note(path)} has {data_bytes - extent:,} bytes past its last tensor "
+            f"({size:,} in all): not a safetensors file (which ends with its data)"
+        )
     return tensors
+
+
+def reopen_path(handle: BinaryIO, path: str | os.PathLike[str]) -> str:
+    """A path that opens the very file `handle` has open (/proc/self/fd/N, where there is one), for a
+    reader that takes only a path: a symlink swapped after the checks cannot change what it reads."""
+    proc = f"/proc/self/fd/{handle.fileno()}"
+    return proc if os.path.exists(proc) else os.fspath(path)
 
 
 # ---------------------------------------------------------------- crash-safe writes

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from recurrent_depth.accel import quant_cpp
-from recurrent_depth.accel.quant_cpp import KernelCache, file_sha256, import_extension
-from recurrent_depth.files import held_lock
+from recurrent_depth.accel.quant_cpp import KernelCache, import_extension
+from recurrent_depth.files import file_sha256, held_lock
 
 NAME = "rdepth_fake_kernel"
 SOURCE = r"""

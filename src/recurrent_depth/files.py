@@ -11,6 +11,7 @@ ValueError (or FileNotFoundError) line naming the file.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -64,6 +65,16 @@ def read_bytes(path: str | os.PathLike[str], max_bytes: int, what: str = "file")
     if len(data) > max_bytes:
         raise ValueError(f"{what} {path} has more than the {max_bytes:,} bytes allowed")
     return data
+
+
+def file_sha256(path: str | os.PathLike[str], max_bytes: int | None = None, what: str = "file") -> str:
+    """The sha256 of a regular file (of at most `max_bytes`), streamed in 1 MiB reads."""
+    fd, _ = open_regular(path, max_bytes, what)
+    digest = hashlib.sha256()
+    with os.fdopen(fd, "rb") as handle:
+        while chunk := handle.read(MiB):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def read_text(path: str | os.PathLike[str], max_bytes: int, what: str = "file") -> str:

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from recurrent_depth.files import atomic_write_bytes, atomic_write_text, held_lock, open_regular, read_bytes, read_json
+from recurrent_depth.files import atomic_write_bytes, atomic_write_text, file_sha256, held_lock, read_bytes, read_json
 from recurrent_depth.quant.rows import TurboTables
 from recurrent_depth.quant.turboquant import HASH_BITS, RESIDUAL_LEVELS
 
@@ -474,15 +474,6 @@ def import_extension(name: str, library: Path) -> Any:
     return module
 
 
-def file_sha256(path: Path) -> str:
-    fd, _ = open_regular(path, MAX_LIBRARY_BYTES, "kernel library")
-    digest = hashlib.sha256()
-    with os.fdopen(fd, "rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 NOT_BUILT = "not built yet"
 
 
@@ -537,7 +528,7 @@ class KernelCache:
                     f"{record.get('mode')!r} of its build")
         if record.get("bytes") != library.st_size:
             return f"{self.library} has {library.st_size:,} bytes, not the {record.get('bytes')!r} built"
-        if record.get("sha256") != file_sha256(self.library):
+        if record.get("sha256") != file_sha256(self.library, MAX_LIBRARY_BYTES, "kernel library"):
             return f"the sha256 of {self.library} is not the one recorded at its build"
         return None
 

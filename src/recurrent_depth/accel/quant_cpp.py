@@ -495,8 +495,8 @@ class KernelCache:
         self.built_seconds: float | None = None  # set when this process built it
 
     def load(self) -> Any:
-        """The extension: the cached build where it checks out, else built now (once per machine:
-        other processes wait on the lock, then load what it built)."""
+        """The extension: the cached build where it checks out, else built now (once per machine, torch
+        and Python version: other processes wait on the lock, then load what it built)."""
         loose = self._own_directory()
         module, problem = (None, loose) if loose else self._load_verified()
         if module is not None:

@@ -1,13 +1,18 @@
 """The C++ decode read of TurboQuant code rows (accel/quant_cpp.py) against `codes_attention` with the
 eager `turbo_score` / `turbo_combine` (the reference), and through the quantized cache against decode
-+ SDPA. The extension is built once per session (~30-60 s the first time on a machine, then loaded
-from its cache); the module is skipped where it cannot build (no C++ compiler).
++ SDPA. The extension is built once per machine, torch and Python version (~30-60 s the first time,
+then loaded from its cache); the module is skipped where it cannot build (no C++ compiler).
 
 Tolerance: atol 1e-5 on attention outputs of O(1) (inputs N(0, 1)): the two float32 computations
 differ only in summation order (observed <= 1e-6).
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,6 +102,20 @@ def test_the_cpp_read_through_the_cache_equals_sdpa_over_the_decoded_entries(ker
     with torch.no_grad():
         check_codes_attention_against_sdpa(kv, (4, 2), kernels, decode_tokens=3)
     assert kernels.cpp_kernel() is not None
+
+
+def test_the_real_build_is_recorded(kernel):
+    """The build the fixture made (or found) checks out against its record, and another process loads
+    it without building (`KernelCache`'s other cases: tests/test_kernel_cache.py, with fake libraries)."""
+    assert quant_cpp.kernel_cache().problem() is None
+    src = str(Path(quant_cpp.__file__).parents[2])
+    code = ("from recurrent_depth.accel import quant_cpp\n"
+            "cache = quant_cpp.kernel_cache()\nmodule = cache.load()\n"
+            "print(cache.built_seconds, hasattr(module, 'attend'))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["None", "True"]
 
 
 def test_the_cpp_switch(monkeypatch):

@@ -25,8 +25,11 @@ from recurrent_depth.files import (
     atomic_path,
     atomic_write_text,
     inside,
+    open_regular,
     parse_safetensors_header,
     read_json,
+    read_safetensors_header,
+    reopen_path,
 )
 
 WEIGHTS_NAME = "model.safetensors"
@@ -152,7 +155,8 @@ def weight_files(path: Path, allow_outside: bool = False) -> list[Path]:
     """The safetensors files of a model directory, single or sharded.
 
     An index's `weight_map` may name only files inside the directory (no absolute or `..` paths)
-    unless `allow_outside=True`; symlinked files are read (a Hugging Face hub snapshot is made of them).
+    unless `allow_outside=True`; symlinked files are followed (a Hugging Face hub snapshot is made of
+    them into its blob store) to regular files only as large as their header says (`files`).
     """
     if (path / INDEX_NAME).exists():
         index = read_json(path / INDEX_NAME, CONFIG_MAX_BYTES, "weight index")
@@ -211,14 +215,16 @@ def read_state_dict(
 ) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(Path(path), allow_outside):
-        parse_safetensors_header(file)  # a regular, complete file: one-line errors before any tensor is read
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    tensor = handle.get_tensor(name)
-                    state[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
-        except SafetensorError as exc:
-            raise ValueError(f"{file} is not a readable safetensors file: {exc}") from None
+        fd, size = open_regular(file, None, "weights file")
+        with os.fdopen(fd, "rb") as checked:
+            read_safetensors_header(checked, size, file)  # a regular, complete file: one-line errors first
+            try:  # read from the file checked (a symlink is followed once)
+                with safe_open(reopen_path(checked, file), framework="pt") as handle:
+                    for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                        tensor = handle.get_tensor(name)
+                        state[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+            except SafetensorError as exc:
+                raise ValueError(f"{file} is not a readable safetensors file: {exc}") from None
     return state
 
 

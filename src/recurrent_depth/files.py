@@ -11,13 +11,18 @@ ValueError (or FileNotFoundError) line naming the file.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import stat
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
+
+log = logging.getLogger(__name__)
 
 MiB = 2**20
 # Bounds on what we read whole. Generous for real files (the official Huginn-0125 config.json is
@@ -43,7 +48,8 @@ def open_regular(path: str | os.PathLike[str], max_bytes: int | None = None, wha
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise ValueError(f"{what} {path} is not a regular file (a device, FIFO or socket); refusing to read it")
+            raise ValueError(f"{what} {path}{link_note(path)} is not a regular file (a directory, device, FIFO or "
+                             "socket); refusing to read it")
         if max_bytes is not None and info.st_size > max_bytes:
             raise ValueError(f"{what} {path} has {info.st_size:,} bytes, more than the {max_bytes:,} allowed")
     except BaseException:
@@ -60,6 +66,16 @@ def read_bytes(path: str | os.PathLike[str], max_bytes: int, what: str = "file")
     if len(data) > max_bytes:
         raise ValueError(f"{what} {path} has more than the {max_bytes:,} bytes allowed")
     return data
+
+
+def file_sha256(path: str | os.PathLike[str], max_bytes: int | None = None, what: str = "file") -> str:
+    """The sha256 of a regular file (of at most `max_bytes`), streamed in 1 MiB reads."""
+    fd, _ = open_regular(path, max_bytes, what)
+    digest = hashlib.sha256()
+    with os.fdopen(fd, "rb") as handle:
+        while chunk := handle.read(MiB):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def read_text(path: str | os.PathLike[str], max_bytes: int, what: str = "file") -> str:
@@ -108,29 +124,47 @@ def inside(
     return path
 
 
-def parse_safetensors_header(path: str | os.PathLike[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """{tensor name: (dtype, shape)} from a safetensors file's header, read without its data.
+def link_note(path: str | os.PathLike[str]) -> str:
+    """" (a symlink to TARGET)" for a path that is one, so that an error names the file actually read."""
+    try:
+        return f" (a symlink to {os.path.realpath(path)})" if os.path.islink(path) else ""
+    except OSError:
+        return ""
 
-    Checks what the safetensors format promises (an 8-byte little-endian header length, a JSON
-    header of at most 100 MB, each tensor's bytes inside the file), so that a truncated or forged
-    file is a one-line error before anything is allocated for its tensors.
-    """
+
+def parse_safetensors_header(path: str | os.PathLike[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{tensor name: (dtype, shape)} from a safetensors file's header, read without its data."""
     fd, size = open_regular(path, None, "weights file")
     with os.fdopen(fd, "rb") as handle:
-        head = handle.read(8)
-        if len(head) < 8:
-            raise ValueError(f"weights file {path} is not a safetensors file: it has only {size} bytes")
-        length = int.from_bytes(head, "little")
-        if length > min(SAFETENSORS_HEADER_MAX_BYTES, size - 8):
-            raise ValueError(
-                f"weights file {path} is not a readable safetensors file: its header claims {length:,} bytes "
-                f"(the file has {size:,}; truncated or not safetensors)"
-            )
-        header = parse_json(handle.read(length), f"the safetensors header of {path}")
+        return read_safetensors_header(handle, size, path)
+
+
+def read_safetensors_header(
+    handle: BinaryIO, size: int, path: str | os.PathLike[str]
+) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """`parse_safetensors_header` of an open regular file of `size` bytes (read from its start).
+
+    Checks what the safetensors format promises (an 8-byte little-endian header length, a JSON
+    header of at most 100 MB, each tensor's bytes inside the file, the file ending where its last
+    tensor does), so that a truncated, padded or forged file is a one-line error before anything is
+    allocated for its tensors, and a file is only as large as the tensors it declares: a symlink to a
+    huge file is refused at once, not mapped.
+    """
+    head = handle.read(8)
+    if len(head) < 8:
+        raise ValueError(f"weights file {path}{link_note(path)} is not a safetensors file: it has only {size} bytes")
+    length = int.from_bytes(head, "little")
+    if length > min(SAFETENSORS_HEADER_MAX_BYTES, size - 8):
+        raise ValueError(
+            f"weights file {path}{link_note(path)} is not a readable safetensors file: its header claims "
+            f"{length:,} bytes (the file has {size:,}; truncated or not safetensors)"
+        )
+    header = parse_json(handle.read(length), f"the safetensors header of {path}")
     if not isinstance(header, dict):
         raise ValueError(f"weights file {path} has a safetensors header that is not a JSON object")
     data_bytes = size - 8 - length
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    extent = 0
     for name, entry in header.items():
         if name == "__metadata__":
             continue
@@ -148,7 +182,20 @@ def parse_safetensors_header(path: str | os.PathLike[str]) -> dict[str, tuple[st
                 f"which holds {data_bytes:,}"
             )
         tensors[name] = (dtype, shape)
+        extent = max(extent, end)
+    if data_bytes > extent:
+        raise ValueError(
+            f"weights file {path}{link_note(path)} has {data_bytes - extent:,} bytes past its last tensor "
+            f"({size:,} in all): not a safetensors file (which ends with its data)"
+        )
     return tensors
+
+
+def reopen_path(handle: BinaryIO, path: str | os.PathLike[str]) -> str:
+    """A path that opens the very file `handle` has open (/proc/self/fd/N, where there is one), for a
+    reader that takes only a path: a symlink swapped after the checks cannot change what it reads."""
+    proc = f"/proc/self/fd/{handle.fileno()}"
+    return proc if os.path.exists(proc) else os.fspath(path)
 
 
 # ---------------------------------------------------------------- crash-safe writes
@@ -235,3 +282,42 @@ class AtomicFile:
         os.fsync(handle.fileno())
         handle.close()
         _publish(self.tmp, self.path)
+
+
+# ---------------------------------------------------------------- locks between processes
+LOCK_POLL_SECONDS = 0.2
+
+
+@contextmanager
+def held_lock(path: str | Path, timeout: float, what: str = "lock") -> Iterator[None]:
+    """An exclusive lock on the file `path` between processes, held for the block.
+
+    An flock, not the file's existence: the kernel drops it when its holder ends, however it ends
+    (kill -9 included), so a lock file left behind never blocks anyone. A live holder is waited for
+    (one message, naming the file and its pid), for at most `timeout` seconds: then a TimeoutError line.
+    """
+    import fcntl
+
+    path = Path(path)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        deadline = time.monotonic() + timeout
+        told = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"{what} {path} is still held by process {holder} after {timeout:g} s; "
+                                       "try again once that process is done") from None
+                if not told:
+                    log.warning("waiting for %s %s, held by process %s", what, path, holder)
+                    told = True
+                time.sleep(LOCK_POLL_SECONDS)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # who holds it, for the messages of those who wait
+        yield
+    finally:
+        os.close(fd)  # (releases the flock)

@@ -11,9 +11,9 @@ tests compare both.
 
 - Only decode calls (one new token per row, no autograd, both sides TurboRows) are compiled; prefill
   and every other codec run the eager functions.
-- The first decode call of a process compiles (about 10-30 s on a 2-core machine; inductor caches
-  the result on disk, so later processes take a few seconds); the sequence length is marked dynamic,
-  so a growing cache does not recompile.
+- The first decode call of a process compiles (about 10-30 s on a 2-core machine, with a message
+  and its time; inductor caches the result on disk, so later processes take a few seconds); the
+  sequence length is marked dynamic, so a growing cache does not recompile.
 - On CPU the hand-written C++ kernels (`accel.quant_cpp`: the encode, the same bytes as
   `turbo_encode`; the read, one call between two matmuls) are preferred, built at the first decode
   call of a machine; `RDEPTH_NO_CPP=1` skips them, and where they cannot build, the compiled ones run.
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 import torch
@@ -83,9 +84,15 @@ class CodeKernels:
             return eager(*args)
         try:
             compiled = self._compiled.get(eager)
-            if compiled is None:
-                compiled = self._compiled[eager] = torch.compile(eager, dynamic=False, options=OPTIONS)
-            return compiled(*args)
+            if compiled is not None:
+                return compiled(*args)
+            compiled = self._compiled[eager] = torch.compile(eager, dynamic=False, options=OPTIONS)
+            what = eager.__name__.strip("_").replace("_", " ")
+            log.warning("compiling the quantized-KV %s kernel (torch.compile, once per process)", what)
+            start = time.monotonic()
+            out = compiled(*args)
+            log.warning("compiled the quantized-KV %s kernel in %.1f s", what, time.monotonic() - start)
+            return out
         except Exception as exc:  # a compiler missing or failing: run eagerly from now on
             if self.failure is None:
                 self.failure = quant_cpp.failure_line(exc)

@@ -9,10 +9,14 @@ torch), the kernel cuts each key row's entries out of its bytes (the layout `tur
 fp16 group norms, prod's residual byte, centroid indices, sign bits), scores, masks, softmaxes and
 sums the value rows' entries, and torch applies the back matrix (as `turbo_combine` does).
 
-- Built once per machine (~30-60 s, cached under `$XDG_CACHE_HOME/recurrent_depth/` or
-  `~/.cache/recurrent_depth/`, keyed by the source, the torch version and the CPU's features, as it
-  is built with -march=native); where it cannot build (no compiler) it warns once and `accel.quant`
-  runs its compiled or eager path.
+- Built once per machine, torch and Python version (~30-60 s, with a message and its time; ahead of
+  use with `rdepth info --build-kernels`), cached under `$XDG_CACHE_HOME/recurrent_depth/` or
+  `~/.cache/recurrent_depth/`, keyed by the source, flags, torch and Python ABI and the CPU's features
+  (it is built with -march=native), not by the environment's paths: virtualenvs share the build.
+  `KernelCache` loads only the library its build recorded (sha256, size, a private directory of this
+  user's), rebuilding anything else; concurrent first uses wait on an flock, which a killed builder
+  cannot leave held. Where it cannot build (no compiler) it warns once and `accel.quant` runs its
+  compiled or eager path.
 - Off with `RDEPTH_NO_CPP=1` (the torch.compile path then runs, unless `RDEPTH_NO_COMPILE=1`).
 - The read: decode only (T = 1 query row per head), CPU, float32 accumulation. The encode: the same
   bytes as `turbo_encode` (its matmuls and norms are the same ATen calls; the elementwise steps one
@@ -22,21 +26,34 @@ sums the value rows' entries, and torch applies the back matrix (as `turbo_combi
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import json
 import logging
 import os
 import platform
+import shutil
+import stat
+import sysconfig
+import tempfile
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from recurrent_depth.files import atomic_write_bytes, atomic_write_text, file_sha256, held_lock, read_bytes, read_json
 from recurrent_depth.quant.rows import TurboTables
 from recurrent_depth.quant.turboquant import HASH_BITS, RESIDUAL_LEVELS
 
 NO_CPP_ENV = "RDEPTH_NO_CPP"
 log = logging.getLogger(__name__)
+BUILD_FLAGS = ("-O3", "-march=native", "-ffp-contract=off")
+BUILD_LOCK_TIMEOUT_S = 900.0  # waiting for another process's build (30-60 s; far more on a loaded machine)
+MAX_LIBRARY_BYTES = 256 << 20  # the built library is ~0.5 MB
+RECORD_MAX_BYTES = 1 << 16
 
 CPP_SOURCE = r"""
 #include <torch/extension.h>
@@ -396,6 +413,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 _lock = threading.Lock()
 _module: Any = None
 _failure: str | None = None
+_cache: KernelCache | None = None
 
 
 def cpp_enabled() -> bool:
@@ -423,26 +441,167 @@ def build_dir() -> Path:
     return base / "recurrent_depth" / "torch_extensions"
 
 
+def build_key() -> str:
+    """What a build depends on, hashed: the source and flags, torch (version, build, C++ ABI), the
+    Python ABI and the CPU's features; no path of the Python environment, so every virtualenv with
+    the same torch and Python shares one build."""
+    parts = (CPP_SOURCE, " ".join(BUILD_FLAGS), torch.__version__, str(torch.version.git_version),
+             str(torch.compiled_with_cxx11_abi()), str(sysconfig.get_config_var("SOABI")), cpu_fingerprint())
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
+
+
+def kernel_cache() -> KernelCache:
+    name = f"rdepth_quant_{build_key()}"
+    return KernelCache(build_dir() / name, name, compile_extension)
+
+
+def compile_extension(name: str, scratch: Path) -> tuple[Any, Path]:
+    """Build the extension in `scratch` (torch's ninja files name this environment's paths, so they
+    stay out of the shared cache); (the imported module, its library)."""
+    from torch.utils.cpp_extension import load_inline
+
+    module = load_inline(name, cpp_sources=[CPP_SOURCE], extra_cflags=list(BUILD_FLAGS),
+                         build_directory=str(scratch), verbose=False)
+    return module, scratch / f"{name}.so"
+
+
+def import_extension(name: str, library: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{library} is not a Python extension module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+NOT_BUILT = "not built yet"
+
+
+class KernelCache:
+    """A directory of one built extension: `<name>.so`, its build record (`build.json`: the library's
+    sha256 and size, the directory's owner and mode) and `lock` (an flock, held while building).
+
+    A library is loaded only where this user owns the directory, the record and the library, and the
+    library's size and hash are the recorded ones: checked before it is opened, so a foreign file's
+    constructor never runs and a truncated one never faults (SIGBUS). Anything else is rebuilt, with
+    a message. `compile(name, scratch)` builds into a scratch directory: (the module, its library).
+    """
+
+    def __init__(self, directory: Path, name: str, compile: Callable[[str, Path], tuple[Any, Path]],
+                 lock_timeout: float = BUILD_LOCK_TIMEOUT_S) -> None:
+        self.directory, self.name, self.compile, self.lock_timeout = directory, name, compile, lock_timeout
+        self.library = directory / f"{name}.so"
+        self.record = directory / "build.json"
+        self.built_seconds: float | None = None  # set when this process built it
+
+    def load(self) -> Any:
+        """The extension: the cached build where it checks out, else built now (once per machine, torch
+        and Python version: other processes wait on the lock, then load what it built)."""
+        loose = self._own_directory()
+        module, problem = (None, loose) if loose else self._load_verified()
+        if module is not None:
+            return module
+        with held_lock(self.directory / "lock", self.lock_timeout, "the C++ kernel build lock"):
+            if not loose:
+                module, problem = self._load_verified()  # built by another process while this one waited
+            return module if module is not None else self._build(problem)
+
+    def problem(self) -> str | None:
+        """Why the cached library must not be loaded; None where it is the build recorded."""
+        try:
+            record = read_json(self.record, RECORD_MAX_BYTES, "kernel build record")
+            library, folder, record_info = os.lstat(self.library), os.stat(self.directory), os.lstat(self.record)
+        except FileNotFoundError:
+            return f"{self.library} is missing" if self.record.exists() else NOT_BUILT
+        except (OSError, ValueError) as exc:
+            return str(exc)
+        uid = os.getuid()
+        if not stat.S_ISREG(library.st_mode):
+            return f"{self.library} is not a regular file"
+        if library.st_uid != uid or record_info.st_uid != uid:
+            return f"{self.library} or its build record belongs to another user"
+        if not isinstance(record, dict):
+            return f"{self.record} is not a JSON object"
+        owner = (folder.st_uid, stat.S_IMODE(folder.st_mode))
+        if (record.get("uid"), record.get("mode")) != owner:
+            return (f"{self.directory} has owner and mode {owner[0]}, {owner[1]:o}, not the {record.get('uid')}, "
+                    f"{record.get('mode')!r} of its build")
+        if record.get("bytes") != library.st_size:
+            return f"{self.library} has {library.st_size:,} bytes, not the {record.get('bytes')!r} built"
+        if record.get("sha256") != file_sha256(self.library, MAX_LIBRARY_BYTES, "kernel library"):
+            return f"the sha256 of {self.library} is not the one recorded at its build"
+        return None
+
+    def _own_directory(self) -> str | None:
+        """Make the directory (private); refuse one of another user's. A problem where others could
+        write to it (then it is made private, and what it holds rebuilt)."""
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = os.lstat(self.directory)
+        if not stat.S_ISDIR(info.st_mode):
+            raise ValueError(f"the kernel cache {self.directory} is not a directory")
+        if info.st_uid != os.getuid():
+            raise PermissionError(f"the kernel cache {self.directory} belongs to uid {info.st_uid}, not this user "
+                                  f"(uid {os.getuid()}); set XDG_CACHE_HOME to a directory of your own")
+        if stat.S_IMODE(info.st_mode) & 0o022:
+            os.chmod(self.directory, 0o700)
+            return f"others could write to {self.directory} (mode {stat.S_IMODE(info.st_mode):o}; now 700)"
+        return None
+
+    def _load_verified(self) -> tuple[Any, str | None]:
+        problem = self.problem()
+        if problem is None:
+            try:
+                return import_extension(self.name, self.library), None
+            except ImportError as exc:  # this user's build, but not loadable here (e.g. another libtorch)
+                problem = f"it does not load: {failure_line(exc)}"
+        return None, problem
+
+    def _build(self, problem: str | None) -> Any:
+        if problem != NOT_BUILT:
+            log.warning("the cached C++ quantized-KV kernels are not loaded (%s); rebuilding them", problem)
+        log.warning("building the C++ quantized-KV kernels in %s (once per machine, torch and Python version; "
+                    "30-60 s on an idle CPU)", self.directory)
+        start = time.monotonic()
+        for stale in self.directory.glob("build-*"):  # a killed builder's (this process holds the lock)
+            shutil.rmtree(stale, ignore_errors=True)
+        with tempfile.TemporaryDirectory(prefix="build-", dir=self.directory) as scratch:
+            module, built = self.compile(self.name, Path(scratch))
+            data = read_bytes(built, MAX_LIBRARY_BYTES, "built kernel library")
+        self.record.unlink(missing_ok=True)  # no moment where the record describes another library
+        atomic_write_bytes(self.library, data)
+        folder = os.stat(self.directory)
+        self.built_seconds = time.monotonic() - start
+        record = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "uid": folder.st_uid,
+                  "mode": stat.S_IMODE(folder.st_mode), "torch": torch.__version__,
+                  "python": platform.python_version(), "build_seconds": round(self.built_seconds, 1)}
+        atomic_write_text(self.record, json.dumps(record, indent=2) + "\n")
+        log.warning("built the C++ quantized-KV kernels in %.1f s", self.built_seconds)
+        return module
+
+
 def load() -> Any:
     """The built extension (building it at the first call of a machine), or None where it cannot build
-    (then `failure()` says why; warned once)."""
-    global _module, _failure
+    or load (then `failure()` says why; warned once)."""
+    global _module, _failure, _cache
     with _lock:
         if _module is None and _failure is None:
-            digest = hashlib.sha256((CPP_SOURCE + torch.__version__ + cpu_fingerprint()).encode()).hexdigest()[:12]
-            name = f"rdepth_quant_{digest}"
-            directory = build_dir() / name
+            _cache = kernel_cache()
             try:
-                from torch.utils.cpp_extension import load_inline
-
-                directory.mkdir(parents=True, exist_ok=True)
-                _module = load_inline(name, cpp_sources=[CPP_SOURCE],
-                                      extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
-                                      build_directory=str(directory), verbose=False)
-            except Exception as exc:  # no compiler, no ninja, a failing build: the other paths run
+                _module = _cache.load()
+            except Exception as exc:  # no compiler, no ninja, a failing build, a foreign cache: the other paths run
                 _failure = failure_line(exc)
                 log.warning("the C++ quantized-KV kernel is unavailable (%s); using the compiled path", _failure)
     return _module
+
+
+def build_ahead() -> str:
+    """Load the kernels, building them where this machine has not (`rdepth info --build-kernels`): one
+    line saying which; a RuntimeError line where they cannot build."""
+    if load() is None:
+        raise RuntimeError(f"the C++ quantized-KV kernels cannot build here: {_failure}")
+    assert _cache is not None
+    how = "already built" if _cache.built_seconds is None else f"built in {_cache.built_seconds:.1f} s"
+    return f"C++ quantized-KV kernels: {how}, in {_cache.directory}"
 
 
 def failure() -> str | None:

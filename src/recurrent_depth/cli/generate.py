@@ -20,6 +20,7 @@ from recurrent_depth.cli.common import (
     add_model_arg,
     add_tokenizer_arg,
     load_cli_tokenizer,
+    tokenizer_source,
 )
 from recurrent_depth.inference.options import OptionError
 from recurrent_depth.inference.schema import add_cli_arguments, canonical, cli_spelling, cli_values
@@ -89,13 +90,16 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     import recurrent_depth as rd
+    from recurrent_depth.data.tokenizer import check_fits_vocab, tokenizer_failures_as_errors
     from recurrent_depth.inference import generate, stream_generate
 
     parallel = args.sampler == "parallel"
     check_depth_flags(args, ("num_steps", "max_steps", "draft_steps") + (("inner_steps",) if parallel else ()))
     tokenizer = load_cli_tokenizer(args)
     model = rd.RecurrentDepthLM.from_pretrained(args.model, dtype=args.dtype, device=args.device).eval()
-    rows = [tokenizer.encode(text).ids for text in args.prompt]
+    check_fits_vocab(tokenizer, model.config.vocab_size, tokenizer_source(args))
+    with tokenizer_failures_as_errors():
+        rows = [tokenizer.encode(text).ids for text in args.prompt]
     if any(len(r) == 0 for r in rows):
         raise ValueError("--prompt must not be empty (it encodes to no tokens)")
     width = max(len(r) for r in rows)

@@ -1,9 +1,11 @@
-"""`rdepth info`: shape, parameter count and cache cost of a preset or a saved model directory."""
+"""`rdepth info`: shape, parameter count and cache cost of a preset or a saved model directory; or, with
+--build-kernels, the C++ quantized-KV kernels built ahead of their first use."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from recurrent_depth.cli.common import human_bytes, human_count
@@ -21,6 +23,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", help="a preset name: tiny, small, huginn-0125")
     source.add_argument("--model", metavar="DIR", help="a saved model directory (ours or official Huginn)")
+    source.add_argument("--build-kernels", action="store_true",
+                        help="build the C++ quantized-KV decoding kernels now (once per machine, torch and Python "
+                             "version, 30-60 s; otherwise the first --kv-quant decode on CPU builds them), or check "
+                             "and load the cached build; print where they are (default: off)")
     parser.add_argument("--kv-policy", default=None, metavar="SLOTS[+LOOKUP]",
                         help="also report the cache under this KV policy, e.g. shared-8 or an official strategy "
                              "such as latest-m4-compress-s16 (default: off)")
@@ -32,6 +38,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.build_kernels:
+        from recurrent_depth.accel import quant_cpp
+
+        try:
+            print(quant_cpp.build_ahead())
+        except RuntimeError as exc:  # no compiler, a failing build: the other decode paths still run
+            print(f"rdepth info: error: {exc}", file=sys.stderr)
+            return 1
+        return 0
     import torch
 
     from recurrent_depth.config import ModelConfig

@@ -22,6 +22,7 @@ as a ``PreTrainedTokenizerFast`` with bos/eos/pad and the chat template set.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -335,6 +336,29 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         return Tokenizer.from_str(text)
     except Exception as exc:  # the Rust side raises a bare Exception for any parse error
         raise ValueError(f"tokenizer: {str(file)!r} is not a valid tokenizers file ({exc})") from None
+
+
+def check_fits_vocab(tok: Tokenizer, vocab_size: int, source: str | Path) -> None:
+    """ValueError (one line, both sizes) where `tok` makes ids past a model's embedding (`vocab_size`
+    rows), which would fail inside the model on the first text that encodes to one."""
+    size = max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+    if size > vocab_size:
+        raise ValueError(f"the tokenizer {str(source)!r} has {size} tokens but the model's vocabulary has "
+                         f"{vocab_size} (config.json vocab_size): it is not this model's tokenizer")
+
+
+@contextlib.contextmanager
+def tokenizer_failures_as_errors() -> Iterator[None]:
+    """A panic inside the Rust tokenizer (e.g. a pre-tokenizer regex past its backtracking limit) as a
+    ValueError line: that text's problem. The panic is a BaseException (pyo3's PanicException, not
+    importable by name), which would end the process that tokenizes, a server's worker included."""
+    try:
+        yield
+    except BaseException as exc:
+        if type(exc).__module__ != "pyo3_runtime":
+            raise
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ValueError(f"the tokenizer failed on this text: {reason}") from None
 
 
 def build_tokenizer(

@@ -115,6 +115,9 @@ def worker_main(conn: Any, spec: PrepSpec) -> None:
     """A worker's loop: one (kind, raw body) in, one result tuple out, until EOF or None."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle, not ours
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # A tokenizer panic is the request's 400 (TextCodec); Rust would still print a backtrace of its
+    # internals to the log for each one (the environment may ask for RUST_BACKTRACE=1): its line is enough.
+    os.environ["RUST_BACKTRACE"] = "0"
     preparer = Preparer(spec)
     if spec.memory_headroom is not None:
         import resource

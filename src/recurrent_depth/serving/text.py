@@ -13,6 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from recurrent_depth.data.tokenizer import tokenizer_failures_as_errors
 from recurrent_depth.serving.chat_template import ChatTemplate, load_template
 
 REPLACEMENT = "\ufffd"  # what decoding an incomplete UTF-8 sequence yields
@@ -56,9 +57,10 @@ class TextCodec:
         self.tokenizer: Any = None
         self.model_dir = Path(model_dir) if model_dir is not None else None
         if self.model_dir is not None and (self.model_dir / "tokenizer.json").is_file():
-            from recurrent_depth.data.tokenizer import load_tokenizer
+            from recurrent_depth.data.tokenizer import check_fits_vocab, load_tokenizer
 
             self.tokenizer = load_tokenizer(self.model_dir)
+            check_fits_vocab(self.tokenizer, vocab_size, self.model_dir / "tokenizer.json")
         self.special_ids: set[int] = set()
         self.eos_ids: set[int] = set()
         self.chat_stop_ids: set[int] = set()
@@ -112,7 +114,8 @@ class TextCodec:
         more bytes than the vocabulary's longest (after the tokenizer's normalizer, which may
         shorten text)."""
         if self.tokenizer is not None and self.tokenizer.normalizer is not None:
-            text = self.tokenizer.normalizer.normalize_str(text)
+            with tokenizer_failures_as_errors():
+                text = self.tokenizer.normalizer.normalize_str(text)
         return -(-len(text.encode("utf-8", "surrogatepass")) // self.longest_token_bytes)
 
     def check_fits(self, text: str, param: str) -> None:
@@ -130,7 +133,11 @@ class TextCodec:
         if self.tokenizer is None:
             raise ValueError("this model directory has no tokenizer.json: send token-id prompts")
         self.check_fits(text, "prompt")
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._ids(text, add_special_tokens)
+
+    def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        with tokenizer_failures_as_errors():  # a 400 for the request, not a dead worker
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of the chat template applied to `messages`, with the assistant's turn opened.
@@ -148,7 +155,7 @@ class TextCodec:
         text = self.chat.render(escaped)
         if not literals:  # the common case: exactly what tokenizing the rendered text gives
             self.check_fits(text, "rendered chat prompt")
-            return self.tokenizer.encode(text, add_special_tokens=False).ids
+            return self._ids(text, add_special_tokens=False)
         ids: list[int] = []
         pieces = self._special_pattern.split(text) if self._special_pattern else [text]
         controls = self._special_pattern.findall(text) if self._special_pattern else []
@@ -158,7 +165,7 @@ class TextCodec:
                 plain = _PLACEHOLDER.sub(lambda m: literals[int(m.group(1))], piece)
                 if plain:
                     self.check_fits(plain, "rendered chat prompt")
-                    ids += self.tokenizer.encode(plain, add_special_tokens=False).ids
+                    ids += self._ids(plain, add_special_tokens=False)
                 if i < len(controls):
                     ids.append(self.tokenizer.token_to_id(controls[i]))
         finally:

@@ -26,7 +26,6 @@ written again.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -41,7 +40,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from recurrent_depth.files import fsync_dir, fsync_file, parse_safetensors_header, read_json
+from recurrent_depth.files import file_sha256, fsync_dir, fsync_file, parse_safetensors_header, read_json
 
 CHECKPOINTS_DIR = "checkpoints"
 OPTIMIZER_TENSORS = "optimizer.safetensors"
@@ -52,7 +51,6 @@ MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "recurrent-depth-checkpoint-manifest"
 REQUIRED_FILES = ("config.json", "model.safetensors", OPTIMIZER_TENSORS, OPTIMIZER_META, TRAINER_STATE)
 _NAME = re.compile(r"^step-(\d{8,})$")
-_HASH_CHUNK = 1 << 20  # sha256 is streamed in 1 MiB reads
 MAX_JSON_BYTES = 256 << 20  # a manifest / trainer state / optimizer skeleton larger than this is not ours
 # Bytes a checkpoint needs besides its tensors (JSON files, tokenizer, filesystem slack).
 _SPACE_MARGIN = 4 << 20
@@ -261,14 +259,6 @@ def _prune(root: Path, keep: int) -> None:
 
 
 # ------------------------------------------------------------------ checksums and validation
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def write_manifest(directory: Path) -> None:
     """`manifest.json`: size and sha256 of every other file in `directory` (read back after fsync)."""
     files = {

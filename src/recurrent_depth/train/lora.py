@@ -171,6 +171,11 @@ def merge_lora(model: Any) -> nn.Module:
     return model.merge_and_unload()
 
 
+def attach_adapter(model: nn.Module, adapter_dir: str | Path) -> nn.Module:
+    """`model` itself with the saved adapter on its layers, unmerged (generation applies it on every path)."""
+    return load_lora(model, adapter_dir).get_base_model()
+
+
 def adapter_base_dir(adapter_dir: str | Path) -> Path:
     """The base model directory an adapter records (`base_model_name_or_path`), relative ones from the adapter."""
     path = check_adapter_dir(adapter_dir)

@@ -54,6 +54,7 @@ from recurrent_depth.train import distributed as ddist
 from recurrent_depth.train.batches import BatchSource, RowBatches
 from recurrent_depth.train.config import TrainConfig
 from recurrent_depth.train.depth import DepthSampler, stream_seed
+from recurrent_depth.train.lora import base_model_of, is_peft_model, save_adapter
 from recurrent_depth.train.objective import LanguageModeling, Objective
 from recurrent_depth.train.optim import OptimConfig, build_optimizers, clip_and_check_grads
 from recurrent_depth.train.qk_clip import QKClip
@@ -222,7 +223,7 @@ class Trainer:
         self.sampler = depth if depth is not None else self._default_sampler()
         self.eval_depths = (cfg.resolved_eval_depths(self.sampler.mean_recurrence)
                             if isinstance(self.sampler, DepthSampler) else None)
-        if evaluate is None and self.val_data is not None and isinstance(self.model, RecurrentDepthLM):
+        if evaluate is None and self.val_data is not None and isinstance(base_model_of(self.model), RecurrentDepthLM):
             evaluate = validation_by_depth
         self.evaluate_hook = evaluate
 
@@ -290,9 +291,9 @@ class Trainer:
     def _default_sampler(self) -> DepthSampler | None:
         """`cfg`'s depth sampler for a `RecurrentDepthLM` (the model config's r̄ and k unless `cfg` sets them)."""
         cfg = self.cfg
-        if not isinstance(self.model, RecurrentDepthLM):
+        if not isinstance(base_model_of(self.model), RecurrentDepthLM):  # (a LoRA wrapper's base included)
             return None
-        model_cfg = self.model.config
+        model_cfg = base_model_of(self.model).config
         mean = cfg.mean_recurrence if cfg.mean_recurrence is not None else model_cfg.mean_recurrence
         k = cfg.backprop_depth if cfg.backprop_depth is not None else model_cfg.mean_backprop_depth
         seq_len = self.seq_len if self.seq_len is not None else cfg.resolved_seq_len(model_cfg)
@@ -661,7 +662,7 @@ class Trainer:
         if env.is_main:
             try:
                 with ckpt.staged_write(tmp, final, "checkpoint"):
-                    self._write_weights(model_state, tmp)
+                    self._write_weights(model_state, tmp, checkpoint=True)
                     ckpt.save_state_files(tmp, "optimizer", optim_state)
                     ckpt.write_tensors(tmp / ckpt.RNG_TENSORS, ckpt.rng_state_tensors())
                     ckpt.write_json(tmp / ckpt.TRAINER_STATE, {
@@ -730,20 +731,24 @@ class Trainer:
         self._raise_if_failed(error)
         return path
 
-    def _write_weights(self, state: dict[str, torch.Tensor], directory: Path) -> None:
-        """`state` (+ config and tokenizer) as a model directory: ours, a transformers model's, or bare weights."""
-        if isinstance(self.model, RecurrentDepthLM):
+    def _write_weights(self, state: dict[str, torch.Tensor], directory: Path, checkpoint: bool = False) -> None:
+        """`state` (+ config and tokenizer) as a model directory: ours, a transformers model's, or bare weights;
+        a LoRA run's: a peft adapter directory, in a checkpoint with the whole state beside it (what resume reads)."""
+        if is_peft_model(self.model):
+            save_adapter(self.model, directory, state)
+            if checkpoint:
+                _save_bare_weights(state, directory)
+                config = base_model_of(self.model).config
+                ckpt.write_json(directory / "config.json", config.to_dict() if hasattr(config, "to_dict") else {})
+        elif isinstance(self.model, RecurrentDepthLM):
             from recurrent_depth.checkpoint import save_pretrained
 
             save_pretrained(ckpt.StateView(self.model_config, state), directory, tokenizer_dir=self.tokenizer_dir)
             return
-        if hasattr(self.model, "save_pretrained"):  # a transformers model: its own format and config
+        elif hasattr(self.model, "save_pretrained"):  # a transformers model: its own format and config
             self.model.save_pretrained(directory, state_dict=state)
         else:
-            from safetensors.torch import save_file
-
-            directory.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.clone().contiguous() for k, v in state.items()}, directory / "model.safetensors")
+            _save_bare_weights(state, directory)
         if self.tokenizer_dir is not None:
             from recurrent_depth.checkpoint import copy_tokenizer
 
@@ -787,6 +792,13 @@ class Trainer:
             self.tb.add_scalar("train/depth", sum(record["num_steps"]) / len(record["num_steps"]), step)
 
 
+def _save_bare_weights(state: dict[str, torch.Tensor], directory: Path) -> None:
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.clone().contiguous() for k, v in state.items()}, directory / "model.safetensors")
+
+
 def num_parameters(model: nn.Module) -> int:
     """Trainable + frozen parameters, tied ones once."""
     return sum(p.numel() for p in model.parameters())
@@ -815,7 +827,15 @@ def prepare_model(model: nn.Module, cfg: TrainConfig, env: ddist.DistEnv) -> nn.
     """Apply, from outside the model and in this order: activation checkpointing, compile, parallelism.
 
     A model other than a `RecurrentDepthLM` is compiled whole; activation checkpointing and FSDP, which
-    need to know its blocks, are refused for it."""
+    need to know its blocks, are refused for it; a LoRA wrapper's base takes checkpointing and compile."""
+    if is_peft_model(model) and isinstance(model.get_base_model(), RecurrentDepthLM):
+        if cfg.fsdp:
+            raise ValueError("fsdp does not shard a LoRA (peft) model here: turn fsdp off (DDP works) or train "
+                             "every weight")
+        model.get_base_model().gradient_checkpointing = cfg.activation_checkpointing
+        if cfg.compile:
+            compile_core(model.get_base_model(), cfg.compile_mode)
+        return ddist.wrap_model(model, env)
     if not isinstance(model, RecurrentDepthLM):
         if cfg.activation_checkpointing or cfg.fsdp:
             raise ValueError(f"activation_checkpointing and fsdp apply to a RecurrentDepthLM, not to "

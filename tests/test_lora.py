@@ -201,3 +201,44 @@ def test_the_trainer_trains_only_the_adapter_saves_a_peft_adapter_and_resumes(tm
     assert resumed.losses == whole.losses[2:]
     for name, param in whole.model.named_parameters():
         assert torch.equal(param, resumed.model.get_parameter(name)), name
+
+
+# ---------------------------------------------------------------------------------------- the CLI
+def test_the_cli_trains_an_adapter_generates_with_it_and_merges_it(tmp_path, capsys):
+    from recurrent_depth.checkpoint import copy_tokenizer
+    from recurrent_depth.cli import main
+    from recurrent_depth.data import build_tokenizer
+    from tests.train_support import VOCAB, write_corpus
+
+    write_corpus(tmp_path / "corpus", num_docs=20)
+    build_tokenizer(str(tmp_path / "corpus"), VOCAB, val_fraction=0.1, seed=0, out_dir=tmp_path / "tokenizer")
+    base = tmp_path / "base"
+    tiny_model(vocab_size=VOCAB).save_pretrained(base)
+    copy_tokenizer(tmp_path / "tokenizer", base)
+    train = ["train", "--data", str(tmp_path / "corpus"), "--max-steps", "3", "--seq-len", "16", "--batch-size", "2",
+             "--no-progress", "--no-tensorboard", "--eval-batches", "1", "--eval-depths", "1,2", "--threads", "1"]
+    assert main([*train, "--lora", "--out", str(tmp_path / "x")]) == 2
+    assert "--lora needs --lora-base" in capsys.readouterr().err
+    assert main([*train, "--lora", "--lora-base", str(base), "--lora-parts", "core,adapter", "--lora-rank", "2",
+                 "--lora-alpha", "4", "--lora-dropout", "0.1", "--lora-kinds", "attention", "--out",
+                 str(tmp_path / "run")]) == 0
+    adapter = tmp_path / "run" / "model"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (2, 4.0, 0.1)
+    assert sorted(config["target_modules"]) == sorted(
+        ["transformer.adapter"] + [f"transformer.core_block.{j}.attn.{n}" for j in (0, 1) for n in ("Wqkv", "proj")])
+    assert config["base_model_name_or_path"] == str(base)
+
+    assert main(["export", "--model", str(base), "--merge-lora", str(adapter), "--out", str(tmp_path / "merged")]) == 0
+    capsys.readouterr()
+    merged = rd.RecurrentDepthLM.from_pretrained(tmp_path / "merged")
+    expected = load_adapter_model(adapter, merge=True)
+    for name, param in expected.state_dict().items():
+        assert torch.equal(merged.state_dict()[name], param), name
+
+    prompt = ["--prompt", "def alpha", "--max-new-tokens", "6", "--num-steps", "2", "--init-scale", "0", "--json"]
+    texts = []
+    for model_flags in (["--model", str(base), "--lora", str(adapter)], ["--model", str(tmp_path / "merged")]):
+        assert main(["generate", *model_flags, *prompt]) == 0
+        texts.append(json.loads(capsys.readouterr().out)["completions"])
+    assert texts[0] == texts[1]

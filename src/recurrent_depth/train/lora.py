@@ -43,7 +43,8 @@ def require_peft() -> Any:
     try:
         import peft
     except ImportError:
-        raise ImportError("LoRA needs the peft package: pip install 'recurrent-depth[lora]' (or peft>=0.13)") from None
+        raise ModuleNotFoundError("LoRA needs the peft package: pip install 'recurrent-depth[lora]' (or peft>=0.13)",
+                                  name="peft") from None
     return peft
 
 

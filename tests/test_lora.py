@@ -111,6 +111,21 @@ def test_merged_model_equals_base_plus_adapter_also_after_a_reload_through_peft_
     torch.testing.assert_close(hf_merged(ids(), **STEPS).logits, merged_logits, rtol=1e-5, atol=1e-5)
 
 
+def test_an_adapter_trained_on_the_transformers_model_loads_onto_the_library_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    tiny_model().save_pretrained(tmp_path / "base")
+    hf = add_lora(AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval(), LoraSpec(rank=2, parts=("coda",)),
+                  base_dir=tmp_path / "base")
+    randomise_adapters(hf)
+    save_adapter(hf, tmp_path / "adapter")
+    ours = load_adapter_model(tmp_path / "adapter")  # unmerged, on a RecurrentDepthLM
+    torch.testing.assert_close(ours(ids(), **STEPS).logits, hf(ids(), **STEPS).logits, rtol=1e-6, atol=1e-6)
+    merged = generate(load_adapter_model(tmp_path / "adapter", merge=True), ids(), max_new_tokens=6, **STEPS)
+    # transformers' own loop with the adapter unmerged
+    assert torch.equal(hf.generate(ids(), max_new_tokens=6, do_sample=False, **STEPS), merged.sequences)
+
+
 def test_an_adapter_of_another_model_is_refused_in_one_line(tmp_path):
     wrapped = add_lora(tiny_model(), LoraSpec(rank=2, parts=("coda",)))
     save_adapter(wrapped, tmp_path / "adapter")

@@ -219,7 +219,7 @@ def test_the_trainer_trains_only_the_adapter_saves_a_peft_adapter_and_resumes(tm
 
 
 # ---------------------------------------------------------------------------------------- the CLI
-def test_the_cli_trains_an_adapter_generates_with_it_and_merges_it(tmp_path, capsys):
+def test_the_cli_trains_an_adapter_generates_with_it_and_merges_it(tmp_path, capsys, monkeypatch):
     from recurrent_depth.checkpoint import copy_tokenizer
     from recurrent_depth.cli import main
     from recurrent_depth.data import build_tokenizer
@@ -257,3 +257,10 @@ def test_the_cli_trains_an_adapter_generates_with_it_and_merges_it(tmp_path, cap
         assert main(["generate", *model_flags, *prompt]) == 0
         texts.append(json.loads(capsys.readouterr().out)["completions"])
     assert texts[0] == texts[1]
+
+    served = {}
+    monkeypatch.setattr("recurrent_depth.serving.serve", lambda model, **kw: served.update(model=model, **kw))
+    assert main(["serve", "--model", str(base), "--lora", str(adapter)]) == 0
+    assert served["tokenizer_dir"] == str(base) and served["model_name"] == "base"
+    assert isinstance(make_runner(served["model"]), FastRunner)
+    assert sum("lora_A" in name for name, _ in served["model"].named_parameters()) == 5  # 4 core attention linears + adapter

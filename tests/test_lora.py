@@ -234,6 +234,8 @@ def test_the_cli_trains_an_adapter_generates_with_it_and_merges_it(tmp_path, cap
              "--no-progress", "--no-tensorboard", "--eval-batches", "1", "--eval-depths", "1,2", "--threads", "1"]
     assert main([*train, "--lora", "--out", str(tmp_path / "x")]) == 2
     assert "--lora needs --lora-base" in capsys.readouterr().err
+    assert main([*train, "--lora-rank", "4", "--out", str(tmp_path / "x")]) == 2
+    assert "--lora-rank shape a LoRA adapter: add --lora" in capsys.readouterr().err
     assert main([*train, "--lora", "--lora-base", str(base), "--lora-parts", "core,adapter", "--lora-rank", "2",
                  "--lora-alpha", "4", "--lora-dropout", "0.1", "--lora-kinds", "attention", "--out",
                  str(tmp_path / "run")]) == 0
@@ -263,4 +265,4 @@ def test_the_cli_trains_an_adapter_generates_with_it_and_merges_it(tmp_path, cap
     assert main(["serve", "--model", str(base), "--lora", str(adapter)]) == 0
     assert served["tokenizer_dir"] == str(base) and served["model_name"] == "base"
     assert isinstance(make_runner(served["model"]), FastRunner)
-    assert sum("lora_A" in name for name, _ in served["model"].named_parameters()) == 5  # 4 core attention linears + adapter
+    assert sum("lora_A" in name for name, _ in served["model"].named_parameters()) == 5  # 4 core attention + adapter

@@ -219,6 +219,11 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
 def lora_spec_from_args(args: argparse.Namespace) -> LoraSpec | None:
     """The `LoraSpec` that `add_lora_arguments`' flags describe, or None without `--lora`."""
     if not args.lora:
+        defaults = {"lora_rank": LoraSpec.rank, "lora_alpha": LoraSpec.alpha, "lora_dropout": LoraSpec.dropout,
+                    "lora_parts": ",".join(PARTS), "lora_kinds": ",".join(KINDS)}
+        given = ["--" + name.replace("_", "-") for name, value in defaults.items() if getattr(args, name) != value]
+        if given:
+            raise ValueError(f"{', '.join(given)} shape a LoRA adapter: add --lora (or leave them out)")
         return None
 
     def names(text: str) -> tuple[str, ...]:

@@ -21,6 +21,11 @@ decoding is bound by per-operation overhead, not FLOPs:
   on CPUs and as long as those copies stay under `COPY_LIMIT_BYTES` (a 3.5B model keeps the
   views: doubling its weights in memory would cost more than it saves).
 
+Unmerged peft LoRA adapters (`recurrent_depth.train.lora`) on the blocks' linear layers and the adapter
+are applied as peft's forward applies them: `x W^T + (x A^T) (s B)^T` after each product (see
+`accel/lora.py`); a model with LoRA layers the runner cannot reproduce (DoRA, LoRA on the embedding or
+the head, ...) takes the reference runner.
+
 Quantized caches attend from their codes through `cache.attend`, with the compiled kernels of
 `recurrent_depth.accel.quant` for decode calls (off with `RDEPTH_NO_COMPILE=1`).
 
@@ -39,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from recurrent_depth.accel.lora import is_lora_layer, low_rank_term, unsupported_lora
 from recurrent_depth.accel.quant import code_kernels
 from recurrent_depth.inference.runner import ModelRunner, Step, all_attention, blocks_of
 from recurrent_depth.model.cache import combine_key_mask
@@ -76,7 +82,15 @@ class FastRunner(ModelRunner):
 
     @staticmethod
     def supports(model: Any) -> bool:
-        return all_attention(model) and all(b.attn.window is None and b.attn.q_norm is None for b in blocks_of(model))
+        return (all_attention(model) and all(b.attn.window is None and b.attn.q_norm is None for b in blocks_of(model))
+                and FastRunner._reproduces_lora(model))
+
+    @staticmethod
+    def _reproduces_lora(model: Any) -> bool:
+        """Every LoRA layer of `model` is one this runner reads (block and adapter linears) and plain LoRA."""
+        read = {id(model.transformer.adapter)} | {
+            id(layer) for block in blocks_of(model) for layer in FastRunner._block_linears(block).values()}
+        return all(id(m) in read and unsupported_lora(m) is None for m in model.modules() if is_lora_layer(m))
 
     def __init__(self, model: Any) -> None:
         super().__init__(model)
@@ -107,6 +121,12 @@ class FastRunner(ModelRunner):
         self.adapter_s = self._layout(w[:, :h])  # (a strided view of the adapter otherwise)
         self.adapter_e = w[:, h:].t()
         self.adapter_bias = t.adapter.bias
+        # A LoRA term on the adapter splits as its weight does: A [s; e] = A_s s + A_e e.
+        adapter_term = low_rank_term(t.adapter, self.dtype)
+        self.adapter_s_term = self.adapter_e_term = None
+        if adapter_term is not None:
+            a_t, b_t = adapter_term  # [2h, r], [r, h]
+            self.adapter_s_term, self.adapter_e_term = (a_t[:h], b_t), (a_t[h:], b_t)
         self.ln_f = t.ln_f.weight * math.sqrt(h)
         self.wte = t.wte.weight
         self.lm_head = self._layout(model.lm_head.weight)
@@ -146,10 +166,15 @@ class FastRunner(ModelRunner):
         return weight.t().contiguous() if self.copy_weights and self._wide(weight) else weight.t()
 
     @staticmethod
-    def _block_matrices(block: Any) -> dict[str, Tensor]:
-        """A block's `[out, in]` weight matrices, by the names `_prepare` gives their layouts."""
+    def _block_linears(block: Any) -> dict[str, Any]:
+        """A block's linear layers, by the names `_prepare` gives their weights' layouts."""
         attn, mlp = block.attn, block.mlp
-        return {"qkv": attn.Wqkv.weight, "proj": attn.proj.weight, "fc": mlp.fc.weight, "out": mlp.proj.weight}
+        return {"qkv": attn.Wqkv, "proj": attn.proj, "fc": mlp.fc, "out": mlp.proj}
+
+    @staticmethod
+    def _block_matrices(block: Any) -> dict[str, Tensor]:
+        """A block's `[out, in]` weight matrices (a LoRA layer's: its base layer's)."""
+        return {name: layer.weight for name, layer in FastRunner._block_linears(block).items()}
 
     def _prepare(self, block: Any, h: int) -> dict[str, Any]:
         """A block's weights as the fast path uses them: `[in, out]` (see `_layout`), the q/k bias
@@ -173,6 +198,7 @@ class FastRunner(ModelRunner):
             "proj_bias": attn.proj.bias,
             "fc_bias": block.mlp.fc.bias,
             "out_bias": block.mlp.proj.bias,
+            "low_rank": {name: low_rank_term(layer, self.dtype) for name, layer in self._block_linears(block).items()},
         }
 
     # ------------------------------------------------------------------ pieces
@@ -197,20 +223,28 @@ class FastRunner(ModelRunner):
 
     @staticmethod
     def _linear(x: Tensor, weight_t: Tensor, bias: Tensor | None, residual: Tensor | None = None,
-                out: Tensor | None = None) -> Tensor:
-        """x @ W^T (+ bias) (+ residual) on 2-D `[N, in]` activations, in one `addmm` when possible
-        (out: a buffer for the result, which then must not be `residual`; None: a new tensor)."""
+                out: Tensor | None = None, low_rank: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """x @ W^T (+ bias) (+ residual) (+ a LoRA term `(x A^T) (s B)^T`) on 2-D `[N, in]` activations, in
+        one `addmm` when possible (out: a buffer for the result, which then must not be `residual`; None:
+        a new tensor)."""
         if residual is not None:
             y = torch.addmm(residual, x, weight_t, out=out)
-            return y if bias is None else (y + bias if out is None else y.add_(bias))
-        return torch.mm(x, weight_t, out=out) if bias is None else torch.addmm(bias, x, weight_t, out=out)
+            y = y if bias is None else (y + bias if out is None else y.add_(bias))
+        else:
+            y = torch.mm(x, weight_t, out=out) if bias is None else torch.addmm(bias, x, weight_t, out=out)
+        if low_rank is None:
+            return y
+        a_t, b_t = low_rank
+        return y.addmm(x @ a_t, b_t) if y.requires_grad else y.addmm_(x @ a_t, b_t)
 
     def _block(self, x: Tensor, p: dict[str, Any], step: Step, key: tuple, B: int, T: int) -> Tensor:
         """One sandwich block on 2-D activations `x` `[B * T, h]`."""
         H, Hkv, D = self.H, self.Hkv, self.D
         n1, n2, n3, n4 = p["norm"]
         ws = self._workspace(B, T)
-        qkv = self._linear(self._norm(x, n1, ws.normed, ws.stat), p["qkv"], p["qkv_bias"], out=ws.qkv)
+        low_rank = p["low_rank"]
+        qkv = self._linear(self._norm(x, n1, ws.normed, ws.stat), p["qkv"], p["qkv_bias"], out=ws.qkv,
+                           low_rank=low_rank["qkv"])
         # In-place updates of this call's own buffers save allocations, but autograd needs the originals.
         inplace = not qkv.requires_grad
         # Interleaved RoPE on q and k at once: pairs (x0, x1) as complex numbers times e^{i angle}.
@@ -240,12 +274,14 @@ class FastRunner(ModelRunner):
         else:
             att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=self.gqa)
         att = att.transpose(1, 2).reshape(B * T, H * D)
-        mixed = self._linear(att, p["proj"], p["proj_bias"], residual=x, out=ws.mixed)
+        mixed = self._linear(att, p["proj"], p["proj_bias"], residual=x, out=ws.mixed, low_rank=low_rank["proj"])
         x = self._norm(mixed, n2, ws.mixed, ws.stat)
-        gate_up = self._linear(self._norm(x, n3, ws.normed, ws.stat), p["fc"], p["fc_bias"], out=ws.gate_up)
+        gate_up = self._linear(self._norm(x, n3, ws.normed, ws.stat), p["fc"], p["fc_bias"], out=ws.gate_up,
+                               low_rank=low_rank["fc"])
         gate, up = ws.gate_up_halves or gate_up.chunk(2, dim=1)
         hidden = F.silu(gate, inplace=True).mul_(up) if inplace else F.silu(gate) * up
-        return self._norm(self._linear(hidden, p["out"], p["out_bias"], residual=x, out=ws.mlp_out), n4, stat=ws.stat)
+        out = self._linear(hidden, p["out"], p["out_bias"], residual=x, out=ws.mlp_out, low_rank=low_rank["out"])
+        return self._norm(out, n4, stat=ws.stat)
 
     def embed(self, input_ids: Tensor, step: Step) -> Tensor:
         B, T = input_ids.shape
@@ -255,11 +291,13 @@ class FastRunner(ModelRunner):
         return x.view(B, T, -1)
 
     def inject(self, e: Tensor) -> Tensor:
-        return self._linear(e.flatten(0, 1), self.adapter_e, self.adapter_bias).view(e.shape)  # [B, T, h]
+        flat = e.flatten(0, 1)
+        return self._linear(flat, self.adapter_e, self.adapter_bias, low_rank=self.adapter_e_term).view(e.shape)
 
     def core_step(self, state: Tensor, injected: Tensor, e: Tensor, index: int, step: Step) -> Tensor:
         B, T, h = state.shape
-        x = torch.addmm(injected.reshape(B * T, h), state.reshape(B * T, h), self.adapter_s)
+        x = self._linear(state.reshape(B * T, h), self.adapter_s, None, residual=injected.reshape(B * T, h),
+                         low_rank=self.adapter_s_term)
         for j, p in enumerate(self.blocks["core"]):
             x = self._block(x, p, step, ("core", j, index), B, T)
         return x.view(B, T, h)

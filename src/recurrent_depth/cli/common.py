@@ -12,6 +12,13 @@ def add_model_arg(parser: argparse.ArgumentParser, required: bool = True) -> Non
     )
 
 
+def add_lora_adapter_arg(parser: argparse.ArgumentParser) -> None:
+    """`--lora ADAPTER_DIR` for commands that run a model (the adapter applied by `train.lora.attach_adapter`)."""
+    parser.add_argument("--lora", default=None, metavar="ADAPTER_DIR",
+                        help="a peft LoRA adapter directory to apply to --model, unmerged (e.g. the model/ of an "
+                             "`rdepth train --lora` run; needs recurrent-depth[lora]; default: none)")
+
+
 def add_out_arg(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument("--out", default=default, metavar="DIR", help="output directory (default: %(default)s)")
 

@@ -2,10 +2,12 @@
 
     rdepth export --model runs/quickstart/model --out exported --remote-code
     rdepth export --model huginn-0125/ --out huginn-ours --dtype bfloat16 --max-shard-mb 4000
+    rdepth export --model runs/base/model --merge-lora runs/lora/model --out merged
 
 Without `--remote-code` the model is re-saved in the library's layout (official Huginn-0125
 directories are converted: our config keys, the tied head stored once, no RoPE buffer), optionally
-in another dtype or sharded. With `--remote-code` the output also holds
+in another dtype or sharded, optionally with a LoRA adapter merged into its weights (in the stored
+dtype, before any --dtype cast; the result is a plain model directory). With `--remote-code` the output also holds
 `modeling_recurrent_depth.py` and an `auto_map`, so a plain transformers environment loads it with
 `AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)` (fixed-depth forward and
 `generate()`; softmax-attention models only).
@@ -45,6 +47,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--max-shard-mb", type=float, default=None, metavar="MB",
         help="split the weights into shards of at most this size (default: one file)",
     )
+    parser.add_argument(
+        "--merge-lora", default=None, metavar="ADAPTER_DIR",
+        help="add this peft LoRA adapter into the weights (W + alpha/r B A) before saving (needs "
+             "recurrent-depth[lora]; default: none)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -57,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out is not None else None
     if args.max_shard_mb is not None and args.max_shard_mb <= 0:
         raise ValueError(f"--max-shard-mb={args.max_shard_mb} is invalid: expected a size > 0")
-    reshape = args.dtype is not None or args.max_shard_mb is not None
+    reshape = args.dtype is not None or args.max_shard_mb is not None or args.merge_lora is not None
     if out is None and (reshape or not args.remote_code):
         raise ValueError("--out is required unless only --remote-code files are added to --model in place")
     if args.tokenizer is not None and not (Path(args.tokenizer) / "tokenizer.json").is_file():
@@ -65,7 +72,16 @@ def run(args: argparse.Namespace) -> int:
     if args.remote_code:
         check_exportable(ModelConfig.from_json(src))  # fail before writing anything
     if out is not None and (reshape or not args.remote_code):
-        model = load_pretrained(src, dtype=args.dtype)
+        if args.merge_lora is None:
+            model = load_pretrained(src, dtype=args.dtype)
+        else:
+            import torch
+
+            from recurrent_depth.train.lora import load_lora, merge_lora
+
+            model = merge_lora(load_lora(load_pretrained(src), args.merge_lora))
+            if args.dtype is not None:
+                model = model.to(getattr(torch, args.dtype))
         max_bytes = int(args.max_shard_mb * 2**20) if args.max_shard_mb is not None else None
         save_pretrained(model, out, max_shard_bytes=max_bytes)
         if out.resolve() != src.resolve():

@@ -16,6 +16,7 @@ from typing import Any
 
 from recurrent_depth.cli.common import (
     add_device_args,
+    add_lora_adapter_arg,
     add_max_depth_arg,
     add_model_arg,
     add_tokenizer_arg,
@@ -34,6 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "full depth; each new token then runs --num-steps core steps, or fewer with --exit-criterion.",
     )
     add_model_arg(p)
+    add_lora_adapter_arg(p)
     add_tokenizer_arg(p)
     p.add_argument("--prompt", action="append", required=True, metavar="TEXT",
                    help="prompt text; repeat for a batch (left-padded; each row exits on its own)")
@@ -98,6 +100,10 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_cli_tokenizer(args)
     model = rd.RecurrentDepthLM.from_pretrained(args.model, dtype=args.dtype, device=args.device).eval()
     check_fits_vocab(tokenizer, model.config.vocab_size, tokenizer_source(args))
+    if args.lora is not None:
+        from recurrent_depth.train.lora import attach_adapter
+
+        model = attach_adapter(model, args.lora)
     with tokenizer_failures_as_errors():
         rows = [tokenizer.encode(text).ids for text in args.prompt]
     if any(len(r) == 0 for r in rows):

@@ -11,9 +11,12 @@ Per-request test-time compute goes in the JSON body (`num_steps`, `exit_criterio
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import Any
 
 from recurrent_depth.cli.common import (
     add_device_args,
+    add_lora_adapter_arg,
     add_max_depth_arg,
     add_model_arg,
     add_tokenizer_arg,
@@ -28,6 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "Requests join and leave the running batch between decode steps and each one runs at its own depth.",
     )
     add_model_arg(p)
+    add_lora_adapter_arg(p)
     add_tokenizer_arg(p)
     add_device_args(p)
     p.add_argument("--host", default="127.0.0.1",
@@ -89,11 +93,19 @@ def run(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else None
     api_key = resolve_api_key(args.api_key)
     hosts = None if args.allowed_hosts is None else args.allowed_hosts.split(",")
+    model: Any = args.model
+    tokenizer_dir, model_name = args.tokenizer, args.served_model_name
+    if args.lora is not None:  # the model loaded here, so the adapter goes onto it (unmerged)
+        from recurrent_depth.checkpoint import load_pretrained
+        from recurrent_depth.train.lora import attach_adapter
+
+        model = attach_adapter(load_pretrained(args.model, dtype=dtype, device=args.device), args.lora)
+        tokenizer_dir, model_name = tokenizer_dir or args.model, model_name or Path(args.model).resolve().name
     serve(
-        args.model, tokenizer_dir=args.tokenizer, host=args.host, port=args.port, log_level=args.log_level,
+        model, tokenizer_dir=tokenizer_dir, host=args.host, port=args.port, log_level=args.log_level,
         allowed_hosts=hosts, read_timeout=args.read_timeout, stall_timeout=args.stall_timeout,
         tokenizer_workers=args.tokenizer_workers, tokenize_timeout=args.tokenize_timeout,
-        model_name=args.served_model_name, api_key=api_key, max_batch=args.max_batch, max_queue=args.max_queue,
+        model_name=model_name, api_key=api_key, max_batch=args.max_batch, max_queue=args.max_queue,
         prefill_tokens=args.prefill_tokens, request_timeout=args.request_timeout,
         max_num_steps=args.max_num_steps, num_steps=args.num_steps, max_depth=args.max_depth, dtype=dtype,
         device=args.device, kv_quant=args.kv_quant,

@@ -6,6 +6,11 @@
 
 Every TrainConfig field has a flag (`--max-steps`, `--eval-depths 1,4,8`, `--compile/--no-compile`);
 `--model-set KEY=VALUE` overrides a ModelConfig field, and the optimizer flags override `optim`.
+
+    rdepth train --lora --lora-base runs/tiny/model --lora-parts core --data more.txt --out runs/tiny-lora
+
+`--lora` trains a peft LoRA adapter on a saved model (`--lora-base`, whose tokenizer the data is
+tokenized with unless --tokenizer says otherwise) instead of every weight (docs/post-training.md).
 """
 
 from __future__ import annotations
@@ -112,6 +117,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default = "demo" if name == "preset" else getattr(optim_defaults, name)
         parser.add_argument("--" + dest.replace("_", "-"), dest=dest, type=kind, default=None,
                             help=f"{text} (default: {_default_text(default)})")
+    from recurrent_depth.train.lora import add_lora_arguments
+
+    add_lora_arguments(parser)
+    parser.add_argument("--lora-base", default=None, metavar="MODEL_DIR",
+                        help="with --lora: the saved model directory the adapter is trained on (required)")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved configuration as JSON and exit (default: off)")
     parser.set_defaults(func=run)
@@ -142,9 +152,22 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
     from recurrent_depth.train.distributed import shutdown
+    from recurrent_depth.train.lora import add_lora, lora_spec_from_args
     from recurrent_depth.train.trainer import TooManySkippedSteps, Trainer
 
-    trainer = Trainer(cfg)
+    model = None
+    spec = lora_spec_from_args(args)
+    if spec is None and args.lora_base is not None:
+        raise ValueError("--lora-base names the model a LoRA adapter is trained on: add --lora")
+    if spec is not None:
+        if args.lora_base is None:
+            raise ValueError("--lora needs --lora-base MODEL_DIR: the saved model the adapter is trained on")
+        from recurrent_depth.model.recurrent import RecurrentDepthLM
+
+        model = add_lora(RecurrentDepthLM.from_pretrained(args.lora_base), spec, base_dir=args.lora_base)
+        if cfg.tokenizer is None:  # the base model's vocabulary, not a tokenizer trained on the new data
+            cfg = cfg.replace(tokenizer=args.lora_base)
+    trainer = Trainer(cfg, model=model)
     try:
         result = trainer.run()
     except TooManySkippedSteps as exc:  # the run ended and wrote everything, but did not train

@@ -52,6 +52,7 @@ from recurrent_depth.train import trainer_checkpoints
 from recurrent_depth.train.batches import BatchSource, RowBatches
 from recurrent_depth.train.config import TrainConfig
 from recurrent_depth.train.depth import DepthSampler, stream_seed
+from recurrent_depth.train.lora import base_model_of, is_peft_model
 from recurrent_depth.train.objective import LanguageModeling, Objective
 from recurrent_depth.train.optim import build_optimizers, clip_and_check_grads
 from recurrent_depth.train.qk_clip import QKClip
@@ -234,7 +235,7 @@ class Trainer:
         self.sampler = depth if depth is not None else self._default_sampler()
         self.eval_depths = (cfg.resolved_eval_depths(self.sampler.mean_recurrence)
                             if isinstance(self.sampler, DepthSampler) else None)
-        if evaluate is None and self.val_data is not None and isinstance(self.model, RecurrentDepthLM):
+        if evaluate is None and self.val_data is not None and isinstance(base_model_of(self.model), RecurrentDepthLM):
             evaluate = validation_by_depth
         self.evaluate_hook = evaluate
 
@@ -302,9 +303,9 @@ class Trainer:
     def _default_sampler(self) -> DepthSampler | None:
         """`cfg`'s depth sampler for a `RecurrentDepthLM` (the model config's r̄ and k unless `cfg` sets them)."""
         cfg = self.cfg
-        if not isinstance(self.model, RecurrentDepthLM):
+        if not isinstance(base_model_of(self.model), RecurrentDepthLM):  # (a LoRA wrapper's base included)
             return None
-        model_cfg = self.model.config
+        model_cfg = base_model_of(self.model).config
         mean = cfg.mean_recurrence if cfg.mean_recurrence is not None else model_cfg.mean_recurrence
         k = cfg.backprop_depth if cfg.backprop_depth is not None else model_cfg.mean_backprop_depth
         seq_len = self.seq_len if self.seq_len is not None else cfg.resolved_seq_len(model_cfg)
@@ -668,7 +669,15 @@ def prepare_model(model: nn.Module, cfg: TrainConfig, env: ddist.DistEnv) -> nn.
     """Apply, from outside the model and in this order: activation checkpointing, compile, parallelism.
 
     A model other than a `RecurrentDepthLM` is compiled whole; activation checkpointing and FSDP, which
-    need to know its blocks, are refused for it."""
+    need to know its blocks, are refused for it; a LoRA wrapper's base takes checkpointing and compile."""
+    if is_peft_model(model) and isinstance(model.get_base_model(), RecurrentDepthLM):
+        if cfg.fsdp:
+            raise ValueError("fsdp does not shard a LoRA (peft) model here: turn fsdp off (DDP works) or train "
+                             "every weight")
+        model.get_base_model().gradient_checkpointing = cfg.activation_checkpointing
+        if cfg.compile:
+            compile_core(model.get_base_model(), cfg.compile_mode)
+        return ddist.wrap_model(model, env)
     if not isinstance(model, RecurrentDepthLM):
         if cfg.activation_checkpointing or cfg.fsdp:
             raise ValueError(f"activation_checkpointing and fsdp apply to a RecurrentDepthLM, not to "

@@ -23,6 +23,7 @@ from recurrent_depth.model.recurrent import RecurrentDepthLM
 from recurrent_depth.train import checkpointing as ckpt
 from recurrent_depth.train import distributed as ddist
 from recurrent_depth.train.config import TrainConfig
+from recurrent_depth.train.lora import base_model_of, is_peft_model, save_adapter
 from recurrent_depth.train.optim import OptimConfig
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ def save_checkpoint(trainer: Trainer) -> Path | None:
     if env.is_main:
         try:
             with ckpt.staged_write(tmp, final, "checkpoint"):
-                write_weights(trainer, model_state, tmp)
+                write_weights(trainer, model_state, tmp, checkpoint=True)
                 ckpt.save_state_files(tmp, "optimizer", optim_state)
                 ckpt.write_tensors(tmp / ckpt.RNG_TENSORS, ckpt.rng_state_tensors())
                 ckpt.write_json(tmp / ckpt.TRAINER_STATE, {
@@ -108,23 +109,34 @@ def save_model(trainer: Trainer, path: Path) -> Path | None:
     return path
 
 
-def write_weights(trainer: Trainer, state: dict[str, torch.Tensor], directory: Path) -> None:
-    """`state` (+ config and tokenizer) as a model directory: ours, a transformers model's, or bare weights."""
+def write_weights(trainer: Trainer, state: dict[str, torch.Tensor], directory: Path, checkpoint: bool = False) -> None:
+    """`state` (+ config and tokenizer) as a model directory: ours, a transformers model's, or bare weights;
+    a LoRA run's: a peft adapter directory, in a checkpoint with the whole state beside it (what resume reads)."""
     from recurrent_depth.checkpoint import copy_tokenizer, save_pretrained
 
     model, tokenizer_dir = trainer.model, trainer.tokenizer_dir
-    if isinstance(model, RecurrentDepthLM):
+    if is_peft_model(model):
+        save_adapter(model, directory, state)
+        if checkpoint:
+            _save_bare_weights(state, directory)
+            config = base_model_of(model).config
+            ckpt.write_json(directory / "config.json", config.to_dict() if hasattr(config, "to_dict") else {})
+    elif isinstance(model, RecurrentDepthLM):
         save_pretrained(ckpt.StateView(trainer.model_config, state), directory, tokenizer_dir=tokenizer_dir)
         return
-    if hasattr(model, "save_pretrained"):  # a transformers model: its own format and config
+    elif hasattr(model, "save_pretrained"):  # a transformers model: its own format and config
         model.save_pretrained(directory, state_dict=state)
     else:
-        from safetensors.torch import save_file
-
-        directory.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.clone().contiguous() for k, v in state.items()}, directory / "model.safetensors")
+        _save_bare_weights(state, directory)
     if tokenizer_dir is not None:
         copy_tokenizer(tokenizer_dir, directory)
+
+
+def _save_bare_weights(state: dict[str, torch.Tensor], directory: Path) -> None:
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.clone().contiguous() for k, v in state.items()}, directory / "model.safetensors")
 
 
 def raise_if_failed(error: str | None, env: ddist.DistEnv) -> None:

@@ -1,0 +1,233 @@
+"""LoRA through `peft`: low-rank adapters on chosen parts of a recurrent-depth model.
+
+    spec = LoraSpec(rank=8, alpha=16, parts=("core",), kinds=("attention", "mlp"))
+    peft_model = add_lora(model, spec, base_dir="runs/base/model")   # a peft `PeftModel`
+    Trainer(cfg, model=peft_model, data=...).run()                   # trains the adapter only
+    save_adapter(peft_model, "adapter")                              # adapter_config.json + adapter_model.safetensors
+    merged = merge_lora(load_lora(RecurrentDepthLM.from_pretrained(base), "adapter"))
+
+A spec chooses modules by part (prelude, adapter, core, coda) and kind (attention: every linear layer
+of a block's token mixer, e.g. `attn.Wqkv` and `attn.proj`; mlp: `mlp.fc` and `mlp.proj`); the input
+adapter `transformer.adapter` is one linear layer, chosen by its part alone. The target modules are
+the exact module names, which the library model, its transformers wrapper (`integrations/hf.py`) and
+the standalone remote-code model share, so an adapter saved from one loads onto the others, e.g. with
+`PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter_dir)`.
+
+peft changes the wrapped model in place (its chosen `nn.Linear` layers become `lora.Linear`), so the
+library model under the wrapper (`base_model_of`) runs with the adapter everywhere a `RecurrentDepthLM`
+goes: generation's reference runner calls its modules, and the fused decode runner adds the low-rank
+terms itself (`accel/lora.py`). peft is the optional extra `recurrent-depth[lora]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+PARTS = ("prelude", "adapter", "core", "coda")
+KINDS = ("attention", "mlp")
+# The ModuleDict entry of each part's blocks (`transformer.<name>.<i>`), as in the official checkpoint.
+BLOCK_CONTAINERS = {"prelude": "prelude", "core": "core_block", "coda": "coda"}
+KIND_MODULES = {"attention": "attn", "mlp": "mlp"}
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def require_peft() -> Any:
+    """The peft package, or a one-line error saying how to install it."""
+    try:
+        import peft
+    except ImportError:
+        raise ModuleNotFoundError("LoRA needs the peft package: pip install 'recurrent-depth[lora]' (or peft>=0.13)",
+                                  name="peft") from None
+    return peft
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """Which modules get a LoRA adapter and its shape: `B A` of rank `rank`, scaled by `alpha / rank`."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    parts: tuple[str, ...] = PARTS
+    kinds: tuple[str, ...] = KINDS
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"LoRA rank={self.rank!r} is invalid: expected an integer >= 1")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or not (
+                math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"LoRA alpha={self.alpha!r} is invalid: expected a finite number > 0")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, int | float) or not 0 <= self.dropout < 1:
+            raise ValueError(f"LoRA dropout={self.dropout!r} is invalid: expected a number in [0, 1)")
+        for field, allowed in (("parts", PARTS), ("kinds", KINDS)):
+            value = getattr(self, field)
+            chosen = (value,) if isinstance(value, str) else tuple(value)
+            unknown = [v for v in chosen if v not in allowed]
+            if unknown:
+                raise ValueError(f"LoRA {field} {unknown} unknown: choose from {', '.join(allowed)}")
+            if not chosen:
+                raise ValueError(f"LoRA {field} is empty: choose at least one of {', '.join(allowed)}")
+            object.__setattr__(self, field, tuple(dict.fromkeys(chosen)))  # (deduplicated, in the given order)
+
+
+def target_modules(model: nn.Module, spec: LoraSpec) -> list[str]:
+    """The exact names of the `nn.Linear` layers `spec` chooses in `model` (a `RecurrentDepthLM` or a
+    transformers wrapper: both hold `transformer.*`)."""
+    transformer = getattr(model, "transformer", None)
+    if not isinstance(transformer, nn.ModuleDict) or "adapter" not in transformer:
+        raise ValueError(f"LoRA targets a recurrent-depth model (transformer.prelude/adapter/core_block/coda); "
+                         f"{type(model).__name__} has no such modules")
+    names = []
+    for part in spec.parts:
+        if part == "adapter":
+            names.append("transformer.adapter")
+            continue
+        container = BLOCK_CONTAINERS[part]
+        for i, block in enumerate(transformer[container]):
+            for kind in spec.kinds:
+                owner = getattr(block, KIND_MODULES[kind])
+                prefix = f"transformer.{container}.{i}.{KIND_MODULES[kind]}"
+                names += [f"{prefix}.{name}" for name, module in owner.named_modules()
+                          if name and isinstance(module, nn.Linear)]
+    if not names:
+        raise ValueError(f"LoRA parts={list(spec.parts)} kinds={list(spec.kinds)} select no linear layer of this "
+                         f"model (it has {len(transformer['prelude'])} prelude, {len(transformer['core_block'])} core "
+                         f"and {len(transformer['coda'])} coda layers)")
+    return names
+
+
+def lora_config(model: nn.Module, spec: LoraSpec) -> Any:
+    """The peft `LoraConfig` of `spec` for `model`: the chosen modules by their exact names."""
+    peft = require_peft()
+    return peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, bias="none",
+                           target_modules=target_modules(model, spec))
+
+
+def add_lora(model: nn.Module, spec: LoraSpec, base_dir: str | Path | None = None) -> Any:
+    """`model` wrapped by peft with a fresh adapter (B = 0: the wrapper computes what `model` did); only
+    the adapter is trainable. base_dir: the base model's directory, which `save_adapter` records in
+    `adapter_config.json` (`base_model_name_or_path`) so `load_adapter_model` finds the base."""
+    peft = require_peft()
+    wrapped = peft.get_peft_model(model, lora_config(model, spec))
+    # Not in peft's own config: peft's save_pretrained would then read it with `config.from_pretrained`,
+    # which a transformers config has and our ModelConfig has not.
+    wrapped.lora_base_dir = str(base_dir) if base_dir is not None else None
+    return wrapped
+
+
+def save_adapter(model: Any, directory: str | Path, state_dict: dict | None = None) -> Path:
+    """Write `model`'s adapter as a peft adapter directory (adapter_config.json + adapter_model.safetensors),
+    with the base model directory `add_lora` was given as `base_model_name_or_path`.
+    state_dict: the wrapper's full state (e.g. gathered by the trainer); default its own."""
+    directory = Path(directory)
+    # save_embedding_layers=False: no embedding is ever a target here, and "auto" asks the base's config class.
+    model.save_pretrained(str(directory), state_dict=state_dict, save_embedding_layers=False)
+    base = getattr(model, "lora_base_dir", None)
+    if base is not None:
+        config = json.loads((directory / ADAPTER_CONFIG).read_text())
+        config["base_model_name_or_path"] = base
+        (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return directory
+
+
+def is_peft_model(model: Any) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def base_model_of(model: Any) -> Any:
+    """The model under a peft wrapper (its layers carry the adapter), or `model` itself."""
+    return model.get_base_model() if is_peft_model(model) else model
+
+
+def check_adapter_dir(adapter_dir: str | Path) -> Path:
+    path = Path(adapter_dir)
+    if not (path / ADAPTER_CONFIG).is_file():
+        raise ValueError(f"{path} is not a LoRA adapter directory: no {ADAPTER_CONFIG} (save one with "
+                         f"PeftModel.save_pretrained or rdepth train --lora)")
+    return path
+
+
+def load_lora(model: nn.Module, adapter_dir: str | Path, trainable: bool = False) -> Any:
+    """The peft wrapper of `model` with the adapter saved in `adapter_dir` (unmerged)."""
+    peft = require_peft()
+    path = check_adapter_dir(adapter_dir)
+    try:
+        return peft.PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
+    except (KeyError, RuntimeError, ValueError) as exc:  # e.g. module names or shapes of another model
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"cannot load the LoRA adapter {path} onto this model: {first}") from None
+
+
+def merge_lora(model: Any) -> nn.Module:
+    """The base model with every adapter added into its weights (W + scale B A), peft's layers removed."""
+    if not is_peft_model(model):
+        raise ValueError(f"merge_lora takes a peft model (add_lora / load_lora), got {type(model).__name__}")
+    return model.merge_and_unload()
+
+
+def attach_adapter(model: nn.Module, adapter_dir: str | Path) -> nn.Module:
+    """`model` itself with the saved adapter on its layers, unmerged (generation applies it on every path)."""
+    return load_lora(model, adapter_dir).get_base_model()
+
+
+def adapter_base_dir(adapter_dir: str | Path) -> Path:
+    """The base model directory an adapter records (`base_model_name_or_path`), relative ones from the adapter."""
+    path = check_adapter_dir(adapter_dir)
+    base = json.loads((path / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{path / ADAPTER_CONFIG} names no base model (base_model_name_or_path): pass the base "
+                         "model directory explicitly")
+    return Path(base) if Path(base).is_absolute() else (path / base)
+
+
+def load_adapter_model(adapter_dir: str | Path, base: str | Path | None = None, merge: bool = False,
+                       **load_kwargs: Any) -> nn.Module:
+    """A `RecurrentDepthLM` from `base` (default: the adapter's recorded base) with the adapter on it:
+    unmerged (its layers carry the adapter) or, with merge, added into the weights."""
+    from recurrent_depth.model.recurrent import RecurrentDepthLM
+
+    model = RecurrentDepthLM.from_pretrained(base if base is not None else adapter_base_dir(adapter_dir), **load_kwargs)
+    wrapped = load_lora(model, adapter_dir)
+    return merge_lora(wrapped) if merge else wrapped.get_base_model()
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--lora` and the spec's flags, for commands that train (`rdepth train`, `rdepth sft`)."""
+    group = parser.add_argument_group("LoRA (peft; needs recurrent-depth[lora])")
+    group.add_argument("--lora", action="store_true",
+                       help="train a LoRA adapter instead of every weight; the run's model/ directory then holds "
+                            "a peft adapter (adapter_config.json + adapter_model.safetensors) for the --init model")
+    group.add_argument("--lora-rank", type=int, default=LoraSpec.rank, help="LoRA rank r (default %(default)s)")
+    group.add_argument("--lora-alpha", type=float, default=LoraSpec.alpha,
+                       help="LoRA alpha: the update is scaled by alpha / r (default %(default)s)")
+    group.add_argument("--lora-dropout", type=float, default=LoraSpec.dropout,
+                       help="dropout on the adapter's input in training (default %(default)s)")
+    group.add_argument("--lora-parts", default=",".join(PARTS),
+                       help=f"comma-separated parts that get adapters, of {','.join(PARTS)} (default: all)")
+    group.add_argument("--lora-kinds", default=",".join(KINDS),
+                       help=f"comma-separated layer kinds inside blocks, of {','.join(KINDS)} (default: both)")
+
+
+def lora_spec_from_args(args: argparse.Namespace) -> LoraSpec | None:
+    """The `LoraSpec` that `add_lora_arguments`' flags describe, or None without `--lora`."""
+    if not args.lora:
+        defaults = {"lora_rank": LoraSpec.rank, "lora_alpha": LoraSpec.alpha, "lora_dropout": LoraSpec.dropout,
+                    "lora_parts": ",".join(PARTS), "lora_kinds": ",".join(KINDS)}
+        given = ["--" + name.replace("_", "-") for name, value in defaults.items() if getattr(args, name) != value]
+        if given:
+            raise ValueError(f"{', '.join(given)} shape a LoRA adapter: add --lora (or leave them out)")
+        return None
+
+    def names(text: str) -> tuple[str, ...]:
+        return tuple(name.strip() for name in text.split(",") if name.strip())
+
+    return LoraSpec(rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                    parts=names(args.lora_parts), kinds=names(args.lora_kinds))

@@ -1,0 +1,268 @@
+"""LoRA through peft (train/lora.py): module choice, exactness at B = 0, merging, reload in transformers,
+unmerged adapters on both decode runners, training through the Trainer, the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import recurrent_depth as rd
+from recurrent_depth.accel.runner import FastRunner
+from recurrent_depth.inference import generate
+from recurrent_depth.inference.runner import ModelRunner, make_runner
+from recurrent_depth.train.lora import (
+    LoraSpec,
+    add_lora,
+    load_adapter_model,
+    load_lora,
+    merge_lora,
+    save_adapter,
+    target_modules,
+)
+
+pytest.importorskip("peft")
+pytestmark = pytest.mark.usefixtures("one_thread")
+STEPS = dict(num_steps=3, init_scale=0.0)
+
+
+def tiny_model(seed: int = 0, **overrides) -> rd.RecurrentDepthLM:
+    torch.manual_seed(seed)
+    cfg = dataclasses.replace(rd.ModelConfig.from_preset("tiny"), **overrides)
+    return rd.RecurrentDepthLM(cfg).eval()
+
+
+def randomise_adapters(model, std: float = 0.1, seed: int = 1) -> None:
+    """B = 0 after peft's init: give every B (and A) values, so the adapter changes the outputs."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * std)
+
+
+def ids(seed: int = 2, length: int = 6) -> torch.Tensor:
+    return torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------------------------------- the spec
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(rank=0), "rank=0"), (dict(rank=2.5), "rank=2.5"), (dict(alpha=0), "alpha=0"),
+    (dict(dropout=1.0), "dropout=1.0"), (dict(parts=("core", "middle")), r"parts \['middle'\] unknown"),
+    (dict(kinds=("attn",)), r"kinds \['attn'\] unknown"), (dict(parts=()), "parts is empty"),
+])
+def test_bad_specs_fail_with_one_line_naming_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LoraSpec(**kwargs)
+
+
+def test_target_modules_are_the_exact_names_of_the_chosen_parts_and_kinds():
+    model = tiny_model()  # 1 prelude, 2 core, 1 coda layers
+    assert target_modules(model, LoraSpec(parts=("core",), kinds=("mlp",))) == [
+        f"transformer.core_block.{j}.mlp.{name}" for j in (0, 1) for name in ("fc", "proj")]
+    assert target_modules(model, LoraSpec(parts=("adapter", "coda"), kinds=("attention",))) == [
+        "transformer.adapter", "transformer.coda.0.attn.Wqkv", "transformer.coda.0.attn.proj"]
+    assert len(target_modules(model, LoraSpec())) == 1 + 4 * 4  # the adapter + 4 linears in each of 4 blocks
+    with pytest.raises(ValueError, match="select no linear layer"):
+        target_modules(tiny_model(prelude_layers=0), LoraSpec(parts=("prelude",)))
+
+
+# ---------------------------------------------------------------------------------------- exactness
+def test_zero_initialised_B_equals_the_base_exactly():
+    base = tiny_model()
+    expected = base(ids(), **STEPS).logits
+    wrapped = add_lora(tiny_model(), LoraSpec(rank=4))
+    assert torch.equal(wrapped(ids(), **STEPS).logits, expected)
+    trainable = {n for n, p in wrapped.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+
+
+def test_merged_model_equals_base_plus_adapter_also_after_a_reload_through_peft_in_transformers(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tiny_model().save_pretrained(tmp_path / "base")
+    wrapped = add_lora(rd.RecurrentDepthLM.from_pretrained(tmp_path / "base").eval(), LoraSpec(rank=4, alpha=8),
+                       base_dir=tmp_path / "base")
+    randomise_adapters(wrapped)
+    layer = wrapped.get_base_model().transformer.core_block[1].mlp.fc
+    w, a, b = layer.base_layer.weight.clone(), layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    expected_fc = w + (8 / 4) * b @ a
+    unmerged = wrapped(ids(), **STEPS).logits
+    save_adapter(wrapped, tmp_path / "adapter")
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
+        tmp_path / "base")
+
+    merged = merge_lora(wrapped)
+    assert type(merged) is rd.RecurrentDepthLM and type(merged.transformer.core_block[1].mlp.fc) is torch.nn.Linear
+    torch.testing.assert_close(merged.transformer.core_block[1].mlp.fc.weight, expected_fc, rtol=1e-6, atol=1e-6)
+    merged_logits = merged(ids(), **STEPS).logits
+    torch.testing.assert_close(merged_logits, unmerged, rtol=1e-5, atol=1e-5)
+    base_logits = rd.RecurrentDepthLM.from_pretrained(tmp_path / "base")(ids(), **STEPS).logits
+    assert (merged_logits - base_logits).abs().max() > 0.1  # the adapter matters
+
+    reloaded = load_adapter_model(tmp_path / "adapter", merge=True)  # the base found from adapter_config.json
+    torch.testing.assert_close(reloaded(ids(), **STEPS).logits, merged_logits, rtol=1e-5, atol=1e-5)
+    hf = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
+    torch.testing.assert_close(hf(ids(), **STEPS).logits, merged_logits, rtol=1e-5, atol=1e-5)
+    hf_merged = hf.merge_and_unload()
+    torch.testing.assert_close(hf_merged(ids(), **STEPS).logits, merged_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_an_adapter_trained_on_the_transformers_model_loads_onto_the_library_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    tiny_model().save_pretrained(tmp_path / "base")
+    hf = add_lora(AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval(), LoraSpec(rank=2, parts=("coda",)),
+                  base_dir=tmp_path / "base")
+    randomise_adapters(hf)
+    save_adapter(hf, tmp_path / "adapter")
+    ours = load_adapter_model(tmp_path / "adapter")  # unmerged, on a RecurrentDepthLM
+    torch.testing.assert_close(ours(ids(), **STEPS).logits, hf(ids(), **STEPS).logits, rtol=1e-6, atol=1e-6)
+    merged = generate(load_adapter_model(tmp_path / "adapter", merge=True), ids(), max_new_tokens=6, **STEPS)
+    # transformers' own loop with the adapter unmerged
+    assert torch.equal(hf.generate(ids(), max_new_tokens=6, do_sample=False, **STEPS), merged.sequences)
+
+
+def test_an_adapter_of_another_model_is_refused_in_one_line(tmp_path):
+    wrapped = add_lora(tiny_model(), LoraSpec(rank=2, parts=("coda",)))
+    save_adapter(wrapped, tmp_path / "adapter")
+    with pytest.raises(ValueError, match="cannot load the LoRA adapter"):
+        load_lora(tiny_model(coda_layers=0), tmp_path / "adapter")
+    with pytest.raises(ValueError, match="not a LoRA adapter directory"):
+        load_lora(tiny_model(), tmp_path)
+
+
+# ---------------------------------------------------------------------------------------- generation
+@pytest.mark.parametrize("kv_heads", [None, 1], ids=["mha", "gqa"])
+def test_an_unmerged_adapter_generates_the_merged_tokens_on_both_runners(kv_heads):
+    overrides = {} if kv_heads is None else dict(num_kv_heads=kv_heads)
+    wrapped = add_lora(tiny_model(**overrides), LoraSpec(rank=4, alpha=8))
+    randomise_adapters(wrapped)
+    unmerged = wrapped.get_base_model()
+    assert isinstance(make_runner(unmerged), FastRunner)  # the fused runner takes the LoRA layers itself
+    kw = dict(max_new_tokens=12, output_logits=True, **STEPS)
+    fast, plain = generate(unmerged, ids(), **kw), generate(unmerged, ids(), fast=False, **kw)
+    base = generate(tiny_model(**overrides), ids(), **kw)
+    merged = merge_lora(wrapped)
+    reference = generate(merged, ids(), fast=False, **kw)
+    assert torch.equal(fast.sequences, reference.sequences) and torch.equal(plain.sequences, reference.sequences)
+    assert not torch.equal(base.sequences, reference.sequences)  # the adapter changes what is generated
+    torch.testing.assert_close(fast.logits, reference.logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(plain.logits, reference.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_lora_the_fused_runner_cannot_apply_takes_the_reference_runner():
+    from peft import LoraConfig, get_peft_model
+
+    head = get_peft_model(tiny_model(), LoraConfig(r=2, target_modules=["lm_head"])).get_base_model()
+    dora = get_peft_model(tiny_model(), LoraConfig(r=2, target_modules=["transformer.coda.0.mlp.fc"],
+                                                   use_dora=True)).get_base_model()
+    for model in (head, dora):
+        assert type(make_runner(model)) is ModelRunner
+        assert not FastRunner.supports(model)
+
+
+# ---------------------------------------------------------------------------------------- training
+def test_the_trainer_trains_only_the_adapter_saves_a_peft_adapter_and_resumes(tmp_path):
+    from recurrent_depth.train.batches import BatchSource
+    from recurrent_depth.train.config import TrainConfig
+    from recurrent_depth.train.optim import OptimConfig
+    from recurrent_depth.train.trainer import Trainer
+
+    class Counting(BatchSource):
+        def __init__(self) -> None:
+            self.generator = torch.Generator().manual_seed(0)
+
+        def next_batch(self, batch_size: int) -> dict[str, torch.Tensor]:
+            rows = (torch.randint(0, 256, (batch_size, 1), generator=self.generator) + torch.arange(17)) % 256
+            return {"input_ids": rows[:, :-1], "targets": rows[:, 1:]}
+
+        def state_dict(self) -> dict:
+            return {"generator": self.generator.get_state().tolist()}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
+
+    tiny_model().save_pretrained(tmp_path / "base")
+
+    def run(out: str, stop_after: int = 4, resume: bool = False):
+        torch.manual_seed(3)  # peft draws A from the global generator
+        model = add_lora(rd.RecurrentDepthLM.from_pretrained(tmp_path / "base"), LoraSpec(rank=2, parts=("core",)),
+                         base_dir=tmp_path / "base")
+        cfg = TrainConfig(batch_size=2, max_steps=4, save_every=2, out=str(tmp_path / out), progress=False,
+                          tensorboard=False, resume=resume, mean_recurrence=2, backprop_depth=1,
+                          optim=OptimConfig(name="adamw", lr=1e-2, weight_decay=0.0, warmup_steps=1))
+        return Trainer(cfg, model=model, data=Counting(), log=lambda _: None,
+                       stop_when=lambda t: "stopped" if t.state.step >= stop_after else None).run()
+
+    whole = run("whole")
+    trained = whole.model
+    base = rd.RecurrentDepthLM.from_pretrained(tmp_path / "base")
+    frozen = {n.replace(".base_layer", ""): p
+              for n, p in trained.get_base_model().named_parameters() if "lora_" not in n}
+    assert frozen.keys() == dict(base.named_parameters()).keys()
+    assert all(torch.equal(frozen[n], p) for n, p in base.named_parameters())  # exactly the base's weights
+    assert any(p.abs().sum() > 0 for n, p in trained.named_parameters() if "lora_B" in n)  # B moved from 0
+    model_dir = whole.model_dir
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in model_dir.iterdir()}
+    loaded = load_adapter_model(model_dir)
+    torch.testing.assert_close(loaded(ids(), **STEPS).logits, trained(ids(), **STEPS).logits, rtol=1e-6, atol=1e-6)
+
+    run("split", stop_after=2)
+    resumed = run("split", resume=True)
+    assert resumed.losses == whole.losses[2:]
+    for name, param in whole.model.named_parameters():
+        assert torch.equal(param, resumed.model.get_parameter(name)), name
+
+
+# ---------------------------------------------------------------------------------------- the CLI
+def test_the_cli_trains_an_adapter_generates_with_it_and_merges_it(tmp_path, capsys, monkeypatch):
+    from recurrent_depth.checkpoint import copy_tokenizer
+    from recurrent_depth.cli import main
+    from recurrent_depth.data import build_tokenizer
+    from tests.train_support import VOCAB, write_corpus
+
+    write_corpus(tmp_path / "corpus", num_docs=20)
+    build_tokenizer(str(tmp_path / "corpus"), VOCAB, val_fraction=0.1, seed=0, out_dir=tmp_path / "tokenizer")
+    base = tmp_path / "base"
+    tiny_model(vocab_size=VOCAB).save_pretrained(base)
+    copy_tokenizer(tmp_path / "tokenizer", base)
+    train = ["train", "--data", str(tmp_path / "corpus"), "--max-steps", "3", "--seq-len", "16", "--batch-size", "2",
+             "--no-progress", "--no-tensorboard", "--eval-batches", "1", "--eval-depths", "1,2", "--threads", "1"]
+    assert main([*train, "--lora", "--out", str(tmp_path / "x")]) == 2
+    assert "--lora needs --lora-base" in capsys.readouterr().err
+    assert main([*train, "--lora-rank", "4", "--out", str(tmp_path / "x")]) == 2
+    assert "--lora-rank shape a LoRA adapter: add --lora" in capsys.readouterr().err
+    assert main([*train, "--lora", "--lora-base", str(base), "--lora-parts", "core,adapter", "--lora-rank", "2",
+                 "--lora-alpha", "4", "--lora-dropout", "0.1", "--lora-kinds", "attention", "--out",
+                 str(tmp_path / "run")]) == 0
+    adapter = tmp_path / "run" / "model"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (2, 4.0, 0.1)
+    assert sorted(config["target_modules"]) == sorted(
+        ["transformer.adapter"] + [f"transformer.core_block.{j}.attn.{n}" for j in (0, 1) for n in ("Wqkv", "proj")])
+    assert config["base_model_name_or_path"] == str(base)
+
+    assert main(["export", "--model", str(base), "--merge-lora", str(adapter), "--out", str(tmp_path / "merged")]) == 0
+    capsys.readouterr()
+    merged = rd.RecurrentDepthLM.from_pretrained(tmp_path / "merged")
+    expected = load_adapter_model(adapter, merge=True)
+    for name, param in expected.state_dict().items():
+        assert torch.equal(merged.state_dict()[name], param), name
+
+    prompt = ["--prompt", "def alpha", "--max-new-tokens", "6", "--num-steps", "2", "--init-scale", "0", "--json"]
+    texts = []
+    for model_flags in (["--model", str(base), "--lora", str(adapter)], ["--model", str(tmp_path / "merged")]):
+        assert main(["generate", *model_flags, *prompt]) == 0
+        texts.append(json.loads(capsys.readouterr().out)["completions"])
+    assert texts[0] == texts[1]
+
+    served = {}
+    monkeypatch.setattr("recurrent_depth.serving.serve", lambda model, **kw: served.update(model=model, **kw))
+    assert main(["serve", "--model", str(base), "--lora", str(adapter)]) == 0
+    assert served["tokenizer_dir"] == str(base) and served["model_name"] == "base"
+    assert isinstance(make_runner(served["model"]), FastRunner)
+    assert sum("lora_A" in name for name, _ in served["model"].named_parameters()) == 5  # 4 core attention + adapter

@@ -34,7 +34,7 @@ OPTIM_FLAGS: dict[str, tuple[str, type, str]] = {
     "grad_clip": ("grad_clip", float, "gradient-norm clip"),
 }
 SKIPPED_FIELDS = ("model", "optim")
-METAVARS = {"qk_clip": "TAU"}
+METAVARS = {"qk_clip": "TAU", "init_from": "DIR"}
 
 
 def _field_type(hint: Any) -> tuple[type, bool]:

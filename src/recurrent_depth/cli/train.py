@@ -76,27 +76,35 @@ def _default_text(value: Any) -> str:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from recurrent_depth.train.config import FIELD_HELP, TrainConfig
-    from recurrent_depth.train.optim import OptimConfig
-
     parser = subparsers.add_parser(
         "train",
         help="train a recurrent-depth model (YAML config + flat flags; torchrun for several processes)",
         description="Train with the paper's recipe: sampled depth per micro-batch, truncated backprop, "
                     "validation at several depths, atomic checkpoints, exact --resume.",
     )
+    add_config_flags(parser)
+    parser.set_defaults(func=run)
+
+
+def add_config_flags(parser: argparse.ArgumentParser, skipped: tuple[str, ...] = (),
+                     help_overrides: dict[str, str] | None = None) -> None:
+    """--config, a flag per TrainConfig field (but `skipped`), --model-set, the optimizer flags, --print-config."""
+    from recurrent_depth.train.config import FIELD_HELP, TrainConfig
+    from recurrent_depth.train.optim import OptimConfig
+
     parser.add_argument("--config", metavar="FILE.yaml", help="training config file; flags below override it "
                         "(default: none, the defaults shown)")
     hints = typing.get_type_hints(TrainConfig)
     defaults = TrainConfig()
     for f in fields(TrainConfig):
-        if f.name in SKIPPED_FIELDS:
+        if f.name in SKIPPED_FIELDS or f.name in skipped:
             continue
         flag = "--" + f.name.replace("_", "-")
         base, is_list = _field_type(hints[f.name])
         default = getattr(defaults, f.name) if f.default is not MISSING or f.default_factory is not MISSING else None
+        text = (help_overrides or {}).get(f.name, FIELD_HELP[f.name])
         # argparse %-formats help strings: a literal % (e.g. "~25% slower") must be doubled
-        help_text = f"{FIELD_HELP[f.name]} (default: {_default_text(default)})".replace("%", "%%")
+        help_text = f"{text} (default: {_default_text(default)})".replace("%", "%%")
         if base is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif is_list:
@@ -114,7 +122,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             help=f"{text} (default: {_default_text(default)})")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved configuration as JSON and exit (default: off)")
-    parser.set_defaults(func=run)
 
 
 def config_from_args(args: argparse.Namespace):
@@ -141,15 +148,21 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
-    from recurrent_depth.train.distributed import shutdown
-    from recurrent_depth.train.trainer import TooManySkippedSteps, Trainer
+    from recurrent_depth.train.trainer import Trainer
 
-    trainer = Trainer(cfg)
+    return run_trainer(Trainer(cfg), "train")
+
+
+def run_trainer(trainer, command: str) -> int:
+    """Run a set-up Trainer; print the final depth table and the model directory (rank 0)."""
+    from recurrent_depth.train.distributed import shutdown
+    from recurrent_depth.train.trainer import TooManySkippedSteps
+
     try:
         result = trainer.run()
     except TooManySkippedSteps as exc:  # the run ended and wrote everything, but did not train
         if trainer.env.is_main:
-            print(f"rdepth train: error: {exc}", file=sys.stderr)
+            print(f"rdepth {command}: error: {exc}", file=sys.stderr)
         return 1
     finally:
         shutdown(trainer.env)

@@ -35,7 +35,7 @@ from recurrent_depth.config import ModelConfig
 
 MAX_RECORD_BYTES = 16 << 20  # one JSONL line
 MAX_RENDERED_CHARS = 1 << 24  # one rendered conversation
-DATASETS_BUILDERS = {".parquet": "parquet", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
+DATASETS_BUILDERS = {".parquet": "parquet", ".json": "json", ".csv": "csv", ".arrow": "arrow"}  # -> Dataset.from_*
 SUFFIXES = (".jsonl", *DATASETS_BUILDERS)
 
 
@@ -96,6 +96,8 @@ def _datasets_rows(path: Path, builder: str | None) -> Iterator[tuple[str, Any]]
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only
     import datasets
 
+    readers = {"parquet": datasets.Dataset.from_parquet, "json": datasets.Dataset.from_json,
+               "csv": datasets.Dataset.from_csv, "arrow": datasets.Dataset.from_file}
     try:
         if builder is None:
             table = datasets.load_from_disk(str(path))
@@ -104,7 +106,7 @@ def _datasets_rows(path: Path, builder: str | None) -> Iterator[tuple[str, Any]]
                     raise ValueError(f"it has splits {sorted(table)} and no 'train'")
                 table = table["train"]
         else:
-            table = datasets.load_dataset(builder, data_files=str(path), split="train")
+            table = readers[builder](str(path))
     except Exception as exc:  # datasets raises many kinds; the message is what the user needs
         raise ValueError(f"SFT data {str(path)!r} cannot be read with datasets: {exc}") from None
     for i, row in enumerate(table):

@@ -79,14 +79,14 @@ def pack_examples(examples: list[Example], seq_len: int, pad_id: int, packing: b
     """Whole examples into rows of `seq_len` positions (see the module docstring), in the given order.
 
     An example of n tokens fills n - 1 positions (inputs ids[:-1], targets ids[1:]); longer than
-    `seq_len + 1` tokens it is cut there (`truncate`). Examples must carry a scored target."""
+    `seq_len + 1` tokens it is cut there (`cut_examples`). Examples must carry a scored target."""
     rows: list[list[tuple[list[int], list[int]]]] = []
     used = seq_len  # positions taken in the open row (full: open a new one)
     for ex in examples:
         n = len(ex.ids) - 1
         if n > seq_len or n < 1:
             raise ValueError(f"an example of {len(ex.ids)} tokens does not fit rows of {seq_len} positions "
-                             f"(truncate first)")
+                             f"(cut_examples first)")
         inputs, targets = ex.ids[:-1], [t if s else IGNORE for t, s in zip(ex.ids[1:], ex.scored[1:], strict=True)]
         if not packing or used + n > seq_len:
             rows.append([])
@@ -109,7 +109,7 @@ def pack_examples(examples: list[Example], seq_len: int, pad_id: int, packing: b
     return out
 
 
-def truncate(examples: list[Example], seq_len: int) -> tuple[list[Example], dict[str, int]]:
+def cut_examples(examples: list[Example], seq_len: int) -> tuple[list[Example], dict[str, int]]:
     """Examples cut to `seq_len + 1` tokens; those left without a scored target are dropped (counted)."""
     kept, cut, dropped = [], 0, 0
     for ex in examples:
@@ -229,8 +229,8 @@ def sft_rows(cfg: TrainConfig, options: SFTOptions, encoder: ExampleEncoder,
                              f"hold one out (or pass a held-out file, --val-data)")
         count = min(len(examples) - 1, max(1, round(cfg.val_fraction * len(examples))))
         held_out, examples = examples[:count], examples[count:]
-    train, train_counts = truncate(examples, cfg.seq_len)
-    held_out, val_counts = truncate(held_out, cfg.seq_len)
+    train, train_counts = cut_examples(examples, cfg.seq_len)
+    held_out, val_counts = cut_examples(held_out, cfg.seq_len)
     for name, kept in (("training", train), ("held-out", held_out)):
         if not kept:
             raise ValueError(f"no {name} example keeps a scored token within seq_len={cfg.seq_len}")

@@ -97,7 +97,7 @@ def test_bad_records_are_one_line_errors_naming_file_and_line(model_dir, tmp_pat
         json.dumps({"messages": [{"role": "user", "content": "hi"}]}): "no assistant message",
         json.dumps({"messages": [{"role": "user"}]}): r"messages\[0\] must be an object with string 'role'",
         json.dumps({"text": "x"}): "expected 'messages'",
-        json.dumps({"prompt": "a", "completion": ["b"]}): "'completion' must both be strings or both lists",
+        json.dumps({"prompt": "a", "completion": ["b"]}): "'prompt' and 'completion' must both be strings",
     }
     for line, message in cases.items():
         path = tmp_path / "data.jsonl"

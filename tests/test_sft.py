@@ -244,3 +244,29 @@ def test_resume_after_kill_9_continues_the_same_sft_trajectory(model_dir, tmp_pa
     assert [m["loss"] for m in killed] == straight.losses and len(straight.losses) == 12
     assert [m["epoch"] for m in killed] == [m["epoch"] for m in read_metrics(tmp_path / "straight")]
 
+
+
+def test_heldout_loss_on_packed_rows_is_the_token_mean_of_each_example_alone():
+    """With s0 = 0 (init_scale 0) the held-out loss of packed rows is exactly the loss of the examples run
+    one by one, at every depth: the evaluation keeps the training masks."""
+    from recurrent_depth.data.chat import Example
+    from recurrent_depth.train.sft import heldout_loss_by_depth
+
+    torch.manual_seed(5)
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", init_scale=0.0))
+    gen = torch.Generator().manual_seed(1)
+    examples = [Example(torch.randint(0, 256, (n,), generator=gen).tolist(), [i % 3 != 0 for i in range(n)])
+                for n in (6, 11, 4, 9, 7)]
+    rows = pack_examples(examples, 16, pad_id=0)
+    assert len(rows) == 3
+    result = heldout_loss_by_depth(model, rows, [1, 3], batch_size=2, max_batches=8)
+    for depth in (1, 3):
+        total, count = 0.0, 0
+        for ex in examples:
+            targets = torch.tensor([t if s else IGNORE for t, s in zip(ex.ids[1:], ex.scored[1:], strict=True)])
+            with torch.no_grad():
+                logits = model.eval()(torch.tensor([ex.ids[:-1]]), depth).logits[0]
+            total += float(F.cross_entropy(logits, targets, reduction="sum"))
+            count += int((targets != IGNORE).sum())
+        assert result.tokens == count
+        assert result.loss[depth] == pytest.approx(total / count, rel=1e-5)

@@ -49,6 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from recurrent_depth.cli.train import config_from_args, run_trainer
+    from recurrent_depth.train.init_from import resolved_config
     from recurrent_depth.train.sft import SFTOptions, sft_trainer
 
     if args.data is None and args.config is None:
@@ -57,6 +58,6 @@ def run(args: argparse.Namespace) -> int:
     if cfg.init_from is None:
         raise ValueError("--init-from DIR is required: the model directory to fine-tune")
     if args.print_config:
-        print(json.dumps(cfg.to_dict(), indent=2))
+        print(json.dumps(resolved_config(cfg).to_dict(), indent=2))
         return 0
     return run_trainer(sft_trainer(cfg, SFTOptions(val_data=args.val_data, packing=args.packing)), "sft")

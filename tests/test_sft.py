@@ -169,16 +169,12 @@ def test_one_example_per_row_needs_no_mask_and_other_mixers_are_told_to_use_it(t
 
 
 def write_chats(path, count=48, seed=0):
+    """Sums as chats and products as prompt/completion pairs, alternately."""
     rng = random.Random(seed)
-    with open(path, "w") as handle:
-        for i in range(count):
-            a, b = rng.randint(0, 99), rng.randint(0, 99)
-            if i % 2:
-                record = {"messages": [{"role": "user", "content": f"{a}+{b}?"},
-                                       {"role": "assistant", "content": str(a + b)}]}
-            else:
-                record = {"prompt": f"{a}*{b}=", "completion": str(a * b)}
-            handle.write(json.dumps(record) + "\n")
+    pairs = [(rng.randint(0, 99), rng.randint(0, 99)) for _ in range(count)]
+    records = [{"messages": [{"role": "user", "content": f"{a}+{b}?"}, {"role": "assistant", "content": str(a + b)}]}
+               if i % 2 else {"prompt": f"{a}*{b}=", "completion": str(a * b)} for i, (a, b) in enumerate(pairs)]
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
     return path
 
 

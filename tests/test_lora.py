@@ -233,10 +233,10 @@ def test_the_cli_trains_an_adapter_generates_with_it_and_merges_it(tmp_path, cap
     train = ["train", "--data", str(tmp_path / "corpus"), "--max-steps", "3", "--seq-len", "16", "--batch-size", "2",
              "--no-progress", "--no-tensorboard", "--eval-batches", "1", "--eval-depths", "1,2", "--threads", "1"]
     assert main([*train, "--lora", "--out", str(tmp_path / "x")]) == 2
-    assert "--lora needs --lora-base" in capsys.readouterr().err
+    assert "--lora needs --init-from" in capsys.readouterr().err
     assert main([*train, "--lora-rank", "4", "--out", str(tmp_path / "x")]) == 2
     assert "--lora-rank shape a LoRA adapter: add --lora" in capsys.readouterr().err
-    assert main([*train, "--lora", "--lora-base", str(base), "--lora-parts", "core,adapter", "--lora-rank", "2",
+    assert main([*train, "--lora", "--init-from", str(base), "--lora-parts", "core,adapter", "--lora-rank", "2",
                  "--lora-alpha", "4", "--lora-dropout", "0.1", "--lora-kinds", "attention", "--out",
                  str(tmp_path / "run")]) == 0
     adapter = tmp_path / "run" / "model"

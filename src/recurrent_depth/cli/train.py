@@ -39,7 +39,7 @@ OPTIM_FLAGS: dict[str, tuple[str, type, str]] = {
     "grad_clip": ("grad_clip", float, "gradient-norm clip"),
 }
 SKIPPED_FIELDS = ("model", "optim")
-METAVARS = {"qk_clip": "TAU"}
+METAVARS = {"qk_clip": "TAU", "init_from": "DIR"}
 
 
 def _field_type(hint: Any) -> tuple[type, bool]:
@@ -81,27 +81,35 @@ def _default_text(value: Any) -> str:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from recurrent_depth.train.config import FIELD_HELP, TrainConfig
-    from recurrent_depth.train.optim import OptimConfig
-
     parser = subparsers.add_parser(
         "train",
         help="train a recurrent-depth model (YAML config + flat flags; torchrun for several processes)",
         description="Train with the paper's recipe: sampled depth per micro-batch, truncated backprop, "
                     "validation at several depths, atomic checkpoints, exact --resume.",
     )
+    add_config_flags(parser)
+    parser.set_defaults(func=run)
+
+
+def add_config_flags(parser: argparse.ArgumentParser, skipped: tuple[str, ...] = (),
+                     help_overrides: dict[str, str] | None = None) -> None:
+    """--config, a flag per TrainConfig field (but `skipped`), --model-set, the optimizer flags, --print-config."""
+    from recurrent_depth.train.config import FIELD_HELP, TrainConfig
+    from recurrent_depth.train.optim import OptimConfig
+
     parser.add_argument("--config", metavar="FILE.yaml", help="training config file; flags below override it "
                         "(default: none, the defaults shown)")
     hints = typing.get_type_hints(TrainConfig)
     defaults = TrainConfig()
     for f in fields(TrainConfig):
-        if f.name in SKIPPED_FIELDS:
+        if f.name in SKIPPED_FIELDS or f.name in skipped:
             continue
         flag = "--" + f.name.replace("_", "-")
         base, is_list = _field_type(hints[f.name])
         default = getattr(defaults, f.name) if f.default is not MISSING or f.default_factory is not MISSING else None
+        text = (help_overrides or {}).get(f.name, FIELD_HELP[f.name])
         # argparse %-formats help strings: a literal % (e.g. "~25% slower") must be doubled
-        help_text = f"{FIELD_HELP[f.name]} (default: {_default_text(default)})".replace("%", "%%")
+        help_text = f"{text} (default: {_default_text(default)})".replace("%", "%%")
         if base is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif is_list:
@@ -119,12 +127,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             help=f"{text} (default: {_default_text(default)})")
     from recurrent_depth.train.lora import add_lora_arguments
 
-    add_lora_arguments(parser)
-    parser.add_argument("--lora-base", default=None, metavar="MODEL_DIR",
-                        help="with --lora: the saved model directory the adapter is trained on (required)")
+    add_lora_arguments(parser)  # (the adapter is trained on --init-from DIR)
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved configuration as JSON and exit (default: off)")
-    parser.set_defaults(func=run)
 
 
 def config_from_args(args: argparse.Namespace):
@@ -147,32 +152,37 @@ def config_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from recurrent_depth.train.lora import lora_spec_from_args
+
     cfg = config_from_args(args)
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
-    from recurrent_depth.train.distributed import shutdown
-    from recurrent_depth.train.lora import add_lora, lora_spec_from_args
-    from recurrent_depth.train.trainer import TooManySkippedSteps, Trainer
+    from recurrent_depth.train.trainer import Trainer
 
-    model = None
     spec = lora_spec_from_args(args)
-    if spec is None and args.lora_base is not None:
-        raise ValueError("--lora-base names the model a LoRA adapter is trained on: add --lora")
-    if spec is not None:
-        if args.lora_base is None:
-            raise ValueError("--lora needs --lora-base MODEL_DIR: the saved model the adapter is trained on")
-        from recurrent_depth.model.recurrent import RecurrentDepthLM
+    if spec is None:
+        return run_trainer(Trainer(cfg), "train")
+    from recurrent_depth.train.init_from import load_for_training, resolved_config
+    from recurrent_depth.train.lora import add_lora
 
-        model = add_lora(RecurrentDepthLM.from_pretrained(args.lora_base), spec, base_dir=args.lora_base)
-        if cfg.tokenizer is None:  # the base model's vocabulary, not a tokenizer trained on the new data
-            cfg = cfg.replace(tokenizer=args.lora_base)
-    trainer = Trainer(cfg, model=model)
+    if cfg.init_from is None:
+        raise ValueError("--lora needs --init-from DIR: the saved model the adapter is trained on")
+    cfg = resolved_config(cfg)  # DIR's config and tokenizer (not one trained on the new data)
+    start = load_for_training(cfg, "cpu")  # (the Trainer moves it)
+    return run_trainer(Trainer(cfg, model=add_lora(start.model, spec, base_dir=start.model_dir)), "train")
+
+
+def run_trainer(trainer, command: str) -> int:
+    """Run a set-up Trainer; print the final depth table and the model directory (rank 0)."""
+    from recurrent_depth.train.distributed import shutdown
+    from recurrent_depth.train.trainer import TooManySkippedSteps
+
     try:
         result = trainer.run()
     except TooManySkippedSteps as exc:  # the run ended and wrote everything, but did not train
         if trainer.env.is_main:
-            print(f"rdepth train: error: {exc}", file=sys.stderr)
+            print(f"rdepth {command}: error: {exc}", file=sys.stderr)
         return 1
     finally:
         shutdown(trainer.env)

@@ -29,6 +29,8 @@ from recurrent_depth.model.layers import RMSNorm, SandwichBlock
 from recurrent_depth.model.mixers import MixerContext, build_mixer, check_mixer_name
 
 NumSteps = int | tuple[int, int] | None
+# Mixers that take an arbitrary [B, 1, T, T] attention mask, so packed examples can be kept apart.
+DOCUMENT_MASK_MIXERS = frozenset({"attention"})
 
 
 @dataclass
@@ -135,8 +137,12 @@ class RecurrentDepthLM(nn.Module):
         position_ids: Tensor | None = None,
         cache: Any | None = None,
         row_columns: list[int] | None = None,
+        document_ids: Tensor | None = None,
     ) -> MixerContext:
         """Positions and masks for one call; left padding shifts each row's positions to start at 0.
+
+        document_ids: [B, T] for rows that pack several examples (SFT): a query attends only to
+        earlier keys of its own document (block-diagonal causal mask). Positions are the caller's.
 
         row_columns: one new token per row (T = 1), row b's at column (= position) row_columns[b]
         of a cache whose rows have different lengths (the serving pool): keys [0, max + 1) are
@@ -173,6 +179,10 @@ class RecurrentDepthLM(nn.Module):
                 # A padded query attends to itself only, so no softmax row is empty (no NaN).
                 allowed = (allowed & key_valid[:, None, None, :]) | (k_idx == q_idx)[None, None]
             attn_mask = allowed
+        if document_ids is not None:
+            same = document_ids[:, None, :, None] == document_ids[:, None, None, :]  # [B, 1, T, T]
+            causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+            attn_mask = same & causal if attn_mask is None else attn_mask & same
         return MixerContext(
             positions=position_ids, past_len=past, key_valid=key_valid, attn_mask=attn_mask,
             cache=cache, rope_base=self.config.rope_base, max_seq_len=self.config.max_seq_len,
@@ -225,6 +235,7 @@ class RecurrentDepthLM(nn.Module):
         labels: Tensor | None = None,
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
+        document_ids: Tensor | None = None,
         input_states: Tensor | None = None,
         init_scale: float | None = None,
         generator: torch.Generator | None = None,
@@ -234,6 +245,8 @@ class RecurrentDepthLM(nn.Module):
         """Run prelude -> num_steps core steps -> coda on `input_ids` [B, T].
 
         attention_mask: [B, T_cached + T], 1 for real tokens, 0 for (left) padding.
+        document_ids: [B, T] ids of the examples packed into each row: attention stays inside an
+        example (pass `position_ids` restarting at each example too). Softmax attention only.
         input_states: s_0 [B, T, h] instead of a random draw. labels: [B, T] unshifted (shifted
         here), -100 ignored. cache: a cache object (see model/cache.py) to read and extend.
         """
@@ -241,13 +254,15 @@ class RecurrentDepthLM(nn.Module):
             raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         n_free, n_grad = self.resolve_num_steps(num_steps, generator)
         self.check_inputs(input_ids, labels, attention_mask, input_states, cache, position_ids)
+        if document_ids is not None:
+            self.check_document_ids(input_ids, document_ids, cache)
         scale = self.config.init_scale if init_scale is None else init_scale
         if not is_real(scale) or scale < 0:
             raise ValueError(f"init_scale={scale!r} is invalid: expected a finite number >= 0")
         if input_ids.dtype not in (torch.int32, torch.int64):
             input_ids = input_ids.long()  # the embedding lookup takes int32/int64 only
 
-        ctx = self.make_context(input_ids, attention_mask, position_ids, cache)
+        ctx = self.make_context(input_ids, attention_mask, position_ids, cache, document_ids=document_ids)
         e = self.embed(input_ids, ctx)
         state = input_states.to(e.dtype) if input_states is not None else self.initial_state(e, scale, generator)
         states = [state] if output_all_states else None
@@ -386,6 +401,23 @@ class RecurrentDepthLM(nn.Module):
                 raise ValueError(
                     f"position_ids must lie in [0, max_seq_len={cfg.max_seq_len}), got values in [{lowest}, {highest}]"
                 )
+
+    def check_document_ids(self, input_ids: Tensor, document_ids: Tensor, cache: Any | None) -> None:
+        """Packed rows need a [B, T] integer tensor, no cache, and a mixer that takes a block-diagonal mask."""
+        if not isinstance(document_ids, Tensor) or tuple(document_ids.shape) != tuple(input_ids.shape):
+            shape = tuple(document_ids.shape) if isinstance(document_ids, Tensor) else type(document_ids).__name__
+            raise ValueError(f"document_ids must be a tensor of the shape of input_ids {tuple(input_ids.shape)}, "
+                             f"got {shape}")
+        if document_ids.dtype.is_floating_point or document_ids.is_complex():
+            raise ValueError(f"document_ids must hold integer ids, got dtype {document_ids.dtype}")
+        if cache is not None:
+            raise ValueError("document_ids (packed examples) is for a parallel forward, not with a cache")
+        for part in MODEL_PARTS:
+            mixer = self.config.mixer_for(part)
+            if mixer not in DOCUMENT_MASK_MIXERS:
+                raise ValueError(f"document_ids (packed examples) needs softmax attention, but the {part} uses "
+                                 f"mixer {mixer!r}, which cannot keep packed examples apart: put one example per "
+                                 f"row instead (rdepth sft --no-packing)")
 
     # ------------------------------------------------------------------ checkpoints
     def save_pretrained(self, path: Any, **kwargs: Any) -> None:

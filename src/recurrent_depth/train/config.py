@@ -49,6 +49,9 @@ EVAL_DEPTH_FRACTIONS: tuple[float, ...] = (1 / 8, 1 / 4, 1 / 2, 1, 2)
 FIELD_HELP: dict[str, str] = {
     "preset": "model preset to start from",
     "model": "ModelConfig overrides on top of the preset (YAML mapping; CLI: --model-set KEY=VALUE)",
+    "init_from": "start from this model directory (ours, a run directory holding model/, or an official Huginn-0125 "
+                 "one): its config, weights and tokenizer, with a fresh optimizer and schedule; preset is ignored "
+                 "and only the depth settings (mean_recurrence, mean_backprop_depth) may differ from its config",
     "data": "corpus: 'stdlib' (the Python standard library's source), a directory, or a .jsonl file",
     "text_field": "JSONL field that holds the text",
     "follow_symlinks": "read corpus files that are symlinks to files outside the data directory (else refused)",
@@ -114,6 +117,7 @@ class TrainConfig:
 
     preset: str = "tiny"
     model: dict[str, Any] = field(default_factory=dict)
+    init_from: str | None = None
     data: str = "stdlib"
     text_field: str = "text"
     follow_symlinks: bool = False
@@ -194,9 +198,11 @@ class TrainConfig:
         self._validate_model_overrides()
         if not isinstance(self.data, str) or not self.data:
             raise bad("data", "'stdlib', a directory or a .jsonl file")
-        for name in ("vocab_size", "tokenizer_max_bytes", "seq_len", "max_steps", "max_tokens",
-                     "backprop_depth", "max_depth"):
+        for name in ("vocab_size", "tokenizer_max_bytes", "seq_len", "max_tokens", "backprop_depth", "max_depth"):
             need_int(name, 1, optional=True)
+        need_int("max_steps", 0, optional=True)  # 0: save the starting weights as they are (--init-from)
+        if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
+            raise bad("init_from", "None or a model directory path")
         for name in ("batch_size", "grad_accum", "eval_batches", "keep_last"):
             need_int(name, 1)
         for name in ("eval_interval", "save_every", "seed"):

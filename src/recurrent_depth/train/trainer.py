@@ -52,6 +52,7 @@ from recurrent_depth.train import trainer_checkpoints
 from recurrent_depth.train.batches import BatchSource, RowBatches
 from recurrent_depth.train.config import TrainConfig
 from recurrent_depth.train.depth import DepthSampler, stream_seed
+from recurrent_depth.train.init_from import load_for_training, resolved_config
 from recurrent_depth.train.lora import base_model_of, is_peft_model
 from recurrent_depth.train.objective import LanguageModeling, Objective
 from recurrent_depth.train.optim import build_optimizers, clip_and_check_grads
@@ -161,6 +162,9 @@ class Trainer:
         (it then evaluates fewer than `cfg.eval_batches` batches, at least one).
     objective: the forward and loss of a micro-batch (`train/objective.py`); default `LanguageModeling`
         (next-token cross-entropy at the drawn depth). RL's policy-gradient losses plug in here.
+    save_dtype: the dtype of the final model directory's weights (default: as trained); checkpoints keep
+        the trained dtype. `cfg.init_from` (train/init_from.py) loads that model unless `model` is given,
+        and sets it to the directory's stored dtype.
     """
 
     def __init__(
@@ -180,14 +184,17 @@ class Trainer:
         deadline: float | None = None,
         eval_deadline: float | None = None,
         objective: Objective | None = None,
+        save_dtype: torch.dtype | None = None,
     ) -> None:
-        if data is not None and model is None:
+        cfg = resolved_config(cfg)  # --init-from: the model directory's config and tokenizer
+        if data is not None and model is None and cfg.init_from is None:
             raise ValueError("Trainer(data=...) needs model=... too: without token shards nothing sets the vocabulary")
         if data is not None and corpus is not None:
             raise ValueError("Trainer: pass corpus= (a text corpus to tokenize) or data= (a BatchSource), not both")
         self.cfg = cfg
         self.deadline = deadline
         self.eval_deadline = eval_deadline
+        self.save_dtype = save_dtype
         self.stop_when = stop_when
         self.objective: Objective = objective if objective is not None else LanguageModeling()
         self.env = ddist.init_distributed(device)
@@ -220,6 +227,10 @@ class Trainer:
 
         self.data = self.train_data = self.val_data = None
         self.seq_len: int | None = None
+        if model is None and cfg.init_from is not None:
+            start = load_for_training(cfg, env.device)
+            model, self.save_dtype = start.model, self.save_dtype or start.dtype
+            tokenizer_dir = tokenizer_dir if tokenizer_dir is not None else start.tokenizer_dir
         if data is None:
             self._setup_shards(corpus, model)
         else:

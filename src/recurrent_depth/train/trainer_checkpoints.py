@@ -92,6 +92,8 @@ def save_model(trainer: Trainer, path: Path) -> Path | None:
     Written into a hidden temporary directory and renamed into place, so `path` is never left empty
     or half-written (an earlier `path` is replaced only once the new one is complete)."""
     state = ddist.full_model_state(trainer.wrapped, trainer.env)
+    if trainer.save_dtype is not None:  # (checkpoints keep the trained dtype; the model directory DIR's)
+        state = {k: v.to(trainer.save_dtype) if v.is_floating_point() else v for k, v in state.items()}
     error = None
     if trainer.env.is_main:
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

@@ -77,7 +77,6 @@ def depth_losses(
     return losses, corr
 
 
-@torch.no_grad()
 def forward_losses(
     model: torch.nn.Module,
     rows: Tensor,
@@ -87,13 +86,29 @@ def forward_losses(
 ) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
     """Like `depth_losses`, but one full `model(...)` call per depth (needed when the model is
     FSDP-sharded: only its forward gathers the parameters). Same s0 draw for every depth."""
-    inputs, targets = rows[:, :-1], rows[:, 1:]
+    return batch_losses(model, {"input_ids": rows[:, :-1], "targets": rows[:, 1:]}, depths, generator_seed, dtype)
+
+
+@torch.no_grad()
+def batch_losses(
+    model: torch.nn.Module,
+    batch: dict[str, Tensor],
+    depths: list[int],
+    generator_seed: int,
+    dtype: str = "float32",
+) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
+    """Summed loss (targets of -100 unscored) and summed per-sequence token correlation per depth of a
+    training batch (`train/batches.py`: the model's keyword arguments + `targets`, e.g. SFT's packed rows
+    with `position_ids` and `document_ids`); one `model(...)` call per depth, each from the same s0 draw."""
+    inputs = {k: v for k, v in batch.items() if k != "targets"}
+    targets = batch["targets"]
+    device = targets.device
     losses: dict[int, Tensor] = {}
     corr: dict[int, Tensor] = {}
     for depth in sorted(set(depths)):
-        gen = torch.Generator(device=rows.device).manual_seed(generator_seed)
-        with autocast_context(dtype, rows.device):
-            out = model(inputs, num_steps=depth, generator=gen)
+        gen = torch.Generator(device=device).manual_seed(generator_seed)
+        with autocast_context(dtype, device):
+            out = model(**inputs, num_steps=depth, generator=gen)
         losses[depth] = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten(), reduction="sum")
         corr[depth] = token_correlation(out.final_state).sum()
     return losses, corr

@@ -1,0 +1,221 @@
+"""SFT examples: chat and prompt/completion records from local files, tokenized with their loss mask.
+
+Records (one per JSONL line, or one per row of a local `datasets` file):
+
+- chat, the OpenAI / Hugging Face format: `{"messages": [{"role": "user", "content": "..."}, ...]}`;
+  every assistant message is learned, the rest is context;
+- prompt/completion: `{"prompt": "...", "completion": "..."}`, the completion is learned. Both may also be
+  lists of messages (the conversational form): the conversation is `prompt + completion`, and only the
+  completion's assistant messages are learned.
+
+Chats are rendered with the tokenizer directory's chat template (`serving/chat_template.py`, sandboxed).
+The assistant-only rule: the conversation is cut where each learned assistant message starts (the render of
+the messages before it, with the generation prompt: what the model sees when it answers) and where it ends
+(the render up to and with it); each piece is tokenized on its own, so no token straddles a cut, and the
+tokens of the learned pieces carry the loss: the answer and the end-of-turn marker the template writes after
+it, never the header that opens the turn. A template whose renders are not prefixes of each other cannot be
+cut this way and is refused. Prompt/completion text is not templated: `bos + prompt + completion + eos`,
+with the loss on the completion and the eos.
+
+Files: `.jsonl` is read here, a line at a time with a size cap, and a bad record is a one-line error naming
+`file:line`; `.parquet`, `.json`, `.csv`, `.arrow` and a `save_to_disk` directory go through `datasets`
+(local builders only, offline: nothing is downloaded), a bad row named `file:row N`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from recurrent_depth.config import ModelConfig
+
+MAX_RECORD_BYTES = 16 << 20  # one JSONL line
+MAX_RENDERED_CHARS = 1 << 24  # one rendered conversation
+DATASETS_BUILDERS = {".parquet": "parquet", ".json": "json", ".csv": "csv", ".arrow": "arrow"}  # -> Dataset.from_*
+SUFFIXES = (".jsonl", *DATASETS_BUILDERS)
+
+
+@dataclass
+class Conversation:
+    """A record, normalised: messages, and which of them carry the loss (assistant messages only)."""
+
+    messages: list[dict[str, str]]
+    learned: list[bool]
+    templated: bool = True  # False: prompt/completion text, concatenated without the chat template
+
+
+@dataclass
+class Example:
+    """Token ids of one example and, per token, whether it is a target (predicting it carries loss)."""
+
+    ids: list[int]
+    scored: list[bool]
+
+
+def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
+    """(where, record) for each record of a local file; `where` is `file:line` or `file:row N`."""
+    p = Path(path)
+    if p.is_dir():
+        yield from _datasets_rows(p, None)
+        return
+    if not p.is_file():
+        raise ValueError(f"SFT data {str(p)!r} does not exist")
+    if p.suffix == ".jsonl":
+        yield from _jsonl_records(p)
+    elif p.suffix in DATASETS_BUILDERS:
+        yield from _datasets_rows(p, DATASETS_BUILDERS[p.suffix])
+    else:
+        raise ValueError(f"SFT data {str(p)!r}: expected a file ending in one of {', '.join(SUFFIXES)} "
+                         f"or a datasets directory (save_to_disk)")
+
+
+def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
+    with open(path, "rb") as handle:
+        number = 0
+        while True:
+            line = handle.readline(MAX_RECORD_BYTES + 1)
+            if not line:
+                return
+            number += 1
+            where = f"{path}:{number}"
+            if len(line) > MAX_RECORD_BYTES:
+                raise ValueError(f"{where}: the line is longer than {MAX_RECORD_BYTES} bytes")
+            if not line.strip():
+                continue
+            try:
+                yield where, json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise ValueError(f"{where}: not valid JSON ({exc})") from None
+
+
+def _datasets_rows(path: Path, builder: str | None) -> Iterator[tuple[str, Any]]:
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only
+    import datasets
+
+    readers = {"parquet": datasets.Dataset.from_parquet, "json": datasets.Dataset.from_json,
+               "csv": datasets.Dataset.from_csv, "arrow": datasets.Dataset.from_file}
+    try:
+        if builder is None:
+            table = datasets.load_from_disk(str(path))
+            if isinstance(table, datasets.DatasetDict):
+                if "train" not in table:
+                    raise ValueError(f"it has splits {sorted(table)} and no 'train'")
+                table = table["train"]
+        else:
+            table = readers[builder](str(path))
+    except Exception as exc:  # datasets raises many kinds; the message is what the user needs
+        raise ValueError(f"SFT data {str(path)!r} cannot be read with datasets: {exc}") from None
+    for i, row in enumerate(table):
+        yield f"{path}:row {i + 1}", row
+
+
+def conversation(record: Any, where: str) -> Conversation:
+    """A record as a `Conversation`, or a ValueError naming `where` and what is wrong."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected an object with 'messages' or 'prompt' and 'completion', "
+                         f"got {type(record).__name__}")
+    if record.get("messages") is not None:
+        messages = _messages(record["messages"], where, "messages")
+        learned = [m["role"] == "assistant" for m in messages]
+        result = Conversation(messages, learned)
+    elif record.get("prompt") is not None and record.get("completion") is not None:
+        prompt, completion = record["prompt"], record["completion"]
+        if isinstance(prompt, str) and isinstance(completion, str):
+            result = Conversation([{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}],
+                                  [False, True], templated=False)
+        elif isinstance(prompt, list) and isinstance(completion, list):
+            before, after = _messages(prompt, where, "prompt"), _messages(completion, where, "completion")
+            result = Conversation(before + after, [False] * len(before) + [m["role"] == "assistant" for m in after])
+        else:
+            raise ValueError(f"{where}: 'prompt' and 'completion' must both be strings or both lists of messages")
+    else:
+        raise ValueError(f"{where}: expected 'messages' (a chat) or 'prompt' and 'completion', got keys "
+                         f"{sorted(record)}")
+    if not any(result.learned):
+        raise ValueError(f"{where}: no assistant message to learn")
+    return result
+
+
+def _messages(value: Any, where: str, key: str) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{where}: '{key}' must be a non-empty list of messages")
+    out = []
+    for i, message in enumerate(value):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise ValueError(f"{where}: {key}[{i}] must be an object with string 'role' and 'content'")
+        out.append({"role": message["role"], "content": message["content"]})
+    return out
+
+
+class ExampleEncoder:
+    """Tokenizes conversations with a model directory's tokenizer and chat template (see the module docstring)."""
+
+    def __init__(self, tokenizer_dir: str | Path, config: ModelConfig) -> None:
+        from recurrent_depth.data.tokenizer import load_tokenizer
+        from recurrent_depth.serving.chat_template import ChatTemplate, load_template
+
+        self.tokenizer_dir = Path(tokenizer_dir)
+        self.tokenizer = load_tokenizer(self.tokenizer_dir)
+        source, variables = load_template(self.tokenizer_dir)
+        self.template = ChatTemplate(source, variables, MAX_RENDERED_CHARS) if source is not None else None
+        self.bos = config.bos_token_id
+        eos = config.eos_token_id
+        self.eos = eos[0] if isinstance(eos, list) else eos
+
+    def encode(self, chat: Conversation, where: str) -> Example:
+        pieces = self._chat_pieces(chat, where) if chat.templated else self._plain_pieces(chat)
+        ids: list[int] = []
+        scored: list[bool] = []
+        for text, learned in pieces:
+            if isinstance(text, int):
+                piece = [text]
+            else:
+                piece = self.tokenizer.encode(text, add_special_tokens=False).ids if text else []
+            ids += piece
+            scored += [learned] * len(piece)
+        return Example(ids, scored)
+
+    def _plain_pieces(self, chat: Conversation) -> list[tuple[str | int, bool]]:
+        prompt, completion = chat.messages[0]["content"], chat.messages[1]["content"]
+        pieces: list[tuple[str | int, bool]] = [(self.bos, False)] if self.bos is not None else []
+        pieces += [(prompt, False), (completion, True)]
+        return pieces + ([(self.eos, True)] if self.eos is not None else [])
+
+    def _chat_pieces(self, chat: Conversation, where: str) -> list[tuple[str | int, bool]]:
+        if self.template is None:
+            raise ValueError(f"{where}: a chat record, but {self.tokenizer_dir} has no chat template "
+                             f"(tokenizer_config.json chat_template or chat_template.jinja)")
+        messages = chat.messages
+        full = self._render(messages, False, where)
+        pieces: list[tuple[str | int, bool]] = []
+        cursor = 0
+        for i, learned in enumerate(chat.learned):
+            if not learned:
+                continue
+            start = self._render(messages[:i], True, where)
+            end = self._render(messages[: i + 1], False, where)
+            if not (end.startswith(start) and full.startswith(end) and len(start) >= cursor):
+                raise ValueError(f"{where}: the chat template does not render a conversation as a prefix of its "
+                                 f"continuation, so the assistant's tokens cannot be told apart")
+            pieces += [(full[cursor:len(start)], False), (full[len(start):len(end)], True)]
+            cursor = len(end)
+        return [*pieces, (full[cursor:], False)]
+
+    def _render(self, messages: list[dict[str, str]], open_turn: bool, where: str) -> str:
+        try:
+            return self.template.render(messages, add_generation_prompt=open_turn)
+        except Exception as exc:  # jinja's and the sandbox's errors: the template or the record is at fault
+            raise ValueError(f"{where}: the chat template failed on this record: {exc}") from None
+
+
+def load_examples(path: str | Path, encoder: ExampleEncoder) -> list[Example]:
+    """Every record of `path`, checked and tokenized, in file order."""
+    examples = [encoder.encode(conversation(record, where), where) for where, record in read_records(path)]
+    if not examples:
+        raise ValueError(f"SFT data {str(path)!r} holds no records")
+    return examples

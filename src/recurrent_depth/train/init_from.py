@@ -1,0 +1,130 @@
+"""Start training from a saved model directory (`rdepth train --init-from DIR`, `rdepth sft`, RL).
+
+DIR is a model directory of ours, a run directory holding one (`DIR/model`), or an official
+Huginn-0125 directory. The run takes DIR's model config, weights and tokenizer, with a fresh optimizer
+and schedule. What may differ from DIR: the optimizer, learning rate and schedule, the data, the step
+budget, the depth scheme and the config's `mean_recurrence` / `mean_backprop_depth`. Any other change
+(a `--model-set` of a shape field, another vocabulary or tokenizer, rows longer than `max_seq_len`) is a
+one-line error naming the field.
+
+The weights are trained in float32 (the optimizer's master copy, whatever `dtype` autocasts to); the final
+model directory is written back in DIR's stored dtype, so zero steps reproduce DIR's tensors bit for bit.
+
+    start = load_for_training(cfg, device)   # one place: train, sft and rl all call it
+    Trainer(cfg, model=start.model, data=..., tokenizer_dir=start.tokenizer_dir, save_dtype=start.dtype)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recurrent_depth.checkpoint import load_pretrained, stored_dtype
+from recurrent_depth.config import ModelConfig
+from recurrent_depth.model.recurrent import RecurrentDepthLM
+from recurrent_depth.train.config import TrainConfig
+
+# ModelConfig fields a run started from DIR may set differently from DIR's config.json.
+CHANGEABLE_MODEL_FIELDS = ("mean_recurrence", "mean_backprop_depth")
+# Fields the resolved TrainConfig leaves to the tokenizer (`TrainConfig.model_config` takes it from there).
+_TOKENIZER_FIELDS = ("vocab_size",)
+
+
+@dataclass
+class StartingPoint:
+    """A model loaded from DIR to train: float32 weights in train mode, and what came with them."""
+
+    model: RecurrentDepthLM
+    model_dir: Path  # the directory the weights came from (DIR or DIR/model)
+    tokenizer_dir: Path
+    dtype: torch.dtype  # DIR's stored dtype: the final model directory is written in it
+
+
+def find_model_dir(path: str | Path) -> Path:
+    """DIR itself when it holds config.json, else DIR/model (a run directory); a ValueError otherwise."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ValueError(f"init_from={str(path)!r} is not a directory")
+    if (p / "config.json").is_file():
+        return p
+    if (p / "model" / "config.json").is_file():
+        return p / "model"
+    raise ValueError(f"init_from={str(path)!r} holds no config.json and no model/config.json: expected a model "
+                     f"directory, a run directory holding model/, or an official Huginn-0125 directory")
+
+
+def read_model_config(model_dir: Path) -> ModelConfig:
+    try:
+        return ModelConfig.from_json(model_dir / "config.json")
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"init_from: cannot read {model_dir / 'config.json'}: {exc}") from None
+
+
+def model_overrides(base: ModelConfig, cfg: TrainConfig, model_dir: Path) -> dict[str, Any]:
+    """The changes `cfg` makes to DIR's model config: only `CHANGEABLE_MODEL_FIELDS` may differ."""
+    stored = base.to_dict()
+    changes: dict[str, Any] = {}
+    for key, value in sorted(cfg.model.items()):
+        if stored.get(key) == value:
+            continue
+        if key not in CHANGEABLE_MODEL_FIELDS:
+            raise ValueError(f"TrainConfig.model.{key}={value!r} differs from {model_dir}'s {key}={stored.get(key)!r}: "
+                             f"starting from a model directory, only {' and '.join(CHANGEABLE_MODEL_FIELDS)} "
+                             f"may change")
+        changes[key] = value
+    if cfg.vocab_size is not None and cfg.vocab_size != base.vocab_size:
+        raise ValueError(f"TrainConfig.vocab_size={cfg.vocab_size} differs from {model_dir}'s vocab_size="
+                         f"{base.vocab_size}: the vocabulary comes from the model directory")
+    if cfg.seq_len is not None and cfg.seq_len > base.max_seq_len:
+        raise ValueError(f"TrainConfig.seq_len={cfg.seq_len} is longer than {model_dir}'s max_seq_len="
+                         f"{base.max_seq_len}: rows must fit the model's context")
+    return changes
+
+
+def find_tokenizer(model_dir: Path, cfg: TrainConfig, vocab_size: int) -> Path:
+    """DIR's tokenizer (a `tokenizer` setting may only name it again, or stand in when DIR has none)."""
+    from recurrent_depth.data.tokenizer import load_tokenizer
+
+    own = (model_dir / "tokenizer.json").is_file()
+    if cfg.tokenizer is not None and own and Path(cfg.tokenizer).resolve() != model_dir.resolve():
+        raise ValueError(f"TrainConfig.tokenizer={cfg.tokenizer!r} differs from the tokenizer in {model_dir}: "
+                         f"starting from a model directory, the tokenizer comes from it")
+    if not own and cfg.tokenizer is None:
+        raise ValueError(f"{model_dir} holds no tokenizer.json: pass the model's tokenizer directory (--tokenizer)")
+    directory = model_dir if own else Path(cfg.tokenizer)
+    size = load_tokenizer(directory).get_vocab_size()
+    if size > vocab_size:
+        raise ValueError(f"the tokenizer in {directory} has {size} tokens, more than {model_dir}'s vocab_size="
+                         f"{vocab_size}")
+    return directory
+
+
+def resolved_config(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with DIR's model config as its `model` (the depth overrides on top), DIR's tokenizer and, unless
+    set, DIR's max_seq_len as `seq_len`: what the run trains, in run.json. Applying it twice changes nothing."""
+    if cfg.init_from is None:
+        return cfg
+    model_dir = find_model_dir(cfg.init_from)
+    base = read_model_config(model_dir)
+    values = {k: v for k, v in base.to_dict().items() if k != "model_type" and k not in _TOKENIZER_FIELDS}
+    values.update(model_overrides(base, cfg, model_dir))
+    tokenizer = find_tokenizer(model_dir, cfg, base.vocab_size)
+    return cfg.replace(model=values, tokenizer=str(tokenizer),
+                       seq_len=cfg.seq_len if cfg.seq_len is not None else base.max_seq_len)
+
+
+def load_for_training(cfg: TrainConfig, device: torch.device | str = "cpu") -> StartingPoint:
+    """The model `cfg.init_from` names, checked against `cfg` (see the module docstring), in float32."""
+    if cfg.init_from is None:
+        raise ValueError("load_for_training needs TrainConfig.init_from (a model directory)")
+    model_dir = find_model_dir(cfg.init_from)
+    base = read_model_config(model_dir)
+    changes = model_overrides(base, cfg, model_dir)
+    tokenizer_dir = find_tokenizer(model_dir, cfg, base.vocab_size)
+    dtype = stored_dtype(model_dir) or torch.float32
+    model = load_pretrained(model_dir, dtype=torch.float32, device=device, config_overrides=changes)
+    model.train()
+    return StartingPoint(model=model, model_dir=model_dir, tokenizer_dir=tokenizer_dir, dtype=dtype)

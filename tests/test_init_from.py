@@ -1,0 +1,116 @@
+"""`rdepth train --init-from DIR`: DIR's config, weights and tokenizer, a fresh optimizer; only depth may change."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import recurrent_depth as rd
+from recurrent_depth.checkpoint import copy_tokenizer, weight_files
+from recurrent_depth.cli import main
+from recurrent_depth.train.trainer import StopTraining, Trainer
+from tests.test_checkpoint import write_official_layout
+from tests.train_support import VOCAB, OneThread, prepare_root, tiny_train_config
+
+
+@pytest.fixture(scope="module")
+def train_root(tmp_path_factory):
+    return prepare_root(tmp_path_factory.mktemp("init_root"))
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    with OneThread():
+        yield
+
+
+def tiny_model() -> rd.RecurrentDepthLM:
+    torch.manual_seed(7)
+    return rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", vocab_size=VOCAB, max_seq_len=64))
+
+
+def write_ours(path, root):
+    tiny_model().save_pretrained(path, tokenizer=root / "tokenizer")
+
+
+def write_official(path, root):
+    """The official layout (Huginn config keys, bf16 shards + index, lm_head stored, freqs_cis) + tokenizer."""
+    write_official_layout(tiny_model(), path, dtype=torch.bfloat16)
+    copy_tokenizer(root / "tokenizer", path)
+
+
+def stored_tensors(directory):
+    tensors = {}
+    for file in weight_files(directory):
+        with safe_open(str(file), framework="pt") as handle:
+            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})  # noqa: SIM118
+    return tensors
+
+
+def train_flags(root, init_from, out, *extra):
+    return ["train", "--init-from", str(init_from), "--data", str(root / "corpus"), "--data-dir", str(root / "data"),
+            "--val-fraction", "0.1", "--keep-all", "--seq-len", "32", "--batch-size", "4", "--eval-batches", "1",
+            "--eval-depths", "1", "--no-tensorboard", "--no-progress", "--out", str(out), *extra]
+
+
+@pytest.mark.parametrize("write", [write_ours, write_official], ids=["ours", "official"])
+def test_zero_steps_save_dirs_tensors_bit_for_bit_in_its_dtype_and_its_config(train_root, tmp_path, write):
+    source = tmp_path / "source"
+    write(source, train_root)
+    assert main(train_flags(train_root, source, tmp_path / "run", "--max-steps", "0")) == 0
+    saved, original = stored_tensors(tmp_path / "run" / "model"), stored_tensors(source)
+    original.pop("freqs_cis", None)  # the official RoPE buffer: not a weight (we compute our own)
+    if "lm_head.weight" in original and "lm_head.weight" not in saved:  # tied: stored once, as the embedding
+        assert torch.equal(original.pop("lm_head.weight"), original["transformer.wte.weight"])
+    assert sorted(saved) == sorted(original)
+    for name, tensor in original.items():
+        assert saved[name].dtype == tensor.dtype and torch.equal(saved[name], tensor), name
+    config = rd.ModelConfig.from_json(tmp_path / "run" / "model" / "config.json")
+    assert config == rd.ModelConfig.from_json(source / "config.json")
+    assert (tmp_path / "run" / "model" / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["config"]["init_from"] == str(source) and run["model_config"]["hidden_size"] == 64
+
+
+def test_a_run_directory_trains_on_and_resumes_exactly(train_root, tmp_path):
+    """A run directory is found through its model/; a crash then --resume repeats the uninterrupted losses."""
+    write_ours(tmp_path / "first" / "model", train_root)
+    options = dict(init_from=str(tmp_path / "first"), tokenizer=None, max_steps=4, save_every=2,
+                   model={"mean_recurrence": 3})
+    straight = Trainer(tiny_train_config(train_root, tmp_path / "a", **options)).run()
+    assert straight.model.config.mean_recurrence == 3 and straight.model.dtype == torch.float32
+
+    def crash_at_3(trainer, record):
+        if record["step"] == 3:
+            raise StopTraining
+
+    with pytest.raises(StopTraining):
+        Trainer(tiny_train_config(train_root, tmp_path / "b", **options), on_step=crash_at_3).run()
+    resumed = Trainer(tiny_train_config(train_root, tmp_path / "b", resume=True, **options)).run()
+    metrics = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["loss"] for m in metrics] == straight.losses
+    for name, tensor in straight.model.state_dict().items():
+        assert torch.equal(tensor, resumed.model.state_dict()[name]), name
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"model": {"hidden_size": 32}}, "model.hidden_size=32 differs"),
+    ({"model": {"vocab_size": 512}}, "model.vocab_size=512 differs"),
+    ({"vocab_size": 512}, "vocab_size=512 differs"),
+    ({"seq_len": 128}, "seq_len=128 is longer than .* max_seq_len=64"),
+    ({"tokenizer": "elsewhere"}, "tokenizer='elsewhere' differs"),
+], ids=["shape", "model-vocab", "vocab", "seq-len", "tokenizer"])
+def test_a_change_other_than_depth_is_a_one_line_error_naming_the_field(train_root, tmp_path, changes, field):
+    write_ours(tmp_path / "source", train_root)
+    cfg = tiny_train_config(train_root, tmp_path / "run", init_from=str(tmp_path / "source"), tokenizer=None)
+    with pytest.raises(ValueError, match=field):
+        Trainer(cfg.replace(**changes))
+    assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
+def test_cli_names_a_directory_that_holds_no_model(train_root, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(train_flags(train_root, tmp_path / "empty", tmp_path / "run", "--max-steps", "1")) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("rdepth train: error: init_from=") and "no config.json" in error

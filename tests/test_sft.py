@@ -1,0 +1,286 @@
+"""SFT: the assistant-only loss mask, packing without attention across examples, data errors, exact resume."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import recurrent_depth as rd
+from recurrent_depth.data.chat import ExampleEncoder, conversation, load_examples
+from recurrent_depth.data.tokenizer import eos_token_ids, load_tokenizer, special_token_ids
+from recurrent_depth.train.sft import IGNORE, pack_examples, sft_trainer
+from tests.train_support import VOCAB, OneThread, prepare_root
+
+SYSTEM_AND_USER = ("<|begin_text|><|begin_header|>system<|end_header|>\n\nBe brief.<|end_turn|>"
+                   "<|begin_header|>user<|end_header|>\n\n2+2?<|end_turn|>")
+OPEN_ANSWER = "<|begin_header|>Huginn<|end_header|>\n\n"
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return prepare_root(tmp_path_factory.mktemp("sft_root"))
+
+
+@pytest.fixture(scope="module")
+def model_dir(root):
+    """A tiny model directory with the synthetic corpus's tokenizer and chat template."""
+    specials = special_token_ids(load_tokenizer(root / "tokenizer"))
+    config = rd.ModelConfig.from_preset("tiny", vocab_size=VOCAB, max_seq_len=64, bos_token_id=specials["begin_text"],
+                                        eos_token_id=eos_token_ids(specials), pad_token_id=specials["pad"])
+    torch.manual_seed(3)
+    rd.RecurrentDepthLM(config).save_pretrained(root / "model", tokenizer=root / "tokenizer")
+    return root / "model"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    with OneThread():
+        yield
+
+
+def encoder_for(model_dir):
+    return ExampleEncoder(model_dir, rd.ModelConfig.from_json(model_dir / "config.json"))
+
+
+def scored_runs(example, tokenizer):
+    """(text, scored) of each run of consecutive tokens that do / do not carry loss."""
+    runs, start = [], 0
+    for i in range(1, len(example.ids) + 1):
+        if i == len(example.ids) or example.scored[i] != example.scored[start]:
+            runs.append((tokenizer.decode(example.ids[start:i], skip_special_tokens=False), example.scored[start]))
+            start = i
+    return runs
+
+
+def test_only_the_assistant_answers_and_their_end_of_turn_carry_loss(model_dir):
+    chat = {"messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"}, {"role": "user", "content": "3+6?"},
+        {"role": "assistant", "content": "9"}]}
+    example = encoder_for(model_dir).encode(conversation(chat, "chat:1"), "chat:1")
+    tokenizer = load_tokenizer(model_dir)
+    assert scored_runs(example, tokenizer) == [
+        (SYSTEM_AND_USER + OPEN_ANSWER, False),
+        ("4<|end_turn|>", True),
+        ("<|begin_header|>user<|end_header|>\n\n3+6?<|end_turn|>" + OPEN_ANSWER, False),
+        ("9<|end_turn|>", True),
+    ]
+    # As rows: position t is scored when token t + 1 is, and predicts it.
+    row = pack_examples([example], len(example.ids) - 1, pad_id=0)
+    wanted = [t if s else IGNORE for t, s in zip(example.ids[1:], example.scored[1:], strict=True)]
+    assert row.targets[0].tolist() == wanted and row.input_ids[0].tolist() == example.ids[:-1]
+
+
+def test_prompt_completion_records_learn_the_completion_and_eos(model_dir):
+    tokenizer, encoder = load_tokenizer(model_dir), encoder_for(model_dir)
+    plain = encoder.encode(conversation({"prompt": "2+2=", "completion": "4"}, "x:1"), "x:1")
+    assert scored_runs(plain, tokenizer) == [("<|begin_text|>2+2=", False), ("4<|end_text|>", True)]
+    record = {"prompt": [{"role": "user", "content": "2+2?"}], "completion": [{"role": "assistant", "content": "4"}]}
+    chat = encoder.encode(conversation(record, "x:2"), "x:2")
+    assert scored_runs(chat, tokenizer) == [
+        ("<|begin_text|><|begin_header|>user<|end_header|>\n\n2+2?<|end_turn|>" + OPEN_ANSWER, False),
+        ("4<|end_turn|>", True)]
+
+
+def test_bad_records_are_one_line_errors_naming_file_and_line(model_dir, tmp_path):
+    encoder = encoder_for(model_dir)
+    good = json.dumps({"prompt": "a", "completion": "b"})
+    cases = {
+        "{not json": "not valid JSON",
+        json.dumps({"messages": [{"role": "user", "content": "hi"}]}): "no assistant message",
+        json.dumps({"messages": [{"role": "user"}]}): r"messages\[0\] must be an object with string 'role'",
+        json.dumps({"text": "x"}): "expected 'messages'",
+        json.dumps({"prompt": "a", "completion": ["b"]}): "'prompt' and 'completion' must both be strings",
+    }
+    for line, message in cases.items():
+        path = tmp_path / "data.jsonl"
+        path.write_text(f"{good}\n\n{line}\n")
+        with pytest.raises(ValueError, match=f"^{path}:3: {message}"):
+            load_examples(path, encoder)
+
+
+def test_a_local_parquet_file_reads_as_jsonl_does(model_dir, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(3)]
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "data.parquet")
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    encoder = encoder_for(model_dir)
+    assert load_examples(tmp_path / "data.parquet", encoder) == load_examples(tmp_path / "data.jsonl", encoder)
+
+
+def test_a_packed_row_gives_each_example_its_loss_and_gradient_alone(tiny_model):
+    """Three examples and padding in one row: per-example losses and the gradient of their sum equal those
+    of each example run alone from the same initial state (truncated backprop included)."""
+    from recurrent_depth.data.chat import Example
+
+    model = tiny_model.train()
+    gen = torch.Generator().manual_seed(0)
+    examples = []
+    for n in (5, 9, 7):
+        ids = torch.randint(0, 256, (n,), generator=gen).tolist()
+        examples.append(Example(ids, [i >= 2 for i in range(n)]))
+    rows = pack_examples(examples, 20, pad_id=0)
+    assert len(rows) == 1 and rows.document_ids[0].tolist() == [0] * 4 + [1] * 8 + [2] * 6 + [-1] * 2
+    assert rows.position_ids[0].tolist() == [*range(4), *range(8), *range(6), 0, 1]
+    s0 = torch.randn(1, 20, model.config.hidden_size, generator=gen)
+
+    out = model(rows.input_ids, (1, 2), position_ids=rows.position_ids, document_ids=rows.document_ids,
+                input_states=s0)
+    token_loss = F.cross_entropy(out.logits[0], rows.targets[0], reduction="none")
+    packed = [token_loss[rows.document_ids[0] == d].sum() / (rows.targets[0][rows.document_ids[0] == d] != IGNORE).sum()
+              for d in range(3)]
+    sum(packed).backward()
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    alone, start = [], 0
+    for d in range(3):
+        span = rows.document_ids[0] == d
+        inputs, targets = rows.input_ids[:, span], rows.targets[:, span]
+        end = start + inputs.shape[1]
+        logits = model(inputs, (1, 2), input_states=s0[:, start:end]).logits
+        alone.append(F.cross_entropy(logits[0], targets[0]))
+        start = end
+    sum(alone).backward()
+    torch.testing.assert_close(torch.stack(packed), torch.stack(alone), rtol=1e-5, atol=1e-6)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(packed_grads[name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_one_example_per_row_needs_no_mask_and_other_mixers_are_told_to_use_it(tiny_config):
+    from recurrent_depth.data.chat import Example
+
+    rows = pack_examples([Example([1, 2, 3], [False, True, True]), Example([4, 5], [False, True])], 4, 0,
+                         packing=False)
+    assert set(rows.batch(torch.arange(2))) == {"input_ids", "targets"}
+    assert rows.targets.tolist() == [[2, 3, IGNORE, IGNORE], [5, IGNORE, IGNORE, IGNORE]]
+    linear = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", mixer={"core": "gated_deltanet"}))
+    with pytest.raises(ValueError, match="the core uses mixer 'gated_deltanet'.*--no-packing"):
+        linear(rows.input_ids, 1, document_ids=torch.zeros_like(rows.input_ids))
+
+
+def write_chats(path, count=48, seed=0):
+    """Sums as chats and products as prompt/completion pairs, alternately."""
+    rng = random.Random(seed)
+    pairs = [(rng.randint(0, 99), rng.randint(0, 99)) for _ in range(count)]
+    records = [{"messages": [{"role": "user", "content": f"{a}+{b}?"}, {"role": "assistant", "content": str(a + b)}]}
+               if i % 2 else {"prompt": f"{a}*{b}=", "completion": str(a * b)} for i, (a, b) in enumerate(pairs)]
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+def read_metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sft_trains_evaluates_by_depth_and_refuses_to_resume_on_other_rows(model_dir, tmp_path):
+    from recurrent_depth.cli import build_parser
+    from recurrent_depth.cli.train import config_from_args
+
+    data = write_chats(tmp_path / "chats.jsonl")
+    flags = ["sft", "--init-from", str(model_dir), "--data", str(data), "--seq-len", "32", "--batch-size", "4",
+             "--max-steps", "3", "--save-every", "3", "--eval-depths", "1,4", "--eval-batches", "1",
+             "--no-tensorboard", "--no-progress", "--out", str(tmp_path / "run")]
+    result = sft_trainer(config_from_args(build_parser("sft").parse_args(flags))).run()
+    assert len(result.losses) == 3 and set(result.final_eval.loss) == {1, 4}
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["data"]["source"] == "sft" and run["data"]["packing"] and run["data"]["train"]["examples"] == 47
+    assert all(m["scored_tokens"] > 0 for m in read_metrics(tmp_path / "run"))
+    assert rd.RecurrentDepthLM.from_pretrained(tmp_path / "run" / "model").config.vocab_size == VOCAB
+    resume = build_parser("sft").parse_args([*flags, "--resume", "--max-steps", "4", "--no-packing"])
+    with pytest.raises(ValueError, match="cannot resume: the SFT rows differ"):
+        sft_trainer(config_from_args(resume), sft_options(resume))
+
+
+def sft_options(args):
+    from recurrent_depth.train.sft import SFTOptions
+
+    return SFTOptions(val_data=args.val_data, packing=args.packing)
+
+
+@pytest.mark.slow
+def test_resume_after_kill_9_continues_the_same_sft_trajectory(model_dir, tmp_path):
+    """A real `rdepth sft` killed with SIGKILL mid-run and resumed ends with the losses of the same command
+    run straight through (in-process, from the same parsed flags)."""
+    from recurrent_depth.cli import build_parser
+    from recurrent_depth.cli.train import config_from_args
+
+    data = write_chats(tmp_path / "chats.jsonl")
+
+    def flags(out, *extra):
+        return ["sft", "--init-from", str(model_dir), "--data", str(data), "--seq-len", "32", "--batch-size", "4",
+                "--max-steps", "12", "--save-every", "3", "--eval-depths", "1", "--eval-batches", "1",
+                "--no-tensorboard", "--no-progress", "--out", str(out), *extra]
+
+    args = build_parser("sft").parse_args(flags(tmp_path / "straight"))
+    straight = sft_trainer(config_from_args(args), sft_options(args)).run()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "recurrent_depth.cli", *flags(tmp_path / "killed"), "--threads", "1"]
+    victim = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and victim.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
+            break
+        time.sleep(0.01)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert len(metrics.read_text().splitlines()) < 12, "the run finished before it could be killed"
+    subprocess.run([*command, "--resume"], check=True, env=env, capture_output=True)
+    killed = read_metrics(tmp_path / "killed")
+    assert [m["loss"] for m in killed] == straight.losses and len(straight.losses) == 12
+    assert [m["epoch"] for m in killed] == [m["epoch"] for m in read_metrics(tmp_path / "straight")]
+
+
+
+def test_heldout_loss_on_packed_rows_is_the_token_mean_of_each_example_alone():
+    """With s0 = 0 (init_scale 0) the held-out loss of packed rows is exactly the loss of the examples run
+    one by one, at every depth: the evaluation keeps the training masks."""
+    from recurrent_depth.data.chat import Example
+    from recurrent_depth.train.sft import heldout_loss_by_depth
+
+    torch.manual_seed(5)
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", init_scale=0.0))
+    gen = torch.Generator().manual_seed(1)
+    examples = [Example(torch.randint(0, 256, (n,), generator=gen).tolist(), [i % 3 != 0 for i in range(n)])
+                for n in (6, 11, 4, 9, 7)]
+    rows = pack_examples(examples, 16, pad_id=0)
+    assert len(rows) == 3
+    result = heldout_loss_by_depth(model, rows, [1, 3], batch_size=2, max_batches=8)
+    for depth in (1, 3):
+        total, count = 0.0, 0
+        for ex in examples:
+            targets = torch.tensor([t if s else IGNORE for t, s in zip(ex.ids[1:], ex.scored[1:], strict=True)])
+            with torch.no_grad():
+                logits = model.eval()(torch.tensor([ex.ids[:-1]]), depth).logits[0]
+            total += float(F.cross_entropy(logits, targets, reduction="sum"))
+            count += int((targets != IGNORE).sum())
+        assert result.tokens == count
+        assert result.loss[depth] == pytest.approx(total / count, rel=1e-5)
+
+
+def test_sft_with_lora_trains_only_an_adapter_that_loads_onto_its_start(model_dir, tmp_path):
+    """`rdepth sft --lora`: the base weights stay as DIR's, `model/` is a peft adapter of DIR."""
+    from recurrent_depth.cli import main
+    from recurrent_depth.train.lora import load_adapter_model
+
+    data = write_chats(tmp_path / "chats.jsonl")
+    assert main(["sft", "--init-from", str(model_dir), "--data", str(data), "--seq-len", "32", "--batch-size", "4",
+                 "--max-steps", "2", "--eval-depths", "1", "--eval-batches", "1", "--no-tensorboard", "--no-progress",
+                 "--threads", "1", "--lora", "--lora-rank", "2", "--lora-parts", "core",
+                 "--out", str(tmp_path / "run")]) == 0
+    adapter = tmp_path / "run" / "model"
+    assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 2
+    base = rd.RecurrentDepthLM.from_pretrained(model_dir)
+    merged = load_adapter_model(adapter, merge=True)
+    changed = [k for k, v in merged.state_dict().items() if not torch.equal(v, base.state_dict()[k])]
+    assert changed and all(".core_block." in k for k in changed)

@@ -16,6 +16,7 @@ import sys
 COMMANDS: dict[str, str] = {
     "quickstart": "recurrent_depth.cli.quickstart",
     "train": "recurrent_depth.cli.train",
+    "rl": "recurrent_depth.cli.rl",
     "generate": "recurrent_depth.cli.generate",
     "eval": "recurrent_depth.cli.evaluate",
     "analyze": "recurrent_depth.cli.analyze",
@@ -30,7 +31,7 @@ COMMANDS: dict[str, str] = {
 }
 # Commands whose work is torch compute: without --threads they measure the free cores once at start
 # (recurrent_depth.accel.threads); the others keep torch's default unless --threads is given.
-MEASURE_THREADS = frozenset({"quickstart", "train", "generate", "eval", "analyze", "serve", "loop", "experiment"})
+MEASURE_THREADS = frozenset({"quickstart", "train", "rl", "generate", "eval", "analyze", "serve", "loop", "experiment"})
 
 
 def _version() -> str:

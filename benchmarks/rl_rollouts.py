@@ -4,13 +4,16 @@
     python benchmarks/rl_rollouts.py --model runs/quickstart-shells/model --num-steps 32
     python benchmarks/rl_rollouts.py --quick                  # smoke test: tiny model, short rollouts
 
+Configurations: fixed depth r, KL exit (the criterion reads the logits, so every checked step
+also runs the coda and lm_head) and latent-diff exit (reads the state only), each at max r.
 Each configuration makes the same rollout batches (`RolloutSource.next_batch`: P shells prompts x G
 rollouts, sampled with top-k, the same seeds) through the generation runtime, and reports:
 - `rollout_tokens_per_s`: completion tokens of the batch / seconds of its `generate` call (best of
   --repeats batches; the rollouts differ between batches, the configurations see the same ones);
 - `mean_depth`: core steps per completion token (r for fixed depth);
 - `replay_s`: one teacher-forced replay of the batch at its recorded depths (`policy_logprobs`,
-  no gradient), the training forward's cost without the backward;
+  no gradient), the training forward's cost without the backward, and `plain_forward_s`: the
+  model's plain forward of the same batch at depth r (what the replay costs beside it);
 - `x_vs_fixed`: rollout tokens/s over the fixed-depth configuration's.
 Prints one JSON line, then a table.
 """
@@ -45,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preset", default="small", help="the seeded model's preset without --model (default: small)")
     p.add_argument("--num-steps", type=int, default=16, help="r: fixed depth, and the exit's max steps")
     p.add_argument("--exit-threshold", type=float, default=None, help="KL threshold (default: the criterion's)")
+    p.add_argument("--latent-threshold", type=float, default=None,
+                   help="latent-diff threshold (default: the criterion's)")
     p.add_argument("--kv-policy", default="per-step+deepest")
     p.add_argument("--prompts-per-step", type=int, default=4)
     p.add_argument("--group-size", type=int, default=8)
@@ -76,7 +81,7 @@ def measure(model: rd.RecurrentDepthLM, encoder: ProblemEncoder, generation: dic
     settings = RolloutSettings(group_size=args.group_size, generation=generation, seed=0)
     reward = ShapedReward(TaskReward(task), max_depth=args.num_steps, max_new_tokens=args.max_new_tokens)
     source = RolloutSource(model, TaskPrompts(task, [args.swaps]), reward, settings, encoder=encoder)
-    best, depths, replay = 0.0, [], float("inf")
+    best, depths, replay, plain = 0.0, [], float("inf"), float("inf")
     for _ in range(args.repeats):
         batch = source.next_batch(args.prompts_per_step)
         mask = batch["completion_mask"]
@@ -87,8 +92,13 @@ def measure(model: rd.RecurrentDepthLM, encoder: ProblemEncoder, generation: dic
         with torch.no_grad():
             policy_logprobs(model, batch, settings)
         replay = min(replay, time.perf_counter() - start)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model(batch["input_ids"], args.num_steps, attention_mask=batch["attention_mask"], init_scale=0.0)
+        plain = min(plain, time.perf_counter() - start)
     return {"rollout_tokens_per_s": round(best, 1), "mean_depth": round(sum(depths) / len(depths), 2),
-            "replay_s": round(replay, 4), "rows": args.prompts_per_step * args.group_size}
+            "replay_s": round(replay, 4), "plain_forward_s": round(plain, 4),
+            "rows": args.prompts_per_step * args.group_size}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     common = {"num_steps": args.num_steps, "max_new_tokens": args.max_new_tokens, "do_sample": True, "top_k": 20,
               "kv_policy": args.kv_policy}
     configs = {"fixed r": common,
-               "kl exit": {**common, "exit_criterion": "kl", "exit_threshold": args.exit_threshold}}
+               "kl exit": {**common, "exit_criterion": "kl", "exit_threshold": args.exit_threshold},
+               "latent exit": {**common, "exit_criterion": "latent-diff", "exit_threshold": args.latent_threshold}}
     results = {name: measure(model, encoder, generation, args) for name, generation in configs.items()}
     fixed = results["fixed r"]["rollout_tokens_per_s"]
     for r in results.values():
@@ -108,10 +119,11 @@ def main(argv: list[str] | None = None) -> int:
               "kv_policy": args.kv_policy, "threads": torch.get_num_threads(), "machine": platform.processor() or
               platform.machine(), "results": results}
     print(json.dumps(record))
-    print(f"\n{'config':<10} {'rows':>5} {'tokens/s':>10} {'mean depth':>11} {'replay s':>9} {'x fixed':>8}")
+    print(f"\n{'config':<12} {'rows':>5} {'tokens/s':>10} {'mean depth':>11} {'replay s':>9} {'plain s':>8} "
+          f"{'x fixed':>8}")
     for name, r in results.items():
-        print(f"{name:<10} {r['rows']:>5} {r['rollout_tokens_per_s']:>10} {r['mean_depth']:>11} {r['replay_s']:>9} "
-              f"{r['x_vs_fixed']:>8}")
+        print(f"{name:<12} {r['rows']:>5} {r['rollout_tokens_per_s']:>10} {r['mean_depth']:>11} {r['replay_s']:>9} "
+              f"{r['plain_forward_s']:>8} {r['x_vs_fixed']:>8}")
     return 0
 
 

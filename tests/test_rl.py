@@ -156,6 +156,17 @@ def test_a_raising_reward_is_reported_with_its_input(one_thread, byte_model):
         assert batch["reward_valid"].all() if on_error == "zero" else not batch["reward_valid"].all()
 
 
+def test_rl_cli_refuses_what_a_replay_cannot_follow_in_one_line(byte_model, tmp_path, capsys):
+    byte_model.save_pretrained(tmp_path / "m")
+    byte_tokenizer().save(str(tmp_path / "m" / "tokenizer.json"))
+    base = ["rl", "--init-from", str(tmp_path / "m"), "--out", str(tmp_path / "out"), "--threads", "1"]
+    for extra, message in ((["--kv-policy", "shared-2"], "cannot be replayed"), (["--init-scale", "1"], "init_scale=0"),
+                           (["--reward", "nocolon"], "module:function")):
+        assert main(base + extra) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert len(errors) == 1 and message in errors[0], errors
+
+
 def test_reward_function_specs_fail_in_one_line():
     assert load_reward_function("tests.test_rl:count_ones") is count_ones
     for spec, message in (("nocolon", "module:function"), ("no_such_mod_xyz:f", "cannot import"),

@@ -33,8 +33,9 @@ RewardFunction = Callable[[str, str, list[int]], float]
 ON_ERROR = ("stop", "zero", "skip")
 
 
-class RewardError(RuntimeError):
-    """A reward function raised (or returned no finite number) under `on_error="stop"`."""
+class RewardError(ValueError):
+    """A reward function raised (or returned no finite number) under `on_error="stop"` (a ValueError: the
+    CLI ends with its one line)."""
 
 
 @dataclass(frozen=True)

@@ -102,9 +102,10 @@ def test_a_left_out_rollout_leaves_its_group_statistics():
 
 
 # ---------------------------------------------------------------------------- the depth replay
-@pytest.mark.parametrize("policy", ["per-step+deepest", "per-step+skip"])
-def test_replayed_logprobs_equal_the_sampled_ones_with_adaptive_exit(one_thread, byte_model, policy):
-    rollouts = source(byte_model, kv_policy=policy)
+@pytest.mark.parametrize("policy, prefill_exits", [("per-step+deepest", False), ("per-step+skip", False),
+                                                   ("per-step+deepest", True)])
+def test_replayed_logprobs_equal_the_sampled_ones_with_adaptive_exit(one_thread, byte_model, policy, prefill_exits):
+    rollouts = source(byte_model, kv_policy=policy, exit_in_prefill=prefill_exits)
     batch = rollouts.next_batch(3)
     depths = batch["token_depths"][:, -batch["completion_ids"].shape[1]:][batch["completion_mask"]]
     assert len(set(depths.tolist())) > 1  # the exit criterion chose different depths
@@ -141,6 +142,8 @@ def test_a_shared_slot_policy_is_refused(byte_model):
         source(byte_model, kv_policy="shared-2")
     with pytest.raises(ValueError, match="init_scale=0"):
         source(byte_model, init_scale=1.0)
+    with pytest.raises(ValueError, match="unknown rollout generation option"):
+        source(byte_model, num_step=3)
 
 
 # ---------------------------------------------------------------------------- rewards

@@ -62,6 +62,10 @@ class RolloutSettings:
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
             raise ValueError(f"group_size={self.group_size!r} is invalid: expected an integer >= 1")
         given = dict(self.generation)
+        unknown = sorted(set(given) - GenerationOptions.names())
+        if unknown:
+            known = sorted(GenerationOptions.names())
+            raise ValueError(f"unknown rollout generation option(s) {unknown}; known: {known}")
         for name in ("seed", "output_logits", "teacher_tokens"):
             if name in given:
                 raise ValueError(f"rollout generation option {name!r} is set by the RL loop itself; leave it out")

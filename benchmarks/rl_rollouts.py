@@ -9,7 +9,8 @@ also runs the coda and lm_head) and latent-diff exit (reads the state only), eac
 Each configuration makes the same rollout batches (`RolloutSource.next_batch`: P shells prompts x G
 rollouts, sampled with top-k, the same seeds) through the generation runtime, and reports:
 - `rollout_tokens_per_s`: completion tokens of the batch / seconds of its `generate` call (best of
-  --repeats batches; the rollouts differ between batches, the configurations see the same ones);
+  --repeats batches, the configurations taking turns; the rollouts differ between batches, the
+  configurations see the same prompts);
 - `mean_depth`: core steps per completion token (r for fixed depth);
 - `replay_s`: one teacher-forced replay of the batch at its recorded depths (`policy_logprobs`,
   no gradient), the training forward's cost without the backward, and `plain_forward_s`: the
@@ -75,30 +76,29 @@ def load(args: argparse.Namespace) -> tuple[rd.RecurrentDepthLM, ProblemEncoder]
     return rd.RecurrentDepthLM(config), encoder
 
 
-def measure(model: rd.RecurrentDepthLM, encoder: ProblemEncoder, generation: dict[str, Any],
-            args: argparse.Namespace) -> dict[str, Any]:
+def rollout_source(model: rd.RecurrentDepthLM, encoder: ProblemEncoder, generation: dict[str, Any],
+                   args: argparse.Namespace) -> RolloutSource:
     task = ShellGame()
     settings = RolloutSettings(group_size=args.group_size, generation=generation, seed=0)
     reward = ShapedReward(TaskReward(task), max_depth=args.num_steps, max_new_tokens=args.max_new_tokens)
-    source = RolloutSource(model, TaskPrompts(task, [args.swaps]), reward, settings, encoder=encoder)
-    best, depths, replay, plain = 0.0, [], float("inf"), float("inf")
-    for _ in range(args.repeats):
-        batch = source.next_batch(args.prompts_per_step)
-        mask = batch["completion_mask"]
-        tokens = int(mask.sum())
-        best = max(best, tokens / source.last_rollout_s)
-        depths.append(float(batch["token_depths"][:, -mask.shape[1]:][mask].float().mean()))
-        start = time.perf_counter()
-        with torch.no_grad():
-            policy_logprobs(model, batch, settings)
-        replay = min(replay, time.perf_counter() - start)
-        start = time.perf_counter()
-        with torch.no_grad():
-            model(batch["input_ids"], args.num_steps, attention_mask=batch["attention_mask"], init_scale=0.0)
-        plain = min(plain, time.perf_counter() - start)
-    return {"rollout_tokens_per_s": round(best, 1), "mean_depth": round(sum(depths) / len(depths), 2),
-            "replay_s": round(replay, 4), "plain_forward_s": round(plain, 4),
-            "rows": args.prompts_per_step * args.group_size}
+    return RolloutSource(model, TaskPrompts(task, [args.swaps]), reward, settings, encoder=encoder)
+
+
+def measure_once(model: rd.RecurrentDepthLM, source: RolloutSource, args: argparse.Namespace) -> dict[str, float]:
+    """One rollout batch, its replay and the plain forward of the same batch."""
+    batch = source.next_batch(args.prompts_per_step)
+    mask = batch["completion_mask"]
+    record = {"tokens_per_s": int(mask.sum()) / source.last_rollout_s,
+              "depth": float(batch["token_depths"][:, -mask.shape[1]:][mask].float().mean())}
+    start = time.perf_counter()
+    with torch.no_grad():
+        policy_logprobs(model, batch, source.settings)
+    record["replay_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    with torch.no_grad():
+        model(batch["input_ids"], args.num_steps, attention_mask=batch["attention_mask"], init_scale=0.0)
+    record["plain_s"] = time.perf_counter() - start
+    return record
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,7 +111,18 @@ def main(argv: list[str] | None = None) -> int:
     configs = {"fixed r": common,
                "kl exit": {**common, "exit_criterion": "kl", "exit_threshold": args.exit_threshold},
                "latent exit": {**common, "exit_criterion": "latent-diff", "exit_threshold": args.latent_threshold}}
-    results = {name: measure(model, encoder, generation, args) for name, generation in configs.items()}
+    sources = {name: rollout_source(model, encoder, generation, args) for name, generation in configs.items()}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
+    for source in sources.values():  # warm-up (first calls), not counted
+        measure_once(model, source, args)
+    for _ in range(args.repeats):  # the configurations take turns, so a busy spell on the machine hits all
+        for name, source in sources.items():
+            runs[name].append(measure_once(model, source, args))
+    results = {name: {"rollout_tokens_per_s": round(max(r["tokens_per_s"] for r in rs), 1),
+                      "mean_depth": round(sum(r["depth"] for r in rs) / len(rs), 2),
+                      "replay_s": round(min(r["replay_s"] for r in rs), 4),
+                      "plain_forward_s": round(min(r["plain_s"] for r in rs), 4),
+                      "rows": args.prompts_per_step * args.group_size} for name, rs in runs.items()}
     fixed = results["fixed r"]["rollout_tokens_per_s"]
     for r in results.values():
         r["x_vs_fixed"] = round(r["rollout_tokens_per_s"] / fixed, 2) if fixed else None

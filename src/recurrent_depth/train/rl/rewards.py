@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -94,7 +95,7 @@ class ShapedReward:
     def __call__(self, prompt: str, completion: str, depths: list[int], num_tokens: int) -> float | None:
         try:
             value = self.base(prompt, completion, list(depths))
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
                 raise TypeError(f"returned {value!r}, not a finite number")
         except Exception as exc:  # a user's function may raise anything: report it with its input
             self.errors += 1

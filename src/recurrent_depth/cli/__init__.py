@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "quickstart": "recurrent_depth.cli.quickstart",
     "train": "recurrent_depth.cli.train",
     "sft": "recurrent_depth.cli.sft",
+    "rl": "recurrent_depth.cli.rl",
     "generate": "recurrent_depth.cli.generate",
     "eval": "recurrent_depth.cli.evaluate",
     "analyze": "recurrent_depth.cli.analyze",
@@ -31,7 +32,7 @@ COMMANDS: dict[str, str] = {
 }
 # Commands whose work is torch compute: without --threads they measure the free cores once at start
 # (recurrent_depth.accel.threads); the others keep torch's default unless --threads is given.
-MEASURE_THREADS = frozenset({"quickstart", "train", "sft", "generate", "eval", "analyze", "serve", "loop",
+MEASURE_THREADS = frozenset({"quickstart", "train", "sft", "rl", "generate", "eval", "analyze", "serve", "loop",
                              "experiment"})
 
 

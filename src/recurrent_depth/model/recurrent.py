@@ -27,6 +27,7 @@ from recurrent_depth.config import MODEL_PARTS, ModelConfig, is_real
 from recurrent_depth.model.depth import DepthSampler
 from recurrent_depth.model.layers import RMSNorm, SandwichBlock
 from recurrent_depth.model.mixers import MixerContext, build_mixer, check_mixer_name
+from recurrent_depth.model.replay import DepthReplay, replay_core
 
 NumSteps = int | tuple[int, int] | None
 # Mixers that take an arbitrary [B, 1, T, T] attention mask, so packed examples can be kept apart.
@@ -241,6 +242,7 @@ class RecurrentDepthLM(nn.Module):
         generator: torch.Generator | None = None,
         cache: Any | None = None,
         output_all_states: bool = False,
+        replay: DepthReplay | None = None,
     ) -> RecurrentOutput:
         """Run prelude -> num_steps core steps -> coda on `input_ids` [B, T].
 
@@ -249,10 +251,14 @@ class RecurrentDepthLM(nn.Module):
         example (pass `position_ids` restarting at each example too). Softmax attention only.
         input_states: s_0 [B, T, h] instead of a random draw. labels: [B, T] unshifted (shifted
         here), -100 ignored. cache: a cache object (see model/cache.py) to read and extend.
+        replay: run each position at the depth a generation recorded for it, under that generation's KV
+        policy (`model/replay.py`, for RL); `num_steps` is then unused and `cache` must be None.
         """
         if generator is not None and not isinstance(generator, torch.Generator):
             raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-        n_free, n_grad = self.resolve_num_steps(num_steps, generator)
+        if replay is not None and (cache is not None or output_all_states):
+            raise ValueError("replay= runs one teacher-forced pass: it takes no cache and no output_all_states")
+        n_free, n_grad = (0, 0) if replay is not None else self.resolve_num_steps(num_steps, generator)
         self.check_inputs(input_ids, labels, attention_mask, input_states, cache, position_ids)
         if document_ids is not None:
             self.check_document_ids(input_ids, document_ids, cache)
@@ -266,6 +272,8 @@ class RecurrentDepthLM(nn.Module):
         e = self.embed(input_ids, ctx)
         state = input_states.to(e.dtype) if input_states is not None else self.initial_state(e, scale, generator)
         states = [state] if output_all_states else None
+        if replay is not None:
+            state = replay_core(self, state, e, ctx, replay)
 
         if n_free:
             with torch.no_grad():

@@ -1,0 +1,133 @@
+"""`rdepth rl`: reinforcement learning whose rollouts choose their own depth (GRPO or Kimi K2's objective).
+
+    rdepth rl --init-from runs/sft/model --out runs/rl --task shells --difficulty 3 \\
+        --objective grpo --group-size 8 --prompts-per-step 4 --updates 200 \\
+        --num-steps 16 --exit-criterion kl --kv-policy per-step+deepest --top-k 20 --max-new-tokens 4
+
+Rollouts go through `generate` with every generation flag below (the same flags as `rdepth
+generate`, from the options schema); each token's depth is recorded, handed to the reward and
+replayed by the training forward. --seed seeds the whole run (prompts and rollouts). A checkpoint
+every --save-every updates; --resume continues the run where its last checkpoint left it, making
+the same rollouts an uninterrupted run would. docs/post-training.md (## RL) describes the method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from recurrent_depth.cli.common import add_max_depth_arg, int_list
+
+ROLLOUT_MAX_NEW_TOKENS = 8  # the reasoning tasks' answers are a few tokens; --max-new-tokens overrides
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from recurrent_depth.evaluation.reasoning.tasks import TASKS
+    from recurrent_depth.inference.schema import add_cli_arguments
+    from recurrent_depth.train.optim import OPTIMIZERS
+    from recurrent_depth.train.rl.recipe import OBJECTIVES
+    from recurrent_depth.train.rl.rewards import ON_ERROR
+
+    p = subparsers.add_parser(
+        "rl", help="RL (GRPO or K2) with rollouts that choose their own depth, replayed at those depths",
+        description="Post-train a model with reinforcement learning: G rollouts per prompt through the generation "
+        "runtime (exit criterion, KV policy and sampling as given), rewards from a reasoning task's checker or your "
+        "own function, and a GRPO or Kimi K2 update that recomputes log-probs at each token's recorded depth.",
+    )
+    p.add_argument("--init-from", required=True, metavar="DIR",
+                   help="the model directory to start from (tokenizer inside)")
+    p.add_argument("--out", required=True, metavar="DIR", help="run directory: metrics, checkpoints, final model")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    d = p.add_argument_group("prompts and rewards")
+    d.add_argument("--task", default="shells", choices=sorted(TASKS),
+                   help="reasoning task of the prompts (default: %(default)s)")
+    d.add_argument("--difficulty", type=int_list, default=[3], metavar="N[,N...]",
+                   help="task difficulties, one drawn per prompt (default: 3)")
+    d.add_argument("--prompts", default=None, metavar="FILE",
+                   help="prompts from a text file (one per line) instead of --task (then --reward must be a function)")
+    d.add_argument("--reward", default="task", metavar="task|MODULE:FUNCTION",
+                   help="'task' (the task's checker: 1 for the right answer) or your function "
+                        "f(prompt: str, completion: str, depths: list[int]) -> float, imported and run in this "
+                        "process as TRUSTED code (default: %(default)s)")
+    d.add_argument("--compute-penalty", type=float, default=0.0, metavar="W",
+                   help="subtract W * mean token depth / max depth from each reward (default: 0)")
+    d.add_argument("--length-penalty", type=float, default=0.0, metavar="W",
+                   help="subtract W * completion tokens / max-new-tokens from each reward (default: 0)")
+    d.add_argument("--on-reward-error", default="stop", choices=ON_ERROR,
+                   help="when the reward function raises: stop the run, score the rollout 0, or leave it out "
+                        "(default: %(default)s; each failure is reported with its input)")
+    o = p.add_argument_group("objective")
+    o.add_argument("--objective", default="grpo", choices=OBJECTIVES,
+                   help="grpo (clipped ratio) or k2 (default: %(default)s)")
+    o.add_argument("--group-size", type=int, default=4, metavar="G", help="rollouts per prompt (default: %(default)s)")
+    o.add_argument("--prompts-per-step", type=int, default=4, metavar="P",
+                   help="prompts per update; the update sees P * G rollouts (default: %(default)s)")
+    o.add_argument("--clip-eps", type=float, default=0.2, help="GRPO's ratio clip (default: %(default)s)")
+    o.add_argument("--beta", type=float, default=0.0, help="GRPO's KL weight against the start model (default: 0)")
+    o.add_argument("--kl-level", default="token", choices=("token", "sequence"),
+                   help="GRPO's normalisation: over all tokens, or per rollout then over rollouts (default: token)")
+    o.add_argument("--tau", type=float, default=1.0, help="K2's ratio weight (default: %(default)s)")
+    o.add_argument("--backprop-depth", type=int, default=None, metavar="K",
+                   help="gradients through each token's last K core steps (default: the model's mean_backprop_depth)")
+    t = p.add_argument_group("optimisation")
+    t.add_argument("--updates", type=int, default=100, metavar="N", help="optimizer steps (default: %(default)s)")
+    t.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="(default: %(default)s)")
+    t.add_argument("--lr", type=float, default=1e-5, help="learning rate (default: %(default)s)")
+    t.add_argument("--save-every", type=int, default=10, metavar="N",
+                   help="checkpoint every N updates (default: %(default)s)")
+    t.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    t.add_argument("--json", action="store_true", help="print the run's summary as one JSON object")
+    add_max_depth_arg(p)
+    add_cli_arguments(p)  # the rollouts' generation options, as `rdepth generate` declares them
+    p.set_defaults(func=run)
+
+
+def rollout_generation(args: argparse.Namespace) -> tuple[dict, int]:
+    """The rollouts' `generate` options from the generation flags, and the run seed (--seed, default 0)."""
+    from recurrent_depth.cli.generate import _generation_kwargs, check_depth_flags
+
+    check_depth_flags(args, ("num_steps", "max_steps"))
+    values, _ = _generation_kwargs(args)
+    seed = values.pop("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"--seed={seed!r} is invalid: the run seed is one integer >= 0")
+    values.setdefault("max_new_tokens", ROLLOUT_MAX_NEW_TOKENS)
+    values.setdefault("do_sample", True)
+    return values, seed
+
+
+def read_prompts(path: str) -> list[str]:
+    from recurrent_depth.files import read_text
+
+    lines = [line for line in read_text(Path(path), 64 << 20, "--prompts file").splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"--prompts {path}: the file holds no prompt (one per line)")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    from recurrent_depth.train.config import TrainConfig
+    from recurrent_depth.train.optim import OptimConfig
+    from recurrent_depth.train.rl.recipe import RLConfig, load_start_model, run_rl
+
+    generation, seed = rollout_generation(args)
+    prompts = read_prompts(args.prompts) if args.prompts else None
+    if prompts is not None and args.reward == "task":
+        raise ValueError("--prompts has no task checker: give --reward MODULE:FUNCTION")
+    rl = RLConfig(task=None if prompts else args.task, difficulties=args.difficulty, prompts=prompts,
+                  reward=args.reward, objective=args.objective, group_size=args.group_size, clip_eps=args.clip_eps,
+                  beta=args.beta, level=args.kl_level, tau=args.tau, compute_penalty=args.compute_penalty,
+                  length_penalty=args.length_penalty, on_reward_error=args.on_reward_error,
+                  backprop_depth=args.backprop_depth, generation=generation)
+    train = TrainConfig(out=args.out, max_steps=args.updates, batch_size=args.prompts_per_step, seed=seed,
+                        optim=OptimConfig(name=args.optimizer, lr=args.lr), save_every=args.save_every,
+                        resume=args.resume, progress=False, tensorboard=False)
+    model, tokenizer, tokenizer_dir = load_start_model(args.init_from)
+    result = run_rl(model.to(args.device), rl, train, tokenizer=tokenizer, tokenizer_dir=tokenizer_dir,
+                    device=args.device)
+    summary = {"out": str(result.out), "updates": result.steps, "model": str(result.model_dir),
+               "last_checkpoint": str(result.last_checkpoint), "elapsed_s": round(result.elapsed_s, 2)}
+    print(json.dumps(summary) if args.json else " ".join(f"{k}={v}" for k, v in summary.items()), file=sys.stdout)
+    return 0

@@ -1,0 +1,113 @@
+"""`rdepth rl` as a function: a start model, a prompt source, a reward and an objective, run by the one `Trainer`.
+
+    model, tokenizer, _ = load_start_model("runs/sft/model")
+    result = run_rl(model, RLConfig(task="shells", difficulties=[3], objective="grpo"),
+                    TrainConfig(out="runs/rl", max_steps=100, batch_size=4), tokenizer=tokenizer)
+
+`TrainConfig.batch_size` is the number of prompts per optimizer step (each with `group_size`
+rollouts), one optimizer step per rollout batch (grad_accum 1), so pi_old is the policy that
+made the rollouts. The reference policy (for GRPO's KL term) is a frozen copy of the start model.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recurrent_depth.evaluation.reasoning.data import ProblemEncoder
+from recurrent_depth.evaluation.reasoning.tasks import get_task
+from recurrent_depth.train.config import TrainConfig
+from recurrent_depth.train.rl.losses import GRPO, K2, LEVELS
+from recurrent_depth.train.rl.rewards import ShapedReward, get_reward
+from recurrent_depth.train.rl.rollouts import ListPrompts, RolloutSettings, RolloutSource, TaskPrompts
+
+OBJECTIVES = ("grpo", "k2")
+
+
+@dataclass
+class RLConfig:
+    """What `run_rl` trains for (the optimizer, steps, checkpoints and seed are the `TrainConfig`'s).
+
+    task / difficulties: prompts from a reasoning task (`evaluation/reasoning`); prompts: a list of
+    prompt texts instead. reward: "task" (the task's checker) or a trusted "module:function".
+    objective: "grpo" (clip_eps, beta, level) or "k2" (tau). generation: the rollouts' `generate`
+    options (see `RolloutSettings`)."""
+
+    task: str | None = "shells"
+    difficulties: Sequence[int] = (3,)
+    prompts: Sequence[str] | None = None
+    reward: str = "task"
+    objective: str = "grpo"
+    group_size: int = 4
+    clip_eps: float = 0.2
+    beta: float = 0.0
+    level: str = "token"
+    tau: float = 1.0
+    compute_penalty: float = 0.0
+    length_penalty: float = 0.0
+    on_reward_error: str = "stop"
+    backprop_depth: int | None = None
+    generation: dict[str, Any] = field(default_factory=lambda: {"max_new_tokens": 4, "do_sample": True})
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective={self.objective!r} is invalid: expected one of {OBJECTIVES}")
+        if self.level not in LEVELS:
+            raise ValueError(f"level={self.level!r} is invalid: expected one of {LEVELS}")
+        if self.task is None and self.prompts is None:
+            raise ValueError("RLConfig needs prompts: a reasoning task (task=) or a list of prompts (prompts=)")
+
+
+def load_start_model(directory: str | Path) -> tuple[Any, Any, Path]:
+    """The model to start RL from, its tokenizer and the tokenizer's directory: `directory` read as
+    `--init-from` reads it (a model directory, a run directory holding model/, or an official Huginn-0125
+    directory; train/init_from.py), in float32."""
+    from recurrent_depth.data.tokenizer import load_tokenizer
+    from recurrent_depth.train.init_from import load_for_training, resolved_config
+
+    start = load_for_training(resolved_config(TrainConfig(init_from=str(directory))))
+    return start.model, load_tokenizer(start.tokenizer_dir), start.tokenizer_dir
+
+
+class NoDepthDraw:
+    """The trainer's depth draw for RL: none (each token replays the depth its rollout chose)."""
+
+    def sample(self, step: int, rank: int = 0) -> None:
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"scheme": "rollout depths (replayed per token)"}
+
+
+def build_rl(model: Any, rl: RLConfig, train: TrainConfig, *, tokenizer: Any = None,
+             log: Callable[[str], None] | None = None, **trainer_kwargs: Any) -> Any:
+    """The `Trainer` of an RL run (not started): rollout source, objective and reference wired up."""
+    from recurrent_depth.train.trainer import Trainer
+
+    log = log if log is not None else (lambda line: print(line, file=sys.stderr))
+    task = get_task(rl.task) if rl.task is not None else None
+    prompts = ListPrompts(list(rl.prompts)) if rl.prompts is not None else TaskPrompts(task, list(rl.difficulties))
+    settings = RolloutSettings(group_size=rl.group_size, generation=dict(rl.generation),
+                               backprop_depth=rl.backprop_depth, seed=train.seed)
+    options = settings.options(model)
+    objective = (GRPO(settings, clip_eps=rl.clip_eps, beta=rl.beta, level=rl.level) if rl.objective == "grpo"
+                 else K2(settings, tau=rl.tau))
+    reward = ShapedReward(get_reward(rl.reward, task), max_depth=options.deepest_step,
+                          max_new_tokens=options.max_new_tokens, compute_penalty=rl.compute_penalty,
+                          length_penalty=rl.length_penalty, on_error=rl.on_reward_error, log=log)
+    reference = copy.deepcopy(model) if objective.needs_reference else None
+    source = RolloutSource(model, prompts, reward, settings, encoder=ProblemEncoder(tokenizer), reference=reference,
+                           log=log)
+    if train.grad_accum != 1:
+        raise ValueError(f"RL takes one optimizer step per rollout batch: grad_accum must be 1, got {train.grad_accum}")
+    return Trainer(train, model=model, data=source, objective=objective, depth=NoDepthDraw(), log=log,
+                   **trainer_kwargs)
+
+
+def run_rl(model: Any, rl: RLConfig, train: TrainConfig, **kwargs: Any) -> Any:
+    """Build (`build_rl`) and run an RL training; returns the `TrainResult`."""
+    return build_rl(model, rl, train, **kwargs).run()

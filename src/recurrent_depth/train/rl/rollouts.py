@@ -1,0 +1,262 @@
+"""RL rollouts: G completions per prompt through the library's generation runtime, scored, as trainer batches.
+
+`RolloutSource.next_batch(P)` draws P prompts, generates G completions of each with `generate`
+(the exit criterion, KV policy and sampling of the user's choice), and records what the loss
+needs: every position's depth, the rollout policy's log-probs of the sampled tokens (pi_old),
+the reference policy's (pi_ref, when the objective has a KL term) and each rollout's reward.
+
+The initial state: rollouts start every token from s_0 = 0 (`init_scale=0`), and the replay
+does too. Generation draws a random s_0 and the sampled tokens from one generator per row,
+interleaved, so replaying a random s_0 would mean replaying the sampler's use of that stream too;
+a zero state makes the replay exact by construction and stores nothing per token.
+
+Log-probs are those of the tempered policy, log softmax(logits / temperature), without the top-k
+/ top-p / min-p cut: the cut decides which tokens are sampled (a tail token is never drawn, the
+SWE-1.7 note's point), the ratio pi_theta / pi_old compares the same distribution on both sides.
+
+Batch `n` draws its prompts from `random.Random(f"rl:{seed}:{n}")` and generates with seed
+`stream_seed(seed, n)` (row b: + b), so the stream is fixed by the seed and the batch index: the
+state a checkpoint keeps is that index, and a resumed run makes the same rollouts as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from recurrent_depth.evaluation.reasoning.data import ProblemEncoder
+from recurrent_depth.evaluation.reasoning.tasks import ReasoningTask
+from recurrent_depth.inference.generate import generate
+from recurrent_depth.inference.options import GenerationOptions
+from recurrent_depth.model.depth import stream_seed
+from recurrent_depth.model.replay import DepthReplay
+from recurrent_depth.train.batches import BatchSource
+from recurrent_depth.train.rl.rewards import ShapedReward
+
+# Generation options a replay cannot follow, with the value rollouts need.
+_REPLAYABLE = {"warm_start": False, "repetition_penalty": 1.0, "kv_quant": None, "mode": "autoregressive"}
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """How rollouts are made and replayed (shared by `RolloutSource` and the objectives).
+
+    group_size: G completions per prompt. generation: `generate` keyword arguments (our names:
+    num_steps, exit_criterion, kv_policy, do_sample, temperature, top_k, ...; max_new_tokens).
+    backprop_depth: the last k steps of each token get gradients (None: the model's mean_backprop_depth).
+    seed: the run's rollout stream (see the module docstring)."""
+
+    group_size: int = 4
+    generation: dict[str, Any] = field(default_factory=dict)
+    backprop_depth: int | None = None
+    seed: int = 0
+
+    def options(self, model: Any) -> GenerationOptions:
+        """The rollouts' validated generation options; a one-line ValueError for what a replay cannot follow."""
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
+            raise ValueError(f"group_size={self.group_size!r} is invalid: expected an integer >= 1")
+        given = dict(self.generation)
+        unknown = sorted(set(given) - GenerationOptions.names())
+        if unknown:
+            known = sorted(GenerationOptions.names())
+            raise ValueError(f"unknown rollout generation option(s) {unknown}; known: {known}")
+        for name in ("seed", "output_logits", "teacher_tokens"):
+            if name in given:
+                raise ValueError(f"rollout generation option {name!r} is set by the RL loop itself; leave it out")
+        scale = given.pop("init_scale", 0.0)
+        if scale != 0:
+            raise ValueError(f"rollouts need init_scale=0 (s_0 = 0, replayed exactly), got init_scale={scale!r}")
+        options = GenerationOptions(**given, init_scale=0.0, output_logits=True).validate(
+            model.config.mean_recurrence)
+        for name, wanted in _REPLAYABLE.items():
+            if getattr(options, name) != wanted:
+                raise ValueError(f"rollouts need {name}={wanted!r} (the replay recomputes plain token-by-token "
+                                 f"decoding), got {getattr(options, name)!r}")
+        if options.min_steps_rule == "skip":
+            raise ValueError("rollouts need min_steps_rule='exit': under 'skip' a token at max_steps keeps the logits "
+                             "of its last check, not of the state its replay ends at")
+        DepthReplay(torch.zeros(1, 1, dtype=torch.long), options.policy.name).policy(model.config.core_layers)
+        return options
+
+    def temperature(self, options: GenerationOptions) -> float:
+        return float(options.temperature) if options.do_sample else 1.0
+
+    def grad_steps(self, model: Any) -> int:
+        return self.backprop_depth if self.backprop_depth is not None else max(1, model.config.mean_backprop_depth)
+
+
+def policy_logprobs(model: nn.Module, batch: dict[str, Tensor], settings: RolloutSettings) -> Tensor:
+    """log pi(y_t | x, y_<t) `[B, N]` of the batch's completion tokens, every position replayed at its
+    recorded depth under the rollout's KV policy (`model/replay.py`), with s_0 = 0."""
+    replay = DepthReplay(batch["token_depths"], batch["kv_policy"], int(batch["backprop_depth"]))
+    out = model(batch["input_ids"], attention_mask=batch["attention_mask"], init_scale=0.0, replay=replay)
+    completion = batch["completion_ids"]
+    logits = out.logits[:, -completion.shape[1]:] / float(batch["temperature"])
+    return logits.log_softmax(-1).gather(-1, completion[..., None])[..., 0]
+
+
+class PromptSource(Protocol):
+    def draw(self, rng: random.Random, count: int) -> list[str]: ...
+
+
+@dataclass(frozen=True)
+class TaskPrompts:
+    """Prompts of a reasoning task, each at a difficulty drawn from `difficulties`."""
+
+    task: ReasoningTask
+    difficulties: Sequence[int]
+
+    def __post_init__(self) -> None:
+        if not self.difficulties:
+            raise ValueError("TaskPrompts needs at least one difficulty")
+        for d in self.difficulties:
+            self.task.check_difficulty(d)
+
+    def draw(self, rng: random.Random, count: int) -> list[str]:
+        return [self.task.sample(rng, rng.choice(list(self.difficulties))).prompt for _ in range(count)]
+
+
+@dataclass(frozen=True)
+class ListPrompts:
+    """Prompts drawn (with replacement) from a fixed list, e.g. the lines of a file."""
+
+    prompts: Sequence[str]
+
+    def __post_init__(self) -> None:
+        if not self.prompts:
+            raise ValueError("ListPrompts needs at least one prompt")
+
+    def draw(self, rng: random.Random, count: int) -> list[str]:
+        return [rng.choice(list(self.prompts)) for _ in range(count)]
+
+
+class RolloutSource(BatchSource):
+    """The trainer's batches for RL: `next_batch(P)` is P prompts times G scored rollouts (module docstring).
+
+    policy: the model being trained (the trainer's); reference: a frozen copy of the starting model
+    (needed for a KL term, else None); encoder: tokenizes prompts as `<|begin_text|> prompt` and ends
+    completions at its end token."""
+
+    def __init__(self, policy: nn.Module, prompts: PromptSource, reward: ShapedReward, settings: RolloutSettings, *,
+                 encoder: ProblemEncoder | None = None, reference: nn.Module | None = None,
+                 log: Callable[[str], None] = print) -> None:
+        self.policy = policy
+        self.prompts = prompts
+        self.reward = reward
+        self.settings = settings
+        self.options = settings.options(policy)
+        self.encoder = encoder if encoder is not None else ProblemEncoder()
+        self.reference = reference
+        if reference is not None:
+            reference.requires_grad_(False).eval()
+        self.log = log
+        self.batches = 0
+        self.last_rollout_s = 0.0
+
+    # ------------------------------------------------------------------ rollouts
+    def _prompt_batch(self, texts: list[str]) -> tuple[Tensor, Tensor]:
+        """Left-padded ids `[P * G, T]` and mask, each prompt repeated G times in a row."""
+        rows = [[self.encoder.bos, *self.encoder.encode_text(t)] for t in texts]
+        T = max(len(r) for r in rows)
+        ids = torch.full((len(rows), T), self.encoder.pad, dtype=torch.long)
+        mask = torch.zeros(len(rows), T, dtype=torch.long)
+        for b, row in enumerate(rows):
+            ids[b, T - len(row):] = torch.tensor(row)
+            mask[b, T - len(row):] = 1
+        G = self.settings.group_size
+        return ids.repeat_interleave(G, dim=0), mask.repeat_interleave(G, dim=0)
+
+    def next_batch(self, batch_size: int) -> dict[str, Any]:
+        n = self.batches
+        texts = self.prompts.draw(random.Random(f"rl:{self.settings.seed}:{n}"), batch_size)
+        ids, mask = self._prompt_batch(texts)
+        device = self.policy.device
+        kwargs = {k: v for k, v in self.settings.generation.items() if k != "init_scale"}
+        stop = kwargs.pop("stop", None)
+        stops = ([stop] if isinstance(stop, int | str) else list(stop or [])) + [self.encoder.eos]
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = generate(self.policy, ids.to(device), attention_mask=mask.to(device), init_scale=0.0,
+                           output_logits=True, seed=stream_seed(self.settings.seed, n) % 2**62, stop=stops, **kwargs)
+        self.last_rollout_s = time.perf_counter() - start
+        batch = self._record(out, ids, mask)
+        batch["rewards"], batch["reward_valid"] = self._score(texts, out)
+        if self.reference is not None:
+            with torch.no_grad():
+                batch["ref_logp"] = policy_logprobs(self.reference, batch, self.settings)
+        self.batches += 1
+        return batch
+
+    def _record(self, out: Any, ids: Tensor, mask: Tensor) -> dict[str, Any]:
+        """The replay's inputs: prompt + completion but its last token, the depth of every position
+        (the prompt at the depth of its last position, which predicted the first token) and pi_old."""
+        device = self.policy.device
+        T = ids.shape[1]
+        completion = out.new_tokens.clone().to(device)  # [B, N]
+        N = completion.shape[1]
+        steps = out.steps.clone().to(device)  # steps[b, i]: depth of the position that produced token i
+        positions = torch.arange(T + N - 1, device=device)
+        temperature = self.settings.temperature(self.options)
+        logits = out.logits.clone().to(device) / temperature
+        lengths = out.lengths.to(device)
+        return {
+            "input_ids": out.sequences[:, : T + N - 1].clone().to(device),
+            "attention_mask": torch.cat([mask.to(device), mask.new_ones(mask.shape[0], N - 1).to(device)], dim=1),
+            "token_depths": steps[:, (positions - T + 1).clamp(min=0)],
+            "completion_ids": completion,
+            "completion_mask": torch.arange(N, device=device)[None] < lengths[:, None],
+            "old_logp": logits.log_softmax(-1).gather(-1, completion[..., None])[..., 0],
+            "temperature": temperature,
+            "kv_policy": self.options.policy.name,
+            "backprop_depth": self.settings.grad_steps(self.policy),
+        }
+
+    def _score(self, texts: list[str], out: Any) -> tuple[Tensor, Tensor]:
+        G, eos = self.settings.group_size, self.encoder.eos
+        rewards, valid = [], []
+        for b, tokens in enumerate(out.token_lists()):
+            body = tokens[: tokens.index(eos)] if eos in tokens else tokens
+            text = self.encoder.tokenizer.decode(body, skip_special_tokens=False)
+            value = self.reward(texts[b // G], text, out.steps[b, : len(tokens)].tolist(), len(tokens))
+            rewards.append(0.0 if value is None else value)
+            valid.append(value is not None)
+        device = self.policy.device
+        return torch.tensor(rewards, device=device), torch.tensor(valid, device=device)
+
+    # ------------------------------------------------------------------ trainer hooks
+    def observe(self, batch: dict[str, Any], output: Any) -> dict[str, Any]:
+        mask = batch["completion_mask"]
+        new = int(mask.sum())
+        depths = batch["token_depths"][:, -mask.shape[1]:]
+        valid = batch["reward_valid"]
+        rewards = batch["rewards"][valid]
+        return {
+            "reward_mean": float(rewards.mean()) if rewards.numel() else None,
+            "reward_errors": self.reward.errors,
+            "rollouts_left_out": int((~valid).sum()),
+            "completion_tokens": new / mask.shape[0],
+            "mean_depth": float(depths[mask].float().mean()) if new else None,
+            "rollout_tokens_per_s": new / self.last_rollout_s if self.last_rollout_s > 0 else None,
+            **(output if isinstance(output, dict) else {}),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"batches": self.batches, "settings": self.describe()["settings"]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved, now = state.get("settings"), self.describe()["settings"]
+        if saved != now:
+            raise ValueError(f"cannot resume this RL run: its rollout settings changed (saved {saved}, now {now})")
+        self.batches = int(state["batches"])
+
+    def describe(self) -> dict[str, Any]:
+        settings = asdict(self.settings)
+        settings["generation"] = {k: settings["generation"][k] for k in sorted(settings["generation"])}
+        return {"source": "rl-rollouts", "settings": settings, "prompts": repr(self.prompts)[:200],
+                "reward": repr(self.reward.base)[:200]}

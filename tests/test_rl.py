@@ -1,0 +1,229 @@
+"""RL whose rollouts choose their own depth: the losses, the depth replay, rewards, resume (issue 27, item 4)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import recurrent_depth as rd
+from recurrent_depth.cli import main
+from recurrent_depth.evaluation.reasoning.data import byte_tokenizer
+from recurrent_depth.model.replay import DepthReplay
+from recurrent_depth.train.config import TrainConfig
+from recurrent_depth.train.optim import OptimConfig
+from recurrent_depth.train.rl import (
+    GRPO,
+    RewardError,
+    RolloutSettings,
+    RolloutSource,
+    ShapedReward,
+    TaskPrompts,
+    group_advantages,
+    grpo_loss,
+    k2_loss,
+    load_reward_function,
+    policy_logprobs,
+)
+from recurrent_depth.train.rl.recipe import RLConfig, build_rl
+
+ROOT = Path(__file__).resolve().parents[1]
+ROLLOUT = {"max_new_tokens": 4, "do_sample": True, "num_steps": 6, "exit_criterion": "kl", "exit_threshold": 1e-2,
+           "top_k": 40}
+
+
+def count_ones(prompt: str, completion: str, depths: list[int]) -> float:
+    """A reward that varies on an untrained model: the share of '1's in the completion."""
+    return completion.count("1") / max(1, len(completion))
+
+
+def fails_on_long(prompt: str, completion: str, depths: list[int]) -> float:
+    if len(completion) > 1:
+        raise KeyError("too long")
+    return 1.0
+
+
+@pytest.fixture
+def byte_model() -> rd.RecurrentDepthLM:
+    torch.manual_seed(7)
+    return rd.RecurrentDepthLM(dataclasses.replace(rd.ModelConfig.from_preset("tiny"), vocab_size=288))
+
+
+def source(model, reward=count_ones, on_error="stop", log=print, **generation) -> RolloutSource:
+    settings = RolloutSettings(group_size=3, generation={**ROLLOUT, **generation}, backprop_depth=2, seed=5)
+    shaped = ShapedReward(reward, max_depth=6, max_new_tokens=4, on_error=on_error, log=log)
+    return RolloutSource(model, TaskPrompts(rd.evaluation.reasoning.ShellGame(), [2, 3]), shaped, settings)
+
+
+# ---------------------------------------------------------------------------- the losses by hand
+def test_grpo_loss_equals_the_formula_on_a_hand_computed_case():
+    A = group_advantages(torch.tensor([1.0, 0.0]), group_size=2, eps=0.0)
+    assert A.tolist() == [1.0, -1.0]  # mean 0.5, population std 0.5
+    old = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]])
+    ratio = torch.tensor([[1.5, 0.5], [1.1, 7.0]])  # the 7 is masked out
+    logp = old + ratio.log()
+    mask = torch.tensor([[True, True], [True, False]])
+    loss, stats = grpo_loss(logp, old, A, mask, clip_eps=0.2)
+    # row 0 (A = 1): min(1.5, 1.2) + min(0.5, 0.8) = 1.7; row 1 (A = -1): min(-1.1, -1.1) = -1.1; over 3 tokens
+    assert loss.item() == pytest.approx(-(1.7 - 1.1) / 3, abs=1e-6)
+    assert stats["clip_fraction"] == pytest.approx(2 / 3)
+    ref = logp + torch.tensor([[math.log(2.0), 0.0], [0.0, 0.0]])  # pi_ref / pi_theta = 2 at one token
+    k3 = 2 - math.log(2) - 1
+    loss, stats = grpo_loss(logp, old, A, mask, clip_eps=0.2, beta=0.5, ref_logp=ref)
+    assert loss.item() == pytest.approx(-(1.7 - 1.1) / 3 + 0.5 * k3 / 3, abs=1e-6)
+    assert stats["kl"] == pytest.approx(k3 / 3, abs=1e-6)
+    loss, _ = grpo_loss(logp, old, A, mask, clip_eps=0.2, beta=0.5, ref_logp=ref, level="sequence")
+    assert loss.item() == pytest.approx(((-1.7 + 0.5 * k3) / 2 + 1.1) / 2, abs=1e-6)
+
+
+def test_k2_loss_equals_the_formula_on_a_hand_computed_case():
+    A = group_advantages(torch.tensor([1.0, 0.0]), group_size=2, normalize=False)
+    assert A.tolist() == [0.5, -0.5]
+    old = torch.zeros(2, 2)
+    logp = torch.tensor([[0.2, -0.1], [0.3, 9.0]])  # sequence log-ratios 0.1 and 0.3 (9.0 masked)
+    mask = torch.tensor([[True, True], [True, False]])
+    loss = k2_loss(logp, old, A, mask, tau=0.5)
+    assert loss.item() == pytest.approx(((0.5 - 0.05) ** 2 + (-0.5 - 0.15) ** 2) / 2, abs=1e-6)
+
+
+def test_a_left_out_rollout_leaves_its_group_statistics():
+    A = group_advantages(torch.tensor([1.0, 0.0, 5.0]), 3, valid=torch.tensor([True, True, False]), eps=0.0)
+    assert A.tolist() == [1.0, -1.0, 0.0]
+
+
+# ---------------------------------------------------------------------------- the depth replay
+@pytest.mark.parametrize("policy, prefill_exits", [("per-step+deepest", False), ("per-step+skip", False),
+                                                   ("per-step+deepest", True)])
+def test_replayed_logprobs_equal_the_sampled_ones_with_adaptive_exit(one_thread, byte_model, policy, prefill_exits):
+    rollouts = source(byte_model, kv_policy=policy, exit_in_prefill=prefill_exits)
+    batch = rollouts.next_batch(3)
+    depths = batch["token_depths"][:, -batch["completion_ids"].shape[1]:][batch["completion_mask"]]
+    assert len(set(depths.tolist())) > 1  # the exit criterion chose different depths
+    with torch.no_grad():
+        replayed = policy_logprobs(byte_model, batch, rollouts.settings)
+    mask = batch["completion_mask"]
+    assert (replayed - batch["old_logp"])[mask].abs().max().item() < 1e-5
+    # not vacuous: the other lookup, or every token at full depth, gives other log-probs
+    other = "per-step+skip" if policy.endswith("deepest") else "per-step+deepest"
+    with torch.no_grad():
+        wrong = policy_logprobs(byte_model, {**batch, "kv_policy": other}, rollouts.settings)
+        full = policy_logprobs(byte_model, {**batch, "token_depths": torch.full_like(batch["token_depths"], 6)},
+                               rollouts.settings)
+    assert (wrong - batch["old_logp"])[mask].abs().max().item() > 1e-4
+    assert (full - batch["old_logp"])[mask].abs().max().item() > 1e-4
+
+
+def test_a_uniform_replay_equals_the_plain_truncated_forward(one_thread, byte_model):
+    ids = torch.randint(0, 288, (2, 7))
+    byte_model.train()
+    plain = byte_model(ids, num_steps=(3, 2), init_scale=0.0)
+    plain.logits.square().mean().backward()
+    want = {n: p.grad.clone() for n, p in byte_model.named_parameters()}
+    byte_model.zero_grad()
+    replay = byte_model(ids, init_scale=0.0, replay=DepthReplay(torch.full((2, 7), 5), "per-step+deepest", 2))
+    replay.logits.square().mean().backward()
+    assert torch.allclose(replay.logits, plain.logits, atol=1e-6)
+    for name, p in byte_model.named_parameters():
+        assert torch.allclose(p.grad, want[name], atol=1e-6), name
+
+
+def test_a_shared_slot_policy_is_refused(byte_model):
+    with pytest.raises(ValueError, match="cannot be replayed"):
+        source(byte_model, kv_policy="shared-2")
+    with pytest.raises(ValueError, match="init_scale=0"):
+        source(byte_model, init_scale=1.0)
+    with pytest.raises(ValueError, match="unknown rollout generation option"):
+        source(byte_model, num_step=3)
+
+
+# ---------------------------------------------------------------------------- rewards
+def test_a_raising_reward_is_reported_with_its_input(one_thread, byte_model):
+    with pytest.raises(RewardError, match=r"fails_on_long failed \(KeyError.*prompt='\d>[a-d]+=' completion="):
+        source(byte_model, reward=fails_on_long, max_new_tokens=3, stop=[]).next_batch(2)
+    lines: list[str] = []
+    for on_error in ("zero", "skip"):
+        rollouts = source(byte_model, reward=fails_on_long, on_error=on_error, log=lines.append, max_new_tokens=3)
+        batch = rollouts.next_batch(2)
+        assert rollouts.reward.errors > 0 and len(lines) >= rollouts.reward.errors
+        assert "prompt=" in lines[-1] and f"on_reward_error={on_error}" in lines[-1]
+        assert batch["reward_valid"].all() if on_error == "zero" else not batch["reward_valid"].all()
+
+
+def test_rl_cli_refuses_what_a_replay_cannot_follow_in_one_line(byte_model, tmp_path, capsys):
+    byte_model.save_pretrained(tmp_path / "m")
+    byte_tokenizer().save(str(tmp_path / "m" / "tokenizer.json"))
+    base = ["rl", "--init-from", str(tmp_path / "m"), "--out", str(tmp_path / "out"), "--threads", "1"]
+    for extra, message in ((["--kv-policy", "shared-2"], "cannot be replayed"), (["--init-scale", "1"], "init_scale=0"),
+                           (["--reward", "nocolon"], "module:function")):
+        assert main(base + extra) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert len(errors) == 1 and message in errors[0], errors
+
+
+def test_reward_function_specs_fail_in_one_line():
+    assert load_reward_function("tests.test_rl:count_ones") is count_ones
+    for spec, message in (("nocolon", "module:function"), ("no_such_mod_xyz:f", "cannot import"),
+                          ("tests.test_rl:missing", "no callable")):
+        with pytest.raises(ValueError, match=message):
+            load_reward_function(spec)
+
+
+# ---------------------------------------------------------------------------- the loop and resume
+def test_one_grpo_update_moves_the_policy(one_thread, byte_model):
+    rl = RLConfig(task="shells", difficulties=[2], reward="tests.test_rl:count_ones", group_size=3, beta=0.1,
+                  backprop_depth=2, generation=ROLLOUT)
+    train = TrainConfig(out=None, max_steps=2, batch_size=2, optim=OptimConfig(name="adamw", lr=1e-2),
+                        progress=False, tensorboard=False)
+    before = {n: p.detach().clone() for n, p in byte_model.named_parameters()}
+    records = []
+    trainer = build_rl(byte_model, rl, train, log=lambda line: None, on_step=lambda t, r: records.append(r))
+    assert isinstance(trainer.objective, GRPO)
+    trainer.run()
+    assert records[0]["loss"] != 0.0 and records[0]["mean_depth"] < 6
+    assert records[1]["kl"] > 0  # the second batch's pi_ref differs from the updated policy
+    assert any(not torch.equal(p, before[n]) for n, p in byte_model.named_parameters())
+
+
+RL_ARGS = ["rl", "--reward", "tests.test_rl:count_ones", "--difficulty", "2", "--group-size", "3",
+           "--prompts-per-step", "2", "--updates", "4", "--save-every", "1", "--lr", "1e-2", "--beta", "0.1",
+           "--num-steps", "6", "--exit-criterion", "kl", "--exit-threshold", "0.01", "--top-k", "40",
+           "--max-new-tokens", "4", "--backprop-depth", "2", "--threads", "1", "--seed", "3"]
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_continues_the_same_trajectory_bitwise(one_thread, byte_model, tmp_path):
+    start = tmp_path / "start"
+    byte_model.save_pretrained(start)
+    byte_tokenizer().save(str(start / "tokenizer.json"))
+    args = RL_ARGS + ["--init-from", str(start)]
+    killed = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    proc = subprocess.Popen([sys.executable, "-m", "recurrent_depth.cli", *args, "--out", str(killed)], cwd=ROOT,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert main(args + ["--out", str(tmp_path / "straight")]) == 0  # while the other process starts
+
+    second = killed / "checkpoints" / "step-00000002"
+    deadline = time.monotonic() + 120
+    while not second.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert second.exists() and not (killed / "model").exists(), "the run ended before it could be killed"
+    assert main(args + ["--out", str(killed), "--resume"]) == 0
+
+    runs = (tmp_path / "straight", killed)
+    weights = [load_file(str(run / "model" / "model.safetensors")) for run in runs]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    losses = [[json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()] for run in runs]
+    assert losses[0] == losses[1] and len(losses[0]) == 4

@@ -63,3 +63,106 @@ def test_a_public_class_or_function_name_means_one_thing():
                 defined[name].add(module.__name__)
     clashes = {name: sorted(mods) for name, mods in defined.items() if len(mods) > 1}
     assert set(clashes) - SHARED_BY_DESIGN == set(), clashes
+
+
+# ---------------------------------------------------------------------------- the import graph
+REMOTE = PACKAGE / "integrations" / "remote"  # the standalone remote-code file imports nothing of ours
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (top level, inside functions, under TYPE_CHECKING: all of
+    them). `from a.b import c` is an edge to `a.b.c` when c is a module, else to `a.b`; relative imports resolve."""
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py") if REMOTE not in p.parents}
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else base for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                while target and target not in files:  # `import a.b.c` of a name inside a module
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    circles.append(sorted(component))
+    return circles
+
+
+def test_the_import_graph_finds_circles():
+    """The checker itself: a circle of three, a self-standing module and a tail into the circle."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_circles(graph) == [["a", "b", "c"]]
+    assert import_circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle_in_the_package():
+    """Every module's imports, lazy ones included, form no circle (issue 26: layers point one way)."""
+    graph = import_graph()
+    assert "recurrent_depth.accel.runner" in graph["recurrent_depth"]  # the root applies accel from outside
+    assert import_circles(graph) == []
+
+
+def test_inference_and_model_import_nothing_from_accel():
+    """Hardware tuning is applied from outside: `make_runner` is handed the fast runner (`register_fast_runner`)."""
+    offenders = {
+        name: sorted(t for t in targets if t.startswith("recurrent_depth.accel"))
+        for name, targets in import_graph().items()
+        if name.startswith(("recurrent_depth.inference", "recurrent_depth.model"))
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}

@@ -49,9 +49,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from recurrent_depth.checkpoint import copy_tokenizer, load_pretrained, save_pretrained
+    from recurrent_depth.checkpoint import copy_tokenizer, save_pretrained
     from recurrent_depth.config import ModelConfig
     from recurrent_depth.integrations.export import TOKENIZER_FILES, check_exportable, export_remote_code
+    from recurrent_depth.model.recurrent import RecurrentDepthLM
 
     src = Path(args.model)
     out = Path(args.out) if args.out is not None else None
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if args.remote_code:
         check_exportable(ModelConfig.from_json(src))  # fail before writing anything
     if out is not None and (reshape or not args.remote_code):
-        model = load_pretrained(src, dtype=args.dtype)
+        model = RecurrentDepthLM.from_pretrained(src, dtype=args.dtype)
         max_bytes = int(args.max_shard_mb * 2**20) if args.max_shard_mb is not None else None
         save_pretrained(model, out, max_shard_bytes=max_bytes)
         if out.resolve() != src.resolve():

@@ -47,8 +47,9 @@ import torch
 from torch import Tensor
 
 from recurrent_depth.inference.cache import DynamicRecurrentCache, LayerKey, StaticRecurrentCache
-from recurrent_depth.inference.runner import all_attention
 from recurrent_depth.model.cache import KVPolicy, combine_key_mask
+from recurrent_depth.model.recurrent import all_attention
+from recurrent_depth.ops.codes_attention import codes_attention
 from recurrent_depth.quant import ChannelSplit, Quantizer, QuantSpec, parse_kv_quant, select_outlier_channels
 from recurrent_depth.quant.rows import RowCodec, TurboRows, row_codec
 
@@ -207,19 +208,6 @@ class _Codecs:
         return 8 + sum(getattr(codec, "state_nbytes", 0) for pair in self._layers.values() for codec in pair)
 
 
-def causal_scores_mask(scores: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
-    """Scores `[B, H, T, S]` with SDPA's mask rules applied: a bool mask keeps True, a float mask
-    adds, `is_causal` (no mask) keeps the lower triangle aligned at the top left, as SDPA does."""
-    if mask is None and is_causal:
-        T, S = scores.shape[-2:]
-        mask = torch.ones(T, S, dtype=torch.bool, device=scores.device).tril()
-    if mask is None:
-        return scores
-    if mask.dtype == torch.bool:
-        return scores.masked_fill(~mask, float("-inf"))
-    return scores + mask
-
-
 class CodeRowStorage:
     """What makes a float KV storage a quantized one, for any storage whose `update_heads` writes
     the rows it is given and returns every visible column, with `key_mask` for the columns a
@@ -272,19 +260,6 @@ class CodeRowStorage:
         if kernels is not None and kernels.fits(ck, cv, q):
             return kernels.attend(ck, cv, q, rows_k, rows_v, attn_mask, is_causal)
         return codes_attention(q, rows_k, rows_v, ck.score, cv.combine, attn_mask, is_causal)
-
-
-def codes_attention(q: Tensor, rows_k: Tensor, rows_v: Tensor, score: Any, combine: Any,
-                    attn_mask: Tensor | None, is_causal: bool) -> Tensor:
-    """Softmax attention of q `[B, H, T, D]` over code rows `[B, Hkv, S, bytes]`: `score(q, rows_k)`,
-    SDPA's mask rules and scale, then `combine(weights, rows_v)`; query head h reads KV head h // (H / Hkv)."""
-    B, H, T, D = q.shape
-    Hkv, S = rows_k.shape[1], rows_k.shape[2]
-    grouped = q.reshape(B, Hkv, (H // Hkv) * T, D)
-    scores = score(grouped, rows_k).view(B, H, T, S) * D**-0.5
-    weights = torch.softmax(causal_scores_mask(scores, attn_mask, is_causal), dim=-1)
-    out = combine(weights.view(B, Hkv, (H // Hkv) * T, S), rows_v)
-    return out.view(B, H, T, -1).to(q.dtype)
 
 
 class QuantizedRecurrentCache(CodeRowStorage, StaticRecurrentCache):

@@ -23,10 +23,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from recurrent_depth.checkpoint import load_pretrained, save_pretrained
 from recurrent_depth.config import MODEL_PARTS, ModelConfig, is_real
 from recurrent_depth.model.depth import DepthSampler
 from recurrent_depth.model.layers import RMSNorm, SandwichBlock
 from recurrent_depth.model.mixers import MixerContext, build_mixer, check_mixer_name
+from recurrent_depth.model.mixers.attention import Attention
 
 NumSteps = int | tuple[int, int] | None
 
@@ -384,17 +386,13 @@ class RecurrentDepthLM(nn.Module):
 
     # ------------------------------------------------------------------ checkpoints
     def save_pretrained(self, path: Any, **kwargs: Any) -> None:
-        from recurrent_depth.checkpoint import save_pretrained
-
         save_pretrained(self, path, **kwargs)
 
     @classmethod
     def from_pretrained(
         cls, path: Any, dtype: torch.dtype | None = None, device: Any = "cpu", **kwargs: Any
     ) -> RecurrentDepthLM:
-        from recurrent_depth.checkpoint import load_pretrained
-
-        return load_pretrained(path, dtype=dtype, device=device, **kwargs)
+        return load_pretrained(path, dtype=dtype, device=device, model_class=cls, **kwargs)
 
     @property
     def device(self) -> torch.device:
@@ -406,3 +404,13 @@ class RecurrentDepthLM(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+
+
+def blocks_of(model: RecurrentDepthLM) -> list[SandwichBlock]:
+    """The model's blocks in order: prelude, core, coda."""
+    return [*model.transformer.prelude, *model.transformer.core_block, *model.transformer.coda]
+
+
+def all_attention(model: RecurrentDepthLM) -> bool:
+    """Every block mixes tokens with softmax attention (what cache lookups that hide columns need)."""
+    return all(type(b.attn) is Attention for b in blocks_of(model))

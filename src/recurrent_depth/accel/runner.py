@@ -42,7 +42,7 @@ from torch import Tensor
 from recurrent_depth.accel import enabled_by_default
 from recurrent_depth.accel.quant import code_kernels
 from recurrent_depth.inference.runner import ModelRunner, Step
-from recurrent_depth.model.cache import combine_key_mask
+from recurrent_depth.model.cache import ModelCache, combine_key_mask
 from recurrent_depth.model.layers import RotaryTable
 from recurrent_depth.model.recurrent import all_attention, blocks_of
 
@@ -179,8 +179,8 @@ class FastRunner(ModelRunner):
 
     # ------------------------------------------------------------------ pieces
     def context(
-        self, input_ids: Tensor, attention_mask: Tensor | None, cache: Any, position_ids: Tensor | None = None,
-        row_columns: list[int] | None = None,
+        self, input_ids: Tensor, attention_mask: Tensor | None, cache: ModelCache | None,
+        position_ids: Tensor | None = None, row_columns: list[int] | None = None,
     ) -> Step:
         ctx = self.model.make_context(input_ids, attention_mask, position_ids, cache, row_columns)
         return Step(ctx, self._freq_table[ctx.positions].unsqueeze(2))  # [B, T, 1, D/2]
@@ -231,8 +231,8 @@ class FastRunner(ModelRunner):
         ctx = step.ctx
         cache = ctx.cache
         mask, is_causal = ctx.attn_mask, ctx.is_causal
-        from_codes = cache is not None and getattr(cache, "attends_from_codes", False)  # inference/quant_cache.py
-        if cache is not None and not from_codes:  # a `StepCache` (model/cache.py), in its head-major layout
+        from_codes = cache is not None and cache.attends_from_codes  # a quantized storage (inference/kv_codec.py)
+        if cache is not None and not from_codes:  # a `ModelCache` (model/cache.py), in its head-major layout
             k, v = cache.update_heads(key, k, v)
             key_mask = cache.key_mask(key)
             if key_mask is not None:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from recurrent_depth.model.cache import StepCache
+from recurrent_depth.model.cache import ModelCache
 from recurrent_depth.model.mixers import MixerContext
 
 
@@ -39,7 +39,7 @@ class ModelRunner:
         self.model = model
 
     def context(
-        self, input_ids: Tensor, attention_mask: Tensor | None, cache: StepCache | None,
+        self, input_ids: Tensor, attention_mask: Tensor | None, cache: ModelCache | None,
         position_ids: Tensor | None = None, row_columns: list[int] | None = None,
     ) -> Step:
         return Step(self.model.make_context(input_ids, attention_mask, position_ids, cache, row_columns))

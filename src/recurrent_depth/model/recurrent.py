@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from recurrent_depth.checkpoint import load_pretrained, save_pretrained
 from recurrent_depth.config import MODEL_PARTS, ModelConfig, is_real
+from recurrent_depth.model.cache import ModelCache
 from recurrent_depth.model.depth import DepthSampler
 from recurrent_depth.model.layers import RMSNorm, SandwichBlock
 from recurrent_depth.model.mixers import MixerContext, build_mixer, check_mixer_name
@@ -130,7 +131,7 @@ class RecurrentDepthLM(nn.Module):
         input_ids: Tensor,
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
-        cache: Any | None = None,
+        cache: ModelCache | None = None,
         row_columns: list[int] | None = None,
     ) -> MixerContext:
         """Positions and masks for one call; left padding shifts each row's positions to start at 0.
@@ -225,7 +226,7 @@ class RecurrentDepthLM(nn.Module):
         input_states: Tensor | None = None,
         init_scale: float | None = None,
         generator: torch.Generator | None = None,
-        cache: Any | None = None,
+        cache: ModelCache | None = None,
         output_all_states: bool = False,
     ) -> RecurrentOutput:
         """Run prelude -> num_steps core steps -> coda on `input_ids` [B, T].
@@ -321,7 +322,7 @@ class RecurrentDepthLM(nn.Module):
         labels: Tensor | None,
         attention_mask: Tensor | None,
         input_states: Tensor | None,
-        cache: Any | None,
+        cache: ModelCache | None,
         position_ids: Tensor | None = None,
     ) -> None:
         cfg = self.config

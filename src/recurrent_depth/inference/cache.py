@@ -2,8 +2,8 @@
 
 Both storages follow one `KVPolicy` (`recurrent_depth.model.cache`: the slot rule per-step /
 shared-K / last-step and the lookup rule deepest / skip, each written once there) and the
-`StepCache` protocol (`seq_len`, `update_kv`/`update_heads`, `key_mask`, `get_state`/`set_state`,
-`advance`, `close`, `truncate`, `seek`, `nbytes`, `logical_nbytes`):
+`StepCache` protocol (`seq_len`, `update_kv`/`update_heads`, `attend`/`attends_from_codes`, `key_mask`,
+`get_state`/`set_state`, `advance`, `close`, `truncate`, `seek`, `nbytes`, `logical_nbytes`):
 
 - `DynamicRecurrentCache`: the plain reference. Entries are stored per column (token position)
   and the deepest-entry lookup is resolved at read time, row by row. Slow, obviously right.
@@ -15,6 +15,10 @@ shared-K / last-step and the lookup rule deepest / skip, each written once there
 keep their value (rows that already exited, frozen columns). Prelude and coda layers keep one
 entry per token. Columns are cache positions; they equal token positions unless a batch has holes
 (rejected speculative drafts of one row), which the attention mask hides.
+
+`kv_quant` (a spec, see `recurrent_depth.inference.quant_cache`): the static cache holds the codec
+(`kv_codec.CodeRows`) and stores code rows in the same layout; the dynamic reference stores each
+entry's codec round trip.
 """
 
 from __future__ import annotations
@@ -24,7 +28,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from recurrent_depth.inference.kv_codec import CodeRows, KVQuant, LayerCodecs
+from recurrent_depth.inference.kv_codec import (
+    CodeRows,
+    KVQuant,
+    LayerCodecs,
+    attend_through_codec,
+    update_heads_through_codec,
+)
 from recurrent_depth.model.cache import (
     KVPolicy,
     attend_floats,
@@ -272,19 +282,10 @@ class StaticRecurrentCache(_CacheBase):
         K, V = self.update_heads(key, k.transpose(1, 2), v.transpose(1, 2))
         return K.transpose(1, 2), V.transpose(1, 2)
 
-    def update_heads(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """`update_kv` in the storage's head-major layout: k, v `[B, Hkv, T, D]` -> `[B, Hkv, seq_len + T, D]`."""
-        if self.codes is not None:
-            return self.codes.update_heads(self, key, k, v)
-        return self.write_rows(key, k, v)
-
-    def attend(self, key: LayerKey, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
-               is_causal: bool, kernels: Any = None) -> Tensor:
-        """Write k, v `[B, Hkv, T, D]`, then softmax attention of q `[B, H, T, D]` over every visible
-        column: from the codes of a quantized storage (`CodeRows.attend`), else SDPA."""
-        if self.codes is not None:
-            return self.codes.attend(self, key, q, k, v, attn_mask, is_causal, kernels)
-        return attend_floats(self, key, q, k, v, attn_mask, is_causal)
+    # `update_kv` in the head-major layout, `[B, Hkv, T, D]` -> `[B, Hkv, seq_len + T, D]`, and softmax
+    # attention, both through the codec the cache holds (None: floats straight to `write_rows`).
+    update_heads = update_heads_through_codec
+    attend = attend_through_codec
 
     def write_rows(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write rows `[B, Hkv, T, width]` (floats, or a codec's code rows) at columns [seq_len, seq_len + T);

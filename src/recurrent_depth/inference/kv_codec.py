@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from recurrent_depth.model.cache import LayerKey, combine_key_mask
+from recurrent_depth.model.cache import LayerKey, attend_floats, combine_key_mask
 from recurrent_depth.ops.codes_attention import codes_attention
 from recurrent_depth.quant import ChannelSplit, Quantizer, QuantSpec, parse_kv_quant, select_outlier_channels
 from recurrent_depth.quant.rows import RowCodec, TurboRows, row_codec
@@ -172,7 +172,9 @@ ChooseCodecs = Callable[[LayerKey, Tensor, Tensor], tuple[Codec, Codec]]
 
 
 class RowStorage(Protocol):
-    """What `CodeRows` needs of the storage holding it."""
+    """What `CodeRows` needs of the storage holding it (and `codes`: the codec it holds, or None)."""
+
+    codes: CodeRows | None
 
     def write_rows(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
     def key_mask(self, key: LayerKey) -> Tensor | None: ...
@@ -224,3 +226,20 @@ class CodeRows:
         """k, v `[B, Hkv, T, D]` as their codes decode (the plain reference's entries)."""
         ck, cv = self.choose(key, k, v)
         return ck.decode(ck.encode(k), k.dtype), cv.decode(cv.encode(v), v.dtype)
+
+
+# A storage holding a codec or None uses these two as its `update_heads` and `attend`.
+def update_heads_through_codec(storage: RowStorage, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """`update_heads` of a storage that may hold a codec: k, v `[B, Hkv, T, D]` written (as code rows when it
+    holds one), every visible column `[B, Hkv, S, D]` returned (decoded)."""
+    if storage.codes is not None:
+        return storage.codes.update_heads(storage, key, k, v)
+    return storage.write_rows(key, k, v)
+
+
+def attend_through_codec(storage: RowStorage, key: LayerKey, q: Tensor, k: Tensor, v: Tensor,
+                         attn_mask: Tensor | None, is_causal: bool, kernels: Any = None) -> Tensor:
+    """`attend` of a storage that may hold a codec: from the codes (`CodeRows.attend`), else SDPA."""
+    if storage.codes is not None:
+        return storage.codes.attend(storage, key, q, k, v, attn_mask, is_causal, kernels)
+    return attend_floats(storage, key, q, k, v, attn_mask, is_causal)

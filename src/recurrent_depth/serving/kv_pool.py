@@ -38,8 +38,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from recurrent_depth.inference.kv_codec import Codec, CodeRows, KVQuant, layer_codec
-from recurrent_depth.model.cache import KVPolicy, attend_floats, grown_slot_count, settle_new_slots
+from recurrent_depth.inference.kv_codec import (
+    Codec,
+    CodeRows,
+    KVQuant,
+    attend_through_codec,
+    layer_codec,
+    update_heads_through_codec,
+)
+from recurrent_depth.model.cache import KVPolicy, grown_slot_count, settle_new_slots
 
 LayerKey = tuple
 
@@ -200,19 +207,10 @@ class SlotKVPool:
         K, V = self.update_heads(key, k.transpose(1, 2), v.transpose(1, 2))
         return K.transpose(1, 2), V.transpose(1, 2)
 
-    def update_heads(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """`update_kv` in head-major layout: k, v `[B, Hkv, T, D]` in, `[B, Hkv, L, D]` out."""
-        if self.codes is not None:
-            return self.codes.update_heads(self, key, k, v)
-        return self.write_rows(key, k, v)
-
-    def attend(self, key: LayerKey, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
-               is_causal: bool, kernels: Any = None) -> Tensor:
-        """Write k, v `[B, Hkv, T, D]`, then softmax attention of q `[B, H, T, D]` over every visible
-        column: from the codes of a quantized pool (`CodeRows.attend`), else SDPA."""
-        if self.codes is not None:
-            return self.codes.attend(self, key, q, k, v, attn_mask, is_causal, kernels)
-        return attend_floats(self, key, q, k, v, attn_mask, is_causal)
+    # `update_kv` in head-major layout, `[B, Hkv, T, D]` in, `[B, Hkv, L, D]` out, and softmax attention,
+    # both through the codec the pool holds (None: floats straight to `write_rows`).
+    update_heads = update_heads_through_codec
+    attend = attend_through_codec
 
     def write_rows(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write rows `[B, Hkv, T, width]` (floats, or a codec's code rows); return every visible column's."""

@@ -2,6 +2,7 @@
 
 import ast
 import collections
+import functools
 import importlib
 import inspect
 import pkgutil
@@ -74,6 +75,7 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache  # (parsed once for the tests below; they only read it)
 def import_graph() -> dict[str, set[str]]:
     """Module -> the package's modules it imports (top level, inside functions, under TYPE_CHECKING: all of
     them). `from a.b import c` is an edge to `a.b.c` when c is a module, else to `a.b`; relative imports resolve."""
@@ -166,3 +168,23 @@ def test_inference_and_model_import_nothing_from_accel():
         if name.startswith(("recurrent_depth.inference", "recurrent_depth.model"))
     }
     assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_make_runner_asks_the_registered_factories_in_order(monkeypatch):
+    """A factory that declines (None) passes the model on; `fast=False` asks none; none left: the reference."""
+    import torch
+
+    from recurrent_depth.accel.runner import FastRunner, fast_runner
+    from recurrent_depth.inference import runner as runner_module
+
+    model = recurrent_depth.RecurrentDepthLM(recurrent_depth.ModelConfig.from_preset("tiny")).eval()
+    asked = []
+    monkeypatch.setattr(runner_module, "_FAST_RUNNERS", [])
+    runner_module.register_fast_runner(lambda m: asked.append("declines"))
+    runner_module.register_fast_runner(fast_runner)
+    runner_module.register_fast_runner(fast_runner)  # once only
+    assert isinstance(runner_module.make_runner(model), FastRunner) and asked == ["declines"]
+    assert type(runner_module.make_runner(model, fast=False)) is runner_module.ModelRunner and asked == ["declines"]
+    monkeypatch.setattr(runner_module, "_FAST_RUNNERS", [])
+    assert type(runner_module.make_runner(model)) is runner_module.ModelRunner
+    assert torch.is_grad_enabled()  # the fast runner was built under no_grad, which ends with it

@@ -268,14 +268,15 @@ def load_pretrained(
     device: Any = "cpu",
     config_overrides: dict[str, Any] | None = None,
     allow_outside: bool = False,
-):
-    """Build a `RecurrentDepthLM` from a model directory (ours or official Huginn-0125).
+    *,
+    model_class: type[torch.nn.Module],
+) -> Any:
+    """Build a `model_class` (`RecurrentDepthLM`, whose `from_pretrained` calls this) from a model
+    directory (ours or official Huginn-0125).
 
     Everything is checked before a tensor is allocated: the config's bounds, then its shapes against
     the safetensors headers. `allow_outside=True` lets an index name weight files outside `path`.
     """
-    from recurrent_depth.model.recurrent import RecurrentDepthLM
-
     device = usable_device(device)
     path = Path(path)
     if not path.is_dir():
@@ -295,7 +296,7 @@ def load_pretrained(
     _check_layer_counts(config, header, path)
 
     with torch.device("meta"):
-        model = RecurrentDepthLM(config)
+        model = model_class(config)
     expected = {name: p for name, p in model.state_dict().items()}
     problems: list[str] = []
     tied_head = config.tie_embeddings and "lm_head.weight" in header

@@ -9,8 +9,8 @@
 - `keep_freed_memory` (`accel.allocator`): glibc thresholds for training loops;
 - `choose_threads` / `configure_threads` (`accel.threads`): the thread count for the machine now;
 - `cpu_emulates_bf16` (`accel.cpu`): the probe the choices above rest on.
-- `FastRunner` (`accel.runner`): the fused decode runner for all-attention models, which the runtime
-  applies through `inference.runner.make_runner` (`fast=False` there is its own switch).
+- `FastRunner` (`accel.runner`): the fused decode runner for all-attention models; `import recurrent_depth`
+  registers it with `inference.runner.make_runner` (`fast=False` there is its own switch).
 
 Each conversion swaps the class of existing layers (no new parameters, names or buffers), so a
 converted model saves the state dict of the plain one, and `restore(model)` undoes it. One switch

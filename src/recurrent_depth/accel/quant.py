@@ -6,7 +6,7 @@ column's codes; eagerly that is ~100 small tensor operations per attention layer
 lookups, norms, rotations), whose per-operation overhead, not arithmetic, sets the speed at batch 1.
 Compiled, the whole read (score, softmax, value sum) is a few fused loops, and the two encodes are one
 more call. The functions compiled are the eager ones (`recurrent_depth.quant.rows.turbo_encode`,
-`turbo_score`, `turbo_combine` and `inference.quant_cache.codes_attention`), which stay the reference:
+`turbo_score`, `turbo_combine` and `ops.codes_attention.codes_attention`), which stay the reference:
 tests compare both.
 
 - Only decode calls (one new token per row, no autograd, both sides TurboRows) are compiled; prefill
@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from recurrent_depth.accel import quant_cpp
-from recurrent_depth.inference.quant_cache import codes_attention
+from recurrent_depth.ops.codes_attention import codes_attention
 from recurrent_depth.quant.rows import TurboRows, TurboTables, turbo_combine, turbo_encode, turbo_score
 
 NO_COMPILE_ENV = "RDEPTH_NO_COMPILE"

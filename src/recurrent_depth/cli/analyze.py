@@ -84,7 +84,7 @@ def _in_flag_names(exc: ValueError) -> ValueError:
 
 def run(args: argparse.Namespace) -> int:
     from recurrent_depth.analysis.report import AnalysisConfig, analyze_to_dir
-    from recurrent_depth.checkpoint import load_pretrained
+    from recurrent_depth.model.recurrent import RecurrentDepthLM
 
     start = time.perf_counter()
     model_dir = Path(args.model)
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
             prompt = Path(args.prompt_file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"--prompt-file {args.prompt_file} cannot be read as UTF-8 text: {exc}") from None
-    model = load_pretrained(model_dir, dtype=args.dtype, device=args.device)
+    model = RecurrentDepthLM.from_pretrained(model_dir, dtype=args.dtype, device=args.device)
 
     tokenizer = None if args.ids is not None else load_cli_tokenizer(args)
     if args.ids is not None:

@@ -56,9 +56,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from recurrent_depth.checkpoint import copy_tokenizer, load_pretrained, save_pretrained
+    from recurrent_depth.checkpoint import copy_tokenizer, save_pretrained
     from recurrent_depth.config import ModelConfig
     from recurrent_depth.integrations.export import TOKENIZER_FILES, check_exportable, export_remote_code
+    from recurrent_depth.model.recurrent import RecurrentDepthLM
 
     src = Path(args.model)
     out = Path(args.out) if args.out is not None else None
@@ -73,13 +74,13 @@ def run(args: argparse.Namespace) -> int:
         check_exportable(ModelConfig.from_json(src))  # fail before writing anything
     if out is not None and (reshape or not args.remote_code):
         if args.merge_lora is None:
-            model = load_pretrained(src, dtype=args.dtype)
+            model = RecurrentDepthLM.from_pretrained(src, dtype=args.dtype)
         else:
             import torch
 
             from recurrent_depth.train.lora import load_lora, merge_lora
 
-            model = merge_lora(load_lora(load_pretrained(src), args.merge_lora))
+            model = merge_lora(load_lora(RecurrentDepthLM.from_pretrained(src), args.merge_lora))
             if args.dtype is not None:
                 model = model.to(getattr(torch, args.dtype))
         max_bytes = int(args.max_shard_mb * 2**20) if args.max_shard_mb is not None else None

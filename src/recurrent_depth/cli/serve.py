@@ -96,10 +96,10 @@ def run(args: argparse.Namespace) -> int:
     model: Any = args.model
     tokenizer_dir, model_name = args.tokenizer, args.served_model_name
     if args.lora is not None:  # the model loaded here, so the adapter goes onto it (unmerged)
-        from recurrent_depth.checkpoint import load_pretrained
+        from recurrent_depth.model.recurrent import RecurrentDepthLM
         from recurrent_depth.train.lora import attach_adapter
 
-        model = attach_adapter(load_pretrained(args.model, dtype=dtype, device=args.device), args.lora)
+        model = attach_adapter(RecurrentDepthLM.from_pretrained(args.model, dtype=dtype, device=args.device), args.lora)
         tokenizer_dir, model_name = tokenizer_dir or args.model, model_name or Path(args.model).resolve().name
     serve(
         model, tokenizer_dir=tokenizer_dir, host=args.host, port=args.port, log_level=args.log_level,

@@ -75,9 +75,9 @@ class EvalConfig:
 def _load(path: str, device: str, dtype: str | None, tokenizer_dir: str | None = None):
     from transformers import AutoTokenizer
 
-    from recurrent_depth.checkpoint import load_pretrained
+    from recurrent_depth.model.recurrent import RecurrentDepthLM
 
-    model = load_pretrained(path, dtype=dtype, device=device)
+    model = RecurrentDepthLM.from_pretrained(path, dtype=dtype, device=device)
     source = Path(tokenizer_dir if tokenizer_dir is not None else path)
     if tokenizer_dir is not None and not (source / "tokenizer.json").is_file():
         raise FileNotFoundError(f"--tokenizer {tokenizer_dir}: no tokenizer.json in that directory")

@@ -2,8 +2,8 @@
 
 Both storages follow one `KVPolicy` (`recurrent_depth.model.cache`: the slot rule per-step /
 shared-K / last-step and the lookup rule deepest / skip, each written once there) and the
-`StepCache` protocol (`seq_len`, `update_kv`/`update_heads`, `key_mask`, `get_state`/`set_state`,
-`advance`, `close`, `truncate`, `seek`, `nbytes`, `logical_nbytes`):
+`StepCache` protocol (`seq_len`, `update_kv`/`update_heads`, `attend`/`attends_from_codes`, `key_mask`,
+`get_state`/`set_state`, `advance`, `close`, `truncate`, `seek`, `nbytes`, `logical_nbytes`):
 
 - `DynamicRecurrentCache`: the plain reference. Entries are stored per column (token position)
   and the deepest-entry lookup is resolved at read time, row by row. Slow, obviously right.
@@ -15,6 +15,10 @@ shared-K / last-step and the lookup rule deepest / skip, each written once there
 keep their value (rows that already exited, frozen columns). Prelude and coda layers keep one
 entry per token. Columns are cache positions; they equal token positions unless a batch has holes
 (rejected speculative drafts of one row), which the attention mask hides.
+
+`kv_quant` (a spec, see `recurrent_depth.inference.quant_cache`): the static cache holds the codec
+(`kv_codec.CodeRows`) and stores code rows in the same layout; the dynamic reference stores each
+entry's codec round trip.
 """
 
 from __future__ import annotations
@@ -24,7 +28,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from recurrent_depth.model.cache import KVPolicy, grown_slot_count, parse_kv_policy, settle_new_slots
+from recurrent_depth.inference.kv_codec import (
+    CodeRows,
+    KVQuant,
+    LayerCodecs,
+    attend_through_codec,
+    update_heads_through_codec,
+)
+from recurrent_depth.model.cache import (
+    KVPolicy,
+    attend_floats,
+    grown_slot_count,
+    parse_kv_policy,
+    settle_new_slots,
+    update_heads_via_kv,
+)
 
 LayerKey = tuple
 
@@ -78,9 +96,14 @@ class _CacheBase:
     """What both caches share: policy, states, depth bookkeeping and byte accounting."""
 
     def __init__(self, batch_size: int, num_steps: int, kv_budget: int | None, device: Any,
-                 policy: KVPolicy | str | None = None, core_layers: int | None = None) -> None:
+                 policy: KVPolicy | str | None = None, core_layers: int | None = None,
+                 kv_quant: KVQuant | str | None = None) -> None:
         _check_steps(num_steps)
         self.policy = bind_policy(policy, kv_budget, core_layers)
+        # Quantized entries: one key and one value codec per layer, held by the storage (None: floats).
+        self.codecs = LayerCodecs(kv_quant, self.split) if kv_quant is not None else None
+        self.codes = CodeRows(kv_quant, self.codecs) if self.codecs is not None else None
+        self.kv_quant = self.codes.kv_quant if self.codes is not None else None
         self.num_steps = num_steps
         # Per-step needs one slot per step; a budget never more than the steps run.
         self.core_slots = self.policy.slots.num_slots(num_steps)
@@ -197,8 +220,10 @@ class StaticRecurrentCache(_CacheBase):
     def __init__(
         self, batch_size: int, num_steps: int, kv_budget: int | None = None, capacity: int = 256,
         device: Any = None, policy: KVPolicy | str | None = None, core_layers: int | None = None,
+        kv_quant: KVQuant | str | None = None,
     ) -> None:
-        super().__init__(batch_size, num_steps, kv_budget, device, policy, core_layers)
+        super().__init__(batch_size, num_steps, kv_budget, device, policy, core_layers, kv_quant)
+        self.attends_from_codes = self.codes is not None and self.codes.attends_from_codes
         if capacity < 1:
             raise ValueError(f"capacity={capacity} is invalid: expected an integer >= 1")
         self.capacity = capacity
@@ -257,8 +282,14 @@ class StaticRecurrentCache(_CacheBase):
         K, V = self.update_heads(key, k.transpose(1, 2), v.transpose(1, 2))
         return K.transpose(1, 2), V.transpose(1, 2)
 
-    def update_heads(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """`update_kv` in the storage's head-major layout: k, v `[B, Hkv, T, D]` -> `[B, Hkv, seq_len + T, D]`."""
+    # `update_kv` in the head-major layout, `[B, Hkv, T, D]` -> `[B, Hkv, seq_len + T, D]`, and softmax
+    # attention, both through the codec the cache holds (None: floats straight to `write_rows`).
+    update_heads = update_heads_through_codec
+    attend = attend_through_codec
+
+    def write_rows(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write rows `[B, Hkv, T, width]` (floats, or a codec's code rows) at columns [seq_len, seq_len + T);
+        return every column's `[B, Hkv, seq_len + T, width]`."""
         start = self.seq_len
         end = self._written_end = start + k.shape[2]
         if end > self.capacity:
@@ -329,15 +360,19 @@ class DynamicRecurrentCache(_CacheBase):
 
     def __init__(
         self, batch_size: int, num_steps: int, kv_budget: int | None = None, device: Any = None,
-        policy: KVPolicy | str | None = None, core_layers: int | None = None, **_: Any,
+        policy: KVPolicy | str | None = None, core_layers: int | None = None, kv_quant: KVQuant | str | None = None,
+        **_: Any,
     ) -> None:
-        super().__init__(batch_size, num_steps, kv_budget, device, policy, core_layers)
+        super().__init__(batch_size, num_steps, kv_budget, device, policy, core_layers, kv_quant)
+        self.attends_from_codes = False  # a quantized reference stores each entry's round trip and reads floats
         self.entries: dict[tuple, list[tuple[Tensor, Tensor]]] = {}
         self.written: dict[tuple, list[Tensor]] = {}
         self.deepest: dict[tuple, list[Tensor]] = {}  # slot of the last step each row wrote
         self.highest: dict[tuple, list[Tensor]] = {}  # the highest slot each row wrote
 
     def update_kv(self, key: LayerKey, k: Tensor, v: Tensor, ctx: Any = None) -> tuple[Tensor, Tensor]:
+        if self.codes is not None:  # the quantized storage's plain reference: each entry as its codec round trip
+            k, v = (x.transpose(1, 2) for x in self.codes.round_trip(key, k.transpose(1, 2), v.transpose(1, 2)))
         base, slot = self.split(key)
         self._note_entry(base, k, v)
         B, T = k.shape[:2]
@@ -366,10 +401,16 @@ class DynamicRecurrentCache(_CacheBase):
             highest[col] = torch.where(rows, highest[col].clamp(min=slot), highest[col])
         return self._read(base, slot, self.seq_len + T)
 
-    def update_heads(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """`update_kv` in head-major layout: `[B, Hkv, T, D]` in, `[B, Hkv, seq_len + T, D]` out."""
-        K, V = self.update_kv(key, k.transpose(1, 2), v.transpose(1, 2))
-        return K.transpose(1, 2), V.transpose(1, 2)
+    update_heads = update_heads_via_kv
+    attend = attend_floats
+
+    def _note_entry(self, base: tuple, k: Tensor, v: Tensor) -> None:
+        if self.codecs is None:
+            super()._note_entry(base, k, v)
+        elif base not in self._entry_bytes:  # the bytes a quantized storage holds
+            Hk, Hv = k[0, 0].shape[0], v[0, 0].shape[0]
+            self._entry_bytes[base] = (Hk * self.codecs.nbytes("k", k.shape[-1])
+                                       + Hv * self.codecs.nbytes("v", v.shape[-1]))
 
     def _has(self, base: tuple, slot: int, col: int, row: int) -> bool:
         written = self.written.get((base, slot), [])
@@ -447,16 +488,12 @@ def make_cache(
 ) -> StaticRecurrentCache | DynamicRecurrentCache:
     """Build a generation cache: "static" (preallocated, fast) or "dynamic" (plain reference).
     core_layers: the model's core layer count (binds an official compress-sN / compress-rN policy).
-    kv_quant: None, or a spec (see `recurrent_depth.inference.quant_cache`): the entries are quantized."""
-    if kv_quant is not None and implementation in CACHE_IMPLEMENTATIONS:
-        from recurrent_depth.inference.quant_cache import make_quantized_cache
-
-        return make_quantized_cache(implementation, batch_size, num_steps, kv_budget, capacity, device, policy,
-                                    kv_quant, core_layers)
+    kv_quant: None, or a spec (see `recurrent_depth.inference.quant_cache`): the static cache stores code
+    rows, the dynamic one (its reference) each entry's codec round trip."""
     if implementation == "static":
         return StaticRecurrentCache(batch_size, num_steps, kv_budget, capacity=capacity, device=device, policy=policy,
-                                    core_layers=core_layers)
+                                    core_layers=core_layers, kv_quant=kv_quant)
     if implementation == "dynamic":
         return DynamicRecurrentCache(batch_size, num_steps, kv_budget, device=device, policy=policy,
-                                     core_layers=core_layers)
+                                     core_layers=core_layers, kv_quant=kv_quant)
     raise ValueError(f"cache_implementation={implementation!r} is invalid: expected one of {CACHE_IMPLEMENTATIONS}")

@@ -34,6 +34,7 @@ from torch import Tensor
 from recurrent_depth.inference.criteria import ExitCriterion
 from recurrent_depth.inference.output import REASON_CODE
 from recurrent_depth.inference.runner import ModelRunner, Step, make_runner
+from recurrent_depth.model.cache import ModelCache
 
 CONVERGED = REASON_CODE["converged"]
 MAX_STEPS = REASON_CODE["max-steps"]
@@ -64,7 +65,7 @@ class Recurrence:
         self.on_step: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ passes
-    def begin(self, ids: Tensor, mask: Tensor | None = None, cache: Any = None,
+    def begin(self, ids: Tensor, mask: Tensor | None = None, cache: ModelCache | None = None,
               position_ids: Tensor | None = None, row_columns: Tensor | None = None) -> Pass:
         """Context, prelude and injection for `ids` `[B, T]` (mask: `[B, cached + T]`).
 
@@ -74,7 +75,7 @@ class Recurrence:
         e = self.runner.embed(ids, step)
         return Pass(step, e, self.runner.inject(e))
 
-    def rebind(self, ids: Tensor, mask: Tensor | None, cache: Any, e: Tensor, injected: Tensor) -> Pass:
+    def rebind(self, ids: Tensor, mask: Tensor | None, cache: ModelCache | None, e: Tensor, injected: Tensor) -> Pass:
         """A pass over positions whose prelude already ran (their e and injection are given)."""
         return Pass(self.runner.context(ids, mask, cache), e, injected)
 

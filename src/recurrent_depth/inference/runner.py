@@ -1,22 +1,25 @@
 """The model pieces a generation loop calls: `ModelRunner`, the plain reference, and `make_runner`.
 
-`ModelRunner` calls the model's own `make_context`, `embed`, `core_step` and `predict`. The fused
-`FastRunner` (`recurrent_depth.accel.runner`) computes the same functions with far fewer tensor
-operations for all-attention models; `make_runner` applies it from outside the model, by default,
-unless `fast=False` or the accel switch (`RDEPTH_NO_ACCEL=1`) says no. Outputs agree with the
-reference to float rounding (tests compare both at odd sizes).
+`ModelRunner` calls the model's own `make_context`, `embed`, `core_step` and `predict`. Faster
+runners computing the same functions are applied from outside, as `accel.apply` is to the model:
+a package offers a factory with `register_fast_runner`, and `make_runner` takes the first runner a
+factory builds for the model, unless `fast=False`. `import recurrent_depth` registers the fused
+`FastRunner` of all-attention models (`recurrent_depth.accel.runner`; off with `RDEPTH_NO_ACCEL=1`),
+so this module imports nothing from `accel`. Outputs agree with the reference to float rounding
+(tests compare both at odd sizes).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from recurrent_depth.model.cache import ModelCache
 from recurrent_depth.model.mixers import MixerContext
-from recurrent_depth.model.mixers.attention import Attention
 
 
 @dataclass
@@ -25,15 +28,6 @@ class Step:
 
     ctx: MixerContext
     freqs: Tensor | None = None  # complex [B, T, 1, D/2]
-
-
-def blocks_of(model: Any) -> list[Any]:
-    return [*model.transformer.prelude, *model.transformer.core_block, *model.transformer.coda]
-
-
-def all_attention(model: Any) -> bool:
-    """Every block mixes tokens with softmax attention (what cache lookups that hide columns need)."""
-    return all(type(b.attn) is Attention for b in blocks_of(model))
 
 
 class ModelRunner:
@@ -45,8 +39,8 @@ class ModelRunner:
         self.model = model
 
     def context(
-        self, input_ids: Tensor, attention_mask: Tensor | None, cache: Any, position_ids: Tensor | None = None,
-        row_columns: list[int] | None = None,
+        self, input_ids: Tensor, attention_mask: Tensor | None, cache: ModelCache | None,
+        position_ids: Tensor | None = None, row_columns: list[int] | None = None,
     ) -> Step:
         return Step(self.model.make_context(input_ids, attention_mask, position_ids, cache, row_columns))
 
@@ -81,18 +75,27 @@ class ModelRunner:
         return self.model.transformer.ln_f(state)
 
 
+# A factory builds a faster runner for a model, or returns None (the model is not supported, or a switch is off).
+RunnerFactory = Callable[[Any], "ModelRunner | None"]
+_FAST_RUNNERS: list[RunnerFactory] = []
+
+
+def register_fast_runner(factory: RunnerFactory) -> None:
+    """Offer `factory` to `make_runner` (once; factories are asked in the order they were registered)."""
+    if factory not in _FAST_RUNNERS:
+        _FAST_RUNNERS.append(factory)
+
+
 def make_runner(model: Any, fast: bool = True) -> ModelRunner:
-    """The runner for one generation call (no gradients): the fast runner when asked for, allowed by
-    the accel switch and supported, else the reference.
+    """The runner for one generation call (no gradients): the first registered fast runner built for
+    `model` when `fast`, else the reference.
 
     A fast runner is built per call, not cached on the model: its copies and folded weights would
-    go stale if a weight changed through `param.data`, which no version counter records. Building
-    one costs about 7 ms for the `small` preset and 80 ms at h 1024 (58 M parameters) here.
+    go stale if a weight changed through `param.data`, which no version counter records.
     """
-    from recurrent_depth.accel import enabled_by_default
-    from recurrent_depth.accel.runner import FastRunner  # (accel.runner builds on this module)
-
-    if not (fast and enabled_by_default() and FastRunner.supports(model)):
-        return ModelRunner(model)
-    with torch.no_grad():  # the copies and folded weights are constants, not graph nodes
-        return FastRunner(model)
+    if fast:
+        for factory in _FAST_RUNNERS:
+            runner = factory(model)
+            if runner is not None:
+                return runner
+    return ModelRunner(model)

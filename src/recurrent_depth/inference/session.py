@@ -13,8 +13,8 @@ from recurrent_depth.inference.engine import Recurrence
 from recurrent_depth.inference.options import GenerationOptions, eos_ids
 from recurrent_depth.inference.output import Recorder, TokenEvent
 from recurrent_depth.inference.quant_cache import kv_quant_for_model
-from recurrent_depth.inference.runner import all_attention
 from recurrent_depth.inference.sampling import RowGenerators, StopChecker, TokenChooser, decode
+from recurrent_depth.model.recurrent import all_attention
 
 
 def prepare_inputs(model: Any, input_ids: Any, attention_mask: Any) -> tuple[Tensor, Tensor | None]:

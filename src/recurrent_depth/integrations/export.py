@@ -14,9 +14,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from recurrent_depth.checkpoint import load_pretrained, save_pretrained
+from recurrent_depth.checkpoint import save_pretrained
 from recurrent_depth.config import MODEL_TYPE, ModelConfig
 from recurrent_depth.files import CONFIG_MAX_BYTES, atomic_write_text, read_json
+from recurrent_depth.model.recurrent import RecurrentDepthLM
 
 REMOTE_CODE_FILE = "modeling_recurrent_depth.py"
 AUTO_MAP = {
@@ -63,7 +64,7 @@ def export_remote_code(model_dir: str | Path, out_dir: str | Path | None = None)
     raw = read_json(src / "config.json", CONFIG_MAX_BYTES, "config file")
     if raw.get("model_type") != MODEL_TYPE or out.resolve() != src.resolve():
         # Re-save through the library: our key names, tied head stored once, no RoPE buffer.
-        model = load_pretrained(src)
+        model = RecurrentDepthLM.from_pretrained(src)
         save_pretrained(model, out)
         for name in TOKENIZER_FILES:
             if (src / name).is_file() and out.resolve() != src.resolve():

@@ -34,7 +34,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from recurrent_depth.inference.options import DEFAULTS, OptionError
 from recurrent_depth.inference.schema import OFFICIAL_ALIASES, OPTIONS, canonical, kwarg_spelling, names_for
 from recurrent_depth.integrations.hf_config import HuginnRavenConfig, RecurrentDepthConfig
-from recurrent_depth.model.cache import parse_kv_policy
+from recurrent_depth.model.cache import attend_floats, parse_kv_policy, update_heads_via_kv
 from recurrent_depth.model.recurrent import RecurrentDepthLM, takase_init_
 
 
@@ -58,6 +58,10 @@ class RecurrentDepthCache(DynamicCache):
     Beam search (`reorder_cache`), `batch_select_indices` and `crop` (attention-only) work as in
     transformers; `get_seq_length()` is the number of committed tokens.
     """
+
+    attends_from_codes = False  # keys and values stored as floats
+    update_heads = update_heads_via_kv
+    attend = attend_floats
 
     def __init__(
         self, prelude_layers: int, core_layers: int, coda_layers: int, kv_budget: int | None = None,

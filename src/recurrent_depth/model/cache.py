@@ -1,10 +1,13 @@
 """Caches keyed by (layer, recurrence step), and the KV policies every cache storage follows.
 
-The protocol (`ModelCache`: what the model's layers call; `StepCache`: what a generation loop
-adds) is implemented by three storages: the plain `DynamicCache` below (one growing tensor per
-key), the generation caches of `recurrent_depth.inference.cache` (a preallocated static store and
-its plain per-column reference) and the serving slot pool (`recurrent_depth.serving.kv_pool`);
-the transformers `Cache` of `integrations/hf.py` follows `ModelCache`.
+The protocol (`ModelCache`: what the model's layers and the fused runner call; `StepCache`: what
+the recurrence engine adds for per-token depth) names every method the runtime calls on a cache
+(tests/test_cache_protocol.py checks the calls and the storages). `ModelCache` is implemented by
+every storage: the plain `DynamicCache` below (one growing tensor per key), the generation caches
+of `recurrent_depth.inference.cache` (a preallocated static store and its plain per-column
+reference, both `StepCache`s), the serving slot pool (`recurrent_depth.serving.kv_pool`) and the
+transformers `Cache` of `integrations/hf.py`. A storage with quantized entries holds a codec
+(`recurrent_depth.inference.kv_codec.CodeRows`) and says so with `attends_from_codes`.
 
 A **KV policy** says which entry a (layer, step) reads and writes. It has two independent rules,
 each a small class written once here:
@@ -48,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 LayerKey = tuple  # ("prelude", i) | ("core", j, step) | ("coda", c)
@@ -58,16 +62,25 @@ class ModelCache(Protocol):
 
     seq_len: columns already cached (the next call's positions start here).
     update_kv: store this call's keys/values `[B, T, Hkv, D]` for `key` and return those of every
-      column so far, `[B, seq_len + T, Hkv, D]`.
+      column so far, `[B, seq_len + T, Hkv, D]`. update_heads: the same in head-major layout,
+      `[B, Hkv, T, D]` in, `[B, Hkv, seq_len + T, D]` out (the fused runner's).
     key_mask: None, or bool `[B, seq_len + T]`: which columns `key` may attend to (a lookup rule
       that leaves tokens out, e.g. `Skip`); the attention mixers combine it with the causal mask.
+    attends_from_codes: softmax attention calls `attend` instead of `update_kv` (a quantized storage
+      reads attention from its code rows). attend: write k, v `[B, Hkv, T, D]`, return softmax
+      attention of q `[B, H, T, D]` over every visible column `[B, H, T, Dv]` (kernels: fused code
+      kernels from `recurrent_depth.accel.quant`, or None); float storages use `attend_floats`.
     get_state / set_state: per-layer recurrent state of non-attention mixers.
     advance: the model wrote T new columns. nbytes: bytes the cache holds (allocated).
     """
 
     seq_len: int
+    attends_from_codes: bool
 
     def update_kv(self, key: LayerKey, k: Tensor, v: Tensor, ctx: Any = None) -> tuple[Tensor, Tensor]: ...
+    def update_heads(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
+    def attend(self, key: LayerKey, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
+               is_causal: bool, kernels: Any = None) -> Tensor: ...
     def key_mask(self, key: LayerKey) -> Tensor | None: ...
     def get_state(self, key: LayerKey) -> Any: ...
     def set_state(self, key: LayerKey, value: Any) -> None: ...
@@ -580,8 +593,30 @@ def combine_key_mask(attn_mask: Tensor | None, key_mask: Tensor | None, num_quer
     return attn_mask & key_mask[:, None, None, :]
 
 
+def update_heads_via_kv(cache: ModelCache, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """`update_heads` of a storage whose layout is `update_kv`'s: `[B, Hkv, T, D]` in, `[B, Hkv, S, D]` out."""
+    K, V = cache.update_kv(key, k.transpose(1, 2), v.transpose(1, 2))
+    return K.transpose(1, 2), V.transpose(1, 2)
+
+
+def attend_floats(cache: ModelCache, key: LayerKey, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
+                  is_causal: bool, kernels: Any = None) -> Tensor:
+    """`attend` of a storage holding floats: `update_heads`, then SDPA over every visible column with the
+    storage's `key_mask` (q `[B, H, T, D]`, k, v `[B, Hkv, T, D]` -> `[B, H, T, Dv]`; kernels unused)."""
+    K, V = cache.update_heads(key, k, v)
+    key_mask = cache.key_mask(key)
+    if key_mask is not None:
+        attn_mask, is_causal = combine_key_mask(attn_mask, key_mask, q.shape[2]), False
+    return F.scaled_dot_product_attention(q, K, V, attn_mask=attn_mask, is_causal=is_causal,
+                                          enable_gqa=q.shape[1] != K.shape[1])
+
+
 class DynamicCache:
     """One growing KV tensor pair (and one recurrent state) per layer key."""
+
+    attends_from_codes = False
+    update_heads = update_heads_via_kv
+    attend = attend_floats
 
     def __init__(self) -> None:
         self.kv: dict[tuple, tuple[Tensor, Tensor]] = {}

@@ -23,10 +23,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from recurrent_depth.checkpoint import load_pretrained, save_pretrained
 from recurrent_depth.config import MODEL_PARTS, ModelConfig, is_real
+from recurrent_depth.model.cache import ModelCache
 from recurrent_depth.model.depth import DepthSampler
 from recurrent_depth.model.layers import RMSNorm, SandwichBlock
 from recurrent_depth.model.mixers import MixerContext, build_mixer, check_mixer_name
+from recurrent_depth.model.mixers.attention import Attention
 from recurrent_depth.model.replay import DepthReplay, replay_core
 
 NumSteps = int | tuple[int, int] | None
@@ -136,7 +139,7 @@ class RecurrentDepthLM(nn.Module):
         input_ids: Tensor,
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
-        cache: Any | None = None,
+        cache: ModelCache | None = None,
         row_columns: list[int] | None = None,
         document_ids: Tensor | None = None,
     ) -> MixerContext:
@@ -240,7 +243,7 @@ class RecurrentDepthLM(nn.Module):
         input_states: Tensor | None = None,
         init_scale: float | None = None,
         generator: torch.Generator | None = None,
-        cache: Any | None = None,
+        cache: ModelCache | None = None,
         output_all_states: bool = False,
         replay: DepthReplay | None = None,
     ) -> RecurrentOutput:
@@ -347,7 +350,7 @@ class RecurrentDepthLM(nn.Module):
         labels: Tensor | None,
         attention_mask: Tensor | None,
         input_states: Tensor | None,
-        cache: Any | None,
+        cache: ModelCache | None,
         position_ids: Tensor | None = None,
     ) -> None:
         cfg = self.config
@@ -429,17 +432,13 @@ class RecurrentDepthLM(nn.Module):
 
     # ------------------------------------------------------------------ checkpoints
     def save_pretrained(self, path: Any, **kwargs: Any) -> None:
-        from recurrent_depth.checkpoint import save_pretrained
-
         save_pretrained(self, path, **kwargs)
 
     @classmethod
     def from_pretrained(
         cls, path: Any, dtype: torch.dtype | None = None, device: Any = "cpu", **kwargs: Any
     ) -> RecurrentDepthLM:
-        from recurrent_depth.checkpoint import load_pretrained
-
-        return load_pretrained(path, dtype=dtype, device=device, **kwargs)
+        return load_pretrained(path, dtype=dtype, device=device, model_class=cls, **kwargs)
 
     @property
     def device(self) -> torch.device:
@@ -451,3 +450,13 @@ class RecurrentDepthLM(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+
+
+def blocks_of(model: RecurrentDepthLM) -> list[SandwichBlock]:
+    """The model's blocks in order: prelude, core, coda."""
+    return [*model.transformer.prelude, *model.transformer.core_block, *model.transformer.coda]
+
+
+def all_attention(model: RecurrentDepthLM) -> bool:
+    """Every block mixes tokens with softmax attention (what cache lookups that hide columns need)."""
+    return all(type(b.attn) is Attention for b in blocks_of(model))

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from recurrent_depth.model.cache import KVPolicy, PerStep, parse_kv_policy
+from recurrent_depth.model.cache import KVPolicy, PerStep, attend_floats, parse_kv_policy, update_heads_via_kv
 
 REPLAY_LOOKUPS = ("deepest", "skip", "full")
 
@@ -75,6 +75,7 @@ class ReplayKV:
     column outside its gradient window as a constant."""
 
     seq_len = 0
+    attends_from_codes = False  # (floats: attention reads `update_kv`'s keys and values)
 
     def __init__(self, depths: Tensor, grad_from: Tensor) -> None:
         self.depths = depths  # [B, T]
@@ -93,6 +94,13 @@ class ReplayKV:
             k, v = torch.where(ran, k, old_k), torch.where(ran, v, old_v)
         self.last[layer] = (k, v)
         return k, v
+
+    def update_heads(self, key: tuple, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return update_heads_via_kv(self, key, k, v)
+
+    def attend(self, key: tuple, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
+               kernels: Any = None) -> Tensor:
+        return attend_floats(self, key, q, k, v, attn_mask, is_causal, kernels)
 
     def key_mask(self, key: tuple) -> Tensor | None:
         return None  # hiding columns is per query (see `hidden_mask`), so no row of the attention is empty

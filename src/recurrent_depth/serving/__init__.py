@@ -99,14 +99,14 @@ def build_app(
     if kv_quant is not None:  # a bad spec fails before the model loads
         KVQuant.parse(kv_quant)
     if isinstance(model, str | Path):
-        from recurrent_depth.checkpoint import load_pretrained
+        from recurrent_depth.model.recurrent import RecurrentDepthLM
 
         directory = Path(model)
         if not directory.is_dir():
             raise ValueError(f"--model {str(model)!r} is not a directory (expected a saved model directory)")
         tokenizer_dir = tokenizer_dir if tokenizer_dir is not None else directory
         model_name = model_name or directory.resolve().name
-        model = load_pretrained(directory, dtype=dtype, device=device)
+        model = RecurrentDepthLM.from_pretrained(directory, dtype=dtype, device=device)
     model_name = model_name or "recurrent-depth"
     for name, value in (("request_timeout", request_timeout), ("read_timeout", read_timeout),
                         ("stall_timeout", stall_timeout)):

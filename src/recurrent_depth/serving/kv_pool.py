@@ -22,11 +22,11 @@ The pool follows the model's cache protocol (`update_kv` / `update_heads`, `key_
 (`bind_prefill` / `bind_tokens`). Only attention mixers are supported (recurrent-state mixers
 keep a single per-batch state).
 
-`QuantizedSlotKVPool` (`rdepth serve --kv-quant SPEC`) stores each entry as its code row, the
-generation cache's codecs and attention read (`inference.quant_cache.CodeRowStorage`): every
-storage is then `[S, R, Hkv, C, bytes]` uint8, and the slot rules, growth, settling, key masks and
-row moves above apply to the bytes unchanged; calibrated outlier channels are each row's own
-(from its prompt). Prompt and generated tokens are encoded as they are written, and no float
+With `kv_quant` (`rdepth serve --kv-quant SPEC`; `QuantizedSlotKVPool`) the pool holds the generation
+cache's codec (`inference.kv_codec.CodeRows`) and stores each entry as its code row: every storage
+is then `[S, R, Hkv, C, bytes]` uint8, and the slot rules, growth, settling, key masks and row
+moves above apply to the bytes unchanged; calibrated outlier channels are each row's own (from its
+prompt, `RowCodecs`). Prompt and generated tokens are encoded as they are written, and no float
 copy of an entry outlives the call.
 """
 
@@ -38,7 +38,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from recurrent_depth.inference.quant_cache import Codec, CodeRowStorage, KVQuant, layer_codec
+from recurrent_depth.inference.kv_codec import (
+    Codec,
+    CodeRows,
+    KVQuant,
+    attend_through_codec,
+    layer_codec,
+    update_heads_through_codec,
+)
 from recurrent_depth.model.cache import KVPolicy, grown_slot_count, settle_new_slots
 
 LayerKey = tuple
@@ -47,8 +54,13 @@ LayerKey = tuple
 class SlotKVPool:
     """Per-row, per-slot KV storage that grows on demand (slots, rows and columns)."""
 
-    def __init__(self, device: Any = "cpu") -> None:
+    def __init__(self, device: Any = "cpu", kv_quant: KVQuant | str | None = None) -> None:
         self.device = torch.device(device)
+        # Quantized entries: the codec, choosing each call's codecs from its rows' calibration (None: floats).
+        self.row_codecs = RowCodecs(self, kv_quant) if kv_quant is not None else None
+        self.codes = CodeRows(kv_quant, self.row_codecs) if self.row_codecs is not None else None
+        self.kv_quant = self.codes.kv_quant if self.codes is not None else None
+        self.attends_from_codes = self.codes is not None and self.codes.attends_from_codes
         self.kv: dict[tuple, tuple[Tensor, Tensor]] = {}
         self.slots = 1  # allocated core slots S
         self.rows = 0  # allocated rows R
@@ -84,6 +96,8 @@ class SlotKVPool:
         new_c = self.capacity if capacity <= self.capacity else min(
             max(capacity, 2 * self.capacity), max(capacity, max_capacity)
         )
+        if self.row_codecs is not None:
+            self.row_codecs.reserve(new_r)
         if (new_s, new_r, new_c) == (self.slots, self.rows, self.capacity):
             return
         for base, (K, V) in self.kv.items():
@@ -144,6 +158,8 @@ class SlotKVPool:
         self._prefill_len = length
         self._read_len = length
         self._slot_table = slot_table.to(self.device)
+        if self.row_codecs is not None:
+            self.row_codecs.calibrated.clear()
 
     def bind_tokens(self, rows: list[int], row_index: Tensor, cols: Tensor, read_len: int,
                     core_slots: list[int] | None, core_steps: list[int] | None = None) -> None:
@@ -191,8 +207,13 @@ class SlotKVPool:
         K, V = self.update_heads(key, k.transpose(1, 2), v.transpose(1, 2))
         return K.transpose(1, 2), V.transpose(1, 2)
 
-    def update_heads(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """`update_kv` in head-major layout: k, v `[B, Hkv, T, D]` in, `[B, Hkv, L, D]` out."""
+    # `update_kv` in head-major layout, `[B, Hkv, T, D]` in, `[B, Hkv, L, D]` out, and softmax attention,
+    # both through the codec the pool holds (None: floats straight to `write_rows`).
+    update_heads = update_heads_through_codec
+    attend = attend_through_codec
+
+    def write_rows(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write rows `[B, Hkv, T, width]` (floats, or a codec's code rows); return every visible column's."""
         base = self.base(key)
         slot = self._slot(key)
         if isinstance(slot, int) and slot >= self.slots:  # a prefill's step (token calls grow in bind_tokens)
@@ -283,11 +304,13 @@ class SlotKVPool:
             V[:, dst, :, :length] = V[:, src, :, :length]
         self.depth[dst, :length] = self.depth[src, :length]
         self.policies[dst] = self.policies.pop(src)
+        if self.row_codecs is not None:
+            self.row_codecs.move(src, dst)
 
 
-class QuantizedSlotKVPool(CodeRowStorage, SlotKVPool):
-    """`SlotKVPool` over code rows (see the module docstring): each row reads what
-    `rd.generate(..., kv_quant=spec)` reads when its request is generated alone.
+class RowCodecs:
+    """The codecs of a quantized pool's calls: each row reads what `rd.generate(..., kv_quant=spec)` reads
+    when its request is generated alone.
 
     Where the spec calibrates outlier channels, they come from each row's own prompt, as `generate`
     alone takes them from a layer's first write: a row's prefill calibrates each layer at its first
@@ -295,59 +318,72 @@ class QuantizedSlotKVPool(CodeRowStorage, SlotKVPool):
     (`[R, Hkv, D]`, moved with the row), and a call's codec is the shared one permuted by the
     stacked orders of its rows (`permuted`; kept while the same rows come back)."""
 
-    def __init__(self, kv_quant: Any, device: Any = "cpu") -> None:
-        super().__init__(device)
-        self.use_codes(kv_quant)
+    def __init__(self, pool: SlotKVPool, kv_quant: KVQuant | str) -> None:
+        self.pool = pool
+        self.kv_quant = KVQuant.parse(kv_quant)
         self.orders: dict[tuple, Tensor] = {}  # (base, role) -> [R, Hkv, D]: each row's calibrated channel order
-        self._calibrated: set[tuple] = set()  # (base, role) the bound prefill has calibrated
+        self.calibrated: set[tuple] = set()  # (base, role) the bound prefill has calibrated
         self._permuted: dict[tuple, Codec] = {}  # (base, role, rows) -> that call's codec, until an order changes
 
-    def bind_prefill(self, row: int, length: int, slot_table: Tensor) -> None:
-        super().bind_prefill(row, length, slot_table)
-        self._calibrated.clear()
-
-    def layer_codecs(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Codec, Codec]:
-        base = self.base(key)
+    def __call__(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Codec, Codec]:
+        base = self.pool.base(key)
         return self._codec(base, "k", k), self._codec(base, "v", v)
 
     def _codec(self, base: tuple, role: str, x: Tensor) -> Codec:
-        if self._cols is None and (base, role) not in self._calibrated:  # the row's first write of this layer
-            self._calibrated.add((base, role))
+        pool = self.pool
+        prefill = pool._cols is None
+        if prefill and (base, role) not in self.calibrated:  # the row's first write of this layer
+            self.calibrated.add((base, role))
             own = layer_codec(self.kv_quant, role, x.shape[-1], x)
             if getattr(own, "perm", None) is not None:
                 if (base, role) not in self.orders:
-                    self.orders[(base, role)] = own.perm.new_zeros(self.rows, *own.perm.shape)
-                self.orders[(base, role)][self._rows[0]] = own.perm
+                    self.orders[(base, role)] = own.perm.new_zeros(pool.rows, *own.perm.shape)
+                self.orders[(base, role)][pool._rows[0]] = own.perm
                 self._permuted.clear()
             return own
         order = self.orders.get((base, role))
         if order is None:  # a codec without calibration
             return layer_codec(self.kv_quant, role, x.shape[-1])
-        name = (base, role, tuple(self._rows))
+        name = (base, role, tuple(pool._rows))
         codec = self._permuted.get(name)
         if codec is None:
             if len(self._permuted) >= 64:
                 self._permuted.clear()
-            rows = self._rows[0] if self._cols is None else self._row_index
+            rows = pool._rows[0] if prefill else pool._row_index
             codec = self._permuted[name] = layer_codec(self.kv_quant, role, x.shape[-1]).permuted(order[rows])
         return codec
 
-    def reserve(self, slots: int, rows: int, capacity: int, max_rows: int, max_capacity: int) -> None:
-        super().reserve(slots, rows, capacity, max_rows, max_capacity)
+    def reserve(self, rows: int) -> None:
+        """Room for `rows` rows' orders (the pool grew)."""
         for name, order in self.orders.items():
-            if order.shape[0] < self.rows:
-                self.orders[name] = torch.cat([order, order.new_zeros(self.rows - order.shape[0], *order.shape[1:])])
+            if order.shape[0] < rows:
+                self.orders[name] = torch.cat([order, order.new_zeros(rows - order.shape[0], *order.shape[1:])])
 
-    def move_row(self, src: int, dst: int, length: int) -> None:
-        super().move_row(src, dst, length)
+    def move(self, src: int, dst: int) -> None:
         for order in self.orders.values():
             order[dst] = order[src]
         self._permuted.clear()
 
     def state_nbytes(self) -> int:
         """Quantizer state, not per token: each row's outlier channels per calibrated (layer, side),
-        priced as one D-bit mask per KV head (as `_Codecs.state_nbytes`)."""
+        priced as one D-bit mask per KV head (as `LayerCodecs.state_nbytes`)."""
         return sum(order[..., 0].numel() * math.ceil(order.shape[-1] / 8) for order in self.orders.values())
+
+
+class QuantizedSlotKVPool(SlotKVPool):
+    """`SlotKVPool` holding the codec of `kv_quant` (see the module docstring and `RowCodecs`)."""
+
+    row_codecs: RowCodecs
+
+    def __init__(self, kv_quant: KVQuant | str, device: Any = "cpu") -> None:
+        super().__init__(device, kv_quant)
+
+    @property
+    def orders(self) -> dict[tuple, Tensor]:
+        return self.row_codecs.orders
+
+    def state_nbytes(self) -> int:
+        return self.row_codecs.state_nbytes()
 
 
 def make_pool(kv_quant: KVQuant | None, device: Any = "cpu") -> SlotKVPool:

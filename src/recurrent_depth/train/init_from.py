@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from recurrent_depth.checkpoint import load_pretrained, stored_dtype
+from recurrent_depth.checkpoint import stored_dtype
 from recurrent_depth.config import ModelConfig
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 from recurrent_depth.train.config import TrainConfig
@@ -125,6 +125,6 @@ def load_for_training(cfg: TrainConfig, device: torch.device | str = "cpu") -> S
     changes = model_overrides(base, cfg, model_dir)
     tokenizer_dir = find_tokenizer(model_dir, cfg, base.vocab_size)
     dtype = stored_dtype(model_dir) or torch.float32
-    model = load_pretrained(model_dir, dtype=torch.float32, device=device, config_overrides=changes)
+    model = RecurrentDepthLM.from_pretrained(model_dir, dtype=torch.float32, device=device, config_overrides=changes)
     model.train()
     return StartingPoint(model=model, model_dir=model_dir, tokenizer_dir=tokenizer_dir, dtype=dtype)

@@ -89,8 +89,8 @@ class Attention(MaxLogitRecorder, nn.Module):
     def forward(self, x: Tensor, ctx: MixerContext, layer_key: LayerKey) -> Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x, ctx)
-        if ctx.cache is not None and self.window is None and getattr(ctx.cache, "attends_from_codes", False):
-            # a quantized cache scores the queries against its key codes (inference/quant_cache.py)
+        if ctx.cache is not None and self.window is None and ctx.cache.attends_from_codes:
+            # a quantized cache scores the queries against its key codes (inference/kv_codec.py)
             out = ctx.cache.attend(layer_key, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                    ctx.attn_mask, ctx.is_causal)  # [B, H, T, D]
             return self.proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))

@@ -16,6 +16,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from recurrent_depth.config import MODEL_PARTS, ModelConfig
+from recurrent_depth.model.cache import ModelCache
 from recurrent_depth.model.layers import rope_at
 
 LayerKey = tuple  # ("prelude", i) | ("core", j, step) | ("coda", c)
@@ -35,7 +36,7 @@ class MixerContext:
     past_len: int
     key_valid: Tensor | None
     attn_mask: Tensor | None
-    cache: Any | None
+    cache: ModelCache | None
     rope_base: float
     max_seq_len: int
     _rope: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)

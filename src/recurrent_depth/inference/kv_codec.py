@@ -1,0 +1,245 @@
+"""Quantization as a codec a KV storage holds: the spec (`KVQuant`), the row codecs it builds, and
+`CodeRows`, which encodes keys and values into code rows before a storage writes them and reads
+attention from those rows (see `recurrent_depth.inference.quant_cache` for the whole feature).
+
+A storage (the static generation cache, the serving slot pool) keeps one layout and holds a
+`CodeRows` or None: with one, its tensors hold uint8 code rows `[..., bytes]` that it gathers,
+copies and grows as it would floats; its `update_heads` returns the decoded columns and its
+`attend` reads from the codes (`attends_from_codes`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from recurrent_depth.model.cache import LayerKey, attend_floats, combine_key_mask
+from recurrent_depth.ops.codes_attention import codes_attention
+from recurrent_depth.quant import ChannelSplit, Quantizer, QuantSpec, parse_kv_quant, select_outlier_channels
+from recurrent_depth.quant.rows import RowCodec, TurboRows, row_codec
+
+ATTENTION_READS = ("codes", "dequantize")
+# A split's outliers, per head from the first write: for the keys only, for keys and values; or channels 0..n_out-1.
+OUTLIER_RULES = {"keys": ("k",), "calibrated": ("k", "v"), "first": ()}
+DEFAULT_OUTLIERS = "keys"
+Codec = RowCodec | TurboRows
+UNQUANTIZED = QuantSpec("raw", 16)  # a side the spec leaves out: bf16 through the same packed path
+
+
+@dataclass(frozen=True)
+class KVQuant:
+    """A key quantizer spec, a value quantizer spec, the attention read path, the seed and the outlier rule."""
+
+    k: QuantSpec = UNQUANTIZED
+    v: QuantSpec = UNQUANTIZED
+    attention: str = "codes"
+    seed: int = 0
+    outliers: str = DEFAULT_OUTLIERS
+
+    def __post_init__(self) -> None:
+        if self.outliers not in OUTLIER_RULES:
+            raise ValueError(f"outliers={self.outliers!r} is unknown: expected one of {', '.join(OUTLIER_RULES)}")
+
+    @classmethod
+    def parse(cls, spec: Any) -> KVQuant:
+        """From `"k=prod:3.5,v=mse:3.5[,attn=codes|dequantize][,seed=N][,outliers=keys|calibrated|first]"`
+        (or a KVQuant)."""
+        if isinstance(spec, KVQuant):
+            return spec
+        if not isinstance(spec, str):
+            raise ValueError(f"kv_quant={spec!r} is invalid: expected a string such as 'k=prod:3.5,v=mse:3.5'")
+        attention, seed, outliers, sides = "codes", 0, DEFAULT_OUTLIERS, []
+        try:
+            for part in spec.split(","):
+                name, _, value = part.partition("=")
+                name, value = name.strip().lower(), value.strip()
+                if name == "attn":
+                    if value not in ATTENTION_READS:
+                        raise ValueError(f"attn={value!r} is unknown: expected one of {', '.join(ATTENTION_READS)}")
+                    attention = value
+                elif name == "seed":
+                    if not value.isdigit():
+                        raise ValueError(f"seed={value!r} is invalid: expected an integer >= 0")
+                    seed = int(value)
+                elif name == "outliers":
+                    outliers = value
+                else:
+                    sides.append(part)
+            if not sides:
+                raise ValueError("give k= and/or v=, e.g. k=prod:3.5,v=mse:3.5")
+            specs = parse_kv_quant(",".join(sides))
+            return cls(specs.get("k", UNQUANTIZED), specs.get("v", UNQUANTIZED), attention, seed, outliers)
+        except ValueError as exc:
+            raise ValueError(f"kv_quant={spec!r} is invalid: {exc}") from None
+
+    @property
+    def name(self) -> str:
+        return (f"k={self.k},v={self.v},attn={self.attention}" + (f",seed={self.seed}" if self.seed else "")
+                + (f",outliers={self.outliers}" if self.outliers != DEFAULT_OUTLIERS else ""))
+
+    def build(self, role: str, dim: int) -> Quantizer:
+        spec = self.k if role == "k" else self.v
+        try:
+            return spec.build(dim, self.seed)
+        except ValueError as exc:
+            raise ValueError(f"kv_quant {role}={spec} cannot code this model's head dim {dim}: {exc}") from None
+
+    def bytes_per_token(self, head_dim: int, num_kv_heads: int, num_layers: int = 1) -> int:
+        """Bytes one token's keys and values take in `num_layers` attention caches, every norm counted."""
+        per_head = self.build("k", head_dim).bytes_per_vector + self.build("v", head_dim).bytes_per_vector
+        return per_head * num_kv_heads * num_layers
+
+
+def parse_kv_quant_option(spec: Any) -> KVQuant | None:
+    """`kv_quant` as the interfaces take it: None (off) or a spec string (see `KVQuant.parse`)."""
+    return None if spec is None else KVQuant.parse(spec)
+
+
+@functools.lru_cache(maxsize=64)
+def shared_codec(kv_quant: KVQuant, role: str, dim: int) -> Codec:
+    """The row codec of `role` ("k" or "v") at head dim `dim`, built once per spec (split: channels 0..n_out-1
+    are the outliers)."""
+    return row_codec(kv_quant.build(role, dim))
+
+
+def outlier_permutation(calibration: Tensor, n_out: int) -> Tensor:
+    """`[Hkv, D]` int64: for each KV head of calibration data `[B, Hkv, T, D]`, its `n_out` outlier
+    channels (`select_outlier_channels` over the head's B·T vectors) in increasing order, then the rest."""
+    dim = calibration.shape[-1]
+    perm = []
+    for h in range(calibration.shape[1]):
+        outliers = select_outlier_channels(calibration[:, h], n_out)
+        perm.append(outliers + sorted(set(range(dim)) - set(outliers)))
+    return torch.tensor(perm, dtype=torch.long, device=calibration.device)
+
+
+def layer_codec(kv_quant: Any, role: str, dim: int, calibration: Tensor | None = None,
+                ) -> Codec:
+    """One layer's codec for `role` ("k" or "v"): for a channel split on a side the `outliers` rule
+    calibrates (keys under `keys`, both under `calibrated`), given calibration data `[B, Hkv, T, dim]`
+    (the layer's first keys or values), the shared codec with each head's channels permuted by
+    `outlier_permutation` (`TurboRows.permuted`: outliers first, folded into its matrices); else the
+    shared codec, whose outliers are channels 0..n_out-1. (A storage that calibrates each batch row
+    on its own can stack rows' permutations `[B, Hkv, D]` into one `permuted` codec.)"""
+    kv_quant = KVQuant.parse(kv_quant)
+    codec = shared_codec(kv_quant, role, dim)
+    split = codec.quantizer
+    if role not in OUTLIER_RULES[kv_quant.outliers] or calibration is None or not isinstance(split, ChannelSplit):
+        return codec
+    return codec.permuted(outlier_permutation(calibration, len(split.outlier_channels)))
+
+
+class LayerCodecs:
+    """The key and value codecs of one cache, one pair per layer (`layer_codec`), made at the layer's
+    first write from that write's keys and values `[B, Hkv, T, D]`, and kept for the cache's life.
+    split: the storage's `(layer key) -> (layer, slot)`."""
+
+    def __init__(self, kv_quant: Any, split: Callable[[LayerKey], tuple[tuple, int]]) -> None:
+        self.kv_quant = KVQuant.parse(kv_quant)
+        self.split = split
+        self._layers: dict[tuple, tuple[Codec, Codec]] = {}  # base (layer) -> (key codec, value codec)
+        self._keys: dict[LayerKey, tuple[Codec, Codec]] = {}  # each key seen -> its layer's pair
+
+    def __call__(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Codec, Codec]:
+        """The (key, value) codecs of `key`'s layer, made from k, v if new."""
+        pair = self._keys.get(key)
+        if pair is None:
+            base = self.split(key)[0]
+            pair = self._layers.get(base)
+            if pair is None:
+                pair = self._layers[base] = (layer_codec(self.kv_quant, "k", k.shape[-1], k),
+                                             layer_codec(self.kv_quant, "v", v.shape[-1], v))
+            self._keys[key] = pair
+        return pair
+
+    def nbytes(self, role: str, dim: int) -> int:
+        """Bytes of one vector's row (the same for every layer)."""
+        return shared_codec(self.kv_quant, role, dim).nbytes
+
+    def state_nbytes(self) -> int:
+        """Quantizer state, not per token: the seed, plus each calibrated layer's per-head outlier masks."""
+        return 8 + sum(getattr(codec, "state_nbytes", 0) for pair in self._layers.values() for codec in pair)
+
+
+# The (key, value) codecs that code one call's k, v `[B, Hkv, T, D]` at a layer key: the one place a
+# storage chooses them (`LayerCodecs`: one pair per layer; the serving pool: per-row calibration).
+ChooseCodecs = Callable[[LayerKey, Tensor, Tensor], tuple[Codec, Codec]]
+
+
+class RowStorage(Protocol):
+    """What `CodeRows` needs of the storage holding it (and `codes`: the codec it holds, or None)."""
+
+    codes: CodeRows | None
+
+    def write_rows(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
+    def key_mask(self, key: LayerKey) -> Tensor | None: ...
+
+
+class CodeRows:
+    """The codec a KV storage holds when its entries are quantized (see the module docstring).
+
+    The storage's `write_rows(key, k, v)` writes the rows it is given (`[B, Hkv, T, width]`) and returns
+    every visible column's; `key_mask` names the columns a lookup hides (after the write)."""
+
+    def __init__(self, kv_quant: Any, choose: ChooseCodecs) -> None:
+        self.kv_quant = KVQuant.parse(kv_quant)
+        self.choose = choose
+        self.attends_from_codes = self.kv_quant.attention == "codes"  # softmax attention calls `attend`
+
+    def store(self, storage: RowStorage, key: LayerKey, k: Tensor, v: Tensor, kernels: Any = None,
+              ) -> tuple[Tensor, Tensor, Codec, Codec]:
+        """Encode and write k, v `[B, Hkv, T, D]`; return every column's code rows and the codecs.
+        kernels: fused encode and attention for some codecs (`recurrent_depth.accel.quant`), or None."""
+        ck, cv = self.choose(key, k, v)
+        if kernels is not None and kernels.fits(ck, cv, k):
+            new_k, new_v = kernels.encode(ck, cv, k, v)
+        else:
+            new_k, new_v = ck.encode(k), cv.encode(v)
+        rows_k, rows_v = storage.write_rows(key, new_k, new_v)
+        return rows_k, rows_v, ck, cv
+
+    def update_heads(self, storage: RowStorage, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """The dequantize read: `[B, Hkv, T, D]` in, every visible column decoded `[B, Hkv, S, D]` out."""
+        rows_k, rows_v, ck, cv = self.store(storage, key, k, v)
+        return ck.decode(rows_k, k.dtype), cv.decode(rows_v, v.dtype)
+
+    def attend(self, storage: RowStorage, key: LayerKey, q: Tensor, k: Tensor, v: Tensor,
+               attn_mask: Tensor | None, is_causal: bool, kernels: Any = None) -> Tensor:
+        """Softmax attention of q `[B, H, T, D]` over every visible column's codes, the new k, v
+        `[B, Hkv, T, D]` written first; the result `[B, H, T, Dv]` equals SDPA over the decoded
+        columns (GQA included), the storage's `key_mask` applied. kernels: as `store`'s (the fast
+        runner passes compiled ones; None: these eager functions)."""
+        rows_k, rows_v, ck, cv = self.store(storage, key, k, v, kernels)
+        key_mask = storage.key_mask(key)
+        if key_mask is not None:
+            attn_mask, is_causal = combine_key_mask(attn_mask, key_mask, q.shape[2]), False
+        if kernels is not None and kernels.fits(ck, cv, q):
+            return kernels.attend(ck, cv, q, rows_k, rows_v, attn_mask, is_causal)
+        return codes_attention(q, rows_k, rows_v, ck.score, cv.combine, attn_mask, is_causal)
+
+    def round_trip(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """k, v `[B, Hkv, T, D]` as their codes decode (the plain reference's entries)."""
+        ck, cv = self.choose(key, k, v)
+        return ck.decode(ck.encode(k), k.dtype), cv.decode(cv.encode(v), v.dtype)
+
+
+# A storage holding a codec or None uses these two as its `update_heads` and `attend`.
+def update_heads_through_codec(storage: RowStorage, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """`update_heads` of a storage that may hold a codec: k, v `[B, Hkv, T, D]` written (as code rows when it
+    holds one), every visible column `[B, Hkv, S, D]` returned (decoded)."""
+    if storage.codes is not None:
+        return storage.codes.update_heads(storage, key, k, v)
+    return storage.write_rows(key, k, v)
+
+
+def attend_through_codec(storage: RowStorage, key: LayerKey, q: Tensor, k: Tensor, v: Tensor,
+                         attn_mask: Tensor | None, is_causal: bool, kernels: Any = None) -> Tensor:
+    """`attend` of a storage that may hold a codec: from the codes (`CodeRows.attend`), else SDPA."""
+    if storage.codes is not None:
+        return storage.codes.attend(storage, key, q, k, v, attn_mask, is_causal, kernels)
+    return attend_floats(storage, key, q, k, v, attn_mask, is_causal)

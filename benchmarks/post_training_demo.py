@@ -8,10 +8,12 @@
 2. A short SFT learning-rate sweep (held-out answer loss at depth 16 picks the rate; the official
    example's rates are for 3.5B parameters), then SFT at the chosen rate (`rdepth sft`).
 3. A short RL learning-rate sweep (accuracy at 20 swaps with KL exit picks the rate), then RL
-   (`rdepth rl`, GRPO, rollouts with KL exit at its default threshold, top-k sampling).
+   (`rdepth rl`, GRPO, rollouts with KL exit at its default threshold, also in the prompt, since the
+   answer is predicted at the prompt's last position; top-k sampling; reward: the answer right, minus a
+   compute penalty of 0.1 x depth / 32), on 20-26 swaps, where the SFT model still errs.
 4. Each model (before SFT, after SFT, after RL) answers fresh problems at 16 and 20 swaps with KL exit
-   at the default threshold (at most 32 steps), greedy, s0 = 0 (the RL rollouts' initial state); also at
-   fixed depth 16. Printed as JSON and a table, plotted to `post_training.png`.
+   at the default threshold (at most 32 steps, exit in the prompt too), greedy, s0 = 0 (the RL
+   rollouts' initial state); also at fixed depth 16. Printed as JSON and a table, plotted to `post_training.png`.
 
 Every training step runs through the real CLI (`rdepth sft`, `rdepth rl`) in a subprocess.
 """
@@ -64,8 +66,9 @@ def evaluate(model_dir: Path, swaps: int, count: int, seed: int, exit_criterion:
     rng, task = random.Random(seed), ShellGame()
     problems = [task.sample(rng, swaps) for _ in range(count)]
     ids = torch.tensor([[bos, *tokenizer.encode(p.prompt).ids] for p in problems])  # same length: no padding
+    # exit_in_prefill: the answer is predicted at the prompt's last position, so its depth is the prefill's
     out = rd.generate(model, ids, max_new_tokens=1, num_steps=num_steps, exit_criterion=exit_criterion,
-                      init_scale=0.0)
+                      exit_in_prefill=exit_criterion is not None, init_scale=0.0)
     answers = [tokenizer.decode([int(t)]) for t in out.sequences[:, ids.shape[1]]]
     correct = sum(a.strip() == p.answer for a, p in zip(answers, problems))
     return {"accuracy": correct / count, "mean_steps": float(out.steps[:, 0].float().mean())}
@@ -86,7 +89,9 @@ def rl(start: Path, out: Path, lr: float, updates: int, args: argparse.Namespace
         rdepth("rl", "--init-from", str(start), "--out", str(out), "--task", "shells", "--difficulty",
                args.rl_difficulties, "--objective", "grpo", "--group-size", "8", "--prompts-per-step", "4",
                "--updates", str(updates), "--lr", str(lr), "--optimizer", "adamw", "--beta", "0.0",
-               "--num-steps", str(MAX_DEPTH), "--exit-criterion", "kl", "--do-sample", "--top-k", "3",
+               "--num-steps", str(MAX_DEPTH), "--exit-criterion", "kl", "--exit-in-prefill", "--do-sample",
+               "--top-k", "3",
+               "--compute-penalty", str(args.compute_penalty),
                "--max-new-tokens", "2", "--save-every", str(updates), "--threads", str(args.threads))
     return out / "model"
 
@@ -100,10 +105,12 @@ def main() -> int:
     parser.add_argument("--sft-sweep-steps", type=int, default=60)
     parser.add_argument("--sft-steps", type=int, default=300)
     parser.add_argument("--sft-batch", type=int, default=16)
-    parser.add_argument("--rl-lrs", default="3e-5,1e-4")
+    parser.add_argument("--rl-lrs", default="1e-4,3e-4")
+    parser.add_argument("--compute-penalty", type=float, default=0.1,
+                        help="RL reward: answer correct (1/0) minus this times the answer's depth / 32")
     parser.add_argument("--rl-sweep-updates", type=int, default=15)
     parser.add_argument("--rl-updates", type=int, default=60)
-    parser.add_argument("--rl-difficulties", default="12,14,16,18,20")
+    parser.add_argument("--rl-difficulties", default="20,22,24,26")
     parser.add_argument("--count", type=int, default=300, help="problems per evaluation cell")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -282,7 +282,7 @@ def create_app(engine: Engine, codec: TextCodec, settings: ServerSettings) -> Fa
                                    code="context_length_exceeded")
             options = sampling.options(len(prompt), max_tokens, limits)
             try:  # an official compress-sN / compress-rN needs the model's layout
-                options.policy = options.policy.bind(cfg.core_layers)
+                options = options.bound(cfg.core_layers)
             except ValueError as exc:
                 raise APIError(400, str(exc), param="kv_policy") from None
             if options.kv_quant is not None:  # a spec this model cannot take: 400 now, not 500 in generation

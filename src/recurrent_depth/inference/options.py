@@ -73,7 +73,8 @@ class Option:
       depends on them. optional: None stays valid after resolution (off, or not set).
     unset: what None means for a str option with choices ("ours", "the profile's"), None where
       None is not allowed.
-    cli: a `rdepth generate` flag; cli_default: the flag's default where the CLI differs.
+    cli: a `rdepth generate` flag; cli_default: the flag's default where the CLI differs; metavar:
+      the flag's value as help shows it (None: N, X or NAME by kind).
     http: an extra body field of the OpenAI-compatible server; http_max: the server's upper bound
       for it (a number, or the name of a `serving.protocol.Limits` attribute).
     hf: "shared" (transformers' own loop understands it too) or "routed" (only
@@ -95,6 +96,7 @@ class Option:
     unset: str | None = None
     cli: bool = True
     cli_default: Any = None
+    metavar: str | None = None
     http: bool = False
     http_max: float | str | None = None
     hf: str | None = None
@@ -257,12 +259,12 @@ class GenerationOptions:
     kv_policy: str | None = option(None, "cache", "KV policy '<slots>[+<lookup>]': slots per-step | last-step | "
         "shared-K | anchor-K, lookup for early-exited tokens deepest | skip | full | always-last | randomized, e.g. "
         "'shared-4+skip', or an official cache_lookup_strategy such as 'latest-m4-compress-s16' (docs/inference.md)",
-        "str", shown="per-step+deepest", http=True, hf="shared", lm_eval="model")
+        "str", shown="per-step+deepest", metavar="SLOTS[+LOOKUP]", http=True, hf="shared", lm_eval="model")
     kv_quant: str | None = option(None, "cache", "quantize the KV cache, e.g. 'k=prod:3.5,v=mse:3.5' (TurboQuant; "
         "methods mse, prod, qjl, polar, raw); ',attn=dequantize' decodes before attention instead of scoring the "
         "codes; a fractional split codes each head's highest-energy key channels in the prompt at the higher width, "
         "',outliers=calibrated' the values' too, ',outliers=first' channels 0..n_out-1 (docs/quant.md)", "str",
-        shown="off, full precision", http=True, hf="routed", lm_eval="model")
+        shown="off, full precision", metavar="SPEC", http=True, hf="routed", lm_eval="model")
     cache_implementation: str = option("static", "cache", "KV storage: preallocated 'static' or the plain 'dynamic' "
         "reference", "str", choices=CACHE_IMPLEMENTATIONS, hf="routed")
     draft_steps: int | None = option(None, "mode", "self-speculative decoding: draft with this many core steps, "

@@ -202,16 +202,16 @@ def _threshold(text: str) -> float | str:
 
 
 def _argument(parser: Any, flag: str, dest: str, kind: str, help: str, choices: tuple | None,
-              default: Any) -> None:
+              default: Any, metavar: str | None = None) -> None:
     if kind == "bool":
         parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=help)
     elif kind == "stop":
         parser.add_argument(flag, dest=dest, action="append", default=default, metavar="TEXT", help=help)
     else:
         types = {"int": int, "seed": int, "float": _threshold if dest == "exit_threshold" else float, "str": str}
-        parser.add_argument(flag, dest=dest, type=types[kind], choices=choices, default=default,
-                            metavar=None if choices else ("N" if kind in ("int", "seed") else
-                                                          "X" if kind == "float" else "NAME"),
+        if metavar is None and not choices:
+            metavar = "N" if kind in ("int", "seed") else "X" if kind == "float" else "NAME"
+        parser.add_argument(flag, dest=dest, type=types[kind], choices=choices, default=default, metavar=metavar,
                             help=help)
 
 
@@ -221,13 +221,27 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     for option in OPTIONS.values():
         if option.cli:
             _argument(groups[option.group], option.flag, option.name, option.kind, option.describe(),
-                      option.allowed(), option.cli_default)
+                      option.allowed(), option.cli_default, option.metavar)
     groups["mode"].add_argument("--parallel", dest="sampler", action="store_const", const="parallel",
                                 help="the same as --sampler parallel")
     for alias in OFFICIAL_ALIASES.values():
         field = OPTIONS[alias.field]
         choices = None if alias.convert else field.allowed()
         _argument(groups[field.group], alias.flag, alias.name, alias.kind, alias.describe(), choices, None)
+
+
+def add_option_flags(parser: Any, names: tuple[str, ...], helps: dict[str, str] | None = None,
+                     field_defaults: bool = False) -> None:
+    """Some options as flags of a command other than `rdepth generate` (serve, info, eval,
+    analyze), with the schema's flag, kind, choices and metavar. `helps` words an option the
+    command's way where it means more there (serve's --kv-quant sets the server's KV memory), its
+    default included. Flags not given stay None, or with `field_defaults` take the field's default."""
+    for name in names:
+        option = OPTIONS[name]
+        default = option.default if field_defaults else None
+        shown = option.shown_default() if field_defaults else option.shown_default(cli=True)
+        help = (helps or {}).get(name, f"{option.help} (default: {shown})")
+        _argument(parser, option.flag, name, option.kind, help, option.allowed(), default, option.metavar)
 
 
 def cli_values(args: argparse.Namespace) -> dict[str, Any]:

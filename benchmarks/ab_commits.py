@@ -2,13 +2,17 @@
 
     python benchmarks/ab_commits.py train --base acaedbb --rounds 5    # training tokens/s, a few short cases
     python benchmarks/ab_commits.py generation --base acaedbb --rounds 5
+    python benchmarks/ab_commits.py serving --base acaedbb --rounds 3
 
 The base commit's `src/` and `benchmarks/` are extracted (`git archive`) to a temporary directory; each
 round runs both versions once, one after the other, in a fresh process with OMP_NUM_THREADS=1 and one
 torch thread, swapping the order every round, so the load of a shared machine falls on both alike.
 `train` calls each version's own `benchmarks/train_throughput.py::measure` on the `small` preset (fp32
 recurrent, fp32 baseline, bf16 recurrent) with the process CPU-time clock; `generation` runs each
-version's `benchmarks/generation.py` with short settings and compares wall and CPU-time tokens/s per mode.
+version's `benchmarks/generation.py` with short settings and compares wall and CPU-time tokens/s per mode;
+`serving` runs this checkout's `benchmarks/serving.py` (the same client for both) against each version's
+library with short settings: wall and server CPU-time tokens/s per depth mode and concurrency, and
+`rd.generate` one request at a time.
 Prints one JSON line (ratio = this checkout / base), then a table.
 """
 
@@ -28,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAIN_CASES = [("small", "fp32", True), ("small", "fp32", False), ("small", "bf16", True)]
 GENERATION_ARGS = ["--num-steps", "8", "--prompt-len", "32", "--new-tokens", "32", "--repeats", "3",
                    "--agreement-prompts", "1", "--agreement-tokens", "8", "--no-baselines", "--threads", "1"]
+SERVING_ARGS = ["--requests", "16", "--concurrency", "1,8", "--prompt-tokens", "8,32", "--max-tokens", "8,24",
+                "--num-steps", "8", "--single-requests", "4"]
 # Run in the child: the version's own `measure`, imported from its benchmarks/ directory.
 TRAIN_CHILD = """
 import importlib.util, json, sys
@@ -59,6 +65,8 @@ def run_version(kind: str, root: Path) -> dict[str, float]:
     if kind == "train":
         cmd = [sys.executable, "-c", TRAIN_CHILD, str(root / "benchmarks" / "train_throughput.py"),
                json.dumps(TRAIN_CASES)]
+    elif kind == "serving":
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "serving.py"), *SERVING_ARGS]
     else:
         cmd = [sys.executable, str(root / "benchmarks" / "generation.py"), *GENERATION_ARGS]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=tempfile.gettempdir())
@@ -68,12 +76,17 @@ def run_version(kind: str, root: Path) -> dict[str, float]:
     if kind == "generation":
         data = {f"{mode}:{key}": row[key] for mode, row in data["modes"].items()
                 for key in ("tokens_per_s", "cpu_tokens_per_s")}
+    if kind == "serving":
+        runs = {f"{r['mode']}_c{r['concurrency']}:{key}": r[key] for r in data["runs"]
+                for key in ("tokens_per_s", "cpu_tokens_per_s")}
+        data = runs | {f"single_{mode}:{key}": row[key] for mode, row in data["single_stream"].items()
+                       for key in ("tokens_per_s", "cpu_tokens_per_s")}
     return data
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("kind", choices=["train", "generation"])
+    parser.add_argument("kind", choices=["train", "generation", "serving"])
     parser.add_argument("--base", default="main", help="commit to compare against (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (default: %(default)s)")
     args = parser.parse_args(argv)

@@ -99,6 +99,13 @@ def metric(url: str, name: str) -> float:
     return float("nan")
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far, all its threads (Linux /proc): the server's own
+    work, which a loaded machine does not inflate the way it does wall time."""
+    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
     start = time.perf_counter()
     first = None
@@ -204,8 +211,12 @@ def main() -> int:
                 asyncio.run(run_load(url, bodies[:2], 1))  # warm-up
                 for c in levels:
                     steps0, rows0 = metric(url, "rdepth_decode_steps_total"), metric(url, "rdepth_batch_rows_total")
+                    cpu0 = process_cpu_seconds(server.pid)
                     result = asyncio.run(run_load(url, bodies, c))
+                    cpu = process_cpu_seconds(server.pid) - cpu0
                     steps1, rows1 = metric(url, "rdepth_decode_steps_total"), metric(url, "rdepth_batch_rows_total")
+                    result["server_cpu_seconds"] = round(cpu, 3)
+                    result["cpu_tokens_per_s"] = round(result["tokens"] / cpu, 2) if cpu > 0 else None
                     result["mode"] = mode
                     result["mean_batch_rows"] = round((rows1 - rows0) / max(1.0, steps1 - steps0), 2)
                     result["kv_pool_bytes"] = int(metric(url, "rdepth_kv_pool_bytes"))
@@ -265,14 +276,15 @@ def single_stream(model_dir: Path, requests: list[tuple[list[int], int]], modes:
     for mode, extra in modes.items():
         extra = dict(extra, kv_quant=kv_quant)
         rd.generate(model, torch.tensor(requests[0][0]), max_new_tokens=2, **extra)  # warm-up
-        tokens, start = 0, time.perf_counter()
+        tokens, start, cpu_start = 0, time.perf_counter(), time.process_time()
         steps = 0
         for i, (prompt, n) in enumerate(requests):
             result = rd.generate(model, torch.tensor(prompt), max_new_tokens=n, seed=i, **extra)
             tokens += int(result.lengths[0])
             steps += int(result.steps[0].sum())
-        seconds = time.perf_counter() - start
-        out[mode] = dict(tokens_per_s=round(tokens / seconds, 2), steps_per_token=round(steps / tokens, 2))
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        out[mode] = dict(tokens_per_s=round(tokens / seconds, 2), cpu_tokens_per_s=round(tokens / cpu, 2),
+                         steps_per_token=round(steps / tokens, 2))
     return out
 
 

@@ -20,6 +20,7 @@ from recurrent_depth.cli.common import (
     add_tokenizer_arg,
     load_cli_tokenizer,
 )
+from recurrent_depth.inference.schema import add_option_flags
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -44,8 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="steps from the same s0 to the limit point s* (default: %(default)s)")
     p.add_argument("--starts", type=int, default=4,
                    help="random initial states for path independence (default: %(default)s)")
-    p.add_argument("--init-scale", type=float, default=1.0,
-                   help="scale of the random s0; 0 = zeros (default: %(default)s)")
+    add_option_flags(p, ("init_scale",), field_defaults=True)
     p.add_argument("--converge-tol", type=float, default=0.05,
                    help="relative distance to s* that counts as converged (default: %(default)s)")
     p.add_argument("--tokens", default=None,

@@ -22,6 +22,7 @@ from recurrent_depth.cli.common import (
     add_tokenizer_arg,
     int_list,
 )
+from recurrent_depth.inference.schema import add_option_flags
 
 
 def _name_list(text: str) -> list[str]:
@@ -64,8 +65,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="a baseline model (e.g. non-recurrent), evaluated at its own depth (default: none)")
     parser.add_argument("--baseline-depth", type=int, default=None,
                         help="depth of the baseline (default: its config's mean_recurrence)")
-    parser.add_argument("--init-scale", type=float, default=None,
-                        help="scale of the random initial state, 0 = zeros (default: the model config's)")
+    add_option_flags(parser, ("init_scale",), helps={
+        "init_scale": "scale of the random initial state, 0 = zeros (default: the model config's)"})
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default: 8)")
     parser.set_defaults(func=run)
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from recurrent_depth.cli.common import human_bytes, human_count
+from recurrent_depth.inference.schema import add_option_flags
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -27,12 +28,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="build the C++ quantized-KV decoding kernels now (once per machine, torch and Python "
                              "version, 30-60 s; otherwise the first --kv-quant decode on CPU builds them), or check "
                              "and load the cached build; print where they are (default: off)")
-    parser.add_argument("--kv-policy", default=None, metavar="SLOTS[+LOOKUP]",
-                        help="also report the cache under this KV policy, e.g. shared-8 or an official strategy "
-                             "such as latest-m4-compress-s16 (default: off)")
-    parser.add_argument("--kv-quant", default=None, metavar="k=METHOD:BITS,v=METHOD:BITS",
-                        help="also report each policy's cache with quantized KV entries, e.g. k=prod:3.5,v=mse:3.5 "
-                             "(default: off)")
+    add_option_flags(parser, ("kv_policy", "kv_quant"), helps={
+        "kv_policy": "also report the cache under this KV policy, e.g. shared-8 or an official strategy such as "
+                     "latest-m4-compress-s16 (default: off)",
+        "kv_quant": "also report each policy's cache with quantized KV entries, e.g. k=prod:3.5,v=mse:3.5 "
+                    "(default: off)",
+    })
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table (default: off)")
     parser.set_defaults(func=run)
 

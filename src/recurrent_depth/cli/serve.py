@@ -21,6 +21,7 @@ from recurrent_depth.cli.common import (
     add_model_arg,
     add_tokenizer_arg,
 )
+from recurrent_depth.inference.schema import add_option_flags
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -67,17 +68,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(default: %(default)s)")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request may take from arrival to its last token (default: %(default)s)")
-    p.add_argument("--num-steps", type=int, default=None,
-                   help="recurrence depth of requests that do not set num_steps, e.g. lm-eval's scoring requests "
-                        "(default: the model's mean_recurrence)")
+    add_option_flags(p, ("num_steps",), helps={
+        "num_steps": "recurrence depth of requests that do not set num_steps, e.g. lm-eval's scoring requests "
+                     "(default: the model's mean_recurrence)"})
     p.add_argument("--max-num-steps", type=int, default=None,
                    help="deepest recurrence a request may ask for (default: max(64, 4 x mean_recurrence), "
                         "at most --max-depth)")
     add_max_depth_arg(p)
-    p.add_argument("--kv-quant", default=None, metavar="SPEC",
-                   help="quantize the server's KV memory, e.g. 'k=prod:3.5,v=mse:3.5' (TurboQuant; docs/quant.md): "
-                        "the continuous batch stores code rows, and requests without a kv_quant field use it; "
-                        "a request asking for another spec runs alone (default: full precision)")
+    add_option_flags(p, ("kv_quant",), helps={
+        "kv_quant": "quantize the server's KV memory, e.g. 'k=prod:3.5,v=mse:3.5' (TurboQuant; docs/quant.md): the "
+                    "continuous batch stores code rows, and requests without a kv_quant field use it; a request "
+                    "asking for another spec runs alone (default: full precision)"})
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level (default: %(default)s)")
     p.set_defaults(func=run)

@@ -51,7 +51,7 @@ from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
 from recurrent_depth.evaluation.scoring import Scored, batched_logprobs, stepwise_logprobs
-from recurrent_depth.inference.options import GenerationOptions, OptionError
+from recurrent_depth.inference.options import OPTIONS, GenerationOptions, OptionError
 from recurrent_depth.inference.schema import canonical, from_text, kwarg_spelling, names_for, unknown_names
 from recurrent_depth.integrations import register_transformers
 
@@ -62,6 +62,7 @@ DEFAULT_AUTO_BATCH = 16  # "batch_size=auto" probes GPU memory; on CPU a fixed s
 # From the options schema (inference/schema.py), official aliases included.
 MODEL_ARGS = names_for("lm_eval", "model")  # model_args, and per-request gen_kwargs overrides
 GEN_KWARGS = (*MODEL_ARGS, *names_for("lm_eval", "gen"))
+MODEL_OPTIONS = tuple(name for name in MODEL_ARGS if name in OPTIONS)  # the settings a run reports
 
 
 def _typed(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -111,15 +112,11 @@ class RecurrentDepthEvalLM(HFLM):
         super().__init__(pretrained=pretrained, device=_resolve_device(device), batch_size=batch_size, **kwargs)
         self._core = self.model.core
         try:
-            options = GenerationOptions(**values).validate(self._core.config.mean_recurrence)
+            self.options = GenerationOptions(**values).validate(self._core.config.mean_recurrence)
         except OptionError as exc:
             raise exc.spelled(kwarg_spelling(given_as)) from None
-        self.num_steps = values.get("num_steps")
-        self.depth = options.num_steps
-        self.exit_criterion, self.exit_threshold = options.exit_criterion, options.exit_threshold
-        self.min_steps = options.min_steps
-        self.kv_budget, self.kv_policy, self.kv_quant = options.kv_budget, options.kv_policy, options.kv_quant
-        self.warm_start = options.warm_start
+        self.model_args = values  # the options given, by field name: every generate request starts from them
+        self.depth = self.options.num_steps
         self.init_scale = values.get("init_scale")  # None: the config's
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self.step_counts: dict[str, Counter] = {"loglikelihood": Counter(), "generate_until": Counter()}
@@ -147,10 +144,8 @@ class RecurrentDepthEvalLM(HFLM):
             self.steps_log.write_text(json.dumps(self.settings() | {"steps": self.steps_summary()}, indent=2) + "\n")
 
     def settings(self) -> dict[str, Any]:
-        return {
-            "num_steps": self.depth, "exit_criterion": self.exit_criterion, "exit_threshold": self.exit_threshold,
-            "min_steps": self.min_steps, "kv_budget": self.kv_budget, "kv_policy": self.kv_policy,
-            "kv_quant": self.kv_quant, "warm_start": self.warm_start,
+        resolved = {name: getattr(self.options, name) for name in MODEL_OPTIONS}
+        return resolved | {
             "init_scale": self.init_scale if self.init_scale is not None else self._core.config.init_scale,
             "seed": self.seed,
         }
@@ -163,8 +158,9 @@ class RecurrentDepthEvalLM(HFLM):
     # ------------------------------------------------------------------ scoring
     @property
     def _stepwise(self) -> bool:
-        return (self.exit_criterion is not None or self.kv_budget is not None or self.kv_policy is not None
-                or self.kv_quant is not None or self.warm_start)
+        o = self.options
+        return (o.exit_criterion is not None or o.kv_budget is not None or o.kv_policy is not None
+                or o.kv_quant is not None or o.warm_start)
 
     def _model_call(self, inps: torch.Tensor, attn_mask: Any = None, labels: Any = None) -> torch.Tensor:
         with torch.no_grad():
@@ -194,10 +190,11 @@ class RecurrentDepthEvalLM(HFLM):
                     keep = limit - len(continuation)
                     batch.append((context[-keep:], continuation))  # left-truncate the context, as HFLM does
                 if self._stepwise:
+                    o = self.options
                     scored = stepwise_logprobs(
-                        self._core, batch, self.depth, pad, self.exit_criterion, self.exit_threshold,
-                        self.min_steps, self.kv_budget, self.warm_start, self.init_scale, self._generator,
-                        kv_policy=self.kv_policy, kv_quant=self.kv_quant,
+                        self._core, batch, self.depth, pad, o.exit_criterion, o.exit_threshold, o.min_steps,
+                        o.kv_budget, o.warm_start, self.init_scale, self._generator, kv_policy=o.kv_policy,
+                        kv_quant=o.kv_quant,
                     )
                 else:
                     scored = batched_logprobs(self._core, batch, self.depth, pad, self.init_scale, self._generator)
@@ -230,14 +227,10 @@ class RecurrentDepthEvalLM(HFLM):
         if values["do_sample"]:
             values["temperature"] = float(temperature)
         # Per-request overrides of the model args (lm-eval --gen_kwargs), e.g. num_steps=8.
-        options: dict[str, Any] = dict(
-            num_steps=self.depth, exit_criterion=self.exit_criterion, exit_threshold=self.exit_threshold,
-            min_steps=self.min_steps, kv_budget=self.kv_budget, kv_policy=self.kv_policy, kv_quant=self.kv_quant,
-            warm_start=self.warm_start,
-        ) | values
+        options: dict[str, Any] = self.model_args | {"num_steps": self.depth} | values
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self._generator))
-        options.setdefault("init_scale", self.init_scale if self.init_scale is not None
-                           else self._core.config.init_scale)
+        if options.get("init_scale") is None:
+            options["init_scale"] = self._core.config.init_scale
         try:
             out = rd_generate(
                 self._core, context, max_new_tokens=max_length - context.shape[1], attention_mask=attention_mask,

@@ -15,7 +15,7 @@ from recurrent_depth.inference.cache import DynamicRecurrentCache, StaticRecurre
 from recurrent_depth.inference.criteria import CRITERIA
 from recurrent_depth.inference.engine import Recurrence, Stopped
 from recurrent_depth.inference.generate import GenerationStream, generate, stream_generate
-from recurrent_depth.inference.options import GenerationOptions
+from recurrent_depth.inference.options import GenerationOptions, ResolvedOptions
 from recurrent_depth.inference.output import EXIT_REASONS, GenerationOutput, TokenEvent
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "EXIT_REASONS",
     "DynamicRecurrentCache",
     "GenerationOptions",
+    "ResolvedOptions",
     "GenerationOutput",
     "GenerationStream",
     "Recurrence",

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, get_type_hints
 
 import torch
 from torch import Tensor
 
 from recurrent_depth.inference import autoregressive, parallel, speculative
-from recurrent_depth.inference.options import GenerationOptions, OptionError
+from recurrent_depth.inference.options import OPTIONS, GenerationOptions, OptionError, ResolvedOptions
 from recurrent_depth.inference.output import GenerationOutput, TokenEvent
 from recurrent_depth.inference.schema import OFFICIAL_ALIASES, canonical, kwarg_spelling, unknown_names
 from recurrent_depth.inference.session import Session, prepare_inputs
@@ -27,11 +28,11 @@ class GenerationStream:
 
     def __init__(self, model: Any, input_ids: Any, attention_mask: Any, options: GenerationOptions,
                  tokenizer: Any) -> None:
-        options.validate(model.config.mean_recurrence)
+        resolved = options.validate(model.config.mean_recurrence)
         ids, mask = prepare_inputs(model, input_ids, attention_mask)
         self.model = model
-        self.options = options
-        self.session = Session(model, ids, mask, options, tokenizer)
+        self.options: ResolvedOptions = resolved
+        self.session = Session(model, ids, mask, resolved, tokenizer)
         self.output: GenerationOutput | None = None
 
     def __iter__(self) -> Iterator[TokenEvent]:
@@ -104,31 +105,18 @@ def stream_generate(model: Any, input_ids: Any, attention_mask: Any = None, **kw
 def generate(
     model: Any,
     input_ids: Tensor | list,
-    max_new_tokens: int = 64,
-    num_steps: int | None = None,
-    attention_mask: Tensor | None = None,
-    exit_criterion: str | None = None,
-    exit_threshold: float | None = None,
-    kv_budget: int | None = None,
-    warm_start: bool = False,
-    draft_steps: int | None = None,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-    seed: int | list[int] | None = None,
-    stop: int | str | list | None = None,
-    init_scale: float = 1.0,
-    defaults: str | None = None,
     *,
+    attention_mask: Tensor | None = None,
     streamer: Callable[[TokenEvent], Any] | None = None,
     tokenizer: Any = None,
-    **more: Any,
+    **options: Any,
 ) -> GenerationOutput:
     """Generate from a recurrent-depth model with every test-time compute control.
 
     input_ids: `[B, T]` (or `[T]`) token ids; attention_mask: `[B, T]` 1 = token, 0 = left padding.
+    options: the `GenerationOptions` fields by name (or the official aliases, `schema.OFFICIAL_ALIASES`);
+      the signature lists each with its default, and "Options" below with its help. An option left
+      out takes its field's default.
     num_steps: recurrence depth r (None: the config's mean_recurrence). The prompt runs at r unless
       exit_in_prefill.
     defaults: None (ours, the paper's) or "official": every option left unset takes the official
@@ -140,25 +128,25 @@ def generate(
         "cosine" | "argmax-stability" | "none": each row stops its recurrence on its own (see
         `criteria.py`);
       exit_threshold: None = the criterion's default (kl 5e-4, minp-kl 1e-5, entropy-diff 1e-3,
-        latent-diff 0.03, cosine 1e-3, argmax-stability 5); min_steps (1) and max_steps (r) bound
-        the steps; min_steps_rule "exit" (ours) or "skip" (official: nothing is checked before step
+        latent-diff 0.03, cosine 1e-3, argmax-stability 5); min_steps and max_steps bound the
+        steps; min_steps_rule "exit" (ours) or "skip" (official: nothing is checked before step
         min_steps + 1); check_every=n evaluates the criterion every n-th step; exit_in_prefill lets
         the prompt exit too;
       warm_start: s_0 of a token = the final state of the previous one (continuous CoT), raw or,
         with warm_start_source="normed", after ln_f.
     KV cache: kv_policy="<slots>[+<lookup>]" (see `recurrent_depth.model.cache`): slots "per-step"
-      (default, one entry per step), "shared-K" (step i reads and writes slot i mod K) or "last-step"
-      (= shared-1); lookup for tokens that exited early "deepest" (default: read their deepest entry
-      of the same core layer) or "skip" (leave them out at steps they did not reach); or an official
+      (one entry per step), "shared-K" (step i reads and writes slot i mod K) or "last-step"
+      (= shared-1); lookup for tokens that exited early "deepest" (read their deepest entry of the
+      same core layer) or "skip" (leave them out at steps they did not reach); or an official
       `cache_lookup_strategy` name ("full", "latest-m4-compress-s16", ...; docs/inference.md lists
       each with its general rule). kv_budget=k is the same as "shared-k". cache_implementation
-      "static" (preallocated, default) or "dynamic" (the plain reference).
-    Self-speculative: draft_steps=N drafts `lookahead` (8) tokens at N steps, verified at r steps in one
+      "static" (preallocated) or "dynamic" (the plain reference). kv_quant quantizes the entries.
+    Self-speculative: draft_steps=N drafts `lookahead` tokens at N steps, verified at r steps in one
       forward; verification_threshold=1 (exact: identical to greedy at r) or < 1 (accept a draft whose
       verifier probability is at least threshold * the top probability).
-    Parallel: sampler="parallel" runs the diffusion-forcing style wavefront sampler (inner_steps 4,
-      headway 1 new position per sweep while fewer than wavefront 4 refine, max_wavefront 128 forces the
-      front to freeze; positions freeze on exit_criterion latent-diff/cosine or at max_steps).
+    Parallel: sampler="parallel" runs the diffusion-forcing style wavefront sampler (inner_steps core
+      steps per sweep, headway new positions per sweep while fewer than wavefront refine, max_wavefront
+      forces the front to freeze; positions freeze on exit_criterion latent-diff/cosine or at max_steps).
     Sampling: do_sample with temperature, top_k, top_p, min_p; repetition_penalty (1.0 = off) applies to
       greedy too. seed: int (row b uses seed + b) or one int per row; each row draws s_0 and samples
       from its own generator, so a row in a batch equals the row alone. init_scale=0 gives s_0 = 0.
@@ -171,16 +159,26 @@ def generate(
     Returns a `GenerationOutput` (`.sequences [B, T + new]`, `.steps [B, new]`, `.exit_reasons`,
     `.cache_bytes [B, new]`, `.lengths`, `.finish_reasons`, timings, mode statistics).
     """
-    kwargs = dict(
-        max_new_tokens=max_new_tokens, num_steps=num_steps, exit_criterion=exit_criterion,
-        exit_threshold=exit_threshold, kv_budget=kv_budget, warm_start=warm_start, draft_steps=draft_steps,
-        do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-        stop=stop, init_scale=init_scale, defaults=defaults, tokenizer=tokenizer, **more,
-    )
-    options, tokenizer, _, given_as = _options(kwargs)
-    stream = _stream(model, input_ids, attention_mask, options, tokenizer, given_as)
+    given, tokenizer, _, given_as = _options(dict(options, tokenizer=tokenizer))
+    stream = _stream(model, input_ids, attention_mask, given, tokenizer, given_as)
     for event in stream:
         if streamer is not None:
             streamer(event)
     assert stream.output is not None
     return stream.output
+
+
+def _with_option_parameters(function: Callable[..., Any]) -> None:
+    """`function`'s signature and docstring list every option (its field's default and help), so
+    `help()` and editors show them; they are read from `GenerationOptions`, not written here."""
+    signature = inspect.signature(function)
+    fixed = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    hints = get_type_hints(GenerationOptions)
+    options = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=hints[name])
+               for name, o in OPTIONS.items() if name not in signature.parameters]
+    function.__signature__ = signature.replace(parameters=[*fixed, *options])  # type: ignore[attr-defined]
+    lines = [f"      {name}: {o.help} (default: {o.shown_default()})" for name, o in OPTIONS.items()]
+    function.__doc__ = (function.__doc__ or "") + "\n    Options:\n" + "\n".join(lines) + "\n"
+
+
+_with_option_parameters(generate)

@@ -1,15 +1,20 @@
-"""Every argument of `generate`, validated once, with errors that name the field and its range."""
+"""Every generation option, declared once: a `GenerationOptions` field holds its default and, as
+metadata, its `Option` (help, group, kind, range, and where it is offered: CLI flag, HTTP field,
+transformers, lm-eval). `GenerationOptions.validate` checks every field against that metadata,
+fills the defaults that depend on the profile and the model, and returns a frozen
+`ResolvedOptions` that also holds what the fields parse to (exit criterion, KV policy, KV
+quantization). `schema.py` derives every interface from `OPTIONS`."""
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from recurrent_depth.inference.cache import CACHE_IMPLEMENTATIONS
 from recurrent_depth.inference.criteria import CRITERIA, CriterionSpec, resolve_criterion
-from recurrent_depth.inference.quant_cache import parse_kv_quant_option
+from recurrent_depth.inference.quant_cache import KVQuant, parse_kv_quant_option
 from recurrent_depth.model.cache import KVPolicy, parse_kv_policy
 
 SAMPLERS = ("autoregressive", "parallel")
@@ -21,6 +26,15 @@ WARM_START_SOURCES = ("raw", "normed")
 OFFICIAL_STOP_IDS = (65504, 65505, 65508)
 OFFICIAL_SPECULATIVE_STEPS = 32  # the official generate_speculative's num_steps default
 OFFICIAL_KV_POLICY = "full"  # the official dynamic cache's default lookup strategy
+GROUPS = {
+    "depth": "depth",
+    "exit": "adaptive depth (per-token exit, warm start)",
+    "cache": "KV cache",
+    "mode": "speculative and parallel decoding",
+    "sampling": "sampling and stopping",
+    "output": "output",
+}
+KINDS = ("int", "float", "bool", "str", "seed", "stop", "any")
 
 
 class OptionError(ValueError):
@@ -46,9 +60,138 @@ def spell(message: str, spelling: Any) -> str:
     return re.sub(rf"(?<![\w\-.])(?:{pattern})", lambda m: spelling(m.group(0)), message)
 
 
-@dataclass
+@dataclass(frozen=True)
+class Option:
+    """How one `GenerationOptions` field is checked and offered (its metadata).
+
+    kind: int | float | bool | str | seed (an int, or one per row) | stop (ids and strings) | any.
+    choices: allowed values of a str option; a tuple is checked by `validate`, a callable (a
+      registry, e.g. the exit criteria) only lists them: the option's own parser checks it.
+    shown: the default as help text shows it (None: the field's default).
+    low / high: the range `validate` checks (int: low only; float: both, open where low_open /
+      high_open). `low` and `low_open` may be functions of the other values where the bound
+      depends on them. optional: None stays valid after resolution (off, or not set).
+    unset: what None means for a str option with choices ("ours", "the profile's"), None where
+      None is not allowed.
+    cli: a `rdepth generate` flag; cli_default: the flag's default where the CLI differs; metavar:
+      the flag's value as help shows it (None: N, X or NAME by kind).
+    http: an extra body field of the OpenAI-compatible server; http_max: the server's upper bound
+      for it (a number, or the name of a `serving.protocol.Limits` attribute).
+    hf: "shared" (transformers' own loop understands it too) or "routed" (only
+      `recurrent_depth.generate` does: transformers `generate` routes the call there).
+    lm_eval: "model" (a model_arg, and a gen_kwargs override) or "gen" (gen_kwargs only).
+    name, default: the field's (filled in `OPTIONS`).
+    """
+
+    group: str
+    help: str
+    kind: str
+    choices: Any = None
+    shown: str | None = None
+    low: Any = None
+    high: float | None = None
+    low_open: Any = False
+    high_open: bool = False
+    optional: bool = False
+    unset: str | None = None
+    cli: bool = True
+    cli_default: Any = None
+    metavar: str | None = None
+    http: bool = False
+    http_max: float | str | None = None
+    hf: str | None = None
+    lm_eval: str | None = None
+    name: str = ""
+    default: Any = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def allowed(self) -> tuple | None:
+        return tuple(self.choices()) if callable(self.choices) else self.choices
+
+    def shown_default(self, cli: bool = False) -> str:
+        """The default as help text shows it (`cli`: the flag's, where the CLI has its own)."""
+        if cli and self.cli_default is not None:
+            value = self.cli_default
+        elif self.shown is not None:
+            return self.shown
+        else:
+            value = self.default
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return "none" if value is None else str(value)
+
+    def describe(self) -> str:
+        """The help text with its default, as every interface shows it."""
+        return f"{self.help} (default: {self.shown_default(cli=True)})"
+
+    def check(self, values: dict[str, Any]) -> None:
+        """OptionError unless this option's value in `values` (resolved) has its kind and range."""
+        value = values[self.name]
+        if self.kind == "bool":
+            if not isinstance(value, bool):
+                raise OptionError(self.name, f"{self.name}={value!r} is invalid: expected True or False")
+            return
+        if self.low is None or (value is None and self.optional):
+            return
+        low = self.low(values) if callable(self.low) else self.low
+        extra = "None or " if self.optional else ""
+        if self.kind == "int":
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise OptionError(self.name, f"{self.name}={value!r} is invalid: expected {extra}an integer >= {low}")
+            return
+        low_open = self.low_open(values) if callable(self.low_open) else self.low_open
+        if not in_range(value, low, self.high, low_open, self.high_open):
+            lo, hi = "(" if low_open else "[", ")" if self.high_open else "]"
+            raise OptionError(
+                self.name, f"{self.name}={value!r} is invalid: expected {extra}a number in {lo}{low}, {self.high}{hi}"
+            )
+
+    def check_choice(self, value: Any) -> None:
+        """OptionError unless `value` is one of a str option's fixed choices (or None where allowed)."""
+        if not isinstance(self.choices, tuple) or (value is None and self.unset) or value in self.choices:
+            return
+        extra = f"None ({self.unset}) or " if self.unset else ""
+        raise OptionError(self.name, f"{self.name}={value!r} is invalid: expected {extra}one of {self.choices}")
+
+
+def in_range(value: Any, low: float, high: float, low_open: bool, high_open: bool) -> bool:
+    """`value` is a number (not a bool, not NaN) between low and high."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        if math.isnan(value):
+            return False
+    except OverflowError:  # an int beyond float range
+        return False
+    return (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+
+
+def option(default: Any, group: str, help: str, kind: str, **metadata: Any) -> Any:
+    """A `GenerationOptions` field: its default, and its `Option` as the field's metadata."""
+    return field(default=default, metadata={"option": Option(group, help, kind, **metadata)})
+
+
+def criterion_names() -> list[str]:
+    return sorted(CRITERIA)
+
+
+def min_steps_floor(values: dict[str, Any]) -> int:
+    """Rule "skip" counts unchecked steps (0 allowed); rule "exit" counts steps run before an exit."""
+    return 0 if values["min_steps_rule"] == "skip" else 1
+
+
+def sampling_temperature(values: dict[str, Any]) -> bool:
+    """Greedy decoding ignores the temperature, so 0 (the OpenAI way to ask for greedy) is fine there."""
+    return values["do_sample"] is not False
+
+
+@dataclass(frozen=True)
 class GenerationOptions:
-    """Generation settings (see `recurrent_depth.inference.generate` for what each one does).
+    """Generation settings: each field is one option, its metadata (`Option`) says how it is
+    checked and offered (see `recurrent_depth.inference.generate` for what each one does).
 
     Fields whose default is None and that the official code (seal-rg/recurrent-pretraining,
     `raven_modeling_minimal.py` at 59e0b69) sets differently take the default of the `defaults`
@@ -80,53 +223,101 @@ class GenerationOptions:
       None = the config's. Official defaults also stop at `OFFICIAL_STOP_IDS` (its hard-coded stops).
     """
 
-    max_new_tokens: int = 64
-    num_steps: int | None = None
-    exit_criterion: str | None = None
-    exit_threshold: float | None = None
-    min_steps: int | None = None
-    max_steps: int | None = None
-    kv_budget: int | None = None
-    kv_policy: str | None = None
-    kv_quant: str | None = None
-    warm_start: bool = False
-    draft_steps: int | None = None
-    lookahead: int = 8
-    verification_threshold: float = 1.0
-    sampler: str = "autoregressive"
-    inner_steps: int = 4
-    headway: int = 1
-    wavefront: int = 4
-    max_wavefront: int = 128
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    repetition_penalty: float = 1.0
-    seed: Any = None
-    stop: Any = None
-    init_scale: float = 1.0
-    cache_implementation: str = "static"
-    fast: bool = True
-    output_logits: bool = False
-    teacher_tokens: Any = None
-    defaults: str | None = None
-    exit_in_prefill: bool | None = None
-    min_steps_rule: str | None = None
-    check_every: int = 1
-    warm_start_source: str | None = None
-    finish_round: bool | None = None
-    eos_token_id: Any = None
+    max_new_tokens: int = option(64, "depth", "tokens to generate", "int", hf="shared", low=0)
+    num_steps: int | None = option(None, "depth", "recurrence depth r: core steps per token (the prompt runs at r)",
+        "int", shown="the model's mean_recurrence", http=True, http_max="max_num_steps", hf="shared", lm_eval="model",
+        low=0)
+    init_scale: float = option(1.0, "depth", "scale of the random initial state s_0; 0 = zeros, deterministic",
+        "float", http=True, http_max=100.0, hf="shared", lm_eval="model", low=0, high=math.inf, high_open=True)
+    exit_criterion: str | None = option(None, "exit", "stop each token's recurrence when this statistic converges",
+        "str", choices=criterion_names, shown="none, fixed depth", http=True, hf="routed", lm_eval="model")
+    exit_threshold: float | None = option(None, "exit", "the criterion's threshold; 'auto' = the official code's "
+        "threshold for the criterion (kl 1e-3, entropy-diff 1e-3, latent-diff 0.03, cosine 1e-3, argmax-stability 5)",
+        "float", shown="the criterion's own, kl 5e-4", http=True, hf="routed", lm_eval="model")
+    min_steps: int | None = option(None, "exit", "fewest core steps before a token may exit (see min_steps_rule)",
+        "int", shown="1; official: 0", http=True, http_max="max_num_steps", hf="routed", lm_eval="model",
+        low=min_steps_floor)
+    max_steps: int | None = option(None, "exit", "most core steps with an exit criterion", "int", shown="r", http=True,
+        http_max="max_num_steps", hf="routed", low=1, optional=True)
+    warm_start: bool = option(False, "exit", "start each token from the previous token's final state (continuous CoT)",
+        "bool", http=True, hf="routed", lm_eval="model")
+    warm_start_source: str | None = option(None, "exit", "what warm start reuses: the 'raw' final state or its ln_f "
+        "output 'normed' (the official fixed-depth loop's)", "str", choices=WARM_START_SOURCES,
+        shown="raw; official: normed without an exit criterion", http=True, hf="routed", lm_eval="model",
+        unset="the profile's")
+    exit_in_prefill: bool | None = option(None, "exit", "the prompt runs under the exit criterion too (its positions "
+        "stop together); the official default", "bool", shown="off; official: on", http=True, hf="routed",
+        lm_eval="model")
+    min_steps_rule: str | None = option(None, "exit", "'exit': statistics from step 1, exit from min_steps; 'skip' "
+        "(official): no check and no statistic before step min_steps + 1", "str", choices=MIN_STEPS_RULES,
+        shown="exit; official: skip", http=True, hf="routed", lm_eval="model", unset="the profile's")
+    check_every: int = option(1, "exit", "evaluate the exit criterion every n-th step only", "int", http=True,
+        http_max="max_num_steps", hf="routed", lm_eval="model", low=1)
+    kv_budget: int | None = option(None, "cache", "KV entries per token and core layer: step i uses slot i mod k",
+        "int", shown="one per step", http=True, http_max="max_num_steps", hf="shared", lm_eval="model", low=1,
+        optional=True)
+    kv_policy: str | None = option(None, "cache", "KV policy '<slots>[+<lookup>]': slots per-step | last-step | "
+        "shared-K | anchor-K, lookup for early-exited tokens deepest | skip | full | always-last | randomized, e.g. "
+        "'shared-4+skip', or an official cache_lookup_strategy such as 'latest-m4-compress-s16' (docs/inference.md)",
+        "str", shown="per-step+deepest", metavar="SLOTS[+LOOKUP]", http=True, hf="shared", lm_eval="model")
+    kv_quant: str | None = option(None, "cache", "quantize the KV cache, e.g. 'k=prod:3.5,v=mse:3.5' (TurboQuant; "
+        "methods mse, prod, qjl, polar, raw); ',attn=dequantize' decodes before attention instead of scoring the "
+        "codes; a fractional split codes each head's highest-energy key channels in the prompt at the higher width, "
+        "',outliers=calibrated' the values' too, ',outliers=first' channels 0..n_out-1 (docs/quant.md)", "str",
+        shown="off, full precision", metavar="SPEC", http=True, hf="routed", lm_eval="model")
+    cache_implementation: str = option("static", "cache", "KV storage: preallocated 'static' or the plain 'dynamic' "
+        "reference", "str", choices=CACHE_IMPLEMENTATIONS, hf="routed")
+    draft_steps: int | None = option(None, "mode", "self-speculative decoding: draft with this many core steps, "
+        "verify at r", "int", shown="off", http=True, hf="routed", low=0, optional=True)
+    lookahead: int = option(8, "mode", "self-speculative: drafted tokens per round", "int", http=True,
+        http_max="max_lookahead", hf="routed", low=1)
+    verification_threshold: float = option(1.0, "mode", "self-speculative: 1 = exact (greedy at r); t < 1 accepts a "
+        "draft whose verifier probability is >= t * the top probability", "float", http=True, hf="routed", low=0,
+        high=1, low_open=True)
+    sampler: str = option("autoregressive", "mode", "decoding loop: one token at a time, or the diffusion-forcing "
+        "style wavefront", "str", choices=SAMPLERS, hf="routed")
+    inner_steps: int = option(4, "mode", "parallel: core steps per sweep", "int", hf="routed", low=1)
+    headway: int = option(1, "mode", "parallel: new positions per sweep", "int", hf="routed", low=1)
+    wavefront: int = option(4, "mode", "parallel: new positions join while fewer than this many refine", "int",
+        hf="routed", low=1)
+    max_wavefront: int = option(128, "mode", "parallel: freeze the front when more positions than this refine", "int",
+        hf="routed", low=1)
+    do_sample: bool = option(False, "sampling", "sample instead of greedy decoding", "bool",
+        shown="greedy; the CLI turns it on with --temperature/--top-k/--top-p/--min-p", hf="shared", lm_eval="gen")
+    temperature: float = option(1.0, "sampling", "sampling temperature (0 asks for greedy)", "float", http=True,
+        http_max=100.0, hf="shared", lm_eval="gen", low=0, high=math.inf, low_open=sampling_temperature,
+        high_open=True)
+    top_k: int | None = option(None, "sampling", "keep the k most likely tokens", "int", shown="all", http=True,
+        hf="shared", lm_eval="gen", low=1, optional=True)
+    top_p: float | None = option(None, "sampling", "nucleus sampling: keep the most likely tokens holding this mass",
+        "float", shown="off", http=True, hf="shared", lm_eval="gen", low=0, high=1, low_open=True, optional=True)
+    min_p: float | None = option(None, "sampling", "drop tokens below min_p * the top probability", "float",
+        shown="off", http=True, hf="shared", lm_eval="gen", low=0, high=1, optional=True)
+    repetition_penalty: float = option(1.0, "sampling", "penalise tokens already in the row, > 1 (CTRL rule; 1 = off)",
+        "float", http=True, http_max=100.0, hf="shared", lm_eval="gen", low=0, high=math.inf, low_open=True,
+        high_open=True)
+    seed: Any = option(None, "sampling", "random seed: row b uses seed + b (or one seed per row)", "seed",
+        cli_default=0, shown="none: fresh randomness; rdepth's --seed 0", hf="routed")
+    stop: Any = option(None, "sampling", "stop when this text (or token id) appears; the model's eos always stops",
+        "stop", shown="none", hf="routed")
+    fast: bool = option(True, "output", "the fused runner; --no-fast runs the model's own modules (the reference)",
+        "bool", hf="routed")
+    output_logits: bool = option(False, "output", "keep the logits of every chosen token", "bool", cli=False,
+        hf="routed")
+    finish_round: bool | None = option(None, "mode", "self-speculative: commit the whole last round, past "
+        "max_new_tokens (the official loop)", "bool", shown="off; official: on", http=True, hf="routed")
+    eos_token_id: Any = option(None, "sampling", "ids that end a row (an id or a list; [] = none), replacing the "
+        "model config's; transformers generate's eos_token_id", "any", shown="the config's", cli=False)
+    defaults: str | None = option(None, "depth", "whose defaults fill the options left unset: ours (the paper's) or "
+        "'official' (the official Huginn code's, so its calls give its tokens)", "str", choices=DEFAULTS, shown="ours",
+        http=True, lm_eval="model", unset="ours")
+    teacher_tokens: Any = option(None, "output", "teacher forcing: the tokens to feed instead of the chosen ones",
+        "any", cli=False)
 
-    # resolved by `validate`
-    criterion: CriterionSpec | None = None
-    threshold: float | None = None
-    policy: KVPolicy | None = None
 
     @classmethod
     def names(cls) -> set[str]:
-        return {f.name for f in fields(cls)} - {"criterion", "threshold", "policy"}
+        return set(OPTIONS)
 
     @property
     def mode(self) -> str:
@@ -136,191 +327,36 @@ class GenerationOptions:
             return "speculative"
         return "autoregressive"
 
-    @property
-    def deepest_step(self) -> int:
-        """The most recurrence steps any position runs (sizes the full KV cache)."""
-        return max(self.num_steps, self.max_steps or 0)
-
-    def validate(self, mean_recurrence: int) -> GenerationOptions:
-        """Check every field; fill defaults that depend on the model. Returns self."""
-
-        def integer(name: str, low: int, allow_none: bool = False) -> None:
-            value = getattr(self, name)
-            if value is None and allow_none:
-                return
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                extra = "None or " if allow_none else ""
-                raise OptionError(name, f"{name}={value!r} is invalid: expected {extra}an integer >= {low}")
-
-        def number(name: str, low: float, high: float, low_open: bool, high_open: bool = False,
-                   allow_none: bool = False) -> None:
-            value = getattr(self, name)
-            if value is None and allow_none:
-                return
-            ok = isinstance(value, int | float) and not isinstance(value, bool)
-            try:
-                ok = ok and not math.isnan(value)
-            except OverflowError:  # an int beyond float range
-                ok = False
-            if ok:
-                ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
-            if not ok:
-                lo = "(" if low_open else "["
-                hi = ")" if high_open else "]"
-                extra = "None or " if allow_none else ""
-                raise OptionError(
-                    name, f"{name}={value!r} is invalid: expected {extra}a number in {lo}{low}, {high}{hi}"
-                )
-
-        asked_prefill_exit = self.exit_in_prefill is True
-        self._resolve_defaults()
-        if self.num_steps is None:
-            self.num_steps = mean_recurrence
-        integer("max_new_tokens", 0)
-        integer("num_steps", 0)
-        integer("min_steps", 0 if self.min_steps_rule == "skip" else 1)
-        integer("check_every", 1)
-        integer("max_steps", 1, allow_none=True)
-        integer("kv_budget", 1, allow_none=True)
-        integer("draft_steps", 0, allow_none=True)
-        integer("lookahead", 1)
-        integer("inner_steps", 1)
-        integer("headway", 1)
-        integer("wavefront", 1)
-        integer("max_wavefront", 1)
-        integer("top_k", 1, allow_none=True)
-        # Greedy decoding ignores the temperature, so 0 (the OpenAI way to ask for greedy) is fine there.
-        number("temperature", 0, math.inf, low_open=self.do_sample is not False, high_open=True)
-        number("top_p", 0, 1, low_open=True, allow_none=True)
-        number("min_p", 0, 1, low_open=False, allow_none=True)
-        number("repetition_penalty", 0, math.inf, low_open=True, high_open=True)
-        number("verification_threshold", 0, 1, low_open=True)
-        number("init_scale", 0, math.inf, low_open=False, high_open=True)
-        for name in ("warm_start", "do_sample", "fast", "output_logits", "exit_in_prefill", "finish_round"):
-            if not isinstance(getattr(self, name), bool):
-                raise OptionError(name, f"{name}={getattr(self, name)!r} is invalid: expected True or False")
-        if self.sampler not in SAMPLERS:
-            raise OptionError("sampler", f"sampler={self.sampler!r} is invalid: expected one of {SAMPLERS}")
-        if self.cache_implementation not in CACHE_IMPLEMENTATIONS:
-            raise OptionError(
-                "cache_implementation",
-                f"cache_implementation={self.cache_implementation!r} is invalid: expected one of "
-                f"{CACHE_IMPLEMENTATIONS}"
-            )
+    def validate(self, mean_recurrence: int) -> ResolvedOptions:
+        """Every field checked against its `Option`, the defaults that depend on the profile and on
+        the model filled, the criterion, KV policy and KV quantization parsed."""
+        values = {name: getattr(self, name) for name in OPTIONS}
+        asked_prefill_exit = values["exit_in_prefill"] is True
+        for spec in OPTIONS.values():  # the profile's defaults read these, so they are checked first
+            spec.check_choice(values[spec.name])
+        _fill_profile_defaults(values)
+        if values["num_steps"] is None:
+            values["num_steps"] = mean_recurrence
+        for spec in OPTIONS.values():
+            spec.check(values)
+        official = values["defaults"] == "official"
         try:
-            self.criterion, self.threshold = resolve_criterion(
-                self.exit_criterion, self.exit_threshold, official=self.defaults == "official"
-            )
+            criterion, threshold = resolve_criterion(values["exit_criterion"], values["exit_threshold"],
+                                                     official=official)
         except ValueError as exc:
-            name_ok = self.exit_criterion is None or self.exit_criterion in CRITERIA
+            name_ok = values["exit_criterion"] is None or values["exit_criterion"] in CRITERIA
             raise OptionError("exit_threshold" if name_ok else "exit_criterion", str(exc)) from None
         try:
-            self.policy = parse_kv_policy(self.kv_policy, self.kv_budget)
+            policy = parse_kv_policy(values["kv_policy"], values["kv_budget"])
         except ValueError as exc:
             raise OptionError("kv_policy", str(exc)) from None
         try:
-            parse_kv_quant_option(self.kv_quant)
+            quant = parse_kv_quant_option(values["kv_quant"])
         except ValueError as exc:
             raise OptionError("kv_quant", str(exc)) from None
-        explicit_max_steps = self.max_steps is not None
-        if self.max_steps is not None and self.criterion is None and self.sampler != "parallel":
-            raise OptionError(
-                "max_steps",
-                f"max_steps={self.max_steps} only applies with an exit_criterion (fixed depth runs num_steps)"
-            )
-        if self.max_steps is None:
-            self.max_steps = self.num_steps
-        if self.criterion is not None and self.max_steps < 1:
-            raise OptionError("max_steps" if explicit_max_steps else "num_steps",
-                              "adaptive exit needs max_steps >= 1 (num_steps=0 runs no recurrence)")
-        if self.criterion is not None and self.min_steps_rule == "exit" and self.min_steps > self.max_steps:
-            raise OptionError(
-                "min_steps", f"min_steps={self.min_steps} is invalid: expected <= max_steps={self.max_steps}"
-            )
-
-        mode = self.mode
-        if asked_prefill_exit and (mode != "autoregressive" or self.criterion is None):
-            raise OptionError(
-                "exit_in_prefill",
-                f"exit_in_prefill=True needs an exit_criterion in the autoregressive mode (got mode {mode!r}, "
-                f"exit_criterion={self.exit_criterion!r})"
-            )
-        if self.teacher_tokens is not None and mode == "speculative":
-            raise OptionError("teacher_tokens", "teacher_tokens (teacher forcing) does not combine with draft_steps")
-        if mode == "speculative":
-            if self.draft_steps >= self.num_steps:
-                raise OptionError(
-                    "draft_steps",
-                    f"draft_steps={self.draft_steps} is invalid: the draft must be cheaper than the verifier, "
-                    f"expected an integer in [0, num_steps={self.num_steps})"
-                )
-            conflicts = {"exit_criterion": self.exit_criterion is not None, "warm_start": self.warm_start,
-                         "do_sample": self.do_sample, "repetition_penalty": self.repetition_penalty != 1.0}
-            bad = [name for name, on in conflicts.items() if on]
-            if bad:
-                raise OptionError(
-                    "draft_steps",
-                    f"self-speculative decoding (draft_steps={self.draft_steps}) is greedy at a fixed depth; "
-                    f"it does not combine with {', '.join(bad)}"
-                )
-        if mode == "parallel":
-            if self.draft_steps is not None or self.warm_start or self.repetition_penalty != 1.0:
-                raise OptionError(
-                    "sampler",
-                    "sampler='parallel' does not combine with draft_steps, warm_start or repetition_penalty"
-                )
-            if self.kv_budget not in (None, 1):
-                raise OptionError(
-                    "kv_budget",
-                    f"kv_budget={self.kv_budget} is invalid for sampler='parallel': the wavefront keeps one KV "
-                    "entry per core layer (the latest); expected None or 1"
-                )
-            if self.kv_policy not in (None, "last-step", "last-step+deepest", "deepest"):
-                raise OptionError(
-                    "kv_policy",
-                    f"kv_policy={self.kv_policy!r} is invalid for sampler='parallel': the wavefront keeps one KV "
-                    "entry per core layer (the latest); expected None or 'last-step'"
-                )
-            self.policy = parse_kv_policy("last-step")
-            if self.criterion is not None and self.criterion.name not in PARALLEL_CRITERIA:
-                raise OptionError(
-                    "exit_criterion",
-                    f"exit_criterion={self.exit_criterion!r} is invalid for sampler='parallel': positions freeze "
-                    f"on a latent criterion, expected None (freeze at max_steps) or one of {PARALLEL_CRITERIA}"
-                )
-            if self.max_steps < 1:
-                raise OptionError("sampler", "sampler='parallel' needs num_steps (or max_steps) >= 1")
-        return self
-
-    def _resolve_defaults(self) -> None:
-        """Fill the profile-dependent fields left None (see the class docstring)."""
-        if self.defaults is not None and self.defaults not in DEFAULTS:
-            raise OptionError(
-                "defaults", f"defaults={self.defaults!r} is invalid: expected None (ours) or one of {DEFAULTS}"
-            )
-        official = self.defaults == "official"
-        for name, allowed in (("min_steps_rule", MIN_STEPS_RULES), ("warm_start_source", WARM_START_SOURCES)):
-            value = getattr(self, name)
-            if value is not None and value not in allowed:
-                raise OptionError(
-                    name, f"{name}={value!r} is invalid: expected None (the profile's) or one of {allowed}"
-                )
-        if self.exit_in_prefill is None:
-            self.exit_in_prefill = official
-        if self.min_steps_rule is None:
-            self.min_steps_rule = "skip" if official else "exit"
-        if self.min_steps is None:
-            self.min_steps = 0 if self.min_steps_rule == "skip" else 1
-        if self.warm_start_source is None:
-            self.warm_start_source = "normed" if official and self.exit_criterion is None else "raw"
-        if self.finish_round is None:
-            self.finish_round = official
-        # The lookup only matters for tokens that exit early; at fixed depth every lookup reads the same.
-        adaptive = self.exit_criterion not in (None, "none")
-        if official and adaptive and self.kv_policy is None and self.kv_budget is None:
-            self.kv_policy = OFFICIAL_KV_POLICY
-        if official and self.num_steps is None and self.draft_steps is not None:
-            self.num_steps = OFFICIAL_SPECULATIVE_STEPS
+        _fill_max_steps(values, criterion)
+        resolved = ResolvedOptions(**values, criterion=criterion, threshold=threshold, policy=policy, quant=quant)
+        return _check_combinations(resolved, asked_prefill_exit)
 
     def stop_ids(self, config_eos: Any, vocab_size: int) -> list[int]:
         """The ids that end a row besides `stop`: eos_token_id (or the config's), and under
@@ -330,6 +366,127 @@ class GenerationOptions:
         if self.defaults == "official":
             ids += [t for t in OFFICIAL_STOP_IDS if t < vocab_size and t not in ids]
         return ids
+
+
+OPTIONS: dict[str, Option] = {
+    f.name: replace(f.metadata["option"], name=f.name, default=f.default) for f in fields(GenerationOptions)
+}
+
+
+@dataclass(frozen=True)
+class ResolvedOptions(GenerationOptions):
+    """`GenerationOptions.validate`'s result: every field checked and filled, and what they parse to.
+    Built once per request; the decoding loops read it and never change it."""
+
+    criterion: CriterionSpec | None = None
+    threshold: float | None = None
+    policy: KVPolicy | None = None
+    quant: KVQuant | None = None
+
+    @property
+    def deepest_step(self) -> int:
+        """The most recurrence steps any position runs (sizes the full KV cache)."""
+        return max(self.num_steps, self.max_steps or 0)
+
+    def bound(self, core_layers: int) -> ResolvedOptions:
+        """The same options with the KV policy bound to a model's layout (official compress-sN / -rN)."""
+        policy = self.policy.bind(core_layers)
+        return self if policy is self.policy else replace(self, policy=policy)
+
+
+def _fill_profile_defaults(values: dict[str, Any]) -> None:
+    """Fill the profile-dependent fields left None (see `GenerationOptions`)."""
+    official = values["defaults"] == "official"
+    if values["exit_in_prefill"] is None:
+        values["exit_in_prefill"] = official
+    if values["min_steps_rule"] is None:
+        values["min_steps_rule"] = "skip" if official else "exit"
+    if values["min_steps"] is None:
+        values["min_steps"] = min_steps_floor(values)
+    if values["warm_start_source"] is None:
+        values["warm_start_source"] = "normed" if official and values["exit_criterion"] is None else "raw"
+    if values["finish_round"] is None:
+        values["finish_round"] = official
+    # The lookup only matters for tokens that exit early; at fixed depth every lookup reads the same.
+    adaptive = values["exit_criterion"] not in (None, "none")
+    if official and adaptive and values["kv_policy"] is None and values["kv_budget"] is None:
+        values["kv_policy"] = OFFICIAL_KV_POLICY
+    if official and values["num_steps"] is None and values["draft_steps"] is not None:
+        values["num_steps"] = OFFICIAL_SPECULATIVE_STEPS
+
+
+def _fill_max_steps(values: dict[str, Any], criterion: CriterionSpec | None) -> None:
+    """max_steps defaults to num_steps; it bounds an exit criterion (or the parallel sampler's freeze)."""
+    max_steps = values["max_steps"]
+    if max_steps is not None and criterion is None and values["sampler"] != "parallel":
+        raise OptionError(
+            "max_steps", f"max_steps={max_steps} only applies with an exit_criterion (fixed depth runs num_steps)"
+        )
+    if max_steps is None:
+        values["max_steps"] = values["num_steps"]
+    if criterion is not None and values["max_steps"] < 1:
+        raise OptionError("max_steps" if max_steps is not None else "num_steps",
+                          "adaptive exit needs max_steps >= 1 (num_steps=0 runs no recurrence)")
+    if criterion is not None and values["min_steps_rule"] == "exit" and values["min_steps"] > values["max_steps"]:
+        raise OptionError(
+            "min_steps", f"min_steps={values['min_steps']} is invalid: expected <= max_steps={values['max_steps']}"
+        )
+
+
+def _check_combinations(o: ResolvedOptions, asked_prefill_exit: bool) -> ResolvedOptions:
+    """The rules between options of each decoding mode; the parallel sampler's own KV policy."""
+    mode = o.mode
+    if asked_prefill_exit and (mode != "autoregressive" or o.criterion is None):
+        raise OptionError(
+            "exit_in_prefill",
+            f"exit_in_prefill=True needs an exit_criterion in the autoregressive mode (got mode {mode!r}, "
+            f"exit_criterion={o.exit_criterion!r})"
+        )
+    if o.teacher_tokens is not None and mode == "speculative":
+        raise OptionError("teacher_tokens", "teacher_tokens (teacher forcing) does not combine with draft_steps")
+    if mode == "speculative":
+        if o.draft_steps >= o.num_steps:
+            raise OptionError(
+                "draft_steps",
+                f"draft_steps={o.draft_steps} is invalid: the draft must be cheaper than the verifier, "
+                f"expected an integer in [0, num_steps={o.num_steps})"
+            )
+        conflicts = {"exit_criterion": o.exit_criterion is not None, "warm_start": o.warm_start,
+                     "do_sample": o.do_sample, "repetition_penalty": o.repetition_penalty != 1.0}
+        bad = [name for name, on in conflicts.items() if on]
+        if bad:
+            raise OptionError(
+                "draft_steps",
+                f"self-speculative decoding (draft_steps={o.draft_steps}) is greedy at a fixed depth; "
+                f"it does not combine with {', '.join(bad)}"
+            )
+    if mode == "parallel":
+        if o.draft_steps is not None or o.warm_start or o.repetition_penalty != 1.0:
+            raise OptionError(
+                "sampler", "sampler='parallel' does not combine with draft_steps, warm_start or repetition_penalty"
+            )
+        if o.kv_budget not in (None, 1):
+            raise OptionError(
+                "kv_budget",
+                f"kv_budget={o.kv_budget} is invalid for sampler='parallel': the wavefront keeps one KV "
+                "entry per core layer (the latest); expected None or 1"
+            )
+        if o.kv_policy not in (None, "last-step", "last-step+deepest", "deepest"):
+            raise OptionError(
+                "kv_policy",
+                f"kv_policy={o.kv_policy!r} is invalid for sampler='parallel': the wavefront keeps one KV "
+                "entry per core layer (the latest); expected None or 'last-step'"
+            )
+        if o.criterion is not None and o.criterion.name not in PARALLEL_CRITERIA:
+            raise OptionError(
+                "exit_criterion",
+                f"exit_criterion={o.exit_criterion!r} is invalid for sampler='parallel': positions freeze "
+                f"on a latent criterion, expected None (freeze at max_steps) or one of {PARALLEL_CRITERIA}"
+            )
+        if o.max_steps < 1:
+            raise OptionError("sampler", "sampler='parallel' needs num_steps (or max_steps) >= 1")
+        return replace(o, policy=parse_kv_policy("last-step"))
+    return o
 
 
 def eos_ids(value: Any, name: str, vocab_size: int) -> tuple[int, ...]:

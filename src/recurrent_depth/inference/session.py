@@ -10,7 +10,7 @@ from torch import Tensor
 from recurrent_depth.inference.cache import make_cache
 from recurrent_depth.inference.criteria import ExitCriterion
 from recurrent_depth.inference.engine import Recurrence
-from recurrent_depth.inference.options import GenerationOptions, eos_ids
+from recurrent_depth.inference.options import ResolvedOptions, eos_ids
 from recurrent_depth.inference.output import Recorder, TokenEvent
 from recurrent_depth.inference.quant_cache import kv_quant_for_model
 from recurrent_depth.inference.sampling import RowGenerators, StopChecker, TokenChooser, decode
@@ -70,7 +70,7 @@ def prepare_inputs(model: Any, input_ids: Any, attention_mask: Any) -> tuple[Ten
 class Session:
     """One generation call: everything the mode loops read and update."""
 
-    def __init__(self, model: Any, input_ids: Tensor, mask: Tensor | None, options: GenerationOptions,
+    def __init__(self, model: Any, input_ids: Tensor, mask: Tensor | None, options: ResolvedOptions,
                  tokenizer: Any = None) -> None:
         cfg = model.config
         self.model = model
@@ -106,7 +106,7 @@ class Session:
         self.cache = make_cache(
             options.cache_implementation, self.B, options.deepest_step,
             capacity=self.T + options.max_new_tokens + slack, device=self.device, policy=options.policy,
-            core_layers=cfg.core_layers, kv_quant=options.kv_quant,
+            core_layers=cfg.core_layers, kv_quant=options.quant,
         )
         # valid[b, c]: column c of row b is a real token (left padding and rejected drafts are not).
         self.padded = mask is not None

@@ -32,7 +32,7 @@ takes requests whose `kv_quant` is SPEC or unset.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +41,7 @@ from torch import Tensor
 from recurrent_depth.accel.runner import FastRunner
 from recurrent_depth.inference.criteria import RowCriterion
 from recurrent_depth.inference.engine import Pass, Recurrence
-from recurrent_depth.inference.options import GenerationOptions
+from recurrent_depth.inference.options import ResolvedOptions
 from recurrent_depth.inference.quant_cache import KVQuant, kv_quant_for_model
 from recurrent_depth.inference.runner import Step
 from recurrent_depth.inference.sampling import RowGenerators, TokenChooser
@@ -52,13 +52,13 @@ from recurrent_depth.serving.kv_pool import SlotKVPool, make_pool
 class RowRequest:
     """One sequence to generate.
 
-    options: validated `GenerationOptions` (autoregressive mode). seed: the row's generator seed.
+    options: validated `ResolvedOptions` (autoregressive mode). seed: the row's generator seed.
     top_logprobs: None for no logprobs, else how many alternatives to report per token (0 = only
     the chosen token's). prompt_logprobs: also score the prompt tokens (OpenAI `echo` + `logprobs`).
     """
 
     prompt: list[int]
-    options: GenerationOptions
+    options: ResolvedOptions
     seed: int
     top_logprobs: int | None = None
     prompt_logprobs: bool = False
@@ -113,7 +113,7 @@ class Sequence:
     tag: object = None  # the caller's handle
 
     @property
-    def options(self) -> GenerationOptions:
+    def options(self) -> ResolvedOptions:
         return self.request.options
 
     @property
@@ -149,7 +149,7 @@ class BatchDecoder:
         return FastRunner.supports(model)
 
     @staticmethod
-    def runs(options: GenerationOptions) -> bool:
+    def runs(options: ResolvedOptions) -> bool:
         """Whether the batch's step loop implements these options: the official code's schedule
         (exit in prefill, its min_steps rule past step 0, check every n steps) and the normed warm
         start run alone, through `stream_generate`."""
@@ -214,8 +214,8 @@ class BatchDecoder:
         """
         if len(self.rows) >= self.max_rows:
             raise RuntimeError(f"the batch is full ({self.max_rows} rows)")
+        request = replace(request, options=request.options.bound(self.config.core_layers))
         opts = request.options
-        opts.policy = opts.policy.bind(self.config.core_layers)
         if not SlotKVPool.takes(opts.policy):
             raise ValueError(f"kv_policy {opts.policy.name!r} cannot join the batch (see SlotKVPool.takes)")
         if not self.takes_kv_quant(opts.kv_quant):

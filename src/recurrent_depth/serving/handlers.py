@@ -125,7 +125,7 @@ class Handlers:
                                    code="context_length_exceeded")
             options = sampling.options(len(prompt), max_tokens, limits)
             try:  # an official compress-sN / compress-rN needs the model's layout
-                options.policy = options.policy.bind(scheduler.model.config.core_layers)
+                options = options.bound(scheduler.model.config.core_layers)
             except ValueError as exc:
                 raise APIError(400, str(exc), param="kv_policy") from None
             if options.kv_quant is not None:  # a spec this model cannot take: 400 now, not 500 in generation

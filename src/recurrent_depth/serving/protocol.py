@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from recurrent_depth.inference.options import GenerationOptions, OptionError
+from recurrent_depth.inference.options import GenerationOptions, OptionError, ResolvedOptions
 from recurrent_depth.inference.schema import OFFICIAL_ALIASES, OPTIONS, canonical, check_type, names_for
 
 HTTP_OPTIONS = names_for("http")  # the schema's extra body fields, official aliases included
@@ -175,7 +175,7 @@ class Sampling:
         return self.generation.get("draft_steps") is not None
 
 
-    def options(self, prompt_len: int, max_tokens: int, limits: Limits) -> GenerationOptions:
+    def options(self, prompt_len: int, max_tokens: int, limits: Limits) -> ResolvedOptions:
         """Validated `GenerationOptions` for a prompt of this length (400 on a bad combination)."""
         if prompt_len + max_tokens > limits.max_seq_len:
             raise APIError(
@@ -189,7 +189,7 @@ class Sampling:
 
 
 def validated(generation: dict[str, Any], given_as: dict[str, str], max_tokens: int,
-              limits: Limits) -> GenerationOptions:
+              limits: Limits) -> ResolvedOptions:
     """`GenerationOptions.validate`, its errors as 400s naming the JSON field."""
     try:
         return GenerationOptions(max_new_tokens=max_tokens, **generation).validate(limits.mean_recurrence)

@@ -413,7 +413,7 @@ class RecurrentDepthLM(nn.Module):
                     f"position_ids must lie in [0, max_seq_len={cfg.max_seq_len}), got values in [{lowest}, {highest}]"
                 )
 
-    def check_document_ids(self, input_ids: Tensor, document_ids: Tensor, cache: Any | None) -> None:
+    def check_document_ids(self, input_ids: Tensor, document_ids: Tensor, cache: ModelCache | None) -> None:
         """Packed rows need a [B, T] integer tensor, no cache, and a mixer that takes a block-diagonal mask."""
         if not isinstance(document_ids, Tensor) or tuple(document_ids.shape) != tuple(input_ids.shape):
             shape = tuple(document_ids.shape) if isinstance(document_ids, Tensor) else type(document_ids).__name__

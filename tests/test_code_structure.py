@@ -76,27 +76,15 @@ def module_name(path: Path) -> str:
 
 
 @functools.cache  # (parsed once for the tests below; they only read it)
-def is_type_checking_block(node: ast.AST) -> bool:
-    test = getattr(node, "test", None) if isinstance(node, ast.If) else None
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the package's modules it imports (top level and inside functions: every import that runs).
-    Imports under `if TYPE_CHECKING:` are left out: they never run, so they cannot make an import circle (a
-    helper module annotating its `trainer: Trainer` argument is not a layer pointing back).
-    `from a.b import c` is an edge to `a.b.c` when c is a module, else to `a.b`; relative imports resolve."""
+    """Module -> the package's modules it imports (top level, inside functions, under TYPE_CHECKING: all of
+    them). `from a.b import c` is an edge to `a.b.c` when c is a module, else to `a.b`; relative imports resolve."""
     files = {module_name(p): p for p in PACKAGE.rglob("*.py") if REMOTE not in p.parents}
     graph = {}
     for name, path in files.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         edges = set()
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        type_only = {id(n) for block in ast.walk(tree) if is_type_checking_block(block) for n in ast.walk(block)}
-        for node in ast.walk(tree):
-            if id(node) in type_only:
-                continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):

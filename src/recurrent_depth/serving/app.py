@@ -15,40 +15,17 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from recurrent_depth.serving.engine import BatchScheduler
-from recurrent_depth.serving.handlers import Handlers
+from recurrent_depth.serving.handlers import MAX_BODY_BYTES, Handlers, ServerSettings  # noqa: F401 (MAX_BODY_BYTES: re-exported)
 from recurrent_depth.serving.metrics import Metrics
 from recurrent_depth.serving.protocol import APIError, Limits
 from recurrent_depth.serving.text import TextCodec
 from recurrent_depth.serving.transport import LOOPBACK_NAMES, HostGuard, allowed_host_names
-
-MAX_BODY_BYTES = 32 * 2**20
-
-
-@dataclass
-class ServerSettings:
-    """What `create_app` needs besides the scheduler and the tokenizer."""
-
-    model_name: str
-    api_key: str | None = None
-    request_timeout: float = 600.0
-    limits: Limits | None = None
-    aliases: tuple[str, ...] = ()
-    created: int = field(default_factory=lambda: int(time.time()))
-    max_body_bytes: int = MAX_BODY_BYTES
-    read_timeout: float = 30.0  # seconds for a request's head, and for its whole body
-    stall_timeout: float = 60.0  # /health says "stalled" after this long without progress while busy
-    allowed_hosts: tuple[str, ...] | None = None  # Host header names accepted (None: loopback; "*": any)
-    tokenizer_workers: int = 2
-    tokenize_timeout: float = 10.0
-    worker_memory: int | None = 2 << 30  # address space a preparation worker may add after start-up
-    default_num_steps: int | None = None  # for the banner
 
 
 def _error(status: int, message: str, type: str = "invalid_request_error", code: str | None = None,

@@ -8,7 +8,8 @@ import hmac
 import secrets
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -25,8 +26,27 @@ from recurrent_depth.serving.streaming import Channel, OpenRequests, collect, st
 from recurrent_depth.serving.text import TextCodec, TextState
 from recurrent_depth.serving.transport import read_body, require_json
 
-if TYPE_CHECKING:
-    from recurrent_depth.serving.app import ServerSettings
+MAX_BODY_BYTES = 32 * 2**20
+
+
+@dataclass
+class ServerSettings:
+    """What `create_app` (serving/app.py) needs besides the scheduler and the tokenizer."""
+
+    model_name: str
+    api_key: str | None = None
+    request_timeout: float = 600.0
+    limits: Limits | None = None
+    aliases: tuple[str, ...] = ()
+    created: int = field(default_factory=lambda: int(time.time()))
+    max_body_bytes: int = MAX_BODY_BYTES
+    read_timeout: float = 30.0  # seconds for a request's head, and for its whole body
+    stall_timeout: float = 60.0  # /health says "stalled" after this long without progress while busy
+    allowed_hosts: tuple[str, ...] | None = None  # Host header names accepted (None: loopback; "*": any)
+    tokenizer_workers: int = 2
+    tokenize_timeout: float = 10.0
+    worker_memory: int | None = 2 << 30  # address space a preparation worker may add after start-up
+    default_num_steps: int | None = None  # for the banner
 
 
 class Handlers:

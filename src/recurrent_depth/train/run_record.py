@@ -12,15 +12,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from recurrent_depth.files import atomic_write_text
 
-if TYPE_CHECKING:
-    from recurrent_depth.train.trainer import Trainer
+# A `train.trainer.Trainer`: named, not imported, since the trainer imports this module (layers point one way).
+Trainer = Any
 
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"

@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -26,8 +26,8 @@ from recurrent_depth.train.config import TrainConfig
 from recurrent_depth.train.lora import base_model_of, is_peft_model, save_adapter
 from recurrent_depth.train.optim import OptimConfig
 
-if TYPE_CHECKING:
-    from recurrent_depth.train.trainer import Trainer
+# A `train.trainer.Trainer`: named, not imported, since the trainer imports this module (layers point one way).
+Trainer = Any
 
 # Config fields a resumed run may change; any other difference makes --resume refuse.
 RESUMABLE_CHANGES = frozenset(

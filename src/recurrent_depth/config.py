@@ -148,6 +148,20 @@ class ModelConfig:
     mixer_options: dict[str, Any] = field(default_factory=dict)
     # muP (Tensor Programs V): the width at which muP equals the standard parametrization; None = standard.
     mup_base_width: int | None = None
+    # ---- architecture family (docs/looped-family.md). The defaults are Huginn's; PRESETS name the others.
+    block_layout: str = "sandwich"  # see BLOCK_LAYOUTS
+    rope_style: str = "interleaved"  # "interleaved" pairs (Huginn) or "half" rotation (Llama, Qwen, OLMo, Ouro)
+    rope_scaling: dict[str, Any] | None = None  # None, {"rope_type": "linear", "factor": f} or Llama 3's "llama3"
+    qkv_bias: bool = False  # a bias on the q/k/v projection (Qwen2), whatever `bias` says
+    qk_norm_full_width: bool = False  # with qk_norm: one RMSNorm over all heads' q (and k) at once (OLMo-2)
+    mlp_activation: str = "silu"  # the gate's activation in the gated MLP: see MLP_ACTIVATIONS
+    embedding_scale: bool = True  # wte(x) * sqrt(h) (Huginn); off: wte(x) as is
+    norm_before_coda: bool = True  # the coda reads ln_f(s_r) (Huginn) or s_r itself
+    final_norm: bool = True  # logits = lm_head(ln_f(coda output)); off: lm_head(coda output)
+    step_norm: bool = False  # ln_f after every core step, and the normed state carried on (Ouro)
+    injection: str = "concat"  # how e enters each step: see INJECTIONS
+    state_init: str = "random"  # s_0: "random" (Huginn's truncated normal) or the "embedding" e itself (Ouro)
+    exit_gate: bool = False  # a learned exit head Linear(h, 1) on each step's latent (Ouro's early_exit_gate)
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -215,6 +229,19 @@ class ModelConfig:
         need(self.mup_base_width is None or not self.tie_embeddings, "mup_base_width",
              "None with tie_embeddings=True: muP treats the embedding (input) and head (output) differently, "
              "so set tie_embeddings false")
+        need(self.block_layout in BLOCK_LAYOUTS, "block_layout", f"one of {sorted(BLOCK_LAYOUTS)}")
+        need(self.rope_style in ("interleaved", "half"), "rope_style", "'interleaved' or 'half'")
+        need(self.mlp_activation in MLP_ACTIVATIONS, "mlp_activation", f"one of {sorted(MLP_ACTIVATIONS)}")
+        need(self.injection in INJECTIONS, "injection", f"one of {sorted(INJECTIONS)}")
+        need(self.state_init in ("random", "embedding"), "state_init", "'random' or 'embedding'")
+        for name in ("qkv_bias", "qk_norm_full_width", "embedding_scale", "norm_before_coda", "final_norm",
+                     "step_norm", "exit_gate"):
+            need(isinstance(getattr(self, name), bool), name, "true or false")
+        need(self.qk_norm or not self.qk_norm_full_width, "qk_norm_full_width",
+             "false unless qk_norm is true (it shapes QK-norm)")
+        need(not (self.qk_norm_full_width and self.qk_norm_per_head), "qk_norm_full_width",
+             "false with qk_norm_per_head (one norm over all heads, or a gain per head: not both)")
+        check_rope_scaling(self.rope_scaling)
         count = self.num_parameters()
         if count > MAX_PARAMETERS:
             raise ValueError(
@@ -248,12 +275,24 @@ class ModelConfig:
         """Unique parameters of the default attention model (tied embedding counted once)."""
         h, hd, nh, nkv, inter = (self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
                                  self.intermediate_size)
-        gains = ((nh + nkv) if self.qk_norm_per_head else 2) * hd * self.qk_norm
-        attn = h * (nh + 2 * nkv) * hd + nh * hd * h + (nh + nkv) * hd * self.qk_bias + gains
-        mlp = 3 * inter * h
-        block = attn + mlp + 4 * h
+        if self.qk_norm_full_width:
+            gains = (nh + nkv) * hd
+        else:
+            gains = ((nh + nkv) if self.qk_norm_per_head else 2) * hd * self.qk_norm
+        qkv_bias = (nh + 2 * nkv) * hd * (self.bias or self.qkv_bias)
+        attn = h * (nh + 2 * nkv) * hd + nh * hd * h + (nh + nkv) * hd * self.qk_bias + gains + qkv_bias
+        attn += h * self.bias  # the output projection's bias
+        mlp = 3 * inter * h + (2 * inter + h) * self.bias
+        block = attn + mlp + BLOCK_LAYOUTS[self.block_layout] * h
         emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
-        return emb + self.num_layers * block + 2 * h * h + h
+        adapter = (2 * h * h + h * self.bias) if self.injection == "concat" else 0
+        return emb + self.num_layers * block + adapter + h + (h + 1) * self.exit_gate
+
+    @property
+    def uses_huginn_layout(self) -> bool:
+        """Every architecture-family field at Huginn's value (what the fused runner and the remote-code
+        export implement)."""
+        return all(getattr(self, name) == value for name, value in HUGINN_ARCHITECTURE.items())
 
     # ------------------------------------------------------------------ presets
     @classmethod
@@ -332,6 +371,62 @@ class ModelConfig:
                 raise FileNotFoundError(f"no config file at {path}")
             text = read_text(path, CONFIG_MAX_BYTES, "config file")
         return cls.from_dict(parse_json(text, "config"))
+
+
+# Block layouts -> RMSNorms per block. norm_1 / norm_3 come before the mixer / MLP, norm_2 / norm_4 after:
+#   sandwich   x = n2(x + mix(n1(x)));  x = n4(x + mlp(n3(x)))    Huginn: every block ends in a norm
+#   peri-norm  x = x + n2(mix(n1(x)));  x = x + n4(mlp(n3(x)))    Ouro's four norms (Gemma-2 style)
+#   pre-norm   x = x + mix(n1(x));      x = x + mlp(n3(x))        Llama, Qwen2, Qwen3
+#   post-norm  x = x + n2(mix(x));      x = x + n4(mlp(x))        OLMo-2
+BLOCK_LAYOUTS: dict[str, int] = {"sandwich": 4, "peri-norm": 4, "pre-norm": 2, "post-norm": 2}
+# The gated MLP's activation: proj(act(gate) * up).
+MLP_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+# How the injection e enters core step i (s_i = core(x_i)):
+#   concat  x_i = adapter([s_{i-1} | e])    Huginn, retrofitted recurrence (a 2h -> h linear map)
+#   add     x_i = s_{i-1} + e
+#   none    x_i = s_{i-1}                   Ouro: the whole stack looped on its own output
+INJECTIONS = ("concat", "add", "none")
+# rope_scaling types: the keys each needs (besides "rope_type"), as transformers' configs spell them.
+ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+# The architecture fields at Huginn's values (ModelConfig's defaults).
+HUGINN_ARCHITECTURE: dict[str, Any] = dict(
+    block_layout="sandwich", rope_style="interleaved", rope_scaling=None, qkv_bias=False, qk_norm_full_width=False,
+    mlp_activation="silu", embedding_scale=True, norm_before_coda=True, final_norm=True, step_norm=False,
+    injection="concat", state_init="random", exit_gate=False,
+)
+
+
+def check_rope_scaling(value: Any) -> None:
+    """A ValueError naming rope_scaling unless it is None or a supported {"rope_type": ..., ...} dict."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise ValueError(f"ModelConfig.rope_scaling={value!r} is invalid: expected None or a dict")
+    kind = value.get("rope_type", value.get("type"))
+    if kind not in ROPE_SCALING_KEYS:
+        raise ValueError(f"ModelConfig.rope_scaling: rope_type {kind!r} is not supported; supported: "
+                         f"{sorted(ROPE_SCALING_KEYS)}")
+    for key in ROPE_SCALING_KEYS[kind]:
+        number = value.get(key)
+        if not is_real(number) or number <= 0:
+            raise ValueError(f"ModelConfig.rope_scaling[{key!r}]={number!r} is invalid: expected a number > 0 "
+                             f"(rope_type {kind!r} needs {list(ROPE_SCALING_KEYS[kind])})")
+    if kind == "llama3" and not value["high_freq_factor"] > value["low_freq_factor"]:
+        raise ValueError("ModelConfig.rope_scaling: llama3 needs high_freq_factor > low_freq_factor")
+
+
+def rope_scaling_key(value: dict[str, Any] | None) -> tuple | None:
+    """A hashable form of a (checked) rope_scaling dict, for table caches: None for no scaling."""
+    if value is None:
+        return None
+    kind = value.get("rope_type", value.get("type"))
+    if kind == "default":
+        return None
+    return (kind, *(float(value[key]) for key in ROPE_SCALING_KEYS[kind]))
 
 
 def is_huginn_config(data: dict[str, Any]) -> bool:

@@ -84,7 +84,8 @@ class FastRunner(ModelRunner):
 
     @staticmethod
     def supports(model: Any) -> bool:
-        return (all_attention(model) and all(b.attn.window is None and b.attn.q_norm is None for b in blocks_of(model))
+        return (model.config.uses_huginn_layout and all_attention(model)
+                and all(b.attn.window is None and b.attn.q_norm is None for b in blocks_of(model))
                 and FastRunner._reproduces_lora(model))
 
     @staticmethod

@@ -60,19 +60,20 @@ class ModelRunner:
         The coda always runs on every position, because it writes the coda's KV cache.
         """
         model = self.model
-        x = model.transformer.ln_f(state)
+        x = model.latent(state)
         for c, block in enumerate(model.transformer.coda):
             x = block(x, step.ctx, ("coda", c))
         if last_only:
             x = x[:, -1:]
-        return model.lm_head(model.transformer.ln_f(x)).float()
+        return model.head(x)
 
     def initial_state(self, e: Tensor, init_scale: float, generator: torch.Generator | None) -> Tensor:
         return self.model.initial_state(e, init_scale, generator)
 
     def final_norm(self, state: Tensor) -> Tensor:
-        """ln_f of raw states `[B, T, h]` (the model's `latent_states`)."""
-        return self.model.transformer.ln_f(state)
+        """ln_f of raw states `[B, T, h]` (the model's `latent_states`; the state itself without
+        `norm_before_coda`)."""
+        return self.model.latent(state)
 
 
 # A factory builds a faster runner for a model, or returns None (the model is not supported, or a switch is off).

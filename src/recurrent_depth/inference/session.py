@@ -181,11 +181,12 @@ class Session:
         return torch.tensor([not f for f in self.recorder.finished], dtype=torch.bool, device=self.device)
 
     def initial_states(self, like: Tensor, rows: list[int], valid: Tensor | None = None) -> Tensor:
-        """s_0 `[B, T, h]`: zeros for init_scale 0; otherwise each row in `rows` draws from its own
-        generator for its real columns only (so the draw matches the row run alone)."""
+        """s_0 `[B, T, h]` for the injection `like` = e: zeros for init_scale 0; otherwise each row in `rows`
+        draws from its own generator for its real columns only (so the draw matches the row run alone).
+        A model whose s_0 is e itself (`state_init="embedding"`, Ouro) gets e whatever init_scale says."""
         scale = self.options.init_scale
         s = torch.zeros_like(like)
-        if scale == 0:
+        if scale == 0 and self.model.config.state_init == "random":
             return s
         for b in rows:
             cols = valid[b].nonzero().squeeze(1) if valid is not None else None

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from recurrent_depth.checkpoint import save_pretrained
-from recurrent_depth.config import MODEL_TYPE, ModelConfig
+from recurrent_depth.config import HUGINN_ARCHITECTURE, MODEL_TYPE, ModelConfig
 from recurrent_depth.files import CONFIG_MAX_BYTES, atomic_write_text, read_json
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 
@@ -46,6 +46,13 @@ def check_exportable(config: ModelConfig) -> None:
     if unsupported:
         raise ValueError(
             f"--remote-code supports mixer_options {sorted(SUPPORTED_MIXER_OPTIONS)} only; got {unsupported}"
+        )
+    if not config.uses_huginn_layout:
+        changed = sorted(k for k, v in HUGINN_ARCHITECTURE.items() if getattr(config, k) != v)
+        raise ValueError(
+            f"--remote-code implements Huginn's architecture only; this model sets {changed} (an Ouro or "
+            "retrofitted model). Load it with the recurrent_depth library instead (AutoModelForCausalLM works "
+            "after `import recurrent_depth`)"
         )
 
 

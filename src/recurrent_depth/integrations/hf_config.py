@@ -64,6 +64,19 @@ class RecurrentDepthConfig(PretrainedConfig):
     mixer: Any = "attention"
     mixer_options: dict = field(default_factory=dict)
     mup_base_width: int | None = None
+    block_layout: str = "sandwich"
+    rope_style: str = "interleaved"
+    rope_scaling: dict | None = None
+    qkv_bias: bool = False
+    qk_norm_full_width: bool = False
+    mlp_activation: str = "silu"
+    embedding_scale: bool = True
+    norm_before_coda: bool = True
+    final_norm: bool = True
+    step_norm: bool = False
+    injection: str = "concat"
+    state_init: str = "random"
+    exit_gate: bool = False
     use_cache: bool = True
 
     def __post_init__(self, **kwargs: Any) -> None:

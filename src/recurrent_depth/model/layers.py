@@ -1,8 +1,9 @@
-"""Building blocks shared by every part of the model: RMSNorm, SwiGLU MLP, RoPE, sandwich block."""
+"""Building blocks shared by every part of the model: RMSNorm, gated MLP, RoPE, the block layouts."""
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -29,26 +30,60 @@ class RMSNorm(nn.Module):
         return normed.to(x.dtype) * self.weight
 
 
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
 class GatedMLP(nn.Module):
-    """SwiGLU with one fused input projection: fc(x) = [gate | up], out = proj(silu(gate) * up)."""
+    """A gated MLP (SwiGLU by default) with one fused input projection: fc(x) = [gate | up],
+    out = proj(act(gate) * up). Checkpoints with separate gate / up projections are fused on load."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.fc = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.bias)
         self.proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.bias)
+        self.act = ACTIVATIONS[config.mlp_activation]
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.fc(x).chunk(2, dim=-1)
-        return self.proj(F.silu(gate) * up)
+        return self.proj(self.act(gate) * up)
 
 
-def rope_table(head_dim: int, max_len: int, base: float, device: torch.device | str | None = None) -> Tensor:
-    """(cos, sin) of angle pos * base^(-2i/d) for interleaved pairs: [max_len, head_dim/2, 2], fp32.
+def rope_table(head_dim: int, max_len: int, base: float, device: torch.device | str | None = None,
+               scaling: tuple | None = None) -> Tensor:
+    """(cos, sin) of angle pos * base^(-2i/d) for each rotated pair: [max_len, head_dim/2, 2], fp32.
 
     Computed in float32 exactly as the official implementation does, so angles match it bit for bit.
-    Tables are cached per (dim, length, base, device): decoding reads them once per token per layer.
+    `scaling` is `config.rope_scaling_key(...)` (None: plain RoPE), which rescales the frequencies.
+    Tables are cached per (dim, length, base, scaling, device): decoding reads them once per token per layer.
     """
-    return _rope_table(head_dim, max_len, float(base), str(torch.device(device or "cpu")))
+    return _rope_table(head_dim, max_len, float(base), str(torch.device(device or "cpu")), scaling)
+
+
+def rope_frequencies(head_dim: int, base: float, scaling: tuple | None = None, device: str = "cpu") -> Tensor:
+    """inv_freq [head_dim/2] fp32: base^(-2i/d), then rescaled by `scaling` (transformers' formulas).
+
+    linear: every frequency / factor (positions interpolated). llama3: wavelengths above
+    original_context / low_freq_factor are divided by factor, below original_context /
+    high_freq_factor kept, and those between blended linearly in original_context / wavelength.
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    kind, factor = scaling[0], scaling[1]
+    if kind == "linear":
+        return inv_freq / factor
+    low, high, context = scaling[2], scaling[3], scaling[4]
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
+    blend = (context / wavelength - low) / (high - low)
+    smoothed = (1 - blend) * scaled / factor + blend * scaled
+    medium = (wavelength >= context / high) & (wavelength <= context / low)
+    return torch.where(medium, smoothed, scaled)
 
 
 # Tables for contexts up to this many positions are built whole at once (Huginn-0125's 4096 among them:
@@ -66,10 +101,11 @@ def rope_table_length(max_len: int, positions: Tensor | None = None, needed: int
     return min(max_len, max(ROPE_EAGER_POSITIONS, 1 << (max(needed, 1) - 1).bit_length()))
 
 
-def rope_at(positions: Tensor, head_dim: int, max_len: int, base: float) -> Tensor:
-    """`rope_table(head_dim, max_len, base)[positions]` ([..., head_dim/2, 2]) from a table only as long as
-    the positions need."""
-    return rope_table(head_dim, rope_table_length(max_len, positions), base, positions.device)[positions]
+def rope_at(positions: Tensor, head_dim: int, max_len: int, base: float, scaling: tuple | None = None) -> Tensor:
+    """`rope_table(head_dim, max_len, base, scaling)[positions]` ([..., head_dim/2, 2]) from a table only as
+    long as the positions need."""
+    length = rope_table_length(max_len, positions)
+    return rope_table(head_dim, length, base, positions.device, scaling)[positions]
 
 
 class RotaryTable:
@@ -93,9 +129,9 @@ class RotaryTable:
 
 
 @functools.lru_cache(maxsize=16)
-def _rope_table(head_dim: int, max_len: int, base: float, device: str) -> Tensor:
+def _rope_table(head_dim: int, max_len: int, base: float, device: str, scaling: tuple | None = None) -> Tensor:
     with torch.inference_mode(False), torch.no_grad():
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+        inv_freq = rope_frequencies(head_dim, base, scaling, device)
         angles = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv_freq)
         return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
@@ -119,6 +155,19 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.view_as_real(rotated).flatten(-2).to(x.dtype)
 
 
+def apply_rope_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate the pairs (x[i], x[i + D/2]) (NeoX / Llama "rotate half"), in fp32; shapes as `apply_rope`.
+
+    Equal to transformers' `x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)` term for term.
+    """
+    x32 = x.float()
+    a, b = x32.chunk(2, dim=-1)
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)
+
+
+ROPE_STYLES = {"interleaved": apply_rope, "half": apply_rope_half}
+
+
 class SandwichBlock(nn.Module):
     """x <- norm_2(x + mix(norm_1(x))); x <- norm_4(x + mlp(norm_3(x))).
 
@@ -139,3 +188,53 @@ class SandwichBlock(nn.Module):
     def forward(self, x: Tensor, ctx, layer_key: tuple) -> Tensor:
         x = self.norm_2(x + self.attn(self.norm_1(x), ctx, layer_key))
         return self.norm_4(x + self.mlp(self.norm_3(x)))
+
+
+class PeriNormBlock(SandwichBlock):
+    """x <- x + norm_2(mix(norm_1(x))); x <- x + norm_4(mlp(norm_3(x))) (Ouro's four norms).
+
+    The norms wrap each branch, inside the residual: parameters as the sandwich block's."""
+
+    def forward(self, x: Tensor, ctx, layer_key: tuple) -> Tensor:
+        x = x + self.norm_2(self.attn(self.norm_1(x), ctx, layer_key))
+        return x + self.norm_4(self.mlp(self.norm_3(x)))
+
+
+class PreNormBlock(nn.Module):
+    """x <- x + mix(norm_1(x)); x <- x + mlp(norm_3(x)) (Llama, Qwen2, Qwen3)."""
+
+    def __init__(self, config: ModelConfig, mixer: nn.Module) -> None:
+        super().__init__()
+        self.norm_1 = RMSNorm(config.hidden_size, config.norm_eps)
+        self.attn = mixer
+        self.norm_3 = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp = GatedMLP(config)
+
+    def forward(self, x: Tensor, ctx, layer_key: tuple) -> Tensor:
+        x = x + self.attn(self.norm_1(x), ctx, layer_key)
+        return x + self.mlp(self.norm_3(x))
+
+
+class PostNormBlock(nn.Module):
+    """x <- x + norm_2(mix(x)); x <- x + norm_4(mlp(x)) (OLMo-2: the norm on each branch's output only)."""
+
+    def __init__(self, config: ModelConfig, mixer: nn.Module) -> None:
+        super().__init__()
+        self.attn = mixer
+        self.norm_2 = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp = GatedMLP(config)
+        self.norm_4 = RMSNorm(config.hidden_size, config.norm_eps)
+
+    def forward(self, x: Tensor, ctx, layer_key: tuple) -> Tensor:
+        x = x + self.norm_2(self.attn(x, ctx, layer_key))
+        return x + self.norm_4(self.mlp(x))
+
+
+BLOCKS: dict[str, type[nn.Module]] = {
+    "sandwich": SandwichBlock, "peri-norm": PeriNormBlock, "pre-norm": PreNormBlock, "post-norm": PostNormBlock,
+}
+
+
+def build_block(config: ModelConfig, mixer: nn.Module) -> nn.Module:
+    """The block of `config.block_layout` around `mixer` (every layout has `attn` and `mlp`)."""
+    return BLOCKS[config.block_layout](config, mixer)

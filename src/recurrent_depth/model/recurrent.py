@@ -24,10 +24,10 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from recurrent_depth.checkpoint import load_pretrained, save_pretrained
-from recurrent_depth.config import MODEL_PARTS, ModelConfig, is_real
+from recurrent_depth.config import MODEL_PARTS, ModelConfig, is_real, rope_scaling_key
 from recurrent_depth.model.cache import ModelCache
 from recurrent_depth.model.depth import DepthSampler
-from recurrent_depth.model.layers import RMSNorm, SandwichBlock
+from recurrent_depth.model.layers import RMSNorm, build_block
 from recurrent_depth.model.mixers import MixerContext, build_mixer, check_mixer_name
 from recurrent_depth.model.mixers.attention import Attention
 from recurrent_depth.model.replay import DepthReplay, replay_core
@@ -80,19 +80,19 @@ class RecurrentDepthLM(nn.Module):
         def blocks(part: str, count: int) -> nn.ModuleList:
             name = config.mixer_for(part)
             return nn.ModuleList(
-                SandwichBlock(config, build_mixer(name, config, part, **options)) for _ in range(count)
+                build_block(config, build_mixer(name, config, part, **options)) for _ in range(count)
             )
 
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(config.vocab_size, h),
-                prelude=blocks("prelude", config.prelude_layers),
-                adapter=nn.Linear(2 * h, h, bias=config.bias),
-                core_block=blocks("core", config.core_layers),
-                coda=blocks("coda", config.coda_layers),
-                ln_f=RMSNorm(h, config.norm_eps),
-            )
+        modules = dict(
+            wte=nn.Embedding(config.vocab_size, h),
+            prelude=blocks("prelude", config.prelude_layers),
+            adapter=nn.Linear(2 * h, h, bias=config.bias) if config.injection == "concat" else None,
+            core_block=blocks("core", config.core_layers),
+            coda=blocks("coda", config.coda_layers),
+            ln_f=RMSNorm(h, config.norm_eps),
+            exit_gate=nn.Linear(h, 1) if config.exit_gate else None,  # Ouro's early_exit_gate (with a bias)
         )
+        self.transformer = nn.ModuleDict({name: module for name, module in modules.items() if module is not None})
         if config.qk_norm:
             for part in MODEL_PARTS:
                 blocks_of_part = self.transformer["core_block" if part == "core" else part]
@@ -104,7 +104,7 @@ class RecurrentDepthLM(nn.Module):
         self.lm_head = nn.Linear(h, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
-        self.emb_scale = math.sqrt(h)
+        self.emb_scale = math.sqrt(h) if config.embedding_scale else 1.0
         # Per-iteration activation checkpointing (set from outside, e.g. by the trainer).
         self.gradient_checkpointing = False
         self.reset_parameters()
@@ -164,6 +164,7 @@ class RecurrentDepthLM(nn.Module):
             return MixerContext(
                 positions=cols[:, None], past_len=L - 1, key_valid=key_valid, attn_mask=attn_mask, cache=cache,
                 rope_base=self.config.rope_base, max_seq_len=self.config.max_seq_len,
+                rope_scaling=rope_scaling_key(self.config.rope_scaling),
             )
         past = cache.seq_len if cache is not None else 0
         key_valid = attention_mask.bool() if attention_mask is not None else None
@@ -190,10 +191,12 @@ class RecurrentDepthLM(nn.Module):
         return MixerContext(
             positions=position_ids, past_len=past, key_valid=key_valid, attn_mask=attn_mask,
             cache=cache, rope_base=self.config.rope_base, max_seq_len=self.config.max_seq_len,
+            rope_scaling=rope_scaling_key(self.config.rope_scaling),
         )
 
     def embed(self, input_ids: Tensor, ctx: MixerContext, inputs_embeds: Tensor | None = None) -> Tensor:
-        """The input injection e = prelude(wte(x) * sqrt(h)): [B, T] -> [B, T, h]."""
+        """The input injection e = prelude(wte(x) * sqrt(h)): [B, T] -> [B, T, h] (no sqrt(h) without
+        `embedding_scale`)."""
         x = self.transformer.wte(input_ids) if inputs_embeds is None else inputs_embeds
         x = x * self.emb_scale
         for i, block in enumerate(self.transformer.prelude):
@@ -207,28 +210,53 @@ class RecurrentDepthLM(nn.Module):
 
         Like the reference, a plain normal draw is made first and then overwritten by the truncated
         draw (in e's dtype), so with the global RNG the stream of random numbers matches it exactly;
-        init_scale = 0 gives zeros after the same draw.
+        init_scale = 0 gives zeros after the same draw. With `state_init="embedding"` (Ouro) s_0 is e
+        itself and nothing is drawn.
         """
+        if self.config.state_init == "embedding":
+            return e
         s = torch.randn(e.shape, dtype=e.dtype, device=e.device, generator=generator)
         if init_scale == 0:
             return s.zero_()
         std = math.sqrt(2 / (5 * self.config.hidden_size)) * init_scale
         nn.init.trunc_normal_(s, std=std, a=-3 * std, b=3 * std, generator=generator)
-        return s * self.emb_scale
+        return s * math.sqrt(self.config.hidden_size)
+
+    def inject(self, state: Tensor, e: Tensor) -> Tensor:
+        """The core's input at one step (config.injection): adapter([s | e]), s + e, or s."""
+        injection = self.config.injection
+        if injection == "concat":
+            return self.transformer.adapter(torch.cat([state, e], dim=-1))
+        return state + e if injection == "add" else state
 
     def core_step(self, state: Tensor, e: Tensor, step: int, ctx: MixerContext) -> Tensor:
-        """One recurrence: s <- core(adapter(concat[s, e])). Returns the raw state [B, T, h]."""
-        x = self.transformer.adapter(torch.cat([state, e], dim=-1))
+        """One recurrence: s <- core(adapter(concat[s, e])) (see `inject`), then ln_f with `step_norm`.
+        Returns the state [B, T, h] carried to the next step."""
+        x = self.inject(state, e)
         for j, block in enumerate(self.transformer.core_block):
             x = block(x, ctx, ("core", j, step))
-        return x
+        return self.transformer.ln_f(x) if self.config.step_norm else x
+
+    def latent(self, state: Tensor) -> Tensor:
+        """What the coda reads from a state: ln_f(s) (Huginn), or s itself without `norm_before_coda`."""
+        return self.transformer.ln_f(state) if self.config.norm_before_coda else state
+
+    def head(self, x: Tensor) -> Tensor:
+        """Logits float32 from the coda's output: lm_head(ln_f(x)), or lm_head(x) without `final_norm`."""
+        return self.lm_head(self.transformer.ln_f(x) if self.config.final_norm else x).float()
+
+    def exit_probability(self, state: Tensor) -> Tensor:
+        """Ouro's per-step exit probability lambda = sigmoid(exit_gate(latent(s))) [B, T] float32."""
+        if not self.config.exit_gate:
+            raise ValueError("this model has no exit gate (ModelConfig.exit_gate is false)")
+        return torch.sigmoid(self.transformer.exit_gate(self.latent(state)).squeeze(-1).float())
 
     def predict(self, latent: Tensor, ctx: MixerContext) -> Tensor:
-        """Logits from ln_f-normalised latents: lm_head(ln_f(coda(latent))) -> [B, T, V] float32."""
+        """Logits from latents (`latent`): head(coda(latent)) -> [B, T, V] float32."""
         x = latent
         for c, block in enumerate(self.transformer.coda):
             x = block(x, ctx, ("coda", c))
-        return self.lm_head(self.transformer.ln_f(x)).float()
+        return self.head(x)
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -294,7 +322,7 @@ class RecurrentDepthLM(nn.Module):
             if states is not None:
                 states.append(state)
 
-        latent = self.transformer.ln_f(state)
+        latent = self.latent(state)
         logits = self.predict(latent, ctx)
         if cache is not None:
             cache.advance(input_ids.shape[1])
@@ -452,7 +480,7 @@ class RecurrentDepthLM(nn.Module):
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
 
 
-def blocks_of(model: RecurrentDepthLM) -> list[SandwichBlock]:
+def blocks_of(model: RecurrentDepthLM) -> list[nn.Module]:
     """The model's blocks in order: prelude, core, coda."""
     return [*model.transformer.prelude, *model.transformer.core_block, *model.transformer.coda]
 

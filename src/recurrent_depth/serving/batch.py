@@ -237,9 +237,10 @@ class BatchDecoder:
         pool.set_policy(row, opts.policy)
         pool.bind_prefill(row, T, table)
         pass_ = engine.begin(ids, None, pool)
-        # As `Session.initial_states` for one unpadded row: no draw at all when init_scale is 0.
+        # As `Session.initial_states` for one unpadded row: no draw at all when init_scale is 0 (s_0 = e for Ouro).
         scale = opts.init_scale
-        s = torch.zeros_like(pass_.e) if scale == 0 else engine.initial_state(pass_.e, scale, generators[0])
+        zeros = scale == 0 and self.runner.model.config.state_init == "random"
+        s = torch.zeros_like(pass_.e) if zeros else engine.initial_state(pass_.e, scale, generators[0])
         engine.should_stop = should_stop
         try:
             s = engine.run(s, pass_, depth)
@@ -344,7 +345,7 @@ class BatchDecoder:
             opts = r.options
             if opts.warm_start:
                 continue  # the state still holds the previous token's final state
-            if opts.init_scale == 0:
+            if opts.init_scale == 0 and self.runner.model.config.state_init == "random":
                 self.state[b] = 0
             else:
                 self.state[b] = self.runner.initial_state(e[j : j + 1], opts.init_scale, r.generators[0])[0, 0]

@@ -32,6 +32,13 @@ from transformers import DynamicCache, GenerationMixin, PretrainedConfig, PreTra
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 
+# The library's architecture fields at Huginn's values (recurrent_depth.config.HUGINN_ARCHITECTURE).
+HUGINN_ARCHITECTURE = dict(
+    block_layout="sandwich", rope_style="interleaved", rope_scaling=None, qkv_bias=False, qk_norm_full_width=False,
+    mlp_activation="silu", embedding_scale=True, norm_before_coda=True, final_norm=True, step_norm=False,
+    injection="concat", state_init="random", exit_gate=False,
+)
+
 class RecurrentDepthConfig(PretrainedConfig):
     model_type = "recurrent_depth"
     attribute_map = {
@@ -82,6 +89,13 @@ class RecurrentDepthConfig(PretrainedConfig):
                 f"this file implements softmax attention only (mixer_options: window); got mixer={self.mixer!r}, "
                 f"mixer_options={self.mixer_options!r}. Install recurrent_depth to run this model."
             )
+        # Architecture keys of the library's other model families (Ouro, retrofitted transformers): this file
+        # implements their Huginn values only, so a config asking for another is refused, not run wrongly.
+        for key, huginn in HUGINN_ARCHITECTURE.items():
+            value = getattr(self, key, huginn)
+            if value != huginn:
+                raise ValueError(f"this file implements Huginn's architecture only; config.json sets {key}={value!r}. "
+                                 "Install recurrent_depth to run this model.")
         if self.num_heads % self.num_kv_heads or self.head_dim % 2:
             raise ValueError("num_kv_heads must divide num_heads and head_dim must be even")
 

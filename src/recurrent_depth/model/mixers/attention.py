@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from recurrent_depth.config import ModelConfig
 from recurrent_depth.model.cache import combine_key_mask
-from recurrent_depth.model.layers import RMSNorm, apply_rope
+from recurrent_depth.model.layers import ROPE_STYLES, RMSNorm
 from recurrent_depth.model.mixers.base import LayerKey, MixerContext, register_mixer
 from recurrent_depth.model.mixers.logits import MaxLogitRecorder, scale_parameter
 
@@ -51,7 +51,8 @@ class Attention(MaxLogitRecorder, nn.Module):
         self.head_dim = config.head_dim
         self.window = window
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        self.Wqkv = nn.Linear(config.hidden_size, qkv_out, bias=config.bias)
+        self.Wqkv = nn.Linear(config.hidden_size, qkv_out, bias=config.bias or config.qkv_bias)
+        self.rotate = ROPE_STYLES[config.rope_style]
         self.proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.bias)
         self.has_qk_bias = config.qk_bias
         if config.qk_bias:
@@ -61,7 +62,11 @@ class Attention(MaxLogitRecorder, nn.Module):
                 self.q_bias = nn.Parameter(torch.zeros(self.num_heads, self.head_dim))
                 self.k_bias = nn.Parameter(torch.zeros(self.num_kv_heads, self.head_dim))
         self.q_norm = self.k_norm = None
-        if config.qk_norm:
+        self.qk_norm_full_width = config.qk_norm_full_width
+        if config.qk_norm_full_width:  # OLMo-2: one norm over the concatenated heads
+            self.q_norm = RMSNorm(self.num_heads * self.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, config.norm_eps)
+        elif config.qk_norm:
             per_head = config.qk_norm_per_head
             self.q_norm = RMSNorm(self.head_dim, config.norm_eps, self.num_heads if per_head else None)
             self.k_norm = RMSNorm(self.head_dim, config.norm_eps, self.num_kv_heads if per_head else None)
@@ -73,6 +78,8 @@ class Attention(MaxLogitRecorder, nn.Module):
         q, k, v = self.Wqkv(x).split(
             [self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], dim=-1
         )
+        if self.qk_norm_full_width:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, T, self.num_heads, D)
         k = k.view(B, T, self.num_kv_heads, D)
         v = v.view(B, T, self.num_kv_heads, D)
@@ -81,10 +88,10 @@ class Attention(MaxLogitRecorder, nn.Module):
                 q, k = q + self.qk_bias[0], k + self.qk_bias[1]
             else:
                 q, k = q + self.q_bias, k + self.k_bias
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_full_width:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = ctx.rope(D)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return self.rotate(q, cos, sin), self.rotate(k, cos, sin), v
 
     def forward(self, x: Tensor, ctx: MixerContext, layer_key: LayerKey) -> Tensor:
         B, T, _ = x.shape

@@ -39,6 +39,7 @@ class MixerContext:
     cache: ModelCache | None
     rope_base: float
     max_seq_len: int
+    rope_scaling: tuple | None = None  # `config.rope_scaling_key(config.rope_scaling)`
     _rope: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
 
     @property
@@ -49,7 +50,8 @@ class MixerContext:
     def rope(self, dim: int) -> tuple[Tensor, Tensor]:
         """(cos, sin) at this call's positions for a rotary dim, each [B, T, 1, dim/2], fp32."""
         if dim not in self._rope:
-            picked = rope_at(self.positions, dim, self.max_seq_len, self.rope_base)  # [B, T, dim/2, 2]
+            # [B, T, dim/2, 2]
+            picked = rope_at(self.positions, dim, self.max_seq_len, self.rope_base, self.rope_scaling)
             self._rope[dim] = (picked[..., 0].unsqueeze(2), picked[..., 1].unsqueeze(2))
         return self._rope[dim]
 

@@ -31,7 +31,6 @@ from torch import Tensor, nn
 from transformers import DynamicCache, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-
 # The library's architecture fields at Huginn's values (recurrent_depth.config.HUGINN_ARCHITECTURE).
 HUGINN_ARCHITECTURE = dict(
     block_layout="sandwich", rope_style="interleaved", rope_scaling=None, qkv_bias=False, qk_norm_full_width=False,

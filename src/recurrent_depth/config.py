@@ -433,6 +433,15 @@ def is_huginn_config(data: dict[str, Any]) -> bool:
     return data.get("model_type") == HUGINN_MODEL_TYPE or "n_embd" in data
 
 
+# Ouro / LoopLM (arXiv 2510.25741): the whole stack is the recurrent core, looped on its own ln_f-normed
+# output from s_0 = wte(x), four norms per block, rotate-half RoPE, a learned exit gate; no prelude, coda,
+# injection or embedding scale (docs/looped-family.md).
+OURO_ARCHITECTURE: dict[str, Any] = dict(
+    block_layout="peri-norm", rope_style="half", qk_bias=False, embedding_scale=False, norm_before_coda=False,
+    final_norm=False, step_norm=True, injection="none", state_init="embedding", exit_gate=True,
+    prelude_layers=0, coda_layers=0,
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
     # The paper's model: 3,564,976,800 unique parameters (huginn-0125.md §1).
     "huginn-0125": dict(
@@ -441,6 +450,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         mean_recurrence=32, mean_backprop_depth=8, max_seq_len=4096, rope_base=50_000.0,
         norm_eps=1e-6, qk_bias=True, tie_embeddings=True,
         bos_token_id=65504, eos_token_id=65505, pad_token_id=65509,
+    ),
+    # ByteDance's Ouro-1.4B and Ouro-2.6B shapes (T = total_ut_steps = 4; the 2.6B has 48 layers).
+    "ouro-1.4b": dict(
+        OURO_ARCHITECTURE, vocab_size=49152, hidden_size=2048, num_heads=16, num_kv_heads=16, head_dim=128,
+        intermediate_size=5632, core_layers=24, mean_recurrence=4, mean_backprop_depth=4, max_seq_len=65536,
+        rope_base=1_000_000.0, norm_eps=1e-6, tie_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    ),
+    "ouro-2.6b": dict(
+        OURO_ARCHITECTURE, vocab_size=49152, hidden_size=2048, num_heads=16, num_kv_heads=16, head_dim=128,
+        intermediate_size=5632, core_layers=48, mean_recurrence=4, mean_backprop_depth=4, max_seq_len=65536,
+        rope_base=1_000_000.0, norm_eps=1e-6, tie_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    ),
+    "tiny-ouro": dict(
+        OURO_ARCHITECTURE, vocab_size=256, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=176,
+        core_layers=2, mean_recurrence=4, mean_backprop_depth=4, max_seq_len=256, tie_embeddings=False,
     ),
     # For tests: seconds to build and run.
     "tiny": dict(

@@ -38,6 +38,7 @@ HUGINN_ARCHITECTURE = dict(
     injection="concat", state_init="random", exit_gate=False,
 )
 
+
 class RecurrentDepthConfig(PretrainedConfig):
     model_type = "recurrent_depth"
     attribute_map = {

@@ -137,3 +137,47 @@ def test_ns5_keeps_singular_vectors_and_maps_singular_values_into_the_band(impl,
     torch.testing.assert_close(diagonal, ns5_polynomial(S / G.norm()), atol=tol, rtol=0)
     singular_values = torch.linalg.svdvals(out)
     assert singular_values.min() >= 0.6 and singular_values.max() <= 1.2
+
+
+@pytest.mark.parametrize("ns_dtype", ["float32", "bfloat16"])
+def test_row_blocks_orthogonalise_each_fused_block_as_its_own_matrix(ns_dtype):
+    """Kimi K2's per-matrix Muon: the q, k, v rows of a fused weight each get NS(block) at their own lr."""
+    torch.manual_seed(3)
+    fused = torch.nn.Parameter(torch.randn(40, 16) * 0.1)  # q 16 rows, k 12, v 12
+    blocks = (16, 12, 12)
+    start = fused.detach().clone()
+    opt = Muon([fused], lr=0.02, weight_decay=0.1, ns_dtype=ns_dtype, row_blocks={id(fused): blocks},
+               adjust_lr_fn="match_rms_adamw", nesterov=False, momentum=0.0)
+    grad = torch.randn(40, 16)
+    fused.grad = grad.clone()
+    opt.step()
+    group = opt.param_groups[0]
+    dtype = getattr(torch, ns_dtype)
+    want = []
+    for rows, g in zip((start * (1 - 0.02 * 0.1)).split(blocks), grad.split(blocks)):
+        ortho = newton_schulz(g, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
+        want.append(rows - adjusted_lr(0.02, "match_rms_adamw", rows.shape) * ortho)
+    # bf16: the same iteration, though its rounding depends on which kernel ran it
+    torch.testing.assert_close(fused.detach(), torch.cat(want), rtol=0, atol=1e-6 if ns_dtype == "float32" else 1e-4)
+    # ... which differs from orthogonalising the fused matrix whole
+    whole = newton_schulz(grad, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
+    assert not torch.allclose(fused.detach(), start * (1 - 0.002) - adjusted_lr(0.02, "match_rms_adamw",
+                                                                                  start.shape) * whole, atol=1e-4)
+    with pytest.raises(ValueError, match="do not add up"):
+        other = torch.nn.Parameter(torch.zeros(8, 4))
+        Muon([other], lr=0.02, row_blocks={id(other): blocks})
+
+
+def test_k2_preset_splits_wqkv_and_the_mlp():
+    import recurrent_depth as rd
+    from recurrent_depth.train.optim import OptimConfig, build_optimizers
+
+    model = rd.RecurrentDepthLM(rd.ModelConfig(vocab_size=32, hidden_size=32, num_heads=4, num_kv_heads=2,
+                                               intermediate_size=48))
+    recipe = OptimConfig.from_preset("k2-muon")
+    assert recipe.muon_split_fused and recipe.muon_adjust_lr == "match_rms_adamw"
+    muon = next(o for o in build_optimizers(model, recipe) if isinstance(o, Muon))
+    attn = model.transformer.core_block[0].attn
+    assert muon.row_blocks[id(attn.Wqkv.weight)] == (32, 16, 16)
+    assert muon.row_blocks[id(model.transformer.core_block[0].mlp.fc.weight)] == (48, 48)
+    assert not next(o for o in build_optimizers(model, OptimConfig(name="muon")) if isinstance(o, Muon)).row_blocks

@@ -58,6 +58,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     _add_fields(lg, LogitGrowthConfig(), {
         "muon_lrs": (_floats, "Muon learning rates of the block matrices (comma-separated)"),
+        "muon_recipe": (str, "torch (torch.optim.Muon) or k2 (Kimi K2's per-matrix, RMS-matched Muon; "
+                             "AdamW-sized lrs)"),
         "adamw_lrs": (_floats, "AdamW learning rates (comma-separated)"),
         "variants": (_names, "which of plain, qk-norm, qk-clip to run"),
         "steps": (int, "optimizer steps per run"),

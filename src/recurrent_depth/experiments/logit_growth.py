@@ -41,6 +41,10 @@ VARIANTS = ("plain", "qk-norm", "qk-clip")
 @dataclass
 class LogitGrowthConfig:
     muon_lrs: tuple[float, ...] = (0.01, 0.02, 0.04)
+    # "torch": torch.optim.Muon (each fused weight one matrix, its own lr scale); "k2": Kimi K2's Muon
+    # (q/k/v and gate/up orthogonalised apart, AdamW-RMS-matched lr, decoupled weight decay 0.1: the
+    # "k2-muon" optimizer preset), whose lrs are AdamW-sized (e.g. --muon-lrs 0.001,0.002,0.004).
+    muon_recipe: str = "torch"
     adamw_lrs: tuple[float, ...] = (1e-3, 2e-3, 4e-3)
     variants: tuple[str, ...] = VARIANTS
     steps: int = 150
@@ -65,6 +69,8 @@ class LogitGrowthConfig:
             raise ValueError("logit-growth needs at least 2 learning rates > 0 per optimizer")
         if not (isinstance(self.steps, int) and self.steps > self.fit_start + 3):
             raise ValueError(f"steps={self.steps!r} must be an integer > fit_start + 3 = {self.fit_start + 3}")
+        if self.muon_recipe not in ("torch", "k2"):
+            raise ValueError(f"muon_recipe={self.muon_recipe!r} is unknown; choose 'torch' or 'k2'")
         if self.saturation <= 0 or self.qk_clip_tau <= 0:
             raise ValueError("saturation and qk_clip_tau must be > 0")
 
@@ -81,6 +87,9 @@ def growth_model(cfg: LogitGrowthConfig, variant: str) -> rd.RecurrentDepthLM:
 
 def growth_optimizer(cfg: LogitGrowthConfig, optimizer: str, lr: float) -> OptimConfig:
     """Constant lr, no clipping; Muon at `lr` for the block matrices, AdamW at `aux_lr` for the rest."""
+    if optimizer == "muon" and cfg.muon_recipe == "k2":
+        return OptimConfig.from_preset("k2-muon", lr=cfg.aux_lr, muon_lr=lr, grad_clip=None, warmup_steps=0,
+                                       cooldown_fraction=None)
     if optimizer == "muon":
         return OptimConfig(name="muon", lr=cfg.aux_lr, muon_lr=lr, grad_clip=None)
     return OptimConfig(name="adamw", lr=lr, grad_clip=None)

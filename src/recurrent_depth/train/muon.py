@@ -7,6 +7,11 @@ there, against 34 ms for the paper's Adam. In float32 the same iteration is a fe
 matrix and rounds less. `Muon(ns_dtype="auto")` (the default here) picks float32 on such CPUs and
 bf16 everywhere else, where `step` is torch.optim.Muon's own; the state (`momentum_buffer`) and
 param groups are torch's, so checkpoints move freely between the two.
+
+`row_blocks` orthogonalises a fused projection block by block: `{id(Wqkv): (q_rows, k_rows, v_rows)}`
+makes q, k and v three matrices, as Kimi K2 runs Muon (each a separate W there), so each block's
+spectral norm moves by its own lr, not by a share of the fused matrix's; each block gets the
+per-matrix lr of its own shape. The weight layout does not change (the blocks are row views).
 """
 
 from __future__ import annotations
@@ -62,15 +67,24 @@ def resolve_ns_dtype(ns_dtype: str, params: list[Tensor]) -> torch.dtype:
 
 class Muon(torch.optim.Muon):
     """torch.optim.Muon with `ns_dtype`: "bfloat16" (torch's step, unchanged), "float32", or "auto"
-    (float32 when every parameter is on a CPU that emulates bf16, else bfloat16)."""
+    (float32 when every parameter is on a CPU that emulates bf16, else bfloat16); and `row_blocks`
+    (see the module docstring), whose parameters always take this class's own step."""
 
-    def __init__(self, params, *, ns_dtype: str = "auto", **kwargs) -> None:
+    def __init__(self, params, *, ns_dtype: str = "auto", row_blocks: dict[int, tuple[int, ...]] | None = None,
+                 **kwargs) -> None:
         super().__init__(params, **kwargs)
         self.ns_dtype = resolve_ns_dtype(ns_dtype, [p for g in self.param_groups for p in g["params"]])
+        self.row_blocks = dict(row_blocks or {})
+        for group in self.param_groups:
+            for param in group["params"]:
+                blocks = self.row_blocks.get(id(param))
+                if blocks is not None and sum(blocks) != param.shape[0]:
+                    raise ValueError(f"Muon row_blocks {blocks} do not add up to the {param.shape[0]} rows "
+                                     f"of a {tuple(param.shape)} parameter")
 
     @torch.no_grad()
     def step(self, closure=None):
-        if self.ns_dtype == torch.bfloat16:
+        if self.ns_dtype == torch.bfloat16 and not self.row_blocks:
             return super().step(closure)
         loss = None
         if closure is not None:
@@ -91,8 +105,10 @@ class Muon(torch.optim.Muon):
                 buf = state["momentum_buffer"]
                 buf.lerp_(grad, 1 - momentum)
                 update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"],
-                                       self.ns_dtype)
                 param.mul_(1 - lr * group["weight_decay"])
-                param.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], param.shape))
+                blocks = self.row_blocks.get(id(param), (param.shape[0],))
+                for rows, block in zip(param.split(blocks), update.split(blocks)):
+                    block = newton_schulz(block, group["ns_coefficients"], group["ns_steps"], group["eps"],
+                                          self.ns_dtype)
+                    rows.add_(block, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], rows.shape))
         return loss

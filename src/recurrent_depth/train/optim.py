@@ -366,6 +366,24 @@ def mup_groups(groups: list[dict], named: dict[int, str], width_multiplier: floa
     return out
 
 
+def fused_row_blocks(model: nn.Module) -> dict[int, tuple[int, ...]]:
+    """The separate matrices inside each fused projection, by rows: attention's `Wqkv` [q | k | v] and the
+    gated MLP's `fc` [gate | up] (what Muon's `row_blocks` orthogonalises one by one). Other mixers'
+    projections are separate matrices already, or fused in ways this does not split."""
+    from recurrent_depth.model.layers import GatedMLP
+    from recurrent_depth.model.mixers.attention import Attention
+
+    blocks: dict[int, tuple[int, ...]] = {}
+    for module in model.modules():
+        if isinstance(module, Attention):
+            q, kv = module.num_heads * module.head_dim, module.num_kv_heads * module.head_dim
+            blocks[id(module.Wqkv.weight)] = (q, kv, kv)
+        elif isinstance(module, GatedMLP):
+            half = module.fc.weight.shape[0] // 2
+            blocks[id(module.fc.weight)] = (half, half)
+    return blocks
+
+
 def build_optimizers(model: nn.Module, recipe: OptimConfig) -> OptimizerSet:
     """Build the recipe's optimizer(s) over ``model``'s trainable parameters.
 
@@ -421,6 +439,7 @@ def build_optimizers(model: nn.Module, recipe: OptimConfig) -> OptimizerSet:
                 Muon(
                     [muon_group],
                     ns_dtype=recipe.muon_ns_dtype,
+                    row_blocks=fused_row_blocks(model) if recipe.muon_split_fused else None,
                     lr=recipe.muon_lr,
                     weight_decay=recipe.muon_weight_decay,
                     momentum=recipe.muon_momentum,
@@ -519,6 +538,9 @@ class OptimConfig:
     muon_weight_decay: float = 0.0
     muon_adjust_lr: str | None = None
     muon_ns_dtype: str = "auto"  # Newton-Schulz dtype: "auto" (float32 on CPUs emulating bf16), "bfloat16", "float32"
+    # Orthogonalise fused projections block by block (q, k, v of Wqkv; gate, up of the MLP), as Kimi K2's Muon
+    # treats them (separate matrices there); false: each fused weight is one matrix (torch.optim.Muon's view).
+    muon_split_fused: bool = False
     # step control
     grad_clip: float | None = 1.0
     warmup_steps: int = 0
@@ -550,6 +572,8 @@ class OptimConfig:
             raise ValueError(
                 f"optim.muon_adjust_lr must be None or one of {MUON_ADJUST_LR}, got {self.muon_adjust_lr!r}"
             )
+        if not isinstance(self.muon_split_fused, bool):
+            raise ValueError(f"optim.muon_split_fused must be true or false, got {self.muon_split_fused!r}")
         if self.muon_ns_dtype not in NS_DTYPES:
             raise ValueError(f"optim.muon_ns_dtype must be one of {NS_DTYPES}, got {self.muon_ns_dtype!r}")
         if self.grad_clip is not None:
@@ -677,5 +701,26 @@ OPTIM_PRESETS: dict[str, OptimConfig] = {
         cooldown_fraction=0.2,
         min_lr=0.0,
         description="Muon (matrices) + AdamW (rest), best per step in benchmarks/optim_sweep.py; needs fast bf16",
+    ),
+    # Kimi K2's Muon (Moonshot's "Muon is scalable" recipe): every matrix on its own (q, k, v and gate, up
+    # split out of the fused weights), the update rescaled to AdamW's RMS (0.2 sqrt(max(rows, cols))) so the
+    # AdamW learning rate serves both, and decoupled weight decay 0.1. The demo's lr and schedule.
+    "k2-muon": OptimConfig(
+        name="muon",
+        lr=3e-3,
+        muon_lr=3e-3,
+        muon_momentum=0.95,
+        muon_adjust_lr="match_rms_adamw",
+        muon_weight_decay=0.1,
+        muon_split_fused=True,
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+        eps=1e-6,
+        grad_clip=1.0,
+        warmup_steps=50,
+        cooldown_fraction=0.2,
+        min_lr=0.0,
+        description="Kimi K2's Muon: per-matrix (fused q|k|v and gate|up split), AdamW-RMS-matched lr, "
+                    "decoupled weight decay 0.1",
     ),
 }

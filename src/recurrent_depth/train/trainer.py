@@ -260,7 +260,8 @@ class Trainer:
             cfg.batch_size * self.seq_len * cfg.grad_accum * env.world_size if self.seq_len is not None else None)
 
         if self.resume_from is not None:
-            trainer_checkpoints.resume_from_checkpoint(self, self.resume_from)
+            # (an older checkpoint when this one does not load into the model; None: none is left)
+            self.resume_from = trainer_checkpoints.resume(self)
         writes = env.is_main and self.out is not None
         self.metrics = JsonlLog(self.out / METRICS_FILE if writes else None, keep_through=self.state.step)
         self.eval_log = JsonlLog(self.out / EVAL_FILE if writes else None, keep_through=self.state.step)

@@ -310,14 +310,15 @@ def load_pretrained(
     missing = sorted(required - set(stored))
     unexpected = sorted(set(stored) - set(expected))
     mis_shaped = sorted(
-        f"{clipped(name)}: file {tuple(stored[name][1])} vs model {tuple(expected[name].shape)}"
+        f"{name}: file {tuple(stored[name][1])} vs model {tuple(expected[name].shape)}"
         for name in set(stored) & set(expected)
         if tuple(stored[name][1]) != tuple(expected[name].shape)
     )
     wrong_dtype = sorted(
-        f"{clipped(name)}: {_OTHER_DTYPES.get(stored[name][0], stored[name][0])}"
+        f"{name}: {_OTHER_DTYPES.get(stored[name][0], stored[name][0])}"
         for name in set(stored) & set(expected) if stored[name][0] not in _SAFETENSORS_DTYPES
     )
+    # (each list clipped: a forged header can name a million tensors, each a megabyte long)
     if missing:
         problems.append(f"missing tensors: {clipped_names(missing)}")
     if wrong_dtype:

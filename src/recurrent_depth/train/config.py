@@ -59,7 +59,8 @@ FIELD_HELP: dict[str, str] = {
     "vocab_size": "vocabulary of a tokenizer trained here; none = the preset's (at least 512)",
     "tokenizer_max_bytes": "train the tokenizer on at most this many bytes of training text",
     "val_fraction": "share of documents held out for validation",
-    "keep_all": "pack every token, instead of the paper's rule (a row that fills drops the rest of its document)",
+    "keep_all": "pack every token, instead of the paper's rule (a row that fills drops the rest of its document: "
+                "on corpora of long files it keeps a few per cent of the tokens; the run says how many each keeps)",
     "data_dir": "where token shards are cached; none = <out>/data",
     "seq_len": "tokens per training row; none = the model's max_seq_len",
     "batch_size": "sequences per micro-batch (per rank)",

@@ -330,6 +330,7 @@ class Trainer:
     def _prepare_data(self, corpus: Any | None):
         """Tokenizer (trained here unless given) and token shards; rank 0 builds, the others reuse."""
         from recurrent_depth.data import build_tokenizer, load_corpus, prepare_dataset
+        from recurrent_depth.data.prepare import packing_report
 
         cfg, env = self.cfg, self.env
         source = corpus if corpus is not None else load_corpus(
@@ -363,12 +364,11 @@ class Trainer:
             data = prepare_dataset(
                 source, tok_dir, seq_len, data_dir, val_fraction=cfg.val_fraction, seed=cfg.seed, keep_all=cfg.keep_all
             )
-            if not data.metadata.get("reused"):
-                splits = data.metadata["splits"]
-                self.log(
-                    f"packed {splits['train']['rows']} training and {splits['validation']['rows']} validation "
-                    f"rows of {seq_len + 1} tokens in {time.perf_counter() - start:.1f}s -> {data_dir}"
-                )
+            summary, warnings = packing_report(data.metadata)
+            when = "reused" if data.metadata.get("reused") else f"in {time.perf_counter() - start:.1f}s"
+            self.log(f"{summary} ({when}) -> {data_dir}")
+            for warning in warnings:
+                self.log(warning)
         ddist.barrier(env)
         if data is None:
             data = prepare_dataset(

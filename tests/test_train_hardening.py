@@ -436,3 +436,45 @@ def test_saving_a_checkpoint_writes_a_manifest_of_every_file(train_root, tmp_pat
     for name, entry in manifest["files"].items():
         assert entry == {"bytes": (result.last_checkpoint / name).stat().st_size,
                          "sha256": ckpt.file_sha256(result.last_checkpoint / name)}
+
+
+# ------------------------------------------------------------------ issue 33 item 5: time budgets
+def test_a_time_budget_covers_the_final_evaluation_and_says_how_it_was_spent(train_root, tmp_path, monkeypatch):
+    import time as time_module
+
+    from recurrent_depth.train import validation
+
+    original = validation.depth_losses
+
+    def slow_batch(*args, **kwargs):  # an evaluation batch of 0.4 s: 20 of them (8 s) would overrun the budget
+        time_module.sleep(0.4)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(validation, "depth_losses", slow_batch)
+    messages = []
+    started = time_module.perf_counter()
+    trainer = Trainer(tiny_train_config(train_root, tmp_path, max_steps=None, max_minutes=2.0 / 60, eval_batches=20,
+                                        eval_depths=[1]), log=messages.append)
+    trainer.run()
+    total = time_module.perf_counter() - started
+    assert trainer.final_reserve_s >= 0.4  # one evaluation batch, measured, kept for the end
+    assert total < 2.0 + 0.4 + 1.0  # (the evaluation's first batch always runs; setup takes well under 1 s)
+    final = json.loads((tmp_path / "eval.jsonl").read_text().splitlines()[-1])
+    assert final["final"] and final["val_tokens"] < 20 * 4 * 32  # cut to fit, not all 20 batches
+    budget = [m for m in messages if m.startswith("time budget max_minutes=")]
+    assert len(budget) == 1 and "final evaluation" in budget[0] and "not counted" in budget[0]
+
+
+@pytest.mark.parametrize("budget", [["--max-steps", "2"], ["--max-minutes", str(0.5 / 60)]], ids=["steps", "minutes"])
+def test_resuming_a_finished_run_says_so_trains_nothing_and_exits_0(train_root, tmp_path, capsys, budget):
+    assert main(cli_flags(train_root, tmp_path, "--save-every", "2", *budget)) == 0
+    steps = len(losses(tmp_path))
+    evals = (tmp_path / "eval.jsonl").read_text()
+    capsys.readouterr()
+    assert main(cli_flags(train_root, tmp_path, "--resume", "--save-every", "2", *budget)) == 0
+    out = capsys.readouterr().out
+    assert f"already finished at step {steps}" in out and "nothing to do" in out
+    assert len(losses(tmp_path)) == steps and (tmp_path / "eval.jsonl").read_text() == evals
+    assert "depth  val loss" in out  # (the final table, from the run's own evaluation)
+    assert main(cli_flags(train_root, tmp_path, "--resume", "--max-steps", str(steps + 1))) == 0
+    assert len(losses(tmp_path)) == steps + 1  # a raised budget trains on

@@ -67,7 +67,8 @@ FIELD_HELP: dict[str, str] = {
     "grad_accum": "micro-batches per optimizer step",
     "max_steps": "stop after this many optimizer steps",
     "max_tokens": "stop after this many training tokens (all ranks)",
-    "max_minutes": "stop training after this many minutes of wall time (checkpoint and eval follow)",
+    "max_minutes": "minutes of wall time for the run: training, the final checkpoint and model, and the final "
+                   "evaluation (cut to fit) all end inside them; tokenizer training and data packing are not counted",
     "optim": "optimizer recipe (YAML mapping of OptimConfig fields, 'preset' picks the base recipe: demo, "
              "demo-muon, or huginn-0125 = the official launch config, whose cool-down the paper's "
              "constant-rate run never had)",

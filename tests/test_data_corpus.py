@@ -112,8 +112,9 @@ def test_jsonl_reads_text_field_and_skips_blank_lines(tmp_path: Path) -> None:
         ('{"content": "x"}', "missing field 'text'"),
         ('{"text": 3}', "field 'text' must be a string, got int"),
         ('{"text": "a\\ud800b"}', "field 'text' is not valid Unicode text"),
+        ("[" * 100_000 + "]" * 100_000, "JSON nested too deeply to parse"),  # issue 33 item 19
     ],
-    ids=["bad-json", "not-object", "missing-field", "non-string", "lone-surrogate"],
+    ids=["bad-json", "not-object", "missing-field", "non-string", "lone-surrogate", "nested"],
 )
 def test_jsonl_bad_lines_name_file_and_line(tmp_path: Path, line: str, message: str) -> None:
     path = tmp_path / "bad.jsonl"
@@ -217,3 +218,38 @@ def test_split_rejects_bad_fraction(bad: float) -> None:
 def test_split_metadata_is_json() -> None:
     split = DocumentSplit.plan(["a", "b"], 0.01, seed=1)
     assert json.loads(json.dumps(split.to_dict()))["seed"] == 1
+
+
+# ------------------------------------------------------------------ issue 33 item 19: files are streamed
+def test_a_large_binary_file_is_skipped_from_its_first_bytes_without_being_read(tmp_path: Path) -> None:
+    import tracemalloc
+
+    (tmp_path / "a.txt").write_text("hello\n")
+    with open(tmp_path / "sparse.bin", "wb") as handle:
+        handle.truncate(256 << 20)  # a sparse 256 MB file of NUL bytes: no disk, but read whole it is 256 MB
+    tracemalloc.start()
+    try:
+        docs = list(DirectoryCorpus(tmp_path))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [d.id for d in docs] == ["a.txt"]
+    assert peak < 8 << 20, f"reading the corpus allocated {peak:,} bytes"
+
+
+def test_a_file_larger_than_a_part_is_read_as_parts_cut_at_newlines(tmp_path: Path, monkeypatch) -> None:
+    from recurrent_depth.data import corpus as corpus_module
+
+    monkeypatch.setattr(corpus_module, "PART_BYTES", 100)
+    monkeypatch.setattr(corpus_module, "_READ_CHUNK_BYTES", 7)
+    lines = [f"line {i} é\n" for i in range(40)]  # (a 2-byte character: chunks cut inside it decode whole)
+    (tmp_path / "big.txt").write_text("".join(lines))
+    (tmp_path / "bad.txt").write_bytes(b"x" * 150 + b"\xff")  # not UTF-8, found only past the first part
+    (tmp_path / "small.txt").write_text("short\n")
+    corpus = DirectoryCorpus(tmp_path)
+    docs = list(corpus)
+    parts = [d for d in docs if d.id.startswith("big.txt#part-")]
+    assert [d.id for d in docs] == [f"big.txt#part-{k:05d}" for k in range(1, len(parts) + 1)] + ["small.txt"]
+    assert "".join(d.text for d in parts) == "".join(lines)
+    assert all(d.text.endswith("\n") and len(d.text) <= 100 for d in parts)
+    assert corpus.num_skipped == 1

@@ -279,3 +279,28 @@ def test_prepare_dataset_accepts_a_tokenizer_directory(tmp_path: Path, tok) -> N
     prepared = prepare_dataset(_corpus(), tmp_path / "tok", seq_len=16, out_dir=tmp_path / "d", val_fraction=0.0)
     assert prepared.metadata["tokenizer"]["vocab_size"] == 320
     assert json.loads(prepared.train_index.read_text())["dtype"] == "uint16"
+
+
+# ------------------------------------------------------------------ issue 33 item 1: what packing kept, said
+def test_the_packing_report_says_what_each_rule_keeps_and_warns_when_the_papers_rule_keeps_little(
+        tmp_path: Path, tok) -> None:
+    from recurrent_depth.data.prepare import packing_report
+
+    long_docs = DocumentListCorpus([Document(f"f{i}", "x = compute(1, 2)\n" * 200) for i in range(6)], name="mytext")
+    prepared = prepare_dataset(long_docs, tok, seq_len=32, out_dir=tmp_path / "drop", val_fraction=0.2, seed=0)
+    summary, warnings = packing_report(prepared.metadata)
+    train, val = (prepared.metadata["splits"][s] for s in ("train", "validation"))
+    offered = train["packing"]["tokens_in"]
+    assert summary.startswith(f"packed {train['rows']} training rows ({train['rows'] * 33:,} of {offered:,} tokens")
+    assert f"keep_all would keep {offered // 33:,} rows" in summary
+    assert f"{val['rows']:,} validation rows" in summary and "every token packed" in summary
+    assert train["rows"] * 33 < offered / 2  # (each long document gives at most one row)
+    assert warnings[0].startswith("warning: the paper's packing rule kept ") and "--keep-all" in warnings[0]
+    assert "mytext's training tokens" in warnings[0]
+    assert val["rows"] > train["rows"] and warnings[1].startswith("warning: the validation split")
+
+    kept = prepare_dataset(long_docs, tok, seq_len=32, out_dir=tmp_path / "all", val_fraction=0.2, seed=0,
+                           keep_all=True)
+    summary, warnings = packing_report(kept.metadata)
+    assert kept.metadata["splits"]["train"]["rows"] == offered // 33 and warnings == []
+    assert summary.startswith(f"packed {offered // 33:,} training rows")

@@ -289,7 +289,7 @@ def test_models_it_cannot_loop_get_a_clear_error():
     "fields, message",
     [
         ({"start": 2, "end": 1}, "start <= end"),
-        ({"start": 0, "end": 1, "iterations": 0}, "iterations must be >= 1"),
+        ({"start": 0, "end": 1, "iterations": 0}, r"iterations must be in \[1, 256\], got 0"),
         ({"start": 0, "end": 1, "rule": "heun"}, "rule must be one of"),
         ({"start": 0, "end": 1, "beta": 1.5}, "beta must be a number in"),
         ({"start": 0, "end": 1, "stash": "none"}, "stash must be one of"),

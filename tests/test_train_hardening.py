@@ -89,21 +89,96 @@ def test_resume_falls_back_to_the_newest_valid_checkpoint_says_so_and_saves_that
     assert (root / "step-00000004.invalid-1" / "model.safetensors").is_file()
 
 
-def test_a_checkpoint_without_a_manifest_still_resumes_and_a_truncated_one_is_skipped(train_root, tmp_path):
+def test_a_checkpoint_without_a_manifest_is_set_aside_and_resume_falls_back(train_root, tmp_path, straight_losses):
+    # Issue 33 item 18: deleting the manifest and flipping a data byte used to resume silently from it.
     root = _run_to_4(train_root, tmp_path)
-    for step in ("step-00000002", "step-00000004"):
-        (root / step / "manifest.json").unlink()  # as written before manifests existed
-    assert ckpt.checkpoint_problem(root / "step-00000004") is None
+    (root / "step-00000004" / "manifest.json").unlink()
+    _flip_a_weight_byte(root / "step-00000004")
+    assert ckpt.checkpoint_problem(root / "step-00000004").startswith("no manifest.json (its data cannot be checked")
     messages = []
-    Trainer(tiny_train_config(train_root, tmp_path, max_steps=4, resume=True), log=messages.append).run()
-    assert f"resumed from {root / 'step-00000004'} at step 4" in messages
-    assert not any(m.startswith("skipping") for m in messages)
+    Trainer(tiny_train_config(train_root, tmp_path, max_steps=6, save_every=2, resume=True),
+            log=messages.append).run()
+    assert f"resumed from {root / 'step-00000002'} at step 2" in messages
+    assert losses(tmp_path) == straight_losses  # steps 3-6 from the valid step 2, not from the corrupt data
 
-    weights = root / "step-00000004" / "model.safetensors"
+    weights = root / "step-00000006" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
-    assert "model.safetensors is not a readable safetensors file" in ckpt.checkpoint_problem(weights.parent)
-    assert ckpt.newest_valid_checkpoint(root) == (root / "step-00000002",
-                                                 [(weights.parent, ckpt.checkpoint_problem(weights.parent))])
+    assert "model.safetensors has" in ckpt.checkpoint_problem(weights.parent)  # (its size in the manifest)
+
+
+def _rewrite(path, name, edit):
+    """Edit one file of a checkpoint and write a manifest that matches: what a forger would do."""
+    edit(path / name)
+    (path / "manifest.json").unlink()
+    ckpt.write_manifest(path)
+
+
+def _json_edit(**changes):
+    def edit(file):
+        state = json.loads(file.read_text())
+        for key, value in changes.items():
+            target = state
+            *parents, last = key.split(".")
+            for parent in parents:
+                target = target[parent]
+            target[last] = value
+        file.write_text(json.dumps(state))
+    return edit
+
+
+def _rng_holding_only_torch(file):
+    from safetensors.torch import save_file
+    save_file({"torch": __import__("torch").get_rng_state()}, str(file))
+
+
+@pytest.mark.parametrize(("name", "edit", "reason"), [
+    ("trainer_state.json", _json_edit(step=10**12), "trainer_state.json says step 1000000000000, the directory is "
+                                                    "step 4"),
+    ("trainer_state.json", _json_edit(tokens=-5), "trainer_state.json: tokens must be a non-negative integer"),
+    ("trainer_state.json", _json_edit(**{"data.position": 10**9}), "trainer_state.json: data.position 1000000000 is "
+                                                                  "past the"),
+    ("rng.safetensors", _rng_holding_only_torch, "rng.safetensors does not hold a CPU RNG state"),
+], ids=["forged-step", "negative-tokens", "data-position", "rng-without-torch_cpu"])
+def test_a_checkpoint_whose_files_contradict_each_other_is_invalid_even_with_a_matching_manifest(
+        train_root, tmp_path, name, edit, reason):
+    root = _run_to_4(train_root, tmp_path)
+    _rewrite(root / "step-00000004", name, edit)
+    assert ckpt.checkpoint_problem(root / "step-00000004").startswith(reason)
+    assert ckpt.newest_valid_checkpoint(root)[0] == root / "step-00000002"
+
+
+def _reshape_a_weight(file):
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(file))
+    key = next(k for k, v in tensors.items() if v.dim() == 2)
+    tensors[key] = tensors[key][:, :-1].contiguous()
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def _reshape_a_moment(file):
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(file))
+    key = next(k for k, v in tensors.items() if v.dim() == 2)
+    tensors[key] = tensors[key][:-1].contiguous()
+    save_file(tensors, str(file))
+
+
+@pytest.mark.parametrize(("name", "edit", "reason"), [
+    ("model.safetensors", _reshape_a_weight, "model.safetensors: "),
+    ("optimizer.safetensors", _reshape_a_moment, "optimizer.safetensors: optimizer 0: "),
+], ids=["weight-shape", "moment-shape"])
+def test_a_checkpoint_that_does_not_load_into_the_model_is_set_aside_and_resume_falls_back(
+        train_root, tmp_path, straight_losses, name, edit, reason):
+    root = _run_to_4(train_root, tmp_path)
+    _rewrite(root / "step-00000004", name, edit)
+    assert ckpt.checkpoint_problem(root / "step-00000004") is None  # (headers and counters are consistent)
+    messages = []
+    Trainer(tiny_train_config(train_root, tmp_path, max_steps=6, save_every=2, resume=True),
+            log=messages.append).run()
+    skip = [m for m in messages if m.startswith("skipping checkpoint")]
+    assert len(skip) == 1 and f"{root / 'step-00000004'}: {reason}" in skip[0]
+    assert skip[0].endswith("moved it to step-00000004.invalid-1, resuming from step-00000002")
+    assert losses(tmp_path) == straight_losses
 
 
 def test_unreadable_weights_make_a_checkpoint_invalid(train_root, tmp_path, monkeypatch):
@@ -138,11 +213,14 @@ def test_committing_over_an_invalid_checkpoint_sets_it_aside_but_a_valid_one_is_
     _remove_optimizer_json(root / "step-00000004")
     tmp = ckpt.begin_checkpoint(root, 4)
     for entry in (root / "step-00000002").iterdir():
-        shutil.copyfile(entry, tmp / entry.name)
+        if entry.name != "manifest.json":
+            shutil.copyfile(entry, tmp / entry.name)
+    _json_edit(step=4)(tmp / "trainer_state.json")  # (a step-4 checkpoint says step 4)
     messages = []
     ckpt.commit_checkpoint(tmp, 4, log=messages.append)
     assert names(root) == ["step-00000002", "step-00000004", "step-00000004.invalid-1"]
     assert "moved it to step-00000004.invalid-1" in messages[0]
+    assert ckpt.checkpoint_problem(root / "step-00000004") is None
     tmp = ckpt.begin_checkpoint(root, 4)
     (tmp / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="already exists; refusing to overwrite it"):
@@ -358,3 +436,45 @@ def test_saving_a_checkpoint_writes_a_manifest_of_every_file(train_root, tmp_pat
     for name, entry in manifest["files"].items():
         assert entry == {"bytes": (result.last_checkpoint / name).stat().st_size,
                          "sha256": ckpt.file_sha256(result.last_checkpoint / name)}
+
+
+# ------------------------------------------------------------------ issue 33 item 5: time budgets
+def test_a_time_budget_covers_the_final_evaluation_and_says_how_it_was_spent(train_root, tmp_path, monkeypatch):
+    import time as time_module
+
+    from recurrent_depth.train import validation
+
+    original = validation.depth_losses
+
+    def slow_batch(*args, **kwargs):  # an evaluation batch of 0.4 s: 20 of them (8 s) would overrun the budget
+        time_module.sleep(0.4)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(validation, "depth_losses", slow_batch)
+    messages = []
+    started = time_module.perf_counter()
+    trainer = Trainer(tiny_train_config(train_root, tmp_path, max_steps=None, max_minutes=2.0 / 60, eval_batches=20,
+                                        eval_depths=[1]), log=messages.append)
+    trainer.run()
+    total = time_module.perf_counter() - started
+    assert trainer.final_reserve_s >= 0.4  # one evaluation batch, measured, kept for the end
+    assert total < 2.0 + 0.4 + 1.0  # (the evaluation's first batch always runs; setup takes well under 1 s)
+    final = json.loads((tmp_path / "eval.jsonl").read_text().splitlines()[-1])
+    assert final["final"] and final["val_tokens"] < 20 * 4 * 32  # cut to fit, not all 20 batches
+    budget = [m for m in messages if m.startswith("time budget max_minutes=")]
+    assert len(budget) == 1 and "final evaluation" in budget[0] and "not counted" in budget[0]
+
+
+@pytest.mark.parametrize("budget", [["--max-steps", "2"], ["--max-minutes", str(0.5 / 60)]], ids=["steps", "minutes"])
+def test_resuming_a_finished_run_says_so_trains_nothing_and_exits_0(train_root, tmp_path, capsys, budget):
+    assert main(cli_flags(train_root, tmp_path, "--save-every", "2", *budget)) == 0
+    steps = len(losses(tmp_path))
+    evals = (tmp_path / "eval.jsonl").read_text()
+    capsys.readouterr()
+    assert main(cli_flags(train_root, tmp_path, "--resume", "--save-every", "2", *budget)) == 0
+    out = capsys.readouterr().out
+    assert f"already finished at step {steps}" in out and "nothing to do" in out
+    assert len(losses(tmp_path)) == steps and (tmp_path / "eval.jsonl").read_text() == evals
+    assert "depth  val loss" in out  # (the final table, from the run's own evaluation)
+    assert main(cli_flags(train_root, tmp_path, "--resume", "--max-steps", str(steps + 1))) == 0
+    assert len(losses(tmp_path)) == steps + 1  # a raised budget trains on

@@ -24,6 +24,8 @@ from recurrent_depth.files import (
     CONFIG_MAX_BYTES,
     atomic_path,
     atomic_write_text,
+    clipped,
+    clipped_names,
     inside,
     open_regular,
     parse_safetensors_header,
@@ -205,7 +207,7 @@ def read_header_shapes(
     for file in weight_files(Path(path), allow_outside):
         for name, entry in parse_safetensors_header(file).items():
             if name in tensors:
-                raise ValueError(f"tensor {name!r} is stored twice (again in {file})")
+                raise ValueError(f"tensor {clipped(name)} is stored twice (again in {file})")
             tensors[name] = entry
     return tensors
 
@@ -224,7 +226,7 @@ def read_state_dict(
                         tensor = handle.get_tensor(name)
                         state[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
             except SafetensorError as exc:
-                raise ValueError(f"{file} is not a readable safetensors file: {exc}") from None
+                raise ValueError(f"{file} is not a readable safetensors file: {clipped(str(exc), 300)}") from None
     return state
 
 
@@ -316,14 +318,15 @@ def load_pretrained(
         f"{name}: {_OTHER_DTYPES.get(stored[name][0], stored[name][0])}"
         for name in set(stored) & set(expected) if stored[name][0] not in _SAFETENSORS_DTYPES
     )
+    # (each list clipped: a forged header can name a million tensors, each a megabyte long)
     if missing:
-        problems.append(f"missing tensors: {missing}")
+        problems.append(f"missing tensors: {clipped_names(missing)}")
     if wrong_dtype:
-        problems.append(f"tensors that are not floating point: {wrong_dtype}")
+        problems.append(f"tensors that are not floating point: {clipped_names(wrong_dtype)}")
     if unexpected:
-        problems.append(f"unexpected tensors: {unexpected}")
+        problems.append(f"unexpected tensors: {clipped_names(unexpected)}")
     if mis_shaped:
-        problems.append(f"mis-shaped tensors: {mis_shaped}")
+        problems.append(f"mis-shaped tensors: {clipped_names(mis_shaped)}")
     if problems:
         raise ValueError(f"cannot load {path}: " + "; ".join(problems))
 

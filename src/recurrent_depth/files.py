@@ -11,6 +11,7 @@ ValueError (or FileNotFoundError) line naming the file.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -132,6 +133,26 @@ def link_note(path: str | os.PathLike[str]) -> str:
         return ""
 
 
+# The dtypes the safetensors format defines (its header may name no other).
+SAFETENSORS_DTYPES = frozenset({"BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2",
+                                "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "F64", "I64", "U64", "C64"})
+MESSAGE_NAME_CHARS = 120
+
+
+def clipped(value: Any, limit: int = MESSAGE_NAME_CHARS) -> str:
+    """`repr(value)`, cut to about `limit` characters: a name read from a file goes into a one-line error,
+    and a file can hold a name of 90 MB."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+def clipped_names(names: Any, shown: int = 5) -> str:
+    """The first `shown` of `names`, each clipped, and how many more: a list for a one-line error."""
+    names = list(names)
+    more = f", and {len(names) - shown:,} more" if len(names) > shown else ""
+    return "[" + ", ".join(clipped(n) for n in names[:shown]) + more + "]"
+
+
 def parse_safetensors_header(path: str | os.PathLike[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{tensor name: (dtype, shape)} from a safetensors file's header, read without its data."""
     fd, size = open_regular(path, None, "weights file")
@@ -170,15 +191,16 @@ def read_safetensors_header(
             continue
         try:
             dtype, shape, (start, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-            valid = isinstance(dtype, str) and all(isinstance(d, int) and d >= 0 for d in shape)
+            valid = dtype in SAFETENSORS_DTYPES and all(isinstance(d, int) and d >= 0 for d in shape)
             valid = valid and isinstance(start, int) and isinstance(end, int) and 0 <= start <= end
         except (KeyError, TypeError, ValueError):
             valid = False
         if not valid:
-            raise ValueError(f"weights file {path}: the header entry of {name!r} is malformed")
+            raise ValueError(f"weights file {path}: the header entry of {clipped(name)} is malformed "
+                             f"(expected a safetensors dtype, a shape and data offsets)")
         if end > data_bytes:
             raise ValueError(
-                f"weights file {path} is truncated: tensor {name!r} ends at byte {end:,} of the data, "
+                f"weights file {path} is truncated: tensor {clipped(name)} ends at byte {end:,} of the data, "
                 f"which holds {data_bytes:,}"
             )
         tensors[name] = (dtype, shape)
@@ -257,6 +279,26 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     _publish(tmp, path)
 
 
+def with_path(exc: OSError, path: str | os.PathLike[str]) -> OSError:
+    """`exc` naming `path` when it names no file: a write that fails on a full disk says only
+    "[Errno 28] No space left on device", not which file could not be written."""
+    if exc.filename is not None or exc.errno is None:
+        return exc
+    return type(exc)(exc.errno, exc.strerror or str(exc), os.fspath(path))
+
+
+@contextmanager
+def naming(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Re-raise an OSError of the block that names no file as one naming `path` (see `with_path`)."""
+    try:
+        yield
+    except OSError as exc:
+        named = with_path(exc, path)
+        if named is exc:
+            raise
+        raise named from None
+
+
 class AtomicFile:
     """``with AtomicFile(path) as f: f.write(...)`` streams into ``path + ".tmp"`` and publishes
     it under ``path`` only when the block exits without an exception (otherwise the temporary
@@ -275,12 +317,22 @@ class AtomicFile:
         handle = self._handle
         assert handle is not None
         if exc_type is not None:
-            handle.close()
+            with contextlib.suppress(OSError):  # (closing flushes: on a full disk that fails again)
+                handle.close()
             self.tmp.unlink(missing_ok=True)
+            if isinstance(exc, OSError) and (named := with_path(exc, self.path)) is not exc:
+                raise named from None
             return
-        handle.flush()
-        os.fsync(handle.fileno())
-        handle.close()
+        try:
+            with naming(self.path):
+                handle.flush()
+                os.fsync(handle.fileno())
+                handle.close()
+        except BaseException:
+            with contextlib.suppress(OSError):
+                handle.close()
+            self.tmp.unlink(missing_ok=True)
+            raise
         _publish(self.tmp, self.path)
 
 

@@ -90,6 +90,8 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
                 yield where, json.loads(line)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise ValueError(f"{where}: not valid JSON ({exc})") from None
+            except RecursionError:
+                raise ValueError(f"{where}: JSON nested too deeply to parse") from None
 
 
 def _datasets_rows(path: Path, builder: str | None) -> Iterator[tuple[str, Any]]:

@@ -12,6 +12,7 @@ document never changes side when other documents are added or removed.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
@@ -28,6 +29,10 @@ STDLIB_EXCLUDED_DIRS: frozenset[str] = frozenset(
 )
 # Bytes inspected for a NUL when deciding that a file is binary.
 _BINARY_SNIFF_BYTES = 8192
+# Bytes read at a time from a corpus file.
+_READ_CHUNK_BYTES = 1 << 20
+# A file larger than this is read as several documents of about this many characters (see FileTreeCorpus).
+PART_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -166,19 +171,61 @@ def _walk_sorted(root: Path, skip_dir: Callable[[str], bool]) -> list[str]:
     return found
 
 
-def _decode_text(data: bytes) -> str | None:
-    """UTF-8 text, or None for binary (a NUL byte near the start) or undecodable content."""
-    if b"\x00" in data[:_BINARY_SNIFF_BYTES]:
+def _text_chunks(path: Path) -> Iterator[str] | None:
+    """The UTF-8 text of a file in pieces of about `_READ_CHUNK_BYTES`, read as they are consumed; None
+    for a binary file, known from its first 8 KiB alone (a sparse 2 GB file is never read further).
+    Undecodable bytes raise UnicodeDecodeError when the piece holding them is reached."""
+    handle = open(path, "rb")  # noqa: SIM115 - closed by the generator below
+    head = handle.read(_BINARY_SNIFF_BYTES)
+    if b"\x00" in head:
+        handle.close()
+        return None
+
+    def pieces() -> Iterator[str]:
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        with handle:
+            chunk = head
+            while chunk:
+                yield decoder.decode(chunk)
+                chunk = handle.read(_READ_CHUNK_BYTES)
+            yield decoder.decode(b"", final=True)
+
+    return pieces()
+
+
+def _read_text_file(path: Path) -> str | None:
+    """A whole file's UTF-8 text (None: binary or not UTF-8), read in chunks (never a second copy as bytes)."""
+    chunks = _text_chunks(path)
+    if chunks is None:
         return None
     try:
-        return data.decode("utf-8")
+        return "".join(chunks)
     except UnicodeDecodeError:
         return None
 
 
+def _text_parts(path: Path, part_chars: int) -> Iterator[str]:
+    """A large file's text in parts of about `part_chars` characters, cut after a newline where there is one."""
+    pending = ""
+    for piece in _text_chunks(path) or ():
+        pending += piece
+        while len(pending) >= part_chars:
+            cut = pending.rfind("\n", 0, part_chars) + 1 or part_chars
+            yield pending[:cut]
+            pending = pending[cut:]
+    if pending:
+        yield pending
+
+
 class FileTreeCorpus(Corpus):
     """The files `files()` lists under `path`, one document each; binary and non-UTF-8 files are
-    skipped and counted in `num_skipped`."""
+    skipped and counted in `num_skipped`.
+
+    Files are read in chunks, never whole as bytes: a binary file is recognised from its first 8 KiB
+    without reading the rest, and a file larger than `PART_BYTES` is checked in one streaming pass
+    and then read as several documents (`<path>#part-00001`, ... of about `PART_BYTES` each, cut at a
+    newline), so memory stays bounded by a part, not by the largest file.
+    """
 
     _skipped = 0
 
@@ -193,7 +240,14 @@ class FileTreeCorpus(Corpus):
         skipped = 0
         for rel in self.files():
             full = self.readable(rel)
-            text = _decode_text(full.read_bytes()) if full is not None else None
+            if full is not None and full.stat().st_size > PART_BYTES:
+                if _is_utf8_text(full):
+                    for k, part in enumerate(_text_parts(full, PART_BYTES), start=1):
+                        yield Document(f"{rel}#part-{k:05d}", part)
+                    continue
+                text = None
+            else:
+                text = _read_text_file(full) if full is not None else None
             if text is None:
                 skipped += 1
                 continue
@@ -203,6 +257,19 @@ class FileTreeCorpus(Corpus):
     @property
     def num_skipped(self) -> int:
         return self._skipped
+
+
+def _is_utf8_text(path: Path) -> bool:
+    """Whether a file is UTF-8 text (not binary), in one streaming pass that keeps no more than a chunk."""
+    chunks = _text_chunks(path)
+    if chunks is None:
+        return False
+    try:
+        for _ in chunks:
+            pass
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 class StdlibCorpus(FileTreeCorpus):
@@ -297,6 +364,8 @@ class JsonlCorpus(Corpus):
                     record = json.loads(raw)
                 except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                     raise ValueError(f"{where}: not valid JSON ({exc})") from None
+                except RecursionError:
+                    raise ValueError(f"{where}: JSON nested too deeply to parse") from None
                 if not isinstance(record, dict):
                     raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
                 if self.text_field not in record:

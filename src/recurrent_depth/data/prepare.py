@@ -240,3 +240,47 @@ def _load_if_current(out: Path, key: str, splits: tuple[str, ...]) -> PreparedDa
     if not all(shards_complete(out / f"{split}.json") for split in splits):
         return None
     return _result(out, splits, {**metadata, "reused": True})
+
+
+# Below this share of a split's tokens kept by the paper's rule, `packing_report` warns.
+KEEP_WARNING_SHARE = 0.5
+
+
+def packing_report(metadata: dict[str, Any]) -> tuple[str, list[str]]:
+    """What packing kept, for a person: one line with the tokens each split kept under its rule and
+    what the other rule would keep, and warnings (the paper's rule kept under half of the training
+    tokens; the validation split is larger than the training split), each saying what to change."""
+    row_len = int(metadata["params"]["seq_len"]) + 1
+    parts: list[str] = []
+    warnings: list[str] = []
+    splits = metadata["splits"]
+    for split, label in (("train", "training"), ("validation", "validation")):
+        if split not in splits:
+            continue
+        info = splits[split]
+        stats = info["packing"]
+        offered, kept = int(stats["tokens_in"]), int(stats["tokens_packed"])
+        every = offered // row_len  # the rows keep_all packs: every token but an unfinished last row
+        share = kept / offered if offered else 0.0
+        if info["keep_all"]:
+            rule = "every token packed"
+        else:
+            rule = (f"the paper's rule, which drops the rest of a document once a row fills; keep_all would "
+                    f"keep {every:,} rows, {every * row_len / max(offered, 1):.1%}")
+        parts.append(f"{info['rows']:,} {label} rows ({kept:,} of {offered:,} tokens, {share:.1%}: {rule})")
+        if split == "train" and not info["keep_all"] and share < KEEP_WARNING_SHARE:
+            warnings.append(
+                f"warning: the paper's packing rule kept {share:.1%} of {metadata['corpus']['name']}'s training "
+                f"tokens ({info['rows']:,} rows of {row_len}): its documents are longer than a row and each gives "
+                f"at most one. To train on all of them ({every:,} rows) pass --keep-all (keep_all: true); or use "
+                f"a longer --seq-len")
+    train_rows = splits["train"]["rows"]
+    val_rows = splits.get("validation", {}).get("rows", 0)
+    if val_rows > train_rows:
+        dropped = not splits["train"]["keep_all"]
+        fix = ("pass --keep-all to pack every training token too" if dropped
+               else "use more data or a smaller --val-fraction")
+        warnings.append(f"warning: the validation split ({val_rows:,} rows) is larger than the training split "
+                        f"({train_rows:,} rows): validation packs every token"
+                        f"{', training the paper’s rule' if dropped else ''}; {fix}")
+    return "packed " + " and ".join(parts) + f" of {row_len} tokens", warnings

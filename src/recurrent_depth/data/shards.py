@@ -25,7 +25,15 @@ import numpy as np
 import torch
 
 from recurrent_depth.config import is_int
-from recurrent_depth.files import CONFIG_MAX_BYTES, TMP_SUFFIX, AtomicFile, atomic_write_text, inside, read_json
+from recurrent_depth.files import (
+    CONFIG_MAX_BYTES,
+    TMP_SUFFIX,
+    AtomicFile,
+    atomic_write_text,
+    inside,
+    naming,
+    read_json,
+)
 
 SHARD_FORMAT = "recurrent-depth-token-shards"
 SHARD_FORMAT_VERSION = 1
@@ -87,10 +95,18 @@ class ShardWriter:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
-            self.close()
-        elif self._file is not None:
-            self._file.__exit__(exc_type, exc, tb)
-            self._file = None
+            try:
+                self.close()
+            except BaseException as failure:  # (a full disk at the last flush: remove the unfinished shard)
+                self._abandon(failure)
+                raise
+        else:
+            self._abandon(exc)
+
+    def _abandon(self, exc: BaseException) -> None:
+        if self._file is not None:
+            file, self._file = self._file, None
+            file.__exit__(type(exc), exc, None)
 
     def write(self, row: np.ndarray) -> None:
         row = np.asarray(row).reshape(-1)
@@ -117,7 +133,8 @@ class ShardWriter:
                 self.shards.append({"file": name, "num_rows": 0})
                 self._rows_in_shard = 0
             take = min(self.rows_per_shard - self._rows_in_shard, len(pending) - start)
-            self._handle.write(np.stack(pending[start : start + take]).tobytes())
+            with naming(self._file.path):
+                self._handle.write(np.stack(pending[start : start + take]).tobytes())
             start += take
             self._rows_in_shard += take
             self.num_rows += take
@@ -383,7 +400,7 @@ class TokenizedDocs(Sequence):
         offsets_path = prefix.with_name(prefix.name + ".offsets")
         end = 0
         pending = [0]
-        with open(tokens_path, "wb") as tokens_file, open(offsets_path, "wb") as offsets_file:
+        with naming(tokens_path), open(tokens_path, "wb") as tokens_file, open(offsets_path, "wb") as offsets_file:
             for doc in docs:
                 arr = np.asarray(doc).reshape(-1)
                 _check_ids(arr, dtype)

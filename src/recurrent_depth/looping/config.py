@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from recurrent_depth.config import check_field_names, is_int, is_real
+from recurrent_depth.files import CONFIG_MAX_BYTES, read_json
 
 MODES = ("block", "layer")
 RULES = ("naive", "damped", "rk")
@@ -13,6 +16,12 @@ STASH_POLICIES = ("first", "last")
 WHEN = ("prefill", "always")
 # The key under which a looped model's settings live in its config.json.
 CONFIG_KEY = "loop"
+# K above this is refused: each pass costs a window's FLOPs, and the method's gains are at K of 2 to 4.
+MAX_ITERATIONS = 256
+# Bounds on a model directory's config.json, checked before transformers builds the model from it.
+MAX_DECODER_LAYERS = 1024
+MAX_WIDTH = 1 << 17  # hidden and intermediate sizes
+MAX_VOCAB = 1 << 23
 
 
 @dataclass(frozen=True)
@@ -49,8 +58,8 @@ class LoopConfig:
                 raise ValueError(f"LoopConfig.{name} must be an integer, got {getattr(self, name)!r}")
         if self.start < 0 or self.end < self.start:
             raise ValueError(f"LoopConfig window must satisfy 0 <= start <= end, got start={self.start} end={self.end}")
-        if self.iterations < 1:
-            raise ValueError(f"LoopConfig.iterations must be >= 1, got {self.iterations}")
+        if not 1 <= self.iterations <= MAX_ITERATIONS:
+            raise ValueError(f"LoopConfig.iterations must be in [1, {MAX_ITERATIONS}], got {self.iterations}")
         for name, allowed in (("mode", MODES), ("rule", RULES), ("stash", STASH_POLICIES), ("when", WHEN)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LoopConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -94,3 +103,48 @@ class LoopConfig:
         """Short human-readable name, e.g. ``[2,3] block damped K=3``."""
         rule = f"rk β={self.beta:g}" if self.rule == "rk" else self.rule
         return f"[{self.start},{self.end}] {self.mode} {rule} K={self.iterations}"
+
+
+def check_model_dir(path: str | Path) -> None:
+    """Refuse, in one line and before transformers allocates anything, a model directory whose config.json
+    describes a model this machine cannot hold (`num_hidden_layers: 1e6` builds for minutes and gigabytes
+    before failing) or stores a loop that `LoopConfig` refuses. A path that is not a local directory is left
+    to transformers."""
+    directory = Path(path)
+    if not directory.is_dir():
+        return
+    config = read_json(directory / "config.json", CONFIG_MAX_BYTES, "config.json")
+    if not isinstance(config, dict):
+        raise ValueError(f"{directory / 'config.json'} is not a JSON object")
+    where = f"{directory / 'config.json'}"
+    sizes = {}
+    for names, upper in ((("num_hidden_layers", "n_layer", "num_layers"), MAX_DECODER_LAYERS),
+                         (("hidden_size", "n_embd", "d_model"), MAX_WIDTH),
+                         (("intermediate_size", "n_inner"), MAX_WIDTH), (("vocab_size",), MAX_VOCAB)):
+        for name in names:
+            value = config.get(name)
+            if value is None:
+                continue
+            if not is_int(value) or not 1 <= value <= upper:
+                raise ValueError(f"{where}: {name} must be an integer in [1, {upper:,}], got {value!r}")
+            sizes.setdefault(names[0], value)
+    layers, hidden = sizes.get("num_hidden_layers", 1), sizes.get("hidden_size", 1)
+    inner, vocab = sizes.get("intermediate_size", 4 * hidden), sizes.get("vocab_size", 1)
+    params = 2 * vocab * hidden + layers * (4 * hidden * hidden + 3 * hidden * inner)
+    memory = _physical_memory()
+    if memory is not None and 4 * params > memory:
+        raise ValueError(f"{where} describes a model of about {params / 1e9:,.1f} B parameters "
+                         f"({4 * params / 1e9:,.1f} GB in float32), more than this machine's "
+                         f"{memory / 1e9:,.1f} GB of memory")
+    if CONFIG_KEY in config and config[CONFIG_KEY] is not None:
+        try:
+            LoopConfig.from_dict(config[CONFIG_KEY])
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: the stored loop is invalid: {exc}") from None
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None

@@ -18,10 +18,12 @@ checkpoints beyond `keep_last` are pruned first (on a full disk the oldest kept 
 `keep_last` counts the checkpoint about to be written). A failed write removes its temporary
 directory and raises `CheckpointWriteError`, one line naming the path.
 
-On resume, `newest_valid_checkpoint` checks each checkpoint against its manifest (checkpoints
-written before manifests existed get structural checks) and falls back to the newest valid one;
-`set_aside` renames an invalid one to `step-N.invalid-<k>` (never deleted), so the step can be
-written again.
+On resume, `newest_valid_checkpoint` checks each checkpoint against its manifest and what its files
+say against each other (`checkpoint_problem`), and falls back to the newest valid one. A checkpoint
+without a valid manifest is invalid too: the manifest is written last, so its absence means the
+directory was not finished by this library (or was edited since), and its structure alone proves
+nothing about its data. `set_aside` renames an invalid one to `step-N.invalid-<k>` (never deleted),
+so the step can be written again.
 """
 
 from __future__ import annotations
@@ -272,25 +274,78 @@ def write_manifest(directory: Path) -> None:
 def checkpoint_problem(path: Path) -> str | None:
     """Why `path` cannot be resumed from, in a few words (None: it can).
 
-    With a manifest every listed file must be present with its size and sha256. A checkpoint written
-    before manifests existed gets structural checks: its JSON files parse and its safetensors headers
-    (which bound the tensor data they describe) open."""
+    Every file its `manifest.json` lists must be present with its size and sha256, and the files must
+    agree with each other and with the directory's name (`content_problem`). A checkpoint without a
+    manifest (one written before manifests existed, or whose manifest was removed) is invalid: only the
+    manifest vouches for the tensor data, which no structural check can."""
     missing = [name for name in REQUIRED_FILES if not (path / name).is_file()]
     if missing:
         return f"missing {', '.join(missing)}"
+    if not (path / MANIFEST).is_file():
+        return (f"no {MANIFEST} (its data cannot be checked: a checkpoint from before manifests, or one "
+                "whose manifest was removed)")
     try:
-        if (path / MANIFEST).is_file():
-            return _manifest_problem(path)
-        for name in (TRAINER_STATE, OPTIMIZER_META, "config.json"):
-            read_json(path / name, MAX_JSON_BYTES, "checkpoint file")
-        for name in ("model.safetensors", OPTIMIZER_TENSORS, RNG_TENSORS):
-            if (path / name).is_file():
-                try:
-                    parse_safetensors_header(path / name)
-                except ValueError as exc:
-                    return f"{name} is not a readable safetensors file ({_one_line(exc)})"
+        return _manifest_problem(path) or content_problem(path)
     except (OSError, ValueError) as exc:
         return _one_line(exc)
+
+
+def content_problem(path: Path) -> str | None:
+    """What in a checkpoint's files contradicts the rest (None: nothing): the loop counters of
+    `trainer_state.json` (non-negative integers, `step` the one in the directory's name), the data
+    position, every safetensors header, and the RNG files (a CPU generator state of the right size)."""
+    state = read_trainer_state(path)
+    for name in ("step", "micro_step", "tokens", "skipped_steps"):
+        value = state[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            return f"{TRAINER_STATE}: {name} must be a non-negative integer, got {value!r}"
+    elapsed = state["elapsed_s"]
+    if isinstance(elapsed, bool) or not isinstance(elapsed, int | float) or not 0 <= elapsed < float("inf"):
+        return f"{TRAINER_STATE}: elapsed_s must be a non-negative number, got {elapsed!r}"
+    match = _NAME.match(path.name)
+    if match and int(match.group(1)) != state["step"]:
+        return f"{TRAINER_STATE} says step {state['step']}, the directory is step {int(match.group(1))}"
+    data_problem = _data_state_problem(state["data"])
+    if data_problem:
+        return f"{TRAINER_STATE}: {data_problem}"
+    for name in ("model.safetensors", OPTIMIZER_TENSORS):
+        try:
+            parse_safetensors_header(path / name)
+        except ValueError as exc:
+            return f"{name} is not a readable safetensors file ({_one_line(exc)})"
+    read_json(path / OPTIMIZER_META, MAX_JSON_BYTES, "checkpoint file")
+    for entry in sorted(path.glob("rng*.safetensors")):
+        problem = rng_file_problem(entry)
+        if problem:
+            return problem
+    return None
+
+
+def _data_state_problem(data: Any) -> str | None:
+    """A data position (a dict of plain values; a shard dataset's `epoch` and `position` in range)."""
+    if not isinstance(data, dict):
+        return f"data must be a JSON object, got {type(data).__name__}"
+    counters = {k: data[k] for k in ("epoch", "position", "num_rows") if k in data}
+    for name, value in counters.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            return f"data.{name} must be a non-negative integer, got {value!r}"
+    if "position" in counters and "num_rows" in counters and counters["position"] >= max(counters["num_rows"], 1):
+        return f"data.position {counters['position']} is past the {counters['num_rows']} rows"
+    return None
+
+
+def rng_file_problem(path: Path) -> str | None:
+    """An RNG file must hold the CPU generator's state (`torch_cpu`, uint8, the size this torch uses)."""
+    try:
+        header = parse_safetensors_header(path)
+    except ValueError as exc:
+        return f"{path.name} is not a readable safetensors file ({_one_line(exc)})"
+    expected = (torch.get_rng_state().numel(),)
+    found = header.get("torch_cpu")
+    if found != ("U8", expected):
+        names = ", ".join(sorted(header)[:5]) or "nothing"
+        return (f"{path.name} does not hold a CPU RNG state (torch_cpu, U8 of shape {list(expected)}); "
+                f"it holds {names}")
     return None
 
 

@@ -59,14 +59,16 @@ FIELD_HELP: dict[str, str] = {
     "vocab_size": "vocabulary of a tokenizer trained here; none = the preset's (at least 512)",
     "tokenizer_max_bytes": "train the tokenizer on at most this many bytes of training text",
     "val_fraction": "share of documents held out for validation",
-    "keep_all": "pack every token, instead of the paper's rule (a row that fills drops the rest of its document)",
+    "keep_all": "pack every token, instead of the paper's rule (a row that fills drops the rest of its document: "
+                "on corpora of long files it keeps a few per cent of the tokens; the run says how many each keeps)",
     "data_dir": "where token shards are cached; none = <out>/data",
     "seq_len": "tokens per training row; none = the model's max_seq_len",
     "batch_size": "sequences per micro-batch (per rank)",
     "grad_accum": "micro-batches per optimizer step",
     "max_steps": "stop after this many optimizer steps",
     "max_tokens": "stop after this many training tokens (all ranks)",
-    "max_minutes": "stop training after this many minutes of wall time (checkpoint and eval follow)",
+    "max_minutes": "minutes of wall time for the run: training, the final checkpoint and model, and the final "
+                   "evaluation (cut to fit) all end inside them; tokenizer training and data packing are not counted",
     "optim": "optimizer recipe (YAML mapping of OptimConfig fields, 'preset' picks the base recipe: demo, "
              "demo-muon, or huginn-0125 = the official launch config, whose cool-down the paper's "
              "constant-rate run never had)",

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from recurrent_depth.files import atomic_write_text
+from recurrent_depth.files import atomic_write_text, naming
 
 # A `train.trainer.Trainer`: named, not imported, since the trainer imports this module (layers point one way).
 Trainer = Any
@@ -134,8 +134,9 @@ class JsonlLog:
         if self.handle is None:
             return
         # Strict JSON: a NaN or infinite value (a diverged validation loss) is written as null.
-        self.handle.write(json.dumps(_finite_or_null(record), allow_nan=False) + "\n")
-        self.handle.flush()
+        with naming(self.path):
+            self.handle.write(json.dumps(_finite_or_null(record), allow_nan=False) + "\n")
+            self.handle.flush()
 
     def close(self) -> None:
         if self.handle is not None:

@@ -208,6 +208,10 @@ class Trainer:
         self.session_start = 0.0
         self.session_start_elapsed = 0.0
         self.session_steps = 0
+        # Seconds a time budget keeps for the end of the run (final checkpoint, model, evaluation), measured.
+        self.final_reserve_s = 0.0
+        self.save_seconds = 0.0  # the longest checkpoint write of this session
+        self.previous_finish: dict[str, Any] | None = None  # how an earlier session of this run ended
         self._setup(corpus, model, data, tokenizer_dir, depth, evaluate)
 
     # ------------------------------------------------------------------ setup
@@ -260,7 +264,8 @@ class Trainer:
             cfg.batch_size * self.seq_len * cfg.grad_accum * env.world_size if self.seq_len is not None else None)
 
         if self.resume_from is not None:
-            trainer_checkpoints.resume_from_checkpoint(self, self.resume_from)
+            # (an older checkpoint when this one does not load into the model; None: none is left)
+            self.resume_from = trainer_checkpoints.resume(self)
         writes = env.is_main and self.out is not None
         self.metrics = JsonlLog(self.out / METRICS_FILE if writes else None, keep_through=self.state.step)
         self.eval_log = JsonlLog(self.out / EVAL_FILE if writes else None, keep_through=self.state.step)
@@ -281,6 +286,7 @@ class Trainer:
             self.log(f"no checkpoint in {root}: starting from scratch")
         if self.resume_from is not None:  # before any data work, which could overwrite the run's caches
             trainer_checkpoints.check_resumable(self.resume_from, cfg, self.env.world_size)
+            self.previous_finish = _finish_record(self.out)
         self.out.mkdir(parents=True, exist_ok=True)
 
     def _setup_shards(self, corpus: Any | None, model: nn.Module | None) -> None:
@@ -329,6 +335,7 @@ class Trainer:
     def _prepare_data(self, corpus: Any | None):
         """Tokenizer (trained here unless given) and token shards; rank 0 builds, the others reuse."""
         from recurrent_depth.data import build_tokenizer, load_corpus, prepare_dataset
+        from recurrent_depth.data.prepare import packing_report
 
         cfg, env = self.cfg, self.env
         source = corpus if corpus is not None else load_corpus(
@@ -362,12 +369,11 @@ class Trainer:
             data = prepare_dataset(
                 source, tok_dir, seq_len, data_dir, val_fraction=cfg.val_fraction, seed=cfg.seed, keep_all=cfg.keep_all
             )
-            if not data.metadata.get("reused"):
-                splits = data.metadata["splits"]
-                self.log(
-                    f"packed {splits['train']['rows']} training and {splits['validation']['rows']} validation "
-                    f"rows of {seq_len + 1} tokens in {time.perf_counter() - start:.1f}s -> {data_dir}"
-                )
+            summary, warnings = packing_report(data.metadata)
+            when = "reused" if data.metadata.get("reused") else f"in {time.perf_counter() - start:.1f}s"
+            self.log(f"{summary} ({when}) -> {data_dir}")
+            for warning in warnings:
+                self.log(warning)
         ddist.barrier(env)
         if data is None:
             data = prepare_dataset(
@@ -410,10 +416,14 @@ class Trainer:
             f"({self.env.world_size} process{'es' if self.env.world_size > 1 else ''}){depth}"
             f"{' (baseline: one core pass)' if cfg.baseline else ''}; out: {self.out or 'none (nothing is written)'}"
         )
+        finished = self._finished_before()
+        if finished is not None:
+            return finished
         bar = _progress_bar(cfg, self.env, self.state.step)
         self.session_start = time.perf_counter()
         self.session_start_elapsed = self.state.elapsed_s
         self.session_steps = 0
+        self._measure_final_reserve()
         last_saved = self.state.step if self.resume_from is not None else -1
         stop_reason = "max_steps"
         last_checkpoint = self.resume_from
@@ -437,7 +447,7 @@ class Trainer:
                 if cfg.eval_interval and step % cfg.eval_interval == 0:
                     self.evaluate(final=False)
                 if cfg.save_every and step % cfg.save_every == 0:
-                    last_checkpoint = self.save_checkpoint()
+                    last_checkpoint = self._timed_save()
                     last_saved = step
                 if self.on_step is not None:
                     self.on_step(self, record)
@@ -453,12 +463,26 @@ class Trainer:
             if bar is not None:
                 bar.close()
         # Save before the final evaluation: an evaluation that crashes must not cost the run.
+        ending = time.perf_counter()
         if last_saved != self.state.step and self.state.step > 0:
             last_checkpoint = self.save_checkpoint()
         model_dir = self.save_model(self.out / MODEL_DIR) if self.out is not None else None
+        saved = time.perf_counter()
+        budget_end = self.budget_end()
+        if budget_end is not None:  # the final evaluation ends inside a time budget too (after one batch at least)
+            self.eval_deadline = budget_end if self.eval_deadline is None else min(self.eval_deadline, budget_end)
         final_eval = self.evaluate(final=True)
+        done = time.perf_counter()
         self.log(f"stopped after {self.state.step} steps ({stop_reason}), {self.state.tokens:,} tokens, "
                  f"{self.state.elapsed_s:.0f}s; skipped {self.state.skipped_steps} non-finite steps")
+        if self.cfg.max_minutes is not None:
+            session = done - self.session_start
+            self.log(f"time budget max_minutes={self.cfg.max_minutes:g} ({self.cfg.max_minutes * 60:.0f} s, this "
+                     f"session {self.cfg.max_minutes * 60 - self.session_start_elapsed:.0f} s): training "
+                     f"{ending - self.session_start:.1f} s, saving {saved - ending:.1f} s, final evaluation "
+                     f"{done - saved:.1f} s; {session:.1f} s in all (tokenizer training and data packing before "
+                     "it are not counted)")
+        self._record_finish(stop_reason)
         self.close_logs()
         result = TrainResult(
             out=self.out, model=self.model, model_dir=model_dir, steps=self.state.step, tokens=self.state.tokens,
@@ -576,10 +600,79 @@ class Trainer:
         """Training time left under `max_minutes` and the `deadline` (None: no time limit)."""
         left = []
         if self.cfg.max_minutes is not None:
-            left.append(self.cfg.max_minutes * 60.0 - self.state.elapsed_s)
+            left.append(self.cfg.max_minutes * 60.0 - self.state.elapsed_s - self.final_reserve_s)
         if self.deadline is not None:
             left.append(self.deadline - time.perf_counter())
         return min(left) if left else None
+
+    def budget_end(self) -> float | None:
+        """The `time.perf_counter()` value at which `max_minutes` runs out (None: no time budget)."""
+        if self.cfg.max_minutes is None:
+            return None
+        return self.session_start + self.cfg.max_minutes * 60.0 - self.session_start_elapsed
+
+    def _measure_final_reserve(self) -> None:
+        """Under a time budget, time one batch of the final evaluation now (it is part of the budget), so that
+        training stops early enough for the checkpoint, the model and that evaluation to end inside it."""
+        if self.cfg.max_minutes is None or self.evaluate_hook is not validation_by_depth:
+            return
+        start = time.perf_counter()
+        sharded = ddist.is_fsdp(self.wrapped)
+        validation_loss_by_depth(
+            self.wrapped if sharded else self.model, self.val_data, self.eval_depths, batch_size=self.cfg.batch_size,
+            max_batches=1, dtype=self.cfg.dtype, seed=self.cfg.seed, device=self.env.device, sharded=sharded,
+            world_size=self.env.world_size)
+        self.final_reserve_s = time.perf_counter() - start
+
+    def _timed_save(self) -> Path | None:
+        start = time.perf_counter()
+        path = self.save_checkpoint()
+        seconds = time.perf_counter() - start
+        if seconds > self.save_seconds:  # the end of the run writes a checkpoint and the model: twice this
+            self.final_reserve_s += 2 * (seconds - self.save_seconds)
+            self.save_seconds = seconds
+        return path
+
+    def _record_finish(self, stop_reason: str) -> None:
+        """Note in run.json how the run ended, so that a --resume of a finished run knows it is finished."""
+        if self.out is None or not self.env.is_main:
+            return
+        cfg = self.cfg
+        write_run_file(self.out, {**self.run_metadata(), "finished": {
+            "step": self.state.step, "stop_reason": stop_reason, "max_steps": cfg.max_steps,
+            "max_tokens": cfg.max_tokens, "max_minutes": cfg.max_minutes}})
+
+    def _finished_before(self) -> TrainResult | None:
+        """A resumed run that had already ended under budgets this one does not raise: said, and nothing is redone
+        (no training step, no evaluation); None otherwise."""
+        done, cfg = self.previous_finish, self.cfg
+        if self.resume_from is None or not done or done.get("step") != self.state.step:
+            return None
+        reason = done.get("stop_reason")
+        still = {"max_steps": cfg.max_steps is not None and self.state.step >= cfg.max_steps,
+                 "max_tokens": cfg.max_tokens is not None and self.state.tokens >= cfg.max_tokens,
+                 "time_limit": cfg.max_minutes is not None and isinstance(done.get("max_minutes"), int | float)
+                 and cfg.max_minutes <= done["max_minutes"]}
+        if not still.get(reason, False) and self.stop_reason() is None:
+            return None
+        self.log(f"the run in {self.out} already finished at step {self.state.step} ({reason}): nothing to do; "
+                 "raise --max-steps, --max-tokens or --max-minutes to train it further")
+        self._record_finish(reason)
+        self.close_logs()
+        final = next((r for r in reversed(self.eval_log.kept) if r.get("final") and r.get("step") == self.state.step),
+                     None)
+        final_eval = None
+        if final is not None and isinstance(final.get("val_loss_by_depth"), dict):
+            final_eval = DepthEval(loss={int(d): v for d, v in final["val_loss_by_depth"].items()},
+                                   token_correlation={int(d): v for d, v in
+                                                      (final.get("token_correlation_by_depth") or {}).items()},
+                                   tokens=int(final.get("val_tokens") or 0))
+        model_dir = self.out / MODEL_DIR
+        return TrainResult(
+            out=self.out, model=self.model, model_dir=model_dir if model_dir.is_dir() else None,
+            steps=self.state.step, tokens=self.state.tokens, skipped_steps=self.state.skipped_steps,
+            elapsed_s=self.state.elapsed_s, stop_reason="already_finished", final_eval=final_eval,
+            last_checkpoint=self.resume_from, tokenizer_dir=self.tokenizer_dir, losses=[])
 
     def seconds_per_step(self) -> float | None:
         if self.session_steps == 0:
@@ -674,6 +767,17 @@ def validation_by_depth(trainer: Trainer, final: bool) -> DepthEval:
     table = "  ".join(f"{d}:{v:.3f}" for d, v in sorted(result.loss.items()))
     trainer.log(f"step {trainer.state.step} validation loss by depth  {table}")
     return result
+
+
+def _finish_record(out: Path) -> dict[str, Any] | None:
+    """The `finished` entry of an earlier session's run.json (None: none, or unreadable)."""
+    from recurrent_depth.files import read_json
+
+    try:
+        record = read_json(out / RUN_FILE, 16 << 20, "run file").get("finished")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def prepare_model(model: nn.Module, cfg: TrainConfig, env: ddist.DistEnv) -> nn.Module:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 from recurrent_depth.train import checkpointing as ckpt
@@ -181,9 +182,94 @@ def check_resumable(path: Path, cfg: TrainConfig, world_size: int) -> None:
                          f"process(es), this run has {world_size}")
 
 
-def resume_from_checkpoint(trainer: Trainer, path: Path) -> None:
-    """Continue `trainer` from checkpoint `path`: weights, optimizer, data position, loop counters, RNG."""
-    loaded = ckpt.load_checkpoint(path, rank=trainer.env.rank)
+def resume(trainer: Trainer) -> Path | None:
+    """Continue `trainer` from `trainer.resume_from`, or from an older valid checkpoint when that one's
+    files do not load into this model (set aside like any invalid checkpoint, and said); None when no
+    checkpoint is left (the run starts from scratch: nothing was applied to the trainer)."""
+    path = trainer.resume_from
+    root = ckpt.checkpoints_root(trainer.out) if trainer.out is not None else None
+    env = trainer.env
+    while path is not None:
+        loaded, problem = load_for_resume(trainer, path)
+        problem = ddist.broadcast_object(problem, env)  # every rank falls back together
+        if problem is None:
+            apply_checkpoint(trainer, loaded)
+            return path
+        ddist.barrier(env)
+        moved = ckpt.set_aside(path).name if env.is_main else ""
+        ddist.barrier(env)
+        older = find_resume_checkpoint(root, env, trainer.log)
+        fallback = f"resuming from {older.name}" if older is not None else "no valid checkpoint is left"
+        trainer.log(f"skipping checkpoint {path}: {problem}; moved it to {moved}, {fallback}")
+        if older is not None:
+            check_resumable(older, trainer.cfg, env.world_size)
+        path = older
+    trainer.log(f"no checkpoint in {root} could be loaded: starting from scratch")
+    return None
+
+
+def load_for_resume(trainer: Trainer, path: Path) -> tuple[ckpt.LoadedCheckpoint | None, str | None]:
+    """Every part of checkpoint `path`, read and checked against this trainer's model before any of it is
+    applied: (loaded, None), or (None, why it cannot be resumed from)."""
+    try:
+        loaded = ckpt.load_checkpoint(path, rank=trainer.env.rank)
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
+        return None, ckpt._one_line(exc)
+    expected = {k: tuple(v.shape) for k, v in base_state_shapes(trainer).items()}
+    found = {k: tuple(v.shape) for k, v in loaded.model_state.items()}
+    missing = sorted(set(expected) - set(found) - {"lm_head.weight"})
+    unexpected = sorted(set(found) - set(expected))
+    if missing or unexpected:
+        return None, f"model.safetensors does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}"
+    wrong = [k for k in found if found[k] != expected[k]]
+    if wrong:
+        return None, f"model.safetensors: {wrong[0]} has shape {list(found[wrong[0]])}, the model's is " \
+                     f"{list(expected[wrong[0]])}"
+    if loaded.rng and "torch_cpu" not in loaded.rng:
+        return None, f"the RNG state of rank {trainer.env.rank} has no torch_cpu tensor"
+    if not ddist.is_fsdp(trainer.wrapped):
+        problem = optimizer_state_problem(trainer.optimizer, loaded.optimizer_state)
+        if problem is not None:
+            return None, f"{ckpt.OPTIMIZER_TENSORS}: {problem}"
+    return loaded, None
+
+
+def optimizer_state_problem(optimizer: Any, state: Any) -> str | None:
+    """Whether a saved optimizer state fits `optimizer` (an `OptimizerSet` or a torch optimizer): the same
+    optimizers, groups and parameter counts, and every per-parameter tensor the shape of its parameter.
+    Checked before loading, since `load_state_dict` takes mis-shaped moments and fails only at a step."""
+    parts = list(optimizer) if hasattr(optimizer, "optimizers") else [optimizer]
+    saved = state.get("optimizers") if isinstance(state, dict) and hasattr(optimizer, "optimizers") else [state]
+    if not isinstance(saved, list) or len(saved) != len(parts):
+        return f"holds {len(saved) if isinstance(saved, list) else 'no'} optimizer states, this run has {len(parts)}"
+    for k, (opt, opt_state) in enumerate(zip(parts, saved)):
+        groups = opt_state.get("param_groups") if isinstance(opt_state, dict) else None
+        per_param = opt_state.get("state") if isinstance(opt_state, dict) else None
+        if not isinstance(groups, list) or not isinstance(per_param, dict) or len(groups) != len(opt.param_groups):
+            return f"optimizer {k} is not a state of this run's optimizer ({len(opt.param_groups)} parameter groups)"
+        params: dict[Any, torch.Tensor] = {}
+        for group, mine in zip(groups, opt.param_groups):
+            ids = group.get("params") if isinstance(group, dict) else None
+            if not isinstance(ids, list) or len(ids) != len(mine["params"]):
+                return f"optimizer {k}: a parameter group does not match this run's ({len(mine['params'])} parameters)"
+            params.update(zip(ids, mine["params"]))
+        for pid, entry in per_param.items():
+            if pid not in params or not isinstance(entry, dict):
+                return f"optimizer {k}: state for an unknown parameter {pid!r}"
+            for name, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != params[pid].shape:
+                    return (f"optimizer {k}: {name} of parameter {pid} has shape {list(value.shape)}, the parameter "
+                            f"{list(params[pid].shape)}")
+    return None
+
+
+def base_state_shapes(trainer: Trainer) -> dict[str, Any]:
+    """The unwrapped model's state dict (shapes only are read; an FSDP DTensor reports its full shape)."""
+    return ddist.unwrap(trainer.wrapped).state_dict()
+
+
+def apply_checkpoint(trainer: Trainer, loaded: ckpt.LoadedCheckpoint) -> None:
+    """Continue `trainer` from a loaded checkpoint: weights, optimizer, data position, loop counters, RNG."""
     ddist.load_full_model_state(trainer.wrapped, loaded.model_state, trainer.env)
     ddist.load_optimizer_state(trainer.wrapped, trainer.optimizer, loaded.optimizer_state, trainer.env)
     trainer.source.load_state_dict(loaded.trainer_state["data"])
@@ -191,7 +277,15 @@ def resume_from_checkpoint(trainer: Trainer, path: Path) -> None:
         setattr(trainer.state, name, type(getattr(trainer.state, name))(loaded.trainer_state[name]))
     if loaded.rng:
         ckpt.restore_rng_state(loaded.rng)
-    trainer.log(f"resumed from {path} at step {trainer.state.step}")
+    trainer.log(f"resumed from {loaded.path} at step {trainer.state.step}")
+
+
+def resume_from_checkpoint(trainer: Trainer, path: Path) -> None:
+    """Continue `trainer` from checkpoint `path` (no fallback: a checkpoint that does not load is a ValueError)."""
+    loaded, problem = load_for_resume(trainer, path)
+    if problem is not None:
+        raise ValueError(f"cannot resume from {path}: {problem}")
+    apply_checkpoint(trainer, loaded)
 
 
 def _with_field_defaults(saved: dict[str, Any]) -> dict[str, Any]:

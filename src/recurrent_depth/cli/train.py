@@ -25,7 +25,7 @@ from typing import Any
 
 # optimizer flag -> OptimConfig field
 OPTIM_FLAGS: dict[str, tuple[str, type, str]] = {
-    "optim_preset": ("preset", str, "optimizer recipe to start from: demo, demo-muon or huginn-0125 (the "
+    "optim_preset": ("preset", str, "optimizer recipe to start from: demo, demo-muon, k2-muon or huginn-0125 (the "
                      "official launch config: the paper's lr 4e-5 with the config's cool-down; the paper ran "
                      "at a constant rate)"),
     "optimizer": ("name", str, "adamw, ellis-adam (the paper's Adam) or muon (+ AdamW for embeddings and norms)"),

@@ -70,7 +70,8 @@ FIELD_HELP: dict[str, str] = {
     "max_minutes": "minutes of wall time for the run: training, the final checkpoint and model, and the final "
                    "evaluation (cut to fit) all end inside them; tokenizer training and data packing are not counted",
     "optim": "optimizer recipe (YAML mapping of OptimConfig fields, 'preset' picks the base recipe: demo, "
-             "demo-muon, k2-muon (Kimi K2's per-matrix Muon), or huginn-0125 = the official launch config, whose cool-down the paper's "
+             "demo-muon, k2-muon (Kimi K2's Muon), "
+             "or huginn-0125 = the official launch config, whose cool-down the paper's "
              "constant-rate run never had)",
     "depth_scheme": f"depth sampler per micro-batch: one of {', '.join(SCHEMES)}",
     "mean_recurrence": "sampler's mean depth r̄; none = the model's mean_recurrence",

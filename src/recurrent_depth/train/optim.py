@@ -597,8 +597,8 @@ class OptimConfig:
 
     @classmethod
     def from_preset(cls, preset: str, /, **overrides: Any) -> OptimConfig:
-        """A named recipe (one of `OPTIM_PRESETS`: ``"huginn-0125"``, ``"demo"``, ``"demo-muon"``, ``"k2-muon"``), optionally
-        with fields overridden.
+        """A named recipe (one of `OPTIM_PRESETS`: ``"huginn-0125"``, ``"demo"``, ``"demo-muon"``,
+        ``"k2-muon"``), optionally with fields overridden.
 
         The preset is positional-only, so the optimizer's own `name` field can be overridden too:
         ``OptimConfig.from_preset("demo", name="adamw")``.

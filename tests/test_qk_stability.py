@@ -447,3 +447,17 @@ def test_qk_clip_flag_and_yaml(tmp_path):
         TrainConfig(qk_clip=-1.0)
     train_parser = build_parser("train")._subparsers._group_actions[0].choices["train"]
     assert "--qk-clip TAU" in train_parser.format_help()
+
+
+def test_qk_clip_warns_once_with_a_shared_qk_norm_gain():
+    import warnings
+
+    from recurrent_depth.train.qk_clip import QKClip
+
+    shared = rd.RecurrentDepthLM(rd.ModelConfig(qk_norm=True))
+    with pytest.warns(UserWarning, match="qk_norm_per_head=true"):
+        QKClip(shared, 5.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        QKClip(rd.RecurrentDepthLM(rd.ModelConfig(qk_norm=True, qk_norm_per_head=True)), 5.0)
+        QKClip(shared, None)  # recording only: nothing is clipped

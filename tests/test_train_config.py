@@ -155,7 +155,7 @@ def test_train_help_shows_defaults(capsys):
     # a literal % in a field's help is printed as is, not as argparse's internal dict
     flat = " ".join(text.split())  # argparse wraps lines at the terminal width
     assert "~25% slower" in flat and "option_strings" not in flat
-    assert "demo, demo-muon or huginn-0125" in flat
+    assert "demo, demo-muon, k2-muon or huginn-0125" in flat
 
 
 def test_print_config(capsys):

@@ -19,6 +19,7 @@ while `record_max_logit` is set), never from a second forward. Works after any o
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -53,6 +54,13 @@ class QKClip:
                         f"QK-clip / max-logit recording needs softmax attention with per-head q.k logits "
                         f"(mixers {list(CLIPPABLE_MIXERS)}), but the {part} uses {name!r}, which has no such logits"
                     )
+        if (threshold is not None and config is not None and getattr(config, "qk_norm", False)
+                and not getattr(config, "qk_norm_per_head", False)):
+            # Under QK-norm the clip can act only on the norm's gains; one gain shared by a layer's heads
+            # means clipping its worst head rescales every head of the layer (not Kimi K2's per-head rule).
+            warnings.warn("QK-clip with a QK-norm gain shared by the heads clips each layer by its smallest "
+                          "gamma (all its heads at once); set qk_norm_per_head=true for the per-head rule "
+                          "(docs/training.md)", stacklevel=2)
         self.threshold = None if threshold is None else float(threshold)
         self.layers: list[tuple[str, Any]] = [
             (name, module) for name, module in model.named_modules() if isinstance(module, MaxLogitRecorder)

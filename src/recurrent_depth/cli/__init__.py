@@ -43,7 +43,9 @@ def _version() -> str:
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from recurrent_depth.cli.parser import Parser
+
+    parser = Parser(
         prog="rdepth",
         description="Recurrent-depth language models: train, generate, analyse, evaluate, serve.",
     )
@@ -88,14 +90,19 @@ def _configure_threads(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv == ["--version"]:  # before the command modules are imported: no torch, no transformers
+        print(f"rdepth {_version()}")
+        return 0
     # `rdepth lm-eval ...` forwards its arguments untouched to lm-eval's own CLI.
     if argv and argv[0] == "lm-eval":
         from recurrent_depth.cli.lm_eval import run_passthrough
 
         return run_passthrough(argv[1:])
+    from recurrent_depth.cli.parser import parse
+
     only = argv[0] if argv and argv[0] in COMMANDS else None
     parser = build_parser(only)
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

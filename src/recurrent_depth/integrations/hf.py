@@ -21,6 +21,7 @@ drafts) are routed there by :meth:`RecurrentDepthForCausalLM.generate`.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -245,6 +246,12 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         first: Huginn-0125's config says bfloat16 over float32 files, so the Auto classes would load
         another model than `RecurrentDepthLM.from_pretrained` (which keeps the stored dtype).
         """
+        if _is_local_dir(pretrained_model_name_or_path):
+            # The library's bounded checks first (config, weight files and headers against the config),
+            # so a hostile directory is one line here too, before transformers reads a tensor.
+            from recurrent_depth.checkpoint import check_model_dir
+
+            check_model_dir(pretrained_model_name_or_path, model_class=RecurrentDepthLM)
         if kwargs.get("dtype") is None and kwargs.get("torch_dtype") is None:
             from recurrent_depth.checkpoint import stored_dtype
 
@@ -515,6 +522,13 @@ class RavenForCausalLM(RecurrentDepthForCausalLM):
     """The official Huginn-0125 architecture name, loaded through our implementation (no remote code)."""
 
     config_class = HuginnRavenConfig
+
+
+def _is_local_dir(path: Any) -> bool:
+    try:
+        return os.path.isdir(path)
+    except (TypeError, ValueError):
+        return False
 
 
 def _split_generation_config(config: Any) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -393,9 +393,13 @@ def test_analyze_errors_name_flags(capsys, tmp_path):
 
 
 def test_version(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--version"])
-    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"rdepth {rd.__version__}"
+    assert main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"rdepth {rd.__version__}"
+    # issue 33 item 7: `rdepth --version` imports neither torch nor transformers (it took 5 s)
+    probe = "import sys; from recurrent_depth.cli import main; main(['--version']); " \
+            "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"rdepth {rd.__version__}", "[]"]
 
 
 def test_quickstart_task_never_says_up_to_none():

@@ -288,7 +288,8 @@ def check_model_dir(
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {path} does not exist")
     if not (path / "config.json").exists():
-        raise FileNotFoundError(f"{path} has no config.json; is it a model directory?")
+        raise FileNotFoundError(f"{path} has no config.json: expected a saved model directory (config.json and "
+                                f"safetensors weights; a training run keeps its model in its model/ directory)")
     config = ModelConfig.from_json(path / "config.json")
     if config_overrides:
         values = config.to_dict()

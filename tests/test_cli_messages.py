@@ -1,0 +1,72 @@
+"""Issue 33 items 6 and 7: CLI messages that send users the right way."""
+
+from __future__ import annotations
+
+import pytest
+
+from recurrent_depth.cli import main
+from tests.test_hf import make_model_dir
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A run directory as `rdepth train` / `quickstart` leave it: the model in model/."""
+    run = tmp_path_factory.mktemp("run")
+    make_model_dir(run / "model")
+    return run
+
+
+GENERATE = ["generate", "--prompt", "a", "--max-new-tokens", "2", "--num-steps", "2", "--threads", "1"]
+
+
+def test_a_run_directory_means_its_model(run_dir, capsys):
+    assert main([*GENERATE, "--model", str(run_dir)]) == 0
+    assert f"--model {run_dir} is a run directory; using its model {run_dir / 'model'}" in capsys.readouterr().err
+
+
+def test_a_directory_without_a_model_says_what_to_pass(tmp_path, capsys):
+    assert main([*GENERATE, "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err == (f"rdepth generate: error: --model {tmp_path} has no config.json: expected a saved model directory "
+                   f"(config.json, model.safetensors, tokenizer.json) or a run directory holding one in model/")
+    assert "--tokenizer" not in err
+
+
+@pytest.mark.parametrize("argv, usage, hint", [
+    (["generate", "--model", "m", "--prompt", "a", "--num", "16"], "usage: rdepth generate",
+     "unrecognized arguments: --num 16 (--num: did you mean --num-steps?)"),  # a prefix is no longer taken
+    (["tokenizer", "train", "--vocab", "300"], "usage: rdepth tokenizer train",
+     "(--vocab: did you mean --vocab-size?)"),
+    (["average", "--out", "x", "--checkpoints", "a", "--lats", "2"], "usage: rdepth average",
+     "(--lats: did you mean --last"),
+])
+def test_a_mistyped_flag_gets_the_commands_usage_and_the_closest_flag(argv, usage, hint, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.startswith(usage) and hint in err and "usage: rdepth [-h]" not in err
+
+
+def test_a_mistyped_yaml_key_gets_the_closest_key(tmp_path, capsys):
+    (tmp_path / "run.yaml").write_text("max_step: 3\n")
+    assert main(["train", "--config", str(tmp_path / "run.yaml"), "--threads", "1"]) == 2
+    assert "unknown training config key(s) ['max_step'] ('max_step': did you mean 'max_steps'" in \
+        capsys.readouterr().err
+
+
+def test_no_parser_takes_abbreviations():
+    import argparse
+
+    from recurrent_depth.cli import build_parser
+
+    def parsers(parser):
+        yield parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for child in action.choices.values():
+                    yield from parsers(child)
+
+    found = list(parsers(build_parser()))
+    assert len(found) > 15 and not [p.prog for p in found if p.allow_abbrev]

@@ -19,6 +19,7 @@ def run_dir(tmp_path_factory):
 
 
 GENERATE = ["generate", "--prompt", "a", "--max-new-tokens", "2", "--num-steps", "2", "--threads", "1"]
+NO_PROMPT = [a for a in GENERATE if a not in ("--prompt", "a")]
 
 
 def test_a_run_directory_means_its_model(run_dir, capsys):
@@ -70,3 +71,53 @@ def test_no_parser_takes_abbreviations():
 
     found = list(parsers(build_parser()))
     assert len(found) > 15 and not [p.prog for p in found if p.allow_abbrev]
+
+
+def test_prompt_file_and_stdin(tmp_path, monkeypatch, capsys, run_dir):
+    import io
+    import json
+
+    base = [*NO_PROMPT, "--model", str(run_dir / "model"), "--json", "--init-scale", "0"]
+    assert main([*base, "--prompt", "a=1"]) == 0
+    want = json.loads(capsys.readouterr().out)["completions"]
+    (tmp_path / "p.txt").write_text("a=1")
+    assert main([*base, "--prompt-file", str(tmp_path / "p.txt")]) == 0
+    assert json.loads(capsys.readouterr().out)["completions"] == want
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"a=1")))
+    assert main([*base, "--prompt-file", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["prompts"] == ["a=1"]
+    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe")
+    assert main([*base, "--prompt-file", str(tmp_path / "bad.txt")]) == 2
+    assert "is not UTF-8 text" in capsys.readouterr().err
+    assert main(base) == 2
+    assert "give a prompt: --prompt TEXT or --prompt-file FILE" in capsys.readouterr().err
+
+
+def test_a_closed_pipe_ends_quietly(monkeypatch, capsys):
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr("sys.stdout", ClosedPipe())
+    assert main(["info", "--preset", "tiny"]) == 0  # was: "error: [Errno 32] Broken pipe", exit 2
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_bars_only_on_a_terminal(tmp_path, capsys):
+    from recurrent_depth.data.prepare import _progress
+
+    list(_progress(iter(range(3)), 3, "train", enabled=True))  # stderr here is not a terminal
+    assert "tokenising" not in capsys.readouterr().err
+
+
+def test_time_limits_one_spelling_each_old_names_kept():
+    """Wall clock: --max-minutes (train, quickstart; quickstart's --minutes kept); CPU time: --max-cpu-minutes."""
+    from recurrent_depth.cli import build_parser
+
+    assert build_parser("quickstart").parse_args(["quickstart", "--max-minutes", "3"]).minutes == 3
+    assert build_parser("quickstart").parse_args(["quickstart", "--minutes", "3"]).minutes == 3
+    assert build_parser("train").parse_args(["train", "--max-minutes", "3"]).max_minutes == 3
+    assert build_parser("loop").parse_args(["loop", "pretrain", "--max-cpu-minutes", "3"]).max_cpu_minutes == 3

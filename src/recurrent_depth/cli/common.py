@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 
 
-def add_model_arg(parser: argparse.ArgumentParser, required: bool = True) -> None:
+def add_model_arg(parser: argparse.ArgumentParser, required: bool = True, help: str | None = None) -> None:
     parser.add_argument(
         "--model", required=required, metavar="DIR", type=model_dir,
-        help="a saved model directory (ours or an official Huginn-0125 one; tokenizer inside), or a run "
-             "directory of `rdepth train` / `quickstart`, whose model/ is used",
+        help=help or "a saved model directory (ours or an official Huginn-0125 one; tokenizer inside), or a run "
+                     "directory of `rdepth train` / `quickstart`, whose model/ is used",
     )
 
 

@@ -121,3 +121,24 @@ def test_time_limits_one_spelling_each_old_names_kept():
     assert build_parser("quickstart").parse_args(["quickstart", "--minutes", "3"]).minutes == 3
     assert build_parser("train").parse_args(["train", "--max-minutes", "3"]).max_minutes == 3
     assert build_parser("loop").parse_args(["loop", "pretrain", "--max-cpu-minutes", "3"]).max_cpu_minutes == 3
+
+
+def test_serve_finds_a_port_in_use_before_loading_the_model(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # the model directory does not exist: the port is checked first, so that is not what is reported
+        assert main(["serve", "--model", str(tmp_path / "absent"), "--port", str(port), "--threads", "1"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith(f"rdepth serve: error: cannot listen on 127.0.0.1:{port}: ") and "pick another --port" in err
+
+
+def test_the_servers_step_cap_names_its_flag():
+    from recurrent_depth.serving.protocol import APIError, Limits, parse_completion
+
+    limits = Limits(max_seq_len=96, mean_recurrence=4, vocab_size=256, max_num_steps=16)
+    with pytest.raises(APIError, match=r"at most 16 \(set by rdepth serve --max-num-steps\)"):
+        parse_completion({"prompt": "x", "num_steps": 17}, limits, {"m"}, False)

@@ -410,13 +410,16 @@ def test_quickstart_task_never_says_up_to_none():
     assert "None" not in line and "at no difficulty beyond training" in line
 
 
-def test_accuracy_grid_shows_progress_with_an_eta(capsys):
+def test_accuracy_grid_shows_progress_with_an_eta(capsys, monkeypatch):
     from recurrent_depth.evaluation.reasoning.data import ProblemEncoder
     from recurrent_depth.evaluation.reasoning.evaluate import accuracy_grid
     from recurrent_depth.evaluation.reasoning.tasks import get_task
 
     torch.manual_seed(0)
     model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", vocab_size=320)).eval()
+    accuracy_grid(model, get_task("modsum"), [2], [1], count=4, encoder=ProblemEncoder(), progress=True)
+    assert "evaluating modsum" not in capsys.readouterr().err  # issue 33 item 7: no bar into a pipe or a log
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # on a terminal
     accuracy_grid(model, get_task("modsum"), [2], [1], count=4, encoder=ProblemEncoder(), progress=True)
     err = capsys.readouterr().err
     assert "evaluating modsum" in err and "4/4" in err and "<" in err  # tqdm's elapsed<remaining

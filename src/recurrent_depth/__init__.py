@@ -29,12 +29,16 @@ __all__ = ["DynamicCache", "ModelConfig", "RecurrentDepthLM", "RecurrentOutput",
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'recurrent_depth' has no attribute {name!r}")
     import importlib
+    import importlib.util
 
-    value = getattr(importlib.import_module(module), name)
+    module = _LAZY.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f"{__name__}.{name}")  # `rd.inference`, `rd.evaluation`, ...
+    else:
+        raise AttributeError(f"module 'recurrent_depth' has no attribute {name!r}")
     globals()[name] = value  # later lookups skip this function
     return value
 

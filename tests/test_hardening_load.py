@@ -393,9 +393,13 @@ def test_analyze_errors_name_flags(capsys, tmp_path):
 
 
 def test_version(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--version"])
-    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"rdepth {rd.__version__}"
+    assert main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"rdepth {rd.__version__}"
+    # issue 33 item 7: `rdepth --version` imports neither torch nor transformers (it took 5 s)
+    probe = "import sys; from recurrent_depth.cli import main; main(['--version']); " \
+            "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"rdepth {rd.__version__}", "[]"]
 
 
 def test_quickstart_task_never_says_up_to_none():
@@ -406,13 +410,16 @@ def test_quickstart_task_never_says_up_to_none():
     assert "None" not in line and "at no difficulty beyond training" in line
 
 
-def test_accuracy_grid_shows_progress_with_an_eta(capsys):
+def test_accuracy_grid_shows_progress_with_an_eta(capsys, monkeypatch):
     from recurrent_depth.evaluation.reasoning.data import ProblemEncoder
     from recurrent_depth.evaluation.reasoning.evaluate import accuracy_grid
     from recurrent_depth.evaluation.reasoning.tasks import get_task
 
     torch.manual_seed(0)
     model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", vocab_size=320)).eval()
+    accuracy_grid(model, get_task("modsum"), [2], [1], count=4, encoder=ProblemEncoder(), progress=True)
+    assert "evaluating modsum" not in capsys.readouterr().err  # issue 33 item 7: no bar into a pipe or a log
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # on a terminal
     accuracy_grid(model, get_task("modsum"), [2], [1], count=4, encoder=ProblemEncoder(), progress=True)
     err = capsys.readouterr().err
     assert "evaluating modsum" in err and "4/4" in err and "<" in err  # tqdm's elapsed<remaining

@@ -236,6 +236,39 @@ def test_generate_routes_library_only_options(hf_model, library_model):
         hf_model.generate(x, max_new_tokens=2, exit_criterion="kl", num_beams=2)
 
 
+def test_generate_takes_a_generation_config_with_kwargs_on_top(hf_model, library_model):
+    from transformers import GenerationConfig
+
+    x = ids(batch=1, length=5, seed=4)
+    common = dict(num_steps=6, init_scale=0.0)
+    kl = rd.generate(library_model, x, max_new_tokens=4, exit_criterion="kl", exit_threshold=1e-2, **common)
+    warm = rd.generate(library_model, x, max_new_tokens=4, warm_start=True, **common)
+    config = GenerationConfig(max_length=9, do_sample=False, return_dict_in_generate=True)
+    # positional (the model card's form) and by keyword; routed options as kwargs or on the config
+    got = hf_model.generate(x, config, criterion="kl", exit_threshold=1e-2, **common)
+    assert torch.equal(got.sequences, kl.sequences) and torch.equal(got.steps, kl.steps)
+    on_config = GenerationConfig(max_new_tokens=4, criterion="kl", exit_threshold=1e-2, return_dict_in_generate=True)
+    assert torch.equal(hf_model.generate(x, generation_config=on_config, **common).steps, kl.steps)
+    # a keyword replaces the config's value (transformers' rule); two names inside one config conflict
+    warm_config = GenerationConfig(max_new_tokens=4, continuous_compute=True, return_dict_in_generate=True)
+    assert torch.equal(hf_model.generate(x, warm_config, **common).sequences, warm.sequences)
+    plain = hf_model.generate(x, warm_config, warm_start=False, **common)
+    assert torch.equal(plain.sequences, rd.generate(library_model, x, max_new_tokens=4, **common).sequences)
+    with pytest.raises(ValueError, match="warm_start and continuous_compute set the same option"):
+        hf_model.generate(x, GenerationConfig(max_new_tokens=2, warm_start=True, continuous_compute=False))
+    with pytest.raises(ValueError, match="kv_policy and cache_lookup_strategy set the same option"):
+        hf_model.generate(x, max_new_tokens=2, kv_policy="per-step", cache_lookup_strategy="latest-m4")
+    # the official cache_kwargs, and shared options on a config that stays in transformers' loop
+    lookup = hf_model.generate(x, config, criterion="kl", exit_threshold=1e-2, cache_kwargs={"lookup_strategy": "skip"},
+                               **common)
+    assert torch.equal(lookup.steps, rd.generate(library_model, x, max_new_tokens=4, exit_criterion="kl",
+                                                 exit_threshold=1e-2, kv_policy="skip", **common).steps)
+    fixed = hf_model.generate(x, GenerationConfig(max_new_tokens=4, num_steps=6, do_sample=False), init_scale=0.0)
+    assert torch.equal(fixed, rd.generate(library_model, x, max_new_tokens=4, **common).sequences)
+    with pytest.raises(ValueError, match="generation_config must be a transformers GenerationConfig"):
+        hf_model.generate(x, {"max_new_tokens": 2}, criterion="kl")
+
+
 def test_training_loss_and_gradients_match_the_library(model_dir):
     library = rd.RecurrentDepthLM.from_pretrained(model_dir).train()
     wrapped = AutoModelForCausalLM.from_pretrained(model_dir).train()

@@ -60,6 +60,13 @@ def test_remote_code_export_loads_without_the_library(tmp_path, per_head):
         out = model.generate(x, max_new_tokens=5, num_steps=3, init_scale=0.0, do_sample=False)
         assert torch.equal(out, ref["greedy"]), (out, ref["greedy"])
         assert AutoTokenizer.from_pretrained({str(out)!r}, trust_remote_code=True).chat_template
+        for adaptive in (dict(criterion="kl"), dict(kv_budget=2), dict(continuous_compute=True)):
+            try:
+                model.generate(x, max_new_tokens=2, num_steps=3, **adaptive)
+            except ValueError as exc:
+                assert "runs at a fixed depth only" in str(exc) and "import recurrent_depth" in str(exc), exc
+            else:
+                raise AssertionError(f"{{adaptive}} was accepted")
         print("ok")
     """)
     env = dict(os.environ, HF_HOME=str(tmp_path / "hf-home"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
@@ -68,6 +75,20 @@ def test_remote_code_export_loads_without_the_library(tmp_path, per_head):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("ok")
     assert "Do you wish to run the custom code" not in done.stdout + done.stderr  # no interactive question
+
+
+def test_the_remote_file_names_every_option_it_does_not_run():
+    """Issue 33 item 3: the list the standalone file refuses is the library's: every generate option
+    beyond transformers' own loop at a fixed depth, by our names and the official ones."""
+    from recurrent_depth.inference.schema import OFFICIAL_ALIASES, OPTIONS, names_for
+    from recurrent_depth.integrations.remote import modeling_recurrent_depth as remote
+
+    runs_here = set(names_for("hf", "shared")) - {"kv_budget", "kv_policy"}  # depth, init scale, sampling
+    not_a_kwarg = {"eos_token_id", "teacher_tokens"}  # transformers' own eos; the library's teacher forcing
+    library_only = set(OPTIONS) - runs_here - not_a_kwarg | set(OFFICIAL_ALIASES) | {"cache_kwargs"}
+    assert set(remote.LIBRARY_ONLY_OPTIONS) == library_only
+    with pytest.raises(ValueError, match=r"^criterion, exit_threshold: this exported model .* fixed depth only"):
+        remote.refuse_library_only({"criterion": "kl", "exit_threshold": 1e-3, "num_steps": 4})
 
 
 def test_export_converts_dtype_and_shards_in_the_library_layout(tmp_path):

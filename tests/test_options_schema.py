@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import re
 from dataclasses import fields
 
 import pytest
@@ -38,8 +39,8 @@ model_dir, library_model, hf_model = test_hf.model_dir, test_hf.library_model, t
 
 LIMITS = Limits(max_seq_len=96, mean_recurrence=4, vocab_size=256, max_num_steps=16)
 # `rdepth generate` flags that are not generation options (input, printing, device).
-CLI_OWN = {"help", "model", "tokenizer", "prompt", "max_depth", "stream", "json", "device", "dtype", "threads",
-           "lora"}  # (lora: an adapter directory put on the model as it loads, not a generation option)
+CLI_OWN = {"help", "model", "tokenizer", "prompt", "prompt_file", "max_depth", "stream", "json", "device", "dtype",
+           "threads", "lora"}  # (lora: an adapter directory put on the model as it loads, not a generation option)
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +176,27 @@ def test_an_option_given_twice_under_two_names_is_refused(model):
     with pytest.raises(APIError) as info:
         parse_completion({"prompt": "x", "lookahead": 3, "lookahead_for_draft": 5}, LIMITS, {"m"}, False)
     assert info.value.param == "lookahead" and "lookahead and lookahead_for_draft" in info.value.message
+
+
+@pytest.mark.parametrize("values", [dict(warm_start=False, continuous_compute=True),
+                                    dict(continuous_compute=False, warm_start=True)], ids=["off-on", "on-off"])
+def test_warm_start_and_continuous_compute_disagreeing_are_refused_everywhere(model, hf_model, model_dir, capsys,
+                                                                            values):
+    """Issue 33 item 19: the pair is refused with one line, like every alias pair, on each interface."""
+    message = "set the same option (warm_start); give one of them"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        rd.generate(model, prompt(), max_new_tokens=2, **values)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        hf_model.generate(prompt(), max_new_tokens=2, **values)
+    with pytest.raises(APIError) as http:
+        parse_completion({"prompt": "x", **values}, LIMITS, {"m"}, False)
+    assert http.value.param == "warm_start" and message in http.value.message
+    with pytest.raises(ValueError, match=re.escape(message)):
+        lm_eval_backend._typed({k: str(v) for k, v in values.items()})
+    flags = [("--" if v else "--no-") + k.replace("_", "-") for k, v in values.items()]
+    assert main(["generate", "--model", str(model_dir), "--prompt", "a", *flags]) == 2
+    err = capsys.readouterr().err
+    assert "--warm-start and --continuous-compute" in err or "--continuous-compute and --warm-start" in err
 
 
 def test_unknown_official_lookup_strategies_are_refused_by_their_kwarg(model):

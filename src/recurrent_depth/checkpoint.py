@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -264,34 +265,39 @@ def usable_device(device: Any) -> torch.device:
     return parsed
 
 
-def load_pretrained(
+@dataclass(frozen=True)
+class CheckedDir:
+    """A model directory that passed `check_model_dir`: its config, the model built on the meta
+    device, and whether the stored head is the tied embedding."""
+
+    config: ModelConfig
+    meta_model: Any
+    tied_head: bool
+
+
+def check_model_dir(
     path: str | os.PathLike[str],
-    dtype: torch.dtype | str | None = None,
-    device: Any = "cpu",
     config_overrides: dict[str, Any] | None = None,
     allow_outside: bool = False,
     *,
     model_class: type[torch.nn.Module],
-) -> Any:
-    """Build a `model_class` (`RecurrentDepthLM`, whose `from_pretrained` calls this) from a model
-    directory (ours or official Huginn-0125).
-
-    Everything is checked before a tensor is allocated: the config's bounds, then its shapes against
-    the safetensors headers. `allow_outside=True` lets an index name weight files outside `path`.
-    """
-    device = usable_device(device)
+) -> CheckedDir:
+    """Every check of a model directory that needs no tensor data, as one-line errors: the config
+    read bounded and validated, the weight files (regular, bounded, headers that fit their files)
+    and their names, shapes and dtypes against the model the config describes. Each loader runs it
+    first (`load_pretrained`, and transformers' `from_pretrained` through our classes)."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {path} does not exist")
     if not (path / "config.json").exists():
-        raise FileNotFoundError(f"{path} has no config.json; is it a model directory?")
+        raise FileNotFoundError(f"{path} has no config.json: expected a saved model directory (config.json and "
+                                f"safetensors weights; a training run keeps its model in its model/ directory)")
     config = ModelConfig.from_json(path / "config.json")
     if config_overrides:
         values = config.to_dict()
         values.pop("model_type")
         values.update(config_overrides)
         config = ModelConfig.from_dict(values)
-    dtype = _dtype_from_name(dtype)
     header = read_header_shapes(path, allow_outside)
     for name in IGNORED_TENSORS:
         header.pop(name, None)
@@ -329,7 +335,30 @@ def load_pretrained(
         problems.append(f"mis-shaped tensors: {clipped_names(mis_shaped)}")
     if problems:
         raise ValueError(f"cannot load {path}: " + "; ".join(problems))
+    return CheckedDir(config, model, tied_head)
 
+
+def load_pretrained(
+    path: str | os.PathLike[str],
+    dtype: torch.dtype | str | None = None,
+    device: Any = "cpu",
+    config_overrides: dict[str, Any] | None = None,
+    allow_outside: bool = False,
+    *,
+    model_class: type[torch.nn.Module],
+) -> Any:
+    """Build a `model_class` (`RecurrentDepthLM`, whose `from_pretrained` calls this) from a model
+    directory (ours or official Huginn-0125).
+
+    Everything is checked before a tensor is allocated (`check_model_dir`): the config's bounds,
+    then its shapes against the safetensors headers. `allow_outside=True` lets an index name
+    weight files outside `path`.
+    """
+    device = usable_device(device)
+    path = Path(path)
+    checked = check_model_dir(path, config_overrides, allow_outside, model_class=model_class)
+    config, model, tied_head = checked.config, checked.meta_model, checked.tied_head
+    dtype = _dtype_from_name(dtype)
     state = read_state_dict(path, dtype, allow_outside)
     for name in IGNORED_TENSORS:
         state.pop(name, None)

@@ -64,9 +64,19 @@ def check_field_names(names: Any, cls: type, what: str, listed_as: str = "allowe
     """One ValueError line, `unknown <what> [...]; <listed_as>: [...]`, for names (the keys of a config
     mapping) that are neither fields of the dataclass `cls` nor in `extra`."""
     known = {f.name for f in dataclasses.fields(cls)} | set(extra)
-    unknown = sorted(set(names) - known)
+    unknown = sorted(set(names) - known, key=str)
     if unknown:
-        raise ValueError(f"unknown {what} {unknown}; {listed_as}: {sorted(known)}")
+        near = {name: did_you_mean(str(name), known) for name in unknown}
+        hint = "; ".join(f"{name!r}: did you mean {m}?" for name, m in near.items() if m)
+        raise ValueError(f"unknown {what} {unknown}{f' ({hint})' if hint else ''}; {listed_as}: {sorted(known)}")
+
+
+def did_you_mean(name: str, known: Any) -> str:
+    """The known names closest to a mistyped `name`, quoted and joined by "or" ("" if none is close)."""
+    import difflib
+
+    close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.6)
+    return " or ".join(repr(c) for c in close)
 
 
 # Official Huginn `config.json` key -> our field.

@@ -9,8 +9,8 @@ torch), the kernel cuts each key row's entries out of its bytes (the layout `tur
 fp16 group norms, prod's residual byte, centroid indices, sign bits), scores, masks, softmaxes and
 sums the value rows' entries, and torch applies the back matrix (as `turbo_combine` does).
 
-- Built once per machine, torch and Python version (~30-60 s, with a message and its time; ahead of
-  use with `rdepth info --build-kernels`), cached under `$XDG_CACHE_HOME/recurrent_depth/` or
+- Built once per user's cache directory, torch build, Python ABI and CPU (~30-60 s, with a message and
+  its time; ahead of use with `rdepth info --build-kernels`), cached under `$XDG_CACHE_HOME/recurrent_depth/` or
   `~/.cache/recurrent_depth/`, keyed by the source, flags, torch and Python ABI and the CPU's features
   (it is built with -march=native), not by the environment's paths: virtualenvs share the build.
   `KernelCache` loads only the library its build recorded (sha256, size, a private directory of this

@@ -102,7 +102,8 @@ def path_independence(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(seeds) * (num_steps + 1), desc="path independence", unit="step")
+        bar = tqdm(total=len(seeds) * (num_steps + 1), desc="path independence", unit="step",
+                   disable=None)  # bars on a terminal only, not in pipes and logs
     for seed in seeds:
         path_steps = []
         for state, _ in iterate_states(

@@ -296,7 +296,7 @@ def collect_trajectory(
     if progress:
         from tqdm.auto import tqdm
 
-        steps = tqdm(steps, total=total + 1, desc="recurrence steps", unit="step")
+        steps = tqdm(steps, total=total + 1, desc="recurrence steps", unit="step", disable=None)  # on a terminal only
     with torch.no_grad():
         for state, ctx in steps:
             i = state.step

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # command name -> module that registers it (order = order in `rdepth --help`)
@@ -43,7 +44,9 @@ def _version() -> str:
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from recurrent_depth.cli.parser import Parser
+
+    parser = Parser(
         prog="rdepth",
         description="Recurrent-depth language models: train, generate, analyse, evaluate, serve.",
     )
@@ -87,15 +90,34 @@ def _configure_threads(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # The reader went away (`rdepth ... | head`): stop quietly, as the reader asked. stdout points
+        # at /dev/null from here, so the interpreter's last flush cannot fail again.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (AttributeError, OSError, ValueError):
+            pass
+        return 0
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv == ["--version"]:  # before the command modules are imported: no torch, no transformers
+        print(f"rdepth {_version()}")
+        return 0
     # `rdepth lm-eval ...` forwards its arguments untouched to lm-eval's own CLI.
     if argv and argv[0] == "lm-eval":
         from recurrent_depth.cli.lm_eval import run_passthrough
 
         return run_passthrough(argv[1:])
+    from recurrent_depth.cli.parser import parse
+
     only = argv[0] if argv and argv[0] in COMMANDS else None
     parser = build_parser(only)
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
@@ -104,12 +126,15 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     # Bad values and unusable paths (--out naming an existing file, an unwritable directory, ...) are
     # the user's to fix: one line that names them, not a traceback.
+    except BrokenPipeError:
+        raise
     except (ValueError, OSError) as exc:
         print(f"rdepth {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as exc:  # an optional dependency (lm-eval, ...) the command needs
-        print(f"rdepth {args.command}: error: {exc}; the optional dependencies come with "
-              f"pip install 'recurrent-depth[dev]' (or pip install -e '.[dev]' in a checkout)", file=sys.stderr)
+        extra = {"lm_eval": "eval", "peft": "lora"}.get((exc.name or "").split(".")[0], "dev")
+        print(f"rdepth {args.command}: error: {exc}; it comes with pip install 'recurrent-depth[{extra}]' "
+              f"(or pip install -e '.[{extra}]' in a checkout)", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # a message says what was kept (`rdepth train` saves a checkpoint)
         print(f"rdepth {args.command}: interrupted{f': {exc}' if str(exc) else ''}", file=sys.stderr)

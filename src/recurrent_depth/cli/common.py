@@ -5,11 +5,30 @@ from __future__ import annotations
 import argparse
 
 
-def add_model_arg(parser: argparse.ArgumentParser, required: bool = True) -> None:
+def add_model_arg(parser: argparse.ArgumentParser, required: bool = True, help: str | None = None) -> None:
     parser.add_argument(
-        "--model", required=required, metavar="DIR",
-        help="a saved model directory (ours or an official Huginn-0125 one; tokenizer inside)",
+        "--model", required=required, metavar="DIR", type=model_dir,
+        help=help or "a saved model directory (ours or an official Huginn-0125 one; tokenizer inside), or a run "
+                     "directory of `rdepth train` / `quickstart`, whose model/ is used",
     )
+
+
+def model_dir(text: str) -> str:
+    """argparse type of --model: a run directory (no config.json, but model/config.json) means its model/."""
+    import sys
+    from pathlib import Path
+
+    path = Path(text)
+    if not (path / "config.json").exists() and (path / "model" / "config.json").is_file():
+        print(f"rdepth: --model {text} is a run directory; using its model {path / 'model'}", file=sys.stderr)
+        return str(path / "model")
+    return text
+
+
+def no_model_message(path: str) -> str:
+    """What to pass when --model names a directory without config.json."""
+    return (f"--model {path} has no config.json: expected a saved model directory (config.json, "
+            f"model.safetensors, tokenizer.json) or a run directory holding one in model/")
 
 
 def add_lora_adapter_arg(parser: argparse.ArgumentParser) -> None:
@@ -78,6 +97,8 @@ def tokenizer_source(args: argparse.Namespace) -> str:
     model = Path(args.model)
     if not model.is_dir():
         raise FileNotFoundError(f"--model {args.model}: no such directory (expected a saved model directory)")
+    if not (model / "config.json").exists():
+        raise FileNotFoundError(no_model_message(args.model))
     if not (model / "tokenizer.json").exists():
         raise FileNotFoundError(
             f"{args.model} has no tokenizer.json; pass --tokenizer DIR, or save the model with its tokenizer "

@@ -1,6 +1,7 @@
 """`rdepth generate`: text generation with every test-time compute control, streamed as it comes.
 
     rdepth generate --model DIR --prompt "def fib(n):" --num-steps 32 --exit-criterion kl --stream
+    cat prompt.txt | rdepth generate --model DIR --prompt-file -
 
 Prints the completion (token by token with --stream, the default for one prompt) and then a
 stats line on stderr: tokens, mean recurrence steps per token, tokens/s, cache size, exit reasons.
@@ -37,8 +38,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_model_arg(p)
     add_lora_adapter_arg(p)
     add_tokenizer_arg(p)
-    p.add_argument("--prompt", action="append", required=True, metavar="TEXT",
+    p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                    help="prompt text; repeat for a batch (left-padded; each row exits on its own)")
+    p.add_argument("--prompt-file", action="append", default=[], metavar="FILE",
+                   help=f"read a prompt, as is, from a UTF-8 text file ('-' = standard input, at most "
+                        f"{PROMPT_MAX_BYTES >> 20} MiB); repeat for a batch, after any --prompt")
     add_max_depth_arg(p)
     add_cli_arguments(p)  # every generation option, derived from the schema (inference/schema.py)
     o = p.add_argument_group("printing")
@@ -51,6 +55,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(default: off)")
     add_device_args(p)
     p.set_defaults(func=run)
+
+
+PROMPT_MAX_BYTES = 16 << 20  # longer than any context; a bound on what a pipe can make us hold
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """--prompt texts, then each --prompt-file (`-` = stdin), read bounded; at least one prompt."""
+    from recurrent_depth.files import read_bytes
+
+    prompts = list(args.prompt)
+    for name in args.prompt_file:
+        if name == "-":
+            data = sys.stdin.buffer.read(PROMPT_MAX_BYTES + 1)
+            if len(data) > PROMPT_MAX_BYTES:
+                raise ValueError(f"--prompt-file -: standard input holds more than {PROMPT_MAX_BYTES:,} bytes")
+        else:
+            data = read_bytes(name, PROMPT_MAX_BYTES, "--prompt-file")
+        try:
+            prompts.append(data.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"--prompt-file {name} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if not prompts:
+        raise ValueError("give a prompt: --prompt TEXT or --prompt-file FILE ('-' reads standard input)")
+    return prompts
 
 
 def check_depth_flags(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
@@ -95,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     from recurrent_depth.data.tokenizer import check_fits_vocab, tokenizer_failures_as_errors
     from recurrent_depth.inference import generate, stream_generate
 
+    args.prompt = read_prompts(args)
     parallel = args.sampler == "parallel"
     check_depth_flags(args, ("num_steps", "max_steps", "draft_steps") + (("inner_steps",) if parallel else ()))
     tokenizer = load_cli_tokenizer(args)

@@ -1,11 +1,14 @@
 """`rdepth loop pretrain|search|eval`: training-free looping of a transformers causal LM's middle layers.
 
-    rdepth loop pretrain --out runs/loop-demo                     # the demo's small Llama (~5 CPU minutes)
+    rdepth loop pretrain --out runs/loop-demo   # the demo's small Llama: --max-cpu-minutes 6 of CPU time
     rdepth loop search --model runs/loop-demo/model --widths 1,2,3 --iterations 2,3 --save runs/looped
     rdepth loop eval --model runs/loop-demo/model --windows 3-4 --iterations 1,2,3,4 --rules naive,damped,rk
 
-`search` scores every window of the given widths at each K and rule on held-out text (validation
-loss of the embedded stdlib corpus by default, or --data FILE|DIR|FILE.jsonl) and prints the best;
+`pretrain` stops at --max-steps or after --max-cpu-minutes of this process's CPU time, whichever
+comes first; on a shared machine the wall clock runs longer (about 20 minutes were seen for the
+6 CPU minutes on a busy 2-core machine). `search` scores every window of the given widths at each
+K and rule on held-out text (validation loss of the embedded stdlib corpus by default, or --data
+FILE|DIR|FILE.jsonl) and prints the best;
 `--save DIR` writes the best looped model (its config.json carries the loop, which
 `recurrent_depth.looping.from_pretrained` re-applies). `eval` prints loss against K per window.
 See docs/looping.md.
@@ -48,7 +51,9 @@ def _window_list(text: str) -> list[tuple[int, int]]:
 def _add_scoring_args(parser: argparse.ArgumentParser) -> None:
     from recurrent_depth.looping.config import MODES, RULES
 
-    add_model_arg(parser)
+    add_model_arg(parser, help="a transformers decoder-only causal LM directory with a tokenizer (Llama-, Qwen-, "
+                               "GPT-2-style, e.g. runs/loop-demo/model), or a run directory holding one in model/; "
+                               "recurrent-depth and Huginn-0125 models recur already and are not looped")
     parser.add_argument("--data", default="stdlib", metavar="stdlib|FILE|DIR|FILE.jsonl",
                         help="held-out text: the validation documents of 'stdlib', or a user's text file, directory "
                              "or .jsonl scored whole (default: %(default)s)")
@@ -74,7 +79,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     actions = parser.add_subparsers(dest="action", metavar="<action>")
 
-    pretrain = actions.add_parser("pretrain", help="train the demo's small Llama-style model on the stdlib corpus")
+    pretrain = actions.add_parser("pretrain", help="train the demo's small Llama-style model on the stdlib corpus",
+                                  description="Train the demo's small Llama-style model on the stdlib corpus. "
+                                  "--max-cpu-minutes bounds this process's CPU time, not the wall clock: on a busy "
+                                  "machine the run takes longer than its CPU budget.")
     from recurrent_depth.looping.pretrain import PretrainRecipe
 
     defaults = PretrainRecipe()

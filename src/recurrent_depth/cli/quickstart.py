@@ -22,9 +22,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--task", default=None, choices=sorted(_task_names()),
                         help="reasoning task instead of the stdlib corpus, e.g. shells (track a ball under cup "
                              "swaps; about 20 minutes in all) (default: none)")
-    parser.add_argument("--minutes", type=float, default=None,
+    # --max-minutes is the wall-clock limit's name in every command (train's too); --minutes stays an alias.
+    parser.add_argument("--max-minutes", "--minutes", dest="minutes", type=float, default=None,
                         help="total wall-clock budget in minutes, tokenizer to report (default: 10); with --task, "
-                             "the training time (default: the task preset's, 18-20), evaluation comes after")
+                             "the training time (default: the task preset's, 18-20), evaluation comes after "
+                             "(--minutes is the old name)")
     parser.add_argument("--out", default=None, metavar="DIR",
                         help="output directory (default: runs/quickstart, or runs/quickstart-TASK)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
@@ -39,7 +41,7 @@ def _task_names() -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     if args.minutes is not None and not args.minutes > 0:
-        raise ValueError(f"--minutes={args.minutes} is invalid: expected a number > 0")
+        raise ValueError(f"--max-minutes={args.minutes} is invalid: expected a number > 0")
     if args.task is not None:
         return run_task(args)
     from recurrent_depth.train.quickstart import quickstart

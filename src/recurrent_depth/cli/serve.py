@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port {args.port} is invalid: expected 1..65535")
+    check_port_free(args.host, args.port)  # before the model loads (minutes for a large one), not after
     dtype = getattr(torch, args.dtype) if args.dtype else None
     api_key = resolve_api_key(args.api_key)
     hosts = None if args.allowed_hosts is None else args.allowed_hosts.split(",")
@@ -112,3 +113,24 @@ def run(args: argparse.Namespace) -> int:
         device=args.device, kv_quant=args.kv_quant,
     )
     return 0
+
+
+def check_port_free(host: str, port: int) -> None:
+    """A ValueError when --host:--port cannot be bound now (in use, or an address this machine lacks).
+
+    uvicorn binds only after the model has loaded; this trial bind (with SO_REUSEADDR, as uvicorn's)
+    finds the common mistake at once. Another process can still take the port in between."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host!r} is not an address of this machine: {exc}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (another server on "
+                             f"--port {port}? pick another --port)") from None

@@ -74,7 +74,7 @@ def _progress(docs: Iterator[Document], total: int | None, label: str, enabled: 
         return docs
     from tqdm import tqdm
 
-    return iter(tqdm(docs, total=total, desc=f"tokenising {label}", unit="doc"))
+    return iter(tqdm(docs, total=total, desc=f"tokenising {label}", unit="doc", disable=None))  # terminal only
 
 
 def prepare_dataset(

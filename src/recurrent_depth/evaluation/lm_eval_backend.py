@@ -179,7 +179,8 @@ class RecurrentDepthEvalLM(HFLM):
         results: list[Scored | None] = [None] * len(requests)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eot_token_id
         limit = self.max_length + 1  # the last continuation token is never fed
-        with tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="Scoring (recurrent-depth)") as bar:
+        hidden = True if disable_tqdm or self.rank != 0 else None  # None: tqdm shows the bar on a terminal only
+        with tqdm(total=len(requests), disable=hidden, desc="Scoring (recurrent-depth)") as bar:
             for start in range(0, len(order), batch_size):
                 chunk = order[start : start + batch_size]
                 batch = []

@@ -42,20 +42,21 @@ class OptionError(ValueError):
     their `GenerationOptions` names; `spelled` re-words it in a caller's terms (a CLI flag, a JSON
     field, an official kwarg) without parsing it."""
 
-    def __init__(self, field: str, message: str, spelling: Any = None) -> None:
+    def __init__(self, field: str, message: str, spelling: Any = None, aliases: tuple[str, ...] = ()) -> None:
         self.field = field
         self.message = message
-        super().__init__(message if spelling is None else spell(message, spelling))
+        self.aliases = aliases  # other names the message uses (the official aliases it quotes)
+        super().__init__(message if spelling is None else spell(message, spelling, aliases))
 
     def spelled(self, spelling: Any) -> OptionError:
         """The same error with every option name `n` in the message written `spelling(n)`."""
-        return OptionError(self.field, self.message, spelling)
+        return OptionError(self.field, self.message, spelling, self.aliases)
 
 
-def spell(message: str, spelling: Any) -> str:
+def spell(message: str, spelling: Any, aliases: tuple[str, ...] = ()) -> str:
     """`message` with option names re-spelled: names with an underscore wherever they stand as a
     word, one-word names (stop, seed, ...) only as `name=`, where they cannot be ordinary words."""
-    names = sorted(GenerationOptions.names(), key=len, reverse=True)
+    names = sorted(GenerationOptions.names() | set(aliases), key=len, reverse=True)
     pattern = "|".join(rf"{n}(?![\w-])" if "_" in n else rf"{n}(?==)" for n in names)
     return re.sub(rf"(?<![\w\-.])(?:{pattern})", lambda m: spelling(m.group(0)), message)
 

@@ -109,7 +109,8 @@ def canonical(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
                 raise OptionError(field, str(exc)) from None
         if out.get(field) is not None and out[field] != value:
             first = given_as.get(field, field)
-            raise OptionError(field, f"{first} and {name} set the same option ({field}); give one of them")
+            raise OptionError(field, f"{first} and {name} set the same option ({field}); give one of them",
+                              aliases=(first, name))
         out[field] = value
         if alias is not None:
             given_as[field] = name

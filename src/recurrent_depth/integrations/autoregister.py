@@ -20,6 +20,7 @@ from typing import Any
 CONFIG_AUTO = "transformers.models.auto.configuration_auto"
 MODELING_AUTO = "transformers.models.auto.modeling_auto"
 LM_EVAL_MODELS = "lm_eval.models"
+INFERENCE_RUNNER = "recurrent_depth.inference.runner"
 LM_EVAL_BACKEND_NAME = "recurrent-depth"
 LM_EVAL_BACKEND_TARGET = "recurrent_depth.evaluation.lm_eval_backend:RecurrentDepthEvalLM"
 
@@ -47,7 +48,16 @@ def _register_lm_eval(_: ModuleType | None = None) -> None:
         model_registry.register(LM_EVAL_BACKEND_NAME, target=LM_EVAL_BACKEND_TARGET)
 
 
+def _register_fast_runner(_: ModuleType | None = None) -> None:
+    """The fused runner of `accel` offered to `inference.runner` (which imports nothing from accel)."""
+    from recurrent_depth.accel.runner import fast_runner
+    from recurrent_depth.inference.runner import register_fast_runner
+
+    register_fast_runner(fast_runner)
+
+
 _HOOKS: dict[str, Callable[[ModuleType | None], None]] = {
+    INFERENCE_RUNNER: _register_fast_runner,
     CONFIG_AUTO: _register_configs,
     MODELING_AUTO: _register_models,
     LM_EVAL_MODELS: _register_lm_eval,

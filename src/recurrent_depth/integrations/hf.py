@@ -21,13 +21,14 @@ drafts) are routed there by :meth:`RecurrentDepthForCausalLM.generate`.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+from transformers import DynamicCache, GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -204,6 +205,10 @@ class RecurrentDepthCausalLMOutput(CausalLMOutputWithPast):
 # understands too (passed along when a call is routed).
 ROUTED_GENERATE_OPTIONS = names_for("hf", "routed")
 SHARED_GENERATE_OPTIONS = (*names_for("hf", "shared"), "attention_mask")
+# Every option transformers `generate` takes by our names or the official ones (attention_mask is
+# transformers' own): picked out of the kwargs and a GenerationConfig, aliases resolved, together.
+HF_OPTION_NAMES = frozenset((*names_for("hf"), *OFFICIAL_ALIASES))
+_STANDARD_FIELDS = frozenset(GenerationConfig().__dict__)  # transformers' own (do_sample, top_k, ...)
 # forward() keyword arguments transformers may send that carry no information for this model
 # (generate(..., stop_strings=, tokenizer=) passes the tokenizer on to forward with the model kwargs).
 _IGNORED_FORWARD_KWARGS = ("output_attentions", "cache_position", "logits_to_keep", "token_type_ids", "tokenizer")
@@ -241,6 +246,12 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         first: Huginn-0125's config says bfloat16 over float32 files, so the Auto classes would load
         another model than `RecurrentDepthLM.from_pretrained` (which keeps the stored dtype).
         """
+        if _is_local_dir(pretrained_model_name_or_path):
+            # The library's bounded checks first (config, weight files and headers against the config),
+            # so a hostile directory is one line here too, before transformers reads a tensor.
+            from recurrent_depth.checkpoint import check_model_dir
+
+            check_model_dir(pretrained_model_name_or_path, model_class=RecurrentDepthLM)
         if kwargs.get("dtype") is None and kwargs.get("torch_dtype") is None:
             from recurrent_depth.checkpoint import stored_dtype
 
@@ -424,33 +435,48 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         (`sequences`, `steps`, ...). ``defaults="official"`` follows the official model's dispatch:
         a routed call takes the official code's defaults (see `GenerationOptions`); any other call
         runs in transformers' own loop, as the official `generate` hands it to transformers.
+
+        A `GenerationConfig` (positional, as the Huginn-0125 model card passes it, or
+        ``generation_config=``) works as in transformers: its fields are the base, keyword
+        arguments win; our options (and the official aliases) may be set on it too. The official
+        ``cache_kwargs={"lookup_strategy": ...}`` is ``cache_lookup_strategy``.
         """
         defaults = kwargs.pop("defaults", None)
         if defaults is not None and defaults not in DEFAULTS:
             raise ValueError(f"generate: defaults={defaults!r} is invalid: expected None or one of {DEFAULTS}")
-        picked = {k: kwargs.pop(k) for k in list(kwargs) if k in ROUTED_GENERATE_OPTIONS or k in OFFICIAL_ALIASES}
+        _cache_kwargs_alias(kwargs)
+        config_options, config_fields = _split_generation_config(generation_config)
+        picked = {k: kwargs.pop(k) for k in list(kwargs) if k in HF_OPTION_NAMES}
         try:
-            values, given_as = canonical(picked)
+            base, base_as = canonical(config_options)
+            given, given_as = canonical(picked)
         except OptionError as exc:
             raise ValueError(f"generate: {exc}") from None
+        # transformers' rule: a keyword argument replaces the generation config's value
+        given = {k: v for k, v in given.items() if v is not None}
+        values = {k: v for k, v in (base | given).items() if v is not None}
+        given_as = {k: name for k, name in base_as.items() if k not in given} | given_as
         routed = {k: v for k, v in values.items() if OPTIONS[k].hf == "routed"}
-        kwargs.update((k, v) for k, v in values.items() if k not in routed)  # e.g. cache_lookup_strategy
         if not routed:
+            # our options travel as kwargs (num_steps, kv_policy, ...); transformers' own fields stay on the config
+            kwargs.update((k, v) for k, v in values.items() if k in given or k not in _STANDARD_FIELDS)
+            if generation_config is not None:
+                generation_config = _without_options(generation_config)
             return super().generate(inputs, generation_config=generation_config, **kwargs)
+        kwargs.update((k, v) for k, v in values.items() if k not in routed)
+        for name, value in config_fields.items():  # max_length, stop_strings, eos_token_id, ...
+            kwargs.setdefault(name, value)
         if defaults is not None:
             routed["defaults"] = defaults
-        return self._generate_with_library(inputs, generation_config, routed, kwargs, given_as)
+        return self._generate_with_library(inputs, routed, kwargs, given_as)
 
     def _generate_with_library(
-        self, inputs: Tensor | None, generation_config: Any, routed: dict[str, Any], kwargs: dict[str, Any],
-        given_as: dict[str, str],
+        self, inputs: Tensor | None, routed: dict[str, Any], kwargs: dict[str, Any], given_as: dict[str, str],
     ) -> Any:
+        """`recurrent_depth.generate` with transformers' arguments translated (the generation
+        config's fields are in `kwargs` by now)."""
         from recurrent_depth.inference import generate as rd_generate
 
-        if generation_config is not None:
-            raise ValueError(
-                f"generate: pass options as keyword arguments, not a generation_config, together with {sorted(routed)}"
-            )
         input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
         if input_ids is None:
             raise ValueError("generate: input_ids are required")
@@ -477,7 +503,7 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         eos = kwargs.pop("eos_token_id", None)
         if eos is not None:  # transformers' rule: the call's eos replaces the generation config's
             options["eos_token_id"] = list(eos) if isinstance(eos, list | tuple) else eos
-        for name in ("pad_token_id", "use_cache"):
+        for name in ("pad_token_id", "bos_token_id", "use_cache"):
             kwargs.pop(name, None)  # padding follows the model config in the library
         if kwargs:
             raise ValueError(
@@ -496,6 +522,53 @@ class RavenForCausalLM(RecurrentDepthForCausalLM):
     """The official Huginn-0125 architecture name, loaded through our implementation (no remote code)."""
 
     config_class = HuginnRavenConfig
+
+
+def _is_local_dir(path: Any) -> bool:
+    try:
+        return os.path.isdir(path)
+    except (TypeError, ValueError):
+        return False
+
+
+def _split_generation_config(config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A `GenerationConfig`'s fields set away from their defaults: (our options and official aliases,
+    transformers' own fields). transformers keeps unknown `GenerationConfig(...)` kwargs as attributes."""
+    if config is None:
+        return {}, {}
+    if not isinstance(config, GenerationConfig):
+        raise ValueError(f"generate: generation_config must be a transformers GenerationConfig, got "
+                         f"{type(config).__name__}")
+    values = config.to_diff_dict()
+    values.pop("transformers_version", None)
+    ours = {k: v for k, v in values.items() if k in HF_OPTION_NAMES}
+    return ours, {k: v for k, v in values.items() if k not in ours}
+
+
+def _without_options(config: GenerationConfig) -> GenerationConfig:
+    """A copy of `config` without our options (they are passed as kwargs instead)."""
+    import copy
+
+    out = copy.deepcopy(config)
+    for name in HF_OPTION_NAMES - _STANDARD_FIELDS:
+        if name in out.__dict__:
+            delattr(out, name)
+    return out
+
+
+def _cache_kwargs_alias(kwargs: dict[str, Any]) -> None:
+    """The official model card's ``cache_kwargs={"lookup_strategy": ...}``: ``cache_lookup_strategy``."""
+    extra = kwargs.pop("cache_kwargs", None)
+    if extra is None:
+        return
+    if not isinstance(extra, dict) or set(extra) - {"lookup_strategy"}:
+        raise ValueError(f"generate: cache_kwargs={extra!r} is invalid: expected {{'lookup_strategy': NAME}} "
+                         "(the official cache_lookup_strategy)")
+    if "lookup_strategy" in extra:
+        if kwargs.get("cache_lookup_strategy") not in (None, extra["lookup_strategy"]):
+            raise ValueError("generate: cache_kwargs['lookup_strategy'] and cache_lookup_strategy set the same "
+                             "option (kv_policy); give one of them")
+        kwargs["cache_lookup_strategy"] = extra["lookup_strategy"]
 
 
 def _cache_alias(cache: Any, kwargs: dict[str, Any]) -> Any:

@@ -11,6 +11,7 @@ overrides through ``--model_args`` live here: ``mean_recurrence`` (the depth use
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import field
 from typing import Any
 
@@ -22,7 +23,36 @@ from recurrent_depth.config import HUGINN_KEY_MAP, HUGINN_MODEL_TYPE, MODEL_TYPE
 _HF_BOOKKEEPING = ("model_type", "architectures", "transformers_version", "dtype", "auto_map", "use_cache")
 
 
-class RecurrentDepthConfig(PretrainedConfig):
+def check_config_file(path: Any) -> None:
+    """For a local model directory (or config file): the library's bounded read of its config.json
+    (a regular file of at most CONFIG_MAX_BYTES, JSON nested at most so deep), one line otherwise.
+    Runs before transformers reads the file in our configs' `from_pretrained`."""
+    from pathlib import Path
+
+    from recurrent_depth.files import CONFIG_MAX_BYTES, read_json
+
+    try:
+        file = Path(path)
+        if file.is_dir():
+            file = file / "config.json"
+        elif not os.path.lexists(file):
+            return  # a hub name: transformers resolves (and downloads) it
+    except (TypeError, ValueError):
+        return
+    if os.path.lexists(file):
+        read_json(file, CONFIG_MAX_BYTES, "config file")
+
+
+class _CheckedConfigFile:
+    """`from_pretrained` of our config classes: the bounded read of a local config.json first."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
+        check_config_file(pretrained_model_name_or_path)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+
+class RecurrentDepthConfig(_CheckedConfigFile, PretrainedConfig):
     """Our `config.json` (the fields of `ModelConfig`) as a transformers config.
 
     Aliases for transformers' standard names: ``max_position_embeddings`` -> ``max_seq_len``,
@@ -124,7 +154,7 @@ _HUGINN_DEFAULTS: dict[str, Any] = {
 }
 
 
-class HuginnRavenConfig(PretrainedConfig):
+class HuginnRavenConfig(_CheckedConfigFile, PretrainedConfig):
     """The official Huginn-0125 `config.json` (model type ``huginn_raven``), keys kept as the file has them.
 
     Informational keys of the official file (``norm_class_name``, ``state_init``, ...) are kept as

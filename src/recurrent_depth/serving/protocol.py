@@ -273,7 +273,8 @@ def generation_fields(body: dict, limits: Limits) -> tuple[dict[str, Any], dict[
         option = OPTIONS[OFFICIAL_ALIASES[name].field if name in OFFICIAL_ALIASES else name]
         cap = getattr(limits, option.http_max) if isinstance(option.http_max, str) else option.http_max
         if cap is not None and isinstance(value, int | float) and value > cap:
-            raise bad(name, f"'{name}'={value} is out of range: this server allows at most {cap}")
+            flag = " (set by rdepth serve --max-num-steps)" if option.http_max == "max_num_steps" else ""
+            raise bad(name, f"'{name}'={value} is out of range: this server allows at most {cap}{flag}")
         values[name] = value
     temperature = values.pop("temperature", 1.0)
     if temperature < 0:

@@ -194,10 +194,7 @@ class TrainConfig:
             raise bad("preset", f"one of {sorted(PRESETS)}")
         if not isinstance(self.model, dict):
             raise bad("model", "a mapping of ModelConfig overrides")
-        known = {f.name for f in fields(ModelConfig)}
-        unknown = sorted(set(self.model) - known)
-        if unknown:
-            raise ValueError(f"TrainConfig.model has unknown ModelConfig keys {unknown}; known: {sorted(known)}")
+        check_field_names(self.model, ModelConfig, "ModelConfig key(s) in TrainConfig.model", listed_as="known")
         self._validate_model_overrides()
         if not isinstance(self.data, str) or not self.data:
             raise bad("data", "'stdlib', a directory or a .jsonl file")

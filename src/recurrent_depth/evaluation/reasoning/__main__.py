@@ -1,7 +1,7 @@
 """`python -m recurrent_depth.evaluation.reasoning {train,export}`: the reasoning recipe and its corpus.
 
     # train + evaluate accuracy against depth (the `quickstart --task` recipe), ~20 minutes on 2 cores
-    python -m recurrent_depth.evaluation.reasoning train --task chains --minutes 20 --out runs/chains
+    python -m recurrent_depth.evaluation.reasoning train --task chains --max-minutes 20 --out runs/chains
 
     # a JSONL corpus + byte tokenizer for the general trainer (`rdepth train --config examples/reasoning_chains.yaml`)
     python -m recurrent_depth.evaluation.reasoning export --task chains --difficulties 0-6 --out data/chains
@@ -33,11 +33,14 @@ def difficulty_range(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recurrent_depth.evaluation.reasoning", description=__doc__,
+                                     allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train on a reasoning task, then measure accuracy against depth")
+    train = sub.add_parser("train", allow_abbrev=False,
+                           help="train on a reasoning task, then measure accuracy against depth")
     train.add_argument("--task", default="chains", choices=sorted(TASKS), help="task family (default: chains)")
-    train.add_argument("--minutes", type=float, default=None, help="training time budget (default: the preset's, 20)")
+    train.add_argument("--max-minutes", "--minutes", dest="minutes", type=float, default=None,
+                       help="wall-clock training budget (default: the preset's, 20; --minutes is the old name)")
     train.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (default: none)")
     train.add_argument("--train-difficulties", type=difficulty_range, default=None,
                        help="difficulties seen in training, 'LOW-HIGH' (default: the preset's, chains 0-6)")
@@ -46,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     train.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     train.add_argument("--out", default="runs/reasoning", help="output directory (default: runs/reasoning)")
-    export = sub.add_parser("export", help="write a JSONL corpus and the byte tokenizer for rdepth train")
+    export = sub.add_parser("export", allow_abbrev=False,
+                            help="write a JSONL corpus and the byte tokenizer for rdepth train")
     export.add_argument("--task", default="chains", choices=sorted(TASKS), help="task family (default: chains)")
     export.add_argument("--difficulties", type=difficulty_range, default=list(range(0, 7)),
                         help="difficulties to include (default: 0-6)")

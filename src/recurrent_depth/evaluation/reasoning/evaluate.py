@@ -124,7 +124,7 @@ def accuracy_grid(
     was_training = model.training
     model.eval()
     bar = tqdm(total=count * len(difficulties), unit="problem", desc=f"evaluating {task.name} at depths {depths}",
-               dynamic_ncols=True, disable=not progress)
+               dynamic_ncols=True, disable=None if progress else True)  # None: bars on a terminal only
     try:
         for difficulty in difficulties:
             problems = make_problems(task, count, [difficulty], seed=seed)

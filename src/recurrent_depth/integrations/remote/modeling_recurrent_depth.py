@@ -17,7 +17,10 @@ The architecture (Huginn-0125's):
 This file covers fixed-depth inference and training with softmax attention (grouped-query
 attention and a sliding window included); per-token early exit, KV-cache sharing, warm starts and
 the other token mixers need the `recurrent_depth` library, which registers its own classes and
-takes precedence over this file whenever it is imported.
+takes precedence over this file whenever it is imported. Asked for those options, `generate` and
+`forward` say so in one line (`LIBRARY_ONLY_OPTIONS`) instead of transformers' "model_kwargs are
+not used" (a second copy of the library's decoding loops here would be a second implementation to
+keep exact).
 """
 
 from __future__ import annotations
@@ -37,6 +40,30 @@ HUGINN_ARCHITECTURE = dict(
     mlp_activation="silu", embedding_scale=True, norm_before_coda=True, final_norm=True, step_norm=False,
     injection="concat", state_init="random", exit_gate=False,
 )
+
+# Options of the library's `generate` (and the official code's names for them) that this file does not
+# implement: refused by name rather than dropped (tests/test_hf_export.py keeps the list equal to the
+# library's options schema).
+LIBRARY_ONLY_OPTIONS = (
+    "exit_criterion", "exit_threshold", "min_steps", "max_steps", "warm_start", "warm_start_source",
+    "exit_in_prefill", "min_steps_rule", "check_every", "kv_budget", "kv_policy", "kv_quant", "cache_implementation",
+    "draft_steps", "lookahead", "verification_threshold", "sampler", "inner_steps", "headway", "wavefront",
+    "max_wavefront", "seed", "stop", "fast", "output_logits", "finish_round", "defaults",
+    "criterion", "cache_lookup_strategy", "continuous_compute", "do_not_exit_in_prefill",
+    "check_criterion_every_n_steps", "lookahead_for_draft", "cache_kwargs",
+)
+
+
+def refuse_library_only(kwargs: dict[str, Any]) -> None:
+    """One line naming the options this file cannot run, and how to get them."""
+    asked = sorted(k for k in kwargs if k in LIBRARY_ONLY_OPTIONS and kwargs[k] is not None)
+    if asked:
+        raise ValueError(
+            f"{', '.join(asked)}: this exported model (trust_remote_code) runs at a fixed depth only (num_steps, "
+            "init_scale); per-token exit, KV sharing, warm start, speculative and parallel decoding need the "
+            "recurrent_depth library: pip install recurrent-depth and `import recurrent_depth` before "
+            "from_pretrained (its classes then take precedence over this file), or `rdepth generate --model DIR`"
+        )
 
 
 class RecurrentDepthConfig(PretrainedConfig):
@@ -347,6 +374,7 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
         """Prelude -> num_steps core steps (None: config.mean_recurrence) -> coda; s_0 scaled by init_scale."""
+        refuse_library_only(kwargs)
         cache = kwargs.pop("past_key_values", None) if cache is None else cache
         cfg = self.config
         steps = cfg.mean_recurrence if num_steps is None else num_steps
@@ -396,3 +424,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
                 logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
             )
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers' `generate` at a fixed depth (`num_steps`, `init_scale` pass through to forward)."""
+        refuse_library_only(kwargs)
+        return super().generate(*args, **kwargs)

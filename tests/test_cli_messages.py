@@ -1,0 +1,144 @@
+"""Issue 33 items 6 and 7: CLI messages that send users the right way."""
+
+from __future__ import annotations
+
+import pytest
+
+from recurrent_depth.cli import main
+from tests.test_hf import make_model_dir
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A run directory as `rdepth train` / `quickstart` leave it: the model in model/."""
+    run = tmp_path_factory.mktemp("run")
+    make_model_dir(run / "model")
+    return run
+
+
+GENERATE = ["generate", "--prompt", "a", "--max-new-tokens", "2", "--num-steps", "2", "--threads", "1"]
+NO_PROMPT = [a for a in GENERATE if a not in ("--prompt", "a")]
+
+
+def test_a_run_directory_means_its_model(run_dir, capsys):
+    assert main([*GENERATE, "--model", str(run_dir)]) == 0
+    assert f"--model {run_dir} is a run directory; using its model {run_dir / 'model'}" in capsys.readouterr().err
+
+
+def test_a_directory_without_a_model_says_what_to_pass(tmp_path, capsys):
+    assert main([*GENERATE, "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err == (f"rdepth generate: error: --model {tmp_path} has no config.json: expected a saved model directory "
+                   f"(config.json, model.safetensors, tokenizer.json) or a run directory holding one in model/")
+    assert "--tokenizer" not in err
+
+
+@pytest.mark.parametrize("argv, usage, hint", [
+    (["generate", "--model", "m", "--prompt", "a", "--num", "16"], "usage: rdepth generate",
+     "unrecognized arguments: --num 16 (--num: did you mean --num-steps?)"),  # a prefix is no longer taken
+    (["tokenizer", "train", "--vocab", "300"], "usage: rdepth tokenizer train",
+     "(--vocab: did you mean --vocab-size?)"),
+    (["average", "--out", "x", "--checkpoints", "a", "--lats", "2"], "usage: rdepth average",
+     "(--lats: did you mean --last"),
+])
+def test_a_mistyped_flag_gets_the_commands_usage_and_the_closest_flag(argv, usage, hint, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.startswith(usage) and hint in err and "usage: rdepth [-h]" not in err
+
+
+def test_a_mistyped_yaml_key_gets_the_closest_key(tmp_path, capsys):
+    (tmp_path / "run.yaml").write_text("max_step: 3\n")
+    assert main(["train", "--config", str(tmp_path / "run.yaml"), "--threads", "1"]) == 2
+    assert "unknown training config key(s) ['max_step'] ('max_step': did you mean 'max_steps'" in \
+        capsys.readouterr().err
+
+
+def test_no_parser_takes_abbreviations():
+    import argparse
+
+    from recurrent_depth.cli import build_parser
+
+    def parsers(parser):
+        yield parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for child in action.choices.values():
+                    yield from parsers(child)
+
+    found = list(parsers(build_parser()))
+    assert len(found) > 15 and not [p.prog for p in found if p.allow_abbrev]
+
+
+def test_prompt_file_and_stdin(tmp_path, monkeypatch, capsys, run_dir):
+    import io
+    import json
+
+    base = [*NO_PROMPT, "--model", str(run_dir / "model"), "--json", "--init-scale", "0"]
+    assert main([*base, "--prompt", "a=1"]) == 0
+    want = json.loads(capsys.readouterr().out)["completions"]
+    (tmp_path / "p.txt").write_text("a=1")
+    assert main([*base, "--prompt-file", str(tmp_path / "p.txt")]) == 0
+    assert json.loads(capsys.readouterr().out)["completions"] == want
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"a=1")))
+    assert main([*base, "--prompt-file", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["prompts"] == ["a=1"]
+    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe")
+    assert main([*base, "--prompt-file", str(tmp_path / "bad.txt")]) == 2
+    assert "is not UTF-8 text" in capsys.readouterr().err
+    assert main(base) == 2
+    assert "give a prompt: --prompt TEXT or --prompt-file FILE" in capsys.readouterr().err
+
+
+def test_a_closed_pipe_ends_quietly(monkeypatch, capsys):
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr("sys.stdout", ClosedPipe())
+    assert main(["info", "--preset", "tiny"]) == 0  # was: "error: [Errno 32] Broken pipe", exit 2
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_bars_only_on_a_terminal(tmp_path, capsys):
+    from recurrent_depth.data.prepare import _progress
+
+    list(_progress(iter(range(3)), 3, "train", enabled=True))  # stderr here is not a terminal
+    assert "tokenising" not in capsys.readouterr().err
+
+
+def test_time_limits_one_spelling_each_old_names_kept():
+    """Wall clock: --max-minutes (train, quickstart; quickstart's --minutes kept); CPU time: --max-cpu-minutes."""
+    from recurrent_depth.cli import build_parser
+
+    assert build_parser("quickstart").parse_args(["quickstart", "--max-minutes", "3"]).minutes == 3
+    assert build_parser("quickstart").parse_args(["quickstart", "--minutes", "3"]).minutes == 3
+    assert build_parser("train").parse_args(["train", "--max-minutes", "3"]).max_minutes == 3
+    assert build_parser("loop").parse_args(["loop", "pretrain", "--max-cpu-minutes", "3"]).max_cpu_minutes == 3
+
+
+def test_serve_finds_a_port_in_use_before_loading_the_model(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # the model directory does not exist: the port is checked first, so that is not what is reported
+        assert main(["serve", "--model", str(tmp_path / "absent"), "--port", str(port), "--threads", "1"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith(f"rdepth serve: error: cannot listen on 127.0.0.1:{port}: ") and "pick another --port" in err
+
+
+def test_the_servers_step_cap_names_its_flag():
+    from recurrent_depth.serving.protocol import APIError, Limits, parse_completion
+
+    limits = Limits(max_seq_len=96, mean_recurrence=4, vocab_size=256, max_num_steps=16)
+    with pytest.raises(APIError, match=r"at most 16 \(set by rdepth serve --max-num-steps\)"):
+        parse_completion({"prompt": "x", "num_steps": 17}, limits, {"m"}, False)

@@ -49,6 +49,14 @@ SOURCES = {
 }
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    from tests.train_support import OneThread
+
+    with OneThread():
+        yield
+
+
 def perturbed(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """Every parameter moved off its init (norm gains off 1, biases off 0), so a mis-mapped one shows."""
     gen = torch.Generator().manual_seed(seed)
@@ -215,7 +223,7 @@ def test_the_papers_recipe_trains_a_retrofitted_model_then_heals_it(tmp_path):
     """`rdepth train --init-from` on a retrofitted directory: the depth curriculum (25 % of the steps),
     Poisson-lognormal depths, truncated backprop (k = 2), Muon; then a healing run from that run directory
     on other data. The architecture survives both runs; only the depth settings may change."""
-    from tests.train_support import VOCAB, OneThread, prepare_root, write_corpus
+    from tests.train_support import VOCAB, prepare_root, write_corpus
 
     root = prepare_root(tmp_path / "root")
     from recurrent_depth.data import special_token_ids
@@ -234,27 +242,26 @@ def test_the_papers_recipe_trains_a_retrofitted_model_then_heals_it(tmp_path):
     retrofit_to_dir(src, tmp_path / "rd", prelude=1, core=(2, 4), coda=1, mean_recurrence=3, backprop_depth=2)
     common = ["--val-fraction", "0.1", "--keep-all", "--seq-len", "32", "--batch-size", "4", "--eval-batches", "1",
               "--eval-depths", "1,3", "--no-tensorboard", "--no-progress", "--threads", "1"]
-    with OneThread():
-        assert main(["train", "--init-from", str(tmp_path / "rd"), "--data", str(root / "corpus"), "--data-dir",
-                     str(root / "data"), "--max-steps", "8", "--depth-curriculum", "0.25", "--depth-scheme",
-                     "poisson-lognormal", "--backprop-depth", "2", "--max-depth", "8", "--optimizer", "muon",
-                     "--out", str(tmp_path / "run"), *common]) == 0
-        run = json.loads((tmp_path / "run" / "run.json").read_text())
-        assert run["config"]["optim"]["name"] == "muon" and run["config"]["depth_curriculum"] == 0.25
-        metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-        steps = [m for m in metrics if "num_steps" in m]
-        assert len(steps) == 8 and all(k <= 2 for m in steps for k in m["grad_steps"])
-        # the depths drawn are the curriculum's (ramp over 2 of the 8 steps from depth 1), not the plateau's
-        from recurrent_depth.train.depth import DepthSampler
+    assert main(["train", "--init-from", str(tmp_path / "rd"), "--data", str(root / "corpus"), "--data-dir",
+                 str(root / "data"), "--max-steps", "8", "--depth-curriculum", "0.25", "--depth-scheme",
+                 "poisson-lognormal", "--backprop-depth", "2", "--max-depth", "8", "--optimizer", "muon",
+                 "--out", str(tmp_path / "run"), *common]) == 0
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["config"]["optim"]["name"] == "muon" and run["config"]["depth_curriculum"] == 0.25
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "num_steps" in m]
+    assert len(steps) == 8 and all(k <= 2 for m in steps for k in m["grad_steps"])
+    # the depths drawn are the curriculum's (ramp over 2 of the 8 steps from depth 1), not the plateau's
+    from recurrent_depth.train.depth import DepthSampler
 
-        def draws(ramp_steps):
-            sampler = DepthSampler(mean_recurrence=3, backprop_depth=2, seed=0, max_steps=8, ramp_steps=ramp_steps)
-            return [[sum(d), d[1]] for d in (sampler.sample(i, 0) for i in range(8))]
+    def draws(ramp_steps):
+        sampler = DepthSampler(mean_recurrence=3, backprop_depth=2, seed=0, max_steps=8, ramp_steps=ramp_steps)
+        return [[sum(d), d[1]] for d in (sampler.sample(i, 0) for i in range(8))]
 
-        assert [[m["num_steps"][0], m["grad_steps"][0]] for m in steps] == draws(2) != draws(0)
-        write_corpus(tmp_path / "general", num_docs=30, seed=5)  # the "general data" of the healing phase
-        assert main(["train", "--init-from", str(tmp_path / "run"), "--data", str(tmp_path / "general"),
-                     "--max-steps", "2", "--optimizer", "muon", "--out", str(tmp_path / "healed"), *common]) == 0
+    assert [[m["num_steps"][0], m["grad_steps"][0]] for m in steps] == draws(2) != draws(0)
+    write_corpus(tmp_path / "general", num_docs=30, seed=5)  # the "general data" of the healing phase
+    assert main(["train", "--init-from", str(tmp_path / "run"), "--data", str(tmp_path / "general"),
+                 "--max-steps", "2", "--optimizer", "muon", "--out", str(tmp_path / "healed"), *common]) == 0
     healed = rd.RecurrentDepthLM.from_pretrained(tmp_path / "healed" / "model")
     trained = rd.RecurrentDepthLM.from_pretrained(tmp_path / "run" / "model")
     assert healed.config == trained.config == rd.RecurrentDepthLM.from_pretrained(tmp_path / "rd").config

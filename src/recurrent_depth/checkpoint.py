@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -214,9 +215,13 @@ def read_header_shapes(
 
 
 def read_state_dict(
-    path: str | os.PathLike[str], dtype: torch.dtype | None = None, allow_outside: bool = False
+    path: str | os.PathLike[str], dtype: torch.dtype | None = None, allow_outside: bool = False,
+    names: Collection[str] | None = None,
 ) -> dict[str, torch.Tensor]:
+    """Every tensor of a model directory's weight files (only those in `names` when given: a conversion
+    that drops layers never reads them), floating-point ones cast to `dtype` when given."""
     state: dict[str, torch.Tensor] = {}
+    wanted = None if names is None else set(names)
     for file in weight_files(Path(path), allow_outside):
         fd, size = open_regular(file, None, "weights file")
         with os.fdopen(fd, "rb") as checked:
@@ -224,6 +229,8 @@ def read_state_dict(
             try:  # read from the file checked (a symlink is followed once)
                 with safe_open(reopen_path(checked, file), framework="pt") as handle:
                     for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                        if wanted is not None and name not in wanted:
+                            continue
                         tensor = handle.get_tensor(name)
                         state[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
             except SafetensorError as exc:

@@ -29,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "lm-eval": "recurrent_depth.cli.lm_eval",
     "info": "recurrent_depth.cli.info",
     "loop": "recurrent_depth.cli.loop",
+    "retrofit": "recurrent_depth.cli.retrofit",
     "experiment": "recurrent_depth.cli.experiment",
 }
 # Commands whose work is torch compute: without --threads they measure the free cores once at start

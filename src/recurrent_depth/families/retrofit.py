@@ -1,0 +1,446 @@
+"""Retrofitted recurrence (McLeish et al., arXiv 2511.07384): a pretrained transformers causal LM made a
+recurrent-depth model by surgery on its layers.
+
+    source layers   0 .. N-1 | ... dropped ... | A .. B-1 | ... dropped ... | L-M .. L-1
+    ours            prelude  |                 |   core   |                 |   coda
+
+    e   = prelude(wte(x))                        no sqrt(h) embedding scale: the source has none
+    s_i = core(adapter([s_{i-1} | e]))          i = 1..r, the 2h -> h concat adapter (as Huginn)
+    p   = lm_head(ln_f(coda(s_r)))              ln_f = the source's final norm; the coda reads s_r raw
+
+    model = retrofit("meta-llama/Llama-3.2-1B", prelude=4, core=(6, 12), coda=4)   # a local directory
+    model.save_pretrained("runs/llama-rd")      # or `rdepth retrofit --model DIR --prelude 4 --core 6:12 ...`
+
+Sources: a transformers Llama, Qwen2, Qwen3 or OLMo-2 `*ForCausalLM` directory (config.json and
+safetensors, read with this library's bounded readers: no transformers model is built, no code is run,
+the dropped layers are never read), or such a model already in memory. Everything else (GPT-2, Gemma,
+Mistral, MoE models, sliding-window layers, rope types other than default / linear / llama3) is a
+one-line ValueError naming what stands in the way.
+
+The adapter's initialisation (`ADAPTER_INITS`, docs/looped-family.md): the default "e" = [0 | I] passes
+the prelude output into the core and ignores the state, so at initialisation the model computes exactly
+the source network with the dropped layers removed, at every depth r (with every layer kept and r = 1 it
+is the source model, which tests/test_retrofit.py checks logit for logit).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from recurrent_depth.checkpoint import read_header_shapes, read_state_dict
+from recurrent_depth.config import ROPE_SCALING_KEYS, ModelConfig, is_int, is_real
+from recurrent_depth.files import (
+    CONFIG_MAX_BYTES,
+    TOKENIZER_MAX_BYTES,
+    atomic_write_bytes,
+    atomic_write_text,
+    inside,
+    read_bytes,
+    read_json,
+)
+from recurrent_depth.model.recurrent import RecurrentDepthLM
+
+# model_type -> block layout. Llama, Qwen2 and Qwen3 are pre-norm; OLMo-2 norms each branch's output.
+SUPPORTED_MODEL_TYPES: dict[str, str] = {"llama": "pre-norm", "qwen2": "pre-norm", "qwen3": "pre-norm",
+                                         "olmo2": "post-norm"}
+# transformers' hidden_act names -> ours (gelu_new and gelu_pytorch_tanh are both the tanh approximation).
+HIDDEN_ACTS: dict[str, str] = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh",
+                               "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+# The adapter W [h, 2h] acting on [s | e]:
+#   e       [0 | I]       passes the prelude output: the pruned source network at every depth (default)
+#   state   [I | 0]       passes the state: the first step sees only the noise s_0, never the input
+#   mean    0.5 [I | I]   the average: at s_0 = 0 the core reads e / 2, a scale its weights never saw
+#   sum     [I | I]       additive injection s + e: the source at r = 1 with s_0 = 0, growing with r
+#   random  Huginn's init (truncated normal, std sqrt(2 / 5h)): the pretrained core sees noise at first
+ADAPTER_INITS: tuple[str, ...] = ("e", "state", "mean", "sum", "random")
+DEFAULT_ADAPTER_INIT = "e"
+# Depth defaults written into the model's config (flags on `rdepth retrofit`; `rdepth train` can change
+# both). r̄ = 4 makes the test-time dial visible at a CPU's budget; k = 8 is the paper's truncation.
+DEFAULT_MEAN_RECURRENCE = 4
+DEFAULT_BACKPROP_DEPTH = 8
+# Written beside config.json: where the weights came from and which source layer each one is.
+PROVENANCE_FILE = "retrofit.json"
+SOURCE_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+# Source config keys that would change the computation in a way this converter does not reproduce:
+# refused when present with a value other than the harmless one.
+_REFUSED_KEYS: dict[str, Callable[[Any], bool]] = {
+    "use_sliding_window": lambda v: v is True,
+    "num_experts": lambda v: bool(v),
+    "num_local_experts": lambda v: bool(v),
+    "attn_logit_softcapping": lambda v: v is not None,
+    "final_logit_softcapping": lambda v: v is not None,
+    "partial_rotary_factor": lambda v: v not in (None, 1, 1.0),
+}
+_IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def fail(message: str) -> ValueError:
+    return ValueError(f"retrofit: {message}")
+
+
+@dataclass(frozen=True)
+class Surgery:
+    """Which source layers go where: prelude = [0, prelude), core = [core[0], core[1]) (half-open, like a
+    Python slice), coda = the last `coda` layers; the layers between the parts are dropped."""
+
+    prelude: int
+    core: tuple[int, int]
+    coda: int
+
+    def check(self, num_layers: int) -> None:
+        """A one-line ValueError unless the parts fit a source of `num_layers` layers without overlapping."""
+        a, b = self.core
+        for name, value in (("prelude", self.prelude), ("coda", self.coda), ("core start", a), ("core end", b)):
+            if not is_int(value) or value < 0:
+                raise fail(f"{name}={value!r} is invalid: expected an integer >= 0")
+        if b <= a:
+            raise fail(f"core {a}:{b} is empty: expected A:B with A < B (half-open, like a Python slice)")
+        if b > num_layers:
+            raise fail(f"core {a}:{b} is out of range: the source has {num_layers} layers (0..{num_layers - 1})")
+        if self.prelude + self.coda > num_layers:
+            raise fail(f"prelude {self.prelude} + coda {self.coda} layers exceed the source's {num_layers}")
+        if a < self.prelude:
+            raise fail(f"core {a}:{b} overlaps the prelude (layers 0:{self.prelude})")
+        if b > num_layers - self.coda:
+            raise fail(f"core {a}:{b} overlaps the coda (layers {num_layers - self.coda}:{num_layers})")
+
+    def layer_map(self, num_layers: int) -> list[tuple[str, int, int]]:
+        """(our part's module name, index in it, source layer) for every kept layer, in order."""
+        a, b = self.core
+        first_coda = num_layers - self.coda
+        return ([("prelude", i, i) for i in range(self.prelude)]
+                + [("core_block", j, a + j) for j in range(b - a)]
+                + [("coda", c, first_coda + c) for c in range(self.coda)])
+
+    def dropped(self, num_layers: int) -> list[int]:
+        kept = {src for _, _, src in self.layer_map(num_layers)}
+        return [i for i in range(num_layers) if i not in kept]
+
+
+def parse_core(text: str) -> tuple[int, int]:
+    """'A:B' -> (A, B), or a one-line ValueError."""
+    a, sep, b = str(text).partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return int(a), int(b)
+    except ValueError:
+        raise fail(f"core {text!r} is invalid: expected A:B, a half-open range of source layers such as 4:10") from None
+
+
+# ---------------------------------------------------------------------------------------------- the source
+@dataclass
+class Source:
+    """A transformers causal LM to convert: its config (as a dict), its tensor names and a reader for them."""
+
+    config: dict[str, Any]
+    names: set[str]
+    read: Callable[[set[str]], dict[str, Tensor]]
+    description: str
+    directory: Path | None = None  # the tokenizer files are copied from here
+
+
+def read_source(model_or_dir: Any) -> Source:
+    """A transformers `PreTrainedModel` in memory, or a directory holding its config.json and safetensors."""
+    if isinstance(model_or_dir, str | os.PathLike):
+        path = Path(model_or_dir)
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise fail(f"--model {str(path)!r} is not a model directory (no config.json)")
+        config = read_json(path / "config.json", CONFIG_MAX_BYTES, "config file")
+        if not isinstance(config, dict):
+            raise fail(f"{path / 'config.json'} is not a JSON object")
+        try:
+            names = set(read_header_shapes(path))
+        except FileNotFoundError as exc:
+            raise fail(str(exc)) from None
+        return Source(config, names, lambda wanted: read_state_dict(path, names=wanted), str(path), path)
+    if isinstance(model_or_dir, nn.Module) and hasattr(getattr(model_or_dir, "config", None), "to_dict"):
+        state = model_or_dir.state_dict()
+        return Source(model_or_dir.config.to_dict(), set(state), lambda wanted: {n: state[n] for n in wanted},
+                      type(model_or_dir).__name__)
+    raise fail(f"expected a model directory or a transformers model, got {type(model_or_dir).__name__}")
+
+
+def check_architecture(hf: Mapping[str, Any]) -> str:
+    """The block layout of a supported source, or a one-line ValueError naming what is not supported."""
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise fail(f"cannot convert model_type {model_type!r}: supported are {', '.join(SUPPORTED_MODEL_TYPES)} "
+                   f"(transformers causal LMs)")
+    architectures = hf.get("architectures") or []
+    if not isinstance(architectures, list) or any(not str(a).endswith("ForCausalLM") for a in architectures):
+        raise fail(f"cannot convert architectures {architectures!r}: expected a *ForCausalLM model")
+    for key, refused in _REFUSED_KEYS.items():
+        if key in hf and refused(hf[key]):
+            raise fail(f"cannot convert {model_type} with {key}={hf[key]!r} (not implemented here)")
+    layer_types = hf.get("layer_types")
+    if layer_types is not None:
+        listed = layer_types if isinstance(layer_types, list) else [layer_types]
+        other = sorted({str(t) for t in listed if t != "full_attention"})
+        if other:
+            raise fail(f"cannot convert layer_types {other}: only full-attention layers are supported "
+                       f"(no sliding-window attention)")
+    act = hf.get("hidden_act", "silu")
+    if act not in HIDDEN_ACTS:
+        raise fail(f"cannot convert hidden_act {act!r}: supported are {sorted(HIDDEN_ACTS)}")
+    return SUPPORTED_MODEL_TYPES[model_type]
+
+
+def rope_settings(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, our rope_scaling) from transformers 5's `rope_parameters` or the older rope_theta/rope_scaling."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        if any(isinstance(v, dict) for v in params.values()):
+            raise fail(f"cannot convert per-layer-type rope_parameters {sorted(params)}")
+        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = hf.get("rope_theta", 10000.0)
+        scaling = dict(hf.get("rope_scaling") or {})
+    if not is_real(theta) or theta <= 1:
+        raise fail(f"rope_theta={theta!r} is invalid: expected a number > 1")
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_SCALING_KEYS:
+        raise fail(f"cannot convert rope_type {kind!r}: supported are {', '.join(ROPE_SCALING_KEYS)}")
+    if kind == "default":
+        return float(theta), None
+    missing = [key for key in ROPE_SCALING_KEYS[kind] if key not in scaling]
+    if missing:
+        raise fail(f"rope_type {kind!r} lacks {missing}")
+    if "attention_factor" in scaling and scaling["attention_factor"] not in (None, 1, 1.0):
+        raise fail(f"cannot convert rope attention_factor={scaling['attention_factor']!r}")
+    return float(theta), {"rope_type": kind, **{key: scaling[key] for key in ROPE_SCALING_KEYS[kind]}}
+
+
+def model_config(hf: Mapping[str, Any], surgery: Surgery, mean_recurrence: int = DEFAULT_MEAN_RECURRENCE,
+                 backprop_depth: int = DEFAULT_BACKPROP_DEPTH) -> ModelConfig:
+    """Our ModelConfig for the retrofitted model of source config `hf` (a config.json as a dict)."""
+    layout = check_architecture(hf)
+    num_layers = hf.get("num_hidden_layers")
+    if not is_int(num_layers) or num_layers < 1:
+        raise fail(f"num_hidden_layers={num_layers!r} is invalid: expected an integer >= 1")
+    surgery.check(num_layers)
+    model_type = hf["model_type"]
+    hidden, heads = hf.get("hidden_size"), hf.get("num_attention_heads")
+    if not (is_int(hidden) and is_int(heads) and heads > 0):
+        raise fail(f"hidden_size={hidden!r} / num_attention_heads={heads!r} are invalid: expected integers >= 1")
+    # Llama, Qwen3 and OLMo-2 may bias every attention projection (attention_bias) and Llama the MLP
+    # (mlp_bias): our `bias` biases every linear map, the ones the source lacks start at zero. Qwen2
+    # always biases q, k and v, never o.
+    any_bias = bool(hf.get("attention_bias", False)) or bool(hf.get("mlp_bias", False))
+    theta, scaling = rope_settings(hf)
+    values = dict(
+        vocab_size=hf.get("vocab_size"), hidden_size=hidden, num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim") or hidden // heads,
+        intermediate_size=hf.get("intermediate_size"),
+        prelude_layers=surgery.prelude, core_layers=surgery.core[1] - surgery.core[0], coda_layers=surgery.coda,
+        mean_recurrence=mean_recurrence, mean_backprop_depth=backprop_depth,
+        max_seq_len=hf.get("max_position_embeddings"), rope_base=theta, rope_scaling=scaling,
+        norm_eps=hf.get("rms_norm_eps", 1e-6), qk_bias=False, bias=any_bias, qkv_bias=model_type == "qwen2",
+        qk_norm=model_type in ("qwen3", "olmo2"), qk_norm_full_width=model_type == "olmo2",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"),
+        block_layout=layout, rope_style="half", mlp_activation=HIDDEN_ACTS[hf.get("hidden_act", "silu")],
+        embedding_scale=False, norm_before_coda=False, final_norm=True, injection="concat",
+    )
+    try:
+        return ModelConfig(**values)
+    except ValueError as exc:
+        raise fail(f"the source's config does not make a valid model: {exc}") from None
+
+
+# ---------------------------------------------------------------------------------------------- tensors
+def _source_layer_names(cfg: ModelConfig) -> dict[str, list[str]]:
+    """Our tensor name (relative to a block) -> the source tensors (relative to model.layers.i.) it is made of."""
+    p = "self_attn."
+    names: dict[str, list[str]] = {
+        "attn.Wqkv.weight": [f"{p}q_proj.weight", f"{p}k_proj.weight", f"{p}v_proj.weight"],
+        "attn.proj.weight": [f"{p}o_proj.weight"],
+        "mlp.fc.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+        "mlp.proj.weight": ["mlp.down_proj.weight"],
+    }
+    if cfg.bias or cfg.qkv_bias:
+        names["attn.Wqkv.bias"] = [f"{p}q_proj.bias", f"{p}k_proj.bias", f"{p}v_proj.bias"]
+    if cfg.bias:
+        names |= {"attn.proj.bias": [f"{p}o_proj.bias"], "mlp.fc.bias": ["mlp.gate_proj.bias", "mlp.up_proj.bias"],
+                  "mlp.proj.bias": ["mlp.down_proj.bias"]}
+    if cfg.qk_norm:
+        names |= {"attn.q_norm.weight": [f"{p}q_norm.weight"], "attn.k_norm.weight": [f"{p}k_norm.weight"]}
+    if cfg.block_layout == "pre-norm":
+        names |= {"norm_1.weight": ["input_layernorm.weight"], "norm_3.weight": ["post_attention_layernorm.weight"]}
+    else:
+        names |= {"norm_2.weight": ["post_attention_layernorm.weight"],
+                  "norm_4.weight": ["post_feedforward_layernorm.weight"]}
+    return names
+
+
+def adapter_weight(init: str, h: int, dtype: torch.dtype, seed: int = 0) -> Tensor:
+    """The adapter's [h, 2h] weight acting on [s | e] (see ADAPTER_INITS)."""
+    eye = torch.eye(h, dtype=torch.float32)
+    zero = torch.zeros(h, h)
+    if init == "e":
+        weight = torch.cat([zero, eye], dim=1)
+    elif init == "state":
+        weight = torch.cat([eye, zero], dim=1)
+    elif init == "mean":
+        weight = 0.5 * torch.cat([eye, eye], dim=1)
+    elif init == "sum":
+        weight = torch.cat([eye, eye], dim=1)
+    elif init == "random":
+        std = math.sqrt(2 / (5 * h))
+        weight = torch.empty(h, 2 * h)
+        nn.init.trunc_normal_(weight, std=std, a=-3 * std, b=3 * std, generator=torch.Generator().manual_seed(seed))
+    else:
+        raise fail(f"adapter_init={init!r} is invalid: expected one of {', '.join(ADAPTER_INITS)}")
+    return weight.to(dtype)
+
+
+def convert_state(source: Source, cfg: ModelConfig, surgery: Surgery, adapter_init: str,
+                  dtype: torch.dtype | None, seed: int = 0) -> dict[str, Tensor]:
+    """Our state dict (tied lm_head left out) from the source's tensors; dropped layers are never read."""
+    num_layers = source.config["num_hidden_layers"]
+    plan: dict[str, list[str]] = {"transformer.wte.weight": ["model.embed_tokens.weight"],
+                                  "transformer.ln_f.weight": ["model.norm.weight"]}
+    if not cfg.tie_embeddings:
+        plan["lm_head.weight"] = ["lm_head.weight"]
+    for part, j, i in surgery.layer_map(num_layers):
+        for ours, theirs in _source_layer_names(cfg).items():
+            plan[f"transformer.{part}.{j}.{ours}"] = [f"model.layers.{i}.{name}" for name in theirs]
+    wanted = {name for parts in plan.values() for name in parts}
+    zero_filled = _zero_filled_biases(source.config, wanted) - source.names
+    missing = sorted(wanted - source.names - zero_filled)
+    if missing:
+        raise fail(f"the source lacks tensors {missing[:6]}{' ...' if len(missing) > 6 else ''} that a "
+                   f"{source.config['model_type']} layer holds")
+    dropped = tuple(f"model.layers.{i}." for i in surgery.dropped(num_layers))
+    tied_head = {"lm_head.weight"} & source.names if cfg.tie_embeddings else set()
+    unknown = sorted(n for n in source.names - wanted - tied_head
+                     if not n.endswith(_IGNORED_TENSOR_SUFFIXES) and not n.startswith(dropped))
+    if unknown:
+        raise fail(f"the source holds tensors this converter does not know: {unknown[:6]}"
+                   f"{' ...' if len(unknown) > 6 else ''} (an architecture variant it cannot convert)")
+    tensors = source.read((wanted - zero_filled) | tied_head)
+    not_float = sorted(f"{n}: {t.dtype}" for n, t in tensors.items() if not t.is_floating_point())
+    if not_float:
+        raise fail(f"tensors {not_float[:4]} are not floating point (a quantized checkpoint cannot be converted)")
+    if tied_head and not torch.equal(tensors.pop("lm_head.weight"), tensors["model.embed_tokens.weight"]):
+        raise fail("tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight")
+    out_dtype = dtype or tensors["model.embed_tokens.weight"].dtype
+    state: dict[str, Tensor] = {}
+    for ours, theirs in plan.items():
+        pieces = [tensors[name] if name in tensors
+                  else torch.zeros(tensors[name.removesuffix("bias") + "weight"].shape[0])  # a bias the source lacks
+                  for name in theirs]
+        state[ours] = torch.cat([t.to(out_dtype) for t in pieces], dim=0).contiguous()
+    h = cfg.hidden_size
+    state["transformer.adapter.weight"] = adapter_weight(adapter_init, h, out_dtype, seed)
+    if cfg.bias:
+        state["transformer.adapter.bias"] = torch.zeros(h, dtype=out_dtype)
+    return state
+
+
+def _zero_filled_biases(hf: Mapping[str, Any], names: set[str]) -> set[str]:
+    """The bias tensors among `names` that our `bias` adds and the source does not have: attention biases
+    unless the source biases its attention (Qwen2 always, the others with attention_bias), MLP biases unless
+    mlp_bias. They start at zero, which leaves the function unchanged."""
+    attention = hf.get("model_type") == "qwen2" or bool(hf.get("attention_bias", False))
+    mlp = bool(hf.get("mlp_bias", False))
+    return {name for name in names if name.endswith(".bias") and not (mlp if ".mlp." in name else attention)}
+
+
+def build_model(cfg: ModelConfig, state: dict[str, Tensor]) -> RecurrentDepthLM:
+    """A RecurrentDepthLM holding `state` (shapes checked against the model's, one line on a mismatch)."""
+    with torch.device("meta"):
+        model = RecurrentDepthLM(cfg)
+    expected = model.state_dict()
+    required = set(expected) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    assert set(state) == required, sorted(set(state) ^ required)  # the plan covers exactly the model
+    wrong = [f"{name}: source {tuple(state[name].shape)} vs model {tuple(expected[name].shape)}"
+             for name in sorted(state) if state[name].shape != expected[name].shape]
+    if wrong:
+        raise fail(f"tensor shapes do not match the config: {wrong[:4]}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.transformer.wte.weight
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------- entry points
+def retrofit(
+    model_or_dir: Any,
+    prelude: int,
+    core: tuple[int, int] | str,
+    coda: int,
+    *,
+    adapter_init: str = DEFAULT_ADAPTER_INIT,
+    mean_recurrence: int = DEFAULT_MEAN_RECURRENCE,
+    backprop_depth: int = DEFAULT_BACKPROP_DEPTH,
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+) -> RecurrentDepthLM:
+    """A recurrent-depth model from a transformers Llama / Qwen2 / Qwen3 / OLMo-2 causal LM (a directory or a
+    model in memory): prelude = source layers [0, prelude), core = [a, b), coda = the last `coda` layers.
+
+    dtype: None keeps the source's (the embedding's) dtype. `seed` seeds the "random" adapter init only.
+    """
+    if adapter_init not in ADAPTER_INITS:
+        raise fail(f"adapter_init={adapter_init!r} is invalid: expected one of {', '.join(ADAPTER_INITS)}")
+    surgery = Surgery(prelude, parse_core(core) if isinstance(core, str) else tuple(core), coda)
+    source = read_source(model_or_dir)
+    cfg = model_config(source.config, surgery, mean_recurrence, backprop_depth)
+    return build_model(cfg, convert_state(source, cfg, surgery, adapter_init, dtype, seed))
+
+
+def retrofit_to_dir(
+    model_dir: str | os.PathLike[str], out: str | os.PathLike[str], prelude: int, core: tuple[int, int] | str,
+    coda: int, **options: Any,
+) -> dict[str, Any]:
+    """`retrofit` a model directory and save the result to `out` as a model directory of ours (config.json,
+    model.safetensors, the source's tokenizer files, retrofit.json); returns what retrofit.json records."""
+    source_dir, out = Path(model_dir), Path(out)
+    if out.resolve() == source_dir.resolve():
+        raise fail(f"--out {str(out)!r} is the source directory: write the retrofitted model elsewhere")
+    model = retrofit(source_dir, prelude, core, coda, **options)
+    hf = read_json(source_dir / "config.json", CONFIG_MAX_BYTES, "config file")
+    num_layers = hf["num_hidden_layers"]
+    surgery = Surgery(prelude, parse_core(core) if isinstance(core, str) else tuple(core), coda)
+    model.save_pretrained(out)
+    copied = copy_source_tokenizer(source_dir, out)
+    record = {
+        "source": str(source_dir), "model_type": hf["model_type"], "source_layers": num_layers,
+        "layers": {part.replace("core_block", "core"): [src for p, _, src in surgery.layer_map(num_layers) if p == part]
+                   for part in ("prelude", "core_block", "coda")},
+        "dropped": surgery.dropped(num_layers),
+        "adapter_init": options.get("adapter_init", DEFAULT_ADAPTER_INIT),
+        "parameters": model.num_parameters(),
+        "source_parameters": source_parameters(source_dir),
+        "tokenizer_files": copied,
+    }
+    atomic_write_text(out / PROVENANCE_FILE, json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def source_parameters(model_dir: Path) -> int:
+    """Parameters stored in a directory's weight files (a tied head is stored once), from the headers."""
+    return sum(math.prod(shape) for _, shape in read_header_shapes(model_dir).values())
+
+
+def copy_source_tokenizer(source_dir: Path, out: Path) -> list[str]:
+    """The source's tokenizer files into `out`, each a bounded regular file inside the source directory (a
+    hub snapshot's symlinks into its blob store are followed); returns the names copied."""
+    copied = []
+    for name in SOURCE_TOKENIZER_FILES:
+        if (source_dir / name).exists():
+            path = inside(source_dir, name, "tokenizer file", follow_links=True)
+            atomic_write_bytes(out / name, read_bytes(path, TOKENIZER_MAX_BYTES, "tokenizer file"))
+            copied.append(name)
+    return copied

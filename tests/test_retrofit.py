@@ -1,0 +1,269 @@
+"""Retrofitted recurrence (families/retrofit.py): transformers Llama / Qwen2 / Qwen3 / OLMo-2 -> RecurrentDepthLM.
+
+With every layer kept, r = 1, s_0 = 0 and the adapter [0 | I], the retrofitted model is the source model:
+its logits equal transformers' own (fp32, tiny random configs with every norm and bias perturbed), which
+checks the block layout, norms, RoPE (theta, llama3 scaling, rotate-half), GQA, head_dim, biases,
+QK-norms and tied embeddings. Then: dropped layers, the other adapter inits, unsupported architectures
+(one-line errors) and the CLI's directory (our loader, `rdepth generate`).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+import recurrent_depth as rd
+from recurrent_depth.cli import main
+from recurrent_depth.families.retrofit import ADAPTER_INITS, PROVENANCE_FILE, Surgery, retrofit
+
+SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=5, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+             pad_token_id=0)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+SOURCES = {
+    "llama-llama3-rope-tied": lambda: LlamaForCausalLM(LlamaConfig(**SHAPE, rope_parameters=LLAMA3_ROPE,
+                                                                    tie_word_embeddings=True)),
+    "llama-linear-rope-biases": lambda: LlamaForCausalLM(LlamaConfig(
+        **SHAPE, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+        attention_bias=True, mlp_bias=False, hidden_act="gelu_pytorch_tanh")),
+    "qwen2-bias-untied": lambda: Qwen2ForCausalLM(Qwen2Config(**SHAPE, rope_parameters={"rope_type": "default",
+                                                                                          "rope_theta": 30000.0})),
+    "qwen3-qknorm-headdim": lambda: Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=12, tie_word_embeddings=True)),
+    "olmo2-postnorm": lambda: Olmo2ForCausalLM(Olmo2Config(**SHAPE)),
+}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    from tests.train_support import OneThread
+
+    with OneThread():
+        yield
+
+
+def perturbed(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Every parameter moved off its init (norm gains off 1, biases off 0), so a mis-mapped one shows."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    return model.float().eval()
+
+
+@pytest.fixture(scope="module", params=sorted(SOURCES))
+def source(request):
+    torch.manual_seed(0)
+    return request.param, perturbed(SOURCES[request.param]())
+
+
+def test_every_layer_kept_at_one_step_equals_the_source(source):
+    name, hf = source
+    model = retrofit(hf, prelude=2, core=(2, 4), coda=1, adapter_init="e")
+    cfg = model.config
+    assert (cfg.prelude_layers, cfg.core_layers, cfg.coda_layers) == (2, 2, 1)
+    assert cfg.tie_embeddings == hf.config.tie_word_embeddings
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id, cfg.max_seq_len) == (1, 2, 0, 64)
+    ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits.float()
+        got = model(ids, num_steps=1, init_scale=0.0).logits
+    assert want.abs().max() > 1  # logits of a size where a mapping error would show
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    # s_0 is ignored by [0 | I]: the pruned source at any depth; a random s_0 changes nothing at r = 1.
+    torch.testing.assert_close(model(ids, num_steps=1).logits, want, rtol=1e-5, atol=1e-4)
+
+
+def test_the_mapping_is_not_vacuous():
+    """The parity above fails when a mapping is wrong: swap a layer's two norms and the logits move."""
+    torch.manual_seed(0)
+    hf = perturbed(SOURCES["llama-llama3-rope-tied"]())
+    model = retrofit(hf, prelude=2, core=(2, 4), coda=1)
+    block = model.transformer.core_block[0]
+    with torch.no_grad():
+        block.norm_1.weight, block.norm_3.weight = block.norm_3.weight, block.norm_1.weight
+    ids = torch.randint(0, 96, (1, 16))
+    with torch.no_grad():
+        assert not torch.allclose(model(ids, num_steps=1, init_scale=0.0).logits, hf(ids).logits, atol=1e-2)
+
+
+def test_dropped_layers_give_the_right_shapes_and_the_pruned_source():
+    torch.manual_seed(0)
+    hf = perturbed(LlamaForCausalLM(LlamaConfig(**{**SHAPE, "num_hidden_layers": 8})))
+    model = retrofit(hf, prelude=2, core=(4, 6), coda=1, mean_recurrence=3, backprop_depth=2)
+    cfg = model.config
+    assert (cfg.prelude_layers, cfg.core_layers, cfg.coda_layers) == (2, 2, 1)
+    assert (cfg.mean_recurrence, cfg.mean_backprop_depth) == (3, 2)
+    assert model.transformer.adapter.weight.shape == (32, 64)
+    assert model.num_parameters() == cfg.num_parameters()
+    # layers 2, 3 and 6 are gone: our core's first layer is source layer 4, the coda source layer 7
+    source_layers = hf.model.layers
+    ours = model.transformer
+    torch.testing.assert_close(ours.core_block[0].attn.proj.weight, source_layers[4].self_attn.o_proj.weight)
+    torch.testing.assert_close(ours.coda[0].mlp.proj.weight, source_layers[7].mlp.down_proj.weight)
+    # [0 | I] ignores the state: every depth is the pruned source network
+    ids = torch.randint(0, 96, (1, 12))
+    with torch.no_grad():
+        x = hf.model.embed_tokens(ids)
+        pos = torch.arange(12)[None]
+        rope = hf.model.rotary_emb(x, pos)
+        for i in (0, 1, 4, 5, 7):
+            x = source_layers[i](x, attention_mask=None, position_ids=pos, position_embeddings=rope)
+            x = x[0] if isinstance(x, tuple) else x
+        want = hf.lm_head(hf.model.norm(x))
+        for r in (1, 3):
+            torch.testing.assert_close(model(ids, num_steps=r, init_scale=0.0).logits, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("init", ADAPTER_INITS)
+def test_adapter_inits(init):
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**SHAPE)).eval()
+    w = retrofit(hf, prelude=1, core=(1, 3), coda=1, adapter_init=init, seed=3).transformer.adapter.weight
+    s_part, e_part = w[:, :32], w[:, 32:]
+    eye = torch.eye(32)
+    expected = {"e": (0 * eye, eye), "state": (eye, 0 * eye), "mean": (eye / 2, eye / 2), "sum": (eye, eye)}
+    if init == "random":
+        assert 0.05 < float(w.detach().std()) < 0.5 and not torch.allclose(w, torch.zeros_like(w))
+    else:
+        torch.testing.assert_close(s_part, expected[init][0])
+        torch.testing.assert_close(e_part, expected[init][1])
+
+
+@pytest.mark.parametrize("surgery,needle", [
+    ((2, (1, 3), 1), "overlaps the prelude"),
+    ((1, (3, 5), 1), "overlaps the coda"),
+    ((1, (2, 2), 1), "is empty"),
+    ((1, (2, 9), 1), "out of range"),
+    ((3, (3, 4), 3), "exceed"),
+])
+def test_bad_surgery_is_one_line(surgery, needle):
+    with pytest.raises(ValueError, match=needle) as info:
+        Surgery(*surgery).check(5)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("make,needle", [
+    (lambda: GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64)), "model_type 'gpt2'"),
+    (lambda: Qwen2ForCausalLM(Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=8, max_window_layers=0)),
+     "sliding"),
+    (lambda: LlamaForCausalLM(LlamaConfig(**SHAPE, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4,
+                                                                     "factor": 2.0})), "rope_type 'yarn'"),
+])
+def test_unconvertible_architectures_are_one_line_errors(make, needle):
+    with pytest.raises(ValueError, match=needle) as info:
+        retrofit(make(), prelude=1, core=(1, 2), coda=0)
+    assert "\n" not in str(info.value) and str(info.value).startswith("retrofit:")
+
+
+def test_unknown_tensors_are_refused(tmp_path):
+    """A variant with weights this converter does not map (here an extra per-layer tensor) is refused."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**SHAPE)).save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    state["model.layers.1.mlp.router.weight"] = torch.zeros(4, 32)
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="does not know.*router"):
+        retrofit(tmp_path, prelude=1, core="1:3", coda=1)
+
+
+def test_cli_writes_a_directory_our_loader_and_generate_read(tmp_path, capsys):
+    from recurrent_depth.data import save_tokenizer, special_token_ids, train_tokenizer
+
+    tok = train_tokenizer(["def f(x):\n    return x + 1\n" * 20], vocab_size=300)
+    specials = special_token_ids(tok)
+    src = tmp_path / "qwen3"
+    torch.manual_seed(0)
+    shape = {**SHAPE, "vocab_size": tok.get_vocab_size(), "bos_token_id": specials["begin_text"],
+             "eos_token_id": specials["end_text"], "pad_token_id": specials["pad"]}
+    hf = perturbed(Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=8)))
+    hf.save_pretrained(src)
+    save_tokenizer(tok, src)
+    out = tmp_path / "rd"
+    code = main(["retrofit", "--model", str(src), "--prelude", "1", "--core", "2:4", "--coda", "1", "--out", str(out),
+                 "--mean-recurrence", "2", "--threads", "1"])
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["layers"] == {"prelude": [0], "core": [2, 3], "coda": [4]} and summary["dropped"] == [1]
+    assert json.loads((out / PROVENANCE_FILE).read_text())["adapter_init"] == "e"
+    model = rd.RecurrentDepthLM.from_pretrained(out)
+    assert model.config.block_layout == "pre-norm" and model.config.qk_norm and model.config.mean_recurrence == 2
+    assert (out / "tokenizer.json").is_file()
+    ids = torch.tensor([tok.encode("def f(x):").ids])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, num_steps=1, init_scale=0.0).logits,
+                                   retrofit(src, 1, (2, 4), 1)(ids, num_steps=1, init_scale=0.0).logits)
+    code = main(["generate", "--model", str(out), "--prompt", "def f(x):", "--max-new-tokens", "3",
+                 "--num-steps", "2", "--threads", "1"])
+    assert code == 0 and capsys.readouterr().out.strip()
+    code = main(["retrofit", "--model", str(src), "--prelude", "2", "--core", "1:3", "--coda", "1", "--out",
+                 str(tmp_path / "bad"), "--threads", "1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "overlaps the prelude" in err and "\n" not in err
+
+
+def test_the_papers_recipe_trains_a_retrofitted_model_then_heals_it(tmp_path):
+    """`rdepth train --init-from` on a retrofitted directory: the depth curriculum (25 % of the steps),
+    Poisson-lognormal depths, truncated backprop (k = 2), Muon; then a healing run from that run directory
+    on other data. The architecture survives both runs; only the depth settings may change."""
+    from tests.train_support import VOCAB, prepare_root, write_corpus
+
+    root = prepare_root(tmp_path / "root")
+    from recurrent_depth.data import special_token_ids
+    from recurrent_depth.data.tokenizer import load_tokenizer
+    from recurrent_depth.families.retrofit import retrofit_to_dir
+
+    specials = special_token_ids(load_tokenizer(root / "tokenizer"))
+    torch.manual_seed(0)
+    src = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(**{**SHAPE, "vocab_size": VOCAB, "max_position_embeddings": 64,
+                                    "bos_token_id": specials["begin_text"], "eos_token_id": specials["end_text"],
+                                    "pad_token_id": specials["pad"]})).save_pretrained(src)
+    from recurrent_depth.checkpoint import copy_tokenizer
+
+    copy_tokenizer(root / "tokenizer", src)
+    retrofit_to_dir(src, tmp_path / "rd", prelude=1, core=(2, 4), coda=1, mean_recurrence=3, backprop_depth=2)
+    common = ["--val-fraction", "0.1", "--keep-all", "--seq-len", "32", "--batch-size", "4", "--eval-batches", "1",
+              "--eval-depths", "1,3", "--no-tensorboard", "--no-progress", "--threads", "1"]
+    assert main(["train", "--init-from", str(tmp_path / "rd"), "--data", str(root / "corpus"), "--data-dir",
+                 str(root / "data"), "--max-steps", "8", "--depth-curriculum", "0.25", "--depth-scheme",
+                 "poisson-lognormal", "--backprop-depth", "2", "--max-depth", "8", "--optimizer", "muon",
+                 "--out", str(tmp_path / "run"), *common]) == 0
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["config"]["optim"]["name"] == "muon" and run["config"]["depth_curriculum"] == 0.25
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "num_steps" in m]
+    assert len(steps) == 8 and all(k <= 2 for m in steps for k in m["grad_steps"])
+    # the depths drawn are the curriculum's (ramp over 2 of the 8 steps from depth 1), not the plateau's
+    from recurrent_depth.train.depth import DepthSampler
+
+    def draws(ramp_steps):
+        sampler = DepthSampler(mean_recurrence=3, backprop_depth=2, seed=0, max_steps=8, ramp_steps=ramp_steps)
+        return [[sum(d), d[1]] for d in (sampler.sample(i, 0) for i in range(8))]
+
+    assert [[m["num_steps"][0], m["grad_steps"][0]] for m in steps] == draws(2) != draws(0)
+    write_corpus(tmp_path / "general", num_docs=30, seed=5)  # the "general data" of the healing phase
+    assert main(["train", "--init-from", str(tmp_path / "run"), "--data", str(tmp_path / "general"),
+                 "--max-steps", "2", "--optimizer", "muon", "--out", str(tmp_path / "healed"), *common]) == 0
+    healed = rd.RecurrentDepthLM.from_pretrained(tmp_path / "healed" / "model")
+    trained = rd.RecurrentDepthLM.from_pretrained(tmp_path / "run" / "model")
+    assert healed.config == trained.config == rd.RecurrentDepthLM.from_pretrained(tmp_path / "rd").config
+    assert healed.config.block_layout == "pre-norm" and healed.config.rope_style == "half"
+    assert not torch.equal(healed.transformer.adapter.weight, trained.transformer.adapter.weight)

@@ -267,3 +267,35 @@ def test_the_papers_recipe_trains_a_retrofitted_model_then_heals_it(tmp_path):
     assert healed.config == trained.config == rd.RecurrentDepthLM.from_pretrained(tmp_path / "rd").config
     assert healed.config.block_layout == "pre-norm" and healed.config.rope_style == "half"
     assert not torch.equal(healed.transformer.adapter.weight, trained.transformer.adapter.weight)
+
+
+def test_a_retrofitted_model_with_its_own_tokenizer_trains(tmp_path):
+    """A Llama-3-style tokenizer (no <|begin_text|>): data preparation frames documents with its own
+    <|begin_of_text|> / <|end_of_text|>, and `rdepth train --init-from` runs."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from recurrent_depth.data.prepare import prepare_dataset
+    from recurrent_depth.families.retrofit import retrofit_to_dir
+    from tests.train_support import write_corpus
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n", "\t"]
+    tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)} | {"[UNK]": len(chars)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.add_special_tokens(["<|begin_of_text|>", "<|end_of_text|>"])
+    begin, end = tok.token_to_id("<|begin_of_text|>"), tok.token_to_id("<|end_of_text|>")
+    src = tmp_path / "llama"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{**SHAPE, "vocab_size": tok.get_vocab_size(), "max_position_embeddings": 64,
+                                    "bos_token_id": begin, "eos_token_id": end})).save_pretrained(src)
+    tok.save(str(src / "tokenizer.json"))
+    retrofit_to_dir(src, tmp_path / "rd", prelude=1, core=(2, 4), coda=1, mean_recurrence=2, backprop_depth=1)
+    write_corpus(tmp_path / "corpus", num_docs=20, seed=1)
+    data = prepare_dataset(str(tmp_path / "corpus"), tmp_path / "rd", 32, tmp_path / "data", val_fraction=0.1,
+                           keep_all=True)
+    specials = data.metadata["tokenizer"]["special_token_ids"]
+    assert (specials["begin_text"], specials["end_text"]) == (begin, end)
+    assert main(["train", "--init-from", str(tmp_path / "rd"), "--data", str(tmp_path / "corpus"), "--data-dir",
+                 str(tmp_path / "data2"), "--max-steps", "2", "--val-fraction", "0.1", "--keep-all", "--seq-len", "32",
+                 "--batch-size", "2", "--eval-batches", "1", "--eval-depths", "1", "--no-tensorboard",
+                 "--no-progress", "--threads", "1", "--out", str(tmp_path / "run")]) == 0
+    assert rd.RecurrentDepthLM.from_pretrained(tmp_path / "run" / "model").config.bos_token_id == begin

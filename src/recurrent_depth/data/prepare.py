@@ -34,7 +34,7 @@ from recurrent_depth.data.shards import (
     token_dtype,
     write_index,
 )
-from recurrent_depth.data.tokenizer import load_tokenizer, special_token_ids, tokenizer_sha256
+from recurrent_depth.data.tokenizer import document_token_ids, load_tokenizer, tokenizer_sha256
 from recurrent_depth.files import CONFIG_MAX_BYTES, atomic_write_text, read_json
 
 DATASET_FILE = "dataset.json"
@@ -124,7 +124,7 @@ def prepare_dataset(
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
-    specials = special_token_ids(tok)
+    specials = document_token_ids(tok)  # ours, or a retrofitted model's own document tokens
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     dtype = token_dtype(vocab_size)
     corpus = load_corpus(corpus_spec)

@@ -244,6 +244,36 @@ def special_token_ids(tok: Tokenizer | Any) -> dict[str, int]:
     return ids  # type: ignore[return-value]
 
 
+# Document tokens of other families' tokenizers (a retrofitted or continued transformers model keeps its own):
+# per role, the first one the vocabulary has. Llama 3, then Llama 2 / Mistral / TinyLlama, then the
+# GPT-2-style "<|endoftext|>" separator of Qwen and OLMo-2 (which begins a document here, as it ends one).
+FOREIGN_DOCUMENT_TOKENS: dict[str, tuple[str, ...]] = {
+    "begin_text": ("<|begin_of_text|>", "<s>", "<|endoftext|>"),
+    "end_text": ("<|end_of_text|>", "</s>", "<|endoftext|>"),
+    "end_turn": ("<|eot_id|>", "<|im_end|>", "<|end_of_text|>", "</s>", "<|endoftext|>"),
+}
+
+
+def document_token_ids(tok: Tokenizer | Any) -> dict[str, int]:
+    """The ids data preparation frames documents with: `special_token_ids(tok)` for our tokenizers;
+    for another family's tokenizer, its own document tokens (`FOREIGN_DOCUMENT_TOKENS`: keys
+    begin_text, end_text, end_turn, and pad = end_text). One-line error if it has neither."""
+    backend = getattr(tok, "backend_tokenizer", tok)
+    if isinstance(backend, Tokenizer) and all(backend.token_to_id(t) is not None for t in SPECIAL_TOKEN_NAMES.values()):
+        return special_token_ids(tok)
+    if not isinstance(backend, Tokenizer):
+        return special_token_ids(tok)  # its own type error
+    ids: dict[str, int] = {}
+    for role, candidates in FOREIGN_DOCUMENT_TOKENS.items():
+        found = next((backend.token_to_id(t) for t in candidates if backend.token_to_id(t) is not None), None)
+        if found is None:
+            raise ValueError(f"tokenizer lacks our special tokens {list(SPECIAL_TOKEN_NAMES.values())} and any "
+                             f"known {role} token {list(candidates)}; train one with train_tokenizer()")
+        ids[role] = found
+    ids["pad"] = ids["end_text"]
+    return ids
+
+
 def eos_token_ids(specials: dict[str, int]) -> list[int]:
     """The ids that end a generation (a model config's `eos_token_id`): end of text and end of turn,
     so a chat answer stops at the end of its turn. `specials` is `special_token_ids(tok)`."""

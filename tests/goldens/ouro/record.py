@@ -260,7 +260,8 @@ def record_case(reference: Any, name: str, case: dict[str, Any]) -> dict[str, An
         "prefill_tokens": str(seq - 2),
     }
     tensors = {k: v.contiguous() for k, v in expected.items()}
-    save_file(tensors, out / "expected.safetensors", metadata=facts)
+    # One metadata key: safetensors writes a metadata map in no fixed order, and the file should not change on rerun.
+    save_file(tensors, out / "expected.safetensors", metadata={"facts": json.dumps(facts, sort_keys=True)})
     return {**facts, "threshold_exit_steps": expected["threshold_exit_steps"].tolist(),
             "default_exit_steps": expected["default_exit_steps"].tolist(),
             "exit_pdf_min_max": [expected["exit_pdf"].min().item(), expected["exit_pdf"].max().item()],

@@ -302,6 +302,20 @@ def test_a_bad_ouro_directory_is_a_one_line_error_naming_it(tmp_path, change, ne
     assert "\n" not in str(info.value)
 
 
+def test_the_published_ouro_1_4b_config_is_the_preset():
+    """Ouro-1.4B's published shape, as its config.json states it, translates to the preset `ouro-1.4b`."""
+    published = {"model_type": "ouro", "architectures": ["OuroForCausalLM"], "vocab_size": 49152, "hidden_size": 2048,
+                 "intermediate_size": 5632, "num_hidden_layers": 24, "num_attention_heads": 16,
+                 "num_key_value_heads": 16, "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 65536,
+                 "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_scaling": None, "tie_word_embeddings": False,
+                 "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "total_ut_steps": 4,
+                 "early_exit_threshold": 1.0, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0,
+                 "torch_dtype": "bfloat16", "transformers_version": "4.55.0", "initializer_range": 0.02}
+    config = rd.ModelConfig.from_dict(published)
+    assert config == rd.ModelConfig.from_preset("ouro-1.4b", exit_gate_threshold=1.0)
+    assert config.num_parameters() == 1_434_652_673
+
+
 def test_an_unknown_config_key_is_ignored_with_a_warning(tmp_path):
     directory = copy_case(tmp_path, config=dict(ouro_future_option=3))
     with pytest.warns(UserWarning, match="ouro_future_option"):

@@ -350,3 +350,13 @@ def test_rdepth_train_init_from_an_ouro_directory(tmp_path):
     assert trained.dtype == torch.bfloat16 and trained.config == rd.ModelConfig.from_json(tmp_path / "ouro")
     before = model.transformer.core_block[0].attn.Wqkv.weight.to(torch.bfloat16)
     assert not torch.equal(trained.transformer.core_block[0].attn.Wqkv.weight, before)  # it trained
+
+
+def test_the_ouro_dialect_keeps_the_config_module_free_of_torch():
+    """config.py imports families/ouro.py; importing the config still loads no torch (a light `rdepth --version`)."""
+    import subprocess
+    import sys
+
+    code = "import sys, recurrent_depth.config; assert 'torch' not in sys.modules, 'torch imported'"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr

@@ -26,11 +26,12 @@ so that config.py can import this file without an import circle.
 from __future__ import annotations
 
 import re
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from recurrent_depth.files import clipped_names
+
+if TYPE_CHECKING:  # config.py imports this module, and config imports no torch (`rdepth --version` stays light)
+    import torch
 
 OURO_MODEL_TYPE = "ouro"
 
@@ -252,6 +253,8 @@ def fuse_state(state: dict[str, torch.Tensor], config: Any) -> dict[str, torch.T
     """An Ouro state dict (checked by `translate_header`) under our names, q/k/v and gate/up concatenated by rows.
 
     Takes the tensors out of `state` as it goes, so each layer's parts are freed once fused."""
+    import torch
+
     out = {}
     for ours, theirs in tensor_sources(config).items():
         if theirs[0] not in state:

@@ -1,10 +1,12 @@
-"""safetensors checkpoints: ours and the official Huginn-0125 layout, single file or sharded.
+"""safetensors checkpoints: ours, the official Huginn-0125 layout and Ouro's, single file or sharded.
 
 A model directory holds `config.json` and `model.safetensors` (or `model-0000i-of-0000n.safetensors`
 shards plus `model.safetensors.index.json`), and usually the tokenizer files. Nothing is ever
 unpickled. Tied weights are stored once (`transformer.wte.weight`) and re-tied on load; an official
 file's extra `lm_head.weight` is accepted when it equals the embedding, its `freqs_cis` buffer is
-ignored (we compute our own RoPE table).
+ignored (we compute our own RoPE table). An Ouro directory (`model_type: "ouro"`) is read through
+`families/ouro.py`: its tensors are checked under their own names, then renamed and fused into ours.
+Saving always writes our own format.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from recurrent_depth.config import ModelConfig
+from recurrent_depth.families import ouro
 from recurrent_depth.files import (
     CONFIG_MAX_BYTES,
     atomic_path,
@@ -30,9 +33,11 @@ from recurrent_depth.files import (
     clipped_names,
     inside,
     open_regular,
+    parse_json,
     parse_safetensors_header,
     read_json,
     read_safetensors_header,
+    read_text,
     reopen_path,
 )
 
@@ -183,8 +188,12 @@ _OTHER_DTYPES = {"I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8
                  "BOOL": torch.bool}
 
 
+# The embedding's name in each format we load (ours and Huginn's, Ouro's).
+EMBEDDING_NAMES = ("transformer.wte.weight", ouro.EMBEDDING)
+
+
 def stored_dtype(path: str | os.PathLike[str]) -> torch.dtype | None:
-    """The dtype of the stored embedding (`transformer.wte.weight`), read from the file headers only.
+    """The dtype of the stored embedding (`EMBEDDING_NAMES`), read from the file headers only.
 
     None when `path` is not a local model directory with safetensors weights holding that tensor.
     """
@@ -193,9 +202,10 @@ def stored_dtype(path: str | os.PathLike[str]) -> torch.dtype | None:
         return None
     try:
         for file in weight_files(path):
-            entry = parse_safetensors_header(file).get("transformer.wte.weight")
-            if entry is not None:
-                return _SAFETENSORS_DTYPES.get(entry[0])
+            header = parse_safetensors_header(file)
+            for name in EMBEDDING_NAMES:
+                if name in header:
+                    return _SAFETENSORS_DTYPES.get(header[name][0])
     except (OSError, ValueError):
         return None  # the loader itself reports unreadable files
     return None
@@ -275,11 +285,12 @@ def usable_device(device: Any) -> torch.device:
 @dataclass(frozen=True)
 class CheckedDir:
     """A model directory that passed `check_model_dir`: its config, the model built on the meta
-    device, and whether the stored head is the tied embedding."""
+    device, whether the stored head is the tied embedding, and whether the tensors are Ouro's."""
 
     config: ModelConfig
     meta_model: Any
     tied_head: bool
+    is_ouro: bool = False
 
 
 def check_model_dir(
@@ -292,20 +303,25 @@ def check_model_dir(
     """Every check of a model directory that needs no tensor data, as one-line errors: the config
     read bounded and validated, the weight files (regular, bounded, headers that fit their files)
     and their names, shapes and dtypes against the model the config describes. Each loader runs it
-    first (`load_pretrained`, and transformers' `from_pretrained` through our classes)."""
+    first (`load_pretrained`, and transformers' `from_pretrained` through our classes). An Ouro
+    directory's tensors are checked under their own names first (`families/ouro.py`)."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {path} does not exist")
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} has no config.json: expected a saved model directory (config.json and "
                                 f"safetensors weights; a training run keeps its model in its model/ directory)")
-    config = ModelConfig.from_json(path / "config.json")
+    raw = parse_json(read_text(path / "config.json", CONFIG_MAX_BYTES, "config file"), "config")
+    config = ModelConfig.from_dict(raw)
+    is_ouro = isinstance(raw, dict) and ouro.is_ouro_config(raw)
     if config_overrides:
         values = config.to_dict()
         values.pop("model_type")
         values.update(config_overrides)
         config = ModelConfig.from_dict(values)
     header = read_header_shapes(path, allow_outside)
+    if is_ouro:
+        header = ouro.translate_header(header, config, frozenset(_SAFETENSORS_DTYPES), path)
     for name in IGNORED_TENSORS:
         header.pop(name, None)
     _check_layer_counts(config, header, path)
@@ -342,7 +358,7 @@ def check_model_dir(
         problems.append(f"mis-shaped tensors: {clipped_names(mis_shaped)}")
     if problems:
         raise ValueError(f"cannot load {path}: " + "; ".join(problems))
-    return CheckedDir(config, model, tied_head)
+    return CheckedDir(config, model, tied_head, is_ouro)
 
 
 def load_pretrained(
@@ -355,7 +371,7 @@ def load_pretrained(
     model_class: type[torch.nn.Module],
 ) -> Any:
     """Build a `model_class` (`RecurrentDepthLM`, whose `from_pretrained` calls this) from a model
-    directory (ours or official Huginn-0125).
+    directory (ours, official Huginn-0125 or Ouro).
 
     Everything is checked before a tensor is allocated (`check_model_dir`): the config's bounds,
     then its shapes against the safetensors headers. `allow_outside=True` lets an index name
@@ -367,6 +383,8 @@ def load_pretrained(
     config, model, tied_head = checked.config, checked.meta_model, checked.tied_head
     dtype = _dtype_from_name(dtype)
     state = read_state_dict(path, dtype, allow_outside)
+    if checked.is_ouro:
+        state = ouro.fuse_state(state, config)
     for name in IGNORED_TENSORS:
         state.pop(name, None)
     wte_tensor = state["transformer.wte.weight"]

@@ -1,8 +1,9 @@
 """Model configuration: one typed dataclass, validated once, saved beside every checkpoint.
 
-`ModelConfig` speaks two dialects of `config.json`: our own field names (written by
-`to_dict`) and the official Huginn-0125 `RavenConfig` keys (`n_embd`, `n_heads`,
-`n_layers_in_prelude`, ...), which `from_dict` translates through `HUGINN_KEY_MAP`.
+`ModelConfig` speaks three dialects of `config.json`: our own field names (written by
+`to_dict`), the official Huginn-0125 `RavenConfig` keys (`n_embd`, `n_heads`,
+`n_layers_in_prelude`, ...), which `from_dict` translates through `HUGINN_KEY_MAP`, and Ouro's
+(`model_type: "ouro"`, Qwen2's keys plus `total_ut_steps`), translated by `families/ouro.py`.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ import dataclasses
 import json
 import math
 import os
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from recurrent_depth.families.ouro import OURO_KEY_FOR_FIELD, OURO_KEYS, is_ouro_config, ouro_config_values
 from recurrent_depth.files import CONFIG_MAX_BYTES, atomic_write_text, parse_json, read_text
 
 MODEL_TYPE = "recurrent_depth"
@@ -172,6 +175,9 @@ class ModelConfig:
     injection: str = "concat"  # how e enters each step: see INJECTIONS
     state_init: str = "random"  # s_0: "random" (Huginn's truncated normal) or the "embedding" e itself (Ouro)
     exit_gate: bool = False  # a learned exit head Linear(h, 1) on each step's latent (Ouro's early_exit_gate)
+    # With exit_gate: the threshold q of the gate's exit rule (leave at the first step whose cumulative exit
+    # probability reaches q) when a call names none; Ouro's early_exit_threshold. None: the criterion's own default.
+    exit_gate_threshold: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -251,6 +257,11 @@ class ModelConfig:
              "false unless qk_norm is true (it shapes QK-norm)")
         need(not (self.qk_norm_full_width and self.qk_norm_per_head), "qk_norm_full_width",
              "false with qk_norm_per_head (one norm over all heads, or a gain per head: not both)")
+        need(self.exit_gate_threshold is None or (is_real(self.exit_gate_threshold)
+                                                  and 0 < self.exit_gate_threshold <= 1),
+             "exit_gate_threshold", "None or a number in (0, 1] (a cumulative exit probability)")
+        need(self.exit_gate_threshold is None or self.exit_gate, "exit_gate_threshold",
+             "None unless exit_gate is true (it is the exit gate's threshold)")
         check_rope_scaling(self.rope_scaling)
         count = self.num_parameters()
         if count > MAX_PARAMETERS:
@@ -325,11 +336,14 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        """Build from our own keys or from an official Huginn `config.json` (detected by its keys)."""
+        """Build from our own keys, an official Huginn `config.json` (detected by its keys) or an Ouro one
+        (`model_type: "ouro"`)."""
         if not isinstance(data, dict):
             raise ValueError(f"config must be a JSON object, got {type(data).__name__}")
         if is_huginn_config(data):
             return cls._from_huginn(data)
+        if is_ouro_config(data):
+            return cls._from_ouro(data)
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names - IGNORED_KEYS)
         if unknown:
@@ -363,6 +377,20 @@ class ModelConfig:
         if unknown:
             warnings.warn(f"ignoring Huginn config keys this library does not use: {unknown}", stacklevel=3)
         return cls(**values)
+
+    @classmethod
+    def _from_ouro(cls, data: dict[str, Any]) -> ModelConfig:
+        """Ouro's keys (`families/ouro.py`) on top of `OURO_ARCHITECTURE`; a bad value is one line naming it."""
+        values = {**OURO_ARCHITECTURE, **ouro_config_values(data)}
+        unknown = sorted(set(data) - OURO_KEYS - IGNORED_KEYS)
+        if unknown:
+            warnings.warn(f"ignoring Ouro config keys this library does not use: {unknown}", stacklevel=3)
+        try:
+            return cls(**values)
+        except ValueError as exc:
+            named = re.match(r"ModelConfig\.(\w+)", str(exc))
+            key = OURO_KEY_FOR_FIELD.get(named.group(1)) if named else None
+            raise ValueError(f"Ouro config.json{f' {key}' if key else ''}: {exc}") from None
 
     def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"

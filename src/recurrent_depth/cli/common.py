@@ -8,8 +8,8 @@ import argparse
 def add_model_arg(parser: argparse.ArgumentParser, required: bool = True, help: str | None = None) -> None:
     parser.add_argument(
         "--model", required=required, metavar="DIR", type=model_dir,
-        help=help or "a saved model directory (ours or an official Huginn-0125 one; tokenizer inside), or a run "
-                     "directory of `rdepth train` / `quickstart`, whose model/ is used",
+        help=help or "a saved model directory (ours, an official Huginn-0125 one or an Ouro one; tokenizer inside), "
+                     "or a run directory of `rdepth train` / `quickstart`, whose model/ is used",
     )
 
 

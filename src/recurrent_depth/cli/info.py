@@ -23,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", help="a preset name: tiny, small, huginn-0125")
-    source.add_argument("--model", metavar="DIR", help="a saved model directory (ours or official Huginn)")
+    source.add_argument("--model", metavar="DIR", help="a saved model directory (ours, official Huginn or Ouro)")
     source.add_argument("--build-kernels", action="store_true",
                         help="build the C++ quantized-KV decoding kernels now (once per machine, torch and Python "
                              "version, 30-60 s; otherwise the first --kv-quant decode on CPU builds them), or check "

@@ -18,7 +18,7 @@ SKIPPED_FIELDS = ("preset", "text_field", "follow_symlinks", "tokenizer", "vocab
                   "keep_all", "data_dir", "baseline")
 HELP = {
     "init_from": "the model to fine-tune (required): a model directory, a run directory holding model/, or an "
-                 "official Huginn-0125 directory; its config, weights, tokenizer and chat template are used",
+                 "official Huginn-0125 or Ouro directory; its config, weights, tokenizer and chat template are used",
     "data": "the examples: .jsonl of {\"messages\": [...]} chats or {\"prompt\", \"completion\"} pairs, or a "
             "local datasets file (.parquet, .json, .csv, .arrow, a save_to_disk directory)",
     "val_fraction": "share of the examples held out for the held-out loss (unless --val-data is given)",

@@ -2,4 +2,8 @@
 
 `families.retrofit`: turn a pretrained transformers causal LM (Llama, Qwen2, Qwen3, OLMo-2) into a
 recurrent-depth model (retrofitted recurrence, arXiv 2511.07384).
+
+`families.ouro`: the dialect of Ouro checkpoints (ByteDance's LoopLM, arXiv 2510.25741), its `config.json`
+keys and tensor names, translated to ours on load; a leaf that imports nothing of the package but `files`
+(config.py and checkpoint.py import it).
 """

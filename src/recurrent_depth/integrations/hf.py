@@ -1,8 +1,8 @@
-"""transformers 5 wrapper: `AutoModelForCausalLM` loads our checkpoints and official Huginn-0125 ones.
+"""transformers 5 wrapper: `AutoModelForCausalLM` loads our checkpoints, official Huginn-0125 ones and Ouro's.
 
     import recurrent_depth  # registers the Auto classes (lazily, see integrations/autoregister.py)
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path)          # ours or Huginn-0125, no remote code
+    model = AutoModelForCausalLM.from_pretrained(path)          # ours, Huginn-0125 or Ouro, no remote code
     out = model(input_ids, num_steps=8, init_scale=0.0)         # same logits as RecurrentDepthLM
     ids = model.generate(input_ids, max_new_tokens=16, num_steps=8, kv_budget=4)
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from recurrent_depth.inference.options import DEFAULTS, OptionError
 from recurrent_depth.inference.schema import OFFICIAL_ALIASES, OPTIONS, canonical, kwarg_spelling, names_for
-from recurrent_depth.integrations.hf_config import HuginnRavenConfig, RecurrentDepthConfig
+from recurrent_depth.integrations.hf_config import HuginnRavenConfig, OuroConfig, RecurrentDepthConfig
 from recurrent_depth.model.cache import attend_floats, parse_kv_policy, update_heads_via_kv
 from recurrent_depth.model.recurrent import RecurrentDepthLM, takase_init_
 
@@ -571,6 +572,105 @@ def _cache_kwargs_alias(kwargs: dict[str, Any]) -> None:
         kwargs["cache_lookup_strategy"] = extra["lookup_strategy"]
 
 
+# transformers' hub arguments (the Auto classes pass them on), and arguments that change nothing here: remote
+# code is never run (our class is registered for the model type), attention is always SDPA.
+_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
+_NO_EFFECT_KWARGS = ("trust_remote_code", "code_revision", "_from_auto", "_from_pipeline", "attn_implementation",
+                     "low_cpu_mem_usage", "use_safetensors")
+
+
+class OuroForCausalLM(RecurrentDepthForCausalLM):
+    """An Ouro directory (model type ``ouro``) through the Auto classes, without remote code.
+
+    `from_pretrained` reads the directory with the library's loader (`RecurrentDepthLM.from_pretrained`: the
+    bounded, header-checked read; Ouro's tensors renamed and q/k/v, gate/up fused, `families/ouro.py`) and
+    returns a `RecurrentDepthForCausalLM` whose config is our `RecurrentDepthConfig`: `save_pretrained`
+    writes our format. Arguments: `dtype` / `torch_dtype` (default and ``"auto"``: the stored dtype),
+    `device_map` (a device; ``"auto"``: the first GPU, else the CPU), `config` (an `OuroConfig`, e.g.
+    with `total_ut_steps` changed), transformers' hub arguments for a Hub id.
+    """
+
+    config_class = OuroConfig
+
+    def __init__(self, config: OuroConfig | RecurrentDepthConfig) -> None:
+        if isinstance(config, OuroConfig):  # built from a config (from_config): our config from the start
+            config = RecurrentDepthConfig.from_model_config(config.to_model_config())
+        super().__init__(config)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            raise ValueError(f"OuroForCausalLM.from_pretrained takes no positional arguments after the path, got "
+                             f"{len(args)}")
+        hub = {name: kwargs.pop(name) for name in _HUB_KWARGS if name in kwargs}
+        adapter = kwargs.pop("adapter_kwargs", None) or {}
+        if "_adapter_model_path" in adapter:
+            raise ValueError(f"{pretrained_model_name_or_path} holds a peft adapter; load its base model, then the "
+                             f"adapter with peft")
+        for name in _NO_EFFECT_KWARGS:
+            kwargs.pop(name, None)
+        dtype = kwargs.pop("dtype", None)
+        torch_dtype = kwargs.pop("torch_dtype", None)
+        dtype = torch_dtype if dtype is None else dtype
+        device = _device_from_map(kwargs.pop("device_map", None))
+        directory = _local_model_dir(pretrained_model_name_or_path, hub)
+        config = kwargs.pop("config", None)
+        if config is None:
+            config, kwargs = OuroConfig.from_pretrained(str(directory), return_unused_kwargs=True, **kwargs)
+        if kwargs:
+            raise ValueError(f"OuroForCausalLM.from_pretrained: unsupported arguments {sorted(kwargs)}; it takes "
+                             f"dtype, device_map, config, Ouro config keys and transformers' hub arguments")
+        if not hasattr(config, "to_model_config"):
+            raise ValueError(f"config must be an OuroConfig (or one of ours), got {type(config).__name__}")
+        overrides = config.to_model_config().to_dict()
+        overrides.pop("model_type")
+        model = RecurrentDepthLM.from_pretrained(
+            directory, dtype=None if dtype == "auto" else dtype, device=device, config_overrides=overrides,
+        )
+        wrapped = from_library_model(model)
+        wrapped.config.name_or_path = str(pretrained_model_name_or_path)
+        _read_generation_config(wrapped, directory)
+        return wrapped
+
+
+def _device_from_map(device_map: Any) -> Any:
+    """The one device a `device_map` names: ours are single-device models."""
+    if device_map is None:
+        return "cpu"
+    if device_map == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(device_map, str | int | torch.device):
+        return device_map
+    if isinstance(device_map, dict) and len(set(device_map.values())) == 1:
+        return next(iter(device_map.values()))
+    raise ValueError(f"device_map={device_map!r} is not supported: pass one device (e.g. 'cpu', 'cuda:0' or 'auto')")
+
+
+def _local_model_dir(name: Any, hub: dict[str, Any]) -> Path:
+    """`name` (joined with `subfolder`) when it is a local directory, else a Hub snapshot of its config and
+    safetensors (huggingface_hub, honouring HF_HUB_OFFLINE and the hub arguments)."""
+    subfolder = hub.pop("subfolder", None) or ""
+    local = Path(name) / subfolder
+    if local.is_dir():
+        return local
+    from huggingface_hub import snapshot_download
+
+    patterns = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json"]
+    hub.pop("proxies", None)
+    snapshot = snapshot_download(str(name), allow_patterns=[f"{subfolder}/{p}" if subfolder else p for p in patterns],
+                                 **hub)
+    return Path(snapshot) / subfolder
+
+
+def _read_generation_config(model: PreTrainedModel, directory: Path) -> None:
+    """The directory's generation_config.json (bounded read), as transformers' loader would take it."""
+    from recurrent_depth.files import CONFIG_MAX_BYTES, read_json
+
+    path = directory / "generation_config.json"
+    if path.is_file():
+        model.generation_config = GenerationConfig.from_dict(read_json(path, CONFIG_MAX_BYTES, "generation config"))
+
+
 def _cache_alias(cache: Any, kwargs: dict[str, Any]) -> Any:
     """transformers 4 called the cache `past_key_values`; accept it so old callers are not silently wrong."""
     legacy = kwargs.pop("past_key_values", None)
@@ -582,7 +682,7 @@ def _cache_alias(cache: Any, kwargs: dict[str, Any]) -> Any:
 
 
 def register_models() -> None:
-    """`AutoModelForCausalLM.register` for both config classes (idempotent)."""
+    """`AutoModelForCausalLM.register` for every config class (idempotent)."""
     from transformers.models.auto.modeling_auto import AutoModel, AutoModelForCausalLM
 
     from recurrent_depth.integrations.hf_config import register_configs
@@ -591,6 +691,7 @@ def register_models() -> None:
     for auto in (AutoModelForCausalLM, AutoModel):
         auto.register(RecurrentDepthConfig, RecurrentDepthForCausalLM, exist_ok=True)
         auto.register(HuginnRavenConfig, RavenForCausalLM, exist_ok=True)
+        auto.register(OuroConfig, OuroForCausalLM, exist_ok=True)
 
 
 def from_library_model(model: RecurrentDepthLM) -> RecurrentDepthForCausalLM:

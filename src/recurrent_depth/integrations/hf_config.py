@@ -1,6 +1,7 @@
-"""transformers configs for our checkpoints (``recurrent_depth``) and official Huginn-0125 ones (``huginn_raven``).
+"""transformers configs for our checkpoints (``recurrent_depth``), official Huginn-0125 ones (``huginn_raven``)
+and Ouro's (``ouro``).
 
-Both are thin `PretrainedConfig` subclasses whose fields are the file's own keys, so a config
+Each is a thin `PretrainedConfig` subclasses whose fields are the file's own keys, so a config
 saved by transformers reads back with `ModelConfig.from_json` and vice versa. Each converts to
 the library's `ModelConfig` with :meth:`to_model_config`, which also validates it (a bad value
 raises a `ValueError` naming the field). The runtime defaults that lm-eval's ``hf`` backend
@@ -18,6 +19,7 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from recurrent_depth.config import HUGINN_KEY_MAP, HUGINN_MODEL_TYPE, MODEL_TYPE, ModelConfig
+from recurrent_depth.families.ouro import OURO_KEYS, OURO_MODEL_TYPE
 
 # Keys transformers writes into every config.json; `ModelConfig.from_dict` ignores them.
 _HF_BOOKKEEPING = ("model_type", "architectures", "transformers_version", "dtype", "auto_map", "use_cache")
@@ -107,6 +109,7 @@ class RecurrentDepthConfig(_CheckedConfigFile, PretrainedConfig):
     injection: str = "concat"
     state_init: str = "random"
     exit_gate: bool = False
+    exit_gate_threshold: float | None = None
     use_cache: bool = True
 
     def __post_init__(self, **kwargs: Any) -> None:
@@ -238,9 +241,69 @@ class HuginnRavenConfig(_CheckedConfigFile, PretrainedConfig):
         return config
 
 
+class OuroConfig(_CheckedConfigFile, PretrainedConfig):
+    """An Ouro `config.json` (model type ``ouro``: ByteDance's Ouro-1.4B / -2.6B), keys kept as the file has them.
+
+    The defaults are the reference config class's (Qwen2's, plus `total_ut_steps` 4 and
+    `early_exit_threshold` 1.0: tests/goldens/ouro/README.md). `to_model_config` translates it through
+    `recurrent_depth.families.ouro`, refusing what the library cannot run (sliding-window layers, ...) with one
+    line naming the key. A model loaded from it is ours (`OuroForCausalLM` in hf.py), with our config.
+    """
+
+    model_type = OURO_MODEL_TYPE
+
+    vocab_size: int = 151936
+    hidden_size: int = 4096
+    intermediate_size: int = 22016
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 32768
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = True
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    use_sliding_window: bool = False
+    sliding_window: int | None = 4096
+    max_window_layers: int = 28
+    layer_types: list | None = None
+    attention_dropout: float = 0.0
+    total_ut_steps: int = 4
+    early_exit_threshold: float = 1.0
+    bos_token_id: int | None = None
+    eos_token_id: Any = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        super().__post_init__(**kwargs)
+        self.to_model_config()  # validate now, not at the first forward
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
+        """transformers applies `from_pretrained(..., field=value)` overrides after `__init__`: validate again."""
+        out = super().from_dict(config_dict, **kwargs)
+        config = out[0] if isinstance(out, tuple) else out
+        config.to_model_config()
+        return out
+
+    def ouro_dict(self) -> dict[str, Any]:
+        """The keys the Ouro translation reads, as this config holds them."""
+        values = {key: getattr(self, key) for key in sorted(OURO_KEYS) if hasattr(self, key)}
+        values["model_type"] = OURO_MODEL_TYPE
+        return values
+
+    def to_model_config(self) -> ModelConfig:
+        return ModelConfig.from_dict(self.ouro_dict())
+
+
 def register_configs() -> None:
-    """`AutoConfig.register` for both model types (idempotent)."""
+    """`AutoConfig.register` for every model type (idempotent)."""
     from transformers.models.auto.configuration_auto import AutoConfig
 
     AutoConfig.register(MODEL_TYPE, RecurrentDepthConfig, exist_ok=True)
     AutoConfig.register(HUGINN_MODEL_TYPE, HuginnRavenConfig, exist_ok=True)
+    AutoConfig.register(OURO_MODEL_TYPE, OuroConfig, exist_ok=True)

@@ -49,9 +49,10 @@ EVAL_DEPTH_FRACTIONS: tuple[float, ...] = (1 / 8, 1 / 4, 1 / 2, 1, 2)
 FIELD_HELP: dict[str, str] = {
     "preset": "model preset to start from",
     "model": "ModelConfig overrides on top of the preset (YAML mapping; CLI: --model-set KEY=VALUE)",
-    "init_from": "start from this model directory (ours, a run directory holding model/, or an official Huginn-0125 "
-                 "one): its config, weights and tokenizer, with a fresh optimizer and schedule; preset is ignored "
-                 "and only the depth settings (mean_recurrence, mean_backprop_depth) may differ from its config",
+    "init_from": "start from this model directory (ours, a run directory holding model/, an official Huginn-0125 "
+                 "one or an Ouro one): its config, weights and tokenizer, with a fresh optimizer and schedule; preset "
+                 "is ignored and only the depth settings (mean_recurrence, mean_backprop_depth) may differ from its "
+                 "config",
     "data": "corpus: 'stdlib' (the Python standard library's source), a directory, or a .jsonl file",
     "text_field": "JSONL field that holds the text",
     "follow_symlinks": "read corpus files that are symlinks to files outside the data directory (else refused)",

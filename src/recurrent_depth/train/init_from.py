@@ -1,8 +1,9 @@
 """Start training from a saved model directory (`rdepth train --init-from DIR`, `rdepth sft`, RL).
 
-DIR is a model directory of ours, a run directory holding one (`DIR/model`), or an official
-Huginn-0125 directory. The run takes DIR's model config, weights and tokenizer, with a fresh optimizer
-and schedule. What may differ from DIR: the optimizer, learning rate and schedule, the data, the step
+DIR is a model directory of ours, a run directory holding one (`DIR/model`), an official
+Huginn-0125 directory or an Ouro one (`docs/looped-family.md`). The run takes DIR's model config,
+weights and tokenizer, with a fresh optimizer and schedule (an Ouro model is saved in our format).
+What may differ from DIR: the optimizer, learning rate and schedule, the data, the step
 budget, the depth scheme and the config's `mean_recurrence` / `mean_backprop_depth`. Any other change
 (a `--model-set` of a shape field, another vocabulary or tokenizer, rows longer than `max_seq_len`) is a
 one-line error naming the field.
@@ -53,7 +54,7 @@ def find_model_dir(path: str | Path) -> Path:
     if (p / "model" / "config.json").is_file():
         return p / "model"
     raise ValueError(f"init_from={str(path)!r} holds no config.json and no model/config.json: expected a model "
-                     f"directory, a run directory holding model/, or an official Huginn-0125 directory")
+                     f"directory, a run directory holding model/, or an official Huginn-0125 or Ouro directory")
 
 
 def read_model_config(model_dir: Path) -> ModelConfig:

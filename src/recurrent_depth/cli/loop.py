@@ -142,9 +142,9 @@ def _load(args: argparse.Namespace):
     path = Path(args.model)
     if not (path / "config.json").is_file():
         raise ValueError(f"--model {args.model!r} is not a model directory (no config.json)")
-    from recurrent_depth.looping.config import check_model_dir
+    from recurrent_depth.looping.config import check_loopable_dir
 
-    check_model_dir(path)  # (a config.json describing a million layers: refused before anything is built)
+    check_loopable_dir(path)  # (a config.json describing a million layers: refused before anything is built)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(args.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer

@@ -105,7 +105,7 @@ class LoopConfig:
         return f"[{self.start},{self.end}] {self.mode} {rule} K={self.iterations}"
 
 
-def check_model_dir(path: str | Path) -> None:
+def check_loopable_dir(path: str | Path) -> None:
     """Refuse, in one line and before transformers allocates anything, a model directory whose config.json
     describes a model this machine cannot hold (`num_hidden_layers: 1e6` builds for minutes and gigabytes
     before failing) or stores a loop that `LoopConfig` refuses. A path that is not a local directory is left

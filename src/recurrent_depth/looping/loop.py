@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from recurrent_depth.looping.config import CONFIG_KEY, LoopConfig, check_model_dir
+from recurrent_depth.looping.config import CONFIG_KEY, LoopConfig, check_loopable_dir
 from recurrent_depth.looping.structure import (
     find_decoder_layers,
     hidden_of,
@@ -276,7 +276,7 @@ def from_pretrained(path: str, loop: LoopConfig | dict[str, Any] | None = None, 
         raise ValueError("recurrent_depth.looping.from_pretrained does not run remote code")
     if isinstance(loop, dict):
         loop = LoopConfig.from_dict(loop)  # (refused before the model is built, as the stored one)
-    check_model_dir(path)
+    check_loopable_dir(path)
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     stored = getattr(model.config, CONFIG_KEY, None)
     chosen = loop if loop is not None else stored

@@ -12,7 +12,7 @@ import pytest
 
 from recurrent_depth.data.shards import ShardWriter, TokenizedDocs
 from recurrent_depth.files import atomic_write_bytes, parse_safetensors_header
-from recurrent_depth.looping.config import MAX_ITERATIONS, LoopConfig, check_model_dir
+from recurrent_depth.looping.config import MAX_ITERATIONS, LoopConfig, check_loopable_dir
 from recurrent_depth.train.run_record import JsonlLog
 
 
@@ -50,8 +50,8 @@ def test_loop_iterations_are_bounded(tmp_path):
     assert LoopConfig(0, 1, iterations=MAX_ITERATIONS).iterations == MAX_ITERATIONS
     with pytest.raises(ValueError, match=r"LoopConfig.iterations must be in \[1, 256\], got 1000000000"):
         LoopConfig(0, 1, iterations=10**9)
-    check_model_dir(_llama_dir(tmp_path))  # a model this machine holds: accepted
-    check_model_dir(tmp_path / "not-a-dir")  # a hub name: left to transformers
+    check_loopable_dir(_llama_dir(tmp_path))  # a model this machine holds: accepted
+    check_loopable_dir(tmp_path / "not-a-dir")  # a hub name: left to transformers
 
 
 def _safetensors(path, header):

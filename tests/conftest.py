@@ -3,9 +3,10 @@ import os
 # MKL picks its matrix kernels by CPU (AVX2, AVX-512, AMX), and their float rounding differs; the goldens
 # (official Huginn outputs, adaptive-exit step counts that sit near a threshold) were recorded with its
 # AVX2 kernels. Conditional numerical reproducibility pins that path on every x86 machine, so a
-# test gives the same numbers on an AVX-512 CI machine as on the one that recorded it. Set before
-# torch makes its first MKL call.
-os.environ.setdefault("MKL_CBWR", "AVX2")
+# test gives the same numbers on an AVX-512 CI machine as on the one that recorded it; STRICT keeps
+# a row's result independent of how many rows share the product (the one-rank vs two-rank tests).
+# Set before torch makes its first MKL call; subprocesses inherit it.
+os.environ.setdefault("MKL_CBWR", "AVX2,STRICT")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

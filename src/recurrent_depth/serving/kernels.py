@@ -14,14 +14,14 @@ Where the kernels cannot build (no compiler, `RDEPTH_NO_CPP=1`), decoding falls 
 from __future__ import annotations
 
 import asyncio
-import logging
+import contextlib
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from recurrent_depth.accel.quant import code_kernels
 from recurrent_depth.inference.quant_cache import KVQuant, shared_codec
 from recurrent_depth.quant.rows import TurboRows
-
-log = logging.getLogger("recurrent_depth.serving")
 
 
 def load_kernels() -> None:
@@ -53,6 +53,29 @@ class KernelWarmup:
         if not self.needs(kv_quant):
             return
         if self._load is None:
-            self._load = asyncio.ensure_future(asyncio.to_thread(load_kernels))
+            self._load = in_daemon_thread(load_kernels)
         # shielded: a waiter that gives up (its client left, the server stops) leaves the load running
         await asyncio.shield(self._load)
+
+
+def in_daemon_thread(work: Callable[[], None]) -> asyncio.Future[None]:
+    """`work()` on a daemon thread, as a future of the running loop. Not `asyncio.to_thread`: the
+    interpreter joins executor threads at exit, so a server stopped during a build would wait for it."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if not done.done():
+            done.set_exception(error) if error is not None else done.set_result(None)
+
+    def run() -> None:
+        error: BaseException | None = None
+        try:
+            work()
+        except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting requests
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the server stopped meanwhile
+            loop.call_soon_threadsafe(settle, error)
+
+    threading.Thread(target=run, name="rdepth-kernels", daemon=True).start()
+    return done

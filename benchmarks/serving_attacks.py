@@ -332,6 +332,7 @@ def shutdown(server: Server) -> dict:
         time.sleep(1.0)
         futures += [pool.submit(streamed if i % 3 == 0 else plain, None) for i in range(11)]
         time.sleep(1.5)
+        peak = server.peak_rss()  # the process is gone afterwards
         t = time.monotonic()
         server.proc.terminate()
         answers = [f.result() for f in futures]
@@ -340,7 +341,7 @@ def shutdown(server: Server) -> dict:
     exited = round(time.monotonic() - t, 2)
     log = server.stderr()
     counts = {a: answers.count(a) for a in sorted(set(answers))}
-    return {"status": counts, "requests": 12, "exit_s": exited,
+    return {"status": counts, "requests": 12, "exit_s": exited, "peak": peak,
             "server_errors": sum(n for a, n in counts.items() if not a.startswith(("503 json", "stream error"))),
             "tracebacks": log.count("Traceback"),
             "graceful_exceeded": log.count("timeout graceful shutdown exceeded")}
@@ -412,7 +413,7 @@ def run_tree(tree: Path, model: Path, hostile: Path, args: argparse.Namespace) -
             result = attack(server)
             result["seconds"] = round(time.monotonic() - t, 2)
             probe.end()
-            after = server.peak_rss()
+            after = result.pop("peak") if "peak" in result else server.peak_rss()
             result.update(health_probes=probe.sent, max_health_latency_s=round(probe.worst, 3),
                           server_5xx=probe.errors + result.get("server_errors", int(isinstance(result["status"], int)
                                                                                and result["status"] >= 500)),

@@ -354,7 +354,7 @@ def quant_batch(url: str, trials: int) -> dict:
 
     def run(body: dict) -> tuple[str, list[int]]:
         choice = httpx.post(url + "/v1/completions", json=body, timeout=600).json()["choices"][0]
-        return choice["text"], choice["steps"]
+        return choice["text"], choice.get("steps") or []
 
     alone = run(target)
     differ = []

@@ -21,8 +21,8 @@ from torch import Tensor
 from recurrent_depth.model.cache import LayerKey, attend_floats, combine_key_mask
 from recurrent_depth.ops.codes_attention import codes_attention
 from recurrent_depth.quant import ChannelSplit, Quantizer, QuantSpec, parse_kv_quant, select_outlier_channels
-from recurrent_depth.quant.spec import check_spec_text
 from recurrent_depth.quant.rows import RowCodec, TurboRows, row_codec
+from recurrent_depth.quant.spec import check_spec_text
 
 ATTENTION_READS = ("codes", "dequantize")
 # A split's outliers, per head from the first write: for the keys only, for keys and values; or channels 0..n_out-1.

@@ -59,6 +59,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenize-timeout", type=float, default=10.0,
                    help="seconds a worker may spend on one request; past it the worker is killed and the request "
                         "gets 400 (default: %(default)s)")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="largest request body; a larger one gets 413 as soon as it passes the limit "
+                        "(default: 32 MiB)")
+    p.add_argument("--max-body-total", type=int, default=None,
+                   help="bytes of all request bodies held at once (being read or tokenized); a body that would "
+                        "pass it gets 503 with Retry-After, so many bodies under --max-body-bytes cannot add up "
+                        "(default: 4 x --max-body-bytes = 128 MiB)")
     p.add_argument("--max-batch", type=int, default=32,
                    help="sequences decoded together at most (default: %(default)s)")
     p.add_argument("--max-queue", type=int, default=256,
@@ -88,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from recurrent_depth.serving import resolve_api_key, serve
+    from recurrent_depth.serving.text import tokenizer_file
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port {args.port} is invalid: expected 1..65535")
@@ -97,12 +105,15 @@ def run(args: argparse.Namespace) -> int:
     hosts = None if args.allowed_hosts is None else args.allowed_hosts.split(",")
     model: Any = args.model
     tokenizer_dir, model_name = args.tokenizer, args.served_model_name
+    tokenizer_file(tokenizer_dir, required=tokenizer_dir is not None)  # before any model loads
     if args.lora is not None:  # the model loaded here, so the adapter goes onto it (unmerged)
         from recurrent_depth.model.recurrent import RecurrentDepthLM
         from recurrent_depth.train.lora import attach_adapter
 
         model = attach_adapter(RecurrentDepthLM.from_pretrained(args.model, dtype=dtype, device=args.device), args.lora)
-        tokenizer_dir, model_name = tokenizer_dir or args.model, model_name or Path(args.model).resolve().name
+        model_name = model_name or Path(args.model).resolve().name
+        if tokenizer_dir is None and tokenizer_file(args.model) is not None:  # else token ids only, as without --lora
+            tokenizer_dir = args.model
     serve(
         model, tokenizer_dir=tokenizer_dir, host=args.host, port=args.port, log_level=args.log_level,
         allowed_hosts=hosts, read_timeout=args.read_timeout, stall_timeout=args.stall_timeout,
@@ -110,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
         model_name=model_name, api_key=api_key, max_batch=args.max_batch, max_queue=args.max_queue,
         prefill_tokens=args.prefill_tokens, request_timeout=args.request_timeout,
         max_num_steps=args.max_num_steps, num_steps=args.num_steps, max_depth=args.max_depth, dtype=dtype,
-        device=args.device, kv_quant=args.kv_quant,
+        device=args.device, kv_quant=args.kv_quant, max_body_total=args.max_body_total,
+        **({} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}),
     )
     return 0
 

@@ -22,6 +22,7 @@ from recurrent_depth.model.cache import LayerKey, attend_floats, combine_key_mas
 from recurrent_depth.ops.codes_attention import codes_attention
 from recurrent_depth.quant import ChannelSplit, Quantizer, QuantSpec, parse_kv_quant, select_outlier_channels
 from recurrent_depth.quant.rows import RowCodec, TurboRows, row_codec
+from recurrent_depth.quant.spec import check_spec_text
 
 ATTENTION_READS = ("codes", "dequantize")
 # A split's outliers, per head from the first write: for the keys only, for keys and values; or channels 0..n_out-1.
@@ -55,6 +56,10 @@ class KVQuant:
             raise ValueError(f"kv_quant={spec!r} is invalid: expected a string such as 'k=prod:3.5,v=mse:3.5'")
         attention, seed, outliers, sides = "codes", 0, DEFAULT_OUTLIERS, []
         try:
+            check_spec_text(spec, "kv_quant spec")
+        except ValueError as exc:
+            raise ValueError(f"kv_quant is invalid: {exc}") from None
+        try:
             for part in spec.split(","):
                 name, _, value = part.partition("=")
                 name, value = name.strip().lower(), value.strip()
@@ -63,8 +68,8 @@ class KVQuant:
                         raise ValueError(f"attn={value!r} is unknown: expected one of {', '.join(ATTENTION_READS)}")
                     attention = value
                 elif name == "seed":
-                    if not value.isdigit():
-                        raise ValueError(f"seed={value!r} is invalid: expected an integer >= 0")
+                    if not value.isdigit() or int(value) >= 2**63:
+                        raise ValueError(f"seed={value!r} is invalid: expected an integer in [0, 2**63)")
                     seed = int(value)
                 elif name == "outliers":
                     outliers = value

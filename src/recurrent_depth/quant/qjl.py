@@ -18,6 +18,10 @@ from recurrent_depth.quant.codes import Codes
 from recurrent_depth.quant.packing import pack_bits, packed_nbytes, unpack_bits
 from recurrent_depth.quant.rotation import gaussian_matrix, on_device
 
+# Sign bits per coordinate at most (m <= 16·D): past it the sketch costs more than the bf16 vector, and
+# S [m, D] plus the per-vector signs grow without bound (a spec is text a server's client may send).
+MAX_QJL_BITS = 16
+
 
 class QJL(Quantizer):
     method = "qjl"
@@ -27,6 +31,8 @@ class QJL(Quantizer):
         sketch = dim if sketch is None else sketch
         if isinstance(sketch, bool) or not isinstance(sketch, int) or sketch < 1:
             raise ValueError(f"qjl sketch size m must be a positive int, got {sketch!r}")
+        if sketch > MAX_QJL_BITS * dim:
+            raise ValueError(f"qjl sketch size m must be at most {MAX_QJL_BITS}·D = {MAX_QJL_BITS * dim}, got {sketch}")
         self.sketch_size, self.seed = sketch, int(seed)
         self._sketch_seed = derive_seed(seed, "qjl")
         self.scale = math.sqrt(math.pi / 2) / sketch

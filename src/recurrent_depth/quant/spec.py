@@ -3,7 +3,7 @@
     mse:3          TurboQuant_mse, 3 bits (integer 1..8, or fractional by a channel split: mse:2.5)
     prod:3.5       TurboQuant_prod, 3.5 bits in total (b − 1 bits mse + 1-bit QJL per group)
     mse:4:hadamard the option names the rotation: qr (default) or hadamard
-    qjl:2          QJL keys, 2 sign bits per coordinate (sketch m = 2·D)
+    qjl:2          QJL keys, 2 sign bits per coordinate (sketch m = 2·D; at most 16, MAX_QJL_BITS)
     polar          PolarQuant, the reference layout (3.875 bits; `polar:3.875` too)
     raw:16:fp16    the raw 16-bit codec (bf16 by default)
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from recurrent_depth.quant.base import Quantizer
 from recurrent_depth.quant.polar import REFERENCE_LEVEL_BITS, PolarQuant
-from recurrent_depth.quant.qjl import QJL
+from recurrent_depth.quant.qjl import MAX_QJL_BITS, QJL
 from recurrent_depth.quant.raw import RAW_DTYPES, Raw16
 from recurrent_depth.quant.rotation import ROTATIONS
 from recurrent_depth.quant.split import ChannelSplit
@@ -29,6 +29,18 @@ METHODS = ("mse", "prod", "qjl", "polar", "raw")
 POLAR_BITS = (sum(b << (len(REFERENCE_LEVEL_BITS) - level) for level, b in enumerate(REFERENCE_LEVEL_BITS, 1))
               + 16) / (1 << len(REFERENCE_LEVEL_BITS))
 _BIT_RANGE = {"mse": (1, 8), "prod": (1, 9)}
+MAX_SPEC_CHARS = 200  # the longest spec spelt out is under 100; error lines quote what they were given
+
+
+def check_spec_text(text: str, what: str) -> None:
+    """A ValueError for a spec string too long to be one (its error lines would quote all of it)."""
+    if len(text) > MAX_SPEC_CHARS:
+        raise ValueError(f"a {what} is at most {MAX_SPEC_CHARS} characters, got {len(text)} ({text[:40]!r}...)")
+
+
+# Every spec is bounded here, before anything is built: a spec is text a server's client may send
+# (`kv_quant` per request), and its bits set the sketch, the codebook and the bytes of every cached
+# vector. No method may cost more than the raw bf16 vector it stands for (plus its norms).
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,9 @@ class QuantSpec:
             lo, hi = _BIT_RANGE[self.method]
             if not lo <= bits <= hi:
                 raise ValueError(f"{self.method} bits must be in [{lo}, {hi}], got {bits:g}")
+        if self.method == "qjl" and bits > MAX_QJL_BITS:
+            raise ValueError(f"qjl bits must be in (0, {MAX_QJL_BITS}], got {bits:g} (a sketch of more than "
+                             f"{MAX_QJL_BITS} sign bits per coordinate costs more than the bf16 vector)")
         if self.method == "polar" and bits != POLAR_BITS:
             raise ValueError(f"polar's reference layout is {POLAR_BITS:g} bits, got {bits:g} "
                              "(other layouts: PolarQuant(dim, level_bits=...))")
@@ -60,6 +75,7 @@ class QuantSpec:
 
     @classmethod
     def parse(cls, text: str) -> QuantSpec:
+        check_spec_text(text, "quantizer spec")
         parts = text.strip().split(":")
         if not parts[0] or len(parts) > 3:
             raise ValueError(f"a quantizer spec is method:bits[:option] (e.g. prod:3.5, mse:4:hadamard), got {text!r}")
@@ -117,6 +133,7 @@ def parse_kv_quant(text: str) -> dict[str, QuantSpec]:
     if not isinstance(text, str) or not text.strip():
         raise ValueError("a KV quantization spec is k=METHOD:BITS,v=METHOD:BITS (e.g. k=prod:3.5,v=mse:3.5), got "
                          f"{text!r}")
+    check_spec_text(text, "KV quantization spec")
     specs: dict[str, QuantSpec] = {}
     for item in text.split(","):
         key, sep, value = item.partition("=")

@@ -30,7 +30,7 @@ from recurrent_depth.serving.batch import BatchDecoder, RowRequest, TokenResult
 from recurrent_depth.serving.engine import BatchScheduler, Engine
 from recurrent_depth.serving.metrics import Metrics
 from recurrent_depth.serving.protocol import APIError, Limits
-from recurrent_depth.serving.text import TextCodec
+from recurrent_depth.serving.text import TextCodec, tokenizer_file
 
 __all__ = [
     "APIError",
@@ -76,6 +76,7 @@ def build_app(
     read_timeout: float = 30.0,
     stall_timeout: float = 60.0,
     max_body_bytes: int = MAX_BODY_BYTES,
+    max_body_total: int | None = None,
     tokenizer_workers: int = 2,
     tokenize_timeout: float = 10.0,
     worker_memory: int | None = 2 << 30,
@@ -84,12 +85,16 @@ def build_app(
     """A ready FastAPI app for a model directory (or a loaded `RecurrentDepthLM` plus `tokenizer_dir`).
 
     `num_steps` is the depth of requests that do not set one (None: the model's mean_recurrence);
+    `tokenizer_dir` (a directory or a tokenizer.json; default: the model directory's, where a directory
+    without one is served for token ids only) must be a tokenizer when it is given.
     `max_num_steps` bounds what a request may ask for, itself at most `max_depth` (the depth ceiling,
     default MAX_NUM_STEPS). `api_key` must be a non-blank string or None
     (no key). `allowed_hosts`: the Host header names accepted (None: loopback names only; `["*"]`:
     any). `read_timeout`: seconds for a request's head and, separately, for its whole body.
     `stall_timeout`: seconds without progress while requests are open after which /health answers
-    503 "stalled". Requests are parsed, rendered and tokenized by `tokenizer_workers` processes,
+    503 "stalled". `max_body_bytes`: the largest request body (413 past it); `max_body_total`: the bytes
+    of all bodies held at once, being read or prepared (503 past it; None: 4 x max_body_bytes).
+    Requests are parsed, rendered and tokenized by `tokenizer_workers` processes,
     each killed past `tokenize_timeout` seconds on one request or `worker_memory` bytes of growth.
     The engine thread and the workers start with the app (its lifespan) and stop with it.
     `kv_quant` (e.g. "k=prod:3.5,v=mse:3.5"; None: full precision) quantizes the server's KV
@@ -98,6 +103,8 @@ def build_app(
     """
     if kv_quant is not None:  # a bad spec fails before the model loads
         KVQuant.parse(kv_quant)
+    tokenizer_named = tokenizer_dir is not None  # a tokenizer the caller named must be one (not token ids only)
+    tokenizer_file(tokenizer_dir, required=tokenizer_named)  # and, like the spec, fails before the model loads
     if isinstance(model, str | Path):
         from recurrent_depth.model.recurrent import RecurrentDepthLM
 
@@ -127,12 +134,13 @@ def build_app(
                     max_sequences=min(max_queue, 256), default_num_steps=num_steps)
     scheduler = BatchScheduler(model, Metrics(), max_batch=max_batch, max_queue=max_queue,
                                prefill_tokens=prefill_tokens, kv_quant=kv_quant)
-    codec = TextCodec(tokenizer_dir, cfg.vocab_size, cfg.max_seq_len)
+    codec = TextCodec(tokenizer_dir, cfg.vocab_size, cfg.max_seq_len, required=tokenizer_named)
     if codec.has_tokenizer and codec.chat is None:
         print(f"rdepth serve: chat is off: {codec.chat_error}", file=sys.stderr)
     settings = ServerSettings(
         model_name=model_name, api_key=api_key.strip() if api_key is not None else None,
-        request_timeout=request_timeout, limits=limits, max_body_bytes=max_body_bytes, read_timeout=read_timeout,
+        request_timeout=request_timeout, limits=limits, max_body_bytes=max_body_bytes, max_body_total=max_body_total,
+        read_timeout=read_timeout,
         stall_timeout=stall_timeout, allowed_hosts=tuple(allowed_hosts) if allowed_hosts is not None else None,
         tokenizer_workers=tokenizer_workers, tokenize_timeout=tokenize_timeout, worker_memory=worker_memory,
         default_num_steps=num_steps)

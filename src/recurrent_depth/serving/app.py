@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -33,14 +34,41 @@ def _error(status: int, message: str, type: str = "invalid_request_error", code:
     return JSONResponse(APIError(status, message, type=type, code=code, param=param).body(), status_code=status)
 
 
-def timed(metrics: Metrics, endpoint: str,
-          handler: Callable[[Request, float], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-    """`handler(request, start)` as a route that counts every answer by status (streams count when they end)."""
+SHUTTING_DOWN = "the server is shutting down"
+
+
+async def unless_closing(work: Coroutine[Any, Any, Response], closing: asyncio.Event) -> Response:
+    """`work`'s answer, or a 503 once the server starts shutting down (`closing`) before it has one:
+    the work (reading the body, preparing, waiting for kernels or tokens) is cancelled, so no request
+    is left for uvicorn to cut off with a plain-text 500 at its own deadline."""
+    unavailable = APIError(503, SHUTTING_DOWN, type="service_unavailable", code="shutting_down")
+    if closing.is_set():
+        work.close()
+        raise unavailable
+    task = asyncio.ensure_future(work)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # an error after cancelling is not logged
+    waiter = asyncio.ensure_future(closing.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        unfinished = not task.done()
+        if unfinished:
+            task.cancel()  # it ends at its next await (its cleanup runs: jobs cancelled, worker given back)
+    if unfinished or task.cancelled():
+        raise unavailable
+    return task.result()
+
+
+def timed(metrics: Metrics, endpoint: str, handler: Callable[[Request, float], Coroutine[Any, Any, Response]],
+          closing: asyncio.Event) -> Callable[[Request], Awaitable[Response]]:
+    """`handler(request, start)` as a route that counts every answer by status (streams count when they
+    end) and answers 503 when the server shuts down first (`unless_closing`)."""
 
     async def run(request: Request) -> Response:
         start = time.monotonic()
         try:
-            response = await handler(request, start)
+            response = await unless_closing(handler(request, start), closing)
         except APIError as exc:
             metrics.request_done(endpoint, exc.status, None)
             raise
@@ -58,13 +86,20 @@ def create_app(scheduler: BatchScheduler, codec: TextCodec, settings: ServerSett
     """The FastAPI application. Starting it starts the scheduler thread; stopping it stops the thread."""
     handlers = Handlers(scheduler, codec, settings)
 
+    closing = asyncio.Event()
+
     async def drain() -> None:
-        """End every open request now: each gets the scheduler's 503 (streams: an error event, [DONE])."""
+        """End every open request now with a 503 (streams: an error event, [DONE]): those not yet
+        submitted through `closing`, the submitted ones from here (`OpenRequests.end_all`), whatever the
+        scheduler thread is doing; then stop the thread."""
+        closing.set()
+        handlers.open_requests.end_all(SHUTTING_DOWN)
         await asyncio.to_thread(scheduler.stop)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await handlers.pool.start()
+        await handlers.kernels.ready(scheduler.kv_quant)  # --kv-quant's kernels before the first request
         scheduler.start()
         try:
             yield
@@ -74,6 +109,7 @@ def create_app(scheduler: BatchScheduler, codec: TextCodec, settings: ServerSett
 
     app = FastAPI(title="recurrent-depth", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.drain = drain
+    app.state.scheduler = scheduler
     app.state.banner = lambda url: banner(scheduler, settings, handlers.limits, url)
     hosts = settings.allowed_hosts if settings.allowed_hosts is not None else LOOPBACK_NAMES
     app.add_middleware(HostGuard, names=allowed_host_names("127.0.0.1", hosts))
@@ -95,8 +131,8 @@ def create_app(scheduler: BatchScheduler, codec: TextCodec, settings: ServerSett
     app.get("/v1/models")(handlers.list_models)
     app.get("/v1/models/{model_id:path}")(handlers.get_model)
     app.get("/metrics")(handlers.prometheus)
-    app.post("/v1/completions")(timed(handlers.metrics, "completions", handlers.completions))
-    app.post("/v1/chat/completions")(timed(handlers.metrics, "chat", handlers.chat))
+    app.post("/v1/completions")(timed(handlers.metrics, "completions", handlers.completions, closing))
+    app.post("/v1/chat/completions")(timed(handlers.metrics, "chat", handlers.chat, closing))
     return app
 
 

@@ -16,9 +16,11 @@ the deepest row of the batch: adaptive exit saves real compute. Rows at the same
 start their tokens together (a row that joins such a cohort waits for its next token boundary),
 which keeps a batch of fixed-depth requests in lockstep, with one model call per step for all.
 
-Each row computes exactly what `recurrent_depth.inference.generate` computes for that request
-alone, in the same order, from the same generator: same tokens, same steps per token, logits
-equal to float rounding. `remove` frees a row by moving the last row into its place. The core
+Each row computes what `recurrent_depth.inference.generate` computes for that request alone, in
+the same order, from the same generator; a matmul over B rows rounds differently from one row, so
+logits are equal to float rounding (~1e-5), and an adaptive exit sitting at its threshold within
+that rounding can stop a step earlier or later than alone (docs/serving.md). `remove` frees a row
+by moving the last row into its place. The core
 runs through the inference package's recurrence engine (`inference.engine.Recurrence`, over the
 `FastRunner` of all-attention models): the prefill as `run`, each iteration as `step_rows`;
 token choice, per-row generators and exit statistics (`RowCriterion`) are the inference

@@ -19,14 +19,16 @@ from recurrent_depth.inference.quant_cache import kv_quant_for_model
 from recurrent_depth.serving import responses
 from recurrent_depth.serving.batch import BatchDecoder, RowRequest
 from recurrent_depth.serving.engine import BatchScheduler, EngineUnavailable, Job, QueueFull
+from recurrent_depth.serving.kernels import KernelWarmup
 from recurrent_depth.serving.kv_pool import SlotKVPool
 from recurrent_depth.serving.prep import PrepPool, PrepSpec
 from recurrent_depth.serving.protocol import APIError, ChatRequest, CompletionRequest, Limits, Sampling
 from recurrent_depth.serving.streaming import Channel, OpenRequests, collect, stream
 from recurrent_depth.serving.text import TextCodec, TextState
-from recurrent_depth.serving.transport import read_body, require_json
+from recurrent_depth.serving.transport import BodyBudget, read_body, require_json
 
 MAX_BODY_BYTES = 32 * 2**20
+BODY_TOTAL_FACTOR = 4  # all bodies held at once, by default: 4 x the per-request limit (128 MiB)
 
 
 @dataclass
@@ -40,6 +42,7 @@ class ServerSettings:
     aliases: tuple[str, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))
     max_body_bytes: int = MAX_BODY_BYTES
+    max_body_total: int | None = None  # bytes of all bodies being read or prepared at once (None: 4 x max_body_bytes)
     read_timeout: float = 30.0  # seconds for a request's head, and for its whole body
     stall_timeout: float = 60.0  # /health says "stalled" after this long without progress while busy
     allowed_hosts: tuple[str, ...] | None = None  # Host header names accepted (None: loopback; "*": any)
@@ -61,10 +64,21 @@ class Handlers:
         self.metrics = scheduler.metrics
         eos_configured = cfg.eos_token_id is not None
         self.base_stops = set(codec.eos_ids) | set(eos_ids(cfg.eos_token_id, "eos_token_id", cfg.vocab_size))
-        self.pool = PrepPool(PrepSpec(str(codec.model_dir) if codec.has_tokenizer else None, codec.vocab_size,
+        self.pool = PrepPool(PrepSpec(codec.source if codec.has_tokenizer else None, codec.vocab_size,
                                       self.limits, frozenset(self.names), eos_configured, settings.worker_memory),
                              workers=settings.tokenizer_workers, timeout=settings.tokenize_timeout)
         self.open_requests = OpenRequests(scheduler)
+        self.kernels = KernelWarmup(scheduler.model)  # app.py readies --kv-quant's at start-up
+        if isinstance(settings.max_body_bytes, bool) or not isinstance(settings.max_body_bytes, int) \
+                or settings.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes={settings.max_body_bytes!r} is invalid: expected a number of bytes >= 1")
+        total = settings.max_body_total
+        if total is None:
+            total = BODY_TOTAL_FACTOR * settings.max_body_bytes
+        elif total < settings.max_body_bytes:
+            raise ValueError(f"max_body_total={total} is below max_body_bytes={settings.max_body_bytes}: a body at "
+                             "the limit could never be read")
+        self.bodies = BodyBudget(total)
         self.api_key = settings.api_key.encode("utf-8") if settings.api_key is not None else None
 
     # ------------------------------------------------------------------ auth and body
@@ -82,9 +96,10 @@ class Handlers:
         """The validated request and its token-id prompts: the body is read here (bounded in size and
         time), parsed, checked, rendered and tokenized in a worker process (`prep.py`)."""
         require_json(request.headers.get("content-type"))
-        raw = await read_body(request.receive, self.settings.max_body_bytes, self.settings.read_timeout,
-                              request.headers.get("content-length"))
-        return await self.pool.prepare(kind, raw)
+        with self.bodies.holding() as share:  # until the worker has the body (it returns token ids)
+            raw = await read_body(request.receive, self.settings.max_body_bytes, self.settings.read_timeout,
+                                  request.headers.get("content-length"), share)
+            return await self.pool.prepare(kind, raw)
 
     # ------------------------------------------------------------------ simple routes
     async def health(self) -> JSONResponse:
@@ -170,10 +185,13 @@ class Handlers:
                 choices.append(responses.Choice(index, list(prompt)))
         return jobs, choices
 
-    def submit(self, jobs: list[Job], start: float) -> None:
+    async def submit(self, jobs: list[Job], start: float, channel: Channel) -> None:
+        """Queue a request's jobs, once the quantized-KV kernels their spec needs are loaded (a first
+        build runs in a thread, not in the scheduler's decode call; `kernels.py`)."""
+        await self.kernels.ready(jobs[0].row.options.kv_quant if jobs else None)
         try:
             self.scheduler.submit(jobs)
-            self.open_requests.add(jobs, start)
+            self.open_requests.add(jobs, start, channel)
         except QueueFull as exc:
             self.metrics.reject("queue_full")
             raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from None
@@ -203,7 +221,7 @@ class Handlers:
         channel = Channel()
         jobs, choices = self.make_jobs(req.sampling, prompts, req.logprobs, req.echo and req.logprobs is not None,
                                        set(), channel, start)
-        self.submit(jobs, start)
+        await self.submit(jobs, start, channel)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.settings.model_name}
         opening = None
@@ -227,7 +245,7 @@ class Handlers:
         top = (req.top_logprobs or 0) if req.logprobs else None
         channel = Channel()
         jobs, choices = self.make_jobs(req.sampling, [prompt], top, False, set(codec.chat_stop_ids), channel, start)
-        self.submit(jobs, start)
+        await self.submit(jobs, start, channel)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.settings.model_name}
         if req.sampling.stream:

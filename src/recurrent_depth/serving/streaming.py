@@ -35,18 +35,37 @@ class Channel:
 
 
 class OpenRequests:
-    """The requests being answered, by arrival time: /health's stall check, and their cancellation."""
+    """The requests being answered, by arrival time: /health's stall check, their cancellation, and
+    ending them all at shutdown (`end_all`)."""
 
     def __init__(self, scheduler: BatchScheduler) -> None:
         self.scheduler = scheduler
         self._open: dict[int, tuple[float, list[Job]]] = {}  # id(jobs) -> (arrival, jobs)
+        self._channels: dict[int, Channel] = {}
 
-    def add(self, jobs: list[Job], arrival: float) -> None:
+    def add(self, jobs: list[Job], arrival: float, channel: Channel | None = None) -> None:
         self._open[id(jobs)] = (arrival, jobs)
+        if channel is not None:
+            self._channels[id(jobs)] = channel
+
+    def end_all(self, message: str) -> int:
+        """Give every open request a 503 now, from the event loop (the scheduler thread may be inside a
+        long prefill and reach its own 503s too late): its jobs are cancelled and its handler receives
+        a `Failed` event (a stream sends it as an error event, then [DONE]). How many were open."""
+        ended = 0
+        for key, (_, jobs) in list(self._open.items()):
+            channel = self._channels.get(key)
+            if channel is None:
+                continue
+            self.scheduler.cancel(jobs)
+            channel.queue.put_nowait(Failed(jobs[0].index if jobs else 0, 503, message, "service_unavailable"))
+            ended += 1
+        return ended
 
     def close(self, jobs: list[Job], unfinished: bool) -> None:
         """The request is answered (or abandoned: `unfinished` cancels its jobs)."""
         self._open.pop(id(jobs), None)
+        self._channels.pop(id(jobs), None)
         if unfinished:
             self.scheduler.cancel(jobs)
 

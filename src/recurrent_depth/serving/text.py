@@ -44,6 +44,29 @@ def _byte_level_alphabet() -> dict[str, int]:
     return table
 
 
+def tokenizer_file(path: str | Path | None, required: bool = False) -> Path | None:
+    """The `tokenizer.json` that `path` (a directory or that file) names; None where a directory has
+    none and `required` is False. A ValueError line for a path that is missing, not a regular file or
+    directory (a FIFO, a device), or a directory whose `tokenizer.json` is not a regular file."""
+    if path is None:
+        return None
+    given = Path(path)
+    if not given.exists():
+        raise ValueError(f"tokenizer {str(given)!r}: no such file or directory (expected a directory holding "
+                         "tokenizer.json, or that file)")
+    if given.is_dir():
+        file = given / "tokenizer.json"
+        if not file.exists() and not file.is_symlink():
+            if required:
+                raise ValueError(f"tokenizer {str(given)!r}: the directory holds no tokenizer.json")
+            return None
+    else:
+        file = given
+    if not file.is_file():  # a FIFO would block the read, a device never end it
+        raise ValueError(f"tokenizer {str(file)!r} is not a regular file")
+    return file
+
+
 class TextCodec:
     """Encode/decode with a model directory's tokenizer; None-safe when there is none.
 
@@ -51,16 +74,23 @@ class TextCodec:
     `context` x the longest token (in bytes) cannot fit, and is refused before it is tokenized.
     """
 
-    def __init__(self, model_dir: str | Path | None, vocab_size: int, context: int | None = None) -> None:
+    def __init__(self, model_dir: str | Path | None, vocab_size: int, context: int | None = None,
+                 required: bool = False) -> None:
+        """`model_dir`: a directory holding `tokenizer.json` (and the chat template), a `tokenizer.json`
+        file (the template is then read beside it), or None. A directory without `tokenizer.json` is
+        served for token ids only unless `required` (a tokenizer the user named): then, as for a path
+        that is missing or not a regular file or directory (a FIFO), a ValueError line."""
         self.vocab_size = vocab_size
         self.context = context
         self.tokenizer: Any = None
-        self.model_dir = Path(model_dir) if model_dir is not None else None
-        if self.model_dir is not None and (self.model_dir / "tokenizer.json").is_file():
+        self.source = str(model_dir) if model_dir is not None else None  # what workers rebuild this codec from
+        file = tokenizer_file(model_dir, required)
+        self.model_dir = file.parent if file is not None else (Path(model_dir) if model_dir is not None else None)
+        if file is not None:
             from recurrent_depth.data.tokenizer import check_fits_vocab, load_tokenizer
 
-            self.tokenizer = load_tokenizer(self.model_dir)
-            check_fits_vocab(self.tokenizer, vocab_size, self.model_dir / "tokenizer.json")
+            self.tokenizer = load_tokenizer(file)
+            check_fits_vocab(self.tokenizer, vocab_size, file)
         self.special_ids: set[int] = set()
         self.eos_ids: set[int] = set()
         self.chat_stop_ids: set[int] = set()

@@ -7,6 +7,8 @@
 * `read_body`: reads a request body with a byte limit enforced *while* reading, whatever the
   transfer encoding (chunked bodies have no Content-Length to check up front), and a deadline for
   the whole body (a body shorter than its Content-Length is not waited for forever).
+* `BodyBudget`: the bytes of all bodies held at once, bounded too (a 503 past it), since many bodies
+  each under the limit add up.
 * `HostGuard`: an ASGI wrapper refusing requests whose `Host` header is not an allowed name, so a
   web page cannot reach a loopback server through DNS rebinding.
 * `Server`: uvicorn's server that, on Ctrl-C / SIGTERM, gives open requests a grace period, then
@@ -17,10 +19,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import re
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
 import h11
@@ -97,12 +101,56 @@ def guarded_protocol(read_timeout: float) -> type[H11Protocol]:
 
 
 # ---------------------------------------------------------------------------------------- bodies
+class BodyBudget:
+    """The bytes of request bodies the server holds at once (read, or being read, and not yet handed
+    to a preparation worker), at most `limit`: bodies under the per-request limit still add up.
+    `holding()` is one request's share; growing it past the budget is a 503 (retry later). Used from
+    the event loop only, so no lock."""
+
+    def __init__(self, limit: int) -> None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"max_body_total={limit!r} is invalid: expected a number of bytes >= 1")
+        self.limit = limit
+        self.held = 0
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[BodyShare]:
+        share = BodyShare(self)
+        try:
+            yield share
+        finally:
+            self.held -= share.bytes
+
+
+class BodyShare:
+    """One request's bytes in a `BodyBudget`."""
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self.budget = budget
+        self.bytes = 0
+
+    def grow_to(self, size: int) -> None:
+        extra = size - self.bytes
+        if extra <= 0:
+            return
+        budget = self.budget
+        if budget.held + extra > budget.limit:
+            raise APIError(503, f"the server is holding {budget.held} bytes of request bodies and this one would "
+                                f"pass its budget of {budget.limit} (--max-body-total); retry later",
+                           type="service_unavailable", code="body_budget_exceeded",
+                           headers={**CLOSE, "Retry-After": "1"})
+        budget.held += extra
+        self.bytes = size
+
+
 async def read_body(receive: Callable[[], Awaitable[dict]], limit: int, timeout: float,
-                    declared: str | None) -> bytes:
-    """The request body, at most `limit` bytes, complete within `timeout` seconds.
+                    declared: str | None, share: BodyShare | None = None) -> bytes:
+    """The request body, at most `limit` bytes, complete within `timeout` seconds, its bytes counted
+    in `share` as they arrive.
 
     413 as soon as more than `limit` bytes have arrived (or are announced by Content-Length), 408
-    when the body is still incomplete at the deadline; both answers close the connection.
+    when the body is still incomplete at the deadline, 503 when `share`'s budget is spent; all three
+    answers close the connection.
     """
     if declared is not None and declared.strip().isdigit() and int(declared) > limit:
         raise APIError(413, f"the request body is {int(declared)} bytes; at most {limit} are accepted",
@@ -124,6 +172,8 @@ async def read_body(receive: Callable[[], Awaitable[dict]], limit: int, timeout:
         if size > limit:
             raise APIError(413, f"the request body is over {limit} bytes (stopped reading after {size}); at most "
                                 f"{limit} are accepted", headers=CLOSE)
+        if share is not None:
+            share.grow_to(size)
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
@@ -153,12 +203,20 @@ def allowed_host_names(host: str, allowed: Iterable[str] | None) -> frozenset[st
     return frozenset({*LOOPBACK_NAMES, host.strip("[]").lower()})
 
 
-def host_name(header: str) -> str:
-    """The name of a Host header value, without its port (`[::1]:8000` -> `::1`)."""
-    value = header.strip().lower()
-    if value.startswith("["):
-        return value[1 : value.find("]")] if "]" in value else value
-    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+# One host and an optional port, as RFC 9112 / 3986 allow in a Host header: a registered name or IPv4
+# address, a bracketed IPv6 address, or (leniently) a bare IPv6 address without a port. Anything else,
+# a list ("127.0.0.1:80, evil.com") included, names no host and is refused.
+_HOST = re.compile(r"(?:\[(?P<v6>[0-9a-f:.]+)\]|(?P<name>[a-z0-9._~-]+))(?::(?P<port>[0-9]{1,5}))?"
+                   r"|(?P<bare>[0-9a-f]*:[0-9a-f:.]*)")
+
+
+def host_name(header: str) -> str | None:
+    """The host a Host header value names, without its port (`[::1]:8000` -> `::1`); None unless the
+    value is exactly one host[:port]."""
+    match = _HOST.fullmatch(header.strip().lower())
+    if match is None:
+        return None
+    return match["v6"] or match["name"] or match["bare"]
 
 
 class HostGuard:
@@ -170,7 +228,8 @@ class HostGuard:
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http" and self.names is not None:
-            header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), "")
+            given = [v.decode("latin-1") for k, v in scope["headers"] if k == b"host"]
+            header = given[0] if len(given) == 1 else ", ".join(given)  # several Host headers name no one host
             if host_name(header) not in self.names:
                 body = json.dumps(APIError(
                     421, f"the Host header {header!r} is not one this server answers to "

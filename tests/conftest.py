@@ -3,9 +3,10 @@ import os
 # MKL picks its matrix kernels by CPU (AVX2, AVX-512, AMX), and their float rounding differs; the goldens
 # (official Huginn outputs, adaptive-exit step counts that sit near a threshold) were recorded with its
 # AVX2 kernels. Conditional numerical reproducibility pins that path on every x86 machine, so a
-# test gives the same numbers on an AVX-512 CI machine as on the one that recorded it; STRICT keeps
-# a row's result independent of how many rows share the product (the one-rank vs two-rank tests).
-# Set before torch makes its first MKL call; subprocesses inherit it.
+# test gives the same numbers on an AVX-512 machine as on an AVX2 one. STRICT also makes a row's result
+# independent of how many rows share a product (the one-rank vs two-rank tests compare bit for bit).
+# Given the thread count, results are then the same on every x86 CPU; tests/test_official_golden.py
+# pins its own (`two_threads`). Set before torch makes its first MKL call; subprocesses inherit it.
 os.environ.setdefault("MKL_CBWR", "AVX2,STRICT")
 
 import pytest  # noqa: E402
@@ -26,6 +27,15 @@ def one_thread():
     threads on a shared 2-core machine run many times slower; results do not depend on it."""
     with OneThread():
         yield
+
+
+@pytest.fixture(scope="module")
+def two_threads():
+    """Two torch threads for a module, restored after it (see `two_threads` in tests/test_official_golden.py)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(autouse=True)

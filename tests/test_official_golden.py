@@ -28,6 +28,11 @@ import torch
 import recurrent_depth as rd
 from tests.official_golden_support import build_golden_model, load_golden, state_dict_sha256
 
+# A product's rounding depends on the threads sharing it, and a few adaptive-exit step counts here sit within
+# rounding of their threshold. Under the suite's MKL mode (conftest: AVX2 kernels, STRICT) two threads give the
+# recorded numbers (measured: with one thread, two entropy-diff cases exit one step off), on any x86 CPU.
+pytestmark = pytest.mark.usefixtures("two_threads")
+
 GOLDEN = load_golden()
 CASES = {case["name"]: case for case in GOLDEN["cases"]}
 

@@ -187,3 +187,11 @@ def test_lora_leaves_the_diagonal_injection_out():
     assert "transformer.adapter" not in names and "transformer.core_block.0.attn.Wqkv" in names
     with pytest.raises(ValueError, match="select no linear layer"):
         target_modules(model, LoraSpec(parts=("adapter",)))
+
+
+def test_flops_count_two_mlp_matrices_when_ungated():
+    from recurrent_depth.train.flops import block_linear_flops
+
+    gated = rd.ModelConfig.from_preset("parcae-140m", mlp_gated=True)
+    ungated = rd.ModelConfig.from_preset("parcae-140m")
+    assert block_linear_flops(gated) - block_linear_flops(ungated) == 2.0 * 3072 * 768

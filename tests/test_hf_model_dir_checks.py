@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM
@@ -79,3 +80,11 @@ def test_our_classes_read_config_json_bounded(clean_dir, tmp_path, case):
 
 def test_a_clean_directory_still_loads(clean_dir):
     assert isinstance(AutoModelForCausalLM.from_pretrained(clean_dir), RecurrentDepthForCausalLM)
+
+
+def test_transformers_route_refuses_a_parcae_directory_in_one_line():
+    """A Parcae directory passes the library's checks (its names are mapped), but transformers would load its
+    tensors under Parcae's names: refused, pointing to RecurrentDepthLM.from_pretrained (docs/looped-family.md)."""
+    with pytest.raises(ValueError, match="Parcae directory") as info:
+        RecurrentDepthForCausalLM.from_pretrained(Path(__file__).parent / "goldens" / "parcae" / "released-layout")
+    assert "\n" not in str(info.value)

@@ -170,7 +170,8 @@ def test_transformers_config_round_trips_every_model_config_field(tmp_path):
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 128},
                    qkv_bias=True, mlp_activation="gelu", embedding_scale=False, norm_before_coda=False,
                    final_norm=False, step_norm=True, injection="add", state_init="embedding", exit_gate=True,
-                   exit_gate_threshold=0.75)
+                   exit_gate_threshold=0.75, mlp_gated=False, qk_norm_eps=1e-7, prelude_norm=True,
+                   coda_projection=True, value_embeddings=[1])
     defaults = rd.ModelConfig()
     assert {name for name in changed if getattr(defaults, name) == changed[name]} == set()
     assert set(HUGINN_ARCHITECTURE) <= set(changed)

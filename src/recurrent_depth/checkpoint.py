@@ -1,4 +1,4 @@
-"""safetensors checkpoints: ours, the official Huginn-0125 layout and Ouro's, single file or sharded.
+"""safetensors checkpoints: ours, the official Huginn-0125 layout, Ouro's and Parcae's, single file or sharded.
 
 A model directory holds `config.json` and `model.safetensors` (or `model-0000i-of-0000n.safetensors`
 shards plus `model.safetensors.index.json`), and usually the tokenizer files. Nothing is ever
@@ -6,7 +6,8 @@ unpickled. Tied weights are stored once (`transformer.wte.weight`) and re-tied o
 file's extra `lm_head.weight` is accepted when it equals the embedding, its `freqs_cis` buffer is
 ignored (we compute our own RoPE table). An Ouro directory (`model_type: "ouro"`) is read through
 `families/ouro.py`: its tensors are checked under their own names, then renamed and fused into ours.
-Saving always writes our own format.
+A Parcae directory (`_class_name: "ParcaeConfig"`) is read through `families/parcae.py`: its header
+entries renamed before the checks, its tensors after the read. Saving always writes our own format.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from recurrent_depth.config import ModelConfig
-from recurrent_depth.families import ouro
+from recurrent_depth.families import ouro, parcae
 from recurrent_depth.files import (
     CONFIG_MAX_BYTES,
     atomic_path,
@@ -285,12 +286,13 @@ def usable_device(device: Any) -> torch.device:
 @dataclass(frozen=True)
 class CheckedDir:
     """A model directory that passed `check_model_dir`: its config, the model built on the meta
-    device, whether the stored head is the tied embedding, and whether the tensors are Ouro's."""
+    device, whether the stored head is the tied embedding, and whether the tensors are Ouro's or Parcae's."""
 
     config: ModelConfig
     meta_model: Any
     tied_head: bool
     is_ouro: bool = False
+    is_parcae: bool = False
 
 
 def check_model_dir(
@@ -304,7 +306,8 @@ def check_model_dir(
     read bounded and validated, the weight files (regular, bounded, headers that fit their files)
     and their names, shapes and dtypes against the model the config describes. Each loader runs it
     first (`load_pretrained`, and transformers' `from_pretrained` through our classes). An Ouro
-    directory's tensors are checked under their own names first (`families/ouro.py`)."""
+    directory's tensors are checked under their own names first (`families/ouro.py`); a Parcae
+    directory's header entries are renamed to ours first (`families/parcae.py`)."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {path} does not exist")
@@ -314,6 +317,7 @@ def check_model_dir(
     raw = parse_json(read_text(path / "config.json", CONFIG_MAX_BYTES, "config file"), "config")
     config = ModelConfig.from_dict(raw)
     is_ouro = isinstance(raw, dict) and ouro.is_ouro_config(raw)
+    is_parcae = isinstance(raw, dict) and parcae.is_parcae_config(raw)
     if config_overrides:
         values = config.to_dict()
         values.pop("model_type")
@@ -322,6 +326,8 @@ def check_model_dir(
     header = read_header_shapes(path, allow_outside)
     if is_ouro:
         header = ouro.translate_header(header, config, frozenset(_SAFETENSORS_DTYPES), path)
+    if is_parcae:
+        header = parcae.parcae_header(header, config)
     for name in IGNORED_TENSORS:
         header.pop(name, None)
     _check_layer_counts(config, header, path)
@@ -358,7 +364,7 @@ def check_model_dir(
         problems.append(f"mis-shaped tensors: {clipped_names(mis_shaped)}")
     if problems:
         raise ValueError(f"cannot load {path}: " + "; ".join(problems))
-    return CheckedDir(config, model, tied_head, is_ouro)
+    return CheckedDir(config, model, tied_head, is_ouro, is_parcae)
 
 
 def load_pretrained(
@@ -371,7 +377,7 @@ def load_pretrained(
     model_class: type[torch.nn.Module],
 ) -> Any:
     """Build a `model_class` (`RecurrentDepthLM`, whose `from_pretrained` calls this) from a model
-    directory (ours, official Huginn-0125 or Ouro).
+    directory (ours, official Huginn-0125, Ouro or Parcae).
 
     Everything is checked before a tensor is allocated (`check_model_dir`): the config's bounds,
     then its shapes against the safetensors headers. `allow_outside=True` lets an index name
@@ -385,6 +391,8 @@ def load_pretrained(
     state = read_state_dict(path, dtype, allow_outside)
     if checked.is_ouro:
         state = ouro.fuse_state(state, config)
+    if checked.is_parcae:
+        state = parcae.parcae_state_dict(state, config)
     for name in IGNORED_TENSORS:
         state.pop(name, None)
     wte_tensor = state["transformer.wte.weight"]

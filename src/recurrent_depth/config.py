@@ -1,9 +1,10 @@
 """Model configuration: one typed dataclass, validated once, saved beside every checkpoint.
 
-`ModelConfig` speaks three dialects of `config.json`: our own field names (written by
+`ModelConfig` speaks four dialects of `config.json`: our own field names (written by
 `to_dict`), the official Huginn-0125 `RavenConfig` keys (`n_embd`, `n_heads`,
-`n_layers_in_prelude`, ...), which `from_dict` translates through `HUGINN_KEY_MAP`, and Ouro's
-(`model_type: "ouro"`, Qwen2's keys plus `total_ut_steps`), translated by `families/ouro.py`.
+`n_layers_in_prelude`, ...), which `from_dict` translates through `HUGINN_KEY_MAP`, Ouro's
+(`model_type: "ouro"`, Qwen2's keys plus `total_ut_steps`), translated by `families/ouro.py`, and a
+Parcae `ParcaeConfig`'s (`_class_name: "ParcaeConfig"`), translated by `families/parcae.py`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from recurrent_depth.families.ouro import OURO_KEY_FOR_FIELD, OURO_KEYS, is_ouro_config, ouro_config_values
+from recurrent_depth.families.parcae import is_parcae_config, parcae_config_values, value_embedding_layers
 from recurrent_depth.files import CONFIG_MAX_BYTES, atomic_write_text, parse_json, read_text
 
 MODEL_TYPE = "recurrent_depth"
@@ -167,7 +169,7 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None  # None, {"rope_type": "linear", "factor": f} or Llama 3's "llama3"
     qkv_bias: bool = False  # a bias on the q/k/v projection (Qwen2), whatever `bias` says
     qk_norm_full_width: bool = False  # with qk_norm: one RMSNorm over all heads' q (and k) at once (OLMo-2)
-    mlp_activation: str = "silu"  # the gate's activation in the gated MLP: see MLP_ACTIVATIONS
+    mlp_activation: str = "silu"  # the MLP's activation (the gate's, when gated): see MLP_ACTIVATIONS
     embedding_scale: bool = True  # wte(x) * sqrt(h) (Huginn); off: wte(x) as is
     norm_before_coda: bool = True  # the coda reads ln_f(s_r) (Huginn) or s_r itself
     final_norm: bool = True  # logits = lm_head(ln_f(coda output)); off: lm_head(coda output)
@@ -178,6 +180,13 @@ class ModelConfig:
     # With exit_gate: the threshold q of the gate's exit rule (leave at the first step whose cumulative exit
     # probability reaches q) when a call names none; Ouro's early_exit_threshold. None: the criterion's own default.
     exit_gate_threshold: float | None = None
+    mlp_gated: bool = True  # proj(act(gate) * up) (Huginn, Llama); false: proj(act(fc(x))) (Parcae, GPT-2)
+    qk_norm_eps: float | None = None  # QK-norm's epsilon; None: norm_eps (Parcae: float32's machine epsilon)
+    prelude_norm: bool = False  # an RMSNorm `ln_prelude` on the prelude's output, so e is normed (Parcae)
+    coda_projection: bool = False  # a Linear(h, h) the coda reads the last state through (Parcae's C)
+    # Unique layers (0-based over prelude, core, coda) whose attention adds a token-keyed value embedding,
+    # gated per kv head by 2 sigmoid(W x[:32]) (nanochat's, in Parcae): see `Attention.add_value_embedding`.
+    value_embeddings: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -253,6 +262,17 @@ class ModelConfig:
         for name in ("qkv_bias", "qk_norm_full_width", "embedding_scale", "norm_before_coda", "final_norm",
                      "step_norm", "exit_gate"):
             need(isinstance(getattr(self, name), bool), name, "true or false")
+        for name in ("mlp_gated", "prelude_norm", "coda_projection"):
+            need(isinstance(getattr(self, name), bool), name, "true or false")
+        need(self.qk_norm_eps is None or (is_real(self.qk_norm_eps) and 0 < self.qk_norm_eps < 1), "qk_norm_eps",
+             "None (norm_eps) or a number in (0, 1)")
+        layers = self.value_embeddings
+        need(isinstance(layers, list | tuple) and all(is_int(i) and 0 <= i < self.num_layers for i in layers)
+             and len(set(layers)) == len(layers), "value_embeddings",
+             f"a list of distinct layer indices in [0, {self.num_layers}) (prelude, core, coda counted in order)")
+        self.value_embeddings = sorted(layers)
+        need(not layers or self.hidden_size >= VALUE_GATE_CHANNELS, "value_embeddings",
+             f"[] with hidden_size < {VALUE_GATE_CHANNELS} (the gate reads the first {VALUE_GATE_CHANNELS} channels)")
         need(self.qk_norm or not self.qk_norm_full_width, "qk_norm_full_width",
              "false unless qk_norm is true (it shapes QK-norm)")
         need(not (self.qk_norm_full_width and self.qk_norm_per_head), "qk_norm_full_width",
@@ -303,11 +323,17 @@ class ModelConfig:
         qkv_bias = (nh + 2 * nkv) * hd * (self.bias or self.qkv_bias)
         attn = h * (nh + 2 * nkv) * hd + nh * hd * h + (nh + nkv) * hd * self.qk_bias + gains + qkv_bias
         attn += h * self.bias  # the output projection's bias
-        mlp = 3 * inter * h + (2 * inter + h) * self.bias
+        if self.mlp_gated:
+            mlp = 3 * inter * h + (2 * inter + h) * self.bias
+        else:
+            mlp = 2 * inter * h + (inter + h) * self.bias
         block = attn + mlp + BLOCK_LAYOUTS[self.block_layout] * h
         emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
-        adapter = (2 * h * h + h * self.bias) if self.injection == "concat" else 0
-        return emb + self.num_layers * block + adapter + h + (h + 1) * self.exit_gate
+        adapter = {"concat": 2 * h * h + h * self.bias, "diagonal": h * h + 2 * h}.get(self.injection, 0)
+        extras = h * self.prelude_norm + (h * h + h * self.bias) * self.coda_projection
+        # each value embedding: a [vocab, kv width] table and its gate Linear(32, kv heads), no bias
+        extras += len(self.value_embeddings) * (self.vocab_size * nkv * hd + VALUE_GATE_CHANNELS * nkv)
+        return emb + self.num_layers * block + adapter + extras + h + (h + 1) * self.exit_gate
 
     @property
     def uses_huginn_layout(self) -> bool:
@@ -340,6 +366,8 @@ class ModelConfig:
         (`model_type: "ouro"`)."""
         if not isinstance(data, dict):
             raise ValueError(f"config must be a JSON object, got {type(data).__name__}")
+        if is_parcae_config(data):  # Parcae's own keys (families/parcae.py)
+            return cls(**parcae_config_values(data))
         if is_huginn_config(data):
             return cls._from_huginn(data)
         if is_ouro_config(data):
@@ -417,13 +445,17 @@ class ModelConfig:
 #   pre-norm   x = x + mix(n1(x));      x = x + mlp(n3(x))        Llama, Qwen2, Qwen3
 #   post-norm  x = x + n2(mix(x));      x = x + n4(mlp(x))        OLMo-2
 BLOCK_LAYOUTS: dict[str, int] = {"sandwich": 4, "peri-norm": 4, "pre-norm": 2, "post-norm": 2}
-# The gated MLP's activation: proj(act(gate) * up).
-MLP_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+# The MLP's activation: proj(act(gate) * up) gated, proj(act(fc(x))) not. relu2_half = relu(x)^2 / 2 (Parcae's).
+MLP_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2_half")
 # How the injection e enters core step i (s_i = core(x_i)):
 #   concat  x_i = adapter([s_{i-1} | e])    Huginn, retrofitted recurrence (a 2h -> h linear map)
 #   add     x_i = s_{i-1} + e
 #   none    x_i = s_{i-1}                   Ouro: the whole stack looped on its own output
-INJECTIONS = ("concat", "add", "none")
+#   diagonal  x_i = exp(-dt A) * s_{i-1} + dt * (B e)   Parcae: A = exp(A_log) > 0 and dt = softplus(dt_bias)
+#             per channel, so the state's own factor lies in (0, 1); B a learned h x h map (init I)
+INJECTIONS = ("concat", "add", "none", "diagonal")
+# Channels of the layer input that a value embedding's gate reads (nanochat's and Parcae's constant).
+VALUE_GATE_CHANNELS = 32
 # rope_scaling types: the keys each needs (besides "rope_type"), as transformers' configs spell them.
 ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
     "default": (),
@@ -434,7 +466,8 @@ ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
 HUGINN_ARCHITECTURE: dict[str, Any] = dict(
     block_layout="sandwich", rope_style="interleaved", rope_scaling=None, qkv_bias=False, qk_norm_full_width=False,
     mlp_activation="silu", embedding_scale=True, norm_before_coda=True, final_norm=True, step_norm=False,
-    injection="concat", state_init="random", exit_gate=False,
+    injection="concat", state_init="random", exit_gate=False, mlp_gated=True, qk_norm_eps=None, prelude_norm=False,
+    coda_projection=False, value_embeddings=[],
 )
 
 
@@ -468,7 +501,7 @@ def rope_scaling_key(value: dict[str, Any] | None) -> tuple | None:
 
 
 def is_huginn_config(data: dict[str, Any]) -> bool:
-    return data.get("model_type") == HUGINN_MODEL_TYPE or "n_embd" in data
+    return (data.get("model_type") == HUGINN_MODEL_TYPE or "n_embd" in data) and not is_parcae_config(data)
 
 
 # Ouro / LoopLM (arXiv 2510.25741): the whole stack is the recurrent core, looped on its own ln_f-normed
@@ -480,7 +513,34 @@ OURO_ARCHITECTURE: dict[str, Any] = dict(
     prelude_layers=0, coda_layers=0,
 )
 
+# Parcae (arXiv 2604.12946): pre-norm blocks with an ungated relu(x)^2/2 MLP, gainless QK-norm after RoPE (equal
+# to ours with gains of one), value embeddings every other layer, a normed prelude output, the diagonal
+# injection, a Linear C into the coda; s_0 ~ TruncNormal(0, 2/(5h)) (init_scale 1/sqrt(h)) (docs/looped-family.md).
+PARCAE_ARCHITECTURE: dict[str, Any] = dict(
+    block_layout="pre-norm", rope_style="interleaved", qk_bias=False, qk_norm=True, qk_norm_eps=2.0**-23,
+    mlp_gated=False, mlp_activation="relu2_half", embedding_scale=False, norm_before_coda=False,
+    injection="diagonal", prelude_norm=True, coda_projection=True, tie_embeddings=True, norm_eps=1e-5,
+    rope_base=50_000.0,
+)
+
+
+def parcae_preset(hidden: int, layers: int, vocab: int = 32768, mean: int = 8, backprop: int = 4) -> dict[str, Any]:
+    """A Parcae shape: `layers` each in prelude, core and coda, head_dim 128, MLP 4h (the released models')."""
+    return dict(
+        PARCAE_ARCHITECTURE, vocab_size=vocab, hidden_size=hidden, num_heads=hidden // 128, num_kv_heads=hidden // 128,
+        intermediate_size=4 * hidden, prelude_layers=layers, core_layers=layers, coda_layers=layers,
+        mean_recurrence=mean, mean_backprop_depth=backprop, max_seq_len=2048, init_scale=1 / math.sqrt(hidden),
+        value_embeddings=value_embedding_layers(layers, layers, layers, mean, backprop),
+    )
+
+
 PRESETS: dict[str, dict[str, Any]] = {
+    # SandyResearch's released Parcae models (parcae_lm/configs/parcae/*.py at dee8363): their parameter counts
+    # plus our QK-norm gains of one (2 x 128 per layer).
+    "parcae-140m": parcae_preset(768, 2),
+    "parcae-370m": parcae_preset(1024, 4),
+    "parcae-770m": parcae_preset(1280, 6),
+    "parcae-1.3b": parcae_preset(1536, 8),
     # The paper's model: 3,564,976,800 unique parameters (huginn-0125.md §1).
     "huginn-0125": dict(
         vocab_size=65536, hidden_size=5280, num_heads=55, num_kv_heads=55, head_dim=96,

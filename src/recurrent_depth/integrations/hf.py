@@ -252,7 +252,10 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             # so a hostile directory is one line here too, before transformers reads a tensor.
             from recurrent_depth.checkpoint import check_model_dir
 
-            check_model_dir(pretrained_model_name_or_path, model_class=RecurrentDepthLM)
+            if check_model_dir(pretrained_model_name_or_path, model_class=RecurrentDepthLM).is_parcae:
+                raise ValueError(f"{pretrained_model_name_or_path} is a Parcae directory, whose tensor names "
+                                 f"transformers cannot map: load it with recurrent_depth.RecurrentDepthLM."
+                                 f"from_pretrained (and save_pretrained it for transformers)")
         if kwargs.get("dtype") is None and kwargs.get("torch_dtype") is None:
             from recurrent_depth.checkpoint import stored_dtype
 

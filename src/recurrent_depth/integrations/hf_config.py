@@ -110,6 +110,11 @@ class RecurrentDepthConfig(_CheckedConfigFile, PretrainedConfig):
     state_init: str = "random"
     exit_gate: bool = False
     exit_gate_threshold: float | None = None
+    mlp_gated: bool = True
+    qk_norm_eps: float | None = None
+    prelude_norm: bool = False
+    coda_projection: bool = False
+    value_embeddings: list[int] = field(default_factory=list)
     use_cache: bool = True
 
     def __post_init__(self, **kwargs: Any) -> None:

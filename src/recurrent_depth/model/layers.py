@@ -1,4 +1,5 @@
-"""Building blocks shared by every part of the model: RMSNorm, gated MLP, RoPE, the block layouts."""
+"""Building blocks shared by every part of the model: RMSNorm, the MLPs, RoPE, the block layouts, Parcae's
+diagonal injection."""
 
 from __future__ import annotations
 
@@ -30,11 +31,17 @@ class RMSNorm(nn.Module):
         return normed.to(x.dtype) * self.weight
 
 
+def relu2_half(x: Tensor) -> Tensor:
+    """relu(x)^2 / 2 (Parcae's ReLU2)."""
+    return F.relu(x).pow(2).mul(0.5)
+
+
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu": F.gelu,
     "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
     "relu": F.relu,
+    "relu2_half": relu2_half,
 }
 
 
@@ -51,6 +58,58 @@ class GatedMLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.fc(x).chunk(2, dim=-1)
         return self.proj(self.act(gate) * up)
+
+
+class MLP(nn.Module):
+    """An ungated MLP, out = proj(act(fc(x))) (`mlp_gated=False`: Parcae's BaseMLP, GPT-2's)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.bias)
+        self.proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.bias)
+        self.act = ACTIVATIONS[config.mlp_activation]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(self.act(self.fc(x)))
+
+
+def build_mlp(config: ModelConfig) -> nn.Module:
+    return GatedMLP(config) if config.mlp_gated else MLP(config)
+
+
+class DiagonalInjection(nn.Module):
+    """Parcae's injection (`injection="diagonal"`): x = exp(-dt A) * s + dt * (B e), per channel.
+
+    A = exp(A_log) > 0 and the step dt = softplus(dt_bias) > 0, so the state's factor exp(-dt A) lies in
+    (0, 1) whatever the weights (the zero-order-hold discretisation of ds/dt = -A s + B e, Euler for B):
+    the injection alone can never grow the state. B [h, h] maps e into the state. Names as Parcae's.
+    """
+
+    # The state's factor at init, exp(-dt A) = 1/sqrt(5) (A = 1): Parcae's default `ssm_decay`.
+    INIT_DECAY = 5 ** -0.5
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.A_log = nn.Parameter(torch.zeros(hidden_size))
+        self.dt_bias = nn.Parameter(torch.zeros(hidden_size))
+        self.B = nn.Parameter(torch.zeros(hidden_size, hidden_size))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """A = 1, dt = -log(INIT_DECAY) (so the factor is INIT_DECAY), B = I (e enters unchanged)."""
+        self.A_log.zero_()
+        dt = -math.log(self.INIT_DECAY)
+        self.dt_bias.fill_(dt + math.log(-math.expm1(-dt)))  # softplus^-1(dt)
+        self.B.copy_(torch.eye(self.B.shape[0]))
+
+    def decay(self) -> Tensor:
+        """The state's per-channel factor exp(-dt A) [h], in (0, 1)."""
+        return torch.exp(-F.softplus(self.dt_bias) * torch.exp(self.A_log))
+
+    def forward(self, state: Tensor, e: Tensor) -> Tensor:
+        dt = F.softplus(self.dt_bias)
+        return state * torch.exp(-dt * torch.exp(self.A_log)) + dt * (e @ self.B.T)
 
 
 def rope_table(head_dim: int, max_len: int, base: float, device: torch.device | str | None = None,
@@ -181,7 +240,7 @@ class SandwichBlock(nn.Module):
         self.norm_1 = RMSNorm(h, eps)
         self.attn = mixer
         self.norm_2 = RMSNorm(h, eps)
-        self.mlp = GatedMLP(config)
+        self.mlp = build_mlp(config)
         self.norm_3 = RMSNorm(h, eps)
         self.norm_4 = RMSNorm(h, eps)
 
@@ -208,7 +267,7 @@ class PreNormBlock(nn.Module):
         self.norm_1 = RMSNorm(config.hidden_size, config.norm_eps)
         self.attn = mixer
         self.norm_3 = RMSNorm(config.hidden_size, config.norm_eps)
-        self.mlp = GatedMLP(config)
+        self.mlp = build_mlp(config)
 
     def forward(self, x: Tensor, ctx, layer_key: tuple) -> Tensor:
         x = x + self.attn(self.norm_1(x), ctx, layer_key)
@@ -222,7 +281,7 @@ class PostNormBlock(nn.Module):
         super().__init__()
         self.attn = mixer
         self.norm_2 = RMSNorm(config.hidden_size, config.norm_eps)
-        self.mlp = GatedMLP(config)
+        self.mlp = build_mlp(config)
         self.norm_4 = RMSNorm(config.hidden_size, config.norm_eps)
 
     def forward(self, x: Tensor, ctx, layer_key: tuple) -> Tensor:

@@ -27,7 +27,7 @@ from recurrent_depth.checkpoint import load_pretrained, save_pretrained
 from recurrent_depth.config import MODEL_PARTS, ModelConfig, is_real, rope_scaling_key
 from recurrent_depth.model.cache import ModelCache
 from recurrent_depth.model.depth import DepthSampler
-from recurrent_depth.model.layers import RMSNorm, build_block
+from recurrent_depth.model.layers import DiagonalInjection, RMSNorm, build_block
 from recurrent_depth.model.mixers import MixerContext, build_mixer, check_mixer_name
 from recurrent_depth.model.mixers.attention import Attention
 from recurrent_depth.model.replay import DepthReplay, replay_core
@@ -83,11 +83,14 @@ class RecurrentDepthLM(nn.Module):
                 build_block(config, build_mixer(name, config, part, **options)) for _ in range(count)
             )
 
+        adapters = {"concat": lambda: nn.Linear(2 * h, h, bias=config.bias), "diagonal": lambda: DiagonalInjection(h)}
         modules = dict(
             wte=nn.Embedding(config.vocab_size, h),
             prelude=blocks("prelude", config.prelude_layers),
-            adapter=nn.Linear(2 * h, h, bias=config.bias) if config.injection == "concat" else None,
+            ln_prelude=RMSNorm(h, config.norm_eps) if config.prelude_norm else None,
+            adapter=adapters[config.injection]() if config.injection in adapters else None,
             core_block=blocks("core", config.core_layers),
+            coda_projection=nn.Linear(h, h, bias=config.bias) if config.coda_projection else None,
             coda=blocks("coda", config.coda_layers),
             ln_f=RMSNorm(h, config.norm_eps),
             exit_gate=nn.Linear(h, 1) if config.exit_gate else None,  # Ouro's early_exit_gate (with a bias)
@@ -101,6 +104,12 @@ class RecurrentDepthLM(nn.Module):
                         f"ModelConfig.qk_norm=True is implemented by the 'attention' mixer only, but the {part} "
                         f"uses mixer {config.mixer_for(part)!r}; set qk_norm false or use 'attention' there"
                     )
+        for i in config.value_embeddings:
+            attn = blocks_of(self)[i].attn
+            if not isinstance(attn, Attention):
+                raise ValueError(f"ModelConfig.value_embeddings holds layer {i}, whose mixer is not 'attention' "
+                                 f"(the only one with value embeddings)")
+            attn.add_value_embedding(config.vocab_size)
         self.lm_head = nn.Linear(h, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
@@ -126,6 +135,8 @@ class RecurrentDepthLM(nn.Module):
         for name, param in self.named_parameters():
             if name.endswith(("qk_bias", "q_bias", "k_bias")):
                 nn.init.zeros_(param)
+        if self.config.injection == "diagonal":
+            self.transformer.adapter.reset_parameters()  # decay 1/sqrt(5), B = I (Parcae's init)
         if self.config.mup_base_width is not None:
             # muP's output layer (Tensor Programs V, Table 3): init variance 1/fan_in^2, i.e. std times
             # 1/sqrt(m) beyond the 1/sqrt(fan_in) above (equal to the standard init at the base width).
@@ -164,7 +175,7 @@ class RecurrentDepthLM(nn.Module):
             return MixerContext(
                 positions=cols[:, None], past_len=L - 1, key_valid=key_valid, attn_mask=attn_mask, cache=cache,
                 rope_base=self.config.rope_base, max_seq_len=self.config.max_seq_len,
-                rope_scaling=rope_scaling_key(self.config.rope_scaling),
+                rope_scaling=rope_scaling_key(self.config.rope_scaling), token_ids=input_ids,
             )
         past = cache.seq_len if cache is not None else 0
         key_valid = attention_mask.bool() if attention_mask is not None else None
@@ -191,17 +202,17 @@ class RecurrentDepthLM(nn.Module):
         return MixerContext(
             positions=position_ids, past_len=past, key_valid=key_valid, attn_mask=attn_mask,
             cache=cache, rope_base=self.config.rope_base, max_seq_len=self.config.max_seq_len,
-            rope_scaling=rope_scaling_key(self.config.rope_scaling),
+            rope_scaling=rope_scaling_key(self.config.rope_scaling), token_ids=input_ids,
         )
 
     def embed(self, input_ids: Tensor, ctx: MixerContext, inputs_embeds: Tensor | None = None) -> Tensor:
         """The input injection e = prelude(wte(x) * sqrt(h)): [B, T] -> [B, T, h] (no sqrt(h) without
-        `embedding_scale`)."""
+        `embedding_scale`; then ln_prelude with `prelude_norm`)."""
         x = self.transformer.wte(input_ids) if inputs_embeds is None else inputs_embeds
         x = x * self.emb_scale
         for i, block in enumerate(self.transformer.prelude):
             x = block(x, ctx, ("prelude", i))
-        return x
+        return self.transformer.ln_prelude(x) if self.config.prelude_norm else x
 
     def initial_state(
         self, e: Tensor, init_scale: float = 1.0, generator: torch.Generator | None = None
@@ -223,10 +234,13 @@ class RecurrentDepthLM(nn.Module):
         return s * math.sqrt(self.config.hidden_size)
 
     def inject(self, state: Tensor, e: Tensor) -> Tensor:
-        """The core's input at one step (config.injection): adapter([s | e]), s + e, or s."""
+        """The core's input at one step (config.injection): adapter([s | e]), s + e, s, or Parcae's
+        exp(-dt A) * s + dt * (B e) (`DiagonalInjection`)."""
         injection = self.config.injection
         if injection == "concat":
             return self.transformer.adapter(torch.cat([state, e], dim=-1))
+        if injection == "diagonal":
+            return self.transformer.adapter(state, e)
         return state + e if injection == "add" else state
 
     def core_step(self, state: Tensor, e: Tensor, step: int, ctx: MixerContext) -> Tensor:
@@ -238,8 +252,10 @@ class RecurrentDepthLM(nn.Module):
         return self.transformer.ln_f(x) if self.config.step_norm else x
 
     def latent(self, state: Tensor) -> Tensor:
-        """What the coda reads from a state: ln_f(s) (Huginn), or s itself without `norm_before_coda`."""
-        return self.transformer.ln_f(state) if self.config.norm_before_coda else state
+        """What the coda reads from a state: ln_f(s) (Huginn), or s itself without `norm_before_coda`;
+        then through Parcae's C with `coda_projection`."""
+        x = self.transformer.ln_f(state) if self.config.norm_before_coda else state
+        return self.transformer.coda_projection(x) if self.config.coda_projection else x
 
     def head(self, x: Tensor) -> Tensor:
         """Logits float32 from the coda's output: lm_head(ln_f(x)), or lm_head(x) without `final_norm`."""

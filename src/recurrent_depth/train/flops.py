@@ -33,12 +33,13 @@ class StepFlops:
 
 
 def block_linear_flops(cfg: ModelConfig, num_kv_heads: int | None = None) -> float:
-    """Forward FLOPs per token of one block's matmuls (attention projections + SwiGLU MLP)."""
+    """Forward FLOPs per token of one block's matmuls (attention projections + the MLP: three matrices
+    gated, two ungated)."""
     h, D = cfg.hidden_size, cfg.head_dim
     kv = cfg.num_kv_heads if num_kv_heads is None else num_kv_heads
     qkv = h * (cfg.num_heads + 2 * kv) * D
     proj = cfg.num_heads * D * h
-    mlp = h * 2 * cfg.intermediate_size + cfg.intermediate_size * h
+    mlp = (3 if cfg.mlp_gated else 2) * cfg.intermediate_size * h
     return 2.0 * (qkv + proj + mlp)
 
 

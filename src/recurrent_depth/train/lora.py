@@ -87,7 +87,8 @@ def target_modules(model: nn.Module, spec: LoraSpec) -> list[str]:
     names = []
     for part in spec.parts:
         if part == "adapter":
-            names.append("transformer.adapter")
+            if isinstance(transformer["adapter"], nn.Linear):  # not Parcae's diagonal injection
+                names.append("transformer.adapter")
             continue
         container = BLOCK_CONTAINERS[part]
         for i, block in enumerate(transformer[container]):

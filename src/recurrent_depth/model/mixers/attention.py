@@ -9,6 +9,8 @@ with GQA the two biases have different head counts and are stored as `q_bias` / 
 times a learnable gain of size head_dim shared by the heads (`q_norm.weight`, `k_norm.weight`),
 after the projection and q/k bias and before RoPE. RoPE is a rotation, so every scaled logit
 q.k / sqrt(D) is then at most max|g_q| * max|g_k| * sqrt(D). Off by default (Huginn has none).
+`config.qk_norm_eps` sets the norm's epsilon (default `norm_eps`). Parcae normalises after RoPE without a
+gain: the same thing, since RoPE keeps each head's norm (its models load with gains of one).
 `config.qk_norm_per_head` gives each head its own gain (`q_norm.weight` [H, D], `k_norm.weight`
 [Hkv, D]), so that QK-clip can rescale one head without touching the others.
 
@@ -23,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from recurrent_depth.config import ModelConfig
+from recurrent_depth.config import VALUE_GATE_CHANNELS, ModelConfig
 from recurrent_depth.model.cache import combine_key_mask
 from recurrent_depth.model.layers import ROPE_STYLES, RMSNorm
 from recurrent_depth.model.mixers.base import LayerKey, MixerContext, register_mixer
@@ -63,13 +65,22 @@ class Attention(MaxLogitRecorder, nn.Module):
                 self.k_bias = nn.Parameter(torch.zeros(self.num_kv_heads, self.head_dim))
         self.q_norm = self.k_norm = None
         self.qk_norm_full_width = config.qk_norm_full_width
+        eps = config.norm_eps if config.qk_norm_eps is None else config.qk_norm_eps
         if config.qk_norm_full_width:  # OLMo-2: one norm over the concatenated heads
-            self.q_norm = RMSNorm(self.num_heads * self.head_dim, config.norm_eps)
-            self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, config.norm_eps)
+            self.q_norm = RMSNorm(self.num_heads * self.head_dim, eps)
+            self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, eps)
         elif config.qk_norm:
             per_head = config.qk_norm_per_head
-            self.q_norm = RMSNorm(self.head_dim, config.norm_eps, self.num_heads if per_head else None)
-            self.k_norm = RMSNorm(self.head_dim, config.norm_eps, self.num_kv_heads if per_head else None)
+            self.q_norm = RMSNorm(self.head_dim, eps, self.num_heads if per_head else None)
+            self.k_norm = RMSNorm(self.head_dim, eps, self.num_kv_heads if per_head else None)
+        self.value_embed: nn.Embedding | None = None
+        self.ve_gate: nn.Linear | None = None
+
+    def add_value_embedding(self, vocab_size: int) -> None:
+        """Give this layer a value embedding (`ModelConfig.value_embeddings`, nanochat's, in Parcae):
+        v += 2 sigmoid(ve_gate(x[..., :32])) * value_embed(token) per kv head, x the layer's input."""
+        self.value_embed = nn.Embedding(vocab_size, self.num_kv_heads * self.head_dim)
+        self.ve_gate = nn.Linear(VALUE_GATE_CHANNELS, self.num_kv_heads, bias=False)
 
     def qkv(self, x: Tensor, ctx: MixerContext) -> tuple[Tensor, Tensor, Tensor]:
         """Project and rotate: q [B, T, H, D], k and v [B, T, Hkv, D]."""
@@ -83,6 +94,11 @@ class Attention(MaxLogitRecorder, nn.Module):
         q = q.view(B, T, self.num_heads, D)
         k = k.view(B, T, self.num_kv_heads, D)
         v = v.view(B, T, self.num_kv_heads, D)
+        if self.value_embed is not None:
+            if ctx.token_ids is None:
+                raise ValueError("a layer with a value embedding needs the token ids (MixerContext.token_ids)")
+            gate = 2 * torch.sigmoid(self.ve_gate(x[..., :VALUE_GATE_CHANNELS]))  # [B, T, Hkv] in (0, 2)
+            v = v + gate.unsqueeze(-1) * self.value_embed(ctx.token_ids).view(B, T, self.num_kv_heads, D)
         if self.has_qk_bias:
             if self.num_kv_heads == self.num_heads:
                 q, k = q + self.qk_bias[0], k + self.qk_bias[1]

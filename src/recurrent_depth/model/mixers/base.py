@@ -40,6 +40,7 @@ class MixerContext:
     rope_base: float
     max_seq_len: int
     rope_scaling: tuple | None = None  # `config.rope_scaling_key(config.rope_scaling)`
+    token_ids: Tensor | None = None  # [B, T] the new tokens, for layers with a value embedding
     _rope: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
 
     @property

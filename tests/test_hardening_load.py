@@ -106,7 +106,7 @@ def test_serve_max_num_steps_default_is_capped_by_the_ceiling(model, tmp_path):
     assert default_max_num_steps(1000) == MAX_NUM_STEPS  # not 4000: the config cannot lift the ceiling
     assert default_max_num_steps(1000, max_depth=8192) == 4000
     with pytest.raises(ValueError, match=r"max_num_steps=4000000000 is invalid: .*--max-depth"):
-        build_app(model, tokenizer_dir=tmp_path, max_num_steps=4_000_000_000)
+        build_app(model, tokenizer_dir=None, max_num_steps=4_000_000_000)
     assert "--max-depth" in subprocess_help("serve")
 
 

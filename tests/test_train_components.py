@@ -79,7 +79,7 @@ def _fake_checkpoint(root, step):
     return tmp
 
 
-def test_checkpoint_directories_appear_whole_and_prune(tmp_path):
+def test_checkpoint_directories_appear_whole_and_prune(tmp_path, monkeypatch):
     root = tmp_path / "checkpoints"
     for step in (5, 10, 15):
         ckpt.commit_checkpoint(_fake_checkpoint(root, step), step, keep_last=2)
@@ -89,8 +89,13 @@ def test_checkpoint_directories_appear_whole_and_prune(tmp_path):
     (root / "step-00000025").mkdir()  # and a directory missing files is not a checkpoint either
     assert ckpt.latest_checkpoint(root).name == "step-00000015"
     assert not any(p.name.startswith(".trash") for p in root.iterdir())
-    with pytest.raises(ValueError, match="already exists"):
-        ckpt.commit_checkpoint(_fake_checkpoint(root, 15), 15)
+    with monkeypatch.context() as patched:  # a valid checkpoint at that step is never overwritten
+        patched.setattr(ckpt, "checkpoint_problem", lambda path: None)
+        with pytest.raises(ValueError, match="already exists"):
+            ckpt.commit_checkpoint(_fake_checkpoint(root, 15), 15)
+    # these fake files hold no real state, so the one at step 15 is invalid: set aside, not overwritten
+    ckpt.commit_checkpoint(_fake_checkpoint(root, 15), 15)
+    assert any("invalid" in p.name for p in root.iterdir())
 
 
 def test_a_save_removes_what_a_crashed_save_or_prune_left(tmp_path):

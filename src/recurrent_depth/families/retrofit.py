@@ -357,7 +357,7 @@ def _zero_filled_biases(hf: Mapping[str, Any], names: set[str]) -> set[str]:
     return {name for name in names if name.endswith(".bias") and not (mlp if ".mlp." in name else attention)}
 
 
-def build_model(cfg: ModelConfig, state: dict[str, Tensor]) -> RecurrentDepthLM:
+def model_from_state(cfg: ModelConfig, state: dict[str, Tensor]) -> RecurrentDepthLM:
     """A RecurrentDepthLM holding `state` (shapes checked against the model's, one line on a mismatch)."""
     with torch.device("meta"):
         model = RecurrentDepthLM(cfg)
@@ -397,7 +397,7 @@ def retrofit(
     surgery = Surgery(prelude, parse_core(core) if isinstance(core, str) else tuple(core), coda)
     source = read_source(model_or_dir)
     cfg = model_config(source.config, surgery, mean_recurrence, backprop_depth)
-    return build_model(cfg, convert_state(source, cfg, surgery, adapter_init, dtype, seed))
+    return model_from_state(cfg, convert_state(source, cfg, surgery, adapter_init, dtype, seed))
 
 
 def retrofit_to_dir(

@@ -30,5 +30,6 @@ def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path):
 
 def test_check_field_names_names_the_unknown_keys_and_the_allowed_ones():
     check_field_names({"lr": 1.0}, OptimConfig, "optim field(s)")  # known: no error
-    with pytest.raises(ValueError, match=r"^unknown optim key\(s\) \['lrx'\] \('lrx': did you mean 'lr'\?\); known: \[.*'preset'.*\]$"):
+    expected = r"^unknown optim key\(s\) \['lrx'\] \('lrx': did you mean 'lr'\?\); known: \[.*'preset'.*\]$"
+    with pytest.raises(ValueError, match=expected):
         check_field_names({"lrx": 1.0}, OptimConfig, "optim key(s)", listed_as="known", extra=("preset",))

@@ -9,6 +9,9 @@ lookup (a depth replay of the recorded steps, `model/replay.py`).
 
 from __future__ import annotations
 
+import json
+from collections import Counter
+
 import pytest
 import torch
 
@@ -24,9 +27,9 @@ T = 4  # tiny-ouro's total_ut_steps (mean_recurrence)
 
 @pytest.fixture(scope="module")
 def model() -> rd.RecurrentDepthLM:
-    """tiny-ouro with every weight perturbed, so the gate's lambdas spread over (0, 1)."""
+    """tiny-ouro (vocab 320) with every weight perturbed, so the gate's lambdas spread over (0, 1)."""
     torch.manual_seed(0)
-    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny-ouro"))
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny-ouro", vocab_size=320))  # room for a tokenizer
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
@@ -171,3 +174,98 @@ def test_bad_input_is_a_one_line_error(model):
     with pytest.raises(ValueError, match="has none"):
         serve_in_one_batch(huginn, [([1, 2], dict(max_new_tokens=2, exit_criterion="gate"))])
     assert GenerationOptions(exit_criterion="gate").validate(4).threshold == 1.0  # the reference's default
+
+
+# ---------------------------------------------------------------------------------------- interfaces
+@pytest.fixture(scope="module")
+def ouro_dir(model, tmp_path_factory):
+    """The model above saved by our save_pretrained, with a tiny tokenizer: what --model takes."""
+    from recurrent_depth.data.tokenizer import save_tokenizer, train_tokenizer
+
+    path = tmp_path_factory.mktemp("ouro")
+    model.save_pretrained(path)
+    save_tokenizer(train_tokenizer(["def add(a, b):\n    return a + b\n" * 8, "for i in range(10): pass\n" * 8], 300),
+                   path)
+    return path
+
+
+def test_the_cli_generates_with_the_gate(ouro_dir, model, capsys):
+    from recurrent_depth.cli import main
+    from recurrent_depth.data.tokenizer import load_tokenizer
+
+    ids = load_tokenizer(ouro_dir).encode("def add(a").ids
+    argv = ["generate", "--model", str(ouro_dir), "--prompt", "def add(a", "--max-new-tokens", "5",
+            "--exit-criterion", "gate", "--exit-threshold", "0.5", "--exit-kv", "compute", "--json", "--threads", "1"]
+    assert main(argv) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    alone = rd.generate(model, torch.tensor(ids), max_new_tokens=5, exit_criterion="gate", exit_threshold=0.5,
+                        exit_kv="compute")
+    assert record["tokens"][0] == alone.token_lists()[0] and record["steps"][0] == alone.steps[0].tolist()
+    assert main(["generate", "--model", str(ouro_dir), "--prompt", "def", "--exit-criterion", "gate",
+                 "--exit-threshold", "1.5"]) == 2
+    assert "(0, 1]" in capsys.readouterr().err
+
+
+def test_http_completions_run_the_gate_in_the_continuous_batch(ouro_dir, model):
+    import httpx
+
+    from recurrent_depth.serving import BatchDecoder, build_app
+    from tests.test_serving import LiveServer
+
+    assert BatchDecoder.supports(model)  # Ouro's layout runs in the continuous batch, not solo
+
+    prompts = [[3, 40, 41], [7, 8, 9, 10, 11], [100, 101]]
+    body = dict(prompt=prompts, max_tokens=5, temperature=0, ignore_eos=True, return_steps=True,
+                exit_criterion="gate", exit_threshold=0.6)
+    app = build_app(str(ouro_dir), tokenizer_workers=1)
+    with LiveServer(app) as live:
+        url = live.url + "/v1/completions"
+        choices = httpx.post(url, json=body, timeout=60).json()["choices"]
+        computed = httpx.post(url, json={**body, "exit_kv": "compute"}, timeout=60).json()["choices"]
+    for kv, got in (("lookup", choices), ("compute", computed)):
+        for c in got:
+            alone = rd.generate(model, torch.tensor(prompts[c["index"]]), max_new_tokens=5, exit_criterion="gate",
+                                exit_threshold=0.6, exit_kv=kv)
+            assert c["steps"] == alone.steps[0].tolist(), (kv, c["index"])
+
+
+def test_transformers_generate_routes_the_gate(ouro_dir, model):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(ouro_dir).eval()
+    ids = torch.tensor([[3, 40, 41, 42]])
+    for kv in ("lookup", "compute"):
+        out = hf.generate(ids, max_new_tokens=5, exit_criterion="gate", exit_threshold=0.5, exit_kv=kv,
+                          return_dict_in_generate=True)
+        alone = rd.generate(model, ids, max_new_tokens=5, exit_criterion="gate", exit_threshold=0.5, exit_kv=kv)
+        assert out.sequences.tolist() == alone.sequences.tolist() and out.steps.tolist() == alone.steps.tolist()
+
+
+@torch.no_grad()
+def test_lm_eval_scores_with_the_reference_loop(ouro_dir, model):
+    """exit_kv=compute in lm-eval's scoring: every position of context and continuation runs all T steps
+    (a full forward) and each scored one is read at its own exit step."""
+    from recurrent_depth.data.tokenizer import load_tokenizer
+    from recurrent_depth.evaluation.lm_eval_backend import RecurrentDepthEvalLM
+
+    lm = RecurrentDepthEvalLM(pretrained=str(ouro_dir), device="cpu", batch_size=2, exit_criterion="gate",
+                              exit_threshold=0.5, exit_kv="compute")
+    context, continuation = [3, 40, 41, 42, 43], [50, 51, 52, 53]
+    [(logprob, _)] = lm._loglikelihood_tokens([(None, context, continuation)], disable_tqdm=True)
+    seq = torch.tensor([context + continuation[:-1]])
+    out = model(seq, num_steps=T, output_all_states=True)
+    want, steps = 0.0, []
+    for j, target in enumerate(continuation):
+        p = len(context) - 1 + j
+        states = out.all_states[1:, 0, p]
+        step = reference_exit(model.exit_probability(states).tolist(), 0.5)
+        logits = model.predict(model.latent(states[step - 1][None, None]), model.make_context(seq))[0, -1]
+        want += float(torch.log_softmax(logits, -1)[target])
+        steps.append(step)
+    assert logprob == pytest.approx(want, abs=1e-4)
+    assert lm.step_counts["loglikelihood"] == Counter(steps)
+    with pytest.raises(ValueError, match="has none"):
+        huginn = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", vocab_size=320))
+        path = ouro_dir.parent / "huginn"
+        huginn.save_pretrained(path, tokenizer=load_tokenizer(ouro_dir))
+        RecurrentDepthEvalLM(pretrained=str(path), device="cpu", exit_criterion="gate")

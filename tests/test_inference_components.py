@@ -125,7 +125,7 @@ def test_every_criterion_has_a_default_threshold_and_bad_values_fail():
     assert resolve_criterion("kl", None)[1] == 5e-4
     assert {name: spec.default_threshold for name, spec in CRITERIA.items()} == {
         "kl": 5e-4, "entropy-diff": 1e-3, "latent-diff": 0.03, "cosine": 1e-3, "argmax-stability": 5,
-        "minp-kl": 1e-5, "none": 0.0}
+        "minp-kl": 1e-5, "gate": 1.0, "none": 0.0}
     # the official code's "auto" thresholds: kl is the only one that differs from ours
     assert resolve_criterion("kl", None, official=True)[1] == 1e-3
     assert all(resolve_criterion(name, None, official=True)[1] == spec.default_threshold

@@ -11,7 +11,10 @@ Model args (besides lm-eval's usual ``hf`` ones: ``pretrained``, ``tokenizer``, 
 
 - ``num_steps``: recurrence depth (default: the model's ``mean_recurrence``);
 - ``exit_criterion`` / ``exit_threshold`` / ``min_steps``: per-token early exit (`kl`,
-  `entropy-diff`, `latent-diff`, `cosine`, `argmax-stability`; threshold None = its default);
+  `entropy-diff`, `latent-diff`, `cosine`, `argmax-stability`, and `gate`, the learned exit of
+  Ouro-style models with q in (0, 1]; threshold None = its default);
+- ``exit_kv``: ``compute`` keeps an early-exited token computing every step's KV (the Ouro
+  reference), ``lookup`` (default) lets the KV policy's lookup rule serve the steps it skipped;
 - ``kv_budget``: KV-cache sharing, step i reads and writes slot i mod k;
 - ``kv_policy``: the KV policy by name (`recurrent_depth.model.cache.parse_kv_policy`), e.g.
   ``shared-4+skip`` (early-exited tokens left out at steps they did not reach);
@@ -51,6 +54,7 @@ from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
 from recurrent_depth.evaluation.scoring import Scored, batched_logprobs, stepwise_logprobs
+from recurrent_depth.inference.criteria import gate_for
 from recurrent_depth.inference.options import OPTIONS, GenerationOptions, OptionError
 from recurrent_depth.inference.schema import canonical, from_text, kwarg_spelling, names_for, unknown_names
 from recurrent_depth.integrations import register_transformers
@@ -115,6 +119,7 @@ class RecurrentDepthEvalLM(HFLM):
             self.options = GenerationOptions(**values).validate(self._core.config.mean_recurrence)
         except OptionError as exc:
             raise exc.spelled(kwarg_spelling(given_as)) from None
+        gate_for(self.options.criterion, self._core)  # exit_criterion=gate on a model without one: fail now
         self.model_args = values  # the options given, by field name: every generate request starts from them
         self.depth = self.options.num_steps
         self.init_scale = values.get("init_scale")  # None: the config's
@@ -195,7 +200,7 @@ class RecurrentDepthEvalLM(HFLM):
                     scored = stepwise_logprobs(
                         self._core, batch, self.depth, pad, o.exit_criterion, o.exit_threshold, o.min_steps,
                         o.kv_budget, o.warm_start, self.init_scale, self._generator, kv_policy=o.kv_policy,
-                        kv_quant=o.kv_quant,
+                        kv_quant=o.kv_quant, exit_kv=o.exit_kv,
                     )
                 else:
                     scored = batched_logprobs(self._core, batch, self.depth, pad, self.init_scale, self._generator)

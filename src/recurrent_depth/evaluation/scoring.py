@@ -9,7 +9,9 @@
   (teacher forcing), each recurring until its exit criterion holds (at most `num_steps`), so every
   scored prediction runs under the criterion (the engine's `run_adaptive`). Earlier tokens' KV
   entries are read through the inference caches under the request's KV policy (`kv_policy` /
-  `kv_budget`), exactly as `recurrent_depth.generate` does when it decodes (`stepwise_logprobs`).
+  `kv_budget`), exactly as `recurrent_depth.generate` does when it decodes (`stepwise_logprobs`);
+  with `exit_kv="compute"` each token runs every step for its KV and is read at its exit step
+  (the engine's `run_computing`, the Ouro reference).
 
 Both return, per request, the summed log-probability of the continuation, whether it is the
 greedy continuation, and the recurrence steps each continuation token was predicted with.
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from recurrent_depth.inference.cache import make_cache
-from recurrent_depth.inference.criteria import ExitCriterion, resolve_criterion
+from recurrent_depth.inference.criteria import ExitCriterion, gate_for, resolve_criterion
 from recurrent_depth.inference.engine import Recurrence
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 
@@ -87,12 +89,16 @@ def stepwise_logprobs(
     generator: torch.Generator | None = None,
     kv_policy: str | None = None,
     kv_quant: str | None = None,
+    exit_kv: str = "lookup",
 ) -> list[Scored]:
     """Teacher-forced, token by token: early exit per token and row, KV sharing, warm start, a
     quantized KV cache (`kv_quant`, see `recurrent_depth.inference.quant_cache`)."""
     for context, continuation in requests:
         _check_request(context, continuation)
     spec, threshold = resolve_criterion(exit_criterion, exit_threshold)
+    if exit_kv not in ("lookup", "compute"):
+        raise ValueError(f"exit_kv={exit_kv!r} is invalid: expected 'lookup' or 'compute'")
+    gate = gate_for(spec, model)
     if isinstance(min_steps, bool) or not isinstance(min_steps, int) or min_steps < 1:
         raise ValueError(f"min_steps={min_steps!r} is invalid: expected an integer >= 1")
     scale = model.config.init_scale if init_scale is None else init_scale
@@ -132,7 +138,8 @@ def stepwise_logprobs(
     logprob = torch.zeros(B, device=device)
     greedy = torch.ones(B, dtype=torch.bool, device=device)
     steps = torch.zeros((B, Ln), dtype=torch.long, device=device)
-    criterion = ExitCriterion(spec, threshold) if spec is not None else None
+    criterion = ExitCriterion(spec, threshold, gate) if spec is not None else None
+    computing = exit_kv == "compute" and criterion is not None
     for j in range(Ln):
         live = j < lengths  # rows already done feed padding; their results are unused
         mask = torch.cat([mask[:, : Lc - 1 + j], torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
@@ -142,11 +149,16 @@ def stepwise_logprobs(
             state = last_state
         else:
             state = engine.initial_state(pass_.e, scale, generator)
-        state, logits, used, _ = engine.run_adaptive(
-            state, pass_, criterion, model.config.vocab_size, num_steps=num_steps, max_steps=num_steps,
-            min_steps=min_steps,
-        )
-        cache.close(used[:, None], 1)
+        if computing:  # every step's KV written
+            state, logits, used, _ = engine.run_computing(state, pass_, criterion, model.config.vocab_size,
+                                                          max_steps=num_steps, min_steps=min_steps)
+            cache.close(num_steps, 1)
+        else:
+            state, logits, used, _ = engine.run_adaptive(
+                state, pass_, criterion, model.config.vocab_size, num_steps=num_steps, max_steps=num_steps,
+                min_steps=min_steps,
+            )
+            cache.close(used[:, None], 1)
         cache.advance(1)
         last_state = state
         steps[:, j] = used

@@ -5,6 +5,8 @@ token's final state, raw or ln_f-normed per `warm_start_source`), iterate the co
 logits. With an exit criterion each row stops on its own: a row that has exited keeps its state
 and logits, and a write mask keeps its cache entries as they were at its exit, so every row gets
 exactly what it would get alone. With `exit_in_prefill` the prompt runs under the criterion too.
+With `exit_kv="compute"` every token (and the prompt) runs every step, writing every KV entry, and
+is read at the step its criterion first holds (`Recurrence.run_computing`, Ouro's reference loop).
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ def decode(session: Session) -> Iterator[TokenEvent]:
     opts, engine, cache = session.options, session.engine, session.cache
     B, T = session.B, session.T
     adaptive = opts.criterion is not None
-    if adaptive and opts.exit_in_prefill:
+    if session.computing:
+        last_state, logits, used, _ = session.computing_prefill()
+        steps = used.tolist()
+    elif adaptive and opts.exit_in_prefill:
         last_state, logits, used, _ = session.adaptive_prefill()
         steps = used.tolist()
     else:
@@ -56,10 +61,16 @@ def decode(session: Session) -> Iterator[TokenEvent]:
             state = engine.final_norm(last_state)
         else:
             state = last_state
-        last_state, logits, used, exit_codes = engine.run_adaptive(
-            state, pass_, session.criterion, session.vocab_size, active=active, **session.schedule,
-        )
-        cache.close(used[:, None] if adaptive else opts.num_steps, 1)
+        if session.computing:  # every step's KV is written: close at max_steps
+            last_state, logits, used, exit_codes = engine.run_computing(
+                state, pass_, session.criterion, session.vocab_size, active=active, **session.compute_schedule,
+            )
+            cache.close(torch.where(active, opts.max_steps, 0)[:, None], 1)
+        else:
+            last_state, logits, used, exit_codes = engine.run_adaptive(
+                state, pass_, session.criterion, session.vocab_size, active=active, **session.schedule,
+            )
+            cache.close(used[:, None] if adaptive else opts.num_steps, 1)
         cache.advance(1)
         column += 1
         steps, codes = used.tolist(), exit_codes.tolist()

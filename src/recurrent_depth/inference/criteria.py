@@ -16,16 +16,29 @@ paper's 5e-4 (the reference's 1e-3 under `defaults="official"`, see `official_th
 | latent-diff      | ||s_t - s_{t-1}|| / ||s_t|| on raw states                | < threshold    | 0.03    |
 | cosine           | 1 - cos(s_t, s_{t-1}), clamped at 0                     | < threshold    | 1e-3    |
 | argmax-stability | consecutive steps with an unchanged argmax              | >= threshold   | 5       |
+| gate             | cumulative exit probability sum_{j<=t} p_j (Ouro's gate) | >= threshold   | 1.0     |
 | none             | (the reference's adaptive path that never exits)        | never          | 0       |
 
 With `<`, a threshold of 0 never exits (the statistics are >= 0), which makes "threshold 0" equal
 to fixed depth; argmax-stability counts steps, so its threshold is an integer >= 1.
+
+`gate` is Ouro's learned exit (arXiv 2510.25741; `OuroForCausalLM.forward` with `exit_threshold=q`):
+lambda_t = sigmoid(exit_gate(s_t)) on each step's state (the model's `exit_probability`), the exit
+distribution p_t = lambda_t * prod_{j<t} (1 - lambda_j) with the remaining mass at the last step, and
+a token leaves at the first step whose cumulative p reaches q, in (0, 1]. The row state is the
+survival product prod (1 - lambda_j) and the cumulative mass, summed step by step as the reference
+sums its pdf. The default q = 1 is the reference's behaviour without `exit_threshold`: the last step
+(the cumulative mass reaches 1 only there, unless the gate is certain). It reads the gate at every
+step, so it needs `check_every=1` and no unchecked steps (`GenerationOptions` refuses the others),
+and a model with an exit gate (`gate_for`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +52,11 @@ class CriterionSpec:
     needs_logits: bool
     integer_threshold: bool = False
     official_threshold: float | None = None  # the reference's "auto" where it differs from ours
+    reads_gate: bool = False  # reads the model's exit gate (`gate_for`)
+
+
+# A model's exit gate: raw states [..., h] -> exit probability lambda [...] float32.
+Gate = Callable[[Tensor], Tensor]
 
 
 CRITERIA: dict[str, CriterionSpec] = {
@@ -48,8 +66,22 @@ CRITERIA: dict[str, CriterionSpec] = {
     "latent-diff": CriterionSpec("latent-diff", 0.03, False),
     "cosine": CriterionSpec("cosine", 1e-3, False),
     "argmax-stability": CriterionSpec("argmax-stability", 5, True, integer_threshold=True),
+    "gate": CriterionSpec("gate", 1.0, False, reads_gate=True),
     "none": CriterionSpec("none", 0.0, False),
 }
+
+
+def gate_for(spec: CriterionSpec | None, model: Any) -> Gate | None:
+    """The exit gate a criterion reads: the model's `exit_probability` for `gate`, None for the others;
+    a one-line ValueError when the model has no exit gate."""
+    if spec is None or not spec.reads_gate:
+        return None
+    if not model.config.exit_gate:
+        raise ValueError(
+            f"exit_criterion={spec.name!r} reads the model's learned exit gate, and this model has none "
+            "(ModelConfig.exit_gate is false: Ouro-style models have one); choose another criterion"
+        )
+    return model.exit_probability
 
 
 def resolve_criterion(name: str | None, threshold: float | None,
@@ -82,6 +114,12 @@ def resolve_criterion(name: str | None, threshold: float | None,
                 f"exit_threshold={threshold!r} is invalid for {name!r}: expected an integer >= 1 "
                 "(the number of consecutive steps with an unchanged argmax)"
             )
+    elif spec.reads_gate:
+        if not 0 < threshold <= 1:
+            raise ValueError(
+                f"exit_threshold={threshold!r} is invalid for {name!r}: expected a number in (0, 1] "
+                "(the cumulative exit probability q at which a token leaves)"
+            )
     elif threshold < 0:
         raise ValueError(f"exit_threshold={threshold!r} is invalid for {name!r}: expected a number >= 0")
     return spec, float(threshold)
@@ -94,11 +132,14 @@ class ExitCriterion:
     `RowCriterion` can keep them for rows that start their tokens at different steps.
     """
 
-    ROW_STATE = ("prev", "prev_probs", "count")
+    ROW_STATE = ("prev", "prev_probs", "count", "survival", "mass")
 
-    def __init__(self, spec: CriterionSpec, threshold: float) -> None:
+    def __init__(self, spec: CriterionSpec, threshold: float, gate: Gate | None = None) -> None:
+        if spec.reads_gate and gate is None:
+            raise ValueError(f"exit_criterion={spec.name!r} needs the model's exit gate (see gate_for)")
         self.spec = spec
         self.threshold = threshold
+        self.gate = gate
         self.last_statistic: Tensor | None = None
 
     def row_state(self) -> dict[str, Tensor]:
@@ -128,6 +169,9 @@ class ExitCriterion:
         elif name == "argmax-stability":
             self.prev = torch.full((B,), -1, dtype=torch.long, device=state.device)
             self.count = torch.zeros(B, dtype=torch.long, device=state.device)
+        elif name == "gate":  # per position: prod_j (1 - lambda_j) and sum_j p_j so far
+            self.survival = torch.ones(state.shape[:-1], device=state.device)
+            self.mass = torch.zeros(state.shape[:-1], device=state.device)
 
     def _per_row(self, stat: Tensor) -> Tensor:
         """`[B]` from a per-position statistic `[B]` or `[B, T]` (the mean over real positions)."""
@@ -175,6 +219,12 @@ class ExitCriterion:
             self.prev = top
             stat = self.count
             met = stat >= self.threshold
+        elif name == "gate":
+            lam = self.gate(state)
+            self.mass = self.mass + lam * self.survival  # p_t = lambda_t * prod_{j<t} (1 - lambda_j)
+            self.survival = self.survival * (1 - lam)
+            stat = self._per_row(self.mass)
+            met = stat >= self.threshold
         else:  # none (a latent criterion: it reads the state's batch size only)
             stat = torch.zeros(state.shape[0], device=state.device)
             met = torch.zeros_like(stat, dtype=torch.bool)
@@ -196,9 +246,11 @@ class RowCriterion:
     tokens whenever their previous one ends (the serving batch): `start` and `update` gather the
     rows concerned into a working `ExitCriterion`, run it, and scatter its row state back."""
 
-    def __init__(self, spec: CriterionSpec, threshold: float, capacity: int, vocab_size: int) -> None:
+    def __init__(self, spec: CriterionSpec, threshold: float, capacity: int, vocab_size: int,
+                 gate: Gate | None = None) -> None:
         self.spec = spec
         self.threshold = threshold
+        self.gate = gate
         self.capacity = capacity
         self.vocab_size = vocab_size
         self.store: dict[str, Tensor] = {}
@@ -215,13 +267,13 @@ class RowCriterion:
 
     def start(self, rows: Tensor, state: Tensor) -> None:
         """Rows `[m]` begin a token whose initial state is `state` `[m, h]`."""
-        crit = ExitCriterion(self.spec, self.threshold)
+        crit = ExitCriterion(self.spec, self.threshold, self.gate)
         crit.start(state, self.vocab_size)
         self._scatter(crit, rows)
 
     def update(self, rows: Tensor, state: Tensor, logits: Tensor | None) -> Tensor:
         """One more step for rows `[m]` (raw state `[m, h]`, logits `[m, V]`); bool `[m]`: met."""
-        crit = ExitCriterion(self.spec, self.threshold)
+        crit = ExitCriterion(self.spec, self.threshold, self.gate)
         crit.load_row_state({name: stored[rows] for name, stored in self.store.items()})
         met = crit.update(state, logits)
         self._scatter(crit, rows)

@@ -12,6 +12,8 @@ model's own modules, or the fused `FastRunner` for all-attention models) and a `
 - `run(state, pass_, steps, active=)`: core steps `steps` (a range), optionally for a subset of
   rows or (row, column) pairs only (the others keep their state and their cache entries);
 - `run_adaptive(...)`: one new position per row, each row stopping on its own exit criterion;
+- `run_computing(...)`: every position runs every step (every KV entry written), each row's last
+  position is read at the step its criterion first holds (`exit_kv="compute"`, Ouro's reference);
 - `depths(state, pass_, wanted)`: yields the raw state at each wanted depth of one pass;
 - `step_rows(state, pass_)`: one core step for rows at different steps (the serving batch's pool
   maps each row to its own slot), for schedulers that advance one step per iteration;
@@ -214,6 +216,75 @@ class Recurrence:
             if cache is not None:
                 cache.write_mask = None
         return state, logits, steps, codes
+
+    def run_computing(
+        self, state: Tensor, pass_: Pass, criterion: ExitCriterion, vocab_size: int, *,
+        max_steps: int, min_steps: int = 1, first_check: int = 1, check_every: int = 1,
+        active: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Positions `[B, T, h]` (a token per row, or a prompt) all run `max_steps` core steps, so every
+        step writes its KV; the output of each row's last position is its state at the first evaluated
+        step (from `min_steps` on) where its criterion holds, else at max_steps. Earlier positions of a
+        prompt are read at full depth.
+
+        This is the Ouro reference's loop (every step runs, the logits come from the exit step), for any
+        criterion: the statistic is evaluated on the last position's state after each step and, for
+        output criteria, on its logits with the rest of the positions at full depth. active: bool `[B]`,
+        rows that still generate (the others write nothing). Returns (raw states `[B, T, h]` with the last
+        position at its exit state, its logits `[B, V]`, exit steps `[B]`, exit codes `[B]`); every active
+        row has run max_steps (close the cache at that depth).
+        """
+        B, T = state.shape[:2]
+        device = state.device
+        if active is None:
+            active = torch.ones(B, dtype=torch.bool, device=device)
+        cache = pass_.step.ctx.cache
+        last_states = []  # the last position's state after each step
+        start = state[:, -1]
+        active_mask = None if bool(active.all()) else active
+        for i in range(max_steps):
+            state = self.run(state, pass_, range(i, i + 1), active=active_mask)
+            last_states.append(state[:, -1])
+        undecided = active.clone()
+        steps = torch.where(active, max_steps, 0)
+        codes = torch.full((B,), MAX_STEPS, dtype=torch.long, device=device)
+        exit_state = state[:, -1].clone()
+        criterion.start(start, vocab_size)
+        for i, last in enumerate(last_states):
+            ran = i + 1
+            if ran < first_check or (ran - first_check) % check_every or not bool(undecided.any()):
+                continue
+            step_logits = None
+            if criterion.needs_logits:  # the last position at this step, the rest at full depth
+                step_logits = self._read_last(state, last, pass_, undecided)
+            met = criterion.update(None if criterion.needs_logits else last, step_logits)
+            if ran >= min_steps:
+                stopping = met & undecided
+                steps = torch.where(stopping, ran, steps)
+                codes = torch.where(stopping, CONVERGED, codes)
+                exit_state = torch.where(stopping[:, None], last, exit_state)
+                undecided &= ~stopping
+        state = state.clone()
+        state[:, -1] = exit_state
+        if cache is not None and active_mask is not None:  # the coda entries of rows that no longer generate stay
+            cache.write_mask = active[:, None].expand(B, T).clone()
+        logits = self.readout(state, pass_, last_only=True)[:, 0]
+        if cache is not None:
+            cache.write_mask = None
+        return state, logits, steps, codes
+
+    def _read_last(self, state: Tensor, last: Tensor, pass_: Pass, rows: Tensor) -> Tensor:
+        """Logits `[B, V]` of the last position at state `last` `[B, h]`, the others at `state`; only
+        `rows` write their (coda) cache entries, which the final readout rewrites anyway."""
+        cache = pass_.step.ctx.cache
+        probe = state.clone()
+        probe[:, -1] = last
+        if cache is not None:
+            cache.write_mask = rows[:, None].expand(probe.shape[:2]).clone()
+        logits = self.readout(probe, pass_, last_only=True)[:, 0]
+        if cache is not None:
+            cache.write_mask = None
+        return logits
 
     def step_rows(self, state: Tensor, pass_: Pass) -> Tensor:
         """One core step for rows that may be at different steps (`state` `[B, 1, h]`); the bound

@@ -125,13 +125,15 @@ def generate(
 
     Depth control, one token at a time (the default mode):
       exit_criterion: None (fixed depth r) or "kl" | "minp-kl" | "entropy-diff" | "latent-diff" |
-        "cosine" | "argmax-stability" | "none": each row stops its recurrence on its own (see
-        `criteria.py`);
+        "cosine" | "argmax-stability" | "gate" (the learned exit of models with an exit gate, Ouro) |
+        "none": each row stops its recurrence on its own (see `criteria.py`);
       exit_threshold: None = the criterion's default (kl 5e-4, minp-kl 1e-5, entropy-diff 1e-3,
-        latent-diff 0.03, cosine 1e-3, argmax-stability 5); min_steps and max_steps bound the
+        latent-diff 0.03, cosine 1e-3, argmax-stability 5, gate 1); min_steps and max_steps bound the
         steps; min_steps_rule "exit" (ours) or "skip" (official: nothing is checked before step
         min_steps + 1); check_every=n evaluates the criterion every n-th step; exit_in_prefill lets
-        the prompt exit too;
+        the prompt exit too; exit_kv="compute" keeps an exited token computing every step's KV (its
+        output stays its exit step's: Ouro's reference loop), "lookup" (default) lets the KV policy's
+        lookup rule serve the steps it skipped;
       warm_start: s_0 of a token = the final state of the previous one (continuous CoT), raw or,
         with warm_start_source="normed", after ln_f.
     KV cache: kv_policy="<slots>[+<lookup>]" (see `recurrent_depth.model.cache`): slots "per-step"

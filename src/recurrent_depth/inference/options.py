@@ -22,6 +22,7 @@ PARALLEL_CRITERIA = ("latent-diff", "cosine")
 DEFAULTS = ("official",)
 MIN_STEPS_RULES = ("exit", "skip")
 WARM_START_SOURCES = ("raw", "normed")
+EXIT_KV = ("lookup", "compute")
 # The official code's hard-coded stops (begin_text, end_text, end_turn of Huginn's tokenizer).
 OFFICIAL_STOP_IDS = (65504, 65505, 65508)
 OFFICIAL_SPECULATIVE_STEPS = 32  # the official generate_speculative's num_steps default
@@ -233,8 +234,12 @@ class GenerationOptions:
     exit_criterion: str | None = option(None, "exit", "stop each token's recurrence when this statistic converges",
         "str", choices=criterion_names, shown="none, fixed depth", http=True, hf="routed", lm_eval="model")
     exit_threshold: float | None = option(None, "exit", "the criterion's threshold; 'auto' = the official code's "
-        "threshold for the criterion (kl 1e-3, entropy-diff 1e-3, latent-diff 0.03, cosine 1e-3, argmax-stability 5)",
-        "float", shown="the criterion's own, kl 5e-4", http=True, hf="routed", lm_eval="model")
+        "threshold for the criterion (kl 1e-3, entropy-diff 1e-3, latent-diff 0.03, cosine 1e-3, argmax-stability 5, "
+        "gate 1)", "float", shown="the criterion's own, kl 5e-4, gate 1", http=True, hf="routed", lm_eval="model")
+    exit_kv: str = option("lookup", "exit", "KV of the steps an early-exited token skips: 'lookup' (it stops; the "
+        "kv_policy's lookup rule serves them, deepest by default) or 'compute' (it runs on to max_steps for the KV, "
+        "its output stays its exit step's: the Ouro reference)", "str", choices=EXIT_KV, http=True, hf="routed",
+        lm_eval="model")
     min_steps: int | None = option(None, "exit", "fewest core steps before a token may exit (see min_steps_rule)",
         "int", shown="1; official: 0", http=True, http_max="max_num_steps", hf="routed", lm_eval="model",
         low=min_steps_floor)
@@ -460,6 +465,26 @@ def _check_combinations(o: ResolvedOptions, asked_prefill_exit: bool) -> Resolve
                 "draft_steps",
                 f"self-speculative decoding (draft_steps={o.draft_steps}) is greedy at a fixed depth; "
                 f"it does not combine with {', '.join(bad)}"
+            )
+    gate = o.criterion is not None and o.criterion.reads_gate
+    if gate and (o.check_every > 1 or (o.min_steps_rule == "skip" and o.min_steps > 0)):
+        raise OptionError(
+            "check_every" if o.check_every > 1 else "min_steps",
+            f"exit_criterion={o.exit_criterion!r} multiplies the gate's survival over every step, so it is read at "
+            f"every step: expected check_every=1 and no unchecked steps (got check_every={o.check_every}, "
+            f"min_steps={o.min_steps} under min_steps_rule={o.min_steps_rule!r})"
+        )
+    if o.exit_kv == "compute":
+        if mode != "autoregressive" or o.criterion is None:
+            raise OptionError("exit_kv", f"exit_kv='compute' keeps early-exited tokens computing their KV, which "
+                              f"needs an exit_criterion in the autoregressive mode (got mode {mode!r}, "
+                              f"exit_criterion={o.exit_criterion!r})")
+        if o.min_steps_rule == "skip" or o.exit_in_prefill:
+            raise OptionError(
+                "exit_kv" if o.min_steps_rule == "skip" else "exit_in_prefill",
+                "exit_kv='compute' (the Ouro reference's loop: the prompt runs every step, its last position exits "
+                f"on the criterion) takes min_steps_rule='exit' and exit_in_prefill=False (got "
+                f"{o.min_steps_rule!r} and {o.exit_in_prefill}); set them, or use exit_kv='lookup'"
             )
     if mode == "parallel":
         if o.draft_steps is not None or o.warm_start or o.repetition_penalty != 1.0:

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from recurrent_depth.inference.cache import make_cache
-from recurrent_depth.inference.criteria import ExitCriterion
+from recurrent_depth.inference.criteria import ExitCriterion, gate_for
 from recurrent_depth.inference.engine import Recurrence
 from recurrent_depth.inference.options import ResolvedOptions, eos_ids
 from recurrent_depth.inference.output import Recorder, TokenEvent
@@ -121,7 +121,8 @@ class Session:
         self.recorder = Recorder(self.B, options.max_new_tokens, options.output_logits)
         config_eos = eos_ids(cfg.eos_token_id, "eos_token_id", cfg.vocab_size)
         self.pad_token_id = next((t for t in (cfg.pad_token_id, *config_eos) if t is not None), 0)
-        self.criterion = ExitCriterion(options.criterion, options.threshold) if options.criterion else None
+        self.criterion = (ExitCriterion(options.criterion, options.threshold, gate_for(options.criterion, model))
+                          if options.criterion else None)
         skip = options.min_steps_rule == "skip"
         # The step loop's schedule (see `Recurrence.run_adaptive`): under the "skip" rule the first
         # min_steps steps run unchecked; the official loop keeps its last check's logits at max_steps.
@@ -130,6 +131,10 @@ class Session:
             min_steps=1 if skip else options.min_steps, first_check=options.min_steps + 1 if skip else 1,
             check_every=options.check_every, read_last_check=skip,
         )
+        # exit_kv="compute" (`Recurrence.run_computing`): every step runs, under the "exit" rule.
+        self.computing = options.exit_kv == "compute" and self.criterion is not None
+        self.compute_schedule = dict(max_steps=options.max_steps, min_steps=options.min_steps,
+                                     check_every=options.check_every)
         self.teacher = self._teacher(options.teacher_tokens)
         self.stats: dict[str, Any] = {}
 
@@ -248,6 +253,19 @@ class Session:
         cache.close(depth, self.T)
         cache.advance(self.T)
         return s[:, -1], logits
+
+    def computing_prefill(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """exit_kv="compute": the prompt runs `num_steps` steps (every KV entry), its last position is
+        read at the step its criterion first holds. Returns (that raw state `[B, h]`, its logits
+        `[B, V]`, exit steps `[B]`, exit codes `[B]`)."""
+        engine, cache = self.engine, self.cache
+        pass_ = engine.begin(self.input_ids, self.mask(self.T), cache)
+        s = self.initial_states(pass_.e, list(range(self.B)), self.valid[:, : self.T] if self.padded else None)
+        schedule = dict(self.compute_schedule, max_steps=self.options.num_steps)
+        s, logits, used, codes = engine.run_computing(s, pass_, self.criterion, self.vocab_size, **schedule)
+        cache.close(self.options.num_steps, self.T)
+        cache.advance(self.T)
+        return s[:, -1], logits, used, codes
 
     def adaptive_prefill(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Run the prompt under the exit criterion (`exit_in_prefill`): a row's positions stop

@@ -11,6 +11,10 @@ request's prompt (its own prefill, at full depth) into a free row and picks its 
 3. finish: rows that met their criterion or reached their depth read their logits (coda), fill
    the KV slots they did not reach with their deepest entry, and choose their next token.
 
+Under `exit_kv="compute"` (the Ouro reference's loop) a row whose criterion holds keeps its state
+of that step as its output (`exit_state`) and recurs on to its depth for the KV of every step; it
+finishes there, read out at the exit state (the prompt's last position likewise, in `add`).
+
 A row therefore starts its next token as soon as its previous one exits, instead of waiting for
 the deepest row of the batch: adaptive exit saves real compute. Rows at the same fixed depth
 start their tokens together (a row that joins such a cohort waits for its next token boundary),
@@ -22,7 +26,8 @@ logits are equal to float rounding (~1e-5), and an adaptive exit sitting at its 
 that rounding can stop a step earlier or later than alone (docs/serving.md). `remove` frees a row
 by moving the last row into its place. The core
 runs through the inference package's recurrence engine (`inference.engine.Recurrence`, over the
-`FastRunner` of all-attention models): the prefill as `run`, each iteration as `step_rows`;
+`FastRunner` of Huginn-layout models, the model's own modules for the other all-attention
+architectures, e.g. Ouro): the prefill as `run`, each iteration as `step_rows`;
 token choice, per-row generators and exit statistics (`RowCriterion`) are the inference
 package's own classes. `add(..., should_stop=)` lets a caller end a prefill between core steps.
 
@@ -40,13 +45,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from recurrent_depth.accel.runner import FastRunner
-from recurrent_depth.inference.criteria import RowCriterion
+from recurrent_depth.inference.criteria import ExitCriterion, RowCriterion, gate_for
 from recurrent_depth.inference.engine import Pass, Recurrence
 from recurrent_depth.inference.options import ResolvedOptions
 from recurrent_depth.inference.quant_cache import KVQuant, kv_quant_for_model
 from recurrent_depth.inference.runner import Step
 from recurrent_depth.inference.sampling import RowGenerators, TokenChooser
+from recurrent_depth.model.recurrent import all_attention, blocks_of
 from recurrent_depth.serving.kv_pool import SlotKVPool, make_pool
 
 
@@ -112,6 +117,7 @@ class Sequence:
     length: int
     pending: int = -1
     phase: int | None = None
+    exit_step: int | None = None  # exit_kv="compute": the step the criterion held at (None: not yet)
     tag: object = None  # the caller's handle
 
     @property
@@ -121,6 +127,11 @@ class Sequence:
     @property
     def adaptive(self) -> bool:
         return self.options.criterion is not None
+
+    @property
+    def computing(self) -> bool:
+        """exit_kv="compute": the row recurs on to its depth after its criterion holds."""
+        return self.adaptive and self.options.exit_kv == "compute"
 
     @property
     def limit(self) -> int:
@@ -146,9 +157,10 @@ class BatchDecoder:
     """Rows of independent requests decoded together, one recurrence step per `step()`."""
 
     @staticmethod
-    def supports(model: object) -> bool:
-        """All-attention models without a window (the Huginn architecture)."""
-        return FastRunner.supports(model)
+    def supports(model: torch.nn.Module) -> bool:
+        """All-attention models without a window, of any block layout (the fused runner takes Huginn's;
+        the others, e.g. Ouro, run the model's own modules over the same pool)."""
+        return all_attention(model) and all(b.attn.window is None for b in blocks_of(model))
 
     @staticmethod
     def runs(options: ResolvedOptions) -> bool:
@@ -192,6 +204,7 @@ class BatchDecoder:
         self.embedded = torch.zeros(R, h, dtype=dtype, device=self.device)
         self.injected = torch.zeros(R, h, dtype=dtype, device=self.device)
         self.logits = torch.zeros(R, V, device=self.device)
+        self.exit_state = torch.zeros(R, h, dtype=dtype, device=self.device)  # exit_kv="compute" rows' output
         self.criteria: dict[tuple[str, float], RowCriterion] = {}
 
     def __len__(self) -> int:
@@ -223,6 +236,7 @@ class BatchDecoder:
         if not self.takes_kv_quant(opts.kv_quant):
             raise ValueError(f"kv_quant={opts.kv_quant!r} cannot join a batch whose KV pool stores "
                              f"{self.kv_quant.name if self.kv_quant else 'full-precision entries'}")
+        gate = gate_for(opts.criterion, self.model)  # a ValueError for a gate the model lacks, before any work
         T = len(request.prompt)
         generators = RowGenerators([request.seed], 1, self.device)
         chooser = TokenChooser(opts, self.config.vocab_size, generators)
@@ -244,8 +258,15 @@ class BatchDecoder:
         zeros = scale == 0 and self.runner.model.config.state_init == "random"
         s = torch.zeros_like(pass_.e) if zeros else engine.initial_state(pass_.e, scale, generators[0])
         engine.should_stop = should_stop
+        first_steps = depth
         try:
-            s = engine.run(s, pass_, depth)
+            if seq.computing:  # every step's KV; the last position is read at its exit step (as `Session`)
+                criterion = ExitCriterion(opts.criterion, opts.threshold, gate)
+                s, _, used, _ = engine.run_computing(s, pass_, criterion, self.config.vocab_size, max_steps=depth,
+                                                     min_steps=opts.min_steps, check_every=opts.check_every)
+                first_steps = int(used[0])
+            else:
+                s = engine.run(s, pass_, depth)
         finally:
             engine.should_stop = None
         logits = engine.readout(s, pass_, last_only=not request.prompt_logprobs)[0]  # [T or 1, V]
@@ -259,12 +280,13 @@ class BatchDecoder:
         if opts.max_new_tokens == 0:
             return None, None, scores
         self.state[row] = s[0, -1]  # what a warm start continues from
-        first = self._choose([seq], logits[-1:], [depth], ["prefill"])[0]
+        first = self._choose([seq], logits[-1:], [first_steps], ["prefill"])[0]
         seq.pending = first.token
         self.rows.append(seq)
         key = seq.criterion_key
         if key is not None and key not in self.criteria:
-            self.criteria[key] = RowCriterion(opts.criterion, opts.threshold, self.max_rows, self.config.vocab_size)
+            self.criteria[key] = RowCriterion(opts.criterion, opts.threshold, self.max_rows, self.config.vocab_size,
+                                              gate)
         return seq, first, scores
 
     @torch.inference_mode()
@@ -275,7 +297,7 @@ class BatchDecoder:
         if row != last:
             moved = self.rows[last]
             self.pool.move_row(last, row, moved.length + 1)  # + the column of its current token
-            for table in (self.state, self.embedded, self.injected, self.logits):
+            for table in (self.state, self.embedded, self.injected, self.logits, self.exit_state):
                 table[row] = table[last]
             for crit in self.criteria.values():
                 crit.move(last, row)
@@ -353,6 +375,7 @@ class BatchDecoder:
                 self.state[b] = self.runner.initial_state(e[j : j + 1], opts.init_scale, r.generators[0])[0, 0]
         for r in seqs:
             r.phase = 0
+            r.exit_step = None
         for key, crit in self.criteria.items():
             members = [b for b, r in zip(rows, seqs) if r.criterion_key == key]
             if members:
@@ -371,14 +394,16 @@ class BatchDecoder:
         self.core_rows += len(rows)
         for r in seqs:
             r.phase += 1
-        reading = [b for b, r in zip(rows, seqs) if r.adaptive and self.criteria[r.criterion_key].needs_logits]
+        # Rows still deciding: computing rows past their exit step only run on for their KV.
+        deciding = [(b, r) for b, r in zip(rows, seqs) if r.adaptive and r.exit_step is None]
+        reading = [b for b, r in deciding if self.criteria[r.criterion_key].needs_logits]
         if reading:  # output-based criteria: logits after every step (the coda's KV follows along)
             read_index = self._select(reading)
             self.logits[read_index] = self.runner.predict(self.state[read_index].unsqueeze(1), self._bind(reading),
                                                           last_only=True)[:, 0]
         converged = set()
         for key, crit in self.criteria.items():
-            members = [b for b, r in zip(rows, seqs) if r.criterion_key == key]
+            members = [b for b, r in deciding if r.criterion_key == key]
             if not members:
                 continue
             sub = torch.tensor(members, device=self.device)
@@ -386,10 +411,13 @@ class BatchDecoder:
             converged |= {b for b, m in zip(members, met) if m and self.rows[b].phase >= self.rows[b].options.min_steps}
         done = []
         for b, r in zip(rows, seqs):
-            if b in converged:
+            if b in converged and r.computing:  # keep its output, recur on for the KV
+                r.exit_step = r.phase
+                self.exit_state[b] = self.state[b]
+            if b in converged and not r.computing:
                 done.append((b, "converged"))
             elif r.phase >= r.limit:
-                done.append((b, "max-steps" if r.adaptive else "fixed"))
+                done.append((b, "converged" if r.exit_step is not None else "max-steps" if r.adaptive else "fixed"))
         return done
 
     def _finish(self, done: list[tuple[int, str]]) -> list[tuple[Sequence, TokenResult]]:
@@ -397,6 +425,9 @@ class BatchDecoder:
         rows = [b for b, _ in done]
         seqs = [self.rows[b] for b in rows]
         index = self._select(rows)
+        for b, r in zip(rows, seqs):
+            if r.exit_step is not None:  # read out (and warm-start) at the exit state
+                self.state[b] = self.exit_state[b]
         # Rows whose criterion does not read logits (fixed depth, latent criteria): one coda pass.
         unread = [b for b, r in zip(rows, seqs) if not (r.adaptive and self.criteria[r.criterion_key].needs_logits)]
         if unread:
@@ -404,7 +435,8 @@ class BatchDecoder:
             self.logits[unread_index] = self.runner.predict(self.state[unread_index].unsqueeze(1), self._bind(unread),
                                                             last_only=True)[:, 0]
         self.pool.close_tokens(rows, [r.length for r in seqs], [r.phase for r in seqs], [r.row_slots for r in seqs])
-        results = self._choose(seqs, self.logits[index], [r.phase for r in seqs], [why for _, why in done])
+        steps = [r.phase if r.exit_step is None else r.exit_step for r in seqs]
+        results = self._choose(seqs, self.logits[index], steps, [why for _, why in done])
         for r, result in zip(seqs, results):
             r.length += 1
             r.phase = None

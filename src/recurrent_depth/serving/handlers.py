@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from recurrent_depth.inference.criteria import gate_for
 from recurrent_depth.inference.options import eos_ids
 from recurrent_depth.inference.quant_cache import kv_quant_for_model
 from recurrent_depth.serving import responses
@@ -163,6 +164,10 @@ class Handlers:
                 options = options.bound(scheduler.model.config.core_layers)
             except ValueError as exc:
                 raise APIError(400, str(exc), param="kv_policy") from None
+            try:  # exit_criterion="gate" needs a model with an exit gate
+                gate_for(options.criterion, scheduler.model)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param=sampling.given_as.get("exit_criterion", "exit_criterion")) from None
             if options.kv_quant is not None:  # a spec this model cannot take: 400 now, not 500 in generation
                 try:
                     kv_quant_for_model(scheduler.model, options.kv_quant)

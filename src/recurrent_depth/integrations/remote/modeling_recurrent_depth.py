@@ -46,7 +46,7 @@ HUGINN_ARCHITECTURE = dict(
 # implement: refused by name rather than dropped (tests/test_hf_export.py keeps the list equal to the
 # library's options schema).
 LIBRARY_ONLY_OPTIONS = (
-    "exit_criterion", "exit_threshold", "min_steps", "max_steps", "warm_start", "warm_start_source",
+    "exit_criterion", "exit_threshold", "exit_kv", "min_steps", "max_steps", "warm_start", "warm_start_source",
     "exit_in_prefill", "min_steps_rule", "check_every", "kv_budget", "kv_policy", "kv_quant", "cache_implementation",
     "draft_steps", "lookahead", "verification_threshold", "sampler", "inner_steps", "headway", "wavefront",
     "max_wavefront", "seed", "stop", "fast", "output_logits", "finish_round", "defaults",

@@ -46,12 +46,21 @@ def check_config_file(path: Any) -> None:
 
 
 class _CheckedConfigFile:
-    """`from_pretrained` of our config classes: the bounded read of a local config.json first."""
+    """What our config classes share: `from_pretrained` reads a local config.json bounded first, and
+    `from_dict` validates (through `to_model_config`) after transformers has applied its overrides."""
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
         check_config_file(pretrained_model_name_or_path)
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
+        """transformers applies `from_pretrained(..., field=value)` overrides after `__init__`: validate again."""
+        out = super().from_dict(config_dict, **kwargs)
+        config = out[0] if isinstance(out, tuple) else out
+        config.to_model_config()
+        return out
 
 
 class RecurrentDepthConfig(_CheckedConfigFile, PretrainedConfig):
@@ -126,14 +135,6 @@ class RecurrentDepthConfig(_CheckedConfigFile, PretrainedConfig):
     @property
     def num_hidden_layers(self) -> int:
         return self.prelude_layers + self.core_layers + self.coda_layers
-
-    @classmethod
-    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
-        """transformers applies `from_pretrained(..., field=value)` overrides after `__init__`: validate again."""
-        out = super().from_dict(config_dict, **kwargs)
-        config = out[0] if isinstance(out, tuple) else out
-        config.to_model_config()
-        return out
 
     @classmethod
     def from_model_config(cls, config: ModelConfig, **kwargs: Any) -> RecurrentDepthConfig:
@@ -212,14 +213,6 @@ class HuginnRavenConfig(_CheckedConfigFile, PretrainedConfig):
             if getattr(self, name) is None:
                 setattr(self, name, getattr(resolved, name))
 
-    @classmethod
-    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
-        """transformers applies `from_pretrained(..., field=value)` overrides after `__init__`: validate again."""
-        out = super().from_dict(config_dict, **kwargs)
-        config = out[0] if isinstance(out, tuple) else out
-        config.to_model_config()
-        return out
-
     def huginn_dict(self) -> dict[str, Any]:
         """The keys `ModelConfig` understands, in the official file's naming."""
         out = {key: getattr(self, key) for key in _HUGINN_DEFAULTS}
@@ -286,14 +279,6 @@ class OuroConfig(_CheckedConfigFile, PretrainedConfig):
     def __post_init__(self, **kwargs: Any) -> None:
         super().__post_init__(**kwargs)
         self.to_model_config()  # validate now, not at the first forward
-
-    @classmethod
-    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
-        """transformers applies `from_pretrained(..., field=value)` overrides after `__init__`: validate again."""
-        out = super().from_dict(config_dict, **kwargs)
-        config = out[0] if isinstance(out, tuple) else out
-        config.to_model_config()
-        return out
 
     def ouro_dict(self) -> dict[str, Any]:
         """The keys the Ouro translation reads, as this config holds them."""

@@ -43,6 +43,7 @@ import torch
 
 import recurrent_depth as rd
 from recurrent_depth.inference import generate
+from recurrent_depth.inference.kv_codec import KVQuant
 
 TQ35, TQ25 = "k=prod:3.5,v=mse:3.5", "k=prod:2.5,v=mse:2.5"
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -241,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     configs = {name: CONFIGS[name] for name in dict.fromkeys([REFERENCE, *args.configs])}
     start = time.perf_counter()
     results: dict[str, dict[str, Any]] = {name: {"kwargs": kwargs} for name, kwargs in configs.items()}
+    true_bits = {name: KVQuant.parse(kwargs["kv_quant"]).bits_per_coordinate(model.config.head_dim)
+                 for name, kwargs in configs.items() if kwargs.get("kv_quant")}
     if not args.speed_only:
         reference = generate(model, prompts, max_new_tokens=args.agreement_tokens, num_steps=args.num_steps,
                              init_scale=0.0).sequences[:, prompts.shape[1]:]
@@ -248,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         base = results[REFERENCE]["bytes_per_token"]
         for r in results.values():
             r["x_vs_per_step_bf16"] = round(base / r["bytes_per_token"], 2)
+    for name, bits in true_bits.items():  # what a spec stores per coordinate, norms counted (its label is nominal)
+        results[name]["kv_quant_bits_per_coordinate"] = bits
     for name, speeds in decode_speeds(model, prompts[:1], configs, args).items():
         results[name].update(speeds)
     for key in ("tokens_per_s", "cpu_tokens_per_s"):

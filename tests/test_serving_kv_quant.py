@@ -160,6 +160,8 @@ def test_a_quantizing_server_batches_its_requests_and_runs_other_specs_alone(mod
     with LiveServer(build_app(model_dir, model_name="tiny", kv_quant=KV)) as live:
         health = httpx.get(live.url + "/health").json()
         assert health["kv_quant"] == KVQuant.parse(KV).name and health["batching"] is True
+        true_bits = KVQuant.parse(KV).bits_per_coordinate(ref_model.config.head_dim)
+        assert health["kv_quant_bits_per_coordinate"] == true_bits
         prompts = [[5, 9, 2], [7, 1, 4, 4, 8, 3], [2, 6, 11, 9, 1], [3, 3, 8]]
         # unset: the server's; the server's own spelt out; another spec: alone; a policy the pool
         # does not take: alone, with the server's spec

@@ -94,6 +94,16 @@ class KVQuant:
         except ValueError as exc:
             raise ValueError(f"kv_quant {role}={spec} cannot code this model's head dim {dim}: {exc}") from None
 
+    def bits_per_coordinate(self, head_dim: int) -> dict[str, float]:
+        """What each side really stores per coordinate at `head_dim`, norms and residual bytes counted:
+        bytes per vector x 8 / head_dim (`prod:2.5` is 2.875 at 128: a spec's label is its nominal bits)."""
+        return {role: self.build(role, head_dim).bytes_per_vector * 8 / head_dim for role in ("k", "v")}
+
+    def label(self, head_dim: int) -> str:
+        """`name` with the true bits per coordinate at `head_dim`, as every interface shows a spec."""
+        bits = self.bits_per_coordinate(head_dim)
+        return f"{self.name} (true bits per coordinate at head dim {head_dim}: k {bits['k']:g}, v {bits['v']:g})"
+
     def bytes_per_token(self, head_dim: int, num_kv_heads: int, num_layers: int = 1) -> int:
         """Bytes one token's keys and values take in `num_layers` attention caches, every norm counted."""
         per_head = self.build("k", head_dim).bytes_per_vector + self.build("v", head_dim).bytes_per_vector

@@ -134,6 +134,8 @@ def build_app(
                     max_sequences=min(max_queue, 256), default_num_steps=num_steps)
     scheduler = BatchScheduler(model, Metrics(), max_batch=max_batch, max_queue=max_queue,
                                prefill_tokens=prefill_tokens, kv_quant=kv_quant)
+    if scheduler.kv_quant is not None:
+        print(f"rdepth serve: KV cache quantized: {scheduler.kv_quant.label(cfg.head_dim)}", file=sys.stderr)
     codec = TextCodec(tokenizer_dir, cfg.vocab_size, cfg.max_seq_len, required=tokenizer_named)
     if codec.has_tokenizer and codec.chat is None:
         print(f"rdepth serve: chat is off: {codec.chat_error}", file=sys.stderr)

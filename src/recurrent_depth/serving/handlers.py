@@ -110,6 +110,9 @@ class Handlers:
                                 "waiting": len(scheduler.waiting), "batching": scheduler.batches,
                                 "kv_quant": scheduler.kv_quant.name if scheduler.kv_quant is not None else None,
                                 "stall_timeout": settings.stall_timeout}
+        if scheduler.kv_quant is not None:  # the true bits per coordinate, norms counted (a label is nominal)
+            head_dim = scheduler.model.config.head_dim
+            body["kv_quant_bits_per_coordinate"] = scheduler.kv_quant.bits_per_coordinate(head_dim)
         idle = self.open_requests.idle_seconds()
         if idle is not None:
             body["seconds_since_progress"] = round(idle, 3)

@@ -269,3 +269,23 @@ def test_lm_eval_scores_with_the_reference_loop(ouro_dir, model):
         path = ouro_dir.parent / "huginn"
         huginn.save_pretrained(path, tokenizer=load_tokenizer(ouro_dir))
         RecurrentDepthEvalLM(pretrained=str(path), device="cpu", exit_criterion="gate")
+
+
+def test_the_gate_defaults_to_the_models_own_threshold(model):
+    """A config's exit_gate_threshold (Ouro's early_exit_threshold) is the gate's q when a call names none."""
+    import dataclasses
+
+    ids = torch.tensor([[5, 9, 2, 7, 3]])
+    own = rd.RecurrentDepthLM(dataclasses.replace(model.config, exit_gate_threshold=0.5)).eval()
+    own.load_state_dict(model.state_dict())
+    run = dict(max_new_tokens=6, exit_criterion="gate", init_scale=0.0)
+    def steps(m, **extra):
+        return rd.generate(m, ids, **run, **extra).steps.tolist()
+
+    assert steps(own) == steps(own, exit_threshold=0.5) != steps(own, exit_threshold=1.0)  # q = 1: every step
+    assert steps(model) == steps(model, exit_threshold=1.0)  # no threshold in the config: the reference's 1.0
+    from recurrent_depth.serving.protocol import Limits, validated
+
+    limits = Limits(64, 4, 256, gate_threshold=0.5)
+
+    assert validated({"exit_criterion": "gate"}, {}, 4, limits).threshold == 0.5

@@ -116,7 +116,8 @@ class RecurrentDepthEvalLM(HFLM):
         super().__init__(pretrained=pretrained, device=_resolve_device(device), batch_size=batch_size, **kwargs)
         self._core = self.model.core
         try:
-            self.options = GenerationOptions(**values).validate(self._core.config.mean_recurrence)
+            self.options = GenerationOptions(**values).validate(self._core.config.mean_recurrence,
+                                                                self._core.config.exit_gate_threshold)
         except OptionError as exc:
             raise exc.spelled(kwarg_spelling(given_as)) from None
         gate_for(self.options.criterion, self._core)  # exit_criterion=gate on a model without one: fail now
@@ -198,7 +199,7 @@ class RecurrentDepthEvalLM(HFLM):
                 if self._stepwise:
                     o = self.options
                     scored = stepwise_logprobs(
-                        self._core, batch, self.depth, pad, o.exit_criterion, o.exit_threshold, o.min_steps,
+                        self._core, batch, self.depth, pad, o.exit_criterion, o.threshold, o.min_steps,
                         o.kv_budget, o.warm_start, self.init_scale, self._generator, kv_policy=o.kv_policy,
                         kv_quant=o.kv_quant, exit_kv=o.exit_kv,
                     )

@@ -28,7 +28,7 @@ class GenerationStream:
 
     def __init__(self, model: Any, input_ids: Any, attention_mask: Any, options: GenerationOptions,
                  tokenizer: Any) -> None:
-        resolved = options.validate(model.config.mean_recurrence)
+        resolved = options.validate(model.config.mean_recurrence, model.config.exit_gate_threshold)
         ids, mask = prepare_inputs(model, input_ids, attention_mask)
         self.model = model
         self.options: ResolvedOptions = resolved

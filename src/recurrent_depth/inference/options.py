@@ -333,10 +333,14 @@ class GenerationOptions:
             return "speculative"
         return "autoregressive"
 
-    def validate(self, mean_recurrence: int) -> ResolvedOptions:
+    def validate(self, mean_recurrence: int, gate_threshold: float | None = None) -> ResolvedOptions:
         """Every field checked against its `Option`, the defaults that depend on the profile and on
-        the model filled, the criterion, KV policy and KV quantization parsed."""
+        the model filled, the criterion, KV policy and KV quantization parsed. `gate_threshold` is the
+        model's own q for `exit_criterion="gate"` (`ModelConfig.exit_gate_threshold`, Ouro's
+        early_exit_threshold): the gate's default when `exit_threshold` is not given."""
         values = {name: getattr(self, name) for name in OPTIONS}
+        if values["exit_criterion"] == "gate" and values["exit_threshold"] is None and gate_threshold is not None:
+            values["exit_threshold"] = gate_threshold
         asked_prefill_exit = values["exit_in_prefill"] is True
         for spec in OPTIONS.values():  # the profile's defaults read these, so they are checked first
             spec.check_choice(values[spec.name])

@@ -131,7 +131,8 @@ def build_app(
                                   or not 0 <= num_steps <= steps):
         raise ValueError(f"num_steps={num_steps!r} is invalid: expected an integer in [0, max_num_steps={steps}]")
     limits = Limits(cfg.max_seq_len, cfg.mean_recurrence, cfg.vocab_size, max_num_steps=steps,
-                    max_sequences=min(max_queue, 256), default_num_steps=num_steps)
+                    max_sequences=min(max_queue, 256), default_num_steps=num_steps,
+                    gate_threshold=cfg.exit_gate_threshold)
     scheduler = BatchScheduler(model, Metrics(), max_batch=max_batch, max_queue=max_queue,
                                prefill_tokens=prefill_tokens, kv_quant=kv_quant)
     if scheduler.kv_quant is not None:

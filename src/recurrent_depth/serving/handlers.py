@@ -60,7 +60,8 @@ class Handlers:
     def __init__(self, scheduler: BatchScheduler, codec: TextCodec, settings: ServerSettings) -> None:
         cfg = scheduler.model.config
         self.scheduler, self.codec, self.settings = scheduler, codec, settings
-        self.limits = settings.limits or Limits(cfg.max_seq_len, cfg.mean_recurrence, cfg.vocab_size)
+        self.limits = settings.limits or Limits(cfg.max_seq_len, cfg.mean_recurrence, cfg.vocab_size,
+                                                gate_threshold=cfg.exit_gate_threshold)
         self.names = {settings.model_name, *settings.aliases}
         self.metrics = scheduler.metrics
         eos_configured = cfg.eos_token_id is not None

@@ -87,6 +87,7 @@ class Limits:
     max_stop: int = 16
     max_lookahead: int = 64
     default_num_steps: int | None = None  # depth of requests that do not say (None: mean_recurrence)
+    gate_threshold: float | None = None  # the model's own q for exit_criterion "gate" (its exit_gate_threshold)
 
 
 # ---------------------------------------------------------------------------------------- field readers
@@ -192,7 +193,8 @@ def validated(generation: dict[str, Any], given_as: dict[str, str], max_tokens: 
               limits: Limits) -> ResolvedOptions:
     """`GenerationOptions.validate`, its errors as 400s naming the JSON field."""
     try:
-        return GenerationOptions(max_new_tokens=max_tokens, **generation).validate(limits.mean_recurrence)
+        options = GenerationOptions(max_new_tokens=max_tokens, **generation)
+        return options.validate(limits.mean_recurrence, limits.gate_threshold)
     except OptionError as exc:
         spelling = http_spelling(given_as)
         param = "temperature" if exc.field == "do_sample" else spelling(exc.field)

@@ -29,7 +29,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "retrofit", help="turn a transformers Llama/Qwen2/Qwen3/OLMo-2 causal LM into a recurrent-depth model",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_model_arg(parser)
+    add_model_arg(parser, help="the source: a transformers Llama, Qwen2, Qwen3 or OLMo-2 causal LM directory "
+                               "(config.json, safetensors, tokenizer files)")
     parser.add_argument("--prelude", type=int, required=True, metavar="N", help="the first N source layers")
     parser.add_argument("--core", required=True, metavar="A:B",
                         help="source layers A..B-1 become the recurrent core (half-open, like a Python slice)")

@@ -39,7 +39,8 @@ from recurrent_depth.quant.codebook import polar_angle_codebook
 from recurrent_depth.quant.turboquant import dither_weights, residual_code
 
 SPECS = ["mse:1", "mse:2", "mse:3", "mse:4", "mse:2.5", "mse:3.5", "prod:1", "prod:2", "prod:3", "prod:2.5",
-         "prod:3.5", "mse:3:hadamard", "prod:3.5:hadamard", "qjl:1", "qjl:2", "polar", "polar:3.875:hadamard",
+         "prod:3.5", "mse:3:hadamard", "prod:3.5:hadamard", "qjl:1", "qjl:2", "qjl:2:out4", "polar",
+         "polar:3.875:hadamard",
          "raw:16", "raw:16:fp16"]
 
 
@@ -62,8 +63,8 @@ def expected_bytes(spec: str, d: int) -> int:
             return whole(method, d, int(bits))
         n_out = int((bits - math.floor(bits)) * d)
         return whole(method, n_out, math.floor(bits) + 1) + whole(method, d - n_out, math.floor(bits))
-    if method == "qjl":
-        return int(bits * d) // 8 + 2
+    if method == "qjl":  # signs + fp16 norm, + 2 bytes per bf16 outlier channel (`qjl:b:outN`)
+        return int(bits * d) // 8 + 2 + (2 * int(rest[1][3:]) if len(rest) > 1 else 0)
     if method == "polar":
         blocks = d // 16
         return blocks * (8 * 4 + 4 * 2 + 2 * 2 + 1 * 2) // 8 + 2 * blocks  # angles + one fp16 radius per block
@@ -304,7 +305,8 @@ def test_packed_bytes_exact(spec, d):
     assert quant.bytes_per_vector == codes.bytes_per_vector == expected_bytes(spec, d)
     assert codes.nbytes == 30 * expected_bytes(spec, d)
     assert sum(t.numel() * t.element_size() for t in reachable_tensors(codes)) == codes.nbytes
-    assert all(t.dtype in (torch.uint8, torch.float16) for t in codes.tensors())
+    assert all(t.dtype in (torch.uint8, torch.float16) or (name, t.dtype) == ("outliers", torch.bfloat16)
+               for name, t in codes.fields.items())  # QJL's outlier channels are bf16
     if spec.startswith("raw"):
         assert codes.nbytes == 2 * x.numel()
     else:

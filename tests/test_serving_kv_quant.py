@@ -80,7 +80,7 @@ def alone(model, prompt, kw, seed, kv_quant) -> tuple[list[int], list[int], list
 
 
 @pytest.mark.parametrize("initial_slots", [64, 1], ids=["sized", "growing-slots"])
-@pytest.mark.parametrize("kv", [KV, "k=prod:2.5,v=mse:2.5,attn=dequantize"])
+@pytest.mark.parametrize("kv", [KV, "k=prod:2.5,v=mse:2.5,attn=dequantize", "k=qjl:2:out2,v=mse:3"])
 def test_a_quantized_batch_equals_each_request_generated_alone_with_kv_quant(model, kv, initial_slots,
                                                                              monkeypatch):
     """3 rows at once, 5 requests of different lengths (rows leave and new ones move in), fixed

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from recurrent_depth.model.cache import LayerKey, attend_floats, combine_key_mask
 from recurrent_depth.ops.codes_attention import codes_attention
-from recurrent_depth.quant import ChannelSplit, Quantizer, QuantSpec, parse_kv_quant, select_outlier_channels
+from recurrent_depth.quant import QJL, ChannelSplit, Quantizer, QuantSpec, parse_kv_quant, select_outlier_channels
 from recurrent_depth.quant.rows import RowCodec, TurboRows, row_codec
 from recurrent_depth.quant.spec import check_spec_text
 
@@ -143,10 +143,18 @@ def layer_codec(kv_quant: Any, role: str, dim: int, calibration: Tensor | None =
     on its own can stack rows' permutations `[B, Hkv, D]` into one `permuted` codec.)"""
     kv_quant = KVQuant.parse(kv_quant)
     codec = shared_codec(kv_quant, role, dim)
-    split = codec.quantizer
-    if role not in OUTLIER_RULES[kv_quant.outliers] or calibration is None or not isinstance(split, ChannelSplit):
+    n_out = calibrated_channels(codec.quantizer)
+    if role not in OUTLIER_RULES[kv_quant.outliers] or calibration is None or not n_out:
         return codec
-    return codec.permuted(outlier_permutation(calibration, len(split.outlier_channels)))
+    return codec.permuted(outlier_permutation(calibration, n_out))
+
+
+def calibrated_channels(quantizer: Quantizer) -> int:
+    """How many outlier channels a quantizer keeps apart (its first ones, unless calibrated): a channel
+    split's high-bit group, QJL's bf16 outliers (`qjl:b:outN`); 0 for the others."""
+    if isinstance(quantizer, ChannelSplit):
+        return len(quantizer.outlier_channels)
+    return quantizer.outliers if isinstance(quantizer, QJL) else 0
 
 
 class LayerCodecs:

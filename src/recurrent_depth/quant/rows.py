@@ -50,6 +50,8 @@ def bytes_as(part: Tensor, dtype: torch.dtype) -> Tensor:
 class RowCodec:
     """Any quantizer's `Codes` as one uint8 row per vector: the fields' bytes end to end."""
 
+    _unperm: Tensor | None = None
+
     def __init__(self, quantizer: Quantizer) -> None:
         self.quantizer = quantizer
         probe = quantizer.encode(torch.zeros(1, quantizer.dim))
@@ -58,9 +60,33 @@ class RowCodec:
         self.nbytes = sum(self.widths)
         assert self.nbytes == quantizer.bytes_per_vector, (self.nbytes, quantizer.bytes_per_vector)
 
+    perm: Tensor | None = None  # a per-head channel permutation applied first (`permuted`)
+
+    def permuted(self, perm: Tensor) -> RowCodec:
+        """This codec over `[..., Hkv, N, D]` with head h's channels permuted first: it codes
+        x[..., perm[h]] (`perm` `[..., Hkv, D]`, leading axes broadcast against the data's) and reads
+        back in the original order, as `TurboRows.permuted` (here one gather per call: a quantizer
+        whose first channels are its outliers, e.g. QJL's, then keeps each head's calibrated ones)."""
+        twin = copy.copy(self)
+        twin.perm, twin._unperm = perm, perm.argsort(dim=-1)
+        return twin
+
+    @property
+    def state_nbytes(self) -> int:
+        """Per-cache state beyond the seed: one D-bit outlier mask per head of a permutation."""
+        return 0 if self.perm is None else self.perm[..., 0].numel() * math.ceil(self.quantizer.dim / 8)
+
+    def _gather(self, x: Tensor, order: Tensor | None) -> Tensor:
+        """x `[..., Hkv, N, D]` with each head's channels taken in `order` `[..., Hkv, D]` (None: as is)."""
+        if order is None:
+            return x
+        index = order.to(x.device)[..., None, :]
+        shape = torch.broadcast_shapes(index.shape[:-2], x.shape[:-2])
+        return x.expand(*shape, *x.shape[-2:]).gather(-1, index.expand(*shape, x.shape[-2], x.shape[-1]))
+
     def encode(self, x: Tensor) -> Tensor:
         """[..., D] floats -> [..., nbytes] uint8."""
-        codes = self.quantizer.encode(x)
+        codes = self.quantizer.encode(self._gather(x, self.perm))
         return torch.cat([codes.fields[name].contiguous().view(torch.uint8) for name, _, _ in self.layout], dim=-1)
 
     def codes(self, rows: Tensor) -> Codes:
@@ -71,13 +97,13 @@ class RowCodec:
         return Codes(self.quantizer.spec, self.quantizer.dim, fields)
 
     def decode(self, rows: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-        return self.quantizer.decode(self.codes(rows)).to(dtype)
+        return self._gather(self.quantizer.decode(self.codes(rows)), self._unperm).to(dtype)
 
     def score(self, q: Tensor, rows: Tensor) -> Tensor:
-        return self.quantizer.score(q, self.codes(rows))
+        return self.quantizer.score(self._gather(q, self.perm), self.codes(rows))
 
     def combine(self, weights: Tensor, rows: Tensor) -> Tensor:
-        return self.quantizer.combine(weights, self.codes(rows))
+        return self._gather(self.quantizer.combine(weights, self.codes(rows)), self._unperm)
 
 
 class TurboTables(NamedTuple):

@@ -4,6 +4,7 @@
     prod:3.5       TurboQuant_prod, 3.5 bits in total (b − 1 bits mse + 1-bit QJL per group)
     mse:4:hadamard the option names the rotation: qr (default) or hadamard
     qjl:2          QJL keys, 2 sign bits per coordinate (sketch m = 2·D; at most 16, MAX_QJL_BITS)
+    qjl:2:out4     the same with 4 outlier channels per vector kept in bf16 outside the sketch (< D)
     polar          PolarQuant, the reference layout (3.875 bits; `polar:3.875` too)
     raw:16:fp16    the raw 16-bit codec (bf16 by default)
 
@@ -29,6 +30,7 @@ METHODS = ("mse", "prod", "qjl", "polar", "raw")
 POLAR_BITS = (sum(b << (len(REFERENCE_LEVEL_BITS) - level) for level, b in enumerate(REFERENCE_LEVEL_BITS, 1))
               + 16) / (1 << len(REFERENCE_LEVEL_BITS))
 _BIT_RANGE = {"mse": (1, 8), "prod": (1, 9)}
+MAX_QJL_OUTLIERS = 4096  # outN's N before any head dim is known; a built quantizer also needs N < D
 MAX_SPEC_CHARS = 200  # the longest spec spelt out is under 100; error lines quote what they were given
 
 
@@ -43,11 +45,23 @@ def check_spec_text(text: str, what: str) -> None:
 # vector. No method may cost more than the raw bf16 vector it stands for (plus its norms).
 
 
+def qjl_outlier_count(option: str | None) -> int:
+    """The outlier channels a qjl option names: None -> 0, `out4` -> 4 (1..MAX_QJL_OUTLIERS; each must also
+    be < D, checked when the quantizer is built for a head dim)."""
+    if option is None:
+        return 0
+    digits = option[3:] if option.startswith("out") else ""
+    if not (digits.isascii() and digits.isdigit()) or len(digits) > 5 or not 1 <= int(digits) <= MAX_QJL_OUTLIERS:
+        raise ValueError(f"qjl's option is outN, N outlier channels kept in bf16 (1..{MAX_QJL_OUTLIERS}, and < D), "
+                         f"e.g. qjl:2:out4; got {option!r}")
+    return int(digits)
+
+
 @dataclass(frozen=True)
 class QuantSpec:
     method: str
     bits: float
-    option: str | None = None  # rotation for mse / prod / polar, dtype for raw
+    option: str | None = None  # rotation for mse / prod / polar, dtype for raw, `outN` for qjl
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -67,11 +81,13 @@ class QuantSpec:
                              "(other layouts: PolarQuant(dim, level_bits=...))")
         if self.method == "raw" and bits != 16:
             raise ValueError(f"raw is a 16-bit codec, got {bits:g} bits")
-        allowed = {"raw": tuple(RAW_DTYPES), "qjl": ()}.get(self.method, ROTATIONS)
+        if self.method == "qjl":
+            qjl_outlier_count(self.option)  # raises for a bad option
+            return
+        allowed = {"raw": tuple(RAW_DTYPES)}.get(self.method, ROTATIONS)
         if self.option is not None and self.option not in allowed:
             what = "dtype" if self.method == "raw" else "rotation"
-            raise ValueError(f"{self.method} takes no option {self.option!r}" if not allowed else
-                             f"unknown {what} {self.option!r} for {self.method}; expected one of {', '.join(allowed)}")
+            raise ValueError(f"unknown {what} {self.option!r} for {self.method}; expected one of {', '.join(allowed)}")
 
     @classmethod
     def parse(cls, text: str) -> QuantSpec:
@@ -110,7 +126,10 @@ class QuantSpec:
             m = self.bits * dim
             if abs(m - round(m)) > 1e-6:
                 raise ValueError(f"qjl:{self.bits:g} at D = {dim} is a sketch of {m:g} bits; choose bits·D whole")
-            return QJL(dim, round(m), seed)
+            outliers = qjl_outlier_count(self.option)
+            if outlier_channels is not None and not outliers:
+                raise ValueError(f"{self} keeps no outlier channels: give qjl:{self.bits:g}:outN to keep N")
+            return QJL(dim, round(m), seed, outliers, outlier_channels)
         group = TurboQuantMSE if self.method == "mse" else TurboQuantProd
         if float(self.bits).is_integer():
             if outlier_channels is not None:

@@ -209,7 +209,7 @@ class ModelConfig:
         self.validate()
         for problem in self.mup_shape_problems():
             # warnings' default filter shows each message once, however often a config is rebuilt
-            warnings.warn(problem, MupShapeWarning, stacklevel=2)
+            warnings.warn(problem, MupShapeWarning, stacklevel=3)  # the line that built the config
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:

@@ -26,6 +26,12 @@ from recurrent_depth.files import CONFIG_MAX_BYTES, atomic_write_text, parse_jso
 MODEL_TYPE = "recurrent_depth"
 HUGINN_MODEL_TYPE = "huginn_raven"
 MODEL_PARTS = ("prelude", "core", "coda")
+# `ModelConfig.attn_scale` values (None resolves by muP, see `ModelConfig.attention_scale_rule`).
+ATTN_SCALES = (None, "1/sqrt(d)", "1/d")
+
+
+class MupShapeWarning(UserWarning):
+    """A muP config (`mup_base_width`) whose shapes or attention scale are not muP's."""
 
 
 # The deepest recurrence any entry point runs unless asked for more (`--max-depth` on `train`,
@@ -163,6 +169,12 @@ class ModelConfig:
     mixer_options: dict[str, Any] = field(default_factory=dict)
     # muP (Tensor Programs V): the width at which muP equals the standard parametrization; None = standard.
     mup_base_width: int | None = None
+    # muP: head_dim of the base-width model. None: head_dim * mup_base_width / hidden_size (a sweep at a fixed head
+    # count, as widening hidden_size alone is); set it to head_dim when a sweep adds heads of a fixed size.
+    mup_base_head_dim: int | None = None
+    # Attention logits q.k times "1/sqrt(d)" (the standard, Huginn's) or "1/d" (muP's, Tensor Programs V, written
+    # sqrt(d_0)/d so the base-width model is the standard one); None: "1/d" under muP, else "1/sqrt(d)".
+    attn_scale: str | None = None
     # ---- architecture family (docs/looped-family.md). The defaults are Huginn's; PRESETS name the others.
     block_layout: str = "sandwich"  # see BLOCK_LAYOUTS
     rope_style: str = "interleaved"  # "interleaved" pairs (Huginn) or "half" rotation (Llama, Qwen, OLMo, Ouro)
@@ -195,6 +207,9 @@ class ModelConfig:
                 and self.num_heads > 0):
             self.head_dim = self.hidden_size // self.num_heads
         self.validate()
+        for problem in self.mup_shape_problems():
+            # warnings' default filter shows each message once, however often a config is rebuilt
+            warnings.warn(problem, MupShapeWarning, stacklevel=3)  # the line that built the config
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
@@ -254,6 +269,13 @@ class ModelConfig:
         need(self.mup_base_width is None or not self.tie_embeddings, "mup_base_width",
              "None with tie_embeddings=True: muP treats the embedding (input) and head (output) differently, "
              "so set tie_embeddings false")
+        need(self.mup_base_head_dim is None or (is_int(self.mup_base_head_dim) and self.mup_base_head_dim >= 1),
+             "mup_base_head_dim", "None (head_dim scaled to the base width) or an integer >= 1")
+        need(self.mup_base_head_dim is None or self.mup_base_width is not None, "mup_base_head_dim",
+             "None unless mup_base_width is set (it describes muP's base model)")
+        need(self.attn_scale in ATTN_SCALES, "attn_scale", f"None or one of {list(ATTN_SCALES[1:])}")
+        need(self.attn_scale != "1/d" or self.mup_base_width is not None, "attn_scale",
+             "'1/sqrt(d)' or None without mup_base_width ('1/d' is muP's, its constant set by the base width)")
         need(self.block_layout in BLOCK_LAYOUTS, "block_layout", f"one of {sorted(BLOCK_LAYOUTS)}")
         need(self.rope_style in ("interleaved", "half"), "rope_style", "'interleaved' or 'half'")
         need(self.mlp_activation in MLP_ACTIVATIONS, "mlp_activation", f"one of {sorted(MLP_ACTIVATIONS)}")
@@ -295,6 +317,48 @@ class ModelConfig:
     def width_multiplier(self) -> float:
         """muP's m = hidden_size / mup_base_width (1 under the standard parametrization)."""
         return 1.0 if self.mup_base_width is None else self.hidden_size / self.mup_base_width
+
+    @property
+    def attention_scale_rule(self) -> str:
+        """`attn_scale` resolved: "1/d" under muP unless set, else "1/sqrt(d)"."""
+        if self.attn_scale is not None:
+            return self.attn_scale
+        return "1/sqrt(d)" if self.mup_base_width is None else "1/d"
+
+    @property
+    def base_head_dim(self) -> float:
+        """muP's d_0, the head_dim of the base-width model (`mup_base_head_dim`, else scaled with the width)."""
+        if self.mup_base_width is None:
+            raise ValueError("base_head_dim is muP's: set ModelConfig.mup_base_width")
+        if self.mup_base_head_dim is not None:
+            return float(self.mup_base_head_dim)
+        return self.head_dim * self.mup_base_width / self.hidden_size
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on q.k: d^-1/2, or muP's sqrt(d_0)/d (equal to it where head_dim is d_0)."""
+        d = self.head_dim
+        if self.attention_scale_rule == "1/sqrt(d)" or self.base_head_dim == d:
+            return d**-0.5
+        return math.sqrt(self.base_head_dim) / d
+
+    def mup_shape_problems(self) -> list[str]:
+        """Why these shapes are not muP's (empty when they are, or muP is off): each a one-line warning."""
+        if self.mup_base_width is None:
+            return []
+        d0, d = self.base_head_dim, self.head_dim
+        problems = []
+        if d0 != int(d0):
+            problems.append(
+                f"muP: head_dim={d} at hidden_size={self.hidden_size} scales to {d0:g} at mup_base_width="
+                f"{self.mup_base_width}, not a whole head: these shapes do not grow from the base width; set "
+                f"mup_base_head_dim (to head_dim={d} if the sweep adds heads)")
+        if self.attention_scale_rule == "1/sqrt(d)" and d0 != d:
+            problems.append(
+                f"muP with attn_scale='1/sqrt(d)' while head_dim grows from {d0:g} (base width) to {d}: not muP "
+                f"(Tensor Programs V scales attention by 1/d); leave attn_scale unset or '1/d', or set "
+                f"mup_base_head_dim={d} if the heads, not head_dim, grow with width")
+        return problems
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -339,7 +403,8 @@ class ModelConfig:
     def uses_huginn_layout(self) -> bool:
         """Every architecture-family field at Huginn's value (what the fused runner and the remote-code
         export implement)."""
-        return all(getattr(self, name) == value for name, value in HUGINN_ARCHITECTURE.items())
+        return (all(getattr(self, name) == value for name, value in HUGINN_ARCHITECTURE.items())
+                and self.attention_scale == self.head_dim**-0.5)
 
     # ------------------------------------------------------------------ presets
     @classmethod

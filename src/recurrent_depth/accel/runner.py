@@ -29,6 +29,9 @@ the head, ...) takes the reference runner.
 Quantized caches attend from their codes through `cache.attend`, with the compiled kernels of
 `recurrent_depth.accel.quant` for decode calls (off with `RDEPTH_NO_COMPILE=1`).
 
+The runner scales attention by 1/sqrt(D) only: a model whose `config.attention_scale` differs (muP's
+`attn_scale: "1/d"` with a grown head_dim) is not `uses_huginn_layout` and takes the reference runner.
+
 Outputs agree with the reference to float rounding (tests compare both at odd sizes). The runtime
 applies it from outside: `import recurrent_depth` registers `fast_runner` with
 `recurrent_depth.inference.runner.make_runner` (off with `fast=False` or `RDEPTH_NO_ACCEL=1`).
@@ -99,7 +102,8 @@ class FastRunner(ModelRunner):
         super().__init__(model)
         if not self.supports(model):
             raise ValueError(
-                "the fast runner needs every block to be plain softmax attention without a window or QK-norm"
+                "the fast runner needs every block to be plain softmax attention without a window or QK-norm, "
+                "at the 1/sqrt(d) scale (config.attention_scale)"
             )
         cfg = model.config
         t = model.transformer

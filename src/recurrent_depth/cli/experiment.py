@@ -6,6 +6,7 @@ nothing from more).
     rdepth experiment logit-growth --out runs/logit-growth        # Muon vs AdamW max-logit growth
     rdepth experiment coord-check --out runs/mup                   # muP coordinate check vs width
     rdepth experiment lr-transfer --out runs/mup                   # best AdamW lr per width, muP vs standard
+    rdepth experiment lr-transfer --widen head_dim --parametrizations mup,mup-sqrt-d --out runs/mup-head-dim
 """
 
 from __future__ import annotations
@@ -80,9 +81,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from recurrent_depth.experiments.mup import MupConfig
 
     mup_fields = {
-        "widths": (_ints, "model widths (hidden_size; head_dim fixed, heads = width / head_dim)"),
+        "widths": (_ints, "model widths (hidden_size)"),
         "base_width": (int, "muP base width (muP = standard there)"),
-        "head_dim": (int, "head dimension at every width"),
+        "head_dim": (int, "head dimension at every width (--widen heads) or at the base width (--widen head_dim)"),
+        "widen": (str, "what grows with the width: heads (head_dim fixed) or head_dim (heads fixed at "
+                       "base_width / head_dim, as --model-set hidden_size=... widens a preset)"),
+        "parametrizations": (_names, "which of standard, mup (attention 1/d), mup-sqrt-d (muP with attention "
+                                     "1/sqrt(d), not muP when head_dim grows) to run"),
         "lr": (float, "AdamW lr of the coordinate check"),
         "lrs": (_floats, "AdamW lrs of the transfer sweep (at most 5)"),
         "steps": (int, "coordinate-check steps"),
@@ -130,7 +135,7 @@ def run_mup_command(args: argparse.Namespace) -> int:
     for parametrization, check in result["coordinate_check"].items():
         ratios = ", ".join(f"{k} {v:.2f}" for k, v in check["ratio_after_last_step"].items())
         print(f"{parametrization}: max/min activation RMS across widths {cfg.widths} after {cfg.steps} steps: "
-              f"{check['max_ratio']:.3f} ({ratios})")
+              f"{check['max_ratio']:.3f}, attention logits (.qk) {check['max_qk_ratio']:.3f} ({ratios})")
     if result["lr_transfer"] is not None:
         print(format_transfer(result["lr_transfer"]))
     print(f"wrote {cfg.out} ({result['seconds']:.0f}s)")

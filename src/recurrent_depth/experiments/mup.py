@@ -1,14 +1,20 @@
 """muP checks: the coordinate check and learning-rate transfer across widths, muP vs standard.
 
-The models differ only in width n (hidden_size; head_dim fixed at `head_dim`, so the head count
-grows with n and the 1/sqrt(d) attention scale is the same at every width), untied embeddings,
-byte-level data, AdamW at a fixed depth. muP = `ModelConfig.mup_base_width = base_width`
-(init and per-layer learning rates of Tensor Programs V, see `train.optim.mup_lr_multiplier`);
-standard = the same model without it (identical at the base width).
+The models differ only in width n (hidden_size), untied embeddings, byte-level data, AdamW at a fixed
+depth. `widen` says how attention grows with n:
+* "heads" (the default): head_dim fixed at `head_dim`, the head count grows with n, so 1/sqrt(d) and
+  muP's 1/d differ by a constant only;
+* "head_dim": the head count fixed at base_width / head_dim and head_dim = n / heads grows with n (what
+  `--model-set hidden_size=...` on a preset does). There Tensor Programs V's 1/d and 1/sqrt(d) differ.
+Parametrizations (`parametrizations`): "standard" (no muP), "mup" (`ModelConfig.mup_base_width =
+base_width`: init and per-layer learning rates of Tensor Programs V, see `train.optim.mup_lr_multiplier`,
+and its attention scale 1/d, written sqrt(d_0)/d) and "mup-sqrt-d" (muP with `attn_scale: "1/sqrt(d)"`,
+the pre-fix behaviour; not muP when head_dim grows). All are the same model at the base width.
 
 * coordinate check: the RMS of each layer's output (every mixer and MLP output before the residual
-  add, the adapter's output, the logits) in the training forward after t = 0..steps updates, per
-  width. Under muP it should not depend on the width: `max/min across widths` near 1.
+  add, the adapter's output, the logits) and of each attention layer's pre-softmax logits (`.qk`) in
+  the training forward after t = 0..steps updates, per width. Under muP it should not depend on the
+  width: `max/min across widths` near 1.
 * LR transfer: the final training loss (mean of the last 10 steps) for each (width, lr); the best
   lr per width, and whether it is the same at every width.
 """
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,17 +31,21 @@ from typing import Any
 import torch
 
 import recurrent_depth as rd
+from recurrent_depth.config import MupShapeWarning
 from recurrent_depth.experiments.common import BYTE_VOCAB, ByteWindows, byte_tokens, train_fixed_depth
 from recurrent_depth.train.optim import OptimConfig
 
-PARAMETRIZATIONS = ("standard", "mup")
+PARAMETRIZATIONS = ("standard", "mup", "mup-sqrt-d")
+WIDENINGS = ("heads", "head_dim")
 
 
 @dataclass
 class MupConfig:
     widths: tuple[int, ...] = (64, 128, 256)
     base_width: int = 64
-    head_dim: int = 16
+    head_dim: int = 16  # at every width ("heads"), or at the base width ("head_dim")
+    widen: str = "heads"  # what grows with the width: "heads" or "head_dim" (see the module docstring)
+    parametrizations: tuple[str, ...] = ("standard", "mup")
     lr: float = 3e-3  # coordinate check
     lrs: tuple[float, ...] = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)  # LR transfer
     steps: int = 5  # coordinate check
@@ -47,21 +58,41 @@ class MupConfig:
     out: str = "runs/mup"
 
     def __post_init__(self) -> None:
-        if len(self.widths) < 2 or any(w % self.head_dim for w in self.widths):
+        if self.widen not in WIDENINGS:
+            raise ValueError(f"widen={self.widen!r}: expected one of {WIDENINGS}")
+        unknown = sorted(set(self.parametrizations) - set(PARAMETRIZATIONS))
+        if unknown or not self.parametrizations:
+            raise ValueError(f"parametrizations {self.parametrizations}: expected some of {PARAMETRIZATIONS}")
+        if self.widen == "heads" and (len(self.widths) < 2 or any(w % self.head_dim for w in self.widths)):
             raise ValueError(f"widths {self.widths} must be >= 2 multiples of head_dim={self.head_dim}")
+        heads = self.base_width // self.head_dim
+        if self.widen == "head_dim" and (len(self.widths) < 2 or self.base_width % self.head_dim
+                                         or any(w % (2 * heads) for w in self.widths)):
+            raise ValueError(f"widen=head_dim: base_width={self.base_width} must be a multiple of head_dim="
+                             f"{self.head_dim} and widths {self.widths} >= 2 multiples of 2 x {heads} heads")
         if len(self.lrs) > 5 or not self.lrs:
             raise ValueError(f"lrs {self.lrs}: give 1 to 5 learning rates")
 
 
+def model_config(cfg: MupConfig, width: int, parametrization: str) -> rd.ModelConfig:
+    heads = width // cfg.head_dim if cfg.widen == "heads" else cfg.base_width // cfg.head_dim
+    mup = parametrization != "standard"
+    with warnings.catch_warnings():  # "mup-sqrt-d" with a growing head_dim is the non-muP case, on purpose
+        warnings.simplefilter("ignore", MupShapeWarning)
+        return rd.ModelConfig(
+            vocab_size=BYTE_VOCAB, hidden_size=width, num_heads=heads, head_dim=width // heads,
+            intermediate_size=int(width * 2.75), prelude_layers=1, core_layers=1, coda_layers=1,
+            mean_recurrence=cfg.recurrence, mean_backprop_depth=cfg.recurrence, max_seq_len=cfg.seq_len,
+            tie_embeddings=False, mup_base_width=cfg.base_width if mup else None,
+            mup_base_head_dim=cfg.head_dim if mup else None,
+            attn_scale="1/sqrt(d)" if parametrization == "mup-sqrt-d" else None,
+            init_scale=0.0,  # s_0 = 0: the activations depend on the width and the weights alone
+        )
+
+
 def make_model(cfg: MupConfig, width: int, parametrization: str, seed: int) -> rd.RecurrentDepthLM:
     torch.manual_seed(seed)
-    return rd.RecurrentDepthLM(rd.ModelConfig(
-        vocab_size=BYTE_VOCAB, hidden_size=width, num_heads=width // cfg.head_dim, head_dim=cfg.head_dim,
-        intermediate_size=int(width * 2.75), prelude_layers=1, core_layers=1, coda_layers=1,
-        mean_recurrence=cfg.recurrence, mean_backprop_depth=cfg.recurrence, max_seq_len=cfg.seq_len,
-        tie_embeddings=False, mup_base_width=cfg.base_width if parametrization == "mup" else None,
-        init_scale=0.0,  # s_0 = 0: the activations depend on the width and the weights alone
-    ))
+    return rd.RecurrentDepthLM(model_config(cfg, width, parametrization))
 
 
 def recorded_modules(model: rd.RecurrentDepthLM) -> dict[str, torch.nn.Module]:
@@ -80,8 +111,10 @@ def coordinate_trace(cfg: MupConfig, tokens: torch.Tensor, width: int, parametri
     sums: dict[str, list[float]] = {}
     hooks = []
     for name, module in recorded_modules(model).items():
-        def hook(_module, _inputs, output, name=name):
+        def hook(module, inputs, output, name=name):
             sums.setdefault(name, []).append(float(output.detach().float().pow(2).mean().sqrt()))
+            if name.endswith(".mixer"):  # inputs: (x, ctx, layer_key)
+                sums.setdefault(name.removesuffix("mixer") + "qk", []).append(logit_rms(module, *inputs[:2]))
         hooks.append(module.register_forward_hook(hook))
     trace: dict[str, list[float]] = {}
 
@@ -101,10 +134,19 @@ def coordinate_trace(cfg: MupConfig, tokens: torch.Tensor, width: int, parametri
     return trace
 
 
+@torch.no_grad()
+def logit_rms(attn: torch.nn.Module, x: torch.Tensor, ctx: Any) -> float:
+    """RMS over the causal triangle of an attention layer's pre-softmax logits q.k * scale on input x."""
+    q, k, _ = attn.qkv(x, ctx)  # [B, T, H, D], plain attention (no GQA in these models)
+    logits = torch.einsum("bthd,bshd->bhts", q, k) * attn.scale
+    causal = torch.ones(logits.shape[-2:], dtype=torch.bool).tril()
+    return float(logits[..., causal].float().pow(2).mean().sqrt())
+
+
 def coordinate_check(cfg: MupConfig, tokens: torch.Tensor | None = None) -> dict[str, Any]:
     tokens = byte_tokens(cfg.corpus, 500_000) if tokens is None else tokens
     result: dict[str, Any] = {}
-    for parametrization in PARAMETRIZATIONS:
+    for parametrization in cfg.parametrizations:
         per_width = {}
         for width in cfg.widths:
             traces = [coordinate_trace(cfg, tokens, width, parametrization, seed) for seed in range(cfg.seeds)]
@@ -113,15 +155,19 @@ def coordinate_check(cfg: MupConfig, tokens: torch.Tensor | None = None) -> dict
         layers = list(per_width[str(cfg.widths[0])])
         ratio = {layer: max(per_width[str(w)][layer][-1] for w in cfg.widths)
                  / min(per_width[str(w)][layer][-1] for w in cfg.widths) for layer in layers}
-        result[parametrization] = {"rms": per_width, "ratio_after_last_step": ratio,
-                                   "max_ratio": max(ratio.values())}
+        # max_ratio: the layers' outputs (the classic check); max_qk_ratio: the attention logits, where
+        # 1/sqrt(d) and 1/d differ once head_dim grows
+        result[parametrization] = {
+            "rms": per_width, "ratio_after_last_step": ratio,
+            "max_ratio": max(v for layer, v in ratio.items() if not layer.endswith(".qk")),
+            "max_qk_ratio": max(v for layer, v in ratio.items() if layer.endswith(".qk"))}
     return result
 
 
 def lr_transfer(cfg: MupConfig, tokens: torch.Tensor | None = None, log=print) -> dict[str, Any]:
     tokens = byte_tokens(cfg.corpus, 1_000_000) if tokens is None else tokens
     result: dict[str, Any] = {}
-    for parametrization in PARAMETRIZATIONS:
+    for parametrization in cfg.parametrizations:
         table: dict[str, dict[str, float]] = {}
         for width in cfg.widths:
             table[str(width)] = {}
@@ -143,21 +189,22 @@ def plot(coords: dict[str, Any], transfer: dict[str, Any] | None, cfg: MupConfig
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = 2 + (2 if transfer else 0)
-    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4.2))
-    for ax, parametrization in zip(axes[:2], PARAMETRIZATIONS, strict=True):
+    names = cfg.parametrizations
+    fig, axes = plt.subplots(1 + bool(transfer), len(names), figsize=(5 * len(names), 4.2 * (1 + bool(transfer))),
+                             squeeze=False)
+    for ax, parametrization in zip(axes[0], names, strict=True):
         rms = coords[parametrization]["rms"]
         for layer in rms[str(cfg.widths[0])]:
             ax.plot(cfg.widths, [rms[str(w)][layer][-1] for w in cfg.widths], marker="o", label=layer)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("width")
+        ax.set_xlabel(f"width (growing: {cfg.widen})")
         ax.set_ylabel(f"activation RMS after {cfg.steps} updates")
-        ax.set_title(f"{parametrization}: max/min across widths {coords[parametrization]['max_ratio']:.2f}",
-                     fontsize=9)
+        ax.set_title(f"{parametrization}: max/min across widths {coords[parametrization]['max_ratio']:.2f} "
+                     f"(logits {coords[parametrization]['max_qk_ratio']:.2f})", fontsize=9)
         ax.legend(fontsize=6)
     if transfer:
-        for ax, parametrization in zip(axes[2:], PARAMETRIZATIONS, strict=True):
+        for ax, parametrization in zip(axes[1], names, strict=True):
             for width, row in transfer[parametrization]["final_loss"].items():
                 ax.plot([float(k) for k in row], list(row.values()), marker="o", label=f"width {width}")
             ax.set_xscale("log")
@@ -176,9 +223,10 @@ def run_mup(cfg: MupConfig, transfer: bool, log=print) -> dict[str, Any]:
     start = time.perf_counter()
     tokens = byte_tokens(cfg.corpus, 1_000_000)
     coords = coordinate_check(cfg, tokens)
-    for parametrization in PARAMETRIZATIONS:
-        log(f"coordinate check, {parametrization}: max/min activation RMS across widths after {cfg.steps} steps "
-            f"= {coords[parametrization]['max_ratio']:.3f}")
+    for parametrization in cfg.parametrizations:
+        log(f"coordinate check, {parametrization}: max/min across widths after {cfg.steps} steps of the "
+            f"activation RMS {coords[parametrization]['max_ratio']:.3f}, of the attention logits' RMS "
+            f"{coords[parametrization]['max_qk_ratio']:.3f}")
     lrs = lr_transfer(cfg, tokens, log) if transfer else None
     result = {"config": asdict(cfg), "coordinate_check": coords, "lr_transfer": lrs,
               "seconds": time.perf_counter() - start, "torch_threads": torch.get_num_threads()}

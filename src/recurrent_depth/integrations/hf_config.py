@@ -105,6 +105,8 @@ class RecurrentDepthConfig(_CheckedConfigFile, PretrainedConfig):
     mixer: Any = "attention"
     mixer_options: dict = field(default_factory=dict)
     mup_base_width: int | None = None
+    mup_base_head_dim: int | None = None
+    attn_scale: str | None = None
     block_layout: str = "sandwich"
     rope_style: str = "interleaved"
     rope_scaling: dict | None = None

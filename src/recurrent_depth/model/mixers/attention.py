@@ -14,6 +14,10 @@ gain: the same thing, since RoPE keeps each head's norm (its models load with ga
 `config.qk_norm_per_head` gives each head its own gain (`q_norm.weight` [H, D], `k_norm.weight`
 [Hkv, D]), so that QK-clip can rescale one head without touching the others.
 
+The logits are q.k times `config.attention_scale`: 1/sqrt(D) (Huginn), or muP's sqrt(D_0)/D
+(`attn_scale: "1/d"`, the default under `mup_base_width`). SDPA takes it as `scale=`; a quantized cache,
+whose kernels apply 1/sqrt(D), gets q pre-multiplied by the ratio (its scores are linear in q).
+
 For QK-clip (`recurrent_depth.train.qk_clip`) the mixer can record, during training forwards,
 the per-head maximum of its pre-softmax logits (`record_max_logit`), and rescale its heads
 (`clip_heads`).
@@ -51,6 +55,7 @@ class Attention(MaxLogitRecorder, nn.Module):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
         self.head_dim = config.head_dim
+        self.scale = config.attention_scale
         self.window = window
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.Wqkv = nn.Linear(config.hidden_size, qkv_out, bias=config.bias or config.qkv_bias)
@@ -113,8 +118,10 @@ class Attention(MaxLogitRecorder, nn.Module):
         B, T, _ = x.shape
         q, k, v = self.qkv(x, ctx)
         if ctx.cache is not None and self.window is None and ctx.cache.attends_from_codes:
-            # a quantized cache scores the queries against its key codes (inference/kv_codec.py)
-            out = ctx.cache.attend(layer_key, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            # a quantized cache scores the queries against its key codes (inference/kv_codec.py), at 1/sqrt(D)
+            standard = self.head_dim**-0.5
+            q_codes = q if self.scale == standard else q * (self.scale / standard)
+            out = ctx.cache.attend(layer_key, q_codes.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                    ctx.attn_mask, ctx.is_causal)  # [B, H, T, D]
             return self.proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
         key_mask = None
@@ -127,10 +134,10 @@ class Attention(MaxLogitRecorder, nn.Module):
         if key_mask is not None:
             mask, is_causal = combine_key_mask(mask, key_mask, T), False
         if self.record_max_logit and self.training:
-            self.observe_logits(q, k, self.head_dim**-0.5, mask, is_causal)
+            self.observe_logits(q, k, self.scale, mask, is_causal)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [B, H, T, D]
-            attn_mask=mask, is_causal=is_causal, enable_gqa=self.num_kv_heads != self.num_heads,
+            attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads,
         )
         return self.proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 

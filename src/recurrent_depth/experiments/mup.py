@@ -74,7 +74,7 @@ class MupConfig:
             raise ValueError(f"lrs {self.lrs}: give 1 to 5 learning rates")
 
 
-def model_config(cfg: MupConfig, width: int, parametrization: str) -> rd.ModelConfig:
+def width_model_config(cfg: MupConfig, width: int, parametrization: str) -> rd.ModelConfig:
     heads = width // cfg.head_dim if cfg.widen == "heads" else cfg.base_width // cfg.head_dim
     mup = parametrization != "standard"
     with warnings.catch_warnings():  # "mup-sqrt-d" with a growing head_dim is the non-muP case, on purpose
@@ -92,7 +92,7 @@ def model_config(cfg: MupConfig, width: int, parametrization: str) -> rd.ModelCo
 
 def make_model(cfg: MupConfig, width: int, parametrization: str, seed: int) -> rd.RecurrentDepthLM:
     torch.manual_seed(seed)
-    return rd.RecurrentDepthLM(model_config(cfg, width, parametrization))
+    return rd.RecurrentDepthLM(width_model_config(cfg, width, parametrization))
 
 
 def recorded_modules(model: rd.RecurrentDepthLM) -> dict[str, torch.nn.Module]:

@@ -1,0 +1,63 @@
+"""The byte counting of benchmarks/decode_roofline.py on a tiny model (the benchmark itself is heavy)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import recurrent_depth as rd
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import decode_roofline as dr  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model() -> rd.RecurrentDepthLM:
+    return dr.build_model(rd.ModelConfig.from_preset("tiny"), torch.bfloat16, seed=0)
+
+
+def test_build_is_in_the_requested_dtype_and_tied(model):
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert torch.get_default_dtype() == torch.float32  # restored after the build
+    assert float(model.lm_head.weight.detach().float().std()) > 0  # the init ran on the bf16 tensors
+
+
+def test_parts_cover_every_weight_once(model):
+    parts = dr.PartBytes.of(model)
+    # The tied embedding is read as the head, so the parts sum to the model's bytes exactly.
+    assert parts.prelude + parts.adapter + parts.core + parts.readout == dr.param_bytes(model)
+    cfg = model.config
+    core = sum(p.numel() for p in model.transformer.core_block.parameters()) * 2
+    assert parts.core == core
+    assert parts.kv_row == 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    assert parts.embedding_row == cfg.hidden_size * 2
+
+
+def test_token_bytes_fixed_and_readout_every_step(model):
+    parts = dr.PartBytes.of(model)
+    cfg = model.config
+    r, context = 5, 9
+    fixed = dr.token_bytes(parts, r, context, readout_every_step=False)
+    assert fixed["weights"] == parts.embedding_row + parts.prelude + r * (parts.adapter + parts.core) + parts.readout
+    calls = cfg.prelude_layers + r * cfg.core_layers + cfg.coda_layers
+    assert fixed["kv"] == calls * (context + 1) * parts.kv_row
+    kl = dr.token_bytes(parts, r, context, readout_every_step=True)
+    assert kl["weights"] - fixed["weights"] == (r - 1) * parts.readout
+    assert kl["kv"] - fixed["kv"] == (r - 1) * cfg.coda_layers * (context + 1) * parts.kv_row
+
+
+def test_roofline_uses_each_tokens_steps_and_context(model):
+    parts = dr.PartBytes.of(model)
+    line = dr.roofline(parts, [3, 7], prompt_len=4, readout_every_step=True, bandwidth_gb_s=10.0)
+    total = dr.token_bytes(parts, 3, 5, True)["total"] + dr.token_bytes(parts, 7, 6, True)["total"]
+    assert line["roofline_tokens_per_s"] == pytest.approx(2 * 10e9 / total)
+
+
+def test_bad_configs_are_one_line_errors(capsys):
+    with pytest.raises(SystemExit):
+        dr.parse_args(["--configs", "fixed,int8"])
+    assert "unknown ['int8']" in capsys.readouterr().err

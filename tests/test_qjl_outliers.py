@@ -15,11 +15,11 @@ import torch
 
 import recurrent_depth as rd
 from recurrent_depth.inference import generate
-from recurrent_depth.inference.quant_cache import KVQuant, QuantizedRecurrentCache, layer_codec
+from recurrent_depth.inference.quant_cache import KVQuant, layer_codec
 from recurrent_depth.quant import QJL, QuantSpec, build_quantizer
 from recurrent_depth.quant.rows import RowCodec, row_codec
 from tests.test_quant import bias_z
-from tests.test_quant_cache import MASK, PROMPT, TOL, _reachable_tensors, logits_of
+from tests.test_quant_cache import MASK, PROMPT, TOL, _reachable_tensors, filled_cache, logits_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -124,15 +124,7 @@ KV = "k=qjl:2:out4,v=mse:3"
 
 def test_every_tensor_reachable_from_a_qjl_outlier_cache_is_the_reported_bytes(model):
     cfg = model.config
-    cache = QuantizedRecurrentCache(2, 4, capacity=9, policy="per-step", kv_quant=KV)
-    ids = torch.tensor([[5, 9, 2, 7, 11, 3, 8, 1, 4]])
-    with torch.inference_mode():
-        engine = rd.inference.engine.Recurrence(model)
-        pass_ = engine.begin(ids.expand(2, -1), None, cache)
-        state = engine.run(engine.initial_state(pass_.e, 0.0, None), pass_, 4)
-        engine.readout(state, pass_)
-        cache.close(4, ids.shape[1])
-        cache.advance(ids.shape[1])
+    cache = filled_cache(model, KV, "per-step")
     calibrated = [c for pair in cache.codecs._layers.values() for c in pair if getattr(c, "perm", None) is not None]
     assert len(calibrated) == 2 + cfg.core_layers  # every layer's keys (the default rule)
     assert cache.codecs.state_nbytes() == 8 + len(calibrated) * cfg.num_kv_heads * math.ceil(cfg.head_dim / 8)

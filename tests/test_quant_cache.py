@@ -219,11 +219,9 @@ def _reachable_tensors(obj, seen=None) -> list[torch.Tensor]:
     return []
 
 
-@pytest.mark.parametrize("spec", ["per-step", "shared-2", "last-step+skip"])
-@pytest.mark.parametrize("kv", ["k=prod:3.5,v=mse:3.5", "k=prod:2.5,v=mse:2.5", "k=raw:16,v=mse:4"])
-def test_every_tensor_reachable_from_a_quantized_cache_is_the_reported_bytes(model, kv, spec):
-    cfg = model.config
-    cache = QuantizedRecurrentCache(2, 4, capacity=9, policy=spec, kv_quant=kv)
+def filled_cache(model, kv: str, policy: str) -> QuantizedRecurrentCache:
+    """A 2-row quantized cache holding a 9-token prompt's entries at depth 4 (closed and advanced)."""
+    cache = QuantizedRecurrentCache(2, 4, capacity=9, policy=policy, kv_quant=kv)
     ids = torch.tensor([[5, 9, 2, 7, 11, 3, 8, 1, 4]])
     with torch.inference_mode():
         engine = rd.inference.engine.Recurrence(model)
@@ -232,6 +230,14 @@ def test_every_tensor_reachable_from_a_quantized_cache_is_the_reported_bytes(mod
         engine.readout(state, pass_)
         cache.close(4, ids.shape[1])
         cache.advance(ids.shape[1])
+    return cache
+
+
+@pytest.mark.parametrize("spec", ["per-step", "shared-2", "last-step+skip"])
+@pytest.mark.parametrize("kv", ["k=prod:3.5,v=mse:3.5", "k=prod:2.5,v=mse:2.5", "k=raw:16,v=mse:4"])
+def test_every_tensor_reachable_from_a_quantized_cache_is_the_reported_bytes(model, kv, spec):
+    cfg = model.config
+    cache = filled_cache(model, kv, spec)
     fields = {name: value for name, value in vars(cache).items() if name not in ("codecs", "kv_quant")}
     # The codecs hold quantizer state only: per calibrated layer (keys), a [Hkv, D] channel
     # permutation and its inverse, priced as one D-bit outlier mask per head, plus the seed.

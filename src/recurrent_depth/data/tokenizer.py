@@ -259,10 +259,9 @@ def document_token_ids(tok: Tokenizer | Any) -> dict[str, int]:
     for another family's tokenizer, its own document tokens (`FOREIGN_DOCUMENT_TOKENS`: keys
     begin_text, end_text, end_turn, and pad = end_text). One-line error if it has neither."""
     backend = getattr(tok, "backend_tokenizer", tok)
-    if isinstance(backend, Tokenizer) and all(backend.token_to_id(t) is not None for t in SPECIAL_TOKEN_NAMES.values()):
-        return special_token_ids(tok)
-    if not isinstance(backend, Tokenizer):
-        return special_token_ids(tok)  # its own type error
+    if not isinstance(backend, Tokenizer) or all(backend.token_to_id(t) is not None
+                                                 for t in SPECIAL_TOKEN_NAMES.values()):
+        return special_token_ids(tok)  # ours (or its own type error)
     ids: dict[str, int] = {}
     for role, candidates in FOREIGN_DOCUMENT_TOKENS.items():
         found = next((backend.token_to_id(t) for t in candidates if backend.token_to_id(t) is not None), None)

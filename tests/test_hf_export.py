@@ -120,3 +120,11 @@ def test_export_errors_are_clear(tmp_path, capsys, argv, message):
     make_model_dir(tmp_path / "src", with_tokenizer=False, mixer={"core": "linear_attention"})
     assert main(["export", "--model", str(tmp_path / "src"), *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_remote_file_knows_huginns_architecture_values_as_the_library_does():
+    """The standalone file refuses any other architecture; its copy of Huginn's values must not drift."""
+    from recurrent_depth.config import HUGINN_ARCHITECTURE
+    from recurrent_depth.integrations.remote import modeling_recurrent_depth as remote
+
+    assert remote.HUGINN_ARCHITECTURE == HUGINN_ARCHITECTURE

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -119,26 +120,28 @@ class Sequence:
     phase: int | None = None
     exit_step: int | None = None  # exit_kv="compute": the step the criterion held at (None: not yet)
     tag: object = None  # the caller's handle
+    # The request never changes once its row exists, so what follows from its options is computed once
+    # (the scheduler asks for these several times per row and step).
 
-    @property
+    @cached_property
     def options(self) -> ResolvedOptions:
         return self.request.options
 
-    @property
+    @cached_property
     def adaptive(self) -> bool:
         return self.options.criterion is not None
 
-    @property
+    @cached_property
     def computing(self) -> bool:
         """exit_kv="compute": the row recurs on to its depth after its criterion holds."""
         return self.adaptive and self.options.exit_kv == "compute"
 
-    @property
+    @cached_property
     def limit(self) -> int:
         """The most steps a token may run: max_steps with an exit criterion, else num_steps."""
         return self.options.max_steps if self.adaptive else self.options.num_steps
 
-    @property
+    @cached_property
     def row_slots(self) -> int:
         """Core KV slots this row uses (its policy's slot rule at its deepest step)."""
         return self.options.policy.slots.num_slots(self.options.deepest_step)
@@ -147,7 +150,7 @@ class Sequence:
         """The KV slot of core step `step` under the row's slot rule."""
         return self.options.policy.slots.slot(step)
 
-    @property
+    @cached_property
     def criterion_key(self) -> tuple[str, float] | None:
         opts = self.options
         return (opts.criterion.name, opts.threshold) if opts.criterion is not None else None

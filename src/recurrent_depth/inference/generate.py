@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from recurrent_depth.inference import autoregressive, parallel, speculative
+from recurrent_depth.inference.gradmem import GradMemPlan
 from recurrent_depth.inference.options import OPTIONS, GenerationOptions, OptionError, ResolvedOptions
 from recurrent_depth.inference.output import GenerationOutput, TokenEvent
 from recurrent_depth.inference.schema import OFFICIAL_ALIASES, canonical, kwarg_spelling, unknown_names
@@ -32,7 +33,14 @@ class GenerationStream:
         ids, mask = prepare_inputs(model, input_ids, attention_mask)
         self.model = model
         self.options: ResolvedOptions = resolved
-        self.session = Session(model, ids, mask, resolved, tokenizer)
+        self.prompt_ids = ids  # what `output.sequences` starts with (GradMem's session reads another prompt)
+        # GradMem: the session's prompt is [memory; query], the memory written when iteration starts.
+        self.gradmem = GradMemPlan.split(model, ids, mask, resolved) if resolved.gradmem_tokens else None
+        if self.gradmem is not None:
+            plan = self.gradmem
+            self.session = Session(model, plan.read_ids, plan.read_mask, resolved, tokenizer, embedded=plan.embedded)
+        else:
+            self.session = Session(model, ids, mask, resolved, tokenizer)
         self.output: GenerationOutput | None = None
 
     def __iter__(self) -> Iterator[TokenEvent]:
@@ -44,6 +52,8 @@ class GenerationStream:
         start = time.perf_counter()
         first_token_at = None
         try:
+            if self.gradmem is not None:
+                self.gradmem.write(session)  # gradients: before the loop's inference mode
             loop = _LOOPS[self.options.mode] if self.options.max_new_tokens > 0 else _nothing
             with torch.inference_mode():
                 for event in loop(session):
@@ -57,7 +67,7 @@ class GenerationStream:
         cache = session.cache
         core = cache.logical_nbytes(session.valid[:, : cache.seq_len], core_only=True)
         self.output = session.recorder.build(
-            session.input_ids, session.pad_token_id,
+            self.prompt_ids, session.pad_token_id,
             cache_allocated_bytes=cache.nbytes(), core_cache_bytes=core.cpu(), mode=self.options.mode,
             kv_policy=cache.policy.name,
             prefill_seconds=prefill, decode_seconds=finish - start - prefill, stats=dict(session.stats),

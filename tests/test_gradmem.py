@@ -64,6 +64,19 @@ def test_zero_steps_equal_plain_generation_on_the_initial_memory(model, fast):
     assert out.stats["gradmem_flops"] == 0 and out.stats["gradmem_losses"] == []
 
 
+@pytest.mark.parametrize("mode", [dict(draft_steps=1, lookahead=3), dict(sampler="parallel", inner_steps=2),
+                                  dict(exit_criterion="kl", exit_threshold=1e-3, exit_in_prefill=True)],
+                         ids=["speculative", "parallel", "exit-in-prefill"])
+def test_every_decoding_mode_reads_the_memory_prompt(model, mode):
+    context, query = ids(14, 10), ids(15, 2)
+    common = dict(max_new_tokens=5, num_steps=3, init_scale=0, output_logits=True, **mode)
+    out = generate(model, torch.cat([context, query]), gradmem_tokens=3, gradmem_steps=0, gradmem_query_tokens=2,
+                   **common)
+    plain = generate(model, torch.cat([context[-3:], query]), **common)
+    assert out.token_lists() == plain.token_lists() and torch.equal(out.steps, plain.steps)
+    assert torch.equal(out.logits, plain.logits)
+
+
 def test_random_init_is_the_seeded_draw_at_the_embedding_scale(model):
     w = write_memory(model, ids(5, 6), tokens=4, steps=0, lr=1.0, init="random", seed=7)
     g = torch.Generator().manual_seed(7)
@@ -157,7 +170,6 @@ def test_the_write_stops_between_steps(model):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(gradmem_steps=3), "gradmem_steps=3 only applies with GradMem: set gradmem_tokens >= 1"),
     (dict(gradmem_tokens=2, gradmem_lr=0.0), r"gradmem_lr=0.0 is invalid: expected a number in \(0, inf\)"),
     (dict(gradmem_tokens=2, gradmem_init="zeros"), "gradmem_init='zeros' is invalid: expected one of"),
     (dict(gradmem_tokens=-1), "gradmem_tokens=-1 is invalid: expected an integer >= 0"),

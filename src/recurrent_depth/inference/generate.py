@@ -165,6 +165,14 @@ def generate(
     Stopping: stop ids and stop strings (strings need `tokenizer=`), and the eos ids: eos_token_id=
       (an id or a list) or else the config's. finish_round=True lets a speculative row finish the
       round that reaches max_new_tokens.
+    GradMem (`recurrent_depth.inference.gradmem`, docs/test-time-training.md): gradmem_tokens=m > 0
+      writes each prompt's context (all but its last gradmem_query_tokens tokens) into m memory
+      tokens by gradmem_steps SGD steps (gradmem_lr) on the context's next-token loss at depth
+      gradmem_depth (default num_steps), the model frozen; the rows then generate from [memory;
+      query] with the context dropped. gradmem_init "tail" starts the memory from the context's last
+      m token embeddings, "random" from seeded vectors. `.stats` holds gradmem_flops (the write's
+      forward + backward FLOPs), gradmem_losses and gradmem_seconds; `.sequences` starts with the
+      prompt as given.
     streamer: a callable receiving each `TokenEvent` as it is committed. output_logits=True keeps
       the logits of every chosen token. fast=False uses the model's own modules (reference runner).
 

@@ -469,7 +469,6 @@ def _check_combinations(o: ResolvedOptions, asked_prefill_exit: bool) -> Resolve
             f"exit_in_prefill=True needs an exit_criterion in the autoregressive mode (got mode {mode!r}, "
             f"exit_criterion={o.exit_criterion!r})"
         )
-    _check_gradmem(o)
     if o.teacher_tokens is not None and mode == "speculative":
         raise OptionError("teacher_tokens", "teacher_tokens (teacher forcing) does not combine with draft_steps")
     if mode == "speculative":
@@ -535,17 +534,6 @@ def _check_combinations(o: ResolvedOptions, asked_prefill_exit: bool) -> Resolve
             raise OptionError("sampler", "sampler='parallel' needs num_steps (or max_steps) >= 1")
         return replace(o, policy=parse_kv_policy("last-step"))
     return o
-
-
-def _check_gradmem(o: ResolvedOptions) -> None:
-    """The GradMem options other than gradmem_tokens only apply with it (0 = off)."""
-    if o.gradmem_tokens > 0:
-        return
-    defaults = {name: OPTIONS[name].default for name in OPTIONS if name.startswith("gradmem_")}
-    changed = [name for name, default in defaults.items() if getattr(o, name) != default]
-    if changed:
-        raise OptionError(changed[0], f"{changed[0]}={getattr(o, changed[0])!r} only applies with GradMem: set "
-                          "gradmem_tokens >= 1 (0 = off)")
 
 
 def eos_ids(value: Any, name: str, vocab_size: int) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ import torch
 import recurrent_depth as rd
 from recurrent_depth.cli import main
 from recurrent_depth.data.tokenizer import save_tokenizer, train_tokenizer
-from recurrent_depth.inference import Stopped, generate
+from recurrent_depth.inference import Stopped, generate, generate_from_memory
 from recurrent_depth.inference.gradmem import memory_loss, memory_prompt, write_memory
 from recurrent_depth.inference.options import OptionError
 from recurrent_depth.train.flops import training_step_flops
@@ -75,6 +75,27 @@ def test_every_decoding_mode_reads_the_memory_prompt(model, mode):
     plain = generate(model, torch.cat([context[-3:], query]), **common)
     assert out.token_lists() == plain.token_lists() and torch.equal(out.steps, plain.steps)
     assert torch.equal(out.logits, plain.logits)
+
+
+def test_one_written_memory_answers_several_queries(model):
+    """generate_from_memory reads a memory written once; each query's answer equals the one-call
+    generate that writes the same memory (a deterministic write: s_0 = 0) and reads that query."""
+    context, queries = ids(16, 12), [ids(17, 3), ids(18, 2)]
+    common = dict(max_new_tokens=4, num_steps=2, init_scale=0, output_logits=True)
+    w = write_memory(model, context, tokens=3, steps=2, lr=1.0, depth=2, init_scale=0)
+    query, mask = left_padded(queries)
+    out = generate_from_memory(model, w.memory, query, attention_mask=mask, **common)
+    for b, q in enumerate(queries):
+        one = generate(model, torch.cat([context, q]), gradmem_tokens=3, gradmem_steps=2, gradmem_depth=2,
+                       gradmem_query_tokens=len(q), **common)
+        assert out.token_lists()[b] == one.token_lists()[0]
+        torch.testing.assert_close(out.logits[b], one.logits[0], rtol=0, atol=1e-6)
+    alone = generate_from_memory(model, w.memory[0], None, **common)  # no query: continue from the memory
+    assert alone.sequences.shape[1] == 3 + 4
+    with pytest.raises(OptionError, match="a memory was given to read: leave gradmem_tokens at 0"):
+        generate_from_memory(model, w.memory, query, attention_mask=mask, gradmem_tokens=2)
+    with pytest.raises(ValueError, match=r"memory must have shape \[B, m >= 1, hidden_size=64\]"):
+        generate_from_memory(model, torch.zeros(1, 2, 5), query)
 
 
 def test_random_init_is_the_seeded_draw_at_the_embedding_scale(model):

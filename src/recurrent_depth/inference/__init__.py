@@ -15,7 +15,7 @@ written by test-time gradient steps, read instead of the context) and `generate`
 from recurrent_depth.inference.cache import DynamicRecurrentCache, StaticRecurrentCache, make_cache
 from recurrent_depth.inference.criteria import CRITERIA
 from recurrent_depth.inference.engine import Recurrence, Stopped
-from recurrent_depth.inference.generate import GenerationStream, generate, stream_generate
+from recurrent_depth.inference.generate import GenerationStream, generate, generate_from_memory, stream_generate
 from recurrent_depth.inference.options import GenerationOptions, ResolvedOptions
 from recurrent_depth.inference.output import EXIT_REASONS, GenerationOutput, TokenEvent
 
@@ -32,6 +32,7 @@ __all__ = [
     "Stopped",
     "TokenEvent",
     "generate",
+    "generate_from_memory",
     "make_cache",
     "stream_generate",
 ]

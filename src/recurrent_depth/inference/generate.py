@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from recurrent_depth.inference import autoregressive, parallel, speculative
-from recurrent_depth.inference.gradmem import GradMemPlan
+from recurrent_depth.inference.gradmem import GradMemPlan, read_prompt
 from recurrent_depth.inference.options import OPTIONS, GenerationOptions, OptionError, ResolvedOptions
 from recurrent_depth.inference.output import GenerationOutput, TokenEvent
 from recurrent_depth.inference.schema import OFFICIAL_ALIASES, canonical, kwarg_spelling, unknown_names
@@ -28,11 +28,22 @@ class GenerationStream:
     """
 
     def __init__(self, model: Any, input_ids: Any, attention_mask: Any, options: GenerationOptions,
-                 tokenizer: Any) -> None:
+                 tokenizer: Any, memory: Tensor | None = None) -> None:
         resolved = options.validate(model.config.mean_recurrence, model.config.exit_gate_threshold)
-        ids, mask = prepare_inputs(model, input_ids, attention_mask)
         self.model = model
         self.options: ResolvedOptions = resolved
+        self.gradmem: GradMemPlan | None = None
+        if memory is not None:  # a memory written before: the prompt is [memory; input_ids]
+            if resolved.gradmem_tokens:
+                raise OptionError("gradmem_tokens", "gradmem_tokens writes a memory from the prompt, but a memory "
+                                  "was given to read: leave gradmem_tokens at 0")
+            ids, mask, embedded, embeds = read_prompt(model, memory, input_ids, attention_mask)
+            self.prompt_ids = ids
+            self.session = Session(model, ids, mask, resolved, tokenizer, embedded=embedded)
+            self.session.prompt_embeds = embeds
+            self.output: GenerationOutput | None = None
+            return
+        ids, mask = prepare_inputs(model, input_ids, attention_mask)
         self.prompt_ids = ids  # what `output.sequences` starts with (GradMem's session reads another prompt)
         # GradMem: the session's prompt is [memory; query], the memory written when iteration starts.
         self.gradmem = GradMemPlan.split(model, ids, mask, resolved) if resolved.gradmem_tokens else None
@@ -41,7 +52,7 @@ class GenerationStream:
             self.session = Session(model, plan.read_ids, plan.read_mask, resolved, tokenizer, embedded=plan.embedded)
         else:
             self.session = Session(model, ids, mask, resolved, tokenizer)
-        self.output: GenerationOutput | None = None
+        self.output = None
 
     def __iter__(self) -> Iterator[TokenEvent]:
         if self.output is not None:
@@ -188,6 +199,39 @@ def generate(
     return stream.output
 
 
+def generate_from_memory(
+    model: Any,
+    memory: Tensor,
+    query_ids: Tensor | list | None = None,
+    *,
+    attention_mask: Tensor | None = None,
+    streamer: Callable[[TokenEvent], Any] | None = None,
+    tokenizer: Any = None,
+    **options: Any,
+) -> GenerationOutput:
+    """Generate from a GradMem memory written before (`gradmem.write_memory(...).memory`, `[B, m, h]`
+    or `[m, h]`): the prompt is [memory; query], as `generate` reads it with `gradmem_tokens`, so
+    one memory can answer many queries without writing it again.
+
+    query_ids: `[B, Tq]` (or `[Tq]`) left-padded with `attention_mask`, as `generate`'s input_ids,
+    or None (generation continues from the memory). options: `generate`'s (gradmem_tokens stays 0).
+    `.sequences` starts with the read prompt, a placeholder id at each memory column; the new tokens
+    are `.new_tokens` / `.token_lists()`.
+    """
+    given, tokenizer, _, given_as = _options(dict(options, tokenizer=tokenizer))
+    try:
+        stream = GenerationStream(model, query_ids, attention_mask, given, tokenizer, memory=memory)
+    except OptionError as exc:
+        if not given_as:
+            raise
+        raise exc.spelled(kwarg_spelling(given_as)) from None
+    for event in stream:
+        if streamer is not None:
+            streamer(event)
+    assert stream.output is not None
+    return stream.output
+
+
 def _with_option_parameters(function: Callable[..., Any]) -> None:
     """`function`'s signature and docstring list every option (its field's default and help), so
     `help()` and editors show them; they are read from `GenerationOptions`, not written here."""
@@ -202,3 +246,4 @@ def _with_option_parameters(function: Callable[..., Any]) -> None:
 
 
 _with_option_parameters(generate)
+_with_option_parameters(generate_from_memory)

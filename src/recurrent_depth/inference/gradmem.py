@@ -41,6 +41,7 @@ from torch import Tensor
 from recurrent_depth.inference.engine import Stopped
 from recurrent_depth.inference.options import GRADMEM_INITS, OptionError, ResolvedOptions
 from recurrent_depth.inference.sampling import RowGenerators
+from recurrent_depth.inference.session import prepare_inputs
 from recurrent_depth.train.flops import training_step_flops
 
 
@@ -297,6 +298,29 @@ def memory_prompt(model: Any, memory: Tensor, query_ids: Any = None, query_lengt
         embeds[embedded] = memory.to(device=device, dtype=embeds.dtype).reshape(B * m, h)
     mask = None if bool(valid.all()) else valid.to(device)
     return ids, mask, embedded, embeds
+
+
+def read_prompt(model: Any, memory: Tensor, query_ids: Any = None, attention_mask: Any = None
+                ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+    """`memory_prompt` for a memory `[B, m, h]` (or `[m, h]`) and a query given as generation takes a
+    prompt: `[B, Tq]` / `[Tq]` ids left-padded with `attention_mask`, or None."""
+    if not isinstance(memory, Tensor) or memory.dim() not in (2, 3) or not memory.dtype.is_floating_point:
+        raise ValueError("memory must be a floating-point tensor [m, h] or [B, m, h] (write_memory(...).memory)")
+    memory = memory[None] if memory.dim() == 2 else memory
+    B, m, h = memory.shape
+    if m == 0 or h != model.config.hidden_size:
+        raise ValueError(f"memory must have shape [B, m >= 1, hidden_size={model.config.hidden_size}], "
+                         f"got {tuple(memory.shape)}")
+    if query_ids is None:
+        return memory_prompt(model, memory)
+    ids, mask = prepare_inputs(model, query_ids, attention_mask)
+    if ids.shape[0] != B and B == 1:
+        memory = memory.expand(ids.shape[0], -1, -1)
+    elif ids.shape[0] != B:
+        raise ValueError(f"query_ids has {ids.shape[0]} rows for a memory of {B}")
+    rows = [ids[b][mask[b]] if mask is not None else ids[b] for b in range(ids.shape[0])]
+    query, lengths = _right_padded(rows, _placeholder(model))
+    return memory_prompt(model, memory, query, lengths)
 
 
 @dataclass

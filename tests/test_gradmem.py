@@ -209,6 +209,8 @@ def test_bad_inputs_and_models_get_one_line_errors(model):
         write_memory(model, [1, 999], tokens=1, steps=1, lr=1.0)
     with pytest.raises(ValueError, match=r"memory must have shape \[2, 64\]"):
         write_memory(model, [1, 2, 3], tokens=2, steps=1, lr=1.0, memory=torch.zeros(3, 64))
+    with pytest.raises(ValueError, match=r"context_ids lengths must be 2 integers in \[1, 3\], got \[3, 1.5\]"):
+        write_memory(model, [[1, 2, 3], [4, 5, 0]], lengths=[3, 1.5], tokens=1, steps=1, lr=1.0)
     with pytest.raises(ValueError, match="gradmem lr=-1 is invalid"):
         write_memory(model, [1, 2, 3], tokens=2, steps=1, lr=-1)
     cfg = rd.ModelConfig.from_preset("tiny", value_embeddings=[0])

@@ -125,8 +125,9 @@ def _as_rows(ids: Any, lengths: Any, name: str, vocab_size: int) -> tuple[Tensor
     if lengths is None:
         rows = [T] * B
     else:
-        rows = [int(n) for n in (lengths.tolist() if isinstance(lengths, Tensor) else lengths)]
-        if len(rows) != B or any(not 1 <= n <= T for n in rows):
+        rows = list(lengths.tolist() if isinstance(lengths, Tensor) else lengths)
+        integers = all(isinstance(n, int) and not isinstance(n, bool) for n in rows)
+        if len(rows) != B or not integers or any(not 1 <= n <= T for n in rows):
             raise ValueError(f"{name} lengths must be {B} integers in [1, {T}], got {rows}")
     valid = torch.arange(T)[None] < torch.tensor(rows)[:, None]
     bad = valid & ((ids.cpu() < 0) | (ids.cpu() >= vocab_size))

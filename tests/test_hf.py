@@ -236,6 +236,16 @@ def test_generate_routes_library_only_options(hf_model, library_model):
         hf_model.generate(x, max_new_tokens=2, exit_criterion="kl", num_beams=2)
 
 
+def test_generate_routes_gradmem_to_the_library(hf_model, library_model):
+    x = ids(batch=1, length=12, seed=6)
+    kw = dict(max_new_tokens=4, num_steps=2, init_scale=0.0, gradmem_tokens=3, gradmem_steps=2,
+              gradmem_query_tokens=2, output_logits=True)
+    out = hf_model.generate(x, return_dict_in_generate=True, **kw)
+    ref = rd.generate(library_model, x, **kw)
+    assert torch.equal(out.sequences, ref.sequences) and torch.equal(out.logits, ref.logits)
+    assert out.stats["gradmem_flops"] == ref.stats["gradmem_flops"] > 0
+
+
 def test_generate_takes_a_generation_config_with_kwargs_on_top(hf_model, library_model):
     from transformers import GenerationConfig
 

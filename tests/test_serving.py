@@ -147,8 +147,9 @@ def test_health_models_and_metrics(server, client):
     # and the official min_steps rule with checks every 2nd step changes the tokens
     dict(num_steps=8, exit_criterion="kl", exit_threshold=3e-2, defaults="official"),
     dict(num_steps=8, exit_criterion="kl", exit_threshold=3e-2, min_steps=2, min_steps_rule="skip", check_every=2),
+    dict(num_steps=3, gradmem_tokens=2, gradmem_steps=2, gradmem_query_tokens=2),  # runs alone
 ], ids=["fixed-3", "kl-exit", "latent-exit-min2", "kv-budget-2", "warm-start-cosine", "speculative", "zero-steps",
-        "official-full", "official-anchor", "official-always-last", "official-kl", "official-schedule"])
+        "official-full", "official-anchor", "official-always-last", "official-kl", "official-schedule", "gradmem"])
 def test_completion_equals_generate_alone(client, reference, extra):
     prompt = "def add(a, b):"
     r = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, logprobs=0,
@@ -163,6 +164,20 @@ def test_completion_equals_generate_alone(client, reference, extra):
     assert r.usage.model_extra["steps_per_token"] == pytest.approx(sum(steps) / len(steps), abs=1e-4)
     if "exit_criterion" not in extra and "draft_steps" not in extra:
         assert steps == [extra["num_steps"]] * len(steps)
+
+
+@pytest.mark.parametrize("body,param,message", [
+    (dict(gradmem_tokens=2, gradmem_query_tokens=99), "gradmem_query_tokens",
+     "gradmem_query_tokens=99 leaves row 0 no context to write"),
+    (dict(gradmem_tokens=2, gradmem_steps=65), "gradmem_steps", "'gradmem_steps'=65 is out of range"),
+    (dict(gradmem_tokens=2, echo=True, logprobs=0), "echo", "a GradMem request (gradmem_tokens > 0) reads it"),
+], ids=["no-context", "too-many-steps", "prompt-scores"])
+def test_gradmem_requests_that_cannot_run_are_400s_naming_the_field(server, body, param, message):
+    r = httpx.post(server.url + "/v1/completions", json=dict(prompt="def add(a, b):", max_tokens=2, **body),
+                   timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and message in error["message"], error
 
 
 def test_sampling_with_a_seed_is_reproducible_and_equals_generate(client, reference):

@@ -290,9 +290,10 @@ class FastRunner(ModelRunner):
         out = self._linear(hidden, p["out"], p["out_bias"], residual=x, out=ws.mlp_out, low_rank=low_rank["out"])
         return self._norm(out, n4, stat=ws.stat)
 
-    def embed(self, input_ids: Tensor, step: Step) -> Tensor:
+    def embed(self, input_ids: Tensor, step: Step, inputs_embeds: Tensor | None = None) -> Tensor:
         B, T = input_ids.shape
-        x = F.embedding(input_ids.reshape(-1), self.wte) * self.emb_scale
+        x = F.embedding(input_ids.reshape(-1), self.wte) if inputs_embeds is None else inputs_embeds.reshape(B * T, -1)
+        x = x * self.emb_scale
         for i, p in enumerate(self.blocks["prelude"]):
             x = self._block(x, p, step, ("prelude", i), B, T)
         return x.view(B, T, -1)

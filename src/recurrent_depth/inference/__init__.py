@@ -8,13 +8,14 @@ Modules: `engine` (the recurrence engine: prefill, step loop with per-row exits,
 depths; every interface iterates the core through it), `cache` (generation storages keyed by
 (layer, step) under a `model.cache.KVPolicy`), `criteria` (adaptive exit), `sampling` (token
 choice, per-row generators, stops), `runner` (the model pieces, plain and fused),
-`autoregressive` / `speculative` / `parallel` (the decoding loops) and `generate` (the entry points).
+`autoregressive` / `speculative` / `parallel` (the decoding loops), `gradmem` (memory tokens
+written by test-time gradient steps, read instead of the context) and `generate` (the entry points).
 """
 
 from recurrent_depth.inference.cache import DynamicRecurrentCache, StaticRecurrentCache, make_cache
 from recurrent_depth.inference.criteria import CRITERIA
 from recurrent_depth.inference.engine import Recurrence, Stopped
-from recurrent_depth.inference.generate import GenerationStream, generate, stream_generate
+from recurrent_depth.inference.generate import GenerationStream, generate, generate_from_memory, stream_generate
 from recurrent_depth.inference.options import GenerationOptions, ResolvedOptions
 from recurrent_depth.inference.output import EXIT_REASONS, GenerationOutput, TokenEvent
 
@@ -31,6 +32,7 @@ __all__ = [
     "Stopped",
     "TokenEvent",
     "generate",
+    "generate_from_memory",
     "make_cache",
     "stream_generate",
 ]

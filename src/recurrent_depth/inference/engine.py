@@ -68,13 +68,15 @@ class Recurrence:
 
     # ------------------------------------------------------------------ passes
     def begin(self, ids: Tensor, mask: Tensor | None = None, cache: ModelCache | None = None,
-              position_ids: Tensor | None = None, row_columns: Tensor | None = None) -> Pass:
+              position_ids: Tensor | None = None, row_columns: Tensor | None = None,
+              inputs_embeds: Tensor | None = None) -> Pass:
         """Context, prelude and injection for `ids` `[B, T]` (mask: `[B, cached + T]`).
 
         row_columns: `[B]` the column of each row's single new token, for rows of different
-        lengths in one call (the serving batch); see `RecurrentDepthLM.make_context`."""
+        lengths in one call (the serving batch); see `RecurrentDepthLM.make_context`.
+        inputs_embeds: `[B, T, h]` the prelude's input instead of wte(ids) (GradMem's memory prompt)."""
         step = self.runner.context(ids, mask, cache, position_ids, row_columns)
-        e = self.runner.embed(ids, step)
+        e = self.runner.embed(ids, step, inputs_embeds)
         return Pass(step, e, self.runner.inject(e))
 
     def rebind(self, ids: Tensor, mask: Tensor | None, cache: ModelCache | None, e: Tensor, injected: Tensor) -> Pass:

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from recurrent_depth.inference import autoregressive, parallel, speculative
+from recurrent_depth.inference.gradmem import GradMemPlan, read_prompt
 from recurrent_depth.inference.options import OPTIONS, GenerationOptions, OptionError, ResolvedOptions
 from recurrent_depth.inference.output import GenerationOutput, TokenEvent
 from recurrent_depth.inference.schema import OFFICIAL_ALIASES, canonical, kwarg_spelling, unknown_names
@@ -27,13 +28,31 @@ class GenerationStream:
     """
 
     def __init__(self, model: Any, input_ids: Any, attention_mask: Any, options: GenerationOptions,
-                 tokenizer: Any) -> None:
+                 tokenizer: Any, memory: Tensor | None = None) -> None:
         resolved = options.validate(model.config.mean_recurrence, model.config.exit_gate_threshold)
-        ids, mask = prepare_inputs(model, input_ids, attention_mask)
         self.model = model
         self.options: ResolvedOptions = resolved
-        self.session = Session(model, ids, mask, resolved, tokenizer)
-        self.output: GenerationOutput | None = None
+        self.gradmem: GradMemPlan | None = None
+        if memory is not None:  # a memory written before: the prompt is [memory; input_ids]
+            if resolved.gradmem_tokens:
+                raise OptionError("gradmem_tokens", "gradmem_tokens writes a memory from the prompt, but a memory "
+                                  "was given to read: leave gradmem_tokens at 0")
+            ids, mask, embedded, embeds = read_prompt(model, memory, input_ids, attention_mask)
+            self.prompt_ids = ids
+            self.session = Session(model, ids, mask, resolved, tokenizer, embedded=embedded)
+            self.session.prompt_embeds = embeds
+            self.output: GenerationOutput | None = None
+            return
+        ids, mask = prepare_inputs(model, input_ids, attention_mask)
+        self.prompt_ids = ids  # what `output.sequences` starts with (GradMem's session reads another prompt)
+        # GradMem: the session's prompt is [memory; query], the memory written when iteration starts.
+        self.gradmem = GradMemPlan.split(model, ids, mask, resolved) if resolved.gradmem_tokens else None
+        if self.gradmem is not None:
+            plan = self.gradmem
+            self.session = Session(model, plan.read_ids, plan.read_mask, resolved, tokenizer, embedded=plan.embedded)
+        else:
+            self.session = Session(model, ids, mask, resolved, tokenizer)
+        self.output = None
 
     def __iter__(self) -> Iterator[TokenEvent]:
         if self.output is not None:
@@ -44,6 +63,8 @@ class GenerationStream:
         start = time.perf_counter()
         first_token_at = None
         try:
+            if self.gradmem is not None:
+                self.gradmem.write(session)  # gradients: before the loop's inference mode
             loop = _LOOPS[self.options.mode] if self.options.max_new_tokens > 0 else _nothing
             with torch.inference_mode():
                 for event in loop(session):
@@ -57,7 +78,7 @@ class GenerationStream:
         cache = session.cache
         core = cache.logical_nbytes(session.valid[:, : cache.seq_len], core_only=True)
         self.output = session.recorder.build(
-            session.input_ids, session.pad_token_id,
+            self.prompt_ids, session.pad_token_id,
             cache_allocated_bytes=cache.nbytes(), core_cache_bytes=core.cpu(), mode=self.options.mode,
             kv_policy=cache.policy.name,
             prefill_seconds=prefill, decode_seconds=finish - start - prefill, stats=dict(session.stats),
@@ -155,6 +176,14 @@ def generate(
     Stopping: stop ids and stop strings (strings need `tokenizer=`), and the eos ids: eos_token_id=
       (an id or a list) or else the config's. finish_round=True lets a speculative row finish the
       round that reaches max_new_tokens.
+    GradMem (`recurrent_depth.inference.gradmem`, docs/test-time-training.md): gradmem_tokens=m > 0
+      writes each prompt's context (all but its last gradmem_query_tokens tokens) into m memory
+      tokens by gradmem_steps SGD steps (gradmem_lr) on the context's next-token loss at depth
+      gradmem_depth (default num_steps), the model frozen; the rows then generate from [memory;
+      query] with the context dropped. gradmem_init "tail" starts the memory from the context's last
+      m token embeddings, "random" from seeded vectors. `.stats` holds gradmem_flops (the write's
+      forward + backward FLOPs), gradmem_losses and gradmem_seconds; `.sequences` starts with the
+      prompt as given.
     streamer: a callable receiving each `TokenEvent` as it is committed. output_logits=True keeps
       the logits of every chosen token. fast=False uses the model's own modules (reference runner).
 
@@ -163,6 +192,39 @@ def generate(
     """
     given, tokenizer, _, given_as = _options(dict(options, tokenizer=tokenizer))
     stream = _stream(model, input_ids, attention_mask, given, tokenizer, given_as)
+    for event in stream:
+        if streamer is not None:
+            streamer(event)
+    assert stream.output is not None
+    return stream.output
+
+
+def generate_from_memory(
+    model: Any,
+    memory: Tensor,
+    query_ids: Tensor | list | None = None,
+    *,
+    attention_mask: Tensor | None = None,
+    streamer: Callable[[TokenEvent], Any] | None = None,
+    tokenizer: Any = None,
+    **options: Any,
+) -> GenerationOutput:
+    """Generate from a GradMem memory written before (`gradmem.write_memory(...).memory`, `[B, m, h]`
+    or `[m, h]`): the prompt is [memory; query], as `generate` reads it with `gradmem_tokens`, so
+    one memory can answer many queries without writing it again.
+
+    query_ids: `[B, Tq]` (or `[Tq]`) left-padded with `attention_mask`, as `generate`'s input_ids,
+    or None (generation continues from the memory). options: `generate`'s (gradmem_tokens stays 0).
+    `.sequences` starts with the read prompt, a placeholder id at each memory column; the new tokens
+    are `.new_tokens` / `.token_lists()`.
+    """
+    given, tokenizer, _, given_as = _options(dict(options, tokenizer=tokenizer))
+    try:
+        stream = GenerationStream(model, query_ids, attention_mask, given, tokenizer, memory=memory)
+    except OptionError as exc:
+        if not given_as:
+            raise
+        raise exc.spelled(kwarg_spelling(given_as)) from None
     for event in stream:
         if streamer is not None:
             streamer(event)
@@ -184,3 +246,4 @@ def _with_option_parameters(function: Callable[..., Any]) -> None:
 
 
 _with_option_parameters(generate)
+_with_option_parameters(generate_from_memory)

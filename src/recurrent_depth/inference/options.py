@@ -23,6 +23,7 @@ DEFAULTS = ("official",)
 MIN_STEPS_RULES = ("exit", "skip")
 WARM_START_SOURCES = ("raw", "normed")
 EXIT_KV = ("lookup", "compute")
+GRADMEM_INITS = ("tail", "random")  # the memory's initial value (inference/gradmem.py)
 # The official code's hard-coded stops (begin_text, end_text, end_turn of Huginn's tokenizer).
 OFFICIAL_STOP_IDS = (65504, 65505, 65508)
 OFFICIAL_SPECULATIVE_STEPS = 32  # the official generate_speculative's num_steps default
@@ -34,6 +35,7 @@ GROUPS = {
     "mode": "speculative and parallel decoding",
     "sampling": "sampling and stopping",
     "output": "output",
+    "ttt": "test-time training (GradMem memory tokens; docs/test-time-training.md)",
 }
 KINDS = ("int", "float", "bool", "str", "seed", "stop", "any")
 
@@ -319,6 +321,21 @@ class GenerationOptions:
         http=True, lm_eval="model", unset="ours")
     teacher_tokens: Any = option(None, "output", "teacher forcing: the tokens to feed instead of the chosen ones",
         "any", cli=False)
+    gradmem_tokens: int = option(0, "ttt", "GradMem: write the prompt's context into this many memory tokens by "
+        "gradient steps on their embeddings (the model frozen), then generate from [memory; query] without the "
+        "context; 0 = off", "int", shown="0, off", http=True, http_max=256, hf="routed", low=0)
+    gradmem_steps: int = option(8, "ttt", "GradMem: SGD steps on the memory, each a forward and backward pass of "
+        "the context's next-token loss given the memory", "int", http=True, http_max=64, hf="routed", low=0)
+    gradmem_lr: float = option(1.0, "ttt", "GradMem: the memory's SGD learning rate", "float", http=True,
+        http_max=1e4, hf="routed", low=0, high=math.inf, low_open=True, high_open=True)
+    gradmem_depth: int | None = option(None, "ttt", "GradMem: recurrence depth of the write passes", "int",
+        shown="num_steps", http=True, http_max="max_num_steps", hf="routed", low=0, optional=True)
+    gradmem_init: str = option("tail", "ttt", "GradMem: the initial memory: the embeddings of the context's last "
+        "gradmem_tokens tokens ('tail') or random vectors at the embedding's scale from the seed ('random')", "str",
+        choices=GRADMEM_INITS, http=True, hf="routed")
+    gradmem_query_tokens: int = option(0, "ttt", "GradMem: the prompt's last n tokens are the query, read after "
+        "the memory; the tokens before them are the context written into it", "int", http=True, hf="routed",
+        low=0)
 
 
     @classmethod

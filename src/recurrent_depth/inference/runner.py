@@ -44,8 +44,9 @@ class ModelRunner:
     ) -> Step:
         return Step(self.model.make_context(input_ids, attention_mask, position_ids, cache, row_columns))
 
-    def embed(self, input_ids: Tensor, step: Step) -> Tensor:
-        return self.model.embed(input_ids, step.ctx)
+    def embed(self, input_ids: Tensor, step: Step, inputs_embeds: Tensor | None = None) -> Tensor:
+        """e = prelude(wte(ids)), or prelude(inputs_embeds) where given (`[B, T, h]`, before the scale)."""
+        return self.model.embed(input_ids, step.ctx, inputs_embeds)
 
     def inject(self, e: Tensor) -> Tensor:
         """What every recurrence step of these positions needs from e (the reference: e itself)."""

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from recurrent_depth.inference.cache import make_cache
 from recurrent_depth.inference.criteria import ExitCriterion, gate_for
-from recurrent_depth.inference.engine import Recurrence
+from recurrent_depth.inference.engine import Pass, Recurrence
 from recurrent_depth.inference.options import ResolvedOptions, eos_ids
 from recurrent_depth.inference.output import Recorder, TokenEvent
 from recurrent_depth.inference.quant_cache import kv_quant_for_model
@@ -71,7 +71,10 @@ class Session:
     """One generation call: everything the mode loops read and update."""
 
     def __init__(self, model: Any, input_ids: Tensor, mask: Tensor | None, options: ResolvedOptions,
-                 tokenizer: Any = None) -> None:
+                 tokenizer: Any = None, embedded: Tensor | None = None) -> None:
+        """embedded: bool `[B, T]`, the prompt columns whose input is an embedding rather than their id
+        (GradMem's memory tokens): `prompt_embeds` must hold the prompt's embeddings before the prefill,
+        and those columns do not count as seen tokens for the repetition penalty."""
         cfg = model.config
         self.model = model
         self.options = options
@@ -115,7 +118,9 @@ class Session:
         self.valid[:, : self.T] = prompt_valid
         self.generators = RowGenerators(options.seed, self.B, self.device)
         self.chooser = TokenChooser(options, cfg.vocab_size, self.generators)
-        self.chooser.observe_prompt(input_ids, prompt_valid)
+        self.embedded = embedded
+        self.prompt_embeds: Tensor | None = None  # [B, T, h] the prelude's input where `embedded` is set
+        self.chooser.observe_prompt(input_ids, prompt_valid if embedded is None else prompt_valid & ~embedded)
         stop_ids = options.stop_ids(cfg.eos_token_id, cfg.vocab_size)
         self.stops = StopChecker(options.stop, stop_ids, cfg.vocab_size, tokenizer)
         self.recorder = Recorder(self.B, options.max_new_tokens, options.output_logits)
@@ -243,10 +248,16 @@ class Session:
             )
 
     # ------------------------------------------------------------------ prefill
+    def _begin_prompt(self) -> Pass:
+        """The prompt's pass: prelude of its ids, or of `prompt_embeds` when some columns are embeddings."""
+        if self.embedded is not None and self.prompt_embeds is None:
+            raise RuntimeError("this session's prompt has embedded columns: set prompt_embeds before the prefill")
+        return self.engine.begin(self.input_ids, self.mask(self.T), self.cache, inputs_embeds=self.prompt_embeds)
+
     def prefill(self, depth: int) -> tuple[Tensor, Tensor]:
         """Run the prompt at full depth; returns (last raw state `[B, h]`, last logits `[B, V]`)."""
         engine, cache = self.engine, self.cache
-        pass_ = engine.begin(self.input_ids, self.mask(self.T), cache)
+        pass_ = self._begin_prompt()
         s = self.initial_states(pass_.e, list(range(self.B)), self.valid[:, : self.T] if self.padded else None)
         s = engine.run(s, pass_, depth)
         logits = engine.readout(s, pass_, last_only=True)[:, 0]
@@ -259,7 +270,7 @@ class Session:
         read at the step its criterion first holds. Returns (that raw state `[B, h]`, its logits
         `[B, V]`, exit steps `[B]`, exit codes `[B]`)."""
         engine, cache = self.engine, self.cache
-        pass_ = engine.begin(self.input_ids, self.mask(self.T), cache)
+        pass_ = self._begin_prompt()
         s = self.initial_states(pass_.e, list(range(self.B)), self.valid[:, : self.T] if self.padded else None)
         schedule = dict(self.compute_schedule, max_steps=self.options.num_steps)
         s, logits, used, codes = engine.run_computing(s, pass_, self.criterion, self.vocab_size, **schedule)
@@ -272,7 +283,7 @@ class Session:
         together. Returns (last raw state `[B, h]`, last logits `[B, V]`, steps `[B]`, exit codes `[B]`)."""
         engine, cache = self.engine, self.cache
         valid = self.valid[:, : self.T] if self.padded else None
-        pass_ = engine.begin(self.input_ids, self.mask(self.T), cache)
+        pass_ = self._begin_prompt()
         s = self.initial_states(pass_.e, list(range(self.B)), valid)
         s, logits, used, codes = engine.run_adaptive(s, pass_, self.criterion, self.vocab_size,
                                                      valid=valid, **self.schedule)

@@ -285,6 +285,7 @@ class RecurrentDepthLM(nn.Module):
         position_ids: Tensor | None = None,
         document_ids: Tensor | None = None,
         input_states: Tensor | None = None,
+        inputs_embeds: Tensor | None = None,
         init_scale: float | None = None,
         generator: torch.Generator | None = None,
         cache: ModelCache | None = None,
@@ -296,7 +297,9 @@ class RecurrentDepthLM(nn.Module):
         attention_mask: [B, T_cached + T], 1 for real tokens, 0 for (left) padding.
         document_ids: [B, T] ids of the examples packed into each row: attention stays inside an
         example (pass `position_ids` restarting at each example too). Softmax attention only.
-        input_states: s_0 [B, T, h] instead of a random draw. labels: [B, T] unshifted (shifted
+        input_states: s_0 [B, T, h] instead of a random draw. inputs_embeds: [B, T, h] used in place of
+        wte(input_ids) (before the sqrt(h) scale; GradMem's memory tokens), input_ids still giving the
+        positions' count and the token ids of value embeddings. labels: [B, T] unshifted (shifted
         here), -100 ignored. cache: a cache object (see model/cache.py) to read and extend.
         replay: run each position at the depth a generation recorded for it, under that generation's KV
         policy (`model/replay.py`, for RL); `num_steps` is then unused and `cache` must be None.
@@ -309,6 +312,8 @@ class RecurrentDepthLM(nn.Module):
         self.check_inputs(input_ids, labels, attention_mask, input_states, cache, position_ids)
         if document_ids is not None:
             self.check_document_ids(input_ids, document_ids, cache)
+        if inputs_embeds is not None:
+            self.check_inputs_embeds(input_ids, inputs_embeds)
         scale = self.config.init_scale if init_scale is None else init_scale
         if not is_real(scale) or scale < 0:
             raise ValueError(f"init_scale={scale!r} is invalid: expected a finite number >= 0")
@@ -316,7 +321,7 @@ class RecurrentDepthLM(nn.Module):
             input_ids = input_ids.long()  # the embedding lookup takes int32/int64 only
 
         ctx = self.make_context(input_ids, attention_mask, position_ids, cache, document_ids=document_ids)
-        e = self.embed(input_ids, ctx)
+        e = self.embed(input_ids, ctx, inputs_embeds)
         state = input_states.to(e.dtype) if input_states is not None else self.initial_state(e, scale, generator)
         states = [state] if output_all_states else None
         if replay is not None:
@@ -456,6 +461,16 @@ class RecurrentDepthLM(nn.Module):
                 raise ValueError(
                     f"position_ids must lie in [0, max_seq_len={cfg.max_seq_len}), got values in [{lowest}, {highest}]"
                 )
+
+    def check_inputs_embeds(self, input_ids: Tensor, inputs_embeds: Tensor) -> None:
+        """inputs_embeds: a floating-point [B, T, h] tensor matching input_ids."""
+        B, T = input_ids.shape
+        expected = (B, T, self.config.hidden_size)
+        if not isinstance(inputs_embeds, Tensor) or tuple(inputs_embeds.shape) != expected:
+            shape = tuple(inputs_embeds.shape) if isinstance(inputs_embeds, Tensor) else type(inputs_embeds).__name__
+            raise ValueError(f"inputs_embeds must have shape [batch, seq_len, hidden_size] = {expected}, got {shape}")
+        if not inputs_embeds.dtype.is_floating_point:
+            raise ValueError(f"inputs_embeds must be a floating-point tensor, got dtype {inputs_embeds.dtype}")
 
     def check_document_ids(self, input_ids: Tensor, document_ids: Tensor, cache: ModelCache | None) -> None:
         """Packed rows need a [B, T] integer tensor, no cache, and a mixer that takes a block-diagonal mask."""

@@ -168,13 +168,15 @@ class BatchDecoder:
     @staticmethod
     def runs(options: ResolvedOptions) -> bool:
         """Whether the batch's step loop implements these options: the official code's schedule
-        (exit in prefill, its min_steps rule past step 0, check every n steps) and the normed warm
-        start run alone, through `stream_generate`."""
+        (exit in prefill, its min_steps rule past step 0, check every n steps), the normed warm
+        start and GradMem (its memory written by gradient steps before the prefill) run alone,
+        through `stream_generate`."""
         adaptive = options.criterion is not None
         return not (
             (adaptive and (options.exit_in_prefill or options.check_every > 1
                            or (options.min_steps_rule == "skip" and options.min_steps > 0)))
             or (options.warm_start and options.warm_start_source == "normed")
+            or options.gradmem_tokens > 0
         )
 
     def takes_kv_quant(self, kv_quant: str | None) -> bool:

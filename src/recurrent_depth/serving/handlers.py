@@ -15,7 +15,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from recurrent_depth.inference.criteria import gate_for
-from recurrent_depth.inference.options import eos_ids
+from recurrent_depth.inference.gradmem import check_prompts
+from recurrent_depth.inference.options import OptionError, ResolvedOptions, eos_ids
 from recurrent_depth.inference.quant_cache import kv_quant_for_model
 from recurrent_depth.serving import responses
 from recurrent_depth.serving.batch import BatchDecoder, RowRequest
@@ -23,7 +24,14 @@ from recurrent_depth.serving.engine import BatchScheduler, EngineUnavailable, Jo
 from recurrent_depth.serving.kernels import KernelWarmup
 from recurrent_depth.serving.kv_pool import SlotKVPool
 from recurrent_depth.serving.prep import PrepPool, PrepSpec
-from recurrent_depth.serving.protocol import APIError, ChatRequest, CompletionRequest, Limits, Sampling
+from recurrent_depth.serving.protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    Limits,
+    Sampling,
+    http_spelling,
+)
 from recurrent_depth.serving.streaming import Channel, OpenRequests, collect, stream
 from recurrent_depth.serving.text import TextCodec, TextState
 from recurrent_depth.serving.transport import BodyBudget, read_body, require_json
@@ -172,6 +180,8 @@ class Handlers:
                 gate_for(options.criterion, scheduler.model)
             except ValueError as exc:
                 raise APIError(400, str(exc), param=sampling.given_as.get("exit_criterion", "exit_criterion")) from None
+            if options.gradmem_tokens:  # GradMem: a prompt too short to split, or a model it cannot take
+                self.check_gradmem(len(prompt), options, sampling.given_as, prompt_scores)
             if options.kv_quant is not None:  # a spec this model cannot take: 400 now, not 500 in generation
                 try:
                     kv_quant_for_model(scheduler.model, options.kv_quant)
@@ -193,6 +203,22 @@ class Handlers:
                                 index=index, solo=solo, generation_kwargs=generation, arrival=start))
                 choices.append(responses.Choice(index, list(prompt)))
         return jobs, choices
+
+    def check_gradmem(self, prompt_len: int, options: ResolvedOptions, given_as: dict[str, str],
+                      prompt_scores: bool) -> None:
+        """400 unless a GradMem request (gradmem_tokens > 0) can run: it reads its prompt through the
+        written memory, so it has no prompt scores, and its prompt must split into context and query."""
+        if prompt_scores:
+            raise APIError(400, "'echo' with 'logprobs' scores the prompt as the model reads it, but a GradMem "
+                                "request (gradmem_tokens > 0) reads it through its memory tokens; leave out echo "
+                                "or logprobs", param="echo")
+        try:
+            check_prompts(self.scheduler.model, [prompt_len], options)
+        except OptionError as exc:
+            spelling = http_spelling(given_as)
+            raise APIError(400, str(exc.spelled(spelling)), param=spelling(exc.field)) from None
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="gradmem_tokens") from None
 
     async def submit(self, jobs: list[Job], start: float, channel: Channel) -> None:
         """Queue a request's jobs, once the quantized-KV kernels their spec needs are loaded (a first

@@ -140,10 +140,14 @@ def test_real_runs_resume_mid_run_and_are_collected_into_the_table(train_root, t
     Trainer(TrainConfig.from_yaml(partial / RUN_CONFIG).replace(max_steps=2)).run()
     (partial / "run.json").write_text(json.dumps({"not": "finished"}))  # as a kill leaves it: no finish record
     assert sweep_status(sweep_dir) == {"r2-save_every=2": "partial", "c1-r1": "pending"}
+    # A run finished outside `sweep run` (a Slurm array task, say) counts as finished: it is not started again.
+    Trainer(TrainConfig.from_yaml(run_dir(sweep_dir, "c1-r1") / RUN_CONFIG)).run()
+    assert sweep_status(sweep_dir) == {"r2-save_every=2": "partial", "c1-r1": "done"}
 
-    states = run_sweep(config, sweep_dir, jobs=2, log=lambda _: None)  # real `rdepth train` processes
+    states = run_sweep(config, sweep_dir, jobs=2, log=lambda _: None)  # a real `rdepth train` process
     assert states == {"r2-save_every=2": "done", "c1-r1": "done"}
     assert "resumed from" in (partial / "sweep.log").read_text()
+    assert not (run_dir(sweep_dir, "c1-r1") / "sweep.log").exists()
     steps = [json.loads(line)["step"] for line in (partial / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
 

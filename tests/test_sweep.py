@@ -3,21 +3,24 @@
 import csv
 import json
 import re
+from pathlib import Path
 
 import pytest
 import yaml
 
 from recurrent_depth.cli import main
 from recurrent_depth.scaling import TABLE_COLUMNS, collect_sweep, emit_sweep, load_sweep, run_sweep, sweep_status
-from recurrent_depth.scaling.sweep import DONE_FILE, RUN_CONFIG, run_dir
+from recurrent_depth.scaling.sweep import DONE_FILE, RUN_CONFIG, data_key, run_dir
 from recurrent_depth.train.config import TrainConfig
 from recurrent_depth.train.trainer import Trainer
-from tests.train_support import VOCAB, OneThread, prepare_root
+from tests.train_support import VOCAB, OneThread, write_corpus
 
 
 @pytest.fixture(scope="module")
 def train_root(tmp_path_factory):
-    return prepare_root(tmp_path_factory.mktemp("sweep_root"))
+    root = tmp_path_factory.mktemp("sweep_root")
+    write_corpus(root / "corpus")
+    return root
 
 
 @pytest.fixture(autouse=True)
@@ -27,11 +30,10 @@ def one_thread():
 
 
 def write_sweep(path, root=None, **changes):
-    base = {"preset": "tiny", "data": "stdlib", "seq_len": 32, "batch_size": 4, "max_steps": 4, "eval_batches": 2,
+    base = {"preset": "tiny", "data": "stdlib", "seq_len": 32, "batch_size": 4, "max_steps": 3, "eval_batches": 1,
             "optim": {"lr": 0.003, "warmup_steps": 1}}
     if root is not None:
-        base.update(data=str(root / "corpus"), tokenizer=str(root / "tokenizer"), vocab_size=VOCAB,
-                    val_fraction=0.1, keep_all=True)
+        base.update(data=str(root / "corpus"), vocab_size=VOCAB, val_fraction=0.1, keep_all=True)
     sweep = {"base": base, "grid": {"hidden_size": [32, 64], "mean_recurrence": [2, 4]},
              "runs": [{"core_layers": 1, "mean_recurrence": 1}, {"core_layers": 2, "mean_recurrence": 1}],
              "test_depths": [1, 2]}
@@ -55,7 +57,7 @@ def test_grid_and_list_expand_to_validated_runs_with_stable_names(tmp_path):
     tokens = load_sweep(write_sweep(tmp_path / "t.yaml", grid={"tokens": [1000], "lr": [0.01]}, runs=None)).runs[0]
     assert tokens.name == "lr0.01-tok1000"
     assert tokens.config["max_tokens"] == 1000 and tokens.config["optim"]["lr"] == 0.01
-    assert tokens.config["max_steps"] == 4  # the base's own budget stays
+    assert tokens.config["max_steps"] == 3  # the base's own budget stays
 
 
 @pytest.mark.parametrize(("changes", "message"), [
@@ -91,8 +93,8 @@ def fake_runner(calls):
     return run
 
 
-def test_a_killed_sweep_continues_without_redoing_finished_runs(tmp_path):
-    config, sweep_dir = write_sweep(tmp_path / "s.yaml"), tmp_path / "sweep"
+def test_a_killed_sweep_continues_without_redoing_finished_runs(train_root, tmp_path):
+    config, sweep_dir = write_sweep(tmp_path / "s.yaml", train_root), tmp_path / "sweep"
     calls = []
     stop_after_two = fake_runner(calls)
 
@@ -113,8 +115,8 @@ def test_a_killed_sweep_continues_without_redoing_finished_runs(tmp_path):
     assert len(calls) == 6  # nothing left to run
 
 
-def test_emit_writes_a_slurm_array_and_one_command_per_run(tmp_path, capsys):
-    config, sweep_dir = write_sweep(tmp_path / "s.yaml"), tmp_path / "sweep"
+def test_emit_writes_a_slurm_array_and_one_command_per_run(train_root, tmp_path, capsys):
+    config, sweep_dir = write_sweep(tmp_path / "s.yaml", train_root), tmp_path / "sweep"
     assert main(["sweep", "emit", str(config), "--out", str(sweep_dir), "--slurm", "--sbatch=--time=00:30:00"]) == 0
     script = (sweep_dir / "sweep.slurm").read_text()
     assert script.startswith("#!/bin/bash\n") and "#SBATCH --array=0-5\n" in script
@@ -126,7 +128,13 @@ def test_emit_writes_a_slurm_array_and_one_command_per_run(tmp_path, capsys):
         assert f"recurrent_depth.cli train --config {config_path}" in command
         written = TrainConfig.from_yaml(config_path)  # what the array task trains: out in the sweep, resumable
         assert written.out == str(config_path.parent) and written.resume
-    assert emit_sweep(config, sweep_dir, nproc=2, slurm=False) == [sweep_dir.resolve() / "commands.txt"]
+        # one tokenizer and one set of shards for all (same data settings), prepared before any task starts
+        assert written.data_dir == str(sweep_dir.resolve() / "shared" / data_key(run.config) / "data")
+        assert (Path(written.tokenizer) / "tokenizer.json").is_file()
+        assert (Path(written.data_dir) / "validation.json").is_file()
+    assert len({data_key(r.config) for r in load_sweep(config).runs}) == 1
+    written = emit_sweep(config, sweep_dir, nproc=2, slurm=False, log=lambda _: None)
+    assert written == [sweep_dir.resolve() / "commands.txt"]
     assert (sweep_dir / "commands.txt").read_text().count("torchrun --standalone --nproc_per_node=2") == 6
 
 
@@ -134,8 +142,8 @@ def test_real_runs_resume_mid_run_and_are_collected_into_the_table(train_root, t
     config = write_sweep(tmp_path / "s.yaml", train_root, grid=None,
                          runs=[{"mean_recurrence": 2, "save_every": 2}, {"core_layers": 1, "mean_recurrence": 1}])
     sweep_dir = tmp_path / "sweep"
-    emit_sweep(config, sweep_dir, slurm=False)
-    # A run killed mid-way: it left a checkpoint at step 2 of 4 and no done marker.
+    emit_sweep(config, sweep_dir, slurm=False, log=lambda _: None)
+    # A run killed mid-way: it left a checkpoint at step 2 of 3 and no done marker.
     partial = run_dir(sweep_dir, "r2-save_every=2")
     Trainer(TrainConfig.from_yaml(partial / RUN_CONFIG).replace(max_steps=2)).run()
     (partial / "run.json").write_text(json.dumps({"not": "finished"}))  # as a kill leaves it: no finish record
@@ -149,7 +157,7 @@ def test_real_runs_resume_mid_run_and_are_collected_into_the_table(train_root, t
     assert "resumed from" in (partial / "sweep.log").read_text()
     assert not (run_dir(sweep_dir, "c1-r1") / "sweep.log").exists()
     steps = [json.loads(line)["step"] for line in (partial / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4]
+    assert steps == [1, 2, 3]
 
     rows = collect_sweep(sweep_dir, log=lambda _: None)
     with open(sweep_dir / "results.csv") as f:
@@ -159,7 +167,7 @@ def test_real_runs_resume_mid_run_and_are_collected_into_the_table(train_root, t
     by = {(r["run"], r["test_depth"]): r for r in rows}
     deep, flat = by[("r2-save_every=2", 2)], by[("c1-r1", 1)]
     assert flat["mean_recurrence"] == 1 and flat["train_depth_mean"] == 1 and flat["core_layers"] == 1
-    assert deep["mean_recurrence"] == 2 and deep["tokens"] == 4 * 4 * 32 and deep["status"] == "done"
+    assert deep["mean_recurrence"] == 2 and deep["tokens"] == 3 * 4 * 32 and deep["status"] == "done"
     assert deep["flops_per_token_test"] > by[("r2-save_every=2", 1)]["flops_per_token_test"]
     assert 0 < deep["params_non_embedding"] < deep["params"] and deep["train_flops"] > flat["train_flops"] > 0
     assert all(r["loss"] > 0 for r in rows)

@@ -24,7 +24,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("config", metavar="CONFIG.yaml", help="sweep file: base, grid and/or runs, test_depths")
     run.add_argument("--out", required=True, metavar="SWEEP_DIR", help="the sweep's directory")
     run.add_argument("--jobs", type=int, default=None, metavar="N",
-                     help="runs at a time (default: the CPUs this process may use // threads_per_run)")
+                     help="runs at a time (default: the CPUs this process may use // threads per run); "
+                          "--threads T gives each run T torch threads (default: the file's threads_per_run, 1)")
     run.set_defaults(func=_run)
     emit = inner.add_parser("emit", help="write the runs as commands.txt (one command a line) and a Slurm job array",
                             description="Writes SWEEP_DIR/commands.txt and, with --slurm, SWEEP_DIR/sweep.slurm "
@@ -51,7 +52,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from recurrent_depth.scaling.sweep import run_sweep
 
-    states = run_sweep(args.config, args.out, jobs=args.jobs)
+    # --threads (added to every command) is each run's torch thread count here, not this process's
+    states = run_sweep(args.config, args.out, jobs=args.jobs, threads=getattr(args, "threads", None))
     left = [name for name, state in states.items() if state != "done"]
     print(f"sweep: {len(states) - len(left)} of {len(states)} runs finished"
           + (f"; not finished: {', '.join(left)}" if left else ""))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import csv
+import hashlib
 import io
 import itertools
 import json
@@ -44,6 +45,7 @@ from recurrent_depth.train.config import TrainConfig, load_yaml
 SWEEP_KEYS = ("base", "grid", "runs", "test_depths", "threads_per_run")
 PLAN_FILE = "sweep.json"
 RUNS_DIR = "runs"
+SHARED_DIR = "shared"  # tokenizers and token shards that runs of the same data settings share
 RUN_CONFIG = "train.yaml"
 DONE_FILE = "sweep_done.json"
 EVAL_CACHE = "sweep_eval.json"
@@ -225,16 +227,58 @@ def run_dir(sweep_dir: Path, name: str) -> Path:
     return Path(sweep_dir) / RUNS_DIR / name
 
 
-def _write_plan(plan: SweepPlan, sweep_dir: Path) -> None:
-    """SWEEP_DIR/sweep.json and each run's train.yaml (JSON, which is YAML), with out and resume set."""
+def data_key(config: dict[str, Any]) -> str | None:
+    """Which shared tokenizer + token shards a run can use: a hash of the settings they depend on; None for a
+    run that names its own tokenizer, data_dir or init_from (those it keeps)."""
+    if any(config.get(key) is not None for key in ("tokenizer", "data_dir", "init_from")):
+        return None
+    cfg = TrainConfig.from_dict(config)
+    settings = [cfg.data, cfg.text_field, cfg.follow_symlinks, cfg.tokenizer_vocab_size(), cfg.tokenizer_max_bytes,
+                cfg.val_fraction, cfg.keep_all, cfg.seq_len or cfg.model_config().max_seq_len, cfg.seed]
+    return hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:12]
+
+
+def prepare_shared_data(config: dict[str, Any], where: Path, log: Callable[[str], None] = print) -> None:
+    """Train the tokenizer and pack the shards once for every run of the same data settings (else each run
+    would spend its first seconds, on the embedded corpus ~20 s, doing the same), as `rdepth train` would."""
+    from recurrent_depth.data import build_tokenizer, load_corpus, prepare_dataset
+
+    cfg = TrainConfig.from_dict({k: v for k, v in config.items() if k not in ("tokenizer", "data_dir")})
+    tok_dir, data_dir = where / "tokenizer", where / "data"
+    if (tok_dir / "tokenizer.json").is_file() and (data_dir / "validation.json").is_file():
+        return
+    start = time.perf_counter()
+    source = load_corpus(cfg.data, text_field=cfg.text_field, follow_symlinks=cfg.follow_symlinks)
+    if not (tok_dir / "tokenizer.json").is_file():
+        build_tokenizer(source, cfg.tokenizer_vocab_size(), val_fraction=cfg.val_fraction, seed=cfg.seed,
+                        max_bytes=cfg.tokenizer_max_bytes, out_dir=tok_dir)
+    prepare_dataset(source, tok_dir, cfg.seq_len or cfg.model_config().max_seq_len, data_dir,
+                    val_fraction=cfg.val_fraction, seed=cfg.seed, keep_all=cfg.keep_all)
+    log(f"sweep: prepared the tokenizer and shards in {where} ({time.perf_counter() - start:.1f}s)")
+
+
+def _write_plan(plan: SweepPlan, sweep_dir: Path, log: Callable[[str], None] = print) -> SweepPlan:
+    """SWEEP_DIR/sweep.json and each run's train.yaml (JSON, which is YAML), with out and resume set and the
+    shared data prepared; returns the plan as written (with the shared tokenizer and data_dir paths)."""
     sweep_dir = Path(sweep_dir).resolve()
     sweep_dir.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for run in plan.runs:
+        config = dict(run.config)
+        key = data_key(config)
+        if key is not None:
+            where = sweep_dir / SHARED_DIR / key
+            prepare_shared_data(config, where, log)
+            config.update(tokenizer=str(where / "tokenizer"), data_dir=str(where / "data"))
+        runs.append(PlannedRun(run.name, run.overrides, config))
+    plan = SweepPlan(runs=runs, test_depths=plan.test_depths, threads_per_run=plan.threads_per_run)
     atomic_write_text(sweep_dir / PLAN_FILE, json.dumps(plan.to_dict(), indent=2) + "\n")
     for run in plan.runs:
         out = run_dir(sweep_dir, run.name)
         out.mkdir(parents=True, exist_ok=True)
         config = {**run.config, "out": str(out), "resume": True}
         atomic_write_text(out / RUN_CONFIG, json.dumps(config, indent=2) + "\n")
+    return plan
 
 
 def read_plan(sweep_dir: str | Path) -> SweepPlan:
@@ -307,13 +351,18 @@ def default_jobs(threads_per_run: int) -> int:
     return max(1, cpus // threads_per_run)
 
 
-def run_sweep(config: str | Path, sweep_dir: str | Path, jobs: int | None = None,
+def run_sweep(config: str | Path, sweep_dir: str | Path, jobs: int | None = None, threads: int | None = None,
               runner: Callable[[Path, int], int] = subprocess_runner,
               log: Callable[[str], None] = print) -> dict[str, str]:
-    """Run every unfinished run of the sweep (`jobs` at a time); returns each run's state at the end."""
+    """Run every unfinished run of the sweep (`jobs` at a time, each with `threads` torch threads, default the
+    file's threads_per_run); returns each run's state at the end."""
     plan = load_sweep(config)
+    if threads is not None:
+        if not is_int(threads) or threads < 1:
+            raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+        plan = SweepPlan(runs=plan.runs, test_depths=plan.test_depths, threads_per_run=threads)
     sweep_dir = Path(sweep_dir).resolve()
-    _write_plan(plan, sweep_dir)
+    plan = _write_plan(plan, sweep_dir, log)
     if jobs is not None and (not is_int(jobs) or jobs < 1):
         raise ValueError(f"jobs must be an integer >= 1, got {jobs!r}")
     jobs = jobs or default_jobs(plan.threads_per_run)
@@ -341,11 +390,11 @@ def run_sweep(config: str | Path, sweep_dir: str | Path, jobs: int | None = None
 
 
 def emit_sweep(config: str | Path, sweep_dir: str | Path, nproc: int = 1, slurm: bool = True,
-               slurm_options: list[str] | None = None) -> list[Path]:
+               slurm_options: list[str] | None = None, log: Callable[[str], None] = print) -> list[Path]:
     """commands.txt (one plain command per run) and, with `slurm`, sweep.slurm, a job array running them."""
     plan = load_sweep(config)
     sweep_dir = Path(sweep_dir).resolve()
-    _write_plan(plan, sweep_dir)
+    plan = _write_plan(plan, sweep_dir, log)
     threads = plan.threads_per_run
     lines = []
     for run in plan.runs:

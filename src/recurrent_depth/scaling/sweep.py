@@ -30,8 +30,10 @@ import itertools
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -338,12 +340,42 @@ def train_command(config_path: Path, threads: int, nproc: int = 1) -> list[str]:
             str(threads)]
 
 
+# The `rdepth train` processes a sweep has running, so that stopping the sweep stops them the trainer's way.
+_LIVE: set[subprocess.Popen] = set()
+_LIVE_LOCK = threading.Lock()
+
+
 def subprocess_runner(out: Path, threads: int) -> int:
-    """Run one sweep run as its own `rdepth train` process, its output appended to out/sweep.log."""
+    """Run one sweep run as its own `rdepth train` process, its output appended to out/sweep.log.
+
+    The process gets a session of its own, so a Ctrl-C at the terminal reaches only the sweep, which passes
+    exactly one SIGINT on (`stop_runs`): the trainer then saves a checkpoint after its step (a second would
+    stop it at once)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     with open(out / LOG_FILE, "ab") as log:
-        return subprocess.run(train_command(out / RUN_CONFIG, threads), stdout=log, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL, env=env, check=False).returncode
+        process = subprocess.Popen(train_command(out / RUN_CONFIG, threads), stdout=log, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        with _LIVE_LOCK:
+            _LIVE.add(process)
+        try:
+            return process.wait()
+        finally:
+            with _LIVE_LOCK:
+                _LIVE.discard(process)
+
+
+def stop_runs(timeout: float = 600.0) -> None:
+    """Ask every running `rdepth train` of this sweep to stop (SIGINT: checkpoint, then exit) and wait for them."""
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    for process in live:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+    for process in live:
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 def default_jobs(threads_per_run: int) -> int:
@@ -380,13 +412,35 @@ def run_sweep(config: str | Path, sweep_dir: str | Path, jobs: int | None = None
             mark_done(out, {"seconds": round(seconds, 1), "marked_by": "sweep run"})
         return name, rc, seconds
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
+    previous = _terminate_as_interrupt()
+    try:
         for future in concurrent.futures.as_completed([pool.submit(one, name) for name in todo]):
             name, rc, seconds = future.result()
             states[name] = run_state(run_dir(sweep_dir, name))
             outcome = "finished" if states[name] == "done" else f"failed (exit {rc}; see {LOG_FILE})"
             log(f"sweep: {name} {outcome} in {seconds:.1f}s")
+    except KeyboardInterrupt:
+        pool.shutdown(wait=False, cancel_futures=True)  # start nothing more
+        log("sweep: interrupted; the running runs save a checkpoint and stop (run the sweep again to continue)")
+        stop_runs()
+        raise
+    finally:
+        pool.shutdown(wait=True)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return states
+
+
+def _terminate_as_interrupt() -> Any:
+    """SIGTERM (a scheduler's or `kill`'s) stops the sweep as Ctrl-C does; returns the handler it replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, interrupt)
 
 
 def emit_sweep(config: str | Path, sweep_dir: str | Path, nproc: int = 1, slurm: bool = True,

@@ -58,6 +58,9 @@ def test_grid_and_list_expand_to_validated_runs_with_stable_names(tmp_path):
     assert tokens.name == "lr0.01-tok1000"
     assert tokens.config["max_tokens"] == 1000 and tokens.config["optim"]["lr"] == 0.01
     assert tokens.config["max_steps"] == 3  # the base's own budget stays
+    widths = {"model": [{"hidden_size": 32, "intermediate_size": 88}, {"hidden_size": 64, "intermediate_size": 176}]}
+    wide = load_sweep(write_sweep(tmp_path / "w.yaml", grid=widths, runs=None)).runs[1]
+    assert wide.name == "h64-intermediate_size=176" and wide.config["model"] == widths["model"][1]
 
 
 @pytest.mark.parametrize(("changes", "message"), [

@@ -11,7 +11,8 @@ mappings) and `test_depths:` (the depths at which every finished run is evaluate
 
 An override key is a ModelConfig field (`hidden_size`, `core_layers`, ...: into `model:`), a
 TrainConfig field (`mean_recurrence`, `seed`, `max_steps`, ...), `tokens` (= `max_tokens`) or `lr`
-(= `optim.lr`). `mean_recurrence: 1` means a non-recurrent run: fixed depth 1, one backprop step.
+(= `optim.lr`); a `model:` value is a mapping of ModelConfig fields set together (a width with its
+`intermediate_size`, say). `mean_recurrence: 1` means a non-recurrent run: fixed depth 1, one backprop step.
 
 Each run lives in `SWEEP_DIR/runs/<name>/` (the name spells its overrides, so it is the same in every
 invocation) with its config `train.yaml`; it is finished when its trainer recorded a finish in
@@ -116,7 +117,8 @@ def plan_sweep(data: Any, source: str = "sweep config") -> SweepPlan:
     for key in ("out", "resume"):
         if key in base:
             raise ValueError(f"{source}: base.{key} is set by the sweep (each run writes into SWEEP_DIR/runs/NAME)")
-    entries = _grid_entries(data.get("grid"), source) + _listed_entries(data.get("runs"), source)
+    entries = [_flattened(e, source) for e in
+               _grid_entries(data.get("grid"), source) + _listed_entries(data.get("runs"), source)]
     if not entries:
         raise ValueError(f"{source}: no runs: give a non-empty grid: and/or runs:")
     if len(entries) > MAX_RUNS:
@@ -171,8 +173,23 @@ def _listed_entries(runs: Any, source: str) -> list[dict[str, Any]]:
     return [dict(entry) for entry in runs]
 
 
+def _flattened(entry: dict[str, Any], source: str) -> dict[str, Any]:
+    """An entry whose `model:` mapping (several ModelConfig fields that go together, like a width and its MLP
+    size) is spread into single overrides."""
+    model = entry.pop("model", None)
+    if model is None:
+        return entry
+    if not isinstance(model, dict) or not all(isinstance(k, str) and k in MODEL_FIELDS for k in model):
+        raise ValueError(f"{source}: a model: value must be a mapping of ModelConfig fields, got {model!r}")
+    clash = sorted(set(model) & set(entry))
+    if clash:
+        raise ValueError(f"{source}: {', '.join(clash)} set twice in one run (in model: and beside it)")
+    return {**entry, **model}
+
+
 def _check_key(key: Any, source: str, where: str) -> None:
-    if not isinstance(key, str) or not (key in ALIASES or key in MODEL_FIELDS or key in TRAIN_FIELDS):
+    if not isinstance(key, str) or not (key in ALIASES or key in MODEL_FIELDS or key in TRAIN_FIELDS
+                                        or key == "model"):
         raise ValueError(f"{source}: {where}: unknown key {key!r}; expected a ModelConfig or TrainConfig field, "
                          f"{' or '.join(ALIASES)}")
 

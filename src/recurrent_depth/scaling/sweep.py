@@ -360,6 +360,7 @@ def train_command(config_path: Path, threads: int, nproc: int = 1) -> list[str]:
 # The `rdepth train` processes a sweep has running, so that stopping the sweep stops them the trainer's way.
 _LIVE: set[subprocess.Popen] = set()
 _LIVE_LOCK = threading.Lock()
+_STOPPING = threading.Event()  # set by stop_runs: a run that starts after it is stopped at once
 
 
 def subprocess_runner(out: Path, threads: int) -> int:
@@ -369,11 +370,15 @@ def subprocess_runner(out: Path, threads: int) -> int:
     exactly one SIGINT on (`stop_runs`): the trainer then saves a checkpoint after its step (a second would
     stop it at once)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    if _STOPPING.is_set():
+        return 130
     with open(out / LOG_FILE, "ab") as log:
         process = subprocess.Popen(train_command(out / RUN_CONFIG, threads), stdout=log, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        with _LIVE_LOCK:
+        with _LIVE_LOCK:  # (stop_runs takes its list under this lock: a process is either in it or told here)
             _LIVE.add(process)
+            if _STOPPING.is_set():
+                process.send_signal(signal.SIGINT)
         try:
             return process.wait()
         finally:
@@ -384,6 +389,7 @@ def subprocess_runner(out: Path, threads: int) -> int:
 def stop_runs(timeout: float = 600.0) -> None:
     """Ask every running `rdepth train` of this sweep to stop (SIGINT: checkpoint, then exit) and wait for them."""
     with _LIVE_LOCK:
+        _STOPPING.set()
         live = list(_LIVE)
     for process in live:
         if process.poll() is None:
@@ -429,6 +435,7 @@ def run_sweep(config: str | Path, sweep_dir: str | Path, jobs: int | None = None
             mark_done(out, {"seconds": round(seconds, 1), "marked_by": "sweep run"})
         return name, rc, seconds
 
+    _STOPPING.clear()
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
     previous = _terminate_as_interrupt()
     try:
@@ -457,6 +464,10 @@ def _terminate_as_interrupt() -> Any:
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
+    # A sweep started in the background by a script ignores SIGINT, and its runs would inherit that (until the
+    # trainer's loop installs its handler): the sweep's stop request must reach a run that is still starting.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     return signal.signal(signal.SIGTERM, interrupt)
 
 

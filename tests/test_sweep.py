@@ -63,6 +63,13 @@ def test_grid_and_list_expand_to_validated_runs_with_stable_names(tmp_path):
     assert wide.name == "h64-intermediate_size=176" and wide.config["model"] == widths["model"][1]
 
 
+def test_the_example_sweep_plans_its_24_runs():
+    plan = load_sweep(Path(__file__).parent.parent / "examples" / "sweep_small.yaml")
+    flat = [r.config for r in plan.runs if r.config["mean_recurrence"] == 1]
+    assert len(plan.runs) == 24 and sorted(c["model"]["core_layers"] for c in flat) == [1, 1, 2, 2, 4, 4]
+    assert all(c["depth_scheme"] == "fixed" and c["backprop_depth"] == 1 for c in flat)
+
+
 @pytest.mark.parametrize(("changes", "message"), [
     ({"gird": {"seed": [0]}}, "unknown key(s) 'gird'"),
     ({"grid": {}, "runs": None}, "grid must be a non-empty mapping"),

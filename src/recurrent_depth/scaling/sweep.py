@@ -231,9 +231,8 @@ def run_config(base: dict[str, Any], overrides: dict[str, Any], test_depths: lis
             config[key] = value
     if "max_tokens" in overrides or "tokens" in overrides:
         config.setdefault("max_steps", None)  # the token budget is the run's length
-    if config.get("mean_recurrence") == 1:  # non-recurrent: one core pass, every step
-        config.setdefault("depth_scheme", "fixed")
-        config.setdefault("backprop_depth", 1)
+    if config.get("mean_recurrence") == 1:  # non-recurrent: one core pass every step (whatever the base says)
+        config["depth_scheme"], config["backprop_depth"] = "fixed", 1
     config["model"], config["optim"] = model, optim
     config["eval_depths"] = test_depths
     config.setdefault("progress", False)

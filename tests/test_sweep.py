@@ -79,6 +79,7 @@ def test_the_example_sweep_plans_its_24_runs():
     ({"grid": {"hidden_size": [-8]}}, "run 'h-8'"),
     ({"grid": {"mean_recurrence": [0]}}, "mean_recurrence=0 is invalid"),
     ({"test_depths": []}, "test_depths must be a non-empty list"),
+    ({"grid": {"seed": list(range(101)), "lr": [0.1] * 100}}, "the grid makes 10100 runs, at most 10000"),
     ({"runs": [{"seed": 0}, {"seed": 0}]}, "two runs have the same settings"),
 ])
 def test_bad_sweep_files_get_one_line_errors(tmp_path, capsys, changes, message):

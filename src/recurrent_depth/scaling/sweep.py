@@ -65,6 +65,7 @@ TABLE_COLUMNS = ("run", "seed", "hidden_size", "prelude_layers", "core_layers", 
 MODEL_FIELDS = frozenset(f.name for f in fields(ModelConfig))
 TRAIN_FIELDS = frozenset(f.name for f in fields(TrainConfig)) - {"model", "optim", "out", "resume"}
 MAX_RUNS = 10_000
+MAX_NAME_CHARS = 200  # file systems allow 255 bytes a name
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,9 @@ def plan_sweep(data: Any, source: str = "sweep config") -> SweepPlan:
     seen: dict[str, dict[str, Any]] = {}
     for overrides in entries:
         name = run_name(overrides)
+        if len(name) > MAX_NAME_CHARS:
+            raise ValueError(f"{source}: run name {name[:60]!r}... is longer than {MAX_NAME_CHARS} characters "
+                             "(a directory name): vary fewer keys per run")
         if name in seen:
             raise ValueError(f"{source}: two runs have the same settings {overrides!r} (run {name!r})")
         seen[name] = overrides
@@ -157,6 +161,9 @@ def _grid_entries(grid: Any, source: str) -> list[dict[str, Any]]:
         if not isinstance(values, list) or not values:
             raise ValueError(f"{source}: grid.{key} must be a non-empty list of values, got {values!r}")
     keys = list(grid)
+    count = math.prod(len(grid[k]) for k in keys)
+    if count > MAX_RUNS:
+        raise ValueError(f"{source}: the grid makes {count} runs, at most {MAX_RUNS}")
     return [dict(zip(keys, combo)) for combo in itertools.product(*(grid[k] for k in keys))]
 
 

@@ -31,6 +31,7 @@ COMMANDS: dict[str, str] = {
     "loop": "recurrent_depth.cli.loop",
     "retrofit": "recurrent_depth.cli.retrofit",
     "experiment": "recurrent_depth.cli.experiment",
+    "sweep": "recurrent_depth.cli.sweep",
 }
 # Commands whose work is torch compute: without --threads they measure the free cores once at start
 # (recurrent_depth.accel.threads); the others keep torch's default unless --threads is given.

@@ -15,6 +15,7 @@ from recurrent_depth.inference.options import OPTIONS, GenerationOptions, Option
 from recurrent_depth.inference.output import GenerationOutput, TokenEvent
 from recurrent_depth.inference.schema import OFFICIAL_ALIASES, canonical, kwarg_spelling, unknown_names
 from recurrent_depth.inference.session import Session, prepare_inputs
+from recurrent_depth.inference.ttt_e2e import Adaptation, adapt
 
 _LOOPS = {"autoregressive": autoregressive.decode, "speculative": speculative.decode, "parallel": parallel.decode}
 
@@ -30,9 +31,17 @@ class GenerationStream:
                  tokenizer: Any) -> None:
         resolved = options.validate(model.config.mean_recurrence, model.config.exit_gate_threshold)
         ids, mask = prepare_inputs(model, input_ids, attention_mask)
+        # TTT-E2E: the inner loop trains a shadow of the model (its chosen weights copied) and the
+        # session generates from it; `model` itself is never written (inference/ttt_e2e.py).
+        self.adaptation: Adaptation | None = None
+        if resolved.ttt_params is not None:
+            self.adaptation = adapt(model, ids if mask is None else ids[:, mask[0].nonzero()[0, 0]:], resolved)
+            model = self.adaptation.model
         self.model = model
         self.options: ResolvedOptions = resolved
         self.session = Session(model, ids, mask, resolved, tokenizer)
+        if self.adaptation is not None:
+            self.session.stats.update(self.adaptation.stats())
         self.output: GenerationOutput | None = None
 
     def __iter__(self) -> Iterator[TokenEvent]:
@@ -155,6 +164,12 @@ def generate(
     Stopping: stop ids and stop strings (strings need `tokenizer=`), and the eos ids: eos_token_id=
       (an id or a list) or else the config's. finish_round=True lets a speculative row finish the
       round that reaches max_new_tokens.
+    TTT-E2E (`recurrent_depth.inference.ttt_e2e`, docs/test-time-training.md): ttt_params (a named
+      subset "core-mlp" | "core" | "prelude" | "coda" | "all", or globs over parameter names) trains
+      a copy of those weights for ttt_steps steps (ttt_optimizer "sgd" | "adam", ttt_lr) on the
+      prompt's next-token loss at depth ttt_depth (default num_steps) with its last ttt_backprop
+      steps under autograd, then generates from the updated copy; `model` is never written. One
+      prompt per call. `.stats` holds ttt_flops (the inner passes' FLOPs), ttt_losses, ttt_copy_mb.
     streamer: a callable receiving each `TokenEvent` as it is committed. output_logits=True keeps
       the logits of every chosen token. fast=False uses the model's own modules (reference runner).
 

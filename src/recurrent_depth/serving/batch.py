@@ -172,6 +172,7 @@ class BatchDecoder:
             (adaptive and (options.exit_in_prefill or options.check_every > 1
                            or (options.min_steps_rule == "skip" and options.min_steps > 0)))
             or (options.warm_start and options.warm_start_source == "normed")
+            or options.ttt_params is not None  # TTT-E2E: generates from its own adapted weights
         )
 
     def takes_kv_quant(self, kv_quant: str | None) -> bool:

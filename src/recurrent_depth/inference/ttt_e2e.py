@@ -204,8 +204,11 @@ def adapt(model: nn.Module, input_ids: Tensor, options: ResolvedOptions, final_l
             for step in range(options.ttt_steps):
                 step_seed = None if seed is None else seed + step
                 loss = context_loss(shadow, ids, depth, options.init_scale, step_seed)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                # the gradient of the chosen weights only (autograd.grad: the frozen weights, which
+                # the base model shares, never get a .grad); a weight the loss does not reach gets none
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
+                for p, g in zip(params, grads):
+                    p.grad = g
                 optimizer.step()
                 losses.append(float(loss.detach()))
             for p in params:  # generation reads the weights only

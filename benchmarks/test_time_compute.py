@@ -41,6 +41,7 @@ import recurrent_depth as rd
 from recurrent_depth.data.corpus import DocumentSplit, StdlibCorpus
 from recurrent_depth.data.tokenizer import load_tokenizer
 from recurrent_depth.inference.options import GenerationOptions
+from recurrent_depth.inference.sampling import RowGenerators
 from recurrent_depth.inference.ttt_e2e import adapt
 from recurrent_depth.train.flops import training_step_flops
 
@@ -117,7 +118,7 @@ def gradmem_rows(model: Any, docs: list[torch.Tensor], grid: list[tuple[int, int
             half = d.shape[1] // 2
             write = gradmem.write_memory(model, d[:, :half], tokens=tokens, steps=steps, lr=args.gradmem_lr,
                                          depth=r, seed=args.seed)
-            generators = gradmem.RowGenerators(args.seed, 1, torch.device("cpu"))
+            generators = RowGenerators(args.seed, 1, torch.device("cpu"))
             with torch.no_grad():
                 loss = gradmem.memory_loss(model, write.memory, d[:, half:], r, generators=generators)
             losses.append(float(loss[0]))
@@ -140,29 +141,35 @@ def matched_depth_loss(depth: list[dict], flops: float) -> float:
     return points[-1][1]
 
 
-def shells_accuracy(model_dir: str, depths: list[int], steps_grid: list[int], args: argparse.Namespace) -> list[dict]:
-    """Greedy shell-game accuracy at each depth and each TTT-E2E step count (the problem = the context)."""
+def shells_accuracy(model_dir: str, depths: list[int], steps_grid: list[int], grid: list[tuple[int, int]],
+                    args: argparse.Namespace) -> list[dict]:
+    """Greedy shell-game accuracy at each depth, each TTT-E2E step count and each GradMem setting
+    (the problem is the context; GradMem generates from its memory alone)."""
+    from recurrent_depth.evaluation.reasoning.data import ProblemEncoder
     from recurrent_depth.evaluation.reasoning.tasks import get_task
 
     model = rd.RecurrentDepthLM.from_pretrained(model_dir).eval()
-    tokenizer = load_tokenizer(model_dir)
+    encoder = ProblemEncoder(load_tokenizer(model_dir))  # bos + the problem, as the task's training rows
     task, rng = get_task("shells"), random.Random(args.seed)
     problems = [task.sample(rng, args.shells_swaps) for _ in range(args.shells_problems)]
     cfg, rows = model.config, []
-    settings = [("depth", {"num_steps": r}) for r in depths]
-    settings += [("ttt-e2e", {"ttt_params": args.ttt_params, "ttt_steps": s, "ttt_lr": args.ttt_lr,
-                              "ttt_optimizer": args.ttt_optimizer}) for s in steps_grid]
-    for method, kwargs in settings:
+    settings = [("depth", f"r={r}", {"num_steps": r}) for r in depths]
+    settings += [("ttt-e2e", f"steps={s}", {"ttt_params": args.ttt_params, "ttt_steps": s, "ttt_lr": args.ttt_lr,
+                                            "ttt_optimizer": args.ttt_optimizer}) for s in steps_grid]
+    if gradmem is not None:
+        settings += [("gradmem", f"m={m},steps={s}", {"gradmem_tokens": m, "gradmem_steps": s,
+                                                      "gradmem_lr": args.gradmem_lr}) for m, s in grid]
+    for method, setting, kwargs in settings:
         right, flops = 0, 0.0
         for problem in problems:
-            ids = tokenizer.encode(problem.prompt).ids
-            out = rd.generate(model, [ids], max_new_tokens=len(tokenizer.encode(problem.answer).ids) + 1,
-                              seed=args.seed, **kwargs)
-            text = tokenizer.decode(out.token_lists()[0])
-            right += text.strip().startswith(problem.answer)
+            ids = [encoder.bos, *encoder.encode_text(problem.prompt)]
+            out = rd.generate(model, [ids], max_new_tokens=len(encoder.encode_text(problem.answer)),
+                              seed=args.seed, eos_token_id=[], **kwargs)
+            right += out.token_lists()[0] == encoder.encode_text(problem.answer)
             r = kwargs.get("num_steps", cfg.mean_recurrence)
-            flops += forward_flops(cfg, len(ids), r) + (out.stats.get("ttt_flops") or 0.0)
-        setting = f"r={kwargs['num_steps']}" if method == "depth" else f"steps={kwargs['ttt_steps']}"
+            read = kwargs["gradmem_tokens"] if method == "gradmem" else len(ids)  # GradMem reads its memory
+            inner = out.stats.get("ttt_flops") or out.stats.get("gradmem_flops") or 0.0
+            flops += forward_flops(cfg, read, r) + inner
         rows.append({"method": method, "setting": setting, "accuracy": right / len(problems),
                      "flops": flops / len(problems)})
     return rows
@@ -222,8 +229,8 @@ def main() -> None:
     depth = list(rows)
     rows += ttt_rows(model, docs, steps_grid, args)
     notes = []
+    grid = [tuple(int(v) for v in pair.split(":")) for pair in args.gradmem_grid.split(",")]
     if gradmem is not None:
-        grid = [tuple(int(v) for v in pair.split(":")) for pair in args.gradmem_grid.split(",")]
         rows += gradmem_rows(model, docs, grid, args)
     else:
         notes.append("GradMem rows skipped: recurrent_depth.inference.gradmem is not in this checkout "
@@ -231,7 +238,7 @@ def main() -> None:
     for row in rows:
         row["matched_depth_loss"] = round(matched_depth_loss(depth, row["flops"]), 4)
         row["loss"] = round(row["loss"], 4)
-    shells = shells_accuracy(args.shells_model, depths, steps_grid, args) if args.shells_model else []
+    shells = shells_accuracy(args.shells_model, depths, steps_grid, grid, args) if args.shells_model else []
     if not args.shells_model:
         notes.append("shells accuracy not measured: pass --shells-model (a model trained with rdepth quickstart "
                      "--task shells)")

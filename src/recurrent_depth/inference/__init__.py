@@ -8,7 +8,8 @@ Modules: `engine` (the recurrence engine: prefill, step loop with per-row exits,
 depths; every interface iterates the core through it), `cache` (generation storages keyed by
 (layer, step) under a `model.cache.KVPolicy`), `criteria` (adaptive exit), `sampling` (token
 choice, per-row generators, stops), `runner` (the model pieces, plain and fused),
-`autoregressive` / `speculative` / `parallel` (the decoding loops) and `generate` (the entry points).
+`autoregressive` / `speculative` / `parallel` (the decoding loops), `ttt_e2e` (TTT-E2E: test-time
+gradient steps on a copy of a weight subset) and `generate` (the entry points).
 """
 
 from recurrent_depth.inference.cache import DynamicRecurrentCache, StaticRecurrentCache, make_cache

@@ -175,25 +175,30 @@ def shells_accuracy(model_dir: str, depths: list[int], steps_grid: list[int], gr
     return rows
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], shells: list[dict], path: Path) -> None:
+    """Loss against FLOPs per method (and, with shells rows, accuracy against FLOPs beside it)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for method, marker in (("depth", "o"), ("ttt-e2e", "s"), ("gradmem", "^")):
-        mine = [r for r in rows if r["method"] == method]
-        if not mine:
-            continue
-        ax.plot([r["flops"] for r in mine], [r["loss"] for r in mine], marker=marker, label=method)
-        for r in mine:
-            ax.annotate(r["setting"], (r["flops"], r["loss"]), fontsize=6, xytext=(3, 3), textcoords="offset points")
-    ax.set_xscale("log")
-    ax.set_xlabel("test-time model FLOPs per document (evaluation forward + inner passes)")
-    ax.set_ylabel("held-out loss of the second half (nats/token)")
-    ax.set_title("Test-time compute: recurrence vs GradMem vs TTT-E2E")
-    ax.legend()
+    panels = [(rows, "loss", "held-out loss of the second half (nats/token)", "stdlib documents: loss")]
+    if shells:
+        panels.append((shells, "accuracy", "shells accuracy (greedy)", "shell game: accuracy"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False)
+    for ax, (data, key, ylabel, title) in zip(axes[0], panels):
+        for method, marker in (("depth", "o"), ("ttt-e2e", "s"), ("gradmem", "^")):
+            mine = [r for r in data if r["method"] == method]
+            if not mine:
+                continue
+            ax.plot([r["flops"] for r in mine], [r[key] for r in mine], marker=marker, label=method)
+            for r in mine:
+                ax.annotate(r["setting"], (r["flops"], r[key]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_xlabel("test-time model FLOPs per problem (evaluation forward + inner passes)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{title}: recurrence vs GradMem vs TTT-E2E")
+        ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -257,7 +262,7 @@ def main() -> None:
     for note in notes:
         print("note:", note)
     if args.plot:
-        plot(rows, Path(args.plot))
+        plot(rows, shells, Path(args.plot))
 
 
 if __name__ == "__main__":

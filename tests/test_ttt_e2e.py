@@ -148,7 +148,7 @@ def test_concurrent_server_requests_do_not_see_each_other(model_dir, reference):
 
     server_model = rd.RecurrentDepthLM.from_pretrained(model_dir).eval()
     before = snapshot(server_model)
-    with LiveServer(build_app(server_model, model_name="tiny", tokenizer_dir=model_dir)) as live:
+    with LiveServer(build_app(server_model, model_name="tiny", tokenizer_dir=model_dir, tokenizer_workers=1)) as live:
         answers = asyncio.run(fire())
     assert same(server_model, before)
     tokenizer = reference[1]
@@ -160,7 +160,7 @@ def test_concurrent_server_requests_do_not_see_each_other(model_dir, reference):
 
 
 def test_server_refuses_a_copy_over_its_limit(model_dir):  # noqa: F811
-    app = build_app(model_dir, model_name="tiny", ttt_max_copy_mb=0.01)
+    app = build_app(model_dir, model_name="tiny", ttt_max_copy_mb=0.01, tokenizer_workers=1)
     with LiveServer(app) as live:
         ok = httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2,
                                                             "ttt_params": "transformer.ln_f.weight"})
@@ -189,3 +189,20 @@ def test_scheduler_admits_one_ttt_request_at_a_time(tiny_model):
     assert scheduler._take_admissible() == [] and len(scheduler.waiting) == 2
     scheduler.solos.clear()  # the first finished: the next one starts
     assert [j.name for j in scheduler._take_admissible()] == ["ttt-2"]
+
+
+def test_cli_generate_takes_the_ttt_flags(model_dir, reference, capsys):  # noqa: F811
+    from recurrent_depth.cli import main
+
+    model, tokenizer = reference
+    flags = ["--ttt-params", "core-mlp", "--ttt-steps", "2", "--ttt-lr", "0.2", "--init-scale", "0"]
+    assert main(["generate", "--model", str(model_dir), "--prompt", "def add(a, b):", "--max-new-tokens", "5",
+                 *flags]) == 0
+    captured = capsys.readouterr()
+    ids = tokenizer.encode("def add(a, b):").ids
+    out = rd.generate(model, [ids], max_new_tokens=5, init_scale=0.0, seed=0, tokenizer=tokenizer,
+                      ttt_params="core-mlp", ttt_steps=2, ttt_lr=0.2)
+    assert captured.out == "def add(a, b):" + tokenizer.decode(out.token_lists()[0]) + "\n"
+    assert f"ttt_flops={out.stats['ttt_flops']}" in captured.err
+    assert main(["generate", "--model", str(model_dir), "--prompt", "x y", "--ttt-params", "nope.*"]) == 2
+    assert "--ttt-params='nope.*' is invalid" in capsys.readouterr().err

@@ -124,13 +124,24 @@ def test_batch_of_prompts_is_refused(tiny_model):
 # ------------------------------------------------------------------------------------ the server
 REQUESTS = [  # (prompt ids, TTT fields): different contexts and learning rates, and one plain request
     ([7, 8, 9, 10, 11, 12, 7, 8, 9, 10], {"ttt_params": "core-mlp", "ttt_steps": 3, "ttt_lr": 0.3}),
-    ([40, 41, 40, 41, 40, 41, 40, 41], {"ttt_params": "all", "ttt_steps": 2, "ttt_lr": 0.05,
+    ([40, 41, 40, 41, 40, 41, 40, 41], {"ttt_params": "core-mlp", "ttt_steps": 2, "ttt_lr": 0.05,
                                          "ttt_optimizer": "adam"}),
     ([7, 8, 9, 10, 11, 12, 7, 8, 9, 10], {}),
 ]
 
 
-def test_concurrent_server_requests_do_not_see_each_other(model_dir, reference):  # noqa: F811
+@pytest.fixture(scope="module")
+def ttt_server(model_dir):  # noqa: F811
+    """A server whose copy limit (1.2 MiB) takes the core's MLPs with Adam (1.03 MiB) but not 'all' (1.76)."""
+    server_model = rd.RecurrentDepthLM.from_pretrained(model_dir).eval()
+    app = build_app(server_model, model_name="tiny", tokenizer_dir=model_dir, tokenizer_workers=1,
+                    ttt_max_copy_mb=1.2)
+    with LiveServer(app) as live:
+        yield live, server_model
+
+
+def test_concurrent_server_requests_do_not_see_each_other(ttt_server, reference):  # noqa: F811
+    live, server_model = ttt_server
     model, _ = reference
     saved = snapshot(model)
     expected = []
@@ -146,10 +157,8 @@ def test_concurrent_server_requests_do_not_see_each_other(model_dir, reference):
                        "ignore_eos": True, "logprobs": 0, **fields} for prompt, fields in REQUESTS]
             return await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
 
-    server_model = rd.RecurrentDepthLM.from_pretrained(model_dir).eval()
     before = snapshot(server_model)
-    with LiveServer(build_app(server_model, model_name="tiny", tokenizer_dir=model_dir, tokenizer_workers=1)) as live:
-        answers = asyncio.run(fire())
+    answers = asyncio.run(fire())
     assert same(server_model, before)
     tokenizer = reference[1]
     for answer, (tokens, flops) in zip(answers, expected):
@@ -159,15 +168,14 @@ def test_concurrent_server_requests_do_not_see_each_other(model_dir, reference):
         assert body["usage"].get("ttt_flops") == flops
 
 
-def test_server_refuses_a_copy_over_its_limit(model_dir):  # noqa: F811
-    app = build_app(model_dir, model_name="tiny", ttt_max_copy_mb=0.01, tokenizer_workers=1)
-    with LiveServer(app) as live:
-        ok = httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2,
-                                                            "ttt_params": "transformer.ln_f.weight"})
-        big = httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2,
-                                                             "ttt_params": "all"})
-        bad = httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2,
-                                                             "ttt_params": "nope.*"})
+def test_server_refuses_a_copy_over_its_limit(ttt_server):
+    live, _ = ttt_server
+
+    def post(subset: str) -> httpx.Response:
+        return httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2,
+                                                              "ttt_params": subset})
+
+    ok, big, bad = post("transformer.ln_f.weight"), post("all"), post("nope.*")
     assert ok.status_code == 200, ok.text
     assert big.status_code == 400 and "--ttt-max-copy-mb" in big.json()["error"]["message"]
     assert bad.status_code == 400 and "matches no parameter" in bad.json()["error"]["message"]

@@ -191,34 +191,31 @@ def adapt(model: nn.Module, input_ids: Tensor, options: ResolvedOptions, final_l
     depth = inner_depth(model, options)
     seed = options.seed if isinstance(options.seed, int) else None
     shadow, params = shadow_model(model, names)
-    was_training = model.training
     losses: list[float] = []
-    try:
-        with torch.inference_mode(False), torch.enable_grad():
-            ids = input_ids.clone()  # an inference-mode tensor cannot be saved for backward
-            shadow.eval()
-            if options.ttt_optimizer == "adam":
-                optimizer: torch.optim.Optimizer = torch.optim.Adam(params, lr=options.ttt_lr)
-            else:
-                optimizer = torch.optim.SGD(params, lr=options.ttt_lr)
-            for step in range(options.ttt_steps):
-                step_seed = None if seed is None else seed + step
-                loss = context_loss(shadow, ids, depth, options.init_scale, step_seed)
-                # the gradient of the chosen weights only (autograd.grad: the frozen weights, which
-                # the base model shares, never get a .grad); a weight the loss does not reach gets none
-                grads = torch.autograd.grad(loss, params, allow_unused=True)
-                for p, g in zip(params, grads):
-                    p.grad = g
-                optimizer.step()
-                losses.append(float(loss.detach()))
-            for p in params:  # generation reads the weights only
-                p.grad = None
-                p.requires_grad_(False)
-            if final_loss:
-                with torch.no_grad():
-                    losses.append(float(context_loss(shadow, ids, depth, options.init_scale, seed)))
-    finally:
-        model.train(was_training)
+    # Nothing to restore on failure: only the shadow's own copies are stepped (and its modes set).
+    with torch.inference_mode(False), torch.enable_grad():
+        ids = input_ids.clone()  # an inference-mode tensor cannot be saved for backward
+        shadow.eval()
+        if options.ttt_optimizer == "adam":
+            optimizer: torch.optim.Optimizer = torch.optim.Adam(params, lr=options.ttt_lr)
+        else:
+            optimizer = torch.optim.SGD(params, lr=options.ttt_lr)
+        for step in range(options.ttt_steps):
+            step_seed = None if seed is None else seed + step
+            loss = context_loss(shadow, ids, depth, options.init_scale, step_seed)
+            # the gradient of the chosen weights only (autograd.grad: the frozen weights, which
+            # the base model shares, never get a .grad); a weight the loss does not reach gets none
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            for p, g in zip(params, grads):
+                p.grad = g
+            optimizer.step()
+            losses.append(float(loss.detach()))
+        for p in params:  # generation reads the weights only
+            p.grad = None
+            p.requires_grad_(False)
+        if final_loss:
+            with torch.no_grad():
+                losses.append(float(context_loss(shadow, ids, depth, options.init_scale, seed)))
     return Adaptation(
         model=shadow, parameters=names, losses=losses,
         flops=inner_flops(model, input_ids.shape[1], depth, options.ttt_steps),

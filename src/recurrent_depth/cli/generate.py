@@ -108,7 +108,8 @@ def _generation_kwargs(args: argparse.Namespace) -> tuple[dict[str, Any], dict[s
 def _stats_line(out: Any) -> str:
     reasons = Counter(r for row in out.exit_reasons for r in row)
     s = out.summary()
-    extra = "".join(f" {k}={s[k]}" for k in ("acceptance_rate", "tokens_per_sweep", "gradmem_flops") if k in s)
+    extra = "".join(f" {k}={s[k]}" for k in ("acceptance_rate", "tokens_per_sweep", "gradmem_flops", "ttt_flops")
+                    if k in s)
     return (
         f"[{s['mode']}] tokens={s['new_tokens']} mean_steps={s['mean_steps']} tokens/s={s['tokens_per_second']} "
         f"prefill={s['prefill_seconds']}s cache={s['cache_mb']}MB{extra} "
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
 
     args.prompt = read_prompts(args)
     parallel = args.sampler == "parallel"
-    check_depth_flags(args, ("num_steps", "max_steps", "draft_steps", "gradmem_depth")
+    check_depth_flags(args, ("num_steps", "max_steps", "draft_steps", "gradmem_depth", "ttt_depth", "ttt_backprop")
                       + (("inner_steps",) if parallel else ()))
     tokenizer = load_cli_tokenizer(args)
     model = rd.RecurrentDepthLM.from_pretrained(args.model, dtype=args.dtype, device=args.device).eval()

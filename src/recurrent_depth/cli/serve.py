@@ -21,6 +21,7 @@ from recurrent_depth.cli.common import (
     add_model_arg,
     add_tokenizer_arg,
 )
+from recurrent_depth.inference.options import DEFAULT_TTT_MAX_COPY_MB
 from recurrent_depth.inference.schema import add_option_flags
 
 
@@ -75,6 +76,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(default: %(default)s)")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request may take from arrival to its last token (default: %(default)s)")
+    p.add_argument("--ttt-max-copy-mb", type=float, default=DEFAULT_TTT_MAX_COPY_MB, metavar="MB",
+                   help="largest weight copy a TTT-E2E request (ttt_params) may hold, its weights + gradients (+ "
+                        "Adam moments), in MiB; such requests run one at a time, outside the continuous batch "
+                        "(default: %(default)s)")
     add_option_flags(p, ("num_steps",), helps={
         "num_steps": "recurrence depth of requests that do not set num_steps, e.g. lm-eval's scoring requests "
                      "(default: the model's mean_recurrence)"})
@@ -120,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
         tokenizer_workers=args.tokenizer_workers, tokenize_timeout=args.tokenize_timeout,
         model_name=model_name, api_key=api_key, max_batch=args.max_batch, max_queue=args.max_queue,
         prefill_tokens=args.prefill_tokens, request_timeout=args.request_timeout,
-        max_num_steps=args.max_num_steps, num_steps=args.num_steps, max_depth=args.max_depth, dtype=dtype,
+        ttt_max_copy_mb=args.ttt_max_copy_mb, max_num_steps=args.max_num_steps, num_steps=args.num_steps,
+        max_depth=args.max_depth, dtype=dtype,
         device=args.device, kv_quant=args.kv_quant, max_body_total=args.max_body_total,
         **({} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}),
     )

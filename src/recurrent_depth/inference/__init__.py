@@ -9,7 +9,8 @@ depths; every interface iterates the core through it), `cache` (generation stora
 (layer, step) under a `model.cache.KVPolicy`), `criteria` (adaptive exit), `sampling` (token
 choice, per-row generators, stops), `runner` (the model pieces, plain and fused),
 `autoregressive` / `speculative` / `parallel` (the decoding loops), `gradmem` (memory tokens
-written by test-time gradient steps, read instead of the context) and `generate` (the entry points).
+written by test-time gradient steps, read instead of the context), `ttt_e2e` (TTT-E2E: test-time
+gradient steps on a copy of a weight subset) and `generate` (the entry points).
 """
 
 from recurrent_depth.inference.cache import DynamicRecurrentCache, StaticRecurrentCache, make_cache

@@ -16,6 +16,7 @@ from recurrent_depth.inference.options import OPTIONS, GenerationOptions, Option
 from recurrent_depth.inference.output import GenerationOutput, TokenEvent
 from recurrent_depth.inference.schema import OFFICIAL_ALIASES, canonical, kwarg_spelling, unknown_names
 from recurrent_depth.inference.session import Session, prepare_inputs
+from recurrent_depth.inference.ttt_e2e import Adaptation, adapt
 
 _LOOPS = {"autoregressive": autoregressive.decode, "speculative": speculative.decode, "parallel": parallel.decode}
 
@@ -30,13 +31,17 @@ class GenerationStream:
     def __init__(self, model: Any, input_ids: Any, attention_mask: Any, options: GenerationOptions,
                  tokenizer: Any, memory: Tensor | None = None) -> None:
         resolved = options.validate(model.config.mean_recurrence, model.config.exit_gate_threshold)
-        self.model = model
         self.options: ResolvedOptions = resolved
         self.gradmem: GradMemPlan | None = None
+        self.adaptation: Adaptation | None = None
         if memory is not None:  # a memory written before: the prompt is [memory; input_ids]
             if resolved.gradmem_tokens:
                 raise OptionError("gradmem_tokens", "gradmem_tokens writes a memory from the prompt, but a memory "
                                   "was given to read: leave gradmem_tokens at 0")
+            if resolved.ttt_params is not None:
+                raise OptionError("ttt_params", "ttt_params trains on the prompt's tokens, but a written memory "
+                                  "was given to read: leave ttt_params unset")
+            self.model = model
             ids, mask, embedded, embeds = read_prompt(model, memory, input_ids, attention_mask)
             self.prompt_ids = ids
             self.session = Session(model, ids, mask, resolved, tokenizer, embedded=embedded)
@@ -45,6 +50,12 @@ class GenerationStream:
             return
         ids, mask = prepare_inputs(model, input_ids, attention_mask)
         self.prompt_ids = ids  # what `output.sequences` starts with (GradMem's session reads another prompt)
+        # TTT-E2E: the inner loop trains a shadow of the model (its chosen weights copied) and the
+        # session generates from it; `model` itself is never written (inference/ttt_e2e.py).
+        if resolved.ttt_params is not None:
+            self.adaptation = adapt(model, ids if mask is None else ids[:, mask[0].nonzero()[0, 0]:], resolved)
+            model = self.adaptation.model
+        self.model = model
         # GradMem: the session's prompt is [memory; query], the memory written when iteration starts.
         self.gradmem = GradMemPlan.split(model, ids, mask, resolved) if resolved.gradmem_tokens else None
         if self.gradmem is not None:
@@ -52,6 +63,8 @@ class GenerationStream:
             self.session = Session(model, plan.read_ids, plan.read_mask, resolved, tokenizer, embedded=plan.embedded)
         else:
             self.session = Session(model, ids, mask, resolved, tokenizer)
+        if self.adaptation is not None:
+            self.session.stats.update(self.adaptation.stats())
         self.output = None
 
     def __iter__(self) -> Iterator[TokenEvent]:
@@ -184,6 +197,12 @@ def generate(
       m token embeddings, "random" from seeded vectors. `.stats` holds gradmem_flops (the write's
       forward + backward FLOPs), gradmem_losses and gradmem_seconds; `.sequences` starts with the
       prompt as given.
+    TTT-E2E (`recurrent_depth.inference.ttt_e2e`, docs/test-time-training.md): ttt_params (a named
+      subset "core-mlp" | "core" | "prelude" | "coda" | "all", or globs over parameter names) trains
+      a copy of those weights for ttt_steps steps (ttt_optimizer "sgd" | "adam", ttt_lr) on the
+      prompt's next-token loss at depth ttt_depth (default num_steps) with its last ttt_backprop
+      steps under autograd, then generates from the updated copy; `model` is never written. One
+      prompt per call. `.stats` holds ttt_flops (the inner passes' FLOPs), ttt_losses, ttt_copy_mb.
     streamer: a callable receiving each `TokenEvent` as it is committed. output_logits=True keeps
       the logits of every chosen token. fast=False uses the model's own modules (reference runner).
 

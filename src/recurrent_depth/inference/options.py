@@ -24,12 +24,15 @@ MIN_STEPS_RULES = ("exit", "skip")
 WARM_START_SOURCES = ("raw", "normed")
 EXIT_KV = ("lookup", "compute")
 GRADMEM_INITS = ("tail", "random")  # the memory's initial value (inference/gradmem.py)
+TTT_OPTIMIZERS = ("sgd", "adam")  # TTT-E2E's inner optimizer (inference/ttt_e2e.py)
+DEFAULT_TTT_MAX_COPY_MB = 1024  # the server's bound on a TTT-E2E request's weight copy (rdepth serve --ttt-max-copy-mb)
 # The official code's hard-coded stops (begin_text, end_text, end_turn of Huginn's tokenizer).
 OFFICIAL_STOP_IDS = (65504, 65505, 65508)
 OFFICIAL_SPECULATIVE_STEPS = 32  # the official generate_speculative's num_steps default
 OFFICIAL_KV_POLICY = "full"  # the official dynamic cache's default lookup strategy
 GROUPS = {
     "depth": "depth",
+    "ttt-e2e": "TTT-E2E: test-time gradient steps on a subset of the weights (docs/test-time-training.md)",
     "exit": "adaptive depth (per-token exit, warm start)",
     "cache": "KV cache",
     "mode": "speculative and parallel decoding",
@@ -312,6 +315,21 @@ class GenerationOptions:
         "bool", hf="routed")
     output_logits: bool = option(False, "output", "keep the logits of every chosen token", "bool", cli=False,
         hf="routed")
+    ttt_params: str | None = option(None, "ttt-e2e", "TTT-E2E: train these weights on the prompt's next-token "
+        "loss before generating: 'core-mlp' (the core's MLPs), 'core', 'prelude', 'coda', 'all' or comma-separated "
+        "globs over parameter names; the base weights are never written", "str", shown="none, off", http=True,
+        hf="routed", metavar="SUBSET")
+    ttt_steps: int = option(4, "ttt-e2e", "TTT-E2E: optimizer steps on the prompt, each a forward and backward "
+        "pass", "int", http=True, http_max=64, hf="routed", low=0)
+    ttt_lr: float = option(1e-3, "ttt-e2e", "TTT-E2E: the inner optimizer's learning rate", "float", http=True,
+        http_max=100.0, hf="routed", low=0, high=math.inf, low_open=True, high_open=True)
+    ttt_optimizer: str = option("sgd", "ttt-e2e", "TTT-E2E: the inner optimizer", "str", choices=TTT_OPTIMIZERS,
+        http=True, hf="routed")
+    ttt_depth: int | None = option(None, "ttt-e2e", "TTT-E2E: recurrence depth of the inner forward passes",
+        "int", shown="num_steps", http=True, http_max="max_num_steps", hf="routed", low=1, optional=True)
+    ttt_backprop: int | None = option(None, "ttt-e2e", "TTT-E2E: core steps under autograd (the last k of "
+        "ttt_depth: truncated backprop as in training)", "int", shown="the model's mean_backprop_depth, at most "
+        "the depth", http=True, http_max="max_num_steps", hf="routed", low=1, optional=True)
     finish_round: bool | None = option(None, "mode", "self-speculative: commit the whole last round, past "
         "max_new_tokens (the official loop)", "bool", shown="off; official: on", http=True, hf="routed")
     eos_token_id: Any = option(None, "sampling", "ids that end a row (an id or a list; [] = none), replacing the "

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from recurrent_depth.config import MAX_NUM_STEPS, check_depth, is_int
+from recurrent_depth.inference.options import DEFAULT_TTT_MAX_COPY_MB
 from recurrent_depth.inference.quant_cache import KVQuant
 from recurrent_depth.serving.app import MAX_BODY_BYTES, ServerSettings, create_app
 from recurrent_depth.serving.batch import BatchDecoder, RowRequest, TokenResult
@@ -81,6 +82,7 @@ def build_app(
     tokenize_timeout: float = 10.0,
     worker_memory: int | None = 2 << 30,
     kv_quant: str | None = None,
+    ttt_max_copy_mb: float = DEFAULT_TTT_MAX_COPY_MB,
 ) -> Any:
     """A ready FastAPI app for a model directory (or a loaded `RecurrentDepthLM` plus `tokenizer_dir`).
 
@@ -100,6 +102,8 @@ def build_app(
     `kv_quant` (e.g. "k=prod:3.5,v=mse:3.5"; None: full precision) quantizes the server's KV
     memory: the continuous batch stores code rows, and requests that do not set `kv_quant` use it
     (a request asking for another spec runs alone; docs/serving.md).
+    `ttt_max_copy_mb`: the largest weight copy (MiB) a TTT-E2E request may hold; such requests run
+    one at a time outside the continuous batch (docs/serving.md).
     """
     if kv_quant is not None:  # a bad spec fails before the model loads
         KVQuant.parse(kv_quant)
@@ -119,6 +123,8 @@ def build_app(
                         ("stall_timeout", stall_timeout)):
         if not value > 0:  # also refuses NaN, under which nothing would ever time out
             raise ValueError(f"{name}={value} is invalid: expected a number of seconds > 0")
+    if isinstance(ttt_max_copy_mb, bool) or not isinstance(ttt_max_copy_mb, int | float) or not ttt_max_copy_mb >= 0:
+        raise ValueError(f"ttt_max_copy_mb={ttt_max_copy_mb!r} is invalid: expected a number of MiB >= 0")
     if api_key is not None and not api_key.strip():
         raise ValueError("api_key is blank: pass a non-empty key, or None to serve without one")
     cfg = model.config
@@ -146,7 +152,7 @@ def build_app(
         read_timeout=read_timeout,
         stall_timeout=stall_timeout, allowed_hosts=tuple(allowed_hosts) if allowed_hosts is not None else None,
         tokenizer_workers=tokenizer_workers, tokenize_timeout=tokenize_timeout, worker_memory=worker_memory,
-        default_num_steps=num_steps)
+        default_num_steps=num_steps, ttt_max_copy_bytes=int(ttt_max_copy_mb * 2**20))
     return create_app(scheduler, codec, settings)
 
 

@@ -177,6 +177,7 @@ class BatchDecoder:
                            or (options.min_steps_rule == "skip" and options.min_steps > 0)))
             or (options.warm_start and options.warm_start_source == "normed")
             or options.gradmem_tokens > 0
+            or options.ttt_params is not None  # TTT-E2E: generates from its own adapted weights
         )
 
     def takes_kv_quant(self, kv_quant: str | None) -> bool:

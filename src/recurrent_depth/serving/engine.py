@@ -72,6 +72,7 @@ class Done:
     text: str  # the tail of the text held back until the end
     completion_tokens: int
     core_steps: int
+    ttt_flops: float | None = None  # TTT-E2E's inner-loop FLOPs, for usage
 
 
 @dataclass
@@ -110,6 +111,12 @@ class Job:
     completion_tokens: int = 0
     core_steps: int = 0
     first_token_at: float | None = None
+    ttt_flops: float | None = None
+
+    @property
+    def trains(self) -> bool:
+        """A TTT-E2E request: it holds a copy of its weight subset while it runs (one at a time)."""
+        return self.row.options.ttt_params is not None
 
     def emit(self, event: Event) -> None:
         try:
@@ -269,12 +276,22 @@ class BatchScheduler:
         free = self.max_batch - self.running
         budget = self.prefill_tokens
         out: list[Job] = []
+        # TTT-E2E requests run one at a time (each holds a weight copy): while one runs, the
+        # others keep their place in the queue and the requests behind them go ahead.
+        training = any(job.trains for job, _ in self.solos)
+        held: list[Job] = []
         while self.waiting and len(out) < free:
-            cost = len(self.waiting[0].row.prompt)
+            job = self.waiting[0]
+            if job.trains and training:
+                held.append(self.waiting.popleft())
+                continue
+            cost = len(job.row.prompt)
             if out and cost > budget:
                 break
             budget -= cost
+            training = training or job.trains
             out.append(self.waiting.popleft())
+        self.waiting.extendleft(reversed(held))
         return out
 
     def _reap(self, now: float) -> None:
@@ -298,6 +315,7 @@ class BatchScheduler:
         try:
             if job.solo or self.batch is None:
                 run = SoloRun(self.model, job.row, job.generation_kwargs, tag=job)
+                job.ttt_flops = run.stream.session.stats.get("ttt_flops")
                 run.watch(self._expired(job), self._progress)
                 if job.row.prompt_logprobs:
                     job.emit(PromptEvent(job.index, run.prompt_scores()))
@@ -390,7 +408,7 @@ class BatchScheduler:
     def _finish(self, job: Job, reason: str, tail: bool = True) -> None:
         job.finished = True
         text = job.text.flush() if tail else ""
-        job.emit(Done(job.index, reason, text, job.completion_tokens, job.core_steps))
+        job.emit(Done(job.index, reason, text, job.completion_tokens, job.core_steps, job.ttt_flops))
 
     def _fail(self, job: Job, status: int, message: str, error_type: str) -> None:
         if job.finished:

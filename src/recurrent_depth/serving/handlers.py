@@ -16,22 +16,16 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from recurrent_depth.inference.criteria import gate_for
 from recurrent_depth.inference.gradmem import check_prompts
-from recurrent_depth.inference.options import OptionError, ResolvedOptions, eos_ids
+from recurrent_depth.inference.options import DEFAULT_TTT_MAX_COPY_MB, OptionError, ResolvedOptions, eos_ids
 from recurrent_depth.inference.quant_cache import kv_quant_for_model
+from recurrent_depth.inference.ttt_e2e import copy_bytes, inner_depth, select_parameters
 from recurrent_depth.serving import responses
 from recurrent_depth.serving.batch import BatchDecoder, RowRequest
 from recurrent_depth.serving.engine import BatchScheduler, EngineUnavailable, Job, QueueFull
 from recurrent_depth.serving.kernels import KernelWarmup
 from recurrent_depth.serving.kv_pool import SlotKVPool
 from recurrent_depth.serving.prep import PrepPool, PrepSpec
-from recurrent_depth.serving.protocol import (
-    APIError,
-    ChatRequest,
-    CompletionRequest,
-    Limits,
-    Sampling,
-    http_spelling,
-)
+from recurrent_depth.serving.protocol import APIError, ChatRequest, CompletionRequest, Limits, Sampling, http_spelling
 from recurrent_depth.serving.streaming import Channel, OpenRequests, collect, stream
 from recurrent_depth.serving.text import TextCodec, TextState
 from recurrent_depth.serving.transport import BodyBudget, read_body, require_json
@@ -59,6 +53,7 @@ class ServerSettings:
     tokenize_timeout: float = 10.0
     worker_memory: int | None = 2 << 30  # address space a preparation worker may add after start-up
     default_num_steps: int | None = None  # for the banner
+    ttt_max_copy_bytes: int = DEFAULT_TTT_MAX_COPY_MB << 20  # a TTT-E2E request's weight copy (--ttt-max-copy-mb)
 
 
 class Handlers:
@@ -182,6 +177,8 @@ class Handlers:
                 raise APIError(400, str(exc), param=sampling.given_as.get("exit_criterion", "exit_criterion")) from None
             if options.gradmem_tokens:  # GradMem: a prompt too short to split, or a model it cannot take
                 self.check_gradmem(len(prompt), options, sampling.given_as, prompt_scores)
+            if options.ttt_params is not None:  # TTT-E2E: a subset this model lacks, or over the copy limit
+                self.check_ttt(len(prompt), options, sampling.given_as)
             if options.kv_quant is not None:  # a spec this model cannot take: 400 now, not 500 in generation
                 try:
                     kv_quant_for_model(scheduler.model, options.kv_quant)
@@ -219,6 +216,27 @@ class Handlers:
             raise APIError(400, str(exc.spelled(spelling)), param=spelling(exc.field)) from None
         except ValueError as exc:
             raise APIError(400, str(exc), param="gradmem_tokens") from None
+    def check_ttt(self, prompt_len: int, options: ResolvedOptions, given_as: dict[str, str]) -> None:
+        """400 unless a TTT-E2E request can run: its subset names parameters of this model, its copy
+        fits `ttt_max_copy_bytes`, its inner depth takes its backprop depth, its prompt has 2 tokens."""
+        param = given_as.get("ttt_params", "ttt_params")
+        model = self.scheduler.model
+        try:
+            names = select_parameters(model, options.ttt_params)
+            inner_depth(model, options)
+            nbytes = copy_bytes(model, names, options.ttt_optimizer)
+        except OptionError as exc:
+            spelling = http_spelling(given_as)
+            raise APIError(400, str(exc.spelled(spelling)), param=spelling(exc.field)) from None
+        limit = self.settings.ttt_max_copy_bytes
+        if nbytes > limit:
+            held = "weights and gradients" + (", Adam moments" if options.ttt_optimizer == "adam" else "")
+            raise APIError(400, f"ttt_params={options.ttt_params!r} needs a weight copy of {nbytes / 2**20:.2f} MiB "
+                                f"({held}), over this server's limit of {limit / 2**20:.2f} MiB (rdepth serve "
+                                "--ttt-max-copy-mb); choose a smaller subset", param=param)
+        if prompt_len < 2:
+            raise APIError(400, "TTT-E2E (ttt_params) trains on the prompt's next-token loss, which needs a prompt of "
+                                "at least 2 tokens", param=param)
 
     async def submit(self, jobs: list[Job], start: float, channel: Channel) -> None:
         """Queue a request's jobs, once the quantized-KV kernels their spec needs are loaded (a first

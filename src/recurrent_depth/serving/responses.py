@@ -44,6 +44,7 @@ class Choice:
     finish_reason: str | None = None
     completion_tokens: int = 0
     core_steps: int = 0
+    ttt_flops: float | None = None  # TTT-E2E's inner forward + backward FLOPs (None: no TTT-E2E)
 
 
 def apply_event(event: Event, choices: list[Choice]) -> Choice:
@@ -64,6 +65,7 @@ def apply_event(event: Event, choices: list[Choice]) -> Choice:
         choice.finish_reason = event.finish_reason
         choice.completion_tokens = event.completion_tokens
         choice.core_steps = event.core_steps
+        choice.ttt_flops = event.ttt_flops
     return choice
 
 
@@ -71,9 +73,13 @@ def usage(choices: list[Choice], prompts: list[list[int]]) -> dict[str, Any]:
     prompt_tokens = sum(len(p) for p in prompts)
     completion = sum(c.completion_tokens for c in choices)
     steps = sum(c.core_steps for c in choices)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion, "completion_steps": steps,
-            "steps_per_token": round(steps / completion, 4) if completion else 0.0}
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+           "total_tokens": prompt_tokens + completion, "completion_steps": steps,
+           "steps_per_token": round(steps / completion, 4) if completion else 0.0}
+    ttt = [c.ttt_flops for c in choices if c.ttt_flops is not None]
+    if ttt:  # TTT-E2E requests: the test-time training's model FLOPs (train.flops' counter), all choices
+        out["ttt_flops"] = float(sum(ttt))
+    return out
 
 
 def _with_steps(item: dict[str, Any], steps: list[int] | None, return_steps: bool) -> dict[str, Any]:

@@ -41,7 +41,8 @@ class SoloRun:
         opts = self.request.options
         ids = torch.tensor([self.request.prompt], device=self.model.device)
         generator = torch.Generator(device=self.model.device).manual_seed(self.request.seed % (2**63))
-        logits = self.model(ids, num_steps=opts.num_steps, init_scale=opts.init_scale, generator=generator).logits[0]
+        model = self.stream.model  # TTT-E2E: the adapted copy the session generates with
+        logits = model(ids, num_steps=opts.num_steps, init_scale=opts.init_scale, generator=generator).logits[0]
         if ids.shape[1] < 2:
             return PromptScores([None], [None])
         picked, tops = logprobs_of(logits[:-1], ids[0, 1:], self.request.top_logprobs or 0)

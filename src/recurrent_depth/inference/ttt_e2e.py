@@ -1,0 +1,224 @@
+"""TTT-E2E: a few gradient steps of next-token loss on the context (the prompt), updating a chosen
+subset of the model's weights, then generation with the updated weights (Tandon et al.,
+"End-to-End Test-Time Training for Long Context", arXiv:2512.23675, 2025).
+
+THE INNER LOOP. The prompt's next-token loss L(W) = -(1/(T-1)) sum_t log p(x_{t+1} | x_<=t; W)
+is minimized over the chosen weights W (`ttt_params`) by `ttt_steps` optimizer steps (`ttt_lr`,
+`ttt_optimizer` sgd | adam); every other weight stays frozen. Each step is one forward at
+recurrence depth `ttt_depth` (default num_steps) with truncated backprop as in training: the
+first `ttt_depth - ttt_backprop` core steps without gradients, the last `ttt_backprop` under
+autograd (default: the model's mean_backprop_depth, capped at the depth), and its s_0 drawn
+from the request's seed. The paper's procedure differs in three ways, stated in
+docs/test-time-training.md: it meta-learns the initial weights for the inner loop at training
+time (a pretrained model here has no such training), it updates the MLPs of the last quarter of
+the blocks (here `core-mlp`, the recurrent core's MLPs, is the nearest named subset) and it steps
+once per mini-batch of the context as it reads it; here each step sees the whole prompt.
+
+BASE WEIGHTS ARE NEVER WRITTEN. The updated weights live in a *shadow* of the model: a copy of
+its module tree whose chosen parameters are fresh tensors and whose every other parameter and
+buffer is the base model's own tensor (shared, not copied). The inner loop trains the shadow,
+generation runs on it, and the base model is never written, so it is bit-identical after a
+request whether the request succeeds or fails, and the server's continuous batch (which runs
+the base model) and concurrent requests never see another request's update. The memory cost
+is the copied subset (plus two Adam moments with `ttt_optimizer="adam"`): `copy_bytes`.
+
+COST. Each step is counted by `train.flops.training_step_flops` on the 1 x T prompt at depth
+(n, k) (the library's counter: backward = 2x the forward of what gradients flow through), the
+same rule GradMem's write is counted by, so test-time methods compare under one accounting.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from recurrent_depth.inference.options import TTT_OPTIMIZERS, OptionError, ResolvedOptions
+from recurrent_depth.train.flops import training_step_flops
+
+# Named weight subsets (`ttt_params`); any other value is a comma-separated list of globs over
+# `model.named_parameters()` names.
+PARAMETER_SETS = {
+    "core-mlp": ("transformer.core_block.*.mlp.*",),
+    "core": ("transformer.core_block.*", "transformer.adapter.*"),
+    "prelude": ("transformer.prelude.*",),
+    "coda": ("transformer.coda.*",),
+    "all": ("*",),
+}
+
+
+def select_parameters(model: nn.Module, spec: str) -> list[str]:
+    """The parameter names `spec` chooses: a `PARAMETER_SETS` name or comma-separated globs
+    (e.g. "transformer.core_block.1.*,transformer.ln_f.weight"). ValueError when it is empty or
+    a glob matches nothing."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise OptionError("ttt_params", f"ttt_params={spec!r} is invalid: expected one of "
+                          f"{sorted(PARAMETER_SETS)} or comma-separated globs over parameter names")
+    patterns = PARAMETER_SETS.get(spec.strip(), tuple(p.strip() for p in spec.split(",")))
+    names = [name for name, _ in model.named_parameters()]
+    chosen: list[str] = []
+    for pattern in patterns:
+        matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not pattern or not matched:
+            raise OptionError("ttt_params", f"ttt_params={spec!r} is invalid: {pattern!r} matches no parameter "
+                              f"of this model (named sets: {sorted(PARAMETER_SETS)}; names look like {names[1]!r})")
+        chosen += [n for n in matched if n not in chosen]
+    return chosen
+
+
+def copy_bytes(model: nn.Module, names: list[str], optimizer: str = "sgd") -> int:
+    """Bytes a request's copy of the chosen weights holds: the weights, their gradients, and
+    Adam's two moments (`optimizer="adam"`). Tied weights are counted once."""
+    if optimizer not in TTT_OPTIMIZERS:
+        raise OptionError("ttt_optimizer", f"ttt_optimizer={optimizer!r} is invalid: expected one of "
+                          f"{TTT_OPTIMIZERS}")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    unique = {id(params[n]): params[n] for n in names}
+    weights = sum(p.numel() * p.element_size() for p in unique.values())
+    return weights * (4 if optimizer == "adam" else 2)
+
+
+def shadow_model(model: nn.Module, names: list[str]) -> tuple[nn.Module, list[nn.Parameter]]:
+    """A copy of `model`'s module tree whose parameters `names` are fresh copies (requires_grad)
+    and whose other parameters and buffers are `model`'s own tensors (frozen in the shadow only by
+    not being handed to the optimizer; they never receive a step). Tied parameters stay tied.
+    Returns the shadow and its trainable parameters."""
+    wanted = set(names)
+    fresh: dict[int, nn.Parameter] = {}  # id of a base tensor -> its copy (ties share one)
+    copies: dict[int, nn.Module] = {}
+
+    def clone(module: nn.Module, prefix: str) -> nn.Module:
+        if id(module) in copies:
+            return copies[id(module)]
+        twin = copy.copy(module)  # a new object; its dicts are copied below, so nothing is shared by mistake
+        copies[id(module)] = twin
+        twin._parameters = dict(module._parameters)
+        twin._buffers = dict(module._buffers)
+        twin._modules = {}
+        for key, p in module._parameters.items():
+            if p is not None and prefix + key in wanted:
+                if id(p) not in fresh:
+                    fresh[id(p)] = nn.Parameter(p.detach().clone(), requires_grad=True)
+                twin._parameters[key] = fresh[id(p)]
+        for key, child in module._modules.items():
+            twin._modules[key] = None if child is None else clone(child, f"{prefix}{key}.")
+        return twin
+
+    with torch.inference_mode(False):
+        shadow = clone(model, "")
+    # a tie reached under a name outside `names` (tied head and embedding) must use the copy too
+    for module in copies.values():
+        for key, p in module._parameters.items():
+            if p is not None and id(p) in fresh:
+                module._parameters[key] = fresh[id(p)]
+    return shadow, list(fresh.values())
+
+
+@dataclass
+class Adaptation:
+    """What `adapt` returns: the shadow model holding the updated weights, and the figures.
+
+    losses: the context's loss before each step (step k's forward), then after the last step
+      when `final_loss` was asked for. flops: model FLOPs of the inner forward and backward
+      passes (`train.flops`), None where the counter does not count the model's mixers.
+    """
+
+    model: nn.Module
+    parameters: list[str]
+    losses: list[float]
+    flops: float | None
+    steps: int
+    depth: tuple[int, int]
+    lr: float
+    optimizer: str
+    copy_bytes: int
+    seconds: float
+
+    def stats(self) -> dict[str, Any]:
+        """JSON-friendly figures for a `GenerationOutput.stats` (the ttt_* keys)."""
+        return {"ttt_steps": self.steps, "ttt_depth": list(self.depth), "ttt_lr": self.lr,
+                "ttt_optimizer": self.optimizer, "ttt_parameters": len(self.parameters),
+                "ttt_copy_mb": round(self.copy_bytes / 2**20, 3), "ttt_flops": self.flops,
+                "ttt_losses": [round(x, 5) for x in self.losses], "ttt_seconds": round(self.seconds, 4)}
+
+
+def inner_depth(model: nn.Module, options: ResolvedOptions) -> tuple[int, int]:
+    """(n, k): the inner forward's core steps without and with gradients."""
+    depth = options.ttt_depth if options.ttt_depth is not None else options.num_steps
+    k = options.ttt_backprop if options.ttt_backprop is not None else model.config.mean_backprop_depth
+    if k > depth:
+        if options.ttt_backprop is not None:
+            raise OptionError("ttt_backprop", f"ttt_backprop={k} is invalid: expected <= the inner depth "
+                              f"(ttt_depth or num_steps) = {depth}")
+        k = depth
+    return depth - k, k
+
+
+def inner_flops(model: nn.Module, seq_len: int, depth: tuple[int, int], steps: int) -> float | None:
+    """FLOPs of `steps` inner forward + backward passes on one row of `seq_len` tokens."""
+    try:
+        return steps * training_step_flops(model.config, 1, seq_len, depth).total
+    except ValueError:  # a mixer the counter does not count
+        return None
+
+
+def context_loss(model: nn.Module, ids: Tensor, depth: tuple[int, int], init_scale: float, seed: int | None,
+                 ) -> Tensor:
+    """Mean next-token loss of `ids` [1, T] at depth (n, k), s_0 from `seed` (None: torch's RNG)."""
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=ids.device).manual_seed(seed % (2**63))
+    return model(ids, num_steps=depth, labels=ids, init_scale=init_scale, generator=generator).loss
+
+
+def adapt(model: nn.Module, input_ids: Tensor, options: ResolvedOptions, final_loss: bool = False) -> Adaptation:
+    """Run the inner loop on the prompt `input_ids` [1, T] (T >= 2) and return the shadow model
+    that holds the updated weights; `model` itself is never written."""
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise OptionError("ttt_params", f"TTT-E2E adapts one set of weights to one context: expected one prompt "
+                          f"(batch 1), got a batch of {input_ids.shape[0]}")
+    if input_ids.shape[1] < 2:
+        raise OptionError("ttt_params", "TTT-E2E needs a prompt of at least 2 tokens (its loss predicts token "
+                          "t+1 from tokens <= t)")
+    started = time.perf_counter()
+    names = select_parameters(model, options.ttt_params)
+    nbytes = copy_bytes(model, names, options.ttt_optimizer)
+    depth = inner_depth(model, options)
+    seed = options.seed if isinstance(options.seed, int) else None
+    shadow, params = shadow_model(model, names)
+    losses: list[float] = []
+    # Nothing to restore on failure: only the shadow's own copies are stepped (and its modes set).
+    with torch.inference_mode(False), torch.enable_grad():
+        ids = input_ids.clone()  # an inference-mode tensor cannot be saved for backward
+        shadow.eval()
+        if options.ttt_optimizer == "adam":
+            optimizer: torch.optim.Optimizer = torch.optim.Adam(params, lr=options.ttt_lr)
+        else:
+            optimizer = torch.optim.SGD(params, lr=options.ttt_lr)
+        for step in range(options.ttt_steps):
+            step_seed = None if seed is None else seed + step
+            loss = context_loss(shadow, ids, depth, options.init_scale, step_seed)
+            # the gradient of the chosen weights only (autograd.grad: the frozen weights, which
+            # the base model shares, never get a .grad); a weight the loss does not reach gets none
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            for p, g in zip(params, grads):
+                p.grad = g
+            optimizer.step()
+            losses.append(float(loss.detach()))
+        for p in params:  # generation reads the weights only
+            p.grad = None
+            p.requires_grad_(False)
+        if final_loss:
+            with torch.no_grad():
+                losses.append(float(context_loss(shadow, ids, depth, options.init_scale, seed)))
+    return Adaptation(
+        model=shadow, parameters=names, losses=losses,
+        flops=inner_flops(model, input_ids.shape[1], depth, options.ttt_steps),
+        steps=options.ttt_steps, depth=depth, lr=options.ttt_lr, optimizer=options.ttt_optimizer,
+        copy_bytes=nbytes, seconds=time.perf_counter() - started,
+    )

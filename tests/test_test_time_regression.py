@@ -227,3 +227,26 @@ def test_a_tiny_model_with_each_mixer_trains_a_step(part):
         opt.step()
         after = model(x, num_steps=2, init_scale=0.0, labels=x).loss
         assert torch.isfinite(after) and after < before
+
+
+@pytest.mark.parametrize("case", ["ttt_kvb", "falcon"])
+def test_cli_info_and_api_generate_with_the_mixer_in_the_core(case, tmp_path, capsys):
+    import json
+
+    from recurrent_depth.cli import main
+
+    model = core_model(case)
+    model.config.to_json(tmp_path / "config.json")
+    assert main(["info", "--model", str(tmp_path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["unique_parameters"] == model.num_parameters()
+    out = rd.generate(model, tokens(1, 6), max_new_tokens=4, num_steps=2, do_sample=False)
+    ids = out.sequences if hasattr(out, "sequences") else out[0]
+    assert ids.shape[-1] == 10
+
+
+def test_unknown_option_names_the_mixer():
+    with pytest.raises(ValueError, match="ttt_kvb"):
+        build_mixer("ttt_kvb", small_config("ttt_kvb", {}), "core", chunk_size=4)
+    with pytest.raises(ValueError, match="mini_batch"):
+        build_mixer("ttt_kvb", small_config("ttt_kvb", {}), "core", mini_batch=0)

@@ -250,3 +250,14 @@ def test_unknown_option_names_the_mixer():
         build_mixer("ttt_kvb", small_config("ttt_kvb", {}), "core", chunk_size=4)
     with pytest.raises(ValueError, match="mini_batch"):
         build_mixer("ttt_kvb", small_config("ttt_kvb", {}), "core", mini_batch=0)
+
+
+@pytest.mark.parametrize("case", ["ttt_kvb", "falcon"])
+def test_bf16_autocast_training_step_is_finite(case):
+    model = core_model(case).train()
+    x = tokens(2, 11)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x, num_steps=2, init_scale=0.0, labels=x)
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

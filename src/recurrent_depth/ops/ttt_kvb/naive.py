@@ -1,6 +1,6 @@
 """Step-by-step TTT-KVB with a linear inner model (TTT-Linear, Sun et al. 2024, arXiv 2407.04620;
-the key-value-binding view of Liu et al. 2026, "Test-Time Training with KV Binding Is Secretly
-Linear Attention"): the ground truth for the chunked (dual) form.
+the key-value-binding view of "Test-Time Training with KV Binding Is Secretly Linear
+Attention", cited by title in the research notes): the ground truth for the chunked (dual) form.
 
 The fast weight W [K, V] is trained online on ℓ_s(W) = ½‖Wᵀk_s − v_s‖², gradient
 ∇ℓ_s(W) = k_s (Wᵀk_s − v_s)ᵀ, with mini-batch gradient descent: every gradient of mini-batch i is

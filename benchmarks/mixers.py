@@ -44,6 +44,8 @@ CASES = {
     "log_linear_mamba2": ("log_linear_mamba2", {}, True),
     "log_linear_gated_deltanet": ("log_linear_gated_deltanet", {}, True),
     "hydra": ("hydra", {}, True),
+    "ttt_kvb": ("ttt_kvb", {}, True),
+    "falcon": ("falcon", {}, True),
 }
 
 

@@ -16,6 +16,7 @@ See docs/ops.md for the formulas, costs and examples.
 """
 
 from recurrent_depth.ops.delta_rule import chunk_delta_rule, fused_recurrent_delta_rule, naive_recurrent_delta_rule
+from recurrent_depth.ops.falcon import FalconState, chunk_falcon, naive_recurrent_falcon
 from recurrent_depth.ops.gated_delta_rule import (
     chunk_gated_delta_rule,
     fused_recurrent_gated_delta_rule,
@@ -30,9 +31,16 @@ from recurrent_depth.ops.log_linear_attn import (
     naive_parallel_log_linear_attn,
     naive_recurrent_log_linear_attn,
 )
+from recurrent_depth.ops.ttt_kvb import TTTKVBState, chunk_ttt_kvb, naive_recurrent_ttt_kvb
 
 __all__ = [
+    "FalconState",
     "LogLinearState",
+    "TTTKVBState",
+    "chunk_falcon",
+    "chunk_ttt_kvb",
+    "naive_recurrent_falcon",
+    "naive_recurrent_ttt_kvb",
     "chunk_delta_rule",
     "chunk_gated_delta_rule",
     "chunk_gla",

@@ -10,6 +10,7 @@ from recurrent_depth.model.mixers import (  # noqa: F401
     log_linear,
     mla,
     nsa,
+    test_time_regression,
 )
 from recurrent_depth.model.mixers.base import (
     LayerKey,

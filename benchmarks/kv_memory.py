@@ -84,6 +84,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "shared-4 + tq2.5 w4": {"kv_policy": "shared-4", "kv_quant": TQ25 + ",window=4"},
     "shared-4 + k mse3 v mse2 w3": {"kv_policy": "shared-4", "kv_quant": "k=mse:3,v=mse:2,window=3"},
     "shared-4 + k mse3 v mse2 w16": {"kv_policy": "shared-4", "kv_quant": "k=mse:3,v=mse:2,window=16"},
+    "shared-4 + k mse2 v mse3 w3": {"kv_policy": "shared-4", "kv_quant": "k=mse:2,v=mse:3,window=3"},
+    "shared-4 + k mse2 v mse3 w16": {"kv_policy": "shared-4", "kv_quant": "k=mse:2,v=mse:3,window=16"},
     "shared-4 + k qjl2out2 v mse2 w4": {"kv_policy": "shared-4", "kv_quant": "k=qjl:2:out2,v=mse:2,window=4"},
     "shared-4 + kl": {"kv_policy": "shared-4", "exit_criterion": "kl"},
     "shared-4 + kl + tq3.5": {"kv_policy": "shared-4", "exit_criterion": "kl", "kv_quant": TQ35},

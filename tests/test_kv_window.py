@@ -207,3 +207,22 @@ def test_a_window_is_refused_where_it_cannot_be_kept():
             KVQuant.parse(f"k=prod:2.5,{bad}")
     assert KVQuant.parse("k=prod:2.5,window=0").window == 0
     assert KVQuant.parse("k=prod:2.5,v=mse:2.5,window=8").name == "k=prod:2.5,v=mse:2.5,attn=codes,window=8"
+
+
+def test_info_prices_the_window_over_the_full_context(tmp_path, capsys):
+    import json
+
+    from recurrent_depth.cli import main
+
+    cfg = rd.ModelConfig(head_dim=32, hidden_size=64, num_heads=2, max_seq_len=64)
+    rd.RecurrentDepthLM(cfg).save_pretrained(tmp_path / "m")
+    spec = "k=mse:2.5,v=mse:2.5,window=4"
+    assert main(["info", "--model", str(tmp_path / "m"), "--kv-quant", spec, "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    quant = KVQuant.parse(spec)
+    assert info["kv_quant_bits_per_coordinate"] == quant.bits_per_coordinate(32, 64)
+    bare = quant.bytes_per_token(32, cfg.num_kv_heads)
+    entries = info["kv_cache_bytes_per_token_bf16_by_kv_policy"]["last-step+deepest"] // (2 * 2 * 32 * cfg.num_kv_heads)
+    shared = info["kv_cache_bytes_per_token_quantized_by_kv_policy"]["last-step+deepest"]
+    assert shared == round(entries * (bare + 4 * 2 * 2 * 32 * cfg.num_kv_heads / 64))  # 4 bf16 tokens of 64
+    assert "4-token bf16 window" in info["kv_quant"]

@@ -226,3 +226,19 @@ def test_info_prices_the_window_over_the_full_context(tmp_path, capsys):
     shared = info["kv_cache_bytes_per_token_quantized_by_kv_policy"]["last-step+deepest"]
     assert shared == round(entries * (bare + 4 * 2 * 2 * 32 * cfg.num_kv_heads / 64))  # 4 bf16 tokens of 64
     assert "4-token bf16 window" in info["kv_quant"]
+
+
+def test_a_windowed_batch_equals_each_request_generated_alone(model):
+    """The server's continuous batch (rows of different lengths joining and leaving, fixed depth and KL
+    exit, per-step / shared-k / skip policies) with a window reads what `generate` alone reads."""
+    from tests.test_serving_kv_quant import MODES, alone, jobs_for, run_batch
+
+    spec = "k=prod:2.5,v=mse:2.5,window=3"
+    jobs = jobs_for(list(MODES))
+    out, dec = run_batch(model, jobs, spec)
+    assert dec.pool.codes.window is not None
+    for j, (prompt, kw, seed) in enumerate(jobs):
+        tokens, steps, _, logp = alone(model, prompt, kw, seed, spec)
+        assert [r.token for r in out[j]] == tokens and [r.steps for r in out[j]] == steps, list(MODES)[j]
+        picked = logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor([r.logprob for r in out[j]]), picked, rtol=0, atol=1e-4)

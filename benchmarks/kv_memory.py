@@ -70,6 +70,23 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "shared-4 + k mse3 v mse2": {"kv_policy": "shared-4", "kv_quant": "k=mse:3,v=mse:2"},
     "shared-4 + k mse2 v mse3": {"kv_policy": "shared-4", "kv_quant": "k=mse:2,v=mse:3"},
     "shared-4 + k prod3 v mse2": {"kv_policy": "shared-4", "kv_quant": "k=prod:3,v=mse:2"},
+    "shared-4 + k mse3 v mse2.5": {"kv_policy": "shared-4", "kv_quant": "k=mse:3,v=mse:2.5"},
+    "shared-4 + k mse3.5 v mse2": {"kv_policy": "shared-4", "kv_quant": "k=mse:3.5,v=mse:2"},
+    "shared-4 + k mse4 v mse2": {"kv_policy": "shared-4", "kv_quant": "k=mse:4,v=mse:2"},
+    # QJL keys with bf16 outlier channels (qjl:b:outN) beside 2.5-bit values
+    "shared-4 + k qjl2out2 v mse2.5": {"kv_policy": "shared-4", "kv_quant": "k=qjl:2:out2,v=mse:2.5"},
+    "shared-4 + k qjl2out2 v mse2": {"kv_policy": "shared-4", "kv_quant": "k=qjl:2:out2,v=mse:2"},
+    # the recent-token bf16 window (window=W): at 112 tokens W <= 2 keeps mse2.5 within 32x, at 512 W <= 9
+    "shared-4 + mse2.5 w2": {"kv_policy": "shared-4", "kv_quant": "k=mse:2.5,v=mse:2.5,window=2"},
+    "shared-4 + mse2.5 w4": {"kv_policy": "shared-4", "kv_quant": "k=mse:2.5,v=mse:2.5,window=4"},
+    "shared-4 + mse2.5 w8": {"kv_policy": "shared-4", "kv_quant": "k=mse:2.5,v=mse:2.5,window=8"},
+    "shared-4 + tq2.5 w1": {"kv_policy": "shared-4", "kv_quant": TQ25 + ",window=1"},
+    "shared-4 + tq2.5 w4": {"kv_policy": "shared-4", "kv_quant": TQ25 + ",window=4"},
+    "shared-4 + k mse3 v mse2 w3": {"kv_policy": "shared-4", "kv_quant": "k=mse:3,v=mse:2,window=3"},
+    "shared-4 + k mse3 v mse2 w16": {"kv_policy": "shared-4", "kv_quant": "k=mse:3,v=mse:2,window=16"},
+    "shared-4 + k mse2 v mse3 w3": {"kv_policy": "shared-4", "kv_quant": "k=mse:2,v=mse:3,window=3"},
+    "shared-4 + k mse2 v mse3 w16": {"kv_policy": "shared-4", "kv_quant": "k=mse:2,v=mse:3,window=16"},
+    "shared-4 + k qjl2out2 v mse2 w4": {"kv_policy": "shared-4", "kv_quant": "k=qjl:2:out2,v=mse:2,window=4"},
     "shared-4 + kl": {"kv_policy": "shared-4", "exit_criterion": "kl"},
     "shared-4 + kl + tq3.5": {"kv_policy": "shared-4", "exit_criterion": "kl", "kv_quant": TQ35},
     "shared-4 + kl + tq2.5": {"kv_policy": "shared-4", "exit_criterion": "kl", "kv_quant": TQ25},
@@ -85,6 +102,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="configurations to measure (default: all)")
     p.add_argument("--prompts", type=int, default=2, help="agreement prompts (default: %(default)s)")
     p.add_argument("--prompt-len", type=int, default=48, help="prompt tokens (default: %(default)s)")
+    p.add_argument("--context", type=int, default=None,
+                   help="tokens per sequence, prompt and teacher-forced ones: sets --prompt-len to CONTEXT - "
+                        "--agreement-tokens (default: --prompt-len + --agreement-tokens, 112 at the defaults "
+                        "used in docs/quant.md)")
+    p.add_argument("--no-speed", action="store_true", help="bytes and agreement only (no decode timing)")
     p.add_argument("--agreement-tokens", type=int, default=48, help="teacher-forced tokens (default: %(default)s)")
     p.add_argument("--speed-tokens", type=int, default=16, help="tokens timed per run (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs, best kept (default: %(default)s)")
@@ -102,6 +124,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.num_steps, args.prompts, args.prompt_len, args.agreement_tokens = 8, 1, 16, 8
         args.speed_tokens, args.repeats, args.games = 4, 1, min(args.games, 20)
+    if args.context is not None:
+        if args.context <= args.agreement_tokens:
+            p.error(f"--context must exceed --agreement-tokens ({args.agreement_tokens}), got {args.context}")
+        args.prompt_len = args.context - args.agreement_tokens
     for name in ("num_steps", "prompts", "prompt_len", "agreement_tokens", "speed_tokens", "repeats", "games",
                  "swaps", "threads"):
         if getattr(args, name) < 1:
@@ -242,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     configs = {name: CONFIGS[name] for name in dict.fromkeys([REFERENCE, *args.configs])}
     start = time.perf_counter()
     results: dict[str, dict[str, Any]] = {name: {"kwargs": kwargs} for name, kwargs in configs.items()}
-    true_bits = {name: KVQuant.parse(kwargs["kv_quant"]).bits_per_coordinate(model.config.head_dim)
+    context = args.prompt_len + args.agreement_tokens  # a window's bf16 entries are spread over these tokens
+    true_bits = {name: KVQuant.parse(kwargs["kv_quant"]).bits_per_coordinate(model.config.head_dim, context)
                  for name, kwargs in configs.items() if kwargs.get("kv_quant")}
     if not args.speed_only:
         reference = generate(model, prompts, max_new_tokens=args.agreement_tokens, num_steps=args.num_steps,
@@ -253,9 +280,10 @@ def main(argv: list[str] | None = None) -> int:
             r["x_vs_per_step_bf16"] = round(base / r["bytes_per_token"], 2)
     for name, bits in true_bits.items():  # what a spec stores per coordinate, norms counted (its label is nominal)
         results[name]["kv_quant_bits_per_coordinate"] = bits
-    for name, speeds in decode_speeds(model, prompts[:1], configs, args).items():
-        results[name].update(speeds)
-    for key in ("tokens_per_s", "cpu_tokens_per_s"):
+    speeds = {} if args.no_speed else decode_speeds(model, prompts[:1], configs, args)
+    for name, speed in speeds.items():
+        results[name].update(speed)
+    for key in () if args.no_speed else ("tokens_per_s", "cpu_tokens_per_s"):
         speed_of = {json.dumps(r["kwargs"], sort_keys=True): r[key] for r in results.values()}
         for r in results.values():
             twin = speed_of.get(json.dumps(unquantized_twin(r["kwargs"]), sort_keys=True))
@@ -269,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                    if k in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "prelude_layers", "core_layers",
                             "coda_layers")},
         "prompts": len(prompt_lists), "prompt_len": args.prompt_len, "agreement_tokens": args.agreement_tokens,
+        "context": context,
         "threads": args.threads, "machine": platform.processor() or platform.machine(),
         "torch": torch.__version__, "seconds": round(time.perf_counter() - start, 1), "results": results,
         "shells": shells if shells else "not run (give --shells-model DIR)",
@@ -276,17 +305,20 @@ def main(argv: list[str] | None = None) -> int:
     report["plot"] = "not drawn (--speed-only)" if args.speed_only else plot(results, args.plot)
     print(json.dumps(report))
     print(f"\nmodel: {source}, r = {args.num_steps}, {len(prompt_lists)} x {args.agreement_tokens} teacher-forced "
-          f"tokens, {args.speed_tokens} tokens timed, best of {args.repeats}")
-    head = (f"{'config':<27}{'B/token':>9}{'decode B/tok':>13}{'x bf16':>8}{'agree':>8}{'± se':>7}{'steps':>7}"
-            f"{'tok/s':>8}{'x speed':>9}{'x cpu':>7}{'first s':>9}{'best s':>8}")
+          f"tokens after {args.prompt_len}-token prompts (context {context}), "
+          + ("no timing" if args.no_speed else f"{args.speed_tokens} tokens timed, best of {args.repeats}"))
+    head = (f"{'config':<33}{'B/token':>9}{'decode B/tok':>13}{'x bf16':>8}{'agree':>8}{'± se':>7}{'steps':>7}"
+            + ("" if args.no_speed else f"{'tok/s':>8}{'x speed':>9}{'x cpu':>7}{'first s':>9}{'best s':>8}"))
     print(head)
     for name, r in results.items():
         speed, cpu = r.get("x_speed_vs_unquantized"), r.get("x_cpu_speed_vs_unquantized")
         memory = "".join(f"{'-':>{w}}" for w in (9, 13, 8, 8, 7, 7)) if args.speed_only else (
             f"{r['bytes_per_token']:>9.0f}{r['decode_bytes_per_token']:>13.0f}"
             f"{r['x_vs_per_step_bf16']:>8.2f}{r['agreement']:>8.3f}{r['agreement_se']:>7.3f}{r['mean_steps']:>7.1f}")
-        print(f"{name:<27}{memory}{r['tokens_per_s']:>8.1f}{'' if speed is None else f'{speed:.2f}':>9}"
-              f"{'' if cpu is None else f'{cpu:.2f}':>7}{r['first_call_s']:>9.2f}{r['best_call_s']:>8.2f}")
+        timing = "" if args.no_speed else (
+            f"{r['tokens_per_s']:>8.1f}{'' if speed is None else f'{speed:.2f}':>9}"
+            f"{'' if cpu is None else f'{cpu:.2f}':>7}{r['first_call_s']:>9.2f}{r['best_call_s']:>8.2f}")
+        print(f"{name:<33}{memory}{timing}")
     if shells:
         print(f"\nshells: {shells['games']} games of {shells['swaps']} swaps ({shells['model']})")
         for name, r in shells["by_config"].items():

@@ -42,6 +42,15 @@ def test_shown_bits_are_bytes_times_8_over_d_for_every_spec_in_the_docs(spec, bi
         shown = kv_quant.bits_per_coordinate(dim)[side]
         assert shown == true == documented
         assert f"{side} {shown:g}" in kv_quant.label(dim)
+        # with a recent-token window: its bf16 entries spread over a stated context, and named in the label
+        windowed = KVQuant.parse(f"{side}={spec},window=4")
+        for context in (3, 512):
+            bits_at = windowed.bits_per_coordinate(dim, context)
+            assert bits_at[side] == true + 16 * min(4, context) / context
+            assert windowed.bytes_per_token(dim, 1, 1, context) * 8 / dim == bits_at["k"] + bits_at["v"]
+        assert windowed.bits_per_coordinate(dim) == kv_quant.bits_per_coordinate(dim)
+        assert f"{side} {shown:g}" in windowed.label(dim)
+        assert f"; + a 4-token bf16 window, {4 * 2 * 2 * dim} B per layer, KV head and sequence" in windowed.label(dim)
 
 
 def test_health_and_info_show_the_true_bits(tmp_path, capsys):

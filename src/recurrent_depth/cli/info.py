@@ -105,14 +105,15 @@ def run(args: argparse.Namespace) -> int:
         },
     }
     if kv_quant is not None:
-        # Entries per token as counted above (bf16 bytes / one bf16 entry), each at the codes' bytes.
-        per_layer = kv_quant.bytes_per_token(config.head_dim, config.num_kv_heads)
+        # Entries per token as counted above (bf16 bytes / one bf16 entry), each at the codes' bytes (and a
+        # window's bf16 entries spread over the full context, as the bytes per token above are).
+        per_layer = kv_quant.bytes_per_token(config.head_dim, config.num_kv_heads, context=length)
         bf16_entry = 2 * 2 * config.head_dim * config.num_kv_heads
         info["kv_quant"] = kv_quant.label(config.head_dim)
-        info["kv_quant_bits_per_coordinate"] = kv_quant.bits_per_coordinate(config.head_dim)
+        info["kv_quant_bits_per_coordinate"] = kv_quant.bits_per_coordinate(config.head_dim, length)
         bf16 = info["kv_cache_bytes_per_token_bf16_by_kv_policy"]
         info["kv_cache_bytes_per_token_quantized_by_kv_policy"] = {
-            name: per // bf16_entry * per_layer for name, per in bf16.items()
+            name: round(per // bf16_entry * per_layer) for name, per in bf16.items()
         }
     if args.json:
         print(json.dumps(info, sort_keys=True))

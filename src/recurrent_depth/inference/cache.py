@@ -104,6 +104,9 @@ class _CacheBase:
         self.codecs = LayerCodecs(kv_quant, self.split) if kv_quant is not None else None
         self.codes = CodeRows(kv_quant, self.codecs) if self.codecs is not None else None
         self.kv_quant = self.codes.kv_quant if self.codes is not None else None
+        if self.kv_quant is not None and self.kv_quant.window and self.policy.lookup.reads_per_step:
+            raise ValueError(f"kv_quant window={self.kv_quant.window} keeps each slot's recent tokens; kv_policy "
+                             f"{self.policy.name!r} reads other slots' entries at every read (drop window=)")
         self.num_steps = num_steps
         # Per-step needs one slot per step; a budget never more than the steps run.
         self.core_slots = self.policy.slots.num_slots(num_steps)
@@ -157,6 +160,14 @@ class _CacheBase:
         if not 0 <= num_columns <= self.seq_len:
             raise ValueError(f"cannot truncate a cache of {self.seq_len} columns to {num_columns}")
         self.seq_len = num_columns
+        if self.codes is not None:
+            self.codes.forget_columns(num_columns)
+
+    def window_positions(self, key: LayerKey, num_tokens: int) -> tuple[list[tuple[Any, int]], Tensor, Tensor | None]:
+        """A quantized window's lanes `(layer slot, row)`, the call's columns `[B, T]` and `write_mask`."""
+        split = self.split(key)
+        cols = torch.arange(self.seq_len, self.seq_len + num_tokens, device=self.device)
+        return [(split, b) for b in range(self.batch_size)], cols.expand(self.batch_size, -1), self.write_mask
 
     def seek(self, num_columns: int) -> None:
         """Make the next write start at column `num_columns`, keeping every entry: used to run more
@@ -198,6 +209,8 @@ class _CacheBase:
             else:
                 per_col = torch.ones_like(depth)
             total += (per_col * valid).sum(dim=1) * nbytes
+        if self.codes is not None and self.codes.window is not None:  # the recent tokens' bf16 entries
+            total += self.codes.window.logical_nbytes(self.batch_size, valid, n, core_only).to(total.device)
         return total
 
     def _note_entry(self, base: tuple, k: Tensor, v: Tensor) -> None:
@@ -345,10 +358,12 @@ class StaticRecurrentCache(_CacheBase):
     def nbytes(self) -> int:
         """Allocated bytes (KV storage plus recurrent states)."""
         total = sum(K.nbytes + V.nbytes for K, V in self.kv.values())
-        return total + _state_bytes(self.states)
+        window = self.codes.window_nbytes() if self.codes is not None else 0
+        return total + window + _state_bytes(self.states)
 
     def core_nbytes(self) -> int:
-        return sum(K.nbytes + V.nbytes for base, (K, V) in self.kv.items() if base[0] == "core")
+        window = self.codes.window.nbytes(core_only=True) if self.codes is not None and self.codes.window else 0
+        return window + sum(K.nbytes + V.nbytes for base, (K, V) in self.kv.items() if base[0] == "core")
 
 
 class DynamicRecurrentCache(_CacheBase):
@@ -364,6 +379,9 @@ class DynamicRecurrentCache(_CacheBase):
         **_: Any,
     ) -> None:
         super().__init__(batch_size, num_steps, kv_budget, device, policy, core_layers, kv_quant)
+        if self.kv_quant is not None and self.kv_quant.window:
+            raise ValueError(f"kv_quant window={self.kv_quant.window} is read per query from the static cache's "
+                             "codes; the dynamic reference cache keeps no window (use cache_implementation='static')")
         self.attends_from_codes = False  # a quantized reference stores each entry's round trip and reads floats
         self.entries: dict[tuple, list[tuple[Tensor, Tensor]]] = {}
         self.written: dict[tuple, list[Tensor]] = {}

@@ -18,8 +18,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from recurrent_depth.inference.kv_window import ExactWindow, RecentWindow
 from recurrent_depth.model.cache import LayerKey, attend_floats, combine_key_mask
-from recurrent_depth.ops.codes_attention import codes_attention
+from recurrent_depth.ops.codes_attention import codes_attention, windowed_codes_attention
 from recurrent_depth.quant import QJL, ChannelSplit, Quantizer, QuantSpec, parse_kv_quant, select_outlier_channels
 from recurrent_depth.quant.rows import RowCodec, TurboRows, row_codec
 from recurrent_depth.quant.spec import check_spec_text
@@ -30,31 +31,39 @@ OUTLIER_RULES = {"keys": ("k",), "calibrated": ("k", "v"), "first": ()}
 DEFAULT_OUTLIERS = "keys"
 Codec = RowCodec | TurboRows
 UNQUANTIZED = QuantSpec("raw", 16)  # a side the spec leaves out: bf16 through the same packed path
+MAX_WINDOW = 4096  # window=W's W: recent tokens kept in bf16 (a spec is client text; W bounds its floats)
+WINDOW_BYTES = 2  # a window entry's number: bf16
 
 
 @dataclass(frozen=True)
 class KVQuant:
-    """A key quantizer spec, a value quantizer spec, the attention read path, the seed and the outlier rule."""
+    """A key quantizer spec, a value quantizer spec, the attention read path, the seed, the outlier rule
+    and the recent-token window (the last `window` tokens of each sequence kept in bf16; 0: none)."""
 
     k: QuantSpec = UNQUANTIZED
     v: QuantSpec = UNQUANTIZED
     attention: str = "codes"
     seed: int = 0
     outliers: str = DEFAULT_OUTLIERS
+    window: int = 0
 
     def __post_init__(self) -> None:
         if self.outliers not in OUTLIER_RULES:
             raise ValueError(f"outliers={self.outliers!r} is unknown: expected one of {', '.join(OUTLIER_RULES)}")
+        w = self.window
+        if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w <= MAX_WINDOW:
+            raise ValueError(f"window={w!r} is invalid: expected an integer in [0, {MAX_WINDOW}] (recent tokens "
+                             "kept in bf16)")
 
     @classmethod
     def parse(cls, spec: Any) -> KVQuant:
-        """From `"k=prod:3.5,v=mse:3.5[,attn=codes|dequantize][,seed=N][,outliers=keys|calibrated|first]"`
-        (or a KVQuant)."""
+        """From `"k=prod:3.5,v=mse:3.5[,attn=codes|dequantize][,seed=N][,outliers=keys|calibrated|first]
+        [,window=W]"` (or a KVQuant)."""
         if isinstance(spec, KVQuant):
             return spec
         if not isinstance(spec, str):
             raise ValueError(f"kv_quant={spec!r} is invalid: expected a string such as 'k=prod:3.5,v=mse:3.5'")
-        attention, seed, outliers, sides = "codes", 0, DEFAULT_OUTLIERS, []
+        attention, seed, outliers, window, sides = "codes", 0, DEFAULT_OUTLIERS, 0, []
         try:
             check_spec_text(spec, "kv_quant spec")
         except ValueError as exc:
@@ -73,19 +82,25 @@ class KVQuant:
                     seed = int(value)
                 elif name == "outliers":
                     outliers = value
+                elif name == "window":
+                    if not (value.isascii() and value.isdigit()) or len(value) > 5 or int(value) > MAX_WINDOW:
+                        raise ValueError(f"window={value!r} is invalid: expected an integer in [0, {MAX_WINDOW}] "
+                                         "(recent tokens kept in bf16)")
+                    window = int(value)
                 else:
                     sides.append(part)
             if not sides:
                 raise ValueError("give k= and/or v=, e.g. k=prod:3.5,v=mse:3.5")
             specs = parse_kv_quant(",".join(sides))
-            return cls(specs.get("k", UNQUANTIZED), specs.get("v", UNQUANTIZED), attention, seed, outliers)
+            return cls(specs.get("k", UNQUANTIZED), specs.get("v", UNQUANTIZED), attention, seed, outliers, window)
         except ValueError as exc:
             raise ValueError(f"kv_quant={spec!r} is invalid: {exc}") from None
 
     @property
     def name(self) -> str:
         return (f"k={self.k},v={self.v},attn={self.attention}" + (f",seed={self.seed}" if self.seed else "")
-                + (f",outliers={self.outliers}" if self.outliers != DEFAULT_OUTLIERS else ""))
+                + (f",outliers={self.outliers}" if self.outliers != DEFAULT_OUTLIERS else "")
+                + (f",window={self.window}" if self.window else ""))
 
     def build(self, role: str, dim: int) -> Quantizer:
         spec = self.k if role == "k" else self.v
@@ -94,20 +109,39 @@ class KVQuant:
         except ValueError as exc:
             raise ValueError(f"kv_quant {role}={spec} cannot code this model's head dim {dim}: {exc}") from None
 
-    def bits_per_coordinate(self, head_dim: int) -> dict[str, float]:
+    def bits_per_coordinate(self, head_dim: int, context: int | None = None) -> dict[str, float]:
         """What each side really stores per coordinate at `head_dim`, norms and residual bytes counted:
-        bytes per vector x 8 / head_dim (`prod:2.5` is 2.875 at 128: a spec's label is its nominal bits)."""
-        return {role: self.build(role, head_dim).bytes_per_vector * 8 / head_dim for role in ("k", "v")}
+        bytes per vector x 8 / head_dim (`prod:2.5` is 2.875 at 128: a spec's label is its nominal bits).
+        With a window and a `context` (tokens per sequence), the window's bf16 entries are spread over
+        the context's tokens: + 16 x min(W, context) / context; without a context, the codes alone."""
+        window = self.window_share(context)
+        return {role: self.build(role, head_dim).bytes_per_vector * 8 / head_dim + 8 * WINDOW_BYTES * window
+                for role in ("k", "v")}
+
+    def window_share(self, context: int | None) -> float:
+        """The window's entries per token of a `context`-token sequence: min(W, context) / context (0 without
+        a window or a context)."""
+        if not self.window or context is None:
+            return 0.0
+        if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+            raise ValueError(f"context={context!r} is invalid: expected an integer >= 1 (tokens per sequence)")
+        return min(self.window, context) / context
 
     def label(self, head_dim: int) -> str:
         """`name` with the true bits per coordinate at `head_dim`, as every interface shows a spec."""
         bits = self.bits_per_coordinate(head_dim)
-        return f"{self.name} (true bits per coordinate at head dim {head_dim}: k {bits['k']:g}, v {bits['v']:g})"
+        window = (f"; + a {self.window}-token bf16 window, {self.window * 2 * WINDOW_BYTES * head_dim} B per layer, "
+                  "KV head and sequence") if self.window else ""
+        return (f"{self.name} (true bits per coordinate at head dim {head_dim}: k {bits['k']:g}, v {bits['v']:g}"
+                f"{window})")
 
-    def bytes_per_token(self, head_dim: int, num_kv_heads: int, num_layers: int = 1) -> int:
-        """Bytes one token's keys and values take in `num_layers` attention caches, every norm counted."""
+    def bytes_per_token(self, head_dim: int, num_kv_heads: int, num_layers: int = 1,
+                        context: int | None = None) -> float:
+        """Bytes one token's keys and values take in `num_layers` attention caches, every norm counted (an
+        int); with a window and a `context`, its bf16 entries spread over the context's tokens."""
         per_head = self.build("k", head_dim).bytes_per_vector + self.build("v", head_dim).bytes_per_vector
-        return per_head * num_kv_heads * num_layers
+        window = self.window_share(context) * 2 * WINDOW_BYTES * head_dim
+        return (per_head + window if window else per_head) * num_kv_heads * num_layers
 
 
 def parse_kv_quant_option(spec: Any) -> KVQuant | None:
@@ -202,6 +236,11 @@ class RowStorage(Protocol):
     def write_rows(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
     def key_mask(self, key: LayerKey) -> Tensor | None: ...
 
+    def window_positions(self, key: LayerKey, num_tokens: int) -> tuple[list[tuple[Any, int]], Tensor, Tensor | None]:
+        """For a window (`kv_quant=...,window=W`): each batch row's lane `(layer slot, storage row)`, the
+        columns `[B, T]` the call's tokens are written at, and which it writes (bool `[B, T]`, None: all)."""
+        ...
+
 
 class CodeRows:
     """The codec a KV storage holds when its entries are quantized (see the module docstring).
@@ -212,7 +251,10 @@ class CodeRows:
     def __init__(self, kv_quant: Any, choose: ChooseCodecs) -> None:
         self.kv_quant = KVQuant.parse(kv_quant)
         self.choose = choose
-        self.attends_from_codes = self.kv_quant.attention == "codes"  # softmax attention calls `attend`
+        # The last W tokens of each lane in bf16 (`kv_window`), read per query by `attend`.
+        self.window = RecentWindow(self.kv_quant.window) if self.kv_quant.window else None
+        # softmax attention calls `attend` (always with a window: its reads are per query)
+        self.attends_from_codes = self.kv_quant.attention == "codes" or self.window is not None
 
     def store(self, storage: RowStorage, key: LayerKey, k: Tensor, v: Tensor, kernels: Any = None,
               ) -> tuple[Tensor, Tensor, Codec, Codec]:
@@ -227,9 +269,27 @@ class CodeRows:
         return rows_k, rows_v, ck, cv
 
     def update_heads(self, storage: RowStorage, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """The dequantize read: `[B, Hkv, T, D]` in, every visible column decoded `[B, Hkv, S, D]` out."""
+        """The dequantize read: `[B, Hkv, T, D]` in, every visible column decoded `[B, Hkv, S, D]` out. With a
+        window, the columns in the call's last query's window hold their bf16 entries (the same columns
+        `attend` reads exactly for that query; earlier queries of a longer call read theirs only there)."""
+        window = self._window(storage, key, k, v)
         rows_k, rows_v, ck, cv = self.store(storage, key, k, v)
-        return ck.decode(rows_k, k.dtype), cv.decode(rows_v, v.dtype)
+        K, V = ck.decode(rows_k, k.dtype), cv.decode(rows_v, v.dtype)
+        if window is not None:
+            last = window._replace(qcols=window.qcols[:, -1:])
+            reads = last.in_window()[:, 0] & (window.cols < K.shape[2])  # [B, E]
+            for b, e in reads.nonzero().tolist():
+                col = int(window.cols[b, e])
+                K[b, :, col] = window.k[b, :, e].to(K.dtype)
+                V[b, :, col] = window.v[b, :, e].to(V.dtype)
+        return K, V
+
+    def _window(self, storage: RowStorage, key: LayerKey, k: Tensor, v: Tensor) -> ExactWindow | None:
+        """The call's exact entries, the new tokens entering the window (None without a window)."""
+        if self.window is None:
+            return None
+        lanes, cols, written = storage.window_positions(key, k.shape[2])
+        return self.window.read_and_write(lanes, cols, written, k, v)
 
     def attend(self, storage: RowStorage, key: LayerKey, q: Tensor, k: Tensor, v: Tensor,
                attn_mask: Tensor | None, is_causal: bool, kernels: Any = None) -> Tensor:
@@ -237,13 +297,41 @@ class CodeRows:
         `[B, Hkv, T, D]` written first; the result `[B, H, T, Dv]` equals SDPA over the decoded
         columns (GQA included), the storage's `key_mask` applied. kernels: as `store`'s (the fast
         runner passes compiled ones; None: these eager functions)."""
+        window = self._window(storage, key, k, v)
         rows_k, rows_v, ck, cv = self.store(storage, key, k, v, kernels)
         key_mask = storage.key_mask(key)
         if key_mask is not None:
             attn_mask, is_causal = combine_key_mask(attn_mask, key_mask, q.shape[2]), False
+        if window is not None:  # the eager read (the fused kernels read codes only)
+            if self.kv_quant.attention == "codes":
+                score, combine = ck.score, cv.combine
+            else:
+                def score(x: Tensor, rows: Tensor) -> Tensor:
+                    return x.float() @ ck.decode(rows).transpose(-1, -2)
+
+                def combine(w: Tensor, rows: Tensor) -> Tensor:
+                    return w @ cv.decode(rows)
+            return windowed_codes_attention(q, rows_k, rows_v, score, combine, attn_mask, is_causal, window)
         if kernels is not None and kernels.fits(ck, cv, q):
             return kernels.attend(ck, cv, q, rows_k, rows_v, attn_mask, is_causal)
         return codes_attention(q, rows_k, rows_v, ck.score, cv.combine, attn_mask, is_causal)
+
+    # The window's life follows the storage's rows and columns.
+    def forget_columns(self, num_columns: int) -> None:
+        if self.window is not None:
+            self.window.forget_columns(num_columns)
+
+    def forget_row(self, row: int) -> None:
+        if self.window is not None:
+            self.window.forget_row(row)
+
+    def move_row(self, src: int, dst: int) -> None:
+        if self.window is not None:
+            self.window.move_row(src, dst)
+
+    def window_nbytes(self) -> int:
+        """Allocated bytes of the window's bf16 entries (0 without one)."""
+        return self.window.nbytes() if self.window is not None else 0
 
     def round_trip(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """k, v `[B, Hkv, T, D]` as their codes decode (the plain reference's entries)."""

@@ -274,7 +274,8 @@ class GenerationOptions:
     kv_quant: str | None = option(None, "cache", "quantize the KV cache, e.g. 'k=prod:3.5,v=mse:3.5' (TurboQuant; "
         "methods mse, prod, qjl, polar, raw); ',attn=dequantize' decodes before attention instead of scoring the "
         "codes; a fractional split codes each head's highest-energy key channels in the prompt at the higher width, "
-        "',outliers=calibrated' the values' too, ',outliers=first' channels 0..n_out-1 (docs/quant.md)", "str",
+        "',outliers=calibrated' the values' too, ',outliers=first' channels 0..n_out-1; ',window=W' keeps the last W "
+        "tokens of each sequence in bf16 (docs/quant.md)", "str",
         shown="off, full precision", metavar="SPEC", http=True, hf="routed", lm_eval="model")
     cache_implementation: str = option("static", "cache", "KV storage: preallocated 'static' or the plain 'dynamic' "
         "reference", "str", choices=CACHE_IMPLEMENTATIONS, hf="routed")

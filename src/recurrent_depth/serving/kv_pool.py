@@ -57,7 +57,7 @@ class SlotKVPool:
     def __init__(self, device: Any = "cpu", kv_quant: KVQuant | str | None = None) -> None:
         self.device = torch.device(device)
         # Quantized entries: the codec, choosing each call's codecs from its rows' calibration (None: floats).
-        self.row_codecs = RowCodecs(self, kv_quant) if kv_quant is not None else None
+        self.row_codecs = RowCodecs(kv_quant) if kv_quant is not None else None
         self.codes = CodeRows(kv_quant, self.row_codecs) if self.row_codecs is not None else None
         self.kv_quant = self.codes.kv_quant if self.codes is not None else None
         self.attends_from_codes = self.codes is not None and self.codes.attends_from_codes
@@ -159,7 +159,8 @@ class SlotKVPool:
         self._read_len = length
         self._slot_table = slot_table.to(self.device)
         if self.row_codecs is not None:
-            self.row_codecs.calibrated.clear()
+            self.row_codecs.bind_prefill(row, self.rows)
+            self.codes.forget_row(row)  # a new request: the row's old window entries are not its own
 
     def bind_tokens(self, rows: list[int], row_index: Tensor, cols: Tensor, read_len: int,
                     core_slots: list[int] | None, core_steps: list[int] | None = None) -> None:
@@ -175,6 +176,8 @@ class SlotKVPool:
         self._contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
         self._cols = cols
         self._read_len = read_len
+        if self.row_codecs is not None:
+            self.row_codecs.bind_tokens(rows, row_index)
         if core_slots and max(core_slots) >= self.slots:
             self._grow_slots(max(core_slots))
         if core_slots is None or len(set(core_slots)) == 1:
@@ -236,6 +239,15 @@ class SlotKVPool:
         flat = slot * self.rows + rows  # [B] (slot: an int or one per row)
         return K.flatten(0, 1)[:, :, :L].index_select(0, flat), V.flatten(0, 1)[:, :, :L].index_select(0, flat)
 
+    def window_positions(self, key: LayerKey, num_tokens: int) -> tuple[list[tuple[Any, int]], Tensor, None]:
+        """A quantized window's lanes `((base, slot), row)` and the call's columns `[B, T]` (every token written)."""
+        base, slot = self.base(key), self._slot(key)
+        if self._cols is None:  # prefill: one row, columns [0, T)
+            cols = torch.arange(num_tokens, device=self.device)[None]
+            return [((base, int(slot)), self._rows[0])], cols, None
+        slots = slot.tolist() if isinstance(slot, Tensor) else [slot] * len(self._rows)
+        return [((base, s), r) for s, r in zip(slots, self._rows)], self._cols[:, None], None
+
     def key_mask(self, key: LayerKey) -> Tensor | None:
         """Bool `[B, L]` in token calls with rows whose lookup hides columns (`Skip`), else None."""
         if key[0] != "core" or self._token_steps is None:
@@ -254,9 +266,19 @@ class SlotKVPool:
         """Protocol no-op: each row's length is tracked by its sequence, not by the pool."""
 
     def nbytes(self) -> int:
-        """Allocated KV bytes (code rows under `QuantizedSlotKVPool`); safe to call from another
-        thread (the metrics scrape) while the engine adds layers."""
-        return sum(K.nbytes + V.nbytes for K, V in list(self.kv.values()))
+        """Allocated KV bytes (code rows, and a window's bf16 entries, under `kv_quant`); safe to call from
+        another thread (the metrics scrape) while the engine adds layers."""
+        window = self.codes.window_nbytes() if self.codes is not None else 0
+        return window + sum(K.nbytes + V.nbytes for K, V in list(self.kv.values()))
+
+    @property
+    def orders(self) -> dict[tuple, Tensor]:
+        """Each row's calibrated channel order per (layer, side) (`RowCodecs`; empty for floats)."""
+        return self.row_codecs.orders if self.row_codecs is not None else {}
+
+    def state_nbytes(self) -> int:
+        """Quantizer state, not per token (`RowCodecs.state_nbytes`; 0 for floats)."""
+        return self.row_codecs.state_nbytes() if self.row_codecs is not None else 0
 
     # ------------------------------------------------------------------ after a call
     @staticmethod
@@ -306,6 +328,7 @@ class SlotKVPool:
         self.policies[dst] = self.policies.pop(src)
         if self.row_codecs is not None:
             self.row_codecs.move(src, dst)
+            self.codes.move_row(src, dst)
 
 
 class RowCodecs:
@@ -316,48 +339,61 @@ class RowCodecs:
     alone takes them from a layer's first write: a row's prefill calibrates each layer at its first
     write there (`layer_codec`), the row keeps that channel order per (layer, side) in `orders`
     (`[R, Hkv, D]`, moved with the row), and a call's codec is the shared one permuted by the
-    stacked orders of its rows (`permuted`; kept while the same rows come back)."""
+    stacked orders of its rows (`permuted`; kept while the same rows come back). The pool tells it
+    which rows each call runs (`bind_prefill`, `bind_tokens`) and how many rows it holds (`reserve`)."""
 
-    def __init__(self, pool: SlotKVPool, kv_quant: KVQuant | str) -> None:
-        self.pool = pool
+    def __init__(self, kv_quant: KVQuant | str) -> None:
         self.kv_quant = KVQuant.parse(kv_quant)
         self.orders: dict[tuple, Tensor] = {}  # (base, role) -> [R, Hkv, D]: each row's calibrated channel order
         self.calibrated: set[tuple] = set()  # (base, role) the bound prefill has calibrated
         self._permuted: dict[tuple, Codec] = {}  # (base, role, rows) -> that call's codec, until an order changes
+        self.rows = 0  # rows the pool holds (an order's first axis)
+        self._call_rows: list[int] = []  # the bound call's rows
+        self._row_index: Tensor | None = None  # token calls: the same as a tensor; None: a prefill
+
+    def bind_prefill(self, row: int, rows: int) -> None:
+        """The next call runs row `row`'s prompt (of `rows` rows held): its layers calibrate at their first write."""
+        self.reserve(rows)
+        self._call_rows, self._row_index = [row], None
+        self.calibrated.clear()
+
+    def bind_tokens(self, rows: list[int], row_index: Tensor) -> None:
+        """The next call feeds one token to each of `rows` (also as `row_index` `[B]`)."""
+        self._call_rows, self._row_index = rows, row_index
 
     def __call__(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Codec, Codec]:
-        base = self.pool.base(key)
+        base = SlotKVPool.base(key)
         return self._codec(base, "k", k), self._codec(base, "v", v)
 
     def _codec(self, base: tuple, role: str, x: Tensor) -> Codec:
-        pool = self.pool
-        prefill = pool._cols is None
+        prefill = self._row_index is None
         if prefill and (base, role) not in self.calibrated:  # the row's first write of this layer
             self.calibrated.add((base, role))
             own = layer_codec(self.kv_quant, role, x.shape[-1], x)
             if getattr(own, "perm", None) is not None:
                 if (base, role) not in self.orders:
-                    self.orders[(base, role)] = own.perm.new_zeros(pool.rows, *own.perm.shape)
-                self.orders[(base, role)][pool._rows[0]] = own.perm
+                    self.orders[(base, role)] = own.perm.new_zeros(self.rows, *own.perm.shape)
+                self.orders[(base, role)][self._call_rows[0]] = own.perm
                 self._permuted.clear()
             return own
         order = self.orders.get((base, role))
         if order is None:  # a codec without calibration
             return layer_codec(self.kv_quant, role, x.shape[-1])
-        name = (base, role, tuple(pool._rows))
+        name = (base, role, tuple(self._call_rows))
         codec = self._permuted.get(name)
         if codec is None:
             if len(self._permuted) >= 64:
                 self._permuted.clear()
-            rows = pool._rows[0] if prefill else pool._row_index
+            rows = self._call_rows[0] if prefill else self._row_index
             codec = self._permuted[name] = layer_codec(self.kv_quant, role, x.shape[-1]).permuted(order[rows])
         return codec
 
     def reserve(self, rows: int) -> None:
         """Room for `rows` rows' orders (the pool grew)."""
+        self.rows = max(self.rows, rows)
         for name, order in self.orders.items():
-            if order.shape[0] < rows:
-                self.orders[name] = torch.cat([order, order.new_zeros(rows - order.shape[0], *order.shape[1:])])
+            if order.shape[0] < self.rows:
+                self.orders[name] = torch.cat([order, order.new_zeros(self.rows - order.shape[0], *order.shape[1:])])
 
     def move(self, src: int, dst: int) -> None:
         for order in self.orders.values():
@@ -371,19 +407,11 @@ class RowCodecs:
 
 
 class QuantizedSlotKVPool(SlotKVPool):
-    """`SlotKVPool` holding the codec of `kv_quant` (see the module docstring and `RowCodecs`)."""
-
-    row_codecs: RowCodecs
+    """`SlotKVPool(kv_quant=...)` under its own name: the pool holding the codec of `kv_quant` (see the
+    module docstring and `RowCodecs`)."""
 
     def __init__(self, kv_quant: KVQuant | str, device: Any = "cpu") -> None:
         super().__init__(device, kv_quant)
-
-    @property
-    def orders(self) -> dict[tuple, Tensor]:
-        return self.row_codecs.orders
-
-    def state_nbytes(self) -> int:
-        return self.row_codecs.state_nbytes()
 
 
 def make_pool(kv_quant: KVQuant | None, device: Any = "cpu") -> SlotKVPool:

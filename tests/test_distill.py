@@ -77,9 +77,10 @@ def weights(result):
 
 
 def test_alpha_zero_is_plain_training_bit_for_bit(train_root, teacher_dir, tmp_path):
-    plain = Trainer(tiny_train_config(train_root, tmp_path / "plain", max_steps=3)).run()
-    zero = Trainer(tiny_train_config(train_root, tmp_path / "zero", max_steps=3, teacher=str(teacher_dir),
-                                     distill_alpha=0.0)).run()
+    quick = dict(max_steps=3, eval_depths=[1], eval_batches=1)
+    plain = Trainer(tiny_train_config(train_root, tmp_path / "plain", **quick)).run()
+    zero = Trainer(tiny_train_config(train_root, tmp_path / "zero", teacher=str(teacher_dir), distill_alpha=0.0,
+                                     **quick)).run()
     assert zero.losses == plain.losses
     a, b = weights(plain), weights(zero)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -100,9 +101,10 @@ def recorded_draws(trainer):
 
 
 def test_the_teacher_draws_from_its_own_generator(train_root, teacher_dir, tmp_path):
-    plain = Trainer(tiny_train_config(train_root, tmp_path / "plain", max_steps=2))
-    taught = Trainer(tiny_train_config(train_root, tmp_path / "taught", max_steps=2, teacher=str(teacher_dir),
-                                       teacher_depth=8, distill_alpha=0.5))
+    quick = dict(max_steps=2, eval_depths=[1], eval_batches=1)
+    plain = Trainer(tiny_train_config(train_root, tmp_path / "plain", **quick))
+    taught = Trainer(tiny_train_config(train_root, tmp_path / "taught", teacher=str(teacher_dir), teacher_depth=8,
+                                       distill_alpha=0.5, **quick))
     assert isinstance(taught.objective, Distillation) and isinstance(plain.objective, LanguageModeling)
     draws_plain, draws_taught = recorded_draws(plain), recorded_draws(taught)
     plain.run()
@@ -114,13 +116,13 @@ def test_the_teacher_draws_from_its_own_generator(train_root, teacher_dir, tmp_p
 
 
 def test_a_written_cache_gives_the_on_the_fly_top_k_loss(train_root, teacher_dir, tmp_path):
-    options = dict(max_steps=1, teacher=str(teacher_dir), teacher_depth=4, distill_top_k=8, distill_alpha=0.5)
+    options = dict(max_steps=1, teacher=str(teacher_dir), teacher_depth=1, distill_top_k=8, distill_alpha=0.5)
     cached = Trainer(tiny_train_config(train_root, tmp_path / "run", distill_cache=str(tmp_path / "cache"), **options))
     manifest = json.loads((tmp_path / "cache" / "manifest.json").read_text())
     assert manifest["bytes_per_token"] == bytes_per_token(8, VOCAB) == 8 * (2 + 2)  # fp16 + int16
     rows = cached.data.dataset("train", shuffle=False).rows(list(range(4)))  # the cache's first teacher batch
     batch = {"input_ids": torch.from_numpy(rows[:, :-1]), "targets": torch.from_numpy(rows[:, 1:])}
-    fly = Distillation(load_teacher(teacher_dir, 4), alpha=0.5, temperature=1.0, top_k=8, seed=0, position=lambda: 0)
+    fly = Distillation(load_teacher(teacher_dir, 1), alpha=0.5, temperature=1.0, top_k=8, seed=0, position=lambda: 0)
 
     def loss(objective):
         generator = torch.Generator().manual_seed(3)
@@ -146,12 +148,12 @@ def test_a_missing_teacher_or_another_vocabulary_is_a_one_line_error(train_root,
 def test_the_cli_distils_and_writes_a_cache_only(train_root, teacher_dir, tmp_path, capsys):
     flags = ["train", "--init-from", str(teacher_dir), "--data", str(train_root / "corpus"),
              "--data-dir", str(train_root / "data"), "--val-fraction", "0.1", "--keep-all", "--seq-len", "32",
-             "--batch-size", "4", "--eval-batches", "1", "--eval-depths", "4", "--no-tensorboard", "--no-progress",
-             "--teacher", str(teacher_dir), "--teacher-depth", "8", "--distill-top-k", "4",
+             "--batch-size", "4", "--eval-batches", "1", "--eval-depths", "1", "--no-tensorboard", "--no-progress",
+             "--teacher", str(teacher_dir), "--teacher-depth", "1", "--distill-top-k", "4",
              "--depth-scheme", "fixed", "--mean-recurrence", "4"]
     assert main([*flags, "--out", str(tmp_path / "only"), "--distill-cache", str(tmp_path / "cache"),
                  "--distill-cache-only"]) == 0
     assert "16 bytes per token" in capsys.readouterr().out
     assert main([*flags, "--out", str(tmp_path / "run"), "--distill-cache", str(tmp_path / "cache"),
-                 "--max-steps", "2"]) == 0
+                 "--max-steps", "1"]) == 0
     assert (tmp_path / "run" / "model" / "config.json").is_file()

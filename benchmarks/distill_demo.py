@@ -2,7 +2,8 @@
 
     OMP_NUM_THREADS=1 nice -n 10 python benchmarks/distill_demo.py --out runs/distill-demo
 
-1. a teacher is trained (tiny preset, stdlib, Poisson-lognormal depth around --teacher-mean), unless --teacher DIR;
+1. a teacher is trained (tiny preset, stdlib packed with keep_all, Poisson-lognormal depth around
+   --teacher-mean), unless --teacher DIR;
 2. two students start from the teacher's weights (`init_from`) and train at a fixed depth 4 for the same
    --student-steps on the same batches: one with the teacher at depth --teacher-depth (alpha, T, top-k as
    given), one without (plain cross-entropy);
@@ -47,7 +48,7 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=8)
     args = parser.parse_args()
     out = Path(args.out)
-    common: dict[str, Any] = dict(data="stdlib", seq_len=args.seq_len, batch_size=args.batch_size,
+    common: dict[str, Any] = dict(data="stdlib", keep_all=True, seq_len=args.seq_len, batch_size=args.batch_size,
                                   eval_batches=args.eval_batches, eval_depths=[4, args.teacher_depth],
                                   data_dir=str(out / "data"), progress=False, tensorboard=False, seed=0)
     report: dict[str, Any] = {"settings": vars(args)}

@@ -157,3 +157,47 @@ def test_the_cli_distils_and_writes_a_cache_only(train_root, teacher_dir, tmp_pa
     assert main([*flags, "--out", str(tmp_path / "run"), "--distill-cache", str(tmp_path / "cache"),
                  "--max-steps", "1"]) == 0
     assert (tmp_path / "run" / "model" / "config.json").is_file()
+
+
+
+def write_llama_dir(path, vocab=64, hidden=32, ffn=40, layers=4, heads=4, kv_heads=2):
+    """A transformers-format Llama directory written by hand (config.json + safetensors, random weights)."""
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab,
+              "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
+              "num_attention_heads": heads, "num_key_value_heads": kv_heads, "max_position_embeddings": 32,
+              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
+              "torch_dtype": "float32"}
+    (path / "config.json").write_text(json.dumps(config))
+    gen, head_dim = torch.Generator().manual_seed(0), hidden // heads
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+              "lm_head.weight": (vocab, hidden)}
+    for i in range(layers):
+        block = f"model.layers.{i}."
+        shapes.update({block + "input_layernorm.weight": (hidden,),
+                       block + "post_attention_layernorm.weight": (hidden,),
+                       block + "self_attn.q_proj.weight": (hidden, hidden),
+                       block + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+                       block + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+                       block + "self_attn.o_proj.weight": (hidden, hidden),
+                       block + "mlp.gate_proj.weight": (ffn, hidden), block + "mlp.up_proj.weight": (ffn, hidden),
+                       block + "mlp.down_proj.weight": (hidden, ffn)})
+    save_file({name: torch.randn(shape, generator=gen) * 0.2 for name, shape in shapes.items()},
+              str(path / "model.safetensors"))
+
+
+def test_a_non_recurrent_teacher_runs_at_depth_one_through_retrofit(tmp_path):
+    """A transformers Llama directory as teacher: retrofit with every layer kept (tests/test_retrofit.py shows
+    that equals the source network), run at depth 1, deterministic, in eval mode without gradients."""
+    write_llama_dir(tmp_path / "llama")
+    with pytest.raises(ValueError, match="teacher_depth=4: teacher .* is not recurrent"):
+        load_teacher(tmp_path / "llama", 4)
+    teacher = load_teacher(tmp_path / "llama")
+    assert teacher.depth == 1 and teacher.vocab_size == 64 and not teacher.model.training
+    assert not any(p.requires_grad for p in teacher.model.parameters())
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    objective = Distillation(teacher, alpha=0.5, temperature=1.0, top_k=0, seed=0, position=lambda: 0)
+    first = objective.teacher_logits(ids, position=0)
+    assert first.shape == (2, 9, 64) and torch.equal(first, objective.teacher_logits(ids, position=5))

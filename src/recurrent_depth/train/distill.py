@@ -110,10 +110,10 @@ def load_teacher(path: str | Path, depth: int | None = None, device: torch.devic
         layers = int(raw.get("num_hidden_layers", 0))
         if layers < 3:
             raise ValueError(f"teacher {directory} has {layers} layers: a non-recurrent teacher needs at least 3")
-        model = retrofit.retrofit(directory, prelude=1, core=(1, layers - 1), coda=1, mean_recurrence=1)
-        run_depth: int | None = 1
         if depth not in (None, 1):
             raise ValueError(f"teacher_depth={depth}: teacher {directory} is not recurrent (it runs at depth 1)")
+        model = retrofit.retrofit(directory, prelude=1, core=(1, layers - 1), coda=1, mean_recurrence=1)
+        run_depth = 1
     else:
         model = RecurrentDepthLM.from_pretrained(directory, dtype=dtype, device=device)
         run_depth = depth if depth is not None else max(1, round(model.config.mean_recurrence))

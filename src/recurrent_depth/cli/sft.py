@@ -15,7 +15,8 @@ import json
 
 # TrainConfig fields of pretraining data and tokenizer training, which SFT does not use
 SKIPPED_FIELDS = ("preset", "text_field", "follow_symlinks", "tokenizer", "vocab_size", "tokenizer_max_bytes",
-                  "keep_all", "data_dir", "baseline")
+                  "keep_all", "data_dir", "baseline", "distill_cache",
+                  "distill_cache_only")
 HELP = {
     "init_from": "the model to fine-tune (required): a model directory, a run directory holding model/, or an "
                  "official Huginn-0125 or Ouro directory; its config, weights, tokenizer and chat template are used",

@@ -160,6 +160,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from recurrent_depth.train.trainer import Trainer
 
+    if cfg.distill_cache_only:  # the Trainer's setup writes the cache; nothing is trained
+        trainer = Trainer(cfg)
+        print(f"distill cache: {cfg.distill_cache}")
+        from recurrent_depth.train.distributed import shutdown
+
+        shutdown(trainer.env)
+        return 0
     spec = lora_spec_from_args(args)
     if spec is None:
         return run_trainer(Trainer(cfg), "train")

@@ -53,6 +53,18 @@ FIELD_HELP: dict[str, str] = {
                  "one or an Ouro one): its config, weights and tokenizer, with a fresh optimizer and schedule; preset "
                  "is ignored and only the depth settings (mean_recurrence, mean_backprop_depth) may differ from its "
                  "config",
+    "teacher": "distil from this model directory (ours, a run directory holding model/, official Huginn-0125, "
+               "Ouro, Parcae, or a transformers Llama/Qwen2/Qwen3/OLMo-2 one); same vocabulary and tokenizer as "
+               "the student; none = no distillation (docs/post-training.md)",
+    "teacher_depth": "the recurrent teacher's test depth r; none = its config's mean_recurrence",
+    "distill_alpha": "distillation weight alpha: loss = (1 - alpha) CE + alpha T^2 KL(teacher || student); "
+                     "0 = plain training (the teacher is never loaded)",
+    "distill_temperature": "distillation temperature T (both distributions softened by it)",
+    "distill_top_k": "KL over the teacher's k most likely tokens, renormalised (student log-probs over the full "
+                     "vocabulary, gathered there); 0 = the full vocabulary",
+    "distill_cache": "directory of cached teacher top-k logits (fp16 values + int16/int32 indices) over the "
+                     "training shards; written there first when it holds none; none = teacher on the fly",
+    "distill_cache_only": "write distill_cache from the teacher over the training shards and exit",
     "data": "corpus: 'stdlib' (the Python standard library's source), a directory, or a .jsonl file",
     "text_field": "JSONL field that holds the text",
     "follow_symlinks": "read corpus files that are symlinks to files outside the data directory (else refused)",
@@ -122,6 +134,13 @@ class TrainConfig:
     preset: str = "tiny"
     model: dict[str, Any] = field(default_factory=dict)
     init_from: str | None = None
+    teacher: str | None = None
+    teacher_depth: int | None = None
+    distill_alpha: float = 0.5
+    distill_temperature: float = 1.0
+    distill_top_k: int = 0
+    distill_cache: str | None = None
+    distill_cache_only: bool = False
     data: str = "stdlib"
     text_field: str = "text"
     follow_symlinks: bool = False
@@ -204,6 +223,7 @@ class TrainConfig:
         need_int("max_steps", 0, optional=True)  # 0: save the starting weights as they are (--init-from)
         if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
             raise bad("init_from", "None or a model directory path")
+        self._validate_distillation()
         for name in ("batch_size", "grad_accum", "eval_batches", "keep_last"):
             need_int(name, 1)
         for name in ("eval_interval", "save_every", "seed"):
@@ -260,6 +280,32 @@ class TrainConfig:
             raise bad("out", "a directory path, or None to write nothing")
         if self.out is None and self.resume:
             raise bad("resume", "false when out is None (nothing is saved to resume from)")
+
+    def _validate_distillation(self) -> None:
+        def bad(name: str, expected: str) -> ValueError:
+            return ValueError(f"TrainConfig.{name}={getattr(self, name)!r} is invalid: expected {expected}")
+
+        for name in ("teacher", "distill_cache"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise bad(name, "None or a directory path")
+        if self.teacher_depth is not None and (not is_int(self.teacher_depth) or not
+                                               1 <= self.teacher_depth <= MAX_NUM_STEPS):
+            raise bad("teacher_depth", f"None or an integer in [1, {MAX_NUM_STEPS}]")
+        if not is_real(self.distill_alpha) or not 0 <= self.distill_alpha <= 1:
+            raise bad("distill_alpha", "a number in [0, 1]")
+        if not is_real(self.distill_temperature) or self.distill_temperature <= 0:
+            raise bad("distill_temperature", "a number > 0")
+        if not is_int(self.distill_top_k) or self.distill_top_k < 0:
+            raise bad("distill_top_k", "an integer >= 0 (0 = the full vocabulary)")
+        if not isinstance(self.distill_cache_only, bool):
+            raise bad("distill_cache_only", "true or false")
+        if self.distill_cache is not None and not self.distill_top_k:
+            raise bad("distill_top_k", "an integer >= 1 with distill_cache (the cache holds the teacher's top-k)")
+        if self.distill_cache_only and (self.distill_cache is None or self.teacher is None):
+            raise bad("distill_cache_only", "false unless distill_cache and teacher are set")
+        if self.distill_cache is not None and self.teacher is None:
+            raise bad("distill_cache", "None without a teacher (the cache belongs to one teacher)")
 
     def _validate_model_overrides(self) -> None:
         """Check the `model` overrides now, before a tokenizer is trained: each value's type, then the

@@ -52,6 +52,14 @@ from recurrent_depth.train import trainer_checkpoints
 from recurrent_depth.train.batches import BatchSource, RowBatches
 from recurrent_depth.train.config import TrainConfig
 from recurrent_depth.train.depth import DepthSampler, stream_seed
+from recurrent_depth.train.distill import (
+    Distillation,
+    check_vocabularies,
+    find_teacher_dir,
+    load_teacher,
+    teacher_summary,
+)
+from recurrent_depth.train.distill_cache import CachedTeacher, has_cache, write_cache
 from recurrent_depth.train.init_from import load_for_training, resolved_config
 from recurrent_depth.train.lora import base_model_of, is_peft_model
 from recurrent_depth.train.objective import LanguageModeling, Objective
@@ -213,6 +221,13 @@ class Trainer:
         self.save_seconds = 0.0  # the longest checkpoint write of this session
         self.previous_finish: dict[str, Any] | None = None  # how an earlier session of this run ended
         self._setup(corpus, model, data, tokenizer_dir, depth, evaluate)
+        if cfg.teacher is not None and (cfg.distill_alpha > 0 or cfg.distill_cache_only):
+            if objective is not None:
+                raise ValueError("TrainConfig.teacher distils with the language-modeling loss: it cannot be "
+                                 "combined with another objective")
+            self.objective = self._distillation()
+        elif cfg.teacher is not None:
+            find_teacher_dir(cfg.teacher)  # alpha = 0: plain training, but a wrong path is still an error
 
     # ------------------------------------------------------------------ setup
     def log(self, message: str) -> None:
@@ -316,6 +331,39 @@ class Trainer:
         self.train_data = self.data.dataset("train", seed=cfg.seed, rank=env.rank, world_size=env.world_size)
         self.val_data = self.data.dataset("validation", shuffle=False, rank=env.rank, world_size=env.world_size)
         self.source = RowBatches(self.train_data, env.device, self.data.metadata)
+
+    def _distillation(self) -> Distillation:
+        """The distillation objective `cfg.teacher` names (train/distill.py), its cache written first if asked."""
+        cfg, env = self.cfg, self.env
+        teacher = load_teacher(cfg.teacher, cfg.teacher_depth, env.device)
+        student_vocab = int(base_model_of(self.model).config.vocab_size)
+        check_vocabularies(teacher, student_vocab, self.tokenizer_dir)
+        self.log(f"distillation: teacher {teacher.directory} at depth {teacher.depth}, alpha {cfg.distill_alpha:g}, "
+                 f"T {cfg.distill_temperature:g}, top-k {cfg.distill_top_k or 'full vocabulary'}")
+
+        def position() -> int:
+            return self.state.micro_step * env.world_size + env.rank
+
+        objective = Distillation(teacher, alpha=cfg.distill_alpha, temperature=cfg.distill_temperature,
+                                 top_k=cfg.distill_top_k, seed=cfg.seed, position=position)
+        if cfg.distill_cache is None:
+            return objective
+        if self.data is None:
+            raise ValueError("TrainConfig.distill_cache needs the run's token shards (rdepth train), "
+                             "not Trainer(data=...)")
+        # Every rank caches (and reads) all rows of the train split, in storage order.
+        dataset = self.data.dataset("train", shuffle=False)
+        data_key = self.data.metadata.get("key")
+        if not has_cache(cfg.distill_cache):
+            if env.is_main:
+                write_cache(objective.teacher_logits, dataset, cfg.distill_cache, top_k=cfg.distill_top_k,
+                            vocab_size=student_vocab, data_key=data_key, teacher_info=teacher_summary(teacher),
+                            batch_size=cfg.batch_size, log=self.log)
+            ddist.barrier(env)
+        objective.cache = CachedTeacher(cfg.distill_cache, dataset, top_k=cfg.distill_top_k,
+                                        vocab_size=student_vocab, data_key=data_key)
+        objective.teacher = None  # read from the cache from here on
+        return objective
 
     def _default_sampler(self) -> DepthSampler | None:
         """`cfg`'s depth sampler for a `RecurrentDepthLM` (the model config's r̄ and k unless `cfg` sets them)."""

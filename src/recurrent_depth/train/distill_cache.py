@@ -1,0 +1,143 @@
+"""Cached teacher logits: the teacher's top-k over every training row, written once, read while training.
+
+    <cache>/manifest.json        format, version, data key, rows, seq_len, k, vocab_size, index dtype,
+                                 teacher (directory, depth, temperature-free raw logits), shards
+    <cache>/values_00000.npy     float16 [rows, seq_len, k]   the teacher's k largest logits, descending
+    <cache>/indices_00000.npy    int16 / int32 [rows, seq_len, k]   their token ids (int16 when vocab <= 32767)
+
+Bytes per token: k * (2 + 2) with int16 indices (k * 6 with int32): 256 bytes at k = 64 and vocab <= 32767,
+against 4 * vocab for full fp32 logits (16 KB at vocab 4096, 262 KB at 65536). `bytes_per_token` prints it.
+
+Rows are stored in the shards' storage order (row i of the train split); the trainer finds a batch row's
+cache row by its tokens (`CachedTeacher.lookup`: a hash of the row's token ids -> storage index), so the
+shuffled order, epochs and resumes need nothing extra. A cache is refused (one-line ValueError) when its
+data key, row count, seq_len or k differs from the run's, or a batch row is not in it. Files are read with
+`np.load(allow_pickle=False)`, memory-mapped, shapes and dtypes checked against the manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from recurrent_depth.files import CONFIG_MAX_BYTES, read_json
+
+CACHE_FORMAT = "rdepth-distill-cache"
+CACHE_VERSION = 1
+MANIFEST = "manifest.json"
+ROWS_PER_SHARD = 1024
+
+
+def index_dtype(vocab_size: int) -> np.dtype:
+    """The smallest signed integer type that holds every token id."""
+    return np.dtype(np.int16) if vocab_size <= np.iinfo(np.int16).max + 1 else np.dtype(np.int32)
+
+
+def bytes_per_token(top_k: int, vocab_size: int) -> int:
+    return top_k * (2 + index_dtype(vocab_size).itemsize)
+
+
+def row_key(row: np.ndarray) -> bytes:
+    return hashlib.blake2b(np.ascontiguousarray(row, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+
+def write_cache(teacher_logits: Any, dataset: Any, out: str | Path, *, top_k: int, vocab_size: int,
+                data_key: str | None, teacher_info: dict[str, Any], batch_size: int = 8,
+                log: Any = print) -> dict[str, Any]:
+    """Run `teacher_logits(input_ids [B, T], first_row) -> [B, T, V]` over every row of `dataset` (a ShardDataset,
+    storage order) and write the top-k shards and manifest to `out`; returns the manifest."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    seq_len = int(dataset.row_len) - 1
+    k = min(top_k, vocab_size)
+    idx_type = index_dtype(vocab_size)
+    shards: list[dict[str, Any]] = []
+    for first in range(0, len(dataset), ROWS_PER_SHARD):
+        rows = np.arange(first, min(first + ROWS_PER_SHARD, len(dataset)))
+        values = np.empty((rows.size, seq_len, k), dtype=np.float16)
+        indices = np.empty((rows.size, seq_len, k), dtype=idx_type)
+        for start in range(0, rows.size, batch_size):
+            chunk = torch.from_numpy(dataset.rows(rows[start:start + batch_size]))
+            logits = teacher_logits(chunk[:, :-1], int(rows[start])).float()
+            top = logits.topk(k, dim=-1)
+            values[start:start + chunk.shape[0]] = top.values.cpu().numpy().astype(np.float16)
+            indices[start:start + chunk.shape[0]] = top.indices.cpu().numpy().astype(idx_type)
+        number = len(shards)
+        np.save(out / f"values_{number:05d}.npy", values)
+        np.save(out / f"indices_{number:05d}.npy", indices)
+        shards.append({"values": f"values_{number:05d}.npy", "indices": f"indices_{number:05d}.npy",
+                       "num_rows": int(rows.size)})
+    manifest = {"format": CACHE_FORMAT, "version": CACHE_VERSION, "data_key": data_key, "num_rows": len(dataset),
+                "seq_len": seq_len, "top_k": k, "vocab_size": vocab_size, "index_dtype": idx_type.name,
+                "bytes_per_token": bytes_per_token(k, vocab_size), "teacher": teacher_info, "shards": shards}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    log(f"distill cache: {len(dataset)} rows x {seq_len} tokens, top-{k}, {manifest['bytes_per_token']} bytes "
+        f"per token (fp16 values + {idx_type.name} indices; full fp32 logits: {4 * vocab_size}) -> {out}")
+    return manifest
+
+
+def has_cache(path: str | Path) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+class CachedTeacher:
+    """The cache at `path`, checked against the run's data; `top(batch)` gives (values, indices) per row."""
+
+    def __init__(self, path: str | Path, dataset: Any, *, top_k: int, vocab_size: int, data_key: str | None) -> None:
+        self.path = Path(path)
+        manifest = read_json(self.path / MANIFEST, CONFIG_MAX_BYTES, "distill cache manifest")
+        if not isinstance(manifest, dict) or manifest.get("format") != CACHE_FORMAT:
+            raise ValueError(f"distill_cache {self.path}: {MANIFEST} is not a {CACHE_FORMAT} manifest")
+        seq_len = int(dataset.row_len) - 1
+        expected = {"version": CACHE_VERSION, "data_key": data_key, "num_rows": len(dataset), "seq_len": seq_len,
+                    "top_k": min(top_k, vocab_size), "vocab_size": vocab_size,
+                    "index_dtype": index_dtype(vocab_size).name}
+        for name, value in expected.items():
+            if manifest.get(name) != value:
+                raise ValueError(f"distill_cache {self.path} does not match this run: its {name} is "
+                                 f"{manifest.get(name)!r}, the run's {value!r} (write it again for these shards)")
+        self.manifest = manifest
+        self.values: list[np.ndarray] = []
+        self.indices: list[np.ndarray] = []
+        starts = [0]
+        for shard in manifest["shards"]:
+            rows = int(shard["num_rows"])
+            shape = (rows, seq_len, expected["top_k"])
+            for kind, dtype, into in (("values", np.float16, self.values),
+                                      ("indices", index_dtype(vocab_size), self.indices)):
+                name = Path(str(shard[kind])).name  # no paths outside the cache
+                array = np.load(self.path / name, mmap_mode="r", allow_pickle=False)
+                if array.shape != shape or array.dtype != dtype:
+                    raise ValueError(f"distill_cache {self.path / name}: shape {array.shape} {array.dtype}, "
+                                     f"expected {shape} {np.dtype(dtype).name}")
+                into.append(array)
+            starts.append(starts[-1] + rows)
+        if starts[-1] != len(dataset):
+            raise ValueError(f"distill_cache {self.path}: its shards hold {starts[-1]} rows, the run's {len(dataset)}")
+        self.starts = np.asarray(starts)
+        self.row_of = {row_key(dataset.rows([i])[0]): i for i in range(len(dataset))}
+
+    def lookup(self, row: np.ndarray) -> int:
+        index = self.row_of.get(row_key(row))
+        if index is None:
+            raise ValueError(f"distill_cache {self.path}: a training row is not in the cache (the cache belongs "
+                             f"to other shards)")
+        return index
+
+    def top(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """(values float32 [B, T, k], indices int64 [B, T, k]) for the batch's rows."""
+        rows = torch.cat([batch["input_ids"][:, :1], batch["targets"]], dim=1).cpu().numpy()
+        values, indices = [], []
+        for row in rows:
+            i = self.lookup(row)
+            shard = int(np.searchsorted(self.starts, i, side="right") - 1)
+            values.append(np.asarray(self.values[shard][i - self.starts[shard]], dtype=np.float32))
+            indices.append(np.asarray(self.indices[shard][i - self.starts[shard]], dtype=np.int64))
+        device = batch["input_ids"].device
+        return torch.from_numpy(np.stack(values)).to(device), torch.from_numpy(np.stack(indices)).to(device)

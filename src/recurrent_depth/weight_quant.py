@@ -118,7 +118,8 @@ class Int8WeightLinear(nn.Module):
 
 def _replace_children(root: nn.Module, plain: type[nn.Module], make) -> int:
     count = 0
-    for parent in list(root.modules()):
+    # The parents only: a list holding the replaced layers would keep both copies in memory until the end.
+    for parent in [m for m in root.modules() if type(m) is not plain]:
         for name, child in list(parent.named_children()):
             if type(child) is plain:
                 setattr(parent, name, make(child))

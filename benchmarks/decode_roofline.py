@@ -18,8 +18,10 @@ bounded by how fast the machine streams those weights (and the KV cache) from me
 
 Configs: `fixed` (r = --num-steps), `kl` (KL exit; with random weights the exit depth is arbitrary,
 so its roofline uses the realised steps), `shared-4` (fixed r on a 4-slot shared KV cache), and
-`official` (the official implementation's loop shape, frozen in `benchmarks/generation.py`).
-int8 weights are not in the library yet (issue 29 item 2): the output says so instead of a row.
+`official` (the official implementation's loop shape, frozen in `benchmarks/generation.py`), and
+`int8` (fixed r after `recurrent_depth.weight_quant.quantize_weights`: int8 weights per output
+channel in every transformer linear, quantized in place after the other configs ran; bf16 only,
+since torch's int8 kernel takes bf16 activations). Its bytes count the int8 weights and scales.
 On CPUs without native bf16 (no AVX512-BF16 / AMX-BF16) bf16 products are emulated: `--dtype auto`
 then runs fp32 and bf16 and the roofline note says which is nearer the limit.
 Prints one JSON line, then a table.
@@ -41,13 +43,14 @@ from typing import Any
 import torch
 
 import recurrent_depth as rd
+from recurrent_depth.weight_quant import Int8WeightLinear, quantize_weights
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generation import official_style_loop  # noqa: E402  (the frozen official-style loop)
 
-CONFIGS = ("fixed", "kl", "shared-4", "official")
+CONFIGS = ("fixed", "kl", "shared-4", "official", "int8")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-INT8_NOTE = "int8 weights: not measured, weight-only quantization is not in the library yet (issue 29 item 2)"
+INT8_FP32_NOTE = "int8 runs in bf16 only (torch's int8 kernel takes bf16 activations)"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -144,10 +147,12 @@ def build_model(config: rd.ModelConfig, dtype: torch.dtype, seed: int) -> rd.Rec
 
 
 def param_bytes(modules: Any) -> int:
-    """Bytes of the parameters of a module or a list of modules (each tensor once)."""
+    """Bytes of the parameters of a module or a list of modules (each tensor once), int8 weights and
+    their scales included."""
     seen, total = set(), 0
     for module in modules if isinstance(modules, (list, tuple)) else [modules]:
-        for p in module.parameters():
+        quantized = [t for m in module.modules() if isinstance(m, Int8WeightLinear) for t in (m.qweight, m.scales)]
+        for p in [*module.parameters(), *quantized]:
             if id(p) not in seen:
                 seen.add(id(p))
                 total += p.numel() * p.element_size()
@@ -218,7 +223,10 @@ def run_config(name: str, model: rd.RecurrentDepthLM, ids: torch.Tensor, r: int,
         out = official_style_loop(model, ids, r, tokens)
         return out.tokens_per_second, [r] * (tokens - 1)
     options: dict[str, Any] = dict(num_steps=r, init_scale=0.0)
-    if name == "kl":
+    if name == "int8":
+        if not any(isinstance(m, Int8WeightLinear) for m in model.modules()):
+            raise ValueError("the int8 config needs a model quantized by quantize_weights")
+    elif name == "kl":
         options["exit_criterion"] = "kl"
     elif name == "shared-4":
         options["kv_policy"] = "shared-4"
@@ -237,9 +245,22 @@ def measure_dtype(dtype_name: str, config: rd.ModelConfig, args: argparse.Namesp
     log(f"[{dtype_name}] built {model_bytes / 1e9:.2f} GB of weights in {built:.0f}s")
     g = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, config.vocab_size, (1, args.prompt_len), generator=g)
-    rows = {}
+    rows: dict[str, Any] = {}
+    notes = []
+    names = [c for c in args.configs if c != "int8"]  # int8 last: it quantizes the model in place
+    if "int8" in args.configs:
+        if dtype == torch.bfloat16:
+            names.append("int8")
+        else:
+            notes.append(INT8_FP32_NOTE)
     with torch.inference_mode():
-        for name in args.configs:
+        for name in names:
+            if name == "int8":
+                start = time.perf_counter()
+                quantize_weights(model, "int8")
+                parts = PartBytes.of(model)
+                log(f"[{dtype_name}] quantized to {param_bytes(model) / 1e9:.2f} GB in "
+                    f"{time.perf_counter() - start:.0f}s")
             start = time.perf_counter()
             tps, steps = run_config(name, model, ids, args.num_steps, args.tokens)
             line = roofline(parts, steps, args.prompt_len, name == "kl", bandwidth)
@@ -250,9 +271,12 @@ def measure_dtype(dtype_name: str, config: rd.ModelConfig, args: argparse.Namesp
                 roofline_tokens_per_s=line["roofline_tokens_per_s"],  # at this bandwidth; `rescore` restates it
                 fraction_of_roofline=round(tps / line["roofline_tokens_per_s"], 3),
             )
+            if name == "int8" and "fixed" in rows:
+                rows[name]["speedup_vs_fixed"] = round(tps / rows["fixed"]["tokens_per_s"], 3)
             log(f"[{dtype_name}] {name}: {rows[name]} ({time.perf_counter() - start:.0f}s with the prefill)")
     del model
-    return dict(model_gb=round(model_bytes / 1e9, 3), build_seconds=round(built, 1), configs=rows, bandwidth=bandwidth)
+    return dict(model_gb=round(model_bytes / 1e9, 3), build_seconds=round(built, 1), configs=rows, bandwidth=bandwidth,
+                notes=notes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens=args.tokens, timed_tokens=args.tokens - 1, threads=torch.get_num_threads(), cpu=cpu,
         bandwidth_gb_s=round(bandwidth, 2), bandwidth_samples_gb_s=[round(b, 2) for b in samples],
         bandwidth_buffer_gb=args.bandwidth_gb,
-        roofline_dtype=roofline_dtype, dtypes=results, int8=INT8_NOTE,
+        roofline_dtype=roofline_dtype, dtypes=results,
         torch=torch.__version__, python=platform.python_version(),
         load_average=[round(x, 2) for x in os.getloadavg()],
     )
@@ -308,7 +332,12 @@ def main(argv: list[str] | None = None) -> int:
           f"read bandwidth {bandwidth:.1f} GB/s at {torch.get_num_threads()} threads (best of "
           f"{', '.join(f'{b:.1f}' for b in samples)}); "
           f"the roofline headline uses {roofline_dtype}")
-    print(INT8_NOTE)
+    for name, res in results.items():
+        int8 = res["configs"].get("int8")
+        if int8 is not None and "speedup_vs_fixed" in int8:
+            print(f"{name}: int8 weights decode {int8['speedup_vs_fixed']}x the {name} fixed-depth decode")
+        for note in res["notes"]:
+            print(f"{name}: {note}")
     return 0
 
 

@@ -59,5 +59,17 @@ def test_roofline_uses_each_tokens_steps_and_context(model):
 
 def test_bad_configs_are_one_line_errors(capsys):
     with pytest.raises(SystemExit):
-        dr.parse_args(["--configs", "fixed,int8"])
-    assert "unknown ['int8']" in capsys.readouterr().err
+        dr.parse_args(["--configs", "fixed,int4"])
+    assert "unknown ['int4']" in capsys.readouterr().err
+
+
+def test_int8_parts_count_the_int8_weights_and_scales():
+    model = dr.build_model(rd.ModelConfig.from_preset("tiny"), torch.bfloat16, seed=0)
+    before = dr.PartBytes.of(model)
+    dr.quantize_weights(model, "int8")
+    after = dr.PartBytes.of(model)
+    core = sum(2 * p.numel() for n, p in model.transformer.core_block.named_parameters())  # norms and biases
+    core += sum(m.qweight.numel() + 4 * m.scales.numel() for m in model.transformer.core_block.modules()
+                if isinstance(m, dr.Int8WeightLinear))
+    assert after.core == core < before.core
+    assert after.readout < before.readout  # the coda is quantized (the head is not)

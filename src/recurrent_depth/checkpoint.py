@@ -41,6 +41,7 @@ from recurrent_depth.files import (
     read_text,
     reopen_path,
 )
+from recurrent_depth.weight_quant import check_weights, quantize_weights
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -375,14 +376,17 @@ def load_pretrained(
     allow_outside: bool = False,
     *,
     model_class: type[torch.nn.Module],
+    weights: str | None = None,
 ) -> Any:
     """Build a `model_class` (`RecurrentDepthLM`, whose `from_pretrained` calls this) from a model
     directory (ours, official Huginn-0125, Ouro or Parcae).
 
     Everything is checked before a tensor is allocated (`check_model_dir`): the config's bounds,
     then its shapes against the safetensors headers. `allow_outside=True` lets an index name
-    weight files outside `path`.
+    weight files outside `path`. `weights="int8"` quantizes the transformer's linear layers after
+    loading (`recurrent_depth.weight_quant.quantize_weights`; None keeps them as loaded).
     """
+    check_weights(weights)
     device = usable_device(device)
     path = Path(path)
     checked = check_model_dir(path, config_overrides, allow_outside, model_class=model_class)
@@ -409,4 +413,5 @@ def load_pretrained(
         model.lm_head.weight = model.transformer.wte.weight
     model.to(device=device, dtype=dtype or wte_dtype)
     model.eval()
+    quantize_weights(model, weights)
     return model

@@ -54,6 +54,7 @@ from recurrent_depth.inference.runner import ModelRunner, Step
 from recurrent_depth.model.cache import ModelCache, combine_key_mask
 from recurrent_depth.model.layers import RotaryTable
 from recurrent_depth.model.recurrent import all_attention, blocks_of
+from recurrent_depth.weight_quant import quantized_weights
 
 # Most bytes of contiguous transposed weight copies a fast runner makes (see the module docstring).
 COPY_LIMIT_BYTES = 512 * 2**20
@@ -87,7 +88,8 @@ class FastRunner(ModelRunner):
 
     @staticmethod
     def supports(model: Any) -> bool:
-        return (model.config.uses_huginn_layout and all_attention(model)
+        # int8 weights (weight_quant.py): the reference runner, whose linears take the int8 kernel
+        return (model.config.uses_huginn_layout and all_attention(model) and not quantized_weights(model)
                 and all(b.attn.window is None and b.attn.q_norm is None for b in blocks_of(model))
                 and FastRunner._reproduces_lora(model))
 

@@ -20,6 +20,7 @@ from recurrent_depth.cli.common import (
     add_out_arg,
     add_seed_arg,
     add_tokenizer_arg,
+    add_weights_arg,
     int_list,
 )
 from recurrent_depth.inference.schema import add_option_flags
@@ -39,6 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_out_arg(parser, "runs/eval")
     add_seed_arg(parser)
     add_device_args(parser)
+    add_weights_arg(parser)
     parser.add_argument("--depths", type=int_list, default=[1, 2, 4, 8, 16, 32],
                         help="test-time recurrences to evaluate (default: 1,2,4,8,16,32)")
     parser.add_argument("--data", default="stdlib",
@@ -81,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         difficulties=args.difficulties, count=args.count, lm_eval_tasks=args.lm_eval_tasks, fewshot=args.fewshot,
         limit=args.limit, baseline=args.baseline, baseline_depth=args.baseline_depth, init_scale=args.init_scale,
         seed=args.seed, batch_size=args.batch_size, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
+        weights=args.weights,
     )
     evaluate_depths(config)
     return 0

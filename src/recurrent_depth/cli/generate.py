@@ -21,6 +21,7 @@ from recurrent_depth.cli.common import (
     add_max_depth_arg,
     add_model_arg,
     add_tokenizer_arg,
+    add_weights_arg,
     load_cli_tokenizer,
     tokenizer_source,
 )
@@ -54,6 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="print one JSON object (completions, per-token steps and reasons, stats) instead "
                         "(default: off)")
     add_device_args(p)
+    add_weights_arg(p)
     p.set_defaults(func=run)
 
 
@@ -129,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
     check_depth_flags(args, ("num_steps", "max_steps", "draft_steps", "gradmem_depth", "ttt_depth", "ttt_backprop")
                       + (("inner_steps",) if parallel else ()))
     tokenizer = load_cli_tokenizer(args)
-    model = rd.RecurrentDepthLM.from_pretrained(args.model, dtype=args.dtype, device=args.device).eval()
+    model = rd.RecurrentDepthLM.from_pretrained(args.model, dtype=args.dtype, device=args.device,
+                                             weights=args.weights).eval()
     check_fits_vocab(tokenizer, model.config.vocab_size, tokenizer_source(args))
     if args.lora is not None:
         from recurrent_depth.train.lora import attach_adapter

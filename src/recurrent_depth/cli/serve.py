@@ -20,6 +20,7 @@ from recurrent_depth.cli.common import (
     add_max_depth_arg,
     add_model_arg,
     add_tokenizer_arg,
+    add_weights_arg,
 )
 from recurrent_depth.inference.options import DEFAULT_TTT_MAX_COPY_MB
 from recurrent_depth.inference.schema import add_option_flags
@@ -36,6 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_lora_adapter_arg(p)
     add_tokenizer_arg(p)
     add_device_args(p)
+    add_weights_arg(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind; use 0.0.0.0 only behind a firewall (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
@@ -115,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
         from recurrent_depth.model.recurrent import RecurrentDepthLM
         from recurrent_depth.train.lora import attach_adapter
 
-        model = attach_adapter(RecurrentDepthLM.from_pretrained(args.model, dtype=dtype, device=args.device), args.lora)
+        model = attach_adapter(RecurrentDepthLM.from_pretrained(args.model, dtype=dtype, device=args.device,
+                                                                weights=args.weights), args.lora)
         model_name = model_name or Path(args.model).resolve().name
         if tokenizer_dir is None and tokenizer_file(args.model) is not None:  # else token ids only, as without --lora
             tokenizer_dir = args.model
@@ -127,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
         prefill_tokens=args.prefill_tokens, request_timeout=args.request_timeout,
         ttt_max_copy_mb=args.ttt_max_copy_mb, max_num_steps=args.max_num_steps, num_steps=args.num_steps,
         max_depth=args.max_depth, dtype=dtype,
-        device=args.device, kv_quant=args.kv_quant, max_body_total=args.max_body_total,
+        weights=None if args.lora is not None else args.weights, device=args.device, kv_quant=args.kv_quant,
+        max_body_total=args.max_body_total,
         **({} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}),
     )
     return 0

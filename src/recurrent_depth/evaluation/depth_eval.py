@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from recurrent_depth.evaluation.readout import check_depths
+from recurrent_depth.weight_quant import check_weights, quantize_weights
 
 
 @dataclass
@@ -54,8 +55,10 @@ class EvalConfig:
     device: str = "cpu"
     dtype: str | None = None
     tokenizer: str | None = None  # the model's tokenizer directory; None: the one inside `model`
+    weights: str | None = None  # "int8": weight-only quantization at load (weight_quant.py)
 
     def validate(self) -> EvalConfig:
+        check_weights(self.weights)
         self.depths = check_depths(self.depths, "depths")
         for name in ("max_docs", "max_tokens", "count", "batch_size"):
             value = getattr(self, name)
@@ -72,12 +75,13 @@ class EvalConfig:
         return self
 
 
-def _load(path: str, device: str, dtype: str | None, tokenizer_dir: str | None = None):
+def _load(path: str, device: str, dtype: str | None, tokenizer_dir: str | None = None,
+          weights: str | None = None):
     from transformers import AutoTokenizer
 
     from recurrent_depth.model.recurrent import RecurrentDepthLM
 
-    model = RecurrentDepthLM.from_pretrained(path, dtype=dtype, device=device)
+    model = RecurrentDepthLM.from_pretrained(path, dtype=dtype, device=device, weights=weights)
     source = Path(tokenizer_dir if tokenizer_dir is not None else path)
     if tokenizer_dir is not None and not (source / "tokenizer.json").is_file():
         raise FileNotFoundError(f"--tokenizer {tokenizer_dir}: no tokenizer.json in that directory")
@@ -155,6 +159,7 @@ def _lm_eval(
     lm = RecurrentDepthEvalLM(pretrained=path, device=config.device, batch_size=config.batch_size,
                               init_scale=config.init_scale, seed=config.seed,
                               dtype=config.dtype or "auto", **extra)
+    quantize_weights(lm.model.core, config.weights)  # the wrapper shares the core's modules: both quantized
     curves: dict[str, dict[int, float]] = {}
     for depth in depths:
         lm.depth = depth
@@ -178,12 +183,12 @@ def evaluate_depths(config: EvalConfig, log: Any = print) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     manager = _task_manager(config) if config.lm_eval_tasks else None
-    model, tokenizer = _load(config.model, config.device, config.dtype, config.tokenizer)
+    model, tokenizer = _load(config.model, config.device, config.dtype, config.tokenizer, config.weights)
     depths = config.depths
     results: dict[str, Any] = {"config": asdict(config), "model_mean_recurrence": model.config.mean_recurrence}
     baseline = None
     if config.baseline is not None:
-        baseline, baseline_tok = _load(config.baseline, config.device, config.dtype)
+        baseline, baseline_tok = _load(config.baseline, config.device, config.dtype, weights=config.weights)
         base_depth = config.baseline_depth if config.baseline_depth is not None else baseline.config.mean_recurrence
         results["baseline"] = {"model": config.baseline, "depth": base_depth}
 

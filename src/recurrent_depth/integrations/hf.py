@@ -38,6 +38,7 @@ from recurrent_depth.inference.schema import OFFICIAL_ALIASES, OPTIONS, canonica
 from recurrent_depth.integrations.hf_config import HuginnRavenConfig, OuroConfig, RecurrentDepthConfig
 from recurrent_depth.model.cache import attend_floats, parse_kv_policy, update_heads_via_kv
 from recurrent_depth.model.recurrent import RecurrentDepthLM, takase_init_
+from recurrent_depth.weight_quant import check_weights, quantize_weights
 
 
 # ---------------------------------------------------------------------------------------------- cache
@@ -246,7 +247,10 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         transformers 5 defaults to ``dtype="auto"``, which takes the config's `dtype` / `torch_dtype`
         first: Huginn-0125's config says bfloat16 over float32 files, so the Auto classes would load
         another model than `RecurrentDepthLM.from_pretrained` (which keeps the stored dtype).
+        `weights="int8"` quantizes the linear layers after loading (`recurrent_depth.weight_quant`; None:
+        as stored).
         """
+        weights = check_weights(kwargs.pop("weights", None))
         if _is_local_dir(pretrained_model_name_or_path):
             # The library's bounded checks first (config, weight files and headers against the config),
             # so a hostile directory is one line here too, before transformers reads a tensor.
@@ -262,7 +266,9 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             dtype = stored_dtype(pretrained_model_name_or_path)
             if dtype is not None:
                 kwargs["dtype"] = dtype
-        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        quantize_weights(model.core, weights)  # the wrapper shares the core's modules: both quantized
+        return model
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -589,8 +595,8 @@ class OuroForCausalLM(RecurrentDepthForCausalLM):
     bounded, header-checked read; Ouro's tensors renamed and q/k/v, gate/up fused, `families/ouro.py`) and
     returns a `RecurrentDepthForCausalLM` whose config is our `RecurrentDepthConfig`: `save_pretrained`
     writes our format. Arguments: `dtype` / `torch_dtype` (default and ``"auto"``: the stored dtype),
-    `device_map` (a device; ``"auto"``: the first GPU, else the CPU), `config` (an `OuroConfig`, e.g.
-    with `total_ut_steps` changed), transformers' hub arguments for a Hub id.
+    `device_map` (a device; ``"auto"``: the first GPU, else the CPU), `weights` ("int8"), `config` (an
+    `OuroConfig`, e.g. with `total_ut_steps` changed), transformers' hub arguments for a Hub id.
     """
 
     config_class = OuroConfig
@@ -615,6 +621,7 @@ class OuroForCausalLM(RecurrentDepthForCausalLM):
         dtype = kwargs.pop("dtype", None)
         torch_dtype = kwargs.pop("torch_dtype", None)
         dtype = torch_dtype if dtype is None else dtype
+        weights = kwargs.pop("weights", None)
         device = _device_from_map(kwargs.pop("device_map", None))
         directory = _local_model_dir(pretrained_model_name_or_path, hub)
         config = kwargs.pop("config", None)
@@ -629,6 +636,7 @@ class OuroForCausalLM(RecurrentDepthForCausalLM):
         overrides.pop("model_type")
         model = RecurrentDepthLM.from_pretrained(
             directory, dtype=None if dtype == "auto" else dtype, device=device, config_overrides=overrides,
+            weights=weights,
         )
         wrapped = from_library_model(model)
         wrapped.config.name_or_path = str(pretrained_model_name_or_path)

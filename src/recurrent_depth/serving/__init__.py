@@ -32,6 +32,7 @@ from recurrent_depth.serving.engine import BatchScheduler, Engine
 from recurrent_depth.serving.metrics import Metrics
 from recurrent_depth.serving.protocol import APIError, Limits
 from recurrent_depth.serving.text import TextCodec, tokenizer_file
+from recurrent_depth.weight_quant import check_weights, quantize_weights, quantized_weights
 
 __all__ = [
     "APIError",
@@ -72,6 +73,7 @@ def build_app(
     num_steps: int | None = None,
     max_depth: int | None = None,
     dtype: Any = None,
+    weights: str | None = None,
     device: str = "cpu",
     allowed_hosts: Iterable[str] | None = None,
     read_timeout: float = 30.0,
@@ -104,7 +106,10 @@ def build_app(
     (a request asking for another spec runs alone; docs/serving.md).
     `ttt_max_copy_mb`: the largest weight copy (MiB) a TTT-E2E request may hold; such requests run
     one at a time outside the continuous batch (docs/serving.md).
+    `weights` ("int8"; None: as loaded) quantizes the model's linear layers
+    (`recurrent_depth.weight_quant`), a loaded model's in place.
     """
+    check_weights(weights)
     if kv_quant is not None:  # a bad spec fails before the model loads
         KVQuant.parse(kv_quant)
     tokenizer_named = tokenizer_dir is not None  # a tokenizer the caller named must be one (not token ids only)
@@ -117,7 +122,9 @@ def build_app(
             raise ValueError(f"--model {str(model)!r} is not a directory (expected a saved model directory)")
         tokenizer_dir = tokenizer_dir if tokenizer_dir is not None else directory
         model_name = model_name or directory.resolve().name
-        model = RecurrentDepthLM.from_pretrained(directory, dtype=dtype, device=device)
+        model = RecurrentDepthLM.from_pretrained(directory, dtype=dtype, device=device, weights=weights)
+    elif weights is not None and not quantized_weights(model):
+        quantize_weights(model, weights)
     model_name = model_name or "recurrent-depth"
     for name, value in (("request_timeout", request_timeout), ("read_timeout", read_timeout),
                         ("stall_timeout", stall_timeout)):

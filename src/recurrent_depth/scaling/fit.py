@@ -141,15 +141,14 @@ def _huber(residuals: np.ndarray, delta: float) -> np.ndarray:
 
 def _grid_starts(form: LawForm, data: dict[str, np.ndarray], delta: float, count: int) -> list[np.ndarray]:
     """The `count` grid points with the lowest Huber objective (scored without optimising)."""
-    log_loss = np.log(data["loss"])
-    scored = []
-    for start in itertools.product(*form.init_grid):
-        params = np.array(start, dtype=float)
-        with np.errstate(all="ignore"):
-            objective = float(np.sum(_huber(log_loss - form.log_predict(params, data), delta)))
-        scored.append((objective if math.isfinite(objective) else math.inf, params))
-    scored.sort(key=lambda item: item[0])
-    return [params for _, params in scored[:count]]
+    if count <= 0:
+        return []
+    grid = np.array(list(itertools.product(*form.init_grid)), dtype=float)  # [M, P]
+    with np.errstate(all="ignore"):  # one vectorised call: the forms broadcast a [P, M, 1] parameter stack
+        predicted = form.log_predict(grid.T[:, :, None], data)  # [M, rows]
+        objective = np.sum(_huber(np.log(data["loss"]) - predicted, delta), axis=1)
+    objective = np.where(np.isfinite(objective), objective, np.inf)
+    return [grid[i] for i in np.argsort(objective, kind="stable")[:count]]
 
 
 def _refine(form: LawForm, data: dict[str, np.ndarray], starts: list[np.ndarray], delta: float) -> np.ndarray:

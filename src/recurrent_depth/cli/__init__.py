@@ -32,6 +32,7 @@ COMMANDS: dict[str, str] = {
     "retrofit": "recurrent_depth.cli.retrofit",
     "experiment": "recurrent_depth.cli.experiment",
     "sweep": "recurrent_depth.cli.sweep",
+    "scaling": "recurrent_depth.cli.scaling",
 }
 # Commands whose work is torch compute: without --threads they measure the free cores once at start
 # (recurrent_depth.accel.threads); the others keep torch's default unless --threads is given.
@@ -134,7 +135,7 @@ def _main(argv: list[str] | None) -> int:
         print(f"rdepth {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as exc:  # an optional dependency (lm-eval, ...) the command needs
-        extra = {"lm_eval": "eval", "peft": "lora"}.get((exc.name or "").split(".")[0], "dev")
+        extra = {"lm_eval": "eval", "peft": "lora", "scipy": "scaling"}.get((exc.name or "").split(".")[0], "dev")
         print(f"rdepth {args.command}: error: {exc}; it comes with pip install 'recurrent-depth[{extra}]' "
               f"(or pip install -e '.[{extra}]' in a checkout)", file=sys.stderr)
         return 2

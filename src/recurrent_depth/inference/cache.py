@@ -34,6 +34,7 @@ from recurrent_depth.inference.kv_codec import (
     LayerCodecs,
     attend_through_codec,
     update_heads_through_codec,
+    update_kv_head_major,
 )
 from recurrent_depth.model.cache import (
     KVPolicy,
@@ -290,13 +291,10 @@ class StaticRecurrentCache(_CacheBase):
         self.slot_capacity = new
         self._views.clear()
 
-    def update_kv(self, key: LayerKey, k: Tensor, v: Tensor, ctx: Any = None) -> tuple[Tensor, Tensor]:
-        """Write k, v `[B, T, Hkv, D]` at columns [seq_len, seq_len + T); return all `[B, seq_len + T, Hkv, D]`."""
-        K, V = self.update_heads(key, k.transpose(1, 2), v.transpose(1, 2))
-        return K.transpose(1, 2), V.transpose(1, 2)
-
-    # `update_kv` in the head-major layout, `[B, Hkv, T, D]` -> `[B, Hkv, seq_len + T, D]`, and softmax
-    # attention, both through the codec the cache holds (None: floats straight to `write_rows`).
+    # `update_kv` (k, v `[B, T, Hkv, D]` written at the next columns, every visible column returned), the
+    # same in head-major layout (`[B, Hkv, T, D]` in, `[B, Hkv, S, D]` out) and softmax attention, through
+    # the codec the storage holds (None: floats straight to `write_rows`).
+    update_kv = update_kv_head_major
     update_heads = update_heads_through_codec
     attend = attend_through_codec
 

@@ -339,7 +339,15 @@ class CodeRows:
         return ck.decode(ck.encode(k), k.dtype), cv.decode(cv.encode(v), v.dtype)
 
 
-# A storage holding a codec or None uses these two as its `update_heads` and `attend`.
+# A storage holding a codec or None uses these three as its `update_kv`, `update_heads` and `attend`.
+def update_kv_head_major(storage: RowStorage, key: LayerKey, k: Tensor, v: Tensor, ctx: Any = None,
+                         ) -> tuple[Tensor, Tensor]:
+    """`update_kv` of a storage that keeps head-major rows: k, v `[B, T, Hkv, D]` stored through its
+    `update_heads`; every visible column `[B, S, Hkv, D]` returned."""
+    K, V = storage.update_heads(key, k.transpose(1, 2), v.transpose(1, 2))
+    return K.transpose(1, 2), V.transpose(1, 2)
+
+
 def update_heads_through_codec(storage: RowStorage, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """`update_heads` of a storage that may hold a codec: k, v `[B, Hkv, T, D]` written (as code rows when it
     holds one), every visible column `[B, Hkv, S, D]` returned (decoded)."""

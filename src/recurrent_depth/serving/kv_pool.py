@@ -45,6 +45,7 @@ from recurrent_depth.inference.kv_codec import (
     attend_through_codec,
     layer_codec,
     update_heads_through_codec,
+    update_kv_head_major,
 )
 from recurrent_depth.model.cache import KVPolicy, grown_slot_count, settle_new_slots
 
@@ -205,13 +206,10 @@ class SlotKVPool:
         """The storage a layer key writes: ("core", j) for every step of core layer j, else the key."""
         return key[:2] if key[0] == "core" else key
 
-    def update_kv(self, key: LayerKey, k: Tensor, v: Tensor, ctx: Any = None) -> tuple[Tensor, Tensor]:
-        """Store this call's k, v `[B, T, Hkv, D]`; return every visible column `[B, L, Hkv, D]`."""
-        K, V = self.update_heads(key, k.transpose(1, 2), v.transpose(1, 2))
-        return K.transpose(1, 2), V.transpose(1, 2)
-
-    # `update_kv` in head-major layout, `[B, Hkv, T, D]` in, `[B, Hkv, L, D]` out, and softmax attention,
-    # both through the codec the pool holds (None: floats straight to `write_rows`).
+    # `update_kv` (k, v `[B, T, Hkv, D]` written at the next columns, every visible column returned), the
+    # same in head-major layout (`[B, Hkv, T, D]` in, `[B, Hkv, S, D]` out) and softmax attention, through
+    # the codec the storage holds (None: floats straight to `write_rows`).
+    update_kv = update_kv_head_major
     update_heads = update_heads_through_codec
     attend = attend_through_codec
 

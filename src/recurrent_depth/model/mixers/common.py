@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from recurrent_depth.config import ModelConfig
 from recurrent_depth.model.mixers.base import LayerKey, MixerContext
 
 MODES = ("auto", "chunk", "fused_recurrent")
@@ -36,6 +37,12 @@ def check_int(mixer: str, name: str, value: Any, low: int = 1, high: int | None 
 def or_default(value: Any, default: Any) -> Any:
     """`value`, or `default` when value is None (0 stays 0, so the range check can reject it)."""
     return default if value is None else value
+
+
+def mixer_heads(mixer: str, config: ModelConfig, num_heads: Any, head_dim: Any) -> tuple[int, int]:
+    """A mixer's (num_heads, head_dim): the options given, else the model's, each checked as an int >= 1."""
+    return (check_int(mixer, "num_heads", or_default(num_heads, config.num_heads)),
+            check_int(mixer, "head_dim", or_default(head_dim, config.head_dim)))
 
 
 def check_choice(mixer: str, name: str, value: Any, choices: tuple) -> Any:

@@ -36,6 +36,7 @@ from recurrent_depth.model.mixers.common import (
     check_power_of_two,
     l2norm,
     mamba_decay_init,
+    mixer_heads,
     nbytes,
     or_default,
     state_dtype,
@@ -66,8 +67,7 @@ class DeltaRuleMixer(RecurrentMixer):
     ) -> None:
         super().__init__()
         name = self.mixer_name
-        self.num_heads = H = check_int(name, "num_heads", or_default(num_heads, config.num_heads))
-        self.key_dim = K = check_int(name, "head_dim", or_default(head_dim, config.head_dim))
+        self.num_heads, self.key_dim = H, K = mixer_heads(name, config, num_heads, head_dim)
         self.value_dim = V = K * check_int(name, "expand_v", expand_v)
         self.use_short_conv = check_bool(name, "use_short_conv", use_short_conv)
         self.conv_size = check_int(name, "conv_size", conv_size, 2, 16)

@@ -26,10 +26,9 @@ from recurrent_depth.model.mixers.common import (
     GatedRMSNorm,
     RecurrentMixer,
     check_choice,
-    check_int,
     check_power_of_two,
+    mixer_heads,
     nbytes,
-    or_default,
     state_dtype,
     zero_padded,
 )
@@ -56,8 +55,8 @@ class GatedLinearAttention(RecurrentMixer):
     ) -> None:
         super().__init__()
         name = self.mixer_name
-        self.num_heads = H = check_int(name, "num_heads", or_default(num_heads, config.num_heads))
-        head_dim = check_int(name, "head_dim", or_default(head_dim, config.head_dim))
+        H, head_dim = mixer_heads(name, config, num_heads, head_dim)
+        self.num_heads = H
         for opt, value in (("expand_k", expand_k), ("expand_v", expand_v)):
             if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0
                     or int(value * head_dim) < 1):

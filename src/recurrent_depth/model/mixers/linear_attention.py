@@ -25,10 +25,9 @@ from recurrent_depth.model.mixers.common import (
     RecurrentMixer,
     check_bool,
     check_choice,
-    check_int,
     check_power_of_two,
+    mixer_heads,
     nbytes,
-    or_default,
     state_dtype,
     zero_padded,
 )
@@ -62,8 +61,7 @@ class LinearAttention(RecurrentMixer):
     ) -> None:
         super().__init__()
         name = self.mixer_name
-        self.num_heads = check_int(name, "num_heads", or_default(num_heads, config.num_heads))
-        self.head_dim = check_int(name, "head_dim", or_default(head_dim, config.head_dim))
+        self.num_heads, self.head_dim = mixer_heads(name, config, num_heads, head_dim)
         self.feature_map = check_choice(name, "feature_map", feature_map, FEATURE_MAPS)
         self.normalize = check_bool(name, "normalize", normalize)
         if self.normalize and self.feature_map == "identity":

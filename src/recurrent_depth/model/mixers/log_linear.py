@@ -39,6 +39,7 @@ from recurrent_depth.model.mixers.common import (
     check_int,
     check_power_of_two,
     mamba_decay_init,
+    mixer_heads,
     nbytes,
     or_default,
     state_dtype,
@@ -99,8 +100,7 @@ class LogLinearMamba2(RecurrentMixer):
     ) -> None:
         super().__init__()
         name = self.mixer_name
-        self.num_heads = H = check_int(name, "num_heads", or_default(num_heads, config.num_heads))
-        self.head_dim = P = check_int(name, "head_dim", or_default(head_dim, config.head_dim))
+        self.num_heads, self.head_dim = H, P = mixer_heads(name, config, num_heads, head_dim)
         self.state_dim = N = check_int(name, "state_dim", or_default(state_dim, config.head_dim))
         self.conv_size = check_int(name, "conv_size", conv_size, 2, 16)
         self.mode = check_choice(name, "mode", mode, MODES)

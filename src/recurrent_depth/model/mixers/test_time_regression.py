@@ -31,8 +31,8 @@ from recurrent_depth.model.mixers.common import (
     check_int,
     check_power_of_two,
     l2norm,
+    mixer_heads,
     nbytes,
-    or_default,
     state_dtype,
     zero_padded,
 )
@@ -53,8 +53,7 @@ class RegressionMixer(RecurrentMixer):
     ) -> None:
         super().__init__()
         name = self.mixer_name
-        self.num_heads = H = check_int(name, "num_heads", or_default(num_heads, config.num_heads))
-        self.head_dim = D = check_int(name, "head_dim", or_default(head_dim, config.head_dim))
+        self.num_heads, self.head_dim = H, D = mixer_heads(name, config, num_heads, head_dim)
         self.mode = check_choice(name, "mode", mode, MODES)  # "fused_recurrent" runs the step-by-step op
         h = config.hidden_size
         self.q_proj = nn.Linear(h, H * D, bias=False)

@@ -20,9 +20,10 @@ last k = 4 with gradients), the baseline runs one core pass.
 Without --compile, the fp32 `small` cases also run with the core blocks compiled (the trainer's
 `compile: true`), reported as `afu_small_fp32_compiled` beside the eager figure.
 
-With the wall clock, each case is also bracketed by a 2048 product timed right before and after it
-(`afu_nearby_*`, the AFU* column), since on a shared machine the load can change between the peak
-measurement at the start and the case.
+Each case is also bracketed by a 2048 product timed right before and after it (`afu_nearby_*`, the
+AFU* column), since on a shared machine the load can change between the peak measurement at the start
+and the case (with the CPU clock too: neighbours on the same cores slow a product's CPU time through
+the caches and memory bandwidth they share).
 
 On a CPU without native bf16 matmuls (no AVX512-BF16 / AMX: `torch.ops.mkldnn._is_mkldnn_bf16_supported()`
 is False) bf16 runs ~4x slower than fp32 even in the library's blocked products (torch.mm alone is
@@ -259,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             left = (deadline - clock.now()) / pending
             rows.append(measure(shape, dtype_name, recurrent, peaks[dtype_name]["flops"],
                                 peaks[dtype_name]["product"], clock, left,
-                                compiled, bracket=args.clock == "wall", compile_mode=args.compile_mode,
+                                compiled, bracket=True, compile_mode=args.compile_mode,
                                 use_accel=use_accel))
     result: dict = {
         "benchmark": "train_throughput",
@@ -309,8 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in torch_mm_peaks.items():
         print(f"{k}: torch.mm's best square product reaches {v['flops'] / 1e9:.1f} GFLOP/s at n=2048 as "
               f"{v['product']}; the AFU above is against the faster blocked product")
-    if args.clock == "wall":
-        print("AFU* = against the 2048 matmul timed right before and after the case (same machine load)")
+    print("AFU* = against the 2048 matmul timed right before and after the case (same machine load)")
     return 0
 
 

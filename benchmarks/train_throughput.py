@@ -14,13 +14,16 @@ last k = 4 with gradients), the baseline runs one core pass.
     python benchmarks/train_throughput.py --compile        # torch.compile the core blocks in every case
     python benchmarks/train_throughput.py --compile-mode max-autotune-no-cudagraphs   # mode of compiled cases
     python benchmarks/train_throughput.py --default-malloc # glibc's malloc as is (the trainer tunes it)
+    python benchmarks/train_throughput.py --shapes h1024 --dtypes bf16 --compare-plain   # one shape and dtype,
+                                                           # and the plain model (accel off) beside it
 
 Without --compile, the fp32 `small` cases also run with the core blocks compiled (the trainer's
 `compile: true`), reported as `afu_small_fp32_compiled` beside the eager figure.
 
-With the wall clock, each case is also bracketed by a 2048 product timed right before and after it
-(`afu_nearby_*`, the AFU* column), since on a shared machine the load can change between the peak
-measurement at the start and the case.
+Each case is also bracketed by a 2048 product timed right before and after it (`afu_nearby_*`, the
+AFU* column), since on a shared machine the load can change between the peak measurement at the start
+and the case (with the CPU clock too: neighbours on the same cores slow a product's CPU time through
+the caches and memory bandwidth they share).
 
 On a CPU without native bf16 matmuls (no AVX512-BF16 / AMX: `torch.ops.mkldnn._is_mkldnn_bf16_supported()`
 is False) bf16 runs ~4x slower than fp32 even in the library's blocked products (torch.mm alone is
@@ -153,7 +156,8 @@ def train_step(model, optimizer, rows, num_steps, dtype) -> None:
 
 def measure(shape: str, dtype_name: str, recurrent: bool, peak: float, peak_product: str, clock: Clock,
             budget_left: float,
-            compile_core: bool, bracket: bool, min_seconds: float = 3.0, compile_mode: str = "default") -> dict:
+            compile_core: bool, bracket: bool, min_seconds: float = 3.0, compile_mode: str = "default",
+            use_accel: bool = True) -> dict:
     cfg = rd.ModelConfig.from_preset("small", **SHAPES[shape])
     emulated = dtype_name == "bf16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
     B, T = (EMULATED_BATCH if emulated else BATCH)[shape]
@@ -161,7 +165,7 @@ def measure(shape: str, dtype_name: str, recurrent: bool, peak: float, peak_prod
     num_steps = (cfg.mean_recurrence + 1 - k, k) if recurrent else (0, 1)
     flops = training_step_flops(cfg, B, T, num_steps)
     row = {"shape": shape, "dtype": dtype_name, "mode": "recurrent" if recurrent else "baseline",
-           "compiled": compile_core, "num_steps": list(num_steps), "tokens_per_step": B * T,
+           "compiled": compile_core, "accel": use_accel, "num_steps": list(num_steps), "tokens_per_step": B * T,
            "model_tflop_per_step": flops.total / 1e12}
     # Two steps at matmul peak is the least this case can take; skip it if that does not fit.
     floor = 2 * flops.total / peak
@@ -174,7 +178,7 @@ def measure(shape: str, dtype_name: str, recurrent: bool, peak: float, peak_prod
     before = nearby_peak()["flops"] if bracket else None
     torch.manual_seed(0)
     model = rd.RecurrentDepthLM(cfg).train()
-    accel.apply(model)  # as the trainer does (RDEPTH_NO_ACCEL=1: the plain model)
+    accel.apply(model, enabled=None if use_accel else False)  # as the trainer does (RDEPTH_NO_ACCEL=1: plain)
     if compile_core:
         from recurrent_depth.train.trainer import compile_core as apply_compile
 
@@ -218,6 +222,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--default-malloc", action="store_true",
                         help="leave glibc's malloc thresholds alone (the trainer raises them on CPU: "
                              "keep_freed_memory)")
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES),
+                        help="model shapes to measure (default: all)")
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES),
+                        help="dtypes to measure (default: all)")
+    parser.add_argument("--compare-plain", action="store_true",
+                        help="also run each bf16 recurrent case on the plain model (accel off: the "
+                             "composite RMSNorm under autocast), the before of the accel fast paths")
     args = parser.parse_args(argv)
     kept_freed_memory = False if args.default_malloc else keep_freed_memory()
     threads = args.threads or (1 if args.clock == "cpu" else torch.get_num_threads())
@@ -228,25 +239,29 @@ def main(argv: list[str] | None = None) -> int:
     bf16_native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     peaks = {}
     rows = []
-    cases = {dtype: [(shape, recurrent, args.compile) for shape in SHAPES for recurrent in (True, False)]
-             for dtype in DTYPES}
-    if not args.compile:
-        cases["fp32"] += [("small", True, True), ("small", False, True)]
+    cases = {dtype: [(shape, recurrent, args.compile, True) for shape in args.shapes for recurrent in (True, False)]
+             for dtype in args.dtypes}
+    if not args.compile and "fp32" in cases and "small" in args.shapes:
+        cases["fp32"] += [("small", True, True, True), ("small", False, True, True)]
+    if args.compare_plain and "bf16" in cases:
+        cases["bf16"] += [(shape, True, args.compile, False) for shape in args.shapes]
     torch_mm_peaks = {}
-    for dtype_name, dtype in DTYPES.items():
+    for dtype_name in args.dtypes:
+        dtype = DTYPES[dtype_name]
         peaks[dtype_name] = matmul_peak(dtype, clock)
         if peaks[dtype_name]["product"] == BLOCKED:
             # For comparison: what the best torch.mm layout reaches (the AFU denominator before the
             # library had its blocked product).
             plain = _competitive_products(dtype, tuple(name for name in SQUARE_PRODUCTS if name != BLOCKED))
             torch_mm_peaks[dtype_name] = matmul_peak(dtype, clock, sizes=(2048,), products=plain)
-        for i, (shape, recurrent, compiled) in enumerate(cases[dtype_name]):
+        for i, (shape, recurrent, compiled, use_accel) in enumerate(cases[dtype_name]):
             # Share what is left among the cases still to run, emulated bf16's included.
-            pending = len(cases[dtype_name]) - i + (len(cases["bf16"]) if dtype_name == "fp32" else 0)
+            pending = len(cases[dtype_name]) - i + (len(cases.get("bf16", ())) if dtype_name == "fp32" else 0)
             left = (deadline - clock.now()) / pending
             rows.append(measure(shape, dtype_name, recurrent, peaks[dtype_name]["flops"],
                                 peaks[dtype_name]["product"], clock, left,
-                                compiled, bracket=args.clock == "wall", compile_mode=args.compile_mode))
+                                compiled, bracket=True, compile_mode=args.compile_mode,
+                                use_accel=use_accel))
     result: dict = {
         "benchmark": "train_throughput",
         "clock": args.clock,
@@ -265,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for row in rows:
         suffix = ("" if row["mode"] == "recurrent" else "_baseline") + (
-            "_compiled" if row["compiled"] and not args.compile else "")
+            "_compiled" if row["compiled"] and not args.compile else "") + ("" if row["accel"] else "_plain")
         key = f"{row['shape']}_{row['dtype']}{suffix}"
         result[f"afu_{key}"] = row.get("afu")
         if "afu_nearby" in row:
@@ -284,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'TFLOP/s':>9}{'AFU':>7}{'AFU*':>7}")
     for row in rows:
         depth = f"{row['num_steps'][0]}+{row['num_steps'][1]}"
-        mode = row["mode"] + (" compiled" if row["compiled"] else "")
+        mode = row["mode"] + (" compiled" if row["compiled"] else "") + ("" if row["accel"] else " plain")
         if "skipped" in row:
             print(f"{row['shape']:<7}{row['dtype']:<6}{mode:<20}{depth:<8}{row['tokens_per_step']:>9}  "
                   f"skipped: {row['skipped']}")
@@ -295,8 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in torch_mm_peaks.items():
         print(f"{k}: torch.mm's best square product reaches {v['flops'] / 1e9:.1f} GFLOP/s at n=2048 as "
               f"{v['product']}; the AFU above is against the faster blocked product")
-    if args.clock == "wall":
-        print("AFU* = against the 2048 matmul timed right before and after the case (same machine load)")
+    print("AFU* = against the 2048 matmul timed right before and after the case (same machine load)")
     return 0
 
 

@@ -296,10 +296,36 @@ def test_rms_norm_takes_the_plain_formula_where_the_fast_path_does_not_apply():
     x = torch.randn(2, 3, 8)
     with torch.no_grad():  # inference: unchanged, no autograd node
         assert torch.equal(norm(x), composite_rms_norm(x, norm.weight, norm.eps))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast training takes the fast path (below)
+        assert type(norm(x.requires_grad_()).grad_fn).__name__ == "_RMSNormFunctionBackward"
+    assert type(fast_norm(8).double()(x.double()).grad_fn).__name__ != "_RMSNormFunctionBackward"  # fp64 gain
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(2, 7, 48), (3, 33), (2, 5, 3, 16)], ids=str)
+def test_rms_norm_fast_path_under_autocast_matches_the_plain_module(x_dtype, shape):
+    # bf16 autocast training: fp32 residual inputs, and bf16 inputs (the sandwich norms after a bf16
+    # product). The plain module is the reference: forward bit for bit, gradients through the same casts.
+    torch.manual_seed(4)
+    heads = shape[-2] if len(shape) == 4 else None
+    norm = fast_norm(shape[-1], eps=1e-5, heads=heads)
+    plain = RMSNorm(shape[-1], eps=1e-5, heads=heads)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        plain.weight.copy_(norm.weight)
+    x = (torch.randn(*shape) * 3).to(x_dtype).requires_grad_()
+    ref_x = x.detach().clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert type(norm(x.requires_grad_()).grad_fn).__name__ != "_RMSNormFunctionBackward"
-    y = norm(x.to(torch.bfloat16).requires_grad_())  # a bf16 input takes the plain formula (fp32 weight)
-    assert type(y.grad_fn).__name__ != "_RMSNormFunctionBackward" and y.dtype == torch.float32
+        y, y_ref = norm(x), plain(ref_x)
+    assert type(y.grad_fn).__name__ == "_RMSNormFunctionBackward"
+    assert y.dtype == y_ref.dtype == torch.float32 and torch.equal(y, y_ref)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    y_ref.backward(grad)
+    assert x.grad.dtype == x_dtype
+    tol = 1e-5 if x_dtype == torch.float32 else 1.6e-2  # bf16: one rounding of the input gradient apart
+    torch.testing.assert_close(x.grad, ref_x.grad, atol=tol, rtol=tol)
+    torch.testing.assert_close(norm.weight.grad, plain.weight.grad, atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------- whole models: accel.apply from outside

@@ -9,7 +9,15 @@ import pytest
 import yaml
 
 from recurrent_depth.cli import main
-from recurrent_depth.scaling import TABLE_COLUMNS, collect_sweep, emit_sweep, load_sweep, run_sweep, sweep_status
+from recurrent_depth.scaling import (
+    TABLE_COLUMNS,
+    collect_sweep,
+    emit_sweep,
+    load_sweep,
+    load_table,
+    run_sweep,
+    sweep_status,
+)
 from recurrent_depth.scaling.sweep import DONE_FILE, RUN_CONFIG, data_key, run_dir
 from recurrent_depth.train.config import TrainConfig
 from recurrent_depth.train.trainer import Trainer
@@ -175,10 +183,12 @@ def test_real_runs_resume_mid_run_and_are_collected_into_the_table(train_root, t
         table = list(csv.DictReader(f))
     assert tuple(table[0]) == TABLE_COLUMNS and len(table) == len(rows) == 4
     assert json.loads((sweep_dir / "results.json").read_text())["rows"] == rows
+    read = load_table(sweep_dir / "results.csv")  # what `rdepth scaling fit` reads: every row
+    assert read.skipped == 0 and len(read.rows) == 4
     by = {(r["run"], r["test_depth"]): r for r in rows}
     deep, flat = by[("r2-save_every=2", 2)], by[("c1-r1", 1)]
     assert flat["mean_recurrence"] == 1 and flat["train_depth_mean"] == 1 and flat["core_layers"] == 1
-    assert deep["mean_recurrence"] == 2 and deep["tokens"] == 3 * 4 * 32 and deep["status"] == "done"
+    assert deep["mean_recurrence"] == 2 and deep["tokens"] == 3 * 4 * 32 and deep["status"] == "finished"
     assert deep["flops_per_token_test"] > by[("r2-save_every=2", 1)]["flops_per_token_test"]
     assert 0 < deep["params_non_embedding"] < deep["params"] and deep["train_flops"] > flat["train_flops"] > 0
     assert all(r["loss"] > 0 for r in rows)

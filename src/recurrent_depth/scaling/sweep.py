@@ -570,7 +570,7 @@ def run_rows(out: Path, run: PlannedRun, test_depths: list[int]) -> list[dict[st
             "train_depth_mean": depth_mean if depth_mean is not None else mean_recurrence, "test_depth": depth,
             "lr": cfg.optim.lr, "params": params, "params_non_embedding": params - embedding, "tokens": tokens,
             "train_flops": train_flops, "flops_per_token_test": per_token, "loss": losses.get(depth),
-            "status": "done" if losses.get(depth) is not None else "no_loss",
+            "status": "finished" if losses.get(depth) is not None else "no_loss",
         })
     return rows
 

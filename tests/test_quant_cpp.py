@@ -139,6 +139,26 @@ def test_the_entry_layout_matches_the_row_layout():
     assert (layout.layout[2:, 3] == t.centroids.numel()).all() and layout.values[-2:].tolist() == [-1, 1]
 
 
+@pytest.mark.parametrize("D", [20, 44, 76])
+@pytest.mark.parametrize("spec", ["k=prod:3.5,v=mse:3.5", "k=prod:2.5,v=mse:2.5", "k=mse:4,v=prod:2"])
+def test_the_cpp_read_at_fields_not_a_multiple_of_eight(kernel, spec, D):
+    """Fields of 10 to 76 entries (not multiples of 8) at 1 to 4 bits: the eight-at-a-time decode (AVX2 builds) then
+    the scalar one for the last entries, against the eager functions; GQA, a padding mask."""
+    B, H, Hkv, S = 2, 4, 2, 11
+    g = torch.Generator().manual_seed(D)
+    q = torch.randn(B, H, 1, D, generator=g)
+    k, v = torch.randn(B, Hkv, S, D, generator=g) * 3, torch.randn(B, Hkv, S, D, generator=g)
+    ck, cv = codecs(spec, D, k, v)
+    counts = {count for _, count, *_ in ck.tables(q.device).fields + cv.tables(q.device).fields}
+    assert any(count % 8 and count > 8 for count in counts), counts
+    rows_k, rows_v = ck.encode(k), cv.encode(v)
+    pad = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    pad[0, ..., :3] = False
+    for mask in (None, pad):
+        got = kernel.attend(ck.tables(q.device), cv.tables(q.device), q, rows_k, rows_v, mask)
+        torch.testing.assert_close(got, reference(q, rows_k, rows_v, ck, cv, mask), atol=TOL, rtol=0)
+
+
 @pytest.mark.parametrize("spec", SPECS)
 def test_the_cpp_encode_writes_the_bytes_of_turbo_encode(kernel, spec):
     """Every byte equal to the eager `turbo_encode` (indices, signs, fp16 norms, prod's residual

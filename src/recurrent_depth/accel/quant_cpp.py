@@ -2,12 +2,13 @@
 load_inline`): the encode of a decode call's new keys and values, and softmax attention of one query
 row per head over every column's codes, one C++ call each.
 
-A compiled call (`accel.quant`) costs ~25 µs of overhead at batch 1. The read here is one operator
-between two matmuls: torch computes the query's weight on each entry (`q @ query`, the matmul
-`turbo_score` uses, so rotations, sketches, QJL scales and calibrated per-head permutations stay in
-torch), the kernel cuts each key row's entries out of its bytes (the layout `turbo_entries` reads:
-fp16 group norms, prod's residual byte, centroid indices, sign bits), scores, masks, softmaxes and
-sums the value rows' entries, and torch applies the back matrix (as `turbo_combine` does).
+A compiled call (`accel.quant`) costs ~25 µs of overhead at batch 1. The read here is one C++ pass
+per (batch row, kv head), with no ATen call inside: each query row's weight on each entry (`q @
+query`, as `turbo_score`, so rotations, sketches, QJL scales and calibrated per-head permutations
+are folded into that matrix), the key rows' entries cut out of their bytes (the layout
+`turbo_entries` reads: fp16 group norms, prod's residual byte, centroid indices, sign bits; on AVX2
+builds eight entries at a time, a lane shift and a table permute), the scores, mask and softmax, the
+value rows' entries summed, times the back matrix (as `turbo_combine`).
 
 - Built once per user's cache directory, torch build, Python ABI and CPU (~30-60 s, with a message and
   its time; ahead of use with `rdepth info --build-kernels`), cached under `$XDG_CACHE_HOME/recurrent_depth/` or
@@ -18,8 +19,10 @@ sums the value rows' entries, and torch applies the back matrix (as `turbo_combi
   cannot leave held. Where it cannot build (no compiler) it warns once and `accel.quant` runs its
   compiled or eager path.
 - Off with `RDEPTH_NO_CPP=1` (the torch.compile path then runs, unless `RDEPTH_NO_COMPILE=1`).
-- The read: decode only (T = 1 query row per head), CPU, float32 accumulation. The encode: the same
-  bytes as `turbo_encode` (its matmuls and norms are the same ATen calls; the elementwise steps one
+- The read: decode only (T = 1 query row per head), CPU, float32 accumulation (its two small matmuls
+  in another summation order than MKL's: within 1e-5 of the reference). The encode: the same bytes
+  as `turbo_encode` (its matmuls and norms are the same ATen kernels: equal-sized groups' norms one
+  call on a `[..., G, size]` view, the same last-dim reduction per group; the elementwise steps one
   IEEE rounding each, built with `-ffp-contract=off`).
 """
 
@@ -63,8 +66,39 @@ CPP_SOURCE = r"""
 #include <cmath>
 #include <limits>
 #include <vector>
+#if defined(__AVX2__)  // built with -march=native, and the build is keyed by the CPU's features
+#include <immintrin.h>
+#endif
 
 namespace {
+
+#if defined(__AVX2__)
+// Eight entries of a field of BITS <= 4 at once: their BITS bytes as one big-endian word, each
+// entry shifted and masked out in its lane, looked up in the (<= 16-entry) table by a lane permute,
+// times f: the same single rounding as the scalar loop, so the same bits.
+template <int BITS>
+inline int64_t decode_eights(const uint8_t*& p, int64_t count, const float* table, float f, float* out) {
+  static_assert(BITS >= 1 && BITS <= 4, "decode_eights: 1 to 4 bits");
+  alignas(32) float padded[16] = {0};
+  for (int c = 0; c < (1 << BITS); ++c) padded[c] = table[c];  // (the table may end after 2^BITS values)
+  const __m256 low = _mm256_load_ps(padded), high = _mm256_load_ps(padded + 8), factor = _mm256_set1_ps(f);
+  const __m256i shifts = _mm256_setr_epi32(7 * BITS, 6 * BITS, 5 * BITS, 4 * BITS, 3 * BITS, 2 * BITS, BITS, 0);
+  const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
+  int64_t e = 0;
+  for (; e + 8 <= count; e += 8, p += BITS) {
+    uint32_t w = 0;
+    for (int i = 0; i < BITS; ++i) w = (w << 8) | p[i];
+    const __m256i index = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), shifts), mask);
+    __m256 value = _mm256_permutevar8x32_ps(low, index);
+    if constexpr (BITS == 4) {  // indices 8-15 from the second half: bit 3 moved to the sign bit
+      value = _mm256_blendv_ps(value, _mm256_permutevar8x32_ps(high, index),
+                               _mm256_castsi256_ps(_mm256_slli_epi32(index, 28)));
+    }
+    _mm256_storeu_ps(out + e, _mm256_mul_ps(value, factor));
+  }
+  return e;
+}
+#endif
 
 // The b-bit entries of one field, big-endian in words of lcm(b, 8) bits (as `turbo_entries` cuts
 // them), each its `table` value times the field's factor f; no byte past the field's is read.
@@ -77,6 +111,9 @@ inline void decode_field(const uint8_t* p, int64_t count, const float* table, fl
     constexpr int WORD_BYTES = WORD_BITS / 8, PER = WORD_BITS / BITS;
     constexpr uint64_t MASK = (uint64_t(1) << BITS) - 1;
     int64_t e = 0;
+#if defined(__AVX2__)
+    if constexpr (BITS <= 4) e = decode_eights<BITS>(p, count, table, f, out);  // then any last < 8 below
+#endif
     for (; e + PER <= count; e += PER, p += WORD_BYTES) {
       uint64_t w = 0;
       for (int i = 0; i < WORD_BYTES; ++i) w = (w << 8) | p[i];
@@ -161,48 +198,70 @@ Side side(const torch::Tensor& rows, const torch::Tensor& layout, const torch::T
           residual_step.numel() ? residual_step.data_ptr<float>() : nullptr};
 }
 
-}  // namespace
+// A matrix [rows, cols] per (batch row, kv head): `m` is [rows, cols], [Hkv, rows, cols] or
+// [B, Hkv, rows, cols] (a pool's per-row permutations), float32 contiguous, broadcast as matmul does.
+struct PerHead {
+  const float* p; int64_t sb, sh;
+  const float* at(int64_t b, int64_t h) const { return p + b * sb + h * sh; }
+};
 
-// qq [B, Hkv, M, Ek] float32: each query row's weight on each key entry; mask: none (numel 0), or
-// bool / float32 [B, Hkv * M, S] (any strides); returns [B, Hkv, M, Ev]: the weighted value entries.
-static torch::Tensor codes_attention(torch::Tensor qq, torch::Tensor rows_k, torch::Tensor rows_v,
-                              torch::Tensor layout_k, torch::Tensor values_k, int64_t norm_k, int64_t groups_k,
-                              torch::Tensor step_k,
-                              torch::Tensor layout_v, torch::Tensor values_v, int64_t norm_v, int64_t groups_v,
-                              torch::Tensor step_v, torch::Tensor mask, double scale) {
-  TORCH_CHECK(qq.dtype() == torch::kFloat32 && qq.is_contiguous() && qq.dim() == 4,
-              "qq: float32 [B, Hkv, M, E] contiguous");
-  const Side k = side(rows_k, layout_k, values_k, norm_k, groups_k, step_k);
-  const Side v = side(rows_v, layout_v, values_v, norm_v, groups_v, step_v);
-  const int64_t B = qq.size(0), Hkv = qq.size(1), M = qq.size(2), S = rows_k.size(2);
-  TORCH_CHECK(qq.size(3) == k.E && rows_v.size(2) == S && rows_k.size(0) == B && rows_k.size(1) == Hkv
-              && rows_v.size(0) == B && rows_v.size(1) == Hkv, "codes_attention: shapes disagree");
+PerHead per_head(const torch::Tensor& m, int64_t B, int64_t Hkv, int64_t rows, int64_t cols, const char* what) {
+  TORCH_CHECK(m.dtype() == torch::kFloat32 && m.is_contiguous() && m.dim() >= 2 && m.dim() <= 4
+              && m.size(-2) == rows && m.size(-1) == cols, what, ": float32 [..., ", rows, ", ", cols, "] contiguous");
+  const int64_t n = rows * cols;
+  int64_t sb = 0, sh = 0;
+  if (m.dim() >= 3) {
+    TORCH_CHECK(m.size(-3) == Hkv || m.size(-3) == 1, what, ": one matrix or one per kv head");
+    sh = m.size(-3) == 1 ? 0 : n;
+  }
+  if (m.dim() == 4) {
+    TORCH_CHECK(m.size(0) == B || m.size(0) == 1, what, ": one matrix or one per batch row");
+    sb = m.size(0) == 1 ? 0 : m.size(1) * n;
+  }
+  return {m.data_ptr<float>(), sb, sh};
+}
+
+// acc[c] += sum_r x[r * x_stride] * m[r, c]: a row times a [rows, cols] matrix, vectorised over c.
+inline void add_row_times(const float* x, int64_t x_stride, const float* m, int64_t rows, int64_t cols, float* acc) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float w = x[r * x_stride];
+    const float* mr = m + r * cols;
+    for (int64_t c = 0; c < cols; ++c) acc[c] += w * mr[c];
+  }
+}
+
+// Softmax attention of each query row over every column's codes, in one pass per (b, kv head):
+// qq = q @ query (each query row's weight on each key entry), the scores (qq · the key row's
+// entries, times `scale`, masked), the softmax, the weighted sum of the value rows' entries, times
+// `back`, written to out [B, H, 1, Dv] (contiguous float32). q [B, H, 1, D] float32 (any strides);
+// mask: none (numel 0), or bool / float32 broadcast to [B, H, 1, S] (any strides).
+void read_codes(const torch::Tensor& q, const Side& k, const Side& v, const PerHead& query, const PerHead& back,
+                int64_t Hkv, int64_t S, int64_t Dv, const torch::Tensor& mask, float scale, float* o) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), M = H / Hkv;
+  const int64_t q0 = q.stride(0), q1 = q.stride(1), q3 = q.stride(3);
+  const float* qp = q.data_ptr<float>();
   const bool has_mask = mask.numel() > 0;
   const bool bool_mask = has_mask && mask.dtype() == torch::kBool;
-  if (has_mask) {
-    TORCH_CHECK(mask.dim() == 3 && mask.size(0) == B && mask.size(1) == Hkv * M && mask.size(2) == S
-                && (bool_mask || mask.dtype() == torch::kFloat32), "mask: bool or float32 [B, H, S]");
-  }
   const int64_t m0 = has_mask ? mask.stride(0) : 0, m1 = has_mask ? mask.stride(1) : 0;
-  const int64_t m2 = has_mask ? mask.stride(2) : 0;
+  const int64_t m3 = has_mask ? mask.stride(3) : 0;
   const bool* mb = bool_mask ? mask.data_ptr<bool>() : nullptr;
   const float* mf = (has_mask && !bool_mask) ? mask.data_ptr<float>() : nullptr;
-  auto out = torch::zeros({B, Hkv, M, v.E}, qq.options());
-  const float* q = qq.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> entry(std::max(k.E, v.E)), factor(2 * std::max(k.G, v.G) + 2), p(M * S);
+    std::vector<float> qq(M * k.E), sum(M * v.E);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / Hkv, h = bh % Hkv;
-      const float* qb = q + bh * M * k.E;
+      std::fill(qq.begin(), qq.end(), 0.0f);
+      for (int64_t m = 0; m < M; ++m) {
+        add_row_times(qp + b * q0 + (h * M + m) * q1, q3, query.at(b, h), D, k.E, qq.data() + m * k.E);
+      }
       for (int64_t s = 0; s < S; ++s) {
         decode_row(k.rows + b * k.s0 + h * k.s1 + s * k.s2, k.fields, k.F, k.values, k.norm_byte, k.G,
                    k.residual_step, factor.data(), entry.data());
         for (int64_t m = 0; m < M; ++m) {
-          float score = dot(qb + m * k.E, entry.data(), k.E) * fscale;
+          float score = dot(qq.data() + m * k.E, entry.data(), k.E) * scale;
           if (has_mask) {
-            const int64_t at = b * m0 + (h * M + m) * m1 + s * m2;
+            const int64_t at = b * m0 + (h * M + m) * m1 + s * m3;
             if (bool_mask) {
               if (!mb[at]) score = -std::numeric_limits<float>::infinity();
             } else {
@@ -220,38 +279,56 @@ static torch::Tensor codes_attention(torch::Tensor qq, torch::Tensor rows_k, tor
         for (int64_t s = 0; s < S; ++s) { pm[s] = std::exp(pm[s] - top); total += pm[s]; }
         for (int64_t s = 0; s < S; ++s) pm[s] /= total;
       }
-      float* ob = o + bh * M * v.E;
+      std::fill(sum.begin(), sum.end(), 0.0f);
       for (int64_t s = 0; s < S; ++s) {
         decode_row(v.rows + b * v.s0 + h * v.s1 + s * v.s2, v.fields, v.F, v.values, v.norm_byte, v.G,
                    v.residual_step, factor.data(), entry.data());
         for (int64_t m = 0; m < M; ++m) {
           const float w = p[m * S + s];
-          float* om = ob + m * v.E;
-          for (int64_t e = 0; e < v.E; ++e) om[e] += w * entry[e];
+          float* sm = sum.data() + m * v.E;
+          for (int64_t e = 0; e < v.E; ++e) sm[e] += w * entry[e];
         }
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        float* om = o + (b * H + h * M + m) * Dv;
+        std::fill(om, om + Dv, 0.0f);
+        add_row_times(sum.data() + m * v.E, 1, back.at(b, h), v.E, Dv, om);
       }
     }
   });
-  return out;
 }
+
+}  // namespace
 
 namespace {
 
-// Each group's norm of [..., D] rows, G float tensors [...], by the ATen calls `rows._group_norms`
-// makes (the same kernels on the same views, so the same bits).
-std::vector<const float*> group_norms(const torch::Tensor& y, const std::vector<int64_t>& sizes,
-                                      std::vector<torch::Tensor>& keep) {
-  if (sizes.size() == 1) {
-    keep.push_back(at::linalg_vector_norm(y, 2, {-1}, true).contiguous());
+// Each group's norm of [..., D] rows, by the ATen calls `rows._group_norms` makes: norm(g, n) is
+// row n's. Groups of one size are one call on the [..., G, size] view (the same last-dim reduction
+// of each group's contiguous entries, so the same bits as one call per group), others one per group.
+struct Norms {
+  std::vector<torch::Tensor> keep; std::vector<const float*> p; int64_t stride = 1;
+  float operator()(int64_t g, int64_t n) const { return p[g][n * stride]; }
+};
+
+Norms group_norms(const torch::Tensor& y, const std::vector<int64_t>& sizes) {
+  Norms norms;
+  const int64_t G = static_cast<int64_t>(sizes.size());
+  const bool equal = std::all_of(sizes.begin(), sizes.end(), [&](int64_t size) { return size == sizes[0]; });
+  if (G == 1 || (equal && y.is_contiguous())) {
+    auto shape = y.sizes().vec();
+    shape.back() = G;
+    shape.push_back(sizes[0]);
+    norms.keep.push_back(at::linalg_vector_norm(y.view(shape), 2, {-1}, false));
+    norms.stride = G;
+    for (int64_t g = 0; g < G; ++g) norms.p.push_back(norms.keep[0].data_ptr<float>() + g);
   } else {
     int64_t start = 0;
     for (int64_t size : sizes) {
-      keep.push_back(at::linalg_vector_norm(y.narrow(-1, start, size), 2, {-1}, false).contiguous());
+      norms.keep.push_back(at::linalg_vector_norm(y.narrow(-1, start, size), 2, {-1}, false).contiguous());
+      norms.p.push_back(norms.keep.back().data_ptr<float>());
       start += size;
     }
   }
-  std::vector<const float*> norms;
-  for (const auto& t : keep) norms.push_back(t.data_ptr<float>());
   return norms;
 }
 
@@ -283,8 +360,7 @@ std::tuple<torch::Tensor, bool> encode(torch::Tensor x, std::vector<torch::Tenso
   const int64_t nb = t[3].numel();
   const int64_t* offsets = t[4].data_ptr<int64_t>();
   const float* centroids = t[5].data_ptr<float>();
-  std::vector<torch::Tensor> keep;
-  const std::vector<const float*> np = group_norms(y, sizes, keep);
+  const Norms np = group_norms(y, sizes);
   const float* yp = y.data_ptr<float>();
   const float tiny = std::numeric_limits<float>::min();
   std::vector<int64_t> entry(N * 2 * D, 0);  // [N, E]: indices, then (prod) sign bits
@@ -295,15 +371,15 @@ std::tuple<torch::Tensor, bool> encode(torch::Tensor x, std::vector<torch::Tenso
   for (int64_t n = 0; n < N; ++n) {
     float ratio[8];
     for (int64_t g = 0; g < G; ++g) {
-      const c10::Half h(np[g][n]);
+      const c10::Half h(np(g, n));
       stored[n * G + g] = h.x;
       const float s = static_cast<float>(h);
       finite = finite && std::isfinite(s);
-      ratio[g] = s > 0 ? np[g][n] / std::max(s, tiny) : 1.0f;
+      ratio[g] = s > 0 ? np(g, n) / std::max(s, tiny) : 1.0f;
     }
     for (int64_t c = 0; c < D; ++c) {
       const int64_t g = col_group[c];
-      const float unit = yp[n * D + c] / std::max(np[g][n], tiny);
+      const float unit = yp[n * D + c] / std::max(np(g, n), tiny);
       const float shifted = unit + col_shift[c];
       const int64_t where = std::lower_bound(bounds, bounds + nb, shifted) - bounds;  // bucketize, right=False
       entry[n * 2 * D + c] = where - offsets[c];
@@ -317,11 +393,12 @@ std::tuple<torch::Tensor, bool> encode(torch::Tensor x, std::vector<torch::Tenso
   shape.back() = nbytes;
   torch::Tensor rows = torch::zeros(shape, x.options().dtype(torch::kUInt8));
   uint8_t* out = rows.data_ptr<uint8_t>();
-  std::vector<torch::Tensor> keep_r;
-  std::vector<const float*> rn;
+  Norms rn;
   if (prod) {
-    const torch::Tensor signs = at::matmul(residual, t[6]).contiguous();
-    rn = group_norms(residual, sizes, keep_r);
+    // (matmul folds a contiguous [..., D] into mm: the same call, less dispatch)
+    const torch::Tensor signs = t[6].dim() == 2 ? at::mm(residual.view({N, D}), t[6])
+                                                : at::matmul(residual, t[6]).contiguous();
+    rn = group_norms(residual, sizes);
     const float* sp = signs.data_ptr<float>();
     for (int64_t n = 0; n < N; ++n) {
       for (int64_t c = 0; c < D; ++c) entry[n * 2 * D + D + c] = sp[n * D + c] >= 0 ? 1 : 0;
@@ -351,7 +428,7 @@ std::tuple<torch::Tensor, bool> encode(torch::Tensor x, std::vector<torch::Tenso
         for (int64_t c = 0; c < sizes[g]; ++c) h += entry[n * 2 * D + D + start + c] * w[c];
         h = (h + w[sizes[g]]) % hash;
         const double u = (static_cast<double>(h) + 0.5) / static_cast<double>(hash);
-        double q = std::floor(static_cast<double>(rn[g][n]) / steps[g] + u);
+        double q = std::floor(static_cast<double>(rn(g, n)) / steps[g] + u);
         q = std::min(std::max(q, 0.0), static_cast<double>(levels));
         row[norm_byte + 2 * G + g] = static_cast<uint8_t>(q);
         start += sizes[g];
@@ -375,26 +452,32 @@ std::tuple<torch::Tensor, torch::Tensor, bool> encode_pair(const torch::Tensor& 
   return {rows_k, rows_v, finite_k && finite_v};
 }
 
-// `codes_attention` of q [B, H, 1, D] around the read: the query's weight on each key entry
-// (`q @ query`, as `turbo_score`), the mask broadcast to [B, H, S], and the value entries' sum times
-// `back` (as `turbo_combine`), [B, H, 1, Dv] in q's dtype.
+// `codes_attention` of q [B, H, 1, D] as `turbo_score` / `turbo_combine` compute it (q @ query, the
+// entries, the softmax, the value entries' sum @ back), one C++ pass: [B, H, 1, Dv] in q's dtype.
 torch::Tensor attend(const torch::Tensor& q, const Codec& ck, const Codec& cv, torch::Tensor rows_k,
                      torch::Tensor rows_v, c10::optional<torch::Tensor> attn_mask) {
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && rows_k.dim() == 4 && q.size(1) % rows_k.size(1) == 0,
+              "attend: q [B, H, 1, D], H a multiple of Hkv");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Hkv = rows_k.size(1), S = rows_k.size(2);
-  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && H % Hkv == 0, "attend: q [B, H, 1, D], H a multiple of Hkv");
-  const torch::Tensor qq = at::matmul(q.reshape({B, Hkv, H / Hkv, D}).to(at::kFloat), ck.query)
-                               .reshape({B, Hkv, H / Hkv, -1}).contiguous();
-  torch::Tensor mask = torch::empty({0});
-  if (attn_mask.has_value()) {
-    mask = attn_mask->expand({B, H, 1, S}).select(2, 0);
-    if (mask.dtype() != torch::kBool && mask.dtype() != torch::kFloat32) mask = mask.to(at::kFloat);
-  }
   if (rows_k.stride(3) != 1) rows_k = rows_k.contiguous();
   if (rows_v.stride(3) != 1) rows_v = rows_v.contiguous();
-  const torch::Tensor values = codes_attention(qq, rows_k, rows_v, ck.layout, ck.values, ck.norm_byte, ck.groups,
-                                               ck.residual_step, cv.layout, cv.values, cv.norm_byte, cv.groups,
-                                               cv.residual_step, mask, 1.0 / std::sqrt(static_cast<double>(D)));
-  return at::matmul(values, cv.back).view({B, H, 1, -1}).to(q.scalar_type());
+  const Side k = side(rows_k, ck.layout, ck.values, ck.norm_byte, ck.groups, ck.residual_step);
+  const Side v = side(rows_v, cv.layout, cv.values, cv.norm_byte, cv.groups, cv.residual_step);
+  TORCH_CHECK(rows_v.size(2) == S && rows_k.size(0) == B && rows_v.size(0) == B && rows_v.size(1) == Hkv,
+              "attend: shapes disagree");
+  const int64_t Dv = cv.back.size(-1);
+  const PerHead query = per_head(ck.query, B, Hkv, D, k.E, "query");
+  const PerHead back = per_head(cv.back, B, Hkv, v.E, Dv, "back");
+  torch::Tensor mask = torch::empty({0});
+  if (attn_mask.has_value()) {
+    mask = attn_mask->expand({B, H, 1, S});
+    if (mask.dtype() != torch::kBool && mask.dtype() != torch::kFloat32) mask = mask.to(at::kFloat);
+  }
+  const torch::Tensor qf = q.scalar_type() == at::kFloat ? q : q.to(at::kFloat);
+  torch::Tensor out = torch::empty({B, H, 1, Dv}, qf.options().memory_format(at::MemoryFormat::Contiguous));
+  read_codes(qf, k, v, query, back, Hkv, S, Dv, mask, static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))),
+             out.data_ptr<float>());
+  return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

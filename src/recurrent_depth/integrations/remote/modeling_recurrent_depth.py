@@ -52,6 +52,8 @@ LIBRARY_ONLY_OPTIONS = (
     "max_wavefront", "seed", "stop", "fast", "output_logits", "finish_round", "defaults",
     "criterion", "cache_lookup_strategy", "continuous_compute", "do_not_exit_in_prefill",
     "check_criterion_every_n_steps", "lookahead_for_draft", "cache_kwargs",
+    "gradmem_tokens", "gradmem_steps", "gradmem_lr", "gradmem_depth", "gradmem_init", "gradmem_query_tokens",
+    "ttt_params", "ttt_steps", "ttt_lr", "ttt_optimizer", "ttt_depth", "ttt_backprop",
 )
 
 

@@ -116,8 +116,21 @@ def scoped_options(name: str, part: str, options: dict[str, Any]) -> dict[str, A
 
 
 def _accepted_options(factory: MixerFactory) -> set[str] | None:
-    """Named keyword parameters of a factory (None when it takes **kwargs and checks them itself)."""
-    params = inspect.signature(factory).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return None
-    return {n for n, p in params.items() if n not in ("config", "part") and p.kind is not p.VAR_POSITIONAL}
+    """Named keyword parameters of a factory (None when it takes **kwargs and checks them itself).
+
+    A mixer class may name its own options and pass the others on to its base class (`**shared`):
+    its options are then those of each `__init__` up its method resolution order, to the first one
+    without **kwargs. One that reaches `nn.Module`'s `**kwargs` checks its options itself.
+    """
+    if isinstance(factory, type):
+        inits = [c.__dict__["__init__"] for c in factory.__mro__ if "__init__" in c.__dict__]
+    else:
+        inits = [factory]
+    accepted: set[str] = set()
+    for init in inits:
+        params = inspect.signature(init).parameters
+        accepted |= {n for n, p in params.items()
+                     if n not in ("self", "config", "part") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            return accepted
+    return None

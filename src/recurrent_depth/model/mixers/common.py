@@ -39,12 +39,6 @@ def or_default(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def mixer_heads(mixer: str, config: ModelConfig, num_heads: Any, head_dim: Any) -> tuple[int, int]:
-    """A mixer's (num_heads, head_dim): the options given, else the model's, each checked as an int >= 1."""
-    return (check_int(mixer, "num_heads", or_default(num_heads, config.num_heads)),
-            check_int(mixer, "head_dim", or_default(head_dim, config.head_dim)))
-
-
 def check_choice(mixer: str, name: str, value: Any, choices: tuple) -> Any:
     if value not in choices:
         raise ValueError(f"{mixer} option {name}={value!r} is invalid: expected one of {list(choices)}")
@@ -190,10 +184,23 @@ class RecurrentMixer(nn.Module):
     `state` is whatever they returned last time for this layer key (None at the start) and
     `valid` [B, T] marks real tokens (None: all real). Padded tokens must leave the state exactly
     as it was: the subclasses zero their keys, decays and betas there.
+
+    The options every recurrent mixer takes are checked here; a subclass names its own options
+    and passes the rest on (`**shared`), which is how `base._accepted_options` finds both.
     """
 
     mixer_name = "recurrent"
-    mode = "auto"
+
+    def __init__(
+        self, config: ModelConfig, part: str = "core", *, num_heads: int | None = None, head_dim: int | None = None,
+        mode: str = "auto",
+    ) -> None:
+        """num_heads, head_dim: default the model's. mode: "auto", "chunk" or "fused_recurrent" (see `use_chunk`)."""
+        super().__init__()
+        name = self.mixer_name
+        self.num_heads = check_int(name, "num_heads", or_default(num_heads, config.num_heads))
+        self.head_dim = check_int(name, "head_dim", or_default(head_dim, config.head_dim))
+        self.mode = check_choice(name, "mode", mode, MODES)
 
     def forward(self, x: Tensor, ctx: MixerContext, layer_key: LayerKey) -> Tensor:
         valid = new_valid(ctx, x.shape[1])

@@ -26,17 +26,14 @@ from torch import Tensor, nn
 from recurrent_depth.config import ModelConfig
 from recurrent_depth.model.mixers.base import register_mixer
 from recurrent_depth.model.mixers.common import (
-    MODES,
     GatedRMSNorm,
     RecurrentMixer,
     ShortConv,
     check_bool,
-    check_choice,
     check_int,
     check_power_of_two,
     l2norm,
     mamba_decay_init,
-    mixer_heads,
     nbytes,
     or_default,
     state_dtype,
@@ -53,26 +50,16 @@ class DeltaRuleMixer(RecurrentMixer):
     gated = False
 
     def __init__(
-        self,
-        config: ModelConfig,
-        part: str = "core",
-        num_heads: int | None = None,
-        head_dim: int | None = None,
-        expand_v: int = 1,
-        use_short_conv: bool = True,
-        conv_size: int = 4,
-        use_output_gate: bool | None = None,
-        mode: str = "auto",
-        chunk_size: int = 64,
+        self, config: ModelConfig, part: str = "core", *, expand_v: int = 1, use_short_conv: bool = True,
+        conv_size: int = 4, use_output_gate: bool | None = None, chunk_size: int = 64, **shared: Any,
     ) -> None:
-        super().__init__()
-        name = self.mixer_name
-        self.num_heads, self.key_dim = H, K = mixer_heads(name, config, num_heads, head_dim)
+        super().__init__(config, part, **shared)
+        name, H = self.mixer_name, self.num_heads
+        self.key_dim = K = self.head_dim
         self.value_dim = V = K * check_int(name, "expand_v", expand_v)
         self.use_short_conv = check_bool(name, "use_short_conv", use_short_conv)
         self.conv_size = check_int(name, "conv_size", conv_size, 2, 16)
         self.use_output_gate = check_bool(name, "use_output_gate", or_default(use_output_gate, self.gated))
-        self.mode = check_choice(name, "mode", mode, MODES)
         self.chunk_size = check_power_of_two(name, "chunk_size", chunk_size)
         h = config.hidden_size
         self.q_proj = nn.Linear(h, H * K, bias=False)

@@ -24,6 +24,8 @@ This CPU implementation applies the selection as a mask over the dense score mat
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
@@ -47,24 +49,11 @@ class DeepSeekSparseAttention(MultiHeadLatentAttention):
     mixer_name = "dsa"
 
     def __init__(
-        self,
-        config: ModelConfig,
-        part: str = "core",
-        num_heads: int | None = None,
-        kv_lora_rank: int | None = None,
-        q_lora_rank: int = 0,
-        qk_nope_dim: int | None = None,
-        qk_rope_dim: int | None = None,
-        v_head_dim: int | None = None,
-        attn_impl: str = "auto",
-        topk: int = 2048,
-        index_heads: int = 4,
-        index_dim: int | None = None,
-        mode: str = "sparse",
-        indexer_loss: bool = False,
+        self, config: ModelConfig, part: str = "core", *, topk: int = 2048, index_heads: int = 4,
+        index_dim: int | None = None, mode: str = "sparse", indexer_loss: bool = False, **mla_options: Any,
     ) -> None:
-        super().__init__(config, part, num_heads, kv_lora_rank, q_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim,
-                         attn_impl)
+        """The indexer's options; `mla_options` are those of the MLA attention it restricts."""
+        super().__init__(config, part, **mla_options)
         name = self.mixer_name
         self.topk = check_int(name, "topk", topk)
         self.index_heads = check_int(name, "index_heads", index_heads)

@@ -22,12 +22,9 @@ from torch import Tensor, nn
 from recurrent_depth.config import ModelConfig
 from recurrent_depth.model.mixers.base import register_mixer
 from recurrent_depth.model.mixers.common import (
-    MODES,
     GatedRMSNorm,
     RecurrentMixer,
-    check_choice,
     check_power_of_two,
-    mixer_heads,
     nbytes,
     state_dtype,
     zero_padded,
@@ -42,21 +39,10 @@ GATE_NORMALIZER = 16.0
 class GatedLinearAttention(RecurrentMixer):
     mixer_name = "gla"
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        part: str = "core",
-        num_heads: int | None = None,
-        head_dim: int | None = None,
-        expand_k: float = 0.5,
-        expand_v: float = 1.0,
-        mode: str = "auto",
-        chunk_size: int = 64,
-    ) -> None:
-        super().__init__()
-        name = self.mixer_name
-        H, head_dim = mixer_heads(name, config, num_heads, head_dim)
-        self.num_heads = H
+    def __init__(self, config: ModelConfig, part: str = "core", *, expand_k: float = 0.5, expand_v: float = 1.0,
+                 chunk_size: int = 64, **shared: Any) -> None:
+        super().__init__(config, part, **shared)
+        name, H, head_dim = self.mixer_name, self.num_heads, self.head_dim
         for opt, value in (("expand_k", expand_k), ("expand_v", expand_v)):
             if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0
                     or int(value * head_dim) < 1):
@@ -64,7 +50,6 @@ class GatedLinearAttention(RecurrentMixer):
                                  f"{opt} * head_dim >= 1 (head_dim={head_dim})")
         self.key_dim = K = int(expand_k * head_dim)
         self.value_dim = V = int(expand_v * head_dim)
-        self.mode = check_choice(name, "mode", mode, MODES)
         self.chunk_size = check_power_of_two(name, "chunk_size", chunk_size)
         h = config.hidden_size
         self.q_proj = nn.Linear(h, H * K, bias=False)

@@ -20,13 +20,11 @@ from torch import Tensor, nn
 from recurrent_depth.config import ModelConfig
 from recurrent_depth.model.mixers.base import register_mixer
 from recurrent_depth.model.mixers.common import (
-    MODES,
     GatedRMSNorm,
     RecurrentMixer,
     check_bool,
     check_choice,
     check_power_of_two,
-    mixer_heads,
     nbytes,
     state_dtype,
     zero_padded,
@@ -48,26 +46,15 @@ def feature_map(x: Tensor, kind: str) -> Tensor:
 class LinearAttention(RecurrentMixer):
     mixer_name = "linear_attention"
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        part: str = "core",
-        num_heads: int | None = None,
-        head_dim: int | None = None,
-        feature_map: str = "elu",
-        normalize: bool = True,
-        mode: str = "auto",
-        chunk_size: int = 64,
-    ) -> None:
-        super().__init__()
+    def __init__(self, config: ModelConfig, part: str = "core", *, feature_map: str = "elu", normalize: bool = True,
+                 chunk_size: int = 64, **shared: Any) -> None:
+        super().__init__(config, part, **shared)
         name = self.mixer_name
-        self.num_heads, self.head_dim = mixer_heads(name, config, num_heads, head_dim)
         self.feature_map = check_choice(name, "feature_map", feature_map, FEATURE_MAPS)
         self.normalize = check_bool(name, "normalize", normalize)
         if self.normalize and self.feature_map == "identity":
             raise ValueError(f"{name} option feature_map='identity' needs normalize=False (the normaliser "
                              "phi(q)^T z can be zero or negative without a positive feature map)")
-        self.mode = check_choice(name, "mode", mode, MODES)
         self.chunk_size = check_power_of_two(name, "chunk_size", chunk_size)
         inner = self.num_heads * self.head_dim
         h = config.hidden_size

@@ -31,15 +31,12 @@ from torch import Tensor, nn
 from recurrent_depth.config import ModelConfig
 from recurrent_depth.model.mixers.base import register_mixer
 from recurrent_depth.model.mixers.common import (
-    MODES,
     GatedRMSNorm,
     RecurrentMixer,
     ShortConv,
-    check_choice,
     check_int,
     check_power_of_two,
     mamba_decay_init,
-    mixer_heads,
     nbytes,
     or_default,
     state_dtype,
@@ -87,23 +84,12 @@ def pack(state: LogLinearState | None) -> dict | None:
 class LogLinearMamba2(RecurrentMixer):
     mixer_name = "log_linear_mamba2"
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        part: str = "core",
-        num_heads: int | None = None,
-        head_dim: int | None = None,
-        state_dim: int | None = None,
-        conv_size: int = 4,
-        mode: str = "auto",
-        chunk_size: int = 64,
-    ) -> None:
-        super().__init__()
-        name = self.mixer_name
-        self.num_heads, self.head_dim = H, P = mixer_heads(name, config, num_heads, head_dim)
+    def __init__(self, config: ModelConfig, part: str = "core", *, state_dim: int | None = None, conv_size: int = 4,
+                 chunk_size: int = 64, **shared: Any) -> None:
+        super().__init__(config, part, **shared)
+        name, H, P = self.mixer_name, self.num_heads, self.head_dim
         self.state_dim = N = check_int(name, "state_dim", or_default(state_dim, config.head_dim))
         self.conv_size = check_int(name, "conv_size", conv_size, 2, 16)
-        self.mode = check_choice(name, "mode", mode, MODES)
         self.chunk_size = check_power_of_two(name, "chunk_size", chunk_size)
         self.num_levels = levels_needed(config.max_seq_len)
         h = config.hidden_size

@@ -24,14 +24,11 @@ from torch import Tensor, nn
 from recurrent_depth.config import ModelConfig
 from recurrent_depth.model.mixers.base import register_mixer
 from recurrent_depth.model.mixers.common import (
-    MODES,
     GatedRMSNorm,
     RecurrentMixer,
-    check_choice,
     check_int,
     check_power_of_two,
     l2norm,
-    mixer_heads,
     nbytes,
     state_dtype,
     zero_padded,
@@ -43,19 +40,9 @@ from recurrent_depth.ops.ttt_kvb import chunk_ttt_kvb, naive_recurrent_ttt_kvb
 class RegressionMixer(RecurrentMixer):
     """Projections and the inner learning rate shared by the test-time-regression mixers."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        part: str = "core",
-        num_heads: int | None = None,
-        head_dim: int | None = None,
-        mode: str = "auto",
-    ) -> None:
-        super().__init__()
-        name = self.mixer_name
-        self.num_heads, self.head_dim = H, D = mixer_heads(name, config, num_heads, head_dim)
-        self.mode = check_choice(name, "mode", mode, MODES)  # "fused_recurrent" runs the step-by-step op
-        h = config.hidden_size
+    def __init__(self, config: ModelConfig, part: str = "core", **shared: Any) -> None:
+        super().__init__(config, part, **shared)  # mode "fused_recurrent" runs the step-by-step op
+        H, D, h = self.num_heads, self.head_dim, config.hidden_size
         self.q_proj = nn.Linear(h, H * D, bias=False)
         self.k_proj = nn.Linear(h, H * D, bias=False)
         self.v_proj = nn.Linear(h, H * D, bias=False)
@@ -85,9 +72,8 @@ class RegressionMixer(RecurrentMixer):
 class TTTKVB(RegressionMixer):
     mixer_name = "ttt_kvb"
 
-    def __init__(self, config: ModelConfig, part: str = "core", num_heads: int | None = None,
-                 head_dim: int | None = None, mode: str = "auto", mini_batch: int = 16) -> None:
-        super().__init__(config, part, num_heads, head_dim, mode)
+    def __init__(self, config: ModelConfig, part: str = "core", *, mini_batch: int = 16, **shared: Any) -> None:
+        super().__init__(config, part, **shared)
         self.mini_batch = check_int(self.mixer_name, "mini_batch", mini_batch, 1, 4096)
 
     def kernel(self, q, k, v, beta, initial_state, want_state: bool) -> tuple[Tensor, Any]:
@@ -103,9 +89,8 @@ class TTTKVB(RegressionMixer):
 class Falcon(RegressionMixer):
     mixer_name = "falcon"
 
-    def __init__(self, config: ModelConfig, part: str = "core", num_heads: int | None = None,
-                 head_dim: int | None = None, mode: str = "auto", chunk_size: int = 64) -> None:
-        super().__init__(config, part, num_heads, head_dim, mode)
+    def __init__(self, config: ModelConfig, part: str = "core", *, chunk_size: int = 64, **shared: Any) -> None:
+        super().__init__(config, part, **shared)
         self.chunk_size = check_power_of_two(self.mixer_name, "chunk_size", chunk_size)
 
     def kernel(self, q, k, v, beta, initial_state, want_state: bool) -> tuple[Tensor, Any]:

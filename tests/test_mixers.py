@@ -448,3 +448,19 @@ def test_bad_mixer_options_raise_value_error(mixer, options):
 def test_unknown_mixer_name_raises_value_error():
     with pytest.raises(ValueError, match="unknown mixer"):
         rd.RecurrentDepthLM(small_config("flash_linear", mixer_options={}))
+
+
+def test_mixer_options_include_those_passed_on_to_the_base_class():
+    """A mixer names its own options and passes the rest (`**shared`) on; both kinds are accepted,
+    and the error for an unknown one lists them all (ttt_kvb has no chunk_size: it is falcon's own)."""
+    from recurrent_depth.model.mixers import build_mixer
+
+    cfg = small_config("gla")
+    gla = build_mixer("gla", cfg, "core", num_heads=4, head_dim=8, mode="chunk", expand_k=1.0, chunk_size=32)
+    assert (gla.num_heads, gla.head_dim, gla.mode, gla.key_dim, gla.chunk_size) == (4, 8, "chunk", 8, 32)
+    dsa = build_mixer("dsa", cfg, "core", kv_lora_rank=24, topk=8)
+    assert (dsa.kv_lora_rank, dsa.topk) == (24, 8)
+    with pytest.raises(ValueError, match=r"accepts \['head_dim', 'mini_batch', 'mode', 'num_heads'\]"):
+        build_mixer("ttt_kvb", cfg, "core", chunk_size=32)
+    with pytest.raises(ValueError, match=r"'attn_impl'.*'index_dim'.*'kv_lora_rank'"):
+        build_mixer("dsa", cfg, "core", window=4)

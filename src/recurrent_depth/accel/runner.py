@@ -54,7 +54,7 @@ from recurrent_depth.inference.runner import ModelRunner, Step
 from recurrent_depth.model.cache import ModelCache, combine_key_mask
 from recurrent_depth.model.layers import RotaryTable
 from recurrent_depth.model.recurrent import all_attention, blocks_of
-from recurrent_depth.weight_quant import quantized_weights
+from recurrent_depth.weight_quant import Int8WeightLinear
 
 # Most bytes of contiguous transposed weight copies a fast runner makes (see the module docstring).
 COPY_LIMIT_BYTES = 512 * 2**20
@@ -88,17 +88,20 @@ class FastRunner(ModelRunner):
 
     @staticmethod
     def supports(model: Any) -> bool:
-        # int8 weights (weight_quant.py): the reference runner, whose linears take the int8 kernel
-        return (model.config.uses_huginn_layout and all_attention(model) and not quantized_weights(model)
+        return (model.config.uses_huginn_layout and all_attention(model)
                 and all(b.attn.window is None and b.attn.q_norm is None for b in blocks_of(model))
-                and FastRunner._reproduces_lora(model))
+                and FastRunner._reads_every_layer(model))
 
     @staticmethod
-    def _reproduces_lora(model: Any) -> bool:
-        """Every LoRA layer of `model` is one this runner reads (block and adapter linears) and plain LoRA."""
+    def _reads_every_layer(model: Any) -> bool:
+        """One walk over `model`'s modules: no int8 weights (weight_quant.py: the reference runner, whose
+        linears take the int8 kernel, runs those), and every LoRA layer is one this runner reads (block
+        and adapter linears) and plain LoRA."""
         read = {id(model.transformer.adapter)} | {
             id(layer) for block in blocks_of(model) for layer in FastRunner._block_linears(block).values()}
-        return all(id(m) in read and unsupported_lora(m) is None for m in model.modules() if is_lora_layer(m))
+        return not any(isinstance(m, Int8WeightLinear)
+                       or (is_lora_layer(m) and (id(m) not in read or unsupported_lora(m) is not None))
+                       for m in model.modules())
 
     def __init__(self, model: Any) -> None:
         super().__init__(model)

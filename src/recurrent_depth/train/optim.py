@@ -646,6 +646,27 @@ class OptimConfig:
         )
 
 
+# benchmarks/optim_sweep.py (150 steps, the small layout at h 128, byte-level stdlib, batch 8 x 64):
+# val loss at depth 8 -- adamw 1e-3/3e-3/5e-3/1e-2: 2.017/1.726/1.881/4.155; ellis-adam
+# 1e-3/2e-3/3e-3/5e-3/1e-2: 2.105/1.845/1.790/1.907/4.107; muon (adamw 3e-3) 0.01/0.02/0.05:
+# 1.611/1.629/3.607. The demo keeps the paper's optimizer (and its per-step weight decay) at the lr that
+# won for it; AdamW at the same lr was 0.06 lower on this toy. Muon wins per step (the sweep ran with
+# torch.optim.Muon's bf16 Newton-Schulz, 7.9 s per `small` step on an AVX2 EPYC that emulates bf16;
+# muon_ns_dtype "auto" now runs it in float32 there: 0.20 s, vs 29 ms for ellis-adam).
+# The Muon demos below are this recipe with Muon on the matrices (same lr, schedule and clipping).
+_DEMO = OptimConfig(
+    name="ellis-adam",
+    lr=3e-3,
+    betas=(0.9, 0.95),
+    weight_decay=4e-5,
+    eps=1e-6,
+    grad_clip=1.0,
+    warmup_steps=50,
+    cooldown_fraction=0.2,
+    min_lr=0.0,
+    description="short CPU runs: the paper's optimizer at the lr that won benchmarks/optim_sweep.py",
+)
+
 OPTIM_PRESETS: dict[str, OptimConfig] = {
     # huginn-0125.md section 5: launch_configs/frontier_nebel_512_nodes.yaml (schedule in micro-batch steps,
     # which equal optimizer steps there: micro-batch 1 per rank, no accumulation). The paper's main run
@@ -669,57 +690,27 @@ OPTIM_PRESETS: dict[str, OptimConfig] = {
         description="the official launch config's ELLISAdam recipe (4096 GPUs, 16.8M tokens per step; "
                     "the paper's peak lr 4e-5, the config's cool-down: the paper ran at a constant rate)",
     ),
-    # benchmarks/optim_sweep.py (150 steps, the small layout at h 128, byte-level stdlib, batch 8 x 64):
-    # val loss at depth 8 -- adamw 1e-3/3e-3/5e-3/1e-2: 2.017/1.726/1.881/4.155; ellis-adam
-    # 1e-3/2e-3/3e-3/5e-3/1e-2: 2.105/1.845/1.790/1.907/4.107; muon (adamw 3e-3) 0.01/0.02/0.05:
-    # 1.611/1.629/3.607. The demo keeps the paper's optimizer (and its per-step weight decay) at the lr that
-    # won for it; AdamW at the same lr was 0.06 lower on this toy. Muon wins per step (the sweep ran with
-    # torch.optim.Muon's bf16 Newton-Schulz, 7.9 s per `small` step on an AVX2 EPYC that emulates bf16;
-    # muon_ns_dtype "auto" now runs it in float32 there: 0.20 s, vs 29 ms for ellis-adam).
-    "demo": OptimConfig(
-        name="ellis-adam",
-        lr=3e-3,
-        betas=(0.9, 0.95),
-        weight_decay=4e-5,
-        eps=1e-6,
-        grad_clip=1.0,
-        warmup_steps=50,
-        cooldown_fraction=0.2,
-        min_lr=0.0,
-        description="short CPU runs: the paper's optimizer at the lr that won benchmarks/optim_sweep.py",
-    ),
-    "demo-muon": OptimConfig(
+    "demo": _DEMO,
+    "demo-muon": replace(
+        _DEMO,
         name="muon",
-        lr=3e-3,
         muon_lr=0.01,
         muon_momentum=0.95,
-        betas=(0.9, 0.95),
         weight_decay=0.0,
-        eps=1e-6,
-        grad_clip=1.0,
-        warmup_steps=50,
-        cooldown_fraction=0.2,
-        min_lr=0.0,
         description="Muon (matrices) + AdamW (rest), best per step in benchmarks/optim_sweep.py; needs fast bf16",
     ),
     # Kimi K2's Muon (Moonshot's "Muon is scalable" recipe): every matrix on its own (q, k, v and gate, up
     # split out of the fused weights), the update rescaled to AdamW's RMS (0.2 sqrt(max(rows, cols))) so the
     # AdamW learning rate serves both, and decoupled weight decay 0.1. The demo's lr and schedule.
-    "k2-muon": OptimConfig(
+    "k2-muon": replace(
+        _DEMO,
         name="muon",
-        lr=3e-3,
         muon_lr=3e-3,
         muon_momentum=0.95,
         muon_adjust_lr="match_rms_adamw",
         muon_weight_decay=0.1,
         muon_split_fused=True,
-        betas=(0.9, 0.95),
         weight_decay=0.0,
-        eps=1e-6,
-        grad_clip=1.0,
-        warmup_steps=50,
-        cooldown_fraction=0.2,
-        min_lr=0.0,
         description="Kimi K2's Muon: per-matrix (fused q|k|v and gate|up split), AdamW-RMS-matched lr, "
                     "decoupled weight decay 0.1",
     ),

@@ -29,7 +29,7 @@ from recurrent_depth.quant.base import Quantizer, derive_seed, store_norm
 from recurrent_depth.quant.codes import Codes
 from recurrent_depth.quant.packing import pack_bits, packed_nbytes, unpack_bits
 from recurrent_depth.quant.rotation import gaussian_matrix, on_device
-from recurrent_depth.quant.split import select_outlier_channels
+from recurrent_depth.quant.split import checked_outlier_channels, select_outlier_channels
 
 # Sign bits per coordinate at most (m <= 16·D): past it the sketch costs more than the bf16 vector, and
 # S [m, D] plus the per-vector signs grow without bound (a spec is text a server's client may send).
@@ -54,12 +54,8 @@ class QJL(Quantizer):
         if sketch + 16 * outliers > MAX_QJL_BITS * dim:  # signs + bf16 outliers: at most the bf16 vector's bits
             raise ValueError(f"qjl with sketch m = {sketch} and {outliers} bf16 outlier channels stores "
                              f"{sketch + 16 * outliers} bits, more than the {16 * dim} of the bf16 vector (D = {dim})")
-        if outlier_channels is None:
-            outlier_channels = range(outliers)
-        channels = sorted(int(c) for c in outlier_channels)
-        if len(set(channels)) != outliers or not all(0 <= c < dim for c in channels):
-            raise ValueError(f"qjl with {outliers} outlier channels at D = {dim} needs {outliers} distinct channels "
-                             f"in [0, {dim}), got {list(outlier_channels)}")
+        channels = checked_outlier_channels(outlier_channels, outliers, dim, f"qjl with {outliers} outlier channels "
+                                            f"at D = {dim}")
         self.sketch_size, self.seed, self.outliers = sketch, int(seed), outliers
         self.outlier_channels = channels
         self.regular_channels = sorted(set(range(dim)) - set(channels))

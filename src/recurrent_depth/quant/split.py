@@ -52,18 +52,23 @@ def select_outlier_channels(x: torch.Tensor, count: int) -> list[int]:
     return sorted(energy.sort(descending=True, stable=True).indices[:count].tolist())
 
 
+def checked_outlier_channels(channels: Sequence[int] | None, count: int, dim: int, what: str) -> list[int]:
+    """`channels` (None: the first `count`) in increasing order; a ValueError that starts with `what`
+    unless they are `count` distinct channels in [0, dim)."""
+    given = range(count) if channels is None else channels
+    out = sorted(int(c) for c in given)
+    if len(set(out)) != count or not all(0 <= c < dim for c in out):
+        raise ValueError(f"{what} needs {count} distinct outlier channels in [0, {dim}), got {list(given)}")
+    return out
+
+
 class ChannelSplit(Quantizer):
     def __init__(self, method: str, dim: int, bits: float, make_group: GroupFactory, seed: int = 0,
                  outlier_channels: Sequence[int] | None = None, spec_suffix: str = "") -> None:
         super().__init__(dim)
         self.method, self._bits, self.seed, self._suffix = method, float(bits), int(seed), spec_suffix
         n_out, hi, lo = split_sizes(dim, bits)
-        if outlier_channels is None:
-            outlier_channels = range(n_out)
-        outliers = sorted(int(c) for c in outlier_channels)
-        if len(set(outliers)) != n_out or not all(0 <= c < dim for c in outliers):
-            raise ValueError(f"{bits:g} bits at D = {dim} needs {n_out} distinct outlier channels in [0, {dim}), "
-                             f"got {list(outlier_channels)}")
+        outliers = checked_outlier_channels(outlier_channels, n_out, dim, f"{bits:g} bits at D = {dim}")
         regular = sorted(set(range(dim)) - set(outliers))
         self.outlier_channels, self.regular_channels = outliers, regular
         self._out_idx = torch.tensor(outliers)

@@ -97,6 +97,16 @@ def add_tokenizer_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_load_args(parser: argparse.ArgumentParser) -> None:
+    """What a command that runs a trained model loads, and how: --model, --lora, --tokenizer, --device,
+    --dtype and --weights."""
+    add_model_arg(parser)
+    add_lora_adapter_arg(parser)
+    add_tokenizer_arg(parser)
+    add_device_args(parser)
+    add_weights_arg(parser)
+
+
 def tokenizer_source(args: argparse.Namespace) -> str:
     """Where the command's tokenizer lives: --tokenizer, else the --model directory (which must hold one)."""
     from pathlib import Path

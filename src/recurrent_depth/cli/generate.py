@@ -15,16 +15,7 @@ import sys
 from collections import Counter
 from typing import Any
 
-from recurrent_depth.cli.common import (
-    add_device_args,
-    add_lora_adapter_arg,
-    add_max_depth_arg,
-    add_model_arg,
-    add_tokenizer_arg,
-    add_weights_arg,
-    load_cli_tokenizer,
-    tokenizer_source,
-)
+from recurrent_depth.cli.common import add_load_args, add_max_depth_arg, load_cli_tokenizer, tokenizer_source
 from recurrent_depth.inference.options import OptionError
 from recurrent_depth.inference.schema import add_cli_arguments, canonical, cli_spelling, cli_values
 
@@ -36,9 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Generate a continuation of --prompt with a recurrent-depth model. The prompt runs at "
         "full depth; each new token then runs --num-steps core steps, or fewer with --exit-criterion.",
     )
-    add_model_arg(p)
-    add_lora_adapter_arg(p)
-    add_tokenizer_arg(p)
+    add_load_args(p)
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                    help="prompt text; repeat for a batch (left-padded; each row exits on its own)")
     p.add_argument("--prompt-file", action="append", default=[], metavar="FILE",
@@ -54,8 +43,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     o.add_argument("--json", action="store_true",
                    help="print one JSON object (completions, per-token steps and reasons, stats) instead "
                         "(default: off)")
-    add_device_args(p)
-    add_weights_arg(p)
     p.set_defaults(func=run)
 
 

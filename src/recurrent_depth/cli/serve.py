@@ -14,14 +14,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from recurrent_depth.cli.common import (
-    add_device_args,
-    add_lora_adapter_arg,
-    add_max_depth_arg,
-    add_model_arg,
-    add_tokenizer_arg,
-    add_weights_arg,
-)
+from recurrent_depth.cli.common import add_load_args, add_max_depth_arg
 from recurrent_depth.inference.options import DEFAULT_TTT_MAX_COPY_MB
 from recurrent_depth.inference.schema import add_option_flags
 
@@ -33,11 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. "
         "Requests join and leave the running batch between decode steps and each one runs at its own depth.",
     )
-    add_model_arg(p)
-    add_lora_adapter_arg(p)
-    add_tokenizer_arg(p)
-    add_device_args(p)
-    add_weights_arg(p)
+    add_load_args(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind; use 0.0.0.0 only behind a firewall (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")

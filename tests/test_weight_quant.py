@@ -309,3 +309,13 @@ def test_cli_generate_with_quantized_weights_and_a_bad_value(model_dir, capsys):
     assert main([*base, "--weights", "int4:g16"]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert len(errors) == 1 and "weights='int4:g16' is invalid" in errors[0]
+
+
+def test_build_app_quantizes_a_model_in_memory_and_refuses_a_bad_format_first(model_dir):
+    from recurrent_depth.serving import build_app
+
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval()
+    build_app(model, weights="int4")
+    assert isinstance(model.transformer.core_block[0].attn.Wqkv, Int4WeightLinear)
+    with pytest.raises(ValueError, match="weights='int4:g16' is invalid"):
+        build_app(model_dir, weights="int4:g16")

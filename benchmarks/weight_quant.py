@@ -1,23 +1,32 @@
-"""Weight-only int8 quantization (`recurrent_depth.weight_quant`): quality, small-shape speed, kernel speed.
+"""Weight-only quantization (`recurrent_depth.weight_quant`), int8 and int4: quality, small-shape
+speed, kernel speed.
 
     python benchmarks/weight_quant.py --model runs/quickstart/model            # a trained model directory
-    python benchmarks/weight_quant.py --model DIR --skip-kernels --rows 8      # quick
+    python benchmarks/weight_quant.py --model DIR --skip-kernels --rows 16     # quick
+    python benchmarks/weight_quant.py --kernels-only                           # the Huginn-shape products only
 
 In one run:
 
-* teacher-forced agreement: on `--rows` rows of the model directory's validation shards
-  (`--data`, default `DIR/../data/validation.json`, what `rdepth quickstart` writes), the fraction
-  of positions whose argmax token is the same with int8 weights as without, and the mean KL
-  divergence of the int8 model's next-token distribution from the unquantized one's, in float32
-  (the dequantized reference path) and bf16 (torch's int8 kernel against bf16 weights), at
-  `--num-steps`;
-* small-shape decode tokens/s of the same model, unquantized (the fused runner) and int8 (the
+* teacher-forced agreement, per format (`--formats`, default int8, int4 and int4:g128): on `--rows`
+  rows of the model directory's validation shards (`--data`, default `DIR/../data/validation.json`,
+  what `rdepth quickstart` writes; held out from training), the first `--tokens` tokens of each, the
+  fraction of positions whose argmax token is the same with quantized weights as without, with its
+  standard error over rows (positions of one row are not independent: the row is the unit), and the
+  mean KL divergence of the quantized model's next-token distribution from the unquantized one's.
+  In float32 (int8: the dequantized reference; int4: torch's kernel where it takes the shape) and
+  bf16 (the kernels against bf16 weights), at `--num-steps`;
+* small-shape decode tokens/s of the same model, unquantized (the fused runner) and per format (the
   reference runner: the quantized model's), per dtype; at this size decoding is bound by Python
-  dispatch, not weight bytes, so this is not where int8 pays;
+  dispatch, not weight bytes, so this is not where quantization pays;
 * the kernel: ms per product of one Huginn-0125 linear (K, N below) at M = 1 and 8 rows, bf16
-  `x @ W^T` against `aten._weight_int8pack_mm`, and the weight bytes / s each reaches.
+  activations: `x @ W^T` with bf16 weights, `aten._weight_int8pack_mm`, and `Int4WeightLinear`
+  (group 32: `aten._weight_int4pack_mm_for_cpu`), alternating in `--repeats` rounds (the best of
+  each kept), with the bytes each product reads (packed weights + scales + zero points, counted
+  from the stored tensors) and the GB/s that implies; and at M = 1 the same with float32
+  activations (fp32 weights against the int4 kernel in float32).
 
-Prints one JSON line, then a table.
+Prints one JSON line, then tables. The clock is CPU time (`time.process_time`) at one thread and
+wall time otherwise; the load average is in the record.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import platform
 import sys
@@ -37,128 +47,227 @@ import torch.nn.functional as F
 
 import recurrent_depth as rd
 from recurrent_depth.data.shards import ShardDataset
-from recurrent_depth.weight_quant import Int8WeightLinear, quantize_weights
+from recurrent_depth.weight_quant import Int4WeightLinear, Int8WeightLinear, check_weights, quantize_weights
 
-# Huginn-0125's linear shapes (K = in, N = out): Wqkv, MLP fc (gate and up), MLP proj, adapter.
-HUGINN_SHAPES = {"Wqkv": (5280, 3 * 5280), "mlp.fc": (5280, 2 * 17920), "mlp.proj": (17920, 5280),
+# Huginn-0125's linear shapes (K = in, N = out): Wqkv, half of MLP fc (gate or up), MLP proj, adapter.
+HUGINN_SHAPES = {"Wqkv": (5280, 3 * 5280), "mlp.fc/2": (5280, 17920), "mlp.proj": (17920, 5280),
                  "adapter": (2 * 5280, 5280)}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="a trained model directory")
+    p.add_argument("--model", default=None, help="a trained model directory (needed unless --kernels-only)")
     p.add_argument("--data", default=None, help="validation shard index (default: MODEL/../data/validation.json)")
-    p.add_argument("--rows", type=int, default=32, help="validation rows for the agreement (default: %(default)s)")
+    p.add_argument("--formats", default="int8,int4,int4:g128",
+                   help="comma-separated weight formats to compare (default: %(default)s)")
+    p.add_argument("--rows", type=int, default=64, help="validation rows for the agreement (default: %(default)s)")
+    p.add_argument("--tokens", type=int, default=64, help="positions per row (default: %(default)s)")
     p.add_argument("--num-steps", type=int, default=None, help="recurrence depth (default: the model's mean)")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens per decode timing (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=5, help="kernel timing repeats, best kept (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=5, help="kernel timing rounds, best kept (default: %(default)s)")
     p.add_argument("--skip-kernels", action="store_true", help="skip the Huginn-shape kernel timings")
+    p.add_argument("--skip-decode", action="store_true", help="skip the small-shape decode timings")
+    p.add_argument("--kernels-only", action="store_true", help="only the Huginn-shape kernel timings")
+    p.add_argument("--shapes", default=",".join(HUGINN_SHAPES),
+                   help="comma-separated Huginn shapes to time (default: %(default)s)")
     args = p.parse_args(argv)
-    if args.rows < 1 or args.decode_tokens < 2 or args.repeats < 1:
-        p.error("--rows and --repeats must be >= 1, --decode-tokens >= 2")
+    if args.rows < 2 or args.tokens < 1 or args.decode_tokens < 2 or args.repeats < 1:
+        p.error("--rows must be >= 2 (a standard error), --tokens and --repeats >= 1, --decode-tokens >= 2")
+    if args.model is None and not args.kernels_only:
+        p.error("--model is required unless --kernels-only")
+    args.formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    try:
+        for fmt in args.formats:
+            check_weights(fmt)
+    except ValueError as err:
+        p.error(str(err))
+    args.shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    unknown = [s for s in args.shapes if s not in HUGINN_SHAPES]
+    if unknown:
+        p.error(f"--shapes {unknown} unknown: expected some of {list(HUGINN_SHAPES)}")
     return args
 
 
-def agreement(model: rd.RecurrentDepthLM, rows: torch.Tensor, num_steps: int, dtype: torch.dtype) -> dict[str, Any]:
-    """Argmax agreement and mean KL(unquantized || int8) over every position of `rows`, in `dtype`."""
-    plain = copy.deepcopy(model).to(dtype)
-    quantized = copy.deepcopy(plain)
-    layers = quantize_weights(quantized, "int8")
-    same = total = 0
+def mean_and_standard_error(values: list[float]) -> tuple[float, float]:
+    n = len(values)
+    mean = sum(values) / n
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(var / n)
+
+
+def agreement(plain: rd.RecurrentDepthLM, quantized: rd.RecurrentDepthLM, rows: torch.Tensor,
+              num_steps: int) -> dict[str, Any]:
+    """Argmax agreement (mean over rows, its standard error over rows) and mean KL(unquantized ||
+    quantized) over every position of `rows`."""
+    per_row: list[float] = []
     kl = 0.0
     with torch.inference_mode():
-        for row in rows.split(4):
-            want = plain(row, num_steps=num_steps, init_scale=0.0).logits.float()
-            got = quantized(row, num_steps=num_steps, init_scale=0.0).logits.float()
-            same += int((want.argmax(-1) == got.argmax(-1)).sum())
-            total += want.shape[0] * want.shape[1]
-            kl += float(F.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True,
-                                 reduction="sum"))
-    return dict(layers_quantized=layers, positions=total, argmax_agreement=round(same / total, 5),
-                mean_kl=float(f"{kl / total:.3g}"))
+        for chunk in rows.split(8):
+            want = plain(chunk, num_steps=num_steps, init_scale=0.0).logits.float()
+            got = quantized(chunk, num_steps=num_steps, init_scale=0.0).logits.float()
+            per_row += (want.argmax(-1) == got.argmax(-1)).float().mean(-1).tolist()
+            kl += float(F.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="sum"))
+    mean, se = mean_and_standard_error(per_row)
+    positions = rows.numel()
+    return dict(positions=positions, argmax_agreement=round(mean, 5), standard_error=round(se, 5),
+                rows_at_100_percent=sum(v == 1.0 for v in per_row), mean_kl=float(f"{kl / positions:.3g}"))
 
 
-def decode_speed(model: rd.RecurrentDepthLM, prompt: torch.Tensor, num_steps: int, tokens: int,
-                 dtype: torch.dtype) -> dict[str, float]:
-    """Greedy decode tokens/s, unquantized and int8 (best of two runs each)."""
-    plain = copy.deepcopy(model).to(dtype)
-    quantized = copy.deepcopy(plain)
-    quantize_weights(quantized, "int8")
-    out = {}
-    for name, m in (("unquantized", plain), ("int8", quantized)):
-        runs = [rd.generate(m, prompt, max_new_tokens=tokens, num_steps=num_steps, init_scale=0.0)
-                for _ in range(2)]
-        out[name] = round(max(r.tokens_per_second for r in runs), 2)
-    out["int8_over_unquantized"] = round(out["int8"] / out["unquantized"], 3)
-    return out
+def decode_speed(models: dict[str, rd.RecurrentDepthLM], prompt: torch.Tensor, num_steps: int,
+                 tokens: int) -> dict[str, float]:
+    """Greedy decode tokens/s per model (best of two runs each, alternating)."""
+    best: dict[str, float] = {}
+    for _ in range(2):
+        for name, m in models.items():
+            out = rd.generate(m, prompt, max_new_tokens=tokens, num_steps=num_steps, init_scale=0.0)
+            best[name] = max(best.get(name, 0.0), out.tokens_per_second)
+    return {name: round(v, 2) for name, v in best.items()}
 
 
-def best_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
-
-
-def kernel_timings(repeats: int) -> dict[str, Any]:
-    """ms per product and weight GB/s, bf16 matmul against the int8 kernel, at Huginn's shapes."""
-    g = torch.Generator().manual_seed(0)
-    rows = {}
-    for name, (K, N) in HUGINN_SHAPES.items():
-        for M, row in shape_timings(K, N, g, repeats).items():
-            rows[f"{name} [{M}x{K}]x[{K}x{N}]"] = row
-    return rows
-
-
-def shape_timings(K: int, N: int, g: torch.Generator, repeats: int) -> dict[int, dict[str, float]]:
-    weight = torch.randn(N, K, generator=g).to(torch.bfloat16)
-    layer = Int8WeightLinear.from_linear(torch.nn.Linear(K, N, bias=False).to(torch.bfloat16))
-    out = {}
-    for M in (1, 8):
-        x = torch.randn(M, K, generator=g).to(torch.bfloat16)
-        bf16 = best_ms(lambda x=x: x @ weight.t(), repeats)
-        int8 = best_ms(lambda x=x: layer(x), repeats)
-        out[M] = dict(bf16_ms=round(bf16, 3), int8_ms=round(int8, 3), speedup=round(bf16 / int8, 3),
-                      bf16_weight_gb_s=round(2 * N * K / bf16 / 1e6, 2), int8_weight_gb_s=round(N * K / int8 / 1e6, 2))
-    return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def model_figures(args: argparse.Namespace, log) -> dict[str, Any]:
     model = rd.RecurrentDepthLM.from_pretrained(args.model).eval()
     num_steps = args.num_steps or model.config.mean_recurrence
     data = Path(args.data) if args.data else Path(args.model).resolve().parent / "data" / "validation.json"
     shards = ShardDataset(data, shuffle=False)
     count = min(args.rows, len(shards))
-    rows = torch.from_numpy(shards.rows(list(range(count))).astype("int64"))[:, :-1]
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    quality = {}
-    speed = {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+    rows = torch.from_numpy(shards.rows(list(range(count))).astype("int64"))[:, :args.tokens]
+    quality: dict[str, dict[str, Any]] = {}
+    speed: dict[str, dict[str, float]] = {}
+    for dname, dtype in DTYPES.items():
         start = time.perf_counter()
-        quality[name] = agreement(model, rows, num_steps, dtype)
-        speed[name] = decode_speed(model, rows[:1, :16], num_steps, args.decode_tokens, dtype)
-        log(f"[{name}] {quality[name]} {speed[name]} ({time.perf_counter() - start:.0f}s)")
-    kernels = {} if args.skip_kernels else kernel_timings(args.repeats)
-    record = dict(
-        benchmark="weight_quant", model=str(args.model), parameters=model.num_parameters(), rows=count,
-        seq_len=int(rows.shape[1]), num_steps=num_steps, agreement=quality, decode_tokens_per_s=speed,
-        kernels=kernels, threads=torch.get_num_threads(), torch=torch.__version__,
-        python=platform.python_version(), load_average=[round(x, 2) for x in os.getloadavg()],
-    )
+        plain = copy.deepcopy(model).to(dtype)
+        quantized = {}
+        for fmt in args.formats:
+            quantized[fmt] = copy.deepcopy(plain)
+            quantize_weights(quantized[fmt], fmt)
+            quality.setdefault(fmt, {})[dname] = agreement(plain, quantized[fmt], rows, num_steps)
+        if not args.skip_decode:
+            speed[dname] = decode_speed({"unquantized": plain, **quantized}, rows[:1, :16], num_steps,
+                                        args.decode_tokens)
+        log(f"[{dname}] {({f: quality[f][dname] for f in args.formats})} {speed.get(dname)} "
+            f"({time.perf_counter() - start:.0f}s)")
+    return dict(model=str(args.model), parameters=model.num_parameters(), rows=count, tokens=int(rows.shape[1]),
+                num_steps=num_steps, agreement=quality, decode_tokens_per_s=speed)
+
+
+# ------------------------------------------------------------------------------ kernels
+
+
+def _clock():
+    return time.process_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
+def alternating_best_ms(fns: dict[str, Any], repeats: int) -> dict[str, float]:
+    """Best ms per call of each function, the functions alternating within each round."""
+    clock = _clock()
+    for fn in fns.values():
+        fn()  # warm-up
+    best = {name: math.inf for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = clock()
+            fn()
+            best[name] = min(best[name], (clock() - start) * 1e3)
+    return best
+
+
+def shape_timings(K: int, N: int, g: torch.Generator, repeats: int) -> dict[str, dict[str, Any]]:
+    """bf16 / int8 / int4 products at M = 1 and 8 (bf16 activations), and fp32 / int4 at M = 1."""
+    linear = torch.nn.Linear(K, N, bias=False)
+    with torch.no_grad():
+        linear.weight.normal_(0, K ** -0.5, generator=g)
+    rows = _bf16_rows(copy.deepcopy(linear).to(torch.bfloat16), g, repeats)  # the copies go when it returns
+    rows["fp32 M=1"] = _fp32_row(linear, g, repeats)
+    return rows
+
+
+def _bf16_rows(linear: torch.nn.Linear, g: torch.Generator, repeats: int) -> dict[str, dict[str, Any]]:
+    weight = linear.weight.detach()
+    int8 = Int8WeightLinear.from_linear(linear)
+    int4 = Int4WeightLinear.from_linear(linear, 32)
+    assert int4.kernel_layout, "Huginn's shapes take the int4 kernel at group 32"
+    read = dict(bf16=weight.numel() * 2, int8=int8.quantized_bytes(), int4=int4.quantized_bytes())
+    rows = {}
+    for M in (1, 8):
+        x = torch.randn(M, linear.in_features, generator=g).to(torch.bfloat16)
+        ms = alternating_best_ms(dict(bf16=lambda x=x: x @ weight.t(), int8=lambda x=x: int8(x),
+                                      int4=lambda x=x: int4(x)), repeats)
+        rows[f"bf16 M={M}"] = _row(ms, read)
+    return rows
+
+
+def _fp32_row(linear: torch.nn.Linear, g: torch.Generator, repeats: int) -> dict[str, Any]:
+    weight = linear.weight.detach()
+    int4 = Int4WeightLinear.from_linear(linear, 32)
+    x = torch.randn(1, linear.in_features, generator=g)
+    ms = alternating_best_ms(dict(fp32=lambda: x @ weight.t(), int4=lambda: int4(x)), repeats)
+    return _row(ms, dict(fp32=weight.numel() * 4, int4=int4.quantized_bytes()))
+
+
+def _row(ms: dict[str, float], read: dict[str, int]) -> dict[str, Any]:
+    row: dict[str, Any] = {}
+    for name, t in ms.items():
+        row[f"{name}_ms"] = round(t, 3)
+        row[f"{name}_mb"] = round(read[name] / 1e6, 2)
+        row[f"{name}_gb_s"] = round(read[name] / t / 1e6, 2)
+    dense = next(iter(ms))
+    for name in list(ms)[1:]:
+        row[f"{name}_speedup"] = round(ms[dense] / ms[name], 3)
+    return row
+
+
+def kernel_timings(shapes: list[str], repeats: int, log) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for name in shapes:
+        K, N = HUGINN_SHAPES[name]
+        start = time.perf_counter()
+        out[f"{name} [{K}x{N}]"] = shape_timings(K, N, g, repeats)
+        log(f"[kernels] {name}: {out[f'{name} [{K}x{N}]']} ({time.perf_counter() - start:.0f}s)")
+    return out
+
+
+def cpu_flags() -> list[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+    return [f for f in wanted if f in flags]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    record: dict[str, Any] = dict(benchmark="weight_quant")
+    if not args.kernels_only:
+        record.update(model_figures(args, log))
+    kernels = {} if args.skip_kernels else kernel_timings(args.shapes, args.repeats, log)
+    record.update(kernels=kernels, clock="process_time" if torch.get_num_threads() == 1 else "perf_counter",
+                  threads=torch.get_num_threads(), cpu_flags=cpu_flags(), torch=torch.__version__,
+                  python=platform.python_version(), load_average_before=load_before,
+                  load_average_after=[round(x, 2) for x in os.getloadavg()])
     print(json.dumps(record))
-    print(f"\n{'dtype':<6}{'argmax agreement':>18}{'mean KL':>12}{'decode tok/s plain':>20}{'int8':>10}")
-    for name in quality:
-        q, s = quality[name], speed[name]
-        print(f"{name:<6}{q['argmax_agreement']:>18}{q['mean_kl']:>12}{s['unquantized']:>20}{s['int8']:>10}")
+    if "agreement" in record:
+        print(f"\n{'format':<10}{'dtype':<6}{'argmax agreement':>18}{'s.e.':>9}{'mean KL':>11}"
+              f"{'decode tok/s':>14}{'unquantized':>13}")
+        for fmt, per_dtype in record["agreement"].items():
+            for dname, q in per_dtype.items():
+                s = record["decode_tokens_per_s"].get(dname, {})
+                print(f"{fmt:<10}{dname:<6}{q['argmax_agreement']:>18}{q['standard_error']:>9}{q['mean_kl']:>11}"
+                      f"{s.get(fmt, '-'):>14}{s.get('unquantized', '-'):>13}")
     if kernels:
-        print(f"\n{'product':<36}{'bf16 ms':>10}{'int8 ms':>10}{'speedup':>10}{'bf16 GB/s':>11}{'int8 GB/s':>11}")
-        for name, k in kernels.items():
-            print(f"{name:<36}{k['bf16_ms']:>10}{k['int8_ms']:>10}{k['speedup']:>10}{k['bf16_weight_gb_s']:>11}"
-                  f"{k['int8_weight_gb_s']:>11}")
+        print(f"\n{'product':<24}{'acts':<8}{'dense ms':>9}{'int8 ms':>9}{'int4 ms':>9}{'int8 x':>8}{'int4 x':>8}"
+              f"{'dense GB/s':>11}{'int8 GB/s':>10}{'int4 GB/s':>10}")
+        for name, per in kernels.items():
+            for acts, k in per.items():
+                dense = "bf16" if acts.startswith("bf16") else "fp32"
+                print(f"{name:<24}{acts:<8}{k[f'{dense}_ms']:>9}{k.get('int8_ms', '-'):>9}{k['int4_ms']:>9}"
+                      f"{k.get('int8_speedup', '-'):>8}{k['int4_speedup']:>8}{k[f'{dense}_gb_s']:>11}"
+                      f"{k.get('int8_gb_s', '-'):>10}{k['int4_gb_s']:>10}")
     return 0
 
 

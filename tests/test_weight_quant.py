@@ -1,11 +1,16 @@
-"""Weight-only int8 quantization (weight_quant.py): the kernel against the plain reference, the
-quantization error bound, and every decoding mode, the server's batch, the loader, the CLI and the
-transformers route against a model holding the dequantized weights.
+"""Weight-only quantization (weight_quant.py), int8 per output channel and int4 group-wise: the
+kernels against the plain reference, the quantization error bounds, the byte counts, and every
+decoding mode, the server's batch, the loader, the CLI and the transformers route against a model
+holding the dequantized weights.
 
 Tolerances: torch's int8 kernel takes bf16 activations and returns bf16, so its products match the
 float32 reference (dequantize, then matmul) to bf16 output rounding: |error| <= 2^-7 of the row's
-largest |value| (observed <= 2^-8). The float32 path is the reference computation itself, so a
-quantized float32 model gives bit-equal tokens and logits to its dequantized twin.
+largest |value| (observed <= 2^-8). The float32 int8 path is the reference computation itself, so a
+quantized float32 model gives bit-equal tokens and logits to its dequantized twin. torch's int4
+kernel takes float32, bf16 and fp16: float32 products agree with the reference to float32 rounding
+(a different summation order: observed <= 3e-6 of the row's largest value), bf16 ones within 2^-7
+(observed <= 2^-8), fp16 within 2^-9 (observed 5e-4); a float32 int4 model therefore gives the same
+tokens as its twin and logits within 1e-5, and its layers the kernel refuses are bit-equal.
 """
 
 from __future__ import annotations
@@ -19,13 +24,20 @@ from torch import nn
 import recurrent_depth as rd
 from recurrent_depth.inference import generate
 from recurrent_depth.weight_quant import (
+    Int4WeightLinear,
     Int8WeightLinear,
     check_weights,
+    dequantize_int4,
     dequantize_int8,
     dequantize_weights,
+    pack_nibbles,
+    parse_weights,
+    quantize_int4,
     quantize_int8,
     quantize_weights,
+    quantized_weight_bytes,
     quantized_weights,
+    unpack_nibbles,
 )
 from tests.batch_support import serve_in_one_batch
 from tests.test_hf import make_model_dir
@@ -77,20 +89,113 @@ def test_quantize_dequantize_error_is_within_half_a_step_per_channel():
     assert torch.equal(dequantize_int8(q, scales)[5], torch.zeros(29))
 
 
+# ---------------------------------------------------------------- int4 layers
+
+
+def _int4_reference(layer: Int4WeightLinear, x: torch.Tensor) -> torch.Tensor:
+    """Dequantize in float32 (from the unpacked values), then multiply in float32."""
+    out = x.float() @ layer.dequantize().t()
+    return out if layer.bias is None else out + layer.bias.float()
+
+
+INT4_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-9}
+
+
+@pytest.mark.parametrize("M,K,N,group", [(1, 64, 32, 32), (3, 96, 48, 32), (7, 256, 80, 64), (8, 256, 16, 128),
+                                         (2, 512, 32, 256)])
+@pytest.mark.parametrize("dtype", list(INT4_TOLERANCE))
+def test_int4_kernel_matches_the_dequantized_reference(M, K, N, group, dtype):
+    linear = nn.Linear(K, N, bias=M % 2 == 1).to(dtype)
+    layer = Int4WeightLinear.from_linear(linear, group)
+    x = torch.randn(2, M, K).to(dtype)
+    assert layer.kernel_layout and layer.uses_kernel(x)
+    out = layer(x)
+    assert out.shape == (2, M, N) and out.dtype == dtype
+    ref = _int4_reference(layer, x)
+    scale = ref.abs().amax(-1, keepdim=True).clamp_min(1e-6)
+    assert ((out.float() - ref).abs() / scale).max() <= INT4_TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("K,N,group", [(40, 7, 32), (96, 48, 64), (176, 64, 32), (64, 24, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_shapes_the_kernel_refuses_take_the_reference_exactly(K, N, group, dtype):
+    """The kernel needs out % 16 == 0 and in % group == 0 (it raises otherwise): those layers store
+    plain nibbles (padded to whole groups) and compute dequantize-then-F.linear."""
+    layer = Int4WeightLinear.from_linear(nn.Linear(K, N).to(dtype), group)
+    x = torch.randn(3, K).to(dtype)
+    assert not layer.kernel_layout and not layer.uses_kernel(x)
+    expected = nn.functional.linear(x, layer.dequantize(dtype), layer.bias)
+    assert torch.equal(layer(x), expected)
+    assert layer.qweight.shape == (N, -(-K // group) * group // 2)
+
+
+def test_int4_error_bound_and_the_stored_values_round_trip():
+    torch.manual_seed(0)
+    w = torch.randn(48, 100) * torch.logspace(-3, 1, 48)[:, None] + torch.randn(48, 1)  # offsets too
+    w[5] = 0.0  # an all-zero row
+    w[7, :32] = 0.25  # a constant group
+    q, sz = quantize_int4(w, 32)
+    assert q.shape == (48, 128) and sz.shape == (4, 48, 2) and int(q.max()) <= 15
+    assert torch.equal(sz, sz.to(torch.bfloat16).float())  # the bf16 kernel reads the same scales and zeros
+    scale, zero = (sz[..., i].t().repeat_interleave(32, 1)[:, :100] for i in (0, 1))
+    err = (dequantize_int4(q, sz, 100) - w).abs()
+    # half a step, plus the bf16 rounding of the zero and of the scale (at the clamped ends)
+    assert (err <= 0.5 * scale + 2**-8 * (zero.abs() + 15 * scale) + 1e-7).all()
+    assert torch.equal(dequantize_int4(q, sz, 100)[5], torch.zeros(100))
+    assert torch.equal(dequantize_int4(q, sz, 100)[7, :32], torch.full((32,), 0.25))
+    assert torch.equal(unpack_nibbles(pack_nibbles(q)), q)
+    for K, N in ((96, 48), (100, 48)):  # the kernel's packed layout and the plain one read back the values
+        linear = nn.Linear(K, N)
+        layer = Int4WeightLinear.from_linear(linear, 32)
+        assert layer.kernel_layout == (K % 32 == 0)
+        assert torch.equal(layer.unpacked()[:, :K], quantize_int4(linear.weight, 32)[0][:, :K])
+
+
+def test_bytes_are_counted_as_stored():
+    fp32 = Int4WeightLinear.from_linear(nn.Linear(96, 48), 32)  # kernel layout: 96 / 2 bytes a row
+    assert fp32.quantized_bytes() == 48 * 48 + 3 * 48 * 2 * 4  # + (scale, zero) per group in float32
+    bf16 = Int4WeightLinear.from_linear(nn.Linear(100, 48).to(torch.bfloat16), 32)  # plain, padded to 128
+    assert bf16.quantized_bytes() == 48 * 64 + 4 * 48 * 2 * 2
+    int8 = Int8WeightLinear.from_linear(nn.Linear(100, 48))
+    assert int8.quantized_bytes() == 48 * 100 + 48 * 4
+    model = nn.Sequential(fp32, bf16, int8, nn.Linear(3, 3))
+    assert quantized_weight_bytes(model) == fp32.quantized_bytes() + bf16.quantized_bytes() + int8.quantized_bytes()
+
+
+# ---------------------------------------------------------------- whole models
+
+
+FORMATS = ("int8", "int4", "int4:g64")
+
+
 @pytest.fixture(scope="module")
-def pair() -> tuple[rd.RecurrentDepthLM, rd.RecurrentDepthLM]:
-    """(quantized tiny float32 model, its twin holding the dequantized weights as plain nn.Linear)."""
-    torch.manual_seed(1234)
-    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval()
-    swapped = quantize_weights(model, "int8")
+def pairs() -> dict[str, tuple[rd.RecurrentDepthLM, rd.RecurrentDepthLM]]:
+    """Per format: (quantized tiny float32 model, its twin holding the dequantized weights as plain nn.Linear)."""
     from recurrent_depth.model.recurrent import blocks_of
 
-    assert swapped == 4 * len(blocks_of(model)) + 1  # qkv, proj, fc, out per block, and the adapter
-    assert type(model.lm_head) is nn.Linear  # the head is not quantized by default
-    twin = copy.deepcopy(model)
-    dequantize_weights(twin)
-    assert quantized_weights(model) and not quantized_weights(twin)
-    return model, twin
+    torch.manual_seed(1234)
+    base = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval()
+    out = {}
+    for fmt in FORMATS:
+        model = copy.deepcopy(base)
+        swapped = quantize_weights(model, fmt)
+        assert swapped == 4 * len(blocks_of(model)) + 1  # qkv, proj, fc, out per block, and the adapter
+        assert type(model.lm_head) is nn.Linear  # the head is not quantized by default
+        twin = copy.deepcopy(model)
+        dequantize_weights(twin)
+        assert quantized_weights(model) and not quantized_weights(twin)
+        out[fmt] = model, twin
+    int4 = [m for m in out["int4"][0].modules() if isinstance(m, Int4WeightLinear)]
+    assert {m.kernel_layout for m in int4} == {True, False}  # tiny's mlp.proj (in 176) takes the reference
+    return out
+
+
+def _same_decode(out, ref, fmt: str) -> None:
+    assert torch.equal(out.sequences, ref.sequences)
+    if fmt == "int8":  # the float32 reference computation itself
+        assert torch.equal(out.logits, ref.logits)
+    else:
+        torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=1e-5)
 
 
 MODES = {
@@ -104,42 +209,45 @@ MODES = {
     "parallel": dict(sampler="parallel", inner_steps=2, exit_criterion="latent-diff", exit_threshold=0.1),
     "sampled": dict(do_sample=True, temperature=0.8, top_k=40, init_scale=1.0),
 }
+INT4_MODES = ("fixed", "kl", "kv-share-4", "speculative", "parallel", "sampled")  # a representative set
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_every_decoding_mode_gives_the_dequantized_models_tokens(pair, mode, monkeypatch):
+@pytest.mark.parametrize("fmt,mode", [("int8", m) for m in MODES] + [("int4", m) for m in INT4_MODES]
+                         + [("int4:g64", "fixed")])
+def test_every_decoding_mode_gives_the_dequantized_models_tokens(pairs, fmt, mode, monkeypatch):
     monkeypatch.setenv("RDEPTH_NO_ACCEL", "1")  # both on the reference runner (the quantized one always is)
-    model, twin = pair
+    model, twin = pairs[fmt]
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, 256, (2, 6), generator=g)
     kw = dict(dict(max_new_tokens=6, num_steps=4, init_scale=0.0, output_logits=True, seed=3), **MODES[mode])
-    out, ref = generate(model, ids, **kw), generate(twin, ids, **kw)
-    assert torch.equal(out.sequences, ref.sequences)
-    assert torch.equal(out.logits, ref.logits)
+    _same_decode(generate(model, ids, **kw), generate(twin, ids, **kw), fmt)
 
 
-def test_quantized_model_takes_the_reference_runner(pair):
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_model_takes_the_reference_runner(pairs, fmt):
     from recurrent_depth.accel.runner import FastRunner
 
-    model, twin = pair
+    model, twin = pairs[fmt]
     assert not FastRunner.supports(model) and FastRunner.supports(twin)
 
 
-def test_server_batch_with_int8_weights(pair, monkeypatch):
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_server_batch_with_quantized_weights(pairs, fmt, monkeypatch):
     monkeypatch.setenv("RDEPTH_NO_ACCEL", "1")
-    model, twin = pair
+    model, twin = pairs[fmt]
     jobs = [([5, 9, 2, 7], dict(max_new_tokens=4, num_steps=3, init_scale=0.0)),
             ([1, 4], dict(max_new_tokens=4, num_steps=2, init_scale=0.0, exit_criterion="kl", exit_threshold=1e-2))]
     got, want = serve_in_one_batch(model, jobs), serve_in_one_batch(twin, jobs)
     assert [[r.token for r in got[j]] for j in got] == [[r.token for r in want[j]] for j in want]
 
 
-def test_bf16_model_decodes_close_to_its_dequantized_twin():
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_bf16_model_decodes_close_to_its_dequantized_twin(fmt):
     """The kernel path in a whole model: same greedy tokens, logits within bf16 rounding."""
     torch.manual_seed(0)
     cfg = rd.ModelConfig.from_preset("tiny")
     model = rd.RecurrentDepthLM(cfg).to(torch.bfloat16).eval()
-    quantize_weights(model, "int8")
+    quantize_weights(model, fmt)
     twin = copy.deepcopy(model)
     dequantize_weights(twin)
     ids = torch.randint(0, 256, (1, 5))
@@ -150,11 +258,20 @@ def test_bf16_model_decodes_close_to_its_dequantized_twin():
 
 
 def test_bad_weights_values_are_one_line_errors():
-    assert check_weights(None) is None and check_weights("int8") == "int8"
-    with pytest.raises(ValueError, match=r"weights='int3' is invalid: expected one of \['int8'\]"):
-        check_weights("int3")
-    with pytest.raises(ValueError, match="int4' is not implemented yet"):
-        check_weights("int4")
+    assert check_weights(None) is None and check_weights("int8") == "int8" and check_weights("int4") == "int4"
+    assert parse_weights("int4") == ("int4", 32) and parse_weights("int4:g128") == ("int4", 128)
+    for bad in ("int3", "int4:g16", "int4:g", "int4g32", "int4:g32x", "INT8"):
+        with pytest.raises(ValueError, match=rf"weights='{bad}' is invalid: expected 'int8', 'int4' \(group 32\) "
+                                             r"or one of 'int4:g32', 'int4:g64', 'int4:g128', 'int4:g256'"):
+            check_weights(bad)
+    with pytest.raises(ValueError, match="int4 group size 16 is invalid"):
+        quantize_int4(torch.randn(4, 32), 16)
+
+
+def test_int4_kernel_layout_refuses_other_devices_and_dtypes_in_one_line():
+    layer = Int4WeightLinear.from_linear(nn.Linear(64, 32), 32)
+    with pytest.raises(ValueError, match="take float32/bfloat16/float16 activations on the CPU, got torch.float64"):
+        layer(torch.randn(2, 64, dtype=torch.float64))
 
 
 @pytest.fixture(scope="module")
@@ -164,13 +281,14 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def test_loader_and_transformers_route(model_dir):
+@pytest.mark.parametrize("fmt,cls", [("int8", Int8WeightLinear), ("int4", Int4WeightLinear)])
+def test_loader_and_transformers_route(model_dir, fmt, cls):
     from transformers import AutoModelForCausalLM
 
-    loaded = rd.RecurrentDepthLM.from_pretrained(model_dir, weights="int8")
-    assert isinstance(loaded.transformer.core_block[0].attn.Wqkv, Int8WeightLinear)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, weights="int8").eval()
-    assert isinstance(hf.transformer.core_block[0].mlp.fc, Int8WeightLinear)
+    loaded = rd.RecurrentDepthLM.from_pretrained(model_dir, weights=fmt)
+    assert isinstance(loaded.transformer.core_block[0].attn.Wqkv, cls)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, weights=fmt).eval()
+    assert isinstance(hf.transformer.core_block[0].mlp.fc, cls)
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     with torch.no_grad():
         expected = loaded(ids, num_steps=2, init_scale=0.0).logits
@@ -180,13 +298,24 @@ def test_loader_and_transformers_route(model_dir):
         rd.RecurrentDepthLM.from_pretrained(model_dir, weights="fp4")
 
 
-def test_cli_generate_with_int8_weights_and_a_bad_value(model_dir, capsys):
+def test_cli_generate_with_quantized_weights_and_a_bad_value(model_dir, capsys):
     from recurrent_depth.cli import main
 
     base = ["generate", "--model", str(model_dir), "--prompt", "a=1", "--max-new-tokens", "3", "--num-steps", "2",
             "--threads", "1"]
-    assert main([*base, "--weights", "int8"]) == 0
-    assert capsys.readouterr().out.strip()
-    assert main([*base, "--weights", "int4"]) == 2
+    for fmt in ("int8", "int4", "int4:g64"):
+        assert main([*base, "--weights", fmt]) == 0
+        assert capsys.readouterr().out.strip()
+    assert main([*base, "--weights", "int4:g16"]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
-    assert len(errors) == 1 and "int4' is not implemented yet" in errors[0]
+    assert len(errors) == 1 and "weights='int4:g16' is invalid" in errors[0]
+
+
+def test_build_app_quantizes_a_model_in_memory_and_refuses_a_bad_format_first(model_dir):
+    from recurrent_depth.serving import build_app
+
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval()
+    build_app(model, weights="int4")
+    assert isinstance(model.transformer.core_block[0].attn.Wqkv, Int4WeightLinear)
+    with pytest.raises(ValueError, match="weights='int4:g16' is invalid"):
+        build_app(model_dir, weights="int4:g16")

@@ -383,8 +383,9 @@ def load_pretrained(
 
     Everything is checked before a tensor is allocated (`check_model_dir`): the config's bounds,
     then its shapes against the safetensors headers. `allow_outside=True` lets an index name
-    weight files outside `path`. `weights="int8"` quantizes the transformer's linear layers after
-    loading (`recurrent_depth.weight_quant.quantize_weights`; None keeps them as loaded).
+    weight files outside `path`. `weights="int8"` / `"int4"` / `"int4:g<group>"` quantizes the
+    transformer's linear layers after loading (`recurrent_depth.weight_quant.quantize_weights`; None
+    keeps them as loaded).
     """
     check_weights(weights)
     device = usable_device(device)

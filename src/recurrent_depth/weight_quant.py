@@ -1,21 +1,33 @@
-"""Weight-only int8 quantization for decoding: `quantize_weights(model, "int8")` swaps the model's linear
-layers for `Int8WeightLinear` (int8 weights, one scale per output channel, activations unquantized).
+"""Weight-only quantization for decoding: `quantize_weights(model, "int8" | "int4")` swaps the model's
+linear layers for `Int8WeightLinear` (int8 weights, one scale per output channel) or
+`Int4WeightLinear` (4-bit weights, a scale and a zero point per group of input columns);
+activations stay unquantized.
 
 Decoding a large model streams every weight once per recurrence step, so it is bound by memory
-bandwidth; int8 weights halve the bytes of bf16 ones. The product uses torch's CPU kernel
-`aten._weight_int8pack_mm` where it is exact to its bf16 output (bf16 activations and `in_features` a
-multiple of 16: measured here, other widths read past the rows and return NaN or crash), and otherwise
-the plain reference: dequantize (`int8 * scale`, in the activations' dtype) then `F.linear`. Both
-compute `x (q * s)^T + b` with the same `q` and `s`, so a model whose linears hold the dequantized
-weights is the reference of a quantized one (tested).
+bandwidth; int8 weights halve the bytes of bf16 ones, int4 ones (group 32) take 0.625 bytes a weight.
+
+int8: the product uses torch's CPU kernel `aten._weight_int8pack_mm` where it is exact to its bf16
+output (bf16 activations and `in_features` a multiple of 16: measured here, other widths read past
+the rows and return NaN or crash), and otherwise the plain reference: dequantize (`int8 * scale`, in
+the activations' dtype) then `F.linear`.
+
+int4 (`"int4"` = `"int4:g32"`; `"int4:g64"`, `"int4:g128"`, `"int4:g256"`): asymmetric per group,
+`w = (q - 8) * scale + zero` with q in 0..15, the form torch's CPU kernel
+`aten._weight_int4pack_mm_for_cpu` reads. A layer takes the kernel when the kernel accepts its shape
+(`out_features % 16 == 0`, `in_features % group == 0`, weights on the CPU: the kernel refuses other
+shapes with an error, and is accurate at every shape it accepts, measured); its weights are then
+stored in the kernel's packed layout. Other layers store two 4-bit values a byte in plain order and
+take the reference: dequantize in float32, then `F.linear`. Group 32 is the default because it is
+the only size that divides Huginn-0125's width 5280 (so the only one whose layers take the kernel
+there), and the most accurate.
+
+Both formats compute `x W^T + b` with the weight their reference dequantizes, so a model whose
+linears hold the dequantized weights (`dequantize_weights`) is the reference of a quantized one
+(tested: bit-equal where a layer takes the reference, within the kernel's rounding where not).
 
 Which layers: every `nn.Linear` of the transformer (the prelude, core and coda blocks' attention and
 MLP linears and the recurrence adapter); the embedding and the output head stay as they are unless
 `include_head=True` (the head is read once per token, not once per step, and carries the logits).
-
-int4 is refused (`check_weights`): not implemented yet. torch's CPU group-wise int4 kernel
-(`_weight_int4pack_mm_for_cpu`) would pay at batch 1 (measured in docs/inference.md), but its
-packing and its checks against a reference are not written.
 """
 
 from __future__ import annotations
@@ -24,22 +36,47 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-WEIGHT_FORMATS = ("int8",)
+WEIGHT_FORMATS = ("int8", "int4")  # "int4" also takes a group size: "int4:g64"
 
 # The widths `aten._weight_int8pack_mm` computes correctly (measured: K % 16 != 0 gives NaN or a crash).
 KERNEL_K_MULTIPLE = 16
 
-_INT4_REFUSAL = ("weights='int4' is not implemented yet (group-wise int4 packing for torch's CPU kernel is not "
-                 "written, see docs/inference.md 'Weight-only quantization'); use weights='int8'")
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's CPU int4 kernel takes
+INT4_DEFAULT_GROUP = 32
+INT4_KERNEL_N_MULTIPLE = 16  # `_convert_weight_to_int4pack_for_cpu` needs out_features % 16 == 0
+INT4_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INT4_OFFSET = 8  # the kernel reads a stored 4-bit value q as q - 8
+
+
+def _invalid(weights: object) -> ValueError:
+    groups = ", ".join(f"'int4:g{g}'" for g in INT4_GROUP_SIZES)
+    return ValueError(f"weights={weights!r} is invalid: expected 'int8', 'int4' (group {INT4_DEFAULT_GROUP}) "
+                      f"or one of {groups} (or None)")
+
+
+def parse_weights(weights: str | None) -> tuple[str, int | None] | None:
+    """("int8", None) or ("int4", group) for a valid `weights` string, None for None; else a one-line ValueError."""
+    if weights is None:
+        return None
+    if weights == "int8":
+        return "int8", None
+    if not isinstance(weights, str) or not weights.startswith("int4"):
+        raise _invalid(weights)
+    suffix = weights[len("int4"):]
+    if suffix == "":
+        return "int4", INT4_DEFAULT_GROUP
+    if suffix.startswith(":g") and suffix[2:].isdigit() and int(suffix[2:]) in INT4_GROUP_SIZES:
+        return "int4", int(suffix[2:])
+    raise _invalid(weights)
 
 
 def check_weights(weights: str | None) -> str | None:
     """`weights` if it is a supported format (or None: keep the weights as loaded); else a one-line ValueError."""
-    if weights is None or weights in WEIGHT_FORMATS:
-        return weights
-    if weights == "int4":
-        raise ValueError(_INT4_REFUSAL)
-    raise ValueError(f"weights={weights!r} is invalid: expected one of {list(WEIGHT_FORMATS)} (or None)")
+    parse_weights(weights)
+    return weights
+
+
+# ---------------------------------------------------------------- int8, per output channel
 
 
 def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -62,7 +99,123 @@ def dequantize_int8(q: Tensor, scales: Tensor, dtype: torch.dtype = torch.float3
     return (q.float() * scales[:, None]).to(dtype)
 
 
-class Int8WeightLinear(nn.Module):
+# ---------------------------------------------------------------- int4, group-wise
+
+
+def quantize_int4(weight: Tensor, group: int = INT4_DEFAULT_GROUP) -> tuple[Tensor, Tensor]:
+    """Asymmetric group-wise 4-bit: (q uint8 `[out, padded_in]` holding 0..15, scales_and_zeros
+    float32 `[groups, out, 2]`) with `weight[o, i] ~ (q[o, i] - 8) * scale[g, o] + zero[g, o]`,
+    g = i // group. `padded_in` rounds `in` up to a multiple of `group` (zero columns).
+
+    Per group: scale = (max - min) / 15 and zero = min + 8 * scale, both rounded to bf16 values (so
+    the bf16 kernel and the float32 reference read the same ones); |error| <= scale / 2 plus half a
+    bf16 step of the zero, per entry (tested)."""
+    if group not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group size {group} is invalid: expected one of {list(INT4_GROUP_SIZES)}")
+    w = weight.detach().float()
+    out_features, in_features = w.shape
+    padded = -(-in_features // group) * group
+    if padded != in_features:
+        w = F.pad(w, (0, padded - in_features))
+    groups = w.view(out_features, padded // group, group)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = ((high - low) / 15).to(torch.bfloat16).float()
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # a constant group: q = 8 gives it
+    zeros = (low + INT4_OFFSET * scales).to(torch.bfloat16).float()
+    q = torch.round((groups - zeros[..., None]) / scales[..., None] + INT4_OFFSET).clamp_(0, 15)
+    scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).contiguous()
+    return q.to(torch.uint8).view(out_features, padded), scales_and_zeros
+
+
+def dequantize_int4(q: Tensor, scales_and_zeros: Tensor, in_features: int,
+                    dtype: torch.dtype = torch.float32) -> Tensor:
+    """The weight `[out, in_features]` of `quantize_int4`'s (q, scales_and_zeros) in `dtype`
+    (computed in float32, then cast)."""
+    out_features, padded = q.shape
+    n_groups = scales_and_zeros.shape[0]
+    sz = scales_and_zeros.float().permute(1, 0, 2)  # [out, groups, 2]
+    w = (q.float().view(out_features, n_groups, padded // n_groups) - INT4_OFFSET) * sz[..., :1] + sz[..., 1:]
+    return w.view(out_features, padded)[:, :in_features].to(dtype)
+
+
+def pack_nibbles(q: Tensor) -> Tensor:
+    """Two 4-bit values a byte, in plain order: column 2j in the low nibble, 2j + 1 in the high one."""
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: Tensor) -> Tensor:
+    """The inverse of `pack_nibbles`: uint8 `[out, 2 * bytes]` holding 0..15."""
+    return torch.stack([packed & 15, packed >> 4], dim=-1).view(packed.shape[0], -1)
+
+
+def unpack_kernel_layout(packed: Tensor, in_features: int, group: int, rows: int = 1024) -> Tensor:
+    """The 4-bit values (uint8 `[out, in]`, 0..15) of weights in torch's CPU kernel layout.
+
+    The layout is the kernel's own (blocked, and may differ between CPU builds), so this reads it
+    back through the kernel: identity rows times the weight with scale 1 and zero 8 give each q
+    exactly (small integers in bf16). `in_features` products of one row each: for tests and small
+    models (the dequantized twin), not for Huginn-size layers."""
+    out_features = packed.shape[0]
+    ones = torch.tensor([1.0, float(INT4_OFFSET)], dtype=torch.bfloat16)
+    sz = ones.expand(in_features // group, out_features, 2).contiguous()
+    cols = []
+    for start in range(0, in_features, rows):
+        eye = torch.eye(in_features, dtype=torch.bfloat16)[start:start + rows]
+        cols.append(torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, group, sz))
+    return torch.cat(cols).t().to(torch.uint8).contiguous()
+
+
+# ---------------------------------------------------------------- the layers
+
+
+class QuantizedLinear(nn.Module):
+    """What the quantized linear layers share: shape, bias, the dtype they were quantized from, and
+    `dequantized()` (the plain nn.Linear holding the weight their reference path multiplies by)."""
+
+    def __init__(self, out_features: int, in_features: int, bias: Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = out_features, in_features
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.weight_dtype = torch.float32 if bias is None else bias.dtype  # the dtype `dequantized` restores
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The dequantized weight `[out, in]` in `dtype`."""
+        raise NotImplementedError
+
+    def quantized_bytes(self) -> int:
+        """Bytes of the quantized weight as stored: its packed values and their scales (and zero points)."""
+        raise NotImplementedError
+
+    def _reference(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def _with_bias(self, out: Tensor, x: Tensor) -> Tensor:
+        if self.bias is not None:
+            out += self.bias.to(out.dtype)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> nn.Linear:
+        """The plain nn.Linear holding this layer's dequantized weight (the reference model's layer)."""
+        dtype = self.weight_dtype
+        weight = self.dequantize(dtype)
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                           device=weight.device, dtype=dtype)
+        with torch.no_grad():
+            linear.weight.copy_(weight)
+            if self.bias is not None:
+                linear.bias.copy_(self.bias)
+        return linear
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _flat_rows(x: Tensor, in_features: int) -> Tensor:
+    flat = x.reshape(-1, in_features)
+    return flat if flat.is_contiguous() else flat.contiguous()
+
+
+class Int8WeightLinear(QuantizedLinear):
     """A linear layer with int8 weights and per-output-channel scales: `y = x (q * s)^T + b`.
 
     Buffers `qweight` (int8 `[out, in]`) and `scales` (float32 `[out]`); the bias (if any) stays a
@@ -70,12 +223,9 @@ class Int8WeightLinear(nn.Module):
     """
 
     def __init__(self, qweight: Tensor, scales: Tensor, bias: Tensor | None) -> None:
-        super().__init__()
-        self.out_features, self.in_features = qweight.shape
+        super().__init__(*qweight.shape, bias)
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.weight_dtype = torch.float32 if bias is None else bias.dtype  # the dtype `dequantized` restores
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8WeightLinear:
@@ -84,6 +234,12 @@ class Int8WeightLinear(nn.Module):
         layer.weight_dtype = linear.weight.dtype
         return layer
 
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        return dequantize_int8(self.qweight, self.scales, dtype)
+
+    def quantized_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales))
+
     def uses_kernel(self, x: Tensor) -> bool:
         """Whether this call takes torch's int8 kernel (bf16 on CPU at a supported width), else the reference."""
         return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and self.in_features % KERNEL_K_MULTIPLE == 0
@@ -91,29 +247,77 @@ class Int8WeightLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.uses_kernel(x):
-            return F.linear(x, dequantize_int8(self.qweight, self.scales, x.dtype),
-                            None if self.bias is None else self.bias.to(x.dtype))
-        flat = x.reshape(-1, self.in_features)
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
-        out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales.to(x.dtype))
-        if self.bias is not None:
-            out += self.bias.to(out.dtype)
-        return out.view(*x.shape[:-1], self.out_features)
+            return self._reference(x)
+        flat = _flat_rows(x, self.in_features)
+        return self._with_bias(torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales.to(x.dtype)), x)
 
-    def dequantized(self) -> nn.Linear:
-        """The plain nn.Linear holding this layer's dequantized weight (the reference model's layer)."""
-        dtype = self.weight_dtype
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                           device=self.qweight.device, dtype=dtype)
-        with torch.no_grad():
-            linear.weight.copy_(dequantize_int8(self.qweight, self.scales, dtype))
-            if self.bias is not None:
-                linear.bias.copy_(self.bias)
-        return linear
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+def int4_kernel_fits(out_features: int, in_features: int, group: int, device: torch.device) -> bool:
+    """Whether torch's CPU int4 kernel takes a layer of this shape (it refuses others with an error)."""
+    return device.type == "cpu" and out_features % INT4_KERNEL_N_MULTIPLE == 0 and in_features % group == 0
+
+
+class Int4WeightLinear(QuantizedLinear):
+    """A linear layer with group-wise 4-bit weights: `y = x W^T + b`, `W = (q - 8) * scale + zero`
+    per group of `group` input columns.
+
+    Buffers `qweight` (uint8, two values a byte: `[out, in / 2]` in torch's CPU kernel layout when
+    `kernel_layout`, else `[out, padded_in / 2]` in plain order, see `pack_nibbles`) and
+    `scales_and_zeros` (`[groups, out, 2]`, in the model's dtype holding bf16 values: the kernel reads
+    them in the activations' dtype). Made by `quantize_weights`; inference only.
+    """
+
+    def __init__(self, qweight: Tensor, scales_and_zeros: Tensor, bias: Tensor | None, in_features: int,
+                 group: int, kernel_layout: bool) -> None:
+        super().__init__(qweight.shape[0], in_features, bias)
+        self.group, self.kernel_layout = group, kernel_layout
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: int = INT4_DEFAULT_GROUP) -> Int4WeightLinear:
+        weight = linear.weight
+        q, scales_and_zeros = quantize_int4(weight, group)
+        kernel_layout = int4_kernel_fits(*weight.shape, group, weight.device)
+        if kernel_layout:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        else:
+            packed = pack_nibbles(q)
+        dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
+        layer = cls(packed.to(weight.device), scales_and_zeros.to(weight.device, dtype), linear.bias,
+                    weight.shape[1], group, kernel_layout)
+        layer.weight_dtype = weight.dtype
+        return layer
+
+    def unpacked(self) -> Tensor:
+        """The stored 4-bit values, uint8 `[out, padded_in]` holding 0..15."""
+        if self.kernel_layout:
+            return unpack_kernel_layout(self.qweight, self.in_features, self.group)
+        return unpack_nibbles(self.qweight)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        return dequantize_int4(self.unpacked(), self.scales_and_zeros, self.in_features, dtype)
+
+    def quantized_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales_and_zeros))
+
+    def uses_kernel(self, x: Tensor) -> bool:
+        """Whether this call takes torch's int4 kernel (a layer in its layout, CPU activations of a dtype
+        it takes), else the reference (a layer in plain layout)."""
+        return self.kernel_layout and x.device.type == "cpu" and x.dtype in INT4_KERNEL_DTYPES
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.kernel_layout:
+            return self._reference(x)
+        if not self.uses_kernel(x):
+            raise ValueError(f"int4 weights in torch's CPU kernel layout take float32/bfloat16/float16 "
+                             f"activations on the CPU, got {x.dtype} on {x.device}: quantize on the device "
+                             f"the model runs on")
+        sz = self.scales_and_zeros
+        if sz.dtype != x.dtype:
+            sz = sz.to(x.dtype)
+        flat = _flat_rows(x, self.in_features)
+        return self._with_bias(torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.qweight, self.group, sz), x)
 
 
 def _replace_children(root: nn.Module, plain: type[nn.Module], make) -> int:
@@ -130,27 +334,40 @@ def _replace_children(root: nn.Module, plain: type[nn.Module], make) -> int:
 def quantize_weights(model: nn.Module, weights: str | None = "int8", include_head: bool = False) -> int:
     """Quantize `model` (a `RecurrentDepthLM`) in place; returns the number of layers swapped.
 
-    weights: "int8" (None: nothing). Every `nn.Linear` under `model.transformer` becomes an
-    `Int8WeightLinear`; `include_head` also quantizes an untied `lm_head` (a tied one shares the
-    embedding's storage: ValueError)."""
-    if check_weights(weights) is None:
+    weights: "int8", "int4" (group 32) or "int4:g<group>" (None: nothing). Every `nn.Linear` under
+    `model.transformer` becomes an `Int8WeightLinear` / `Int4WeightLinear`; `include_head` also
+    quantizes an untied `lm_head` (a tied one shares the embedding's storage: ValueError)."""
+    parsed = parse_weights(weights)
+    if parsed is None:
         return 0
     if include_head and model.config.tie_embeddings:
         raise ValueError("include_head=True needs an untied lm_head: this model ties it to the embedding")
+    kind, group = parsed
+
+    def make(linear: nn.Linear) -> QuantizedLinear:
+        if kind == "int8":
+            return Int8WeightLinear.from_linear(linear)
+        return Int4WeightLinear.from_linear(linear, group)
+
     with torch.no_grad():
-        count = _replace_children(model.transformer, nn.Linear, Int8WeightLinear.from_linear)
+        count = _replace_children(model.transformer, nn.Linear, make)
         if include_head and type(model.lm_head) is nn.Linear:
-            model.lm_head = Int8WeightLinear.from_linear(model.lm_head)
+            model.lm_head = make(model.lm_head)
             count += 1
     return count
 
 
 def dequantize_weights(model: nn.Module) -> int:
-    """Undo `quantize_weights` up to its rounding: every `Int8WeightLinear` becomes the plain
-    nn.Linear holding its dequantized weight (in the dtype it was quantized from). Returns how many."""
-    return _replace_children(model, Int8WeightLinear, Int8WeightLinear.dequantized)
+    """Undo `quantize_weights` up to its rounding: every quantized layer becomes the plain nn.Linear
+    holding its dequantized weight (in the dtype it was quantized from). Returns how many."""
+    return sum(_replace_children(model, cls, cls.dequantized) for cls in (Int8WeightLinear, Int4WeightLinear))
 
 
 def quantized_weights(model: nn.Module) -> bool:
-    """Whether any layer of `model` holds int8 weights."""
-    return any(isinstance(m, Int8WeightLinear) for m in model.modules())
+    """Whether any layer of `model` holds quantized (int8 or int4) weights."""
+    return any(isinstance(m, QuantizedLinear) for m in model.modules())
+
+
+def quantized_weight_bytes(model: nn.Module) -> int:
+    """Bytes of `model`'s quantized weights as stored: packed values, scales and zero points (not biases)."""
+    return sum(m.quantized_bytes() for m in model.modules() if isinstance(m, QuantizedLinear))

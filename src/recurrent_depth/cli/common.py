@@ -74,9 +74,10 @@ def add_device_args(parser: argparse.ArgumentParser) -> None:
 def add_weights_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--weights", default=None, metavar="FORMAT",
-        help="weight-only quantization at load: 'int8' (per output channel: the transformer's linear layers, "
-             "not the embedding or the head; about 2x faster bf16 decode of large models on CPU, "
-             "docs/inference.md). Default: the weights as loaded",
+        help="weight-only quantization at load of the transformer's linear layers (not the embedding or the "
+             "head): 'int8' (per output channel; about 2x faster bf16 decode of large models on CPU), 'int4' "
+             "(group-wise, 32 input columns a group; 'int4:g64', 'int4:g128', 'int4:g256' for other groups). "
+             "docs/inference.md. Default: the weights as loaded",
     )
 
 

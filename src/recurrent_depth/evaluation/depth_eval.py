@@ -55,7 +55,7 @@ class EvalConfig:
     device: str = "cpu"
     dtype: str | None = None
     tokenizer: str | None = None  # the model's tokenizer directory; None: the one inside `model`
-    weights: str | None = None  # "int8": weight-only quantization at load (weight_quant.py)
+    weights: str | None = None  # "int8" / "int4" / "int4:g<group>": weight-only quantization at load (weight_quant.py)
 
     def validate(self) -> EvalConfig:
         check_weights(self.weights)

@@ -247,8 +247,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         transformers 5 defaults to ``dtype="auto"``, which takes the config's `dtype` / `torch_dtype`
         first: Huginn-0125's config says bfloat16 over float32 files, so the Auto classes would load
         another model than `RecurrentDepthLM.from_pretrained` (which keeps the stored dtype).
-        `weights="int8"` quantizes the linear layers after loading (`recurrent_depth.weight_quant`; None:
-        as stored).
+        `weights="int8"` / `"int4"` / `"int4:g<group>"` quantizes the linear layers after loading
+        (`recurrent_depth.weight_quant`; None: as stored).
         """
         weights = check_weights(kwargs.pop("weights", None))
         if _is_local_dir(pretrained_model_name_or_path):
@@ -595,8 +595,9 @@ class OuroForCausalLM(RecurrentDepthForCausalLM):
     bounded, header-checked read; Ouro's tensors renamed and q/k/v, gate/up fused, `families/ouro.py`) and
     returns a `RecurrentDepthForCausalLM` whose config is our `RecurrentDepthConfig`: `save_pretrained`
     writes our format. Arguments: `dtype` / `torch_dtype` (default and ``"auto"``: the stored dtype),
-    `device_map` (a device; ``"auto"``: the first GPU, else the CPU), `weights` ("int8"), `config` (an
-    `OuroConfig`, e.g. with `total_ut_steps` changed), transformers' hub arguments for a Hub id.
+    `device_map` (a device; ``"auto"``: the first GPU, else the CPU), `weights` ("int8", "int4",
+    "int4:g<group>"), `config` (an `OuroConfig`, e.g. with `total_ut_steps` changed), transformers' hub
+    arguments for a Hub id.
     """
 
     config_class = OuroConfig

@@ -106,7 +106,7 @@ def build_app(
     (a request asking for another spec runs alone; docs/serving.md).
     `ttt_max_copy_mb`: the largest weight copy (MiB) a TTT-E2E request may hold; such requests run
     one at a time outside the continuous batch (docs/serving.md).
-    `weights` ("int8"; None: as loaded) quantizes the model's linear layers
+    `weights` ("int8", "int4", "int4:g<group>"; None: as loaded) quantizes the model's linear layers
     (`recurrent_depth.weight_quant`), a loaded model's in place.
     """
     check_weights(weights)

@@ -14,7 +14,9 @@ prompts random ids; with --model, prompts are windows of held-out stdlib documen
 validation side of the quickstart's document split) unless --prompts-file is given.
 Baselines in the same rounds: the official implementation's loop shape (frozen in this file: plain
 PyTorch over the model's parameters, token by token on a plain growing per-(layer, step) cache),
-fixed and KL exit, and our loop on the model's own modules (fast=False), fixed and KL.
+fixed and KL exit, our loop on the model's own modules (fast=False), fixed and KL, and the fused
+runner's Python path at fixed depth (the C++ decode of accel/decode_cpp.py off; `cpp_decode` in the
+JSON says whether the modes ran with it).
 Prints one JSON line, then a table.
 """
 
@@ -34,6 +36,7 @@ from typing import Any
 import torch
 
 import recurrent_depth as rd
+from recurrent_depth.accel import decode_cpp, quant_cpp
 from recurrent_depth.inference import generate, stream_generate
 
 
@@ -226,6 +229,21 @@ def timed_generate(model: rd.RecurrentDepthLM, ids: torch.Tensor, **kwargs: Any)
     return out
 
 
+def without_cpp(run: Callable[[], Any]) -> Callable[[], Any]:
+    """`run` with the C++ kernels off (`RDEPTH_NO_CPP=1`, read at each generate call), then as before."""
+    def wrapped() -> Any:
+        before = os.environ.get(quant_cpp.NO_CPP_ENV)
+        os.environ[quant_cpp.NO_CPP_ENV] = "1"
+        try:
+            return run()
+        finally:
+            if before is None:
+                del os.environ[quant_cpp.NO_CPP_ENV]
+            else:
+                os.environ[quant_cpp.NO_CPP_ENV] = before
+    return wrapped
+
+
 def best_of(repeats: int, runs: dict[str, Callable[[], Any]]) -> dict[str, tuple[float, Any, float]]:
     """Best wall-clock tokens/s of each run (with its output) and best CPU-time tokens/s; the runs
     take turns, so a change in machine load hits all alike."""
@@ -289,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
                                                        **common),
         "model modules, kl": lambda: timed_generate(model, single, max_new_tokens=args.new_tokens, fast=False,
                                               exit_criterion="kl", **common),
+        # The fused runner's Python path (the C++ decode off): what `fixed` gains from one call per piece.
+        "fused, no C++, fixed": without_cpp(lambda: timed_generate(model, single, max_new_tokens=args.new_tokens,
+                                                                    **common)),
     }
     if not args.no_baselines:
         runs.update(baselines)
@@ -344,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         new_tokens=args.new_tokens,
         agreement_prompts=len(reference), agreement_tokens=n_new, threads=args.threads,
         torch=torch.__version__, python=platform.python_version(), machine=platform.machine(),
-        load_average=[round(x, 2) for x in os.getloadavg()], cpus=os.cpu_count(), modes=results,
+        load_average=[round(x, 2) for x in os.getloadavg()], cpus=os.cpu_count(),
+        cpp_decode=decode_cpp.load_decoder() is not None, cpp_decode_failure=decode_cpp.build_failure(), modes=results,
         baselines_tokens_per_s=baseline_rows,
     )
     print(json.dumps(record))

@@ -28,6 +28,7 @@ value rows' entries summed, times the back matrix (as `turbo_combine`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -524,26 +525,28 @@ def build_dir() -> Path:
     return base / "recurrent_depth" / "torch_extensions"
 
 
-def build_key() -> str:
+def build_key(source: str = CPP_SOURCE) -> str:
     """What a build depends on, hashed: the source and flags, torch (version, build, C++ ABI), the
     Python ABI and the CPU's features; no path of the Python environment, so every virtualenv with
     the same torch and Python shares one build."""
-    parts = (CPP_SOURCE, " ".join(BUILD_FLAGS), torch.__version__, str(torch.version.git_version),
+    parts = (source, " ".join(BUILD_FLAGS), torch.__version__, str(torch.version.git_version),
              str(torch.compiled_with_cxx11_abi()), str(sysconfig.get_config_var("SOABI")), cpu_fingerprint())
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
 
 
-def kernel_cache() -> KernelCache:
-    name = f"rdepth_quant_{build_key()}"
-    return KernelCache(build_dir() / name, name, compile_extension)
+def kernel_cache(prefix: str = "rdepth_quant", source: str = CPP_SOURCE,
+                 what: str = "C++ quantized-KV kernels") -> KernelCache:
+    """The build cache of one extension: `source` built as `<prefix>_<build_key(source)>`."""
+    name = f"{prefix}_{build_key(source)}"
+    return KernelCache(build_dir() / name, name, functools.partial(compile_extension, source=source), what=what)
 
 
-def compile_extension(name: str, scratch: Path) -> tuple[Any, Path]:
+def compile_extension(name: str, scratch: Path, source: str = CPP_SOURCE) -> tuple[Any, Path]:
     """Build the extension in `scratch` (torch's ninja files name this environment's paths, so they
     stay out of the shared cache); (the imported module, its library)."""
     from torch.utils.cpp_extension import load_inline
 
-    module = load_inline(name, cpp_sources=[CPP_SOURCE], extra_cflags=list(BUILD_FLAGS),
+    module = load_inline(name, cpp_sources=[source], extra_cflags=list(BUILD_FLAGS),
                          build_directory=str(scratch), verbose=False)
     return module, scratch / f"{name}.so"
 
@@ -571,8 +574,9 @@ class KernelCache:
     """
 
     def __init__(self, directory: Path, name: str, compile: Callable[[str, Path], tuple[Any, Path]],
-                 lock_timeout: float = BUILD_LOCK_TIMEOUT_S) -> None:
+                 lock_timeout: float = BUILD_LOCK_TIMEOUT_S, what: str = "C++ quantized-KV kernels") -> None:
         self.directory, self.name, self.compile, self.lock_timeout = directory, name, compile, lock_timeout
+        self.what = what  # the extension, as the build messages name it
         self.library = directory / f"{name}.so"
         self.record = directory / "build.json"
         self.built_seconds: float | None = None  # set when this process built it
@@ -641,9 +645,9 @@ class KernelCache:
 
     def _build(self, problem: str | None) -> Any:
         if problem != NOT_BUILT:
-            log.warning("the cached C++ quantized-KV kernels are not loaded (%s); rebuilding them", problem)
-        log.warning("building the C++ quantized-KV kernels in %s (once per machine, torch and Python version; "
-                    "30-60 s on an idle CPU)", self.directory)
+            log.warning("the cached %s are not loaded (%s); rebuilding them", self.what, problem)
+        log.warning("building the %s in %s (once per machine, torch and Python version; "
+                    "30-60 s on an idle CPU)", self.what, self.directory)
         start = time.monotonic()
         for stale in self.directory.glob("build-*"):  # a killed builder's (this process holds the lock)
             shutil.rmtree(stale, ignore_errors=True)
@@ -658,7 +662,7 @@ class KernelCache:
                   "mode": stat.S_IMODE(folder.st_mode), "torch": torch.__version__,
                   "python": platform.python_version(), "build_seconds": round(self.built_seconds, 1)}
         atomic_write_text(self.record, json.dumps(record, indent=2) + "\n")
-        log.warning("built the C++ quantized-KV kernels in %.1f s", self.built_seconds)
+        log.warning("built the %s in %.1f s", self.what, self.built_seconds)
         return module
 
 

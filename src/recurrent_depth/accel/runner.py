@@ -47,7 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from recurrent_depth.accel import enabled_by_default
+from recurrent_depth.accel import decode_cpp, enabled_by_default
+from recurrent_depth.accel.decode_cpp import DecodeKernel
 from recurrent_depth.accel.lora import is_lora_layer, low_rank_term, unsupported_lora
 from recurrent_depth.accel.quant import code_kernels
 from recurrent_depth.inference.runner import ModelRunner, Step
@@ -145,6 +146,9 @@ class FastRunner(ModelRunner):
         self.emb_scale = model.emb_scale
         self._workspaces: dict[int, Workspace] = {}  # by batch size (a runner serves one loop at a time)
         self.code_kernels = code_kernels()  # compiled attention from quantized caches' codes, or None
+        # The C++ decode (`accel.decode_cpp`): made at the first decode call that it covers; False where it
+        # cannot be (LoRA terms, another dtype or device, C++ off or not building).
+        self._decode: DecodeKernel | None | bool = None
 
     def _workspace(self, B: int, T: int) -> Workspace:
         """The decode workspace for B rows: float32 decoding (T = 1) without autograd, else none."""
@@ -295,8 +299,32 @@ class FastRunner(ModelRunner):
         out = self._linear(hidden, p["out"], p["out_bias"], residual=x, out=ws.mlp_out, low_rank=low_rank["out"])
         return self._norm(out, n4, stat=ws.stat)
 
+    # ------------------------------------------------------------------ the C++ decode
+    def _decode_kernel(self, step: Step, T: int) -> DecodeKernel | None:
+        """The C++ decode where it covers this call (one float32 column per row on CPU, no autograd,
+        no LoRA, a cache), else None (then the Python path below)."""
+        if T != 1 or step.ctx.cache is None or step.freqs is None or torch.is_grad_enabled():
+            return None
+        if self._decode is None:
+            plain = self.adapter_s_term is None and all(
+                term is None for part in self.blocks.values() for p in part for term in p["low_rank"].values())
+            usable = plain and self.dtype == torch.float32 and self.ln_f.device.type == "cpu"
+            module = decode_cpp.load_decoder() if usable else None
+            self._decode = DecodeKernel(module, self) if module is not None else False
+        return self._decode or None
+
+    def core_steps(self, state: Tensor, injected: Tensor, e: Tensor, steps: range, step: Step) -> Tensor:
+        B, T, h = state.shape
+        kernel = self._decode_kernel(step, T) if len(steps) else None
+        out = kernel.core_steps(state, injected, steps, step) if kernel is not None else None
+        return out.view(B, T, h) if out is not None else super().core_steps(state, injected, e, steps, step)
+
     def embed(self, input_ids: Tensor, step: Step, inputs_embeds: Tensor | None = None) -> Tensor:
         B, T = input_ids.shape
+        kernel = self._decode_kernel(step, T) if inputs_embeds is None else None
+        e = kernel.embed(input_ids, step) if kernel is not None else None
+        if e is not None:
+            return e.view(B, T, -1)
         x = F.embedding(input_ids.reshape(-1), self.wte) if inputs_embeds is None else inputs_embeds.reshape(B * T, -1)
         x = x * self.emb_scale
         for i, p in enumerate(self.blocks["prelude"]):
@@ -321,6 +349,10 @@ class FastRunner(ModelRunner):
 
     def predict(self, state: Tensor, step: Step, last_only: bool = False) -> Tensor:
         B, T, h = state.shape
+        kernel = self._decode_kernel(step, T)
+        logits = kernel.predict(state, step) if kernel is not None else None
+        if logits is not None:
+            return logits.view(B, T, -1)
         x = self._norm(state.reshape(B * T, h), self.ln_f)
         for c, p in enumerate(self.blocks["coda"]):
             x = self._block(x, p, step, ("coda", c), B, T)

@@ -23,6 +23,7 @@ entry's codec round trip.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from recurrent_depth.model.cache import (
     KVPolicy,
     attend_floats,
     grown_slot_count,
+    no_decode_views,
     parse_kv_policy,
     settle_new_slots,
     update_heads_via_kv,
@@ -121,6 +123,8 @@ class _CacheBase:
         self._skips = self.policy.lookup.hides_columns
         self._reads_per_step = self.policy.lookup.reads_per_step
         self._written_end = 0
+
+    decode_views = no_decode_views  # (the static cache hands out its stores)
 
     @property
     def kv_budget(self) -> int | None:
@@ -244,6 +248,7 @@ class StaticRecurrentCache(_CacheBase):
         self.slot_capacity = min(self.core_slots, self.INITIAL_SLOTS)  # core slots allocated
         self.kv: dict[tuple, tuple[Tensor, Tensor]] = {}
         self._views: dict[LayerKey, tuple[Tensor, Tensor]] = {}
+        self._decode_lists: dict[tuple, tuple[list[Tensor], list[Tensor]]] = {}  # `decode_views` by key tuple
 
     def _storage(self, base: tuple, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if base not in self.kv:
@@ -269,6 +274,7 @@ class StaticRecurrentCache(_CacheBase):
             self.kv[base] = (newK, newV)
         self.capacity = capacity
         self._views.clear()
+        self._decode_lists.clear()
 
     def _grow_slots(self, slot: int) -> None:
         """Allocate core slots up to `slot` (doubling, at most `num_core_slots`). A closed column's new
@@ -290,6 +296,7 @@ class StaticRecurrentCache(_CacheBase):
             self.kv[base] = (grown[0], grown[1])
         self.slot_capacity = new
         self._views.clear()
+        self._decode_lists.clear()
 
     # `update_kv` (k, v `[B, T, Hkv, D]` written at the next columns, every visible column returned), the
     # same in head-major layout (`[B, Hkv, T, D]` in, `[B, Hkv, S, D]` out) and softmax attention, through
@@ -329,6 +336,29 @@ class StaticRecurrentCache(_CacheBase):
                 base = self.split(key)[0]
                 return tuple(_gather_slots(store, index, end) for store in self.kv[base])
         return Ks.narrow(2, 0, end), Vs.narrow(2, 0, end)
+
+    def decode_views(self, keys: Sequence[LayerKey]) -> tuple[list[Tensor], list[Tensor]] | None:
+        """The stores `[B, Hkv, capacity, D]` of `keys` for a fused decode that writes column `seq_len` of
+        every row itself (see `ModelCache.decode_views`); None for quantized entries, under a write mask,
+        for a lookup that hides or re-picks columns, or while a key's storage is not made yet."""
+        if self.codes is not None or self.write_mask is not None or self._skips or self._reads_per_step:
+            return None
+        found = self._decode_lists.get(keys) if isinstance(keys, tuple) else None
+        end = self.seq_len + 1
+        if found is None or end > self.capacity:
+            splits = [self.split(key) for key in keys]
+            if any(base not in self.kv for base, _ in splits):
+                return None  # (the first write makes a storage, in the shape of its entries)
+            if end > self.capacity:
+                self._grow(end)
+            top = max((slot for base, slot in splits if base[0] == "core"), default=-1)
+            if top >= self.slot_capacity:
+                self._grow_slots(top)
+            found = tuple([self.kv[base][i][slot] for base, slot in splits] for i in (0, 1))
+            if isinstance(keys, tuple):
+                self._decode_lists[keys] = found
+        self._written_end = end
+        return found
 
     def close(self, depth: Tensor | int, num_tokens: int | None = None) -> None:
         """The columns [seq_len, seq_len + T) ran `depth` ([B, T] or an int) steps; the lookup rule

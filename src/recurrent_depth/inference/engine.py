@@ -117,6 +117,8 @@ class Recurrence:
         if active is not None and bool(active.all()):
             active = None
         if active is None:
+            if self.should_stop is None and self.on_step is None:  # no hook between steps: the runner's own loop
+                return self.runner.core_steps(state, pass_.injected, pass_.e, steps, pass_.step)
             for i in steps:
                 state = self._core(state, pass_, i)
                 self._tick()

@@ -55,6 +55,12 @@ class ModelRunner:
     def core_step(self, state: Tensor, injected: Tensor, e: Tensor, index: int, step: Step) -> Tensor:
         return self.model.core_step(state, e, index, step.ctx)
 
+    def core_steps(self, state: Tensor, injected: Tensor, e: Tensor, steps: range, step: Step) -> Tensor:
+        """Core steps `steps` in order with nothing between them (a fused runner may run them in one call)."""
+        for index in steps:
+            state = self.core_step(state, injected, e, index, step)
+        return state
+
     def predict(self, state: Tensor, step: Step, last_only: bool = False) -> Tensor:
         """Logits float32 from raw states `[B, T, h]`: `[B, T, V]`, or `[B, 1, V]` with last_only.
 

@@ -36,7 +36,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from recurrent_depth.inference.options import DEFAULTS, OptionError
 from recurrent_depth.inference.schema import OFFICIAL_ALIASES, OPTIONS, canonical, kwarg_spelling, names_for
 from recurrent_depth.integrations.hf_config import HuginnRavenConfig, OuroConfig, RecurrentDepthConfig
-from recurrent_depth.model.cache import attend_floats, parse_kv_policy, update_heads_via_kv
+from recurrent_depth.model.cache import attend_floats, no_decode_views, parse_kv_policy, update_heads_via_kv
 from recurrent_depth.model.recurrent import RecurrentDepthLM, takase_init_
 from recurrent_depth.weight_quant import check_weights, quantize_weights
 
@@ -65,6 +65,7 @@ class RecurrentDepthCache(DynamicCache):
     attends_from_codes = False  # keys and values stored as floats
     update_heads = update_heads_via_kv
     attend = attend_floats
+    decode_views = no_decode_views
 
     def __init__(
         self, prelude_layers: int, core_layers: int, coda_layers: int, kv_budget: int | None = None,

@@ -47,6 +47,7 @@ plus its entry in `LOOKUPS`.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -72,6 +73,11 @@ class ModelCache(Protocol):
       kernels from `recurrent_depth.accel.quant`, or None); float storages use `attend_floats`.
     get_state / set_state: per-layer recurrent state of non-attention mixers.
     advance: the model wrote T new columns. nbytes: bytes the cache holds (allocated).
+    decode_views: for a fused decode writing one new column per row at `seq_len` itself (the C++ decode
+      of `recurrent_depth.accel.decode_cpp`), the float stores `[B, Hkv, capacity, D]` of `keys` (key
+      stores, value stores; grown to hold the column), or None where the storage must be written through
+      `update_heads` (quantized entries, a write mask, a lookup that hides or re-picks columns, a
+      storage not yet made, or one kept otherwise: `no_decode_views`).
     """
 
     seq_len: int
@@ -86,6 +92,7 @@ class ModelCache(Protocol):
     def set_state(self, key: LayerKey, value: Any) -> None: ...
     def advance(self, num_tokens: int) -> None: ...
     def nbytes(self) -> int: ...
+    def decode_views(self, keys: Sequence[LayerKey]) -> tuple[list[Tensor], list[Tensor]] | None: ...
 
 
 class StepCache(ModelCache, Protocol):
@@ -593,6 +600,11 @@ def combine_key_mask(attn_mask: Tensor | None, key_mask: Tensor | None, num_quer
     return attn_mask & key_mask[:, None, None, :]
 
 
+def no_decode_views(cache: ModelCache, keys: Sequence[LayerKey]) -> None:
+    """`decode_views` of a storage that is written through `update_kv` / `update_heads` only."""
+    return None
+
+
 def update_heads_via_kv(cache: ModelCache, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """`update_heads` of a storage whose layout is `update_kv`'s: `[B, Hkv, T, D]` in, `[B, Hkv, S, D]` out."""
     K, V = cache.update_kv(key, k.transpose(1, 2), v.transpose(1, 2))
@@ -617,6 +629,7 @@ class DynamicCache:
     attends_from_codes = False
     update_heads = update_heads_via_kv
     attend = attend_floats
+    decode_views = no_decode_views
 
     def __init__(self) -> None:
         self.kv: dict[tuple, tuple[Tensor, Tensor]] = {}

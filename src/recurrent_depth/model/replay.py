@@ -25,7 +25,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from recurrent_depth.model.cache import KVPolicy, PerStep, attend_floats, parse_kv_policy, update_heads_via_kv
+from recurrent_depth.model.cache import (
+    KVPolicy,
+    PerStep,
+    attend_floats,
+    no_decode_views,
+    parse_kv_policy,
+    update_heads_via_kv,
+)
 
 REPLAY_LOOKUPS = ("deepest", "skip", "full")
 
@@ -76,6 +83,7 @@ class ReplayKV:
 
     seq_len = 0
     attends_from_codes = False  # (floats: attention reads `update_kv`'s keys and values)
+    decode_views = no_decode_views
 
     def __init__(self, depths: Tensor, grad_from: Tensor) -> None:
         self.depths = depths  # [B, T]

@@ -47,7 +47,7 @@ from recurrent_depth.inference.kv_codec import (
     update_heads_through_codec,
     update_kv_head_major,
 )
-from recurrent_depth.model.cache import KVPolicy, grown_slot_count, settle_new_slots
+from recurrent_depth.model.cache import KVPolicy, grown_slot_count, no_decode_views, settle_new_slots
 
 LayerKey = tuple
 
@@ -212,6 +212,7 @@ class SlotKVPool:
     update_kv = update_kv_head_major
     update_heads = update_heads_through_codec
     attend = attend_through_codec
+    decode_views = no_decode_views
 
     def write_rows(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write rows `[B, Hkv, T, width]` (floats, or a codec's code rows); return every visible column's."""

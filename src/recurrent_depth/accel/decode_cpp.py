@@ -1,0 +1,396 @@
+"""One C++ call per decode piece: the prelude, all r core steps, or the coda and head of one new token per
+row, for `FastRunner` (`accel.runner`) at batch sizes where decoding is bound by per-operation overhead.
+
+At batch 1 on the `small` preset a core block costs ~45 tensor operations from Python, each a few
+microseconds of dispatch, against ~100 µs of arithmetic: the runner's fused path still spends most of a
+token entering Python. Here the whole recurrence of a token, `s <- core(W_s s + W_e e)` r times, runs in
+one call (`Decoder.core_steps`): the four products of each block are ATen's `addmm` on the runner's own
+weight layouts (the same kernels as its Python path), and the rest (the norms, interleaved RoPE, the KV
+write, softmax attention of the one query row over the cache's columns, SiLU-gating) are plain C++ loops
+over float32 rows, built with `-O3 -march=native -ffp-contract=off` through `accel.quant_cpp`'s build
+cache (one build per machine, torch, Python and CPU; a message and its time at the first use).
+
+Covered (`DecodeKernel.fits`; everything else takes the Python path, which stays the reference): float32
+on CPU without autograd, one new column per row (T = 1; any batch size, left-padding masks), the Huginn
+layout `FastRunner` supports without LoRA, grouped-query heads, any head_dim (even, as RoPE needs), and a
+storage that hands out its float KV tensors (`ModelCache.decode_views`: the static generation cache
+without a write mask, quantized entries, or a lookup that hides or re-picks columns; every slot rule).
+The engine calls `core_steps` only for fixed-depth runs without per-step hooks (`Recurrence.run`).
+
+Results equal the Python path's to float32 rounding, not bit for bit: the norms, the softmax and the
+attention sums are accumulated in another order than ATen's vectorised kernels (tests compare logits,
+states and tokens). Off with `RDEPTH_NO_CPP=1` (or `RDEPTH_NO_ACCEL=1`, which turns off `FastRunner`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from recurrent_depth.accel import quant_cpp
+
+log = logging.getLogger(__name__)
+WHAT = "C++ decode kernels"
+
+CPP_SOURCE = r"""
+#include <torch/extension.h>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// A block's weights: the four norm gains [h]; the products' [in, out] layouts (views allowed);
+// the biases (numel 0: none; the qkv bias has the q/k biases folded in).
+struct Block {
+  at::Tensor n1, n2, n3, n4, qkv, proj, fc, out, qkv_bias, proj_bias, fc_bias, out_bias;
+};
+
+inline bool has(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
+
+inline float sum_squares(const float* x, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) acc[j] += x[i + j] * x[i + j];
+  }
+  float total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < n; ++i) total += x[i] * x[i];
+  return total;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  }
+  float total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
+// RMSNorm of B rows of width h, as the model's: x * rsqrt(mean(x^2) + eps) * w (y may be x).
+void norm_rows(const float* x, const float* w, float* y, int64_t B, int64_t h, float eps) {
+  for (int64_t b = 0; b < B; ++b) {
+    const float* xr = x + b * h;
+    float* yr = y + b * h;
+    const float r = 1.0f / std::sqrt(sum_squares(xr, h) / static_cast<float>(h) + eps);
+    for (int64_t i = 0; i < h; ++i) yr[i] = (xr[i] * r) * w[i];
+  }
+}
+
+class Decoder {
+ public:
+  Decoder(std::vector<std::vector<at::Tensor>> prelude, std::vector<std::vector<at::Tensor>> core,
+          std::vector<std::vector<at::Tensor>> coda, at::Tensor wte, at::Tensor adapter_s, at::Tensor ln_f,
+          at::Tensor lm_head, double emb_scale, int64_t H, int64_t Hkv, int64_t D, double eps)
+      : wte_(wte), adapter_s_(adapter_s), ln_f_(ln_f.contiguous()), lm_head_(lm_head),
+        emb_scale_(static_cast<float>(emb_scale)), H_(H), Hkv_(Hkv), D_(D), eps_(static_cast<float>(eps)) {
+    TORCH_CHECK(D % 2 == 0 && H % Hkv == 0, "decode kernel: even head_dim, heads a multiple of kv heads");
+    h_ = ln_f_.size(0);
+    for (auto* part : {&prelude, &core, &coda}) {
+      std::vector<Block> blocks;
+      for (auto& w : *part) {
+        TORCH_CHECK(w.size() == 12, "decode kernel: 12 tensors a block");
+        Block b{w[0].contiguous(), w[1].contiguous(), w[2].contiguous(), w[3].contiguous(), w[4], w[5], w[6],
+                w[7], w[8], w[9], w[10], w[11]};
+        for (const at::Tensor* t : {&b.n1, &b.n2, &b.n3, &b.n4, &b.qkv, &b.proj, &b.fc, &b.out}) {
+          TORCH_CHECK(t->scalar_type() == at::kFloat, "decode kernel: float32 weights");
+        }
+        blocks.push_back(b);
+      }
+      parts_.push_back(blocks);
+    }
+    inner_ = parts_[1].empty() ? 0 : parts_[1][0].fc.size(1) / 2;
+  }
+
+  // e = prelude(wte(ids) * emb_scale): ids [B] long -> [B, h]
+  at::Tensor embed(const at::Tensor& ids, const at::Tensor& freqs, const std::vector<at::Tensor>& ks,
+                   const std::vector<at::Tensor>& vs, int64_t column, const at::Tensor& mask) {
+    at::NoGradGuard no_grad;
+    at::Tensor x = at::embedding(wte_, ids.reshape({-1})).mul_(emb_scale_).contiguous();
+    run_blocks(parts_[0], 0, x, freqs, ks, vs, column, mask);
+    return x;
+  }
+
+  // `steps` core steps from state [B, h]: s <- blocks(injected + s @ adapter_s); views: steps * L, in order.
+  at::Tensor core_steps(const at::Tensor& state, const at::Tensor& injected, const at::Tensor& freqs,
+                        const std::vector<at::Tensor>& ks, const std::vector<at::Tensor>& vs, int64_t column,
+                        const at::Tensor& mask, int64_t steps) {
+    at::NoGradGuard no_grad;
+    const auto& core = parts_[1];
+    const int64_t L = static_cast<int64_t>(core.size());
+    TORCH_CHECK(static_cast<int64_t>(ks.size()) == steps * L && ks.size() == vs.size(),
+                "decode kernel: one key and value store per core layer and step");
+    at::Tensor s = state.reshape({-1, h_}).contiguous().clone();
+    const at::Tensor inj = injected.reshape({-1, h_}).contiguous();
+    at::Tensor x = at::empty_like(s);
+    for (int64_t i = 0; i < steps; ++i) {
+      at::addmm_out(x, inj, s, adapter_s_);
+      run_blocks(core, i * L, x, freqs, ks, vs, column, mask);
+      std::swap(s, x);
+    }
+    return s;
+  }
+
+  // logits [B, V] = lm_head(ln_f(coda(ln_f(state))))
+  at::Tensor predict(const at::Tensor& state, const at::Tensor& freqs, const std::vector<at::Tensor>& ks,
+                     const std::vector<at::Tensor>& vs, int64_t column, const at::Tensor& mask) {
+    at::NoGradGuard no_grad;
+    at::Tensor x = at::empty({state.numel() / h_, h_}, state.options());
+    const at::Tensor s = state.reshape({-1, h_}).contiguous();
+    norm_rows(s.data_ptr<float>(), ln_f_.data_ptr<float>(), x.data_ptr<float>(), x.size(0), h_, eps_);
+    run_blocks(parts_[2], 0, x, freqs, ks, vs, column, mask);
+    norm_rows(x.data_ptr<float>(), ln_f_.data_ptr<float>(), x.data_ptr<float>(), x.size(0), h_, eps_);
+    return at::mm(x, lm_head_);
+  }
+
+ private:
+  // The buffers of one block at B rows, kept between calls (a decoder serves one loop at a time).
+  struct Work {
+    int64_t B = -1;
+    at::Tensor normed, qkv, att, mixed, gate_up, hidden, out;
+    std::vector<float> scores;
+  };
+
+  Work& work(int64_t B, const at::Tensor& like, int64_t inner) {
+    if (work_.B != B || work_.gate_up.size(1) != 2 * inner) {
+      auto o = like.options();
+      work_.B = B;
+      work_.normed = at::empty({B, h_}, o);
+      work_.qkv = at::empty({B, (H_ + 2 * Hkv_) * D_}, o);
+      work_.att = at::empty({B, H_ * D_}, o);
+      work_.mixed = at::empty({B, h_}, o);
+      work_.gate_up = at::empty({B, 2 * inner}, o);
+      work_.hidden = at::empty({B, inner}, o);
+      work_.out = at::empty({B, h_}, o);
+    }
+    return work_;
+  }
+
+  static void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
+                     const at::Tensor* residual) {
+    if (residual != nullptr) {
+      at::addmm_out(out, *residual, x, w);
+      if (has(bias)) out.add_(bias);
+    } else if (has(bias)) {
+      at::addmm_out(out, bias, x, w);
+    } else {
+      at::mm_out(out, x, w);
+    }
+  }
+
+  void run_blocks(const std::vector<Block>& blocks, int64_t first_view, at::Tensor& x, const at::Tensor& freqs,
+                  const std::vector<at::Tensor>& ks, const std::vector<at::Tensor>& vs, int64_t column,
+                  const at::Tensor& mask) {
+    TORCH_CHECK(first_view + static_cast<int64_t>(blocks.size()) <= static_cast<int64_t>(ks.size()),
+                "decode kernel: a key and value store per block");
+    const at::Tensor angles = at::view_as_real(freqs).reshape({-1, D_}).contiguous();  // [B, D/2 x (cos, sin)]
+    for (size_t j = 0; j < blocks.size(); ++j) {
+      block(blocks[j], x, angles, ks[first_view + j], vs[first_view + j], column, mask);
+    }
+  }
+
+  // x [B, h] <- the sandwich block: norm_2(x + attn(norm_1(x))), then norm_4(. + mlp(norm_3(.))).
+  void block(const Block& p, at::Tensor& x, const at::Tensor& angles, const at::Tensor& K, const at::Tensor& V,
+             int64_t column, const at::Tensor& mask) {
+    const int64_t B = x.size(0), inner = p.fc.size(1) / 2, h = h_, D = D_, H = H_, Hkv = Hkv_;
+    Work& w = work(B, x, inner);
+    float* xp = x.data_ptr<float>();
+    norm_rows(xp, p.n1.data_ptr<float>(), w.normed.data_ptr<float>(), B, h, eps_);
+    linear(w.qkv, w.normed, p.qkv, p.qkv_bias, nullptr);
+    const int64_t width = (H + 2 * Hkv) * D, end = column + 1;
+    TORCH_CHECK(K.dim() == 4 && K.size(0) == B && K.size(1) == Hkv && K.size(2) >= end && K.size(3) == D
+                && K.stride(3) == 1 && K.scalar_type() == at::kFloat, "decode kernel: keys [B, Hkv, >= ", end, ", D]");
+    TORCH_CHECK(V.dim() == 4 && V.sizes() == K.sizes() && V.stride(3) == 1 && V.scalar_type() == at::kFloat,
+                "decode kernel: values as the keys");
+    TORCH_CHECK(angles.size(0) == B || angles.size(0) == 1, "decode kernel: rotary angles per row");
+    const bool masked = has(mask);
+    if (masked) {
+      TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 2 && mask.size(0) == B && mask.size(1) == end
+                  && mask.is_contiguous(), "decode kernel: mask bool [B, columns] contiguous");
+    }
+    const bool* mp = masked ? mask.data_ptr<bool>() : nullptr;
+    float* qkv = w.qkv.data_ptr<float>();
+    const float* ang = angles.data_ptr<float>();
+    const int64_t a_stride = angles.size(0) == 1 ? 0 : D;
+    float* kp = K.data_ptr<float>();
+    float* vp = V.data_ptr<float>();
+    const int64_t k0 = K.stride(0), k1 = K.stride(1), k2 = K.stride(2);
+    const int64_t v0 = V.stride(0), v1 = V.stride(1), v2 = V.stride(2);
+    const int64_t group = H / Hkv;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    float* att = w.att.data_ptr<float>();
+    if (static_cast<int64_t>(w.scores.size()) < end) w.scores.resize(end);
+    float* sc = w.scores.data();
+    for (int64_t b = 0; b < B; ++b) {
+      float* row = qkv + b * width;
+      const float* cs = ang + b * a_stride;
+      for (int64_t head = 0; head < H + Hkv; ++head) {  // interleaved RoPE on the q and k heads
+        float* x2 = row + head * D;
+        for (int64_t i = 0; i < D / 2; ++i) {
+          const float a = x2[2 * i], c = x2[2 * i + 1], cos = cs[2 * i], sin = cs[2 * i + 1];
+          x2[2 * i] = a * cos - c * sin;
+          x2[2 * i + 1] = a * sin + c * cos;
+        }
+      }
+      for (int64_t g = 0; g < Hkv; ++g) {  // this column's keys and values into the cache
+        std::copy(row + (H + g) * D, row + (H + g + 1) * D, kp + b * k0 + g * k1 + column * k2);
+        std::copy(row + (H + Hkv + g) * D, row + (H + Hkv + g + 1) * D, vp + b * v0 + g * v1 + column * v2);
+      }
+      const bool* mrow = masked ? mp + b * end : nullptr;
+      for (int64_t head = 0; head < H; ++head) {  // softmax attention of the query row over columns [0, end)
+        const float* q = row + head * D;
+        const float* kh = kp + b * k0 + (head / group) * k1;
+        const float* vh = vp + b * v0 + (head / group) * v1;
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t c = 0; c < end; ++c) {
+          sc[c] = (mrow != nullptr && !mrow[c]) ? -std::numeric_limits<float>::infinity()
+                                                : dot(q, kh + c * k2, D) * scale;
+          top = std::max(top, sc[c]);
+        }
+        float total = 0.0f;
+        for (int64_t c = 0; c < end; ++c) {
+          sc[c] = std::exp(sc[c] - top);
+          total += sc[c];
+        }
+        float* o = att + b * H * D + head * D;
+        std::fill(o, o + D, 0.0f);
+        for (int64_t c = 0; c < end; ++c) {
+          const float weight = sc[c] / total;
+          const float* vr = vh + c * v2;
+          for (int64_t d = 0; d < D; ++d) o[d] += weight * vr[d];
+        }
+      }
+    }
+    linear(w.mixed, w.att, p.proj, p.proj_bias, &x);
+    float* mixed = w.mixed.data_ptr<float>();
+    norm_rows(mixed, p.n2.data_ptr<float>(), mixed, B, h, eps_);
+    norm_rows(mixed, p.n3.data_ptr<float>(), w.normed.data_ptr<float>(), B, h, eps_);
+    linear(w.gate_up, w.normed, p.fc, p.fc_bias, nullptr);
+    const float* gu = w.gate_up.data_ptr<float>();
+    float* hid = w.hidden.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b) {  // silu(gate) * up
+      const float* gate = gu + b * 2 * inner;
+      for (int64_t i = 0; i < inner; ++i) {
+        const float g = gate[i];
+        hid[b * inner + i] = (g / (1.0f + std::exp(-g))) * gate[inner + i];
+      }
+    }
+    linear(w.out, w.hidden, p.out, p.out_bias, &w.mixed);
+    norm_rows(w.out.data_ptr<float>(), p.n4.data_ptr<float>(), xp, B, h, eps_);
+  }
+
+  std::vector<std::vector<Block>> parts_;
+  at::Tensor wte_, adapter_s_, ln_f_, lm_head_;
+  float emb_scale_;
+  int64_t H_, Hkv_, D_, h_ = 0, inner_ = 0;
+  float eps_;
+  Work work_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<Decoder>(m, "Decoder")
+      .def(pybind11::init<std::vector<std::vector<at::Tensor>>, std::vector<std::vector<at::Tensor>>,
+                          std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                          double, int64_t, int64_t, int64_t, double>())
+      .def("embed", &Decoder::embed)
+      .def("core_steps", &Decoder::core_steps)
+      .def("predict", &Decoder::predict);
+}
+"""
+
+_lock = threading.Lock()
+_module: Any = None
+_failure: str | None = None
+
+
+def load_decoder() -> Any:
+    """The built extension (built at the first call of a machine, through `quant_cpp.kernel_cache`), or
+    None where C++ is off or cannot build (warned once, with the reason; the Python path runs)."""
+    global _module, _failure
+    if not quant_cpp.cpp_enabled():
+        return None
+    with _lock:
+        if _module is None and _failure is None:
+            try:
+                _module = quant_cpp.kernel_cache("rdepth_decode", CPP_SOURCE, WHAT).load()
+            except Exception as exc:  # no compiler, no ninja, a failing build: the Python path runs
+                _failure = quant_cpp.failure_line(exc)
+                log.warning("the %s are unavailable (%s); decoding through the Python path", WHAT, _failure)
+    return _module
+
+
+def build_failure() -> str | None:
+    """Why the extension did not build or load (None: it did, or it was not tried)."""
+    return _failure
+
+
+EMPTY = torch.empty(0)  # (an absent bias)
+
+
+class DecodeKernel:
+    """The C++ `Decoder` over one `FastRunner`'s weights (its layouts and folded biases, shared, not
+    copied), and the per-call checks of what it covers (see the module docstring)."""
+
+    def __init__(self, module: Any, runner: Any) -> None:
+        model = runner.model
+        cfg, t = model.config, model.transformer
+        parts = {"prelude": t.prelude, "core": t.core_block, "coda": t.coda}
+
+        def weights(block: Any, p: dict[str, Any]) -> list[Tensor]:
+            norms = [n.weight.detach() for n in (block.norm_1, block.norm_2, block.norm_3, block.norm_4)]
+            biases = [p[name] for name in ("qkv_bias", "proj_bias", "fc_bias", "out_bias")]
+            return [*norms, *(p[name].detach() for name in ("qkv", "proj", "fc", "out")),
+                    *(EMPTY if b is None else b.detach().contiguous() for b in biases)]
+
+        blocks = {part: [weights(b, p) for b, p in zip(parts[part], runner.blocks[part])] for part in parts}
+        self.decoder = module.Decoder(
+            blocks["prelude"], blocks["core"], blocks["coda"], runner.wte.detach(), runner.adapter_s.detach(),
+            t.ln_f.weight.detach(), runner.lm_head.detach(), float(runner.emb_scale), cfg.num_heads,
+            cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps,
+        )
+        self.keys = {part: tuple((part, i) for i in range(len(parts[part]))) for part in ("prelude", "coda")}
+        self.core_layers = len(parts["core"])
+        self._core_keys: dict[range, tuple] = {}
+
+    @staticmethod
+    def mask(step: Any) -> Tensor:
+        """The call's attention mask as bool `[B, columns]` (EMPTY: none); one new column per row."""
+        mask = step.ctx.attn_mask
+        return EMPTY if mask is None else mask.reshape(mask.shape[0], mask.shape[-1]).contiguous()
+
+    def core_keys(self, steps: range) -> tuple:
+        keys = self._core_keys.get(steps)
+        if keys is None:
+            keys = self._core_keys[steps] = tuple(("core", j, i) for i in steps for j in range(self.core_layers))
+        return keys
+
+    def embed(self, ids: Tensor, step: Any) -> Tensor | None:
+        """e `[B, h]` for one new token per row, or None where the cache cannot be written directly."""
+        views = step.ctx.cache.decode_views(self.keys["prelude"])
+        if views is None:
+            return None
+        return self.decoder.embed(ids, step.freqs, views[0], views[1], step.ctx.past_len, self.mask(step))
+
+    def core_steps(self, state: Tensor, injected: Tensor, steps: range, step: Any) -> Tensor | None:
+        """The state `[B, h]` after core steps `steps` (see `FastRunner.core_steps`), or None."""
+        views = step.ctx.cache.decode_views(self.core_keys(steps))
+        if views is None:
+            return None
+        return self.decoder.core_steps(state, injected, step.freqs, views[0], views[1], step.ctx.past_len,
+                                       self.mask(step), len(steps))
+
+    def predict(self, state: Tensor, step: Any) -> Tensor | None:
+        """Logits `[B, V]` float32 from raw states (one column per row), or None."""
+        views = step.ctx.cache.decode_views(self.keys["coda"])
+        if views is None:
+            return None
+        return self.decoder.predict(state, step.freqs, views[0], views[1], step.ctx.past_len, self.mask(step))

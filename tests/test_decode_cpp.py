@@ -1,0 +1,186 @@
+"""The C++ decode (accel/decode_cpp.py) against the Python paths it stands in for: `FastRunner`'s own
+(C++ off) and the model's modules (`fast=False`), at fixed depth, on odd shapes (head_dim 6, grouped-query
+heads, biases), padded batches, shared KV slots, prefill-then-decode against a full forward; and the
+fallback wherever it does not apply.
+
+It is not bit-identical to the Python path: its norms, softmax and attention sums are accumulated in
+another order than ATen's kernels (the products are the same `addmm`), so logits and states agree to
+float32 rounding (observed ~1e-6 here; allowed 1e-5) and tokens exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import recurrent_depth as rd
+from recurrent_depth.accel import decode_cpp, quant_cpp
+from recurrent_depth.accel.decode_cpp import DecodeKernel
+from recurrent_depth.accel.runner import FastRunner
+from recurrent_depth.inference import StaticRecurrentCache, generate
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def cpp(monkeypatch):
+    """The C++ decode on (the suite's conftest turns C++ off), or a skip where it cannot build."""
+    monkeypatch.setenv("RDEPTH_NO_CPP", "0")
+    if decode_cpp.load_decoder() is None:
+        pytest.skip(f"the C++ decode kernels cannot build here: {decode_cpp.build_failure()}")
+
+
+@pytest.fixture
+def calls(monkeypatch) -> dict[str, int]:
+    """How many calls of each `DecodeKernel` piece ran in C++ (returned a result rather than None)."""
+    counts = {"embed": 0, "core_steps": 0, "predict": 0}
+    for name in counts:
+        original = getattr(DecodeKernel, name)
+
+        def counted(self, *args, _name=name, _original=original):
+            out = _original(self, *args)
+            counts[_name] += out is not None
+            return out
+
+        monkeypatch.setattr(DecodeKernel, name, counted)
+    return counts
+
+
+def odd_model(kv_heads: int, qk_bias: bool = False) -> rd.RecurrentDepthLM:
+    """Hidden 36, 6 heads of dim 6 (not a multiple of 8), MLP 50, non-zero biases."""
+    cfg = rd.ModelConfig(vocab_size=97, hidden_size=36, num_heads=6, num_kv_heads=kv_heads, intermediate_size=50,
+                         prelude_layers=1, core_layers=2, coda_layers=1, bias=True, qk_bias=qk_bias, max_seq_len=64)
+    torch.manual_seed(0)
+    model = rd.RecurrentDepthLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return model
+
+
+MODELS = {"mha": lambda: odd_model(6), "gqa-qk-bias": lambda: odd_model(2, qk_bias=True),
+          "tiny": lambda: rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval()}
+
+
+def padded_prompts(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, vocab, (2, 7), generator=g)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, :3] = 0  # row 1: a 4-token prompt, left-padded
+    return ids, mask
+
+
+def run(model, ids, mask, monkeypatch, cpp_on: bool, **kw):
+    monkeypatch.setenv("RDEPTH_NO_CPP", "0" if cpp_on else "1")
+    return generate(model, ids, attention_mask=mask, max_new_tokens=6, num_steps=3, init_scale=0.0,
+                    output_logits=True, **kw)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_cpp_decode_equals_the_python_paths_and_a_full_forward(cpp, calls, monkeypatch, name):
+    model = MODELS[name]()
+    ids, mask = padded_prompts(model.config.vocab_size)
+    ours = run(model, ids, mask, monkeypatch, True)
+    assert calls == {"embed": 5, "core_steps": 5, "predict": 5}  # every decoded token, none of the prefill
+    python = run(model, ids, mask, monkeypatch, False)
+    reference = run(model, ids, mask, monkeypatch, False, fast=False)
+    assert calls["core_steps"] == 5  # (the runs with C++ off did not call it)
+    for other in (python, reference):
+        assert torch.equal(ours.sequences, other.sequences)
+        torch.testing.assert_close(ours.logits, other.logits, **TOL)
+    full_mask = torch.cat([mask, torch.ones(2, 6, dtype=torch.long)], 1)
+    full = model(ours.sequences, num_steps=3, init_scale=0.0, attention_mask=full_mask).logits
+    torch.testing.assert_close(ours.logits, full[:, 6:12], rtol=1e-4, atol=1e-4)  # (test_inference.py's tolerance)
+
+
+@pytest.mark.parametrize("kv_heads", [6, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("budget", [None, 2], ids=["per-step", "shared-2"])
+def test_states_and_cache_entries_equal_the_python_steps(cpp, kv_heads, budget):
+    """One decoded token per row after a prefill: the state after each piece, the logits, and every KV
+    entry the C++ wrote, against `FastRunner`'s Python steps on an identical cache."""
+    model = odd_model(kv_heads)
+    ids = torch.randint(0, 97, (3, 6), generator=torch.Generator().manual_seed(2))
+    results = []
+    for fused in (True, False):
+        with torch.no_grad():
+            runner, cache = FastRunner(model), StaticRecurrentCache(3, 4, kv_budget=budget, capacity=8)
+            step = runner.context(ids[:, :5], None, cache)
+            e = runner.embed(ids[:, :5], step)
+            s = runner.core_steps(torch.zeros_like(e), runner.inject(e), e, range(4), step)
+            runner.predict(s, step)
+            cache.close(4, 5)
+            cache.advance(5)
+            step = runner.context(ids[:, 5:], None, cache)
+            if not fused:
+                runner._decode = False
+            e = runner.embed(ids[:, 5:], step)
+            s = runner.core_steps(torch.randn(3, 1, 36, generator=torch.Generator().manual_seed(4)),
+                                  runner.inject(e), e, range(4), step)
+            logits = runner.predict(s, step)
+            assert isinstance(runner._decode, DecodeKernel) == fused
+            results.append((e, s, logits, {k: (K.clone(), V.clone()) for k, (K, V) in cache.kv.items()}))
+    (e0, s0, l0, kv0), (e1, s1, l1, kv1) = results
+    torch.testing.assert_close(e0, e1, **TOL)
+    torch.testing.assert_close(s0, s1, **TOL)
+    torch.testing.assert_close(l0, l1, **TOL)
+    assert kv0.keys() == kv1.keys()
+    for key in kv0:
+        torch.testing.assert_close(kv0[key], kv1[key], **TOL, msg=str(key))
+
+
+@pytest.mark.parametrize("case", ["kv-quant", "dynamic-cache", "skip-lookup", "kl-exit"])
+def test_uncovered_cases_take_the_python_path(cpp, calls, monkeypatch, case):
+    """Quantized entries, the dynamic reference cache and a lookup that hides columns: no C++ call at all;
+    an exit criterion: no fused core steps (the prelude, coda and head of its tokens still run in C++).
+    The results are those of the Python path."""
+    kw = {"kv-quant": dict(kv_quant="k=prod:3.5,v=mse:3.5"), "dynamic-cache": dict(cache_implementation="dynamic"),
+          "skip-lookup": dict(kv_policy="per-step+skip"), "kl-exit": dict(exit_criterion="kl")}[case]
+    model = odd_model(6)
+    ids, mask = padded_prompts(97)
+    ours = run(model, ids, mask, monkeypatch, True, **kw)
+    assert calls["core_steps"] == 0
+    assert calls["embed"] == (5 if case == "kl-exit" else 0)
+    python = run(model, ids, mask, monkeypatch, False, **kw)
+    assert torch.equal(ours.sequences, python.sequences) and torch.equal(ours.steps, python.steps)
+    torch.testing.assert_close(ours.logits, python.logits, **TOL)
+
+
+def test_hooks_between_steps_keep_the_step_loop(cpp, calls, monkeypatch):
+    """`should_stop` / `on_step` run between core steps: with either set, the engine keeps its own loop."""
+    from recurrent_depth.inference.engine import Recurrence
+
+    model = odd_model(6)
+    ids = torch.randint(0, 97, (1, 4), generator=torch.Generator().manual_seed(5))
+    engine = Recurrence(model)
+    ticks = []
+    engine.on_step = lambda: ticks.append(1)
+    with torch.no_grad():
+        cache = StaticRecurrentCache(1, 3, capacity=8)
+        pass_ = engine.begin(ids, None, cache)
+        engine.run(torch.zeros_like(pass_.e), pass_, 3)
+        cache.close(3, 4)
+        cache.advance(4)
+        pass_ = engine.begin(ids[:, :1], None, cache)
+        engine.run(torch.zeros_like(pass_.e), pass_, 3)
+    assert len(ticks) == 6 and calls["core_steps"] == 0 and calls["embed"] == 1
+
+
+def test_a_failing_build_falls_back_with_one_message(monkeypatch, caplog):
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension 'rdepth_decode'\nc++: not found")
+
+    monkeypatch.setenv("RDEPTH_NO_CPP", "0")
+    monkeypatch.setattr(quant_cpp, "kernel_cache", no_compiler)
+    monkeypatch.setattr(decode_cpp, "_module", None)
+    monkeypatch.setattr(decode_cpp, "_failure", None)
+    model = odd_model(6)
+    ids, mask = padded_prompts(97)
+    with caplog.at_level(logging.WARNING, logger=decode_cpp.__name__):
+        ours = generate(model, ids, attention_mask=mask, max_new_tokens=3, num_steps=2, init_scale=0.0)
+        again = generate(model, ids, attention_mask=mask, max_new_tokens=3, num_steps=2, init_scale=0.0)
+    assert decode_cpp.build_failure() == "RuntimeError: Error building extension 'rdepth_decode'"
+    assert caplog.text.count("the C++ decode kernels are unavailable (RuntimeError") == 1
+    assert torch.equal(ours.sequences, again.sequences)

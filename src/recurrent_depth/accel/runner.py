@@ -55,7 +55,7 @@ from recurrent_depth.inference.runner import ModelRunner, Step
 from recurrent_depth.model.cache import ModelCache, combine_key_mask
 from recurrent_depth.model.layers import RotaryTable
 from recurrent_depth.model.recurrent import all_attention, blocks_of
-from recurrent_depth.weight_quant import Int8WeightLinear
+from recurrent_depth.weight_quant import QuantizedLinear
 
 # Most bytes of contiguous transposed weight copies a fast runner makes (see the module docstring).
 COPY_LIMIT_BYTES = 512 * 2**20
@@ -95,12 +95,12 @@ class FastRunner(ModelRunner):
 
     @staticmethod
     def _reads_every_layer(model: Any) -> bool:
-        """One walk over `model`'s modules: no int8 weights (weight_quant.py: the reference runner, whose
-        linears take the int8 kernel, runs those), and every LoRA layer is one this runner reads (block
+        """One walk over `model`'s modules: no quantized weights (weight_quant.py: the reference runner, whose
+        linears take the int8 / int4 kernels, runs those), and every LoRA layer is one this runner reads (block
         and adapter linears) and plain LoRA."""
         read = {id(model.transformer.adapter)} | {
             id(layer) for block in blocks_of(model) for layer in FastRunner._block_linears(block).values()}
-        return not any(isinstance(m, Int8WeightLinear)
+        return not any(isinstance(m, QuantizedLinear)
                        or (is_lora_layer(m) and (id(m) not in read or unsupported_lora(m) is not None))
                        for m in model.modules())
 

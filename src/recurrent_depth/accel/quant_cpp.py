@@ -340,13 +340,44 @@ inline void put_bits(uint8_t* row, int64_t pos, int64_t value, int bits) {
 
 }  // namespace
 
+// The byte offset of each of x's rows (flat over its leading axes) in `rows` [..., nbytes] (any strides
+// on the leading axes, the last one 1; the same leading shape as x).
+std::vector<int64_t> row_offsets(const torch::Tensor& rows, int64_t N) {
+  TORCH_CHECK(rows.dtype() == torch::kUInt8 && rows.stride(-1) == 1, "encode: uint8 rows, bytes contiguous");
+  std::vector<int64_t> at(N, 0);
+  const int64_t lead = rows.dim() - 1;
+  for (int64_t n = 0; n < N; ++n) {
+    int64_t rest = n, offset = 0;
+    for (int64_t d = lead - 1; d >= 0; --d) {
+      offset += (rest % rows.size(d)) * rows.stride(d);
+      rest /= rows.size(d);
+    }
+    at[n] = offset;
+  }
+  return at;
+}
+
+// `encode_into` of x [..., D] into `rows` [..., nbytes] (see `encode`): whether every stored norm is finite.
+bool encode_into(const torch::Tensor& x, const std::vector<torch::Tensor>& t, const std::vector<int64_t>& ints,
+                 const std::vector<double>& steps, torch::Tensor& rows);
+
 // `rows.turbo_encode` of x [..., D]: tables = (rotate, col_group, col_shift, boundaries, offsets,
 // centroids, sketch_t or empty, fields [F, 5] int32, each group's dither weights (prod)); ints =
 // (G, the group sizes, norm byte, row bytes, residual levels, hash bits); steps: the residual steps.
-// Returns (rows uint8 [..., bytes], whether every stored norm is finite). Float steps are the
+// Returns (rows uint8 [..., bytes], whether every stored norm is finite).
+std::tuple<torch::Tensor, bool> encode(const torch::Tensor& x, const std::vector<torch::Tensor>& t,
+                                       const std::vector<int64_t>& ints, const std::vector<double>& steps) {
+  auto shape = x.sizes().vec();
+  shape.back() = ints[ints[0] + 2];
+  torch::Tensor rows = torch::empty(shape, x.options().dtype(torch::kUInt8));
+  const bool finite = encode_into(x, t, ints, steps, rows);
+  return {rows, finite};
+}
+
+// Writes each row's bytes (all of them: no byte of `rows` is read first). Float steps are the
 // reference's, one rounding each (built with -ffp-contract=off), so the bytes are the same.
-std::tuple<torch::Tensor, bool> encode(torch::Tensor x, std::vector<torch::Tensor> t, std::vector<int64_t> ints,
-                                       std::vector<double> steps) {
+bool encode_into(const torch::Tensor& x, const std::vector<torch::Tensor>& t, const std::vector<int64_t>& ints,
+                 const std::vector<double>& steps, torch::Tensor& rows) {
   const int64_t G = ints[0];
   TORCH_CHECK(G >= 1 && G <= 8 && static_cast<int64_t>(t.size()) == 8 + (t[6].numel() > 0 ? G : 0), "encode: tables");
   const std::vector<int64_t> sizes(ints.begin() + 1, ints.begin() + 1 + G);
@@ -389,10 +420,11 @@ std::tuple<torch::Tensor, bool> encode(torch::Tensor x, std::vector<torch::Tenso
       }
     }
   }
-  auto shape = x.sizes().vec();
-  shape.back() = nbytes;
-  torch::Tensor rows = torch::zeros(shape, x.options().dtype(torch::kUInt8));
+  TORCH_CHECK(rows.dim() == x.dim() && rows.size(-1) == nbytes && rows.numel() == N * nbytes,
+              "encode: rows [..., ", nbytes, "] of x's leading shape");
+  const std::vector<int64_t> row_at = row_offsets(rows, N);
   uint8_t* out = rows.data_ptr<uint8_t>();
+  for (int64_t n = 0; n < N; ++n) std::fill(out + row_at[n], out + row_at[n] + nbytes, uint8_t(0));
   Norms rn;
   if (prod) {
     // (matmul folds a contiguous [..., D] into mm: the same call, less dispatch)
@@ -407,7 +439,7 @@ std::tuple<torch::Tensor, bool> encode(torch::Tensor x, std::vector<torch::Tenso
   const int32_t* fields = t[7].data_ptr<int32_t>();
   const int64_t F = t[7].size(0);
   for (int64_t n = 0; n < N; ++n) {
-    uint8_t* row = out + n * nbytes;
+    uint8_t* row = out + row_at[n];
     const int64_t* e = entry.data() + n * 2 * D;
     for (int64_t i = 0; i < F; ++i) {
       const int32_t* l = fields + 5 * i;
@@ -435,7 +467,7 @@ std::tuple<torch::Tensor, bool> encode(torch::Tensor x, std::vector<torch::Tenso
       }
     }
   }
-  return {rows, finite};
+  return finite;
 }
 
 // One codec's constants, built once (`EntryLayout`), so that a call passes one object per side.
@@ -480,6 +512,27 @@ torch::Tensor attend(const torch::Tensor& q, const Codec& ck, const Codec& cv, t
   return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());
 }
 
+// A decode call in one pass: k, v [B, Hkv, T, D] encoded straight into a storage's rows [B, Hkv,
+// capacity, bytes] at columns [start, start + T) (the bytes `encode` returns), then `attend` over
+// columns [0, start + T): (out [B, H, 1, Dv], whether every stored norm is finite).
+std::tuple<torch::Tensor, bool> decode_attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                              const Codec& ck, const Codec& cv, const torch::Tensor& store_k,
+                                              const torch::Tensor& store_v, int64_t start,
+                                              c10::optional<torch::Tensor> attn_mask) {
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && store_k.dim() == 4 && store_v.dim() == 4,
+              "decode_attend: 4-d k, v and stores");
+  const int64_t T = k.size(2), end = start + T;
+  TORCH_CHECK(start >= 0 && v.size(2) == T && end <= store_k.size(2) && end <= store_v.size(2),
+              "decode_attend: columns [", start, ", ", end, ") beyond the storage");
+  TORCH_CHECK(store_k.size(0) == k.size(0) && store_k.size(1) == k.size(1) && store_v.size(0) == v.size(0)
+              && store_v.size(1) == v.size(1), "decode_attend: stores [B, Hkv, capacity, bytes] of k's and v's rows");
+  torch::Tensor new_k = store_k.narrow(2, start, T), new_v = store_v.narrow(2, start, T);
+  const bool finite_k = encode_into(k, ck.tables, ck.ints, ck.steps, new_k);
+  const bool finite_v = encode_into(v, cv.tables, cv.ints, cv.steps, new_v);
+  torch::Tensor out = attend(q, ck, cv, store_k.narrow(2, 0, end), store_v.narrow(2, 0, end), attn_mask);
+  return {out, finite_k && finite_v};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Codec>(m, "Codec")
       .def(pybind11::init([](std::vector<torch::Tensor> tables, std::vector<int64_t> ints, std::vector<double> steps,
@@ -490,6 +543,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encode", &encode);
   m.def("encode_pair", &encode_pair);
   m.def("attend", &attend);
+  m.def("decode_attend", &decode_attend);
 }
 """
 
@@ -760,6 +814,13 @@ class CppCodes:
                attn_mask: Tensor | None) -> Tensor:
         """`codes_attention(q [B, H, 1, D], ...)` with turbo_score / turbo_combine's results."""
         return self.module.attend(q, self.codec(tk), self.codec(tv), rows_k, rows_v, attn_mask)
+
+    def decode_attend(self, tk: TurboTables, tv: TurboTables, q: Tensor, k: Tensor, v: Tensor, store_k: Tensor,
+                      store_v: Tensor, start: int, attn_mask: Tensor | None) -> tuple[Tensor, bool]:
+        """One C++ call for a decode call: k, v `[B, Hkv, T, D]` encoded into the storage's rows `[B, Hkv,
+        capacity, bytes]` at columns [start, start + T) (`encode`'s bytes), then `attend` over columns
+        [0, start + T): (the attention `[B, H, 1, Dv]`, whether every stored norm is finite)."""
+        return self.module.decode_attend(q, k, v, self.codec(tk), self.codec(tv), store_k, store_v, start, attn_mask)
 
 
 _EMPTY = torch.empty(0)

@@ -235,7 +235,31 @@ inline void add_row_times(const float* x, int64_t x_stride, const float* m, int6
 // entries, times `scale`, masked), the softmax, the weighted sum of the value rows' entries, times
 // `back`, written to out [B, H, 1, Dv] (contiguous float32). q [B, H, 1, D] float32 (any strides);
 // mask: none (numel 0), or bool / float32 broadcast to [B, H, 1, S] (any strides).
+// A per-head channel permutation [D] per (batch row, kv head) (`[Hkv, D]` or `[B, Hkv, D]` int64), or none.
+struct PerHeadIndex {
+  const int64_t* p = nullptr; int64_t sb = 0, sh = 0;
+  const int64_t* at(int64_t b, int64_t h) const { return p + b * sb + h * sh; }
+};
+
+PerHeadIndex per_head_index(const torch::Tensor& perm, int64_t B, int64_t Hkv, int64_t D, const char* what) {
+  PerHeadIndex index;
+  if (perm.numel() == 0) return index;
+  TORCH_CHECK(perm.dtype() == torch::kLong && perm.is_contiguous() && (perm.dim() == 2 || perm.dim() == 3)
+              && perm.size(-1) == D && perm.size(-2) == Hkv
+              && (perm.dim() == 2 || perm.size(0) == B || perm.size(0) == 1),
+              what, ": int64 [(B,) Hkv, D] contiguous");
+  index.p = perm.data_ptr<int64_t>();
+  index.sh = D;
+  index.sb = perm.dim() == 3 && perm.size(0) == B ? Hkv * D : 0;
+  return index;
+}
+
+// With a key permutation, `query` is the shared codec's and each query row is permuted first
+// (q @ query_h = q[perm_h] @ query); with a value un-permutation, `back` is the shared codec's and
+// the output's columns are permuted last ((s @ back_h)[i] = (s @ back)[unperm_h[i]]): the same
+// products as the per-head matrices, summed in another order, and one shared matrix in the cache.
 void read_codes(const torch::Tensor& q, const Side& k, const Side& v, const PerHead& query, const PerHead& back,
+                const PerHeadIndex& q_perm, const PerHeadIndex& out_perm,
                 int64_t Hkv, int64_t S, int64_t Dv, const torch::Tensor& mask, float scale, float* o) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(3), M = H / Hkv;
   const int64_t q0 = q.stride(0), q1 = q.stride(1), q3 = q.stride(3);
@@ -248,12 +272,19 @@ void read_codes(const torch::Tensor& q, const Side& k, const Side& v, const PerH
   const float* mf = (has_mask && !bool_mask) ? mask.data_ptr<float>() : nullptr;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> entry(std::max(k.E, v.E)), factor(2 * std::max(k.G, v.G) + 2), p(M * S);
-    std::vector<float> qq(M * k.E), sum(M * v.E);
+    std::vector<float> qq(M * k.E), sum(M * v.E), permuted(std::max(D, Dv));
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / Hkv, h = bh % Hkv;
       std::fill(qq.begin(), qq.end(), 0.0f);
       for (int64_t m = 0; m < M; ++m) {
-        add_row_times(qp + b * q0 + (h * M + m) * q1, q3, query.at(b, h), D, k.E, qq.data() + m * k.E);
+        const float* row = qp + b * q0 + (h * M + m) * q1;
+        if (q_perm.p != nullptr) {
+          const int64_t* perm = q_perm.at(b, h);
+          for (int64_t j = 0; j < D; ++j) permuted[j] = row[perm[j] * q3];
+          add_row_times(permuted.data(), 1, query.at(b, h), D, k.E, qq.data() + m * k.E);
+        } else {
+          add_row_times(row, q3, query.at(b, h), D, k.E, qq.data() + m * k.E);
+        }
       }
       for (int64_t s = 0; s < S; ++s) {
         decode_row(k.rows + b * k.s0 + h * k.s1 + s * k.s2, k.fields, k.F, k.values, k.norm_byte, k.G,
@@ -291,8 +322,13 @@ void read_codes(const torch::Tensor& q, const Side& k, const Side& v, const PerH
       }
       for (int64_t m = 0; m < M; ++m) {
         float* om = o + (b * H + h * M + m) * Dv;
-        std::fill(om, om + Dv, 0.0f);
-        add_row_times(sum.data() + m * v.E, 1, back.at(b, h), v.E, Dv, om);
+        float* acc = out_perm.p != nullptr ? permuted.data() : om;
+        std::fill(acc, acc + Dv, 0.0f);
+        add_row_times(sum.data() + m * v.E, 1, back.at(b, h), v.E, Dv, acc);
+        if (out_perm.p != nullptr) {
+          const int64_t* unperm = out_perm.at(b, h);
+          for (int64_t i = 0; i < Dv; ++i) om[i] = acc[unperm[i]];
+        }
       }
     }
   });
@@ -471,9 +507,12 @@ bool encode_into(const torch::Tensor& x, const std::vector<torch::Tensor>& t, co
 }
 
 // One codec's constants, built once (`EntryLayout`), so that a call passes one object per side.
+// With a folded per-head permutation, `query` and `back` are the shared codec's, `perm` [(B,) Hkv, D]
+// (the query rows' gather) and `unperm` its inverse (the output's); else both empty.
 struct Codec {
   std::vector<torch::Tensor> tables; std::vector<int64_t> ints; std::vector<double> steps;
   torch::Tensor layout, values, residual_step, query, back; int64_t norm_byte, groups;
+  torch::Tensor perm, unperm;
 };
 
 // Both encodes of a decode call: (rows_k, rows_v, whether every stored norm is finite).
@@ -500,6 +539,8 @@ torch::Tensor attend(const torch::Tensor& q, const Codec& ck, const Codec& cv, t
   const int64_t Dv = cv.back.size(-1);
   const PerHead query = per_head(ck.query, B, Hkv, D, k.E, "query");
   const PerHead back = per_head(cv.back, B, Hkv, v.E, Dv, "back");
+  const PerHeadIndex q_perm = per_head_index(ck.perm, B, Hkv, D, "key perm");
+  const PerHeadIndex out_perm = per_head_index(cv.unperm, B, Hkv, Dv, "value unperm");
   torch::Tensor mask = torch::empty({0});
   if (attn_mask.has_value()) {
     mask = attn_mask->expand({B, H, 1, S});
@@ -507,8 +548,8 @@ torch::Tensor attend(const torch::Tensor& q, const Codec& ck, const Codec& cv, t
   }
   const torch::Tensor qf = q.scalar_type() == at::kFloat ? q : q.to(at::kFloat);
   torch::Tensor out = torch::empty({B, H, 1, Dv}, qf.options().memory_format(at::MemoryFormat::Contiguous));
-  read_codes(qf, k, v, query, back, Hkv, S, Dv, mask, static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))),
-             out.data_ptr<float>());
+  read_codes(qf, k, v, query, back, q_perm, out_perm, Hkv, S, Dv, mask,
+             static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))), out.data_ptr<float>());
   return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());
 }
 
@@ -537,8 +578,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Codec>(m, "Codec")
       .def(pybind11::init([](std::vector<torch::Tensor> tables, std::vector<int64_t> ints, std::vector<double> steps,
                              torch::Tensor layout, torch::Tensor values, torch::Tensor residual_step,
-                             torch::Tensor query, torch::Tensor back, int64_t norm_byte, int64_t groups) {
-        return Codec{tables, ints, steps, layout, values, residual_step, query, back, norm_byte, groups};
+                             torch::Tensor query, torch::Tensor back, int64_t norm_byte, int64_t groups,
+                             torch::Tensor perm, torch::Tensor unperm) {
+        return Codec{tables, ints, steps, layout, values, residual_step, query, back, norm_byte, groups, perm, unperm};
       }));
   m.def("encode", &encode);
   m.def("encode_pair", &encode_pair);
@@ -796,9 +838,15 @@ class CppCodes:
             if len(self._codecs) >= MAX_CODECS:  # the serving pool makes a permuted codec per set of rows
                 self._codecs.clear()
             layout = EntryLayout(t)
+            # the read's matrices: with a folded permutation the shared codec's (the read permutes q and
+            # its output: one matrix for every layer and head, kept in cache), else the codec's own
+            folded = t.perm is not None and t.base_query is not None and t.base_back is not None
+            query, back = (t.base_query, t.base_back) if folded else (t.query, t.back)
+            perm = t.perm.long().cpu().contiguous() if folded else _EMPTY_LONG
+            unperm = perm.argsort(dim=-1).contiguous() if folded else _EMPTY_LONG
             codec = self.module.Codec(layout.encode_tables, layout.encode_ints, layout.encode_steps, layout.layout,
-                                      layout.values, layout.residual_step, t.query.float().contiguous(),
-                                      t.back.float().contiguous(), layout.norm_byte, layout.groups)
+                                      layout.values, layout.residual_step, query.float().contiguous(),
+                                      back.float().contiguous(), layout.norm_byte, layout.groups, perm, unperm)
             cached = self._codecs[id(t)] = (t, codec)
         return cached[1]
 
@@ -824,3 +872,4 @@ class CppCodes:
 
 
 _EMPTY = torch.empty(0)
+_EMPTY_LONG = torch.empty(0, dtype=torch.long)

@@ -19,7 +19,13 @@ import torch
 
 from recurrent_depth.accel import quant_cpp
 from recurrent_depth.accel.quant import CodeKernels
-from recurrent_depth.inference.quant_cache import KVQuant, codes_attention, layer_codec, shared_codec
+from recurrent_depth.inference.quant_cache import (
+    KVQuant,
+    QuantizedRecurrentCache,
+    codes_attention,
+    layer_codec,
+    shared_codec,
+)
 from recurrent_depth.quant.rows import turbo_combine, turbo_encode, turbo_score
 from tests.test_quant_cache import check_codes_attention_against_sdpa
 
@@ -197,3 +203,57 @@ def test_the_cpp_kernels_take_per_row_permutations(kernel):
     assert torch.equal(rows_k, turbo_encode(x, t)[0]) and torch.equal(rows_v, turbo_encode(x, tv)[0])
     got = kernel.attend(t, tv, q, rows_k, rows_v, None)
     torch.testing.assert_close(got, reference(q, rows_k, rows_v, ck, cv, None), atol=TOL, rtol=0)
+
+
+class SeparateCalls(CodeKernels):
+    """The C++ kernels without the fused decode call: `store`'s encode, `write_rows`, then the read."""
+
+    def fuses(self, *args):
+        return False
+
+
+@pytest.mark.parametrize("kv", ["k=prod:2.5,v=mse:2.5", "k=prod:3.5,v=mse:3.5", "k=mse:3.5,v=mse:3.5",
+                                "k=prod:3,v=prod:2,outliers=first"])
+@pytest.mark.parametrize("policy", ["per-step+skip", "shared-2"])
+def test_the_fused_decode_call_writes_and_reads_as_the_separate_calls(kernel, kv, policy):
+    """`CodeRows.attend`'s one C++ call per decode call (encode into the storage's rows, then the read)
+    against the encode, `write_rows` and read as separate calls: the same stored bytes and bit-identical
+    attention, after a 5-token prefill, through the storage's growth (capacity 8, 9 decode tokens: those
+    calls take the separate path), a padding mask, a skip lookup's hidden columns, grouped-query heads
+    and an odd batch; a write mask falls back to the separate calls."""
+    B, H, Hkv, D, P = 3, 6, 2, 16, 5
+    g = torch.Generator().manual_seed(11)
+    fused, separate = CodeKernels(compile=False, cpp=True), SeparateCalls(compile=False, cpp=True)
+    calls = {"n": 0}
+    run = fused.decode_attend
+
+    def counted(*args):
+        calls["n"] += 1
+        return run(*args)
+
+    fused.decode_attend = counted
+    caches = [QuantizedRecurrentCache(B, 3, capacity=8, policy=policy, kv_quant=kv) for _ in range(2)]
+    pad = torch.ones(B, 1, 1, P + 9, dtype=torch.bool)
+    pad[1, ..., :2] = False
+    with torch.no_grad():
+        for n, T in enumerate([P] + [1] * 9):
+            q = torch.randn(B, H, T, D, generator=g)
+            k, v = torch.randn(B, Hkv, T, D, generator=g) * 2, torch.randn(B, Hkv, T, D, generator=g)
+            mask = pad[..., : caches[0].seq_len + T] if T == 1 else None
+            if n == 7:  # a write mask (the rows that take this token): the storage writes through write_rows
+                for cache in caches:
+                    cache.write_mask = torch.tensor([[True], [False], [True]])
+            for step in range(3):
+                key = ("core", 0, step)
+                got, want = (cache.attend(key, q, k, v, mask, T > 1, kernels)
+                             for cache, kernels in zip(caches, (fused, separate), strict=True))
+                assert torch.equal(got, want), (n, step)
+            for cache in caches:
+                cache.write_mask = None
+                cache.close(torch.tensor([[3] * T, [2] * T, [1] * T]))
+                cache.advance(T)
+    for (K1, V1), (K2, V2) in zip(caches[0].kv.values(), caches[1].kv.values(), strict=True):
+        assert K1.dtype == torch.uint8 and torch.equal(K1, K2) and torch.equal(V1, V2)
+    assert caches[0].capacity == 16
+    # decode calls fused: all but the write-masked token's and the growing one's (3 keys each)
+    assert calls["n"] == 9 * 3 - 3 - 3

@@ -111,6 +111,24 @@ class CodeKernels:
             ck.encode(k), cv.encode(v)
         return rows_k, rows_v
 
+    def fuses(self, ck: Any, cv: Any, q: Tensor, k: Tensor, is_causal: bool) -> bool:
+        """Whether `decode_attend` runs this call: the C++ kernels, on CPU, in a decode call (`fits`)."""
+        return (self.cpp and self.fits(ck, cv, k) and quant_cpp.CppCodes.fits(q, is_causal)
+                and self.cpp_kernel() is not None)
+
+    def decode_attend(self, ck: TurboRows, cv: TurboRows, q: Tensor, k: Tensor, v: Tensor, store_k: Tensor,
+                      store_v: Tensor, start: int, attn_mask: Tensor | None) -> Tensor:
+        """Encode k, v into a storage's rows `[B, Hkv, capacity, bytes]` at columns [start, start + T) and
+        read attention over columns [0, start + T), in one C++ call (where `fuses`): the bytes of
+        `encode`, the result of `attend` over the written rows."""
+        assert self._cpp is not None
+        cpu = q.device
+        out, finite = self._cpp.decode_attend(ck.tables(cpu), cv.tables(cpu), q, k, v, store_k, store_v, start,
+                                              attn_mask)
+        if not finite:  # the eager encodes raise the clear error (a norm beyond fp16)
+            ck.encode(k), cv.encode(v)
+        return out
+
     def attend(self, ck: TurboRows, cv: TurboRows, q: Tensor, rows_k: Tensor, rows_v: Tensor,
                attn_mask: Tensor | None, is_causal: bool) -> Tensor:
         """`codes_attention` with the codecs' score and combine: the C++ read, else compiled."""

@@ -236,7 +236,31 @@ inline void add_row_times(const float* x, int64_t x_stride, const float* m, int6
 // entries, times `scale`, masked), the softmax, the weighted sum of the value rows' entries, times
 // `back`, written to out [B, H, 1, Dv] (contiguous float32). q [B, H, 1, D] float32 (any strides);
 // mask: none (numel 0), or bool / float32 broadcast to [B, H, 1, S] (any strides).
+// A per-head channel permutation [D] per (batch row, kv head) (`[Hkv, D]` or `[B, Hkv, D]` int64), or none.
+struct PerHeadIndex {
+  const int64_t* p = nullptr; int64_t sb = 0, sh = 0;
+  const int64_t* at(int64_t b, int64_t h) const { return p + b * sb + h * sh; }
+};
+
+PerHeadIndex per_head_index(const torch::Tensor& perm, int64_t B, int64_t Hkv, int64_t D, const char* what) {
+  PerHeadIndex index;
+  if (perm.numel() == 0) return index;
+  TORCH_CHECK(perm.dtype() == torch::kLong && perm.is_contiguous() && (perm.dim() == 2 || perm.dim() == 3)
+              && perm.size(-1) == D && perm.size(-2) == Hkv
+              && (perm.dim() == 2 || perm.size(0) == B || perm.size(0) == 1),
+              what, ": int64 [(B,) Hkv, D] contiguous");
+  index.p = perm.data_ptr<int64_t>();
+  index.sh = D;
+  index.sb = perm.dim() == 3 && perm.size(0) == B ? Hkv * D : 0;
+  return index;
+}
+
+// With a key permutation, `query` is the shared codec's and each query row is permuted first
+// (q @ query_h = q[perm_h] @ query); with a value un-permutation, `back` is the shared codec's and
+// the output's columns are permuted last ((s @ back_h)[i] = (s @ back)[unperm_h[i]]): the same
+// products as the per-head matrices, summed in another order, and one shared matrix in the cache.
 void read_codes(const torch::Tensor& q, const Side& k, const Side& v, const PerHead& query, const PerHead& back,
+                const PerHeadIndex& q_perm, const PerHeadIndex& out_perm,
                 int64_t Hkv, int64_t S, int64_t Dv, const torch::Tensor& mask, float scale, float* o) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(3), M = H / Hkv;
   const int64_t q0 = q.stride(0), q1 = q.stride(1), q3 = q.stride(3);
@@ -249,12 +273,19 @@ void read_codes(const torch::Tensor& q, const Side& k, const Side& v, const PerH
   const float* mf = (has_mask && !bool_mask) ? mask.data_ptr<float>() : nullptr;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> entry(std::max(k.E, v.E)), factor(2 * std::max(k.G, v.G) + 2), p(M * S);
-    std::vector<float> qq(M * k.E), sum(M * v.E);
+    std::vector<float> qq(M * k.E), sum(M * v.E), permuted(std::max(D, Dv));
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / Hkv, h = bh % Hkv;
       std::fill(qq.begin(), qq.end(), 0.0f);
       for (int64_t m = 0; m < M; ++m) {
-        add_row_times(qp + b * q0 + (h * M + m) * q1, q3, query.at(b, h), D, k.E, qq.data() + m * k.E);
+        const float* row = qp + b * q0 + (h * M + m) * q1;
+        if (q_perm.p != nullptr) {
+          const int64_t* perm = q_perm.at(b, h);
+          for (int64_t j = 0; j < D; ++j) permuted[j] = row[perm[j] * q3];
+          add_row_times(permuted.data(), 1, query.at(b, h), D, k.E, qq.data() + m * k.E);
+        } else {
+          add_row_times(row, q3, query.at(b, h), D, k.E, qq.data() + m * k.E);
+        }
       }
       for (int64_t s = 0; s < S; ++s) {
         decode_row(k.rows + b * k.s0 + h * k.s1 + s * k.s2, k.fields, k.F, k.values, k.norm_byte, k.G,
@@ -292,8 +323,13 @@ void read_codes(const torch::Tensor& q, const Side& k, const Side& v, const PerH
       }
       for (int64_t m = 0; m < M; ++m) {
         float* om = o + (b * H + h * M + m) * Dv;
-        std::fill(om, om + Dv, 0.0f);
-        add_row_times(sum.data() + m * v.E, 1, back.at(b, h), v.E, Dv, om);
+        float* acc = out_perm.p != nullptr ? permuted.data() : om;
+        std::fill(acc, acc + Dv, 0.0f);
+        add_row_times(sum.data() + m * v.E, 1, back.at(b, h), v.E, Dv, acc);
+        if (out_perm.p != nullptr) {
+          const int64_t* unperm = out_perm.at(b, h);
+          for (int64_t i = 0; i < Dv; ++i) om[i] = acc[unperm[i]];
+        }
       }
     }
   });
@@ -341,13 +377,44 @@ inline void put_bits(uint8_t* row, int64_t pos, int64_t value, int bits) {
 
 }  // namespace
 
+// The byte offset of each of x's rows (flat over its leading axes) in `rows` [..., nbytes] (any strides
+// on the leading axes, the last one 1; the same leading shape as x).
+std::vector<int64_t> row_offsets(const torch::Tensor& rows, int64_t N) {
+  TORCH_CHECK(rows.dtype() == torch::kUInt8 && rows.stride(-1) == 1, "encode: uint8 rows, bytes contiguous");
+  std::vector<int64_t> at(N, 0);
+  const int64_t lead = rows.dim() - 1;
+  for (int64_t n = 0; n < N; ++n) {
+    int64_t rest = n, offset = 0;
+    for (int64_t d = lead - 1; d >= 0; --d) {
+      offset += (rest % rows.size(d)) * rows.stride(d);
+      rest /= rows.size(d);
+    }
+    at[n] = offset;
+  }
+  return at;
+}
+
+// `encode_into` of x [..., D] into `rows` [..., nbytes] (see `encode`): whether every stored norm is finite.
+bool encode_into(const torch::Tensor& x, const std::vector<torch::Tensor>& t, const std::vector<int64_t>& ints,
+                 const std::vector<double>& steps, torch::Tensor& rows);
+
 // `rows.turbo_encode` of x [..., D]: tables = (rotate, col_group, col_shift, boundaries, offsets,
 // centroids, sketch_t or empty, fields [F, 5] int32, each group's dither weights (prod)); ints =
 // (G, the group sizes, norm byte, row bytes, residual levels, hash bits); steps: the residual steps.
-// Returns (rows uint8 [..., bytes], whether every stored norm is finite). Float steps are the
+// Returns (rows uint8 [..., bytes], whether every stored norm is finite).
+std::tuple<torch::Tensor, bool> encode(const torch::Tensor& x, const std::vector<torch::Tensor>& t,
+                                       const std::vector<int64_t>& ints, const std::vector<double>& steps) {
+  auto shape = x.sizes().vec();
+  shape.back() = ints[ints[0] + 2];
+  torch::Tensor rows = torch::empty(shape, x.options().dtype(torch::kUInt8));
+  const bool finite = encode_into(x, t, ints, steps, rows);
+  return {rows, finite};
+}
+
+// Writes each row's bytes (all of them: no byte of `rows` is read first). Float steps are the
 // reference's, one rounding each (built with -ffp-contract=off), so the bytes are the same.
-std::tuple<torch::Tensor, bool> encode(torch::Tensor x, std::vector<torch::Tensor> t, std::vector<int64_t> ints,
-                                       std::vector<double> steps) {
+bool encode_into(const torch::Tensor& x, const std::vector<torch::Tensor>& t, const std::vector<int64_t>& ints,
+                 const std::vector<double>& steps, torch::Tensor& rows) {
   const int64_t G = ints[0];
   TORCH_CHECK(G >= 1 && G <= 8 && static_cast<int64_t>(t.size()) == 8 + (t[6].numel() > 0 ? G : 0), "encode: tables");
   const std::vector<int64_t> sizes(ints.begin() + 1, ints.begin() + 1 + G);
@@ -390,10 +457,11 @@ std::tuple<torch::Tensor, bool> encode(torch::Tensor x, std::vector<torch::Tenso
       }
     }
   }
-  auto shape = x.sizes().vec();
-  shape.back() = nbytes;
-  torch::Tensor rows = torch::zeros(shape, x.options().dtype(torch::kUInt8));
+  TORCH_CHECK(rows.dim() == x.dim() && rows.size(-1) == nbytes && rows.numel() == N * nbytes,
+              "encode: rows [..., ", nbytes, "] of x's leading shape");
+  const std::vector<int64_t> row_at = row_offsets(rows, N);
   uint8_t* out = rows.data_ptr<uint8_t>();
+  for (int64_t n = 0; n < N; ++n) std::fill(out + row_at[n], out + row_at[n] + nbytes, uint8_t(0));
   Norms rn;
   if (prod) {
     // (matmul folds a contiguous [..., D] into mm: the same call, less dispatch)
@@ -408,7 +476,7 @@ std::tuple<torch::Tensor, bool> encode(torch::Tensor x, std::vector<torch::Tenso
   const int32_t* fields = t[7].data_ptr<int32_t>();
   const int64_t F = t[7].size(0);
   for (int64_t n = 0; n < N; ++n) {
-    uint8_t* row = out + n * nbytes;
+    uint8_t* row = out + row_at[n];
     const int64_t* e = entry.data() + n * 2 * D;
     for (int64_t i = 0; i < F; ++i) {
       const int32_t* l = fields + 5 * i;
@@ -436,13 +504,16 @@ std::tuple<torch::Tensor, bool> encode(torch::Tensor x, std::vector<torch::Tenso
       }
     }
   }
-  return {rows, finite};
+  return finite;
 }
 
 // One codec's constants, built once (`EntryLayout`), so that a call passes one object per side.
+// With a folded per-head permutation, `query` and `back` are the shared codec's, `perm` [(B,) Hkv, D]
+// (the query rows' gather) and `unperm` its inverse (the output's); else both empty.
 struct Codec {
   std::vector<torch::Tensor> tables; std::vector<int64_t> ints; std::vector<double> steps;
   torch::Tensor layout, values, residual_step, query, back; int64_t norm_byte, groups;
+  torch::Tensor perm, unperm;
 };
 
 // Both encodes of a decode call: (rows_k, rows_v, whether every stored norm is finite).
@@ -469,6 +540,8 @@ torch::Tensor attend(const torch::Tensor& q, const Codec& ck, const Codec& cv, t
   const int64_t Dv = cv.back.size(-1);
   const PerHead query = per_head(ck.query, B, Hkv, D, k.E, "query");
   const PerHead back = per_head(cv.back, B, Hkv, v.E, Dv, "back");
+  const PerHeadIndex q_perm = per_head_index(ck.perm, B, Hkv, D, "key perm");
+  const PerHeadIndex out_perm = per_head_index(cv.unperm, B, Hkv, Dv, "value unperm");
   torch::Tensor mask = torch::empty({0});
   if (attn_mask.has_value()) {
     mask = attn_mask->expand({B, H, 1, S});
@@ -476,21 +549,44 @@ torch::Tensor attend(const torch::Tensor& q, const Codec& ck, const Codec& cv, t
   }
   const torch::Tensor qf = q.scalar_type() == at::kFloat ? q : q.to(at::kFloat);
   torch::Tensor out = torch::empty({B, H, 1, Dv}, qf.options().memory_format(at::MemoryFormat::Contiguous));
-  read_codes(qf, k, v, query, back, Hkv, S, Dv, mask, static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))),
-             out.data_ptr<float>());
+  read_codes(qf, k, v, query, back, q_perm, out_perm, Hkv, S, Dv, mask,
+             static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))), out.data_ptr<float>());
   return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());
+}
+
+// A decode call in one pass: k, v [B, Hkv, T, D] encoded straight into a storage's rows [B, Hkv,
+// capacity, bytes] at columns [start, start + T) (the bytes `encode` returns), then `attend` over
+// columns [0, start + T): (out [B, H, 1, Dv], whether every stored norm is finite).
+std::tuple<torch::Tensor, bool> decode_attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                              const Codec& ck, const Codec& cv, const torch::Tensor& store_k,
+                                              const torch::Tensor& store_v, int64_t start,
+                                              c10::optional<torch::Tensor> attn_mask) {
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && store_k.dim() == 4 && store_v.dim() == 4,
+              "decode_attend: 4-d k, v and stores");
+  const int64_t T = k.size(2), end = start + T;
+  TORCH_CHECK(start >= 0 && v.size(2) == T && end <= store_k.size(2) && end <= store_v.size(2),
+              "decode_attend: columns [", start, ", ", end, ") beyond the storage");
+  TORCH_CHECK(store_k.size(0) == k.size(0) && store_k.size(1) == k.size(1) && store_v.size(0) == v.size(0)
+              && store_v.size(1) == v.size(1), "decode_attend: stores [B, Hkv, capacity, bytes] of k's and v's rows");
+  torch::Tensor new_k = store_k.narrow(2, start, T), new_v = store_v.narrow(2, start, T);
+  const bool finite_k = encode_into(k, ck.tables, ck.ints, ck.steps, new_k);
+  const bool finite_v = encode_into(v, cv.tables, cv.ints, cv.steps, new_v);
+  torch::Tensor out = attend(q, ck, cv, store_k.narrow(2, 0, end), store_v.narrow(2, 0, end), attn_mask);
+  return {out, finite_k && finite_v};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Codec>(m, "Codec")
       .def(pybind11::init([](std::vector<torch::Tensor> tables, std::vector<int64_t> ints, std::vector<double> steps,
                              torch::Tensor layout, torch::Tensor values, torch::Tensor residual_step,
-                             torch::Tensor query, torch::Tensor back, int64_t norm_byte, int64_t groups) {
-        return Codec{tables, ints, steps, layout, values, residual_step, query, back, norm_byte, groups};
+                             torch::Tensor query, torch::Tensor back, int64_t norm_byte, int64_t groups,
+                             torch::Tensor perm, torch::Tensor unperm) {
+        return Codec{tables, ints, steps, layout, values, residual_step, query, back, norm_byte, groups, perm, unperm};
       }));
   m.def("encode", &encode);
   m.def("encode_pair", &encode_pair);
   m.def("attend", &attend);
+  m.def("decode_attend", &decode_attend);
 }
 """
 
@@ -746,9 +842,15 @@ class CppCodes:
             if len(self._codecs) >= MAX_CODECS:  # the serving pool makes a permuted codec per set of rows
                 self._codecs.clear()
             layout = EntryLayout(t)
+            # the read's matrices: with a folded permutation the shared codec's (the read permutes q and
+            # its output: one matrix for every layer and head, kept in cache), else the codec's own
+            folded = t.perm is not None and t.base_query is not None and t.base_back is not None
+            query, back = (t.base_query, t.base_back) if folded else (t.query, t.back)
+            perm = t.perm.long().cpu().contiguous() if folded else _EMPTY_LONG
+            unperm = perm.argsort(dim=-1).contiguous() if folded else _EMPTY_LONG
             codec = self.module.Codec(layout.encode_tables, layout.encode_ints, layout.encode_steps, layout.layout,
-                                      layout.values, layout.residual_step, t.query.float().contiguous(),
-                                      t.back.float().contiguous(), layout.norm_byte, layout.groups)
+                                      layout.values, layout.residual_step, query.float().contiguous(),
+                                      back.float().contiguous(), layout.norm_byte, layout.groups, perm, unperm)
             cached = self._codecs[id(t)] = (t, codec)
         return cached[1]
 
@@ -765,5 +867,13 @@ class CppCodes:
         """`codes_attention(q [B, H, 1, D], ...)` with turbo_score / turbo_combine's results."""
         return self.module.attend(q, self.codec(tk), self.codec(tv), rows_k, rows_v, attn_mask)
 
+    def decode_attend(self, tk: TurboTables, tv: TurboTables, q: Tensor, k: Tensor, v: Tensor, store_k: Tensor,
+                      store_v: Tensor, start: int, attn_mask: Tensor | None) -> tuple[Tensor, bool]:
+        """One C++ call for a decode call: k, v `[B, Hkv, T, D]` encoded into the storage's rows `[B, Hkv,
+        capacity, bytes]` at columns [start, start + T) (`encode`'s bytes), then `attend` over columns
+        [0, start + T): (the attention `[B, H, 1, Dv]`, whether every stored norm is finite)."""
+        return self.module.decode_attend(q, k, v, self.codec(tk), self.codec(tv), store_k, store_v, start, attn_mask)
+
 
 _EMPTY = torch.empty(0)
+_EMPTY_LONG = torch.empty(0, dtype=torch.long)

@@ -360,6 +360,19 @@ class StaticRecurrentCache(_CacheBase):
         self._written_end = end
         return found
 
+    def code_target(self, key: LayerKey, num_tokens: int) -> tuple[Tensor, Tensor, int] | None:
+        """For a quantized decode call that encodes straight into the storage (`CodeRows.attend`): the
+        slot's row stores `[B, Hkv, capacity, bytes]` and the first of the `num_tokens` columns a plain
+        write fills, with `write_rows`'s bookkeeping done; None where a write is not plain (a write mask,
+        per-step reads, growth, a slot not written yet): then `write_rows` runs."""
+        views = self._views.get(key)
+        end = self.seq_len + num_tokens
+        if (views is None or end > self.capacity or self.write_mask is not None
+                or (self._reads_per_step and key[0] == "core")):
+            return None
+        self._written_end = end
+        return views[0], views[1], self.seq_len
+
     def close(self, depth: Tensor | int, num_tokens: int | None = None) -> None:
         """The columns [seq_len, seq_len + T) ran `depth` ([B, T] or an int) steps; the lookup rule
         settles the slots they did not reach."""

@@ -298,6 +298,10 @@ class CodeRows:
         columns (GQA included), the storage's `key_mask` applied. kernels: as `store`'s (the fast
         runner passes compiled ones; None: these eager functions)."""
         window = self._window(storage, key, k, v)
+        if window is None and kernels is not None:
+            fused = self._encode_and_attend(storage, key, q, k, v, attn_mask, is_causal, kernels)
+            if fused is not None:
+                return fused
         rows_k, rows_v, ck, cv = self.store(storage, key, k, v, kernels)
         key_mask = storage.key_mask(key)
         if key_mask is not None:
@@ -315,6 +319,26 @@ class CodeRows:
         if kernels is not None and kernels.fits(ck, cv, q):
             return kernels.attend(ck, cv, q, rows_k, rows_v, attn_mask, is_causal)
         return codes_attention(q, rows_k, rows_v, ck.score, cv.combine, attn_mask, is_causal)
+
+    def _encode_and_attend(self, storage: RowStorage, key: LayerKey, q: Tensor, k: Tensor, v: Tensor,
+                           attn_mask: Tensor | None, is_causal: bool, kernels: Any) -> Tensor | None:
+        """A decode call as one kernel call where the kernels fuse it and the storage writes plainly
+        (`code_target`): the new codes written into the storage's rows, then read with every column's;
+        the same bytes and result as `store` then `kernels.attend`. None: not here (nothing written)."""
+        fuses, target = getattr(kernels, "fuses", None), getattr(storage, "code_target", None)
+        if fuses is None or target is None:
+            return None
+        ck, cv = self.choose(key, k, v)
+        if not fuses(ck, cv, q, k, is_causal):
+            return None
+        found = target(key, k.shape[2])
+        if found is None:
+            return None
+        key_mask = storage.key_mask(key)
+        if key_mask is not None:
+            attn_mask = combine_key_mask(attn_mask, key_mask, q.shape[2])
+        store_k, store_v, start = found
+        return kernels.decode_attend(ck, cv, q, k, v, store_k, store_v, start, attn_mask)
 
     # The window's life follows the storage's rows and columns.
     def forget_columns(self, num_columns: int) -> None:

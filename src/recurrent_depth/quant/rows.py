@@ -133,6 +133,12 @@ class TurboTables(NamedTuple):
     dither: tuple[Tensor, ...]  # prod: each group's stochastic-rounding hash weights, else ()
     query: Tensor  # [D, E]: q @ query gives q's weight on each entry (rotation, sketch and QJL scale)
     back: Tensor  # [E, D]: entries @ back is the decoded vector
+    # A folded per-head channel permutation (`TurboRows.permuted`): perm [..., Hkv, D] long, and the
+    # shared codec's query and back, of which `query` and `back` are its per-head row / column
+    # permutations (q @ query = q[..., perm] @ base_query); None without one.
+    perm: Tensor | None = None
+    base_query: Tensor | None = None
+    base_back: Tensor | None = None
 
 
 class TurboRows:
@@ -257,8 +263,11 @@ class TurboRows:
         twin = copy.copy(self)
         unperm = perm.argsort(dim=-1).cpu()
         t = self._tables
+        # (the shared matrices for kernels that permute q and the output instead; not for a twice-permuted codec)
+        base = dict(perm=perm.cpu(), base_query=t.query, base_back=t.back) if t.perm is None else dict(
+            perm=None, base_query=None, base_back=None)
         twin._tables = t._replace(rotate=t.rotate[unperm].contiguous(), query=t.query[unperm].contiguous(),
-                                  back=t.back.T[unperm].transpose(-1, -2).contiguous())
+                                  back=t.back.T[unperm].transpose(-1, -2).contiguous(), **base)
         twin._on_device = {torch.device("cpu"): twin._tables}
         twin.perm = perm
         return twin

@@ -205,6 +205,21 @@ def test_the_cpp_kernels_take_per_row_permutations(kernel):
     torch.testing.assert_close(got, reference(q, rows_k, rows_v, ck, cv, None), atol=TOL, rtol=0)
 
 
+def test_the_cpp_read_broadcasts_a_permutation_over_batch_rows(kernel):
+    """A permutation `[1, Hkv, D]` (one calibration for every batch row) folded into the read (the
+    shared codec's matrices, q and the output permuted per head) equals the eager read."""
+    B, Hkv, H, D, S = 3, 2, 4, 16, 7
+    g = torch.Generator().manual_seed(6)
+    x, q = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, H, 1, D, generator=g)
+    perm = torch.stack([torch.randperm(D, generator=g) for _ in range(Hkv)])[None]
+    kv = KVQuant.parse("k=prod:3.5,v=mse:3.5")
+    ck, cv = (shared_codec(kv, role, D).permuted(perm) for role in ("k", "v"))
+    assert ck.tables(x.device).base_query is not None
+    rows_k, rows_v = ck.encode(x), cv.encode(x)
+    got = kernel.attend(ck.tables(x.device), cv.tables(x.device), q, rows_k, rows_v, None)
+    torch.testing.assert_close(got, reference(q, rows_k, rows_v, ck, cv, None), atol=TOL, rtol=0)
+
+
 class SeparateCalls(CodeKernels):
     """The C++ kernels without the fused decode call: `store`'s encode, `write_rows`, then the read."""
 

@@ -89,7 +89,8 @@ def test_one_written_memory_answers_several_queries(model):
         one = generate(model, torch.cat([context, q]), gradmem_tokens=3, gradmem_steps=2, gradmem_depth=2,
                        gradmem_query_tokens=len(q), **common)
         assert out.token_lists()[b] == one.token_lists()[0]
-        torch.testing.assert_close(out.logits[b], one.logits[0], rtol=0, atol=1e-6)
+        # a padded batch and one row round differently (measured 1.2e-6 on an AVX2 CPU)
+        torch.testing.assert_close(out.logits[b], one.logits[0], rtol=0, atol=1e-5)
     alone = generate_from_memory(model, w.memory[0], None, **common)  # no query: continue from the memory
     assert alone.sequences.shape[1] == 3 + 4
     with pytest.raises(OptionError, match="a memory was given to read: leave gradmem_tokens at 0"):

@@ -30,8 +30,31 @@ from tests.official_golden_support import build_golden_model, load_golden, state
 
 # A product's rounding depends on the threads sharing it, and a few adaptive-exit step counts here sit within
 # rounding of their threshold. Under the suite's MKL mode (conftest: AVX2 kernels, STRICT) two threads give the
-# recorded numbers (measured: with one thread, two entropy-diff cases exit one step off), on any x86 CPU.
+# recorded numbers (measured: with one thread, two entropy-diff cases exit one step off) on x86 CPUs with
+# AVX-512. ATen's own kernels (softmax, log, the entropy's sum) follow the CPU's vector width, which MKL_CBWR
+# does not pin: on an AVX2-only CPU (a 2-core AMD EPYC, measured) one token of one entropy-diff run has its
+# criterion cross the threshold one step earlier, with every token unchanged. That position, and only it, may
+# read either count.
 pytestmark = pytest.mark.usefixtures("two_threads")
+
+# (case, prompt) -> {token index: the step counts either vector width gives}
+ROUNDING_TIES = {
+    ("adaptive-entropy-diff-other-r16-latest-m4-no-exit-in-prefill", (11, 2000, 30000, 42, 7)): {11: {2, 3}},
+}
+
+
+def assert_official(name, run, tokens, steps):
+    """Our tokens equal the recorded ones, and our steps too, except at a listed rounding tie."""
+    assert tokens == run["tokens"], run["prompt"]
+    ties = ROUNDING_TIES.get((name, tuple(run["prompt"])), {})
+    expected = run.get("steps")
+    if expected is None or steps is None:
+        assert steps == expected, run["prompt"]
+        return
+    assert len(steps) == len(expected), run["prompt"]
+    for i, (ours_i, official_i) in enumerate(zip(steps, expected, strict=True)):
+        allowed = ties.get(i, {official_i})
+        assert official_i in allowed and ours_i in allowed, (run["prompt"], i, steps, expected)
 
 GOLDEN = load_golden()
 CASES = {case["name"]: case for case in GOLDEN["cases"]}
@@ -125,7 +148,7 @@ def test_adaptive_exit_matches_official_with_our_lookup_and_prefill(model, name)
     assert case["kwargs"].get("cache_lookup_strategy", "full") != "full" and case["kwargs"]["do_not_exit_in_prefill"]
     for run in case["runs"]:
         tokens, steps = ours(model, case, run)
-        assert (tokens, steps) == (run["tokens"], run["steps"]), run["prompt"]
+        assert_official(name, run, tokens, steps)
 
 
 @pytest.mark.parametrize("name", SPECULATIVE)
@@ -172,7 +195,7 @@ def test_official_defaults_give_the_official_tokens_and_steps(model, name):
     case = CASES[name]
     options = official_options(case)
     for run in case["runs"]:
-        assert run_ours(model, run, options) == (run["tokens"], run.get("steps")), run["prompt"]
+        assert_official(name, run, *run_ours(model, run, options))
 
 
 def test_official_defaults_leave_no_recorded_call_untested():

@@ -52,34 +52,13 @@ struct Block {
 
 inline bool has(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
-inline float sum_squares(const float* x, int64_t n) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    for (int j = 0; j < 8; ++j) acc[j] += x[i + j] * x[i + j];
-  }
-  float total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; i < n; ++i) total += x[i] * x[i];
-  return total;
-}
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
-  }
-  float total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; i < n; ++i) total += a[i] * b[i];
-  return total;
-}
-
+""" + quant_cpp.DOT_SOURCE + r"""
 // RMSNorm of B rows of width h, as the model's: x * rsqrt(mean(x^2) + eps) * w (y may be x).
 void norm_rows(const float* x, const float* w, float* y, int64_t B, int64_t h, float eps) {
   for (int64_t b = 0; b < B; ++b) {
     const float* xr = x + b * h;
     float* yr = y + b * h;
-    const float r = 1.0f / std::sqrt(sum_squares(xr, h) / static_cast<float>(h) + eps);
+    const float r = 1.0f / std::sqrt(dot(xr, xr, h) / static_cast<float>(h) + eps);
     for (int64_t i = 0; i < h; ++i) yr[i] = (xr[i] * r) * w[i];
   }
 }

@@ -21,7 +21,9 @@ so its roofline uses the realised steps), `shared-4` (fixed r on a 4-slot shared
 `official` (the official implementation's loop shape, frozen in `benchmarks/generation.py`), and
 `int8` (fixed r after `recurrent_depth.weight_quant.quantize_weights`: int8 weights per output
 channel in every transformer linear, quantized in place after the other configs ran; bf16 only,
-since torch's int8 kernel takes bf16 activations). Its bytes count the int8 weights and scales.
+since torch's int8 kernel takes bf16 activations) and `int4` (fixed r on group-32 4-bit weights,
+torch's int4 kernel, bf16 and fp32; quantized after int8 is undone, from its dequantized weights:
+random weights, so only the speed is measured). Their bytes count the packed weights and scales.
 On CPUs without native bf16 (no AVX512-BF16 / AMX-BF16) bf16 products are emulated: `--dtype auto`
 then runs fp32 and bf16 and the roofline note says which is nearer the limit.
 Prints one JSON line, then a table.
@@ -43,12 +45,13 @@ from typing import Any
 import torch
 
 import recurrent_depth as rd
-from recurrent_depth.weight_quant import Int8WeightLinear, quantize_weights
+from recurrent_depth.weight_quant import QuantizedLinear, dequantize_weights, quantize_weights, quantized_weights
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generation import official_style_loop  # noqa: E402  (the frozen official-style loop)
 
-CONFIGS = ("fixed", "kl", "shared-4", "official", "int8")
+CONFIGS = ("fixed", "kl", "shared-4", "official", "int8", "int4")
+QUANTIZED = ("int8", "int4")  # run last, in this order: each quantizes the model in place
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 INT8_FP32_NOTE = "int8 runs in bf16 only (torch's int8 kernel takes bf16 activations)"
 
@@ -147,11 +150,11 @@ def build_model(config: rd.ModelConfig, dtype: torch.dtype, seed: int) -> rd.Rec
 
 
 def param_bytes(modules: Any) -> int:
-    """Bytes of the parameters of a module or a list of modules (each tensor once), int8 weights and
-    their scales included."""
+    """Bytes of the parameters of a module or a list of modules (each tensor once), quantized weights
+    and their scales (the quantized layers' buffers) included."""
     seen, total = set(), 0
     for module in modules if isinstance(modules, (list, tuple)) else [modules]:
-        quantized = [t for m in module.modules() if isinstance(m, Int8WeightLinear) for t in (m.qweight, m.scales)]
+        quantized = [t for m in module.modules() if isinstance(m, QuantizedLinear) for t in m.buffers(recurse=False)]
         for p in [*module.parameters(), *quantized]:
             if id(p) not in seen:
                 seen.add(id(p))
@@ -223,9 +226,9 @@ def run_config(name: str, model: rd.RecurrentDepthLM, ids: torch.Tensor, r: int,
         out = official_style_loop(model, ids, r, tokens)
         return out.tokens_per_second, [r] * (tokens - 1)
     options: dict[str, Any] = dict(num_steps=r, init_scale=0.0)
-    if name == "int8":
-        if not any(isinstance(m, Int8WeightLinear) for m in model.modules()):
-            raise ValueError("the int8 config needs a model quantized by quantize_weights")
+    if name in QUANTIZED:
+        if not quantized_weights(model):
+            raise ValueError(f"the {name} config needs a model quantized by quantize_weights")
     elif name == "kl":
         options["exit_criterion"] = "kl"
     elif name == "shared-4":
@@ -247,19 +250,21 @@ def measure_dtype(dtype_name: str, config: rd.ModelConfig, args: argparse.Namesp
     ids = torch.randint(0, config.vocab_size, (1, args.prompt_len), generator=g)
     rows: dict[str, Any] = {}
     notes = []
-    names = [c for c in args.configs if c != "int8"]  # int8 last: it quantizes the model in place
-    if "int8" in args.configs:
-        if dtype == torch.bfloat16:
-            names.append("int8")
-        else:
-            notes.append(INT8_FP32_NOTE)
+    names = [c for c in args.configs if c not in QUANTIZED]  # the quantized last: they change the model
+    for name in QUANTIZED:
+        if name in args.configs:
+            if name == "int8" and dtype != torch.bfloat16:
+                notes.append(INT8_FP32_NOTE)
+            else:
+                names.append(name)
     with torch.inference_mode():
         for name in names:
-            if name == "int8":
+            if name in QUANTIZED:
                 start = time.perf_counter()
-                quantize_weights(model, "int8")
+                dequantize_weights(model)  # (int4 after int8: from int8's rounding, the same speed)
+                quantize_weights(model, name)
                 parts = PartBytes.of(model)
-                log(f"[{dtype_name}] quantized to {param_bytes(model) / 1e9:.2f} GB in "
+                log(f"[{dtype_name}] {name}: quantized to {param_bytes(model) / 1e9:.2f} GB in "
                     f"{time.perf_counter() - start:.0f}s")
             start = time.perf_counter()
             tps, steps = run_config(name, model, ids, args.num_steps, args.tokens)
@@ -271,7 +276,7 @@ def measure_dtype(dtype_name: str, config: rd.ModelConfig, args: argparse.Namesp
                 roofline_tokens_per_s=line["roofline_tokens_per_s"],  # at this bandwidth; `rescore` restates it
                 fraction_of_roofline=round(tps / line["roofline_tokens_per_s"], 3),
             )
-            if name == "int8" and "fixed" in rows:
+            if name in QUANTIZED and "fixed" in rows:
                 rows[name]["speedup_vs_fixed"] = round(tps / rows["fixed"]["tokens_per_s"], 3)
             log(f"[{dtype_name}] {name}: {rows[name]} ({time.perf_counter() - start:.0f}s with the prefill)")
     del model
@@ -333,9 +338,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{', '.join(f'{b:.1f}' for b in samples)}); "
           f"the roofline headline uses {roofline_dtype}")
     for name, res in results.items():
-        int8 = res["configs"].get("int8")
-        if int8 is not None and "speedup_vs_fixed" in int8:
-            print(f"{name}: int8 weights decode {int8['speedup_vs_fixed']}x the {name} fixed-depth decode")
+        for quant in QUANTIZED:
+            row = res["configs"].get(quant)
+            if row is not None and "speedup_vs_fixed" in row:
+                print(f"{name}: {quant} weights decode {row['speedup_vs_fixed']}x the {name} fixed-depth decode")
         for note in res["notes"]:
             print(f"{name}: {note}")
     return 0

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import recurrent_depth as rd
+from recurrent_depth.weight_quant import Int4WeightLinear, Int8WeightLinear
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import decode_roofline as dr  # noqa: E402
@@ -59,8 +60,8 @@ def test_roofline_uses_each_tokens_steps_and_context(model):
 
 def test_bad_configs_are_one_line_errors(capsys):
     with pytest.raises(SystemExit):
-        dr.parse_args(["--configs", "fixed,int4"])
-    assert "unknown ['int4']" in capsys.readouterr().err
+        dr.parse_args(["--configs", "fixed,int5"])
+    assert "unknown ['int5']" in capsys.readouterr().err
 
 
 def test_int8_parts_count_the_int8_weights_and_scales():
@@ -70,6 +71,18 @@ def test_int8_parts_count_the_int8_weights_and_scales():
     after = dr.PartBytes.of(model)
     core = sum(2 * p.numel() for n, p in model.transformer.core_block.named_parameters())  # norms and biases
     core += sum(m.qweight.numel() + 4 * m.scales.numel() for m in model.transformer.core_block.modules()
-                if isinstance(m, dr.Int8WeightLinear))
+                if isinstance(m, Int8WeightLinear))
     assert after.core == core < before.core
     assert after.readout < before.readout  # the coda is quantized (the head is not)
+
+
+def test_int4_parts_count_the_packed_weights_and_scales_after_int8_is_undone():
+    model = dr.build_model(rd.ModelConfig.from_preset("tiny"), torch.float32, seed=0)
+    dr.quantize_weights(model, "int8")
+    dr.dequantize_weights(model)
+    dr.quantize_weights(model, "int4")
+    core = sum(4 * p.numel() for p in model.transformer.core_block.parameters())  # norms and biases
+    core += sum(m.qweight.numel() + 4 * m.scales_and_zeros.numel() for m in model.transformer.core_block.modules()
+                if isinstance(m, Int4WeightLinear))
+    assert dr.PartBytes.of(model).core == core
+    assert not any(isinstance(m, Int8WeightLinear) for m in model.modules())

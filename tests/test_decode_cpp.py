@@ -115,7 +115,7 @@ def test_states_and_cache_entries_equal_the_python_steps(cpp, kv_heads, budget):
             cache.advance(5)
             step = runner.context(ids[:, 5:], None, cache)
             if not fused:
-                runner._decode = False
+                runner._decode, runner._decode_tried = None, True
             e = runner.embed(ids[:, 5:], step)
             s = runner.core_steps(torch.randn(3, 1, 36, generator=torch.Generator().manual_seed(4)),
                                   runner.inject(e), e, range(4), step)
@@ -131,13 +131,19 @@ def test_states_and_cache_entries_equal_the_python_steps(cpp, kv_heads, budget):
         torch.testing.assert_close(kv0[key], kv1[key], **TOL, msg=str(key))
 
 
-@pytest.mark.parametrize("case", ["kv-quant", "dynamic-cache", "skip-lookup", "kl-exit"])
+UNCOVERED = {"kv-window": dict(kv_quant="k=prod:3.5,v=mse:3.5,window=2"),
+             "kv-dequantize": dict(kv_quant="k=mse:3.5,v=mse:3.5,attn=dequantize"),
+             "kv-not-turbo": dict(kv_quant="k=qjl:3,v=mse:3.5"), "dynamic-cache": dict(cache_implementation="dynamic"),
+             "skip-lookup": dict(kv_policy="per-step+skip"), "kl-exit": dict(exit_criterion="kl")}
+
+
+@pytest.mark.parametrize("case", list(UNCOVERED))
 def test_uncovered_cases_take_the_python_path(cpp, calls, monkeypatch, case):
-    """Quantized entries, the dynamic reference cache and a lookup that hides columns: no C++ call at all;
-    an exit criterion: no fused core steps (the prelude, coda and head of its tokens still run in C++).
-    The results are those of the Python path."""
-    kw = {"kv-quant": dict(kv_quant="k=prod:3.5,v=mse:3.5"), "dynamic-cache": dict(cache_implementation="dynamic"),
-          "skip-lookup": dict(kv_policy="per-step+skip"), "kl-exit": dict(exit_criterion="kl")}[case]
+    """Quantized entries with a bf16 window, a dequantizing read or a codec the C++ read does not take,
+    the dynamic reference cache and a lookup that hides columns: no C++ call at all; an exit criterion:
+    no fused core steps (the prelude, coda and head of its tokens still run in C++). The results are
+    those of the Python path."""
+    kw = UNCOVERED[case]
     model = odd_model(6)
     ids, mask = padded_prompts(97)
     ours = run(model, ids, mask, monkeypatch, True, **kw)
@@ -184,3 +190,102 @@ def test_a_failing_build_falls_back_with_one_message(monkeypatch, caplog):
     assert decode_cpp.build_failure() == "RuntimeError: Error building extension 'rdepth_decode'"
     assert caplog.text.count("the C++ decode kernels are unavailable (RuntimeError") == 1
     assert torch.equal(ours.sequences, again.sequences)
+
+
+# Quantized KV read from codes inside the C++ decode: plain TurboQuant (prod keys, mse values), and a
+# channel split calibrated per head (its per-head permutation folded into one shared read matrix).
+KV_QUANT = {"tq3.5": "k=prod:3.5,v=mse:3.5", "mse2.5-calibrated": "k=mse:2.5,v=mse:2.5,outliers=calibrated"}
+
+
+@pytest.mark.parametrize("spec", list(KV_QUANT))
+@pytest.mark.parametrize("policy", [None, "shared-2"], ids=["per-step", "shared-2"])
+def test_quantized_kv_decodes_in_cpp_as_the_python_path(cpp, calls, monkeypatch, spec, policy):
+    """Every decoded token's attention read from codes in C++: the same tokens as the Python path (its
+    C++ quantized read, `RDEPTH_NO_CPP_DECODE=1`) and the eager reference (`fast=False`), logits to
+    float32 rounding of the same codes."""
+    model = odd_model(2, qk_bias=True)
+    ids, mask = padded_prompts(97)
+    kw = dict(kv_quant=KV_QUANT[spec], kv_policy=policy)
+    ours = run(model, ids, mask, monkeypatch, True, **kw)
+    assert calls == {"embed": 5, "core_steps": 5, "predict": 5}
+    monkeypatch.setenv("RDEPTH_NO_CPP_DECODE", "1")
+    python = run(model, ids, mask, monkeypatch, True, **kw)
+    reference = run(model, ids, mask, monkeypatch, True, fast=False, **kw)
+    assert calls["core_steps"] == 5  # (RDEPTH_NO_CPP_DECODE kept the decode in Python)
+    for other in (python, reference):
+        assert torch.equal(ours.sequences, other.sequences)
+        torch.testing.assert_close(ours.logits, other.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_quantized_cache_rows_equal_the_python_steps(cpp, monkeypatch):
+    """One decoded token after a prefill on a quantized shared-2 cache: states, logits and every code row
+    the C++ wrote, against `FastRunner`'s Python steps (the C++ quantized read) on an identical cache."""
+    model = odd_model(2)
+    ids = torch.randint(0, 97, (3, 6), generator=torch.Generator().manual_seed(2))
+    results = []
+    for fused in (True, False):
+        monkeypatch.setenv("RDEPTH_NO_CPP_DECODE", "0" if fused else "1")
+        with torch.no_grad():
+            runner = FastRunner(model)
+            cache = StaticRecurrentCache(3, 4, kv_budget=2, capacity=8, kv_quant=KV_QUANT["tq3.5"])
+            step = runner.context(ids[:, :5], None, cache)
+            e = runner.embed(ids[:, :5], step)
+            runner.predict(runner.core_steps(torch.zeros_like(e), runner.inject(e), e, range(4), step), step)
+            cache.close(4, 5)
+            cache.advance(5)
+            step = runner.context(ids[:, 5:], None, cache)
+            e = runner.embed(ids[:, 5:], step)
+            s = runner.core_steps(torch.randn(3, 1, 36, generator=torch.Generator().manual_seed(4)),
+                                  runner.inject(e), e, range(4), step)
+            logits = runner.predict(s, step)
+            assert isinstance(runner._decode, DecodeKernel) == fused
+            results.append((e, s, logits, {k: (K.clone(), V.clone()) for k, (K, V) in cache.kv.items()}))
+    (e0, s0, l0, kv0), (e1, s1, l1, kv1) = results
+    for ours, python in ((e0, e1), (s0, s1), (l0, l1)):
+        torch.testing.assert_close(ours, python, **TOL)
+    assert kv0.keys() == kv1.keys()
+    for key in kv0:
+        assert kv0[key][0].dtype == torch.uint8
+        for ours, python in zip(kv0[key], kv1[key]):
+            assert torch.equal(ours, python), key  # (the new keys agree to rounding; these codes to the bit)
+
+
+def test_a_norm_beyond_fp16_is_refused_in_one_line(cpp):
+    """A decoded key whose norm fp16 cannot store: the codec's one-line ValueError, from inside the C++ step."""
+    model = odd_model(6)
+    ids = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        runner, cache = FastRunner(model), StaticRecurrentCache(1, 2, capacity=8, kv_quant=KV_QUANT["tq3.5"])
+        step = runner.context(ids[:, :4], None, cache)
+        e = runner.embed(ids[:, :4], step)
+        runner.core_steps(torch.zeros_like(e), runner.inject(e), e, range(2), step)
+        cache.close(2, 4)
+        cache.advance(4)
+        runner.blocks["core"][0]["qkv"].mul_(1e5)  # (the C++ decoder shares the runner's weights)
+        step = runner.context(ids[:, 4:], None, cache)
+        e = runner.embed(ids[:, 4:], step)
+        with pytest.raises(ValueError, match=r"norm exceeds the fp16 range \(65504\): got .*; scale the input down"):
+            runner.core_steps(torch.zeros_like(e), runner.inject(e), e, range(2), step)
+    assert isinstance(runner._decode, DecodeKernel)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9], ids=["1-row", "3-rows", "9-rows"])
+def test_uncopied_weights_stream_rows_as_the_python_path(cpp, monkeypatch, rows):
+    """A large model's layout (no [in, out] copies: every product against a parameter's own rows, which the
+    decode streams at up to 8 rows and hands to addmm beyond), here forced on a small model; two threads
+    split the weight rows."""
+    from recurrent_depth.accel import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "COPY_LIMIT_BYTES", 0)
+    model = odd_model(2, qk_bias=True)
+    ids = torch.randint(0, 97, (rows, 5), generator=torch.Generator().manual_seed(rows))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ours = run(model, ids, None, monkeypatch, True)
+    finally:
+        torch.set_num_threads(previous)
+    assert not FastRunner(model).copy_weights
+    python = run(model, ids, None, monkeypatch, False)
+    assert torch.equal(ours.sequences, python.sequences)
+    torch.testing.assert_close(ours.logits, python.logits, **TOL)

@@ -367,6 +367,8 @@ def test_per_row_permutations_stack_into_one_codec():
         torch.testing.assert_close(stacked.score(q, rows)[b : b + 1], codec.score(q[b : b + 1], rows[b : b + 1]),
                                    atol=TOL, rtol=0)
     assert stacked.state_nbytes == 2 * 3 * 2  # a 16-bit mask per (row, head)
+    with pytest.raises(ValueError, match="permuted already"):  # its matrices are per head: no second fold
+        stacked.permuted(stacked.perm)
 
 
 def test_calibration_is_deterministic_and_reaches_generation(model):

@@ -10,21 +10,29 @@ write, softmax attention of the one query row over the cache's columns, SiLU-gat
 over float32 rows, built with `-O3 -march=native -ffp-contract=off` through `accel.quant_cpp`'s build
 cache (one build per machine, torch, Python and CPU; a message and its time at the first use).
 
-Covered (`DecodeKernel.fits`; everything else takes the Python path, which stays the reference): float32
-on CPU without autograd, one new column per row (T = 1; any batch size, left-padding masks), the Huginn
-layout `FastRunner` supports without LoRA, grouped-query heads, any head_dim (even, as RoPE needs), and a
-storage that hands out its float KV tensors (`ModelCache.decode_views`: the static generation cache
-without a write mask, quantized entries, or a lookup that hides or re-picks columns; every slot rule).
-The engine calls `core_steps` only for fixed-depth runs without per-step hooks (`Recurrence.run`).
+Covered (everything else takes the Python path, which stays the reference): float32 on CPU without
+autograd, one new column per row (T = 1; any batch size, left-padding masks), the Huginn layout
+`FastRunner` supports without LoRA, grouped-query heads, any head_dim (even, as RoPE needs), and a
+storage that hands out its KV tensors (`ModelCache.decode_views`: the static generation cache without a
+write mask or a lookup that hides or re-picks columns; every slot rule). The engine calls `core_steps`
+only for fixed-depth runs without per-step hooks (`Recurrence.run`).
+
+Quantized KV (`kv_quant` with TurboQuant-family codecs, read from codes, no bf16 window): each attention
+layer encodes its new key and value straight into the cache's code rows and reads attention from every
+column's codes inside the same call, with the quantized-KV kernels' own C++ (`accel.quant_cpp`'s
+`decode_attend`, whose source this extension embeds: the same bytes and read as the Python path's C++
+call). Other codecs, a window or `attn=dequantize` take the Python path.
 
 Results equal the Python path's to float32 rounding, not bit for bit: the norms, the softmax and the
 attention sums are accumulated in another order than ATen's vectorised kernels (tests compare logits,
-states and tokens). Off with `RDEPTH_NO_CPP=1` (or `RDEPTH_NO_ACCEL=1`, which turns off `FastRunner`).
+states and tokens). Off with `RDEPTH_NO_CPP_DECODE=1` (this decode only: the quantized-KV C++ read
+stays), `RDEPTH_NO_CPP=1` (every C++ kernel) or `RDEPTH_NO_ACCEL=1` (which turns off `FastRunner`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any
 
@@ -32,15 +40,15 @@ import torch
 from torch import Tensor
 
 from recurrent_depth.accel import quant_cpp
+from recurrent_depth.model.cache import DecodeViews
+from recurrent_depth.quant.rows import TurboRows
 
 log = logging.getLogger(__name__)
 WHAT = "C++ decode kernels"
+NO_DECODE_ENV = "RDEPTH_NO_CPP_DECODE"  # this decode off, the quantized-KV C++ read left on
 
-CPP_SOURCE = r"""
-#include <torch/extension.h>
-#include <cmath>
-#include <limits>
-#include <vector>
+CPP_SOURCE = quant_cpp.KERNEL_SOURCE + r"""
+#include <sstream>
 
 namespace {
 
@@ -52,7 +60,13 @@ struct Block {
 
 inline bool has(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
-""" + quant_cpp.DOT_SOURCE + r"""
+// Products of at most STREAM_ROWS rows with an untransposed-layout weight stream its rows (`stream_linear`),
+// STREAM_GRAIN weight rows at least to a thread's share.
+constexpr int64_t STREAM_ROWS = 8, STREAM_GRAIN = 64;
+
+// The codecs of a call's layers: empty (float stores), or one key and one value codec per store.
+using Codecs = std::vector<Codec*>;
+
 // RMSNorm of B rows of width h, as the model's: x * rsqrt(mean(x^2) + eps) * w (y may be x).
 void norm_rows(const float* x, const float* w, float* y, int64_t B, int64_t h, float eps) {
   for (int64_t b = 0; b < B; ++b) {
@@ -90,17 +104,18 @@ class Decoder {
 
   // e = prelude(wte(ids) * emb_scale): ids [B] long -> [B, h]
   at::Tensor embed(const at::Tensor& ids, const at::Tensor& freqs, const std::vector<at::Tensor>& ks,
-                   const std::vector<at::Tensor>& vs, int64_t column, const at::Tensor& mask) {
+                   const std::vector<at::Tensor>& vs, const Codecs& cks, const Codecs& cvs, int64_t column,
+                   const at::Tensor& mask) {
     at::NoGradGuard no_grad;
     at::Tensor x = at::embedding(wte_, ids.reshape({-1})).mul_(emb_scale_).contiguous();
-    run_blocks(parts_[0], 0, x, freqs, ks, vs, column, mask);
+    run_blocks(parts_[0], 0, x, freqs, ks, vs, cks, cvs, column, mask);
     return x;
   }
 
   // `steps` core steps from state [B, h]: s <- blocks(injected + s @ adapter_s); views: steps * L, in order.
   at::Tensor core_steps(const at::Tensor& state, const at::Tensor& injected, const at::Tensor& freqs,
-                        const std::vector<at::Tensor>& ks, const std::vector<at::Tensor>& vs, int64_t column,
-                        const at::Tensor& mask, int64_t steps) {
+                        const std::vector<at::Tensor>& ks, const std::vector<at::Tensor>& vs, const Codecs& cks,
+                        const Codecs& cvs, int64_t column, const at::Tensor& mask, int64_t steps) {
     at::NoGradGuard no_grad;
     const auto& core = parts_[1];
     const int64_t L = static_cast<int64_t>(core.size());
@@ -110,8 +125,8 @@ class Decoder {
     const at::Tensor inj = injected.reshape({-1, h_}).contiguous();
     at::Tensor x = at::empty_like(s);
     for (int64_t i = 0; i < steps; ++i) {
-      at::addmm_out(x, inj, s, adapter_s_);
-      run_blocks(core, i * L, x, freqs, ks, vs, column, mask);
+      linear(x, s, adapter_s_, at::Tensor(), &inj);  // injected + s @ adapter_s
+      run_blocks(core, i * L, x, freqs, ks, vs, cks, cvs, column, mask);
       std::swap(s, x);
     }
     return s;
@@ -119,14 +134,17 @@ class Decoder {
 
   // logits [B, V] = lm_head(ln_f(coda(ln_f(state))))
   at::Tensor predict(const at::Tensor& state, const at::Tensor& freqs, const std::vector<at::Tensor>& ks,
-                     const std::vector<at::Tensor>& vs, int64_t column, const at::Tensor& mask) {
+                     const std::vector<at::Tensor>& vs, const Codecs& cks, const Codecs& cvs, int64_t column,
+                     const at::Tensor& mask) {
     at::NoGradGuard no_grad;
     at::Tensor x = at::empty({state.numel() / h_, h_}, state.options());
     const at::Tensor s = state.reshape({-1, h_}).contiguous();
     norm_rows(s.data_ptr<float>(), ln_f_.data_ptr<float>(), x.data_ptr<float>(), x.size(0), h_, eps_);
-    run_blocks(parts_[2], 0, x, freqs, ks, vs, column, mask);
+    run_blocks(parts_[2], 0, x, freqs, ks, vs, cks, cvs, column, mask);
     norm_rows(x.data_ptr<float>(), ln_f_.data_ptr<float>(), x.data_ptr<float>(), x.size(0), h_, eps_);
-    return at::mm(x, lm_head_);
+    at::Tensor logits = at::empty({x.size(0), lm_head_.size(1)}, x.options());
+    linear(logits, x, lm_head_, at::Tensor(), nullptr);
+    return logits;
   }
 
  private:
@@ -154,7 +172,9 @@ class Decoder {
 
   static void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
                      const at::Tensor* residual) {
-    if (residual != nullptr) {
+    if (x.size(0) <= STREAM_ROWS && w.stride(0) == 1) {
+      stream_linear(out, x, w, bias, residual);
+    } else if (residual != nullptr) {
       at::addmm_out(out, *residual, x, w);
       if (has(bias)) out.add_(bias);
     } else if (has(bias)) {
@@ -164,40 +184,124 @@ class Decoder {
     }
   }
 
+  // `linear` for a few rows (B <= STREAM_ROWS) times a weight held as the transpose of a parameter's [n, k]
+  // rows (the runner's layout for the weights it does not copy: a large model's). Decoding such a
+  // model streams every weight from memory once a product, and ATen's gemv reaches about 0.6 of the
+  // read bandwidth there: here each thread streams its share of the weight rows once, each row's dot
+  // with every x row, (residual + x w) + bias as `linear` adds them.
+  static void stream_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
+                            const at::Tensor* residual) {
+    const int64_t B = x.size(0), k = w.size(0), n = w.size(1);
+    TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && x.size(1) == k && out.size(0) == B && out.size(1) == n,
+                "decode kernel: rows [B, k] times [k, n] into [B, n]");
+    const float* xp = x.data_ptr<float>();
+    const float* wp = w.data_ptr<float>();  // row o of the [n, k] parameter at wp + o * w.stride(1)
+    const int64_t row_stride = w.stride(1);
+    const float* bp = has(bias) ? bias.data_ptr<float>() : nullptr;
+    const float* rp = nullptr;
+    if (residual != nullptr) {
+      TORCH_CHECK(residual->is_contiguous() && residual->sizes() == out.sizes(), "decode kernel: residual as out");
+      rp = residual->data_ptr<float>();
+    }
+    float* yp = out.data_ptr<float>();
+    at::parallel_for(0, n, STREAM_GRAIN, [&](int64_t begin, int64_t end) {
+      for (int64_t o = begin; o < end; ++o) {
+        const float* row = wp + o * row_stride;
+        for (int64_t b = 0; b < B; ++b) {
+          float y = dot(xp + b * k, row, k);
+          if (rp != nullptr) y = rp[b * n + o] + y;
+          if (bp != nullptr) y = rp != nullptr ? y + bp[o] : bp[o] + y;
+          yp[b * n + o] = y;
+        }
+      }
+    });
+  }
+
   void run_blocks(const std::vector<Block>& blocks, int64_t first_view, at::Tensor& x, const at::Tensor& freqs,
-                  const std::vector<at::Tensor>& ks, const std::vector<at::Tensor>& vs, int64_t column,
-                  const at::Tensor& mask) {
+                  const std::vector<at::Tensor>& ks, const std::vector<at::Tensor>& vs, const Codecs& cks,
+                  const Codecs& cvs, int64_t column, const at::Tensor& mask) {
     TORCH_CHECK(first_view + static_cast<int64_t>(blocks.size()) <= static_cast<int64_t>(ks.size()),
                 "decode kernel: a key and value store per block");
+    const bool coded = !cks.empty();
+    TORCH_CHECK(!coded || (cks.size() == ks.size() && cvs.size() == ks.size()),
+                "decode kernel: a key and value codec per store, or none");
     const at::Tensor angles = at::view_as_real(freqs).reshape({-1, D_}).contiguous();  // [B, D/2 x (cos, sin)]
     for (size_t j = 0; j < blocks.size(); ++j) {
-      block(blocks[j], x, angles, ks[first_view + j], vs[first_view + j], column, mask);
+      const size_t view = first_view + j;
+      block(blocks[j], x, angles, ks[view], vs[view], coded ? cks[view] : nullptr, coded ? cvs[view] : nullptr,
+            column, mask);
     }
   }
 
-  // x [B, h] <- the sandwich block: norm_2(x + attn(norm_1(x))), then norm_4(. + mlp(norm_3(.))).
+  // x [B, h] <- the sandwich block: norm_2(x + attn(norm_1(x))), then norm_4(. + mlp(norm_3(.))). The
+  // attention writes this column's key and value into K, V (floats, or with codecs ck, cv their code rows).
   void block(const Block& p, at::Tensor& x, const at::Tensor& angles, const at::Tensor& K, const at::Tensor& V,
-             int64_t column, const at::Tensor& mask) {
-    const int64_t B = x.size(0), inner = p.fc.size(1) / 2, h = h_, D = D_, H = H_, Hkv = Hkv_;
+             const Codec* ck, const Codec* cv, int64_t column, const at::Tensor& mask) {
+    const int64_t B = x.size(0), inner = p.fc.size(1) / 2, h = h_;
     Work& w = work(B, x, inner);
     float* xp = x.data_ptr<float>();
     norm_rows(xp, p.n1.data_ptr<float>(), w.normed.data_ptr<float>(), B, h, eps_);
     linear(w.qkv, w.normed, p.qkv, p.qkv_bias, nullptr);
-    const int64_t width = (H + 2 * Hkv) * D, end = column + 1;
-    TORCH_CHECK(K.dim() == 4 && K.size(0) == B && K.size(1) == Hkv && K.size(2) >= end && K.size(3) == D
-                && K.stride(3) == 1 && K.scalar_type() == at::kFloat, "decode kernel: keys [B, Hkv, >= ", end, ", D]");
-    TORCH_CHECK(V.dim() == 4 && V.sizes() == K.sizes() && V.stride(3) == 1 && V.scalar_type() == at::kFloat,
-                "decode kernel: values as the keys");
+    const int64_t end = column + 1;
     TORCH_CHECK(angles.size(0) == B || angles.size(0) == 1, "decode kernel: rotary angles per row");
     const bool masked = has(mask);
     if (masked) {
       TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 2 && mask.size(0) == B && mask.size(1) == end
                   && mask.is_contiguous(), "decode kernel: mask bool [B, columns] contiguous");
     }
-    const bool* mp = masked ? mask.data_ptr<bool>() : nullptr;
-    float* qkv = w.qkv.data_ptr<float>();
+    rotate(w.qkv, angles, B);
+    if (ck != nullptr) {
+      attend_codes(w, B, K, V, *ck, *cv, column, mask);
+    } else {
+      attend_floats(w, B, K, V, column, masked ? mask.data_ptr<bool>() : nullptr);
+    }
+    linear(w.mixed, w.att, p.proj, p.proj_bias, &x);
+    float* mixed = w.mixed.data_ptr<float>();
+    norm_rows(mixed, p.n2.data_ptr<float>(), mixed, B, h, eps_);
+    norm_rows(mixed, p.n3.data_ptr<float>(), w.normed.data_ptr<float>(), B, h, eps_);
+    linear(w.gate_up, w.normed, p.fc, p.fc_bias, nullptr);
+    const float* gu = w.gate_up.data_ptr<float>();
+    float* hid = w.hidden.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b) {  // silu(gate) * up
+      const float* gate = gu + b * 2 * inner;
+      for (int64_t i = 0; i < inner; ++i) {
+        const float g = gate[i];
+        hid[b * inner + i] = (g / (1.0f + std::exp(-g))) * gate[inner + i];
+      }
+    }
+    linear(w.out, w.hidden, p.out, p.out_bias, &w.mixed);
+    norm_rows(w.out.data_ptr<float>(), p.n4.data_ptr<float>(), xp, B, h, eps_);
+  }
+
+  // Interleaved RoPE on the q and k heads of every row of qkv [B, (H + 2 Hkv) D].
+  void rotate(at::Tensor& qkv_rows, const at::Tensor& angles, int64_t B) const {
+    const int64_t D = D_, width = (H_ + 2 * Hkv_) * D, a_stride = angles.size(0) == 1 ? 0 : D;
+    float* qkv = qkv_rows.data_ptr<float>();
     const float* ang = angles.data_ptr<float>();
-    const int64_t a_stride = angles.size(0) == 1 ? 0 : D;
+    for (int64_t b = 0; b < B; ++b) {
+      float* row = qkv + b * width;
+      const float* cs = ang + b * a_stride;
+      for (int64_t head = 0; head < H_ + Hkv_; ++head) {
+        float* x2 = row + head * D;
+        for (int64_t i = 0; i < D / 2; ++i) {
+          const float a = x2[2 * i], c = x2[2 * i + 1], cos = cs[2 * i], sin = cs[2 * i + 1];
+          x2[2 * i] = a * cos - c * sin;
+          x2[2 * i + 1] = a * sin + c * cos;
+        }
+      }
+    }
+  }
+
+  // This column's keys and values into the float stores K, V [B, Hkv, >= end, D], then softmax
+  // attention of each query row over columns [0, end) (mp: bool [B, end] or none) into w.att.
+  void attend_floats(Work& w, int64_t B, const at::Tensor& K, const at::Tensor& V, int64_t column,
+                     const bool* mp) {
+    const int64_t D = D_, H = H_, Hkv = Hkv_, width = (H + 2 * Hkv) * D, end = column + 1;
+    TORCH_CHECK(K.dim() == 4 && K.size(0) == B && K.size(1) == Hkv && K.size(2) >= end && K.size(3) == D
+                && K.stride(3) == 1 && K.scalar_type() == at::kFloat, "decode kernel: keys [B, Hkv, >= ", end, ", D]");
+    TORCH_CHECK(V.dim() == 4 && V.sizes() == K.sizes() && V.stride(3) == 1 && V.scalar_type() == at::kFloat,
+                "decode kernel: values as the keys");
+    float* qkv = w.qkv.data_ptr<float>();
     float* kp = K.data_ptr<float>();
     float* vp = V.data_ptr<float>();
     const int64_t k0 = K.stride(0), k1 = K.stride(1), k2 = K.stride(2);
@@ -208,22 +312,13 @@ class Decoder {
     if (static_cast<int64_t>(w.scores.size()) < end) w.scores.resize(end);
     float* sc = w.scores.data();
     for (int64_t b = 0; b < B; ++b) {
-      float* row = qkv + b * width;
-      const float* cs = ang + b * a_stride;
-      for (int64_t head = 0; head < H + Hkv; ++head) {  // interleaved RoPE on the q and k heads
-        float* x2 = row + head * D;
-        for (int64_t i = 0; i < D / 2; ++i) {
-          const float a = x2[2 * i], c = x2[2 * i + 1], cos = cs[2 * i], sin = cs[2 * i + 1];
-          x2[2 * i] = a * cos - c * sin;
-          x2[2 * i + 1] = a * sin + c * cos;
-        }
-      }
-      for (int64_t g = 0; g < Hkv; ++g) {  // this column's keys and values into the cache
+      const float* row = qkv + b * width;
+      for (int64_t g = 0; g < Hkv; ++g) {
         std::copy(row + (H + g) * D, row + (H + g + 1) * D, kp + b * k0 + g * k1 + column * k2);
         std::copy(row + (H + Hkv + g) * D, row + (H + Hkv + g + 1) * D, vp + b * v0 + g * v1 + column * v2);
       }
-      const bool* mrow = masked ? mp + b * end : nullptr;
-      for (int64_t head = 0; head < H; ++head) {  // softmax attention of the query row over columns [0, end)
+      const bool* mrow = mp != nullptr ? mp + b * end : nullptr;
+      for (int64_t head = 0; head < H; ++head) {
         const float* q = row + head * D;
         const float* kh = kp + b * k0 + (head / group) * k1;
         const float* vh = vp + b * v0 + (head / group) * v1;
@@ -247,22 +342,29 @@ class Decoder {
         }
       }
     }
-    linear(w.mixed, w.att, p.proj, p.proj_bias, &x);
-    float* mixed = w.mixed.data_ptr<float>();
-    norm_rows(mixed, p.n2.data_ptr<float>(), mixed, B, h, eps_);
-    norm_rows(mixed, p.n3.data_ptr<float>(), w.normed.data_ptr<float>(), B, h, eps_);
-    linear(w.gate_up, w.normed, p.fc, p.fc_bias, nullptr);
-    const float* gu = w.gate_up.data_ptr<float>();
-    float* hid = w.hidden.data_ptr<float>();
-    for (int64_t b = 0; b < B; ++b) {  // silu(gate) * up
-      const float* gate = gu + b * 2 * inner;
-      for (int64_t i = 0; i < inner; ++i) {
-        const float g = gate[i];
-        hid[b * inner + i] = (g / (1.0f + std::exp(-g))) * gate[inner + i];
-      }
+  }
+
+  // The same from a quantized cache: this column's keys and values encoded into the code-row stores
+  // K, V [B, Hkv, capacity, bytes], then attention read from every column's codes (`decode_attend`,
+  // the quantized-KV kernels' one-call decode) into w.att. A norm fp16 cannot hold is refused (a
+  // ValueError, as the codec's encode refuses it).
+  void attend_codes(Work& w, int64_t B, const at::Tensor& K, const at::Tensor& V, const Codec& ck, const Codec& cv,
+                    int64_t column, const at::Tensor& mask) {
+    const int64_t D = D_, H = H_, Hkv = Hkv_;
+    const at::Tensor q = w.qkv.narrow(1, 0, H * D).view({B, H, 1, D});
+    const at::Tensor k = w.qkv.narrow(1, H * D, Hkv * D).view({B, Hkv, 1, D});
+    const at::Tensor v = w.qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({B, Hkv, 1, D});
+    c10::optional<at::Tensor> m;
+    if (has(mask)) m = mask.view({B, 1, 1, mask.size(1)});
+    auto [out, finite] = decode_attend(q, k, v, ck, cv, K, V, column, m);
+    if (!finite) {
+      const float worst = std::max(k.norm(2, -1).max().item<float>(), v.norm(2, -1).max().item<float>());
+      std::ostringstream text;
+      text << "a vector norm exceeds the fp16 range (65504): got " << worst << "; scale the input down";
+      throw pybind11::value_error(text.str());
     }
-    linear(w.out, w.hidden, p.out, p.out_bias, &w.mixed);
-    norm_rows(w.out.data_ptr<float>(), p.n4.data_ptr<float>(), xp, B, h, eps_);
+    TORCH_CHECK(out.numel() == w.att.numel(), "decode kernel: the codes' value width is the head dim");
+    w.att.view({B, H, 1, D}).copy_(out);
   }
 
   std::vector<std::vector<Block>> parts_;
@@ -275,7 +377,7 @@ class Decoder {
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {""" + quant_cpp.codec_binding(module_local=True) + r"""
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, std::vector<std::vector<at::Tensor>>,
                           std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
@@ -291,11 +393,16 @@ _module: Any = None
 _failure: str | None = None
 
 
+def decode_enabled() -> bool:
+    """False when the environment says `RDEPTH_NO_CPP_DECODE` or `RDEPTH_NO_CPP` (any value but "", "0")."""
+    return quant_cpp.cpp_enabled() and os.environ.get(NO_DECODE_ENV, "") in ("", "0")
+
+
 def load_decoder() -> Any:
     """The built extension (built at the first call of a machine, through `quant_cpp.kernel_cache`), or
-    None where C++ is off or cannot build (warned once, with the reason; the Python path runs)."""
+    None where the C++ decode is off or cannot build (warned once, with the reason; the Python path runs)."""
     global _module, _failure
-    if not quant_cpp.cpp_enabled():
+    if not decode_enabled():
         return None
     with _lock:
         if _module is None and _failure is None:
@@ -313,6 +420,8 @@ def build_failure() -> str | None:
 
 
 EMPTY = torch.empty(0)  # (an absent bias)
+FLOATS: tuple[list, list] = ([], [])  # the codec lists of float stores
+MAX_CODEC_LISTS = 64  # C++ codec lists kept (a cache's decode views are a handful of key tuples)
 
 
 class DecodeKernel:
@@ -336,6 +445,8 @@ class DecodeKernel:
             t.ln_f.weight.detach(), runner.lm_head.detach(), float(runner.emb_scale), cfg.num_heads,
             cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps,
         )
+        self.cpp_codecs = quant_cpp.CppCodes(module)  # this extension's own `Codec`s of TurboRows tables
+        self._codec_lists: dict[int, tuple[list, list, list]] = {}  # by id of a views' codec list
         self.keys = {part: tuple((part, i) for i in range(len(parts[part]))) for part in ("prelude", "coda")}
         self.core_layers = len(parts["core"])
         self._core_keys: dict[range, tuple] = {}
@@ -352,24 +463,49 @@ class DecodeKernel:
             keys = self._core_keys[steps] = tuple(("core", j, i) for i in steps for j in range(self.core_layers))
         return keys
 
+    def codecs(self, views: DecodeViews) -> tuple[list, list] | None:
+        """The C++ key and value codecs of `views` (empty lists for float stores), or None where a codec is
+        not a TurboRows one (then the Python path reads it)."""
+        pairs = views.codecs
+        if pairs is None:
+            return FLOATS
+        found = self._codec_lists.get(id(pairs))
+        if found is None or found[0] is not pairs:  # (the entry keeps `pairs` alive, so its id stays its own)
+            if not all(isinstance(c, TurboRows) for pair in pairs for c in pair):
+                return None
+            cpu = torch.device("cpu")
+            made = [[self.cpp_codecs.codec(pair[i].tables(cpu)) for pair in pairs] for i in (0, 1)]
+            if len(self._codec_lists) >= MAX_CODEC_LISTS:
+                self._codec_lists.clear()
+            found = self._codec_lists[id(pairs)] = (pairs, made[0], made[1])
+        return found[1], found[2]
+
+    def _views(self, step: Any, keys: tuple) -> tuple[DecodeViews, list, list] | None:
+        views = step.ctx.cache.decode_views(keys)
+        codecs = None if views is None else self.codecs(views)
+        return None if codecs is None else (views, *codecs)
+
     def embed(self, ids: Tensor, step: Any) -> Tensor | None:
         """e `[B, h]` for one new token per row, or None where the cache cannot be written directly."""
-        views = step.ctx.cache.decode_views(self.keys["prelude"])
-        if views is None:
+        found = self._views(step, self.keys["prelude"])
+        if found is None:
             return None
-        return self.decoder.embed(ids, step.freqs, views[0], views[1], step.ctx.past_len, self.mask(step))
+        (ks, vs, _), cks, cvs = found
+        return self.decoder.embed(ids, step.freqs, ks, vs, cks, cvs, step.ctx.past_len, self.mask(step))
 
     def core_steps(self, state: Tensor, injected: Tensor, steps: range, step: Any) -> Tensor | None:
         """The state `[B, h]` after core steps `steps` (see `FastRunner.core_steps`), or None."""
-        views = step.ctx.cache.decode_views(self.core_keys(steps))
-        if views is None:
+        found = self._views(step, self.core_keys(steps))
+        if found is None:
             return None
-        return self.decoder.core_steps(state, injected, step.freqs, views[0], views[1], step.ctx.past_len,
+        (ks, vs, _), cks, cvs = found
+        return self.decoder.core_steps(state, injected, step.freqs, ks, vs, cks, cvs, step.ctx.past_len,
                                        self.mask(step), len(steps))
 
     def predict(self, state: Tensor, step: Any) -> Tensor | None:
         """Logits `[B, V]` float32 from raw states (one column per row), or None."""
-        views = step.ctx.cache.decode_views(self.keys["coda"])
-        if views is None:
+        found = self._views(step, self.keys["coda"])
+        if found is None:
             return None
-        return self.decoder.predict(state, step.freqs, views[0], views[1], step.ctx.past_len, self.mask(step))
+        (ks, vs, _), cks, cvs = found
+        return self.decoder.predict(state, step.freqs, ks, vs, cks, cvs, step.ctx.past_len, self.mask(step))

@@ -74,7 +74,8 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }
 """
 
-CPP_SOURCE = r"""
+# The kernels (everything but the Python bindings, which CPP_SOURCE adds): also embedded by accel.decode_cpp.
+KERNEL_SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -580,14 +581,26 @@ std::tuple<torch::Tensor, bool> decode_attend(const torch::Tensor& q, const torc
   return {out, finite_k && finite_v};
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  pybind11::class_<Codec>(m, "Codec")
+"""
+
+
+def codec_binding(module_local: bool = False) -> str:
+    """The C++ statement binding `Codec` in a PYBIND11_MODULE (`m`): module-local in an extension that
+    embeds KERNEL_SOURCE beside this one (`accel.decode_cpp`), as pybind11 binds a C++ type once per
+    process otherwise."""
+    scope = ", pybind11::module_local()" if module_local else ""
+    return ('\n  pybind11::class_<Codec>(m, "Codec"' + scope + r""")
       .def(pybind11::init([](std::vector<torch::Tensor> tables, std::vector<int64_t> ints, std::vector<double> steps,
                              torch::Tensor layout, torch::Tensor values, torch::Tensor residual_step,
                              torch::Tensor query, torch::Tensor back, int64_t norm_byte, int64_t groups,
                              torch::Tensor perm, torch::Tensor unperm) {
         return Codec{tables, ints, steps, layout, values, residual_step, query, back, norm_byte, groups, perm, unperm};
       }));
+""")
+
+
+CPP_SOURCE = KERNEL_SOURCE + r"""
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {""" + codec_binding() + r"""
   m.def("encode", &encode);
   m.def("encode_pair", &encode_pair);
   m.def("attend", &attend);

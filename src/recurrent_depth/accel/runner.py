@@ -146,9 +146,10 @@ class FastRunner(ModelRunner):
         self.emb_scale = model.emb_scale
         self._workspaces: dict[int, Workspace] = {}  # by batch size (a runner serves one loop at a time)
         self.code_kernels = code_kernels()  # compiled attention from quantized caches' codes, or None
-        # The C++ decode (`accel.decode_cpp`): made at the first decode call that it covers; False where it
+        # The C++ decode (`accel.decode_cpp`): made at the first decode call that it covers; None where it
         # cannot be (LoRA terms, another dtype or device, C++ off or not building).
-        self._decode: DecodeKernel | None | bool = None
+        self._decode: DecodeKernel | None = None
+        self._decode_tried = False
 
     def _workspace(self, B: int, T: int) -> Workspace:
         """The decode workspace for B rows: float32 decoding (T = 1) without autograd, else none."""
@@ -305,13 +306,14 @@ class FastRunner(ModelRunner):
         no LoRA, a cache), else None (then the Python path below)."""
         if T != 1 or step.ctx.cache is None or step.freqs is None or torch.is_grad_enabled():
             return None
-        if self._decode is None:
+        if not self._decode_tried:
+            self._decode_tried = True
             plain = self.adapter_s_term is None and all(
                 term is None for part in self.blocks.values() for p in part for term in p["low_rank"].values())
             usable = plain and self.dtype == torch.float32 and self.ln_f.device.type == "cpu"
             module = decode_cpp.load_decoder() if usable else None
-            self._decode = DecodeKernel(module, self) if module is not None else False
-        return self._decode or None
+            self._decode = DecodeKernel(module, self) if module is not None else None
+        return self._decode
 
     def core_steps(self, state: Tensor, injected: Tensor, e: Tensor, steps: range, step: Step) -> Tensor:
         B, T, h = state.shape

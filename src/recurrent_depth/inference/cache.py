@@ -38,6 +38,7 @@ from recurrent_depth.inference.kv_codec import (
     update_kv_head_major,
 )
 from recurrent_depth.model.cache import (
+    DecodeViews,
     KVPolicy,
     attend_floats,
     grown_slot_count,
@@ -248,7 +249,7 @@ class StaticRecurrentCache(_CacheBase):
         self.slot_capacity = min(self.core_slots, self.INITIAL_SLOTS)  # core slots allocated
         self.kv: dict[tuple, tuple[Tensor, Tensor]] = {}
         self._views: dict[LayerKey, tuple[Tensor, Tensor]] = {}
-        self._decode_lists: dict[tuple, tuple[list[Tensor], list[Tensor]]] = {}  # `decode_views` by key tuple
+        self._decode_lists: dict[tuple, DecodeViews] = {}  # `decode_views` by key tuple
 
     def _storage(self, base: tuple, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if base not in self.kv:
@@ -337,11 +338,15 @@ class StaticRecurrentCache(_CacheBase):
                 return tuple(_gather_slots(store, index, end) for store in self.kv[base])
         return Ks.narrow(2, 0, end), Vs.narrow(2, 0, end)
 
-    def decode_views(self, keys: Sequence[LayerKey]) -> tuple[list[Tensor], list[Tensor]] | None:
-        """The stores `[B, Hkv, capacity, D]` of `keys` for a fused decode that writes column `seq_len` of
-        every row itself (see `ModelCache.decode_views`); None for quantized entries, under a write mask,
-        for a lookup that hides or re-picks columns, or while a key's storage is not made yet."""
-        if self.codes is not None or self.write_mask is not None or self._skips or self._reads_per_step:
+    def decode_views(self, keys: Sequence[LayerKey]) -> DecodeViews | None:
+        """The stores `[B, Hkv, capacity, width]` of `keys` for a fused decode that writes column `seq_len` of
+        every row itself (see `ModelCache.decode_views`): float entries, or code rows with their layers'
+        codecs (a read from codes without a window). None under a write mask, for a lookup that hides or
+        re-picks columns, or while a key's storage or codecs are not made yet."""
+        codes = self.codes
+        if codes is not None and (codes.window is not None or codes.kv_quant.attention != "codes"):
+            return None
+        if self.write_mask is not None or self._skips or self._reads_per_step:
             return None
         found = self._decode_lists.get(keys) if isinstance(keys, tuple) else None
         end = self.seq_len + 1
@@ -349,12 +354,15 @@ class StaticRecurrentCache(_CacheBase):
             splits = [self.split(key) for key in keys]
             if any(base not in self.kv for base, _ in splits):
                 return None  # (the first write makes a storage, in the shape of its entries)
+            codecs = None if self.codecs is None else [self.codecs.made(key) for key in keys]
+            if codecs is not None and any(pair is None for pair in codecs):
+                return None
             if end > self.capacity:
                 self._grow(end)
             top = max((slot for base, slot in splits if base[0] == "core"), default=-1)
             if top >= self.slot_capacity:
                 self._grow_slots(top)
-            found = tuple([self.kv[base][i][slot] for base, slot in splits] for i in (0, 1))
+            found = DecodeViews(*([self.kv[base][i][slot] for base, slot in splits] for i in (0, 1)), codecs)
             if isinstance(keys, tuple):
                 self._decode_lists[keys] = found
         self._written_end = end

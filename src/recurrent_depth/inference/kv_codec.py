@@ -214,6 +214,15 @@ class LayerCodecs:
             self._keys[key] = pair
         return pair
 
+    def made(self, key: LayerKey) -> tuple[Codec, Codec] | None:
+        """The (key, value) codecs of `key`'s layer where its first write made them, else None."""
+        pair = self._keys.get(key)
+        if pair is None:
+            pair = self._layers.get(self.split(key)[0])
+            if pair is not None:
+                self._keys[key] = pair
+        return pair
+
     def nbytes(self, role: str, dim: int) -> int:
         """Bytes of one vector's row (the same for every layer)."""
         return shared_codec(self.kv_quant, role, dim).nbytes

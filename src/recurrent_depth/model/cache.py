@@ -49,13 +49,23 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 LayerKey = tuple  # ("prelude", i) | ("core", j, step) | ("coda", c)
+
+
+class DecodeViews(NamedTuple):
+    """`ModelCache.decode_views`' answer: one key store and one value store `[B, Hkv, capacity, width]`
+    per layer key, and `codecs` None (float entries, width D) or each key's (key codec, value codec),
+    whose code rows (width: a row's bytes) the stores hold."""
+
+    keys: list[Tensor]
+    values: list[Tensor]
+    codecs: list[tuple[Any, Any]] | None = None
 
 
 class ModelCache(Protocol):
@@ -74,10 +84,11 @@ class ModelCache(Protocol):
     get_state / set_state: per-layer recurrent state of non-attention mixers.
     advance: the model wrote T new columns. nbytes: bytes the cache holds (allocated).
     decode_views: for a fused decode writing one new column per row at `seq_len` itself (the C++ decode
-      of `recurrent_depth.accel.decode_cpp`), the float stores `[B, Hkv, capacity, D]` of `keys` (key
-      stores, value stores; grown to hold the column), or None where the storage must be written through
-      `update_heads` (quantized entries, a write mask, a lookup that hides or re-picks columns, a
-      storage not yet made, or one kept otherwise: `no_decode_views`).
+      of `recurrent_depth.accel.decode_cpp`), the stores `[B, Hkv, capacity, width]` of `keys` (grown
+      to hold the column) as `DecodeViews`: floats, or a quantized storage's code rows with each key's
+      codecs; None where the storage must be written through `update_heads` / `attend` (a write mask, a
+      lookup that hides or re-picks columns, a window or a dequantizing read, a storage or codec not yet
+      made, or one kept otherwise: `no_decode_views`).
     """
 
     seq_len: int
@@ -92,7 +103,7 @@ class ModelCache(Protocol):
     def set_state(self, key: LayerKey, value: Any) -> None: ...
     def advance(self, num_tokens: int) -> None: ...
     def nbytes(self) -> int: ...
-    def decode_views(self, keys: Sequence[LayerKey]) -> tuple[list[Tensor], list[Tensor]] | None: ...
+    def decode_views(self, keys: Sequence[LayerKey]) -> DecodeViews | None: ...
 
 
 class StepCache(ModelCache, Protocol):

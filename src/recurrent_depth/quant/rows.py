@@ -260,14 +260,16 @@ class TurboRows:
         back in the original order. x[..., perm] @ R = x @ R[perm⁻¹], so the permutation folds into
         the rotation and query matrices (rows) and the back matrix (columns), one per head, which the
         same functions broadcast over the heads: no extra operation per call."""
+        t = self._tables
+        if t.perm is not None:  # its matrices are per head already: permute the shared codec once instead
+            raise ValueError("permuted: this codec is permuted already; permute the shared codec with the composed "
+                             "permutation")
         twin = copy.copy(self)
         unperm = perm.argsort(dim=-1).cpu()
-        t = self._tables
-        # (the shared matrices for kernels that permute q and the output instead; not for a twice-permuted codec)
-        base = dict(perm=perm.cpu(), base_query=t.query, base_back=t.back) if t.perm is None else dict(
-            perm=None, base_query=None, base_back=None)
+        # (base_*: the shared matrices, for kernels that permute q and the output instead)
         twin._tables = t._replace(rotate=t.rotate[unperm].contiguous(), query=t.query[unperm].contiguous(),
-                                  back=t.back.T[unperm].transpose(-1, -2).contiguous(), **base)
+                                  back=t.back.T[unperm].transpose(-1, -2).contiguous(), perm=perm.cpu(),
+                                  base_query=t.query, base_back=t.back)
         twin._on_device = {torch.device("cpu"): twin._tables}
         twin.perm = perm
         return twin

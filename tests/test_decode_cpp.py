@@ -247,7 +247,7 @@ def test_quantized_cache_rows_equal_the_python_steps(cpp, monkeypatch):
     for key in kv0:
         assert kv0[key][0].dtype == torch.uint8
         for ours, python in zip(kv0[key], kv1[key]):
-            assert torch.equal(ours, python), key  # (the new keys agree to rounding; these codes to the bit)
+            assert torch.equal(ours, python), key  # (keys and rotations agree to rounding; here no code differs)
 
 
 def test_a_norm_beyond_fp16_is_refused_in_one_line(cpp):

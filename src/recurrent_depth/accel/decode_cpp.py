@@ -20,8 +20,10 @@ only for fixed-depth runs without per-step hooks (`Recurrence.run`).
 Quantized KV (`kv_quant` with TurboQuant-family codecs, read from codes, no bf16 window): each attention
 layer encodes its new key and value straight into the cache's code rows and reads attention from every
 column's codes inside the same call, with the quantized-KV kernels' own C++ (`accel.quant_cpp`'s
-`decode_attend`, whose source this extension embeds: the same bytes and read as the Python path's C++
-call). Other codecs, a window or `attn=dequantize` take the Python path.
+`decode_attend`, whose source this extension embeds), its encode's rotations and norms by plain loops
+(`plain`: ~10 ATen calls an encode cost more than the read at batch 1), so the new entries' codes equal
+the Python path's up to float32 rounding of the rotated key (a bucket boundary), as the keys themselves
+do. Other codecs, a window or `attn=dequantize` take the Python path.
 
 Results equal the Python path's to float32 rounding, not bit for bit: the norms, the softmax and the
 attention sums are accumulated in another order than ATen's vectorised kernels (tests compare logits,
@@ -356,7 +358,7 @@ class Decoder {
     const at::Tensor v = w.qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({B, Hkv, 1, D});
     c10::optional<at::Tensor> m;
     if (has(mask)) m = mask.view({B, 1, 1, mask.size(1)});
-    auto [out, finite] = decode_attend(q, k, v, ck, cv, K, V, column, m);
+    auto [out, finite] = decode_attend(q, k, v, ck, cv, K, V, column, m, /*plain=*/true);
     if (!finite) {
       const float worst = std::max(k.norm(2, -1).max().item<float>(), v.norm(2, -1).max().item<float>());
       std::ostringstream text;

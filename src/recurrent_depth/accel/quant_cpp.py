@@ -375,6 +375,54 @@ Norms group_norms(const torch::Tensor& y, const std::vector<int64_t>& sizes) {
   return norms;
 }
 
+// The plain-loop twins of `encode`'s matmul and norms, for the C++ decode (`plain`): each row of x
+// [..., D] (4-d [B, Hkv, T, D] with any strides but the last, or contiguous) times its head's matrix m
+// ([D, cols] for every head, or [(B,) Hkv, D, cols] broadcast as matmul does), and each group's norm
+// sqrt(sum of squares): equal to ATen's to float32 rounding (another summation order), not bit for bit,
+// without ~10 ATen calls an encode (at batch 1 they cost more than the decode's attention).
+torch::Tensor rows_times(const torch::Tensor& x, const torch::Tensor& m) {
+  const int64_t D = x.size(-1), N = x.numel() / D, cols = m.size(-1), count = m.numel() / (D * cols);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.stride(-1) == 1 && (x.dim() == 4 || x.is_contiguous()),
+              "encode: float32 rows [B, Hkv, T, D] (the last dim contiguous)");
+  TORCH_CHECK(m.scalar_type() == at::kFloat && m.is_contiguous() && m.dim() >= 2 && m.size(-2) == D
+              && (count == 1 || (x.dim() == 4 && (count == x.size(1) || count == x.size(0) * x.size(1)))),
+              "encode: a [D, cols] matrix, or one per (batch row and) head");
+  auto shape = x.sizes().vec();
+  shape.back() = cols;
+  torch::Tensor out = torch::zeros(shape, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const float* xp = x.data_ptr<float>();
+  const float* mp = m.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const bool four = x.dim() == 4;
+  const int64_t H = four ? x.size(1) : 1, T = four ? x.size(2) : N;
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t b = n / (H * T), h = (n / T) % H, t = n % T;
+    const float* row = four ? xp + b * x.stride(0) + h * x.stride(1) + t * x.stride(2) : xp + n * D;
+    const float* mat = mp + (count == 1 ? 0 : (count == H ? h : b * H + h)) * D * cols;
+    add_row_times(row, 1, mat, D, cols, op + n * cols);
+  }
+  return out;
+}
+
+Norms plain_norms(const torch::Tensor& y, const std::vector<int64_t>& sizes) {
+  Norms norms;
+  const int64_t G = static_cast<int64_t>(sizes.size()), D = y.size(-1), N = y.numel() / D;
+  norms.keep.push_back(torch::empty({N, G}, y.options()));
+  float* np = norms.keep[0].data_ptr<float>();
+  const float* yp = y.data_ptr<float>();
+  for (int64_t n = 0; n < N; ++n) {
+    int64_t start = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* part = yp + n * D + start;
+      np[n * G + g] = std::sqrt(dot(part, part, sizes[g]));
+      start += sizes[g];
+    }
+  }
+  norms.stride = G;
+  for (int64_t g = 0; g < G; ++g) norms.p.push_back(np + g);
+  return norms;
+}
+
 inline void put_bits(uint8_t* row, int64_t pos, int64_t value, int bits) {
   for (int k = bits - 1; k >= 0; --k, ++pos) {
     row[pos >> 3] |= static_cast<uint8_t>(((value >> k) & 1) << (7 - (pos & 7)));  // most significant first
@@ -401,8 +449,9 @@ std::vector<int64_t> row_offsets(const torch::Tensor& rows, int64_t N) {
 }
 
 // `encode_into` of x [..., D] into `rows` [..., nbytes] (see `encode`): whether every stored norm is finite.
+// plain: the products and norms by plain loops (`rows_times`, `plain_norms`; the C++ decode's), else ATen's.
 bool encode_into(const torch::Tensor& x, const std::vector<torch::Tensor>& t, const std::vector<int64_t>& ints,
-                 const std::vector<double>& steps, torch::Tensor& rows);
+                 const std::vector<double>& steps, torch::Tensor& rows, bool plain = false);
 
 // `rows.turbo_encode` of x [..., D]: tables = (rotate, col_group, col_shift, boundaries, offsets,
 // centroids, sketch_t or empty, fields [F, 5] int32, each group's dither weights (prod)); ints =
@@ -420,12 +469,12 @@ std::tuple<torch::Tensor, bool> encode(const torch::Tensor& x, const std::vector
 // Writes each row's bytes (all of them: no byte of `rows` is read first). Float steps are the
 // reference's, one rounding each (built with -ffp-contract=off), so the bytes are the same.
 bool encode_into(const torch::Tensor& x, const std::vector<torch::Tensor>& t, const std::vector<int64_t>& ints,
-                 const std::vector<double>& steps, torch::Tensor& rows) {
+                 const std::vector<double>& steps, torch::Tensor& rows, bool plain) {
   const int64_t G = ints[0];
   TORCH_CHECK(G >= 1 && G <= 8 && static_cast<int64_t>(t.size()) == 8 + (t[6].numel() > 0 ? G : 0), "encode: tables");
   const std::vector<int64_t> sizes(ints.begin() + 1, ints.begin() + 1 + G);
   const int64_t norm_byte = ints[G + 1], nbytes = ints[G + 2], levels = ints[G + 3], hash = int64_t(1) << ints[G + 4];
-  const torch::Tensor y = at::matmul(x.to(at::kFloat), t[0]).contiguous();
+  const torch::Tensor y = plain ? rows_times(x, t[0]) : at::matmul(x.to(at::kFloat), t[0]).contiguous();
   const bool prod = t[6].numel() > 0;
   const int64_t D = y.size(-1), N = y.numel() / D;
   const int64_t* col_group = t[1].data_ptr<int64_t>();
@@ -434,7 +483,7 @@ bool encode_into(const torch::Tensor& x, const std::vector<torch::Tensor>& t, co
   const int64_t nb = t[3].numel();
   const int64_t* offsets = t[4].data_ptr<int64_t>();
   const float* centroids = t[5].data_ptr<float>();
-  const Norms np = group_norms(y, sizes);
+  const Norms np = plain ? plain_norms(y, sizes) : group_norms(y, sizes);
   const float* yp = y.data_ptr<float>();
   const float tiny = std::numeric_limits<float>::min();
   std::vector<int64_t> entry(N * 2 * D, 0);  // [N, E]: indices, then (prod) sign bits
@@ -471,9 +520,10 @@ bool encode_into(const torch::Tensor& x, const std::vector<torch::Tensor>& t, co
   Norms rn;
   if (prod) {
     // (matmul folds a contiguous [..., D] into mm: the same call, less dispatch)
-    const torch::Tensor signs = t[6].dim() == 2 ? at::mm(residual.view({N, D}), t[6])
-                                                : at::matmul(residual, t[6]).contiguous();
-    rn = group_norms(residual, sizes);
+    const torch::Tensor signs = plain ? rows_times(residual, t[6])
+                                : t[6].dim() == 2 ? at::mm(residual.view({N, D}), t[6])
+                                                  : at::matmul(residual, t[6]).contiguous();
+    rn = plain ? plain_norms(residual, sizes) : group_norms(residual, sizes);
     const float* sp = signs.data_ptr<float>();
     for (int64_t n = 0; n < N; ++n) {
       for (int64_t c = 0; c < D; ++c) entry[n * 2 * D + D + c] = sp[n * D + c] >= 0 ? 1 : 0;
@@ -563,10 +613,11 @@ torch::Tensor attend(const torch::Tensor& q, const Codec& ck, const Codec& cv, t
 // A decode call in one pass: k, v [B, Hkv, T, D] encoded straight into a storage's rows [B, Hkv,
 // capacity, bytes] at columns [start, start + T) (the bytes `encode` returns), then `attend` over
 // columns [0, start + T): (out [B, H, 1, Dv], whether every stored norm is finite).
+// plain: the encodes' products and norms by plain loops (see `rows_times`; the C++ decode's).
 std::tuple<torch::Tensor, bool> decode_attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                               const Codec& ck, const Codec& cv, const torch::Tensor& store_k,
                                               const torch::Tensor& store_v, int64_t start,
-                                              c10::optional<torch::Tensor> attn_mask) {
+                                              c10::optional<torch::Tensor> attn_mask, bool plain = false) {
   TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && store_k.dim() == 4 && store_v.dim() == 4,
               "decode_attend: 4-d k, v and stores");
   const int64_t T = k.size(2), end = start + T;
@@ -575,8 +626,8 @@ std::tuple<torch::Tensor, bool> decode_attend(const torch::Tensor& q, const torc
   TORCH_CHECK(store_k.size(0) == k.size(0) && store_k.size(1) == k.size(1) && store_v.size(0) == v.size(0)
               && store_v.size(1) == v.size(1), "decode_attend: stores [B, Hkv, capacity, bytes] of k's and v's rows");
   torch::Tensor new_k = store_k.narrow(2, start, T), new_v = store_v.narrow(2, start, T);
-  const bool finite_k = encode_into(k, ck.tables, ck.ints, ck.steps, new_k);
-  const bool finite_v = encode_into(v, cv.tables, cv.ints, cv.steps, new_v);
+  const bool finite_k = encode_into(k, ck.tables, ck.ints, ck.steps, new_k, plain);
+  const bool finite_v = encode_into(v, cv.tables, cv.ints, cv.steps, new_v, plain);
   torch::Tensor out = attend(q, ck, cv, store_k.narrow(2, 0, end), store_v.narrow(2, 0, end), attn_mask);
   return {out, finite_k && finite_v};
 }
@@ -604,7 +655,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {""" + codec_binding() + r"""
   m.def("encode", &encode);
   m.def("encode_pair", &encode_pair);
   m.def("attend", &attend);
-  m.def("decode_attend", &decode_attend);
+  m.def("decode_attend", [](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const Codec& ck,
+                            const Codec& cv, const torch::Tensor& store_k, const torch::Tensor& store_v, int64_t start,
+                            c10::optional<torch::Tensor> attn_mask) {
+    return decode_attend(q, k, v, ck, cv, store_k, store_v, start, attn_mask);
+  });
 }
 """
 

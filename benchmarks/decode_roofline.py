@@ -20,8 +20,8 @@ Configs: `fixed` (r = --num-steps), `kl` (KL exit; with random weights the exit 
 so its roofline uses the realised steps), `shared-4` (fixed r on a 4-slot shared KV cache), and
 `official` (the official implementation's loop shape, frozen in `benchmarks/generation.py`), and
 `int8` (fixed r after `recurrent_depth.weight_quant.quantize_weights`: int8 weights per output
-channel in every transformer linear, quantized in place after the other configs ran; bf16 only,
-since torch's int8 kernel takes bf16 activations) and `int4` (fixed r on group-32 4-bit weights,
+channel in every transformer linear, quantized in place after the other configs ran; torch's int8
+kernel in bf16, the C++ `int8_linear` in fp32) and `int4` (fixed r on group-32 4-bit weights,
 torch's int4 kernel, bf16 and fp32; quantized after int8 is undone, from its dequantized weights:
 random weights, so only the speed is measured). Their bytes count the packed weights and scales.
 On CPUs without native bf16 (no AVX512-BF16 / AMX-BF16) bf16 products are emulated: `--dtype auto`
@@ -53,7 +53,6 @@ from generation import official_style_loop  # noqa: E402  (the frozen official-s
 CONFIGS = ("fixed", "kl", "shared-4", "official", "int8", "int4")
 QUANTIZED = ("int8", "int4")  # run last, in this order: each quantizes the model in place
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-INT8_FP32_NOTE = "int8 runs in bf16 only (torch's int8 kernel takes bf16 activations)"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -249,14 +248,8 @@ def measure_dtype(dtype_name: str, config: rd.ModelConfig, args: argparse.Namesp
     g = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, config.vocab_size, (1, args.prompt_len), generator=g)
     rows: dict[str, Any] = {}
-    notes = []
     names = [c for c in args.configs if c not in QUANTIZED]  # the quantized last: they change the model
-    for name in QUANTIZED:
-        if name in args.configs:
-            if name == "int8" and dtype != torch.bfloat16:
-                notes.append(INT8_FP32_NOTE)
-            else:
-                names.append(name)
+    names += [name for name in QUANTIZED if name in args.configs]
     with torch.inference_mode():
         for name in names:
             if name in QUANTIZED:
@@ -280,8 +273,7 @@ def measure_dtype(dtype_name: str, config: rd.ModelConfig, args: argparse.Namesp
                 rows[name]["speedup_vs_fixed"] = round(tps / rows["fixed"]["tokens_per_s"], 3)
             log(f"[{dtype_name}] {name}: {rows[name]} ({time.perf_counter() - start:.0f}s with the prefill)")
     del model
-    return dict(model_gb=round(model_bytes / 1e9, 3), build_seconds=round(built, 1), configs=rows, bandwidth=bandwidth,
-                notes=notes)
+    return dict(model_gb=round(model_bytes / 1e9, 3), build_seconds=round(built, 1), configs=rows, bandwidth=bandwidth)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -342,8 +334,6 @@ def main(argv: list[str] | None = None) -> int:
             row = res["configs"].get(quant)
             if row is not None and "speedup_vs_fixed" in row:
                 print(f"{name}: {quant} weights decode {row['speedup_vs_fixed']}x the {name} fixed-depth decode")
-        for note in res["notes"]:
-            print(f"{name}: {note}")
     return 0
 
 

@@ -5,8 +5,9 @@ holding the dequantized weights.
 
 Tolerances: torch's int8 kernel takes bf16 activations and returns bf16, so its products match the
 float32 reference (dequantize, then matmul) to bf16 output rounding: |error| <= 2^-7 of the row's
-largest |value| (observed <= 2^-8). The float32 int8 path is the reference computation itself, so a
-quantized float32 model gives bit-equal tokens and logits to its dequantized twin. torch's int4
+largest |value| (observed <= 2^-8). With C++ off (the suite's default) the float32 int8 path is the
+reference computation itself, so a quantized float32 model gives bit-equal tokens and logits to its
+dequantized twin; with it on, decode rows take the C++ product, equal to float32 rounding. torch's int4
 kernel takes float32, bf16 and fp16: float32 products agree with the reference to float32 rounding
 (a different summation order: observed <= 3e-6 of the row's largest value), bf16 ones within 2^-7
 (observed <= 2^-8), fp16 within 2^-9 (observed 5e-4); a float32 int4 model therefore gives the same
@@ -319,3 +320,50 @@ def test_build_app_quantizes_a_model_in_memory_and_refuses_a_bad_format_first(mo
     assert isinstance(model.transformer.core_block[0].attn.Wqkv, Int4WeightLinear)
     with pytest.raises(ValueError, match="weights='int4:g16' is invalid"):
         build_app(model_dir, weights="int4:g16")
+
+
+@pytest.fixture
+def cpp_int8(monkeypatch):
+    """The C++ float32 int8 product on (the suite's conftest turns C++ off), or a skip where it cannot build."""
+    from recurrent_depth.accel import quant_cpp
+
+    monkeypatch.setenv("RDEPTH_NO_CPP", "0")
+    if quant_cpp.load() is None:
+        pytest.skip(f"the C++ kernels cannot build here: {quant_cpp.failure()}")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+@pytest.mark.parametrize("K", [64, 37])
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_decode_rows_take_the_cpp_int8_product(cpp_int8, rows, K, bias):
+    """Up to 8 float32 rows: the C++ product (one pass over the int8 rows), equal to the reference to
+    float32 rounding, two threads splitting the rows; more rows, or a graph through x: the reference."""
+    torch.manual_seed(K + rows)
+    layer = Int8WeightLinear.from_linear(nn.Linear(K, 48, bias=bias))
+    x = torch.randn(rows, K)
+    reference = layer._reference(x)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.no_grad():
+            out = layer(x.view(1, rows, K))
+    finally:
+        torch.set_num_threads(previous)
+    assert layer.uses_cpp(x) == (rows <= 8)
+    torch.testing.assert_close(out.view(rows, 48), reference, rtol=1e-5, atol=1e-5)
+    if rows > 8:
+        assert torch.equal(out.view(rows, 48), reference)
+    assert not layer.uses_cpp(x.clone().requires_grad_())
+
+
+def test_float32_int8_model_decodes_with_cpp_as_its_dequantized_twin(cpp_int8):
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval()
+    quantized = copy.deepcopy(model)
+    quantize_weights(quantized, "int8")
+    twin = copy.deepcopy(quantized)
+    dequantize_weights(twin)
+    ids = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=5, num_steps=3, init_scale=0.0, output_logits=True)
+    out, ref = generate(quantized, ids, **kw), generate(twin, ids, **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-4, atol=1e-4)

@@ -62,9 +62,39 @@ struct Block {
 
 inline bool has(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
+// y[j] = x . w[j] for `rows` (<= 4) weight rows j at w + j * stride, each of k floats. Four rows at a
+// time stream four weight rows from memory together (on AVX2 with FMA, two 8-wide accumulators a row):
+// one row at a time reads ~0.6 of the memory bandwidth on a 2-core AVX2 VM, four ~0.8-0.85 (ATen ~0.7).
+inline void dot_rows(const float* x, const float* w, int64_t k, int64_t stride, int64_t rows, float* y) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (rows == 4) {
+    __m256 a[4], c[4];
+    for (int j = 0; j < 4; ++j) a[j] = c[j] = _mm256_setzero_ps();
+    int64_t e = 0;
+    for (; e + 16 <= k; e += 16) {
+      const __m256 xa = _mm256_loadu_ps(x + e), xb = _mm256_loadu_ps(x + e + 8);
+      for (int j = 0; j < 4; ++j) {
+        a[j] = _mm256_fmadd_ps(xa, _mm256_loadu_ps(w + j * stride + e), a[j]);
+        c[j] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + j * stride + e + 8), c[j]);
+      }
+    }
+    for (int j = 0; j < 4; ++j) {
+      const __m256 v = _mm256_add_ps(a[j], c[j]);
+      __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+      half = _mm_hadd_ps(half, half);
+      float total = _mm_cvtss_f32(_mm_hadd_ps(half, half));
+      for (int64_t f = e; f < k; ++f) total += x[f] * w[j * stride + f];
+      y[j] = total;
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < rows; ++j) y[j] = dot(x, w + j * stride, k);
+}
+
 // Products of at most STREAM_ROWS rows with an untransposed-layout weight stream its rows (`stream_linear`),
-// STREAM_GRAIN weight rows at least to a thread's share.
-constexpr int64_t STREAM_ROWS = 8, STREAM_GRAIN = 64;
+// at least STREAM_GRAIN blocks of four weight rows to a thread's share.
+constexpr int64_t STREAM_ROWS = 8, STREAM_GRAIN = 16;
 
 // The codecs of a call's layers: empty (float stores), or one key and one value codec per store.
 using Codecs = std::vector<Codec*>;
@@ -188,9 +218,9 @@ class Decoder {
 
   // `linear` for a few rows (B <= STREAM_ROWS) times a weight held as the transpose of a parameter's [n, k]
   // rows (the runner's layout for the weights it does not copy: a large model's). Decoding such a
-  // model streams every weight from memory once a product, and ATen's gemv reaches about 0.6 of the
-  // read bandwidth there: here each thread streams its share of the weight rows once, each row's dot
-  // with every x row, (residual + x w) + bias as `linear` adds them.
+  // model streams every weight from memory once a product, and ATen's gemv reads ~0.7 of the memory
+  // bandwidth there (a 2-core AVX2 VM): here each thread streams its share of the weight rows once, four
+  // rows together (`dot_rows`), each block's dots with every x row, (residual + x w) + bias as `linear`.
   static void stream_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
                             const at::Tensor* residual) {
     const int64_t B = x.size(0), k = w.size(0), n = w.size(1);
@@ -206,14 +236,18 @@ class Decoder {
       rp = residual->data_ptr<float>();
     }
     float* yp = out.data_ptr<float>();
-    at::parallel_for(0, n, STREAM_GRAIN, [&](int64_t begin, int64_t end) {
-      for (int64_t o = begin; o < end; ++o) {
-        const float* row = wp + o * row_stride;
+    at::parallel_for(0, (n + 3) / 4, STREAM_GRAIN, [&](int64_t begin, int64_t end) {
+      float y[4];
+      for (int64_t quad = begin; quad < end; ++quad) {
+        const int64_t o = 4 * quad, rows = std::min<int64_t>(4, n - o);
         for (int64_t b = 0; b < B; ++b) {
-          float y = dot(xp + b * k, row, k);
-          if (rp != nullptr) y = rp[b * n + o] + y;
-          if (bp != nullptr) y = rp != nullptr ? y + bp[o] : bp[o] + y;
-          yp[b * n + o] = y;
+          dot_rows(xp + b * k, wp + o * row_stride, k, row_stride, rows, y);
+          for (int64_t j = 0; j < rows; ++j) {
+            float v = y[j];
+            if (rp != nullptr) v = rp[b * n + o + j] + v;
+            if (bp != nullptr) v = rp != nullptr ? v + bp[o + j] : bp[o + j] + v;
+            yp[b * n + o + j] = v;
+          }
         }
       }
     });

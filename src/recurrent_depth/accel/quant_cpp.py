@@ -563,6 +563,50 @@ bool encode_into(const torch::Tensor& x, const std::vector<torch::Tensor>& t, co
   return finite;
 }
 
+// int8 weights for float32 rows (`weight_quant.Int8WeightLinear` at decode row counts): y [N, out] =
+// x [N, in] (q [out, in] * scales[:, None])^T (+ bias), each weight row streamed once for all N rows
+// (split across the threads), converted to float and dotted with eight running sums, times its scale:
+// the reference's x @ dequantized^T to float32 rounding (the scale applied once, after the sum), reading
+// 1 byte a weight where the reference materialises 4.
+inline float dot_int8(const float* a, const int8_t* b, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t e = 0;
+  for (; e + 8 <= n; e += 8) {
+    for (int j = 0; j < 8; ++j) acc[j] += a[e + j] * static_cast<float>(b[e + j]);
+  }
+  float total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; e < n; ++e) total += a[e] * static_cast<float>(b[e]);
+  return total;
+}
+
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
+                          const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "int8_linear: x float32 [N, in]");
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(1) == x.size(1),
+              "int8_linear: q int8 [out, in]");
+  const int64_t N = x.size(0), K = x.size(1), O = q.size(0);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == O,
+              "int8_linear: scales float32 [out]");
+  const bool biased = bias.has_value() && bias->defined();
+  TORCH_CHECK(!biased || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == O),
+              "int8_linear: bias float32 [out]");
+  torch::Tensor y = torch::empty({N, O}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* bp = biased ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, O, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o) {
+      for (int64_t n = 0; n < N; ++n) {
+        const float v = dot_int8(xp + n * K, qp + o * K, K) * sp[o];
+        yp[n * O + o] = bp != nullptr ? v + bp[o] : v;
+      }
+    }
+  });
+  return y;
+}
+
 // One codec's constants, built once (`EntryLayout`), so that a call passes one object per side.
 // With a folded per-head permutation, `query` and `back` are the shared codec's, `perm` [(B,) Hkv, D]
 // (the query rows' gather) and `unperm` its inverse (the output's); else both empty.
@@ -653,6 +697,7 @@ def codec_binding(module_local: bool = False) -> str:
 CPP_SOURCE = KERNEL_SOURCE + r"""
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {""" + codec_binding() + r"""
   m.def("encode", &encode);
+  m.def("int8_linear", &int8_linear);
   m.def("encode_pair", &encode_pair);
   m.def("attend", &attend);
   m.def("decode_attend", [](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const Codec& ck,

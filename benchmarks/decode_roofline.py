@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 import recurrent_depth as rd
+from recurrent_depth.accel import decode_cpp, quant_cpp
 from recurrent_depth.weight_quant import QuantizedLinear, dequantize_weights, quantize_weights, quantized_weights
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -296,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     # The bandwidth moves with other jobs' load on a shared machine: probe it before the model is
     # built and again after it is freed (never both in memory), and take the best, the roofline's
     # most demanding reading. A run inside a quieter or busier minute still moves the fraction.
+    # The C++ kernels build at their first use (once per machine): before anything is timed.
+    for kernels in (decode_cpp.load_decoder, quant_cpp.load):
+        if quant_cpp.cpp_enabled() and kernels() is None:
+            log(f"C++ kernels unavailable ({decode_cpp.build_failure() or quant_cpp.failure()}): Python paths")
     samples = [read_bandwidth(args.bandwidth_gb, args.bandwidth_repeats)]
     log(f"read bandwidth {samples[0]:.1f} GB/s ({torch.get_num_threads()} threads)")
     results = {}

@@ -54,7 +54,10 @@ from recurrent_depth.quant.turboquant import HASH_BITS, RESIDUAL_LEVELS
 
 NO_CPP_ENV = "RDEPTH_NO_CPP"
 log = logging.getLogger(__name__)
-BUILD_FLAGS = ("-O3", "-march=native", "-ffp-contract=off")
+# -fopenmp: ATen's `at::parallel_for` in an extension splits work over torch's threads only when the
+# extension is built with OpenMP (without it, it runs on one thread).
+BUILD_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
+LINK_FLAGS = ("-fopenmp",)
 BUILD_LOCK_TIMEOUT_S = 900.0  # waiting for another process's build (30-60 s; far more on a loaded machine)
 MAX_LIBRARY_BYTES = 256 << 20  # the built library is ~0.5 MB
 RECORD_MAX_BYTES = 1 << 16
@@ -565,7 +568,7 @@ bool encode_into(const torch::Tensor& x, const std::vector<torch::Tensor>& t, co
 
 // int8 weights for float32 rows (`weight_quant.Int8WeightLinear` at decode row counts): y [N, out] =
 // x [N, in] (q [out, in] * scales[:, None])^T (+ bias), each weight row streamed once for all N rows
-// (split across the threads), converted to float and dotted with eight running sums, times its scale:
+// (split across the threads, four rows together), converted to float and dotted, times its scale:
 // the reference's x @ dequantized^T to float32 rounding (the scale applied once, after the sum), reading
 // 1 byte a weight where the reference materialises 4.
 inline float dot_int8(const float* a, const int8_t* b, int64_t n) {
@@ -577,6 +580,38 @@ inline float dot_int8(const float* a, const int8_t* b, int64_t n) {
   float total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
   for (; e < n; ++e) total += a[e] * static_cast<float>(b[e]);
   return total;
+}
+
+// y[j] = a . b[j] for `rows` (<= 4) int8 rows at b + j * n: on AVX2 with FMA four rows together (eight
+// int8 widened to float a load, two 8-wide accumulators a row), ~8x the scalar loop's rate; else dot_int8.
+inline void dot_int8_rows(const float* a, const int8_t* b, int64_t n, int64_t rows, float* y) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (rows == 4) {
+    auto widen = [](const int8_t* p) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    };
+    __m256 lo[4], hi[4];
+    for (int j = 0; j < 4; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
+    int64_t e = 0;
+    for (; e + 16 <= n; e += 16) {
+      const __m256 xa = _mm256_loadu_ps(a + e), xb = _mm256_loadu_ps(a + e + 8);
+      for (int j = 0; j < 4; ++j) {
+        lo[j] = _mm256_fmadd_ps(xa, widen(b + j * n + e), lo[j]);
+        hi[j] = _mm256_fmadd_ps(xb, widen(b + j * n + e + 8), hi[j]);
+      }
+    }
+    for (int j = 0; j < 4; ++j) {
+      const __m256 v = _mm256_add_ps(lo[j], hi[j]);
+      __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+      half = _mm_hadd_ps(half, half);
+      float total = _mm_cvtss_f32(_mm_hadd_ps(half, half));
+      for (int64_t f = e; f < n; ++f) total += a[f] * static_cast<float>(b[j * n + f]);
+      y[j] = total;
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < rows; ++j) y[j] = dot_int8(a, b + j * n, n);
 }
 
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
@@ -596,11 +631,16 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const 
   const float* sp = scales.data_ptr<float>();
   const float* bp = biased ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, O, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t o = begin; o < end; ++o) {
+  at::parallel_for(0, (O + 3) / 4, 16, [&](int64_t begin, int64_t end) {  // blocks of four weight rows
+    float dots[4];
+    for (int64_t quad = begin; quad < end; ++quad) {
+      const int64_t o = 4 * quad, rows = std::min<int64_t>(4, O - o);
       for (int64_t n = 0; n < N; ++n) {
-        const float v = dot_int8(xp + n * K, qp + o * K, K) * sp[o];
-        yp[n * O + o] = bp != nullptr ? v + bp[o] : v;
+        dot_int8_rows(xp + n * K, qp + o * K, K, rows, dots);
+        for (int64_t j = 0; j < rows; ++j) {
+          const float v = dots[j] * sp[o + j];
+          yp[n * O + o + j] = bp != nullptr ? v + bp[o + j] : v;
+        }
       }
     }
   });
@@ -743,7 +783,7 @@ def build_key(source: str = CPP_SOURCE) -> str:
     """What a build depends on, hashed: the source and flags, torch (version, build, C++ ABI), the
     Python ABI and the CPU's features; no path of the Python environment, so every virtualenv with
     the same torch and Python shares one build."""
-    parts = (source, " ".join(BUILD_FLAGS), torch.__version__, str(torch.version.git_version),
+    parts = (source, " ".join(BUILD_FLAGS + LINK_FLAGS), torch.__version__, str(torch.version.git_version),
              str(torch.compiled_with_cxx11_abi()), str(sysconfig.get_config_var("SOABI")), cpu_fingerprint())
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
 
@@ -760,7 +800,7 @@ def compile_extension(name: str, scratch: Path, source: str = CPP_SOURCE) -> tup
     stay out of the shared cache); (the imported module, its library)."""
     from torch.utils.cpp_extension import load_inline
 
-    module = load_inline(name, cpp_sources=[source], extra_cflags=list(BUILD_FLAGS),
+    module = load_inline(name, cpp_sources=[source], extra_cflags=list(BUILD_FLAGS), extra_ldflags=list(LINK_FLAGS),
                          build_directory=str(scratch), verbose=False)
     return module, scratch / f"{name}.so"
 

@@ -339,7 +339,7 @@ def test_float32_decode_rows_take_the_cpp_int8_product(cpp_int8, rows, K, bias):
     """Up to 8 float32 rows: the C++ product (one pass over the int8 rows), equal to the reference to
     float32 rounding, two threads splitting the rows; more rows, or a graph through x: the reference."""
     torch.manual_seed(K + rows)
-    layer = Int8WeightLinear.from_linear(nn.Linear(K, 50, bias=bias)  # (50: a last block of two rows))
+    layer = Int8WeightLinear.from_linear(nn.Linear(K, 50, bias=bias))  # (50: a last block of two rows)
     x = torch.randn(rows, K)
     reference = layer._reference(x)
     previous = torch.get_num_threads()

@@ -209,7 +209,9 @@ def test_rdepth_info_builds_the_kernels_ahead(tmp_path, libraries, monkeypatch, 
     for fresh in ("_module", "_failure", "_cache"):
         monkeypatch.setattr(quant_cpp, fresh, None)
     assert main(["info", "--build-kernels"]) == 0
-    assert re.search(rf"kernels: built in \d+\.\d s, in {re.escape(str(tmp_path / NAME))}", capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert re.search(rf"kernels: built in \d+\.\d s, in {re.escape(str(tmp_path / NAME))}", out)
+    assert "C++ decode kernels: off (RDEPTH_NO_CPP_DECODE or RDEPTH_NO_CPP is set)" in out
     monkeypatch.setattr(quant_cpp, "_module", None)
     assert main(["info", "--build-kernels"]) == 0
     assert "kernels: already built, in" in capsys.readouterr().out and compile.calls == 1

@@ -427,6 +427,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {""" + quant_cpp.codec_binding(module_l
 _lock = threading.Lock()
 _module: Any = None
 _failure: str | None = None
+_cache: quant_cpp.KernelCache | None = None
 
 
 def decode_enabled() -> bool:
@@ -437,17 +438,30 @@ def decode_enabled() -> bool:
 def load_decoder() -> Any:
     """The built extension (built at the first call of a machine, through `quant_cpp.kernel_cache`), or
     None where the C++ decode is off or cannot build (warned once, with the reason; the Python path runs)."""
-    global _module, _failure
+    global _module, _failure, _cache
     if not decode_enabled():
         return None
     with _lock:
         if _module is None and _failure is None:
             try:
-                _module = quant_cpp.kernel_cache("rdepth_decode", CPP_SOURCE, WHAT).load()
+                _cache = quant_cpp.kernel_cache("rdepth_decode", CPP_SOURCE, WHAT)
+                _module = _cache.load()
             except Exception as exc:  # no compiler, no ninja, a failing build: the Python path runs
                 _failure = quant_cpp.failure_line(exc)
                 log.warning("the %s are unavailable (%s); decoding through the Python path", WHAT, _failure)
     return _module
+
+
+def build_ahead() -> str:
+    """Load the decode kernels, building them where this machine has not (`rdepth info --build-kernels`):
+    one line saying which; a RuntimeError line where they cannot build."""
+    if not decode_enabled():
+        return f"{WHAT}: off ({NO_DECODE_ENV} or {quant_cpp.NO_CPP_ENV} is set)"
+    if load_decoder() is None:
+        raise RuntimeError(f"the {WHAT} cannot build here: {_failure}")
+    assert _cache is not None
+    how = "already built" if _cache.built_seconds is None else f"built in {_cache.built_seconds:.1f} s"
+    return f"{WHAT}: {how}, in {_cache.directory}"
 
 
 def build_failure() -> str | None:

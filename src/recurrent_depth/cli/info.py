@@ -1,5 +1,5 @@
 """`rdepth info`: shape, parameter count and cache cost of a preset or a saved model directory; or, with
---build-kernels, the C++ quantized-KV kernels built ahead of their first use."""
+--build-kernels, the C++ kernels (quantized KV and int8, the decode step) built ahead of their first use."""
 
 from __future__ import annotations
 
@@ -25,9 +25,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     source.add_argument("--preset", help="a preset name: tiny, small, huginn-0125")
     source.add_argument("--model", metavar="DIR", help="a saved model directory (ours, official Huginn or Ouro)")
     source.add_argument("--build-kernels", action="store_true",
-                        help="build the C++ quantized-KV decoding kernels now (once per machine, torch and Python "
-                             "version, 30-60 s; otherwise the first --kv-quant decode on CPU builds them), or check "
-                             "and load the cached build; print where they are (default: off)")
+                        help="build the C++ kernels now (the quantized-KV and int8 kernels, then the float32 decode "
+                             "step; once per machine, torch and Python version, 30-60 s each; otherwise their first "
+                             "use builds them), or check and load the cached builds; print where they are "
+                             "(default: off)")
     add_option_flags(parser, ("kv_policy", "kv_quant"), helps={
         "kv_policy": "also report the cache under this KV policy, e.g. shared-8 or an official strategy such as "
                      "latest-m4-compress-s16 (default: off)",
@@ -40,10 +41,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.build_kernels:
-        from recurrent_depth.accel import quant_cpp
+        from recurrent_depth.accel import decode_cpp, quant_cpp
 
         try:
             print(quant_cpp.build_ahead())
+            print(decode_cpp.build_ahead())
         except RuntimeError as exc:  # no compiler, a failing build: the other decode paths still run
             print(f"rdepth info: error: {exc}", file=sys.stderr)
             return 1

@@ -452,7 +452,7 @@ def load_decoder() -> Any:
     return _module
 
 
-def build_ahead() -> str:
+def build_decoder_ahead() -> str:
     """Load the decode kernels, building them where this machine has not (`rdepth info --build-kernels`):
     one line saying which; a RuntimeError line where they cannot build."""
     if not decode_enabled():

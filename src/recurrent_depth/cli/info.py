@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             print(quant_cpp.build_ahead())
-            print(decode_cpp.build_ahead())
+            print(decode_cpp.build_decoder_ahead())
         except RuntimeError as exc:  # no compiler, a failing build: the other decode paths still run
             print(f"rdepth info: error: {exc}", file=sys.stderr)
             return 1

@@ -62,36 +62,6 @@ struct Block {
 
 inline bool has(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
-// y[j] = x . w[j] for `rows` (<= 4) weight rows j at w + j * stride, each of k floats. Four rows at a
-// time stream four weight rows from memory together (on AVX2 with FMA, two 8-wide accumulators a row):
-// one row at a time reads ~0.6 of the memory bandwidth on a 2-core AVX2 VM, four ~0.8-0.85 (ATen ~0.7).
-inline void dot_rows(const float* x, const float* w, int64_t k, int64_t stride, int64_t rows, float* y) {
-#if defined(__AVX2__) && defined(__FMA__)
-  if (rows == 4) {
-    __m256 a[4], c[4];
-    for (int j = 0; j < 4; ++j) a[j] = c[j] = _mm256_setzero_ps();
-    int64_t e = 0;
-    for (; e + 16 <= k; e += 16) {
-      const __m256 xa = _mm256_loadu_ps(x + e), xb = _mm256_loadu_ps(x + e + 8);
-      for (int j = 0; j < 4; ++j) {
-        a[j] = _mm256_fmadd_ps(xa, _mm256_loadu_ps(w + j * stride + e), a[j]);
-        c[j] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + j * stride + e + 8), c[j]);
-      }
-    }
-    for (int j = 0; j < 4; ++j) {
-      const __m256 v = _mm256_add_ps(a[j], c[j]);
-      __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-      half = _mm_hadd_ps(half, half);
-      float total = _mm_cvtss_f32(_mm_hadd_ps(half, half));
-      for (int64_t f = e; f < k; ++f) total += x[f] * w[j * stride + f];
-      y[j] = total;
-    }
-    return;
-  }
-#endif
-  for (int64_t j = 0; j < rows; ++j) y[j] = dot(x, w + j * stride, k);
-}
-
 // Products of at most STREAM_ROWS rows with an untransposed-layout weight stream its rows (`stream_linear`),
 // at least STREAM_GRAIN blocks of four weight rows to a thread's share.
 constexpr int64_t STREAM_ROWS = 8, STREAM_GRAIN = 16;

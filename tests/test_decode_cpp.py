@@ -96,36 +96,38 @@ def test_the_cpp_decode_equals_the_python_paths_and_a_full_forward(cpp, calls, m
     torch.testing.assert_close(ours.logits, full[:, 6:12], rtol=1e-4, atol=1e-4)  # (test_inference.py's tolerance)
 
 
+def one_token_after_prefill(model, make_cache, fused: bool, monkeypatch) -> tuple:
+    """A 5-token prefill, then one decoded token per row with the C++ decode on or off: the token's
+    embedding, core state and logits, and a copy of every cache entry."""
+    monkeypatch.setenv("RDEPTH_NO_CPP_DECODE", "0" if fused else "1")
+    ids = torch.randint(0, 97, (3, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        runner, cache = FastRunner(model), make_cache()
+        step = runner.context(ids[:, :5], None, cache)
+        e = runner.embed(ids[:, :5], step)
+        runner.predict(runner.core_steps(torch.zeros_like(e), runner.inject(e), e, range(4), step), step)
+        cache.close(4, 5)
+        cache.advance(5)
+        step = runner.context(ids[:, 5:], None, cache)
+        e = runner.embed(ids[:, 5:], step)
+        s = runner.core_steps(torch.randn(3, 1, 36, generator=torch.Generator().manual_seed(4)),
+                              runner.inject(e), e, range(4), step)
+        logits = runner.predict(s, step)
+        assert isinstance(runner._decode, DecodeKernel) == fused
+        return e, s, logits, {k: (K.clone(), V.clone()) for k, (K, V) in cache.kv.items()}
+
+
 @pytest.mark.parametrize("kv_heads", [6, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("budget", [None, 2], ids=["per-step", "shared-2"])
-def test_states_and_cache_entries_equal_the_python_steps(cpp, kv_heads, budget):
+def test_states_and_cache_entries_equal_the_python_steps(cpp, monkeypatch, kv_heads, budget):
     """One decoded token per row after a prefill: the state after each piece, the logits, and every KV
     entry the C++ wrote, against `FastRunner`'s Python steps on an identical cache."""
     model = odd_model(kv_heads)
-    ids = torch.randint(0, 97, (3, 6), generator=torch.Generator().manual_seed(2))
-    results = []
-    for fused in (True, False):
-        with torch.no_grad():
-            runner, cache = FastRunner(model), StaticRecurrentCache(3, 4, kv_budget=budget, capacity=8)
-            step = runner.context(ids[:, :5], None, cache)
-            e = runner.embed(ids[:, :5], step)
-            s = runner.core_steps(torch.zeros_like(e), runner.inject(e), e, range(4), step)
-            runner.predict(s, step)
-            cache.close(4, 5)
-            cache.advance(5)
-            step = runner.context(ids[:, 5:], None, cache)
-            if not fused:
-                runner._decode, runner._decode_tried = None, True
-            e = runner.embed(ids[:, 5:], step)
-            s = runner.core_steps(torch.randn(3, 1, 36, generator=torch.Generator().manual_seed(4)),
-                                  runner.inject(e), e, range(4), step)
-            logits = runner.predict(s, step)
-            assert isinstance(runner._decode, DecodeKernel) == fused
-            results.append((e, s, logits, {k: (K.clone(), V.clone()) for k, (K, V) in cache.kv.items()}))
-    (e0, s0, l0, kv0), (e1, s1, l1, kv1) = results
-    torch.testing.assert_close(e0, e1, **TOL)
-    torch.testing.assert_close(s0, s1, **TOL)
-    torch.testing.assert_close(l0, l1, **TOL)
+    (e0, s0, l0, kv0), (e1, s1, l1, kv1) = (
+        one_token_after_prefill(model, lambda: StaticRecurrentCache(3, 4, kv_budget=budget, capacity=8), fused,
+                                monkeypatch) for fused in (True, False))
+    for ours, python in ((e0, e1), (s0, s1), (l0, l1)):
+        torch.testing.assert_close(ours, python, **TOL)
     assert kv0.keys() == kv1.keys()
     for key in kv0:
         torch.testing.assert_close(kv0[key], kv1[key], **TOL, msg=str(key))
@@ -221,26 +223,10 @@ def test_quantized_cache_rows_equal_the_python_steps(cpp, monkeypatch):
     """One decoded token after a prefill on a quantized shared-2 cache: states, logits and every code row
     the C++ wrote, against `FastRunner`'s Python steps (the C++ quantized read) on an identical cache."""
     model = odd_model(2)
-    ids = torch.randint(0, 97, (3, 6), generator=torch.Generator().manual_seed(2))
-    results = []
-    for fused in (True, False):
-        monkeypatch.setenv("RDEPTH_NO_CPP_DECODE", "0" if fused else "1")
-        with torch.no_grad():
-            runner = FastRunner(model)
-            cache = StaticRecurrentCache(3, 4, kv_budget=2, capacity=8, kv_quant=KV_QUANT["tq3.5"])
-            step = runner.context(ids[:, :5], None, cache)
-            e = runner.embed(ids[:, :5], step)
-            runner.predict(runner.core_steps(torch.zeros_like(e), runner.inject(e), e, range(4), step), step)
-            cache.close(4, 5)
-            cache.advance(5)
-            step = runner.context(ids[:, 5:], None, cache)
-            e = runner.embed(ids[:, 5:], step)
-            s = runner.core_steps(torch.randn(3, 1, 36, generator=torch.Generator().manual_seed(4)),
-                                  runner.inject(e), e, range(4), step)
-            logits = runner.predict(s, step)
-            assert isinstance(runner._decode, DecodeKernel) == fused
-            results.append((e, s, logits, {k: (K.clone(), V.clone()) for k, (K, V) in cache.kv.items()}))
-    (e0, s0, l0, kv0), (e1, s1, l1, kv1) = results
+    (e0, s0, l0, kv0), (e1, s1, l1, kv1) = (
+        one_token_after_prefill(
+            model, lambda: StaticRecurrentCache(3, 4, kv_budget=2, capacity=8, kv_quant=KV_QUANT["tq3.5"]), fused,
+            monkeypatch) for fused in (True, False))
     for ours, python in ((e0, e1), (s0, s1), (l0, l1)):
         torch.testing.assert_close(ours, python, **TOL)
     assert kv0.keys() == kv1.keys()

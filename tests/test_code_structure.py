@@ -6,7 +6,11 @@ import functools
 import importlib
 import inspect
 import pkgutil
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import recurrent_depth
 
@@ -169,6 +173,17 @@ def test_inference_and_model_import_nothing_from_accel():
         if name.startswith(("recurrent_depth.inference", "recurrent_depth.model"))
     }
     assert {k: v for k, v in offenders.items() if v} == {}
+
+
+@pytest.mark.parametrize("first", ["recurrent_depth.accel.runner", "recurrent_depth.inference"])
+def test_the_fast_runner_is_registered_whichever_module_is_imported_first(first):
+    """`accel.runner` imports `inference.runner` midway; imported first, it still ends registered (once),
+    with no warning from the import hook."""
+    code = (f"import warnings; warnings.simplefilter('error'); import {first}; import recurrent_depth as rd; "
+            "from recurrent_depth.inference import runner; from recurrent_depth.accel.runner import fast_runner; "
+            "assert runner._FAST_RUNNERS == [fast_runner], runner._FAST_RUNNERS")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_make_runner_asks_the_registered_factories_in_order(monkeypatch):

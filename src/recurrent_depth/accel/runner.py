@@ -51,7 +51,7 @@ from recurrent_depth.accel import decode_cpp, enabled_by_default
 from recurrent_depth.accel.decode_cpp import DecodeKernel
 from recurrent_depth.accel.lora import is_lora_layer, low_rank_term, unsupported_lora
 from recurrent_depth.accel.quant import code_kernels
-from recurrent_depth.inference.runner import ModelRunner, Step
+from recurrent_depth.inference.runner import ModelRunner, Step, register_fast_runner
 from recurrent_depth.model.cache import ModelCache, combine_key_mask
 from recurrent_depth.model.layers import RotaryTable
 from recurrent_depth.model.recurrent import all_attention, blocks_of
@@ -373,3 +373,6 @@ def fast_runner(model: Any) -> FastRunner | None:
         return None
     with torch.no_grad():  # the copies and folded weights are constants, not graph nodes
         return FastRunner(model)
+
+
+register_fast_runner(fast_runner)  # (see integrations/autoregister.py)

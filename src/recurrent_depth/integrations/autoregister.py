@@ -49,11 +49,14 @@ def _register_lm_eval(_: ModuleType | None = None) -> None:
 
 
 def _register_fast_runner(_: ModuleType | None = None) -> None:
-    """The fused runner of `accel` offered to `inference.runner` (which imports nothing from accel)."""
-    from recurrent_depth.accel.runner import fast_runner
-    from recurrent_depth.inference.runner import register_fast_runner
-
-    register_fast_runner(fast_runner)
+    """The fused runner of `accel` offered to `inference.runner` (which imports nothing from accel):
+    `accel.runner` registers it as its import ends. When `accel.runner` is imported first, it imports
+    `inference.runner` midway (this hook then finds it partly executed, and leaves the registration
+    to its end)."""
+    importing = sys.modules.get("recurrent_depth.accel.runner")
+    if importing is not None and not hasattr(importing, "fast_runner"):
+        return
+    import recurrent_depth.accel.runner  # noqa: F401  (registers `fast_runner`)
 
 
 _HOOKS: dict[str, Callable[[ModuleType | None], None]] = {

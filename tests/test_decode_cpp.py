@@ -275,3 +275,67 @@ def test_uncopied_weights_stream_rows_as_the_python_path(cpp, monkeypatch, rows)
     python = run(model, ids, None, monkeypatch, False)
     assert torch.equal(ours.sequences, python.sequences)
     torch.testing.assert_close(ours.logits, python.logits, **TOL)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9], ids=["1-row", "3-rows", "8-rows", "9-rows"])
+@pytest.mark.parametrize("terms", ["plain", "bias", "residual+bias", "residual+bias+lora", "strided"])
+def test_bf16_rows_stream_the_weights_within_bf16_rounding(cpp, rows, terms):
+    """`FastRunner._linear` on bf16 decode rows against a parameter's own `[out, in]` rows (or a column slice
+    of them, as the adapter's halves): the C++ stream (float32 sums, one rounding) for up to 8 rows, ATen
+    beyond; within bf16 rounding of the float32 product (the usual forward-error bound, on the sums of
+    |terms|), into a given buffer too; odd widths (37 in, 50 out: a last block of two rows)."""
+    from recurrent_depth.accel import runner as runner_module
+
+    g = torch.Generator().manual_seed(rows)
+    x, rows_ = torch.randn(rows, 37, generator=g).bfloat16(), torch.randn(50, 45, generator=g).bfloat16()
+    weight = rows_[:, 3:40] if terms == "strided" else rows_[:, :37].contiguous()
+    bias = torch.randn(50, generator=g).bfloat16() if terms not in ("plain", "strided") else None
+    residual = torch.randn(rows, 50, generator=g).bfloat16() if "residual" in terms else None
+    low_rank = ((torch.randn(37, 4, generator=g).bfloat16(), torch.randn(4, 50, generator=g).bfloat16())
+                if "lora" in terms else None)
+    reference, magnitude = x.float() @ weight.float().t(), x.float().abs() @ weight.float().abs().t()
+    for term in (residual, bias):
+        if term is not None:
+            reference, magnitude = reference + term.float(), magnitude + term.float().abs()
+    if low_rank is not None:
+        a, b = (t.float() for t in low_rank)
+        reference, magnitude = reference + (x.float() @ a) @ b, magnitude + (x.float() @ a).abs() @ b.abs()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.no_grad():
+            assert (runner_module._bf16_stream(x, weight.t()) is not None) == (rows <= runner_module.STREAM_ROWS)
+            out = torch.empty(rows, 50, dtype=torch.bfloat16)
+            y = FastRunner._linear(x, weight.t(), bias, residual, out=out, low_rank=low_rank)
+            fresh = FastRunner._linear(x, weight.t(), bias, residual, low_rank=low_rank)
+    finally:
+        torch.set_num_threads(previous)
+    assert y.data_ptr() == out.data_ptr() and y.dtype == torch.bfloat16 and torch.equal(y, fresh)
+    # bf16 roundings: the stream's one, ATen's two (addmm, then the bias), the LoRA term's three
+    roundings = (1 if rows <= runner_module.STREAM_ROWS else 2) + (3 if low_rank is not None else 0)
+    assert ((y.float() - reference).abs() <= roundings * 2**-8 * magnitude + 1e-6).all()
+    with torch.enable_grad():
+        assert runner_module._bf16_stream(x, weight.t()) is None  # (a graph: ATen's differentiable product)
+    assert runner_module._bf16_stream(x, weight.t().contiguous()) is None  # ([in, out] copies: ATen's layout)
+
+
+def test_a_bf16_model_decodes_with_the_stream_as_with_aten(cpp, monkeypatch):
+    """A bf16 model in the large-model layout (no weight copies): every decode product streams in C++ (the
+    blocks', the adapter's halves and the head), and the tokens and logits are those of ATen's bf16
+    products, to bf16 rounding."""
+    from recurrent_depth.accel import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "COPY_LIMIT_BYTES", 0)
+    streamed = []
+    original = runner_module._bf16_stream
+    monkeypatch.setattr(runner_module, "_bf16_stream", lambda x, w: streamed.append(original(x, w)) or streamed[-1])
+    model = odd_model(2, qk_bias=True).to(torch.bfloat16)
+    ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(4))
+    ours = run(model, ids, None, monkeypatch, True)
+    steps, cfg = 3, model.config
+    blocks = cfg.prelude_layers + steps * cfg.core_layers + cfg.coda_layers
+    per_token = 4 * blocks + 1 + steps + 1  # four products a block, the adapter's halves, the head
+    assert sum(s is not None for s in streamed) == 5 * per_token + 1  # 5 decode calls; the prompt's head
+    python = run(model, ids, None, monkeypatch, False)
+    assert torch.equal(ours.sequences, python.sequences)
+    assert (ours.logits.float() - python.logits.float()).abs().max() <= 0.02 * python.logits.float().abs().max()

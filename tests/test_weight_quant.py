@@ -335,13 +335,15 @@ def cpp_int8(monkeypatch):
 @pytest.mark.parametrize("rows", [1, 3, 8, 9])
 @pytest.mark.parametrize("K", [64, 37])
 @pytest.mark.parametrize("bias", [False, True])
-def test_float32_decode_rows_take_the_cpp_int8_product(cpp_int8, rows, K, bias):
-    """Up to 8 float32 rows: the C++ product (one pass over the int8 rows), equal to the reference to
-    float32 rounding, two threads splitting the rows; more rows, or a graph through x: the reference."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_rows_take_the_cpp_int8_product(cpp_int8, rows, K, bias, dtype):
+    """Up to 8 float32 or bf16 rows: the C++ product (one pass over the int8 rows, float32 sums), equal to
+    the float32 reference to float32 rounding (bf16: then rounded once, within bf16 unit roundoff), two
+    threads splitting the rows; more rows, or a graph through x: torch's kernel or the reference."""
     torch.manual_seed(K + rows)
-    layer = Int8WeightLinear.from_linear(nn.Linear(K, 50, bias=bias))  # (50: a last block of two rows)
-    x = torch.randn(rows, K)
-    reference = layer._reference(x)
+    layer = Int8WeightLinear.from_linear(nn.Linear(K, 50, bias=bias).to(dtype))  # (50: a last block of two rows)
+    x = torch.randn(rows, K).to(dtype)
+    reference = _reference(layer, x)
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -349,11 +351,39 @@ def test_float32_decode_rows_take_the_cpp_int8_product(cpp_int8, rows, K, bias):
             out = layer(x.view(1, rows, K))
     finally:
         torch.set_num_threads(previous)
-    assert layer.uses_cpp(x) == (rows <= 8)
-    torch.testing.assert_close(out.view(rows, 50), reference, rtol=1e-5, atol=1e-5)
-    if rows > 8:
-        assert torch.equal(out.view(rows, 50), reference)
+    assert layer.uses_cpp(x) == (rows <= 8) and out.dtype == dtype
+    out = out.view(rows, 50).float()
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+        if rows > 8:
+            assert torch.equal(out, layer._reference(x))
+    elif rows <= 8:  # one bf16 rounding (unit roundoff 2^-8), plus x's entries below 2^-8 of the row's largest
+        # power of two 2^ex, which the int16 form rounds to within 2^(ex - 16) (see `int16_row`)
+        half_step = torch.ldexp(torch.ones(rows, 1), torch.frexp(x.float().abs().amax(1, keepdim=True)).exponent - 16)
+        weights = dequantize_int8(layer.qweight, layer.scales).abs().sum(1)
+        assert ((out - reference).abs() <= 2**-8 * reference.abs() * (1 + 1e-4) + half_step * weights + 1e-6).all()
     assert not layer.uses_cpp(x.clone().requires_grad_())
+
+
+def test_bf16_rows_within_eight_binades_are_dotted_exactly(cpp_int8):
+    """bf16 rows whose entries lie within 8 binades of the row's largest are exact int16 multiples of a
+    power of two, so the C++ product is the exact dot times the scale, rounded to float32 once and then
+    to bf16: bit-equal to that computed in float64 here. A row with a NaN or inf takes the float path
+    (NaN out) and leaves the other rows as they are; an all-zero row gives zeros."""
+    from recurrent_depth.accel import quant_cpp
+
+    g = torch.Generator().manual_seed(7)
+    magnitude = torch.ldexp(torch.ones(4, 77), torch.randint(-7, 1, (4, 77), generator=g))  # 2^-7 .. 1
+    x = (magnitude * (1 + torch.rand(4, 77, generator=g))).bfloat16() * torch.randn(4, 77, generator=g).sign()
+    x = x.bfloat16()
+    layer = Int8WeightLinear.from_linear(nn.Linear(77, 9, bias=False))
+    q, scales = layer.qweight, layer.scales
+    exact = ((x.double() @ q.double().t()) * scales.double()).float().bfloat16()
+    assert torch.equal(quant_cpp.load().int8_linear(x, q, scales, None), exact)
+    x[1, 5], x[2] = float("nan"), 0.0
+    out = quant_cpp.load().int8_linear(x, q, scales, None)
+    assert out[1].isnan().all() and torch.equal(out[2], torch.zeros(9, dtype=torch.bfloat16))
+    assert torch.equal(out[[0, 3]], exact[[0, 3]])
 
 
 def test_float32_int8_model_decodes_with_cpp_as_its_dequantized_twin(cpp_int8):

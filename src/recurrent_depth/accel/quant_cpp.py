@@ -62,8 +62,8 @@ BUILD_LOCK_TIMEOUT_S = 900.0  # waiting for another process's build (30-60 s; fa
 MAX_LIBRARY_BYTES = 256 << 20  # the built library is ~0.5 MB
 RECORD_MAX_BYTES = 1 << 16
 
-# The dot products both extensions use (here and accel/decode_cpp.py), of float32 rows with float32 or
-# int8 weights (widened to float). `dot`: eight running sums, so the compiler vectorises it, added in a
+# The dot products both extensions use (here and accel/decode_cpp.py), of float32 rows with float32,
+# int8 or bf16 weights (widened to float). `dot`: eight running sums, so the compiler vectorises it, added in a
 # fixed order (the result does not depend on the build's vector width). `dot_rows`: up to four weight
 # rows at once; on AVX2 with FMA four rows stream from memory together (two 8-wide accumulators a row):
 # one float row at a time reads ~0.6 of the memory bandwidth on a 2-core AVX2 VM, four ~0.8-0.85 (ATen's
@@ -86,6 +86,17 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+// bf16 is the high half of a float32: widen to 32 bits and shift (exact).
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+#endif
+#if defined(__AVX2__)
+// Four rows of 1- and 2-byte weights stream faster with a software prefetch 512 bytes ahead of each
+// (a 2-core AVX2 EPYC, Huginn's shapes: int8 rows 29-31 -> 33-39 GB/s; bf16 ones a few %); float32 rows
+// (64 bytes a row a step) do not need it. (A prefetch past a row's end is harmless: it never faults.)
+inline void prefetch_ahead(const void* p) { _mm_prefetch(static_cast<const char*>(p) + 512, _MM_HINT_T0); }
 #endif
 
 // y[j] = x . w[j] for `rows` (<= 4) weight rows j at w + j * stride, each of k entries.
@@ -99,6 +110,7 @@ inline void dot_rows(const float* x, const W* w, int64_t k, int64_t stride, int6
     for (; e + 16 <= k; e += 16) {
       const __m256 xa = _mm256_loadu_ps(x + e), xb = _mm256_loadu_ps(x + e + 8);
       for (int j = 0; j < 4; ++j) {
+        if (sizeof(W) < 4) prefetch_ahead(w + j * stride + e);
         a[j] = _mm256_fmadd_ps(xa, load8(w + j * stride + e), a[j]);
         c[j] = _mm256_fmadd_ps(xb, load8(w + j * stride + e + 8), c[j]);
       }
@@ -122,6 +134,7 @@ inline void dot_rows(const float* x, const W* w, int64_t k, int64_t stride, int6
 KERNEL_SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <algorithm>
 #include <cmath>
@@ -607,42 +620,176 @@ bool encode_into(const torch::Tensor& x, const std::vector<torch::Tensor>& t, co
   return finite;
 }
 
-// int8 weights for float32 rows (`weight_quant.Int8WeightLinear` at decode row counts): y [N, out] =
-// x [N, in] (q [out, in] * scales[:, None])^T (+ bias), each weight row streamed once for all N rows
-// (split across the threads, four rows together), converted to float and dotted, times its scale:
-// the reference's x @ dequantized^T to float32 rounding (the scale applied once, after the sum), reading
-// 1 byte a weight where the reference materialises 4.
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
-                          const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "int8_linear: x float32 [N, in]");
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(1) == x.size(1),
-              "int8_linear: q int8 [out, in]");
-  const int64_t N = x.size(0), K = x.size(1), O = q.size(0);
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == O,
-              "int8_linear: scales float32 [out]");
-  const bool biased = bias.has_value() && bias->defined();
-  TORCH_CHECK(!biased || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == O),
-              "int8_linear: bias float32 [out]");
-  torch::Tensor y = torch::empty({N, O}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* bp = biased ? bias->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
+// A weight's [out, in] rows (row o at wp + o * stride) streamed once for all N rows of x (split across the
+// threads, four rows together, `dot_rows`): y[n, o] = ((residual[n, o]) + (x[n] . w[o]) * scale[o]) + bias[o]
+// in float32, each term optional (null pointers), x, residual and bias float32, y float32 [N, out].
+template <typename W>
+void stream_rows(const float* xp, const W* wp, int64_t N, int64_t K, int64_t O, int64_t stride, const float* sp,
+                 const float* rp, const float* bp, float* yp) {
   at::parallel_for(0, (O + 3) / 4, 16, [&](int64_t begin, int64_t end) {  // blocks of four weight rows
     float dots[4];
     for (int64_t quad = begin; quad < end; ++quad) {
       const int64_t o = 4 * quad, rows = std::min<int64_t>(4, O - o);
       for (int64_t n = 0; n < N; ++n) {
-        dot_rows(xp + n * K, qp + o * K, K, K, rows, dots);
+        dot_rows(xp + n * K, wp + o * stride, K, stride, rows, dots);
         for (int64_t j = 0; j < rows; ++j) {
-          const float v = dots[j] * sp[o + j];
+          float v = sp != nullptr ? dots[j] * sp[o + j] : dots[j];
+          if (rp != nullptr) v = rp[n * O + o + j] + v;
           yp[n * O + o + j] = bp != nullptr ? v + bp[o + j] : v;
         }
       }
     }
   });
-  return y;
+}
+
+// An optional float32 or bf16 tensor of `numel` entries as contiguous float32 (undefined when absent).
+torch::Tensor float_operand(const c10::optional<torch::Tensor>& t, int64_t numel, const char* what) {
+  if (!t.has_value() || !t->defined()) return torch::Tensor();
+  TORCH_CHECK((t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16) && t->numel() == numel,
+              what, ": float32 or bf16 of ", numel, " entries");
+  return t->to(at::kFloat).contiguous();
+}
+
+const float* data_or_null(const torch::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+
+// A bf16 row as int16 multiples of one power of two, for `int_dot_rows`: with the row's largest |x| below
+// 2^ex, step = 2^(ex - 15), so |x / step| <= 32640, and every bf16 entry of at least 2^-8 of 2^ex (its
+// last significand bit worth at least the step) is an exact multiple; smaller ones round to the nearest
+// (within step / 2 = 2^-16 of 2^ex). False (and nothing written) for a row with an inf or NaN.
+bool int16_row(const float* x, int64_t k, int16_t* out, double* step) {
+  float largest = 0;
+  for (int64_t e = 0; e < k; ++e) {
+    const float a = std::fabs(x[e]);
+    if (!(a <= std::numeric_limits<float>::max())) return false;
+    largest = std::max(largest, a);
+  }
+  int ex = 0;
+  std::frexp(largest, &ex);  // largest = m 2^ex, m in [0.5, 1) (0: ex = 0)
+  *step = std::ldexp(1.0, ex - 15);
+  const double inverse = std::ldexp(1.0, 15 - ex);  // (a power of two: exact scaling, in double's range)
+  for (int64_t e = 0; e < k; ++e) out[e] = static_cast<int16_t>(std::nearbyint(x[e] * inverse));
+  return true;
+}
+
+// int8 . int16 dot products, exact (int64 totals), for `rows` (<= 4) weight rows j at w + j * stride. On AVX2
+// 32 weights of four rows a step: sign-extended to int16 and multiplied in pairs (`vpmaddwd`: 16 weights
+// an instruction, where converting to float takes 8), in int32 lanes flushed to int64 every INT_BLOCK
+// entries (a lane gains at most 2 x 2 x 128 x 32640 a step: 32 steps stay below 2^31).
+constexpr int64_t INT_BLOCK = 1024;
+
+inline void int_dot_rows(const int16_t* x, const int8_t* w, int64_t k, int64_t stride, int64_t rows,
+                         int64_t* y) {
+  int64_t e = 0;
+  for (int64_t j = 0; j < rows; ++j) y[j] = 0;
+#if defined(__AVX2__)
+  if (rows == 4) {
+    __m256i total[4];
+    for (int j = 0; j < 4; ++j) total[j] = _mm256_setzero_si256();
+    while (e + 32 <= k) {
+      const int64_t end = std::min<int64_t>(k, e + INT_BLOCK);
+      __m256i acc[4];
+      for (int j = 0; j < 4; ++j) acc[j] = _mm256_setzero_si256();
+      for (; e + 32 <= end; e += 32) {
+        const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + e));
+        const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + e + 16));
+        for (int j = 0; j < 4; ++j) {
+          const int8_t* row = w + j * stride + e;
+          prefetch_ahead(row);
+          const __m256i wa = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+          const __m256i wb = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16)));
+          acc[j] = _mm256_add_epi32(acc[j], _mm256_add_epi32(_mm256_madd_epi16(xa, wa), _mm256_madd_epi16(xb, wb)));
+        }
+      }
+      for (int j = 0; j < 4; ++j) {
+        total[j] = _mm256_add_epi64(total[j], _mm256_cvtepi32_epi64(_mm256_castsi256_si128(acc[j])));
+        total[j] = _mm256_add_epi64(total[j], _mm256_cvtepi32_epi64(_mm256_extracti128_si256(acc[j], 1)));
+      }
+    }
+    for (int j = 0; j < 4; ++j) {
+      alignas(32) int64_t lanes[4];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), total[j]);
+      y[j] = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+    }
+  }
+#endif
+  for (int64_t j = 0; j < rows; ++j) {
+    for (int64_t f = e; f < k; ++f) y[j] += static_cast<int32_t>(x[f]) * static_cast<int32_t>(w[j * stride + f]);
+  }
+}
+
+// int8 weights at decode row counts (`weight_quant.Int8WeightLinear`): y [N, out] = x [N, in] (q [out, in] *
+// scales[:, None])^T (+ bias), each weight row streamed once for all N rows (split across the threads,
+// four rows together), reading 1 byte a weight where the reference materialises 4.
+// - float32 rows: converted to float and dotted (`dot_rows`), times the scale: the reference's x @
+//   dequantized^T to float32 rounding (the scale applied once, after the sum);
+// - bf16 rows: as int16 multiples of a power of two (`int16_row`: exact for every entry within 8 binades of
+//   the row's largest), dotted exactly in integers (`int_dot_rows`: twice the float path's rate, which is
+//   bound by its conversions on AVX2), times step and scale in double, rounded once to float32, then to
+//   bf16; a row with an inf or NaN takes the float path.
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
+                          const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "int8_linear: x float32 or bf16 [N, in]");
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(1) == x.size(1),
+              "int8_linear: q int8 [out, in]");
+  const int64_t N = x.size(0), K = x.size(1), O = q.size(0);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == O,
+              "int8_linear: scales float32 [out]");
+  const torch::Tensor x32 = x.to(at::kFloat).contiguous(), b32 = float_operand(bias, O, "int8_linear: bias");
+  torch::Tensor y = torch::empty({N, O}, x32.options());
+  const float* xp = x32.data_ptr<float>();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  if (x.scalar_type() != at::kBFloat16) {
+    stream_rows(xp, qp, N, K, O, K, sp, nullptr, data_or_null(b32), y.data_ptr<float>());
+    return y;
+  }
+  std::vector<int16_t> x16(N * K);
+  std::vector<double> steps(N);
+  std::vector<char> whole(N);
+  for (int64_t n = 0; n < N; ++n) whole[n] = int16_row(xp + n * K, K, x16.data() + n * K, &steps[n]);
+  const float* bp = data_or_null(b32);
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (O + 3) / 4, 16, [&](int64_t begin, int64_t end) {  // blocks of four weight rows
+    float dots[4];
+    int64_t sums[4];
+    for (int64_t quad = begin; quad < end; ++quad) {
+      const int64_t o = 4 * quad, rows = std::min<int64_t>(4, O - o);
+      for (int64_t n = 0; n < N; ++n) {
+        if (whole[n]) {
+          int_dot_rows(x16.data() + n * K, qp + o * K, K, K, rows, sums);
+          for (int64_t j = 0; j < rows; ++j) {
+            dots[j] = static_cast<float>(static_cast<double>(sums[j]) * steps[n] * sp[o + j]);
+          }
+        } else {
+          dot_rows(xp + n * K, qp + o * K, K, K, rows, dots);
+          for (int64_t j = 0; j < rows; ++j) dots[j] *= sp[o + j];
+        }
+        for (int64_t j = 0; j < rows; ++j) yp[n * O + o + j] = bp != nullptr ? dots[j] + bp[o + j] : dots[j];
+      }
+    }
+  });
+  return y.to(at::kBFloat16);
+}
+
+// bf16 weights at decode row counts (`accel.runner.FastRunner` decoding a bf16 model): y [N, out] =
+// (residual + x w^T) + bias, w bf16 [out, in] rows (each contiguous, e.g. a column slice of a parameter's rows),
+// x, residual and bias bf16 or float32, summed in float32
+// and rounded once to x's dtype. ATen's bf16 product on CPUs without native bf16 reads ~0.6 of the memory
+// bandwidth at one row; this reads every weight row once, widened in registers.
+torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                          const c10::optional<torch::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "bf16_linear: x float32 or bf16 [N, in]");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.size(1) == x.size(1) && w.stride(1) == 1
+              && (w.size(0) == 1 || w.stride(0) >= w.size(1)), "bf16_linear: w bf16 [out, in] with contiguous rows");
+  const int64_t N = x.size(0), K = x.size(1), O = w.size(0);
+  const torch::Tensor x32 = x.to(at::kFloat).contiguous(), b32 = float_operand(bias, O, "bf16_linear: bias"),
+                      r32 = float_operand(residual, N * O, "bf16_linear: residual");
+  torch::Tensor y = torch::empty({N, O}, x32.options());
+  stream_rows(x32.data_ptr<float>(), w.data_ptr<c10::BFloat16>(), N, K, O, w.stride(0), nullptr, data_or_null(r32),
+              data_or_null(b32), y.data_ptr<float>());
+  return y.to(x.scalar_type());
 }
 
 // One codec's constants, built once (`EntryLayout`), so that a call passes one object per side.
@@ -736,6 +883,7 @@ CPP_SOURCE = KERNEL_SOURCE + r"""
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {""" + codec_binding() + r"""
   m.def("encode", &encode);
   m.def("int8_linear", &int8_linear);
+  m.def("bf16_linear", &bf16_linear);
   m.def("encode_pair", &encode_pair);
   m.def("attend", &attend);
   m.def("decode_attend", [](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const Codec& ck,

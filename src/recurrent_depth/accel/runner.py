@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from recurrent_depth.accel import decode_cpp, enabled_by_default
+from recurrent_depth.accel import decode_cpp, enabled_by_default, quant_cpp
 from recurrent_depth.accel.decode_cpp import DecodeKernel
 from recurrent_depth.accel.lora import is_lora_layer, low_rank_term, unsupported_lora
 from recurrent_depth.accel.quant import code_kernels
@@ -59,6 +59,25 @@ from recurrent_depth.weight_quant import QuantizedLinear
 
 # Most bytes of contiguous transposed weight copies a fast runner makes (see the module docstring).
 COPY_LIMIT_BYTES = 512 * 2**20
+# bf16 activations of at most this many rows (a decode step) times a weight kept as the view of its
+# `[out, in]` parameter take the C++ weight stream (`_bf16_stream`).
+STREAM_ROWS = 8
+
+
+def _bf16_stream(x: Tensor, weight_t: Tensor) -> Any | None:
+    """The C++ kernels (`accel.quant_cpp`) when `x @ weight_t` takes their bf16 weight stream, else None.
+
+    On CPUs without native bf16, ATen's bf16 product of a few rows reads ~0.55 of the memory bandwidth
+    (a 2-core AVX2 EPYC, Huginn-0125's shapes); `quant_cpp.bf16_linear` streams each `[out, in]` row once,
+    widened to float32 in registers, summed in float32 and rounded once (ATen rounds `addmm` and then the
+    bias: within bf16 rounding of each other, tested). Decoding only: CPU, no autograd, not compiling."""
+    rows = weight_t.t()  # [out, in]: each row contiguous, the rows at any stride (the adapter's halves)
+    if (x.dtype != torch.bfloat16 or weight_t.dtype != torch.bfloat16 or x.device.type != "cpu"
+            or x.shape[0] > STREAM_ROWS or torch.is_grad_enabled() or torch.compiler.is_compiling()
+            or rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1])
+            or not quant_cpp.cpp_enabled()):
+        return None
+    return quant_cpp.load()
 
 
 @dataclass
@@ -242,9 +261,13 @@ class FastRunner(ModelRunner):
     def _linear(x: Tensor, weight_t: Tensor, bias: Tensor | None, residual: Tensor | None = None,
                 out: Tensor | None = None, low_rank: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """x @ W^T (+ bias) (+ residual) (+ a LoRA term `(x A^T) (s B)^T`) on 2-D `[N, in]` activations, in
-        one `addmm` when possible (out: a buffer for the result, which then must not be `residual`; None:
-        a new tensor)."""
-        if residual is not None:
+        one `addmm` when possible, or one C++ call for bf16 decode rows (`_bf16_stream`) (out: a buffer for
+        the result, which then must not be `residual`; None: a new tensor)."""
+        stream = _bf16_stream(x, weight_t)
+        if stream is not None:
+            y = stream.bf16_linear(x, weight_t.t(), bias, residual)
+            y = y if out is None else out.copy_(y)
+        elif residual is not None:
             y = torch.addmm(residual, x, weight_t, out=out)
             y = y if bias is None else (y + bias if out is None else y.add_(bias))
         else:
@@ -361,7 +384,7 @@ class FastRunner(ModelRunner):
         if last_only and T > 1:
             x = x.view(B, T, h)[:, -1]
             T = 1
-        logits = torch.mm(self._norm(x, self.ln_f), self.lm_head).view(B, T, -1)
+        logits = self._linear(self._norm(x, self.ln_f), self.lm_head, None).view(B, T, -1)
         return logits if logits.dtype == torch.float32 else logits.float()
 
 

@@ -20,8 +20,9 @@ Configs: `fixed` (r = --num-steps), `kl` (KL exit; with random weights the exit 
 so its roofline uses the realised steps), `shared-4` (fixed r on a 4-slot shared KV cache), and
 `official` (the official implementation's loop shape, frozen in `benchmarks/generation.py`), and
 `int8` (fixed r after `recurrent_depth.weight_quant.quantize_weights`: int8 weights per output
-channel in every transformer linear, quantized in place after the other configs ran; torch's int8
-kernel in bf16, the C++ `int8_linear` in fp32) and `int4` (fixed r on group-32 4-bit weights,
+channel in every transformer linear, quantized in place after the other configs ran; the C++
+`int8_linear` at decode rows: bf16 rows as exact int16 x int8 integer dots, fp32 rows as float dots)
+and `int4` (fixed r on group-32 4-bit weights,
 torch's int4 kernel, bf16 and fp32; quantized after int8 is undone, from its dequantized weights:
 random weights, so only the speed is measured). Their bytes count the packed weights and scales.
 On CPUs without native bf16 (no AVX512-BF16 / AMX-BF16) bf16 products are emulated: `--dtype auto`

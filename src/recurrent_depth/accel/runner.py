@@ -19,7 +19,11 @@ decoding is bound by per-operation overhead, not FLOPs:
   `[in, out]` copy than from the transposed view of the `[out, in]` parameter, while a tall `[704,
   256]` product is not. Wide and square weights therefore get contiguous transposed copies,
   on CPUs and as long as those copies stay under `COPY_LIMIT_BYTES` (a 3.5B model keeps the
-  views: doubling its weights in memory would cost more than it saves).
+  views: doubling its weights in memory would cost more than it saves);
+- a bf16 model's decode rows times those views take one C++ call a product (`_bf16_stream`:
+  `accel.quant_cpp.bf16_linear`, each weight row streamed once, summed in float32), which reads the
+  weights at about the memory bandwidth where ATen's emulated bf16 product reads ~0.55 of it; float32
+  decode steps run whole in C++ (`accel.decode_cpp`).
 
 Unmerged peft LoRA adapters (`recurrent_depth.train.lora`) on the blocks' linear layers and the adapter
 are applied as peft's forward applies them: `x W^T + (x A^T) (s B)^T` after each product (see

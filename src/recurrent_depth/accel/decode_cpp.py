@@ -63,8 +63,8 @@ struct Block {
 inline bool has(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
 // Products of at most STREAM_ROWS rows with an untransposed-layout weight stream its rows (`stream_linear`),
-// at least STREAM_GRAIN blocks of four weight rows to a thread's share.
-constexpr int64_t STREAM_ROWS = 8, STREAM_GRAIN = 16;
+// at least 16 blocks of four weight rows to a thread's share (`stream_rows`).
+constexpr int64_t STREAM_ROWS = 8;
 
 // The codecs of a call's layers: empty (float stores), or one key and one value codec per store.
 using Codecs = std::vector<Codec*>;
@@ -190,7 +190,7 @@ class Decoder {
   // rows (the runner's layout for the weights it does not copy: a large model's). Decoding such a
   // model streams every weight from memory once a product, and ATen's gemv reads ~0.7 of the memory
   // bandwidth there (a 2-core AVX2 VM): here each thread streams its share of the weight rows once, four
-  // rows together (`dot_rows`), each block's dots with every x row, (residual + x w) + bias as `linear`.
+  // rows together (`stream_rows` of the quantized-KV kernels' source), (residual + x w) + bias as `linear`.
   static void stream_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
                             const at::Tensor* residual) {
     const int64_t B = x.size(0), k = w.size(0), n = w.size(1);
@@ -205,22 +205,7 @@ class Decoder {
       TORCH_CHECK(residual->is_contiguous() && residual->sizes() == out.sizes(), "decode kernel: residual as out");
       rp = residual->data_ptr<float>();
     }
-    float* yp = out.data_ptr<float>();
-    at::parallel_for(0, (n + 3) / 4, STREAM_GRAIN, [&](int64_t begin, int64_t end) {
-      float y[4];
-      for (int64_t quad = begin; quad < end; ++quad) {
-        const int64_t o = 4 * quad, rows = std::min<int64_t>(4, n - o);
-        for (int64_t b = 0; b < B; ++b) {
-          dot_rows(xp + b * k, wp + o * row_stride, k, row_stride, rows, y);
-          for (int64_t j = 0; j < rows; ++j) {
-            float v = y[j];
-            if (rp != nullptr) v = rp[b * n + o + j] + v;
-            if (bp != nullptr) v = rp != nullptr ? v + bp[o + j] : bp[o + j] + v;
-            yp[b * n + o + j] = v;
-          }
-        }
-      }
-    });
+    stream_rows(xp, wp, B, k, n, row_stride, nullptr, rp, bp, out.data_ptr<float>());
   }
 
   void run_blocks(const std::vector<Block>& blocks, int64_t first_view, at::Tensor& x, const at::Tensor& freqs,

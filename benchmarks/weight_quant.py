@@ -19,7 +19,9 @@ In one run:
   reference runner: the quantized model's), per dtype; at this size decoding is bound by Python
   dispatch, not weight bytes, so this is not where quantization pays;
 * the kernel: ms per product of one Huginn-0125 linear (K, N below) at M = 1 and 8 rows, bf16
-  activations: `x @ W^T` with bf16 weights, `aten._weight_int8pack_mm`, and `Int4WeightLinear`
+  activations: `x @ W^T` with bf16 weights (ATen), the C++ bf16 stream the bf16 decode uses
+  (`quant_cpp.bf16_linear`; "stream", when C++ is on), `Int8WeightLinear` (the C++ `int8_linear` at
+  these row counts), and `Int4WeightLinear`
   (group 32: `aten._weight_int4pack_mm_for_cpu`), alternating in `--repeats` rounds (the best of
   each kept), with the bytes each product reads (packed weights + scales + zero points, counted
   from the stored tensors) and the GB/s that implies; and at M = 1 the same with float32
@@ -46,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 import recurrent_depth as rd
+from recurrent_depth.accel import quant_cpp
 from recurrent_depth.data.shards import ShardDataset
 from recurrent_depth.weight_quant import Int4WeightLinear, Int8WeightLinear, check_weights, quantize_weights
 
@@ -187,13 +190,16 @@ def _bf16_rows(linear: torch.nn.Linear, g: torch.Generator, repeats: int) -> dic
     int8 = Int8WeightLinear.from_linear(linear)
     int4 = Int4WeightLinear.from_linear(linear, 32)
     assert int4.kernel_layout, "Huginn's shapes take the int4 kernel at group 32"
-    read = dict(bf16=weight.numel() * 2, int8=int8.quantized_bytes(), int4=int4.quantized_bytes())
+    read = dict(bf16=weight.numel() * 2, stream=weight.numel() * 2, int8=int8.quantized_bytes(),
+                int4=int4.quantized_bytes())
+    kernels = quant_cpp.load() if quant_cpp.cpp_enabled() else None
     rows = {}
     for M in (1, 8):
         x = torch.randn(M, linear.in_features, generator=g).to(torch.bfloat16)
-        ms = alternating_best_ms(dict(bf16=lambda x=x: x @ weight.t(), int8=lambda x=x: int8(x),
-                                      int4=lambda x=x: int4(x)), repeats)
-        rows[f"bf16 M={M}"] = _row(ms, read)
+        fns = dict(bf16=lambda x=x: x @ weight.t(), int8=lambda x=x: int8(x), int4=lambda x=x: int4(x))
+        if kernels is not None:  # the bf16 decode's own product (`accel.runner._bf16_stream`)
+            fns["stream"] = lambda x=x: kernels.bf16_linear(x, weight, None, None)
+        rows[f"bf16 M={M}"] = _row(alternating_best_ms(fns, repeats), read)
     return rows
 
 
@@ -214,6 +220,8 @@ def _row(ms: dict[str, float], read: dict[str, int]) -> dict[str, Any]:
     dense = next(iter(ms))
     for name in list(ms)[1:]:
         row[f"{name}_speedup"] = round(ms[dense] / ms[name], 3)
+        if "stream" in ms and name != "stream":  # against the C++ bf16 stream, the bf16 decode's product
+            row[f"{name}_vs_stream"] = round(ms["stream"] / ms[name], 3)
     return row
 
 
@@ -260,13 +268,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{fmt:<10}{dname:<6}{q['argmax_agreement']:>18}{q['standard_error']:>9}{q['mean_kl']:>11}"
                       f"{s.get(fmt, '-'):>14}{s.get('unquantized', '-'):>13}")
     if kernels:
-        print(f"\n{'product':<24}{'acts':<8}{'dense ms':>9}{'int8 ms':>9}{'int4 ms':>9}{'int8 x':>8}{'int4 x':>8}"
-              f"{'dense GB/s':>11}{'int8 GB/s':>10}{'int4 GB/s':>10}")
+        print(f"\n{'product':<24}{'acts':<8}{'dense ms':>9}{'stream ms':>10}{'int8 ms':>9}{'int4 ms':>9}"
+              f"{'int8 x':>8}{'int4 x':>8}{'int8 x str':>11}{'int4 x str':>11}"
+              f"{'dense GB/s':>11}{'stream GB/s':>12}{'int8 GB/s':>10}{'int4 GB/s':>10}")
         for name, per in kernels.items():
             for acts, k in per.items():
                 dense = "bf16" if acts.startswith("bf16") else "fp32"
-                print(f"{name:<24}{acts:<8}{k[f'{dense}_ms']:>9}{k.get('int8_ms', '-'):>9}{k['int4_ms']:>9}"
-                      f"{k.get('int8_speedup', '-'):>8}{k['int4_speedup']:>8}{k[f'{dense}_gb_s']:>11}"
+                print(f"{name:<24}{acts:<8}{k[f'{dense}_ms']:>9}{k.get('stream_ms', '-'):>10}"
+                      f"{k.get('int8_ms', '-'):>9}{k['int4_ms']:>9}"
+                      f"{k.get('int8_speedup', '-'):>8}{k['int4_speedup']:>8}{k.get('int8_vs_stream', '-'):>11}"
+                      f"{k.get('int4_vs_stream', '-'):>11}{k[f'{dense}_gb_s']:>11}{k.get('stream_gb_s', '-'):>12}"
                       f"{k.get('int8_gb_s', '-'):>10}{k['int4_gb_s']:>10}")
     return 0
 

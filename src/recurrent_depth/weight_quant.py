@@ -7,10 +7,12 @@ Decoding a large model streams every weight once per recurrence step, so it is b
 bandwidth; int8 weights halve the bytes of bf16 ones, int4 ones (group 32) take 0.625 bytes a weight.
 
 int8: float32 or bf16 activations of at most 8 rows (decoding) take the C++
-`accel.quant_cpp.int8_linear` (each int8 weight row streamed once, dotted in float32, times its
-scale: the reference to float32 rounding, 1 byte read a weight; bf16 rows widened, the result rounded
-once; at the Huginn shape on a 2-core AVX2 EPYC it reads ~0.8 of the memory bandwidth where torch's
-kernel reads ~0.6); other bf16 calls (prompts) use torch's CPU kernel `aten._weight_int8pack_mm` where it
+`accel.quant_cpp.int8_linear` (each int8 weight row streamed once, 1 byte read a weight; float32 rows
+dotted in float32, times the scale: the reference to float32 rounding; bf16 rows as int16 multiples of
+a power of two, dotted exactly in integers, rounded once: within bf16 rounding of the reference, plus
+2^-16 of the row's scale for entries below 2^-8 of its largest; a Huginn-shape bf16 decode at ~0.78 of
+the memory roofline on a 2-core AVX2 EPYC, where torch's kernel reached ~0.58); other bf16 calls
+(prompts) use torch's CPU kernel `aten._weight_int8pack_mm` where it
 is exact to its bf16 output (`in_features` a multiple of 16: measured here, other widths read past the
 rows and return NaN or crash); otherwise the plain reference: dequantize (`int8 * scale`, in the
 activations' dtype) then `F.linear`.

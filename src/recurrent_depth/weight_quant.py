@@ -12,10 +12,10 @@ dotted in float32, times the scale: the reference to float32 rounding; bf16 rows
 a power of two, dotted exactly in integers, rounded once: within bf16 rounding of the reference, plus
 2^-16 of the row's scale for entries below 2^-8 of its largest; a Huginn-shape bf16 decode at ~0.78 of
 the memory roofline on a 2-core AVX2 EPYC, where torch's kernel reached ~0.58); other bf16 calls
-(prompts) use torch's CPU kernel `aten._weight_int8pack_mm` where it
-is exact to its bf16 output (`in_features` a multiple of 16: measured here, other widths read past the
-rows and return NaN or crash); otherwise the plain reference: dequantize (`int8 * scale`, in the
-activations' dtype) then `F.linear`.
+(prompts) use torch's CPU kernel `aten._weight_int8pack_mm` where it is exact to its bf16 output
+(`in_features` a multiple of 16: measured here, other widths read past the rows and return NaN or
+crash); otherwise the plain reference: dequantize (`int8 * scale`, in the activations' dtype) then
+`F.linear`.
 
 int4 (`"int4"` = `"int4:g32"`; `"int4:g64"`, `"int4:g128"`, `"int4:g256"`): asymmetric per group,
 `w = (q - 8) * scale + zero` with q in 0..15, the form torch's CPU kernel

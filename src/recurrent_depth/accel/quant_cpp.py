@@ -627,31 +627,47 @@ bool encode_into(const torch::Tensor& x, const std::vector<torch::Tensor>& t, co
   return finite;
 }
 
-// A weight's [out, in] rows (row o at wp + o * stride) streamed once for all N rows of x (split across the
-// threads, four rows together, `dot_rows`): y[n, o] = ((residual[n, o]) + (x[n] . w[o]) * scale[o]) + bias[o]
-// in float32, each term optional (null pointers), x, residual and bias float32, y float32 [N, out].
-template <typename W>
-void stream_rows(const float* xp, const W* wp, int64_t N, int64_t K, int64_t O, int64_t stride, const float* sp,
-                 const float* rp, const float* bp, float* yp) {
-  at::parallel_for(0, (O + 3) / 4, 16, [&](int64_t begin, int64_t end) {  // blocks of four weight rows
-    float dots[4];
+// The loop every weight stream shares: a weight's [out, in] rows streamed once for all N rows of x, split
+// across the threads in blocks of four (`row_bytes` apart from `first_row`; 1- and 2-byte weights get the
+// next block's row starts prefetched, `prefetch_starts`). `dots(n, o, rows, d)` writes d[j] = x[n] . w[o + j]
+// (times any scale) for j < rows; then y[n, o + j] = ((residual) + d[j]) + bias in float32, each term
+// optional (null pointers), y float32 [N, out].
+template <typename Dots>
+void stream_blocks(int64_t N, int64_t O, const void* first_row, int64_t row_bytes, bool narrow, const float* rp,
+                   const float* bp, float* yp, const Dots& dots) {
+  at::parallel_for(0, (O + 3) / 4, 16, [&](int64_t begin, int64_t end) {
+    float d[4];
     for (int64_t quad = begin; quad < end; ++quad) {
       const int64_t o = 4 * quad, rows = std::min<int64_t>(4, O - o);
 #if defined(__AVX2__)
-      if (sizeof(W) < 4 && quad + 1 < end) {
-        prefetch_starts(wp + (o + 4) * stride, stride * sizeof(W), std::min<int64_t>(4, O - o - 4));
+      if (narrow && quad + 1 < end) {
+        prefetch_starts(static_cast<const char*>(first_row) + (o + 4) * row_bytes, row_bytes,
+                        std::min<int64_t>(4, O - o - 4));
       }
 #endif
       for (int64_t n = 0; n < N; ++n) {
-        dot_rows(xp + n * K, wp + o * stride, K, stride, rows, dots);
+        dots(n, o, rows, d);
         for (int64_t j = 0; j < rows; ++j) {
-          float v = sp != nullptr ? dots[j] * sp[o + j] : dots[j];
-          if (rp != nullptr) v = rp[n * O + o + j] + v;
+          const float v = rp != nullptr ? rp[n * O + o + j] + d[j] : d[j];
           yp[n * O + o + j] = bp != nullptr ? v + bp[o + j] : v;
         }
       }
     }
   });
+}
+
+// `stream_blocks` of float32 rows x [N, K] and W rows (row o at wp + o * stride) by `dot_rows`, times
+// scale[o] when `sp` is given.
+template <typename W>
+void stream_rows(const float* xp, const W* wp, int64_t N, int64_t K, int64_t O, int64_t stride, const float* sp,
+                 const float* rp, const float* bp, float* yp) {
+  stream_blocks(N, O, wp, stride * static_cast<int64_t>(sizeof(W)), sizeof(W) < 4, rp, bp, yp,
+                [&](int64_t n, int64_t o, int64_t rows, float* d) {
+                  dot_rows(xp + n * K, wp + o * stride, K, stride, rows, d);
+                  if (sp != nullptr) {
+                    for (int64_t j = 0; j < rows; ++j) d[j] *= sp[o + j];
+                  }
+                });
 }
 
 // An optional float32 or bf16 tensor of `numel` entries as contiguous float32 (undefined when absent).
@@ -760,38 +776,27 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const 
   std::vector<double> steps(N);
   std::vector<char> whole(N);
   for (int64_t n = 0; n < N; ++n) whole[n] = int16_row(xp + n * K, K, x16.data() + n * K, &steps[n]);
-  const float* bp = data_or_null(b32);
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, (O + 3) / 4, 16, [&](int64_t begin, int64_t end) {  // blocks of four weight rows
-    float dots[4];
-    int64_t sums[4];
-    for (int64_t quad = begin; quad < end; ++quad) {
-      const int64_t o = 4 * quad, rows = std::min<int64_t>(4, O - o);
-#if defined(__AVX2__)
-      if (quad + 1 < end) prefetch_starts(qp + (o + 4) * K, K, std::min<int64_t>(4, O - o - 4));
-#endif
-      for (int64_t n = 0; n < N; ++n) {
-        if (whole[n]) {
-          int_dot_rows(x16.data() + n * K, qp + o * K, K, K, rows, sums);
-          for (int64_t j = 0; j < rows; ++j) {
-            dots[j] = static_cast<float>(static_cast<double>(sums[j]) * steps[n] * sp[o + j]);
-          }
-        } else {
-          dot_rows(xp + n * K, qp + o * K, K, K, rows, dots);
-          for (int64_t j = 0; j < rows; ++j) dots[j] *= sp[o + j];
-        }
-        for (int64_t j = 0; j < rows; ++j) yp[n * O + o + j] = bp != nullptr ? dots[j] + bp[o + j] : dots[j];
-      }
-    }
-  });
+  stream_blocks(N, O, qp, K, true, nullptr, data_or_null(b32), y.data_ptr<float>(),
+                [&](int64_t n, int64_t o, int64_t rows, float* d) {
+                  if (!whole[n]) {
+                    dot_rows(xp + n * K, qp + o * K, K, K, rows, d);
+                    for (int64_t j = 0; j < rows; ++j) d[j] *= sp[o + j];
+                    return;
+                  }
+                  int64_t sums[4];
+                  int_dot_rows(x16.data() + n * K, qp + o * K, K, K, rows, sums);
+                  for (int64_t j = 0; j < rows; ++j) {
+                    d[j] = static_cast<float>(static_cast<double>(sums[j]) * steps[n] * sp[o + j]);
+                  }
+                });
   return y.to(at::kBFloat16);
 }
 
 // bf16 weights at decode row counts (`accel.runner.FastRunner` decoding a bf16 model): y [N, out] =
-// (residual + x w^T) + bias, w bf16 [out, in] rows (each contiguous, e.g. a column slice of a parameter's rows),
-// x, residual and bias bf16 or float32, summed in float32
-// and rounded once to x's dtype. ATen's bf16 product on CPUs without native bf16 reads ~0.6 of the memory
-// bandwidth at one row; this reads every weight row once, widened in registers.
+// (residual + x w^T) + bias, w bf16 [out, in] rows (each contiguous, e.g. a column slice of a parameter's
+// rows), x, residual and bias bf16 or float32, summed in float32 and rounded once to x's dtype. ATen's bf16
+// product on CPUs without native bf16 reads ~0.6 of the memory bandwidth at one row; this reads every
+// weight row once, widened in registers.
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
                           const c10::optional<torch::Tensor>& residual) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),

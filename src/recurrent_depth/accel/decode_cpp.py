@@ -341,21 +341,22 @@ class Decoder {
   // ValueError, as the codec's encode refuses it).
   void attend_codes(Work& w, int64_t B, const at::Tensor& K, const at::Tensor& V, const Codec& ck, const Codec& cv,
                     int64_t column, const at::Tensor& mask) {
-    const int64_t D = D_, H = H_, Hkv = Hkv_;
-    const at::Tensor q = w.qkv.narrow(1, 0, H * D).view({B, H, 1, D});
-    const at::Tensor k = w.qkv.narrow(1, H * D, Hkv * D).view({B, Hkv, 1, D});
-    const at::Tensor v = w.qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({B, Hkv, 1, D});
-    c10::optional<at::Tensor> m;
-    if (has(mask)) m = mask.view({B, 1, 1, mask.size(1)});
-    auto [out, finite] = decode_attend(q, k, v, ck, cv, K, V, column, m, /*plain=*/true);
-    if (!finite) {
-      const float worst = std::max(k.norm(2, -1).max().item<float>(), v.norm(2, -1).max().item<float>());
+    const int64_t D = D_, H = H_, Hkv = Hkv_, row = w.qkv.stride(0);
+    TORCH_CHECK(cv.back.size(-1) == D && w.att.is_contiguous() && w.qkv.stride(1) == 1,
+                "decode kernel: the codes' value width is the head dim");
+    const float* qkv = w.qkv.data_ptr<float>();
+    const QueryIn q{qkv, B, H, D, row, D, 1};
+    const RowsIn k{qkv + H * D, Hkv, 1, D, row, D, D}, v{qkv + (H + Hkv) * D, Hkv, 1, D, row, D, D};
+    MaskIn m;  // bool [B, columns] (contiguous: checked by the caller), the same for every head
+    if (has(mask)) m.b = mask.data_ptr<bool>(), m.s0 = mask.stride(0), m.s3 = 1;
+    if (!decode_attend_rows(q, k, v, ck, cv, K, V, column, m, w.att.data_ptr<float>())) {
+      const at::Tensor kt = w.qkv.narrow(1, H * D, Hkv * D), vt = w.qkv.narrow(1, (H + Hkv) * D, Hkv * D);
+      const float worst = std::max(kt.view({B, Hkv, D}).norm(2, -1).max().item<float>(),
+                                   vt.view({B, Hkv, D}).norm(2, -1).max().item<float>());
       std::ostringstream text;
       text << "a vector norm exceeds the fp16 range (65504): got " << worst << "; scale the input down";
       throw pybind11::value_error(text.str());
     }
-    TORCH_CHECK(out.numel() == w.att.numel(), "decode kernel: the codes' value width is the head dim");
-    w.att.view({B, H, 1, D}).copy_(out);
   }
 
   std::vector<std::vector<Block>> parts_;

@@ -81,6 +81,22 @@ inline float dot(const float* a, const W* b, int64_t n) {
   return total;
 }
 
+#if defined(__AVX2__)
+// The eight lanes' sum, in one fixed order.
+inline float hsum8(__m256 v) {
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  half = _mm_hadd_ps(half, half);
+  return _mm_cvtss_f32(_mm_hadd_ps(half, half));
+}
+// a * b + c, fused where the build has FMA.
+inline __m256 mul_add(__m256 a, __m256 b, __m256 c) {
+#if defined(__FMA__)
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  return _mm256_add_ps(_mm256_mul_ps(a, b), c);
+#endif
+}
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const int8_t* p) {
@@ -123,10 +139,7 @@ inline void dot_rows(const float* x, const W* w, int64_t k, int64_t stride, int6
       }
     }
     for (int j = 0; j < 4; ++j) {
-      const __m256 v = _mm256_add_ps(a[j], c[j]);
-      __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-      half = _mm_hadd_ps(half, half);
-      float total = _mm_cvtss_f32(_mm_hadd_ps(half, half));
+      float total = hsum8(_mm256_add_ps(a[j], c[j]));
       for (int64_t f = e; f < k; ++f) total += x[f] * static_cast<float>(w[j * stride + f]);
       y[j] = total;
     }
@@ -153,94 +166,110 @@ KERNEL_SOURCE = r"""
 
 namespace {
 
-#if defined(__AVX2__)
-// Eight entries of a field of BITS <= 4 at once: their BITS bytes as one big-endian word, each
-// entry shifted and masked out in its lane, looked up in the (<= 16-entry) table by a lane permute,
-// times f: the same single rounding as the scalar loop, so the same bits.
-template <int BITS>
-inline int64_t decode_eights(const uint8_t*& p, int64_t count, const float* table, float f, float* out) {
-  static_assert(BITS >= 1 && BITS <= 4, "decode_eights: 1 to 4 bits");
-  alignas(32) float padded[16] = {0};
-  for (int c = 0; c < (1 << BITS); ++c) padded[c] = table[c];  // (the table may end after 2^BITS values)
-  const __m256 low = _mm256_load_ps(padded), high = _mm256_load_ps(padded + 8), factor = _mm256_set1_ps(f);
-  const __m256i shifts = _mm256_setr_epi32(7 * BITS, 6 * BITS, 5 * BITS, 4 * BITS, 3 * BITS, 2 * BITS, BITS, 0);
-  const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
-  int64_t e = 0;
-  for (; e + 8 <= count; e += 8, p += BITS) {
-    uint32_t w = 0;
-    for (int i = 0; i < BITS; ++i) w = (w << 8) | p[i];
-    const __m256i index = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), shifts), mask);
-    __m256 value = _mm256_permutevar8x32_ps(low, index);
-    if constexpr (BITS == 4) {  // indices 8-15 from the second half: bit 3 moved to the sign bit
-      value = _mm256_blendv_ps(value, _mm256_permutevar8x32_ps(high, index),
-                               _mm256_castsi256_ps(_mm256_slli_epi32(index, 28)));
-    }
-    _mm256_storeu_ps(out + e, _mm256_mul_ps(value, factor));
-  }
-  return e;
-}
+// fp16 bits as a float (exact either way: F16C's conversion where the build has it).
+inline float half_bits_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 #endif
+}
 
-// The b-bit entries of one field, big-endian in words of lcm(b, 8) bits (as `turbo_entries` cuts
-// them), each its `table` value times the field's factor f; no byte past the field's is read.
-template <int BITS>
-inline void decode_field(const uint8_t* p, int64_t count, const float* table, float f, float* out) {
+// One field of a side's rows as the read visits it: its first byte, entry count and bits, its first
+// entry among the row's E, its table (the layout's values from its offset), which factor scales it,
+// and (bits <= 4) the table padded to 16 values for the eight-lane lookup.
+struct Field {
+  int64_t first, count, entry; int bits, factor; const float* table; float padded[16];
+};
+
+std::vector<Field> fields_of(const int32_t* layout, int64_t F, const float* values) {
+  std::vector<Field> fields(F);
+  int64_t entry = 0;
+  for (int64_t i = 0; i < F; ++i) {
+    const int32_t* l = layout + 5 * i;
+    Field& f = fields[i];
+    f.first = l[0], f.count = l[1], f.entry = entry, f.bits = l[2], f.factor = l[4], f.table = values + l[3];
+    std::fill(f.padded, f.padded + 16, 0.0f);
+    const int used = f.bits == 0 ? 1 : (f.bits <= 4 ? 1 << f.bits : 0);  // (a table may end after 2^bits values)
+    std::copy(f.table, f.table + used, f.padded);
+    entry += f.count;
+  }
+  return fields;
+}
+
+// Visits every entry of field f of `row` with its (unscaled) table value: eight(e, lanes) for entries
+// e..e+7 at once (AVX2, bits <= 4: their bits shifted and masked out in each lane, looked up by a lane
+// permute), one(e, value) for the others; the bits are big-endian in words of lcm(b, 8) bits (as
+// `turbo_entries` cuts them) and no byte past the field's is read.
+template <int BITS, typename Eight, typename One>
+inline void visit_field(const uint8_t* row, const Field& f, Eight&& eight, One&& one) {
+  const int64_t count = f.count;
   if constexpr (BITS == 0) {  // prod:1 stores no indices: the centroid table holds one 0
-    for (int64_t e = 0; e < count; ++e) out[e] = table[0] * f;
+    for (int64_t e = 0; e < count; ++e) one(e, f.table[0]);
   } else {
     constexpr int WORD_BITS = BITS * 8 / (BITS % 8 == 0 ? 8 : (BITS % 4 == 0 ? 4 : (BITS % 2 == 0 ? 2 : 1)));
     constexpr int WORD_BYTES = WORD_BITS / 8, PER = WORD_BITS / BITS;
     constexpr uint64_t MASK = (uint64_t(1) << BITS) - 1;
+    const uint8_t* p = row + f.first;
     int64_t e = 0;
 #if defined(__AVX2__)
-    if constexpr (BITS <= 4) e = decode_eights<BITS>(p, count, table, f, out);  // then any last < 8 below
+    if constexpr (BITS <= 4) {
+      const __m256 low = _mm256_loadu_ps(f.padded), high = _mm256_loadu_ps(f.padded + 8);
+      const __m256i shifts = _mm256_setr_epi32(7 * BITS, 6 * BITS, 5 * BITS, 4 * BITS, 3 * BITS, 2 * BITS, BITS, 0);
+      const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
+      for (; e + 8 <= count; e += 8, p += BITS) {
+        uint32_t w = 0;
+        for (int i = 0; i < BITS; ++i) w = (w << 8) | p[i];
+        const __m256i index = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), shifts), mask);
+        __m256 value = _mm256_permutevar8x32_ps(low, index);
+        if constexpr (BITS == 4) {  // indices 8-15 from the second half: bit 3 moved to the sign bit
+          value = _mm256_blendv_ps(value, _mm256_permutevar8x32_ps(high, index),
+                                   _mm256_castsi256_ps(_mm256_slli_epi32(index, 28)));
+        }
+        eight(e, value);
+      }
+    }
 #endif
     for (; e + PER <= count; e += PER, p += WORD_BYTES) {
       uint64_t w = 0;
       for (int i = 0; i < WORD_BYTES; ++i) w = (w << 8) | p[i];
-      for (int j = 0; j < PER; ++j) out[e + j] = table[(w >> (WORD_BITS - BITS * (j + 1))) & MASK] * f;
+      for (int j = 0; j < PER; ++j) one(e + j, f.table[(w >> (WORD_BITS - BITS * (j + 1))) & MASK]);
     }
     if (e < count) {  // a last, partial word: only its bytes in the row
       const int64_t left = count - e, bytes = (left * BITS + 7) / 8;
       uint64_t w = 0;
       for (int i = 0; i < WORD_BYTES; ++i) w = (w << 8) | (i < bytes ? p[i] : 0);
-      for (int64_t j = 0; j < left; ++j) out[e + j] = table[(w >> (WORD_BITS - BITS * (j + 1))) & MASK] * f;
+      for (int64_t j = 0; j < left; ++j) one(e + j, f.table[(w >> (WORD_BITS - BITS * (j + 1))) & MASK]);
     }
   }
 }
 
-// One row's entries, field by field: fields [F, 5] int32 (first byte, count, bits, offset in `values`,
-// which factor scales it). Factors: the G fp16 group norms at `norm_byte`, then (prod) each group's
+template <typename Eight, typename One>
+inline void visit(const uint8_t* row, const Field& f, Eight&& eight, One&& one) {
+  switch (f.bits) {
+    case 0: visit_field<0>(row, f, eight, one); break;
+    case 1: visit_field<1>(row, f, eight, one); break;
+    case 2: visit_field<2>(row, f, eight, one); break;
+    case 3: visit_field<3>(row, f, eight, one); break;
+    case 4: visit_field<4>(row, f, eight, one); break;
+    case 5: visit_field<5>(row, f, eight, one); break;
+    case 6: visit_field<6>(row, f, eight, one); break;
+    case 7: visit_field<7>(row, f, eight, one); break;
+    default: visit_field<8>(row, f, eight, one); break;
+  }
+}
+
+// A row's factors: the G fp16 group norms at `norm_byte` (little-endian), then (prod) each group's
 // norm times its residual byte times the group's step.
-inline void decode_row(const uint8_t* row, const int32_t* fields, int64_t F, const float* values,
-                       int64_t norm_byte, int64_t G, const float* residual_step, float* factor, float* out) {
+inline void row_factors(const uint8_t* row, int64_t norm_byte, int64_t G, const float* residual_step, float* factor) {
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* n = row + norm_byte + 2 * g;  // little-endian fp16
-    const uint16_t h = static_cast<uint16_t>(n[0]) | (static_cast<uint16_t>(n[1]) << 8);
-    factor[g] = static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+    const uint8_t* n = row + norm_byte + 2 * g;
+    factor[g] = half_bits_to_float(static_cast<uint16_t>(n[0]) | (static_cast<uint16_t>(n[1]) << 8));
   }
   if (residual_step != nullptr) {
     for (int64_t g = 0; g < G; ++g) {
       factor[G + g] = factor[g] * (static_cast<float>(row[norm_byte + 2 * G + g]) * residual_step[g]);
     }
-  }
-  for (int64_t i = 0; i < F; ++i) {
-    const int32_t* l = fields + 5 * i;
-    const uint8_t* p = row + l[0];
-    const float* table = values + l[3];
-    const float f = factor[l[4]];
-    switch (l[2]) {
-      case 0: decode_field<0>(p, l[1], table, f, out); break;
-      case 1: decode_field<1>(p, l[1], table, f, out); break;
-      case 2: decode_field<2>(p, l[1], table, f, out); break;
-      case 3: decode_field<3>(p, l[1], table, f, out); break;
-      case 4: decode_field<4>(p, l[1], table, f, out); break;
-      case 5: decode_field<5>(p, l[1], table, f, out); break;
-      case 6: decode_field<6>(p, l[1], table, f, out); break;
-      case 7: decode_field<7>(p, l[1], table, f, out); break;
-      default: decode_field<8>(p, l[1], table, f, out); break;
-    }
-    out += l[1];
   }
 }
 
@@ -292,12 +321,86 @@ PerHead per_head(const torch::Tensor& m, int64_t B, int64_t Hkv, int64_t rows, i
   return {m.data_ptr<float>(), sb, sh};
 }
 
-// acc[c] += sum_r x[r * x_stride] * m[r, c]: a row times a [rows, cols] matrix, vectorised over c.
+// acc[c] += sum_r x[r * x_stride] * m[r, c]: a row times a [rows, cols] matrix; on AVX2 32 and then 8
+// columns at a time, their sums in registers over every r (the matrices here are 16-128 wide).
 inline void add_row_times(const float* x, int64_t x_stride, const float* m, int64_t rows, int64_t cols, float* acc) {
-  for (int64_t r = 0; r < rows; ++r) {
+  int64_t c = 0;
+#if defined(__AVX2__)
+  for (; c + 32 <= cols; c += 32) {
+    __m256 a[4];
+    for (int j = 0; j < 4; ++j) a[j] = _mm256_loadu_ps(acc + c + 8 * j);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m256 w = _mm256_set1_ps(x[r * x_stride]);
+      const float* mr = m + r * cols + c;
+      for (int j = 0; j < 4; ++j) a[j] = mul_add(w, _mm256_loadu_ps(mr + 8 * j), a[j]);
+    }
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(acc + c + 8 * j, a[j]);
+  }
+  for (; c + 8 <= cols; c += 8) {
+    __m256 a = _mm256_loadu_ps(acc + c);
+    for (int64_t r = 0; r < rows; ++r) {
+      a = mul_add(_mm256_set1_ps(x[r * x_stride]), _mm256_loadu_ps(m + r * cols + c), a);
+    }
+    _mm256_storeu_ps(acc + c, a);
+  }
+#endif
+  for (int64_t r = 0; r < rows && c < cols; ++r) {
     const float w = x[r * x_stride];
     const float* mr = m + r * cols;
-    for (int64_t c = 0; c < cols; ++c) acc[c] += w * mr[c];
+    for (int64_t e = c; e < cols; ++e) acc[e] += w * mr[e];
+  }
+}
+
+// QB query rows' scores against one key row, straight from its codes: score[j] += the sum over the
+// row's fields of factor * (qq_j . the field's table values), qq_j at qq + j * E (no decoded row).
+template <int QB>
+inline void score_row(const uint8_t* row, const std::vector<Field>& fields, const float* factor, const float* qq,
+                      int64_t E, float* score) {
+  for (const Field& f : fields) {
+    const float* q = qq + f.entry;
+    float tail[QB] = {};
+#if defined(__AVX2__)
+    __m256 acc[QB];
+    for (int j = 0; j < QB; ++j) acc[j] = _mm256_setzero_ps();
+    auto eight = [&](int64_t e, __m256 value) {
+      for (int j = 0; j < QB; ++j) acc[j] = mul_add(value, _mm256_loadu_ps(q + j * E + e), acc[j]);
+    };
+#else
+    auto eight = [](int64_t, float) {};
+#endif
+    visit(row, f, eight, [&](int64_t e, float value) {
+      for (int j = 0; j < QB; ++j) tail[j] += value * q[j * E + e];
+    });
+    for (int j = 0; j < QB; ++j) {
+#if defined(__AVX2__)
+      tail[j] += hsum8(acc[j]);
+#endif
+      score[j] += factor[f.factor] * tail[j];
+    }
+  }
+}
+
+// The M query rows' weighted sums gain one value row, straight from its codes: sum_j (at sum + j * E)
+// += weight[j * weight_stride] * factor * the row's table values, field by field.
+inline void add_value_row(const uint8_t* row, const std::vector<Field>& fields, const float* factor,
+                          const float* weight, int64_t weight_stride, int64_t M, int64_t E, float* scaled,
+                          float* sum) {
+  for (const Field& f : fields) {
+    for (int64_t j = 0; j < M; ++j) scaled[j] = weight[j * weight_stride] * factor[f.factor];
+    float* s = sum + f.entry;
+#if defined(__AVX2__)
+    auto eight = [&](int64_t e, __m256 value) {
+      for (int64_t j = 0; j < M; ++j) {
+        float* at = s + j * E + e;
+        _mm256_storeu_ps(at, mul_add(_mm256_set1_ps(scaled[j]), value, _mm256_loadu_ps(at)));
+      }
+    };
+#else
+    auto eight = [](int64_t, float) {};
+#endif
+    visit(row, f, eight, [&](int64_t e, float value) {
+      for (int64_t j = 0; j < M; ++j) s[j * E + e] += scaled[j] * value;
+    });
   }
 }
 
@@ -325,24 +428,53 @@ PerHeadIndex per_head_index(const torch::Tensor& perm, int64_t B, int64_t Hkv, i
   return index;
 }
 
+// The query rows [B, H, 1, D] by pointer and strides; a mask read as broadcast to [B, H, 1, S] by
+// strides (0 on a broadcast axis): bool (false hides a column) or float32 (added to the scores), or none.
+struct QueryIn { const float* p; int64_t B, H, D, s0, s1, s3; };
+struct MaskIn { const bool* b = nullptr; const float* f = nullptr; int64_t s0 = 0, s1 = 0, s3 = 0; };
+
+QueryIn query_in(const torch::Tensor& q) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 4 && q.size(2) == 1, "attend: float32 q [B, H, 1, D]");
+  return {q.data_ptr<float>(), q.size(0), q.size(1), q.size(3), q.stride(0), q.stride(1), q.stride(3)};
+}
+
+// mask (bool or float32, at most 4-d, broadcastable to [B, H, 1, S] as torch broadcasts), or numel 0: none.
+MaskIn mask_in(const torch::Tensor& mask, int64_t B, int64_t H, int64_t S) {
+  MaskIn in;
+  if (mask.numel() == 0) return in;
+  TORCH_CHECK((mask.dtype() == torch::kBool || mask.dtype() == torch::kFloat32) && mask.dim() <= 4,
+              "attend: a bool or float32 mask of at most 4 dims");
+  const int64_t want[4] = {B, H, 1, S};
+  int64_t stride[4] = {0, 0, 0, 0};
+  for (int64_t d = 0; d < mask.dim(); ++d) {
+    const int64_t axis = 4 - mask.dim() + d;
+    TORCH_CHECK(mask.size(d) == want[axis] || mask.size(d) == 1, "attend: the mask does not broadcast to [",
+                B, ", ", H, ", 1, ", S, "]");
+    stride[axis] = mask.size(d) == 1 ? 0 : mask.stride(d);
+  }
+  in.s0 = stride[0], in.s1 = stride[1], in.s3 = stride[3];
+  if (mask.dtype() == torch::kBool) in.b = mask.data_ptr<bool>(); else in.f = mask.data_ptr<float>();
+  return in;
+}
+
 // With a key permutation, `query` is the shared codec's and each query row is permuted first
 // (q @ query_h = q[perm_h] @ query); with a value un-permutation, `back` is the shared codec's and
 // the output's columns are permuted last ((s @ back_h)[i] = (s @ back)[unperm_h[i]]): the same
 // products as the per-head matrices, summed in another order, and one shared matrix in the cache.
-void read_codes(const torch::Tensor& q, const Side& k, const Side& v, const PerHead& query, const PerHead& back,
+void read_codes(const QueryIn& q, const Side& k, const Side& v, const PerHead& query, const PerHead& back,
                 const PerHeadIndex& q_perm, const PerHeadIndex& out_perm,
-                int64_t Hkv, int64_t S, int64_t Dv, const torch::Tensor& mask, float scale, float* o) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), M = H / Hkv;
-  const int64_t q0 = q.stride(0), q1 = q.stride(1), q3 = q.stride(3);
-  const float* qp = q.data_ptr<float>();
-  const bool has_mask = mask.numel() > 0;
-  const bool bool_mask = has_mask && mask.dtype() == torch::kBool;
-  const int64_t m0 = has_mask ? mask.stride(0) : 0, m1 = has_mask ? mask.stride(1) : 0;
-  const int64_t m3 = has_mask ? mask.stride(3) : 0;
-  const bool* mb = bool_mask ? mask.data_ptr<bool>() : nullptr;
-  const float* mf = (has_mask && !bool_mask) ? mask.data_ptr<float>() : nullptr;
+                int64_t Hkv, int64_t S, int64_t Dv, const MaskIn& mask, float scale, float* o) {
+  const int64_t B = q.B, H = q.H, D = q.D, M = H / Hkv;
+  const int64_t q0 = q.s0, q1 = q.s1, q3 = q.s3;
+  const float* qp = q.p;
+  const bool has_mask = mask.b != nullptr || mask.f != nullptr, bool_mask = mask.b != nullptr;
+  const int64_t m0 = mask.s0, m1 = mask.s1, m3 = mask.s3;
+  const bool* mb = mask.b;
+  const float* mf = mask.f;
+  const std::vector<Field> key_fields = fields_of(k.fields, k.F, k.values);
+  const std::vector<Field> value_fields = fields_of(v.fields, v.F, v.values);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> entry(std::max(k.E, v.E)), factor(2 * std::max(k.G, v.G) + 2), p(M * S);
+    std::vector<float> factor(2 * std::max(k.G, v.G) + 2), p(M * S), scores(M), scaled(M);
     std::vector<float> qq(M * k.E), sum(M * v.E), permuted(std::max(D, Dv));
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / Hkv, h = bh % Hkv;
@@ -358,10 +490,17 @@ void read_codes(const torch::Tensor& q, const Side& k, const Side& v, const PerH
         }
       }
       for (int64_t s = 0; s < S; ++s) {
-        decode_row(k.rows + b * k.s0 + h * k.s1 + s * k.s2, k.fields, k.F, k.values, k.norm_byte, k.G,
-                   k.residual_step, factor.data(), entry.data());
+        const uint8_t* row = k.rows + b * k.s0 + h * k.s1 + s * k.s2;
+        row_factors(row, k.norm_byte, k.G, k.residual_step, factor.data());
+        std::fill(scores.begin(), scores.end(), 0.0f);
+        for (int64_t m = 0; m < M;) {  // query rows four, two or one at a time (their sums in registers)
+          const float* qm = qq.data() + m * k.E;
+          if (M - m >= 4) { score_row<4>(row, key_fields, factor.data(), qm, k.E, scores.data() + m); m += 4; }
+          else if (M - m >= 2) { score_row<2>(row, key_fields, factor.data(), qm, k.E, scores.data() + m); m += 2; }
+          else { score_row<1>(row, key_fields, factor.data(), qm, k.E, scores.data() + m); m += 1; }
+        }
         for (int64_t m = 0; m < M; ++m) {
-          float score = dot(qq.data() + m * k.E, entry.data(), k.E) * scale;
+          float score = scores[m] * scale;
           if (has_mask) {
             const int64_t at = b * m0 + (h * M + m) * m1 + s * m3;
             if (bool_mask) {
@@ -383,13 +522,12 @@ void read_codes(const torch::Tensor& q, const Side& k, const Side& v, const PerH
       }
       std::fill(sum.begin(), sum.end(), 0.0f);
       for (int64_t s = 0; s < S; ++s) {
-        decode_row(v.rows + b * v.s0 + h * v.s1 + s * v.s2, v.fields, v.F, v.values, v.norm_byte, v.G,
-                   v.residual_step, factor.data(), entry.data());
-        for (int64_t m = 0; m < M; ++m) {
-          const float w = p[m * S + s];
-          float* sm = sum.data() + m * v.E;
-          for (int64_t e = 0; e < v.E; ++e) sm[e] += w * entry[e];
-        }
+        bool any = false;  // a column every query row gives weight 0 (masked) adds nothing
+        for (int64_t m = 0; m < M; ++m) any = any || p[m * S + s] != 0.0f;
+        if (!any) continue;
+        const uint8_t* row = v.rows + b * v.s0 + h * v.s1 + s * v.s2;
+        row_factors(row, v.norm_byte, v.G, v.residual_step, factor.data());
+        add_value_row(row, value_fields, factor.data(), p.data() + s, S, M, v.E, scaled.data(), sum.data());
       }
       for (int64_t m = 0; m < M; ++m) {
         float* om = o + (b * H + h * M + m) * Dv;
@@ -439,59 +577,69 @@ Norms group_norms(const torch::Tensor& y, const std::vector<int64_t>& sizes) {
   return norms;
 }
 
-// The plain-loop twins of `encode`'s matmul and norms, for the C++ decode (`plain`): each row of x
-// [..., D] (4-d [B, Hkv, T, D] with any strides but the last, or contiguous) times its head's matrix m
-// ([D, cols] for every head, or [(B,) Hkv, D, cols] broadcast as matmul does), and each group's norm
-// sqrt(sum of squares): equal to ATen's to float32 rounding (another summation order), not bit for bit,
-// without ~10 ATen calls an encode (at batch 1 they cost more than the decode's attention).
-torch::Tensor rows_times(const torch::Tensor& x, const torch::Tensor& m) {
-  const int64_t D = x.size(-1), N = x.numel() / D, cols = m.size(-1), count = m.numel() / (D * cols);
+// Float32 rows [B, H, T, D] by pointer (any strides but the last, which is 1; a contiguous [..., D]
+// tensor is [1, 1, N, D]): row n counted over (b, h, t) in order.
+struct RowsIn {
+  const float* p; int64_t H, T, D, s0, s1, s2;
+  int64_t head(int64_t n) const { return (n / T) % H; }
+  int64_t batch(int64_t n) const { return n / (H * T); }
+  const float* row(int64_t n) const { return p + batch(n) * s0 + head(n) * s1 + (n % T) * s2; }
+};
+
+RowsIn rows_in(const torch::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.stride(-1) == 1 && (x.dim() == 4 || x.is_contiguous()),
               "encode: float32 rows [B, Hkv, T, D] (the last dim contiguous)");
-  TORCH_CHECK(m.scalar_type() == at::kFloat && m.is_contiguous() && m.dim() >= 2 && m.size(-2) == D
-              && (count == 1 || (x.dim() == 4 && (count == x.size(1) || count == x.size(0) * x.size(1)))),
-              "encode: a [D, cols] matrix, or one per (batch row and) head");
-  auto shape = x.sizes().vec();
-  shape.back() = cols;
-  torch::Tensor out = torch::zeros(shape, x.options().memory_format(at::MemoryFormat::Contiguous));
-  const float* xp = x.data_ptr<float>();
-  const float* mp = m.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const bool four = x.dim() == 4;
-  const int64_t H = four ? x.size(1) : 1, T = four ? x.size(2) : N;
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t b = n / (H * T), h = (n / T) % H, t = n % T;
-    const float* row = four ? xp + b * x.stride(0) + h * x.stride(1) + t * x.stride(2) : xp + n * D;
-    const float* mat = mp + (count == 1 ? 0 : (count == H ? h : b * H + h)) * D * cols;
-    add_row_times(row, 1, mat, D, cols, op + n * cols);
-  }
-  return out;
+  const int64_t D = x.size(-1);
+  if (x.dim() == 4) return {x.data_ptr<float>(), x.size(1), x.size(2), D, x.stride(0), x.stride(1), x.stride(2)};
+  return {x.data_ptr<float>(), 1, x.numel() / std::max<int64_t>(D, 1), D, 0, 0, D};
 }
 
-Norms plain_norms(const torch::Tensor& y, const std::vector<int64_t>& sizes) {
+// The plain-loop twins of `encode`'s matmul and norms, for the C++ decode (`plain`): each of N rows of x
+// times its head's matrix m ([D, cols] for every head, or one per (batch row and) head, `count` of
+// them, broadcast as matmul does) into out [N, cols]; and each group's norm sqrt(sum of squares) into
+// [N, G]: equal to ATen's to float32 rounding (another summation order), not bit for bit, without the
+// ~10 ATen calls an encode makes (at batch 1 they cost more than the decode's attention).
+void rows_times(const RowsIn& x, int64_t N, const torch::Tensor& m, float* out) {
+  const int64_t D = x.D, cols = m.size(-1), count = m.numel() / (D * cols);
+  TORCH_CHECK(m.scalar_type() == at::kFloat && m.is_contiguous() && m.dim() >= 2 && m.size(-2) == D
+              && (count == 1 || count == x.H || count == (N / (x.H * x.T)) * x.H),
+              "encode: a [D, cols] matrix, or one per (batch row and) head");
+  const float* mp = m.data_ptr<float>();
+  std::fill(out, out + N * cols, 0.0f);
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t h = x.head(n);
+    const float* mat = mp + (count == 1 ? 0 : (count == x.H ? h : x.batch(n) * x.H + h)) * D * cols;
+    add_row_times(x.row(n), 1, mat, D, cols, out + n * cols);
+  }
+}
+
+Norms plain_norms(const float* y, int64_t N, int64_t D, const std::vector<int64_t>& sizes, float* out) {
   Norms norms;
-  const int64_t G = static_cast<int64_t>(sizes.size()), D = y.size(-1), N = y.numel() / D;
-  norms.keep.push_back(torch::empty({N, G}, y.options()));
-  float* np = norms.keep[0].data_ptr<float>();
-  const float* yp = y.data_ptr<float>();
+  const int64_t G = static_cast<int64_t>(sizes.size());
   for (int64_t n = 0; n < N; ++n) {
     int64_t start = 0;
     for (int64_t g = 0; g < G; ++g) {
-      const float* part = yp + n * D + start;
-      np[n * G + g] = std::sqrt(dot(part, part, sizes[g]));
+      const float* part = y + n * D + start;
+      out[n * G + g] = std::sqrt(dot(part, part, sizes[g]));
       start += sizes[g];
     }
   }
   norms.stride = G;
-  for (int64_t g = 0; g < G; ++g) norms.p.push_back(np + g);
+  for (int64_t g = 0; g < G; ++g) norms.p.push_back(out + g);
   return norms;
 }
 
-inline void put_bits(uint8_t* row, int64_t pos, int64_t value, int bits) {
-  for (int k = bits - 1; k >= 0; --k, ++pos) {
-    row[pos >> 3] |= static_cast<uint8_t>(((value >> k) & 1) << (7 - (pos & 7)));  // most significant first
+// Appends values of `bits` bits, most significant first, to bytes from `p` on (a field's: each starts
+// on a byte); `flush` writes a last partial byte, its low bits 0.
+struct BitWriter {
+  uint8_t* p; uint32_t acc = 0; int n = 0;
+  void put(uint32_t value, int bits) {
+    acc = (acc << bits) | (value & ((1u << bits) - 1));
+    for (n += bits; n >= 8; n -= 8) *p++ = static_cast<uint8_t>(acc >> (n - 8));
+    acc &= (1u << n) - 1;
   }
-}
+  void flush() { if (n > 0) *p++ = static_cast<uint8_t>(acc << (8 - n)); n = 0; acc = 0; }
+};
 
 }  // namespace
 
@@ -512,49 +660,29 @@ std::vector<int64_t> row_offsets(const torch::Tensor& rows, int64_t N) {
   return at;
 }
 
-// `encode_into` of x [..., D] into `rows` [..., nbytes] (see `encode`): whether every stored norm is finite.
-// plain: the products and norms by plain loops (`rows_times`, `plain_norms`; the C++ decode's), else ATen's.
-bool encode_into(const torch::Tensor& x, const std::vector<torch::Tensor>& t, const std::vector<int64_t>& ints,
-                 const std::vector<double>& steps, torch::Tensor& rows, bool plain = false);
-
-// `rows.turbo_encode` of x [..., D]: tables = (rotate, col_group, col_shift, boundaries, offsets,
-// centroids, sketch_t or empty, fields [F, 5] int32, each group's dither weights (prod)); ints =
-// (G, the group sizes, norm byte, row bytes, residual levels, hash bits); steps: the residual steps.
-// Returns (rows uint8 [..., bytes], whether every stored norm is finite).
-std::tuple<torch::Tensor, bool> encode(const torch::Tensor& x, const std::vector<torch::Tensor>& t,
-                                       const std::vector<int64_t>& ints, const std::vector<double>& steps) {
-  auto shape = x.sizes().vec();
-  shape.back() = ints[ints[0] + 2];
-  torch::Tensor rows = torch::empty(shape, x.options().dtype(torch::kUInt8));
-  const bool finite = encode_into(x, t, ints, steps, rows);
-  return {rows, finite};
-}
-
-// Writes each row's bytes (all of them: no byte of `rows` is read first). Float steps are the
-// reference's, one rounding each (built with -ffp-contract=off), so the bytes are the same.
-bool encode_into(const torch::Tensor& x, const std::vector<torch::Tensor>& t, const std::vector<int64_t>& ints,
-                 const std::vector<double>& steps, torch::Tensor& rows, bool plain) {
+// The codes of N rows y = x @ rotate [N, D] (norms np: each group's) into rows at out + row_at[n]
+// (`encode`'s layout; every byte written): whether every stored norm is finite. prod: `sketch(residual)`
+// gives (residual @ sketch_t [N, D], the residual's group norms) for the residual [N, D] it is handed.
+// Float steps are the reference's, one rounding each (built with -ffp-contract=off), so the bytes are
+// `turbo_encode`'s for the same y and norms.
+template <typename Sketch>
+bool encode_codes(const float* yp, const Norms& np, int64_t N, int64_t D, const std::vector<torch::Tensor>& t,
+                  const std::vector<int64_t>& ints, const std::vector<double>& steps, float* residual,
+                  Sketch&& sketch, uint8_t* out, const int64_t* row_at) {
   const int64_t G = ints[0];
-  TORCH_CHECK(G >= 1 && G <= 8 && static_cast<int64_t>(t.size()) == 8 + (t[6].numel() > 0 ? G : 0), "encode: tables");
   const std::vector<int64_t> sizes(ints.begin() + 1, ints.begin() + 1 + G);
   const int64_t norm_byte = ints[G + 1], nbytes = ints[G + 2], levels = ints[G + 3], hash = int64_t(1) << ints[G + 4];
-  const torch::Tensor y = plain ? rows_times(x, t[0]) : at::matmul(x.to(at::kFloat), t[0]).contiguous();
   const bool prod = t[6].numel() > 0;
-  const int64_t D = y.size(-1), N = y.numel() / D;
   const int64_t* col_group = t[1].data_ptr<int64_t>();
   const float* col_shift = t[2].data_ptr<float>();
   const float* bounds = t[3].data_ptr<float>();
   const int64_t nb = t[3].numel();
   const int64_t* offsets = t[4].data_ptr<int64_t>();
   const float* centroids = t[5].data_ptr<float>();
-  const Norms np = plain ? plain_norms(y, sizes) : group_norms(y, sizes);
-  const float* yp = y.data_ptr<float>();
   const float tiny = std::numeric_limits<float>::min();
-  std::vector<int64_t> entry(N * 2 * D, 0);  // [N, E]: indices, then (prod) sign bits
+  std::vector<int32_t> entry(N * 2 * D, 0);  // [N, E]: indices, then (prod) sign bits
   std::vector<uint16_t> stored(N * G);
   bool finite = true;
-  torch::Tensor residual = prod ? torch::empty_like(y) : torch::Tensor();
-  float* rp = prod ? residual.data_ptr<float>() : nullptr;
   for (int64_t n = 0; n < N; ++n) {
     float ratio[8];
     for (int64_t g = 0; g < G; ++g) {
@@ -569,26 +697,18 @@ bool encode_into(const torch::Tensor& x, const std::vector<torch::Tensor>& t, co
       const float unit = yp[n * D + c] / std::max(np(g, n), tiny);
       const float shifted = unit + col_shift[c];
       const int64_t where = std::lower_bound(bounds, bounds + nb, shifted) - bounds;  // bucketize, right=False
-      entry[n * 2 * D + c] = where - offsets[c];
+      entry[n * 2 * D + c] = static_cast<int32_t>(where - offsets[c]);
       if (prod) {
         const float scaled = unit * ratio[g];
-        rp[n * D + c] = scaled - centroids[where];
+        residual[n * D + c] = scaled - centroids[where];
       }
     }
   }
-  TORCH_CHECK(rows.dim() == x.dim() && rows.size(-1) == nbytes && rows.numel() == N * nbytes,
-              "encode: rows [..., ", nbytes, "] of x's leading shape");
-  const std::vector<int64_t> row_at = row_offsets(rows, N);
-  uint8_t* out = rows.data_ptr<uint8_t>();
   for (int64_t n = 0; n < N; ++n) std::fill(out + row_at[n], out + row_at[n] + nbytes, uint8_t(0));
   Norms rn;
   if (prod) {
-    // (matmul folds a contiguous [..., D] into mm: the same call, less dispatch)
-    const torch::Tensor signs = plain ? rows_times(residual, t[6])
-                                : t[6].dim() == 2 ? at::mm(residual.view({N, D}), t[6])
-                                                  : at::matmul(residual, t[6]).contiguous();
-    rn = plain ? plain_norms(residual, sizes) : group_norms(residual, sizes);
-    const float* sp = signs.data_ptr<float>();
+    auto [sp, residual_norms] = sketch(residual);
+    rn = std::move(residual_norms);
     for (int64_t n = 0; n < N; ++n) {
       for (int64_t c = 0; c < D; ++c) entry[n * 2 * D + D + c] = sp[n * D + c] >= 0 ? 1 : 0;
     }
@@ -597,11 +717,13 @@ bool encode_into(const torch::Tensor& x, const std::vector<torch::Tensor>& t, co
   const int64_t F = t[7].size(0);
   for (int64_t n = 0; n < N; ++n) {
     uint8_t* row = out + row_at[n];
-    const int64_t* e = entry.data() + n * 2 * D;
+    const int32_t* e = entry.data() + n * 2 * D;
     for (int64_t i = 0; i < F; ++i) {
       const int32_t* l = fields + 5 * i;
-      for (int64_t j = 0; j < l[1]; ++j) {
-        if (l[2] > 0) put_bits(row, 8 * int64_t(l[0]) + j * l[2], e[j], l[2]);
+      if (l[2] > 0) {
+        BitWriter bits{row + l[0]};
+        for (int64_t j = 0; j < l[1]; ++j) bits.put(static_cast<uint32_t>(e[j]), l[2]);
+        bits.flush();
       }
       e += l[1];
     }
@@ -625,6 +747,73 @@ bool encode_into(const torch::Tensor& x, const std::vector<torch::Tensor>& t, co
     }
   }
   return finite;
+}
+
+// The encode of N rows of x by plain loops (`plain`) into rows at out + row_at[n]; no ATen call.
+bool encode_plain(const RowsIn& x, int64_t N, const std::vector<torch::Tensor>& t, const std::vector<int64_t>& ints,
+                  const std::vector<double>& steps, uint8_t* out, const int64_t* row_at) {
+  const int64_t G = ints[0], D = x.D;
+  TORCH_CHECK(G >= 1 && G <= 8 && static_cast<int64_t>(t.size()) == 8 + (t[6].numel() > 0 ? G : 0), "encode: tables");
+  TORCH_CHECK(t[0].size(-1) == D, "encode: the rotation's width is the head dim");
+  const std::vector<int64_t> sizes(ints.begin() + 1, ints.begin() + 1 + G);
+  std::vector<float> y(N * D), norms(N * G), residual(t[6].numel() > 0 ? N * D : 0), signs(residual.size()),
+      residual_norms(N * G);
+  rows_times(x, N, t[0], y.data());
+  const Norms np = plain_norms(y.data(), N, D, sizes, norms.data());
+  auto sketch = [&](float* r) {
+    const RowsIn rows{r, x.H, x.T, D, x.H * x.T * D, x.T * D, D};  // x's leading shape, contiguous
+    rows_times(rows, N, t[6], signs.data());
+    return std::make_pair(static_cast<const float*>(signs.data()), plain_norms(r, N, D, sizes, residual_norms.data()));
+  };
+  return encode_codes(y.data(), np, N, D, t, ints, steps, residual.data(), sketch, out, row_at);
+}
+
+// `encode_into` of x [..., D] into `rows` [..., nbytes] (see `encode`): whether every stored norm is finite.
+// plain: the products and norms by plain loops (`encode_plain`; the C++ decode's), else ATen's.
+bool encode_into(const torch::Tensor& x, const std::vector<torch::Tensor>& t, const std::vector<int64_t>& ints,
+                 const std::vector<double>& steps, torch::Tensor& rows, bool plain = false);
+// The same into rows at out + row_at[n] for x's N rows.
+bool encode_at(const torch::Tensor& x, const std::vector<torch::Tensor>& t, const std::vector<int64_t>& ints,
+               const std::vector<double>& steps, uint8_t* out, const int64_t* row_at, bool plain);
+
+// `rows.turbo_encode` of x [..., D]: tables = (rotate, col_group, col_shift, boundaries, offsets,
+// centroids, sketch_t or empty, fields [F, 5] int32, each group's dither weights (prod)); ints =
+// (G, the group sizes, norm byte, row bytes, residual levels, hash bits); steps: the residual steps.
+// Returns (rows uint8 [..., bytes], whether every stored norm is finite).
+std::tuple<torch::Tensor, bool> encode(const torch::Tensor& x, const std::vector<torch::Tensor>& t,
+                                       const std::vector<int64_t>& ints, const std::vector<double>& steps) {
+  auto shape = x.sizes().vec();
+  shape.back() = ints[ints[0] + 2];
+  torch::Tensor rows = torch::empty(shape, x.options().dtype(torch::kUInt8));
+  const bool finite = encode_into(x, t, ints, steps, rows);
+  return {rows, finite};
+}
+
+bool encode_into(const torch::Tensor& x, const std::vector<torch::Tensor>& t, const std::vector<int64_t>& ints,
+                 const std::vector<double>& steps, torch::Tensor& rows, bool plain) {
+  const int64_t G = ints[0], D = x.size(-1), N = x.numel() / std::max<int64_t>(D, 1);
+  TORCH_CHECK(G >= 1 && G <= 8 && static_cast<int64_t>(t.size()) == 8 + (t[6].numel() > 0 ? G : 0), "encode: tables");
+  TORCH_CHECK(rows.dim() == x.dim() && rows.size(-1) == ints[G + 2] && rows.numel() == N * ints[G + 2],
+              "encode: rows [..., ", ints[G + 2], "] of x's leading shape");
+  return encode_at(x, t, ints, steps, rows.data_ptr<uint8_t>(), row_offsets(rows, N).data(), plain);
+}
+
+bool encode_at(const torch::Tensor& x, const std::vector<torch::Tensor>& t, const std::vector<int64_t>& ints,
+               const std::vector<double>& steps, uint8_t* out, const int64_t* row_at, bool plain) {
+  const int64_t G = ints[0], D = x.size(-1), N = x.numel() / std::max<int64_t>(D, 1);
+  if (plain) return encode_plain(rows_in(x), N, t, ints, steps, out, row_at);
+  const std::vector<int64_t> sizes(ints.begin() + 1, ints.begin() + 1 + G);
+  const torch::Tensor y = at::matmul(x.to(at::kFloat), t[0]).contiguous();
+  const Norms np = group_norms(y, sizes);
+  std::vector<float> residual(t[6].numel() > 0 ? N * D : 0);
+  torch::Tensor signs;
+  auto sketch = [&](float* r) {
+    // (matmul folds a contiguous [..., D] into mm: the same call, less dispatch)
+    const torch::Tensor rt = torch::from_blob(r, y.sizes(), y.options());
+    signs = t[6].dim() == 2 ? at::mm(rt.view({N, D}), t[6]) : at::matmul(rt, t[6]).contiguous();
+    return std::make_pair(static_cast<const float*>(signs.data_ptr<float>()), group_norms(rt, sizes));
+  };
+  return encode_codes(y.data_ptr<float>(), np, N, D, t, ints, steps, residual.data(), sketch, out, row_at);
 }
 
 // The loop every weight stream shares: a weight's [out, in] rows streamed once for all N rows of x, split
@@ -829,34 +1018,71 @@ std::tuple<torch::Tensor, torch::Tensor, bool> encode_pair(const torch::Tensor& 
   return {rows_k, rows_v, finite_k && finite_v};
 }
 
-// `codes_attention` of q [B, H, 1, D] as `turbo_score` / `turbo_combine` compute it (q @ query, the
-// entries, the softmax, the value entries' sum @ back), one C++ pass: [B, H, 1, Dv] in q's dtype.
-torch::Tensor attend(const torch::Tensor& q, const Codec& ck, const Codec& cv, torch::Tensor rows_k,
-                     torch::Tensor rows_v, c10::optional<torch::Tensor> attn_mask) {
-  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && rows_k.dim() == 4 && q.size(1) % rows_k.size(1) == 0,
-              "attend: q [B, H, 1, D], H a multiple of Hkv");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Hkv = rows_k.size(1), S = rows_k.size(2);
-  if (rows_k.stride(3) != 1) rows_k = rows_k.contiguous();
-  if (rows_v.stride(3) != 1) rows_v = rows_v.contiguous();
+// `attend`'s read over the first S columns of rows_k, rows_v [B, Hkv, >= S, bytes] (bytes contiguous)
+// into out [B, H, 1, Dv] (contiguous float32), with no ATen call.
+void attend_columns(const QueryIn& q, const Codec& ck, const Codec& cv, const torch::Tensor& rows_k,
+                    const torch::Tensor& rows_v, int64_t S, const MaskIn& mask, float* out) {
+  TORCH_CHECK(rows_k.dim() == 4 && rows_v.dim() == 4 && q.H % rows_k.size(1) == 0, "attend: q [B, H, 1, D], "
+              "rows [B, Hkv, S, bytes], H a multiple of Hkv");
+  const int64_t B = q.B, Hkv = rows_k.size(1), D = q.D;
+  TORCH_CHECK(rows_k.size(0) == B && rows_v.size(0) == B && rows_v.size(1) == Hkv && rows_k.size(2) >= S
+              && rows_v.size(2) >= S, "attend: shapes disagree");
   const Side k = side(rows_k, ck.layout, ck.values, ck.norm_byte, ck.groups, ck.residual_step);
   const Side v = side(rows_v, cv.layout, cv.values, cv.norm_byte, cv.groups, cv.residual_step);
-  TORCH_CHECK(rows_v.size(2) == S && rows_k.size(0) == B && rows_v.size(0) == B && rows_v.size(1) == Hkv,
-              "attend: shapes disagree");
   const int64_t Dv = cv.back.size(-1);
   const PerHead query = per_head(ck.query, B, Hkv, D, k.E, "query");
   const PerHead back = per_head(cv.back, B, Hkv, v.E, Dv, "back");
   const PerHeadIndex q_perm = per_head_index(ck.perm, B, Hkv, D, "key perm");
   const PerHeadIndex out_perm = per_head_index(cv.unperm, B, Hkv, Dv, "value unperm");
+  read_codes(q, k, v, query, back, q_perm, out_perm, Hkv, S, Dv, mask,
+             static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))), out);
+}
+
+// `codes_attention` of q [B, H, 1, D] as `turbo_score` / `turbo_combine` compute it (q @ query, the
+// entries, the softmax, the value entries' sum @ back), one C++ pass: [B, H, 1, Dv] in q's dtype.
+// (Over the first S columns of the rows: all of them unless given.)
+torch::Tensor attend(const torch::Tensor& q, const Codec& ck, const Codec& cv, torch::Tensor rows_k,
+                     torch::Tensor rows_v, c10::optional<torch::Tensor> attn_mask, int64_t S = -1) {
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && rows_k.dim() == 4 && rows_v.dim() == 4,
+              "attend: q [B, H, 1, D], rows [B, Hkv, S, bytes]");
+  if (S < 0) {
+    S = rows_k.size(2);
+    TORCH_CHECK(rows_v.size(2) == S, "attend: shapes disagree");
+  }
+  if (rows_k.stride(3) != 1) rows_k = rows_k.contiguous();
+  if (rows_v.stride(3) != 1) rows_v = rows_v.contiguous();
   torch::Tensor mask = torch::empty({0});
   if (attn_mask.has_value()) {
-    mask = attn_mask->expand({B, H, 1, S});
+    mask = *attn_mask;
     if (mask.dtype() != torch::kBool && mask.dtype() != torch::kFloat32) mask = mask.to(at::kFloat);
   }
   const torch::Tensor qf = q.scalar_type() == at::kFloat ? q : q.to(at::kFloat);
+  const int64_t B = q.size(0), H = q.size(1), Dv = cv.back.size(-1);
   torch::Tensor out = torch::empty({B, H, 1, Dv}, qf.options().memory_format(at::MemoryFormat::Contiguous));
-  read_codes(qf, k, v, query, back, q_perm, out_perm, Hkv, S, Dv, mask,
-             static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))), out.data_ptr<float>());
+  attend_columns(query_in(qf), ck, cv, rows_k, rows_v, S, mask_in(mask, B, H, S), out.data_ptr<float>());
   return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());
+}
+
+// The byte offset of row (b, h, t) of x [B, Hkv, T, ...] at column start + t of a store [B, Hkv, capacity, bytes].
+std::vector<int64_t> column_offsets(const torch::Tensor& store, int64_t B, int64_t Hkv, int64_t T, int64_t start) {
+  std::vector<int64_t> at(B * Hkv * T);
+  for (int64_t n = 0; n < B * Hkv * T; ++n) {
+    at[n] = (n / (Hkv * T)) * store.stride(0) + ((n / T) % Hkv) * store.stride(1) + (start + n % T) * store.stride(2);
+  }
+  return at;
+}
+
+void check_columns(const torch::Tensor& store_k, const torch::Tensor& store_v, int64_t B, int64_t Hkv, int64_t end,
+                   const Codec& ck, const Codec& cv) {
+  TORCH_CHECK(store_k.dim() == 4 && store_v.dim() == 4 && store_k.dtype() == torch::kUInt8
+              && store_v.dtype() == torch::kUInt8 && store_k.stride(3) == 1 && store_v.stride(3) == 1,
+              "decode_attend: uint8 stores [B, Hkv, capacity, bytes], bytes contiguous");
+  TORCH_CHECK(store_k.size(0) == B && store_k.size(1) == Hkv && store_v.size(0) == B && store_v.size(1) == Hkv,
+              "decode_attend: stores [B, Hkv, capacity, bytes] of k's and v's rows");
+  TORCH_CHECK(end <= store_k.size(2) && end <= store_v.size(2), "decode_attend: columns up to ", end,
+              " beyond the storage");
+  TORCH_CHECK(store_k.size(3) == ck.ints[ck.ints[0] + 2] && store_v.size(3) == cv.ints[cv.ints[0] + 2],
+              "decode_attend: the stores' row bytes are the codecs'");
 }
 
 // A decode call in one pass: k, v [B, Hkv, T, D] encoded straight into a storage's rows [B, Hkv,
@@ -867,18 +1093,32 @@ std::tuple<torch::Tensor, bool> decode_attend(const torch::Tensor& q, const torc
                                               const Codec& ck, const Codec& cv, const torch::Tensor& store_k,
                                               const torch::Tensor& store_v, int64_t start,
                                               c10::optional<torch::Tensor> attn_mask, bool plain = false) {
-  TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && store_k.dim() == 4 && store_v.dim() == 4,
-              "decode_attend: 4-d k, v and stores");
-  const int64_t T = k.size(2), end = start + T;
-  TORCH_CHECK(start >= 0 && v.size(2) == T && end <= store_k.size(2) && end <= store_v.size(2),
-              "decode_attend: columns [", start, ", ", end, ") beyond the storage");
-  TORCH_CHECK(store_k.size(0) == k.size(0) && store_k.size(1) == k.size(1) && store_v.size(0) == v.size(0)
-              && store_v.size(1) == v.size(1), "decode_attend: stores [B, Hkv, capacity, bytes] of k's and v's rows");
-  torch::Tensor new_k = store_k.narrow(2, start, T), new_v = store_v.narrow(2, start, T);
-  const bool finite_k = encode_into(k, ck.tables, ck.ints, ck.steps, new_k, plain);
-  const bool finite_v = encode_into(v, cv.tables, cv.ints, cv.steps, new_v, plain);
-  torch::Tensor out = attend(q, ck, cv, store_k.narrow(2, 0, end), store_v.narrow(2, 0, end), attn_mask);
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && v.sizes() == k.sizes(), "decode_attend: k, v [B, Hkv, T, D]");
+  const int64_t B = k.size(0), Hkv = k.size(1), T = k.size(2), end = start + T;
+  TORCH_CHECK(start >= 0, "decode_attend: a negative start column");
+  check_columns(store_k, store_v, B, Hkv, end, ck, cv);
+  const bool finite_k = encode_at(k, ck.tables, ck.ints, ck.steps, store_k.data_ptr<uint8_t>(),
+                                  column_offsets(store_k, B, Hkv, T, start).data(), plain);
+  const bool finite_v = encode_at(v, cv.tables, cv.ints, cv.steps, store_v.data_ptr<uint8_t>(),
+                                  column_offsets(store_v, B, Hkv, T, start).data(), plain);
+  torch::Tensor out = attend(q, ck, cv, store_k, store_v, attn_mask, end);
   return {out, finite_k && finite_v};
+}
+
+// The same for the C++ decode, from raw rows (q [B, H, 1, D], one new column of k, v [B, Hkv, 1, D]) into
+// out [B, H, 1, Dv] (contiguous float32), with plain encodes and no ATen call: whether the norms are finite.
+bool decode_attend_rows(const QueryIn& q, const RowsIn& k, const RowsIn& v, const Codec& ck, const Codec& cv,
+                        const torch::Tensor& store_k, const torch::Tensor& store_v, int64_t start, const MaskIn& mask,
+                        float* out) {
+  const int64_t B = q.B, Hkv = k.H;
+  TORCH_CHECK(start >= 0 && k.T == 1 && v.T == 1 && v.H == Hkv, "decode_attend: one new column of k and v");
+  check_columns(store_k, store_v, B, Hkv, start + 1, ck, cv);
+  const bool finite_k = encode_plain(k, B * Hkv, ck.tables, ck.ints, ck.steps, store_k.data_ptr<uint8_t>(),
+                                     column_offsets(store_k, B, Hkv, 1, start).data());
+  const bool finite_v = encode_plain(v, B * Hkv, cv.tables, cv.ints, cv.steps, store_v.data_ptr<uint8_t>(),
+                                     column_offsets(store_v, B, Hkv, 1, start).data());
+  attend_columns(q, ck, cv, store_k, store_v, start + 1, mask, out);
+  return finite_k && finite_v;
 }
 
 """
@@ -905,12 +1145,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {""" + codec_binding() + r"""
   m.def("int8_linear", &int8_linear);
   m.def("bf16_linear", &bf16_linear);
   m.def("encode_pair", &encode_pair);
-  m.def("attend", &attend);
+  m.def("attend", [](const torch::Tensor& q, const Codec& ck, const Codec& cv, torch::Tensor rows_k,
+                      torch::Tensor rows_v, c10::optional<torch::Tensor> attn_mask) {
+    return attend(q, ck, cv, rows_k, rows_v, attn_mask);
+  });
   m.def("decode_attend", [](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const Codec& ck,
                             const Codec& cv, const torch::Tensor& store_k, const torch::Tensor& store_v, int64_t start,
-                            c10::optional<torch::Tensor> attn_mask) {
-    return decode_attend(q, k, v, ck, cv, store_k, store_v, start, attn_mask);
-  });
+                            c10::optional<torch::Tensor> attn_mask, bool plain) {
+    return decode_attend(q, k, v, ck, cv, store_k, store_v, start, attn_mask, plain);
+  }, pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("ck"), pybind11::arg("cv"),
+     pybind11::arg("store_k"), pybind11::arg("store_v"), pybind11::arg("start"), pybind11::arg("attn_mask"),
+     pybind11::arg("plain") = false);
 }
 """
 

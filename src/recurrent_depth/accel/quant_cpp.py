@@ -158,6 +158,7 @@ KERNEL_SOURCE = r"""
 #include <c10/util/Half.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 #if defined(__AVX2__)  // built with -march=native, and the build is keyed by the CPU's features
@@ -178,11 +179,13 @@ inline float half_bits_to_float(uint16_t h) {
 // One field of a side's rows as the read visits it: its first byte, entry count and bits, its first
 // entry among the row's E, its table (the layout's values from its offset), which factor scales it,
 // and (bits <= 4) the table padded to 16 values for the eight-lane lookup.
+// wide: how many of its eight-entry groups can load their bits as one 4-byte word without reading past
+// the row's `row_bytes` (the rest load byte by byte).
 struct Field {
-  int64_t first, count, entry; int bits, factor; const float* table; float padded[16];
+  int64_t first, count, entry, wide; int bits, factor; const float* table; float padded[16];
 };
 
-std::vector<Field> fields_of(const int32_t* layout, int64_t F, const float* values) {
+std::vector<Field> fields_of(const int32_t* layout, int64_t F, const float* values, int64_t row_bytes) {
   std::vector<Field> fields(F);
   int64_t entry = 0;
   for (int64_t i = 0; i < F; ++i) {
@@ -192,6 +195,8 @@ std::vector<Field> fields_of(const int32_t* layout, int64_t F, const float* valu
     std::fill(f.padded, f.padded + 16, 0.0f);
     const int used = f.bits == 0 ? 1 : (f.bits <= 4 ? 1 << f.bits : 0);  // (a table may end after 2^bits values)
     std::copy(f.table, f.table + used, f.padded);
+    const int64_t room = row_bytes - 4 - f.first;  // group i loads bytes [first + i bits, first + i bits + 4)
+    f.wide = f.bits == 0 || room < 0 ? 0 : std::min<int64_t>(f.count / 8, room / f.bits + 1);
     entry += f.count;
   }
   return fields;
@@ -217,9 +222,14 @@ inline void visit_field(const uint8_t* row, const Field& f, Eight&& eight, One&&
       const __m256 low = _mm256_loadu_ps(f.padded), high = _mm256_loadu_ps(f.padded + 8);
       const __m256i shifts = _mm256_setr_epi32(7 * BITS, 6 * BITS, 5 * BITS, 4 * BITS, 3 * BITS, 2 * BITS, BITS, 0);
       const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
-      for (; e + 8 <= count; e += 8, p += BITS) {
+      for (int64_t group = 0; e + 8 <= count; e += 8, p += BITS, ++group) {
         uint32_t w = 0;
-        for (int i = 0; i < BITS; ++i) w = (w << 8) | p[i];
+        if (BITS > 1 && group < f.wide) {  // the group's BITS bytes, big-endian, from one load
+          std::memcpy(&w, p, 4);
+          w = __builtin_bswap32(w) >> (32 - 8 * BITS);
+        } else {
+          for (int i = 0; i < BITS; ++i) w = (w << 8) | p[i];
+        }
         const __m256i index = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), shifts), mask);
         __m256 value = _mm256_permutevar8x32_ps(low, index);
         if constexpr (BITS == 4) {  // indices 8-15 from the second half: bit 3 moved to the sign bit
@@ -275,7 +285,7 @@ inline void row_factors(const uint8_t* row, int64_t norm_byte, int64_t G, const 
 
 """ + DOT_SOURCE + r"""
 struct Side {
-  const uint8_t* rows; int64_t s0, s1, s2;
+  const uint8_t* rows; int64_t s0, s1, s2, bytes;
   const int32_t* fields; int64_t F, E;
   const float* values; int64_t norm_byte, G; const float* residual_step;
 };
@@ -293,7 +303,7 @@ Side side(const torch::Tensor& rows, const torch::Tensor& layout, const torch::T
   }
   TORCH_CHECK(values.dtype() == torch::kFloat32 && values.is_contiguous(), "values: float32");
   TORCH_CHECK(residual_step.dtype() == torch::kFloat32 && residual_step.is_contiguous(), "residual_step: float32");
-  return {rows.data_ptr<uint8_t>(), rows.stride(0), rows.stride(1), rows.stride(2),
+  return {rows.data_ptr<uint8_t>(), rows.stride(0), rows.stride(1), rows.stride(2), rows.size(3),
           layout.data_ptr<int32_t>(), layout.size(0), E, values.data_ptr<float>(), norm_byte, G,
           residual_step.numel() ? residual_step.data_ptr<float>() : nullptr};
 }
@@ -356,6 +366,11 @@ inline void add_row_times(const float* x, int64_t x_stride, const float* m, int6
 template <int QB>
 inline void score_row(const uint8_t* row, const std::vector<Field>& fields, const float* factor, const float* qq,
                       int64_t E, float* score) {
+  float tails[QB] = {};  // (the entries the eight-lane lookup leaves, times their factors)
+#if defined(__AVX2__)
+  __m256 total[QB];  // each field's lanes times its factor, summed across the lanes once a row
+  for (int j = 0; j < QB; ++j) total[j] = _mm256_setzero_ps();
+#endif
   for (const Field& f : fields) {
     const float* q = qq + f.entry;
     float tail[QB] = {};
@@ -371,12 +386,19 @@ inline void score_row(const uint8_t* row, const std::vector<Field>& fields, cons
     visit(row, f, eight, [&](int64_t e, float value) {
       for (int j = 0; j < QB; ++j) tail[j] += value * q[j * E + e];
     });
+    const float scale = factor[f.factor];
     for (int j = 0; j < QB; ++j) {
 #if defined(__AVX2__)
-      tail[j] += hsum8(acc[j]);
+      total[j] = mul_add(_mm256_set1_ps(scale), acc[j], total[j]);
 #endif
-      score[j] += factor[f.factor] * tail[j];
+      tails[j] += scale * tail[j];
     }
+  }
+  for (int j = 0; j < QB; ++j) {
+#if defined(__AVX2__)
+    tails[j] += hsum8(total[j]);
+#endif
+    score[j] += tails[j];
   }
 }
 
@@ -471,8 +493,8 @@ void read_codes(const QueryIn& q, const Side& k, const Side& v, const PerHead& q
   const int64_t m0 = mask.s0, m1 = mask.s1, m3 = mask.s3;
   const bool* mb = mask.b;
   const float* mf = mask.f;
-  const std::vector<Field> key_fields = fields_of(k.fields, k.F, k.values);
-  const std::vector<Field> value_fields = fields_of(v.fields, v.F, v.values);
+  const std::vector<Field> key_fields = fields_of(k.fields, k.F, k.values, k.bytes);
+  const std::vector<Field> value_fields = fields_of(v.fields, v.F, v.values, v.bytes);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> factor(2 * std::max(k.G, v.G) + 2), p(M * S), scores(M), scaled(M);
     std::vector<float> qq(M * k.E), sum(M * v.E), permuted(std::max(D, Dv));

@@ -272,3 +272,35 @@ def test_the_fused_decode_call_writes_and_reads_as_the_separate_calls(kernel, kv
     assert caches[0].capacity == 16
     # decode calls fused: all but the write-masked token's and the growing one's (3 keys each)
     assert calls["n"] == 9 * 3 - 3 - 3
+
+
+@pytest.mark.parametrize("spec", ["k=prod:2.5,v=mse:2.5", "k=mse:3.5,v=prod:3,outliers=calibrated", "k=mse:4,v=mse:1"])
+def test_the_plain_decode_call_writes_the_codes_and_reads_as_the_reference(kernel, spec):
+    """`decode_attend(plain=True)` (the C++ decode's: the encode's products and norms by plain loops, no
+    ATen call): the new column's bytes equal `turbo_encode`'s (they could differ where a rotated entry
+    sits within float32 rounding of a bucket boundary: not at these seeds), the other columns untouched,
+    and the read over the written rows equal to the eager read; grouped heads, a padding mask, head dims
+    64 (every eight-entry group's bits from one load) and 20."""
+    for D, (H, Hkv) in ((64, (4, 4)), (20, (6, 2))):
+        B, S, start = 2, 12, 9
+        g = torch.Generator().manual_seed(D)
+        x = torch.randn(B, Hkv, S, D, generator=g) * 2
+        ck, cv = codecs(spec, D, x, x)
+        tk, tv = ck.tables(x.device), cv.tables(x.device)
+        store_k, store_v = ck.encode(x).contiguous(), cv.encode(x).contiguous()
+        before_k, before_v = store_k.clone(), store_v.clone()
+        q = torch.randn(B, H, 1, D, generator=g)
+        k, v = torch.randn(B, Hkv, 1, D, generator=g), torch.randn(B, Hkv, 1, D, generator=g)
+        pad = torch.ones(B, 1, 1, start + 1, dtype=torch.bool)
+        pad[1, ..., :3] = False
+        out, finite = kernel.module.decode_attend(q, k, v, kernel.codec(tk), kernel.codec(tv), store_k, store_v,
+                                                  start, pad, plain=True)
+        assert finite
+        for store, before, want in ((store_k, before_k, turbo_encode(k, tk)[0]), (store_v, before_v,
+                                                                                   turbo_encode(v, tv)[0])):
+            assert torch.equal(store[:, :, start], want[:, :, 0])
+            others = torch.ones(S, dtype=torch.bool)
+            others[start] = False
+            assert torch.equal(store[:, :, others], before[:, :, others])
+        want = reference(q, store_k[:, :, : start + 1], store_v[:, :, : start + 1], ck, cv, pad)
+        torch.testing.assert_close(out, want, atol=TOL, rtol=0)

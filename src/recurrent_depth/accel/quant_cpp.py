@@ -5,10 +5,12 @@ row per head over every column's codes, one C++ call each.
 A compiled call (`accel.quant`) costs ~25 µs of overhead at batch 1. The read here is one C++ pass
 per (batch row, kv head), with no ATen call inside: each query row's weight on each entry (`q @
 query`, as `turbo_score`, so rotations, sketches, QJL scales and calibrated per-head permutations
-are folded into that matrix), the key rows' entries cut out of their bytes (the layout
+are folded into that matrix), each key row scored straight from its bytes (the layout
 `turbo_entries` reads: fp16 group norms, prod's residual byte, centroid indices, sign bits; on AVX2
-builds eight entries at a time, a lane shift and a table permute), the scores, mask and softmax, the
-value rows' entries summed, times the back matrix (as `turbo_combine`).
+builds eight entries at a time, a lane shift and a table permute, multiplied into the query rows'
+sums in registers: no decoded row), the mask and softmax, each value row's table values added into
+the weighted sums, times the back matrix (as `turbo_combine`). The C++ decode (`accel.decode_cpp`)
+calls the encode and read on raw pointers (`decode_attend_rows`: no ATen call at all).
 
 - Built once per user's cache directory, torch build, Python ABI and CPU (~30-60 s, with a message and
   its time; ahead of use with `rdepth info --build-kernels`), cached under `$XDG_CACHE_HOME/recurrent_depth/` or
@@ -19,8 +21,8 @@ value rows' entries summed, times the back matrix (as `turbo_combine`).
   cannot leave held. Where it cannot build (no compiler) it warns once and `accel.quant` runs its
   compiled or eager path.
 - Off with `RDEPTH_NO_CPP=1` (the torch.compile path then runs, unless `RDEPTH_NO_COMPILE=1`).
-- The read: decode only (T = 1 query row per head), CPU, float32 accumulation (its two small matmuls
-  in another summation order than MKL's: within 1e-5 of the reference). The encode: the same bytes
+- The read: decode only (T = 1 query row per head), CPU, float32 accumulation (its sums and two small
+  matmuls in another order than the reference's, FMA where built with it: within 1e-5 of it). The encode: the same bytes
   as `turbo_encode` (its matmuls and norms are the same ATen kernels: equal-sized groups' norms one
   call on a `[..., G, size]` view, the same last-dim reduction per group; the elementwise steps one
   IEEE rounding each, built with `-ffp-contract=off`).

@@ -162,6 +162,7 @@ KERNEL_SOURCE = r"""
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX2__)  // built with -march=native, and the build is keyed by the CPU's features
 #include <immintrin.h>
@@ -204,42 +205,63 @@ std::vector<Field> fields_of(const int32_t* layout, int64_t F, const float* valu
   return fields;
 }
 
-// Visits every entry of field f of `row` with its (unscaled) table value: eight(e, lanes) for entries
-// e..e+7 at once (AVX2, bits <= 4: their bits shifted and masked out in each lane, looked up by a lane
-// permute), one(e, value) for the others; the bits are big-endian in words of lcm(b, 8) bits (as
-// `turbo_entries` cuts them) and no byte past the field's is read.
+#if defined(__AVX2__)
+// A field's eight-lane lookup, built once a call: its table padded to two vectors (for BITS <= 4;
+// unused above). lookup(w): the eight entries whose BITS bytes w holds (big-endian, in its low bits),
+// each shifted and masked out in its lane and looked up by a lane permute.
+template <int BITS>
+struct Lanes {
+  __m256 low, high;
+  explicit Lanes(const Field& f) : low(_mm256_loadu_ps(f.padded)), high(_mm256_loadu_ps(f.padded + 8)) {}
+  __m256 lookup(uint32_t w) const {
+    const __m256i shifts = _mm256_setr_epi32(7 * BITS, 6 * BITS, 5 * BITS, 4 * BITS, 3 * BITS, 2 * BITS, BITS, 0);
+    const __m256i index = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), shifts),
+                                           _mm256_set1_epi32((1 << BITS) - 1));
+    __m256 value = _mm256_permutevar8x32_ps(low, index);
+    if constexpr (BITS == 4) {  // indices 8-15 from the second half: bit 3 moved to the sign bit
+      value = _mm256_blendv_ps(value, _mm256_permutevar8x32_ps(high, index),
+                               _mm256_castsi256_ps(_mm256_slli_epi32(index, 28)));
+    }
+    return value;
+  }
+};
+#else
+template <int BITS>
+struct Lanes { explicit Lanes(const Field&) {} };
+#endif
+
+// The BITS bytes of an eight-entry group at p, big-endian: one 4-byte load where the row has room
+// past them (`wide`), else byte by byte.
+template <int BITS>
+inline uint32_t group_bits(const uint8_t* p, bool wide) {
+  uint32_t w = 0;
+  if (BITS > 1 && wide) {
+    std::memcpy(&w, p, 4);
+    return __builtin_bswap32(w) >> (32 - 8 * BITS);
+  }
+  for (int i = 0; i < BITS; ++i) w = (w << 8) | p[i];
+  return w;
+}
+
+// Visits the entries of field f of `row` from entry `from` on (a multiple of 8) with their (unscaled)
+// table values: eight(e, lanes) for entries e..e+7 at once (AVX2, BITS <= 4), one(e, value) for the
+// others; the bits are big-endian in words of lcm(b, 8) bits (as `turbo_entries` cuts them) and no
+// byte past the field's is read but by a `wide` load.
 template <int BITS, typename Eight, typename One>
-inline void visit_field(const uint8_t* row, const Field& f, Eight&& eight, One&& one) {
+inline void visit_field(const uint8_t* row, const Field& f, const Lanes<BITS>& lanes, int64_t from, Eight&& eight,
+                        One&& one) {
   const int64_t count = f.count;
   if constexpr (BITS == 0) {  // prod:1 stores no indices: the centroid table holds one 0
-    for (int64_t e = 0; e < count; ++e) one(e, f.table[0]);
+    for (int64_t e = from; e < count; ++e) one(e, f.table[0]);
   } else {
     constexpr int WORD_BITS = BITS * 8 / (BITS % 8 == 0 ? 8 : (BITS % 4 == 0 ? 4 : (BITS % 2 == 0 ? 2 : 1)));
     constexpr int WORD_BYTES = WORD_BITS / 8, PER = WORD_BITS / BITS;
     constexpr uint64_t MASK = (uint64_t(1) << BITS) - 1;
-    const uint8_t* p = row + f.first;
-    int64_t e = 0;
+    const uint8_t* p = row + f.first + from / 8 * BITS;  // (eight entries fill BITS whole bytes)
+    int64_t e = from;
 #if defined(__AVX2__)
     if constexpr (BITS <= 4) {
-      const __m256 low = _mm256_loadu_ps(f.padded), high = _mm256_loadu_ps(f.padded + 8);
-      const __m256i shifts = _mm256_setr_epi32(7 * BITS, 6 * BITS, 5 * BITS, 4 * BITS, 3 * BITS, 2 * BITS, BITS, 0);
-      const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
-      for (int64_t group = 0; e + 8 <= count; e += 8, p += BITS, ++group) {
-        uint32_t w = 0;
-        if (BITS > 1 && group < f.wide) {  // the group's BITS bytes, big-endian, from one load
-          std::memcpy(&w, p, 4);
-          w = __builtin_bswap32(w) >> (32 - 8 * BITS);
-        } else {
-          for (int i = 0; i < BITS; ++i) w = (w << 8) | p[i];
-        }
-        const __m256i index = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), shifts), mask);
-        __m256 value = _mm256_permutevar8x32_ps(low, index);
-        if constexpr (BITS == 4) {  // indices 8-15 from the second half: bit 3 moved to the sign bit
-          value = _mm256_blendv_ps(value, _mm256_permutevar8x32_ps(high, index),
-                                   _mm256_castsi256_ps(_mm256_slli_epi32(index, 28)));
-        }
-        eight(e, value);
-      }
+      for (; e + 8 <= count; e += 8, p += BITS) eight(e, lanes.lookup(group_bits<BITS>(p, e / 8 < f.wide)));
     }
 #endif
     for (; e + PER <= count; e += PER, p += WORD_BYTES) {
@@ -256,18 +278,19 @@ inline void visit_field(const uint8_t* row, const Field& f, Eight&& eight, One&&
   }
 }
 
-template <typename Eight, typename One>
-inline void visit(const uint8_t* row, const Field& f, Eight&& eight, One&& one) {
-  switch (f.bits) {
-    case 0: visit_field<0>(row, f, eight, one); break;
-    case 1: visit_field<1>(row, f, eight, one); break;
-    case 2: visit_field<2>(row, f, eight, one); break;
-    case 3: visit_field<3>(row, f, eight, one); break;
-    case 4: visit_field<4>(row, f, eight, one); break;
-    case 5: visit_field<5>(row, f, eight, one); break;
-    case 6: visit_field<6>(row, f, eight, one); break;
-    case 7: visit_field<7>(row, f, eight, one); break;
-    default: visit_field<8>(row, f, eight, one); break;
+// body(std::integral_constant<int, bits>): a field's work with its bits known at compile time.
+template <typename Body>
+inline void with_bits(int bits, Body&& body) {
+  switch (bits) {
+    case 0: body(std::integral_constant<int, 0>()); break;
+    case 1: body(std::integral_constant<int, 1>()); break;
+    case 2: body(std::integral_constant<int, 2>()); break;
+    case 3: body(std::integral_constant<int, 3>()); break;
+    case 4: body(std::integral_constant<int, 4>()); break;
+    case 5: body(std::integral_constant<int, 5>()); break;
+    case 6: body(std::integral_constant<int, 6>()); break;
+    case 7: body(std::integral_constant<int, 7>()); break;
+    default: body(std::integral_constant<int, 8>()); break;
   }
 }
 
@@ -363,67 +386,97 @@ inline void add_row_times(const float* x, int64_t x_stride, const float* m, int6
   }
 }
 
-// QB query rows' scores against one key row, straight from its codes: score[j] += the sum over the
-// row's fields of factor * (qq_j . the field's table values), qq_j at qq + j * E (no decoded row).
-template <int QB>
-inline void score_row(const uint8_t* row, const std::vector<Field>& fields, const float* factor, const float* qq,
-                      int64_t E, float* score) {
-  float tails[QB] = {};  // (the entries the eight-lane lookup leaves, times their factors)
+// QB query rows' dots with field f of one key row, straight from its codes, times `scale` (the row's
+// factor for the field), added to out[j * out_stride]; query row j's weights at q + j * E (q: at the
+// field's first entry).
+template <int BITS, int QB>
+inline void score_field(const uint8_t* row, const Field& f, const Lanes<BITS>& lanes, const float* q, int64_t E,
+                        float scale, float* out, int64_t out_stride) {
+  float tail[QB] = {};
 #if defined(__AVX2__)
-  __m256 total[QB];  // each field's lanes times its factor, summed across the lanes once a row
-  for (int j = 0; j < QB; ++j) total[j] = _mm256_setzero_ps();
-#endif
-  for (const Field& f : fields) {
-    const float* q = qq + f.entry;
-    float tail[QB] = {};
-#if defined(__AVX2__)
-    __m256 acc[QB];
-    for (int j = 0; j < QB; ++j) acc[j] = _mm256_setzero_ps();
-    auto eight = [&](int64_t e, __m256 value) {
-      for (int j = 0; j < QB; ++j) acc[j] = mul_add(value, _mm256_loadu_ps(q + j * E + e), acc[j]);
-    };
+  __m256 acc[QB];
+  for (int j = 0; j < QB; ++j) acc[j] = _mm256_setzero_ps();
+  auto eight = [&](int64_t e, __m256 value) {
+    for (int j = 0; j < QB; ++j) acc[j] = mul_add(value, _mm256_loadu_ps(q + j * E + e), acc[j]);
+  };
 #else
-    auto eight = [](int64_t, float) {};
+  auto eight = [](int64_t, float) {};
 #endif
-    visit(row, f, eight, [&](int64_t e, float value) {
-      for (int j = 0; j < QB; ++j) tail[j] += value * q[j * E + e];
-    });
-    const float scale = factor[f.factor];
-    for (int j = 0; j < QB; ++j) {
-#if defined(__AVX2__)
-      total[j] = mul_add(_mm256_set1_ps(scale), acc[j], total[j]);
-#endif
-      tails[j] += scale * tail[j];
-    }
-  }
+  visit_field<BITS>(row, f, lanes, 0, eight, [&](int64_t e, float value) {
+    for (int j = 0; j < QB; ++j) tail[j] += value * q[j * E + e];
+  });
   for (int j = 0; j < QB; ++j) {
 #if defined(__AVX2__)
-    tails[j] += hsum8(total[j]);
+    tail[j] += hsum8(acc[j]);
 #endif
-    score[j] += tails[j];
+    out[j * out_stride] += scale * tail[j];
   }
 }
 
-// The M query rows' weighted sums gain one value row, straight from its codes: sum_j (at sum + j * E)
-// += weight[j * weight_stride] * factor * the row's table values, field by field.
-inline void add_value_row(const uint8_t* row, const std::vector<Field>& fields, const float* factor,
-                          const float* weight, int64_t weight_stride, int64_t M, int64_t E, float* scaled,
-                          float* sum) {
-  for (const Field& f : fields) {
-    for (int64_t j = 0; j < M; ++j) scaled[j] = weight[j * weight_stride] * factor[f.factor];
-    float* s = sum + f.entry;
+#if defined(__AVX2__)
+// N eight-entry groups (from group g) of field f of every value row (row s at base + s * stride), each
+// row weighted by weight[s] times its factor (factor[s * NF + the field's]), summed in registers over
+// the rows (a row of weight 0 skipped), then added to sum (at the field's first entry).
+template <int BITS, int N>
+inline void value_groups(const uint8_t* base, int64_t stride, const Field& f, const Lanes<BITS>& lanes, int64_t g,
+                         const float* weight, const float* factor, int64_t NF, int64_t S, float* sum) {
+  __m256 acc[N];
+  for (int c = 0; c < N; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < S; ++s) {
+    if (weight[s] == 0.0f) continue;
+    const __m256 w = _mm256_set1_ps(weight[s] * factor[s * NF + f.factor]);
+    const uint8_t* p = base + s * stride + f.first + g * BITS;
+    for (int c = 0; c < N; ++c) {
+      acc[c] = mul_add(w, lanes.lookup(group_bits<BITS>(p + c * BITS, g + c < f.wide)), acc[c]);
+    }
+  }
+  for (int c = 0; c < N; ++c) {
+    float* at = sum + (g + c) * 8;
+    _mm256_storeu_ps(at, _mm256_add_ps(_mm256_loadu_ps(at), acc[c]));
+  }
+}
+#endif
+
+// The M query rows' weighted sums (row m's at sum + m * E) gain field f of every value row (row s at
+// base + s * stride, weighted by p[m * S + s] times its factor), straight from the codes: one query
+// row's sums in registers over all the rows, 32 entries at a time (AVX2), the others row by row.
+template <int BITS>
+inline void add_value_field(const uint8_t* base, int64_t stride, const Field& f, const Lanes<BITS>& lanes,
+                            const float* p, int64_t S, int64_t M, const float* factor, int64_t NF, int64_t E,
+                            float* scaled, float* sum) {
+  float* first = sum + f.entry;
+  int64_t from = 0;
+#if defined(__AVX2__)
+  if constexpr (BITS >= 1 && BITS <= 4) {
+    if (M == 1) {
+      const int64_t groups = f.count / 8;
+      int64_t g = 0;
+      for (; g + 4 <= groups; g += 4) value_groups<BITS, 4>(base, stride, f, lanes, g, p, factor, NF, S, first);
+      for (; g < groups; ++g) value_groups<BITS, 1>(base, stride, f, lanes, g, p, factor, NF, S, first);
+      from = groups * 8;
+    }
+  }
+#endif
+  if (from == f.count) return;
+  for (int64_t s = 0; s < S; ++s) {
+    bool any = false;  // a column every query row gives weight 0 (masked) adds nothing
+    for (int64_t m = 0; m < M; ++m) {
+      scaled[m] = p[m * S + s] * factor[s * NF + f.factor];
+      any = any || p[m * S + s] != 0.0f;
+    }
+    if (!any) continue;
 #if defined(__AVX2__)
     auto eight = [&](int64_t e, __m256 value) {
-      for (int64_t j = 0; j < M; ++j) {
-        float* at = s + j * E + e;
-        _mm256_storeu_ps(at, mul_add(_mm256_set1_ps(scaled[j]), value, _mm256_loadu_ps(at)));
+      for (int64_t m = 0; m < M; ++m) {
+        float* at = first + m * E + e;
+        _mm256_storeu_ps(at, mul_add(_mm256_set1_ps(scaled[m]), value, _mm256_loadu_ps(at)));
       }
     };
 #else
     auto eight = [](int64_t, float) {};
 #endif
-    visit(row, f, eight, [&](int64_t e, float value) {
-      for (int64_t j = 0; j < M; ++j) s[j * E + e] += scaled[j] * value;
+    visit_field<BITS>(base + s * stride, f, lanes, from, eight, [&](int64_t e, float value) {
+      for (int64_t m = 0; m < M; ++m) first[m * E + e] += scaled[m] * value;
     });
   }
 }
@@ -498,7 +551,8 @@ void read_codes(const QueryIn& q, const Side& k, const Side& v, const PerHead& q
   const std::vector<Field> key_fields = fields_of(k.fields, k.F, k.values, k.bytes);
   const std::vector<Field> value_fields = fields_of(v.fields, v.F, v.values, v.bytes);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> factor(2 * std::max(k.G, v.G) + 2), p(M * S), scores(M), scaled(M);
+    const int64_t NF = 2 * std::max(k.G, v.G) + 2;  // a row's factors: G norms, (prod) G residual factors
+    std::vector<float> key_factor(S * NF), value_factor(S * NF), p(M * S), scaled(M);
     std::vector<float> qq(M * k.E), sum(M * v.E), permuted(std::max(D, Dv));
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / Hkv, h = bh % Hkv;
@@ -513,18 +567,40 @@ void read_codes(const QueryIn& q, const Side& k, const Side& v, const PerHead& q
           add_row_times(row, q3, query.at(b, h), D, k.E, qq.data() + m * k.E);
         }
       }
-      for (int64_t s = 0; s < S; ++s) {
-        const uint8_t* row = k.rows + b * k.s0 + h * k.s1 + s * k.s2;
-        row_factors(row, k.norm_byte, k.G, k.residual_step, factor.data());
-        std::fill(scores.begin(), scores.end(), 0.0f);
-        for (int64_t m = 0; m < M;) {  // query rows four, two or one at a time (their sums in registers)
-          const float* qm = qq.data() + m * k.E;
-          if (M - m >= 4) { score_row<4>(row, key_fields, factor.data(), qm, k.E, scores.data() + m); m += 4; }
-          else if (M - m >= 2) { score_row<2>(row, key_fields, factor.data(), qm, k.E, scores.data() + m); m += 2; }
-          else { score_row<1>(row, key_fields, factor.data(), qm, k.E, scores.data() + m); m += 1; }
-        }
-        for (int64_t m = 0; m < M; ++m) {
-          float score = scores[m] * scale;
+      const uint8_t* keys = k.rows + b * k.s0 + h * k.s1;
+      const uint8_t* values = v.rows + b * v.s0 + h * v.s1;
+      for (int64_t s = 0; s < S; ++s) {  // every column's factors, once
+        row_factors(keys + s * k.s2, k.norm_byte, k.G, k.residual_step, key_factor.data() + s * NF);
+        row_factors(values + s * v.s2, v.norm_byte, v.G, v.residual_step, value_factor.data() + s * NF);
+      }
+      std::fill(p.begin(), p.end(), 0.0f);
+      for (const Field& f : key_fields) {  // field by field: its lookup built once, its bits known
+        with_bits(f.bits, [&](auto bits) {
+          constexpr int BITS = decltype(bits)::value;
+          const Lanes<BITS> lanes(f);
+          for (int64_t s = 0; s < S; ++s) {
+            const uint8_t* row = keys + s * k.s2;
+            const float factor = key_factor[s * NF + f.factor];
+            for (int64_t m = 0; m < M;) {  // query rows four, two or one at a time (their sums in registers)
+              const float* qm = qq.data() + m * k.E + f.entry;
+              float* out = p.data() + m * S + s;
+              if (M - m >= 4) {
+                score_field<BITS, 4>(row, f, lanes, qm, k.E, factor, out, S);
+                m += 4;
+              } else if (M - m >= 2) {
+                score_field<BITS, 2>(row, f, lanes, qm, k.E, factor, out, S);
+                m += 2;
+              } else {
+                score_field<BITS, 1>(row, f, lanes, qm, k.E, factor, out, S);
+                m += 1;
+              }
+            }
+          }
+        });
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        for (int64_t s = 0; s < S; ++s) {
+          float score = p[m * S + s] * scale;
           if (has_mask) {
             const int64_t at = b * m0 + (h * M + m) * m1 + s * m3;
             if (bool_mask) {
@@ -545,13 +621,12 @@ void read_codes(const QueryIn& q, const Side& k, const Side& v, const PerHead& q
         for (int64_t s = 0; s < S; ++s) pm[s] /= total;
       }
       std::fill(sum.begin(), sum.end(), 0.0f);
-      for (int64_t s = 0; s < S; ++s) {
-        bool any = false;  // a column every query row gives weight 0 (masked) adds nothing
-        for (int64_t m = 0; m < M; ++m) any = any || p[m * S + s] != 0.0f;
-        if (!any) continue;
-        const uint8_t* row = v.rows + b * v.s0 + h * v.s1 + s * v.s2;
-        row_factors(row, v.norm_byte, v.G, v.residual_step, factor.data());
-        add_value_row(row, value_fields, factor.data(), p.data() + s, S, M, v.E, scaled.data(), sum.data());
+      for (const Field& f : value_fields) {
+        with_bits(f.bits, [&](auto bits) {
+          constexpr int BITS = decltype(bits)::value;
+          add_value_field<BITS>(values, v.s2, f, Lanes<BITS>(f), p.data(), S, M, value_factor.data(), NF, v.E,
+                                scaled.data(), sum.data());
+        });
       }
       for (int64_t m = 0; m < M; ++m) {
         float* om = o + (b * H + h * M + m) * Dv;

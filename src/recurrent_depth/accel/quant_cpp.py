@@ -742,6 +742,16 @@ struct BitWriter {
 
 }  // namespace
 
+// One codec's constants, built once (`EntryLayout`), so that a call passes one object per side.
+// With a folded per-head permutation, `query` and `back` are the shared codec's, `perm` [(B,) Hkv, D]
+// (the query rows' and the encoded rows' gather), `unperm` its inverse (the output's) and `rotate` the
+// shared codec's rotation (for the plain encode); else all three empty.
+struct Codec {
+  std::vector<torch::Tensor> tables; std::vector<int64_t> ints; std::vector<double> steps;
+  torch::Tensor layout, values, residual_step, query, back; int64_t norm_byte, groups;
+  torch::Tensor perm, unperm, rotate;
+};
+
 // The byte offset of each of x's rows (flat over its leading axes) in `rows` [..., nbytes] (any strides
 // on the leading axes, the last one 1; the same leading shape as x).
 std::vector<int64_t> row_offsets(const torch::Tensor& rows, int64_t N) {
@@ -848,32 +858,47 @@ bool encode_codes(const float* yp, const Norms& np, int64_t N, int64_t D, const 
   return finite;
 }
 
-// The encode of N rows of x by plain loops (`plain`) into rows at out + row_at[n]; no ATen call.
-bool encode_plain(const RowsIn& x, int64_t N, const std::vector<torch::Tensor>& t, const std::vector<int64_t>& ints,
-                  const std::vector<double>& steps, uint8_t* out, const int64_t* row_at) {
-  const int64_t G = ints[0], D = x.D;
+// The encode of N rows of x by plain loops (`plain`) into rows at out + row_at[n]; no ATen call. With a
+// folded permutation each row is gathered by its head's and rotated by the shared codec's matrix
+// (x @ rotate_h = x[perm_h] @ rotate: one [D, D] matrix for every layer and head stays in cache, where
+// the per-head ones of every layer did not).
+bool encode_plain(const RowsIn& x, int64_t N, const Codec& c, uint8_t* out, const int64_t* row_at) {
+  const std::vector<torch::Tensor>& t = c.tables;
+  const int64_t G = c.ints[0], D = x.D;
   TORCH_CHECK(G >= 1 && G <= 8 && static_cast<int64_t>(t.size()) == 8 + (t[6].numel() > 0 ? G : 0), "encode: tables");
   TORCH_CHECK(t[0].size(-1) == D, "encode: the rotation's width is the head dim");
-  const std::vector<int64_t> sizes(ints.begin() + 1, ints.begin() + 1 + G);
+  const std::vector<int64_t> sizes(c.ints.begin() + 1, c.ints.begin() + 1 + G);
   std::vector<float> y(N * D), norms(N * G), residual(t[6].numel() > 0 ? N * D : 0), signs(residual.size()),
-      residual_norms(N * G);
-  rows_times(x, N, t[0], y.data());
+      residual_norms(N * G), gathered;
+  const bool gather = c.perm.numel() > 0 && c.rotate.numel() > 0;
+  if (gather) {
+    const PerHeadIndex perm = per_head_index(c.perm, N / (x.H * x.T), x.H, D, "encode perm");
+    gathered.resize(N * D);
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t* order = perm.at(x.batch(n), x.head(n));
+      const float* row = x.row(n);
+      for (int64_t j = 0; j < D; ++j) gathered[n * D + j] = row[order[j]];
+    }
+    rows_times(RowsIn{gathered.data(), x.H, x.T, D, x.H * x.T * D, x.T * D, D}, N, c.rotate, y.data());
+  } else {
+    rows_times(x, N, t[0], y.data());
+  }
   const Norms np = plain_norms(y.data(), N, D, sizes, norms.data());
   auto sketch = [&](float* r) {
     const RowsIn rows{r, x.H, x.T, D, x.H * x.T * D, x.T * D, D};  // x's leading shape, contiguous
     rows_times(rows, N, t[6], signs.data());
     return std::make_pair(static_cast<const float*>(signs.data()), plain_norms(r, N, D, sizes, residual_norms.data()));
   };
-  return encode_codes(y.data(), np, N, D, t, ints, steps, residual.data(), sketch, out, row_at);
+  return encode_codes(y.data(), np, N, D, t, c.ints, c.steps, residual.data(), sketch, out, row_at);
 }
 
 // `encode_into` of x [..., D] into `rows` [..., nbytes] (see `encode`): whether every stored norm is finite.
-// plain: the products and norms by plain loops (`encode_plain`; the C++ decode's), else ATen's.
+// Its products and norms are ATen's (the bytes of `turbo_encode`; `encode_plain` is the C++ decode's).
 bool encode_into(const torch::Tensor& x, const std::vector<torch::Tensor>& t, const std::vector<int64_t>& ints,
-                 const std::vector<double>& steps, torch::Tensor& rows, bool plain = false);
+                 const std::vector<double>& steps, torch::Tensor& rows);
 // The same into rows at out + row_at[n] for x's N rows.
 bool encode_at(const torch::Tensor& x, const std::vector<torch::Tensor>& t, const std::vector<int64_t>& ints,
-               const std::vector<double>& steps, uint8_t* out, const int64_t* row_at, bool plain);
+               const std::vector<double>& steps, uint8_t* out, const int64_t* row_at);
 
 // `rows.turbo_encode` of x [..., D]: tables = (rotate, col_group, col_shift, boundaries, offsets,
 // centroids, sketch_t or empty, fields [F, 5] int32, each group's dither weights (prod)); ints =
@@ -889,18 +914,17 @@ std::tuple<torch::Tensor, bool> encode(const torch::Tensor& x, const std::vector
 }
 
 bool encode_into(const torch::Tensor& x, const std::vector<torch::Tensor>& t, const std::vector<int64_t>& ints,
-                 const std::vector<double>& steps, torch::Tensor& rows, bool plain) {
+                 const std::vector<double>& steps, torch::Tensor& rows) {
   const int64_t G = ints[0], D = x.size(-1), N = x.numel() / std::max<int64_t>(D, 1);
   TORCH_CHECK(G >= 1 && G <= 8 && static_cast<int64_t>(t.size()) == 8 + (t[6].numel() > 0 ? G : 0), "encode: tables");
   TORCH_CHECK(rows.dim() == x.dim() && rows.size(-1) == ints[G + 2] && rows.numel() == N * ints[G + 2],
               "encode: rows [..., ", ints[G + 2], "] of x's leading shape");
-  return encode_at(x, t, ints, steps, rows.data_ptr<uint8_t>(), row_offsets(rows, N).data(), plain);
+  return encode_at(x, t, ints, steps, rows.data_ptr<uint8_t>(), row_offsets(rows, N).data());
 }
 
 bool encode_at(const torch::Tensor& x, const std::vector<torch::Tensor>& t, const std::vector<int64_t>& ints,
-               const std::vector<double>& steps, uint8_t* out, const int64_t* row_at, bool plain) {
+               const std::vector<double>& steps, uint8_t* out, const int64_t* row_at) {
   const int64_t G = ints[0], D = x.size(-1), N = x.numel() / std::max<int64_t>(D, 1);
-  if (plain) return encode_plain(rows_in(x), N, t, ints, steps, out, row_at);
   const std::vector<int64_t> sizes(ints.begin() + 1, ints.begin() + 1 + G);
   const torch::Tensor y = at::matmul(x.to(at::kFloat), t[0]).contiguous();
   const Norms np = group_norms(y, sizes);
@@ -1100,15 +1124,6 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w, const 
   return y.to(x.scalar_type());
 }
 
-// One codec's constants, built once (`EntryLayout`), so that a call passes one object per side.
-// With a folded per-head permutation, `query` and `back` are the shared codec's, `perm` [(B,) Hkv, D]
-// (the query rows' gather) and `unperm` its inverse (the output's); else both empty.
-struct Codec {
-  std::vector<torch::Tensor> tables; std::vector<int64_t> ints; std::vector<double> steps;
-  torch::Tensor layout, values, residual_step, query, back; int64_t norm_byte, groups;
-  torch::Tensor perm, unperm;
-};
-
 // Both encodes of a decode call: (rows_k, rows_v, whether every stored norm is finite).
 std::tuple<torch::Tensor, torch::Tensor, bool> encode_pair(const torch::Tensor& k, const Codec& ck,
                                                           const torch::Tensor& v, const Codec& cv) {
@@ -1196,10 +1211,14 @@ std::tuple<torch::Tensor, bool> decode_attend(const torch::Tensor& q, const torc
   const int64_t B = k.size(0), Hkv = k.size(1), T = k.size(2), end = start + T;
   TORCH_CHECK(start >= 0, "decode_attend: a negative start column");
   check_columns(store_k, store_v, B, Hkv, end, ck, cv);
-  const bool finite_k = encode_at(k, ck.tables, ck.ints, ck.steps, store_k.data_ptr<uint8_t>(),
-                                  column_offsets(store_k, B, Hkv, T, start).data(), plain);
-  const bool finite_v = encode_at(v, cv.tables, cv.ints, cv.steps, store_v.data_ptr<uint8_t>(),
-                                  column_offsets(store_v, B, Hkv, T, start).data(), plain);
+  const std::vector<int64_t> at_k = column_offsets(store_k, B, Hkv, T, start),
+                             at_v = column_offsets(store_v, B, Hkv, T, start);
+  uint8_t* out_k = store_k.data_ptr<uint8_t>();
+  uint8_t* out_v = store_v.data_ptr<uint8_t>();
+  const bool finite_k = plain ? encode_plain(rows_in(k), B * Hkv * T, ck, out_k, at_k.data())
+                              : encode_at(k, ck.tables, ck.ints, ck.steps, out_k, at_k.data());
+  const bool finite_v = plain ? encode_plain(rows_in(v), B * Hkv * T, cv, out_v, at_v.data())
+                              : encode_at(v, cv.tables, cv.ints, cv.steps, out_v, at_v.data());
   torch::Tensor out = attend(q, ck, cv, store_k, store_v, attn_mask, end);
   return {out, finite_k && finite_v};
 }
@@ -1212,9 +1231,9 @@ bool decode_attend_rows(const QueryIn& q, const RowsIn& k, const RowsIn& v, cons
   const int64_t B = q.B, Hkv = k.H;
   TORCH_CHECK(start >= 0 && k.T == 1 && v.T == 1 && v.H == Hkv, "decode_attend: one new column of k and v");
   check_columns(store_k, store_v, B, Hkv, start + 1, ck, cv);
-  const bool finite_k = encode_plain(k, B * Hkv, ck.tables, ck.ints, ck.steps, store_k.data_ptr<uint8_t>(),
+  const bool finite_k = encode_plain(k, B * Hkv, ck, store_k.data_ptr<uint8_t>(),
                                      column_offsets(store_k, B, Hkv, 1, start).data());
-  const bool finite_v = encode_plain(v, B * Hkv, cv.tables, cv.ints, cv.steps, store_v.data_ptr<uint8_t>(),
+  const bool finite_v = encode_plain(v, B * Hkv, cv, store_v.data_ptr<uint8_t>(),
                                      column_offsets(store_v, B, Hkv, 1, start).data());
   attend_columns(q, ck, cv, store_k, store_v, start + 1, mask, out);
   return finite_k && finite_v;
@@ -1232,8 +1251,9 @@ def codec_binding(module_local: bool = False) -> str:
       .def(pybind11::init([](std::vector<torch::Tensor> tables, std::vector<int64_t> ints, std::vector<double> steps,
                              torch::Tensor layout, torch::Tensor values, torch::Tensor residual_step,
                              torch::Tensor query, torch::Tensor back, int64_t norm_byte, int64_t groups,
-                             torch::Tensor perm, torch::Tensor unperm) {
-        return Codec{tables, ints, steps, layout, values, residual_step, query, back, norm_byte, groups, perm, unperm};
+                             torch::Tensor perm, torch::Tensor unperm, torch::Tensor rotate) {
+        return Codec{tables, ints, steps, layout, values, residual_step, query, back, norm_byte, groups, perm, unperm,
+                     rotate};
       }));
 """)
 
@@ -1516,9 +1536,12 @@ class CppCodes:
             query, back = (t.base_query, t.base_back) if folded else (t.query, t.back)
             perm = t.perm.long().cpu().contiguous() if folded else _EMPTY_LONG
             unperm = perm.argsort(dim=-1).contiguous() if folded else _EMPTY_LONG
+            # (the plain encode's shared rotation: rows gathered by perm, as the read's queries)
+            rotate = t.base_rotate.float().contiguous() if folded and t.base_rotate is not None else _EMPTY
             codec = self.module.Codec(layout.encode_tables, layout.encode_ints, layout.encode_steps, layout.layout,
                                       layout.values, layout.residual_step, query.float().contiguous(),
-                                      back.float().contiguous(), layout.norm_byte, layout.groups, perm, unperm)
+                                      back.float().contiguous(), layout.norm_byte, layout.groups, perm, unperm,
+                                      rotate)
             cached = self._codecs[id(t)] = (t, codec)
         return cached[1]
 

@@ -135,10 +135,12 @@ class TurboTables(NamedTuple):
     back: Tensor  # [E, D]: entries @ back is the decoded vector
     # A folded per-head channel permutation (`TurboRows.permuted`): perm [..., Hkv, D] long, and the
     # shared codec's query and back, of which `query` and `back` are its per-head row / column
-    # permutations (q @ query = q[..., perm] @ base_query); None without one.
+    # permutations (q @ query = q[..., perm] @ base_query; x @ rotate = x[..., perm] @ base_rotate); None
+    # without one.
     perm: Tensor | None = None
     base_query: Tensor | None = None
     base_back: Tensor | None = None
+    base_rotate: Tensor | None = None
 
 
 class TurboRows:
@@ -269,7 +271,7 @@ class TurboRows:
         # (base_*: the shared matrices, for kernels that permute q and the output instead)
         twin._tables = t._replace(rotate=t.rotate[unperm].contiguous(), query=t.query[unperm].contiguous(),
                                   back=t.back.T[unperm].transpose(-1, -2).contiguous(), perm=perm.cpu(),
-                                  base_query=t.query, base_back=t.back)
+                                  base_query=t.query, base_back=t.back, base_rotate=t.rotate)
         twin._on_device = {torch.device("cpu"): twin._tables}
         twin.perm = perm
         return twin

@@ -683,6 +683,8 @@ struct RowsIn {
   int64_t head(int64_t n) const { return (n / T) % H; }
   int64_t batch(int64_t n) const { return n / (H * T); }
   const float* row(int64_t n) const { return p + batch(n) * s0 + head(n) * s1 + (n % T) * s2; }
+  // Rows of this leading shape stored contiguously at `data` (a scratch copy of these or derived ones).
+  RowsIn contiguous(const float* data) const { return {data, H, T, D, H * T * D, T * D, D}; }
 };
 
 RowsIn rows_in(const torch::Tensor& x) {
@@ -879,14 +881,13 @@ bool encode_plain(const RowsIn& x, int64_t N, const Codec& c, uint8_t* out, cons
       const float* row = x.row(n);
       for (int64_t j = 0; j < D; ++j) gathered[n * D + j] = row[order[j]];
     }
-    rows_times(RowsIn{gathered.data(), x.H, x.T, D, x.H * x.T * D, x.T * D, D}, N, c.rotate, y.data());
+    rows_times(x.contiguous(gathered.data()), N, c.rotate, y.data());
   } else {
     rows_times(x, N, t[0], y.data());
   }
   const Norms np = plain_norms(y.data(), N, D, sizes, norms.data());
   auto sketch = [&](float* r) {
-    const RowsIn rows{r, x.H, x.T, D, x.H * x.T * D, x.T * D, D};  // x's leading shape, contiguous
-    rows_times(rows, N, t[6], signs.data());
+    rows_times(x.contiguous(r), N, t[6], signs.data());
     return std::make_pair(static_cast<const float*>(signs.data()), plain_norms(r, N, D, sizes, residual_norms.data()));
   };
   return encode_codes(y.data(), np, N, D, t, c.ints, c.steps, residual.data(), sketch, out, row_at);
@@ -1199,6 +1200,18 @@ void check_columns(const torch::Tensor& store_k, const torch::Tensor& store_v, i
               "decode_attend: the stores' row bytes are the codecs'");
 }
 
+// The plain encodes of k, v [B, Hkv, T, D] (rows) into a storage's columns [start, start + T): whether
+// every stored norm is finite.
+bool encode_columns(const RowsIn& k, const RowsIn& v, int64_t B, const Codec& ck, const Codec& cv,
+                    const torch::Tensor& store_k, const torch::Tensor& store_v, int64_t start) {
+  const int64_t Hkv = k.H, T = k.T;
+  const bool finite_k = encode_plain(k, B * Hkv * T, ck, store_k.data_ptr<uint8_t>(),
+                                     column_offsets(store_k, B, Hkv, T, start).data());
+  const bool finite_v = encode_plain(v, B * Hkv * T, cv, store_v.data_ptr<uint8_t>(),
+                                     column_offsets(store_v, B, Hkv, T, start).data());
+  return finite_k && finite_v;
+}
+
 // A decode call in one pass: k, v [B, Hkv, T, D] encoded straight into a storage's rows [B, Hkv,
 // capacity, bytes] at columns [start, start + T) (the bytes `encode` returns), then `attend` over
 // columns [0, start + T): (out [B, H, 1, Dv], whether every stored norm is finite).
@@ -1211,16 +1224,17 @@ std::tuple<torch::Tensor, bool> decode_attend(const torch::Tensor& q, const torc
   const int64_t B = k.size(0), Hkv = k.size(1), T = k.size(2), end = start + T;
   TORCH_CHECK(start >= 0, "decode_attend: a negative start column");
   check_columns(store_k, store_v, B, Hkv, end, ck, cv);
-  const std::vector<int64_t> at_k = column_offsets(store_k, B, Hkv, T, start),
-                             at_v = column_offsets(store_v, B, Hkv, T, start);
-  uint8_t* out_k = store_k.data_ptr<uint8_t>();
-  uint8_t* out_v = store_v.data_ptr<uint8_t>();
-  const bool finite_k = plain ? encode_plain(rows_in(k), B * Hkv * T, ck, out_k, at_k.data())
-                              : encode_at(k, ck.tables, ck.ints, ck.steps, out_k, at_k.data());
-  const bool finite_v = plain ? encode_plain(rows_in(v), B * Hkv * T, cv, out_v, at_v.data())
-                              : encode_at(v, cv.tables, cv.ints, cv.steps, out_v, at_v.data());
+  bool finite = true;
+  if (plain) {
+    finite = encode_columns(rows_in(k), rows_in(v), B, ck, cv, store_k, store_v, start);
+  } else {
+    finite = encode_at(k, ck.tables, ck.ints, ck.steps, store_k.data_ptr<uint8_t>(),
+                       column_offsets(store_k, B, Hkv, T, start).data());
+    finite = encode_at(v, cv.tables, cv.ints, cv.steps, store_v.data_ptr<uint8_t>(),
+                       column_offsets(store_v, B, Hkv, T, start).data()) && finite;
+  }
   torch::Tensor out = attend(q, ck, cv, store_k, store_v, attn_mask, end);
-  return {out, finite_k && finite_v};
+  return {out, finite};
 }
 
 // The same for the C++ decode, from raw rows (q [B, H, 1, D], one new column of k, v [B, Hkv, 1, D]) into
@@ -1231,12 +1245,9 @@ bool decode_attend_rows(const QueryIn& q, const RowsIn& k, const RowsIn& v, cons
   const int64_t B = q.B, Hkv = k.H;
   TORCH_CHECK(start >= 0 && k.T == 1 && v.T == 1 && v.H == Hkv, "decode_attend: one new column of k and v");
   check_columns(store_k, store_v, B, Hkv, start + 1, ck, cv);
-  const bool finite_k = encode_plain(k, B * Hkv, ck, store_k.data_ptr<uint8_t>(),
-                                     column_offsets(store_k, B, Hkv, 1, start).data());
-  const bool finite_v = encode_plain(v, B * Hkv, cv, store_v.data_ptr<uint8_t>(),
-                                     column_offsets(store_v, B, Hkv, 1, start).data());
+  const bool finite = encode_columns(k, v, B, ck, cv, store_k, store_v, start);
   attend_columns(q, ck, cv, store_k, store_v, start + 1, mask, out);
-  return finite_k && finite_v;
+  return finite;
 }
 
 """

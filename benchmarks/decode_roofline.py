@@ -22,9 +22,9 @@ so its roofline uses the realised steps), `shared-4` (fixed r on a 4-slot shared
 `int8` (fixed r after `recurrent_depth.weight_quant.quantize_weights`: int8 weights per output
 channel in every transformer linear, quantized in place after the other configs ran; the C++
 `int8_linear` at decode rows: bf16 rows as exact int16 x int8 integer dots, fp32 rows as float dots)
-and `int4` (fixed r on group-32 4-bit weights,
-torch's int4 kernel, bf16 and fp32; quantized after int8 is undone, from its dequantized weights:
-random weights, so only the speed is measured). Their bytes count the packed weights and scales.
+and `int4` (fixed r on group-32 4-bit weights: the C++ `int4_linear` at decode rows, or torch's
+int4 kernel with C++ off; bf16 and fp32; quantized after int8 is undone, from its dequantized
+weights: random weights, so only the speed is measured). Their bytes count the packed weights and scales.
 On CPUs without native bf16 (no AVX512-BF16 / AMX-BF16) bf16 products are emulated: `--dtype auto`
 then runs fp32 and bf16 and the roofline note says which is nearer the limit.
 Prints one JSON line, then a table.

@@ -21,11 +21,11 @@ In one run:
 * the kernel: ms per product of one Huginn-0125 linear (K, N below) at M = 1 and 8 rows, bf16
   activations: `x @ W^T` with bf16 weights (ATen), the C++ bf16 stream the bf16 decode uses
   (`quant_cpp.bf16_linear`; "stream", when C++ is on), `Int8WeightLinear` (the C++ `int8_linear` at
-  these row counts), and `Int4WeightLinear`
-  (group 32: `aten._weight_int4pack_mm_for_cpu`), alternating in `--repeats` rounds (the best of
-  each kept), with the bytes each product reads (packed weights + scales + zero points, counted
-  from the stored tensors) and the GB/s that implies; and at M = 1 the same with float32
-  activations (fp32 weights against the int4 kernel in float32).
+  these row counts), `Int4WeightLinear` (group 32: the C++ `int4_linear` where C++ is on, else torch's
+  kernel) and, as "int4_torch", the same in torch's kernel layout (`aten._weight_int4pack_mm_for_cpu`),
+  alternating in `--repeats` rounds (the best of each kept), with the bytes each product reads (packed
+  weights + scales + zero points, counted from the stored tensors) and the GB/s that implies; and at
+  M = 1 the same with float32 activations (fp32 weights against both int4 products in float32).
 
 Prints one JSON line, then tables. The clock is CPU time (`time.process_time`) at one thread and
 wall time otherwise; the load average is in the record.
@@ -188,15 +188,16 @@ def shape_timings(K: int, N: int, g: torch.Generator, repeats: int) -> dict[str,
 def _bf16_rows(linear: torch.nn.Linear, g: torch.Generator, repeats: int) -> dict[str, dict[str, Any]]:
     weight = linear.weight.detach()
     int8 = Int8WeightLinear.from_linear(linear)
-    int4 = Int4WeightLinear.from_linear(linear, 32)
-    assert int4.kernel_layout, "Huginn's shapes take the int4 kernel at group 32"
+    int4 = Int4WeightLinear.from_linear(linear, 32)  # the C++ product where C++ is on
+    int4_torch = Int4WeightLinear.from_linear(linear, 32, kernel_layout=True)  # (Huginn's shapes fit at group 32)
     read = dict(bf16=weight.numel() * 2, stream=weight.numel() * 2, int8=int8.quantized_bytes(),
-                int4=int4.quantized_bytes())
+                int4=int4.quantized_bytes(), int4_torch=int4_torch.quantized_bytes())
     kernels = quant_cpp.load() if quant_cpp.cpp_enabled() else None
     rows = {}
     for M in (1, 8):
         x = torch.randn(M, linear.in_features, generator=g).to(torch.bfloat16)
-        fns = dict(bf16=lambda x=x: x @ weight.t(), int8=lambda x=x: int8(x), int4=lambda x=x: int4(x))
+        fns = dict(bf16=lambda x=x: x @ weight.t(), int8=lambda x=x: int8(x), int4=lambda x=x: int4(x),
+                   int4_torch=lambda x=x: int4_torch(x))
         if kernels is not None:  # the bf16 decode's own product (`accel.runner._bf16_stream`)
             fns["stream"] = lambda x=x: kernels.bf16_linear(x, weight, None, None)
         rows[f"bf16 M={M}"] = _row(alternating_best_ms(fns, repeats), read)
@@ -206,9 +207,12 @@ def _bf16_rows(linear: torch.nn.Linear, g: torch.Generator, repeats: int) -> dic
 def _fp32_row(linear: torch.nn.Linear, g: torch.Generator, repeats: int) -> dict[str, Any]:
     weight = linear.weight.detach()
     int4 = Int4WeightLinear.from_linear(linear, 32)
+    int4_torch = Int4WeightLinear.from_linear(linear, 32, kernel_layout=True)
     x = torch.randn(1, linear.in_features, generator=g)
-    ms = alternating_best_ms(dict(fp32=lambda: x @ weight.t(), int4=lambda: int4(x)), repeats)
-    return _row(ms, dict(fp32=weight.numel() * 4, int4=int4.quantized_bytes()))
+    ms = alternating_best_ms(dict(fp32=lambda: x @ weight.t(), int4=lambda: int4(x), int4_torch=lambda: int4_torch(x)),
+                             repeats)
+    return _row(ms, dict(fp32=weight.numel() * 4, int4=int4.quantized_bytes(),
+                         int4_torch=int4_torch.quantized_bytes()))
 
 
 def _row(ms: dict[str, float], read: dict[str, int]) -> dict[str, Any]:
@@ -269,13 +273,13 @@ def main(argv: list[str] | None = None) -> int:
                       f"{s.get(fmt, '-'):>14}{s.get('unquantized', '-'):>13}")
     if kernels:
         print(f"\n{'product':<24}{'acts':<8}{'dense ms':>9}{'stream ms':>10}{'int8 ms':>9}{'int4 ms':>9}"
-              f"{'int8 x':>8}{'int4 x':>8}{'int8 x str':>11}{'int4 x str':>11}"
+              f"{'int4 torch ms':>14}{'int8 x':>8}{'int4 x':>8}{'int8 x str':>11}{'int4 x str':>11}"
               f"{'dense GB/s':>11}{'stream GB/s':>12}{'int8 GB/s':>10}{'int4 GB/s':>10}")
         for name, per in kernels.items():
             for acts, k in per.items():
                 dense = "bf16" if acts.startswith("bf16") else "fp32"
                 print(f"{name:<24}{acts:<8}{k[f'{dense}_ms']:>9}{k.get('stream_ms', '-'):>10}"
-                      f"{k.get('int8_ms', '-'):>9}{k['int4_ms']:>9}"
+                      f"{k.get('int8_ms', '-'):>9}{k['int4_ms']:>9}{k['int4_torch_ms']:>14}"
                       f"{k.get('int8_speedup', '-'):>8}{k['int4_speedup']:>8}{k.get('int8_vs_stream', '-'):>11}"
                       f"{k.get('int4_vs_stream', '-'):>11}{k[f'{dense}_gb_s']:>11}{k.get('stream_gb_s', '-'):>12}"
                       f"{k.get('int8_gb_s', '-'):>10}{k['int4_gb_s']:>10}")

@@ -82,7 +82,7 @@ def test_int4_parts_count_the_packed_weights_and_scales_after_int8_is_undone():
     dr.dequantize_weights(model)
     dr.quantize_weights(model, "int4")
     core = sum(4 * p.numel() for p in model.transformer.core_block.parameters())  # norms and biases
-    core += sum(m.qweight.numel() + 4 * m.scales_and_zeros.numel() for m in model.transformer.core_block.modules()
-                if isinstance(m, Int4WeightLinear))
+    core += sum(m.qweight.numel() + m.scales_and_zeros.numel() * m.scales_and_zeros.element_size()
+                for m in model.transformer.core_block.modules() if isinstance(m, Int4WeightLinear))
     assert dr.PartBytes.of(model).core == core
     assert not any(isinstance(m, Int8WeightLinear) for m in model.modules())

@@ -323,8 +323,8 @@ def test_build_app_quantizes_a_model_in_memory_and_refuses_a_bad_format_first(mo
 
 
 @pytest.fixture
-def cpp_int8(monkeypatch):
-    """The C++ float32 int8 product on (the suite's conftest turns C++ off), or a skip where it cannot build."""
+def cpp_kernels(monkeypatch):
+    """The C++ int8 and int4 products on (the suite's conftest turns C++ off), or a skip where it cannot build."""
     from recurrent_depth.accel import quant_cpp
 
     monkeypatch.setenv("RDEPTH_NO_CPP", "0")
@@ -336,7 +336,7 @@ def cpp_int8(monkeypatch):
 @pytest.mark.parametrize("K", [64, 37])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_decode_rows_take_the_cpp_int8_product(cpp_int8, rows, K, bias, dtype):
+def test_decode_rows_take_the_cpp_int8_product(cpp_kernels, rows, K, bias, dtype):
     """Up to 8 float32 or bf16 rows: the C++ product (one pass over the int8 rows, float32 sums), equal to
     the float32 reference to float32 rounding (bf16: then rounded once, within bf16 unit roundoff), two
     threads splitting the rows; more rows, or a graph through x: torch's kernel or the reference."""
@@ -365,7 +365,7 @@ def test_decode_rows_take_the_cpp_int8_product(cpp_int8, rows, K, bias, dtype):
     assert not layer.uses_cpp(x.clone().requires_grad_())
 
 
-def test_bf16_rows_within_eight_binades_are_dotted_exactly(cpp_int8):
+def test_bf16_rows_within_eight_binades_are_dotted_exactly(cpp_kernels):
     """bf16 rows whose entries lie within 8 binades of the row's largest are exact int16 multiples of a
     power of two, so the C++ product is the exact dot times the scale, rounded to float32 once and then
     to bf16: bit-equal to that computed in float64 here. A row with a NaN or inf takes the float path
@@ -386,7 +386,7 @@ def test_bf16_rows_within_eight_binades_are_dotted_exactly(cpp_int8):
     assert torch.equal(out[[0, 3]], exact[[0, 3]])
 
 
-def test_float32_int8_model_decodes_with_cpp_as_its_dequantized_twin(cpp_int8):
+def test_float32_int8_model_decodes_with_cpp_as_its_dequantized_twin(cpp_kernels):
     model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval()
     quantized = copy.deepcopy(model)
     quantize_weights(quantized, "int8")
@@ -397,3 +397,73 @@ def test_float32_int8_model_decodes_with_cpp_as_its_dequantized_twin(cpp_int8):
     out, ref = generate(quantized, ids, **kw), generate(twin, ids, **kw)
     assert torch.equal(out.sequences, ref.sequences)
     torch.testing.assert_close(out.logits, ref.logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+@pytest.mark.parametrize("K,group", [(64, 32), (100, 32), (320, 64), (256, 256)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_rows_take_the_cpp_int4_product(cpp_kernels, rows, K, group, dtype):
+    """With C++ on every int4 layer stores plain nibbles and bf16 (scale, zero) pairs per output channel,
+    whatever its shape (K = 100: padded to whole groups). Up to 8 float32 or bf16 rows take the C++
+    product (float32 sums, two threads splitting the rows; bf16 rows in integers), within float32
+    rounding of the float32 reference (bf16: within one output rounding); more rows, or a graph through
+    x, the reference exactly."""
+    torch.manual_seed(K + rows)
+    layer = Int4WeightLinear.from_linear(nn.Linear(K, 50, bias=rows % 2 == 1).to(dtype), group)
+    assert not layer.kernel_layout and layer.scales_and_zeros.dtype == torch.bfloat16
+    assert layer.scales_and_zeros.shape == (50, -(-K // group), 2)
+    x = torch.randn(rows, K).to(dtype)
+    reference = _int4_reference(layer, x)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.no_grad():
+            out = layer(x.view(1, rows, K))
+    finally:
+        torch.set_num_threads(previous)
+    assert layer.uses_cpp(x) == (rows <= 8) and out.dtype == dtype
+    out = out.view(rows, 50).float()
+    scale = reference.abs().amax(-1, keepdim=True).clamp_min(1e-6)
+    assert ((out - reference).abs() / scale).max() <= (1e-5 if dtype == torch.float32 else 2**-7)
+    if rows > 8:
+        assert torch.equal(out, layer._reference(x).float())
+    assert not layer.uses_cpp(x.clone().requires_grad_())
+
+
+def test_cpp_int4_nan_row_and_layout_choice(cpp_kernels):
+    """A bf16 row with a NaN gives NaN and leaves the other rows as computed alone; `kernel_layout=True`
+    still stores torch's layout (and takes its kernel), and refuses a shape the kernel cannot take."""
+    from recurrent_depth.accel import quant_cpp
+
+    layer = Int4WeightLinear.from_linear(nn.Linear(96, 20, bias=False), 32)
+    x = torch.randn(3, 96).bfloat16()
+    alone = [layer(x[i:i + 1]) for i in range(3)]
+    x[1, 7] = float("nan")
+    out = quant_cpp.load().int4_linear(x, layer.qweight, layer.scales_and_zeros, 32, None)
+    assert out[1].isnan().all() and torch.equal(out[0], alone[0][0]) and torch.equal(out[2], alone[2][0])
+    kernel = Int4WeightLinear.from_linear(nn.Linear(96, 32), 32, kernel_layout=True)
+    assert kernel.kernel_layout and kernel.uses_kernel(x) and not kernel.uses_cpp(x)
+    assert torch.equal(kernel.unpacked()[:, :96], quantize_int4(kernel.dequantized().weight, 32)[0][:, :96])
+    with pytest.raises(ValueError, match=r"torch's int4 kernel does not take a \(20, 96\) weight at group 32"):
+        Int4WeightLinear.from_linear(nn.Linear(96, 20), 32, kernel_layout=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int4_model_decodes_with_cpp_as_its_dequantized_twin(cpp_kernels, dtype):
+    """Every layer in plain layout through the C++ product at decode, the reference at the prompt: the
+    twin's greedy tokens (float32: logits within 1e-4; bf16: within bf16 rounding of the logits' range)."""
+    torch.manual_seed(0)
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).to(dtype).eval()
+    quantize_weights(model, "int4")
+    assert not any(m.kernel_layout for m in model.modules() if isinstance(m, Int4WeightLinear))
+    twin = copy.deepcopy(model)
+    dequantize_weights(twin)
+    ids = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=5, num_steps=3, init_scale=0.0, output_logits=True)
+    out, ref = generate(model, ids, **kw), generate(twin, ids, **kw)
+    if dtype == torch.float32:
+        assert torch.equal(out.sequences, ref.sequences)
+        torch.testing.assert_close(out.logits, ref.logits, rtol=1e-4, atol=1e-4)
+    else:  # (bf16 weights: the twin rounds every dequantized weight to bf16, the kernel does not)
+        first = out.logits[:, 0].float()
+        assert (first - ref.logits[:, 0].float()).abs().max() <= 0.05 * first.abs().max()

@@ -18,14 +18,18 @@ crash); otherwise the plain reference: dequantize (`int8 * scale`, in the activa
 `F.linear`.
 
 int4 (`"int4"` = `"int4:g32"`; `"int4:g64"`, `"int4:g128"`, `"int4:g256"`): asymmetric per group,
-`w = (q - 8) * scale + zero` with q in 0..15, the form torch's CPU kernel
-`aten._weight_int4pack_mm_for_cpu` reads. A layer takes the kernel when the kernel accepts its shape
+`w = (q - 8) * scale + zero` with q in 0..15. Where the C++ kernels are on (the default), every layer
+stores two 4-bit values a byte in plain order with its (scale, zero) pairs in bf16, row-major, and
+float32 or bf16 activations of at most 8 rows (decoding) take the C++ `accel.quant_cpp.int4_linear`
+(each packed row streamed once; bf16 rows dotted in integers as for int8: ~2.4x the bf16 weight stream
+at Huginn's shapes on a 2-core AVX2 EPYC, where torch's int4 kernel is ~1x); other calls (prompts,
+autograd) take the reference: dequantize in float32, then `F.linear`. With C++ off (`RDEPTH_NO_CPP=1`
+or no compiler) a layer whose shape torch's CPU kernel `aten._weight_int4pack_mm_for_cpu` accepts
 (`out_features % 16 == 0`, `in_features % group == 0`, weights on the CPU: the kernel refuses other
-shapes with an error, and is accurate at every shape it accepts, measured); its weights are then
-stored in the kernel's packed layout. Other layers store two 4-bit values a byte in plain order and
-take the reference: dequantize in float32, then `F.linear`. Group 32 is the default because it is
-the only size that divides Huginn-0125's width 5280 (so the only one whose layers take the kernel
-there), and the most accurate.
+shapes with an error, and is accurate at every shape it accepts, measured) stores the kernel's packed
+layout and takes it; the others the reference. Group 32 is the default because it is the only size
+that divides Huginn-0125's width 5280 (so the only one whose layers take torch's kernel there), and the
+most accurate.
 
 Both formats compute `x W^T + b` with the weight their reference dequantizes, so a model whose
 linears hold the dequantized weights (`dequantize_weights`) is the reference of a quantized one
@@ -258,13 +262,11 @@ class Int8WeightLinear(QuantizedLinear):
     def uses_cpp(self, x: Tensor) -> bool:
         """Whether this call takes the C++ product (`accel.quant_cpp.int8_linear`, summed in float32): float32
         or bf16 CPU activations of at most CPP_ROWS rows (a decode step), no autograd through them, C++ on."""
-        return (x.device.type == "cpu" and x.dtype in CPP_DTYPES and x.numel() <= CPP_ROWS * self.in_features
-                and not (x.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling()
-                and (self.bias is None or self.bias.dtype in CPP_DTYPES) and _int8_cpp() is not None)
+        return _decode_rows_for_cpp(self, x)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.uses_cpp(x):
-            out = _int8_cpp().int8_linear(_flat_rows(x, self.in_features), self.qweight, self.scales, self.bias)
+            out = _cpp_kernels().int8_linear(_flat_rows(x, self.in_features), self.qweight, self.scales, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
         if self.uses_kernel(x):
             flat = _flat_rows(x, self.in_features)
@@ -272,12 +274,20 @@ class Int8WeightLinear(QuantizedLinear):
         return self._reference(x)
 
 
-def _int8_cpp() -> object | None:
-    """The C++ kernels' module (`accel.quant_cpp`, built at the first use of a machine) for `int8_linear`,
-    or None where C++ is off (`RDEPTH_NO_CPP=1`) or cannot build (then the reference runs)."""
+def _cpp_kernels() -> object | None:
+    """The C++ kernels' module (`accel.quant_cpp`, built at the first use of a machine) for `int8_linear` and
+    `int4_linear`, or None where C++ is off (`RDEPTH_NO_CPP=1`) or cannot build (then the reference runs)."""
     from recurrent_depth.accel import quant_cpp  # (accel imports this module)
 
     return quant_cpp.load() if quant_cpp.cpp_enabled() else None
+
+
+def _decode_rows_for_cpp(layer: QuantizedLinear, x: Tensor) -> bool:
+    """Whether `layer(x)` is a decode step the C++ products take: float32 or bf16 CPU activations of at
+    most CPP_ROWS rows, no autograd through them, not under torch.compile, a bias of those dtypes, C++ on."""
+    return (x.device.type == "cpu" and x.dtype in CPP_DTYPES and x.numel() <= CPP_ROWS * layer.in_features
+            and not (x.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling()
+            and (layer.bias is None or layer.bias.dtype in CPP_DTYPES) and _cpp_kernels() is not None)
 
 
 def int4_kernel_fits(out_features: int, in_features: int, group: int, device: torch.device) -> bool:
@@ -289,10 +299,14 @@ class Int4WeightLinear(QuantizedLinear):
     """A linear layer with group-wise 4-bit weights: `y = x W^T + b`, `W = (q - 8) * scale + zero`
     per group of `group` input columns.
 
-    Buffers `qweight` (uint8, two values a byte: `[out, in / 2]` in torch's CPU kernel layout when
-    `kernel_layout`, else `[out, padded_in / 2]` in plain order, see `pack_nibbles`) and
-    `scales_and_zeros` (`[groups, out, 2]`, in the model's dtype holding bf16 values: the kernel reads
-    them in the activations' dtype). Made by `quantize_weights`; inference only.
+    Two stored layouts (`kernel_layout`):
+    - plain (False): `qweight` uint8 `[out, padded_in / 2]` (see `pack_nibbles`) and `scales_and_zeros`
+      bf16 `[out, groups, 2]` (each output channel's pairs together, as the C++ product streams them):
+      decode rows take the C++ `int4_linear`, anything else the reference;
+    - torch's CPU kernel layout (True; where C++ is off and the kernel takes the shape): `qweight` in
+      the kernel's packed form and `scales_and_zeros` `[groups, out, 2]` in the model's dtype holding
+      bf16 values (the kernel reads them in the activations' dtype).
+    Made by `quantize_weights`; inference only.
     """
 
     def __init__(self, qweight: Tensor, scales_and_zeros: Tensor, bias: Tensor | None, in_features: int,
@@ -303,17 +317,27 @@ class Int4WeightLinear(QuantizedLinear):
         self.register_buffer("scales_and_zeros", scales_and_zeros)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group: int = INT4_DEFAULT_GROUP) -> Int4WeightLinear:
+    def from_linear(cls, linear: nn.Linear, group: int = INT4_DEFAULT_GROUP,
+                    kernel_layout: bool | None = None) -> Int4WeightLinear:
+        """kernel_layout: None picks torch's kernel layout only where the C++ product is unavailable and
+        the kernel takes the shape; True forces it (ValueError where the kernel refuses the shape)."""
         weight = linear.weight
+        fits = int4_kernel_fits(*weight.shape, group, weight.device)
+        if kernel_layout is None:
+            kernel_layout = fits and _cpp_kernels() is None
+        elif kernel_layout and not fits:
+            raise ValueError(f"torch's int4 kernel does not take a {tuple(weight.shape)} weight at group {group} "
+                             f"on {weight.device}")
         q, scales_and_zeros = quantize_int4(weight, group)
-        kernel_layout = int4_kernel_fits(*weight.shape, group, weight.device)
         if kernel_layout:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+            dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
+            pairs = scales_and_zeros.to(dtype)
         else:
             packed = pack_nibbles(q)
-        dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
-        layer = cls(packed.to(weight.device), scales_and_zeros.to(weight.device, dtype), linear.bias,
-                    weight.shape[1], group, kernel_layout)
+            pairs = scales_and_zeros.transpose(0, 1).contiguous().to(torch.bfloat16)  # (bf16 values: exact)
+        layer = cls(packed.to(weight.device), pairs.to(weight.device), linear.bias, weight.shape[1], group,
+                    kernel_layout)
         layer.weight_dtype = weight.dtype
         return layer
 
@@ -323,18 +347,31 @@ class Int4WeightLinear(QuantizedLinear):
             return unpack_kernel_layout(self.qweight, self.in_features, self.group)
         return unpack_nibbles(self.qweight)
 
+    def groups_first(self) -> Tensor:
+        """The (scale, zero) pairs as `[groups, out, 2]` (`quantize_int4`'s order), whichever the layout."""
+        return self.scales_and_zeros if self.kernel_layout else self.scales_and_zeros.transpose(0, 1)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        return dequantize_int4(self.unpacked(), self.scales_and_zeros, self.in_features, dtype)
+        return dequantize_int4(self.unpacked(), self.groups_first(), self.in_features, dtype)
 
     def quantized_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales_and_zeros))
 
     def uses_kernel(self, x: Tensor) -> bool:
         """Whether this call takes torch's int4 kernel (a layer in its layout, CPU activations of a dtype
-        it takes), else the reference (a layer in plain layout)."""
+        it takes)."""
         return self.kernel_layout and x.device.type == "cpu" and x.dtype in INT4_KERNEL_DTYPES
 
+    def uses_cpp(self, x: Tensor) -> bool:
+        """Whether this call takes the C++ product (`accel.quant_cpp.int4_linear`): a plain-layout layer,
+        float32 or bf16 CPU activations of at most CPP_ROWS rows, no autograd through them, C++ on."""
+        return not self.kernel_layout and _decode_rows_for_cpp(self, x)
+
     def forward(self, x: Tensor) -> Tensor:
+        if self.uses_cpp(x):
+            out = _cpp_kernels().int4_linear(_flat_rows(x, self.in_features), self.qweight, self.scales_and_zeros,
+                                             self.group, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
         if not self.kernel_layout:
             return self._reference(x)
         if not self.uses_kernel(x):

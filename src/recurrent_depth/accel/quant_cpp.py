@@ -1105,6 +1105,295 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const 
   return y.to(at::kBFloat16);
 }
 
+// int4 weights (`weight_quant.Int4WeightLinear` in plain layout): w[o, e] = (q[o, e] - 8) s[o, g] + z[o, g],
+// q in 0..15 two a byte in plain order (`pack_nibbles`: column 2i in byte i's low nibble, 2i + 1 in its
+// high one), one bf16 (scale, zero) pair per group of `group` columns, row-major ([out, groups, 2]). Per
+// group x . w = s (x . q) + (z - 8 s) (sum of x), so a product needs each group's x . q and, once per row
+// of x, each group's sum of x (`Int4Row`); the second terms of a weight row are one vector pass over its
+// pairs (`zero_terms`).
+// The unpack reads a 16-byte chunk (32 columns) as eight 16-bit words: nibble k of word i is column
+// 4i + k, so four shift-and-masks give four vectors of 16-bit lanes, the columns 4i + k for k = 0..3,
+// with no widening. x is reordered once per call to match: chunks in pairs (64 columns, a 32-byte load),
+// position 64p + 16k + 8h + i holding column 64p + 32h + 4i + k (h: which chunk of the pair).
+constexpr int64_t INT4_CHUNK = 32;  // the columns 16 bytes hold (every group size is a multiple)
+constexpr int64_t INT4_PAIR = 64;
+
+// The position of column e of a row in the reordered x.
+inline int64_t int4_position(int64_t e) {
+  const int64_t p = e / INT4_PAIR, h = (e / INT4_CHUNK) % 2, i = (e % INT4_CHUNK) / 4, k = e % 4;
+  return INT4_PAIR * p + 16 * k + 8 * h + i;
+}
+
+inline float bf16_bits_to_float(uint16_t bits) {
+  const uint32_t word = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &word, sizeof(f));
+  return f;
+}
+
+// One row of x as `int4_dot_rows` reads it: reordered (a whole number of chunk pairs, zeros past K), as
+// int16 multiples of `step` where `exact` (a bf16 row, `int16_row`) else as float, and each group's sum
+// (in steps, or in float).
+struct Int4Row {
+  std::vector<float> x;
+  std::vector<int16_t> x16;
+  std::vector<float> sums;
+  double step = 1.0;
+  bool exact = false;
+};
+
+Int4Row int4_row(const float* x, int64_t K, int64_t P, int64_t group, bool bf16) {
+  Int4Row r;
+  const int64_t padded = (P + INT4_PAIR - 1) / INT4_PAIR * INT4_PAIR, G = P / group;
+  std::vector<float> plain(P, 0.0f);
+  std::copy(x, x + K, plain.begin());
+  std::vector<int16_t> plain16;
+  if (bf16) {
+    plain16.resize(P);
+    r.exact = int16_row(plain.data(), P, plain16.data(), &r.step);
+  }
+  r.sums.assign(G, 0.0f);
+  for (int64_t g = 0; g < G; ++g) {
+    if (r.exact) {
+      int32_t total = 0;  // (at most 256 x 32640: exact, and exact as a float)
+      for (int64_t e = g * group; e < (g + 1) * group; ++e) total += plain16[e];
+      r.sums[g] = static_cast<float>(total);
+    } else {
+      float total = 0;
+      for (int64_t e = g * group; e < (g + 1) * group; ++e) total += plain[e];
+      r.sums[g] = total;
+    }
+  }
+  if (r.exact) {
+    r.x16.assign(padded, 0);
+    for (int64_t e = 0; e < P; ++e) r.x16[int4_position(e)] = plain16[e];
+  } else {
+    r.x.assign(padded, 0.0f);
+    for (int64_t e = 0; e < P; ++e) r.x[int4_position(e)] = plain[e];
+  }
+  return r;
+}
+
+#if defined(__AVX2__)
+inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+#endif
+
+// sum over groups of (z - 8 s) times the group's sum of x, for one weight row's G pairs.
+inline float zero_terms(const uint16_t* pairs, const float* sums, int64_t G) {
+  float total = 0;
+  int64_t g = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (; g + 8 <= G; g += 8) {  // eight pairs as 32-bit words: the scale in the low half, the zero in the high one
+    const __m256i words = load256(pairs + 2 * g);
+    const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+    const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(words, high));
+    acc = _mm256_fmadd_ps(_mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s, z), _mm256_loadu_ps(sums + g), acc);
+  }
+  total = hsum8(acc);
+#endif
+  for (; g < G; ++g) {
+    const float s = bf16_bits_to_float(pairs[2 * g]), z = bf16_bits_to_float(pairs[2 * g + 1]);
+    total += (z - 8.0f * s) * sums[g];
+  }
+  return total;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// The four vectors of 16-bit lanes (nibble k of each word) of 16 or 32 packed bytes.
+inline void nibbles(__m256i v, __m256i* n) {
+  const __m256i low4 = _mm256_set1_epi16(0x0F);
+  n[0] = _mm256_and_si256(v, low4);
+  n[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+  n[2] = _mm256_and_si256(_mm256_srli_epi16(v, 8), low4);
+  n[3] = _mm256_srli_epi16(v, 12);
+}
+inline void nibbles(__m128i v, __m128i* n) {
+  const __m128i low4 = _mm_set1_epi16(0x0F);
+  n[0] = _mm_and_si128(v, low4);
+  n[1] = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+  n[2] = _mm_and_si128(_mm_srli_epi16(v, 8), low4);
+  n[3] = _mm_srli_epi16(v, 12);
+}
+// x . q over one chunk pair in int32 lanes (lanes 0-3 the first chunk's, 4-7 the second's): each lane at
+// most 8 products of 15 x 32640, so a group of 256 columns stays below 2^24 (exact as a float).
+inline __m256i pair_dots(const __m256i* x, __m256i bytes) {
+  __m256i n[4];
+  nibbles(bytes, n);
+  return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(n[0], x[0]), _mm256_madd_epi16(n[1], x[1])),
+                          _mm256_add_epi32(_mm256_madd_epi16(n[2], x[2]), _mm256_madd_epi16(n[3], x[3])));
+}
+// The four x vectors (k = 0..3) of chunk pair p.
+inline void pair_x(const int16_t* x16, int64_t p, __m256i* x) {
+  for (int k = 0; k < 4; ++k) x[k] = load256(x16 + 64 * p + 16 * k);
+}
+// The same over one chunk (the first of a pair) in four lanes, summed.
+inline int32_t chunk_dot(const int16_t* x, const uint8_t* w) {
+  __m128i n[4];
+  nibbles(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)), n);
+  __m128i d = _mm_setzero_si128();
+  for (int k = 0; k < 4; ++k) {
+    d = _mm_add_epi32(d, _mm_madd_epi16(n[k], _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 16 * k))));
+  }
+  d = _mm_hadd_epi32(d, d);
+  return _mm_cvtsi128_si32(_mm_hadd_epi32(d, d));
+}
+// x . q over one chunk of float x (h: which chunk of its pair), in eight float lanes.
+inline __m256 chunk_dot(const float* x, const uint8_t* w) {
+  __m128i n[4];
+  nibbles(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)), n);
+  __m256 d = _mm256_setzero_ps();
+  for (int k = 0; k < 4; ++k) {
+    d = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(n[k])), _mm256_loadu_ps(x + 16 * k), d);
+  }
+  return d;
+}
+#endif
+
+// d[j] = x . w[j] for `rows` (<= 4) int4 weight rows (row j's bytes at w + j * row_bytes, its pairs at
+// sz + j * 2 * G): per group s * (x . q) in float32 (x . q exact in integers for an exact row), plus the
+// zero terms, times the row's step.
+inline void int4_dot_rows(const Int4Row& r, const uint8_t* w, int64_t row_bytes, const uint16_t* sz, int64_t G,
+                          int64_t group, int64_t rows, float* d) {
+  const int64_t P = G * group, chunks = P / INT4_CHUNK, per_group = group / INT4_CHUNK;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (rows == 4) {
+    __m256 acc[4];
+    for (int j = 0; j < 4; ++j) acc[j] = _mm256_setzero_ps();
+    float lone[4] = {0, 0, 0, 0};  // a last unpaired chunk's (group 32, an odd number of groups)
+    if (r.exact && group == INT4_CHUNK) {  // a group a chunk: a pair's lanes take two scales
+      // Four pairs (eight groups) at a time: each row's eight scales widened once (the pairs as 32-bit
+      // words, the scale in the low half), then spread over each pair's lanes by a permute.
+      const int64_t pairs = chunks / 2;
+      int64_t p = 0;
+      for (; p < pairs; p += 4) {
+        const int64_t count = std::min<int64_t>(4, pairs - p);
+        __m256 scales8[4];
+        for (int j = 0; j < 4; ++j) {
+          const uint16_t* first = sz + j * 2 * G + 4 * p;
+          if (count == 4) {
+            scales8[j] = _mm256_castsi256_ps(_mm256_slli_epi32(load256(first), 16));
+          } else {  // (the last pairs: no read past the row's pairs)
+            alignas(32) float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (int64_t g = 0; g < 2 * count; ++g) s[g] = bf16_bits_to_float(first[2 * g]);
+            scales8[j] = _mm256_load_ps(s);
+          }
+        }
+        for (int64_t q = 0; q < count; ++q) {
+          const int a = static_cast<int>(2 * q), b = a + 1;
+          const __m256i spread = _mm256_setr_epi32(a, a, a, a, b, b, b, b);
+          __m256i x[4];
+          pair_x(r.x16.data(), p + q, x);
+          for (int j = 0; j < 4; ++j) {
+            const uint8_t* bytes = w + j * row_bytes + 32 * (p + q);
+            prefetch_ahead(bytes);
+            const __m256i dots = pair_dots(x, load256(bytes));
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_permutevar8x32_ps(scales8[j], spread), acc[j]);
+          }
+        }
+      }
+      if (chunks % 2 == 1) {
+        for (int j = 0; j < 4; ++j) {
+          const int64_t c = chunks - 1;
+          lone[j] = bf16_bits_to_float(sz[j * 2 * G + 2 * c]) *
+                    static_cast<float>(chunk_dot(r.x16.data() + 64 * (c / 2), w + j * row_bytes + 16 * c));
+        }
+      }
+    } else if (r.exact) {  // whole pairs a group
+      for (int64_t g = 0; g < G; ++g) {
+        __m256i dots[4];
+        for (int j = 0; j < 4; ++j) dots[j] = _mm256_setzero_si256();
+        for (int64_t p = g * per_group / 2; p < (g + 1) * per_group / 2; ++p) {
+          __m256i x[4];
+          pair_x(r.x16.data(), p, x);
+          for (int j = 0; j < 4; ++j) {
+            const uint8_t* bytes = w + j * row_bytes + 32 * p;
+            prefetch_ahead(bytes);
+            dots[j] = _mm256_add_epi32(dots[j], pair_dots(x, load256(bytes)));
+          }
+        }
+        for (int j = 0; j < 4; ++j) {
+          const __m256 scale = _mm256_set1_ps(bf16_bits_to_float(sz[j * 2 * G + 2 * g]));
+          acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[j]), scale, acc[j]);
+        }
+      }
+    } else {  // float rows, a chunk at a time
+      for (int64_t g = 0; g < G; ++g) {
+        __m256 part[4];
+        for (int j = 0; j < 4; ++j) part[j] = _mm256_setzero_ps();
+        for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
+          const float* x = r.x.data() + 64 * (c / 2) + 8 * (c % 2);
+          for (int j = 0; j < 4; ++j) {
+            const uint8_t* bytes = w + j * row_bytes + 16 * c;
+            prefetch_ahead(bytes);
+            part[j] = _mm256_add_ps(part[j], chunk_dot(x, bytes));
+          }
+        }
+        for (int j = 0; j < 4; ++j) {
+          acc[j] = _mm256_fmadd_ps(part[j], _mm256_set1_ps(bf16_bits_to_float(sz[j * 2 * G + 2 * g])), acc[j]);
+        }
+      }
+    }
+    for (int j = 0; j < 4; ++j) {
+      const float total = (hsum8(acc[j]) + lone[j]) + zero_terms(sz + j * 2 * G, r.sums.data(), G);
+      d[j] = static_cast<float>(total * r.step);
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < rows; ++j) {
+    const uint8_t* row = w + j * row_bytes;
+    float total = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      float dg = 0;
+      for (int64_t e = g * group; e < (g + 1) * group; ++e) {
+        const float q = static_cast<float>((row[e / 2] >> (4 * (e % 2))) & 15);
+        const int64_t at = int4_position(e);
+        dg += (r.exact ? static_cast<float>(r.x16[at]) : r.x[at]) * q;
+      }
+      total += bf16_bits_to_float(sz[j * 2 * G + 2 * g]) * dg;
+    }
+    total += zero_terms(sz + j * 2 * G, r.sums.data(), G);
+    d[j] = static_cast<float>(total * r.step);
+  }
+}
+
+// y [N, out] = x [N, in] W^T (+ bias) for int4 weights in plain layout, x float32 or bf16 (y in its dtype),
+// summed in float32: each weight row streamed once for every INT4_ROWS rows of x (split across the threads,
+// four rows together). bf16 rows are dotted in integers (`int16_row`: exact within 8 binades of the row's
+// largest entry), float32 rows (and bf16 ones with an inf or NaN) in float.
+constexpr int64_t INT4_ROWS = 8;
+
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales_and_zeros,
+                          int64_t group, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "int4_linear: x float32 or bf16 [N, in]");
+  TORCH_CHECK(group > 0 && group % INT4_CHUNK == 0, "int4_linear: group a multiple of 32");
+  const int64_t N = x.size(0), K = x.size(1), O = packed.size(0), P = 2 * packed.size(1), G = P / group;
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() && P % group == 0
+              && P >= K && P - K < group, "int4_linear: packed uint8 [out, in padded to whole groups / 2]");
+  TORCH_CHECK(scales_and_zeros.scalar_type() == at::kBFloat16 && scales_and_zeros.is_contiguous()
+              && scales_and_zeros.dim() == 3 && scales_and_zeros.size(0) == O && scales_and_zeros.size(1) == G
+              && scales_and_zeros.size(2) == 2, "int4_linear: scales_and_zeros bf16 [out, groups, 2]");
+  const torch::Tensor x32 = x.to(at::kFloat).contiguous(), b32 = float_operand(bias, O, "int4_linear: bias");
+  torch::Tensor y = torch::empty({N, O}, x32.options());
+  const float* xp = x32.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const uint16_t* szp = reinterpret_cast<const uint16_t*>(scales_and_zeros.data_ptr<c10::BFloat16>());
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  for (int64_t first = 0; first < N; first += INT4_ROWS) {
+    const int64_t n_rows = std::min(INT4_ROWS, N - first);
+    std::vector<Int4Row> rows;
+    for (int64_t n = 0; n < n_rows; ++n) rows.push_back(int4_row(xp + (first + n) * K, K, P, group, bf16));
+    stream_blocks(n_rows, O, wp, P / 2, true, nullptr, data_or_null(b32), y.data_ptr<float>() + first * O,
+                  [&](int64_t n, int64_t o, int64_t count, float* d) {
+                    int4_dot_rows(rows[n], wp + o * (P / 2), P / 2, szp + o * 2 * G, G, group, count, d);
+                  });
+  }
+  return y.to(x.scalar_type());
+}
+
 // bf16 weights at decode row counts (`accel.runner.FastRunner` decoding a bf16 model): y [N, out] =
 // (residual + x w^T) + bias, w bf16 [out, in] rows (each contiguous, e.g. a column slice of a parameter's
 // rows), x, residual and bias bf16 or float32, summed in float32 and rounded once to x's dtype. ATen's bf16
@@ -1273,6 +1562,7 @@ CPP_SOURCE = KERNEL_SOURCE + r"""
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {""" + codec_binding() + r"""
   m.def("encode", &encode);
   m.def("int8_linear", &int8_linear);
+  m.def("int4_linear", &int4_linear);
   m.def("bf16_linear", &bf16_linear);
   m.def("encode_pair", &encode_pair);
   m.def("attend", [](const torch::Tensor& q, const Codec& ck, const Codec& cv, torch::Tensor rows_k,

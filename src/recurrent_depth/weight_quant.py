@@ -21,8 +21,9 @@ int4 (`"int4"` = `"int4:g32"`; `"int4:g64"`, `"int4:g128"`, `"int4:g256"`): asym
 `w = (q - 8) * scale + zero` with q in 0..15. Where the C++ kernels are on (the default), every layer
 stores two 4-bit values a byte in plain order with its (scale, zero) pairs in bf16, row-major, and
 float32 or bf16 activations of at most 8 rows (decoding) take the C++ `accel.quant_cpp.int4_linear`
-(each packed row streamed once; bf16 rows dotted in integers as for int8: ~2.4x the bf16 weight stream
-at Huginn's shapes on a 2-core AVX2 EPYC, where torch's int4 kernel is ~1x); other calls (prompts,
+(each packed row streamed once; bf16 rows dotted in integers as for int8: 1.3-2.2x the bf16 weight
+stream per product at Huginn's shapes on a 2-core AVX2 EPYC, 1.24x a whole decode, where torch's int4
+kernel is ~1x; compute-bound there, so below int8's 1.5x); other calls (prompts,
 autograd) take the reference: dequantize in float32, then `F.linear`. With C++ off (`RDEPTH_NO_CPP=1`
 or no compiler) a layer whose shape torch's CPU kernel `aten._weight_int4pack_mm_for_cpu` accepts
 (`out_features % 16 == 0`, `in_features % group == 0`, weights on the CPU: the kernel refuses other

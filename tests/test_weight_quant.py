@@ -332,6 +332,17 @@ def cpp_kernels(monkeypatch):
         pytest.skip(f"the C++ kernels cannot build here: {quant_cpp.failure()}")
 
 
+def _on_two_threads(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """layer(x) without autograd, two threads splitting the weight rows."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.no_grad():
+            return layer(x)
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, 9])
 @pytest.mark.parametrize("K", [64, 37])
 @pytest.mark.parametrize("bias", [False, True])
@@ -344,13 +355,7 @@ def test_decode_rows_take_the_cpp_int8_product(cpp_kernels, rows, K, bias, dtype
     layer = Int8WeightLinear.from_linear(nn.Linear(K, 50, bias=bias).to(dtype))  # (50: a last block of two rows)
     x = torch.randn(rows, K).to(dtype)
     reference = _reference(layer, x)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        with torch.no_grad():
-            out = layer(x.view(1, rows, K))
-    finally:
-        torch.set_num_threads(previous)
+    out = _on_two_threads(layer, x.view(1, rows, K))
     assert layer.uses_cpp(x) == (rows <= 8) and out.dtype == dtype
     out = out.view(rows, 50).float()
     if dtype == torch.float32:
@@ -414,13 +419,7 @@ def test_decode_rows_take_the_cpp_int4_product(cpp_kernels, rows, K, group, dtyp
     assert layer.scales_and_zeros.shape == (50, -(-K // group), 2)
     x = torch.randn(rows, K).to(dtype)
     reference = _int4_reference(layer, x)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        with torch.no_grad():
-            out = layer(x.view(1, rows, K))
-    finally:
-        torch.set_num_threads(previous)
+    out = _on_two_threads(layer, x.view(1, rows, K))
     assert layer.uses_cpp(x) == (rows <= 8) and out.dtype == dtype
     out = out.view(rows, 50).float()
     scale = reference.abs().amax(-1, keepdim=True).clamp_min(1e-6)

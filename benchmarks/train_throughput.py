@@ -1,7 +1,8 @@
 """Training throughput and AFU of the recurrent-depth model, recurrent vs the non-recurrent baseline.
 
 AFU (achieved FLOP utilisation) = model FLOPs per second of a full training step (forward, loss,
-backward, AdamW step) divided by the FLOP/s of square matmuls (2048, 3072, 4096; the best size, and
+backward, the trainer's AdamW step: torch's fused kernel on CPU and CUDA) divided by the FLOP/s of
+square matmuls (2048, 3072, 4096; the best size, and
 the best of torch.mm's operand layouts and the library's blocked a^T @ b) measured in the same run
 and dtype. Model FLOPs are counted by hand
 (`recurrent_depth.train.flops`: linear layers + causal attention; activation recompute and the
@@ -52,6 +53,7 @@ from recurrent_depth.accel.allocator import keep_freed_memory
 from recurrent_depth.accel.linear import blocked_tn_mm
 from recurrent_depth.train.config import COMPILE_MODES
 from recurrent_depth.train.flops import training_step_flops
+from recurrent_depth.train.optim import OptimConfig, build_optimizers
 
 SHAPES = {
     "small": dict(),
@@ -183,7 +185,8 @@ def measure(shape: str, dtype_name: str, recurrent: bool, peak: float, peak_prod
         from recurrent_depth.train.trainer import compile_core as apply_compile
 
         apply_compile(model, compile_mode)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # The trainer's AdamW (`optim.name: adamw`): torch's fused kernel where it has one, as the trainer builds it.
+    optimizer = build_optimizers(model, OptimConfig(name="adamw", lr=1e-4))
     rows = torch.randint(0, cfg.vocab_size, (B, T + 1))
     start = clock.now()
     train_step(model, optimizer, rows, num_steps, DTYPES[dtype_name])  # warm-up

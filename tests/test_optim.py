@@ -435,6 +435,38 @@ def test_build_optimizers_groups(name: str) -> None:
         assert len(opts) == 1
 
 
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_adamw_is_torchs_fused_kernel_on_cpu(name: str) -> None:
+    opts = build_optimizers(ToyHuginn(), OptimConfig(name=name, lr=1e-3, muon_lr=0.02))
+    assert [o.defaults["fused"] for o in opts if isinstance(o, torch.optim.AdamW)] == [True]
+
+
+def test_fused_adamw_steps_as_the_per_op_loop() -> None:
+    torch.manual_seed(0)
+    model, reference = ToyHuginn(), ToyHuginn()
+    reference.load_state_dict(model.state_dict())
+    recipe = OptimConfig(name="adamw", lr=3e-3, weight_decay=0.0)
+    fused = build_optimizers(model, recipe)
+    loop = torch.optim.AdamW(reference.parameters(), lr=recipe.lr, betas=recipe.betas, eps=recipe.eps,
+                             weight_decay=0.0)
+    ids = toy_batch()
+    for _ in range(5):
+        for net, opt in ((model, fused), (reference, loop)):
+            opt.zero_grad()
+            toy_loss(net, ids).backward()
+            opt.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_adamw_stays_unfused_for_parameters_torch_has_no_fused_kernel_for() -> None:
+    """A parameter on a device without the kernel (here meta) leaves `fused` at torch's default."""
+    from recurrent_depth.train.optim import adamw
+
+    on_meta = nn.Parameter(torch.zeros(3, device="meta"))
+    assert not adamw([{"params": [("w", on_meta)]}], OptimConfig(name="adamw")).defaults["fused"]
+
+
 @pytest.mark.parametrize("name", ["adamw", "ellis-adam", "muon"])
 def test_each_recipe_trains_the_toy_model(name: str) -> None:
     torch.manual_seed(0)

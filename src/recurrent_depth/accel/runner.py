@@ -22,7 +22,8 @@ decoding is bound by per-operation overhead, not FLOPs:
   views: doubling its weights in memory would cost more than it saves);
 - a bf16 model's decode rows times those views take one C++ call a product (`_bf16_stream`:
   `accel.quant_cpp.bf16_linear`, each weight row streamed once, summed in float32), which reads the
-  weights at about the memory bandwidth where ATen's emulated bf16 product reads ~0.55 of it; float32
+  weights at about the memory bandwidth where ATen's bf16 product of one row reads ~0.55-0.6 of it
+  (more rows: up to 8 where bf16 is emulated, only one where it is native; `stream_row_limit`); float32
   decode steps run whole in C++ (`accel.decode_cpp`).
 
 Unmerged peft LoRA adapters (`recurrent_depth.train.lora`) on the blocks' linear layers and the adapter
@@ -52,6 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from recurrent_depth.accel import decode_cpp, enabled_by_default, quant_cpp
+from recurrent_depth.accel.cpu import cpu_emulates_bf16
 from recurrent_depth.accel.decode_cpp import DecodeKernel
 from recurrent_depth.accel.lora import is_lora_layer, low_rank_term, unsupported_lora
 from recurrent_depth.accel.quant import code_kernels
@@ -64,8 +66,18 @@ from recurrent_depth.weight_quant import QuantizedLinear
 # Most bytes of contiguous transposed weight copies a fast runner makes (see the module docstring).
 COPY_LIMIT_BYTES = 512 * 2**20
 # bf16 activations of at most this many rows (a decode step) times a weight kept as the view of its
-# `[out, in]` parameter take the C++ weight stream (`_bf16_stream`).
+# `[out, in]` parameter take the C++ weight stream (`_bf16_stream`) on CPUs that emulate bf16 products.
 STREAM_ROWS = 8
+# Where bf16 products are native (AMX / AVX512-BF16), ATen's product of two or more rows beats the stream,
+# whose float32 sums are compute-bound beyond one row (one Huginn-0125 MLP weight, 5280 x 17920, on a
+# 2-core Xeon with AMX: 1 row 9.1 ms streamed against 14.9 ms in ATen; 2 rows 14.0 against 12.7; 8 rows
+# 40.6 against 12.3).
+NATIVE_BF16_STREAM_ROWS = 1
+
+
+def stream_row_limit() -> int:
+    """The most bf16 rows a product streams in C++ on this CPU (`STREAM_ROWS` or `NATIVE_BF16_STREAM_ROWS`)."""
+    return STREAM_ROWS if cpu_emulates_bf16() else NATIVE_BF16_STREAM_ROWS
 
 
 def _bf16_stream(x: Tensor, weight_t: Tensor) -> Any | None:
@@ -74,10 +86,12 @@ def _bf16_stream(x: Tensor, weight_t: Tensor) -> Any | None:
     On CPUs without native bf16, ATen's bf16 product of a few rows reads ~0.55 of the memory bandwidth
     (a 2-core AVX2 EPYC, Huginn-0125's shapes); `quant_cpp.bf16_linear` streams each `[out, in]` row once,
     widened to float32 in registers, summed in float32 and rounded once (ATen rounds `addmm` and then the
-    bias: within bf16 rounding of each other, tested). Decoding only: CPU, no autograd, not compiling."""
+    bias: within bf16 rounding of each other, tested). With native bf16 ATen's one-row product reads ~0.6
+    of the bandwidth too, but from two rows on its AMX product is faster (`stream_row_limit`). Decoding
+    only: CPU, no autograd, not compiling."""
     rows = weight_t.t()  # [out, in]: each row contiguous, the rows at any stride (the adapter's halves)
     if (x.dtype != torch.bfloat16 or weight_t.dtype != torch.bfloat16 or x.device.type != "cpu"
-            or x.shape[0] > STREAM_ROWS or torch.is_grad_enabled() or torch.compiler.is_compiling()
+            or x.shape[0] > stream_row_limit() or torch.is_grad_enabled() or torch.compiler.is_compiling()
             or rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1])
             or not quant_cpp.cpp_enabled()):
         return None

@@ -370,7 +370,9 @@ def test_decode_rows_take_the_cpp_int8_product(cpp_kernels, rows, K, bias, dtype
     assert not layer.uses_cpp(x.clone().requires_grad_())
 
 
-def test_bf16_rows_within_eight_binades_are_dotted_exactly(cpp_kernels):
+# K = 1125: 17 steps of 64 (AVX-512; across an int32 flush at 1024), one of 32 (AVX2) and 5 single entries
+@pytest.mark.parametrize("K", [77, 1125])
+def test_bf16_rows_within_eight_binades_are_dotted_exactly(cpp_kernels, K):
     """bf16 rows whose entries lie within 8 binades of the row's largest are exact int16 multiples of a
     power of two, so the C++ product is the exact dot times the scale, rounded to float32 once and then
     to bf16: bit-equal to that computed in float64 here. A row with a NaN or inf takes the float path
@@ -378,10 +380,10 @@ def test_bf16_rows_within_eight_binades_are_dotted_exactly(cpp_kernels):
     from recurrent_depth.accel import quant_cpp
 
     g = torch.Generator().manual_seed(7)
-    magnitude = torch.ldexp(torch.ones(4, 77), torch.randint(-7, 1, (4, 77), generator=g))  # 2^-7 .. 1
-    x = (magnitude * (1 + torch.rand(4, 77, generator=g))).bfloat16() * torch.randn(4, 77, generator=g).sign()
+    magnitude = torch.ldexp(torch.ones(4, K), torch.randint(-7, 1, (4, K), generator=g))  # 2^-7 .. 1
+    x = (magnitude * (1 + torch.rand(4, K, generator=g))).bfloat16() * torch.randn(4, K, generator=g).sign()
     x = x.bfloat16()
-    layer = Int8WeightLinear.from_linear(nn.Linear(77, 9, bias=False))
+    layer = Int8WeightLinear.from_linear(nn.Linear(K, 9, bias=False))
     q, scales = layer.qweight, layer.scales
     exact = ((x.double() @ q.double().t()) * scales.double()).float().bfloat16()
     assert torch.equal(quant_cpp.load().int8_linear(x, q, scales, None), exact)

@@ -1022,6 +1022,40 @@ inline void int_dot_rows(const int16_t* x, const int8_t* w, int64_t k, int64_t s
                          int64_t* y) {
   int64_t e = 0;
   for (int64_t j = 0; j < rows; ++j) y[j] = 0;
+#if defined(__AVX512BW__)
+  // With AVX-512, 64 weights of four rows a step (twice AVX2's; with VNNI the multiply and the add are one
+  // `vpdpwssd`): the same integer sums, so the same results. A lane gains at most 4 x 128 x 32640 a step,
+  // and INT_BLOCK / 64 = 16 steps stay below 2^31.
+  if (rows == 4) {
+    __m512i total[4];
+    for (int j = 0; j < 4; ++j) total[j] = _mm512_setzero_si512();
+    while (e + 64 <= k) {
+      const int64_t end = std::min<int64_t>(k, e + INT_BLOCK);
+      __m512i acc[4];
+      for (int j = 0; j < 4; ++j) acc[j] = _mm512_setzero_si512();
+      for (; e + 64 <= end; e += 64) {
+        const __m512i xa = _mm512_loadu_si512(x + e);
+        const __m512i xb = _mm512_loadu_si512(x + e + 32);
+        for (int j = 0; j < 4; ++j) {
+          const int8_t* row = w + j * stride + e;
+          prefetch_ahead(row);
+          const __m512i wa = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+          const __m512i wb = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32)));
+#if defined(__AVX512VNNI__)
+          acc[j] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(acc[j], xa, wa), xb, wb);
+#else
+          acc[j] = _mm512_add_epi32(acc[j], _mm512_add_epi32(_mm512_madd_epi16(xa, wa), _mm512_madd_epi16(xb, wb)));
+#endif
+        }
+      }
+      for (int j = 0; j < 4; ++j) {
+        total[j] = _mm512_add_epi64(total[j], _mm512_cvtepi32_epi64(_mm512_castsi512_si256(acc[j])));
+        total[j] = _mm512_add_epi64(total[j], _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(acc[j], 1)));
+      }
+    }
+    for (int j = 0; j < 4; ++j) y[j] = _mm512_reduce_add_epi64(total[j]);
+  }
+#endif
 #if defined(__AVX2__)
   if (rows == 4) {
     __m256i total[4];
@@ -1049,7 +1083,7 @@ inline void int_dot_rows(const int16_t* x, const int8_t* w, int64_t k, int64_t s
     for (int j = 0; j < 4; ++j) {
       alignas(32) int64_t lanes[4];
       _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), total[j]);
-      y[j] = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+      y[j] += (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);  // after the AVX-512 loop's share, if any
     }
   }
 #endif

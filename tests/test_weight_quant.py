@@ -224,12 +224,52 @@ def test_every_decoding_mode_gives_the_dequantized_models_tokens(pairs, fmt, mod
     _same_decode(generate(model, ids, **kw), generate(twin, ids, **kw), fmt)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_quantized_model_takes_the_reference_runner(pairs, fmt):
-    from recurrent_depth.accel.runner import FastRunner
+FUSED_CASES = [("int8", m) for m in ("fixed", "kl", "kv-share-4", "speculative", "parallel")] + [
+    ("int4", "fixed"), ("int4", "kv-share-4")]
 
-    model, twin = pairs[fmt]
-    assert not FastRunner.supports(model) and FastRunner.supports(twin)
+
+@pytest.mark.parametrize("fmt,mode", FUSED_CASES)
+def test_the_fused_runner_decodes_a_quantized_model_as_the_reference_runner(pairs, fmt, mode, monkeypatch):
+    """Quantized layers run inside the fused runner (their own kernels, the rest of the step fused): the
+    reference runner's tokens, and its logits to float32 rounding, with padded rows."""
+    from recurrent_depth.accel.runner import FastRunner
+    from recurrent_depth.inference.runner import make_runner
+
+    model, _ = pairs[fmt]
+    assert type(make_runner(model)) is FastRunner
+    calls = []
+    layer_type = Int8WeightLinear if fmt == "int8" else Int4WeightLinear
+    forward = layer_type.forward
+    monkeypatch.setattr(layer_type, "forward", lambda self, x: calls.append(x.shape) or forward(self, x))
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 256, (2, 6), generator=g)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, :2] = 0  # a left-padded row
+    kw = dict(dict(max_new_tokens=6, num_steps=4, init_scale=0.0, output_logits=True, seed=3), **MODES[mode])
+    fused = generate(model, ids, attention_mask=mask, **kw)
+    assert len(calls) >= 6 * 4 * 3  # the fused runner multiplied through the layers (3+ blocks, 4 a block)
+    assert sum(shape[0] <= 8 for shape in calls) >= 5 * 4 * 3  # at decode rows too (the C++ products)
+    reference = generate(model, ids, attention_mask=mask, fast=False, **kw)
+    assert torch.equal(fused.sequences, reference.sequences)
+    torch.testing.assert_close(fused.logits, reference.logits, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_bf16_quantized_model_decodes_in_the_fused_runner_as_its_forward(fmt):
+    """bf16: each decoded token's logits from the fused runner (the C++ products at decode rows) are the
+    model's own forward's on the same tokens (teacher-forced), to bf16 rounding."""
+    from recurrent_depth.accel.runner import FastRunner
+    from recurrent_depth.inference.runner import make_runner
+
+    torch.manual_seed(5)
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).to(torch.bfloat16).eval()
+    quantize_weights(model, fmt)
+    assert type(make_runner(model)) is FastRunner
+    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(2))
+    out = generate(model, ids, max_new_tokens=5, num_steps=3, init_scale=0.0, output_logits=True)
+    with torch.no_grad():
+        forced = model(out.sequences, num_steps=3, init_scale=0.0).logits[:, 4:-1].float()
+    assert (out.logits.float() - forced).abs().max() <= 0.02 * forced.abs().max()
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

@@ -31,6 +31,12 @@ are applied as peft's forward applies them: `x W^T + (x A^T) (s B)^T` after each
 `accel/lora.py`); a model with LoRA layers the runner cannot reproduce (DoRA, LoRA on the embedding or
 the head, ...) takes the reference runner.
 
+Quantized weights (`weight_quant.quantize_weights`: int8 / int4 block linears, adapter, an untied head)
+are multiplied by through their own layers, so decode rows take the C++ `int8_linear` / `int4_linear`
+while the rest of the step stays this runner's; the adapter then runs whole on `[s | e]` at every step
+(its halves are not split out of the quantized weight), and the float32 C++ decode step is off. A model
+with both quantized and LoRA layers takes the reference runner.
+
 Quantized caches attend from their codes through `cache.attend`, with the compiled kernels of
 `recurrent_depth.accel.quant` for decode calls (off with `RDEPTH_NO_COMPILE=1`).
 
@@ -132,14 +138,22 @@ class FastRunner(ModelRunner):
 
     @staticmethod
     def _reads_every_layer(model: Any) -> bool:
-        """One walk over `model`'s modules: no quantized weights (weight_quant.py: the reference runner, whose
-        linears take the int8 / int4 kernels, runs those), and every LoRA layer is one this runner reads (block
-        and adapter linears) and plain LoRA."""
+        """One walk over `model`'s modules: every quantized layer (weight_quant.py) and every LoRA layer is one
+        this runner reads (block and adapter linears; a quantized head too), LoRA is plain, and the two do not
+        mix."""
         read = {id(model.transformer.adapter)} | {
             id(layer) for block in blocks_of(model) for layer in FastRunner._block_linears(block).values()}
-        return not any(isinstance(m, QuantizedLinear)
-                       or (is_lora_layer(m) and (id(m) not in read or unsupported_lora(m) is not None))
-                       for m in model.modules())
+        quantized = lora = False
+        for m in model.modules():
+            if isinstance(m, QuantizedLinear):
+                quantized = True
+                if id(m) not in read and m is not model.lm_head:
+                    return False
+            elif is_lora_layer(m):
+                lora = True
+                if id(m) not in read or unsupported_lora(m) is not None:
+                    return False
+        return not (quantized and lora)
 
     def __init__(self, model: Any) -> None:
         super().__init__(model)
@@ -160,16 +174,23 @@ class FastRunner(ModelRunner):
         self._freq_table = RotaryTable(cfg.head_dim, cfg.max_seq_len, cfg.rope_base, model.device,
                                        as_complex=True)  # [L, D/2]
         blocks = {"prelude": t.prelude, "core": t.core_block, "coda": t.coda}
-        matrices = [model.lm_head.weight, t.adapter.weight[:, :h]] + [
-            w for b in (*t.prelude, *t.core_block, *t.coda) for w in self._block_matrices(b).values()
+        linears = [model.lm_head, t.adapter] + [
+            layer for b in (*t.prelude, *t.core_block, *t.coda) for layer in self._block_linears(b).values()
         ]
+        # Quantized layers (weight_quant.py) are multiplied by through their own kernels, never copied.
+        self.quantized = any(isinstance(layer, QuantizedLinear) for layer in linears)
+        matrices = [layer.weight[:, :h] if layer is t.adapter else layer.weight
+                    for layer in linears if not isinstance(layer, QuantizedLinear)]
         copy_bytes = sum(w.numel() * w.element_size() for w in matrices if self._wide(w))
         # Measured on CPUs; GPU libraries read either layout at full speed, so no copies there.
         self.copy_weights = model.device.type == "cpu" and copy_bytes <= COPY_LIMIT_BYTES
         self.blocks = {part: [self._prepare(b, h) for b in parts] for part, parts in blocks.items()}
-        w = t.adapter.weight
-        self.adapter_s = self._layout(w[:, :h])  # (a strided view of the adapter otherwise)
-        self.adapter_e = w[:, h:].t()
+        # A quantized adapter runs whole at every step, on [s | e] as the model's own (`core_step`); a float
+        # one splits, A [s; e] = A_s s + A_e e, so that A_e e + b is computed once per position (`inject`).
+        self.adapter = t.adapter if isinstance(t.adapter, QuantizedLinear) else None
+        w = None if self.adapter is not None else t.adapter.weight
+        self.adapter_s = None if w is None else self._layout(w[:, :h])  # (a strided view of the adapter otherwise)
+        self.adapter_e = None if w is None else w[:, h:].t()
         self.adapter_bias = t.adapter.bias
         # A LoRA term on the adapter splits as its weight does: A [s; e] = A_s s + A_e e.
         adapter_term = low_rank_term(t.adapter, self.dtype)
@@ -179,7 +200,7 @@ class FastRunner(ModelRunner):
             self.adapter_s_term, self.adapter_e_term = (a_t[:h], b_t), (a_t[h:], b_t)
         self.ln_f = t.ln_f.weight * math.sqrt(h)
         self.wte = t.wte.weight
-        self.lm_head = self._layout(model.lm_head.weight)
+        self.lm_head = self._operand(model.lm_head)
         self.emb_scale = model.emb_scale
         self._workspaces: dict[int, Workspace] = {}  # by batch size (a runner serves one loop at a time)
         self.code_kernels = code_kernels()  # compiled attention from quantized caches' codes, or None
@@ -195,7 +216,7 @@ class FastRunner(ModelRunner):
         ws = self._workspaces.get(B)
         if ws is None:
             H, Hkv, D = self.H, self.Hkv, self.D
-            h, inner2 = self.ln_f.shape[0], self.blocks["core"][0]["fc"].shape[1]
+            h, inner2 = self.ln_f.shape[0], self._out_features(self.blocks["core"][0]["fc"])
             new = torch.empty
             device = self.ln_f.device
             qkv = new(B, (H + 2 * Hkv) * D, device=device)
@@ -219,23 +240,31 @@ class FastRunner(ModelRunner):
         are allowed), else the view of the `[out, in]` parameter."""
         return weight.t().contiguous() if self.copy_weights and self._wide(weight) else weight.t()
 
+    def _operand(self, layer: Any) -> Tensor | QuantizedLinear:
+        """What `_linear` multiplies by for a linear layer: its weight's `_layout`, or a quantized layer itself
+        (which takes its own kernels: the C++ int8 / int4 products at decode rows)."""
+        return layer if isinstance(layer, QuantizedLinear) else self._layout(layer.weight)
+
+    @staticmethod
+    def _out_features(operand: Tensor | QuantizedLinear) -> int:
+        return operand.out_features if isinstance(operand, QuantizedLinear) else operand.shape[1]
+
     @staticmethod
     def _block_linears(block: Any) -> dict[str, Any]:
         """A block's linear layers, by the names `_prepare` gives their weights' layouts."""
         attn, mlp = block.attn, block.mlp
         return {"qkv": attn.Wqkv, "proj": attn.proj, "fc": mlp.fc, "out": mlp.proj}
 
-    @staticmethod
-    def _block_matrices(block: Any) -> dict[str, Tensor]:
-        """A block's `[out, in]` weight matrices (a LoRA layer's: its base layer's)."""
-        return {name: layer.weight for name, layer in FastRunner._block_linears(block).items()}
 
     def _prepare(self, block: Any, h: int) -> dict[str, Any]:
         """A block's weights as the fast path uses them: `[in, out]` (see `_layout`), the q/k bias
         folded into the qkv bias, norm weights times sqrt(h) (see `_norm`)."""
         attn = block.attn
         H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        bias = attn.Wqkv.bias
+        linears = self._block_linears(block)
+        # `_linear`'s bias term: a quantized layer adds its own bias, so only the q/k bias is left to add
+        biases = {name: None if isinstance(layer, QuantizedLinear) else layer.bias for name, layer in linears.items()}
+        bias = biases["qkv"]
         if attn.has_qk_bias:
             qk = (
                 torch.cat([attn.qk_bias[0].reshape(-1), attn.qk_bias[1].reshape(-1)])
@@ -247,12 +276,12 @@ class FastRunner(ModelRunner):
         scale = math.sqrt(h)
         return {
             "norm": [n.weight * scale for n in (block.norm_1, block.norm_2, block.norm_3, block.norm_4)],
-            **{name: self._layout(w) for name, w in self._block_matrices(block).items()},
+            **{name: self._operand(layer) for name, layer in linears.items()},
             "qkv_bias": bias,
-            "proj_bias": attn.proj.bias,
-            "fc_bias": block.mlp.fc.bias,
-            "out_bias": block.mlp.proj.bias,
-            "low_rank": {name: low_rank_term(layer, self.dtype) for name, layer in self._block_linears(block).items()},
+            "proj_bias": biases["proj"],
+            "fc_bias": biases["fc"],
+            "out_bias": biases["out"],
+            "low_rank": {name: low_rank_term(layer, self.dtype) for name, layer in linears.items()},
         }
 
     # ------------------------------------------------------------------ pieces
@@ -276,11 +305,18 @@ class FastRunner(ModelRunner):
         return scaled * weight if scaled.requires_grad else scaled.mul_(weight)
 
     @staticmethod
-    def _linear(x: Tensor, weight_t: Tensor, bias: Tensor | None, residual: Tensor | None = None,
+    def _linear(x: Tensor, weight_t: Tensor | QuantizedLinear, bias: Tensor | None, residual: Tensor | None = None,
                 out: Tensor | None = None, low_rank: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """x @ W^T (+ bias) (+ residual) (+ a LoRA term `(x A^T) (s B)^T`) on 2-D `[N, in]` activations, in
-        one `addmm` when possible, or one C++ call for bf16 decode rows (`_bf16_stream`) (out: a buffer for
-        the result, which then must not be `residual`; None: a new tensor)."""
+        one `addmm` when possible, or one C++ call for bf16 decode rows (`_bf16_stream`), or a quantized
+        layer's own product (with its own bias; then in the model's order: the product, + bias, + residual)
+        (out: a buffer for the result, which then must not be `residual`; None: a new tensor)."""
+        if isinstance(weight_t, QuantizedLinear):
+            y = weight_t(x)
+            for term in (bias, residual):
+                if term is not None:
+                    y = y.add_(term) if not y.requires_grad else y + term
+            return y if out is None else out.copy_(y)
         stream = _bf16_stream(x, weight_t)
         if stream is not None:
             y = stream.bf16_linear(x, weight_t.t(), bias, residual)
@@ -349,7 +385,7 @@ class FastRunner(ModelRunner):
             return None
         if not self._decode_tried:
             self._decode_tried = True
-            plain = self.adapter_s_term is None and all(
+            plain = not self.quantized and self.adapter_s_term is None and all(
                 term is None for part in self.blocks.values() for p in part for term in p["low_rank"].values())
             usable = plain and self.dtype == torch.float32 and self.ln_f.device.type == "cpu"
             module = decode_cpp.load_decoder() if usable else None
@@ -375,13 +411,18 @@ class FastRunner(ModelRunner):
         return x.view(B, T, -1)
 
     def inject(self, e: Tensor) -> Tensor:
+        if self.adapter is not None:
+            return e
         flat = e.flatten(0, 1)
         return self._linear(flat, self.adapter_e, self.adapter_bias, low_rank=self.adapter_e_term).view(e.shape)
 
     def core_step(self, state: Tensor, injected: Tensor, e: Tensor, index: int, step: Step) -> Tensor:
         B, T, h = state.shape
-        x = self._linear(state.reshape(B * T, h), self.adapter_s, None, residual=injected.reshape(B * T, h),
-                         low_rank=self.adapter_s_term)
+        if self.adapter is not None:
+            x = self._linear(torch.cat([state, e], dim=-1).reshape(B * T, 2 * h), self.adapter, None)
+        else:
+            x = self._linear(state.reshape(B * T, h), self.adapter_s, None, residual=injected.reshape(B * T, h),
+                             low_rank=self.adapter_s_term)
         for j, p in enumerate(self.blocks["core"]):
             x = self._block(x, p, step, ("core", j, index), B, T)
         return x.view(B, T, h)

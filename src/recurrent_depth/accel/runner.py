@@ -255,10 +255,9 @@ class FastRunner(ModelRunner):
         attn, mlp = block.attn, block.mlp
         return {"qkv": attn.Wqkv, "proj": attn.proj, "fc": mlp.fc, "out": mlp.proj}
 
-
     def _prepare(self, block: Any, h: int) -> dict[str, Any]:
-        """A block's weights as the fast path uses them: `[in, out]` (see `_layout`), the q/k bias
-        folded into the qkv bias, norm weights times sqrt(h) (see `_norm`)."""
+        """A block's weights as the fast path uses them: `[in, out]` (see `_layout`) or the quantized layer
+        (`_operand`), the q/k bias folded into the qkv bias, norm weights times sqrt(h) (see `_norm`)."""
         attn = block.attn
         H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
         linears = self._block_linears(block)

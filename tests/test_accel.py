@@ -59,10 +59,17 @@ MODES = {  # name: (parameter dtype, autocast dtype)
 }
 
 
+def bf16_cpu(monkeypatch, emulated: bool) -> None:
+    """The layouts of a CPU that emulates bf16 products, or of one where they are native."""
+    monkeypatch.setattr(linear, "cpu_emulates_bf16", lambda: emulated)
+
+
+@pytest.mark.parametrize("cpu", ["emulated-bf16", "native-bf16"])
 @pytest.mark.parametrize("shape", ["one-block", "several-blocks"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_linear_matches_nn_linear(monkeypatch, bias, mode, shape):
+def test_linear_matches_nn_linear(monkeypatch, bias, mode, shape, cpu):
+    bf16_cpu(monkeypatch, cpu == "emulated-bf16")
     dtype, autocast_dtype = MODES[mode]
     # Odd token counts and non-square weights; the second has several blocks of rows in every product.
     (batch, tokens), features = ((3, 7), (60, 36)) if shape == "one-block" else ((2, 131), (60, 300))
@@ -83,6 +90,7 @@ def test_linear_matches_nn_linear(monkeypatch, bias, mode, shape):
 def test_fp16_products_use_the_a_b_transposed_layout(monkeypatch, mode):
     # On CPUs emulating fp16, a @ b (b contiguous) is ~40x slower than a @ b^T: every product of the
     # fp16 path must take its right operand as the transpose of a contiguous matrix.
+    bf16_cpu(monkeypatch, True)
     dtype, autocast_dtype = MODES[mode]
     layer, _ = pair(True, dtype, (60, 36))
     right_operands = []
@@ -96,6 +104,24 @@ def test_fp16_products_use_the_a_b_transposed_layout(monkeypatch, mode):
     run(layer, torch.randn(2, 7, 60, dtype=dtype), torch.randn(2, 7, 36), autocast_dtype)
     assert len(right_operands) == 3  # forward, input gradient, weight gradient
     assert all(b.dim() == 2 and b.t().is_contiguous() and not b.is_contiguous() for b in right_operands)
+
+
+def test_native_bf16_products_take_the_forward_from_the_contiguous_transpose(monkeypatch):
+    """Where bf16 is native: x @ (W^T contiguous) forward, grad @ W for the input, grad^T @ x for the weight;
+    fp16 there takes F.linear (its layouts were measured where it is emulated)."""
+    bf16_cpu(monkeypatch, False)
+    layer, _ = pair(True, torch.float32, (60, 36))
+    operands = []
+    matmul = torch.Tensor.__matmul__
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: operands.append((a, b)) or matmul(a, b))
+    run(layer, torch.randn(2, 7, 60), torch.randn(2, 7, 36), torch.bfloat16)
+    (x, w_t), (grad, w), (grad_t, flat_x) = operands
+    assert w_t.shape == (60, 36) and w_t.is_contiguous() and w.shape == (36, 60) and w.is_contiguous()
+    assert grad_t.shape == (36, 14) and flat_x.shape == (14, 60)
+    half, _ = pair(True, torch.float16, (60, 36))
+    assert half._emulated_dtype(torch.randn(2, 60, dtype=torch.float16)) is None
+    bf16_cpu(monkeypatch, True)
+    assert half._emulated_dtype(torch.randn(2, 60, dtype=torch.float16)) == torch.float16
 
 
 def test_low_precision_function_in_float64():
@@ -381,20 +407,18 @@ def test_a_converted_model_saves_the_plain_state_dict(tmp_path):
         (tmp_path / "converted" / "config.json").read_text())
 
 
-def test_apply_converts_where_it_helps_and_one_switch_turns_it_off(monkeypatch):
+def test_apply_converts_and_one_switch_turns_it_off(monkeypatch):
     plain, _ = model_pair()
     assert {type(m) for m in plain.modules()} & {FastLowPrecisionLinear, FastRMSNorm} == set()  # model/ is plain
-    monkeypatch.setattr(accel, "cpu_emulates_bf16", lambda: False)
     assert accel.apply(plain, enabled=False) == {}
     monkeypatch.setenv(accel.DISABLE_ENV, "1")
     assert accel.apply(plain) == {}
     assert not any(type(m) in (FastLowPrecisionLinear, FastRMSNorm) for m in plain.modules())
     monkeypatch.delenv(accel.DISABLE_ENV)
     norms = sum(type(m) is RMSNorm for m in plain.modules())
-    assert accel.apply(plain) == {"norms": norms}  # bf16 is native here: the linears stay plain
-    monkeypatch.setattr(accel, "cpu_emulates_bf16", lambda: True)
     linears = sum(type(m) is torch.nn.Linear for m in plain.modules())
-    assert accel.apply(plain) == {"norms": 0, "linears": linears}  # the norms were converted already
+    assert accel.apply(plain) == {"norms": norms, "linears": linears}  # (each layer picks its layouts per call)
+    assert accel.apply(plain) == {"norms": 0, "linears": 0}  # converted already
     accel.restore(plain)
     assert {type(m) for m in plain.modules()} & {FastLowPrecisionLinear, FastRMSNorm} == set()
 

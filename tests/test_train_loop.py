@@ -74,10 +74,9 @@ def test_a_run_writes_metrics_metadata_checkpoints_and_a_model_dir(train_root, t
 @pytest.mark.parametrize("options", [{}, {"dtype": "bf16", "batch_size": 9}, {"grad_accum": 2, "batch_size": 2}],
                          ids=["fp32", "bf16", "grad-accum-2"])
 def test_resume_after_a_crash_repeats_the_uninterrupted_losses_bitwise(train_root, tmp_path, monkeypatch, options):
-    from recurrent_depth import accel
     from recurrent_depth.accel import linear
 
-    monkeypatch.setattr(accel, "cpu_emulates_bf16", lambda: True)  # the trainer converts the linears on any CPU
+    monkeypatch.setattr(linear, "cpu_emulates_bf16", lambda: True)  # the emulated-bf16 layouts on any CPU
     blocked_calls = []
     original = linear.blocked_tn_mm
     monkeypatch.setattr(linear, "blocked_tn_mm", lambda a, b: blocked_calls.append(a.shape) or original(a, b))

@@ -3,8 +3,8 @@
     from recurrent_depth import accel
     applied = accel.apply(model)        # {"linears": 14, "norms": 17}; `accel.apply(model, enabled=False)` = {}
 
-- `convert_linears` (`accel.linear`): bf16/fp16 training products in the fast GEMM layouts of CPUs
-  that emulate bf16 (applied only on such CPUs: elsewhere it would change nothing);
+- `convert_linears` (`accel.linear`): bf16/fp16 training products on CPU in the fast GEMM layouts of
+  the machine (emulated bf16: blocked a^T @ b; native bf16: the forward from a cached contiguous W^T);
 - `convert_norms` (`accel.norm`): the fp32 RMSNorm with a hand-written backward (1.7x);
 - `keep_freed_memory` (`accel.allocator`): glibc thresholds for training loops;
 - `choose_threads` / `configure_threads` (`accel.threads`): the thread count for the machine now;
@@ -45,10 +45,7 @@ def apply(model: nn.Module, enabled: bool | None = None) -> dict[str, int]:
         enabled = enabled_by_default()
     if not enabled:
         return {}
-    applied = {"norms": convert_norms(model)}
-    if cpu_emulates_bf16():
-        applied["linears"] = convert_linears(model)
-    return applied
+    return {"norms": convert_norms(model), "linears": convert_linears(model)}
 
 
 def restore(model: nn.Module) -> None:

@@ -1,5 +1,5 @@
 """The CPU bf16/fp16 product: `convert_linears(model)` makes a model's nn.Linear layers compute their
-low-precision training products in the fast GEMM layouts of CPUs that emulate bf16/fp16.
+low-precision training products in the fast GEMM layouts of the CPU (emulated bf16/fp16, or native bf16).
 
 On CPUs without native bf16 (no AVX512-BF16 or AMX), oneDNN's low-precision GEMMs differ by up to
 60x between layouts. Measured on a 2-core AVX2 EPYC at 2 threads, GFLOP/s of the products of one
@@ -18,6 +18,13 @@ multiply-adds, and use W^T / W cast once per parameter update), and fp16 compute
 Blocks are fixed row ranges, so results do not depend on the thread count, and equal the unblocked
 product (tested).
 
+NATIVE_BF16: on CPUs with native bf16 products (AMX / AVX512-BF16) ATen's products are fast in every
+layout but one: x @ W^T (the forward's a @ b^T) runs 1.3-1.5x slower than x @ (W^T contiguous) at the
+MLP's shapes (a 2-core Xeon with AMX, 1024 tokens, medians of 7 interleaved rounds, two runs:
+[1024 x 1024] x [1024 x 5632] 18.1-20.1 ms against 13.4-13.6; [1024 x 2816] x [2816 x 1024] 9.9-10.5
+against 7.5-7.7; the other shapes within 5 %). There the forward multiplies by the cached contiguous
+W^T, the input gradient by W (a @ b) and the weight gradient is autograd's grad^T @ x.
+
 The worker count is `torch.get_num_threads()`: on the CPUs measured, the emulated bf16 a^T @ b
 kernel runs on the calling thread only (process CPU time = wall time), so the blocks do not
 oversubscribe the cores; where it is itself parallel (probed once per dtype), the blocks run one
@@ -25,7 +32,8 @@ after another in the caller.
 
 The conversion changes each layer's class only (`FastLowPrecisionLinear`, a subclass of nn.Linear with
 no parameters or buffers of its own): the parameters, their names and the state dict stay the model's.
-`recurrent_depth.accel.apply` converts where it helps (CPUs that emulate bf16).
+`recurrent_depth.accel.apply` converts on every machine (fp32, other devices and, where bf16 is native,
+fp16 calls take F.linear as before).
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from recurrent_depth.accel.cpu import cpu_emulates_bf16
 from recurrent_depth.accel.swap import swap_class
 
 # Result rows per product of `blocked_tn_mm`: fixed, so that results never depend on the thread count.
@@ -129,16 +138,26 @@ def _contiguous_t(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _use_blocked(compiling: bool, dtype: torch.dtype) -> bool:
-    """Blocked a^T @ b for bf16 (the fast layout there), except under dynamo, which cannot trace threads."""
-    return dtype == torch.bfloat16 and not compiling
+    """Blocked a^T @ b for emulated bf16 (the fast layout there), except under dynamo, which cannot trace
+    threads."""
+    return dtype == torch.bfloat16 and not compiling and cpu_emulates_bf16()
+
+
+def _native(dtype: torch.dtype) -> bool:
+    """bf16 on a CPU with native bf16 products (AMX / AVX512-BF16): ATen's products in the plain layouts,
+    the forward from the contiguous W^T (a @ b: see NATIVE_BF16 in the module docstring)."""
+    return dtype == torch.bfloat16 and not cpu_emulates_bf16()
 
 
 def _forward_product(x2d: Tensor, low_weight: Tensor, low_weight_t: Tensor, bias: Tensor | None,
                      blocked: bool) -> Tensor:
-    """x W^T (+ b): blocked a^T @ b of x^T and W^T for bf16, else a @ b^T of x and W (never a @ b)."""
+    """x W^T (+ b): blocked a^T @ b of x^T and W^T for emulated bf16, a @ b of x and W^T for native bf16,
+    else a @ b^T of x and W."""
     dtype = low_weight.dtype
     if blocked:
         out = blocked_tn_mm(_contiguous_t(x2d.to(dtype), dtype), low_weight_t)
+    elif _native(dtype):
+        out = x2d.to(dtype) @ low_weight_t
     else:
         out = x2d.to(dtype) @ low_weight.t()
     if bias is not None:
@@ -179,16 +198,19 @@ class _EmulatedLowPrecisionLinear(torch.autograd.Function):
         plain = torch.is_grad_enabled() or torch.compiler.is_compiling()  # differentiable or traced products
         blocked = _use_blocked(plain, dtype)
         grad_x = grad_w = grad_b = None
+        native = _native(dtype)
         if ctx.needs_input_grad[0]:
             if blocked:
                 grad_x = blocked_tn_mm(_contiguous_t(grad, dtype), low_weight)
+            elif native:
+                grad_x = grad @ low_weight
             else:
                 grad_x = grad @ low_weight_t.t()  # a @ b^T, not a @ b
             grad_x = grad_x.view(x.shape)
         if ctx.needs_input_grad[1]:
             if blocked:
                 grad_w = blocked_tn_mm(grad, flat_x)
-            elif plain:
+            elif plain or native:
                 grad_w = grad.t() @ flat_x
             else:  # a @ b^T from transposed copies (fp16: 3-5x faster than a^T @ b)
                 grad_w = _contiguous_t(grad, dtype) @ _contiguous_t(flat_x, dtype).t()
@@ -242,6 +264,8 @@ class FastLowPrecisionLinear(nn.Linear):
             dtype = x.dtype
         else:
             return None
+        if dtype == torch.float16 and not cpu_emulates_bf16():
+            return None  # (the fp16 layouts were measured where bf16 is emulated only)
         return dtype if dtype in (torch.bfloat16, torch.float16) else None
 
     def _low_precision_weights(self, dtype: torch.dtype, cache: bool) -> tuple[Tensor, Tensor]:

@@ -124,6 +124,14 @@ def test_native_bf16_products_take_the_forward_from_the_contiguous_transpose(mon
     assert half._emulated_dtype(torch.randn(2, 60, dtype=torch.float16)) == torch.float16
 
 
+@pytest.mark.parametrize("rows,cols", [(1, 5), (130, 7), (257, 300)])
+def test_the_blocked_transposing_copy_is_the_transpose(rows, cols):
+    t = torch.randn(rows, cols)
+    for dtype in (torch.float32, torch.bfloat16):
+        copy = linear._contiguous_t(t, dtype)
+        assert copy.is_contiguous() and torch.equal(copy, t.t().to(dtype))
+
+
 def test_low_precision_function_in_float64():
     # float64 takes the NT formulas (as fp16 does); create_graph the plain ones.
     torch.manual_seed(1)

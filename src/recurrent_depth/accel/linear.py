@@ -129,12 +129,18 @@ def blocked_tn_mm(a: Tensor, b: Tensor, threads: int | None = None) -> Tensor:
 
 
 def _contiguous_t(t: Tensor, dtype: torch.dtype) -> Tensor:
-    """t^T (t 2-D) as a contiguous tensor of `dtype`: one pass for the cast and the transpose together.
+    """t^T (t 2-D) as a contiguous tensor of `dtype`: one pass for the cast and the transpose together,
+    BLOCK_ROWS rows of t at a time.
 
     (`t.t().to(dtype, memory_format=torch.contiguous_format)` returns the strided view as is when the
-    dtype already matches.)
+    dtype already matches. ATen's transposing copy of a whole matrix is 1.3-3.5x slower than in blocks
+    of 128 rows, whose columns stay in cache: a bf16 [5632, 1024] weight 12.4 ms whole, 5.1 ms in blocks,
+    [1024, 5632] 13.2 against 4.4, on a 2-core AVX-512 Xeon.)
     """
-    return t.new_empty((t.shape[1], t.shape[0]), dtype=dtype).copy_(t.t())
+    out = t.new_empty((t.shape[1], t.shape[0]), dtype=dtype)
+    for start in range(0, t.shape[0], BLOCK_ROWS):
+        out[:, start:start + BLOCK_ROWS].copy_(t[start:start + BLOCK_ROWS].t())
+    return out
 
 
 def _use_blocked(compiling: bool, dtype: torch.dtype) -> bool:

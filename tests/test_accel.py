@@ -291,6 +291,52 @@ def test_rms_norm_fast_path_matches_the_composite(shape, grads_of):
         torch.testing.assert_close(norm.weight.grad, ref_w.grad, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rms_norm_cpp_pass_equals_the_plain_module_and_the_torch_backward(dtype, monkeypatch):
+    """The C++ norm (where it builds): forward bit for bit the plain module's, with and without a graph;
+    gradients those of the torch operations to rounding (70 rows: two weight-gradient chunks), and the
+    same on one thread as on two."""
+    from recurrent_depth.accel import quant_cpp
+
+    monkeypatch.setenv("RDEPTH_NO_CPP", "0")  # (the suite's conftest turns C++ off)
+    if accel_norm._kernels(torch.ones(2, 4), torch.ones(4)) is None:
+        pytest.skip(f"the C++ kernels are unavailable: {quant_cpp.failure()}")
+    torch.manual_seed(3)
+    fast, plain = RMSNorm(96), RMSNorm(96)
+    with torch.no_grad():
+        fast.weight.uniform_(0.5, 1.5)
+    plain.load_state_dict(fast.state_dict())
+    convert_norms(fast)
+    x = (torch.randn(2, 35, 96) * 3).to(dtype)
+    grad = torch.randn(2, 35, 96)
+    with torch.no_grad():
+        assert torch.equal(fast(x), plain(x))
+
+    def step(use_cpp: bool, threads: int = 2):
+        xx = x.clone().requires_grad_()
+        fast.weight.grad = None
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            with monkeypatch.context() as patch:
+                if not use_cpp:
+                    patch.setattr(accel_norm, "_kernels", lambda *a: None)
+                y = fast(xx)
+                y.backward(grad)
+        finally:
+            torch.set_num_threads(before)
+        return y, xx.grad, fast.weight.grad
+
+    y, gx, gw = step(True)
+    assert torch.equal(y, plain(x))
+    y_torch, gx_torch, gw_torch = step(False)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16 gx: an ulp of bf16 where a sum rounds the other way
+    torch.testing.assert_close(gx.float(), gx_torch.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(gw, gw_torch, atol=1e-4, rtol=1e-5)
+    _, gx_1, gw_1 = step(True, threads=1)
+    assert torch.equal(gx, gx_1) and torch.equal(gw, gw_1)
+
+
 def test_rms_norm_fast_path_gradients_are_exact_in_float64():
     torch.manual_seed(2)
     x = torch.randn(3, 5, 12, dtype=torch.float64, requires_grad=True)

@@ -1592,8 +1592,119 @@ def codec_binding(module_local: bool = False) -> str:
 """)
 
 
-CPP_SOURCE = KERNEL_SOURCE + r"""
+# RMSNorm for training (`accel.norm`): the forward after its statistic, and the backward, one pass a row
+# where the composite takes five to twelve. Not in KERNEL_SOURCE: the decode extension does not need them.
+NORM_SOURCE = r"""
+// float -> bf16 -> float, rounding to nearest even as c10::BFloat16 does (NaN stays NaN); branch-free so
+// that the loops below vectorize.
+inline float through_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  bits = (bits & 0x7FFFFFFFu) > 0x7F800000u ? bits : rounded;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// The value a product rounded to x's dtype T holds: itself for float32, through bf16 for bf16.
+template <typename T>
+inline float in_dtype(float v) { return std::is_same<T, float>::value ? v : through_bf16(v); }
+
+void check_norm_operands(const torch::Tensor& x, const torch::Tensor& rstd, const torch::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "rms_norm: x contiguous float32 or bf16 [N, h]");
+  TORCH_CHECK(rstd.scalar_type() == at::kFloat && rstd.is_contiguous() && rstd.numel() == x.size(0),
+              "rms_norm: rstd float32 [N]");
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.dim() == 1 && w.numel() == x.size(1),
+              "rms_norm: weight float32 [h]");
+}
+
+template <typename T>
+void scale_rows(const T* x, const float* r, const float* w, int64_t N, int64_t h, float* y) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const T* xr = x + n * h;
+      float* yr = y + n * h;
+      const float rn = r[n];
+      for (int64_t j = 0; j < h; ++j) yr[j] = in_dtype<T>(static_cast<float>(xr[j]) * rn) * w[j];
+    }
+  });
+}
+
+// y [N, h] float32 = R(x * rstd) * w, R rounding to bf16 for bf16 x (the plain module's cast) and nothing for
+// float32: the composite's two products, each rounded once, so its values bit for bit.
+torch::Tensor rms_norm_scale(const torch::Tensor& x, const torch::Tensor& rstd, const torch::Tensor& w) {
+  check_norm_operands(x, rstd, w);
+  const int64_t N = x.size(0), h = x.size(1);
+  torch::Tensor y = torch::empty({N, h}, x.options().dtype(at::kFloat));
+  if (x.scalar_type() == at::kBFloat16) {
+    scale_rows(x.data_ptr<at::BFloat16>(), rstd.data_ptr<float>(), w.data_ptr<float>(), N, h, y.data_ptr<float>());
+  } else {
+    scale_rows(x.data_ptr<float>(), rstd.data_ptr<float>(), w.data_ptr<float>(), N, h, y.data_ptr<float>());
+  }
+  return y;
+}
+
+// Rows of a norm's backward per weight-gradient partial sum: fixed, so results do not depend on the threads.
+constexpr int64_t NORM_CHUNK = 64;
+
+template <typename T>
+void norm_backward_rows(const float* g, const T* x, const float* r, const float* w, int64_t N, int64_t h,
+                        float* partial, T* gx) {
+  const int64_t chunks = (N + NORM_CHUNK - 1) / NORM_CHUNK;
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> normed(h), gn(h);
+    for (int64_t c = begin; c < end; ++c) {
+      float* pc = partial ? partial + c * h : nullptr;
+      for (int64_t n = c * NORM_CHUNK; n < std::min(N, (c + 1) * NORM_CHUNK); ++n) {
+        const float* gr = g + n * h;
+        const T* xr = x + n * h;
+        const float rn = r[n];
+        for (int64_t j = 0; j < h; ++j) {
+          normed[j] = static_cast<float>(xr[j]) * rn;
+          gn[j] = in_dtype<T>(gr[j] * w[j]);
+        }
+        if (pc) {
+          for (int64_t j = 0; j < h; ++j) pc[j] += gr[j] * in_dtype<T>(normed[j]);
+        }
+        float dot = 0.0f;
+        for (int64_t j = 0; j < h; ++j) dot += gn[j] * normed[j];
+        const float mean_dot = dot / static_cast<float>(h);
+        T* out = gx + n * h;
+        for (int64_t j = 0; j < h; ++j) out[j] = static_cast<T>((gn[j] - normed[j] * mean_dot) * rn);
+      }
+    }
+  });
+}
+
+// The backward of `rms_norm_scale` (x̂ = x rstd): dw = sum over rows of g R(x̂); with gn = R(g w) (the bf16
+// rounding of the product's gradient where x is bf16, as autograd's cast), dx = rstd (gn - x̂ mean(gn x̂)),
+// in x's dtype. dw's partial sums run over fixed chunks of rows, then add up in order.
+std::vector<torch::Tensor> rms_norm_backward(const torch::Tensor& grad, const torch::Tensor& x,
+                                             const torch::Tensor& rstd, const torch::Tensor& w, bool weight_grad) {
+  check_norm_operands(x, rstd, w);
+  TORCH_CHECK(grad.scalar_type() == at::kFloat && grad.is_contiguous() && grad.sizes() == x.sizes(),
+              "rms_norm_backward: grad float32 like x");
+  const int64_t N = x.size(0), h = x.size(1), chunks = (N + NORM_CHUNK - 1) / NORM_CHUNK;
+  torch::Tensor gx = torch::empty_like(x);
+  torch::Tensor partial = torch::zeros({weight_grad ? chunks : 0, h}, x.options().dtype(at::kFloat));
+  float* pp = weight_grad ? partial.data_ptr<float>() : nullptr;
+  if (x.scalar_type() == at::kBFloat16) {
+    norm_backward_rows(grad.data_ptr<float>(), x.data_ptr<at::BFloat16>(), rstd.data_ptr<float>(), w.data_ptr<float>(),
+                       N, h, pp, gx.data_ptr<at::BFloat16>());
+  } else {
+    norm_backward_rows(grad.data_ptr<float>(), x.data_ptr<float>(), rstd.data_ptr<float>(), w.data_ptr<float>(), N, h,
+                       pp, gx.data_ptr<float>());
+  }
+  return {gx, weight_grad ? partial.sum(0) : torch::Tensor()};
+}
+"""
+
+
+CPP_SOURCE = KERNEL_SOURCE + NORM_SOURCE + r"""
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {""" + codec_binding() + r"""
+  m.def("rms_norm_scale", &rms_norm_scale);
+  m.def("rms_norm_backward", &rms_norm_backward);
   m.def("encode", &encode);
   m.def("int8_linear", &int8_linear);
   m.def("int4_linear", &int4_linear);

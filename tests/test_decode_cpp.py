@@ -96,11 +96,11 @@ def test_the_cpp_decode_equals_the_python_paths_and_a_full_forward(cpp, calls, m
     torch.testing.assert_close(ours.logits, full[:, 6:12], rtol=1e-4, atol=1e-4)  # (test_inference.py's tolerance)
 
 
-def one_token_after_prefill(model, make_cache, fused: bool, monkeypatch) -> tuple:
+def one_token_after_prefill(model, make_cache, fused: bool, monkeypatch, rows: int = 3) -> tuple:
     """A 5-token prefill, then one decoded token per row with the C++ decode on or off: the token's
     embedding, core state and logits, and a copy of every cache entry."""
     monkeypatch.setenv("RDEPTH_NO_CPP_DECODE", "0" if fused else "1")
-    ids = torch.randint(0, 97, (3, 6), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, 97, (rows, 6), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         runner, cache = FastRunner(model), make_cache()
         step = runner.context(ids[:, :5], None, cache)
@@ -110,7 +110,7 @@ def one_token_after_prefill(model, make_cache, fused: bool, monkeypatch) -> tupl
         cache.advance(5)
         step = runner.context(ids[:, 5:], None, cache)
         e = runner.embed(ids[:, 5:], step)
-        s = runner.core_steps(torch.randn(3, 1, 36, generator=torch.Generator().manual_seed(4)),
+        s = runner.core_steps(torch.randn(rows, 1, 36, generator=torch.Generator().manual_seed(4)),
                               runner.inject(e), e, range(4), step)
         logits = runner.predict(s, step)
         assert isinstance(runner._decode, DecodeKernel) == fused
@@ -126,6 +126,71 @@ def test_states_and_cache_entries_equal_the_python_steps(cpp, monkeypatch, kv_he
     (e0, s0, l0, kv0), (e1, s1, l1, kv1) = (
         one_token_after_prefill(model, lambda: StaticRecurrentCache(3, 4, kv_budget=budget, capacity=8), fused,
                                 monkeypatch) for fused in (True, False))
+    for ours, python in ((e0, e1), (s0, s1), (l0, l1)):
+        torch.testing.assert_close(ours, python, **TOL)
+    assert kv0.keys() == kv1.keys()
+    for key in kv0:
+        torch.testing.assert_close(kv0[key], kv1[key], **TOL, msg=str(key))
+
+
+def simd_model() -> rd.RecurrentDepthLM:
+    """Hidden 64, 4 heads of dim 16 on 2 kv heads, MLP 96: the team's vector loops (register-resident heads,
+    whole vectors of every product) rather than odd_model's tails."""
+    cfg = rd.ModelConfig(vocab_size=97, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96,
+                         prelude_layers=1, core_layers=2, coda_layers=1, qk_bias=True, max_seq_len=64)
+    torch.manual_seed(1)
+    return rd.RecurrentDepthLM(cfg).eval()
+
+
+class Threads:
+    """torch's thread count set for a block, restored after it."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.previous = n, torch.get_num_threads()
+
+    def __enter__(self) -> None:
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc) -> None:
+        torch.set_num_threads(self.previous)
+
+
+TEAM_MODELS = {"mha-odd": lambda: odd_model(6), "gqa-odd-qk-bias": lambda: odd_model(2, qk_bias=True),
+               "gqa-vectors": simd_model}
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("name", list(TEAM_MODELS))
+def test_one_row_decodes_on_a_team_as_the_python_path(cpp, calls, monkeypatch, name, threads):
+    """One row (left-padded, and not) decodes on a team of 1-3 threads (3 > 2 kv heads: a thread without
+    heads) with the tokens and, to float32 rounding, the logits of the Python path, whatever the team's size."""
+    model = TEAM_MODELS[name]()
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(threads))
+    padded = torch.tensor([[0, 0, 1, 1, 1, 1]])
+    team_calls = decode_cpp.load_decoder().team_calls
+    for mask in (None, padded):
+        before = team_calls()
+        with Threads(threads):
+            ours = run(model, ids, mask, monkeypatch, True)
+        assert team_calls() - before == 15  # prelude, core and coda of 5 decoded tokens
+        python = run(model, ids, mask, monkeypatch, False)
+        assert torch.equal(ours.sequences, python.sequences)
+        torch.testing.assert_close(ours.logits, python.logits, **TOL)
+        monkeypatch.setattr(decode_cpp, "TEAM_DECODE", False)  # the per-product C++ path, for one more witness
+        products = run(model, ids, mask, monkeypatch, True)
+        monkeypatch.setattr(decode_cpp, "TEAM_DECODE", True)
+        torch.testing.assert_close(ours.logits, products.logits, **TOL)
+    assert calls["core_steps"] == 20
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_team_writes_the_cache_entries_of_the_python_steps(cpp, monkeypatch, threads):
+    """One row: the embedding, state, logits and every KV entry the team wrote, against the Python steps."""
+    model = odd_model(2)
+    with Threads(threads):
+        (e0, s0, l0, kv0), (e1, s1, l1, kv1) = (
+            one_token_after_prefill(model, lambda: StaticRecurrentCache(1, 4, kv_budget=2, capacity=8), fused,
+                                    monkeypatch, rows=1) for fused in (True, False))
     for ours, python in ((e0, e1), (s0, s1), (l0, l1)):
         torch.testing.assert_close(ours, python, **TOL)
     assert kv0.keys() == kv1.keys()

@@ -10,6 +10,14 @@ write, softmax attention of the one query row over the cache's columns, SiLU-gat
 over float32 rows, built with `-O3 -march=native -ffp-contract=off` through `accel.quant_cpp`'s build
 cache (one build per machine, torch, Python and CPU; a message and its time at the first use).
 
+One row (batch 1, float stores, a model whose weights the runner copies: its small ones) runs on a team of
+torch's threads (`Decoder::with_team`): one fork a call, each thread streaming its own share of every
+product (its kv groups' q, k, v rows and attention, its MLP hidden units, its vocabulary rows) with
+AVX-512 / AVX2 loops, and one spin barrier after each product that sums over shares (the adapter's state
+half, proj, out). A step of the quickstart model (6.6 MB of float32 weights, streamed from L3 by one
+core) reads ~25 GB/s there against ~19 for ATen's gemv, and two threads split it without ~10 forks a step.
+`TEAM_DECODE = False` keeps the per-product path below (for comparisons).
+
 Covered (everything else takes the Python path, which stays the reference): float32 on CPU without
 autograd, one new column per row (T = 1; any batch size, left-padding masks), the Huginn layout
 `FastRunner` supports without LoRA, grouped-query heads, any head_dim (even, as RoPE needs), and a
@@ -50,7 +58,12 @@ WHAT = "C++ decode kernels"
 NO_DECODE_ENV = "RDEPTH_NO_CPP_DECODE"  # this decode off, the quantized-KV C++ read left on
 
 CPP_SOURCE = quant_cpp.KERNEL_SOURCE + r"""
+#include <atomic>
+#include <omp.h>
 #include <sstream>
+#include <thread>
+#include <tuple>
+#include <utility>
 
 namespace {
 
@@ -79,11 +92,214 @@ void norm_rows(const float* x, const float* w, float* y, int64_t B, int64_t h, f
   }
 }
 
+
+// The team path's two products of one row (`Decoder::with_team`), each streaming a thread's share of a
+// weight once, in order: `row_dots` y[o] = x . W[o] for `rows` rows of W [rows, K] (a product's output
+// rows: the parameter's own [out, in] layout), `row_axpys` y = sum_k x[k] W[k] over `rows` rows of W [rows, N]
+// (a product's input rows: its [in, out] layout, a share of the sum over k). Four rows, or one row's 16 vectors,
+// at a time: ~25 GB/s from L3 on one core of an AMX Xeon, where ATen's gemv reads ~19.
+#if defined(__AVX512F__)
+#define TEAM_SIMD 1
+using Vec = __m512;
+constexpr int64_t LANES = 16, AXPY_VECTORS = 16;
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vbroadcast(float a) { return _mm512_set1_ps(a); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TEAM_SIMD 1
+using Vec = __m256;
+constexpr int64_t LANES = 8, AXPY_VECTORS = 8;
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vbroadcast(float a) { return _mm256_set1_ps(a); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(Vec v) { return hsum8(v); }
+#else
+#define TEAM_SIMD 0
+#endif
+
+void row_dots(const float* x, const float* W, int64_t K, int64_t rows, float* y) {
+  int64_t o = 0;
+#if TEAM_SIMD
+  const int64_t kv = K - K % LANES;
+  for (; o + 4 <= rows; o += 4) {
+    const float* w = W + o * K;
+    Vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+    for (int64_t k = 0; k < kv; k += LANES) {
+      const Vec xv = vload(x + k);
+      a0 = vfma(xv, vload(w + k), a0);
+      a1 = vfma(xv, vload(w + K + k), a1);
+      a2 = vfma(xv, vload(w + 2 * K + k), a2);
+      a3 = vfma(xv, vload(w + 3 * K + k), a3);
+    }
+    float d[4] = {vsum(a0), vsum(a1), vsum(a2), vsum(a3)};
+    for (int64_t k = kv; k < K; ++k) {
+      for (int64_t j = 0; j < 4; ++j) d[j] += x[k] * w[j * K + k];
+    }
+    std::copy(d, d + 4, y + o);
+  }
+#endif
+  for (; o < rows; ++o) y[o] = dot(x, W + o * K, K);
+}
+
+void row_axpys(const float* x, const float* W, int64_t rows, int64_t N, float* y) {
+  int64_t c = 0;
+#if TEAM_SIMD
+  for (; c + AXPY_VECTORS * LANES <= N; c += AXPY_VECTORS * LANES) {
+    Vec acc[AXPY_VECTORS];
+    for (int64_t j = 0; j < AXPY_VECTORS; ++j) acc[j] = vzero();
+    for (int64_t k = 0; k < rows; ++k) {
+      const Vec xv = vbroadcast(x[k]);
+      const float* w = W + k * N + c;
+      for (int64_t j = 0; j < AXPY_VECTORS; ++j) acc[j] = vfma(xv, vload(w + j * LANES), acc[j]);
+    }
+    for (int64_t j = 0; j < AXPY_VECTORS; ++j) vstore(y + c + j * LANES, acc[j]);
+  }
+  for (; c + LANES <= N; c += LANES) {
+    Vec acc = vzero();
+    for (int64_t k = 0; k < rows; ++k) acc = vfma(vbroadcast(x[k]), vload(W + k * N + c), acc);
+    vstore(y + c, acc);
+  }
+#endif
+  for (; c < N; ++c) {
+    float acc = 0.0f;
+    for (int64_t k = 0; k < rows; ++k) acc += x[k] * W[k * N + c];
+    y[c] = acc;
+  }
+}
+
+// The team's barrier: each thread spins until all `n` have arrived (then yields, where threads outnumber cores).
+class SpinBarrier {
+ public:
+  void reset(int n) { n_ = n; }
+  void wait() {
+    if (n_ <= 1) return;
+    const int generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == n_) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; generation_.load(std::memory_order_acquire) == generation; ++spins) {
+      if (spins < 4096) {
+#if defined(__SSE2__)
+        _mm_pause();
+#endif
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+
+ private:
+  int n_ = 1;
+  std::atomic<int> arrived_{0}, generation_{0};
+};
+
+// Calls that ran on a team (`Decoder::with_team`), for tests to see which path ran.
+std::atomic<int64_t> team_calls{0};
+
+// A share [begin, end) of n items for thread t of a team of `threads`.
+inline std::pair<int64_t, int64_t> share(int64_t n, int64_t t, int64_t threads) {
+  return {n * t / threads, n * (t + 1) / threads};
+}
+
+#if TEAM_SIMD
+// Softmax attention of one query head q [D] over columns [0, end) of keys kh and values vh (column c at
+// c * k2, c * v2; mrow: bool [end] or null) into o [D]; sc: scratch of `end` floats. The head's query and
+// output live in NV vector registers (D = NV * LANES).
+template <int NV>
+void attend_head(const float* q, const float* kh, int64_t k2, const float* vh, int64_t v2, int64_t end,
+                 const bool* mrow, float scale, float* o, float* sc) {
+  constexpr float lowest = -std::numeric_limits<float>::infinity();
+  float top = lowest;
+  Vec qv[NV];
+  for (int j = 0; j < NV; ++j) qv[j] = vload(q + j * LANES);
+  for (int64_t c = 0; c < end; ++c) {
+    if (mrow != nullptr && !mrow[c]) {
+      sc[c] = lowest;
+      continue;
+    }
+    Vec acc = vzero();
+    for (int j = 0; j < NV; ++j) acc = vfma(qv[j], vload(kh + c * k2 + j * LANES), acc);
+    sc[c] = vsum(acc) * scale;
+    top = std::max(top, sc[c]);
+  }
+  float total = 0.0f;
+  for (int64_t c = 0; c < end; ++c) {
+    sc[c] = std::exp(sc[c] - top);
+    total += sc[c];
+  }
+  Vec acc[NV];
+  for (int j = 0; j < NV; ++j) acc[j] = vzero();
+  for (int64_t c = 0; c < end; ++c) {
+    const Vec weight = vbroadcast(sc[c] / total);
+    for (int j = 0; j < NV; ++j) acc[j] = vfma(weight, vload(vh + c * v2 + j * LANES), acc[j]);
+  }
+  for (int j = 0; j < NV; ++j) vstore(o + j * LANES, acc[j]);
+}
+#endif
+
+// `attend_head` for any head dim D: register-resident for D = 1..8 vectors, else over D in plain loops.
+void attend_any(const float* q, const float* kh, int64_t k2, const float* vh, int64_t v2, int64_t end,
+                const bool* mrow, float scale, float* o, float* sc, int64_t D) {
+#if TEAM_SIMD
+  if (D % LANES == 0) {
+    switch (D / LANES) {
+      case 1: return attend_head<1>(q, kh, k2, vh, v2, end, mrow, scale, o, sc);
+      case 2: return attend_head<2>(q, kh, k2, vh, v2, end, mrow, scale, o, sc);
+      case 4: return attend_head<4>(q, kh, k2, vh, v2, end, mrow, scale, o, sc);
+      case 8: return attend_head<8>(q, kh, k2, vh, v2, end, mrow, scale, o, sc);
+      default: break;
+    }
+  }
+#endif
+  constexpr float lowest = -std::numeric_limits<float>::infinity();
+  float top = lowest;
+  for (int64_t c = 0; c < end; ++c) {
+    sc[c] = (mrow != nullptr && !mrow[c]) ? lowest : dot(q, kh + c * k2, D) * scale;
+    top = std::max(top, sc[c]);
+  }
+  float total = 0.0f;
+  for (int64_t c = 0; c < end; ++c) {
+    sc[c] = std::exp(sc[c] - top);
+    total += sc[c];
+  }
+  std::fill(o, o + D, 0.0f);
+  for (int64_t c = 0; c < end; ++c) {
+    const float weight = sc[c] / total;
+    const float* vr = vh + c * v2;
+    for (int64_t d = 0; d < D; ++d) o[d] += weight * vr[d];
+  }
+}
+
+// The attention of one row's query heads of kv groups [g0, g1): this column's keys and values (in `row`,
+// qkv-laid) into the row's stores at kb, vb (strides k1/k2, v1/v2 for group and column), then each head's
+// softmax over columns [0, end) (mrow: bool [end] or null) into att [H * D]; sc: scratch of `end` floats.
+void attend_groups(const float* row, int64_t H, int64_t Hkv, int64_t D, int64_t g0, int64_t g1, float* kb,
+                   int64_t k1, int64_t k2, float* vb, int64_t v1, int64_t v2, int64_t column, const bool* mrow,
+                   float* att, float* sc) {
+  const int64_t group = H / Hkv;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  for (int64_t g = g0; g < g1; ++g) {
+    std::copy(row + (H + g) * D, row + (H + g + 1) * D, kb + g * k1 + column * k2);
+    std::copy(row + (H + Hkv + g) * D, row + (H + Hkv + g + 1) * D, vb + g * v1 + column * v2);
+  }
+  for (int64_t head = g0 * group; head < g1 * group; ++head) {
+    attend_any(row + head * D, kb + (head / group) * k1, k2, vb + (head / group) * v1, v2, column + 1, mrow, scale,
+               att + head * D, sc, D);
+  }
+}
+
 class Decoder {
  public:
   Decoder(std::vector<std::vector<at::Tensor>> prelude, std::vector<std::vector<at::Tensor>> core,
           std::vector<std::vector<at::Tensor>> coda, at::Tensor wte, at::Tensor adapter_s, at::Tensor ln_f,
-          at::Tensor lm_head, double emb_scale, int64_t H, int64_t Hkv, int64_t D, double eps)
+          at::Tensor lm_head, double emb_scale, int64_t H, int64_t Hkv, int64_t D, double eps, bool team)
       : wte_(wte), adapter_s_(adapter_s), ln_f_(ln_f.contiguous()), lm_head_(lm_head),
         emb_scale_(static_cast<float>(emb_scale)), H_(H), Hkv_(Hkv), D_(D), eps_(static_cast<float>(eps)) {
     TORCH_CHECK(D % 2 == 0 && H % Hkv == 0, "decode kernel: even head_dim, heads a multiple of kv heads");
@@ -102,6 +318,17 @@ class Decoder {
       parts_.push_back(blocks);
     }
     inner_ = parts_[1].empty() ? 0 : parts_[1][0].fc.size(1) / 2;
+    if (team) {  // (copies of the layouts the runner did not copy: its small models only)
+      for (const auto& blocks : parts_) {
+        std::vector<TeamBlock> weights;
+        for (const Block& b : blocks) {
+          weights.push_back({b.qkv.t().contiguous(), b.proj.contiguous(), b.fc.t().contiguous(), b.out.contiguous()});
+        }
+        team_.push_back(weights);
+      }
+      team_adapter_ = adapter_s_.contiguous();
+      team_head_ = lm_head_.t().contiguous();
+    }
   }
 
   // e = prelude(wte(ids) * emb_scale): ids [B] long -> [B, h]
@@ -110,7 +337,11 @@ class Decoder {
                    const at::Tensor& mask) {
     at::NoGradGuard no_grad;
     at::Tensor x = at::embedding(wte_, ids.reshape({-1})).mul_(emb_scale_).contiguous();
-    run_blocks(parts_[0], 0, x, freqs, ks, vs, cks, cvs, column, mask);
+    if (teams(x.size(0), cks)) {
+      team_prelude(x, freqs, ks, vs, column, mask);
+    } else {
+      run_blocks(parts_[0], 0, x, freqs, ks, vs, cks, cvs, column, mask);
+    }
     return x;
   }
 
@@ -123,6 +354,7 @@ class Decoder {
     const int64_t L = static_cast<int64_t>(core.size());
     TORCH_CHECK(static_cast<int64_t>(ks.size()) == steps * L && ks.size() == vs.size(),
                 "decode kernel: one key and value store per core layer and step");
+    if (teams(state.numel() / h_, cks)) return team_core_steps(state, injected, freqs, ks, vs, column, mask, steps);
     at::Tensor s = state.reshape({-1, h_}).contiguous().clone();
     const at::Tensor inj = injected.reshape({-1, h_}).contiguous();
     at::Tensor x = at::empty_like(s);
@@ -139,6 +371,7 @@ class Decoder {
                      const std::vector<at::Tensor>& vs, const Codecs& cks, const Codecs& cvs, int64_t column,
                      const at::Tensor& mask) {
     at::NoGradGuard no_grad;
+    if (teams(state.numel() / h_, cks)) return team_predict(state, freqs, ks, vs, column, mask);
     at::Tensor x = at::empty({state.numel() / h_, h_}, state.options());
     const at::Tensor s = state.reshape({-1, h_}).contiguous();
     norm_rows(s.data_ptr<float>(), ln_f_.data_ptr<float>(), x.data_ptr<float>(), x.size(0), h_, eps_);
@@ -150,6 +383,193 @@ class Decoder {
   }
 
  private:
+  // One row's decode from float stores by a team of torch's threads (`with_team`): each thread owns a share
+  // of the kv groups (their q, k, v rows, RoPE, cache writes and attention), of the MLP's hidden units and of
+  // the vocabulary; the products whose inputs are such shares (the adapter's state half, proj, out) are each
+  // thread's partial sum, added up after a barrier. Every thread then repeats the cheap row-wide work (the
+  // adds, the norms) on its own copy of the state, so one barrier a summed product is the team's only
+  // synchronisation (one fork a call): at batch 1 a step is ~10 products of a few hundred kB, each too small to
+  // pay for a fork and join of its own. The sums' order depends on the team's size (results equal to float32
+  // rounding, as elsewhere here). One thread runs the same code without barriers.
+  bool teams(int64_t rows, const Codecs& cks) const { return !team_.empty() && rows == 1 && cks.empty(); }
+
+  // The product weights of a block as the team reads them: the qkv and fc products' [out, in] rows and the proj
+  // and out products' [in, out] rows, contiguous, so a thread's share of each is one stretch of memory.
+  struct TeamBlock {
+    at::Tensor qkv_rows, proj_cols, fc_rows, out_cols;
+  };
+
+  // A thread's place in a team of n, its shares and its row buffers; `gather` is the team's barrier.
+  struct Mate {
+    int64_t t, n, g0 = 0, g1 = 0, i0 = 0, i1 = 0, a0 = 0, a1 = 0;
+    std::vector<float> x, normed, mixed, out, qkv, att, gate_up, hidden, scores;
+    float* partials;  // [2 phases, n, h]: phase p's in buffer p % 2 (a thread writes p + 2 only after every
+    SpinBarrier* barrier;  // thread has passed the barrier of p + 1, so has read p)
+    int64_t phase = 0;
+
+    Mate(const Decoder& d, int64_t t_, int64_t n_, int64_t columns, float* partials_, SpinBarrier* barrier_)
+        : t(t_), n(n_), x(d.h_), normed(d.h_), mixed(d.h_), out(d.h_), qkv((d.H_ + 2 * d.Hkv_) * d.D_),
+          att(d.H_ * d.D_), scores(columns), partials(partials_), barrier(barrier_) {
+      std::tie(g0, g1) = share(d.Hkv_, t, n);
+      std::tie(i0, i1) = share(d.inner_, t, n);
+      std::tie(a0, a1) = share(d.h_, t, n);
+      gate_up.resize(2 * (i1 - i0));
+      hidden.resize(i1 - i0);
+    }
+    float* mine(int64_t h) { return partials + ((phase % 2) * n + t) * h; }
+    // y = (base + the team's partials of this phase) + bias (bias: null or [h]); then the next phase
+    void gather(const float* base, const float* bias, float* y, int64_t h) {
+      barrier->wait();
+      const float* first = partials + (phase % 2) * n * h;
+      for (int64_t i = 0; i < h; ++i) {
+        float sum = first[i];
+        for (int64_t u = 1; u < n; ++u) sum += first[u * h + i];
+        const float v = base[i] + sum;
+        y[i] = bias != nullptr ? v + bias[i] : v;
+      }
+      ++phase;
+    }
+  };
+
+  // Runs body(mate) on every thread of a team of torch's threads (one thread: in this one, no fork).
+  template <typename Body>
+  void with_team(int64_t columns, const Body& body) {
+    at::internal::lazy_init_num_threads();
+    const int threads = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
+    partials_.resize(2 * threads * h_);
+    team_calls.fetch_add(1, std::memory_order_relaxed);
+    if (threads == 1) {
+      barrier_.reset(1);
+      Mate mate(*this, 0, 1, columns, partials_.data(), &barrier_);
+      body(mate);
+      return;
+    }
+#pragma omp parallel
+    {
+#pragma omp single
+      barrier_.reset(omp_get_num_threads());  // (the single's closing barrier publishes it)
+      Mate mate(*this, omp_get_thread_num(), omp_get_num_threads(), columns, partials_.data(), &barrier_);
+      body(mate);
+    }
+  }
+
+  // The checks of a team call's stores and mask; the rotary angles of its row.
+  at::Tensor team_inputs(const at::Tensor& freqs, const std::vector<at::Tensor>& ks, const std::vector<at::Tensor>& vs,
+                         int64_t column, const at::Tensor& mask) const {
+    TORCH_CHECK(ks.size() == vs.size(), "decode kernel: a key and a value store each");
+    for (size_t i = 0; i < ks.size(); ++i) check_float_store(ks[i], vs[i], 1, column + 1);
+    if (has(mask)) {
+      TORCH_CHECK(mask.scalar_type() == at::kBool && mask.numel() == column + 1 && mask.is_contiguous(),
+                  "decode kernel: mask bool [1, columns] contiguous");
+    }
+    const at::Tensor angles = at::view_as_real(freqs).reshape({-1, D_}).contiguous();
+    TORCH_CHECK(angles.size(0) == 1, "decode kernel: rotary angles of one row");
+    return angles;
+  }
+
+  static const float* data_or_null(const at::Tensor& t) { return has(t) ? t.data_ptr<float>() : nullptr; }
+
+  // Mate m's part of block p (weights w) on its state copy m.x, with stores K, V (see `block`).
+  void team_block(Mate& m, const Block& p, const TeamBlock& w, const at::Tensor& K, const at::Tensor& V,
+                  const float* angles, int64_t column, const bool* mask) const {
+    const int64_t h = h_, H = H_, Hkv = Hkv_, D = D_, group = H / Hkv, inner = inner_;
+    const int64_t q0 = m.g0 * group * D, q1 = m.g1 * group * D, own = m.i1 - m.i0;
+    // rows [first, first + count) of a product's output: x . W[o] + bias[o]
+    auto own_rows = [&](const float* x, const at::Tensor& rows, const at::Tensor& bias, int64_t first,
+                        int64_t count, float* y) {
+      row_dots(x, rows.data_ptr<float>() + first * h, h, count, y);
+      if (has(bias)) {
+        const float* b = bias.data_ptr<float>() + first;
+        for (int64_t j = 0; j < count; ++j) y[j] += b[j];
+      }
+    };
+    float* qkv = m.qkv.data();
+    norm_rows(m.x.data(), p.n1.data_ptr<float>(), m.normed.data(), 1, h, eps_);
+    own_rows(m.normed.data(), w.qkv_rows, p.qkv_bias, q0, q1 - q0, qkv + q0);  // this thread's q heads
+    for (const int64_t first : {(H + m.g0) * D, (H + Hkv + m.g0) * D}) {  // its groups' k and v
+      own_rows(m.normed.data(), w.qkv_rows, p.qkv_bias, first, (m.g1 - m.g0) * D, qkv + first);
+    }
+    rotate_heads(qkv, angles, m.g0 * group, m.g1 * group);
+    rotate_heads(qkv, angles, H + m.g0, H + m.g1);
+    attend_groups(qkv, H, Hkv, D, m.g0, m.g1, K.data_ptr<float>(), K.stride(1), K.stride(2), V.data_ptr<float>(),
+                  V.stride(1), V.stride(2), column, mask, m.att.data(), m.scores.data());
+    row_axpys(m.att.data() + q0, w.proj_cols.data_ptr<float>() + q0 * h, q1 - q0, h, m.mine(h));
+    m.gather(m.x.data(), data_or_null(p.proj_bias), m.mixed.data(), h);
+    norm_rows(m.mixed.data(), p.n2.data_ptr<float>(), m.mixed.data(), 1, h, eps_);
+    norm_rows(m.mixed.data(), p.n3.data_ptr<float>(), m.normed.data(), 1, h, eps_);
+    own_rows(m.normed.data(), w.fc_rows, p.fc_bias, m.i0, own, m.gate_up.data());  // silu(gate) * up
+    own_rows(m.normed.data(), w.fc_rows, p.fc_bias, inner + m.i0, own, m.gate_up.data() + own);
+    for (int64_t j = 0; j < own; ++j) {
+      const float g = m.gate_up[j];
+      m.hidden[j] = (g / (1.0f + std::exp(-g))) * m.gate_up[own + j];
+    }
+    row_axpys(m.hidden.data(), w.out_cols.data_ptr<float>() + m.i0 * h, own, h, m.mine(h));
+    m.gather(m.mixed.data(), data_or_null(p.out_bias), m.out.data(), h);
+    norm_rows(m.out.data(), p.n4.data_ptr<float>(), m.x.data(), 1, h, eps_);
+  }
+
+  // The prelude's blocks on one row x [1, h], in place.
+  void team_prelude(at::Tensor& x, const at::Tensor& freqs, const std::vector<at::Tensor>& ks,
+                    const std::vector<at::Tensor>& vs, int64_t column, const at::Tensor& mask) {
+    TORCH_CHECK(ks.size() >= parts_[0].size(), "decode kernel: a key and value store per block");
+    const at::Tensor angles = team_inputs(freqs, ks, vs, column, mask);
+    float* xp = x.data_ptr<float>();
+    const bool* mp = has(mask) ? mask.data_ptr<bool>() : nullptr;
+    with_team(column + 1, [&](Mate& m) {
+      std::copy(xp, xp + h_, m.x.begin());
+      for (size_t j = 0; j < parts_[0].size(); ++j) {
+        team_block(m, parts_[0][j], team_[0][j], ks[j], vs[j], angles.data_ptr<float>(), column, mp);
+      }
+      m.barrier->wait();  // (every thread has read x before thread 0 writes it)
+      if (m.t == 0) std::copy(m.x.begin(), m.x.end(), xp);
+    });
+  }
+
+  at::Tensor team_core_steps(const at::Tensor& state, const at::Tensor& injected, const at::Tensor& freqs,
+                             const std::vector<at::Tensor>& ks, const std::vector<at::Tensor>& vs, int64_t column,
+                             const at::Tensor& mask, int64_t steps) {
+    const at::Tensor angles = team_inputs(freqs, ks, vs, column, mask);
+    const at::Tensor inj = injected.reshape({h_}).contiguous();
+    at::Tensor s = state.reshape({1, h_}).contiguous().clone();
+    const int64_t L = static_cast<int64_t>(team_[1].size()), h = h_;
+    const bool* mp = has(mask) ? mask.data_ptr<bool>() : nullptr;
+    with_team(column + 1, [&](Mate& m) {
+      float* sp = s.data_ptr<float>();
+      std::copy(sp, sp + h, m.x.begin());
+      for (int64_t step = 0; step < steps; ++step) {
+        row_axpys(m.x.data() + m.a0, team_adapter_.data_ptr<float>() + m.a0 * h, m.a1 - m.a0, h, m.mine(h));
+        m.gather(inj.data_ptr<float>(), nullptr, m.x.data(), h);  // injected + s @ adapter_s
+        for (int64_t l = 0; l < L; ++l) {
+          team_block(m, parts_[1][l], team_[1][l], ks[step * L + l], vs[step * L + l], angles.data_ptr<float>(),
+                     column, mp);
+        }
+      }
+      if (m.t == 0) std::copy(m.x.begin(), m.x.end(), sp);  // (s was read before the first gather)
+    });
+    return s;
+  }
+
+  // logits [1, V] = lm_head(ln_f(coda(ln_f(state)))), each thread its share of the vocabulary's rows.
+  at::Tensor team_predict(const at::Tensor& state, const at::Tensor& freqs, const std::vector<at::Tensor>& ks,
+                          const std::vector<at::Tensor>& vs, int64_t column, const at::Tensor& mask) {
+    TORCH_CHECK(ks.size() >= parts_[2].size(), "decode kernel: a key and value store per block");
+    const at::Tensor angles = team_inputs(freqs, ks, vs, column, mask);
+    const at::Tensor s = state.reshape({h_}).contiguous();
+    const int64_t V = team_head_.size(0), h = h_;
+    at::Tensor logits = at::empty({1, V}, state.options());
+    const bool* mp = has(mask) ? mask.data_ptr<bool>() : nullptr;
+    with_team(column + 1, [&](Mate& m) {
+      norm_rows(s.data_ptr<float>(), ln_f_.data_ptr<float>(), m.x.data(), 1, h, eps_);
+      for (size_t j = 0; j < parts_[2].size(); ++j) {
+        team_block(m, parts_[2][j], team_[2][j], ks[j], vs[j], angles.data_ptr<float>(), column, mp);
+      }
+      norm_rows(m.x.data(), ln_f_.data_ptr<float>(), m.normed.data(), 1, h, eps_);
+      const auto [v0, v1] = share(V, m.t, m.n);
+      row_dots(m.normed.data(), team_head_.data_ptr<float>() + v0 * h, h, v1 - v0, logits.data_ptr<float>() + v0);
+    });
+    return logits;
+  }
+
   // The buffers of one block at B rows, kept between calls (a decoder serves one loop at a time).
   struct Work {
     int64_t B = -1;
@@ -264,6 +684,19 @@ class Decoder {
     norm_rows(w.out.data_ptr<float>(), p.n4.data_ptr<float>(), xp, B, h, eps_);
   }
 
+  // Interleaved RoPE on heads [first, end) of one qkv row (cs: the row's D/2 (cos, sin) pairs).
+  void rotate_heads(float* row, const float* cs, int64_t first, int64_t end) const {
+    const int64_t D = D_;
+    for (int64_t head = first; head < end; ++head) {
+      float* x2 = row + head * D;
+      for (int64_t i = 0; i < D / 2; ++i) {
+        const float a = x2[2 * i], c = x2[2 * i + 1], cos = cs[2 * i], sin = cs[2 * i + 1];
+        x2[2 * i] = a * cos - c * sin;
+        x2[2 * i + 1] = a * sin + c * cos;
+      }
+    }
+  }
+
   // Interleaved RoPE on the q and k heads of every row of qkv [B, (H + 2 Hkv) D].
   void rotate(at::Tensor& qkv_rows, const at::Tensor& angles, int64_t B) const {
     const int64_t D = D_, width = (H_ + 2 * Hkv_) * D, a_stride = angles.size(0) == 1 ? 0 : D;
@@ -272,15 +705,16 @@ class Decoder {
     for (int64_t b = 0; b < B; ++b) {
       float* row = qkv + b * width;
       const float* cs = ang + b * a_stride;
-      for (int64_t head = 0; head < H_ + Hkv_; ++head) {
-        float* x2 = row + head * D;
-        for (int64_t i = 0; i < D / 2; ++i) {
-          const float a = x2[2 * i], c = x2[2 * i + 1], cos = cs[2 * i], sin = cs[2 * i + 1];
-          x2[2 * i] = a * cos - c * sin;
-          x2[2 * i + 1] = a * sin + c * cos;
-        }
-      }
+      rotate_heads(row, cs, 0, H_ + Hkv_);
     }
+  }
+
+  // Float key and value stores [B, Hkv, >= end, D] with contiguous head dims.
+  void check_float_store(const at::Tensor& K, const at::Tensor& V, int64_t B, int64_t end) const {
+    TORCH_CHECK(K.dim() == 4 && K.size(0) == B && K.size(1) == Hkv_ && K.size(2) >= end && K.size(3) == D_
+                && K.stride(3) == 1 && K.scalar_type() == at::kFloat, "decode kernel: keys [B, Hkv, >= ", end, ", D]");
+    TORCH_CHECK(V.dim() == 4 && V.sizes() == K.sizes() && V.stride(3) == 1 && V.scalar_type() == at::kFloat,
+                "decode kernel: values as the keys");
   }
 
   // This column's keys and values into the float stores K, V [B, Hkv, >= end, D], then softmax
@@ -288,50 +722,16 @@ class Decoder {
   void attend_floats(Work& w, int64_t B, const at::Tensor& K, const at::Tensor& V, int64_t column,
                      const bool* mp) {
     const int64_t D = D_, H = H_, Hkv = Hkv_, width = (H + 2 * Hkv) * D, end = column + 1;
-    TORCH_CHECK(K.dim() == 4 && K.size(0) == B && K.size(1) == Hkv && K.size(2) >= end && K.size(3) == D
-                && K.stride(3) == 1 && K.scalar_type() == at::kFloat, "decode kernel: keys [B, Hkv, >= ", end, ", D]");
-    TORCH_CHECK(V.dim() == 4 && V.sizes() == K.sizes() && V.stride(3) == 1 && V.scalar_type() == at::kFloat,
-                "decode kernel: values as the keys");
+    check_float_store(K, V, B, end);
     float* qkv = w.qkv.data_ptr<float>();
     float* kp = K.data_ptr<float>();
     float* vp = V.data_ptr<float>();
-    const int64_t k0 = K.stride(0), k1 = K.stride(1), k2 = K.stride(2);
-    const int64_t v0 = V.stride(0), v1 = V.stride(1), v2 = V.stride(2);
-    const int64_t group = H / Hkv;
-    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     float* att = w.att.data_ptr<float>();
     if (static_cast<int64_t>(w.scores.size()) < end) w.scores.resize(end);
-    float* sc = w.scores.data();
     for (int64_t b = 0; b < B; ++b) {
-      const float* row = qkv + b * width;
-      for (int64_t g = 0; g < Hkv; ++g) {
-        std::copy(row + (H + g) * D, row + (H + g + 1) * D, kp + b * k0 + g * k1 + column * k2);
-        std::copy(row + (H + Hkv + g) * D, row + (H + Hkv + g + 1) * D, vp + b * v0 + g * v1 + column * v2);
-      }
-      const bool* mrow = mp != nullptr ? mp + b * end : nullptr;
-      for (int64_t head = 0; head < H; ++head) {
-        const float* q = row + head * D;
-        const float* kh = kp + b * k0 + (head / group) * k1;
-        const float* vh = vp + b * v0 + (head / group) * v1;
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t c = 0; c < end; ++c) {
-          sc[c] = (mrow != nullptr && !mrow[c]) ? -std::numeric_limits<float>::infinity()
-                                                : dot(q, kh + c * k2, D) * scale;
-          top = std::max(top, sc[c]);
-        }
-        float total = 0.0f;
-        for (int64_t c = 0; c < end; ++c) {
-          sc[c] = std::exp(sc[c] - top);
-          total += sc[c];
-        }
-        float* o = att + b * H * D + head * D;
-        std::fill(o, o + D, 0.0f);
-        for (int64_t c = 0; c < end; ++c) {
-          const float weight = sc[c] / total;
-          const float* vr = vh + c * v2;
-          for (int64_t d = 0; d < D; ++d) o[d] += weight * vr[d];
-        }
-      }
+      attend_groups(qkv + b * width, H, Hkv, D, 0, Hkv, kp + b * K.stride(0), K.stride(1), K.stride(2),
+                    vp + b * V.stride(0), V.stride(1), V.stride(2), column, mp != nullptr ? mp + b * end : nullptr,
+                    att + b * H * D, w.scores.data());
     }
   }
 
@@ -365,6 +765,10 @@ class Decoder {
   int64_t H_, Hkv_, D_, h_ = 0, inner_ = 0;
   float eps_;
   Work work_;
+  std::vector<std::vector<TeamBlock>> team_;  // per part (empty: no team path)
+  at::Tensor team_adapter_, team_head_;  // [h, h] as [in, out]; [V, h] rows
+  std::vector<float> partials_;  // [2 phases, threads, h]
+  SpinBarrier barrier_;
 };
 
 }  // namespace
@@ -373,10 +777,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {""" + quant_cpp.codec_binding(module_l
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, std::vector<std::vector<at::Tensor>>,
                           std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                          double, int64_t, int64_t, int64_t, double>())
+                          double, int64_t, int64_t, int64_t, double, bool>())
       .def("embed", &Decoder::embed)
       .def("core_steps", &Decoder::core_steps)
       .def("predict", &Decoder::predict);
+  m.def("team_calls", []() { return team_calls.load(); });
 }
 """
 
@@ -427,6 +832,7 @@ def build_failure() -> str | None:
 
 EMPTY = torch.empty(0)  # (an absent bias)
 FLOATS: tuple[list, list] = ([], [])  # the codec lists of float stores
+TEAM_DECODE = True  # one-row decode by a team of threads (`Decoder::with_team`); False: the per-product path
 MAX_CODEC_LISTS = 64  # C++ codec lists kept (a cache's decode views are a handful of key tuples)
 
 
@@ -449,7 +855,7 @@ class DecodeKernel:
         self.decoder = module.Decoder(
             blocks["prelude"], blocks["core"], blocks["coda"], runner.wte.detach(), runner.adapter_s.detach(),
             t.ln_f.weight.detach(), runner.lm_head.detach(), float(runner.emb_scale), cfg.num_heads,
-            cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps,
+            cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps, TEAM_DECODE and runner.copy_weights,
         )
         self.cpp_codecs = quant_cpp.CppCodes(module)  # this extension's own `Codec`s of TurboRows tables
         self._codec_lists: dict[int, tuple[list, list, list]] = {}  # by id of a views' codec list

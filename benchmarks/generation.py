@@ -17,6 +17,9 @@ PyTorch over the model's parameters, token by token on a plain growing per-(laye
 fixed and KL exit, our loop on the model's own modules (fast=False), fixed and KL, and the fused
 runner's Python path at fixed depth (the C++ decode of accel/decode_cpp.py off; `cpp_decode` in the
 JSON says whether the modes ran with it).
+Also the fixed-depth decode's roofline: the bytes a token reads (the core's weights r times, the rest once,
+the KV entries at the mean context) over the read bandwidth of a buffer the size of the core's weights at the
+run's thread count (the cache level a step streams them from; `fixed_depth_roofline` in the JSON).
 Prints one JSON line, then a table.
 """
 
@@ -261,6 +264,38 @@ def best_of(repeats: int, runs: dict[str, Callable[[], Any]]) -> dict[str, tuple
     return best
 
 
+def fixed_depth_bytes(model: rd.RecurrentDepthLM, r: int, context: float) -> dict[str, float]:
+    """Bytes one decoded token reads at fixed depth r: the core's weights (its blocks and the adapter's state
+    half) r times, the prelude, coda, adapter input half and head once, and every attention layer's keys and
+    values over `context` columns (per core step, and once for prelude and coda)."""
+    cfg, t = model.config, model.transformer
+
+    def size(modules: Any) -> int:
+        return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
+
+    element = next(model.parameters()).element_size()
+    adapter = size([t.adapter]) if t.adapter is not None else 0  # ([h, 2h]: half of it a step, half once)
+    step = size(t.core_block) + adapter // 2
+    once = size([*t.prelude, *t.coda, model.lm_head]) + adapter - adapter // 2
+    kv_per_layer = 2 * cfg.num_kv_heads * cfg.head_dim * element * context
+    kv = kv_per_layer * (r * len(t.core_block) + len(t.prelude) + len(t.coda))
+    return dict(core_step_bytes=step, token_bytes=r * step + once + kv)
+
+
+def working_set_bandwidth(nbytes: int, repeats: int = 20) -> float:
+    """Best read bandwidth, GB/s, of `torch.sum` over a float32 buffer of `nbytes` (the core's weights: the
+    cache level a fixed-depth step streams them from), at this process's thread count."""
+    buf = torch.ones(max(nbytes // 4, 1024))
+    rounds = max(1, int(2e8 // buf.numel()))
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(rounds):
+            float(buf.sum())
+        best = max(best, rounds * buf.numel() * 4 / (time.perf_counter() - start) / 1e9)
+    return best
+
+
 def prefix_length(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -359,6 +394,14 @@ def main(argv: list[str] | None = None) -> int:
         if not name.startswith("batch"):
             row["speedup_vs_fixed"] = round(row["tokens_per_s"] / fixed, 2)
             row["cpu_speedup_vs_fixed"] = round(row["cpu_tokens_per_s"] / results["fixed"]["cpu_tokens_per_s"], 2)
+    # The fixed-depth decode's roofline: its bytes a token over the read bandwidth of a buffer the size of the
+    # core's weights (measured after the runs, at this thread count): at batch 1 each core step streams them once.
+    traffic = fixed_depth_bytes(model, r, args.prompt_len + args.new_tokens / 2)
+    bandwidth = working_set_bandwidth(traffic["core_step_bytes"])
+    roof = bandwidth * 1e9 / traffic["token_bytes"]
+    roofline = dict(core_step_mb=round(traffic["core_step_bytes"] / 2**20, 3),
+                    token_mb=round(traffic["token_bytes"] / 2**20, 2), read_gb_s=round(bandwidth, 1),
+                    tokens_per_s=round(roof, 1), fixed_fraction=round(results["fixed"]["tokens_per_s"] / roof, 3))
     record = dict(
         benchmark="generation", model=args.model or "random(h256,4h,1/2/1,mlp704,V2048)", num_steps=r,
         draft_steps=draft, inner_steps=inner, wavefront=args.wavefront, prompt_len=args.prompt_len,
@@ -367,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         torch=torch.__version__, python=platform.python_version(), machine=platform.machine(),
         load_average=[round(x, 2) for x in os.getloadavg()], cpus=os.cpu_count(),
         cpp_decode=decode_cpp.load_decoder() is not None, cpp_decode_failure=decode_cpp.build_failure(), modes=results,
-        baselines_tokens_per_s=baseline_rows,
+        baselines_tokens_per_s=baseline_rows, fixed_depth_roofline=roofline,
     )
     print(json.dumps(record))
     cols = ["tokens_per_s", "cpu_tokens_per_s", "speedup_vs_fixed", "cpu_speedup_vs_fixed", "mean_steps",
@@ -385,6 +428,12 @@ def main(argv: list[str] | None = None) -> int:
                 for mode in ("fixed", "kl exit")
             )
             print(f"  {name:<22}{base['tokens_per_s']:>8} ({base['cpu_tokens_per_s']})   {ratio}")
+    official = baseline_rows.get("official-style loop")
+    at_roof = f"; at it, {roof / official['tokens_per_s']:.2f}x the official-style loop" if official else ""
+    print(f"\nfixed-depth roofline: {roofline['token_mb']} MB a token (the core's {roofline['core_step_mb']} MB "
+          f"x {r}) at {roofline['read_gb_s']} GB/s (a {roofline['core_step_mb']} MB buffer's read, {args.threads} "
+          f"thread(s)) = {roofline['tokens_per_s']} tokens/s; fixed reaches {roofline['fixed_fraction']} of it"
+          f"{at_roof}")
     print(f"\nr = {r}, draft {draft}, inner {inner}, wavefront {args.wavefront}, batch rows {args.batch}; "
           f"free-running prefix in tokens of {n_new}; batch 'speedup' is vs one row at a time")
     return 0

@@ -206,15 +206,15 @@ class _CacheBase:
         if valid is None:
             valid = torch.ones_like(depth, dtype=torch.bool)
         valid = valid[:, :n].to(depth.device)
+        # (bytes summed per kind of layer first: this runs once a decoded token, for the bytes it reports)
+        core_bytes = sum(nbytes for base, nbytes in self._entry_bytes.items() if base[0] == "core")
+        other_bytes = 0 if core_only else sum(self._entry_bytes.values()) - core_bytes
         total = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
-        for base, nbytes in self._entry_bytes.items():
-            if base[0] == "core":
-                per_col = self.policy.slots.entries(depth).clamp(max=self.core_slots)
-            elif core_only:
-                continue
-            else:
-                per_col = torch.ones_like(depth)
-            total += (per_col * valid).sum(dim=1) * nbytes
+        if core_bytes:
+            per_col = self.policy.slots.entries(depth).clamp(max=self.core_slots)
+            total += (per_col * valid).sum(dim=1) * core_bytes
+        if other_bytes:
+            total += valid.sum(dim=1) * other_bytes
         if self.codes is not None and self.codes.window is not None:  # the recent tokens' bf16 entries
             total += self.codes.window.logical_nbytes(self.batch_size, valid, n, core_only).to(total.device)
         return total

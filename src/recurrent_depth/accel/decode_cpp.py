@@ -299,7 +299,8 @@ class Decoder {
  public:
   Decoder(std::vector<std::vector<at::Tensor>> prelude, std::vector<std::vector<at::Tensor>> core,
           std::vector<std::vector<at::Tensor>> coda, at::Tensor wte, at::Tensor adapter_s, at::Tensor ln_f,
-          at::Tensor lm_head, double emb_scale, int64_t H, int64_t Hkv, int64_t D, double eps, bool team)
+          at::Tensor lm_head, double emb_scale, int64_t H, int64_t Hkv, int64_t D, double eps,
+          std::vector<std::vector<std::vector<at::Tensor>>> team, at::Tensor team_adapter, at::Tensor team_head)
       : wte_(wte), adapter_s_(adapter_s), ln_f_(ln_f.contiguous()), lm_head_(lm_head),
         emb_scale_(static_cast<float>(emb_scale)), H_(H), Hkv_(Hkv), D_(D), eps_(static_cast<float>(eps)) {
     TORCH_CHECK(D % 2 == 0 && H % Hkv == 0, "decode kernel: even head_dim, heads a multiple of kv heads");
@@ -318,16 +319,25 @@ class Decoder {
       parts_.push_back(blocks);
     }
     inner_ = parts_[1].empty() ? 0 : parts_[1][0].fc.size(1) / 2;
-    if (team) {  // (copies of the layouts the runner did not copy: its small models only)
-      for (const auto& blocks : parts_) {
+    if (!team.empty()) {  // the team path's weights (`TeamBlock`): none, or four a block of every part
+      TORCH_CHECK(team.size() == 3, "decode kernel: team weights for prelude, core and coda");
+      for (size_t part = 0; part < 3; ++part) {
+        TORCH_CHECK(team[part].size() == parts_[part].size(), "decode kernel: team weights a block");
         std::vector<TeamBlock> weights;
-        for (const Block& b : blocks) {
-          weights.push_back({b.qkv.t().contiguous(), b.proj.contiguous(), b.fc.t().contiguous(), b.out.contiguous()});
+        for (const auto& w : team[part]) {
+          TORCH_CHECK(w.size() == 4, "decode kernel: 4 team weights a block");
+          for (const at::Tensor& t : w) {
+            TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(),
+                        "decode kernel: contiguous float32 team weights");
+          }
+          weights.push_back({w[0], w[1], w[2], w[3]});
         }
         team_.push_back(weights);
       }
-      team_adapter_ = adapter_s_.contiguous();
-      team_head_ = lm_head_.t().contiguous();
+      TORCH_CHECK(team_adapter.is_contiguous() && team_head.is_contiguous() && team_head.size(1) == h_,
+                  "decode kernel: contiguous team adapter [h, h] and head [V, h]");
+      team_adapter_ = team_adapter;
+      team_head_ = team_head;
     }
   }
 
@@ -777,7 +787,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {""" + quant_cpp.codec_binding(module_l
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, std::vector<std::vector<at::Tensor>>,
                           std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                          double, int64_t, int64_t, int64_t, double, bool>())
+                          double, int64_t, int64_t, int64_t, double,
+                          std::vector<std::vector<std::vector<at::Tensor>>>, at::Tensor, at::Tensor>())
       .def("embed", &Decoder::embed)
       .def("core_steps", &Decoder::core_steps)
       .def("predict", &Decoder::predict);
@@ -851,11 +862,23 @@ class DecodeKernel:
             return [*norms, *(p[name].detach() for name in ("qkv", "proj", "fc", "out")),
                     *(EMPTY if b is None else b.detach().contiguous() for b in biases)]
 
+        def team_weights(block: Any, p: dict[str, Any]) -> list[Tensor]:
+            # the qkv and fc products' [out, in] rows (the parameters themselves), proj and out as [in, out]
+            linears = runner._block_linears(block)
+            return [linears["qkv"].weight.detach().contiguous(), p["proj"].detach().contiguous(),
+                    linears["fc"].weight.detach().contiguous(), p["out"].detach().contiguous()]
+
         blocks = {part: [weights(b, p) for b, p in zip(parts[part], runner.blocks[part])] for part in parts}
+        team: list = []  # (none: the per-product path)
+        team_adapter = team_head = EMPTY
+        if TEAM_DECODE and runner.copy_weights:  # its small models (the copies of `out` double those weights)
+            team = [[team_weights(b, p) for b, p in zip(parts[part], runner.blocks[part])] for part in parts]
+            team_adapter = runner.adapter_s.detach().contiguous()
+            team_head = model.lm_head.weight.detach().contiguous()
         self.decoder = module.Decoder(
             blocks["prelude"], blocks["core"], blocks["coda"], runner.wte.detach(), runner.adapter_s.detach(),
             t.ln_f.weight.detach(), runner.lm_head.detach(), float(runner.emb_scale), cfg.num_heads,
-            cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps, TEAM_DECODE and runner.copy_weights,
+            cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps, team, team_adapter, team_head,
         )
         self.cpp_codecs = quant_cpp.CppCodes(module)  # this extension's own `Codec`s of TurboRows tables
         self._codec_lists: dict[int, tuple[list, list, list]] = {}  # by id of a views' codec list

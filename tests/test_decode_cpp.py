@@ -284,6 +284,26 @@ def test_quantized_kv_decodes_in_cpp_as_the_python_path(cpp, calls, monkeypatch,
         torch.testing.assert_close(ours.logits, other.logits, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("spec", list(KV_QUANT))
+@pytest.mark.parametrize("policy", [None, "shared-2"], ids=["per-step", "shared-2"])
+def test_one_row_with_quantized_kv_decodes_on_a_team_as_the_python_path(cpp, monkeypatch, spec, policy, threads):
+    """One row on a team of 1-2 threads, its attention read from codes (by the team's first thread): the
+    tokens and, to float32 rounding of the same codes, the logits of the Python path."""
+    model = odd_model(2, qk_bias=True)
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(7))
+    kw = dict(kv_quant=KV_QUANT[spec], kv_policy=policy)
+    team_calls = decode_cpp.load_decoder().team_calls
+    before = team_calls()
+    with Threads(threads):
+        ours = run(model, ids, None, monkeypatch, True, **kw)
+    assert team_calls() - before == 15
+    monkeypatch.setenv("RDEPTH_NO_CPP_DECODE", "1")
+    python = run(model, ids, None, monkeypatch, True, **kw)
+    assert torch.equal(ours.sequences, python.sequences)
+    torch.testing.assert_close(ours.logits, python.logits, rtol=1e-4, atol=1e-4)
+
+
 def test_quantized_cache_rows_equal_the_python_steps(cpp, monkeypatch):
     """One decoded token after a prefill on a quantized shared-2 cache: states, logits and every code row
     the C++ wrote, against `FastRunner`'s Python steps (the C++ quantized read) on an identical cache."""
@@ -301,18 +321,22 @@ def test_quantized_cache_rows_equal_the_python_steps(cpp, monkeypatch):
             assert torch.equal(ours, python), key  # (keys and rotations agree to rounding; here no code differs)
 
 
-def test_a_norm_beyond_fp16_is_refused_in_one_line(cpp):
-    """A decoded key whose norm fp16 cannot store: the codec's one-line ValueError, from inside the C++ step."""
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_norm_beyond_fp16_is_refused_in_one_line(cpp, rows, threads):
+    """A decoded key whose norm fp16 cannot store: the codec's one-line ValueError, from inside the C++ step
+    (one row: raised after its team of threads has finished)."""
     model = odd_model(6)
-    ids = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        runner, cache = FastRunner(model), StaticRecurrentCache(1, 2, capacity=8, kv_quant=KV_QUANT["tq3.5"])
+    ids = torch.randint(0, 97, (rows, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), Threads(threads):
+        runner, cache = FastRunner(model), StaticRecurrentCache(rows, 2, capacity=8, kv_quant=KV_QUANT["tq3.5"])
         step = runner.context(ids[:, :4], None, cache)
         e = runner.embed(ids[:, :4], step)
         runner.core_steps(torch.zeros_like(e), runner.inject(e), e, range(2), step)
         cache.close(2, 4)
         cache.advance(4)
-        runner.blocks["core"][0]["qkv"].mul_(1e5)  # (the C++ decoder shares the runner's weights)
+        runner.blocks["core"][0]["qkv"].mul_(1e5)  # (the C++ decoder shares the runner's weights,
+        model.transformer.core_block[0].attn.Wqkv.weight.mul_(1e5)  # and a team reads the parameter's rows)
         step = runner.context(ids[:, 4:], None, cache)
         e = runner.embed(ids[:, 4:], step)
         with pytest.raises(ValueError, match=r"norm exceeds the fp16 range \(65504\): got .*; scale the input down"):

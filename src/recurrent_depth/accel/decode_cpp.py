@@ -347,8 +347,8 @@ class Decoder {
                    const at::Tensor& mask) {
     at::NoGradGuard no_grad;
     at::Tensor x = at::embedding(wte_, ids.reshape({-1})).mul_(emb_scale_).contiguous();
-    if (teams(x.size(0), cks)) {
-      team_prelude(x, freqs, ks, vs, column, mask);
+    if (teams(x.size(0))) {
+      team_prelude(x, freqs, ks, vs, cks, cvs, column, mask);
     } else {
       run_blocks(parts_[0], 0, x, freqs, ks, vs, cks, cvs, column, mask);
     }
@@ -364,7 +364,9 @@ class Decoder {
     const int64_t L = static_cast<int64_t>(core.size());
     TORCH_CHECK(static_cast<int64_t>(ks.size()) == steps * L && ks.size() == vs.size(),
                 "decode kernel: one key and value store per core layer and step");
-    if (teams(state.numel() / h_, cks)) return team_core_steps(state, injected, freqs, ks, vs, column, mask, steps);
+    if (teams(state.numel() / h_)) {
+      return team_core_steps(state, injected, freqs, ks, vs, cks, cvs, column, mask, steps);
+    }
     at::Tensor s = state.reshape({-1, h_}).contiguous().clone();
     const at::Tensor inj = injected.reshape({-1, h_}).contiguous();
     at::Tensor x = at::empty_like(s);
@@ -381,7 +383,7 @@ class Decoder {
                      const std::vector<at::Tensor>& vs, const Codecs& cks, const Codecs& cvs, int64_t column,
                      const at::Tensor& mask) {
     at::NoGradGuard no_grad;
-    if (teams(state.numel() / h_, cks)) return team_predict(state, freqs, ks, vs, column, mask);
+    if (teams(state.numel() / h_)) return team_predict(state, freqs, ks, vs, cks, cvs, column, mask);
     at::Tensor x = at::empty({state.numel() / h_, h_}, state.options());
     const at::Tensor s = state.reshape({-1, h_}).contiguous();
     norm_rows(s.data_ptr<float>(), ln_f_.data_ptr<float>(), x.data_ptr<float>(), x.size(0), h_, eps_);
@@ -400,8 +402,10 @@ class Decoder {
   // adds, the norms) on its own copy of the state, so one barrier a summed product is the team's only
   // synchronisation (one fork a call): at batch 1 a step is ~10 products of a few hundred kB, each too small to
   // pay for a fork and join of its own. The sums' order depends on the team's size (results equal to float32
-  // rounding, as elsewhere here). One thread runs the same code without barriers.
-  bool teams(int64_t rows, const Codecs& cks) const { return !team_.empty() && rows == 1 && cks.empty(); }
+  // rounding, as elsewhere here). One thread runs the same code without barriers. With a quantized cache the
+  // threads write their q, k, v rows into one shared row and thread 0 encodes and attends for every head
+  // (`decode_attend_rows`, whose codecs may hold per-head tables), between two more barriers.
+  bool teams(int64_t rows) const { return !team_.empty() && rows == 1; }
 
   // The product weights of a block as the team reads them: the qkv and fc products' [out, in] rows and the proj
   // and out products' [in, out] rows, contiguous, so a thread's share of each is one stretch of memory.
@@ -447,27 +451,44 @@ class Decoder {
     at::internal::lazy_init_num_threads();
     const int threads = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
     partials_.resize(2 * threads * h_);
+    shared_qkv_.resize((H_ + 2 * Hkv_) * D_);
+    shared_att_.resize(H_ * D_);
+    overflow_norm_ = -1.0f;
     team_calls.fetch_add(1, std::memory_order_relaxed);
     if (threads == 1) {
       barrier_.reset(1);
       Mate mate(*this, 0, 1, columns, partials_.data(), &barrier_);
       body(mate);
-      return;
-    }
+    } else {
 #pragma omp parallel
-    {
+      {
 #pragma omp single
-      barrier_.reset(omp_get_num_threads());  // (the single's closing barrier publishes it)
-      Mate mate(*this, omp_get_thread_num(), omp_get_num_threads(), columns, partials_.data(), &barrier_);
-      body(mate);
+        barrier_.reset(omp_get_num_threads());  // (the single's closing barrier publishes it)
+        Mate mate(*this, omp_get_thread_num(), omp_get_num_threads(), columns, partials_.data(), &barrier_);
+        body(mate);
+      }
+    }
+    if (overflow_norm_ >= 0.0f) {  // (raised here: nothing may throw inside the team)
+      std::ostringstream text;
+      text << "a vector norm exceeds the fp16 range (65504): got " << overflow_norm_ << "; scale the input down";
+      throw pybind11::value_error(text.str());
     }
   }
 
   // The checks of a team call's stores and mask; the rotary angles of its row.
   at::Tensor team_inputs(const at::Tensor& freqs, const std::vector<at::Tensor>& ks, const std::vector<at::Tensor>& vs,
-                         int64_t column, const at::Tensor& mask) const {
+                         const Codecs& cks, const Codecs& cvs, int64_t column, const at::Tensor& mask) const {
     TORCH_CHECK(ks.size() == vs.size(), "decode kernel: a key and a value store each");
-    for (size_t i = 0; i < ks.size(); ++i) check_float_store(ks[i], vs[i], 1, column + 1);
+    TORCH_CHECK(cks.empty() || (cks.size() == ks.size() && cvs.size() == ks.size()),
+                "decode kernel: a key and value codec per store, or none");
+    for (size_t i = 0; i < ks.size(); ++i) {
+      if (cks.empty()) {
+        check_float_store(ks[i], vs[i], 1, column + 1);
+      } else {
+        check_columns(ks[i], vs[i], 1, Hkv_, column + 1, *cks[i], *cvs[i]);
+        TORCH_CHECK(cvs[i]->back.size(-1) == D_, "decode kernel: the codes' value width is the head dim");
+      }
+    }
     if (has(mask)) {
       TORCH_CHECK(mask.scalar_type() == at::kBool && mask.numel() == column + 1 && mask.is_contiguous(),
                   "decode kernel: mask bool [1, columns] contiguous");
@@ -478,10 +499,11 @@ class Decoder {
   }
 
   static const float* data_or_null(const at::Tensor& t) { return has(t) ? t.data_ptr<float>() : nullptr; }
+  static const Codec* codec(const Codecs& codecs, size_t i) { return codecs.empty() ? nullptr : codecs[i]; }
 
   // Mate m's part of block p (weights w) on its state copy m.x, with stores K, V (see `block`).
   void team_block(Mate& m, const Block& p, const TeamBlock& w, const at::Tensor& K, const at::Tensor& V,
-                  const float* angles, int64_t column, const bool* mask) const {
+                  const Codec* ck, const Codec* cv, const float* angles, int64_t column, const bool* mask) {
     const int64_t h = h_, H = H_, Hkv = Hkv_, D = D_, group = H / Hkv, inner = inner_;
     const int64_t q0 = m.g0 * group * D, q1 = m.g1 * group * D, own = m.i1 - m.i0;
     // rows [first, first + count) of a product's output: x . W[o] + bias[o]
@@ -493,7 +515,7 @@ class Decoder {
         for (int64_t j = 0; j < count; ++j) y[j] += b[j];
       }
     };
-    float* qkv = m.qkv.data();
+    float* qkv = ck != nullptr ? shared_qkv_.data() : m.qkv.data();
     norm_rows(m.x.data(), p.n1.data_ptr<float>(), m.normed.data(), 1, h, eps_);
     own_rows(m.normed.data(), w.qkv_rows, p.qkv_bias, q0, q1 - q0, qkv + q0);  // this thread's q heads
     for (const int64_t first : {(H + m.g0) * D, (H + Hkv + m.g0) * D}) {  // its groups' k and v
@@ -501,9 +523,17 @@ class Decoder {
     }
     rotate_heads(qkv, angles, m.g0 * group, m.g1 * group);
     rotate_heads(qkv, angles, H + m.g0, H + m.g1);
-    attend_groups(qkv, H, Hkv, D, m.g0, m.g1, K.data_ptr<float>(), K.stride(1), K.stride(2), V.data_ptr<float>(),
-                  V.stride(1), V.stride(2), column, mask, m.att.data(), m.scores.data());
-    row_axpys(m.att.data() + q0, w.proj_cols.data_ptr<float>() + q0 * h, q1 - q0, h, m.mine(h));
+    float* att = m.att.data();
+    if (ck != nullptr) {
+      m.barrier->wait();  // (every thread's rows are in the shared row)
+      if (m.t == 0) attend_codes_row(qkv, K, V, *ck, *cv, column, mask);
+      m.barrier->wait();  // (the heads' outputs are in the shared att)
+      att = shared_att_.data();
+    } else {
+      attend_groups(qkv, H, Hkv, D, m.g0, m.g1, K.data_ptr<float>(), K.stride(1), K.stride(2), V.data_ptr<float>(),
+                    V.stride(1), V.stride(2), column, mask, att, m.scores.data());
+    }
+    row_axpys(att + q0, w.proj_cols.data_ptr<float>() + q0 * h, q1 - q0, h, m.mine(h));
     m.gather(m.x.data(), data_or_null(p.proj_bias), m.mixed.data(), h);
     norm_rows(m.mixed.data(), p.n2.data_ptr<float>(), m.mixed.data(), 1, h, eps_);
     norm_rows(m.mixed.data(), p.n3.data_ptr<float>(), m.normed.data(), 1, h, eps_);
@@ -518,17 +548,38 @@ class Decoder {
     norm_rows(m.out.data(), p.n4.data_ptr<float>(), m.x.data(), 1, h, eps_);
   }
 
+  // `attend_codes` of one qkv row into shared_att_; a norm beyond fp16 is noted in overflow_norm_ (the
+  // largest of the row's k and v head norms), raised after the team.
+  void attend_codes_row(const float* qkv, const at::Tensor& K, const at::Tensor& V, const Codec& ck, const Codec& cv,
+                        int64_t column, const bool* mask) {
+    const int64_t D = D_, H = H_, Hkv = Hkv_, row = (H + 2 * Hkv) * D;
+    const QueryIn q{qkv, 1, H, D, row, D, 1};
+    const RowsIn k{qkv + H * D, Hkv, 1, D, row, D, D}, v{qkv + (H + Hkv) * D, Hkv, 1, D, row, D, D};
+    MaskIn m;
+    if (mask != nullptr) m.b = mask, m.s0 = column + 1, m.s3 = 1;
+    if (!decode_attend_rows(q, k, v, ck, cv, K, V, column, m, shared_att_.data())) {
+      float worst = 0.0f;
+      for (int64_t r = 0; r < 2 * Hkv; ++r) {
+        const float* x = qkv + (H + r) * D;
+        worst = std::max(worst, std::sqrt(dot(x, x, D)));
+      }
+      overflow_norm_ = std::max(overflow_norm_, worst);
+    }
+  }
+
   // The prelude's blocks on one row x [1, h], in place.
   void team_prelude(at::Tensor& x, const at::Tensor& freqs, const std::vector<at::Tensor>& ks,
-                    const std::vector<at::Tensor>& vs, int64_t column, const at::Tensor& mask) {
+                    const std::vector<at::Tensor>& vs, const Codecs& cks, const Codecs& cvs, int64_t column,
+                    const at::Tensor& mask) {
     TORCH_CHECK(ks.size() >= parts_[0].size(), "decode kernel: a key and value store per block");
-    const at::Tensor angles = team_inputs(freqs, ks, vs, column, mask);
+    const at::Tensor angles = team_inputs(freqs, ks, vs, cks, cvs, column, mask);
     float* xp = x.data_ptr<float>();
     const bool* mp = has(mask) ? mask.data_ptr<bool>() : nullptr;
     with_team(column + 1, [&](Mate& m) {
       std::copy(xp, xp + h_, m.x.begin());
       for (size_t j = 0; j < parts_[0].size(); ++j) {
-        team_block(m, parts_[0][j], team_[0][j], ks[j], vs[j], angles.data_ptr<float>(), column, mp);
+        team_block(m, parts_[0][j], team_[0][j], ks[j], vs[j], codec(cks, j), codec(cvs, j), angles.data_ptr<float>(),
+                   column, mp);
       }
       m.barrier->wait();  // (every thread has read x before thread 0 writes it)
       if (m.t == 0) std::copy(m.x.begin(), m.x.end(), xp);
@@ -536,9 +587,9 @@ class Decoder {
   }
 
   at::Tensor team_core_steps(const at::Tensor& state, const at::Tensor& injected, const at::Tensor& freqs,
-                             const std::vector<at::Tensor>& ks, const std::vector<at::Tensor>& vs, int64_t column,
-                             const at::Tensor& mask, int64_t steps) {
-    const at::Tensor angles = team_inputs(freqs, ks, vs, column, mask);
+                             const std::vector<at::Tensor>& ks, const std::vector<at::Tensor>& vs, const Codecs& cks,
+                             const Codecs& cvs, int64_t column, const at::Tensor& mask, int64_t steps) {
+    const at::Tensor angles = team_inputs(freqs, ks, vs, cks, cvs, column, mask);
     const at::Tensor inj = injected.reshape({h_}).contiguous();
     at::Tensor s = state.reshape({1, h_}).contiguous().clone();
     const int64_t L = static_cast<int64_t>(team_[1].size()), h = h_;
@@ -550,8 +601,9 @@ class Decoder {
         row_axpys(m.x.data() + m.a0, team_adapter_.data_ptr<float>() + m.a0 * h, m.a1 - m.a0, h, m.mine(h));
         m.gather(inj.data_ptr<float>(), nullptr, m.x.data(), h);  // injected + s @ adapter_s
         for (int64_t l = 0; l < L; ++l) {
-          team_block(m, parts_[1][l], team_[1][l], ks[step * L + l], vs[step * L + l], angles.data_ptr<float>(),
-                     column, mp);
+          const size_t view = step * L + l;
+          team_block(m, parts_[1][l], team_[1][l], ks[view], vs[view], codec(cks, view), codec(cvs, view),
+                     angles.data_ptr<float>(), column, mp);
         }
       }
       if (m.t == 0) std::copy(m.x.begin(), m.x.end(), sp);  // (s was read before the first gather)
@@ -561,9 +613,10 @@ class Decoder {
 
   // logits [1, V] = lm_head(ln_f(coda(ln_f(state)))), each thread its share of the vocabulary's rows.
   at::Tensor team_predict(const at::Tensor& state, const at::Tensor& freqs, const std::vector<at::Tensor>& ks,
-                          const std::vector<at::Tensor>& vs, int64_t column, const at::Tensor& mask) {
+                          const std::vector<at::Tensor>& vs, const Codecs& cks, const Codecs& cvs, int64_t column,
+                          const at::Tensor& mask) {
     TORCH_CHECK(ks.size() >= parts_[2].size(), "decode kernel: a key and value store per block");
-    const at::Tensor angles = team_inputs(freqs, ks, vs, column, mask);
+    const at::Tensor angles = team_inputs(freqs, ks, vs, cks, cvs, column, mask);
     const at::Tensor s = state.reshape({h_}).contiguous();
     const int64_t V = team_head_.size(0), h = h_;
     at::Tensor logits = at::empty({1, V}, state.options());
@@ -571,7 +624,8 @@ class Decoder {
     with_team(column + 1, [&](Mate& m) {
       norm_rows(s.data_ptr<float>(), ln_f_.data_ptr<float>(), m.x.data(), 1, h, eps_);
       for (size_t j = 0; j < parts_[2].size(); ++j) {
-        team_block(m, parts_[2][j], team_[2][j], ks[j], vs[j], angles.data_ptr<float>(), column, mp);
+        team_block(m, parts_[2][j], team_[2][j], ks[j], vs[j], codec(cks, j), codec(cvs, j), angles.data_ptr<float>(),
+                   column, mp);
       }
       norm_rows(m.x.data(), ln_f_.data_ptr<float>(), m.normed.data(), 1, h, eps_);
       const auto [v0, v1] = share(V, m.t, m.n);
@@ -778,6 +832,8 @@ class Decoder {
   std::vector<std::vector<TeamBlock>> team_;  // per part (empty: no team path)
   at::Tensor team_adapter_, team_head_;  // [h, h] as [in, out]; [V, h] rows
   std::vector<float> partials_;  // [2 phases, threads, h]
+  std::vector<float> shared_qkv_, shared_att_;  // (a quantized cache's: one row for thread 0's attention)
+  float overflow_norm_ = -1.0f;  // (>= 0: a norm beyond fp16, from attend_codes_row)
   SpinBarrier barrier_;
 };
 

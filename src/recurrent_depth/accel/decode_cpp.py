@@ -327,15 +327,18 @@ class Decoder {
         for (const auto& w : team[part]) {
           TORCH_CHECK(w.size() == 4, "decode kernel: 4 team weights a block");
           for (const at::Tensor& t : w) {
-            TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(),
-                        "decode kernel: contiguous float32 team weights");
+            TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(1) == h_,
+                        "decode kernel: contiguous float32 team weights [rows, h]");
           }
+          TORCH_CHECK(w[0].size(0) == (H_ + 2 * Hkv_) * D_ && w[1].size(0) == H_ * D_ && w[2].size(0) == 2 * inner_
+                      && w[3].size(0) == inner_, "decode kernel: team weights of qkv, proj, fc and out rows");
           weights.push_back({w[0], w[1], w[2], w[3]});
         }
         team_.push_back(weights);
       }
-      TORCH_CHECK(team_adapter.is_contiguous() && team_head.is_contiguous() && team_head.size(1) == h_,
-                  "decode kernel: contiguous team adapter [h, h] and head [V, h]");
+      TORCH_CHECK(team_adapter.is_contiguous() && team_adapter.dim() == 2 && team_adapter.size(0) == h_
+                  && team_adapter.size(1) == h_ && team_head.is_contiguous() && team_head.dim() == 2
+                  && team_head.size(1) == h_, "decode kernel: contiguous team adapter [h, h] and head [V, h]");
       team_adapter_ = team_adapter;
       team_head_ = team_head;
     }

@@ -64,7 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="continuation length for agreement (default: %(default)s)")
     p.add_argument("--prompts-file", default=None, help="one prompt per line (needs --model with a tokenizer)")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (default: %(default)s; decoding at batch 1 is overhead-bound)")
+                   help="torch threads (default: %(default)s; one row's fixed-depth decode runs on a team of "
+                        "them, streaming the core's weights once a step)")
     p.add_argument("--seed", type=int, default=0, help="seed for the random model and prompts (default: %(default)s)")
     p.add_argument("--no-baselines", action="store_true",
                    help="skip the official-style loop and model-module baselines (default: run them)")

@@ -133,11 +133,12 @@ def test_states_and_cache_entries_equal_the_python_steps(cpp, monkeypatch, kv_he
         torch.testing.assert_close(kv0[key], kv1[key], **TOL, msg=str(key))
 
 
-def simd_model() -> rd.RecurrentDepthLM:
+def simd_model(hidden: int = 64, heads: int = 4, kv_heads: int = 2) -> rd.RecurrentDepthLM:
     """Hidden 64, 4 heads of dim 16 on 2 kv heads, MLP 96: the team's vector loops (register-resident heads,
     whole vectors of every product) rather than odd_model's tails."""
-    cfg = rd.ModelConfig(vocab_size=97, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96,
-                         prelude_layers=1, core_layers=2, coda_layers=1, qk_bias=True, max_seq_len=64)
+    cfg = rd.ModelConfig(vocab_size=97, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
+                         intermediate_size=96, prelude_layers=1, core_layers=2, coda_layers=1, qk_bias=True,
+                         max_seq_len=64)
     torch.manual_seed(1)
     return rd.RecurrentDepthLM(cfg).eval()
 
@@ -156,7 +157,7 @@ class Threads:
 
 
 TEAM_MODELS = {"mha-odd": lambda: odd_model(6), "gqa-odd-qk-bias": lambda: odd_model(2, qk_bias=True),
-               "gqa-vectors": simd_model}
+               "gqa-vectors": simd_model, "mqa-head-dim-48": lambda: simd_model(96, 2, 1)}
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

@@ -252,7 +252,11 @@ void attend_any(const float* q, const float* kh, int64_t k2, const float* vh, in
     switch (D / LANES) {
       case 1: return attend_head<1>(q, kh, k2, vh, v2, end, mrow, scale, o, sc);
       case 2: return attend_head<2>(q, kh, k2, vh, v2, end, mrow, scale, o, sc);
+      case 3: return attend_head<3>(q, kh, k2, vh, v2, end, mrow, scale, o, sc);
       case 4: return attend_head<4>(q, kh, k2, vh, v2, end, mrow, scale, o, sc);
+      case 5: return attend_head<5>(q, kh, k2, vh, v2, end, mrow, scale, o, sc);
+      case 6: return attend_head<6>(q, kh, k2, vh, v2, end, mrow, scale, o, sc);
+      case 7: return attend_head<7>(q, kh, k2, vh, v2, end, mrow, scale, o, sc);
       case 8: return attend_head<8>(q, kh, k2, vh, v2, end, mrow, scale, o, sc);
       default: break;
     }

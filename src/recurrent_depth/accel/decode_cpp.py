@@ -96,8 +96,8 @@ void norm_rows(const float* x, const float* w, float* y, int64_t B, int64_t h, f
 // The team path's two products of one row (`Decoder::with_team`), each streaming a thread's share of a
 // weight once, in order: `row_dots` y[o] = x . W[o] for `rows` rows of W [rows, K] (a product's output
 // rows: the parameter's own [out, in] layout), `row_axpys` y = sum_k x[k] W[k] over `rows` rows of W [rows, N]
-// (a product's input rows: its [in, out] layout, a share of the sum over k). Four rows, or one row's 16 vectors,
-// at a time: ~25 GB/s from L3 on one core of an AMX Xeon, where ATen's gemv reads ~19.
+// (a product's input rows: its [in, out] layout, a share of the sum over k). Four rows, or AXPY_VECTORS vectors
+// of a row, at a time: ~25 GB/s from L3 on one core of an AMX Xeon, where ATen's gemv reads ~19.
 #if defined(__AVX512F__)
 #define TEAM_SIMD 1
 using Vec = __m512;
@@ -912,7 +912,8 @@ MAX_CODEC_LISTS = 64  # C++ codec lists kept (a cache's decode views are a handf
 
 class DecodeKernel:
     """The C++ `Decoder` over one `FastRunner`'s weights (its layouts and folded biases, shared, not
-    copied), and the per-call checks of what it covers (see the module docstring)."""
+    copied; the one-row team adds [in, out] copies of the MLP's tall output weights), and the per-call
+    checks of what it covers (see the module docstring)."""
 
     def __init__(self, module: Any, runner: Any) -> None:
         model = runner.model

@@ -202,28 +202,45 @@ def test_a_team_writes_the_cache_entries_of_the_python_steps(cpp, monkeypatch, t
 UNCOVERED = {"kv-window": dict(kv_quant="k=prod:3.5,v=mse:3.5,window=2"),
              "kv-dequantize": dict(kv_quant="k=mse:3.5,v=mse:3.5,attn=dequantize"),
              "kv-not-turbo": dict(kv_quant="k=qjl:3,v=mse:3.5"), "dynamic-cache": dict(cache_implementation="dynamic"),
-             "skip-lookup": dict(kv_policy="per-step+skip"), "kl-exit": dict(exit_criterion="kl")}
+             "skip-lookup": dict(kv_policy="per-step+skip")}
 
 
 @pytest.mark.parametrize("case", list(UNCOVERED))
 def test_uncovered_cases_take_the_python_path(cpp, calls, monkeypatch, case):
     """Quantized entries with a bf16 window, a dequantizing read or a codec the C++ read does not take,
-    the dynamic reference cache and a lookup that hides columns: no C++ call at all; an exit criterion:
-    no fused core steps (the prelude, coda and head of its tokens still run in C++). The results are
+    the dynamic reference cache and a lookup that hides columns: no C++ call at all. The results are
     those of the Python path."""
     kw = UNCOVERED[case]
     model = odd_model(6)
     ids, mask = padded_prompts(97)
     ours = run(model, ids, mask, monkeypatch, True, **kw)
-    assert calls["core_steps"] == 0
-    assert calls["embed"] == (5 if case == "kl-exit" else 0)
+    assert calls == {"embed": 0, "core_steps": 0, "predict": 0}
     python = run(model, ids, mask, monkeypatch, False, **kw)
     assert torch.equal(ours.sequences, python.sequences) and torch.equal(ours.steps, python.steps)
     torch.testing.assert_close(ours.logits, python.logits, **TOL)
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_an_exit_criterion_steps_in_cpp_until_a_row_stops(cpp, calls, monkeypatch, rows):
+    """KL exit: each core step is one C++ call while every row still runs (one row: the team), and the
+    Python step, under the cache's write mask, once a row has stopped; the steps each token ran, the
+    tokens and the logits are the Python path's."""
+    model = odd_model(6)
+    ids, mask = padded_prompts(97)
+    ids, mask = ids[:rows], (mask[:rows] if rows > 1 else None)
+    kw = dict(exit_criterion="kl", exit_threshold=1e-3, max_steps=8)
+    ours = run(model, ids, mask, monkeypatch, True, **kw)
+    python = run(model, ids, mask, monkeypatch, False, **kw)
+    assert torch.equal(ours.sequences, python.sequences) and torch.equal(ours.steps, python.steps)
+    torch.testing.assert_close(ours.logits, python.logits, **TOL)
+    assert calls["embed"] == 5 and calls["core_steps"] >= 5  # (counts the C++ calls that ran)
+    if rows == 1:  # one row never waits on another: every step it ran was a C++ call
+        assert calls["core_steps"] == int(ours.steps[0, 1:].sum())
+
+
 def test_hooks_between_steps_keep_the_step_loop(cpp, calls, monkeypatch):
-    """`should_stop` / `on_step` run between core steps: with either set, the engine keeps its own loop."""
+    """`should_stop` / `on_step` run between core steps: with either set, the engine keeps its own loop, each
+    decoded step one C++ call (the prompt's steps in Python)."""
     from recurrent_depth.inference.engine import Recurrence
 
     model = odd_model(6)
@@ -239,7 +256,7 @@ def test_hooks_between_steps_keep_the_step_loop(cpp, calls, monkeypatch):
         cache.advance(4)
         pass_ = engine.begin(ids[:, :1], None, cache)
         engine.run(torch.zeros_like(pass_.e), pass_, 3)
-    assert len(ticks) == 6 and calls["core_steps"] == 0 and calls["embed"] == 1
+    assert len(ticks) == 6 and calls["core_steps"] == 3 and calls["embed"] == 1
 
 
 def test_a_failing_build_falls_back_with_one_message(monkeypatch, caplog):

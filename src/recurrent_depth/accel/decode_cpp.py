@@ -23,7 +23,8 @@ autograd, one new column per row (T = 1; any batch size, left-padding masks), th
 `FastRunner` supports without LoRA, grouped-query heads, any head_dim (even, as RoPE needs), and a
 storage that hands out its KV tensors (`ModelCache.decode_views`: the static generation cache without a
 write mask or a lookup that hides or re-picks columns; every slot rule). The engine calls `core_steps`
-only for fixed-depth runs without per-step hooks (`Recurrence.run`).
+for fixed-depth runs without per-step hooks (`Recurrence.run`), and the runner's `core_step` calls it for
+one step (an exit criterion's loop, until a row stops and the cache takes a write mask).
 
 Quantized KV (`kv_quant` with TurboQuant-family codecs, read from codes, no bf16 window): each attention
 layer encodes its new key and value straight into the cache's code rows and reads attention from every

@@ -98,7 +98,9 @@ void norm_rows(const float* x, const float* w, float* y, int64_t B, int64_t h, f
 // weight once, in order: `row_dots` y[o] = x . W[o] for `rows` rows of W [rows, K] (a product's output
 // rows: the parameter's own [out, in] layout), `row_axpys` y = sum_k x[k] W[k] over `rows` rows of W [rows, N]
 // (a product's input rows: its [in, out] layout, a share of the sum over k). Four rows, or AXPY_VECTORS vectors
-// of a row, at a time: ~25 GB/s from L3 on one core of an AMX Xeon, where ATen's gemv reads ~19.
+// of a row, at a time: ~25 GB/s from L3 on one core of an AMX Xeon, where ATen's gemv reads ~19. (`row_dots`
+// is `dot_rows` at the build's full vector width: `dot_rows`, 8 lanes for every weight type it reads, made
+// the team's core step ~5 % slower on AVX-512, 1 and 2 threads, four interleaved rounds.)
 #if defined(__AVX512F__)
 #define TEAM_SIMD 1
 using Vec = __m512;
@@ -476,11 +478,7 @@ class Decoder {
         body(mate);
       }
     }
-    if (overflow_norm_ >= 0.0f) {  // (raised here: nothing may throw inside the team)
-      std::ostringstream text;
-      text << "a vector norm exceeds the fp16 range (65504): got " << overflow_norm_ << "; scale the input down";
-      throw pybind11::value_error(text.str());
-    }
+    if (overflow_norm_ >= 0.0f) refuse_norm(overflow_norm_);  // (raised here: nothing may throw inside the team)
   }
 
   // The checks of a team call's stores and mask; the rotary angles of its row.
@@ -534,7 +532,10 @@ class Decoder {
     float* att = m.att.data();
     if (ck != nullptr) {
       m.barrier->wait();  // (every thread's rows are in the shared row)
-      if (m.t == 0) attend_codes_row(qkv, K, V, *ck, *cv, column, mask);
+      const int64_t row = (H + 2 * Hkv) * D;
+      if (m.t == 0 && !attend_code_rows(qkv, 1, row, K, V, *ck, *cv, column, mask, shared_att_.data())) {
+        overflow_norm_ = std::max(overflow_norm_, largest_kv_norm(qkv, 1, row));
+      }
       m.barrier->wait();  // (the heads' outputs are in the shared att)
       att = shared_att_.data();
     } else {
@@ -554,25 +555,6 @@ class Decoder {
     row_axpys(m.hidden.data(), w.out_cols.data_ptr<float>() + m.i0 * h, own, h, m.mine(h));
     m.gather(m.mixed.data(), data_or_null(p.out_bias), m.out.data(), h);
     norm_rows(m.out.data(), p.n4.data_ptr<float>(), m.x.data(), 1, h, eps_);
-  }
-
-  // `attend_codes` of one qkv row into shared_att_; a norm beyond fp16 is noted in overflow_norm_ (the
-  // largest of the row's k and v head norms), raised after the team.
-  void attend_codes_row(const float* qkv, const at::Tensor& K, const at::Tensor& V, const Codec& ck, const Codec& cv,
-                        int64_t column, const bool* mask) {
-    const int64_t D = D_, H = H_, Hkv = Hkv_, row = (H + 2 * Hkv) * D;
-    const QueryIn q{qkv, 1, H, D, row, D, 1};
-    const RowsIn k{qkv + H * D, Hkv, 1, D, row, D, D}, v{qkv + (H + Hkv) * D, Hkv, 1, D, row, D, D};
-    MaskIn m;
-    if (mask != nullptr) m.b = mask, m.s0 = column + 1, m.s3 = 1;
-    if (!decode_attend_rows(q, k, v, ck, cv, K, V, column, m, shared_att_.data())) {
-      float worst = 0.0f;
-      for (int64_t r = 0; r < 2 * Hkv; ++r) {
-        const float* x = qkv + (H + r) * D;
-        worst = std::max(worst, std::sqrt(dot(x, x, D)));
-      }
-      overflow_norm_ = std::max(overflow_norm_, worst);
-    }
   }
 
   // The prelude's blocks on one row x [1, h], in place.
@@ -807,28 +789,50 @@ class Decoder {
     }
   }
 
-  // The same from a quantized cache: this column's keys and values encoded into the code-row stores
-  // K, V [B, Hkv, capacity, bytes], then attention read from every column's codes (`decode_attend`,
-  // the quantized-KV kernels' one-call decode) into w.att. A norm fp16 cannot hold is refused (a
-  // ValueError, as the codec's encode refuses it).
+  // The same from a quantized cache (`attend_code_rows`) into w.att; a norm fp16 cannot hold is refused.
   void attend_codes(Work& w, int64_t B, const at::Tensor& K, const at::Tensor& V, const Codec& ck, const Codec& cv,
                     int64_t column, const at::Tensor& mask) {
-    const int64_t D = D_, H = H_, Hkv = Hkv_, row = w.qkv.stride(0);
-    TORCH_CHECK(cv.back.size(-1) == D && w.att.is_contiguous() && w.qkv.stride(1) == 1,
+    const int64_t row = w.qkv.stride(0);
+    TORCH_CHECK(cv.back.size(-1) == D_ && w.att.is_contiguous() && w.qkv.stride(1) == 1,
                 "decode kernel: the codes' value width is the head dim");
-    const float* qkv = w.qkv.data_ptr<float>();
+    const float* qkv = w.qkv.data_ptr<float>();  // (mask: bool [B, columns], contiguous: checked by the caller)
+    if (!attend_code_rows(qkv, B, row, K, V, ck, cv, column, has(mask) ? mask.data_ptr<bool>() : nullptr,
+                          w.att.data_ptr<float>())) {
+      refuse_norm(largest_kv_norm(qkv, B, row));
+    }
+  }
+
+  // This column's keys and values of B qkv rows (`row` floats apart) encoded into the code-row stores K, V
+  // [B, Hkv, capacity, bytes], then attention read from every column's codes (`decode_attend_rows`, the
+  // quantized-KV kernels' one-call decode) into out [B, H * D]; mask: bool [B, column + 1] or null. False
+  // where a norm exceeds fp16 (the caller refuses the call: `refuse_norm`).
+  bool attend_code_rows(const float* qkv, int64_t B, int64_t row, const at::Tensor& K, const at::Tensor& V,
+                        const Codec& ck, const Codec& cv, int64_t column, const bool* mask, float* out) const {
+    const int64_t D = D_, H = H_, Hkv = Hkv_;
     const QueryIn q{qkv, B, H, D, row, D, 1};
     const RowsIn k{qkv + H * D, Hkv, 1, D, row, D, D}, v{qkv + (H + Hkv) * D, Hkv, 1, D, row, D, D};
-    MaskIn m;  // bool [B, columns] (contiguous: checked by the caller), the same for every head
-    if (has(mask)) m.b = mask.data_ptr<bool>(), m.s0 = mask.stride(0), m.s3 = 1;
-    if (!decode_attend_rows(q, k, v, ck, cv, K, V, column, m, w.att.data_ptr<float>())) {
-      const at::Tensor kt = w.qkv.narrow(1, H * D, Hkv * D), vt = w.qkv.narrow(1, (H + Hkv) * D, Hkv * D);
-      const float worst = std::max(kt.view({B, Hkv, D}).norm(2, -1).max().item<float>(),
-                                   vt.view({B, Hkv, D}).norm(2, -1).max().item<float>());
-      std::ostringstream text;
-      text << "a vector norm exceeds the fp16 range (65504): got " << worst << "; scale the input down";
-      throw pybind11::value_error(text.str());
+    MaskIn m;  // the same for every head
+    if (mask != nullptr) m.b = mask, m.s0 = column + 1, m.s3 = 1;
+    return decode_attend_rows(q, k, v, ck, cv, K, V, column, m, out);
+  }
+
+  // The largest norm of the k and v heads of B qkv rows (`row` floats apart): what a refusal reports.
+  float largest_kv_norm(const float* qkv, int64_t B, int64_t row) const {
+    float worst = 0.0f;
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t r = 0; r < 2 * Hkv_; ++r) {
+        const float* x = qkv + b * row + (H_ + r) * D_;
+        worst = std::max(worst, std::sqrt(dot(x, x, D_)));
+      }
     }
+    return worst;
+  }
+
+  // The codec's one-line refusal of a norm fp16 cannot hold (a ValueError, as its encode refuses it).
+  [[noreturn]] static void refuse_norm(float worst) {
+    std::ostringstream text;
+    text << "a vector norm exceeds the fp16 range (65504): got " << worst << "; scale the input down";
+    throw pybind11::value_error(text.str());
   }
 
   std::vector<std::vector<Block>> parts_;
@@ -841,7 +845,7 @@ class Decoder {
   at::Tensor team_adapter_, team_head_;  // [h, h] as [in, out]; [V, h] rows
   std::vector<float> partials_;  // [2 phases, threads, h]
   std::vector<float> shared_qkv_, shared_att_;  // (a quantized cache's: one row for thread 0's attention)
-  float overflow_norm_ = -1.0f;  // (>= 0: a norm beyond fp16, from attend_codes_row)
+  float overflow_norm_ = -1.0f;  // (>= 0: a norm beyond fp16 in a team's call, refused after it)
   SpinBarrier barrier_;
 };
 

@@ -50,7 +50,7 @@ from recurrent_depth.accel import decode_cpp, quant_cpp
 from recurrent_depth.weight_quant import QuantizedLinear, dequantize_weights, quantize_weights, quantized_weights
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generation import official_style_loop  # noqa: E402  (the frozen official-style loop)
+from generation import official_style_loop, read_bandwidth  # noqa: E402  (the frozen official-style loop)
 
 CONFIGS = ("fixed", "kl", "shared-4", "official", "int8", "int4")
 QUANTIZED = ("int8", "int4")  # run last, in this order: each quantizes the model in place
@@ -110,18 +110,6 @@ def cpu_flags(path: str = "/proc/cpuinfo") -> dict[str, Any]:
     wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
     return dict(model=model, flags=[f for f in wanted if f in flags],
                 native_bf16=bool({"avx512_bf16", "amx_bf16"} & flags))
-
-
-def read_bandwidth(gigabytes: float, repeats: int) -> float:
-    """Best streaming read bandwidth, GB/s: `torch.sum` over a float32 buffer of `gigabytes`."""
-    buf = torch.ones(int(gigabytes * 1e9) // 4, dtype=torch.float32)
-    best = 0.0
-    for _ in range(repeats):
-        start = time.perf_counter()
-        float(buf.sum())
-        best = max(best, buf.numel() * 4 / (time.perf_counter() - start) / 1e9)
-    del buf
-    return best
 
 
 def available_bytes() -> int | None:
@@ -302,12 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     for kernels in (decode_cpp.load_decoder, quant_cpp.load):
         if quant_cpp.cpp_enabled() and kernels() is None:
             log(f"C++ kernels unavailable ({decode_cpp.build_failure() or quant_cpp.failure()}): Python paths")
-    samples = [read_bandwidth(args.bandwidth_gb, args.bandwidth_repeats)]
+    samples = [read_bandwidth(int(args.bandwidth_gb * 1e9), args.bandwidth_repeats)]
     log(f"read bandwidth {samples[0]:.1f} GB/s ({torch.get_num_threads()} threads)")
     results = {}
     for name in dtypes:
         results[name] = measure_dtype(name, config, args, max(samples), log)
-        samples.append(read_bandwidth(args.bandwidth_gb, args.bandwidth_repeats))
+        samples.append(read_bandwidth(int(args.bandwidth_gb * 1e9), args.bandwidth_repeats))
         log(f"read bandwidth {samples[-1]:.1f} GB/s after the {name} runs")
     bandwidth = max(samples)
     rescore(results, bandwidth)

@@ -283,9 +283,10 @@ def fixed_depth_bytes(model: rd.RecurrentDepthLM, r: int, context: float) -> dic
     return dict(core_step_bytes=step, token_bytes=r * step + once + kv)
 
 
-def working_set_bandwidth(nbytes: int, repeats: int = 20) -> float:
-    """Best read bandwidth, GB/s, of `torch.sum` over a float32 buffer of `nbytes` (the core's weights: the
-    cache level a fixed-depth step streams them from), at this process's thread count."""
+def read_bandwidth(nbytes: int, repeats: int) -> float:
+    """Best streaming read bandwidth, GB/s, of `torch.sum` over a float32 buffer of `nbytes`, at this process's
+    thread count: a buffer far larger than the caches reads memory (benchmarks/decode_roofline.py); one the size
+    of a small model's core reads the cache level its fixed-depth steps stream from (read ~2e8 bytes a round)."""
     buf = torch.ones(max(nbytes // 4, 1024))
     rounds = max(1, int(2e8 // buf.numel()))
     best = 0.0
@@ -398,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     # The fixed-depth decode's roofline: its bytes a token over the read bandwidth of a buffer the size of the
     # core's weights (measured after the runs, at this thread count): at batch 1 each core step streams them once.
     traffic = fixed_depth_bytes(model, r, args.prompt_len + args.new_tokens / 2)
-    bandwidth = working_set_bandwidth(traffic["core_step_bytes"])
+    bandwidth = read_bandwidth(traffic["core_step_bytes"], repeats=20)
     roof = bandwidth * 1e9 / traffic["token_bytes"]
     roofline = dict(core_step_mb=round(traffic["core_step_bytes"] / 2**20, 3),
                     token_mb=round(traffic["token_bytes"] / 2**20, 2), read_gb_s=round(bandwidth, 1),

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -35,16 +36,21 @@ def test_choose_threads_returns_a_candidate(monkeypatch):
 
 
 def test_other_processes_load_subtracts_this_process_cpu_time(monkeypatch):
-    others = {"seconds": 0.0}
-    monkeypatch.setattr(threads_module, "_machine_busy_seconds", lambda: time.process_time() + others["seconds"])
+    # A fake clock: the readings are exact, whatever else this process's threads or the VM do meanwhile.
+    clock = types.SimpleNamespace(wall=0.0, own=0.0, others=0.0)
+    fake_time = types.SimpleNamespace(perf_counter=lambda: clock.wall, process_time=lambda: clock.own, sleep=time.sleep)
+    monkeypatch.setattr(threads_module, "time", fake_time)
+    monkeypatch.setattr(threads_module, "_machine_busy_seconds", lambda: clock.own + clock.others)
     load = threads_module.OtherProcessesLoad()
-    start = time.perf_counter()
-    while time.perf_counter() - start < 0.2:  # our own work: the machine's busy time rises by as much
-        sum(range(1000))
-    others["seconds"] = 0.3  # meanwhile other processes used 0.3 CPU-seconds
-    busy = load.read()
-    elapsed = time.perf_counter() - start
-    assert 0.3 / (elapsed + 0.05) < busy <= 0.3 / 0.2
+    clock.wall, clock.own, clock.others = 0.2, 0.2, 0.3  # our own work 0.2 CPU-s, other processes 0.3
+    assert load.read() == pytest.approx(0.3 / 0.2)
+    clock.wall, clock.own = 0.7, 0.7  # next window: only our own work
+    assert load.read() == pytest.approx(0.0)
+    monkeypatch.setattr(threads_module, "_machine_busy_seconds", lambda: None)  # no /proc/stat
+    monkeypatch.setattr(threads_module, "_load_average", lambda: 1.25)
+    load = threads_module.OtherProcessesLoad()
+    clock.wall, clock.own = 1.7, 1.2  # half a core of our own inside the load average
+    assert load.read() == pytest.approx(0.75)
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="Linux /proc/stat")

@@ -186,6 +186,37 @@ def test_no_grad_rows_in_training_mode_take_the_fast_layouts(monkeypatch):
     assert layer._low_precision_cache is None  # the cached copies are freed for evaluation
 
 
+def test_under_torch_compile_the_product_runs_outside_the_graph_on_the_cached_weights():
+    """compile_core's case: the graphs hold the element-wise work; each product breaks out of them and
+    runs the eager fast path (cached low-precision weights), so results equal the eager module's."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(5)
+    mlp = torch.nn.Sequential(fast_linear(40, 64), torch.nn.SiLU(), fast_linear(64, 40)).train()
+    eager = copy.deepcopy(mlp)
+    x = torch.randn(2, linear.BLOCK_ROWS + 1, 40, requires_grad=True)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(mlp, backend="aot_eager", dynamic=False)  # dynamo's graphs without inductor's build
+    outputs, grads = [], []
+    for module in (compiled, eager):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = module(x)
+        x.grad = None
+        y.float().square().sum().backward()
+        outputs.append(y)
+        grads.append([x.grad] + [p.grad for p in module.parameters()])
+    breaks = counters["graph_break"]
+    torch._dynamo.reset()
+    assert breaks and all("_product_outside_graph" in reason for reason in breaks), dict(breaks)
+    assert all(layer._low_precision_cache is not None for layer in (mlp[0], mlp[2]))
+    torch.testing.assert_close(outputs[0], outputs[1], atol=0, rtol=0)
+    for ours, ref in zip(*grads):
+        torch.testing.assert_close(ours, ref, atol=0, rtol=0)
+
+
 def test_inference_mode_in_training_mode_does_not_poison_the_cache(monkeypatch):
     layer = fast_linear(40, 24).train()
     x = torch.randn(2, linear.BLOCK_ROWS, 40)

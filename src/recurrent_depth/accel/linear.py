@@ -25,6 +25,12 @@ MLP's shapes (a 2-core Xeon with AMX, 1024 tokens, medians of 7 interleaved roun
 against 7.5-7.7; the other shapes within 5 %). There the forward multiplies by the cached contiguous
 W^T, the input gradient by W (a @ b) and the weight gradient is autograd's grad^T @ x.
 
+COMPILED: under torch.compile (the trainer's `compile: true` compiles each core block) the low-precision
+product runs outside the graph (`torch.compiler.disable`: a graph break at each such layer), so the
+graphs fuse the norms, RoPE, SwiGLU and residual adds between the products while the products keep the
+fast layouts and the weights cast once per update. Traced instead, the block cast and transposed every
+weight at every recurrent step, and `cpu_emulates_bf16()` broke the graph inside the layer anyway.
+
 The worker count is `torch.get_num_threads()`: on the CPUs measured, the emulated bf16 a^T @ b
 kernel runs on the calling thread only (process CPU time = wall time), so the blocks do not
 oversubscribe the cores; where it is itself parallel (probed once per dtype), the blocks run one
@@ -138,17 +144,14 @@ def _contiguous_t(t: Tensor, dtype: torch.dtype) -> Tensor:
     [1024, 5632] 13.2 against 4.4, on a 2-core AVX-512 Xeon.)
     """
     out = t.new_empty((t.shape[1], t.shape[0]), dtype=dtype)
-    if torch.compiler.is_compiling():  # one copy in the graph: inductor tiles it itself
-        return out.copy_(t.t())
     for start in range(0, t.shape[0], BLOCK_ROWS):
         out[:, start:start + BLOCK_ROWS].copy_(t[start:start + BLOCK_ROWS].t())
     return out
 
 
-def _use_blocked(compiling: bool, dtype: torch.dtype) -> bool:
-    """Blocked a^T @ b for emulated bf16 (the fast layout there), except under dynamo, which cannot trace
-    threads."""
-    return dtype == torch.bfloat16 and not compiling and cpu_emulates_bf16()
+def _use_blocked(dtype: torch.dtype) -> bool:
+    """Blocked a^T @ b for emulated bf16 (the fast layout there)."""
+    return dtype == torch.bfloat16 and cpu_emulates_bf16()
 
 
 def _native(dtype: torch.dtype) -> bool:
@@ -189,8 +192,7 @@ class _EmulatedLowPrecisionLinear(torch.autograd.Function):
         x = x.to(dtype)
         ctx.save_for_backward(x, weight, low_weight, low_weight_t)
         ctx.has_bias = bias is not None
-        blocked = _use_blocked(torch.compiler.is_compiling(), dtype)
-        out = _forward_product(x.reshape(-1, x.shape[-1]), low_weight, low_weight_t, bias, blocked)
+        out = _forward_product(x.reshape(-1, x.shape[-1]), low_weight, low_weight_t, bias, _use_blocked(dtype))
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -203,8 +205,8 @@ class _EmulatedLowPrecisionLinear(torch.autograd.Function):
             # backward(create_graph=True): plain products of the differentiable weight.
             low_weight = weight.to(dtype)
             low_weight_t = low_weight.t()
-        plain = torch.is_grad_enabled() or torch.compiler.is_compiling()  # differentiable or traced products
-        blocked = _use_blocked(plain, dtype)
+        plain = torch.is_grad_enabled()  # differentiable products
+        blocked = not plain and _use_blocked(dtype)
         grad_x = grad_w = grad_b = None
         native = _native(dtype)
         if ctx.needs_input_grad[0]:
@@ -244,16 +246,25 @@ class FastLowPrecisionLinear(nn.Linear):
         dtype = self._emulated_dtype(x)
         if dtype is None:
             return F.linear(x, self.weight, self.bias)
-        compiling = torch.compiler.is_compiling()
+        if torch.compiler.is_compiling():
+            return self._product_outside_graph(x)
         # Not cached under inference_mode: its tensors cannot be saved for a later backward.
-        cache = self.training and not compiling and not torch.is_inference_mode_enabled()
+        cache = self.training and not torch.is_inference_mode_enabled()
         low_weight, low_weight_t = self._low_precision_weights(dtype, cache=cache)
         with torch.autocast("cpu", enabled=False):
             if torch.is_grad_enabled():
                 return _EmulatedLowPrecisionLinear.apply(x, self.weight, self.bias, low_weight, low_weight_t)
             out = _forward_product(x.reshape(-1, x.shape[-1]), low_weight, low_weight_t, self.bias,
-                                   _use_blocked(compiling, dtype))
+                                   _use_blocked(dtype))
             return out.view(*x.shape[:-1], self.out_features)
+
+    @torch.compiler.disable
+    def _product_outside_graph(self, x: Tensor) -> Tensor:
+        """Under torch.compile (`compile_core`), the product runs here, between the graphs: in the fast
+        layout with the cached low-precision weights, while the graphs around it fuse the element-wise
+        work. Traced, it would cast and transpose the weights again at every call and take the slow
+        layouts (COMPILED in the module docstring)."""
+        return self.forward(x)
 
     def train(self, mode: bool = True) -> FastLowPrecisionLinear:
         if not mode:

@@ -447,7 +447,9 @@ def test_float32_int8_model_decodes_with_cpp_as_its_dequantized_twin(cpp_kernels
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9])
-@pytest.mark.parametrize("K,group", [(64, 32), (100, 32), (320, 64), (256, 256)])
+# (640, 32) and (1056, 32): bf16 rows take the AVX-512 pairs (8 pairs a block), then AVX2's last pairs, or
+# its last unpaired chunk.
+@pytest.mark.parametrize("K,group", [(64, 32), (100, 32), (320, 64), (256, 256), (640, 32), (1056, 32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_decode_rows_take_the_cpp_int4_product(cpp_kernels, rows, K, group, dtype):
     """With C++ on every int4 layer stores plain nibbles and bf16 (scale, zero) pairs per output channel,

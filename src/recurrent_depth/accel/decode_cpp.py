@@ -218,6 +218,16 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int64_t t, int64_t threads) 
   return {n * t / threads, n * (t + 1) / threads};
 }
 
+// A softmax's numerators in place, sc[c] = exp(sc[c] - top) over [0, end), and their sum.
+inline float exponentiate(float* sc, int64_t end, float top) {
+  float total = 0.0f;
+  for (int64_t c = 0; c < end; ++c) {
+    sc[c] = std::exp(sc[c] - top);
+    total += sc[c];
+  }
+  return total;
+}
+
 #if TEAM_SIMD
 // Softmax attention of one query head q [D] over columns [0, end) of keys kh and values vh (column c at
 // c * k2, c * v2; mrow: bool [end] or null) into o [D]; sc: scratch of `end` floats. The head's query and
@@ -239,11 +249,7 @@ void attend_head(const float* q, const float* kh, int64_t k2, const float* vh, i
     sc[c] = vsum(acc) * scale;
     top = std::max(top, sc[c]);
   }
-  float total = 0.0f;
-  for (int64_t c = 0; c < end; ++c) {
-    sc[c] = std::exp(sc[c] - top);
-    total += sc[c];
-  }
+  const float total = exponentiate(sc, end, top);
   Vec acc[NV];
   for (int j = 0; j < NV; ++j) acc[j] = vzero();
   for (int64_t c = 0; c < end; ++c) {
@@ -278,11 +284,7 @@ void attend_any(const float* q, const float* kh, int64_t k2, const float* vh, in
     sc[c] = (mrow != nullptr && !mrow[c]) ? lowest : dot(q, kh + c * k2, D) * scale;
     top = std::max(top, sc[c]);
   }
-  float total = 0.0f;
-  for (int64_t c = 0; c < end; ++c) {
-    sc[c] = std::exp(sc[c] - top);
-    total += sc[c];
-  }
+  const float total = exponentiate(sc, end, top);
   std::fill(o, o + D, 0.0f);
   for (int64_t c = 0; c < end; ++c) {
     const float weight = sc[c] / total;

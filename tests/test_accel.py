@@ -5,6 +5,7 @@ to 1e-5 in the backward (the RMSNorm backward is the same derivative in another 
 bf16/fp16 products agree to 3e-2 (the GEMMs may sum in another order; a few ulps of bf16's 8-bit mantissa).
 """
 
+import copy
 import json
 
 import pytest
@@ -189,8 +190,6 @@ def test_no_grad_rows_in_training_mode_take_the_fast_layouts(monkeypatch):
 def test_under_torch_compile_the_product_runs_outside_the_graph_on_the_cached_weights():
     """compile_core's case: the graphs hold the element-wise work; each product breaks out of them and
     runs the eager fast path (cached low-precision weights), so results equal the eager module's."""
-    import copy
-
     from torch._dynamo.utils import counters
 
     torch.manual_seed(5)

@@ -385,7 +385,9 @@ def test_a_nan_validation_loss_is_written_as_null(train_root, tmp_path):
     result = trainer.run()
     assert all(math.isnan(v) for v in result.final_eval.loss.values())
     records = [_strict(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
-    assert len(records) == 3 and all(set(r["val_loss_by_depth"].values()) == {None} for r in records)
+    # step 1, then the final evaluation at step 2 (the last step is not evaluated twice)
+    assert [(r["step"], r["final"]) for r in records] == [(1, False), (2, True)]
+    assert all(set(r["val_loss_by_depth"].values()) == {None} for r in records)
     for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
         _strict(line)
 

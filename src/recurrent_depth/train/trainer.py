@@ -492,8 +492,8 @@ class Trainer:
                     bar.set_postfix(loss=loss_text, tok_s=f"{record['tokens_per_s']:.0f}",
                                     depth=record["num_steps"][-1] if record["num_steps"] else None)
                 step = self.state.step
-                if cfg.eval_interval and step % cfg.eval_interval == 0:
-                    self.evaluate(final=False)
+                if cfg.eval_interval and step % cfg.eval_interval == 0 and not self._budget_spent():
+                    self.evaluate(final=False)  # (at the last step the final evaluation follows: not twice)
                 if cfg.save_every and step % cfg.save_every == 0:
                     last_checkpoint = self._timed_save()
                     last_saved = step
@@ -754,12 +754,19 @@ class Trainer:
             return lr_at(step, optim.lr, optim.warmup_steps, None)
         return optim.lr_at(step, max(total, step + 1))
 
-    def stop_reason(self) -> str | None:
+    def _budget_spent(self) -> str | None:
+        """"max_steps" / "max_tokens" once that budget is used up (None before): the loop's last step."""
         cfg, state = self.cfg, self.state
         if cfg.max_steps is not None and state.step >= cfg.max_steps:
             return "max_steps"
         if cfg.max_tokens is not None and state.tokens >= cfg.max_tokens:
             return "max_tokens"
+        return None
+
+    def stop_reason(self) -> str | None:
+        spent = self._budget_spent()
+        if spent is not None:
+            return spent
         left = self.remaining_seconds()
         if left is not None:
             # Stop when the next step would overrun: a time cap is a promise about wall time.

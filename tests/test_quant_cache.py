@@ -124,6 +124,8 @@ def check_codes_attention_against_sdpa(kv, heads, kernels=None, decode_tokens=1)
     for T, mask, causal in [(P, None, True)] + [(1, pad, False)] * decode_tokens:
         q = torch.randn(B, H, T, D, generator=g)
         k, v = torch.randn(B, Hkv, T, D, generator=g), torch.randn(B, Hkv, T, D, generator=g)
+        if mask is None:  # the prefill calibrates: one channel order for both rows (the reference's encode
+            k[1], v[1] = k[0], v[0]  # is eager; per-row rotations can round a code the other way compiled)
         if mask is not None:
             mask = mask[..., : codes_cache.seq_len + T]
         for step in range(2):
@@ -380,6 +382,20 @@ def test_calibration_is_deterministic_and_reaches_generation(model):
     assert not torch.allclose(logits_of(cal), logits_of(first))
 
 
+@pytest.mark.parametrize("kv", ["k=prod:3.5,v=mse:3.5", "k=mse:2.5,v=mse:2.5,outliers=calibrated"])
+@pytest.mark.parametrize("padded", [True, False])
+def test_a_calibrating_batch_gives_each_row_what_it_gets_alone(model, kv, padded):
+    """Outlier channels are each row's own, from its real tokens: neither the other rows nor the left
+    padding move them (a batch of the same prompts and a padded batch both equal each row alone)."""
+    run = dict(max_new_tokens=5, num_steps=4, init_scale=0.0, output_logits=True, kv_quant=kv)
+    prompt, mask = (PROMPT, MASK) if padded else (PROMPT[:, 2:], None)
+    batch = generate(model, prompt, attention_mask=mask, **run)
+    for b in range(2):
+        alone = generate(model, prompt[b : b + 1, mask[b].bool()] if padded else prompt[b : b + 1], **run)
+        assert batch.sequences[b, -5:].tolist() == alone.sequences[0, -5:].tolist()
+        torch.testing.assert_close(logits_of(batch)[b], logits_of(alone)[0], atol=TOL, rtol=0)
+
+
 def test_calibration_is_per_layer_and_survives_growth_truncation_and_seeks():
     """One calibration per layer from its first write, shared by every step and slot: a storage
     that grows (capacity 2) equals one that does not and the dynamic reference, through a
@@ -528,6 +544,12 @@ def test_stepwise_scoring_takes_kv_quant(model):
     assert 0 < gaps[0] < 1e-2 < gaps[1]  # quantization reaches scoring, and 8 bits barely moves it
     with pytest.raises(ValueError, match="kv_quant"):
         stepwise_logprobs(model, requests, 3, 0, kv_quant="k=mse")
+    # calibrated outlier channels: each request's from its own context, so a batch scores as alone
+    requests = [([5, 9, 2, 7, 10], [11, 3, 8]), ([4, 6, 1], [1, 12])]
+    together = stepwise_logprobs(model, requests, 3, 0, init_scale=0.0, kv_quant="k=prod:2.5,v=mse:2.5")
+    for request, scored in zip(requests, together):
+        alone = stepwise_logprobs(model, [request], 3, 0, init_scale=0.0, kv_quant="k=prod:2.5,v=mse:2.5")[0]
+        assert alone.logprob == pytest.approx(scored.logprob, abs=1e-4)
 
 
 def test_lm_eval_backend_takes_kv_quant(tmp_path):

@@ -123,6 +123,7 @@ def stepwise_logprobs(
     # (from the last context token on) then runs under the exit criterion.
     last_state = None
     if Lc > 1:
+        cache.mark_prompt(mask[:, :-1].bool())  # calibrated KV quantizers: each row from its own context
         pass_ = engine.begin(ctx_ids[:, :-1], mask[:, :-1], cache)
         state = engine.run(engine.initial_state(pass_.e, scale, generator), pass_, num_steps)
         engine.readout(state, pass_)  # fills the coda's cache entries

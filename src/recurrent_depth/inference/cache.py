@@ -161,6 +161,12 @@ class _CacheBase:
     def advance(self, num_tokens: int) -> None:
         self.seq_len += num_tokens
 
+    def mark_prompt(self, valid: Tensor) -> None:
+        """The prompt's real columns (bool `[B, T]`, False: left padding): quantized entries whose spec
+        calibrates outlier channels take each row's from its own real tokens, as when it runs alone."""
+        if self.codecs is not None:
+            self.codecs.prompt_valid = valid
+
     def truncate(self, num_columns: int) -> None:
         """Forget every column from `num_columns` on (their storage is reused by later writes)."""
         if not 0 <= num_columns <= self.seq_len:

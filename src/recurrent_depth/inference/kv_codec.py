@@ -167,20 +167,36 @@ def outlier_permutation(calibration: Tensor, n_out: int) -> Tensor:
     return torch.tensor(perm, dtype=torch.long, device=calibration.device)
 
 
+def row_outlier_permutations(calibration: Tensor, n_out: int, valid: Tensor | None = None) -> Tensor:
+    """`[B, Hkv, D]`: each batch row's own `outlier_permutation`, from its real columns only (`valid`
+    bool `[B, T]`, None: all), so that a row of a batch keeps the channels it would choose alone."""
+    orders = []
+    for b in range(calibration.shape[0]):
+        row = calibration[b : b + 1]
+        if valid is not None and bool(valid[b].any()):
+            row = row[:, :, valid[b]]
+        orders.append(outlier_permutation(row, n_out))
+    return torch.stack(orders)
+
+
 def layer_codec(kv_quant: Any, role: str, dim: int, calibration: Tensor | None = None,
-                ) -> Codec:
+                valid: Tensor | None = None) -> Codec:
     """One layer's codec for `role` ("k" or "v"): for a channel split on a side the `outliers` rule
     calibrates (keys under `keys`, both under `calibrated`), given calibration data `[B, Hkv, T, dim]`
-    (the layer's first keys or values), the shared codec with each head's channels permuted by
-    `outlier_permutation` (`TurboRows.permuted`: outliers first, folded into its matrices); else the
-    shared codec, whose outliers are channels 0..n_out-1. (A storage that calibrates each batch row
-    on its own can stack rows' permutations `[B, Hkv, D]` into one `permuted` codec.)"""
+    (the layer's first keys or values; `valid` bool `[B, T]`: its real columns, None: all), the
+    shared codec with each head's channels permuted (`TurboRows.permuted`: outliers first, folded into
+    its matrices): by one order `[Hkv, D]` for a single row, by each row's own (`row_outlier_permutations`,
+    stacked `[B, Hkv, D]`; one order where they all agree) for a batch, so no row's choice depends on
+    the others or on padding. Else the shared codec, whose outliers are channels 0..n_out-1."""
     kv_quant = KVQuant.parse(kv_quant)
     codec = shared_codec(kv_quant, role, dim)
     n_out = calibrated_channels(codec.quantizer)
     if role not in OUTLIER_RULES[kv_quant.outliers] or calibration is None or not n_out:
         return codec
-    return codec.permuted(outlier_permutation(calibration, n_out))
+    if calibration.shape[0] == 1 and valid is None:
+        return codec.permuted(outlier_permutation(calibration, n_out))
+    orders = row_outlier_permutations(calibration, n_out, valid)
+    return codec.permuted(orders[0] if bool((orders == orders[:1]).all()) else orders)
 
 
 def calibrated_channels(quantizer: Quantizer) -> int:
@@ -201,16 +217,21 @@ class LayerCodecs:
         self.split = split
         self._layers: dict[tuple, tuple[Codec, Codec]] = {}  # base (layer) -> (key codec, value codec)
         self._keys: dict[LayerKey, tuple[Codec, Codec]] = {}  # each key seen -> its layer's pair
+        self.prompt_valid: Tensor | None = None  # bool [B, T]: the first writes' real columns (None: all)
 
     def __call__(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Codec, Codec]:
-        """The (key, value) codecs of `key`'s layer, made from k, v if new."""
+        """The (key, value) codecs of `key`'s layer, made from k, v if new (each batch row calibrated
+        on its own real columns: see `layer_codec`)."""
         pair = self._keys.get(key)
         if pair is None:
             base = self.split(key)[0]
             pair = self._layers.get(base)
             if pair is None:
-                pair = self._layers[base] = (layer_codec(self.kv_quant, "k", k.shape[-1], k),
-                                             layer_codec(self.kv_quant, "v", v.shape[-1], v))
+                valid = self.prompt_valid
+                if valid is not None and tuple(valid.shape) != (k.shape[0], k.shape[2]):
+                    valid = None  # a first write that is not the prompt's
+                pair = self._layers[base] = (layer_codec(self.kv_quant, "k", k.shape[-1], k, valid),
+                                             layer_codec(self.kv_quant, "v", v.shape[-1], v, valid))
             self._keys[key] = pair
         return pair
 

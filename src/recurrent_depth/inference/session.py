@@ -111,6 +111,8 @@ class Session:
             capacity=self.T + options.max_new_tokens + slack, device=self.device, policy=options.policy,
             core_layers=cfg.core_layers, kv_quant=options.quant,
         )
+        if mask is not None:
+            self.cache.mark_prompt(prompt_valid)
         # valid[b, c]: column c of row b is a real token (left padding and rejected drafts are not).
         self.padded = mask is not None
         self.valid = torch.ones(self.B, self.T + options.max_new_tokens + slack, dtype=torch.bool,

@@ -123,6 +123,23 @@ def test_prefill_then_decode_equals_the_full_forward_and_the_reference(case, fas
     assert out.steps.tolist() == [[model.config.mean_recurrence] * 3] * 2
 
 
+@pytest.mark.parametrize("options", [{}, dict(exit_criterion="gate", exit_threshold=0.5)], ids=["fixed", "gate"])
+def test_a_left_padded_row_generates_what_it_does_alone(options):
+    """s_0 = e: a padded row starts from its own tokens' embeddings, not the padding's."""
+    model = load("config_a")
+    ids = expected("config_a")["input_ids"]
+    short = ids[1:, 3:]
+    batch = torch.cat([ids[:1], torch.cat([torch.zeros_like(ids[1:, :3]), short], dim=1)])
+    mask = torch.ones_like(batch)
+    mask[1, :3] = 0
+    run = dict(max_new_tokens=4, output_logits=True, **options)
+    together = rd.generate(model, batch, attention_mask=mask, **run)
+    for b, alone_ids in enumerate([ids[:1], short]):
+        alone = rd.generate(model, alone_ids, **run)
+        assert together.token_lists()[b] == alone.token_lists()[0]
+        torch.testing.assert_close(together.logits[b], alone.logits[0], atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_a_chunk_after_a_prefill_equals_the_full_forward(case):
     """Two or more tokens after a cached prefill: the case the reference's cache fails (goldens README)."""

@@ -202,8 +202,9 @@ class Session:
             return s
         for b in rows:
             cols = valid[b].nonzero().squeeze(1) if valid is not None else None
-            n = like.shape[1] if cols is None else cols.numel()
-            draw = self.runner.initial_state(like[b : b + 1, :n], scale, self.generators[b])
+            # (the row's real columns: an s_0 = e model starts from their embeddings, not the padding's)
+            real = like[b : b + 1] if cols is None else like[b : b + 1, cols]
+            draw = self.runner.initial_state(real, scale, self.generators[b])
             if cols is None:
                 s[b] = draw[0]
             else:

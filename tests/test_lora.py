@@ -133,6 +133,38 @@ def test_an_adapter_of_another_model_is_refused_in_one_line(tmp_path):
         load_lora(tiny_model(coda_layers=0), tmp_path / "adapter")
     with pytest.raises(ValueError, match="not a LoRA adapter directory"):
         load_lora(tiny_model(), tmp_path)
+    with pytest.raises(ValueError, match="cannot load the LoRA adapter .*: Error.*; size mismatch"):  # what differs
+        load_lora(tiny_model(hidden_size=128, intermediate_size=352), tmp_path / "adapter")
+
+
+def test_a_seeded_adapter_repeats_and_leaves_the_global_generator_alone():
+    spec = LoraSpec(rank=2, parts=("core",))
+    adapters = []
+    for global_seed in (1, 2):  # whatever state the global generator is in, the seeded init is the same
+        model = tiny_model()
+        torch.manual_seed(global_seed)
+        adapters.append(add_lora(model, spec, seed=5))
+    first, second = adapters
+    for (name, a), (_, b) in zip(first.named_parameters(), second.named_parameters()):
+        assert torch.equal(a, b), name
+    model = tiny_model()
+    state = torch.get_rng_state()
+    add_lora(model, spec, seed=5)
+    assert torch.equal(torch.get_rng_state(), state)  # the global generator did not move
+    other = add_lora(tiny_model(), spec, seed=6)
+    assert not all(torch.equal(a, b) for (n, a), (_, b) in zip(first.named_parameters(), other.named_parameters())
+                   if "lora_A" in n)
+
+
+def test_a_relative_base_directory_is_recorded_so_the_adapter_loads_from_anywhere(tmp_path, monkeypatch):
+    tiny_model().save_pretrained(tmp_path / "base")
+    monkeypatch.chdir(tmp_path)
+    wrapped = add_lora(rd.RecurrentDepthLM.from_pretrained("base"), LoraSpec(rank=2), base_dir="base")
+    randomise_adapters(wrapped)
+    save_adapter(wrapped, "adapter")
+    monkeypatch.chdir(tmp_path / "adapter")
+    loaded = load_adapter_model(tmp_path / "adapter")
+    torch.testing.assert_close(loaded(ids(), **STEPS).logits, wrapped(ids(), **STEPS).logits, rtol=0, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------- generation
@@ -188,10 +220,12 @@ def test_the_trainer_trains_only_the_adapter_saves_a_peft_adapter_and_resumes(tm
 
     tiny_model().save_pretrained(tmp_path / "base")
 
-    def run(out: str, stop_after: int = 4, resume: bool = False):
-        torch.manual_seed(3)  # peft draws A from the global generator
-        model = add_lora(rd.RecurrentDepthLM.from_pretrained(tmp_path / "base"), LoraSpec(rank=2, parts=("core",)),
-                         base_dir=tmp_path / "base")
+    core = LoraSpec(rank=2, parts=("core",))
+
+    def run(out: str, stop_after: int = 4, resume: bool = False, spec: LoraSpec | None = core):
+        model = rd.RecurrentDepthLM.from_pretrained(tmp_path / "base")
+        if spec is not None:
+            model = add_lora(model, spec, base_dir=tmp_path / "base", seed=3)
         cfg = TrainConfig(batch_size=2, max_steps=4, save_every=2, out=str(tmp_path / out), progress=False,
                           tensorboard=False, resume=resume, mean_recurrence=2, backprop_depth=1,
                           optim=OptimConfig(name="adamw", lr=1e-2, weight_decay=0.0, warmup_steps=1))
@@ -212,6 +246,12 @@ def test_the_trainer_trains_only_the_adapter_saves_a_peft_adapter_and_resumes(tm
     torch.testing.assert_close(loaded(ids(), **STEPS).logits, trained(ids(), **STEPS).logits, rtol=1e-6, atol=1e-6)
 
     run("split", stop_after=2)
+    # Another adapter, or none, is another run: refused in one line, and no checkpoint is set aside.
+    for spec, change in [(LoraSpec(rank=2, alpha=4.0, parts=("core",)), "alpha 16 dropout 0 on 8 modules -> LoRA "
+                          "rank 2 alpha 4"), (None, "-> no LoRA adapter"), (LoraSpec(rank=2, parts=("coda",)), "")]:
+        with pytest.raises(ValueError, match=f"configuration changed \\(lora: .*{change}"):
+            run("split", resume=True, spec=spec)
+    assert [p.name for p in (tmp_path / "split" / "checkpoints").iterdir()] == ["step-00000002"]
     resumed = run("split", resume=True)
     assert resumed.losses == whole.losses[2:]
     for name, param in whole.model.named_parameters():

@@ -106,6 +106,11 @@ def test_resume_refuses_a_changed_config_and_a_fresh_run_refuses_old_checkpoints
         Trainer(tiny_train_config(train_root, tmp_path, max_steps=4))
     with pytest.raises(ValueError, match="batch_size"):
         Trainer(tiny_train_config(train_root, tmp_path, max_steps=4, batch_size=2, resume=True))
+    # the same corpus under another spelling (relative, trailing slash) is no change
+    relative = os.path.relpath(train_root / "corpus") + os.sep
+    Trainer(tiny_train_config(train_root, tmp_path, max_steps=4, resume=True, data=relative))
+    with pytest.raises(ValueError, match="data"):
+        Trainer(tiny_train_config(train_root, tmp_path, max_steps=4, resume=True, data=str(train_root / "tokenizer")))
 
 
 def test_a_refused_resume_names_the_changes_and_leaves_the_run_untouched(train_root, tmp_path):

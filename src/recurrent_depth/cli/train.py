@@ -177,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--lora needs --init-from DIR: the saved model the adapter is trained on")
     cfg = resolved_config(cfg)  # DIR's config and tokenizer (not one trained on the new data)
     start = load_for_training(cfg, "cpu")  # (the Trainer moves it)
-    return run_trainer(Trainer(cfg, model=add_lora(start.model, spec, base_dir=start.model_dir)), "train")
+    model = add_lora(start.model, spec, base_dir=start.model_dir, seed=cfg.seed)
+    return run_trainer(Trainer(cfg, model=model), "train")
 
 
 def run_trainer(trainer, command: str) -> int:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 PARTS = ("prelude", "adapter", "core", "coda")
@@ -111,16 +112,56 @@ def lora_config(model: nn.Module, spec: LoraSpec) -> Any:
                            target_modules=target_modules(model, spec))
 
 
-def add_lora(model: nn.Module, spec: LoraSpec, base_dir: str | Path | None = None) -> Any:
+def add_lora(model: nn.Module, spec: LoraSpec, base_dir: str | Path | None = None, seed: int | None = None) -> Any:
     """`model` wrapped by peft with a fresh adapter (B = 0: the wrapper computes what `model` did); only
     the adapter is trainable. base_dir: the base model's directory, which `save_adapter` records in
-    `adapter_config.json` (`base_model_name_or_path`) so `load_adapter_model` finds the base."""
+    `adapter_config.json` (`base_model_name_or_path`, made absolute) so `load_adapter_model` finds the
+    base from anywhere. seed: the A matrices' random init draws from it (the trainers pass their
+    `seed`, so a LoRA run repeats exactly) without touching torch's global RNG; None: from that RNG."""
     peft = require_peft()
-    wrapped = peft.get_peft_model(model, lora_config(model, spec))
+    with torch.random.fork_rng(devices=[]):
+        if seed is not None:
+            torch.manual_seed(seed)
+        wrapped = peft.get_peft_model(model, lora_config(model, spec))
     # Not in peft's own config: peft's save_pretrained would then read it with `config.from_pretrained`,
     # which a transformers config has and our ModelConfig has not.
-    wrapped.lora_base_dir = str(base_dir) if base_dir is not None else None
+    wrapped.lora_base_dir = str(Path(base_dir).resolve()) if base_dir is not None else None
     return wrapped
+
+
+def adapter_settings(model: Any) -> dict[str, Any] | None:
+    """What resuming a LoRA run must keep: rank, alpha, dropout and the target modules (None: no adapter)."""
+    if not is_peft_model(model):
+        return None
+    config = next(iter(model.peft_config.values()))
+    return _settings(config.r, config.lora_alpha, config.lora_dropout, config.target_modules)
+
+
+def saved_adapter_settings(directory: str | Path) -> dict[str, Any] | None:
+    """`adapter_settings` of the adapter saved in `directory` (a LoRA run's checkpoint), None without one."""
+    from recurrent_depth.files import read_json
+
+    path = Path(directory) / ADAPTER_CONFIG
+    if not path.is_file():
+        return None
+    config = read_json(path, what="adapter config")
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return _settings(config.get("r"), config.get("lora_alpha"), config.get("lora_dropout"),
+                     config.get("target_modules"))
+
+
+def _settings(rank: Any, alpha: Any, dropout: Any, targets: Any) -> dict[str, Any]:
+    targets = [targets] if isinstance(targets, str) else sorted(targets or ())
+    return {"rank": rank, "alpha": float(alpha) if alpha is not None else None,
+            "dropout": float(dropout) if dropout is not None else None, "targets": targets}
+
+
+def describe_adapter(settings: dict[str, Any] | None) -> str:
+    if settings is None:
+        return "no LoRA adapter"
+    return (f"LoRA rank {settings['rank']} alpha {settings['alpha']:g} dropout {settings['dropout']:g} on "
+            f"{len(settings['targets'])} modules")
 
 
 def save_adapter(model: Any, directory: str | Path, state_dict: dict | None = None) -> Path:
@@ -162,8 +203,11 @@ def load_lora(model: nn.Module, adapter_dir: str | Path, trainable: bool = False
     try:
         return peft.PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
     except (KeyError, RuntimeError, ValueError) as exc:  # e.g. module names or shapes of another model
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"cannot load the LoRA adapter {path} onto this model: {first}") from None
+        lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+        # torch's "Error(s) in loading state_dict for PeftModel:" is a header: the first mismatch says what
+        detail = "; ".join(lines[:2]) if lines and lines[0].endswith(":") else (lines[0] if lines else "")
+        raise ValueError(f"cannot load the LoRA adapter {path} onto this model: {detail or type(exc).__name__}"
+                         ) from None
 
 
 def merge_lora(model: Any) -> nn.Module:
@@ -185,7 +229,11 @@ def adapter_base_dir(adapter_dir: str | Path) -> Path:
     if not base:
         raise ValueError(f"{path / ADAPTER_CONFIG} names no base model (base_model_name_or_path): pass the base "
                          "model directory explicitly")
-    return Path(base) if Path(base).is_absolute() else (path / base)
+    if Path(base).is_absolute():
+        return Path(base)
+    # Relative: from the adapter (an adapter moved with its base), else from the working directory
+    # (adapters saved before paths were recorded absolute took it from there).
+    return path / base if (path / base).exists() or not Path(base).exists() else Path(base)
 
 
 def load_adapter_model(adapter_dir: str | Path, base: str | Path | None = None, merge: bool = False,

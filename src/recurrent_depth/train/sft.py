@@ -273,7 +273,7 @@ def sft_trainer(cfg: TrainConfig, options: SFTOptions | None = None, **trainer_k
     if options.lora is not None:
         from recurrent_depth.train.lora import add_lora
 
-        model = add_lora(model, options.lora, base_dir=start.model_dir)
+        model = add_lora(model, options.lora, base_dir=start.model_dir, seed=cfg.seed)
     return Trainer(cfg, model=model, data=source, tokenizer_dir=start.tokenizer_dir, **trainer_kwargs)
 
 

@@ -61,7 +61,7 @@ from recurrent_depth.train.distill import (
 )
 from recurrent_depth.train.distill_cache import CachedTeacher, has_cache, write_cache
 from recurrent_depth.train.init_from import load_for_training, resolved_config
-from recurrent_depth.train.lora import base_model_of, is_peft_model
+from recurrent_depth.train.lora import adapter_settings, base_model_of, is_peft_model
 from recurrent_depth.train.objective import LanguageModeling, Objective
 from recurrent_depth.train.optim import build_optimizers, clip_and_check_grads
 from recurrent_depth.train.qk_clip import QKClip
@@ -239,7 +239,7 @@ class Trainer:
         cfg, env = self.cfg, self.env
         self.resume_from = None
         if self.out is not None:
-            self._open_out_dir()
+            self._open_out_dir(adapter_settings(model))
         elif data is None:
             raise ValueError("TrainConfig.out=None writes nothing, so it needs Trainer(data=...): the token shards "
                              "and tokenizer of cfg.data are prepared in the out directory")
@@ -288,8 +288,9 @@ class Trainer:
         if writes:
             write_run_file(self.out, self.run_metadata())
 
-    def _open_out_dir(self) -> None:
-        """Find the checkpoint to resume from (refusing to mix a new run into an old one); create `out`."""
+    def _open_out_dir(self, adapter: dict[str, Any] | None) -> None:
+        """Find the checkpoint to resume from (refusing to mix a new run into an old one, or to resume with
+        another config or LoRA `adapter`: `lora.adapter_settings`); create `out`."""
         cfg = self.cfg
         root = ckpt.checkpoints_root(self.out)
         self.resume_from = trainer_checkpoints.find_resume_checkpoint(root, self.env, self.log) if cfg.resume else None
@@ -300,7 +301,7 @@ class Trainer:
         if cfg.resume and self.resume_from is None:
             self.log(f"no checkpoint in {root}: starting from scratch")
         if self.resume_from is not None:  # before any data work, which could overwrite the run's caches
-            trainer_checkpoints.check_resumable(self.resume_from, cfg, self.env.world_size)
+            trainer_checkpoints.check_resumable(self.resume_from, cfg, self.env.world_size, adapter)
             self.previous_finish = _finish_record(self.out)
         self.out.mkdir(parents=True, exist_ok=True)
 

@@ -24,7 +24,14 @@ from recurrent_depth.model.recurrent import RecurrentDepthLM
 from recurrent_depth.train import checkpointing as ckpt
 from recurrent_depth.train import distributed as ddist
 from recurrent_depth.train.config import TrainConfig
-from recurrent_depth.train.lora import base_model_of, is_peft_model, save_adapter
+from recurrent_depth.train.lora import (
+    adapter_settings,
+    base_model_of,
+    describe_adapter,
+    is_peft_model,
+    save_adapter,
+    saved_adapter_settings,
+)
 from recurrent_depth.train.optim import OptimConfig
 
 # A `train.trainer.Trainer`: named, not imported, since the trainer imports this module (layers point one way).
@@ -36,6 +43,8 @@ RESUMABLE_CHANGES = frozenset(
      "keep_last", "resume", "progress", "tensorboard", "out", "data_dir", "compile", "compile_mode",
      "activation_checkpointing", "keep_freed_memory", "accel", "max_skipped_fraction"}
 )
+# Config fields naming a file or directory: another spelling of the same one is no change.
+PATH_FIELDS = frozenset({"init_from", "data", "tokenizer", "teacher", "distill_cache"})
 # The loop counters a checkpoint's trainer_state.json restores (see `LoopState`).
 LOOP_COUNTERS = ("step", "micro_step", "tokens", "skipped_steps", "elapsed_s")
 
@@ -167,13 +176,18 @@ def find_resume_checkpoint(root: Path, env: ddist.DistEnv, log: Callable[[str], 
     return found
 
 
-def check_resumable(path: Path, cfg: TrainConfig, world_size: int) -> None:
-    """Refuse to resume from `path` with a changed config or another number of processes."""
+def check_resumable(path: Path, cfg: TrainConfig, world_size: int, adapter: dict[str, Any] | None = None) -> None:
+    """Refuse to resume from `path` with a changed config, another LoRA adapter (`adapter`: this run's
+    `lora.adapter_settings`, None: every weight trains) or another number of processes."""
     try:
         trainer_state = ckpt.read_trainer_state(path)
+        saved_adapter = saved_adapter_settings(path)
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot resume from {path}: unreadable {ckpt.TRAINER_STATE} ({exc})") from exc
     changes = _config_changes(_with_field_defaults(trainer_state.get("config", {})), cfg.to_dict())
+    if saved_adapter != adapter:
+        before, after = describe_adapter(saved_adapter), describe_adapter(adapter)
+        changes.append(f"lora: {before} -> {after}" if before != after else "lora: other target modules")
     if changes:
         raise ValueError(f"cannot resume from {path}: the configuration changed ({', '.join(changes)}); "
                          f"only {', '.join(sorted(RESUMABLE_CHANGES - {'resume'}))} may change on --resume")
@@ -202,7 +216,7 @@ def resume(trainer: Trainer) -> Path | None:
         fallback = f"resuming from {older.name}" if older is not None else "no valid checkpoint is left"
         trainer.log(f"skipping checkpoint {path}: {problem}; moved it to {moved}, {fallback}")
         if older is not None:
-            check_resumable(older, trainer.cfg, env.world_size)
+            check_resumable(older, trainer.cfg, env.world_size, adapter_settings(trainer.model))
         path = older
     trainer.log(f"no checkpoint in {root} could be loaded: starting from scratch")
     return None
@@ -305,7 +319,7 @@ def _config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]
     changes = []
     for key in sorted(current):
         old, new = saved.get(key), _jsonable(current[key])
-        if key in RESUMABLE_CHANGES or old == new:
+        if key in RESUMABLE_CHANGES or old == new or (key in PATH_FIELDS and _same_path(old, new)):
             continue
         if isinstance(old, dict) and isinstance(new, dict):
             changes += [f"{key}.{sub}: {old.get(sub)!r} -> {new.get(sub)!r}"
@@ -313,6 +327,12 @@ def _config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]
         else:
             changes.append(f"{key}: {old!r} -> {new!r}")
     return changes
+
+
+def _same_path(old: Any, new: Any) -> bool:
+    """Two spellings of one existing file or directory (`base` and `./base/`, or an absolute path)."""
+    return (isinstance(old, str) and isinstance(new, str) and os.path.exists(old) and os.path.exists(new)
+            and os.path.samefile(old, new))
 
 
 def _jsonable(value: Any) -> Any:

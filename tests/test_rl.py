@@ -157,6 +157,10 @@ def test_a_raising_reward_is_reported_with_its_input(one_thread, byte_model):
         assert rollouts.reward.errors > 0 and len(lines) >= rollouts.reward.errors
         assert "prompt=" in lines[-1] and f"on_reward_error={on_error}" in lines[-1]
         assert batch["reward_valid"].all() if on_error == "zero" else not batch["reward_valid"].all()
+        # the metrics count each batch's failures (per step, like rollouts_left_out), not a running total
+        second = rollouts.next_batch(2)
+        assert batch["reward_errors"] + second["reward_errors"] == rollouts.reward.errors
+        assert rollouts.observe(second, None)["reward_errors"] == second["reward_errors"]
 
 
 def test_rl_cli_refuses_what_a_replay_cannot_follow_in_one_line(byte_model, tmp_path, capsys):

@@ -186,7 +186,9 @@ class RolloutSource(BatchSource):
                            output_logits=True, seed=stream_seed(self.settings.seed, n) % 2**62, stop=stops, **kwargs)
         self.last_rollout_s = time.perf_counter() - start
         batch = self._record(out, ids, mask)
+        errors_before = self.reward.errors
         batch["rewards"], batch["reward_valid"] = self._score(texts, out)
+        batch["reward_errors"] = self.reward.errors - errors_before  # this batch's, like rollouts_left_out
         if self.reference is not None:
             with torch.no_grad():
                 batch["ref_logp"] = policy_logprobs(self.reference, batch, self.settings)
@@ -238,7 +240,7 @@ class RolloutSource(BatchSource):
         rewards = batch["rewards"][valid]
         return {
             "reward_mean": float(rewards.mean()) if rewards.numel() else None,
-            "reward_errors": self.reward.errors,
+            "reward_errors": batch.get("reward_errors", 0),
             "rollouts_left_out": int((~valid).sum()),
             "completion_tokens": new / mask.shape[0],
             "mean_depth": float(depths[mask].float().mean()) if new else None,

@@ -117,6 +117,24 @@ def test_a_local_parquet_file_reads_as_jsonl_does(model_dir, tmp_path):
     assert load_examples(tmp_path / "data.parquet", encoder) == load_examples(tmp_path / "data.jsonl", encoder)
 
 
+def test_csv_and_json_arrays_keep_numeric_looking_text_as_text(model_dir, tmp_path):
+    """`28`, `0.50` and `NA` are answers, not numbers or missing values; a .json array may mix record kinds."""
+    records = [{"prompt": "26+2=", "completion": "28"}, {"prompt": "half=", "completion": "0.50"},
+               {"prompt": "n/a?", "completion": "NA"}]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "data.csv").write_text("prompt,completion\n26+2=,28\nhalf=,0.50\nn/a?,NA\n")
+    encoder = encoder_for(model_dir)
+    expected = load_examples(tmp_path / "data.jsonl", encoder)
+    assert load_examples(tmp_path / "data.csv", encoder) == expected
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "1"}]}
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [chat, *records]))
+    (tmp_path / "mixed.json").write_text(json.dumps([chat, *records]))
+    assert load_examples(tmp_path / "mixed.json", encoder) == load_examples(tmp_path / "mixed.jsonl", encoder)
+    (tmp_path / "bad.json").write_text(json.dumps([chat, {"prompt": "a"}]))
+    with pytest.raises(ValueError, match="bad.json:record 2: "):
+        load_examples(tmp_path / "bad.json", encoder)
+
+
 def test_a_packed_row_gives_each_example_its_loss_and_gradient_alone(tiny_model):
     """Three examples and padding in one row: per-example losses and the gradient of their sum equal those
     of each example run alone from the same initial state (truncated backprop included)."""

@@ -24,6 +24,7 @@ Files: `.jsonl` is read here, a line at a time with a size cap, and a bad record
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 from collections.abc import Iterator
@@ -32,8 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from recurrent_depth.config import ModelConfig
+from recurrent_depth.files import read_json
 
 MAX_RECORD_BYTES = 16 << 20  # one JSONL line
+MAX_JSON_BYTES = 1 << 30  # a .json array, read whole
 MAX_RENDERED_CHARS = 1 << 24  # one rendered conversation
 DATASETS_BUILDERS = {".parquet": "parquet", ".json": "json", ".csv": "csv", ".arrow": "arrow"}  # -> Dataset.from_*
 SUFFIXES = (".jsonl", *DATASETS_BUILDERS)
@@ -66,6 +69,8 @@ def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
         raise ValueError(f"SFT data {str(p)!r} does not exist")
     if p.suffix == ".jsonl":
         yield from _jsonl_records(p)
+    elif p.suffix == ".json":
+        yield from _json_records(p)
     elif p.suffix in DATASETS_BUILDERS:
         yield from _datasets_rows(p, DATASETS_BUILDERS[p.suffix])
     else:
@@ -107,12 +112,38 @@ def _datasets_rows(path: Path, builder: str | None) -> Iterator[tuple[str, Any]]
                 if "train" not in table:
                     raise ValueError(f"it has splits {sorted(table)} and no 'train'")
                 table = table["train"]
+        elif builder == "csv":
+            table = readers[builder](str(path), features=_csv_text_columns(path), keep_default_na=False)
         else:
             table = readers[builder](str(path))
     except Exception as exc:  # datasets raises many kinds; the message is what the user needs
         raise ValueError(f"SFT data {str(path)!r} cannot be read with datasets: {exc}") from None
     for i, row in enumerate(table):
         yield f"{path}:row {i + 1}", row
+
+
+def _csv_text_columns(path: Path) -> Any:
+    """Every column of a CSV file read as text: a completion `28` or `0.50` is the text, not a number
+    (datasets would infer int64 / float64), and an empty cell or `NA` stays the text it is."""
+    import datasets
+
+    with open(path, newline="", encoding="utf-8") as handle:
+        header = next(csv.reader([handle.readline(MAX_RECORD_BYTES)]), [])
+    return datasets.Features({name: datasets.Value("string") for name in header})
+
+
+def _json_records(path: Path) -> Iterator[tuple[str, Any]]:
+    """A `.json` file's records: a top-level array read as JSON (its strings stay strings; datasets'
+    reader infers column types, so `"28"` among other records came back as the number 28); anything
+    else (JSON lines, a `{"data": [...]}` table) through datasets."""
+    with open(path, "rb") as handle:
+        start = handle.read(4096).lstrip()
+    if not start.startswith(b"["):
+        yield from _datasets_rows(path, "json")
+        return
+    records = read_json(path, MAX_JSON_BYTES, "SFT data")
+    for i, record in enumerate(records):
+        yield f"{path}:record {i + 1}", record
 
 
 def conversation(record: Any, where: str) -> Conversation:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -279,6 +280,7 @@ def test_the_cli_trains_an_adapter_generates_with_it_and_merges_it(tmp_path, cap
     assert main([*train, "--lora", "--init-from", str(base), "--lora-parts", "core,adapter", "--lora-rank", "2",
                  "--lora-alpha", "4", "--lora-dropout", "0.1", "--lora-kinds", "attention", "--out",
                  str(tmp_path / "run")]) == 0
+    assert re.search(r"training [\d,]+ of [\d,]+ parameters", capsys.readouterr().out)  # the adapter of the whole
     adapter = tmp_path / "run" / "model"
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (2, 4.0, 0.1)
@@ -295,10 +297,11 @@ def test_the_cli_trains_an_adapter_generates_with_it_and_merges_it(tmp_path, cap
 
     prompt = ["--prompt", "def alpha", "--max-new-tokens", "6", "--num-steps", "2", "--init-scale", "0", "--json"]
     texts = []
-    for model_flags in (["--model", str(base), "--lora", str(adapter)], ["--model", str(tmp_path / "merged")]):
+    for model_flags in (["--model", str(base), "--lora", str(adapter)], ["--model", str(tmp_path / "merged")],
+                        ["--model", str(base), "--lora", str(tmp_path / "run")]):  # (the run directory too)
         assert main(["generate", *model_flags, *prompt]) == 0
         texts.append(json.loads(capsys.readouterr().out)["completions"])
-    assert texts[0] == texts[1]
+    assert texts[0] == texts[1] == texts[2]
 
     served = {}
     monkeypatch.setattr("recurrent_depth.serving.serve", lambda model, **kw: served.update(model=model, **kw))

@@ -189,7 +189,10 @@ def base_model_of(model: Any) -> Any:
 
 
 def check_adapter_dir(adapter_dir: str | Path) -> Path:
+    """The adapter directory `adapter_dir` names: itself, or the model/ of a LoRA run directory."""
     path = Path(adapter_dir)
+    if not (path / ADAPTER_CONFIG).is_file() and (path / "model" / ADAPTER_CONFIG).is_file():
+        path = path / "model"  # `rdepth train/sft --lora --out DIR` writes its adapter as DIR/model
     if not (path / ADAPTER_CONFIG).is_file():
         raise ValueError(f"{path} is not a LoRA adapter directory: no {ADAPTER_CONFIG} (save one with "
                          f"PeftModel.save_pretrained or rdepth train --lora)")

@@ -460,8 +460,11 @@ class Trainer:
         sampler = self.sampler
         depth = (f"; depth {sampler.scheme} r̄={sampler.mean_recurrence} k={sampler.backprop_depth}"
                  if isinstance(sampler, DepthSampler) else "")
+        total = num_parameters(self.model)
+        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        what = f"{total:,} parameters" if trainable == total else f"{trainable:,} of {total:,} parameters"
         self.log(
-            f"training {num_parameters(self.model):,} parameters on {self.env.device} "
+            f"training {what} on {self.env.device} "
             f"({self.env.world_size} process{'es' if self.env.world_size > 1 else ''}){depth}"
             f"{' (baseline: one core pass)' if cfg.baseline else ''}; out: {self.out or 'none (nothing is written)'}"
         )

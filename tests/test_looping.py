@@ -285,6 +285,26 @@ def test_models_it_cannot_loop_get_a_clear_error():
         apply_loop(_model(), LoopConfig(2, 4))
 
 
+@pytest.mark.parametrize("cache, layer", [
+    ("static", "StaticLayer"),
+    ("sliding", "DynamicSlidingWindowLayer"),
+])
+def test_looping_at_decode_on_a_non_dynamic_cache_is_refused_and_prefill_looping_still_runs(cache, layer):
+    if cache == "sliding":
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=4,
+                                             max_window_layers=0)).eval()
+        kwargs = {}
+    else:
+        model, kwargs = _model(), {"cache_implementation": "static"}
+    apply_loop(model, LoopConfig(1, 2, iterations=2, when="always"))
+    with pytest.raises(ValueError, match=f"needs a full-attention dynamic KV cache; layer 1 holds a {layer}"):
+        model.generate(_ids(1, 9), max_new_tokens=3, do_sample=False, **kwargs)
+    apply_loop(model, LoopConfig(1, 2, iterations=2, when="prefill"))
+    out = model.generate(_ids(1, 9), max_new_tokens=3, min_new_tokens=3, do_sample=False, **kwargs)
+    assert out.shape == (1, 12)
+
+
 @pytest.mark.parametrize(
     "fields, message",
     [

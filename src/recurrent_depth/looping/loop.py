@@ -40,9 +40,28 @@ from recurrent_depth.looping.structure import (
 )
 
 try:  # transformers is a dependency, but keep the import error readable
-    from transformers.cache_utils import Cache
+    from transformers import cache_utils
+    from transformers.cache_utils import Cache, DynamicLayer
 except ImportError as exc:  # pragma: no cover
     raise ImportError("recurrent_depth.looping needs transformers >= 5") from exc
+
+# DynamicLayer subclasses whose `keys` are not the plain full past (windowed, quantized or recurrent
+# state); looked up by name since not every transformers 5.x release has all of them.
+_NOT_FULL_DYNAMIC = tuple(
+    getattr(cache_utils, name)
+    for name in ("DynamicSlidingWindowLayer", "BaseQuantizedLayer", "LinearAttentionCacheLayerMixin")
+    if hasattr(cache_utils, name)
+)
+
+
+def _is_full_dynamic(layer: Any) -> bool:
+    """Whether a cache layer holds exactly the past keys/values, grown by concatenation (what `_PeekCache` mimics).
+
+    Static layers preallocate the whole length, so their `keys` would pass a length check and then
+    give attention a key length that does not match the mask.
+    """
+    return (isinstance(layer, DynamicLayer) and not isinstance(layer, _NOT_FULL_DYNAMIC)
+            and not getattr(layer, "is_sliding", False))
 
 
 @contextlib.contextmanager
@@ -88,7 +107,7 @@ class _PeekCache:
             return key_states, value_states
         layer = self._cache.layers[layer_idx]
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-        if getattr(layer, "is_sliding", False) or not isinstance(keys, torch.Tensor) or keys.shape[-2] < self._past:
+        if not _is_full_dynamic(layer) or not isinstance(keys, torch.Tensor) or keys.shape[-2] < self._past:
             raise ValueError(
                 f"looping at decode needs a full-attention dynamic KV cache; layer {layer_idx} holds a "
                 f"{type(layer).__name__} (use the default DynamicCache, or loop with when='prefill')"

@@ -6,12 +6,12 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from recurrent_depth.cli import main
 from recurrent_depth.data import save_tokenizer, special_token_ids, train_tokenizer
 from recurrent_depth.looping import from_pretrained, loop_of
-from recurrent_depth.looping.evaluate import candidate_windows, held_out_windows, loop_grid
+from recurrent_depth.looping.evaluate import candidate_windows, held_out_windows, loop_grid, windows_loss
 
 TEXT = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    x: int = 0\n    y: int = 0\n" * 6
 
@@ -80,11 +80,28 @@ def test_search_saves_the_best_loop_and_eval_reads_it_back(model_dir, text_file,
         (["--windows", "9"], "does not fit a model with 4 decoder layers"),
         ([], "--windows is needed"),
         (["--windows", "1", "--seq-len", "1"], "--seq-len must be"),
+        (["--windows", "1", "--seq-len", "4096"], "--seq-len 4096 is longer than the model's 2048 positions"),
     ],
 )
 def test_eval_bad_input_is_one_line_error(model_dir, text_file, capsys, argv, message):
     assert main(["loop", "eval", "--model", str(model_dir), "--data", str(text_file), *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("action", [["eval", "--windows", "1"], ["search", "--widths", "1"]])
+def test_seq_len_past_a_learned_position_table_is_one_line_error(tmp_path, text_file, capsys, action):
+    # GPT-2's position table would raise an IndexError mid-forward
+    path = tmp_path / "gpt2"
+    tok = train_tokenizer([TEXT], vocab_size=300)
+    GPT2LMHeadModel(GPT2Config(vocab_size=tok.get_vocab_size(), n_embd=16, n_layer=2, n_head=2,
+                               n_positions=32)).save_pretrained(path)
+    save_tokenizer(tok, path)
+    argv = ["loop", *action, "--model", str(path), "--data", str(text_file), "--seq-len", "33", "--out", str(tmp_path)]
+    assert main(argv) == 2
+    assert "--seq-len 33 is longer than the model's 32 positions" in capsys.readouterr().err
+    model = GPT2LMHeadModel.from_pretrained(path)
+    with pytest.raises(ValueError, match="held-out window length 40 is longer than the model's 32 positions"):
+        windows_loss(model, [[1] * 40])
 
 
 def test_missing_model_dir_is_one_line_error(tmp_path, capsys):

@@ -155,6 +155,7 @@ def _score(args: argparse.Namespace) -> int:
     from recurrent_depth.looping.config import CONFIG_KEY
     from recurrent_depth.looping.evaluate import (
         candidate_windows,
+        check_seq_len,
         held_out_texts,
         held_out_windows,
         loop_grid,
@@ -165,6 +166,7 @@ def _score(args: argparse.Namespace) -> int:
         if getattr(args, name) < (2 if name == "seq_len" else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
     model, tokenizer = _load(args)
+    check_seq_len(model.config, args.seq_len, "--seq-len")
     stored = getattr(model.config, CONFIG_KEY, None)
     num_layers = len(find_decoder_layers(model)[1])
     if args.action == "search":

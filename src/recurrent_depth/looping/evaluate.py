@@ -68,11 +68,29 @@ def held_out_windows(tokenizer: Any, texts: Iterable[str], seq_len: int, max_tok
     return out
 
 
+def max_positions(config: Any) -> int | None:
+    """The longest input the model's config declares (`max_position_embeddings`, GPT-2's `n_positions`), if any."""
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_seq_len(config: Any, seq_len: int, what: str = "seq_len") -> None:
+    """Refuse windows longer than the model's positions (a learned position table would fail with an IndexError)."""
+    limit = max_positions(config)
+    if limit is not None and seq_len > limit:
+        raise ValueError(f"{what} {seq_len} is longer than the model's {limit} positions "
+                         f"(max_position_embeddings / n_positions in its config.json)")
+
+
 @torch.no_grad()
 def windows_loss(model: nn.Module, windows: Sequence[Sequence[int]], batch_size: int = 8, pad_token_id: int = 0
                  ) -> float:
     """Mean next-token loss (nats) over `windows` (right-padded batches, padding masked)."""
     device = next(model.parameters()).device
+    check_seq_len(model.config, max((len(w) for w in windows), default=0), "held-out window length")
     total, count = 0.0, 0
     for i in range(0, len(windows), batch_size):
         chunk = windows[i : i + batch_size]

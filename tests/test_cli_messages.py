@@ -50,6 +50,33 @@ def test_a_mistyped_flag_gets_the_commands_usage_and_the_closest_flag(argv, usag
     assert info.value.code == 2 and err.startswith(usage) and hint in err and "usage: rdepth [-h]" not in err
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("command", ["generate", "eval", "eval-baseline"])
+def test_a_plain_transformers_directory_points_to_retrofit_and_loop(run_dir, tmp_path, capsys, family, command):
+    # GPT-2's n_embd used to pass for an official Huginn config; Llama's keys were listed as unknown ones
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from recurrent_depth.data.tokenizer import save_tokenizer, train_tokenizer
+
+    plain = tmp_path / family
+    if family == "llama":
+        LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2)).save_pretrained(plain)
+    else:
+        GPT2LMHeadModel(GPT2Config(vocab_size=300, n_embd=16, n_layer=2, n_head=2)).save_pretrained(plain)
+    save_tokenizer(train_tokenizer(["def f(x):\n    return x\n"], vocab_size=300), plain)
+    argv = {
+        "generate": [*GENERATE, "--model", str(plain)],
+        "eval": ["eval", "--model", str(plain), "--out", str(tmp_path / "o")],
+        "eval-baseline": ["eval", "--model", str(run_dir / "model"), "--baseline", str(plain),
+                          "--out", str(tmp_path / "o")],
+    }[command]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"error: config.json is a transformers '{family}' checkpoint, not a recurrent-depth one: convert it " \
+           "with `rdepth retrofit` (Llama, Qwen2, Qwen3, OLMo-2) or loop its middle layers with `rdepth loop`" in err
+
+
 def test_a_mistyped_yaml_key_gets_the_closest_key(tmp_path, capsys):
     (tmp_path / "run.yaml").write_text("max_step: 3\n")
     assert main(["train", "--config", str(tmp_path / "run.yaml"), "--threads", "1"]) == 2

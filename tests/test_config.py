@@ -75,6 +75,14 @@ def test_reads_the_official_huginn_config_keys():
     assert cfg == rd.ModelConfig.from_preset("huginn-0125")
 
 
+@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
+def test_another_transformers_model_type_is_not_read_as_huginn_or_ours(model_type):
+    # GPT-2 has n_embd, which alone marks an official Huginn config
+    with pytest.raises(ValueError, match=f"transformers '{model_type}' checkpoint, not a recurrent-depth one.*"
+                                         "rdepth retrofit.*rdepth loop"):
+        rd.ModelConfig.from_dict({"model_type": model_type, "n_embd": 64, "n_layer": 2, "hidden_size": 64})
+
+
 def test_init_scale_in_a_huginn_format_config_is_kept():
     # Our transformers config writes init_scale into the Huginn-format config.json; reading it back must
     # not drop it (a model saved with init_scale=0.0 came back with 1.0).

@@ -19,7 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recurrent_depth.families.ouro import OURO_KEY_FOR_FIELD, OURO_KEYS, is_ouro_config, ouro_config_values
+from recurrent_depth.families.ouro import (
+    OURO_KEY_FOR_FIELD,
+    OURO_KEYS,
+    OURO_MODEL_TYPE,
+    is_ouro_config,
+    ouro_config_values,
+)
 from recurrent_depth.families.parcae import is_parcae_config, parcae_config_values, value_embedding_layers
 from recurrent_depth.files import CONFIG_MAX_BYTES, atomic_write_text, parse_json, read_text
 
@@ -433,6 +439,7 @@ class ModelConfig:
             raise ValueError(f"config must be a JSON object, got {type(data).__name__}")
         if is_parcae_config(data):  # Parcae's own keys (families/parcae.py)
             return cls(**parcae_config_values(data))
+        check_not_foreign_model_type(data)
         if is_huginn_config(data):
             return cls._from_huginn(data)
         if is_ouro_config(data):
@@ -563,6 +570,23 @@ def rope_scaling_key(value: dict[str, Any] | None) -> tuple | None:
     if kind == "default":
         return None
     return (kind, *(float(value[key]) for key in ROPE_SCALING_KEYS[kind]))
+
+
+# The model_type values a config.json we read may carry (Parcae's configs carry none).
+KNOWN_MODEL_TYPES = (MODEL_TYPE, HUGINN_MODEL_TYPE, OURO_MODEL_TYPE)
+
+
+def check_not_foreign_model_type(data: dict[str, Any]) -> None:
+    """Refuse another transformers architecture's config (llama, gpt2, ...) before its keys are read as ours.
+
+    Without this a plain Llama read as ours lists a dozen "unknown config keys", and GPT-2's `n_embd`
+    passes for an official Huginn config.
+    """
+    model_type = data.get("model_type")
+    if model_type is not None and model_type not in KNOWN_MODEL_TYPES:
+        raise ValueError(f"config.json is a transformers {model_type!r} checkpoint, not a recurrent-depth one: "
+                         f"convert it with `rdepth retrofit` (Llama, Qwen2, Qwen3, OLMo-2) or loop its middle "
+                         f"layers with `rdepth loop`")
 
 
 def is_huginn_config(data: dict[str, Any]) -> bool:

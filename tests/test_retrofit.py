@@ -217,6 +217,20 @@ def test_cli_writes_a_directory_our_loader_and_generate_read(tmp_path, capsys):
                  str(tmp_path / "bad"), "--threads", "1"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "overlaps the prelude" in err and "\n" not in err
+    code = main(["retrofit", "--model", str(src), "--prelude", "1", "--core", "2:4", "--coda", "1", "--out",
+                 str(tmp_path / "bad"), "--backprop-depth", "-1", "--threads", "1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.endswith("retrofit: backprop_depth=-1 (--backprop-depth) is invalid: expected an "
+                                      "integer in [0, 1024]")
+
+
+@pytest.mark.parametrize("option, value", [("mean_recurrence", -1), ("backprop_depth", -1),
+                                           ("backprop_depth", 1.5), ("mean_recurrence", 10**6)])
+def test_bad_depth_options_name_the_option_before_the_source_is_read(tmp_path, option, value):
+    # the source is never read: a missing directory would otherwise be the error
+    with pytest.raises(ValueError, match=rf"^retrofit: {option}={value!r} \(--{option.replace('_', '-')}\) is "
+                                         r"invalid: expected an integer in \[0, 1024\]$"):
+        retrofit(tmp_path / "missing", prelude=1, core=(1, 2), coda=0, **{option: value})
 
 
 def test_the_papers_recipe_trains_a_retrofitted_model_then_heals_it(tmp_path):

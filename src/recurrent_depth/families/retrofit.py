@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from recurrent_depth.checkpoint import read_header_shapes, read_state_dict
-from recurrent_depth.config import ROPE_SCALING_KEYS, ModelConfig, is_int, is_real
+from recurrent_depth.config import MAX_NUM_STEPS, ROPE_SCALING_KEYS, ModelConfig, is_int, is_real
 from recurrent_depth.files import (
     CONFIG_MAX_BYTES,
     TOKENIZER_MAX_BYTES,
@@ -394,6 +394,11 @@ def retrofit(
     """
     if adapter_init not in ADAPTER_INITS:
         raise fail(f"adapter_init={adapter_init!r} is invalid: expected one of {', '.join(ADAPTER_INITS)}")
+    # checked here, not by ModelConfig, so the error names the option rather than the source's config
+    for name, value in (("mean_recurrence", mean_recurrence), ("backprop_depth", backprop_depth)):
+        if not is_int(value) or not 0 <= value <= MAX_NUM_STEPS:
+            raise fail(f"{name}={value!r} (--{name.replace('_', '-')}) is invalid: expected an integer in "
+                       f"[0, {MAX_NUM_STEPS}]")
     surgery = Surgery(prelude, parse_core(core) if isinstance(core, str) else tuple(core), coda)
     source = read_source(model_or_dir)
     cfg = model_config(source.config, surgery, mean_recurrence, backprop_depth)

@@ -212,10 +212,26 @@ def test_rdepth_eval_writes_results_and_figures(tmp_path):
 @pytest.mark.parametrize(
     "argv, message",
     [(["--depths", "1,-2"], "depths contains -2"), (["--data", "none"], "nothing to evaluate"),
-     (["--max-docs", "0"], "max_docs=0")],
-    ids=["negative-depth", "nothing", "max-docs"],
+     (["--max-docs", "0"], "max_docs=0"), (["--val-fraction", "1.5"], "expected a number in (0, 1]")],
+    ids=["negative-depth", "nothing", "max-docs", "val-fraction"],
 )
 def test_rdepth_eval_bad_arguments(tmp_path, capsys, argv, message):
     make_model_dir(tmp_path / "model", with_tokenizer=False)
     assert main(["eval", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "o"), *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_rdepth_eval_on_one_document_says_the_split_held_none_out_and_val_fraction_1_scores_it(tmp_path, capsys):
+    make_model_dir(tmp_path / "model", max_seq_len=128)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.py").write_text("def f(x):\n    return x * 2\n" * 4)
+    argv = ["eval", "--model", str(tmp_path / "model"), "--depths", "1,2", "--data", str(data),
+            "--out", str(tmp_path / "out")]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        f"no held-out text: --data {str(data)!r} holds 1 document(s) and --val-fraction 0.02 held out none of them; "
+        "give more documents, or --val-fraction 1 to score them all")
+    assert main([*argv, "--val-fraction", "1"]) == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["text"]["documents"] == 1 and sorted(results["text"]["by_depth"]) == ["1", "2"]

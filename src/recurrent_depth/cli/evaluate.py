@@ -46,7 +46,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--data", default="stdlib",
                         help="held-out text: 'stdlib', a directory, a .jsonl file, or 'none' to skip (default: stdlib)")
     parser.add_argument("--val-fraction", type=float, default=0.02,
-                        help="fraction of documents on the validation side of the split (default: 0.02)")
+                        help="fraction of documents on the validation side of the split; 1 scores every "
+                             "document (default: 0.02)")
     parser.add_argument("--split-seed", type=int, default=0,
                         help="seed of the document split, as used in training (default: 0)")
     parser.add_argument("--max-docs", type=int, default=32, help="held-out documents to score (default: 32)")

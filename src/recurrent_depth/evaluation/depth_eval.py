@@ -64,8 +64,9 @@ class EvalConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} is invalid: expected an integer >= 1")
-        if not 0 < self.val_fraction < 1:
-            raise ValueError(f"val_fraction={self.val_fraction!r} is invalid: expected a number in (0, 1)")
+        if not 0 < self.val_fraction <= 1:
+            raise ValueError(f"val_fraction={self.val_fraction!r} is invalid: expected a number in (0, 1] "
+                             f"(1 scores every document)")
         if not self.fewshot or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in self.fewshot):
             raise ValueError(f"fewshot={self.fewshot!r} is invalid: expected a list of integers >= 0")
         if self.init_scale is not None and self.init_scale < 0:
@@ -93,9 +94,20 @@ def _documents(config: EvalConfig):
     from recurrent_depth.data.corpus import DocumentSplit, load_corpus
 
     corpus = load_corpus(config.data)
+    if config.val_fraction >= 1:  # no split: score the data whole (the first max_docs documents)
+        for doc in itertools.islice(corpus, config.max_docs):
+            yield doc.text
+        return
     split = DocumentSplit.plan(corpus.ids(), config.val_fraction, seed=config.split_seed)
+    held_out = 0
     for doc in itertools.islice(split.select(corpus, "validation"), config.max_docs):
+        held_out += 1
         yield doc.text
+    if held_out == 0:  # e.g. one document: the split keeps it for training (quality.py's error would not say so)
+        count = sum(1 for _ in corpus.ids())
+        raise ValueError(f"no held-out text: --data {config.data!r} holds {count} document(s) and --val-fraction "
+                         f"{config.val_fraction:g} held out none of them; give more documents, or --val-fraction 1 "
+                         f"to score them all")
 
 
 def _text_quality(

@@ -122,6 +122,23 @@ def test_stop_strings_end_a_row(loaded):
     assert target in tok.decode(tokens) and target not in tok.decode(tokens[:-1])
 
 
+def test_cli_stop_takes_text_and_stop_id_takes_token_ids(model_dir, loaded, capsys):
+    """--stop is text (its help used to promise token ids too); --stop-id N stops at a token id, as stop=[N]."""
+    model, tok = loaded
+    kw = dict(max_new_tokens=8, num_steps=3, init_scale=0.0)
+    free = generate(model, tok.encode("def add").ids, **kw).token_lists()[0]
+    target = free[3]
+    base = ["generate", "--model", str(model_dir), "--prompt", "def add", "--max-new-tokens", "8", "--num-steps", "3",
+            "--init-scale", "0", "--json"]
+    assert main([*base, "--stop-id", str(target), "--stop", "@@never@@"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    api = generate(model, tok.encode("def add").ids, stop=[target], **kw)
+    assert record["tokens"] == api.token_lists() and record["tokens"][0][-1] == target
+    assert record["finish_reasons"] == ["stop"]
+    assert main([*base, "--stop", str(target)]) == 0  # the digits as text, not the id
+    assert json.loads(capsys.readouterr().out)["tokens"] == [free]
+
+
 def test_stream_events_carry_text(loaded):
     from recurrent_depth.inference import stream_generate
 

@@ -198,6 +198,9 @@ def test_the_write_stops_between_steps(model):
     (dict(gradmem_tokens=2, gradmem_query_tokens=6), "gradmem_query_tokens=6 leaves row 0 no context to write"),
     (dict(gradmem_tokens=7), "gradmem_init='tail' starts the memory from the context's last gradmem_tokens=7"),
     (dict(gradmem_tokens=254), "exceed the model's max_seq_len=256"),
+    # a random s_0 at depth 0 never reads the memory (the write used to crash in autograd)
+    (dict(gradmem_tokens=2, gradmem_depth=0), "gradmem_depth=0 is invalid: expected None or an integer >= 1"),
+    (dict(gradmem_tokens=2, num_steps=0), "gradmem_depth defaults to num_steps=0, but a GradMem write needs depth"),
 ])
 def test_bad_options_get_one_line_errors(model, kwargs, match):
     with pytest.raises(OptionError, match=match) as info:
@@ -214,6 +217,8 @@ def test_bad_inputs_and_models_get_one_line_errors(model):
         write_memory(model, [[1, 2, 3], [4, 5, 0]], lengths=[3, 1.5], tokens=1, steps=1, lr=1.0)
     with pytest.raises(ValueError, match="gradmem lr=-1 is invalid"):
         write_memory(model, [1, 2, 3], tokens=2, steps=1, lr=-1)
+    with pytest.raises(ValueError, match="gradmem depth=0 is invalid: expected an integer >= 1"):
+        write_memory(model, [1, 2, 3], tokens=2, steps=1, lr=1.0, depth=0)
     cfg = rd.ModelConfig.from_preset("tiny", value_embeddings=[0])
     with pytest.raises(ValueError, match="GradMem needs a model without value embeddings"):
         generate(rd.RecurrentDepthLM(cfg), [1, 2, 3], max_new_tokens=1, gradmem_tokens=2)
@@ -241,3 +246,5 @@ def test_the_cli_writes_the_memory_and_reports_its_cost(tmp_path, capsys):
     assert record["tokens"] == api.token_lists()
     assert main(args[:-1] + ["--gradmem-query-tokens", "99"]) == 2
     assert "--gradmem-query-tokens=99 leaves row 0 no context" in capsys.readouterr().err
+    assert main(args[:-1] + ["--gradmem-depth", "0"]) == 2
+    assert "--gradmem-depth=0 is invalid: expected None or an integer >= 1" in capsys.readouterr().err

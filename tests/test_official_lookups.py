@@ -202,13 +202,37 @@ def test_generation_static_equals_the_plain_reference(tiny, strategy):
     torch.testing.assert_close(static.logits, plain.logits, rtol=0, atol=1e-5)
 
 
-def test_randomized_draws_from_the_global_rng(tiny):
+def test_unseeded_randomized_follows_torch_manual_seed(tiny):
     ids = torch.tensor([[5, 9, 2, 7]])
     torch.manual_seed(3)
     a = generate(tiny, ids, kv_policy="randomized", output_logits=True, **ADAPTIVE)
     torch.manual_seed(3)
     b = generate(tiny, ids, kv_policy="randomized", output_logits=True, **ADAPTIVE)
     assert torch.equal(a.logits, b.logits)
+
+
+def test_randomized_draws_from_the_seed_and_a_row_draws_as_alone(tiny):
+    """The lookup's draws come from the request's seed (they used to come from torch's global RNG, so a
+    seeded run changed from run to run); a left-padded row of a batch, on either storage, gets its tokens
+    alone; another seed picks other slots."""
+    rows = [torch.tensor([5, 9, 2, 7, 11, 3]), torch.tensor([0, 3, 3, 1])]
+    prompt = torch.tensor([[5, 9, 2, 7, 11, 3], [0, 0, 0, 3, 3, 1]])
+    mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
+    kw = dict(kv_policy="per-step+randomized", output_logits=True, **ADAPTIVE)
+    runs = []
+    for global_seed in (0, 1):
+        torch.manual_seed(global_seed)  # the global RNG must not matter
+        runs.append(generate(tiny, prompt, attention_mask=mask, seed=[7, 8], **kw))
+    assert torch.equal(runs[0].logits, runs[1].logits) and torch.equal(runs[0].steps, runs[1].steps)
+    assert len(set(runs[0].steps[:, 1:].flatten().tolist())) > 1  # exits at different steps: lookups drew
+    plain = generate(tiny, prompt, attention_mask=mask, seed=[7, 8], cache_implementation="dynamic", fast=False, **kw)
+    for b, row in enumerate(rows):
+        alone = generate(tiny, row, seed=7 + b, **kw)
+        for out, i in ((runs[0], b), (plain, b), (alone, 0)):
+            assert out.token_lists()[i] == alone.token_lists()[0] and torch.equal(out.steps[i], alone.steps[0])
+            torch.testing.assert_close(out.logits[i], alone.logits[0], rtol=0, atol=1e-5)
+    other = generate(tiny, rows[0], seed=9, **kw)
+    assert not torch.allclose(other.logits[0], generate(tiny, rows[0], seed=7, **kw).logits[0], atol=1e-3)
 
 
 # ------------------------------------------------------------------ the official golden outputs

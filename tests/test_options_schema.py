@@ -79,6 +79,9 @@ def test_cli_flags_are_the_schema():
     for action in actions:
         if action.option_strings == ["--parallel"]:
             continue  # the shorthand of --sampler parallel
+        if action.option_strings == ["--stop-id"]:  # --stop's token ids, added to the same list
+            assert action.dest == "stop" and action.type is int and action.default is None
+            continue
         if action.dest in OPTIONS:
             option = OPTIONS[action.dest]
             assert action.option_strings[0] == option.flag and action.help == option.describe()

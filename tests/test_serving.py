@@ -166,12 +166,49 @@ def test_completion_equals_generate_alone(client, reference, extra):
         assert steps == [extra["num_steps"]] * len(steps)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_finish_round_lets_a_speculative_row_finish_its_round_as_generate_does(client, reference, stream):
+    """finish_round commits the whole round that reaches max_tokens (the official loop): the server used
+    to cut the row at max_tokens."""
+    prompt, extra = "class Foo:\n    def", dict(num_steps=8, draft_steps=6, lookahead=4, finish_round=True,
+                                              init_scale=0)
+    text, tokens, steps, finish, _ = expected(reference, encode(reference, prompt), 6, **extra)
+    assert len(tokens) > 6 and finish == "length"  # the round ran past max_tokens
+    kw = dict(model="tiny", prompt=prompt, max_tokens=6, temperature=0, extra_body=dict(return_steps=True, **extra))
+    if stream:
+        chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+        assert chunks[-1].usage.completion_tokens == len(tokens)
+        return
+    r = client.completions.create(**kw)
+    assert r.choices[0].text == text and r.choices[0].finish_reason == finish
+    assert r.choices[0].model_extra["steps"] == steps and r.usage.completion_tokens == len(tokens)
+
+
+def test_a_seeded_randomized_kv_lookup_repeats_and_equals_generate(client, reference):
+    """kv_policy "randomized" draws from the request's seed (it drew from torch's global RNG, so the same
+    seeded request gave other steps on each call)."""
+    prompt = "for i in range(10):"
+    extra = dict(num_steps=8, exit_criterion="kl", exit_threshold=3e-2, kv_policy="per-step+randomized",
+                 init_scale=0)
+    answers = [client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, seed=11,
+                                         logprobs=0, extra_body=dict(return_steps=True, **extra)).choices[0]
+               for _ in range(2)]
+    text, tokens, steps, finish, logprobs = expected(reference, encode(reference, prompt), 8, seed=11, **extra)
+    assert len(set(steps[1:])) > 1  # tokens exited at different steps: the lookup drew
+    for choice in answers:
+        assert choice.text == text and choice.model_extra["steps"] == steps
+        assert max(abs(a - b) for a, b in zip(choice.logprobs.token_logprobs, logprobs)) < TOL
+
+
 @pytest.mark.parametrize("body,param,message", [
     (dict(gradmem_tokens=2, gradmem_query_tokens=99), "gradmem_query_tokens",
      "gradmem_query_tokens=99 leaves row 0 no context to write"),
     (dict(gradmem_tokens=2, gradmem_steps=65), "gradmem_steps", "'gradmem_steps'=65 is out of range"),
     (dict(gradmem_tokens=2, echo=True, logprobs=0), "echo", "a GradMem request (gradmem_tokens > 0) reads it"),
-], ids=["no-context", "too-many-steps", "prompt-scores"])
+    (dict(gradmem_tokens=2, gradmem_depth=0), "gradmem_depth", "gradmem_depth=0 is invalid"),
+    (dict(gradmem_tokens=2, num_steps=0), "gradmem_depth", "gradmem_depth defaults to num_steps=0"),
+], ids=["no-context", "too-many-steps", "prompt-scores", "depth-0", "num-steps-0"])
 def test_gradmem_requests_that_cannot_run_are_400s_naming_the_field(server, body, param, message):
     r = httpx.post(server.url + "/v1/completions", json=dict(prompt="def add(a, b):", max_tokens=2, **body),
                    timeout=30)

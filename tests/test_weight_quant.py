@@ -31,6 +31,7 @@ from recurrent_depth.weight_quant import (
     dequantize_int4,
     dequantize_int8,
     dequantize_weights,
+    logical_parameters,
     pack_nibbles,
     parse_weights,
     quantize_int4,
@@ -298,6 +299,13 @@ def test_bf16_model_decodes_close_to_its_dequantized_twin(fmt):
     assert (a - b).abs().max() <= 0.05 * b.abs().max()
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_logical_parameters_count_a_quantized_model_as_its_float_original(pairs, fmt):
+    model, twin = pairs[fmt]
+    assert model.num_parameters() < twin.num_parameters()  # the codes are buffers
+    assert logical_parameters(model) == logical_parameters(twin) == twin.num_parameters()
+
+
 def test_bad_weights_values_are_one_line_errors():
     assert check_weights(None) is None and check_weights("int8") == "int8" and check_weights("int4") == "int4"
     assert parse_weights("int4") == ("int4", 32) and parse_weights("int4:g128") == ("int4", 128)
@@ -356,8 +364,11 @@ def test_build_app_quantizes_a_model_in_memory_and_refuses_a_bad_format_first(mo
     from recurrent_depth.serving import build_app
 
     model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval()
-    build_app(model, weights="int4")
+    params = model.num_parameters()
+    app = build_app(model, weights="int4")
     assert isinstance(model.transformer.core_block[0].attn.Wqkv, Int4WeightLinear)
+    # the banner counts the quantized weights too (they are buffers: it used to show the rest only)
+    assert f"({params / 1e6:.2f}M parameters," in app.state.banner("http://127.0.0.1:1")
     with pytest.raises(ValueError, match="weights='int4:g16' is invalid"):
         build_app(model_dir, weights="int4:g16")
 

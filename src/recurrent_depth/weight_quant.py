@@ -437,3 +437,10 @@ def quantized_weights(model: nn.Module) -> bool:
 def quantized_weight_bytes(model: nn.Module) -> int:
     """Bytes of `model`'s quantized weights as stored: packed values, scales and zero points (not biases)."""
     return sum(m.quantized_bytes() for m in model.modules() if isinstance(m, QuantizedLinear))
+
+
+def logical_parameters(model: nn.Module) -> int:
+    """Unique parameters `model` stands for: a quantized layer's weight counts its out x in values (its
+    codes are buffers, outside `model.parameters()`), so a quantized model counts as its float original."""
+    params = sum(p.numel() for p in model.parameters())  # (parameters() yields a shared one once)
+    return params + sum(m.out_features * m.in_features for m in model.modules() if isinstance(m, QuantizedLinear))

@@ -19,6 +19,11 @@ entry per token. Columns are cache positions; they equal token positions unless 
 `kv_quant` (a spec, see `recurrent_depth.inference.quant_cache`): the static cache holds the codec
 (`kv_codec.CodeRows`) and stores code rows in the same layout; the dynamic reference stores each
 entry's codec round trip.
+
+`lookup_generators` (None, or one CPU `torch.Generator` per row; generation sets them from the seed):
+the randomized lookup's draws. A row draws only at the reads where it runs and reads elsewhere, one
+seed from its generator per read, then one uniform per column newest first, so a left-padded row in
+a batch draws what it draws alone and both storages pick the same slots. None: torch's global RNG.
 """
 
 from __future__ import annotations
@@ -124,6 +129,7 @@ class _CacheBase:
         self._skips = self.policy.lookup.hides_columns
         self._reads_per_step = self.policy.lookup.reads_per_step
         self._written_end = 0
+        self.lookup_generators: list[torch.Generator] | None = None  # see the module docstring
 
     decode_views = no_decode_views  # (the static cache hands out its stores)
 
@@ -137,6 +143,17 @@ class _CacheBase:
 
     def split(self, key: LayerKey) -> tuple[tuple, int]:
         return self.policy.split(key, self.core_slots)
+
+    def _uniforms(self, rows: Tensor, n: int) -> Tensor:
+        """`[B, n]` draws in [0, 1) for the randomized lookup from `lookup_generators`: rows in `rows` that
+        run this step (`write_mask`) draw, the others get zeros (their read is their own slot or discarded)."""
+        out = torch.zeros(self.batch_size, n)
+        drawing = rows if self.write_mask is None else rows & self.write_mask.any(dim=1)
+        for b in drawing.nonzero().flatten().tolist():
+            # One seed per read, then the columns newest first: left padding only adds draws at the end.
+            seed = int(torch.randint(2**62, (), generator=self.lookup_generators[b]))
+            out[b] = torch.rand(n, generator=torch.Generator().manual_seed(seed)).flip(0)
+        return out.to(self.device)
 
     def key_mask(self, key: LayerKey) -> Tensor | None:
         """Bool `[B, seq_len + T]` for a core key under a lookup that hides columns, else None."""
@@ -338,7 +355,8 @@ class StaticRecurrentCache(_CacheBase):
             new_v.copy_(torch.where(keep, v, new_v))
         if self._reads_per_step and key[0] == "core":
             closed = min(start, self.depth.shape[1])
-            index = self.policy.read_slots(key, self.depth[:, :closed], end - closed)  # [B, end]
+            uniform = self._uniforms if self.lookup_generators is not None else None
+            index = self.policy.read_slots(key, self.depth[:, :closed], end - closed, uniform)  # [B, end]
             if index is not None:
                 base = self.split(key)[0]
                 return tuple(_gather_slots(store, index, end) for store in self.kv[base])
@@ -496,6 +514,9 @@ class DynamicRecurrentCache(_CacheBase):
         lacking = [lookup.reads_per_step and base[0] == "core"
                    and not all(self._has(base, slot, c, b) for c in range(self.seq_len))
                    for b in range(self.batch_size)]
+        draws = None  # randomized: the static cache's draws, when the generation's generators are set
+        if lookup.name == "randomized" and self.lookup_generators is not None:
+            draws = self._uniforms(torch.tensor(lacking, device=self.device), end).cpu()
         for col in range(end):
             k_rows, v_rows = [], []
             for b in range(self.batch_size):
@@ -504,7 +525,9 @@ class DynamicRecurrentCache(_CacheBase):
                     use = int(self.highest[base][col][b])
                 elif lacking[b]:  # randomized: a slot of this layer at or below this one that the column wrote
                     held = [s for s in range(slot + 1) if self._has(base, s, col, b)]
-                    use = held[int(torch.randint(len(held), ()))]
+                    # (the float32 product, as the static cache rounds it)
+                    pick = int(torch.randint(len(held), ())) if draws is None else int(draws[b, col] * len(held))
+                    use = held[min(pick, len(held) - 1)]
                 elif not self._has(base, slot, col, b):
                     # remark 6.1: the deepest entry of this layer (under `Skip` it is hidden by key_mask)
                     use = int(self.deepest[base][col][b])

@@ -210,7 +210,7 @@ def write_memory(model: Any, context_ids: Any, *, tokens: int, steps: int, lr: f
     """GradMem's WRITE: `steps` SGD steps on `tokens` memory tokens prepended to the context.
 
     context_ids: `[T]` or `[B, T]` ids, rows right-padded to `lengths` (None: every row has T).
-    depth: recurrence depth of each write pass (None: the model's mean_recurrence).
+    depth: recurrence depth of each write pass, >= 1 (None: the model's mean_recurrence).
     init: "tail" or "random" (see `initial_memory`); `memory` (`[m, h]` or `[B, m, h]`) gives M_0 instead.
     init_scale, seed: s_0's scale and the per-row seeds (an int: row b uses seed + b), as generation's.
     should_stop: checked before each step; when it returns True the write raises `engine.Stopped`.
@@ -228,8 +228,8 @@ def write_memory(model: Any, context_ids: Any, *, tokens: int, steps: int, lr: f
     if isinstance(lr, bool) or not isinstance(lr, int | float) or not 0 < lr < float("inf"):
         raise ValueError(f"gradmem lr={lr!r} is invalid: expected a finite number > 0")
     depth = cfg.mean_recurrence if depth is None else depth
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
-        raise ValueError(f"gradmem depth={depth!r} is invalid: expected an integer >= 0")
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:  # a random s_0 at depth 0 ignores M
+        raise ValueError(f"gradmem depth={depth!r} is invalid: expected an integer >= 1")
     check_contexts(model, rows, tokens, init if memory is None else "given")
     generators = RowGenerators(seed, B, model.device)
     if memory is None:

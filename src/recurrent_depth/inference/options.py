@@ -310,8 +310,8 @@ class GenerationOptions:
         high_open=True)
     seed: Any = option(None, "sampling", "random seed: row b uses seed + b (or one seed per row)", "seed",
         cli_default=0, shown="none: fresh randomness; rdepth's --seed 0", hf="routed")
-    stop: Any = option(None, "sampling", "stop when this text (or token id) appears; the model's eos always stops",
-        "stop", shown="none", hf="routed")
+    stop: Any = option(None, "sampling", "stop when this text appears (repeatable); token ids: --stop-id N on "
+        "the CLI, stop=[id, ...] in the API; the model's eos always stops", "stop", shown="none", hf="routed")
     fast: bool = option(True, "output", "the fused runner; --no-fast runs the model's own modules (the reference)",
         "bool", hf="routed")
     output_logits: bool = option(False, "output", "keep the logits of every chosen token", "bool", cli=False,
@@ -347,8 +347,9 @@ class GenerationOptions:
         "the context's next-token loss given the memory", "int", http=True, http_max=64, hf="routed", low=0)
     gradmem_lr: float = option(1.0, "ttt", "GradMem: the memory's SGD learning rate", "float", http=True,
         http_max=1e4, hf="routed", low=0, high=math.inf, low_open=True, high_open=True)
-    gradmem_depth: int | None = option(None, "ttt", "GradMem: recurrence depth of the write passes", "int",
-        shown="num_steps", http=True, http_max="max_num_steps", hf="routed", low=0, optional=True)
+    gradmem_depth: int | None = option(None, "ttt", "GradMem: recurrence depth of the write passes, >= 1 (a "
+        "random s_0 at depth 0 never reads the memory)", "int", shown="num_steps", http=True,
+        http_max="max_num_steps", hf="routed", low=1, optional=True)
     gradmem_init: str = option("tail", "ttt", "GradMem: the initial memory: the embeddings of the context's last "
         "gradmem_tokens tokens ('tail') or random vectors at the embedding's scale from the seed ('random')", "str",
         choices=GRADMEM_INITS, http=True, hf="routed")
@@ -506,6 +507,9 @@ def _check_combinations(o: ResolvedOptions, asked_prefill_exit: bool) -> Resolve
                 f"self-speculative decoding (draft_steps={o.draft_steps}) is greedy at a fixed depth; "
                 f"it does not combine with {', '.join(bad)}"
             )
+    if o.gradmem_tokens > 0 and o.gradmem_depth is None and o.num_steps == 0:
+        raise OptionError("gradmem_depth", "gradmem_depth defaults to num_steps=0, but a GradMem write needs depth "
+                          ">= 1 (a random s_0 at depth 0 never reads the memory); set gradmem_depth")
     gate = o.criterion is not None and o.criterion.reads_gate
     if gate and (o.check_every > 1 or (o.min_steps_rule == "skip" and o.min_steps > 0)):
         raise OptionError(

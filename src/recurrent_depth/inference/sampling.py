@@ -43,6 +43,11 @@ class RowGenerators:
     def __getitem__(self, row: int) -> torch.Generator:
         return self.generators[row]
 
+    def derived(self, stream: int) -> list[torch.Generator]:
+        """One CPU generator per row for another use of the same seeds (`stream` names the use): row b's
+        is seeded from seeds[b] and `stream`, so its draws leave the row's own generator untouched."""
+        return [torch.Generator().manual_seed((s * 6364136223846793005 + stream) % 2**63) for s in self.seeds]
+
 
 def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
     """CTRL-style penalty on tokens already in the row (prompt + generated): positive logits are

@@ -206,8 +206,10 @@ def _argument(parser: Any, flag: str, dest: str, kind: str, help: str, choices: 
               default: Any, metavar: str | None = None) -> None:
     if kind == "bool":
         parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=help)
-    elif kind == "stop":
+    elif kind == "stop":  # text from --stop, token ids from --stop-id: both add to the one list
         parser.add_argument(flag, dest=dest, action="append", default=default, metavar="TEXT", help=help)
+        parser.add_argument(flag + "-id", dest=dest, action="append", type=int, metavar="N",
+                            help="stop when this token id appears (repeatable; with --stop, any of them stops)")
     else:
         types = {"int": int, "seed": int, "float": _threshold if dest == "exit_threshold" else float, "str": str}
         if metavar is None and not choices:

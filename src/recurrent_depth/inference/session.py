@@ -16,6 +16,8 @@ from recurrent_depth.inference.quant_cache import kv_quant_for_model
 from recurrent_depth.inference.sampling import RowGenerators, StopChecker, TokenChooser, decode
 from recurrent_depth.model.recurrent import all_attention
 
+RANDOMIZED_LOOKUP_STREAM = 1  # `RowGenerators.derived` stream of the randomized KV lookup's draws
+
 
 def prepare_inputs(model: Any, input_ids: Any, attention_mask: Any) -> tuple[Tensor, Tensor | None]:
     """Validate ids `[B, T]` (or `[T]`, or lists) and a left-padding mask; returns tensors on the model's device."""
@@ -119,6 +121,8 @@ class Session:
                                 device=self.device)
         self.valid[:, : self.T] = prompt_valid
         self.generators = RowGenerators(options.seed, self.B, self.device)
+        if lookup.name == "randomized":  # its draws come from the seed too, row by row
+            self.cache.lookup_generators = self.generators.derived(RANDOMIZED_LOOKUP_STREAM)
         self.chooser = TokenChooser(options, cfg.vocab_size, self.generators)
         self.embedded = embedded
         self.prompt_embeds: Tensor | None = None  # [B, T, h] the prelude's input where `embedded` is set

@@ -47,7 +47,7 @@ plus its entry in `LOOKUPS`.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -56,6 +56,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 LayerKey = tuple  # ("prelude", i) | ("core", j, step) | ("coda", c)
+# A read's uniform draws for the randomized lookup: (rows bool `[B]` that draw, columns n) -> `[B, n]` in [0, 1).
+Uniforms = Callable[[Tensor, int], Tensor]
 
 
 class DecodeViews(NamedTuple):
@@ -279,7 +281,8 @@ SlotRule = PerStep | SharedBudget | Anchor | FlatGroups | Unbound
 # official `always-last` / `randomized`, of every column once one column lacks the step):
 #   fill_index: settled once, when a column closes (copy entries into slots it did not reach);
 #   visible:    which columns the attention sees (None: all);
-#   read_slots: chosen at every read, per column (None: the step's own slot).
+#   read_slots: chosen at every read, per column (None: the step's own slot); `uniform` gives the
+#               randomized lookup its draws (None: torch's global RNG).
 @dataclass(frozen=True)
 class Deepest:
     """A token that ran d steps is read at its deepest entry (slot of step d - 1) for later steps
@@ -304,7 +307,8 @@ class Deepest:
         return None  # every column is read (at its deepest entry)
 
     @staticmethod
-    def read_slots(step: int, slot: int, depth: Tensor, num_new: int, slots: SlotRule) -> Tensor | None:
+    def read_slots(step: int, slot: int, depth: Tensor, num_new: int, slots: SlotRule,
+                   uniform: Uniforms | None = None) -> Tensor | None:
         return None
 
 
@@ -370,10 +374,12 @@ class _PerRead:
     visible = staticmethod(Deepest.visible)
 
     @classmethod
-    def read_slots(cls, step: int, slot: int, depth: Tensor, num_new: int, slots: SlotRule) -> Tensor | None:
+    def read_slots(cls, step: int, slot: int, depth: Tensor, num_new: int, slots: SlotRule,
+                   uniform: Uniforms | None = None) -> Tensor | None:
         """Long `[B, n + num_new]`: the slot each column is read at (`depth` `[B, n]`: closed columns)."""
         held = slots.entries(_with_new(depth, step, num_new))  # each column wrote slots [0, held)
-        return torch.where(_lacking_rows(slot, depth, slots)[:, None], cls.choose(held, slot), slot)
+        lacking = _lacking_rows(slot, depth, slots)
+        return torch.where(lacking[:, None], cls.choose(held, slot, lacking, uniform), slot)
 
 
 @dataclass(frozen=True)
@@ -383,21 +389,23 @@ class AlwaysLast(_PerRead):
     name = "always-last"
 
     @staticmethod
-    def choose(held: Tensor, slot: int) -> Tensor:
+    def choose(held: Tensor, slot: int, lacking: Tensor, uniform: Uniforms | None) -> Tensor:
         return (held - 1).clamp(min=0)
 
 
 @dataclass(frozen=True)
 class Randomized(_PerRead):
     """The official `randomized` (a sanity check): a uniformly drawn slot at or below this one that the
-    column wrote. Draws use torch's global RNG, as the official code does."""
+    column wrote. Draws come from `uniform` (generation: each row's generator from the seed), or
+    without one from torch's global RNG, as the official code does."""
 
     name = "randomized"
 
     @staticmethod
-    def choose(held: Tensor, slot: int) -> Tensor:
+    def choose(held: Tensor, slot: int, lacking: Tensor, uniform: Uniforms | None) -> Tensor:
         count = held.clamp(min=1, max=slot + 1)
-        return (torch.rand(count.shape, device=count.device) * count).long().clamp(max=count - 1)
+        draws = torch.rand(count.shape, device=count.device) if uniform is None else uniform(lacking, count.shape[1])
+        return (draws * count).long().clamp(max=count - 1)
 
 
 LookupRule = Deepest | Skip | Full | AlwaysLast | Randomized
@@ -465,9 +473,10 @@ class KVPolicy:
         columns that ran more than this many steps (`skip`: the step; `full`: its slot)."""
         return step if isinstance(self.lookup, Skip) else self.slots.slot(step)
 
-    def read_slots(self, key: LayerKey, depth: Tensor, num_new: int) -> Tensor | None:
+    def read_slots(self, key: LayerKey, depth: Tensor, num_new: int, uniform: Uniforms | None = None
+                   ) -> Tensor | None:
         """None, or long `[B, n + num_new]`: the slot of `key`'s base each column is read at."""
-        return self.lookup.read_slots(key[2], self.slot_of(key), depth, num_new, self.slots)
+        return self.lookup.read_slots(key[2], self.slot_of(key), depth, num_new, self.slots, uniform)
 
 
 # Official strategy names (`cache_lookup_strategy`): "<lookup>", "<lookup>-compress-<c>" or "compress-<c>".

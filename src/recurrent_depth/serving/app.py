@@ -27,6 +27,7 @@ from recurrent_depth.serving.metrics import Metrics
 from recurrent_depth.serving.protocol import APIError, Limits
 from recurrent_depth.serving.text import TextCodec
 from recurrent_depth.serving.transport import LOOPBACK_NAMES, HostGuard, allowed_host_names
+from recurrent_depth.weight_quant import logical_parameters
 
 
 def _error(status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
@@ -138,7 +139,7 @@ def create_app(scheduler: BatchScheduler, codec: TextCodec, settings: ServerSett
 
 def banner(scheduler: BatchScheduler, settings: ServerSettings, limits: Limits, url: str) -> str:
     """The start-up line: what is served, how deep by default, where."""
-    params = sum(p.numel() for p in scheduler.model.parameters())
+    params = logical_parameters(scheduler.model)  # int8 / int4 weights are buffers, not parameters
     depth = settings.default_num_steps if settings.default_num_steps is not None else limits.mean_recurrence
     key = "API key required" if settings.api_key is not None else "no API key"
     kv = f", KV cache {scheduler.kv_quant.name}" if scheduler.kv_quant is not None else ""

@@ -398,12 +398,19 @@ class BatchScheduler:
             text, hit = job.text.push(result.token)
             if hit:
                 finish = "stop"
-        if finish is None and job.completion_tokens >= job.max_tokens:
+        if finish is None and job.completion_tokens >= job.max_tokens and not self._finishes_round(job):
             finish = "length"
         job.emit(TokenOut(job.index, result.token, text, result.steps, result.reason, result.logprob, result.top))
         if finish is not None:
             self._finish(job, finish, tail=not hit)
         return finish is not None
+
+    @staticmethod
+    def _finishes_round(job: Job) -> bool:
+        """A speculative row with finish_round commits the whole round that reaches max_tokens, as
+        `generate` does: its (solo) session ends it, with reason "length"."""
+        options = job.row.options
+        return job.solo and options.finish_round and options.mode == "speculative"
 
     def _finish(self, job: Job, reason: str, tail: bool = True) -> None:
         job.finished = True

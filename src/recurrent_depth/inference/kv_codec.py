@@ -193,9 +193,7 @@ def layer_codec(kv_quant: Any, role: str, dim: int, calibration: Tensor | None =
     n_out = calibrated_channels(codec.quantizer)
     if role not in OUTLIER_RULES[kv_quant.outliers] or calibration is None or not n_out:
         return codec
-    if calibration.shape[0] == 1 and valid is None:
-        return codec.permuted(outlier_permutation(calibration, n_out))
-    orders = row_outlier_permutations(calibration, n_out, valid)
+    orders = row_outlier_permutations(calibration, n_out, valid)  # (one row: its one order)
     return codec.permuted(orders[0] if bool((orders == orders[:1]).all()) else orders)
 
 

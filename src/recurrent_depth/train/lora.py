@@ -137,16 +137,22 @@ def adapter_settings(model: Any) -> dict[str, Any] | None:
     return _settings(config.r, config.lora_alpha, config.lora_dropout, config.target_modules)
 
 
-def saved_adapter_settings(directory: str | Path) -> dict[str, Any] | None:
-    """`adapter_settings` of the adapter saved in `directory` (a LoRA run's checkpoint), None without one."""
+def read_adapter_config(directory: str | Path) -> dict[str, Any]:
+    """`directory`'s adapter_config.json (a bounded read; a one-line ValueError unless a JSON object)."""
     from recurrent_depth.files import read_json
 
     path = Path(directory) / ADAPTER_CONFIG
-    if not path.is_file():
-        return None
     config = read_json(path, what="adapter config")
     if not isinstance(config, dict):
         raise ValueError(f"{path} is not a JSON object")
+    return config
+
+
+def saved_adapter_settings(directory: str | Path) -> dict[str, Any] | None:
+    """`adapter_settings` of the adapter saved in `directory` (a LoRA run's checkpoint), None without one."""
+    if not (Path(directory) / ADAPTER_CONFIG).is_file():
+        return None
+    config = read_adapter_config(directory)
     return _settings(config.get("r"), config.get("lora_alpha"), config.get("lora_dropout"),
                      config.get("target_modules"))
 
@@ -173,7 +179,7 @@ def save_adapter(model: Any, directory: str | Path, state_dict: dict | None = No
     model.save_pretrained(str(directory), state_dict=state_dict, save_embedding_layers=False)
     base = getattr(model, "lora_base_dir", None)
     if base is not None:
-        config = json.loads((directory / ADAPTER_CONFIG).read_text())
+        config = read_adapter_config(directory)
         config["base_model_name_or_path"] = base
         (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return directory
@@ -228,7 +234,7 @@ def attach_adapter(model: nn.Module, adapter_dir: str | Path) -> nn.Module:
 def adapter_base_dir(adapter_dir: str | Path) -> Path:
     """The base model directory an adapter records (`base_model_name_or_path`), relative ones from the adapter."""
     path = check_adapter_dir(adapter_dir)
-    base = json.loads((path / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    base = read_adapter_config(path).get("base_model_name_or_path")
     if not base:
         raise ValueError(f"{path / ADAPTER_CONFIG} names no base model (base_model_name_or_path): pass the base "
                          "model directory explicitly")

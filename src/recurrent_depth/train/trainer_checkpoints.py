@@ -181,9 +181,12 @@ def check_resumable(path: Path, cfg: TrainConfig, world_size: int, adapter: dict
     `lora.adapter_settings`, None: every weight trains) or another number of processes."""
     try:
         trainer_state = ckpt.read_trainer_state(path)
-        saved_adapter = saved_adapter_settings(path)
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot resume from {path}: unreadable {ckpt.TRAINER_STATE} ({exc})") from exc
+    try:
+        saved_adapter = saved_adapter_settings(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot resume from {path}: unreadable adapter config ({exc})") from exc
     changes = _config_changes(_with_field_defaults(trainer_state.get("config", {})), cfg.to_dict())
     if saved_adapter != adapter:
         before, after = describe_adapter(saved_adapter), describe_adapter(adapter)

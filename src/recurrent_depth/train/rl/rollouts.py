@@ -240,7 +240,7 @@ class RolloutSource(BatchSource):
         rewards = batch["rewards"][valid]
         return {
             "reward_mean": float(rewards.mean()) if rewards.numel() else None,
-            "reward_errors": batch.get("reward_errors", 0),
+            "reward_errors": batch["reward_errors"],
             "rollouts_left_out": int((~valid).sum()),
             "completion_tokens": new / mask.shape[0],
             "mean_depth": float(depths[mask].float().mean()) if new else None,

@@ -8,9 +8,10 @@ For each configuration (a KV policy, an exit criterion, a KV quantization; `--co
 at r = --num-steps on held-out stdlib prompts of the model directory's tokenizer (a seeded `small`
 model on random prompts without --model):
 - `bytes_per_token`: the cache's logical KV bytes (every layer: prelude, coda and each core slot
-  the policy keeps; every norm counted) after the teacher-forced run, per cached token (prompt and
-  generated), and `decode_bytes_per_token` over the generated tokens only (early exit only changes
-  those; the prompt runs at full depth). Unquantized caches are counted in bf16 (2 bytes per
+  the policy keeps; every norm counted) after the teacher-forced run, per cached token (the prompt
+  and the generated tokens but the last, which is chosen and never cached), and
+  `decode_bytes_per_token` over the generated tokens only (early exit only changes those; the
+  prompt runs at full depth). Unquantized caches are counted in bf16 (2 bytes per
   number; the model runs in float32, whose bytes are halved); quantized caches as stored.
   `x_vs_per_step_bf16`: the per-step bf16 cache's bytes divided by this one's.
 - `agreement`: teacher-forced per-token agreement with full-cache fixed-depth greedy decoding
@@ -20,7 +21,8 @@ model on random prompts without --model):
 - `tokens_per_s`: decode speed of one prompt (best of --repeats rounds, the configurations taking
   turns), and `x_speed_vs_unquantized`: against the same policy and exit without quantization;
   `cpu_tokens_per_s` and `x_cpu_speed_vs_unquantized` the same from the decode's CPU time (steadier
-  on a shared machine); `first_call_s` / `best_call_s`: the first and the fastest timed call (the
+  on a shared machine; null where no round's decode outcost its prefill-only call: too few
+  tokens timed); `first_call_s` / `best_call_s`: the first and the fastest timed call (the
   first includes the quantized kernels' first-use compile when nothing ran before: --speed-only).
   Quantized decoding compiles its kernels unless RDEPTH_NO_COMPILE=1 (or RDEPTH_NO_ACCEL=1).
 - with --shells-model: accuracy on --games shells games (--swaps swaps each, greedy answer at
@@ -154,6 +156,12 @@ def bf16_factor(kwargs: dict[str, Any], model: rd.RecurrentDepthLM) -> float:
     return 1.0 if kwargs.get("kv_quant") else 2 / model.dtype.itemsize
 
 
+def cached_tokens(prompt_len: int, generated: int) -> int:
+    """Tokens in the cache when the last of `generated` tokens is chosen (`cache_bytes[:, -1]`): the
+    prompt and every generated token but that last one, which is chosen, never fed back."""
+    return prompt_len + generated - 1
+
+
 def measure(model: rd.RecurrentDepthLM, prompts: torch.Tensor, reference: torch.Tensor, kwargs: dict[str, Any],
             args: argparse.Namespace) -> dict[str, Any]:
     common = dict(num_steps=args.num_steps, init_scale=0.0)
@@ -166,7 +174,7 @@ def measure(model: rd.RecurrentDepthLM, prompts: torch.Tensor, reference: torch.
     factor = bf16_factor(kwargs, model)
     final = forced.cache_bytes[:, -1].double() * factor
     first = forced.cache_bytes[:, 0].double() * factor
-    tokens = prompts.shape[1] + n
+    tokens = cached_tokens(prompts.shape[1], n)
     return dict(
         kwargs=kwargs,
         bytes_per_token=round(final.mean().item() / tokens, 1),
@@ -184,7 +192,7 @@ def decode_speeds(model: rd.RecurrentDepthLM, prompt: torch.Tensor, configs: dic
     processes on a shared machine), over --repeats rounds in which the configurations take turns, so
     that a change in machine load hits all alike; and the first call's seconds (with any first-use
     compile of the quantized kernels, recurrent_depth/accel/quant.py) next to the fastest call's."""
-    out = {name: dict(tokens_per_s=0.0, cpu_tokens_per_s=0.0, first_call_s=None, best_call_s=math.inf)
+    out = {name: dict(tokens_per_s=0.0, cpu_tokens_per_s=None, first_call_s=None, best_call_s=math.inf)
            for name in configs}
     common = dict(num_steps=args.num_steps, init_scale=0.0)
     for _ in range(args.repeats):
@@ -196,8 +204,10 @@ def decode_speeds(model: rd.RecurrentDepthLM, prompt: torch.Tensor, configs: dic
             prefill_cpu = time.process_time() - cpu1
             r = out[name]
             r["tokens_per_s"] = max(r["tokens_per_s"], run.summary()["tokens_per_second"])
-            decode_cpu = max(cpu1 - cpu0 - prefill_cpu, 1e-9)
-            r["cpu_tokens_per_s"] = max(r["cpu_tokens_per_s"], round((args.speed_tokens - 1) / decode_cpu, 2))
+            decode_cpu = cpu1 - cpu0 - prefill_cpu
+            if decode_cpu > 0:  # else the prefill alone cost more than it with the decode: noise, no measure
+                r["cpu_tokens_per_s"] = max(r["cpu_tokens_per_s"] or 0.0,
+                                            round((args.speed_tokens - 1) / decode_cpu, 2))
             if r["first_call_s"] is None:
                 r["first_call_s"] = round(wall1 - wall0, 3)
             r["best_call_s"] = round(min(r["best_call_s"], wall1 - wall0), 3)
@@ -268,8 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     configs = {name: CONFIGS[name] for name in dict.fromkeys([REFERENCE, *args.configs])}
     start = time.perf_counter()
     results: dict[str, dict[str, Any]] = {name: {"kwargs": kwargs} for name, kwargs in configs.items()}
-    context = args.prompt_len + args.agreement_tokens  # a window's bf16 entries are spread over these tokens
-    true_bits = {name: KVQuant.parse(kwargs["kv_quant"]).bits_per_coordinate(model.config.head_dim, context)
+    context = args.prompt_len + args.agreement_tokens
+    # a window's bf16 entries are spread over the tokens cached, as `bytes_per_token` counts them
+    cached = cached_tokens(args.prompt_len, args.agreement_tokens)
+    true_bits = {name: KVQuant.parse(kwargs["kv_quant"]).bits_per_coordinate(model.config.head_dim, cached)
                  for name, kwargs in configs.items() if kwargs.get("kv_quant")}
     if not args.speed_only:
         reference = generate(model, prompts, max_new_tokens=args.agreement_tokens, num_steps=args.num_steps,
@@ -287,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         speed_of = {json.dumps(r["kwargs"], sort_keys=True): r[key] for r in results.values()}
         for r in results.values():
             twin = speed_of.get(json.dumps(unquantized_twin(r["kwargs"]), sort_keys=True))
-            if r["kwargs"].get("kv_quant") and twin:
+            if r["kwargs"].get("kv_quant") and twin and r[key]:
                 r["x_speed_vs_unquantized" if key == "tokens_per_s" else "x_cpu_speed_vs_unquantized"] = round(
                     r[key] / twin, 3)
     shells = shells_games(args.shells_model, configs, args) if args.shells_model else None

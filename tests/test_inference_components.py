@@ -158,6 +158,16 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
     assert kept.tolist() == [[True, True, False, False]]
 
 
+@pytest.mark.parametrize("top_p", [1e-9, 1e-46, 5e-324], ids=["1e-9", "1e-46", "5e-324"])
+def test_a_tiny_top_p_keeps_the_top_token(top_p):
+    # a top_p that rounds to 0 in float32 once dropped every token (0 >= 0), and token 0 was sampled
+    logits = torch.log(torch.tensor([[0.05, 0.5, 0.3, 0.15]]))
+    kept = filter_logits(logits, 1.0, None, top_p, None).isfinite()
+    assert kept.tolist() == [[False, True, False, False]]
+    assert sample_rows(filter_logits(logits, 1.0, None, top_p, None), RowGenerators(0, 1, torch.device("cpu")),
+                       [0]).tolist() == [1]
+
+
 @pytest.mark.parametrize("temperature", [1e-3, 1e-40, 5e-324], ids=["1e-3", "1e-40", "5e-324"])
 def test_tiny_temperatures_sample_the_argmax(temperature):
     # logits / 1e-40 overflow to +-inf (and 5e-324 rounds to 0 in float32): softmax would be NaN

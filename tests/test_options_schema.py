@@ -174,6 +174,20 @@ def test_errors_name_the_option_as_the_caller_spelled_it(model, hf_model, model_
         raise OptionError("exit_threshold", "exit_threshold=-1 is invalid").spelled(cli_spelling({}))
 
 
+def test_a_kv_quant_specs_own_seed_is_not_respelled_as_the_seed_option(model_dir, capsys):
+    """`seed=` inside a kv_quant spec is the spec's key, not `--seed` (the sampling seed): the CLI
+    quoted the user's spec back as 'k=mse:3,--seed=-1'."""
+    assert main(["generate", "--model", str(model_dir), "--prompt", "a", "--kv-quant", "k=mse:3,seed=-1"]) == 2
+    err = capsys.readouterr().err
+    assert "--kv-quant='k=mse:3,seed=-1' is invalid" in err and "--seed" not in err
+    with pytest.raises(ValueError, match=r"^--kv-quant='seed=x,k=mse:3' is invalid: the spec's seed 'x'"):
+        raise OptionError("kv_quant", "kv_quant='seed=x,k=mse:3' is invalid: the spec's seed 'x' is invalid"
+                          ).spelled(cli_spelling({}))
+    assert "'seed=x'" in str(OptionError("stop", "stop='seed=x' is odd").spelled(cli_spelling({})))
+    assert str(OptionError("seed", "seed=-1 and stop=[] clash").spelled(cli_spelling({}))) == \
+        "--seed=-1 and --stop=[] clash"  # the options themselves are still re-spelled
+
+
 def test_an_option_given_twice_under_two_names_is_refused(model):
     with pytest.raises(ValueError, match="exit_criterion and criterion set the same option"):
         rd.generate(model, prompt(), max_new_tokens=2, exit_criterion="kl", criterion="cosine")

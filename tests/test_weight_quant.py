@@ -347,6 +347,21 @@ def test_loader_and_transformers_route(model_dir, fmt, cls):
         rd.RecurrentDepthLM.from_pretrained(model_dir, weights="fp4")
 
 
+def test_a_quantized_model_is_not_saved_into_a_directory_nothing_loads(model_dir, tmp_path):
+    """Its qweight / scales tensors were written and every loader then refused the directory."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = rd.RecurrentDepthLM.from_pretrained(model_dir, weights="int8")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, weights="int4")
+    for model, out in ((loaded, tmp_path / "ours"), (hf, tmp_path / "hf"), (hf.core, tmp_path / "core")):
+        with pytest.raises(ValueError, match="quantized .* weights, which no loader reads"):
+            model.save_pretrained(out)
+        assert not out.exists()
+    dequantize_weights(loaded)  # the documented way out: the float layers save and load again
+    loaded.save_pretrained(tmp_path / "float")
+    assert rd.RecurrentDepthLM.from_pretrained(tmp_path / "float").config == loaded.config
+
+
 def test_cli_generate_with_quantized_weights_and_a_bad_value(model_dir, capsys):
     from recurrent_depth.cli import main
 
@@ -371,6 +386,30 @@ def test_build_app_quantizes_a_model_in_memory_and_refuses_a_bad_format_first(mo
     assert f"({params / 1e6:.2f}M parameters," in app.state.banner("http://127.0.0.1:1")
     with pytest.raises(ValueError, match="weights='int4:g16' is invalid"):
         build_app(model_dir, weights="int4:g16")
+
+
+def test_quantizing_a_quantized_model_keeps_the_same_format_and_refuses_another():
+    """A second quantize_weights with another format returned 0 and left the first one in place, silently
+    (and build_app(weights=) skipped any quantized model, whatever its format)."""
+    from recurrent_depth.serving import build_app
+    from recurrent_depth.weight_quant import held_weights
+
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval()
+    assert held_weights(model) is None
+    assert quantize_weights(model, "int8") > 0 and held_weights(model) == "int8"
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert quantize_weights(model, "int8") == 0  # the same format again: nothing to do
+    for other in ("int4", "int4:g64"):
+        with pytest.raises(ValueError, match=f"weights='{other}' cannot be applied: this model already holds "
+                                             "int8 weights; call .*dequantize_weights"):
+            quantize_weights(model, other)
+        with pytest.raises(ValueError, match="already holds int8 weights"):
+            build_app(model, weights=other)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing requantized or half-swapped
+    build_app(model, weights="int8")  # the format it holds is accepted
+    dequantize_weights(model)
+    assert quantize_weights(model, "int4:g64") > 0 and held_weights(model) == "int4:g64"
 
 
 @pytest.fixture

@@ -41,7 +41,7 @@ from recurrent_depth.files import (
     read_text,
     reopen_path,
 )
-from recurrent_depth.weight_quant import check_weights, quantize_weights
+from recurrent_depth.weight_quant import check_saveable, check_weights, quantize_weights
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -77,6 +77,7 @@ def save_pretrained(
     (`tokenizer_dir` is the older name for the directory form). `max_shard_bytes` splits the weights
     into shards with an index file (as large checkpoints are). Files get the permissions the umask gives.
     """
+    check_saveable(model, path)  # before anything in `path` is touched
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     state = {}

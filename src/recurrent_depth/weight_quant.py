@@ -406,6 +406,13 @@ def quantize_weights(model: nn.Module, weights: str | None = "int8", include_hea
     parsed = parse_weights(weights)
     if parsed is None:
         return 0
+    held = held_weights(model)
+    if held is not None:  # quantizing codes again would compound the rounding (or silently keep them)
+        if held == format_weights(*parsed):
+            return 0
+        raise ValueError(f"weights={weights!r} cannot be applied: this model already holds {held} weights; "
+                         f"call recurrent_depth.weight_quant.dequantize_weights(model) first, or load the "
+                         f"float model with weights={weights!r}")
     if include_head and model.config.tie_embeddings:
         raise ValueError("include_head=True needs an untied lm_head: this model ties it to the embedding")
     kind, group = parsed
@@ -429,9 +436,32 @@ def dequantize_weights(model: nn.Module) -> int:
     return sum(_replace_children(model, cls, cls.dequantized) for cls in (Int8WeightLinear, Int4WeightLinear))
 
 
+def format_weights(kind: str, group: int | None) -> str:
+    """The `weights` string of a parsed format: "int8" or "int4:g<group>"."""
+    return kind if group is None else f"{kind}:g{group}"
+
+
+def held_weights(model: nn.Module) -> str | None:
+    """The format of the quantized layers `model` holds ("int8", "int4:g32", or "int8+int4:g32" for a
+    mix), None for none."""
+    formats = {format_weights("int8", None) if isinstance(m, Int8WeightLinear) else format_weights("int4", m.group)
+               for m in model.modules() if isinstance(m, Int8WeightLinear | Int4WeightLinear)}
+    return "+".join(sorted(formats)) or None
+
+
 def quantized_weights(model: nn.Module) -> bool:
     """Whether any layer of `model` holds quantized (int8 or int4) weights."""
     return any(isinstance(m, QuantizedLinear) for m in model.modules())
+
+
+def check_saveable(model: object, path: object) -> None:
+    """Refuse to save a model with quantized layers: their `qweight` / `scales` tensors are names no
+    loader reads, so the directory written would not load (quantize at load instead)."""
+    if isinstance(model, nn.Module) and quantized_weights(model):
+        raise ValueError(f"cannot save to {path}: this model's linear layers hold quantized (int8 / int4) "
+                         f"weights, which no loader reads; save the float model and quantize at load "
+                         f"(weights='int8' / --weights), or call recurrent_depth.weight_quant.dequantize_weights"
+                         f"(model) first")
 
 
 def quantized_weight_bytes(model: nn.Module) -> int:

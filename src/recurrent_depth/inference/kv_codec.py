@@ -77,8 +77,8 @@ class KVQuant:
                         raise ValueError(f"attn={value!r} is unknown: expected one of {', '.join(ATTENTION_READS)}")
                     attention = value
                 elif name == "seed":
-                    if not value.isdigit() or int(value) >= 2**63:
-                        raise ValueError(f"seed={value!r} is invalid: expected an integer in [0, 2**63)")
+                    if not (value.isascii() and value.isdigit()) or len(value) > 19 or int(value) >= 2**63:
+                        raise ValueError(f"the spec's seed {value!r} is invalid: expected an integer in [0, 2**63)")
                     seed = int(value)
                 elif name == "outliers":
                     outliers = value

@@ -61,9 +61,10 @@ class OptionError(ValueError):
 
 def spell(message: str, spelling: Any, aliases: tuple[str, ...] = ()) -> str:
     """`message` with option names re-spelled: names with an underscore wherever they stand as a
-    word, one-word names (stop, seed, ...) only as `name=`, where they cannot be ordinary words."""
+    word, one-word names (stop, seed, ...) only as `name=`, where they cannot be ordinary words, and
+    not after `,` or `'`: there `seed=` is a key inside a quoted value (a kv_quant spec's), not ours."""
     names = sorted(GenerationOptions.names() | set(aliases), key=len, reverse=True)
-    pattern = "|".join(rf"{n}(?![\w-])" if "_" in n else rf"{n}(?==)" for n in names)
+    pattern = "|".join(rf"{n}(?![\w-])" if "_" in n else rf"(?<![,']){n}(?==)" for n in names)
     return re.sub(rf"(?<![\w\-.])(?:{pattern})", lambda m: spelling(m.group(0)), message)
 
 

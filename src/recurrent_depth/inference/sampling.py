@@ -76,6 +76,7 @@ def filter_logits(
         # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
         before = probs.cumsum(-1) - probs
         drop_sorted = before >= top_p
+        drop_sorted[..., 0] = False  # a top_p below float32's smallest number compares 0 >= 0
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = torch.where(drop, neg_inf, logits)
     if min_p is not None and min_p > 0:

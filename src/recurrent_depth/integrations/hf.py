@@ -38,7 +38,7 @@ from recurrent_depth.inference.schema import OFFICIAL_ALIASES, OPTIONS, canonica
 from recurrent_depth.integrations.hf_config import HuginnRavenConfig, OuroConfig, RecurrentDepthConfig
 from recurrent_depth.model.cache import attend_floats, no_decode_views, parse_kv_policy, update_heads_via_kv
 from recurrent_depth.model.recurrent import RecurrentDepthLM, takase_init_
-from recurrent_depth.weight_quant import check_weights, quantize_weights
+from recurrent_depth.weight_quant import check_saveable, check_weights, quantize_weights
 
 
 # ---------------------------------------------------------------------------------------------- cache
@@ -270,6 +270,11 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         quantize_weights(model.core, weights)  # the wrapper shares the core's modules: both quantized
         return model
+
+    def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+        """transformers' `save_pretrained`, refused for quantized weights (a directory nothing loads)."""
+        check_saveable(self, save_directory)
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
     # ------------------------------------------------------------------ plumbing
     @property

@@ -32,7 +32,7 @@ from recurrent_depth.serving.engine import BatchScheduler, Engine
 from recurrent_depth.serving.metrics import Metrics
 from recurrent_depth.serving.protocol import APIError, Limits
 from recurrent_depth.serving.text import TextCodec, tokenizer_file
-from recurrent_depth.weight_quant import check_weights, quantize_weights, quantized_weights
+from recurrent_depth.weight_quant import check_weights, quantize_weights
 
 __all__ = [
     "APIError",
@@ -123,7 +123,7 @@ def build_app(
         tokenizer_dir = tokenizer_dir if tokenizer_dir is not None else directory
         model_name = model_name or directory.resolve().name
         model = RecurrentDepthLM.from_pretrained(directory, dtype=dtype, device=device, weights=weights)
-    elif weights is not None and not quantized_weights(model):
+    elif weights is not None:  # a model already holding these weights is kept; other ones are refused
         quantize_weights(model, weights)
     model_name = model_name or "recurrent-depth"
     for name, value in (("request_timeout", request_timeout), ("read_timeout", read_timeout),

@@ -84,6 +84,16 @@ def test_output_over_an_input_checkpoint_or_a_missing_tokenizer_is_refused(tmp_p
     assert not (tmp_path / "o").exists()
 
 
+def test_output_over_a_checkpoint_left_out_of_the_average_is_refused(tmp_path, capsys):
+    """`--last 1 --out <an older checkpoint>` replaced that checkpoint's weights, so --resume found it damaged."""
+    paths, _ = _save_models(tmp_path / "run", 3)
+    before = (paths[0] / "model.safetensors").read_bytes()
+    assert main(["average", "--run", str(tmp_path / "run"), "--last", "1", "--out", str(paths[0])]) == 2
+    err = capsys.readouterr().err
+    assert "is a training checkpoint" in err and len(err.strip().splitlines()) == 1
+    assert (paths[0] / "model.safetensors").read_bytes() == before
+
+
 def test_help_labels_the_ema_direction_as_an_assumption(capsys):
     with pytest.raises(SystemExit):
         main(["average", "--help"])

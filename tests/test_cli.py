@@ -29,6 +29,15 @@ def test_info_on_a_saved_model(tiny_model, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["config"]["hidden_size"] == 64
 
 
+def test_info_on_a_run_directory_uses_its_model(tiny_model, tmp_path, capsys):
+    """Every other --model takes a run directory (its model/); info said "no config file at RUN/config.json"."""
+    tiny_model.save_pretrained(tmp_path / "run" / "model")
+    assert main(["info", "--model", str(tmp_path / "run"), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["config"]["hidden_size"] == 64
+    assert "is a run directory" in captured.err
+
+
 def test_bad_preset_is_a_clean_error(capsys):
     assert main(["info", "--preset", "nope"]) == 2
     assert "unknown preset" in capsys.readouterr().err

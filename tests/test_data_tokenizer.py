@@ -196,6 +196,19 @@ def test_build_tokenizer_rejects_bad_val_fraction(bad: float) -> None:
         build_tokenizer(corpus, MIN_VOCAB_SIZE, val_fraction=bad)
 
 
+def test_an_empty_corpus_is_named_as_such_not_as_a_vocab_size_problem(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """It said "vocab_size=512: the corpus only supports 0 merges ...; use a smaller vocab_size"."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_bytes(b"\xff\xfe not UTF-8")
+    with pytest.raises(ValueError, match=r"has no documents \(1 file\(s\) skipped: binary or not UTF-8\)"):
+        build_tokenizer(str(data), MIN_VOCAB_SIZE)
+    assert cli_main(["tokenizer", "train", "--data", str(data), "--out", str(tmp_path / "tok")]) == 2
+    assert "has no documents" in capsys.readouterr().err
+    assert not (tmp_path / "tok").exists()
+
+
 def test_training_cuts_very_long_words() -> None:
     # The `tokenizers` trainer is quadratic in a word's length: a corpus file holding one line of
     # a million letters took hours. Training now sees runs cut to 1024 characters, so no merge is

@@ -141,6 +141,26 @@ def test_bad_tables_get_one_line_errors(tmp_path):
         law_form("chinchilla")
 
 
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("deep.json", b"[" * 100_000, "deep.json is JSON nested too deeply"),  # was a RecursionError
+        ("wide.csv", b"run,loss\n" + b"a" * 200_000 + b",1\n", "wide.csv is not a readable CSV table"),  # _csv.Error
+        ("latin.csv", b"run,loss\ncaf\xe9,1\n", "latin.csv is not UTF-8 text"),  # did not name the file
+    ],
+    ids=["deep-json", "huge-csv-field", "not-utf8"],
+)
+def test_unreadable_tables_are_one_line_errors_naming_the_file(tmp_path, capsys, name, content, message):
+    from recurrent_depth.cli import main
+
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        load_table(tmp_path / name)
+    assert main(["scaling", "fit", str(tmp_path / name)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
 def test_cli_fits_a_synthetic_table_and_writes_json_and_plots(tmp_path, capsys):
     from recurrent_depth.cli import main
 

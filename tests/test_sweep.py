@@ -134,6 +134,30 @@ def test_a_killed_sweep_continues_without_redoing_finished_runs(train_root, tmp_
     assert len(calls) == 6  # nothing left to run
 
 
+def test_a_changed_base_is_refused_for_runs_already_started(train_root, tmp_path, capsys):
+    """A new base lr kept the run names, so the finished runs counted as done (their results from the old lr)
+    while their train.yaml was rewritten to the new one."""
+    config, sweep_dir = write_sweep(tmp_path / "s.yaml", train_root), tmp_path / "sweep"
+    calls = []
+    run_sweep(config, sweep_dir, jobs=1, runner=fake_runner(calls), log=lambda _: None)
+    before = (run_dir(sweep_dir, "h32-r2") / RUN_CONFIG).read_text()
+    changed = write_sweep(tmp_path / "changed.yaml", train_root)
+    sweep = yaml.safe_load(changed.read_text())
+    sweep["base"]["optim"]["lr"] = 0.01
+    changed.write_text(yaml.safe_dump(sweep))
+    assert main(["sweep", "run", str(changed), "--out", str(sweep_dir)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "changes the settings of 6 run(s) already started" in err and "optim.lr: 0.003 -> 0.01" in err
+    assert "\n" not in err and len(calls) == 6
+    assert (run_dir(sweep_dir, "h32-r2") / RUN_CONFIG).read_text() == before
+    budget = write_sweep(tmp_path / "budget.yaml", train_root)  # what --resume may change still may
+    sweep = yaml.safe_load(budget.read_text())
+    sweep["base"]["eval_batches"] = 2
+    budget.write_text(yaml.safe_dump(sweep))
+    run_sweep(budget, sweep_dir, runner=fake_runner(calls), log=lambda _: None)
+    assert len(calls) == 6
+
+
 def test_emit_writes_a_slurm_array_and_one_command_per_run(train_root, tmp_path, capsys):
     config, sweep_dir = write_sweep(tmp_path / "s.yaml", train_root), tmp_path / "sweep"
     assert main(["sweep", "emit", str(config), "--out", str(sweep_dir), "--slurm", "--sbatch=--time=00:30:00"]) == 0

@@ -84,6 +84,23 @@ def test_model_overrides_are_checked_up_front(model, message):
         TrainConfig(model=model)
 
 
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"model": {"mixer": {"core": "nope"}}}, "unknown mixer 'nope' for the core"),
+        ({"model": {"mixer_options": {"bogus": 1}}}, r"mixer_options \['bogus'\] are not options"),
+        ({"model": {"mixer": {"core": "gla"}, "qk_norm": True}}, "qk_norm=True is implemented by the 'attention'"),
+        ({"model": {"mixer": {"core": "gla"}}, "qk_clip": 5.0}, "QK-clip / max-logit recording needs softmax"),
+        ({"model": {"mixer": {"core": "gla"}}, "record_max_logit": True}, "QK-clip / max-logit recording"),
+    ],
+    ids=["mixer-name", "mixer-option", "qk-norm-on-gla", "qk-clip-on-gla", "record-on-gla"],
+)
+def test_what_the_model_constructor_refuses_is_refused_by_the_config(changes, message):
+    """These were found only when the Trainer built the model: after training a tokenizer and packing shards."""
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**changes)
+
+
 def test_model_overrides_that_fit_pass_and_token_ids_wait_for_the_tokenizer():
     cfg = TrainConfig(model={"num_kv_heads": None, "rope_base": 10000, "mixer": {"core": "gla"},
                              "eos_token_id": 300})  # 300 >= tiny's 256: the tokenizer sets the vocab later
@@ -101,6 +118,19 @@ def test_yaml_numbers_in_exponent_form_are_numbers(tmp_path):
     assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.depth_sigma) == (0.003, 0.0001, 0.5)
     args = build_parser("train").parse_args(["train", "--model-set", "rope_base=1e4"])
     assert config_from_args(args).model == {"rope_base": 10000.0}
+
+
+def test_invalid_yaml_is_a_one_line_error(tmp_path, capsys):
+    """PyYAML's message spans seven lines (context, the line, a caret); `rdepth sweep` already joined them."""
+    path = tmp_path / "run.yaml"
+    path.write_text("preset: tiny\nmax_steps: [1\n")
+    assert main(["train", "--config", str(path), "--print-config"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if "error" in line or line.startswith(" ")]
+    assert len(lines) == 1 and "is not valid YAML: while parsing a flow sequence" in lines[0]
+    with pytest.raises(SystemExit):
+        main(["train", "--model-set", "hidden_size=[1", "--print-config"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("rdepth train: error: argument --model-set") and "expected ','" in err[-1]
 
 
 def test_a_config_path_that_is_a_directory_is_a_clean_error(tmp_path, capsys):

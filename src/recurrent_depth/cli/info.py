@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from recurrent_depth.cli.common import human_bytes, human_count
+from recurrent_depth.cli.common import human_bytes, human_count, model_dir
 from recurrent_depth.inference.schema import add_option_flags
 
 
@@ -23,7 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", help="a preset name: tiny, small, huginn-0125")
-    source.add_argument("--model", metavar="DIR", help="a saved model directory (ours, official Huginn or Ouro)")
+    source.add_argument("--model", metavar="DIR", type=model_dir,
+                        help="a saved model directory (ours, official Huginn or Ouro), or a run directory of "
+                             "`rdepth train` / `quickstart`, whose model/ is used")
     source.add_argument("--build-kernels", action="store_true",
                         help="build the C++ kernels now (the quantized-KV and int8 kernels, then the float32 decode "
                              "step; once per machine, torch and Python version, 30-60 s each; otherwise their first "

@@ -69,7 +69,8 @@ def _model_set(text: str) -> tuple[str, Any]:
     try:
         return key.strip(), load_yaml(value)
     except yaml.YAMLError as exc:
-        raise argparse.ArgumentTypeError(f"the value of {text!r} is not valid YAML: {exc}") from exc
+        raise argparse.ArgumentTypeError(f"the value of {text!r} is not valid YAML: "
+                                         f"{' '.join(str(exc).split())}") from None  # one line
 
 
 def _default_text(value: Any) -> str:

@@ -415,6 +415,9 @@ def build_tokenizer(
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     source = load_corpus(corpus)
     info = source.info()
+    if info.num_documents == 0:  # (else the BPE trainer's "supports 0 merges" suggests a smaller vocab_size)
+        skipped = f" ({info.num_skipped} file(s) skipped: binary or not UTF-8)" if info.num_skipped else ""
+        raise ValueError(f"data: corpus {info.name!r} has no documents{skipped}")
     docs: Iterable[Document] = source
     split = None
     if val_fraction > 0:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import io
 import itertools
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from recurrent_depth.files import parse_json, read_text
 from recurrent_depth.scaling.forms import LawForm, effective_params, law_form
 
 MAX_TABLE_BYTES = 64 * 1024 * 1024
@@ -54,18 +54,18 @@ def load_table(path: str | Path) -> ScalingTable:
         raise ValueError(f"scaling table {path} is not a file")
     if path.stat().st_size > MAX_TABLE_BYTES:
         raise ValueError(f"scaling table {path} is over {MAX_TABLE_BYTES // 2**20} MiB")
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path, MAX_TABLE_BYTES, "scaling table")  # (a file that is not UTF-8: one line naming it)
     if path.suffix.lower() == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"scaling table {path} is not valid JSON: {exc}") from None
+        data = parse_json(text, f"scaling table {path}")  # (JSON nested too deeply: one line, no traceback)
         data = data.get("rows") if isinstance(data, dict) else data
         if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
             raise ValueError(f"scaling table {path}: expected a list of row objects (or {{\"rows\": [...]}})")
         raw = data
     else:
-        raw = list(csv.DictReader(io.StringIO(text)))
+        try:
+            raw = list(csv.DictReader(io.StringIO(text)))
+        except csv.Error as exc:  # e.g. a field over the csv module's 128 KiB limit
+            raise ValueError(f"scaling table {path} is not a readable CSV table: {exc}") from None
     return parse_rows(raw, str(path))
 
 

@@ -288,14 +288,18 @@ def _write_plan(plan: SweepPlan, sweep_dir: Path, log: Callable[[str], None] = p
     sweep_dir = Path(sweep_dir).resolve()
     sweep_dir.mkdir(parents=True, exist_ok=True)
     runs = []
+    shared = []
     for run in plan.runs:
         config = dict(run.config)
         key = data_key(config)
         if key is not None:
             where = sweep_dir / SHARED_DIR / key
-            prepare_shared_data(config, where, log)
+            shared.append((dict(config), where))
             config.update(tokenizer=str(where / "tokenizer"), data_dir=str(where / "data"))
         runs.append(PlannedRun(run.name, run.overrides, config))
+    _refuse_changed_runs(runs, sweep_dir)  # before anything is written
+    for config, where in shared:
+        prepare_shared_data(config, where, log)
     plan = SweepPlan(runs=runs, test_depths=plan.test_depths, threads_per_run=plan.threads_per_run)
     atomic_write_text(sweep_dir / PLAN_FILE, json.dumps(plan.to_dict(), indent=2) + "\n")
     for run in plan.runs:
@@ -304,6 +308,33 @@ def _write_plan(plan: SweepPlan, sweep_dir: Path, log: Callable[[str], None] = p
         config = {**run.config, "out": str(out), "resume": True}
         atomic_write_text(out / RUN_CONFIG, json.dumps(config, indent=2) + "\n")
     return plan
+
+
+def _refuse_changed_runs(runs: list[PlannedRun], sweep_dir: Path) -> None:
+    """A ValueError when a run that has started (run.json or checkpoints) would get a config it cannot continue
+    with: a finished one would otherwise count as done with results of the old settings (its train.yaml
+    rewritten to the new ones), an unfinished one fail at --resume with its reason only in sweep.log."""
+    from recurrent_depth.train.trainer_checkpoints import config_changes
+
+    changed = []
+    for run in runs:
+        out = run_dir(sweep_dir, run.name)
+        checkpoints = out / "checkpoints"
+        started = (out / "run.json").exists() or (checkpoints.is_dir() and any(checkpoints.iterdir()))
+        previous = _read_json_or_none(out / RUN_CONFIG) if started else None
+        if not isinstance(previous, dict):
+            continue
+        try:
+            before = TrainConfig.from_dict(previous).to_dict()
+        except (TypeError, ValueError):  # written by another version: the trainer's own resume check decides
+            continue
+        planned = TrainConfig.from_dict({**run.config, "out": str(out), "resume": True})
+        changes = config_changes(before, planned.to_dict())
+        if changes:
+            changed.append(f"{run.name} ({', '.join(changes)})")
+    if changed:
+        raise ValueError(f"the sweep file changes the settings of {len(changed)} run(s) already started in "
+                         f"{sweep_dir}: {'; '.join(changed)}; restore them, or give the changed sweep a new --out")
 
 
 def read_plan(sweep_dir: str | Path) -> SweepPlan:

@@ -23,7 +23,7 @@ import torch
 from recurrent_depth.checkpoint import TOKENIZER_FILES, read_state_dict
 from recurrent_depth.config import ModelConfig
 from recurrent_depth.files import CONFIG_MAX_BYTES, read_json
-from recurrent_depth.train.checkpointing import StateView, checkpoints_root, list_checkpoints
+from recurrent_depth.train.checkpointing import TRAINER_STATE, StateView, checkpoints_root, list_checkpoints
 
 
 def select_checkpoints(paths: Sequence[Path], last: int, dilation: int = 1) -> list[Path]:
@@ -101,6 +101,9 @@ def average_checkpoints(
     out = Path(out)
     if any(out.resolve() == Path(p).resolve() for p in paths):
         raise ValueError(f"out={str(out)!r} is one of the checkpoints being averaged; choose a new directory")
+    if (out / TRAINER_STATE).exists():  # (one not averaged: its manifest would no longer match its weights)
+        raise ValueError(f"out={str(out)!r} is a training checkpoint; writing the average there would break it "
+                         f"for --resume: choose a new directory")
     if tokenizer_dir is not None and not any((Path(tokenizer_dir) / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"tokenizer_dir={str(tokenizer_dir)!r} holds no tokenizer files "
                          f"({', '.join(TOKENIZER_FILES)})")

@@ -319,7 +319,24 @@ class TrainConfig:
         values = {k: v for k, v in self.model.items() if k not in TOKEN_ID_FIELDS}
         if self.seq_len is not None:
             values["max_seq_len"] = max(self.seq_len, values.get("max_seq_len", PRESETS[self.preset]["max_seq_len"]))
-        ModelConfig.from_preset(self.preset, **values)
+        config = ModelConfig.from_preset(self.preset, **values)
+        records_logits = self.qk_clip is not None or self.record_max_logit is True
+        if (self.model or records_logits) and self.init_from is None:
+            # Mixer names and options (and qk_norm / value embeddings / QK-clip on them) are checked by the
+            # model's constructor and QKClip: build the model on the meta device (no memory, ~10 ms) so that
+            # a typo fails now, not after the tokenizer and the shards were built.
+            import warnings
+
+            import torch
+
+            from recurrent_depth.model.recurrent import RecurrentDepthLM
+            from recurrent_depth.train.qk_clip import QKClip
+
+            with warnings.catch_warnings(), torch.device("meta"):
+                warnings.simplefilter("ignore")
+                model = RecurrentDepthLM(config)
+                if records_logits:
+                    QKClip(model)
 
     # ------------------------------------------------------------------ derived values
     def model_config(self, vocab_size: int | None = None, **token_ids: int | None) -> ModelConfig:
@@ -454,7 +471,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     try:
         data = load_yaml(text)
     except yaml.YAMLError as exc:
-        raise ValueError(f"training config {str(p)!r} is not valid YAML: {exc}") from exc
+        # one line (PyYAML's message spans several), as `rdepth sweep` reports it
+        raise ValueError(f"training config {str(p)!r} is not valid YAML: {' '.join(str(exc).split())}") from None
     except ValueError as exc:
         raise ValueError(f"training config {str(p)!r}: {exc}") from None
     if data is None:

@@ -187,7 +187,7 @@ def check_resumable(path: Path, cfg: TrainConfig, world_size: int, adapter: dict
         saved_adapter = saved_adapter_settings(path)
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot resume from {path}: unreadable adapter config ({exc})") from exc
-    changes = _config_changes(_with_field_defaults(trainer_state.get("config", {})), cfg.to_dict())
+    changes = config_changes(_with_field_defaults(trainer_state.get("config", {})), cfg.to_dict())
     if saved_adapter != adapter:
         before, after = describe_adapter(saved_adapter), describe_adapter(adapter)
         changes.append(f"lora: {before} -> {after}" if before != after else "lora: other target modules")
@@ -317,7 +317,7 @@ def _with_field_defaults(saved: dict[str, Any]) -> dict[str, Any]:
     return filled
 
 
-def _config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """`field: old -> new` for each non-resumable field that differs (`optim.lr: ...` inside mappings)."""
     changes = []
     for key in sorted(current):

@@ -77,6 +77,10 @@ def test_quickstart_task_runs_the_reasoning_preset(monkeypatch, capsys):
     assert "beyond training up to 16" in capsys.readouterr().out
     assert main(["quickstart", "--task", "modsum", "--minutes", "-1"]) == 2
     assert "--max-minutes=-1" in capsys.readouterr().err  # the old spelling --minutes is an alias
+    for bad in ("inf", "0.2"):  # the plain quickstart's cap is [0.5, 1440], named as the flag (was `minutes=`)
+        assert main(["quickstart", "--max-minutes", bad]) == 2
+        assert f"error: --max-minutes={float(bad)!r} is invalid: expected a number of minutes in [0.5, 1440]" in \
+            capsys.readouterr().err
 
 
 def test_task_preset_overrides_and_errors():

@@ -187,3 +187,25 @@ def test_a_missing_scipy_is_a_one_line_error_naming_the_extra(monkeypatch):
     rows = rows_from("kaplan-n", TRUTH, noise=0.0, seed=0)
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'recurrent-depth\[scaling\]'"):
         fit_params(law_form("kaplan-n"), rows)
+
+
+def test_form_all_fits_what_the_table_supports_and_names_the_forms_it_skips(tmp_path, capsys):
+    """`--form all` stopped at the first form with too few runs, fitting none of the others."""
+    from recurrent_depth.cli import main
+
+    small = dict(recurrences=(4,), token_budgets=(1e6,), dense_cores=(2,))
+    write_csv(tmp_path / "results.csv", synthetic_rows(widths=(64, 128), **small))  # 4 runs
+    args = ["scaling", "fit", str(tmp_path / "results.csv"), "--bootstrap", "0", "--out", str(tmp_path / "fits")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "joint      skipped: form joint has 5 parameters but only 4 rows" in out
+    report = json.loads((tmp_path / "fits" / "fits.json").read_text())
+    assert {"kaplan-n", "kaplan-d", "kaplan-c"} <= set(report["fits"])
+    assert {"joint", "iso-depth"} == set(report["skipped_forms"])
+    assert main([*args, "--form", "joint"]) == 2  # one form asked for: its error, as before
+    assert "form joint has 5 parameters" in capsys.readouterr().err
+    write_csv(tmp_path / "two.csv", synthetic_rows(widths=(64,), **small))  # 2 runs: no form fits
+    assert main(["scaling", "fit", str(tmp_path / "two.csv"), "--out", str(tmp_path / "f2")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "error: no form could be fitted to" in err and "kaplan-n: form kaplan-n has 3 parameters" in err
+    assert "\n" not in err

@@ -44,9 +44,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-minutes={args.minutes} is invalid: expected a number > 0")
     if args.task is not None:
         return run_task(args)
-    from recurrent_depth.train.quickstart import quickstart
+    from recurrent_depth.train.quickstart import check_minutes, quickstart
 
     minutes = 10.0 if args.minutes is None else args.minutes
+    check_minutes(minutes, "--max-minutes")  # named as the flag, before anything is written
     quickstart(minutes=minutes, out=args.out or "runs/quickstart", seed=args.seed, threads=args.threads)
     return 0
 

@@ -52,13 +52,22 @@ def run_fit(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path(args.table).parent / "fits"
     out.mkdir(parents=True, exist_ok=True)
     forms = FORM_NAMES if args.form == "all" else (args.form,)
-    results = {}
+    results, skipped = {}, {}
     print(f"{'form':10} {'runs':>4}  {'parameter':9} {'estimate':>11}  {int(args.level * 100)}% interval"
           f"{'':14} held-out log RMSE")
     for name in forms:
-        fit = fit_law(table, name, bootstrap=args.bootstrap, level=args.level, holdout=args.holdout,
-                      seed=args.seed, depth=args.depth, irreducible=not args.no_irreducible,
-                      n_column=args.n_column)
+        try:
+            fit = fit_law(table, name, bootstrap=args.bootstrap, level=args.level, holdout=args.holdout,
+                          seed=args.seed, depth=args.depth, irreducible=not args.no_irreducible,
+                          n_column=args.n_column)
+        except ValueError as exc:
+            if len(forms) == 1:
+                raise
+            # --form all: a form the table cannot support (too few runs, a missing column) is reported, and
+            # the others are still fitted
+            skipped[name] = str(exc)
+            print(f"{name:10} skipped: {exc}")
+            continue
         entry = fit.to_json()
         if args.budget is not None and name in ("joint", "iso-depth"):
             entry["compute_optimal"] = compute_optimal(fit, args.budget)
@@ -75,7 +84,11 @@ def run_fit(args: argparse.Namespace) -> int:
             opt = entry["compute_optimal"]
             print(f"{'':16}compute-optimal at C = {args.budget:.3g} ({opt['flop_convention']}): "
                   f"N = {opt['N']:.3g}, D = {opt['D']:.3g}, loss = {opt['loss']:.4g}")
+    if not results:
+        raise ValueError(f"no form could be fitted to {table.source}: "
+                         + "; ".join(f"{name}: {why}" for name, why in skipped.items()))
     (out / "fits.json").write_text(json.dumps({"table": table.source, "skipped_rows": table.skipped,
-                                               "depth": args.depth, "fits": results}, indent=2) + "\n")
+                                               "depth": args.depth, "fits": results, "skipped_forms": skipped},
+                                              indent=2) + "\n")
     print(f"wrote {out / 'fits.json'} and {len(results)} plot(s) in {out}")
     return 0

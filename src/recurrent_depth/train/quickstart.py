@@ -131,6 +131,16 @@ def greedy_completion(model, tokenizer, prompt: str, new_tokens: int, num_steps:
     return tokenizer.decode(out.sequences[0, : len(ids) + int(out.lengths[0])].tolist(), skip_special_tokens=True)
 
 
+MINUTES_RANGE = (0.5, 24 * 60)  # the time cap's bounds: enough for one evaluation; at most a day
+
+
+def check_minutes(minutes: object, name: str) -> None:
+    """A one-line ValueError naming `name` unless `minutes` is a number in MINUTES_RANGE."""
+    low, high = MINUTES_RANGE
+    if not isinstance(minutes, int | float) or isinstance(minutes, bool) or not low <= minutes <= high:
+        raise ValueError(f"{name}={minutes!r} is invalid: expected a number of minutes in [{low:g}, {high:g}]")
+
+
 def quickstart(
     minutes: float = 10.0,
     out: str | Path = "runs/quickstart",
@@ -145,8 +155,7 @@ def quickstart(
     from recurrent_depth.train import report
     from recurrent_depth.train.trainer import Trainer
 
-    if not isinstance(minutes, int | float) or isinstance(minutes, bool) or not 0.5 <= minutes <= 24 * 60:
-        raise ValueError(f"minutes={minutes!r} is invalid: expected a number of minutes in [0.5, 1440]")
+    check_minutes(minutes, "minutes")
     recipe = recipe or QuickstartRecipe()
     start = time.perf_counter()
     deadline = start + 60.0 * minutes

@@ -208,6 +208,17 @@ def test_beam_search_cached_equals_uncached(hf_model):
     assert torch.equal(hf_model.generate(x, **kw), hf_model.generate(x, use_cache=False, **kw))
 
 
+@pytest.mark.parametrize("mixer", ["falcon", "ttt_kvb"])
+def test_beam_search_reorders_named_tuple_mixer_states(mixer):
+    # FalconState / TTTKVBState are NamedTuples: reordering the beams rebuilt them from one iterable
+    torch.manual_seed(0)
+    cfg = tiny_config(mixer={"core": mixer}, mixer_options={mixer: {}})
+    model = from_library_model(rd.RecurrentDepthLM(cfg).eval())
+    x = ids(batch=2, length=5, seed=3)
+    kw = dict(max_new_tokens=3, num_steps=2, init_scale=0.0, num_beams=2, do_sample=False)
+    assert torch.equal(model.generate(x, **kw), model.generate(x, use_cache=False, **kw))
+
+
 def test_stop_strings_in_transformers_own_loop(hf_model, model_dir):
     # generate() hands `tokenizer` on to forward with the model kwargs; it must not be refused there.
     tok = AutoTokenizer.from_pretrained(model_dir)

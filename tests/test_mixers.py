@@ -403,6 +403,53 @@ def test_recurrent_states_follow_a_budget_key_mapping(case):
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("scope", ["attention", "core", "prelude"])
+def test_generate_with_a_mixer_option_num_kv_heads_equals_the_full_forward(scope):
+    # the fused runner read every block's head counts from the config (a view error on MQA blocks)
+    torch.manual_seed(7)
+    cfg = rd.ModelConfig.from_preset("tiny", vocab_size=VOCAB, core_layers=1, max_seq_len=64,
+                                     mixer_options={scope: {"num_kv_heads": 1}})
+    model = rd.RecurrentDepthLM(cfg).eval()
+    out = rd.generate(model, tokens(2, 5), max_new_tokens=3, num_steps=2, init_scale=0.0, output_logits=True)
+    full = model(out.sequences, num_steps=2, init_scale=0.0).logits[:, 4:-1]
+    torch.testing.assert_close(out.logits, full, **F32_TOL)
+
+
+def regression_model(name: str, options: dict, **overrides) -> rd.RecurrentDepthLM:
+    torch.manual_seed(7)
+    return rd.RecurrentDepthLM(small_config(name, options, **overrides)).eval()
+
+
+@pytest.mark.parametrize("name,options", [("falcon", {"chunk_size": 4}), ("ttt_kvb", {"mini_batch": 1})])
+def test_exit_criterion_batch_rows_equal_alone_with_named_tuple_states(name, options):
+    # rows that exit at different steps mask the state per row; FalconState / TTTKVBState are
+    # NamedTuples, which the mask used to rebuild from one iterable (a TypeError)
+    model = regression_model(name, options)
+    x = torch.cat([tokens(1, 6, seed=1), tokens(1, 6, seed=2)])
+    kw = dict(max_new_tokens=5, num_steps=6, init_scale=0.0, exit_criterion="kl", exit_threshold=3e-2)
+    out = rd.generate(model, x, **kw)
+    assert len(set(out.steps.flatten().tolist())) > 1  # the rows do exit at different steps
+    for b in range(2):
+        alone = rd.generate(model, x[b : b + 1], **kw)
+        assert torch.equal(out.sequences[b], alone.sequences[0]) and torch.equal(out.steps[b], alone.steps[0])
+
+
+@pytest.mark.parametrize("name,options", [("ttt_kvb", {"mini_batch": 4}), ("log_linear_mamba2", {"chunk_size": 4})])
+def test_position_counting_states_refuse_a_batch_exit_and_shared_slots(name, options):
+    # one position count for all rows: rows exiting at different steps would silently disagree on it
+    model = regression_model(name, options)
+    x = torch.cat([tokens(1, 6, seed=1), tokens(1, 6, seed=2)])
+    kw = dict(max_new_tokens=2, num_steps=3, init_scale=0.0, exit_criterion="kl")
+    with pytest.raises(ValueError, match=f"exit_criterion='kl' on a batch of 2 rows: the {name} mixer"):
+        rd.generate(model, x, **kw)
+    rd.generate(model, x[:1], **kw)  # one row, or every step computed, stays exact
+    rd.generate(model, x, exit_kv="compute", **kw)
+    if name.startswith("log_linear"):  # a shared slot advanced the absolute position once per step
+        with pytest.raises(ValueError, match="shares a core cache slot among steps"):
+            rd.generate(model, x, max_new_tokens=2, num_steps=3, kv_budget=1)
+        rd.generate(model, x, max_new_tokens=2, num_steps=3, kv_budget=3)
+
+
 # ---------------------------------------------------------------------------------------------------
 def test_options_can_be_scoped_per_mixer_and_part():
     cfg = small_config("gated_deltanet")

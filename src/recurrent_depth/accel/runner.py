@@ -132,8 +132,10 @@ class FastRunner(ModelRunner):
 
     @staticmethod
     def supports(model: Any) -> bool:
+        # (its head counts are the config's: a mixer option num_kv_heads, MQA in some part, takes the reference)
         return (model.config.uses_huginn_layout and all_attention(model)
-                and all(b.attn.window is None and b.attn.q_norm is None for b in blocks_of(model))
+                and all(b.attn.window is None and b.attn.q_norm is None
+                        and b.attn.num_kv_heads == model.config.num_kv_heads for b in blocks_of(model))
                 and FastRunner._reads_every_layer(model))
 
     @staticmethod
@@ -160,7 +162,7 @@ class FastRunner(ModelRunner):
         if not self.supports(model):
             raise ValueError(
                 "the fast runner needs every block to be plain softmax attention without a window or QK-norm, "
-                "at the 1/sqrt(d) scale (config.attention_scale)"
+                "with the config's num_kv_heads, at the 1/sqrt(d) scale (config.attention_scale)"
             )
         cfg = model.config
         t = model.transformer

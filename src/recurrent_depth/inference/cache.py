@@ -70,7 +70,9 @@ def _masked_state(new: Any, old: Any, rows: Tensor) -> Any:
             return torch.where(rows.view(-1, *([1] * (new.dim() - 1))), new, old)
         return new
     if isinstance(new, list | tuple):
-        return type(new)(_masked_state(n, o, rows) for n, o in zip(new, old))
+        items = [_masked_state(n, o, rows) for n, o in zip(new, old)]
+        # a NamedTuple state (FalconState, TTTKVBState) takes its fields as arguments, not one iterable
+        return type(new)(*items) if hasattr(new, "_fields") else type(new)(items)
     if isinstance(new, dict):
         return {k: _masked_state(v, old.get(k), rows) for k, v in new.items()}
     return new

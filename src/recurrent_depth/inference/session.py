@@ -14,7 +14,7 @@ from recurrent_depth.inference.options import ResolvedOptions, eos_ids
 from recurrent_depth.inference.output import Recorder, TokenEvent
 from recurrent_depth.inference.quant_cache import kv_quant_for_model
 from recurrent_depth.inference.sampling import RowGenerators, StopChecker, TokenChooser, decode
-from recurrent_depth.model.recurrent import all_attention
+from recurrent_depth.model.recurrent import all_attention, blocks_of
 
 RANDOMIZED_LOOKUP_STREAM = 1  # `RowGenerators.derived` stream of the randomized KV lookup's draws
 
@@ -146,8 +146,34 @@ class Session:
         self.computing = options.exit_kv == "compute" and self.criterion is not None
         self.compute_schedule = dict(max_steps=options.max_steps, min_steps=options.min_steps,
                                      check_every=options.check_every)
+        self._check_position_counters()
         self.teacher = self._teacher(options.teacher_tokens)
         self.stats: dict[str, Any] = {}
+
+    def _check_position_counters(self) -> None:
+        """Refuse what the mixers whose state counts positions (log-linear, TTT-KVB) cannot keep exact.
+        (Speculative and parallel decoding refuse every recurrent state, with their own message.)"""
+        if self.options.mode != "autoregressive":
+            return
+        mixers = [b.attn for b in blocks_of(self.model)]
+        names = sorted({m.mixer_name for m in mixers if getattr(m, "shared_counter", False)})
+        if names and self.B > 1 and self.criterion is not None and not self.computing:
+            raise ValueError(
+                f"exit_criterion={self.options.criterion.name!r} on a batch of {self.B} rows: the {', '.join(names)} "
+                "mixer keeps one position count for all rows, which rows that exit at different steps would "
+                "disagree on; generate one row at a time or use exit_kv='compute'"
+            )
+        names = sorted({m.mixer_name for m in mixers if getattr(m, "absolute_positions", False)})
+        if not names:
+            return
+        steps, layers = self.options.deepest_step, self.model.config.core_layers
+        slots = {self.cache.split(("core", j, i)) for j in range(layers) for i in range(steps)}
+        if len(slots) < steps * layers:
+            raise ValueError(
+                f"kv_policy={self.options.policy.name!r} shares a core cache slot among steps, but the "
+                f"{', '.join(names)} mixer counts absolute positions in its state, which a shared slot would "
+                "advance once per step; use the default per-step policy"
+            )
 
     def _teacher(self, tokens: Any) -> list[list[int]] | None:
         """Teacher forcing: feed these `[B, >= max_new_tokens]` ids instead of the chosen ones."""

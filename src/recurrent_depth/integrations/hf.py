@@ -184,7 +184,9 @@ def _map_tensors(value: Any, fn: Any) -> Any:
     if isinstance(value, Tensor):
         return fn(value)
     if isinstance(value, list | tuple):
-        return type(value)(_map_tensors(v, fn) for v in value)
+        items = [_map_tensors(v, fn) for v in value]
+        # a NamedTuple state (FalconState, TTTKVBState) takes its fields as arguments, not one iterable
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     if isinstance(value, dict):
         return {k: _map_tensors(v, fn) for k, v in value.items()}
     return value

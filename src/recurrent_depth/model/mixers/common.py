@@ -190,6 +190,12 @@ class RecurrentMixer(nn.Module):
     """
 
     mixer_name = "recurrent"
+    # The state holds one position count for every row of the batch (log-linear's Fenwick offset,
+    # TTT-KVB's place in its mini-batch), so rows that skip a step cannot keep their own.
+    shared_counter = False
+    # That count is an absolute position, bounded by max_seq_len: a slot shared by several steps
+    # (a KV budget) would advance it once per step and run out of levels.
+    absolute_positions = False
 
     def __init__(
         self, config: ModelConfig, part: str = "core", *, num_heads: int | None = None, head_dim: int | None = None,

@@ -83,6 +83,7 @@ def pack(state: LogLinearState | None) -> dict | None:
 @register_mixer("log_linear_mamba2")
 class LogLinearMamba2(RecurrentMixer):
     mixer_name = "log_linear_mamba2"
+    shared_counter = absolute_positions = True
 
     def __init__(self, config: ModelConfig, part: str = "core", *, state_dim: int | None = None, conv_size: int = 4,
                  chunk_size: int = 64, **shared: Any) -> None:
@@ -142,6 +143,7 @@ class LogLinearMamba2(RecurrentMixer):
 @register_mixer("log_linear_gated_deltanet")
 class LogLinearGatedDeltaNet(DeltaRuleMixer):
     mixer_name = "log_linear_gated_deltanet"
+    shared_counter = absolute_positions = True
     gated = True
 
     def add_extra_modules(self, config: ModelConfig) -> None:

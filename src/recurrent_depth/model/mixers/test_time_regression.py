@@ -75,6 +75,7 @@ class TTTKVB(RegressionMixer):
     def __init__(self, config: ModelConfig, part: str = "core", *, mini_batch: int = 16, **shared: Any) -> None:
         super().__init__(config, part, **shared)
         self.mini_batch = check_int(self.mixer_name, "mini_batch", mini_batch, 1, 4096)
+        self.shared_counter = self.mini_batch > 1  # (mini_batch 1: the count is always 0)
 
     def kernel(self, q, k, v, beta, initial_state, want_state: bool) -> tuple[Tensor, Any]:
         op = chunk_ttt_kvb if self.use_chunk(q.shape[1]) else naive_recurrent_ttt_kvb

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import os
 import re
 from html.parser import HTMLParser
 from pathlib import Path
@@ -145,6 +146,16 @@ def test_long_and_short_prompts_are_refused_with_a_clear_message(model_dir):
         analyze(model, [5.5, 6.0], config=AnalysisConfig(**FAST))  # was cast to [5, 6]
 
 
+def test_a_diverging_model_is_reported_with_the_step_not_classify_internals(model_dir):
+    # It failed with classify's "x contains NaN or inf", which names no step, token or dtype.
+    model = rd.RecurrentDepthLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        model.transformer.core_block[0].mlp.proj.weight.fill_(float("nan"))
+    with pytest.raises(ValueError, match=r"the model's state is NaN or inf at step 1 \(token 0, 3 of 3 tokens\) "
+                                         r"in torch.float32"):
+        analyze(model, [5, 6, 7], config=AnalysisConfig(**FAST))
+
+
 def test_token_labels_and_choice():
     assert token_label(3, " dots") == "3: ' dots'"
     assert token_label(0, "\n") == "0: '\\n'"
@@ -214,6 +225,23 @@ def test_cli_analyze_refuses_unclear_inputs_with_a_reason(model_dir, tmp_path, c
     assert "--init-scale=inf is invalid" in capsys.readouterr().err  # issue 19: errors name the flag
     assert main([*base, "--ids", " 1, 2 ,3 ", "--out", str(tmp_path / "d"), "--no-states"]) == 0
     assert [t["id"] for t in json.loads((tmp_path / "d" / "analysis.json").read_text())["tokens"]] == [1, 2, 3]
+
+
+def test_cli_analyze_prompt_file_is_read_bounded(model_dir, tmp_path, capsys, monkeypatch):
+    # It was read whole with read_text: /dev/zero ran until memory ran out, a FIFO waited for a writer.
+    import recurrent_depth.cli.generate as generate_cli
+
+    monkeypatch.setattr(generate_cli, "PROMPT_MAX_BYTES", 16)
+    base = ["analyze", "--model", str(model_dir), "--steps", "8", "--limit-steps", "8", "--starts", "2"]
+    big = tmp_path / "big.txt"
+    big.write_text("x" * 17)
+    assert main([*base, "--prompt-file", str(big), "--out", str(tmp_path / "a")]) == 2
+    assert "has 17 bytes, more than the 16 allowed" in capsys.readouterr().err
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert main([*base, "--prompt-file", str(fifo), "--out", str(tmp_path / "b")]) == 2
+    assert "is not a regular file" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 def test_cli_help_shows_defaults(capsys):

@@ -124,6 +124,21 @@ def test_adaptive_scoring_is_per_row_and_records_steps(model, requests):
     assert any(not math.isclose(a.logprob, b.logprob, rel_tol=1e-6) for a, b in zip(warm, full))
 
 
+def test_stepwise_scoring_of_rows_that_fit_alone_but_not_aligned():
+    # Rows are aligned at the longest context's column, so a long context beside a long continuation
+    # (each row 60 of 64 tokens) needed 76 columns and the batch was refused, though each row fits alone.
+    torch.manual_seed(0)
+    small = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", vocab_size=288, max_seq_len=64)).eval()
+    rows = [(list(range(1, 41)), list(range(50, 70))), (list(range(1, 58)), [5, 6, 7])]
+    for kwargs in ({"exit_criterion": "kl"}, {"kv_budget": 2}):
+        together = stepwise_logprobs(small, rows, 3, 0, init_scale=0.0, **kwargs)
+        for row, batched in zip(rows, together):
+            alone = stepwise_logprobs(small, [row], 3, 0, init_scale=0.0, **kwargs)[0]
+            assert alone.steps == batched.steps and alone.logprob == batched.logprob, kwargs
+    with pytest.raises(ValueError, match="context \\+ continuation of 65 tokens exceeds max_seq_len=64"):
+        stepwise_logprobs(small, [(list(range(1, 60)), list(range(1, 8)))], 3, 0, exit_criterion="kl")
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [({"exit_criterion": "bogus"}, "bogus"), ({"kv_budget": 0}, "kv_budget=0"), ({"min_steps": 0}, "min_steps=0"),
@@ -212,8 +227,10 @@ def test_rdepth_eval_writes_results_and_figures(tmp_path):
 @pytest.mark.parametrize(
     "argv, message",
     [(["--depths", "1,-2"], "depths contains -2"), (["--data", "none"], "nothing to evaluate"),
-     (["--max-docs", "0"], "max_docs=0"), (["--val-fraction", "1.5"], "expected a number in (0, 1]")],
-    ids=["negative-depth", "nothing", "max-docs", "val-fraction"],
+     (["--max-docs", "0"], "max_docs=0"), (["--val-fraction", "1.5"], "expected a number in (0, 1]"),
+     (["--lm-eval-tasks", "rd_chains_mc", "--limit", "0"], "limit=0 is invalid"),  # was lm-eval's "did not find
+     (["--lm-eval-tasks", "rd_chains_mc", "--limit", "-3"], "limit=-3 is invalid")],  # any docs!" / islice's
+    ids=["negative-depth", "nothing", "max-docs", "val-fraction", "limit-0", "limit-negative"],
 )
 def test_rdepth_eval_bad_arguments(tmp_path, capsys, argv, message):
     make_model_dir(tmp_path / "model", with_tokenizer=False)
@@ -235,3 +252,33 @@ def test_rdepth_eval_on_one_document_says_the_split_held_none_out_and_val_fracti
     assert main([*argv, "--val-fraction", "1"]) == 0
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["text"]["documents"] == 1 and sorted(results["text"]["by_depth"]) == ["1", "2"]
+
+
+def test_rdepth_eval_baseline_problems_are_named_before_any_scoring(tmp_path, capsys):
+    # A baseline without tokenizer.json was reported as the *model's* missing tokenizer, after the model's
+    # text had been scored; a negative --baseline-depth also surfaced only then, as "depths contains -1".
+    make_model_dir(tmp_path / "model", max_seq_len=128)
+    make_model_dir(tmp_path / "base", with_tokenizer=False)
+    base = ["eval", "--model", str(tmp_path / "model"), "--depths", "1", "--out", str(tmp_path / "out")]
+    assert main([*base, "--baseline", str(tmp_path / "base"), "--data", "/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert f"--baseline {tmp_path / 'base'} has no tokenizer.json" in err and "does not exist" not in err
+    assert main([*base, "--baseline", str(tmp_path / "model"), "--baseline-depth", "-1",
+                 "--data", "/nonexistent"]) == 2
+    assert "baseline_depth contains -1" in capsys.readouterr().err
+    (tmp_path / "file").write_text("keep")
+    assert main([*base[:-1], str(tmp_path / "file")]) == 2
+    assert f"--out {tmp_path / 'file'} is an existing file, not a directory" in capsys.readouterr().err
+
+
+def test_rdepth_eval_takes_a_tokenizer_json_file_as_its_help_says(tmp_path):
+    # "--tokenizer DIR: tokenizer directory (or tokenizer.json)", but a file was refused with
+    # "no tokenizer.json in that directory".
+    make_model_dir(tmp_path / "model", with_tokenizer=False, max_seq_len=128)
+    make_model_dir(tmp_path / "tok")
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"text": "def f(x):\n    return x\n" * 4}) + "\n")
+    argv = ["eval", "--model", str(tmp_path / "model"), "--tokenizer", str(tmp_path / "tok" / "tokenizer.json"),
+            "--depths", "1", "--data", str(data), "--val-fraction", "1", "--out", str(tmp_path / "out")]
+    assert main(argv) == 0
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["text"]["tokens"] > 0

@@ -113,13 +113,32 @@ def test_export_converts_dtype_and_shards_in_the_library_layout(tmp_path):
         (["--remote-code"], "supports the 'attention' mixer only"),
         ([], "--out is required"),
         (["--out", "X", "--max-shard-mb", "0"], "--max-shard-mb=0"),
+        (["--out", "X", "--max-shard-mb", "inf"], "--max-shard-mb=inf is invalid"),  # was an OverflowError
+        (["--out", "X", "--max-shard-mb", "nan"], "--max-shard-mb=nan is invalid"),  # was int()'s ValueError
     ],
-    ids=["other-mixer", "no-out", "bad-shard-size"],
+    ids=["other-mixer", "no-out", "bad-shard-size", "infinite-shard-size", "nan-shard-size"],
 )
 def test_export_errors_are_clear(tmp_path, capsys, argv, message):
     make_model_dir(tmp_path / "src", with_tokenizer=False, mixer={"core": "linear_attention"})
     assert main(["export", "--model", str(tmp_path / "src"), *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_export_takes_a_tokenizer_json_file_as_its_help_says(tmp_path):
+    # "--tokenizer DIR: tokenizer directory (or tokenizer.json)", but a file was refused.
+    make_model_dir(tmp_path / "src", with_tokenizer=False)
+    make_model_dir(tmp_path / "tok")
+    assert main(["export", "--model", str(tmp_path / "src"), "--tokenizer", str(tmp_path / "tok" / "tokenizer.json"),
+                 "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (tmp_path / "tok" / "tokenizer.json").read_bytes()
+
+
+def test_export_to_an_existing_file_names_it(tmp_path, capsys):
+    make_model_dir(tmp_path / "src", with_tokenizer=False)
+    (tmp_path / "file").write_text("keep")
+    assert main(["export", "--model", str(tmp_path / "src"), "--out", str(tmp_path / "file")]) == 2
+    assert f"--out {tmp_path / 'file'} is an existing file, not a directory" in capsys.readouterr().err
+    assert (tmp_path / "file").read_text() == "keep"
 
 
 def test_the_remote_file_knows_huginns_architecture_values_as_the_library_does():

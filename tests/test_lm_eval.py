@@ -116,3 +116,36 @@ def test_rdepth_lm_eval_runs_lm_evals_cli(model_dir, tmp_path):
     results = json.loads(written[0].read_text())
     assert "rd_chains_mc" in results["results"]
     assert results["config"]["recurrent_depth"]["num_steps"] == 2
+
+
+def test_init_scale_none_means_the_configs_and_rdepth_eval_runs_lm_eval_tasks(model_dir, tmp_path):
+    # `rdepth eval --lm-eval-tasks ...` without --init-scale (the documented command) passed init_scale=None,
+    # which the backend refused: "init_scale=None is invalid: expected a number in [0, inf)".
+    lm = RecurrentDepthEvalLM(pretrained=str(model_dir), device="cpu", num_steps=2, init_scale=None)
+    assert lm.init_scale is None and lm.settings()["init_scale"] == lm._core.config.init_scale
+    argv = ["eval", "--model", str(model_dir), "--data", "none", "--lm-eval-tasks", "rd_chains_mc",
+            "--limit", "2", "--depths", "1", "--out", str(tmp_path / "out")]
+    assert main(argv) == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert 0 <= results["lm_eval"]["0"]["rd_chains_mc/acc"]["1"] <= 1
+
+
+def test_rdepth_lm_eval_reports_bad_model_args_in_one_line(model_dir, capsys):
+    # lm-eval types "-1" as -1.0, so the error read "num_steps=-1.0 ... expected None or an integer",
+    # and it came as a traceback: `rdepth lm-eval` is outside main()'s one-line error handler.
+    from recurrent_depth.inference.schema import from_text
+
+    assert from_text("num_steps", -1.0) == -1 and from_text("init_scale", 2.0) == 2.0
+    with pytest.raises(ValueError, match="num_steps=2.5 is invalid"):
+        from_text("num_steps", 2.5)
+    argv = ["lm-eval", "run", "--model", "recurrent-depth", "--model_args", f"pretrained={model_dir},num_steps=-1",
+            "--tasks", "rd_chains_mc", "--limit", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "rdepth lm-eval: error: num_steps=-1 is invalid: expected an integer >= 0"
+    assert "Traceback" not in err
+    argv[5] = f"pretrained={model_dir / 'missing'}"  # was transformers' "Repo id must use alphanumeric chars"
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"rdepth lm-eval: error: pretrained={model_dir / 'missing'}: no such directory (expected a saved model "
+        "directory)")

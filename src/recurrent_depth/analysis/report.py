@@ -260,6 +260,15 @@ def analyze(
     distance = distance_to_limit(traj)
     converged_at = steps_to_converge(distance, limit_norms(traj), cfg.converge_tol)
     normed = traj.states("normed")
+    for step in range(normed.shape[0]):  # say where, not classify's "x contains NaN" (one step at a time: memmaps)
+        bad = np.flatnonzero(~np.isfinite(np.asarray(normed[step])).all(axis=-1))
+        if bad.size:
+            dtype = next((p.dtype for p in model.parameters()), None)
+            raise ValueError(
+                f"the model's state is NaN or inf at step {step} (token {int(bad[0])}, {bad.size} of {n_tokens} "
+                f"tokens) in {dtype}: the weights or the recurrence diverge, there is nothing to analyse "
+                "(float16 may overflow where float32 or bfloat16 do not)"
+            )
     shapes = classify_tokens(normed, cfg.thresholds)
     counts = count_kinds(shapes)
     chosen = sorted(set(cfg.tokens)) if cfg.tokens is not None else choose_tokens(shapes, cfg.max_plot_tokens)

@@ -103,10 +103,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {out} is an existing file, not a directory; choose another path")
     prompt = args.prompt
     if args.prompt_file is not None:
-        try:
-            prompt = Path(args.prompt_file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"--prompt-file {args.prompt_file} cannot be read as UTF-8 text: {exc}") from None
+        from recurrent_depth.cli.generate import PROMPT_MAX_BYTES
+        from recurrent_depth.files import read_text
+
+        # Bounded, regular files only: /dev/zero or a FIFO would otherwise be read until memory runs out.
+        prompt = read_text(args.prompt_file, PROMPT_MAX_BYTES, "--prompt-file")
     model = RecurrentDepthLM.from_pretrained(model_dir, dtype=args.dtype, device=args.device)
 
     tokenizer = None if args.ids is not None else load_cli_tokenizer(args)

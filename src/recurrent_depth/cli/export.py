@@ -63,11 +63,16 @@ def run(args: argparse.Namespace) -> int:
 
     src = Path(args.model)
     out = Path(args.out) if args.out is not None else None
-    if args.max_shard_mb is not None and args.max_shard_mb <= 0:
-        raise ValueError(f"--max-shard-mb={args.max_shard_mb} is invalid: expected a size > 0")
+    # `not 0 < x < inf` also refuses nan and inf, which int(x * 2**20) below turned into a traceback.
+    if args.max_shard_mb is not None and not 0 < args.max_shard_mb < float("inf"):
+        raise ValueError(f"--max-shard-mb={args.max_shard_mb} is invalid: expected a finite size > 0")
     reshape = args.dtype is not None or args.max_shard_mb is not None or args.merge_lora is not None
     if out is None and (reshape or not args.remote_code):
         raise ValueError("--out is required unless only --remote-code files are added to --model in place")
+    if out is not None and out.exists() and not out.is_dir():  # mkdir's own error: a bare "[Errno 17] File exists"
+        raise ValueError(f"--out {out} is an existing file, not a directory; choose another path")
+    if args.tokenizer is not None and Path(args.tokenizer).name == "tokenizer.json" and Path(args.tokenizer).is_file():
+        args.tokenizer = str(Path(args.tokenizer).parent)  # --tokenizer takes the file too, as its help says
     if args.tokenizer is not None and not (Path(args.tokenizer) / "tokenizer.json").is_file():
         raise FileNotFoundError(f"--tokenizer {args.tokenizer}: no tokenizer.json in that directory")
     if args.remote_code:

@@ -79,6 +79,11 @@ def run_passthrough(argv: list[str]) -> int:
         cli_evaluate()
     except SystemExit as exc:  # argparse and lm-eval exit with a code
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except (ValueError, OSError) as exc:
+        # Bad model args, a missing directory, ...: one line, as every other command says it (main()'s
+        # handler is not around this passthrough), instead of a traceback through lm-eval.
+        print(f"rdepth lm-eval: error: {exc}", file=sys.stderr)
+        return 2
     finally:
         sys.argv = saved
     return 0

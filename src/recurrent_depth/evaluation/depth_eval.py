@@ -67,10 +67,19 @@ class EvalConfig:
         if not 0 < self.val_fraction <= 1:
             raise ValueError(f"val_fraction={self.val_fraction!r} is invalid: expected a number in (0, 1] "
                              f"(1 scores every document)")
+        limit = self.limit
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            # lm-eval's own words for these: "did not find any docs!", "Indices for islice() must be ..."
+            raise ValueError(f"limit={self.limit!r} is invalid: expected an integer >= 1 (examples per task)")
         if not self.fewshot or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in self.fewshot):
             raise ValueError(f"fewshot={self.fewshot!r} is invalid: expected a list of integers >= 0")
         if self.init_scale is not None and self.init_scale < 0:
             raise ValueError(f"init_scale={self.init_scale!r} is invalid: expected a number >= 0")
+        tok = Path(self.tokenizer) if self.tokenizer is not None else None
+        if tok is not None and tok.name == "tokenizer.json" and tok.is_file():
+            self.tokenizer = str(tok.parent)  # --tokenizer takes the file too; transformers loads a directory
+        if self.baseline_depth is not None:  # checked here, not after the model's own scoring
+            check_depths([self.baseline_depth], "baseline_depth")
         if self.data is None and not self.reasoning_tasks and not self.lm_eval_tasks:
             raise ValueError("nothing to evaluate: give data, reasoning_tasks or lm_eval_tasks")
         return self
@@ -192,6 +201,8 @@ def evaluate_depths(config: EvalConfig, log: Any = print) -> dict[str, Any]:
 
     config.validate()
     out = Path(config.out)
+    if out.exists() and not out.is_dir():  # mkdir's own error is a bare "[Errno 17] File exists"
+        raise ValueError(f"--out {out} is an existing file, not a directory; choose another path")
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     manager = _task_manager(config) if config.lm_eval_tasks else None
@@ -202,6 +213,9 @@ def evaluate_depths(config: EvalConfig, log: Any = print) -> dict[str, Any]:
     if config.baseline is not None:
         baseline, baseline_tok = _load(config.baseline, config.device, config.dtype, weights=config.weights)
         base_depth = config.baseline_depth if config.baseline_depth is not None else baseline.config.mean_recurrence
+        if config.data is not None and baseline_tok is None:  # before the model's text is scored, not after
+            raise ValueError(f"--baseline {config.baseline} has no tokenizer.json: text measurements need the "
+                             "baseline's tokenizer")
         results["baseline"] = {"model": config.baseline, "depth": base_depth}
 
     if config.data is not None:

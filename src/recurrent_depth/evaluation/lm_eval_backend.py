@@ -101,7 +101,14 @@ class RecurrentDepthEvalLM(HFLM):
         **kwargs: Any,
     ) -> None:
         register_transformers()
+        # transformers reports a missing local directory as a malformed hub repo id ("Repo id must use
+        # alphanumeric chars ..."): name it. Hub ids ("org/name") never start like a path.
+        if isinstance(pretrained, str) and pretrained.startswith(("/", "./", "../", "~")) and \
+                not Path(pretrained).expanduser().is_dir():
+            raise FileNotFoundError(f"pretrained={pretrained}: no such directory (expected a saved model directory)")
         values, given_as = _typed({k: kwargs.pop(k) for k in list(kwargs) if k in MODEL_ARGS})
+        if "init_scale" in values and values["init_scale"] is None:  # None = the config's (GenerationOptions
+            del values["init_scale"]  # wants a number); `rdepth eval` passes None when --init-scale is not given
         if isinstance(values.get("kv_quant"), str):  # model_args are split at commas: k=...;v=...
             values["kv_quant"] = values["kv_quant"].replace(";", ",")
         if isinstance(seed, bool) or not isinstance(seed, int):

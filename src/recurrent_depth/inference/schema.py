@@ -193,6 +193,10 @@ def from_text(name: str, value: Any) -> Any:
                 pass
     if kind == "bool" and isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):
         return bool(value)
+    if kind == "int" and isinstance(value, float) and value.is_integer():
+        # lm-eval types "8" as 8 but "-1" as -1.0 (str.isnumeric() is False for it): the range check
+        # should then say "num_steps=-1 ... >= 0", not "-1.0 ... expected an integer".
+        return int(value)
     check_type(name, value)
     return value
 

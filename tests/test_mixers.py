@@ -450,6 +450,23 @@ def test_position_counting_states_refuse_a_batch_exit_and_shared_slots(name, opt
         rd.generate(model, x, max_new_tokens=2, num_steps=3, kv_budget=3)
 
 
+@pytest.mark.parametrize("name,options", [("ttt_kvb", {"mini_batch": 4}), ("log_linear_mamba2", {"chunk_size": 4})])
+def test_scoring_with_a_batch_exit_scores_position_counting_rows_alone(name, options):
+    """lm-eval's scorer is handed batches: their rows are scored one by one (a batched exit was off by ~1e-2)."""
+    from recurrent_depth.evaluation.scoring import stepwise_logprobs
+
+    model = regression_model(name, options)
+    x = tokens(4, 12, seed=1)
+    requests = [(x[b, :3].tolist(), x[b, 3:].tolist()) for b in range(4)]
+    kw = dict(exit_criterion="kl", exit_threshold=3e-2, init_scale=0.0)
+    both = stepwise_logprobs(model, requests, 6, 0, **kw)
+    assert len({s for r in both for s in r.steps}) > 1  # the rows do exit at different steps
+    assert both == [stepwise_logprobs(model, [r], 6, 0, **kw)[0] for r in requests]
+    if name.startswith("log_linear"):
+        with pytest.raises(ValueError, match="shares a core cache slot among steps"):
+            stepwise_logprobs(model, requests, 4, 0, kv_budget=2)
+
+
 # ---------------------------------------------------------------------------------------------------
 def test_options_can_be_scoped_per_mixer_and_part():
     cfg = small_config("gated_deltanet")

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from recurrent_depth.inference.cache import make_cache
 from recurrent_depth.inference.criteria import ExitCriterion, gate_for, resolve_criterion
 from recurrent_depth.inference.engine import Recurrence
-from recurrent_depth.model.recurrent import RecurrentDepthLM
+from recurrent_depth.inference.session import check_position_counters
+from recurrent_depth.model.recurrent import RecurrentDepthLM, mixers_with
 
 
 @dataclass
@@ -106,10 +107,26 @@ def stepwise_logprobs(
     B = len(requests)
     Lc = max(len(c) for c, _ in requests)
     Ln = max(len(x) for _, x in requests)
-    if Lc + Ln - 1 > model.config.max_seq_len:
+    longest = max(len(c) + len(x) - 1 for c, x in requests)
+    if longest > model.config.max_seq_len:
         raise ValueError(
-            f"context + continuation of {Lc + Ln - 1} tokens exceeds max_seq_len={model.config.max_seq_len}"
+            f"context + continuation of {longest} tokens exceeds max_seq_len={model.config.max_seq_len}"
         )
+    rows_apart = B > 1 and spec is not None and exit_kv != "compute" and mixers_with(model, "shared_counter")
+    if rows_apart or Lc + Ln - 1 > model.config.max_seq_len:
+        # A mixer whose state keeps one position count for the batch (log-linear, TTT-KVB) cannot let rows
+        # exit at different steps: score each row alone (generate refuses; a scorer is handed batches).
+        # Otherwise every row fits alone, but aligned at one column (the longest context's) the batch does not:
+        # a long context beside a long continuation. Score the halves apart rather than refuse them.
+        parts = [[r] for r in requests] if rows_apart else [requests[: B // 2], requests[B // 2 :]]
+        return [
+            item
+            for part in parts
+            for item in stepwise_logprobs(
+                model, part, num_steps, pad_token_id, exit_criterion, exit_threshold, min_steps, kv_budget,
+                warm_start, init_scale, generator, kv_policy=kv_policy, kv_quant=kv_quant, exit_kv=exit_kv,
+            )
+        ]
     ctx_ids = torch.full((B, Lc), pad_token_id, dtype=torch.long, device=device)
     mask = torch.zeros((B, Lc), dtype=torch.long, device=device)
     for b, (context, _) in enumerate(requests):  # left padding: every continuation starts at column Lc
@@ -117,6 +134,7 @@ def stepwise_logprobs(
         mask[b, Lc - len(context) :] = 1
     cache = make_cache("static", B, num_steps, kv_budget, capacity=Lc + Ln, device=device, policy=kv_policy,
                        core_layers=model.config.core_layers, kv_quant=kv_quant)
+    check_position_counters(model, cache, B, None, num_steps)  # a shared core slot (kv_budget, kv_policy)
     engine = Recurrence(model, fast=False)  # the model's own modules
 
     # Prefill all but the last context token at full depth; every prediction that is scored

@@ -14,7 +14,7 @@ from recurrent_depth.inference.options import ResolvedOptions, eos_ids
 from recurrent_depth.inference.output import Recorder, TokenEvent
 from recurrent_depth.inference.quant_cache import kv_quant_for_model
 from recurrent_depth.inference.sampling import RowGenerators, StopChecker, TokenChooser, decode
-from recurrent_depth.model.recurrent import all_attention, blocks_of
+from recurrent_depth.model.recurrent import all_attention, mixers_with
 
 RANDOMIZED_LOOKUP_STREAM = 1  # `RowGenerators.derived` stream of the randomized KV lookup's draws
 
@@ -67,6 +67,27 @@ def prepare_inputs(model: Any, input_ids: Any, attention_mask: Any) -> tuple[Ten
             mask = None
     device = model.device
     return input_ids.to(device), (mask.to(device) if mask is not None else None)
+
+
+def check_position_counters(model: Any, cache: Any, rows: int, exit_criterion: str | None, steps: int) -> None:
+    """Refuse what the mixers whose state counts positions (log-linear, TTT-KVB) cannot keep exact: an exit
+    criterion (`exit_criterion`, None when none or under exit_kv='compute') on a batch of several rows, and
+    a cache policy that shares a core slot among the `steps` steps."""
+    names = mixers_with(model, "shared_counter")
+    if names and rows > 1 and exit_criterion is not None:
+        raise ValueError(
+            f"exit_criterion={exit_criterion!r} on a batch of {rows} rows: the {', '.join(names)} mixer keeps one "
+            "position count for all rows, which rows that exit at different steps would disagree on; generate "
+            "one row at a time or use exit_kv='compute'"
+        )
+    names = mixers_with(model, "absolute_positions")
+    layers = model.config.core_layers
+    if names and len({cache.split(("core", j, i)) for j in range(layers) for i in range(steps)}) < steps * layers:
+        raise ValueError(
+            f"kv_policy={cache.policy.name!r} shares a core cache slot among steps, but the {', '.join(names)} "
+            "mixer counts absolute positions in its state, which a shared slot would advance once per step; "
+            "use the default per-step policy"
+        )
 
 
 class Session:
@@ -151,29 +172,11 @@ class Session:
         self.stats: dict[str, Any] = {}
 
     def _check_position_counters(self) -> None:
-        """Refuse what the mixers whose state counts positions (log-linear, TTT-KVB) cannot keep exact.
-        (Speculative and parallel decoding refuse every recurrent state, with their own message.)"""
-        if self.options.mode != "autoregressive":
-            return
-        mixers = [b.attn for b in blocks_of(self.model)]
-        names = sorted({m.mixer_name for m in mixers if getattr(m, "shared_counter", False)})
-        if names and self.B > 1 and self.criterion is not None and not self.computing:
-            raise ValueError(
-                f"exit_criterion={self.options.criterion.name!r} on a batch of {self.B} rows: the {', '.join(names)} "
-                "mixer keeps one position count for all rows, which rows that exit at different steps would "
-                "disagree on; generate one row at a time or use exit_kv='compute'"
-            )
-        names = sorted({m.mixer_name for m in mixers if getattr(m, "absolute_positions", False)})
-        if not names:
-            return
-        steps, layers = self.options.deepest_step, self.model.config.core_layers
-        slots = {self.cache.split(("core", j, i)) for j in range(layers) for i in range(steps)}
-        if len(slots) < steps * layers:
-            raise ValueError(
-                f"kv_policy={self.options.policy.name!r} shares a core cache slot among steps, but the "
-                f"{', '.join(names)} mixer counts absolute positions in its state, which a shared slot would "
-                "advance once per step; use the default per-step policy"
-            )
+        """(Speculative and parallel decoding refuse every recurrent state, with their own message.)"""
+        if self.options.mode == "autoregressive":
+            exits = self.criterion is not None and not self.computing
+            check_position_counters(self.model, self.cache, self.B, self.options.criterion.name if exits else None,
+                                    self.options.deepest_step)
 
     def _teacher(self, tokens: Any) -> list[list[int]] | None:
         """Teacher forcing: feed these `[B, >= max_new_tokens]` ids instead of the chosen ones."""

@@ -516,6 +516,12 @@ def blocks_of(model: RecurrentDepthLM) -> list[nn.Module]:
     return [*model.transformer.prelude, *model.transformer.core_block, *model.transformer.coda]
 
 
+def mixers_with(model: RecurrentDepthLM, flag: str) -> list[str]:
+    """The names of `model`'s mixers that set `flag` (`shared_counter`, `absolute_positions`: see
+    `model.mixers.common.RecurrentMixer`), sorted, each once."""
+    return sorted({b.attn.mixer_name for b in blocks_of(model) if getattr(b.attn, flag, False)})
+
+
 def all_attention(model: RecurrentDepthLM) -> bool:
     """Every block mixes tokens with softmax attention (what cache lookups that hide columns need)."""
     return all(type(b.attn) is Attention for b in blocks_of(model))

@@ -99,6 +99,23 @@ def test_generate_depth_flags_are_capped_by_max_depth(model_dir, capsys):
     assert code == 0
 
 
+def test_eval_and_analyze_depths_are_capped_by_max_depth(model_dir, tmp_path, capsys):
+    """`rdepth eval --depths 5000` and `rdepth analyze --steps 2000` ran past the one depth ceiling."""
+    base = ["--model", str(model_dir), "--out", str(tmp_path / "out")]
+    cases = [(["eval", *base, "--data", "none", "--reasoning", "chains", "--depths", "1,5000"], "--depths=5000"),
+             (["eval", *base, "--data", "none", "--reasoning", "chains", "--baseline-depth", "2000"],
+              "--baseline-depth=2000"),
+             (["analyze", *base, "--ids", "1,2", "--steps", "2000"], "--steps=2000"),
+             (["analyze", *base, "--ids", "1,2", "--steps", "4", "--limit-steps", "9", "--max-depth", "8"],
+              "--limit-steps=9 is invalid: expected an integer in [0, 8]")]
+    for argv, message in cases:
+        code, err = run_cli(argv, capsys)
+        assert code == 2 and message in one_line_error(err) and "--max-depth" in err
+    assert not (tmp_path / "out").exists()  # refused before any work
+    code, err = run_cli(["analyze", *base, "--ids", "1,2", "--max-depth", "0"], capsys)
+    assert code == 2 and "--max-depth=0 is invalid" in one_line_error(err)
+
+
 def test_serve_max_num_steps_default_is_capped_by_the_ceiling(model, tmp_path):
     from recurrent_depth.serving import build_app, default_max_num_steps
 

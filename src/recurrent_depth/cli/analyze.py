@@ -14,10 +14,12 @@ from pathlib import Path
 
 from recurrent_depth.cli.common import (
     add_device_args,
+    add_max_depth_arg,
     add_model_arg,
     add_out_arg,
     add_seed_arg,
     add_tokenizer_arg,
+    check_depth_flags,
     load_cli_tokenizer,
 )
 from recurrent_depth.inference.schema import add_option_flags
@@ -43,6 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=64, help="recurrence steps recorded and plotted (default: %(default)s)")
     p.add_argument("--limit-steps", type=int, default=128,
                    help="steps from the same s0 to the limit point s* (default: %(default)s)")
+    add_max_depth_arg(p)
     p.add_argument("--starts", type=int, default=4,
                    help="random initial states for path independence (default: %(default)s)")
     add_option_flags(p, ("init_scale",), field_defaults=True)
@@ -86,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     from recurrent_depth.analysis.report import AnalysisConfig, analyze_to_dir
     from recurrent_depth.model.recurrent import RecurrentDepthLM
 
+    check_depth_flags(args, ("steps", "limit_steps"))  # the depth ceiling every command keeps (README)
     start = time.perf_counter()
     model_dir = Path(args.model)
     config = AnalysisConfig(

@@ -91,6 +91,19 @@ def add_max_depth_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def check_depth_flags(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
+    """Each depth flag within the depth ceiling (--max-depth, default MAX_NUM_STEPS), before any work; a
+    flag holding a list (eval's --depths) has each entry checked."""
+    from recurrent_depth.config import check_depth
+
+    if args.max_depth is not None and args.max_depth < 1:
+        raise ValueError(f"--max-depth={args.max_depth} is invalid: expected an integer >= 1")
+    for flag in flags:
+        value = getattr(args, flag)
+        for depth in value if isinstance(value, list) else [value]:
+            check_depth(depth, "--" + flag.replace("_", "-"), args.max_depth)
+
+
 def add_tokenizer_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tokenizer", default=None, metavar="DIR",

@@ -16,11 +16,13 @@ import argparse
 
 from recurrent_depth.cli.common import (
     add_device_args,
+    add_max_depth_arg,
     add_model_arg,
     add_out_arg,
     add_seed_arg,
     add_tokenizer_arg,
     add_weights_arg,
+    check_depth_flags,
     int_list,
 )
 from recurrent_depth.inference.schema import add_option_flags
@@ -71,11 +73,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_option_flags(parser, ("init_scale",), helps={
         "init_scale": "scale of the random initial state, 0 = zeros (default: the model config's)"})
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default: 8)")
+    add_max_depth_arg(parser)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from recurrent_depth.evaluation.depth_eval import EvalConfig, evaluate_depths
+
+    check_depth_flags(args, ("depths", "baseline_depth"))  # the depth ceiling every command keeps (README)
 
     config = EvalConfig(
         model=args.model, depths=args.depths, out=args.out, data=None if args.data == "none" else args.data,

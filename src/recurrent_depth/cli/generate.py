@@ -15,7 +15,13 @@ import sys
 from collections import Counter
 from typing import Any
 
-from recurrent_depth.cli.common import add_load_args, add_max_depth_arg, load_cli_tokenizer, tokenizer_source
+from recurrent_depth.cli.common import (
+    add_load_args,
+    add_max_depth_arg,
+    check_depth_flags,
+    load_cli_tokenizer,
+    tokenizer_source,
+)
 from recurrent_depth.inference.options import OptionError
 from recurrent_depth.inference.schema import add_cli_arguments, canonical, cli_spelling, cli_values
 
@@ -68,16 +74,6 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     if not prompts:
         raise ValueError("give a prompt: --prompt TEXT or --prompt-file FILE ('-' reads standard input)")
     return prompts
-
-
-def check_depth_flags(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
-    """Each depth flag within the depth ceiling (--max-depth, default MAX_NUM_STEPS), before any work."""
-    from recurrent_depth.config import check_depth
-
-    if args.max_depth is not None and args.max_depth < 1:
-        raise ValueError(f"--max-depth={args.max_depth} is invalid: expected an integer >= 1")
-    for flag in flags:
-        check_depth(getattr(args, flag), "--" + flag.replace("_", "-"), args.max_depth)
 
 
 def _generation_kwargs(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:

@@ -86,7 +86,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def rollout_generation(args: argparse.Namespace) -> tuple[dict, int]:
     """The rollouts' `generate` options from the generation flags, and the run seed (--seed, default 0)."""
-    from recurrent_depth.cli.generate import _generation_kwargs, check_depth_flags
+    from recurrent_depth.cli.common import check_depth_flags
+    from recurrent_depth.cli.generate import _generation_kwargs
 
     check_depth_flags(args, ("num_steps", "max_steps"))
     values, _ = _generation_kwargs(args)

@@ -149,3 +149,8 @@ def test_rdepth_lm_eval_reports_bad_model_args_in_one_line(model_dir, capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"rdepth lm-eval: error: pretrained={model_dir / 'missing'}: no such directory (expected a saved model "
         "directory)")
+    argv[5] = f"pretrained={model_dir},bogus=1"  # was a TypeError traceback from the model's __init__
+    assert main(argv) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("rdepth lm-eval: error: model_args: bogus=1 is not an argument of lm-eval's HF model "
+                           "or of ours (") and "num_steps" in last

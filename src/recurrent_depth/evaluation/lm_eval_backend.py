@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -120,7 +121,14 @@ class RecurrentDepthEvalLM(HFLM):
                         DEFAULT_AUTO_BATCH)
             batch_size = DEFAULT_AUTO_BATCH
         kwargs.setdefault("backend", "causal")
-        super().__init__(pretrained=pretrained, device=_resolve_device(device), batch_size=batch_size, **kwargs)
+        try:
+            super().__init__(pretrained=pretrained, device=_resolve_device(device), batch_size=batch_size, **kwargs)
+        except TypeError as exc:  # an unknown model_arg reaches the model's __init__ through from_pretrained
+            unknown = re.search(r"unexpected keyword argument '(\w+)'", str(exc))
+            if unknown is None:
+                raise
+            raise ValueError(f"model_args: {unknown.group(1)}={kwargs.get(unknown.group(1))!r} is not an argument of "
+                             f"lm-eval's HF model or of ours ({', '.join(sorted(MODEL_ARGS))})") from None
         self._core = self.model.core
         try:
             self.options = GenerationOptions(**values).validate(self._core.config.mean_recurrence,

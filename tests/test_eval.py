@@ -226,7 +226,8 @@ def test_rdepth_eval_writes_results_and_figures(tmp_path):
 
 @pytest.mark.parametrize(
     "argv, message",
-    [(["--depths", "1,-2"], "depths contains -2"), (["--data", "none"], "nothing to evaluate"),
+    [(["--depths", "1,-2"], "--depths=-2 is invalid: expected an integer in [0, 1024]"),
+     (["--data", "none"], "nothing to evaluate"),
      (["--max-docs", "0"], "max_docs=0"), (["--val-fraction", "1.5"], "expected a number in (0, 1]"),
      (["--lm-eval-tasks", "rd_chains_mc", "--limit", "0"], "limit=0 is invalid"),  # was lm-eval's "did not find
      (["--lm-eval-tasks", "rd_chains_mc", "--limit", "-3"], "limit=-3 is invalid")],  # any docs!" / islice's
@@ -265,7 +266,7 @@ def test_rdepth_eval_baseline_problems_are_named_before_any_scoring(tmp_path, ca
     assert f"--baseline {tmp_path / 'base'} has no tokenizer.json" in err and "does not exist" not in err
     assert main([*base, "--baseline", str(tmp_path / "model"), "--baseline-depth", "-1",
                  "--data", "/nonexistent"]) == 2
-    assert "baseline_depth contains -1" in capsys.readouterr().err
+    assert "--baseline-depth=-1 is invalid" in capsys.readouterr().err
     (tmp_path / "file").write_text("keep")
     assert main([*base[:-1], str(tmp_path / "file")]) == 2
     assert f"--out {tmp_path / 'file'} is an existing file, not a directory" in capsys.readouterr().err
@@ -282,3 +283,21 @@ def test_rdepth_eval_takes_a_tokenizer_json_file_as_its_help_says(tmp_path):
             "--depths", "1", "--data", str(data), "--val-fraction", "1", "--out", str(tmp_path / "out")]
     assert main(argv) == 0
     assert json.loads((tmp_path / "out" / "results.json").read_text())["text"]["tokens"] > 0
+
+
+def test_rdepth_eval_of_a_diverging_model_writes_strict_json(tmp_path):
+    """NaN losses were written as `NaN`, which strict JSON readers (jq, JSON.parse) refuse."""
+    make_model_dir(tmp_path / "model", max_seq_len=128)
+    model = rd.RecurrentDepthLM.from_pretrained(tmp_path / "model")
+    with torch.no_grad():
+        model.transformer.core_block[0].mlp.fc.weight.fill_(float("nan"))
+    model.save_pretrained(tmp_path / "model", tokenizer=tmp_path / "model")
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"text": "def f(x):\n    return x\n" * 4}) + "\n")
+    argv = ["eval", "--model", str(tmp_path / "model"), "--depths", "0,1", "--data", str(data),
+            "--val-fraction", "1", "--out", str(tmp_path / "out")]
+    assert main(argv) == 0
+    text = (tmp_path / "out" / "results.json").read_text()
+    results = json.loads(text, parse_constant=lambda name: pytest.fail(f"non-standard JSON constant {name}"))
+    by_depth = results["text"]["by_depth"]
+    assert by_depth["1"]["bits_per_byte"] is None and by_depth["0"]["bits_per_byte"] is not None

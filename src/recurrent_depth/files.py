@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import stat
 import time
@@ -373,3 +374,15 @@ def held_lock(path: str | Path, timeout: float, what: str = "lock") -> Iterator[
         yield
     finally:
         os.close(fd)  # (releases the flock)
+
+
+def finite_or_null(value: Any) -> Any:
+    """`value` with every non-finite float (NaN, inf), however nested in dicts and lists, as None: what
+    strict JSON can hold (`json.dumps(..., allow_nan=False)`)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_or_null(v) for v in value]
+    return value

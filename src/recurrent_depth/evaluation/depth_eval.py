@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from recurrent_depth.evaluation.readout import check_depths
+from recurrent_depth.files import atomic_write_text, finite_or_null
 from recurrent_depth.weight_quant import check_weights, quantize_weights
 
 
@@ -278,6 +279,8 @@ def evaluate_depths(config: EvalConfig, log: Any = print) -> dict[str, Any]:
 
     results["seconds"] = round(time.time() - started, 1)
     results["torch_threads"] = torch.get_num_threads()
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    # a diverging model's NaN losses are written as null: strict JSON readers refuse NaN
+    atomic_write_text(out / "results.json",
+                      json.dumps(finite_or_null(results), indent=2, default=str, allow_nan=False) + "\n")
     log(f"wrote {out / 'results.json'}")
     return results

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import subprocess
@@ -17,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from recurrent_depth.files import atomic_write_text, naming
+from recurrent_depth.files import atomic_write_text, finite_or_null, naming
 
 # A `train.trainer.Trainer`: named, not imported, since the trainer imports this module (layers point one way).
 Trainer = Any
@@ -135,23 +134,13 @@ class JsonlLog:
             return
         # Strict JSON: a NaN or infinite value (a diverged validation loss) is written as null.
         with naming(self.path):
-            self.handle.write(json.dumps(_finite_or_null(record), allow_nan=False) + "\n")
+            self.handle.write(json.dumps(finite_or_null(record), allow_nan=False) + "\n")
             self.handle.flush()
 
     def close(self) -> None:
         if self.handle is not None:
             self.handle.close()
             self.handle = None
-
-
-def _finite_or_null(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite_or_null(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite_or_null(v) for v in value]
-    return value
 
 
 def open_tensorboard(out: Path | None, enabled: bool):

@@ -141,7 +141,7 @@ def test_lm_eval_rejects_an_unknown_arg_by_name(model_dir):
     lm = RecurrentDepthEvalLM(pretrained=str(model_dir), device="cpu", num_steps=2)
     with pytest.raises(ValueError, match="bogus_knob"):
         lm._model_generate(prompt()[:1], 9, [], bogus_knob=1)
-    with pytest.raises(TypeError, match="num_stepz"):  # a model_arg neither we nor HFLM take
+    with pytest.raises(ValueError, match="num_stepz=2 is not an argument"):  # a model_arg neither we nor HFLM take
         RecurrentDepthEvalLM(pretrained=str(model_dir), device="cpu", num_stepz=2)
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from recurrent_depth.inference.cache import make_cache
+from recurrent_depth.inference.cache import bind_policy, make_cache
 from recurrent_depth.inference.criteria import ExitCriterion, gate_for, resolve_criterion
 from recurrent_depth.inference.engine import Recurrence
 from recurrent_depth.inference.session import check_position_counters
@@ -127,6 +127,8 @@ def stepwise_logprobs(
                 warm_start, init_scale, generator, kv_policy=kv_policy, kv_quant=kv_quant, exit_kv=exit_kv,
             )
         ]
+    # a shared core slot (kv_budget, kv_policy) that a log-linear state cannot take
+    check_position_counters(model, bind_policy(kv_policy, kv_budget, model.config.core_layers), B, None, num_steps)
     ctx_ids = torch.full((B, Lc), pad_token_id, dtype=torch.long, device=device)
     mask = torch.zeros((B, Lc), dtype=torch.long, device=device)
     for b, (context, _) in enumerate(requests):  # left padding: every continuation starts at column Lc
@@ -134,7 +136,6 @@ def stepwise_logprobs(
         mask[b, Lc - len(context) :] = 1
     cache = make_cache("static", B, num_steps, kv_budget, capacity=Lc + Ln, device=device, policy=kv_policy,
                        core_layers=model.config.core_layers, kv_quant=kv_quant)
-    check_position_counters(model, cache, B, None, num_steps)  # a shared core slot (kv_budget, kv_policy)
     engine = Recurrence(model, fast=False)  # the model's own modules
 
     # Prefill all but the last context token at full depth; every prediction that is scored

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from recurrent_depth.inference.cache import make_cache
+from recurrent_depth.inference.cache import bind_policy, make_cache
 from recurrent_depth.inference.criteria import ExitCriterion, gate_for
 from recurrent_depth.inference.engine import Pass, Recurrence
 from recurrent_depth.inference.options import ResolvedOptions, eos_ids
@@ -69,10 +69,10 @@ def prepare_inputs(model: Any, input_ids: Any, attention_mask: Any) -> tuple[Ten
     return input_ids.to(device), (mask.to(device) if mask is not None else None)
 
 
-def check_position_counters(model: Any, cache: Any, rows: int, exit_criterion: str | None, steps: int) -> None:
+def check_position_counters(model: Any, policy: Any, rows: int, exit_criterion: str | None, steps: int) -> None:
     """Refuse what the mixers whose state counts positions (log-linear, TTT-KVB) cannot keep exact: an exit
     criterion (`exit_criterion`, None when none or under exit_kv='compute') on a batch of several rows, and
-    a cache policy that shares a core slot among the `steps` steps."""
+    a KV `policy` (a name or `KVPolicy`) that shares a core slot among the `steps` steps."""
     names = mixers_with(model, "shared_counter")
     if names and rows > 1 and exit_criterion is not None:
         raise ValueError(
@@ -81,10 +81,14 @@ def check_position_counters(model: Any, cache: Any, rows: int, exit_criterion: s
             "one row at a time or use exit_kv='compute'"
         )
     names = mixers_with(model, "absolute_positions")
+    if not names:
+        return
     layers = model.config.core_layers
-    if names and len({cache.split(("core", j, i)) for j in range(layers) for i in range(steps)}) < steps * layers:
+    policy = bind_policy(policy, None, layers)
+    slots = policy.slots.num_slots(steps)
+    if len({policy.split(("core", j, i), slots) for j in range(layers) for i in range(steps)}) < steps * layers:
         raise ValueError(
-            f"kv_policy={cache.policy.name!r} shares a core cache slot among steps, but the {', '.join(names)} "
+            f"kv_policy={policy.name!r} shares a core cache slot among steps, but the {', '.join(names)} "
             "mixer counts absolute positions in its state, which a shared slot would advance once per step; "
             "use the default per-step policy"
         )
@@ -175,8 +179,8 @@ class Session:
         """(Speculative and parallel decoding refuse every recurrent state, with their own message.)"""
         if self.options.mode == "autoregressive":
             exits = self.criterion is not None and not self.computing
-            check_position_counters(self.model, self.cache, self.B, self.options.criterion.name if exits else None,
-                                    self.options.deepest_step)
+            check_position_counters(self.model, self.options.policy, self.B,
+                                    self.options.criterion.name if exits else None, self.options.deepest_step)
 
     def _teacher(self, tokens: Any) -> list[list[int]] | None:
         """Teacher forcing: feed these `[B, >= max_new_tokens]` ids instead of the chosen ones."""

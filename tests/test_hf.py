@@ -247,6 +247,24 @@ def test_generate_routes_library_only_options(hf_model, library_model):
         hf_model.generate(x, max_new_tokens=2, exit_criterion="kl", num_beams=2)
 
 
+def test_routed_generate_takes_the_config_init_scale_and_output_logits_stays_in_transformers(model_dir):
+    """A routed call (exit_criterion, seed, ...) drew a random s0 at scale 1.0 whatever
+    `from_pretrained(dir, init_scale=0.0)` set, so threshold 0 no longer equalled greedy; and
+    `output_logits=True`, transformers' own flag, was routed too (other tokens, a tensor not a tuple)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, init_scale=0.0).eval()
+    x = ids(batch=1, length=5, seed=4)
+    greedy = model.generate(x, max_new_tokens=5, num_steps=4, do_sample=False)
+    for routed in (dict(exit_criterion="kl", exit_threshold=0.0), dict(seed=3)):
+        assert torch.equal(model.generate(x, max_new_tokens=5, num_steps=4, do_sample=False, **routed), greedy)
+    out = model.generate(x, max_new_tokens=5, num_steps=4, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, greedy) and isinstance(out.logits, tuple) and len(out.logits) == 5
+    with torch.no_grad():
+        full = model(greedy, num_steps=4).logits[0]
+    for i, step_logits in enumerate(out.logits):
+        torch.testing.assert_close(step_logits[0], full[x.shape[1] - 1 + i], atol=1e-5, rtol=1e-5)
+
+
 def test_generate_routes_gradmem_to_the_library(hf_model, library_model):
     x = ids(batch=1, length=12, seed=6)
     kw = dict(max_new_tokens=4, num_steps=2, init_scale=0.0, gradmem_tokens=3, gradmem_steps=2,

@@ -84,7 +84,8 @@ def test_the_remote_file_names_every_option_it_does_not_run():
     from recurrent_depth.integrations.remote import modeling_recurrent_depth as remote
 
     runs_here = set(names_for("hf", "shared")) - {"kv_budget", "kv_policy"}  # depth, init scale, sampling
-    not_a_kwarg = {"eos_token_id", "teacher_tokens"}  # transformers' own eos; the library's teacher forcing
+    # transformers' own eos and output_logits flag; the library's teacher forcing
+    not_a_kwarg = {"eos_token_id", "output_logits", "teacher_tokens"}
     library_only = set(OPTIONS) - runs_here - not_a_kwarg | set(OFFICIAL_ALIASES) | {"cache_kwargs"}
     assert set(remote.LIBRARY_ONLY_OPTIONS) == library_only
     with pytest.raises(ValueError, match=r"^criterion, exit_threshold: this exported model .* fixed depth only"):
@@ -147,3 +148,29 @@ def test_the_remote_file_knows_huginns_architecture_values_as_the_library_does()
     from recurrent_depth.integrations.remote import modeling_recurrent_depth as remote
 
     assert remote.HUGINN_ARCHITECTURE == HUGINN_ARCHITECTURE
+
+
+def test_remote_file_refuses_bad_ids_in_one_line_and_keeps_output_logits(tmp_path):
+    """An id outside the vocabulary or an empty prompt was an IndexError from the embedding (or from
+    transformers' generate); `output_logits=True`, transformers' own flag, was refused as library-only."""
+    from recurrent_depth.integrations.remote import modeling_recurrent_depth as remote
+
+    model = make_model_dir(tmp_path / "src")
+    assert main(["export", "--model", str(tmp_path / "src"), "--out", str(tmp_path / "out"), "--remote-code"]) == 0
+    exported = remote.RecurrentDepthForCausalLM.from_pretrained(tmp_path / "out").eval()
+    vocab = model.config.vocab_size
+    for bad, message in ((torch.tensor([[1, vocab]]), rf"^token id {vocab} at \(row 0, position 1\) is outside"),
+                         (torch.tensor([[-1]]), r"^token id -1 at \(row 0, position 0\) is outside"),
+                         (torch.zeros(1, 0, dtype=torch.long), r"^input_ids must have shape \[batch, seq_len>0\]")):
+        with pytest.raises(ValueError, match=message):
+            exported(bad, num_steps=2)
+        with pytest.raises(ValueError, match=message):
+            exported.generate(bad, max_new_tokens=2, num_steps=2, do_sample=False)
+    x = ids(batch=1, length=5)
+    out = exported.generate(x, max_new_tokens=3, num_steps=2, init_scale=0.0, do_sample=False,
+                            output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, greedy_reference(model, x, 3, 2))
+    with torch.no_grad():
+        full = model(out.sequences, num_steps=2, init_scale=0.0).logits[0]
+    for i, step_logits in enumerate(out.logits):
+        torch.testing.assert_close(step_logits[0], full[x.shape[1] - 1 + i], atol=1e-5, rtol=1e-5)

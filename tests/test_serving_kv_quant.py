@@ -227,3 +227,25 @@ def test_in_a_wide_quantized_batch_tokens_and_fixed_depths_equal_alone(model):
         assert [r.token for r in out[j]] == tokens, j
         if "exit_criterion" not in kw:
             assert [r.steps for r in out[j]] == steps, j
+
+
+def test_a_solo_requests_echo_scores_read_its_prompt_from_codes_as_the_pool_does(model):
+    """`echo` + `logprobs` of a request that runs alone (its own `kv_quant`, or speculative, on a
+    quantizing server) scored its prompt with a full-precision forward, while the session's prefill
+    (and the pool's) reads the prompt's KV back from code rows: the last prompt position's scores
+    disagreed with the distribution that chose the first token."""
+    from recurrent_depth.serving.solo import SoloRun
+
+    prompt = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    options = GenerationOptions(num_steps=4, init_scale=0.0, max_new_tokens=2, kv_quant=KV).validate(4)
+    row = RowRequest(prompt, options, 7, top_logprobs=0, prompt_logprobs=True)
+    solo = SoloRun(model, row, dict(num_steps=4, init_scale=0.0, max_new_tokens=2, kv_quant=KV))
+    pooled = BatchDecoder(model, 1, kv_quant=KV).add(RowRequest(prompt, options, 7, top_logprobs=0,
+                                                                prompt_logprobs=True))[2]
+    with torch.no_grad():
+        plain = torch.log_softmax(model(torch.tensor([prompt]), num_steps=4, init_scale=0.0).logits[0], -1)
+    full_precision = [plain[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+    scores = solo.prompt_scores().logprobs[1:]
+    assert scores == pytest.approx(pooled.logprobs[1:], abs=TOL)
+    assert max(abs(a - b) for a, b in zip(scores, full_precision, strict=True)) > 10 * TOL  # codes really read
+    solo.close()

@@ -475,6 +475,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         values = {k: v for k, v in (base | given).items() if v is not None}
         given_as = {k: name for k, name in base_as.items() if k not in given} | given_as
         routed = {k: v for k, v in values.items() if OPTIONS[k].hf == "routed"}
+        if set(routed) == {"output_logits"}:  # transformers' own flag too: its loop gives the tuple it documents
+            routed = {}
         if not routed:
             # our options travel as kwargs (num_steps, kv_policy, ...); transformers' own fields stay on the config
             kwargs.update((k, v) for k, v in values.items() if k in given or k not in _STANDARD_FIELDS)
@@ -512,6 +514,7 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             else:
                 options["max_new_tokens"] = (max_length or gc.max_length) - input_ids.shape[-1]
         options.setdefault("num_steps", None)  # None: the config's mean_recurrence, as in forward()
+        options.setdefault("init_scale", self.core.config.init_scale)  # the config's, as in forward()
         stop_strings = kwargs.pop("stop_strings", None)
         tokenizer = kwargs.pop("tokenizer", None)
         if stop_strings:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from recurrent_depth.inference import stream_generate
+from recurrent_depth.inference.cache import make_cache
 from recurrent_depth.inference.output import TokenEvent
 from recurrent_depth.serving.batch import PromptScores, RowRequest, TokenResult, logprobs_of
 
@@ -42,7 +43,13 @@ class SoloRun:
         ids = torch.tensor([self.request.prompt], device=self.model.device)
         generator = torch.Generator(device=self.model.device).manual_seed(self.request.seed % (2**63))
         model = self.stream.model  # TTT-E2E: the adapted copy the session generates with
-        logits = model(ids, num_steps=opts.num_steps, init_scale=opts.init_scale, generator=generator).logits[0]
+        quant = self.stream.session.options.quant
+        cache = None
+        if quant is not None:  # the session's prefill reads its prompt back from code rows: so must its scores
+            cache = make_cache("static", 1, opts.deepest_step, capacity=ids.shape[1], policy=opts.policy,
+                               core_layers=model.config.core_layers, kv_quant=quant)
+        logits = model(ids, num_steps=opts.num_steps, init_scale=opts.init_scale, generator=generator,
+                       cache=cache).logits[0]
         if ids.shape[1] < 2:
             return PromptScores([None], [None])
         picked, tops = logprobs_of(logits[:-1], ids[0, 1:], self.request.top_logprobs or 0)

@@ -44,17 +44,28 @@ HUGINN_ARCHITECTURE = dict(
 
 # Options of the library's `generate` (and the official code's names for them) that this file does not
 # implement: refused by name rather than dropped (tests/test_hf_export.py keeps the list equal to the
-# library's options schema).
+# library's options schema). `output_logits` is not here: it is transformers' own generate flag too.
 LIBRARY_ONLY_OPTIONS = (
     "exit_criterion", "exit_threshold", "exit_kv", "min_steps", "max_steps", "warm_start", "warm_start_source",
     "exit_in_prefill", "min_steps_rule", "check_every", "kv_budget", "kv_policy", "kv_quant", "cache_implementation",
     "draft_steps", "lookahead", "verification_threshold", "sampler", "inner_steps", "headway", "wavefront",
-    "max_wavefront", "seed", "stop", "fast", "output_logits", "finish_round", "defaults",
+    "max_wavefront", "seed", "stop", "fast", "finish_round", "defaults",
     "criterion", "cache_lookup_strategy", "continuous_compute", "do_not_exit_in_prefill",
     "check_criterion_every_n_steps", "lookahead_for_draft", "cache_kwargs",
     "gradmem_tokens", "gradmem_steps", "gradmem_lr", "gradmem_depth", "gradmem_init", "gradmem_query_tokens",
     "ttt_params", "ttt_steps", "ttt_lr", "ttt_optimizer", "ttt_depth", "ttt_backprop",
 )
+
+
+def check_ids(input_ids: Tensor, vocab_size: int) -> None:
+    """One ValueError line for an empty prompt or an id outside the vocabulary (not an IndexError
+    from deep inside the embedding), as the library says it."""
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must have shape [batch, seq_len>0], got {tuple(input_ids.shape)}")
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
+        bad = ((input_ids < 0) | (input_ids >= vocab_size)).nonzero()[0].tolist()
+        raise ValueError(f"token id {int(input_ids[bad[0], bad[1]])} at (row {bad[0]}, position {bad[1]}) is "
+                         f"outside the vocabulary [0, {vocab_size})")
 
 
 def refuse_library_only(kwargs: dict[str, Any]) -> None:
@@ -395,6 +406,7 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             cache = RecurrentDepthCache(cfg)
         if (cache.seen if cache is not None else 0) + input_ids.shape[1] > cfg.max_seq_len:
             raise ValueError(f"sequence longer than max_seq_len={cfg.max_seq_len}")
+        check_ids(input_ids, cfg.vocab_size)
         ctx = self._context(input_ids, attention_mask, cache)
 
         x = self.transformer.wte(input_ids) * self.emb_scale
@@ -431,4 +443,7 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """transformers' `generate` at a fixed depth (`num_steps`, `init_scale` pass through to forward)."""
         refuse_library_only(kwargs)
+        ids = args[0] if args and isinstance(args[0], Tensor) else kwargs.get("input_ids", kwargs.get("inputs"))
+        if isinstance(ids, Tensor):  # before transformers indexes an empty prompt (IndexError)
+            check_ids(ids, self.config.vocab_size)
         return super().generate(*args, **kwargs)

@@ -99,3 +99,24 @@ def test_help_labels_the_ema_direction_as_an_assumption(capsys):
         main(["average", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "oldest first" in text and "is an assumption" in text
+
+
+def test_a_lora_runs_checkpoints_are_refused_in_one_line(tmp_path, capsys):
+    """A LoRA run's checkpoints hold the peft-wrapped state (`base_model.model...lora_A.default...`): their
+    average was written under those names, a model directory that no loader could read."""
+    pytest.importorskip("peft")
+    from safetensors.torch import save_file
+
+    from recurrent_depth.train.lora import LoraSpec, add_lora, save_adapter
+
+    paths, _ = _save_models(tmp_path / "run", 2)
+    for path in paths:
+        peft_model = add_lora(rd.RecurrentDepthLM.from_pretrained(path), LoraSpec(rank=2, parts=("core",)),
+                              base_dir=path, seed=0)
+        save_adapter(peft_model, path)  # adapter_config.json + adapter_model.safetensors, as a LoRA run writes
+        save_file({k: v.detach().clone() for k, v in peft_model.state_dict().items()}, str(path / "model.safetensors"))
+    out = tmp_path / "ema"
+    assert main(["average", "--run", str(tmp_path / "run"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "LoRA run's checkpoint" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()

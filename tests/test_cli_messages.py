@@ -35,6 +35,24 @@ def test_a_directory_without_a_model_says_what_to_pass(tmp_path, capsys):
     assert "--tokenizer" not in err
 
 
+def test_a_lora_adapter_given_as_the_model_says_how_to_use_it(tmp_path, capsys):
+    """An `rdepth sft --lora` run's model/ is an adapter: "has no config.json" alone sent users looking
+    for a missing file."""
+    (tmp_path / "adapter_config.json").write_text("{}")
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    for argv in ([*GENERATE, "--model", str(tmp_path)], ["export", "--model", str(tmp_path), "--out",
+                                                          str(tmp_path / "o")]):
+        assert main(argv) == 2
+        err = [line for line in capsys.readouterr().err.strip().splitlines() if "error" in line]
+        assert len(err) == 1 and "it is a LoRA adapter (adapter_config.json): load its base model with it (--lora " \
+            "on the command line" in err[0], err
+    data = tmp_path / "chats.jsonl"
+    data.write_text('{"prompt": "a", "completion": "b"}\n')
+    assert main(["sft", "--init-from", str(tmp_path), "--data", str(data), "--out", str(tmp_path / "r")]) == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if "error" in line]
+    assert len(err) == 1 and "it is a LoRA adapter (adapter_config.json): merge it" in err[0], err
+
+
 @pytest.mark.parametrize("argv, usage, hint", [
     (["generate", "--model", "m", "--prompt", "a", "--num", "16"], "usage: rdepth generate",
      "unrecognized arguments: --num 16 (--num: did you mean --num-steps?)"),  # a prefix is no longer taken

@@ -230,8 +230,12 @@ def test_rdepth_eval_writes_results_and_figures(tmp_path):
      (["--data", "none"], "nothing to evaluate"),
      (["--max-docs", "0"], "max_docs=0"), (["--val-fraction", "1.5"], "expected a number in (0, 1]"),
      (["--lm-eval-tasks", "rd_chains_mc", "--limit", "0"], "limit=0 is invalid"),  # was lm-eval's "did not find
-     (["--lm-eval-tasks", "rd_chains_mc", "--limit", "-3"], "limit=-3 is invalid")],  # any docs!" / islice's
-    ids=["negative-depth", "nothing", "max-docs", "val-fraction", "limit-0", "limit-negative"],
+     (["--lm-eval-tasks", "rd_chains_mc", "--limit", "-3"], "limit=-3 is invalid"),  # any docs!" / islice's
+     # a misspelt task was named only after the text scoring, whose results were then lost
+     (["--data", "/nonexistent", "--reasoning", "chainz"], "unknown reasoning task(s) ['chainz']"),
+     (["--data", "none", "--reasoning", "none"], "nothing to evaluate")],  # 'none', as --help's default says
+    ids=["negative-depth", "nothing", "max-docs", "val-fraction", "limit-0", "limit-negative", "unknown-task",
+         "reasoning-none"],
 )
 def test_rdepth_eval_bad_arguments(tmp_path, capsys, argv, message):
     make_model_dir(tmp_path / "model", with_tokenizer=False)

@@ -74,6 +74,26 @@ def test_search_saves_the_best_loop_and_eval_reads_it_back(model_dir, text_file,
     assert window in capsys.readouterr().out
 
 
+def test_search_saves_a_bf16_source_in_bf16(model_dir, text_file, tmp_path):
+    """The search scores in float32; --save wrote those float32 weights, so a bf16 source doubled in size
+    although looping changes no weight. The saved weights are the source's, bit for bit, in its dtype."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    source = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).save_pretrained(source)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (model_dir / name).is_file():
+            (source / name).write_bytes((model_dir / name).read_bytes())
+    saved = tmp_path / "looped"
+    assert main(["loop", "search", "--model", str(source), "--data", str(text_file), "--widths", "1",
+                 "--iterations", "2", "--max-tokens", "20", "--seq-len", "16", "--out", str(tmp_path / "s"),
+                 "--save", str(saved)]) == 0
+    assert json.loads((saved / "config.json").read_text())["dtype"] == "bfloat16"
+    before, after = load_file(source / "model.safetensors"), load_file(saved / "model.safetensors")
+    assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

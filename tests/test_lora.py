@@ -309,3 +309,20 @@ def test_the_cli_trains_an_adapter_generates_with_it_and_merges_it(tmp_path, cap
     assert served["tokenizer_dir"] == str(base) and served["model_name"] == "base"
     assert isinstance(make_runner(served["model"]), FastRunner)
     assert sum("lora_A" in name for name, _ in served["model"].named_parameters()) == 5  # 4 core attention + adapter
+
+
+def test_export_refuses_to_merge_over_the_base_or_into_the_adapter(tmp_path, capsys):
+    """`--out` = the base replaced it with the merged weights (the adapter, recorded against that directory,
+    then applied twice); `--out` = the adapter's directory mixed a full model into it."""
+    from recurrent_depth.cli import main
+
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    tiny_model().save_pretrained(base)
+    save_adapter(add_lora(rd.RecurrentDepthLM.from_pretrained(base), LoraSpec(rank=2), base_dir=base, seed=0), adapter)
+    before = {p.name: p.read_bytes() for d in (base, adapter) for p in d.iterdir()}
+    for out, name in ((base, "--model"), (adapter, "--merge-lora")):
+        assert main(["export", "--model", str(base), "--merge-lora", str(adapter), "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"rdepth export: error: --out {out} is the {name} directory; write the merged model to a new "
+                       f"directory"], err
+    assert {p.name: p.read_bytes() for d in (base, adapter) for p in d.iterdir()} == before

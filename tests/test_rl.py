@@ -174,6 +174,24 @@ def test_rl_cli_refuses_what_a_replay_cannot_follow_in_one_line(byte_model, tmp_
         assert len(errors) == 1 and message in errors[0], errors
 
 
+def test_rl_cli_writes_the_model_back_in_the_init_from_dtype(byte_model, tmp_path):
+    """`train` / `sft --init-from` write model/ in DIR's stored dtype; `rl` wrote float32, so a bf16 model
+    came back twice its size. Checkpoints keep the trained float32."""
+    from safetensors.torch import load_file
+
+    byte_model.to(torch.bfloat16).save_pretrained(tmp_path / "m")
+    byte_tokenizer().save(str(tmp_path / "m" / "tokenizer.json"))
+    assert main(["rl", "--init-from", str(tmp_path / "m"), "--out", str(tmp_path / "out"), "--threads", "1",
+                 "--task", "shells", "--difficulty", "2", "--group-size", "2", "--prompts-per-step", "1",
+                 "--updates", "1", "--max-new-tokens", "2", "--num-steps", "2"]) == 0
+
+    def dtypes(path):
+        return {t.dtype for t in load_file(path / "model.safetensors").values()}
+
+    assert dtypes(tmp_path / "out" / "model") == {torch.bfloat16}
+    assert dtypes(tmp_path / "out" / "checkpoints" / "step-00000001") == {torch.float32}
+
+
 def test_reward_function_specs_fail_in_one_line():
     assert load_reward_function("tests.test_rl:count_ones") is count_ones
     for spec, message in (("nocolon", "module:function"), ("no_such_mod_xyz:f", "cannot import"),

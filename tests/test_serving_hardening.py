@@ -171,6 +171,31 @@ def test_special_token_text_in_a_message_cannot_forge_a_turn(model_dir, referenc
         codec.encode_chat([{"role": "user", "content": "\ufdd0"}])
 
 
+def test_chat_stops_at_the_end_of_turn_token_its_template_writes(model_dir, tmp_path):  # noqa: F811
+    """A ChatML model (a retrofitted Qwen2 after `rdepth sft`) ends its turn with `<|im_end|>`, the token
+    the template writes after the assistant's content; only `<|end_turn|>` stopped a chat, so its answers
+    ran on to max_tokens."""
+    from tokenizers import AddedToken, Tokenizer
+
+    assert TextCodec(model_dir, 320, 256).chat_stop_ids == {load_tokenizer_id(model_dir, "<|end_turn|>")}
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<|im_start|>", "<|im_end|>")])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    end_turn = tok.token_to_id("<|end_turn|>")  # (still in this tokenizer: a stop by its name, as before)
+    assert TextCodec(tmp_path, 400, 256).chat_stop_ids == {end_turn, tok.token_to_id("<|im_end|>")}
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    assert TextCodec(tmp_path, 400, 256).chat_stop_ids == {end_turn}  # plain text after the answer: none added
+
+
+def load_tokenizer_id(path, name: str) -> int:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path / "tokenizer.json")).token_to_id(name)
+
+
 @pytest.mark.parametrize("source,error", [
     ("{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}", TemplateLimit),
     ("{{ 'x' * 10**9 }}", TemplateLimit),

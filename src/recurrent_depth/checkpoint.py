@@ -297,6 +297,17 @@ class CheckedDir:
     is_parcae: bool = False
 
 
+def lora_adapter_hint(path: str | os.PathLike[str]) -> str:
+    """For an error about a directory without config.json: '' or, when it (or its model/) is a peft LoRA
+    adapter (an `rdepth train|sft --lora` run's output), how to use it instead."""
+    p = Path(path)
+    if not ((p / "adapter_config.json").is_file() or (p / "model" / "adapter_config.json").is_file()):
+        return ""
+    return ("; it is a LoRA adapter (adapter_config.json): load its base model with it (--lora on the command line, "
+            "recurrent_depth.train.lora.load_adapter_model in Python), or merge it into a model with "
+            "`rdepth export --merge-lora`")
+
+
 def check_model_dir(
     path: str | os.PathLike[str],
     config_overrides: dict[str, Any] | None = None,
@@ -315,7 +326,8 @@ def check_model_dir(
         raise FileNotFoundError(f"model directory {path} does not exist")
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} has no config.json: expected a saved model directory (config.json and "
-                                f"safetensors weights; a training run keeps its model in its model/ directory)")
+                                f"safetensors weights; a training run keeps its model in its model/ directory)"
+                                + lora_adapter_hint(path))
     raw = parse_json(read_text(path / "config.json", CONFIG_MAX_BYTES, "config file"), "config")
     config = ModelConfig.from_dict(raw)
     is_ouro = isinstance(raw, dict) and ouro.is_ouro_config(raw)

@@ -27,8 +27,10 @@ def model_dir(text: str) -> str:
 
 def no_model_message(path: str) -> str:
     """What to pass when --model names a directory without config.json."""
+    from recurrent_depth.checkpoint import lora_adapter_hint
+
     return (f"--model {path} has no config.json: expected a saved model directory (config.json, "
-            f"model.safetensors, tokenizer.json) or a run directory holding one in model/")
+            f"model.safetensors, tokenizer.json) or a run directory holding one in model/" + lora_adapter_hint(path))
 
 
 def add_lora_adapter_arg(parser: argparse.ArgumentParser) -> None:

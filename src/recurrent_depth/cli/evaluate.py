@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     config = EvalConfig(
         model=args.model, depths=args.depths, out=args.out, data=None if args.data == "none" else args.data,
         val_fraction=args.val_fraction, split_seed=args.split_seed, max_docs=args.max_docs,
-        max_tokens=args.max_tokens, seq_len=args.seq_len, reasoning_tasks=args.reasoning,
+        max_tokens=args.max_tokens, seq_len=args.seq_len,
+        reasoning_tasks=[] if args.reasoning == ["none"] else args.reasoning,  # 'none', as --data takes
         difficulties=args.difficulties, count=args.count, lm_eval_tasks=args.lm_eval_tasks, fewshot=args.fewshot,
         limit=args.limit, baseline=args.baseline, baseline_depth=args.baseline_depth, init_scale=args.init_scale,
         seed=args.seed, batch_size=args.batch_size, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,

@@ -71,6 +71,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--out is required unless only --remote-code files are added to --model in place")
     if out is not None and out.exists() and not out.is_dir():  # mkdir's own error: a bare "[Errno 17] File exists"
         raise ValueError(f"--out {out} is an existing file, not a directory; choose another path")
+    if args.merge_lora is not None and out is not None:
+        # Merging over the base replaced it (its adapter then applies twice from the merged weights);
+        # merging into the adapter's directory mixed a model into it.
+        for name, path in (("--model", src), ("--merge-lora", Path(args.merge_lora))):
+            if out.resolve() == path.resolve():
+                raise ValueError(f"--out {out} is the {name} directory; write the merged model to a new directory")
     if args.tokenizer is not None and Path(args.tokenizer).name == "tokenizer.json" and Path(args.tokenizer).is_file():
         args.tokenizer = str(Path(args.tokenizer).parent)  # --tokenizer takes the file too, as its help says
     if args.tokenizer is not None and not (Path(args.tokenizer) / "tokenizer.json").is_file():

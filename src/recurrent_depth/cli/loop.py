@@ -150,6 +150,18 @@ def _load(args: argparse.Namespace):
     return model, tokenizer
 
 
+def _stored_dtype(path: Path) -> Any:
+    """The floating dtype `path/config.json` records (`dtype` or `torch_dtype`), or None."""
+    import torch
+
+    from recurrent_depth.files import CONFIG_MAX_BYTES, read_json
+
+    raw = read_json(path / "config.json", CONFIG_MAX_BYTES, "config file")
+    name = raw.get("dtype", raw.get("torch_dtype")) if isinstance(raw, dict) else None
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    return dtypes.get(name) if isinstance(name, str) else None
+
+
 def _score(args: argparse.Namespace) -> int:
     from recurrent_depth.looping import LoopConfig, apply_loop, find_decoder_layers, loop_of
     from recurrent_depth.looping.config import CONFIG_KEY
@@ -204,6 +216,9 @@ def _score(args: argparse.Namespace) -> int:
         print(f"best: {best.config.label()} loss {best.loss:.4f} (base {base:.4f}, {best.loss - base:+.4f})")
         if args.save:
             apply_loop(model, best.config)
+            stored_dtype = _stored_dtype(Path(args.model))
+            if stored_dtype is not None:  # scored in float32, saved as the source stores it (a bf16 model stays bf16)
+                model.to(stored_dtype)
             model.save_pretrained(args.save)
             tokenizer.save_pretrained(args.save)
             print(f"saved the looped model ({loop_of(model).label()}) to {args.save}")

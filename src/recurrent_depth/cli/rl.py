@@ -125,9 +125,14 @@ def run(args: argparse.Namespace) -> int:
     train = TrainConfig(out=args.out, max_steps=args.updates, batch_size=args.prompts_per_step, seed=seed,
                         optim=OptimConfig(name=args.optimizer, lr=args.lr), save_every=args.save_every,
                         resume=args.resume, progress=False, tensorboard=False)
+    from recurrent_depth.checkpoint import stored_dtype
+    from recurrent_depth.train.init_from import find_model_dir
+
     model, tokenizer, tokenizer_dir = load_start_model(args.init_from)
+    # trained in float32 and written back in --init-from's stored dtype, as `train` / `sft --init-from` do
+    save_dtype = stored_dtype(find_model_dir(args.init_from))
     result = run_rl(model.to(args.device), rl, train, tokenizer=tokenizer, tokenizer_dir=tokenizer_dir,
-                    device=args.device)
+                    device=args.device, save_dtype=save_dtype)
     summary = {"out": str(result.out), "updates": result.steps, "model": str(result.model_dir),
                "last_checkpoint": str(result.last_checkpoint), "elapsed_s": round(result.elapsed_s, 2)}
     print(json.dumps(summary) if args.json else " ".join(f"{k}={v}" for k, v in summary.items()), file=sys.stdout)

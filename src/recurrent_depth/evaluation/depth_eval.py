@@ -81,6 +81,11 @@ class EvalConfig:
             self.tokenizer = str(tok.parent)  # --tokenizer takes the file too; transformers loads a directory
         if self.baseline_depth is not None:  # checked here, not after the model's own scoring
             check_depths([self.baseline_depth], "baseline_depth")
+        from recurrent_depth.evaluation.reasoning.tasks import TASKS
+
+        unknown = [name for name in self.reasoning_tasks if name not in TASKS]
+        if unknown:  # checked here, not after the text scoring (whose results were then lost)
+            raise ValueError(f"unknown reasoning task(s) {unknown}; choose from {sorted(TASKS)}")
         if self.data is None and not self.reasoning_tasks and not self.lm_eval_tasks:
             raise ValueError("nothing to evaluate: give data, reasoning_tasks or lm_eval_tasks")
         return self

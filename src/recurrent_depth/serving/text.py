@@ -133,6 +133,23 @@ class TextCodec:
             self.chat = ChatTemplate(source, variables, max_output_chars=min(cap, MAX_TEXT_CHARS))
         except Exception as exc:  # noqa: BLE001 - a broken template only disables chat
             self.chat_error = f"the chat template could not be loaded: {type(exc).__name__}: {exc}"
+            return
+        self.chat_stop_ids |= self._template_end_of_turn()
+
+    def _template_end_of_turn(self) -> set[int]:
+        """The special token the chat template writes right after an assistant's content, e.g. ChatML's
+        `<|im_end|>`: what `rdepth sft` teaches the model to end its turn with, so chat stops there too
+        (only `<|end_turn|>` was known, and a ChatML model's chat ran on to max_tokens)."""
+        assert self.chat is not None
+        sentinel = "rdepthendofturnprobe"
+        try:
+            text = self.chat.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": sentinel}],
+                                    add_generation_prompt=False)
+            at = text.find(sentinel)
+            ids = self._ids(text[at + len(sentinel):], add_special_tokens=False) if at >= 0 else []
+        except Exception:  # noqa: BLE001 - a template that cannot render this pair keeps the named stops
+            return set()
+        return {ids[0]} if ids and ids[0] in self.special_ids else set()
 
     @property
     def has_tokenizer(self) -> bool:

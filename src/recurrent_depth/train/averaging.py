@@ -98,6 +98,12 @@ def average_checkpoints(
     for path in chosen:
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} is not a model directory (no config.json)")
+        # A LoRA run's checkpoint holds the peft-wrapped state (base_model.model...lora_A...): its
+        # average would be written under those names, a directory no loader can read.
+        if (path / "adapter_config.json").is_file():
+            raise ValueError(f"{path} is a LoRA run's checkpoint (adapter_config.json): averaging LoRA adapters "
+                             f"is not supported; average a full-weight run, or merge the adapter "
+                             f"(rdepth export --merge-lora) instead")
     out = Path(out)
     if any(out.resolve() == Path(p).resolve() for p in paths):
         raise ValueError(f"out={str(out)!r} is one of the checkpoints being averaged; choose a new directory")

@@ -8,7 +8,7 @@ import torch
 
 import recurrent_depth as rd
 from recurrent_depth.cli import main
-from recurrent_depth.train.distill import Distillation, distillation_loss, load_teacher
+from recurrent_depth.train.distill import Distillation, distillation_loss, load_teacher, teacher_generator
 from recurrent_depth.train.distill_cache import bytes_per_token
 from recurrent_depth.train.objective import LanguageModeling
 from recurrent_depth.train.trainer import Trainer
@@ -136,13 +136,40 @@ def test_a_written_cache_gives_the_on_the_fly_top_k_loss(train_root, teacher_dir
         Trainer(tiny_train_config(train_root, tmp_path / "run2", distill_cache=str(tmp_path / "cache"), **options))
 
 
+def test_the_teacher_reads_packed_sft_rows_with_their_positions_and_document_mask(teacher_dir):
+    """SFT packs examples into a row with position_ids and document_ids: the teacher must see them as the student
+    does, not attend across examples."""
+    teacher = load_teacher(teacher_dir, 2)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    packed = {"position_ids": torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]] * 2),
+              "document_ids": torch.tensor([[0] * 5 + [1] * 7] * 2)}
+    batch = {"input_ids": ids, "targets": ids.roll(-1, 1), **packed}
+    objective = Distillation(teacher, alpha=1.0, temperature=1.0, top_k=0, seed=0, position=lambda: 3)
+    with torch.no_grad():
+        student = rd.RecurrentDepthLM(teacher.model.config)
+        objective.loss(student, batch, 2, torch.Generator().manual_seed(1))
+        logits = student(ids, num_steps=2, generator=torch.Generator().manual_seed(1), **packed).logits
+        expected = teacher.model(ids, num_steps=2, generator=teacher_generator(0, 3, "cpu"), **packed).logits
+    _, _, kl = distillation_loss(logits, batch["targets"], expected, alpha=1.0, temperature=1.0)
+    assert objective.last_kl == pytest.approx(float(kl), rel=1e-6)
+
+
 def test_a_missing_teacher_or_another_vocabulary_is_a_one_line_error(train_root, tmp_path):
     with pytest.raises(ValueError, match="teacher=.* is not a directory"):
         Trainer(tiny_train_config(train_root, tmp_path / "a", teacher=str(tmp_path / "nowhere")))
+    adapter = tmp_path / "lora-run" / "model"  # an `rdepth train --lora` run: an adapter, not a model
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text("{}")
+    with pytest.raises(ValueError, match="no model/config.json: .*; it is a LoRA adapter .*--merge-lora"):
+        load_teacher(adapter.parent)
     other = tmp_path / "other"
     rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", vocab_size=512, max_seq_len=64)).save_pretrained(other)
     with pytest.raises(ValueError, match="has vocab_size 512, the student 384: distillation needs the same"):
         Trainer(tiny_train_config(train_root, tmp_path / "b", teacher=str(other)))
+    short = tmp_path / "short"  # its context is shorter than the run's rows (seq_len 32)
+    rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", vocab_size=VOCAB, max_seq_len=16)).save_pretrained(short)
+    with pytest.raises(ValueError, match="teacher .*short has max_seq_len 16, shorter than this run's rows of 32"):
+        Trainer(tiny_train_config(train_root, tmp_path / "c", teacher=str(short)))
 
 
 def test_the_cli_distils_and_writes_a_cache_only(train_root, teacher_dir, tmp_path, capsys):

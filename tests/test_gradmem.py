@@ -208,6 +208,15 @@ def test_bad_options_get_one_line_errors(model, kwargs, match):
     assert "\n" not in str(info.value)
 
 
+def test_a_diverging_learning_rate_is_a_one_line_error_not_a_nan_memory(model):
+    """A write whose memory overflows would generate from NaN logits (argmax garbage, NaN stats): refused."""
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(OptionError, match="gradmem_lr=1e\\+38 made the write diverge") as info:
+        generate(model, ids(13, 12), max_new_tokens=1, seed=0, gradmem_tokens=2, gradmem_steps=4, gradmem_lr=1e38)
+    assert "\n" not in str(info.value)
+    assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+
+
 def test_bad_inputs_and_models_get_one_line_errors(model):
     with pytest.raises(ValueError, match=r"context_ids\[0, 1\]=999 is outside the vocabulary"):
         write_memory(model, [1, 999], tokens=1, steps=1, lr=1.0)

@@ -86,6 +86,19 @@ def test_failing_request_leaves_base_bit_identical(tiny_model, monkeypatch):
     assert same(tiny_model, saved)
 
 
+def test_a_per_row_seed_list_reproduces_like_its_int(tiny_model):
+    """seed=[s] (one seed per row) is seed=s for the one row: the inner loop's s_0 must not fall back to torch's
+    global RNG (unreproducible)."""
+    kwargs = dict(max_new_tokens=3, ttt_params="all", ttt_steps=2, ttt_lr=0.01)
+    by_int = rd.generate(tiny_model, [PROMPT], seed=5, **kwargs)
+    torch.manual_seed(0)
+    by_list = rd.generate(tiny_model, [PROMPT], seed=[5], **kwargs)
+    torch.manual_seed(1)
+    again = rd.generate(tiny_model, [PROMPT], seed=[5], **kwargs)
+    assert by_list.stats["ttt_losses"] == by_int.stats["ttt_losses"] == again.stats["ttt_losses"]
+    assert by_list.token_lists() == by_int.token_lists()
+
+
 def test_inner_steps_lower_the_context_loss(tiny_model):
     opts = GenerationOptions(ttt_params="core", ttt_steps=4, ttt_lr=0.02, ttt_optimizer="adam", seed=0,
                              init_scale=0).validate(tiny_model.config.mean_recurrence)
@@ -114,6 +127,15 @@ def test_bad_options_get_one_line_errors(tiny_model, kwargs, message):
     with pytest.raises(ValueError, match=message) as info:
         rd.generate(tiny_model, [PROMPT], max_new_tokens=2, **kwargs)
     assert "\n" not in str(info.value)
+
+
+def test_a_diverging_learning_rate_is_a_one_line_error_not_nan_weights(tiny_model):
+    """A step whose weights or loss go non-finite would generate garbage (argmax of NaN logits) with NaN
+    stats (invalid JSON): refused, naming ttt_lr, and the base weights are untouched."""
+    saved = snapshot(tiny_model)
+    with pytest.raises(ValueError, match="ttt_lr=1e\\+30 made the inner loop diverge") as info:
+        rd.generate(tiny_model, [PROMPT], max_new_tokens=2, seed=0, ttt_params="all", ttt_steps=3, ttt_lr=1e30)
+    assert "\n" not in str(info.value) and same(tiny_model, saved)
 
 
 def test_batch_of_prompts_is_refused(tiny_model):
@@ -179,6 +201,18 @@ def test_server_refuses_a_copy_over_its_limit(ttt_server):
     assert ok.status_code == 200, ok.text
     assert big.status_code == 400 and "--ttt-max-copy-mb" in big.json()["error"]["message"]
     assert bad.status_code == 400 and "matches no parameter" in bad.json()["error"]["message"]
+
+
+def test_server_answers_a_diverging_inner_loop_with_a_400(ttt_server, monkeypatch):
+    live, server_model = ttt_server
+    real = ttt_e2e.context_loss
+    monkeypatch.setattr(ttt_e2e, "context_loss", lambda *a, **k: real(*a, **k) * float("nan"))  # lr too large
+    before = snapshot(server_model)
+    answer = httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2,
+                                                            "ttt_params": "core-mlp", "ttt_lr": 100})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["message"].startswith("ttt_lr=100 made the inner loop diverge")
+    assert same(server_model, before)
 
 
 def test_scheduler_admits_one_ttt_request_at_a_time(tiny_model):

@@ -29,6 +29,7 @@ the same rule; a frozen model needs only the input gradients, about half of that
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -259,6 +260,12 @@ def write_memory(model: Any, context_ids: Any, *, tokens: int, steps: int, lr: f
                 (grad,) = torch.autograd.grad(loss.sum(), mem)  # row b's gradient is its own loss's
                 losses.append([float(v) for v in loss.detach()])
                 mem = (mem - lr * grad).detach()
+                # a diverged write would generate from a non-finite memory: garbage tokens, NaN stats
+                bad = [b for b in range(B) if not (math.isfinite(losses[-1][b]) and bool(mem[b].isfinite().all()))]
+                if bad:
+                    raise OptionError("gradmem_lr", f"gradmem_lr={lr:g} made the write diverge: after step "
+                                      f"{len(losses)} row {bad[0]}'s loss is {losses[-1][bad[0]]:g} or its memory "
+                                      "is not finite; lower gradmem_lr")
     finally:
         model.train(was_training)
     return MemoryWrite(memory=mem.detach(), losses=losses, flops=write_flops(model, B, tokens + T, depth, steps),

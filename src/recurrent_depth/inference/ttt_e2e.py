@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -189,7 +190,10 @@ def adapt(model: nn.Module, input_ids: Tensor, options: ResolvedOptions, final_l
     names = select_parameters(model, options.ttt_params)
     nbytes = copy_bytes(model, names, options.ttt_optimizer)
     depth = inner_depth(model, options)
-    seed = options.seed if isinstance(options.seed, int) else None
+    seed = options.seed
+    if isinstance(seed, list | tuple) and len(seed) == 1:  # one seed per row, for the one row: the same seed
+        seed = seed[0]
+    seed = seed if isinstance(seed, int) and not isinstance(seed, bool) else None
     shadow, params = shadow_model(model, names)
     losses: list[float] = []
     # Nothing to restore on failure: only the shadow's own copies are stepped (and its modes set).
@@ -210,6 +214,11 @@ def adapt(model: nn.Module, input_ids: Tensor, options: ResolvedOptions, final_l
                 p.grad = g
             optimizer.step()
             losses.append(float(loss.detach()))
+            # a step that diverged would generate from non-finite weights: garbage tokens, NaN stats
+            if not math.isfinite(losses[-1]) or not all(bool(p.isfinite().all()) for p in params):
+                raise OptionError("ttt_lr", f"ttt_lr={options.ttt_lr:g} made the inner loop diverge: at step "
+                                  f"{step + 1} the context loss is {losses[-1]:g} or the updated weights are not "
+                                  "finite; lower ttt_lr")
         for p in params:  # generation reads the weights only
             p.grad = None
             p.requires_grad_(False)

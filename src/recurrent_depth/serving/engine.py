@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from recurrent_depth.inference.engine import Stopped
+from recurrent_depth.inference.options import OptionError
 from recurrent_depth.inference.quant_cache import KVQuant, kv_quant_for_model
 from recurrent_depth.serving.batch import BatchDecoder, PromptScores, RowRequest, TokenResult
 from recurrent_depth.serving.metrics import Metrics
@@ -329,6 +330,9 @@ class BatchScheduler:
         except Stopped:  # past its deadline (or abandoned) between two prefill steps
             self._stopped(job)
             return
+        except OptionError as exc:  # the request's own options, failing as they run (a TTT lr that diverged)
+            self._fail(job, 400, str(exc), "invalid_request_error")
+            return
         except Exception as exc:  # noqa: BLE001 - one bad request must not stop the others
             log.error("prefill failed:\n%s", traceback.format_exc())
             self._fail(job, 500, f"generation failed: {type(exc).__name__}: {exc}", "server_error")
@@ -364,6 +368,10 @@ class BatchScheduler:
         except Stopped:
             self._drop_solo(job, run)
             self._stopped(job)
+            return
+        except OptionError as exc:  # the request's own options, failing as they run (a GradMem lr that diverged)
+            self._drop_solo(job, run)
+            self._fail(job, 400, str(exc), "invalid_request_error")
             return
         except Exception as exc:  # noqa: BLE001
             log.error("solo generation failed:\n%s", traceback.format_exc())

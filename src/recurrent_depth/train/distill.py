@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from recurrent_depth.checkpoint import stored_dtype
+from recurrent_depth.checkpoint import lora_adapter_hint, stored_dtype
 from recurrent_depth.files import CONFIG_MAX_BYTES, read_json
 from recurrent_depth.model.depth import stream_seed
 from recurrent_depth.train.objective import NumSteps
@@ -93,7 +93,9 @@ def find_teacher_dir(path: str | Path) -> Path:
         if (candidate / "config.json").is_file():
             return candidate
     raise ValueError(f"teacher={str(path)!r} holds no config.json and no model/config.json: expected a model "
-                     f"directory or a run directory holding model/")
+                     f"directory or a run directory holding model/"
+                     + ("; it is a LoRA adapter (adapter_config.json): merge it into a model with "
+                        "`rdepth export --merge-lora` and use that as the teacher" if lora_adapter_hint(p) else ""))
 
 
 def load_teacher(path: str | Path, depth: int | None = None, device: torch.device | str = "cpu") -> Teacher:
@@ -155,14 +157,15 @@ class Distillation:
         self.last_ce: float | None = None
         self.last_kl: float | None = None
 
-    def teacher_logits(self, input_ids: Tensor, position: int | None = None) -> Tensor:
-        """The teacher's logits [B, T, V]; its generator is seeded by `position` (default: the trainer's)."""
+    def teacher_logits(self, input_ids: Tensor, position: int | None = None, **inputs: Any) -> Tensor:
+        """The teacher's logits [B, T, V]; its generator is seeded by `position` (default: the trainer's).
+        `inputs`: the batch's other model arguments (SFT's packed `position_ids`, `document_ids`)."""
         if self.teacher is None:
             raise ValueError("this distillation reads its teacher's logits from a cache")
         where = self.position() if position is None else position
         generator = teacher_generator(self.seed, where, input_ids.device)
         with torch.no_grad():
-            return self.teacher.model(input_ids, num_steps=self.teacher.depth, generator=generator).logits
+            return self.teacher.model(input_ids, num_steps=self.teacher.depth, generator=generator, **inputs).logits
 
     def loss(self, model: nn.Module, batch: dict[str, Tensor], num_steps: NumSteps,
              generator: torch.Generator | None) -> tuple[Tensor, Any]:
@@ -179,7 +182,9 @@ class Distillation:
                                               alpha=self.alpha, temperature=self.temperature)
             self.last_ce, self.last_kl = float(ce.detach()), float(kl.detach())
             return total, output
-        teacher = self.teacher_logits(batch["input_ids"])
+        # the teacher reads the rows as the student does: packed SFT rows' positions and document mask too
+        extra = {k: v for k, v in batch.items() if k not in ("input_ids", "targets")}
+        teacher = self.teacher_logits(batch["input_ids"], **extra)
         if self.top_k:
             values, indices = teacher.float().topk(min(self.top_k, teacher.shape[-1]), dim=-1)
             total, ce, kl = distillation_loss(output.logits, batch["targets"], teacher_top=(values, indices),

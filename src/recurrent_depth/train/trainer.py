@@ -339,6 +339,11 @@ class Trainer:
         teacher = load_teacher(cfg.teacher, cfg.teacher_depth, env.device)
         student_vocab = int(base_model_of(self.model).config.vocab_size)
         check_vocabularies(teacher, student_vocab, self.tokenizer_dir)
+        seq_len = self.seq_len if self.seq_len is not None else cfg.seq_len
+        teacher_max = int(teacher.model.config.max_seq_len)
+        if seq_len is not None and seq_len > teacher_max:  # else the first step fails without naming the teacher
+            raise ValueError(f"teacher {teacher.directory} has max_seq_len {teacher_max}, shorter than this run's rows "
+                             f"of {seq_len} tokens: lower seq_len or use a teacher with a longer context")
         self.log(f"distillation: teacher {teacher.directory} at depth {teacher.depth}, alpha {cfg.distill_alpha:g}, "
                  f"T {cfg.distill_temperature:g}, top-k {cfg.distill_top_k or 'full vocabulary'}")
 

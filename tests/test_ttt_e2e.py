@@ -122,6 +122,9 @@ def test_tied_embedding_stays_tied_in_the_shadow(tiny_model):
     ({"ttt_params": "core", "ttt_optimizer": "rmsprop"}, "ttt_optimizer='rmsprop' is invalid"),
     ({"ttt_params": "core", "ttt_steps": -1}, "ttt_steps=-1 is invalid"),
     ({"ttt_params": "core", "num_steps": 3, "ttt_backprop": 5}, "ttt_backprop=5 is invalid"),
+    # depth 0: the core's weights get no gradient, and the steps and their FLOPs were counted regardless
+    ({"ttt_params": "core-mlp", "num_steps": 0, "ttt_steps": 2}, r"ttt_params='core-mlp' get no gradient at "
+                                                                 r"the inner depth \(0, 0\)"),
 ])
 def test_bad_options_get_one_line_errors(tiny_model, kwargs, message):
     with pytest.raises(ValueError, match=message) as info:

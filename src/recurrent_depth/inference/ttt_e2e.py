@@ -210,6 +210,10 @@ def adapt(model: nn.Module, input_ids: Tensor, options: ResolvedOptions, final_l
             # the gradient of the chosen weights only (autograd.grad: the frozen weights, which
             # the base model shares, never get a .grad); a weight the loss does not reach gets none
             grads = torch.autograd.grad(loss, params, allow_unused=True)
+            if all(g is None for g in grads):  # e.g. the core's weights with no backpropagated step (depth 0)
+                raise OptionError("ttt_params", f"ttt_params={options.ttt_params!r} get no gradient at the inner "
+                                  f"depth {depth} (steps without, with gradients): no inner step would change "
+                                  "them; raise ttt_depth / ttt_backprop (or num_steps), or choose other parts")
             for p, g in zip(params, grads):
                 p.grad = g
             optimizer.step()

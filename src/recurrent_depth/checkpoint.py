@@ -297,15 +297,18 @@ class CheckedDir:
     is_parcae: bool = False
 
 
-def lora_adapter_hint(path: str | os.PathLike[str]) -> str:
+def lora_adapter_hint(path: str | os.PathLike[str], merged_for: str | None = None) -> str:
     """For an error about a directory without config.json: '' or, when it (or its model/) is a peft LoRA
-    adapter (an `rdepth train|sft --lora` run's output), how to use it instead."""
+    adapter (an `rdepth train|sft --lora` run's output), how to use it instead. `merged_for`: where only a
+    merged model will do (a start point, a teacher), what to use the merged model as."""
     p = Path(path)
     if not ((p / "adapter_config.json").is_file() or (p / "model" / "adapter_config.json").is_file()):
         return ""
+    merge = "merge it into a model with `rdepth export --merge-lora`"
+    if merged_for is not None:
+        return f"; it is a LoRA adapter (adapter_config.json): {merge} and {merged_for}"
     return ("; it is a LoRA adapter (adapter_config.json): load its base model with it (--lora on the command line, "
-            "recurrent_depth.train.lora.load_adapter_model in Python), or merge it into a model with "
-            "`rdepth export --merge-lora`")
+            f"recurrent_depth.train.lora.load_adapter_model in Python), or {merge}")
 
 
 def check_model_dir(

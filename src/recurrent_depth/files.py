@@ -376,6 +376,13 @@ def held_lock(path: str | Path, timeout: float, what: str = "lock") -> Iterator[
         os.close(fd)  # (releases the flock)
 
 
+def check_out_dir(out: str | Path, flag: str = "--out") -> None:
+    """A one-line ValueError when the output directory `out` is an existing file (mkdir's own error
+    is a bare "[Errno 17] File exists")."""
+    if Path(out).exists() and not Path(out).is_dir():
+        raise ValueError(f"{flag} {out} is an existing file, not a directory; choose another path")
+
+
 def finite_or_null(value: Any) -> Any:
     """`value` with every non-finite float (NaN, inf), however nested in dicts and lists, as None: what
     strict JSON can hold (`json.dumps(..., allow_nan=False)`)."""

@@ -87,6 +87,7 @@ def _in_flag_names(exc: ValueError) -> ValueError:
 
 def run(args: argparse.Namespace) -> int:
     from recurrent_depth.analysis.report import AnalysisConfig, analyze_to_dir
+    from recurrent_depth.files import check_out_dir
     from recurrent_depth.model.recurrent import RecurrentDepthLM
 
     check_depth_flags(args, ("steps", "limit_steps"))  # the depth ceiling every command keeps (README)
@@ -103,8 +104,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise _in_flag_names(exc) from None
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is an existing file, not a directory; choose another path")
+    check_out_dir(out)
     prompt = args.prompt
     if args.prompt_file is not None:
         from recurrent_depth.cli.generate import PROMPT_MAX_BYTES

@@ -58,6 +58,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from recurrent_depth.checkpoint import copy_tokenizer, save_pretrained
     from recurrent_depth.config import ModelConfig
+    from recurrent_depth.data.tokenizer import tokenizer_directory
+    from recurrent_depth.files import check_out_dir
     from recurrent_depth.integrations.export import TOKENIZER_FILES, check_exportable, export_remote_code
     from recurrent_depth.model.recurrent import RecurrentDepthLM
 
@@ -69,16 +71,16 @@ def run(args: argparse.Namespace) -> int:
     reshape = args.dtype is not None or args.max_shard_mb is not None or args.merge_lora is not None
     if out is None and (reshape or not args.remote_code):
         raise ValueError("--out is required unless only --remote-code files are added to --model in place")
-    if out is not None and out.exists() and not out.is_dir():  # mkdir's own error: a bare "[Errno 17] File exists"
-        raise ValueError(f"--out {out} is an existing file, not a directory; choose another path")
+    if out is not None:
+        check_out_dir(out)
     if args.merge_lora is not None and out is not None:
         # Merging over the base replaced it (its adapter then applies twice from the merged weights);
         # merging into the adapter's directory mixed a model into it.
         for name, path in (("--model", src), ("--merge-lora", Path(args.merge_lora))):
             if out.resolve() == path.resolve():
                 raise ValueError(f"--out {out} is the {name} directory; write the merged model to a new directory")
-    if args.tokenizer is not None and Path(args.tokenizer).name == "tokenizer.json" and Path(args.tokenizer).is_file():
-        args.tokenizer = str(Path(args.tokenizer).parent)  # --tokenizer takes the file too, as its help says
+    if args.tokenizer is not None:  # --tokenizer takes the file too, as its help says
+        args.tokenizer = tokenizer_directory(args.tokenizer)
     if args.tokenizer is not None and not (Path(args.tokenizer) / "tokenizer.json").is_file():
         raise FileNotFoundError(f"--tokenizer {args.tokenizer}: no tokenizer.json in that directory")
     if args.remote_code:

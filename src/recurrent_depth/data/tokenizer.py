@@ -354,6 +354,13 @@ def save_tokenizer(
     return out
 
 
+def tokenizer_directory(path: str) -> str:
+    """The directory a `--tokenizer` value names: a `tokenizer.json` file stands for its folder (what
+    transformers and the tokenizer copies read); anything else is returned as given."""
+    p = Path(path)
+    return str(p.parent) if p.name == "tokenizer.json" and p.is_file() else path
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """A `tokenizers.Tokenizer` from a directory holding ``tokenizer.json`` (or that file)."""
     p = Path(path)

@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
+from recurrent_depth.data.tokenizer import tokenizer_directory
 from recurrent_depth.evaluation.readout import check_depths
-from recurrent_depth.files import atomic_write_text, finite_or_null
+from recurrent_depth.files import atomic_write_text, check_out_dir, finite_or_null
 from recurrent_depth.weight_quant import check_weights, quantize_weights
 
 
@@ -76,9 +77,8 @@ class EvalConfig:
             raise ValueError(f"fewshot={self.fewshot!r} is invalid: expected a list of integers >= 0")
         if self.init_scale is not None and self.init_scale < 0:
             raise ValueError(f"init_scale={self.init_scale!r} is invalid: expected a number >= 0")
-        tok = Path(self.tokenizer) if self.tokenizer is not None else None
-        if tok is not None and tok.name == "tokenizer.json" and tok.is_file():
-            self.tokenizer = str(tok.parent)  # --tokenizer takes the file too; transformers loads a directory
+        if self.tokenizer is not None:  # --tokenizer takes the file too; transformers loads a directory
+            self.tokenizer = tokenizer_directory(self.tokenizer)
         if self.baseline_depth is not None:  # checked here, not after the model's own scoring
             check_depths([self.baseline_depth], "baseline_depth")
         from recurrent_depth.evaluation.reasoning.tasks import TASKS
@@ -207,8 +207,7 @@ def evaluate_depths(config: EvalConfig, log: Any = print) -> dict[str, Any]:
 
     config.validate()
     out = Path(config.out)
-    if out.exists() and not out.is_dir():  # mkdir's own error is a bare "[Errno 17] File exists"
-        raise ValueError(f"--out {out} is an existing file, not a directory; choose another path")
+    check_out_dir(out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     manager = _task_manager(config) if config.lm_eval_tasks else None

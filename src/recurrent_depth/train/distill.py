@@ -94,8 +94,7 @@ def find_teacher_dir(path: str | Path) -> Path:
             return candidate
     raise ValueError(f"teacher={str(path)!r} holds no config.json and no model/config.json: expected a model "
                      f"directory or a run directory holding model/"
-                     + ("; it is a LoRA adapter (adapter_config.json): merge it into a model with "
-                        "`rdepth export --merge-lora` and use that as the teacher" if lora_adapter_hint(p) else ""))
+                     + lora_adapter_hint(p, merged_for="use that as the teacher"))
 
 
 def load_teacher(path: str | Path, depth: int | None = None, device: torch.device | str = "cpu") -> Teacher:

@@ -57,8 +57,7 @@ def find_model_dir(path: str | Path) -> Path:
 
     raise ValueError(f"init_from={str(path)!r} holds no config.json and no model/config.json: expected a model "
                      f"directory, a run directory holding model/, or an official Huginn-0125 or Ouro directory"
-                     + ("; it is a LoRA adapter (adapter_config.json): merge it into a model with "
-                        "`rdepth export --merge-lora` and start from that" if lora_adapter_hint(p) else ""))
+                     + lora_adapter_hint(p, merged_for="start from that"))
 
 
 def read_model_config(model_dir: Path) -> ModelConfig:

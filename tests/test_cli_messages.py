@@ -187,3 +187,27 @@ def test_the_servers_step_cap_names_its_flag():
     limits = Limits(max_seq_len=96, mean_recurrence=4, vocab_size=256, max_num_steps=16)
     with pytest.raises(APIError, match=r"at most 16 \(set by rdepth serve --max-num-steps\)"):
         parse_completion({"prompt": "x", "num_steps": 17}, limits, {"m"}, False)
+
+
+def test_the_librarys_own_warnings_print_as_one_line_of_the_command(monkeypatch, capsys, recwarn):
+    """A library warning (QK-clip's shared-gain rule, ignored config keys) printed Python's two-line
+    `path:line: UserWarning: ...` form with the source line under it; another package's keeps that form."""
+    import warnings
+
+    import recurrent_depth.cli.info as info
+    from recurrent_depth.train import qk_clip
+
+    def run(args):
+        warnings.warn_explicit("gamma is shared", UserWarning, qk_clip.__file__, 61)
+        warnings.warn_explicit("from elsewhere", UserWarning, "/elsewhere/module.py", 7)
+        return 0
+
+    monkeypatch.setattr(info, "run", run)
+    shown = warnings.showwarning
+    assert main(["info", "--preset", "tiny"]) == 0
+    assert warnings.showwarning is shown  # put back after the command
+    err = capsys.readouterr().err.splitlines()
+    assert "rdepth info: warning: gamma is shared" in err
+    assert not any("UserWarning: gamma" in line for line in err)
+    assert not any("from elsewhere" in line for line in err)  # handed on to the warnings machinery
+    assert [str(w.message) for w in recwarn] == ["from elsewhere"]

@@ -9,9 +9,12 @@ dependency cannot take down unrelated commands.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
+import warnings
+from collections.abc import Iterator
 
 # command name -> module that registers it (order = order in `rdepth --help`)
 COMMANDS: dict[str, str] = {
@@ -92,6 +95,26 @@ def _configure_threads(args: argparse.Namespace) -> None:
     args.threads = configure_threads(requested, log)
 
 
+@contextlib.contextmanager
+def _warnings_as_notes(command: str) -> Iterator[None]:
+    """The library's own warnings (a QK-clip rule, ignored config keys, ...) print as one line of the
+    command's output; a warning from another package keeps Python's form, which names its source."""
+    package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    python_form = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001 (warnings' signature)
+        if not os.path.abspath(str(filename)).startswith(package_dir):
+            python_form(message, category, filename, lineno, file, line)
+            return
+        print(f"rdepth {command}: warning: {message}", file=file if file is not None else sys.stderr)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = python_form
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
@@ -126,7 +149,8 @@ def _main(argv: list[str] | None) -> int:
         return 0
     try:
         _configure_threads(args)
-        return int(args.func(args) or 0)
+        with _warnings_as_notes(args.command):
+            return int(args.func(args) or 0)
     # Bad values and unusable paths (--out naming an existing file, an unwritable directory, ...) are
     # the user's to fix: one line that names them, not a traceback.
     except BrokenPipeError:

@@ -318,3 +318,31 @@ def test_a_deep_prefill_past_its_deadline_ends_within_a_core_step(model, solo):
     assert len(events) == 1 and events[0].status == 504 and events[0].error_type == "timeout"
     assert elapsed < 10  # the full prefill would take minutes
     assert isinstance(engine.last_progress, float) and start < engine.last_progress <= time.monotonic()
+
+
+def test_a_long_ttt_inner_loop_past_its_deadline_ends_within_an_inner_step(model):
+    """TTT-E2E's inner loop runs while the request's session is built, before the core steps' deadline
+    check was installed: 100000 inner steps with a 1 s timeout trained on for minutes."""
+    engine = Engine(model, max_batch=2)
+    engine.start()
+    try:
+        failed = threading.Event()
+        events = []
+
+        def sink(event):
+            events.append(event)
+            failed.set()
+
+        trains = dict(max_new_tokens=2, num_steps=2, init_scale=0.0, ttt_params="core-mlp", ttt_steps=100_000,
+                      ttt_lr=1e-6)
+        opts = GenerationOptions(**trains).validate(4)
+        start = time.monotonic()
+        job = Job(RowRequest(list(range(1, 20)), opts, 0), 2, frozenset(), TextState(TextCodec(None, 256), []),
+                  sink, start + 1.0, solo=True, generation_kwargs=trains)
+        engine.submit([job])
+        assert failed.wait(30)
+        elapsed = time.monotonic() - start
+    finally:
+        engine.stop()
+    assert len(events) == 1 and events[0].status == 504 and events[0].error_type == "timeout"
+    assert elapsed < 10

@@ -29,7 +29,7 @@ class GenerationStream:
     """
 
     def __init__(self, model: Any, input_ids: Any, attention_mask: Any, options: GenerationOptions,
-                 tokenizer: Any, memory: Tensor | None = None) -> None:
+                 tokenizer: Any, memory: Tensor | None = None, should_stop: Callable[[], bool] | None = None) -> None:
         resolved = options.validate(model.config.mean_recurrence, model.config.exit_gate_threshold)
         self.options: ResolvedOptions = resolved
         self.gradmem: GradMemPlan | None = None
@@ -46,6 +46,7 @@ class GenerationStream:
             self.prompt_ids = ids
             self.session = Session(model, ids, mask, resolved, tokenizer, embedded=embedded)
             self.session.prompt_embeds = embeds
+            self.session.engine.should_stop = should_stop
             self.output: GenerationOutput | None = None
             return
         ids, mask = prepare_inputs(model, input_ids, attention_mask)
@@ -53,7 +54,8 @@ class GenerationStream:
         # TTT-E2E: the inner loop trains a shadow of the model (its chosen weights copied) and the
         # session generates from it; `model` itself is never written (inference/ttt_e2e.py).
         if resolved.ttt_params is not None:
-            self.adaptation = adapt(model, ids if mask is None else ids[:, mask[0].nonzero()[0, 0]:], resolved)
+            self.adaptation = adapt(model, ids if mask is None else ids[:, mask[0].nonzero()[0, 0]:], resolved,
+                                    should_stop=should_stop)
             model = self.adaptation.model
         self.model = model
         # GradMem: the session's prompt is [memory; query], the memory written when iteration starts.
@@ -65,6 +67,7 @@ class GenerationStream:
             self.session = Session(model, ids, mask, resolved, tokenizer)
         if self.adaptation is not None:
             self.session.stats.update(self.adaptation.stats())
+        self.session.engine.should_stop = should_stop
         self.output = None
 
     def __iter__(self) -> Iterator[TokenEvent]:
@@ -119,21 +122,27 @@ def _options(kwargs: dict[str, Any]) -> tuple[GenerationOptions, Any, Any, dict[
 
 
 def _stream(model: Any, input_ids: Any, attention_mask: Any, options: GenerationOptions, tokenizer: Any,
-            given_as: dict[str, str]) -> GenerationStream:
+            given_as: dict[str, str], should_stop: Callable[[], bool] | None = None) -> GenerationStream:
     try:
-        return GenerationStream(model, input_ids, attention_mask, options, tokenizer)
+        return GenerationStream(model, input_ids, attention_mask, options, tokenizer, should_stop=should_stop)
     except OptionError as exc:
         if not given_as:
             raise
         raise exc.spelled(kwarg_spelling(given_as)) from None
 
 
-def stream_generate(model: Any, input_ids: Any, attention_mask: Any = None, **kwargs: Any) -> GenerationStream:
-    """Like `generate`, but returns a `GenerationStream` that yields each token as it is committed."""
+def stream_generate(model: Any, input_ids: Any, attention_mask: Any = None,
+                    should_stop: Callable[[], bool] | None = None, **kwargs: Any) -> GenerationStream:
+    """Like `generate`, but returns a `GenerationStream` that yields each token as it is committed.
+
+    should_stop: checked between core steps and between TTT-E2E / GradMem inner steps (a client's
+    deadline); when it returns True the stream raises `inference.engine.Stopped`, from the call
+    itself while TTT-E2E adapts, else from the iteration.
+    """
     options, tokenizer, streamer, given_as = _options(kwargs)
     if streamer is not None:
         raise ValueError("stream_generate yields events itself; pass streamer= to generate instead")
-    return _stream(model, input_ids, attention_mask, options, tokenizer, given_as)
+    return _stream(model, input_ids, attention_mask, options, tokenizer, given_as, should_stop)
 
 
 def generate(

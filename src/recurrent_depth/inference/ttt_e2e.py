@@ -33,12 +33,14 @@ import copy
 import fnmatch
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from recurrent_depth.inference.engine import Stopped
 from recurrent_depth.inference.options import TTT_OPTIMIZERS, OptionError, ResolvedOptions
 from recurrent_depth.train.flops import training_step_flops
 
@@ -177,9 +179,11 @@ def context_loss(model: nn.Module, ids: Tensor, depth: tuple[int, int], init_sca
     return model(ids, num_steps=depth, labels=ids, init_scale=init_scale, generator=generator).loss
 
 
-def adapt(model: nn.Module, input_ids: Tensor, options: ResolvedOptions, final_loss: bool = False) -> Adaptation:
+def adapt(model: nn.Module, input_ids: Tensor, options: ResolvedOptions, final_loss: bool = False,
+          should_stop: Callable[[], bool] | None = None) -> Adaptation:
     """Run the inner loop on the prompt `input_ids` [1, T] (T >= 2) and return the shadow model
-    that holds the updated weights; `model` itself is never written."""
+    that holds the updated weights; `model` itself is never written. should_stop: checked before
+    each inner step (a request's deadline); when it returns True, `engine.Stopped` is raised."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise OptionError("ttt_params", f"TTT-E2E adapts one set of weights to one context: expected one prompt "
                           f"(batch 1), got a batch of {input_ids.shape[0]}")
@@ -205,6 +209,8 @@ def adapt(model: nn.Module, input_ids: Tensor, options: ResolvedOptions, final_l
         else:
             optimizer = torch.optim.SGD(params, lr=options.ttt_lr)
         for step in range(options.ttt_steps):
+            if should_stop is not None and should_stop():
+                raise Stopped("stopped between TTT-E2E inner steps")
             step_seed = None if seed is None else seed + step
             loss = context_loss(shadow, ids, depth, options.init_scale, step_seed)
             # the gradient of the chosen weights only (autograd.grad: the frozen weights, which

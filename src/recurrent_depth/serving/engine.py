@@ -315,7 +315,7 @@ class BatchScheduler:
         self.metrics.prompt(len(job.row.prompt))
         try:
             if job.solo or self.batch is None:
-                run = SoloRun(self.model, job.row, job.generation_kwargs, tag=job)
+                run = SoloRun(self.model, job.row, job.generation_kwargs, tag=job, should_stop=self._expired(job))
                 job.ttt_flops = run.stream.session.stats.get("ttt_flops")
                 run.watch(self._expired(job), self._progress)
                 if job.row.prompt_logprobs:

@@ -22,14 +22,16 @@ from recurrent_depth.serving.batch import PromptScores, RowRequest, TokenResult,
 class SoloRun:
     """One request as its own generation session, yielding `TokenResult`s one at a time."""
 
-    def __init__(self, model: Any, request: RowRequest, generation_kwargs: dict[str, Any], tag: object = None) -> None:
+    def __init__(self, model: Any, request: RowRequest, generation_kwargs: dict[str, Any], tag: object = None,
+                 should_stop: Callable[[], bool] | None = None) -> None:
         self.model = model
         self.request = request
         self.tag = tag
         kwargs = dict(generation_kwargs)
         kwargs["seed"] = request.seed
         kwargs["output_logits"] = request.top_logprobs is not None
-        self.stream = stream_generate(model, torch.tensor([request.prompt]), **kwargs)
+        # should_stop reaches TTT-E2E's inner loop, which runs here, before `watch` can be called
+        self.stream = stream_generate(model, torch.tensor([request.prompt]), should_stop=should_stop, **kwargs)
         self._events: Iterator[TokenEvent] = iter(self.stream)
 
     @torch.inference_mode()

@@ -250,3 +250,21 @@ def test_cli_help_shows_defaults(capsys):
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     for default in ("(default: 64)", "(default: 128)", "(default: 4)", "(default: runs/analysis)"):
         assert default in text
+
+
+def test_a_failed_run_leaves_no_states_and_no_states_leaves_no_older_ones(model_dir, tmp_path):
+    """A diverging run left its half-written memory maps in OUT/states; with save_states off a rerun
+    wrote its report beside an older run's states/, which `Trajectory.load` read as this run's."""
+    out = tmp_path / "out"
+    model = rd.RecurrentDepthLM.from_pretrained(model_dir)
+    analyze_to_dir(model, [5, 6, 7], out, config=AnalysisConfig(**FAST))
+    assert Trajectory.load(out / "states").num_steps == FAST["num_steps"]
+    (out / "states" / "notes.txt").write_text("the user's own file")
+    analyze_to_dir(model, [5, 6, 7], out, config=AnalysisConfig(**FAST, save_states=False))
+    assert sorted(p.name for p in (out / "states").iterdir()) == ["notes.txt"]  # ours gone, theirs kept
+    (out / "states" / "notes.txt").unlink()
+    with torch.no_grad():
+        model.transformer.core_block[0].mlp.proj.weight.fill_(float("nan"))
+    with pytest.raises(ValueError, match="NaN or inf"):
+        analyze_to_dir(model, [5, 6, 7], out, config=AnalysisConfig(**FAST))
+    assert not (out / "states").exists()

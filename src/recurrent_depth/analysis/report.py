@@ -44,7 +44,7 @@ from recurrent_depth.analysis.correlation import token_correlation
 from recurrent_depth.analysis.depth_view import change_points, prediction_arrays, report_steps, settling_step
 from recurrent_depth.analysis.path_independence import PathIndependence, path_independence
 from recurrent_depth.analysis.pca import PCA, fit_trajectory_pca
-from recurrent_depth.analysis.trajectory import Trajectory, collect_trajectory
+from recurrent_depth.analysis.trajectory import Trajectory, collect_trajectory, remove_trajectory
 from recurrent_depth.config import is_int, is_real
 
 FIGURES = {
@@ -449,6 +449,15 @@ def analyze_to_dir(
     """
     out = Path(out_dir)
     config = kwargs.pop("config", None) or AnalysisConfig()
-    states_dir = out / "states" if config.save_states else None
-    result = analyze(model, input_ids, config=config, states_dir=states_dir, **kwargs)
+    states_dir = out / "states"
+    if not config.save_states:
+        result = analyze(model, input_ids, config=config, **kwargs)
+        files = write_report(result, out)
+        remove_trajectory(states_dir)  # an older run's states would sit beside this run's report
+        return result, files
+    try:
+        result = analyze(model, input_ids, config=config, states_dir=states_dir, **kwargs)
+    except BaseException:  # a diverging model, Ctrl-C: no half-written memory maps left behind
+        remove_trajectory(states_dir)
+        raise
     return result, write_report(result, out)

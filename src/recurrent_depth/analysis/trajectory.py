@@ -320,6 +320,16 @@ def collect_trajectory(
     return traj
 
 
+def remove_trajectory(path: str | Path) -> None:
+    """Delete the files `collect_trajectory(..., out_dir=path)` writes (and the folder, if that leaves
+    it empty): an interrupted run's gigabytes, or an older run's states beside a newer report."""
+    path = Path(path)
+    for name in (META_FILE, *STATE_FILES.values(), *OPTIONAL_FILES):
+        (path / name).unlink(missing_ok=True)
+    if path.is_dir() and not any(path.iterdir()):
+        path.rmdir()
+
+
 def _finish_on_disk(traj: Trajectory, path: Path) -> None:
     for array in (traj.raw, traj.normed, traj.entropy, traj.top_ids, traj.top_probs):
         if isinstance(array, np.memmap):

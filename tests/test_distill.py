@@ -120,6 +120,8 @@ def test_a_written_cache_gives_the_on_the_fly_top_k_loss(train_root, teacher_dir
     cached = Trainer(tiny_train_config(train_root, tmp_path / "run", distill_cache=str(tmp_path / "cache"), **options))
     manifest = json.loads((tmp_path / "cache" / "manifest.json").read_text())
     assert manifest["bytes_per_token"] == bytes_per_token(8, VOCAB) == 8 * (2 + 2)  # fp16 + int16
+    # the teacher's initial states are drawn per write batch from the run seed: both fix the cached rows
+    assert manifest["write_batch_size"] == cached.cfg.batch_size and manifest["teacher"]["seed"] == cached.cfg.seed
     rows = cached.data.dataset("train", shuffle=False).rows(list(range(4)))  # the cache's first teacher batch
     batch = {"input_ids": torch.from_numpy(rows[:, :-1]), "targets": torch.from_numpy(rows[:, 1:])}
     fly = Distillation(load_teacher(teacher_dir, 1), alpha=0.5, temperature=1.0, top_k=8, seed=0, position=lambda: 0)

@@ -75,7 +75,9 @@ def write_cache(teacher_logits: Any, dataset: Any, out: str | Path, *, top_k: in
                        "num_rows": int(rows.size)})
     manifest = {"format": CACHE_FORMAT, "version": CACHE_VERSION, "data_key": data_key, "num_rows": len(dataset),
                 "seq_len": seq_len, "top_k": k, "vocab_size": vocab_size, "index_dtype": idx_type.name,
-                "bytes_per_token": bytes_per_token(k, vocab_size), "teacher": teacher_info, "shards": shards}
+                "bytes_per_token": bytes_per_token(k, vocab_size), "teacher": teacher_info,
+                # a recurrent teacher's s_0 is drawn once per write batch: the rows' noise depends on it
+                "write_batch_size": batch_size, "shards": shards}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     log(f"distill cache: {len(dataset)} rows x {seq_len} tokens, top-{k}, {manifest['bytes_per_token']} bytes "
         f"per token (fp16 values + {idx_type.name} indices; full fp32 logits: {4 * vocab_size}) -> {out}")

@@ -363,7 +363,8 @@ class Trainer:
         if not has_cache(cfg.distill_cache):
             if env.is_main:
                 write_cache(objective.teacher_logits, dataset, cfg.distill_cache, top_k=cfg.distill_top_k,
-                            vocab_size=student_vocab, data_key=data_key, teacher_info=teacher_summary(teacher),
+                            vocab_size=student_vocab, data_key=data_key,
+                            teacher_info={**teacher_summary(teacher), "seed": objective.seed},
                             batch_size=cfg.batch_size, log=self.log)
             ddist.barrier(env)
         objective.cache = CachedTeacher(cfg.distill_cache, dataset, top_k=cfg.distill_top_k,

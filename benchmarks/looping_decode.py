@@ -86,10 +86,12 @@ def main(argv: list[str] | None = None) -> dict:
         k = 1 if cfg is None else cfg.iterations
         decode_k = k if cfg is not None and cfg.when == "always" else 1
         passes = decode_k + (1 if cfg is not None and cfg.when == "always" and cfg.stash == "last" else 0)
+        # generate's prefill is a cached forward: stash "last" adds one window pass there too (1 + K·w)
+        prefill_passes = k + (1 if cfg is not None and cfg.stash == "last" else 0)
         rows[name] = {
             "prefill_s": round(best[name]["prefill_s"], 4),
             "decode_tokens_per_s": round((args.new_tokens - 1) / best[name]["decode_s"], 1),
-            "prefill_flops_ratio": round(1 + (k - 1) * w, 4),
+            "prefill_flops_ratio": round(1 + (prefill_passes - 1) * w, 4),
             "decode_flops_ratio": round(1 + (passes - 1) * w, 4),
             "window_passes_per_decoded_token": passes,
         }

@@ -285,6 +285,20 @@ def test_models_it_cannot_loop_get_a_clear_error():
         apply_loop(_model(), LoopConfig(2, 4))
 
 
+def test_a_recurrent_depth_model_loaded_by_transformers_is_refused(tmp_path):
+    """An Ouro-layout model of this library (all its layers in the core, so the core list has
+    num_hidden_layers entries) was looped: its forward then died with a RuntimeError from its own KV cache."""
+    import recurrent_depth as rd
+
+    torch.manual_seed(0)
+    rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny-ouro", vocab_size=VOCAB, max_seq_len=64)).save_pretrained(
+        tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with pytest.raises(ValueError, match=r"^cannot loop \w+: it is a recurrent-depth model, which loops its core"):
+        apply_loop(model, LoopConfig(0, 1, iterations=2))
+    model(_ids())  # untouched
+
+
 @pytest.mark.parametrize("cache, layer", [
     ("static", "StaticLayer"),
     ("sliding", "DynamicSlidingWindowLayer"),

@@ -74,6 +74,27 @@ def test_search_saves_the_best_loop_and_eval_reads_it_back(model_dir, text_file,
     assert window in capsys.readouterr().out
 
 
+def test_eval_of_a_stored_loop_scores_its_rule_mode_and_beta(model_dir, text_file, tmp_path):
+    """`rdepth loop eval --model LOOPED` scores the stored loop (docs/looping.md): it took the stored window
+    only, and scored a damped block loop over it whatever rule, mode and β were stored."""
+    saved = tmp_path / "looped"
+    assert main(["loop", "search", "--model", str(model_dir), "--data", str(text_file), "--widths", "2",
+                 "--iterations", "2", "--rules", "rk", "--modes", "layer", "--beta", "0.3", "--max-tokens", "20",
+                 "--seq-len", "16", "--out", str(tmp_path / "s"), "--save", str(saved)]) == 0
+    stored = json.loads((saved / "config.json").read_text())["loop"]
+    assert (stored["rule"], stored["mode"], stored["beta"]) == ("rk", "layer", 0.3)
+    assert main(["loop", "eval", "--model", str(saved), "--data", str(text_file), "--max-tokens", "20",
+                 "--seq-len", "16", "--iterations", "2,3", "--out", str(tmp_path / "e")]) == 0
+    configs = [r["config"] for r in json.loads((tmp_path / "e" / "results.json").read_text())["results"][1:]]
+    assert [(c["start"], c["end"], c["rule"], c["mode"], c["beta"], c["iterations"]) for c in configs] == [
+        (stored["start"], stored["end"], "rk", "layer", 0.3, k) for k in (2, 3)]
+    # options still override the stored loop
+    assert main(["loop", "eval", "--model", str(saved), "--data", str(text_file), "--max-tokens", "20",
+                 "--seq-len", "16", "--iterations", "2", "--rules", "naive", "--out", str(tmp_path / "e2")]) == 0
+    configs = [r["config"] for r in json.loads((tmp_path / "e2" / "results.json").read_text())["results"][1:]]
+    assert [(c["rule"], c["mode"]) for c in configs] == [("naive", "layer")]
+
+
 def test_search_saves_a_bf16_source_in_bf16(model_dir, text_file, tmp_path):
     """The search scores in float32; --save wrote those float32 weights, so a bf16 source doubled in size
     although looping changes no weight. The saved weights are the source's, bit for bit, in its dtype."""
@@ -106,6 +127,22 @@ def test_search_saves_a_bf16_source_in_bf16(model_dir, text_file, tmp_path):
 def test_eval_bad_input_is_one_line_error(model_dir, text_file, capsys, argv, message):
     assert main(["loop", "eval", "--model", str(model_dir), "--data", str(text_file), *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        # every K = 1 left nothing to rank: an IndexError at `ranked[0]`
+        (["search", "--widths", "1", "--iterations", "1"], "--iterations 1 gives nothing to search"),
+        # a device torch cannot parse (or this machine lacks) raised from deep inside `.to(device)`
+        (["eval", "--windows", "1", "--device", "nodevice"], "device 'nodevice' is not a torch device"),
+    ],
+)
+def test_search_and_device_bad_input_is_one_line_error(model_dir, text_file, tmp_path, capsys, argv, message):
+    assert main(["loop", *argv, "--model", str(model_dir), "--data", str(text_file), "--max-tokens", "20",
+                 "--seq-len", "16", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and err[-1].startswith("rdepth loop: error:")
 
 
 @pytest.mark.parametrize("action", [["eval", "--windows", "1"], ["search", "--widths", "1"]])
@@ -163,3 +200,48 @@ def test_pretrain_writes_a_transformers_model_directory(tmp_path, capsys):
     model = AutoModelForCausalLM.from_pretrained(out / "model")
     assert model.config.num_hidden_layers == 2 and model.config.vocab_size == 300
     assert AutoTokenizer.from_pretrained(out / "model").bos_token_id == model.config.bos_token_id
+
+
+def test_pretrain_with_an_odd_head_dim_is_one_line_error_before_any_work(tmp_path, capsys):
+    # hidden 36 / 4 heads = 9: transformers refused it (a multi-line StrictDataclassClassValidationError
+    # traceback) only after the tokenizer had been trained and the data prepared
+    out = tmp_path / "run"
+    assert main(["loop", "pretrain", "--data", str(tmp_path / "missing"), "--out", str(out), "--hidden-size", "36",
+                 "--max-steps", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("rdepth loop: error: PretrainRecipe: hidden_size / num_heads = 9 must be even")
+    assert not out.exists()
+
+
+def test_pretrain_keeps_another_runs_checkpoints(tmp_path, capsys):
+    # `--out` naming an `rdepth train` run: its checkpoints were deleted ("the demo always trains from scratch")
+    out = tmp_path / "run"
+    kept = out / "checkpoints" / "step_00000010" / "model.safetensors"
+    kept.parent.mkdir(parents=True)
+    kept.write_bytes(b"weights")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"doc{i}.py").write_text(TEXT * (i + 1))
+    assert main(["loop", "pretrain", "--data", str(corpus), "--out", str(out), "--layers", "1", "--hidden-size", "8",
+                 "--max-steps", "1", "--seq-len", "16", "--vocab-size", "300"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "holds checkpoints that no finished `rdepth loop pretrain` wrote" in err[-1]
+    assert kept.read_bytes() == b"weights"
+
+
+def test_decode_benchmark_counts_the_stash_pass_of_a_last_stash_prefill(model_dir):
+    """benchmarks/looping_decode.py: generate's prefill is a cached forward, so stash="last" runs K + 1 window
+    passes there (docs/looping.md, 1 + K·w); the prefill FLOPs were reported as 1 + (K − 1)·w."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import looping_decode
+
+    result = looping_decode.main(["--model", str(model_dir), "--window", "1-2", "--iterations", "3",
+                                  "--prompt-len", "4", "--new-tokens", "2", "--repeats", "1", "--threads", "1"])
+    ratios = {name: (row["prefill_flops_ratio"], row["decode_flops_ratio"]) for name, row in result["modes"].items()}
+    # w = 2 / 4 layers, K = 3
+    assert ratios == {"base": (1.0, 1.0), "prefill-only": (2.0, 1.0), "every-token first": (2.0, 2.0),
+                      "every-token last": (2.5, 2.5)}

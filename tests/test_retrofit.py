@@ -171,6 +171,35 @@ def test_unconvertible_architectures_are_one_line_errors(make, needle):
     assert "\n" not in str(info.value) and str(info.value).startswith("retrofit:")
 
 
+def test_a_looped_model_is_refused_rather_than_retrofitted_without_its_loop(tmp_path):
+    """A directory `rdepth loop search --save` wrote (config.json holds "loop") or a looped model in memory:
+    retrofitting it silently dropped the loop."""
+    from recurrent_depth.looping import LoopConfig, apply_loop, remove_loop
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**SHAPE)).eval()
+    apply_loop(hf, LoopConfig(start=1, end=2, iterations=3))
+    hf.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["loop"]["iterations"] == 3
+    for source in (tmp_path, hf):
+        with pytest.raises(ValueError, match=r"^retrofit: cannot convert a looped model \(its config holds") as info:
+            retrofit(source, prelude=1, core=(1, 3), coda=1)
+        assert "\n" not in str(info.value)
+    remove_loop(hf)
+    retrofit(hf, prelude=1, core=(1, 3), coda=1)  # the base model converts
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_model_in_memory_keeps_its_device(bias):
+    """The adapter (and the biases the source lacks) were made on the CPU whatever the source's device: a
+    GPU model in memory gave a model split across devices. The meta device stands in for the GPU here."""
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(LlamaConfig(**SHAPE, attention_bias=bias))
+    model = retrofit(hf, prelude=1, core=(1, 3), coda=1)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert model.transformer.adapter.weight.device.type == "meta"
+
+
 def test_unknown_tensors_are_refused(tmp_path):
     """A variant with weights this converter does not map (here an extra per-layer tensor) is refused."""
     from safetensors.torch import load_file, save_file
@@ -225,11 +254,13 @@ def test_cli_writes_a_directory_our_loader_and_generate_read(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("option, value", [("mean_recurrence", -1), ("backprop_depth", -1),
-                                           ("backprop_depth", 1.5), ("mean_recurrence", 10**6)])
+                                           ("backprop_depth", 1.5), ("mean_recurrence", 10**6),
+                                           ("mean_recurrence", 0)])  # r̄ = 0: the coda would read the noise s_0
 def test_bad_depth_options_name_the_option_before_the_source_is_read(tmp_path, option, value):
     # the source is never read: a missing directory would otherwise be the error
+    low = 1 if option == "mean_recurrence" else 0
     with pytest.raises(ValueError, match=rf"^retrofit: {option}={value!r} \(--{option.replace('_', '-')}\) is "
-                                         r"invalid: expected an integer in \[0, 1024\]$"):
+                                         rf"invalid: expected an integer in \[{low}, 1024\]$"):
         retrofit(tmp_path / "missing", prelude=1, core=(1, 2), coda=0, **{option: value})
 
 

@@ -64,11 +64,12 @@ def _add_scoring_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=128, help="scoring window in tokens (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=8, help="windows per forward (default: %(default)s)")
     parser.add_argument("--iterations", type=int_list, default=[2, 3], help="K values (default: 2,3)")
-    parser.add_argument("--rules", type=_choice_list(RULES), default=["damped"],
+    # (None: `eval` of a model's stored loop takes the stored rule, mode and β; otherwise damped, block, 0.5)
+    parser.add_argument("--rules", type=_choice_list(RULES), default=None,
                         help=f"update rules, a subset of {','.join(RULES)} (default: damped)")
-    parser.add_argument("--modes", type=_choice_list(MODES), default=["block"],
+    parser.add_argument("--modes", type=_choice_list(MODES), default=None,
                         help=f"loop modes, a subset of {','.join(MODES)} (default: block)")
-    parser.add_argument("--beta", type=float, default=0.5, help="β of the rk rule (default: %(default)s)")
+    parser.add_argument("--beta", type=float, default=None, help="β of the rk rule (default: 0.5)")
     parser.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
 
 
@@ -145,7 +146,10 @@ def _load(args: argparse.Namespace):
     from recurrent_depth.looping.config import check_loopable_dir
 
     check_loopable_dir(path)  # (a config.json describing a million layers: refused before anything is built)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(args.device).eval()
+    from recurrent_depth.checkpoint import usable_device
+
+    device = usable_device(args.device)  # (one line, not a traceback from the first copy to a missing device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
 
@@ -190,11 +194,20 @@ def _score(args: argparse.Namespace) -> int:
                 raise ValueError("--windows is needed: the model's config.json holds no loop")
             stored_cfg = LoopConfig.from_dict(stored)
             args.windows = [(stored_cfg.start, stored_cfg.end)]
+            # the stored loop, not a damped block loop over its window (unless the options say otherwise)
+            args.rules = args.rules or [stored_cfg.rule]
+            args.modes = args.modes or [stored_cfg.mode]
+            args.beta = stored_cfg.beta if args.beta is None else args.beta
         windows = args.windows
         iterations = args.iterations or [1, 2, 3, 4]
     for a, b in windows:
         LoopConfig(a, b).check_depth(num_layers)
-    configs: list[Any] = [None, *loop_grid(windows, iterations, args.rules, args.modes, beta=args.beta)]
+    rules, modes = args.rules or ["damped"], args.modes or ["block"]
+    beta = 0.5 if args.beta is None else args.beta
+    configs: list[Any] = [None, *loop_grid(windows, iterations, rules, modes, beta=beta)]
+    if args.action == "search" and len(configs) == 1:
+        raise ValueError(f"--iterations {','.join(map(str, iterations))} gives nothing to search: K = 1 is the "
+                         f"base model, give at least one K >= 2")
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else model.config.bos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     texts = held_out_texts(args.data, args.val_fraction, args.split_seed)

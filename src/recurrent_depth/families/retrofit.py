@@ -49,6 +49,8 @@ from recurrent_depth.files import (
 )
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 
+LOOP_CONFIG_KEY = "loop"  # recurrent_depth.looping.config.CONFIG_KEY (not imported: that module needs transformers)
+
 # model_type -> block layout. Llama, Qwen2 and Qwen3 are pre-norm; OLMo-2 norms each branch's output.
 SUPPORTED_MODEL_TYPES: dict[str, str] = {"llama": "pre-norm", "qwen2": "pre-norm", "qwen3": "pre-norm",
                                          "olmo2": "post-norm"}
@@ -179,6 +181,10 @@ def check_architecture(hf: Mapping[str, Any]) -> str:
     architectures = hf.get("architectures") or []
     if not isinstance(architectures, list) or any(not str(a).endswith("ForCausalLM") for a in architectures):
         raise fail(f"cannot convert architectures {architectures!r}: expected a *ForCausalLM model")
+    if hf.get(LOOP_CONFIG_KEY) is not None:  # (a directory `rdepth loop search --save` wrote, or a looped model)
+        raise fail(f"cannot convert a looped model (its config holds loop={hf[LOOP_CONFIG_KEY]!r}): retrofit would "
+                   f"drop the loop; convert the base model (the same weights without the 'loop' entry in config.json, "
+                   f"or after recurrent_depth.looping.remove_loop)")
     for key, refused in _REFUSED_KEYS.items():
         if key in hf and refused(hf[key]):
             raise fail(f"cannot convert {model_type} with {key}={hf[key]!r} (not implemented here)")
@@ -335,16 +341,17 @@ def convert_state(source: Source, cfg: ModelConfig, surgery: Surgery, adapter_in
     if tied_head and not torch.equal(tensors.pop("lm_head.weight"), tensors["model.embed_tokens.weight"]):
         raise fail("tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight")
     out_dtype = dtype or tensors["model.embed_tokens.weight"].dtype
+    device = tensors["model.embed_tokens.weight"].device  # (a model in memory on a GPU: the new tensors join it)
     state: dict[str, Tensor] = {}
     for ours, theirs in plan.items():
         pieces = [tensors[name] if name in tensors
                   else torch.zeros(tensors[name.removesuffix("bias") + "weight"].shape[0])  # a bias the source lacks
                   for name in theirs]
-        state[ours] = torch.cat([t.to(out_dtype) for t in pieces], dim=0).contiguous()
+        state[ours] = torch.cat([t.to(device=device, dtype=out_dtype) for t in pieces], dim=0).contiguous()
     h = cfg.hidden_size
-    state["transformer.adapter.weight"] = adapter_weight(adapter_init, h, out_dtype, seed)
+    state["transformer.adapter.weight"] = adapter_weight(adapter_init, h, out_dtype, seed).to(device)
     if cfg.bias:
-        state["transformer.adapter.bias"] = torch.zeros(h, dtype=out_dtype)
+        state["transformer.adapter.bias"] = torch.zeros(h, dtype=out_dtype, device=device)
     return state
 
 
@@ -395,10 +402,11 @@ def retrofit(
     if adapter_init not in ADAPTER_INITS:
         raise fail(f"adapter_init={adapter_init!r} is invalid: expected one of {', '.join(ADAPTER_INITS)}")
     # checked here, not by ModelConfig, so the error names the option rather than the source's config
-    for name, value in (("mean_recurrence", mean_recurrence), ("backprop_depth", backprop_depth)):
-        if not is_int(value) or not 0 <= value <= MAX_NUM_STEPS:
+    # (r̄ = 0 would run no core step: the coda would read the noise s_0, whatever the input)
+    for name, value, low in (("mean_recurrence", mean_recurrence, 1), ("backprop_depth", backprop_depth, 0)):
+        if not is_int(value) or not low <= value <= MAX_NUM_STEPS:
             raise fail(f"{name}={value!r} (--{name.replace('_', '-')}) is invalid: expected an integer in "
-                       f"[0, {MAX_NUM_STEPS}]")
+                       f"[{low}, {MAX_NUM_STEPS}]")
     surgery = Surgery(prelude, parse_core(core) if isinstance(core, str) else tuple(core), coda)
     source = read_source(model_or_dir)
     cfg = model_config(source.config, surgery, mean_recurrence, backprop_depth)

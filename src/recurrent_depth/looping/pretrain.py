@@ -54,6 +54,10 @@ class PretrainRecipe:
                 raise ValueError(f"PretrainRecipe.{name} must be an integer >= 1, got {value!r}")
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError("PretrainRecipe: hidden_size must divide by num_heads and num_heads by num_kv_heads")
+        if (self.hidden_size // self.num_heads) % 2:  # (transformers refuses it only once the model is built)
+            raise ValueError(f"PretrainRecipe: hidden_size / num_heads = {self.hidden_size // self.num_heads} must be "
+                             f"even (RoPE rotates pairs of dimensions); hidden_size={self.hidden_size}, "
+                             f"num_heads={self.num_heads}")
         for name in ("max_cpu_minutes", "lr"):
             value = getattr(self, name)
             if not is_real(value) or value <= 0:
@@ -104,6 +108,11 @@ def pretrain(out: str | Path, recipe: PretrainRecipe | None = None,
 
     recipe = recipe or PretrainRecipe()
     out = Path(out)
+    # The demo trains from scratch and clears its own earlier checkpoints, but never another run's
+    # (`--out` naming an `rdepth train` run by mistake deleted that run's checkpoints).
+    if (out / "checkpoints").exists() and not (out / "pretrain.json").is_file():
+        raise ValueError(f"{out} holds checkpoints that no finished `rdepth loop pretrain` wrote (no pretrain.json): "
+                         f"choose a new --out, or delete {out / 'checkpoints'}")
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     corpus = load_corpus(recipe.data)

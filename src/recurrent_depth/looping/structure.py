@@ -36,6 +36,13 @@ def find_decoder_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
         raise ValueError(f"cannot loop {name}: it is not a transformers model (no .config)")
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"cannot loop {name}: it is an encoder-decoder model; looping needs a decoder-only causal LM")
+    from recurrent_depth.model.recurrent import RecurrentDepthLM
+
+    # (this library's models, as transformers loads them: an Ouro directory's core list would otherwise be
+    # found, and the loop's extra passes would write into the recurrence's own KV cache)
+    if any(isinstance(m, RecurrentDepthLM) for m in (model, getattr(model, "_core", None))):
+        raise ValueError(f"cannot loop {name}: it is a recurrent-depth model, which loops its core already "
+                         f"(choose its depth with num_steps)")
     can_generate = getattr(model, "can_generate", None)
     if can_generate is None or not can_generate():
         raise ValueError(

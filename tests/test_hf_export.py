@@ -174,3 +174,23 @@ def test_remote_file_refuses_bad_ids_in_one_line_and_keeps_output_logits(tmp_pat
         full = model(out.sequences, num_steps=2, init_scale=0.0).logits[0]
     for i, step_logits in enumerate(out.logits):
         torch.testing.assert_close(step_logits[0], full[x.shape[1] - 1 + i], atol=1e-5, rtol=1e-5)
+
+
+def test_export_keeps_the_retrofit_record_and_reads_tokenizer_files_bounded(tmp_path, capsys):
+    """Export copied the tokenizer files with an unbounded copy (one linked to /dev/zero filled the disk)
+    and left retrofit.json, the record of the source a retrofitted model came from, behind."""
+    make_model_dir(tmp_path / "src")
+    (tmp_path / "src" / "retrofit.json").write_text('{"source": "a llama"}\n')
+    for remote in ([], ["--remote-code"]):
+        out = tmp_path / f"out{len(remote)}"
+        assert main(["export", "--model", str(tmp_path / "src"), "--out", str(out), *remote]) == 0
+        assert (out / "retrofit.json").read_text() == '{"source": "a llama"}\n'
+        assert (out / "tokenizer.json").read_bytes() == (tmp_path / "src" / "tokenizer.json").read_bytes()
+    if not os.path.exists("/dev/zero"):
+        return
+    (tmp_path / "src" / "tokenizer_config.json").unlink()
+    os.symlink("/dev/zero", tmp_path / "src" / "tokenizer_config.json")
+    capsys.readouterr()
+    assert main(["export", "--model", str(tmp_path / "src"), "--out", str(tmp_path / "zero")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "tokenizer_config.json" in err

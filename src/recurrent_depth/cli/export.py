@@ -16,7 +16,6 @@ dtype, before any --dtype cast; the result is a plain model directory). With `--
 from __future__ import annotations
 
 import argparse
-import shutil
 from pathlib import Path
 
 from recurrent_depth.cli.common import add_model_arg, add_tokenizer_arg
@@ -60,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from recurrent_depth.config import ModelConfig
     from recurrent_depth.data.tokenizer import tokenizer_directory
     from recurrent_depth.files import check_out_dir
-    from recurrent_depth.integrations.export import TOKENIZER_FILES, check_exportable, export_remote_code
+    from recurrent_depth.integrations.export import check_exportable, copy_companions, export_remote_code
     from recurrent_depth.model.recurrent import RecurrentDepthLM
 
     src = Path(args.model)
@@ -98,10 +97,7 @@ def run(args: argparse.Namespace) -> int:
                 model = model.to(getattr(torch, args.dtype))
         max_bytes = int(args.max_shard_mb * 2**20) if args.max_shard_mb is not None else None
         save_pretrained(model, out, max_shard_bytes=max_bytes)
-        if out.resolve() != src.resolve():
-            for name in TOKENIZER_FILES:
-                if (src / name).is_file():
-                    shutil.copyfile(src / name, out / name)
+        copy_companions(src, out)
         src = out
     written = export_remote_code(src, out) if args.remote_code else src
     if args.tokenizer is not None:

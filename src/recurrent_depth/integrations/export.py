@@ -9,14 +9,14 @@ In a process that imported `recurrent_depth`, the library's own classes take pre
 from __future__ import annotations
 
 import json
-import shutil
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from recurrent_depth.checkpoint import save_pretrained
+from recurrent_depth.checkpoint import copy_tokenizer, save_pretrained
 from recurrent_depth.config import HUGINN_ARCHITECTURE, MODEL_TYPE, ModelConfig
-from recurrent_depth.files import CONFIG_MAX_BYTES, atomic_write_text, read_json
+from recurrent_depth.families.retrofit import PROVENANCE_FILE
+from recurrent_depth.files import CONFIG_MAX_BYTES, atomic_write_bytes, atomic_write_text, read_bytes, read_json
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 
 REMOTE_CODE_FILE = "modeling_recurrent_depth.py"
@@ -24,7 +24,6 @@ AUTO_MAP = {
     "AutoConfig": "modeling_recurrent_depth.RecurrentDepthConfig",
     "AutoModelForCausalLM": "modeling_recurrent_depth.RecurrentDepthForCausalLM",
 }
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 SUPPORTED_MIXER_OPTIONS = frozenset({"window"})
 
 
@@ -58,6 +57,17 @@ def check_exportable(config: ModelConfig) -> None:
         )
 
 
+def copy_companions(src: Path, out: Path) -> None:
+    """What a model directory carries beside its config and weights: the tokenizer files and retrofit's
+    record of the source; each a bounded read (a tokenizer.json linked to /dev/zero filled the disk)."""
+    if src.resolve() == out.resolve():
+        return
+    copy_tokenizer(src, out)
+    if (src / PROVENANCE_FILE).is_file():
+        record = read_bytes(src / PROVENANCE_FILE, CONFIG_MAX_BYTES, "retrofit record")
+        atomic_write_bytes(out / PROVENANCE_FILE, record)
+
+
 def export_remote_code(model_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     """Write (or add, when `out_dir` is None or equals `model_dir`) the remote-code files.
 
@@ -75,9 +85,7 @@ def export_remote_code(model_dir: str | Path, out_dir: str | Path | None = None)
         # Re-save through the library: our key names, tied head stored once, no RoPE buffer.
         model = RecurrentDepthLM.from_pretrained(src)
         save_pretrained(model, out)
-        for name in TOKENIZER_FILES:
-            if (src / name).is_file() and out.resolve() != src.resolve():
-                shutil.copyfile(src / name, out / name)
+        copy_companions(src, out)
     values: dict[str, Any] = config.to_dict()
     values["architectures"] = ["RecurrentDepthForCausalLM"]
     values["auto_map"] = dict(AUTO_MAP)

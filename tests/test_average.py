@@ -94,6 +94,18 @@ def test_output_over_a_checkpoint_left_out_of_the_average_is_refused(tmp_path, c
     assert (paths[0] / "model.safetensors").read_bytes() == before
 
 
+def test_output_into_the_run_directory_itself_is_refused(tmp_path, capsys):
+    """`rdepth average --run R --out R` wrote config.json and model.safetensors beside run.json and
+    checkpoints/, so `--model R` then loaded the average instead of the run's model/."""
+    paths, _ = _save_models(tmp_path / "run", 2)
+    (tmp_path / "run" / "run.json").write_text("{}")
+    assert main(["average", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "is a training run directory" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "run" / "model.safetensors").exists()
+    assert not (tmp_path / "run" / "config.json").exists()
+
+
 def test_help_labels_the_ema_direction_as_an_assumption(capsys):
     with pytest.raises(SystemExit):
         main(["average", "--help"])
@@ -120,3 +132,18 @@ def test_a_lora_runs_checkpoints_are_refused_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "LoRA run's checkpoint" in err and len(err.strip().splitlines()) == 1
     assert not out.exists()
+
+
+def test_a_run_started_from_a_bf16_directory_averages_into_bf16(tmp_path, capsys):
+    """Checkpoints keep the trained float32; the run's model/ (and so its average) is in --init-from's dtype."""
+    import json
+
+    _save_models(tmp_path / "run", 2)
+    torch.manual_seed(0)
+    rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).to(torch.bfloat16).save_pretrained(tmp_path / "start")
+    (tmp_path / "run" / "run.json").write_text(json.dumps({"config": {"init_from": str(tmp_path / "start")}}))
+    assert main(["average", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "ema")]) == 0
+    assert rd.RecurrentDepthLM.from_pretrained(tmp_path / "ema").dtype == torch.bfloat16
+    (tmp_path / "run" / "run.json").write_text(json.dumps({"config": {"init_from": None}}))  # from scratch: as stored
+    assert main(["average", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "ema32")]) == 0
+    assert rd.RecurrentDepthLM.from_pretrained(tmp_path / "ema32").dtype == torch.float32

@@ -114,3 +114,17 @@ def test_cli_names_a_directory_that_holds_no_model(train_root, tmp_path, capsys)
     assert main(train_flags(train_root, tmp_path / "empty", tmp_path / "run", "--max-steps", "1")) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("rdepth train: error: init_from=") and "no config.json" in error
+
+
+def test_a_lora_adapter_trained_from_a_bf16_directory_is_written_in_bf16(train_root, tmp_path):
+    """`train --lora` wrote the adapter in float32 where `sft --lora` (and train without --lora) write DIR's dtype."""
+    write_official(tmp_path / "source", train_root)
+    assert main(train_flags(train_root, tmp_path / "source", tmp_path / "run", "--max-steps", "1", "--lora",
+                            "--lora-rank", "2", "--lora-parts", "coda")) == 0
+    tensors = stored_tensors_of(tmp_path / "run" / "model" / "adapter_model.safetensors")
+    assert tensors and {t.dtype for t in tensors.values()} == {torch.bfloat16}
+
+
+def stored_tensors_of(file):
+    with safe_open(str(file), framework="pt") as handle:
+        return {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118

@@ -138,6 +138,21 @@ def test_an_adapter_of_another_model_is_refused_in_one_line(tmp_path):
         load_lora(tiny_model(hidden_size=128, intermediate_size=352), tmp_path / "adapter")
 
 
+def test_a_lora_runs_checkpoint_given_as_a_model_says_what_it_is(tmp_path):
+    """A LoRA run's checkpoint holds config.json and the peft wrapper's whole state (base_model.model.* names):
+    loading it as a model said the config's layers were missing from the weights."""
+    from safetensors.torch import save_file
+
+    base = tiny_model()
+    base.save_pretrained(tmp_path / "ckpt")
+    wrapped = add_lora(base, LoraSpec(rank=2, parts=("coda",)))
+    save_adapter(wrapped, tmp_path / "ckpt")
+    save_file({k: v.clone() for k, v in wrapped.state_dict().items()}, tmp_path / "ckpt" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"peft LoRA wrapper's .*--lora on the command line") as caught:
+        rd.RecurrentDepthLM.from_pretrained(tmp_path / "ckpt")
+    assert "\n" not in str(caught.value)
+
+
 def test_a_seeded_adapter_repeats_and_leaves_the_global_generator_alone():
     spec = LoraSpec(rank=2, parts=("core",))
     adapters = []
@@ -326,3 +341,39 @@ def test_export_refuses_to_merge_over_the_base_or_into_the_adapter(tmp_path, cap
         assert err == [f"rdepth export: error: --out {out} is the {name} directory; write the merged model to a new "
                        f"directory"], err
     assert {p.name: p.read_bytes() for d in (base, adapter) for p in d.iterdir()} == before
+
+
+def test_lora_on_quantized_weights_is_refused_before_loading_in_one_line(tmp_path, capsys):
+    """peft wraps float nn.Linear layers only: --lora with --weights failed naming peft's module types."""
+    from recurrent_depth.cli import main
+
+    for command in (["generate", "--prompt", "x"], ["serve"]):
+        flags = [*command, "--model", str(tmp_path / "none"), "--lora", str(tmp_path / "adapter"), "--weights", "int8"]
+        assert main(flags) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert len(errors) == 1 and "--lora cannot go on --weights int8" in errors[0], errors
+
+
+def test_a_lora_run_with_dropout_repeats_whatever_ran_before_it():
+    """The adapter's dropout drew from torch's global generator as the process had left it: the same run twice in
+    one process gave other losses from step 2 on (docs: a LoRA run repeats exactly from its seed)."""
+    from recurrent_depth.train.batches import BatchSource
+    from recurrent_depth.train.config import TrainConfig
+    from recurrent_depth.train.optim import OptimConfig
+    from recurrent_depth.train.trainer import Trainer
+
+    class Fixed(BatchSource):
+        def next_batch(self, batch_size: int) -> dict[str, torch.Tensor]:
+            rows = (torch.arange(batch_size)[:, None] * 7 + torch.arange(13)) % 256
+            return {"input_ids": rows[:, :-1], "targets": rows[:, 1:]}
+
+    def losses(before: int) -> list[float]:
+        model = add_lora(tiny_model(), LoraSpec(rank=2, dropout=0.5, parts=("coda",)), seed=0)
+        cfg = TrainConfig(batch_size=2, max_steps=3, out=None, progress=False, tensorboard=False,
+                          depth_scheme="fixed", mean_recurrence=2, backprop_depth=1,
+                          optim=OptimConfig(name="adamw", lr=1e-2))
+        torch.manual_seed(before)  # whatever ran before in this process
+        return Trainer(cfg, model=model, data=Fixed(), log=lambda _: None).run().losses
+
+    first = losses(1)
+    assert len(first) == 3 and first == losses(2)

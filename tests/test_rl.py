@@ -146,6 +146,16 @@ def test_a_shared_slot_policy_is_refused(byte_model):
         source(byte_model, num_step=3)
 
 
+@pytest.mark.parametrize("option", [{"gradmem_tokens": 1, "gradmem_steps": 1}, {"exit_kv": "compute"}],
+                         ids=["gradmem", "exit-kv-compute"])
+def test_rollouts_the_replay_cannot_follow_are_refused(byte_model, option):
+    """A GradMem memory conditions the rollout on what the replay never sees (2.7 nats apart on a tiny model);
+    exit_kv='compute' keeps exited tokens computing KV the replay does not (1e-3 apart): both were accepted."""
+    name, value = next(iter(option.items()))
+    with pytest.raises(ValueError, match=f"rollouts need {name}=.* got {value!r}"):
+        source(byte_model, **option)
+
+
 # ---------------------------------------------------------------------------- rewards
 def test_a_raising_reward_is_reported_with_its_input(one_thread, byte_model):
     with pytest.raises(RewardError, match=r"fails_on_long failed \(KeyError.*prompt='\d>[a-d]+=' completion="):
@@ -168,10 +178,33 @@ def test_rl_cli_refuses_what_a_replay_cannot_follow_in_one_line(byte_model, tmp_
     byte_tokenizer().save(str(tmp_path / "m" / "tokenizer.json"))
     base = ["rl", "--init-from", str(tmp_path / "m"), "--out", str(tmp_path / "out"), "--threads", "1"]
     for extra, message in ((["--kv-policy", "shared-2"], "cannot be replayed"), (["--init-scale", "1"], "init_scale=0"),
-                           (["--reward", "nocolon"], "module:function")):
+                           (["--reward", "nocolon"], "module:function"),
+                           (["--backprop-depth", "0"], "backprop_depth=0 (--backprop-depth)")):
         assert main(base + extra) == 2
         errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
         assert len(errors) == 1 and message in errors[0], errors
+    assert not (tmp_path / "out").exists()  # refused before the run directory (a depth of 0 failed after a rollout)
+
+
+def test_a_setting_of_the_other_objective_is_refused_not_ignored(tmp_path, capsys):
+    """K2 has no KL term and no clip, GRPO no tau: `--objective k2 --beta 0.1` trained without the KL it asked for.
+    A group of one rollout has advantage 0 under both objectives: it trained nothing. --prompts replaced --task and
+    --difficulty without a word."""
+    base = ["rl", "--init-from", str(tmp_path / "m"), "--out", str(tmp_path / "out"), "--threads", "1"]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("2+2=\n")
+    for extra, message in ((["--objective", "k2", "--beta", "0.1"], "beta=0.1 (--beta)"),
+                           (["--objective", "k2", "--kl-level", "sequence"], "(--kl-level)"),
+                           (["--objective", "k2", "--clip-eps", "0.3"], "(--clip-eps)"),
+                           (["--tau", "0.5"], "tau=0.5 (--tau) is a setting of objective='k2'"),
+                           (["--group-size", "1"], "group_size=1 (--group-size) is invalid"),
+                           (["--prompts", str(prompts), "--reward", "tests.test_rl:count_ones", "--difficulty", "5"],
+                            "--task and --difficulty choose a reasoning task's prompts, which --prompts replaces")):
+        assert main(base + extra) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert len(errors) == 1 and message in errors[0], errors
+    RLConfig(objective="k2", tau=0.5)
+    RLConfig(objective="grpo", beta=0.1, clip_eps=0.3, level="sequence")
 
 
 def test_rl_cli_writes_the_model_back_in_the_init_from_dtype(byte_model, tmp_path):
@@ -254,3 +287,24 @@ def test_kill_9_then_resume_continues_the_same_trajectory_bitwise(one_thread, by
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     losses = [[json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()] for run in runs]
     assert losses[0] == losses[1] and len(losses[0]) == 4
+
+
+def test_a_resume_with_other_prompts_reward_or_objective_is_refused(one_thread, byte_model, tmp_path, capsys):
+    """Only the rollout settings were compared: a resume with another task, difficulty, objective or penalty went
+    on as if it were the same run."""
+    start = tmp_path / "start"
+    byte_model.save_pretrained(start)
+    byte_tokenizer().save(str(start / "tokenizer.json"))
+    args = ["rl", "--init-from", str(start), "--out", str(tmp_path / "run"), "--difficulty", "2", "--group-size", "2",
+            "--prompts-per-step", "1", "--updates", "1", "--save-every", "1", "--num-steps", "2",
+            "--max-new-tokens", "2", "--threads", "1"]
+    assert main(args) == 0
+    resume = [*args, "--resume", "--updates", "2"]
+    for extra, message in ((["--difficulty", "3"], "difficulties [2] -> [3]"),
+                           (["--objective", "k2"], "objective 'grpo' -> 'k2'"),
+                           (["--compute-penalty", "0.5"], "compute_penalty 0.0 -> 0.5")):
+        assert main([*resume, *extra]) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert len(errors) == 1 and "cannot resume this RL run" in errors[0] and message in errors[0], errors
+        assert not (tmp_path / "run" / "checkpoints" / "step-00000002").exists()
+    assert main(resume) == 0 and (tmp_path / "run" / "checkpoints" / "step-00000002").exists()

@@ -1,5 +1,6 @@
 """SFT: the assistant-only loss mask, packing without attention across examples, data errors, exact resume."""
 
+import dataclasses
 import json
 import os
 import random
@@ -87,6 +88,16 @@ def test_prompt_completion_records_learn_the_completion_and_eos(model_dir):
     assert scored_runs(chat, tokenizer) == [
         ("<|begin_text|><|begin_header|>user<|end_header|>\n\n2+2?<|end_turn|>" + OPEN_ANSWER, False),
         ("4<|end_turn|>", True)]
+
+
+def test_prompt_completion_without_an_eos_token_is_refused_not_trained_without_an_end(model_dir):
+    config = rd.ModelConfig.from_json(model_dir / "config.json")
+    encoder = ExampleEncoder(model_dir, dataclasses.replace(config, eos_token_id=None))
+    with pytest.raises(ValueError, match=r"^x:3: a prompt/completion record needs the model's eos_token_id"):
+        encoder.encode(conversation({"prompt": "2+2=", "completion": "4"}, "x:3"), "x:3")
+    chat = encoder.encode(conversation({"messages": [{"role": "user", "content": "2+2?"},
+                                                     {"role": "assistant", "content": "4"}]}, "x:4"), "x:4")
+    assert any(chat.scored)  # a chat's end of turn comes from its template
 
 
 def test_bad_records_are_one_line_errors_naming_file_and_line(model_dir, tmp_path):
@@ -302,3 +313,25 @@ def test_sft_with_lora_trains_only_an_adapter_that_loads_onto_its_start(model_di
     merged = load_adapter_model(adapter, merge=True)
     changed = [k for k, v in merged.state_dict().items() if not torch.equal(v, base.state_dict()[k])]
     assert changed and all(".core_block." in k for k in changed)
+
+
+def test_a_resume_under_a_token_budget_keeps_the_cool_down_of_the_straight_run(model_dir, tmp_path):
+    """The rows' tokens per step are measured per step for SFT; a resumed run knows them from its checkpoint,
+    so its first step is already on the cool-down a token budget plans (it ran at the full lr)."""
+    from recurrent_depth.train.config import TrainConfig
+    from recurrent_depth.train.optim import OptimConfig
+
+    data = write_chats(tmp_path / "chats.jsonl", count=24)
+
+    def config(out, **extra):
+        return TrainConfig(init_from=str(model_dir), data=str(data), seq_len=32, batch_size=2, max_tokens=6 * 64,
+                           save_every=2, eval_depths=[1], eval_batches=1, progress=False, tensorboard=False,
+                           out=str(out), optim=OptimConfig(name="adamw", lr=1e-3, cooldown_fraction=0.5), **extra)
+
+    straight = sft_trainer(config(tmp_path / "straight")).run()
+    sft_trainer(config(tmp_path / "cut"), stop_when=lambda t: "cut" if t.state.step >= 4 else None).run()
+    resumed = sft_trainer(config(tmp_path / "cut", resume=True)).run()
+    assert resumed.steps == straight.steps == 6
+    lrs = [m["lr"] for m in read_metrics(tmp_path / "straight")]
+    assert [m["lr"] for m in read_metrics(tmp_path / "cut")] == lrs and lrs[4] < lrs[0]
+    assert [m["loss"] for m in read_metrics(tmp_path / "cut")] == straight.losses

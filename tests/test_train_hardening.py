@@ -138,7 +138,8 @@ def _rng_holding_only_torch(file):
     ("trainer_state.json", _json_edit(**{"data.position": 10**9}), "trainer_state.json: data.position 1000000000 is "
                                                                   "past the"),
     ("rng.safetensors", _rng_holding_only_torch, "rng.safetensors does not hold a CPU RNG state"),
-], ids=["forged-step", "negative-tokens", "data-position", "rng-without-torch_cpu"])
+    ("trainer_state.json", _json_edit(tokens_per_step=0), "trainer_state.json: tokens_per_step must be an integer"),
+], ids=["forged-step", "negative-tokens", "data-position", "rng-without-torch_cpu", "tokens-per-step"])
 def test_a_checkpoint_whose_files_contradict_each_other_is_invalid_even_with_a_matching_manifest(
         train_root, tmp_path, name, edit, reason):
     root = _run_to_4(train_root, tmp_path)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,9 +144,14 @@ def copy_tokenizer(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> 
     src, dst = Path(src), Path(dst)
     if src.resolve() == dst.resolve():
         return
-    for name in TOKENIZER_FILES:
-        if (src / name).exists():
-            shutil.copyfile(src / name, dst / name)
+    from recurrent_depth.files import TOKENIZER_MAX_BYTES, atomic_write_bytes, read_bytes
+
+    # Each a bounded regular file (a symlink to /dev/zero filled the disk, one to a huge file was copied
+    # whole), all read before any is written; symlinks are followed, as a hub snapshot's files are ones.
+    files = {name: read_bytes(src / name, TOKENIZER_MAX_BYTES, "tokenizer file")
+             for name in TOKENIZER_FILES if (src / name).exists()}
+    for name, data in files.items():
+        atomic_write_bytes(dst / name, data)
 
 
 def current_umask() -> int:
@@ -347,6 +351,9 @@ def check_model_dir(
         header = parcae.parcae_header(header, config)
     for name in IGNORED_TENSORS:
         header.pop(name, None)
+    if any(name.startswith("base_model.model.") for name in header):  # a LoRA run's checkpoint (the peft wrapper)
+        raise ValueError(f"cannot load {path}: its weights are a peft LoRA wrapper's (base_model.model.* names), "
+                         f"a LoRA run's checkpoint" + (lora_adapter_hint(path) or ""))
     _check_layer_counts(config, header, path)
 
     with torch.device("meta"):

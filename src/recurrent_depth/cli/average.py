@@ -36,11 +36,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from recurrent_depth.train.averaging import average_checkpoints, run_checkpoints, select_checkpoints
+    from recurrent_depth.train.averaging import (
+        average_checkpoints,
+        run_checkpoints,
+        run_model_dtype,
+        select_checkpoints,
+    )
 
     paths = run_checkpoints(args.run) if args.run else list(args.checkpoints)
     chosen = select_checkpoints(paths, args.last if args.last is not None else len(paths), args.dilation)
-    out = average_checkpoints(chosen, args.out, beta=args.beta, tokenizer_dir=args.tokenizer)
+    # a run started from a bf16 directory writes its model/ in bf16 (its checkpoints in float32): so does its average
+    dtype = run_model_dtype(args.run) if args.run else None
+    out = average_checkpoints(chosen, args.out, beta=args.beta, tokenizer_dir=args.tokenizer, dtype=dtype)
     print(f"averaged {len(chosen)} checkpoint(s) (beta {args.beta}): {', '.join(str(p) for p in chosen)}")
     print(f"model: {out}")
     return 0

@@ -40,6 +40,15 @@ def add_lora_adapter_arg(parser: argparse.ArgumentParser) -> None:
                              "`rdepth train --lora` run; needs recurrent-depth[lora]; default: none)")
 
 
+def check_lora_with_weights(args: argparse.Namespace) -> None:
+    """--lora with --weights, refused before the model loads: peft adds an adapter to float nn.Linear layers only
+    (it failed naming peft's supported module types), so the adapter must be merged before quantizing."""
+    if getattr(args, "lora", None) is not None and getattr(args, "weights", None) is not None:
+        raise ValueError(f"--lora cannot go on --weights {args.weights} layers (an unmerged adapter needs the float "
+                         f"weights): merge it first (rdepth export --model M --merge-lora ADAPTER --out MERGED), then "
+                         f"load MERGED with --weights {args.weights}")
+
+
 def add_out_arg(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument("--out", default=default, metavar="DIR", help="output directory (default: %(default)s)")
 

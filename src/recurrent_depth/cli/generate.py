@@ -19,6 +19,7 @@ from recurrent_depth.cli.common import (
     add_load_args,
     add_max_depth_arg,
     check_depth_flags,
+    check_lora_with_weights,
     load_cli_tokenizer,
     tokenizer_source,
 )
@@ -109,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     from recurrent_depth.data.tokenizer import check_fits_vocab, tokenizer_failures_as_errors
     from recurrent_depth.inference import generate, stream_generate
 
+    check_lora_with_weights(args)
     args.prompt = read_prompts(args)
     parallel = args.sampler == "parallel"
     check_depth_flags(args, ("num_steps", "max_steps", "draft_steps", "gradmem_depth", "ttt_depth", "ttt_backprop")
@@ -136,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
     stream = args.stream if args.stream is not None else (len(rows) == 1 and not args.json)
     if stream and len(rows) > 1:
         raise ValueError("--stream prints one prompt's tokens as they come; use --no-stream for a batch")
+    if stream and args.json:  # the streamed text would precede the JSON object on stdout
+        raise ValueError("--json prints one JSON object at the end; it does not combine with --stream")
 
     if stream:
         try:

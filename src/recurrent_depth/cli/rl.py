@@ -117,6 +117,9 @@ def run(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.prompts) if args.prompts else None
     if prompts is not None and args.reward == "task":
         raise ValueError("--prompts has no task checker: give --reward MODULE:FUNCTION")
+    if prompts is not None and (args.task != "shells" or args.difficulty != [3]):  # (else they were ignored)
+        raise ValueError("--task and --difficulty choose a reasoning task's prompts, which --prompts replaces: "
+                         "give one or the other")
     rl = RLConfig(task=None if prompts else args.task, difficulties=args.difficulty, prompts=prompts,
                   reward=args.reward, objective=args.objective, group_size=args.group_size, clip_eps=args.clip_eps,
                   beta=args.beta, level=args.kl_level, tau=args.tau, compute_penalty=args.compute_penalty,

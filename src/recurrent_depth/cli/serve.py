@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from recurrent_depth.cli.common import add_load_args, add_max_depth_arg
+from recurrent_depth.cli.common import add_load_args, add_max_depth_arg, check_lora_with_weights
 from recurrent_depth.inference.options import DEFAULT_TTT_MAX_COPY_MB
 from recurrent_depth.inference.schema import add_option_flags
 
@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     from recurrent_depth.serving import resolve_api_key, serve
     from recurrent_depth.serving.text import tokenizer_file
 
+    check_lora_with_weights(args)
     if not 0 < args.port < 65536:
         raise ValueError(f"--port {args.port} is invalid: expected 1..65535")
     check_port_free(args.host, args.port)  # before the model loads (minutes for a large one), not after

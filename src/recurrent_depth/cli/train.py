@@ -179,7 +179,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = resolved_config(cfg)  # DIR's config and tokenizer (not one trained on the new data)
     start = load_for_training(cfg, "cpu")  # (the Trainer moves it)
     model = add_lora(start.model, spec, base_dir=start.model_dir, seed=cfg.seed)
-    return run_trainer(Trainer(cfg, model=model), "train")
+    # (the adapter in DIR's stored dtype, as `sft --lora` writes it and model/ is written without --lora)
+    return run_trainer(Trainer(cfg, model=model, save_dtype=start.dtype), "train")
 
 
 def run_trainer(trainer, command: str) -> int:

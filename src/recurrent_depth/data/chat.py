@@ -201,6 +201,9 @@ class ExampleEncoder:
         self.eos = eos[0] if isinstance(eos, list) else eos
 
     def encode(self, chat: Conversation, where: str) -> Example:
+        if not chat.templated and self.eos is None:  # (the completion's end would be learned by nothing, silently)
+            raise ValueError(f"{where}: a prompt/completion record needs the model's eos_token_id (config.json) to "
+                             f"learn where a completion ends, and it has none: set eos_token_id, or use chat records")
         pieces = self._chat_pieces(chat, where) if chat.templated else self._plain_pieces(chat)
         ids: list[int] = []
         scored: list[bool] = []

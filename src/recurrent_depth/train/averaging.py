@@ -46,6 +46,28 @@ def run_checkpoints(run_dir: str | Path) -> list[Path]:
     return found
 
 
+def run_model_dtype(run_dir: str | Path) -> torch.dtype | None:
+    """The dtype a training run writes its model/ in (checkpoints keep the trained float32): its model/'s
+    stored dtype, else that of the directory it started from (run.json's init_from); None if neither is known."""
+    from recurrent_depth.checkpoint import stored_dtype
+
+    run_dir = Path(run_dir)
+    run_dir = run_dir.parent if run_dir.name == "checkpoints" else run_dir
+    dtype = stored_dtype(run_dir / "model")
+    if dtype is not None or not (run_dir / "run.json").is_file():
+        return dtype
+    run = read_json(run_dir / "run.json", 64 << 20, "run.json")
+    init_from = run.get("config", {}).get("init_from") if isinstance(run, dict) else None
+    if not isinstance(init_from, str):
+        return None
+    from recurrent_depth.train.init_from import find_model_dir
+
+    try:
+        return stored_dtype(find_model_dir(init_from))
+    except ValueError:  # the start directory moved or is gone: keep the checkpoints' dtype
+        return None
+
+
 def ema_state(paths: Sequence[Path], beta: float = 0.9) -> dict[str, torch.Tensor]:
     """The EMA (oldest first) of the floating-point weights of `paths`; other tensors from the newest.
 
@@ -84,11 +106,13 @@ def average_checkpoints(
     last: int | None = None,
     dilation: int = 1,
     tokenizer_dir: str | Path | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Average checkpoints (model directories, oldest first) into the model directory `out`.
 
     last/dilation select which of `paths` enter the average (default: all). The tokenizer files are
-    copied from `tokenizer_dir` or, by default, from the newest checkpoint. Returns `out`.
+    copied from `tokenizer_dir` or, by default, from the newest checkpoint. dtype: the floating-point
+    weights are written in it (None: the checkpoints' own; `run_model_dtype` gives a run's). Returns `out`.
     """
     from recurrent_depth.checkpoint import copy_tokenizer, save_pretrained
 
@@ -110,10 +134,15 @@ def average_checkpoints(
     if (out / TRAINER_STATE).exists():  # (one not averaged: its manifest would no longer match its weights)
         raise ValueError(f"out={str(out)!r} is a training checkpoint; writing the average there would break it "
                          f"for --resume: choose a new directory")
+    if (out / "run.json").is_file() or (out / "checkpoints").is_dir():  # a run's own directory, not a model's
+        raise ValueError(f"out={str(out)!r} is a training run directory; writing the average there would mix a "
+                         f"model's files into the run's (and hide its model/): choose a new directory")
     if tokenizer_dir is not None and not any((Path(tokenizer_dir) / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"tokenizer_dir={str(tokenizer_dir)!r} holds no tokenizer files "
                          f"({', '.join(TOKENIZER_FILES)})")
     state = ema_state(chosen, beta)
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     config = ModelConfig.from_json(chosen[-1] / "config.json")
     save_pretrained(StateView(config, state), out, metadata={"averaged_from": json.dumps([str(p) for p in chosen]),
                                                                "ema_beta": str(beta)})

@@ -20,6 +20,11 @@ import torch
 from torch import Tensor
 
 
+def batch_to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The batch with its tensors on `device` (the trainer's): a source may serve them on the CPU."""
+    return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
+
+
 class BatchSource:
     """A stream of training micro-batches (see the module docstring for the batch layout)."""
 

@@ -302,6 +302,9 @@ def content_problem(path: Path) -> str | None:
     elapsed = state["elapsed_s"]
     if isinstance(elapsed, bool) or not isinstance(elapsed, int | float) or not 0 <= elapsed < float("inf"):
         return f"{TRAINER_STATE}: elapsed_s must be a non-negative number, got {elapsed!r}"
+    per_step = state.get("tokens_per_step")  # (optional: a data= source's measured tokens per step)
+    if per_step is not None and (isinstance(per_step, bool) or not isinstance(per_step, int) or per_step < 1):
+        return f"{TRAINER_STATE}: tokens_per_step must be an integer >= 1 or null, got {per_step!r}"
     match = _NAME.match(path.name)
     if match and int(match.group(1)) != state["step"]:
         return f"{TRAINER_STATE} says step {state['step']}, the directory is step {int(match.group(1))}"

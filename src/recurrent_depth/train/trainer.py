@@ -49,7 +49,7 @@ from recurrent_depth.model.recurrent import RecurrentDepthLM
 from recurrent_depth.train import checkpointing as ckpt
 from recurrent_depth.train import distributed as ddist
 from recurrent_depth.train import trainer_checkpoints
-from recurrent_depth.train.batches import BatchSource, RowBatches
+from recurrent_depth.train.batches import BatchSource, RowBatches, batch_to
 from recurrent_depth.train.config import TrainConfig
 from recurrent_depth.train.depth import DepthSampler, stream_seed
 from recurrent_depth.train.distill import (
@@ -260,6 +260,9 @@ class Trainer:
             torch.manual_seed(cfg.seed)  # the weight init
             self.model = RecurrentDepthLM(self.model_config).to(env.device)
         else:
+            # What a given model draws from torch's generator in training (a LoRA adapter's dropout) comes from the
+            # run's seed, as the weight init above does, not from whatever ran in this process before.
+            torch.manual_seed(cfg.seed)
             self.model = model.to(env.device)
             self.model_config = getattr(model, "config", None)
         self.sampler = depth if depth is not None else self._default_sampler()
@@ -580,7 +583,7 @@ class Trainer:
         observed: dict[str, Any] = {}
         step_tokens = 0
         for micro in range(cfg.grad_accum):
-            batch = self.source.next_batch(cfg.batch_size)
+            batch = batch_to(self.source.next_batch(cfg.batch_size), env.device)  # (a source may serve CPU tensors)
             num_steps, generator = None, None
             if cfg.baseline:
                 num_steps = (0, 1)

@@ -84,6 +84,8 @@ def save_checkpoint(trainer: Trainer) -> Path | None:
                 ckpt.write_tensors(tmp / ckpt.RNG_TENSORS, ckpt.rng_state_tensors())
                 ckpt.write_json(tmp / ckpt.TRAINER_STATE, {
                     **trainer.state.to_dict(),
+                    # (measured per step for a data= source: a token budget's schedule needs it at once on resume)
+                    "tokens_per_step": trainer.tokens_per_step,
                     "data": trainer.source.state_dict(),
                     "world_size": env.world_size,
                     "config": cfg.to_dict(),
@@ -292,6 +294,8 @@ def apply_checkpoint(trainer: Trainer, loaded: ckpt.LoadedCheckpoint) -> None:
     trainer.source.load_state_dict(loaded.trainer_state["data"])
     for name in LOOP_COUNTERS:
         setattr(trainer.state, name, type(getattr(trainer.state, name))(loaded.trainer_state[name]))
+    if trainer.tokens_per_step is None and loaded.trainer_state.get("tokens_per_step"):
+        trainer.tokens_per_step = int(loaded.trainer_state["tokens_per_step"])
     if loaded.rng:
         ckpt.restore_rng_state(loaded.rng)
     trainer.log(f"resumed from {loaded.path} at step {trainer.state.step}")

@@ -12,6 +12,8 @@ made the rollouts. The reference policy (for GRPO's KL term) is a frozen copy of
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +60,17 @@ class RLConfig:
             raise ValueError(f"objective={self.objective!r} is invalid: expected one of {OBJECTIVES}")
         if self.level not in LEVELS:
             raise ValueError(f"level={self.level!r} is invalid: expected one of {LEVELS}")
+        if isinstance(self.group_size, int) and not isinstance(self.group_size, bool) and self.group_size == 1:
+            raise ValueError("group_size=1 (--group-size) is invalid: an advantage is a reward minus its group's mean, "
+                             "so a group of one rollout has advantage 0 and learns nothing; expected >= 2")
+        # A setting of the other objective would be ignored (K2 has no clip and no KL term, GRPO no tau): refuse it.
+        unused = ((("clip_eps", "clip-eps", 0.2), ("beta", "beta", 0.0), ("level", "kl-level", "token"))
+                  if self.objective == "k2" else (("tau", "tau", 1.0),))
+        for name, flag, default in unused:
+            if getattr(self, name) != default:
+                other = "grpo" if self.objective == "k2" else "k2"
+                raise ValueError(f"{name}={getattr(self, name)!r} (--{flag}) is a setting of objective={other!r}: "
+                                 f"objective={self.objective!r} does not use it (leave it out)")
         if self.task is None and self.prompts is None:
             raise ValueError("RLConfig needs prompts: a reasoning task (task=) or a list of prompts (prompts=)")
 
@@ -100,8 +113,15 @@ def build_rl(model: Any, rl: RLConfig, train: TrainConfig, *, tokenizer: Any = N
                           max_new_tokens=options.max_new_tokens, compute_penalty=rl.compute_penalty,
                           length_penalty=rl.length_penalty, on_error=rl.on_reward_error, log=log)
     reference = copy.deepcopy(model) if objective.needs_reference else None
+    run = {"task": rl.task if rl.prompts is None else None,
+           "difficulties": [int(d) for d in rl.difficulties] if rl.prompts is None else None,
+           "prompts_sha256": None if rl.prompts is None else hashlib.sha256(
+               json.dumps(list(rl.prompts)).encode()).hexdigest(),
+           "reward": rl.reward, "objective": rl.objective, "clip_eps": rl.clip_eps, "beta": rl.beta,
+           "level": rl.level, "tau": rl.tau, "compute_penalty": rl.compute_penalty,
+           "length_penalty": rl.length_penalty, "on_reward_error": rl.on_reward_error}
     source = RolloutSource(model, prompts, reward, settings, encoder=ProblemEncoder(tokenizer), reference=reference,
-                           log=log)
+                           log=log, run=run)
     if train.grad_accum != 1:
         raise ValueError(f"RL takes one optimizer step per rollout batch: grad_accum must be 1, got {train.grad_accum}")
     return Trainer(train, model=model, data=source, objective=objective, depth=NoDepthDraw(), log=log,

@@ -40,7 +40,10 @@ from recurrent_depth.train.batches import BatchSource
 from recurrent_depth.train.rl.rewards import ShapedReward
 
 # Generation options a replay cannot follow, with the value rollouts need.
-_REPLAYABLE = {"warm_start": False, "repetition_penalty": 1.0, "kv_quant": None, "mode": "autoregressive"}
+# (GradMem's memory and TTT-E2E's adapted weights change the policy per prompt; exit_kv="compute" keeps exited
+# tokens computing the KV of steps their replay does not run.)
+_REPLAYABLE = {"warm_start": False, "repetition_penalty": 1.0, "kv_quant": None, "mode": "autoregressive",
+               "gradmem_tokens": 0, "ttt_params": None, "exit_kv": "lookup"}
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,9 @@ class RolloutSettings:
         """The rollouts' validated generation options; a one-line ValueError for what a replay cannot follow."""
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
             raise ValueError(f"group_size={self.group_size!r} is invalid: expected an integer >= 1")
+        k = self.backprop_depth
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):  # (before any rollout)
+            raise ValueError(f"backprop_depth={k!r} (--backprop-depth) is invalid: expected an integer >= 1")
         given = dict(self.generation)
         unknown = sorted(set(given) - GenerationOptions.names())
         if unknown:
@@ -145,8 +151,11 @@ class RolloutSource(BatchSource):
 
     def __init__(self, policy: nn.Module, prompts: PromptSource, reward: ShapedReward, settings: RolloutSettings, *,
                  encoder: ProblemEncoder | None = None, reference: nn.Module | None = None,
-                 log: Callable[[str], None] = print) -> None:
+                 log: Callable[[str], None] = print, run: dict[str, Any] | None = None) -> None:
         self.policy = policy
+        # What else makes the run's trajectory (prompts, reward, objective: `recipe.build_rl`), JSON-plain;
+        # kept in checkpoints so a resume with other ones is refused like changed rollout settings.
+        self.run = run
         self.prompts = prompts
         self.reward = reward
         self.settings = settings
@@ -249,12 +258,17 @@ class RolloutSource(BatchSource):
         }
 
     def state_dict(self) -> dict[str, Any]:
-        return {"batches": self.batches, "settings": self.describe()["settings"]}
+        return {"batches": self.batches, "settings": self.describe()["settings"], "run": self.run}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved, now = state.get("settings"), self.describe()["settings"]
         if saved != now:
             raise ValueError(f"cannot resume this RL run: its rollout settings changed (saved {saved}, now {now})")
+        saved_run, run = state.get("run"), self.run
+        if saved_run is not None and run is not None and saved_run != run:  # (checkpoints before it: not compared)
+            changed = ", ".join(f"{k} {saved_run.get(k)!r} -> {run.get(k)!r}" for k in sorted(set(saved_run) | set(run))
+                                if saved_run.get(k) != run.get(k))
+            raise ValueError(f"cannot resume this RL run: its prompts, reward or objective changed ({changed})")
         self.batches = int(state["batches"])
 
     def describe(self) -> dict[str, Any]:

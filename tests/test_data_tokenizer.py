@@ -242,3 +242,24 @@ def test_cli_train_and_encode(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert tok.decode(line["ids"]) == "import os"
     assert cli_main(["tokenizer", "train", "--data", str(tmp_path / "nope"), "--out", str(out)]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_cli_train_reads_the_corpora_rdepth_train_reads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`rdepth train` takes --text-field and --follow-symlinks; `rdepth tokenizer train` had neither, so a
+    tokenizer (with the same --val-fraction hold-out) could not be trained on such a corpus."""
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"body": f"def f_{i}(x):\n    return x + {i}\n"}) + "\n" for i in range(6)))
+    out = tmp_path / "tok"
+    assert cli_main(["tokenizer", "train", "--data", str(jsonl), "--text-field", "body", "--vocab-size", "300",
+                     "--val-fraction", "0.2", "--out", str(out)]) == 0
+    assert json.loads((out / "tokenizer_training.json").read_text())["split"] is not None
+    capsys.readouterr()
+    data = tmp_path / "dir"
+    data.mkdir()
+    (data / "a.py").write_text("import os\n")
+    (tmp_path / "outside.py").write_text("import sys\n")
+    (data / "b.py").symlink_to(tmp_path / "outside.py")
+    assert cli_main(["tokenizer", "train", "--data", str(data), "--vocab-size", "290", "--out", str(out)]) == 2
+    assert "--follow-symlinks" in capsys.readouterr().err
+    assert cli_main(["tokenizer", "train", "--data", str(data), "--follow-symlinks", "--vocab-size", "290",
+                     "--out", str(out)]) == 0

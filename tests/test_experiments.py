@@ -56,6 +56,36 @@ def test_logit_growth_command_writes_json_and_plot(corpus, tmp_path, capsys):
     assert "theory" in capsys.readouterr().out
 
 
+def test_logit_growth_gives_no_verdict_without_a_fit():
+    """Runs whose max logit never grows give no fit and no interval: the summary said 'NOT consistent'."""
+    from recurrent_depth.experiments.logit_growth import format_summary, summarise
+
+    cfg = LogitGrowthConfig(variants=("plain",))
+    runs = [dict(optimizer=name, variant="plain", lr=lr, max_logit=[2.0] * 20)
+            for name, lrs in (("muon", cfg.muon_lrs), ("adamw", cfg.adamw_lrs)) for lr in lrs]
+    text = format_summary(summarise(runs, cfg))
+    assert "NOT consistent" not in text and text.count("no verdict") == 2
+
+
+def test_logit_growth_plot_without_saturation_warns_nothing(tmp_path, monkeypatch):
+    """No run reached T_sat: the third panel's empty legend printed matplotlib's 'No artists with labels'."""
+    import warnings
+
+    from matplotlib.figure import Figure
+
+    from recurrent_depth.experiments.logit_growth import plot, summarise
+
+    monkeypatch.setattr(Figure, "savefig", lambda self, path, **kw: path.write_bytes(b"png"))  # (the slow part)
+
+    cfg = LogitGrowthConfig(variants=("plain",))
+    runs = [dict(optimizer=name, variant="plain", lr=lr, max_logit=[2.0 + 0.01 * t for t in range(20)])
+            for name, lrs in (("muon", cfg.muon_lrs), ("adamw", cfg.adamw_lrs)) for lr in lrs]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plot(runs, summarise(runs, cfg), cfg, tmp_path / "lg.png")
+    assert (tmp_path / "lg.png").is_file()
+
+
 def test_logit_growth_rejects_bad_settings():
     with pytest.raises(ValueError, match="variants"):
         LogitGrowthConfig(variants=("plain", "weird"))

@@ -95,6 +95,18 @@ def test_lr_transfer_command_writes_its_table_and_plot(tmp_path, capsys):
     assert "best lr transfers" in capsys.readouterr().out
 
 
+def test_coord_check_takes_no_transfer_flags_it_would_ignore(capsys):
+    """`coord-check --lrs ... --transfer-steps ...` was accepted and silently ignored (no transfer sweep runs)."""
+    for flag, value in (("--lrs", "0.001,0.01"), ("--transfer-steps", "3")):
+        with pytest.raises(SystemExit) as exc:
+            main(["experiment", "coord-check", flag, value])
+        assert exc.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["experiment", "coord-check", "--help"])
+    text = capsys.readouterr().out
+    assert "--lrs" not in text and "--transfer-steps" not in text and "--widths" in text
+
+
 # ------------------------------------------------------------------ the attention scale (attn_scale)
 def widened(hidden: int, base: int = 64, **overrides) -> rd.ModelConfig:
     """tiny at 4 heads widened by hidden_size alone (head_dim = hidden / 4), muP based at width 64 (d_0 = 16)."""

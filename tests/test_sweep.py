@@ -71,6 +71,20 @@ def test_grid_and_list_expand_to_validated_runs_with_stable_names(tmp_path):
     assert wide.name == "h64-intermediate_size=176" and wide.config["model"] == widths["model"][1]
 
 
+def test_relative_data_paths_of_a_grid_are_made_absolute_like_the_bases(tmp_path, monkeypatch):
+    """Only the base's paths were made absolute: a grid's `data: [corpus_a]` reached the emitted (Slurm)
+    commands relative to wherever the task started."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("corpus_a", "corpus_b"):
+        write_corpus(tmp_path / name)
+    plan = load_sweep(write_sweep(tmp_path / "s.yaml", grid={"data": ["corpus_a", "corpus_b"]}, runs=None))
+    assert [r.config["data"] for r in plan.runs] == [str(tmp_path / "corpus_a"), str(tmp_path / "corpus_b")]
+    assert [r.name for r in plan.runs] == ["data=corpus_a", "data=corpus_b"]  # names keep what the file says
+    monkeypatch.setenv("HOME", str(tmp_path))
+    home = load_sweep(write_sweep(tmp_path / "h.yaml", grid={"data": ["~/corpus_a"]}, runs=None)).runs[0]
+    assert home.config["data"] == str(tmp_path / "corpus_a")  # not <cwd>/~/corpus_a
+
+
 def test_the_example_sweep_plans_its_24_runs():
     plan = load_sweep(Path(__file__).parent.parent / "examples" / "sweep_small.yaml")
     flat = [r.config for r in plan.runs if r.config["mean_recurrence"] == 1]
@@ -110,6 +124,15 @@ def fake_runner(calls):
         return 0
 
     return run
+
+
+def test_sweep_run_help_says_threads_are_each_runs(capsys):
+    """`sweep run --threads` sets each run's threads (default threads_per_run), not this process's torch's."""
+    with pytest.raises(SystemExit):
+        main(["sweep", "run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--threads N torch CPU threads of each run (default: the sweep file's threads_per_run, 1)" in text
+    assert "default: torch's" not in text
 
 
 def test_a_killed_sweep_continues_without_redoing_finished_runs(train_root, tmp_path):

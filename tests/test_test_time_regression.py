@@ -132,6 +132,17 @@ def test_bad_state_and_options_raise_clear_errors():
         naive_recurrent_ttt_kvb(q, k, v, beta, initial_state=TTTKVBState(zeros, zeros, 4), mini_batch=4)
 
 
+@pytest.mark.parametrize("eps, message", [(0.0, "eps=0 needs an initial_state"), (-1.0, "eps must be a finite"),
+                                           (float("nan"), "eps must be a finite"),
+                                           (float("inf"), "eps must be a finite")])
+def test_falcon_refuses_an_eps_that_makes_the_output_nan(eps, message):
+    """Without a state x_0 = 0, so eps = 0 gave 0/0 = NaN outputs silently (a negative eps: a zero denominator)."""
+    q, k, v, beta = (t.detach() for t in inputs(T=3))
+    for op in (chunk_falcon, naive_recurrent_falcon):
+        with pytest.raises(ValueError, match=message):
+            op(q, k, v, beta, eps=eps)
+
+
 # ------------------------------------------------------------------------------------- in the model
 def small_config(mixer, options):
     return rd.ModelConfig.from_preset("tiny", hidden_size=32, num_heads=2, intermediate_size=64, vocab_size=VOCAB,

@@ -72,7 +72,7 @@ def _add_threads_to_leaves(parser: argparse.ArgumentParser, measured: bool) -> N
     from recurrent_depth.cli.common import add_threads_arg
 
     nested = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    if not nested:
+    if not nested and "--threads" not in parser._option_string_actions:  # (a command may give its own help)
         add_threads_arg(parser, measured)
     for action in nested:
         for child in action.choices.values():

@@ -106,7 +106,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               "the best lr transfer across widths? (JSON + PNG)"),
     ):
         sub = inner.add_parser(name, help=text)
-        _add_fields(sub, MupConfig(), mup_fields)
+        # the coordinate check runs no transfer sweep: it takes no flags it would ignore
+        _add_fields(sub, MupConfig(), {k: v for k, v in mup_fields.items()
+                                       if transfer or k not in ("lrs", "transfer_steps")})
         sub.set_defaults(func=run_mup_command, transfer=transfer)
     parser.set_defaults(func=lambda args: parser.print_help() or 0)
 

@@ -21,8 +21,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "under each KV policy (per-step, shared-4, last-step, and --kv-policy when given), per token and in all; "
         "with --kv-quant, the same again with the KV entries quantized (every norm counted).",
     )
+    from recurrent_depth.config import PRESETS
+
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--preset", help="a preset name: tiny, small, huginn-0125")
+    source.add_argument("--preset", help=f"a preset name: one of {', '.join(sorted(PRESETS))}")
     source.add_argument("--model", metavar="DIR", type=model_dir,
                         help="a saved model directory (ours, official Huginn or Ouro), or a run directory of "
                              "`rdepth train` / `quickstart`, whose model/ is used")

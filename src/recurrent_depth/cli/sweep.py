@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 
+from recurrent_depth.cli.common import _positive_int
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -26,6 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--jobs", type=int, default=None, metavar="N",
                      help="runs at a time (default: the CPUs this process may use // threads per run); "
                           "--threads T gives each run T torch threads (default: the file's threads_per_run, 1)")
+    run.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                     help="torch CPU threads of each run (default: the sweep file's threads_per_run, 1)")
     run.set_defaults(func=_run)
     emit = inner.add_parser("emit", help="write the runs as commands.txt (one command a line) and a Slurm job array",
                             description="Writes SWEEP_DIR/commands.txt and, with --slurm, SWEEP_DIR/sweep.slurm "

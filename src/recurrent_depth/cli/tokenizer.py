@@ -30,6 +30,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="corpus: 'stdlib' (the Python standard library's source), a directory of text files, "
              "or a JSONL file with a 'text' field (default: %(default)s)",
     )
+    train.add_argument("--text-field", default="text", metavar="FIELD",
+                       help="JSONL field that holds the text, as `rdepth train --text-field` (default: %(default)s)")
+    train.add_argument("--follow-symlinks", action="store_true",
+                       help="read corpus files that are symlinks to files outside the data directory, as "
+                            "`rdepth train --follow-symlinks` (default: off, refused)")
     train.add_argument(
         "--vocab-size", type=int, default=4096,
         help="total vocabulary incl. 256 bytes and 32 special slots; 65536 as in the paper "
@@ -72,10 +77,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from recurrent_depth.data.corpus import load_corpus
     from recurrent_depth.data.tokenizer import build_tokenizer
 
     _, meta = build_tokenizer(
-        args.data,
+        load_corpus(args.data, text_field=args.text_field, follow_symlinks=args.follow_symlinks),
         args.vocab_size,
         val_fraction=args.val_fraction,
         seed=args.seed,

@@ -225,7 +225,8 @@ def plot(runs: list[dict], summary: dict[str, Any], cfg: LogitGrowthConfig, path
     ax.set_xlabel("learning rate (Muon: muon_lr)")
     ax.set_ylabel(f"T_sat (first step with max logit >= {cfg.saturation:g})")
     ax.set_title("saturation time vs lr (theory: Muon slope -1, Adam -2)", fontsize=9)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:  # no run saturated: no points, and matplotlib warns on an empty legend
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -263,9 +264,12 @@ def format_summary(summary: dict[str, Any]) -> str:
                          f"{'{}-{}'.format(*fit['window']):>10}{str(fit['t_sat']):>7}")
         ci = s["exponent_ci95_across_lrs"]
         mean = s["exponent_mean"]
+        # no interval (fewer than 2 lrs gave a fit) tests nothing: say so rather than "NOT consistent"
+        verdict = ("no verdict: fewer than 2 lrs gave a fit" if ci is None
+                   else "consistent" if s["exponent_matches"] else "NOT consistent")
         lines.append(f"  {optimizer}: exponent {mean if mean is None else round(mean, 2)} "
                      f"(95% CI across lrs {None if ci is None else [round(c, 2) for c in ci]}), theory "
-                     f"{s['theory_exponent']:g}: {'consistent' if s['exponent_matches'] else 'NOT consistent'}")
+                     f"{s['theory_exponent']:g}: {verdict}")
         fit = s["t_sat_vs_lr_fit"]
         if fit is None:
             lines.append(f"  {optimizer}: T_sat reached at fewer than 3 lrs ({s['t_sat']}): no T_sat-vs-lr fit")

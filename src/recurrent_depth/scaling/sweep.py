@@ -98,10 +98,13 @@ def load_sweep(path: str | Path) -> SweepPlan:
     import yaml
 
     p = Path(path)
+    text = read_text(p, CONFIG_MAX_BYTES, "sweep config")
     try:
-        data = load_yaml(read_text(p, CONFIG_MAX_BYTES, "sweep config"))
+        data = load_yaml(text)
     except yaml.YAMLError as exc:
         raise ValueError(f"sweep config {str(p)!r} is not valid YAML: {' '.join(str(exc).split())}") from None
+    except ValueError as exc:  # (nested too deeply, too many values once its aliases are expanded)
+        raise ValueError(f"sweep config {str(p)!r}: {exc}") from None
     return plan_sweep(data, source=str(p))
 
 
@@ -207,7 +210,7 @@ def _absolute_paths(base: dict[str, Any]) -> dict[str, Any]:
     for key in ("data", "tokenizer", "data_dir", "init_from"):
         value = out.get(key)
         if isinstance(value, str) and value != "stdlib" and not os.path.isabs(value):
-            out[key] = os.path.abspath(value)
+            out[key] = os.path.abspath(os.path.expanduser(value))  # (`~/corpus` is the home's, as the trainer reads it)
     return out
 
 
@@ -244,7 +247,7 @@ def run_config(base: dict[str, Any], overrides: dict[str, Any], test_depths: lis
     config["eval_depths"] = test_depths
     config.setdefault("progress", False)
     config.setdefault("tensorboard", False)
-    return config
+    return _absolute_paths(config)  # a grid's or a run's own data / tokenizer paths too, not only the base's
 
 
 # ---------------------------------------------------------------------------------------------- state

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from recurrent_depth.ops._common import acc_dtype, autocast_off, check_chunk_size, check_inputs
-from recurrent_depth.ops.falcon.naive import FalconState, check_falcon_state, previous_keys
+from recurrent_depth.ops.falcon.naive import FalconState, check_eps, check_falcon_state, previous_keys
 from recurrent_depth.ops.gated_delta_rule.chunk import chunk_delta_rule_fwd
 
 
@@ -29,6 +29,7 @@ def chunk_falcon(
 ) -> tuple[torch.Tensor, FalconState | None]:
     """Same arguments and results as `naive_recurrent_falcon` (plus `chunk_size`, a power of two)."""
     B, T, H, K, V, scale = check_inputs(q, k, v, scale=scale, beta=beta)
+    eps = check_eps(eps, initial_state)
     dt = acc_dtype(q, k)
     S0 = None
     if initial_state is not None:

@@ -12,6 +12,7 @@ with x_0 = 0 (no key before the first token: no update). The decode state carrie
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -41,6 +42,17 @@ def check_falcon_state(state: object, B: int, H: int, K: int, V: int, ref: torch
     check_like("initial_state.last_key", state.last_key, (B, H, K), "[B, H, K]", ref)
 
 
+def check_eps(eps: float, initial_state: FalconState | None) -> float:
+    """ε of the NLMS step β / (ε + ‖x‖²): a negative or non-finite ε is refused, and so is ε = 0 without an
+    initial state, whose x_0 = 0 would make every output NaN (0 / 0)."""
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    if eps == 0 and initial_state is None:
+        raise ValueError("eps=0 needs an initial_state: without one the first key x_0 is zero, and "
+                         "beta / (eps + |x_0|^2) is 0 / 0")
+    return float(eps)
+
+
 def previous_keys(k: torch.Tensor, initial_state: FalconState | None) -> torch.Tensor:
     """[B, T, H, K]: x_t = k_{t−1}, the first one from the state (zeros at the start of a sequence)."""
     first = k.new_zeros(k[:, :1].shape) if initial_state is None else initial_state.last_key[:, None].to(k.dtype)
@@ -63,6 +75,7 @@ def naive_recurrent_falcon(
     Returns `(o [B, T, H, V] in q's dtype, FalconState or None)`.
     """
     B, T, H, K, V, scale = check_inputs(q, k, v, scale=scale, beta=beta)
+    eps = check_eps(eps, initial_state)
     dt, out_dtype = acc_dtype(q, k), q.dtype
     if initial_state is None:
         S = q.new_zeros(B, H, K, V, dtype=dt)

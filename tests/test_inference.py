@@ -171,6 +171,21 @@ def test_speculative_probability_mode_accepts_by_threshold(model, prompts):
             assert p == top
 
 
+@pytest.mark.parametrize("policy", ["always-last-m4", "randomized"])
+def test_speculative_drafts_record_their_depth_for_lookups_that_read_it(model, prompts, policy):
+    # Speculative decoding is fixed depth: no token lacks a step, so every lookup reads what 'deepest'
+    # reads. The drafts' columns were not closed, so always-last / randomized read a stale depth (0 where
+    # the cache's depth record had just grown) and re-picked slots: other tokens, a batch row != alone.
+    ids, mask = left_pad(prompts)
+    kw = dict(max_new_tokens=12, num_steps=6, init_scale=0.0, seed=3, output_logits=True, draft_steps=2,
+              lookahead=3, verification_threshold=0.3)
+    for given in (dict(input_ids=ids, attention_mask=mask), dict(input_ids=prompts[0])):
+        want = generate(model, kv_policy="latest-m4", **given, **kw)
+        got = generate(model, kv_policy=policy, **given, **kw)
+        assert got.token_lists() == want.token_lists()
+        torch.testing.assert_close(got.logits, want.logits, **TOL)
+
+
 @pytest.fixture(scope="module")
 def short_model() -> rd.RecurrentDepthLM:
     torch.manual_seed(0)
@@ -368,6 +383,17 @@ def test_streamed_events_match_the_output(model, prompts, mode):
     seen = []
     generate(model, ids, streamer=seen.append, **kw)
     assert [(e.row, e.token) for e in seen] == [(e.row, e.token) for e in events]
+
+
+def test_finish_round_flags_only_the_rows_last_event_finished(model, prompts):
+    # a speculative round that passes max_new_tokens under finish_round went on after an event said finished
+    ids, mask = left_pad(prompts)
+    stream = stream_generate(model, ids, attention_mask=mask, max_new_tokens=7, num_steps=6, init_scale=0.0,
+                             draft_steps=2, lookahead=4, finish_round=True)
+    events = list(stream)
+    assert int(stream.output.lengths.max()) > 8  # a round did pass max_new_tokens by more than one token
+    for b in range(3):
+        assert [e.finished for e in events if e.row == b] == [False] * (int(stream.output.lengths[b]) - 1) + [True]
 
 
 def test_per_token_statistics(model, prompts):

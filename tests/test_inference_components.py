@@ -365,6 +365,7 @@ BAD = {
     "parallel+budget": (dict(sampler="parallel", kv_budget=4), "kv_budget=4"),
     "parallel+kl": (dict(sampler="parallel", exit_criterion="kl"), "parallel"),
     "wavefront=0": (dict(sampler="parallel", wavefront=0), "wavefront=0"),
+    "parallel+check_every": (dict(sampler="parallel", exit_criterion="latent-diff", check_every=2), "check_every=2"),
     "sampler": (dict(sampler="beam"), "sampler"),
     "cache": (dict(cache_implementation="paged"), "cache_implementation"),
     "seed": (dict(seed="x"), "seed"),

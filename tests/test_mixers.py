@@ -127,6 +127,23 @@ def test_left_padding_matches_running_alone(case):
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("name,options", [("deltanet", {"chunk_size": 4}), ("gated_deltanet", {}),
+                                          ("falcon", {"chunk_size": 4})])
+def test_left_padded_row_with_a_shared_slot_matches_running_alone(name, options):
+    # step 2 of the prompt continues step 0's state (kv_policy shared-2): the short conv's last inputs
+    # and Falcon's last key must reach the row's first real token across its left padding (they read 0)
+    torch.manual_seed(7)
+    model = rd.RecurrentDepthLM(small_config(name, options)).eval()
+    rows = [tokens(1, 8, seed=1), tokens(1, 3, seed=2), tokens(1, 6, seed=3)]  # padding 5 and 2 (< the conv's 3)
+    batch = torch.cat([torch.cat([torch.zeros(1, 8 - r.shape[1], dtype=torch.long), r], 1) for r in rows])
+    mask = torch.cat([torch.arange(8)[None] >= 8 - r.shape[1] for r in rows]).long()
+    kw = dict(max_new_tokens=2, num_steps=3, init_scale=0.0, kv_policy="shared-2", output_logits=True)
+    out = rd.generate(model, batch, attention_mask=mask, **kw)
+    for b, row in enumerate(rows):
+        alone = rd.generate(model, row, **kw)
+        torch.testing.assert_close(out.logits[b], alone.logits[0], **F32_TOL)
+
+
 @pytest.mark.parametrize("case", RECURRENT)
 def test_padded_token_leaves_the_recurrent_state_untouched(case):
     """A padded token writes nothing (fla #1272: gates on padding corrupted later states)."""

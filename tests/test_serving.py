@@ -579,6 +579,19 @@ def test_a_model_without_tokenizer_refuses_stop_strings_it_could_never_match(ref
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == ""
 
 
+def test_a_kv_lookup_the_models_mixers_cannot_follow_is_a_400():
+    """rd.generate refuses 'skip' / 'always-last' on a model without softmax attention in one line; the server
+    answered the same request with a 500 "generation failed" from its solo run."""
+    torch.manual_seed(3)
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", mixer={"core": "mla"})).eval()
+    with LiveServer(build_app(model, model_name="ids", tokenizer_workers=1)) as live:
+        for policy in ("per-step+skip", "always-last-m4"):
+            r = httpx.post(live.url + "/v1/completions", timeout=30, json=dict(
+                prompt=[5, 6], max_tokens=2, temperature=0, exit_criterion="kl", kv_policy=policy))
+            assert r.status_code == 400 and r.json()["error"]["param"] == "kv_policy", r.text
+            assert "softmax attention" in r.json()["error"]["message"]
+
+
 def test_build_app_refuses_a_nan_request_timeout(reference):
     model, _ = reference
     with pytest.raises(ValueError, match="request_timeout"):

@@ -556,6 +556,12 @@ def _check_combinations(o: ResolvedOptions, asked_prefill_exit: bool) -> Resolve
             )
         if o.max_steps < 1:
             raise OptionError("sampler", "sampler='parallel' needs num_steps (or max_steps) >= 1")
+        if o.check_every != 1:  # (the wavefront never read it)
+            raise OptionError(
+                "check_every",
+                f"check_every={o.check_every} is invalid for sampler='parallel': the wavefront checks its positions "
+                "after every sweep of inner_steps core steps; expected 1 (set inner_steps instead)"
+            )
         return replace(o, policy=parse_kv_policy("last-step"))
     return o
 

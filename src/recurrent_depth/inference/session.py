@@ -94,6 +94,16 @@ def check_position_counters(model: Any, policy: Any, rows: int, exit_criterion: 
         )
 
 
+def check_policy_for_model(model: Any, options: ResolvedOptions) -> None:
+    """A one-line ValueError when the KV policy's lookup needs softmax attention the model lacks."""
+    lookup = options.policy.lookup
+    if (lookup.hides_columns or lookup.reads_per_step) and not all_attention(model):
+        raise ValueError(
+            f"kv_policy={options.kv_policy!r} hides or picks cache entries of the attention, which needs every "
+            f"layer to be softmax attention; this model's mixer is {model.config.mixer!r} (use the 'deepest' lookup)"
+        )
+
+
 class Session:
     """One generation call: everything the mode loops read and update."""
 
@@ -120,11 +130,7 @@ class Session:
         self.engine = Recurrence(model, options.fast)
         self.runner = self.engine.runner
         lookup = options.policy.lookup
-        if (lookup.hides_columns or lookup.reads_per_step) and not all_attention(model):
-            raise ValueError(
-                f"kv_policy={options.kv_policy!r} hides or picks cache entries of the attention, which needs every "
-                f"layer to be softmax attention; this model's mixer is {cfg.mixer!r} (use the 'deepest' lookup)"
-            )
+        check_policy_for_model(model, options)
         if options.kv_quant is not None:  # a model the quantizers cannot take fails here, before any work
             kv_quant_for_model(model, options.kv_quant)
         # Columns: the prompt, the new tokens, and room for a speculative round or a wavefront.

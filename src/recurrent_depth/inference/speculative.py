@@ -20,6 +20,7 @@ official loop) at the end of the round that reaches it.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 
@@ -31,7 +32,8 @@ def decode(session: Session) -> Iterator[TokenEvent]:
     opts, engine, cache = session.options, session.engine, session.cache
     M, N = opts.num_steps, opts.draft_steps
     exact = opts.verification_threshold >= 1.0
-    hides = cache.policy.lookup.hides_columns
+    lookup = cache.policy.lookup
+    hides = lookup.hides_columns or lookup.reads_per_step  # lookups that read the columns' depths
     _, logits = session.prefill(M)
     session.require_kv_cache_only("self-speculative decoding")
     rows = session.unfinished
@@ -61,7 +63,7 @@ def decode(session: Session) -> Iterator[TokenEvent]:
             pass_ = engine.begin(token_ids, session.mask(column + t + 1), cache)
             s = engine.run(session.initial_states(pass_.e, rows), pass_, N)
             draft_logits = engine.readout(s, pass_, last_only=True)[:, 0]
-            if hides:  # record the draft's N steps, or a lookup that hides unreached steps hides the draft
+            if hides:  # record the draft's N steps: a lookup that reads depths would read a stale one
                 cache.close(N, 1)
             cache.advance(1)
             feed = draft_logits.argmax(-1)
@@ -100,14 +102,18 @@ def decode(session: Session) -> Iterator[TokenEvent]:
             if n < L:
                 emitted.append((best_list[b][n], "corrected", n))
             committed = 0
-            for token, reason, t in emitted:
-                yield session.commit(b, token, M, reason, verify_logits[b, t] if opts.output_logits else None,
-                                     nbytes[b])
+            for i, (token, reason, t) in enumerate(emitted):
+                event = session.commit(b, token, M, reason, verify_logits[b, t] if opts.output_logits else None,
+                                       nbytes[b])
                 pending[b] = token
                 committed += 1
-                if session.recorder.finished[b] and not (
+                ends = session.recorder.finished[b] and not (
                     opts.finish_round and session.recorder.finish_reasons[b] == "length"
-                ):
+                )
+                if event.finished and not ends and i + 1 < len(emitted):  # finish_round: the round goes on
+                    event = replace(event, finished=False)
+                yield event
+                if ends:
                     break
             # Column c holds the pending token and c + t holds d_t for t >= 1: real iff committed and fed,
             # i.e. min(n, L - 1) + 1 columns, or fewer when the row finished inside the round.

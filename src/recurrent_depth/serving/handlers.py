@@ -18,6 +18,7 @@ from recurrent_depth.inference.criteria import gate_for
 from recurrent_depth.inference.gradmem import check_prompts
 from recurrent_depth.inference.options import DEFAULT_TTT_MAX_COPY_MB, OptionError, ResolvedOptions, eos_ids
 from recurrent_depth.inference.quant_cache import kv_quant_for_model
+from recurrent_depth.inference.session import check_policy_for_model
 from recurrent_depth.inference.ttt_e2e import copy_bytes, inner_depth, select_parameters
 from recurrent_depth.serving import responses
 from recurrent_depth.serving.batch import BatchDecoder, RowRequest
@@ -169,6 +170,7 @@ class Handlers:
             options = sampling.options(len(prompt), max_tokens, limits)
             try:  # an official compress-sN / compress-rN needs the model's layout
                 options = options.bound(scheduler.model.config.core_layers)
+                check_policy_for_model(scheduler.model, options)  # a lookup that needs softmax attention
             except ValueError as exc:
                 raise APIError(400, str(exc), param="kv_policy") from None
             try:  # exit_criterion="gate" needs a model with an exit gate

@@ -99,6 +99,27 @@ def zero_padded(x: Tensor, valid: Tensor | None) -> Tensor:
     return x * valid.view(*valid.shape, *([1] * (x.dim() - 2))).to(x.dtype)
 
 
+def padding_after_state(x: Tensor, valid: Tensor | None, before: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """(x [B, T, ...] with its padded positions zeroed, `before` [B, n, ...]) moved so that what came
+    before this call (a short conv's last inputs, Falcon's last key) sits right before each row's first
+    real token, after its left padding: a window over the padding then sees what the row alone sees.
+    Without it, a call that continues a state (a KV slot shared by several steps of the prompt) read
+    the padding's zeros there. Returns (x', before') for `cat([before', x'], 1)`."""
+    x = zero_padded(x, valid)
+    if valid is None or before is None:
+        return x, before
+    B, T = valid.shape
+    n = before.shape[1]
+    first = torch.where(valid.any(1), valid.long().argmax(1), T)[:, None]  # leading padding per row
+    joined = torch.cat([before.to(x.dtype), x], 1)  # [B, n + T, ...]
+    j = torch.arange(n + T, device=x.device)[None]
+    source = torch.where(j < first + n, j - first, j)  # `before` shifted right past the padding
+    keep = (source >= 0).view(B, n + T, *([1] * (x.dim() - 2)))
+    index = source.clamp(min=0).view(B, n + T, *([1] * (x.dim() - 2))).expand(joined.shape)
+    moved = torch.where(keep, joined.gather(1, index), torch.zeros((), dtype=x.dtype, device=x.device))
+    return moved[:, n:], moved[:, :n].to(before.dtype)
+
+
 def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """Softmax attention with a boolean mask: q [B, H, T, D], k [B, H, S, D], v [B, H, S, Dv].
 

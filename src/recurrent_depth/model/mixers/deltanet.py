@@ -36,6 +36,7 @@ from recurrent_depth.model.mixers.common import (
     mamba_decay_init,
     nbytes,
     or_default,
+    padding_after_state,
     state_dtype,
     upcast,
     zero_padded,
@@ -88,7 +89,7 @@ class DeltaRuleMixer(RecurrentMixer):
         H, K, V = self.num_heads, self.key_dim, self.value_dim
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         if self.conv is not None:
-            qkv, conv_state = self.conv(zero_padded(qkv, valid), conv_state)
+            qkv, conv_state = self.conv(*padding_after_state(qkv, valid, conv_state))
             q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
         else:
             q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)

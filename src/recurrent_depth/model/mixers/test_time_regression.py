@@ -30,6 +30,7 @@ from recurrent_depth.model.mixers.common import (
     check_power_of_two,
     l2norm,
     nbytes,
+    padding_after_state,
     state_dtype,
     zero_padded,
 )
@@ -54,7 +55,10 @@ class RegressionMixer(RecurrentMixer):
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
         q = l2norm(F.silu(self.q_proj(x)).view(B, T, H, D))
-        k = zero_padded(l2norm(F.silu(self.k_proj(x)).view(B, T, H, D)), valid)
+        k = l2norm(F.silu(self.k_proj(x)).view(B, T, H, D))
+        # Falcon pairs each value with the previous key: left padding carries the state's last key.
+        last = getattr(state["recurrent"], "last_key", None) if state else None
+        k = padding_after_state(k, valid, None if last is None else last[:, None])[0]  # (one key: exact)
         v = self.v_proj(x).view(B, T, H, D)
         beta = zero_padded(self.b_proj(x).sigmoid(), valid).to(q.dtype)
         o, final = self.kernel(q, k, v, beta, state["recurrent"] if state else None, want_state)

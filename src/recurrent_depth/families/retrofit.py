@@ -338,6 +338,11 @@ def convert_state(source: Source, cfg: ModelConfig, surgery: Surgery, adapter_in
     not_float = sorted(f"{n}: {t.dtype}" for n, t in tensors.items() if not t.is_floating_point())
     if not_float:
         raise fail(f"tensors {not_float[:4]} are not floating point (a quantized checkpoint cannot be converted)")
+    # (a NaN or inf weight was converted into a model that generates garbage, without a word)
+    broken = sorted(n for n, t in tensors.items() if not t.is_meta and not bool(torch.isfinite(t).all()))
+    if broken:
+        raise fail(f"tensors {broken[:4]}{' ...' if len(broken) > 4 else ''} of the source hold NaN or inf: a "
+                   f"damaged checkpoint")
     if tied_head and not torch.equal(tensors.pop("lm_head.weight"), tensors["model.embed_tokens.weight"]):
         raise fail("tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight")
     out_dtype = dtype or tensors["model.embed_tokens.weight"].dtype

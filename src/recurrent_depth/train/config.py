@@ -456,7 +456,42 @@ def load_yaml(text: str) -> Any:
     import yaml
 
     try:
-        return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
+        data = yaml.load(text, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
+    except RecursionError:
+        raise ValueError("YAML nested too deeply to parse") from None
+    _check_expanded_size(data)
+    return data
+
+
+YAML_MAX_VALUES = 1_000_000
+
+
+def _check_expanded_size(data: Any) -> None:
+    """A ValueError when `data`, its aliases expanded, holds more than `YAML_MAX_VALUES` values: a YAML
+    alias is one shared object, so ten nested aliases of nine (a 600-byte "billion laughs" file) made a
+    config of 3.5 billion values that the first repr or deep copy of it never finished. Counted once
+    per shared object; an alias of itself (a cycle) counts once and is left to the field checks."""
+    sizes: dict[int, int] = {}
+
+    def size(value: Any) -> int:
+        if not isinstance(value, dict | list):
+            return 1
+        key = id(value)
+        if key in sizes:
+            return sizes[key]
+        sizes[key] = 1  # (a cycle meets this while counting)
+        children = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+        total = 1
+        for child in children:
+            total += size(child)
+            if total > YAML_MAX_VALUES:
+                raise ValueError(f"YAML holds more than {YAML_MAX_VALUES:,} values once its aliases (*name) "
+                                 "are expanded")
+        sizes[key] = total
+        return total
+
+    try:
+        size(data)
     except RecursionError:
         raise ValueError("YAML nested too deeply to parse") from None
 

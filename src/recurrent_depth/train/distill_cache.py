@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from recurrent_depth.files import CONFIG_MAX_BYTES, read_json
+from recurrent_depth.files import CONFIG_MAX_BYTES, open_regular, read_json, reopen_path
 
 CACHE_FORMAT = "rdepth-distill-cache"
 CACHE_VERSION = 1
@@ -107,14 +108,25 @@ class CachedTeacher:
         self.manifest = manifest
         self.values: list[np.ndarray] = []
         self.indices: list[np.ndarray] = []
+        self.vocab_size = vocab_size
         starts = [0]
-        for shard in manifest["shards"]:
+        shards = manifest.get("shards")
+        if not isinstance(shards, list) or not all(
+                isinstance(s, dict) and isinstance(s.get("values"), str) and isinstance(s.get("indices"), str)
+                and isinstance(s.get("num_rows"), int) and not isinstance(s["num_rows"], bool) and s["num_rows"] >= 0
+                for s in shards):
+            raise ValueError(f"distill_cache {self.path}: {MANIFEST} 'shards' must be a list of objects with string "
+                             f"'values' and 'indices' file names and an integer 'num_rows' >= 0")
+        for shard in shards:
             rows = int(shard["num_rows"])
             shape = (rows, seq_len, expected["top_k"])
             for kind, dtype, into in (("values", np.float16, self.values),
                                       ("indices", index_dtype(vocab_size), self.indices)):
                 name = Path(str(shard[kind])).name  # no paths outside the cache
-                array = np.load(self.path / name, mmap_mode="r", allow_pickle=False)
+                # a regular file (a FIFO hung np.load), memory-mapped through the very file checked
+                fd, _ = open_regular(self.path / name, None, "distill cache shard")
+                with os.fdopen(fd, "rb") as handle:
+                    array = np.load(reopen_path(handle, self.path / name), mmap_mode="r", allow_pickle=False)
                 if array.shape != shape or array.dtype != dtype:
                     raise ValueError(f"distill_cache {self.path / name}: shape {array.shape} {array.dtype}, "
                                      f"expected {shape} {np.dtype(dtype).name}")
@@ -141,5 +153,12 @@ class CachedTeacher:
             shard = int(np.searchsorted(self.starts, i, side="right") - 1)
             values.append(np.asarray(self.values[shard][i - self.starts[shard]], dtype=np.float32))
             indices.append(np.asarray(self.indices[shard][i - self.starts[shard]], dtype=np.int64))
+        values_, indices_ = np.stack(values), np.stack(indices)
+        # (checked per batch, not per file: a cache is gigabytes; an id out of range was an IndexError from the loss)
+        if indices_.size and (indices_.min() < 0 or indices_.max() >= self.vocab_size):
+            raise ValueError(f"distill_cache {self.path}: token ids in [{indices_.min()}, {indices_.max()}], outside "
+                             f"the vocabulary [0, {self.vocab_size}): the cache is damaged")
+        if not np.isfinite(values_).all():
+            raise ValueError(f"distill_cache {self.path}: NaN or inf teacher logits: the cache is damaged")
         device = batch["input_ids"].device
-        return torch.from_numpy(np.stack(values)).to(device), torch.from_numpy(np.stack(indices)).to(device)
+        return torch.from_numpy(values_).to(device), torch.from_numpy(indices_).to(device)

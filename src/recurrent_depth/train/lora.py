@@ -205,18 +205,101 @@ def check_adapter_dir(adapter_dir: str | Path) -> Path:
     return path
 
 
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
+
+
+def check_adapter_files(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The safetensors header of the adapter in `path`, after checking what peft would otherwise trust:
+    adapter_config.json's fields (a string rank was a TypeError, a rank of 10**9 a 256 GB allocation, a NaN
+    alpha garbage), and a weight file that is a regular safetensors file of floating-point LoRA tensors
+    (a FIFO hung, /dev/zero was a traceback, a missing file a Hub lookup, adapter_model.bin a pickle)."""
+    from recurrent_depth.files import clipped, parse_safetensors_header
+
+    config = read_adapter_config(path)
+    source = path / ADAPTER_CONFIG
+
+    def bad(field: str, expected: str) -> ValueError:
+        return ValueError(f"{source}: {field}={clipped(config.get(field))} is invalid: expected {expected}")
+
+    if config.get("peft_type") != "LORA":
+        raise bad("peft_type", '"LORA" (only LoRA adapters load here)')
+    rank = config.get("r")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise bad("r", "an integer >= 1")
+    alpha = config.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not (math.isfinite(alpha) and alpha > 0):
+        raise bad("lora_alpha", "a finite number > 0")
+    dropout = config.get("lora_dropout", 0.0)
+    if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
+        raise bad("lora_dropout", "a number in [0, 1)")
+    targets = config.get("target_modules")
+    if not (isinstance(targets, str) or (isinstance(targets, list) and targets
+                                         and all(isinstance(t, str) for t in targets))):
+        raise bad("target_modules", "a module name pattern or a non-empty list of module names")
+    for field, number in (("rank_pattern", "an integer >= 1"), ("alpha_pattern", "a finite number > 0")):
+        pattern = config.get(field) or {}
+        values = list(pattern.values()) if isinstance(pattern, dict) else [None]
+        if not all(not isinstance(v, bool) and isinstance(v, int if field == "rank_pattern" else int | float)
+                   and math.isfinite(v) and v > 0 for v in values):
+            raise bad(field, f"an object of module names to {number}")
+    weights = path / ADAPTER_WEIGHTS
+    if not weights.exists() and not weights.is_symlink():
+        other = " (it holds adapter_model.bin, a pickle, which this library does not unpickle: convert it " \
+                "to safetensors where you trust it)" if (path / "adapter_model.bin").exists() else ""
+        raise ValueError(f"LoRA adapter {path} has no {ADAPTER_WEIGHTS}{other}")
+    header = parse_safetensors_header(weights)
+    ranks = [shape[0] for name, (_, shape) in header.items() if ".lora_A." in f".{name}" and len(shape) == 2]
+    if not ranks:
+        raise ValueError(f"weights file {weights} holds no LoRA tensors (lora_A / lora_B)")
+    floats = [name for name, (dtype, _) in header.items() if dtype not in FLOAT_DTYPES]
+    if floats:
+        raise ValueError(f"weights file {weights}: tensor {clipped(floats[0])} is {header[floats[0]][0]}, "
+                         "not floating point")
+    largest = max([rank, *(config.get("rank_pattern") or {}).values()])
+    if largest > max(ranks):
+        raise ValueError(f"{source}: rank {largest} is larger than any lora_A tensor of {weights} "
+                         f"(at most {max(ranks)}): the config is not this adapter's")
+    return header
+
+
+def check_adapter_loaded(wrapped: Any, path: Path, header: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+    """A one-line error when the loaded adapter lacks tensors its config asks for (peft only warns, and the
+    missing B matrices stay zero: the base model ran as if adapted), holds tensors it does not use (peft
+    ignores them) or holds NaN / inf."""
+    peft = require_peft()
+    from recurrent_depth.files import clipped_names
+
+    expected = peft.get_peft_model_state_dict(wrapped, save_embedding_layers=False)
+    missing = [name for name in expected if name not in header]
+    if missing:
+        raise ValueError(f"weights file {path / ADAPTER_WEIGHTS} lacks {len(missing)} of the {len(expected)} "
+                         f"tensors its adapter_config.json asks for, e.g. {clipped_names(missing, 3)}")
+    unused = [name for name in header if name not in expected]
+    if unused:
+        raise ValueError(f"weights file {path / ADAPTER_WEIGHTS} holds {len(unused)} tensors its adapter_config.json "
+                         f"does not use (they would be ignored), e.g. {clipped_names(unused, 3)}")
+    broken = [name for name, tensor in expected.items() if not bool(torch.isfinite(tensor).all())]
+    if broken:
+        raise ValueError(f"weights file {path / ADAPTER_WEIGHTS} holds NaN or inf in {len(broken)} tensors, "
+                         f"e.g. {clipped_names(broken, 3)}")
+
+
 def load_lora(model: nn.Module, adapter_dir: str | Path, trainable: bool = False) -> Any:
     """The peft wrapper of `model` with the adapter saved in `adapter_dir` (unmerged)."""
     peft = require_peft()
     path = check_adapter_dir(adapter_dir)
+    header = check_adapter_files(path)
     try:
-        return peft.PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
+        wrapped = peft.PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
     except (KeyError, RuntimeError, ValueError) as exc:  # e.g. module names or shapes of another model
         lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
         # torch's "Error(s) in loading state_dict for PeftModel:" is a header: the first mismatch says what
         detail = "; ".join(lines[:2]) if lines and lines[0].endswith(":") else (lines[0] if lines else "")
         raise ValueError(f"cannot load the LoRA adapter {path} onto this model: {detail or type(exc).__name__}"
                          ) from None
+    check_adapter_loaded(wrapped, path, header)
+    return wrapped
 
 
 def merge_lora(model: Any) -> nn.Module:
@@ -261,8 +344,8 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     """`--lora` and the spec's flags, for commands that train (`rdepth train`, `rdepth sft`)."""
     group = parser.add_argument_group("LoRA (peft; needs recurrent-depth[lora])")
     group.add_argument("--lora", action="store_true",
-                       help="train a LoRA adapter instead of every weight; the run's model/ directory then holds "
-                            "a peft adapter (adapter_config.json + adapter_model.safetensors) for the --init model")
+                       help="train a LoRA adapter instead of every weight; the run's model/ directory then holds a "
+                            "peft adapter (adapter_config.json + adapter_model.safetensors) for the --init-from model")
     group.add_argument("--lora-rank", type=int, default=LoraSpec.rank, help="LoRA rank r (default %(default)s)")
     group.add_argument("--lora-alpha", type=float, default=LoraSpec.alpha,
                        help="LoRA alpha: the update is scaled by alpha / r (default %(default)s)")

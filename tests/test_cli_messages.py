@@ -211,3 +211,21 @@ def test_the_librarys_own_warnings_print_as_one_line_of_the_command(monkeypatch,
     assert not any("UserWarning: gamma" in line for line in err)
     assert not any("from elsewhere" in line for line in err)  # handed on to the warnings machinery
     assert [str(w.message) for w in recwarn] == ["from elsewhere"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--max-steps", "1", "--out", "{file}"],
+    ["train", "--max-steps", "1", "--out", "{dir}/run", "--data-dir", "{file}"],
+    ["tokenizer", "train", "--vocab-size", "300", "--out", "{file}"],
+    ["average", "--checkpoints", "{dir}/ckpt", "--out", "{file}"],
+], ids=["train-out", "train-data-dir", "tokenizer-out", "average-out"])
+def test_an_output_path_that_is_a_file_is_named_before_any_work(argv, tmp_path, capsys):
+    """These said only "[Errno 17] File exists: 'afile'", `train --data-dir` after training a tokenizer and
+    `tokenizer train` after its whole training."""
+    (tmp_path / "afile").write_text("keep")
+    args = [a.format(file=tmp_path / "afile", dir=tmp_path) for a in argv]
+    assert main(args) == 2
+    flag = args[args.index(str(tmp_path / "afile")) - 1]
+    assert capsys.readouterr().err.strip().endswith(f"{flag} {tmp_path / 'afile'} is an existing file, not a "
+                                                    "directory; choose another path")
+    assert (tmp_path / "afile").read_text() == "keep" and not (tmp_path / "run").exists()

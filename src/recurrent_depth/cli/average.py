@@ -36,6 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from recurrent_depth.files import check_out_dir
     from recurrent_depth.train.averaging import (
         average_checkpoints,
         run_checkpoints,
@@ -43,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
         select_checkpoints,
     )
 
+    check_out_dir(args.out)
     paths = run_checkpoints(args.run) if args.run else list(args.checkpoints)
     chosen = select_checkpoints(paths, args.last if args.last is not None else len(paths), args.dilation)
     # a run started from a bf16 directory writes its model/ in bf16 (its checkpoints in float32): so does its average

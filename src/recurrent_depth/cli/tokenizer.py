@@ -79,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from recurrent_depth.data.corpus import load_corpus
     from recurrent_depth.data.tokenizer import build_tokenizer
+    from recurrent_depth.files import check_out_dir
+
+    check_out_dir(args.out)  # before the training, not after it
 
     _, meta = build_tokenizer(
         load_corpus(args.data, text_field=args.text_field, follow_symlinks=args.follow_symlinks),

@@ -44,6 +44,7 @@ from recurrent_depth.accel.allocator import keep_freed_memory
 from recurrent_depth.accel.cpu import slow_bf16_warnings
 from recurrent_depth.config import ModelConfig
 from recurrent_depth.data.tokenizer import eos_token_ids
+from recurrent_depth.files import check_out_dir
 from recurrent_depth.model.mixers.dsa import pop_indexer_loss
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 from recurrent_depth.train import checkpointing as ckpt
@@ -238,6 +239,9 @@ class Trainer:
                tokenizer_dir: str | Path | None, depth: Any | None, evaluate: Any | None) -> None:
         cfg, env = self.cfg, self.env
         self.resume_from = None
+        for flag, directory in (("--out", self.out), ("--data-dir", cfg.data_dir)):  # before a tokenizer is trained
+            if directory is not None:
+                check_out_dir(directory, flag)
         if self.out is not None:
             self._open_out_dir(adapter_settings(model))
         elif data is None:

@@ -109,6 +109,7 @@ def test_average_refuses_a_huge_tokenizer_file_instead_of_copying_it(tmp_path, c
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and message in err[-1] and "tokenizer_config.json" in err[-1]
     assert not (tmp_path / "avg" / "tokenizer_config.json").exists()
+    assert not (tmp_path / "avg" / "model.safetensors").exists()  # no weights without their tokenizer
 
 
 # ---------------------------------------------------------------------------------------- YAML configs

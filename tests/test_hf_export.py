@@ -194,3 +194,4 @@ def test_export_keeps_the_retrofit_record_and_reads_tokenizer_files_bounded(tmp_
     assert main(["export", "--model", str(tmp_path / "src"), "--out", str(tmp_path / "zero")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "tokenizer_config.json" in err
+    assert not (tmp_path / "zero" / "model.safetensors").exists()  # no weights without their tokenizer

@@ -96,8 +96,8 @@ def run(args: argparse.Namespace) -> int:
             if args.dtype is not None:
                 model = model.to(getattr(torch, args.dtype))
         max_bytes = int(args.max_shard_mb * 2**20) if args.max_shard_mb is not None else None
+        copy_companions(src, out)  # first: a refused tokenizer file leaves no weights without a tokenizer
         save_pretrained(model, out, max_shard_bytes=max_bytes)
-        copy_companions(src, out)
         src = out
     written = export_remote_code(src, out) if args.remote_code else src
     if args.tokenizer is not None:

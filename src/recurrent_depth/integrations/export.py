@@ -62,6 +62,7 @@ def copy_companions(src: Path, out: Path) -> None:
     record of the source; each a bounded read (a tokenizer.json linked to /dev/zero filled the disk)."""
     if src.resolve() == out.resolve():
         return
+    out.mkdir(parents=True, exist_ok=True)
     copy_tokenizer(src, out)
     if (src / PROVENANCE_FILE).is_file():
         record = read_bytes(src / PROVENANCE_FILE, CONFIG_MAX_BYTES, "retrofit record")
@@ -84,8 +85,8 @@ def export_remote_code(model_dir: str | Path, out_dir: str | Path | None = None)
     if raw.get("model_type") != MODEL_TYPE or out.resolve() != src.resolve():
         # Re-save through the library: our key names, tied head stored once, no RoPE buffer.
         model = RecurrentDepthLM.from_pretrained(src)
+        copy_companions(src, out)  # first: a refused tokenizer file leaves no weights without a tokenizer
         save_pretrained(model, out)
-        copy_companions(src, out)
     values: dict[str, Any] = config.to_dict()
     values["architectures"] = ["RecurrentDepthForCausalLM"]
     values["auto_map"] = dict(AUTO_MAP)

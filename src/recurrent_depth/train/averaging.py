@@ -144,9 +144,11 @@ def average_checkpoints(
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     config = ModelConfig.from_json(chosen[-1] / "config.json")
-    save_pretrained(StateView(config, state), out, metadata={"averaged_from": json.dumps([str(p) for p in chosen]),
-                                                               "ema_beta": str(beta)})
     source = Path(tokenizer_dir) if tokenizer_dir is not None else chosen[-1]
     if any((source / name).exists() for name in TOKENIZER_FILES):
+        # first: a refused tokenizer file (too large, not a regular file) leaves no weights without a tokenizer
+        Path(out).mkdir(parents=True, exist_ok=True)
         copy_tokenizer(source, out)
+    save_pretrained(StateView(config, state), out, metadata={"averaged_from": json.dumps([str(p) for p in chosen]),
+                                                               "ema_beta": str(beta)})
     return out

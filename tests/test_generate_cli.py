@@ -159,3 +159,30 @@ def test_cli_takes_official_lookup_strategies(model_dir, loaded, capsys, strateg
                                                 exit_threshold=0.01, init_scale=0.0, kv_policy=strategy)
     assert main(["generate", "--model", str(model_dir), "--prompt", "x", "--kv-policy", "compress-s3"]) == 2
     assert "compress-s3" in capsys.readouterr().err  # tiny has 2 core layers: s3 would mix them
+
+
+def test_cli_json_refuses_stream_and_names_a_bad_threshold(model_dir, capsys):
+    # --stream --json used to print the streamed text and then the JSON object on stdout (not JSON)
+    assert main(["generate", "--model", str(model_dir), "--prompt", "x", "--max-new-tokens", "2",
+                 "--num-steps", "1", "--stream", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "--json" in captured.err and "--stream" in captured.err
+    # a threshold that is not a number named argparse's type function ("invalid _threshold value")
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--model", str(model_dir), "--prompt", "x", "--exit-criterion", "kl",
+              "--exit-threshold", "foo"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--exit-threshold" in err and "'auto'" in err and "_threshold" not in err
+
+
+def test_cli_default_depth_keeps_the_depth_ceiling(model_dir, capsys):
+    # `--max-depth 2` on a model of mean_recurrence 4 ran every token at depth 4 when --num-steps was left out
+    assert rd.ModelConfig.from_preset("tiny").mean_recurrence == 4
+    assert main(["generate", "--model", str(model_dir), "--prompt", "x", "--max-new-tokens", "2",
+                 "--max-depth", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "mean_recurrence=4" in err and "--num-steps" in err and "--max-depth" in err
+    assert main(["generate", "--model", str(model_dir), "--prompt", "x", "--max-new-tokens", "2",
+                 "--max-depth", "2", "--num-steps", "2", "--no-stream"]) == 0
+    assert "mean_steps=2.0" in capsys.readouterr().err

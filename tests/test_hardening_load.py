@@ -116,6 +116,17 @@ def test_eval_and_analyze_depths_are_capped_by_max_depth(model_dir, tmp_path, ca
     assert code == 2 and "--max-depth=0 is invalid" in one_line_error(err)
 
 
+
+def test_eval_baseline_default_depth_keeps_max_depth(model_dir, tmp_path, capsys):
+    """`rdepth eval --baseline DIR --max-depth 2` scored the baseline at its mean_recurrence 4 (past the ceiling)."""
+    argv = ["eval", "--model", str(model_dir), "--out", str(tmp_path / "out"), "--data", "none", "--reasoning",
+            "chains", "--count", "1", "--difficulties", "0", "--depths", "1", "--baseline", str(model_dir),
+            "--max-depth", "2"]
+    code, err = run_cli(argv, capsys)
+    assert code == 2 and "mean_recurrence=4" in one_line_error(err) and "--baseline-depth" in err
+    assert not (tmp_path / "out" / "results.json").exists()
+
+
 def test_serve_max_num_steps_default_is_capped_by_the_ceiling(model, tmp_path):
     from recurrent_depth.serving import build_app, default_max_num_steps
 
@@ -125,6 +136,19 @@ def test_serve_max_num_steps_default_is_capped_by_the_ceiling(model, tmp_path):
     with pytest.raises(ValueError, match=r"max_num_steps=4000000000 is invalid: .*--max-depth"):
         build_app(model, tokenizer_dir=None, max_num_steps=4_000_000_000)
     assert "--max-depth" in subprocess_help("serve")
+
+
+def test_serve_default_depth_is_within_max_num_steps(model):
+    """`rdepth serve --max-num-steps 2` (or `--max-depth 2`) on a model of mean_recurrence 4 started, and
+    served requests without num_steps at depth 4 while refusing an explicit num_steps of 4."""
+    from recurrent_depth.serving import build_app
+
+    mean = model.config.mean_recurrence
+    for limit in ({"max_num_steps": mean - 1}, {"max_depth": mean - 1}):
+        with pytest.raises(ValueError, match=rf"mean_recurrence={mean} .* above max_num_steps={mean - 1}.*--num-steps"):
+            build_app(model, tokenizer_dir=None, **limit)
+    build_app(model, tokenizer_dir=None, max_num_steps=mean - 1, num_steps=mean - 1)  # a default within the cap
+    build_app(model, tokenizer_dir=None, max_num_steps=mean)
 
 
 def subprocess_help(command: str) -> str:

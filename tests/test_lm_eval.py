@@ -154,3 +154,44 @@ def test_rdepth_lm_eval_reports_bad_model_args_in_one_line(model_dir, capsys):
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("rdepth lm-eval: error: model_args: bogus=1 is not an argument of lm-eval's HF model "
                            "or of ours (") and "num_steps" in last
+
+
+def test_rdepth_lm_eval_takes_threads(monkeypatch, capsys):
+    # README: every command takes --threads N; `rdepth lm-eval` handed it to lm-eval, which refused it
+    # ("unrecognized arguments: --threads 1") wherever it stood.
+    import sys
+
+    import lm_eval.__main__
+    import torch
+
+    seen = []
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: seen.append((sys.argv[1:], torch.get_num_threads())))
+    before = torch.get_num_threads()
+    try:
+        assert main(["lm-eval", "run", "--threads", "2", "--tasks", "x", "--device", "cpu"]) == 0
+        assert main(["lm-eval", "--threads=1", "ls", "tasks"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    assert seen[0] == (["run", "--tasks", "x", "--device", "cpu", "--include_path", str(TASKS_DIR)], 2)
+    assert seen[1] == (["ls", "tasks", "--include_path", str(TASKS_DIR)], 1)
+    assert main(["lm-eval", "--threads", "0", "run"]) == 2
+    assert capsys.readouterr().err.strip() == ("rdepth lm-eval: error: argument --threads: expected an integer "
+                                               ">= 1, got '0'")
+
+
+def test_a_generation_seed_is_drawn_on_the_generators_device(model_dir, monkeypatch):
+    """The backend's generator lives on its device (`cuda` on a GPU); `torch.randint` without `device=` draws
+    on the CPU, which a CUDA generator refuses ("Expected a 'cpu' device type for generator")."""
+    import torch
+
+    lm = RecurrentDepthEvalLM(pretrained=str(model_dir), num_steps=2, init_scale=0.0, device="cpu", batch_size=1)
+    draws, randint = [], torch.randint
+
+    def spy(*args, **kwargs):
+        if kwargs.get("generator") is lm._generator:
+            draws.append(kwargs.get("device"))
+        return randint(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "randint", spy)
+    lm._model_generate(torch.tensor([[1, 2, 3]]), max_length=5, stop=[])
+    assert draws == [lm._generator.device]

@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         difficulties=args.difficulties, count=args.count, lm_eval_tasks=args.lm_eval_tasks, fewshot=args.fewshot,
         limit=args.limit, baseline=args.baseline, baseline_depth=args.baseline_depth, init_scale=args.init_scale,
         seed=args.seed, batch_size=args.batch_size, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
-        weights=args.weights,
+        weights=args.weights, max_depth=args.max_depth,
     )
     evaluate_depths(config)
     return 0

@@ -107,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     import recurrent_depth as rd
+    from recurrent_depth.config import MAX_NUM_STEPS
     from recurrent_depth.data.tokenizer import check_fits_vocab, tokenizer_failures_as_errors
     from recurrent_depth.inference import generate, stream_generate
 
@@ -119,6 +120,10 @@ def run(args: argparse.Namespace) -> int:
     model = rd.RecurrentDepthLM.from_pretrained(args.model, dtype=args.dtype, device=args.device,
                                              weights=args.weights).eval()
     check_fits_vocab(tokenizer, model.config.vocab_size, tokenizer_source(args))
+    ceiling = MAX_NUM_STEPS if args.max_depth is None else args.max_depth
+    if args.num_steps is None and model.config.mean_recurrence > ceiling:  # the default depth, past --max-depth
+        raise ValueError(f"the model's mean_recurrence={model.config.mean_recurrence} (the default --num-steps) is "
+                         f"above the depth ceiling {ceiling}: give --num-steps <= {ceiling}, or raise --max-depth")
     if args.lora is not None:
         from recurrent_depth.train.lora import attach_adapter
 

@@ -58,8 +58,36 @@ def prepare_argv(argv: list[str], cuda_available: bool) -> list[str]:
     return argv
 
 
+def take_threads(argv: list[str]) -> tuple[list[str], int | None]:
+    """`--threads N` / `--threads=N` taken out of lm-eval's arguments (lm-eval has no such flag and
+    would refuse it; every rdepth command takes it): the other arguments and N (None if not given)."""
+    rest: list[str] = []
+    threads = None
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg != "--threads" and not arg.startswith("--threads="):
+            rest.append(arg)
+            i += 1
+            continue
+        text = arg.partition("=")[2] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+        i += 1 if "=" in arg else 2
+        try:
+            threads = int(text)
+        except ValueError:
+            threads = 0
+        if threads < 1:
+            raise ValueError(f"argument --threads: expected an integer >= 1, got {text!r}")
+    return rest, threads
+
+
 def run_passthrough(argv: list[str]) -> int:
     """Import recurrent_depth (registering everything), then run lm-eval's CLI main with `argv`."""
+    try:
+        argv, threads = take_threads(argv)
+    except ValueError as exc:
+        print(f"rdepth lm-eval: error: {exc}", file=sys.stderr)
+        return 2
     import recurrent_depth  # noqa: F401
     import recurrent_depth.integrations  # noqa: F401  (Auto classes + the lm-eval backend, lazily)
 
@@ -71,6 +99,9 @@ def run_passthrough(argv: list[str]) -> int:
     import torch
 
     from recurrent_depth.evaluation.lm_eval_env import quiet_git_probe
+
+    if threads is not None:
+        torch.set_num_threads(threads)
 
     quiet_git_probe()
     saved = sys.argv

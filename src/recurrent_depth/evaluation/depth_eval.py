@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from recurrent_depth.config import MAX_NUM_STEPS
 from recurrent_depth.data.tokenizer import tokenizer_directory
 from recurrent_depth.evaluation.readout import check_depths
 from recurrent_depth.files import atomic_write_text, check_out_dir, finite_or_null
@@ -58,6 +59,7 @@ class EvalConfig:
     dtype: str | None = None
     tokenizer: str | None = None  # the model's tokenizer directory; None: the one inside `model`
     weights: str | None = None  # "int8" / "int4" / "int4:g<group>": weight-only quantization at load (weight_quant.py)
+    max_depth: int | None = None  # the depth ceiling (None: MAX_NUM_STEPS); the baseline's default depth keeps it too
 
     def validate(self) -> EvalConfig:
         check_weights(self.weights)
@@ -218,6 +220,11 @@ def evaluate_depths(config: EvalConfig, log: Any = print) -> dict[str, Any]:
     if config.baseline is not None:
         baseline, baseline_tok = _load(config.baseline, config.device, config.dtype, weights=config.weights)
         base_depth = config.baseline_depth if config.baseline_depth is not None else baseline.config.mean_recurrence
+        ceiling = MAX_NUM_STEPS if config.max_depth is None else config.max_depth
+        if config.baseline_depth is None and base_depth > ceiling:  # before any scoring
+            raise ValueError(f"--baseline {config.baseline} has mean_recurrence={base_depth} (the default "
+                             f"--baseline-depth), above the depth ceiling {ceiling}: give --baseline-depth <= "
+                             f"{ceiling}, or raise --max-depth")
         if config.data is not None and baseline_tok is None:  # before the model's text is scored, not after
             raise ValueError(f"--baseline {config.baseline} has no tokenizer.json: text measurements need the "
                              "baseline's tokenizer")

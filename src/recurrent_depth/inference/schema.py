@@ -203,7 +203,12 @@ def from_text(name: str, value: Any) -> Any:
 
 # ---------------------------------------------------------------------------------------- CLI
 def _threshold(text: str) -> float | str:
-    return AUTO if text == AUTO else float(text)
+    if text == AUTO:
+        return AUTO
+    try:
+        return float(text)
+    except ValueError:  # argparse would name this function ("invalid _threshold value")
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
 
 
 def _argument(parser: Any, flag: str, dest: str, kind: str, help: str, choices: tuple | None,

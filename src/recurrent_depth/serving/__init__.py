@@ -143,6 +143,10 @@ def build_app(
     if num_steps is not None and (isinstance(num_steps, bool) or not isinstance(num_steps, int)
                                   or not 0 <= num_steps <= steps):
         raise ValueError(f"num_steps={num_steps!r} is invalid: expected an integer in [0, max_num_steps={steps}]")
+    if num_steps is None and cfg.mean_recurrence > steps:  # else requests without num_steps ran past the cap
+        raise ValueError(f"the model's mean_recurrence={cfg.mean_recurrence} (the depth of requests that do not "
+                         f"set num_steps) is above max_num_steps={steps}: give num_steps <= {steps} (--num-steps), "
+                         "or a higher max_num_steps (--max-num-steps, --max-depth)")
     limits = Limits(cfg.max_seq_len, cfg.mean_recurrence, cfg.vocab_size, max_num_steps=steps,
                     max_sequences=min(max_queue, 256), default_num_steps=num_steps,
                     gate_threshold=cfg.exit_gate_threshold)

@@ -470,3 +470,16 @@ def test_info_prints_human_readable_sizes(capsys):
     assert main(["info", "--preset", "huginn-0125"]) == 0
     out = capsys.readouterr().out
     assert "3.56 B (3,564,976,800" in out and "GiB" in out and "MiB" in out
+
+
+def test_serve_startup_errors_name_the_flags(model_dir, capsys):
+    """`rdepth serve --max-batch 0` said "max_batch=0 is invalid", the keyword of the Python function."""
+    from recurrent_depth.cli.serve import flag_spelled
+
+    flags = {"max_batch": 0, "num_steps": 2000, "max_num_steps": None, "kv_quant": "k=prod:3,seed=1"}
+    assert flag_spelled("num_steps=2000 is invalid: expected an integer in [0, max_num_steps=64]", flags) == (
+        "--num-steps 2000 is invalid: expected an integer in [0, --max-num-steps 64]")
+    assert flag_spelled("kv_quant='k=prod:3,seed=1' is invalid", flags) == "--kv-quant 'k=prod:3,seed=1' is invalid"
+    code, err = run_cli(["serve", "--model", str(model_dir), "--port", "18659", "--max-batch", "0"], capsys)
+    assert code == 2
+    assert one_line_error(err) == "rdepth serve: error: --max-batch 0 is invalid: expected an integer >= 1"

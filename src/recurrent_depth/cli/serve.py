@@ -11,6 +11,7 @@ Per-request test-time compute goes in the JSON body (`num_steps`, `exit_criterio
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +91,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from recurrent_depth.serving import resolve_api_key, serve
+    from recurrent_depth.serving import resolve_api_key
     from recurrent_depth.serving.text import tokenizer_file
 
     check_lora_with_weights(args)
@@ -112,6 +113,27 @@ def run(args: argparse.Namespace) -> int:
         model_name = model_name or Path(args.model).resolve().name
         if tokenizer_dir is None and tokenizer_file(args.model) is not None:  # else token ids only, as without --lora
             tokenizer_dir = args.model
+    try:
+        _serve(args, model, tokenizer_dir, model_name, hosts, api_key, dtype)
+    except ValueError as exc:  # `serve`'s checks name its keyword arguments: say the flags that set them
+        raise ValueError(flag_spelled(str(exc), vars(args))) from None
+    return 0
+
+
+def flag_spelled(message: str, flags: dict[str, Any]) -> str:
+    """`message` with each `name=` of a keyword argument that a flag sets written `--flag ` (max_batch=0 ->
+    --max-batch 0); names inside quoted values (a kv_quant spec's `seed=`) are left alone."""
+    names = sorted((n for n in flags if "_" in n), key=len, reverse=True)
+    if not names:
+        return message
+    pattern = re.compile(rf"(?<![\w\-.',])({'|'.join(names)})=")
+    return pattern.sub(lambda m: "--" + m.group(1).replace("_", "-") + " ", message)
+
+
+def _serve(args: argparse.Namespace, model: Any, tokenizer_dir: Any, model_name: Any, hosts: Any, api_key: Any,
+           dtype: Any) -> None:
+    from recurrent_depth.serving import serve
+
     serve(
         model, tokenizer_dir=tokenizer_dir, host=args.host, port=args.port, log_level=args.log_level,
         allowed_hosts=hosts, read_timeout=args.read_timeout, stall_timeout=args.stall_timeout,
@@ -124,7 +146,6 @@ def run(args: argparse.Namespace) -> int:
         max_body_total=args.max_body_total,
         **({} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}),
     )
-    return 0
 
 
 def check_port_free(host: str, port: int) -> None:

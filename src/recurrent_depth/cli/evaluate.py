@@ -55,7 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-docs", type=int, default=32, help="held-out documents to score (default: 32)")
     parser.add_argument("--max-tokens", type=int, default=20_000, help="tokens to score at most (default: 20000)")
     parser.add_argument("--seq-len", type=int, default=None,
-                        help="scoring window in tokens (default: the model's max_seq_len)")
+                        help="scoring window in tokens, at most each model's max_seq_len (a longer one is cut to it, "
+                             "for the model and a --baseline alike; default: the model's max_seq_len)")
     parser.add_argument("--reasoning", type=_name_list, default=[],
                         help="reasoning tasks generated in code, e.g. chains,addition (default: none)")
     parser.add_argument("--difficulties", type=int_list, default=None,

@@ -89,7 +89,8 @@ class EvalConfig:
         if unknown:  # checked here, not after the text scoring (whose results were then lost)
             raise ValueError(f"unknown reasoning task(s) {unknown}; choose from {sorted(TASKS)}")
         if self.data is None and not self.reasoning_tasks and not self.lm_eval_tasks:
-            raise ValueError("nothing to evaluate: give data, reasoning_tasks or lm_eval_tasks")
+            raise ValueError("nothing to evaluate: give data (--data), reasoning_tasks (--reasoning) or lm_eval_tasks "
+                             "(--lm-eval-tasks)")
         return self
 
 

@@ -335,3 +335,19 @@ def test_a_resume_under_a_token_budget_keeps_the_cool_down_of_the_straight_run(m
     lrs = [m["lr"] for m in read_metrics(tmp_path / "straight")]
     assert [m["lr"] for m in read_metrics(tmp_path / "cut")] == lrs and lrs[4] < lrs[0]
     assert [m["loss"] for m in read_metrics(tmp_path / "cut")] == straight.losses
+
+
+def test_scored_tokens_count_every_micro_batch_of_a_step(model_dir, tmp_path):
+    """With --grad-accum 2 a step's record held the last micro-batch's scored_tokens only (half the step's)."""
+    from recurrent_depth.cli import build_parser
+    from recurrent_depth.cli.train import config_from_args
+
+    data = write_chats(tmp_path / "chats.jsonl")
+    counts = []
+    for batch, accum in ((8, 1), (4, 2)):
+        flags = ["sft", "--init-from", str(model_dir), "--data", str(data), "--seq-len", "32", "--batch-size",
+                 str(batch), "--grad-accum", str(accum), "--max-steps", "1", "--eval-depths", "1", "--eval-batches",
+                 "1", "--no-tensorboard", "--no-progress", "--out", str(tmp_path / f"run{accum}")]
+        sft_trainer(config_from_args(build_parser("sft").parse_args(flags))).run()
+        counts.append(read_metrics(tmp_path / f"run{accum}")[0]["scored_tokens"])
+    assert counts[0] == counts[1] > 0  # the same 8 rows, in one micro-batch or two

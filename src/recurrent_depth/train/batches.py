@@ -28,12 +28,17 @@ def batch_to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
 class BatchSource:
     """A stream of training micro-batches (see the module docstring for the batch layout)."""
 
+    # `observe` metrics that count the micro-batch's work: a step's record holds their sum over its
+    # micro-batches (the other metrics are the last micro-batch's)
+    summed_metrics: tuple[str, ...] = ()
+
     def next_batch(self, batch_size: int) -> dict[str, Tensor]:
         raise NotImplementedError
 
     def observe(self, batch: dict[str, Tensor], output: Any) -> dict[str, Any]:
         """Called under `no_grad` after each micro-batch's forward; metrics to add to the step's record
-        (the last micro-batch's, with gradient accumulation). A curriculum updates itself here."""
+        (the last micro-batch's with gradient accumulation, or the sum for `summed_metrics`). A
+        curriculum updates itself here."""
         return {}
 
     def state_dict(self) -> dict[str, Any]:

@@ -161,6 +161,8 @@ class SFTBatches(BatchSource):
         index = torch.cat(picked)[self.rank * batch_size : (self.rank + 1) * batch_size]
         return self.rows.batch(index, self.device)
 
+    summed_metrics = ("scored_tokens",)  # a step's answer tokens, over its micro-batches
+
     def observe(self, batch: dict[str, Tensor], output: Any) -> dict[str, Any]:
         return {"epoch": self.epoch + self.cursor / len(self.rows),
                 "scored_tokens": int((batch["targets"] != IGNORE).sum())}

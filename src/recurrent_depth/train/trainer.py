@@ -611,7 +611,9 @@ class Trainer:
                 indexer_kl_sum += float(indexer_kl.detach())
                 indexer_kl_count += 1
             with torch.no_grad():
+                counted = {k: observed[k] for k in self.source.summed_metrics if k in observed}
                 observed = self.source.observe(batch, out)
+                observed.update({k: v + observed.get(k, 0) for k, v in counted.items()})
             step_tokens += batch["input_ids"].numel()
             if num_steps is not None:
                 depths.append(sum(num_steps))

@@ -259,6 +259,8 @@ def test_depth_draws_per_micro_batch(train_root, tmp_path, options):
     if options.get("baseline"):
         assert all(m["num_steps"] == [1] and m["grad_steps"] == [1] for m in metrics)
         assert json.loads((tmp_path / "model" / "config.json").read_text())["mean_recurrence"] == 1
+        # run.json said "poisson-lognormal" for a baseline, whose steps draw nothing
+        assert json.loads((tmp_path / "run.json").read_text())["sampler"] == {"scheme": "baseline", "num_steps": [0, 1]}
     else:
         from recurrent_depth.train.depth import DepthSampler
 

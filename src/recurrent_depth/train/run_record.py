@@ -44,7 +44,9 @@ def run_metadata(trainer: Trainer) -> dict[str, Any]:
         "parameters": num_parameters(trainer.model),
         "seq_len": trainer.seq_len,
         "tokens_per_step": trainer.tokens_per_step,
-        "sampler": trainer.sampler.to_dict() if trainer.sampler is not None else None,
+        # (a baseline's every step is one core pass with gradient, whatever the sampler would draw)
+        "sampler": ({"scheme": "baseline", "num_steps": [0, 1]} if cfg.baseline
+                    else trainer.sampler.to_dict() if trainer.sampler is not None else None),
         "eval_depths": trainer.eval_depths,
         "seeds": {"weights": cfg.seed, "data": cfg.seed, "depth": cfg.seed, "initial_state": cfg.seed + 1},
         "data": trainer.source.describe(),

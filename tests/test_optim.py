@@ -211,6 +211,18 @@ def test_bias_correction_placement_changes_the_atan2_update() -> None:
     assert not torch.allclose(results["outside"], results["inside"])
 
 
+def test_step_bound_with_outside_bias_correction_is_as_documented() -> None:
+    # docs/training-recipe.md once said every coordinate moves at most pi/2 * lr; with the defaults (running init,
+    # bias correction outside the atan2) the first step moves atan(sqrt(1 - b2)) / (1 - b1) * lr = 2.2 lr.
+    p = torch.zeros(64, requires_grad=True)
+    opt = HuginnAdam([p], lr=1.0)
+    p.grad = torch.randn(64)
+    opt.step()
+    first = math.atan(math.sqrt(1 - 0.95)) / (1 - 0.9)
+    torch.testing.assert_close(p.detach().abs(), torch.full((64,), first))
+    assert math.pi / 2 < first < math.pi / 2 / (1 - 0.9)
+
+
 def test_atan2_update_is_invariant_to_gradient_scale() -> None:
     # Everett et al.: atan2 removes eps, so a 1e-10 gradient scale gives the same trajectory.
     grads = make_grads(5, torch.float64)
@@ -253,8 +265,10 @@ def test_update_clipping_scales_the_step_after_a_spike() -> None:
         ({"bias_correction": "middle"}, "bias_correction"),
         ({"atan2_a": 0.0}, "atan2_a"),
         ({"lr": 0.0, "weight_decay": 0.1}, "initial_lr"),
+        ({"atan2": "false"}, "atan2 must be True or False"),
     ],
-    ids=["lr<0", "beta2=1", "one-beta", "scalar-betas", "eps0", "wd<0", "bad-bias-corr", "a0", "decay-without-lr"],
+    ids=["lr<0", "beta2=1", "one-beta", "scalar-betas", "eps0", "wd<0", "bad-bias-corr", "a0", "decay-without-lr",
+         "atan2-str"],
 )
 def test_huginn_adam_rejects_bad_hyperparameters(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
@@ -627,6 +641,21 @@ def test_cooldown_length() -> None:
         OptimConfig(cooldown_steps=30).cooldown_for(None)
 
 
+def test_overriding_one_cooldown_length_replaces_the_presets_other() -> None:
+    # demo has cooldown_fraction 0.2 and huginn-0125 cooldown_steps 4096: setting the other length over them
+    # (YAML `optim: {cooldown_steps: 100}`, `--optim-preset huginn-0125 --cooldown-fraction 0.2`) used to fail
+    # with "exclusive", naming a value the user never wrote and no flag could clear.
+    from recurrent_depth.train.config import optim_from_dict
+
+    steps = OptimConfig.from_preset("demo", cooldown_steps=100)
+    assert (steps.cooldown_steps, steps.cooldown_fraction) == (100, None)
+    frac = optim_from_dict({"preset": "huginn-0125", "cooldown_fraction": 0.2})
+    assert (frac.cooldown_steps, frac.cooldown_fraction) == (None, 0.2)
+    assert optim_from_dict({"cooldown_steps": 0}).cooldown_for(1000) == 0  # the default preset is demo
+    with pytest.raises(ValueError, match="exclusive"):  # both given: still refused
+        OptimConfig.from_preset("demo", cooldown_steps=100, cooldown_fraction=0.1)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
@@ -648,6 +677,9 @@ def test_cooldown_length() -> None:
         ({"cooldown_fraction": 1.5}, "optim.cooldown_fraction"),
         ({"min_lr": 1.0, "lr": 1e-3}, "optim.min_lr"),
         ({"skip_first_step": "yes"}, "optim.skip_first_step"),
+        ({"atan2": "false"}, "optim.atan2 must be true or false"),  # (a truthy string turned atan2 on)
+        ({"running_init": None}, "optim.running_init must be true or false"),
+        ({"muon_nesterov": "false"}, "optim.muon_nesterov must be true or false"),
     ],
     ids=[
         "name",
@@ -668,6 +700,9 @@ def test_cooldown_length() -> None:
         "cooldown-fraction>1",
         "min-lr>lr",
         "skip-first-step-str",
+        "atan2-str",
+        "running-init-none",
+        "nesterov-str",
     ],
 )
 def test_config_validation_names_the_field(kwargs: dict, field: str) -> None:
@@ -722,3 +757,19 @@ def test_update_clipping_survives_a_zero_gradient_in_float16() -> None:
         opt_full.step()
     assert torch.isfinite(half).all()
     torch.testing.assert_close(half.float(), full.detach(), atol=2e-3, rtol=0)
+
+
+def test_huginn_adams_step_count_does_not_take_torchs_default_dtype():
+    """Under a bf16 default dtype the step counter was a bf16 tensor: it stuck at 256 (257 rounds back to
+    256), and the bias correction with it. torch's Adam keeps it in float32 there too."""
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        p = torch.nn.Parameter(torch.ones(1, dtype=torch.float32))
+        opt = HuginnAdam([p], lr=1e-3)
+        for _ in range(300):
+            p.grad = torch.ones_like(p)
+            opt.step()
+    finally:
+        torch.set_default_dtype(saved)
+    assert opt.state[p]["step"].dtype == torch.float32 and float(opt.state[p]["step"]) == 300

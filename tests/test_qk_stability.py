@@ -254,6 +254,30 @@ def test_qk_clip_with_lr_zero_brings_offending_heads_to_tau(case):
         assert torch.equal(attn.Wqkv.weight, params["Wqkv.weight"])
 
 
+@pytest.mark.parametrize("overrides", [dict(), dict(num_kv_heads=2), dict(qk_bias=False)],
+                         ids=["bias", "gqa-bias", "no-bias"])
+def test_qk_clip_with_full_width_qk_norm_clips_each_head_alone(overrides):
+    # OLMo-2's full-width QK-norm has a gain per channel (so per head), and Huginn's q/k bias is added after it:
+    # the clip scaled neither per head nor the bias, and offending heads stayed above tau.
+    import warnings
+
+    model, attn = attention(config(qk_norm=True, qk_norm_full_width=True, **overrides))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # per-channel gains: no "shared gain" warning
+        clip = QKClip(model, threshold=1.0)
+    x, ctx = torch.randn(2, 24, 64), context(model, 2, 24)
+    before = recorded(attn, x, ctx)
+    tau = float(before.sort().values[1]) + 1e-3
+    over = before > tau
+    assert 0 < int(over.sum()) < attn.num_heads
+    clip.threshold = tau
+    attn.max_logit = before
+    clip.step()
+    after = recorded(attn, x, ctx)
+    torch.testing.assert_close(after[over], torch.full_like(after[over], tau), rtol=1e-6, atol=1e-5)
+    assert torch.equal(after[~over], before[~over])
+
+
 def test_qk_clip_leaves_a_layer_under_tau_bit_identical_and_reaches_tau_through_the_core():
     torch.manual_seed(0)
     model = rd.RecurrentDepthLM(config(num_kv_heads=2)).train()

@@ -432,7 +432,7 @@ def optim_from_dict(data: dict[str, Any]) -> OptimConfig:
     if "betas" in values and isinstance(values["betas"], list):
         values["betas"] = tuple(values["betas"])
     check_field_names(values, OptimConfig, "optim key(s)", listed_as="known", extra=("preset",))
-    return dataclasses.replace(OptimConfig.from_preset(preset), **values)
+    return OptimConfig.from_preset(preset, **values)  # (one cool-down length given replaces the preset's other)
 
 
 # YAML 1.1 (PyYAML) reads `3e-3` as a string (its floats need a dot: `3.0e-3`); YAML 1.2 and people

@@ -152,8 +152,9 @@ class HuginnAdam(Optimizer):
         lr, eps = group["lr"], group["eps"]
         state = self.state[param]
         if not state:
-            # `step` as a float tensor, as torch's Adam keeps it (load_state_dict leaves it uncast).
-            state["step"] = torch.tensor(0.0)
+            # `step` as a float tensor, as torch's Adam keeps it (load_state_dict leaves it uncast); float32 whatever
+            # torch's default dtype (under a bf16 default the count stopped at 256, and the bias correction with it).
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
             if group["running_init"]:
                 state["exp_avg"] = grad.detach().clone(memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = (grad * grad).clone(memory_format=torch.preserve_format)
@@ -216,6 +217,9 @@ def _validate_adam_hparams(h: dict[str, Any], where: str) -> None:
     _check_real(h["atan2_b"], f"{where}: atan2_b", low=0.0, low_open=True)
     if h["bias_correction"] not in BIAS_CORRECTIONS:
         raise ValueError(f"{where}: bias_correction must be one of {BIAS_CORRECTIONS}, got {h['bias_correction']!r}")
+    for switch in ("atan2", "update_clipping", "running_init", "fully_decoupled_wd"):
+        if not isinstance(h[switch], bool):
+            raise ValueError(f"{where}: {switch} must be True or False, got {h[switch]!r}")
     if "initial_lr" in h and h["weight_decay"] > 0 and h["fully_decoupled_wd"]:
         _check_real(
             h["initial_lr"],
@@ -590,8 +594,10 @@ class OptimConfig:
             raise ValueError(
                 f"optim.muon_adjust_lr must be None or one of {MUON_ADJUST_LR}, got {self.muon_adjust_lr!r}"
             )
-        if not isinstance(self.muon_split_fused, bool):
-            raise ValueError(f"optim.muon_split_fused must be true or false, got {self.muon_split_fused!r}")
+        for switch in ("atan2", "update_clipping", "running_init", "fully_decoupled_wd", "muon_nesterov",
+                       "muon_split_fused"):  # (a string "false" is truthy: it would turn the switch on)
+            if not isinstance(getattr(self, switch), bool):
+                raise ValueError(f"optim.{switch} must be true or false, got {getattr(self, switch)!r}")
         if self.muon_ns_dtype not in NS_DTYPES:
             raise ValueError(f"optim.muon_ns_dtype must be one of {NS_DTYPES}, got {self.muon_ns_dtype!r}")
         if self.grad_clip is not None:
@@ -619,11 +625,15 @@ class OptimConfig:
         ``"k2-muon"``), optionally with fields overridden.
 
         The preset is positional-only, so the optimizer's own `name` field can be overridden too:
-        ``OptimConfig.from_preset("demo", name="adamw")``.
+        ``OptimConfig.from_preset("demo", name="adamw")``. The two cool-down lengths are exclusive, so
+        overriding one (``cooldown_steps`` or ``cooldown_fraction``) replaces the preset's other.
         """
         if preset not in OPTIM_PRESETS:
             raise ValueError(f"optimizer preset must be one of {tuple(OPTIM_PRESETS)}, got {preset!r}")
         cls._check_field_names(overrides)
+        for given, other in (("cooldown_steps", "cooldown_fraction"), ("cooldown_fraction", "cooldown_steps")):
+            if overrides.get(given) is not None and other not in overrides:
+                overrides[other] = None
         return replace(OPTIM_PRESETS[preset], **overrides)
 
     def to_dict(self) -> dict[str, Any]:

@@ -9,7 +9,8 @@ After each optimizer step, for each query head h of each attention layer,
 and the head's logits are scaled by gamma_h by rescaling its weights (see each mixer's
 `clip_heads`): sqrt(gamma_h) on W_q's rows and q-bias and on the key head's W_k rows and k-bias;
 with grouped-query attention (one key head for several query heads) all of gamma_h on the query
-side; with QK-norm on the gains (shared by the heads, so by the layer's smallest gamma); for MLA
+side; with QK-norm on the gains (shared by the heads, so by the layer's smallest gamma; per head for
+per-head or full-width gains); for MLA
 the head-specific parts only (not the shared rotary key). The core's W_q, W_k serve all r
 iterations, so a core layer's S_max is the max over every iteration: the mixer keeps a running
 max over its calls. The maxima come from the training forward itself (the mixers record them
@@ -55,7 +56,8 @@ class QKClip:
                         f"(mixers {list(CLIPPABLE_MIXERS)}), but the {part} uses {name!r}, which has no such logits"
                     )
         if (threshold is not None and config is not None and getattr(config, "qk_norm", False)
-                and not getattr(config, "qk_norm_per_head", False)):
+                and not getattr(config, "qk_norm_per_head", False)
+                and not getattr(config, "qk_norm_full_width", False)):
             # Under QK-norm the clip can act only on the norm's gains; one gain shared by a layer's heads
             # means clipping its worst head rescales every head of the layer (not Kimi K2's per-head rule).
             warnings.warn("QK-clip with a QK-norm gain shared by the heads clips each layer by its smallest "

@@ -150,22 +150,29 @@ class Attention(MaxLogitRecorder, nn.Module):
         QK-norm the weights cannot change the logits (the norm removes their scale): the gains are
         scaled instead, by the same rule head by head when each head has its own
         (`qk_norm_per_head`), else by the smallest gamma of the layer (one gain serves every head).
+        A full-width QK-norm (`qk_norm_full_width`) has a gain per channel, so head h's channels of the
+        gains take head h's factors; its q/k bias comes after the norm and is scaled with them.
         """
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         gamma = gamma.to(torch.float64)
-        if self.q_norm is not None and self.q_norm.weight.ndim == 1:
+        if self.q_norm is not None and self.q_norm.weight.ndim == 1 and not self.qk_norm_full_width:
             gamma = gamma.min().expand(H)
         q_heads, k_heads = (gamma.sqrt(), gamma.sqrt()) if Hkv == H else (gamma, gamma.new_ones(Hkv))
         if self.q_norm is not None:
             for norm, heads in ((self.q_norm, q_heads), (self.k_norm, k_heads)):
-                per_head = heads[:, None] if norm.weight.ndim == 2 else heads[:1]  # shared gain: all equal
+                if self.qk_norm_full_width:  # [H * D] gains: head h owns channels h*D .. (h+1)*D - 1
+                    per_head = heads.repeat_interleave(D)
+                else:
+                    per_head = heads[:, None] if norm.weight.ndim == 2 else heads[:1]  # shared gain: all equal
                 scale_parameter(norm.weight, per_head.expand(norm.weight.shape))
-            return
-        q_rows, k_rows = q_heads.repeat_interleave(D), k_heads.repeat_interleave(D)
-        rows = torch.cat([q_rows, k_rows, gamma.new_ones(Hkv * D)])  # [q | k | v] of Wqkv
-        scale_parameter(self.Wqkv.weight, rows[:, None].expand(self.Wqkv.weight.shape))
-        if self.Wqkv.bias is not None:
-            scale_parameter(self.Wqkv.bias, rows)
+            if not self.qk_norm_full_width:  # (the bias is added before a per-head norm, which removes its scale)
+                return
+        else:
+            q_rows, k_rows = q_heads.repeat_interleave(D), k_heads.repeat_interleave(D)
+            rows = torch.cat([q_rows, k_rows, gamma.new_ones(Hkv * D)])  # [q | k | v] of Wqkv
+            scale_parameter(self.Wqkv.weight, rows[:, None].expand(self.Wqkv.weight.shape))
+            if self.Wqkv.bias is not None:
+                scale_parameter(self.Wqkv.bias, rows)
         if self.has_qk_bias:
             if Hkv == H:
                 both = torch.stack([q_heads, k_heads])[:, None, :, None]  # [2, 1, H, 1]

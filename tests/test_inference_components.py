@@ -431,3 +431,54 @@ def test_lists_are_accepted_as_input_ids(model):
     a = generate(model, [3, 4, 5], max_new_tokens=3, num_steps=2, init_scale=0.0)
     b = generate(model, torch.tensor([[3, 4, 5]]), max_new_tokens=3, num_steps=2, init_scale=0.0)
     assert torch.equal(a.sequences, b.sequences)
+
+
+@pytest.fixture
+def default_dtype():
+    """Sets torch's default dtype for one test (users load big models under a bf16 default)."""
+    saved = torch.get_default_dtype()
+    yield torch.set_default_dtype
+    torch.set_default_dtype(saved)
+
+
+@pytest.mark.parametrize("kw", [dict(exit_criterion="kl"), dict(exit_criterion="entropy-diff", warm_start=True),
+                                dict(kv_quant="k=prod:3.5,v=mse:3.5"), dict(kv_quant="k=mse:2.5,v=mse:2.5,window=2")],
+                         ids=["kl", "entropy-warm", "kv-quant", "kv-quant-window"])
+def test_generation_does_not_take_torchs_default_dtype(default_dtype, kw):
+    """Statistics, quantization tables and returned logits are float32 by contract, not torch's default dtype:
+    under a bf16 default (a common way to load a bf16 model) the KL criterion and the quantized KV cache
+    crashed on a bf16/float32 mix, and `out.logits` came back bf16."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (2, 5))
+    kwargs = dict(max_new_tokens=3, num_steps=3, init_scale=0.0, output_logits=True, **kw)
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).to(torch.bfloat16).eval()
+    expected = generate(model, ids, **kwargs)
+    default_dtype(torch.bfloat16)
+    out = generate(model, ids, **kwargs)
+    assert out.logits.dtype == torch.float32
+    assert torch.equal(out.sequences, expected.sequences) and torch.equal(out.steps, expected.steps)
+
+
+def test_the_fast_runners_float32_decode_does_not_take_torchs_default_dtype(default_dtype):
+    """The fused runner's float32 decode workspace (out= buffers) was allocated in torch's default dtype."""
+    torch.manual_seed(0)
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval()
+    ids = torch.randint(0, 256, (2, 5))
+    expected = generate(model, ids, max_new_tokens=3, num_steps=3, init_scale=0.0)
+    default_dtype(torch.float64)
+    out = generate(model, ids, max_new_tokens=3, num_steps=3, init_scale=0.0)
+    assert torch.equal(out.sequences, expected.sequences)
+
+
+def test_randomized_lookup_draws_do_not_take_torchs_default_dtype(default_dtype):
+    """The randomized lookup's seeded draws were made in torch's default dtype: under a bf16 default they
+    were bf16 (eight bits), so the slots a seed picks depended on that setting."""
+    def draws():
+        cache = StaticRecurrentCache(2, 4, capacity=8, policy="randomized")
+        cache.lookup_generators = RowGenerators(7, 2, torch.device("cpu")).derived(1)
+        return cache._uniforms(torch.tensor([True, True]), 50)
+
+    expected = draws()
+    default_dtype(torch.bfloat16)
+    got = draws()
+    assert got.dtype == torch.float32 and torch.equal(got, expected)

@@ -357,3 +357,27 @@ def test_output_hidden_states_hold_one_entry_per_layer_and_the_combined_window_o
     # entry 3 is the window's output (after layer 2): the input of layer 3 reproduces the logits
     expected = _head(model, _plain(model, 3, out.hidden_states[3]))
     torch.testing.assert_close(out.logits, expected, atol=ATOL, rtol=0)
+
+
+def test_the_pretrain_demos_validation_rows_go_to_the_models_device():
+    """`rdepth loop pretrain` scores its validation rows (read on the CPU) with the trained model, which the
+    trainer put on its device (CUDA there): the rows follow the model, not the other way round."""
+    from recurrent_depth.looping.pretrain import _rows_loss
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    class OnMeta(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.empty(1, device="meta"))
+
+        def forward(self, ids):
+            seen.append(ids.device)
+            raise Stop  # (a meta forward has no numbers to score)
+
+    with pytest.raises(Stop):
+        _rows_loss(OnMeta(), torch.zeros(3, 5, dtype=torch.long), batch_size=2)
+    assert seen == [torch.device("meta")]

@@ -377,3 +377,16 @@ def test_a_lora_run_with_dropout_repeats_whatever_ran_before_it():
 
     first = losses(1)
     assert len(first) == 3 and first == losses(2)
+
+
+def test_a_seeded_adapter_leaves_the_gpus_generators_alone(monkeypatch):
+    """`add_lora(seed=...)` forks the CPU generator only (peft draws A on the CPU); `torch.manual_seed` inside
+    the fork also reseeded every CUDA generator, for good, on a GPU machine: later GPU draws (dropout) then
+    repeated the adapter's seed instead of following the run's RNG."""
+    models, reseeded = [tiny_model(), tiny_model()], []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: reseeded.append(seed))
+    before = torch.random.get_rng_state()
+    a, b = (add_lora(model, LoraSpec(rank=4), seed=3) for model in models)
+    assert reseeded == [] and torch.equal(torch.random.get_rng_state(), before)
+    first = {n: p for n, p in a.named_parameters() if "lora_A" in n}
+    assert first and all(torch.equal(p, dict(b.named_parameters())[n]) for n, p in first.items())

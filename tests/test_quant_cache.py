@@ -562,3 +562,23 @@ def test_lm_eval_backend_takes_kv_quant(tmp_path):
     assert lm.settings()["kv_quant"] == "k=prod:3.5,v=mse:3.5" and lm._stepwise
     with pytest.raises(ValueError, match="kv_quant"):
         RecurrentDepthEvalLM(pretrained=str(tmp_path), device="cpu", kv_quant="k=prod:0")
+
+
+@pytest.mark.parametrize("spec", ["prod:3.5", "mse:2.5", "prod:1"])
+def test_fused_turbo_rows_tables_do_not_take_torchs_default_dtype(spec):
+    """`TurboRows` built under a bf16 (or float64) default dtype: its tables were made in that dtype, and
+    encoding float32 vectors failed on the mix (a bf16 default is a common way to load a bf16 model)."""
+    g = torch.Generator().manual_seed(1)
+    x, queries = torch.randn(3, 7, 16, generator=g), torch.randn(3, 2, 16, generator=g)
+    float32_codec = row_codec(build_quantizer(spec, 16, seed=5))
+    saved = torch.get_default_dtype()
+    for default in (torch.bfloat16, torch.float64):
+        torch.set_default_dtype(default)
+        try:
+            codec = row_codec(build_quantizer(spec, 16, seed=5))
+            rows = codec.encode(x)
+            scores = codec.score(queries, rows)
+        finally:
+            torch.set_default_dtype(saved)
+        assert torch.equal(rows, float32_codec.encode(x)), default
+        assert scores.dtype == torch.float32 and torch.equal(scores, float32_codec.score(queries, rows)), default

@@ -162,3 +162,25 @@ def test_an_objective_owns_the_forward_and_the_loss(tmp_path):
     doubled, plain = run(Recording(), tmp_path / "a"), run(None, tmp_path / "b")
     assert len(seen) == 3 and all(isinstance(n, tuple) and has_gen for n, has_gen in seen)
     assert doubled.losses[0] == pytest.approx(2.0 * plain.losses[0], rel=1e-6)
+
+
+def test_the_trainer_moves_each_batch_to_its_device(tmp_path, monkeypatch):
+    """A source may build its batches on the CPU (the reasoning recipe's `ProblemStream`, `rdepth loop
+    pretrain`'s `RowBatches`): the trainer moves them to its device (CUDA there) before the forward."""
+    import recurrent_depth.train.trainer as trainer_module
+    from recurrent_depth.train.batches import batch_to
+
+    moved = batch_to({"input_ids": torch.zeros(2, 3, dtype=torch.long), "note": 1}, torch.device("meta"))
+    assert moved["input_ids"].device.type == "meta" and moved["note"] == 1
+    devices = []
+
+    def recording(batch, device):
+        devices.append(device)
+        return batch_to(batch, device)
+
+    monkeypatch.setattr(trainer_module, "batch_to", recording)
+    with OneThread():
+        trainer = Trainer(short_config(tmp_path, steps=2).replace(out=None), model=tiny_llama(),
+                          data=CountingBatches("targets"), log=lambda _: None)
+        trainer.run()
+    assert devices == [trainer.env.device] * 2

@@ -50,6 +50,7 @@ applies it from outside: `import recurrent_depth` registers `fast_runner` with
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -219,7 +220,7 @@ class FastRunner(ModelRunner):
         if ws is None:
             H, Hkv, D = self.H, self.Hkv, self.D
             h, inner2 = self.ln_f.shape[0], self._out_features(self.blocks["core"][0]["fc"])
-            new = torch.empty
+            new = functools.partial(torch.empty, dtype=torch.float32)  # (not torch's default dtype)
             device = self.ln_f.device
             qkv = new(B, (H + 2 * Hkv) * D, device=device)
             gate_up = new(B, inner2, device=device)

@@ -250,7 +250,8 @@ class RecurrentDepthEvalLM(HFLM):
             values["temperature"] = float(temperature)
         # Per-request overrides of the model args (lm-eval --gen_kwargs), e.g. num_steps=8.
         options: dict[str, Any] = self.model_args | {"num_steps": self.depth} | values
-        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self._generator))
+        # (drawn on the generator's device: a CUDA generator refuses a CPU draw)
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self._generator, device=self._generator.device))
         if options.get("init_scale") is None:
             options["init_scale"] = self._core.config.init_scale
         try:

@@ -149,12 +149,12 @@ class _CacheBase:
     def _uniforms(self, rows: Tensor, n: int) -> Tensor:
         """`[B, n]` draws in [0, 1) for the randomized lookup from `lookup_generators`: rows in `rows` that
         run this step (`write_mask`) draw, the others get zeros (their read is their own slot or discarded)."""
-        out = torch.zeros(self.batch_size, n)
+        out = torch.zeros(self.batch_size, n, dtype=torch.float32)  # (float32 draws whatever torch's default dtype)
         drawing = rows if self.write_mask is None else rows & self.write_mask.any(dim=1)
         for b in drawing.nonzero().flatten().tolist():
             # One seed per read, then the columns newest first: left padding only adds draws at the end.
             seed = int(torch.randint(2**62, (), generator=self.lookup_generators[b]))
-            out[b] = torch.rand(n, generator=torch.Generator().manual_seed(seed)).flip(0)
+            out[b] = torch.rand(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float32).flip(0)
         return out.to(self.device)
 
     def key_mask(self, key: LayerKey) -> Tensor | None:

@@ -160,18 +160,18 @@ class ExitCriterion:
         name = self.spec.name
         self.valid = valid
         if name in ("kl", "minp-kl"):
-            self.prev = torch.full((B, vocab_size), -math.log(vocab_size), device=state.device)
+            self.prev = torch.full((B, vocab_size), -math.log(vocab_size), dtype=torch.float32, device=state.device)
             self.prev_probs = self.prev.exp()
         elif name == "entropy-diff":
-            self.prev = torch.full((B,), 100.0, device=state.device)
+            self.prev = torch.full((B,), 100.0, dtype=torch.float32, device=state.device)
         elif name in ("latent-diff", "cosine"):
             self.prev = state.float()
         elif name == "argmax-stability":
             self.prev = torch.full((B,), -1, dtype=torch.long, device=state.device)
             self.count = torch.zeros(B, dtype=torch.long, device=state.device)
         elif name == "gate":  # per position: prod_j (1 - lambda_j) and sum_j p_j so far
-            self.survival = torch.ones(state.shape[:-1], device=state.device)
-            self.mass = torch.zeros(state.shape[:-1], device=state.device)
+            self.survival = torch.ones(state.shape[:-1], dtype=torch.float32, device=state.device)
+            self.mass = torch.zeros(state.shape[:-1], dtype=torch.float32, device=state.device)
 
     def _per_row(self, stat: Tensor) -> Tensor:
         """`[B]` from a per-position statistic `[B]` or `[B, T]` (the mean over real positions)."""
@@ -226,7 +226,7 @@ class ExitCriterion:
             stat = self._per_row(self.mass)
             met = stat >= self.threshold
         else:  # none (a latent criterion: it reads the state's batch size only)
-            stat = torch.zeros(state.shape[0], device=state.device)
+            stat = torch.zeros(state.shape[0], dtype=torch.float32, device=state.device)
             met = torch.zeros_like(stat, dtype=torch.bool)
         self.last_statistic = stat
         return met

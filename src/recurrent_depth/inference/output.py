@@ -172,7 +172,7 @@ class Recorder:
         logits = None
         if self.logits is not None and new:
             V = next(lg[0].shape[-1] for lg in self.logits if lg)
-            logits = torch.zeros(B, new, V)
+            logits = torch.zeros(B, new, V, dtype=torch.float32)  # (float32 whatever torch's default dtype)
             for b, row in enumerate(self.logits):
                 if row:
                     logits[b, : len(row)] = torch.stack(row)

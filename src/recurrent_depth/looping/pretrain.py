@@ -88,7 +88,7 @@ def llama_config(recipe: PretrainRecipe, vocab_size: int, specials: dict[str, in
 def _rows_loss(model: torch.nn.Module, rows: torch.Tensor, batch_size: int) -> float:
     total, count = 0.0, 0
     for i in range(0, rows.shape[0], batch_size):
-        batch = rows[i : i + batch_size]
+        batch = rows[i : i + batch_size].to(next(model.parameters()).device)  # (the trainer's device)
         logits = model(batch[:, :-1]).logits
         total += float(F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum"))
         count += batch[:, 1:].numel()

@@ -404,7 +404,8 @@ class Randomized(_PerRead):
     @staticmethod
     def choose(held: Tensor, slot: int, lacking: Tensor, uniform: Uniforms | None) -> Tensor:
         count = held.clamp(min=1, max=slot + 1)
-        draws = torch.rand(count.shape, device=count.device) if uniform is None else uniform(lacking, count.shape[1])
+        draws = (torch.rand(count.shape, dtype=torch.float32, device=count.device) if uniform is None
+                 else uniform(lacking, count.shape[1]))
         return (draws * count).long().clamp(max=count - 1)
 
 

@@ -25,6 +25,7 @@ Both give `encode(x) -> rows`, `decode(rows, dtype)`, `score(q, rows)` (q full p
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -54,7 +55,7 @@ class RowCodec:
 
     def __init__(self, quantizer: Quantizer) -> None:
         self.quantizer = quantizer
-        probe = quantizer.encode(torch.zeros(1, quantizer.dim))
+        probe = quantizer.encode(torch.zeros(1, quantizer.dim, dtype=torch.float32))
         self.layout = [(name, t.dtype, t.shape[-1] * t.element_size()) for name, t in probe.fields.items()]
         self.widths = [width for _, _, width in self.layout]
         self.nbytes = sum(self.widths)
@@ -170,8 +171,10 @@ class TurboRows:
         self.groups = G = len(groups)
         self.has_index = any(group.codebook is not None for group, _ in groups)
         cpu = torch.device("cpu")
-        rotate, unrotate, sketch = torch.zeros(D, D), torch.zeros(D, D), torch.zeros(D, D)
-        member, qjl_scale = torch.zeros(D, G), torch.zeros(D)  # member: rotated column -> its group
+        # (float32 tables whatever torch's default dtype: a bf16 default made them bf16, and encoding failed)
+        zeros = functools.partial(torch.zeros, dtype=torch.float32)
+        rotate, unrotate, sketch = zeros(D, D), zeros(D, D), zeros(D, D)
+        member, qjl_scale = zeros(D, G), zeros(D)  # member: rotated column -> its group
         centroids: list[Tensor] = []
         boundaries: list[Tensor] = []
         # Packed bits: each group's indices (MSB first) padded to a byte, then each group's signs.
@@ -185,7 +188,7 @@ class TurboRows:
             d = group.dim
             cols = slice(col, col + d)
             col += d
-            eye = torch.eye(d)
+            eye = torch.eye(d, dtype=torch.float32)
             rotate[channels, cols] = group.rotation.forward(eye)  # x @ rotate = each group's Πx_g
             unrotate[cols, channels] = group.rotation.inverse(eye)
             member[cols, g] = 1
@@ -195,7 +198,7 @@ class TurboRows:
             b = group.codebook.bits if group.codebook is not None else 0
             self.fields.append((cols, b, len(sources), None))
             if g:  # a separator: the groups' searches do not overlap (see `turbo_encode`)
-                boundaries.append(torch.tensor([4.0 * g - 2]))
+                boundaries.append(torch.tensor([4.0 * g - 2], dtype=torch.float32))
             if b:
                 values, bounds = group.codebook._on(cpu)
                 centroids.append(values)
@@ -203,7 +206,7 @@ class TurboRows:
                 sources += [(c, s) for c in range(cols.start, cols.stop) for s in range(b - 1, -1, -1)]
                 sources += [(zero, 0)] * (8 * packed_nbytes(d * b, 1) - d * b)
             else:  # prod:1 stores no indices: its "centroid" is 0 and the residual the unit vector
-                centroids.append(torch.zeros(1))
+                centroids.append(zeros(1))
         if self.prod:
             for g, (cols, b, start, _) in enumerate(self.fields):
                 d = cols.stop - cols.start
@@ -226,10 +229,10 @@ class TurboRows:
         shifts, byte_tables, pad = [], [], 0
         byte_bits = ((torch.arange(256)[:, None] >> torch.arange(7, -1, -1)) & 1)  # [256, 8] most significant first
         for first, count, bits, offset, _ in fields:
-            table = weights = 2.0 ** torch.arange(bits - 1, -1, -1)
+            table = weights = 2.0 ** torch.arange(bits - 1, -1, -1, dtype=torch.float32)
             if bits and 8 % bits == 0:
                 index = (byte_bits.unflatten(-1, (8 // bits, bits)).float() @ weights).long()
-                table = index * 2.0 - 1 if offset is None else torch.cat(centroids)[index + offset]
+                table = (index * 2 - 1).float() if offset is None else torch.cat(centroids)[index + offset]
             byte_tables.append(table)
             word_bytes, per_word = _word(max(bits, 1))
             word_dtype = torch.int32 if word_bytes <= 3 else torch.long  # (int32: twice the vector lanes)
@@ -243,7 +246,7 @@ class TurboRows:
         all_centroids = torch.cat(centroids)
         self._tables = TurboTables(
             rotate=rotate, col_group=col_group, col_shift=4.0 * col_group.float(),
-            boundaries=torch.cat(boundaries) if boundaries else torch.zeros(0),
+            boundaries=torch.cat(boundaries) if boundaries else zeros(0),
             offsets=starts[col_group], centroids=all_centroids, sketch_t=sketch_t if self.prod else None,
             bit_col=src[:, 0], bit_shift=src[:, 1], bit_place=7 - torch.arange(len(sources)) % 8,
             group_sizes=tuple(group.dim for group, _ in groups),
@@ -251,7 +254,8 @@ class TurboRows:
             bit_table=byte_bits.float(),
             norm_bytes=self.bit_bytes, query=query.contiguous(), back=back.contiguous(),
             residual_steps=tuple(group.residual_step for group, _ in groups) if self.prod else (),
-            residual_step=torch.tensor([group.residual_step for group, _ in groups] if self.prod else []),
+            residual_step=torch.tensor([group.residual_step for group, _ in groups] if self.prod else [],
+                                       dtype=torch.float32),
             dither=tuple(group.dither(rotate) for group, _ in groups) if self.prod else (),
         )
         self._on_device: dict[torch.device, TurboTables] = {cpu: self._tables}

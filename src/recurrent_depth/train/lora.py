@@ -119,9 +119,9 @@ def add_lora(model: nn.Module, spec: LoraSpec, base_dir: str | Path | None = Non
     base from anywhere. seed: the A matrices' random init draws from it (the trainers pass their
     `seed`, so a LoRA run repeats exactly) without touching torch's global RNG; None: from that RNG."""
     peft = require_peft()
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]):  # (restores the CPU generator only: peft draws A on the CPU)
         if seed is not None:
-            torch.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)  # not torch.manual_seed, which reseeds every GPU's for good
         wrapped = peft.get_peft_model(model, lora_config(model, spec))
     # Not in peft's own config: peft's save_pretrained would then read it with `config.from_pretrained`,
     # which a transformers config has and our ModelConfig has not.

@@ -61,7 +61,8 @@ def windowed_scores(q: Tensor, rows_k: Tensor, score: Score, attn_mask: Tensor |
     at = window.cols.clamp(0, S - 1)  # [B, E]
     exact = exact + mask.gather(-1, at[:, None, None, :].expand(B, H, T, E))
     reads = window.in_window() & (window.cols < S)[:, None, :]  # [B, T, E]
-    covered = torch.zeros(B, T, S, device=q.device).scatter_add_(2, at[:, None, :].expand(B, T, E), reads.float())
+    covered = torch.zeros(B, T, S, dtype=torch.float32, device=q.device)  # (not torch's default dtype)
+    covered = covered.scatter_add_(2, at[:, None, :].expand(B, T, E), reads.float())
     codes = codes.masked_fill(covered[:, None] > 0, float("-inf"))
     return torch.cat([codes, exact.masked_fill(~reads[:, None], float("-inf"))], dim=-1)
 

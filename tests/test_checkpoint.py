@@ -126,3 +126,14 @@ def test_an_unusable_device_is_a_value_error_naming_it(tiny_model, tmp_path):
         with pytest.raises(ValueError, match="'cuda' is not available on this machine"):
             rd.RecurrentDepthLM.from_pretrained(tmp_path, device="cuda")
     assert next(rd.RecurrentDepthLM.from_pretrained(tmp_path, device="cpu").parameters()).device.type == "cpu"
+
+
+def test_weights_holding_nan_or_inf_are_refused_at_load(tmp_path):
+    """A diverged run's saved model loaded, and `rdepth generate` printed token 0 at every step, silently."""
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny"))
+    with torch.no_grad():
+        model.transformer.core_block[0].mlp.proj.weight[0, 0] = float("nan")
+        model.lm_head.weight[1, 1] = float("inf")
+    model.save_pretrained(tmp_path / "m")
+    with pytest.raises(ValueError, match=r"2 weight tensor\(s\) hold NaN or inf, e.g. .*core_block.0.mlp.proj"):
+        rd.RecurrentDepthLM.from_pretrained(tmp_path / "m")

@@ -294,7 +294,8 @@ def test_rdepth_eval_of_a_diverging_model_writes_strict_json(tmp_path):
     make_model_dir(tmp_path / "model", max_seq_len=128)
     model = rd.RecurrentDepthLM.from_pretrained(tmp_path / "model")
     with torch.no_grad():
-        model.transformer.core_block[0].mlp.fc.weight.fill_(float("nan"))
+        # finite weights (NaN ones are refused at load) whose first core step overflows to NaN
+        model.transformer.core_block[0].mlp.fc.weight.fill_(1e30)
     model.save_pretrained(tmp_path / "model", tokenizer=tmp_path / "model")
     data = tmp_path / "data.jsonl"
     data.write_text(json.dumps({"text": "def f(x):\n    return x\n" * 4}) + "\n")

@@ -417,6 +417,11 @@ def load_pretrained(
     config, model, tied_head = checked.config, checked.meta_model, checked.tied_head
     dtype = _dtype_from_name(dtype)
     state = read_state_dict(path, dtype, allow_outside)
+    # (a diverged run's checkpoint generated token 0 on every step, without a word)
+    broken = [name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if broken:
+        raise ValueError(f"cannot load {path}: {len(broken)} weight tensor(s) hold NaN or inf, e.g. "
+                         f"{clipped_names(broken, 3)} (a damaged checkpoint, or one saved after training diverged)")
     if checked.is_ouro:
         state = ouro.fuse_state(state, config)
     if checked.is_parcae:

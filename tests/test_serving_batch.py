@@ -289,13 +289,10 @@ def test_engine_serves_models_the_batch_does_not_take_through_generate(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------- deadlines
-@pytest.mark.parametrize("solo", [False, True], ids=["batch", "solo"])
-def test_a_deep_prefill_past_its_deadline_ends_within_a_core_step(model, solo):
-    """The deadline is checked between core steps, prefill included: a prompt at 100000 steps (minutes
-    of work) with a 1 s timeout fails with a 504 at once, and the engine records its progress. (1 s, not
-    less: on a loaded machine a shorter deadline can pass while the job still waits in the queue.)"""
-    engine = Engine(model, max_batch=2)
-    assert engine.last_progress is None
+def run_past_deadline(engine: Engine, prompt: list[int], options: dict, solo: bool) -> tuple[list, float, float]:
+    """Submit one job whose work takes minutes with a 1 s deadline; (its events, its start, seconds to
+    the first event). (1 s, not less: on a loaded machine a shorter deadline can pass while the job
+    still waits in the queue.)"""
     engine.start()
     try:
         failed = threading.Event()
@@ -305,17 +302,27 @@ def test_a_deep_prefill_past_its_deadline_ends_within_a_core_step(model, solo):
             events.append(event)
             failed.set()
 
-        deep = dict(max_new_tokens=2, num_steps=100_000, init_scale=0.0)
-        opts = GenerationOptions(**deep).validate(4)
+        opts = GenerationOptions(**options).validate(4)
         start = time.monotonic()
-        job = Job(RowRequest(list(range(1, 40)), opts, 0), 2, frozenset(), TextState(TextCodec(None, 256), []),
-                  sink, start + 1.0, solo=solo, generation_kwargs=deep)
+        job = Job(RowRequest(prompt, opts, 0), 2, frozenset(), TextState(TextCodec(None, 256), []),
+                  sink, start + 1.0, solo=solo, generation_kwargs=options)
         engine.submit([job])
         assert failed.wait(30)
         elapsed = time.monotonic() - start
     finally:
         engine.stop()
     assert len(events) == 1 and events[0].status == 504 and events[0].error_type == "timeout"
+    return events, start, elapsed
+
+
+@pytest.mark.parametrize("solo", [False, True], ids=["batch", "solo"])
+def test_a_deep_prefill_past_its_deadline_ends_within_a_core_step(model, solo):
+    """The deadline is checked between core steps, prefill included: a prompt at 100000 steps (minutes
+    of work) with a 1 s timeout fails with a 504 at once, and the engine records its progress."""
+    engine = Engine(model, max_batch=2)
+    assert engine.last_progress is None
+    deep = dict(max_new_tokens=2, num_steps=100_000, init_scale=0.0)
+    _, start, elapsed = run_past_deadline(engine, list(range(1, 40)), deep, solo)
     assert elapsed < 10  # the full prefill would take minutes
     assert isinstance(engine.last_progress, float) and start < engine.last_progress <= time.monotonic()
 
@@ -323,26 +330,171 @@ def test_a_deep_prefill_past_its_deadline_ends_within_a_core_step(model, solo):
 def test_a_long_ttt_inner_loop_past_its_deadline_ends_within_an_inner_step(model):
     """TTT-E2E's inner loop runs while the request's session is built, before the core steps' deadline
     check was installed: 100000 inner steps with a 1 s timeout trained on for minutes."""
+    trains = dict(max_new_tokens=2, num_steps=2, init_scale=0.0, ttt_params="core-mlp", ttt_steps=100_000,
+                  ttt_lr=1e-6)
+    _, _, elapsed = run_past_deadline(Engine(model, max_batch=2), list(range(1, 20)), trains, solo=True)
+    assert elapsed < 10
+
+
+def test_a_non_streaming_client_that_left_is_noticed_while_tokens_keep_arriving():
+    """`collect` checked for a client that left only when no event came for POLL_SECONDS: a request
+    whose tokens arrived faster than that generated on to max_tokens after its client had gone."""
+    import asyncio
+
+    from recurrent_depth.serving.responses import Choice
+    from recurrent_depth.serving.streaming import Channel, OpenRequests, collect
+
+    class Scheduler:
+        cancelled: list = []
+
+        def cancel(self, jobs):
+            self.cancelled.extend(jobs)
+
+    class GoneClient:
+        async def is_disconnected(self):
+            return True
+
+    async def main():
+        channel = Channel()
+
+        async def tokens():  # a token every 10 ms, never Done
+            while True:
+                channel.sink(TokenOut(0, 5, "x", 1, "depth", None, None))
+                await asyncio.sleep(0.01)
+
+        producer = asyncio.ensure_future(tokens())
+        scheduler = Scheduler()
+        jobs = ["job"]
+        try:
+            with pytest.raises(APIError) as err:
+                await asyncio.wait_for(collect(GoneClient(), jobs, [Choice(0, [1])], channel,
+                                               OpenRequests(scheduler), time.monotonic() + 60), 3)
+        finally:
+            producer.cancel()
+        assert err.value.status == 499 and scheduler.cancelled == jobs
+
+    asyncio.run(main())
+
+
+def test_ttt_inner_steps_count_as_progress_for_the_stall_check(model, monkeypatch):
+    """/health's stall check watches `last_progress`; TTT-E2E's inner loop (and GradMem's write) ran
+    without updating it, so a long adaptation made /health answer 503 "stalled" while the engine worked."""
+    from recurrent_depth.inference import ttt_e2e
+
     engine = Engine(model, max_batch=2)
+    seen = []
+    loss = ttt_e2e.context_loss
+
+    def recording_loss(*args, **kwargs):
+        seen.append(engine.last_progress)
+        time.sleep(0.01)
+        return loss(*args, **kwargs)
+
+    monkeypatch.setattr(ttt_e2e, "context_loss", recording_loss)
     engine.start()
     try:
-        failed = threading.Event()
-        events = []
-
-        def sink(event):
-            events.append(event)
-            failed.set()
-
-        trains = dict(max_new_tokens=2, num_steps=2, init_scale=0.0, ttt_params="core-mlp", ttt_steps=100_000,
-                      ttt_lr=1e-6)
+        done = threading.Event()
+        trains = dict(max_new_tokens=1, num_steps=2, init_scale=0.0, ttt_params="core-mlp", ttt_steps=3, ttt_lr=1e-6)
         opts = GenerationOptions(**trains).validate(4)
-        start = time.monotonic()
-        job = Job(RowRequest(list(range(1, 20)), opts, 0), 2, frozenset(), TextState(TextCodec(None, 256), []),
-                  sink, start + 1.0, solo=True, generation_kwargs=trains)
+        job = Job(RowRequest(list(range(1, 10)), opts, 0), 1, frozenset(), TextState(TextCodec(None, 256), []),
+                  lambda event: done.set() if isinstance(event, Done) else None, time.monotonic() + 60, solo=True,
+                  generation_kwargs=trains)
         engine.submit([job])
-        assert failed.wait(30)
-        elapsed = time.monotonic() - start
+        assert done.wait(30)
     finally:
         engine.stop()
-    assert len(events) == 1 and events[0].status == 504 and events[0].error_type == "timeout"
-    assert elapsed < 10
+    assert len(seen) == 3 and None not in seen and seen == sorted(set(seen)), seen
+
+
+@pytest.mark.parametrize("left", ["before the first chunk", "while a chunk is sent"])
+def test_a_stream_whose_client_left_always_cancels_its_jobs_and_is_counted(left):
+    """Starlette cancels a streaming response when its client leaves: a generator cancelled before its
+    first chunk never ran its cleanup, and one cancelled inside `send` (left at a `yield`) ran it only
+    when garbage-collected; meanwhile its jobs generated to max_tokens and /metrics never counted it."""
+    import asyncio
+
+    from recurrent_depth.serving.responses import Choice
+    from recurrent_depth.serving.streaming import Channel, OpenRequests, stream
+
+    class Scheduler:
+        def __init__(self):
+            self.cancelled = []
+
+        def cancel(self, jobs):
+            self.cancelled.extend(jobs)
+
+    async def main():
+        channel, scheduler, statuses, jobs = Channel(), Scheduler(), [], ["job"]
+        open_requests = OpenRequests(scheduler)
+        open_requests.add(jobs, time.monotonic(), channel)
+        response = stream(jobs, [Choice(0, [1])], channel, open_requests, time.monotonic() + 60,
+                          to_chunks=lambda event, choice: [], final=lambda: None, ended=statuses.append,
+                          opening=lambda choice: {"index": choice.index})
+        sent = []
+
+        async def receive():
+            if left == "while a chunk is sent":
+                while len(sent) < 2:  # the response head and the opening chunk are being sent
+                    await asyncio.sleep(0.001)
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+            await asyncio.sleep(0.05)  # a slow socket
+
+        await response({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
+        assert statuses == [499] and scheduler.cancelled == jobs and open_requests.idle_seconds() is None
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_streamed_logprobs_equal_the_whole_answers_at_linear_cost(codec, echo):
+    """Each streamed token's logprobs entry recomputed every earlier token's text offset (a quadratic
+    stream: 2000 tokens took 12 s of the event loop); it must still equal the whole answer's entries."""
+    from recurrent_depth.serving.responses import Choice, completion_chunks, completion_logprobs
+
+    req = parse_completion({"prompt": "x", "logprobs": 2, "echo": echo}, Limits(4096, 4, 300), {"m"}, False)
+    prompt = codec.encode("héllo 🙂", add_special_tokens=True)
+    tokens = codec.encode("wörld 🙂 def add(a, b): return a + b\n" * 10)
+    choice, chunks = Choice(0, prompt), []
+    calls = 0
+    decode = codec.decode
+
+    def counting(ids, *args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return decode(ids, *args, **kwargs)
+
+    codec.decode = counting
+    try:
+        for t in tokens:
+            event = TokenOut(0, t, "", 1, "depth", -0.5, [(t, -0.5), (3, -1.0)])
+            choice.tokens.append(t)
+            choice.logprobs.append(-0.5)
+            choice.tops.append(event.top)
+            chunks += completion_chunks(codec, event, choice, req, {})
+    finally:
+        codec.decode = decode
+    entries = [c["choices"][0]["logprobs"] for c in chunks]
+    streamed = {k: sum((e[k] for e in entries), []) for k in entries[0]}
+    whole = completion_logprobs(codec, choice, echo, first=len(prompt) if echo else 0)
+    assert streamed == whole
+    assert calls < 4 * (len(prompt) + len(tokens)), calls  # linear: a few decodes per token
+
+
+def test_a_ttt_request_on_a_weight_quantized_server_names_the_reason(model):
+    """`rdepth serve --weights int8` turns the linear layers' weights into buffers: `ttt_params: core-mlp`
+    was refused as matching "no parameter of this model", not saying why."""
+    import copy
+
+    from recurrent_depth.serving.handlers import Handlers, ServerSettings
+    from recurrent_depth.weight_quant import quantize_weights
+
+    quantized = copy.deepcopy(model)
+    quantize_weights(quantized, "int8")
+    handlers = Handlers(Engine(quantized, max_batch=1), TextCodec(None, 256), ServerSettings("m"))
+    options = GenerationOptions(max_new_tokens=2, num_steps=2, ttt_params="core-mlp").validate(4)
+    with pytest.raises(APIError) as err:
+        handlers.check_ttt(8, options, {})
+    assert err.value.status == 400 and "--weights" in str(err.value) and "core-mlp" in str(err.value)

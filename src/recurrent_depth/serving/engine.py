@@ -219,10 +219,17 @@ class BatchScheduler:
     def _progress(self) -> None:
         self.last_progress = time.monotonic()
 
-    @staticmethod
-    def _expired(job: Job) -> Callable[[], bool]:
-        """The check the recurrence runs between core steps: the client left or the deadline passed."""
-        return lambda: job.cancelled or time.monotonic() > job.deadline
+    def _expired(self, job: Job) -> Callable[[], bool]:
+        """The check the recurrence runs between core steps: the client left or the deadline passed.
+
+        Each check also counts as progress for /health's stall check: it runs between two steps of
+        work, and TTT-E2E's inner steps and GradMem's write steps report nothing else (a long one
+        made /health answer 503 "stalled" while the engine was busy)."""
+        def check() -> bool:
+            now = self.last_progress = time.monotonic()
+            return job.cancelled or now > job.deadline
+
+        return check
 
     def _stopped(self, job: Job) -> None:
         if not job.cancelled:

@@ -30,6 +30,7 @@ from recurrent_depth.serving.protocol import APIError, ChatRequest, CompletionRe
 from recurrent_depth.serving.streaming import Channel, OpenRequests, collect, stream
 from recurrent_depth.serving.text import TextCodec, TextState
 from recurrent_depth.serving.transport import BodyBudget, read_body, require_json
+from recurrent_depth.weight_quant import QuantizedLinear
 
 MAX_BODY_BYTES = 32 * 2**20
 BODY_TOTAL_FACTOR = 4  # all bodies held at once, by default: 4 x the per-request limit (128 MiB)
@@ -229,7 +230,12 @@ class Handlers:
             nbytes = copy_bytes(model, names, options.ttt_optimizer)
         except OptionError as exc:
             spelling = http_spelling(given_as)
-            raise APIError(400, str(exc.spelled(spelling)), param=spelling(exc.field)) from None
+            message = str(exc.spelled(spelling))
+            if any(isinstance(m, QuantizedLinear) for m in model.modules()):  # their weights are not parameters
+                message += ("; this server's linear layers are weight-quantized (rdepth serve --weights), so "
+                            "TTT-E2E can train only their float parameters (norms, embeddings): serve without "
+                            "--weights to train them")
+            raise APIError(400, message, param=spelling(exc.field)) from None
         limit = self.settings.ttt_max_copy_bytes
         if nbytes > limit:
             held = "weights and gradients" + (", Adam moments" if options.ttt_optimizer == "adam" else "")

@@ -91,16 +91,23 @@ async def collect(request: Request, jobs: list[Job], choices: list[Choice], chan
     """Wait for every job of a non-streaming request; cancel them if the client leaves."""
     remaining = len(jobs)
     hard_deadline = timeout_at + LATE_SECONDS
+    checked = time.monotonic()
     try:
         while remaining:
             try:
                 event = await asyncio.wait_for(channel.queue.get(), POLL_SECONDS)
             except TimeoutError:
+                event = None
+            # Check every POLL_SECONDS even while tokens keep arriving: a client that left must not
+            # keep its rows generating to max_tokens.
+            if event is None or time.monotonic() - checked >= POLL_SECONDS:
+                checked = time.monotonic()
                 if await request.is_disconnected():
                     raise APIError(499, "the client closed the connection") from None
-                if time.monotonic() > hard_deadline:
+                if checked > hard_deadline:
                     raise APIError(504, "the request timed out", type="timeout") from None
-                continue
+                if event is None:
+                    continue
             if isinstance(event, Failed):
                 raise APIError(event.status, event.message, type=event.error_type)
             apply_event(event, choices)
@@ -116,10 +123,23 @@ def stream(jobs: list[Job], choices: list[Choice], channel: Channel, open_reques
     """The request's answer as server-sent events: `opening` per choice, `to_chunks` per event, `final`
     (usage) after the last one, then `[DONE]`; an error is an error event. `ended(status)` is called
     when the stream ends (499 when the client left)."""
+    remaining = len(jobs)
+    status = 200
+    closed = False
+
+    def end() -> None:
+        """Take the request off the open ones (cancelling unfinished jobs) and count it, once."""
+        nonlocal closed, status
+        if closed:
+            return
+        closed = True
+        open_requests.close(jobs, unfinished=remaining > 0)
+        if remaining:  # the client left (the generator was closed) or an error ended the stream
+            status = 499 if status == 200 else status
+        ended(status)
 
     async def events() -> AsyncIterator[str]:
-        remaining = len(jobs)
-        status = 200
+        nonlocal remaining, status
         hard_deadline = timeout_at + LATE_SECONDS
         try:
             if opening is not None:
@@ -149,10 +169,27 @@ def stream(jobs: list[Job], choices: list[Choice], channel: Channel, open_reques
                     yield sse(tail)
             yield "data: [DONE]\n\n"
         finally:
-            open_requests.close(jobs, unfinished=remaining > 0)
-            if remaining:  # the client left (the generator was closed) or an error ended the stream
-                status = 499 if status == 200 else status
-            ended(status)
+            end()
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return EventStream(events(), end, media_type="text/event-stream",
+                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class EventStream(StreamingResponse):
+    """A StreamingResponse that always ends its request: Starlette cancels the response when the client
+    leaves, and a generator cancelled while a chunk was being sent (left at a `yield`), or before its
+    first chunk (never started), ran its cleanup only when garbage-collected, or never: its jobs went on
+    generating to max_tokens and the request was never counted."""
+
+    def __init__(self, content: AsyncIterator[str], end: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._end = end
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]  # runs events()' cleanup now
+            finally:
+                self._end()  # a generator that never started has no cleanup of its own

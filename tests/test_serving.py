@@ -655,3 +655,17 @@ def test_rdepth_serve_command_reads_the_api_key_from_the_environment(model_dir, 
                         steps=[3, 3, 3])
     assert main(["serve", "--model", str(model_dir / "missing")]) == 2
     assert main(["serve", "--model", str(model_dir), "--port", "0"]) == 2
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "def add"}),
+                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})],
+                         ids=["completions", "chat"])
+def test_with_include_usage_every_chunk_carries_usage_null_but_the_last(server, path, body):
+    """OpenAI's stream_options.include_usage: "all other chunks will also include a usage field, but with a
+    null value"; the chunks before the last had no usage key at all."""
+    with httpx.stream("POST", server.url + path, timeout=60, json=dict(
+            model="tiny", max_tokens=3, temperature=0, stream=True, stream_options={"include_usage": True},
+            **body)) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert len(chunks) >= 2 and all("usage" in c and c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["usage"]["completion_tokens"] >= 1 and chunks[-1]["choices"] == []

@@ -285,14 +285,16 @@ class Handlers:
         await self.submit(jobs, start, channel)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.settings.model_name}
+        # with include_usage every chunk carries "usage": null, the last one the counts (as OpenAI's)
+        part = {**head, "usage": None} if req.sampling.include_usage else head
         opening = None
         if req.echo and req.logprobs is None:  # with logprobs the echo waits for the prompt scores
-            opening = lambda c: {**head, "choices": [{"index": c.index, "text": codec.decode(c.prompt_ids),  # noqa: E731
+            opening = lambda c: {**part, "choices": [{"index": c.index, "text": codec.decode(c.prompt_ids),  # noqa: E731
                                                       "logprobs": None, "finish_reason": None}]}
         if req.sampling.stream:
             return self._stream(
                 "completions", jobs, choices, channel, start,
-                to_chunks=lambda event, choice: responses.completion_chunks(codec, event, choice, req, head),
+                to_chunks=lambda event, choice: responses.completion_chunks(codec, event, choice, req, part),
                 final=lambda: {**head, "choices": [], "usage": responses.usage(choices, prompts)}
                 if req.sampling.include_usage else None, opening=opening)
         await self._collect(request, jobs, choices, channel, start)
@@ -309,13 +311,14 @@ class Handlers:
         await self.submit(jobs, start, channel)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.settings.model_name}
+        part = {**head, "usage": None} if req.sampling.include_usage else head  # (as for completions)
         if req.sampling.stream:
             return self._stream(
                 "chat", jobs, choices, channel, start,
-                to_chunks=lambda event, choice: responses.chat_chunks(codec, event, choice, req, head),
+                to_chunks=lambda event, choice: responses.chat_chunks(codec, event, choice, req, part),
                 final=lambda: {**head, "choices": [], "usage": responses.usage(choices, [prompt])}
                 if req.sampling.include_usage else None,
-                opening=lambda c: {**head, "choices": [{"index": c.index, "delta": {
+                opening=lambda c: {**part, "choices": [{"index": c.index, "delta": {
                     "role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
         await self._collect(request, jobs, choices, channel, start)
         return JSONResponse(responses.chat_body(codec, req, head, choices, prompt))

@@ -11,6 +11,10 @@ Modes:
                           steps of the tiny model each; saves per step this rank's depth, its DDP
                           gradients, the gradients every rank computes alone on its own rows with an
                           unwrapped copy, and the weights after the step.
+  lr-time-budget          the learning rate of a time-budgeted run with a cool-down, each rank's clock
+                          running at another speed, and the stop reason when a stop_when hook
+                          says stop on rank 1 only, and validation tokens under a final-evaluation
+                          deadline that only rank 0 has passed; saves them.
 One launch runs every case (process start-up dominates the time).
 """
 
@@ -83,6 +87,55 @@ def ddp_depth(env: DistEnv, per_rank: bool) -> list[dict]:
     return records
 
 
+def lr_time_budget(env: DistEnv) -> list[float]:
+    """The learning rates `Trainer.lr_for_step` gives under --max-minutes with a cool-down when this rank's clock
+    says it ran slower than rank 0 (a bare Trainer: only what the schedule reads is set)."""
+    from recurrent_depth.train.config import TrainConfig
+    from recurrent_depth.train.optim import OptimConfig
+    from recurrent_depth.train.trainer import LoopState, Trainer
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.cfg = TrainConfig(max_steps=None, max_minutes=1.0, optim=OptimConfig(lr=1e-3, cooldown_fraction=0.5))
+    trainer.env, trainer.deadline, trainer.final_reserve_s, trainer.tokens_per_step = env, None, 0.0, None
+    trainer.session_start_elapsed, trainer.session_steps = 0.0, 40
+    trainer.state = LoopState(step=40, elapsed_s=40.0 + 4.0 * env.rank)  # rank 1: 1.1 s a step, rank 0: 1 s
+    return [trainer.lr_for_step(40), trainer.lr_for_step(45)]
+
+
+def stop_hook(env: DistEnv) -> list:
+    """`Trainer.stop_reason` when the `stop_when` hook says stop on rank 1 only (a per-rank CPU-time budget)."""
+    from recurrent_depth.train.config import TrainConfig
+    from recurrent_depth.train.trainer import LoopState, Trainer
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.cfg, trainer.env, trainer.deadline, trainer.state = TrainConfig(max_steps=10), env, None, LoopState()
+    trainer.stop_when = lambda t: "cpu_budget" if t.env.rank == 1 else None
+    return [trainer.stop_reason()]
+
+
+def eval_deadline(env: DistEnv) -> list[int]:
+    """Validation tokens under a final-evaluation deadline that rank 0 has passed and rank 1 has not."""
+    import time
+
+    import recurrent_depth as rd
+    from recurrent_depth.train.validation import validation_loss_by_depth
+
+    class Rows:  # 16 rows of 9 tokens, this rank's share in batches (a ShardDataset's interface)
+        def __len__(self) -> int:
+            return 16
+
+        def iter_batches(self, batch_size: int, drop_last: bool = False):
+            rows = torch.arange(16 * 9).reshape(16, 9)[env.rank :: env.world_size] % 256
+            yield from rows.split(batch_size)
+
+    torch.manual_seed(0)
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny"))
+    deadline = time.perf_counter() + (-1.0 if env.rank == 0 else 600.0)
+    runs = [validation_loss_by_depth(model, Rows(), [1, 2], batch_size=2, max_batches=4, world_size=env.world_size,
+                                     deadline=limit) for limit in (None, deadline)]
+    return [run.tokens for run in runs]
+
+
 def main() -> None:
     rank, world, store, out, mode, *args = sys.argv[1:]
     torch.set_num_threads(1)
@@ -97,6 +150,8 @@ def main() -> None:
         elif mode == "ddp-depth":
             found = {flag: ddp_depth(env, flag == "per-rank") for flag in ("lock-step", "per-rank")}
             torch.save(found, Path(out) / f"ddp-depth-rank{env.rank}.pt")
+        elif mode == "lr-time-budget":
+            torch.save(lr_time_budget(env) + stop_hook(env) + eval_deadline(env), Path(out) / f"lr-rank{env.rank}.pt")
         else:
             raise SystemExit(f"unknown mode {mode!r}")
         dist.barrier()

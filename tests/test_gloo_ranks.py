@@ -101,3 +101,15 @@ def test_ddp_all_reduces_gradients_whatever_depth_each_rank_draws(depth_runs, fl
         local = r0["local_grads"]
         assert not torch.equal(local[0], local[1])
         torch.testing.assert_close(r0["ddp_grads"], (local[0] + local[1]) / 2, rtol=1e-5, atol=1e-7)
+
+
+def test_time_budgets_and_stop_hook_follow_rank_0_on_every_rank(tmp_path):
+    # --max-minutes projects the run's length (and so the cool-down) from the clock; each rank's clock differs,
+    # and a rank that stepped at its own learning rate would drift from the others' weights under DDP.
+    out = run_ranks(tmp_path, "lr-time-budget")
+    lrs = [torch.load(out / f"lr-rank{rank}.pt", weights_only=True) for rank in range(WORLD)]
+    assert lrs[0] == lrs[1]
+    assert lrs[0][1] < 1e-3  # rank 0's projection (60 steps): step 45 is in the cool-down
+    assert lrs[0][2] is None  # a stop_when hook that differs by rank: rank 0's answer (else rank 0 hung alone)
+    # --max-minutes cuts the final evaluation on several ranks too (rank 0's clock): 1 batch of 4, 2 ranks x 2 x 8
+    assert lrs[0][3:] == [4 * 2 * 2 * 8, 2 * 2 * 8]

@@ -59,6 +59,8 @@ def test_yaml_then_overrides(tmp_path):
         # checked up front, not after the tokenizer and the shards are built
         ({"depth_scheme": "fixed", "mean_recurrence": 2.5}, "TrainConfig.mean_recurrence=2.5"),
         ({"depth_scheme": "uniform", "mean_recurrence": 3.5}, "TrainConfig.mean_recurrence=3.5"),
+        # FSDP2 gathers the core block at every recurrence step: a depth per rank hung torchrun in the first step
+        ({"fsdp": True, "depth_per_rank": True}, "TrainConfig.depth_per_rank=True"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )

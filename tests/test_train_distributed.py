@@ -42,3 +42,33 @@ def test_two_ranks_draw_the_same_depths_and_keep_identical_weights(tmp_path):
     assert ddp["resumed_loss"] == pytest.approx(fsdp["resumed_loss"], rel=1e-5)
     # Each rank wrote its RNG state into the shared checkpoint.
     assert (out / "ddp" / "checkpoints" / "step-00000003" / "rng-rank1.safetensors").is_file()
+
+
+def test_shutdown_frees_the_ddp_wrapper_before_the_process_group(tmp_path, monkeypatch):
+    # DDP's C++ reducer holds the group: freed after destroy_process_group it ran gloo's destructor with the GIL
+    # held, joining a worker thread that waited for the GIL (`rdepth train` on 2 ranks hung at exit now and then).
+    import gc
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+
+    from recurrent_depth.train import distributed as ddist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(2, 2)
+        owner = type("Owner", (), {})()
+        owner.wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        owner.wrapped(torch.ones(1, 2)).sum().backward()
+        ddp = weakref.ref(owner.wrapped)
+        alive_at_destroy = []
+        destroy = dist.destroy_process_group
+        monkeypatch.setattr(dist, "destroy_process_group", lambda: (alive_at_destroy.append(ddp() is not None),
+                                                                     destroy()))
+        ddist.shutdown(ddist.DistEnv(world_size=2), owner)  # (world_size 2: the env of a torchrun rank)
+        assert alive_at_destroy == [False] and owner.wrapped is model
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()

@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"distill cache: {cfg.distill_cache}")
         from recurrent_depth.train.distributed import shutdown
 
-        shutdown(trainer.env)
+        shutdown(trainer.env, trainer)
         return 0
     spec = lora_spec_from_args(args)
     if spec is None:
@@ -195,7 +195,7 @@ def run_trainer(trainer, command: str) -> int:
             print(f"rdepth {command}: error: {exc}", file=sys.stderr)
         return 1
     finally:
-        shutdown(trainer.env)
+        shutdown(trainer.env, trainer)
     if trainer.env.is_main and result.final_eval is not None:
         from recurrent_depth.train.report import format_depth_table
 

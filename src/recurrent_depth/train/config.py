@@ -276,6 +276,9 @@ class TrainConfig:
                      "tensorboard"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "true or false")
+        if self.fsdp and self.depth_per_rank:  # (each rank would wait at a gather the others never reach: a hang)
+            raise bad("depth_per_rank", "false with fsdp: FSDP2 gathers the core block's weights at every recurrence "
+                      "step, so all ranks must run the same depth (DDP accepts a depth per rank)")
         if self.out is not None and (not isinstance(self.out, str) or not self.out):
             raise bad("out", "a directory path, or None to write nothing")
         if self.out is None and self.resume:

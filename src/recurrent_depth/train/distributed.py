@@ -12,6 +12,7 @@ all-reduce matches up; each rank reads disjoint rows (`ShardDataset(rank, world_
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -61,7 +62,17 @@ def init_distributed(device: str | None = None) -> DistEnv:
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend)
 
 
-def shutdown(env: DistEnv) -> None:
+def shutdown(env: DistEnv, owner: Any = None) -> None:
+    """Leave the process group.
+
+    owner: an object (a `Trainer`) whose `wrapped` attribute may be a DDP wrapper: it is replaced by the model
+    inside and freed first. DDP's C++ reducer holds the process group; freed after `destroy_process_group`, it
+    runs the gloo group's destructor with the GIL held, which joins gloo's worker threads while one of them may
+    wait for the GIL to free the tensors of a finished collective: a hang at exit, now and then, on some rank.
+    """
+    if owner is not None and isinstance(getattr(owner, "wrapped", None), nn.parallel.DistributedDataParallel):
+        owner.wrapped = unwrap(owner.wrapped)
+        gc.collect()  # (a DDP wrapper caught in a reference cycle goes now, while the group is alive)
     if env.enabled and dist.is_initialized():
         dist.destroy_process_group()
 

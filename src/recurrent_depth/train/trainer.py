@@ -768,6 +768,9 @@ class Trainer:
     def lr_for_step(self, step: int) -> float:
         optim = self.cfg.optim
         total = self.planned_steps()
+        if self.env.enabled and self.remaining_seconds() is not None:
+            # A time budget projects the length from this rank's own clock: rank 0's, so all ranks step alike.
+            total = ddist.broadcast_object(total, self.env)
         if total is None:
             # Length not known yet (a time cap before the first timed step): warmup, no cool-down yet.
             return lr_at(step, optim.lr, optim.warmup_steps, None)
@@ -793,7 +796,11 @@ class Trainer:
             over = bool(ddist.broadcast_object(over, self.env)) if self.env.enabled else over
             if over:
                 return "time_limit"
-        return self.stop_when(self) if self.stop_when is not None else None
+        if self.stop_when is None:
+            return None
+        reason = self.stop_when(self)
+        # Rank 0's answer on every rank (a hook reading this rank's clock may differ): ranks stop after the same step.
+        return ddist.broadcast_object(reason, self.env) if self.env.enabled else reason
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, final: bool = False) -> Any:

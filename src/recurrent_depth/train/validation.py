@@ -114,6 +114,17 @@ def batch_losses(
     return losses, corr
 
 
+def _late(late: bool, world_size: int, device: torch.device) -> bool:
+    """Rank 0's `late` on every rank (collective when `world_size > 1`)."""
+    if world_size == 1:
+        return late
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(late)], device=device if device.type == "cuda" else "cpu")
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
 @torch.no_grad()
 def validation_loss_by_depth(
     model: torch.nn.Module,
@@ -135,7 +146,7 @@ def validation_loss_by_depth(
     Every rank runs the same number of batches; sums are all-reduced when `world_size > 1`.
     The s0 draw of batch i is seeded by (seed, i), so repeated evaluations see the same starts.
     deadline: optional `time.perf_counter()` value; batches after the first stop early when the next one
-    would end past it (single process only: ranks must run the same number of batches).
+    would end past it (by rank 0's clock on every rank: ranks run the same number of batches).
     """
     if not depths:
         raise ValueError("depths must name at least one depth")
@@ -160,7 +171,8 @@ def validation_loss_by_depth(
             if i >= num_batches:
                 break
             per_batch = (time.perf_counter() - started) / max(i, 1)
-            if deadline is not None and world_size == 1 and i > 0 and time.perf_counter() + per_batch > deadline:
+            if deadline is not None and i > 0 and _late(time.perf_counter() + per_batch > deadline, world_size,
+                                                        device):
                 break
             rows = rows.to(device)
             batch_seed = (seed * 1_000_003 + i) % (2**63)

@@ -147,7 +147,7 @@ def test_a_bad_or_unusable_server_kv_quant_is_a_clear_error(model, model_dir, ca
             Engine(model, kv_quant=bad)
         assert cli_main(["serve", "--model", str(model_dir), "--kv-quant", bad, "--threads", "1"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert err[-1].startswith("rdepth serve: error: kv_quant=") and len(err[-1]) < 300
+        assert err[-1].startswith("rdepth serve: error: --kv-quant ") and len(err[-1]) < 300
     torch.manual_seed(0)
     linear = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", mixer="gla")).eval()
     with pytest.raises(ValueError, match="--kv-quant.*softmax-attention"):

@@ -18,7 +18,15 @@ from torch import Tensor
 class RowGenerators:
     """One `torch.Generator` per row; `seeds[b]` reproduces row b alone with `seed=seeds[b]`."""
 
-    def __init__(self, seed: int | Sequence[int] | None, batch_size: int, device: torch.device) -> None:
+    def __init__(self, seed: int | Sequence[int] | None, batch_size: int, device: torch.device,
+                 global_rng: bool = False) -> None:
+        self.global_rng = global_rng and seed is None
+        if self.global_rng:
+            # The official code's stream: every draw straight from torch's global RNG and none made here, so
+            # torch.manual_seed repeats an official run (its s_0 draws); rows then share that one stream.
+            self.seeds: list[int] = []
+            self.generators: list[torch.Generator | None] = [None] * batch_size
+            return
         if seed is None:
             # Unseeded: derive from the global RNG, so torch.manual_seed still controls the run.
             seeds = [int(s) for s in torch.randint(0, 2**62, (batch_size,)).tolist()]
@@ -40,7 +48,7 @@ class RowGenerators:
             g.manual_seed(s % (2**63))
             self.generators.append(g)
 
-    def __getitem__(self, row: int) -> torch.Generator:
+    def __getitem__(self, row: int) -> torch.Generator | None:
         return self.generators[row]
 
     def derived(self, stream: int) -> list[torch.Generator]:

@@ -151,8 +151,11 @@ class Session:
         self.valid = torch.ones(self.B, self.T + options.max_new_tokens + slack, dtype=torch.bool,
                                 device=self.device)
         self.valid[:, : self.T] = prompt_valid
-        self.generators = RowGenerators(options.seed, self.B, self.device)
-        if lookup.name == "randomized":  # its draws come from the seed too, row by row
+        # Under official defaults without a seed, every draw comes from torch's global RNG as in the official code
+        # (so the same torch.manual_seed gives its s_0 and its tokens); the randomized lookup's too.
+        global_rng = options.defaults == "official" and options.seed is None
+        self.generators = RowGenerators(options.seed, self.B, self.device, global_rng=global_rng)
+        if lookup.name == "randomized" and not global_rng:  # its draws come from the seed too, row by row
             self.cache.lookup_generators = self.generators.derived(RANDOMIZED_LOOKUP_STREAM)
         self.chooser = TokenChooser(options, cfg.vocab_size, self.generators)
         self.embedded = embedded
@@ -242,6 +245,10 @@ class Session:
         scale = self.options.init_scale
         s = torch.zeros_like(like)
         if scale == 0 and self.model.config.state_init == "random":
+            return s
+        if self.generators.global_rng and valid is None:  # the official draw: the whole batch at once
+            draw = self.runner.initial_state(like, scale, None)
+            s[rows] = draw[rows]
             return s
         for b in rows:
             cols = valid[b].nonzero().squeeze(1) if valid is not None else None

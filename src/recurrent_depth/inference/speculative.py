@@ -34,6 +34,10 @@ def decode(session: Session) -> Iterator[TokenEvent]:
     exact = opts.verification_threshold >= 1.0
     lookup = cache.policy.lookup
     hides = lookup.hides_columns or lookup.reads_per_step  # lookups that read the columns' depths
+    # With a random s_0 the drafts' first N steps are not what a fresh M-step pass computes; the official loop
+    # verifies with such a pass (and its draw), so under official defaults ours does too.
+    fresh_verify = (opts.defaults == "official" and opts.init_scale > 0
+                    and session.model.config.state_init == "random")
     _, logits = session.prefill(M)
     session.require_kv_cache_only("self-speculative decoding")
     rows = session.unfinished
@@ -77,7 +81,10 @@ def decode(session: Session) -> Iterator[TokenEvent]:
         token_ids = torch.cat(ids, 1)
         pass_ = engine.rebind(token_ids, session.mask(column + L), cache, torch.cat(embeds, 1),
                               torch.cat(injections, 1))
-        s = engine.run(torch.cat(states, 1), pass_, range(N, M))
+        if fresh_verify:  # the official verify pass: all M steps again, from a fresh s_0 (its own draw)
+            s = engine.run(session.initial_states(pass_.e, rows), pass_, M)
+        else:
+            s = engine.run(torch.cat(states, 1), pass_, range(N, M))
         verify_logits = engine.readout(s, pass_)  # [B, L, V]
         cache.close(M, L)
         cache.advance(L)

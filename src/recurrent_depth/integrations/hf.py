@@ -226,6 +226,7 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "transformer"
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
+    _supports_sdpa = True  # attention always runs through F.scaled_dot_product_attention
     _no_split_modules = ["SandwichBlock"]
     _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
     _keys_to_ignore_on_load_unexpected = [r"^freqs_cis$"]  # the official file's RoPE buffer
@@ -305,12 +306,24 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
     def is_gradient_checkpointing(self) -> bool:
         return bool(getattr(self, "_gradient_checkpointing", False))
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
-        """Per-iteration activation checkpointing (the paper's), applied by the core's loop."""
+    @property
+    def is_activation_checkpointing(self) -> bool:  # transformers 5's name
+        return self.is_gradient_checkpointing
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, **kwargs: Any) -> None:
+        """Per-iteration activation checkpointing (the paper's), applied by the core's loop. transformers'
+        `every_n_layers` / `offload` (the Trainer passes them) have no effect: every core step is checkpointed."""
         self._gradient_checkpointing = True
 
     def gradient_checkpointing_disable(self) -> None:
         self._gradient_checkpointing = False
+
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict | None = None,
+                                        **kwargs: Any) -> None:  # transformers 5's name, what the Trainer calls
+        self.gradient_checkpointing_enable(activation_checkpointing_kwargs, **kwargs)
+
+    def activation_checkpointing_disable(self) -> None:
+        self.gradient_checkpointing_disable()
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.transformer.wte
@@ -325,11 +338,44 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         self.lm_head = value
         self._core.lm_head = value
 
+    def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> nn.Embedding:
+        """transformers' resize; the core's config takes the new vocabulary size (its id checks use it)."""
+        if self._core.config.value_embeddings:
+            raise ValueError(f"resize_token_embeddings: this model has value embeddings (layers "
+                             f"{self._core.config.value_embeddings}), vocabulary-sized tables it cannot resize")
+        out = super().resize_token_embeddings(*args, **kwargs)
+        if hasattr(self.config, "padded_vocab_size"):  # Huginn's config: the embedding's size is this key's
+            self.config.padded_vocab_size = self.config.vocab_size
+        self._core.config.vocab_size = self.config.vocab_size
+        return out
+
+    def _prepare_generation_config(self, generation_config: Any, **kwargs: Any) -> tuple[GenerationConfig, dict]:
+        """transformers' merge, except that our options stay model kwargs: it carries custom entries of the model's
+        generation config over, and an entry of the same name swallows the keyword (generate() merged them)."""
+        config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
+        for name in HF_OPTION_NAMES - _STANDARD_FIELDS:
+            if name in config.__dict__:
+                delattr(config, name)
+                if kwargs.get(name) is not None:
+                    model_kwargs[name] = kwargs[name]
+        return config, model_kwargs
+
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         # generate() would build DynamicCache(config) with one layer per config layer; we need one
         # per (layer, step), so forward() creates a RecurrentDepthCache on its first cached call.
         return False
+
+    def _prepare_cache_for_generation(self, generation_config: Any, model_kwargs: dict, generation_mode: Any,
+                                      *args: Any, **kwargs: Any) -> Any:
+        """Assisted decoding (`assistant_model=`, `prompt_lookup_num_tokens=`) needs the cache before the first
+        forward, where the other modes let forward() create it: give it one (with the call's KV options)."""
+        out = super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
+        if (getattr(generation_mode, "value", None) == "assisted_generation" and model_kwargs.get("cache") is None
+                and generation_config.use_cache is not False):
+            model_kwargs["cache"] = RecurrentDepthCache.for_config(
+                self._core.config, model_kwargs.get("kv_budget"), model_kwargs.get("kv_policy"))
+        return out
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -396,7 +442,9 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("input_ids is required")
         policy = parse_kv_policy(kv_policy, kv_budget, core_layers=self._core.config.core_layers)
         self._sync_runtime_config()
-        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache is None:  # as transformers' models do: no cache while training with checkpointing (it would
+            # turn the checkpointing off: the core checkpoints only uncached calls)
+            use_cache = self.config.use_cache and not (self.training and self.is_gradient_checkpointing)
         return_dict = self.config.return_dict if return_dict is None else return_dict
         output_hidden_states = (
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
@@ -464,12 +512,16 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError(f"generate: defaults={defaults!r} is invalid: expected None or one of {DEFAULTS}")
         _cache_kwargs_alias(kwargs)
         config_options, config_fields = _split_generation_config(generation_config)
+        # the model's own generation config (generation_config.json): our options set on it are defaults too
+        own, _ = _split_generation_config(getattr(self, "generation_config", None))
         picked = {k: kwargs.pop(k) for k in list(kwargs) if k in HF_OPTION_NAMES}
         try:
+            own, own_as = canonical({k: v for k, v in own.items() if k not in _STANDARD_FIELDS})
             base, base_as = canonical(config_options)
             given, given_as = canonical(picked)
         except OptionError as exc:
             raise ValueError(f"generate: {exc}") from None
+        base, base_as = own | base, own_as | base_as
         # transformers' rule: a keyword argument replaces the generation config's value
         given = {k: v for k, v in given.items() if v is not None}
         values = {k: v for k, v in (base | given).items() if v is not None}
@@ -483,15 +535,18 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             if generation_config is not None:
                 generation_config = _without_options(generation_config)
             return super().generate(inputs, generation_config=generation_config, **kwargs)
+        # the lengths given in the call itself (the official loops read only these and the config's max_length)
+        call_lengths = {"max_new_tokens": given.get("max_new_tokens"), "max_length": kwargs.get("max_length")}
         kwargs.update((k, v) for k, v in values.items() if k not in routed)
         for name, value in config_fields.items():  # max_length, stop_strings, eos_token_id, ...
             kwargs.setdefault(name, value)
         if defaults is not None:
             routed["defaults"] = defaults
-        return self._generate_with_library(inputs, routed, kwargs, given_as)
+        return self._generate_with_library(inputs, routed, kwargs, given_as, call_lengths)
 
     def _generate_with_library(
         self, inputs: Tensor | None, routed: dict[str, Any], kwargs: dict[str, Any], given_as: dict[str, str],
+        call_lengths: dict[str, Any] | None = None,
     ) -> Any:
         """`recurrent_depth.generate` with transformers' arguments translated (the generation
         config's fields are in `kwargs` by now)."""
@@ -507,10 +562,26 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             if value is not None:
                 options[name] = value
         max_length = kwargs.pop("max_length", None)
-        if "max_new_tokens" not in options:  # transformers' rule: max_length counts the prompt
-            gc = self.generation_config
+        gc = self.generation_config
+        if routed.get("defaults") == "official":
+            # The official loops' rule (_prep_generate_args): max_new_tokens only from the call's kwargs, capped
+            # by a max_length also given there; else max_length (the call's, else the generation config's, else
+            # transformers' 20) minus the prompt; no token when that is <= 0, except the speculative loop's
+            # prefill token.
+            call = call_lengths or {}
+            if call.get("max_new_tokens") is not None:
+                new = call["max_new_tokens"]
+                if call.get("max_length") is not None:
+                    new = min(new, call["max_length"] - input_ids.shape[-1])
+            else:
+                new = (max_length or gc.max_length or 20) - input_ids.shape[-1]
+            speculative = "draft_steps" in routed and not {"exit_criterion", "exit_threshold"} & set(routed)
+            options["max_new_tokens"] = max(new, 1 if speculative else 0)
+        elif "max_new_tokens" not in options:  # transformers' rule: max_length counts the prompt
             if max_length is None and gc.max_new_tokens is not None:
                 options["max_new_tokens"] = gc.max_new_tokens
+            elif max_length is None and gc.max_length is None:
+                options["max_new_tokens"] = 20  # transformers' model-agnostic default: 20 new tokens
             else:
                 options["max_new_tokens"] = (max_length or gc.max_length) - input_ids.shape[-1]
         options.setdefault("num_steps", None)  # None: the config's mean_recurrence, as in forward()
@@ -711,10 +782,17 @@ def register_models() -> None:
     from recurrent_depth.integrations.hf_config import register_configs
 
     register_configs()
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     for auto in (AutoModelForCausalLM, AutoModel):
         auto.register(RecurrentDepthConfig, RecurrentDepthForCausalLM, exist_ok=True)
         auto.register(HuginnRavenConfig, RavenForCausalLM, exist_ok=True)
         auto.register(OuroConfig, OuroForCausalLM, exist_ok=True)
+    # The Trainer shifts the labels for `label_smoothing_factor` only for class names in this table (register()
+    # does not add them): without them its smoothed loss compared logits at i with the label at i, not i + 1.
+    for config_class, model_class in ((RecurrentDepthConfig, RecurrentDepthForCausalLM),
+                                      (HuginnRavenConfig, RavenForCausalLM), (OuroConfig, OuroForCausalLM)):
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(config_class.model_type, model_class.__name__)
 
 
 def from_library_model(model: RecurrentDepthLM) -> RecurrentDepthForCausalLM:

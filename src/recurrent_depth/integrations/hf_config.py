@@ -23,6 +23,9 @@ from recurrent_depth.families.ouro import OURO_KEYS, OURO_MODEL_TYPE
 
 # Keys transformers writes into every config.json; `ModelConfig.from_dict` ignores them.
 _HF_BOOKKEEPING = ("model_type", "architectures", "transformers_version", "dtype", "auto_map", "use_cache")
+# Outputs the Trainer leaves out of its predictions (what `compute_metrics` gets is then the logits, as for any
+# causal LM, not a tuple with the cache and the latent states).
+_INFERENCE_EXTRAS = ["cache", "past_key_values", "latent_states", "final_state"]
 
 
 def check_config_file(path: Any) -> None:
@@ -72,6 +75,7 @@ class RecurrentDepthConfig(_CheckedConfigFile, PretrainedConfig):
     """
 
     model_type = MODEL_TYPE
+    keys_to_ignore_at_inference = _INFERENCE_EXTRAS
     attribute_map = {
         "max_position_embeddings": "max_seq_len",
         "num_attention_heads": "num_heads",
@@ -174,6 +178,7 @@ class HuginnRavenConfig(_CheckedConfigFile, PretrainedConfig):
     """
 
     model_type = HUGINN_MODEL_TYPE
+    keys_to_ignore_at_inference = _INFERENCE_EXTRAS
     attribute_map = {
         "hidden_size": "n_embd",
         "num_attention_heads": "n_heads",

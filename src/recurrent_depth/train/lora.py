@@ -290,8 +290,14 @@ def load_lora(model: nn.Module, adapter_dir: str | Path, trainable: bool = False
     peft = require_peft()
     path = check_adapter_dir(adapter_dir)
     header = check_adapter_files(path)
+    config = None
+    if not hasattr(model, "prepare_inputs_for_generation"):
+        # An adapter made with peft on the transformers class says task_type="CAUSAL_LM", whose peft wrapper needs
+        # transformers' generation hooks; the layers are the same, so load it as a plain adapter.
+        config = peft.PeftConfig.from_pretrained(str(path))
+        config.task_type = None
     try:
-        wrapped = peft.PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
+        wrapped = peft.PeftModel.from_pretrained(model, str(path), is_trainable=trainable, config=config)
     except (KeyError, RuntimeError, ValueError) as exc:  # e.g. module names or shapes of another model
         lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
         # torch's "Error(s) in loading state_dict for PeftModel:" is a header: the first mismatch says what

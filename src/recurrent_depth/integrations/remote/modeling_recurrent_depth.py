@@ -33,6 +33,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+# The Trainer shifts the labels for `label_smoothing_factor` only for causal LMs named in this table.
+MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault("recurrent_depth", "RecurrentDepthForCausalLM")
 
 # The library's architecture fields at Huginn's values (recurrent_depth.config.HUGINN_ARCHITECTURE).
 HUGINN_ARCHITECTURE = dict(
@@ -300,6 +304,7 @@ class RecurrentDepthCache(DynamicCache):
 class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = RecurrentDepthConfig
     base_model_prefix = "transformer"
+    _supports_sdpa = True  # attention always runs through F.scaled_dot_product_attention
     _no_split_modules = ["SandwichBlock"]
     _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
     _keys_to_ignore_on_load_unexpected = [r"^freqs_cis$"]
@@ -324,6 +329,31 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # one cache layer per (layer, step), created by forward()
+
+    def _prepare_generation_config(self, generation_config: Any, **kwargs: Any) -> Any:
+        """transformers' merge, except that our options set on a GenerationConfig (or the model's) reach forward()
+        as keywords, and library-only ones are refused, instead of staying unused attributes of the config."""
+        from transformers import GenerationConfig
+
+        config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
+        standard = GenerationConfig().__dict__
+        for name in ("num_steps", "init_scale", *LIBRARY_ONLY_OPTIONS):
+            if name in config.__dict__ and name not in standard:
+                value = config.__dict__.pop(name)
+                if value is not None:
+                    model_kwargs[name] = value
+        refuse_library_only(model_kwargs)
+        return config, model_kwargs
+
+    def _prepare_cache_for_generation(self, generation_config: Any, model_kwargs: dict, generation_mode: Any,
+                                      *args: Any, **kwargs: Any) -> Any:
+        """Assisted decoding (`assistant_model=`, `prompt_lookup_num_tokens=`) needs the cache before the first
+        forward: create it here for that mode."""
+        out = super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
+        if (getattr(generation_mode, "value", None) == "assisted_generation" and model_kwargs.get("cache") is None
+                and generation_config.use_cache is not False):
+            model_kwargs["cache"] = RecurrentDepthCache(self.config)
+        return out
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -390,6 +420,15 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         """Prelude -> num_steps core steps (None: config.mean_recurrence) -> coda; s_0 scaled by init_scale."""
         refuse_library_only(kwargs)
         cache = kwargs.pop("past_key_values", None) if cache is None else cache
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)  # the Trainer's count of label tokens
+        if kwargs.get("inputs_embeds") is not None:
+            raise ValueError("inputs_embeds is not supported: pass input_ids (the prelude scales the embedding)")
+        if input_ids is None:
+            raise ValueError("input_ids is required")
+        output_hidden_states = kwargs.get("output_hidden_states")
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
+        return_dict = self.config.return_dict if return_dict is None else return_dict
         cfg = self.config
         steps = cfg.mean_recurrence if num_steps is None else num_steps
         scale = cfg.init_scale if init_scale is None else init_scale
@@ -422,11 +461,14 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             std = math.sqrt(2 / (5 * cfg.hidden_size)) * scale
             nn.init.trunc_normal_(state, std=std, a=-3 * std, b=3 * std)
             state = state * self.emb_scale
+        states = [state] if output_hidden_states else None  # s_0..s_r, as the library returns them
         for step in range(steps):
             x = self.transformer.adapter(torch.cat([state, e], dim=-1))
             for j, block in enumerate(self.transformer.core_block):
                 x = block(x, ctx, ("core", j, step))
             state = x
+            if states is not None:
+                states.append(state)
         x = self.transformer.ln_f(state)
         for c, block in enumerate(self.transformer.coda):
             x = block(x, ctx, ("coda", c))
@@ -436,9 +478,14 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = F.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+                logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100,
+                reduction="mean" if num_items_in_batch is None else "sum",
             )
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)
+            if num_items_in_batch is not None:  # the Trainer then does not divide by gradient accumulation steps
+                loss = loss / num_items_in_batch
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None,
+                                     hidden_states=tuple(states) if states is not None else None)
+        return out if return_dict else out.to_tuple()
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """transformers' `generate` at a fixed depth (`num_steps`, `init_scale` pass through to forward)."""

@@ -1,0 +1,248 @@
+"""The transformers wrapper used the way ML engineers use any causal LM: Trainer hooks, peft, save/load arguments."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import recurrent_depth.model.recurrent as recurrent
+from tests.test_hf import ids, make_model_dir
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-eco")
+    make_model_dir(path, with_tokenizer=False)
+    return path
+
+
+def test_trainers_activation_checkpointing_call_works_and_checkpoints_the_core(model_dir, monkeypatch):
+    """transformers 5's Trainer calls `activation_checkpointing_enable(..., every_n_layers=, offload=)`; a training
+    forward with the default `use_cache` must then checkpoint the core steps (a cache turns checkpointing off)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir).train()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=None, every_n_layers=1, offload=False)
+    assert model.is_activation_checkpointing
+    calls = []
+    real = recurrent.checkpoint
+    monkeypatch.setattr(recurrent, "checkpoint", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    x = ids(length=8)
+    out = model(input_ids=x, labels=x, num_steps=(1, 2), init_scale=0.0)
+    out.loss.backward()
+    assert len(calls) == 2 and out.cache is None
+    model.activation_checkpointing_disable()
+    assert not model.is_activation_checkpointing
+
+
+def test_resize_token_embeddings_lets_the_new_ids_through(model_dir, tmp_path):
+    """`tokenizer.add_tokens(...)` + `model.resize_token_embeddings(len(tokenizer))`: the new ids must be accepted."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, init_scale=0.0).eval()
+    old = model.config.vocab_size
+    model.resize_token_embeddings(old + 4)
+    x = torch.tensor([[1, 2, old + 3]])
+    with torch.no_grad():
+        logits = model(x, num_steps=2).logits
+    assert logits.shape[-1] == old + 4 and model.lm_head.weight is model.transformer.wte.weight
+    assert model.generate(x, max_new_tokens=2, num_steps=2, do_sample=False).shape == (1, 5)
+    assert model.generate(x, max_new_tokens=2, exit_criterion="kl").shape == (1, 5)  # routed to rd.generate
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, init_scale=0.0).eval()
+    with torch.no_grad():
+        assert torch.equal(again(x, num_steps=2).logits, logits)
+
+
+def test_resize_token_embeddings_refuses_value_embeddings_in_one_line(tmp_path):
+    make_model_dir(tmp_path, with_tokenizer=False, value_embeddings=[0])
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="value embeddings"):
+        model.resize_token_embeddings(model.config.vocab_size + 4)
+
+
+def test_remote_code_file_honours_the_trainers_loss_count_hidden_states_and_refuses_embeds(model_dir, tmp_path):
+    """The exported file's forward takes **kwargs, so the Trainer passes `num_items_in_batch` and then does not divide
+    the loss by the accumulation steps: ignoring it made gradient accumulation scale the gradients up. It also
+    ignored `output_hidden_states` / `return_dict`, and `inputs_embeds` was an AttributeError."""
+    from recurrent_depth.cli import main
+    from recurrent_depth.integrations.remote import modeling_recurrent_depth as remote
+
+    assert main(["export", "--model", str(model_dir), "--out", str(tmp_path / "out"), "--remote-code"]) == 0
+    exported = remote.RecurrentDepthForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ours = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    x = ids(length=8)
+    labels = x.clone()
+    labels[0, :5] = -100
+    count = int((labels[:, 1:] != -100).sum())
+    kw = dict(num_steps=2, init_scale=0.0)
+    with torch.no_grad():
+        mean = exported(x, labels=labels, **kw).loss
+        summed = exported(x, labels=labels, num_items_in_batch=count * 2, **kw).loss
+        torch.testing.assert_close(summed, mean / 2)
+        torch.testing.assert_close(summed, ours(x, labels=labels, num_items_in_batch=count * 2, **kw).loss)
+        states = exported(x, output_hidden_states=True, **kw).hidden_states
+        expected = ours(x, output_hidden_states=True, **kw).hidden_states
+        assert len(states) == len(expected) == 3
+        for a, b in zip(states, expected):
+            torch.testing.assert_close(a, b)
+        as_tuple = exported(x, return_dict=False, use_cache=False, **kw)
+        assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], exported(x, **kw).logits)
+    with pytest.raises(ValueError, match="^inputs_embeds is not supported"):
+        exported(inputs_embeds=torch.zeros(1, 3, exported.config.hidden_size))
+
+
+def test_prompt_lookup_and_assisted_decoding_equal_greedy(model_dir):
+    """transformers' assisted decoding needs the cache before the first forward: it raised 'Assisted decoding
+    requires a cache' because forward() creates ours lazily."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, init_scale=0.0).eval()
+    x = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    kw = dict(max_new_tokens=6, do_sample=False, num_steps=2)
+    greedy = model.generate(x, **kw)
+    assert torch.equal(model.generate(x, prompt_lookup_num_tokens=3, **kw), greedy)
+    assert torch.equal(model.generate(x, assistant_model=model, **kw), greedy)
+
+
+def test_remote_code_file_runs_prompt_lookup_decoding(model_dir, tmp_path):
+    from recurrent_depth.cli import main
+    from recurrent_depth.integrations.remote import modeling_recurrent_depth as remote
+
+    assert main(["export", "--model", str(model_dir), "--out", str(tmp_path / "out"), "--remote-code"]) == 0
+    exported = remote.RecurrentDepthForCausalLM.from_pretrained(tmp_path / "out").eval()
+    x = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    kw = dict(max_new_tokens=6, do_sample=False, num_steps=2, init_scale=0.0)
+    assert torch.equal(exported.generate(x, prompt_lookup_num_tokens=3, **kw), exported.generate(x, **kw))
+
+
+def test_our_options_in_generation_config_json_are_defaults_and_keywords_still_win(model_dir, tmp_path):
+    """transformers carries custom entries of the model's generation config into every call's config, where an entry
+    named like a keyword swallows it: a generation_config.json holding num_steps made `generate(num_steps=...)` run
+    at config.mean_recurrence, and the file's own value was not used either."""
+    from transformers import GenerationConfig
+
+    make_model_dir(tmp_path, with_tokenizer=False)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path, init_scale=0.0).eval()
+    GenerationConfig(num_steps=1, exit_criterion=None).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, init_scale=0.0).eval()
+    x = ids(batch=1, length=6)
+    kw = dict(max_new_tokens=4, do_sample=False)
+    depth = {n: plain.generate(x, num_steps=n, **kw) for n in (1, 2, 4)}
+    assert not torch.equal(depth[1], depth[2]) and not torch.equal(depth[2], depth[4])
+    assert torch.equal(model.generate(x, **kw), depth[1])
+    assert torch.equal(model.generate(x, num_steps=2, **kw), depth[2])
+    model.generation_config.exit_criterion = "kl"  # a routed option set on the model's config routes the call
+    assert type(model.generate(x, return_dict_in_generate=True, **kw)).__name__ == "GenerationOutput"
+
+
+def test_trainer_label_smoothing_shifts_the_labels(model_dir, tmp_path):
+    """The Trainer shifts labels for its label smoother only for causal LMs it knows by class name; ours was not
+    among them, so `label_smoothing_factor` trained each position on its own token instead of the next one."""
+    from transformers import Trainer, TrainingArguments
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, init_scale=0.0, mean_recurrence=2).eval()
+    x = ids(length=8)
+    with torch.no_grad():
+        expected = model(input_ids=x, labels=x).loss
+    args = TrainingArguments(str(tmp_path), report_to=[], use_cpu=True, label_smoothing_factor=1e-6)
+    with torch.no_grad():
+        smoothed = Trainer(model=model, args=args).compute_loss(model, {"input_ids": x, "labels": x})
+    torch.testing.assert_close(smoothed, expected, atol=1e-4, rtol=0)
+
+
+def test_the_remote_code_file_names_its_class_for_the_trainers_label_shift(monkeypatch):
+    """The same table, filled by the exported file itself (a process without the library)."""
+    import importlib
+
+    from transformers.models.auto import modeling_auto
+
+    from recurrent_depth.integrations.remote import modeling_recurrent_depth as remote
+
+    names = dict(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    names.pop("recurrent_depth", None)
+    monkeypatch.setattr(modeling_auto, "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", names)
+    importlib.reload(remote)
+    assert names["recurrent_depth"] == remote.RecurrentDepthForCausalLM.__name__
+
+
+def test_attn_implementation_sdpa_is_accepted(model_dir, tmp_path):
+    """Attention always runs through scaled_dot_product_attention, yet attn_implementation="sdpa" (what training
+    scripts pass) was refused as unsupported, by the library's class and by the remote-code file."""
+    from recurrent_depth.cli import main
+    from recurrent_depth.integrations.remote import modeling_recurrent_depth as remote
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    assert model.config._attn_implementation == "sdpa"
+    assert main(["export", "--model", str(model_dir), "--out", str(tmp_path / "out"), "--remote-code"]) == 0
+    exported = remote.RecurrentDepthForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="sdpa")
+    assert exported.config._attn_implementation == "sdpa"
+
+
+def test_an_adapter_made_with_peft_on_the_transformers_class_loads_in_the_library(model_dir, tmp_path):
+    """peft's usual `LoraConfig(task_type="CAUSAL_LM")` adapter: `rdepth generate --lora` (load_lora on a
+    RecurrentDepthLM) failed with an AttributeError traceback (no prepare_inputs_for_generation)."""
+    peft = pytest.importorskip("peft")
+    import recurrent_depth as rd
+    from recurrent_depth.train.lora import load_lora
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir)
+    tuned = peft.get_peft_model(hf, peft.LoraConfig(r=2, target_modules=["Wqkv", "proj"], task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, p in tuned.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    tuned.save_pretrained(tmp_path)
+    x = ids(length=6)
+    library = load_lora(rd.RecurrentDepthLM.from_pretrained(model_dir), tmp_path).get_base_model().eval()
+    with torch.no_grad():
+        expected = tuned.eval()(input_ids=x, num_steps=2, init_scale=0.0).logits
+        assert torch.equal(library(x, num_steps=2, init_scale=0.0).logits, expected)
+
+
+def test_remote_code_file_takes_its_options_from_a_generation_config(model_dir, tmp_path):
+    """`generate(ids, GenerationConfig(num_steps=1))`, the model card's way, ran the exported file at
+    config.mean_recurrence, and a library-only option set there (criterion) was silently ignored."""
+    from transformers import GenerationConfig
+
+    from recurrent_depth.cli import main
+    from recurrent_depth.integrations.remote import modeling_recurrent_depth as remote
+
+    assert main(["export", "--model", str(model_dir), "--out", str(tmp_path / "out"), "--remote-code"]) == 0
+    exported = remote.RecurrentDepthForCausalLM.from_pretrained(tmp_path / "out", init_scale=0.0).eval()
+    x = ids(batch=1, length=6)
+    kw = dict(max_new_tokens=4, do_sample=False)
+    shallow, deep = exported.generate(x, num_steps=1, **kw), exported.generate(x, num_steps=4, **kw)
+    assert not torch.equal(shallow, deep)
+    assert torch.equal(exported.generate(x, GenerationConfig(num_steps=1, **kw)), shallow)
+    assert torch.equal(exported.generate(x, GenerationConfig(num_steps=1, **kw), num_steps=4), deep)
+    with pytest.raises(ValueError, match="^criterion: this exported model"):
+        exported.generate(x, GenerationConfig(criterion="kl", **kw))
+
+
+def test_resize_token_embeddings_of_an_official_huginn_directory_saves_a_loadable_config(tmp_path):
+    """Huginn's config sizes the embedding by padded_vocab_size, which the resize left at the old size: the saved
+    directory then failed to load (config vocabulary against the stored embedding)."""
+    import recurrent_depth as rd
+    from tests.test_checkpoint import write_official_layout
+    from tests.test_hf import tiny_config
+
+    write_official_layout(rd.RecurrentDepthLM(tiny_config()), tmp_path / "official", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "official", init_scale=0.0).eval()
+    new = model.config.vocab_size + 4
+    model.resize_token_embeddings(new)
+    model.save_pretrained(tmp_path / "resized")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "resized", init_scale=0.0).eval()
+    x = torch.tensor([[1, 2, new - 1]])
+    with torch.no_grad():
+        assert torch.equal(again(x, num_steps=2).logits, model(x, num_steps=2).logits)
+    assert rd.RecurrentDepthLM.from_pretrained(tmp_path / "resized").config.vocab_size == new
+
+
+def test_trainer_predictions_are_the_logits(model_dir, tmp_path):
+    """The Trainer's predictions (what compute_metrics gets) held (logits, latent_states, final_state), so the usual
+    `eval_pred.predictions.argmax(-1)` failed: the extras are keys the Trainer leaves out at inference."""
+    from transformers import Trainer, TrainingArguments
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, init_scale=0.0, mean_recurrence=2).eval()
+    x = ids(length=8)
+    args = TrainingArguments(str(tmp_path), report_to=[], use_cpu=True)
+    loss, logits, labels = Trainer(model=model, args=args).prediction_step(model, {"input_ids": x, "labels": x}, False)
+    assert isinstance(logits, torch.Tensor) and logits.shape == (*x.shape, model.config.vocab_size)

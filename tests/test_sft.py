@@ -295,6 +295,10 @@ def test_heldout_loss_on_packed_rows_is_the_token_mean_of_each_example_alone():
             count += int((targets != IGNORE).sum())
         assert result.tokens == count
         assert result.loss[depth] == pytest.approx(total / count, rel=1e-5)
+    # a final evaluation past the run's --max-minutes budget is cut to its first batch (it was never cut)
+    first = heldout_loss_by_depth(model, rows, [1, 3], batch_size=2, max_batches=1)
+    cut = heldout_loss_by_depth(model, rows, [1, 3], batch_size=2, max_batches=8, deadline=0.0)
+    assert cut.tokens == first.tokens < result.tokens and cut.loss == first.loss
 
 
 def test_sft_with_lora_trains_only_an_adapter_that_loads_onto_its_start(model_dir, tmp_path):

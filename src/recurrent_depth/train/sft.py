@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -183,17 +184,23 @@ class SFTBatches(BatchSource):
 @torch.no_grad()
 def heldout_loss_by_depth(model: nn.Module, rows: PackedRows, depths: list[int], *, batch_size: int,
                           max_batches: int, dtype: str = "float32", seed: int = 0,
-                          device: torch.device | str = "cpu") -> DepthEval:
+                          device: torch.device | str = "cpu", deadline: float | None = None) -> DepthEval:
     """Mean loss per scored held-out token at each depth over the first `max_batches` batches of `rows`
-    (the masks of training: packed examples apart); every depth of a batch starts from the same s0."""
+    (the masks of training: packed examples apart); every depth of a batch starts from the same s0.
+    deadline: optional `time.perf_counter()` value; batches after the first stop when the next one would
+    end past it (a run's `--max-minutes` cuts its final evaluation to fit, as `rdepth train`'s)."""
     was_training = model.training
     model.eval()
     total = {d: 0.0 for d in depths}
     corr = {d: 0.0 for d in depths}
     tokens = sequences = 0
+    started = time.perf_counter()
     try:
         for i, start in enumerate(range(0, len(rows), batch_size)):
             if i >= max_batches:
+                break
+            per_batch = (time.perf_counter() - started) / max(i, 1)
+            if deadline is not None and i > 0 and time.perf_counter() + per_batch > deadline:
                 break
             batch = rows.batch(torch.arange(start, min(start + batch_size, len(rows))), device)
             losses, correlations = batch_losses(model, batch, depths, (seed * 1_000_003 + i) % (2**63), dtype)
@@ -216,7 +223,7 @@ def heldout_evaluation(rows: PackedRows) -> Callable[[Any, bool], DepthEval]:
         depths = trainer.eval_depths or cfg.resolved_eval_depths(trainer.model_config.mean_recurrence)
         result = heldout_loss_by_depth(trainer.model, rows, depths, batch_size=cfg.batch_size,
                                        max_batches=cfg.eval_batches, dtype=cfg.dtype, seed=cfg.seed,
-                                       device=trainer.env.device)
+                                       device=trainer.env.device, deadline=trainer.eval_deadline if final else None)
         table = "  ".join(f"{d}:{v:.3f}" for d, v in sorted(result.loss.items()))
         trainer.log(f"step {trainer.state.step} held-out loss by depth  {table}")
         return result

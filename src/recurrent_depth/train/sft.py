@@ -34,7 +34,7 @@ from recurrent_depth.train import distributed as ddist
 from recurrent_depth.train.batches import BatchSource
 from recurrent_depth.train.config import TrainConfig
 from recurrent_depth.train.init_from import StartingPoint, load_for_training
-from recurrent_depth.train.validation import DepthEval, batch_losses
+from recurrent_depth.train.validation import DepthEval, batch_losses, next_batch_late
 
 if TYPE_CHECKING:
     from recurrent_depth.train.lora import LoraSpec
@@ -199,8 +199,7 @@ def heldout_loss_by_depth(model: nn.Module, rows: PackedRows, depths: list[int],
         for i, start in enumerate(range(0, len(rows), batch_size)):
             if i >= max_batches:
                 break
-            per_batch = (time.perf_counter() - started) / max(i, 1)
-            if deadline is not None and i > 0 and time.perf_counter() + per_batch > deadline:
+            if next_batch_late(started, i, deadline):
                 break
             batch = rows.batch(torch.arange(start, min(start + batch_size, len(rows))), device)
             losses, correlations = batch_losses(model, batch, depths, (seed * 1_000_003 + i) % (2**63), dtype)

@@ -114,6 +114,15 @@ def batch_losses(
     return losses, corr
 
 
+def next_batch_late(started: float, done: int, deadline: float | None) -> bool:
+    """A batch after the first would end past `deadline` (a `time.perf_counter()` value), at the mean
+    pace of the `done` batches since `started`: a run's time budget cuts its final evaluation there."""
+    if deadline is None or done == 0:
+        return False
+    now = time.perf_counter()
+    return now + (now - started) / done > deadline
+
+
 def _late(late: bool, world_size: int, device: torch.device) -> bool:
     """Rank 0's `late` on every rank (collective when `world_size > 1`)."""
     if world_size == 1:
@@ -170,9 +179,7 @@ def validation_loss_by_depth(
         for i, rows in enumerate(dataset.iter_batches(batch_size, drop_last=True)):
             if i >= num_batches:
                 break
-            per_batch = (time.perf_counter() - started) / max(i, 1)
-            if deadline is not None and i > 0 and _late(time.perf_counter() + per_batch > deadline, world_size,
-                                                        device):
+            if deadline is not None and i > 0 and _late(next_batch_late(started, i, deadline), world_size, device):
                 break
             rows = rows.to(device)
             batch_seed = (seed * 1_000_003 + i) % (2**63)

@@ -54,6 +54,31 @@ def test_mup_lr_multipliers_and_head_init_follow_tensor_programs_v():
     assert muon["transformer.wte.weight"] == 0.5
 
 
+def test_mup_value_embeddings_are_input_weights_with_a_width_independent_init_and_lr():
+    """A value embedding (a vocabulary lookup added to v, not scaled by sqrt(h)) and its gate (32 channels in)
+    have a fan-in that does not grow with width: muP's input weights, Adam lr x 1 and an init that does not
+    shrink as the model widens (it had taken the token embedding's 1/sqrt(m) and the Takase 1/sqrt(h) std)."""
+    def with_value_embedding(width: int, base: int | None) -> rd.RecurrentDepthLM:
+        torch.manual_seed(0)
+        return rd.RecurrentDepthLM(rd.ModelConfig.from_preset(
+            "tiny", hidden_size=width, num_heads=width // 16, head_dim=16, tie_embeddings=False,
+            mup_base_width=base, value_embeddings=[0]))
+
+    wide = with_value_embedding(256, base=64)
+    lr = scales(wide)
+    name = "transformer.prelude.0.attn"
+    assert lr[f"{name}.value_embed.weight"] == 1.0 and lr[f"{name}.ve_gate.weight"] == 1.0
+    assert lr["transformer.wte.weight"] == 0.5  # the token embedding keeps 1/sqrt(m)
+    base_std = math.sqrt(2 / (5 * 64))
+    for part in ("value_embed", "ve_gate"):
+        std = float(wide.get_parameter(f"{name}.{part}.weight").detach().std())
+        assert std == pytest.approx(base_std, rel=0.1), part
+    standard, at_base = with_value_embedding(64, base=None), with_value_embedding(64, base=64)
+    for (n, a), (_, b) in zip(standard.state_dict().items(), at_base.state_dict().items(), strict=True):
+        assert torch.equal(a, b), n
+    assert scales(standard) == scales(at_base)
+
+
 def test_mup_needs_untied_embeddings_and_a_valid_width():
     with pytest.raises(ValueError, match="tie_embeddings"):
         rd.ModelConfig.from_preset("tiny", mup_base_width=32)

@@ -141,6 +141,11 @@ class RecurrentDepthLM(nn.Module):
             # muP's output layer (Tensor Programs V, Table 3): init variance 1/fan_in^2, i.e. std times
             # 1/sqrt(m) beyond the 1/sqrt(fan_in) above (equal to the standard init at the base width).
             self.lm_head.weight.mul_(1 / math.sqrt(self.config.width_multiplier))
+            # Input weights with a fixed fan-in (value embeddings and their gates): variance 1/fan_in, i.e. not
+            # shrinking with width, so sqrt(m) times the Takase std (again the standard init at the base width).
+            for name, param in self.named_parameters():
+                if name.endswith(("value_embed.weight", "ve_gate.weight")):
+                    param.mul_(math.sqrt(self.config.width_multiplier))
         if self.config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
 

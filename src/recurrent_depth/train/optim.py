@@ -37,6 +37,8 @@ MUON_ADJUST_LR: tuple[str, ...] = ("original", "match_rms_adamw")
 
 # Substrings that mark a parameter as the (tied) token embedding / output head.
 EMBEDDING_KEYS: tuple[str, ...] = ("wte", "embed", "lm_head")
+# Substrings that mark an input weight whose fan-in is fixed as width grows (muP's "input weights").
+FIXED_FAN_IN_KEYS: tuple[str, ...] = ("value_embed", "ve_gate")
 # Substrings that mark a parameter as exempt from weight decay (RMSNorm gains, biases, qk_bias).
 NO_DECAY_KEYS: tuple[str, ...] = ("norm", "bias")
 
@@ -346,9 +348,11 @@ def mup_lr_multiplier(name: str, param: torch.Tensor, width_multiplier: float) -
     * the token embedding: 1/sqrt(m): the model multiplies it by sqrt(h), so an update of size lr
       moves the embedding output by sqrt(h) lr; 1/sqrt(m) keeps that width-independent;
     * the (untied) output head: 1/m, with its init std divided by sqrt(m) (the model does this);
-    * norm gains and biases: 1.
+    * norm gains and biases: 1;
+    * input weights whose fan-in does not grow with width (a value embedding, a lookup from the vocabulary,
+      and its gate, read from 32 channels): 1, with an init that does not shrink with width either.
     """
-    if parameter_kind(name, param) == "no_decay":
+    if parameter_kind(name, param) == "no_decay" or any(key in name for key in FIXED_FAN_IN_KEYS):
         return 1.0
     if "wte" in name or "embed" in name:
         return width_multiplier**-0.5

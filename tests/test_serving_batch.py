@@ -153,6 +153,40 @@ def test_prompt_scores_equal_a_full_forward_and_zero_new_tokens_keeps_no_row(mod
     assert [t[0][0] for t in scores.top[1:]] == logp[:-1].argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("new_tokens", [2, 0])
+def test_solo_prompt_scores_under_exit_in_prefill_are_read_at_the_prefills_exit_step(model, new_tokens):
+    """`echo` + `logprobs` of a request whose prompt runs under its exit criterion (`exit_in_prefill`, the
+    official profile's default with a criterion) scored the prompt at the full `num_steps`, while the
+    session's prefill stopped every prompt position at the criterion's step."""
+    from recurrent_depth.serving.solo import SoloRun
+
+    prompt, seed = [5, 17, 99, 3, 250, 42, 8], 11
+    kwargs = dict(num_steps=8, exit_criterion="kl", exit_threshold=1e9, exit_in_prefill=True, max_new_tokens=2)
+    options = GenerationOptions(**kwargs).validate(4)
+    solo = SoloRun(model, RowRequest(prompt, options, seed, top_logprobs=0, prompt_logprobs=True),
+                   dict(kwargs, max_new_tokens=new_tokens))
+    scores = torch.tensor(solo.prompt_scores().logprobs[1:])
+    probe = SoloRun(model, RowRequest(prompt, options, seed, top_logprobs=0), dict(kwargs, output_logits=True))
+    first = probe.next()
+    depth, chose_first = first.steps, probe.stream.session.recorder.logits[0][0]
+    assert 1 <= depth < 8
+
+    def forward(steps: int) -> torch.Tensor:
+        with torch.no_grad():
+            out = model(torch.tensor([prompt]), num_steps=steps, generator=torch.Generator().manual_seed(seed))
+        return torch.log_softmax(out.logits[0], -1)
+
+    at_exit, at_full = forward(depth), forward(8)
+    torch.testing.assert_close(at_exit[-1], torch.log_softmax(chose_first, -1), rtol=0, atol=TOL)  # same prefill
+    picked = lambda logp: logp[:-1].gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]  # noqa: E731
+    torch.testing.assert_close(scores, picked(at_exit), rtol=0, atol=TOL)
+    assert (scores - picked(at_full)).abs().max() > 10 * TOL
+    if new_tokens:  # the first token, taken early to learn the depth, is still delivered first
+        assert solo.next().token == first.token
+    solo.close()
+    probe.close()
+
+
 # ---------------------------------------------------------------------------------------- text
 @pytest.fixture(scope="module")
 def codec(tmp_path_factory) -> TextCodec:

@@ -120,20 +120,28 @@ def eval_deadline(env: DistEnv) -> list[int]:
     import recurrent_depth as rd
     from recurrent_depth.train.validation import validation_loss_by_depth
 
-    class Rows:  # 16 rows of 9 tokens, this rank's share in batches (a ShardDataset's interface)
+    class Rows:  # 16 rows of 9 tokens (a ShardDataset's interface: rows by storage index, batches in order)
+        data = torch.arange(16 * 9).reshape(16, 9) * 7 % 256
+
         def __len__(self) -> int:
             return 16
 
+        def rows(self, indices):
+            return self.data[list(indices)]
+
         def iter_batches(self, batch_size: int, drop_last: bool = False):
-            rows = torch.arange(16 * 9).reshape(16, 9)[env.rank :: env.world_size] % 256
-            yield from rows.split(batch_size)
+            yield from self.data.split(batch_size)
 
     torch.manual_seed(0)
     model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny"))
     deadline = time.perf_counter() + (-1.0 if env.rank == 0 else 600.0)
     runs = [validation_loss_by_depth(model, Rows(), [1, 2], batch_size=2, max_batches=4, world_size=env.world_size,
                                      deadline=limit) for limit in (None, deadline)]
-    return [run.tokens for run in runs]
+    # max_batches counts batches in all ranks: 3 batches on 2 ranks are the rows, tokens and loss of one process
+    shared = validation_loss_by_depth(model, Rows(), [1, 2], batch_size=2, max_batches=3, world_size=env.world_size)
+    alone = validation_loss_by_depth(model, Rows(), [1, 2], batch_size=2, max_batches=3)
+    return [run.tokens for run in runs] + [(shared.tokens, shared.loss, shared.token_correlation),
+                                           (alone.tokens, alone.loss, alone.token_correlation)]
 
 
 def main() -> None:

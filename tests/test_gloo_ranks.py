@@ -111,5 +111,10 @@ def test_time_budgets_and_stop_hook_follow_rank_0_on_every_rank(tmp_path):
     assert lrs[0] == lrs[1]
     assert lrs[0][1] < 1e-3  # rank 0's projection (60 steps): step 45 is in the cool-down
     assert lrs[0][2] is None  # a stop_when hook that differs by rank: rank 0's answer (else rank 0 hung alone)
-    # --max-minutes cuts the final evaluation on several ranks too (rank 0's clock): 1 batch of 4, 2 ranks x 2 x 8
-    assert lrs[0][3:] == [4 * 2 * 2 * 8, 2 * 2 * 8]
+    # --max-minutes cuts the final evaluation on several ranks too (rank 0's clock): 4 batches of 2 x 8 tokens in
+    # all (eval_batches counts over the ranks), cut to one round: a batch on each rank
+    assert lrs[0][3:5] == [4 * 2 * 8, 2 * 2 * 8]
+    # eval_batches=3 on 2 ranks evaluates the rows of one process, at the same s0: the same tokens and loss
+    (tokens, loss, corr), (alone_tokens, alone_loss, alone_corr) = lrs[0][5:]
+    assert tokens == alone_tokens == 3 * 2 * 8
+    assert loss == pytest.approx(alone_loss, rel=1e-12) and corr == pytest.approx(alone_corr, rel=1e-12)

@@ -72,3 +72,83 @@ def test_shutdown_frees_the_ddp_wrapper_before_the_process_group(tmp_path, monke
         if dist.is_initialized():
             dist.destroy_process_group()
         gc.collect()
+
+
+def test_trainer_run_and_close_free_the_ddp_wrapper_while_the_group_lives(tmp_path):
+    # The Python API under torchrun: `trainer.run(); dist.destroy_process_group()` hung at exit now and then (the
+    # trainer's DDP wrapper, freed after the group, joined gloo's threads with the GIL held). run() now ends holding
+    # the model itself; close() (the end of `with Trainer(...)`) frees it too, and leaves a caller's group alone.
+    import gc
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+
+    from recurrent_depth import ModelConfig, RecurrentDepthLM
+    from recurrent_depth.train.trainer import Trainer
+    from tests.test_trainer_recipes import VOCAB, CountingBatches, short_config
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = RecurrentDepthLM(ModelConfig(vocab_size=VOCAB, hidden_size=32, num_heads=2, intermediate_size=64,
+                                             prelude_layers=1, core_layers=1, coda_layers=1, mean_recurrence=2,
+                                             mean_backprop_depth=1, max_seq_len=16))
+        cfg = short_config(tmp_path, steps=1).replace(out=None, batch_size=2)
+        trainer = Trainer(cfg, model=model, data=CountingBatches("targets"), log=lambda _: None)
+        trainer.wrapped = torch.nn.parallel.DistributedDataParallel(trainer.model)  # what a torchrun rank holds
+        ddp = weakref.ref(trainer.wrapped)
+        assert trainer.run().steps == 1
+        assert trainer.wrapped is trainer.model and ddp() is None
+        with trainer:
+            trainer.wrapped = torch.nn.parallel.DistributedDataParallel(trainer.model)
+            ddp = weakref.ref(trainer.wrapped)
+        assert trainer.wrapped is trainer.model and ddp() is None
+        assert dist.is_initialized()  # a group the caller initialised is the caller's to destroy
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()
+
+
+def test_rank_0_prepares_the_data_while_the_others_wait_long_and_hear_of_its_failure(tmp_path, monkeypatch):
+    # Rank 1 waited for rank 0's tokenizer and shards in a plain barrier: the group's 30-minute timeout ended a long
+    # preparation, and a failure on rank 0 left the others waiting out that timeout (outside torchrun) with no reason.
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from recurrent_depth.train import distributed as ddist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    try:
+        timeouts, sent = [], []
+        new_group, broadcast = dist.new_group, dist.broadcast_object_list
+        monkeypatch.setattr(dist, "new_group", lambda **kw: timeouts.append(kw["timeout"]) or new_group(**kw))
+        monkeypatch.setattr(dist, "broadcast_object_list",
+                            lambda box, src, group: sent.append(list(box)) or broadcast(box, src=src, group=group))
+        rank0 = ddist.DistEnv(rank=0, world_size=2)  # (the env of a torchrun rank; this test's group has one)
+        assert ddist.run_on_main(rank0, "prepare the token shards", lambda: "shards") == "shards"
+        assert timeouts == [ddist.PREPARE_TIMEOUT] and ddist.PREPARE_TIMEOUT.total_seconds() >= 12 * 3600
+
+        def fails():
+            raise OSError("disk full\nwhile writing shard 3")
+
+        with pytest.raises(OSError, match="disk full"):
+            ddist.run_on_main(rank0, "prepare the token shards", fails)
+        assert sent == [[None, None], ["OSError: disk full while writing shard 3", None]]  # told, in one line
+        # another rank hears of it at once: one line naming the work (not a wait until the timeout)
+        rank1 = ddist.DistEnv(rank=1, world_size=2)
+        monkeypatch.setattr(dist, "broadcast_object_list", lambda box, src, group: box.__setitem__(
+            slice(None), ["OSError: disk full while writing shard 3", None]))
+        with pytest.raises(ValueError, match="^rank 0 failed to prepare the token shards: OSError: disk full while"):
+            ddist.run_on_main(rank1, "prepare the token shards", lambda: "never run")
+        # share=True: rank 0's result on the others (the prepared shards' key: no second pass over the corpus)
+        monkeypatch.setattr(dist, "broadcast_object_list", lambda box, src, group: box.__setitem__(
+            slice(None), [None, "rank 0's shards"]))
+        assert ddist.run_on_main(rank1, "prepare", lambda: "never run", share=True) == "rank 0's shards"
+        assert dist.is_initialized()  # (each wait's own group is gone; the default group stays)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -227,6 +227,12 @@ def _result(out: Path, splits: tuple[str, ...], metadata: dict[str, Any]) -> Pre
     return PreparedDataset(out, out / "train.json", val, metadata)
 
 
+def load_prepared(out_dir: str | Path, key: str, val_fraction: float) -> PreparedDataset | None:
+    """The complete shards in `out_dir` if they were prepared under `key` (the `metadata["key"]` of a
+    `prepare_dataset` result), without reading the corpus again; None otherwise."""
+    return _load_if_current(Path(out_dir), key, SPLITS if val_fraction > 0 else SPLITS[:1])
+
+
 def _load_if_current(out: Path, key: str, splits: tuple[str, ...]) -> PreparedDataset | None:
     meta_path = out / DATASET_FILE
     if not meta_path.is_file():

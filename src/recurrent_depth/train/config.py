@@ -113,7 +113,7 @@ FIELD_HELP: dict[str, str] = {
     "fsdp": "shard parameters with FSDP2 (fully_shard) instead of replicating them with DDP",
     "eval_depths": "validation depths; none = 1 and r̄ times 1/8, 1/4, 1/2, 1, 2 (the paper's 1..64 at r̄=32)",
     "eval_interval": "validate every N optimizer steps (0 = only at the end)",
-    "eval_batches": "validation batches per evaluation (a fixed token budget)",
+    "eval_batches": "validation batches per evaluation, in all ranks together (a fixed token budget)",
     "save_every": "checkpoint every N optimizer steps (0 = only at the end)",
     "keep_last": "checkpoints to keep (counting the one being written: on a full disk the oldest goes first)",
     "max_skipped_fraction": "fail the run (exit 1) when more than this share of its optimizer steps was skipped "

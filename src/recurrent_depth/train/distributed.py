@@ -14,8 +14,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -70,16 +71,67 @@ def shutdown(env: DistEnv, owner: Any = None) -> None:
     runs the gloo group's destructor with the GIL held, which joins gloo's worker threads while one of them may
     wait for the GIL to free the tensors of a finished collective: a hang at exit, now and then, on some rank.
     """
-    if owner is not None and isinstance(getattr(owner, "wrapped", None), nn.parallel.DistributedDataParallel):
-        owner.wrapped = unwrap(owner.wrapped)
-        gc.collect()  # (a DDP wrapper caught in a reference cycle goes now, while the group is alive)
+    if owner is not None:
+        release_ddp(owner)
     if env.enabled and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def release_ddp(owner: Any) -> bool:
+    """Replace `owner.wrapped`, if a DDP wrapper, by the model inside and free the wrapper now (see `shutdown`);
+    whether there was one to free."""
+    if not isinstance(getattr(owner, "wrapped", None), nn.parallel.DistributedDataParallel):
+        return False
+    owner.wrapped = unwrap(owner.wrapped)
+    gc.collect()  # (a DDP wrapper caught in a reference cycle goes now, while the group is alive)
+    return True
+
+
+def group_initialized() -> bool:
+    """Whether this process is in a default process group already."""
+    return dist.is_available() and dist.is_initialized()
 
 
 def barrier(env: DistEnv) -> None:
     if env.enabled:
         dist.barrier()
+
+
+# How long the other ranks wait for rank 0's data preparation (a process group's own timeout, 30 minutes by default,
+# would end them while rank 0 still tokenizes a large corpus).
+PREPARE_TIMEOUT = timedelta(hours=24)
+
+
+def run_on_main(env: DistEnv, what: str, fn: Callable[[], Any], timeout: timedelta = PREPARE_TIMEOUT,
+                share: bool = False) -> Any:
+    """`fn()` on rank 0 while the other ranks wait (up to `timeout`): its result on rank 0; elsewhere None, or with
+    `share` a copy of rank 0's result (pickled).
+
+    what: the work, named in the other ranks' error when `fn` raises on rank 0 ("prepare the token shards"): rank 0
+    raises its own exception, the others a one-line ValueError at once (not a hang until the timeout). The wait is a
+    broadcast on a gloo group made for it (CPU, with `timeout`), destroyed before returning.
+    """
+    if not env.enabled:
+        return fn()
+    dist.barrier()  # every rank is here (a rank gone already fails this, where the new group would wait its timeout)
+    group = dist.new_group(backend="gloo", timeout=timeout)
+    try:
+        if not env.is_main:
+            box: list[Any] = [None, None]  # (rank 0's error, its result when shared)
+            dist.broadcast_object_list(box, src=0, group=group)
+            if box[0] is not None:
+                raise ValueError(f"rank 0 failed to {what}: {box[0]}")
+            return box[1]
+        try:
+            result = fn()
+        except BaseException as exc:
+            message = " ".join(f"{type(exc).__name__}: {exc}".split())  # (one line)
+            dist.broadcast_object_list([message, None], src=0, group=group)
+            raise
+        dist.broadcast_object_list([None, result if share else None], src=0, group=group)
+        return result
+    finally:
+        dist.destroy_process_group(group)
 
 
 def mean_across_ranks(value: float, env: DistEnv) -> float:

@@ -269,6 +269,7 @@ def sft_trainer(cfg: TrainConfig, options: SFTOptions | None = None, **trainer_k
     if cfg.init_from is None:
         raise ValueError("SFT needs a model to start from: TrainConfig.init_from (--init-from DIR)")
     cfg = resolved_config(cfg)
+    joined = not ddist.group_initialized()
     env = ddist.init_distributed(trainer_kwargs.get("device"))
     start = build_model(cfg, "cpu")  # the Trainer moves it
     config = start.model.config
@@ -282,7 +283,9 @@ def sft_trainer(cfg: TrainConfig, options: SFTOptions | None = None, **trainer_k
         from recurrent_depth.train.lora import add_lora
 
         model = add_lora(model, options.lora, base_dir=start.model_dir, seed=cfg.seed)
-    return Trainer(cfg, model=model, data=source, tokenizer_dir=start.tokenizer_dir, **trainer_kwargs)
+    trainer = Trainer(cfg, model=model, data=source, tokenizer_dir=start.tokenizer_dir, **trainer_kwargs)
+    trainer._owns_group = env.enabled and joined  # (the group joined here is the trainer's to leave: close())
+    return trainer
 
 
 def sft(cfg: TrainConfig, options: SFTOptions | None = None, **trainer_kwargs: Any):

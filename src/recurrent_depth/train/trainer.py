@@ -206,7 +206,10 @@ class Trainer:
         self.save_dtype = save_dtype
         self.stop_when = stop_when
         self.objective: Objective = objective if objective is not None else LanguageModeling()
+        joined = not ddist.group_initialized()
         self.env = ddist.init_distributed(device)
+        self._owns_group = self.env.enabled and joined  # (close() leaves a group that this Trainer joined)
+        self._ddp_released = False
         if cfg.keep_freed_memory and self.env.device.type == "cpu":
             keep_freed_memory()
         self.out = Path(cfg.out) if cfg.out is not None else None
@@ -367,13 +370,12 @@ class Trainer:
         # Every rank caches (and reads) all rows of the train split, in storage order.
         dataset = self.data.dataset("train", shuffle=False)
         data_key = self.data.metadata.get("key")
-        if not has_cache(cfg.distill_cache):
-            if env.is_main:
-                write_cache(objective.teacher_logits, dataset, cfg.distill_cache, top_k=cfg.distill_top_k,
-                            vocab_size=student_vocab, data_key=data_key,
-                            teacher_info={**teacher_summary(teacher), "seed": objective.seed},
-                            batch_size=cfg.batch_size, log=self.log)
-            ddist.barrier(env)
+        if not has_cache(cfg.distill_cache):  # (rank 0 writes it; the others wait as long as it takes, see run_on_main)
+            ddist.run_on_main(env, "write the distillation cache", lambda: write_cache(
+                objective.teacher_logits, dataset, cfg.distill_cache, top_k=cfg.distill_top_k,
+                vocab_size=student_vocab, data_key=data_key,
+                teacher_info={**teacher_summary(teacher), "seed": objective.seed},
+                batch_size=cfg.batch_size, log=self.log))
         objective.cache = CachedTeacher(cfg.distill_cache, dataset, top_k=cfg.distill_top_k,
                                         vocab_size=student_vocab, data_key=data_key)
         objective.teacher = None  # read from the cache from here on
@@ -397,7 +399,7 @@ class Trainer:
     def _prepare_data(self, corpus: Any | None):
         """Tokenizer (trained here unless given) and token shards; rank 0 builds, the others reuse."""
         from recurrent_depth.data import build_tokenizer, load_corpus, prepare_dataset
-        from recurrent_depth.data.prepare import packing_report
+        from recurrent_depth.data.prepare import load_prepared, packing_report
 
         cfg, env = self.cfg, self.env
         source = corpus if corpus is not None else load_corpus(
@@ -411,22 +413,24 @@ class Trainer:
             tok_dir = self.out / TOKENIZER_DIR
             # A resumed run keeps the tokenizer its checkpoint was trained with; a fresh run reuses one
             # left in `out` only if it was trained for this run's data and settings.
-            if env.is_main and not (
-                (tok_dir / "tokenizer.json").is_file()
-                and (self.resume_from is not None or self._tokenizer_matches(tok_dir, source))
-            ):
+            def train_tokenizer() -> None:
+                if (tok_dir / "tokenizer.json").is_file() and (
+                        self.resume_from is not None or self._tokenizer_matches(tok_dir, source)):
+                    return
                 start = time.perf_counter()
                 build_tokenizer(source, cfg.tokenizer_vocab_size(), val_fraction=cfg.val_fraction, seed=cfg.seed,
                                 max_bytes=cfg.tokenizer_max_bytes, out_dir=tok_dir)
                 self.log(f"trained a {cfg.tokenizer_vocab_size()}-token BPE tokenizer in "
                          f"{time.perf_counter() - start:.1f}s -> {tok_dir}")
-            ddist.barrier(env)
+
+            # Rank 0 trains it; the others wait as long as that takes (not the process group's 30 minutes).
+            ddist.run_on_main(env, "train the tokenizer", train_tokenizer)
         seq_len = cfg.seq_len
         if seq_len is None:
             seq_len = cfg.model_config().max_seq_len
         data_dir = Path(cfg.data_dir) if cfg.data_dir is not None else self.out / "data"
-        data = None
-        if env.is_main:
+
+        def prepare() -> Any:
             start = time.perf_counter()
             data = prepare_dataset(
                 source, tok_dir, seq_len, data_dir, val_fraction=cfg.val_fraction, seed=cfg.seed, keep_all=cfg.keep_all
@@ -436,9 +440,14 @@ class Trainer:
             self.log(f"{summary} ({when}) -> {data_dir}")
             for warning in warnings:
                 self.log(warning)
-        ddist.barrier(env)
-        if data is None:
-            data = prepare_dataset(
+            return data
+
+        # Rank 0 packs the shards (a large corpus can take hours); the others wait for it, then reuse them without
+        # hashing the corpus again (rank 0 would wait for that pass in the next collective); where they do not see
+        # rank 0's files (no shared file system), they prepare their own.
+        data = ddist.run_on_main(env, "prepare the token shards", prepare, share=True)
+        if not env.is_main:
+            data = load_prepared(data_dir, data.metadata["key"], cfg.val_fraction) or prepare_dataset(
                 source, tok_dir, seq_len, data_dir, val_fraction=cfg.val_fraction, seed=cfg.seed, keep_all=cfg.keep_all
             )
         return tok_dir, data
@@ -469,6 +478,37 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> TrainResult:
+        """Train until a budget or hook stops the loop; save, evaluate, return the `TrainResult`.
+
+        Under torchrun the trainer holds its DDP wrapper only while it runs: once `run()` returns or raises it
+        holds `model` itself, so that `torch.distributed.destroy_process_group()` may follow at once (DDP's reducer,
+        freed after it, can hang the process at exit). A later `run()` wraps the model again."""
+        if self._ddp_released:
+            self.wrapped = ddist.wrap_model(self.model, self.env)
+            self._ddp_released = False
+        try:
+            return self._run()
+        finally:
+            self._ddp_released = ddist.release_ddp(self) or self._ddp_released
+
+    def close(self) -> None:
+        """Close the logs, free the DDP wrapper, then leave the process group if this Trainer joined it (torchrun's
+        environment; a group initialised before the Trainer is left to its owner). Idempotent; also the end of
+        `with Trainer(cfg) as trainer:`."""
+        if hasattr(self, "metrics"):
+            self.close_logs()
+        self._ddp_released = ddist.release_ddp(self) or self._ddp_released
+        if self._owns_group:
+            self._owns_group = False
+            ddist.shutdown(self.env)
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(self) -> TrainResult:
         cfg = self.cfg
         sampler = self.sampler
         depth = (f"; depth {sampler.scheme} r̄={sampler.mean_recurrence} k={sampler.backprop_depth}"

@@ -134,6 +134,22 @@ def _late(late: bool, world_size: int, device: torch.device) -> bool:
     return bool(flag.item())
 
 
+def _rank_batches(dataset, batch_size: int, num_batches: int, world_size: int):
+    """(batch index, rows) of this rank, one per round: batch i is storage rows [i * batch_size, (i + 1) *
+    batch_size); rank r takes batches r, r + world_size, ... In the last round a rank with no batch left gets
+    an index >= num_batches and the round's first batch (an FSDP forward is collective: every rank runs it)."""
+    if world_size == 1:
+        yield from zip(range(num_batches), dataset.iter_batches(batch_size, drop_last=True), strict=False)
+        return
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    for first in range(0, num_batches, world_size):
+        i = first + rank
+        start = (i if i < num_batches else first) * batch_size
+        yield i, dataset.rows(range(start, start + batch_size))
+
+
 @torch.no_grad()
 def validation_loss_by_depth(
     model: torch.nn.Module,
@@ -151,11 +167,13 @@ def validation_loss_by_depth(
 ) -> DepthEval:
     """Validation loss and token correlation at each depth over the first `max_batches` batches.
 
-    dataset: a `ShardDataset` (this rank's share, storage order; its training position is untouched).
-    Every rank runs the same number of batches; sums are all-reduced when `world_size > 1`.
-    The s0 draw of batch i is seeded by (seed, i), so repeated evaluations see the same starts.
+    dataset: a `ShardDataset` (storage order; its training position is untouched). Batch i is rows
+    [i * batch_size, (i + 1) * batch_size) and its s0 draw is seeded by (seed, i), so repeated evaluations see the
+    same starts. `max_batches` counts batches in all: with `world_size > 1` (a process group) rank r evaluates
+    batches r, r + world_size, ... (through `dataset.rows`) and the sums are all-reduced, so the rows, the tokens
+    and the loss are those of one process, whatever the number of ranks.
     deadline: optional `time.perf_counter()` value; batches after the first stop early when the next one
-    would end past it (by rank 0's clock on every rank: ranks run the same number of batches).
+    would end past it (by rank 0's clock on every rank: ranks run the same number of rounds).
     """
     if not depths:
         raise ValueError("depths must name at least one depth")
@@ -163,11 +181,10 @@ def validation_loss_by_depth(
         raise ValueError(f"depths={list(depths)!r} is invalid: expected integers >= 0")
     depths = sorted(set(depths))  # a repeated depth would add its batch losses twice
     device = torch.device(device)
-    per_rank = len(dataset) // world_size
-    batch_size = max(1, min(batch_size, per_rank))
-    num_batches = min(max_batches, per_rank // batch_size)
+    batch_size = max(1, min(batch_size, len(dataset)))
+    num_batches = min(max_batches, len(dataset) // batch_size)
     if num_batches < 1:
-        raise ValueError(f"validation split has {len(dataset)} rows: too few for {world_size} rank(s)")
+        raise ValueError(f"validation split has {len(dataset)} rows: too few to evaluate")
     was_training = model.training
     model.eval()
     loss_sum = {d: torch.zeros((), dtype=torch.float64) for d in depths}
@@ -176,15 +193,17 @@ def validation_loss_by_depth(
     sequences = 0
     try:
         started = time.perf_counter()
-        for i, rows in enumerate(dataset.iter_batches(batch_size, drop_last=True)):
-            if i >= num_batches:
+        for rnd, (i, rows) in enumerate(_rank_batches(dataset, batch_size, num_batches, world_size)):
+            if deadline is not None and rnd > 0 and _late(next_batch_late(started, rnd, deadline), world_size, device):
                 break
-            if deadline is not None and i > 0 and _late(next_batch_late(started, i, deadline), world_size, device):
-                break
-            rows = rows.to(device)
+            rows = torch.as_tensor(rows).to(device)
             batch_seed = (seed * 1_000_003 + i) % (2**63)
             if sharded:
                 losses, corr = forward_losses(model, rows, depths, batch_seed, dtype)
+                if i >= num_batches:  # this rank has no batch left this round: its forward only serves the others
+                    continue
+            elif i >= num_batches:
+                continue
             else:
                 gen = torch.Generator(device=device).manual_seed(batch_seed)
                 losses, corr = depth_losses(model, rows, depths, gen, dtype)

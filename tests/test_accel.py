@@ -170,6 +170,27 @@ def test_cached_low_precision_weights_follow_the_parameter(monkeypatch):
     torch.testing.assert_close(y, expected, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-adamw", "adamw"])
+def test_cached_low_precision_weights_follow_a_fused_optimizer_step(fused):
+    """Fused AdamW (the trainer's on CPU) updates the weight without moving its version counter: the cast
+    weights must still be those of after the step, as the plain layer's."""
+    torch.manual_seed(5)
+    ours, ref = pair(True, torch.float32, (16, 8))
+    ours.train(), ref.train()
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1, fused=fused) for m in (ours, ref)]
+    x = torch.randn(4, 16)
+    for _ in range(3):
+        outs = []
+        for module, optimizer in zip((ours, ref), optimizers):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = module(x)
+            y.float().pow(2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            outs.append(y.detach().float())
+        torch.testing.assert_close(outs[0], outs[1], atol=3e-2, rtol=3e-2)
+
+
 def test_no_grad_rows_in_training_mode_take_the_fast_layouts(monkeypatch):
     torch.manual_seed(4)
     layer = fast_linear(40, 300)
@@ -520,3 +541,29 @@ def test_the_trainer_applies_accel_unless_switched_off(tmp_path, enabled):
         trainer = Trainer(cfg, model=model, data=CountingBatches("targets"), log=lambda _: None)
     assert any(type(m) is FastRMSNorm for m in model.modules()) == enabled
     assert json.loads((tmp_path / "run.json").read_text())["accel"] == trainer.accel
+
+
+def test_bf16_training_steps_move_the_converted_linears_weights(tmp_path):
+    """The trainer's AdamW is fused on CPU (no version counter moves): after its steps, the weights the
+    converted linears multiply by in a bf16 training forward are the parameters' current ones."""
+    from recurrent_depth.train.config import TrainConfig
+    from recurrent_depth.train.optim import OptimConfig
+    from recurrent_depth.train.trainer import Trainer
+    from tests.test_trainer_recipes import CountingBatches
+
+    _, model = model_pair()
+    optim = OptimConfig(name="adamw", lr=1e-2, weight_decay=0.0, warmup_steps=0)
+    cfg = TrainConfig(batch_size=2, max_steps=2, out=str(tmp_path), progress=False, tensorboard=False,
+                      dtype="bfloat16", optim=optim)
+    with OneThread():
+        trainer = Trainer(cfg, model=model, data=CountingBatches("targets"), log=lambda _: None)
+        for _ in range(2):
+            trainer.train_step()
+        layer = model.transformer.core_block[0].mlp.fc
+        assert type(layer) is FastLowPrecisionLinear
+        layer.train()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(torch.ones(1, layer.in_features, requires_grad=True))
+    assert torch.equal(layer._low_precision_cache[1], layer.weight.detach().to(torch.bfloat16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(y, F.linear(torch.ones(1, layer.in_features), layer.weight, layer.bias))

@@ -326,6 +326,23 @@ def test_fast_runner_is_used_only_for_plain_attention():
     assert out.sequences.shape == (1, 9)
 
 
+def test_a_float64_model_decodes_in_float64():
+    """The fused runner's norm statistics and RoPE are float32 (its states were ~5e-7 off a float64
+    forward): a float64 model takes the reference runner, which keeps float64 precision."""
+    torch.manual_seed(0)
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval().double()
+    assert not FastRunner.supports(model)
+    ids = torch.randint(0, 256, (2, 5))
+    with torch.no_grad():
+        runner = make_runner(model)
+        step = runner.context(ids, None, None)
+        e = runner.embed(ids, step)
+        state = runner.core_steps(torch.zeros_like(e), runner.inject(e), e, range(2), step)
+        want = model(ids, num_steps=2, init_scale=0.0).final_state
+    assert state.dtype == torch.float64
+    torch.testing.assert_close(state, want, atol=1e-12, rtol=1e-12)
+
+
 def test_recurrent_state_mixers_decode_exactly_and_refuse_rollback_modes():
     cfg = rd.ModelConfig.from_preset("tiny")
     cfg.mixer = {"core": "gated_deltanet"}

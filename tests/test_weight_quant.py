@@ -131,6 +131,29 @@ def test_int4_shapes_the_kernel_refuses_take_the_reference_exactly(K, N, group, 
     assert layer.qweight.shape == (N, -(-K // group) * group // 2)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4-kernel-layout"])
+def test_input_gradients_through_the_kernel_layers_take_the_reference(fmt):
+    """torch's int8 / int4 kernels have no derivative: a call with autograd through x (GradMem's memory
+    gradient through a frozen quantized model) takes the reference, x's gradient the dequantized weight's."""
+    linear = nn.Linear(32, 16).to(torch.bfloat16)
+    layer = (Int8WeightLinear.from_linear(linear) if fmt == "int8"
+             else Int4WeightLinear.from_linear(linear, 32, kernel_layout=True))
+    x = torch.randn(12, 32).to(torch.bfloat16).requires_grad_()
+    layer(x).float().square().sum().backward()
+    x_ref = x.detach().clone().requires_grad_()
+    nn.functional.linear(x_ref, layer.dequantize(torch.bfloat16), layer.bias).float().square().sum().backward()
+    assert torch.equal(x.grad, x_ref.grad)
+
+
+def test_gradmem_runs_on_a_bf16_model_with_quantized_weights():
+    torch.manual_seed(0)
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval().to(torch.bfloat16)
+    quantize_weights(model, "int8")
+    out = generate(model, torch.randint(0, 64, (1, 12)), max_new_tokens=2, num_steps=2, gradmem_tokens=2,
+                   gradmem_steps=1)
+    assert out.sequences.shape[1] == 14
+
+
 def test_int4_error_bound_and_the_stored_values_round_trip():
     torch.manual_seed(0)
     w = torch.randn(48, 100) * torch.logspace(-3, 1, 48)[:, None] + torch.randn(48, 1)  # offsets too
@@ -410,6 +433,22 @@ def test_quantizing_a_quantized_model_keeps_the_same_format_and_refuses_another(
     build_app(model, weights="int8")  # the format it holds is accepted
     dequantize_weights(model)
     assert quantize_weights(model, "int4:g64") > 0 and held_weights(model) == "int4:g64"
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_an_accel_converted_model_is_quantized(fmt):
+    """`accel.apply` (the trainer's model) makes the linears a subclass of nn.Linear, which quantize_weights
+    skipped: 0 layers swapped and the float weights kept, silently (build_app(trainer.model, weights=...))."""
+    from recurrent_depth import accel
+    from recurrent_depth.weight_quant import held_weights
+
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", tie_embeddings=False)).eval()
+    plain = copy.deepcopy(model)
+    assert accel.apply(model, enabled=True)["linears"] > 0
+    assert quantize_weights(model, fmt, include_head=True) == quantize_weights(plain, fmt, include_head=True) > 0
+    assert held_weights(model) == held_weights(plain)
+    assert not any(isinstance(m, nn.Linear) for m in model.transformer.modules()) and not isinstance(model.lm_head,
+                                                                                                     nn.Linear)
 
 
 @pytest.fixture

@@ -14,7 +14,8 @@ a power of two, dotted exactly in integers, rounded once: within bf16 rounding o
 the memory roofline on a 2-core AVX2 EPYC, where torch's kernel reached ~0.58); other bf16 calls
 (prompts) use torch's CPU kernel `aten._weight_int8pack_mm` where it is exact to its bf16 output
 (`in_features` a multiple of 16: measured here, other widths read past the rows and return NaN or
-crash); otherwise the plain reference: dequantize (`int8 * scale`, in the activations' dtype) then
+crash); otherwise (and for calls with autograd through the activations, e.g. GradMem's: torch's kernels
+have no derivative) the plain reference: dequantize (`int8 * scale`, in the activations' dtype) then
 `F.linear`.
 
 int4 (`"int4"` = `"int4:g32"`; `"int4:g64"`, `"int4:g128"`, `"int4:g256"`): asymmetric per group,
@@ -28,7 +29,8 @@ autograd) take the reference: dequantize in float32, then `F.linear`. With C++ o
 or no compiler) a layer whose shape torch's CPU kernel `aten._weight_int4pack_mm_for_cpu` accepts
 (`out_features % 16 == 0`, `in_features % group == 0`, weights on the CPU: the kernel refuses other
 shapes with an error, and is accurate at every shape it accepts, measured) stores the kernel's packed
-layout and takes it; the others the reference. Group 32 is the default because it is the only size
+layout and takes it (but for autograd calls: the reference, its 4-bit values read back through the kernel);
+the others the reference. Group 32 is the default because it is the only size
 that divides Huginn-0125's width 5280 (so the only one whose layers take torch's kernel there), and the
 most accurate.
 
@@ -256,9 +258,10 @@ class Int8WeightLinear(QuantizedLinear):
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales))
 
     def uses_kernel(self, x: Tensor) -> bool:
-        """Whether this call takes torch's int8 kernel (bf16 on CPU at a supported width), else the reference."""
+        """Whether this call takes torch's int8 kernel (bf16 on CPU at a supported width, no autograd through x:
+        the kernel has no derivative), else the reference."""
         return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and self.in_features % KERNEL_K_MULTIPLE == 0
-                and not torch.compiler.is_compiling())
+                and not (x.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling())
 
     def uses_cpp(self, x: Tensor) -> bool:
         """Whether this call takes the C++ product (`accel.quant_cpp.int8_linear`, summed in float32): float32
@@ -379,6 +382,8 @@ class Int4WeightLinear(QuantizedLinear):
             raise ValueError(f"int4 weights in torch's CPU kernel layout take float32/bfloat16/float16 "
                              f"activations on the CPU, got {x.dtype} on {x.device}: quantize on the device "
                              f"the model runs on")
+        if x.requires_grad and torch.is_grad_enabled():  # (GradMem's input gradients: the kernel has no derivative)
+            return self._reference(x)
         sz = self.scales_and_zeros
         if sz.dtype != x.dtype:
             sz = sz.to(x.dtype)
@@ -422,7 +427,13 @@ def quantize_weights(model: nn.Module, weights: str | None = "int8", include_hea
             return Int8WeightLinear.from_linear(linear)
         return Int4WeightLinear.from_linear(linear, group)
 
+    from recurrent_depth.accel.linear import restore_linears  # (accel imports this module)
+
     with torch.no_grad():
+        # an `accel.apply`d model (the trainer's) holds its linears as a subclass: plain ones again first
+        restore_linears(model.transformer)
+        if include_head:
+            restore_linears(model.lm_head)
         count = _replace_children(model.transformer, nn.Linear, make)
         if include_head and type(model.lm_head) is nn.Linear:
             model.lm_head = make(model.lm_head)

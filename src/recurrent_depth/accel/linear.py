@@ -52,12 +52,26 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from recurrent_depth.accel.cpu import cpu_emulates_bf16
 from recurrent_depth.accel.swap import swap_class
 
 # Result rows per product of `blocked_tn_mm`: fixed, so that results never depend on the thread count.
 BLOCK_ROWS = 128
+
+# Optimizer steps taken in this process (any `torch.optim.Optimizer`), part of the cached weights' key: fused
+# kernels (`torch.optim.AdamW(fused=True)`, the trainer's on CPU) update parameters in place without moving
+# their version counters, so the version alone would keep serving the weights of before the step.
+_optimizer_steps = 0
+
+
+def _count_optimizer_step(optimizer: object, args: object, kwargs: object) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
 
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (workers, pool)
 
@@ -236,8 +250,9 @@ class FastLowPrecisionLinear(nn.Linear):
 
     Taken when a gradient is needed, or in training mode for rows of at least BLOCK_ROWS tokens
     (the no-grad recurrent steps of truncated backprop). In training mode W and W^T in the low
-    dtype are cached until the parameter changes (its version counter moves: an optimizer step, a
-    load), instead of being cast again at every recurrent step. Made by `convert_linears`.
+    dtype are cached until the parameter changes (its version counter moves: an in-place update, a
+    load; or any `torch.optim` optimizer steps, fused ones included, which move no version counter),
+    instead of being cast again at every recurrent step. Made by `convert_linears`.
     """
 
     _low_precision_cache: tuple[tuple, Tensor, Tensor] | None = None
@@ -290,7 +305,7 @@ class FastLowPrecisionLinear(nn.Linear):
     def _low_precision_weights(self, dtype: torch.dtype, cache: bool) -> tuple[Tensor, Tensor]:
         """(W, W^T) as contiguous `dtype` tensors without autograd history."""
         weight = self.weight.detach()
-        key = (dtype, weight.data_ptr(), weight._version)
+        key = (dtype, weight.data_ptr(), weight._version, _optimizer_steps)
         if cache and self._low_precision_cache is not None and self._low_precision_cache[0] == key:
             return self._low_precision_cache[1:]
         low_weight = weight.to(dtype).contiguous()

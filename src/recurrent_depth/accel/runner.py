@@ -80,6 +80,8 @@ STREAM_ROWS = 8
 # 2-core Xeon with AMX: 1 row 9.1 ms streamed against 14.9 ms in ATen; 2 rows 14.0 against 12.7; 8 rows
 # 40.6 against 12.3).
 NATIVE_BF16_STREAM_ROWS = 1
+# The model dtypes this runner takes: its norms' statistics and RoPE are float32 (a float64 model's are not).
+RUNNER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def stream_row_limit() -> int:
@@ -133,8 +135,9 @@ class FastRunner(ModelRunner):
 
     @staticmethod
     def supports(model: Any) -> bool:
-        # (its head counts are the config's: a mixer option num_kv_heads, MQA in some part, takes the reference)
-        return (model.config.uses_huginn_layout and all_attention(model)
+        # (its head counts are the config's: a mixer option num_kv_heads, MQA in some part, takes the reference;
+        # its norms and RoPE compute in float32, so a float64 model takes the reference, in float64)
+        return (model.config.uses_huginn_layout and model.dtype in RUNNER_DTYPES and all_attention(model)
                 and all(b.attn.window is None and b.attn.q_norm is None
                         and b.attn.num_kv_heads == model.config.num_kv_heads for b in blocks_of(model))
                 and FastRunner._reads_every_layer(model))
@@ -163,7 +166,8 @@ class FastRunner(ModelRunner):
         if not self.supports(model):
             raise ValueError(
                 "the fast runner needs every block to be plain softmax attention without a window or QK-norm, "
-                "with the config's num_kv_heads, at the 1/sqrt(d) scale (config.attention_scale)"
+                "with the config's num_kv_heads, at the 1/sqrt(d) scale (config.attention_scale), and float32, "
+                "bfloat16 or float16 weights"
             )
         cfg = model.config
         t = model.transformer

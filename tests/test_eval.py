@@ -124,6 +124,26 @@ def test_adaptive_scoring_is_per_row_and_records_steps(model, requests):
     assert any(not math.isclose(a.logprob, b.logprob, rel_tol=1e-6) for a, b in zip(warm, full))
 
 
+@pytest.mark.parametrize("kwargs", [
+    dict(exit_criterion="kl", exit_threshold=0.1, min_steps_rule="skip", min_steps=0),  # defaults="official"'s
+    dict(exit_criterion="kl", exit_threshold=0.1, min_steps_rule="skip", min_steps=2),
+    dict(exit_criterion="kl", exit_threshold=0.1, check_every=2),
+    dict(exit_criterion="kl", exit_threshold=1e-2, warm_start=True, warm_start_source="normed"),
+])
+def test_stepwise_scoring_follows_the_exit_schedule_of_generate(model, kwargs):
+    # lm-eval's scorer ran min_steps_rule="exit" with check_every=1 and a raw warm start whatever the
+    # model_args said (and refused the official profile's min_steps=0): scoring and generate_until disagreed.
+    from recurrent_depth.inference import generate
+
+    context, continuation = [1, 2, 3, 4, 5], [6, 7, 8, 9]
+    scored = stepwise_logprobs(model, [(context, continuation)], 6, 0, init_scale=0.0, **kwargs)[0]
+    out = generate(model, [context[:-1]], max_new_tokens=len(continuation) + 1, num_steps=6, init_scale=0.0,
+                   teacher_tokens=[context[-1:] + continuation], output_logits=True, **kwargs)
+    assert scored.steps == out.steps[0, 1:].tolist()
+    logprob = sum(float(F.log_softmax(out.logits[0, j + 1].float(), -1)[t]) for j, t in enumerate(continuation))
+    assert math.isclose(scored.logprob, logprob, rel_tol=1e-4, abs_tol=1e-4)
+
+
 def test_stepwise_scoring_of_rows_that_fit_alone_but_not_aligned():
     # Rows are aligned at the longest context's column, so a long context beside a long continuation
     # (each row 60 of 64 tokens) needed 76 columns and the batch was refused, though each row fits alone.

@@ -186,3 +186,16 @@ def test_cli_default_depth_keeps_the_depth_ceiling(model_dir, capsys):
     assert main(["generate", "--model", str(model_dir), "--prompt", "x", "--max-new-tokens", "2",
                  "--max-depth", "2", "--num-steps", "2", "--no-stream"]) == 0
     assert "mean_steps=2.0" in capsys.readouterr().err
+
+
+def test_a_flag_the_mode_ignores_is_one_warning_line_in_flag_spelling(model_dir, capsys):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        code = main(["generate", "--model", str(model_dir), "--prompt", "def add", "--max-new-tokens", "2",
+                     "--num-steps", "2", "--init-scale", "0", "--lookahead", "3", "--no-stream"])
+    assert code == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert notes == ["rdepth generate: warning: --lookahead=3 has no effect without speculative decoding "
+                     "(set --draft-steps)"]

@@ -23,7 +23,7 @@ from recurrent_depth.cli.common import (
     load_cli_tokenizer,
     tokenizer_source,
 )
-from recurrent_depth.inference.options import OptionError
+from recurrent_depth.inference.options import OptionError, spelled_warnings
 from recurrent_depth.inference.schema import add_cli_arguments, canonical, cli_spelling, cli_values
 
 
@@ -148,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
 
     if stream:
         try:
-            handle = stream_generate(model, ids, attention_mask=mask, tokenizer=tokenizer, **kwargs)
+            with spelled_warnings(cli_spelling(given_as)):
+                handle = stream_generate(model, ids, attention_mask=mask, tokenizer=tokenizer, **kwargs)
         except OptionError as exc:
             raise exc.spelled(cli_spelling(given_as)) from None
         print(args.prompt[0], end="", flush=True)
@@ -165,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
         out = handle.output
     else:
         try:
-            out = generate(model, ids, attention_mask=mask, tokenizer=tokenizer, **kwargs)
+            with spelled_warnings(cli_spelling(given_as)):
+                out = generate(model, ids, attention_mask=mask, tokenizer=tokenizer, **kwargs)
         except OptionError as exc:
             raise exc.spelled(cli_spelling(given_as)) from None
     completions = [tokenizer.decode(t) for t in out.token_lists()]

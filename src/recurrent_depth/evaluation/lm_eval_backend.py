@@ -56,7 +56,7 @@ from tqdm import tqdm
 
 from recurrent_depth.evaluation.scoring import Scored, batched_logprobs, stepwise_logprobs
 from recurrent_depth.inference.criteria import gate_for
-from recurrent_depth.inference.options import OPTIONS, GenerationOptions, OptionError
+from recurrent_depth.inference.options import OPTIONS, GenerationOptions, OptionError, spelled_warnings
 from recurrent_depth.inference.schema import canonical, from_text, kwarg_spelling, names_for, unknown_names
 from recurrent_depth.integrations import register_transformers
 
@@ -131,8 +131,9 @@ class RecurrentDepthEvalLM(HFLM):
                              f"lm-eval's HF model or of ours ({', '.join(sorted(MODEL_ARGS))})") from None
         self._core = self.model.core
         try:
-            self.options = GenerationOptions(**values).validate(self._core.config.mean_recurrence,
-                                                                self._core.config.exit_gate_threshold)
+            with spelled_warnings(kwarg_spelling(given_as)):
+                self.options = GenerationOptions(**values).validate(self._core.config.mean_recurrence,
+                                                                    self._core.config.exit_gate_threshold)
         except OptionError as exc:
             raise exc.spelled(kwarg_spelling(given_as)) from None
         gate_for(self.options.criterion, self._core)  # exit_criterion=gate on a model without one: fail now
@@ -216,7 +217,8 @@ class RecurrentDepthEvalLM(HFLM):
                     scored = stepwise_logprobs(
                         self._core, batch, self.depth, pad, o.exit_criterion, o.threshold, o.min_steps,
                         o.kv_budget, o.warm_start, self.init_scale, self._generator, kv_policy=o.kv_policy,
-                        kv_quant=o.kv_quant, exit_kv=o.exit_kv,
+                        kv_quant=o.kv_quant, exit_kv=o.exit_kv, min_steps_rule=o.min_steps_rule,
+                        check_every=o.check_every, warm_start_source=o.warm_start_source,
                     )
                 else:
                     scored = batched_logprobs(self._core, batch, self.depth, pad, self.init_scale, self._generator)

@@ -91,17 +91,30 @@ def stepwise_logprobs(
     kv_policy: str | None = None,
     kv_quant: str | None = None,
     exit_kv: str = "lookup",
+    min_steps_rule: str = "exit",
+    check_every: int = 1,
+    warm_start_source: str = "raw",
 ) -> list[Scored]:
     """Teacher-forced, token by token: early exit per token and row, KV sharing, warm start, a
-    quantized KV cache (`kv_quant`, see `recurrent_depth.inference.quant_cache`)."""
+    quantized KV cache (`kv_quant`, see `recurrent_depth.inference.quant_cache`). min_steps_rule,
+    check_every and warm_start_source mean what they mean in `generate` (`GenerationOptions`)."""
     for context, continuation in requests:
         _check_request(context, continuation)
     spec, threshold = resolve_criterion(exit_criterion, exit_threshold)
     if exit_kv not in ("lookup", "compute"):
         raise ValueError(f"exit_kv={exit_kv!r} is invalid: expected 'lookup' or 'compute'")
     gate = gate_for(spec, model)
-    if isinstance(min_steps, bool) or not isinstance(min_steps, int) or min_steps < 1:
-        raise ValueError(f"min_steps={min_steps!r} is invalid: expected an integer >= 1")
+    skip = min_steps_rule == "skip"  # (the official rule: the first min_steps steps unchecked, 0 allowed)
+    if min_steps_rule not in ("exit", "skip"):
+        raise ValueError(f"min_steps_rule={min_steps_rule!r} is invalid: expected 'exit' or 'skip'")
+    if isinstance(min_steps, bool) or not isinstance(min_steps, int) or min_steps < (0 if skip else 1):
+        raise ValueError(f"min_steps={min_steps!r} is invalid: expected an integer >= {0 if skip else 1}")
+    if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
+        raise ValueError(f"check_every={check_every!r} is invalid: expected an integer >= 1")
+    if warm_start_source not in ("raw", "normed"):
+        raise ValueError(f"warm_start_source={warm_start_source!r} is invalid: expected 'raw' or 'normed'")
+    if exit_kv == "compute" and skip:
+        raise ValueError("exit_kv='compute' takes min_steps_rule='exit'")
     scale = model.config.init_scale if init_scale is None else init_scale
     device = model.device
     B = len(requests)
@@ -125,6 +138,7 @@ def stepwise_logprobs(
             for item in stepwise_logprobs(
                 model, part, num_steps, pad_token_id, exit_criterion, exit_threshold, min_steps, kv_budget,
                 warm_start, init_scale, generator, kv_policy=kv_policy, kv_quant=kv_quant, exit_kv=exit_kv,
+                min_steps_rule=min_steps_rule, check_every=check_every, warm_start_source=warm_start_source,
             )
         ]
     # a shared core slot (kv_budget, kv_policy) that a log-linear state cannot take
@@ -166,17 +180,19 @@ def stepwise_logprobs(
         ids = feed[:, j : j + 1]
         pass_ = engine.begin(ids, mask, cache)
         if warm_start and last_state is not None:
-            state = last_state
+            state = engine.final_norm(last_state) if warm_start_source == "normed" else last_state
         else:
             state = engine.initial_state(pass_.e, scale, generator)
         if computing:  # every step's KV written
             state, logits, used, _ = engine.run_computing(state, pass_, criterion, model.config.vocab_size,
-                                                          max_steps=num_steps, min_steps=min_steps)
+                                                          max_steps=num_steps, min_steps=min_steps,
+                                                          check_every=check_every)
             cache.close(num_steps, 1)
         else:
             state, logits, used, _ = engine.run_adaptive(
                 state, pass_, criterion, model.config.vocab_size, num_steps=num_steps, max_steps=num_steps,
-                min_steps=min_steps,
+                min_steps=1 if skip else min_steps, first_check=min_steps + 1 if skip else 1,
+                check_every=check_every, read_last_check=skip,  # (the schedule of `Session.schedule`)
             )
             cache.close(used[:, None], 1)
         cache.advance(1)

@@ -12,7 +12,13 @@ from torch import Tensor
 
 from recurrent_depth.inference import autoregressive, parallel, speculative
 from recurrent_depth.inference.gradmem import GradMemPlan, read_prompt
-from recurrent_depth.inference.options import OPTIONS, GenerationOptions, OptionError, ResolvedOptions
+from recurrent_depth.inference.options import (
+    OPTIONS,
+    GenerationOptions,
+    OptionError,
+    ResolvedOptions,
+    spelled_warnings,
+)
 from recurrent_depth.inference.output import GenerationOutput, TokenEvent
 from recurrent_depth.inference.schema import OFFICIAL_ALIASES, canonical, kwarg_spelling, unknown_names
 from recurrent_depth.inference.session import Session, prepare_inputs
@@ -124,7 +130,10 @@ def _options(kwargs: dict[str, Any]) -> tuple[GenerationOptions, Any, Any, dict[
 def _stream(model: Any, input_ids: Any, attention_mask: Any, options: GenerationOptions, tokenizer: Any,
             given_as: dict[str, str], should_stop: Callable[[], bool] | None = None) -> GenerationStream:
     try:
-        return GenerationStream(model, input_ids, attention_mask, options, tokenizer, should_stop=should_stop)
+        if not given_as:  # (a caller's own spelling, the CLI's, stays in force)
+            return GenerationStream(model, input_ids, attention_mask, options, tokenizer, should_stop=should_stop)
+        with spelled_warnings(kwarg_spelling(given_as)):
+            return GenerationStream(model, input_ids, attention_mask, options, tokenizer, should_stop=should_stop)
     except OptionError as exc:
         if not given_as:
             raise

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -65,7 +69,15 @@ def spell(message: str, spelling: Any, aliases: tuple[str, ...] = ()) -> str:
     not after `,` or `'`: there `seed=` is a key inside a quoted value (a kv_quant spec's), not ours."""
     names = sorted(GenerationOptions.names() | set(aliases), key=len, reverse=True)
     pattern = "|".join(rf"{n}(?![\w-])" if "_" in n else rf"(?<![,']){n}(?==)" for n in names)
-    return re.sub(rf"(?<![\w\-.])(?:{pattern})", lambda m: spelling(m.group(0)), message)
+    negated = getattr(spelling, "negated", ())  # options spelled by an alias of the opposite meaning
+
+    def respelled(m: re.Match) -> str:
+        value = m.group(2) or ""
+        if value and m.group(1) in negated:  # exit_in_prefill=True is do_not_exit_in_prefill=False
+            value = "=False" if value == "=True" else "=True"
+        return spelling(m.group(1)) + value
+
+    return re.sub(rf"(?<![\w\-.])({pattern})(=(?:True|False)(?!\w))?", respelled, message)
 
 
 @dataclass(frozen=True)
@@ -377,6 +389,7 @@ class GenerationOptions:
         model's own q for `exit_criterion="gate"` (`ModelConfig.exit_gate_threshold`, Ouro's
         early_exit_threshold): the gate's default when `exit_threshold` is not given."""
         values = {name: getattr(self, name) for name in OPTIONS}
+        given = dict(values)  # the caller's values (ignored_options compares them with the defaults)
         if values["exit_criterion"] == "gate" and values["exit_threshold"] is None and gate_threshold is not None:
             values["exit_threshold"] = gate_threshold
         asked_prefill_exit = values["exit_in_prefill"] is True
@@ -404,7 +417,13 @@ class GenerationOptions:
             raise OptionError("kv_quant", str(exc)) from None
         _fill_max_steps(values, criterion)
         resolved = ResolvedOptions(**values, criterion=criterion, threshold=threshold, policy=policy, quant=quant)
-        return _check_combinations(resolved, asked_prefill_exit)
+        resolved = _check_combinations(resolved, asked_prefill_exit)
+        if not isinstance(self, ResolvedOptions):  # (resolved again: its values are no longer the caller's)
+            spelling = _SPELLING.get()
+            for name, message in ignored_options(given, resolved):
+                warnings.warn(OptionWarning(name, message if spelling is None else spell(message, spelling)),
+                              stacklevel=2)
+        return resolved
 
     def stop_ids(self, config_eos: Any, vocab_size: int) -> list[int]:
         """The ids that end a row besides `stop`: eos_token_id (or the config's), and under
@@ -419,6 +438,98 @@ class GenerationOptions:
 OPTIONS: dict[str, Option] = {
     f.name: replace(f.metadata["option"], name=f.name, default=f.default) for f in fields(GenerationOptions)
 }
+
+
+def _adaptive(o: ResolvedOptions) -> bool:
+    return o.criterion is not None and o.criterion.name != "none"  # ("none": the adaptive path, no exit)
+
+
+_NO_EXIT = "without an exit_criterion (or with 'none', which never exits)"
+
+
+# Where an option matters, for the options some modes never read (every other option matters in every
+# mode): option -> (test on the resolved options: the option is read; the warning's "has no effect ..."
+# words; values that change nothing wherever they are set). `GenerationOptions.validate` warns once
+# (`OptionWarning`) for each option the caller set, to another value than its default or the
+# profile's, where its test is False. Ignored combinations that would change the result silently
+# (max_steps or exit_threshold without an exit criterion, exit_in_prefill=True, ...) are errors instead.
+MATTERS_ONLY: dict[str, tuple[Callable[[ResolvedOptions], bool], str, tuple]] = {
+    "exit_threshold": (_adaptive, _NO_EXIT, ()),
+    "min_steps": (_adaptive, _NO_EXIT, ()),
+    "min_steps_rule": (lambda o: _adaptive(o) and o.mode == "autoregressive",
+                       "without an exit_criterion in the autoregressive mode", ()),
+    "check_every": (_adaptive, _NO_EXIT, ()),
+    "exit_in_prefill": (lambda o: o.criterion is not None and o.mode == "autoregressive",
+                        "without an exit_criterion in the autoregressive mode", ()),
+    "warm_start_source": (lambda o: o.warm_start, "without warm_start=True", ()),
+    "lookahead": (lambda o: o.mode == "speculative", "without speculative decoding (set draft_steps)", ()),
+    "verification_threshold": (lambda o: o.mode == "speculative",
+                               "without speculative decoding (set draft_steps)", ()),
+    "finish_round": (lambda o: o.mode == "speculative", "without speculative decoding (set draft_steps)", ()),
+    "inner_steps": (lambda o: o.mode == "parallel", "without sampler='parallel'", ()),
+    "headway": (lambda o: o.mode == "parallel", "without sampler='parallel'", ()),
+    "wavefront": (lambda o: o.mode == "parallel", "without sampler='parallel'", ()),
+    "max_wavefront": (lambda o: o.mode == "parallel", "without sampler='parallel'", ()),
+    "temperature": (lambda o: o.do_sample, "in greedy decoding", (0,)),
+    "top_k": (lambda o: o.do_sample, "in greedy decoding", ()),
+    "top_p": (lambda o: o.do_sample, "in greedy decoding", (1,)),
+    "min_p": (lambda o: o.do_sample, "in greedy decoding", (0,)),
+    **{name: (lambda o: o.ttt_params is not None, "without TTT-E2E (set ttt_params)", ())
+       for name in ("ttt_steps", "ttt_lr", "ttt_optimizer", "ttt_depth", "ttt_backprop")},
+    **{name: (lambda o: o.gradmem_tokens > 0, "without GradMem (set gradmem_tokens)", ())
+       for name in ("gradmem_steps", "gradmem_lr", "gradmem_depth", "gradmem_init", "gradmem_query_tokens")},
+}
+
+
+class OptionWarning(UserWarning):
+    """An option the caller set that the chosen mode ignores (`MATTERS_ONLY`); `field` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(message)
+
+
+_SPELLING: ContextVar[Any] = ContextVar("option_spelling", default=None)
+
+
+@contextmanager
+def spelled_warnings(spelling: Any) -> Iterator[None]:
+    """`OptionWarning`s raised inside name options `spelling(name)` (a CLI flag, a JSON field), as the
+    interface's errors do (`OptionError.spelled`)."""
+    token = _SPELLING.set(spelling)
+    try:
+        yield
+    finally:
+        _SPELLING.reset(token)
+
+
+def ignored_options(given: dict[str, Any], resolved: ResolvedOptions) -> list[tuple[str, str]]:
+    """(option, message) for each option in `given` (the caller's values, before the profile's
+    defaults) set to a value that changes nothing in `resolved`'s mode (see `MATTERS_ONLY`)."""
+    found = []
+    for name, (matters, why, neutral) in MATTERS_ONLY.items():
+        value = given[name]
+        if value is None or value == OPTIONS[name].default or value in neutral or matters(resolved):
+            continue
+        profile = dict(given, **{name: None})
+        _fill_profile_defaults(profile)
+        if value == profile[name]:  # what the profile gives anyway
+            continue
+        found.append((name, f"{name}={value!r} has no effect {why}"))
+    lookup = _ignored_lookup(given["kv_policy"], resolved)
+    if lookup is not None:
+        found.append(("kv_policy", f"kv_policy={given['kv_policy']!r}: its {lookup!r} lookup has no effect without "
+                                   "early exits (an exit_criterion, exit_kv='lookup', the autoregressive mode)"))
+    return found
+
+
+def _ignored_lookup(spec: Any, resolved: ResolvedOptions) -> str | None:
+    """The lookup rule `spec` names (ours after '+', or an official lookup name) when no token exits
+    early, the only case where a lookup is read (a bare official compress-<c> implies 'full': not named)."""
+    if spec is None or (_adaptive(resolved) and resolved.mode == "autoregressive" and resolved.exit_kv == "lookup"):
+        return None
+    lookup = parse_kv_policy(spec).lookup.name
+    return None if lookup == "deepest" or spec.startswith("compress-") else lookup
 
 
 @dataclass(frozen=True)

@@ -125,9 +125,17 @@ def unknown_names(names: Any, known: Any) -> list[str]:
     return sorted(set(names) - set(known))
 
 
+def negating(spelling: Callable[[str], str], given_as: dict[str, str]) -> Callable[[str], str]:
+    """`spelling`, marked with the fields the caller gave by an alias of the opposite meaning
+    (`do_not_exit_in_prefill`): `options.spell` flips their `=True` / `=False`."""
+    spelling.negated = {f for f, name in given_as.items()  # type: ignore[attr-defined]
+                        if name in OFFICIAL_ALIASES and OFFICIAL_ALIASES[name].convert is _negated}
+    return spelling
+
+
 def kwarg_spelling(given_as: dict[str, str]) -> Callable[[str], str]:
     """Fields by the names a kwargs caller used (an official alias where it used one)."""
-    return lambda name: given_as.get(name, name)
+    return negating(lambda name: given_as.get(name, name), given_as)
 
 
 def cli_spelling(given_as: dict[str, str]) -> Callable[[str], str]:
@@ -135,7 +143,7 @@ def cli_spelling(given_as: dict[str, str]) -> Callable[[str], str]:
     def spelled(name: str) -> str:
         used = given_as.get(name, name)
         return "--" + used.replace("_", "-")
-    return spelled
+    return negating(spelled, given_as)
 
 
 # ---------------------------------------------------------------------------------------- values

@@ -21,8 +21,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from recurrent_depth.inference.options import GenerationOptions, OptionError, ResolvedOptions
-from recurrent_depth.inference.schema import OFFICIAL_ALIASES, OPTIONS, canonical, check_type, names_for
+from recurrent_depth.inference.options import GenerationOptions, OptionError, ResolvedOptions, spelled_warnings
+from recurrent_depth.inference.schema import OFFICIAL_ALIASES, OPTIONS, canonical, check_type, names_for, negating
 
 HTTP_OPTIONS = names_for("http")  # the schema's extra body fields, official aliases included
 # The standard OpenAI fields of /v1/completions and /v1/chat/completions (read, or ignored where
@@ -194,7 +194,8 @@ def validated(generation: dict[str, Any], given_as: dict[str, str], max_tokens: 
     """`GenerationOptions.validate`, its errors as 400s naming the JSON field."""
     try:
         options = GenerationOptions(max_new_tokens=max_tokens, **generation)
-        return options.validate(limits.mean_recurrence, limits.gate_threshold)
+        with spelled_warnings(http_spelling(given_as)):  # (logged once per message; the request goes on)
+            return options.validate(limits.mean_recurrence, limits.gate_threshold)
     except OptionError as exc:
         spelling = http_spelling(given_as)
         param = "temperature" if exc.field == "do_sample" else spelling(exc.field)
@@ -296,7 +297,7 @@ def http_spelling(given_as: dict[str, str]) -> Any:
     """Fields by their JSON names: the name the client sent, max_tokens for max_new_tokens, and
     the temperature rule for do_sample (not a wire field)."""
     wire = {"max_new_tokens": "max_tokens", "do_sample": "temperature > 0 (send temperature: 0)"}
-    return lambda name: given_as.get(name, wire.get(name, name))
+    return negating(lambda name: given_as.get(name, wire.get(name, name)), given_as)
 
 
 # ---------------------------------------------------------------------------------------- endpoints

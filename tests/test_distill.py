@@ -230,3 +230,63 @@ def test_a_non_recurrent_teacher_runs_at_depth_one_through_retrofit(tmp_path):
     objective = Distillation(teacher, alpha=0.5, temperature=1.0, top_k=0, seed=0, position=lambda: 0)
     first = objective.teacher_logits(ids, position=0)
     assert first.shape == (2, 9, 64) and torch.equal(first, objective.teacher_logits(ids, position=5))
+
+
+class RowsOnly:
+    """A stand-in for a ShardDataset: `len`, `row_len` and `rows(indices)` in storage order."""
+
+    def __init__(self, num_rows, row_len=5):
+        self.data = (torch.arange(num_rows * row_len).reshape(num_rows, row_len) % VOCAB).numpy()
+        self.row_len = row_len
+
+    def __len__(self):
+        return len(self.data)
+
+    def rows(self, indices):
+        return self.data[list(indices)]
+
+
+def random_teacher(input_ids, first_row):
+    return torch.randn(*input_ids.shape, VOCAB, generator=torch.Generator().manual_seed(first_row))
+
+
+def test_a_cache_write_killed_mid_shard_leaves_no_torn_shard_and_no_manifest(tmp_path, monkeypatch):
+    import numpy as np
+
+    from recurrent_depth.train import distill_cache
+
+    monkeypatch.setattr(distill_cache, "ROWS_PER_SHARD", 2)
+    real_write, calls = np.lib.format.write_array, []
+
+    def killed_on_the_second_shard(fp, array, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # values of shard 1: some bytes written, then the process dies
+            fp.write(b"\x93NUMPY partial")
+            raise KeyboardInterrupt
+        return real_write(fp, array, *args, **kwargs)
+
+    monkeypatch.setattr(np.lib.format, "write_array", killed_on_the_second_shard)
+    with pytest.raises(KeyboardInterrupt):
+        distill_cache.write_cache(random_teacher, RowsOnly(4), tmp_path / "cache", top_k=3, vocab_size=VOCAB,
+                                  data_key="k", teacher_info={}, batch_size=2, log=lambda _: None)
+    names = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert names == ["indices_00000.npy", "values_00000.npy"]  # whole shards only: the next run writes again
+    assert not distill_cache.has_cache(tmp_path / "cache")
+
+
+def test_a_truncated_cache_shard_is_a_one_line_error(tmp_path):
+    from recurrent_depth.train import distill_cache
+
+    data = RowsOnly(4)
+    distill_cache.write_cache(random_teacher, data, tmp_path / "cache", top_k=3, vocab_size=VOCAB, data_key="k",
+                              teacher_info={}, batch_size=2, log=lambda _: None)
+    options = dict(top_k=3, vocab_size=VOCAB, data_key="k")
+    assert distill_cache.CachedTeacher(tmp_path / "cache", data, **options).lookup(data.data[2]) == 2
+    shard = tmp_path / "cache" / "values_00000.npy"
+    for size in (shard.stat().st_size - 7, 0):  # cut inside the data, then an empty file
+        with open(shard, "r+b") as handle:
+            handle.truncate(size)
+        with pytest.raises(ValueError, match=r"values_00000.npy is truncated or damaged .*the cache is incomplete; "
+                                             r"delete .* to write it again") as info:
+            distill_cache.CachedTeacher(tmp_path / "cache", data, **options)
+        assert "\n" not in str(info.value)

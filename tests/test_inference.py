@@ -153,6 +153,8 @@ def test_speculative_exact_mode_equals_greedy(model, prompts, draft, lookahead, 
     spec = generate(model, ids, draft_steps=draft, lookahead=lookahead, cache_implementation=impl, **kw)
     assert torch.equal(spec.sequences, greedy.sequences)
     torch.testing.assert_close(spec.logits, greedy.logits, **TOL)
+    # the bytes the cache holds for the accepted tokens, as greedy decoding's (not the round's rejected drafts)
+    assert spec.cache_bytes.tolist() == greedy.cache_bytes.tolist()
     assert spec.stats["rounds"] >= 1
     assert set(sum(spec.exit_reasons, [])) <= {"prefill", "accepted", "corrected"}
 
@@ -241,6 +243,17 @@ def test_parallel_sampler_with_a_wavefront_of_one_equals_autoregressive_exit_wit
     assert wave.exit_reasons == reference.exit_reasons
     assert {"converged", "max-steps"} <= set(reference.exit_reasons[0])
     torch.testing.assert_close(wave.logits, reference.logits, **TOL)
+
+
+def test_parallel_sampler_reports_the_bytes_of_the_committed_positions(model, prompts):
+    # one step a sweep keeps guesses in flight ahead of each committed token; their columns are not its bytes
+    kw = dict(max_new_tokens=8, num_steps=4, init_scale=0.0, sampler="parallel")
+    full_sweeps = generate(model, prompts[0], inner_steps=4, **kw)
+    pipelined = generate(model, prompts[0], inner_steps=1, **kw)
+    assert pipelined.stats["mean_wavefront"] > 1
+    assert pipelined.cache_bytes.tolist() == full_sweeps.cache_bytes.tolist()
+    steps = full_sweeps.cache_bytes[0].diff()
+    assert steps.min() == steps.max() > 0  # one more column cached a token
 
 
 @pytest.mark.parametrize("width", [1, 2, 3])

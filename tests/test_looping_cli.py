@@ -245,3 +245,39 @@ def test_decode_benchmark_counts_the_stash_pass_of_a_last_stash_prefill(model_di
     # w = 2 / 4 layers, K = 3
     assert ratios == {"base": (1.0, 1.0), "prefill-only": (2.0, 1.0), "every-token first": (2.0, 2.0),
                       "every-token last": (2.5, 2.5)}
+
+
+def test_eval_of_a_model_with_a_nan_loss_is_one_line_error(model_dir, text_file, tmp_path, capsys):
+    broken = tmp_path / "nan"
+    model = LlamaForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")
+    model.save_pretrained(broken)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (model_dir / name).is_file():
+            (broken / name).write_bytes((model_dir / name).read_bytes())
+    assert main(["loop", "eval", "--model", str(broken), "--data", str(text_file), "--windows", "1",
+                 "--max-tokens", "20", "--seq-len", "16", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "the base model's held-out loss is nan" in err[-1] and err[-1].startswith("rdepth loop: error:")
+    assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_search_ranks_a_diverged_loop_last_and_writes_strict_json(model_dir, text_file, tmp_path, monkeypatch):
+    from recurrent_depth.looping import evaluate
+
+    def loss(model, windows, batch_size=8, pad_token_id=0):  # K = 2 diverges, K = 3 does not
+        loop = loop_of(model)
+        return 3.0 if loop is None else (float("nan") if loop.iterations == 2 else 4.0 + loop.start)
+
+    monkeypatch.setattr(evaluate, "windows_loss", loss)
+    out = tmp_path / "s"
+    assert main(["loop", "search", "--model", str(model_dir), "--data", str(text_file), "--widths", "1",
+                 "--iterations", "2,3", "--max-tokens", "20", "--seq-len", "16", "--out", str(out)]) == 0
+
+    def refuse(constant):
+        raise AssertionError(f"results.json holds {constant}")
+
+    results = json.loads((out / "results.json").read_text(), parse_constant=refuse)
+    assert results["best"]["loss"] == 4.0 and results["best"]["config"]["iterations"] == 3
+    assert [r["loss"] for r in results["results"] if r["config"] and r["config"]["iterations"] == 2] == [None] * 4

@@ -138,6 +138,30 @@ def test_an_adapter_of_another_model_is_refused_in_one_line(tmp_path):
         load_lora(tiny_model(hidden_size=128, intermediate_size=352), tmp_path / "adapter")
 
 
+@pytest.mark.parametrize("change, message", [
+    # peft: "Target modules .*\.q_proj not found in the base model. Please check the target modules and try again."
+    ({"target_modules": r".*\.q_proj"}, r"target_modules='\.\*\\\\\.q_proj' \(a regular expression, matched against "
+                                         r"whole module names\) matches no linear layer of this model; this model's "
+                                         r"linear layers are \['lm_head', 'transformer.adapter', "
+                                         r"'transformer.coda.\{i\}.attn.Wqkv'"),
+    ({"target_modules": ["q_proj", "v_proj"]}, r"target_modules=\['q_proj', 'v_proj'\] matches no linear layer"),
+    ({"target_modules": "("}, r"target_modules='\(' is not a valid regular expression"),  # re.error: a traceback
+    # peft: a bare KeyError "'base_model.model.lm_head.weight'"
+    ({"modules_to_save": ["lm_head", "embed_tokens"]}, r"modules_to_save names \['embed_tokens'\], which this "
+                                                        r"model does not have .*its modules are \['lm_head', "),
+    ({"modules_to_save": ["transformer.ln_f"]}, r"its weights file lacks tensor 'base_model.model.transformer.ln_f"
+                                                r".weight' \(adapter_config.json's modules_to_save="
+                                                r"\['transformer.ln_f'\]"),
+])
+def test_foreign_target_modules_and_modules_to_save_are_one_line_errors_naming_ours(tmp_path, change, message):
+    save_adapter(add_lora(tiny_model(), LoraSpec(rank=2, parts=("core",))), tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match="cannot load the LoRA adapter .* onto this model: .*" + message) as info:
+        load_lora(tiny_model(), tmp_path / "adapter")
+    assert "\n" not in str(info.value)
+
+
 def test_a_lora_runs_checkpoint_given_as_a_model_says_what_it_is(tmp_path):
     """A LoRA run's checkpoint holds config.json and the peft wrapper's whole state (base_model.model.* names):
     loading it as a model said the config's layers were missing from the weights."""

@@ -93,3 +93,56 @@ def test_task_preset_overrides_and_errors():
         task_preset("sorting")
     with pytest.raises(ValueError, match="batch_size=0"):
         task_preset("chains", batch_size=0)
+
+
+def test_the_budget_plan_always_leaves_training_a_share():
+    plan_budget = quickstart_module.plan_budget
+    # A busy machine (the reported case): 80 s left, an evaluation batch of 30 s, a step of 3 s. The old reserve
+    # (1.3 x 30 s x at least 2 batches + 12 s = 90 s) left no training time: 0 steps.
+    plan = plan_budget(80.0, eval_batch_s=30.0, step_s=3.0, max_eval_batches=6)
+    assert plan.eval_batches == 1 and plan.train_s >= 0.5 * (80.0 - plan.fixed_s) > 0
+    assert plan.train_s + plan.reserve_s == pytest.approx(80.0) and plan.fixed_s == 12.0
+    # However slow the measurements, at least half of what the fixed end leaves trains.
+    for left in (1.0, 10.0, 45.0, 120.0, 600.0):
+        for eval_batch_s in (0.0, 0.5, 20.0, 1e4):
+            for step_s in (0.0, 0.1, 5.0, 1e4):
+                plan = plan_budget(left, eval_batch_s, step_s, 6)
+                usable = left - plan.fixed_s
+                assert 0.5 * usable - 1e-9 <= plan.train_s and plan.train_s > 0
+                # every planned batch has its measured time (x 1.1), but the first may have to overrun the plan
+                assert plan.eval_batches == 1 or plan.reserve_s - plan.fixed_s == pytest.approx(
+                    plan.eval_batches * 1.1 * eval_batch_s)
+                assert 1 <= plan.eval_batches <= 6 and plan.fixed_s <= 0.25 * left
+                assert plan.train_s + plan.reserve_s == pytest.approx(left)
+    # Time to spare: every batch is evaluated, with the measured time (x 1.1), not a worst case.
+    plan = plan_budget(600.0, eval_batch_s=5.0, step_s=1.0, max_eval_batches=6)
+    assert plan.eval_batches == 6 and plan.reserve_s == pytest.approx(12.0 + 6 * 5.5)
+    # Twenty steps at the measured step time are kept when they fit (here more than half of the time left).
+    plan = plan_budget(112.0, eval_batch_s=10.0, step_s=3.5, max_eval_batches=6)
+    assert plan.eval_batches == 2 and plan.train_s == pytest.approx(100.0 - 2 * 11.0) and plan.train_s >= 20 * 3.5
+    assert plan_budget(0.0, 1.0, 1.0, 6).train_s == 0.0
+
+
+def test_a_busy_machines_short_budget_still_trains(tmp_path, monkeypatch):
+    """An evaluation batch measured at 60 s (a busy machine) in a 2-minute budget: the old reserve took all of
+    the time left and the run trained 0 steps."""
+    corpus = write_corpus(tmp_path / "corpus")
+    recipe = QuickstartRecipe(
+        preset="tiny", data=str(corpus), vocab_size=VOCAB, seq_len=32, batch_size=4, max_tokens=3 * 4 * 32,
+        val_fraction=0.1, eval_depths=(1, 2), eval_batches=2, sample_tokens=2,
+    )
+
+    def measured_slow(model, rows, depths, batches, step_depth=None):
+        return 60.0 * batches if step_depth is None else (60.0 * batches, 1.0)
+
+    monkeypatch.setattr(quickstart_module, "estimate_eval_seconds", measured_slow)
+    from recurrent_depth.train import report
+
+    def no_plot(_data, path, *_args):  # (matplotlib is most of this test's time otherwise)
+        path.write_bytes(b"\x89PNG\r\n\x1a\n")
+        return path
+
+    for name in ("plot_loss_curve", "plot_val_by_depth", "plot_depth_histogram"):
+        monkeypatch.setattr(report, name, no_plot)
+    summary = quickstart(minutes=2, out=tmp_path / "qs", recipe=recipe, threads=1, log=lambda _: None)
+    assert summary["steps"] == 3 and summary["stop_reason"] == "max_tokens"

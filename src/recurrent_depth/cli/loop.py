@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,7 @@ def _stored_dtype(path: Path) -> Any:
 
 
 def _score(args: argparse.Namespace) -> int:
+    from recurrent_depth.files import finite_or_null
     from recurrent_depth.looping import LoopConfig, apply_loop, find_decoder_layers, loop_of
     from recurrent_depth.looping.config import CONFIG_KEY
     from recurrent_depth.looping.evaluate import (
@@ -214,7 +216,13 @@ def _score(args: argparse.Namespace) -> int:
     rows = held_out_windows(tokenizer, texts, args.seq_len, args.max_tokens, bos)
     targets = sum(len(r) - 1 for r in rows)
     print(f"scoring {len(configs)} configurations on {targets} held-out tokens ({args.data}), {num_layers} layers")
-    scores = score_loops(model, rows, configs, batch_size=args.batch_size, pad_token_id=pad)
+
+    def check_base(score: Any) -> None:  # (scored first: refused before the loops are scored)
+        if score.config is None and not math.isfinite(score.loss):
+            raise ValueError(f"--model {args.model}: the base model's held-out loss is {score.loss} (its logits "
+                             f"are not finite: damaged or overflowing weights), nothing to compare loops against")
+
+    scores = score_loops(model, rows, configs, batch_size=args.batch_size, pad_token_id=pad, progress=check_base)
     base = scores[0].loss
     results = [s.to_dict(base) for s in scores]
     out = Path(args.out)
@@ -222,8 +230,12 @@ def _score(args: argparse.Namespace) -> int:
     summary = {"model": str(args.model), "data": args.data, "tokens": targets, "num_layers": num_layers,
                "base_loss": round(base, 5), "results": results}
     if args.action == "search":
-        ranked = sorted(scores[1:], key=lambda s: s.loss)
+        # a loop whose loss is NaN or inf (it diverged) ranks last: NaN in the sort key left the order arbitrary
+        ranked = sorted(scores[1:], key=lambda s: (not math.isfinite(s.loss), s.loss))
         best = ranked[0]
+        if not math.isfinite(best.loss):
+            raise ValueError(f"every looped configuration's held-out loss is NaN or inf (base {base:.4f}): "
+                             f"the loops diverge, nothing to save or rank")
         summary["best"] = best.to_dict(base)
         print(_table([scores[0], *ranked[: args.top]], base))
         print(f"best: {best.config.label()} loss {best.loss:.4f} (base {base:.4f}, {best.loss - base:+.4f})")
@@ -237,7 +249,8 @@ def _score(args: argparse.Namespace) -> int:
             print(f"saved the looped model ({loop_of(model).label()}) to {args.save}")
     else:
         print(_k_table(scores, iterations, base))
-    (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+    # a diverged loop's NaN / inf loss is null: strict JSON (json.dumps wrote a bare NaN)
+    (out / "results.json").write_text(json.dumps(finite_or_null(summary), indent=2, allow_nan=False) + "\n")
     print(f"wrote {out / 'results.json'}")
     return 0
 

@@ -134,7 +134,9 @@ def decode(session: Session) -> Iterator[TokenEvent]:
         predicted_l, done_l = predicted.tolist(), done[:, start:end].tolist()
         fresh_l = fresh[:, start:end].tolist()
         stat_l = statistic.tolist() if statistic is not None else None
-        nbytes = session.row_bytes(end, ends)
+        # A token chosen at column c reports the bytes of columns [0, c + 1), as autoregressive decoding does:
+        # the committed positions, not the guesses of the wavefront ahead of them.
+        nbytes_after: dict[int, list[int]] = {}
         for b in rows:
             while front[b] < ends[b] and not session.recorder.finished[b]:
                 c = front[b]
@@ -149,8 +151,10 @@ def decode(session: Session) -> Iterator[TokenEvent]:
                     reason = "wavefront"
                 else:
                     break
+                if c not in nbytes_after:
+                    nbytes_after[c] = session.row_bytes(c + 1)
                 event = session.commit(b, predicted_l[b][j], steps, reason,
-                                       logits[b, j] if opts.output_logits else None, nbytes[b])
+                                       logits[b, j] if opts.output_logits else None, nbytes_after[c][b])
                 token = event.token  # the prediction, or the teacher's token
                 yield event
                 front[b] = c + 1

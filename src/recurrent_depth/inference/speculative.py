@@ -100,7 +100,9 @@ def decode(session: Session) -> Iterator[TokenEvent]:
         draft_list, best_list = draft.tolist(), best.tolist()
         rounds += 1
         drafted += L * len(rows)
-        nbytes = session.row_bytes(column + L)
+        # A token chosen after column c reports the bytes of columns [0, c + 1), as autoregressive decoding
+        # does: the accepted ones, not the round's rejected drafts beyond them.
+        nbytes_after: dict[int, list[int]] = {}
         keep_columns = []
         for b in rows:
             n = n_ok[b]
@@ -110,8 +112,10 @@ def decode(session: Session) -> Iterator[TokenEvent]:
                 emitted.append((best_list[b][n], "corrected", n))
             committed = 0
             for i, (token, reason, t) in enumerate(emitted):
+                if t not in nbytes_after:
+                    nbytes_after[t] = session.row_bytes(column + t + 1)
                 event = session.commit(b, token, M, reason, verify_logits[b, t] if opts.output_logits else None,
-                                       nbytes[b])
+                                       nbytes_after[t][b])
                 pending[b] = token
                 committed += 1
                 ends = session.recorder.finished[b] and not (

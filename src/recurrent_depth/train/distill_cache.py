@@ -13,6 +13,10 @@ cache row by its tokens (`CachedTeacher.lookup`: a hash of the row's token ids -
 shuffled order, epochs and resumes need nothing extra. A cache is refused (one-line ValueError) when its
 data key, row count, seq_len or k differs from the run's, or a batch row is not in it. Files are read with
 `np.load(allow_pickle=False)`, memory-mapped, shapes and dtypes checked against the manifest.
+
+Crash safety: each shard is written under a temporary name, fsynced and renamed when whole, and the manifest
+(the completeness marker) last, the same way: a write killed midway leaves no manifest, so the next run writes
+the cache again; a shard found truncated on load (a copy cut short) is a one-line error.
 """
 
 from __future__ import annotations
@@ -27,7 +31,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from recurrent_depth.files import CONFIG_MAX_BYTES, open_regular, read_json, reopen_path
+from recurrent_depth.files import (
+    CONFIG_MAX_BYTES,
+    AtomicFile,
+    atomic_write_text,
+    open_regular,
+    read_json,
+    reopen_path,
+)
 
 CACHE_FORMAT = "rdepth-distill-cache"
 CACHE_VERSION = 1
@@ -70,8 +81,10 @@ def write_cache(teacher_logits: Any, dataset: Any, out: str | Path, *, top_k: in
             values[start:start + chunk.shape[0]] = top.values.cpu().numpy().astype(np.float16)
             indices[start:start + chunk.shape[0]] = top.indices.cpu().numpy().astype(idx_type)
         number = len(shards)
-        np.save(out / f"values_{number:05d}.npy", values)
-        np.save(out / f"indices_{number:05d}.npy", indices)
+        # each shard under a temporary name, fsynced and renamed when whole: a kill leaves no torn shard
+        for name, array in ((f"values_{number:05d}.npy", values), (f"indices_{number:05d}.npy", indices)):
+            with AtomicFile(out / name) as handle:
+                np.save(handle, array)
         shards.append({"values": f"values_{number:05d}.npy", "indices": f"indices_{number:05d}.npy",
                        "num_rows": int(rows.size)})
     manifest = {"format": CACHE_FORMAT, "version": CACHE_VERSION, "data_key": data_key, "num_rows": len(dataset),
@@ -79,7 +92,8 @@ def write_cache(teacher_logits: Any, dataset: Any, out: str | Path, *, top_k: in
                 "bytes_per_token": bytes_per_token(k, vocab_size), "teacher": teacher_info,
                 # a recurrent teacher's s_0 is drawn once per write batch: the rows' noise depends on it
                 "write_batch_size": batch_size, "shards": shards}
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    # the manifest is the completeness marker: written last, atomically, after every shard is on disk
+    atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     log(f"distill cache: {len(dataset)} rows x {seq_len} tokens, top-{k}, {manifest['bytes_per_token']} bytes "
         f"per token (fp16 values + {idx_type.name} indices; full fp32 logits: {4 * vocab_size}) -> {out}")
     return manifest
@@ -126,7 +140,13 @@ class CachedTeacher:
                 # a regular file (a FIFO hung np.load), memory-mapped through the very file checked
                 fd, _ = open_regular(self.path / name, None, "distill cache shard")
                 with os.fdopen(fd, "rb") as handle:
-                    array = np.load(reopen_path(handle, self.path / name), mmap_mode="r", allow_pickle=False)
+                    try:
+                        array = np.load(reopen_path(handle, self.path / name), mmap_mode="r", allow_pickle=False)
+                    except (ValueError, EOFError) as exc:  # (a truncated .npy: "mmap length is greater ...")
+                        raise ValueError(f"distill_cache {self.path / name} is truncated or damaged "
+                                         f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}): "
+                                         f"the cache is incomplete; delete {self.path} to write it "
+                                         f"again") from None
                 if array.shape != shape or array.dtype != dtype:
                     raise ValueError(f"distill_cache {self.path / name}: shape {array.shape} {array.dtype}, "
                                      f"expected {shape} {np.dtype(dtype).name}")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -285,11 +286,57 @@ def check_adapter_loaded(wrapped: Any, path: Path, header: dict[str, tuple[str, 
                          f"e.g. {clipped_names(broken, 3)}")
 
 
+def module_name_patterns(model: nn.Module) -> list[str]:
+    """`model`'s linear layer names with block indices as {i} (transformer.core_block.{i}.attn.Wqkv, ...)."""
+    return sorted({re.sub(r"\.\d+(?=\.|$)", ".{i}", name) for name, module in model.named_modules()
+                   if isinstance(module, nn.Linear)})
+
+
+def check_adapter_targets(model: nn.Module, path: Path) -> None:
+    """A one-line error naming the option when adapter_config.json's `target_modules` (a regex, or names peft
+    matches by suffix) or `modules_to_save` names no module of `model`: peft's own messages name neither our
+    modules ("Target modules ... not found in the base model") nor, for modules_to_save, the option (a bare
+    KeyError of a tensor name); an invalid regex was a traceback (re.error)."""
+    from recurrent_depth.files import clipped, clipped_names
+
+    config = read_adapter_config(path)
+    source = f"cannot load the LoRA adapter {path} onto this model: its {ADAPTER_CONFIG}'s"
+    names = [name for name, _ in model.named_modules() if name]
+    linear = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    ours = f"this model's linear layers are {clipped_names(module_name_patterns(model), 20)}"
+    targets = config.get("target_modules")
+    if isinstance(targets, str):
+        try:
+            pattern = re.compile(targets)
+        except re.error as exc:
+            raise ValueError(f"{source} target_modules={clipped(targets)} is not a valid regular expression "
+                             f"({exc})") from None
+        if not any(pattern.fullmatch(name) for name in linear):
+            raise ValueError(f"{source} target_modules={clipped(targets)} (a regular expression, matched against "
+                             f"whole module names) matches no linear layer of this model; {ours}")
+    elif isinstance(targets, list):
+        unmatched = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in linear)]
+        if len(unmatched) == len(targets):
+            raise ValueError(f"{source} target_modules={clipped_names(targets)} matches no linear layer of this "
+                             f"model (another architecture's names?); {ours}")
+    saved = config.get("modules_to_save")
+    if saved is not None:
+        if not (isinstance(saved, list) and all(isinstance(t, str) and t for t in saved)):
+            raise ValueError(f"{source} modules_to_save={clipped(saved)} is invalid: expected a list of module "
+                             f"names")
+        unmatched = [t for t in saved if not any(n == t or n.endswith(f".{t}") for n in names)]
+        if unmatched:
+            top = sorted({".".join(n.split(".")[:2]) for n in names})
+            raise ValueError(f"{source} modules_to_save names {clipped_names(unmatched)}, which this model does not "
+                             f"have (another architecture's names?); its modules are {clipped_names(top, 10)}")
+
+
 def load_lora(model: nn.Module, adapter_dir: str | Path, trainable: bool = False) -> Any:
     """The peft wrapper of `model` with the adapter saved in `adapter_dir` (unmerged)."""
     peft = require_peft()
     path = check_adapter_dir(adapter_dir)
     header = check_adapter_files(path)
+    check_adapter_targets(model, path)
     config = None
     if not hasattr(model, "prepare_inputs_for_generation"):
         # An adapter made with peft on the transformers class says task_type="CAUSAL_LM", whose peft wrapper needs
@@ -302,6 +349,13 @@ def load_lora(model: nn.Module, adapter_dir: str | Path, trainable: bool = False
         lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
         # torch's "Error(s) in loading state_dict for PeftModel:" is a header: the first mismatch says what
         detail = "; ".join(lines[:2]) if lines and lines[0].endswith(":") else (lines[0] if lines else "")
+        if isinstance(exc, KeyError):  # (peft's lookup of a tensor the weights file lacks: a bare tensor name)
+            from recurrent_depth.files import clipped
+
+            saved = read_adapter_config(path).get("modules_to_save")
+            detail = (f"its weights file lacks tensor {detail}" + (
+                f" (adapter_config.json's modules_to_save={clipped(saved)} asks for a trained copy of those modules)"
+                if saved else ""))
         raise ValueError(f"cannot load the LoRA adapter {path} onto this model: {detail or type(exc).__name__}"
                          ) from None
     check_adapter_loaded(wrapped, path, header)

@@ -32,8 +32,41 @@ from recurrent_depth.train.optim import OptimConfig
 # depth 1, and depth 64 (8x the training mean) within this much of the best.
 MIN_DEPTH_GAIN = 0.05
 MAX_EXTRAPOLATION_GAP = 0.02
-# Time kept back at the end for the final evaluation's margin, saving, plots and the report.
+# Time kept back at the end for the final evaluation's margin, saving, plots and the report (at most
+# FIXED_RESERVE_SHARE of the time left: a short budget keeps less).
 FIXED_RESERVE_S = 12.0
+FIXED_RESERVE_SHARE = 0.25
+# Training's share of the time left after that: at least MIN_TRAIN_SHARE, more where MIN_TRAIN_STEPS steps
+# (at the measured step time) need it, up to MAX_TRAIN_SHARE; the final evaluation gets the rest (its batches
+# stop at their deadline, after one batch at least, so the estimate need not be a worst case).
+MIN_TRAIN_SHARE = 0.5
+MAX_TRAIN_SHARE = 0.8
+MIN_TRAIN_STEPS = 20
+EVAL_MARGIN = 1.1  # on the measured evaluation batch time
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    eval_batches: int  # final-evaluation batches planned
+    train_s: float  # training window from now
+    reserve_s: float  # kept after training: evaluation + FIXED_RESERVE_S (or less)
+    fixed_s: float  # of which saving, plots and the report
+
+
+def plan_budget(left_s: float, eval_batch_s: float, step_s: float, max_eval_batches: int,
+                fixed_s: float = FIXED_RESERVE_S) -> BudgetPlan:
+    """Split the `left_s` seconds left between training and the final evaluation, from the measured seconds of
+    one evaluation batch and one training step. Training always gets a window (at least MIN_TRAIN_SHARE of
+    what the fixed end leaves) whenever any time is left; a busy machine evaluates fewer batches."""
+    left_s = max(float(left_s), 0.0)
+    fixed = min(fixed_s, FIXED_RESERVE_SHARE * left_s)
+    usable = left_s - fixed
+    train_min = min(MAX_TRAIN_SHARE * usable, max(MIN_TRAIN_SHARE * usable, MIN_TRAIN_STEPS * max(step_s, 0.0)))
+    batch = EVAL_MARGIN * max(eval_batch_s, 0.0)
+    fits = int((usable - train_min) // batch) if batch > 0 else max_eval_batches
+    eval_batches = max(1, min(max_eval_batches, fits))
+    eval_s = min(eval_batches * batch, usable - train_min)
+    return BudgetPlan(eval_batches=eval_batches, train_s=usable - eval_s, reserve_s=fixed + eval_s, fixed_s=fixed)
 
 
 @dataclass
@@ -100,9 +133,12 @@ def clear_previous_run(out: Path) -> None:
         (out / name).unlink(missing_ok=True)
 
 
-def estimate_eval_seconds(model, rows: torch.Tensor, depths: list[int], batches: int) -> float:
+def estimate_eval_seconds(model, rows: torch.Tensor, depths: list[int], batches: int,
+                          step_depth: float | None = None) -> float | tuple[float, float]:
     """Time the final evaluation will take, from one timed batch `rows [B, T + 1]` at a shallow depth
-    (untrained weights cost the same as trained ones, so `model` can be a freshly built one)."""
+    (untrained weights cost the same as trained ones, so `model` can be a freshly built one). With
+    `step_depth` (the sampler's mean depth): (that, the seconds of one training step on such a batch, its
+    forward and backward taken as 3 forwards of prelude + step_depth core steps + coda)."""
     from recurrent_depth.train.validation import depth_losses
 
     model.eval()
@@ -114,7 +150,10 @@ def estimate_eval_seconds(model, rows: torch.Tensor, depths: list[int], batches:
     # Cost in layer passes: prelude + 4 steps of the core + coda, vs prelude + max depth steps + a coda per depth.
     probe = cfg.prelude_layers + 4 * cfg.core_layers + cfg.coda_layers + 1
     full = cfg.prelude_layers + max(depths) * cfg.core_layers + len(depths) * (cfg.coda_layers + 1)
-    return seconds * full / probe * batches
+    if step_depth is None:
+        return seconds * full / probe * batches
+    step = 3 * (cfg.prelude_layers + step_depth * cfg.core_layers + cfg.coda_layers + 1)
+    return seconds * full / probe * batches, seconds * step / probe
 
 
 @torch.no_grad()
@@ -182,18 +221,23 @@ def quickstart(
                                               bos_token_id=specials["begin_text"], eos_token_id=specials["end_text"],
                                               pad_token_id=specials["pad"]))
     val_rows = next(iter(data.dataset("validation", shuffle=False).iter_batches(cfg.batch_size, drop_last=False)))
-    per_batch = estimate_eval_seconds(probe, val_rows, list(recipe.eval_depths), 1)
+    mean_depth = cfg.mean_recurrence if cfg.mean_recurrence is not None else probe.config.mean_recurrence
+    per_batch, per_step = estimate_eval_seconds(probe, val_rows, list(recipe.eval_depths), 1,
+                                                step_depth=float(mean_depth))
     del probe
-    # On a slow or busy machine, evaluate fewer batches rather than eat the training time (at least 2).
-    affordable = int(0.3 * (deadline - time.perf_counter()) / (1.3 * per_batch))
-    eval_batches = max(2, min(recipe.eval_batches, affordable))
+    # On a slow or busy machine, evaluate fewer batches rather than eat the training time; training always
+    # keeps a share of what is left (plan_budget).
+    eval_batches = plan_budget(deadline - time.perf_counter(), per_batch, per_step, recipe.eval_batches).eval_batches
     if eval_batches < recipe.eval_batches:
         log(f"this machine is slow right now: evaluating {eval_batches} instead of {recipe.eval_batches} batches")
         cfg = cfg.replace(eval_batches=eval_batches)
-    reserve = 1.3 * per_batch * eval_batches + FIXED_RESERVE_S
     guard = ThreadGuard(log)
-    trainer = Trainer(cfg, log=log, on_step=guard, deadline=deadline - reserve,
-                      eval_deadline=deadline - FIXED_RESERVE_S)
+    trainer = Trainer(cfg, log=log, on_step=guard)
+    # The deadlines from the time left once the trainer is built (building it takes time too).
+    plan = plan_budget(deadline - time.perf_counter(), per_batch, per_step, eval_batches)
+    reserve = plan.reserve_s
+    trainer.deadline = deadline - reserve
+    trainer.eval_deadline = deadline - plan.fixed_s
     train_window = trainer.deadline - time.perf_counter()
     log(f"training for up to {max(train_window, 0):.0f}s (keeping {reserve:.0f}s for evaluation at depths "
         f"{', '.join(map(str, recipe.eval_depths))} and saving)")

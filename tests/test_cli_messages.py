@@ -92,7 +92,8 @@ def test_a_plain_transformers_directory_points_to_retrofit_and_loop(run_dir, tmp
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"error: config.json is a transformers '{family}' checkpoint, not a recurrent-depth one: convert it " \
-           "with `rdepth retrofit` (Llama, Qwen2, Qwen3, OLMo-2) or loop its middle layers with `rdepth loop`" in err
+           "with `rdepth retrofit` (Llama, Mistral, Phi-3, Qwen2, Qwen3, OLMo-2) or loop its middle layers with " \
+           "`rdepth loop`" in err
 
 
 def test_a_mistyped_yaml_key_gets_the_closest_key(tmp_path, capsys):

@@ -172,6 +172,14 @@ def test_a_missing_teacher_or_another_vocabulary_is_a_one_line_error(train_root,
     rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", vocab_size=VOCAB, max_seq_len=16)).save_pretrained(short)
     with pytest.raises(ValueError, match="teacher .*short has max_seq_len 16, shorter than this run's rows of 32"):
         Trainer(tiny_train_config(train_root, tmp_path / "c", teacher=str(short)))
+    odd = tmp_path / "odd"  # a transformers config whose fields have the wrong types
+    odd.mkdir()
+    cases = (({"model_type": ["llama"]}, r"a transformers \['llama'\] checkpoint"),
+             ({"model_type": "llama", "num_hidden_layers": "32"}, "num_hidden_layers='32'"))
+    for raw, error in cases:
+        (odd / "config.json").write_text(json.dumps(raw))
+        with pytest.raises(ValueError, match=error):
+            load_teacher(odd)
 
 
 def test_the_cli_distils_and_writes_a_cache_only(train_root, teacher_dir, tmp_path, capsys):

@@ -1,4 +1,5 @@
-"""Retrofitted recurrence (families/retrofit.py): transformers Llama / Qwen2 / Qwen3 / OLMo-2 -> RecurrentDepthLM.
+"""Retrofitted recurrence (families/retrofit.py): transformers Llama / Mistral / Phi-3 / Qwen2 / Qwen3 / OLMo-2
+-> RecurrentDepthLM.
 
 With every layer kept, r = 1, s_0 = 0 and the adapter [0 | I], the retrofitted model is the source model:
 its logits equal transformers' own (fp32, tiny random configs with every norm and bias perturbed), which
@@ -14,12 +15,18 @@ import json
 import pytest
 import torch
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -46,6 +53,14 @@ SOURCES = {
                                                                                           "rope_theta": 30000.0})),
     "qwen3-qknorm-headdim": lambda: Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=12, tie_word_embeddings=True)),
     "olmo2-postnorm": lambda: Olmo2ForCausalLM(Olmo2Config(**SHAPE)),
+    # Mistral is the Llama block; a sliding window that covers the context (here = max_position_embeddings)
+    # changes nothing. Phi-3 fuses q/k/v and gate/up.
+    "mistral-no-window-headdim": lambda: MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=None, head_dim=12)),
+    "mistral-window-covers-context-tied": lambda: MistralForCausalLM(MistralConfig(
+        **SHAPE, sliding_window=64, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0})),
+    "phi3-fused": lambda: Phi3ForCausalLM(Phi3Config(**SHAPE, rope_parameters={"rope_type": "default",
+                                                                               "rope_theta": 30000.0})),
 }
 
 
@@ -164,6 +179,16 @@ def test_bad_surgery_is_one_line(surgery, needle):
      "sliding"),
     (lambda: LlamaForCausalLM(LlamaConfig(**SHAPE, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4,
                                                                      "factor": 2.0})), "rope_type 'yarn'"),
+    # a window shorter than the context changes the attention: Mistral 7B v0.1 (4096 < 32768), Phi-3-mini-4k
+    (lambda: MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=8)),
+     r"mistral with sliding_window=8 < max_position_embeddings=64"),
+    (lambda: Phi3ForCausalLM(Phi3Config(**SHAPE, sliding_window=32)), r"phi3 with sliding_window=32 <"),
+    (lambda: Phi3ForCausalLM(Phi3Config(**SHAPE, partial_rotary_factor=0.5)), r"partial_rotary_factor=0.5.*supported"),
+    (lambda: Phi3ForCausalLM(Phi3Config(**SHAPE, original_max_position_embeddings=32, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4})),
+     "rope_type 'longrope': supported are default, linear, llama3"),
+    (lambda: Gemma2ForCausalLM(Gemma2Config(**SHAPE, head_dim=8)),
+     r"model_type 'gemma2': Gemma's .* not implemented here; supported are llama, mistral, phi3"),
 ])
 def test_unconvertible_architectures_are_one_line_errors(make, needle):
     with pytest.raises(ValueError, match=needle) as info:
@@ -211,6 +236,105 @@ def test_unknown_tensors_are_refused(tmp_path):
     save_file(state, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="does not know.*router"):
         retrofit(tmp_path, prelude=1, core="1:3", coda=1)
+
+
+@pytest.mark.parametrize("edit, needle", [
+    ({"hidden_act": ["silu"]}, r"hidden_act \['silu'\]: supported are"),  # was a TypeError (unhashable list)
+    ({"rope_scaling": [1]}, r"rope_scaling=\[1\] is invalid: expected a JSON object or null"),  # was a TypeError
+    ({"rope_parameters": [1]}, r"rope_parameters=\[1\] is invalid"),  # was ignored: the default RoPE
+    # (transformers 5 keeps Phi-3's factor in rope_parameters: with no top-level key it was ignored)
+    ({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"],
+      "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
+     r"rope partial_rotary_factor=0.75: only a fully rotated head"),
+    ({"model_type": ["llama"]}, r"cannot convert model_type \['llama'\]: supported are"),
+    ({"rope_parameters": {"rope_type": ["linear"], "rope_theta": 1e4}}, r"cannot convert rope_type \['linear'\]"),
+])
+def test_malformed_source_configs_are_one_line_errors(edit, needle):
+    from recurrent_depth.families.retrofit import model_config
+
+    hf = {**LlamaConfig(**SHAPE).to_dict(), **edit}
+    with pytest.raises(ValueError, match=rf"^retrofit: .*{needle}") as info:
+        model_config(hf, Surgery(1, (1, 3), 1))
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("config_class, eps", [(LlamaConfig, 1e-6), (Olmo2Config, 1e-5), (Phi3Config, 1e-5)])
+def test_a_config_without_rms_norm_eps_gets_transformers_default(config_class, eps):
+    """(OLMo-2's and Phi-3's default is 1e-5: a config.json that left the key out got 1e-6)"""
+    from recurrent_depth.families.retrofit import model_config
+
+    hf = config_class(**{k: v for k, v in SHAPE.items() if k != "rms_norm_eps"}).to_dict()
+    assert hf.pop("rms_norm_eps") == eps
+    assert model_config(hf, Surgery(1, (1, 3), 1)).norm_eps == eps
+
+
+@pytest.mark.parametrize("name", ["llama-llama3-rope-tied", "mistral-window-covers-context-tied", "phi3-fused",
+                                  "olmo2-postnorm"])
+def test_generation_after_retrofit_equals_transformers_greedy(name):
+    """Our engine (KV cache, both runners) at r = 1 generates the source model's greedy tokens."""
+    from recurrent_depth.inference.generate import generate
+
+    torch.manual_seed(0)
+    hf = perturbed(SOURCES[name]())
+    model = retrofit(hf, prelude=2, core=(2, 4), coda=1)
+    ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = hf.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+    for fast in (True, False):
+        out = generate(model, ids, max_new_tokens=24, num_steps=1, init_scale=0.0, eos_token_id=[], fast=fast)
+        assert out.sequences.tolist() == want.tolist()
+
+
+def test_a_bf16_sharded_directory_converts_exactly(tmp_path):
+    """A half-precision checkpoint in many shards (model.safetensors.index.json): the weights keep their dtype
+    by default, and in fp32 the model is transformers' own loaded from the same files."""
+    torch.manual_seed(0)
+    perturbed(LlamaForCausalLM(LlamaConfig(**SHAPE))).to(torch.bfloat16).save_pretrained(tmp_path,
+                                                                                        max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert json.loads((tmp_path / "config.json").read_text()).get("dtype", "bfloat16") == "bfloat16"
+    assert {p.dtype for p in retrofit(tmp_path, 2, (2, 4), 1).parameters()} == {torch.bfloat16}
+    model = retrofit(tmp_path, 2, (2, 4), 1, dtype=torch.float32)
+    hf = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, num_steps=1, init_scale=0.0).logits, hf(ids).logits,
+                                   rtol=1e-5, atol=1e-4)
+
+
+def test_a_weight_float16_cannot_hold_is_refused_rather_than_made_inf():
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**SHAPE)).eval()
+    with torch.no_grad():
+        hf.model.layers[1].mlp.down_proj.weight[0, 0] = 1e6  # fine in fp32 and bf16, inf in fp16
+    with pytest.raises(ValueError, match=r"^retrofit: tensors \['transformer.prelude.1.mlp.proj.weight'\] overflow "
+                                         r"torch.float16 \(--dtype\)"):
+        retrofit(hf, prelude=2, core=(2, 4), coda=1, dtype=torch.float16)
+    assert retrofit(hf, prelude=2, core=(2, 4), coda=1, dtype=torch.bfloat16).transformer.prelude[1].mlp.proj.weight[
+        0, 0].isfinite()
+
+
+def test_an_out_path_that_is_a_file_is_refused_before_converting(tmp_path, capsys):
+    (tmp_path / "out").write_text("")
+    # before the source is read: a missing source would otherwise be the error
+    code = main(["retrofit", "--model", str(tmp_path / "missing"), "--prelude", "1", "--core", "1:3", "--coda", "1",
+                 "--out", str(tmp_path / "out"), "--threads", "1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.endswith(f"retrofit: --out {str(tmp_path / 'out')!r} is a file, not a directory: choose "
+                                      f"a new or existing directory")
+
+
+def test_a_missing_tensor_is_one_line(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    Phi3ForCausalLM(Phi3Config(**SHAPE)).save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    del state["model.layers.2.self_attn.qkv_proj.weight"]
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"^retrofit: the source lacks tensors \['model.layers.2.self_attn.qkv_proj"):
+        retrofit(tmp_path, prelude=1, core="2:4", coda=1)
+    retrofit(tmp_path, prelude=1, core="3:4", coda=1)  # a dropped layer is never read
 
 
 def test_cli_writes_a_directory_our_loader_and_generate_read(tmp_path, capsys):
@@ -344,3 +468,78 @@ def test_a_retrofitted_model_with_its_own_tokenizer_trains(tmp_path):
                  "--batch-size", "2", "--eval-batches", "1", "--eval-depths", "1", "--no-tensorboard",
                  "--no-progress", "--threads", "1", "--out", str(tmp_path / "run")]) == 0
     assert rd.RecurrentDepthLM.from_pretrained(tmp_path / "run" / "model").config.bos_token_id == begin
+
+
+def sentencepiece_source(path):
+    """A tiny Llama whose only tokenizer is a sentencepiece tokenizer.model (a BPE ModelProto built with
+    protobuf: no sentencepiece package needed) and its tokenizer_config.json."""
+    from transformers.utils import sentencepiece_model_pb2_new as spm
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**SHAPE)).save_pretrained(path)
+    proto = spm.ModelProto()
+    proto.trainer_spec.model_type = spm.TrainerSpec.BPE
+    proto.normalizer_spec.add_dummy_prefix = True
+    for i, (piece, kind) in enumerate([("<unk>", 2), ("<s>", 3), ("</s>", 3), *((p, 1) for p in
+                                       ["▁", "h", "e", "l", "o", "he", "ll", "▁he", "llo", "▁hello"])]):
+        proto.pieces.add(piece=piece, score=-float(i), type=kind)
+    (path / "tokenizer.model").write_bytes(proto.SerializeToString())
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>",
+                                                            "eos_token": "</s>", "unk_token": "<unk>"}))
+    return path
+
+
+@pytest.mark.parametrize("converts", [True, False])
+def test_a_sentencepiece_only_source_keeps_its_tokenizer(tmp_path, capsys, monkeypatch, converts):
+    """Only tokenizer.json-family files were copied: a source with a tokenizer.model got no tokenizer."""
+    from tokenizers import Tokenizer, models
+
+    from recurrent_depth.families import retrofit as retrofit_module
+
+    src = sentencepiece_source(tmp_path / "llama")
+    converted = Tokenizer(models.WordLevel({"<unk>": 0, "hello": 1}, unk_token="<unk>")).to_str().encode()
+    seen = {}
+
+    def conversion(files, config):  # (transformers' own needs the sentencepiece package: tested below)
+        seen.update(files)
+        return (converted, "") if converts else (None, "ImportError: no sentencepiece")
+
+    monkeypatch.setattr(retrofit_module, "sentencepiece_to_json", conversion, raising=False)
+    out = tmp_path / "rd"
+    assert main(["retrofit", "--model", str(src), "--prelude", "1", "--core", "1:4", "--coda", "1", "--out", str(out),
+                 "--threads", "1"]) == 0
+    captured = capsys.readouterr()
+    record = json.loads(captured.out.strip().splitlines()[-1])
+    assert (out / "tokenizer.model").read_bytes() == (src / "tokenizer.model").read_bytes()
+    assert set(seen) == {"tokenizer.model", "tokenizer_config.json"}
+    assert (out / "tokenizer_config.json").is_file()
+    if converts:
+        assert (out / "tokenizer.json").read_bytes() == converted and "tokenizer.json" in record["tokenizer_files"]
+        assert "tokenizer_note" not in record
+    else:
+        assert not (out / "tokenizer.json").exists()
+        assert "only a sentencepiece tokenizer.model, which could not be converted" in record["tokenizer_note"]
+        assert "rdepth retrofit: note:" in captured.err
+        assert main(["generate", "--model", str(out), "--prompt", "hello", "--max-new-tokens", "1"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert "has only a sentencepiece tokenizer.model" in err[-1]
+    from recurrent_depth.checkpoint import copy_tokenizer
+
+    copy_tokenizer(out, tmp_path / "saved-again")  # what save_pretrained / export / a checkpoint copy
+    assert (tmp_path / "saved-again" / "tokenizer.model").read_bytes() == (src / "tokenizer.model").read_bytes()
+
+
+def test_sentencepiece_conversion_gives_a_tokenizer_json_or_one_line_reason(tmp_path):
+    import importlib.util
+
+    from tokenizers import Tokenizer
+
+    from recurrent_depth.families.retrofit import sentencepiece_to_json
+
+    src = sentencepiece_source(tmp_path / "llama")
+    files = {name: (src / name).read_bytes() for name in ("tokenizer.model", "tokenizer_config.json")}
+    converted, reason = sentencepiece_to_json(files, (src / "config.json").read_bytes())
+    if importlib.util.find_spec("sentencepiece") is None:
+        assert converted is None and reason and "\n" not in reason
+    else:
+        assert Tokenizer.from_str(converted.decode()).encode("hello").tokens[-1] == "▁hello"

@@ -48,6 +48,7 @@ IGNORED_TENSORS = ("freqs_cis",)
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
     "tokenizer_training.json",
+    "tokenizer.model",  # a sentencepiece tokenizer (a retrofitted source's), for transformers' loaders
 )
 
 

@@ -585,8 +585,8 @@ def check_not_foreign_model_type(data: dict[str, Any]) -> None:
     model_type = data.get("model_type")
     if model_type is not None and model_type not in KNOWN_MODEL_TYPES:
         raise ValueError(f"config.json is a transformers {model_type!r} checkpoint, not a recurrent-depth one: "
-                         f"convert it with `rdepth retrofit` (Llama, Qwen2, Qwen3, OLMo-2) or loop its middle "
-                         f"layers with `rdepth loop`")
+                         f"convert it with `rdepth retrofit` (Llama, Mistral, Phi-3, Qwen2, Qwen3, OLMo-2) or loop its "
+                         f"middle layers with `rdepth loop`")
 
 
 def is_huginn_config(data: dict[str, Any]) -> bool:

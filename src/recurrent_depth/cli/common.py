@@ -143,6 +143,12 @@ def tokenizer_source(args: argparse.Namespace) -> str:
         raise FileNotFoundError(f"--model {args.model}: no such directory (expected a saved model directory)")
     if not (model / "config.json").exists():
         raise FileNotFoundError(no_model_message(args.model))
+    if not (model / "tokenizer.json").exists() and (model / "tokenizer.model").exists():
+        raise FileNotFoundError(
+            f"{args.model} has only a sentencepiece tokenizer.model, and rdepth reads tokenizer.json: convert it "
+            f"(transformers with sentencepiece installed: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)) "
+            f"or pass --tokenizer DIR"
+        )
     if not (model / "tokenizer.json").exists():
         raise FileNotFoundError(
             f"{args.model} has no tokenizer.json; pass --tokenizer DIR, or save the model with its tokenizer "

@@ -1,4 +1,5 @@
-"""`rdepth retrofit`: a transformers Llama / Qwen2 / Qwen3 / OLMo-2 causal LM made a recurrent-depth model.
+"""`rdepth retrofit`: a transformers Llama / Mistral / Phi-3 / Qwen2 / Qwen3 / OLMo-2 causal LM made a
+recurrent-depth model.
 
     rdepth retrofit --model DIR --prelude 4 --core 6:12 --coda 4 --out runs/retrofit
     rdepth train --init-from runs/retrofit --depth-curriculum 0.25 ...     # then train it (docs/looped-family.md)
@@ -26,11 +27,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
 
     parser = subparsers.add_parser(
-        "retrofit", help="turn a transformers Llama/Qwen2/Qwen3/OLMo-2 causal LM into a recurrent-depth model",
+        "retrofit", help="turn a transformers Llama/Mistral/Phi-3/Qwen2/Qwen3/OLMo-2 causal LM into a "
+                                 "recurrent-depth model",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_model_arg(parser, help="the source: a transformers Llama, Qwen2, Qwen3 or OLMo-2 causal LM directory "
-                               "(config.json, safetensors, tokenizer files)")
+    add_model_arg(parser, help="the source: a transformers Llama, Mistral, Phi-3, Qwen2, Qwen3 or OLMo-2 causal LM "
+                               "directory (config.json, safetensors, tokenizer files)")
     parser.add_argument("--prelude", type=int, required=True, metavar="N", help="the first N source layers")
     parser.add_argument("--core", required=True, metavar="A:B",
                         help="source layers A..B-1 become the recurrent core (half-open, like a Python slice)")
@@ -64,5 +66,7 @@ def run(args: argparse.Namespace) -> int:
           f"{record['layers']['prelude']}, core {record['layers']['core']}, coda {record['layers']['coda']} "
           f"(dropped {record['dropped']}); {record['parameters']:,} parameters ({kept:.1%} of the source's) -> "
           f"{args.out}", flush=True, file=sys.stderr)
+    if record.get("tokenizer_note"):
+        print(f"rdepth retrofit: note: {record['tokenizer_note']}", flush=True, file=sys.stderr)
     print(json.dumps({**record, "out": str(args.out)}))
     return 0

@@ -365,6 +365,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     """A `tokenizers.Tokenizer` from a directory holding ``tokenizer.json`` (or that file)."""
     p = Path(path)
     file = p / "tokenizer.json" if p.is_dir() else p
+    if not file.exists() and p.is_dir() and (p / "tokenizer.model").exists():
+        raise ValueError(f"tokenizer: {str(p)!r} holds only a sentencepiece tokenizer.model, and this library reads "
+                         f"tokenizer.json: convert it (transformers with sentencepiece installed: "
+                         f"AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR))")
     if not file.exists():
         raise ValueError(f"tokenizer: no tokenizer.json at {str(p)!r}; expected a directory or file")
     text = read_text(file, TOKENIZER_MAX_BYTES, "tokenizer file")  # a regular file of bounded size

@@ -1,6 +1,6 @@
 """Other members of the looped-model family, brought into this library's runtime (docs/looped-family.md).
 
-`families.retrofit`: turn a pretrained transformers causal LM (Llama, Qwen2, Qwen3, OLMo-2) into a
+`families.retrofit`: turn a pretrained transformers causal LM (Llama, Mistral, Phi-3, Qwen2, Qwen3, OLMo-2) into a
 recurrent-depth model (retrofitted recurrence, arXiv 2511.07384).
 
 `families.ouro`: the dialect of Ouro checkpoints (ByteDance's LoopLM, arXiv 2510.25741), its `config.json`

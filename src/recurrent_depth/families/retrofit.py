@@ -11,11 +11,11 @@ recurrent-depth model by surgery on its layers.
     model = retrofit("meta-llama/Llama-3.2-1B", prelude=4, core=(6, 12), coda=4)   # a local directory
     model.save_pretrained("runs/llama-rd")      # or `rdepth retrofit --model DIR --prelude 4 --core 6:12 ...`
 
-Sources: a transformers Llama, Qwen2, Qwen3 or OLMo-2 `*ForCausalLM` directory (config.json and
-safetensors, read with this library's bounded readers: no transformers model is built, no code is run,
+Sources: a transformers Llama, Mistral, Phi-3, Qwen2, Qwen3 or OLMo-2 `*ForCausalLM` directory (config.json
+and safetensors, read with this library's bounded readers: no transformers model is built, no code is run,
 the dropped layers are never read), or such a model already in memory. Everything else (GPT-2, Gemma,
-Mistral, MoE models, sliding-window layers, rope types other than default / linear / llama3) is a
-one-line ValueError naming what stands in the way.
+MoE models, sliding windows shorter than the context, partial rotary, rope types other than default /
+linear / llama3) is a one-line ValueError naming what stands in the way.
 
 The adapter's initialisation (`ADAPTER_INITS`, docs/looped-family.md): the default "e" = [0 | I] passes
 the prelude output into the core and ignores the state, so at initialisation the model computes exactly
@@ -51,9 +51,18 @@ from recurrent_depth.model.recurrent import RecurrentDepthLM
 
 LOOP_CONFIG_KEY = "loop"  # recurrent_depth.looping.config.CONFIG_KEY (not imported: that module needs transformers)
 
-# model_type -> block layout. Llama, Qwen2 and Qwen3 are pre-norm; OLMo-2 norms each branch's output.
-SUPPORTED_MODEL_TYPES: dict[str, str] = {"llama": "pre-norm", "qwen2": "pre-norm", "qwen3": "pre-norm",
-                                         "olmo2": "post-norm"}
+# model_type -> block layout. Llama, Mistral, Phi-3, Qwen2 and Qwen3 are pre-norm; OLMo-2 norms each
+# branch's output. Mistral is the Llama block without biases; Phi-3 fuses q/k/v (qkv_proj) and gate/up
+# (gate_up_proj) in the row order our Wqkv and mlp.fc use.
+SUPPORTED_MODEL_TYPES: dict[str, str] = {"llama": "pre-norm", "mistral": "pre-norm", "phi3": "pre-norm",
+                                         "qwen2": "pre-norm", "qwen3": "pre-norm", "olmo2": "post-norm"}
+# The model types whose attention applies `sliding_window` whenever it is set (no use_sliding_window
+# switch): exact only when the window covers the whole context (null or >= max_position_embeddings).
+_SLIDING_WINDOW_TYPES = ("mistral", "phi3")
+# The model types whose code reads attention_bias / mlp_bias (Mistral and Phi-3 have no biases).
+_BIAS_KEY_TYPES = ("llama", "qwen3", "olmo2")
+# transformers' rms_norm_eps where a config.json leaves it out (1e-6 for the others).
+_DEFAULT_NORM_EPS = {"phi3": 1e-5, "olmo2": 1e-5}
 # transformers' hidden_act names -> ours (gelu_new and gelu_pytorch_tanh are both the tanh approximation).
 HIDDEN_ACTS: dict[str, str] = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh",
                                "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
@@ -72,15 +81,25 @@ DEFAULT_BACKPROP_DEPTH = 8
 # Written beside config.json: where the weights came from and which source layer each one is.
 PROVENANCE_FILE = "retrofit.json"
 SOURCE_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+# A source with only a sentencepiece model (no tokenizer.json): copied, and converted to tokenizer.json where
+# transformers can (it needs the sentencepiece package), since this library reads tokenizer.json only.
+SENTENCEPIECE_FILE = "tokenizer.model"
 # Source config keys that would change the computation in a way this converter does not reproduce:
 # refused when present with a value other than the harmless one.
-_REFUSED_KEYS: dict[str, Callable[[Any], bool]] = {
-    "use_sliding_window": lambda v: v is True,
-    "num_experts": lambda v: bool(v),
-    "num_local_experts": lambda v: bool(v),
-    "attn_logit_softcapping": lambda v: v is not None,
-    "final_logit_softcapping": lambda v: v is not None,
-    "partial_rotary_factor": lambda v: v not in (None, 1, 1.0),
+# (key -> (refused?, what is supported))
+_REFUSED_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "use_sliding_window": (lambda v: v is True, "full attention only"),
+    "num_experts": (lambda v: bool(v), "dense MLPs only"),
+    "num_local_experts": (lambda v: bool(v), "dense MLPs only"),
+    "attn_logit_softcapping": (lambda v: v is not None, "null"),
+    "final_logit_softcapping": (lambda v: v is not None, "null"),
+    "partial_rotary_factor": (lambda v: v not in (None, 1, 1.0), "1.0, a fully rotated head"),
+}
+# Model types users bring most often among those refused, with what stands in the way.
+_REFUSED_TYPES: dict[str, str] = {
+    **dict.fromkeys(("gemma", "gemma2", "gemma3", "gemma3_text"),
+                    "Gemma's (1 + weight) norms, sqrt(h)-scaled embeddings, query_pre_attn_scalar, logit soft-capping "
+                    "and sliding-window layers are not implemented here"),
 }
 _IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -175,9 +194,11 @@ def read_source(model_or_dir: Any) -> Source:
 def check_architecture(hf: Mapping[str, Any]) -> str:
     """The block layout of a supported source, or a one-line ValueError naming what is not supported."""
     model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise fail(f"cannot convert model_type {model_type!r}: supported are {', '.join(SUPPORTED_MODEL_TYPES)} "
-                   f"(transformers causal LMs)")
+    if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
+        reason = _REFUSED_TYPES.get(model_type, "") if isinstance(model_type, str) else ""
+        reason = f"{reason}; " if reason else ""
+        raise fail(f"cannot convert model_type {model_type!r}: {reason}supported are "
+                   f"{', '.join(SUPPORTED_MODEL_TYPES)} (transformers causal LMs)")
     architectures = hf.get("architectures") or []
     if not isinstance(architectures, list) or any(not str(a).endswith("ForCausalLM") for a in architectures):
         raise fail(f"cannot convert architectures {architectures!r}: expected a *ForCausalLM model")
@@ -185,9 +206,16 @@ def check_architecture(hf: Mapping[str, Any]) -> str:
         raise fail(f"cannot convert a looped model (its config holds loop={hf[LOOP_CONFIG_KEY]!r}): retrofit would "
                    f"drop the loop; convert the base model (the same weights without the 'loop' entry in config.json, "
                    f"or after recurrent_depth.looping.remove_loop)")
-    for key, refused in _REFUSED_KEYS.items():
+    for key, (refused, supported) in _REFUSED_KEYS.items():
         if key in hf and refused(hf[key]):
-            raise fail(f"cannot convert {model_type} with {key}={hf[key]!r} (not implemented here)")
+            raise fail(f"cannot convert {model_type} with {key}={hf[key]!r}: not implemented here (supported: "
+                       f"{supported})")
+    window, context = hf.get("sliding_window"), hf.get("max_position_embeddings")
+    if model_type in _SLIDING_WINDOW_TYPES and window is not None and not (
+            is_int(window) and is_int(context) and window >= context):
+        raise fail(f"cannot convert {model_type} with sliding_window={window!r} < max_position_embeddings="
+                   f"{context!r}: sliding-window attention is not implemented here (only a window of null or "
+                   f">= the context, which changes nothing)")
     layer_types = hf.get("layer_types")
     if layer_types is not None:
         listed = layer_types if isinstance(layer_types, list) else [layer_types]
@@ -196,7 +224,7 @@ def check_architecture(hf: Mapping[str, Any]) -> str:
             raise fail(f"cannot convert layer_types {other}: only full-attention layers are supported "
                        f"(no sliding-window attention)")
     act = hf.get("hidden_act", "silu")
-    if act not in HIDDEN_ACTS:
+    if not isinstance(act, str) or act not in HIDDEN_ACTS:
         raise fail(f"cannot convert hidden_act {act!r}: supported are {sorted(HIDDEN_ACTS)}")
     return SUPPORTED_MODEL_TYPES[model_type]
 
@@ -204,6 +232,9 @@ def check_architecture(hf: Mapping[str, Any]) -> str:
 def rope_settings(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(theta, our rope_scaling) from transformers 5's `rope_parameters` or the older rope_theta/rope_scaling."""
     params = hf.get("rope_parameters")
+    for key in ("rope_parameters", "rope_scaling"):
+        if hf.get(key) is not None and not isinstance(hf[key], dict):
+            raise fail(f"{key}={hf[key]!r} is invalid: expected a JSON object or null")
     if isinstance(params, dict) and params:
         if any(isinstance(v, dict) for v in params.values()):
             raise fail(f"cannot convert per-layer-type rope_parameters {sorted(params)}")
@@ -212,10 +243,14 @@ def rope_settings(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     else:
         theta = hf.get("rope_theta", 10000.0)
         scaling = dict(hf.get("rope_scaling") or {})
+    # (transformers 5 keeps Phi-3's partial_rotary_factor here: it was ignored, the whole head rotated)
+    if scaling.get("partial_rotary_factor") not in (None, 1, 1.0):
+        raise fail(f"cannot convert rope partial_rotary_factor={scaling['partial_rotary_factor']!r}: only a fully "
+                   f"rotated head is implemented here")
     if not is_real(theta) or theta <= 1:
         raise fail(f"rope_theta={theta!r} is invalid: expected a number > 1")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in ROPE_SCALING_KEYS:
+    if not isinstance(kind, str) or kind not in ROPE_SCALING_KEYS:
         raise fail(f"cannot convert rope_type {kind!r}: supported are {', '.join(ROPE_SCALING_KEYS)}")
     if kind == "default":
         return float(theta), None
@@ -242,7 +277,8 @@ def model_config(hf: Mapping[str, Any], surgery: Surgery, mean_recurrence: int =
     # Llama, Qwen3 and OLMo-2 may bias every attention projection (attention_bias) and Llama the MLP
     # (mlp_bias): our `bias` biases every linear map, the ones the source lacks start at zero. Qwen2
     # always biases q, k and v, never o.
-    any_bias = bool(hf.get("attention_bias", False)) or bool(hf.get("mlp_bias", False))
+    any_bias = model_type in _BIAS_KEY_TYPES and (bool(hf.get("attention_bias", False))
+                                                  or bool(hf.get("mlp_bias", False)))
     theta, scaling = rope_settings(hf)
     values = dict(
         vocab_size=hf.get("vocab_size"), hidden_size=hidden, num_heads=heads,
@@ -251,7 +287,8 @@ def model_config(hf: Mapping[str, Any], surgery: Surgery, mean_recurrence: int =
         prelude_layers=surgery.prelude, core_layers=surgery.core[1] - surgery.core[0], coda_layers=surgery.coda,
         mean_recurrence=mean_recurrence, mean_backprop_depth=backprop_depth,
         max_seq_len=hf.get("max_position_embeddings"), rope_base=theta, rope_scaling=scaling,
-        norm_eps=hf.get("rms_norm_eps", 1e-6), qk_bias=False, bias=any_bias, qkv_bias=model_type == "qwen2",
+        norm_eps=hf.get("rms_norm_eps", _DEFAULT_NORM_EPS.get(model_type, 1e-6)), qk_bias=False, bias=any_bias,
+        qkv_bias=model_type == "qwen2",
         qk_norm=model_type in ("qwen3", "olmo2"), qk_norm_full_width=model_type == "olmo2",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"),
@@ -265,9 +302,13 @@ def model_config(hf: Mapping[str, Any], surgery: Surgery, mean_recurrence: int =
 
 
 # ---------------------------------------------------------------------------------------------- tensors
-def _source_layer_names(cfg: ModelConfig) -> dict[str, list[str]]:
+def _source_layer_names(cfg: ModelConfig, model_type: str = "llama") -> dict[str, list[str]]:
     """Our tensor name (relative to a block) -> the source tensors (relative to model.layers.i.) it is made of."""
     p = "self_attn."
+    if model_type == "phi3":  # already fused, rows [q | k | v] and [gate | up] as ours; no biases, no QK-norm
+        return {"attn.Wqkv.weight": [f"{p}qkv_proj.weight"], "attn.proj.weight": [f"{p}o_proj.weight"],
+                "mlp.fc.weight": ["mlp.gate_up_proj.weight"], "mlp.proj.weight": ["mlp.down_proj.weight"],
+                "norm_1.weight": ["input_layernorm.weight"], "norm_3.weight": ["post_attention_layernorm.weight"]}
     names: dict[str, list[str]] = {
         "attn.Wqkv.weight": [f"{p}q_proj.weight", f"{p}k_proj.weight", f"{p}v_proj.weight"],
         "attn.proj.weight": [f"{p}o_proj.weight"],
@@ -319,7 +360,7 @@ def convert_state(source: Source, cfg: ModelConfig, surgery: Surgery, adapter_in
     if not cfg.tie_embeddings:
         plan["lm_head.weight"] = ["lm_head.weight"]
     for part, j, i in surgery.layer_map(num_layers):
-        for ours, theirs in _source_layer_names(cfg).items():
+        for ours, theirs in _source_layer_names(cfg, source.config["model_type"]).items():
             plan[f"transformer.{part}.{j}.{ours}"] = [f"model.layers.{i}.{name}" for name in theirs]
     wanted = {name for parts in plan.values() for name in parts}
     zero_filled = _zero_filled_biases(source.config, wanted) - source.names
@@ -353,6 +394,12 @@ def convert_state(source: Source, cfg: ModelConfig, surgery: Surgery, adapter_in
                   else torch.zeros(tensors[name.removesuffix("bias") + "weight"].shape[0])  # a bias the source lacks
                   for name in theirs]
         state[ours] = torch.cat([t.to(device=device, dtype=out_dtype) for t in pieces], dim=0).contiguous()
+    # (a weight beyond float16's range became inf on the cast, without a word: a model generating garbage)
+    cast = any(t.dtype != out_dtype for t in tensors.values())  # (the source's tensors were checked above)
+    overflow = cast and sorted(n for n, t in state.items() if not t.is_meta and not bool(torch.isfinite(t).all()))
+    if overflow:
+        raise fail(f"tensors {overflow[:4]}{' ...' if len(overflow) > 4 else ''} overflow {out_dtype} (--dtype): "
+                   f"keep the source's dtype or choose float32 / bfloat16")
     h = cfg.hidden_size
     state["transformer.adapter.weight"] = adapter_weight(adapter_init, h, out_dtype, seed).to(device)
     if cfg.bias:
@@ -399,8 +446,8 @@ def retrofit(
     dtype: torch.dtype | None = None,
     seed: int = 0,
 ) -> RecurrentDepthLM:
-    """A recurrent-depth model from a transformers Llama / Qwen2 / Qwen3 / OLMo-2 causal LM (a directory or a
-    model in memory): prelude = source layers [0, prelude), core = [a, b), coda = the last `coda` layers.
+    """A recurrent-depth model from a transformers Llama / Mistral / Phi-3 / Qwen2 / Qwen3 / OLMo-2 causal LM (a
+    directory or a model in memory): prelude = source layers [0, prelude), core = [a, b), coda = the last `coda` layers.
 
     dtype: None keeps the source's (the embedding's) dtype. `seed` seeds the "random" adapter init only.
     """
@@ -427,12 +474,14 @@ def retrofit_to_dir(
     source_dir, out = Path(model_dir), Path(out)
     if out.resolve() == source_dir.resolve():
         raise fail(f"--out {str(out)!r} is the source directory: write the retrofitted model elsewhere")
+    if out.exists() and not out.is_dir():  # (found only after the whole conversion, as "[Errno 17] File exists")
+        raise fail(f"--out {str(out)!r} is a file, not a directory: choose a new or existing directory")
     model = retrofit(source_dir, prelude, core, coda, **options)
     hf = read_json(source_dir / "config.json", CONFIG_MAX_BYTES, "config file")
     num_layers = hf["num_hidden_layers"]
     surgery = Surgery(prelude, parse_core(core) if isinstance(core, str) else tuple(core), coda)
     model.save_pretrained(out)
-    copied = copy_source_tokenizer(source_dir, out)
+    copied, note = copy_source_tokenizer(source_dir, out)
     record = {
         "source": str(source_dir), "model_type": hf["model_type"], "source_layers": num_layers,
         "layers": {part.replace("core_block", "core"): [src for p, _, src in surgery.layer_map(num_layers) if p == part]
@@ -443,6 +492,8 @@ def retrofit_to_dir(
         "source_parameters": source_parameters(source_dir),
         "tokenizer_files": copied,
     }
+    if note:
+        record["tokenizer_note"] = note
     atomic_write_text(out / PROVENANCE_FILE, json.dumps(record, indent=2) + "\n")
     return record
 
@@ -452,13 +503,63 @@ def source_parameters(model_dir: Path) -> int:
     return sum(math.prod(shape) for _, shape in read_header_shapes(model_dir).values())
 
 
-def copy_source_tokenizer(source_dir: Path, out: Path) -> list[str]:
+def copy_source_tokenizer(source_dir: Path, out: Path) -> tuple[list[str], str | None]:
     """The source's tokenizer files into `out`, each a bounded regular file inside the source directory (a
-    hub snapshot's symlinks into its blob store are followed); returns the names copied."""
-    copied = []
-    for name in SOURCE_TOKENIZER_FILES:
+    hub snapshot's symlinks into its blob store are followed); returns the names copied (a tokenizer.json
+    converted from a sentencepiece tokenizer.model among them) and a note when the model directory has no
+    tokenizer.json."""
+    copied, files = [], {}
+    for name in (*SOURCE_TOKENIZER_FILES, SENTENCEPIECE_FILE):
         if (source_dir / name).exists():
             path = inside(source_dir, name, "tokenizer file", follow_links=True)
-            atomic_write_bytes(out / name, read_bytes(path, TOKENIZER_MAX_BYTES, "tokenizer file"))
+            files[name] = read_bytes(path, TOKENIZER_MAX_BYTES, "tokenizer file")
+            atomic_write_bytes(out / name, files[name])
             copied.append(name)
-    return copied
+    if "tokenizer.json" in files:
+        return copied, None
+    if SENTENCEPIECE_FILE not in files:
+        return copied, f"{source_dir} has no tokenizer.json or {SENTENCEPIECE_FILE}: the model has no tokenizer"
+    converted, reason = sentencepiece_to_json(files, read_bytes(source_dir / "config.json", CONFIG_MAX_BYTES,
+                                                                "config file"))
+    if converted is not None:
+        atomic_write_bytes(out / "tokenizer.json", converted)
+        return [*copied, "tokenizer.json"], None
+    return copied, (f"{source_dir} has only a sentencepiece {SENTENCEPIECE_FILE}, which could not be converted to "
+                    f"tokenizer.json ({reason}): copied as it is, for transformers' AutoTokenizer (with "
+                    f"sentencepiece installed); rdepth's commands need a tokenizer.json: install sentencepiece and "
+                    f"retrofit again, or pass --tokenizer DIR")
+
+
+def sentencepiece_to_json(files: Mapping[str, bytes], config: bytes) -> tuple[bytes | None, str]:
+    """transformers' conversion of a sentencepiece tokenizer.model (with the source's tokenizer_config.json and
+    config.json, which name its class) to a tokenizer.json: (its bytes, "") or (None, why not). It reads
+    copies of the already bounded files in a private directory, offline, with no remote code."""
+    import tempfile
+
+    try:
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return None, "transformers is not installed"
+    with tempfile.TemporaryDirectory(prefix="rdepth-spm-") as tmp:
+        for name, data in {**files, "config.json": config}.items():
+            (Path(tmp) / name).write_bytes(data)
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # (its fallbacks log tracebacks-worth of warnings before failing)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(tmp, use_fast=True, trust_remote_code=False,
+                                                      local_files_only=True)
+            if not hasattr(tokenizer, "backend_tokenizer"):
+                return None, f"transformers loaded it as {type(tokenizer).__name__}, not a fast tokenizer"
+            saved = Path(tmp) / "converted"
+            tokenizer.save_pretrained(str(saved))
+            return read_bytes(saved / "tokenizer.json", TOKENIZER_MAX_BYTES, "tokenizer file"), ""
+        except Exception as exc:  # (sentencepiece missing, a damaged model file: transformers raises many kinds)
+            import importlib.util
+
+            if importlib.util.find_spec("sentencepiece") is None:  # (then it tried tiktoken's format: a parse error)
+                return None, "transformers needs the sentencepiece package for it, which is not installed"
+            lines = str(exc).strip().splitlines()
+            return None, f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+        finally:
+            hf_logging.set_verbosity(verbosity)

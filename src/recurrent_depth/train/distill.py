@@ -15,9 +15,10 @@ vocabulary, log softmax(z_s / T), and gathered at those k indices:
 through the full-vocabulary normaliser). k = 0 uses the full vocabulary.
 
 The teacher is any model directory `RecurrentDepthLM.from_pretrained` reads (ours, a run directory holding
-model/, official Huginn-0125, Ouro, Parcae), or a transformers Llama / Qwen2 / Qwen3 / OLMo-2 directory,
-read through `families.retrofit` with every layer kept, run at r = 1: exactly the source network. It runs
-in eval mode, without gradients, in its stored dtype, at `teacher_depth` (default: its config's
+model/, official Huginn-0125, Ouro, Parcae), or a transformers Llama / Mistral / Phi-3 / Qwen2 / Qwen3 /
+OLMo-2 directory (`families.retrofit.SUPPORTED_MODEL_TYPES`), read through `families.retrofit` with every
+layer kept, run at r = 1: exactly the source network. It runs in eval mode, without gradients, in its
+stored dtype, at `teacher_depth` (default: its config's
 mean_recurrence), with its initial state drawn from its OWN generator seeded from the run seed on a
 separate stream (`teacher_generator`), so the student's depth draws and initial states are the same with
 and without a teacher. alpha = 0 never loads or runs the teacher (plain training, bit for bit).
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from recurrent_depth.checkpoint import lora_adapter_hint, stored_dtype
+from recurrent_depth.config import is_int
 from recurrent_depth.files import CONFIG_MAX_BYTES, read_json
 from recurrent_depth.model.depth import stream_seed
 from recurrent_depth.train.objective import NumSteps
@@ -107,10 +109,12 @@ def load_teacher(path: str | Path, depth: int | None = None, device: torch.devic
     if not isinstance(raw, dict):
         raise ValueError(f"teacher: {directory / 'config.json'} is not a JSON object")
     dtype = stored_dtype(directory) or torch.float32
-    if raw.get("model_type") in retrofit.SUPPORTED_MODEL_TYPES:  # a non-recurrent transformers model
-        layers = int(raw.get("num_hidden_layers", 0))
-        if layers < 3:
-            raise ValueError(f"teacher {directory} has {layers} layers: a non-recurrent teacher needs at least 3")
+    model_type = raw.get("model_type")
+    if isinstance(model_type, str) and model_type in retrofit.SUPPORTED_MODEL_TYPES:  # a transformers model
+        layers = raw.get("num_hidden_layers", 0)
+        if not is_int(layers) or layers < 3:
+            raise ValueError(f"teacher {directory} has num_hidden_layers={layers!r}: a non-recurrent teacher needs an "
+                             f"integer of at least 3")
         if depth not in (None, 1):
             raise ValueError(f"teacher_depth={depth}: teacher {directory} is not recurrent (it runs at depth 1)")
         model = retrofit.retrofit(directory, prelude=1, core=(1, layers - 1), coda=1, mean_recurrence=1)

@@ -401,3 +401,88 @@ def test_import_registers_lazily_in_a_fresh_process(model_dir):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("ok")
+
+
+def attention_outputs(model, call):
+    """Run `call()` recording every softmax-attention application's v (the Wqkv output's last part) and
+    its attention output (the input of attn.proj), in call order."""
+    records, handles = [], []
+    for name, module in model.named_modules():
+        if name.endswith("attn.Wqkv"):
+            handles.append(module.register_forward_hook(lambda m, a, out: records.append(["v", out])))
+        if name.endswith("attn.proj"):
+            handles.append(module.register_forward_hook(lambda m, a, out: records.append(["o", a[0]])))
+    try:
+        result = call()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return result, [(v[1], o[1]) for v, o in zip(records[::2], records[1::2], strict=True)]
+
+
+def check_attentions(model, x, mask, num_steps, core_layers):
+    """output_attentions=True: the logits of the fast path, P + R r + C weights [B, H, T, T], each a causal
+    softmax over the real keys whose product with V is the layer's attention output."""
+    cfg = model.config
+    with torch.no_grad():
+        fast = model(x, attention_mask=mask, num_steps=num_steps, init_scale=0.0, use_cache=False)
+        out, applied = attention_outputs(model, lambda: model(x, attention_mask=mask, num_steps=num_steps,
+                                                              init_scale=0.0, use_cache=False,
+                                                              output_attentions=True))
+    assert fast.attentions is None
+    torch.testing.assert_close(out.logits, fast.logits, atol=1e-5, rtol=1e-5)
+    B, T = x.shape
+    H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    assert len(out.attentions) == 1 + core_layers * num_steps + 1 == len(applied)
+    real = torch.ones(B, T, dtype=torch.bool) if mask is None else mask.bool()
+    for probs, (qkv, attended) in zip(out.attentions, applied, strict=True):
+        assert probs.shape == (B, H, T, T)
+        torch.testing.assert_close(probs.sum(-1), torch.ones(B, H, T))
+        assert not probs.triu(1).any()  # causal
+        assert not probs[0, :, real[0].nonzero()[0, 0]:][..., ~real[0]].any()  # no real query reads a pad
+        v = qkv[..., -Hkv * D:].view(B, T, Hkv, D).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)
+        torch.testing.assert_close((probs @ v).transpose(1, 2).reshape(B, T, H * D), attended)
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(num_kv_heads=2, qk_norm=True, mixer_options={"window": 3})],
+                         ids=["mha", "gqa-qknorm-window"])
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+def test_output_attentions_returns_the_weights_the_model_uses(tmp_path, overrides, padded):
+    """output_attentions=True returned None (attention runs in SDPA); now every layer application's weights."""
+    make_model_dir(tmp_path, with_tokenizer=False, **overrides)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    x = ids(batch=2, length=6)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]) if padded else None
+    check_attentions(model, x, mask, num_steps=2, core_layers=model.config.core_layers)
+
+
+def test_output_attentions_while_decoding_with_a_cache_and_in_generate(hf_model):
+    x = ids(batch=2, length=6)
+    with torch.no_grad():
+        full = hf_model(x, num_steps=2, init_scale=0.0, use_cache=False, output_attentions=True).attentions
+        first = hf_model(x[:, :5], num_steps=2, init_scale=0.0, use_cache=True)
+        step = hf_model(x[:, 5:], cache=first.cache, num_steps=2, init_scale=0.0, output_attentions=True)
+    assert len(step.attentions) == len(full) == 6
+    for one, whole in zip(step.attentions, full, strict=True):
+        assert one.shape == (2, 4, 1, 6)
+        torch.testing.assert_close(one, whole[:, :, 5:], atol=1e-5, rtol=1e-5)
+    out = hf_model.generate(x, max_new_tokens=2, num_steps=2, init_scale=0.0, do_sample=False,
+                            output_attentions=True, return_dict_in_generate=True)
+    assert [len(a) for a in out.attentions] == [6, 6]
+    assert out.attentions[0][0].shape == (2, 4, 6, 6) and out.attentions[1][0].shape == (2, 4, 1, 7)
+    # recurrent_depth.generate (routed) has no attention weights: refused when asked, no conflict when not
+    routed = dict(max_new_tokens=2, num_steps=2, exit_criterion="kl", exit_threshold=1e-3, init_scale=0.0)
+    hf_model.generate(x, output_attentions=False, **routed)
+    with pytest.raises(ValueError, match=r"\['output_attentions'\] cannot be combined"):
+        hf_model.generate(x, output_attentions=True, **routed)
+
+
+def test_output_attentions_gives_none_for_other_mixers(tmp_path):
+    make_model_dir(tmp_path, with_tokenizer=False, mixer={"core": "gated_deltanet"})
+    model = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        out = model(ids(), num_steps=2, init_scale=0.0, output_attentions=True)
+        fast = model(ids(), num_steps=2, init_scale=0.0)
+    torch.testing.assert_close(out.logits, fast.logits, atol=1e-5, rtol=1e-5)
+    kinds = [None if a is None else tuple(a.shape) for a in out.attentions]
+    assert kinds == [(2, 4, 7, 7), None, None, None, None, (2, 4, 7, 7)]

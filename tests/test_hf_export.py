@@ -14,7 +14,7 @@ import torch
 import recurrent_depth as rd
 from recurrent_depth.cli import main
 from recurrent_depth.integrations.export import REMOTE_CODE_FILE
-from tests.test_hf import greedy_reference, ids, make_model_dir
+from tests.test_hf import check_attentions, greedy_reference, ids, make_model_dir
 
 # Tiny matmuls run fastest on one thread (see conftest.one_thread).
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -195,3 +195,23 @@ def test_export_keeps_the_retrofit_record_and_reads_tokenizer_files_bounded(tmp_
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "tokenizer_config.json" in err
     assert not (tmp_path / "zero" / "model.safetensors").exists()  # no weights without their tokenizer
+
+
+def test_remote_file_returns_the_attention_weights_it_uses(tmp_path):
+    """output_attentions=True was dropped by the exported file (attentions None); now each attention call's
+    weights, in the library's order and equal to the library's."""
+    from transformers import AutoModelForCausalLM
+
+    from recurrent_depth.integrations.remote import modeling_recurrent_depth as remote
+
+    make_model_dir(tmp_path / "src", with_tokenizer=False, num_kv_heads=2, mixer_options={"window": 4})
+    assert main(["export", "--model", str(tmp_path / "src"), "--out", str(tmp_path / "out"), "--remote-code"]) == 0
+    exported = remote.RecurrentDepthForCausalLM.from_pretrained(tmp_path / "out").eval()
+    x, mask = ids(batch=2, length=6), torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    check_attentions(exported, x, mask, num_steps=2, core_layers=exported.config.core_layers)
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "src").eval()
+    with torch.no_grad():
+        theirs = exported(x, attention_mask=mask, num_steps=2, init_scale=0.0, output_attentions=True).attentions
+        library = ours(x, attention_mask=mask, num_steps=2, init_scale=0.0, output_attentions=True).attentions
+    for a, b in zip(theirs, library, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -178,6 +178,20 @@ def test_auto_model_loads_an_ouro_directory_without_remote_code(tmp_path):
         assert torch.equal(again(ids).logits, library(ids).logits)
 
 
+def test_auto_model_keeps_transformers_output_flags_for_an_ouro_directory():
+    """from_pretrained(ouro_dir, output_attentions=True / output_hidden_states=True / return_dict=False) put the
+    flags on the OuroConfig only: the returned model's config had the defaults, so they were silently dropped."""
+    case = GOLDENS / "config_a"
+    ids = expected("config_a")["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(case, dtype=torch.float32, output_attentions=True,
+                                                 output_hidden_states=True).eval()
+    with torch.no_grad():
+        out = model(ids)
+    steps = model.config.mean_recurrence
+    assert len(out.attentions) == model.config.core_layers * steps and len(out.hidden_states) == steps + 1
+    assert isinstance(AutoModelForCausalLM.from_pretrained(case, return_dict=False)(ids), tuple)
+
+
 def test_transformers_config_round_trips_every_model_config_field(tmp_path):
     declared = set(RecurrentDepthConfig.__annotations__)
     missing = sorted(f.name for f in rd.ModelConfig.__dataclass_fields__.values() if f.name not in declared)

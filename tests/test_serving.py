@@ -295,6 +295,39 @@ def test_streamed_echo_logprobs_have_the_text_offsets_of_the_whole_answer(server
     assert offsets[prompt_len] >= len("def add(a, b):")  # the first completion token starts after the prompt
 
 
+@pytest.mark.parametrize("logprobs", [None, 2], ids=["text", "logprobs"])
+def test_streamed_echo_with_n_choices_streams_each_choices_prompt_then_its_completion(server, client, logprobs):
+    """echo + stream + n > 1 was a 400; as vLLM, each choice index streams the prompt, then its own
+    completion, and the pieces add up to the non-streamed answer (text, tokens, logprobs, offsets)."""
+    kw = dict(model="tiny", prompt=["def add(a, b):", "The quick"], n=2, max_tokens=4, temperature=1.0, seed=11,
+              echo=True, logprobs=logprobs, extra_body=dict(ignore_eos=True))
+    whole = {c.index: c for c in client.completions.create(**kw).choices}
+    assert len(whole) == 4 and whole[0].text.startswith("def add(a, b):") and whole[2].text.startswith("The quick")
+    assert whole[0].text != whole[1].text  # choice j of a prompt samples with seed + j
+    pieces: dict[int, list] = {i: [] for i in range(4)}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            pieces[c.index].append(c)
+    for index, chunks in pieces.items():
+        assert chunks[0].text == ("def add(a, b):" if index < 2 else "The quick")  # the prompt comes first
+        assert "".join(c.text for c in chunks) == whole[index].text
+        assert chunks[-1].finish_reason == whole[index].finish_reason
+        if logprobs is not None:
+            streamed = [c.logprobs for c in chunks if c.logprobs is not None]
+            for field in ("tokens", "token_logprobs", "text_offset"):
+                assert sum((getattr(lp, field) for lp in streamed), []) == getattr(whole[index].logprobs, field)
+    with httpx.stream("POST", server.url + "/v1/completions", json=dict(
+            prompt="def", n=3, max_tokens=2, echo=True, stream=True, temperature=0)) as resp:
+        assert resp.status_code == 200
+        lines = [line for line in resp.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    firsts = {}
+    for line in lines[:-1]:
+        for c in json.loads(line[len("data: "):])["choices"]:
+            firsts.setdefault(c["index"], c["text"])
+    assert firsts == {0: "def", 1: "def", 2: "def"}
+
+
 def test_echo_logprobs_score_token_prompts_like_a_full_forward(client, reference):
     """lm-eval's scoring request: token-id prompts, echo, logprobs=1, max_tokens=1, temperature 0."""
     model, _ = reference
@@ -399,6 +432,12 @@ BAD = [
     ("top-logprobs-without-logprobs", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400),
     ("unknown-route", "/v1/engines", {"prompt": "x"}, 404),
+    # a field of the other route was accepted and ignored (chat's echo, completions' max_completion_tokens, ...)
+    ("completions-messages", "/v1/completions", {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, 400),
+    ("completions-max-completion-tokens", "/v1/completions", {"prompt": "x", "max_completion_tokens": 40}, 400),
+    ("completions-top-logprobs", "/v1/completions", {"prompt": "x", "top_logprobs": 3}, 400),
+    ("chat-prompt", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "prompt": "y"}, 400),
+    ("chat-echo", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, 400),
 ]
 
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache, GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from recurrent_depth.inference.options import DEFAULTS, OptionError
 from recurrent_depth.inference.schema import OFFICIAL_ALIASES, OPTIONS, canonical, kwarg_spelling, names_for
@@ -199,6 +199,10 @@ class RecurrentDepthCausalLMOutput(CausalLMOutputWithPast):
 
     latent_states: ln_f(s_r) `[B, T, h]`; final_state: the raw s_r `[B, T, h]`;
     hidden_states (with ``output_hidden_states=True``): the raw states s_0..s_r, each `[B, T, h]`.
+    attentions (with ``output_attentions=True``): one entry per application of a layer, in the order
+    they run: the P prelude layers, then the R core layers of step 1, of step 2, ... of step r, then the
+    C coda layers (P + R r + C entries; `attention_layer_keys` names them). A softmax-attention layer's
+    entry is its weights `[B, H, T, T_past + T]`; a layer of another mixer (deltanet, ...) has None.
     """
 
     latent_states: Tensor | None = None
@@ -216,7 +220,10 @@ HF_OPTION_NAMES = frozenset((*names_for("hf"), *OFFICIAL_ALIASES))
 _STANDARD_FIELDS = frozenset(GenerationConfig().__dict__)  # transformers' own (do_sample, top_k, ...)
 # forward() keyword arguments transformers may send that carry no information for this model
 # (generate(..., stop_strings=, tokenizer=) passes the tokenizer on to forward with the model kwargs).
-_IGNORED_FORWARD_KWARGS = ("output_attentions", "cache_position", "logits_to_keep", "token_type_ids", "tokenizer")
+_IGNORED_FORWARD_KWARGS = ("cache_position", "logits_to_keep", "token_type_ids", "tokenizer")
+# trl's padding-free collator adds the varlen kernels' example boundaries: the restarts of its position_ids, which
+# forward() reads (`_packed_document_ids`), so they carry nothing more.
+_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
 class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
@@ -226,7 +233,7 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "transformer"
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
-    _supports_sdpa = True  # attention always runs through F.scaled_dot_product_attention
+    _supports_sdpa = True  # attention runs through F.scaled_dot_product_attention (plain math for output_attentions)
     _no_split_modules = ["SandwichBlock"]
     _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
     _keys_to_ignore_on_load_unexpected = [r"^freqs_cis$"]  # the official file's RoPE buffer
@@ -278,6 +285,13 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         """transformers' `save_pretrained`, refused for quantized weights (a directory nothing loads)."""
         check_saveable(self, save_directory)
         return super().save_pretrained(save_directory, *args, **kwargs)
+
+    @property
+    def base_model(self) -> nn.Module:
+        """The backbone as a callable module: `base_model(input_ids, ...)` returns `last_hidden_state`, what the
+        lm_head reads (so `lm_head(last_hidden_state)` are the logits). trl's fused LM head (SFTTrainer,
+        GRPOTrainer, RLOOTrainer) calls it; transformers' default, the `transformer` ModuleDict, is not callable."""
+        return _Backbone(self)
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -417,6 +431,7 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         return_dict: bool | None = None,
         inputs_embeds: Tensor | None = None,
         num_items_in_batch: int | Tensor | None = None,
+        output_attentions: bool | None = None,
         **kwargs: Any,
     ) -> RecurrentDepthCausalLMOutput | tuple:
         """`RecurrentDepthLM.forward` with transformers' conventions.
@@ -427,9 +442,14 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         `use_cache=True` and no cache, one is created with `kv_policy` / `kv_budget` (None = one
         entry per step; see `recurrent_depth.model.cache.parse_kv_policy`).
         labels: `[B, T]` unshifted, -100 ignored (shifted inside, as transformers does).
+        output_attentions (None: `config.output_attentions`): the attention weights of every layer application
+        (see `RecurrentDepthCausalLMOutput.attentions`), computed as plain math instead of SDPA.
         """
         cache = _cache_alias(cache, kwargs)
-        unknown = sorted(k for k in kwargs if k not in _IGNORED_FORWARD_KWARGS)
+        unknown = sorted(k for k in kwargs if k not in _IGNORED_FORWARD_KWARGS + _PACKING_KWARGS)
+        if position_ids is None and any(kwargs.get(k) is not None for k in _PACKING_KWARGS):
+            raise ValueError(f"{[k for k in _PACKING_KWARGS if kwargs.get(k) is not None]} mark packed examples: "
+                             "pass their position_ids (restarting at 0 at each example), which keep them apart")
         if unknown:
             raise ValueError(
                 f"unexpected forward() arguments {unknown}; recurrent-depth options are num_steps, "
@@ -445,10 +465,14 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         if use_cache is None:  # as transformers' models do: no cache while training with checkpointing (it would
             # turn the checkpointing off: the core checkpoints only uncached calls)
             use_cache = self.config.use_cache and not (self.training and self.is_gradient_checkpointing)
+        document_ids = _packed_document_ids(input_ids, attention_mask, position_ids, cache)
+        if document_ids is not None:  # packed rows (trl's padding_free / packing): one sequence per row in a cache
+            use_cache = False
         return_dict = self.config.return_dict if return_dict is None else return_dict
         output_hidden_states = (
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         )
+        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
 
         if cache is not None and not isinstance(cache, RecurrentDepthCache):
             if not isinstance(cache, Cache) or cache.get_seq_length() != 0:
@@ -467,8 +491,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
 
         out = self._core(
             input_ids, num_steps, labels=None, attention_mask=attention_mask, position_ids=position_ids,
-            input_states=input_states, init_scale=init_scale, generator=generator, cache=cache,
-            output_all_states=bool(output_hidden_states),
+            document_ids=document_ids, input_states=input_states, init_scale=init_scale, generator=generator,
+            cache=cache, output_all_states=bool(output_hidden_states), output_attentions=bool(output_attentions),
         )
         loss = None
         if labels is not None:
@@ -481,9 +505,13 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             if num_items_in_batch is not None:
                 loss = loss / num_items_in_batch
         hidden = tuple(out.all_states.unbind(0)) if out.all_states is not None else None
+        attentions = None
+        if out.attentions is not None:
+            keys = attention_layer_keys(self._core.config, sum(out.num_steps))
+            attentions = tuple(out.attentions.get(key) for key in keys)
         result = RecurrentDepthCausalLMOutput(
             loss=loss, logits=out.logits, cache=cache if use_cache else None, hidden_states=hidden,
-            latent_states=out.latent_states, final_state=out.final_state,
+            attentions=attentions, latent_states=out.latent_states, final_state=out.final_state,
         )
         return result if return_dict else result.to_tuple()
 
@@ -534,7 +562,15 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             kwargs.update((k, v) for k, v in values.items() if k in given or k not in _STANDARD_FIELDS)
             if generation_config is not None:
                 generation_config = _without_options(generation_config)
-            return super().generate(inputs, generation_config=generation_config, **kwargs)
+            # as recurrent_depth.generate does: decode in eval mode. In training mode (a trainer generating
+            # rollouts, trl's GRPO) every forward would draw its own depth, and a token's cache entries would
+            # stop short of the next token's depth (RuntimeError, or mixed steps in shared slots).
+            was_training = self.training
+            self.eval()
+            try:
+                return super().generate(inputs, generation_config=generation_config, **kwargs)
+            finally:
+                self.train(was_training)
         # the lengths given in the call itself (the official loops read only these and the config's max_length)
         call_lengths = {"max_new_tokens": given.get("max_new_tokens"), "max_length": kwargs.get("max_length")}
         kwargs.update((k, v) for k, v in values.items() if k not in routed)
@@ -597,6 +633,9 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             options["eos_token_id"] = list(eos) if isinstance(eos, list | tuple) else eos
         for name in ("pad_token_id", "bos_token_id", "use_cache"):
             kwargs.pop(name, None)  # padding follows the model config in the library
+        for name in ("output_attentions", "output_hidden_states"):  # asking for nothing is no conflict
+            if name in kwargs and not kwargs[name]:
+                del kwargs[name]
         if kwargs:
             raise ValueError(
                 f"generate: {sorted(kwargs)} cannot be combined with {sorted(routed)}; those run in "
@@ -610,10 +649,43 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         return out if return_dict else out.sequences
 
 
+class _Backbone(nn.Module):
+    """`RecurrentDepthForCausalLM.base_model`: the model's forward without the lm_head (prelude, core steps, coda,
+    ln_f). It takes the model's forward arguments (`num_steps`, `attention_mask`, `position_ids`, ...) and holds
+    the model's `transformer` modules as its children."""
+
+    def __init__(self, owner: RecurrentDepthForCausalLM) -> None:
+        super().__init__()
+        self.transformer = owner.transformer
+        object.__setattr__(self, "_owner", owner)  # not a submodule: the backbone is part of the owner
+
+    def forward(self, *args: Any, **kwargs: Any) -> BaseModelOutputWithPast:
+        if kwargs.get("labels") is not None:
+            raise ValueError("base_model() returns hidden states, it takes no labels: call the model for a loss")
+        kwargs["return_dict"] = True
+        core = self._owner._core
+        # the core's predict() ends in head(x); read the lm_head's input instead (an instance attribute shadows
+        # the method for this call only)
+        core.head = lambda x: core.transformer.ln_f(x) if core.config.final_norm else x
+        try:
+            out = self._owner(*args, **kwargs)
+        finally:
+            del core.head
+        return BaseModelOutputWithPast(last_hidden_state=out.logits, cache=out.cache, hidden_states=out.hidden_states)
+
+
 class RavenForCausalLM(RecurrentDepthForCausalLM):
     """The official Huginn-0125 architecture name, loaded through our implementation (no remote code)."""
 
     config_class = HuginnRavenConfig
+
+
+def attention_layer_keys(config: Any, num_steps: int) -> list[tuple]:
+    """The layer keys of a forward at `num_steps` in the order `output_attentions` lists them: ("prelude", i),
+    then ("core", j, step) step by step, then ("coda", c)."""
+    return [*(("prelude", i) for i in range(config.prelude_layers)),
+            *(("core", j, step) for step in range(num_steps) for j in range(config.core_layers)),
+            *(("coda", c) for c in range(config.coda_layers))]
 
 
 def _is_local_dir(path: Any) -> bool:
@@ -723,6 +795,12 @@ class OuroForCausalLM(RecurrentDepthForCausalLM):
         )
         wrapped = from_library_model(model)
         wrapped.config.name_or_path = str(pretrained_model_name_or_path)
+        # transformers' output flags given to from_pretrained (or set on the config) went to the OuroConfig only
+        for name in ("output_hidden_states", "return_dict", "use_cache"):
+            setattr(wrapped.config, name, getattr(config, name, getattr(wrapped.config, name)))
+        if getattr(config, "output_attentions", False):
+            wrapped.set_attn_implementation("eager")  # transformers' rule for output_attentions on the config
+            wrapped.config.output_attentions = True
         _read_generation_config(wrapped, directory)
         return wrapped
 
@@ -763,6 +841,20 @@ def _read_generation_config(model: PreTrainedModel, directory: Path) -> None:
     path = directory / "generation_config.json"
     if path.is_file():
         model.generation_config = GenerationConfig.from_dict(read_json(path, CONFIG_MAX_BYTES, "generation config"))
+
+
+def _packed_document_ids(input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None,
+                         cache: Any) -> Tensor | None:
+    """Padding-free packing's rows (no attention mask, `position_ids` restarting at 0 inside a row, as trl's
+    `padding_free=True` / `packing=True` collator writes them): each example's document id `[B, T]`, so attention
+    stays inside it (transformers' models read the same restarts); None for any other batch."""
+    if (position_ids is None or attention_mask is not None or cache is not None or input_ids.shape[-1] < 2
+            or not isinstance(position_ids, Tensor) or position_ids.shape != input_ids.shape):
+        return None
+    restarts = position_ids[:, 1:] == 0
+    if not bool(restarts.any()):
+        return None
+    return torch.cat([torch.zeros_like(restarts[:, :1]), restarts], dim=1).long().cumsum(-1)
 
 
 def _cache_alias(cache: Any, kwargs: dict[str, Any]) -> Any:

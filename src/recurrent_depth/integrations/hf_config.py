@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import field
+from types import MappingProxyType
 from typing import Any
 
 from transformers import PretrainedConfig
@@ -82,6 +83,9 @@ class RecurrentDepthConfig(_CheckedConfigFile, PretrainedConfig):
         "num_key_value_heads": "num_kv_heads",
         "tie_word_embeddings": "tie_embeddings",
     }
+    # No remote code (a class attribute, not a field: never written). trl reads `config.auto_map` for an
+    # architecture name transformers does not export (AttributeError without it).
+    auto_map = MappingProxyType({})
 
     vocab_size: int = 256
     hidden_size: int = 64
@@ -137,6 +141,9 @@ class RecurrentDepthConfig(_CheckedConfigFile, PretrainedConfig):
         resolved = self.to_model_config()  # validates, and fills num_kv_heads / head_dim
         self.num_kv_heads = resolved.num_kv_heads
         self.head_dim = resolved.head_dim
+        if not self.architectures:  # the library's config.json has none; trl's model loading indexes it (DPO's
+            # reference model: TypeError on None)
+            self.architectures = ["RecurrentDepthForCausalLM"]
 
     @property
     def num_hidden_layers(self) -> int:

@@ -44,6 +44,9 @@ class RecurrentOutput:
     logits: [B, T, V] float32. latent_states: ln_f(s_r) [B, T, h] (as the reference).
     final_state: the raw s_r [B, T, h] (what warm starts reuse). all_states: the raw states
     s_0..s_r stacked to [r + 1, B, T, h] when asked for, else None. num_steps: (n, k) as run.
+    attentions (with `output_attentions=True`): {layer key: softmax probabilities [B, H, T, T_past + T]}
+    for every application of a softmax-attention layer, in the order they ran (("prelude", i), then
+    ("core", j, step) step by step, then ("coda", c)); layers of other mixers have no entry.
     """
 
     logits: Tensor
@@ -52,6 +55,7 @@ class RecurrentOutput:
     loss: Tensor | None = None
     all_states: Tensor | None = None
     num_steps: tuple[int, int] = (0, 0)
+    attentions: dict[tuple, Tensor] | None = None
 
 
 def takase_init_(module: nn.Module, std: float, linear_std: float) -> None:
@@ -296,6 +300,7 @@ class RecurrentDepthLM(nn.Module):
         cache: ModelCache | None = None,
         output_all_states: bool = False,
         replay: DepthReplay | None = None,
+        output_attentions: bool = False,
     ) -> RecurrentOutput:
         """Run prelude -> num_steps core steps -> coda on `input_ids` [B, T].
 
@@ -308,11 +313,15 @@ class RecurrentDepthLM(nn.Module):
         here), -100 ignored. cache: a cache object (see model/cache.py) to read and extend.
         replay: run each position at the depth a generation recorded for it, under that generation's KV
         policy (`model/replay.py`, for RL); `num_steps` is then unused and `cache` must be None.
+        output_attentions: also return every softmax-attention layer's weights (`RecurrentOutput.attentions`),
+        computed as plain math instead of the fused kernel (same outputs up to rounding; memory T x S per head
+        per layer application).
         """
         if generator is not None and not isinstance(generator, torch.Generator):
             raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-        if replay is not None and (cache is not None or output_all_states):
-            raise ValueError("replay= runs one teacher-forced pass: it takes no cache and no output_all_states")
+        if replay is not None and (cache is not None or output_all_states or output_attentions):
+            raise ValueError("replay= runs one teacher-forced pass: it takes no cache, no output_all_states and "
+                             "no output_attentions")
         n_free, n_grad = (0, 0) if replay is not None else self.resolve_num_steps(num_steps, generator)
         self.check_inputs(input_ids, labels, attention_mask, input_states, cache, position_ids)
         if document_ids is not None:
@@ -326,6 +335,8 @@ class RecurrentDepthLM(nn.Module):
             input_ids = input_ids.long()  # the embedding lookup takes int32/int64 only
 
         ctx = self.make_context(input_ids, attention_mask, position_ids, cache, document_ids=document_ids)
+        if output_attentions:
+            ctx.attentions = {}
         e = self.embed(input_ids, ctx, inputs_embeds)
         state = input_states.to(e.dtype) if input_states is not None else self.initial_state(e, scale, generator)
         states = [state] if output_all_states else None
@@ -360,6 +371,7 @@ class RecurrentDepthLM(nn.Module):
         return RecurrentOutput(
             logits=logits, latent_states=latent, final_state=state, loss=loss,
             all_states=torch.stack(states) if states is not None else None, num_steps=(n_free, n_grad),
+            attentions=ctx.attentions,
         )
 
     def depth_sampler(self) -> DepthSampler:
@@ -424,7 +436,9 @@ class RecurrentDepthLM(nn.Module):
             )
         past = cache.seq_len if cache is not None else 0
         total = past + input_ids.shape[1]
-        if total > cfg.max_seq_len:
+        # given position_ids (checked below to lie under max_seq_len) bound the positions instead: a row of packed
+        # examples (trl's padding-free batches) may be longer than any one of them
+        if total > cfg.max_seq_len and (position_ids is None or cache is not None):
             raise ValueError(
                 f"sequence length {total} (cached {past} + new {input_ids.shape[1]}) exceeds "
                 f"max_seq_len={cfg.max_seq_len}"

@@ -310,8 +310,29 @@ class CompletionRequest:
     add_special_tokens: bool
 
 
+# Fields of one generation route sent to the other: each would change the answer there, so a 400 names
+# it rather than the route ignoring it (OpenAI refuses them too).
+OTHER_ROUTE_FIELDS = {
+    "completions": {"messages": "'messages' belongs to /v1/chat/completions; /v1/completions takes 'prompt'",
+                    "max_completion_tokens": "'max_completion_tokens' belongs to /v1/chat/completions; "
+                                             "/v1/completions takes 'max_tokens'",
+                    "top_logprobs": "'top_logprobs' belongs to /v1/chat/completions; /v1/completions takes "
+                                    "'logprobs': N (the N most likely tokens)"},
+    "chat": {"prompt": "'prompt' belongs to /v1/completions; /v1/chat/completions takes 'messages'",
+             "echo": "'echo' belongs to /v1/completions (it echoes the prompt there); /v1/chat/completions has "
+                     "no echo"},
+}
+
+
+def refuse_other_route_fields(body: dict, route: str) -> None:
+    for name, message in OTHER_ROUTE_FIELDS[route].items():
+        if body.get(name) not in (None, False):
+            raise bad(name, message)
+
+
 def parse_completion(body: dict, limits: Limits, served_names: set[str], eos_configured: bool) -> CompletionRequest:
     sampling = parse_sampling(body, limits, served_names, eos_configured)
+    refuse_other_route_fields(body, "completions")
     if "prompt" not in body:
         raise bad("prompt", "'prompt' is required")
     prompt = body["prompt"]
@@ -343,8 +364,6 @@ def parse_completion(body: dict, limits: Limits, served_names: set[str], eos_con
     sampling.max_tokens = get_int(body, "max_tokens", 16, 0, limits.max_seq_len)
     logprobs = get_int(body, "logprobs", None, 0, limits.max_top_logprobs)
     echo = get_bool(body, "echo", False)
-    if echo and sampling.stream and sampling.n > 1:
-        raise bad("echo", "'echo' with n > 1 is not supported when streaming")
     return CompletionRequest(sampling, prompts, echo, logprobs, get_bool(body, "add_special_tokens", True))
 
 
@@ -361,6 +380,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 def parse_chat(body: dict, limits: Limits, served_names: set[str], eos_configured: bool) -> ChatRequest:
     sampling = parse_sampling(body, limits, served_names, eos_configured)
+    refuse_other_route_fields(body, "chat")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", f"'messages' must be a non-empty list of messages, got {_describe(messages)}")

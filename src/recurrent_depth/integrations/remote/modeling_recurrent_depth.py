@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache, GenerationMixin, PretrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 # The Trainer shifts the labels for `label_smoothing_factor` only for causal LMs named in this table.
@@ -193,6 +193,7 @@ class Context:
 
     def __init__(self, positions: Tensor, past: int, mask: Tensor | None, cache: Any, config: Any) -> None:
         self.positions, self.past, self.mask, self.cache = positions, past, mask, cache
+        self.attentions: list[Tensor] | None = None  # output_attentions: each attention call's weights, in order
         table = rope_table(config.head_dim, config.max_seq_len, config.rope_base, positions.device)
         picked = table[positions]  # [B, T, D/2, 2]
         self.cos, self.sin = picked[..., 0].unsqueeze(2), picked[..., 1].unsqueeze(2)
@@ -244,10 +245,23 @@ class Attention(nn.Module):
             allowed = (k_idx <= q_idx) & (k_idx > q_idx - self.window)
             mask = allowed[None, None] if mask is None else mask & allowed
             is_causal = False
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=mask, is_causal=is_causal, enable_gqa=Hkv != H,
-        )
+        if ctx.attentions is not None:  # output_attentions: the same attention as plain math, weights kept
+            qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            if Hkv != H:  # query head h reads key head h // (H / Hkv), as SDPA's enable_gqa
+                kh, vh = kh.repeat_interleave(H // Hkv, dim=1), vh.repeat_interleave(H // Hkv, dim=1)
+            logits = torch.matmul(qh.float(), kh.float().transpose(-1, -2)) / math.sqrt(D)  # [B, H, T, S]
+            if is_causal:
+                mask = torch.ones(T, kh.shape[2], dtype=torch.bool, device=x.device).tril()
+            if mask is not None:
+                logits = logits.masked_fill(~mask, float("-inf"))
+            probs = torch.softmax(logits, dim=-1).to(vh.dtype)
+            ctx.attentions.append(probs)
+            out = torch.matmul(probs, vh)
+        else:
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                attn_mask=mask, is_causal=is_causal, enable_gqa=Hkv != H,
+            )
         return self.proj(out.transpose(1, 2).reshape(B, T, H * D))
 
 
@@ -304,7 +318,7 @@ class RecurrentDepthCache(DynamicCache):
 class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = RecurrentDepthConfig
     base_model_prefix = "transformer"
-    _supports_sdpa = True  # attention always runs through F.scaled_dot_product_attention
+    _supports_sdpa = True  # attention runs through F.scaled_dot_product_attention (plain math for output_attentions)
     _no_split_modules = ["SandwichBlock"]
     _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
     _keys_to_ignore_on_load_unexpected = [r"^freqs_cis$"]
@@ -372,6 +386,12 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             if module._parameters.get(name) is not None:
                 nn.init.zeros_(module._parameters[name])
 
+    @property
+    def base_model(self) -> nn.Module:
+        """The backbone as a callable module returning `last_hidden_state`, the lm_head's input (trl's fused LM
+        head calls it; the `transformer` ModuleDict is not callable)."""
+        return _Backbone(self)
+
     def get_input_embeddings(self) -> nn.Embedding:
         return self.transformer.wte
 
@@ -417,8 +437,19 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         return_dict: bool | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
-        """Prelude -> num_steps core steps (None: config.mean_recurrence) -> coda; s_0 scaled by init_scale."""
+        """Prelude -> num_steps core steps (None: config.mean_recurrence) -> coda; s_0 scaled by init_scale.
+
+        output_attentions (None: config.output_attentions): `attentions` holds every attention call's weights
+        [B, H, T, past + T] in the order they run: the prelude layers, the core layers of step 1, ..., of the
+        last step, the coda layers (computed as plain math instead of SDPA).
+        """
         refuse_library_only(kwargs)
+        return_hidden = kwargs.pop("_return_hidden", False)  # base_model(): the lm_head's input
+        position_ids = kwargs.get("position_ids")  # positions follow attention_mask here; packed rows are refused
+        if (attention_mask is None and isinstance(position_ids, Tensor) and position_ids.dim() == 2
+                and bool((position_ids[:, 1:] == 0).any())):
+            raise ValueError("position_ids restart inside a row (packed examples, trl's padding_free / packing): this "
+                             "exported model cannot keep them apart; pad instead, or use the recurrent_depth library")
         cache = kwargs.pop("past_key_values", None) if cache is None else cache
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)  # the Trainer's count of label tokens
         if kwargs.get("inputs_embeds") is not None:
@@ -428,6 +459,9 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         output_hidden_states = kwargs.get("output_hidden_states")
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
+        output_attentions = kwargs.get("output_attentions")
+        if output_attentions is None:
+            output_attentions = self.config.output_attentions
         return_dict = self.config.return_dict if return_dict is None else return_dict
         cfg = self.config
         steps = cfg.mean_recurrence if num_steps is None else num_steps
@@ -447,6 +481,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError(f"sequence longer than max_seq_len={cfg.max_seq_len}")
         check_ids(input_ids, cfg.vocab_size)
         ctx = self._context(input_ids, attention_mask, cache)
+        if output_attentions:
+            ctx.attentions = []
 
         x = self.transformer.wte(input_ids) * self.emb_scale
         for i, block in enumerate(self.transformer.prelude):
@@ -472,9 +508,13 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         x = self.transformer.ln_f(state)
         for c, block in enumerate(self.transformer.coda):
             x = block(x, ctx, ("coda", c))
-        logits = self.lm_head(self.transformer.ln_f(x)).float()
+        hidden = self.transformer.ln_f(x)
         if cache is not None:
             cache.seen += input_ids.shape[1]
+        if return_hidden:
+            return BaseModelOutputWithPast(last_hidden_state=hidden, cache=cache if use_cache else None,
+                                           hidden_states=tuple(states) if states is not None else None)
+        logits = self.lm_head(hidden).float()
         loss = None
         if labels is not None:
             loss = F.cross_entropy(
@@ -484,7 +524,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             if num_items_in_batch is not None:  # the Trainer then does not divide by gradient accumulation steps
                 loss = loss / num_items_in_batch
         out = CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None,
-                                     hidden_states=tuple(states) if states is not None else None)
+                                     hidden_states=tuple(states) if states is not None else None,
+                                     attentions=tuple(ctx.attentions) if ctx.attentions is not None else None)
         return out if return_dict else out.to_tuple()
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
@@ -494,3 +535,17 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         if isinstance(ids, Tensor):  # before transformers indexes an empty prompt (IndexError)
             check_ids(ids, self.config.vocab_size)
         return super().generate(*args, **kwargs)
+
+
+class _Backbone(nn.Module):
+    """`RecurrentDepthForCausalLM.base_model`: the model's forward up to the lm_head (same arguments)."""
+
+    def __init__(self, owner: RecurrentDepthForCausalLM) -> None:
+        super().__init__()
+        self.transformer = owner.transformer
+        object.__setattr__(self, "_owner", owner)  # not a submodule: the backbone is part of the owner
+
+    def forward(self, *args: Any, **kwargs: Any) -> BaseModelOutputWithPast:
+        if kwargs.get("labels") is not None:
+            raise ValueError("base_model() returns hidden states, it takes no labels: call the model for a loss")
+        return self._owner(*args, **kwargs, _return_hidden=True)

@@ -119,6 +119,8 @@ class Attention(MaxLogitRecorder, nn.Module):
         q, k, v = self.qkv(x, ctx)
         if ctx.cache is not None and self.window is None and ctx.cache.attends_from_codes:
             # a quantized cache scores the queries against its key codes (inference/kv_codec.py), at 1/sqrt(D)
+            if ctx.attentions is not None:
+                raise ValueError("output_attentions needs a float KV cache; this call's cache is quantized (kv_quant)")
             standard = self.head_dim**-0.5
             q_codes = q if self.scale == standard else q * (self.scale / standard)
             out = ctx.cache.attend(layer_key, q_codes.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -135,6 +137,9 @@ class Attention(MaxLogitRecorder, nn.Module):
             mask, is_causal = combine_key_mask(mask, key_mask, T), False
         if self.record_max_logit and self.training:
             self.observe_logits(q, k, self.scale, mask, is_causal)
+        if ctx.attentions is not None:  # asked for the weights: the same attention as plain math
+            out, ctx.attentions[layer_key] = eager_attention(q, k, v, mask, is_causal, self.scale)
+            return self.proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [B, H, T, D]
             attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads,
@@ -184,6 +189,29 @@ class Attention(MaxLogitRecorder, nn.Module):
     def state_nbytes(self, batch: int, seq_len: int, dtype: torch.dtype = torch.float32) -> int:
         """KV cache of one layer after `seq_len` tokens: 2 * Hkv * D elements per token."""
         return 2 * batch * seq_len * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def eager_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    """SDPA's attention written out, for `output_attentions`: (out [B, H, T, D], probs [B, H, T, S]).
+
+    q [B, T, H, D], k and v [B, S, Hkv, D] (query head h reads key head h // (H / Hkv), as SDPA's GQA);
+    mask / is_causal as given to SDPA (bool, True = may attend; the causal flag with S == T). The
+    logits and softmax are float32; probs are cast to v's dtype and out = probs @ v exactly.
+    """
+    group = q.shape[2] // k.shape[2]
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [B, H, T, S]
+    if mask is None and is_causal:
+        T, S = logits.shape[-2:]
+        mask = torch.ones(T, S, dtype=torch.bool, device=logits.device).tril()
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(logits, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v), probs
 
 
 def window_mask(ctx: MixerContext, kv_len: int, window: int) -> Tensor:

@@ -196,6 +196,19 @@ def test_unconvertible_architectures_are_one_line_errors(make, needle):
     assert "\n" not in str(info.value) and str(info.value).startswith("retrofit:")
 
 
+
+def test_a_mistral_config_without_sliding_window_has_transformers_default_window(tmp_path):
+    """A Mistral config.json that leaves sliding_window out gets MistralConfig's 4096, which transformers applies;
+    it was read as no window and converted (logits differ past 4096 tokens)."""
+    torch.manual_seed(0)
+    hf = MistralForCausalLM(MistralConfig(**{**SHAPE, "max_position_embeddings": 8192}, sliding_window=None))
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["sliding_window"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"mistral with sliding_window=4096 < max_position_embeddings=8192"):
+        retrofit(tmp_path, prelude=1, core=(1, 2), coda=0)
+
 def test_a_looped_model_is_refused_rather_than_retrofitted_without_its_loop(tmp_path):
     """A directory `rdepth loop search --save` wrote (config.json holds "loop") or a looped model in memory:
     retrofitting it silently dropped the loop."""

@@ -102,3 +102,29 @@ def test_the_remote_file_refuses_packed_rows_in_one_line(remote_dir):
     position_ids = torch.cat([torch.arange(4), torch.arange(3)])[None]
     with pytest.raises(ValueError, match="position_ids restart inside a row"):
         model(ids(batch=1, length=7), position_ids=position_ids)
+
+
+def test_packed_rows_with_one_row_of_position_ids_keep_their_examples_apart(model_dir):
+    """position_ids `[1, T]` for a batch of B packed rows (the core takes them for every row): the restarts were
+    not read (only a `[B, T]` shape was), so each row's examples attended to each other, silently."""
+    model = RecurrentDepthForCausalLM.from_pretrained(model_dir).eval()
+    a, b = ids(batch=2, length=5, seed=1), ids(batch=2, length=4, seed=2)
+    position_ids = torch.cat([torch.arange(5), torch.arange(4)])[None]
+    with torch.no_grad():
+        out = model(torch.cat([a, b], dim=1), position_ids=position_ids, use_cache=False, **STEPS)
+        torch.testing.assert_close(out.logits[:, 5:], model(b, **STEPS).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.logits[:, :5], model(a, **STEPS).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_rows_with_an_empty_transformers_cache_keep_their_examples_apart(model_dir):
+    """An empty `DynamicCache` (what transformers passes to a first forward) hid the restarts: the rows were read
+    as one sequence each, their examples attending to each other (silently)."""
+    from transformers import DynamicCache
+
+    model = RecurrentDepthForCausalLM.from_pretrained(model_dir).eval()
+    a, b = ids(batch=1, length=5, seed=1), ids(batch=1, length=4, seed=2)
+    position_ids = torch.cat([torch.arange(5), torch.arange(4)])[None]
+    with torch.no_grad():
+        out = model(torch.cat([a, b], dim=1), position_ids=position_ids, cache=DynamicCache(), **STEPS)
+        torch.testing.assert_close(out.logits[:, 5:], model(b, **STEPS).logits, atol=1e-5, rtol=1e-5)
+    assert out.cache is None  # (packed rows are not continued from a cache)

@@ -528,6 +528,9 @@ MLP_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2_half")
 INJECTIONS = ("concat", "add", "none", "diagonal")
 # Channels of the layer input that a value embedding's gate reads (nanochat's and Parcae's constant).
 VALUE_GATE_CHANNELS = 32
+# Modules whose weights' fan-in does not grow with the width (a value embedding reads the vocabulary, its gate
+# VALUE_GATE_CHANNELS channels): muP's input weights (their init in the model, their lr in train/optim.py).
+FIXED_FAN_IN_MODULES = ("value_embed", "ve_gate")
 # rope_scaling types: the keys each needs (besides "rope_type"), as transformers' configs spell them.
 ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
     "default": (),

@@ -63,6 +63,8 @@ _SLIDING_WINDOW_TYPES = ("mistral", "phi3")
 _BIAS_KEY_TYPES = ("llama", "qwen3", "olmo2")
 # transformers' rms_norm_eps where a config.json leaves it out (1e-6 for the others).
 _DEFAULT_NORM_EPS = {"phi3": 1e-5, "olmo2": 1e-5}
+# transformers' sliding_window where a config.json leaves it out (MistralConfig's 4096: applied; Phi-3's None)
+_DEFAULT_SLIDING_WINDOW = {"mistral": 4096}
 # transformers' hidden_act names -> ours (gelu_new and gelu_pytorch_tanh are both the tanh approximation).
 HIDDEN_ACTS: dict[str, str] = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh",
                                "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
@@ -210,7 +212,8 @@ def check_architecture(hf: Mapping[str, Any]) -> str:
         if key in hf and refused(hf[key]):
             raise fail(f"cannot convert {model_type} with {key}={hf[key]!r}: not implemented here (supported: "
                        f"{supported})")
-    window, context = hf.get("sliding_window"), hf.get("max_position_embeddings")
+    window = hf.get("sliding_window", _DEFAULT_SLIDING_WINDOW.get(model_type))  # (null: none; absent: the default)
+    context = hf.get("max_position_embeddings")
     if model_type in _SLIDING_WINDOW_TYPES and window is not None and not (
             is_int(window) and is_int(context) and window >= context):
         raise fail(f"cannot convert {model_type} with sliding_window={window!r} < max_position_embeddings="

@@ -481,7 +481,7 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
                     f"{type(cache).__name__} holding {getattr(cache, 'get_seq_length', lambda: '?')()} tokens"
                 )
             cache = None
-            use_cache = True
+            use_cache = document_ids is None  # (packed rows take no cache, as above)
         if cache is None and use_cache:
             cache = RecurrentDepthCache.for_config(self._core.config, kv_budget, kv_policy)
         if cache is not None and kv_budget is not None and cache.kv_budget != kv_budget:
@@ -848,10 +848,14 @@ def _packed_document_ids(input_ids: Tensor, attention_mask: Tensor | None, posit
     """Padding-free packing's rows (no attention mask, `position_ids` restarting at 0 inside a row, as trl's
     `padding_free=True` / `packing=True` collator writes them): each example's document id `[B, T]`, so attention
     stays inside it (transformers' models read the same restarts); None for any other batch."""
+    if isinstance(cache, Cache) and not isinstance(cache, RecurrentDepthCache) and cache.get_seq_length() == 0:
+        cache = None  # (an empty transformers cache holds nothing: forward() replaces it)
     if (position_ids is None or attention_mask is not None or cache is not None or input_ids.shape[-1] < 2
-            or not isinstance(position_ids, Tensor) or position_ids.shape != input_ids.shape):
+            or not isinstance(position_ids, Tensor) or position_ids.dim() != 2
+            or position_ids.shape[0] not in (1, input_ids.shape[0]) or position_ids.shape[1] != input_ids.shape[1]):
         return None
-    restarts = position_ids[:, 1:] == 0
+    # ([1, T] position_ids serve every row, as the core reads them: the rows share their examples' bounds)
+    restarts = position_ids.expand(input_ids.shape)[:, 1:] == 0
     if not bool(restarts.any()):
         return None
     return torch.cat([torch.zeros_like(restarts[:, :1]), restarts], dim=1).long().cumsum(-1)

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from recurrent_depth.checkpoint import load_pretrained, save_pretrained
-from recurrent_depth.config import MODEL_PARTS, ModelConfig, is_real, rope_scaling_key
+from recurrent_depth.config import FIXED_FAN_IN_MODULES, MODEL_PARTS, ModelConfig, is_real, rope_scaling_key
 from recurrent_depth.model.cache import ModelCache
 from recurrent_depth.model.depth import DepthSampler
 from recurrent_depth.model.layers import DiagonalInjection, RMSNorm, build_block
@@ -148,7 +148,7 @@ class RecurrentDepthLM(nn.Module):
             # Input weights with a fixed fan-in (value embeddings and their gates): variance 1/fan_in, i.e. not
             # shrinking with width, so sqrt(m) times the Takase std (again the standard init at the base width).
             for name, param in self.named_parameters():
-                if name.endswith(("value_embed.weight", "ve_gate.weight")):
+                if name.endswith(tuple(f"{module}.weight" for module in FIXED_FAN_IN_MODULES)):
                     param.mul_(math.sqrt(self.config.width_multiplier))
         if self.config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight

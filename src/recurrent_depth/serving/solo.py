@@ -69,9 +69,13 @@ class SoloRun:
             self._pending = next(self._events, None)
         if self._pending is not None:
             return self._pending.steps
-        probe = stream_generate(self.model, torch.tensor([self.request.prompt]),
-                                **{**self.kwargs, "max_new_tokens": 1, "output_logits": False})
-        return next(iter(probe)).steps
+        # (from the model the session started from, with the same options: a TTT-E2E request adapts it the same way)
+        events = iter(stream_generate(self.model, torch.tensor([self.request.prompt]),
+                                      **{**self.kwargs, "max_new_tokens": 1, "output_logits": False}))
+        try:
+            return next(events).steps
+        finally:
+            getattr(events, "close", lambda: None)()
 
     def watch(self, should_stop: Callable[[], bool], on_step: Callable[[], None]) -> None:
         """Check `should_stop` between the session's core steps; call `on_step` after each."""

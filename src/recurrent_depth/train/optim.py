@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from recurrent_depth.config import check_field_names, is_int
+from recurrent_depth.config import FIXED_FAN_IN_MODULES, check_field_names, is_int
 from recurrent_depth.train.muon import NS_DTYPES, Muon
 from recurrent_depth.train.schedule import lr_at
 
@@ -37,8 +37,6 @@ MUON_ADJUST_LR: tuple[str, ...] = ("original", "match_rms_adamw")
 
 # Substrings that mark a parameter as the (tied) token embedding / output head.
 EMBEDDING_KEYS: tuple[str, ...] = ("wte", "embed", "lm_head")
-# Substrings that mark an input weight whose fan-in is fixed as width grows (muP's "input weights").
-FIXED_FAN_IN_KEYS: tuple[str, ...] = ("value_embed", "ve_gate")
 # Substrings that mark a parameter as exempt from weight decay (RMSNorm gains, biases, qk_bias).
 NO_DECAY_KEYS: tuple[str, ...] = ("norm", "bias")
 
@@ -352,7 +350,7 @@ def mup_lr_multiplier(name: str, param: torch.Tensor, width_multiplier: float) -
     * input weights whose fan-in does not grow with width (a value embedding, a lookup from the vocabulary,
       and its gate, read from 32 channels): 1, with an init that does not shrink with width either.
     """
-    if parameter_kind(name, param) == "no_decay" or any(key in name for key in FIXED_FAN_IN_KEYS):
+    if parameter_kind(name, param) == "no_decay" or any(f"{module}." in name for module in FIXED_FAN_IN_MODULES):
         return 1.0
     if "wte" in name or "embed" in name:
         return width_multiplier**-0.5

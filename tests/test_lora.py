@@ -15,6 +15,7 @@ from recurrent_depth.accel.runner import FastRunner
 from recurrent_depth.inference import generate
 from recurrent_depth.inference.runner import ModelRunner, make_runner
 from recurrent_depth.train.lora import (
+    PARTS,
     LoraSpec,
     add_lora,
     load_adapter_model,
@@ -160,6 +161,26 @@ def test_foreign_target_modules_and_modules_to_save_are_one_line_errors_naming_o
     with pytest.raises(ValueError, match="cannot load the LoRA adapter .* onto this model: .*" + message) as info:
         load_lora(tiny_model(), tmp_path / "adapter")
     assert "\n" not in str(info.value)
+
+
+def test_an_adapter_config_saying_all_linear_loads_onto_every_linear_layer_but_the_head(tmp_path):
+    """peft's "all-linear" shorthand (a hand-written or peft-made config): refused as a regular expression that
+    matches nothing, and peft alone would also target the library model's lm_head, which the adapter lacks."""
+    wrapped = add_lora(tiny_model(), LoraSpec(rank=2, parts=PARTS))
+    torch.manual_seed(0)
+    for name, param in wrapped.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_()  # (B = 0 at init: the adapter would change nothing)
+    save_adapter(wrapped, tmp_path / "adapter")
+    config_path = tmp_path / "adapter" / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    assert not any("lm_head" in t for t in config["target_modules"])
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = load_lora(tiny_model(), tmp_path / "adapter")(ids, **STEPS).logits
+        config_path.write_text(json.dumps({**config, "target_modules": "all-linear"}))
+        got = load_lora(tiny_model(), tmp_path / "adapter")(ids, **STEPS).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_a_lora_runs_checkpoint_given_as_a_model_says_what_it_is(tmp_path):

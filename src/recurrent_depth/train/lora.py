@@ -38,6 +38,8 @@ KINDS = ("attention", "mlp")
 BLOCK_CONTAINERS = {"prelude": "prelude", "core": "core_block", "coda": "coda"}
 KIND_MODULES = {"attention": "attn", "mlp": "mlp"}
 ADAPTER_CONFIG = "adapter_config.json"
+ALL_LINEAR = "all-linear"  # peft's target_modules shorthand: every linear layer but the output head
+OUTPUT_HEAD = "lm_head"
 
 
 def require_peft() -> Any:
@@ -305,7 +307,9 @@ def check_adapter_targets(model: nn.Module, path: Path) -> None:
     linear = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     ours = f"this model's linear layers are {clipped_names(module_name_patterns(model), 20)}"
     targets = config.get("target_modules")
-    if isinstance(targets, str):
+    if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
+        pass  # peft's shorthand, not a regular expression (load_lora expands it)
+    elif isinstance(targets, str):
         try:
             pattern = re.compile(targets)
         except re.error as exc:
@@ -343,6 +347,14 @@ def load_lora(model: nn.Module, adapter_dir: str | Path, trainable: bool = False
         # transformers' generation hooks; the layers are the same, so load it as a plain adapter.
         config = peft.PeftConfig.from_pretrained(str(path))
         config.task_type = None
+    targets = getattr(config, "target_modules", None) if config is not None else read_adapter_config(path).get(
+        "target_modules")
+    if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
+        # peft leaves the output head out of "all-linear" only on a transformers model (it asks for its output
+        # embeddings): on the library's it took the lm_head too, which the adapter (made on either) does not hold
+        config = config if config is not None else peft.PeftConfig.from_pretrained(str(path))
+        config.target_modules = sorted(name for name, module in model.named_modules()
+                                       if isinstance(module, nn.Linear) and name.split(".")[-1] != OUTPUT_HEAD)
     try:
         wrapped = peft.PeftModel.from_pretrained(model, str(path), is_trainable=trainable, config=config)
     except (KeyError, RuntimeError, ValueError) as exc:  # e.g. module names or shapes of another model

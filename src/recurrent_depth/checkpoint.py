@@ -322,13 +322,16 @@ def check_model_dir(
     allow_outside: bool = False,
     *,
     model_class: type[torch.nn.Module],
+    head_instead: str | None = None,
 ) -> CheckedDir:
     """Every check of a model directory that needs no tensor data, as one-line errors: the config
     read bounded and validated, the weight files (regular, bounded, headers that fit their files)
     and their names, shapes and dtypes against the model the config describes. Each loader runs it
     first (`load_pretrained`, and transformers' `from_pretrained` through our classes). An Ouro
     directory's tensors are checked under their own names first (`families/ouro.py`); a Parcae
-    directory's header entries are renamed to ours first (`families/parcae.py`)."""
+    directory's header entries are renamed to ours first (`families/parcae.py`). `head_instead`: the tensor of a
+    head the loading class has in place of the lm_head (transformers' sequence classifier: "score.weight"), which
+    may be stored (`[n, hidden_size]`) or not; the lm_head is then neither required nor refused."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {path} does not exist")
@@ -361,6 +364,12 @@ def check_model_dir(
         model = model_class(config)
     expected = {name: p for name, p in model.state_dict().items()}
     problems: list[str] = []
+    if head_instead is not None:
+        expected.pop("lm_head.weight", None)
+        header.pop("lm_head.weight", None)
+        head = header.pop(head_instead, None)
+        if head is not None and (len(head[1]) != 2 or head[1][1] != config.hidden_size):
+            problems.append(f"{head_instead}: file {tuple(head[1])} vs model (num_labels, {config.hidden_size})")
     tied_head = config.tie_embeddings and "lm_head.weight" in header
     stored = {name: entry for name, entry in header.items() if not (tied_head and name == "lm_head.weight")}
     wte = header.get("transformer.wte.weight")

@@ -445,6 +445,9 @@ class ModelConfig:
         if is_ouro_config(data):
             return cls._from_ouro(data)
         names = {f.name for f in dataclasses.fields(cls)}
+        if "rope_parameters" in data and data["rope_parameters"] is None:  # what transformers wrote for an unset
+            # rope_scaling when a config class (the remote-code file's, before it had the field) did not declare it
+            data = {k: v for k, v in data.items() if k != "rope_parameters"}
         unknown = sorted(set(data) - names - IGNORED_KEYS)
         if unknown:
             raise ValueError(f"unknown config keys {unknown}; known keys are {sorted(names)}")

@@ -7,7 +7,7 @@ modules that need them:
 - when transformers loads `transformers.models.auto.configuration_auto`, our configs are
   registered with `AutoConfig` (model types ``recurrent_depth`` and the official ``huginn_raven``);
 - when it loads `transformers.models.auto.modeling_auto`, our models are registered with
-  `AutoModelForCausalLM`;
+  `AutoModelForCausalLM` and `AutoModelForSequenceClassification`;
 - when lm-eval loads `lm_eval.models` (its model table), the ``recurrent-depth`` backend is
   registered as a lazy placeholder (nothing heavy is imported until it is used).
 

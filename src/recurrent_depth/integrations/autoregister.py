@@ -37,8 +37,10 @@ def _register_configs(_: ModuleType | None = None) -> None:
 def _register_models(_: ModuleType | None = None) -> None:
     _register_configs()
     from recurrent_depth.integrations.hf import register_models
+    from recurrent_depth.integrations.hf_seq_cls import register_sequence_classification
 
     register_models()
+    register_sequence_classification()
 
 
 def _register_lm_eval(_: ModuleType | None = None) -> None:

@@ -23,6 +23,7 @@ REMOTE_CODE_FILE = "modeling_recurrent_depth.py"
 AUTO_MAP = {
     "AutoConfig": "modeling_recurrent_depth.RecurrentDepthConfig",
     "AutoModelForCausalLM": "modeling_recurrent_depth.RecurrentDepthForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_recurrent_depth.RecurrentDepthForSequenceClassification",
 }
 SUPPORTED_MIXER_OPTIONS = frozenset({"window"})
 
@@ -82,6 +83,11 @@ def export_remote_code(model_dir: str | Path, out_dir: str | Path | None = None)
     config = ModelConfig.from_json(src / "config.json")
     check_exportable(config)
     raw = read_json(src / "config.json", CONFIG_MAX_BYTES, "config file")
+    if any(str(name).endswith("ForSequenceClassification") for name in raw.get("architectures") or []):
+        raise ValueError(f"{src} holds a sequence classifier (architectures {raw['architectures']}): --remote-code "
+                         "exports causal-LM directories (whose auto_map also names the exported file's sequence "
+                         "classifier); load this one with AutoModelForSequenceClassification after "
+                         "`import recurrent_depth`")
     if raw.get("model_type") != MODEL_TYPE or out.resolve() != src.resolve():
         # Re-save through the library: our key names, tied head stored once, no RoPE buffer.
         model = RecurrentDepthLM.from_pretrained(src)

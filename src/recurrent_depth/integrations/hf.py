@@ -237,6 +237,7 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
     _no_split_modules = ["SandwichBlock"]
     _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
     _keys_to_ignore_on_load_unexpected = [r"^freqs_cis$"]  # the official file's RoPE buffer
+    _head_instead: str | None = None  # a subclass's head in place of the lm_head (hf_seq_cls.py: "score.weight")
 
     def __init__(self, config: RecurrentDepthConfig | HuginnRavenConfig) -> None:
         super().__init__(config)
@@ -267,7 +268,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             # so a hostile directory is one line here too, before transformers reads a tensor.
             from recurrent_depth.checkpoint import check_model_dir
 
-            if check_model_dir(pretrained_model_name_or_path, model_class=RecurrentDepthLM).is_parcae:
+            if check_model_dir(pretrained_model_name_or_path, model_class=RecurrentDepthLM,
+                               head_instead=cls._head_instead).is_parcae:
                 raise ValueError(f"{pretrained_model_name_or_path} is a Parcae directory, whose tensor names "
                                  f"transformers cannot map: load it with recurrent_depth.RecurrentDepthLM."
                                  f"from_pretrained (and save_pretrained it for transformers)")
@@ -499,7 +501,7 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             self._core.check_inputs(input_ids, labels, None, None, None)
             reduction = "mean" if num_items_in_batch is None else "sum"
             loss = F.cross_entropy(
-                out.logits[:, :-1].reshape(-1, out.logits.shape[-1]), labels[:, 1:].reshape(-1),
+                out.logits[:, :-1].reshape(-1, out.logits.shape[-1]), labels[:, 1:].reshape(-1).long(),
                 ignore_index=-100, reduction=reduction,
             )
             if num_items_in_batch is not None:
@@ -654,10 +656,12 @@ class _Backbone(nn.Module):
     ln_f). It takes the model's forward arguments (`num_steps`, `attention_mask`, `position_ids`, ...) and holds
     the model's `transformer` modules as its children."""
 
-    def __init__(self, owner: RecurrentDepthForCausalLM) -> None:
+    def __init__(self, owner: RecurrentDepthForCausalLM, forward: Any = None) -> None:
         super().__init__()
         self.transformer = owner.transformer
         object.__setattr__(self, "_owner", owner)  # not a submodule: the backbone is part of the owner
+        # the causal LM's forward (a subclass with another head, hf_seq_cls.py, passes it bound to itself)
+        object.__setattr__(self, "_forward", owner if forward is None else forward)
 
     def forward(self, *args: Any, **kwargs: Any) -> BaseModelOutputWithPast:
         if kwargs.get("labels") is not None:
@@ -668,10 +672,11 @@ class _Backbone(nn.Module):
         # the method for this call only)
         core.head = lambda x: core.transformer.ln_f(x) if core.config.final_norm else x
         try:
-            out = self._owner(*args, **kwargs)
+            out = self._forward(*args, **kwargs)
         finally:
             del core.head
-        return BaseModelOutputWithPast(last_hidden_state=out.logits, cache=out.cache, hidden_states=out.hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=out.logits, cache=out.cache, hidden_states=out.hidden_states,
+                                       attentions=out.attentions)
 
 
 class RavenForCausalLM(RecurrentDepthForCausalLM):

@@ -24,6 +24,9 @@ from recurrent_depth.families.ouro import OURO_KEYS, OURO_MODEL_TYPE
 
 # Keys transformers writes into every config.json; `ModelConfig.from_dict` ignores them.
 _HF_BOOKKEEPING = ("model_type", "architectures", "transformers_version", "dtype", "auto_map", "use_cache")
+# A sequence classifier's config keys (ModelConfig ignores them), and transformers' default labels (num_labels=2).
+_CLASSIFIER_KEYS = ("id2label", "label2id", "problem_type")
+_DEFAULT_ID2LABEL = {0: "LABEL_0", 1: "LABEL_1"}
 # Outputs the Trainer leaves out of its predictions (what `compute_metrics` gets is then the logits, as for any
 # causal LM, not a tuple with the cache and the latent states).
 _INFERENCE_EXTRAS = ["cache", "past_key_values", "latent_states", "final_state"]
@@ -163,7 +166,11 @@ class RecurrentDepthConfig(_CheckedConfigFile, PretrainedConfig):
         """Our fields plus transformers' bookkeeping keys: what `ModelConfig.from_json` reads back."""
         full = super().to_dict()
         names = {f.name for f in dataclasses.fields(ModelConfig)}
-        return {k: v for k, v in full.items() if k in names or k in _HF_BOOKKEEPING}
+        out = {k: v for k, v in full.items() if k in names or k in _HF_BOOKKEEPING}
+        # a sequence classifier's labels (hf_seq_cls.py), when set: its num_labels reads back from id2label
+        if full.get("problem_type") is not None or full.get("id2label") != _DEFAULT_ID2LABEL:
+            out.update((k, full[k]) for k in _CLASSIFIER_KEYS if k in full)
+        return out
 
 
 # Huginn keys stored as is; defaults are the official Huginn-0125 values.

@@ -6,6 +6,7 @@ transformers >= 5 environment without the `recurrent_depth` library:
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
     model(input_ids, num_steps=16).logits
     model.generate(input_ids, max_new_tokens=32, num_steps=16)
+    scorer = AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=True, num_labels=1)
 
 The architecture (Huginn-0125's):
 
@@ -118,6 +119,8 @@ class RecurrentDepthConfig(PretrainedConfig):
     pad_token_id: int | None = None
     mixer: Any = "attention"
     mixer_options: Any = None
+    # a field, so transformers writes it back as is (not as its own `rope_parameters`, which the library refuses)
+    rope_scaling: Any = None
     use_cache: bool = True
 
     def __post_init__(self, **kwargs: Any) -> None:
@@ -518,7 +521,7 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = F.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100,
+                logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1).long(), ignore_index=-100,
                 reduction="mean" if num_items_in_batch is None else "sum",
             )
             if num_items_in_batch is not None:  # the Trainer then does not divide by gradient accumulation steps
@@ -540,12 +543,81 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
 class _Backbone(nn.Module):
     """`RecurrentDepthForCausalLM.base_model`: the model's forward up to the lm_head (same arguments)."""
 
-    def __init__(self, owner: RecurrentDepthForCausalLM) -> None:
+    def __init__(self, owner: RecurrentDepthForCausalLM, forward: Any = None) -> None:
         super().__init__()
         self.transformer = owner.transformer
         object.__setattr__(self, "_owner", owner)  # not a submodule: the backbone is part of the owner
+        object.__setattr__(self, "_forward", owner if forward is None else forward)  # the causal LM's forward
 
     def forward(self, *args: Any, **kwargs: Any) -> BaseModelOutputWithPast:
         if kwargs.get("labels") is not None:
             raise ValueError("base_model() returns hidden states, it takes no labels: call the model for a loss")
-        return self._owner(*args, **kwargs, _return_hidden=True)
+        return self._forward(*args, **kwargs, _return_hidden=True)
+
+
+class RecurrentDepthForSequenceClassification(RecurrentDepthForCausalLM):
+    """transformers' sequence classifier (reward models: trl's RewardTrainer): a `score` head
+    `Linear(hidden_size, num_labels, bias=False)` in place of the lm_head, read at each row's last token (the last
+    position `attention_mask` keeps, else the last token that is not `config.pad_token_id`)."""
+
+    _tied_weights_keys: dict[str, str] = {}
+    _keys_to_ignore_on_load_unexpected = [r"^freqs_cis$", r"^lm_head\.weight$"]  # a causal LM's own head
+    accepts_loss_kwargs = False  # the loss is a mean over the rows
+
+    def __init__(self, config: RecurrentDepthConfig) -> None:
+        super().__init__(config)
+        del self.lm_head
+        self.num_labels = config.num_labels
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
+        self.post_init()
+
+    @property
+    def base_model(self) -> nn.Module:
+        return _Backbone(self, forward=RecurrentDepthForCausalLM.forward.__get__(self))
+
+    def get_output_embeddings(self) -> None:
+        return None
+
+    def set_output_embeddings(self, value: nn.Module) -> None:
+        raise ValueError("a sequence classifier has no output embeddings (its head is `score`)")
+
+    @classmethod
+    def can_generate(cls) -> bool:
+        return False
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError("a sequence classifier does not generate: load the directory with AutoModelForCausalLM")
+
+    def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                labels: Tensor | None = None, return_dict: bool | None = None, **kwargs: Any) -> Any:
+        """Scores [B, num_labels] of each row's last token; the other arguments are the causal LM's forward's."""
+        from transformers.loss.loss_utils import ForSequenceClassificationLoss
+        from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+
+        if input_ids is None:
+            raise ValueError("input_ids is required")
+        kwargs.setdefault("use_cache", False)
+        kwargs.pop("margin", None)  # trl's RewardTrainer passes its margins with the batch (its loss reads them)
+        out = self.base_model(input_ids, attention_mask=attention_mask, **kwargs)
+        hidden = out.last_hidden_state
+        positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
+        if attention_mask is not None:
+            keep = attention_mask.to(input_ids.device) != 0
+        elif self.config.pad_token_id is not None:
+            keep = input_ids != self.config.pad_token_id
+        elif input_ids.shape[0] == 1:
+            keep = torch.ones_like(input_ids, dtype=torch.bool)
+        else:
+            raise ValueError("a batch of several rows needs an attention_mask or config.pad_token_id to find each "
+                             "row's last token")
+        if keep.shape != input_ids.shape or not bool(keep.any(-1).all()):
+            raise ValueError("attention_mask must match input_ids and keep at least one token in every row")
+        last = (positions * keep).argmax(-1).to(hidden.device)
+        logits = self.score(hidden[torch.arange(input_ids.shape[0], device=hidden.device), last])
+        loss = None
+        if labels is not None:
+            loss = ForSequenceClassificationLoss(labels=labels, pooled_logits=logits, config=self.config)
+        result = SequenceClassifierOutputWithPast(loss=loss, logits=logits, cache=out.cache,
+                                                  hidden_states=out.hidden_states)
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        return result if return_dict else result.to_tuple()

@@ -95,6 +95,17 @@ def test_text_quality_matches_a_direct_computation(model):
     assert capped.tokens == 20 and capped.bytes == 20
 
 
+def test_text_quality_with_a_random_s0_does_not_depend_on_the_batch_size(model):
+    # One generator drew the s_0 of a whole batch: the windows' draws, and so the scores, moved with batch_size.
+    texts = ["def f(x):\n    return x + 1\n" * 3, "héllo wörld", "abc" * 10]
+    nll = [text_quality(model, texts, ByteCodec(), [1, 3], 256, 0, seq_len=17, batch_size=size, init_scale=1.0,
+                        seed=4).nll for size in (1, 3, 8)]
+    for depth in (1, 3):
+        assert all(math.isclose(n[depth], nll[0][depth], rel_tol=1e-6) for n in nll), nll
+    other = text_quality(model, texts, ByteCodec(), [1], 256, 0, seq_len=17, init_scale=1.0, seed=5).nll
+    assert not math.isclose(other[1], nll[0][1], rel_tol=1e-6)  # the seed still draws them
+
+
 @pytest.fixture(scope="module")
 def requests():
     return [([1, 2, 3, 4, 5], [6, 7, 8]), ([9], [10, 11]), ([3, 3, 3], [4]), ([7, 7], [1, 2, 3, 4])]
@@ -107,6 +118,22 @@ def test_stepwise_scoring_matches_the_batched_forward(model, requests):
         for a, b in zip(plain, stepped):
             assert math.isclose(a.logprob, b.logprob, rel_tol=1e-5, abs_tol=1e-5), kwargs
             assert a.is_greedy == b.is_greedy and b.steps == [3] * len(b.steps)
+
+
+def test_fixed_depth_scoring_with_a_generator_per_request_is_a_seeded_teacher_forced_generate(model, requests):
+    # A random s_0 came from one stream for the batch, so a row's score depended on the rows beside it; with
+    # one generator per request each row draws as generate draws it alone.
+    from recurrent_depth.inference import generate
+
+    scored = batched_logprobs(model, requests, 3, 0, init_scale=1.0,
+                              generator=[torch.Generator().manual_seed(7 + b) for b in range(len(requests))])
+    for b, ((context, continuation), batched) in enumerate(zip(requests, scored)):
+        out = generate(model, [context], max_new_tokens=len(continuation), num_steps=3, init_scale=1.0, seed=7 + b,
+                       teacher_tokens=[continuation], output_logits=True)
+        logprob = sum(float(F.log_softmax(out.logits[0, j].float(), -1)[t]) for j, t in enumerate(continuation))
+        assert math.isclose(batched.logprob, logprob, rel_tol=1e-5, abs_tol=1e-5)
+    with pytest.raises(ValueError, match="one per request \\(4\\), got 1"):
+        batched_logprobs(model, requests, 3, 0, generator=[torch.Generator()])
 
 
 def test_adaptive_scoring_is_per_row_and_records_steps(model, requests):
@@ -144,6 +171,44 @@ def test_stepwise_scoring_follows_the_exit_schedule_of_generate(model, kwargs):
     assert math.isclose(scored.logprob, logprob, rel_tol=1e-4, abs_tol=1e-4)
 
 
+@pytest.mark.parametrize("kwargs", [
+    dict(exit_criterion="kl", exit_threshold=0.1, min_steps_rule="skip", min_steps=0, kv_policy="full",
+         exit_in_prefill=True),
+    dict(exit_criterion="latent-diff", exit_threshold=0.5, exit_in_prefill=True),
+    dict(exit_criterion="entropy-diff", exit_threshold=1e-2, warm_start=True, check_every=2, exit_in_prefill=True),
+    dict(exit_criterion="kl", exit_threshold=0.05, kv_policy="per-step+randomized", exit_in_prefill=True),
+    dict(exit_criterion="kl", exit_threshold=0.05, exit_kv="compute", kv_policy="shared-2"),
+], ids=["official", "latent", "warm", "randomized-lookup", "compute-shared"])
+def test_stepwise_scoring_of_a_whole_prefill_is_a_teacher_forced_generate(model, requests, kwargs):
+    # exit_in_prefill (the official profile's default with a criterion) stops a prompt's positions together
+    # at the criterion's step; the scorer ran the context at full depth, so it scored what generate never reads.
+    # exit_kv="compute" runs the prompt under run_computing in generate, which the scorer did for the last
+    # context token alone (under a shared KV slot it then read its context's final steps, not its own step's).
+    # With one generator per request, each row's random s_0 (and randomized lookup) is what generate draws
+    # for it alone.
+    from recurrent_depth.inference import generate
+
+    generators = [torch.Generator().manual_seed(100 + b) for b in range(len(requests))]
+    scored = stepwise_logprobs(model, requests, 6, 0, init_scale=1.0, generator=generators, **kwargs)
+    for b, ((context, continuation), batched) in enumerate(zip(requests, scored)):
+        out = generate(model, [context], max_new_tokens=len(continuation), num_steps=6, init_scale=1.0, seed=100 + b,
+                       teacher_tokens=[continuation], output_logits=True, **kwargs)
+        assert batched.steps == out.steps[0].tolist()
+        logprob = sum(float(F.log_softmax(out.logits[0, j].float(), -1)[t]) for j, t in enumerate(continuation))
+        assert math.isclose(batched.logprob, logprob, rel_tol=1e-4, abs_tol=1e-4)
+    with pytest.raises(ValueError, match="exit_in_prefill=True needs an exit_criterion"):
+        stepwise_logprobs(model, requests, 3, 0, exit_in_prefill=True)
+
+
+def test_quantized_scoring_of_a_one_token_context_beside_longer_ones_is_its_score_alone(model, requests):
+    # A quantized cache calibrates outlier channels on each row's first write, the prefill of the context but
+    # its last token: a one-token context had none in a batch, so its score moved with the rows beside it.
+    together = stepwise_logprobs(model, requests, 3, 0, init_scale=0.0, kv_quant="k=prod:3.5,v=mse:3.5")
+    for request, batched in zip(requests, together):
+        alone = stepwise_logprobs(model, [request], 3, 0, init_scale=0.0, kv_quant="k=prod:3.5,v=mse:3.5")[0]
+        assert math.isclose(alone.logprob, batched.logprob, rel_tol=1e-5, abs_tol=1e-5), request
+
+
 def test_stepwise_scoring_of_rows_that_fit_alone_but_not_aligned():
     # Rows are aligned at the longest context's column, so a long context beside a long continuation
     # (each row 60 of 64 tokens) needed 76 columns and the batch was refused, though each row fits alone.
@@ -168,6 +233,19 @@ def test_stepwise_scoring_of_rows_that_fit_alone_but_not_aligned():
 def test_scoring_rejects_bad_arguments(model, requests, kwargs, message):
     with pytest.raises(ValueError, match=message):
         stepwise_logprobs(model, requests, 3, 0, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"kv_policy": "per-step+skip", "exit_criterion": "kl"}, "kv_policy='per-step\\+skip' hides or picks"),
+    ({"kv_quant": "k=prod:3.5,v=mse:3.5"}, "kv_quant='k=prod:3.5,v=mse:3.5' quantizes softmax-attention keys"),
+], ids=["lookup", "kv-quant"])
+def test_scoring_refuses_what_generate_refuses_for_the_model(requests, kwargs, message):
+    # The scorer ran a hiding lookup or a KV quantization on a model without softmax attention, which ignored
+    # them (or quantized another cache), while generate refuses both for such a model.
+    torch.manual_seed(0)
+    gla = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", vocab_size=288, max_seq_len=64, mixer="gla")).eval()
+    with pytest.raises(ValueError, match=message):
+        stepwise_logprobs(gla, requests, 3, 0, init_scale=0.0, **kwargs)
 
 
 def test_accuracy_grid_is_seeded_and_summarised(model):

@@ -326,6 +326,14 @@ def test_training_loss_and_gradients_match_the_library(model_dir):
     assert torch.allclose(summed * 10 / count, theirs.detach(), atol=1e-6)
 
 
+def test_int32_labels_give_the_loss_of_int64_labels(hf_model, library_model):
+    # The library casts labels to long; the transformers forward handed int32 ones to cross_entropy (a RuntimeError).
+    x = ids(length=6)
+    loss = hf_model(input_ids=x, labels=x.int(), num_steps=2, init_scale=0.0).loss
+    assert torch.equal(loss, hf_model(input_ids=x, labels=x, num_steps=2, init_scale=0.0).loss)
+    assert torch.equal(loss, library_model(x, num_steps=2, labels=x.int(), init_scale=0.0).loss)
+
+
 def test_wrapping_an_in_memory_model_shares_parameters(library_model):
     wrapped = from_library_model(library_model)
     assert wrapped.transformer.wte.weight is library_model.transformer.wte.weight

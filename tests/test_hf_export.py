@@ -55,6 +55,8 @@ def test_remote_code_export_loads_without_the_library(tmp_path, per_head):
         x = ref["x"]
         with torch.no_grad():
             assert torch.equal(model(x, num_steps=3, init_scale=0.0).logits, ref["fixed"])
+            loss = model(x, labels=x.int(), num_steps=3, init_scale=0.0).loss  # (int32 labels failed in the loss)
+            assert torch.equal(loss, model(x, labels=x, num_steps=3, init_scale=0.0).loss)
             torch.manual_seed(5)
             assert torch.equal(model(x, num_steps=3).logits, ref["random_s0"])
         out = model.generate(x, max_new_tokens=5, num_steps=3, init_scale=0.0, do_sample=False)

@@ -195,3 +195,52 @@ def test_a_generation_seed_is_drawn_on_the_generators_device(model_dir, monkeypa
     monkeypatch.setattr(torch, "randint", spy)
     lm._model_generate(torch.tensor([[1, 2, 3]]), max_length=5, stop=[])
     assert draws == [lm._generator.device]
+
+
+def test_loglikelihood_under_official_exit_defaults_is_a_teacher_forced_generate(model_dir):
+    """defaults="official" with a criterion sets exit_in_prefill: generate stops the prompt's positions together
+    at the criterion's step, but loglikelihood ran the context at full depth and scored other numbers."""
+    import torch.nn.functional as F
+
+    from recurrent_depth.inference import generate
+
+    options = dict(defaults="official", exit_criterion="kl", exit_threshold=0.1)
+    lm = RecurrentDepthEvalLM(pretrained=str(model_dir), num_steps=6, init_scale=0.0, device="cpu", batch_size=2,
+                              **options)
+    requests = [([1, 2, 3, 4, 5], [6, 7, 8, 9]), ([9, 4], [10, 11])]
+    scored = lm._loglikelihood_tokens([(None, c, x) for c, x in requests])
+    for (context, continuation), (logprob, _) in zip(requests, scored):
+        out = generate(lm._core, [context], max_new_tokens=len(continuation), num_steps=6, init_scale=0.0,
+                       teacher_tokens=[continuation], output_logits=True, **options)
+        expected = sum(float(F.log_softmax(out.logits[0, j].float(), -1)[t]) for j, t in enumerate(continuation))
+        assert math.isclose(logprob, expected, rel_tol=1e-4, abs_tol=1e-4)
+    assert lm.steps_summary()["loglikelihood"]["tokens"] == 6
+
+
+@pytest.mark.parametrize("args", [{}, {"exit_criterion": "kl", "exit_threshold": 1e-2}], ids=["fixed", "adaptive"])
+def test_a_requests_score_does_not_depend_on_the_batch(model_dir, args):
+    """With a random s_0 (the config's init_scale) the batch drew its s_0 from one stream: a request's score
+    changed with batch_size and with the requests scored before it."""
+    requests = [(None, [1, 2, 3, 4, 5], [6, 7, 8]), (None, [9], [10, 11]), (None, [3, 3, 3], [4])]
+    scores = []
+    for batch_size, order in ((1, [0, 1, 2]), (3, [0, 1, 2]), (2, [2, 1, 0])):
+        lm = RecurrentDepthEvalLM(pretrained=str(model_dir), num_steps=2, device="cpu", batch_size=batch_size,
+                                  seed=5, **args)
+        out = lm._loglikelihood_tokens([requests[i] for i in order])
+        scores.append([out[order.index(i)] for i in range(3)])
+    assert scores[0] == scores[1] == scores[2]
+    other = RecurrentDepthEvalLM(pretrained=str(model_dir), num_steps=2, device="cpu", seed=6, **args)
+    assert other._loglikelihood_tokens(requests) != scores[0]  # the seed still draws s_0
+
+
+def test_generate_until_does_not_depend_on_the_batch_size(model_dir):
+    """One seed was drawn per batch (row b seeded seed + b): with a random s_0 a request's greedy text changed
+    with batch_size."""
+    from lm_eval.api.instance import Instance
+
+    prompts = ["a=1;b=a;?b=", "def f(x):\n", "a=1;", "x"]
+    requests = [Instance("generate_until", None, (p, {"until": ["\n\n"], "max_gen_toks": 4}), i)
+                for i, p in enumerate(prompts)]
+    texts = [RecurrentDepthEvalLM(pretrained=str(model_dir), num_steps=2, device="cpu", batch_size=size)
+             .generate_until(requests, disable_tqdm=True) for size in (1, 4)]
+    assert texts[0] == texts[1]

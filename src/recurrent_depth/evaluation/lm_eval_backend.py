@@ -22,8 +22,10 @@ Model args (besides lm-eval's usual ``hf`` ones: ``pretrained``, ``tokenizer``, 
   model_args use between args; see docs/quant.md);
 - ``warm_start``: each token starts from the previous token's final state;
 - ``init_scale``: scale of the random initial state (0 = deterministic zeros);
-- ``seed`` (this backend's: it seeds the stream of initial-state draws) and ``steps_log`` (a JSON
-  file to which the steps-per-token statistics are written).
+- ``seed`` (this backend's: it seeds the initial-state draws; each scored request draws from a stream
+  seeded by it and the request's tokens, so a score does not depend on the batch; each generated
+  request gets a seed of its own, drawn in request order) and ``steps_log``
+  (a JSON file to which the steps-per-token statistics are written).
 
 ``--gen_kwargs`` take lm-eval's ``until`` / ``max_gen_toks`` / ``do_sample`` / ``temperature``
 (greedy unless temperature > 0), the sampling options ``top_k``, ``top_p``, ``min_p``,
@@ -42,6 +44,7 @@ model types.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -189,6 +192,12 @@ class RecurrentDepthEvalLM(HFLM):
             return self.model(inps, num_steps=self.depth, init_scale=self.init_scale, generator=self._generator,
                               use_cache=False).logits
 
+    def _request_generator(self, context: list[int], continuation: list[int]) -> torch.Generator:
+        """The s_0 stream of one scored request: seeded by `seed` and the request's tokens, so that its score
+        depends neither on batch_size nor on the requests scored beside it or before it."""
+        digest = hashlib.sha256(json.dumps([self.seed, context, continuation]).encode()).digest()
+        return torch.Generator(device=self.device).manual_seed(int.from_bytes(digest[:8], "little") % 2**63)
+
     def _loglikelihood_tokens(
         self,
         requests: list[tuple[Any, list[int], list[int]]],
@@ -212,16 +221,18 @@ class RecurrentDepthEvalLM(HFLM):
                         raise ValueError(f"a continuation of {len(continuation)} tokens exceeds max_length")
                     keep = limit - len(continuation)
                     batch.append((context[-keep:], continuation))  # left-truncate the context, as HFLM does
+                generators = [self._request_generator(*request) for request in batch]
                 if self._stepwise:
                     o = self.options
                     scored = stepwise_logprobs(
                         self._core, batch, self.depth, pad, o.exit_criterion, o.threshold, o.min_steps,
-                        o.kv_budget, o.warm_start, self.init_scale, self._generator, kv_policy=o.kv_policy,
+                        o.kv_budget, o.warm_start, self.init_scale, generators, kv_policy=o.kv_policy,
                         kv_quant=o.kv_quant, exit_kv=o.exit_kv, min_steps_rule=o.min_steps_rule,
                         check_every=o.check_every, warm_start_source=o.warm_start_source,
+                        exit_in_prefill=o.exit_in_prefill and o.criterion is not None,
                     )
                 else:
-                    scored = batched_logprobs(self._core, batch, self.depth, pad, self.init_scale, self._generator)
+                    scored = batched_logprobs(self._core, batch, self.depth, pad, self.init_scale, generators)
                 for i, item in zip(chunk, scored):
                     results[i] = item
                     self._record("loglikelihood", item.steps)
@@ -252,8 +263,11 @@ class RecurrentDepthEvalLM(HFLM):
             values["temperature"] = float(temperature)
         # Per-request overrides of the model args (lm-eval --gen_kwargs), e.g. num_steps=8.
         options: dict[str, Any] = self.model_args | {"num_steps": self.depth} | values
-        # (drawn on the generator's device: a CUDA generator refuses a CPU draw)
-        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self._generator, device=self._generator.device))
+        # One seed per row, drawn in request order (lm-eval's order does not depend on batch_size), so a request
+        # is generated as it would be alone, in a batch of any size (drawn on the generator's device: a CUDA
+        # generator refuses a CPU draw).
+        seed = [int(torch.randint(0, 2**31 - 1, (1,), generator=self._generator, device=self._generator.device))
+                for _ in range(context.shape[0])]
         if options.get("init_scale") is None:
             options["init_scale"] = self._core.config.init_scale
         try:

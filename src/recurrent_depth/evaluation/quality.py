@@ -4,7 +4,8 @@ Each document is tokenized with a leading ``<|begin_text|>`` (so its first token
 too) and cut into windows of `seq_len` tokens that overlap by one token, so every text token is
 predicted exactly once. Bits per byte = total negative log-likelihood / ln 2 / UTF-8 bytes of
 the text, which compares models with different tokenizers. All depths come from one pass per
-batch (`readout.logits_at_depths`), sharing the initial state.
+batch (`readout.logits_at_depths`), sharing the initial state; each window draws its own s_0 (from
+`seed` and its index), so the scores do not depend on `batch_size`.
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def text_quality(
         raise ValueError(f"batch_size={batch_size!r} is invalid: expected an integer >= 1")
     result = TextQuality(depths, 0, 0, 0, dict.fromkeys(depths, 0.0))
     pending: list[list[int]] = []
-    generator = torch.Generator(device=model.device).manual_seed(seed)
+    scale = model.config.init_scale if init_scale is None else init_scale
+    drawn = [0]  # windows whose s_0 was drawn so far
     was_training = model.training
     model.eval()
 
@@ -113,7 +115,16 @@ def text_quality(
         valid = torch.zeros_like(targets, dtype=torch.bool)
         for b, w in enumerate(pending):
             valid[b, : len(w) - 1] = True
-        for depth, logits in logits_at_depths(model, ids, depths, init_scale=init_scale, generator=generator):
+        states = None  # each window's s_0 from its own stream (a model whose s_0 is e draws nothing)
+        if model.config.state_init == "random":
+            states = torch.zeros((len(pending), T, model.config.hidden_size), device=model.device,
+                                 dtype=model.transformer.wte.weight.dtype)
+            for b, w in enumerate(pending):
+                generator = torch.Generator(device=model.device).manual_seed(
+                    (seed * 6364136223846793005 + drawn[0]) % 2**63)
+                states[b, : len(w)] = model.initial_state(states[b : b + 1, : len(w)], scale, generator)[0]
+                drawn[0] += 1
+        for depth, logits in logits_at_depths(model, ids, depths, init_scale=init_scale, input_states=states):
             nll = F.cross_entropy(logits[:, :-1].transpose(1, 2), targets, reduction="none")
             result.nll[depth] += float(nll[valid].sum())
         pending.clear()

@@ -35,17 +35,19 @@ def logits_at_depths(
     attention_mask: Tensor | None = None,
     init_scale: float | None = None,
     generator: torch.Generator | None = None,
+    input_states: Tensor | None = None,
 ) -> Iterator[tuple[int, Tensor]]:
     """Yield `(depth, logits [B, T, V] float32)` for each depth in ascending order.
 
-    The initial state is drawn once (from `generator`, scaled by `init_scale`, default the config's)
-    and shared by every depth, as one forward at the deepest depth would see it.
+    The initial state is drawn once (from `generator`, scaled by `init_scale`, default the config's),
+    or given (`input_states` `[B, T, h]`, as the model's forward takes it), and shared by every depth,
+    as one forward at the deepest depth would see it.
     """
     wanted = check_depths(depths)
     scale = model.config.init_scale if init_scale is None else init_scale
-    model.check_inputs(input_ids, None, attention_mask, None, None)
+    model.check_inputs(input_ids, None, attention_mask, input_states, None)
     engine = Recurrence(model, fast=False)  # the model's own modules
     pass_ = engine.begin(input_ids, attention_mask)
-    s0 = engine.initial_state(pass_.e, scale, generator)
+    s0 = input_states.to(pass_.e.dtype) if input_states is not None else engine.initial_state(pass_.e, scale, generator)
     for depth, state in engine.depths(s0, pass_, wanted):
         yield depth, engine.readout(state, pass_)

@@ -137,3 +137,17 @@ def test_weights_holding_nan_or_inf_are_refused_at_load(tmp_path):
     model.save_pretrained(tmp_path / "m")
     with pytest.raises(ValueError, match=r"2 weight tensor\(s\) hold NaN or inf, e.g. .*core_block.0.mlp.proj"):
         rd.RecurrentDepthLM.from_pretrained(tmp_path / "m")
+
+
+def test_save_with_a_sentencepiece_only_tokenizer_directory_copies_it(tiny_model, tmp_path):
+    """A retrofitted sentencepiece source's directory holds tokenizer.model and no tokenizer.json:
+    save_pretrained(tokenizer=DIR) refused it (tokenizer_dir=DIR copied it); both copy it now."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "tokenizer.model").write_bytes(b"\x0a\x03abc")
+    (src / "tokenizer_config.json").write_text('{"tokenizer_class": "LlamaTokenizer"}')
+    tiny_model.save_pretrained(tmp_path / "out", tokenizer=src)
+    assert (tmp_path / "out" / "tokenizer.model").read_bytes() == b"\x0a\x03abc"
+    assert (tmp_path / "out" / "tokenizer_config.json").is_file()
+    with pytest.raises(FileNotFoundError, match="is not a directory holding tokenizer.json"):
+        tiny_model.save_pretrained(tmp_path / "out2", tokenizer=tmp_path / "out2")

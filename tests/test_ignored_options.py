@@ -122,6 +122,24 @@ def test_the_server_accepts_an_ignored_field_and_warns_in_its_json_name():
     ]
 
 
+def test_a_request_preparation_worker_does_not_print_the_servers_warning_again():
+    """The server's tokenizer workers (`Preparer`, in their own processes) validate a request's options too:
+    each ignored field was printed twice, once by the worker in Python's form; the server logs it once."""
+    import json
+
+    from recurrent_depth.serving.prep import Preparer, PrepSpec
+    from recurrent_depth.serving.protocol import Limits
+
+    spec = PrepSpec(None, 64, Limits(max_seq_len=64, mean_recurrence=4, vocab_size=64), frozenset({"m"}),
+                    eos_configured=False, memory_headroom=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = Preparer(spec).prepare("completions", json.dumps(
+            {"model": "m", "prompt": [1, 2, 3], "max_tokens": 2, "lookahead": 3}).encode())
+    assert result[0] == "ok", result
+    assert [str(w.message) for w in caught if issubclass(w.category, OptionWarning)] == []
+
+
 def test_docs_list_every_option_that_matters_in_one_mode_only():
     from pathlib import Path
 

@@ -209,6 +209,26 @@ def test_a_mistral_config_without_sliding_window_has_transformers_default_window
     with pytest.raises(ValueError, match=r"mistral with sliding_window=4096 < max_position_embeddings=8192"):
         retrofit(tmp_path, prelude=1, core=(1, 2), coda=0)
 
+def test_rope_scaling_beside_rope_parameters_is_read_as_transformers_reads_it(tmp_path):
+    """transformers reads a config.json's non-empty rope_scaling over its rope_parameters; retrofit read
+    rope_parameters and converted a linearly scaled RoPE as the default one (logits differed, no error)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    perturbed(LlamaForCausalLM(LlamaConfig(**SHAPE))).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["rope_parameters"]["rope_type"] == "default"
+    config["rope_scaling"] = {"rope_type": "linear", "factor": 4.0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    model = retrofit(tmp_path, prelude=2, core=(2, 4), coda=1, adapter_init="e", dtype=torch.float32)
+    assert model.config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    ids = torch.randint(0, 96, (1, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, num_steps=1, init_scale=0.0).logits, hf(ids).logits.float(),
+                                   rtol=1e-5, atol=1e-4)
+
+
 def test_a_looped_model_is_refused_rather_than_retrofitted_without_its_loop(tmp_path):
     """A directory `rdepth loop search --save` wrote (config.json holds "loop") or a looped model in memory:
     retrofitting it silently dropped the loop."""

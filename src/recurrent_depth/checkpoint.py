@@ -122,8 +122,10 @@ def save_tokenizer_files(tokenizer: Any, out: Path, model_max_length: int | None
     from tokenizers import Tokenizer
 
     if isinstance(tokenizer, str | os.PathLike):
-        if not (Path(tokenizer) / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"tokenizer={str(tokenizer)!r} is not a directory holding tokenizer.json")
+        if not any((Path(tokenizer) / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+            # (a retrofitted sentencepiece source holds only tokenizer.model: copied as tokenizer_dir= copies it)
+            raise FileNotFoundError(f"tokenizer={str(tokenizer)!r} is not a directory holding tokenizer.json "
+                                    f"(or a sentencepiece tokenizer.model)")
         copy_tokenizer(tokenizer, out)
     elif isinstance(tokenizer, Tokenizer):
         from recurrent_depth.data.tokenizer import save_tokenizer

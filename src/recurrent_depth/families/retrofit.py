@@ -238,7 +238,8 @@ def rope_settings(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     for key in ("rope_parameters", "rope_scaling"):
         if hf.get(key) is not None and not isinstance(hf[key], dict):
             raise fail(f"{key}={hf[key]!r} is invalid: expected a JSON object or null")
-    if isinstance(params, dict) and params:
+    # transformers reads a non-empty `rope_scaling` over `rope_parameters` when a config.json holds both
+    if isinstance(params, dict) and params and not hf.get("rope_scaling"):
         if any(isinstance(v, dict) for v in params.values()):
             raise fail(f"cannot convert per-layer-type rope_parameters {sorted(params)}")
         theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))

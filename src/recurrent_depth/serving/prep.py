@@ -18,9 +18,11 @@ import logging
 import multiprocessing
 import os
 import signal
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from recurrent_depth.inference.options import OptionWarning
 from recurrent_depth.serving.chat_template import RenderedTooLong, TemplateLimit
 from recurrent_depth.serving.protocol import APIError, Limits, parse_chat, parse_completion, parse_request_body
 from recurrent_depth.serving.text import ContextTooLong, TextCodec
@@ -51,7 +53,9 @@ class Preparer:
 
     def prepare(self, kind: str, raw: bytes) -> tuple:
         try:
-            return ("ok", *self._prepare(kind, raw))
+            with warnings.catch_warnings():  # the server validates the options again and logs each OptionWarning
+                warnings.simplefilter("ignore", OptionWarning)  # once in its own form (this process printed a copy)
+                return ("ok", *self._prepare(kind, raw))
         except APIError as exc:
             return ("error", exc.status, exc.message, exc.type, exc.param, exc.code)
         except MemoryError:

@@ -414,3 +414,17 @@ def test_path_independence_checks_the_row_and_repeated_positions(model, ids):
 def test_trajectory_refuses_ids_the_model_cannot_embed(model, bad):
     with pytest.raises(ValueError, match="outside the vocabulary|integer token ids"):
         collect_trajectory(model, torch.tensor(bad), 2)
+
+
+def test_left_padded_row_with_a_random_s0_matches_the_prompt_alone(model):
+    # a row's s_0 (and so its states) is what its prompt gets alone, not a slice of the batch's draw
+    batch = torch.tensor([[9, 8, 7, 6], [0, 0, 4, 5]])
+    mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
+    padded = collect_trajectory(model, batch, 3, seed=4, attention_mask=mask)
+    for row, prompt in ((0, batch[:1]), (1, batch[1:, 2:])):
+        alone = collect_trajectory(model, prompt, 3, seed=4)
+        np.testing.assert_allclose(padded.states("raw", row), alone.states("raw", 0), atol=ATOL_RUN)
+        np.testing.assert_allclose(padded.states("normed", row), alone.states("normed", 0), atol=ATOL_RUN)
+    pi = path_independence(model, batch, 3, seeds=[1, 2], attention_mask=mask, row=1)
+    alone = path_independence(model, batch[1:, 2:], 3, seeds=[1, 2])
+    np.testing.assert_allclose(pi.finals, alone.finals, atol=ATOL_RUN)

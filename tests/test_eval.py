@@ -404,3 +404,62 @@ def test_rdepth_eval_of_a_diverging_model_writes_strict_json(tmp_path):
     results = json.loads(text, parse_constant=lambda name: pytest.fail(f"non-standard JSON constant {name}"))
     by_depth = results["text"]["by_depth"]
     assert by_depth["1"]["bits_per_byte"] is None and by_depth["0"]["bits_per_byte"] is not None
+
+
+def test_accuracy_grid_gives_each_problem_its_own_s0_whatever_the_batch(model, monkeypatch):
+    # A problem's logits (its s_0) are what it gets alone: not the batch size, the padding or the neighbours.
+    import recurrent_depth.evaluation.reasoning.evaluate as evaluate
+
+    seen: list[torch.Tensor] = []
+
+    def recording(model, input_ids, depths, **kwargs):
+        for depth, logits in logits_at_depths(model, input_ids, depths, **kwargs):
+            seen.extend(logits)
+            yield depth, logits
+
+    monkeypatch.setattr(evaluate, "logits_at_depths", recording)
+    task = VariableChains()
+    per_item = []
+    for batch_size in (1, 3):
+        seen.clear()
+        grid = accuracy_grid(model, task, [1, 2], [2], count=4, seed=5, batch_size=batch_size)
+        per_item.append((grid.accuracy, list(seen)))
+    (alone_acc, alone), (batched_acc, batched) = per_item
+    assert alone_acc == batched_acc and len(alone) == len(batched) == 8
+    for a, b in zip(alone, batched):
+        assert len(a) <= len(b)  # alone, a row has its own columns; in a batch it is padded on the right
+        assert torch.allclose(a, b[: len(a)], atol=1e-5)
+
+
+def test_eval_reasoning_takes_the_batch_size(model, monkeypatch):
+    # --batch-size (sequences per forward) bounds the reasoning problems per forward too
+    import recurrent_depth.evaluation.reasoning.evaluate as evaluate
+    from recurrent_depth.evaluation.depth_eval import EvalConfig, _reasoning
+
+    sizes: list[int] = []
+    real = evaluate.answer_correct_at_depths
+
+    def recording(model, batch, *args, **kwargs):
+        sizes.append(batch["input_ids"].shape[0])
+        return real(model, batch, *args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "answer_correct_at_depths", recording)
+    config = EvalConfig(model="unused", data=None, reasoning_tasks=["chains"], difficulties=[0], count=5,
+                        batch_size=2).validate()
+    grid = _reasoning(model, config, "chains", [1])
+    assert sizes == [2, 2, 1] and grid["count"] == 5
+
+
+@pytest.mark.parametrize("args", [{}, {"exit_criterion": "kl", "exit_threshold": 1e-2}], ids=["fixed", "adaptive"])
+def test_a_one_token_context_under_warm_start_scores_as_it_does_alone(model, args):
+    # In a batch with longer contexts its first token warm-started from a padding column's state
+    requests = [([1, 2, 3, 4, 5], [6, 7]), ([9], [10, 11])]
+
+    def streams(rows):
+        return [torch.Generator().manual_seed(40 + b) for b in rows]
+
+    together = stepwise_logprobs(model, requests, 3, 0, warm_start=True, generator=streams([0, 1]), **args)
+    for b, request in enumerate(requests):
+        alone = stepwise_logprobs(model, [request], 3, 0, warm_start=True, generator=streams([b]), **args)[0]
+        assert math.isclose(together[b].logprob, alone.logprob, rel_tol=1e-5, abs_tol=1e-5), b
+        assert together[b].steps == alone.steps

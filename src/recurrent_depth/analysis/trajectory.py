@@ -183,9 +183,11 @@ def iterate_states(
     """Yield `(StepState, ctx)` for steps 0..num_steps of one run, computing each on demand.
 
     Runs the recurrence engine over the model's own modules (`inference.engine.Recurrence`), so the
-    states are exactly those of `model(input_ids, num_steps, init_scale=..., generator=...)`.
+    states are exactly those of `model(input_ids, num_steps, init_scale=..., generator=...)` (per row, in a batch).
     `ctx` is the mixer context, which `model.predict(normed, ctx)` needs to read logits.
-    s_0 is drawn from a generator seeded with `seed` (or given as `input_states` [B, T, h]).
+    s_0 is drawn from a generator seeded with `seed` (or given as `input_states` [B, T, h]); in a batch,
+    each row's from its own generator seeded with `seed`, over its real tokens, so a row's states are
+    those of its prompt run alone (`model(row, ..., generator=...)`), whatever the padding and neighbours.
     """
     _check_ids(model, input_ids, attention_mask)
     _check_steps("num_steps", num_steps, 0)
@@ -200,6 +202,14 @@ def iterate_states(
         if tuple(input_states.shape) != tuple(e.shape):
             raise ValueError(f"input_states must have shape {tuple(e.shape)}, got {tuple(input_states.shape)}")
         state = input_states.to(device=e.device, dtype=e.dtype)
+    elif seed is not None and e.shape[0] > 1 and model.config.state_init == "random":
+        # each row's s_0 drawn alone from `seed` over its real tokens (zeros on its padding), as the row's
+        # prompt run alone draws it: a row's trajectory does not depend on its padding or its neighbours
+        state = torch.zeros_like(e)
+        first = mask.long().argmax(dim=1).tolist() if mask is not None else [0] * e.shape[0]
+        for b, start in enumerate(first):
+            generator = make_generator(seed, e.device)
+            state[b, start:] = engine.initial_state(e[b : b + 1, start:], init_scale, generator)[0]
     else:
         state = engine.initial_state(e, init_scale, make_generator(seed, e.device))
     ln_f = model.transformer.ln_f

@@ -160,7 +160,7 @@ def _reasoning(model, config: EvalConfig, task_name: str, depths: list[int]) -> 
     task = get_task(task_name)
     difficulties = config.difficulties or list(range(task.min_difficulty, task.min_difficulty + 9))
     grid = accuracy_grid(model, task, difficulties, depths, count=config.count, seed=config.seed + 1,
-                         encoder=ProblemEncoder(), init_scale=config.init_scale)
+                         batch_size=config.batch_size, encoder=ProblemEncoder(), init_scale=config.init_scale)
     return grid.to_dict() | {"table": grid.table()}
 
 

@@ -217,10 +217,11 @@ def stepwise_logprobs(
         return apart([[b] for b in range(B)] if rows_apart else [list(range(B // 2)), list(range(B // 2, B))])
     short = [b for b, (context, _) in enumerate(requests) if len(context) == 1]
     whole = exit_in_prefill or (exit_kv == "compute" and spec is not None)  # the whole context prefilled
-    if kv_quant is not None and not whole and 0 < len(short) < B:
+    if (kv_quant is not None or warm_start) and not whole and 0 < len(short) < B:
         # A quantized cache calibrates its outlier channels on each row's first write: the prefill of the
         # context but its last token, which a one-token context does not have (alone, its row calibrates on
-        # the write of that token). Score the one-token contexts as a batch of their own.
+        # the write of that token). A warm start would start that token from a padding column's state
+        # (alone, from its s_0). Score the one-token contexts as a batch of their own.
         return apart([short, [b for b in range(B) if b not in short]])
     # a shared core slot (kv_budget, kv_policy) that a log-linear state cannot take
     check_position_counters(model, policy, B, None, num_steps)

@@ -8,6 +8,7 @@ forward per depth decides it (no generation loop). All depths come from one pass
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +77,27 @@ class AccuracyGrid:
         return "\n".join(lines)
 
 
+def item_states(
+    model: RecurrentDepthLM, input_ids: torch.Tensor, labels: torch.Tensor, init_scale: float | None, seed: int
+) -> torch.Tensor | None:
+    """s_0 `[B, T, h]` with each row drawn alone from a stream seeded by `seed` and its tokens up to its last
+    scored position (the columns after it, padding, are zero); None for a model whose s_0 is e."""
+    if model.config.state_init != "random":
+        return None
+    scale = model.config.init_scale if init_scale is None else init_scale
+    B, T = input_ids.shape
+    states = torch.zeros((B, T, model.config.hidden_size), device=input_ids.device,
+                         dtype=model.transformer.wte.weight.dtype)
+    scored = (labels != -100).nonzero()
+    for b in range(B):
+        cols = scored[scored[:, 0] == b, 1]
+        length = int(cols.max()) + 1 if len(cols) else T
+        key = hashlib.blake2b(f"{seed}:{input_ids[b, :length].tolist()}".encode(), digest_size=8).digest()
+        generator = torch.Generator(device=input_ids.device).manual_seed(int.from_bytes(key, "little") % 2**63)
+        states[b, :length] = model.initial_state(states[b : b + 1, :length], scale, generator)[0]
+    return states
+
+
 @torch.no_grad()
 def answer_correct_at_depths(
     model: RecurrentDepthLM,
@@ -84,13 +106,17 @@ def answer_correct_at_depths(
     init_scale: float | None = None,
     seed: int = 0,
 ) -> dict[int, torch.Tensor]:
-    """depth -> bool [B]: is the whole answer (and the end token) the greedy choice at that depth."""
+    """depth -> bool [B]: is the whole answer (and the end token) the greedy choice at that depth.
+
+    Each row's s_0 comes from its own stream, seeded by `seed` and the row's tokens (up to its last
+    scored one), so a problem gets the same s_0, and the same answer, whatever the batch, its
+    padding or its neighbours: what it gets alone."""
     input_ids, labels = batch["input_ids"], batch["labels"]
     targets = labels[:, 1:]
     scored = targets != -100
-    generator = torch.Generator(device=input_ids.device).manual_seed(seed)
+    states = item_states(model, input_ids, labels, init_scale, seed)
     out = {}
-    for depth, logits in logits_at_depths(model, input_ids, depths, init_scale=init_scale, generator=generator):
+    for depth, logits in logits_at_depths(model, input_ids, depths, init_scale=init_scale, input_states=states):
         hits = (logits[:, :-1].argmax(-1) == targets) | ~scored
         out[depth] = hits.all(dim=1)
     return out
@@ -132,7 +158,7 @@ def accuracy_grid(
             for start in range(0, count, batch_size):
                 batch = encoder.batch(problems[start : start + batch_size])
                 batch = {k: v.to(model.device) for k, v in batch.items()}
-                hits = answer_correct_at_depths(model, batch, depths, init_scale, seed=seed + start)
+                hits = answer_correct_at_depths(model, batch, depths, init_scale, seed=seed)
                 for depth in depths:
                     correct[depth] += int(hits[depth].sum())
                 bar.update(len(problems[start : start + batch_size]))

@@ -151,3 +151,17 @@ def test_save_with_a_sentencepiece_only_tokenizer_directory_copies_it(tiny_model
     assert (tmp_path / "out" / "tokenizer_config.json").is_file()
     with pytest.raises(FileNotFoundError, match="is not a directory holding tokenizer.json"):
         tiny_model.save_pretrained(tmp_path / "out2", tokenizer=tmp_path / "out2")
+
+
+def test_save_with_a_tokenizer_larger_than_the_vocabulary_is_refused_before_writing(tiny_model, tmp_path):
+    """README's save_pretrained(DIR, tokenizer=...) wrote a directory every --model load then refused (a
+    tokenizer with more tokens than vocab_size); it is refused at save now, naming both sizes."""
+    from recurrent_depth.evaluation.reasoning.data import byte_tokenizer
+
+    big = byte_tokenizer()  # 288 tokens
+    assert tiny_model.config.vocab_size < 288
+    big.save(str(tmp_path / "tokenizer.json"))
+    for tokenizer in (big, tmp_path):
+        with pytest.raises(ValueError, match=r"has 288 tokens but the model's vocabulary has \d+"):
+            tiny_model.save_pretrained(tmp_path / "out", tokenizer=tokenizer)
+        assert not (tmp_path / "out").exists()

@@ -263,3 +263,16 @@ def test_cli_train_reads_the_corpora_rdepth_train_reads(tmp_path: Path, capsys: 
     assert "--follow-symlinks" in capsys.readouterr().err
     assert cli_main(["tokenizer", "train", "--data", str(data), "--follow-symlinks", "--vocab-size", "290",
                      "--out", str(out)]) == 0
+
+
+def test_cli_train_says_when_max_bytes_cut_the_corpus(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`rdepth tokenizer train --max-bytes N` printed the whole corpus's size as what it trained on."""
+    data = tmp_path / "corpus"
+    data.mkdir()
+    for i in range(3):
+        (data / f"m{i}.py").write_text(f"def handler_{i}(path):\n    return path + '{i}'\n" * 20)
+    out = tmp_path / "tok"
+    assert cli_main(["tokenizer", "train", "--data", str(data), "--vocab-size", "300", "--max-bytes", "100",
+                     "--out", str(out)]) == 0
+    assert "its first 100 bytes (--max-bytes)" in capsys.readouterr().out
+    assert json.loads((out / "tokenizer_training.json").read_text())["max_bytes"] == 100

@@ -156,6 +156,20 @@ def test_rdepth_lm_eval_reports_bad_model_args_in_one_line(model_dir, capsys):
                            "or of ours (") and "num_steps" in last
 
 
+
+def test_a_missing_relative_pretrained_is_one_line_naming_it(monkeypatch, tmp_path):
+    """pretrained=runs/nope (a relative path that is not there) is tried as a hub id; offline, transformers'
+    two-line message came out as the error, not naming the missing directory."""
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OSError) as info:
+        RecurrentDepthEvalLM(pretrained="runs/nope")
+    message = str(info.value)
+    assert message.startswith("pretrained=runs/nope: no such directory, and as a hub id: ") and "\n" not in message
+
 def test_rdepth_lm_eval_takes_threads(monkeypatch, capsys):
     # README: every command takes --threads N; `rdepth lm-eval` handed it to lm-eval, which refused it
     # ("unrecognized arguments: --threads 1") wherever it stood.

@@ -308,3 +308,16 @@ def test_a_resume_with_other_prompts_reward_or_objective_is_refused(one_thread, 
         assert len(errors) == 1 and "cannot resume this RL run" in errors[0] and message in errors[0], errors
         assert not (tmp_path / "run" / "checkpoints" / "step-00000002").exists()
     assert main(resume) == 0 and (tmp_path / "run" / "checkpoints" / "step-00000002").exists()
+
+
+def test_a_resume_that_spells_out_a_default_rollout_option_is_accepted(byte_model):
+    """`rdepth rl ... --kv-policy per-step+deepest` (the default) then `--resume` without it (or the other way
+    round) was refused as changed rollout settings, though the rollouts are the same."""
+    saved = source(byte_model, kv_policy="per-step+deepest").state_dict()
+    resumed = source(byte_model)
+    resumed.load_state_dict(saved)
+    assert resumed.batches == saved["batches"]
+    source(byte_model, kv_policy="per-step+deepest").load_state_dict(source(byte_model).state_dict())
+    for other in (source(byte_model, kv_policy="per-step+skip"), source(byte_model, num_steps=5)):
+        with pytest.raises(ValueError, match="rollout settings changed"):
+            other.load_state_dict(saved)

@@ -78,6 +78,8 @@ def save_pretrained(
     into shards with an index file (as large checkpoints are). Files get the permissions the umask gives.
     """
     check_saveable(model, path)  # before anything in `path` is touched
+    for given in (tokenizer_dir, tokenizer):
+        _check_tokenizer_fits(given, model.config.vocab_size)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     state = {}
@@ -115,6 +117,21 @@ def save_pretrained(
         copy_tokenizer(tokenizer_dir, out)
     if tokenizer is not None:
         save_tokenizer_files(tokenizer, out, model_max_length=model.config.max_seq_len)
+
+
+def _check_tokenizer_fits(tokenizer: Any, vocab_size: int) -> None:
+    """A one-line ValueError where the tokenizer to save makes ids past the model's vocabulary: every
+    `--model` load refuses such a directory (a sentencepiece-only directory is not read here)."""
+    from tokenizers import Tokenizer
+
+    from recurrent_depth.data.tokenizer import check_fits_vocab, load_tokenizer
+
+    if isinstance(tokenizer, str | os.PathLike) and (Path(tokenizer) / "tokenizer.json").is_file():
+        check_fits_vocab(load_tokenizer(tokenizer), vocab_size, tokenizer)
+    elif isinstance(tokenizer, Tokenizer):
+        check_fits_vocab(tokenizer, vocab_size, "tokenizer")
+    elif isinstance(getattr(tokenizer, "backend_tokenizer", None), Tokenizer):  # a transformers fast tokenizer
+        check_fits_vocab(tokenizer.backend_tokenizer, vocab_size, getattr(tokenizer, "name_or_path", "tokenizer"))
 
 
 def save_tokenizer_files(tokenizer: Any, out: Path, model_max_length: int | None = None) -> None:

@@ -98,6 +98,7 @@ def _train(args: argparse.Namespace) -> int:
         f"trained a {args.vocab_size}-token byte-level BPE in {meta['train_seconds']:.1f} s on "
         f"{corpus['name']} ({corpus['num_documents']} documents, {corpus['num_bytes'] / 1e6:.1f} MB, "
         f"sha256 {corpus['sha256'][:12]})"
+        + (f", its first {args.max_bytes:,} bytes (--max-bytes)" if args.max_bytes is not None else "")
     )
     print(f"special token ids: {json.dumps(meta['special_token_ids'])}")
     print(f"saved to {args.out} (load with AutoTokenizer.from_pretrained({args.out!r}))")

@@ -132,6 +132,11 @@ class RecurrentDepthEvalLM(HFLM):
                 raise
             raise ValueError(f"model_args: {unknown.group(1)}={kwargs.get(unknown.group(1))!r} is not an argument of "
                              f"lm-eval's HF model or of ours ({', '.join(sorted(MODEL_ARGS))})") from None
+        except OSError as exc:  # not a local directory, so transformers tried it as a hub id (a multi-line message)
+            if not isinstance(pretrained, str) or Path(pretrained).expanduser().is_dir():
+                raise
+            raise OSError(f"pretrained={pretrained}: no such directory, and as a hub id: "
+                          f"{' '.join(str(exc).split())}") from None
         self._core = self.model.core
         try:
             with spelled_warnings(kwarg_spelling(given_as)):

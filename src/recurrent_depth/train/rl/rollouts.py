@@ -24,7 +24,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -262,7 +262,7 @@ class RolloutSource(BatchSource):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved, now = state.get("settings"), self.describe()["settings"]
-        if saved != now:
+        if saved != now and not self._same_rollouts(saved):
             raise ValueError(f"cannot resume this RL run: its rollout settings changed (saved {saved}, now {now})")
         saved_run, run = state.get("run"), self.run
         if saved_run is not None and run is not None and saved_run != run:  # (checkpoints before it: not compared)
@@ -270,6 +270,18 @@ class RolloutSource(BatchSource):
                                 if saved_run.get(k) != run.get(k))
             raise ValueError(f"cannot resume this RL run: its prompts, reward or objective changed ({changed})")
         self.batches = int(state["batches"])
+
+    def _same_rollouts(self, saved: Any) -> bool:
+        """Whether saved settings spelled otherwise make the same rollouts (an explicit default such as
+        kv_policy='per-step+deepest' beside none): the same G, seed and backprop depth, equal resolved options."""
+        try:
+            other = RolloutSettings(**saved)
+            if asdict(other) | {"generation": {}} != asdict(self.settings) | {"generation": {}}:
+                return False
+            theirs, ours = other.options(self.policy), self.options
+        except (TypeError, ValueError):
+            return False
+        return replace(theirs, kv_policy=None, kv_budget=None) == replace(ours, kv_policy=None, kv_budget=None)
 
     def describe(self) -> dict[str, Any]:
         settings = asdict(self.settings)

@@ -318,6 +318,8 @@ def test_a_resume_that_spells_out_a_default_rollout_option_is_accepted(byte_mode
     resumed.load_state_dict(saved)
     assert resumed.batches == saved["batches"]
     source(byte_model, kv_policy="per-step+deepest").load_state_dict(source(byte_model).state_dict())
-    for other in (source(byte_model, kv_policy="per-step+skip"), source(byte_model, num_steps=5)):
-        with pytest.raises(ValueError, match="rollout settings changed"):
+    for other, change in ((source(byte_model, kv_policy="per-step+skip"), r"kv_policy 'per-step\+deepest' -> "
+                                                                          r"'per-step\+skip'"),
+                          (source(byte_model, num_steps=5), ".*num_steps 6 -> 5")):
+        with pytest.raises(ValueError, match=rf"rollout settings changed \({change}\)$"):  # (only what changed)
             other.load_state_dict(saved)

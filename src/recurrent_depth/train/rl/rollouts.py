@@ -263,12 +263,15 @@ class RolloutSource(BatchSource):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved, now = state.get("settings"), self.describe()["settings"]
         if saved != now and not self._same_rollouts(saved):
-            raise ValueError(f"cannot resume this RL run: its rollout settings changed (saved {saved}, now {now})")
+            if isinstance(saved, dict):  # the fields that differ, the generation options among them by name
+                saved = {**saved, **(saved.get("generation") or {})}
+                now = {**now, **now["generation"]}
+                saved.pop("generation", None), now.pop("generation")
+            raise ValueError(f"cannot resume this RL run: its rollout settings changed ({changes(saved, now)})")
         saved_run, run = state.get("run"), self.run
         if saved_run is not None and run is not None and saved_run != run:  # (checkpoints before it: not compared)
-            changed = ", ".join(f"{k} {saved_run.get(k)!r} -> {run.get(k)!r}" for k in sorted(set(saved_run) | set(run))
-                                if saved_run.get(k) != run.get(k))
-            raise ValueError(f"cannot resume this RL run: its prompts, reward or objective changed ({changed})")
+            raise ValueError(f"cannot resume this RL run: its prompts, reward or objective changed "
+                             f"({changes(saved_run, run)})")
         self.batches = int(state["batches"])
 
     def _same_rollouts(self, saved: Any) -> bool:
@@ -288,3 +291,11 @@ class RolloutSource(BatchSource):
         settings["generation"] = {k: settings["generation"][k] for k in sorted(settings["generation"])}
         return {"source": "rl-rollouts", "settings": settings, "prompts": repr(self.prompts)[:200],
                 "reward": repr(self.reward.base)[:200]}
+
+
+def changes(saved: Any, now: dict[str, Any]) -> str:
+    """`key saved -> now` for each key whose value differs (the whole saved value when it is not a dict)."""
+    if not isinstance(saved, dict):
+        return f"saved {saved!r}"
+    return ", ".join(f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
+                     if saved.get(k) != now.get(k))

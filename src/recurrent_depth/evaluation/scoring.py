@@ -38,7 +38,12 @@ from recurrent_depth.inference.criteria import ExitCriterion, gate_for, resolve_
 from recurrent_depth.inference.engine import Recurrence
 from recurrent_depth.inference.quant_cache import kv_quant_for_model
 from recurrent_depth.inference.sampling import RowGenerators
-from recurrent_depth.inference.session import RANDOMIZED_LOOKUP_STREAM, check_policy_for_model, check_position_counters
+from recurrent_depth.inference.session import (
+    RANDOMIZED_LOOKUP_STREAM,
+    adaptive_schedule,
+    check_policy_for_model,
+    check_position_counters,
+)
 from recurrent_depth.model.recurrent import RecurrentDepthLM, mixers_with
 
 
@@ -237,9 +242,7 @@ def stepwise_logprobs(
         rows = RowGenerators([g.initial_seed() for g in generator], B, device)  # generate derives a row's
         cache.lookup_generators = rows.derived(RANDOMIZED_LOOKUP_STREAM)
     criterion = ExitCriterion(spec, threshold, gate) if spec is not None else None
-    schedule = dict(num_steps=num_steps, max_steps=num_steps, min_steps=1 if skip else min_steps,
-                    first_check=min_steps + 1 if skip else 1, check_every=check_every,
-                    read_last_check=skip)  # (the schedule of `Session.schedule`)
+    schedule = adaptive_schedule(num_steps, num_steps, min_steps, check_every, min_steps_rule)  # generate's
 
     # Prefill all but the last context token at full depth; every prediction that is scored
     # (from the last context token on) then runs under the exit criterion. With exit_in_prefill,

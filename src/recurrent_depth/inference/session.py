@@ -69,6 +69,15 @@ def prepare_inputs(model: Any, input_ids: Any, attention_mask: Any) -> tuple[Ten
     return input_ids.to(device), (mask.to(device) if mask is not None else None)
 
 
+def adaptive_schedule(num_steps: int, max_steps: int, min_steps: int, check_every: int,
+                      min_steps_rule: str) -> dict[str, Any]:
+    """The step loop's keyword arguments (`Recurrence.run_adaptive`) for these options: under the "skip"
+    rule the first min_steps steps run unchecked; the official loop keeps its last check's logits at max_steps."""
+    skip = min_steps_rule == "skip"
+    return dict(num_steps=num_steps, max_steps=max_steps, min_steps=1 if skip else min_steps,
+                first_check=min_steps + 1 if skip else 1, check_every=check_every, read_last_check=skip)
+
+
 def check_position_counters(model: Any, policy: Any, rows: int, exit_criterion: str | None, steps: int) -> None:
     """Refuse what the mixers whose state counts positions (log-linear, TTT-KVB) cannot keep exact: an exit
     criterion (`exit_criterion`, None when none or under exit_kv='compute') on a batch of several rows, and
@@ -168,14 +177,8 @@ class Session:
         self.pad_token_id = next((t for t in (cfg.pad_token_id, *config_eos) if t is not None), 0)
         self.criterion = (ExitCriterion(options.criterion, options.threshold, gate_for(options.criterion, model))
                           if options.criterion else None)
-        skip = options.min_steps_rule == "skip"
-        # The step loop's schedule (see `Recurrence.run_adaptive`): under the "skip" rule the first
-        # min_steps steps run unchecked; the official loop keeps its last check's logits at max_steps.
-        self.schedule = dict(
-            num_steps=options.num_steps, max_steps=options.max_steps,
-            min_steps=1 if skip else options.min_steps, first_check=options.min_steps + 1 if skip else 1,
-            check_every=options.check_every, read_last_check=skip,
-        )
+        self.schedule = adaptive_schedule(options.num_steps, options.max_steps, options.min_steps,
+                                          options.check_every, options.min_steps_rule)
         # exit_kv="compute" (`Recurrence.run_computing`): every step runs, under the "exit" rule.
         self.computing = options.exit_kv == "compute" and self.criterion is not None
         self.compute_schedule = dict(max_steps=options.max_steps, min_steps=options.min_steps,

@@ -84,7 +84,8 @@ class SoloRun:
 
     def next(self) -> TokenResult | None:
         """The next token, or None when the session has ended."""
-        event, self._pending = (self._pending, None) if self._pending is not None else (next(self._events, None), None)
+        event = self._pending if self._pending is not None else next(self._events, None)
+        self._pending = None
         if event is None:
             return None
         result = TokenResult(event.token, event.steps, event.reason)

@@ -198,15 +198,13 @@ def validation_loss_by_depth(
                 break
             rows = torch.as_tensor(rows).to(device)
             batch_seed = (seed * 1_000_003 + i) % (2**63)
-            if sharded:
+            if sharded:  # (an FSDP forward is collective: every rank runs it, with a batch or not)
                 losses, corr = forward_losses(model, rows, depths, batch_seed, dtype)
-                if i >= num_batches:  # this rank has no batch left this round: its forward only serves the others
-                    continue
-            elif i >= num_batches:
-                continue
-            else:
+            elif i < num_batches:
                 gen = torch.Generator(device=device).manual_seed(batch_seed)
                 losses, corr = depth_losses(model, rows, depths, gen, dtype)
+            if i >= num_batches:  # this rank has no batch left this round
+                continue
             for d in depths:
                 loss_sum[d] += losses[d].double().cpu()
                 corr_sum[d] += corr[d].double().cpu()

@@ -485,6 +485,18 @@ def test_output_attentions_while_decoding_with_a_cache_and_in_generate(hf_model)
         hf_model.generate(x, output_attentions=True, **routed)
 
 
+@pytest.mark.parametrize("mixer", ["mla", "dsa", "nsa"])
+def test_output_attentions_has_the_weights_of_latent_and_sparse_attention(tmp_path, mixer):
+    """The core's MLA / DSA / NSA layers gave None; now their weights, with the logits of the fast path."""
+    make_model_dir(tmp_path, with_tokenizer=False, mixer={"core": mixer})
+    model = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        out = model(ids(), num_steps=2, init_scale=0.0, output_attentions=True)
+        fast = model(ids(), num_steps=2, init_scale=0.0)
+    torch.testing.assert_close(out.logits, fast.logits, atol=1e-5, rtol=1e-5)
+    assert [tuple(a.shape) for a in out.attentions] == [(2, 4, 7, 7)] * 6
+
+
 def test_output_attentions_gives_none_for_other_mixers(tmp_path):
     make_model_dir(tmp_path, with_tokenizer=False, mixer={"core": "gated_deltanet"})
     model = AutoModelForCausalLM.from_pretrained(tmp_path).eval()

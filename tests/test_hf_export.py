@@ -217,3 +217,9 @@ def test_remote_file_returns_the_attention_weights_it_uses(tmp_path):
         library = ours(x, attention_mask=mask, num_steps=2, init_scale=0.0, output_attentions=True).attentions
     for a, b in zip(theirs, library, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    exported.double()  # a float64 model's weights came from float32 logits (off by ~1e-8 from the fast path)
+    with torch.no_grad():
+        flagged = exported(x, attention_mask=mask, num_steps=2, init_scale=0.0, output_attentions=True)
+        fast = exported(x, attention_mask=mask, num_steps=2, init_scale=0.0)
+    assert flagged.attentions[0].dtype == torch.float64
+    torch.testing.assert_close(flagged.logits, fast.logits, atol=1e-10, rtol=1e-10)

@@ -409,6 +409,82 @@ def test_mixers_touch_the_cache_only_through_their_own_layer_key(case):
     assert cache.keys == {("prelude", 0), ("coda", 0)} | {("core", 0, s) for s in range(3)}
 
 
+def head_values(case: str, mixer, x):
+    """Each query head's values [B, H, S, d] over the keys of inputs x [B, S, h] (MLA: W_UV,h c_kv)."""
+    B, S, _ = x.shape
+    if MIXERS[case][0] in ("mla", "dsa"):
+        c_kv = mixer.kv_norm(mixer.wkv_a(x)[..., : mixer.kv_lora_rank])
+        return mixer.wkv_b(c_kv).view(B, S, mixer.num_heads, -1)[..., mixer.qk_nope_dim :].transpose(1, 2)
+    G = mixer.num_heads // mixer.num_kv_heads
+    return mixer.v_proj(x).view(B, S, mixer.num_kv_heads, -1).transpose(1, 2).repeat_interleave(G, 1)
+
+
+def weights_and_attended(mixer, x, ctx, key=("core", 0, 0)):
+    """(output, output_attentions weights, the input of the output projection) of one flagged call."""
+    seen = []
+    handle = mixer.proj.register_forward_hook(lambda m, args, out: seen.append(args[0]))
+    ctx.attentions = {}
+    try:
+        out = mixer(x, ctx, key)
+    finally:
+        handle.remove()
+    return out, ctx.attentions[key], seen[0]
+
+
+@pytest.mark.parametrize("case,impl", [("mla", "naive"), ("mla", "absorb"), ("mla-qlora", "auto"),
+                                       ("dsa", "naive"), ("dsa", "absorb"), ("nsa", None)])
+def test_output_attentions_of_latent_and_sparse_attention_times_v_is_the_output(case, impl):
+    """output_attentions gave None for MLA, DSA and NSA; now weights [B, H, T, S] with weights @ V equal to
+    the layer's attention output (DSA: zero off the top-k keys; NSA: the gated sum of its three branches)."""
+    mixer, cfg = make_mixer(case, **({} if impl is None else {"attn_impl": impl}))
+    B, T = 2, 9
+    x = torch.randn(B, T, cfg.hidden_size, dtype=torch.float64)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, :2] = 0
+    fast = mixer(x, context(cfg, B, T, mask), ("core", 0, 0))
+    out, probs, attended = weights_and_attended(mixer, x, context(cfg, B, T, mask))
+    torch.testing.assert_close(out, fast, **F64_TOL)  # the flag changes nothing else
+    assert probs.shape == (B, mixer.num_heads, T, T) and not probs.triu(1).any()
+    assert not probs[0, :, 2:, :2].any()  # no real query reads a pad
+    v = head_values(case, mixer, x)
+    torch.testing.assert_close((probs @ v).transpose(1, 2).reshape(B, T, -1), attended, **F64_TOL)
+    if case != "nsa":  # softmax rows; DSA's over at most topk = 3 keys
+        torch.testing.assert_close(probs.sum(-1), torch.ones(B, mixer.num_heads, T, dtype=torch.float64))
+    if case == "dsa":
+        assert (probs[1] != 0).sum(-1).max() == 3 and (probs[1, :, 3:] != 0).sum(-1).min() == 3
+    # decoding through the cache (MLA's "auto" absorbs there): the rows of the full call
+    cache = rd.DynamicCache()
+    with torch.no_grad():
+        mixer(x[1:, :5], context(cfg, 1, 5, cache=cache), ("core", 0, 0))
+        cache.advance(5)
+        _, step, attended = weights_and_attended(mixer, x[1:, 5:6], context(cfg, 1, 1, cache=cache))
+    torch.testing.assert_close(step, probs[1:, :, 5:6, :6], rtol=1e-6, atol=1e-8)  # (RoPE tables are fp32)
+
+
+def test_output_attentions_of_a_float64_attention_layer_keeps_float64_logits():
+    """The plain-math attention behind output_attentions took float32 logits even in a float64 model
+    (outputs off by ~1e-8 from SDPA's); float64 stays float64."""
+    mixer, cfg = make_mixer("attention")
+    x = torch.randn(2, 9, cfg.hidden_size, dtype=torch.float64)
+    fast = mixer(x, context(cfg, 2, 9), ("core", 0, 0))
+    out, probs, _ = weights_and_attended(mixer, x, context(cfg, 2, 9))
+    assert probs.dtype == torch.float64
+    torch.testing.assert_close(out, fast, **F64_TOL)
+
+
+@pytest.mark.parametrize("case", ["mla", "dsa", "nsa"])
+def test_model_output_attentions_has_latent_and_sparse_layers_with_the_same_logits(case):
+    model = core_model(case)
+    x = tokens(2, 7)
+    with torch.no_grad():
+        fast = model(x, num_steps=2, init_scale=0.0)
+        out = model(x, num_steps=2, init_scale=0.0, output_attentions=True)
+    assert fast.attentions is None
+    torch.testing.assert_close(out.logits, fast.logits, **F32_TOL)
+    assert sorted(out.attentions) == sorted([("prelude", 0), ("core", 0, 0), ("core", 0, 1), ("coda", 0)])
+    assert all(a.shape == (2, 2, 7, 7) for a in out.attentions.values())
+
+
 @pytest.mark.parametrize("case", ["gated_deltanet", "log_linear_gated_deltanet"])
 def test_recurrent_states_follow_a_budget_key_mapping(case):
     model = core_model(case)

@@ -192,6 +192,39 @@ def test_auto_model_keeps_transformers_output_flags_for_an_ouro_directory():
     assert isinstance(AutoModelForCausalLM.from_pretrained(case, return_dict=False)(ids), tuple)
 
 
+def test_auto_sequence_classification_loads_an_ouro_directory(tmp_path):
+    """AutoModelForSequenceClassification refused an Ouro directory (unrecognized configuration class OuroConfig);
+    now the Ouro backbone with a fresh score head on each row's last token, saved in our format."""
+    from transformers import AutoModelForSequenceClassification
+
+    from recurrent_depth.integrations.hf_seq_cls import RecurrentDepthForSequenceClassification
+
+    case = GOLDENS / "config_a"
+    labels = {0: "neg", 1: "neu", 2: "pos"}
+    model = AutoModelForSequenceClassification.from_pretrained(
+        case, dtype=torch.float32, id2label=labels, label2id={v: k for k, v in labels.items()}, total_ut_steps=2)
+    assert isinstance(model, RecurrentDepthForSequenceClassification) and not model.training
+    assert model.config.id2label == labels and model.config.mean_recurrence == 2
+    assert model.score.weight.shape == (3, model.config.hidden_size) and not hasattr(model, "lm_head")
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    lm = AutoModelForCausalLM.from_pretrained(case, dtype=torch.float32, total_ut_steps=2).eval()
+    ids = expected("config_a")["input_ids"]
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        scores = model(ids, attention_mask=mask).logits
+        torch.testing.assert_close(scores, model.score(lm.base_model(ids).last_hidden_state[:, -1]))
+    loss = model(ids, attention_mask=mask, labels=torch.zeros(ids.shape[0], dtype=torch.long)).loss
+    loss.backward()
+    assert model.transformer.wte.weight.grad is not None and model.score.weight.grad.abs().sum() > 0
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == [
+        "RecurrentDepthForSequenceClassification"]
+    back = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+    assert back.config.id2label == labels
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids, attention_mask=mask).logits, scores)
+
+
 def test_transformers_config_round_trips_every_model_config_field(tmp_path):
     declared = set(RecurrentDepthConfig.__annotations__)
     missing = sorted(f.name for f in rd.ModelConfig.__dataclass_fields__.values() if f.name not in declared)

@@ -202,7 +202,7 @@ class RecurrentDepthCausalLMOutput(CausalLMOutputWithPast):
     attentions (with ``output_attentions=True``): one entry per application of a layer, in the order
     they run: the P prelude layers, then the R core layers of step 1, of step 2, ... of step r, then the
     C coda layers (P + R r + C entries; `attention_layer_keys` names them). A softmax-attention layer's
-    entry is its weights `[B, H, T, T_past + T]`; a layer of another mixer (deltanet, ...) has None.
+    (attention, mla, dsa, nsa) entry is its weights `[B, H, T, T_past + T]`; another mixer's (deltanet, ...) None.
     """
 
     latent_states: Tensor | None = None

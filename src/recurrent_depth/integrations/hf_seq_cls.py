@@ -3,7 +3,7 @@ classification fine-tuning (transformers' Trainer).
 
     import recurrent_depth  # registers the Auto classes
     from transformers import AutoModelForSequenceClassification
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)   # a causal-LM directory
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)   # a causal-LM directory (or Ouro)
     scores = model(input_ids, attention_mask=mask, num_steps=8).logits                # [B, num_labels]
 
 As transformers' `*ForSequenceClassification` models: a score head `Linear(hidden_size, num_labels, bias=False)`
@@ -24,8 +24,8 @@ from torch import Tensor, nn
 from transformers.loss.loss_utils import ForSequenceClassificationLoss
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
-from recurrent_depth.integrations.hf import RecurrentDepthForCausalLM, _Backbone
-from recurrent_depth.integrations.hf_config import HuginnRavenConfig, RecurrentDepthConfig
+from recurrent_depth.integrations.hf import _HUB_KWARGS, OuroForCausalLM, RecurrentDepthForCausalLM, _Backbone
+from recurrent_depth.integrations.hf_config import HuginnRavenConfig, OuroConfig, RecurrentDepthConfig
 
 
 class RecurrentDepthForSequenceClassification(RecurrentDepthForCausalLM):
@@ -125,6 +125,56 @@ class RavenForSequenceClassification(RecurrentDepthForSequenceClassification):
     config_class = HuginnRavenConfig
 
 
+# a classifier's fields of transformers' config, carried from an OuroConfig to ours
+_LABEL_FIELDS = ("id2label", "label2id", "problem_type")
+
+
+class OuroForSequenceClassification(RecurrentDepthForSequenceClassification):
+    """An Ouro directory (model type ``ouro``) through `AutoModelForSequenceClassification`, without remote code.
+
+    `from_pretrained` loads the backbone as `OuroForCausalLM` does (the library's reader, Ouro's tensors renamed
+    and fused; the same arguments: `dtype`, `device_map`, `weights`, `config`, Ouro config keys, hub arguments),
+    plus transformers' label arguments (`num_labels`, `id2label`, `label2id`, `problem_type`), and puts a fresh
+    score head on it (Ouro's lm_head is left out, as for any causal-LM directory). It returns a
+    `RecurrentDepthForSequenceClassification` whose config is our `RecurrentDepthConfig`: `save_pretrained`
+    writes our format, which loads back with its trained head.
+    """
+
+    config_class = OuroConfig
+
+    def __init__(self, config: OuroConfig | RecurrentDepthConfig) -> None:
+        if isinstance(config, OuroConfig):  # built from a config (from_config): our config from the start
+            labels = {name: getattr(config, name) for name in _LABEL_FIELDS}
+            config = RecurrentDepthConfig.from_model_config(config.to_model_config(), **labels)
+        super().__init__(config)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
+        config = kwargs.pop("config", None)
+        if config is None:  # read here, so that the label arguments land on it (hub arguments serve both reads)
+            hub = {name: kwargs[name] for name in _HUB_KWARGS if name in kwargs}
+            config, kwargs = OuroConfig.from_pretrained(str(pretrained_model_name_or_path),
+                                                        return_unused_kwargs=True, **kwargs)
+            kwargs.update(hub)
+        lm = OuroForCausalLM.from_pretrained(pretrained_model_name_or_path, *args, config=config, **kwargs)
+        ours = lm.config
+        for name in _LABEL_FIELDS:
+            setattr(ours, name, getattr(config, name, getattr(ours, name)))
+        with torch.device("meta"):
+            model = RecurrentDepthForSequenceClassification(ours)
+        model.transformer = lm.transformer  # the loaded modules, shared with the library model
+        object.__setattr__(model, "_core", lm.core)
+        model._output_projections = {
+            id(m) for name, m in model.named_modules() if name.endswith(("attn.proj", "mlp.proj"))
+        }
+        embedding = lm.transformer.wte.weight
+        model.score = nn.Linear(ours.hidden_size, ours.num_labels, bias=False, device=embedding.device,
+                                dtype=embedding.dtype)
+        model._init_weights(model.score)  # as transformers initialises a head the directory does not hold
+        model.train(lm.training)
+        return model
+
+
 def register_sequence_classification() -> None:
     """`AutoModelForSequenceClassification.register` for our configs (idempotent)."""
     from transformers.models.auto.modeling_auto import AutoModelForSequenceClassification
@@ -132,3 +182,4 @@ def register_sequence_classification() -> None:
     AutoModelForSequenceClassification.register(RecurrentDepthConfig, RecurrentDepthForSequenceClassification,
                                                 exist_ok=True)
     AutoModelForSequenceClassification.register(HuginnRavenConfig, RavenForSequenceClassification, exist_ok=True)
+    AutoModelForSequenceClassification.register(OuroConfig, OuroForSequenceClassification, exist_ok=True)

@@ -45,8 +45,9 @@ class RecurrentOutput:
     final_state: the raw s_r [B, T, h] (what warm starts reuse). all_states: the raw states
     s_0..s_r stacked to [r + 1, B, T, h] when asked for, else None. num_steps: (n, k) as run.
     attentions (with `output_attentions=True`): {layer key: softmax probabilities [B, H, T, T_past + T]}
-    for every application of a softmax-attention layer, in the order they ran (("prelude", i), then
-    ("core", j, step) step by step, then ("coda", c)); layers of other mixers have no entry.
+    for every application of a softmax-attention layer (attention, mla, dsa: zero off its top-k keys; nsa:
+    the gate-weighted sum of its branches' weights, rows summing to the gates), in the order they ran
+    (("prelude", i), then ("core", j, step) step by step, then ("coda", c)); other mixers have no entry.
     """
 
     logits: Tensor

@@ -252,7 +252,8 @@ class Attention(nn.Module):
             qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             if Hkv != H:  # query head h reads key head h // (H / Hkv), as SDPA's enable_gqa
                 kh, vh = kh.repeat_interleave(H // Hkv, dim=1), vh.repeat_interleave(H // Hkv, dim=1)
-            logits = torch.matmul(qh.float(), kh.float().transpose(-1, -2)) / math.sqrt(D)  # [B, H, T, S]
+            wide = torch.float64 if qh.dtype == torch.float64 else torch.float32  # (a float64 model stays float64)
+            logits = torch.matmul(qh.to(wide), kh.to(wide).transpose(-1, -2)) / math.sqrt(D)  # [B, H, T, S]
             if is_causal:
                 mask = torch.ones(T, kh.shape[2], dtype=torch.bool, device=x.device).tril()
             if mask is not None:

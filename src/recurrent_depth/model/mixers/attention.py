@@ -33,6 +33,7 @@ from recurrent_depth.config import VALUE_GATE_CHANNELS, ModelConfig
 from recurrent_depth.model.cache import combine_key_mask
 from recurrent_depth.model.layers import ROPE_STYLES, RMSNorm
 from recurrent_depth.model.mixers.base import LayerKey, MixerContext, register_mixer
+from recurrent_depth.model.mixers.common import upcast
 from recurrent_depth.model.mixers.logits import MaxLogitRecorder, scale_parameter
 
 
@@ -198,13 +199,13 @@ def eager_attention(
 
     q [B, T, H, D], k and v [B, S, Hkv, D] (query head h reads key head h // (H / Hkv), as SDPA's GQA);
     mask / is_causal as given to SDPA (bool, True = may attend; the causal flag with S == T). The
-    logits and softmax are float32; probs are cast to v's dtype and out = probs @ v exactly.
+    logits and softmax are float32 (float64 in a float64 model); probs are cast to v's dtype and out = probs @ v.
     """
     group = q.shape[2] // k.shape[2]
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [B, H, T, S]
+    logits = torch.matmul(upcast(q), upcast(k).transpose(-1, -2)) * scale  # [B, H, T, S]
     if mask is None and is_causal:
         T, S = logits.shape[-2:]
         mask = torch.ones(T, S, dtype=torch.bool, device=logits.device).tril()

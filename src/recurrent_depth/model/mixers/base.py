@@ -42,8 +42,8 @@ class MixerContext:
     rope_scaling: tuple | None = None  # `config.rope_scaling_key(config.rope_scaling)`
     token_ids: Tensor | None = None  # [B, T] the new tokens, for layers with a value embedding
     # {layer_key: softmax probabilities [B, H, T, T_past + T]} when the caller asked for attention weights
-    # (`RecurrentDepthLM.forward(output_attentions=True)`): softmax attention then runs as plain math and
-    # records each application here; other mixers record nothing. None: the fast path, nothing recorded.
+    # (`RecurrentDepthLM.forward(output_attentions=True)`): softmax attention (attention, mla, dsa, nsa) then
+    # runs as plain math and records each application here; other mixers record nothing. None: the fast path.
     attentions: dict[tuple, Tensor] | None = None
     _rope: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
 

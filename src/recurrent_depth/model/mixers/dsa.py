@@ -132,10 +132,12 @@ class DeepSeekSparseAttention(MultiHeadLatentAttention):
         scores = self.index_scores(x, ctx, k_index.to(x.dtype)) if need_scores else None
         if self.mode == "sparse":
             selected = self.select(scores, allowed)
-            o = self.attend(q_nope, q_rope, c_kv, k_rope, selected, False, self.resolve_impl(ctx))
+            o = self.attend(q_nope, q_rope, c_kv, k_rope, selected, False, self.resolve_impl(ctx),
+                            ctx.attentions, layer_key)  # (weights: 0 off the selected keys)
         else:
             selected = None
-            o = self.attend(q_nope, q_rope, c_kv, k_rope, ctx.attn_mask, ctx.is_causal, self.resolve_impl(ctx))
+            o = self.attend(q_nope, q_rope, c_kv, k_rope, ctx.attn_mask, ctx.is_causal, self.resolve_impl(ctx),
+                            ctx.attentions, layer_key)
         if self.recording_loss():
             kl = self.kl_to_attention(q_nope, q_rope, c_kv, k_rope, scores, allowed, selected, ctx)
             # Backward recomputing a checkpointed step (graph task id != -1) runs the same ops,

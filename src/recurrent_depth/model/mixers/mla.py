@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from recurrent_depth.config import ModelConfig
 from recurrent_depth.model.layers import RMSNorm, apply_rope
+from recurrent_depth.model.mixers.attention import eager_attention
 from recurrent_depth.model.mixers.base import LayerKey, MixerContext, register_mixer
 from recurrent_depth.model.mixers.common import check_choice, check_int, nbytes, or_default
 from recurrent_depth.model.mixers.logits import MaxLogitRecorder, scale_parameter
@@ -105,8 +106,13 @@ class MultiHeadLatentAttention(MaxLogitRecorder, nn.Module):
         mask: Tensor | None,
         is_causal: bool,
         impl: str,
+        weights: dict[tuple, Tensor] | None = None,
+        layer_key: LayerKey | None = None,
     ) -> Tensor:
-        """Attention of T queries over S latents: -> [B, T, H, d_v]. mask: [B or 1, 1, T, S] bool or None."""
+        """Attention of T queries over S latents: -> [B, T, H, d_v]. mask: [B or 1, 1, T, S] bool or None.
+
+        weights (`output_attentions`): a dict that gets the softmax probabilities [B, H, T, S] under
+        `layer_key`, the attention then computed as plain math (`eager_attention`) instead of SDPA."""
         B, T, H, _ = q_nope.shape
         S = c_kv.shape[1]
         if impl == "naive":
@@ -114,6 +120,9 @@ class MultiHeadLatentAttention(MaxLogitRecorder, nn.Module):
             k_nope, v = kv.split([self.qk_nope_dim, self.v_head_dim], dim=-1)
             k = torch.cat([k_nope, k_rope[:, :, None].expand(B, S, H, self.qk_rope_dim)], dim=-1)
             q = torch.cat([q_nope, q_rope], dim=-1)
+            if weights is not None:
+                o, weights[layer_key] = eager_attention(q, k, v, mask, is_causal, self.scale)
+                return o.transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [B, H, T|S, D]
                 attn_mask=mask, is_causal=is_causal, scale=self.scale,
@@ -123,6 +132,10 @@ class MultiHeadLatentAttention(MaxLogitRecorder, nn.Module):
         q_lat = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)  # W_UK folded into the query
         q = torch.cat([q_lat, q_rope], dim=-1).transpose(1, 2)  # [B, H, T, d_c + d_R]
         k = torch.cat([c_kv, k_rope], dim=-1)[:, None]  # [B, 1, S, d_c + d_R]: one head for all
+        if weights is not None:  # the same logits q_lat . c_kv + q_rope . k_R, so the same probabilities
+            o_lat, weights[layer_key] = eager_attention(q.transpose(1, 2), k.transpose(1, 2), c_kv[:, :, None],
+                                                        mask, is_causal, self.scale)
+            return torch.einsum("bhtc,hvc->bthv", o_lat, w_uv)
         o_lat = F.scaled_dot_product_attention(
             q, k, c_kv[:, None], attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=True
         )  # [B, H, T, d_c]
@@ -142,7 +155,8 @@ class MultiHeadLatentAttention(MaxLogitRecorder, nn.Module):
             c_kv, k_rope = c_kv[:, :, 0], k_rope[:, :, 0]  # [B, S, d_c], [B, S, d_R]
         if self.record_max_logit and self.training:
             self.observe_mla_logits(q_nope, q_rope, c_kv, k_rope, ctx)
-        o = self.attend(q_nope, q_rope, c_kv, k_rope, ctx.attn_mask, ctx.is_causal, self.resolve_impl(ctx))
+        o = self.attend(q_nope, q_rope, c_kv, k_rope, ctx.attn_mask, ctx.is_causal, self.resolve_impl(ctx),
+                        ctx.attentions, layer_key)
         return self.proj(o.reshape(B, T, self.num_heads * self.v_head_dim))
 
     def observe_mla_logits(self, q_nope: Tensor, q_rope: Tensor, c_kv: Tensor, k_rope: Tensor,

@@ -46,12 +46,15 @@ def nsa_branches(
     block_size: int,
     block_counts: int,
     window: int,
+    probs: list[Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The three branch outputs, each [B, H, T, D].
 
     q: [B, H, T, D]; k, v: [B, Hkv, S, D] (the T queries are the last T keys); allowed:
     [B or 1, 1, T, S] causal/padding mask; key_pos, key_valid: [B or 1, S] positions (padding
-    not counted) and real-key flags.
+    not counted) and real-key flags. probs (`output_attentions`): a list that gets each branch's
+    weights over the S raw keys, [B, H, T, S], with branch output = weights @ v (the compressed
+    branch's block probability spread evenly over the block's real keys, as its mean-pooled value).
     """
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -85,11 +88,13 @@ def nsa_branches(
     token_chosen = chosen.gather(-1, block_of[:, None, None, :].expand(B, Hkv, T, S))  # [B, Hkv, T, S]
     slc_mask = (token_chosen & allowed).repeat_interleave(G, 1)
     kh, vh = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
-    o_slc, _ = masked_attention(q, kh, vh, slc_mask, scale)
+    o_slc, p_slc = masked_attention(q, kh, vh, slc_mask, scale)
 
     # Sliding window over positions.
     recent = (query_pos[:, :, None] - key_pos[:, None, :]) < window  # [B, T, S]
-    o_win, _ = masked_attention(q, kh, vh, allowed & recent[:, None], scale)
+    o_win, p_win = masked_attention(q, kh, vh, allowed & recent[:, None], scale)
+    if probs is not None:
+        probs.extend([torch.einsum("bhtn,bsn->bhts", p_cmp.to(pool.dtype), pool), p_slc, p_win])
     return o_cmp, o_slc, o_win
 
 
@@ -127,8 +132,10 @@ class NativeSparseAttention(nn.Module):
         self.g_proj = nn.Linear(h, 3 * H, bias=False)
         self.proj = nn.Linear(H * D, h, bias=config.bias)
 
-    def branches(self, x: Tensor, ctx: MixerContext, layer_key: LayerKey) -> tuple[Tensor, Tensor, Tensor]:
-        """(o_cmp, o_slc, o_win), each [B, H, T, D], with the cache updated."""
+    def branches(
+        self, x: Tensor, ctx: MixerContext, layer_key: LayerKey, probs: list[Tensor] | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """(o_cmp, o_slc, o_win), each [B, H, T, D], with the cache updated (probs: see `nsa_branches`)."""
         B, T, _ = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = ctx.rope(D)
@@ -142,13 +149,16 @@ class NativeSparseAttention(nn.Module):
         key_pos = key_positions(ctx, S, x.device)
         valid = ctx.key_valid if ctx.key_valid is not None else torch.ones(1, S, dtype=torch.bool, device=x.device)
         return nsa_branches(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), allowed, key_pos, valid,
-                            self.block_size, self.block_counts, self.window)
+                            self.block_size, self.block_counts, self.window, probs)
 
     def forward(self, x: Tensor, ctx: MixerContext, layer_key: LayerKey) -> Tensor:
         B, T, _ = x.shape
-        o_cmp, o_slc, o_win = self.branches(x, ctx, layer_key)
+        probs = [] if ctx.attentions is not None else None
+        o_cmp, o_slc, o_win = self.branches(x, ctx, layer_key, probs)
         g = self.g_proj(x).sigmoid().view(B, T, self.num_heads, 3).permute(3, 0, 2, 1)[..., None]  # [3, B, H, T, 1]
         o = g[0] * o_cmp + g[1] * o_slc + g[2] * o_win  # [B, H, T, D]
+        if probs is not None:  # output_attentions: the gated sum of the branches' weights, o = weights @ v
+            ctx.attentions[layer_key] = sum(gate * p.to(o.dtype) for gate, p in zip(g, probs, strict=True))
         return self.proj(o.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
     def state_nbytes(self, batch: int, seq_len: int, dtype: torch.dtype = torch.float32) -> int:

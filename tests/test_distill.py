@@ -278,8 +278,47 @@ def test_a_cache_write_killed_mid_shard_leaves_no_torn_shard_and_no_manifest(tmp
         distill_cache.write_cache(random_teacher, RowsOnly(4), tmp_path / "cache", top_k=3, vocab_size=VOCAB,
                                   data_key="k", teacher_info={}, batch_size=2, log=lambda _: None)
     names = sorted(p.name for p in (tmp_path / "cache").iterdir())
-    assert names == ["indices_00000.npy", "values_00000.npy"]  # whole shards only: the next run writes again
+    assert names == ["indices_00000.npy", "progress.json", "values_00000.npy"]  # whole shards only
     assert not distill_cache.has_cache(tmp_path / "cache")
+
+
+def test_an_interrupted_cache_write_resumes_after_its_last_whole_shard(tmp_path, monkeypatch):
+    import numpy as np
+
+    from recurrent_depth.train import distill_cache
+
+    monkeypatch.setattr(distill_cache, "ROWS_PER_SHARD", 2)
+    options = dict(top_k=3, vocab_size=VOCAB, data_key="k", teacher_info={}, batch_size=2, log=lambda _: None)
+    distill_cache.write_cache(random_teacher, RowsOnly(6), tmp_path / "whole", **options)
+    seen = []
+
+    def dies_on_the_third_shard(input_ids, first_row):
+        seen.append(first_row)
+        if first_row == 4:
+            raise KeyboardInterrupt
+        return random_teacher(input_ids, first_row)
+
+    with pytest.raises(KeyboardInterrupt):
+        distill_cache.write_cache(dies_on_the_third_shard, RowsOnly(6), tmp_path / "cache", **options)
+    # a shard file renamed whole but not yet listed (killed between values and indices) is written again
+    (tmp_path / "cache" / "values_00002.npy").write_bytes(b"\x93NUMPY partial")
+    seen.clear()
+    distill_cache.write_cache(lambda ids, first: seen.append(first) or random_teacher(ids, first), RowsOnly(6),
+                              tmp_path / "cache", **options)
+    assert seen == [4]  # the two whole shards were kept: the old code started over at row 0
+    names = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert "progress.json" not in names and distill_cache.has_cache(tmp_path / "cache")
+    for name in names:
+        if name.endswith(".npy"):
+            assert np.array_equal(np.load(tmp_path / "cache" / name), np.load(tmp_path / "whole" / name)), name
+    assert (tmp_path / "cache" / "manifest.json").read_text() == (tmp_path / "whole" / "manifest.json").read_text()
+    # progress from other settings (another teacher depth) is not resumed
+    with pytest.raises(KeyboardInterrupt):
+        distill_cache.write_cache(dies_on_the_third_shard, RowsOnly(6), tmp_path / "other", **options)
+    seen.clear()
+    distill_cache.write_cache(lambda ids, first: seen.append(first) or random_teacher(ids, first), RowsOnly(6),
+                              tmp_path / "other", **{**options, "teacher_info": {"depth": 8}})
+    assert seen == [0, 2, 4]
 
 
 def test_a_truncated_cache_shard_is_a_one_line_error(tmp_path):

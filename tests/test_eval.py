@@ -95,6 +95,14 @@ def test_text_quality_matches_a_direct_computation(model):
     assert capped.tokens == 20 and capped.bytes == 20
 
 
+def test_a_token_cap_inside_a_multibyte_character_counts_the_scored_bytes(model):
+    # The cap kept "h" and the first byte of "é", whose decode "h\ufffd" was counted as 4 bytes, not 2.
+    for cap, tokens in [(2, 1), (3, 3), (4, 3), (5, 3), (6, 6), (7, 7)]:
+        result = text_quality(model, ["hé€llo"], ByteCodec(), [1], 256, 0, max_tokens=cap, init_scale=0.0)
+        assert result.tokens == tokens and result.bytes == tokens, (cap, result)
+        assert result.tokens <= cap
+
+
 def test_text_quality_with_a_random_s0_does_not_depend_on_the_batch_size(model):
     # One generator drew the s_0 of a whole batch: the windows' draws, and so the scores, moved with batch_size.
     texts = ["def f(x):\n    return x + 1\n" * 3, "héllo wörld", "abc" * 10]

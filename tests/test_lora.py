@@ -163,6 +163,25 @@ def test_foreign_target_modules_and_modules_to_save_are_one_line_errors_naming_o
     assert "\n" not in str(info.value)
 
 
+def test_a_target_modules_regex_that_backtracks_exponentially_is_a_one_line_error_not_a_hang(tmp_path, monkeypatch):
+    """`([\\w.]+)+Z` takes hours on a 35-character module name (here, then in peft's own matching)."""
+    import time
+
+    from recurrent_depth.train import lora
+
+    monkeypatch.setattr(lora, "TARGET_REGEX_SECONDS", 0.2)
+    save_adapter(add_lora(tiny_model(), LoraSpec(rank=2, parts=("core",))), tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**config, "target_modules": r"([\w.]+)+Z"}))
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"target_modules='\(\[.*takes over 0.2 s to match this model's \d+ module "
+                                         r"names \(a regular expression that backtracks exponentially\?\)") as info:
+        load_lora(tiny_model(), tmp_path / "adapter")
+    assert "\n" not in str(info.value) and time.perf_counter() - start < 5
+    names = ["transformer.core_block.0.attn.Wqkv", "transformer.coda.0.mlp.proj"]
+    assert lora._fullmatches(re.compile(r".*\.attn\..*"), names, 1.0) == {names[0]}  # an ordinary one, timed
+
+
 def test_an_adapter_config_saying_all_linear_loads_onto_every_linear_layer_but_the_head(tmp_path):
     """peft's "all-linear" shorthand (a hand-written or peft-made config): refused as a regular expression that
     matches nothing, and peft alone would also target the library model's lm_head, which the adapter lacks."""

@@ -102,13 +102,16 @@ def test_the_budget_plan_always_leaves_training_a_share():
     plan = plan_budget(80.0, eval_batch_s=30.0, step_s=3.0, max_eval_batches=6)
     assert plan.eval_batches == 1 and plan.train_s >= 0.5 * (80.0 - plan.fixed_s) > 0
     assert plan.train_s + plan.reserve_s == pytest.approx(80.0) and plan.fixed_s == 12.0
-    # However slow the measurements, at least half of what the fixed end leaves trains.
+    # However slow the measurements, at least half of what the fixed end and the first evaluation batch leave
+    # trains; that first batch (which always runs) is reserved in full, so the budget holds where it fits.
     for left in (1.0, 10.0, 45.0, 120.0, 600.0):
         for eval_batch_s in (0.0, 0.5, 20.0, 1e4):
             for step_s in (0.0, 0.1, 5.0, 1e4):
                 plan = plan_budget(left, eval_batch_s, step_s, 6)
                 usable = left - plan.fixed_s
-                assert 0.5 * usable - 1e-9 <= plan.train_s and plan.train_s > 0
+                rest = usable - min(1.1 * eval_batch_s, usable)
+                assert 0.5 * rest - 1e-9 <= plan.train_s and (plan.train_s > 0 or rest == 0)
+                assert plan.reserve_s - plan.fixed_s >= min(1.1 * eval_batch_s, usable) - 1e-9
                 # every planned batch has its measured time (x 1.1), but the first may have to overrun the plan
                 assert plan.eval_batches == 1 or plan.reserve_s - plan.fixed_s == pytest.approx(
                     plan.eval_batches * 1.1 * eval_batch_s)
@@ -121,6 +124,12 @@ def test_the_budget_plan_always_leaves_training_a_share():
     plan = plan_budget(112.0, eval_batch_s=10.0, step_s=3.5, max_eval_batches=6)
     assert plan.eval_batches == 2 and plan.train_s == pytest.approx(100.0 - 2 * 11.0) and plan.train_s >= 20 * 3.5
     assert plan_budget(0.0, 1.0, 1.0, 6).train_s == 0.0
+    # A 0.5-minute budget with ~25 s left after preparation and a 20 s evaluation batch: training got 80% of
+    # what the fixed end left and the forced batch overran the budget by ~15 s; now the batch comes first.
+    plan = plan_budget(25.0, eval_batch_s=20.0, step_s=8.0, max_eval_batches=6)
+    assert plan.eval_batches == 1 and plan.train_s == 0.0 and plan.reserve_s == pytest.approx(25.0)
+    plan = plan_budget(40.0, eval_batch_s=10.0, step_s=1.0, max_eval_batches=6)
+    assert plan.train_s > 0 and plan.train_s + plan.fixed_s + plan.eval_batches * 11.0 <= 40.0 + 1e-9
 
 
 def test_a_busy_machines_short_budget_still_trains(tmp_path, monkeypatch):

@@ -160,6 +160,39 @@ def test_validation_loss_by_depth_budget_and_deadline():
     assert model.training is False
 
 
+class _StoredRows:
+    """len(), iter_batches() and rows(indices) by storage index."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def rows(self, indices):
+        return self.data[list(indices)]
+
+    def iter_batches(self, batch_size, drop_last=False):
+        for start in range(0, len(self.data) - batch_size + 1, batch_size):
+            yield self.data[start : start + batch_size]
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-pass", "forward-per-depth"])
+def test_validation_loss_does_not_depend_on_how_the_rows_are_batched(sharded):
+    """One s0 draw per batch gave the same 8 rows (same model, same seed) a different loss at batch size 2, 4, 8."""
+    torch.manual_seed(0)
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval()
+    data = _StoredRows(torch.randint(0, 256, (8, 17)))
+    runs = [validation_loss_by_depth(model, data, [1, 4], batch_size=size, max_batches=8 // size, seed=3,
+                                     sharded=sharded) for size in (2, 4, 8)]
+    for run in runs[1:]:
+        for d in (1, 4):
+            assert run.loss[d] == pytest.approx(runs[0].loss[d], rel=1e-6, abs=0)
+            assert run.token_correlation[d] == pytest.approx(runs[0].token_correlation[d], rel=1e-5, abs=1e-7)
+    other = validation_loss_by_depth(model, data, [1], batch_size=4, max_batches=2, seed=4, sharded=sharded)
+    assert other.loss[1] != pytest.approx(runs[0].loss[1], rel=1e-6, abs=0)  # the seed still draws the starts
+
+
 def test_validation_loss_by_depth_repeated_and_bad_depths():
     """A repeated depth is evaluated once (its losses were summed twice: double the loss)."""
     torch.manual_seed(0)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from recurrent_depth.evaluation.readout import check_depths, logits_at_depths
+from recurrent_depth.inference.sampling import stream_generator
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 
 
@@ -77,6 +78,22 @@ def windows(token_ids: Sequence[int], seq_len: int) -> list[list[int]]:
     return out
 
 
+def _scored_prefix(codec: PlainTokenizer, ids: list[int], text: str) -> str:
+    """The text of the kept tokens ``ids[1:]`` (after the bos), cut back to a whole character.
+
+    A token cap can end inside a multibyte character, whose decoded form is a U+FFFD (3 bytes) rather
+    than the 1-3 bytes scored: drop the (at most 3) tokens that hold part of it, in place, so the bytes
+    counted are the UTF-8 bytes of exactly the scored tokens. A tokenizer whose decode does not give
+    back a prefix of the text keeps its decode, as before."""
+    for drop in range(4):
+        kept = ids[: len(ids) - drop]
+        decoded = codec.decode(kept[1:])
+        if text.startswith(decoded):
+            del ids[len(kept):]
+            return decoded
+    return codec.decode(ids[1:])
+
+
 @torch.no_grad()
 def text_quality(
     model: RecurrentDepthLM,
@@ -120,8 +137,7 @@ def text_quality(
             states = torch.zeros((len(pending), T, model.config.hidden_size), device=model.device,
                                  dtype=model.transformer.wte.weight.dtype)
             for b, w in enumerate(pending):
-                generator = torch.Generator(device=model.device).manual_seed(
-                    (seed * 6364136223846793005 + drawn[0]) % 2**63)
+                generator = stream_generator(seed, drawn[0], model.device)
                 states[b, : len(w)] = model.initial_state(states[b : b + 1, : len(w)], scale, generator)[0]
                 drawn[0] += 1
         for depth, logits in logits_at_depths(model, ids, depths, init_scale=init_scale, input_states=states):
@@ -143,7 +159,9 @@ def text_quality(
                 continue
             if max_tokens is not None and result.tokens + len(ids) - 1 > max_tokens:
                 ids = ids[: max_tokens - result.tokens + 1]
-                text = codec.decode(ids[1:])  # bytes of the part that is scored
+                text = _scored_prefix(codec, ids, text)  # bytes of the part that is scored
+                if len(ids) < 2:
+                    continue
             result.documents += 1
             result.tokens += len(ids) - 1
             result.bytes += len(text.encode("utf-8"))

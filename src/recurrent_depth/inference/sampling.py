@@ -54,7 +54,13 @@ class RowGenerators:
     def derived(self, stream: int) -> list[torch.Generator]:
         """One CPU generator per row for another use of the same seeds (`stream` names the use): row b's
         is seeded from seeds[b] and `stream`, so its draws leave the row's own generator untouched."""
-        return [torch.Generator().manual_seed((s * 6364136223846793005 + stream) % 2**63) for s in self.seeds]
+        return [stream_generator(s, stream) for s in self.seeds]
+
+
+def stream_generator(seed: int, stream: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator for stream `stream` of `seed` (a row, a window, a use): distinct streams of one seed draw
+    independently, and a stream's draws do not depend on how many other streams were drawn before it."""
+    return torch.Generator(device=device).manual_seed((seed * 6364136223846793005 + stream) % 2**63)
 
 
 def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:

@@ -15,8 +15,11 @@ data key, row count, seq_len or k differs from the run's, or a batch row is not 
 `np.load(allow_pickle=False)`, memory-mapped, shapes and dtypes checked against the manifest.
 
 Crash safety: each shard is written under a temporary name, fsynced and renamed when whole, and the manifest
-(the completeness marker) last, the same way: a write killed midway leaves no manifest, so the next run writes
-the cache again; a shard found truncated on load (a copy cut short) is a one-line error.
+(the completeness marker) last, the same way: a write killed midway leaves no manifest. After each whole shard
+`progress.json` (atomically too) lists the shards done with the cache's settings; the next write with the same
+settings checks those shards' shapes and resumes after the last whole one (the rows come out the same as in
+one go: each batch's teacher noise is seeded by its first row), other settings start over. A shard found
+truncated on load (a copy cut short) is a one-line error.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from recurrent_depth.files import (
 CACHE_FORMAT = "rdepth-distill-cache"
 CACHE_VERSION = 1
 MANIFEST = "manifest.json"
+PROGRESS = "progress.json"  # the shards written so far, while a write is under way
 ROWS_PER_SHARD = 1024
 
 
@@ -69,8 +73,13 @@ def write_cache(teacher_logits: Any, dataset: Any, out: str | Path, *, top_k: in
     seq_len = int(dataset.row_len) - 1
     k = min(top_k, vocab_size)
     idx_type = index_dtype(vocab_size)
-    shards: list[dict[str, Any]] = []
-    for first in range(0, len(dataset), ROWS_PER_SHARD):
+    header = {"format": CACHE_FORMAT, "version": CACHE_VERSION, "data_key": data_key, "num_rows": len(dataset),
+              "seq_len": seq_len, "top_k": k, "vocab_size": vocab_size, "index_dtype": idx_type.name,
+              "bytes_per_token": bytes_per_token(k, vocab_size), "teacher": teacher_info,
+              # a recurrent teacher's s_0 is drawn once per write batch: the rows' noise depends on it
+              "write_batch_size": batch_size}
+    shards = _finished_shards(out, header, (seq_len, k), idx_type, log)
+    for first in range(len(shards) * ROWS_PER_SHARD, len(dataset), ROWS_PER_SHARD):
         rows = np.arange(first, min(first + ROWS_PER_SHARD, len(dataset)))
         values = np.empty((rows.size, seq_len, k), dtype=np.float16)
         indices = np.empty((rows.size, seq_len, k), dtype=idx_type)
@@ -87,16 +96,56 @@ def write_cache(teacher_logits: Any, dataset: Any, out: str | Path, *, top_k: in
                 np.save(handle, array)
         shards.append({"values": f"values_{number:05d}.npy", "indices": f"indices_{number:05d}.npy",
                        "num_rows": int(rows.size)})
-    manifest = {"format": CACHE_FORMAT, "version": CACHE_VERSION, "data_key": data_key, "num_rows": len(dataset),
-                "seq_len": seq_len, "top_k": k, "vocab_size": vocab_size, "index_dtype": idx_type.name,
-                "bytes_per_token": bytes_per_token(k, vocab_size), "teacher": teacher_info,
-                # a recurrent teacher's s_0 is drawn once per write batch: the rows' noise depends on it
-                "write_batch_size": batch_size, "shards": shards}
+        # the shards whole on disk so far, for a write killed later to resume from (after both files are renamed)
+        atomic_write_text(out / PROGRESS, json.dumps({**header, "rows_per_shard": ROWS_PER_SHARD,
+                                                      "shards": shards}, indent=2) + "\n")
+    manifest = {**header, "shards": shards}
     # the manifest is the completeness marker: written last, atomically, after every shard is on disk
     atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    (out / PROGRESS).unlink(missing_ok=True)
     log(f"distill cache: {len(dataset)} rows x {seq_len} tokens, top-{k}, {manifest['bytes_per_token']} bytes "
         f"per token (fp16 values + {idx_type.name} indices; full fp32 logits: {4 * vocab_size}) -> {out}")
     return manifest
+
+
+def _finished_shards(out: Path, header: dict[str, Any], row_shape: tuple[int, int], idx_type: np.dtype,
+                     log: Any) -> list[dict[str, Any]]:
+    """The shards an interrupted write of this very cache (same header, shard size) left whole in `out`, in
+    order, per its progress file; none where there is no such file or it belongs to other settings. A shard
+    the file lists is used only if both its files load with the expected shape (else it and later ones are
+    written again)."""
+    path = out / PROGRESS
+    if not path.is_file():
+        return []
+    try:
+        progress = read_json(path, CONFIG_MAX_BYTES, "distill cache progress")
+    except (OSError, ValueError):
+        return []
+    expected = json.loads(json.dumps({**header, "rows_per_shard": ROWS_PER_SHARD}))
+    if not isinstance(progress, dict) or any(progress.get(key) != value for key, value in expected.items()):
+        log(f"distill cache: {out / PROGRESS} is from other settings; writing the cache from the start")
+        return []
+    listed = progress.get("shards")
+    done: list[dict[str, Any]] = []
+    for number, shard in enumerate(listed if isinstance(listed, list) else []):
+        rows = min(ROWS_PER_SHARD, header["num_rows"] - number * ROWS_PER_SHARD)
+        names = {"values": f"values_{number:05d}.npy", "indices": f"indices_{number:05d}.npy"}
+        if rows <= 0 or shard != {**names, "num_rows": rows}:
+            break
+        if not all((out / name).is_file() for name in names.values()):  # (a FIFO would hang np.load)
+            break
+        try:
+            shapes = [(a.shape, a.dtype) for a in (np.load(out / names[kind], mmap_mode="r", allow_pickle=False)
+                                                   for kind in ("values", "indices"))]
+        except (OSError, ValueError, EOFError):
+            break
+        if shapes != [((rows, *row_shape), np.dtype(np.float16)), ((rows, *row_shape), idx_type)]:
+            break
+        done.append(shard)
+    if done:
+        log(f"distill cache: resuming after {len(done)} whole shard(s) ({sum(d['num_rows'] for d in done)} of "
+            f"{header['num_rows']} rows) in {out}")
+    return done
 
 
 def has_cache(path: str | Path) -> bool:

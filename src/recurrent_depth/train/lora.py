@@ -294,6 +294,40 @@ def module_name_patterns(model: nn.Module) -> list[str]:
                    if isinstance(module, nn.Linear)})
 
 
+TARGET_REGEX_SECONDS = 2.0  # the longest an adapter's target_modules regex may take over the model's module names
+
+
+class _SlowRegex(Exception):
+    pass
+
+
+def _fullmatches(pattern: re.Pattern[str], names: list[str], seconds: float) -> set[str] | None:
+    """The `names` that `pattern` matches whole, or None when matching them all takes over `seconds`: a regex
+    that backtracks exponentially (`([\\w.]+)+Z`) took hours on a 35-character module name, here and then in
+    peft, which matches every module name the same way. Timed by SIGALRM (the regex engine checks for
+    signals) in the main thread when no other timer is set; untimed elsewhere."""
+    import signal
+    import threading
+
+    timed = (hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+             and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0))
+    if not timed:
+        return {name for name in names if pattern.fullmatch(name)}
+
+    def expire(signum: int, frame: Any) -> None:
+        raise _SlowRegex
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        return {name for name in names if pattern.fullmatch(name)}
+    except _SlowRegex:
+        return None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0.0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def check_adapter_targets(model: nn.Module, path: Path) -> None:
     """A one-line error naming the option when adapter_config.json's `target_modules` (a regex, or names peft
     matches by suffix) or `modules_to_save` names no module of `model`: peft's own messages name neither our
@@ -315,7 +349,12 @@ def check_adapter_targets(model: nn.Module, path: Path) -> None:
         except re.error as exc:
             raise ValueError(f"{source} target_modules={clipped(targets)} is not a valid regular expression "
                              f"({exc})") from None
-        if not any(pattern.fullmatch(name) for name in linear):
+        matched = _fullmatches(pattern, names, TARGET_REGEX_SECONDS)  # (every module name, as peft matches)
+        if matched is None:
+            raise ValueError(f"{source} target_modules={clipped(targets)} takes over {TARGET_REGEX_SECONDS:g} s to "
+                             f"match this model's {len(names)} module names (a regular expression that backtracks "
+                             f"exponentially?): simplify it, or list the module names")
+        if not matched.intersection(linear):
             raise ValueError(f"{source} target_modules={clipped(targets)} (a regular expression, matched against "
                              f"whole module names) matches no linear layer of this model; {ours}")
     elif isinstance(targets, list):

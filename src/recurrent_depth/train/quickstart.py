@@ -36,9 +36,10 @@ MAX_EXTRAPOLATION_GAP = 0.02
 # FIXED_RESERVE_SHARE of the time left: a short budget keeps less).
 FIXED_RESERVE_S = 12.0
 FIXED_RESERVE_SHARE = 0.25
-# Training's share of the time left after that: at least MIN_TRAIN_SHARE, more where MIN_TRAIN_STEPS steps
-# (at the measured step time) need it, up to MAX_TRAIN_SHARE; the final evaluation gets the rest (its batches
-# stop at their deadline, after one batch at least, so the estimate need not be a worst case).
+# Training's share of the time left after that and one evaluation batch: at least MIN_TRAIN_SHARE, more where
+# MIN_TRAIN_STEPS steps (at the measured step time) need it, up to MAX_TRAIN_SHARE; the final evaluation gets
+# the rest (its batches stop at their deadline, after one batch at least, so the estimate need not be a worst
+# case).
 MIN_TRAIN_SHARE = 0.5
 MAX_TRAIN_SHARE = 0.8
 MIN_TRAIN_STEPS = 20
@@ -57,13 +58,16 @@ def plan_budget(left_s: float, eval_batch_s: float, step_s: float, max_eval_batc
                 fixed_s: float = FIXED_RESERVE_S) -> BudgetPlan:
     """Split the `left_s` seconds left between training and the final evaluation, from the measured seconds of
     one evaluation batch and one training step. Training always gets a window (at least MIN_TRAIN_SHARE of
-    what the fixed end leaves) whenever any time is left; a busy machine evaluates fewer batches."""
+    what the fixed end and the one evaluation batch that always runs leave) whenever any time is left after
+    those; a busy machine evaluates fewer batches. The first batch is reserved in full, so a short budget holds
+    (training shrinks instead); where even it does not fit, training gets no time."""
     left_s = max(float(left_s), 0.0)
     fixed = min(fixed_s, FIXED_RESERVE_SHARE * left_s)
     usable = left_s - fixed
-    train_min = min(MAX_TRAIN_SHARE * usable, max(MIN_TRAIN_SHARE * usable, MIN_TRAIN_STEPS * max(step_s, 0.0)))
     batch = EVAL_MARGIN * max(eval_batch_s, 0.0)
-    fits = int((usable - train_min) // batch) if batch > 0 else max_eval_batches
+    rest = usable - min(batch, usable)  # after the first evaluation batch
+    train_min = min(MAX_TRAIN_SHARE * rest, max(MIN_TRAIN_SHARE * rest, MIN_TRAIN_STEPS * max(step_s, 0.0)))
+    fits = 1 + int((rest - train_min) // batch) if batch > 0 else max_eval_batches
     eval_batches = max(1, min(max_eval_batches, fits))
     eval_s = min(eval_batches * batch, usable - train_min)
     return BudgetPlan(eval_batches=eval_batches, train_s=usable - eval_s, reserve_s=fixed + eval_s, fixed_s=fixed)
@@ -243,6 +247,10 @@ def quickstart(
         f"{', '.join(map(str, recipe.eval_depths))} and saving)")
     if train_window < 30:
         log("warning: under 30 s left for training; raise --minutes for a meaningful result")
+    over = plan.fixed_s + EVAL_MARGIN * per_batch - (deadline - time.perf_counter())
+    if over > 1:
+        log(f"warning: the {minutes:g}-minute budget will overrun by about {over:.0f}s: preparation left too little "
+            f"time for one evaluation batch (~{per_batch:.0f}s on this machine right now)")
     run_start = time.perf_counter()
     result = trainer.run()
     run_end = time.perf_counter()

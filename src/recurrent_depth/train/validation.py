@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from recurrent_depth.inference.engine import Recurrence
+from recurrent_depth.inference.sampling import stream_generator
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 from recurrent_depth.train.monitor import token_correlation
 
@@ -56,10 +57,12 @@ def depth_losses(
     depths: list[int],
     generator: torch.Generator | None = None,
     dtype: str = "float32",
+    input_states: Tensor | None = None,
 ) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
     """Summed loss and summed per-sequence token correlation per depth for one batch of rows.
 
     rows: [B, T + 1] token ids (inputs rows[:, :-1], targets rows[:, 1:]).
+    input_states: s_0 [B, T, h] instead of a draw from `generator` (`row_states`).
     Returns ({depth: summed token loss}, {depth: summed correlation over the B sequences}).
     """
     inputs, targets = rows[:, :-1], rows[:, 1:]
@@ -69,7 +72,10 @@ def depth_losses(
     with autocast_context(dtype, rows.device):
         engine = Recurrence(model, fast=False)  # the model's own modules (autocast applies to them)
         pass_ = engine.begin(inputs)
-        s0 = engine.initial_state(pass_.e, model.config.init_scale, generator)
+        if input_states is not None:
+            s0 = input_states.to(pass_.e.dtype)
+        else:
+            s0 = engine.initial_state(pass_.e, model.config.init_scale, generator)
         for depth, state in engine.depths(s0, pass_, wanted):
             logits = engine.readout(state, pass_)
             losses[depth] = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
@@ -83,10 +89,30 @@ def forward_losses(
     depths: list[int],
     generator_seed: int,
     dtype: str = "float32",
+    input_states: Tensor | None = None,
 ) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
     """Like `depth_losses`, but one full `model(...)` call per depth (needed when the model is
     FSDP-sharded: only its forward gathers the parameters). Same s0 draw for every depth."""
-    return batch_losses(model, {"input_ids": rows[:, :-1], "targets": rows[:, 1:]}, depths, generator_seed, dtype)
+    batch = {"input_ids": rows[:, :-1], "targets": rows[:, 1:]}
+    if input_states is not None:
+        batch["input_states"] = input_states
+    return batch_losses(model, batch, depths, generator_seed, dtype)
+
+
+def row_states(model: torch.nn.Module, num_rows: int, length: int, first_row: int, seed: int,
+               device: torch.device) -> Tensor | None:
+    """s_0 [num_rows, length, h] (float32) of storage rows first_row, first_row + 1, ...: each row's from a stream
+    of its own, seeded by (seed, its storage index), so a row starts from the same state whatever batch it is in
+    (the batch size, the number of batches, the ranks). None for a model whose s_0 is its embedding."""
+    config = model.config
+    if config.state_init != "random":
+        return None
+    like = torch.empty((1, length, config.hidden_size), device=device)
+    states = []
+    for row in range(first_row, first_row + num_rows):
+        generator = stream_generator(seed, row, device)
+        states.append(model.initial_state(like, config.init_scale, generator))
+    return torch.cat(states)
 
 
 @torch.no_grad()
@@ -168,10 +194,11 @@ def validation_loss_by_depth(
     """Validation loss and token correlation at each depth over the first `max_batches` batches.
 
     dataset: a `ShardDataset` (storage order; its training position is untouched). Batch i is rows
-    [i * batch_size, (i + 1) * batch_size) and its s0 draw is seeded by (seed, i), so repeated evaluations see the
-    same starts. `max_batches` counts batches in all: with `world_size > 1` (a process group) rank r evaluates
-    batches r, r + world_size, ... (through `dataset.rows`) and the sums are all-reduced, so the rows, the tokens
-    and the loss are those of one process, whatever the number of ranks.
+    [i * batch_size, (i + 1) * batch_size); each row's s0 is drawn from a stream seeded by (seed, its storage index)
+    (`row_states`), so repeated evaluations see the same starts, and a row's loss does not depend on the batch
+    size or the number of batches. `max_batches` counts batches in all: with `world_size > 1` (a process group)
+    rank r evaluates batches r, r + world_size, ... (through `dataset.rows`) and the sums are all-reduced, so the
+    rows, the tokens and the loss are those of one process, whatever the number of ranks.
     deadline: optional `time.perf_counter()` value; batches after the first stop early when the next one
     would end past it (by rank 0's clock on every rank: ranks run the same number of rounds).
     """
@@ -198,11 +225,13 @@ def validation_loss_by_depth(
                 break
             rows = torch.as_tensor(rows).to(device)
             batch_seed = (seed * 1_000_003 + i) % (2**63)
+            # each row's s0 from its own stream (storage row i * batch_size + b), not one draw per batch
+            states = row_states(model, rows.shape[0], rows.shape[1] - 1, i * batch_size, seed, device)
             if sharded:  # (an FSDP forward is collective: every rank runs it, with a batch or not)
-                losses, corr = forward_losses(model, rows, depths, batch_seed, dtype)
+                losses, corr = forward_losses(model, rows, depths, batch_seed, dtype, states)
             elif i < num_batches:
                 gen = torch.Generator(device=device).manual_seed(batch_seed)
-                losses, corr = depth_losses(model, rows, depths, gen, dtype)
+                losses, corr = depth_losses(model, rows, depths, gen, dtype, states)
             if i >= num_batches:  # this rank has no batch left this round
                 continue
             for d in depths:

@@ -296,3 +296,67 @@ def test_cache_refuses_a_different_batch_size(tiny_model):
 def test_bad_mixer_settings_name_what_is_wrong(mixer, options, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", mixer=mixer, mixer_options=options))
+
+
+def windowed_tiny(**overrides):
+    """The tiny preset (prelude 1, core 2, coda 1) with a window on three of its four layers."""
+    torch.manual_seed(0)
+    cfg = rd.ModelConfig.from_preset("tiny", attention_windows=[None, 3, 2, 4], **overrides)
+    return rd.RecurrentDepthLM(cfg).eval()
+
+
+def test_per_layer_windows_act_on_every_path():
+    """`attention_windows` gives each layer its own window (None: full): the eager output_attentions path and a
+    prefill then one-token decodes past every window (KV cache) equal the full forward, whose logits differ
+    from the same weights without windows; each layer's weights show its window."""
+    from recurrent_depth.model.cache import DynamicCache
+
+    model = windowed_tiny()
+    assert [b.attn.window for b in rd.model.recurrent.blocks_of(model)] == [None, 3, 2, 4]
+    x = ids(B=2, T=12)
+    with torch.no_grad():
+        full = model(x, num_steps=3, init_scale=0.0)
+        eager = model(x, num_steps=3, init_scale=0.0, output_attentions=True)
+        cache = DynamicCache()
+        parts = [model(x[:, :5], num_steps=3, init_scale=0.0, cache=cache).logits]
+        parts += [model(x[:, t:t + 1], num_steps=3, init_scale=0.0, cache=cache).logits for t in range(5, 12)]
+        unwindowed = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval()
+        unwindowed.load_state_dict(model.state_dict())
+        plain = unwindowed(x, num_steps=3, init_scale=0.0).logits
+    torch.testing.assert_close(eager.logits, full.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat(parts, 1), full.logits, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(plain, full.logits, atol=1e-3)
+    probs = eager.attentions[("core", 1, 0)]  # [B, H, T, S]: core layer 1 (unique layer 2) has window 2
+    assert probs[..., 5, :4].abs().max() == 0 and probs[..., 5, 4:6].sum(-1).allclose(torch.ones(()))
+    assert eager.attentions[("prelude", 0)][..., 11, 0].min() > 0  # layer 0: full attention
+
+
+@pytest.mark.parametrize("options", [{}, {"cache_implementation": "static"}, {"fast": True},
+                                     {"kv_quant": "k=mse:4,v=mse:4,window=2"}],
+                         ids=["dynamic", "static", "fast-requested", "kv-quant-window"])
+def test_generation_with_per_layer_windows_equals_the_full_forward(options):
+    from recurrent_depth.inference.generate import generate
+
+    model = windowed_tiny()
+    prompt = ids(B=2, T=4)
+    out = generate(model, prompt, max_new_tokens=8, num_steps=2, init_scale=0.0, output_logits=True, **options)
+    with torch.no_grad():
+        want = model(out.sequences, num_steps=2, init_scale=0.0).logits[:, 3:-1]
+    tol = 0.1 if "kv_quant" in options else 1e-5  # (4-bit keys and values: their codes' error)
+    torch.testing.assert_close(out.logits, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(attention_windows=[None, 3]),
+     "ModelConfig.attention_windows=[None, 3] is invalid: expected [] or a list of 4"),
+    (dict(attention_windows=[None, 0, None, None]), "an integer window >= 1"),
+    (dict(attention_windows=[None, True, None, None]), "an integer window >= 1"),
+    (dict(attention_windows=[None, 3, None, None], mixer_options={"core": {"window": 2}}),
+     "attention_windows and mixer_options both set the window of layer 1"),
+    (dict(attention_windows=[None, 3, None, None], mixer={"core": "gated_deltanet"}),
+     "gives layer 1 a window of 3, but its mixer is not 'attention'"),
+], ids=["length", "zero", "bool", "both-places", "not-attention"])
+def test_bad_per_layer_windows_are_one_line(overrides, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", **overrides))
+    assert "\n" not in str(info.value)

@@ -235,7 +235,7 @@ def test_transformers_config_round_trips_every_model_config_field(tmp_path):
                    qkv_bias=True, mlp_activation="gelu", embedding_scale=False, norm_before_coda=False,
                    final_norm=False, step_norm=True, injection="add", state_init="embedding", exit_gate=True,
                    exit_gate_threshold=0.75, mlp_gated=False, qk_norm_eps=1e-7, prelude_norm=True,
-                   coda_projection=True, value_embeddings=[1])
+                   coda_projection=True, value_embeddings=[1], attention_windows=[None, 3, None, 2])
     defaults = rd.ModelConfig()
     assert {name for name in changed if getattr(defaults, name) == changed[name]} == set()
     assert set(HUGINN_ARCHITECTURE) <= set(changed)
@@ -340,9 +340,10 @@ def copy_case(tmp_path: Path, case: str = "config_a", config: dict | None = None
 
 
 @pytest.mark.parametrize("change,needle", [
-    (dict(config=dict(use_sliding_window=True, sliding_window=16, max_window_layers=1, layer_types=None)),
-     r"layers \[1\] use sliding"),
-    (dict(config=dict(layer_types=["sliding_attention", "full_attention"])), r"layers \[0\] use sliding"),
+    (dict(config=dict(use_sliding_window=True, sliding_window=0, max_window_layers=1, layer_types=None)),
+     r"layers \[1\] use sliding.*sliding_window=0 give no window"),
+    (dict(config=dict(layer_types=["sliding_attention", "full_attention"])),
+     r"layers \[0\] use sliding.*use_sliding_window=False"),
     (dict(config=dict(rope_scaling={"rope_type": "yarn", "factor": 4.0})), "rope_type 'yarn' is not supported"),
     (dict(config=dict(rope_scaling={"type": "linear"})), "factor"),
     (dict(config=dict(hidden_act="gelu_new")), "hidden_act='gelu_new'"),
@@ -365,6 +366,30 @@ def test_a_bad_ouro_directory_is_a_one_line_error_naming_it(tmp_path, change, ne
     with pytest.raises(ValueError, match=needle) as info:
         rd.RecurrentDepthLM.from_pretrained(directory)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("config,windows", [
+    (dict(use_sliding_window=True, sliding_window=3, max_window_layers=1, layer_types=None), [None, 3]),
+    (dict(use_sliding_window=True, sliding_window=2, layer_types=["sliding_attention", "full_attention"]), [2, None]),
+    (dict(use_sliding_window=False, sliding_window=3, max_window_layers=0, layer_types=None), []),
+], ids=["max-window-layers", "layer-types", "switched-off"])
+def test_ouro_sliding_window_layers_load_with_their_window(tmp_path, config, windows):
+    """Sliding layers (Qwen2's rule, as the reference's config) load with their window, which acts: a window
+    covering the 7-token goldens reproduces them, a shorter one changes the logits at positions past it."""
+    model = rd.RecurrentDepthLM.from_pretrained(copy_case(tmp_path, config=config), dtype=torch.float32)
+    assert model.config.attention_windows == windows
+    assert [b.attn.window for b in model.transformer.core_block] == (windows or [None, None])
+    want = expected("config_a")
+    with torch.no_grad():
+        got = model(want["input_ids"], num_steps=4).logits
+        for block in model.transformer.core_block:
+            block.attn.window = 7 if block.attn.window else None
+        covering = model(want["input_ids"], num_steps=4).logits
+    torch.testing.assert_close(covering, want["per_step_logits"][-1], rtol=1e-4, atol=1e-4)
+    if windows:
+        window = min(w for w in windows if w)
+        torch.testing.assert_close(got[:, :window], covering[:, :window], rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(got[:, window:], covering[:, window:], atol=1e-3)
 
 
 def test_the_published_ouro_1_4b_config_is_the_preset():

@@ -17,6 +17,8 @@ import torch
 from transformers import (
     Gemma2Config,
     Gemma2ForCausalLM,
+    GemmaConfig,
+    GemmaForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -61,6 +63,17 @@ SOURCES = {
         rope_parameters={"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0})),
     "phi3-fused": lambda: Phi3ForCausalLM(Phi3Config(**SHAPE, rope_parameters={"rope_type": "default",
                                                                                "rope_theta": 30000.0})),
+    # Sliding windows shorter than the 40-token test sequence: Qwen2's layers >= max_window_layers, Qwen3's
+    # layer_types mixing sliding and full layers, Mistral's and Phi-3's window on every layer.
+    "qwen2-sliding-from-layer-2": lambda: Qwen2ForCausalLM(Qwen2Config(
+        **SHAPE, use_sliding_window=True, sliding_window=7, max_window_layers=2)),
+    "qwen3-layer-types-mixed": lambda: Qwen3ForCausalLM(Qwen3Config(
+        **SHAPE, use_sliding_window=True, sliding_window=5, layer_types=[
+            "sliding_attention", "full_attention", "sliding_attention", "full_attention", "sliding_attention"])),
+    "mistral-window-8": lambda: MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=8)),
+    "phi3-window-9": lambda: Phi3ForCausalLM(Phi3Config(**SHAPE, sliding_window=9)),
+    # Gemma (1): sqrt(h)-scaled embeddings, (1 + weight) norm gains, the tanh GELU, tied by default
+    "gemma-tied-attention-bias": lambda: GemmaForCausalLM(GemmaConfig(**SHAPE, head_dim=12, attention_bias=True)),
 }
 
 
@@ -175,14 +188,11 @@ def test_bad_surgery_is_one_line(surgery, needle):
 
 @pytest.mark.parametrize("make,needle", [
     (lambda: GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64)), "model_type 'gpt2'"),
-    (lambda: Qwen2ForCausalLM(Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=8, max_window_layers=0)),
-     "sliding"),
+    # sliding layers without a window: transformers' own forward raises ("Could not find a `sliding_window`")
+    (lambda: Qwen2ForCausalLM(Qwen2Config(**SHAPE, use_sliding_window=False, layer_types=["sliding_attention"] * 5)),
+     r"layer_types mark layers \[0, 1, 2, 3, 4\] sliding_attention with use_sliding_window=False"),
     (lambda: LlamaForCausalLM(LlamaConfig(**SHAPE, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4,
                                                                      "factor": 2.0})), "rope_type 'yarn'"),
-    # a window shorter than the context changes the attention: Mistral 7B v0.1 (4096 < 32768), Phi-3-mini-4k
-    (lambda: MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=8)),
-     r"mistral with sliding_window=8 < max_position_embeddings=64"),
-    (lambda: Phi3ForCausalLM(Phi3Config(**SHAPE, sliding_window=32)), r"phi3 with sliding_window=32 <"),
     (lambda: Phi3ForCausalLM(Phi3Config(**SHAPE, partial_rotary_factor=0.5)), r"partial_rotary_factor=0.5.*supported"),
     (lambda: Phi3ForCausalLM(Phi3Config(**SHAPE, original_max_position_embeddings=32, rope_parameters={
         "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4})),
@@ -206,8 +216,38 @@ def test_a_mistral_config_without_sliding_window_has_transformers_default_window
     config = json.loads((tmp_path / "config.json").read_text())
     del config["sliding_window"]
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"mistral with sliding_window=4096 < max_position_embeddings=8192"):
-        retrofit(tmp_path, prelude=1, core=(1, 2), coda=0)
+    assert retrofit(tmp_path, prelude=1, core=(1, 2), coda=0).config.attention_windows == [4096, 4096]
+
+
+def test_a_gemma_directory_with_the_legacy_gelu_converts_as_transformers_reads_it(tmp_path):
+    """Gemma's released config.json files say hidden_act "gelu", which transformers' GemmaConfig reads as the tanh
+    GELU, and leave tie_word_embeddings out (GemmaConfig's default: tied)."""
+    torch.manual_seed(0)
+    hf = perturbed(GemmaForCausalLM(GemmaConfig(**SHAPE, head_dim=8)))
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["hidden_act"] = "gelu"
+    config.pop("tie_word_embeddings", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = retrofit(tmp_path, prelude=2, core=(2, 4), coda=1)
+    assert model.config.mlp_activation == "gelu_tanh" and model.config.tie_embeddings
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, num_steps=1, init_scale=0.0).logits, hf(ids).logits,
+                                   rtol=1e-5, atol=1e-4)
+
+
+def test_dropped_layers_keep_each_kept_layers_own_window(tmp_path):
+    """Qwen2 slides layers >= max_window_layers: the retrofitted model gives each kept layer its source layer's
+    window (in the saved config.json too), and leaves a window covering the context out (it changes nothing)."""
+    torch.manual_seed(0)
+    hf = Qwen2ForCausalLM(Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=7, max_window_layers=3))
+    model = retrofit(hf, prelude=1, core=(2, 4), coda=1)  # source layers 0 | 2, 3 | 4
+    assert model.config.attention_windows == [None, None, 7, 7]
+    model.save_pretrained(tmp_path)
+    assert rd.RecurrentDepthLM.from_pretrained(tmp_path).config.attention_windows == [None, None, 7, 7]
+    covering = Qwen2ForCausalLM(Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=64, max_window_layers=0))
+    assert retrofit(covering, prelude=1, core=(1, 2), coda=0).config.attention_windows == []
 
 def test_rope_scaling_beside_rope_parameters_is_read_as_transformers_reads_it(tmp_path):
     """transformers reads a config.json's non-empty rope_scaling over its rope_parameters; retrofit read
@@ -302,7 +342,8 @@ def test_a_config_without_rms_norm_eps_gets_transformers_default(config_class, e
 
 
 @pytest.mark.parametrize("name", ["llama-llama3-rope-tied", "mistral-window-covers-context-tied", "phi3-fused",
-                                  "olmo2-postnorm"])
+                                  "olmo2-postnorm", "qwen2-sliding-from-layer-2", "qwen3-layer-types-mixed",
+                                  "gemma-tied-attention-bias"])
 def test_generation_after_retrofit_equals_transformers_greedy(name):
     """Our engine (KV cache, both runners) at r = 1 generates the source model's greedy tokens."""
     from recurrent_depth.inference.generate import generate

@@ -72,6 +72,18 @@ def test_sliding_window_counts_only_the_band():
     assert attention_flops(cfg, T, window=T) == attention_flops(cfg, T, window=None) == 2 * H * D * T
 
 
+def test_per_layer_windows_are_counted_layer_by_layer():
+    """`attention_windows` (a retrofitted Qwen2's sliding layers) was not counted: every layer read as full."""
+    windowed = rd.ModelConfig.from_preset("tiny", attention_windows=[None, 4, None, None])  # one of the 2 core layers
+    same_core = rd.ModelConfig.from_preset("tiny", mixer_options={"core": {"window": 4}})
+    full = rd.ModelConfig.from_preset("tiny")
+    T, steps = 16, (3, 0)
+    got = training_step_flops(windowed, 1, T, steps).attention_forward
+    want = (training_step_flops(full, 1, T, steps).attention_forward
+            + training_step_flops(same_core, 1, T, steps).attention_forward) / 2  # half the core windowed
+    assert got == pytest.approx(want) and got < training_step_flops(full, 1, T, steps).attention_forward
+
+
 @pytest.mark.parametrize(
     ("args", "field"),
     [((0, 8, (0, 1)), "batch"), ((1, 0, (0, 1)), "seq_len"), ((1, 8, (-1, 1)), "num_steps"), ((1, 8, 3), "num_steps")],

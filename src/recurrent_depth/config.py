@@ -205,6 +205,10 @@ class ModelConfig:
     # Unique layers (0-based over prelude, core, coda) whose attention adds a token-keyed value embedding,
     # gated per kv head by 2 sigmoid(W x[:32]) (nanochat's, in Parcae): see `Attention.add_value_embedding`.
     value_embeddings: list[int] = field(default_factory=list)
+    # A sliding window per unique layer (0-based over prelude, core, coda, one entry each): null = full attention,
+    # W = the last W keys up to and including the query's own (transformers' sliding_window). []: no per-layer
+    # windows (mixer_options' `window` may still window a whole part). Only 'attention' layers take a window.
+    attention_windows: list[int | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -301,6 +305,12 @@ class ModelConfig:
         self.value_embeddings = sorted(layers)
         need(not layers or self.hidden_size >= VALUE_GATE_CHANNELS, "value_embeddings",
              f"[] with hidden_size < {VALUE_GATE_CHANNELS} (the gate reads the first {VALUE_GATE_CHANNELS} channels)")
+        windows = self.attention_windows
+        need(isinstance(windows, list | tuple) and (not windows or len(windows) == self.num_layers)
+             and all(w is None or (is_int(w) and w >= 1) for w in windows), "attention_windows",
+             f"[] or a list of {self.num_layers} entries (prelude, core, coda layers in order), each null (full "
+             f"attention) or an integer window >= 1")
+        self.attention_windows = list(windows)
         need(self.qk_norm or not self.qk_norm_full_width, "qk_norm_full_width",
              "false unless qk_norm is true (it shapes QK-norm)")
         need(not (self.qk_norm_full_width and self.qk_norm_per_head), "qk_norm_full_width",
@@ -545,7 +555,7 @@ HUGINN_ARCHITECTURE: dict[str, Any] = dict(
     block_layout="sandwich", rope_style="interleaved", rope_scaling=None, qkv_bias=False, qk_norm_full_width=False,
     mlp_activation="silu", embedding_scale=True, norm_before_coda=True, final_norm=True, step_norm=False,
     injection="concat", state_init="random", exit_gate=False, mlp_gated=True, qk_norm_eps=None, prelude_norm=False,
-    coda_projection=False, value_embeddings=[],
+    coda_projection=False, value_embeddings=[], attention_windows=[],
 )
 
 

@@ -1,4 +1,4 @@
-"""`rdepth retrofit`: a transformers Llama / Mistral / Phi-3 / Qwen2 / Qwen3 / OLMo-2 causal LM made a
+"""`rdepth retrofit`: a transformers Llama / Mistral / Phi-3 / Qwen2 / Qwen3 / OLMo-2 / Gemma causal LM made a
 recurrent-depth model.
 
     rdepth retrofit --model DIR --prelude 4 --core 6:12 --coda 4 --out runs/retrofit
@@ -27,12 +27,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
 
     parser = subparsers.add_parser(
-        "retrofit", help="turn a transformers Llama/Mistral/Phi-3/Qwen2/Qwen3/OLMo-2 causal LM into a "
+        "retrofit", help="turn a transformers Llama/Mistral/Phi-3/Qwen2/Qwen3/OLMo-2/Gemma causal LM into a "
                                  "recurrent-depth model",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_model_arg(parser, help="the source: a transformers Llama, Mistral, Phi-3, Qwen2, Qwen3 or OLMo-2 causal LM "
-                               "directory (config.json, safetensors, tokenizer files)")
+    add_model_arg(parser, help="the source: a transformers Llama, Mistral, Phi-3, Qwen2, Qwen3, OLMo-2 or Gemma causal "
+                               "LM directory (config.json, safetensors, tokenizer files)")
     parser.add_argument("--prelude", type=int, required=True, metavar="N", help="the first N source layers")
     parser.add_argument("--core", required=True, metavar="A:B",
                         help="source layers A..B-1 become the recurrent core (half-open, like a Python slice)")

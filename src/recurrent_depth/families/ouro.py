@@ -62,7 +62,7 @@ OURO_KEYS = frozenset(SHAPE_KEYS) | frozenset(OPTIONAL_KEYS) | frozenset(CHECKED
 OURO_KEY_FOR_FIELD: dict[str, str] = {
     **{field: key for key, field in SHAPE_KEYS.items()}, **{field: key for key, (field, _) in OPTIONAL_KEYS.items()},
     "mlp_activation": "hidden_act", "rope_base": "rope_theta", "rope_scaling": "rope_scaling",
-    "mean_recurrence": "total_ut_steps", "mean_backprop_depth": "total_ut_steps",
+    "mean_recurrence": "total_ut_steps", "mean_backprop_depth": "total_ut_steps", "attention_windows": "sliding_window",
 }
 
 # transformers' ACT2FN name -> our mlp_activation (the exact same function only).
@@ -77,10 +77,11 @@ def is_ouro_config(data: dict[str, Any]) -> bool:
 def ouro_config_values(data: dict[str, Any]) -> dict[str, Any]:
     """`ModelConfig` field values (besides `OURO_ARCHITECTURE`) for an Ouro `config.json`.
 
-    A key we cannot honour is a one-line ValueError naming it: sliding-window layers, a rope type other
-    than default / linear / llama3, an activation other than silu / gelu / gelu_pytorch_tanh / relu,
-    attention dropout, a default `early_exit_step`. `total_ut_steps` (T) sets `mean_recurrence` and
-    `mean_backprop_depth` (training backpropagates through all T steps, as Ouro was trained).
+    Sliding-window layers (`layer_types`, or use_sliding_window with max_window_layers, Qwen2's rule) set
+    `attention_windows`. A key we cannot honour is a one-line ValueError naming it: sliding layers without a
+    window, a rope type other than default / linear / llama3, an activation other than silu / gelu /
+    gelu_pytorch_tanh / relu, attention dropout, a default `early_exit_step`. `total_ut_steps` (T) sets
+    `mean_recurrence` and `mean_backprop_depth` (training backpropagates through all T steps, as Ouro was trained).
     """
     missing = [key for key in SHAPE_KEYS if key not in data]
     if missing:
@@ -111,10 +112,14 @@ def ouro_config_values(data: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"Ouro config.json early_exit_step={data['early_exit_step']!r} is not supported: set it to "
                          f"null and choose the depth per call (num_steps, or the exit gate's threshold)")
     sliding = _sliding_layers(data, values["core_layers"])
-    if sliding:
-        raise ValueError(f"Ouro config.json: layers {sliding} use sliding-window attention (use_sliding_window / "
-                         f"max_window_layers / layer_types); only full attention is supported, as both released "
-                         f"Ouro models use")
+    if sliding:  # (the reference's Qwen2 sliding mask: the last `sliding_window` keys, the query's own included)
+        window = data.get("sliding_window", 4096) if data.get("use_sliding_window", False) else None
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise ValueError(f"Ouro config.json: layers {sliding} use sliding-window attention (layer_types) but "
+                             f"use_sliding_window={data.get('use_sliding_window', False)!r} / sliding_window="
+                             f"{data.get('sliding_window')!r} give no window >= 1 (the reference has none for them "
+                             f"either)")
+        values["attention_windows"] = [window if i in sliding else None for i in range(values["core_layers"])]
     return values
 
 

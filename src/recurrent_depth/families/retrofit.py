@@ -11,10 +11,12 @@ recurrent-depth model by surgery on its layers.
     model = retrofit("meta-llama/Llama-3.2-1B", prelude=4, core=(6, 12), coda=4)   # a local directory
     model.save_pretrained("runs/llama-rd")      # or `rdepth retrofit --model DIR --prelude 4 --core 6:12 ...`
 
-Sources: a transformers Llama, Mistral, Phi-3, Qwen2, Qwen3 or OLMo-2 `*ForCausalLM` directory (config.json
+Sources: a transformers Llama, Mistral, Phi-3, Qwen2, Qwen3, OLMo-2 or Gemma `*ForCausalLM` directory (config.json
 and safetensors, read with this library's bounded readers: no transformers model is built, no code is run,
-the dropped layers are never read), or such a model already in memory. Everything else (GPT-2, Gemma,
-MoE models, sliding windows shorter than the context, partial rotary, rope types other than default /
+the dropped layers are never read), or such a model already in memory. Sliding-window layers keep their
+window (`ModelConfig.attention_windows`, one entry per kept layer): Mistral's and Phi-3's `sliding_window` on
+every layer, Qwen2's and Qwen3's on the layers `layer_types` (or use_sliding_window with max_window_layers)
+marks sliding. Everything else (GPT-2, Gemma 2 and 3, MoE models, partial rotary, rope types other than default /
 linear / llama3) is a one-line ValueError naming what stands in the way.
 
 The adapter's initialisation (`ADAPTER_INITS`, docs/looped-family.md): the default "e" = [0 | I] passes
@@ -55,12 +57,20 @@ LOOP_CONFIG_KEY = "loop"  # recurrent_depth.looping.config.CONFIG_KEY (not impor
 # branch's output. Mistral is the Llama block without biases; Phi-3 fuses q/k/v (qkv_proj) and gate/up
 # (gate_up_proj) in the row order our Wqkv and mlp.fc use.
 SUPPORTED_MODEL_TYPES: dict[str, str] = {"llama": "pre-norm", "mistral": "pre-norm", "phi3": "pre-norm",
-                                         "qwen2": "pre-norm", "qwen3": "pre-norm", "olmo2": "post-norm"}
-# The model types whose attention applies `sliding_window` whenever it is set (no use_sliding_window
-# switch): exact only when the window covers the whole context (null or >= max_position_embeddings).
+                                         "qwen2": "pre-norm", "qwen3": "pre-norm", "olmo2": "post-norm",
+                                         "gemma": "pre-norm"}
+# Gemma (1) is the Llama block with sqrt(h)-scaled embeddings, (1 + weight) RMSNorm gains (stored here as
+# 1 + weight, added in float32), the tanh GELU (its legacy hidden_act "gelu" means it) and tied embeddings
+# by default.
+_GEMMA_TYPES = ("gemma",)
+# The model types whose attention applies `sliding_window` to every layer whenever it is set (no
+# use_sliding_window switch), and those whose `layer_types` (or, without it, use_sliding_window and
+# max_window_layers: layers >= max_window_layers slide) say which layers take the window.
 _SLIDING_WINDOW_TYPES = ("mistral", "phi3")
+_LAYER_TYPES_TYPES = ("qwen2", "qwen3")
+_DEFAULT_MAX_WINDOW_LAYERS = 28  # Qwen2Config's and Qwen3Config's
 # The model types whose code reads attention_bias / mlp_bias (Mistral and Phi-3 have no biases).
-_BIAS_KEY_TYPES = ("llama", "qwen3", "olmo2")
+_BIAS_KEY_TYPES = ("llama", "qwen3", "olmo2", "gemma")
 # transformers' rms_norm_eps where a config.json leaves it out (1e-6 for the others).
 _DEFAULT_NORM_EPS = {"phi3": 1e-5, "olmo2": 1e-5}
 # transformers' sliding_window where a config.json leaves it out (MistralConfig's 4096: applied; Phi-3's None)
@@ -90,18 +100,19 @@ SENTENCEPIECE_FILE = "tokenizer.model"
 # refused when present with a value other than the harmless one.
 # (key -> (refused?, what is supported))
 _REFUSED_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "use_sliding_window": (lambda v: v is True, "full attention only"),
     "num_experts": (lambda v: bool(v), "dense MLPs only"),
     "num_local_experts": (lambda v: bool(v), "dense MLPs only"),
     "attn_logit_softcapping": (lambda v: v is not None, "null"),
     "final_logit_softcapping": (lambda v: v is not None, "null"),
     "partial_rotary_factor": (lambda v: v not in (None, 1, 1.0), "1.0, a fully rotated head"),
+    "use_bidirectional_attention": (lambda v: bool(v), "causal attention"),
 }
 # Model types users bring most often among those refused, with what stands in the way.
 _REFUSED_TYPES: dict[str, str] = {
-    **dict.fromkeys(("gemma", "gemma2", "gemma3", "gemma3_text"),
-                    "Gemma's (1 + weight) norms, sqrt(h)-scaled embeddings, query_pre_attn_scalar, logit soft-capping "
-                    "and sliding-window layers are not implemented here"),
+    **dict.fromkeys(("gemma2", "gemma3", "gemma3_text"),
+                    "Gemma's sliding-window layers, (1 + weight) norms and scaled embeddings would convert, but Gemma "
+                    "2's attention and final logit soft-capping and query_pre_attn_scalar and Gemma 3's per-layer-type "
+                    "RoPE (a local and a global base) are not implemented here"),
 }
 _IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -212,24 +223,60 @@ def check_architecture(hf: Mapping[str, Any]) -> str:
         if key in hf and refused(hf[key]):
             raise fail(f"cannot convert {model_type} with {key}={hf[key]!r}: not implemented here (supported: "
                        f"{supported})")
-    window = hf.get("sliding_window", _DEFAULT_SLIDING_WINDOW.get(model_type))  # (null: none; absent: the default)
-    context = hf.get("max_position_embeddings")
-    if model_type in _SLIDING_WINDOW_TYPES and window is not None and not (
-            is_int(window) and is_int(context) and window >= context):
-        raise fail(f"cannot convert {model_type} with sliding_window={window!r} < max_position_embeddings="
-                   f"{context!r}: sliding-window attention is not implemented here (only a window of null or "
-                   f">= the context, which changes nothing)")
     layer_types = hf.get("layer_types")
-    if layer_types is not None:
+    if layer_types is not None and model_type not in _LAYER_TYPES_TYPES:  # (their attention never reads it)
         listed = layer_types if isinstance(layer_types, list) else [layer_types]
         other = sorted({str(t) for t in listed if t != "full_attention"})
         if other:
-            raise fail(f"cannot convert layer_types {other}: only full-attention layers are supported "
-                       f"(no sliding-window attention)")
+            raise fail(f"cannot convert {model_type} with layer_types {other}: transformers' {model_type} "
+                       f"attention does not read layer_types (only qwen2 and qwen3 mix sliding and full layers)")
     act = hf.get("hidden_act", "silu")
     if not isinstance(act, str) or act not in HIDDEN_ACTS:
         raise fail(f"cannot convert hidden_act {act!r}: supported are {sorted(HIDDEN_ACTS)}")
     return SUPPORTED_MODEL_TYPES[model_type]
+
+
+def source_windows(hf: Mapping[str, Any], num_layers: int) -> list[int | None]:
+    """Each source layer's sliding window (None: full attention), as transformers' attention applies it: a
+    window of W keys up to and including the query's own (`kv_idx > q_idx - W`). Mistral and Phi-3 window
+    every layer with `sliding_window`; Qwen2 and Qwen3 the layers `layer_types` marks "sliding_attention"
+    (without it: layers >= max_window_layers, when use_sliding_window), with `sliding_window` when
+    use_sliding_window is true. A window >= max_position_embeddings changes nothing: None."""
+    model_type = hf.get("model_type")
+    if model_type in _SLIDING_WINDOW_TYPES:
+        window = hf.get("sliding_window", _DEFAULT_SLIDING_WINDOW.get(model_type))  # (null: none; absent: default)
+        sliding = list(range(num_layers)) if window is not None else []
+    elif model_type in _LAYER_TYPES_TYPES:
+        use = hf.get("use_sliding_window", False)
+        if not isinstance(use, bool):
+            raise fail(f"use_sliding_window={use!r} is invalid: expected true or false")
+        window = hf.get("sliding_window", 4096) if use else None
+        layer_types = hf.get("layer_types")
+        if layer_types is None:
+            first = hf.get("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS)
+            if not is_int(first):
+                raise fail(f"max_window_layers={first!r} is invalid: expected an integer")
+            sliding = list(range(max(first, 0), num_layers)) if window is not None else []
+        else:
+            allowed = ("full_attention", "sliding_attention")
+            if not isinstance(layer_types, list) or len(layer_types) != num_layers or any(
+                    t not in allowed for t in layer_types):
+                raise fail(f"layer_types={layer_types!r} is invalid: expected {allowed[0]!r} or {allowed[1]!r} for "
+                           f"each of the num_hidden_layers={num_layers} layers")
+            sliding = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+            if sliding and window is None:
+                raise fail(f"cannot convert {model_type} whose layer_types mark layers {sliding} sliding_attention "
+                           f"with use_sliding_window={use!r} / sliding_window=null: transformers has no window for "
+                           f"them either (set use_sliding_window true and sliding_window, or mark them "
+                           f"full_attention)")
+    else:
+        return [None] * num_layers
+    if sliding and not (is_int(window) and window >= 1):
+        raise fail(f"sliding_window={window!r} is invalid: expected null or an integer >= 1")
+    context = hf.get("max_position_embeddings")
+    if is_int(context) and is_int(window) and window >= context:
+        sliding = []  # (the window covers every position the model reads)
+    return [window if i in sliding else None for i in range(num_layers)]
 
 
 def rope_settings(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -266,6 +313,13 @@ def rope_settings(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta), {"rope_type": kind, **{key: scaling[key] for key in ROPE_SCALING_KEYS[kind]}}
 
 
+def _activation(hf: Mapping[str, Any]) -> str:
+    """Our mlp_activation for the source's hidden_act (transformers' GemmaConfig reads "gelu" as the tanh GELU)."""
+    default = "gelu_pytorch_tanh" if hf.get("model_type") in _GEMMA_TYPES else "silu"
+    act = HIDDEN_ACTS[hf.get("hidden_act", default)]
+    return "gelu_tanh" if act == "gelu" and hf.get("model_type") in _GEMMA_TYPES else act
+
+
 def model_config(hf: Mapping[str, Any], surgery: Surgery, mean_recurrence: int = DEFAULT_MEAN_RECURRENCE,
                  backprop_depth: int = DEFAULT_BACKPROP_DEPTH) -> ModelConfig:
     """Our ModelConfig for the retrofitted model of source config `hf` (a config.json as a dict)."""
@@ -284,6 +338,8 @@ def model_config(hf: Mapping[str, Any], surgery: Surgery, mean_recurrence: int =
     any_bias = model_type in _BIAS_KEY_TYPES and (bool(hf.get("attention_bias", False))
                                                   or bool(hf.get("mlp_bias", False)))
     theta, scaling = rope_settings(hf)
+    windows = source_windows(hf, num_layers)
+    kept = [windows[src] for _, _, src in surgery.layer_map(num_layers)]
     values = dict(
         vocab_size=hf.get("vocab_size"), hidden_size=hidden, num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim") or hidden // heads,
@@ -294,10 +350,11 @@ def model_config(hf: Mapping[str, Any], surgery: Surgery, mean_recurrence: int =
         norm_eps=hf.get("rms_norm_eps", _DEFAULT_NORM_EPS.get(model_type, 1e-6)), qk_bias=False, bias=any_bias,
         qkv_bias=model_type == "qwen2",
         qk_norm=model_type in ("qwen3", "olmo2"), qk_norm_full_width=model_type == "olmo2",
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", model_type in _GEMMA_TYPES)),
         bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"),
-        block_layout=layout, rope_style="half", mlp_activation=HIDDEN_ACTS[hf.get("hidden_act", "silu")],
-        embedding_scale=False, norm_before_coda=False, final_norm=True, injection="concat",
+        block_layout=layout, rope_style="half", mlp_activation=_activation(hf),
+        embedding_scale=model_type in _GEMMA_TYPES, norm_before_coda=False, final_norm=True, injection="concat",
+        attention_windows=kept if any(w is not None for w in kept) else [],
     )
     try:
         return ModelConfig(**values)
@@ -393,10 +450,13 @@ def convert_state(source: Source, cfg: ModelConfig, surgery: Surgery, adapter_in
     out_dtype = dtype or tensors["model.embed_tokens.weight"].dtype
     device = tensors["model.embed_tokens.weight"].device  # (a model in memory on a GPU: the new tensors join it)
     state: dict[str, Tensor] = {}
+    gemma = source.config["model_type"] in _GEMMA_TYPES
     for ours, theirs in plan.items():
         pieces = [tensors[name] if name in tensors
                   else torch.zeros(tensors[name.removesuffix("bias") + "weight"].shape[0])  # a bias the source lacks
                   for name in theirs]
+        if gemma and ours.endswith(("norm_1.weight", "norm_3.weight", "ln_f.weight")):  # Gemma's gain is 1 + w
+            pieces = [1.0 + t.float() for t in pieces]
         state[ours] = torch.cat([t.to(device=device, dtype=out_dtype) for t in pieces], dim=0).contiguous()
     # (a weight beyond float16's range became inf on the cast, without a word: a model generating garbage)
     cast = any(t.dtype != out_dtype for t in tensors.values())  # (the source's tensors were checked above)
@@ -450,7 +510,7 @@ def retrofit(
     dtype: torch.dtype | None = None,
     seed: int = 0,
 ) -> RecurrentDepthLM:
-    """A recurrent-depth model from a transformers Llama / Mistral / Phi-3 / Qwen2 / Qwen3 / OLMo-2 causal LM (a
+    """A recurrent-depth model from a transformers Llama / Mistral / Phi-3 / Qwen2 / Qwen3 / OLMo-2 / Gemma causal LM (a
     directory or a model in memory): prelude = source layers [0, prelude), core = [a, b), coda = the last `coda` layers.
 
     dtype: None keeps the source's (the embedding's) dtype. `seed` seeds the "random" adapter init only.

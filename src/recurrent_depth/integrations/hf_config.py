@@ -137,6 +137,7 @@ class RecurrentDepthConfig(_CheckedConfigFile, PretrainedConfig):
     prelude_norm: bool = False
     coda_projection: bool = False
     value_embeddings: list[int] = field(default_factory=list)
+    attention_windows: list = field(default_factory=list)
     use_cache: bool = True
 
     def __post_init__(self, **kwargs: Any) -> None:
@@ -265,7 +266,7 @@ class OuroConfig(_CheckedConfigFile, PretrainedConfig):
 
     The defaults are the reference config class's (Qwen2's, plus `total_ut_steps` 4 and
     `early_exit_threshold` 1.0: tests/goldens/ouro/README.md). `to_model_config` translates it through
-    `recurrent_depth.families.ouro`, refusing what the library cannot run (sliding-window layers, ...) with one
+    `recurrent_depth.families.ouro`, refusing what the library cannot run (a rope type, ...) with one
     line naming the key. A model loaded from it is ours (`OuroForCausalLM` in hf.py), with our config.
     """
 

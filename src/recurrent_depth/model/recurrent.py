@@ -115,6 +115,17 @@ class RecurrentDepthLM(nn.Module):
                 raise ValueError(f"ModelConfig.value_embeddings holds layer {i}, whose mixer is not 'attention' "
                                  f"(the only one with value embeddings)")
             attn.add_value_embedding(config.vocab_size)
+        for i, (block, window) in enumerate(zip(blocks_of(self), config.attention_windows, strict=False)):
+            # (the one place a layer's own window is set; the mixer reads `attn.window` on every path)
+            if type(block.attn) is not Attention:
+                if window is not None:
+                    raise ValueError(f"ModelConfig.attention_windows gives layer {i} a window of {window}, but its "
+                                     f"mixer is not 'attention' (the only one that takes a per-layer window)")
+                continue
+            if block.attn.window is not None:
+                raise ValueError(f"ModelConfig.attention_windows and mixer_options both set the window of layer {i}: "
+                                 f"set windows in one place")
+            block.attn.window = window
         self.lm_head = nn.Linear(h, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight

@@ -16,9 +16,9 @@ through the full-vocabulary normaliser). k = 0 uses the full vocabulary.
 
 The teacher is any model directory `RecurrentDepthLM.from_pretrained` reads (ours, a run directory holding
 model/, official Huginn-0125, Ouro, Parcae), or a transformers Llama / Mistral / Phi-3 / Qwen2 / Qwen3 /
-OLMo-2 directory (`families.retrofit.SUPPORTED_MODEL_TYPES`), read through `families.retrofit` with every
-layer kept, run at r = 1: exactly the source network. It runs in eval mode, without gradients, in its
-stored dtype, at `teacher_depth` (default: its config's
+OLMo-2 / Gemma directory (`families.retrofit.SUPPORTED_MODEL_TYPES`; sliding-window layers included), read
+through `families.retrofit` with every layer kept, run at r = 1: exactly the source network. It runs in eval
+mode, without gradients, in its stored dtype, at `teacher_depth` (default: its config's
 mean_recurrence), with its initial state drawn from its OWN generator seeded from the run seed on a
 separate stream (`teacher_generator`), so the student's depth draws and initial states are the same with
 and without a teacher. alpha = 0 never loads or runs the teacher (plain training, bit for bit).

@@ -56,6 +56,11 @@ def _attention_layer(cfg: ModelConfig, part: str, seq_len: int) -> tuple[float, 
         raise ValueError(f"FLOPs are counted for softmax attention only, got mixer {name!r} in the {part}")
     options = scoped_options(name, part, dict(cfg.mixer_options))
     attention = attention_flops(cfg, seq_len, options.get("window"))
+    start = {"prelude": 0, "core": cfg.prelude_layers, "coda": cfg.prelude_layers + cfg.core_layers}[part]
+    count = {"prelude": cfg.prelude_layers, "core": cfg.core_layers, "coda": cfg.coda_layers}[part]
+    windows = cfg.attention_windows[start:start + count]  # (per-layer windows: the part's mean layer)
+    if windows:
+        attention = sum(attention_flops(cfg, seq_len, w) for w in windows) / len(windows)
     return block_linear_flops(cfg, options.get("num_kv_heads")) + attention, attention
 
 

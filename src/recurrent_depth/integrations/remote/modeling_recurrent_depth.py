@@ -44,7 +44,7 @@ HUGINN_ARCHITECTURE = dict(
     block_layout="sandwich", rope_style="interleaved", rope_scaling=None, qkv_bias=False, qk_norm_full_width=False,
     mlp_activation="silu", embedding_scale=True, norm_before_coda=True, final_norm=True, step_norm=False,
     injection="concat", state_init="random", exit_gate=False, mlp_gated=True, qk_norm_eps=None, prelude_norm=False,
-    coda_projection=False, value_embeddings=[],
+    coda_projection=False, value_embeddings=[], attention_windows=[],
 )
 
 # Options of the library's `generate` (and the official code's names for them) that this file does not

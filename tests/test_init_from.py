@@ -94,6 +94,19 @@ def test_a_run_directory_trains_on_and_resumes_exactly(train_root, tmp_path):
         assert torch.equal(tensor, resumed.model.state_dict()[name]), name
 
 
+def test_a_resume_may_name_another_preset_which_a_model_directory_ignores(train_root, tmp_path):
+    """`--preset` is ignored with --init-from (docs/post-training.md), yet a resume naming another one was refused
+    as a changed configuration; another seed still is."""
+    write_ours(tmp_path / "source", train_root)
+    options = dict(init_from=str(tmp_path / "source"), tokenizer=None, max_steps=1, eval_batches=1)
+    Trainer(tiny_train_config(train_root, tmp_path / "run", **options)).run()
+    resumed = tiny_train_config(train_root, tmp_path / "run", **{**options, "max_steps": 2}, resume=True,
+                                preset="small")
+    with pytest.raises(ValueError, match=r"the configuration changed \(seed: 0 -> 1\)"):
+        Trainer(resumed.replace(seed=1))
+    assert Trainer(resumed).run().steps == 2
+
+
 @pytest.mark.parametrize("changes, field", [
     ({"model": {"hidden_size": 32}}, "model.hidden_size=32 differs"),
     ({"model": {"vocab_size": 512}}, "model.vocab_size=512 differs"),
@@ -109,11 +122,40 @@ def test_a_change_other_than_depth_is_a_one_line_error_naming_the_field(train_ro
     assert not (tmp_path / "run").exists()  # refused before anything is written
 
 
+def test_a_tokenizer_setting_holding_dirs_own_tokenizer_is_accepted(train_root, tmp_path):
+    """A config naming the tokenizer DIR was trained with (its run's tokenizer/, byte for byte DIR's) was refused as
+    one that "differs from the tokenizer in DIR"; another tokenizer still is."""
+    from recurrent_depth.train.init_from import resolved_config
+
+    write_ours(tmp_path / "source", train_root)
+    cfg = tiny_train_config(train_root, tmp_path / "run", init_from=str(tmp_path / "source"))
+    assert cfg.tokenizer == str(train_root / "tokenizer")  # (the tokenizer the source was saved with)
+    assert resolved_config(cfg).tokenizer == str(tmp_path / "source")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "tokenizer.json").write_text((train_root / "tokenizer" / "tokenizer.json").read_text() + " ")
+    with pytest.raises(ValueError, match=f"tokenizer='{other}' differs from the tokenizer in"):
+        resolved_config(cfg.replace(tokenizer=str(other)))
+
+
 def test_cli_names_a_directory_that_holds_no_model(train_root, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(train_flags(train_root, tmp_path / "empty", tmp_path / "run", "--max-steps", "1")) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("rdepth train: error: init_from=") and "no config.json" in error
+
+
+def test_print_config_shows_the_model_directorys_config_as_the_run_records_it(train_root, tmp_path, capsys):
+    """`rdepth train --init-from DIR --print-config` printed `model: {}`, no tokenizer and no seq_len (the preset's
+    defaults), not the DIR config the run trains and writes to run.json (`rdepth sft --print-config` resolved it)."""
+    write_ours(tmp_path / "source", train_root)
+    assert main(["train", "--init-from", str(tmp_path / "source"), "--data", "unused", "--print-config"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["model"]["hidden_size"] == tiny_model().config.hidden_size and printed["seq_len"] == 64
+    assert printed["tokenizer"] == str(tmp_path / "source")
+    assert main(["train", "--init-from", str(tmp_path / "source"), "--model-set", "hidden_size=32",
+                 "--print-config"]) == 2  # (a refused change is refused here too)
+    assert "hidden_size=32 differs" in capsys.readouterr().err
 
 
 def test_a_lora_adapter_trained_from_a_bf16_directory_is_written_in_bf16(train_root, tmp_path):

@@ -310,6 +310,26 @@ def test_a_resume_with_other_prompts_reward_or_objective_is_refused(one_thread, 
     assert main(resume) == 0 and (tmp_path / "run" / "checkpoints" / "step-00000002").exists()
 
 
+def test_a_resume_from_another_init_from_model_is_refused_and_keeps_the_checkpoints(one_thread, byte_model,
+                                                                                     tmp_path, capsys):
+    """`rdepth rl --resume` with an --init-from of other shapes set every valid checkpoint aside as damaged and
+    restarted the run from scratch on the other model (exit 0)."""
+    start, other = tmp_path / "start", tmp_path / "other"
+    byte_model.save_pretrained(start)
+    config = dataclasses.replace(byte_model.config, intermediate_size=byte_model.config.intermediate_size + 16)
+    rd.RecurrentDepthLM(config).save_pretrained(other)
+    for directory in (start, other):
+        byte_tokenizer().save(str(directory / "tokenizer.json"))
+    args = ["rl", "--out", str(tmp_path / "run"), "--difficulty", "2", "--group-size", "2", "--prompts-per-step", "1",
+            "--updates", "1", "--save-every", "1", "--num-steps", "2", "--max-new-tokens", "2", "--threads", "1"]
+    assert main([*args, "--init-from", str(start)]) == 0
+    capsys.readouterr()
+    assert main([*args, "--init-from", str(other), "--resume", "--updates", "2"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and "it holds another model than this run's (intermediate_size: " in errors[0], errors
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-00000001"]
+
+
 def test_a_resume_that_spells_out_a_default_rollout_option_is_accepted(byte_model):
     """`rdepth rl ... --kv-policy per-step+deepest` (the default) then `--resume` without it (or the other way
     round) was refused as changed rollout settings, though the rollouts are the same."""

@@ -4,6 +4,7 @@
 import errno
 import json
 import math
+import os
 import shutil
 import signal
 import types
@@ -318,6 +319,43 @@ def test_a_failed_model_save_never_leaves_model_empty(train_root, tmp_path, monk
     with pytest.raises(ckpt.CheckpointWriteError):
         Trainer(tiny_train_config(train_root, fresh, max_steps=1)).run()
     assert not (fresh / "model").exists()
+
+
+def test_the_model_copies_a_killed_run_left_are_removed_by_the_resume(train_root, tmp_path):
+    """kill -9 while `model/` was written left `.model.tmp-<pid>` (a whole copy of the weights) beside it for
+    good: the resume wrote `model/` under its own pid and never looked at the dead process's."""
+    import subprocess
+    import sys
+
+    Trainer(tiny_train_config(train_root, tmp_path, max_steps=1)).run()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid, live_pid = int(dead.stdout), os.getppid()  # (the first process is gone, the second alive)
+    for name in (f".model.tmp-{dead_pid}", f".model.old-{dead_pid}", f".model.tmp-{live_pid}"):
+        shutil.copytree(tmp_path / "model", tmp_path / name)
+    Trainer(tiny_train_config(train_root, tmp_path, max_steps=2, resume=True)).run()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".model")] == [f".model.tmp-{live_pid}"]
+
+
+def test_pruning_a_symlinked_checkpoint_removes_the_link_and_keeps_its_target(tmp_path):
+    """A checkpoint moved to another disk and symlinked back made the prune's rmtree raise after the new checkpoint
+    was published ("could not write checkpoint"), and the `.trash-` link it left failed every later save."""
+    root, moved = tmp_path / "checkpoints", tmp_path / "elsewhere" / "step-00000001"
+    for path in (moved, root / "step-00000002", root / "step-00000003"):
+        path.mkdir(parents=True)
+        for name in ckpt.REQUIRED_FILES:
+            (path / name).write_text("{}")
+    (root / "step-00000001").symlink_to(moved, target_is_directory=True)
+    (root / ".trash-step-00000000").symlink_to(moved, target_is_directory=True)  # (what the failed prune left)
+    ckpt.begin_checkpoint(root, 4).rmdir()
+    ckpt.prune_checkpoints(root, 2)
+    assert names(root) == ["step-00000002", "step-00000003"]
+    assert names(moved) == sorted(ckpt.REQUIRED_FILES)  # the run deleted only its link
+
+    (tmp_path / "model").symlink_to(moved, target_is_directory=True)  # a symlinked model/ is replaced the same way
+    (tmp_path / ".model.tmp").mkdir()
+    ckpt.publish_directory(tmp_path / ".model.tmp", tmp_path / "model")
+    assert not (tmp_path / "model").is_symlink() and names(moved) == sorted(ckpt.REQUIRED_FILES)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".model")]
 
 
 # ------------------------------------------------------------------ 12: crash at the end, Ctrl-C

@@ -100,6 +100,24 @@ def test_resume_after_a_crash_repeats_the_uninterrupted_losses_bitwise(train_roo
         assert torch.equal(tensor, resumed.model.state_dict()[name]), name
 
 
+@pytest.mark.parametrize("line", ['{"step": "1", "loss": 3.0}', "[1, 2]", '{"step": true}'],
+                         ids=["string-step", "not-an-object", "bool-step"])
+def test_an_edited_metrics_line_is_a_one_line_error_on_resume(tmp_path, line):
+    """A metrics.jsonl line edited to a string step (or to a non-object) made `--resume` a TypeError / AttributeError
+    traceback; it is a ValueError naming the file and line, and the file is left as it was."""
+    from recurrent_depth.train.run_record import JsonlLog
+
+    path = tmp_path / "metrics.jsonl"
+    text = f'{{"step": 1}}\n{line}\n{{"step": 3}}\n'
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"^{path} line 2 is not a record of this run"):
+        JsonlLog(path, keep_through=2)
+    assert path.read_text() == text
+    path.write_text('{"step": 1}\n{"loss": 2}\n{"step": 3}\n{"step": 4, "lo')  # (no step: kept; a torn end: dropped)
+    JsonlLog(path, keep_through=2).close()
+    assert path.read_text() == '{"step": 1}\n{"loss": 2}\n'
+
+
 def test_resume_refuses_a_changed_config_and_a_fresh_run_refuses_old_checkpoints(train_root, tmp_path):
     Trainer(tiny_train_config(train_root, tmp_path, max_steps=2, save_every=2)).run()
     with pytest.raises(ValueError, match="--resume"):

@@ -7,10 +7,10 @@
 Every TrainConfig field has a flag (`--max-steps`, `--eval-depths 1,4,8`, `--compile/--no-compile`);
 `--model-set KEY=VALUE` overrides a ModelConfig field, and the optimizer flags override `optim`.
 
-    rdepth train --lora --lora-base runs/tiny/model --lora-parts core --data more.txt --out runs/tiny-lora
+    rdepth train --lora --init-from runs/tiny/model --lora-parts core --data more.txt --out runs/tiny-lora
 
-`--lora` trains a peft LoRA adapter on a saved model (`--lora-base`, whose tokenizer the data is
-tokenized with unless --tokenizer says otherwise) instead of every weight (docs/post-training.md).
+`--lora` trains a peft LoRA adapter on a saved model (`--init-from`, whose config and tokenizer the run
+takes) instead of every weight (docs/post-training.md).
 """
 
 from __future__ import annotations
@@ -157,7 +157,10 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     if args.print_config:
-        print(json.dumps(cfg.to_dict(), indent=2))
+        from recurrent_depth.train.init_from import resolved_config
+
+        # (--init-from: DIR's model config, tokenizer and seq_len, what the run records, as `rdepth sft` prints)
+        print(json.dumps(resolved_config(cfg).to_dict(), indent=2))
         return 0
     from recurrent_depth.train.trainer import Trainer
 

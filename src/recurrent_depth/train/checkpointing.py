@@ -210,7 +210,7 @@ def begin_checkpoint(root: Path, step: int) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     for entry in root.iterdir():
         if entry.is_dir() and _LEFTOVER.match(entry.name):
-            shutil.rmtree(entry)
+            _remove_tree(entry)
     tmp = root / f".tmp-{checkpoint_name(step)}"
     tmp.mkdir()
     return tmp
@@ -256,8 +256,17 @@ def _prune(root: Path, keep: int) -> None:
     for _, path in found[: max(0, len(found) - keep)]:
         trash = path.with_name(f".trash-{path.name}")
         os.rename(path, trash)
-        shutil.rmtree(trash)
+        _remove_tree(trash)
     fsync_dir(root)
+
+
+def _remove_tree(path: Path) -> None:
+    """Delete a checkpoint directory; one that is a symlink (say, to a copy moved to another disk) loses only
+    the link: what it points to is not this run's to delete (and rmtree refuses a link, failing every save)."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path)
 
 
 # ------------------------------------------------------------------ checksums and validation
@@ -472,6 +481,30 @@ def staged_write(tmp: Path, final: Path, what: str) -> Iterator[None]:
         raise
 
 
+def remove_stale_staging(final: Path) -> None:
+    """Remove what a process killed while writing `final` left beside it (`.<name>.tmp-<pid>`, a whole model's
+    copy, and `.<name>.old-<pid>`, see `publish_directory`): those of processes that are gone, or of this one."""
+    pattern = re.compile(rf"^\.{re.escape(final.name)}\.(tmp|old)-(\d+)$")
+    if not final.parent.is_dir():
+        return
+    for entry in final.parent.iterdir():
+        match = pattern.match(entry.name)
+        if match and entry.is_dir() and not _process_alive(int(match.group(2))):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # (a leftover of an earlier process that had this pid: this process writes it afresh)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):
+        return True  # (another user's process, or unknown: kept)
+    return True
+
+
 def publish_directory(tmp: Path, final: Path) -> None:
     """Move a fully written directory `tmp` to `final`, replacing an older `final` (kept until the new one
     is in place, so a crash leaves the old or the new directory, never an empty one)."""
@@ -483,7 +516,7 @@ def publish_directory(tmp: Path, final: Path) -> None:
     os.rename(tmp, final)
     fsync_dir(final.parent)
     if old is not None:
-        shutil.rmtree(old)
+        _remove_tree(old)
 
 
 class StateView:

@@ -93,7 +93,7 @@ def find_tokenizer(model_dir: Path, cfg: TrainConfig, vocab_size: int) -> Path:
     from recurrent_depth.data.tokenizer import load_tokenizer
 
     own = (model_dir / "tokenizer.json").is_file()
-    if cfg.tokenizer is not None and own and Path(cfg.tokenizer).resolve() != model_dir.resolve():
+    if cfg.tokenizer is not None and own and not _same_tokenizer(Path(cfg.tokenizer), model_dir):
         raise ValueError(f"TrainConfig.tokenizer={cfg.tokenizer!r} differs from the tokenizer in {model_dir}: "
                          f"starting from a model directory, the tokenizer comes from it")
     if not own and cfg.tokenizer is None:
@@ -104,6 +104,17 @@ def find_tokenizer(model_dir: Path, cfg: TrainConfig, vocab_size: int) -> Path:
         raise ValueError(f"the tokenizer in {directory} has {size} tokens, more than {model_dir}'s vocab_size="
                          f"{vocab_size}")
     return directory
+
+
+def _same_tokenizer(given: Path, model_dir: Path) -> bool:
+    """`given` is DIR itself, or holds DIR's tokenizer.json byte for byte (say, the tokenizer/ of the run that
+    trained DIR, which a reused config names)."""
+    if given.resolve() == model_dir.resolve():
+        return True
+    try:
+        return (given / "tokenizer.json").read_bytes() == (model_dir / "tokenizer.json").read_bytes()
+    except OSError:
+        return False
 
 
 def resolved_config(cfg: TrainConfig) -> TrainConfig:

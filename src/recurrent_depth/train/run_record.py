@@ -120,12 +120,16 @@ class JsonlLog:
             return
         if path.exists():
             kept = []
-            for line in path.read_text().splitlines():
+            for number, line in enumerate(path.read_text().splitlines(), 1):
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError:
                     break  # a line torn by a crash: everything after it is newer anyway
-                if record.get("step", 0) <= keep_through:
+                step = record.get("step", 0) if isinstance(record, dict) else None
+                if isinstance(step, bool) or not isinstance(step, int):  # (an edited line: it cannot be placed)
+                    raise ValueError(f"{path} line {number} is not a record of this run (a JSON object whose step "
+                                     f"is an integer): fix or remove that line, then resume")
+                if step <= keep_through:
                     kept.append(line)
                     self.kept.append(record)
             atomic_write_text(path, "".join(f"{line}\n" for line in kept))

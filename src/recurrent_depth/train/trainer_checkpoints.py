@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Callable
 from dataclasses import MISSING, fields
 from pathlib import Path
@@ -111,7 +110,7 @@ def save_model(trainer: Trainer, path: Path) -> Path | None:
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
             with ckpt.staged_write(tmp, path, "the model directory"):
-                shutil.rmtree(tmp, ignore_errors=True)
+                ckpt.remove_stale_staging(path)  # (a kill -9 during an earlier write left a whole copy)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 ckpt.check_free_space(path.parent, ckpt.tensor_bytes(state) + _dir_bytes(trainer.tokenizer_dir),
                                       f"the model directory {path}")
@@ -189,7 +188,10 @@ def check_resumable(path: Path, cfg: TrainConfig, world_size: int, adapter: dict
         saved_adapter = saved_adapter_settings(path)
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot resume from {path}: unreadable adapter config ({exc})") from exc
-    changes = config_changes(_with_field_defaults(trainer_state.get("config", {})), cfg.to_dict())
+    saved, current = _with_field_defaults(trainer_state.get("config", {})), cfg.to_dict()
+    if cfg.init_from is not None and saved.get("init_from") is not None:
+        saved["preset"] = current["preset"]  # (ignored from a model directory, whose config the run trains)
+    changes = config_changes(saved, current)
     if saved_adapter != adapter:
         before, after = describe_adapter(saved_adapter), describe_adapter(adapter)
         changes.append(f"lora: {before} -> {after}" if before != after else "lora: other target modules")
@@ -209,6 +211,7 @@ def resume(trainer: Trainer) -> Path | None:
     root = ckpt.checkpoints_root(trainer.out) if trainer.out is not None else None
     env = trainer.env
     while path is not None:
+        check_same_model(trainer, path)  # (another model is a refusal, not a damaged checkpoint to set aside)
         loaded, problem = load_for_resume(trainer, path)
         problem = ddist.broadcast_object(problem, env)  # every rank falls back together
         if problem is None:
@@ -225,6 +228,27 @@ def resume(trainer: Trainer) -> Path | None:
         path = older
     trainer.log(f"no checkpoint in {root} could be loaded: starting from scratch")
     return None
+
+
+def check_same_model(trainer: Trainer, path: Path) -> None:
+    """Refuse (one ValueError naming the fields) to resume checkpoint `path` into a model of another config,
+    e.g. `rdepth rl --resume` with another --init-from: its weights would not load, and setting the valid
+    checkpoints aside would restart the run from scratch. (Only for a `RecurrentDepthLM`, under LoRA too.)"""
+    from recurrent_depth.config import ModelConfig
+
+    config = getattr(base_model_of(trainer.model), "config", None)
+    if not isinstance(config, ModelConfig):
+        return
+    try:
+        saved = _jsonable(ModelConfig.from_json(path / "config.json").to_dict())
+    except (OSError, ValueError, TypeError):
+        return  # (not our config: the weights' shape check decides)
+    now = _jsonable(config.to_dict())
+    changes = [f"{key}: {saved.get(key)!r} -> {now.get(key)!r}" for key in sorted(set(saved) | set(now))
+               if saved.get(key) != now.get(key)]
+    if changes:
+        raise ValueError(f"cannot resume from {path}: it holds another model than this run's ({', '.join(changes)}); "
+                         f"resume with the model the run started from")
 
 
 def load_for_resume(trainer: Trainer, path: Path) -> tuple[ckpt.LoadedCheckpoint | None, str | None]:
@@ -303,6 +327,7 @@ def apply_checkpoint(trainer: Trainer, loaded: ckpt.LoadedCheckpoint) -> None:
 
 def resume_from_checkpoint(trainer: Trainer, path: Path) -> None:
     """Continue `trainer` from checkpoint `path` (no fallback: a checkpoint that does not load is a ValueError)."""
+    check_same_model(trainer, path)
     loaded, problem = load_for_resume(trainer, path)
     if problem is not None:
         raise ValueError(f"cannot resume from {path}: {problem}")

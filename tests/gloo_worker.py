@@ -15,6 +15,7 @@ Modes:
                           running at another speed, and the stop reason when a stop_when hook
                           says stop on rank 1 only, and validation tokens under a final-evaluation
                           deadline that only rank 0 has passed; saves them.
+  sft-heldout             SFT's held-out loss by depth on both ranks and on each rank alone; saves them.
 One launch runs every case (process start-up dominates the time).
 """
 
@@ -144,6 +145,36 @@ def eval_deadline(env: DistEnv) -> list[int]:
                                            (alone.tokens, alone.loss, alone.token_correlation)]
 
 
+def sft_heldout(env: DistEnv) -> list:
+    """SFT's held-out loss on 2 ranks (each its share of the batches, sums all-reduced) and alone: 9 packed rows in
+    5 batches of 2 (an odd count: rank 1 has none in the last round; the last batch has one row), and the same
+    rows cut to 3 batches (max_batches)."""
+    import recurrent_depth as rd
+    from recurrent_depth.data.chat import Example
+    from recurrent_depth.train import sft
+
+    gen = torch.Generator().manual_seed(0)
+    examples = []
+    for n in range(17):  # 9 rows
+        ids = torch.randint(0, 256, (3 + n % 7,), generator=gen).tolist()
+        examples.append(Example(ids, [i >= len(ids) // 2 for i in range(len(ids))]))
+    rows = sft.pack_examples(examples, 12, pad_id=0)
+    torch.manual_seed(0)
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny"))
+    batches, losses = [], sft.batch_losses
+    sft.batch_losses = lambda *args: batches.append(args[1]["input_ids"].shape[0]) or losses(*args)
+    runs = []
+    for max_batches in (5, 3):
+        shared = sft.heldout_loss_by_depth(model, rows, [1, 3], batch_size=2, max_batches=max_batches,
+                                           world_size=env.world_size, seed=4)
+        sft.batch_losses, wrapped = losses, sft.batch_losses
+        alone = sft.heldout_loss_by_depth(model, rows, [1, 3], batch_size=2, max_batches=max_batches, seed=4)
+        sft.batch_losses = wrapped
+        runs += [(run.tokens, run.loss, run.token_correlation) for run in (shared, alone)]
+    sft.batch_losses = losses
+    return [len(rows), batches, *runs]
+
+
 def main() -> None:
     rank, world, store, out, mode, *args = sys.argv[1:]
     torch.set_num_threads(1)
@@ -160,6 +191,8 @@ def main() -> None:
             torch.save(found, Path(out) / f"ddp-depth-rank{env.rank}.pt")
         elif mode == "lr-time-budget":
             torch.save(lr_time_budget(env) + stop_hook(env) + eval_deadline(env), Path(out) / f"lr-rank{env.rank}.pt")
+        elif mode == "sft-heldout":
+            torch.save(sft_heldout(env), Path(out) / f"sft-heldout-rank{env.rank}.pt")
         else:
             raise SystemExit(f"unknown mode {mode!r}")
         dist.barrier()

@@ -170,6 +170,29 @@ def test_auto_tokenizer_loads_with_specials_and_chat_template(saved: Path, tok: 
     assert chat_ids.count(ids["end_turn"]) == 4 and chat_ids.count(ids["begin_header"]) == 5
 
 
+def test_chat_template_marks_the_assistants_tokens_for_transformers_and_renders_the_same(saved: Path) -> None:
+    """transformers' `return_assistant_tokens_mask` (trl's `assistant_only_loss`) needs `{% generation %}`
+    around the assistant's tokens: without it the mask was all zeros (and trl refused the template)."""
+    from transformers import AutoTokenizer
+
+    from recurrent_depth.serving.chat_template import ChatTemplate, load_template
+
+    hf = AutoTokenizer.from_pretrained(saved)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": " 4 "}, {"role": "user", "content": "ünï?"},
+                {"role": "assistant", "content": "é"}]
+    out = hf.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ids, mask = out["input_ids"], out["assistant_masks"]
+    marked = [hf.decode([i for i, m in zip(ids, mask, strict=True) if m == bit]) for bit in (1, 0)]
+    assert marked[0] == "4<|end_turn|>é<|end_turn|>"
+    source, variables = load_template(saved)
+    ours = ChatTemplate(source, variables, 1 << 20).render(messages, add_generation_prompt=False)
+    assert ours == hf.apply_chat_template(messages, tokenize=False) == (
+        "<|begin_text|><|begin_header|>system<|end_header|>\n\nBe brief.<|end_turn|>"
+        "<|begin_header|>user<|end_header|>\n\n2+2?<|end_turn|><|begin_header|>Huginn<|end_header|>\n\n4<|end_turn|>"
+        "<|begin_header|>user<|end_header|>\n\nünï?<|end_turn|><|begin_header|>Huginn<|end_header|>\n\né<|end_turn|>")
+
+
 def test_chat_template_rejects_unsafe_assistant_name() -> None:
     assert "'Bot'" in chat_template("Bot")
     with pytest.raises(ValueError, match="assistant_name"):

@@ -118,3 +118,20 @@ def test_time_budgets_and_stop_hook_follow_rank_0_on_every_rank(tmp_path):
     (tokens, loss, corr), (alone_tokens, alone_loss, alone_corr) = lrs[0][5:]
     assert tokens == alone_tokens == 3 * 2 * 8
     assert loss == pytest.approx(alone_loss, rel=1e-12) and corr == pytest.approx(alone_corr, rel=1e-12)
+
+
+def test_sft_heldout_loss_on_two_ranks_is_one_process_s_with_each_batch_once(tmp_path):
+    """`rdepth sft` under torchrun evaluated every held-out batch on every rank (the work repeated world_size times).
+    Now rank r takes batches r, r + world_size, ... and the sums are all-reduced: the one-process result."""
+    out = run_ranks(tmp_path, "sft-heldout")
+    found = [torch.load(out / f"sft-heldout-rank{rank}.pt", weights_only=True) for rank in range(WORLD)]
+    assert found[0][0] == 9  # rows: 5 batches of 2, the last one of 1
+    # rows per batch this rank evaluated: batches 0, 2, 4 and 1, 3 of 5; then 0, 2 and 1 of 3
+    assert [batches for _, batches, *_ in found] == [[2, 2, 1, 2, 2], [2, 2, 2]]
+    assert found[0][2:] == found[1][2:]
+    for shared, alone, wanted in ((found[0][2], found[0][3], 9), (found[0][4], found[0][5], 6)):
+        assert shared[0] == alone[0] > 0
+        assert alone[0] < wanted * 12  # (scored tokens only)
+        for d in (1, 3):
+            assert shared[1][d] == pytest.approx(alone[1][d], rel=1e-12)
+            assert shared[2][d] == pytest.approx(alone[2][d], rel=1e-12)

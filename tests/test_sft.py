@@ -146,6 +146,31 @@ def test_csv_and_json_arrays_keep_numeric_looking_text_as_text(model_dir, tmp_pa
         load_examples(tmp_path / "bad.json", encoder)
 
 
+def test_message_fields_other_than_role_and_content_reach_the_chat_template(model_dir, tmp_path):
+    """A template that renders a tool message's `name` (or an assistant's `tool_calls`) got messages cut down to
+    role and content: the tool call and the tool's name were left out of the text trained on, silently. A field
+    that is null (a datasets table fills missing fields with None) is left out, as if absent."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    shutil.copytree(model_dir, tmp_path / "model")
+    (tmp_path / "model" / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.role }}{% if 'name' in m %}({{ m.name }}){% endif %}: {{ m.content }}"
+        "{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}{{ '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}")
+    chat = {"messages": [{"role": "user", "content": "6*7?"},
+                         {"role": "assistant", "content": "", "tool_calls": [{"name": "mul", "arguments": [6, 7]}]},
+                         {"role": "tool", "name": "mul", "content": "42"}, {"role": "assistant", "content": "42"}]}
+    encoder, tokenizer = encoder_for(tmp_path / "model"), load_tokenizer(model_dir)
+    runs = scored_runs(encoder.encode(conversation(chat, "x:1"), "x:1"), tokenizer)
+    assert runs == [("user: 6*7?\nassistant: ", False), ('[{"name": "mul", "arguments": [6, 7]}]\n', True),
+                    ("tool(mul): 42\nassistant: ", False), ("42\n", True)]
+    pq.write_table(pa.Table.from_pylist([chat]), tmp_path / "chat.parquet")  # (user: name None, tool_calls None)
+    assert load_examples(tmp_path / "chat.parquet", encoder) == [encoder.encode(conversation(chat, "x:1"), "x:1")]
+
+
 def test_a_packed_row_gives_each_example_its_loss_and_gradient_alone(tiny_model):
     """Three examples and padding in one row: per-example losses and the gradient of their sum equal those
     of each example run alone from the same initial state (truncated backprop included)."""
@@ -205,6 +230,20 @@ def write_chats(path, count=48, seed=0):
                if i % 2 else {"prompt": f"{a}*{b}=", "completion": str(a * b)} for i, (a, b) in enumerate(pairs)]
     path.write_text("".join(json.dumps(record) + "\n" for record in records))
     return path
+
+
+def test_val_fraction_beside_a_val_data_file_is_refused_not_ignored(model_dir, tmp_path, capsys):
+    """--val-data replaces the held-out share of --data: a --val-fraction given with it was accepted and ignored."""
+    from recurrent_depth.cli import main
+
+    write_chats(tmp_path / "chats.jsonl", count=4)
+    argv = ["sft", "--init-from", str(model_dir), "--data", str(tmp_path / "chats.jsonl"), "--out", str(tmp_path / "r"),
+            "--val-data", str(tmp_path / "chats.jsonl"), "--val-fraction", "0.5"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "rdepth sft: error: --val-fraction and --val-data: the held-out examples are --val-data's, so no share of "
+        "--data is held out; drop one of them")
+    assert not (tmp_path / "r").exists()
 
 
 def read_metrics(out):
@@ -299,6 +338,26 @@ def test_heldout_loss_on_packed_rows_is_the_token_mean_of_each_example_alone():
     first = heldout_loss_by_depth(model, rows, [1, 3], batch_size=2, max_batches=1)
     cut = heldout_loss_by_depth(model, rows, [1, 3], batch_size=2, max_batches=8, deadline=0.0)
     assert cut.tokens == first.tokens < result.tokens and cut.loss == first.loss
+
+
+def test_heldout_loss_does_not_depend_on_how_the_rows_are_batched():
+    """One s0 draw per batch gave the same packed rows (same model, same seed) another loss at each batch size."""
+    from recurrent_depth.data.chat import Example
+    from recurrent_depth.train.sft import heldout_loss_by_depth
+
+    torch.manual_seed(5)
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny"))
+    gen = torch.Generator().manual_seed(1)
+    examples = [Example(torch.randint(0, 256, (n,), generator=gen).tolist(), [i % 3 != 0 for i in range(n)])
+                for n in (14, 11, 13, 9, 15, 12)]
+    rows = pack_examples(examples, 16, pad_id=0)
+    runs = [heldout_loss_by_depth(model, rows, [1, 3], batch_size=size, max_batches=8, seed=3) for size in (1, 2, 6)]
+    for run in runs[1:]:
+        assert run.tokens == runs[0].tokens
+        for d in (1, 3):
+            assert run.loss[d] == pytest.approx(runs[0].loss[d], rel=1e-6, abs=0)
+    other = heldout_loss_by_depth(model, rows, [1], batch_size=2, max_batches=8, seed=4)
+    assert other.loss[1] != pytest.approx(runs[0].loss[1], rel=1e-6, abs=0)  # the seed still draws the starts
 
 
 def test_sft_with_lora_trains_only_an_adapter_that_loads_onto_its_start(model_dir, tmp_path):

@@ -56,6 +56,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.data is None and args.config is None:
         raise ValueError("--data FILE is required: the examples to fine-tune on")
+    if args.val_data is not None and args.val_fraction is not None:  # (nothing of --data would be held out)
+        raise ValueError("--val-fraction and --val-data: the held-out examples are --val-data's, so no share of "
+                         "--data is held out; drop one of them")
     cfg = config_from_args(args)
     if cfg.init_from is None:
         raise ValueError("--init-from DIR is required: the model directory to fine-tune")

@@ -3,7 +3,8 @@
 Records (one per JSONL line, or one per row of a local `datasets` file):
 
 - chat, the OpenAI / Hugging Face format: `{"messages": [{"role": "user", "content": "..."}, ...]}`;
-  every assistant message is learned, the rest is context;
+  every assistant message is learned, the rest is context; a message's other fields (`name`, `tool_calls`)
+  go to the chat template as they are (a null field as if absent);
 - prompt/completion: `{"prompt": "...", "completion": "..."}`, the completion is learned. Both may also be
   lists of messages (the conversational form): the conversation is `prompt + completion`, and only the
   completion's assistant messages are learned.
@@ -46,7 +47,7 @@ SUFFIXES = (".jsonl", *DATASETS_BUILDERS)
 class Conversation:
     """A record, normalised: messages, and which of them carry the loss (assistant messages only)."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     learned: list[bool]
     templated: bool = True  # False: prompt/completion text, concatenated without the chat template
 
@@ -173,7 +174,7 @@ def conversation(record: Any, where: str) -> Conversation:
     return result
 
 
-def _messages(value: Any, where: str, key: str) -> list[dict[str, str]]:
+def _messages(value: Any, where: str, key: str) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise ValueError(f"{where}: '{key}' must be a non-empty list of messages")
     out = []
@@ -181,7 +182,9 @@ def _messages(value: Any, where: str, key: str) -> list[dict[str, str]]:
         if not (isinstance(message, dict) and isinstance(message.get("role"), str)
                 and isinstance(message.get("content"), str)):
             raise ValueError(f"{where}: {key}[{i}] must be an object with string 'role' and 'content'")
-        out.append({"role": message["role"], "content": message["content"]})
+        # every field goes to the template (a tool call, a tool's name); a null one (datasets fills a field some
+        # messages lack with None) is left out, as if absent
+        out.append({k: v for k, v in message.items() if v is not None})
     return out
 
 

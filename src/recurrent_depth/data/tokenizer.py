@@ -289,7 +289,10 @@ def chat_template(assistant_name: str = DEFAULT_ASSISTANT_NAME) -> str:
 
     ``bos`` then, per message, ``<|begin_header|>ROLE<|end_header|>\\n\\nCONTENT<|end_turn|>``
     (content trimmed); the role ``assistant`` is written as ``assistant_name``, and the
-    generation prompt opens a header for it.
+    generation prompt opens a header for it. An assistant message's ``CONTENT<|end_turn|>`` is
+    inside ``{% generation %}`` markers, which render nothing: transformers'
+    ``return_assistant_tokens_mask`` (trl's ``assistant_only_loss``) marks those tokens, the ones
+    ``rdepth sft`` learns.
     """
     if not re.fullmatch(r"[A-Za-z0-9_\- ]{1,64}", assistant_name):
         raise ValueError(
@@ -300,8 +303,14 @@ def chat_template(assistant_name: str = DEFAULT_ASSISTANT_NAME) -> str:
         "{{- bos_token -}}"
         "{%- for message in messages -%}"
         f"{{%- set role = '{name}' if message['role'] == 'assistant' else message['role'] -%}}"
-        f"{{{{- '{BEGIN_HEADER}' + role + '{END_HEADER}\\n\\n'"
-        f" + message['content'] | trim + '{END_TURN}' -}}}}"
+        f"{{{{- '{BEGIN_HEADER}' + role + '{END_HEADER}\\n\\n' -}}}}"
+        "{%- if message['role'] == 'assistant' -%}"
+        "{%- generation -%}"
+        f"{{{{- message['content'] | trim + '{END_TURN}' -}}}}"
+        "{%- endgeneration -%}"
+        "{%- else -%}"
+        f"{{{{- message['content'] | trim + '{END_TURN}' -}}}}"
+        "{%- endif -%}"
         "{%- endfor -%}"
         "{%- if add_generation_prompt -%}"
         f"{{{{- '{BEGIN_HEADER}{name}{END_HEADER}\\n\\n' -}}}}"

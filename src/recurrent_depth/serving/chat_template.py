@@ -8,8 +8,8 @@ caps do not catch (a filter building a huge string, a loop over a long message's
 is stopped by the worker process that renders it (memory limit, wall-clock kill; see `prep.py`).
 
 The environment matches transformers' `apply_chat_template` (trim_blocks, lstrip_blocks,
-loopcontrols, `raise_exception`, `strftime_now`, `tojson`, the special-token variables), so
-templates written for it render the same text.
+loopcontrols, `{% generation %}` blocks, `raise_exception`, `strftime_now`, `tojson`, the
+special-token variables), so templates written for it render the same text.
 """
 
 from __future__ import annotations
@@ -102,6 +102,17 @@ class ChatTemplate:
                                         f"(at most {cap})")
                 return super().call_binop(context, operator, left, right)
 
+        class GenerationBlocks(jinja2.ext.Extension):
+            """`{% generation %}...{% endgeneration %}`, transformers' marks of the assistant's tokens
+            (`return_assistant_tokens_mask`, trl's `assistant_only_loss`): the body renders unchanged."""
+
+            tags = {"generation"}
+
+            def parse(self, parser: Any) -> Any:
+                lineno = next(parser.stream).lineno
+                body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+                return jinja2.nodes.Scope(body).set_lineno(lineno)
+
         def bounded_range(*args: int) -> Any:
             steps = range(*args)
             if owner.iterations + len(steps) > owner.max_iterations:
@@ -119,8 +130,8 @@ class ChatTemplate:
 
         # optimized=False and NoConstantOutput: jinja folds constant expressions while compiling, so
         # `{{ 'x' | center(10**10) }}` would run, outside every cap, at start-up.
-        env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols],
-                             optimized=False)
+        env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True,
+                             extensions=[jinja2.ext.loopcontrols, GenerationBlocks], optimized=False)
         env.filters["tojson"] = tojson
         env.globals.update(range=bounded_range, raise_exception=raise_exception,
                            strftime_now=lambda fmt: datetime.now().strftime(fmt))

@@ -19,6 +19,7 @@ loss is measured at `eval_depths` on the same masked rows.
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import time
 from collections.abc import Callable
@@ -34,7 +35,15 @@ from recurrent_depth.train import distributed as ddist
 from recurrent_depth.train.batches import BatchSource
 from recurrent_depth.train.config import TrainConfig
 from recurrent_depth.train.init_from import StartingPoint, load_for_training
-from recurrent_depth.train.validation import DepthEval, batch_losses, next_batch_late
+from recurrent_depth.train.validation import (
+    DepthEval,
+    _late,
+    batch_losses,
+    next_batch_late,
+    rank_rounds,
+    reduce_depth_eval,
+    row_states,
+)
 
 if TYPE_CHECKING:
     from recurrent_depth.train.lora import LoraSpec
@@ -184,11 +193,19 @@ class SFTBatches(BatchSource):
 @torch.no_grad()
 def heldout_loss_by_depth(model: nn.Module, rows: PackedRows, depths: list[int], *, batch_size: int,
                           max_batches: int, dtype: str = "float32", seed: int = 0,
-                          device: torch.device | str = "cpu", deadline: float | None = None) -> DepthEval:
+                          device: torch.device | str = "cpu", deadline: float | None = None,
+                          world_size: int = 1, sharded: bool = False) -> DepthEval:
     """Mean loss per scored held-out token at each depth over the first `max_batches` batches of `rows`
     (the masks of training: packed examples apart); every depth of a batch starts from the same s0.
+    With `world_size > 1` (a process group) rank r evaluates batches r, r + world_size, ... and the sums are
+    all-reduced, so the result is one process's, whatever the number of ranks (as `rdepth train`'s
+    validation); `sharded` (FSDP: a forward is collective) runs a discarded forward on a rank with no batch
+    left in the last round.
     deadline: optional `time.perf_counter()` value; batches after the first stop when the next one would
-    end past it (a run's `--max-minutes` cuts its final evaluation to fit, as `rdepth train`'s)."""
+    end past it (a run's `--max-minutes` cuts its final evaluation to fit, as `rdepth train`'s; rank 0's clock)."""
+    depths = sorted(set(depths))  # (a repeated depth would add its batch losses twice)
+    device = torch.device(device)
+    num_batches = min(max_batches, math.ceil(len(rows) / batch_size))
     was_training = model.training
     model.eval()
     total = {d: 0.0 for d in depths}
@@ -196,13 +213,21 @@ def heldout_loss_by_depth(model: nn.Module, rows: PackedRows, depths: list[int],
     tokens = sequences = 0
     started = time.perf_counter()
     try:
-        for i, start in enumerate(range(0, len(rows), batch_size)):
-            if i >= max_batches:
+        for rnd, (i, read) in enumerate(rank_rounds(num_batches, world_size)):
+            if rnd > 0 and _late(next_batch_late(started, rnd, deadline), world_size, device):
                 break
-            if next_batch_late(started, i, deadline):
-                break
+            if i >= num_batches and not sharded:
+                continue
+            start = read * batch_size
             batch = rows.batch(torch.arange(start, min(start + batch_size, len(rows))), device)
+            # each row's s0 from its own stream (its row index), not one draw per batch: a row's loss does not
+            # depend on the batch size, the number of batches or the ranks
+            states = row_states(model, batch["input_ids"].shape[0], batch["input_ids"].shape[1], start, seed, device)
+            if states is not None:
+                batch["input_states"] = states
             losses, correlations = batch_losses(model, batch, depths, (seed * 1_000_003 + i) % (2**63), dtype)
+            if i >= num_batches:  # (a sharded forward every rank runs; this rank has no batch left)
+                continue
             for d in depths:
                 total[d] += float(losses[d])
                 corr[d] += float(correlations[d])
@@ -210,8 +235,7 @@ def heldout_loss_by_depth(model: nn.Module, rows: PackedRows, depths: list[int],
             sequences += batch["input_ids"].shape[0]
     finally:
         model.train(was_training)
-    return DepthEval(loss={d: total[d] / tokens for d in depths},
-                     token_correlation={d: corr[d] / sequences for d in depths}, tokens=tokens)
+    return reduce_depth_eval(tokens, sequences, total, corr, world_size, device)
 
 
 def heldout_evaluation(rows: PackedRows) -> Callable[[Any, bool], DepthEval]:
@@ -220,9 +244,12 @@ def heldout_evaluation(rows: PackedRows) -> Callable[[Any, bool], DepthEval]:
     def evaluate(trainer: Any, final: bool) -> DepthEval:
         cfg = trainer.cfg
         depths = trainer.eval_depths or cfg.resolved_eval_depths(trainer.model_config.mean_recurrence)
-        result = heldout_loss_by_depth(trainer.model, rows, depths, batch_size=cfg.batch_size,
-                                       max_batches=cfg.eval_batches, dtype=cfg.dtype, seed=cfg.seed,
-                                       device=trainer.env.device, deadline=trainer.eval_deadline if final else None)
+        sharded = ddist.is_fsdp(trainer.wrapped)
+        result = heldout_loss_by_depth(trainer.wrapped if sharded else trainer.model, rows, depths,
+                                       batch_size=cfg.batch_size, max_batches=cfg.eval_batches, dtype=cfg.dtype,
+                                       seed=cfg.seed, device=trainer.env.device,
+                                       deadline=trainer.eval_deadline if final else None,
+                                       world_size=trainer.env.world_size, sharded=sharded)
         table = "  ".join(f"{d}:{v:.3f}" for d, v in sorted(result.loss.items()))
         trainer.log(f"step {trainer.state.step} held-out loss by depth  {table}")
         return result

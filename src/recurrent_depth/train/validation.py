@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -160,20 +161,49 @@ def _late(late: bool, world_size: int, device: torch.device) -> bool:
     return bool(flag.item())
 
 
+def rank_rounds(num_batches: int, world_size: int) -> Iterator[tuple[int, int]]:
+    """(batch index, batch to read) of this rank, one per round: rank r takes batches r, r + world_size, ...
+    In the last round a rank with no batch left gets an index >= num_batches and the round's first batch to
+    read (an FSDP forward is collective: every rank runs it, then drops the result)."""
+    rank = 0
+    if world_size > 1:
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+    for first in range(0, num_batches, world_size):
+        i = first + rank
+        yield i, (i if i < num_batches else first)
+
+
 def _rank_batches(dataset, batch_size: int, num_batches: int, world_size: int):
-    """(batch index, rows) of this rank, one per round: batch i is storage rows [i * batch_size, (i + 1) *
-    batch_size); rank r takes batches r, r + world_size, ... In the last round a rank with no batch left gets
-    an index >= num_batches and the round's first batch (an FSDP forward is collective: every rank runs it)."""
+    """(batch index, rows) of this rank per round (`rank_rounds`): batch i is storage rows [i * batch_size,
+    (i + 1) * batch_size)."""
     if world_size == 1:
         yield from zip(range(num_batches), dataset.iter_batches(batch_size, drop_last=True), strict=False)
         return
-    import torch.distributed as dist
+    for i, read in rank_rounds(num_batches, world_size):
+        yield i, dataset.rows(range(read * batch_size, (read + 1) * batch_size))
 
-    rank = dist.get_rank()
-    for first in range(0, num_batches, world_size):
-        i = first + rank
-        start = (i if i < num_batches else first) * batch_size
-        yield i, dataset.rows(range(start, start + batch_size))
+
+def reduce_depth_eval(tokens: int, sequences: int, loss_sum: dict[int, float], corr_sum: dict[int, float],
+                      world_size: int, device: torch.device) -> DepthEval:
+    """The mean loss per token and correlation per sequence at each depth, from this rank's sums all-reduced
+    over the process group (`world_size > 1`), so the result is one process's whatever the number of ranks."""
+    depths = list(loss_sum)
+    totals = torch.tensor([tokens, sequences] + [float(loss_sum[d]) for d in depths]
+                          + [float(corr_sum[d]) for d in depths], dtype=torch.float64)
+    if world_size > 1:
+        import torch.distributed as dist
+
+        totals = totals.to(device if device.type == "cuda" else torch.device("cpu"))
+        dist.all_reduce(totals)
+        totals = totals.cpu()
+    tokens, sequences, n = int(totals[0]), int(totals[1]), len(depths)
+    result = DepthEval(tokens=tokens)
+    for j, d in enumerate(depths):
+        result.loss[d] = float(totals[2 + j]) / tokens
+        result.token_correlation[d] = float(totals[2 + n + j]) / sequences
+    return result
 
 
 @torch.no_grad()
@@ -241,21 +271,4 @@ def validation_loss_by_depth(
             sequences += rows.shape[0]
     finally:
         model.train(was_training)
-    totals = torch.tensor(
-        [tokens, sequences] + [float(loss_sum[d]) for d in depths] + [float(corr_sum[d]) for d in depths],
-        dtype=torch.float64,
-    )
-    if world_size > 1:
-        import torch.distributed as dist
-
-        reduce_device = device if device.type == "cuda" else torch.device("cpu")
-        totals = totals.to(reduce_device)
-        dist.all_reduce(totals)
-        totals = totals.cpu()
-    tokens, sequences = int(totals[0]), int(totals[1])
-    n = len(depths)
-    result = DepthEval(tokens=tokens)
-    for j, d in enumerate(depths):
-        result.loss[d] = float(totals[2 + j]) / tokens
-        result.token_correlation[d] = float(totals[2 + n + j]) / sequences
-    return result
+    return reduce_depth_eval(tokens, sequences, loss_sum, corr_sum, world_size, device)

@@ -103,6 +103,22 @@ def test_a_token_cap_inside_a_multibyte_character_counts_the_scored_bytes(model)
         assert result.tokens <= cap
 
 
+def test_a_token_cap_that_cuts_a_character_stops_reading_the_texts(model):
+    # The tokens dropped with the cut "€" left the cap unreached: every later text (each cut to nothing) was
+    # read and tokenized, to the end of the corpus.
+    read = []
+
+    def texts():
+        yield "ab€"
+        for i in range(1000):
+            read.append(i)
+            yield "€€"
+
+    result = text_quality(model, texts(), ByteCodec(), [1], 256, 0, max_tokens=4, init_scale=0.0)
+    assert (result.documents, result.tokens, result.bytes) == (1, 2, 2)
+    assert len(read) <= 1
+
+
 def test_text_quality_with_a_random_s0_does_not_depend_on_the_batch_size(model):
     # One generator drew the s_0 of a whole batch: the windows' draws, and so the scores, moved with batch_size.
     texts = ["def f(x):\n    return x + 1\n" * 3, "héllo wörld", "abc" * 10]

@@ -102,6 +102,23 @@ def test_prompt_lookup_and_assisted_decoding_equal_greedy(model_dir):
     assert torch.equal(model.generate(x, assistant_model=model, **kw), greedy)
 
 
+def test_chunked_prefill_equals_greedy_in_ours_and_the_remote_code_file(model_dir, tmp_path):
+    """`generate(prefill_chunk_size=N)` raised transformers' 'Cannot use prefill chunking without a cache': the
+    cache is created by forward(), after transformers checked for it."""
+    from recurrent_depth.cli import main
+    from recurrent_depth.integrations.remote import modeling_recurrent_depth as remote
+
+    assert main(["export", "--model", str(model_dir), "--out", str(tmp_path / "out"), "--remote-code"]) == 0
+    exported = remote.RecurrentDepthForCausalLM.from_pretrained(tmp_path / "out", init_scale=0.0).eval()
+    ours = AutoModelForCausalLM.from_pretrained(model_dir, init_scale=0.0).eval()
+    x = ids(batch=2, length=7)
+    mask = torch.ones_like(x)
+    mask[0, :2] = 0
+    kw = dict(max_new_tokens=4, do_sample=False, num_steps=2, attention_mask=mask)
+    for model in (ours, exported):
+        assert torch.equal(model.generate(x, prefill_chunk_size=3, **kw), model.generate(x, **kw))
+
+
 def test_remote_code_file_runs_prompt_lookup_decoding(model_dir, tmp_path):
     from recurrent_depth.cli import main
     from recurrent_depth.integrations.remote import modeling_recurrent_depth as remote
@@ -131,6 +148,37 @@ def test_our_options_in_generation_config_json_are_defaults_and_keywords_still_w
     assert torch.equal(model.generate(x, num_steps=2, **kw), depth[2])
     model.generation_config.exit_criterion = "kl"  # a routed option set on the model's config routes the call
     assert type(model.generate(x, return_dict_in_generate=True, **kw)).__name__ == "GenerationOutput"
+
+
+def test_our_options_set_on_the_models_generation_config_survive_save_pretrained(model_dir, tmp_path):
+    """The generation config transformers derives from config.json is marked `_from_model_config`, and transformers
+    reads such a file back without its custom entries: `num_steps` set on it and saved was silently dropped."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, init_scale=0.0).eval()
+    x = ids(batch=1, length=6)
+    kw = dict(max_new_tokens=3, do_sample=False)
+    expected = model.generate(x, num_steps=1, **kw)
+    assert not torch.equal(expected, model.generate(x, **kw))
+    model.generation_config.num_steps = 1
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert again.generation_config.num_steps == 1
+    assert torch.equal(again.generate(x, **kw), expected)
+
+
+def test_remote_code_files_generation_config_options_survive_save_pretrained(model_dir, tmp_path):
+    """The exported file's model lost `generation_config.num_steps` on save and reload, as ours did."""
+    from recurrent_depth.cli import main
+    from recurrent_depth.integrations.remote import modeling_recurrent_depth as remote
+
+    assert main(["export", "--model", str(model_dir), "--out", str(tmp_path / "out"), "--remote-code"]) == 0
+    exported = remote.RecurrentDepthForCausalLM.from_pretrained(tmp_path / "out", init_scale=0.0).eval()
+    x = ids(batch=1, length=6)
+    kw = dict(max_new_tokens=3, do_sample=False)
+    expected = exported.generate(x, num_steps=1, **kw)
+    exported.generation_config.num_steps = 1
+    exported.save_pretrained(tmp_path / "saved")
+    again = remote.RecurrentDepthForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    assert torch.equal(again.generate(x, **kw), expected)
 
 
 def test_trainer_label_smoothing_shifts_the_labels(model_dir, tmp_path):
@@ -246,3 +294,68 @@ def test_trainer_predictions_are_the_logits(model_dir, tmp_path):
     args = TrainingArguments(str(tmp_path), report_to=[], use_cpu=True)
     loss, logits, labels = Trainer(model=model, args=args).prediction_step(model, {"input_ids": x, "labels": x}, False)
     assert isinstance(logits, torch.Tensor) and logits.shape == (*x.shape, model.config.vocab_size)
+
+
+def test_continuing_a_cache_refuses_what_it_cannot_continue_and_stays_usable(model_dir, tmp_path):
+    """Multi-turn generation with the returned cache: a prompt no longer than the cache was fed again after it
+    (silently wrong logits) or left empty; a deeper num_steps, or another batch size, failed deep inside (torch.cat,
+    a message about per-token exit) after the prelude had already written to the cache, which was then unusable."""
+    from recurrent_depth.cli import main
+    from recurrent_depth.integrations.remote import modeling_recurrent_depth as remote
+
+    assert main(["export", "--model", str(model_dir), "--out", str(tmp_path / "out"), "--remote-code"]) == 0
+    exported = remote.RecurrentDepthForCausalLM.from_pretrained(tmp_path / "out", init_scale=0.0).eval()
+    ours = AutoModelForCausalLM.from_pretrained(model_dir, init_scale=0.0).eval()
+    x = ids(batch=1, length=5)
+    kw = dict(max_new_tokens=3, do_sample=False, num_steps=2)
+    for model in (ours, exported):
+        out = model.generate(x, return_dict_in_generate=True, **kw)
+        cache = out.past_key_values
+        assert cache.get_seq_length() == 7
+        turn = torch.cat([out.sequences, ids(batch=1, length=2, seed=1)], dim=1)
+        for prompt in (out.sequences[:, :-1], x):
+            message = rf"^generate: the cache holds 7 tokens but input_ids has {prompt.shape[1]}:"
+            with pytest.raises(ValueError, match=message):
+                model.generate(prompt, cache=cache, **kw)
+        with pytest.raises(ValueError, match="^the cache holds 7 tokens computed with .*at the num_steps that filled"):
+            model.generate(turn, cache=cache, **{**kw, "num_steps": 3})
+        with pytest.raises(ValueError, match="^the cache holds 1 rows but this call has 2"):
+            model.generate(turn.repeat(2, 1), cache=cache, **kw)
+        assert torch.equal(model.generate(turn, cache=cache, **kw), model.generate(turn, **kw))
+
+
+def test_a_routed_call_takes_the_models_generation_config_as_transformers_loop_does(model_dir):
+    """generation_config.json's sampling settings and eos ids are the base of transformers' loop; a call routed to
+    recurrent_depth.generate (exit_criterion, ...) dropped them: greedy decoding, past the config's eos ids."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, init_scale=0.0).eval()
+    x = ids(batch=1, length=6)
+    routed = dict(max_new_tokens=6, num_steps=2, exit_criterion="kl", exit_threshold=0.0)
+    greedy = model.generate(x, do_sample=False, **routed)
+    model.generation_config.eos_token_id = [model.config.eos_token_id, int(greedy[0, 8])]
+    assert torch.equal(model.generate(x, **routed), greedy[:, :9])
+    assert torch.equal(model.generate(x, num_steps=2, max_new_tokens=6), greedy[:, :9])  # transformers' loop
+    model.generation_config.eos_token_id = model.config.eos_token_id
+    model.generation_config.do_sample, model.generation_config.temperature = True, 50.0
+    torch.manual_seed(0)
+    assert not torch.equal(model.generate(x, **routed), greedy)
+    assert torch.equal(model.generate(x, do_sample=False, **routed), greedy)  # the call's keyword wins
+
+
+def test_generate_past_max_seq_len_is_refused_before_it_starts(model_dir, tmp_path):
+    """transformers' loop ran up to max_seq_len and then raised at the next token, the tokens generated until then
+    lost; the library refuses such a call before it starts, and so do ours and the exported file now."""
+    from recurrent_depth.cli import main
+    from recurrent_depth.integrations.remote import modeling_recurrent_depth as remote
+
+    assert main(["export", "--model", str(model_dir), "--out", str(tmp_path / "out"), "--remote-code"]) == 0
+    exported = remote.RecurrentDepthForCausalLM.from_pretrained(tmp_path / "out", init_scale=0.0).eval()
+    ours = AutoModelForCausalLM.from_pretrained(model_dir, init_scale=0.0).eval()
+    limit = ours.config.max_position_embeddings
+    x = ids(batch=1, length=limit - 2)
+    for model in (ours, exported):
+        for too_long in (dict(max_new_tokens=4), dict(max_length=limit + 2), dict(max_new_tokens=4, num_beams=2)):
+            with pytest.raises(ValueError, match=rf"^generate: prompt length {limit - 2} \+ 4 new tokens .* "
+                                                 rf"max_seq_len={limit}$"):
+                model.generate(x, num_steps=1, do_sample=False, **too_long)
+        # the last token is sampled, never fed: max_seq_len + 1 tokens in all fit
+        assert model.generate(x, num_steps=1, do_sample=False, max_new_tokens=3).shape[1] == limit + 1

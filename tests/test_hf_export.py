@@ -178,6 +178,29 @@ def test_remote_file_refuses_bad_ids_in_one_line_and_keeps_output_logits(tmp_pat
         torch.testing.assert_close(step_logits[0], full[x.shape[1] - 1 + i], atol=1e-5, rtol=1e-5)
 
 
+def test_remote_file_runs_per_layer_windows_as_the_library(tmp_path):
+    """`rdepth export --remote-code` refused a model with per-layer windows (`attention_windows`); the exported
+    file now windows each layer as the library does: logits with left padding, and greedy generate (cached)
+    past every window equal the library's."""
+    from recurrent_depth.integrations.remote import modeling_recurrent_depth as remote
+
+    model = make_model_dir(tmp_path / "src", with_tokenizer=False, num_kv_heads=2, attention_windows=[3, None, 2, 4])
+    assert main(["export", "--model", str(tmp_path / "src"), "--out", str(tmp_path / "out"), "--remote-code"]) == 0
+    exported = remote.RecurrentDepthForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert [b.attn.window for b in (*exported.transformer.prelude, *exported.transformer.core_block,
+                                    *exported.transformer.coda)] == [3, None, 2, 4]
+    x, mask = ids(batch=2, length=9), torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 9])
+    with torch.no_grad():
+        for m in (None, mask):
+            torch.testing.assert_close(exported(x, attention_mask=m, num_steps=3, init_scale=0.0).logits,
+                                       model(x, attention_mask=m, num_steps=3, init_scale=0.0).logits,
+                                       atol=1e-5, rtol=1e-5)
+    out = exported.generate(x, max_new_tokens=5, num_steps=3, init_scale=0.0, do_sample=False)
+    assert torch.equal(out, greedy_reference(model, x, 5, 3))
+    with pytest.raises(ValueError, match=r"^attention_windows=\[3\] is invalid: expected \[\] or 4 entries"):
+        remote.RecurrentDepthConfig(attention_windows=[3])
+
+
 def test_export_keeps_the_retrofit_record_and_reads_tokenizer_files_bounded(tmp_path, capsys):
     """Export copied the tokenizer files with an unbounded copy (one linked to /dev/zero filled the disk)
     and left retrofit.json, the record of the source a retrofitted model came from, behind."""

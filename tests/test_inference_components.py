@@ -192,10 +192,10 @@ def test_row_generators_reproduce_rows():
 
 
 # ---------------------------------------------------------------------------------------- fused runner
-def _odd_model(kv_heads: int) -> rd.RecurrentDepthLM:
+def _odd_model(kv_heads: int, **overrides) -> rd.RecurrentDepthLM:
     """Hidden 36, 6 heads of dim 6 (kv_heads of them for keys/values), MLP 50, non-zero biases."""
     cfg = rd.ModelConfig(vocab_size=97, hidden_size=36, num_heads=6, num_kv_heads=kv_heads, intermediate_size=50,
-                         prelude_layers=1, core_layers=2, coda_layers=1, bias=True, max_seq_len=32)
+                         prelude_layers=1, core_layers=2, coda_layers=1, bias=True, max_seq_len=32, **overrides)
     torch.manual_seed(0)
     model = rd.RecurrentDepthLM(cfg)
     with torch.no_grad():
@@ -316,14 +316,51 @@ def test_the_accel_switch_turns_the_fast_runner_off(monkeypatch):
 
 
 def test_fast_runner_is_used_only_for_plain_attention():
-    cfg = rd.ModelConfig.from_preset("tiny")
-    cfg.mixer_options = {"window": 4}
-    windowed = rd.RecurrentDepthLM(cfg)
-    assert not FastRunner.supports(windowed)
+    normed = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", qk_norm=True))
+    assert not FastRunner.supports(normed)
     with pytest.raises(ValueError, match="plain softmax attention"):
-        FastRunner(windowed)
-    out = generate(windowed, torch.randint(0, 256, (1, 6)), max_new_tokens=3, num_steps=2, init_scale=0.0)
+        FastRunner(normed)
+    out = generate(normed, torch.randint(0, 256, (1, 6)), max_new_tokens=3, num_steps=2, init_scale=0.0)
     assert out.sequences.shape == (1, 9)
+
+
+@pytest.mark.parametrize("kv_heads", [6, 2], ids=["mha", "gqa"])
+def test_fast_runner_windows_each_layer_as_the_reference(kv_heads, monkeypatch):
+    """Per-layer windows (`attention_windows`; the fast runner refused them): a left-padded prefill, then
+    one-token decodes past every window, equal the reference runner and the full forward; odd sizes. The C++
+    decode (one mask for all layers) is not built for them."""
+    model = _odd_model(kv_heads, attention_windows=[2, None, 3, 4]).eval()
+    assert FastRunner.supports(model) and isinstance(make_runner(model), FastRunner)
+    monkeypatch.setattr(runner_module.decode_cpp, "load_decoder", lambda: pytest.fail("C++ decode built"))
+    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, num_steps=3, init_scale=0.0).logits
+        outs = []
+        for runner in (ModelRunner(model), FastRunner(model)):
+            cache, logits = StaticRecurrentCache(3, 3, capacity=11), []
+            for lo, hi in ((0, 5), *((t, t + 1) for t in range(5, 11))):
+                step = runner.context(ids[:, lo:hi], mask[:, :hi], cache)
+                e = runner.embed(ids[:, lo:hi], step)
+                s = torch.zeros_like(e)
+                for i in range(3):
+                    s = runner.core_step(s, runner.inject(e), e, i, step)
+                logits.append(runner.predict(s, step))
+                cache.advance(hi - lo)
+                cache.close(3, hi - lo)
+            outs.append(torch.cat(logits, 1))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    keep = mask.bool()
+    torch.testing.assert_close(outs[1][keep], full[keep], rtol=1e-5, atol=1e-5)
+    out = generate(model, ids[:, :4], max_new_tokens=6, num_steps=2, init_scale=0.0, output_logits=True)
+    with torch.no_grad():
+        want = model(out.sequences, num_steps=2, init_scale=0.0).logits[:, 3:-1]
+    torch.testing.assert_close(out.logits, want, rtol=1e-5, atol=1e-5)
+    # a quantized cache: windowed layers attend over their decoded columns, the others from the codes
+    kw = dict(max_new_tokens=6, num_steps=2, init_scale=0.0, output_logits=True, kv_quant="k=mse:4,v=mse:4")
+    fast, ref = generate(model, ids[:, :4], **kw), generate(model, ids[:, :4], fast=False, **kw)
+    torch.testing.assert_close(fast.logits, ref.logits, rtol=1e-5, atol=1e-5)
 
 
 def test_a_float64_model_decodes_in_float64():

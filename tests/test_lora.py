@@ -71,6 +71,21 @@ def test_target_modules_are_the_exact_names_of_the_chosen_parts_and_kinds():
         target_modules(tiny_model(prelude_layers=0), LoraSpec(parts=("prelude",)))
 
 
+def test_a_model_without_an_input_adapter_such_as_ouro_takes_lora_on_its_core():
+    """Ouro has no prelude, coda or adapter: the default spec chose its core layers, not an error saying
+    the model has no recurrent-depth modules (`rdepth sft --init-from OURO --lora` failed that way)."""
+    torch.manual_seed(0)
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny-ouro", vocab_size=256)).eval()
+    names = target_modules(model, LoraSpec())
+    assert names and all(name.startswith("transformer.core_block.") for name in names)
+    expected = model(ids(), **STEPS).logits
+    wrapped = add_lora(model, LoraSpec(rank=2))
+    randomise_adapters(wrapped)
+    got = wrapped(ids(), **STEPS).logits
+    assert torch.allclose(merge_lora(wrapped)(ids(), **STEPS).logits, got, atol=1e-5)
+    assert not torch.allclose(got, expected)
+
+
 # ---------------------------------------------------------------------------------------- exactness
 def test_zero_initialised_B_equals_the_base_exactly():
     base = tiny_model()
@@ -200,6 +215,109 @@ def test_an_adapter_config_saying_all_linear_loads_onto_every_linear_layer_but_t
         config_path.write_text(json.dumps({**config, "target_modules": "all-linear"}))
         got = load_lora(tiny_model(), tmp_path / "adapter")(ids, **STEPS).logits
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_trained_head_copy_applies_in_transformers_and_merges_into_a_directory_that_loads(tmp_path):
+    """peft's modules_to_save=["lm_head"] on the transformers class: the wrapper's logits ignored the trained head
+    (the core kept the old module), and merged models saved a tied config beside two different head tensors, a
+    directory every loader refused ("lm_head.weight differs from transformer.wte.weight but the config ties them")."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    tiny_model().save_pretrained(tmp_path / "base")
+    hf = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval(), peft.LoraConfig(
+        r=2, target_modules=["Wqkv"], modules_to_save=["lm_head"], task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        hf.base_model.model.lm_head.modules_to_save["default"].weight.add_(0.05)  # the trained copy of the head
+        unmerged = hf(ids(), **STEPS).logits
+        with hf.disable_adapter():
+            base = hf(ids(), **STEPS).logits
+    assert (unmerged - base).abs().max() > 0.1
+    hf.save_pretrained(tmp_path / "adapter")
+    library = load_lora(rd.RecurrentDepthLM.from_pretrained(tmp_path / "base").eval(), tmp_path / "adapter")
+    torch.testing.assert_close(library(ids(), **STEPS).logits, unmerged, rtol=1e-6, atol=1e-6)
+
+    hf.merge_and_unload().save_pretrained(tmp_path / "hf-merged")
+    merge_lora(library).save_pretrained(tmp_path / "merged")
+    for directory in ("hf-merged", "merged"):
+        for load in (rd.RecurrentDepthLM.from_pretrained, AutoModelForCausalLM.from_pretrained):
+            again = load(tmp_path / directory).eval()
+            assert not again.config.tie_embeddings
+            torch.testing.assert_close(again(ids(), **STEPS).logits, unmerged, rtol=1e-5, atol=1e-5)
+
+
+def test_the_remote_code_model_merges_a_trained_head_copy_into_a_directory_that_loads(tmp_path):
+    import peft
+
+    from recurrent_depth.cli import main
+    from recurrent_depth.integrations.remote import modeling_recurrent_depth as remote
+
+    tiny_model().save_pretrained(tmp_path / "base")
+    assert main(["export", "--model", str(tmp_path / "base"), "--out", str(tmp_path / "rc"), "--remote-code"]) == 0
+    hf = peft.get_peft_model(remote.RecurrentDepthForCausalLM.from_pretrained(tmp_path / "rc").eval(),
+                             peft.LoraConfig(r=2, target_modules=["Wqkv"], modules_to_save=["lm_head"]))
+    with torch.no_grad():
+        hf.base_model.model.lm_head.modules_to_save["default"].weight.add_(0.05)
+        unmerged = hf(ids(), **STEPS).logits
+    hf.merge_and_unload().save_pretrained(tmp_path / "merged")
+    again = rd.RecurrentDepthLM.from_pretrained(tmp_path / "merged").eval()  # was: "... but the config ties them"
+    torch.testing.assert_close(again(ids(), **STEPS).logits, unmerged, rtol=1e-5, atol=1e-5)
+
+
+def test_an_adapter_saved_here_loads_with_peft_auto_peft_model_for_causal_lm(tmp_path):
+    """save_adapter wrote no task type, so peft recorded our class as `auto_mapping` and AutoPeftModelForCausalLM
+    refused it ("... 'recurrent_depth.model.recurrent' which is not in the import allowlist")."""
+    import peft
+
+    tiny_model().save_pretrained(tmp_path / "base")
+    wrapped = add_lora(rd.RecurrentDepthLM.from_pretrained(tmp_path / "base").eval(), LoraSpec(rank=2),
+                       base_dir=tmp_path / "base", seed=0)
+    randomise_adapters(wrapped)
+    save_adapter(wrapped, tmp_path / "adapter")
+    auto = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter").eval()
+    with torch.no_grad():
+        want = load_adapter_model(tmp_path / "adapter")(ids(), **STEPS).logits
+        torch.testing.assert_close(auto(ids(), **STEPS).logits, want, rtol=1e-6, atol=1e-6)
+        assert (want - wrapped.get_base_model()(ids(), **STEPS).logits).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("targets", [["lm_head", "Wqkv"], ["wte", "Wqkv"]])
+def test_merging_an_adapter_of_the_tied_head_or_embedding_changes_only_that_module(tmp_path, targets):
+    """The head shares the embedding's weight and peft merges in place: merging an adapter of lm_head (peft's
+    "all-linear" on the library model takes it) also added B A to the embedding, so the merged model (and
+    `rdepth export --merge-lora`) computed other logits than the unmerged adapter (by 2.5 here)."""
+    import peft
+
+    tiny_model().save_pretrained(tmp_path / "base")
+    wrapped = peft.get_peft_model(rd.RecurrentDepthLM.from_pretrained(tmp_path / "base").eval(),
+                                  peft.LoraConfig(r=2, target_modules=targets))
+    randomise_adapters(wrapped)
+    with torch.no_grad():
+        unmerged = wrapped(ids(), **STEPS).logits
+    wrapped.save_pretrained(tmp_path / "adapter")
+    merged = load_adapter_model(tmp_path / "adapter", base=tmp_path / "base", merge=True)
+    torch.testing.assert_close(merged(ids(), **STEPS).logits, unmerged, rtol=1e-5, atol=1e-5)
+    merged.save_pretrained(tmp_path / "merged")
+    again = rd.RecurrentDepthLM.from_pretrained(tmp_path / "merged")
+    torch.testing.assert_close(again(ids(), **STEPS).logits, unmerged, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method, message", [("PromptTuningConfig", "prompt tuning"),
+                                             ("PrefixTuningConfig", "prefix tuning")])
+def test_peft_prompt_learning_is_refused_in_one_line_naming_it(tmp_path, method, message):
+    """peft's prompt tuning passes inputs_embeds and prefix tuning a filled DynamicCache: both were refused with
+    messages naming neither (prefix tuning: "cache must be a RecurrentDepthCache", whatever the user had done)."""
+    import peft
+
+    from recurrent_depth.integrations.hf import from_library_model
+    from recurrent_depth.integrations.remote import modeling_recurrent_depth as remote
+
+    tiny_model().save_pretrained(tmp_path)
+    for model in (from_library_model(tiny_model()), remote.RecurrentDepthForCausalLM.from_pretrained(tmp_path)):
+        tuned = peft.get_peft_model(model, getattr(peft, method)(task_type="CAUSAL_LM", num_virtual_tokens=2))
+        with pytest.raises(ValueError, match=f"peft's .*{message}.*use LoRA") as info:
+            tuned(ids(), **STEPS)
+        assert "\n" not in str(info.value)
 
 
 def test_a_lora_runs_checkpoint_given_as_a_model_says_what_it_is(tmp_path):
@@ -405,6 +523,24 @@ def test_export_refuses_to_merge_over_the_base_or_into_the_adapter(tmp_path, cap
         assert err == [f"rdepth export: error: --out {out} is the {name} directory; write the merged model to a new "
                        f"directory"], err
     assert {p.name: p.read_bytes() for d in (base, adapter) for p in d.iterdir()} == before
+
+
+def test_export_of_an_adapter_peft_cannot_merge_is_one_line(tmp_path, capsys):
+    """A peft adapter with lora_bias=True on layers without a bias: `rdepth export --merge-lora` was peft's
+    RuntimeError traceback ("Impossible to merge LoRA with `lora_bias=True` ...")."""
+    import peft
+
+    from recurrent_depth.cli import main
+
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    tiny_model().save_pretrained(base)
+    peft.get_peft_model(rd.RecurrentDepthLM.from_pretrained(base), peft.LoraConfig(
+        r=2, target_modules=["Wqkv"], lora_bias=True)).save_pretrained(adapter)
+    assert main(["export", "--model", str(base), "--merge-lora", str(adapter), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # (after peft's own warnings)
+    assert err[-1].startswith("rdepth export: error: cannot merge this LoRA adapter into the weights: Impossible "
+                              "to merge LoRA with `lora_bias=True`"), err
+    assert not (tmp_path / "out").exists()
 
 
 def test_lora_on_quantized_weights_is_refused_before_loading_in_one_line(tmp_path, capsys):

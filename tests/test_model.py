@@ -360,3 +360,18 @@ def test_bad_per_layer_windows_are_one_line(overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)) as info:
         rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", **overrides))
     assert "\n" not in str(info.value)
+
+
+def test_a_window_counts_real_tokens_not_hidden_columns():
+    """A column hidden inside a row (a batch's rejected speculative drafts stay in the cache, masked) was counted
+    in the window: the row saw fewer than W real tokens, so batched speculative decoding differed from a row alone.
+    The logits of the real tokens equal those of the row without the hidden columns."""
+    model = windowed_tiny()
+    x = ids(B=2, T=12)
+    mask = torch.ones_like(x)
+    mask[0, [4, 5]] = 0  # two hidden columns in row 0
+    keep = mask[0].bool()
+    with torch.no_grad():
+        holes = model(x, attention_mask=mask, num_steps=2, init_scale=0.0).logits
+        alone = model(x[:1, keep], num_steps=2, init_scale=0.0).logits
+    torch.testing.assert_close(holes[:1, keep], alone, rtol=1e-5, atol=1e-5)

@@ -113,6 +113,72 @@ def test_bad_architecture_values_are_one_line_errors():
         assert "\n" not in str(info.value)
 
 
+def test_gemma_fields_are_checked_and_refused_where_not_implemented():
+    """query_pre_attn_scalar, the soft-caps and layer_rope_bases: one-line errors for bad values and for layers
+    whose mixer does not implement them; the fused runner and the remote-code export refuse them (the model then
+    decodes with the reference runner); each changes the logits."""
+    from recurrent_depth.accel.runner import FastRunner
+    from recurrent_depth.integrations.export import check_exportable
+
+    for field, value in [("query_pre_attn_scalar", 0), ("query_pre_attn_scalar", "256"),
+                         ("attn_logit_softcapping", -1.0), ("final_logit_softcapping", True),
+                         ("layer_rope_bases", [1e4]), ("layer_rope_bases", [1e4, None, 0.5, None])]:
+        with pytest.raises(ValueError, match=rf"^ModelConfig.{field}=.* is invalid: expected") as info:
+            rd.ModelConfig(**BASE, **{field: value})
+        assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="query_pre_attn_scalar"):
+        rd.ModelConfig(**BASE, query_pre_attn_scalar=16.0, mup_base_width=16, tie_embeddings=False)
+    for field, value in [("attn_logit_softcapping", 5.0), ("layer_rope_bases", [None, 1e4, None, None])]:
+        with pytest.raises(ValueError, match=rf"^ModelConfig.{field} applies to layer 1, whose mixer is not"):
+            rd.RecurrentDepthLM(rd.ModelConfig(**BASE, mixer={"core": "linear_attention"}, **{field: value}))
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    plain = randomised(rd.RecurrentDepthLM(rd.ModelConfig(**BASE)))
+    assert FastRunner.supports(plain)
+    for field, value in [("attn_logit_softcapping", 1.0), ("final_logit_softcapping", 2.0),
+                         ("layer_rope_bases", [None, 3.0, None, None]), ("query_pre_attn_scalar", 2.0)]:
+        config = rd.ModelConfig(**BASE, **{field: value})
+        model = rd.RecurrentDepthLM(config).eval()
+        model.load_state_dict(plain.state_dict())
+        assert not FastRunner.supports(model), field
+        with pytest.raises(ValueError, match="Huginn's architecture only"):
+            check_exportable(config)
+        with torch.no_grad():
+            assert not torch.allclose(model(ids, num_steps=2, init_scale=0.0).logits,
+                                      plain(ids, num_steps=2, init_scale=0.0).logits, atol=1e-3), field
+
+
+@pytest.mark.parametrize("kv_quant", [None, "k=prod:3.5,v=mse:3.5"])
+def test_gemma_fields_batch_in_the_serving_pool_as_generate_alone(kv_quant):
+    """A model with soft-capped attention and head, windows and a RoPE base per layer (a retrofitted Gemma 2 / 3) in
+    the serving batcher (the model's own modules: the fused runner refuses it), rows of different lengths: each row's
+    tokens are generate's alone, with a float and a quantized KV cache (soft-capped layers read its decoded columns)."""
+    from recurrent_depth.inference.options import GenerationOptions
+    from recurrent_depth.serving.batch import BatchDecoder, RowRequest
+
+    torch.manual_seed(3)
+    config = rd.ModelConfig(**BASE, block_layout="peri-norm", rope_style="half", attn_logit_softcapping=1.5,
+                            final_logit_softcapping=3.0, attention_windows=[3, None, 2, None],
+                            layer_rope_bases=[100.0, None, 10.0, None])
+    model = randomised(rd.RecurrentDepthLM(config))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (7, 3)]
+    kw = dict(max_new_tokens=4, num_steps=2, init_scale=0.0)
+    dec = BatchDecoder(model, max_rows=2, kv_quant=kv_quant)
+    out = {}
+    for j, prompt in enumerate(prompts):
+        opts = GenerationOptions(**kw).validate(config.mean_recurrence)
+        out[j] = [dec.add(RowRequest(prompt, opts, j, top_logprobs=0), tag=j)[1].token]
+    while len(dec):
+        for seq, result in dec.step():
+            out[seq.tag].append(result.token)
+            if len(out[seq.tag]) >= kw["max_new_tokens"]:
+                dec.remove(seq)
+    for j, prompt in enumerate(prompts):
+        alone = rd.generate(model, torch.tensor(prompt), seed=j, kv_quant=kv_quant, **kw)
+        assert out[j] == alone.token_lists()[0], j
+
+
 def test_ouro_style_recurrence_and_exit_gate():
     """injection none, s_0 = e, ln_f after every step, no second norm, and the gate on each step's state."""
     config = rd.ModelConfig(**{**BASE, "prelude_layers": 0, "coda_layers": 0}, block_layout="peri-norm",
@@ -162,6 +228,9 @@ def test_additive_injection_and_unscaled_embedding():
                        final_norm=False, exit_gate=True, prelude_layers=0, coda_layers=0)),
     ("post-norm", dict(qk_norm=True, qk_norm_full_width=True, rope_scaling={"rope_type": "linear", "factor": 2.0})),
     ("pre-norm", dict(qk_norm=True, qkv_bias=True, norm_before_coda=False)),
+    # Gemma 2 / 3: soft-capped attention (plain math) and head, the logit scale, a window and a RoPE base per layer
+    ("peri-norm", dict(attn_logit_softcapping=1.5, final_logit_softcapping=3.0, query_pre_attn_scalar=3.0, qk_norm=True,
+                       attention_windows=[3, None, 2, None], layer_rope_bases=[100.0, None, 10.0, None])),
 ])
 def test_prefill_then_decode_equals_the_full_forward(layout, extra):
     config = rd.ModelConfig(**{**BASE, **extra}, block_layout=layout, rope_style="half", qk_bias=False,

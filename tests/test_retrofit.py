@@ -1,5 +1,5 @@
-"""Retrofitted recurrence (families/retrofit.py): transformers Llama / Mistral / Phi-3 / Qwen2 / Qwen3 / OLMo-2
--> RecurrentDepthLM.
+"""Retrofitted recurrence (families/retrofit.py): transformers Llama / Mistral / Phi-3 / Qwen2 / Qwen3 / OLMo-2 /
+Gemma 1-3 -> RecurrentDepthLM.
 
 With every layer kept, r = 1, s_0 = 0 and the adapter [0 | I], the retrofitted model is the source model:
 its logits equal transformers' own (fp32, tiny random configs with every norm and bias perturbed), which
@@ -17,6 +17,8 @@ import torch
 from transformers import (
     Gemma2Config,
     Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GemmaConfig,
     GemmaForCausalLM,
     GPT2Config,
@@ -74,6 +76,17 @@ SOURCES = {
     "phi3-window-9": lambda: Phi3ForCausalLM(Phi3Config(**SHAPE, sliding_window=9)),
     # Gemma (1): sqrt(h)-scaled embeddings, (1 + weight) norm gains, the tanh GELU, tied by default
     "gemma-tied-attention-bias": lambda: GemmaForCausalLM(GemmaConfig(**SHAPE, head_dim=12, attention_bias=True)),
+    # Gemma 2: four norms per block, query_pre_attn_scalar, attention and final logit soft-capping (caps low
+    # enough to bite), every other layer sliding (window 6 < the 40 tokens). Gemma 3: QK-norm, a local RoPE base
+    # on its sliding layers and a linearly scaled global one on the full layers, a final soft-cap, no attention one.
+    "gemma2-softcaps-sliding": lambda: Gemma2ForCausalLM(Gemma2Config(
+        **SHAPE, head_dim=12, query_pre_attn_scalar=20, sliding_window=6, attn_logit_softcapping=2.0,
+        final_logit_softcapping=4.0)),
+    "gemma3-local-rope-qknorm": lambda: Gemma3ForCausalLM(Gemma3TextConfig(
+        **SHAPE, head_dim=12, query_pre_attn_scalar=20, sliding_window=6, final_logit_softcapping=4.0,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0}})),
 }
 
 
@@ -197,8 +210,11 @@ def test_bad_surgery_is_one_line(surgery, needle):
     (lambda: Phi3ForCausalLM(Phi3Config(**SHAPE, original_max_position_embeddings=32, rope_parameters={
         "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4})),
      "rope_type 'longrope': supported are default, linear, llama3"),
-    (lambda: Gemma2ForCausalLM(Gemma2Config(**SHAPE, head_dim=8)),
-     r"model_type 'gemma2': Gemma's .* not implemented here; supported are llama, mistral, phi3"),
+    # (transformers' Gemma 3 attention never applies it: converting it would change the model)
+    (lambda: Gemma3ForCausalLM(Gemma3TextConfig(**SHAPE, head_dim=8, attn_logit_softcapping=50.0)),
+     r"gemma3_text with attn_logit_softcapping=50.0: transformers' Gemma 3 attention does not apply it"),
+    (lambda: Gemma2ForCausalLM(Gemma2Config(**SHAPE, head_dim=8, sliding_window=None)),
+     r"gemma2 whose layers \[0, 2, 4\] are sliding_attention with sliding_window=null"),
 ])
 def test_unconvertible_architectures_are_one_line_errors(make, needle):
     with pytest.raises(ValueError, match=needle) as info:
@@ -231,6 +247,81 @@ def test_a_gemma_directory_with_the_legacy_gelu_converts_as_transformers_reads_i
     (tmp_path / "config.json").write_text(json.dumps(config))
     model = retrofit(tmp_path, prelude=2, core=(2, 4), coda=1)
     assert model.config.mlp_activation == "gelu_tanh" and model.config.tie_embeddings
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, num_steps=1, init_scale=0.0).logits, hf(ids).logits,
+                                   rtol=1e-5, atol=1e-4)
+
+
+def test_gemma3_directory_in_the_older_rope_format_converts_as_transformers_reads_it(tmp_path):
+    """A Gemma 3 config.json of the older format: rope_theta and rope_scaling for the full layers,
+    rope_local_base_freq for the sliding ones, sliding_window_pattern instead of layer_types. Retrofitted from
+    the directory, the model is transformers' own loaded from it; saved and loaded, it keeps each layer's base."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    perturbed(SOURCES["gemma3-local-rope-qknorm"]()).save_pretrained(tmp_path / "src")
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    for key in ("rope_parameters", "layer_types"):
+        config.pop(key)
+    config.update(rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 2.0}, rope_local_base_freq=100.0,
+                  sliding_window_pattern=3)  # layers 2 (and 5, ...) full
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.float32).eval()
+    assert hf.config.layer_types[:3] == ["sliding_attention", "sliding_attention", "full_attention"]
+    model = retrofit(tmp_path / "src", prelude=2, core=(2, 4), coda=1)
+    assert model.config.layer_rope_bases == [100.0, 100.0, None, 100.0, 100.0]
+    assert model.config.attention_windows == [6, 6, None, 6, 6]
+    model.save_pretrained(tmp_path / "ours")
+    model = rd.RecurrentDepthLM.from_pretrained(tmp_path / "ours")
+    assert model.config.layer_rope_bases == [100.0, 100.0, None, 100.0, 100.0]
+    ids = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, num_steps=1, init_scale=0.0).logits, hf(ids).logits,
+                                   rtol=1e-5, atol=1e-4)
+
+
+def test_a_gemma2_config_without_its_gemma_keys_gets_transformers_defaults():
+    """Gemma2Config's defaults where a config.json leaves the keys out: soft-caps 50 / 30, query_pre_attn_scalar and
+    head_dim 256, a 4096 window on every other layer from layer 0, hidden_activation gelu_pytorch_tanh."""
+    from recurrent_depth.families.retrofit import model_config
+
+    hf = {**SHAPE, "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "max_position_embeddings": 8192}
+    cfg = model_config(hf, Surgery(1, (1, 3), 1))
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping, cfg.query_pre_attn_scalar, cfg.head_dim) == (
+        50.0, 30.0, 256, 256)
+    assert cfg.attention_windows == [4096, None, 4096, 4096] and cfg.mlp_activation == "gelu_tanh"  # layers 0, 1, 2, 4
+    assert cfg.block_layout == "peri-norm" and cfg.tie_embeddings and cfg.layer_rope_bases == []
+
+
+@pytest.mark.parametrize("make", [lambda: GemmaForCausalLM(GemmaConfig(**SHAPE)),
+                                  lambda: Qwen3ForCausalLM(Qwen3Config(**SHAPE))])
+def test_a_config_without_head_dim_gets_transformers_default(tmp_path, make):
+    """GemmaConfig's head_dim defaults to 256 and Qwen3Config's to 128, not hidden_size // num_attention_heads (8 here):
+    such a config.json was refused as a shape mismatch."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    perturbed(make()).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["head_dim"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    model = retrofit(tmp_path, prelude=2, core=(2, 4), coda=1)
+    assert model.config.head_dim == hf.config.head_dim > 8
+    ids = torch.randint(0, 96, (1, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, num_steps=1, init_scale=0.0).logits, hf(ids).logits,
+                                   rtol=1e-5, atol=1e-4)
+
+
+def test_a_gemma2_exact_gelu_stays_exact():
+    """Gemma 1's legacy hidden_act "gelu" means the tanh GELU; Gemma 2's hidden_activation "gelu" is the exact one in
+    transformers (ACT2FN), and converts as such."""
+    torch.manual_seed(0)
+    hf = perturbed(Gemma2ForCausalLM(Gemma2Config(**SHAPE, head_dim=8, hidden_activation="gelu")))
+    model = retrofit(hf, prelude=2, core=(2, 4), coda=1)
+    assert model.config.mlp_activation == "gelu"
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(model(ids, num_steps=1, init_scale=0.0).logits, hf(ids).logits,
@@ -343,7 +434,8 @@ def test_a_config_without_rms_norm_eps_gets_transformers_default(config_class, e
 
 @pytest.mark.parametrize("name", ["llama-llama3-rope-tied", "mistral-window-covers-context-tied", "phi3-fused",
                                   "olmo2-postnorm", "qwen2-sliding-from-layer-2", "qwen3-layer-types-mixed",
-                                  "gemma-tied-attention-bias"])
+                                  "gemma-tied-attention-bias", "gemma2-softcaps-sliding",
+                                  "gemma3-local-rope-qknorm"])
 def test_generation_after_retrofit_equals_transformers_greedy(name):
     """Our engine (KV cache, both runners) at r = 1 generates the source model's greedy tokens."""
     from recurrent_depth.inference.generate import generate

@@ -104,6 +104,42 @@ def test_continuous_batch_equals_each_request_alone(model, joins, max_rows):
             assert [i for i, _ in r.top] == ids
 
 
+@pytest.mark.parametrize("kv_quant,layout", [(None, "sandwich"), ("k=prod:3.5,v=mse:3.5", "sandwich"),
+                                             (None, "pre-norm")], ids=["fused", "fused-kv-quant", "reference"])
+def test_a_windowed_model_batches_and_each_row_windows_from_its_own_column(kv_quant, layout):
+    """Per-layer sliding windows (`attention_windows`) in the batch: rows of different lengths, prompts longer
+    than the windows, exit criteria, a KV budget and a skip lookup; each row equals generate alone, through the
+    fused runner (Huginn's layout) and the model's own modules (a retrofit's pre-norm). The window of a row shorter
+    than the longest ended at the longest row's column (logits off by ~0.1) before rows had their own."""
+    torch.manual_seed(5)
+    cfg = rd.ModelConfig.from_preset("tiny", attention_windows=[3, None, 2, 4], block_layout=layout)
+    model = rd.RecurrentDepthLM(cfg).eval()
+    assert BatchDecoder.supports(model)
+    g = torch.Generator().manual_seed(11)
+    modes = [dict(num_steps=3), dict(num_steps=4, exit_criterion="kl", exit_threshold=1e-2),
+             dict(num_steps=4, kv_budget=2),
+             dict(num_steps=5, kv_policy="per-step+skip", exit_criterion="kl", exit_threshold=5e-2)]
+    jobs = [(torch.randint(0, 256, (n,), generator=g).tolist(), dict(max_new_tokens=m, init_scale=0.0, **mode), j)
+            for j, (n, m, mode) in enumerate(zip((9, 4, 13, 6), (6, 7, 4, 5), modes))]
+    dec = BatchDecoder(model, max_rows=4, kv_quant=kv_quant)
+    out: dict[int, list] = {}
+    for prompt, kw, j in jobs:
+        opts = GenerationOptions(**kw).validate(model.config.mean_recurrence)
+        seq, first, _ = dec.add(RowRequest(prompt, opts, j, top_logprobs=0), tag=j)
+        out[j] = [first]
+    while len(dec):
+        for seq, result in dec.step():
+            out[seq.tag].append(result)
+            if len(out[seq.tag]) >= jobs[seq.tag][1]["max_new_tokens"]:
+                dec.remove(seq)
+    for prompt, kw, j in jobs:
+        alone = generate(model, torch.tensor(prompt), seed=j, output_logits=True, kv_quant=kv_quant, **kw)
+        tokens = alone.token_lists()[0]
+        assert [r.token for r in out[j]] == tokens, j
+        want = torch.log_softmax(alone.logits[0], -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor([r.logprob for r in out[j]]), want, rtol=0, atol=TOL)
+
+
 def test_rows_exit_at_their_own_depth_and_start_their_next_token_at_once(model):
     """An adaptive row finishes tokens while a deep fixed-depth row is still recurring: it does
     not wait for the deepest row of the batch."""

@@ -128,3 +128,85 @@ def test_packed_rows_with_an_empty_transformers_cache_keep_their_examples_apart(
         out = model(torch.cat([a, b], dim=1), position_ids=position_ids, cache=DynamicCache(), **STEPS)
         torch.testing.assert_close(out.logits[:, 5:], model(b, **STEPS).logits, atol=1e-5, rtol=1e-5)
     assert out.cache is None  # (packed rows are not continued from a cache)
+
+
+CHATS = [
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+     {"role": "assistant", "content": "4"}, {"role": "user", "content": "ünï?"},
+     {"role": "assistant", "content": "  9 é "}],
+    [{"role": "user", "content": "a=1;b=a;?b"}, {"role": "assistant", "content": "1"}],
+]
+
+
+def test_assistant_only_loss_learns_the_tokens_rdepth_sft_learns(tmp_path):
+    """trl's `assistant_only_loss=True` needs `{% generation %}` in the chat template: ours had none, so trl refused
+    it ("not training-compatible"). Its labels must cover exactly what `rdepth sft` scores: each answer and its
+    end of turn, never the header that opens the turn."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+    from trl.chat_template_utils import is_chat_template_stop_token_trained
+
+    from recurrent_depth import ModelConfig
+    from recurrent_depth.data.chat import ExampleEncoder, conversation
+
+    make_model_dir(tmp_path / "chat")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "chat")
+    assert is_chat_template_stop_token_trained(tokenizer)
+    model = RecurrentDepthForCausalLM.from_pretrained(tmp_path / "chat")
+    args = SFTConfig(output_dir=str(tmp_path / "out"), assistant_only_loss=True, max_steps=1, report_to=[],
+                     per_device_train_batch_size=2, save_strategy="no", use_cpu=True, gradient_checkpointing=False)
+    trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer,
+                         train_dataset=Dataset.from_list([{"messages": m} for m in CHATS]))
+    encoder = ExampleEncoder(tmp_path / "chat", ModelConfig.from_json(tmp_path / "chat" / "config.json"))
+    for i, messages in enumerate(CHATS):
+        row, ours = trainer.train_dataset[i], encoder.encode(conversation({"messages": messages}, "x"), "x")
+        assert row["input_ids"] == ours.ids
+        assert [label != -100 for label in row["labels"]] == ours.scored
+    assert trainer.train().training_loss > 0
+
+
+def test_the_remote_file_checkpoints_each_core_step_with_the_same_gradients(remote_dir):
+    """trl's configs turn gradient_checkpointing on by default: the exported model refused it when the trainer
+    started ("does not support activation checkpointing"). Now each core step is recomputed in the backward pass,
+    and the gradients are the ones without it."""
+    model = remote.RecurrentDepthForCausalLM.from_pretrained(remote_dir).train()
+    x = ids(batch=2, length=9)
+
+    def gradients():
+        model.zero_grad()
+        model(x, labels=x, **STEPS).loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    plain = gradients()
+    model.activation_checkpointing_enable()
+    calls = []
+    run = model._gradient_checkpointing_func
+    model._gradient_checkpointing_func = lambda *args: calls.append(args[-1]) or run(*args)
+    checkpointed = gradients()
+    assert calls == list(range(STEPS["num_steps"]))
+    assert plain.keys() == checkpointed.keys() and any(".core_block." in name for name in plain)
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    model.activation_checkpointing_disable()
+    assert not model.gradient_checkpointing
+
+
+@pytest.mark.parametrize("kind", ["library", "remote-code"])
+def test_the_fused_head_under_accelerates_autocast_leaves_autocast_off(model_dir, remote_dir, kind):
+    """trl's configs train in bf16 by default (accelerate wraps `model.forward` in one torch.autocast object), and the
+    fused head calls `base_model`, which called the wrapped forward again, nested: the inner exit put back the outer
+    entry's state, so autocast stayed on after the step, for everything the process ran next (silently bf16)."""
+    if kind == "library":
+        model = RecurrentDepthForCausalLM.from_pretrained(model_dir)
+    else:
+        model = remote.RecurrentDepthForCausalLM.from_pretrained(remote_dir)
+    trl_utils.add_fused_lm_head(model)
+    model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)  # (accelerate's bf16)
+    x = ids(batch=2, length=7)
+    try:
+        out = model(x, labels=x, fused_lm_head=True, **STEPS)
+        assert not torch.is_autocast_enabled("cpu")
+    finally:
+        torch.set_autocast_enabled("cpu", False)
+    assert torch.isfinite(out.loss)

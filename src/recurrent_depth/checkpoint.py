@@ -12,6 +12,7 @@ entries renamed before the checks, its tensors after the read. Saving always wri
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Collection
@@ -112,11 +113,28 @@ def save_pretrained(
             weight_map.update(dict.fromkeys(shard, filename))
         index = {"metadata": {"total_size": sum(t.nbytes for t in state.values())}, "weight_map": weight_map}
         atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=2) + "\n")
-    model.config.to_json(out / "config.json")
+    config = model.config
+    if untied_head(model):  # (saved as the model computes: both tensors, and a config that does not tie them)
+        config = dataclasses.replace(config, tie_embeddings=False)
+    config.to_json(out / "config.json")
     if tokenizer_dir is not None:
         copy_tokenizer(tokenizer_dir, out)
     if tokenizer is not None:
         save_tokenizer_files(tokenizer, out, model_max_length=model.config.max_seq_len)
+
+
+def untied_head(model: torch.nn.Module) -> bool:
+    """Whether `model`'s config ties the lm_head to the embedding but its lm_head holds other values, as peft's
+    merge_and_unload leaves a model whose adapter trained a copy of the head (modules_to_save=["lm_head"])."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "tie_embeddings", getattr(config, "tie_word_embeddings", False)):
+        return False
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    transformer = getattr(model, "transformer", None)
+    wte = getattr(transformer["wte"], "weight", None) if transformer is not None and "wte" in transformer else None
+    if not isinstance(head, torch.Tensor) or not isinstance(wte, torch.Tensor) or head is wte:
+        return False
+    return head.shape != wte.shape or not torch.equal(head.detach().cpu(), wte.detach().cpu())
 
 
 def _check_tokenizer_fits(tokenizer: Any, vocab_size: int) -> None:

@@ -209,6 +209,15 @@ class ModelConfig:
     # W = the last W keys up to and including the query's own (transformers' sliding_window). []: no per-layer
     # windows (mixer_options' `window` may still window a whole part). Only 'attention' layers take a window.
     attention_windows: list[int | None] = field(default_factory=list)
+    # Gemma 2 / 3 (docs/looped-family.md): the attention logits q.k times query_pre_attn_scalar^-1/2 instead of
+    # head_dim^-1/2 (None: attn_scale's rule); tanh soft-capping cap * tanh(x / cap) of every 'attention' layer's
+    # logits (before the mask and softmax, computed as plain math, not SDPA) and of the LM head's logits (None: off);
+    # a RoPE base per unique layer ([] or one entry each: null = rope_base with rope_scaling, a number = that base,
+    # unscaled: Gemma 3's local base on its sliding layers).
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    layer_rope_bases: list[float | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -311,6 +320,20 @@ class ModelConfig:
              f"[] or a list of {self.num_layers} entries (prelude, core, coda layers in order), each null (full "
              f"attention) or an integer window >= 1")
         self.attention_windows = list(windows)
+        scalar = self.query_pre_attn_scalar
+        need(scalar is None or (is_real(scalar) and scalar > 0),
+             "query_pre_attn_scalar", "None or a number > 0 (the logits are scaled by its inverse square root)")
+        need(self.query_pre_attn_scalar is None or (self.mup_base_width is None and self.attn_scale != "1/d"),
+             "query_pre_attn_scalar", "None under muP (mup_base_width / attn_scale '1/d' set the attention scale)")
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            value = getattr(self, name)
+            need(value is None or (is_real(value) and value > 0), name, "None or a number > 0 (the tanh cap)")
+        bases = self.layer_rope_bases
+        need(isinstance(bases, list | tuple) and (not bases or len(bases) == self.num_layers)
+             and all(b is None or (is_real(b) and b > 1) for b in bases), "layer_rope_bases",
+             f"[] or a list of {self.num_layers} entries (prelude, core, coda layers in order), each null (rope_base) "
+             f"or a RoPE base > 1")
+        self.layer_rope_bases = list(bases)
         need(self.qk_norm or not self.qk_norm_full_width, "qk_norm_full_width",
              "false unless qk_norm is true (it shapes QK-norm)")
         need(not (self.qk_norm_full_width and self.qk_norm_per_head), "qk_norm_full_width",
@@ -354,6 +377,8 @@ class ModelConfig:
     def attention_scale(self) -> float:
         """The factor on q.k: d^-1/2, or muP's sqrt(d_0)/d (equal to it where head_dim is d_0)."""
         d = self.head_dim
+        if self.query_pre_attn_scalar is not None:  # (Gemma 2 / 3; refused under muP)
+            return float(self.query_pre_attn_scalar) ** -0.5
         if self.attention_scale_rule == "1/sqrt(d)" or self.base_head_dim == d:
             return d**-0.5
         return math.sqrt(self.base_head_dim) / d
@@ -555,7 +580,8 @@ HUGINN_ARCHITECTURE: dict[str, Any] = dict(
     block_layout="sandwich", rope_style="interleaved", rope_scaling=None, qkv_bias=False, qk_norm_full_width=False,
     mlp_activation="silu", embedding_scale=True, norm_before_coda=True, final_norm=True, step_norm=False,
     injection="concat", state_init="random", exit_gate=False, mlp_gated=True, qk_norm_eps=None, prelude_norm=False,
-    coda_projection=False, value_embeddings=[], attention_windows=[],
+    coda_projection=False, value_embeddings=[], attn_logit_softcapping=None, final_logit_softcapping=None,
+    layer_rope_bases=[],
 )
 
 

@@ -20,7 +20,8 @@ core) reads ~25 GB/s there against ~19 for ATen's gemv, and two threads split it
 
 Covered (everything else takes the Python path, which stays the reference): float32 on CPU without
 autograd, one new column per row (T = 1; any batch size, left-padding masks), the Huginn layout
-`FastRunner` supports without LoRA, grouped-query heads, any head_dim (even, as RoPE needs), and a
+`FastRunner` supports without LoRA and without sliding windows (one mask serves every layer here),
+grouped-query heads, any head_dim (even, as RoPE needs), and a
 storage that hands out its KV tensors (`ModelCache.decode_views`: the static generation cache without a
 write mask or a lookup that hides or re-picks columns; every slot rule). The engine calls `core_steps`
 for fixed-depth runs without per-step hooks (`Recurrence.run`), and the runner's `core_step` calls it for

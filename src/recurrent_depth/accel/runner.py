@@ -40,6 +40,11 @@ with both quantized and LoRA layers takes the reference runner.
 Quantized caches attend from their codes through `cache.attend`, with the compiled kernels of
 `recurrent_depth.accel.quant` for decode calls (off with `RDEPTH_NO_COMPILE=1`).
 
+Sliding windows (`ModelConfig.attention_windows`, or mixer_options' `window`) limit each layer's keys as the
+model's `Attention` does (`window_mask`: in the serving pool, each row from its own column); a windowed layer
+over a quantized cache attends over its decoded columns, as `Attention` does, and a windowed model keeps the
+Python decode (the C++ step takes one mask for every layer).
+
 The runner scales attention by 1/sqrt(D) only: a model whose `config.attention_scale` differs (muP's
 `attn_scale: "1/d"` with a grown head_dim) is not `uses_huginn_layout` and takes the reference runner.
 
@@ -67,6 +72,7 @@ from recurrent_depth.accel.quant import code_kernels
 from recurrent_depth.inference.runner import ModelRunner, Step, register_fast_runner
 from recurrent_depth.model.cache import ModelCache, combine_key_mask
 from recurrent_depth.model.layers import RotaryTable
+from recurrent_depth.model.mixers.attention import window_mask
 from recurrent_depth.model.recurrent import all_attention, blocks_of
 from recurrent_depth.weight_quant import QuantizedLinear
 
@@ -138,8 +144,8 @@ class FastRunner(ModelRunner):
         # (its head counts are the config's: a mixer option num_kv_heads, MQA in some part, takes the reference;
         # its norms and RoPE compute in float32, so a float64 model takes the reference, in float64)
         return (model.config.uses_huginn_layout and model.dtype in RUNNER_DTYPES and all_attention(model)
-                and all(b.attn.window is None and b.attn.q_norm is None
-                        and b.attn.num_kv_heads == model.config.num_kv_heads for b in blocks_of(model))
+                and all(b.attn.q_norm is None and b.attn.num_kv_heads == model.config.num_kv_heads
+                        for b in blocks_of(model))
                 and FastRunner._reads_every_layer(model))
 
     @staticmethod
@@ -165,7 +171,7 @@ class FastRunner(ModelRunner):
         super().__init__(model)
         if not self.supports(model):
             raise ValueError(
-                "the fast runner needs every block to be plain softmax attention without a window or QK-norm, "
+                "the fast runner needs every block to be plain softmax attention without QK-norm, "
                 "with the config's num_kv_heads, at the 1/sqrt(d) scale (config.attention_scale), and float32, "
                 "bfloat16 or float16 weights"
             )
@@ -288,6 +294,7 @@ class FastRunner(ModelRunner):
             "fc_bias": biases["fc"],
             "out_bias": biases["out"],
             "low_rank": {name: low_rank_term(layer, self.dtype) for name, layer in linears.items()},
+            "window": attn.window,  # the layer's sliding window (None: full attention), as `Attention` reads it
         }
 
     # ------------------------------------------------------------------ pieces
@@ -363,12 +370,17 @@ class FastRunner(ModelRunner):
         ctx = step.ctx
         cache = ctx.cache
         mask, is_causal = ctx.attn_mask, ctx.is_causal
-        from_codes = cache is not None and cache.attends_from_codes  # a quantized storage (inference/kv_codec.py)
+        window = p["window"]
+        # a quantized storage (inference/kv_codec.py); a windowed layer reads its decoded columns, as `Attention`
+        from_codes = cache is not None and cache.attends_from_codes and window is None
+        key_mask = None
         if cache is not None and not from_codes:  # a `ModelCache` (model/cache.py), in its head-major layout
             k, v = cache.update_heads(key, k, v)
             key_mask = cache.key_mask(key)
-            if key_mask is not None:
-                mask, is_causal = combine_key_mask(mask, key_mask, T), False
+        if window is not None:  # the last `window` keys of each query (each row's own, `window_mask`)
+            mask, is_causal = window_mask(ctx, k.shape[2], window), False
+        if key_mask is not None:
+            mask, is_causal = combine_key_mask(mask, key_mask, T), False
         if from_codes:
             att = cache.attend(key, q, k, v, mask, is_causal, self.code_kernels)  # [B, H, T, D]
         else:
@@ -393,7 +405,9 @@ class FastRunner(ModelRunner):
             self._decode_tried = True
             plain = not self.quantized and self.adapter_s_term is None and all(
                 term is None for part in self.blocks.values() for p in part for term in p["low_rank"].values())
-            usable = plain and self.dtype == torch.float32 and self.ln_f.device.type == "cpu"
+            # (one attention mask for every layer: a model with per-layer windows keeps the Python path)
+            windowless = all(p["window"] is None for part in self.blocks.values() for p in part)
+            usable = plain and windowless and self.dtype == torch.float32 and self.ln_f.device.type == "cpu"
             module = decode_cpp.load_decoder() if usable else None
             self._decode = DecodeKernel(module, self) if module is not None else None
         return self._decode

@@ -145,9 +145,10 @@ def text_quality(
             result.nll[depth] += float(nll[valid].sum())
         pending.clear()
 
+    cut = False  # the token cap cut a document: the text scored ends there
     try:
         for text in texts:
-            if max_tokens is not None and result.tokens >= max_tokens:
+            if cut or (max_tokens is not None and result.tokens >= max_tokens):
                 break
             if max_bytes is not None:
                 if result.bytes >= max_bytes:
@@ -160,6 +161,7 @@ def text_quality(
             if max_tokens is not None and result.tokens + len(ids) - 1 > max_tokens:
                 ids = ids[: max_tokens - result.tokens + 1]
                 text = _scored_prefix(codec, ids, text)  # bytes of the part that is scored
+                cut = True  # (tokens dropped with a cut character leave the cap unreached: stop anyway)
                 if len(ids) < 2:
                     continue
             result.documents += 1

@@ -11,13 +11,15 @@ recurrent-depth model by surgery on its layers.
     model = retrofit("meta-llama/Llama-3.2-1B", prelude=4, core=(6, 12), coda=4)   # a local directory
     model.save_pretrained("runs/llama-rd")      # or `rdepth retrofit --model DIR --prelude 4 --core 6:12 ...`
 
-Sources: a transformers Llama, Mistral, Phi-3, Qwen2, Qwen3, OLMo-2 or Gemma `*ForCausalLM` directory (config.json
-and safetensors, read with this library's bounded readers: no transformers model is built, no code is run,
-the dropped layers are never read), or such a model already in memory. Sliding-window layers keep their
+Sources: a transformers Llama, Mistral, Phi-3, Qwen2, Qwen3, OLMo-2, Gemma, Gemma 2 or Gemma 3 (text) `*ForCausalLM`
+directory (config.json and safetensors, read with this library's bounded readers: no transformers model is built,
+no code is run, the dropped layers are never read), or such a model already in memory. Sliding-window layers keep their
 window (`ModelConfig.attention_windows`, one entry per kept layer): Mistral's and Phi-3's `sliding_window` on
 every layer, Qwen2's and Qwen3's on the layers `layer_types` (or use_sliding_window with max_window_layers)
-marks sliding. Everything else (GPT-2, Gemma 2 and 3, MoE models, partial rotary, rope types other than default /
-linear / llama3) is a one-line ValueError naming what stands in the way.
+marks sliding, Gemma 2's and 3's the layers its `layer_types` marks. Gemma 2's attention and final logit
+soft-capping, `query_pre_attn_scalar` and Gemma 3's local RoPE base on its sliding layers are ModelConfig fields.
+Everything else (GPT-2, multimodal Gemma 3, MoE models, partial rotary, rope types other than default / linear /
+llama3) is a one-line ValueError naming what stands in the way.
 
 The adapter's initialisation (`ADAPTER_INITS`, docs/looped-family.md): the default "e" = [0 | I] passes
 the prelude output into the core and ignores the state, so at initialisation the model computes exactly
@@ -58,11 +60,22 @@ LOOP_CONFIG_KEY = "loop"  # recurrent_depth.looping.config.CONFIG_KEY (not impor
 # (gate_up_proj) in the row order our Wqkv and mlp.fc use.
 SUPPORTED_MODEL_TYPES: dict[str, str] = {"llama": "pre-norm", "mistral": "pre-norm", "phi3": "pre-norm",
                                          "qwen2": "pre-norm", "qwen3": "pre-norm", "olmo2": "post-norm",
-                                         "gemma": "pre-norm"}
+                                         "gemma": "pre-norm", "gemma2": "peri-norm", "gemma3_text": "peri-norm"}
 # Gemma (1) is the Llama block with sqrt(h)-scaled embeddings, (1 + weight) RMSNorm gains (stored here as
 # 1 + weight, added in float32), the tanh GELU (its legacy hidden_act "gelu" means it) and tied embeddings
-# by default.
-_GEMMA_TYPES = ("gemma",)
+# by default. Gemma 2 and 3 norm each branch's input and output (four norms, our peri-norm block), scale the
+# logits by query_pre_attn_scalar^-1/2, alternate sliding and full layers (layer_types) and read
+# hidden_activation; Gemma 2 soft-caps the attention and final logits; Gemma 3 adds QK-norm ((1 + w) gains)
+# and a RoPE base per layer type (the sliding layers' local base, unscaled).
+_GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
+_GEMMA2_TYPES = ("gemma2", "gemma3_text")
+# Gemma2Config's / Gemma3TextConfig's values where a config.json leaves a key out.
+_GEMMA2_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma2": {"query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0, "sliding_window_pattern": 2},
+    "gemma3_text": {"query_pre_attn_scalar": 256, "sliding_window": 4096,
+                    "attn_logit_softcapping": None, "final_logit_softcapping": None, "sliding_window_pattern": 6},
+}
 # The model types whose attention applies `sliding_window` to every layer whenever it is set (no
 # use_sliding_window switch), and those whose `layer_types` (or, without it, use_sliding_window and
 # max_window_layers: layers >= max_window_layers slide) say which layers take the window.
@@ -70,7 +83,9 @@ _SLIDING_WINDOW_TYPES = ("mistral", "phi3")
 _LAYER_TYPES_TYPES = ("qwen2", "qwen3")
 _DEFAULT_MAX_WINDOW_LAYERS = 28  # Qwen2Config's and Qwen3Config's
 # The model types whose code reads attention_bias / mlp_bias (Mistral and Phi-3 have no biases).
-_BIAS_KEY_TYPES = ("llama", "qwen3", "olmo2", "gemma")
+_BIAS_KEY_TYPES = ("llama", "qwen3", "olmo2", "gemma", "gemma2", "gemma3_text")
+# transformers' head_dim where a config.json leaves it out (hidden_size // num_attention_heads for the others).
+_DEFAULT_HEAD_DIM = {"gemma": 256, "gemma2": 256, "gemma3_text": 256, "qwen3": 128}
 # transformers' rms_norm_eps where a config.json leaves it out (1e-6 for the others).
 _DEFAULT_NORM_EPS = {"phi3": 1e-5, "olmo2": 1e-5}
 # transformers' sliding_window where a config.json leaves it out (MistralConfig's 4096: applied; Phi-3's None)
@@ -109,10 +124,8 @@ _REFUSED_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 # Model types users bring most often among those refused, with what stands in the way.
 _REFUSED_TYPES: dict[str, str] = {
-    **dict.fromkeys(("gemma2", "gemma3", "gemma3_text"),
-                    "Gemma's sliding-window layers, (1 + weight) norms and scaled embeddings would convert, but Gemma "
-                    "2's attention and final logit soft-capping and query_pre_attn_scalar and Gemma 3's per-layer-type "
-                    "RoPE (a local and a global base) are not implemented here"),
+    "gemma3": "Gemma 3's multimodal model (Gemma3ForConditionalGeneration) is not a causal LM of text; its text "
+              "model (model_type gemma3_text, Gemma3ForCausalLM) converts",
 }
 _IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -220,19 +233,26 @@ def check_architecture(hf: Mapping[str, Any]) -> str:
                    f"drop the loop; convert the base model (the same weights without the 'loop' entry in config.json, "
                    f"or after recurrent_depth.looping.remove_loop)")
     for key, (refused, supported) in _REFUSED_KEYS.items():
+        if model_type in _GEMMA2_TYPES and key.endswith("_softcapping"):  # (converted: gemma2_setting)
+            continue
         if key in hf and refused(hf[key]):
             raise fail(f"cannot convert {model_type} with {key}={hf[key]!r}: not implemented here (supported: "
                        f"{supported})")
     layer_types = hf.get("layer_types")
-    if layer_types is not None and model_type not in _LAYER_TYPES_TYPES:  # (their attention never reads it)
+    if layer_types is not None and model_type not in _LAYER_TYPES_TYPES + _GEMMA2_TYPES:  # (never read there)
         listed = layer_types if isinstance(layer_types, list) else [layer_types]
         other = sorted({str(t) for t in listed if t != "full_attention"})
         if other:
             raise fail(f"cannot convert {model_type} with layer_types {other}: transformers' {model_type} "
-                       f"attention does not read layer_types (only qwen2 and qwen3 mix sliding and full layers)")
-    act = hf.get("hidden_act", "silu")
+                       f"attention does not read layer_types (only qwen2, qwen3, gemma2 and gemma3_text mix sliding "
+                       f"and full layers)")
+    if model_type == "gemma3_text" and gemma2_setting(hf, "attn_logit_softcapping") is not None:
+        raise fail(f"cannot convert gemma3_text with attn_logit_softcapping={hf['attn_logit_softcapping']!r}: "
+                   f"transformers' Gemma 3 attention does not apply it (supported: null)")
+    act_key = "hidden_activation" if model_type in _GEMMA2_TYPES else "hidden_act"
+    act = hf.get(act_key, "gelu_pytorch_tanh" if model_type in _GEMMA2_TYPES else "silu")
     if not isinstance(act, str) or act not in HIDDEN_ACTS:
-        raise fail(f"cannot convert hidden_act {act!r}: supported are {sorted(HIDDEN_ACTS)}")
+        raise fail(f"cannot convert {act_key} {act!r}: supported are {sorted(HIDDEN_ACTS)}")
     return SUPPORTED_MODEL_TYPES[model_type]
 
 
@@ -258,17 +278,18 @@ def source_windows(hf: Mapping[str, Any], num_layers: int) -> list[int | None]:
                 raise fail(f"max_window_layers={first!r} is invalid: expected an integer")
             sliding = list(range(max(first, 0), num_layers)) if window is not None else []
         else:
-            allowed = ("full_attention", "sliding_attention")
-            if not isinstance(layer_types, list) or len(layer_types) != num_layers or any(
-                    t not in allowed for t in layer_types):
-                raise fail(f"layer_types={layer_types!r} is invalid: expected {allowed[0]!r} or {allowed[1]!r} for "
-                           f"each of the num_hidden_layers={num_layers} layers")
-            sliding = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+            sliding = _listed_sliding_layers(layer_types, num_layers)
             if sliding and window is None:
                 raise fail(f"cannot convert {model_type} whose layer_types mark layers {sliding} sliding_attention "
                            f"with use_sliding_window={use!r} / sliding_window=null: transformers has no window for "
                            f"them either (set use_sliding_window true and sliding_window, or mark them "
                            f"full_attention)")
+    elif model_type in _GEMMA2_TYPES:  # (every layer_types "sliding_attention" layer takes sliding_window)
+        window, sliding = gemma2_setting(hf, "sliding_window"), gemma_sliding_layers(hf, num_layers)
+        if sliding and window is None:
+            raise fail(f"cannot convert {model_type} whose layers {sliding} are sliding_attention with "
+                       f"sliding_window=null: transformers has no window for them either (set sliding_window, or mark "
+                       f"them full_attention in layer_types)")
     else:
         return [None] * num_layers
     if sliding and not (is_int(window) and window >= 1):
@@ -277,6 +298,61 @@ def source_windows(hf: Mapping[str, Any], num_layers: int) -> list[int | None]:
     if is_int(context) and is_int(window) and window >= context:
         sliding = []  # (the window covers every position the model reads)
     return [window if i in sliding else None for i in range(num_layers)]
+
+
+def _listed_sliding_layers(layer_types: Any, num_layers: int) -> list[int]:
+    """The layers a `layer_types` list marks "sliding_attention", or a one-line ValueError."""
+    allowed = ("full_attention", "sliding_attention")
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers or any(
+            t not in allowed for t in layer_types):
+        raise fail(f"layer_types={layer_types!r} is invalid: expected {allowed[0]!r} or {allowed[1]!r} for "
+                   f"each of the num_hidden_layers={num_layers} layers")
+    return [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+
+
+def gemma2_setting(hf: Mapping[str, Any], key: str) -> Any:
+    """A Gemma 2 / 3 config key, or transformers' default where config.json leaves it out."""
+    return hf[key] if key in hf else _GEMMA2_DEFAULTS[hf["model_type"]][key]
+
+
+def gemma_sliding_layers(hf: Mapping[str, Any], num_layers: int) -> list[int]:
+    """Gemma 2's / 3's sliding layers: those `layer_types` marks, else every layer but each `pattern`-th (Gemma
+    2: every other one, from layer 0; Gemma 3: sliding_window_pattern, 6 by default)."""
+    if hf.get("layer_types") is not None:
+        return _listed_sliding_layers(hf["layer_types"], num_layers)
+    pattern = 2 if hf["model_type"] == "gemma2" else gemma2_setting(hf, "sliding_window_pattern")
+    if not is_int(pattern) or pattern < 1:
+        raise fail(f"sliding_window_pattern={pattern!r} is invalid: expected an integer >= 1")
+    return [i for i in range(num_layers) if (i + 1) % pattern]
+
+
+def gemma3_rope(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
+    """Gemma 3's (global theta, our rope_scaling, local theta): transformers 5's per-layer-type rope_parameters
+    (full_attention / sliding_attention) or the older rope_theta / rope_scaling (full layers) and
+    rope_local_base_freq (sliding layers, never scaled)."""
+    params = hf.get("rope_parameters")
+    if params is not None and not isinstance(params, dict):
+        raise fail(f"rope_parameters={params!r} is invalid: expected a JSON object or null")
+    if hf.get("rope_scaling") is not None and not isinstance(hf["rope_scaling"], dict):
+        raise fail(f"rope_scaling={hf['rope_scaling']!r} is invalid: expected a JSON object or null")
+    params = params or {}
+    if params and (set(params) - {"full_attention", "sliding_attention"}
+                   or not all(v is None or isinstance(v, dict) for v in params.values())):
+        raise fail(f"rope_parameters={params!r} is invalid for gemma3_text: expected one JSON object per layer type "
+                   f"(full_attention, sliding_attention)")
+    full = {**(params.get("full_attention") or {}), **(hf.get("rope_scaling") or {})}
+    local = dict(params.get("sliding_attention") or {})
+    full.setdefault("rope_theta", hf.get("rope_theta", 1_000_000.0))
+    local.setdefault("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
+    theta, scaling = rope_settings({"rope_parameters": full})
+    try:
+        local_theta, local_scaling = rope_settings({"rope_parameters": local})
+    except ValueError as exc:  # (name the sliding layers' RoPE: their base may be rope_local_base_freq)
+        raise fail(f"the sliding layers' RoPE: {str(exc).removeprefix('retrofit: ')}") from None
+    if local_scaling is not None:
+        raise fail(f"cannot convert gemma3_text whose sliding layers' RoPE is scaled ({local_scaling['rope_type']!r}): "
+                   f"only their base is implemented here")
+    return theta, scaling, local_theta
 
 
 def rope_settings(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -314,10 +390,11 @@ def rope_settings(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 
 def _activation(hf: Mapping[str, Any]) -> str:
-    """Our mlp_activation for the source's hidden_act (transformers' GemmaConfig reads "gelu" as the tanh GELU)."""
+    """Our mlp_activation for the source's hidden_act (Gemma 2 / 3: hidden_activation). transformers' GemmaConfig
+    reads Gemma 1's legacy "gelu" as the tanh GELU; Gemma 2's and 3's "gelu" is the exact one."""
     default = "gelu_pytorch_tanh" if hf.get("model_type") in _GEMMA_TYPES else "silu"
-    act = HIDDEN_ACTS[hf.get("hidden_act", default)]
-    return "gelu_tanh" if act == "gelu" and hf.get("model_type") in _GEMMA_TYPES else act
+    act = HIDDEN_ACTS[hf.get("hidden_activation" if hf.get("model_type") in _GEMMA2_TYPES else "hidden_act", default)]
+    return "gelu_tanh" if act == "gelu" and hf.get("model_type") == "gemma" else act
 
 
 def model_config(hf: Mapping[str, Any], surgery: Surgery, mean_recurrence: int = DEFAULT_MEAN_RECURRENCE,
@@ -337,24 +414,36 @@ def model_config(hf: Mapping[str, Any], surgery: Surgery, mean_recurrence: int =
     # always biases q, k and v, never o.
     any_bias = model_type in _BIAS_KEY_TYPES and (bool(hf.get("attention_bias", False))
                                                   or bool(hf.get("mlp_bias", False)))
-    theta, scaling = rope_settings(hf)
+    gemma2 = model_type in _GEMMA2_TYPES
+    local_bases: list[float | None] = []
+    if model_type == "gemma3_text":  # the sliding layers rotate with their own (local) base
+        theta, scaling, local = gemma3_rope(hf)
+        sliding = set(gemma_sliding_layers(hf, num_layers))
+        local_bases = [local if src in sliding else None for _, _, src in surgery.layer_map(num_layers)]
+    else:
+        theta, scaling = rope_settings(hf)
     windows = source_windows(hf, num_layers)
     kept = [windows[src] for _, _, src in surgery.layer_map(num_layers)]
     values = dict(
         vocab_size=hf.get("vocab_size"), hidden_size=hidden, num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim") or hidden // heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or _DEFAULT_HEAD_DIM.get(model_type, hidden // heads),
         intermediate_size=hf.get("intermediate_size"),
         prelude_layers=surgery.prelude, core_layers=surgery.core[1] - surgery.core[0], coda_layers=surgery.coda,
         mean_recurrence=mean_recurrence, mean_backprop_depth=backprop_depth,
         max_seq_len=hf.get("max_position_embeddings"), rope_base=theta, rope_scaling=scaling,
         norm_eps=hf.get("rms_norm_eps", _DEFAULT_NORM_EPS.get(model_type, 1e-6)), qk_bias=False, bias=any_bias,
         qkv_bias=model_type == "qwen2",
-        qk_norm=model_type in ("qwen3", "olmo2"), qk_norm_full_width=model_type == "olmo2",
+        qk_norm=model_type in ("qwen3", "olmo2", "gemma3_text"), qk_norm_full_width=model_type == "olmo2",
         tie_embeddings=bool(hf.get("tie_word_embeddings", model_type in _GEMMA_TYPES)),
         bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"),
         block_layout=layout, rope_style="half", mlp_activation=_activation(hf),
         embedding_scale=model_type in _GEMMA_TYPES, norm_before_coda=False, final_norm=True, injection="concat",
         attention_windows=kept if any(w is not None for w in kept) else [],
+        query_pre_attn_scalar=gemma2_setting(hf, "query_pre_attn_scalar") if gemma2 else None,
+        attn_logit_softcapping=gemma2_setting(hf, "attn_logit_softcapping") if gemma2 else None,
+        final_logit_softcapping=gemma2_setting(hf, "final_logit_softcapping") if gemma2 else None,
+        layer_rope_bases=local_bases if any(b is not None for b in local_bases) else [],
     )
     try:
         return ModelConfig(**values)
@@ -385,6 +474,10 @@ def _source_layer_names(cfg: ModelConfig, model_type: str = "llama") -> dict[str
         names |= {"attn.q_norm.weight": [f"{p}q_norm.weight"], "attn.k_norm.weight": [f"{p}k_norm.weight"]}
     if cfg.block_layout == "pre-norm":
         names |= {"norm_1.weight": ["input_layernorm.weight"], "norm_3.weight": ["post_attention_layernorm.weight"]}
+    elif cfg.block_layout == "peri-norm":  # Gemma 2 / 3: each branch's input and output normed
+        names |= {"norm_1.weight": ["input_layernorm.weight"], "norm_2.weight": ["post_attention_layernorm.weight"],
+                  "norm_3.weight": ["pre_feedforward_layernorm.weight"],
+                  "norm_4.weight": ["post_feedforward_layernorm.weight"]}
     else:
         names |= {"norm_2.weight": ["post_attention_layernorm.weight"],
                   "norm_4.weight": ["post_feedforward_layernorm.weight"]}
@@ -455,7 +548,8 @@ def convert_state(source: Source, cfg: ModelConfig, surgery: Surgery, adapter_in
         pieces = [tensors[name] if name in tensors
                   else torch.zeros(tensors[name.removesuffix("bias") + "weight"].shape[0])  # a bias the source lacks
                   for name in theirs]
-        if gemma and ours.endswith(("norm_1.weight", "norm_3.weight", "ln_f.weight")):  # Gemma's gain is 1 + w
+        if gemma and ours.endswith(("norm_1.weight", "norm_2.weight", "norm_3.weight", "norm_4.weight", "ln_f.weight",
+                                    "q_norm.weight", "k_norm.weight")):  # Gemma's gain is 1 + w
             pieces = [1.0 + t.float() for t in pieces]
         state[ours] = torch.cat([t.to(device=device, dtype=out_dtype) for t in pieces], dim=0).contiguous()
     # (a weight beyond float16's range became inf on the cast, without a word: a model generating garbage)
@@ -510,8 +604,9 @@ def retrofit(
     dtype: torch.dtype | None = None,
     seed: int = 0,
 ) -> RecurrentDepthLM:
-    """A recurrent-depth model from a transformers Llama / Mistral / Phi-3 / Qwen2 / Qwen3 / OLMo-2 / Gemma causal LM (a
-    directory or a model in memory): prelude = source layers [0, prelude), core = [a, b), coda = the last `coda` layers.
+    """A recurrent-depth model from a transformers Llama / Mistral / Phi-3 / Qwen2 / Qwen3 / OLMo-2 / Gemma 1-3 causal
+    LM (a directory or a model in memory): prelude = source layers [0, prelude), core = [a, b), coda = the last
+    `coda` layers.
 
     dtype: None keeps the source's (the embedding's) dtype. `seed` seeds the "random" adapter init only.
     """

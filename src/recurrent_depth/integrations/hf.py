@@ -79,6 +79,8 @@ class RecurrentDepthCache(DynamicCache):
         self.kv_budget = self.policy.budget
         self.states: dict[tuple, Any] = {}
         self._seen = 0
+        self.depth: int | None = None  # the fewest core steps a committed call ran (None: no core step cached)
+        self._call_depth: int | None = None
 
     @classmethod
     def for_config(cls, config: Any, kv_budget: int | None = None, kv_policy: str | None = None) -> RecurrentDepthCache:
@@ -105,12 +107,16 @@ class RecurrentDepthCache(DynamicCache):
     def update_kv(self, key: tuple, k: Tensor, v: Tensor, ctx: Any = None) -> tuple[Tensor, Tensor]:
         """Store this call's k, v `[B, T, Hkv, D]` for layer `key`; return all positions' `[B, past + T, Hkv, D]`."""
         idx = self.layer_index(key)
+        self._note_step(key)
         while len(self.layers) <= idx:
             self.layers.append(self.layer_class_to_replicate())
         layer = self.layers[idx]
         new_k, new_v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, D]
         T = k.shape[1]
         held = layer.get_seq_length()
+        if held and layer.keys.shape[0] != new_k.shape[0]:  # (not torch.cat's "Sizes of tensors must match")
+            raise ValueError(f"the cache holds {layer.keys.shape[0]} rows but this call has {new_k.shape[0]}: a cache "
+                             "continues the batch that filled it")
         if held == self._seen:
             layer.update(new_k, new_v)
         elif held == self._seen + T and self.policy.slots.shares_slots:
@@ -132,10 +138,27 @@ class RecurrentDepthCache(DynamicCache):
         return self.states.get(key)
 
     def set_state(self, key: tuple, value: Any) -> None:
+        self._note_step(key)
         self.states[key] = value
 
     def advance(self, num_tokens: int) -> None:
         self._seen += num_tokens
+        if self._call_depth is not None:
+            self.depth = self._call_depth if self.depth is None else min(self.depth, self._call_depth)
+        self._call_depth = None
+
+    def _note_step(self, key: tuple) -> None:
+        if key[0] == "core" and len(key) > 2:
+            self._call_depth = max(self._call_depth or 0, key[2] + 1)
+
+    def check_depth(self, num_steps: int) -> None:
+        """Refuse, before anything is written, a call deeper than the cached tokens ran: their entries (or recurrent
+        states) of the extra steps do not exist (shared KV slots exist, as the paper's approximate sharing reads)."""
+        self._call_depth = None  # (a new call: what a failed one noted is not committed)
+        if (self._seen and self.depth is not None and num_steps > self.depth
+                and (self.states or not self.policy.slots.shares_slots)):
+            raise ValueError(f"the cache holds {self._seen} tokens computed with {self.depth} core steps; this call "
+                             f"runs {num_steps}: continue a cache at the num_steps that filled it, or start a new one")
 
     def nbytes(self) -> int:
         total = sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers if layer.is_initialized)
@@ -286,7 +309,18 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
     def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
         """transformers' `save_pretrained`, refused for quantized weights (a directory nothing loads)."""
         check_saveable(self, save_directory)
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        _keep_our_generation_options(getattr(self, "generation_config", None))
+        from recurrent_depth.checkpoint import untied_head
+
+        if not untied_head(self):
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        # a head no longer tied to the embedding (peft's merge_and_unload of modules_to_save=["lm_head"]): saved
+        # untied, as it computes; a tied config beside two different tensors is a directory that does not load
+        self.config.tie_word_embeddings = False
+        try:
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            self.config.tie_word_embeddings = True
 
     @property
     def base_model(self) -> nn.Module:
@@ -317,6 +351,11 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
                     raise ValueError(f"config.{hf_name}={value!r}: {exc}") from None
         self._core.gradient_checkpointing = self.is_gradient_checkpointing
         self._core.training = self.training
+        head = self._modules.get("lm_head")
+        if head is not None and self._core._modules.get("lm_head") is not head:
+            # a head replaced by plain attribute assignment (peft's modules_to_save=["lm_head"] wrapper, and its
+            # merge_and_unload putting the trained copy back): the core computes the logits, so it must use it too
+            self._core.lm_head = head
 
     @property
     def is_gradient_checkpointing(self) -> bool:
@@ -376,6 +415,17 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
                     model_kwargs[name] = kwargs[name]
         return config, model_kwargs
 
+    def _prepare_generated_length(self, generation_config: Any, *args: Any, **kwargs: Any) -> Any:
+        """transformers' lengths, then the library's bound: a run past max_seq_len is refused before it starts (it
+        failed at the first token past it, the tokens generated until then lost)."""
+        config = super()._prepare_generated_length(generation_config, *args, **kwargs)
+        limit, length = self._core.config.max_seq_len, kwargs.get("input_ids_length")
+        # (the last token is sampled, never fed: max_seq_len + 1 tokens in all fit)
+        if isinstance(length, int) and config.max_length is not None and config.max_length > limit + 1:
+            raise ValueError(f"generate: prompt length {length} + {config.max_length - length} new tokens "
+                             f"(max_new_tokens / max_length) run past the model's max_seq_len={limit}")
+        return config
+
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         # generate() would build DynamicCache(config) with one layer per config layer; we need one
@@ -387,8 +437,10 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         """Assisted decoding (`assistant_model=`, `prompt_lookup_num_tokens=`) needs the cache before the first
         forward, where the other modes let forward() create it: give it one (with the call's KV options)."""
         out = super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
-        if (getattr(generation_mode, "value", None) == "assisted_generation" and model_kwargs.get("cache") is None
-                and generation_config.use_cache is not False):
+        # (chunked prefill, `prefill_chunk_size=`, too: it was "Cannot use prefill chunking without a cache")
+        needs_cache = (getattr(generation_mode, "value", None) == "assisted_generation"
+                       or generation_config.prefill_chunk_size is not None)
+        if needs_cache and model_kwargs.get("cache") is None and generation_config.use_cache is not False:
             model_kwargs["cache"] = RecurrentDepthCache.for_config(
                 self._core.config, model_kwargs.get("kv_budget"), model_kwargs.get("kv_policy"))
         return out
@@ -459,7 +511,9 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
                 "belong to generate())"
             )
         if inputs_embeds is not None:
-            raise ValueError("inputs_embeds is not supported: pass input_ids (the prelude scales the embedding)")
+            raise ValueError("inputs_embeds is not supported: pass input_ids (the prelude scales the embedding; "
+                             "peft's prompt tuning and p-tuning, which pass it, do not work with this model: "
+                             "use LoRA)")
         if input_ids is None:
             raise ValueError("input_ids is required")
         policy = parse_kv_policy(kv_policy, kv_budget, core_layers=self._core.config.core_layers)
@@ -480,7 +534,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             if not isinstance(cache, Cache) or cache.get_seq_length() != 0:
                 raise ValueError(
                     f"cache must be a RecurrentDepthCache (or an empty transformers Cache), got "
-                    f"{type(cache).__name__} holding {getattr(cache, 'get_seq_length', lambda: '?')()} tokens"
+                    f"{type(cache).__name__} holding {getattr(cache, 'get_seq_length', lambda: '?')()} tokens (peft's "
+                    f"prefix tuning passes its prefixes so, which this model does not support: use LoRA)"
                 )
             cache = None
             use_cache = document_ids is None  # (packed rows take no cache, as above)
@@ -490,6 +545,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError(f"kv_budget={kv_budget} differs from the cache's kv_budget={cache.kv_budget}")
         if cache is not None and kv_policy is not None and cache.policy != policy:
             raise ValueError(f"kv_policy={kv_policy!r} differs from the cache's policy {cache.policy.name!r}")
+        if cache is not None and (num_steps is not None or not self.training):  # (None in training: a drawn depth)
+            cache.check_depth(sum(self._core.resolve_num_steps(num_steps)))
 
         out = self._core(
             input_ids, num_steps, labels=None, attention_mask=attention_mask, position_ids=position_ids,
@@ -564,6 +621,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             kwargs.update((k, v) for k, v in values.items() if k in given or k not in _STANDARD_FIELDS)
             if generation_config is not None:
                 generation_config = _without_options(generation_config)
+            _check_continued_cache(inputs if inputs is not None else kwargs.get("input_ids"),
+                                   kwargs.get("cache", kwargs.get("past_key_values")))
             # as recurrent_depth.generate does: decode in eval mode. In training mode (a trainer generating
             # rollouts, trl's GRPO) every forward would draw its own depth, and a token's cache entries would
             # stop short of the next token's depth (RuntimeError, or mixed steps in shared slots).
@@ -578,6 +637,15 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         kwargs.update((k, v) for k, v in values.items() if k not in routed)
         for name, value in config_fields.items():  # max_length, stop_strings, eos_token_id, ...
             kwargs.setdefault(name, value)
+        if defaults != "official" or generation_config is None:
+            # the model's own generation config (generation_config.json) under both, as transformers' loop takes it
+            # (the official loops read it when no config is passed): what the library runs of it was ignored here
+            model_own = getattr(self, "generation_config", None)
+            model_own = {**model_own.to_diff_dict()} if isinstance(model_own, GenerationConfig) else {}
+            for name in ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "eos_token_id",
+                         "stop_strings"):
+                if model_own.get(name) is not None and kwargs.get(name) is None:
+                    kwargs[name] = model_own[name]
         if defaults is not None:
             routed["defaults"] = defaults
         return self._generate_with_library(inputs, routed, kwargs, given_as, call_lengths)
@@ -660,8 +728,11 @@ class _Backbone(nn.Module):
         super().__init__()
         self.transformer = owner.transformer
         object.__setattr__(self, "_owner", owner)  # not a submodule: the backbone is part of the owner
-        # the causal LM's forward (a subclass with another head, hf_seq_cls.py, passes it bound to itself)
-        object.__setattr__(self, "_forward", owner if forward is None else forward)
+        # the causal LM's forward (a subclass with another head, hf_seq_cls.py, passes it bound to itself): the class's,
+        # not the instance's `forward`, which wrappers replace (trl's fused head, accelerate's autocast): called from
+        # inside the wrapped call, the wrapper ran again nested, and the same torch.autocast object entered twice
+        # left autocast on for the rest of the process
+        object.__setattr__(self, "_forward", type(owner).forward.__get__(owner) if forward is None else forward)
 
     def forward(self, *args: Any, **kwargs: Any) -> BaseModelOutputWithPast:
         if kwargs.get("labels") is not None:
@@ -712,6 +783,25 @@ def _split_generation_config(config: Any) -> tuple[dict[str, Any], dict[str, Any
     values.pop("transformers_version", None)
     ours = {k: v for k, v in values.items() if k in HF_OPTION_NAMES}
     return ours, {k: v for k, v in values.items() if k not in ours}
+
+
+def _check_continued_cache(input_ids: Any, cache: Any) -> None:
+    """A cache passed to generate() holds the conversation so far: the prompt must hold it and at least one token
+    more. transformers feeds the tokens past the cache, and all of them again when none are past it (silently wrong
+    logits); a shorter prompt left an empty input."""
+    if isinstance(input_ids, Tensor) and input_ids.dim() == 2 and isinstance(cache, Cache):
+        held = cache.get_seq_length()
+        if held and held >= input_ids.shape[1]:
+            raise ValueError(f"generate: the cache holds {held} tokens but input_ids has {input_ids.shape[1]}: pass "
+                             "the whole conversation (the cached tokens and at least one new one) as input_ids")
+
+
+def _keep_our_generation_options(config: GenerationConfig | None) -> None:
+    """transformers loads a generation_config.json marked `_from_model_config` without its custom entries, so our
+    options set on a model's derived `generation_config` (num_steps, ...) were lost on reload: unmark it."""
+    if (config is not None and getattr(config, "_from_model_config", False)
+            and any(name in config.__dict__ for name in HF_OPTION_NAMES - _STANDARD_FIELDS)):
+        config._from_model_config = False
 
 
 def _without_options(config: GenerationConfig) -> GenerationConfig:

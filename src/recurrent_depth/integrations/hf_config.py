@@ -138,6 +138,10 @@ class RecurrentDepthConfig(_CheckedConfigFile, PretrainedConfig):
     coda_projection: bool = False
     value_embeddings: list[int] = field(default_factory=list)
     attention_windows: list = field(default_factory=list)
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    layer_rope_bases: list = field(default_factory=list)
     use_cache: bool = True
 
     def __post_init__(self, **kwargs: Any) -> None:

@@ -126,6 +126,14 @@ class RecurrentDepthLM(nn.Module):
                 raise ValueError(f"ModelConfig.attention_windows and mixer_options both set the window of layer {i}: "
                                  f"set windows in one place")
             block.attn.window = window
+        for i, block in enumerate(blocks_of(self)):
+            # (soft-capped logits and a layer's own RoPE base are the 'attention' mixer's: the one place they are set)
+            base = config.layer_rope_bases[i] if config.layer_rope_bases else None
+            if type(block.attn) is not Attention and (base is not None or config.attn_logit_softcapping is not None):
+                raise ValueError(f"ModelConfig.{'layer_rope_bases' if base is not None else 'attn_logit_softcapping'} "
+                                 f"applies to layer {i}, whose mixer is not 'attention' (the only one implementing it)")
+            if base is not None:
+                block.attn.rope_base = float(base)
         self.lm_head = nn.Linear(h, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
@@ -197,6 +205,7 @@ class RecurrentDepthLM(nn.Module):
                 positions=cols[:, None], past_len=L - 1, key_valid=key_valid, attn_mask=attn_mask, cache=cache,
                 rope_base=self.config.rope_base, max_seq_len=self.config.max_seq_len,
                 rope_scaling=rope_scaling_key(self.config.rope_scaling), token_ids=input_ids,
+                query_columns=cols[:, None],
             )
         past = cache.seq_len if cache is not None else 0
         key_valid = attention_mask.bool() if attention_mask is not None else None
@@ -279,8 +288,11 @@ class RecurrentDepthLM(nn.Module):
         return self.transformer.coda_projection(x) if self.config.coda_projection else x
 
     def head(self, x: Tensor) -> Tensor:
-        """Logits float32 from the coda's output: lm_head(ln_f(x)), or lm_head(x) without `final_norm`."""
-        return self.lm_head(self.transformer.ln_f(x) if self.config.final_norm else x).float()
+        """Logits float32 from the coda's output: lm_head(ln_f(x)), or lm_head(x) without `final_norm`; then
+        cap * tanh(logits / cap) with `final_logit_softcapping` (Gemma 2)."""
+        logits = self.lm_head(self.transformer.ln_f(x) if self.config.final_norm else x).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def exit_probability(self, state: Tensor) -> Tensor:
         """Ouro's per-step exit probability lambda = sigmoid(exit_gate(latent(s))) [B, T] float32."""

@@ -52,7 +52,7 @@ from recurrent_depth.inference.options import ResolvedOptions
 from recurrent_depth.inference.quant_cache import KVQuant, kv_quant_for_model
 from recurrent_depth.inference.runner import Step
 from recurrent_depth.inference.sampling import RowGenerators, TokenChooser
-from recurrent_depth.model.recurrent import all_attention, blocks_of
+from recurrent_depth.model.recurrent import all_attention
 from recurrent_depth.serving.kv_pool import SlotKVPool, make_pool
 
 
@@ -161,9 +161,10 @@ class BatchDecoder:
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
-        """All-attention models without a window, of any block layout (the fused runner takes Huginn's;
-        the others, e.g. Ouro, run the model's own modules over the same pool)."""
-        return all_attention(model) and all(b.attn.window is None for b in blocks_of(model))
+        """All-attention models, of any block layout (the fused runner takes Huginn's; the others, e.g. Ouro,
+        run the model's own modules over the same pool), with or without per-layer windows (each row's
+        window ends at its own column: `attention.window_mask`)."""
+        return all_attention(model)
 
     @staticmethod
     def runs(options: ResolvedOptions) -> bool:

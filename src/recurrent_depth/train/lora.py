@@ -85,13 +85,13 @@ def target_modules(model: nn.Module, spec: LoraSpec) -> list[str]:
     """The exact names of the `nn.Linear` layers `spec` chooses in `model` (a `RecurrentDepthLM` or a
     transformers wrapper: both hold `transformer.*`)."""
     transformer = getattr(model, "transformer", None)
-    if not isinstance(transformer, nn.ModuleDict) or "adapter" not in transformer:
+    if not isinstance(transformer, nn.ModuleDict) or "core_block" not in transformer:  # (Ouro has no adapter)
         raise ValueError(f"LoRA targets a recurrent-depth model (transformer.prelude/adapter/core_block/coda); "
                          f"{type(model).__name__} has no such modules")
     names = []
     for part in spec.parts:
         if part == "adapter":
-            if isinstance(transformer["adapter"], nn.Linear):  # not Parcae's diagonal injection
+            if "adapter" in transformer and isinstance(transformer["adapter"], nn.Linear):  # not Parcae's diagonal
                 names.append("transformer.adapter")
             continue
         container = BLOCK_CONTAINERS[part]
@@ -181,10 +181,16 @@ def save_adapter(model: Any, directory: str | Path, state_dict: dict | None = No
     # save_embedding_layers=False: no embedding is ever a target here, and "auto" asks the base's config class.
     model.save_pretrained(str(directory), state_dict=state_dict, save_embedding_layers=False)
     base = getattr(model, "lora_base_dir", None)
+    config = read_adapter_config(directory)
     if base is not None:
-        config = read_adapter_config(directory)
         config["base_model_name_or_path"] = base
-        (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if config.get("task_type") is None:
+        # What peft writes for a causal LM it wraps itself: peft.AutoPeftModelForCausalLM then loads the adapter
+        # (on the transformers class); without a task type it took our class from `auto_mapping` and refused to
+        # import it ("not in the import allowlist"). load_lora drops it again on a RecurrentDepthLM.
+        config["task_type"] = "CAUSAL_LM"
+        config.pop("auto_mapping", None)
+    (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return directory
 
 
@@ -319,12 +325,14 @@ def _fullmatches(pattern: re.Pattern[str], names: list[str], seconds: float) -> 
 
     previous = signal.signal(signal.SIGALRM, expire)
     try:
-        signal.setitimer(signal.ITIMER_REAL, seconds)
-        return {name for name in names if pattern.fullmatch(name)}
-    except _SlowRegex:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, seconds)
+            return {name for name in names if pattern.fullmatch(name)}
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0.0)
+    except _SlowRegex:  # (also an alarm firing between the last match and the timer's reset: caught here)
         return None
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0.0)
         signal.signal(signal.SIGALRM, previous)
 
 
@@ -413,11 +421,32 @@ def load_lora(model: nn.Module, adapter_dir: str | Path, trainable: bool = False
     return wrapped
 
 
+def _untie_adapted_head(model: nn.Module) -> None:
+    """Give a tied lm_head its own copy of the embedding's weight when an adapter is on either of them: peft merges
+    into the base weight in place, so merging an adapter of the head also changed the embedding (and one of the
+    embedding the head), and the merged model computed something else than the unmerged one."""
+    head, transformer = getattr(model, "lm_head", None), getattr(model, "transformer", None)
+    if head is None or not isinstance(transformer, nn.ModuleDict) or "wte" not in transformer:
+        return
+    head_layer = getattr(head, "base_layer", head)
+    embedding = getattr(transformer["wte"], "base_layer", transformer["wte"])
+    adapted = head_layer is not head or embedding is not transformer["wte"]
+    weight = getattr(head_layer, "weight", None)
+    if adapted and isinstance(weight, nn.Parameter) and weight is getattr(embedding, "weight", None):
+        head_layer.weight = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
+
+
 def merge_lora(model: Any) -> nn.Module:
     """The base model with every adapter added into its weights (W + scale B A), peft's layers removed."""
     if not is_peft_model(model):
         raise ValueError(f"merge_lora takes a peft model (add_lora / load_lora), got {type(model).__name__}")
-    return model.merge_and_unload()
+    _untie_adapted_head(model.get_base_model())
+    try:
+        return model.merge_and_unload()
+    except (RuntimeError, ValueError) as exc:  # e.g. lora_bias=True on layers without a bias: peft cannot merge it
+        detail = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise ValueError(f"cannot merge this LoRA adapter into the weights: {detail} (use it unmerged: "
+                         f"rdepth generate/serve --lora)") from None
 
 
 def attach_adapter(model: nn.Module, adapter_dir: str | Path) -> nn.Module:

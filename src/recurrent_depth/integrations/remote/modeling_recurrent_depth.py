@@ -16,8 +16,8 @@ The architecture (Huginn-0125's):
     p    = lm_head(ln_f(coda(ln_f(s_r))))                logits in float32
 
 This file covers fixed-depth inference and training with softmax attention (grouped-query
-attention and a sliding window included); per-token early exit, KV-cache sharing, warm starts and
-the other token mixers need the `recurrent_depth` library, which registers its own classes and
+attention and sliding windows, per layer or for all, included); per-token early exit, KV-cache sharing,
+warm starts and the other token mixers need the `recurrent_depth` library, which registers its own classes and
 takes precedence over this file whenever it is imported. Asked for those options, `generate` and
 `forward` say so in one line (`LIBRARY_ONLY_OPTIONS`) instead of transformers' "model_kwargs are
 not used" (a second copy of the library's decoding loops here would be a second implementation to
@@ -44,7 +44,8 @@ HUGINN_ARCHITECTURE = dict(
     block_layout="sandwich", rope_style="interleaved", rope_scaling=None, qkv_bias=False, qk_norm_full_width=False,
     mlp_activation="silu", embedding_scale=True, norm_before_coda=True, final_norm=True, step_norm=False,
     injection="concat", state_init="random", exit_gate=False, mlp_gated=True, qk_norm_eps=None, prelude_norm=False,
-    coda_projection=False, value_embeddings=[], attention_windows=[],
+    coda_projection=False, value_embeddings=[], attn_logit_softcapping=None, final_logit_softcapping=None,
+    layer_rope_bases=[],
 )
 
 # Options of the library's `generate` (and the official code's names for them) that this file does not
@@ -119,6 +120,7 @@ class RecurrentDepthConfig(PretrainedConfig):
     pad_token_id: int | None = None
     mixer: Any = "attention"
     mixer_options: Any = None
+    attention_windows: Any = None  # one window per layer (prelude, core, coda; null = full attention), or []
     # a field, so transformers writes it back as is (not as its own `rope_parameters`, which the library refuses)
     rope_scaling: Any = None
     use_cache: bool = True
@@ -146,6 +148,15 @@ class RecurrentDepthConfig(PretrainedConfig):
                                  "Install recurrent_depth to run this model.")
         if self.num_heads % self.num_kv_heads or self.head_dim % 2:
             raise ValueError("num_kv_heads must divide num_heads and head_dim must be even")
+        windows = [] if self.attention_windows is None else self.attention_windows
+        n = self.prelude_layers + self.core_layers + self.coda_layers
+        if not isinstance(windows, list) or (windows and len(windows) != n) or not all(
+                w is None or (isinstance(w, int) and not isinstance(w, bool) and w >= 1) for w in windows):
+            raise ValueError(f"attention_windows={windows!r} is invalid: expected [] or {n} entries (prelude, core, "
+                             "coda layers in order), each null (full attention) or an integer window >= 1")
+        if windows and self.mixer_options.get("window") is not None:
+            raise ValueError("attention_windows and mixer_options both set windows: set windows in one place")
+        self.attention_windows = windows
 
     @property
     def num_hidden_layers(self) -> int:
@@ -203,10 +214,12 @@ class Context:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: RecurrentDepthConfig) -> None:
+    def __init__(self, config: RecurrentDepthConfig, layer: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.window = (config.mixer_options or {}).get("window")
+        # layer: 0-based over prelude, core, coda; its own window (attention_windows) or every layer's (mixer_options)
+        windows = getattr(config, "attention_windows", None) or []
+        self.window = windows[layer] if windows else (config.mixer_options or {}).get("window")
         self.Wqkv = nn.Linear(
             config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, bias=config.bias
         )
@@ -270,11 +283,11 @@ class Attention(nn.Module):
 
 
 class SandwichBlock(nn.Module):
-    def __init__(self, config: RecurrentDepthConfig) -> None:
+    def __init__(self, config: RecurrentDepthConfig, layer: int = 0) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.norm_eps
         self.norm_1 = RMSNorm(h, eps)
-        self.attn = Attention(config)
+        self.attn = Attention(config, layer)
         self.norm_2 = RMSNorm(h, eps)
         self.mlp = GatedMLP(config)
         self.norm_3 = RMSNorm(h, eps)
@@ -303,6 +316,9 @@ class RecurrentDepthCache(DynamicCache):
         )
         while len(self.layers) <= idx:
             self.layers.append(self.layer_class_to_replicate())
+        if self.seen and self.layers[idx].get_seq_length() and self.layers[idx].keys.shape[0] != k.shape[0]:
+            raise ValueError(f"the cache holds {self.layers[idx].keys.shape[0]} rows but this call has {k.shape[0]}: "
+                             "a cache continues the batch that filled it")
         if self.layers[idx].get_seq_length() != self.seen:
             raise RuntimeError(f"cache layer {key} is out of step with the {self.seen} cached tokens")
         keys, values = self.layers[idx].update(k.transpose(1, 2), v.transpose(1, 2))
@@ -323,6 +339,7 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = RecurrentDepthConfig
     base_model_prefix = "transformer"
     _supports_sdpa = True  # attention runs through F.scaled_dot_product_attention (plain math for output_attentions)
+    supports_gradient_checkpointing = True  # per core step, as the library's model (see forward)
     _no_split_modules = ["SandwichBlock"]
     _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
     _keys_to_ignore_on_load_unexpected = [r"^freqs_cis$"]
@@ -330,23 +347,59 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config: RecurrentDepthConfig) -> None:
         super().__init__(config)
         h = config.hidden_size
+        P, R = config.prelude_layers, config.core_layers  # (layer indices for each block's window)
         self.transformer = nn.ModuleDict(
             dict(
                 wte=nn.Embedding(config.vocab_size, h),
-                prelude=nn.ModuleList(SandwichBlock(config) for _ in range(config.prelude_layers)),
+                prelude=nn.ModuleList(SandwichBlock(config, i) for i in range(P)),
                 adapter=nn.Linear(2 * h, h, bias=config.bias),
-                core_block=nn.ModuleList(SandwichBlock(config) for _ in range(config.core_layers)),
-                coda=nn.ModuleList(SandwichBlock(config) for _ in range(config.coda_layers)),
+                core_block=nn.ModuleList(SandwichBlock(config, P + j) for j in range(R)),
+                coda=nn.ModuleList(SandwichBlock(config, P + R + c) for c in range(config.coda_layers)),
                 ln_f=RMSNorm(h, config.norm_eps),
             )
         )
         self.lm_head = nn.Linear(h, config.vocab_size, bias=False)
         self.emb_scale = math.sqrt(h)
+        self.gradient_checkpointing = False  # set by gradient_checkpointing_enable (with _gradient_checkpointing_func)
         self.post_init()
+
+    def _untied_head(self) -> bool:
+        """Whether the config ties the head to the embedding but the lm_head holds other values (peft's
+        merge_and_unload of an adapter with modules_to_save=["lm_head"]): save_pretrained then saves it untied, as a
+        tied config beside two different tensors does not load."""
+        head = getattr(getattr(self, "lm_head", None), "weight", None)
+        wte = self.transformer.wte.weight
+        return bool(self.config.tie_embeddings and isinstance(head, Tensor) and head is not wte
+                    and (head.shape != wte.shape or not torch.equal(head.detach().cpu(), wte.detach().cpu())))
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # one cache layer per (layer, step), created by forward()
+
+    def _prepare_generated_length(self, generation_config: Any, *args: Any, **kwargs: Any) -> Any:
+        """transformers' lengths; a run past max_seq_len is refused before it starts, not at its first token past it."""
+        config = super()._prepare_generated_length(generation_config, *args, **kwargs)
+        limit, length = self.config.max_seq_len, kwargs.get("input_ids_length")
+        # (the last token is sampled, never fed: max_seq_len + 1 tokens in all fit)
+        if isinstance(length, int) and config.max_length is not None and config.max_length > limit + 1:
+            raise ValueError(f"generate: prompt length {length} + {config.max_length - length} new tokens "
+                             f"(max_new_tokens / max_length) run past the model's max_seq_len={limit}")
+        return config
+
+    def save_pretrained(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers' save; a generation config derived from config.json (`_from_model_config`) that holds our
+        options (num_steps, init_scale) is unmarked first: transformers reads a marked file back without them."""
+        config = getattr(self, "generation_config", None)
+        if config is not None and getattr(config, "_from_model_config", False) and any(
+                name in config.__dict__ for name in ("num_steps", "init_scale", *LIBRARY_ONLY_OPTIONS)):
+            config._from_model_config = False
+        if not self._untied_head():
+            return super().save_pretrained(*args, **kwargs)
+        self.config.tie_embeddings = False  # (saved as it computes; see _untied_head)
+        try:
+            return super().save_pretrained(*args, **kwargs)
+        finally:
+            self.config.tie_embeddings = True
 
     def _prepare_generation_config(self, generation_config: Any, **kwargs: Any) -> Any:
         """transformers' merge, except that our options set on a GenerationConfig (or the model's) reach forward()
@@ -368,8 +421,10 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         """Assisted decoding (`assistant_model=`, `prompt_lookup_num_tokens=`) needs the cache before the first
         forward: create it here for that mode."""
         out = super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
-        if (getattr(generation_mode, "value", None) == "assisted_generation" and model_kwargs.get("cache") is None
-                and generation_config.use_cache is not False):
+        # (chunked prefill, `prefill_chunk_size=`, too: it was "Cannot use prefill chunking without a cache")
+        needs_cache = (getattr(generation_mode, "value", None) == "assisted_generation"
+                       or generation_config.prefill_chunk_size is not None)
+        if needs_cache and model_kwargs.get("cache") is None and generation_config.use_cache is not False:
             model_kwargs["cache"] = RecurrentDepthCache(self.config)
         return out
 
@@ -457,7 +512,9 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         cache = kwargs.pop("past_key_values", None) if cache is None else cache
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)  # the Trainer's count of label tokens
         if kwargs.get("inputs_embeds") is not None:
-            raise ValueError("inputs_embeds is not supported: pass input_ids (the prelude scales the embedding)")
+            raise ValueError("inputs_embeds is not supported: pass input_ids (the prelude scales the embedding; "
+                             "peft's prompt tuning and p-tuning, which pass it, do not work with this model: "
+                             "use LoRA)")
         if input_ids is None:
             raise ValueError("input_ids is required")
         output_hidden_states = kwargs.get("output_hidden_states")
@@ -475,15 +532,28 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         if scale < 0:
             raise ValueError(f"init_scale={init_scale!r} is invalid: expected a number >= 0")
         use_cache = cfg.use_cache if use_cache is None else use_cache
+        # Activation checkpointing recomputes each core step in the backward pass: without a cache (a recompute
+        # would append its keys again) and without output_attentions (they would be appended again).
+        checkpointing = (self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+                         and not output_attentions and (cache is None or cache.get_seq_length() == 0))
+        if checkpointing:
+            cache, use_cache = None, False
         if cache is not None and not isinstance(cache, RecurrentDepthCache):
             if cache.get_seq_length() != 0:
-                raise ValueError("cache must be a RecurrentDepthCache")
+                raise ValueError(f"cache must be a RecurrentDepthCache (or an empty transformers Cache), got "
+                                 f"{type(cache).__name__} holding {cache.get_seq_length()} tokens (peft's prefix "
+                                 f"tuning passes its prefixes so, which this model does not support: use LoRA)")
             cache = None
         if cache is None and use_cache:
             cache = RecurrentDepthCache(cfg)
         if (cache.seen if cache is not None else 0) + input_ids.shape[1] > cfg.max_seq_len:
             raise ValueError(f"sequence longer than max_seq_len={cfg.max_seq_len}")
         check_ids(input_ids, cfg.vocab_size)
+        if cache is not None and cache.seen and steps:  # before anything is written: the cached tokens ran as deep
+            last = cache.P + cache.C + steps * cache.R - 1
+            if last >= len(cache.layers) or cache.layers[last].get_seq_length() < cache.seen:
+                raise ValueError(f"the cache holds {cache.seen} tokens computed with fewer core steps than this call's "
+                                 f"{steps}: continue a cache at the num_steps that filled it, or start a new one")
         ctx = self._context(input_ids, attention_mask, cache)
         if output_attentions:
             ctx.attentions = []
@@ -503,10 +573,11 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             state = state * self.emb_scale
         states = [state] if output_hidden_states else None  # s_0..s_r, as the library returns them
         for step in range(steps):
-            x = self.transformer.adapter(torch.cat([state, e], dim=-1))
-            for j, block in enumerate(self.transformer.core_block):
-                x = block(x, ctx, ("core", j, step))
-            state = x
+            if checkpointing:
+                run = getattr(self, "_gradient_checkpointing_func", None) or self._default_checkpoint
+                state = run(self._core_step, state, e, ctx, step)
+            else:
+                state = self._core_step(state, e, ctx, step)
             if states is not None:
                 states.append(state)
         x = self.transformer.ln_f(state)
@@ -532,12 +603,29 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
                                      attentions=tuple(ctx.attentions) if ctx.attentions is not None else None)
         return out if return_dict else out.to_tuple()
 
+    def _core_step(self, state: Tensor, e: Tensor, ctx: Context, step: int) -> Tensor:
+        x = self.transformer.adapter(torch.cat([state, e], dim=-1))
+        for j, block in enumerate(self.transformer.core_block):
+            x = block(x, ctx, ("core", j, step))
+        return x
+
+    @staticmethod
+    def _default_checkpoint(function: Any, *args: Any) -> Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(function, *args, use_reentrant=False)
+
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """transformers' `generate` at a fixed depth (`num_steps`, `init_scale` pass through to forward)."""
         refuse_library_only(kwargs)
         ids = args[0] if args and isinstance(args[0], Tensor) else kwargs.get("input_ids", kwargs.get("inputs"))
         if isinstance(ids, Tensor):  # before transformers indexes an empty prompt (IndexError)
             check_ids(ids, self.config.vocab_size)
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            held = cache.get_seq_length() if isinstance(cache, DynamicCache) else 0
+            if held >= ids.shape[1]:  # transformers would feed the whole prompt again (or nothing) after the cache
+                raise ValueError(f"generate: the cache holds {held} tokens but input_ids has {ids.shape[1]}: pass the "
+                                 "whole conversation (the cached tokens and at least one new one) as input_ids")
         return super().generate(*args, **kwargs)
 
 
@@ -548,7 +636,9 @@ class _Backbone(nn.Module):
         super().__init__()
         self.transformer = owner.transformer
         object.__setattr__(self, "_owner", owner)  # not a submodule: the backbone is part of the owner
-        object.__setattr__(self, "_forward", owner if forward is None else forward)  # the causal LM's forward
+        # the causal LM's forward: the class's, not the instance's `forward`, which wrappers replace (trl's fused head,
+        # accelerate's autocast; re-entered from inside the wrapped call, a nested torch.autocast left autocast on)
+        object.__setattr__(self, "_forward", type(owner).forward.__get__(owner) if forward is None else forward)
 
     def forward(self, *args: Any, **kwargs: Any) -> BaseModelOutputWithPast:
         if kwargs.get("labels") is not None:

@@ -15,8 +15,11 @@ gain: the same thing, since RoPE keeps each head's norm (its models load with ga
 [Hkv, D]), so that QK-clip can rescale one head without touching the others.
 
 The logits are q.k times `config.attention_scale`: 1/sqrt(D) (Huginn), or muP's sqrt(D_0)/D
-(`attn_scale: "1/d"`, the default under `mup_base_width`). SDPA takes it as `scale=`; a quantized cache,
-whose kernels apply 1/sqrt(D), gets q pre-multiplied by the ratio (its scores are linear in q).
+(`attn_scale: "1/d"`, the default under `mup_base_width`), or 1/sqrt(query_pre_attn_scalar) (Gemma 2 / 3). SDPA
+takes it as `scale=`; a quantized cache, whose kernels apply 1/sqrt(D), gets q pre-multiplied by the ratio (its
+scores are linear in q). `config.attn_logit_softcapping` (Gemma 2) caps the scaled logits, cap * tanh(x / cap), before
+the mask: such a layer attends as plain math (`eager_attention`), over a quantized cache's decoded columns.
+A layer's own RoPE base (`config.layer_rope_bases`, set by the model as `rope_base`) replaces the config's.
 
 For QK-clip (`recurrent_depth.train.qk_clip`) the mixer can record, during training forwards,
 the per-head maximum of its pre-softmax logits (`record_max_logit`), and rescale its heads
@@ -33,7 +36,7 @@ from recurrent_depth.config import VALUE_GATE_CHANNELS, ModelConfig
 from recurrent_depth.model.cache import combine_key_mask
 from recurrent_depth.model.layers import ROPE_STYLES, RMSNorm
 from recurrent_depth.model.mixers.base import LayerKey, MixerContext, register_mixer
-from recurrent_depth.model.mixers.common import upcast
+from recurrent_depth.model.mixers.common import key_positions, upcast
 from recurrent_depth.model.mixers.logits import MaxLogitRecorder, scale_parameter
 
 
@@ -58,6 +61,8 @@ class Attention(MaxLogitRecorder, nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.attention_scale
         self.window = window
+        self.softcap = config.attn_logit_softcapping  # cap * tanh(logits / cap) before the mask (Gemma 2): plain math
+        self.rope_base: float | None = None  # this layer's own unscaled RoPE base (layer_rope_bases), set by the model
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.Wqkv = nn.Linear(config.hidden_size, qkv_out, bias=config.bias or config.qkv_bias)
         self.rotate = ROPE_STYLES[config.rope_style]
@@ -112,13 +117,13 @@ class Attention(MaxLogitRecorder, nn.Module):
                 q, k = q + self.q_bias, k + self.k_bias
         if self.q_norm is not None and not self.qk_norm_full_width:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = ctx.rope(D)
+        cos, sin = ctx.rope(D, self.rope_base)
         return self.rotate(q, cos, sin), self.rotate(k, cos, sin), v
 
     def forward(self, x: Tensor, ctx: MixerContext, layer_key: LayerKey) -> Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x, ctx)
-        if ctx.cache is not None and self.window is None and ctx.cache.attends_from_codes:
+        if ctx.cache is not None and self.window is None and self.softcap is None and ctx.cache.attends_from_codes:
             # a quantized cache scores the queries against its key codes (inference/kv_codec.py), at 1/sqrt(D)
             if ctx.attentions is not None:
                 raise ValueError("output_attentions needs a float KV cache; this call's cache is quantized (kv_quant)")
@@ -138,8 +143,10 @@ class Attention(MaxLogitRecorder, nn.Module):
             mask, is_causal = combine_key_mask(mask, key_mask, T), False
         if self.record_max_logit and self.training:
             self.observe_logits(q, k, self.scale, mask, is_causal)
-        if ctx.attentions is not None:  # asked for the weights: the same attention as plain math
-            out, ctx.attentions[layer_key] = eager_attention(q, k, v, mask, is_causal, self.scale)
+        if ctx.attentions is not None or self.softcap is not None:  # the weights, or soft-capped: plain math
+            out, probs = eager_attention(q, k, v, mask, is_causal, self.scale, self.softcap)
+            if ctx.attentions is not None:
+                ctx.attentions[layer_key] = probs
             return self.proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [B, H, T, D]
@@ -193,19 +200,22 @@ class Attention(MaxLogitRecorder, nn.Module):
 
 
 def eager_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float, softcap: float | None = None
 ) -> tuple[Tensor, Tensor]:
     """SDPA's attention written out, for `output_attentions`: (out [B, H, T, D], probs [B, H, T, S]).
 
     q [B, T, H, D], k and v [B, S, Hkv, D] (query head h reads key head h // (H / Hkv), as SDPA's GQA);
     mask / is_causal as given to SDPA (bool, True = may attend; the causal flag with S == T). The
     logits and softmax are float32 (float64 in a float64 model); probs are cast to v's dtype and out = probs @ v.
+    softcap: the logits become softcap * tanh(logits / softcap) before the mask (Gemma 2's soft-capping).
     """
     group = q.shape[2] // k.shape[2]
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     logits = torch.matmul(upcast(q), upcast(k).transpose(-1, -2)) * scale  # [B, H, T, S]
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     if mask is None and is_causal:
         T, S = logits.shape[-2:]
         mask = torch.ones(T, S, dtype=torch.bool, device=logits.device).tril()
@@ -216,11 +226,23 @@ def eager_attention(
 
 
 def window_mask(ctx: MixerContext, kv_len: int, window: int) -> Tensor:
-    """The call's mask further limited to the last `window` keys: [B, 1, T, kv_len] bool."""
+    """The call's mask further limited to the last `window` keys: [B, 1, T, kv_len] bool (each row from its own
+    column where rows sit at different columns, `ctx.query_columns`)."""
     T = ctx.positions.shape[1]
-    q_idx = torch.arange(ctx.past_len, ctx.past_len + T, device=ctx.positions.device)[:, None]
     k_idx = torch.arange(kv_len, device=ctx.positions.device)[None, :]
+    if ctx.query_columns is not None:  # [B, T]: each row's own columns
+        q_idx = ctx.query_columns[:, None, :, None]  # [B, 1, T, 1]
+        allowed = (k_idx <= q_idx) & (k_idx > q_idx - window)  # [B, 1, T, kv_len]
+        return allowed if ctx.attn_mask is None else ctx.attn_mask & allowed
+    q_idx = torch.arange(ctx.past_len, ctx.past_len + T, device=ctx.positions.device)[:, None]
     allowed = (k_idx <= q_idx) & (k_idx > q_idx - window)  # [T, kv_len]
+    if ctx.key_valid is not None and ctx.key_valid.shape[-1] == kv_len:
+        # the last `window` real tokens: hidden columns inside a row (a batch's rejected speculative drafts) are
+        # not counted, as its positions do not count them (left padding alone gives the same as columns)
+        pos = key_positions(ctx, kv_len, k_idx.device)  # [B, kv_len]
+        recent = pos[:, ctx.past_len:, None] - pos[:, None, :] < window  # [B, T, kv_len]
+        allowed = (k_idx <= q_idx) & recent[:, None]  # [B, 1, T, kv_len]
+        return allowed if ctx.attn_mask is None else ctx.attn_mask & allowed
     if ctx.attn_mask is not None:
         return ctx.attn_mask & allowed
     return allowed[None, None]

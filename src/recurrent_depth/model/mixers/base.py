@@ -45,20 +45,26 @@ class MixerContext:
     # (`RecurrentDepthLM.forward(output_attentions=True)`): softmax attention (attention, mla, dsa, nsa) then
     # runs as plain math and records each application here; other mixers record nothing. None: the fast path.
     attentions: dict[tuple, Tensor] | None = None
-    _rope: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    # [B, T] the cache column of each new token where rows sit at different columns (`make_context`'s
+    # row_columns, the serving pool); None: columns past_len .. past_len + T - 1 in every row. (A window reads it.)
+    query_columns: Tensor | None = None
+    _rope: dict[int | tuple, tuple[Tensor, Tensor]] = field(default_factory=dict)
 
     @property
     def is_causal(self) -> bool:
         """True when SDPA's own causal flag is exact (no padding, no past)."""
         return self.attn_mask is None and self.past_len == 0 and self.positions.shape[1] > 1
 
-    def rope(self, dim: int) -> tuple[Tensor, Tensor]:
-        """(cos, sin) at this call's positions for a rotary dim, each [B, T, 1, dim/2], fp32."""
-        if dim not in self._rope:
+    def rope(self, dim: int, base: float | None = None) -> tuple[Tensor, Tensor]:
+        """(cos, sin) at this call's positions for a rotary dim, each [B, T, 1, dim/2], fp32. `base`: a layer's
+        own RoPE base, unscaled (`ModelConfig.layer_rope_bases`); None: the model's rope_base and rope_scaling."""
+        key = dim if base is None else (dim, base)
+        if key not in self._rope:
             # [B, T, dim/2, 2]
-            picked = rope_at(self.positions, dim, self.max_seq_len, self.rope_base, self.rope_scaling)
-            self._rope[dim] = (picked[..., 0].unsqueeze(2), picked[..., 1].unsqueeze(2))
-        return self._rope[dim]
+            picked = (rope_at(self.positions, dim, self.max_seq_len, self.rope_base, self.rope_scaling) if base is None
+                      else rope_at(self.positions, dim, self.max_seq_len, base))
+            self._rope[key] = (picked[..., 0].unsqueeze(2), picked[..., 1].unsqueeze(2))
+        return self._rope[key]
 
 
 MixerFactory = Callable[..., nn.Module]

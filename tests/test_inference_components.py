@@ -145,6 +145,19 @@ def test_argmax_stability_counts_unchanged_steps():
     assert [bool(crit.update(None, logits)) for _ in range(3)] == [False, False, True]
 
 
+def test_cosine_does_not_exit_on_the_step_after_a_zero_state():
+    """s_0 = 0 (init_scale 0) has no angle: the official 0/0 is NaN, so even a threshold above 2 (any
+    angle) waits for the second step; a row whose s_0 is not zero exits at once."""
+    crit = ExitCriterion(*resolve_criterion("cosine", 5.0))
+    crit.start(torch.tensor([[0.0, 0.0], [1.0, 0.0]]), 4)
+    assert crit.update(torch.ones(2, 2), None).tolist() == [False, True]
+    assert crit.update(torch.ones(2, 2), None).tolist() == [True, True]
+    prompt = torch.zeros(1, 3, 2)  # positions of a prompt: one zero position is enough (the mean is NaN)
+    prompt[0, 1:] = 1.0
+    crit.start(prompt, 4)
+    assert not crit.update(torch.ones(1, 3, 2), None).any()
+
+
 # ---------------------------------------------------------------------------------------- token choice
 def test_top_p_keeps_the_smallest_prefix_reaching_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
@@ -156,6 +169,38 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
     assert kept.tolist() == [[True, True, False, False]]
     kept = filter_logits(logits, 1.0, None, None, 0.5).isfinite()  # min-p: p >= 0.5 * 0.5
     assert kept.tolist() == [[True, True, False, False]]
+
+
+def test_official_draw_is_one_multinomial_with_the_official_filters():
+    """Under official defaults without a seed the routed loops sample as the official `_sample_next_token`:
+    top-p drops the token crossing p (ours keeps it), top-k is 50 when unset, one torch.multinomial draw."""
+    from recurrent_depth.inference.sampling import official_draw
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(400, 1)
+    torch.manual_seed(0)
+    assert set(official_draw(logits, 1.0, None, 0.85, None).tolist()) == {0, 1}
+    assert filter_logits(logits[:1], 1.0, None, 0.85, None).isfinite().sum() == 3
+    wide = torch.randn(3, 80)
+    torch.manual_seed(1)
+    drawn = official_draw(wide, 0.7, None, None, None)
+    probs = (wide / 0.7).softmax(-1)
+    probs = torch.where(probs < probs.topk(50).values[:, -1:], 0.0, probs)
+    torch.manual_seed(1)
+    assert drawn.tolist() == torch.multinomial(probs / probs.sum(-1, keepdim=True), 1)[:, 0].tolist()
+
+
+def test_official_defaults_draw_s0_from_the_global_rng_at_init_scale_0_too():
+    """The official initialize_state draws before zeroing; skipping that draw shifted every later sample."""
+    model = rd.RecurrentDepthLM(rd.ModelConfig(vocab_size=64, hidden_size=16, num_heads=2, intermediate_size=32,
+                                               prelude_layers=1, core_layers=1, coda_layers=1,
+                                               mean_recurrence=2, max_seq_len=32)).eval()
+    ids = torch.tensor([[1, 2, 3]])
+    torch.manual_seed(3)
+    generate(model, ids, max_new_tokens=2, num_steps=2, init_scale=0.0, defaults="official", exit_criterion="kl")
+    after = torch.rand(1).item()  # where the global stream stands afterwards
+    torch.manual_seed(3)
+    torch.randn(1, 3, 16), torch.randn(1, 1, 16)  # the official randn_like of the prompt's, then the token's e
+    assert after == torch.rand(1).item()
 
 
 @pytest.mark.parametrize("top_p", [1e-9, 1e-46, 5e-324], ids=["1e-9", "1e-46", "5e-324"])

@@ -8,7 +8,10 @@ transformers class with `defaults="official"`:
   config; transformers 4.56's default max_length 20 when neither is given);
 - `random-s0-*`: the official default init_scale 1.0 after `torch.manual_seed(seed)`: unseeded, official
   defaults draw s_0 from torch's global RNG as the official code does (one draw per forward for the whole
-  batch, the speculative verify pass included), so the same seed gives the official tokens.
+  batch, the speculative verify pass included), so the same seed gives the official tokens;
+- `sample-*`: sampling (temperature / top_k / top_p / min_p) after `torch.manual_seed(seed)`: the official loops'
+  own filters and one `torch.multinomial` per token from the global RNG, whose s_0 draw runs at init_scale 0 too;
+- `cosine-above-2-*`: the cosine criterion does not exit on the first step after s_0 = 0 (the official 0/0).
 """
 
 from __future__ import annotations

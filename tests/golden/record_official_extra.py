@@ -6,7 +6,12 @@
   otherwise run `max_length - prompt` tokens, transformers 4.56's default `max_length` being 20);
 - `random-s0-*`: the official default `init_scale=1.0` (a random s_0 at every forward, from torch's global
   RNG) after `torch.manual_seed(seed)`, on the adaptive, fixed-depth, transformers and speculative paths,
-  batch 1 and (fixed depth, latest-m4 adaptive) a batch of two.
+  batch 1 and (fixed depth, latest-m4 adaptive) a batch of two;
+- `sample-*`: `do_sample=True` with temperature / top_k / top_p / min_p on the generation config after
+  `torch.manual_seed(seed)` in `generate_minimal` and `generate_with_adaptive_compute` (their own
+  `_sample_next_token`: one `torch.multinomial` per token, top-k 50 when unset, top-p dropping the token that
+  crosses p), at init_scale 0 (whose s_0 draw still runs) and 1.0;
+- `cosine-above-2-*`: a cosine threshold no angle reaches at init_scale 0, where the first check's 0/0 is NaN.
 
 The model is `tests/official_golden_support.py`'s seeded one (its config's init_scale set to the official
 1.0, which changes no weight). Run as `record_official.py` (same scratch Python with transformers 4.56 and
@@ -102,6 +107,24 @@ def cases() -> list[dict[str, Any]]:
                           {"num_steps": 16, "criterion": "kl", "cache_lookup_strategy": "latest-m4",
                            "do_not_exit_in_prefill": True})):
         out.append(_case(f"random-s0-batch-{name}", BATCH, {**batch, **kwargs}, seed=10, batch=True))
+    samplers = {"temperature": {"temperature": 0.7}, "top-k": {"top_k": 5}, "top-p": {"top_p": 0.8, "temperature": 1.3},
+                "min-p": {"min_p": 0.2}, "all": {"temperature": 0.9, "top_k": 20, "top_p": 0.9, "min_p": 0.05}}
+    paths = {"minimal-r4": {"num_steps": 4, "continuous_compute": False},
+             "adaptive-kl": {"num_steps": 16, "criterion": "kl"}}
+    for i, (label, sampler) in enumerate(samplers.items()):
+        for path, kwargs in paths.items():
+            out.append(_case(f"sample-{path}-{label}-init-0", [PROMPTS[i % len(PROMPTS)]],
+                             {**kwargs, "init_scale": 0.0, "max_new_tokens": 8}, {"do_sample": True, **sampler},
+                             seed=5 + i))
+    for path, kwargs in paths.items():
+        out.append(_case(f"sample-{path}-all-init-1", [PROMPTS[1]], {**kwargs, "max_new_tokens": 8},
+                         {"do_sample": True, **samplers["all"]}, seed=8))
+    out.append(_case("sample-batch-minimal-r4-all-init-0", BATCH,
+                     {**paths["minimal-r4"], "init_scale": 0.0, "max_new_tokens": 8},
+                     {"do_sample": True, **samplers["all"]}, seed=11, batch=True))
+    out.append(_case("cosine-above-2-init-0", [PROMPTS[0], PROMPTS[2]],
+                     {"num_steps": 16, "criterion": "cosine", "exit_threshold": 5.0, "init_scale": 0.0,
+                      "max_new_tokens": 8}))
     return out
 
 

@@ -20,7 +20,9 @@ paper's 5e-4 (the reference's 1e-3 under `defaults="official"`, see `official_th
 | none             | (the reference's adaptive path that never exits)        | never          | 0       |
 
 With `<`, a threshold of 0 never exits (the statistics are >= 0), which makes "threshold 0" equal
-to fixed depth; argmax-stability counts steps, so its threshold is an integer >= 1.
+to fixed depth; argmax-stability counts steps, so its threshold is an integer >= 1. cosine never
+exits at a step whose previous state is zero (the first step after s_0 = 0, init_scale 0), where
+the angle is undefined (the reference's 0/0 is NaN), whatever the threshold.
 
 `gate` is Ouro's learned exit (arXiv 2510.25741; `OuroForCausalLM.forward` with `exit_threshold=q`):
 lambda_t = sigmoid(exit_gate(s_t)) on each step's state (the model's `exit_probability`), the exit
@@ -211,8 +213,10 @@ class ExitCriterion:
         elif name == "cosine":
             s = state.float()
             stat = self._per_row((1 - F.cosine_similarity(s, self.prev, dim=-1, eps=1e-12)).clamp(min=0))
+            # a zero previous state (s_0 at init_scale 0) has no angle: no exit there (the reference's 0/0 is NaN)
+            undefined = self._per_row((self.prev.norm(dim=-1) == 0).float()) > 0
             self.prev = s
-            met = stat < self.threshold
+            met = (stat < self.threshold) & ~undefined
         elif name == "argmax-stability":
             top = logits.argmax(-1)
             self.count = torch.where(top == self.prev, self.count + 1, torch.zeros_like(self.count))

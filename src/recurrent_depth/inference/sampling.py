@@ -113,6 +113,34 @@ def sample_rows(logits: Tensor, generators: RowGenerators, rows: Sequence[int]) 
     return (probs / noise).argmax(-1)
 
 
+OFFICIAL_TOP_K = 50  # transformers 4.56's GenerationConfig.top_k, which the official loops read when unset
+
+
+def official_draw(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None,
+                  min_p: float | None) -> Tensor:
+    """The official loops' sampled token `[B]` (`_sample_next_token` of raven_modeling_minimal.py at 59e0b69),
+    drawn from torch's global RNG with one `torch.multinomial` over the whole batch, so that
+    `torch.manual_seed` repeats an official run. The official rules differ from `filter_logits`: the filters
+    act on probabilities in the order top-k (default 50), top-p, min-p, and top-p drops every token whose
+    cumulative probability (sorted, the top-k's zeros not renormalised) exceeds top_p (default 1.0), so the
+    token crossing top_p is dropped too (the top one always stays)."""
+    probs = (logits.float() / (temperature or 1.0)).softmax(-1)
+    top_k = OFFICIAL_TOP_K if top_k is None else top_k
+    if top_k:
+        kth = torch.topk(probs, min(top_k, probs.shape[-1]), dim=-1).values[..., -1:]
+        probs = torch.where(probs < kth, 0.0, probs)
+    top_p = 1.0 if top_p is None else top_p
+    if top_p:
+        ordered, order = torch.sort(probs, dim=-1, descending=True)
+        drop = ordered.cumsum(-1) > top_p
+        drop[..., 0] = False
+        probs = torch.where(torch.zeros_like(drop).scatter(-1, order, drop), 0.0, probs)
+    if min_p:
+        probs = torch.where(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0, probs)
+    probs = probs / probs.sum(-1, keepdim=True).clamp(min=1e-10)
+    return torch.multinomial(probs, 1)[:, 0]
+
+
 class TokenChooser:
     """Greedy or sampled choice with the processors in a fixed order: repetition penalty,
     temperature, top-k, top-p, min-p. Keeps the per-row "seen tokens" table for the penalty."""
@@ -150,6 +178,14 @@ class TokenChooser:
 
     def choose(self, logits: Tensor, rows: Sequence[int]) -> Tensor:
         """Next token `[B]` from logits `[B, V]`; `rows` are the unfinished rows that draw randomness."""
+        if self.options.do_sample and self.generators.global_rng:  # official defaults, no seed: its draw
+            opts = self.options
+            if self.seen is not None:
+                logits = apply_repetition_penalty(logits, self.seen, opts.repetition_penalty)
+            done = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+            done[list(rows)] = False  # a finished row still draws (as there), from flat logits whatever its own
+            logits = torch.where(done[:, None], 0.0, logits)
+            return official_draw(logits, opts.temperature, opts.top_k, opts.top_p, opts.min_p)
         processed = self.process(logits)
         if not self.options.do_sample:
             return processed.argmax(-1)

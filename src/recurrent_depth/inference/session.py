@@ -247,9 +247,10 @@ class Session:
         A model whose s_0 is e itself (`state_init="embedding"`, Ouro) gets e whatever init_scale says."""
         scale = self.options.init_scale
         s = torch.zeros_like(like)
-        if scale == 0 and self.model.config.state_init == "random":
+        if scale == 0 and self.model.config.state_init == "random" and not self.generators.global_rng:
             return s
-        if self.generators.global_rng and valid is None:  # the official draw: the whole batch at once
+        # the official draw: the whole batch at once (at init_scale 0 too, whose zeros follow a draw there)
+        if self.generators.global_rng and valid is None:
             draw = self.runner.initial_state(like, scale, None)
             s[rows] = draw[rows]
             return s

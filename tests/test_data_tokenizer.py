@@ -193,6 +193,23 @@ def test_chat_template_marks_the_assistants_tokens_for_transformers_and_renders_
         "<|begin_header|>user<|end_header|>\n\nünï?<|end_turn|><|begin_header|>Huginn<|end_header|>\n\né<|end_turn|>")
 
 
+def test_chat_template_renders_a_null_content_as_empty_text(saved: Path) -> None:
+    """OpenAI's assistant turn of tool calls only has `content: null`: the template wrote the text 'None' for it
+    (in transformers' apply_chat_template and in our renderer alike)."""
+    from transformers import AutoTokenizer
+
+    from recurrent_depth.serving.chat_template import ChatTemplate, load_template
+
+    messages = [{"role": "user", "content": "6*7?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+                    "name": "mul", "arguments": "[6, 7]"}}]}, {"role": "tool", "content": "42"}]
+    source, variables = load_template(saved)
+    ours = ChatTemplate(source, variables, 1 << 20).render(messages, add_generation_prompt=False)
+    assert ours == AutoTokenizer.from_pretrained(saved).apply_chat_template(messages, tokenize=False) == (
+        "<|begin_text|><|begin_header|>user<|end_header|>\n\n6*7?<|end_turn|>"
+        "<|begin_header|>Huginn<|end_header|>\n\n<|end_turn|><|begin_header|>tool<|end_header|>\n\n42<|end_turn|>")
+
+
 def test_chat_template_rejects_unsafe_assistant_name() -> None:
     assert "'Bot'" in chat_template("Bot")
     with pytest.raises(ValueError, match="assistant_name"):

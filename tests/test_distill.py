@@ -321,6 +321,44 @@ def test_an_interrupted_cache_write_resumes_after_its_last_whole_shard(tmp_path,
     assert seen == [0, 2, 4]
 
 
+def test_a_cache_of_a_teacher_retrained_in_place_is_written_again_and_says_why(train_root, teacher_dir, tmp_path):
+    """The cache named its teacher by directory, depth and vocabulary only, and a finished cache was never checked
+    against the teacher: one retrained in place kept serving the old teacher's logits. Its identity (config.json
+    and the weight files' names, sizes, mtimes) is in the manifest; a changed teacher's cache is written again."""
+    import os
+    import shutil
+
+    import numpy as np
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(teacher_dir, teacher)
+    options = dict(max_steps=1, teacher=str(teacher), teacher_depth=1, distill_top_k=4, distill_cache_only=True,
+                   distill_cache=str(tmp_path / "cache"))
+    values = tmp_path / "cache" / "values_00000.npy"
+
+    def cache_run(name):
+        messages = []
+        Trainer(tiny_train_config(train_root, tmp_path / name, **options), log=messages.append)
+        return [m for m in messages if "out of date" in m], np.load(values)
+
+    said, first = cache_run("a")
+    manifest = json.loads((tmp_path / "cache" / "manifest.json").read_text())
+    assert len(manifest["teacher"]["identity"]) == 64 and said == []
+    assert cache_run("b")[0] == []  # the same teacher: the cache is reused
+    assert json.loads((tmp_path / "cache" / "manifest.json").read_text()) == manifest
+    torch.manual_seed(12)  # "retrained": other weights, the same directory
+    rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", vocab_size=VOCAB, max_seq_len=64)).save_pretrained(
+        teacher, tokenizer=train_root / "tokenizer")
+    os.utime(teacher / "model.safetensors", ns=(1, 1))  # (a new mtime even on a coarse-grained clock)
+    said, second = cache_run("c")
+    assert said == [f"distill cache: {tmp_path / 'cache'} is out of date (the teacher {teacher} changed since (its "
+                    "config.json or weight files differ)): writing it again"]
+    assert not np.array_equal(first, second)
+    assert json.loads((tmp_path / "cache" / "manifest.json").read_text())["teacher"]["identity"] != \
+        manifest["teacher"]["identity"]
+    assert cache_run("d")[0] == []
+
+
 def test_a_truncated_cache_shard_is_a_one_line_error(tmp_path):
     from recurrent_depth.train import distill_cache
 

@@ -193,8 +193,16 @@ def test_pretrain_writes_a_transformers_model_directory(tmp_path, capsys):
     for i in range(4):
         (corpus / f"doc{i}.py").write_text(TEXT * (i + 1))
     out = tmp_path / "run"
-    assert main(["loop", "pretrain", "--data", str(corpus), "--out", str(out), "--layers", "2", "--hidden-size", "24",
-                 "--max-steps", "3", "--seq-len", "16", "--vocab-size", "300"]) == 0
+    argv = ["loop", "pretrain", "--data", str(corpus), "--out", str(out), "--layers", "2", "--hidden-size", "24",
+            "--max-steps", "3", "--seq-len", "16", "--vocab-size", "300"]
+    assert main(argv) == 0
+    assert main(argv) == 0  # a rerun trains from scratch again (the trainer keeps another run's model/, not its own)
+    from recurrent_depth.files import lock_directory
+
+    lock = lock_directory(out)  # (a run training there now: its directory is not cleared)
+    assert main(argv) == 2 and (out / "model").is_dir() and (out / "checkpoints").is_dir()
+    assert f"is in use by another run in this process (it holds {out / '.rdepth.lock'})" in capsys.readouterr().err
+    lock.close()
     summary = json.loads((out / "pretrain.json").read_text())
     assert summary["steps"] == 3 and summary["validation_loss"] > 0
     model = AutoModelForCausalLM.from_pretrained(out / "model")

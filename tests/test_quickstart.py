@@ -1,5 +1,6 @@
 """`rdepth quickstart` end to end on a tiny recipe (the real one is measured, not tested: it takes minutes)."""
 
+import dataclasses
 import json
 import sys
 
@@ -49,6 +50,27 @@ def test_quickstart_writes_summary_model_plots_and_report(tmp_path, capsys):
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 8
 
 
+def test_a_quickstart_into_a_directory_in_use_clears_nothing(tmp_path):
+    """A second quickstart into the --out of one still training deleted that run's checkpoints and model/ before
+    the trainer's lock refused it: the clearing is refused first."""
+    import fcntl
+
+    from recurrent_depth.evaluation.reasoning.train import run_reasoning, task_preset
+    from recurrent_depth.files import DIR_LOCK_FILE
+
+    out = tmp_path / "qs"
+    (out / "checkpoints" / "step-00000002").mkdir(parents=True)
+    with open(out / DIR_LOCK_FILE, "w") as holder:
+        holder.write("4242\n")
+        holder.flush()
+        fcntl.flock(holder.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ValueError, match=f"--out {out} is in use by process 4242"):
+            quickstart(minutes=2, out=out, threads=1, log=lambda _: None)
+        with pytest.raises(ValueError, match=f"--out {out} is in use by process 4242"):  # (--task: the same)
+            run_reasoning(task_preset("shells", out=str(out), max_steps=1), log=lambda _: None)
+    assert (out / "checkpoints" / "step-00000002").is_dir()
+
+
 def test_cli_help_and_bad_minutes(capsys):
     with pytest.raises(SystemExit) as info:
         main(["quickstart", "--help"])
@@ -81,6 +103,24 @@ def test_quickstart_task_runs_the_reasoning_preset(monkeypatch, capsys):
         assert main(["quickstart", "--max-minutes", bad]) == 2
         assert f"error: --max-minutes={float(bad)!r} is invalid: expected a number of minutes in [0.5, 1440]" in \
             capsys.readouterr().err
+
+
+def test_a_task_quickstart_run_twice_in_one_directory_trains_again(tmp_path):
+    """`rdepth quickstart --task` always trains from scratch: its rerun replaces its own model/ (the trainer
+    refuses a directory holding another run's model/ and no checkpoint), and that run's model/ is kept."""
+    from recurrent_depth.evaluation.reasoning.train import run_reasoning, task_preset
+
+    config = task_preset("shells", hidden_size=32, num_heads=2, intermediate_size=64, mean_recurrence=2,
+                         backprop_depth=1, batch_size=4, max_steps=2, log_every=2, eval_count=2,
+                         test_difficulties=[1, 2], depths=[1, 2], train_difficulties=(1, 3), out=str(tmp_path / "a"))
+    for _ in range(2):
+        assert run_reasoning(config, log=lambda _: None)["train"]["steps"] == 2
+    assert len((tmp_path / "a" / "metrics.jsonl").read_text().splitlines()) == 2
+    other = tmp_path / "b" / "model"
+    other.mkdir(parents=True)  # another run's model/ (no accuracy.json beside it)
+    with pytest.raises(ValueError, match="holds the model/ of an earlier run and no checkpoint"):
+        run_reasoning(dataclasses.replace(config, out=str(tmp_path / "b")), log=lambda _: None)
+    assert other.is_dir()
 
 
 def test_task_preset_overrides_and_errors():

@@ -171,6 +171,27 @@ def test_message_fields_other_than_role_and_content_reach_the_chat_template(mode
     assert load_examples(tmp_path / "chat.parquet", encoder) == [encoder.encode(conversation(chat, "x:1"), "x:1")]
 
 
+def test_a_null_content_is_empty_text_as_the_server_takes_it(model_dir):
+    """OpenAI's assistant turn of tool calls only has `content: null`: SFT refused the record (a template would
+    have rendered the text 'None'); it is empty text now, as /v1/chat/completions reads it."""
+    from recurrent_depth.serving.protocol import Limits, parse_chat
+
+    call = [{"id": "c1", "type": "function", "function": {"name": "mul", "arguments": "[6, 7]"}}]
+    null, empty = ({"messages": [{"role": "user", "content": "6*7?"},
+                                 {"role": "assistant", "content": content, "tool_calls": call},
+                                 {"role": "tool", "content": "42"}, {"role": "assistant", "content": "42"}]}
+                   for content in (None, ""))
+    encoder, tokenizer = encoder_for(model_dir), load_tokenizer(model_dir)
+    example = encoder.encode(conversation(null, "x:1"), "x:1")
+    assert example == encoder.encode(conversation(empty, "x:1"), "x:1")
+    assert "None" not in tokenizer.decode(example.ids, skip_special_tokens=False)
+    assert scored_runs(example, tokenizer)[1] == ("<|end_turn|>", True)  # (the empty turn's end is learned)
+    served = parse_chat(null, Limits(4096, 4, 300), {"m"}, False).messages
+    assert served[1] == {"role": "assistant", "content": ""}
+    with pytest.raises(ValueError, match=r"x:1: messages\[0\] must be an object with string 'role' and 'content'"):
+        conversation({"messages": [{"role": "user", "content": 7}]}, "x:1")
+
+
 def test_a_packed_row_gives_each_example_its_loss_and_gradient_alone(tiny_model):
     """Three examples and padding in one row: per-example losses and the gradient of their sum equal those
     of each example run alone from the same initial state (truncated backprop included)."""

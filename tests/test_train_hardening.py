@@ -519,3 +519,64 @@ def test_resuming_a_finished_run_says_so_trains_nothing_and_exits_0(train_root, 
     assert "depth  val loss" in out  # (the final table, from the run's own evaluation)
     assert main(cli_flags(train_root, tmp_path, "--resume", "--max-steps", str(steps + 1))) == 0
     assert len(losses(tmp_path)) == steps + 1  # a raised budget trains on
+
+
+# ------------------------------------------------------------------ one run per --out
+def test_a_second_run_into_a_directory_in_use_is_refused_naming_it_and_its_holder(train_root, tmp_path, capsys):
+    """Two processes training into one --out deleted each other's temporary checkpoints: the run holds an
+    flock on the directory; another run is refused at once, in one line (here the holder is faked: an flock
+    on another open file of the lock file, which conflicts as another process's would)."""
+    import fcntl
+
+    from recurrent_depth.files import DIR_LOCK_FILE
+
+    tmp_path.mkdir(exist_ok=True)
+    with open(tmp_path / DIR_LOCK_FILE, "w") as holder:
+        holder.write("4242\n")
+        holder.flush()
+        fcntl.flock(holder.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ValueError, match=f"--out {tmp_path} is in use by process 4242"):
+            Trainer(tiny_train_config(train_root, tmp_path, max_steps=1))
+        assert main(cli_flags(train_root, tmp_path, "--max-steps", "1")) == 2
+        assert error_lines(capsys) == [f"rdepth train: error: --out {tmp_path} is in use by process 4242 (it holds "
+                                       f"{tmp_path / DIR_LOCK_FILE}); wait for it to finish or choose another "
+                                       "directory"]
+    assert not (tmp_path / "metrics.jsonl").exists()
+    trainer = Trainer(tiny_train_config(train_root, tmp_path, max_steps=1))  # released by the holder: free
+    with pytest.raises(ValueError, match="in use by another run in this process"):
+        Trainer(tiny_train_config(train_root, tmp_path, max_steps=1))
+    trainer.run()  # (run() releases it when it returns)
+    assert Trainer(tiny_train_config(train_root, tmp_path, max_steps=2, resume=True)).run().steps == 2
+
+
+def test_a_finished_run_without_checkpoints_is_not_overwritten_by_a_new_one(train_root, tmp_path, capsys):
+    """A finished run whose checkpoints were removed was silently replaced (model/ overwritten, metrics.jsonl
+    emptied) by a rerun into its --out, with or without --resume: refused in one line instead."""
+    Trainer(tiny_train_config(train_root, tmp_path, max_steps=1)).run()
+    shutil.rmtree(tmp_path / "checkpoints")
+    metrics, weights = (tmp_path / "metrics.jsonl").read_text(), (tmp_path / "model" / "model.safetensors").stat()
+    for resume in ([], ["--resume"]):
+        assert main(cli_flags(train_root, tmp_path, "--max-steps", "1", *resume)) == 2
+        assert error_lines(capsys) == [f"rdepth train: error: {tmp_path} holds the model/ of an earlier run and no "
+                                       f"checkpoint to resume from; choose a new --out, or delete "
+                                       f"{tmp_path / 'model'} to train there from scratch"]
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics
+    assert (tmp_path / "model" / "model.safetensors").stat().st_mtime_ns == weights.st_mtime_ns
+    shutil.rmtree(tmp_path / "model")  # what the message says
+    assert Trainer(tiny_train_config(train_root, tmp_path, max_steps=1)).run().steps == 1
+
+
+def test_a_file_system_without_locks_warns_and_runs_unlocked(tmp_path, monkeypatch, caplog):
+    """flock fails with ENOLCK on some network file systems: a warning, not a run that cannot start."""
+    import fcntl
+    import logging
+
+    from recurrent_depth.files import lock_directory
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with caplog.at_level(logging.WARNING):
+        assert lock_directory(tmp_path, "--out") is None
+    assert f"--out {tmp_path} cannot be locked (No locks available)" in caplog.text

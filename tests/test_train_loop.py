@@ -173,7 +173,8 @@ def test_a_fresh_run_retrains_a_tokenizer_left_for_other_settings(train_root, tm
     out = tmp_path / "run"
     first = tiny_train_config(train_root, out, tokenizer=None, data_dir=None, vocab_size=320, max_steps=1)
     assert Trainer(first).run().model.config.vocab_size == 320
-    shutil.rmtree(out / "checkpoints")
+    for name in ("checkpoints", "model"):  # (a failed run leaves neither; a finished run's model/ is not replaced)
+        shutil.rmtree(out / name)
     second = tiny_train_config(train_root, out, tokenizer=None, data_dir=None, vocab_size=384, max_steps=1,
                                save_every=1)
     assert Trainer(second).run().model.config.vocab_size == 384

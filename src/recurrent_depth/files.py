@@ -376,6 +376,60 @@ def held_lock(path: str | Path, timeout: float, what: str = "lock") -> Iterator[
         os.close(fd)  # (releases the flock)
 
 
+DIR_LOCK_FILE = ".rdepth.lock"
+
+
+def lock_directory(directory: str | Path, what: str = "output directory") -> BinaryIO | None:
+    """Take the exclusive flock of `directory`'s lock file (`DIR_LOCK_FILE`) without waiting, for as long
+    as the returned file stays open (close it to release; the kernel drops it when the process ends, however
+    it ends). A holder is refused at once: a ValueError line naming the directory and the holding process.
+    None (and a logged warning) where the file system, or the platform, has no locks."""
+    import errno
+
+    try:
+        import fcntl
+    except ImportError:  # (not POSIX)
+        log.warning("%s %s is not locked on this platform: nothing stops another run from writing it meanwhile",
+                    what, directory)
+        return None
+    path = Path(directory) / DIR_LOCK_FILE
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+    with naming(path):
+        fd = os.open(path, flags, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+        os.close(fd)
+        who = "another run in this process" if holder == str(os.getpid()) else f"process {holder}"
+        raise ValueError(f"{what} {directory} is in use by {who} (it holds {path}); wait for it to finish or "
+                         "choose another directory") from None
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise with_path(exc, path) from None
+        log.warning("%s %s cannot be locked (%s): nothing stops another run from writing it meanwhile", what,
+                    directory, exc.strerror)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return os.fdopen(fd, "r+b")
+
+
+@contextmanager
+def locked_directory(directory: str | Path, what: str = "output directory") -> Iterator[None]:
+    """`lock_directory` held for the block (for a clean-up before a run, which then takes the lock itself)."""
+    lock = lock_directory(directory, what)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.close()
+
+
 def check_out_dir(out: str | Path, flag: str = "--out") -> None:
     """A one-line ValueError when the output directory `out` is an existing file (mkdir's own error
     is a bare "[Errno 17] File exists")."""

@@ -56,10 +56,20 @@ def run(args: argparse.Namespace) -> int:
 
     if args.data is None and args.config is None:
         raise ValueError("--data FILE is required: the examples to fine-tune on")
-    if args.val_data is not None and args.val_fraction is not None:  # (nothing of --data would be held out)
-        raise ValueError("--val-fraction and --val-data: the held-out examples are --val-data's, so no share of "
-                         "--data is held out; drop one of them")
     cfg = config_from_args(args)
+    from recurrent_depth.train.config import read_yaml
+
+    in_file = read_yaml(args.config) if args.config is not None else {}  # (config_from_args read it: a mapping)
+    ignored = [name for name in SKIPPED_FIELDS if name in in_file]
+    if ignored:  # (there is no flag for them; from a file they were silently ignored)
+        raise ValueError(f"{', '.join(ignored)} in --config {args.config}: pretraining settings that rdepth sft does "
+                         "not use (it reads --data's examples with the --init-from model's tokenizer); remove them")
+    if args.val_data is not None:  # (nothing of --data would be held out: a val_fraction set anywhere is refused)
+        where = ("--val-fraction" if args.val_fraction is not None else
+                 f"val_fraction in --config {args.config}" if "val_fraction" in in_file else None)
+        if where is not None:
+            raise ValueError(f"{where} and --val-data: the held-out examples are --val-data's, so no share of "
+                             "--data is held out; drop one of them")
     if cfg.init_from is None:
         raise ValueError("--init-from DIR is required: the model directory to fine-tune")
     if args.print_config:

@@ -4,7 +4,8 @@ Records (one per JSONL line, or one per row of a local `datasets` file):
 
 - chat, the OpenAI / Hugging Face format: `{"messages": [{"role": "user", "content": "..."}, ...]}`;
   every assistant message is learned, the rest is context; a message's other fields (`name`, `tool_calls`)
-  go to the chat template as they are (a null field as if absent);
+  go to the chat template as they are (a null field as if absent); a null `content` (OpenAI's assistant turn
+  of tool calls only) is empty text;
 - prompt/completion: `{"prompt": "...", "completion": "..."}`, the completion is learned. Both may also be
   lists of messages (the conversational form): the conversation is `prompt + completion`, and only the
   completion's assistant messages are learned.
@@ -180,11 +181,13 @@ def _messages(value: Any, where: str, key: str) -> list[dict[str, Any]]:
     out = []
     for i, message in enumerate(value):
         if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)):
-            raise ValueError(f"{where}: {key}[{i}] must be an object with string 'role' and 'content'")
+                and "content" in message and isinstance(message["content"], str | None)):
+            raise ValueError(f"{where}: {key}[{i}] must be an object with string 'role' and 'content' (or a null "
+                             "'content': an assistant turn of tool calls only)")
         # every field goes to the template (a tool call, a tool's name); a null one (datasets fills a field some
-        # messages lack with None) is left out, as if absent
-        out.append({k: v for k, v in message.items() if v is not None})
+        # messages lack with None) is left out, as if absent; a null content is empty text (as the server takes
+        # it), never the text 'None' a template would write for it
+        out.append({k: v for k, v in message.items() if v is not None} | {"content": message.get("content") or ""})
     return out
 
 

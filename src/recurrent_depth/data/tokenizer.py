@@ -288,7 +288,8 @@ def chat_template(assistant_name: str = DEFAULT_ASSISTANT_NAME) -> str:
     """A Jinja chat template in Huginn-0125's format.
 
     ``bos`` then, per message, ``<|begin_header|>ROLE<|end_header|>\\n\\nCONTENT<|end_turn|>``
-    (content trimmed); the role ``assistant`` is written as ``assistant_name``, and the
+    (content trimmed; a null content, an assistant turn of tool calls only, is empty, never
+    ``None``); the role ``assistant`` is written as ``assistant_name``, and the
     generation prompt opens a header for it. An assistant message's ``CONTENT<|end_turn|>`` is
     inside ``{% generation %}`` markers, which render nothing: transformers'
     ``return_assistant_tokens_mask`` (trl's ``assistant_only_loss``) marks those tokens, the ones
@@ -306,10 +307,10 @@ def chat_template(assistant_name: str = DEFAULT_ASSISTANT_NAME) -> str:
         f"{{{{- '{BEGIN_HEADER}' + role + '{END_HEADER}\\n\\n' -}}}}"
         "{%- if message['role'] == 'assistant' -%}"
         "{%- generation -%}"
-        f"{{{{- message['content'] | trim + '{END_TURN}' -}}}}"
+        f"{{{{- (message['content'] or '') | trim + '{END_TURN}' -}}}}"
         "{%- endgeneration -%}"
         "{%- else -%}"
-        f"{{{{- message['content'] | trim + '{END_TURN}' -}}}}"
+        f"{{{{- (message['content'] or '') | trim + '{END_TURN}' -}}}}"
         "{%- endif -%}"
         "{%- endfor -%}"
         "{%- if add_generation_prompt -%}"

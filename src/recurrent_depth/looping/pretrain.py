@@ -101,6 +101,7 @@ def pretrain(out: str | Path, recipe: PretrainRecipe | None = None,
     from transformers import LlamaForCausalLM
 
     from recurrent_depth.data import build_tokenizer, load_corpus, prepare_dataset
+    from recurrent_depth.files import locked_directory
     from recurrent_depth.train.batches import RowBatches
     from recurrent_depth.train.config import TrainConfig
     from recurrent_depth.train.optim import OptimConfig
@@ -114,6 +115,11 @@ def pretrain(out: str | Path, recipe: PretrainRecipe | None = None,
         raise ValueError(f"{out} holds checkpoints that no finished `rdepth loop pretrain` wrote (no pretrain.json): "
                          f"choose a new --out, or delete {out / 'checkpoints'}")
     out.mkdir(parents=True, exist_ok=True)
+    # The demo always trains from scratch; a run training there now is refused, not cleared away.
+    with locked_directory(out, "--out"):
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+        if (out / "pretrain.json").is_file():  # its own earlier model/ (the trainer refuses any other)
+            shutil.rmtree(out / "model", ignore_errors=True)
     start = time.perf_counter()
     corpus = load_corpus(recipe.data)
     tok, tok_meta = build_tokenizer(corpus, recipe.vocab_size, val_fraction=recipe.val_fraction, seed=recipe.seed,
@@ -150,7 +156,6 @@ def pretrain(out: str | Path, recipe: PretrainRecipe | None = None,
         optim=OptimConfig.from_preset("demo", lr=recipe.lr, warmup_steps=recipe.warmup_steps),
         eval_interval=0, save_every=0, progress=False, tensorboard=False,
     )
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # the demo always trains from scratch
     trainer = Trainer(cfg, model=model, data=RowBatches(data.dataset("train", seed=recipe.seed)),
                       tokenizer_dir=out / "tokenizer", evaluate=validation, stop_when=cpu_budget,
                       on_step=progress, log=lambda _: None)

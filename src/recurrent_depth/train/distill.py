@@ -200,6 +200,24 @@ class Distillation:
 
 
 
+def teacher_identity(directory: str | Path) -> str:
+    """A cheap fingerprint of the teacher in `directory`: the sha256 of its config.json with the name, size and
+    mtime of each weight file (`*.safetensors`, `*.bin` and their index), so that a teacher retrained (or
+    replaced) in place is told apart without hashing gigabytes of weights."""
+    import hashlib
+
+    from recurrent_depth.files import read_bytes
+
+    directory = Path(directory)
+    digest = hashlib.sha256(read_bytes(directory / "config.json", CONFIG_MAX_BYTES, "teacher config"))
+    for path in sorted(directory.iterdir()):
+        if path.name.endswith((".safetensors", ".bin", ".index.json")) and path.is_file():
+            info = path.stat()
+            digest.update(f"\n{path.name}\0{info.st_size}\0{info.st_mtime_ns}".encode())
+    return digest.hexdigest()
+
+
 def teacher_summary(teacher: Teacher) -> dict[str, Any]:
-    """What a cache records about the teacher that wrote it."""
-    return {"directory": str(teacher.directory), "depth": teacher.depth, "vocab_size": teacher.vocab_size}
+    """What a cache records about the teacher that wrote it (`identity`: `teacher_identity`)."""
+    return {"directory": str(teacher.directory), "depth": teacher.depth, "vocab_size": teacher.vocab_size,
+            "identity": teacher_identity(teacher.directory)}

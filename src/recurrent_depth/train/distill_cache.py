@@ -1,7 +1,7 @@
 """Cached teacher logits: the teacher's top-k over every training row, written once, read while training.
 
     <cache>/manifest.json        format, version, data key, rows, seq_len, k, vocab_size, index dtype,
-                                 teacher (directory, depth, temperature-free raw logits), shards
+                                 teacher (directory, depth, identity, seed; raw logits), shards
     <cache>/values_00000.npy     float16 [rows, seq_len, k]   the teacher's k largest logits, descending
     <cache>/indices_00000.npy    int16 / int32 [rows, seq_len, k]   their token ids (int16 when vocab <= 32767)
 
@@ -11,7 +11,9 @@ against 4 * vocab for full fp32 logits (16 KB at vocab 4096, 262 KB at 65536). `
 Rows are stored in the shards' storage order (row i of the train split); the trainer finds a batch row's
 cache row by its tokens (`CachedTeacher.lookup`: a hash of the row's token ids -> storage index), so the
 shuffled order, epochs and resumes need nothing extra. A cache is refused (one-line ValueError) when its
-data key, row count, seq_len or k differs from the run's, or a batch row is not in it. Files are read with
+data key, row count, seq_len or k differs from the run's, or a batch row is not in it; a cache of another
+teacher (`teacher_change`: its identity, a hash of config.json and the weight files' names, sizes and mtimes, or
+its depth differs) is written again by the trainer, which says why. Files are read with
 `np.load(allow_pickle=False)`, memory-mapped, shapes and dtypes checked against the manifest.
 
 Crash safety: each shard is written under a temporary name, fsynced and renamed when whole, and the manifest
@@ -70,6 +72,7 @@ def write_cache(teacher_logits: Any, dataset: Any, out: str | Path, *, top_k: in
     storage order) and write the top-k shards and manifest to `out`; returns the manifest."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST).unlink(missing_ok=True)  # (an earlier cache's: its shards are written over from here on)
     seq_len = int(dataset.row_len) - 1
     k = min(top_k, vocab_size)
     idx_type = index_dtype(vocab_size)
@@ -150,6 +153,29 @@ def _finished_shards(out: Path, header: dict[str, Any], row_shape: tuple[int, in
 
 def has_cache(path: str | Path) -> bool:
     return (Path(path) / MANIFEST).is_file()
+
+
+def teacher_change(path: str | Path, teacher_info: dict[str, Any]) -> str | None:
+    """Why the finished cache at `path` is another teacher's than `teacher_info`'s (`distill.teacher_summary`): a
+    line saying so when its identity (config and weight files) or depth differs; None when it does not, or when the
+    cache records no identity (written before identities were) or cannot be read (`CachedTeacher` says why)."""
+    try:
+        manifest = read_json(Path(path) / MANIFEST, CONFIG_MAX_BYTES, "distill cache manifest")
+    except (OSError, ValueError):
+        return None
+    recorded = manifest.get("teacher") if isinstance(manifest, dict) else None
+    if not isinstance(recorded, dict) or "identity" not in recorded:
+        return None
+    directory = teacher_info.get("directory")
+    if recorded.get("identity") != teacher_info.get("identity"):
+        reason = (f"the teacher {directory} changed since (its config.json or weight files differ)"
+                  if recorded.get("directory") == directory else
+                  f"it is the cache of teacher {recorded.get('directory')}, not of {directory}")
+    elif recorded.get("depth") != teacher_info.get("depth"):
+        reason = f"it holds the teacher at depth {recorded.get('depth')}, this run's is {teacher_info.get('depth')}"
+    else:
+        return None
+    return f"distill cache: {path} is out of date ({reason}): writing it again"
 
 
 class CachedTeacher:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from recurrent_depth.accel.threads import ThreadGuard, choose_threads
+from recurrent_depth.files import locked_directory
 from recurrent_depth.train.config import TrainConfig
 from recurrent_depth.train.optim import OptimConfig
 
@@ -204,7 +205,9 @@ def quickstart(
     deadline = start + 60.0 * minutes
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    clear_previous_run(out)
+    # A run training there now is refused, not cleared away (the trainer then locks the directory for its run).
+    with locked_directory(out, "--out"):
+        clear_previous_run(out)
     used_threads = threads if threads is not None else choose_threads()
     torch.set_num_threads(used_threads)
     log(f"rdepth quickstart: {minutes:g} minute budget, {used_threads} thread(s), output in {out}")

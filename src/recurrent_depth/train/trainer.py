@@ -44,7 +44,7 @@ from recurrent_depth.accel.allocator import keep_freed_memory
 from recurrent_depth.accel.cpu import slow_bf16_warnings
 from recurrent_depth.config import ModelConfig
 from recurrent_depth.data.tokenizer import eos_token_ids
-from recurrent_depth.files import check_out_dir
+from recurrent_depth.files import check_out_dir, lock_directory
 from recurrent_depth.model.mixers.dsa import pop_indexer_loss
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 from recurrent_depth.train import checkpointing as ckpt
@@ -60,7 +60,7 @@ from recurrent_depth.train.distill import (
     load_teacher,
     teacher_summary,
 )
-from recurrent_depth.train.distill_cache import CachedTeacher, has_cache, write_cache
+from recurrent_depth.train.distill_cache import CachedTeacher, has_cache, teacher_change, write_cache
 from recurrent_depth.train.init_from import load_for_training, resolved_config
 from recurrent_depth.train.lora import adapter_settings, base_model_of, is_peft_model
 from recurrent_depth.train.objective import LanguageModeling, Objective
@@ -224,14 +224,19 @@ class Trainer:
         self.final_reserve_s = 0.0
         self.save_seconds = 0.0  # the longest checkpoint write of this session
         self.previous_finish: dict[str, Any] | None = None  # how an earlier session of this run ended
-        self._setup(corpus, model, data, tokenizer_dir, depth, evaluate)
-        if cfg.teacher is not None and (cfg.distill_alpha > 0 or cfg.distill_cache_only):
-            if objective is not None:
-                raise ValueError("TrainConfig.teacher distils with the language-modeling loss: it cannot be "
-                                 "combined with another objective")
-            self.objective = self._distillation()
-        elif cfg.teacher is not None:
-            find_teacher_dir(cfg.teacher)  # alpha = 0: plain training, but a wrong path is still an error
+        self._out_lock: Any = None  # rank 0's flock on `out` (files.lock_directory), held while set up or running
+        try:
+            self._setup(corpus, model, data, tokenizer_dir, depth, evaluate)
+            if cfg.teacher is not None and (cfg.distill_alpha > 0 or cfg.distill_cache_only):
+                if objective is not None:
+                    raise ValueError("TrainConfig.teacher distils with the language-modeling loss: it cannot be "
+                                     "combined with another objective")
+                self.objective = self._distillation()
+            elif cfg.teacher is not None:
+                find_teacher_dir(cfg.teacher)  # alpha = 0: plain training, but a wrong path is still an error
+        except BaseException:
+            self._unlock_out()
+            raise
 
     # ------------------------------------------------------------------ setup
     def log(self, message: str) -> None:
@@ -299,10 +304,18 @@ class Trainer:
             write_run_file(self.out, self.run_metadata())
 
     def _open_out_dir(self, adapter: dict[str, Any] | None) -> None:
-        """Find the checkpoint to resume from (refusing to mix a new run into an old one, or to resume with
-        another config or LoRA `adapter`: `lora.adapter_settings`); create `out`."""
+        """Create `out` and lock it (rank 0: another process training into it is refused); find the checkpoint
+        to resume from (refusing to mix a new run into an old one, or to resume with another config or LoRA
+        `adapter`: `lora.adapter_settings`)."""
         cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._lock_out()
         root = ckpt.checkpoints_root(self.out)
+        if not ckpt.list_checkpoints(root) and (self.out / MODEL_DIR).exists():  # a new run would replace model/
+            raise ValueError(
+                f"{self.out} holds the model/ of an earlier run and no checkpoint to resume from; choose a new --out, "
+                f"or delete {self.out / MODEL_DIR} to train there from scratch"
+            )
         self.resume_from = trainer_checkpoints.find_resume_checkpoint(root, self.env, self.log) if cfg.resume else None
         if not cfg.resume and ckpt.list_checkpoints(root):
             raise ValueError(
@@ -313,7 +326,16 @@ class Trainer:
         if self.resume_from is not None:  # before any data work, which could overwrite the run's caches
             trainer_checkpoints.check_resumable(self.resume_from, cfg, self.env.world_size, adapter)
             self.previous_finish = _finish_record(self.out)
-        self.out.mkdir(parents=True, exist_ok=True)
+
+    def _lock_out(self) -> None:
+        """Take the flock of `out` (rank 0 writes it; the other ranks do not): one run at a time."""
+        if self.out is not None and self.env.is_main and self._out_lock is None:
+            self._out_lock = lock_directory(self.out, "--out")
+
+    def _unlock_out(self) -> None:
+        lock, self._out_lock = self._out_lock, None
+        if lock is not None:
+            lock.close()
 
     def _setup_shards(self, corpus: Any | None, model: nn.Module | None) -> None:
         """The tokenizer and token shards `cfg.data` names; the model config their vocabulary implies."""
@@ -370,11 +392,14 @@ class Trainer:
         # Every rank caches (and reads) all rows of the train split, in storage order.
         dataset = self.data.dataset("train", shuffle=False)
         data_key = self.data.metadata.get("key")
-        if not has_cache(cfg.distill_cache):  # (rank 0 writes it; the others wait as long as it takes, see run_on_main)
+        teacher_info = {**teacher_summary(teacher), "seed": objective.seed}
+        changed = teacher_change(cfg.distill_cache, teacher_info)  # (a teacher retrained in place: not its cache)
+        if changed is not None:
+            self.log(changed)
+        if changed is not None or not has_cache(cfg.distill_cache):  # (rank 0 writes it; the others wait, run_on_main)
             ddist.run_on_main(env, "write the distillation cache", lambda: write_cache(
                 objective.teacher_logits, dataset, cfg.distill_cache, top_k=cfg.distill_top_k,
-                vocab_size=student_vocab, data_key=data_key,
-                teacher_info={**teacher_summary(teacher), "seed": objective.seed},
+                vocab_size=student_vocab, data_key=data_key, teacher_info=teacher_info,
                 batch_size=cfg.batch_size, log=self.log))
         objective.cache = CachedTeacher(cfg.distill_cache, dataset, top_k=cfg.distill_top_k,
                                         vocab_size=student_vocab, data_key=data_key)
@@ -487,9 +512,11 @@ class Trainer:
             self.wrapped = ddist.wrap_model(self.model, self.env)
             self._ddp_released = False
         try:
+            self._lock_out()  # (a later run() takes it again)
             return self._run()
         finally:
             self._ddp_released = ddist.release_ddp(self) or self._ddp_released
+            self._unlock_out()
 
     def close(self) -> None:
         """Close the logs, free the DDP wrapper, then leave the process group if this Trainer joined it (torchrun's
@@ -497,6 +524,7 @@ class Trainer:
         `with Trainer(cfg) as trainer:`."""
         if hasattr(self, "metrics"):
             self.close_logs()
+        self._unlock_out()
         self._ddp_released = ddist.release_ddp(self) or self._ddp_released
         if self._owns_group:
             self._owns_group = False

@@ -37,6 +37,7 @@ from recurrent_depth.evaluation.readout import check_depths
 from recurrent_depth.evaluation.reasoning.data import BYTE_VOCAB_SIZE, ProblemEncoder, special_ids
 from recurrent_depth.evaluation.reasoning.evaluate import AccuracyGrid, accuracy_grid
 from recurrent_depth.evaluation.reasoning.tasks import get_task
+from recurrent_depth.files import locked_directory
 from recurrent_depth.model.depth import DepthSampler, truncate
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 from recurrent_depth.train.batches import BatchSource
@@ -270,8 +271,13 @@ def _train(
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     out = Path(config.out)
-    # A reasoning run always trains from scratch (its problem stream has no position to resume from).
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    # A reasoning run always trains from scratch (its problem stream has no position to resume from); a run
+    # training there now is refused, not cleared away (the trainer then locks the directory for its run).
+    out.mkdir(parents=True, exist_ok=True)
+    with locked_directory(out, "--out"):
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+        if (out / "accuracy.json").is_file():  # this recipe's earlier model/ (the trainer refuses any other)
+            shutil.rmtree(out / "model", ignore_errors=True)
     tokenizer_dir = out / "tokenizer"
     save_tokenizer(byte_tokenizer(), tokenizer_dir, model_max_length=config.max_seq_len)
     torch.manual_seed(config.seed)

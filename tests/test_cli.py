@@ -97,6 +97,17 @@ def test_info_model_must_be_a_directory(tmp_path, capsys):
     assert str(tmp_path / "config.json") in capsys.readouterr().err
 
 
+def test_info_on_a_lora_run_says_it_is_an_adapter(tmp_path, capsys):
+    """It said only "no config file at RUN/config.json", where generate and serve name the adapter."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "adapter_config.json").write_text("{}")
+    assert main(["info", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len([line for line in err if "error" in line]) == 1
+    assert err[-1].startswith(f"rdepth info: error: --model {tmp_path} has no config.json") and \
+        "it is a LoRA adapter (adapter_config.json)" in err[-1]
+
+
 @pytest.mark.parametrize("command", [c for c in COMMANDS if c != "lm-eval"])
 def test_every_command_help_exits_cleanly(command, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -411,6 +411,27 @@ def test_rdepth_eval_takes_a_tokenizer_json_file_as_its_help_says(tmp_path):
     assert json.loads((tmp_path / "out" / "results.json").read_text())["text"]["tokens"] > 0
 
 
+def test_rdepth_eval_scores_text_of_a_model_whose_tokenizer_frames_documents_with_endoftext(tmp_path):
+    """A retrofitted Qwen has no bos token; training frames its documents with <|endoftext|>, but `rdepth eval`
+    refused to score text ("the tokenizer has no bos token")."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)} | {"[UNK]": len(chars)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.add_special_tokens(["<|endoftext|>", "<|im_end|>"])
+    config = rd.ModelConfig.from_preset("tiny", vocab_size=tok.get_vocab_size(), max_seq_len=64, bos_token_id=None,
+                                        eos_token_id=tok.token_to_id("<|im_end|>"))
+    torch.manual_seed(0)
+    rd.RecurrentDepthLM(config).save_pretrained(tmp_path / "model", tokenizer=tok)
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"text": "def f(x):\n    return x\n" * 2}) + "\n")
+    argv = ["eval", "--model", str(tmp_path / "model"), "--depths", "1", "--data", str(data), "--val-fraction", "1",
+            "--out", str(tmp_path / "out")]
+    assert main(argv) == 0
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["text"]["tokens"] > 0
+
+
 def test_rdepth_eval_of_a_diverging_model_writes_strict_json(tmp_path):
     """NaN losses were written as `NaN`, which strict JSON readers (jq, JSON.parse) refuse."""
     make_model_dir(tmp_path / "model", max_seq_len=128)

@@ -695,6 +695,26 @@ def test_a_sentencepiece_only_source_keeps_its_tokenizer(tmp_path, capsys, monke
     assert (tmp_path / "saved-again" / "tokenizer.model").read_bytes() == (src / "tokenizer.model").read_bytes()
 
 
+def test_an_out_directory_keeps_no_tokenizer_of_the_model_written_there_before(tmp_path):
+    """Retrofitting into an --out that held another model left its tokenizer and chat template there, beside the
+    new weights: commands then used them although retrofit.json said the model has no tokenizer."""
+    from tokenizers import Tokenizer, models
+
+    from recurrent_depth.families.retrofit import retrofit_to_dir
+
+    torch.manual_seed(0)
+    first, bare, out = tmp_path / "first", tmp_path / "bare", tmp_path / "rd"
+    for src in (first, bare):
+        LlamaForCausalLM(LlamaConfig(**SHAPE)).save_pretrained(src)
+    Tokenizer(models.WordLevel({"<unk>": 0, "hi": 1}, unk_token="<unk>")).save(str(first / "tokenizer.json"))
+    (first / "chat_template.jinja").write_text("{{ messages }}")
+    retrofit_to_dir(first, out, prelude=1, core=(2, 4), coda=1)
+    assert (out / "tokenizer.json").is_file() and (out / "chat_template.jinja").is_file()
+    record = retrofit_to_dir(bare, out, prelude=1, core=(2, 4), coda=1)
+    assert record["tokenizer_files"] == [] and "no tokenizer" in record["tokenizer_note"]
+    assert not (out / "tokenizer.json").exists() and not (out / "chat_template.jinja").exists()
+
+
 def test_sentencepiece_conversion_gives_a_tokenizer_json_or_one_line_reason(tmp_path):
     import importlib.util
 

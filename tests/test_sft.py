@@ -265,6 +265,36 @@ def test_val_fraction_beside_a_val_data_file_is_refused_not_ignored(model_dir, t
         "rdepth sft: error: --val-fraction and --val-data: the held-out examples are --val-data's, so no share of "
         "--data is held out; drop one of them")
     assert not (tmp_path / "r").exists()
+    (tmp_path / "run.yaml").write_text("val_fraction: 0.5\n")  # the same in a --config file was ignored
+    assert main([*argv[:-2], "--config", str(tmp_path / "run.yaml")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"rdepth sft: error: val_fraction in --config {tmp_path / 'run.yaml'} and --val-data: the held-out examples "
+        "are --val-data's, so no share of --data is held out; drop one of them")
+    assert not (tmp_path / "r").exists()
+    (tmp_path / "run.yaml").write_text("baseline: true\nvocab_size: 512\n")  # (no flags: silently ignored)
+    assert main([*argv[:-4], "--config", str(tmp_path / "run.yaml")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"rdepth sft: error: vocab_size, baseline in --config {tmp_path / 'run.yaml'}: pretraining settings that "
+        "rdepth sft does not use (it reads --data's examples with the --init-from model's tokenizer); remove them")
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_model_directory_without_a_tokenizer_is_not_told_to_pass_a_flag_sft_lacks(model_dir, tmp_path, capsys):
+    """The error named --tokenizer, which `rdepth sft` refuses as an unrecognized argument."""
+    import shutil
+
+    from recurrent_depth.cli import main
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(model_dir / name, bare / name)
+    write_chats(tmp_path / "chats.jsonl", count=4)
+    assert main(["sft", "--init-from", str(bare), "--data", str(tmp_path / "chats.jsonl"),
+                 "--out", str(tmp_path / "r")]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"rdepth sft: error: {bare} holds no tokenizer.json: copy the model's tokenizer files")
+    assert "`rdepth sft` and `rdepth rl` read it from" in line
 
 
 def read_metrics(out):

@@ -66,6 +66,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         if not Path(args.model).is_dir():
             raise ValueError(f"--model {args.model!r} is not a directory (expected a saved model directory)")
+        if not (Path(args.model) / "config.json").exists():  # (as generate/serve say it: a LoRA run's hint too)
+            from recurrent_depth.cli.common import no_model_message
+
+            raise ValueError(no_model_message(args.model))
         try:
             config = ModelConfig.from_json(args.model)
         except UnicodeDecodeError as exc:

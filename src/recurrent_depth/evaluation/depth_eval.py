@@ -139,6 +139,13 @@ def _text_quality(
         raise ValueError(f"{config.model} has no tokenizer.json: text measurements need the model's tokenizer")
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else model.config.bos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    if bos is None:  # a retrofitted Qwen's: the document token training framed its text with (<|endoftext|>)
+        from recurrent_depth.data.tokenizer import document_token_ids
+
+        try:
+            bos = document_token_ids(tokenizer)["begin_text"]
+        except ValueError:
+            bos = None
     if bos is None:
         raise ValueError("the tokenizer has no bos token (<|begin_text|>); text scores need one")
     result = text_quality(

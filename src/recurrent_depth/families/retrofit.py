@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from recurrent_depth.checkpoint import read_header_shapes, read_state_dict
+from recurrent_depth.checkpoint import TOKENIZER_FILES, read_header_shapes, read_state_dict
 from recurrent_depth.config import MAX_NUM_STEPS, ROPE_SCALING_KEYS, ModelConfig, is_int, is_real
 from recurrent_depth.files import (
     CONFIG_MAX_BYTES,
@@ -668,6 +668,9 @@ def copy_source_tokenizer(source_dir: Path, out: Path) -> tuple[list[str], str |
     converted from a sentencepiece tokenizer.model among them) and a note when the model directory has no
     tokenizer.json."""
     copied, files = [], {}
+    for name in TOKENIZER_FILES:  # an --out that held another model's tokenizer: none of it may stay beside this one
+        if not (source_dir / name).exists() and (out / name).is_file():
+            (out / name).unlink()
     for name in (*SOURCE_TOKENIZER_FILES, SENTENCEPIECE_FILE):
         if (source_dir / name).exists():
             path = inside(source_dir, name, "tokenizer file", follow_links=True)

@@ -97,7 +97,8 @@ def find_tokenizer(model_dir: Path, cfg: TrainConfig, vocab_size: int) -> Path:
         raise ValueError(f"TrainConfig.tokenizer={cfg.tokenizer!r} differs from the tokenizer in {model_dir}: "
                          f"starting from a model directory, the tokenizer comes from it")
     if not own and cfg.tokenizer is None:
-        raise ValueError(f"{model_dir} holds no tokenizer.json: pass the model's tokenizer directory (--tokenizer)")
+        raise ValueError(f"{model_dir} holds no tokenizer.json: copy the model's tokenizer files into it (`rdepth "
+                         f"train` also takes --tokenizer DIR; `rdepth sft` and `rdepth rl` read it from {model_dir})")
     directory = model_dir if own else Path(cfg.tokenizer)
     size = load_tokenizer(directory).get_vocab_size()
     if size > vocab_size:

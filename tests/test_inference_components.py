@@ -581,3 +581,53 @@ def test_randomized_lookup_draws_do_not_take_torchs_default_dtype(default_dtype)
     default_dtype(torch.bfloat16)
     got = draws()
     assert got.dtype == torch.float32 and torch.equal(got, expected)
+
+
+def test_the_fast_runner_rounds_bf16_as_the_models_modules():
+    """In bf16 the fused runner folded sqrt(h) into the norm weights (a rounded bf16 product), and added the q/k
+    bias and each residual inside the products before rounding: its prelude output differed from the model's by
+    a bf16 ulp in places and greedy tokens diverged. Now it rounds as the model's modules: e and the logits
+    are the model's bit for bit, and with the adapter's e half zero (the split adapter, `A_s s + A_e e`, then
+    exact: the one place it rounds differently) whole generations' logits too, prefill and decode."""
+    torch.manual_seed(0)
+    cfg = rd.ModelConfig.from_preset("tiny", hidden_size=80, num_heads=5, num_kv_heads=5, head_dim=16,
+                                     intermediate_size=200)  # sqrt(80) is no bf16 number
+    model = rd.RecurrentDepthLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_f" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif "qk_bias" in name:
+                p.copy_(0.5 * torch.randn_like(p))
+    model = model.to(torch.bfloat16).eval()
+    ids = torch.randint(0, 256, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    with torch.no_grad():
+        fast, ref = FastRunner(model), ModelRunner(model)
+        state = torch.randn(2, 7, 80, dtype=torch.bfloat16)
+        outs = []
+        for runner in (fast, ref):
+            step = runner.context(ids, mask, None)
+            outs.append((runner.embed(ids, step), runner.predict(state, step)))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        model.transformer.adapter.weight[:, 80:].zero_()
+    kw = dict(attention_mask=mask, max_new_tokens=4, num_steps=3, init_scale=0.0, output_logits=True)
+    got, expected = generate(model, ids, **kw), generate(model, ids, fast=False, **kw)
+    assert torch.equal(got.logits, expected.logits) and torch.equal(got.sequences, expected.sequences)
+
+
+def test_official_defaults_on_a_bf16_model_run_the_models_own_modules(monkeypatch):
+    """The fused runner's split adapter rounds twice in bf16 where the official code rounds once, so official
+    calls on a bf16 model gave other tokens than the official code in 6 of 21 cases: under defaults="official"
+    a bf16 model now runs the model's own modules (the reference runner, the official code's rounding)."""
+    torch.manual_seed(0)
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).to(torch.bfloat16).eval()
+    ids = torch.randint(0, 256, (1, 6))
+    kw = dict(max_new_tokens=3, num_steps=3, init_scale=0.0, output_logits=True)
+    expected = generate(model, ids, fast=False, **kw)
+    monkeypatch.setattr(FastRunner, "__init__", lambda *a, **k: pytest.fail("the fused runner ran"))
+    got = generate(model, ids, defaults="official", seed=0, **kw)
+    assert torch.equal(got.logits, expected.logits) and torch.equal(got.sequences, expected.sequences)
+    with pytest.raises(pytest.fail.Exception, match="the fused runner ran"):
+        generate(model, ids, **kw)  # (ours: the fused runner, as before)

@@ -8,6 +8,9 @@ decoding is bound by per-operation overhead, not FLOPs:
 - the q/k biases are folded into one bias vector and RoPE is one complex multiplication on q
   and k together, with angles looked up from a table built once;
 - RMSNorm takes four element-wise operations, with sqrt(h) folded into its weight;
+- (bf16 / fp16 models instead round as the model's modules do: norms with their own weights, the q/k bias
+  added to the rounded product, residuals added to the rounded products; only the split adapter and the
+  C++ weight stream's float32 sums round differently, see `__init__` and `_bf16_stream`)
 - keys and values stay in the cache's head-major layout `[B, Hkv, T, D]` (no transposes);
 - decoding (T = 1, float32, no autograd) writes each block's intermediates into one preallocated
   `Workspace` (`out=` and in-place operations), so a step allocates only each block's output. Every
@@ -182,6 +185,7 @@ class FastRunner(ModelRunner):
         # A 0-d tensor, not a Python float: adding a float costs three more operations per call.
         self.norm_offset = torch.tensor(h * cfg.norm_eps, dtype=torch.float32, device=model.device)
         self.norm_root = self.norm_offset.sqrt()
+        self.norm_eps = torch.tensor(cfg.norm_eps, dtype=torch.float32, device=model.device)  # (bf16 / fp16 norms)
         self.gqa = self.Hkv != self.H
         self.dtype = model.dtype
         self._freq_table = RotaryTable(cfg.head_dim, cfg.max_seq_len, cfg.rope_base, model.device,
@@ -200,6 +204,10 @@ class FastRunner(ModelRunner):
         self.blocks = {part: [self._prepare(b, h) for b in parts] for part, parts in blocks.items()}
         # A quantized adapter runs whole at every step, on [s | e] as the model's own (`core_step`); a float
         # one splits, A [s; e] = A_s s + A_e e, so that A_e e + b is computed once per position (`inject`).
+        # (In bf16 / fp16 the split rounds A_e e + b before adding A_s s, where the model's one product rounds once:
+        # besides the C++ weight stream's float32 sums (`_bf16_stream`), the one place where this runner's
+        # low-precision steps round differently from the model's; the whole product at every step would read h^2
+        # more weights a step, ~1.7% more bytes in a Huginn-0125 core step.)
         self.adapter = t.adapter if isinstance(t.adapter, QuantizedLinear) else None
         w = None if self.adapter is not None else t.adapter.weight
         self.adapter_s = None if w is None else self._layout(w[:, :h])  # (a strided view of the adapter otherwise)
@@ -211,7 +219,7 @@ class FastRunner(ModelRunner):
         if adapter_term is not None:
             a_t, b_t = adapter_term  # [2h, r], [r, h]
             self.adapter_s_term, self.adapter_e_term = (a_t[:h], b_t), (a_t[h:], b_t)
-        self.ln_f = t.ln_f.weight * math.sqrt(h)
+        self.ln_f = t.ln_f.weight * self._norm_scale(h)
         self.wte = t.wte.weight
         self.lm_head = self._operand(model.lm_head)
         self.emb_scale = model.emb_scale
@@ -268,9 +276,15 @@ class FastRunner(ModelRunner):
         attn, mlp = block.attn, block.mlp
         return {"qkv": attn.Wqkv, "proj": attn.proj, "fc": mlp.fc, "out": mlp.proj}
 
+    def _norm_scale(self, h: int) -> float:
+        """The factor folded into the stored norm weights: sqrt(h) in float32 (see `_norm`); 1 in bf16 / fp16,
+        whose norms round as the model's `RMSNorm` does (a folded bf16 weight would round differently)."""
+        return math.sqrt(h) if self.dtype == torch.float32 else 1.0
+
     def _prepare(self, block: Any, h: int) -> dict[str, Any]:
         """A block's weights as the fast path uses them: `[in, out]` (see `_layout`) or the quantized layer
-        (`_operand`), the q/k bias folded into the qkv bias, norm weights times sqrt(h) (see `_norm`)."""
+        (`_operand`), the q/k bias folded into the qkv bias, norm weights times sqrt(h) (see `_norm`) (bf16 / fp16:
+        neither folded, so that each rounds as in the model's modules)."""
         attn = block.attn
         H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
         linears = self._block_linears(block)
@@ -283,13 +297,19 @@ class FastRunner(ModelRunner):
                 if Hkv == H
                 else torch.cat([attn.q_bias.reshape(-1), attn.k_bias.reshape(-1)])
             )
-            extra = torch.cat([qk, qk.new_zeros(Hkv * D)])
-            bias = extra if bias is None else bias + extra
-        scale = math.sqrt(h)
+            if self.dtype == torch.float32:
+                extra = torch.cat([qk, qk.new_zeros(Hkv * D)])
+                bias = extra if bias is None else bias + extra
+                qk = None
+        else:
+            qk = None
+        scale = self._norm_scale(h)
         return {
             "norm": [n.weight * scale for n in (block.norm_1, block.norm_2, block.norm_3, block.norm_4)],
             **{name: self._operand(layer) for name, layer in linears.items()},
             "qkv_bias": bias,
+            # bf16 / fp16: the q/k bias added after the product (rounded as the model's `Attention`), else None
+            "qk_bias": None if qk is None else qk.view(H + Hkv, D),
             "proj_bias": biases["proj"],
             "fc_bias": biases["fc"],
             "out_bias": biases["out"],
@@ -307,11 +327,12 @@ class FastRunner(ModelRunner):
 
     def _norm(self, x: Tensor, weight: Tensor, out: Tensor | None = None, stat: Tensor | None = None) -> Tensor:
         """RMSNorm in four operations: x / sqrt(mean(x^2) + eps) * w = x / hypot(|x|, sqrt(h eps)) * (sqrt(h) w),
-        with sqrt(h) folded into the stored weight (`hypot` adds the epsilon without squaring the norm back).
+        with sqrt(h) folded into the stored weight (`hypot` adds the epsilon without squaring the norm back);
+        bf16 / fp16: the model's `RMSNorm` operation for operation, with the unfolded weight (`_norm_scale`).
         out, stat: float32 buffers for the result `[N, h]` and the statistic `[N, 1]` (None: new ones)."""
-        if self.dtype != torch.float32:  # statistics in float32, as the model's RMSNorm
+        if self.dtype != torch.float32:  # the model's RMSNorm operation for operation (statistics in float32)
             x32 = x.float()
-            return (x32 * torch.rsqrt((x32 * x32).sum(-1, keepdim=True).add_(self.norm_offset))).to(x.dtype) * weight
+            return (x32 * (x32 * x32).mean(-1, keepdim=True).add_(self.norm_eps).rsqrt_()).to(x.dtype) * weight
         root = torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True, out=stat), self.norm_root, out=stat)
         scaled = torch.div(x, root, out=out)
         # (in place on this call's own quotient when no graph needs it: one allocation less per norm)
@@ -319,16 +340,22 @@ class FastRunner(ModelRunner):
 
     @staticmethod
     def _linear(x: Tensor, weight_t: Tensor | QuantizedLinear, bias: Tensor | None, residual: Tensor | None = None,
-                out: Tensor | None = None, low_rank: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                out: Tensor | None = None, low_rank: tuple[Tensor, Tensor] | None = None,
+                sum_once: bool = False) -> Tensor:
         """x @ W^T (+ bias) (+ residual) (+ a LoRA term `(x A^T) (s B)^T`) on 2-D `[N, in]` activations, in
         one `addmm` when possible, or one C++ call for bf16 decode rows (`_bf16_stream`), or a quantized
         layer's own product (with its own bias; then in the model's order: the product, + bias, + residual)
-        (out: a buffer for the result, which then must not be `residual`; None: a new tensor)."""
+        (out: a buffer for the result, which then must not be `residual`; None: a new tensor). bf16 / fp16 rows add
+        the residual to the rounded product, as the model's blocks do, unless `sum_once` (the split adapter)."""
         if isinstance(weight_t, QuantizedLinear):
             y = weight_t(x)
             for term in (bias, residual):
                 if term is not None:
                     y = y.add_(term) if not y.requires_grad else y + term
+            return y if out is None else out.copy_(y)
+        if residual is not None and x.dtype != torch.float32 and not sum_once:  # the model's: (x W^T + b) + residual
+            y = FastRunner._linear(x, weight_t, bias, low_rank=low_rank)
+            y = y.add_(residual) if not y.requires_grad else y + residual
             return y if out is None else out.copy_(y)
         stream = _bf16_stream(x, weight_t)
         if stream is not None:
@@ -363,7 +390,8 @@ class FastRunner(ModelRunner):
             q, k, v = qkv.view(B, T, H + 2 * Hkv, D).transpose(1, 2).split((H, Hkv, Hkv), dim=1)  # [B, H(kv), T, D]
         else:  # (no complex half types: rotate a float32 copy)
             heads = qkv.view(B, T, H + 2 * Hkv, D)
-            pairs = torch.view_as_complex(heads[:, :, : H + Hkv].float().unflatten(-1, (D // 2, 2)))
+            qk = heads[:, :, : H + Hkv] if p["qk_bias"] is None else heads[:, :, : H + Hkv] + p["qk_bias"]
+            pairs = torch.view_as_complex(qk.float().unflatten(-1, (D // 2, 2)))
             qk = torch.view_as_real(pairs * step.freqs).flatten(-2).to(self.dtype)
             q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
             v = heads[:, :, H + Hkv :].transpose(1, 2)
@@ -446,7 +474,7 @@ class FastRunner(ModelRunner):
             x = self._linear(torch.cat([state, e], dim=-1).reshape(B * T, 2 * h), self.adapter, None)
         else:
             x = self._linear(state.reshape(B * T, h), self.adapter_s, None, residual=injected.reshape(B * T, h),
-                             low_rank=self.adapter_s_term)
+                             low_rank=self.adapter_s_term, sum_once=True)
         for j, p in enumerate(self.blocks["core"]):
             x = self._block(x, p, step, ("core", j, index), B, T)
         return x.view(B, T, h)

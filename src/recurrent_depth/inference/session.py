@@ -136,7 +136,11 @@ class Session:
                 f"prompt length {longest} + max_new_tokens {options.max_new_tokens} exceeds the model's "
                 f"max_seq_len={cfg.max_seq_len}"
             )
-        self.engine = Recurrence(model, options.fast)
+        # Official defaults on a bf16 / fp16 model run the model's own modules, which round as the official code
+        # does: the fused runner's split adapter and C++ weight stream differ in a last bit that the recurrence
+        # amplifies into other tokens (docs/inference.md).
+        low_precision = getattr(model, "dtype", None) in (torch.bfloat16, torch.float16)
+        self.engine = Recurrence(model, options.fast and not (options.defaults == "official" and low_precision))
         self.runner = self.engine.runner
         lookup = options.policy.lookup
         check_policy_for_model(model, options)

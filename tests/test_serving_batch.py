@@ -265,6 +265,57 @@ def test_token_strings_are_distinct_for_partial_utf8(codec):
     assert len(set(strings)) == len(ids)
 
 
+@pytest.mark.parametrize("decoder", ["replace", "metaspace"])
+def test_sentencepiece_tokens_show_their_text_in_logprobs(tmp_path, decoder):
+    """A Gemma- or Llama-style tokenizer (pieces "\u2581the", byte fallback "<0xF0>") showed its logprobs tokens as
+    the raw pieces: "\u2581the" for " the", the bytes of the text "<0xF0>" for byte F0, so a client joining `bytes`
+    got another text; the bound on a text's tokens still reads the pieces as the normalizer writes them."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    pieces = ["<unk>", "\u2581", "t", "h", "e", "\u2581t", "\u2581th", "\u2581the", "\u2581\u2581", "\u2581" * 4]
+    merges = [("\u2581", "t"), ("\u2581t", "h"), ("\u2581th", "e"), ("\u2581", "\u2581"),
+              ("\u2581\u2581", "\u2581\u2581")]
+    vocab = {p: i for i, p in enumerate(pieces + [f"<0x{b:02X}>" for b in range(256)])}
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    if decoder == "replace":  # Gemma's
+        tok.normalizer = normalizers.Replace(" ", "\u2581")
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    else:  # Llama's and Mistral's older ones
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+        tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace(prepend_scheme="never")])
+    tok.add_special_tokens([AddedToken("<eos>", special=True)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    codec = TextCodec(tmp_path, 300)
+    ids = codec.encode(" the 🙂", add_special_tokens=False) + [tok.token_to_id("<eos>")]
+    assert [codec.token_string(t) for t in ids] == [" the", " ", "bytes:\\xf0", "bytes:\\x9f", "bytes:\\x99",
+                                                    "bytes:\\x82", "<eos>"]
+    assert b"".join(codec.token_bytes(t) for t in ids[:-1]) == " the 🙂".encode()
+    assert codec.longest_token_bytes == 12  # "\u2581\u2581\u2581\u2581": the normalized text's bytes per token
+
+
+def test_a_completion_keeps_its_first_tokens_leading_space_under_a_stripping_decoder(tmp_path):
+    """Llama's and Mistral's decoders strip a text's leading space (`Strip`, `Metaspace`): the server decoded a
+    completion on its own, so "a" + " the a" came back as "athe a" (and stop strings and offsets followed)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    from recurrent_depth.serving.responses import Choice, completion_logprobs
+
+    pieces = ["<unk>", "\u2581", "t", "h", "e", "\u2581t", "\u2581th", "\u2581the", "a", "\u2581a"]
+    merges = [("\u2581", "t"), ("\u2581t", "h"), ("\u2581th", "e"), ("\u2581", "a")]
+    tok = Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, merges, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    codec = TextCodec(tmp_path, 10)
+    prompt, completion = tok.encode("a").ids, [7, 9]  # "a", then " the", " a"
+    assert tok.decode(prompt + completion) == "a the a"
+    state = TextState(codec, [" a"])
+    assert [state.push(t) for t in completion] == [(" th", False), ("e", True)]  # (" a" may start at "e")
+    choice = Choice(0, prompt, text=" the a", tokens=completion, logprobs=[0.0, 0.0], tops=[None, None])
+    assert completion_logprobs(codec, choice, echo=False)["text_offset"] == [0, 4]
+    assert completion_logprobs(codec, choice, echo=True)["text_offset"] == [0, 1, 5]  # "a" + " the" + " a"
+
+
 # ---------------------------------------------------------------------------------------- validation
 LIMITS = Limits(max_seq_len=256, mean_recurrence=4, vocab_size=300, max_num_steps=64)
 
@@ -305,6 +356,20 @@ def test_chat_max_tokens_null_means_unset(fields, want):
     """An explicit null max_completion_tokens used to hide max_tokens (the answer ran to the context's end)."""
     chat = parse_chat({"messages": [{"role": "user", "content": "a"}], **fields}, LIMITS, {"m"}, False)
     assert chat.sampling.max_tokens == want
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_chat_answer_past_the_context_names_the_length_field_the_client_sent(field):
+    """A chat request's max_completion_tokens past the context was refused naming max_tokens (message and param),
+    a field the client never sent."""
+    chat = parse_chat({"messages": [{"role": "user", "content": "a"}], field: 60}, LIMITS, {"m"}, False)
+    with pytest.raises(APIError) as info:
+        chat.sampling.options(LIMITS.max_seq_len - 10, 60, LIMITS)
+    assert info.value.param == field and f"{field} is 60" in info.value.message
+    assert info.value.code == "context_length_exceeded"
+    with pytest.raises(APIError) as info:  # a prompt that fills the context: the messages, not chat's absent 'prompt'
+        chat.sampling.options(LIMITS.max_seq_len, 60, LIMITS)
+    assert info.value.param == "messages"
 
 
 def test_validation_accepts_the_documented_extra_fields():

@@ -179,11 +179,12 @@ class Sampling:
     def options(self, prompt_len: int, max_tokens: int, limits: Limits) -> ResolvedOptions:
         """Validated `GenerationOptions` for a prompt of this length (400 on a bad combination)."""
         if prompt_len + max_tokens > limits.max_seq_len:
+            name = self.given_as.get("max_new_tokens", "max_tokens")  # (chat: max_completion_tokens if sent)
             raise APIError(
                 400,
-                f"the prompt has {prompt_len} tokens and max_tokens is {max_tokens}: {prompt_len + max_tokens} "
-                f"exceeds the model's context of {limits.max_seq_len} tokens; shorten the prompt or lower max_tokens",
-                param="max_tokens" if prompt_len < limits.max_seq_len else "prompt",
+                f"the prompt has {prompt_len} tokens and {name} is {max_tokens}: {prompt_len + max_tokens} "
+                f"exceeds the model's context of {limits.max_seq_len} tokens; shorten the prompt or lower {name}",
+                param=name if prompt_len < limits.max_seq_len else self.given_as.get("prompt", "prompt"),
                 code="context_length_exceeded",
             )
         return validated(self.generation, self.given_as, max_tokens, limits)
@@ -378,6 +379,20 @@ class ChatRequest:
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
+def _strings(value: Any) -> list[str]:
+    """Every string in a JSON value, keys included."""
+    out, todo = [], [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, list):
+            todo += item
+        elif isinstance(item, dict):
+            todo += [*item.keys(), *item.values()]
+    return out
+
+
 def parse_chat(body: dict, limits: Limits, served_names: set[str], eos_configured: bool) -> ChatRequest:
     sampling = parse_sampling(body, limits, served_names, eos_configured)
     refuse_other_route_fields(body, "chat")
@@ -407,11 +422,20 @@ def parse_chat(body: dict, limits: Limits, served_names: set[str], eos_configure
             raise bad("messages", f"{where}.content must be a string or a list of text parts, got "
                                   f"{_describe(content)}")
         check_text(content, "messages", f"{where}.content")
-        clean.append({"role": role, "content": content})
+        # its other fields (a tool's name, an assistant's tool_calls) reach the chat template as they are, as in
+        # `rdepth sft` (a null one as if absent): they were dropped, so a template reading them rendered another prompt
+        fields = {k: v for k, v in message.items() if v is not None and k not in ("role", "content")}
+        for key, value in fields.items():
+            for text in _strings(value):
+                check_text(text, "messages", f"{where}.{key}")
+        clean.append({**{k: v for k, v in message.items() if v is not None}, "role": role, "content": content})
     # max_completion_tokens wins when set; null means "not set" for either name
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = body.get(name)
     sampling.max_tokens = get_int({name: max_tokens}, name, None, 1, limits.max_seq_len)
+    if name == "max_completion_tokens":  # errors about the answer's length name the field the client sent
+        sampling.given_as["max_new_tokens"] = name
+    sampling.given_as["prompt"] = "messages"  # (and a prompt that fills the context names the messages)
     logprobs = get_bool(body, "logprobs", False)
     top = get_int(body, "top_logprobs", None, 0, limits.max_top_logprobs)
     if top is not None and not logprobs:

@@ -103,7 +103,7 @@ def completion_logprobs(codec: TextCodec, choice: Choice, echo: bool, first: int
     ids += choice.tokens
     lps += choice.logprobs
     tops += choice.tops
-    decoder = IncrementalDecoder(codec)
+    decoder = IncrementalDecoder(codec, continuation=not echo)  # (offsets into the text returned)
     offsets, length = [], 0
     for t in ids:  # offsets into the returned text (echoed prompt + completion)
         offsets.append(length)
@@ -122,7 +122,7 @@ def last_token_logprobs(codec: TextCodec, choice: Choice, echo: bool) -> dict[st
     decoder measuring text offsets is kept on the choice (decoding every earlier token again for each
     new one made a 2000-token stream cost 12 s of the event loop's time)."""
     if choice.offsets is None:
-        choice.offsets = IncrementalDecoder(codec)
+        choice.offsets = IncrementalDecoder(codec, continuation=not echo)
         for t in (choice.prompt_ids if echo else []) + choice.tokens[:-1]:
             choice.offset += len(choice.offsets.push(t))
     token, top = choice.tokens[-1], choice.tops[-1]

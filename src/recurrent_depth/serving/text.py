@@ -8,8 +8,9 @@ text fields are empty and tokens are shown as `token_id:N`.
 
 from __future__ import annotations
 
+import json
 import re
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +22,31 @@ MAX_TEXT_CHARS = 64 << 20  # rendered chat prompts stop here whatever the contex
 # Unicode noncharacters (reserved for a program's internal use) mark special-token text in messages.
 PLACEHOLDER_OPEN, PLACEHOLDER_CLOSE = "\ufdd0", "\ufdd1"
 _PLACEHOLDER = re.compile("\ufdd0(\\d+)\ufdd1")
+_BYTE_PIECE = re.compile("<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback token
 
 
 class ContextTooLong(ValueError):
     """A text that cannot fit the model's context, known before tokenizing it."""
+
+
+def _piece_rules(decoder: Any) -> tuple[list[tuple[str, str]], bool]:
+    """What a SentencePiece-style decoder (Gemma's, Llama's) does to one piece: its replacements (`Metaspace`,
+    `Replace("\u2581", " ")`) and whether `<0xHH>` pieces stand for byte HH (`ByteFallback`)."""
+    try:
+        state = json.loads(decoder.__getstate__())
+    except Exception:  # noqa: BLE001 - no decoder, or one without a readable state: pieces as they are
+        return [], False
+    steps = state.get("decoders") or [] if state.get("type") == "Sequence" else [state]
+    replacements, fallback = [], False
+    for step in steps:
+        kind = step.get("type") if isinstance(step, dict) else None
+        if kind == "Metaspace":
+            replacements.append((step.get("replacement") or "\u2581", " "))
+        elif kind == "Replace" and isinstance((step.get("pattern") or {}).get("String"), str):
+            replacements.append((step["pattern"]["String"], step.get("content") or ""))
+        elif kind == "ByteFallback":
+            fallback = True
+    return replacements, fallback
 
 
 @lru_cache(maxsize=1)
@@ -112,10 +134,13 @@ class TextCodec:
         self._strings: dict[int, str] = {}
         byte_level = self.tokenizer is not None and "ByteLevel" in type(self.tokenizer.decoder).__name__
         self._byte_level = byte_level
+        self._piece_rules: tuple[list[tuple[str, str]], bool] = ([], False)
         if self.tokenizer is not None:
-            self.longest_token_bytes = max(
+            self.longest_token_bytes = max(  # (pieces as the normalizer writes them: min_tokens' bound)
                 (len(self.token_bytes(i)) for i in range(self.tokenizer.get_vocab_size(with_added_tokens=True))),
                 default=1) or 1
+            if not byte_level:  # a SentencePiece piece shows its text: "\u2581the" is " the", "<0xE2>" byte E2
+                self._piece_rules = _piece_rules(self.tokenizer.decoder)
         self.chat: ChatTemplate | None = None
         self.chat_error: str | None = None
         if self.tokenizer is not None and self.model_dir is not None:
@@ -223,18 +248,26 @@ class TextCodec:
         literals: list[str] = []
         if self._special_pattern is None:
             return messages, literals
-        out = []
-        for i, m in enumerate(messages):
-            content = m["content"]
-            if PLACEHOLDER_OPEN in content or PLACEHOLDER_CLOSE in content:
-                raise ValueError(f"messages[{i}].content holds the Unicode noncharacter U+FDD0 or U+FDD1, which "
-                                 "this server reserves for its own use")
+        pattern = self._special_pattern
 
-            def swap(match: re.Match[str]) -> str:
-                literals.append(match.group(0))
-                return f"{PLACEHOLDER_OPEN}{len(literals) - 1}{PLACEHOLDER_CLOSE}"
+        def swap(match: re.Match[str]) -> str:
+            literals.append(match.group(0))
+            return f"{PLACEHOLDER_OPEN}{len(literals) - 1}{PLACEHOLDER_CLOSE}"
 
-            out.append({**m, "content": self._special_pattern.sub(swap, content)})
+        def escaped(value: Any, where: str) -> Any:
+            """Every string in a field's value (a tool call's arguments, a tool's name) escaped as content is."""
+            if isinstance(value, str):
+                if PLACEHOLDER_OPEN in value or PLACEHOLDER_CLOSE in value:
+                    raise ValueError(f"{where} holds the Unicode noncharacter U+FDD0 or U+FDD1, which this server "
+                                     "reserves for its own use")
+                return pattern.sub(swap, value)
+            if isinstance(value, list):
+                return [escaped(v, where) for v in value]
+            if isinstance(value, dict):
+                return {escaped(k, where): escaped(v, where) for k, v in value.items()}
+            return value
+
+        out = [{k: escaped(v, f"messages[{i}].{k}") for k, v in m.items()} for i, m in enumerate(messages)]
         return out, literals
 
     # ------------------------------------------------------------------ output
@@ -255,6 +288,13 @@ class TextCodec:
             table = _byte_level_alphabet()
             if all(ch in table for ch in piece):
                 return bytes(table[ch] for ch in piece)
+        replacements, fallback = self._piece_rules
+        if token not in self.special_ids and (replacements or fallback):
+            byte = _BYTE_PIECE.fullmatch(piece) if fallback else None
+            if byte is not None:
+                return bytes([int(byte.group(1), 16)])
+            for old, new in replacements:
+                piece = piece.replace(old, new)
         return piece.encode("utf-8")
 
     def token_string(self, token: int) -> str:
@@ -279,8 +319,21 @@ class TextCodec:
         self._strings[token] = out
         return out
 
-    def decoder(self) -> IncrementalDecoder:
-        return IncrementalDecoder(self)
+    def decoder(self, continuation: bool = False) -> IncrementalDecoder:
+        return IncrementalDecoder(self, continuation)
+
+    @cached_property
+    def anchor(self) -> list[int]:
+        """One plain token (a letter) that continuation text is decoded after: a decoder that strips its
+        text's leading space (Llama's and Mistral's `Strip`, `Metaspace`) strips the anchor's, not the
+        first generated token's (a completion " the" came out as "the")."""
+        if self.tokenizer is None:
+            return []
+        for letter in "aeoxAEOX":
+            token = self.tokenizer.token_to_id(letter)
+            if token is not None and token not in self.special_ids and self.decode([token]) == letter:
+                return [token]
+        return []
 
 
 class IncrementalDecoder:
@@ -290,8 +343,11 @@ class IncrementalDecoder:
     a delta ending in an incomplete UTF-8 sequence is held back until the next token completes it.
     """
 
-    def __init__(self, codec: TextCodec) -> None:
+    def __init__(self, codec: TextCodec, continuation: bool = False) -> None:
+        """continuation: the ids continue a text (a completion after its prompt), so a first token's leading
+        space is text (decoded after `codec.anchor`)."""
         self.codec = codec
+        self.anchor = codec.anchor if continuation else []
         self.ids: list[int] = []
         self.prefix = 0
         self.read = 0
@@ -300,8 +356,8 @@ class IncrementalDecoder:
         self.ids.append(token)
         if not self.codec.has_tokenizer:
             return ""
-        before = self.codec.decode(self.ids[self.prefix : self.read])
-        after = self.codec.decode(self.ids[self.prefix :])
+        before = self.codec.decode(self.anchor + self.ids[self.prefix : self.read])
+        after = self.codec.decode(self.anchor + self.ids[self.prefix :])
         if len(after) > len(before) and not after.endswith(REPLACEMENT):
             self.prefix, self.read = self.read, len(self.ids)
             return after[len(before) :]
@@ -311,8 +367,8 @@ class IncrementalDecoder:
         """Whatever is still held back (an incomplete UTF-8 tail decodes to U+FFFD)."""
         if not self.codec.has_tokenizer or self.read == len(self.ids):
             return ""
-        before = self.codec.decode(self.ids[self.prefix : self.read])
-        after = self.codec.decode(self.ids[self.prefix :])
+        before = self.codec.decode(self.anchor + self.ids[self.prefix : self.read])
+        after = self.codec.decode(self.anchor + self.ids[self.prefix :])
         self.prefix = self.read = len(self.ids)
         return after[len(before) :]
 
@@ -326,7 +382,7 @@ class TextState:
     """
 
     def __init__(self, codec: TextCodec, stop: list[str]) -> None:
-        self.decoder = codec.decoder()
+        self.decoder = codec.decoder(continuation=True)  # (a completion continues its prompt)
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.pending = ""

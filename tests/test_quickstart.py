@@ -71,6 +71,27 @@ def test_a_quickstart_into_a_directory_in_use_clears_nothing(tmp_path):
     assert (out / "checkpoints" / "step-00000002").is_dir()
 
 
+def test_a_quickstart_holds_its_out_directory_while_it_prepares_the_tokenizer_and_shards(tmp_path, monkeypatch):
+    """The lock was taken only to clear the directory, so for the ~40 s of tokenizer training and packing a second
+    quickstart there could clear and rewrite the first one's tokenizer and shards; the lock now covers them."""
+    from recurrent_depth.files import lock_directory
+
+    out = tmp_path / "qs"
+    seen = []
+
+    def prepare_tokenizer(out_dir, recipe, seed, log):
+        with pytest.raises(ValueError, match="is in use by another run in this process"):
+            lock_directory(out_dir, "--out")
+        seen.append(out_dir)
+        raise KeyboardInterrupt  # (stop here: the rest is the trainer's, which takes the lock itself)
+
+    monkeypatch.setattr(quickstart_module, "prepare_tokenizer", prepare_tokenizer)
+    with pytest.raises(KeyboardInterrupt):
+        quickstart(minutes=2, out=out, threads=1, log=lambda _: None)
+    assert seen == [out]
+    lock_directory(out, "--out").close()  # released when the preparation fails
+
+
 def test_cli_help_and_bad_minutes(capsys):
     with pytest.raises(SystemExit) as info:
         main(["quickstart", "--help"])

@@ -38,7 +38,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--init-from", required=True, metavar="DIR",
                    help="the model directory to start from (tokenizer inside)")
-    p.add_argument("--out", required=True, metavar="DIR", help="run directory: metrics, checkpoints, final model")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="run directory: metrics, checkpoints, final model (one run at a time: a second one "
+                        "started on it meanwhile is refused)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     d = p.add_argument_group("prompts and rewards")
     d.add_argument("--task", default="shells", choices=sorted(TASKS),

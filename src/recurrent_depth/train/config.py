@@ -119,9 +119,11 @@ FIELD_HELP: dict[str, str] = {
     "max_skipped_fraction": "fail the run (exit 1) when more than this share of its optimizer steps was skipped "
                             "for a non-finite gradient",
     "seed": "seed for weights, data order, depth draws and initial states",
-    "out": "output directory (metrics.jsonl, run.json, checkpoints/, model/); none (API or YAML only) writes "
+    "out": "output directory (metrics.jsonl, run.json, checkpoints/, model/); one run at a time (a second one "
+           "started on it meanwhile is refused: <out>/.rdepth.lock); none (API or YAML only) writes "
            "nothing: the run's results are only what Trainer.run returns",
-    "resume": "continue from the newest checkpoint in <out>/checkpoints",
+    "resume": "continue from the newest checkpoint in <out>/checkpoints (none: start from scratch; a directory "
+              "holding a finished run's model/ and no checkpoint is refused, with or without --resume)",
     "progress": "show a progress bar (only on a terminal)",
     "tensorboard": "also write TensorBoard events to <out>/tensorboard (if tensorboard is installed)",
 }

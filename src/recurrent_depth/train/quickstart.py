@@ -205,17 +205,18 @@ def quickstart(
     deadline = start + 60.0 * minutes
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    # A run training there now is refused, not cleared away (the trainer then locks the directory for its run).
+    # A run training there now is refused, not cleared away; the lock is held while the tokenizer and the token
+    # shards are written too (a second quickstart there meanwhile is refused), then the trainer locks it for its run.
     with locked_directory(out, "--out"):
         clear_previous_run(out)
-    used_threads = threads if threads is not None else choose_threads()
-    torch.set_num_threads(used_threads)
-    log(f"rdepth quickstart: {minutes:g} minute budget, {used_threads} thread(s), output in {out}")
+        used_threads = threads if threads is not None else choose_threads()
+        torch.set_num_threads(used_threads)
+        log(f"rdepth quickstart: {minutes:g} minute budget, {used_threads} thread(s), output in {out}")
 
-    tok_dir = prepare_tokenizer(out, recipe, seed, log)
-    t_data = time.perf_counter()
-    data = prepare_dataset(recipe.data, tok_dir, recipe.seq_len, out / "data", val_fraction=recipe.val_fraction,
-                           seed=seed, keep_all=True)
+        tok_dir = prepare_tokenizer(out, recipe, seed, log)
+        t_data = time.perf_counter()
+        data = prepare_dataset(recipe.data, tok_dir, recipe.seq_len, out / "data", val_fraction=recipe.val_fraction,
+                               seed=seed, keep_all=True)
     if not data.metadata.get("reused"):
         splits = data.metadata["splits"]
         log(f"packed {splits['train']['tokens']:,} training and {splits['validation']['tokens']:,} validation "

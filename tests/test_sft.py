@@ -187,7 +187,7 @@ def test_a_null_content_is_empty_text_as_the_server_takes_it(model_dir):
     assert "None" not in tokenizer.decode(example.ids, skip_special_tokens=False)
     assert scored_runs(example, tokenizer)[1] == ("<|end_turn|>", True)  # (the empty turn's end is learned)
     served = parse_chat(null, Limits(4096, 4, 300), {"m"}, False).messages
-    assert served[1] == {"role": "assistant", "content": ""}
+    assert served[1] == {"role": "assistant", "content": "", "tool_calls": call}  # (the fields reach the template)
     with pytest.raises(ValueError, match=r"x:1: messages\[0\] must be an object with string 'role' and 'content'"):
         conversation({"messages": [{"role": "user", "content": 7}]}, "x:1")
 

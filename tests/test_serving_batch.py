@@ -22,6 +22,7 @@ from recurrent_depth.serving.batch import BatchDecoder, RowRequest
 from recurrent_depth.serving.engine import Done, Engine, Job, TokenOut
 from recurrent_depth.serving.protocol import APIError, Limits, parse_chat, parse_completion
 from recurrent_depth.serving.text import IncrementalDecoder, TextCodec, TextState
+from tests.batch_support import serve_in_one_batch
 
 TOL = 1e-4
 
@@ -121,17 +122,8 @@ def test_a_windowed_model_batches_and_each_row_windows_from_its_own_column(kv_qu
              dict(num_steps=5, kv_policy="per-step+skip", exit_criterion="kl", exit_threshold=5e-2)]
     jobs = [(torch.randint(0, 256, (n,), generator=g).tolist(), dict(max_new_tokens=m, init_scale=0.0, **mode), j)
             for j, (n, m, mode) in enumerate(zip((9, 4, 13, 6), (6, 7, 4, 5), modes))]
-    dec = BatchDecoder(model, max_rows=4, kv_quant=kv_quant)
-    out: dict[int, list] = {}
-    for prompt, kw, j in jobs:
-        opts = GenerationOptions(**kw).validate(model.config.mean_recurrence)
-        seq, first, _ = dec.add(RowRequest(prompt, opts, j, top_logprobs=0), tag=j)
-        out[j] = [first]
-    while len(dec):
-        for seq, result in dec.step():
-            out[seq.tag].append(result)
-            if len(out[seq.tag]) >= jobs[seq.tag][1]["max_new_tokens"]:
-                dec.remove(seq)
+    out = serve_in_one_batch(model, [(prompt, kw) for prompt, kw, _ in jobs], kv_quant=kv_quant, seed_by_job=True,
+                             top_logprobs=0)
     for prompt, kw, j in jobs:
         alone = generate(model, torch.tensor(prompt), seed=j, output_logits=True, kv_quant=kv_quant, **kw)
         tokens = alone.token_lists()[0]

@@ -115,23 +115,26 @@ class RecurrentDepthLM(nn.Module):
                 raise ValueError(f"ModelConfig.value_embeddings holds layer {i}, whose mixer is not 'attention' "
                                  f"(the only one with value embeddings)")
             attn.add_value_embedding(config.vocab_size)
-        for i, (block, window) in enumerate(zip(blocks_of(self), config.attention_windows, strict=False)):
-            # (the one place a layer's own window is set; the mixer reads `attn.window` on every path)
+        # The one place each layer's own attention settings are set (the mixer reads them on every path): its
+        # window (`attn.window`), its RoPE base (`attn.rope_base`); soft-capping is read from the config by the
+        # mixer. Only the 'attention' mixer implements them.
+        for i, block in enumerate(blocks_of(self)):
+            window = config.attention_windows[i] if config.attention_windows else None
+            base = config.layer_rope_bases[i] if config.layer_rope_bases else None
             if type(block.attn) is not Attention:
                 if window is not None:
                     raise ValueError(f"ModelConfig.attention_windows gives layer {i} a window of {window}, but its "
                                      f"mixer is not 'attention' (the only one that takes a per-layer window)")
+                if base is not None or config.attn_logit_softcapping is not None:
+                    name = "layer_rope_bases" if base is not None else "attn_logit_softcapping"
+                    raise ValueError(f"ModelConfig.{name} applies to layer {i}, whose mixer is not 'attention' (the "
+                                     f"only one implementing it)")
                 continue
-            if block.attn.window is not None:
-                raise ValueError(f"ModelConfig.attention_windows and mixer_options both set the window of layer {i}: "
-                                 f"set windows in one place")
-            block.attn.window = window
-        for i, block in enumerate(blocks_of(self)):
-            # (soft-capped logits and a layer's own RoPE base are the 'attention' mixer's: the one place they are set)
-            base = config.layer_rope_bases[i] if config.layer_rope_bases else None
-            if type(block.attn) is not Attention and (base is not None or config.attn_logit_softcapping is not None):
-                raise ValueError(f"ModelConfig.{'layer_rope_bases' if base is not None else 'attn_logit_softcapping'} "
-                                 f"applies to layer {i}, whose mixer is not 'attention' (the only one implementing it)")
+            if config.attention_windows:
+                if block.attn.window is not None:
+                    raise ValueError(f"ModelConfig.attention_windows and mixer_options both set the window of layer "
+                                     f"{i}: set windows in one place")
+                block.attn.window = window
             if base is not None:
                 block.attn.rope_base = float(base)
         self.lm_head = nn.Linear(h, config.vocab_size, bias=False)

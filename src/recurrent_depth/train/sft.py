@@ -37,9 +37,9 @@ from recurrent_depth.train.config import TrainConfig
 from recurrent_depth.train.init_from import StartingPoint, load_for_training
 from recurrent_depth.train.validation import (
     DepthEval,
-    _late,
     batch_losses,
     next_batch_late,
+    rank0_late,
     rank_rounds,
     reduce_depth_eval,
     row_states,
@@ -214,7 +214,7 @@ def heldout_loss_by_depth(model: nn.Module, rows: PackedRows, depths: list[int],
     started = time.perf_counter()
     try:
         for rnd, (i, read) in enumerate(rank_rounds(num_batches, world_size)):
-            if rnd > 0 and _late(next_batch_late(started, rnd, deadline), world_size, device):
+            if rnd > 0 and rank0_late(next_batch_late(started, rnd, deadline), world_size, device):
                 break
             if i >= num_batches and not sharded:
                 continue

@@ -150,7 +150,7 @@ def next_batch_late(started: float, done: int, deadline: float | None) -> bool:
     return now + (now - started) / done > deadline
 
 
-def _late(late: bool, world_size: int, device: torch.device) -> bool:
+def rank0_late(late: bool, world_size: int, device: torch.device) -> bool:
     """Rank 0's `late` on every rank (collective when `world_size > 1`)."""
     if world_size == 1:
         return late
@@ -251,7 +251,8 @@ def validation_loss_by_depth(
     try:
         started = time.perf_counter()
         for rnd, (i, rows) in enumerate(_rank_batches(dataset, batch_size, num_batches, world_size)):
-            if deadline is not None and rnd > 0 and _late(next_batch_late(started, rnd, deadline), world_size, device):
+            late = deadline is not None and rnd > 0
+            if late and rank0_late(next_batch_late(started, rnd, deadline), world_size, device):
                 break
             rows = torch.as_tensor(rows).to(device)
             batch_seed = (seed * 1_000_003 + i) % (2**63)

@@ -1,6 +1,6 @@
 """Worker for tests/test_gloo_ranks.py: one rank of a 2-process CPU group (gloo, file store).
 
-    python tests/gloo_worker.py RANK WORLD STORE_FILE OUT_DIR MODE [ARGS...]
+    python tests/gloo_worker.py RANK WORLD STORE_FILE OUT_DIR MODE[+MODE...] [ARGS...]
 
 Modes:
   fsdp-clip CASES_JSON    for each {case: config overrides}: FSDP2-shard the fixed model of
@@ -16,7 +16,7 @@ Modes:
                           says stop on rank 1 only, and validation tokens under a final-evaluation
                           deadline that only rank 0 has passed; saves them.
   sft-heldout             SFT's held-out loss by depth on both ranks and on each rank alone; saves them.
-One launch runs every case (process start-up dominates the time).
+One launch runs every case, and modes joined by "+" run in one launch (process start-up dominates the time).
 """
 
 from __future__ import annotations
@@ -176,28 +176,34 @@ def sft_heldout(env: DistEnv) -> list:
 
 
 def main() -> None:
-    rank, world, store, out, mode, *args = sys.argv[1:]
+    rank, world, store, out, modes, *args = sys.argv[1:]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=int(rank), world_size=int(world),
                             timeout=timedelta(seconds=120))
     env = DistEnv(rank=int(rank), world_size=int(world), backend="gloo")
     try:
-        if mode == "fsdp-clip":
-            found = {case: fsdp_clip(env, overrides) for case, overrides in json.loads(args[0]).items()}
-            if env.rank == 0:
-                torch.save(found, Path(out) / "fsdp-clip.pt")
-        elif mode == "ddp-depth":
-            found = {flag: ddp_depth(env, flag == "per-rank") for flag in ("lock-step", "per-rank")}
-            torch.save(found, Path(out) / f"ddp-depth-rank{env.rank}.pt")
-        elif mode == "lr-time-budget":
-            torch.save(lr_time_budget(env) + stop_hook(env) + eval_deadline(env), Path(out) / f"lr-rank{env.rank}.pt")
-        elif mode == "sft-heldout":
-            torch.save(sft_heldout(env), Path(out) / f"sft-heldout-rank{env.rank}.pt")
-        else:
-            raise SystemExit(f"unknown mode {mode!r}")
-        dist.barrier()
+        for mode in modes.split("+"):
+            run_mode(env, mode, out, args)
     finally:
         dist.destroy_process_group()
+
+
+def run_mode(env: DistEnv, mode: str, out: str, args: list[str]) -> None:
+    """One mode on this rank; saves its results under `out`."""
+    if mode == "fsdp-clip":
+        found = {case: fsdp_clip(env, overrides) for case, overrides in json.loads(args[0]).items()}
+        if env.rank == 0:
+            torch.save(found, Path(out) / "fsdp-clip.pt")
+    elif mode == "ddp-depth":
+        found = {flag: ddp_depth(env, flag == "per-rank") for flag in ("lock-step", "per-rank")}
+        torch.save(found, Path(out) / f"ddp-depth-rank{env.rank}.pt")
+    elif mode == "lr-time-budget":
+        torch.save(lr_time_budget(env) + stop_hook(env) + eval_deadline(env), Path(out) / f"lr-rank{env.rank}.pt")
+    elif mode == "sft-heldout":
+        torch.save(sft_heldout(env), Path(out) / f"sft-heldout-rank{env.rank}.pt")
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+    dist.barrier()
 
 
 if __name__ == "__main__":

@@ -80,9 +80,14 @@ def test_qk_clip_on_fsdp2_shards_equals_one_process(fsdp_runs, case):
 
 
 @pytest.fixture(scope="module")
-def depth_runs(tmp_path_factory) -> list[dict]:
-    out = run_ranks(tmp_path_factory.mktemp("ddp"), "ddp-depth")
-    return [torch.load(out / f"ddp-depth-rank{rank}.pt", weights_only=True) for rank in range(WORLD)]
+def per_rank_out(tmp_path_factory) -> Path:
+    """One launch for the modes whose ranks each save their own results (start-up dominates the time)."""
+    return run_ranks(tmp_path_factory.mktemp("ranks"), "ddp-depth+lr-time-budget+sft-heldout")
+
+
+@pytest.fixture(scope="module")
+def depth_runs(per_rank_out) -> list[dict]:
+    return [torch.load(per_rank_out / f"ddp-depth-rank{rank}.pt", weights_only=True) for rank in range(WORLD)]
 
 
 @pytest.mark.parametrize("flag", ["lock-step", "per-rank"])
@@ -103,11 +108,10 @@ def test_ddp_all_reduces_gradients_whatever_depth_each_rank_draws(depth_runs, fl
         torch.testing.assert_close(r0["ddp_grads"], (local[0] + local[1]) / 2, rtol=1e-5, atol=1e-7)
 
 
-def test_time_budgets_and_stop_hook_follow_rank_0_on_every_rank(tmp_path):
+def test_time_budgets_and_stop_hook_follow_rank_0_on_every_rank(per_rank_out):
     # --max-minutes projects the run's length (and so the cool-down) from the clock; each rank's clock differs,
     # and a rank that stepped at its own learning rate would drift from the others' weights under DDP.
-    out = run_ranks(tmp_path, "lr-time-budget")
-    lrs = [torch.load(out / f"lr-rank{rank}.pt", weights_only=True) for rank in range(WORLD)]
+    lrs = [torch.load(per_rank_out / f"lr-rank{rank}.pt", weights_only=True) for rank in range(WORLD)]
     assert lrs[0] == lrs[1]
     assert lrs[0][1] < 1e-3  # rank 0's projection (60 steps): step 45 is in the cool-down
     assert lrs[0][2] is None  # a stop_when hook that differs by rank: rank 0's answer (else rank 0 hung alone)
@@ -120,11 +124,10 @@ def test_time_budgets_and_stop_hook_follow_rank_0_on_every_rank(tmp_path):
     assert loss == pytest.approx(alone_loss, rel=1e-12) and corr == pytest.approx(alone_corr, rel=1e-12)
 
 
-def test_sft_heldout_loss_on_two_ranks_is_one_process_s_with_each_batch_once(tmp_path):
+def test_sft_heldout_loss_on_two_ranks_is_one_process_s_with_each_batch_once(per_rank_out):
     """`rdepth sft` under torchrun evaluated every held-out batch on every rank (the work repeated world_size times).
     Now rank r takes batches r, r + world_size, ... and the sums are all-reduced: the one-process result."""
-    out = run_ranks(tmp_path, "sft-heldout")
-    found = [torch.load(out / f"sft-heldout-rank{rank}.pt", weights_only=True) for rank in range(WORLD)]
+    found = [torch.load(per_rank_out / f"sft-heldout-rank{rank}.pt", weights_only=True) for rank in range(WORLD)]
     assert found[0][0] == 9  # rows: 5 batches of 2, the last one of 1
     # rows per batch this rank evaluated: batches 0, 2, 4 and 1, 3 of 5; then 0, 2 and 1 of 3
     assert [batches for _, batches, *_ in found] == [[2, 2, 1, 2, 2], [2, 2, 2]]

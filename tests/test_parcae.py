@@ -111,8 +111,25 @@ def test_a_converted_parcae_model_saves_and_reloads_in_our_format(tmp_path):
     torch.testing.assert_close(logits, g["logits"], rtol=0, atol=1e-5)
 
 
+def test_logit_softcap_caps_the_logits_as_parcae_does(tmp_path):
+    """Parcae's head: logits = cap * tanh(lm_head(ln_f(x)).float() / cap), in its forward and its loss
+    (parcae_lm/models/parcae/parcae.py:210-212, 230-232 at dee8363), applied here to its recorded logits."""
+    shutil.copytree(GOLDENS / "released-layout", tmp_path, dirs_exist_ok=True)
+    cap = 2.0  # below the largest recorded logit (about 3.9), so the cap changes them
+    (tmp_path / "config.json").write_text(json.dumps({**parcae_json(), "logit_softcap": cap}))
+    model = rd.RecurrentDepthLM.from_pretrained(tmp_path)
+    _, g, meta = golden("released-layout")
+    assert model.config.final_logit_softcapping == cap
+    out = model(g["input_ids"], num_steps=meta["steps"], input_states=g["state"], labels=g["input_ids"])
+    want = cap * torch.tanh(g["logits"] / cap)
+    torch.testing.assert_close(out.logits, want, rtol=0, atol=1e-5)
+    want_loss = torch.nn.functional.cross_entropy(want[:, :-1].reshape(-1, 64), g["input_ids"][:, 1:].reshape(-1))
+    torch.testing.assert_close(out.loss, want_loss, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("change,needle", [
-    ({"logit_softcap": 15.0}, "logit_softcap"),
+    ({"logit_softcap": 0.0}, "logit_softcap"),
+    ({"logit_softcap": "15"}, "logit_softcap"),
     ({"recurrent_embedding_dimension": 64}, "recurrent_embedding_dimension"),
     ({"norm_class_name": "LayerNorm"}, "norm_class_name"),
     ({"num_key_value_heads": 2}, "num_key_value_heads"),

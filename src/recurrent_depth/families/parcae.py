@@ -98,6 +98,7 @@ def parcae_config_values(data: dict[str, Any]) -> dict[str, Any]:
         refuse("n_embd", "n_embd and num_attention_heads must be integers > 0")
     intermediate = v["intermediate_size"] if v["intermediate_size"] is not None else 4 * h
     kv_heads = v["num_key_value_heads"] if v["num_key_value_heads"] is not None else heads
+    cap = v["logit_softcap"]
     checks = [
         ("mup_model_scaling_factor", v["mup_model_scaling_factor"] == 1, "muP width scaling is not implemented"),
         ("recurrent_embedding_dimension", v["recurrent_embedding_dimension"] == h,
@@ -117,7 +118,9 @@ def parcae_config_values(data: dict[str, Any]) -> dict[str, Any]:
         ("injection_type", v["injection_type"] in INJECTIONS, f"one of {sorted(INJECTIONS)}"),
         ("init_strategy", v["init_strategy"] in INIT_STRATEGIES,
          f"it scales logits or embeddings differently; supported: {sorted(INIT_STRATEGIES)}"),
-        ("logit_softcap", v["logit_softcap"] is None, "no logit soft-capping"),
+        ("logit_softcap", cap is None or (isinstance(cap, int | float) and not isinstance(cap, bool)
+                                          and math.isfinite(cap) and cap > 0),
+         "it must be null or a finite number > 0 (the tanh cap)"),
         ("clip_qkv", v["clip_qkv"] is None, "no q/k/v clipping"),
         ("use_abacus", not v["use_abacus"], "no Abacus embeddings"),
         ("use_fused_head", v["use_fused_head"] != "full-triton" or v["tie_embeddings"],
@@ -160,6 +163,9 @@ def parcae_config_values(data: dict[str, Any]) -> dict[str, Any]:
         final_norm=True, injection=INJECTIONS[v["injection_type"]], state_init="random",
         prelude_norm=v["prelude_norm"], coda_projection=True,
         value_embeddings=value_embedding_layers(prelude, core, coda, mean, backprop),
+        # Parcae caps the fp32 logits (after its logit scale, 1 for the strategies above) as cap * tanh(x / cap)
+        # (models/parcae/parcae.py:210-212, 230-232): the formula of our `head`
+        final_logit_softcapping=None if cap is None else float(cap),
     )
 
 

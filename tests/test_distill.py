@@ -359,6 +359,43 @@ def test_a_cache_of_a_teacher_retrained_in_place_is_written_again_and_says_why(t
     assert cache_run("d")[0] == []
 
 
+def test_a_cache_is_written_again_for_another_seed_or_batch_size_and_reused_for_other_settings(
+        train_root, teacher_dir, tmp_path):
+    """A finished cache was checked against the teacher's identity and depth only: a run with another batch size
+    silently reused rows whose teacher initial states were drawn in other batches (and another seed was refused
+    as other data, without naming the seed). Both are checked now and write the cache again, saying why; what
+    the cache does not depend on (learning rate, temperature, alpha) reuses it."""
+    import numpy as np
+
+    from recurrent_depth.train.optim import OptimConfig
+
+    cache = tmp_path / "cache"
+    base = dict(max_steps=1, teacher=str(teacher_dir), teacher_depth=1, distill_top_k=4, distill_cache_only=True,
+                distill_cache=str(cache))
+
+    def cache_run(name, **changes):
+        messages = []
+        Trainer(tiny_train_config(train_root, tmp_path / name, **{**base, **changes}), log=messages.append)
+        return [m for m in messages if "out of date" in m], np.load(cache / "values_00000.npy")
+
+    said, first = cache_run("a")
+    manifest = json.loads((cache / "manifest.json").read_text())
+    assert said == [] and manifest["teacher"]["random_state"] is True
+    optim = OptimConfig.from_preset("demo", lr=1e-4, warmup_steps=2, cooldown_fraction=0.25)
+    assert cache_run("b", optim=optim, distill_temperature=2.0, distill_alpha=0.9)[0] == []  # reused as it is
+    assert json.loads((cache / "manifest.json").read_text()) == manifest
+    said, second = cache_run("c", batch_size=2)  # (the same rows: the batch size is not in the data key)
+    assert said == [f"distill cache: {cache} is out of date (its teacher's initial states were drawn per batch of 4 "
+                    f"rows, this run's batch_size is 2): writing it again"]
+    assert not np.array_equal(first, second)
+    # (the seed also splits the documents: the data key changed too, which alone was a refusal naming the data key)
+    said, third = cache_run("d", batch_size=2, seed=1)
+    assert said == [f"distill cache: {cache} is out of date (its teacher's initial states were drawn with seed 0, "
+                    f"this run's seed is 1): writing it again"]
+    assert not np.array_equal(second, third)
+    assert cache_run("e", batch_size=2, seed=1)[0] == []
+
+
 def test_a_truncated_cache_shard_is_a_one_line_error(tmp_path):
     from recurrent_depth.train import distill_cache
 

@@ -107,6 +107,41 @@ def test_a_resume_may_name_another_preset_which_a_model_directory_ignores(train_
     assert Trainer(resumed).run().steps == 2
 
 
+def test_a_resume_from_a_model_directory_changed_since_the_run_started_is_refused(train_root, tmp_path):
+    """--resume compared --init-from by its path only: the same directory retrained (or replaced by another model
+    of the same config) since the run started was taken as the same start. Its identity (`model_identity`) is in
+    each checkpoint and run.json now, and a change is refused in one line naming the directory. The same weights
+    written again (a copy without its mtimes) still resume."""
+    import os
+    import shutil
+
+    from recurrent_depth.checkpoint import model_content_sample, model_identity
+
+    source = tmp_path / "source"
+    write_ours(source, train_root)
+    options = dict(init_from=str(source), tokenizer=None, max_steps=1, eval_batches=1)
+    Trainer(tiny_train_config(train_root, tmp_path / "run", **options)).run()
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step-00000001" / "trainer_state.json").read_text())
+    start = {"directory": str(source.resolve()), "identity": model_identity(source),
+             "content": model_content_sample(source)}
+    assert state["start"] == start and json.loads((tmp_path / "run" / "run.json").read_text())["start"] == start
+    shutil.copyfile(source / "model.safetensors", tmp_path / "copy")  # the same bytes, a new mtime
+    os.replace(tmp_path / "copy", source / "model.safetensors")
+    os.utime(source / "model.safetensors", ns=(2, 2))
+    assert model_identity(source) != start["identity"]
+    again = tiny_train_config(train_root, tmp_path / "run", **{**options, "max_steps": 2}, resume=True)
+    assert Trainer(again).run().steps == 2
+    torch.manual_seed(8)  # "retrained" in place: other weights, the same config and directory
+    rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", vocab_size=VOCAB, max_seq_len=64)).save_pretrained(
+        source, tokenizer=train_root / "tokenizer")
+    os.utime(source / "model.safetensors", ns=(1, 1))  # (a new mtime even on a coarse-grained clock)
+    resumed = tiny_train_config(train_root, tmp_path / "run", **{**options, "max_steps": 3}, resume=True)
+    with pytest.raises(ValueError, match=rf"^cannot resume from \S+step-00000002: {source.resolve()} changed since "
+                                         r"the run started from it \(the model directories' config.json or weights "
+                                         r"differ\); resume with the model the run started from$"):
+        Trainer(resumed)
+
+
 @pytest.mark.parametrize("changes, field", [
     ({"model": {"hidden_size": 32}}, "model.hidden_size=32 differs"),
     ({"model": {"vocab_size": 512}}, "model.vocab_size=512 differs"),

@@ -330,6 +330,28 @@ def test_a_resume_from_another_init_from_model_is_refused_and_keeps_the_checkpoi
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-00000001"]
 
 
+def test_a_resume_from_another_init_from_model_of_the_same_config_is_refused(one_thread, byte_model, tmp_path,
+                                                                            capsys):
+    """Only another config was refused: an --init-from of the same config and other weights was taken as the
+    run's start (its reference model and tokenizer then came from it). The start's identity is checked now."""
+    start, other = tmp_path / "start", tmp_path / "other"
+    byte_model.save_pretrained(start)
+    torch.manual_seed(5)
+    rd.RecurrentDepthLM(byte_model.config).save_pretrained(other)
+    for directory in (start, other):
+        byte_tokenizer().save(str(directory / "tokenizer.json"))
+    args = ["rl", "--out", str(tmp_path / "run"), "--difficulty", "2", "--group-size", "2", "--prompts-per-step", "1",
+            "--updates", "1", "--save-every", "1", "--num-steps", "2", "--max-new-tokens", "2", "--threads", "1"]
+    assert main([*args, "--init-from", str(start)]) == 0
+    capsys.readouterr()
+    assert main([*args, "--init-from", str(other), "--resume", "--updates", "2"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and (f"the run started from {start.resolve()}, this run from {other.resolve()} (the model "
+                                 "directories' config.json or weights differ") in errors[0], errors
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-00000001"]
+    assert main([*args, "--init-from", str(start), "--resume", "--updates", "2"]) == 0
+
+
 def test_a_resume_that_spells_out_a_default_rollout_option_is_accepted(byte_model):
     """`rdepth rl ... --kv-policy per-step+deepest` (the default) then `--resume` without it (or the other way
     round) was refused as changed rollout settings, though the rollouts are the same."""

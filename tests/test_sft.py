@@ -313,6 +313,8 @@ def test_sft_trains_evaluates_by_depth_and_refuses_to_resume_on_other_rows(model
     assert len(result.losses) == 3 and set(result.final_eval.loss) == {1, 4}
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert run["data"]["source"] == "sft" and run["data"]["packing"] and run["data"]["train"]["examples"] == 47
+    # the start recorded for --resume (`check_same_start`), as `train --init-from` and `rl` record it
+    assert run["start"]["directory"] == str(model_dir.resolve()) and len(run["start"]["identity"]) == 64
     assert all(m["scored_tokens"] > 0 for m in read_metrics(tmp_path / "run"))
     assert rd.RecurrentDepthLM.from_pretrained(tmp_path / "run" / "model").config.vocab_size == VOCAB
     resume = build_parser("sft").parse_args([*flags, "--resume", "--max-steps", "4", "--no-packing"])

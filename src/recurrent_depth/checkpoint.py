@@ -13,6 +13,7 @@ entries renamed before the checks, its tensors after the read. Saving always wri
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from collections.abc import Collection
@@ -36,6 +37,7 @@ from recurrent_depth.files import (
     open_regular,
     parse_json,
     parse_safetensors_header,
+    read_bytes,
     read_json,
     read_safetensors_header,
     read_text,
@@ -235,6 +237,39 @@ _OTHER_DTYPES = {"I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8
 
 # The embedding's name in each format we load (ours and Huginn's, Ouro's).
 EMBEDDING_NAMES = ("transformer.wte.weight", ouro.EMBEDDING)
+
+
+def model_identity(directory: str | os.PathLike[str]) -> str:
+    """A cheap fingerprint of the model in `directory`: the sha256 of its config.json with the name, size and
+    mtime of each weight file (`*.safetensors`, `*.bin` and their index), so that a model retrained (or replaced)
+    in place, or another model of the same config, is told apart without hashing gigabytes of weights. (A copy
+    keeps it only with its mtimes: `cp -p`, `rsync -t`.) A distillation cache records its teacher's
+    (`train/distill.py`), a training run the model directory it started from (`train/trainer_checkpoints.py`)."""
+    directory = Path(directory)
+    digest = hashlib.sha256(read_bytes(directory / "config.json", CONFIG_MAX_BYTES, "model config"))
+    for path in sorted(directory.iterdir()):
+        if path.name.endswith((".safetensors", ".bin", ".index.json")) and path.is_file():
+            info = path.stat()
+            digest.update(f"\n{path.name}\0{info.st_size}\0{info.st_mtime_ns}".encode())
+    return digest.hexdigest()
+
+
+def model_content_sample(directory: str | os.PathLike[str], chunks: int = 16, chunk_bytes: int = 64 * 1024) -> str:
+    """A fingerprint of what the model in `directory` holds, not of when it was written: the sha256 of its
+    config.json with each weight file's name, size and `chunks` evenly spaced reads of `chunk_bytes` (1 MiB a
+    file). A copy made without its mtimes keeps it; a model trained further (every tensor moves) does not.
+    `trainer_checkpoints.check_same_start` falls back to it when `model_identity`'s mtimes differ."""
+    directory = Path(directory)
+    digest = hashlib.sha256(read_bytes(directory / "config.json", CONFIG_MAX_BYTES, "model config"))
+    for path in sorted(directory.iterdir()):
+        if path.name.endswith((".safetensors", ".bin", ".index.json")) and path.is_file():
+            fd, size = open_regular(path, None, "weight file")
+            digest.update(f"\n{path.name}\0{size}".encode())
+            with os.fdopen(fd, "rb") as handle:
+                for k in range(chunks):
+                    handle.seek(max(size - chunk_bytes, 0) * k // max(chunks - 1, 1))
+                    digest.update(handle.read(chunk_bytes))
+    return digest.hexdigest()
 
 
 def stored_dtype(path: str | os.PathLike[str]) -> torch.dtype | None:

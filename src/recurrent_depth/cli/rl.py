@@ -134,10 +134,11 @@ def run(args: argparse.Namespace) -> int:
     from recurrent_depth.train.init_from import find_model_dir
 
     model, tokenizer, tokenizer_dir = load_start_model(args.init_from)
-    # trained in float32 and written back in --init-from's stored dtype, as `train` / `sft --init-from` do
-    save_dtype = stored_dtype(find_model_dir(args.init_from))
+    start_dir = find_model_dir(args.init_from)
+    # trained in float32 and written back in --init-from's stored dtype, as `train` / `sft --init-from` do;
+    # start_dir's identity is recorded, so that --resume from another model directory is refused
     result = run_rl(model.to(args.device), rl, train, tokenizer=tokenizer, tokenizer_dir=tokenizer_dir,
-                    device=args.device, save_dtype=save_dtype)
+                    device=args.device, save_dtype=stored_dtype(start_dir), start_dir=start_dir)
     summary = {"out": str(result.out), "updates": result.steps, "model": str(result.model_dir),
                "last_checkpoint": str(result.last_checkpoint), "elapsed_s": round(result.elapsed_s, 2)}
     print(json.dumps(summary) if args.json else " ".join(f"{k}={v}" for k, v in summary.items()), file=sys.stdout)

@@ -63,7 +63,8 @@ FIELD_HELP: dict[str, str] = {
     "distill_top_k": "KL over the teacher's k most likely tokens, renormalised (student log-probs over the full "
                      "vocabulary, gathered there); 0 = the full vocabulary",
     "distill_cache": "directory of cached teacher top-k logits (fp16 values + int16/int32 indices) over the "
-                     "training shards; written there first when it holds none; none = teacher on the fly",
+                     "training shards; written there first when it holds none, or again when its teacher, "
+                     "depth, seed or batch size differs; none = teacher on the fly",
     "distill_cache_only": "write distill_cache from the teacher over the training shards and exit",
     "data": "corpus: 'stdlib' (the Python standard library's source), a directory, or a .jsonl file",
     "text_field": "JSONL field that holds the text",

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from recurrent_depth.checkpoint import lora_adapter_hint, stored_dtype
+from recurrent_depth.checkpoint import lora_adapter_hint, model_identity, stored_dtype
 from recurrent_depth.config import is_int
 from recurrent_depth.files import CONFIG_MAX_BYTES, read_json
 from recurrent_depth.model.depth import stream_seed
@@ -200,24 +200,10 @@ class Distillation:
 
 
 
-def teacher_identity(directory: str | Path) -> str:
-    """A cheap fingerprint of the teacher in `directory`: the sha256 of its config.json with the name, size and
-    mtime of each weight file (`*.safetensors`, `*.bin` and their index), so that a teacher retrained (or
-    replaced) in place is told apart without hashing gigabytes of weights."""
-    import hashlib
-
-    from recurrent_depth.files import read_bytes
-
-    directory = Path(directory)
-    digest = hashlib.sha256(read_bytes(directory / "config.json", CONFIG_MAX_BYTES, "teacher config"))
-    for path in sorted(directory.iterdir()):
-        if path.name.endswith((".safetensors", ".bin", ".index.json")) and path.is_file():
-            info = path.stat()
-            digest.update(f"\n{path.name}\0{info.st_size}\0{info.st_mtime_ns}".encode())
-    return digest.hexdigest()
-
-
 def teacher_summary(teacher: Teacher) -> dict[str, Any]:
-    """What a cache records about the teacher that wrote it (`identity`: `teacher_identity`)."""
+    """What a cache records about the teacher that wrote it (`identity`: `checkpoint.model_identity`;
+    `random_state`: its initial state is drawn at random, so the run seed and the rows drawn together fix its
+    logits)."""
     return {"directory": str(teacher.directory), "depth": teacher.depth, "vocab_size": teacher.vocab_size,
-            "identity": teacher_identity(teacher.directory)}
+            "identity": model_identity(teacher.directory),
+            "random_state": getattr(teacher.model.config, "state_init", "random") == "random"}

@@ -1,7 +1,8 @@
 """Cached teacher logits: the teacher's top-k over every training row, written once, read while training.
 
     <cache>/manifest.json        format, version, data key, rows, seq_len, k, vocab_size, index dtype,
-                                 teacher (directory, depth, identity, seed; raw logits), shards
+                                 teacher (directory, depth, identity, random_state, seed; raw logits),
+                                 write_batch_size, shards
     <cache>/values_00000.npy     float16 [rows, seq_len, k]   the teacher's k largest logits, descending
     <cache>/indices_00000.npy    int16 / int32 [rows, seq_len, k]   their token ids (int16 when vocab <= 32767)
 
@@ -13,7 +14,9 @@ cache row by its tokens (`CachedTeacher.lookup`: a hash of the row's token ids -
 shuffled order, epochs and resumes need nothing extra. A cache is refused (one-line ValueError) when its
 data key, row count, seq_len or k differs from the run's, or a batch row is not in it; a cache of another
 teacher (`teacher_change`: its identity, a hash of config.json and the weight files' names, sizes and mtimes, or
-its depth differs) is written again by the trainer, which says why. Files are read with
+its depth differs) or of other teacher noise (a teacher whose initial state is random: the seed or the write batch
+size, which fix each row's draw, differs) is written again by the trainer, which says why; settings the cache does
+not depend on (temperature, alpha, the learning rate, the data order) reuse it. Files are read with
 `np.load(allow_pickle=False)`, memory-mapped, shapes and dtypes checked against the manifest.
 
 Crash safety: each shard is written under a temporary name, fsynced and renamed when whole, and the manifest
@@ -155,10 +158,14 @@ def has_cache(path: str | Path) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
-def teacher_change(path: str | Path, teacher_info: dict[str, Any]) -> str | None:
-    """Why the finished cache at `path` is another teacher's than `teacher_info`'s (`distill.teacher_summary`): a
-    line saying so when its identity (config and weight files) or depth differs; None when it does not, or when the
-    cache records no identity (written before identities were) or cannot be read (`CachedTeacher` says why)."""
+def teacher_change(path: str | Path, teacher_info: dict[str, Any], write_batch_size: int) -> str | None:
+    """Why the finished cache at `path` holds other teacher logits than this run's teacher would write: a line
+    saying so when the teacher's identity (config and weight files) or depth differs, or, for a teacher that draws
+    its initial state at random (`random_state`), the seed or the write batch size (`write_batch_size`: rows
+    that share one draw) that fixed its noise; None when nothing differs, or when the cache records no identity
+    (written before identities were) or cannot be read (`CachedTeacher` says why). `teacher_info`:
+    `distill.teacher_summary` with the run's `seed`. (Options applied after the cache, such as the temperature,
+    alpha or learning rate, are not in it: changing them reuses the cache.)"""
     try:
         manifest = read_json(Path(path) / MANIFEST, CONFIG_MAX_BYTES, "distill cache manifest")
     except (OSError, ValueError):
@@ -167,12 +174,19 @@ def teacher_change(path: str | Path, teacher_info: dict[str, Any]) -> str | None
     if not isinstance(recorded, dict) or "identity" not in recorded:
         return None
     directory = teacher_info.get("directory")
+    noisy = teacher_info.get("random_state", True)  # (the same identity: the same state_init as the recorded one)
     if recorded.get("identity") != teacher_info.get("identity"):
         reason = (f"the teacher {directory} changed since (its config.json or weight files differ)"
                   if recorded.get("directory") == directory else
                   f"it is the cache of teacher {recorded.get('directory')}, not of {directory}")
     elif recorded.get("depth") != teacher_info.get("depth"):
         reason = f"it holds the teacher at depth {recorded.get('depth')}, this run's is {teacher_info.get('depth')}"
+    elif noisy and recorded.get("seed") != teacher_info.get("seed"):
+        reason = (f"its teacher's initial states were drawn with seed {recorded.get('seed')}, this run's seed is "
+                  f"{teacher_info.get('seed')}")
+    elif noisy and manifest.get("write_batch_size") != write_batch_size:
+        reason = (f"its teacher's initial states were drawn per batch of {manifest.get('write_batch_size')} rows, "
+                  f"this run's batch_size is {write_batch_size}")
     else:
         return None
     return f"distill cache: {path} is out of date ({reason}): writing it again"

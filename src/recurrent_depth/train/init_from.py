@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from recurrent_depth.checkpoint import stored_dtype
+from recurrent_depth.checkpoint import model_content_sample, model_identity, stored_dtype
 from recurrent_depth.config import ModelConfig
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 from recurrent_depth.train.config import TrainConfig
@@ -58,6 +58,14 @@ def find_model_dir(path: str | Path) -> Path:
     raise ValueError(f"init_from={str(path)!r} holds no config.json and no model/config.json: expected a model "
                      f"directory, a run directory holding model/, or an official Huginn-0125 or Ouro directory"
                      + lora_adapter_hint(p, merged_for="start from that"))
+
+
+def start_record(model_dir: Path) -> dict[str, str]:
+    """What a run's checkpoints record about the model directory it started from: its absolute path,
+    `checkpoint.model_identity` and `checkpoint.model_content_sample` (`trainer_checkpoints.check_same_start`
+    compares them on resume)."""
+    return {"directory": str(model_dir.resolve()), "identity": model_identity(model_dir),
+            "content": model_content_sample(model_dir)}
 
 
 def read_model_config(model_dir: Path) -> ModelConfig:

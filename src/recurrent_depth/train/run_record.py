@@ -52,6 +52,7 @@ def run_metadata(trainer: Trainer) -> dict[str, Any]:
         "data": trainer.source.describe(),
         "tokenizer_dir": str(trainer.tokenizer_dir) if trainer.tokenizer_dir is not None else None,
         "resumed_from": str(trainer.resume_from) if trainer.resume_from else None,
+        "start": trainer.start,  # the model directory the run started from (path and identity), if any
         "world_size": trainer.env.world_size,
         "backend": trainer.env.backend,
         "accel": trainer.accel,

@@ -61,7 +61,7 @@ from recurrent_depth.train.distill import (
     teacher_summary,
 )
 from recurrent_depth.train.distill_cache import CachedTeacher, has_cache, teacher_change, write_cache
-from recurrent_depth.train.init_from import load_for_training, resolved_config
+from recurrent_depth.train.init_from import find_model_dir, load_for_training, resolved_config, start_record
 from recurrent_depth.train.lora import adapter_settings, base_model_of, is_peft_model
 from recurrent_depth.train.objective import LanguageModeling, Objective
 from recurrent_depth.train.optim import build_optimizers, clip_and_check_grads
@@ -174,6 +174,9 @@ class Trainer:
     save_dtype: the dtype of the final model directory's weights (default: as trained); checkpoints keep
         the trained dtype. `cfg.init_from` (train/init_from.py) loads that model unless `model` is given,
         and sets it to the directory's stored dtype.
+    start_dir: the model directory a given `model` was loaded from (`rdepth rl --init-from`); default: the one
+        `cfg.init_from` names, if any. Its identity (`checkpoint.model_identity`) is recorded in each checkpoint
+        (`start`), and a `--resume` from another model directory, or from one changed since, is refused.
     """
 
     def __init__(
@@ -194,8 +197,13 @@ class Trainer:
         eval_deadline: float | None = None,
         objective: Objective | None = None,
         save_dtype: torch.dtype | None = None,
+        start_dir: str | Path | None = None,
     ) -> None:
         cfg = resolved_config(cfg)  # --init-from: the model directory's config and tokenizer
+        if start_dir is None and cfg.init_from is not None:
+            start_dir = find_model_dir(cfg.init_from)
+        # the model directory the run started from, as each checkpoint records it (None: weights made here)
+        self.start = start_record(Path(start_dir)) if start_dir is not None else None
         if data is not None and model is None and cfg.init_from is None:
             raise ValueError("Trainer(data=...) needs model=... too: without token shards nothing sets the vocabulary")
         if data is not None and corpus is not None:
@@ -251,7 +259,7 @@ class Trainer:
             if directory is not None:
                 check_out_dir(directory, flag)
         if self.out is not None:
-            self._open_out_dir(adapter_settings(model))
+            self._open_out_dir(adapter_settings(model), model)
         elif data is None:
             raise ValueError("TrainConfig.out=None writes nothing, so it needs Trainer(data=...): the token shards "
                              "and tokenizer of cfg.data are prepared in the out directory")
@@ -303,10 +311,10 @@ class Trainer:
         if writes:
             write_run_file(self.out, self.run_metadata())
 
-    def _open_out_dir(self, adapter: dict[str, Any] | None) -> None:
+    def _open_out_dir(self, adapter: dict[str, Any] | None, model: nn.Module | None) -> None:
         """Create `out` and lock it (rank 0: another process training into it is refused); find the checkpoint
-        to resume from (refusing to mix a new run into an old one, or to resume with another config or LoRA
-        `adapter`: `lora.adapter_settings`)."""
+        to resume from (refusing to mix a new run into an old one, or to resume with another config, LoRA
+        `adapter` (`lora.adapter_settings`), given `model` or starting model directory)."""
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
         self._lock_out()
@@ -324,7 +332,9 @@ class Trainer:
         if cfg.resume and self.resume_from is None:
             self.log(f"no checkpoint in {root}: starting from scratch")
         if self.resume_from is not None:  # before any data work, which could overwrite the run's caches
-            trainer_checkpoints.check_resumable(self.resume_from, cfg, self.env.world_size, adapter)
+            if model is not None:  # (first: another config is named field by field, not as another directory)
+                trainer_checkpoints.check_same_model(model, self.resume_from)
+            trainer_checkpoints.check_resumable(self.resume_from, cfg, self.env.world_size, adapter, self.start)
             self.previous_finish = _finish_record(self.out)
 
     def _lock_out(self) -> None:
@@ -393,7 +403,8 @@ class Trainer:
         dataset = self.data.dataset("train", shuffle=False)
         data_key = self.data.metadata.get("key")
         teacher_info = {**teacher_summary(teacher), "seed": objective.seed}
-        changed = teacher_change(cfg.distill_cache, teacher_info)  # (a teacher retrained in place: not its cache)
+        # (a teacher retrained in place, or other noise for its initial states: not its cache)
+        changed = teacher_change(cfg.distill_cache, teacher_info, cfg.batch_size)
         if changed is not None:
             self.log(changed)
         if changed is not None or not has_cache(cfg.distill_cache):  # (rank 0 writes it; the others wait, run_on_main)

@@ -89,6 +89,7 @@ def save_checkpoint(trainer: Trainer) -> Path | None:
                     "world_size": env.world_size,
                     "config": cfg.to_dict(),
                     "sampler": trainer.sampler.to_dict() if trainer.sampler is not None else None,
+                    "start": trainer.start,  # the model directory the run started from: `check_same_start`
                 })
                 final = ckpt.commit_checkpoint(tmp, step, keep_last=cfg.keep_last, log=trainer.log)
         except ckpt.CheckpointWriteError as exc:
@@ -177,9 +178,11 @@ def find_resume_checkpoint(root: Path, env: ddist.DistEnv, log: Callable[[str], 
     return found
 
 
-def check_resumable(path: Path, cfg: TrainConfig, world_size: int, adapter: dict[str, Any] | None = None) -> None:
+def check_resumable(path: Path, cfg: TrainConfig, world_size: int, adapter: dict[str, Any] | None = None,
+                    start: dict[str, str] | None = None) -> None:
     """Refuse to resume from `path` with a changed config, another LoRA adapter (`adapter`: this run's
-    `lora.adapter_settings`, None: every weight trains) or another number of processes."""
+    `lora.adapter_settings`, None: every weight trains), another number of processes or another starting model
+    directory (`start`: this run's `init_from.start_record`, see `check_same_start`)."""
     try:
         trainer_state = ckpt.read_trainer_state(path)
     except (OSError, ValueError) as exc:
@@ -201,6 +204,25 @@ def check_resumable(path: Path, cfg: TrainConfig, world_size: int, adapter: dict
     if trainer_state.get("world_size") != world_size:
         raise ValueError(f"cannot resume from {path}: it was written by {trainer_state.get('world_size')} "
                          f"process(es), this run has {world_size}")
+    check_same_start(path, trainer_state.get("start"), start)
+
+
+def check_same_start(path: Path, recorded: Any, start: dict[str, str] | None) -> None:
+    """Refuse (one ValueError naming both directories) to resume checkpoint `path` of a run that started from one
+    model directory (`recorded`, its `init_from.start_record`) from another one, or from the same one changed
+    since (a model of the same config included): on resume `rdepth rl` takes its reference model and every
+    command its tokenizer from there. Nothing to check for a checkpoint that records none (written before
+    checkpoints did, or of a run from scratch) or a run that names none. Files rewritten with the same content
+    (a copy without its mtimes, a download again) pass on `content`, a sample of their bytes."""
+    if not isinstance(recorded, dict) or start is None:
+        return
+    if recorded.get("identity") == start["identity"] or recorded.get("content") == start["content"]:
+        return
+    before, now = recorded.get("directory"), start["directory"]
+    what = (f"{now} changed since the run started from it" if before == now else
+            f"the run started from {before}, this run from {now}")
+    raise ValueError(f"cannot resume from {path}: {what} (the model directories' config.json or weights differ); "
+                     f"resume with the model the run started from")
 
 
 def resume(trainer: Trainer) -> Path | None:
@@ -211,7 +233,7 @@ def resume(trainer: Trainer) -> Path | None:
     root = ckpt.checkpoints_root(trainer.out) if trainer.out is not None else None
     env = trainer.env
     while path is not None:
-        check_same_model(trainer, path)  # (another model is a refusal, not a damaged checkpoint to set aside)
+        check_same_model(trainer.model, path)  # (another model is a refusal, not a damaged checkpoint to set aside)
         loaded, problem = load_for_resume(trainer, path)
         problem = ddist.broadcast_object(problem, env)  # every rank falls back together
         if problem is None:
@@ -224,19 +246,19 @@ def resume(trainer: Trainer) -> Path | None:
         fallback = f"resuming from {older.name}" if older is not None else "no valid checkpoint is left"
         trainer.log(f"skipping checkpoint {path}: {problem}; moved it to {moved}, {fallback}")
         if older is not None:
-            check_resumable(older, trainer.cfg, env.world_size, adapter_settings(trainer.model))
+            check_resumable(older, trainer.cfg, env.world_size, adapter_settings(trainer.model), trainer.start)
         path = older
     trainer.log(f"no checkpoint in {root} could be loaded: starting from scratch")
     return None
 
 
-def check_same_model(trainer: Trainer, path: Path) -> None:
+def check_same_model(model: Any, path: Path) -> None:
     """Refuse (one ValueError naming the fields) to resume checkpoint `path` into a model of another config,
     e.g. `rdepth rl --resume` with another --init-from: its weights would not load, and setting the valid
     checkpoints aside would restart the run from scratch. (Only for a `RecurrentDepthLM`, under LoRA too.)"""
     from recurrent_depth.config import ModelConfig
 
-    config = getattr(base_model_of(trainer.model), "config", None)
+    config = getattr(base_model_of(model), "config", None)
     if not isinstance(config, ModelConfig):
         return
     try:
@@ -327,7 +349,7 @@ def apply_checkpoint(trainer: Trainer, loaded: ckpt.LoadedCheckpoint) -> None:
 
 def resume_from_checkpoint(trainer: Trainer, path: Path) -> None:
     """Continue `trainer` from checkpoint `path` (no fallback: a checkpoint that does not load is a ValueError)."""
-    check_same_model(trainer, path)
+    check_same_model(trainer.model, path)
     loaded, problem = load_for_resume(trainer, path)
     if problem is not None:
         raise ValueError(f"cannot resume from {path}: {problem}")

@@ -375,7 +375,7 @@ def test_validation_accepts_the_documented_extra_fields():
     chat = parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                   {"type": "text", "text": "b"}]}]},
                       LIMITS, {"m"}, False)
-    assert chat.messages == [{"role": "user", "content": "ab"}]
+    assert chat.messages == [{"role": "user", "content": "a\nb"}]  # text parts joined as vLLM / llama.cpp join them
     with pytest.raises(APIError) as info:
         req.sampling.options(250, 16, LIMITS)
     assert info.value.code == "context_length_exceeded"

@@ -249,3 +249,61 @@ def test_a_solo_requests_echo_scores_read_its_prompt_from_codes_as_the_pool_does
     assert scores == pytest.approx(pooled.logprobs[1:], abs=TOL)
     assert max(abs(a - b) for a, b in zip(scores, full_precision, strict=True)) > 10 * TOL  # codes really read
     solo.close()
+
+
+def test_echo_scores_under_exit_kv_compute_equal_the_request_alone(model):
+    """`echo` + `logprobs` of an exit_kv="compute" request under a criterion that reads logits: the batch
+    scored the prompt from the KV its prefill wrote, whose coda quantizer calibrates on the criterion's
+    first probe (the last position at step 1), while the same request alone (its own `kv_quant`) rescored
+    the prompt with a plain forward calibrated on the full-depth prompt (scores ~6e-3 apart)."""
+    from recurrent_depth.serving.solo import SoloRun
+
+    prompt, other = [5, 17, 99, 3, 250, 42, 8], [7, 1, 2, 3, 9]
+    kw = dict(num_steps=6, exit_criterion="kl", exit_threshold=0.1, exit_kv="compute", max_new_tokens=2)
+    options = GenerationOptions(**kw, kv_quant=KV).validate(4)
+    dec = BatchDecoder(model, 2, kv_quant=KV)
+    dec.add(RowRequest(other, options, 1, top_logprobs=0))  # a row already there
+    _, first, batched = dec.add(RowRequest(prompt, options, 0, top_logprobs=2, prompt_logprobs=True))
+    solo = SoloRun(model, RowRequest(prompt, options, 0, top_logprobs=2, prompt_logprobs=True), dict(kw, kv_quant=KV))
+    alone = solo.prompt_scores()
+    assert first.steps < 6  # the prompt's last position exited early: its probes ran
+    assert alone.logprobs[1:] == pytest.approx(batched.logprobs[1:], abs=TOL)
+    assert [[t for t, _ in top] for top in alone.top[1:]] == [[t for t, _ in top] for top in batched.top[1:]]
+    assert solo.next().token == first.token
+    solo.close()
+
+
+def test_solo_echo_scores_under_exit_in_prefill_calibrate_where_the_session_does(model):
+    """Under `exit_in_prefill` the session's prefill writes the coda's KV first at its first check (step 1),
+    so a quantized cache calibrates the coda there; the echo scores were a forward at the exit depth on a
+    fresh cache, calibrated on the exit-depth states. Oracle: that forward on a cache whose codecs a
+    one-step forward made."""
+    from recurrent_depth.inference.cache import make_cache
+    from recurrent_depth.serving.solo import SoloRun
+
+    prompt, seed = [5, 17, 99, 3, 250, 42, 8], 3
+    kw = dict(num_steps=8, exit_criterion="kl", exit_threshold=0.1, exit_in_prefill=True, max_new_tokens=1)
+    options = GenerationOptions(**kw, kv_quant=KV).validate(4)
+    solo = SoloRun(model, RowRequest(prompt, options, seed, top_logprobs=0, prompt_logprobs=True),
+                   dict(kw, kv_quant=KV))
+    scores = torch.tensor(solo.prompt_scores().logprobs[1:])
+    depth = solo.next().steps
+    assert 1 < depth < 8
+    ids = torch.tensor([prompt])
+
+    def cache():
+        return make_cache("static", 1, 8, capacity=len(prompt), policy=options.policy,
+                          core_layers=model.config.core_layers, kv_quant=KV)
+
+    def forward(steps: int, into) -> torch.Tensor:
+        with torch.no_grad():
+            out = model(ids, num_steps=steps, generator=torch.Generator().manual_seed(seed), cache=into)
+        logp = torch.log_softmax(out.logits[0], -1)
+        return logp[:-1].gather(-1, ids[0, 1:, None])[:, 0]
+
+    at_first_check, replay = cache(), cache()
+    forward(1, at_first_check)
+    replay.codecs._layers.update(at_first_check.codecs._layers)  # each layer's codecs as the session made them
+    torch.testing.assert_close(scores, forward(depth, replay), rtol=0, atol=TOL)
+    assert (scores - forward(depth, cache())).abs().max() > 10 * TOL  # where the coda calibrates matters
+    solo.close()

@@ -107,6 +107,9 @@ def test_bad_records_are_one_line_errors_naming_file_and_line(model_dir, tmp_pat
         "{not json": "not valid JSON",
         json.dumps({"messages": [{"role": "user", "content": "hi"}]}): "no assistant message",
         json.dumps({"messages": [{"role": "user"}]}): r"messages\[0\] must be an object with string 'role'",
+        json.dumps({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]},
+                                 {"role": "assistant", "content": "b"}]}):
+            r"messages\[0\]\.content\[0\] is a part of type 'input_audio', but the model reads text only",
         json.dumps({"text": "x"}): "expected 'messages'",
         json.dumps({"prompt": "a", "completion": ["b"]}): "'prompt' and 'completion' must both be strings",
     }
@@ -115,6 +118,34 @@ def test_bad_records_are_one_line_errors_naming_file_and_line(model_dir, tmp_pat
         path.write_text(f"{good}\n\n{line}\n")
         with pytest.raises(ValueError, match=f"^{path}:3: {message}"):
             load_examples(path, encoder)
+
+
+@pytest.mark.parametrize("content,words", [
+    ([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], None),
+    ([{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 99}}],
+     "messages[0].content[1] is a part of type 'image_url', but the model reads text only"),
+    ([{"text": "a"}], "messages[0].content[0] has no string 'type'"),
+    ({"type": "text", "text": "a"}, "messages[0].content must be a string, null or a list of text parts, got dict"),
+])
+def test_content_parts_read_the_same_in_sft_and_the_server(content, words):
+    """A list of text parts was joined with no separator by the server ("a" + "b" -> "ab") and refused by
+    `rdepth sft`; both now read it as the texts joined by a newline (vLLM's and llama.cpp's reading), and
+    refuse a non-text part with the same one-line error naming its type (the server's is a 400)."""
+    from recurrent_depth.serving.protocol import APIError, Limits, parse_chat
+
+    messages = [{"role": "user", "content": content}, {"role": "assistant", "content": "c"}]
+    if words is None:
+        served = parse_chat({"messages": messages}, Limits(4096, 4, 300), {"m"}, False).messages
+        assert served == conversation({"messages": messages}, "x:1").messages
+        assert served[0]["content"] == "a\nb"
+        return
+    with pytest.raises(APIError) as info:
+        parse_chat({"messages": messages}, Limits(4096, 4, 300), {"m"}, False)
+    assert (info.value.status, info.value.param) == (400, "messages")
+    assert str(info.value).startswith(words) and "\n" not in str(info.value) and "AAAA" not in str(info.value)
+    with pytest.raises(ValueError) as sft:
+        conversation({"messages": messages}, "x:1")
+    assert str(sft.value) == f"x:1: {info.value}"
 
 
 def test_a_local_parquet_file_reads_as_jsonl_does(model_dir, tmp_path):
@@ -188,7 +219,7 @@ def test_a_null_content_is_empty_text_as_the_server_takes_it(model_dir):
     assert scored_runs(example, tokenizer)[1] == ("<|end_turn|>", True)  # (the empty turn's end is learned)
     served = parse_chat(null, Limits(4096, 4, 300), {"m"}, False).messages
     assert served[1] == {"role": "assistant", "content": "", "tool_calls": call}  # (the fields reach the template)
-    with pytest.raises(ValueError, match=r"x:1: messages\[0\] must be an object with string 'role' and 'content'"):
+    with pytest.raises(ValueError, match=r"x:1: messages\[0\]\.content must be a string, null or a list of text parts"):
         conversation({"messages": [{"role": "user", "content": 7}]}, "x:1")
 
 

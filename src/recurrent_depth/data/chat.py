@@ -5,7 +5,8 @@ Records (one per JSONL line, or one per row of a local `datasets` file):
 - chat, the OpenAI / Hugging Face format: `{"messages": [{"role": "user", "content": "..."}, ...]}`;
   every assistant message is learned, the rest is context; a message's other fields (`name`, `tool_calls`)
   go to the chat template as they are (a null field as if absent); a null `content` (OpenAI's assistant turn
-  of tool calls only) is empty text;
+  of tool calls only) is empty text, and a list of text parts (`[{"type": "text", "text": ...}, ...]`) their
+  texts joined by a newline, as the server reads them (`serving.chat_template.content_text`);
 - prompt/completion: `{"prompt": "...", "completion": "..."}`, the completion is learned. Both may also be
   lists of messages (the conversational form): the conversation is `prompt + completion`, and only the
   completion's assistant messages are learned.
@@ -176,18 +177,21 @@ def conversation(record: Any, where: str) -> Conversation:
 
 
 def _messages(value: Any, where: str, key: str) -> list[dict[str, Any]]:
+    from recurrent_depth.serving.chat_template import content_text  # (here: the serving package is heavy to import)
+
     if not isinstance(value, list) or not value:
         raise ValueError(f"{where}: '{key}' must be a non-empty list of messages")
     out = []
     for i, message in enumerate(value):
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                and "content" in message and isinstance(message["content"], str | None)):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str) and "content" in message):
             raise ValueError(f"{where}: {key}[{i}] must be an object with string 'role' and 'content' (or a null "
                              "'content': an assistant turn of tool calls only)")
+        # a list of text parts is their texts joined, a null content empty text (never the text 'None' a template
+        # would write for it), both as the server takes them (`content_text`)
+        content = content_text(message["content"], f"{where}: {key}[{i}].content")
         # every field goes to the template (a tool call, a tool's name); a null one (datasets fills a field some
-        # messages lack with None) is left out, as if absent; a null content is empty text (as the server takes
-        # it), never the text 'None' a template would write for it
-        out.append({k: v for k, v in message.items() if v is not None} | {"content": message.get("content") or ""})
+        # messages lack with None) is left out, as if absent
+        out.append({k: v for k, v in message.items() if v is not None} | {"content": content})
     return out
 
 

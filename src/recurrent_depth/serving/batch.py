@@ -46,12 +46,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from recurrent_depth.inference.criteria import ExitCriterion, RowCriterion, gate_for
+from recurrent_depth.inference.criteria import ExitCriterion, Gate, RowCriterion, gate_for
 from recurrent_depth.inference.engine import Pass, Recurrence
 from recurrent_depth.inference.options import ResolvedOptions
 from recurrent_depth.inference.quant_cache import KVQuant, kv_quant_for_model
 from recurrent_depth.inference.runner import Step
 from recurrent_depth.inference.sampling import RowGenerators, TokenChooser
+from recurrent_depth.inference.session import adaptive_schedule
 from recurrent_depth.model.recurrent import all_attention
 from recurrent_depth.serving.kv_pool import SlotKVPool, make_pool
 
@@ -101,6 +102,32 @@ def logprobs_of(logits: Tensor, chosen: Tensor, k: int) -> tuple[list[float], li
     values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
     tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
     return picked, tops
+
+
+def prefill_prompt(engine: Recurrence, pass_: Pass, opts: ResolvedOptions, generator: torch.Generator | None,
+                   gate: Gate | None, vocab_size: int) -> tuple[Tensor, int]:
+    """The core steps of one unpadded prompt `pass_` as its session alone runs them (`Session.prefill`,
+    `computing_prefill`, `adaptive_prefill`): s_0, then `num_steps` steps; under exit_kv="compute" every
+    step runs and the last position is read at the step its criterion holds; under `exit_in_prefill` the
+    positions stop together where the criterion holds. Returns (raw states `[1, T, h]`, the steps its
+    first token took).
+
+    The batch's prefill and the prompt scores of a request generated alone both run this, so they write
+    (and, with a quantized cache, calibrate on) the KV entries their session writes, in the same order."""
+    # As `Session.initial_states` for one unpadded row: no draw at all when init_scale is 0 (s_0 = e for Ouro).
+    zeros = opts.init_scale == 0 and engine.runner.model.config.state_init == "random"
+    s = torch.zeros_like(pass_.e) if zeros else engine.initial_state(pass_.e, opts.init_scale, generator)
+    if opts.criterion is None or not (opts.exit_kv == "compute" or opts.exit_in_prefill):
+        return engine.run(s, pass_, opts.num_steps), opts.num_steps
+    criterion = ExitCriterion(opts.criterion, opts.threshold, gate)
+    if opts.exit_kv == "compute":
+        s, _, used, _ = engine.run_computing(s, pass_, criterion, vocab_size, max_steps=opts.num_steps,
+                                             min_steps=opts.min_steps, check_every=opts.check_every)
+    else:
+        schedule = adaptive_schedule(opts.num_steps, opts.max_steps, opts.min_steps, opts.check_every,
+                                     opts.min_steps_rule)
+        s, _, used, _ = engine.run_adaptive(s, pass_, criterion, vocab_size, **schedule)
+    return s, int(used[0])
 
 
 @dataclass(eq=False)
@@ -260,20 +287,9 @@ class BatchDecoder:
         pool.set_policy(row, opts.policy)
         pool.bind_prefill(row, T, table)
         pass_ = engine.begin(ids, None, pool)
-        # As `Session.initial_states` for one unpadded row: no draw at all when init_scale is 0 (s_0 = e for Ouro).
-        scale = opts.init_scale
-        zeros = scale == 0 and self.runner.model.config.state_init == "random"
-        s = torch.zeros_like(pass_.e) if zeros else engine.initial_state(pass_.e, scale, generators[0])
         engine.should_stop = should_stop
-        first_steps = depth
         try:
-            if seq.computing:  # every step's KV; the last position is read at its exit step (as `Session`)
-                criterion = ExitCriterion(opts.criterion, opts.threshold, gate)
-                s, _, used, _ = engine.run_computing(s, pass_, criterion, self.config.vocab_size, max_steps=depth,
-                                                     min_steps=opts.min_steps, check_every=opts.check_every)
-                first_steps = int(used[0])
-            else:
-                s = engine.run(s, pass_, depth)
+            s, first_steps = prefill_prompt(engine, pass_, opts, generators[0], gate, self.config.vocab_size)
         finally:
             engine.should_stop = None
         logits = engine.readout(s, pass_, last_only=not request.prompt_logprobs)[0]  # [T or 1, V]

@@ -58,6 +58,40 @@ def load_template(model_dir: Path) -> tuple[str | None, dict[str, str]]:
     return (source if isinstance(source, str) and source else None), variables
 
 
+# What joins a message's text parts into the one string a template renders: vLLM, llama.cpp's server and
+# TensorRT-LLM join them with a newline for templates that take string content ("a" + "b" is not "ab").
+PART_SEPARATOR = "\n"
+
+
+def content_text(content: Any, where: str) -> str:
+    """A message's `content` as the text its chat template renders (the server and `rdepth sft` both read
+    content through this): a string as it is, null as empty text (OpenAI's assistant turn of tool calls
+    only), and a list of OpenAI content parts (`[{"type": "text", "text": ...}, ...]`) as their texts
+    joined by `PART_SEPARATOR`. Anything else is a one-line ValueError naming `where`; a non-text part
+    (`image_url`, `input_audio`, `file`, ...) is named by its type: these models read text only."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"{where} must be a string, null or a list of text parts, got {type(content).__name__}")
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise ValueError(f"{where}[{i}] must be a content part ({{'type': 'text', 'text': ...}}), got "
+                             f"{type(part).__name__}")
+        kind = part.get("type")
+        if not isinstance(kind, str):
+            raise ValueError(f"{where}[{i}] has no string 'type' (a text part is {{'type': 'text', 'text': ...}})")
+        if kind != "text":
+            raise ValueError(f"{where}[{i}] is a part of type {kind[:40]!r}, but the model reads text only: "
+                             "send {'type': 'text', 'text': ...} parts")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}[{i}].text must be a string, got {type(part.get('text')).__name__}")
+        texts.append(part["text"])
+    return PART_SEPARATOR.join(texts)
+
+
 class ChatTemplate:
     """A compiled chat template; `render(messages)` opens the assistant's turn."""
 

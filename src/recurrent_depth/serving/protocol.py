@@ -23,6 +23,7 @@ from typing import Any
 
 from recurrent_depth.inference.options import GenerationOptions, OptionError, ResolvedOptions, spelled_warnings
 from recurrent_depth.inference.schema import OFFICIAL_ALIASES, OPTIONS, canonical, check_type, names_for, negating
+from recurrent_depth.serving.chat_template import content_text
 
 HTTP_OPTIONS = names_for("http")  # the schema's extra body fields, official aliases included
 # The standard OpenAI fields of /v1/completions and /v1/chat/completions (read, or ignored where
@@ -407,20 +408,10 @@ def parse_chat(body: dict, limits: Limits, served_names: set[str], eos_configure
         role = message.get("role")
         if role not in ROLES:
             raise bad("messages", f"{where}.role={_describe(role)} is invalid: expected one of {list(ROLES)}")
-        content = message.get("content")
-        if content is None:
-            content = ""
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad("messages", f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) "
-                                          f"are supported, got {_describe(part)}")
-                parts.append(part["text"])
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise bad("messages", f"{where}.content must be a string or a list of text parts, got "
-                                  f"{_describe(content)}")
+        try:  # text parts joined as `rdepth sft` joins them; a non-text part is a 400 naming its type
+            content = content_text(message.get("content"), f"{where}.content")
+        except ValueError as exc:
+            raise bad("messages", str(exc)) from None
         check_text(content, "messages", f"{where}.content")
         # its other fields (a tool's name, an assistant's tool_calls) reach the chat template as they are, as in
         # `rdepth sft` (a null one as if absent): they were dropped, so a template reading them rendered another prompt

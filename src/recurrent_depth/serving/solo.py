@@ -15,8 +15,10 @@ import torch
 
 from recurrent_depth.inference import stream_generate
 from recurrent_depth.inference.cache import make_cache
+from recurrent_depth.inference.criteria import gate_for
+from recurrent_depth.inference.engine import Recurrence
 from recurrent_depth.inference.output import TokenEvent
-from recurrent_depth.serving.batch import PromptScores, RowRequest, TokenResult, logprobs_of
+from recurrent_depth.serving.batch import PromptScores, RowRequest, TokenResult, logprobs_of, prefill_prompt
 
 
 class SoloRun:
@@ -31,22 +33,21 @@ class SoloRun:
         kwargs["seed"] = request.seed
         kwargs["output_logits"] = request.top_logprobs is not None
         # should_stop reaches TTT-E2E's inner loop, which runs here, before `watch` can be called
-        self.kwargs = kwargs
         self.stream = stream_generate(model, torch.tensor([request.prompt]), should_stop=should_stop, **kwargs)
         self._events: Iterator[TokenEvent] = iter(self.stream)
-        self._pending: TokenEvent | None = None  # a first token taken early to learn the prefill's depth
 
     @torch.inference_mode()
     def prompt_scores(self) -> PromptScores:
-        """Prompt log-probabilities from one full forward at the depth of the session's prefill.
+        """Prompt log-probabilities from the session's prefill run again, read out at every position.
 
-        The forward draws s_0 with a generator seeded like the session's (same seed, same shape,
-        same order), so the scores are those of the session's own prefill. That prefill runs the
-        request's `num_steps`, or under `exit_in_prefill` the step where the criterion stopped the
-        prompt's positions together (read from the first token's event).
+        It runs as the session's prefill does (`batch.prefill_prompt`, over the session's runner) and
+        draws s_0 with a generator seeded like the session's (same seed, same shape, same order), so the
+        scores are those of the session's own prefill (and of the same request in the batch): at the
+        request's `num_steps`, or under `exit_in_prefill` at the step where the criterion stopped the
+        prompt's positions together. A quantized cache calibrates on the same first writes as the
+        session's (under exit_kv="compute" or `exit_in_prefill`, the criterion's readouts among them).
         """
         opts = self.request.options
-        depth = self.prefill_depth() if opts.criterion is not None and opts.exit_in_prefill else opts.num_steps
         ids = torch.tensor([self.request.prompt], device=self.model.device)
         generator = torch.Generator(device=self.model.device).manual_seed(self.request.seed % (2**63))
         model = self.stream.model  # TTT-E2E: the adapted copy the session generates with
@@ -55,27 +56,15 @@ class SoloRun:
         if quant is not None:  # the session's prefill reads its prompt back from code rows: so must its scores
             cache = make_cache("static", 1, opts.deepest_step, capacity=ids.shape[1], policy=opts.policy,
                                core_layers=model.config.core_layers, kv_quant=quant)
-        logits = model(ids, num_steps=depth, init_scale=opts.init_scale, generator=generator,
-                       cache=cache).logits[0]
+        engine = Recurrence(model, runner=self.stream.session.engine.runner)  # without the session's hooks
+        pass_ = engine.begin(ids, None, cache)
+        state, _ = prefill_prompt(engine, pass_, opts, generator, gate_for(opts.criterion, model),
+                                  model.config.vocab_size)
+        logits = engine.readout(state, pass_)[0]
         if ids.shape[1] < 2:
             return PromptScores([None], [None])
         picked, tops = logprobs_of(logits[:-1], ids[0, 1:], self.request.top_logprobs or 0)
         return PromptScores([None, *picked], [None, *tops])
-
-    def prefill_depth(self) -> int:
-        """The core steps the session's adaptive prefill ran: the first token's, taken now and held for
-        `next`; a request for no new tokens runs a one-token session of its own for it."""
-        if self._pending is None:
-            self._pending = next(self._events, None)
-        if self._pending is not None:
-            return self._pending.steps
-        # (from the model the session started from, with the same options: a TTT-E2E request adapts it the same way)
-        events = iter(stream_generate(self.model, torch.tensor([self.request.prompt]),
-                                      **{**self.kwargs, "max_new_tokens": 1, "output_logits": False}))
-        try:
-            return next(events).steps
-        finally:
-            getattr(events, "close", lambda: None)()
 
     def watch(self, should_stop: Callable[[], bool], on_step: Callable[[], None]) -> None:
         """Check `should_stop` between the session's core steps; call `on_step` after each."""
@@ -84,8 +73,7 @@ class SoloRun:
 
     def next(self) -> TokenResult | None:
         """The next token, or None when the session has ended."""
-        event = self._pending if self._pending is not None else next(self._events, None)
-        self._pending = None
+        event = next(self._events, None)
         if event is None:
             return None
         result = TokenResult(event.token, event.steps, event.reason)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import warnings
 
 import pytest
 import torch
@@ -15,12 +16,16 @@ from recurrent_depth.accel.runner import FastRunner
 from recurrent_depth.inference import generate
 from recurrent_depth.inference.runner import ModelRunner, make_runner
 from recurrent_depth.train.lora import (
+    FINGERPRINT_KEY,
     PARTS,
+    AdapterBaseWarning,
     LoraSpec,
     add_lora,
+    base_fingerprint,
     load_adapter_model,
     load_lora,
     merge_lora,
+    recorded_base,
     save_adapter,
     target_modules,
 )
@@ -365,6 +370,86 @@ def test_a_relative_base_directory_is_recorded_so_the_adapter_loads_from_anywher
     torch.testing.assert_close(loaded(ids(), **STEPS).logits, wrapped(ids(), **STEPS).logits, rtol=0, atol=1e-6)
 
 
+# ---------------------------------------------------------------------------------------- which base
+def test_an_adapter_warns_when_loaded_onto_other_weights_of_the_same_shapes_and_strict_refuses(tmp_path):
+    """An adapter loaded onto another model of the same shapes (another fine-tune) ran without a word: it records
+    a fingerprint of its base's weights, the same whatever dtype (float32 / bfloat16) either side loads."""
+    base, other, adapter = tmp_path / "base", tmp_path / "other", tmp_path / "adapter"
+    tiny_model().save_pretrained(base)
+    tiny_model(seed=1).save_pretrained(other)  # the same config: only the weights differ
+    wrapped = add_lora(rd.RecurrentDepthLM.from_pretrained(base, dtype=torch.bfloat16), LoraSpec(rank=2),
+                       base_dir=base, seed=0)
+    randomise_adapters(wrapped)
+    save_adapter(wrapped, adapter)
+    recorded = recorded_base(adapter)[FINGERPRINT_KEY]
+    assert re.fullmatch(r"rd1:[0-9a-f]{16}", recorded)
+    assert base_fingerprint(rd.RecurrentDepthLM.from_pretrained(base)) == recorded  # (float32, as stored)
+    assert base_fingerprint(rd.RecurrentDepthLM.from_pretrained(other)) != recorded
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AdapterBaseWarning)
+        load_adapter_model(adapter, strict_base=True)  # its own base: silent
+        load_lora(rd.RecurrentDepthLM.from_pretrained(base, dtype=torch.bfloat16), adapter)
+
+    expected = (rf"the LoRA adapter {re.escape(str(adapter))} was trained on {re.escape(str(base))} \(weights "
+                rf"fingerprint {recorded}\), but this model {re.escape(str(other))} has weights fingerprint rd1:")
+    with pytest.warns(AdapterBaseWarning, match=expected + r".*another model of the same shapes"):
+        load_adapter_model(adapter, base=other)
+    with pytest.warns(AdapterBaseWarning, match=expected):  # merging warns as well
+        load_adapter_model(adapter, base=other, merge=True)
+    model = rd.RecurrentDepthLM.from_pretrained(other)
+    with pytest.raises(ValueError, match=r"\(weights fingerprint rd1:.*; refused by the strict base check$"):
+        load_lora(model, adapter, strict_base=True)
+    assert not any("lora_" in name for name, _ in model.named_parameters())  # left as it was given
+    with pytest.warns(AdapterBaseWarning, match=r"float16 rounds even the same weights differently"):
+        load_lora(rd.RecurrentDepthLM.from_pretrained(base, dtype=torch.float16), adapter)
+
+    tiny_model(seed=2).save_pretrained(base)  # the base directory rewritten since
+    with pytest.warns(AdapterBaseWarning, match=r"the weights in that directory changed since the adapter was saved"):
+        load_adapter_model(adapter)
+
+
+def test_an_adapter_without_a_base_fingerprint_loads_anywhere_without_a_warning(tmp_path):
+    """Adapters saved before fingerprints were recorded, or by peft itself: nothing to compare."""
+    import peft
+    from safetensors.torch import load_file, save_file
+
+    base = tmp_path / "base"
+    tiny_model().save_pretrained(base)
+    save_adapter(add_lora(tiny_model(), LoraSpec(rank=2), base_dir=base, seed=0), tmp_path / "old")
+    weights = tmp_path / "old" / "adapter_model.safetensors"
+    save_file(load_file(weights), weights, metadata={"format": "pt"})  # what peft writes
+    peft.get_peft_model(tiny_model(), peft.LoraConfig(r=2, target_modules=["Wqkv"])).save_pretrained(tmp_path / "peft")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AdapterBaseWarning)
+        for adapter in (tmp_path / "old", tmp_path / "peft"):
+            assert recorded_base(adapter) == {}
+            load_lora(tiny_model(seed=1), adapter, strict_base=True)
+
+
+def test_export_merge_lora_onto_another_base_warns_in_one_line_and_strict_refuses(tmp_path, capsys):
+    from recurrent_depth.cli import main
+
+    base, other, adapter = tmp_path / "base", tmp_path / "other", tmp_path / "adapter"
+    tiny_model().save_pretrained(base)
+    tiny_model(seed=1).save_pretrained(other)
+    save_adapter(add_lora(rd.RecurrentDepthLM.from_pretrained(base), LoraSpec(rank=2), base_dir=base, seed=0), adapter)
+    export = ["export", "--merge-lora", str(adapter)]
+    assert main([*export, "--model", str(base), "--out", str(tmp_path / "a"), "--strict-lora-base"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert main([*export, "--model", str(other), "--out", str(tmp_path / "b")]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warned) == 1 and warned[0].startswith(f"rdepth export: warning: the LoRA adapter {adapter} was "
+                                                     f"trained on {base} (weights fingerprint rd1:"), warned
+    assert main([*export, "--model", str(other), "--out", str(tmp_path / "c"), "--strict-lora-base"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith("refused by the strict base check"), err
+    assert not (tmp_path / "c").exists()
+    assert main(["export", "--model", str(base), "--out", str(tmp_path / "d"), "--strict-lora-base"]) == 2
+    assert "--strict-lora-base checks the base of a --merge-lora adapter" in capsys.readouterr().err
+    assert main(["generate", "--model", str(base), "--prompt", "x", "--strict-lora-base"]) == 2
+    assert "--strict-lora-base checks the base of a --lora adapter: add --lora" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------- generation
 @pytest.mark.parametrize("kv_heads", [None, 1], ids=["mha", "gqa"])
 def test_an_unmerged_adapter_generates_the_merged_tokens_on_both_runners(kv_heads):
@@ -484,6 +569,7 @@ def test_the_cli_trains_an_adapter_generates_with_it_and_merges_it(tmp_path, cap
     assert sorted(config["target_modules"]) == sorted(
         ["transformer.adapter"] + [f"transformer.core_block.{j}.attn.{n}" for j in (0, 1) for n in ("Wqkv", "proj")])
     assert config["base_model_name_or_path"] == str(base)
+    assert recorded_base(adapter)[FINGERPRINT_KEY] == base_fingerprint(rd.RecurrentDepthLM.from_pretrained(base))
 
     assert main(["export", "--model", str(base), "--merge-lora", str(adapter), "--out", str(tmp_path / "merged")]) == 0
     capsys.readouterr()

@@ -38,6 +38,22 @@ def add_lora_adapter_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora", default=None, metavar="ADAPTER_DIR",
                         help="a peft LoRA adapter directory to apply to --model, unmerged (e.g. the model/ of an "
                              "`rdepth train --lora` run; needs recurrent-depth[lora]; default: none)")
+    add_strict_lora_base_arg(parser, "--lora")
+
+
+def add_strict_lora_base_arg(parser: argparse.ArgumentParser, adapter_flag: str) -> None:
+    """`--strict-lora-base`: refuse an adapter whose recorded base fingerprint is not --model's (default: warn)."""
+    parser.add_argument("--strict-lora-base", action="store_true",
+                        help=f"refuse the {adapter_flag} adapter when --model's weights are not the ones it was "
+                             f"trained on (the base fingerprint it records); default: a warning, since an adapter "
+                             f"may be meant for a sibling fine-tune of its base")
+
+
+def check_strict_lora_base(args: argparse.Namespace, adapter_flag: str) -> None:
+    """--strict-lora-base without an adapter to check does nothing: say so instead."""
+    if args.strict_lora_base and getattr(args, adapter_flag.removeprefix("--").replace("-", "_")) is None:
+        raise ValueError(f"--strict-lora-base checks the base of a {adapter_flag} adapter: add {adapter_flag} "
+                         f"(or leave it out)")
 
 
 def check_lora_with_weights(args: argparse.Namespace) -> None:

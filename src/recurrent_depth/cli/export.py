@@ -18,7 +18,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from recurrent_depth.cli.common import add_model_arg, add_tokenizer_arg
+from recurrent_depth.cli.common import (
+    add_model_arg,
+    add_strict_lora_base_arg,
+    add_tokenizer_arg,
+    check_strict_lora_base,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -51,6 +56,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="add this peft LoRA adapter into the weights (W + alpha/r B A) before saving (needs "
              "recurrent-depth[lora]; default: none)",
     )
+    add_strict_lora_base_arg(parser, "--merge-lora")
     parser.set_defaults(func=run)
 
 
@@ -67,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     # `not 0 < x < inf` also refuses nan and inf, which int(x * 2**20) below turned into a traceback.
     if args.max_shard_mb is not None and not 0 < args.max_shard_mb < float("inf"):
         raise ValueError(f"--max-shard-mb={args.max_shard_mb} is invalid: expected a finite size > 0")
+    check_strict_lora_base(args, "--merge-lora")
     reshape = args.dtype is not None or args.max_shard_mb is not None or args.merge_lora is not None
     if out is None and (reshape or not args.remote_code):
         raise ValueError("--out is required unless only --remote-code files are added to --model in place")
@@ -92,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
 
             from recurrent_depth.train.lora import load_lora, merge_lora
 
-            model = merge_lora(load_lora(RecurrentDepthLM.from_pretrained(src), args.merge_lora))
+            model = merge_lora(load_lora(RecurrentDepthLM.from_pretrained(src), args.merge_lora,
+                                         strict_base=args.strict_lora_base, model_dir=src))
             if args.dtype is not None:
                 model = model.to(getattr(torch, args.dtype))
         max_bytes = int(args.max_shard_mb * 2**20) if args.max_shard_mb is not None else None

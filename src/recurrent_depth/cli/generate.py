@@ -20,6 +20,7 @@ from recurrent_depth.cli.common import (
     add_max_depth_arg,
     check_depth_flags,
     check_lora_with_weights,
+    check_strict_lora_base,
     load_cli_tokenizer,
     tokenizer_source,
 )
@@ -112,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     from recurrent_depth.inference import generate, stream_generate
 
     check_lora_with_weights(args)
+    check_strict_lora_base(args, "--lora")
     args.prompt = read_prompts(args)
     parallel = args.sampler == "parallel"
     check_depth_flags(args, ("num_steps", "max_steps", "draft_steps", "gradmem_depth", "ttt_depth", "ttt_backprop")
@@ -127,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     if args.lora is not None:
         from recurrent_depth.train.lora import attach_adapter
 
-        model = attach_adapter(model, args.lora)
+        model = attach_adapter(model, args.lora, strict_base=args.strict_lora_base, model_dir=args.model)
     with tokenizer_failures_as_errors():
         rows = [tokenizer.encode(text).ids for text in args.prompt]
     if any(len(r) == 0 for r in rows):

@@ -15,7 +15,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-from recurrent_depth.cli.common import add_load_args, add_max_depth_arg, check_lora_with_weights
+from recurrent_depth.cli.common import (
+    add_load_args,
+    add_max_depth_arg,
+    check_lora_with_weights,
+    check_strict_lora_base,
+)
 from recurrent_depth.inference.options import DEFAULT_TTT_MAX_COPY_MB
 from recurrent_depth.inference.schema import add_option_flags
 
@@ -95,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     from recurrent_depth.serving.text import tokenizer_file
 
     check_lora_with_weights(args)
+    check_strict_lora_base(args, "--lora")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port {args.port} is invalid: expected 1..65535")
     check_port_free(args.host, args.port)  # before the model loads (minutes for a large one), not after
@@ -109,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
         from recurrent_depth.train.lora import attach_adapter
 
         model = attach_adapter(RecurrentDepthLM.from_pretrained(args.model, dtype=dtype, device=args.device,
-                                                                weights=args.weights), args.lora)
+                                                                weights=args.weights), args.lora,
+                               strict_base=args.strict_lora_base, model_dir=args.model)
         model_name = model_name or Path(args.model).resolve().name
         if tokenizer_dir is None and tokenizer_file(args.model) is not None:  # else token ids only, as without --lora
             tokenizer_dir = args.model

@@ -17,14 +17,20 @@ peft changes the wrapped model in place (its chosen `nn.Linear` layers become `l
 library model under the wrapper (`base_model_of`) runs with the adapter everywhere a `RecurrentDepthLM`
 goes: generation's reference runner calls its modules, and the fused decode runner adds the low-rank
 terms itself (`accel/lora.py`). peft is the optional extra `recurrent-depth[lora]`.
+
+An adapter saved from `add_lora` records a fingerprint of its base model's weights (`base_fingerprint`);
+loading it onto a model whose weights differ (another fine-tune of the same shapes) warns with
+`AdapterBaseWarning`, or with `strict_base=True` fails in one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,12 +126,15 @@ def add_lora(model: nn.Module, spec: LoraSpec, base_dir: str | Path | None = Non
     the adapter is trainable. base_dir: the base model's directory, which `save_adapter` records in
     `adapter_config.json` (`base_model_name_or_path`, made absolute) so `load_adapter_model` finds the
     base from anywhere. seed: the A matrices' random init draws from it (the trainers pass their
-    `seed`, so a LoRA run repeats exactly) without touching torch's global RNG; None: from that RNG."""
+    `seed`, so a LoRA run repeats exactly) without touching torch's global RNG; None: from that RNG.
+    The wrapper also keeps `base_record(model)` (the base's fingerprint), which `save_adapter` records."""
     peft = require_peft()
+    record = base_record(model)  # (before peft wraps it: the base's weights alone)
     with torch.random.fork_rng(devices=[]):  # (restores the CPU generator only: peft draws A on the CPU)
         if seed is not None:
             torch.default_generator.manual_seed(seed)  # not torch.manual_seed, which reseeds every GPU's for good
         wrapped = peft.get_peft_model(model, lora_config(model, spec))
+    wrapped.lora_base_record = record  # what save_adapter records in the weights file
     # Not in peft's own config: peft's save_pretrained would then read it with `config.from_pretrained`,
     # which a transformers config has and our ModelConfig has not.
     wrapped.lora_base_dir = str(Path(base_dir).resolve()) if base_dir is not None else None
@@ -173,9 +182,119 @@ def describe_adapter(settings: dict[str, Any] | None) -> str:
             f"{len(settings['targets'])} modules")
 
 
+# ------------------------------------------------------------------------ which base an adapter belongs to
+# Recorded in adapter_model.safetensors' metadata: an extra adapter_config.json key made peft warn that the file
+# "was saved using a higher version of the library" on every load. peft and transformers ignore the metadata.
+FINGERPRINT_KEY = "base_model_fingerprint"
+DTYPE_KEY = "base_model_dtype"  # the dtype of the weights fingerprinted (a float16 copy rounds them differently)
+FINGERPRINT_SCHEME = "rd1"  # the recipe below; a recorded fingerprint of another scheme is not compared
+FINGERPRINT_SAMPLES = 64  # values read from each parameter, spread evenly over it
+FLOAT16_SMALLEST_NORMAL = 2.0**-14  # smaller magnitudes hash as 0: a float16 load keeps them only approximately
+# peft's names for a wrapped layer's own weight (`Wqkv.base_layer.weight`, `lm_head.original_module.weight`),
+# and for the tensors it adds (lora_A/B/..., a trained copy in modules_to_save): the base's names are without them.
+_PEFT_WRAPPER_NAME = re.compile(r"\.(base_layer|original_module)(?=\.)")
+_PEFT_ADDED_NAME = re.compile(r"\.(lora_\w+|modules_to_save)\.")
+
+
+class AdapterBaseWarning(UserWarning):
+    """A LoRA adapter was loaded onto a model whose weights differ from the base it was trained on."""
+
+
+def _base_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model`'s floating-point parameters by their names without an adapter (a peft wrapper: the base's)."""
+    return {_PEFT_WRAPPER_NAME.sub("", name): p for name, p in base_model_of(model).named_parameters()
+            if not _PEFT_ADDED_NAME.search(name) and p.is_floating_point()}
+
+
+def base_fingerprint(model: nn.Module) -> str:
+    """A short fingerprint of `model`'s weights ("rd1:" + 16 hex digits; a peft wrapper: of the base under it).
+
+    SHA-256 over each floating-point parameter's name, shape and FINGERPRINT_SAMPLES values spread over it, so
+    it costs O(parameters), not O(weights), and any fine-tune or merged adapter changes it. The values are
+    rounded to bfloat16 first, so a float32 and a bfloat16 load of the same weights (and a float16 load of
+    bfloat16 ones) give the same fingerprint; a float16 load of float32 weights rounds differently and does not."""
+    digest = hashlib.sha256()
+    weights = _base_weights(model)
+    for name in sorted(weights):
+        flat = weights[name].detach().reshape(-1)
+        count = min(flat.numel(), FINGERPRINT_SAMPLES)
+        index = torch.linspace(0, flat.numel() - 1, count, dtype=torch.float64).round().long().to(flat.device)
+        values = flat[index].to(torch.bfloat16).cpu()
+        values = torch.where(values.abs() < FLOAT16_SMALLEST_NORMAL, torch.zeros_like(values), values)  # (-0 too)
+        digest.update(f"{name} {tuple(weights[name].shape)}\n".encode())
+        digest.update(values.view(torch.int16).numpy().astype("<i2").tobytes())
+    return f"{FINGERPRINT_SCHEME}:{digest.hexdigest()[:16]}"
+
+
+def base_record(model: nn.Module) -> dict[str, str]:
+    """What an adapter saved from a wrapper of `model` records of it: its fingerprint and the dtype of most of its
+    weights ("float32")."""
+    sizes: dict[str, int] = {}
+    for tensor in _base_weights(model).values():
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        sizes[dtype] = sizes.get(dtype, 0) + tensor.numel()
+    return {FINGERPRINT_KEY: base_fingerprint(model), DTYPE_KEY: max(sizes, key=sizes.__getitem__, default="none")}
+
+
+def _add_weights_metadata(weights: Path, entries: dict[str, str]) -> None:
+    """Add `entries` to the metadata of the adapter weights file peft wrote (rewritten: it is small)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(weights), "pt") as handle:
+        metadata = dict(handle.metadata() or {})
+    save_file(load_file(str(weights)), str(weights), metadata={**metadata, **entries})
+
+
+def recorded_base(adapter_dir: str | Path) -> dict[str, str]:
+    """`base_record` of the base the adapter in `adapter_dir` was saved from; {} for one saved without
+    (an adapter from peft itself, or from before fingerprints were recorded)."""
+    from safetensors import safe_open
+
+    path = check_adapter_dir(adapter_dir)
+    check_adapter_files(path)  # (a regular, well-formed safetensors file before safetensors maps it)
+    with safe_open(str(path / ADAPTER_WEIGHTS), "pt") as handle:
+        metadata = handle.metadata() or {}
+    return {key: metadata[key] for key in (FINGERPRINT_KEY, DTYPE_KEY) if metadata.get(key)}
+
+
+def check_adapter_base(model: nn.Module, adapter_dir: str | Path, strict: bool = False,
+                       model_dir: str | Path | None = None) -> None:
+    """Warn (AdapterBaseWarning; strict: a one-line ValueError) when the adapter in `adapter_dir` records a base
+    fingerprint and `model`'s weights (a peft wrapper: its base's) give another: the adapter then runs on weights
+    it was not trained on, which the shapes alone do not show. Intended for a sibling fine-tune, so not refused by
+    default.
+    model_dir: where `model` was loaded from, named in the message."""
+    path = check_adapter_dir(adapter_dir)
+    recorded = recorded_base(path)
+    fingerprint = recorded.get(FINGERPRINT_KEY, "")
+    if not fingerprint.startswith(f"{FINGERPRINT_SCHEME}:"):
+        return  # saved without one, or by a later recipe this one cannot reproduce
+    actual = base_record(model)
+    if actual[FINGERPRINT_KEY] == fingerprint:
+        return
+    base_dir = read_adapter_config(path).get("base_model_name_or_path")
+    here = f"this model {model_dir}" if model_dir is not None else "this model"
+    message = (f"the LoRA adapter {path} was trained on {base_dir or 'an unrecorded base'} (weights fingerprint "
+               f"{fingerprint}), but {here} has weights fingerprint {actual[FINGERPRINT_KEY]}")
+    dtypes = (recorded.get(DTYPE_KEY, "of an unrecorded dtype"), actual[DTYPE_KEY])
+    if "float16" in dtypes and dtypes[0] != dtypes[1]:
+        message += (f" (it is {dtypes[1]}, the adapter's base was {dtypes[0]}: float16 rounds even the same weights "
+                    f"differently, so load it in float32 or bfloat16 to compare)")
+    elif (isinstance(base_dir, str) and base_dir and model_dir is not None
+          and adapter_base_dir(path).resolve() == Path(model_dir).resolve()):
+        message += " (the weights in that directory changed since the adapter was saved)"
+    else:
+        message += " (another model of the same shapes: fine for an intended sibling fine-tune, else load its base)"
+    if strict:
+        raise ValueError(f"{message}; refused by the strict base check")
+    warnings.warn(message, AdapterBaseWarning, stacklevel=3)  # (the line that called load_lora)
+
+
 def save_adapter(model: Any, directory: str | Path, state_dict: dict | None = None) -> Path:
     """Write `model`'s adapter as a peft adapter directory (adapter_config.json + adapter_model.safetensors),
-    with the base model directory `add_lora` was given as `base_model_name_or_path`.
+    with the base model directory `add_lora` was given as `base_model_name_or_path` and the fingerprint of the
+    base's weights it took (`base_fingerprint`) in the weights file's metadata.
     state_dict: the wrapper's full state (e.g. gathered by the trainer); default its own."""
     directory = Path(directory)
     # save_embedding_layers=False: no embedding is ever a target here, and "auto" asks the base's config class.
@@ -191,6 +310,9 @@ def save_adapter(model: Any, directory: str | Path, state_dict: dict | None = No
         config["task_type"] = "CAUSAL_LM"
         config.pop("auto_mapping", None)
     (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    record = getattr(model, "lora_base_record", None)
+    if record:
+        _add_weights_metadata(directory / ADAPTER_WEIGHTS, record)
     return directory
 
 
@@ -382,8 +504,11 @@ def check_adapter_targets(model: nn.Module, path: Path) -> None:
                              f"have (another architecture's names?); its modules are {clipped_names(top, 10)}")
 
 
-def load_lora(model: nn.Module, adapter_dir: str | Path, trainable: bool = False) -> Any:
-    """The peft wrapper of `model` with the adapter saved in `adapter_dir` (unmerged)."""
+def load_lora(model: nn.Module, adapter_dir: str | Path, trainable: bool = False, strict_base: bool = False,
+              model_dir: str | Path | None = None) -> Any:
+    """The peft wrapper of `model` with the adapter saved in `adapter_dir` (unmerged). An adapter that records
+    another base's fingerprint warns (AdapterBaseWarning), or with strict_base fails (`check_adapter_base`;
+    model_dir: where `model` came from, named in that message)."""
     peft = require_peft()
     path = check_adapter_dir(adapter_dir)
     header = check_adapter_files(path)
@@ -418,6 +543,11 @@ def load_lora(model: nn.Module, adapter_dir: str | Path, trainable: bool = False
         raise ValueError(f"cannot load the LoRA adapter {path} onto this model: {detail or type(exc).__name__}"
                          ) from None
     check_adapter_loaded(wrapped, path, header)
+    try:  # (after the load: an adapter of other shapes fails above, naming what differs, without this warning)
+        check_adapter_base(wrapped, path, strict=strict_base, model_dir=model_dir)
+    except ValueError:
+        wrapped.unload()  # `model` as it was given: peft added the adapter's layers to it in place
+        raise
     return wrapped
 
 
@@ -449,9 +579,11 @@ def merge_lora(model: Any) -> nn.Module:
                          f"rdepth generate/serve --lora)") from None
 
 
-def attach_adapter(model: nn.Module, adapter_dir: str | Path) -> nn.Module:
-    """`model` itself with the saved adapter on its layers, unmerged (generation applies it on every path)."""
-    return load_lora(model, adapter_dir).get_base_model()
+def attach_adapter(model: nn.Module, adapter_dir: str | Path, strict_base: bool = False,
+                   model_dir: str | Path | None = None) -> nn.Module:
+    """`model` itself with the saved adapter on its layers, unmerged (generation applies it on every path);
+    strict_base, model_dir: as for `load_lora`."""
+    return load_lora(model, adapter_dir, strict_base=strict_base, model_dir=model_dir).get_base_model()
 
 
 def adapter_base_dir(adapter_dir: str | Path) -> Path:
@@ -469,13 +601,15 @@ def adapter_base_dir(adapter_dir: str | Path) -> Path:
 
 
 def load_adapter_model(adapter_dir: str | Path, base: str | Path | None = None, merge: bool = False,
-                       **load_kwargs: Any) -> nn.Module:
+                       strict_base: bool = False, **load_kwargs: Any) -> nn.Module:
     """A `RecurrentDepthLM` from `base` (default: the adapter's recorded base) with the adapter on it:
-    unmerged (its layers carry the adapter) or, with merge, added into the weights."""
+    unmerged (its layers carry the adapter) or, with merge, added into the weights. Weights other than the
+    ones the adapter was trained on warn, or with strict_base fail (`check_adapter_base`)."""
     from recurrent_depth.model.recurrent import RecurrentDepthLM
 
-    model = RecurrentDepthLM.from_pretrained(base if base is not None else adapter_base_dir(adapter_dir), **load_kwargs)
-    wrapped = load_lora(model, adapter_dir)
+    base = base if base is not None else adapter_base_dir(adapter_dir)
+    model = RecurrentDepthLM.from_pretrained(base, **load_kwargs)
+    wrapped = load_lora(model, adapter_dir, strict_base=strict_base, model_dir=base)
     return merge_lora(wrapped) if merge else wrapped.get_base_model()
 
 

@@ -239,3 +239,92 @@ def test_retrofit_refuses_a_source_with_nan_weights(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and "model.layers.1.mlp.up_proj.weight" in err[-1] and "NaN or inf" in err[-1]
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------- Gemma / window fields
+# Values that passed validation and then broke the model: a window past int64 (an OverflowError traceback at the
+# first forward), a soft-cap or scalar that rounds to inf or 0 in float32 (NaN or all-zero logits, generated from
+# without a word).
+@pytest.mark.parametrize("field, value", [
+    ("attention_windows", [10**30, None, None, None]), ("attention_windows", [2**31, None, None, None]),
+    ("attn_logit_softcapping", 1e300), ("attn_logit_softcapping", 1e-300), ("final_logit_softcapping", 1e39),
+    ("final_logit_softcapping", 1e-300), ("query_pre_attn_scalar", 1e300), ("query_pre_attn_scalar", 1e-300),
+    ("query_pre_attn_scalar", 0.5),
+])
+def test_gemma_and_window_fields_out_of_range_are_one_line(field, value):
+    with pytest.raises(ValueError, match=rf"^ModelConfig\.{field}=.* is invalid: expected .*\[") as info:
+        rd.ModelConfig.from_preset("tiny", **{field: value})
+    assert "\n" not in str(info.value)
+
+
+def test_gemma_and_window_fields_at_their_bounds_give_finite_logits():
+    from recurrent_depth.config import FLOAT32_MAX, FLOAT32_TINY, MAX_SEQ_LEN, QUERY_PRE_ATTN_SCALAR_RANGE
+
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    for values in (dict(attn_logit_softcapping=FLOAT32_MAX, final_logit_softcapping=FLOAT32_TINY,
+                        query_pre_attn_scalar=QUERY_PRE_ATTN_SCALAR_RANGE[0], attention_windows=[MAX_SEQ_LEN] * 4),
+                   dict(attn_logit_softcapping=FLOAT32_TINY, final_logit_softcapping=FLOAT32_MAX,
+                        query_pre_attn_scalar=QUERY_PRE_ATTN_SCALAR_RANGE[1])):
+        torch.manual_seed(0)
+        model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", **values)).eval()
+        with torch.no_grad():
+            assert torch.isfinite(model(ids, num_steps=2).logits).all(), values
+
+
+def test_a_huge_mixer_options_window_is_one_line():
+    with pytest.raises(ValueError, match=r"^attention window=10{30} is invalid"):  # (an OverflowError at forward)
+        rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", mixer_options={"window": 10**30}))
+
+
+def test_a_model_dir_with_a_huge_window_is_one_line_in_the_cli(tmp_path, capsys):
+    from recurrent_depth.cli import main
+
+    tiny_model().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "attention_windows": [10**30, None, None, None]}))
+    code = main(["info", "--model", str(tmp_path)])  # accepted; `generate` then died in a traceback
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "ModelConfig.attention_windows=" in err[0]
+
+
+def test_the_remote_code_file_refuses_windows_past_the_longest_context():
+    from recurrent_depth.integrations.remote import modeling_recurrent_depth as remote
+
+    with pytest.raises(ValueError, match=r"^attention_windows=\[2147483648, None, None, None\] is invalid"):
+        remote.RecurrentDepthConfig(attention_windows=[2**31, None, None, None])
+    for bad in (10**30, 0, "8"):  # (unchecked: an OverflowError or a TypeError at the first forward)
+        with pytest.raises(ValueError, match=r"^mixer_options window=.* is invalid"):
+            remote.RecurrentDepthConfig(mixer_options={"window": bad})
+    assert remote.RecurrentDepthConfig(mixer_options={"window": 8}).mixer_options == {"window": 8}
+
+
+OURO_SLIDING = dict(model_type="ouro", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                    num_attention_heads=2, max_position_embeddings=64, use_sliding_window=True, sliding_window=8)
+
+
+@pytest.mark.parametrize("changes, key", [
+    ({"max_window_layers": 2.0}, "max_window_layers"),  # read as "no sliding layers"
+    ({"max_window_layers": None}, "max_window_layers"),
+    ({"use_sliding_window": "false", "max_window_layers": 0}, "use_sliding_window"),  # every layer slid
+    ({"max_window_layers": 0, "sliding_window": 2**31}, "sliding_window"),
+])
+def test_ouro_sliding_window_keys_are_one_line_naming_the_key(changes, key):
+    with pytest.raises(ValueError, match=rf"^Ouro config.json {key}"):
+        rd.ModelConfig.from_dict({**OURO_SLIDING, **changes})
+
+
+def test_ouro_sliding_layers_from_max_window_layers_still_load():
+    config = rd.ModelConfig.from_dict({**OURO_SLIDING, "max_window_layers": 2})
+    assert config.attention_windows == [None, None, 8, 8]
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
+def test_retrofit_refuses_a_gemma_without_query_pre_attn_scalar(model_type):
+    # transformers' Gemma 2 / 3 cannot run it (None ** -0.5); converted with head_dim's scale instead
+    from recurrent_depth.families.retrofit import Surgery, model_config
+
+    hf = dict(model_type=model_type, vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+              num_attention_heads=2, head_dim=16, max_position_embeddings=64, query_pre_attn_scalar=None)
+    with pytest.raises(ValueError, match=f"^retrofit: cannot convert {model_type} with query_pre_attn_scalar=null"):
+        model_config(hf, Surgery(1, (1, 3), 1))
+    assert model_config({**hf, "query_pre_attn_scalar": 16}, Surgery(1, (1, 3), 1)).query_pre_attn_scalar == 16

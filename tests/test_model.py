@@ -349,8 +349,8 @@ def test_generation_with_per_layer_windows_equals_the_full_forward(options):
 @pytest.mark.parametrize("overrides,message", [
     (dict(attention_windows=[None, 3]),
      "ModelConfig.attention_windows=[None, 3] is invalid: expected [] or a list of 4"),
-    (dict(attention_windows=[None, 0, None, None]), "an integer window >= 1"),
-    (dict(attention_windows=[None, True, None, None]), "an integer window >= 1"),
+    (dict(attention_windows=[None, 0, None, None]), "an integer window in [1, 2147483647]"),
+    (dict(attention_windows=[None, True, None, None]), "an integer window in [1, 2147483647]"),
     (dict(attention_windows=[None, 3, None, None], mixer_options={"core": {"window": 2}}),
      "attention_windows and mixer_options both set the window of layer 1"),
     (dict(attention_windows=[None, 3, None, None], mixer={"core": "gated_deltanet"}),

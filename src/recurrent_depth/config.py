@@ -54,6 +54,14 @@ MAX_LAYERS = 1024
 MAX_PARAMETERS = 10**12
 # Context length: positions are indexed with 32-bit-safe integers; RoPE tables are built lazily.
 MAX_SEQ_LEN = 2**31 - 1
+# float32's largest and smallest normal numbers. The logits are float32: a soft-capping value outside this range
+# rounds to inf or 0 there, and cap * tanh(x / cap) is NaN or 0 for every token (checked on the config).
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38
+# query_pre_attn_scalar's range. It stands in for head_dim in the logits' 1/sqrt scale (Gemma's: 144 to 256): below
+# 1 the scale exceeds any head_dim's, beyond 1e12 the logits shrink a millionfold (every key weighted alike), and
+# from about 1e92 SDPA's scale rounds to 0 in float32 and every logit is NaN.
+QUERY_PRE_ATTN_SCALAR_RANGE = (1.0, 1e12)
 
 
 def check_depth(value: Any, name: str, ceiling: int | None = None, low: int = 0) -> None:
@@ -316,18 +324,22 @@ class ModelConfig:
              f"[] with hidden_size < {VALUE_GATE_CHANNELS} (the gate reads the first {VALUE_GATE_CHANNELS} channels)")
         windows = self.attention_windows
         need(isinstance(windows, list | tuple) and (not windows or len(windows) == self.num_layers)
-             and all(w is None or (is_int(w) and w >= 1) for w in windows), "attention_windows",
+             and all(w is None or (is_int(w) and 1 <= w <= MAX_SEQ_LEN) for w in windows), "attention_windows",
              f"[] or a list of {self.num_layers} entries (prelude, core, coda layers in order), each null (full "
-             f"attention) or an integer window >= 1")
+             f"attention) or an integer window in [1, {MAX_SEQ_LEN}] (MAX_SEQ_LEN)")
         self.attention_windows = list(windows)
         scalar = self.query_pre_attn_scalar
-        need(scalar is None or (is_real(scalar) and scalar > 0),
-             "query_pre_attn_scalar", "None or a number > 0 (the logits are scaled by its inverse square root)")
+        low, high = QUERY_PRE_ATTN_SCALAR_RANGE
+        need(scalar is None or (is_real(scalar) and low <= scalar <= high), "query_pre_attn_scalar",
+             f"None or a number in [{low:g}, {high:g}] (the logits are scaled by its inverse square root, as by "
+             f"head_dim's)")
         need(self.query_pre_attn_scalar is None or (self.mup_base_width is None and self.attn_scale != "1/d"),
              "query_pre_attn_scalar", "None under muP (mup_base_width / attn_scale '1/d' set the attention scale)")
         for name in ("attn_logit_softcapping", "final_logit_softcapping"):
             value = getattr(self, name)
-            need(value is None or (is_real(value) and value > 0), name, "None or a number > 0 (the tanh cap)")
+            need(value is None or (is_real(value) and FLOAT32_TINY <= value <= FLOAT32_MAX), name,
+                 f"None or a number in [{FLOAT32_TINY:.3g}, {FLOAT32_MAX:.3g}] (the tanh cap, within float32's "
+                 f"range: the logits are float32)")
         bases = self.layer_rope_bases
         need(isinstance(bases, list | tuple) and (not bases or len(bases) == self.num_layers)
              and all(b is None or (is_real(b) and b > 1) for b in bases), "layer_rope_bases",

@@ -115,10 +115,10 @@ def ouro_config_values(data: dict[str, Any]) -> dict[str, Any]:
     if sliding:  # (the reference's Qwen2 sliding mask: the last `sliding_window` keys, the query's own included)
         window = data.get("sliding_window", 4096) if data.get("use_sliding_window", False) else None
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-            raise ValueError(f"Ouro config.json: layers {sliding} use sliding-window attention (layer_types) but "
-                             f"use_sliding_window={data.get('use_sliding_window', False)!r} / sliding_window="
-                             f"{data.get('sliding_window')!r} give no window >= 1 (the reference has none for them "
-                             f"either)")
+            raise ValueError(f"Ouro config.json: layers {sliding} use sliding-window attention (layer_types or "
+                             f"max_window_layers) but use_sliding_window={data.get('use_sliding_window', False)!r} / "
+                             f"sliding_window={data.get('sliding_window')!r} give no window >= 1 (the reference has "
+                             f"none for them either)")
         values["attention_windows"] = [window if i in sliding else None for i in range(values["core_layers"])]
     return values
 
@@ -150,12 +150,18 @@ def _rope(data: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:
 def _sliding_layers(data: dict[str, Any], layers: Any) -> list[int]:
     """The layers the reference runs with a sliding window (Qwen2Config's rule when `layer_types` is absent:
     layers >= max_window_layers, if use_sliding_window and a window are set)."""
+    use = data.get("use_sliding_window", False)
+    if not isinstance(use, bool):  # (the string "false" is true to the reference: every layer would slide)
+        raise ValueError(f"Ouro config.json use_sliding_window={use!r} is invalid: expected true or false")
     types = data.get("layer_types")
     if types is None:
-        window = data.get("sliding_window", 4096) if data.get("use_sliding_window", False) else None
+        window = data.get("sliding_window", 4096) if use else None
         first = data.get("max_window_layers", 28)
-        if window is None or not isinstance(layers, int) or not isinstance(first, int):
+        if window is None or not isinstance(layers, int):
             return []
+        if not isinstance(first, int) or isinstance(first, bool):  # (was read as "no sliding layers")
+            raise ValueError(f"Ouro config.json max_window_layers={first!r} is invalid: expected an integer (the "
+                             f"first sliding layer)")
         return list(range(max(first, 0), layers))
     allowed = ("full_attention", "sliding_attention")
     if not isinstance(types, list) or len(types) != layers or any(t not in allowed for t in types):

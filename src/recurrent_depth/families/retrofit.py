@@ -246,6 +246,10 @@ def check_architecture(hf: Mapping[str, Any]) -> str:
             raise fail(f"cannot convert {model_type} with layer_types {other}: transformers' {model_type} "
                        f"attention does not read layer_types (only qwen2, qwen3, gemma2 and gemma3_text mix sliding "
                        f"and full layers)")
+    if model_type in _GEMMA2_TYPES and gemma2_setting(hf, "query_pre_attn_scalar") is None:  # (was head_dim's scale)
+        raise fail(f"cannot convert {model_type} with query_pre_attn_scalar=null: transformers' {model_type} attention "
+                   f"scales the logits by query_pre_attn_scalar^-1/2 and has none for null (set it: head_dim gives the "
+                   f"usual scale)")
     if model_type == "gemma3_text" and gemma2_setting(hf, "attn_logit_softcapping") is not None:
         raise fail(f"cannot convert gemma3_text with attn_logit_softcapping={hf['attn_logit_softcapping']!r}: "
                    f"transformers' Gemma 3 attention does not apply it (supported: null)")

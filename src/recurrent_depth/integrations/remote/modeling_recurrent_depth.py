@@ -62,6 +62,15 @@ LIBRARY_ONLY_OPTIONS = (
     "ttt_params", "ttt_steps", "ttt_lr", "ttt_optimizer", "ttt_depth", "ttt_backprop",
 )
 
+# The longest sliding window (recurrent_depth.config.MAX_SEQ_LEN, the longest context): a larger one overflows the
+# mask's int64 positions.
+MAX_WINDOW = 2**31 - 1
+
+
+def is_window(value: Any) -> bool:
+    """An integer sliding window in [1, MAX_WINDOW] (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_WINDOW
+
 
 def check_ids(input_ids: Tensor, vocab_size: int) -> None:
     """One ValueError line for an empty prompt or an id outside the vocabulary (not an IndexError
@@ -151,9 +160,13 @@ class RecurrentDepthConfig(PretrainedConfig):
         windows = [] if self.attention_windows is None else self.attention_windows
         n = self.prelude_layers + self.core_layers + self.coda_layers
         if not isinstance(windows, list) or (windows and len(windows) != n) or not all(
-                w is None or (isinstance(w, int) and not isinstance(w, bool) and w >= 1) for w in windows):
+                w is None or is_window(w) for w in windows):
             raise ValueError(f"attention_windows={windows!r} is invalid: expected [] or {n} entries (prelude, core, "
-                             "coda layers in order), each null (full attention) or an integer window >= 1")
+                             f"coda layers in order), each null (full attention) or an integer window in "
+                             f"[1, {MAX_WINDOW}]")
+        if self.mixer_options.get("window") is not None and not is_window(self.mixer_options["window"]):
+            raise ValueError(f"mixer_options window={self.mixer_options['window']!r} is invalid: expected null or an "
+                             f"integer in [1, {MAX_WINDOW}]")
         if windows and self.mixer_options.get("window") is not None:
             raise ValueError("attention_windows and mixer_options both set windows: set windows in one place")
         self.attention_windows = windows

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from recurrent_depth.config import VALUE_GATE_CHANNELS, ModelConfig
+from recurrent_depth.config import MAX_SEQ_LEN, VALUE_GATE_CHANNELS, ModelConfig
 from recurrent_depth.model.cache import combine_key_mask
 from recurrent_depth.model.layers import ROPE_STYLES, RMSNorm
 from recurrent_depth.model.mixers.base import LayerKey, MixerContext, register_mixer
@@ -46,8 +46,10 @@ class Attention(MaxLogitRecorder, nn.Module):
         self, config: ModelConfig, part: str = "core", window: int | None = None, num_kv_heads: int | None = None
     ) -> None:
         super().__init__()
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"attention window={window!r} is invalid: expected None or an integer >= 1")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                                   or not 1 <= window <= MAX_SEQ_LEN):
+            raise ValueError(f"attention window={window!r} is invalid: expected None or an integer in "
+                             f"[1, {MAX_SEQ_LEN}] (MAX_SEQ_LEN)")
         if num_kv_heads is not None and (
             isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1
             or config.num_heads % num_kv_heads

@@ -25,6 +25,7 @@ from recurrent_depth.train.lora import (
     load_adapter_model,
     load_lora,
     merge_lora,
+    read_adapter_config,
     recorded_base,
     save_adapter,
     target_modules,
@@ -402,6 +403,17 @@ def test_an_adapter_warns_when_loaded_onto_other_weights_of_the_same_shapes_and_
     assert not any("lora_" in name for name, _ in model.named_parameters())  # left as it was given
     with pytest.warns(AdapterBaseWarning, match=r"float16 rounds even the same weights differently"):
         load_lora(rd.RecurrentDepthLM.from_pretrained(base, dtype=torch.float16), adapter)
+
+    # loaded and saved again (e.g. trained further): it records the base it is on now, by path and fingerprint
+    save_adapter(load_lora(rd.RecurrentDepthLM.from_pretrained(base), adapter, trainable=True), tmp_path / "again")
+    assert recorded_base(tmp_path / "again")[FINGERPRINT_KEY] == recorded  # (now from a float32 load)
+    assert read_adapter_config(tmp_path / "again")["base_model_name_or_path"] == str(base.resolve())
+    with pytest.warns(AdapterBaseWarning):
+        resaved = load_lora(rd.RecurrentDepthLM.from_pretrained(other), adapter, model_dir=other, trainable=True)
+    save_adapter(resaved, tmp_path / "moved")
+    assert recorded_base(tmp_path / "moved")[FINGERPRINT_KEY] == base_fingerprint(rd.RecurrentDepthLM.from_pretrained(
+        other))
+    assert read_adapter_config(tmp_path / "moved")["base_model_name_or_path"] == str(other.resolve())
 
     tiny_model(seed=2).save_pretrained(base)  # the base directory rewritten since
     with pytest.warns(AdapterBaseWarning, match=r"the weights in that directory changed since the adapter was saved"):

@@ -548,6 +548,10 @@ def load_lora(model: nn.Module, adapter_dir: str | Path, trainable: bool = False
     except ValueError:
         wrapped.unload()  # `model` as it was given: peft added the adapter's layers to it in place
         raise
+    # saved again (`save_adapter`, e.g. after training it further): the base it is on now, by path and fingerprint
+    wrapped.lora_base_record = base_record(wrapped)
+    base_dir = model_dir if model_dir is not None else read_adapter_config(path).get("base_model_name_or_path")
+    wrapped.lora_base_dir = str(Path(base_dir).resolve()) if isinstance(base_dir, str | Path) and base_dir else None
     return wrapped
 
 

@@ -38,6 +38,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the model directory's name)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=ADAPTER_DIR",
+                   help="serve peft LoRA adapters of --model beside it, as vLLM's --lora-modules: a request whose "
+                        "'model' is NAME runs with that adapter (unmerged), one naming --served-model-name with "
+                        "none; /v1/models lists them all. The requests of one adapter run at a time (docs/serving.md;"
+                        " --strict-lora-base applies to each; needs recurrent-depth[lora]; default: none)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health; an empty key is refused "
                         "(default: the RDEPTH_API_KEY environment variable, else no key; a blank variable counts "
@@ -97,10 +102,19 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from recurrent_depth.serving import resolve_api_key
+    from recurrent_depth.serving.adapters import parse_lora_modules
     from recurrent_depth.serving.text import tokenizer_file
 
+    lora_modules = parse_lora_modules(args.lora_modules) if args.lora_modules is not None else None
+    if lora_modules is not None and args.lora is not None:
+        raise ValueError("--lora and --lora-modules cannot be combined: serve that adapter as one of --lora-modules "
+                         "too (the base then answers under --served-model-name)")
+    if lora_modules is not None and args.weights is not None:
+        raise ValueError(f"--lora-modules cannot go on --weights {args.weights} layers (an unmerged adapter needs the "
+                         f"float weights): merge an adapter first (rdepth export --model M --merge-lora ADAPTER --out "
+                         f"MERGED) and serve MERGED with --weights {args.weights}")
     check_lora_with_weights(args)
-    check_strict_lora_base(args, "--lora")
+    check_strict_lora_base(args, "--lora" if lora_modules is None else "--lora-modules")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port {args.port} is invalid: expected 1..65535")
     check_port_free(args.host, args.port)  # before the model loads (minutes for a large one), not after
@@ -121,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         if tokenizer_dir is None and tokenizer_file(args.model) is not None:  # else token ids only, as without --lora
             tokenizer_dir = args.model
     try:
-        _serve(args, model, tokenizer_dir, model_name, hosts, api_key, dtype)
+        _serve(args, model, tokenizer_dir, model_name, hosts, api_key, dtype, lora_modules)
     except ValueError as exc:  # `serve`'s checks name its keyword arguments: say the flags that set them
         raise ValueError(flag_spelled(str(exc), vars(args))) from None
     return 0
@@ -138,7 +152,7 @@ def flag_spelled(message: str, flags: dict[str, Any]) -> str:
 
 
 def _serve(args: argparse.Namespace, model: Any, tokenizer_dir: Any, model_name: Any, hosts: Any, api_key: Any,
-           dtype: Any) -> None:
+           dtype: Any, lora_modules: dict[str, str] | None = None) -> None:
     from recurrent_depth.serving import serve
 
     serve(
@@ -150,7 +164,7 @@ def _serve(args: argparse.Namespace, model: Any, tokenizer_dir: Any, model_name:
         ttt_max_copy_mb=args.ttt_max_copy_mb, max_num_steps=args.max_num_steps, num_steps=args.num_steps,
         max_depth=args.max_depth, dtype=dtype,
         weights=None if args.lora is not None else args.weights, device=args.device, kv_quant=args.kv_quant,
-        max_body_total=args.max_body_total,
+        max_body_total=args.max_body_total, lora_modules=lora_modules, strict_lora_base=args.strict_lora_base,
         **({} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}),
     )
 

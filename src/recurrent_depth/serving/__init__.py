@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +85,8 @@ def build_app(
     worker_memory: int | None = 2 << 30,
     kv_quant: str | None = None,
     ttt_max_copy_mb: float = DEFAULT_TTT_MAX_COPY_MB,
+    lora_modules: Mapping[str, str | Path] | None = None,
+    strict_lora_base: bool = False,
 ) -> Any:
     """A ready FastAPI app for a model directory (or a loaded `RecurrentDepthLM` plus `tokenizer_dir`).
 
@@ -108,12 +110,25 @@ def build_app(
     one at a time outside the continuous batch (docs/serving.md).
     `weights` ("int8", "int4", "int4:g<group>"; None: as loaded) quantizes the model's linear layers
     (`recurrent_depth.weight_quant`), a loaded model's in place.
+    `lora_modules` ({name: adapter directory}) serves LoRA adapters of the model, unmerged, beside it: a
+    request whose `model` is one of the names runs with that adapter, one naming `model_name` with none
+    (`serving/adapters.py`; the requests of one adapter run at a time). A loaded model gets the adapters in place.
+    `strict_lora_base`: refuse an adapter trained on other weights instead of warning (`train.lora.load_lora`).
     """
     check_weights(weights)
+    if lora_modules is not None and weights is not None:  # (as `--lora`: peft adds adapters to float layers only)
+        raise ValueError(f"lora_modules cannot go on weights={weights!r} layers (an unmerged adapter needs the float "
+                         "weights): merge an adapter first (rdepth export --merge-lora) and serve it as its own model")
+    if lora_modules is not None:  # bad names fail before the model loads
+        from recurrent_depth.serving.adapters import check_adapter_name
+
+        for name in lora_modules:
+            check_adapter_name(name, "lora_modules")
     if kv_quant is not None:  # a bad spec fails before the model loads
         KVQuant.parse(kv_quant)
     tokenizer_named = tokenizer_dir is not None  # a tokenizer the caller named must be one (not token ids only)
     tokenizer_file(tokenizer_dir, required=tokenizer_named)  # and, like the spec, fails before the model loads
+    source = model  # (a directory, named in an adapter's base warning)
     if isinstance(model, str | Path):
         from recurrent_depth.model.recurrent import RecurrentDepthLM
 
@@ -126,6 +141,15 @@ def build_app(
     elif weights is not None:  # a model already holding these weights is kept; other ones are refused
         quantize_weights(model, weights)
     model_name = model_name or "recurrent-depth"
+    adapters = None
+    if lora_modules is not None:
+        from recurrent_depth.serving.adapters import ServedAdapters
+
+        if model_name in lora_modules:
+            raise ValueError(f"lora_modules names an adapter {model_name!r}, the base model's served name: a request "
+                             "could not choose between them; rename the adapter (or --served-model-name)")
+        adapters = ServedAdapters(model, lora_modules, strict_base=strict_lora_base,
+                                  model_dir=Path(source) if isinstance(source, str | Path) else None)
     for name, value in (("request_timeout", request_timeout), ("read_timeout", read_timeout),
                         ("stall_timeout", stall_timeout)):
         if not value > 0:  # also refuses NaN, under which nothing would ever time out
@@ -151,7 +175,7 @@ def build_app(
                     max_sequences=min(max_queue, 256), default_num_steps=num_steps,
                     gate_threshold=cfg.exit_gate_threshold)
     scheduler = BatchScheduler(model, Metrics(), max_batch=max_batch, max_queue=max_queue,
-                               prefill_tokens=prefill_tokens, kv_quant=kv_quant)
+                               prefill_tokens=prefill_tokens, kv_quant=kv_quant, adapters=adapters)
     if scheduler.kv_quant is not None:
         print(f"rdepth serve: KV cache quantized: {scheduler.kv_quant.label(cfg.head_dim)}", file=sys.stderr)
     codec = TextCodec(tokenizer_dir, cfg.vocab_size, cfg.max_seq_len, required=tokenizer_named)
@@ -163,7 +187,8 @@ def build_app(
         read_timeout=read_timeout,
         stall_timeout=stall_timeout, allowed_hosts=tuple(allowed_hosts) if allowed_hosts is not None else None,
         tokenizer_workers=tokenizer_workers, tokenize_timeout=tokenize_timeout, worker_memory=worker_memory,
-        default_num_steps=num_steps, ttt_max_copy_bytes=int(ttt_max_copy_mb * 2**20))
+        default_num_steps=num_steps, ttt_max_copy_bytes=int(ttt_max_copy_mb * 2**20),
+        adapters=adapters.names if adapters is not None else ())
     return create_app(scheduler, codec, settings)
 
 

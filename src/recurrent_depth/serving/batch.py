@@ -244,6 +244,17 @@ class BatchDecoder:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def rebuild_runner(self) -> None:
+        """Build the runner anew from the model as it is now, e.g. after its active LoRA adapter changed (the fast
+        runner reads weights and low-rank terms when it is built); only while no row runs."""
+        if self.rows:
+            raise RuntimeError(f"the runner cannot change under {len(self.rows)} running rows")
+        on_step = self.engine.on_step
+        self.engine = Recurrence(self.model)
+        self.engine.on_step = on_step
+        self.runner = self.engine.runner
+        self._contexts.clear()  # (they hold the old runner's steps)
+
     def reset(self) -> None:
         """Forget every row and the KV storage (after an error left them in an unknown state)."""
         self.rows = []

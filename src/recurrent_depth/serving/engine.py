@@ -32,6 +32,7 @@ import torch
 from recurrent_depth.inference.engine import Stopped
 from recurrent_depth.inference.options import OptionError
 from recurrent_depth.inference.quant_cache import KVQuant, kv_quant_for_model
+from recurrent_depth.serving.adapters import ServedAdapters
 from recurrent_depth.serving.batch import BatchDecoder, PromptScores, RowRequest, TokenResult
 from recurrent_depth.serving.metrics import Metrics
 from recurrent_depth.serving.solo import SoloRun
@@ -113,6 +114,7 @@ class Job:
     core_steps: int = 0
     first_token_at: float | None = None
     ttt_flops: float | None = None
+    adapter: str | None = None  # the LoRA adapter it runs with (`adapters.ServedAdapters`; None: the base)
 
     @property
     def trains(self) -> bool:
@@ -139,9 +141,12 @@ class BatchScheduler:
         max_queue: int = 256,
         prefill_tokens: int = 4096,
         kv_quant: str | KVQuant | None = None,
+        adapters: ServedAdapters | None = None,
     ) -> None:
         """kv_quant: the server's KV quantization (None: full precision): the batch's pool stores
-        code rows, and requests that do not set `kv_quant` use it (see `handlers.Handlers.make_jobs`)."""
+        code rows, and requests that do not set `kv_quant` use it (see `handlers.Handlers.make_jobs`).
+        adapters: the LoRA adapters on `model` that jobs name (`Job.adapter`); the jobs of one adapter run at a
+        time (`_take_admissible`)."""
         for name, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 1),
                                  ("prefill_tokens", prefill_tokens, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -152,6 +157,9 @@ class BatchScheduler:
         self.max_queue = max_queue
         self.prefill_tokens = prefill_tokens
         self.kv_quant = None if kv_quant is None else kv_quant_for_model(model, kv_quant, "--kv-quant")
+        self.adapters = adapters
+        if adapters is not None:
+            adapters.activate(None)  # (the base until a job names an adapter)
         self.batch = BatchDecoder(model, max_batch, self.kv_quant) if BatchDecoder.supports(model) else None
         # time.monotonic() of the last completed core step or delivered token (None before the first), for /health.
         self.last_progress: float | None = None
@@ -248,6 +256,8 @@ class BatchScheduler:
                         self._purge_waiting(now)
                         admitted = self._take_admissible()
                     self._reap(now)
+                    if admitted and admitted[0].adapter != self._adapter_in_use():
+                        self._switch_adapter(admitted[0].adapter)
                     for job in admitted:
                         self._start(job)
                     if self.batch is not None and len(self.batch):
@@ -288,9 +298,18 @@ class BatchScheduler:
         # others keep their place in the queue and the requests behind them go ahead.
         training = any(job.trains for job, _ in self.solos)
         held: list[Job] = []
+        # LoRA adapters (--lora-modules) run one at a time. While one runs, its jobs are admitted up to the first
+        # job of another; that one and the jobs behind it wait until nothing runs. Then the oldest waiting job's
+        # adapter goes next (`_run` switches to it) with every waiting job of it, the others keeping their place.
+        adapter = self.waiting[0].adapter if self.waiting and not self.running else self._adapter_in_use()
         while self.waiting and len(out) < free:
             job = self.waiting[0]
             if job.trains and training:
+                held.append(self.waiting.popleft())
+                continue
+            if job.adapter != adapter:
+                if self.running:
+                    break
                 held.append(self.waiting.popleft())
                 continue
             cost = len(job.row.prompt)
@@ -301,6 +320,19 @@ class BatchScheduler:
             out.append(self.waiting.popleft())
         self.waiting.extendleft(reversed(held))
         return out
+
+    def _adapter_in_use(self) -> str | None:
+        return self.adapters.active if self.adapters is not None else None
+
+    def _switch_adapter(self, name: str | None) -> None:
+        """Turn LoRA adapter `name` on (None: the base alone) while nothing runs, and rebuild the batch's
+        runner from the switched model."""
+        assert self.running == 0, "the adapter switches only while nothing runs"
+        assert self.adapters is not None, "a job names an adapter, but the server has none"
+        self.adapters.activate(name)
+        if self.batch is not None:
+            self.batch.rebuild_runner()
+        self.metrics.adapter_switch()
 
     def _reap(self, now: float) -> None:
         """Free rows of cancelled jobs; fail jobs past their deadline."""

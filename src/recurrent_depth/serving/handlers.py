@@ -56,6 +56,7 @@ class ServerSettings:
     worker_memory: int | None = 2 << 30  # address space a preparation worker may add after start-up
     default_num_steps: int | None = None  # for the banner
     ttt_max_copy_bytes: int = DEFAULT_TTT_MAX_COPY_MB << 20  # a TTT-E2E request's weight copy (--ttt-max-copy-mb)
+    adapters: tuple[str, ...] = ()  # the served LoRA adapters' names (--lora-modules), requests' `model` values too
 
 
 class Handlers:
@@ -67,12 +68,13 @@ class Handlers:
         self.scheduler, self.codec, self.settings = scheduler, codec, settings
         self.limits = settings.limits or Limits(cfg.max_seq_len, cfg.mean_recurrence, cfg.vocab_size,
                                                 gate_threshold=cfg.exit_gate_threshold)
-        self.names = {settings.model_name, *settings.aliases}
+        self.names = {settings.model_name, *settings.aliases}  # the base's names (no adapter)
         self.metrics = scheduler.metrics
         eos_configured = cfg.eos_token_id is not None
         self.base_stops = set(codec.eos_ids) | set(eos_ids(cfg.eos_token_id, "eos_token_id", cfg.vocab_size))
         self.pool = PrepPool(PrepSpec(codec.source if codec.has_tokenizer else None, codec.vocab_size,
-                                      self.limits, frozenset(self.names), eos_configured, settings.worker_memory),
+                                      self.limits, frozenset(self.names | set(settings.adapters)), eos_configured,
+                                      settings.worker_memory),
                              workers=settings.tokenizer_workers, timeout=settings.tokenize_timeout)
         self.open_requests = OpenRequests(scheduler)
         self.kernels = KernelWarmup(scheduler.model)  # app.py readies --kv-quant's at start-up
@@ -130,19 +132,34 @@ class Handlers:
             body["error"] = scheduler.failure
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
-    def model_card(self) -> dict[str, Any]:
-        return {"id": self.settings.model_name, "object": "model", "created": self.settings.created,
-                "owned_by": "recurrent-depth", "max_model_len": self.limits.max_seq_len}
+    def model_card(self, adapter: str | None = None) -> dict[str, Any]:
+        """The base's card, or with `adapter` a served LoRA adapter's: `parent` names the base it runs on (as
+        vLLM's); `root` is the base's name (vLLM gives a path there: this server publishes none of its paths)."""
+        base = self.settings.model_name
+        return {"id": adapter or base, "object": "model", "created": self.settings.created,
+                "owned_by": "recurrent-depth", "root": base, "parent": base if adapter else None,
+                "max_model_len": self.limits.max_seq_len}
 
     async def list_models(self, request: Request) -> JSONResponse:
         self.authorize(request)
-        return JSONResponse({"object": "list", "data": [self.model_card()]})
+        cards = [self.model_card()] + [self.model_card(name) for name in self.settings.adapters]
+        return JSONResponse({"object": "list", "data": cards})
 
     async def get_model(self, model_id: str, request: Request) -> JSONResponse:
         self.authorize(request)
-        if model_id not in self.names:
-            raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
-        return JSONResponse(self.model_card())
+        if model_id not in self.names and model_id not in self.settings.adapters:
+            raise APIError(404, f"the model {model_id!r} does not exist; this server serves "
+                                f"{sorted(self.names | set(self.settings.adapters))}",
+                           param="model", code="model_not_found")
+        return JSONResponse(self.model_card(model_id if model_id in self.settings.adapters else None))
+
+    def adapter_of(self, sampling: Sampling) -> str | None:
+        """The LoRA adapter a request names in `model` (None: the base, also when `model` is left out)."""
+        return sampling.model if sampling.model in self.settings.adapters else None
+
+    def served_name(self, sampling: Sampling) -> str:
+        """The `model` of the answer: the adapter's name for an adapter's request, else the base's."""
+        return self.adapter_of(sampling) or self.settings.model_name
 
     async def prometheus(self, request: Request) -> PlainTextResponse:
         self.authorize(request)
@@ -200,7 +217,8 @@ class Handlers:
                                  prompt_logprobs=prompt_scores)
                 jobs.append(Job(row=row, max_tokens=max_tokens, stop_ids=frozenset(stops),
                                 text=TextState(codec, sampling.stop), sink=channel.sink, deadline=deadline,
-                                index=index, solo=solo, generation_kwargs=generation, arrival=start))
+                                index=index, solo=solo, generation_kwargs=generation, arrival=start,
+                                adapter=self.adapter_of(sampling)))
                 choices.append(responses.Choice(index, list(prompt)))
         return jobs, choices
 
@@ -284,7 +302,7 @@ class Handlers:
                                        set(), channel, start)
         await self.submit(jobs, start, channel)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": self.settings.model_name}
+                "model": self.served_name(req.sampling)}
         # with include_usage every chunk carries "usage": null, the last one the counts (as OpenAI's)
         part = {**head, "usage": None} if req.sampling.include_usage else head
         opening = None
@@ -310,7 +328,7 @@ class Handlers:
         jobs, choices = self.make_jobs(req.sampling, [prompt], top, False, set(codec.chat_stop_ids), channel, start)
         await self.submit(jobs, start, channel)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": self.settings.model_name}
+                "model": self.served_name(req.sampling)}
         part = {**head, "usage": None} if req.sampling.include_usage else head  # (as for completions)
         if req.sampling.stream:
             return self._stream(

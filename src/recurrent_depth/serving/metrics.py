@@ -45,6 +45,7 @@ class Metrics:
         self.core_steps = 0
         self.decode_steps = 0  # batched core-step iterations
         self.batch_rows = 0  # rows summed over those iterations
+        self.adapter_switches = 0  # LoRA adapter changes between requests (--lora-modules)
         self.latency = Histogram()
         self.ttft = Histogram()
         # Live values read at scrape time (the engine provides them).
@@ -78,6 +79,10 @@ class Metrics:
             self.decode_steps += 1
             self.batch_rows += rows
 
+    def adapter_switch(self) -> None:
+        with self.lock:
+            self.adapter_switches += 1
+
     def render(self) -> str:
         """The Prometheus exposition text."""
         with self.lock:
@@ -103,6 +108,8 @@ class Metrics:
                 ("rdepth_batch_rows_total", "counter", "Sequences summed over batched recurrence steps.",
                  self.batch_rows),
                 ("rdepth_mean_batch_rows", "gauge", "Mean sequences per batched recurrence step.", mean_batch),
+                ("rdepth_adapter_switches_total", "counter", "Changes of the LoRA adapter in use (--lora-modules): "
+                 "the batch drained for requests of another adapter.", self.adapter_switches),
             ]
             for name, kind, text, value in scalars:
                 lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {_fmt(value)}"]

@@ -394,14 +394,15 @@ def check_adapter_files(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return header
 
 
-def check_adapter_loaded(wrapped: Any, path: Path, header: dict[str, tuple[str, tuple[int, ...]]]) -> None:
-    """A one-line error when the loaded adapter lacks tensors its config asks for (peft only warns, and the
-    missing B matrices stay zero: the base model ran as if adapted), holds tensors it does not use (peft
-    ignores them) or holds NaN / inf."""
+def check_adapter_loaded(wrapped: Any, path: Path, header: dict[str, tuple[str, tuple[int, ...]]],
+                         adapter_name: str = "default") -> None:
+    """A one-line error when the loaded adapter (`adapter_name` of the wrapper) lacks tensors its config asks for
+    (peft only warns, and the missing B matrices stay zero: the base model ran as if adapted), holds tensors it
+    does not use (peft ignores them) or holds NaN / inf."""
     peft = require_peft()
     from recurrent_depth.files import clipped_names
 
-    expected = peft.get_peft_model_state_dict(wrapped, save_embedding_layers=False)
+    expected = peft.get_peft_model_state_dict(wrapped, adapter_name=adapter_name, save_embedding_layers=False)
     missing = [name for name in expected if name not in header]
     if missing:
         raise ValueError(f"weights file {path / ADAPTER_WEIGHTS} lacks {len(missing)} of the {len(expected)} "
@@ -504,15 +505,10 @@ def check_adapter_targets(model: nn.Module, path: Path) -> None:
                              f"have (another architecture's names?); its modules are {clipped_names(top, 10)}")
 
 
-def load_lora(model: nn.Module, adapter_dir: str | Path, trainable: bool = False, strict_base: bool = False,
-              model_dir: str | Path | None = None) -> Any:
-    """The peft wrapper of `model` with the adapter saved in `adapter_dir` (unmerged). An adapter that records
-    another base's fingerprint warns (AdapterBaseWarning), or with strict_base fails (`check_adapter_base`;
-    model_dir: where `model` came from, named in that message)."""
+def _peft_config(model: nn.Module, path: Path) -> Any:
+    """The peft config to load the adapter in `path` onto `model` with, where the saved one needs changing; None:
+    the saved one as it is."""
     peft = require_peft()
-    path = check_adapter_dir(adapter_dir)
-    header = check_adapter_files(path)
-    check_adapter_targets(model, path)
     config = None
     if not hasattr(model, "prepare_inputs_for_generation"):
         # An adapter made with peft on the transformers class says task_type="CAUSAL_LM", whose peft wrapper needs
@@ -527,21 +523,39 @@ def load_lora(model: nn.Module, adapter_dir: str | Path, trainable: bool = False
         config = config if config is not None else peft.PeftConfig.from_pretrained(str(path))
         config.target_modules = sorted(name for name, module in model.named_modules()
                                        if isinstance(module, nn.Linear) and name.split(".")[-1] != OUTPUT_HEAD)
+    return config
+
+
+def _load_error(exc: Exception, path: Path) -> ValueError:
+    """The one-line error for peft failing to load the adapter in `path` (module names or shapes of another
+    model, a tensor the weights file lacks)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    # torch's "Error(s) in loading state_dict for PeftModel:" is a header: the first mismatch says what
+    detail = "; ".join(lines[:2]) if lines and lines[0].endswith(":") else (lines[0] if lines else "")
+    if isinstance(exc, KeyError):  # (peft's lookup of a tensor the weights file lacks: a bare tensor name)
+        from recurrent_depth.files import clipped
+
+        saved = read_adapter_config(path).get("modules_to_save")
+        detail = (f"its weights file lacks tensor {detail}" + (
+            f" (adapter_config.json's modules_to_save={clipped(saved)} asks for a trained copy of those modules)"
+            if saved else ""))
+    return ValueError(f"cannot load the LoRA adapter {path} onto this model: {detail or type(exc).__name__}")
+
+
+def load_lora(model: nn.Module, adapter_dir: str | Path, trainable: bool = False, strict_base: bool = False,
+              model_dir: str | Path | None = None) -> Any:
+    """The peft wrapper of `model` with the adapter saved in `adapter_dir` (unmerged). An adapter that records
+    another base's fingerprint warns (AdapterBaseWarning), or with strict_base fails (`check_adapter_base`;
+    model_dir: where `model` came from, named in that message)."""
+    peft = require_peft()
+    path = check_adapter_dir(adapter_dir)
+    header = check_adapter_files(path)
+    check_adapter_targets(model, path)
+    config = _peft_config(model, path)
     try:
         wrapped = peft.PeftModel.from_pretrained(model, str(path), is_trainable=trainable, config=config)
     except (KeyError, RuntimeError, ValueError) as exc:  # e.g. module names or shapes of another model
-        lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-        # torch's "Error(s) in loading state_dict for PeftModel:" is a header: the first mismatch says what
-        detail = "; ".join(lines[:2]) if lines and lines[0].endswith(":") else (lines[0] if lines else "")
-        if isinstance(exc, KeyError):  # (peft's lookup of a tensor the weights file lacks: a bare tensor name)
-            from recurrent_depth.files import clipped
-
-            saved = read_adapter_config(path).get("modules_to_save")
-            detail = (f"its weights file lacks tensor {detail}" + (
-                f" (adapter_config.json's modules_to_save={clipped(saved)} asks for a trained copy of those modules)"
-                if saved else ""))
-        raise ValueError(f"cannot load the LoRA adapter {path} onto this model: {detail or type(exc).__name__}"
-                         ) from None
+        raise _load_error(exc, path) from None
     check_adapter_loaded(wrapped, path, header)
     try:  # (after the load: an adapter of other shapes fails above, naming what differs, without this warning)
         check_adapter_base(wrapped, path, strict=strict_base, model_dir=model_dir)
@@ -588,6 +602,60 @@ def attach_adapter(model: nn.Module, adapter_dir: str | Path, strict_base: bool 
     """`model` itself with the saved adapter on its layers, unmerged (generation applies it on every path);
     strict_base, model_dir: as for `load_lora`."""
     return load_lora(model, adapter_dir, strict_base=strict_base, model_dir=model_dir).get_base_model()
+
+
+def several_adapter_name(index: int) -> str:
+    """The peft name of adapter `index` of `load_loras`. peft picks an adapter's tensors by substring ("name in
+    key"), so no name may be part of another's or of a module's: the trailing "_" keeps "lora1_" out of "lora10_"."""
+    return f"lora{index}_"
+
+
+def load_loras(model: nn.Module, adapter_dirs: list[str | Path], strict_base: bool = False,
+               model_dir: str | Path | None = None) -> Any:
+    """The peft wrapper of `model` holding several saved adapters at once, unmerged, adapter i under
+    `several_adapter_name(i)`, all turned off (`use_adapter` turns one on): one base serving several
+    fine-tunes. Each adapter is checked as `load_lora` checks one (files, targets, shapes, loaded tensors,
+    the base fingerprint; strict_base, model_dir: as there), the files and targets of all before any loads."""
+    peft = require_peft()
+    if not adapter_dirs:
+        raise ValueError("load_loras needs at least one adapter directory")
+    paths = [check_adapter_dir(d) for d in adapter_dirs]
+    headers = [check_adapter_files(p) for p in paths]
+    for path in paths:
+        check_adapter_targets(model, path)
+    configs = [_peft_config(model, p) for p in paths]  # (before peft adds its layers, which all-linear would take)
+    wrapped: Any = None
+    try:
+        for i, (path, config) in enumerate(zip(paths, configs)):
+            name = several_adapter_name(i)
+            try:
+                if wrapped is None:
+                    wrapped = peft.PeftModel.from_pretrained(model, str(path), adapter_name=name, config=config)
+                else:
+                    if config is not None:  # (load_adapter then loads only the weights, under this config)
+                        config.inference_mode = True
+                        wrapped.add_adapter(name, config)
+                    wrapped.load_adapter(str(path), adapter_name=name)
+            except (KeyError, RuntimeError, ValueError) as exc:
+                raise _load_error(exc, path) from None
+            check_adapter_loaded(wrapped, path, headers[i], adapter_name=name)
+            check_adapter_base(wrapped, path, strict=strict_base, model_dir=model_dir)
+    except ValueError:
+        if wrapped is not None:
+            wrapped.unload()  # `model` as it was given
+        raise
+    use_adapter(wrapped, None)
+    return wrapped
+
+
+def use_adapter(wrapped: Any, name: str | None) -> None:
+    """Turn on adapter `name` of a peft wrapper holding several (`load_loras`) and turn the others off; None: all
+    off, the wrapped model computes exactly what the base model alone does."""
+    if name is None:
+        wrapped.base_model.disable_adapter_layers()
+        return
+    wrapped.base_model.enable_adapter_layers()
+    wrapped.set_adapter(name)
 
 
 def adapter_base_dir(adapter_dir: str | Path) -> Path:

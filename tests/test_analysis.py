@@ -107,6 +107,29 @@ def test_trajectory_shapes_and_agreement_with_forward(model, ids):
     assert (traj.top_probs > 0).all() and (traj.top_probs <= 1).all()
 
 
+@pytest.mark.parametrize("layout", [
+    dict(block_layout="pre-norm", norm_before_coda=False),  # a retrofitted Llama/Qwen/Gemma: the coda reads s
+    dict(block_layout="peri-norm", norm_before_coda=False, step_norm=True, final_norm=False, injection="none",
+         state_init="embedding", prelude_layers=0, coda_layers=0),  # Ouro: ln_f after every step, no coda
+    dict(injection="diagonal", coda_projection=True),  # Parcae: the coda reads C(ln_f(s))
+], ids=["retrofit", "ouro", "parcae"])
+def test_predictions_at_each_step_are_the_models_own_readout(layout):
+    """The per-step predictions (depth view, report) are what `model(ids, i)` predicts, also where the coda
+    does not read ln_f(s): reading ln_f(s) there normed twice or skipped Parcae's projection."""
+    torch.manual_seed(0)
+    config = rd.ModelConfig(**{**dict(vocab_size=64, hidden_size=32, num_heads=4, intermediate_size=48,
+                                      prelude_layers=1, core_layers=1, coda_layers=1), **layout})
+    model = rd.RecurrentDepthLM(config).eval()
+    ids = torch.tensor([[5, 17, 20, 3, 17, 9]])
+    traj = collect_trajectory(model, ids, 3, seed=7)
+    for depth in range(4):
+        with torch.no_grad():
+            logits = model(ids, depth, generator=torch.Generator().manual_seed(7)).logits
+        logp = torch.log_softmax(logits, -1)
+        np.testing.assert_array_equal(traj.top_ids[depth], logp.argmax(-1).numpy())
+        np.testing.assert_allclose(traj.entropy[depth], -(logp.exp() * logp).sum(-1).numpy(), atol=1e-5)
+
+
 def test_trajectory_is_deterministic_with_a_seed(model, ids):
     a = collect_trajectory(model, ids, 4, seed=11)
     b = collect_trajectory(model, ids, 4, seed=11)
@@ -359,6 +382,14 @@ def test_path_independence_on_a_model(model, ids):
         path_independence(model, ids, 2, seeds=[1, 2], init_scale=0.0)
     with pytest.raises(ValueError, match="position 9 is out of range"):
         path_independence(model, ids, 2, seeds=[1, 2], positions=[9])
+
+
+def test_path_independence_refuses_a_model_without_random_starts(ids):
+    torch.manual_seed(0)
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", state_init="embedding", injection="none")).eval()
+    with pytest.raises(ValueError, match=r"^path independence needs random starts: this model starts every run "
+                                         r"from its embedding \(state_init='embedding', as Ouro\)"):
+        path_independence(model, ids, 2, seeds=[1, 2])
 
 
 def test_package_exports_the_path_independence_function_not_its_module():

@@ -132,6 +132,29 @@ def test_analysis_is_deterministic_with_a_seed(model_dir):
     assert not np.array_equal(a.distance, c.distance)
 
 
+def test_a_model_that_starts_from_its_embedding_has_no_path_independence(tmp_path, capsys):
+    """Ouro's s_0 is the embedding: every "random start" is the same run, so the measure would be 0 by
+    construction and read as perfect path independence. The report says it was skipped instead."""
+    torch.manual_seed(0)
+    model = rd.RecurrentDepthLM(rd.ModelConfig(
+        vocab_size=300, hidden_size=32, num_heads=4, intermediate_size=48, prelude_layers=0, core_layers=1,
+        coda_layers=0, block_layout="peri-norm", norm_before_coda=False, step_norm=True, final_norm=False,
+        injection="none", state_init="embedding"))
+    model.save_pretrained(tmp_path / "ouro")
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / FIGURES["path_independence"][0]).write_bytes(PNG_MAGIC)  # an earlier run's figure
+    code = main(["analyze", "--model", str(tmp_path / "ouro"), "--ids", "5,77,120,77,31", "--steps", "8",
+                 "--limit-steps", "8", "--out", str(out), "--no-states", "--threads", "1"])
+    stdout = capsys.readouterr().out
+    assert code == 0 and "path independence: skipped: this model starts every run from its embedding" in stdout
+    data = json.loads((out / "analysis.json").read_text())
+    assert data["path_independence"]["skipped"].startswith("this model starts every run from its embedding")
+    assert all(token["path_ratio"] is None for token in data["tokens"])
+    assert not (out / FIGURES["path_independence"][0]).exists()
+    assert "skipped: this model starts every run" in (out / "report.html").read_text()
+
+
 def test_long_and_short_prompts_are_refused_with_a_clear_message(model_dir):
     model = rd.RecurrentDepthLM.from_pretrained(model_dir)
     with pytest.raises(ValueError, match=r"the prompt has 40 tokens, more than max_tokens=32 \(--max-tokens\)"):

@@ -157,8 +157,12 @@ def test_skip_needs_an_attention_model():
     cfg = rd.ModelConfig.from_preset("tiny")
     cfg.mixer = "linear_attention"
     lin = rd.RecurrentDepthLM(cfg).eval()
-    with pytest.raises(ValueError, match="softmax attention"):
+    with pytest.raises(ValueError, match=r"softmax attention; .*\(use the 'deepest' lookup\)$"):
         generate(lin, torch.tensor([[1, 2]]), kv_policy="skip", **ADAPTIVE)
+    # compress-rN takes no 'deepest' lookup: the way out is another slot rule, not a lookup it refuses
+    with pytest.raises(ValueError, match=r"\(compress-r4 takes only the 'full' and 'skip' lookups: use another slot "
+                                         r"rule\)$"):
+        generate(lin, torch.tensor([[1, 2]]), kv_policy="compress-r4", max_new_tokens=1)
 
 
 def test_policies_from_transformers_http_and_info(model, capsys):

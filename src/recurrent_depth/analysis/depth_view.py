@@ -1,7 +1,7 @@
 """Depth-scaling view: what the model would predict if it stopped after each step.
 
 From the per-step predictions a `Trajectory` records (entropy and top token of
-predict(ln_f(s_i)) for i = 0..S) this answers "where does the model change its mind?": the step
+the model's readout of s_i for i = 0..S) this answers "where does the model change its mind?": the step
 after which each token's top prediction no longer changes, and the predictions at a few depths.
 """
 

@@ -64,6 +64,14 @@ def spread_and_separation(finals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return spread, dist.min(axis=1)
 
 
+def fixed_start_reason(model: torch.nn.Module) -> str | None:
+    """Why every run of `model` starts from the same s_0 (so path independence holds trivially), or None."""
+    state_init = getattr(getattr(model, "config", None), "state_init", "random")
+    if state_init == "random":
+        return None
+    return f"this model starts every run from its embedding (state_init={state_init!r}, as Ouro), not a random s_0"
+
+
 def path_independence(
     model: torch.nn.Module,
     input_ids: Tensor,
@@ -83,6 +91,9 @@ def path_independence(
     """
     if len(seeds) < 2 or len(set(seeds)) != len(seeds):
         raise ValueError(f"seeds must hold at least 2 distinct seeds, got {seeds!r}")
+    reason = fixed_start_reason(model)
+    if reason is not None:
+        raise ValueError(f"path independence needs random starts: {reason}")
     if not is_real(init_scale) or init_scale <= 0:
         raise ValueError(
             f"init_scale={init_scale!r} is invalid: path independence needs random starts (a finite number > 0)"

@@ -42,7 +42,7 @@ from recurrent_depth.analysis.convergence import (
 )
 from recurrent_depth.analysis.correlation import token_correlation
 from recurrent_depth.analysis.depth_view import change_points, prediction_arrays, report_steps, settling_step
-from recurrent_depth.analysis.path_independence import PathIndependence, path_independence
+from recurrent_depth.analysis.path_independence import PathIndependence, fixed_start_reason, path_independence
 from recurrent_depth.analysis.pca import PCA, fit_trajectory_pca
 from recurrent_depth.analysis.trajectory import Trajectory, collect_trajectory, remove_trajectory
 from recurrent_depth.config import is_int, is_real
@@ -111,7 +111,7 @@ class AnalysisResult:
     projected: dict[int, np.ndarray]  # chosen position -> [S, k]
     shapes: list[TrajectoryShape]
     counts: dict[str, int]
-    path: PathIndependence
+    path: PathIndependence | None  # None where every run starts from the same s_0: model_info["fixed_start"] says why
     correlation: dict[str, np.ndarray]  # "raw states" / "ln_f states" -> [S+1]
     entropy: np.ndarray  # [T, S+1]
     top_ids: np.ndarray  # [T, S+1]
@@ -135,9 +135,9 @@ class AnalysisResult:
                 "converged_at": int(self.converged_at[t]),
                 "distance_to_limit": self.distance[t].tolist(),
                 "shape": self.shapes[t].to_dict(),
-                "path_spread": float(self.path.spread[t]),
-                "path_separation": float(self.path.separation[t]),
-                "path_ratio": float(self.path.ratio[t]),
+                "path_spread": None if self.path is None else float(self.path.spread[t]),
+                "path_separation": None if self.path is None else float(self.path.separation[t]),
+                "path_ratio": None if self.path is None else float(self.path.ratio[t]),
                 "entropy": self.entropy[t].tolist(),
                 "top_id": self.top_ids[t].tolist(),
                 "top_prob": self.top_probs[t].tolist(),
@@ -152,7 +152,8 @@ class AnalysisResult:
             "trajectory_counts": self.counts,
             "chosen_tokens": self.chosen,
             "pca_explained_ratio": self.pca.explained_ratio.tolist(),
-            "path_independence": self.path.summary(),
+            "path_independence": ({"skipped": self.model_info["fixed_start"]} if self.path is None
+                                  else self.path.summary()),
             "token_correlation": {k: v.tolist() for k, v in self.correlation.items()},
             "convergence": {
                 "tolerance": self.config.converge_tol,
@@ -284,15 +285,21 @@ def analyze(
     timings["measures"] = time.perf_counter() - clock
     clock = time.perf_counter()
 
-    # Path independence needs random starts; with init_scale 0 the main run is deterministic.
-    pi_scale = cfg.init_scale if cfg.init_scale > 0 else 1.0
-    seeds = [cfg.seed + 1 + k for k in range(cfg.num_starts)]
-    pi = path_independence(model, ids, cfg.num_steps, seeds=seeds, positions=chosen[:3], init_scale=pi_scale,
-                           progress=progress)
-    timings["path_independence"] = time.perf_counter() - clock
+    # Path independence needs random starts; with init_scale 0 the main run is deterministic. A model that
+    # starts every run from its embedding (Ouro) has one start only: the measure would be 0 by construction.
+    fixed_start = fixed_start_reason(model)
+    pi = None
+    if fixed_start is None:
+        pi_scale = cfg.init_scale if cfg.init_scale > 0 else 1.0
+        seeds = [cfg.seed + 1 + k for k in range(cfg.num_starts)]
+        pi = path_independence(model, ids, cfg.num_steps, seeds=seeds, positions=chosen[:3], init_scale=pi_scale,
+                               progress=progress)
+        timings["path_independence"] = time.perf_counter() - clock
 
     model_cfg = getattr(model, "config", None)
     info: dict[str, Any] = {} if model_name is None else {"name": model_name}
+    if fixed_start is not None:
+        info["fixed_start"] = fixed_start
     if model_cfg is not None:
         info |= {"hidden_size": model_cfg.hidden_size, "vocab_size": model_cfg.vocab_size,
                 "mean_recurrence": model_cfg.mean_recurrence}
@@ -317,8 +324,8 @@ def build_figures(result: AnalysisResult) -> dict[str, Figure]:
         "convergence": plots.plot_convergence(
             result.distance, result.labels, result.converged_at, result.config.limit_steps),
         "pca": plots.plot_pca_trajectories(result.projected, result.labels, kinds, result.pca),
-        "path_independence": plots.plot_path_independence(
-            result.path, result.labels, result.pca, result.chosen[:3]),
+        **({} if result.path is None else {"path_independence": plots.plot_path_independence(
+            result.path, result.labels, result.pca, result.chosen[:3])}),
         "token_correlation": plots.plot_token_correlation(result.correlation),
         "depth_view": plots.plot_depth_view(result.entropy, change_points(result.top_ids), result.labels),
         "kinds": plots.plot_kind_counts(result.counts),
@@ -343,6 +350,9 @@ def write_report(result: AnalysisResult, out_dir: str | Path) -> dict[str, Path]
         path = out / FIGURES[key][0]
         path.write_bytes(data)
         written[key] = path
+    for key, (name, _) in FIGURES.items():  # a figure this run has not drawn must not pass for its own
+        if key not in images:
+            (out / name).unlink(missing_ok=True)
     (out / "analysis.json").write_text(json.dumps(result.to_json_dict(), indent=1) + "\n")
     written["json"] = out / "analysis.json"
     (out / "report.html").write_text(render_html(result, images), encoding="utf-8")
@@ -367,9 +377,11 @@ def render_html(result: AnalysisResult, images: dict[str, bytes]) -> str:
     corr_last = {k: v[-1] for k, v in data["token_correlation"].items()}
     settings = _table(["setting", "value"], [
         ["recurrence steps S", S], ["limit point s*", f"{cfg.limit_steps} steps from the same s0"],
-        ["s0", f"random, init_scale={cfg.init_scale}, seed={cfg.seed}"],
+        ["s0", f"random, init_scale={cfg.init_scale}, seed={cfg.seed}" if result.path is not None
+         else "the embedding (state_init='embedding')"],
         ["convergence tolerance", f"‖ln_f(s_i) − s*‖ ≤ {cfg.converge_tol} ‖s*‖ from step i on"],
-        ["path independence", f"{cfg.num_starts} starts, seeds {pi['seeds']}, init_scale={pi['init_scale']}"],
+        ["path independence", f"skipped: {pi['skipped']}" if result.path is None
+         else f"{cfg.num_starts} starts, seeds {pi['seeds']}, init_scale={pi['init_scale']}"],
         ["model", ", ".join(f"{k}={v}" for k, v in result.model_info.items()) or "-"],
         ["time", ", ".join(f"{k} {v:.1f}s" for k, v in result.timings.items())],
     ])
@@ -378,8 +390,10 @@ def render_html(result: AnalysisResult, images: dict[str, bytes]) -> str:
         ["converged within S steps", f"{conv['converged_tokens']} of {len(result.labels)}"],
         ["median steps to converge", conv["median_steps_to_converge"]],
         *[[f"trajectories: {k}", result.counts[k]] for k in KINDS],
-        ["path independence: median spread / nearest-token distance", f"{pi['median_ratio']:.3g}"],
-        ["tokens whose spread is below their nearest-token distance", f"{100 * pi['fraction_ratio_below_1']:.0f}%"],
+        *([] if result.path is None else [
+            ["path independence: median spread / nearest-token distance", f"{pi['median_ratio']:.3g}"],
+            ["tokens whose spread is below their nearest-token distance",
+             f"{100 * pi['fraction_ratio_below_1']:.0f}%"]]),
         *[[f"token correlation ({k}) at step 1 -> {S}", f"{corr_first[k]:.3f} -> {corr_last[k]:.3f}"]
           for k in corr_first],
     ])
@@ -391,7 +405,7 @@ def render_html(result: AnalysisResult, images: dict[str, bytes]) -> str:
             label, result.token_ids[t],
             result.converged_at[t] if result.converged_at[t] >= 0 else f"> {S}",
             shape.kind, f"{shape.extent:.3f}", f"{shape.straightness:.2f}", f"{shape.speed_ratio:.2f}",
-            f"{result.path.ratio[t]:.3g}", result.settles_at[t],
+            "-" if result.path is None else f"{result.path.ratio[t]:.3g}", result.settles_at[t],
             f"{result.top_texts[t][final]!r} ({result.top_probs[t][final]:.2f})", f"{result.entropy[t][final]:.2f}",
         ])
     tokens_table = _table(

@@ -1,10 +1,11 @@
 """Latent trajectories: every token's state at every recurrence step.
 
 A run is `s_0 -> s_1 -> ... -> s_S` with `s_i = core(adapter(concat[s_{i-1}, e]))`; this module
-records, for i = 0..S, the raw state `s_i` and the final-norm view `ln_f(s_i)` (what the coda
-reads and what the paper's plots use), and optionally what the model would predict if it stopped
-at step i (entropy, top token and its probability). It can keep running past S, without storing,
-up to an approximate limit point `s*` (the paper's 128 steps from the same s_0).
+records, for i = 0..S, the raw state `s_i` and the final-norm view `ln_f(s_i)` (what the paper's
+plots use, and what the coda reads in Huginn's layout), and optionally what the model would predict
+if it stopped at step i (entropy, top token and its probability: the model's own readout of s_i).
+It can keep running past S, without storing, up to an approximate limit point `s*` (the paper's
+128 steps from the same s_0).
 
 Memory: raw + normed states take `2 * (S+1) * B * T * h * 4` bytes (0.5 GB for Huginn-0125 at
 S=128, T=100). With `out_dir` they stream step by step into `.npy` files opened as memory maps,
@@ -184,7 +185,7 @@ def iterate_states(
 
     Runs the recurrence engine over the model's own modules (`inference.engine.Recurrence`), so the
     states are exactly those of `model(input_ids, num_steps, init_scale=..., generator=...)` (per row, in a batch).
-    `ctx` is the mixer context, which `model.predict(normed, ctx)` needs to read logits.
+    `ctx` is the mixer context, which `model.predict(model.latent(raw), ctx)` needs to read logits.
     s_0 is drawn from a generator seeded with `seed` (or given as `input_states` [B, T, h]); in a batch,
     each row's from its own generator seeded with `seed`, over its real tokens, so a row's states are
     those of its prompt run alone (`model(row, ..., generator=...)`), whatever the padding and neighbours.
@@ -314,7 +315,10 @@ def collect_trajectory(
                 raw[i] = state.raw.float().cpu().numpy()
                 normed[i] = state.normed.float().cpu().numpy()
                 if pred is not None:
-                    for array, value in zip(pred, predictions(model.predict(state.normed, ctx))):
+                    # what the coda reads is model.latent(s): ln_f(s) for Huginn's layout only (a retrofitted
+                    # or Ouro model reads s itself, Parcae's a projection), so the normed view is not it
+                    logits = model.predict(model.latent(state.raw), ctx)
+                    for array, value in zip(pred, predictions(logits)):
                         array[i] = value.cpu().numpy()
             if i == total and limit_steps is not None:
                 limit = state.normed.float().cpu().numpy()

@@ -86,6 +86,7 @@ def _in_flag_names(exc: ValueError) -> ValueError:
 
 
 def run(args: argparse.Namespace) -> int:
+    from recurrent_depth.analysis.path_independence import fixed_start_reason
     from recurrent_depth.analysis.report import AnalysisConfig, analyze_to_dir
     from recurrent_depth.files import check_out_dir
     from recurrent_depth.model.recurrent import RecurrentDepthLM
@@ -132,15 +133,19 @@ def run(args: argparse.Namespace) -> int:
     else:
         decode = str
     texts = [decode(i) for i in ids]
-    print(f"analysing {len(ids)} tokens, {config.num_steps} steps (s* at {config.limit_steps}), "
-          f"{config.num_starts} starts")
+    starts = "one start (s_0 = the embedding)" if fixed_start_reason(model) else f"{config.num_starts} starts"
+    print(f"analysing {len(ids)} tokens, {config.num_steps} steps (s* at {config.limit_steps}), {starts}")
     result, files = analyze_to_dir(
         model, ids, args.out, token_texts=texts, decode=decode, config=config, prompt=prompt,
         model_name=str(model_dir), progress=True,
     )
     counts = ", ".join(f"{k}: {v}" for k, v in result.counts.items())
     print(f"trajectory shapes: {counts}")
-    print(f"path independence: median spread / nearest-token distance = {result.path.summary()['median_ratio']:.3g}")
+    if result.path is None:
+        print(f"path independence: skipped: {result.model_info['fixed_start']}")
+    else:
+        ratio = result.path.summary()["median_ratio"]
+        print(f"path independence: median spread / nearest-token distance = {ratio:.3g}")
     print(f"report: {files['html']}  (numbers: {files['json']}, {len(files) - 2} PNGs)")
     print(f"done in {time.perf_counter() - start:.1f}s")
     return 0

@@ -107,9 +107,12 @@ def check_policy_for_model(model: Any, options: ResolvedOptions) -> None:
     """A one-line ValueError when the KV policy's lookup needs softmax attention the model lacks."""
     lookup = options.policy.lookup
     if (lookup.hides_columns or lookup.reads_per_step) and not all_attention(model):
+        # a slot shared among core layers (compress-rN) takes no 'deepest' lookup: another slot rule is the way out
+        advice = ("use the 'deepest' lookup" if options.policy.slots.per_layer
+                  else f"{options.policy.slots.name} takes only the 'full' and 'skip' lookups: use another slot rule")
         raise ValueError(
             f"kv_policy={options.kv_policy!r} hides or picks cache entries of the attention, which needs every "
-            f"layer to be softmax attention; this model's mixer is {model.config.mixer!r} (use the 'deepest' lookup)"
+            f"layer to be softmax attention; this model's mixer is {model.config.mixer!r} ({advice})"
         )
 
 

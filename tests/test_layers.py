@@ -28,3 +28,63 @@ def test_apply_rope_matches_the_pairwise_formula(monkeypatch, compiling, layout)
         x = torch.randn(2, 37, 3, 60, dtype=torch.bfloat16 if layout == "bf16" else torch.float32)
     # The complex product may fuse a multiply-add: equal to one rounding (1 ulp of float32 / bfloat16).
     torch.testing.assert_close(layers.apply_rope(x, cos, sin), rope_reference(x, cos, sin), atol=1e-6, rtol=1e-6)
+
+
+def test_a_unit_offset_norm_is_transformers_gemma_norm_bit_for_bit():
+    """`unit_offset` (ModelConfig.norm_unit_offset): the gain 1 + w added and multiplied in float32 and rounded once,
+    as transformers' GemmaRMSNorm, in every dtype; a gain of one at init; the accel norm keeps that formula."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    from recurrent_depth.accel.norm import convert_norms
+
+    torch.manual_seed(0)
+    ours, theirs = layers.RMSNorm(48, 1e-6, unit_offset=True), GemmaRMSNorm(48, 1e-6)
+    x = torch.randn(3, 5, 48) * 4
+    with torch.no_grad():
+        assert torch.equal(ours(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))  # gain one at init
+        ours.weight.copy_(torch.randn(48) * 0.3)
+        theirs.weight.copy_(ours.weight)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            assert torch.equal(ours.to(dtype)(x.to(dtype)), theirs.to(dtype)(x.to(dtype)))
+    ours.float(), theirs.float()
+    fast = torch.nn.Sequential(ours)
+    assert convert_norms(fast) == 1
+    for dtype in (torch.float32, torch.bfloat16):  # an fp32 gain (training): the autograd path and the one without
+        x_in = x.to(dtype).requires_grad_()
+        assert torch.equal(fast[0](x_in), theirs(x_in))
+        with torch.no_grad():
+            assert torch.equal(fast[0](x_in), theirs(x_in))
+
+
+def test_the_rounded_half_rotation_is_transformers_rope_in_every_dtype():
+    """`apply_rope_half_rounded` (ModelConfig.transformers_rounding) is transformers' apply_rotary_pos_emb with
+    cos, sin of the model's dtype; in float32 it equals `apply_rope_half`, in bf16 / fp16 it does not."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    torch.manual_seed(0)
+    table = layers.rope_table(16, 9, 10000.0)
+    cos, sin = table[..., 0][None, :, None], table[..., 1][None, :, None]  # [1, T, 1, D/2]
+    x = torch.randn(2, 9, 3, 16) * 3
+    assert torch.equal(layers.apply_rope_half_rounded(x, cos, sin), layers.apply_rope_half(x, cos, sin))
+    for dtype in (torch.bfloat16, torch.float16):
+        xd = x.to(dtype)
+        full_cos, full_sin = (torch.cat([t, t], -1)[:, :, 0].to(dtype) for t in (cos, sin))  # [1, T, D]
+        want, _ = apply_rotary_pos_emb(xd, xd, full_cos, full_sin, unsqueeze_dim=2)
+        assert torch.equal(layers.apply_rope_half_rounded(xd, cos, sin), want)
+        assert not torch.equal(layers.apply_rope_half(xd, cos, sin), want)
+
+
+def test_qk_clip_scales_a_unit_offset_gain_not_its_weight():
+    """QK-clip scales a QK-norm's gain; with (1 + w) gains that is 1 + w, not w."""
+    import recurrent_depth as rd
+
+    torch.manual_seed(0)
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", qk_norm=True, norm_unit_offset=True))
+    attn = model.transformer.prelude[0].attn
+    with torch.no_grad():
+        for norm in (attn.q_norm, attn.k_norm):
+            norm.weight.copy_(torch.randn(norm.weight.shape) * 0.3)
+        before = [1 + norm.weight.clone() for norm in (attn.q_norm, attn.k_norm)]
+        attn.clip_heads(torch.tensor([0.25, 1.0, 1.0, 1.0]))  # one shared gain: every head by the smallest, sqrt 0.5
+    for norm, gain in zip((attn.q_norm, attn.k_norm), before, strict=True):
+        torch.testing.assert_close(1 + norm.weight, 0.5 * gain)

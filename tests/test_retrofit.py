@@ -729,3 +729,55 @@ def test_sentencepiece_conversion_gives_a_tokenizer_json_or_one_line_reason(tmp_
         assert converted is None and reason and "\n" not in reason
     else:
         assert Tokenizer.from_str(converted.decode()).encode("hello").tokens[-1] == "▁hello"
+
+
+GEMMA_SOURCES = ["gemma-tied-attention-bias", "gemma2-softcaps-sliding", "gemma3-local-rope-qknorm"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", GEMMA_SOURCES)
+def test_gemma_in_half_precision_equals_transformers_bit_for_bit(tmp_path, name, dtype):
+    """A bf16 / fp16 Gemma 1-3 retrofitted at r = 1 is transformers' own model of that dtype bit for bit, saved and
+    loaded too: (1 + w) norm gains added in float32 (norm_unit_offset), and the embedding scale, RoPE and soft-caps
+    rounded where transformers rounds them (transformers_rounding); greedy decoding through our cache follows."""
+    from recurrent_depth.inference.generate import generate
+
+    torch.manual_seed(0)
+    perturbed(SOURCES[name]()).save_pretrained(tmp_path / "src")
+    hf = type(SOURCES[name]()).from_pretrained(tmp_path / "src", dtype=dtype).eval()
+    model = retrofit(tmp_path / "src", prelude=2, core=(2, 4), coda=1, dtype=dtype)
+    assert model.config.norm_unit_offset and model.config.transformers_rounding
+    assert torch.equal(model.transformer.ln_f.weight, hf.model.norm.weight)  # w as the source stores it
+    model.save_pretrained(tmp_path / "rd")
+    loaded = rd.RecurrentDepthLM.from_pretrained(tmp_path / "rd", dtype=dtype)
+    ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits.float()
+        assert torch.equal(model(ids, num_steps=1, init_scale=0.0).logits, want)
+        assert torch.equal(loaded(ids, num_steps=1, init_scale=0.0).logits, want)
+    if dtype == torch.bfloat16:
+        prompt = ids[:1, :6]
+        with torch.no_grad():
+            greedy = hf.generate(prompt, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+        for fast in (True, False):
+            out = generate(model, prompt, max_new_tokens=16, num_steps=1, init_scale=0.0, eos_token_id=[], fast=fast)
+            assert out.sequences.tolist() == greedy.tolist()
+
+
+def test_a_model_with_unit_offset_norms_takes_neither_the_fused_runner_nor_the_remote_code():
+    """The fused runner (accel/runner.py) and the remote-code file implement Huginn's norms only: a model with
+    (1 + w) gains, even of Huginn's layout, takes the reference runner, and export refuses it in one line."""
+    from recurrent_depth.accel.runner import FastRunner
+    from recurrent_depth.integrations.export import check_exportable
+    from recurrent_depth.integrations.remote import modeling_recurrent_depth as remote
+
+    torch.manual_seed(0)
+    assert FastRunner.supports(rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")))
+    assert not FastRunner.supports(rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", norm_unit_offset=True)))
+    with pytest.raises(ValueError, match=r"Huginn's architecture only; this model sets \['norm_unit_offset'\]"):
+        check_exportable(rd.ModelConfig.from_preset("tiny", norm_unit_offset=True))
+    with pytest.raises(ValueError, match=r"config.json sets norm_unit_offset=True"):
+        remote.RecurrentDepthConfig(norm_unit_offset=True)
+    with pytest.raises(ValueError, match=r"^ModelConfig.transformers_rounding=True is invalid: expected false unless "
+                                         r"rope_style is 'half'"):
+        rd.ModelConfig.from_preset("tiny", transformers_rounding=True)

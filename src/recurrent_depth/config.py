@@ -197,6 +197,15 @@ class ModelConfig:
     qk_norm_full_width: bool = False  # with qk_norm: one RMSNorm over all heads' q (and k) at once (OLMo-2)
     mlp_activation: str = "silu"  # the MLP's activation (the gate's, when gated): see MLP_ACTIVATIONS
     embedding_scale: bool = True  # wte(x) * sqrt(h) (Huginn); off: wte(x) as is
+    # bf16 / fp16 values rounded where transformers' implementation rounds them (retrofitted Gemma, so it equals
+    # transformers bit for bit): the sqrt(h) embedding scale rounded to the model's dtype before the product, the
+    # rotate-half RoPE (rope_style "half") and the soft-capped attention and final logits computed in the model's
+    # dtype. Off: those in float32 (or the exact sqrt(h)), rounded once (Huginn's). The same values in float32.
+    transformers_rounding: bool = False
+    # Every RMSNorm gain stored as w and applied as (1 + w), added and multiplied in float32 and rounded once
+    # (transformers' GemmaRMSNorm: retrofitted Gemma 1-3, so they equal transformers in bf16 / fp16 too);
+    # off: the gain w itself, times the normalised x rounded to x's dtype first (Huginn's).
+    norm_unit_offset: bool = False
     norm_before_coda: bool = True  # the coda reads ln_f(s_r) (Huginn) or s_r itself
     final_norm: bool = True  # logits = lm_head(ln_f(coda output)); off: lm_head(coda output)
     step_norm: bool = False  # ln_f after every core step, and the normed state carried on (Ouro)
@@ -311,8 +320,10 @@ class ModelConfig:
         for name in ("qkv_bias", "qk_norm_full_width", "embedding_scale", "norm_before_coda", "final_norm",
                      "step_norm", "exit_gate"):
             need(isinstance(getattr(self, name), bool), name, "true or false")
-        for name in ("mlp_gated", "prelude_norm", "coda_projection"):
+        for name in ("mlp_gated", "prelude_norm", "coda_projection", "transformers_rounding", "norm_unit_offset"):
             need(isinstance(getattr(self, name), bool), name, "true or false")
+        need(self.rope_style == "half" or not self.transformers_rounding, "transformers_rounding",
+             "false unless rope_style is 'half' (transformers' rotation; the interleaved one is Huginn's)")
         need(self.qk_norm_eps is None or (is_real(self.qk_norm_eps) and 0 < self.qk_norm_eps < 1), "qk_norm_eps",
              "None (norm_eps) or a number in (0, 1)")
         layers = self.value_embeddings
@@ -593,7 +604,7 @@ HUGINN_ARCHITECTURE: dict[str, Any] = dict(
     mlp_activation="silu", embedding_scale=True, norm_before_coda=True, final_norm=True, step_norm=False,
     injection="concat", state_init="random", exit_gate=False, mlp_gated=True, qk_norm_eps=None, prelude_norm=False,
     coda_projection=False, value_embeddings=[], attn_logit_softcapping=None, final_logit_softcapping=None,
-    layer_rope_bases=[],
+    layer_rope_bases=[], transformers_rounding=False, norm_unit_offset=False,
 )
 
 

@@ -12,7 +12,8 @@ Where the C++ kernels build (`accel.quant_cpp`: `rms_norm_scale`, `rms_norm_back
 roundings, so the output is still the plain module's bit for bit, in training steps with and without a
 graph; the backward is one pass a row (the weight gradient summed over fixed chunks of 64 rows, so the
 same on any thread count). [4, 256, 1024] forward + backward on a 2-core AVX-512 Xeon: bf16 2.4 ms against
-6.3 with the torch operations, float32 2.6 against 3.5.
+6.3 with the torch operations, float32 2.6 against 3.5. Norms with (1 + w) gains (`ModelConfig.norm_unit_offset`,
+retrofitted Gemma) keep the plain module's formula, whose one rounding after the gain these paths do not make.
 """
 
 from __future__ import annotations
@@ -109,6 +110,8 @@ class FastRMSNorm(RMSNorm):
     formula better)."""
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.unit_offset:  # (1 + w) gains (Gemma's) round once after the gain: the plain module's formula
+            return super().forward(x)
         if (
             (x.dtype == torch.float32 or x.dtype in LOW_PRECISION)
             and self.weight.dtype == torch.float32

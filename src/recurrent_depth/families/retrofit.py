@@ -61,12 +61,13 @@ LOOP_CONFIG_KEY = "loop"  # recurrent_depth.looping.config.CONFIG_KEY (not impor
 SUPPORTED_MODEL_TYPES: dict[str, str] = {"llama": "pre-norm", "mistral": "pre-norm", "phi3": "pre-norm",
                                          "qwen2": "pre-norm", "qwen3": "pre-norm", "olmo2": "post-norm",
                                          "gemma": "pre-norm", "gemma2": "peri-norm", "gemma3_text": "peri-norm"}
-# Gemma (1) is the Llama block with sqrt(h)-scaled embeddings, (1 + weight) RMSNorm gains (stored here as
-# 1 + weight, added in float32), the tanh GELU (its legacy hidden_act "gelu" means it) and tied embeddings
-# by default. Gemma 2 and 3 norm each branch's input and output (four norms, our peri-norm block), scale the
-# logits by query_pre_attn_scalar^-1/2, alternate sliding and full layers (layer_types) and read
-# hidden_activation; Gemma 2 soft-caps the attention and final logits; Gemma 3 adds QK-norm ((1 + w) gains)
-# and a RoPE base per layer type (the sliding layers' local base, unscaled).
+# Gemma (1) is the Llama block with sqrt(h)-scaled embeddings, (1 + weight) RMSNorm gains (weight stored as it is,
+# added in float32 by the norm: norm_unit_offset), the tanh GELU (its legacy hidden_act "gelu" means it) and tied
+# embeddings by default; in bf16 / fp16 it rounds where transformers rounds (transformers_rounding).
+# Gemma 2 and 3 norm each branch's input and output (four norms, our peri-norm block), scale the logits by
+# query_pre_attn_scalar^-1/2, alternate sliding and full layers (layer_types) and read hidden_activation;
+# Gemma 2 soft-caps the attention and final logits; Gemma 3 adds QK-norm ((1 + w) gains) and a RoPE base per
+# layer type (the sliding layers' local base, unscaled).
 _GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 _GEMMA2_TYPES = ("gemma2", "gemma3_text")
 # Gemma2Config's / Gemma3TextConfig's values where a config.json leaves a key out.
@@ -442,7 +443,10 @@ def model_config(hf: Mapping[str, Any], surgery: Surgery, mean_recurrence: int =
         tie_embeddings=bool(hf.get("tie_word_embeddings", model_type in _GEMMA_TYPES)),
         bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"),
         block_layout=layout, rope_style="half", mlp_activation=_activation(hf),
-        embedding_scale=model_type in _GEMMA_TYPES, norm_before_coda=False, final_norm=True, injection="concat",
+        # (Gemma: bf16 / fp16 rounded where transformers rounds, so equal to it in every dtype)
+        embedding_scale=model_type in _GEMMA_TYPES, norm_unit_offset=model_type in _GEMMA_TYPES,
+        transformers_rounding=model_type in _GEMMA_TYPES,
+        norm_before_coda=False, final_norm=True, injection="concat",
         attention_windows=kept if any(w is not None for w in kept) else [],
         query_pre_attn_scalar=gemma2_setting(hf, "query_pre_attn_scalar") if gemma2 else None,
         attn_logit_softcapping=gemma2_setting(hf, "attn_logit_softcapping") if gemma2 else None,
@@ -547,14 +551,10 @@ def convert_state(source: Source, cfg: ModelConfig, surgery: Surgery, adapter_in
     out_dtype = dtype or tensors["model.embed_tokens.weight"].dtype
     device = tensors["model.embed_tokens.weight"].device  # (a model in memory on a GPU: the new tensors join it)
     state: dict[str, Tensor] = {}
-    gemma = source.config["model_type"] in _GEMMA_TYPES
-    for ours, theirs in plan.items():
+    for ours, theirs in plan.items():  # (Gemma's norm weights w as they are: our norm_unit_offset adds the 1)
         pieces = [tensors[name] if name in tensors
                   else torch.zeros(tensors[name.removesuffix("bias") + "weight"].shape[0])  # a bias the source lacks
                   for name in theirs]
-        if gemma and ours.endswith(("norm_1.weight", "norm_2.weight", "norm_3.weight", "norm_4.weight", "ln_f.weight",
-                                    "q_norm.weight", "k_norm.weight")):  # Gemma's gain is 1 + w
-            pieces = [1.0 + t.float() for t in pieces]
         state[ours] = torch.cat([t.to(device=device, dtype=out_dtype) for t in pieces], dim=0).contiguous()
     # (a weight beyond float16's range became inf on the cast, without a word: a model generating garbage)
     cast = any(t.dtype != out_dtype for t in tensors.values())  # (the source's tensors were checked above)

@@ -142,6 +142,8 @@ class RecurrentDepthConfig(_CheckedConfigFile, PretrainedConfig):
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     layer_rope_bases: list = field(default_factory=list)
+    transformers_rounding: bool = False
+    norm_unit_offset: bool = False
     use_cache: bool = True
 
     def __post_init__(self, **kwargs: Any) -> None:

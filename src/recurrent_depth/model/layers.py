@@ -17,18 +17,44 @@ class RMSNorm(nn.Module):
     """y = x / rms(x) * weight, the statistics in float32 whatever the input dtype (as Huginn).
 
     heads: None for one gain [dim]; n for a gain per head [n, dim], for inputs [..., n, dim].
+    unit_offset (`ModelConfig.norm_unit_offset`, Gemma's norm): the gain is 1 + weight (weight starts at 0),
+    added and multiplied in float32 and rounded to x's dtype once, as transformers' GemmaRMSNorm; without it
+    the normalised x is rounded to x's dtype before the gain (Huginn's), which a (1 + w) gain stored in bf16
+    could not reproduce.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6, heads: int | None = None) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, heads: int | None = None, unit_offset: bool = False) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim) if heads is None else torch.ones(heads, dim))
+        self.unit_offset = unit_offset
+        shape = (dim,) if heads is None else (heads, dim)
+        self.weight = nn.Parameter(torch.zeros(shape) if unit_offset else torch.ones(shape))
 
     def forward(self, x: Tensor) -> Tensor:
         with torch.autocast(device_type=x.device.type, enabled=False):
             x32 = x.float()
             normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            if self.unit_offset:
+                return (normed * (1.0 + self.weight.float())).to(x.dtype)
         return normed.to(x.dtype) * self.weight
+
+    def reset_gain(self) -> None:
+        """The gain back to one (weight 1, or 0 under unit_offset)."""
+        if self.unit_offset:
+            nn.init.zeros_(self.weight)
+        else:
+            nn.init.ones_(self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}" + (", unit_offset=True" if self.unit_offset else "")
+
+
+def model_norm(config: ModelConfig, dim: int | None = None, eps: float | None = None,
+               heads: int | None = None) -> RMSNorm:
+    """An RMSNorm of the model's kind (`norm_unit_offset`) over `dim` channels (default hidden_size), with
+    epsilon `eps` (default norm_eps): the one place the model's norms are made."""
+    return RMSNorm(config.hidden_size if dim is None else dim, config.norm_eps if eps is None else eps, heads,
+                   unit_offset=config.norm_unit_offset)
 
 
 def relu2_half(x: Tensor) -> Tensor:
@@ -224,6 +250,15 @@ def apply_rope_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)
 
 
+def apply_rope_half_rounded(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """`apply_rope_half` as transformers computes it in x's dtype (`ModelConfig.transformers_rounding`): cos and sin
+    rounded to it, then each product and each sum rounded, `x * cos + rotate_half(x) * sin` term for term.
+    Equal to `apply_rope_half` in float32; in bf16 / fp16 it is what a transformers model of that dtype computes."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
 ROPE_STYLES = {"interleaved": apply_rope, "half": apply_rope_half}
 
 
@@ -236,13 +271,12 @@ class SandwichBlock(nn.Module):
 
     def __init__(self, config: ModelConfig, mixer: nn.Module) -> None:
         super().__init__()
-        h, eps = config.hidden_size, config.norm_eps
-        self.norm_1 = RMSNorm(h, eps)
+        self.norm_1 = model_norm(config)
         self.attn = mixer
-        self.norm_2 = RMSNorm(h, eps)
+        self.norm_2 = model_norm(config)
         self.mlp = build_mlp(config)
-        self.norm_3 = RMSNorm(h, eps)
-        self.norm_4 = RMSNorm(h, eps)
+        self.norm_3 = model_norm(config)
+        self.norm_4 = model_norm(config)
 
     def forward(self, x: Tensor, ctx, layer_key: tuple) -> Tensor:
         x = self.norm_2(x + self.attn(self.norm_1(x), ctx, layer_key))
@@ -264,9 +298,9 @@ class PreNormBlock(nn.Module):
 
     def __init__(self, config: ModelConfig, mixer: nn.Module) -> None:
         super().__init__()
-        self.norm_1 = RMSNorm(config.hidden_size, config.norm_eps)
+        self.norm_1 = model_norm(config)
         self.attn = mixer
-        self.norm_3 = RMSNorm(config.hidden_size, config.norm_eps)
+        self.norm_3 = model_norm(config)
         self.mlp = build_mlp(config)
 
     def forward(self, x: Tensor, ctx, layer_key: tuple) -> Tensor:
@@ -280,9 +314,9 @@ class PostNormBlock(nn.Module):
     def __init__(self, config: ModelConfig, mixer: nn.Module) -> None:
         super().__init__()
         self.attn = mixer
-        self.norm_2 = RMSNorm(config.hidden_size, config.norm_eps)
+        self.norm_2 = model_norm(config)
         self.mlp = build_mlp(config)
-        self.norm_4 = RMSNorm(config.hidden_size, config.norm_eps)
+        self.norm_4 = model_norm(config)
 
     def forward(self, x: Tensor, ctx, layer_key: tuple) -> Tensor:
         x = x + self.norm_2(self.attn(x, ctx, layer_key))

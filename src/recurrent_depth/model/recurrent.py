@@ -27,7 +27,7 @@ from recurrent_depth.checkpoint import load_pretrained, save_pretrained
 from recurrent_depth.config import FIXED_FAN_IN_MODULES, MODEL_PARTS, ModelConfig, is_real, rope_scaling_key
 from recurrent_depth.model.cache import ModelCache
 from recurrent_depth.model.depth import DepthSampler
-from recurrent_depth.model.layers import DiagonalInjection, RMSNorm, build_block
+from recurrent_depth.model.layers import DiagonalInjection, RMSNorm, build_block, model_norm
 from recurrent_depth.model.mixers import MixerContext, build_mixer, check_mixer_name
 from recurrent_depth.model.mixers.attention import Attention
 from recurrent_depth.model.replay import DepthReplay, replay_core
@@ -61,7 +61,7 @@ class RecurrentOutput:
 
 def takase_init_(module: nn.Module, std: float, linear_std: float) -> None:
     """One module's own weights as the Takase init sets them: a Linear at `linear_std` (bias zero), an
-    embedding at `std` (both truncated at ±3 std), an RMSNorm at ones; other modules are left alone."""
+    embedding at `std` (both truncated at ±3 std), an RMSNorm at a gain of one; other modules are left alone."""
     if isinstance(module, nn.Linear):
         nn.init.trunc_normal_(module.weight, std=linear_std, a=-3 * linear_std, b=3 * linear_std)
         if module.bias is not None:
@@ -69,7 +69,7 @@ def takase_init_(module: nn.Module, std: float, linear_std: float) -> None:
     elif isinstance(module, nn.Embedding):
         nn.init.trunc_normal_(module.weight, std=std, a=-3 * std, b=3 * std)
     elif isinstance(module, RMSNorm):
-        nn.init.ones_(module.weight)
+        module.reset_gain()
 
 
 class RecurrentDepthLM(nn.Module):
@@ -92,12 +92,12 @@ class RecurrentDepthLM(nn.Module):
         modules = dict(
             wte=nn.Embedding(config.vocab_size, h),
             prelude=blocks("prelude", config.prelude_layers),
-            ln_prelude=RMSNorm(h, config.norm_eps) if config.prelude_norm else None,
+            ln_prelude=model_norm(config) if config.prelude_norm else None,
             adapter=adapters[config.injection]() if config.injection in adapters else None,
             core_block=blocks("core", config.core_layers),
             coda_projection=nn.Linear(h, h, bias=config.bias) if config.coda_projection else None,
             coda=blocks("coda", config.coda_layers),
-            ln_f=RMSNorm(h, config.norm_eps),
+            ln_f=model_norm(config),
             exit_gate=nn.Linear(h, 1) if config.exit_gate else None,  # Ouro's early_exit_gate (with a bias)
         )
         self.transformer = nn.ModuleDict({name: module for name, module in modules.items() if module is not None})
@@ -242,7 +242,10 @@ class RecurrentDepthLM(nn.Module):
         """The input injection e = prelude(wte(x) * sqrt(h)): [B, T] -> [B, T, h] (no sqrt(h) without
         `embedding_scale`; then ln_prelude with `prelude_norm`)."""
         x = self.transformer.wte(input_ids) if inputs_embeds is None else inputs_embeds
-        x = x * self.emb_scale
+        if self.config.transformers_rounding:  # (transformers' Gemma: the factor rounded to x's dtype first)
+            x = x * torch.tensor(self.emb_scale, dtype=x.dtype, device=x.device)
+        else:
+            x = x * self.emb_scale
         for i, block in enumerate(self.transformer.prelude):
             x = block(x, ctx, ("prelude", i))
         return self.transformer.ln_prelude(x) if self.config.prelude_norm else x
@@ -292,10 +295,15 @@ class RecurrentDepthLM(nn.Module):
 
     def head(self, x: Tensor) -> Tensor:
         """Logits float32 from the coda's output: lm_head(ln_f(x)), or lm_head(x) without `final_norm`; then
-        cap * tanh(logits / cap) with `final_logit_softcapping` (Gemma 2)."""
-        logits = self.lm_head(self.transformer.ln_f(x) if self.config.final_norm else x).float()
+        cap * tanh(logits / cap) with `final_logit_softcapping` (Gemma 2), in the model's dtype with
+        `transformers_rounding` (as transformers caps them), else in float32."""
+        logits = self.lm_head(self.transformer.ln_f(x) if self.config.final_norm else x)
         cap = self.config.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        if cap is None:
+            return logits.float()
+        if not self.config.transformers_rounding:
+            logits = logits.float()
+        return (torch.tanh(logits / cap) * cap).float()
 
     def exit_probability(self, state: Tensor) -> Tensor:
         """Ouro's per-step exit probability lambda = sigmoid(exit_gate(latent(s))) [B, T] float32."""

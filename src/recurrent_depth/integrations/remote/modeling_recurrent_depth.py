@@ -45,7 +45,7 @@ HUGINN_ARCHITECTURE = dict(
     mlp_activation="silu", embedding_scale=True, norm_before_coda=True, final_norm=True, step_norm=False,
     injection="concat", state_init="random", exit_gate=False, mlp_gated=True, qk_norm_eps=None, prelude_norm=False,
     coda_projection=False, value_embeddings=[], attn_logit_softcapping=None, final_logit_softcapping=None,
-    layer_rope_bases=[],
+    layer_rope_bases=[], transformers_rounding=False, norm_unit_offset=False,
 )
 
 # Options of the library's `generate` (and the official code's names for them) that this file does not

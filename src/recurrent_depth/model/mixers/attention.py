@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from recurrent_depth.config import MAX_SEQ_LEN, VALUE_GATE_CHANNELS, ModelConfig
 from recurrent_depth.model.cache import combine_key_mask
-from recurrent_depth.model.layers import ROPE_STYLES, RMSNorm
+from recurrent_depth.model.layers import ROPE_STYLES, apply_rope_half_rounded, model_norm
 from recurrent_depth.model.mixers.base import LayerKey, MixerContext, register_mixer
 from recurrent_depth.model.mixers.common import key_positions, upcast
 from recurrent_depth.model.mixers.logits import MaxLogitRecorder, scale_parameter
@@ -64,10 +64,11 @@ class Attention(MaxLogitRecorder, nn.Module):
         self.scale = config.attention_scale
         self.window = window
         self.softcap = config.attn_logit_softcapping  # cap * tanh(logits / cap) before the mask (Gemma 2): plain math
+        self.logits_in_model_dtype = config.transformers_rounding  # that plain math as transformers' eager attention
         self.rope_base: float | None = None  # this layer's own unscaled RoPE base (layer_rope_bases), set by the model
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.Wqkv = nn.Linear(config.hidden_size, qkv_out, bias=config.bias or config.qkv_bias)
-        self.rotate = ROPE_STYLES[config.rope_style]
+        self.rotate = apply_rope_half_rounded if config.transformers_rounding else ROPE_STYLES[config.rope_style]
         self.proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.bias)
         self.has_qk_bias = config.qk_bias
         if config.qk_bias:
@@ -80,12 +81,12 @@ class Attention(MaxLogitRecorder, nn.Module):
         self.qk_norm_full_width = config.qk_norm_full_width
         eps = config.norm_eps if config.qk_norm_eps is None else config.qk_norm_eps
         if config.qk_norm_full_width:  # OLMo-2: one norm over the concatenated heads
-            self.q_norm = RMSNorm(self.num_heads * self.head_dim, eps)
-            self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, eps)
+            self.q_norm = model_norm(config, self.num_heads * self.head_dim, eps)
+            self.k_norm = model_norm(config, self.num_kv_heads * self.head_dim, eps)
         elif config.qk_norm:
             per_head = config.qk_norm_per_head
-            self.q_norm = RMSNorm(self.head_dim, eps, self.num_heads if per_head else None)
-            self.k_norm = RMSNorm(self.head_dim, eps, self.num_kv_heads if per_head else None)
+            self.q_norm = model_norm(config, self.head_dim, eps, self.num_heads if per_head else None)
+            self.k_norm = model_norm(config, self.head_dim, eps, self.num_kv_heads if per_head else None)
         self.value_embed: nn.Embedding | None = None
         self.ve_gate: nn.Linear | None = None
 
@@ -146,7 +147,8 @@ class Attention(MaxLogitRecorder, nn.Module):
         if self.record_max_logit and self.training:
             self.observe_logits(q, k, self.scale, mask, is_causal)
         if ctx.attentions is not None or self.softcap is not None:  # the weights, or soft-capped: plain math
-            out, probs = eager_attention(q, k, v, mask, is_causal, self.scale, self.softcap)
+            out, probs = eager_attention(q, k, v, mask, is_causal, self.scale, self.softcap,
+                                         self.logits_in_model_dtype)
             if ctx.attentions is not None:
                 ctx.attentions[layer_key] = probs
             return self.proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
@@ -179,7 +181,7 @@ class Attention(MaxLogitRecorder, nn.Module):
                     per_head = heads.repeat_interleave(D)
                 else:
                     per_head = heads[:, None] if norm.weight.ndim == 2 else heads[:1]  # shared gain: all equal
-                scale_parameter(norm.weight, per_head.expand(norm.weight.shape))
+                scale_parameter(norm.weight, per_head.expand(norm.weight.shape), 1.0 if norm.unit_offset else 0.0)
             if not self.qk_norm_full_width:  # (the bias is added before a per-head norm, which removes its scale)
                 return
         else:
@@ -202,7 +204,8 @@ class Attention(MaxLogitRecorder, nn.Module):
 
 
 def eager_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float, softcap: float | None = None
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float, softcap: float | None = None,
+    logits_in_model_dtype: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """SDPA's attention written out, for `output_attentions`: (out [B, H, T, D], probs [B, H, T, S]).
 
@@ -210,12 +213,16 @@ def eager_attention(
     mask / is_causal as given to SDPA (bool, True = may attend; the causal flag with S == T). The
     logits and softmax are float32 (float64 in a float64 model); probs are cast to v's dtype and out = probs @ v.
     softcap: the logits become softcap * tanh(logits / softcap) before the mask (Gemma 2's soft-capping).
+    logits_in_model_dtype (`ModelConfig.transformers_rounding`): the logits and their cap computed in q's dtype, each
+    operation rounded to it, and only the softmax in float32, as transformers' eager attention (the same in float32).
     """
     group = q.shape[2] // k.shape[2]
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    logits = torch.matmul(upcast(q), upcast(k).transpose(-1, -2)) * scale  # [B, H, T, S]
+    if not logits_in_model_dtype:
+        q, k = upcast(q), upcast(k)
+    logits = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, T, S]
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     if mask is None and is_causal:
@@ -223,7 +230,7 @@ def eager_attention(
         mask = torch.ones(T, S, dtype=torch.bool, device=logits.device).tril()
     if mask is not None:
         logits = logits.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(logits, dim=-1).to(v.dtype)
+    probs = torch.softmax(upcast(logits), dim=-1).to(v.dtype)
     return torch.matmul(probs, v), probs
 
 

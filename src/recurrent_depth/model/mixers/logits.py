@@ -76,14 +76,18 @@ class MaxLogitRecorder:
 
 
 @torch.no_grad()
-def scale_parameter(param: Tensor, multiplier: Tensor) -> None:
+def scale_parameter(param: Tensor, multiplier: Tensor, offset: float = 0.0) -> None:
     """param *= multiplier (param's full shape), computed in float64; entries times exactly 1 stay
-    bit-identical. Works on FSDP2's sharded DTensor parameters: every rank holds the same full
-    multiplier (QK-clip all-reduces the maxima first) and multiplies its own shard by its own slice
-    of it, cut exactly as the parameter is (`src_data_rank=None`: no communication)."""
+    bit-identical. offset: the parameter is a gain's part beside a constant, gain = offset + param (a norm's
+    (1 + w), `ModelConfig.norm_unit_offset`), and the gain is what is scaled.
+    Works on FSDP2's sharded DTensor parameters: every rank holds the same full multiplier (QK-clip all-reduces
+    the maxima first) and multiplies its own shard by its own slice of it, cut exactly as the parameter is
+    (`src_data_rank=None`: no communication)."""
     m = multiplier.to(device=param.device, dtype=torch.float64).contiguous()
     if hasattr(param, "device_mesh"):
         from torch.distributed.tensor import distribute_tensor
 
         m = distribute_tensor(m, param.device_mesh, param.placements, src_data_rank=None)
-    param.copy_((param.to(torch.float64) * m).to(param.dtype))
+    p64 = param.to(torch.float64)
+    scaled = torch.where(m == 1, p64, (p64 + offset) * m - offset) if offset else p64 * m
+    param.copy_(scaled.to(param.dtype))

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from recurrent_depth.config import ModelConfig
-from recurrent_depth.model.layers import RMSNorm, apply_rope
+from recurrent_depth.model.layers import apply_rope, model_norm
 from recurrent_depth.model.mixers.attention import eager_attention
 from recurrent_depth.model.mixers.base import LayerKey, MixerContext, register_mixer
 from recurrent_depth.model.mixers.common import check_choice, check_int, nbytes, or_default
@@ -62,16 +62,16 @@ class MultiHeadLatentAttention(MaxLogitRecorder, nn.Module):
         self.v_head_dim = check_int(name, "v_head_dim", or_default(v_head_dim, hd))
         self.attn_impl = check_choice(name, "attn_impl", attn_impl, ATTN_IMPLS)
         self.scale = (self.qk_nope_dim + self.qk_rope_dim) ** -0.5
-        h, eps = config.hidden_size, config.norm_eps
+        h = config.hidden_size
         q_out = H * (self.qk_nope_dim + self.qk_rope_dim)
         if self.q_lora_rank:
             self.wq_a = nn.Linear(h, self.q_lora_rank, bias=False)
-            self.q_norm = RMSNorm(self.q_lora_rank, eps)
+            self.q_norm = model_norm(config, self.q_lora_rank)
             self.wq_b = nn.Linear(self.q_lora_rank, q_out, bias=False)
         else:
             self.wq = nn.Linear(h, q_out, bias=False)
         self.wkv_a = nn.Linear(h, self.kv_lora_rank + self.qk_rope_dim, bias=False)
-        self.kv_norm = RMSNorm(self.kv_lora_rank, eps)
+        self.kv_norm = model_norm(config, self.kv_lora_rank)
         self.wkv_b = nn.Linear(self.kv_lora_rank, H * (self.qk_nope_dim + self.v_head_dim), bias=False)
         self.proj = nn.Linear(H * self.v_head_dim, h, bias=config.bias)
 

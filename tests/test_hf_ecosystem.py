@@ -359,3 +359,57 @@ def test_generate_past_max_seq_len_is_refused_before_it_starts(model_dir, tmp_pa
                 model.generate(x, num_steps=1, do_sample=False, **too_long)
         # the last token is sampled, never fed: max_seq_len + 1 tokens in all fit
         assert model.generate(x, num_steps=1, do_sample=False, max_new_tokens=3).shape[1] == limit + 1
+
+
+def test_remote_code_file_honours_position_ids_and_generator_and_refuses_unknown_arguments(model_dir, tmp_path):
+    """The exported file's forward takes **kwargs and read only some of them: `position_ids` (which ours honours),
+    `generator` (ours draws s_0 from it) and a misspelt option (`num_step=`) changed nothing, without a word."""
+    from recurrent_depth.cli import main
+    from recurrent_depth.integrations.remote import modeling_recurrent_depth as remote
+
+    assert main(["export", "--model", str(model_dir), "--out", str(tmp_path / "out"), "--remote-code"]) == 0
+    exported = remote.RecurrentDepthForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ours = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    x = ids(batch=2, length=7)
+    mask = torch.ones_like(x)
+    mask[0, :2] = 0
+    positions = torch.tensor([[1, 1, 3, 4, 5, 6, 7], [2, 3, 4, 5, 6, 7, 8]])
+    with torch.no_grad():
+        for kw in (dict(position_ids=positions), dict(position_ids=positions, attention_mask=mask),
+                   dict(position_ids=positions[1:])):
+            shifted = exported(x, num_steps=2, init_scale=0.0, **kw).logits
+            torch.testing.assert_close(shifted, ours(x, num_steps=2, init_scale=0.0, **kw).logits)
+        assert not torch.allclose(shifted, exported(x, num_steps=2, init_scale=0.0).logits)
+        drawn = exported(x, num_steps=2, generator=torch.Generator().manual_seed(3)).logits
+        torch.testing.assert_close(drawn, ours(x, num_steps=2, generator=torch.Generator().manual_seed(3)).logits)
+        with pytest.raises(ValueError, match=r"^unexpected forward\(\) arguments \['num_step'\]"):
+            exported(x, num_step=2)
+        with pytest.raises(ValueError, match=r"^position_ids must be integer positions in \[0, max_seq_len="):
+            exported(x, num_steps=2, position_ids=positions + 200)
+        with pytest.raises(ValueError, match=r"^input_states must have shape .* = \(2, 7, 64\), got \(2, 3, 64\)$"):
+            exported(x, num_steps=2, input_states=torch.zeros(2, 3, 64))
+
+
+def test_logits_to_keep_keeps_those_logits_in_ours_and_the_remote_code_file(model_dir, tmp_path):
+    """transformers' `model(ids, logits_to_keep=1).logits` is `[B, 1, V]`; both forwards dropped the argument and
+    returned every position's logits."""
+    from recurrent_depth.cli import main
+    from recurrent_depth.integrations.remote import modeling_recurrent_depth as remote
+
+    assert main(["export", "--model", str(model_dir), "--out", str(tmp_path / "out"), "--remote-code"]) == 0
+    exported = remote.RecurrentDepthForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ours = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    x = ids(batch=2, length=7)
+    kw = dict(num_steps=2, init_scale=0.0, labels=x)
+    with torch.no_grad():
+        for model in (ours, exported):
+            full = model(x, **kw)
+            last = model(x, logits_to_keep=1, **kw)
+            assert last.logits.shape == (2, 1, full.logits.shape[-1])
+            torch.testing.assert_close(last.logits, full.logits[:, -1:])
+            torch.testing.assert_close(last.loss, full.loss)  # the loss still reads every position
+            picked = model(x, logits_to_keep=torch.tensor([0, 4]), **kw).logits
+            torch.testing.assert_close(picked, full.logits[:, [0, 4]])
+            assert torch.equal(model(x, logits_to_keep=0, **kw).logits, full.logits)
+            with pytest.raises(ValueError, match=r"^logits_to_keep=-1 is invalid: expected an integer >= 0"):
+                model(x, logits_to_keep=-1, **kw)

@@ -136,6 +136,24 @@ def test_export_takes_a_tokenizer_json_file_as_its_help_says(tmp_path):
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (tmp_path / "tok" / "tokenizer.json").read_bytes()
 
 
+@pytest.mark.parametrize("argv", [["--remote-code"], ["--dtype", "float32"]], ids=["remote-code", "re-saved"])
+def test_export_keeps_the_generation_defaults(tmp_path, argv):
+    """generation_config.json (num_steps, eos_token_id, max_new_tokens set on `model.generation_config` and saved)
+    was left behind: the exported copy generated at another depth, to another length, past another stop token."""
+    from transformers import AutoModelForCausalLM
+
+    make_model_dir(tmp_path / "src", with_tokenizer=False)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "src").eval()
+    model.generation_config.update(num_steps=1, init_scale=0.0, eos_token_id=[257, 10], max_new_tokens=5)
+    model.save_pretrained(tmp_path / "src")
+    assert main(["export", "--model", str(tmp_path / "src"), "--out", str(tmp_path / "out"), *argv]) == 0
+    assert (json.loads((tmp_path / "out" / "generation_config.json").read_text())
+            == json.loads((tmp_path / "src" / "generation_config.json").read_text()))
+    x = ids(batch=1, length=6)
+    expected = model.generate(x, do_sample=False)
+    assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "out").generate(x, do_sample=False), expected)
+
+
 def test_export_to_an_existing_file_names_it(tmp_path, capsys):
     make_model_dir(tmp_path / "src", with_tokenizer=False)
     (tmp_path / "file").write_text("keep")

@@ -20,6 +20,7 @@ from recurrent_depth.files import CONFIG_MAX_BYTES, atomic_write_bytes, atomic_w
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 
 REMOTE_CODE_FILE = "modeling_recurrent_depth.py"
+GENERATION_CONFIG_FILE = "generation_config.json"
 AUTO_MAP = {
     "AutoConfig": "modeling_recurrent_depth.RecurrentDepthConfig",
     "AutoModelForCausalLM": "modeling_recurrent_depth.RecurrentDepthForCausalLM",
@@ -59,15 +60,17 @@ def check_exportable(config: ModelConfig) -> None:
 
 
 def copy_companions(src: Path, out: Path) -> None:
-    """What a model directory carries beside its config and weights: the tokenizer files and retrofit's
-    record of the source; each a bounded read (a tokenizer.json linked to /dev/zero filled the disk)."""
+    """What a model directory carries beside its config and weights: the tokenizer files, retrofit's record of
+    the source and the generation defaults that transformers' `generate` reads (generation_config.json: num_steps,
+    eos_token_id, max_new_tokens, ...; without it the copy generated otherwise); each a bounded read (a
+    tokenizer.json linked to /dev/zero filled the disk)."""
     if src.resolve() == out.resolve():
         return
     out.mkdir(parents=True, exist_ok=True)
     copy_tokenizer(src, out)
-    if (src / PROVENANCE_FILE).is_file():
-        record = read_bytes(src / PROVENANCE_FILE, CONFIG_MAX_BYTES, "retrofit record")
-        atomic_write_bytes(out / PROVENANCE_FILE, record)
+    for name, what in ((PROVENANCE_FILE, "retrofit record"), (GENERATION_CONFIG_FILE, "generation config")):
+        if (src / name).is_file():
+            atomic_write_bytes(out / name, read_bytes(src / name, CONFIG_MAX_BYTES, what))
 
 
 def export_remote_code(model_dir: str | Path, out_dir: str | Path | None = None) -> Path:

@@ -243,7 +243,7 @@ HF_OPTION_NAMES = frozenset((*names_for("hf"), *OFFICIAL_ALIASES))
 _STANDARD_FIELDS = frozenset(GenerationConfig().__dict__)  # transformers' own (do_sample, top_k, ...)
 # forward() keyword arguments transformers may send that carry no information for this model
 # (generate(..., stop_strings=, tokenizer=) passes the tokenizer on to forward with the model kwargs).
-_IGNORED_FORWARD_KWARGS = ("cache_position", "logits_to_keep", "token_type_ids", "tokenizer")
+_IGNORED_FORWARD_KWARGS = ("cache_position", "token_type_ids", "tokenizer")
 # trl's padding-free collator adds the varlen kernels' example boundaries: the restarts of its position_ids, which
 # forward() reads (`_packed_document_ids`), so they carry nothing more.
 _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
@@ -496,10 +496,13 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         `use_cache=True` and no cache, one is created with `kv_policy` / `kv_budget` (None = one
         entry per step; see `recurrent_depth.model.cache.parse_kv_policy`).
         labels: `[B, T]` unshifted, -100 ignored (shifted inside, as transformers does).
+        logits_to_keep (a keyword, as transformers' models take it): the last n positions' logits only (0: all), or
+        those of a 1-D tensor of positions.
         output_attentions (None: `config.output_attentions`): the attention weights of every layer application
         (see `RecurrentDepthCausalLMOutput.attentions`), computed as plain math instead of SDPA.
         """
         cache = _cache_alias(cache, kwargs)
+        logits_to_keep = kwargs.pop("logits_to_keep", 0)  # (not a named parameter: generate() would then pass 1)
         unknown = sorted(k for k in kwargs if k not in _IGNORED_FORWARD_KWARGS + _PACKING_KWARGS)
         if position_ids is None and any(kwargs.get(k) is not None for k in _PACKING_KWARGS):
             raise ValueError(f"{[k for k in _PACKING_KWARGS if kwargs.get(k) is not None]} mark packed examples: "
@@ -569,8 +572,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             keys = attention_layer_keys(self._core.config, sum(out.num_steps))
             attentions = tuple(out.attentions.get(key) for key in keys)
         result = RecurrentDepthCausalLMOutput(
-            loss=loss, logits=out.logits, cache=cache if use_cache else None, hidden_states=hidden,
-            attentions=attentions, latent_states=out.latent_states, final_state=out.final_state,
+            loss=loss, logits=_kept_logits(out.logits, logits_to_keep), cache=cache if use_cache else None,
+            hidden_states=hidden, attentions=attentions, latent_states=out.latent_states, final_state=out.final_state,
         )
         return result if return_dict else result.to_tuple()
 
@@ -954,6 +957,17 @@ def _packed_document_ids(input_ids: Tensor, attention_mask: Tensor | None, posit
     if not bool(restarts.any()):
         return None
     return torch.cat([torch.zeros_like(restarts[:, :1]), restarts], dim=1).long().cumsum(-1)
+
+
+def _kept_logits(logits: Tensor, logits_to_keep: Any) -> Tensor:
+    """transformers' `logits_to_keep` (the loss still reads every position): an int n keeps the last n positions
+    (0: all of them), a 1-D tensor the positions it lists."""
+    if isinstance(logits_to_keep, int) and not isinstance(logits_to_keep, bool) and logits_to_keep >= 0:
+        return logits[:, -logits_to_keep:] if logits_to_keep else logits
+    if isinstance(logits_to_keep, Tensor) and logits_to_keep.dim() == 1 and not logits_to_keep.is_floating_point():
+        return logits[:, logits_to_keep.to(logits.device)]
+    raise ValueError(f"logits_to_keep={logits_to_keep!r} is invalid: expected an integer >= 0 (the last positions "
+                     "to keep, 0: all) or a 1-D tensor of positions")
 
 
 def _cache_alias(cache: Any, kwargs: dict[str, Any]) -> Any:

@@ -62,6 +62,11 @@ LIBRARY_ONLY_OPTIONS = (
     "ttt_params", "ttt_steps", "ttt_lr", "ttt_optimizer", "ttt_depth", "ttt_backprop",
 )
 
+# forward() keyword arguments transformers may send that carry nothing this model reads (generate(...,
+# stop_strings=, tokenizer=) passes the tokenizer on with the model kwargs); any other unknown one is refused, so a
+# misspelt option (num_step=) is not silently ignored.
+IGNORED_FORWARD_KWARGS = ("cache_position", "token_type_ids", "tokenizer")
+
 # The longest sliding window (recurrent_depth.config.MAX_SEQ_LEN, the longest context): a larger one overflows the
 # mask's int64 positions.
 MAX_WINDOW = 2**31 - 1
@@ -81,6 +86,17 @@ def check_ids(input_ids: Tensor, vocab_size: int) -> None:
         bad = ((input_ids < 0) | (input_ids >= vocab_size)).nonzero()[0].tolist()
         raise ValueError(f"token id {int(input_ids[bad[0], bad[1]])} at (row {bad[0]}, position {bad[1]}) is "
                          f"outside the vocabulary [0, {vocab_size})")
+
+
+def kept_logits(logits: Tensor, logits_to_keep: Any) -> Tensor:
+    """transformers' `logits_to_keep` (the loss still reads every position): an int n keeps the last n positions
+    (0: all of them), a 1-D tensor the positions it lists."""
+    if isinstance(logits_to_keep, int) and not isinstance(logits_to_keep, bool) and logits_to_keep >= 0:
+        return logits[:, -logits_to_keep:] if logits_to_keep else logits
+    if isinstance(logits_to_keep, Tensor) and logits_to_keep.dim() == 1 and not logits_to_keep.is_floating_point():
+        return logits[:, logits_to_keep.to(logits.device)]
+    raise ValueError(f"logits_to_keep={logits_to_keep!r} is invalid: expected an integer >= 0 (the last positions "
+                     "to keep, 0: all) or a 1-D tensor of positions")
 
 
 def refuse_library_only(kwargs: dict[str, Any]) -> None:
@@ -476,14 +492,18 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
 
-    def _context(self, input_ids: Tensor, attention_mask: Tensor | None, cache: Any) -> Context:
-        """Positions and masks; left padding shifts each row's positions so its first real token is 0."""
+    def _context(self, input_ids: Tensor, attention_mask: Tensor | None, cache: Any,
+                 position_ids: Tensor | None = None) -> Context:
+        """Positions and masks; left padding shifts each row's positions so its first real token is 0 (given
+        `position_ids` replace the positions, as in the library; the mask still follows attention_mask)."""
         B, T = input_ids.shape
         device, past = input_ids.device, cache.seen if cache is not None else 0
         valid = attention_mask.bool() if attention_mask is not None else None
         if valid is not None and bool(valid.all()):
             valid = None
-        if valid is not None:
+        if position_ids is not None:
+            positions = position_ids.to(device).expand(B, T)
+        elif valid is not None:
             positions = (valid.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
         else:
             positions = torch.arange(past, past + T, device=device).expand(B, T)
@@ -507,9 +527,14 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         init_scale: float | None = None,
         input_states: Tensor | None = None,
         return_dict: bool | None = None,
+        generator: torch.Generator | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
-        """Prelude -> num_steps core steps (None: config.mean_recurrence) -> coda; s_0 scaled by init_scale.
+        """Prelude -> num_steps core steps (None: config.mean_recurrence) -> coda; s_0 scaled by init_scale,
+        drawn from `generator` (None: the global RNG) unless `input_states` gives it.
+
+        position_ids [B, T] or [1, T] (None: from attention_mask): the RoPE positions of input_ids.
+        logits_to_keep: the last n positions' logits only (0: all), or those of a 1-D tensor of positions.
 
         output_attentions (None: config.output_attentions): `attentions` holds every attention call's weights
         [B, H, T, past + T] in the order they run: the prelude layers, the core layers of step 1, ..., of the
@@ -517,23 +542,32 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         """
         refuse_library_only(kwargs)
         return_hidden = kwargs.pop("_return_hidden", False)  # base_model(): the lm_head's input
-        position_ids = kwargs.get("position_ids")  # positions follow attention_mask here; packed rows are refused
+        position_ids = kwargs.pop("position_ids", None)
         if (attention_mask is None and isinstance(position_ids, Tensor) and position_ids.dim() == 2
                 and bool((position_ids[:, 1:] == 0).any())):
             raise ValueError("position_ids restart inside a row (packed examples, trl's padding_free / packing): this "
                              "exported model cannot keep them apart; pad instead, or use the recurrent_depth library")
-        cache = kwargs.pop("past_key_values", None) if cache is None else cache
+        legacy = kwargs.pop("past_key_values", None)  # transformers 4's name for the cache
+        if legacy is not None and cache is not None and legacy is not cache:
+            raise ValueError("pass the cache once: `cache` and `past_key_values` were both given")
+        cache = legacy if cache is None else cache
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)  # the Trainer's count of label tokens
-        if kwargs.get("inputs_embeds") is not None:
+        inputs_embeds = kwargs.pop("inputs_embeds", None)
+        output_hidden_states = kwargs.pop("output_hidden_states", None)
+        output_attentions = kwargs.pop("output_attentions", None)
+        logits_to_keep = kwargs.pop("logits_to_keep", 0)  # (not a named parameter: generate() would then pass 1)
+        unknown = sorted(k for k in kwargs if k not in IGNORED_FORWARD_KWARGS)
+        if unknown:
+            raise ValueError(f"unexpected forward() arguments {unknown}; this model's options are num_steps, "
+                             "init_scale, input_states, generator, position_ids")
+        if inputs_embeds is not None:
             raise ValueError("inputs_embeds is not supported: pass input_ids (the prelude scales the embedding; "
                              "peft's prompt tuning and p-tuning, which pass it, do not work with this model: "
                              "use LoRA)")
         if input_ids is None:
             raise ValueError("input_ids is required")
-        output_hidden_states = kwargs.get("output_hidden_states")
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
-        output_attentions = kwargs.get("output_attentions")
         if output_attentions is None:
             output_attentions = self.config.output_attentions
         return_dict = self.config.return_dict if return_dict is None else return_dict
@@ -562,12 +596,25 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         if (cache.seen if cache is not None else 0) + input_ids.shape[1] > cfg.max_seq_len:
             raise ValueError(f"sequence longer than max_seq_len={cfg.max_seq_len}")
         check_ids(input_ids, cfg.vocab_size)
+        B, T = input_ids.shape
+        if position_ids is not None and (
+                not isinstance(position_ids, Tensor) or tuple(position_ids.shape) not in ((B, T), (1, T))
+                or position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool
+                or int(position_ids.min()) < 0 or int(position_ids.max()) >= cfg.max_seq_len):
+            raise ValueError(f"position_ids must be integer positions in [0, max_seq_len={cfg.max_seq_len}) of shape "
+                             f"[batch, seq_len] = {(B, T)} (or [1, seq_len])")
+        if input_states is not None and (not isinstance(input_states, Tensor)
+                                         or tuple(input_states.shape) != (B, T, cfg.hidden_size)):
+            raise ValueError(f"input_states must have shape [batch, seq_len, hidden_size] = {(B, T, cfg.hidden_size)}, "
+                             f"got {tuple(getattr(input_states, 'shape', ())) or type(input_states).__name__}")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         if cache is not None and cache.seen and steps:  # before anything is written: the cached tokens ran as deep
             last = cache.P + cache.C + steps * cache.R - 1
             if last >= len(cache.layers) or cache.layers[last].get_seq_length() < cache.seen:
                 raise ValueError(f"the cache holds {cache.seen} tokens computed with fewer core steps than this call's "
                                  f"{steps}: continue a cache at the num_steps that filled it, or start a new one")
-        ctx = self._context(input_ids, attention_mask, cache)
+        ctx = self._context(input_ids, attention_mask, cache, position_ids)
         if output_attentions:
             ctx.attentions = []
 
@@ -578,11 +625,11 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         if input_states is not None:
             state = input_states.to(e.dtype)
         elif scale == 0:  # the library draws (and discards) the same random numbers here
-            state = torch.randn(e.shape, dtype=e.dtype, device=e.device).zero_()
+            state = torch.randn(e.shape, dtype=e.dtype, device=e.device, generator=generator).zero_()
         else:
-            state = torch.randn(e.shape, dtype=e.dtype, device=e.device)
+            state = torch.randn(e.shape, dtype=e.dtype, device=e.device, generator=generator)
             std = math.sqrt(2 / (5 * cfg.hidden_size)) * scale
-            nn.init.trunc_normal_(state, std=std, a=-3 * std, b=3 * std)
+            nn.init.trunc_normal_(state, std=std, a=-3 * std, b=3 * std, generator=generator)
             state = state * self.emb_scale
         states = [state] if output_hidden_states else None  # s_0..s_r, as the library returns them
         for step in range(steps):
@@ -611,7 +658,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             )
             if num_items_in_batch is not None:  # the Trainer then does not divide by gradient accumulation steps
                 loss = loss / num_items_in_batch
-        out = CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None,
+        out = CausalLMOutputWithPast(loss=loss, logits=kept_logits(logits, logits_to_keep),
+                                     cache=cache if use_cache else None,
                                      hidden_states=tuple(states) if states is not None else None,
                                      attentions=tuple(ctx.attentions) if ctx.attentions is not None else None)
         return out if return_dict else out.to_tuple()

@@ -89,6 +89,8 @@ def test_logit_growth_plot_without_saturation_warns_nothing(tmp_path, monkeypatc
 def test_logit_growth_rejects_bad_settings():
     with pytest.raises(ValueError, match="variants"):
         LogitGrowthConfig(variants=("plain", "weird"))
+    with pytest.raises(ValueError, match="variants"):  # none: nothing ran and an empty result was written
+        LogitGrowthConfig(variants=())
     with pytest.raises(ValueError, match="2 learning rates"):
         LogitGrowthConfig(muon_lrs=(0.02,))
 

@@ -120,7 +120,7 @@ def test_search_saves_a_bf16_source_in_bf16(model_dir, text_file, tmp_path):
     [
         (["--windows", "9"], "does not fit a model with 4 decoder layers"),
         ([], "--windows is needed"),
-        (["--windows", "1", "--seq-len", "1"], "--seq-len must be"),
+        (["--windows", "1", "--seq-len", "1"], "--seq-len must be an integer >= 2, got 1"),  # (said "positive")
         (["--windows", "1", "--seq-len", "4096"], "--seq-len 4096 is longer than the model's 2048 positions"),
     ],
 )
@@ -143,6 +143,21 @@ def test_search_and_device_bad_input_is_one_line_error(model_dir, text_file, tmp
                  "--seq-len", "16", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1] and err[-1].startswith("rdepth loop: error:")
+
+
+@pytest.mark.parametrize("flag", ["--out", "--save"])
+def test_an_output_path_that_is_a_file_is_refused_before_scoring(model_dir, text_file, tmp_path, capsys, flag):
+    """--out FILE was mkdir's bare "[Errno 17] File exists" after every loop had been scored; --save FILE printed
+    "saved the looped model" while transformers' save_pretrained only logged an error and wrote nothing."""
+    taken = tmp_path / "taken"
+    taken.write_text("keep")
+    outputs = {"--out": str(tmp_path / "out"), "--save": str(tmp_path / "saved"), flag: str(taken)}
+    argv = ["loop", "search", "--model", str(model_dir), "--data", str(text_file), "--widths", "1", "--iterations",
+            "2", "--max-tokens", "20", "--seq-len", "16", "--out", outputs["--out"], "--save", outputs["--save"]]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert f"{flag} {taken} is an existing file" in captured.err and "scoring" not in captured.out
+    assert taken.read_text() == "keep"
 
 
 @pytest.mark.parametrize("action", [["eval", "--windows", "1"], ["search", "--widths", "1"]])

@@ -88,6 +88,25 @@ def test_mup_needs_untied_embeddings_and_a_valid_width():
     assert rd.ModelConfig.from_json(cfg.to_json()).mup_base_width == 32 and cfg.width_multiplier == 2.0
 
 
+@pytest.mark.parametrize("settings, field", [
+    ({"head_dim": 0}, "head_dim"), ({"base_width": 0, "widen": "head_dim"}, "base_width"), ({"seeds": 0}, "seeds"),
+    ({"transfer_steps": 0}, "transfer_steps"), ({"steps": -1}, "steps"), ({"widths": (64, 64)}, "widths"),
+])
+def test_bad_experiment_settings_name_the_field(settings, field):
+    """head_dim 0 was a ZeroDivisionError, seeds 0 an IndexError and transfer_steps 0 a ZeroDivisionError deep in
+    the run; repeated widths made the across-width ratio trivially 1."""
+    with pytest.raises(ValueError, match=field):
+        MupConfig(**settings)
+
+
+def test_experiment_out_that_is_a_file_is_a_one_line_error(tmp_path, capsys):
+    target = tmp_path / "taken"
+    target.write_text("x")
+    assert main(["experiment", "coord-check", "--widths", "32,64", "--base-width", "32", "--steps", "1", "--seeds",
+                 "1", "--out", str(target)]) == 2
+    assert "is an existing file" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory):
     from tests.train_support import write_corpus

@@ -113,6 +113,38 @@ def test_bad_sweep_files_get_one_line_errors(tmp_path, capsys, changes, message)
     assert err.startswith("rdepth sweep: error:") and message in err and "\n" not in err
 
 
+def test_a_run_whose_data_cannot_be_prepared_is_named(train_root, tmp_path, capsys):
+    """The shared tokenizer and shards are prepared before any run starts: a run whose data path does not exist
+    stopped the sweep with the data's error alone, not saying which of the runs names it."""
+    path = write_sweep(tmp_path / "s.yaml", train_root, grid=None,
+                       runs=[{"seed": 0}, {"seed": 1, "data": str(tmp_path / "missing")}])
+    assert main(["sweep", "emit", str(path), "--out", str(tmp_path / "sw")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.match(r"rdepth sweep: error: run 'data=\S*missing-s1': data: '\S*missing' does not exist", err), err
+    assert "\n" not in err
+
+
+def test_a_finished_run_without_its_metrics_log_keeps_its_tokens_and_flops(tmp_path):
+    """A finished run whose metrics.jsonl was removed went into the table as 0 tokens and 0 FLOPs, "finished"."""
+    from recurrent_depth.config import ModelConfig
+    from recurrent_depth.scaling.sweep import PlannedRun, run_rows
+
+    out = tmp_path / "run"
+    out.mkdir()
+    cfg = TrainConfig(preset="tiny", seq_len=32, batch_size=4, max_steps=4, mean_recurrence=2)
+    (out / "run.json").write_text(json.dumps({
+        "config": cfg.to_dict(), "model_config": ModelConfig.from_preset("tiny").to_dict(), "seq_len": 32,
+        "parameters": 1000, "tokens_per_step": 128, "world_size": 1, "finished": {"step": 4}}))
+    (out / "eval.jsonl").write_text(json.dumps({"final": True, "val_loss_by_depth": {"1": 5.0, "2": 4.9}}) + "\n")
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "tokens": 128 * i}) + "\n" for i in (1, 2, 3, 4)))
+    run = PlannedRun("r2", {"mean_recurrence": 2}, {})
+    logged = run_rows(out, run, [1, 2])
+    (out / "metrics.jsonl").unlink()
+    unlogged = run_rows(out, run, [1, 2])
+    assert [(r["tokens"], r["train_flops"]) for r in unlogged] == [(r["tokens"], r["train_flops"]) for r in logged]
+    assert unlogged[0]["tokens"] == 512 and unlogged[0]["train_flops"] > 0
+
+
 def fake_runner(calls):
     """Stands in for `rdepth train`: writes what a finished run leaves (run.json's finish record, model/)."""
 

@@ -168,7 +168,7 @@ def _stored_dtype(path: Path) -> Any:
 
 
 def _score(args: argparse.Namespace) -> int:
-    from recurrent_depth.files import finite_or_null
+    from recurrent_depth.files import check_out_dir, finite_or_null
     from recurrent_depth.looping import LoopConfig, apply_loop, find_decoder_layers, loop_of
     from recurrent_depth.looping.config import CONFIG_KEY
     from recurrent_depth.looping.evaluate import (
@@ -180,9 +180,14 @@ def _score(args: argparse.Namespace) -> int:
         score_loops,
     )
 
-    for name in ("max_tokens", "seq_len", "batch_size"):
-        if getattr(args, name) < (2 if name == "seq_len" else 1):
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    for name, low in (("max_tokens", 1), ("seq_len", 2), ("batch_size", 1)):  # (a window needs a target token)
+        if getattr(args, name) < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {getattr(args, name)}")
+    # before the scoring: an existing file there was mkdir's bare errno once every loop had been scored, and
+    # transformers' save_pretrained onto a file only logs and returns (we printed "saved")
+    check_out_dir(args.out)
+    if getattr(args, "save", None):
+        check_out_dir(args.save, "--save")
     model, tokenizer = _load(args)
     check_seq_len(model.config, args.seq_len, "--seq-len")
     stored = getattr(model.config, CONFIG_KEY, None)

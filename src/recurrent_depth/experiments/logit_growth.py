@@ -32,6 +32,7 @@ import torch
 
 import recurrent_depth as rd
 from recurrent_depth.experiments.common import BYTE_VOCAB, ByteWindows, byte_tokens, train_fixed_depth
+from recurrent_depth.files import check_out_dir
 from recurrent_depth.train.optim import OptimConfig
 
 THEORY = {"muon": {"exponent": 2.0, "t_sat_slope": -1.0}, "adamw": {"exponent": 1.0, "t_sat_slope": -2.0}}
@@ -63,8 +64,8 @@ class LogitGrowthConfig:
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.variants) - set(VARIANTS))
-        if unknown:
-            raise ValueError(f"logit-growth variants {unknown} are unknown; choose from {list(VARIANTS)}")
+        if unknown or not self.variants:  # (none: nothing would run, and an empty result would be written)
+            raise ValueError(f"logit-growth variants {list(self.variants)}: choose some of {list(VARIANTS)}")
         if len(self.muon_lrs) < 2 or len(self.adamw_lrs) < 2 or min(*self.muon_lrs, *self.adamw_lrs) <= 0:
             raise ValueError("logit-growth needs at least 2 learning rates > 0 per optimizer")
         if not (isinstance(self.steps, int) and self.steps > self.fit_start + 3):
@@ -234,6 +235,7 @@ def plot(runs: list[dict], summary: dict[str, Any], cfg: LogitGrowthConfig, path
 
 def run_logit_growth(cfg: LogitGrowthConfig, log=print) -> dict[str, Any]:
     out = Path(cfg.out)
+    check_out_dir(out)  # (an existing file: one line naming it, not mkdir's bare errno)
     out.mkdir(parents=True, exist_ok=True)
     tokens = byte_tokens(cfg.corpus, max_bytes=1_000_000)
     runs = []

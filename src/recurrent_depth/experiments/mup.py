@@ -33,6 +33,7 @@ import torch
 import recurrent_depth as rd
 from recurrent_depth.config import MupShapeWarning
 from recurrent_depth.experiments.common import BYTE_VOCAB, ByteWindows, byte_tokens, train_fixed_depth
+from recurrent_depth.files import check_out_dir
 from recurrent_depth.train.optim import OptimConfig
 
 PARAMETRIZATIONS = ("standard", "mup", "mup-sqrt-d")
@@ -58,6 +59,14 @@ class MupConfig:
     out: str = "runs/mup"
 
     def __post_init__(self) -> None:
+        # first: the checks below divide by head_dim and base_width, and the runs average over seeds and the
+        # last transfer steps (a 0 there was a ZeroDivisionError or IndexError deep in the run)
+        for name, low in (("base_width", 1), ("head_dim", 1), ("seeds", 1), ("steps", 0), ("transfer_steps", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name}={value!r} is invalid: expected an integer >= {low}")
+        if len(set(self.widths)) != len(self.widths) or min(self.widths, default=0) < 1:
+            raise ValueError(f"widths {self.widths} must be distinct integers >= 1")
         if self.widen not in WIDENINGS:
             raise ValueError(f"widen={self.widen!r}: expected one of {WIDENINGS}")
         unknown = sorted(set(self.parametrizations) - set(PARAMETRIZATIONS))
@@ -219,6 +228,7 @@ def plot(coords: dict[str, Any], transfer: dict[str, Any] | None, cfg: MupConfig
 
 def run_mup(cfg: MupConfig, transfer: bool, log=print) -> dict[str, Any]:
     out = Path(cfg.out)
+    check_out_dir(out)  # (an existing file: one line naming it, not mkdir's bare errno)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     tokens = byte_tokens(cfg.corpus, 1_000_000)

@@ -297,12 +297,15 @@ def _write_plan(plan: SweepPlan, sweep_dir: Path, log: Callable[[str], None] = p
         key = data_key(config)
         if key is not None:
             where = sweep_dir / SHARED_DIR / key
-            shared.append((dict(config), where))
+            shared.append((run.name, dict(config), where))
             config.update(tokenizer=str(where / "tokenizer"), data_dir=str(where / "data"))
         runs.append(PlannedRun(run.name, run.overrides, config))
     _refuse_changed_runs(runs, sweep_dir)  # before anything is written
-    for config, where in shared:
-        prepare_shared_data(config, where, log)
+    for name, config, where in shared:
+        try:
+            prepare_shared_data(config, where, log)
+        except ValueError as exc:  # (a data path that does not exist, too little data for a row: name the run)
+            raise ValueError(f"run {name!r}: {exc}") from None
     plan = SweepPlan(runs=runs, test_depths=plan.test_depths, threads_per_run=plan.threads_per_run)
     atomic_write_text(sweep_dir / PLAN_FILE, json.dumps(plan.to_dict(), indent=2) + "\n")
     for run in plan.runs:
@@ -588,8 +591,16 @@ def run_rows(out: Path, run: PlannedRun, test_depths: list[int]) -> list[dict[st
     model_cfg = ModelConfig.from_dict(record["model_config"])
     seq_len = int(record["seq_len"])
     steps = _metrics(out)
-    tokens = steps[-1]["tokens"] if steps else 0
-    train_flops, depth_mean = _train_flops(steps, model_cfg, cfg, seq_len, int(record.get("world_size") or 1))
+    finished_step = int(record["finished"]["step"])
+    if steps:
+        tokens = steps[-1]["tokens"]
+    elif record.get("tokens_per_step"):  # metrics.jsonl removed or emptied: the trainer's own count (was 0 tokens)
+        tokens = int(record["tokens_per_step"]) * finished_step
+    else:
+        raise ValueError(f"{out} has no metrics.jsonl and its run.json no tokens_per_step: its training tokens and "
+                         "FLOPs are unknown")
+    train_flops, depth_mean = _train_flops(steps, model_cfg, cfg, seq_len, int(record.get("world_size") or 1),
+                                           finished_step)
     losses = _losses(out, cfg, model_cfg, test_depths)
     params = int(record["parameters"])
     embedding = model_cfg.vocab_size * model_cfg.hidden_size * (1 if model_cfg.tie_embeddings else 2)
@@ -615,9 +626,10 @@ def _metrics(out: Path) -> list[dict[str, Any]]:
 
 
 def _train_flops(steps: list[dict[str, Any]], model_cfg: ModelConfig, cfg: TrainConfig, seq_len: int,
-                 world_size: int) -> tuple[float, float | None]:
+                 world_size: int, finished_step: int) -> tuple[float, float | None]:
     """(training FLOPs at the depths each micro-batch drew, their mean), from metrics.jsonl; without recorded
-    depths, every micro-batch at the expected depth r̄ (its mean None)."""
+    depths, every micro-batch of the logged steps (of `finished_step` steps without a log) at the expected
+    depth r̄ (its mean None)."""
     from recurrent_depth.model.depth import truncate
     from recurrent_depth.train.flops import training_step_flops
 
@@ -632,7 +644,7 @@ def _train_flops(steps: list[dict[str, Any]], model_cfg: ModelConfig, cfg: Train
         return total, sum(depths) / len(depths)
     mean = max(1, round(cfg.mean_recurrence or model_cfg.mean_recurrence))
     k = cfg.backprop_depth or model_cfg.mean_backprop_depth
-    micro = len(steps) * cfg.grad_accum
+    micro = (len(steps) or finished_step) * cfg.grad_accum
     return micro * training_step_flops(model_cfg, rows, seq_len, truncate(mean, k)).total, None
 
 

@@ -16,6 +16,9 @@ Modes:
                           says stop on rank 1 only, and validation tokens under a final-evaluation
                           deadline that only rank 0 has passed; saves them.
   sft-heldout             SFT's held-out loss by depth on both ranks and on each rank alone; saves them.
+  rl-ranks                2 GRPO updates through `build_rl` (`tests.test_rl.rl_updates`, 2 prompts a rank),
+                          then one `rdepth rl` update: saves this rank's step records, completions, final
+                          weights, and the command's exit code and stdout.
 One launch runs every case, and modes joined by "+" run in one launch (process start-up dominates the time).
 """
 
@@ -175,6 +178,43 @@ def sft_heldout(env: DistEnv) -> list:
     return [len(rows), batches, *runs]
 
 
+def rl_ranks(env: DistEnv, out: Path) -> tuple:
+    """`rdepth rl`'s trainer on this rank (it reads the ranks from torchrun's environment, which is set here), then
+    one update of the command itself: what it printed on stdout."""
+    import contextlib
+    import dataclasses
+    import io
+    import os
+
+    import recurrent_depth as rd
+    from recurrent_depth.cli import main
+    from recurrent_depth.evaluation.reasoning.data import byte_tokenizer
+    from tests.test_rl import rl_updates
+
+    torchrun = {"WORLD_SIZE": str(env.world_size), "RANK": str(env.rank), "LOCAL_RANK": str(env.rank)}
+    saved = {k: os.environ.get(k) for k in torchrun}
+    os.environ.update(torchrun)
+    try:
+        found = rl_updates(2)
+        start = out / f"rl-start-rank{env.rank}"  # (the same seeded model on each rank)
+        torch.manual_seed(7)
+        rd.RecurrentDepthLM(dataclasses.replace(rd.ModelConfig.from_preset("tiny"), vocab_size=288)).save_pretrained(
+            start)
+        byte_tokenizer().save(str(start / "tokenizer.json"))
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            code = main(["rl", "--init-from", str(start), "--out", str(out / "rl-cli"), "--threads", "1",
+                         "--difficulty", "2", "--group-size", "2", "--prompts-per-step", "1", "--updates", "1",
+                         "--max-new-tokens", "2", "--num-steps", "2"])
+    finally:  # (the next mode sees the worker's own environment)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return (*found, code, printed.getvalue())
+
+
 def main() -> None:
     rank, world, store, out, modes, *args = sys.argv[1:]
     torch.set_num_threads(1)
@@ -201,6 +241,8 @@ def run_mode(env: DistEnv, mode: str, out: str, args: list[str]) -> None:
         torch.save(lr_time_budget(env) + stop_hook(env) + eval_deadline(env), Path(out) / f"lr-rank{env.rank}.pt")
     elif mode == "sft-heldout":
         torch.save(sft_heldout(env), Path(out) / f"sft-heldout-rank{env.rank}.pt")
+    elif mode == "rl-ranks":
+        torch.save(rl_ranks(env, Path(out)), Path(out) / f"rl-ranks-rank{env.rank}.pt")
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     dist.barrier()

@@ -82,7 +82,7 @@ def test_qk_clip_on_fsdp2_shards_equals_one_process(fsdp_runs, case):
 @pytest.fixture(scope="module")
 def per_rank_out(tmp_path_factory) -> Path:
     """One launch for the modes whose ranks each save their own results (start-up dominates the time)."""
-    return run_ranks(tmp_path_factory.mktemp("ranks"), "ddp-depth+lr-time-budget+sft-heldout")
+    return run_ranks(tmp_path_factory.mktemp("ranks"), "ddp-depth+lr-time-budget+sft-heldout+rl-ranks")
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +138,26 @@ def test_sft_heldout_loss_on_two_ranks_is_one_process_s_with_each_batch_once(per
         for d in (1, 3):
             assert shared[1][d] == pytest.approx(alone[1][d], rel=1e-12)
             assert shared[2][d] == pytest.approx(alone[2][d], rel=1e-12)
+
+
+def test_rl_ranks_make_their_own_rollouts_and_record_every_rank_s(per_rank_out):
+    """`rdepth rl` under torchrun: every rank drew the same prompts and seeds (the work done twice, the tokens counted
+    twice) and the step records held rank 0's rewards alone. Now rank r makes its share of the global batch (2
+    prompts a rank: one process's 4) and the records hold every rank's (sums and means over the ranks)."""
+    from tests.test_rl import rl_updates
+
+    ranks = [torch.load(per_rank_out / f"rl-ranks-rank{rank}.pt", weights_only=True) for rank in range(WORLD)]
+    (records0, completions0, weights0, *cli0), (records1, completions1, weights1, *cli1) = ranks
+    # the command's summary line: printed by rank 0 alone (each rank printed it)
+    assert cli0[0] == cli1[0] == 0 and cli0[1].count("updates=1") == 1 and cli1[1] == ""
+    assert (per_rank_out / "rl-cli" / "model" / "model.safetensors").is_file()
+    assert torch.equal(weights0, weights1)  # (DDP: one update on both ranks)
+    assert completions0[0] != completions1[0]
+    alone_records, alone_completions, _ = rl_updates(4, updates=1)
+    assert completions0[0] + completions1[0] == alone_completions[0]  # the first batch: the same start weights
+    for key in ("reward_mean", "completion_tokens"):  # (every rank has 6 rollouts, all scored)
+        assert records0[0][key] == records1[0][key] == pytest.approx(alone_records[0][key], rel=1e-12), key
+    assert records0[0]["rollouts_left_out"] == records0[0]["reward_errors"] == 0
+    for r0, r1 in zip(records0, records1, strict=True):
+        for key in ("loss", "reward_mean", "mean_depth", "kl", "clip_fraction", "rollout_tokens_per_s"):
+            assert r0[key] == r1[key], key

@@ -239,6 +239,55 @@ def char_sum(prompt: str, completion: str, depths: list[int]) -> float:
     return float(sum(map(ord, completion)) % 7)
 
 
+def rl_updates(prompts_per_step: int, updates: int = 2) -> tuple[list[dict], list[list[list[int]]], torch.Tensor]:
+    """`updates` GRPO updates of the seeded byte model through `build_rl` (one rank of a torchrun group, or alone):
+    each step's record, each batch's completions (token lists) and the final weights. (tests/gloo_worker.py runs
+    it on 2 ranks.)"""
+    torch.manual_seed(7)
+    model = rd.RecurrentDepthLM(dataclasses.replace(rd.ModelConfig.from_preset("tiny"), vocab_size=288))
+    rl = RLConfig(task="shells", difficulties=[2, 5], reward="tests.test_rl:char_sum", group_size=3, beta=0.1,
+                  backprop_depth=2, generation=ROLLOUT)
+    train = TrainConfig(out=None, max_steps=updates, batch_size=prompts_per_step,
+                        optim=OptimConfig(name="adamw", lr=1e-2), progress=False, tensorboard=False)
+    records, completions = [], []
+    trainer = build_rl(model, rl, train, log=lambda line: None, on_step=lambda t, r: records.append(r))
+    next_batch = trainer.source.next_batch
+
+    def recorded(batch_size: int) -> dict:
+        batch = next_batch(batch_size)
+        completions.append([row[m].tolist() for row, m in zip(batch["completion_ids"], batch["completion_mask"],
+                                                                strict=True)])
+        return batch
+
+    trainer.source.next_batch = recorded
+    trainer.run()
+    return records, completions, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_each_rank_makes_its_share_of_the_global_rollout_batch(one_thread, byte_model):
+    """Under torchrun every rank drew the same prompts and seeds: world_size copies of one batch (the work repeated,
+    the tokens counted twice). Rank r now makes prompts [rP, (r+1)P) and rows [rPG, (r+1)PG) of the global batch."""
+    settings = RolloutSettings(group_size=3, generation=ROLLOUT, backprop_depth=2, seed=5)
+    reward = ShapedReward(char_sum, max_depth=6, max_new_tokens=4)
+    prompts = TaskPrompts(rd.evaluation.reasoning.ShellGame(), [2, 5])  # (prompts of different lengths)
+
+    def batch(rank: int, world_size: int, prompts_per_rank: int) -> dict:
+        return RolloutSource(byte_model, prompts, reward, settings, rank=rank,
+                             world_size=world_size).next_batch(prompts_per_rank)
+
+    alone, ranks = batch(0, 1, 4), [batch(rank, 2, 2) for rank in (0, 1)]
+    assert not torch.equal(ranks[0]["completion_ids"], ranks[1]["completion_ids"])
+    for rank, part in enumerate(ranks):
+        rows = slice(6 * rank, 6 * rank + 6)
+        for key in ("completion_ids", "completion_mask", "rewards"):
+            assert torch.equal(part[key], alone[key][rows]), key
+        mask, new = part["completion_mask"], part["completion_ids"].shape[1]
+        assert torch.equal(part["token_depths"][:, -new:], alone["token_depths"][rows, -new:])
+        torch.testing.assert_close(part["old_logp"][mask], alone["old_logp"][rows][mask], rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="^rank=2 is invalid for world_size=2"):
+        RolloutSource(byte_model, prompts, reward, settings, rank=2, world_size=2)
+
+
 def test_one_grpo_update_moves_the_policy(one_thread, byte_model):
     rl = RLConfig(task="shells", difficulties=[2], reward="tests.test_rl:char_sum", group_size=3, beta=0.1,
                   backprop_depth=2, generation=ROLLOUT)

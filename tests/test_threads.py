@@ -141,6 +141,16 @@ def test_cli_sets_the_requested_threads_and_prints_the_choice_once(monkeypatch, 
     assert err.count("torch thread(s)") == 1 and "rdepth analyze: using 1 torch thread(s)" in err
 
 
+def test_under_torchrun_rank_0_alone_prints_the_thread_choice(monkeypatch, capsys, tmp_path):
+    # `torchrun --nproc_per_node 2 -m recurrent_depth.cli sft ...` printed "using N torch thread(s)" once per rank
+    monkeypatch.setattr(threads_module, "choose_threads", lambda: 1)
+    for rank, lines in (("0", 1), ("1", 0)):
+        monkeypatch.setenv("RANK", rank)  # (torchrun's environment)
+        assert main(["analyze", "--model", str(tmp_path / "missing"), "--prompt", "x"]) == 2
+        assert torch.get_num_threads() == 1  # (every rank still sets it)
+        assert capsys.readouterr().err.count("torch thread(s)") == lines, rank
+
+
 def test_cli_refuses_a_bad_thread_count(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--model", "x", "--prompt", "y", "--threads", "0"])

@@ -152,3 +152,50 @@ def test_rank_0_prepares_the_data_while_the_others_wait_long_and_hear_of_its_fai
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_step_metrics_of_a_batch_source_are_summed_or_averaged_over_the_ranks(monkeypatch):
+    # The step records held rank 0's metrics alone: `rdepth sft`'s scored_tokens on 2 ranks were half the step's
+    # answer tokens, `rdepth rl`'s reward_mean one rank's rewards. (A fake all-reduce adds the other rank's values.)
+    import torch
+    import torch.distributed as dist
+
+    from recurrent_depth.train import distributed as ddist
+    from recurrent_depth.train.rl.rollouts import RolloutSource
+    from recurrent_depth.train.sft import SFTBatches
+
+    other = {"scored_tokens": 45, "reward_mean": 0.25, "mean_depth": None, "rollouts_left_out": 1}
+    monkeypatch.setattr(dist, "all_reduce", lambda t: t.add_(torch.tensor(
+        [[float(other[k]), 1.0] if other.get(k) is not None else [0.0, 0.0] for k in sent], dtype=torch.float64)))
+    env = ddist.DistEnv(rank=0, world_size=2)
+    sent = [*SFTBatches.summed_metrics, *SFTBatches.rank_mean_metrics]
+    mine = {"scored_tokens": 54, "epoch": 0.5}
+    assert ddist.reduce_metrics(mine, SFTBatches.summed_metrics, SFTBatches.rank_mean_metrics, env) == \
+        {"scored_tokens": 99, "epoch": 0.5}
+    sent = [*RolloutSource.summed_metrics, *RolloutSource.rank_mean_metrics]
+    mine = {"reward_mean": 0.75, "mean_depth": 3.0, "rollouts_left_out": 0, "clip_fraction": None, "kl": 0.5}
+    found = ddist.reduce_metrics(mine, RolloutSource.summed_metrics, RolloutSource.rank_mean_metrics, env)
+    # (a None is left out of a mean; a key no rank reports stays as it is)
+    assert found == {"reward_mean": 0.5, "mean_depth": 3.0, "rollouts_left_out": 1, "clip_fraction": None, "kl": 0.5}
+    assert isinstance(found["rollouts_left_out"], int)
+    assert ddist.reduce_metrics(mine, ("reward_mean",), (), ddist.DistEnv()) is mine  # one process: as it is
+
+
+def test_distill_cache_only_says_where_the_cache_is_once_under_torchrun(monkeypatch, capsys, tmp_path):
+    # `rdepth train --distill-cache-only` under torchrun printed "distill cache: DIR" once per rank
+    from recurrent_depth.cli import main
+    from recurrent_depth.train import distributed as ddist
+    from recurrent_depth.train import trainer as trainer_module
+
+    for rank, lines in ((0, 1), (1, 0)):
+        class SetUp:  # the Trainer (whose setup writes the cache) as rank `rank` of 2 has it
+            env = ddist.DistEnv(rank=rank, world_size=2)
+
+            def __init__(self, cfg) -> None:
+                pass
+
+        monkeypatch.setattr(trainer_module, "Trainer", SetUp)
+        assert main(["train", "--teacher", str(tmp_path), "--distill-top-k", "4", "--distill-cache",
+                     str(tmp_path / "cache"), "--distill-cache-only", "--out", str(tmp_path / "out"),
+                     "--threads", "1"]) == 0
+        assert capsys.readouterr().out.count("distill cache: ") == lines, rank

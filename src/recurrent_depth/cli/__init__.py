@@ -89,9 +89,10 @@ def _configure_threads(args: argparse.Namespace) -> None:
         if requested is not None:
             torch.set_num_threads(requested)
         return
-    # quickstart prints its thread count in its own first line
-    log = None if args.command == "quickstart" else (lambda line: print(f"rdepth {args.command}: {line}",
-                                                                        file=sys.stderr))
+    # quickstart prints its thread count in its own first line; under torchrun (which sets RANK, and one thread per
+    # process unless OMP_NUM_THREADS says otherwise) rank 0 prints it, not every rank
+    quiet = args.command == "quickstart" or os.environ.get("RANK", "0") != "0"
+    log = None if quiet else (lambda line: print(f"rdepth {args.command}: {line}", file=sys.stderr))
     args.threads = configure_threads(requested, log)
 
 

@@ -65,7 +65,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="grpo (clipped ratio) or k2 (default: %(default)s)")
     o.add_argument("--group-size", type=int, default=4, metavar="G", help="rollouts per prompt (default: %(default)s)")
     o.add_argument("--prompts-per-step", type=int, default=4, metavar="P",
-                   help="prompts per update; the update sees P * G rollouts (default: %(default)s)")
+                   help="prompts per update and rank; the update sees P * G rollouts (under torchrun, each rank "
+                        "its own P of the world size x P) (default: %(default)s)")
     o.add_argument("--clip-eps", type=float, default=0.2, help="GRPO's ratio clip (default: %(default)s)")
     o.add_argument("--beta", type=float, default=0.0, help="GRPO's KL weight against the start model (default: 0)")
     o.add_argument("--kl-level", default="token", choices=("token", "sequence"),
@@ -113,7 +114,7 @@ def read_prompts(path: str) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from recurrent_depth.train.config import TrainConfig
     from recurrent_depth.train.optim import OptimConfig
-    from recurrent_depth.train.rl.recipe import RLConfig, load_start_model, run_rl
+    from recurrent_depth.train.rl.recipe import RLConfig, build_rl, load_start_model
 
     generation, seed = rollout_generation(args)
     prompts = read_prompts(args.prompts) if args.prompts else None
@@ -137,9 +138,13 @@ def run(args: argparse.Namespace) -> int:
     start_dir = find_model_dir(args.init_from)
     # trained in float32 and written back in --init-from's stored dtype, as `train` / `sft --init-from` do;
     # start_dir's identity is recorded, so that --resume from another model directory is refused
-    result = run_rl(model.to(args.device), rl, train, tokenizer=tokenizer, tokenizer_dir=tokenizer_dir,
-                    device=args.device, save_dtype=stored_dtype(start_dir), start_dir=start_dir)
+    # (closing the trainer leaves the process group it joined under torchrun; rank 0 prints the summary)
+    with build_rl(model.to(args.device), rl, train, tokenizer=tokenizer, tokenizer_dir=tokenizer_dir,
+                  device=args.device, save_dtype=stored_dtype(start_dir), start_dir=start_dir) as trainer:
+        result = trainer.run()
+        prints = trainer.env.is_main
     summary = {"out": str(result.out), "updates": result.steps, "model": str(result.model_dir),
                "last_checkpoint": str(result.last_checkpoint), "elapsed_s": round(result.elapsed_s, 2)}
-    print(json.dumps(summary) if args.json else " ".join(f"{k}={v}" for k, v in summary.items()), file=sys.stdout)
+    if prints:
+        print(json.dumps(summary) if args.json else " ".join(f"{k}={v}" for k, v in summary.items()), file=sys.stdout)
     return 0

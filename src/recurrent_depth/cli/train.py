@@ -166,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
 
     if cfg.distill_cache_only:  # the Trainer's setup writes the cache; nothing is trained
         trainer = Trainer(cfg)
-        print(f"distill cache: {cfg.distill_cache}")
+        if trainer.env.is_main:  # (once under torchrun)
+            print(f"distill cache: {cfg.distill_cache}")
         from recurrent_depth.train.distributed import shutdown
 
         shutdown(trainer.env, trainer)

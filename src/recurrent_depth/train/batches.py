@@ -29,8 +29,11 @@ class BatchSource:
     """A stream of training micro-batches (see the module docstring for the batch layout)."""
 
     # `observe` metrics that count the micro-batch's work: a step's record holds their sum over its
-    # micro-batches (the other metrics are the last micro-batch's)
+    # micro-batches and, under torchrun, over the ranks (the other metrics are the last micro-batch's)
     summed_metrics: tuple[str, ...] = ()
+    # `observe` metrics averaged over the ranks under torchrun (a rank's None left out); any metric in neither
+    # tuple is rank 0's alone
+    rank_mean_metrics: tuple[str, ...] = ()
 
     def next_batch(self, batch_size: int) -> dict[str, Tensor]:
         raise NotImplementedError

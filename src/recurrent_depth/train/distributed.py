@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -141,6 +141,32 @@ def mean_across_ranks(value: float, env: DistEnv) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=env.device if env.backend == "nccl" else "cpu")
     dist.all_reduce(t)
     return float(t.item()) / env.world_size
+
+
+def reduce_metrics(values: dict[str, Any], summed: Sequence[str], averaged: Sequence[str],
+                   env: DistEnv) -> dict[str, Any]:
+    """`values` (this rank's metrics) with the `summed` keys summed and the `averaged` keys averaged over the ranks;
+    a rank whose value is None (or absent) is left out of both, and a key no rank has stays as it is. Every rank
+    must call it with the same keys (one float64 all-reduce); the other keys are this rank's."""
+    keys = [*summed, *averaged]
+    if not env.enabled or not keys:
+        return values
+
+    def number(key: str) -> bool:
+        return isinstance(values.get(key), int | float) and not isinstance(values.get(key), bool)
+
+    t = torch.tensor([[float(values[k]), 1.0] if number(k) else [0.0, 0.0] for k in keys], dtype=torch.float64,
+                     device=env.device if env.backend == "nccl" else "cpu")
+    dist.all_reduce(t)
+    out = dict(values)
+    for key, (total, count) in zip(keys, t.tolist(), strict=True):
+        if count == 0:
+            continue
+        if key in summed:
+            out[key] = int(total) if isinstance(values.get(key), int) else total
+        else:
+            out[key] = total / count
+    return out
 
 
 def broadcast_object(obj: Any, env: DistEnv) -> Any:

@@ -714,6 +714,8 @@ class Trainer:
         clip_record = self.qk_clip.step(apply=skip_reason is None) if self.qk_clip is not None else {}
         self.optimizer.zero_grad(set_to_none=True)
         loss_value = ddist.mean_across_ranks(float(loss_sum) / cfg.grad_accum, env)
+        # the source's counts and means over every rank's batches (rank 0 writes the record)
+        observed = ddist.reduce_metrics(observed, self.source.summed_metrics, self.source.rank_mean_metrics, env)
         state.step += 1
         self.tokens_per_step = step_tokens * env.world_size
         state.tokens += self.tokens_per_step

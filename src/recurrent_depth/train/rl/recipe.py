@@ -4,9 +4,10 @@
     result = run_rl(model, RLConfig(task="shells", difficulties=[3], objective="grpo"),
                     TrainConfig(out="runs/rl", max_steps=100, batch_size=4), tokenizer=tokenizer)
 
-`TrainConfig.batch_size` is the number of prompts per optimizer step (each with `group_size`
-rollouts), one optimizer step per rollout batch (grad_accum 1), so pi_old is the policy that
-made the rollouts. The reference policy (for GRPO's KL term) is a frozen copy of the start model.
+`TrainConfig.batch_size` is the number of prompts per optimizer step and rank (each with `group_size`
+rollouts; under torchrun rank r makes its own share of each global batch), one optimizer step per
+rollout batch (grad_accum 1), so pi_old is the policy that made the rollouts. The reference policy
+(for GRPO's KL term) is a frozen copy of the start model.
 """
 
 from __future__ import annotations
@@ -99,9 +100,13 @@ class NoDepthDraw:
 def build_rl(model: Any, rl: RLConfig, train: TrainConfig, *, tokenizer: Any = None,
              log: Callable[[str], None] | None = None, **trainer_kwargs: Any) -> Any:
     """The `Trainer` of an RL run (not started): rollout source, objective and reference wired up."""
+    from recurrent_depth.train import distributed as ddist
     from recurrent_depth.train.trainer import Trainer
 
     log = log if log is not None else (lambda line: print(line, file=sys.stderr))
+    # the ranks under torchrun, before the rollout source: each rank makes its own share of every batch
+    joined = not ddist.group_initialized()
+    env = ddist.init_distributed(trainer_kwargs.get("device"))
     task = get_task(rl.task) if rl.task is not None else None
     prompts = ListPrompts(list(rl.prompts)) if rl.prompts is not None else TaskPrompts(task, list(rl.difficulties))
     settings = RolloutSettings(group_size=rl.group_size, generation=dict(rl.generation),
@@ -121,11 +126,13 @@ def build_rl(model: Any, rl: RLConfig, train: TrainConfig, *, tokenizer: Any = N
            "level": rl.level, "tau": rl.tau, "compute_penalty": rl.compute_penalty,
            "length_penalty": rl.length_penalty, "on_reward_error": rl.on_reward_error}
     source = RolloutSource(model, prompts, reward, settings, encoder=ProblemEncoder(tokenizer), reference=reference,
-                           log=log, run=run)
+                           log=log, run=run, rank=env.rank, world_size=env.world_size)
     if train.grad_accum != 1:
         raise ValueError(f"RL takes one optimizer step per rollout batch: grad_accum must be 1, got {train.grad_accum}")
-    return Trainer(train, model=model, data=source, objective=objective, depth=NoDepthDraw(), log=log,
-                   **trainer_kwargs)
+    trainer = Trainer(train, model=model, data=source, objective=objective, depth=NoDepthDraw(), log=log,
+                      **trainer_kwargs)
+    trainer._owns_group = env.enabled and joined  # (the group joined here is the trainer's to leave: close())
+    return trainer
 
 
 def run_rl(model: Any, rl: RLConfig, train: TrainConfig, **kwargs: Any) -> Any:

@@ -17,6 +17,9 @@ SWE-1.7 note's point), the ratio pi_theta / pi_old compares the same distributio
 Batch `n` draws its prompts from `random.Random(f"rl:{seed}:{n}")` and generates with seed
 `stream_seed(seed, n)` (row b: + b), so the stream is fixed by the seed and the batch index: the
 state a checkpoint keeps is that index, and a resumed run makes the same rollouts as an uninterrupted one.
+Under torchrun batch n is one global batch of P x world_size prompts and rank r takes prompts
+[r P, (r + 1) P) and rows [r P G, (r + 1) P G) of it (its seeds too): the ranks' rollouts are those of one
+process with P x world_size prompts, not world_size copies of the same rollouts.
 """
 
 from __future__ import annotations
@@ -147,12 +150,16 @@ class RolloutSource(BatchSource):
 
     policy: the model being trained (the trainer's); reference: a frozen copy of the starting model
     (needed for a KL term, else None); encoder: tokenizes prompts as `<|begin_text|> prompt` and ends
-    completions at its end token."""
+    completions at its end token; rank / world_size: this process's share of each global batch (torchrun)."""
 
     def __init__(self, policy: nn.Module, prompts: PromptSource, reward: ShapedReward, settings: RolloutSettings, *,
                  encoder: ProblemEncoder | None = None, reference: nn.Module | None = None,
-                 log: Callable[[str], None] = print, run: dict[str, Any] | None = None) -> None:
+                 log: Callable[[str], None] = print, run: dict[str, Any] | None = None,
+                 rank: int = 0, world_size: int = 1) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} is invalid for world_size={world_size}: expected 0 <= rank < world_size")
         self.policy = policy
+        self.rank, self.world_size = rank, world_size
         # What else makes the run's trajectory (prompts, reward, objective: `recipe.build_rl`), JSON-plain;
         # kept in checkpoints so a resume with other ones is refused like changed rollout settings.
         self.run = run
@@ -183,7 +190,10 @@ class RolloutSource(BatchSource):
 
     def next_batch(self, batch_size: int) -> dict[str, Any]:
         n = self.batches
-        texts = self.prompts.draw(random.Random(f"rl:{self.settings.seed}:{n}"), batch_size)
+        # the global batch's prompts, then this rank's share (every rank drew the same ones before: duplicate work)
+        texts = self.prompts.draw(random.Random(f"rl:{self.settings.seed}:{n}"), batch_size * self.world_size)
+        texts = texts[self.rank * batch_size : (self.rank + 1) * batch_size]
+        first_row = self.rank * batch_size * self.settings.group_size  # (row b of the global batch draws seed + b)
         ids, mask = self._prompt_batch(texts)
         device = self.policy.device
         kwargs = {k: v for k, v in self.settings.generation.items() if k != "init_scale"}
@@ -192,7 +202,8 @@ class RolloutSource(BatchSource):
         start = time.perf_counter()
         with torch.no_grad():
             out = generate(self.policy, ids.to(device), attention_mask=mask.to(device), init_scale=0.0,
-                           output_logits=True, seed=stream_seed(self.settings.seed, n) % 2**62, stop=stops, **kwargs)
+                           output_logits=True, seed=stream_seed(self.settings.seed, n) % 2**62 + first_row,
+                           stop=stops, **kwargs)
         self.last_rollout_s = time.perf_counter() - start
         batch = self._record(out, ids, mask)
         errors_before = self.reward.errors
@@ -241,6 +252,11 @@ class RolloutSource(BatchSource):
         return torch.tensor(rewards, device=device), torch.tensor(valid, device=device)
 
     # ------------------------------------------------------------------ trainer hooks
+    # under torchrun, summed over the ranks (a step has one micro-batch): the failures and rollouts left out of
+    # every rank, and the tokens per second of all ranks' rollouts; the means are averaged over the ranks
+    summed_metrics = ("reward_errors", "rollouts_left_out", "rollout_tokens_per_s")
+    rank_mean_metrics = ("reward_mean", "completion_tokens", "mean_depth", "clip_fraction", "kl")
+
     def observe(self, batch: dict[str, Any], output: Any) -> dict[str, Any]:
         mask = batch["completion_mask"]
         new = int(mask.sum())

@@ -154,6 +154,21 @@ def test_export_keeps_the_generation_defaults(tmp_path, argv):
     assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "out").generate(x, do_sample=False), expected)
 
 
+def test_remote_code_export_refuses_generation_defaults_only_the_library_runs(tmp_path, capsys):
+    """A generation_config.json with an exit criterion was copied: the exported file then refused every plain
+    `generate` call. Refused before anything is written."""
+    make_model_dir(tmp_path / "src", with_tokenizer=False)
+    (tmp_path / "src" / "generation_config.json").write_text(json.dumps({"exit_criterion": "kl", "num_steps": 4}))
+    for dtype in ([], ["--dtype", "bfloat16"]):  # (a re-save first, then the remote-code files)
+        assert main(["export", "--model", str(tmp_path / "src"), "--out", str(tmp_path / "out"), "--remote-code",
+                     *dtype]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "generation_config.json sets ['exit_criterion'], which only the recurrent_" in err[0]
+        assert not (tmp_path / "out").exists()
+    assert main(["export", "--model", str(tmp_path / "src"), "--out", str(tmp_path / "out"), "--dtype",
+                 "float32"]) == 0  # (the library reads it: a plain re-save keeps it)
+
+
 def test_export_to_an_existing_file_names_it(tmp_path, capsys):
     make_model_dir(tmp_path / "src", with_tokenizer=False)
     (tmp_path / "file").write_text("keep")

@@ -65,7 +65,12 @@ def run(args: argparse.Namespace) -> int:
     from recurrent_depth.config import ModelConfig
     from recurrent_depth.data.tokenizer import tokenizer_directory
     from recurrent_depth.files import check_out_dir
-    from recurrent_depth.integrations.export import check_exportable, copy_companions, export_remote_code
+    from recurrent_depth.integrations.export import (
+        check_exportable,
+        check_generation_defaults,
+        copy_companions,
+        export_remote_code,
+    )
     from recurrent_depth.model.recurrent import RecurrentDepthLM
 
     src = Path(args.model)
@@ -91,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"--tokenizer {args.tokenizer}: no tokenizer.json in that directory")
     if args.remote_code:
         check_exportable(ModelConfig.from_json(src))  # fail before writing anything
+        check_generation_defaults(src)
     if out is not None and (reshape or not args.remote_code):
         if args.merge_lora is None:
             model = RecurrentDepthLM.from_pretrained(src, dtype=args.dtype)

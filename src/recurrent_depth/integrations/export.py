@@ -59,6 +59,21 @@ def check_exportable(config: ModelConfig) -> None:
         )
 
 
+def check_generation_defaults(src: Path) -> None:
+    """Refuse (one line, before anything is written) a generation_config.json that sets options only the library
+    runs (an exit criterion, a KV policy, ...): the exported file would refuse every plain `generate` call."""
+    from recurrent_depth.integrations.remote.modeling_recurrent_depth import LIBRARY_ONLY_OPTIONS
+
+    if not (src / GENERATION_CONFIG_FILE).is_file():
+        return
+    values = read_json(src / GENERATION_CONFIG_FILE, CONFIG_MAX_BYTES, "generation config")
+    asked = sorted(k for k in LIBRARY_ONLY_OPTIONS if isinstance(values, dict) and values.get(k) is not None)
+    if asked:
+        raise ValueError(f"{src / GENERATION_CONFIG_FILE} sets {asked}, which only the recurrent_depth library runs: "
+                         f"the --remote-code copy would refuse every generate call that does not unset them; remove "
+                         f"them there (or load the model with the library)")
+
+
 def copy_companions(src: Path, out: Path) -> None:
     """What a model directory carries beside its config and weights: the tokenizer files, retrofit's record of
     the source and the generation defaults that transformers' `generate` reads (generation_config.json: num_steps,
@@ -85,6 +100,7 @@ def export_remote_code(model_dir: str | Path, out_dir: str | Path | None = None)
         raise FileNotFoundError(f"{src} has no config.json; expected a saved model directory")
     config = ModelConfig.from_json(src / "config.json")
     check_exportable(config)
+    check_generation_defaults(src)
     raw = read_json(src / "config.json", CONFIG_MAX_BYTES, "config file")
     if any(str(name).endswith("ForSequenceClassification") for name in raw.get("architectures") or []):
         raise ValueError(f"{src} holds a sequence classifier (architectures {raw['architectures']}): --remote-code "

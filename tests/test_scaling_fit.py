@@ -178,6 +178,12 @@ def test_cli_fits_a_synthetic_table_and_writes_json_and_plots(tmp_path, capsys):
     assert (tmp_path / "fits" / "joint.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["scaling", "fit", str(tmp_path / "nope.csv")]) == 2
     assert "is not a file" in capsys.readouterr().err
+    # a bad level is one line before anything is fitted or written (--form all said it once per form, then again)
+    assert main(["scaling", "fit", str(tmp_path / "results.csv"), "--form", "all", "--level", "1.5",
+                 "--out", str(tmp_path / "bad")]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("level must be in (0, 1), not 1.5") == 1 and "skipped" not in captured.out
+    assert not (tmp_path / "bad").exists()
 
 
 def test_a_missing_scipy_is_a_one_line_error_naming_the_extra(monkeypatch):

@@ -43,9 +43,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_fit(args: argparse.Namespace) -> int:
-    from recurrent_depth.scaling.fit import compute_optimal, fit_law, load_table
+    from recurrent_depth.scaling.fit import check_fit_settings, compute_optimal, fit_law, load_table
     from recurrent_depth.scaling.plots import plot_fit
 
+    check_fit_settings(args.level, args.bootstrap)
     table = load_table(args.table)
     print(f"{len(table.rows)} finished row(s) from {table.source}"
           + (f"; skipped {table.skipped} row(s) whose status is not finished" if table.skipped else ""))

@@ -292,16 +292,22 @@ def holdout_error(form: LawForm, rows: list[dict[str, Any]], scheme: str = "larg
             "log_rmse": float(np.sqrt(np.mean(errors_array**2))), "log_bias": float(np.mean(errors_array))}
 
 
+def check_fit_settings(level: float, bootstrap: int) -> None:
+    """One ValueError for an interval level outside (0, 1) or a negative bootstrap count (a form-independent
+    mistake: `rdepth scaling fit --form all` says it once, before fitting anything)."""
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), not {level}")
+    if bootstrap < 0:
+        raise ValueError(f"bootstrap must be >= 0, not {bootstrap}")
+
+
 def fit_law(rows: list[dict[str, Any]] | ScalingTable, form: str | LawForm = "joint", bootstrap: int = 200,
             level: float = 0.9, holdout: str = "largest", seed: int = 0, depth: str = "trained",
             irreducible: bool = True, n_column: str = "params_non_embedding",
             delta: float = HUBER_DELTA) -> ScalingFit:
     """Fit one form to a table (or to rows already chosen by `fit_rows`) with bootstrap intervals over runs
     and the held-out error. `bootstrap=0` gives the point estimate only."""
-    if not 0 < level < 1:
-        raise ValueError(f"level must be in (0, 1), not {level}")
-    if bootstrap < 0:
-        raise ValueError(f"bootstrap must be >= 0, not {bootstrap}")
+    check_fit_settings(level, bootstrap)
     law = form if isinstance(form, LawForm) else law_form(form, irreducible, n_column)
     chosen = fit_rows(rows, depth) if isinstance(rows, ScalingTable) else rows
     params = fit_params(law, chosen, delta)

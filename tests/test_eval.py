@@ -119,6 +119,32 @@ def test_a_token_cap_that_cuts_a_character_stops_reading_the_texts(model):
     assert len(read) <= 1
 
 
+def test_encoding_a_whole_document_does_not_warn_that_it_is_longer_than_the_model(tmp_path):
+    # `rdepth eval --data stdlib` printed transformers' "Token indices sequence length is longer than the
+    # specified maximum ..." for documents that `windows` cuts to the model's length anyway
+    import logging
+
+    from transformers import AutoTokenizer
+
+    from recurrent_depth.data.tokenizer import LONG_TEXT_WARNING, save_tokenizer, train_tokenizer, windowed_encoding
+    from recurrent_depth.evaluation.quality import PlainTokenizer
+
+    save_tokenizer(train_tokenizer(["abc def ghi"], vocab_size=290), tmp_path, model_max_length=4)
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("transformers.tokenization_utils_base")  # (transformers' loggers do not propagate)
+    logger.addHandler(handler)
+    try:
+        assert len(PlainTokenizer(AutoTokenizer.from_pretrained(tmp_path)).encode("abc def ghi " * 4)) > 4
+        with windowed_encoding():
+            logger.warning("another warning")  # only the long-text warning is dropped
+        AutoTokenizer.from_pretrained(tmp_path).encode("abc def ghi " * 4)  # a plain encode still warns
+    finally:
+        logger.removeHandler(handler)
+    assert [m.startswith(LONG_TEXT_WARNING) for m in seen] == [False, True]
+
+
 def test_text_quality_with_a_random_s0_does_not_depend_on_the_batch_size(model):
     # One generator drew the s_0 of a whole batch: the windows' draws, and so the scores, moved with batch_size.
     texts = ["def f(x):\n    return x + 1\n" * 3, "héllo wörld", "abc" * 10]
@@ -379,6 +405,18 @@ def test_rdepth_eval_on_one_document_says_the_split_held_none_out_and_val_fracti
     assert main([*argv, "--val-fraction", "1"]) == 0
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["text"]["documents"] == 1 and sorted(results["text"]["by_depth"]) == ["1", "2"]
+
+
+@pytest.mark.parametrize("case,message", [("no-tokenizer", "has no tokenizer.json: text measurements need"),
+                                          ("no-data", "data: '/nonexistent' does not exist")],
+                         ids=["no-tokenizer", "no-data"])
+def test_rdepth_eval_names_what_the_text_lacks_before_it_starts_the_text(tmp_path, capsys, case, message):
+    # "text: scoring ... held-out documents ..." was printed first, and then the problem named
+    make_model_dir(tmp_path / "model", with_tokenizer=case != "no-tokenizer")
+    argv = ["eval", "--model", str(tmp_path / "model"), "--depths", "1", "--out", str(tmp_path / "o")]
+    assert main([*argv, *(["--data", "/nonexistent"] if case == "no-data" else [])]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and message in captured.err
 
 
 def test_rdepth_eval_baseline_problems_are_named_before_any_scoring(tmp_path, capsys):

@@ -176,6 +176,26 @@ def test_cli_json_refuses_stream_and_names_a_bad_threshold(model_dir, capsys):
     assert "--exit-threshold" in err and "'auto'" in err and "_threshold" not in err
 
 
+@pytest.mark.parametrize("flags,words", [
+    (["--draft-steps", "1"], "self-speculative decoding re-runs positions"),
+    (["--sampler", "parallel"], "the parallel sampler re-runs positions"),
+    (["--kv-quant", "k=mse:4,v=mse:4"], "--kv-quant="),  # (the library's kv_quant= was shown in place of the flag)
+    (["--exit-criterion", "gate"], "--exit-criterion='gate' reads the model's learned exit gate"),
+], ids=["speculative", "parallel", "kv-quant", "gate"])
+def test_cli_refuses_a_mode_the_model_cannot_run_before_printing_the_prompt(model_dir, tmp_path, capsys, flags,
+                                                                           words):
+    # the streamed prompt used to reach stdout first: "def add" and the error on one terminal line
+    cfg = rd.ModelConfig.from_preset("tiny")
+    cfg.vocab_size, cfg.mixer = 320, {"core": "gated_deltanet"}
+    torch.manual_seed(0)
+    rd.RecurrentDepthLM(cfg).save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "def add", "--max-new-tokens", "2",
+                 "--num-steps", "2", "--stream", *flags]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and words in captured.err
+
+
 def test_cli_default_depth_keeps_the_depth_ceiling(model_dir, capsys):
     # `--max-depth 2` on a model of mean_recurrence 4 ran every token at depth 4 when --num-steps was left out
     assert rd.ModelConfig.from_preset("tiny").mean_recurrence == 4

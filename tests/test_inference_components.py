@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import recurrent_depth as rd
 from recurrent_depth.accel import runner as runner_module
 from recurrent_depth.accel.runner import FastRunner
-from recurrent_depth.inference import DynamicRecurrentCache, StaticRecurrentCache, generate
+from recurrent_depth.inference import DynamicRecurrentCache, StaticRecurrentCache, generate, stream_generate
 from recurrent_depth.inference.criteria import CRITERIA, ExitCriterion, resolve_criterion
 from recurrent_depth.inference.runner import ModelRunner, make_runner
 from recurrent_depth.inference.sampling import RowGenerators, apply_repetition_penalty, filter_logits, sample_rows
@@ -437,6 +437,22 @@ def test_recurrent_state_mixers_decode_exactly_and_refuse_rollback_modes():
     for mode in (dict(draft_steps=1), dict(sampler="parallel")):
         with pytest.raises(ValueError, match="recurrent-state mixers"):
             generate(model, ids, max_new_tokens=5, num_steps=3, **mode)
+
+
+@pytest.mark.parametrize("case", ["speculative-state", "parallel-state", "parallel-no-injection"])
+def test_a_mode_the_model_cannot_run_is_refused_when_the_stream_is_made(case):
+    """Before any prefill or event, so a caller that prints the prompt once the stream exists
+    (rdepth generate --stream) never prints it before the error."""
+    overrides = {"parallel-no-injection": dict(injection="none", state_init="embedding")}.get(case, {})
+    cfg = rd.ModelConfig.from_preset("tiny", **overrides)
+    if case != "parallel-no-injection":
+        cfg.mixer = {"core": "gated_deltanet"}
+    torch.manual_seed(0)
+    model = rd.RecurrentDepthLM(cfg).eval()
+    mode = dict(draft_steps=1) if case == "speculative-state" else dict(sampler="parallel")
+    match = "input injection" if case == "parallel-no-injection" else "recurrent-state mixers of this model \\(core"
+    with pytest.raises(ValueError, match=match):
+        stream_generate(model, torch.randint(0, 256, (1, 5)), max_new_tokens=3, num_steps=3, **mode)
 
 
 # ---------------------------------------------------------------------------------------- argument checks

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -409,6 +410,29 @@ def tokenizer_failures_as_errors() -> Iterator[None]:
             raise
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ValueError(f"the tokenizer failed on this text: {reason}") from None
+
+
+# transformers logs this once per tokenizer when a text encodes to more than its model_max_length tokens.
+LONG_TEXT_WARNING = "Token indices sequence length is longer than the specified maximum sequence length"
+
+
+class _DropLongTextWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(LONG_TEXT_WARNING)
+
+
+@contextlib.contextmanager
+def windowed_encoding() -> Iterator[None]:
+    """Encode whole documents with a transformers tokenizer without its "Token indices sequence length is
+    longer than the specified maximum sequence length" warning, for callers that cut the ids into windows
+    of the model's length themselves; every other warning still shows."""
+    logger = logging.getLogger("transformers.tokenization_utils_base")  # where transformers logs it
+    quiet = _DropLongTextWarning()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def build_tokenizer(

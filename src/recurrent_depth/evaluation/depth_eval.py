@@ -129,14 +129,27 @@ def _documents(config: EvalConfig):
 
 
 def _text_quality(
-    model, tokenizer, config: EvalConfig, depths: list[int], max_bytes: int | None = None
+    model, tokenizer, config: EvalConfig, depths: list[int], max_bytes: int | None = None, source: str | None = None
 ) -> dict[str, Any]:
     """Bits per byte etc. on the held-out text: the first `--max-tokens` tokens of it, or (a baseline,
-    whose tokenizer may differ) exactly the first `max_bytes` bytes the model was scored on."""
+    whose tokenizer may differ) exactly the first `max_bytes` bytes the model was scored on. source: the
+    model as errors name it (default config.model)."""
     from recurrent_depth.evaluation.quality import PlainTokenizer, text_quality
 
+    bos, pad = _text_ids(model, tokenizer, config.model if source is None else source)
+    result = text_quality(
+        model, _documents(config), PlainTokenizer(tokenizer), depths, bos, pad, seq_len=config.seq_len,
+        max_tokens=config.max_tokens if max_bytes is None else None, max_bytes=max_bytes,
+        batch_size=config.batch_size, init_scale=config.init_scale, seed=config.seed,
+    )
+    return result.to_dict()
+
+
+def _text_ids(model, tokenizer, source: str) -> tuple[int, int]:
+    """The (bos, pad) ids that text scoring frames and pads documents with; a ValueError naming `source`
+    when its tokenizer is missing or has no bos token."""
     if tokenizer is None:
-        raise ValueError(f"{config.model} has no tokenizer.json: text measurements need the model's tokenizer")
+        raise ValueError(f"{source} has no tokenizer.json: text measurements need the model's tokenizer")
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else model.config.bos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if bos is None:  # a retrofitted Qwen's: the document token training framed its text with (<|endoftext|>)
@@ -147,13 +160,8 @@ def _text_quality(
         except ValueError:
             bos = None
     if bos is None:
-        raise ValueError("the tokenizer has no bos token (<|begin_text|>); text scores need one")
-    result = text_quality(
-        model, _documents(config), PlainTokenizer(tokenizer), depths, bos, pad, seq_len=config.seq_len,
-        max_tokens=config.max_tokens if max_bytes is None else None, max_bytes=max_bytes,
-        batch_size=config.batch_size, init_scale=config.init_scale, seed=config.seed,
-    )
-    return result.to_dict()
+        raise ValueError(f"the tokenizer of {source} has no bos token (<|begin_text|>); text scores need one")
+    return bos, pad
 
 
 def _reasoning(model, config: EvalConfig, task_name: str, depths: list[int]) -> dict[str, Any]:
@@ -223,6 +231,8 @@ def evaluate_depths(config: EvalConfig, log: Any = print) -> dict[str, Any]:
     manager = _task_manager(config) if config.lm_eval_tasks else None
     model, tokenizer = _load(config.model, config.device, config.dtype, config.tokenizer, config.weights)
     depths = config.depths
+    if config.data is not None:  # a tokenizer text scoring cannot use: named now, not after the "text:" line
+        _text_ids(model, tokenizer, config.model)
     results: dict[str, Any] = {"config": asdict(config), "model_mean_recurrence": model.config.mean_recurrence}
     baseline = None
     if config.baseline is not None:
@@ -236,9 +246,14 @@ def evaluate_depths(config: EvalConfig, log: Any = print) -> dict[str, Any]:
         if config.data is not None and baseline_tok is None:  # before the model's text is scored, not after
             raise ValueError(f"--baseline {config.baseline} has no tokenizer.json: text measurements need the "
                              "baseline's tokenizer")
+        if config.data is not None:
+            _text_ids(baseline, baseline_tok, f"--baseline {config.baseline}")
         results["baseline"] = {"model": config.baseline, "depth": base_depth}
 
     if config.data is not None:
+        from recurrent_depth.data.corpus import load_corpus
+
+        load_corpus(config.data)  # a --data that does not exist: named here, not after the "text:" line
         log(f"text: scoring {config.data} held-out documents at depths {depths}")
         text = _text_quality(model, tokenizer, config, depths)
         results["text"] = text
@@ -246,7 +261,7 @@ def evaluate_depths(config: EvalConfig, log: Any = print) -> dict[str, Any]:
         lines = {}
         if baseline is not None:
             base = _text_quality(baseline, baseline_tok, config, [results["baseline"]["depth"]],
-                                 max_bytes=text["bytes"])
+                                 max_bytes=text["bytes"], source=f"--baseline {config.baseline}")
             results["baseline"]["text"] = base
             lines[f"baseline (r={results['baseline']['depth']})"] = next(iter(base["by_depth"].values()))[
                 "bits_per_byte"]

@@ -57,6 +57,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
+from recurrent_depth.data.tokenizer import windowed_encoding
 from recurrent_depth.evaluation.scoring import Scored, batched_logprobs, stepwise_logprobs
 from recurrent_depth.inference.criteria import gate_for
 from recurrent_depth.inference.options import OPTIONS, GenerationOptions, OptionError, spelled_warnings
@@ -186,6 +187,12 @@ class RecurrentDepthEvalLM(HFLM):
         return info
 
     # ------------------------------------------------------------------ scoring
+    def tok_encode(self, string: str, *args: Any, **kwargs: Any) -> list[int]:
+        """lm-eval's, without transformers' warning about a text longer than the model: lm-eval encodes whole
+        documents (rolling loglikelihood) and contexts on purpose, and windows or truncates them itself."""
+        with windowed_encoding():
+            return super().tok_encode(string, *args, **kwargs)
+
     @property
     def _stepwise(self) -> bool:
         o = self.options

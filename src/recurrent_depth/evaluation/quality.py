@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from recurrent_depth.data.tokenizer import windowed_encoding
 from recurrent_depth.evaluation.readout import check_depths, logits_at_depths
 from recurrent_depth.inference.sampling import stream_generator
 from recurrent_depth.model.recurrent import RecurrentDepthLM
@@ -30,7 +31,8 @@ class PlainTokenizer:
         self.tokenizer = tokenizer
 
     def encode(self, text: str) -> list[int]:
-        out = self.tokenizer.encode(text, add_special_tokens=False)
+        with windowed_encoding():  # a whole document: `windows` cuts it to the model's length
+            out = self.tokenizer.encode(text, add_special_tokens=False)
         return list(out.ids) if hasattr(out, "ids") else list(out)
 
     def decode(self, ids: Sequence[int]) -> str:

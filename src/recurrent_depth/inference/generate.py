@@ -21,7 +21,7 @@ from recurrent_depth.inference.options import (
 )
 from recurrent_depth.inference.output import GenerationOutput, TokenEvent
 from recurrent_depth.inference.schema import OFFICIAL_ALIASES, canonical, kwarg_spelling, unknown_names
-from recurrent_depth.inference.session import Session, prepare_inputs
+from recurrent_depth.inference.session import Session, check_options_for_model, prepare_inputs
 from recurrent_depth.inference.ttt_e2e import Adaptation, adapt
 
 _LOOPS = {"autoregressive": autoregressive.decode, "speculative": speculative.decode, "parallel": parallel.decode}
@@ -37,6 +37,7 @@ class GenerationStream:
     def __init__(self, model: Any, input_ids: Any, attention_mask: Any, options: GenerationOptions,
                  tokenizer: Any, memory: Tensor | None = None, should_stop: Callable[[], bool] | None = None) -> None:
         resolved = options.validate(model.config.mean_recurrence, model.config.exit_gate_threshold)
+        check_options_for_model(model, resolved)  # before TTT-E2E or GradMem work, and before any event
         self.options: ResolvedOptions = resolved
         self.gradmem: GradMemPlan | None = None
         self.adaptation: Adaptation | None = None

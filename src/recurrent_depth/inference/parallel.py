@@ -62,13 +62,7 @@ def decode(session: Session) -> Iterator[TokenEvent]:
     B, T = session.B, session.T
     limit = opts.max_steps
     name = opts.criterion.name if opts.criterion is not None else None
-    if session.model.config.injection == "none" or session.model.config.state_init != "random":
-        # A position's guessed token reaches its state only through the injection, and its state starts
-        # from noise: a model looped on its own embedding (Ouro) would refine a guess it never revises.
-        raise ValueError("sampler='parallel' needs a model with an input injection and a random s_0 (Huginn's); "
-                         "this model loops its embedding (injection='none'): decode autoregressively")
-    _, logits = session.prefill(opts.num_steps)
-    session.require_kv_cache_only("the parallel sampler")
+    _, logits = session.prefill(opts.num_steps)  # (a model this mode cannot run was refused: check_mode_for_model)
     rows = session.unfinished
     first = session.chooser.choose(logits, rows)
     nbytes = session.row_bytes()

@@ -10,10 +10,11 @@ from torch import Tensor
 from recurrent_depth.inference.cache import bind_policy, make_cache
 from recurrent_depth.inference.criteria import ExitCriterion, gate_for
 from recurrent_depth.inference.engine import Pass, Recurrence
-from recurrent_depth.inference.options import ResolvedOptions, eos_ids
+from recurrent_depth.inference.options import OptionError, ResolvedOptions, eos_ids
 from recurrent_depth.inference.output import Recorder, TokenEvent
 from recurrent_depth.inference.quant_cache import kv_quant_for_model
 from recurrent_depth.inference.sampling import RowGenerators, StopChecker, TokenChooser, decode
+from recurrent_depth.model.mixers.common import RecurrentMixer
 from recurrent_depth.model.recurrent import all_attention, mixers_with
 
 RANDOMIZED_LOOKUP_STREAM = 1  # `RowGenerators.derived` stream of the randomized KV lookup's draws
@@ -116,6 +117,48 @@ def check_policy_for_model(model: Any, options: ResolvedOptions) -> None:
         )
 
 
+def check_mode_for_model(model: Any, options: ResolvedOptions) -> None:
+    """A one-line ValueError when the decoding mode cannot run on this model, raised before any work (a
+    caller may print the prompt once the session exists)."""
+    mode = options.mode
+    if mode == "autoregressive":
+        return
+    what = "self-speculative decoding" if mode == "speculative" else "the parallel sampler"
+    # Both modes re-run cached positions; a recurrent state (linear-attention mixers) has absorbed them for good.
+    parts = {"prelude": model.transformer.prelude, "core": model.transformer.core_block,
+             "coda": model.transformer.coda}
+    stateful = [name for name, blocks in parts.items() if any(isinstance(b.attn, RecurrentMixer) for b in blocks)]
+    if stateful:
+        raise ValueError(
+            f"{what} re-runs positions already in the cache, which the recurrent-state mixers of this "
+            f"model ({', '.join(stateful)} layers: {model.config.mixer!r}) cannot undo; use the "
+            "default autoregressive mode"
+        )
+    cfg = model.config
+    if mode == "parallel" and (cfg.injection == "none" or cfg.state_init != "random"):
+        # A position's guessed token reaches its state only through the injection, and its state starts
+        # from noise: a model looped on its own embedding (Ouro) would refine a guess it never revises.
+        raise ValueError("sampler='parallel' needs a model with an input injection and a random s_0 (Huginn's); "
+                         "this model loops its embedding (injection='none'): decode autoregressively")
+
+
+def check_options_for_model(model: Any, options: ResolvedOptions) -> None:
+    """Every refusal of `options` that depends only on the model, before any work (a caller may print the
+    prompt once the session exists), as the `OptionError` of the option at fault, so that each interface
+    names it in its own terms (a CLI flag, a JSON field)."""
+    checks = (
+        ("kv_policy", lambda: check_policy_for_model(model, options)),
+        ("sampler" if options.mode == "parallel" else "draft_steps", lambda: check_mode_for_model(model, options)),
+        ("kv_quant", lambda: options.kv_quant is None or kv_quant_for_model(model, options.kv_quant)),
+        ("exit_criterion", lambda: gate_for(options.criterion, model)),  # the gate criterion needs an exit gate
+    )
+    for name, check in checks:
+        try:
+            check()
+        except ValueError as exc:
+            raise OptionError(name, str(exc)) from None
+
+
 class Session:
     """One generation call: everything the mode loops read and update."""
 
@@ -146,9 +189,6 @@ class Session:
         self.engine = Recurrence(model, options.fast and not (options.defaults == "official" and low_precision))
         self.runner = self.engine.runner
         lookup = options.policy.lookup
-        check_policy_for_model(model, options)
-        if options.kv_quant is not None:  # a model the quantizers cannot take fails here, before any work
-            kv_quant_for_model(model, options.kv_quant)
         # Columns: the prompt, the new tokens, and room for a speculative round or a wavefront.
         # (A round drafts at most max_seq_len tokens and a sweep adds at most max_new_tokens positions.)
         if options.mode == "speculative":
@@ -299,17 +339,6 @@ class Session:
             limits = torch.tensor(row_ends, device=self.device)[:, None]
             valid = valid & (torch.arange(end, device=self.device)[None] < limits)
         return self.cache.logical_nbytes(valid, end=end).tolist()
-
-    def require_kv_cache_only(self, what: str) -> None:
-        """Modes that re-run cached positions need every layer's cache to be KV entries: a recurrent
-        state (linear-attention mixers) has already absorbed the positions and cannot be rolled back."""
-        if self.cache.states:
-            layers = sorted({key[0][0] for key in self.cache.states})
-            raise ValueError(
-                f"{what} re-runs positions already in the cache, which the recurrent-state mixers of this "
-                f"model ({', '.join(layers)} layers: {self.model.config.mixer!r}) cannot undo; use the "
-                "default autoregressive mode"
-            )
 
     # ------------------------------------------------------------------ prefill
     def _begin_prompt(self) -> Pass:

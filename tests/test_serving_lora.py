@@ -189,3 +189,52 @@ def test_the_scheduler_runs_one_adapter_at_a_time_and_no_adapter_starves(model_d
     assert [j.name for j in scheduler.waiting] == ["b2", "a5"]
     scheduler.solos.clear()  # "a" drained: "b" goes next, though "a5" could have joined a running "a"
     assert [j.name for j in scheduler._take_admissible()] == ["b2"]
+
+
+def test_every_job_of_an_adapter_waiting_when_its_phase_starts_joins_it(model_dir):  # noqa: F811 - the fixture
+    """Jobs the prefill budget (or the free rows) leave for later iterations still join their adapter's phase:
+    they were held behind the first job of another adapter, so prompts over half the budget ran one row per
+    phase, with a switch between every two requests."""
+    from types import SimpleNamespace
+
+    from recurrent_depth.serving.engine import BatchScheduler
+
+    def job(name: str) -> SimpleNamespace:
+        return SimpleNamespace(name=name, adapter=name[0], trains=False, row=SimpleNamespace(prompt=[1] * 300))
+
+    scheduler = BatchScheduler(rd.RecurrentDepthLM.from_pretrained(model_dir), max_batch=8, prefill_tokens=400)
+    scheduler.waiting.extend(map(job, ["a1", "b1", "a2", "b2", "a3"]))
+    assert [j.name for j in scheduler._take_admissible()] == ["a1"]  # (a2 is over this iteration's budget)
+    assert [j.name for j in scheduler.waiting] == ["a2", "a3", "b1", "b2"]  # "a" ahead, the others in order
+    scheduler.adapters = SimpleNamespace(active="a")  # (as `_run`'s switch leaves it)
+    scheduler.solos.append((job("a1"), None))  # "a1" runs: the rest of its phase joins, one per iteration
+    assert [j.name for j in scheduler._take_admissible()] == ["a2"]
+    scheduler.waiting.append(job("a4"))  # one arriving now waits behind "b"
+    assert [j.name for j in scheduler._take_admissible()] == ["a3"]
+    assert [j.name for j in scheduler._take_admissible()] == []
+    assert [j.name for j in scheduler.waiting] == ["b1", "b2", "a4"]
+
+
+def test_the_adapters_a_server_serves_are_its_schedulers(model_dir, adapters):  # noqa: F811 - the fixture
+    """The handlers take the adapters' names from the scheduler (create_app with a scheduler holding adapters
+    listed none, and refused requests for them); the scheduler refuses a job naming an adapter it lacks, which
+    stopped its engine for every client; an adapter it turns on stays frozen, as `--lora`'s."""
+    from types import SimpleNamespace
+
+    from recurrent_depth.serving.adapters import ServedAdapters
+    from recurrent_depth.serving.app import create_app
+    from recurrent_depth.serving.engine import BatchScheduler
+    from recurrent_depth.serving.handlers import ServerSettings
+    from recurrent_depth.serving.text import TextCodec
+
+    model = rd.RecurrentDepthLM.from_pretrained(model_dir)
+    scheduler = BatchScheduler(model, adapters=ServedAdapters(model, {"sql": adapters["sql"]}))
+    app = create_app(scheduler, TextCodec(model_dir, 320), ServerSettings("tiny", tokenizer_workers=1))
+    with LiveServer(app) as live:
+        assert [c["id"] for c in httpx.get(live.url + "/v1/models").json()["data"]] == ["tiny", "sql"]
+        with pytest.raises(ValueError, match=r"adapter 'chat', which this scheduler does not serve \(its adapters: "
+                                             r"\['sql'\]\)"):
+            scheduler.submit([SimpleNamespace(adapter="chat")])
+        answers(live.url, "sql")
+        assert scheduler.healthy and scheduler.adapters.active == "sql"
+        assert not [name for name, p in model.named_parameters() if p.requires_grad]

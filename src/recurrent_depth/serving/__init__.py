@@ -187,8 +187,7 @@ def build_app(
         read_timeout=read_timeout,
         stall_timeout=stall_timeout, allowed_hosts=tuple(allowed_hosts) if allowed_hosts is not None else None,
         tokenizer_workers=tokenizer_workers, tokenize_timeout=tokenize_timeout, worker_memory=worker_memory,
-        default_num_steps=num_steps, ttt_max_copy_bytes=int(ttt_max_copy_mb * 2**20),
-        adapters=adapters.names if adapters is not None else ())
+        default_num_steps=num_steps, ttt_max_copy_bytes=int(ttt_max_copy_mb * 2**20))
     return create_app(scheduler, codec, settings)
 
 

@@ -9,10 +9,11 @@ The scheduler (`engine.BatchScheduler`) therefore runs the requests of one adapt
 adapter's requests run, waiting requests of it join the batch in arrival order up to the first that names
 another; that one, and every request behind it, waits until nothing runs. Then the model switches to the
 oldest waiting request's adapter (`activate`, and the batch's runner is rebuilt from the switched model: the
-fused runner reads the adapter's low-rank terms when it is built), and every waiting request of that adapter
-joins, the others keeping their place. A request thus computes exactly what it computes on a server started
-with `--lora` of its adapter alone (or with none, for the base), whatever the other requests name; the cost is
-throughput when requests of different adapters interleave (docs/serving.md).
+fused runner reads the adapter's low-rank terms when it is built), and every request of that adapter waiting
+then joins (as rows and the prefill budget allow), the others keeping their order behind. A request thus
+computes exactly what it computes on a server started with `--lora` of its adapter alone (or with none, for
+the base), whatever the other requests name; the cost is throughput when requests of different adapters
+interleave (docs/serving.md).
 """
 
 from __future__ import annotations

@@ -143,7 +143,8 @@ def banner(scheduler: BatchScheduler, settings: ServerSettings, limits: Limits, 
     depth = settings.default_num_steps if settings.default_num_steps is not None else limits.mean_recurrence
     key = "API key required" if settings.api_key is not None else "no API key"
     kv = f", KV cache {scheduler.kv_quant.name}" if scheduler.kv_quant is not None else ""
-    loras = f" with LoRA adapters {', '.join(map(repr, settings.adapters))}" if settings.adapters else ""
+    names = scheduler.adapter_names
+    loras = f" with LoRA adapters {', '.join(map(repr, names))}" if names else ""
     return (f"rdepth serve: model {settings.model_name!r}{loras} ({params / 1e6:.2f}M parameters, context "
             f"{limits.max_seq_len}), default depth {depth}, max depth {limits.max_num_steps}{kv}, {key}; "
             f"OpenAI API at {url}/v1")

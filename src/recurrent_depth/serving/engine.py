@@ -183,6 +183,11 @@ class BatchScheduler:
         return self.batch is not None
 
     @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """The served LoRA adapters' names (`--lora-modules`): what a job's `adapter` (a request's `model`) may be."""
+        return self.adapters.names if self.adapters is not None else ()
+
+    @property
     def running(self) -> int:
         return (len(self.batch) if self.batch is not None else 0) + len(self.solos)
 
@@ -204,7 +209,12 @@ class BatchScheduler:
             self.thread.join(timeout)
 
     def submit(self, jobs: list[Job]) -> None:
-        """Queue jobs (all or none). Raises QueueFull or EngineUnavailable."""
+        """Queue jobs (all or none). Raises QueueFull or EngineUnavailable, or ValueError for a job naming an
+        adapter this scheduler lacks (refused here: the switch to it would stop the engine for every client)."""
+        for job in jobs:
+            if job.adapter is not None and job.adapter not in self.adapter_names:
+                raise ValueError(f"a job names the LoRA adapter {job.adapter!r}, which this scheduler does not "
+                                 f"serve (its adapters: {list(self.adapter_names)})")
         with self.cond:
             if not self.healthy:
                 raise EngineUnavailable(self.failure or "the server is shutting down")
@@ -300,18 +310,22 @@ class BatchScheduler:
         held: list[Job] = []
         # LoRA adapters (--lora-modules) run one at a time. While one runs, its jobs are admitted up to the first
         # job of another; that one and the jobs behind it wait until nothing runs. Then the oldest waiting job's
-        # adapter goes next (`_run` switches to it) with every waiting job of it, the others keeping their place.
-        adapter = self.waiting[0].adapter if self.waiting and not self.running else self._adapter_in_use()
+        # adapter goes next (`_run` switches to it): every job of it waiting now moves to the front, the others
+        # keeping their order behind, so they all join this phase, also those the free rows or this iteration's
+        # budget leave for later iterations (held back by the first job of another adapter, they had to wait
+        # for a phase of their own: prompts over half the budget ran one row per phase).
+        if self.waiting and not self.running:
+            adapter = self.waiting[0].adapter
+            self.waiting = deque(sorted(self.waiting, key=lambda job: job.adapter != adapter))  # (a stable sort)
+        else:
+            adapter = self._adapter_in_use()
         while self.waiting and len(out) < free:
             job = self.waiting[0]
             if job.trains and training:
                 held.append(self.waiting.popleft())
                 continue
             if job.adapter != adapter:
-                if self.running:
-                    break
-                held.append(self.waiting.popleft())
-                continue
+                break
             cost = len(job.row.prompt)
             if out and cost > budget:
                 break

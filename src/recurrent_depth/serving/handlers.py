@@ -56,7 +56,6 @@ class ServerSettings:
     worker_memory: int | None = 2 << 30  # address space a preparation worker may add after start-up
     default_num_steps: int | None = None  # for the banner
     ttt_max_copy_bytes: int = DEFAULT_TTT_MAX_COPY_MB << 20  # a TTT-E2E request's weight copy (--ttt-max-copy-mb)
-    adapters: tuple[str, ...] = ()  # the served LoRA adapters' names (--lora-modules), requests' `model` values too
 
 
 class Handlers:
@@ -69,11 +68,12 @@ class Handlers:
         self.limits = settings.limits or Limits(cfg.max_seq_len, cfg.mean_recurrence, cfg.vocab_size,
                                                 gate_threshold=cfg.exit_gate_threshold)
         self.names = {settings.model_name, *settings.aliases}  # the base's names (no adapter)
+        self.adapters = scheduler.adapter_names  # (the scheduler's own list: a request names only what it runs)
         self.metrics = scheduler.metrics
         eos_configured = cfg.eos_token_id is not None
         self.base_stops = set(codec.eos_ids) | set(eos_ids(cfg.eos_token_id, "eos_token_id", cfg.vocab_size))
         self.pool = PrepPool(PrepSpec(codec.source if codec.has_tokenizer else None, codec.vocab_size,
-                                      self.limits, frozenset(self.names | set(settings.adapters)), eos_configured,
+                                      self.limits, frozenset(self.names | set(self.adapters)), eos_configured,
                                       settings.worker_memory),
                              workers=settings.tokenizer_workers, timeout=settings.tokenize_timeout)
         self.open_requests = OpenRequests(scheduler)
@@ -142,20 +142,20 @@ class Handlers:
 
     async def list_models(self, request: Request) -> JSONResponse:
         self.authorize(request)
-        cards = [self.model_card()] + [self.model_card(name) for name in self.settings.adapters]
+        cards = [self.model_card()] + [self.model_card(name) for name in self.adapters]
         return JSONResponse({"object": "list", "data": cards})
 
     async def get_model(self, model_id: str, request: Request) -> JSONResponse:
         self.authorize(request)
-        if model_id not in self.names and model_id not in self.settings.adapters:
+        if model_id not in self.names and model_id not in self.adapters:
             raise APIError(404, f"the model {model_id!r} does not exist; this server serves "
-                                f"{sorted(self.names | set(self.settings.adapters))}",
+                                f"{sorted(self.names | set(self.adapters))}",
                            param="model", code="model_not_found")
-        return JSONResponse(self.model_card(model_id if model_id in self.settings.adapters else None))
+        return JSONResponse(self.model_card(model_id if model_id in self.adapters else None))
 
     def adapter_of(self, sampling: Sampling) -> str | None:
         """The LoRA adapter a request names in `model` (None: the base, also when `model` is left out)."""
-        return sampling.model if sampling.model in self.settings.adapters else None
+        return sampling.model if sampling.model in self.adapters else None
 
     def served_name(self, sampling: Sampling) -> str:
         """The `model` of the answer: the adapter's name for an adapter's request, else the base's."""

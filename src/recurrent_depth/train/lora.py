@@ -650,12 +650,17 @@ def load_loras(model: nn.Module, adapter_dirs: list[str | Path], strict_base: bo
 
 def use_adapter(wrapped: Any, name: str | None) -> None:
     """Turn on adapter `name` of a peft wrapper holding several (`load_loras`) and turn the others off; None: all
-    off, the wrapped model computes exactly what the base model alone does."""
+    off, the wrapped model computes exactly what the base model alone does. The adapters stay frozen, as
+    `load_lora`'s are (peft's set_adapter makes the one it turns on trainable: the autograd graphs of TTT-E2E's and
+    GradMem's passes on a served model then also held that adapter's branch, unlike under `--lora`)."""
     if name is None:
         wrapped.base_model.disable_adapter_layers()
         return
     wrapped.base_model.enable_adapter_layers()
     wrapped.set_adapter(name)
+    for param_name, param in wrapped.named_parameters():
+        if name in param_name:  # (peft's own test for an adapter's tensors: `several_adapter_name` keeps it exact)
+            param.requires_grad_(False)
 
 
 def adapter_base_dir(adapter_dir: str | Path) -> Path:

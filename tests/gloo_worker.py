@@ -19,14 +19,23 @@ Modes:
   rl-ranks                2 GRPO updates through `build_rl` (`tests.test_rl.rl_updates`, 2 prompts a rank),
                           then one `rdepth rl` update: saves this rank's step records, completions, final
                           weights, and the command's exit code and stdout.
+  token-mean              one Trainer step (DDP, 2 micro-batches) over this rank's masked rows, whose answer
+                          tokens differ by rank: saves the gradient it stepped with and the step's loss.
+  reasoning-ranks         the reasoning recipe's ProblemStream as this rank's share (rows right on rank 0,
+                          wrong on rank 1), then 2 steps of its `_train`: saves the batches, the curriculum
+                          each observe left, the rows trained on, the losses and the final weights.
 One launch runs every case, and modes joined by "+" run in one launch (process start-up dominates the time).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import os
 import sys
+import types
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -181,20 +190,15 @@ def sft_heldout(env: DistEnv) -> list:
 def rl_ranks(env: DistEnv, out: Path) -> tuple:
     """`rdepth rl`'s trainer on this rank (it reads the ranks from torchrun's environment, which is set here), then
     one update of the command itself: what it printed on stdout."""
-    import contextlib
     import dataclasses
     import io
-    import os
 
     import recurrent_depth as rd
     from recurrent_depth.cli import main
     from recurrent_depth.evaluation.reasoning.data import byte_tokenizer
     from tests.test_rl import rl_updates
 
-    torchrun = {"WORLD_SIZE": str(env.world_size), "RANK": str(env.rank), "LOCAL_RANK": str(env.rank)}
-    saved = {k: os.environ.get(k) for k in torchrun}
-    os.environ.update(torchrun)
-    try:
+    with torchrun_environment(env):
         found = rl_updates(2)
         start = out / f"rl-start-rank{env.rank}"  # (the same seeded model on each rank)
         torch.manual_seed(7)
@@ -206,13 +210,73 @@ def rl_ranks(env: DistEnv, out: Path) -> tuple:
             code = main(["rl", "--init-from", str(start), "--out", str(out / "rl-cli"), "--threads", "1",
                          "--difficulty", "2", "--group-size", "2", "--prompts-per-step", "1", "--updates", "1",
                          "--max-new-tokens", "2", "--num-steps", "2"])
-    finally:  # (the next mode sees the worker's own environment)
+    return (*found, code, printed.getvalue())
+
+
+@contextlib.contextmanager
+def torchrun_environment(env: DistEnv) -> Iterator[None]:
+    """torchrun's environment for this rank, which the trainer and the recipes read their ranks from; the worker's
+    own environment again afterwards (for the next mode)."""
+    torchrun = {"WORLD_SIZE": str(env.world_size), "RANK": str(env.rank), "LOCAL_RANK": str(env.rank)}
+    saved = {k: os.environ.get(k) for k in torchrun}
+    os.environ.update(torchrun)
+    try:
+        yield
+    finally:
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    return (*found, code, printed.getvalue())
+
+
+def token_mean(env: DistEnv) -> tuple:
+    """One Trainer step (DDP, 2 micro-batches a rank) of the bigram model over this rank's 4 of the 8 masked rows
+    of `tests.test_train_distributed`, whose answer tokens differ by rank: its gradient and loss."""
+    from tests.test_train_distributed import masked_rows, trainer_step_gradient
+
+    first = 4 * env.rank
+    with torchrun_environment(env):
+        return trainer_step_gradient([masked_rows(range(first, first + 2)), masked_rows(range(first + 2, first + 4))])
+
+
+def fake_output(batch: dict, right: bool) -> types.SimpleNamespace:
+    """Logits whose argmax is every label (`right`), or never one."""
+    from recurrent_depth.evaluation.reasoning.data import BYTE_VOCAB_SIZE
+
+    labels = batch["labels"].clamp(min=0)
+    wanted = labels[:, 1:] if right else (labels[:, 1:] + 1) % BYTE_VOCAB_SIZE
+    logits = torch.zeros(*labels.shape, BYTE_VOCAB_SIZE)
+    logits[:, :-1].scatter_(-1, wanted.unsqueeze(-1), 1.0)
+    return types.SimpleNamespace(logits=logits)
+
+
+def reasoning_ranks(env: DistEnv, out: Path) -> tuple:
+    """The reasoning recipe's `ProblemStream` as this rank's (3 rows a micro-batch), its rows right on rank 0 and
+    wrong on rank 1 for its curriculum; then 2 steps of the recipe's `_train` under torchrun."""
+    from recurrent_depth.evaluation.reasoning import train as recipe
+
+    config = recipe.ReasoningRunConfig(task="chains", promote_at=0.5)
+    curriculum = recipe.Curriculum(0, 6, True, promote_at=0.25, window=8)
+    stream = recipe.ProblemStream(config, curriculum, rank=env.rank, world_size=env.world_size)
+    batches, seen = [], []
+    for _ in range(6):
+        batch = stream.next_batch(3)
+        batches.append(batch)
+        seen.append((stream.observe(batch, fake_output(batch, right=env.rank == 0)), list(curriculum._hits)))
+    trained = []  # the rows each rank trained on in `_train`
+    serve = recipe.ProblemStream.next_batch
+    recipe.ProblemStream.next_batch = lambda self, size: trained.append(serve(self, size)) or trained[-1]
+    small = recipe.ReasoningRunConfig(task="chains", hidden_size=16, num_heads=2, intermediate_size=32, batch_size=4,
+                                      max_steps=2, mean_recurrence=2, backprop_depth=1, out=str(out / "reasoning"))
+    try:
+        with torchrun_environment(env):
+            result, _, trained_stream = recipe._train(small, log=lambda _: None)
+    finally:
+        recipe.ProblemStream.next_batch = serve
+    weights = torch.cat([p.detach().reshape(-1) for p in result.model.parameters()])
+    return (batches, seen, stream.promotions, trained, result.losses, weights,
+            (trained_stream.rank, trained_stream.world_size))
 
 
 def main() -> None:
@@ -243,6 +307,10 @@ def run_mode(env: DistEnv, mode: str, out: str, args: list[str]) -> None:
         torch.save(sft_heldout(env), Path(out) / f"sft-heldout-rank{env.rank}.pt")
     elif mode == "rl-ranks":
         torch.save(rl_ranks(env, Path(out)), Path(out) / f"rl-ranks-rank{env.rank}.pt")
+    elif mode == "token-mean":
+        torch.save(token_mean(env), Path(out) / f"token-mean-rank{env.rank}.pt")
+    elif mode == "reasoning-ranks":
+        torch.save(reasoning_ranks(env, Path(out)), Path(out) / f"reasoning-ranks-rank{env.rank}.pt")
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     dist.barrier()

@@ -82,7 +82,8 @@ def test_qk_clip_on_fsdp2_shards_equals_one_process(fsdp_runs, case):
 @pytest.fixture(scope="module")
 def per_rank_out(tmp_path_factory) -> Path:
     """One launch for the modes whose ranks each save their own results (start-up dominates the time)."""
-    return run_ranks(tmp_path_factory.mktemp("ranks"), "ddp-depth+lr-time-budget+sft-heldout+rl-ranks")
+    return run_ranks(tmp_path_factory.mktemp("ranks"),
+                     "ddp-depth+lr-time-budget+sft-heldout+rl-ranks+token-mean+reasoning-ranks")
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +162,50 @@ def test_rl_ranks_make_their_own_rollouts_and_record_every_rank_s(per_rank_out):
     for r0, r1 in zip(records0, records1, strict=True):
         for key in ("loss", "reward_mean", "mean_depth", "kl", "clip_fraction", "rollout_tokens_per_s"):
             assert r0[key] == r1[key], key
+
+
+def test_ranks_with_unequal_answer_tokens_step_with_one_process_s_token_mean(per_rank_out):
+    """Under DDP each rank took the mean over its own answer tokens and DDP averaged the ranks: a rank with fewer
+    (here 7 against 14) weighed more per token. Now the step's gradient and loss are one process's token mean over
+    all 8 rows (2 ranks x 2 micro-batches; transformers' `average_tokens_across_devices`)."""
+    from tests.test_train_distributed import one_process_gradient
+
+    (gradient0, loss0), (gradient1, loss1) = [
+        torch.load(per_rank_out / f"token-mean-rank{rank}.pt", weights_only=True) for rank in range(WORLD)]
+    wanted, wanted_loss = one_process_gradient(range(8))
+    assert torch.equal(gradient0, gradient1) and loss0 == loss1
+    torch.testing.assert_close(gradient0, wanted, rtol=1e-5, atol=1e-7)
+    assert loss0 == pytest.approx(wanted_loss, rel=1e-6)
+
+
+def test_reasoning_ranks_train_on_their_share_of_one_global_batch_with_one_curriculum(per_rank_out):
+    """The reasoning recipe (`rdepth quickstart`) under torchrun drew the same problems on every rank, and each
+    rank's curriculum learned from its own rows alone. Now rank r takes rows [3r, 3r + 3) of one process's global
+    batch, and the curriculum (promotions, accuracy) is one process's over all of them, the same on every rank."""
+    import types
+
+    from recurrent_depth.evaluation.reasoning import train as recipe
+    from tests.gloo_worker import fake_output
+
+    ranks = [torch.load(per_rank_out / f"reasoning-ranks-rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
+    config = recipe.ReasoningRunConfig(task="chains", promote_at=0.5)
+    curriculum = recipe.Curriculum(0, 6, True, promote_at=0.25, window=8)
+    alone = recipe.ProblemStream(config, curriculum)
+    for step in range(6):
+        batch = alone.next_batch(6)
+        right, wrong = fake_output(batch, right=True), fake_output(batch, right=False)
+        mixed = types.SimpleNamespace(logits=torch.cat([right.logits[:3], wrong.logits[3:]]))
+        seen = (alone.observe(batch, mixed), list(curriculum._hits))
+        for rank, (batches, seens, *_) in enumerate(ranks):
+            mine, rows = batches[step], slice(3 * rank, 3 * rank + 3)
+            T = mine["input_ids"].shape[1]  # (a rank pads to its own longest row)
+            for key in ("input_ids", "labels", "position_ids"):
+                assert torch.equal(mine[key], batch[key][rows, :T]), (step, rank, key)
+            assert (batch["labels"][rows, T:] == -100).all()
+            assert seens[step] == seen, (step, rank)
+    assert alone.promotions and ranks[0][2] == ranks[1][2] == alone.promotions
+    # the recipe's `_train`: each rank its own rows, one curriculum, the same weights
+    (*_, trained0, losses0, weights0, where0), (*_, trained1, losses1, weights1, where1) = ranks
+    assert (where0, where1) == ((0, 2), (1, 2))
+    assert len(trained0) == len(trained1) == 2 and losses0 == losses1 and torch.equal(weights0, weights1)
+    assert not torch.equal(trained0[0]["input_ids"][:, :4], trained1[0]["input_ids"][:, :4])

@@ -199,3 +199,93 @@ def test_distill_cache_only_says_where_the_cache_is_once_under_torchrun(monkeypa
                      str(tmp_path / "cache"), "--distill-cache-only", "--out", str(tmp_path / "out"),
                      "--threads", "1"]) == 0
         assert capsys.readouterr().out.count("distill cache: ") == lines, rank
+
+
+# The token mean of a masked objective (SFT's answer tokens): rows of 6 tokens, each scoring its last k.
+TOKEN_MEAN_VOCAB = 11
+SCORED_PER_ROW = (1, 1, 6, 6, 2, 5, 3, 6)
+
+
+def masked_rows(rows: range) -> dict:
+    """Rows `rows` of a fixed set: next-token targets, -100 before each row's last `SCORED_PER_ROW` tokens."""
+    import torch
+
+    generator = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, TOKEN_MEAN_VOCAB, (len(SCORED_PER_ROW), 7), generator=generator)[list(rows)]
+    targets = tokens[:, 1:].clone()
+    for i, row in enumerate(rows):
+        targets[i, : 6 - SCORED_PER_ROW[row]] = -100
+    return {"input_ids": tokens[:, :-1], "targets": targets}
+
+
+def bigram_model():
+    """A model with `logits` and no randomness: a table of next-token logits."""
+    import types
+
+    import torch
+
+    class Bigram(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = torch.nn.Embedding(TOKEN_MEAN_VOCAB, TOKEN_MEAN_VOCAB)
+
+        def forward(self, input_ids):
+            return types.SimpleNamespace(logits=self.table(input_ids))
+
+    torch.manual_seed(0)
+    return Bigram()
+
+
+def trainer_step_gradient(micro_batches: list[dict]) -> tuple:
+    """One Trainer step of `bigram_model` over `micro_batches` (this rank's, as `grad_accum`): the gradient the
+    optimizer stepped with (after any DDP all-reduce) and the step's reported loss."""
+    from recurrent_depth.train.batches import BatchSource
+    from recurrent_depth.train.config import TrainConfig
+    from recurrent_depth.train.optim import OptimConfig
+    from recurrent_depth.train.trainer import Trainer
+
+    class Served(BatchSource):
+        def __init__(self) -> None:
+            self.left = iter(micro_batches)
+
+        def next_batch(self, batch_size: int) -> dict:
+            return next(self.left)
+
+    model = bigram_model()
+    optim = OptimConfig(name="adamw", lr=1e-3, weight_decay=0.0, warmup_steps=0, grad_clip=None)
+    cfg = TrainConfig(batch_size=2, grad_accum=len(micro_batches), max_steps=1, optim=optim, out=None,
+                      progress=False, tensorboard=False)
+    trainer = Trainer(cfg, model=model, data=Served(), log=lambda _: None)
+    stepped = []
+    trainer.optimizer.step = lambda: stepped.append(model.table.weight.grad.clone())
+    losses = trainer.run().losses
+    return stepped[0], losses[0]
+
+
+def one_process_gradient(rows: range) -> tuple:
+    """The gradient and loss of the token mean over every scored token of `rows`, in one forward."""
+    import torch.nn.functional as F
+
+    model, batch = bigram_model(), masked_rows(rows)
+    loss = F.cross_entropy(model(batch["input_ids"]).logits.flatten(0, 1), batch["targets"].flatten())
+    loss.backward()
+    return model.table.weight.grad, float(loss.detach())
+
+
+def test_accumulated_micro_batches_weigh_every_scored_token_alike():
+    """grad_accum averaged the micro-batches' own token means: a micro-batch of 2 answer tokens weighed as much as
+    one of 12, so each of its tokens counted 6 times more than in one process. Now the step is the token mean of
+    one process over both micro-batches (transformers' `num_items_in_batch`)."""
+    import torch
+
+    gradient, loss = trainer_step_gradient([masked_rows(range(0, 2)), masked_rows(range(2, 4))])
+    wanted, wanted_loss = one_process_gradient(range(0, 4))
+    torch.testing.assert_close(gradient, wanted, rtol=1e-5, atol=1e-7)
+    assert loss == pytest.approx(wanted_loss, rel=1e-6)
+    # a micro-batch that scores nothing adds nothing (its own mean is 0/0: the step was NaN and skipped)
+    empty = masked_rows(range(0, 2))
+    empty["targets"][:] = -100
+    gradient, loss = trainer_step_gradient([masked_rows(range(2, 4)), empty])
+    wanted, wanted_loss = one_process_gradient(range(2, 4))
+    torch.testing.assert_close(gradient, wanted, rtol=1e-5, atol=1e-7)
+    assert loss == pytest.approx(wanted_loss, rel=1e-6)

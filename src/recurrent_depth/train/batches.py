@@ -41,7 +41,8 @@ class BatchSource:
     def observe(self, batch: dict[str, Tensor], output: Any) -> dict[str, Any]:
         """Called under `no_grad` after each micro-batch's forward; metrics to add to the step's record
         (the last micro-batch's with gradient accumulation, or the sum for `summed_metrics`). A
-        curriculum updates itself here."""
+        curriculum updates itself here. The trainer fetches all of a step's micro-batches (`next_batch`)
+        before it runs and observes the first: it weights their losses by their scored tokens."""
         return {}
 
     def state_dict(self) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from recurrent_depth.checkpoint import lora_adapter_hint, model_identity, stored
 from recurrent_depth.config import is_int
 from recurrent_depth.files import CONFIG_MAX_BYTES, read_json
 from recurrent_depth.model.depth import stream_seed
-from recurrent_depth.train.objective import NumSteps
+from recurrent_depth.train.objective import NumSteps, scored_tokens
 
 # The teacher's generator stream: far from the student's (seed + 1) and the data order's.
 TEACHER_STREAM = 0x7EAC_4E55
@@ -197,6 +197,10 @@ class Distillation:
                                               temperature=self.temperature)
         self.last_ce, self.last_kl = float(ce.detach()), float(kl.detach())
         return total, output
+
+    def scored_tokens(self, batch: dict[str, Tensor]) -> int | None:
+        """Both terms of `distillation_loss` are means over the targets that are not -100."""
+        return scored_tokens(batch)
 
 
 

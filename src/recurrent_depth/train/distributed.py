@@ -143,6 +143,15 @@ def mean_across_ranks(value: float, env: DistEnv) -> float:
     return float(t.item()) / env.world_size
 
 
+def sum_across_ranks(value: int, env: DistEnv) -> int:
+    """The sum of a Python int over ranks (int64 all-reduce)."""
+    if not env.enabled:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=env.device if env.backend == "nccl" else "cpu")
+    dist.all_reduce(t)
+    return int(t.item())
+
+
 def reduce_metrics(values: dict[str, Any], summed: Sequence[str], averaged: Sequence[str],
                    env: DistEnv) -> dict[str, Any]:
     """`values` (this rank's metrics) with the `summed` keys summed and the `averaged` keys averaged over the ranks;

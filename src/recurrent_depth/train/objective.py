@@ -10,6 +10,13 @@ cross-entropy (RL's policy-gradient losses, distillation) reuse the loop instead
 `num_steps` and `generator` are the trainer's depth draw for this micro-batch (`None` for a model
 without a depth sampler); an objective may ignore them (RL replays each token at the depth its
 rollout recorded). `output` is handed to `BatchSource.observe` and may be anything.
+
+An objective whose loss is a mean over scored tokens also says how many a batch has:
+`objective.scored_tokens(batch) -> int`. The trainer then weights each micro-batch by its share of the
+step's scored tokens (all micro-batches, all ranks), so that the step's gradient and reported loss are one
+process's token mean over the whole global batch, however the tokens fall into micro-batches and ranks
+(a rank with fewer answer tokens no longer counts more per token). Without it (RL's objectives, whose
+means are over rollouts), each micro-batch counts the same.
 """
 
 from __future__ import annotations
@@ -28,6 +35,16 @@ class Objective(Protocol):
              generator: torch.Generator | None) -> tuple[Tensor, Any]:
         """The forward of one micro-batch and its scalar loss (mean over what it scores)."""
         ...
+
+
+def scored_tokens(batch: dict[str, Tensor]) -> int | None:
+    """How many tokens `batch_loss` averages over: the `targets` that are not -100, else the `labels` after the
+    first position that are not -100 (the model shifts them inside); None for a batch with neither."""
+    if "targets" in batch:
+        return int((batch["targets"] != -100).sum())
+    if "labels" in batch:
+        return int((batch["labels"][:, 1:] != -100).sum())
+    return None
 
 
 def batch_loss(output: Any, batch: dict[str, Tensor]) -> Tensor:
@@ -54,3 +71,6 @@ class LanguageModeling:
             inputs["generator"] = generator
         output = model(**inputs)
         return batch_loss(output, batch), output
+
+    def scored_tokens(self, batch: dict[str, Tensor]) -> int | None:
+        return scored_tokens(batch)

@@ -665,8 +665,11 @@ class Trainer:
         grad_depths: list[int] = []
         observed: dict[str, Any] = {}
         step_tokens = 0
-        for micro in range(cfg.grad_accum):
-            batch = batch_to(self.source.next_batch(cfg.batch_size), env.device)  # (a source may serve CPU tensors)
+        # The step's micro-batches first: their scored tokens weight each one's loss (see `token_weights`).
+        batches = [batch_to(self.source.next_batch(cfg.batch_size), env.device)  # (a source may serve CPU tensors)
+                   for _ in range(cfg.grad_accum)]
+        weights = self.token_weights(batches)
+        for micro, (batch, weight) in enumerate(zip(batches, weights, strict=True)):
             num_steps, generator = None, None
             if cfg.baseline:
                 num_steps = (0, 1)
@@ -679,6 +682,8 @@ class Trainer:
             with ddist.gradient_sync(self.wrapped, micro == cfg.grad_accum - 1):
                 with autocast_context(cfg.dtype, env.device):
                     loss, out = self.objective.loss(self.wrapped, batch, num_steps, generator)
+                # (a micro-batch that scores nothing has the mean 0/0 = NaN: it adds nothing, not NaN)
+                loss = loss * weight if weight else loss.nan_to_num(0.0) * 0.0
                 # DSA layers with `indexer_loss` record their indexer KL in the forward; it reads detached
                 # inputs, so adding it trains only the indexer. Popping it every micro-step also keeps
                 # the recorded terms (and their graphs) from piling up across steps.
@@ -713,6 +718,7 @@ class Trainer:
         # QK-clip after the update, on the maxima this step's training forwards recorded.
         clip_record = self.qk_clip.step(apply=skip_reason is None) if self.qk_clip is not None else {}
         self.optimizer.zero_grad(set_to_none=True)
+        # (the weighted micro-batch losses: the token mean over every rank's scored tokens of the step)
         loss_value = ddist.mean_across_ranks(float(loss_sum) / cfg.grad_accum, env)
         # the source's counts and means over every rank's batches (rank 0 writes the record)
         observed = ddist.reduce_metrics(observed, self.source.summed_metrics, self.source.rank_mean_metrics, env)
@@ -742,6 +748,26 @@ class Trainer:
             **clip_record,
             **observed,
         }
+
+    def token_weights(self, batches: list[dict[str, Any]]) -> list[float]:
+        """Each micro-batch's weight: its scored tokens over the mean micro-batch's of this step (all ranks).
+
+        An objective's loss is a mean over its micro-batch's scored tokens (`Objective.scored_tokens`); the step
+        averages the `grad_accum` micro-batches and DDP/FSDP the ranks. Weighted so, that average is one process's
+        mean over every scored token of the global batch (transformers' `average_tokens_across_devices` with
+        `num_items_in_batch`), not a mean of means in which a micro-batch or rank with fewer answer tokens counts
+        more per token. Equal counts (pretraining) give weights of exactly 1.0: the arithmetic is unchanged. One
+        int64 all-reduce per step; all 1.0 for an objective without `scored_tokens`, or a step that scores nothing.
+        """
+        count = getattr(self.objective, "scored_tokens", None)
+        counts = [count(batch) for batch in batches] if count is not None else []
+        if not counts or any(c is None for c in counts):
+            return [1.0] * len(batches)
+        total = ddist.sum_across_ranks(sum(counts), self.env)
+        if total == 0:
+            return [1.0] * len(batches)
+        mean = total / (len(batches) * self.env.world_size)
+        return [c / mean for c in counts]
 
     # ------------------------------------------------------------------ budget and schedule
     def remaining_seconds(self) -> float | None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from collections import deque
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from recurrent_depth.evaluation.reasoning.tasks import get_task
 from recurrent_depth.files import locked_directory
 from recurrent_depth.model.depth import DepthSampler, truncate
 from recurrent_depth.model.recurrent import RecurrentDepthLM
+from recurrent_depth.train import distributed as ddist
 from recurrent_depth.train.batches import BatchSource
 from recurrent_depth.train.config import TrainConfig
 from recurrent_depth.train.optim import OptimConfig
@@ -174,40 +176,61 @@ class Curriculum:
 
 class ProblemStream(BatchSource):
     """Fresh problems every micro-batch, difficulties from the curriculum, loss on the answers only
-    (`labels` are -100 elsewhere), positions shifted by a random offset when `position_jitter`."""
+    (`labels` are -100 elsewhere), positions shifted by a random offset when `position_jitter`.
 
-    def __init__(self, config: ReasoningRunConfig, curriculum: Curriculum) -> None:
+    rank / world_size (torchrun): every rank draws the same global batch of `batch_size x world_size` problems
+    from the same random stream and keeps rows `[rank B, (rank + 1) B)`, so the ranks train on one process's
+    global batch, not on world_size copies of the same rows. The curriculum learns from every rank's rows (their
+    accuracies are all-reduced in `observe`), so it stays the same on every rank, as the draws need."""
+
+    def __init__(self, config: ReasoningRunConfig, curriculum: Curriculum, rank: int = 0, world_size: int = 1) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} is invalid for world_size={world_size}: expected 0 <= rank < world_size")
         self.config, self.curriculum = config, curriculum
+        self.rank, self.world_size = rank, world_size
         self.task = get_task(config.task, **config.task_options)
         self.encoder = ProblemEncoder()
         self.rng = random.Random(f"train:{config.seed}")
-        self.difficulties: list[int] = []
+        # the global batches' difficulties, one list per batch served and not yet observed (the trainer fetches a
+        # step's micro-batches before it observes them)
+        self.pending: deque[list[int]] = deque()
         self.promotions: list[dict[str, int]] = []
         self.steps = 0
 
     def next_batch(self, batch_size: int) -> dict[str, torch.Tensor]:
         config, rng = self.config, self.rng
-        self.difficulties = self.curriculum.draw(rng, batch_size)
-        batch = self.encoder.training_batch(
-            [self.task.training_segments(rng, d, intermediate=config.intermediate) for d in self.difficulties]
-        )
+        difficulties = self.curriculum.draw(rng, batch_size * self.world_size)
+        self.pending.append(difficulties)
+        rows = [self.encoder.row(self.task.training_segments(rng, d, intermediate=config.intermediate), end=True)
+                for d in difficulties]
+        mine = slice(self.rank * batch_size, (self.rank + 1) * batch_size)
+        batch = self.encoder.pad_rows(rows[mine])
         if config.position_jitter:
-            B, T = batch["input_ids"].shape
-            room = max(config.max_seq_len - T, 0)
-            offsets = torch.tensor([rng.randint(0, room) for _ in range(B)]).unsqueeze(1)
-            batch["position_ids"] = torch.arange(T).unsqueeze(0) + offsets
+            # the room of the global batch's longest row: every rank draws the same offsets (and stays in step)
+            room = max(config.max_seq_len - max(len(tokens) for tokens, _ in rows), 0)
+            offsets = torch.tensor([rng.randint(0, room) for _ in rows][mine]).unsqueeze(1)
+            batch["position_ids"] = torch.arange(batch["input_ids"].shape[1]).unsqueeze(0) + offsets
         return batch
 
     def observe(self, batch: dict[str, torch.Tensor], output: Any) -> dict[str, Any]:
-        """Per row, the fraction of its answer tokens that are the argmax; the curriculum learns from it."""
+        """Per row, the fraction of its answer tokens that are the argmax; the curriculum learns from every rank's
+        rows, and `answer_acc` is their mean."""
         targets = batch["labels"][:, 1:]
         scored = (targets != -100) & (targets != self.encoder.eos)  # the end token is too easy to count
         right = (output.logits[:, :-1].argmax(-1) == targets) & scored
-        hits = (right.sum(1) / scored.sum(1).clamp(min=1)).tolist()
-        if self.curriculum.observe(self.difficulties, hits):
+        hits = right.sum(1) / scored.sum(1).clamp(min=1)
+        difficulties = self.pending.popleft()
+        if self.world_size > 1:  # the global batch's accuracies: each rank fills its own rows, the sum has them all
+            B = len(hits)
+            every = torch.zeros(B * self.world_size, dtype=torch.float64, device=hits.device)
+            every[self.rank * B : (self.rank + 1) * B] = hits
+            torch.distributed.all_reduce(every)
+            hits = every
+        row_hits = hits.tolist()
+        if self.curriculum.observe(difficulties, row_hits):
             self.promotions.append({"step": self.steps, "difficulty": self.curriculum.current})
         self.steps += 1
-        return {"answer_acc": round(sum(hits) / len(hits), 4), "curriculum": self.curriculum.current}
+        return {"answer_acc": round(sum(row_hits) / len(row_hits), 4), "curriculum": self.curriculum.current}
 
     def describe(self) -> dict[str, Any]:
         return {"source": "reasoning problems", "task": self.config.task, "options": self.config.task_options,
@@ -271,19 +294,26 @@ def _train(
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     out = Path(config.out)
-    # A reasoning run always trains from scratch (its problem stream has no position to resume from); a run
-    # training there now is refused, not cleared away (the trainer then locks the directory for its run).
-    out.mkdir(parents=True, exist_ok=True)
-    with locked_directory(out, "--out"):
-        shutil.rmtree(out / "checkpoints", ignore_errors=True)
-        if (out / "accuracy.json").is_file():  # this recipe's earlier model/ (the trainer refuses any other)
-            shutil.rmtree(out / "model", ignore_errors=True)
+    # the ranks under torchrun: rank 0 prepares `out` alone, and each rank trains on its share of every global batch
+    joined = not ddist.group_initialized()
+    env = ddist.init_distributed()
     tokenizer_dir = out / "tokenizer"
-    save_tokenizer(byte_tokenizer(), tokenizer_dir, model_max_length=config.max_seq_len)
+
+    def prepare_out() -> None:
+        # A reasoning run always trains from scratch (its problem stream has no position to resume from); a run
+        # training there now is refused, not cleared away (the trainer then locks the directory for its run).
+        out.mkdir(parents=True, exist_ok=True)
+        with locked_directory(out, "--out"):
+            shutil.rmtree(out / "checkpoints", ignore_errors=True)
+            if (out / "accuracy.json").is_file():  # this recipe's earlier model/ (the trainer refuses any other)
+                shutil.rmtree(out / "model", ignore_errors=True)
+        save_tokenizer(byte_tokenizer(), tokenizer_dir, model_max_length=config.max_seq_len)
+
+    ddist.run_on_main(env, "prepare the output directory", prepare_out)
     torch.manual_seed(config.seed)
     model = RecurrentDepthLM(config.model_config())
     curriculum = Curriculum(*config.train_difficulties, config.curriculum, config.promote_at)
-    stream = ProblemStream(config, curriculum)
+    stream = ProblemStream(config, curriculum, rank=env.rank, world_size=env.world_size)
     depth = CurriculumDepth(config.mean_recurrence, config.backprop_depth, seed=config.seed,
                             curriculum=curriculum if config.depth_curriculum else None)
     difficulty_name = stream.task.difficulty_name
@@ -291,12 +321,14 @@ def _train(
     def log_progress(trainer: Trainer, record: dict[str, Any]) -> None:
         if record["step"] % config.log_every == 0:
             loss = float("nan") if record["loss"] is None else record["loss"]
-            log(f"step {record['step']:5d}  loss {loss:.4f}  answer acc {record['answer_acc']:.2f}  "
-                f"{difficulty_name} <= {record['curriculum']}  r={record['num_steps'][-1]:2d}  "
-                f"{trainer.state.tokens / max(record['elapsed_s'], 1e-9):.0f} tok/s  {record['elapsed_s']:.0f}s")
+            rate = trainer.state.tokens / max(record["elapsed_s"], 1e-9)
+            trainer.log(f"step {record['step']:5d}  loss {loss:.4f}  answer acc {record['answer_acc']:.2f}  "
+                        f"{difficulty_name} <= {record['curriculum']}  r={record['num_steps'][-1]:2d}  "
+                        f"{rate:.0f} tok/s  {record['elapsed_s']:.0f}s")
 
     trainer = Trainer(trainer_config(config), model=model, data=stream, tokenizer_dir=tokenizer_dir, depth=depth,
                       evaluate=evaluate, on_step=log_progress, log=log)
+    trainer._owns_group = env.enabled and joined  # (the group joined here is the trainer's to leave: close())
     result = trainer.run()
     model.eval()
     return result, curriculum, stream
@@ -324,6 +356,8 @@ def run_reasoning(config: ReasoningRunConfig, log: Any = print) -> dict[str, Any
     result, curriculum, stream = _train(config, log, evaluate=accuracy_by_depth)
     grid, stats = result.final_eval, _train_stats(result, curriculum, stream)
     summary = summarize(grid, config, stats)
+    if stream.rank != 0:  # (under torchrun rank 0 writes and reports; every rank returns the summary)
+        return summary
     (out / "accuracy.json").write_text(json.dumps(grid.to_dict(), indent=2) + "\n")
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot_reasoning_grid(grid, out / "accuracy_vs_depth.png")

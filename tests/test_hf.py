@@ -247,6 +247,28 @@ def test_generate_routes_library_only_options(hf_model, library_model):
         hf_model.generate(x, max_new_tokens=2, exit_criterion="kl", num_beams=2)
 
 
+def test_routed_generate_accepts_the_values_that_ask_for_nothing(hf_model):
+    """num_beams=1 and num_return_sequences=1 (a pipeline's or trainer's explicit defaults) change nothing: a call
+    routed to the library runs as without them; other values are still refused by name."""
+    x = ids(batch=2, length=5, seed=4)
+    for routed in (dict(exit_criterion="kl", exit_threshold=0.0), dict(cache_implementation="static")):
+        want = hf_model.generate(x, max_new_tokens=3, num_steps=2, init_scale=0.0, **routed)
+        got = hf_model.generate(x, max_new_tokens=3, num_steps=2, init_scale=0.0, num_beams=1,
+                                num_return_sequences=1, output_attentions=False, **routed)
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match=r"\['num_return_sequences'\] cannot be combined"):
+        hf_model.generate(x, max_new_tokens=2, cache_implementation="static", num_return_sequences=2)
+
+
+@pytest.mark.parametrize("routed", [{}, {"exit_criterion": "kl"}], ids=["transformers-loop", "library"])
+def test_generate_refuses_input_states_up_front(hf_model, routed):
+    """input_states are one forward's s_0: transformers' loop took them for the prompt, then failed on the first
+    new token with a shape error; both paths now say in one line what to use instead."""
+    x = ids(batch=2, length=5, seed=4)
+    with pytest.raises(ValueError, match=r"^generate: input_states is a forward\(\) argument .* init_scale="):
+        hf_model.generate(x, max_new_tokens=2, num_steps=2, input_states=torch.zeros(2, 5, 64), **routed)
+
+
 def test_routed_generate_takes_the_config_init_scale_and_output_logits_stays_in_transformers(model_dir):
     """A routed call (exit_criterion, seed, ...) drew a random s0 at scale 1.0 whatever
     `from_pretrained(dir, init_scale=0.0)` set, so threshold 0 no longer equalled greedy; and

@@ -413,3 +413,81 @@ def test_logits_to_keep_keeps_those_logits_in_ours_and_the_remote_code_file(mode
             assert torch.equal(model(x, logits_to_keep=0, **kw).logits, full.logits)
             with pytest.raises(ValueError, match=r"^logits_to_keep=-1 is invalid: expected an integer >= 0"):
                 model(x, logits_to_keep=-1, **kw)
+
+
+def test_rdepth_generate_reads_the_generation_config_json_our_transformers_classes_read(tmp_path, capsys):
+    """num_steps, init_scale, max_new_tokens and eos_token_id set on `model.generation_config` and saved: transformers'
+    generate ran with them, `rdepth generate` on the same directory ignored the file (its own 64 tokens at
+    mean_recurrence, past the eos). Flags still win; --generation-config none ignores the file."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    from recurrent_depth.cli import main
+
+    make_model_dir(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    x = torch.tensor([Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode("a=1;").ids])
+    first = model.generate(x, num_steps=1, init_scale=0.0, max_new_tokens=8, do_sample=False)[0, x.shape[1]:]
+    stop = int(first[5])  # an eos id from the file ends the row there (the first time the token comes up)
+    model.generation_config.num_steps, model.generation_config.init_scale = 1, 0.0
+    model.generation_config.update(max_new_tokens=8, eos_token_id=[stop])
+    model.save_pretrained(tmp_path)
+    want = AutoModelForCausalLM.from_pretrained(tmp_path).eval().generate(x)[0, x.shape[1]:].tolist()
+    assert len(want) < 8 and want[-1] == stop
+
+    def cli(*flags: str) -> dict:
+        assert main(["generate", "--model", str(tmp_path), "--prompt", "a=1;", "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    record = cli()
+    assert record["tokens"] == [want] and record["steps"] == [[1] * len(want)]
+    deeper = cli("--num-steps", "2", "--max-new-tokens", "3")  # the flags win over the file
+    assert deeper["steps"] == [[2, 2, 2]]
+    plain = cli("--generation-config", "none", "--max-new-tokens", "12")  # the model config's depth and eos
+    assert plain["steps"][0][1:] == [model.config.mean_recurrence] * (len(plain["steps"][0]) - 1)
+
+
+def test_generation_config_json_defaults_follow_transformers_rules_and_reach_rdepth_serve(tmp_path, capsys):
+    """What the file sets, by our names (official aliases resolved, stop_strings as stop); its temperature / top_k
+    only where the call samples (do_sample decides, as in transformers); entries nothing here runs named on stderr;
+    a value of the wrong type a one-line error naming the file. `rdepth serve` takes its num_steps and kv_quant
+    where the flags are not given (it ignored the file)."""
+    import argparse
+    import json
+
+    from recurrent_depth.cli.common import generation_defaults, with_generation_defaults
+    from recurrent_depth.cli.serve import apply_generation_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({
+        "do_sample": True, "temperature": 0.5, "top_k": 5, "criterion": "kl", "stop_strings": "\n\n", "num_steps": 3,
+        "kv_quant": "k=prod:3.5,v=mse:3.5", "num_beams": 4, "max_length": 50, "bos_token_id": 1,
+        "transformers_version": "5.0.0"}))
+    defaults = generation_defaults(str(tmp_path), "auto", "rdepth generate")
+    assert defaults == {"do_sample": True, "temperature": 0.5, "top_k": 5, "exit_criterion": "kl", "stop": ["\n\n"],
+                        "num_steps": 3, "kv_quant": "k=prod:3.5,v=mse:3.5"}
+    assert "sets ['max_length', 'num_beams'], which rdepth generate does not run" in capsys.readouterr().err
+    assert generation_defaults(str(tmp_path), "none", "rdepth generate") == {}
+    greedy = with_generation_defaults({"do_sample": False, "num_steps": 2}, defaults)
+    assert greedy == {"do_sample": False, "num_steps": 2, "exit_criterion": "kl", "stop": ["\n\n"],
+                      "kv_quant": "k=prod:3.5,v=mse:3.5"}  # no temperature / top_k: greedy
+    assert with_generation_defaults({"top_p": 0.9, "do_sample": True}, defaults)["temperature"] == 0.5
+
+    args = argparse.Namespace(model=str(tmp_path), generation_config="auto", num_steps=None, kv_quant=None,
+                              max_depth=None)
+    apply_generation_defaults(args)
+    assert (args.num_steps, args.kv_quant) == (3, "k=prod:3.5,v=mse:3.5")
+    assert "requests do not take them as defaults yet" in capsys.readouterr().err
+    args = argparse.Namespace(model=str(tmp_path), generation_config="auto", num_steps=7, kv_quant=None,
+                              max_depth=None)
+    apply_generation_defaults(args)
+    assert args.num_steps == 7  # the flag wins
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": "hot"}))
+    with pytest.raises(ValueError, match=r"generation_config.json: temperature='hot' is invalid: expected None or a "
+                                         r"number \(--generation-config none ignores the file\)$"):
+        generation_defaults(str(tmp_path), "auto", "rdepth generate")
+    (tmp_path / "generation_config.json").write_text(json.dumps({"num_steps": 9}))  # the file obeys --max-depth too
+    with pytest.raises(ValueError, match=r"generation_config.json: num_steps=9 is invalid: expected an integer in "
+                                         r"\[0, 8\]"):
+        generation_defaults(str(tmp_path), "auto", "rdepth generate", max_depth=8)

@@ -92,6 +92,12 @@ def test_the_remote_file_names_every_option_it_does_not_run():
     assert set(remote.LIBRARY_ONLY_OPTIONS) == library_only
     with pytest.raises(ValueError, match=r"^criterion, exit_threshold: this exported model .* fixed depth only"):
         remote.refuse_library_only({"criterion": "kl", "exit_threshold": 1e-3, "num_steps": 4})
+    # a static cache is refused for what it is, not for the depth; input_states (one forward's s_0) up front
+    with pytest.raises(ValueError, match=r"^cache_implementation: this exported model keeps its keys and values in "
+                                         r"its own dynamic cache .* static cache needs the recurrent_depth library"):
+        remote.refuse_library_only({"cache_implementation": "static"})
+    with pytest.raises(ValueError, match=r"^generate: input_states is a forward\(\) argument"):
+        remote.refuse_library_only({"input_states": torch.zeros(1, 3, 64)})
 
 
 def test_export_converts_dtype_and_shards_in_the_library_layout(tmp_path):

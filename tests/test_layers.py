@@ -56,6 +56,32 @@ def test_a_unit_offset_norm_is_transformers_gemma_norm_bit_for_bit():
             assert torch.equal(fast[0](x_in), theirs(x_in))
 
 
+def test_a_float32_gain_norm_is_transformers_olmo2_norm_bit_for_bit():
+    """`float32_gain` (ModelConfig.norm_float32_gain): the gain multiplied in float32 and rounded once, as
+    transformers' Olmo2RMSNorm, in every dtype (Huginn's norm rounds before the gain: not equal in bf16); the
+    accel norm keeps that formula."""
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    from recurrent_depth.accel.norm import convert_norms
+
+    torch.manual_seed(0)
+    ours, theirs = layers.RMSNorm(48, 1e-6, float32_gain=True), Olmo2RMSNorm(48, 1e-6)
+    x = torch.randn(3, 5, 48) * 4
+    with torch.no_grad():
+        ours.weight.copy_(1 + torch.randn(48) * 0.3)
+        theirs.weight.copy_(ours.weight)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            assert torch.equal(ours.to(dtype)(x.to(dtype)), theirs.to(dtype)(x.to(dtype)))
+        huginn = layers.RMSNorm(48, 1e-6).to(torch.bfloat16)
+        huginn.weight.copy_(ours.weight)
+        assert not torch.equal(huginn(x.bfloat16()), theirs(x.bfloat16()))
+        ours.float(), theirs.float()  # an fp32 gain on bf16 input (autocast): the accel norm's C++ pass
+        assert convert_norms(torch.nn.Sequential(ours)) == 1
+        assert torch.equal(ours(x.bfloat16()), theirs(x.bfloat16()))
+    x_in = x.clone().requires_grad_()  # float32 (the accel norm's autograd path): the same formula
+    assert torch.equal(ours(x_in), theirs(x_in))
+
+
 def test_the_rounded_half_rotation_is_transformers_rope_in_every_dtype():
     """`apply_rope_half_rounded` (ModelConfig.transformers_rounding) is transformers' apply_rotary_pos_emb with
     cos, sin of the model's dtype; in float32 it equals `apply_rope_half`, in bf16 / fp16 it does not."""

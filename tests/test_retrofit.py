@@ -732,22 +732,34 @@ def test_sentencepiece_conversion_gives_a_tokenizer_json_or_one_line_reason(tmp_
 
 
 GEMMA_SOURCES = ["gemma-tied-attention-bias", "gemma2-softcaps-sliding", "gemma3-local-rope-qknorm"]
+# one source of every other type (windows, QK-norms, a head_dim of its own, OLMo-2's post-norm among them)
+HALF_PRECISION_SOURCES = ["llama-llama3-rope-tied", "mistral-window-8", "phi3-window-9", "qwen2-sliding-from-layer-2",
+                          "qwen3-qknorm-headdim", "olmo2-postnorm", *GEMMA_SOURCES]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("name", GEMMA_SOURCES)
-def test_gemma_in_half_precision_equals_transformers_bit_for_bit(tmp_path, name, dtype):
-    """A bf16 / fp16 Gemma 1-3 retrofitted at r = 1 is transformers' own model of that dtype bit for bit, saved and
-    loaded too: (1 + w) norm gains added in float32 (norm_unit_offset), and the embedding scale, RoPE and soft-caps
-    rounded where transformers rounds them (transformers_rounding); greedy decoding through our cache follows."""
+@pytest.mark.parametrize("name", HALF_PRECISION_SOURCES)
+def test_half_precision_equals_transformers_bit_for_bit(tmp_path, name, dtype):
+    """A bf16 / fp16 source of every type retrofitted at r = 1 is transformers' own model of that dtype bit for bit,
+    saved and loaded too: RoPE (and Gemma's embedding scale and soft-caps) rounded where transformers rounds them
+    (transformers_rounding; OLMo-2 rotates in float32), Gemma's (1 + w) norm gains added in float32
+    (norm_unit_offset), OLMo-2's gains multiplied in float32 (norm_float32_gain); greedy decoding through our
+    cache follows. Neither the fused runner nor the remote code takes such a model."""
+    from recurrent_depth.accel.runner import FastRunner
     from recurrent_depth.inference.generate import generate
+    from recurrent_depth.integrations.export import check_exportable
 
     torch.manual_seed(0)
     perturbed(SOURCES[name]()).save_pretrained(tmp_path / "src")
     hf = type(SOURCES[name]()).from_pretrained(tmp_path / "src", dtype=dtype).eval()
     model = retrofit(tmp_path / "src", prelude=2, core=(2, 4), coda=1, dtype=dtype)
-    assert model.config.norm_unit_offset and model.config.transformers_rounding
+    gemma, olmo2 = name in GEMMA_SOURCES, name.startswith("olmo2")
+    cfg = model.config
+    assert (cfg.norm_unit_offset, cfg.transformers_rounding, cfg.norm_float32_gain) == (gemma, not olmo2, olmo2)
     assert torch.equal(model.transformer.ln_f.weight, hf.model.norm.weight)  # w as the source stores it
+    assert not FastRunner.supports(model)
+    with pytest.raises(ValueError, match="Huginn's architecture only"):
+        check_exportable(cfg)
     model.save_pretrained(tmp_path / "rd")
     loaded = rd.RecurrentDepthLM.from_pretrained(tmp_path / "rd", dtype=dtype)
     ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(1))
@@ -764,20 +776,22 @@ def test_gemma_in_half_precision_equals_transformers_bit_for_bit(tmp_path, name,
             assert out.sequences.tolist() == greedy.tolist()
 
 
-def test_a_model_with_unit_offset_norms_takes_neither_the_fused_runner_nor_the_remote_code():
+@pytest.mark.parametrize("norm", ["norm_unit_offset", "norm_float32_gain"])
+def test_a_model_with_unit_offset_norms_takes_neither_the_fused_runner_nor_the_remote_code(norm):
     """The fused runner (accel/runner.py) and the remote-code file implement Huginn's norms only: a model with
-    (1 + w) gains, even of Huginn's layout, takes the reference runner, and export refuses it in one line."""
+    (1 + w) gains or float32 gains, even of Huginn's layout, takes the reference runner, and export refuses it in
+    one line."""
     from recurrent_depth.accel.runner import FastRunner
     from recurrent_depth.integrations.export import check_exportable
     from recurrent_depth.integrations.remote import modeling_recurrent_depth as remote
 
     torch.manual_seed(0)
     assert FastRunner.supports(rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")))
-    assert not FastRunner.supports(rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", norm_unit_offset=True)))
-    with pytest.raises(ValueError, match=r"Huginn's architecture only; this model sets \['norm_unit_offset'\]"):
-        check_exportable(rd.ModelConfig.from_preset("tiny", norm_unit_offset=True))
-    with pytest.raises(ValueError, match=r"config.json sets norm_unit_offset=True"):
-        remote.RecurrentDepthConfig(norm_unit_offset=True)
+    assert not FastRunner.supports(rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", **{norm: True})))
+    with pytest.raises(ValueError, match=rf"Huginn's architecture only; this model sets \['{norm}'\]"):
+        check_exportable(rd.ModelConfig.from_preset("tiny", **{norm: True}))
+    with pytest.raises(ValueError, match=rf"config.json sets {norm}=True"):
+        remote.RecurrentDepthConfig(**{norm: True})
     with pytest.raises(ValueError, match=r"^ModelConfig.transformers_rounding=True is invalid: expected false unless "
                                          r"rope_style is 'half'"):
         rd.ModelConfig.from_preset("tiny", transformers_rounding=True)

@@ -206,6 +206,10 @@ class ModelConfig:
     # (transformers' GemmaRMSNorm: retrofitted Gemma 1-3, so they equal transformers in bf16 / fp16 too);
     # off: the gain w itself, times the normalised x rounded to x's dtype first (Huginn's).
     norm_unit_offset: bool = False
+    # Every RMSNorm gain multiplied in float32 and the product rounded to x's dtype once (transformers'
+    # Olmo2RMSNorm: retrofitted OLMo-2, so it equals transformers in bf16 / fp16 too); off: the normalised x
+    # rounded first, then times the gain in x's dtype (Huginn's). The same values in float32.
+    norm_float32_gain: bool = False
     norm_before_coda: bool = True  # the coda reads ln_f(s_r) (Huginn) or s_r itself
     final_norm: bool = True  # logits = lm_head(ln_f(coda output)); off: lm_head(coda output)
     step_norm: bool = False  # ln_f after every core step, and the normed state carried on (Ouro)
@@ -320,7 +324,8 @@ class ModelConfig:
         for name in ("qkv_bias", "qk_norm_full_width", "embedding_scale", "norm_before_coda", "final_norm",
                      "step_norm", "exit_gate"):
             need(isinstance(getattr(self, name), bool), name, "true or false")
-        for name in ("mlp_gated", "prelude_norm", "coda_projection", "transformers_rounding", "norm_unit_offset"):
+        for name in ("mlp_gated", "prelude_norm", "coda_projection", "transformers_rounding", "norm_unit_offset",
+                     "norm_float32_gain"):
             need(isinstance(getattr(self, name), bool), name, "true or false")
         need(self.rope_style == "half" or not self.transformers_rounding, "transformers_rounding",
              "false unless rope_style is 'half' (transformers' rotation; the interleaved one is Huginn's)")
@@ -604,7 +609,7 @@ HUGINN_ARCHITECTURE: dict[str, Any] = dict(
     mlp_activation="silu", embedding_scale=True, norm_before_coda=True, final_norm=True, step_norm=False,
     injection="concat", state_init="random", exit_gate=False, mlp_gated=True, qk_norm_eps=None, prelude_norm=False,
     coda_projection=False, value_embeddings=[], attn_logit_softcapping=None, final_logit_softcapping=None,
-    layer_rope_bases=[], transformers_rounding=False, norm_unit_offset=False,
+    layer_rope_bases=[], transformers_rounding=False, norm_unit_offset=False, norm_float32_gain=False,
 )
 
 

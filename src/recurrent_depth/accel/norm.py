@@ -13,7 +13,8 @@ roundings, so the output is still the plain module's bit for bit, in training st
 graph; the backward is one pass a row (the weight gradient summed over fixed chunks of 64 rows, so the
 same on any thread count). [4, 256, 1024] forward + backward on a 2-core AVX-512 Xeon: bf16 2.4 ms against
 6.3 with the torch operations, float32 2.6 against 3.5. Norms with (1 + w) gains (`ModelConfig.norm_unit_offset`,
-retrofitted Gemma) keep the plain module's formula, whose one rounding after the gain these paths do not make.
+retrofitted Gemma) or float32 gains (`norm_float32_gain`, retrofitted OLMo-2; on bf16 / fp16 inputs) keep the plain
+module's formula, whose one rounding after the gain these paths do not make.
 """
 
 from __future__ import annotations
@@ -110,7 +111,9 @@ class FastRMSNorm(RMSNorm):
     formula better)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.unit_offset:  # (1 + w) gains (Gemma's) round once after the gain: the plain module's formula
+        # (1 + w) gains (Gemma's), and float32 gains (OLMo-2's) on bf16 / fp16 x, round once after the gain: the
+        # plain module's formula (a float32 gain on float32 x is the default formula, which these paths make)
+        if self.unit_offset or (self.float32_gain and x.dtype != torch.float32):
             return super().forward(x)
         if (
             (x.dtype == torch.float32 or x.dtype in LOW_PRECISION)

@@ -16,13 +16,17 @@ from collections import Counter
 from typing import Any
 
 from recurrent_depth.cli.common import (
+    GENERATION_CONFIG_KEYS,
+    add_generation_config_arg,
     add_load_args,
     add_max_depth_arg,
     check_depth_flags,
     check_lora_with_weights,
     check_strict_lora_base,
+    generation_defaults,
     load_cli_tokenizer,
     tokenizer_source,
+    with_generation_defaults,
 )
 from recurrent_depth.inference.options import OptionError, spelled_warnings
 from recurrent_depth.inference.schema import add_cli_arguments, canonical, cli_spelling, cli_values
@@ -43,6 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         f"{PROMPT_MAX_BYTES >> 20} MiB); repeat for a batch, after any --prompt")
     add_max_depth_arg(p)
     add_cli_arguments(p)  # every generation option, derived from the schema (inference/schema.py)
+    add_generation_config_arg(p, f"sets the options no flag sets, as our transformers classes read it: "
+                                 f"{GENERATION_CONFIG_KEYS} (as vLLM's --generation-config auto)")
     o = p.add_argument_group("printing")
     o.add_argument("--stream", dest="stream", action="store_true", default=None,
                    help="print tokens as they are generated (default: on for one prompt)")
@@ -142,6 +148,9 @@ def run(args: argparse.Namespace) -> int:
         kwargs, given_as = _generation_kwargs(args)
     except OptionError as exc:
         raise exc.spelled(cli_spelling({})) from None
+    # (the directory's generation_config.json under the flags, as our transformers classes and vLLM read it)
+    kwargs = with_generation_defaults(kwargs, generation_defaults(args.model, args.generation_config,
+                                                                  "rdepth generate", args.max_depth))
     stream = args.stream if args.stream is not None else (len(rows) == 1 and not args.json)
     if stream and len(rows) > 1:
         raise ValueError("--stream prints one prompt's tokens as they come; use --no-stream for a batch")

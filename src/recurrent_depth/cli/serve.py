@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from recurrent_depth.cli.common import (
+    add_generation_config_arg,
     add_load_args,
     add_max_depth_arg,
     check_lora_with_weights,
     check_strict_lora_base,
+    generation_defaults,
 )
 from recurrent_depth.inference.options import DEFAULT_TTT_MAX_COPY_MB
 from recurrent_depth.inference.schema import add_option_flags
@@ -93,6 +95,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "kv_quant": "quantize the server's KV memory, e.g. 'k=prod:3.5,v=mse:3.5' (TurboQuant; docs/quant.md): the "
                     "continuous batch stores code rows, and requests without a kv_quant field use it; a request "
                     "asking for another spec runs alone (default: full precision)"})
+    add_generation_config_arg(p, "sets --num-steps and --kv-quant where those flags are not given (its num_steps, "
+                                 "kv_quant); the server does not yet take its other settings as request defaults "
+                                 "and names them on stderr")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level (default: %(default)s)")
     p.set_defaults(func=run)
@@ -118,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port {args.port} is invalid: expected 1..65535")
     check_port_free(args.host, args.port)  # before the model loads (minutes for a large one), not after
+    apply_generation_defaults(args)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     api_key = resolve_api_key(args.api_key)
     hosts = None if args.allowed_hosts is None else args.allowed_hosts.split(",")
@@ -139,6 +145,21 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # `serve`'s checks name its keyword arguments: say the flags that set them
         raise ValueError(flag_spelled(str(exc), vars(args))) from None
     return 0
+
+
+def apply_generation_defaults(args: argparse.Namespace) -> None:
+    """The model directory's generation_config.json (`--generation-config auto`) as --num-steps and --kv-quant where
+    those flags are not given; its other settings are named on stderr, as requests do not take them yet."""
+    import sys
+
+    defaults = generation_defaults(args.model, args.generation_config, "rdepth serve", args.max_depth)
+    for name in ("num_steps", "kv_quant"):
+        value = defaults.pop(name, None)
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if defaults:
+        print(f"rdepth serve: {args.model}/generation_config.json sets {sorted(defaults)}: requests do not take "
+              f"them as defaults yet; send them in each request", file=sys.stderr)
 
 
 def flag_spelled(message: str, flags: dict[str, Any]) -> str:

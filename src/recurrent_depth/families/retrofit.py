@@ -58,6 +58,9 @@ LOOP_CONFIG_KEY = "loop"  # recurrent_depth.looping.config.CONFIG_KEY (not impor
 # model_type -> block layout. Llama, Mistral, Phi-3, Qwen2 and Qwen3 are pre-norm; OLMo-2 norms each
 # branch's output. Mistral is the Llama block without biases; Phi-3 fuses q/k/v (qkv_proj) and gate/up
 # (gate_up_proj) in the row order our Wqkv and mlp.fc use.
+# In bf16 / fp16 every type rounds where its transformers code rounds, so the logits equal transformers' bit for
+# bit in every dtype: all but OLMo-2 rotate (RoPE) in the model's dtype (transformers_rounding); OLMo-2 rotates in
+# float32, as our default, and multiplies its norm gains in float32 before rounding (norm_float32_gain).
 SUPPORTED_MODEL_TYPES: dict[str, str] = {"llama": "pre-norm", "mistral": "pre-norm", "phi3": "pre-norm",
                                          "qwen2": "pre-norm", "qwen3": "pre-norm", "olmo2": "post-norm",
                                          "gemma": "pre-norm", "gemma2": "peri-norm", "gemma3_text": "peri-norm"}
@@ -443,9 +446,9 @@ def model_config(hf: Mapping[str, Any], surgery: Surgery, mean_recurrence: int =
         tie_embeddings=bool(hf.get("tie_word_embeddings", model_type in _GEMMA_TYPES)),
         bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"),
         block_layout=layout, rope_style="half", mlp_activation=_activation(hf),
-        # (Gemma: bf16 / fp16 rounded where transformers rounds, so equal to it in every dtype)
+        # (bf16 / fp16 rounded where transformers rounds, so equal to it in every dtype: see SUPPORTED_MODEL_TYPES)
         embedding_scale=model_type in _GEMMA_TYPES, norm_unit_offset=model_type in _GEMMA_TYPES,
-        transformers_rounding=model_type in _GEMMA_TYPES,
+        transformers_rounding=model_type != "olmo2", norm_float32_gain=model_type == "olmo2",
         norm_before_coda=False, final_norm=True, injection="concat",
         attention_windows=kept if any(w is not None for w in kept) else [],
         query_pre_attn_scalar=gemma2_setting(hf, "query_pre_attn_scalar") if gemma2 else None,

@@ -237,6 +237,16 @@ class RecurrentDepthCausalLMOutput(CausalLMOutputWithPast):
 # understands too (passed along when a call is routed).
 ROUTED_GENERATE_OPTIONS = names_for("hf", "routed")
 SHARED_GENERATE_OPTIONS = (*names_for("hf", "shared"), "attention_mask")
+# transformers' generate arguments at the values that ask for nothing (one beam, one sequence per prompt, no
+# attention weights): a call routed to `recurrent_depth.generate` accepts them; any other value is refused there.
+_NO_OP_GENERATE_VALUES: dict[str, Any] = {"output_attentions": False, "output_hidden_states": False, "num_beams": 1,
+                                          "num_return_sequences": 1}
+# generate refuses input_states up front: a forward's s_0 for the positions of that one call, it does not fit the
+# decoding steps' new positions.
+INPUT_STATES_IN_GENERATE = (
+    "generate: input_states is a forward() argument (s_0 for each position of that one call) and generate does not "
+    "take it: set generate's s_0 with init_scale= (0: s_0 = 0), or call the model with input_states= to score a "
+    "sequence from given states")
 # Every option transformers `generate` takes by our names or the official ones (attention_mask is
 # transformers' own): picked out of the kwargs and a GenerationConfig, aliases resolved, together.
 HF_OPTION_NAMES = frozenset((*names_for("hf"), *OFFICIAL_ALIASES))
@@ -597,6 +607,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         arguments win; our options (and the official aliases) may be set on it too. The official
         ``cache_kwargs={"lookup_strategy": ...}`` is ``cache_lookup_strategy``.
         """
+        if kwargs.get("input_states") is not None:  # (transformers' loop used them for the prompt, then failed)
+            raise ValueError(INPUT_STATES_IN_GENERATE)
         defaults = kwargs.pop("defaults", None)
         if defaults is not None and defaults not in DEFAULTS:
             raise ValueError(f"generate: defaults={defaults!r} is invalid: expected None or one of {DEFAULTS}")
@@ -706,8 +718,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             options["eos_token_id"] = list(eos) if isinstance(eos, list | tuple) else eos
         for name in ("pad_token_id", "bos_token_id", "use_cache"):
             kwargs.pop(name, None)  # padding follows the model config in the library
-        for name in ("output_attentions", "output_hidden_states"):  # asking for nothing is no conflict
-            if name in kwargs and not kwargs[name]:
+        for name in _NO_OP_GENERATE_VALUES:  # asking for nothing is no conflict
+            if name in kwargs and _asks_for_nothing(name, kwargs[name]):
                 del kwargs[name]
         if kwargs:
             raise ValueError(
@@ -772,6 +784,15 @@ def _is_local_dir(path: Any) -> bool:
         return os.path.isdir(path)
     except (TypeError, ValueError):
         return False
+
+
+def _asks_for_nothing(name: str, value: Any) -> bool:
+    """Whether transformers' generate argument `name` (`_NO_OP_GENERATE_VALUES`) at `value` changes nothing: None, a
+    false flag, or the integer 1 of num_beams / num_return_sequences."""
+    nothing = _NO_OP_GENERATE_VALUES[name]
+    if value is None or (isinstance(nothing, bool) and not value):
+        return True
+    return isinstance(value, int) and not isinstance(value, bool) and value == nothing
 
 
 def _split_generation_config(config: Any) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -144,6 +144,7 @@ class RecurrentDepthConfig(_CheckedConfigFile, PretrainedConfig):
     layer_rope_bases: list = field(default_factory=list)
     transformers_rounding: bool = False
     norm_unit_offset: bool = False
+    norm_float32_gain: bool = False
     use_cache: bool = True
 
     def __post_init__(self, **kwargs: Any) -> None:

@@ -21,12 +21,16 @@ class RMSNorm(nn.Module):
     added and multiplied in float32 and rounded to x's dtype once, as transformers' GemmaRMSNorm; without it
     the normalised x is rounded to x's dtype before the gain (Huginn's), which a (1 + w) gain stored in bf16
     could not reproduce.
+    float32_gain (`ModelConfig.norm_float32_gain`, OLMo-2's norm): the gain w multiplied in float32 and the product
+    rounded to x's dtype once, as transformers' Olmo2RMSNorm (the same as the default in float32).
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6, heads: int | None = None, unit_offset: bool = False) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, heads: int | None = None, unit_offset: bool = False,
+                 float32_gain: bool = False) -> None:
         super().__init__()
         self.eps = eps
         self.unit_offset = unit_offset
+        self.float32_gain = float32_gain
         shape = (dim,) if heads is None else (heads, dim)
         self.weight = nn.Parameter(torch.zeros(shape) if unit_offset else torch.ones(shape))
 
@@ -36,6 +40,8 @@ class RMSNorm(nn.Module):
             normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
             if self.unit_offset:
                 return (normed * (1.0 + self.weight.float())).to(x.dtype)
+            if self.float32_gain:
+                return (normed * self.weight.float()).to(x.dtype)
         return normed.to(x.dtype) * self.weight
 
     def reset_gain(self) -> None:
@@ -46,15 +52,16 @@ class RMSNorm(nn.Module):
             nn.init.ones_(self.weight)
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}" + (", unit_offset=True" if self.unit_offset else "")
+        flags = "".join(f", {name}=True" for name in ("unit_offset", "float32_gain") if getattr(self, name))
+        return f"{tuple(self.weight.shape)}, eps={self.eps}{flags}"
 
 
 def model_norm(config: ModelConfig, dim: int | None = None, eps: float | None = None,
                heads: int | None = None) -> RMSNorm:
-    """An RMSNorm of the model's kind (`norm_unit_offset`) over `dim` channels (default hidden_size), with
-    epsilon `eps` (default norm_eps): the one place the model's norms are made."""
+    """An RMSNorm of the model's kind (`norm_unit_offset`, `norm_float32_gain`) over `dim` channels (default
+    hidden_size), with epsilon `eps` (default norm_eps): the one place the model's norms are made."""
     return RMSNorm(config.hidden_size if dim is None else dim, config.norm_eps if eps is None else eps, heads,
-                   unit_offset=config.norm_unit_offset)
+                   unit_offset=config.norm_unit_offset, float32_gain=config.norm_float32_gain)
 
 
 def relu2_half(x: Tensor) -> Tensor:

@@ -45,7 +45,7 @@ HUGINN_ARCHITECTURE = dict(
     mlp_activation="silu", embedding_scale=True, norm_before_coda=True, final_norm=True, step_norm=False,
     injection="concat", state_init="random", exit_gate=False, mlp_gated=True, qk_norm_eps=None, prelude_norm=False,
     coda_projection=False, value_embeddings=[], attn_logit_softcapping=None, final_logit_softcapping=None,
-    layer_rope_bases=[], transformers_rounding=False, norm_unit_offset=False,
+    layer_rope_bases=[], transformers_rounding=False, norm_unit_offset=False, norm_float32_gain=False,
 )
 
 # Options of the library's `generate` (and the official code's names for them) that this file does not
@@ -100,15 +100,29 @@ def kept_logits(logits: Tensor, logits_to_keep: Any) -> Tensor:
 
 
 def refuse_library_only(kwargs: dict[str, Any]) -> None:
-    """One line naming the options this file cannot run, and how to get them."""
-    asked = sorted(k for k in kwargs if k in LIBRARY_ONLY_OPTIONS and kwargs[k] is not None)
-    if asked:
+    """One line naming the options this file cannot run, why, and how to get them."""
+    if kwargs.get("input_states") is not None:  # (transformers' loop used them for the prompt, then failed)
         raise ValueError(
-            f"{', '.join(asked)}: this exported model (trust_remote_code) runs at a fixed depth only (num_steps, "
-            "init_scale); per-token exit, KV sharing, warm start, speculative and parallel decoding need the "
-            "recurrent_depth library: pip install recurrent-depth and `import recurrent_depth` before "
-            "from_pretrained (its classes then take precedence over this file), or `rdepth generate --model DIR`"
-        )
+            "generate: input_states is a forward() argument (s_0 for each position of that one call) and generate "
+            "does not take it: set generate's s_0 with init_scale= (0: s_0 = 0), or call the model with "
+            "input_states= to score a sequence from given states")
+    asked = sorted(k for k in kwargs if k in LIBRARY_ONLY_OPTIONS and kwargs[k] is not None)
+    if not asked:
+        return
+    reasons = []
+    depth = [k for k in asked if k != "cache_implementation"]
+    if depth:
+        reasons.append(f"{', '.join(depth)}: this exported model (trust_remote_code) runs at a fixed depth only "
+                       "(num_steps, init_scale); per-token exit, KV sharing, warm start, speculative and parallel "
+                       "decoding need the recurrent_depth library")
+    if "cache_implementation" in asked:
+        reasons.append("cache_implementation: this exported model keeps its keys and values in its own dynamic cache "
+                       "(one cache layer per layer and core step, which transformers' static caches do not hold); "
+                       "the preallocated static cache needs the recurrent_depth library")
+    raise ValueError(
+        f"{'; '.join(reasons)}: pip install recurrent-depth and `import recurrent_depth` before from_pretrained "
+        "(its classes then take precedence over this file), or `rdepth generate --model DIR`"
+    )
 
 
 class RecurrentDepthConfig(PretrainedConfig):

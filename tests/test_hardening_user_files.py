@@ -7,7 +7,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -49,6 +51,19 @@ def _tensors(change):
     return edit
 
 
+def _metadata(metadata):
+    """Set the weights file's safetensors __metadata__ to `metadata` (any JSON: safetensors writes only strings)."""
+    def edit(path):
+        file = path / "adapter_model.safetensors"
+        raw = file.read_bytes()
+        length = int.from_bytes(raw[:8], "little")
+        header = {**json.loads(raw[8:8 + length]), "__metadata__": metadata}
+        encoded = json.dumps(header).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        file.write_bytes(len(encoded).to_bytes(8, "little") + encoded + raw[8 + length:])
+    return edit
+
+
 def _replace_weights(make):
     def edit(path):
         (path / "adapter_model.safetensors").unlink()
@@ -73,6 +88,20 @@ def _replace_weights(make):
     (_tensors(lambda t: {**t, "base_model.model.transformer.wte.weight": torch.zeros(256, 64)}),
      "does not use"),                                                # silently ignored
     (_tensors(lambda t: {k: v.to(torch.int32) for k, v in t.items()}), "is I32, not floating point"),
+    # the base fingerprint's metadata: were SafetensorError tracebacks naming no file, or (not strict) a warning
+    # carrying the forged value whole (100 kB, a newline) instead of an error
+    (_metadata({"base_model_fingerprint": 5}), r"__metadata__ is malformed \(expected an object of strings\)"),
+    (_metadata(["rd1:0123456789abcdef"]), r"__metadata__ is malformed"),
+    (_metadata({"base_model_fingerprint": "rd1:" + "a" * 100_000}),
+     r"base_model_fingerprint='rd1:a+\.\.\. \(100,006 characters\) is invalid: expected rd1: and 16 hex"),
+    (_metadata({"base_model_fingerprint": "rd1:0123456789abcdef\nforged"}), r"base_model_fingerprint=.* is invalid"),
+    (_metadata({"base_model_fingerprint": "rd1:0123456789abcdef", "base_model_dtype": "float16" + "x" * 100_000}),
+     r"base_model_dtype='float16x+\.\.\. \(100,009 characters\) is invalid: expected a dtype name"),
+    # the recorded base directory: a NUL byte was a bare "embedded null byte" after the adapter loaded onto the
+    # model, a list a TypeError, megabytes a warning of megabytes
+    (_config(base_model_name_or_path="base\0dir"), r"base_model_name_or_path='base\\x00dir' is invalid"),
+    (_config(base_model_name_or_path=["base"]), r"base_model_name_or_path=\['base'\] is invalid"),
+    (_config(base_model_name_or_path="b" * 100_000), r"base_model_name_or_path='b+\.\.\. \(100,002 characters\)"),
 ])
 def test_a_damaged_lora_adapter_is_one_line_naming_it(adapter_dir, tmp_path, damage, message):
     from recurrent_depth.train.lora import load_lora
@@ -89,6 +118,46 @@ def test_the_intact_adapter_still_loads(adapter_dir):
     from recurrent_depth.train.lora import load_lora
 
     assert load_lora(tiny_model(), adapter_dir) is not None
+
+
+def test_a_disk_full_while_recording_the_base_fingerprint_leaves_peft_s_weights_file(tmp_path, monkeypatch):
+    # the fingerprint was added by rewriting adapter_model.safetensors in place: a failed write truncated it
+    pytest.importorskip("peft.peft_model")  # (imported before the patch: it keeps its own save_file, and writes)
+    import safetensors.torch
+
+    from recurrent_depth.train.lora import LoraSpec, add_lora, load_lora, recorded_base, save_adapter
+
+    def full_disk(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 100)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        save_adapter(add_lora(tiny_model(), LoraSpec(rank=2), seed=0), tmp_path / "adapter")
+    monkeypatch.undo()
+    assert recorded_base(tmp_path / "adapter") == {} and load_lora(tiny_model(), tmp_path / "adapter") is not None
+    assert sorted(os.listdir(tmp_path / "adapter")) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+
+
+def test_a_fingerprint_of_another_scheme_and_a_base_recorded_as_a_list_in_an_adapter(adapter_dir, tmp_path):
+    import warnings
+
+    from recurrent_depth.train.lora import AdapterBaseWarning, load_adapter_model, load_lora, recorded_base
+
+    path = tmp_path / "adapter"
+    shutil.copytree(adapter_dir, path)
+    _metadata({"base_model_fingerprint": "rd2:" + "z" * 1000})(path)  # a later recipe's: not compared, not refused
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AdapterBaseWarning)
+        load_lora(tiny_model(seed=1), path, strict_base=True)
+    assert recorded_base(path) == {"base_model_fingerprint": "rd2:" + "z" * 1000}
+    _config(base_model_name_or_path=["base"])(path)  # was a TypeError traceback
+    with pytest.raises(ValueError, match=r"adapter_config.json: base_model_name_or_path=\['base'\] is invalid"):
+        load_adapter_model(path)
+    model = tiny_model()
+    with pytest.raises(ValueError, match="base_model_name_or_path"):
+        load_lora(model, path)
+    assert not any("lora_" in name for name, _ in model.named_parameters())  # refused before it loaded
 
 
 # ---------------------------------------------------------------------------------------- tokenizer files copied
@@ -328,3 +397,51 @@ def test_retrofit_refuses_a_gemma_without_query_pre_attn_scalar(model_type):
     with pytest.raises(ValueError, match=f"^retrofit: cannot convert {model_type} with query_pre_attn_scalar=null"):
         model_config(hf, Surgery(1, (1, 3), 1))
     assert model_config({**hf, "query_pre_attn_scalar": 16}, Surgery(1, (1, 3), 1)).query_pre_attn_scalar == 16
+
+
+# ---------------------------------------------------------------------------------------- a checkpoint's start record
+@pytest.mark.parametrize("recorded", ["x", [], {}, {"identity": 5, "content": None},
+                                      {"directory": "d" * 1_000_000, "identity": "i", "content": "c"}])
+def test_a_malformed_start_in_a_checkpoint_is_one_line_naming_it(tmp_path, recorded):
+    # a non-object was taken for "none recorded" (the check skipped), a bad object refused as "started from None",
+    # a huge directory came back whole in the message
+    from recurrent_depth.train.trainer_checkpoints import check_same_start
+
+    start = {"directory": str(tmp_path / "model"), "identity": "a" * 64, "content": "b" * 64}
+    with pytest.raises(ValueError, match=r"trainer_state.json records start=.*the checkpoint is damaged$") as info:
+        check_same_start(tmp_path / "checkpoint", recorded, start)
+    assert str(tmp_path / "checkpoint") in str(info.value) and len(str(info.value)) < 500
+    check_same_start(tmp_path / "checkpoint", None, start)  # none recorded (a run from scratch): nothing to check
+    check_same_start(tmp_path / "checkpoint", {**start, "identity": "moved"}, start)  # the same content
+
+
+@pytest.mark.parametrize("teacher, write_batch_size, said", [
+    ({"identity": "other", "directory": "d" * 1_000_000}, 4, r"it is the cache of teacher 'd+\.\.\. \(1,000,002 char"),
+    ({"identity": "same", "depth": [0] * 300_000}, 4, r"at depth \[0, 0.*\.\.\. \(900,000 characters\), this run"),
+    ({"identity": "same", "depth": 8, "seed": "s" * 1_000_000}, 4, r"with seed 's+\.\.\. \(1,000,002 characters\)"),
+    ({"identity": "same", "depth": 8, "seed": 1}, "4" * 1_000_000, r"per batch of '4+\.\.\. \(1,000,002 characters\)"),
+])
+def test_a_distill_cache_manifest_with_malformed_teacher_values_is_written_again_in_one_short_line(
+        tmp_path, teacher, write_batch_size, said):
+    # the recorded values came back whole in the line (megabytes of log)
+    from recurrent_depth.train.distill_cache import MANIFEST, teacher_change
+
+    (tmp_path / MANIFEST).write_text(json.dumps({"teacher": teacher, "write_batch_size": write_batch_size}))
+    info = {"identity": "same", "directory": str(tmp_path / "teacher"), "depth": 8, "seed": 1, "random_state": True}
+    line = teacher_change(tmp_path, info, 4)
+    assert line is not None and len(line) < 500 and re.search(said, line), line
+
+
+# ---------------------------------------------------------------------------------------- export --remote-code
+@pytest.mark.parametrize("text, message", [("[1, 2]", "is not a JSON object"), ('{"num_steps": ', "is not valid JSON")])
+def test_remote_code_export_refuses_a_generation_config_that_is_no_object_before_writing(tmp_path, capsys, text,
+                                                                                          message):
+    # a JSON list was copied as it was: the copy's every from_pretrained was a TypeError in transformers
+    from recurrent_depth.cli import main
+
+    tiny_model().save_pretrained(tmp_path / "src")
+    (tmp_path / "src" / "generation_config.json").write_text(text)
+    assert main(["export", "--model", str(tmp_path / "src"), "--out", str(tmp_path / "out"), "--remote-code"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "generation_config.json" in err[0] and message in err[0], err
+    assert not (tmp_path / "out").exists()

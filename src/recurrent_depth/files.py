@@ -138,6 +138,7 @@ def link_note(path: str | os.PathLike[str]) -> str:
 SAFETENSORS_DTYPES = frozenset({"BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2",
                                 "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "F64", "I64", "U64", "C64"})
 MESSAGE_NAME_CHARS = 120
+PATH_MAX_CHARS = 4096  # Linux's PATH_MAX: a longer path recorded in a file is no path (and would fill a message)
 
 
 def clipped(value: Any, limit: int = MESSAGE_NAME_CHARS) -> str:
@@ -188,7 +189,10 @@ def read_safetensors_header(
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
     extent = 0
     for name, entry in header.items():
-        if name == "__metadata__":
+        if name == "__metadata__":  # (safetensors itself fails on anything else, in an error naming no file)
+            if not (isinstance(entry, dict) and all(isinstance(value, str) for value in entry.values())):
+                raise ValueError(f"weights file {path}: the header's __metadata__ is malformed (expected an object "
+                                 f"of strings)")
             continue
         try:
             dtype, shape, (start, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]

@@ -67,7 +67,9 @@ def check_generation_defaults(src: Path) -> None:
     if not (src / GENERATION_CONFIG_FILE).is_file():
         return
     values = read_json(src / GENERATION_CONFIG_FILE, CONFIG_MAX_BYTES, "generation config")
-    asked = sorted(k for k in LIBRARY_ONLY_OPTIONS if isinstance(values, dict) and values.get(k) is not None)
+    if not isinstance(values, dict):  # (copied as it was, the copy's every from_pretrained was a TypeError)
+        raise ValueError(f"{src / GENERATION_CONFIG_FILE} is not a JSON object: fix or remove it before exporting")
+    asked = sorted(k for k in LIBRARY_ONLY_OPTIONS if values.get(k) is not None)
     if asked:
         raise ValueError(f"{src / GENERATION_CONFIG_FILE} sets {asked}, which only the recurrent_depth library runs: "
                          f"the --remote-code copy would refuse every generate call that does not unset them; remove "

@@ -43,6 +43,7 @@ from recurrent_depth.files import (
     CONFIG_MAX_BYTES,
     AtomicFile,
     atomic_write_text,
+    clipped,
     open_regular,
     read_json,
     reopen_path,
@@ -175,18 +176,21 @@ def teacher_change(path: str | Path, teacher_info: dict[str, Any], write_batch_s
         return None
     directory = teacher_info.get("directory")
     noisy = teacher_info.get("random_state", True)  # (the same identity: the same state_init as the recorded one)
+    # What the manifest records is shown clipped (a file can hold megabytes there); a malformed value differs
+    # from this run's, so the cache is written again.
     if recorded.get("identity") != teacher_info.get("identity"):
         reason = (f"the teacher {directory} changed since (its config.json or weight files differ)"
                   if recorded.get("directory") == directory else
-                  f"it is the cache of teacher {recorded.get('directory')}, not of {directory}")
+                  f"it is the cache of teacher {clipped(recorded.get('directory'))}, not of {directory}")
     elif recorded.get("depth") != teacher_info.get("depth"):
-        reason = f"it holds the teacher at depth {recorded.get('depth')}, this run's is {teacher_info.get('depth')}"
+        reason = (f"it holds the teacher at depth {clipped(recorded.get('depth'))}, this run's is "
+                  f"{teacher_info.get('depth')}")
     elif noisy and recorded.get("seed") != teacher_info.get("seed"):
-        reason = (f"its teacher's initial states were drawn with seed {recorded.get('seed')}, this run's seed is "
-                  f"{teacher_info.get('seed')}")
+        reason = (f"its teacher's initial states were drawn with seed {clipped(recorded.get('seed'))}, this run's "
+                  f"seed is {teacher_info.get('seed')}")
     elif noisy and manifest.get("write_batch_size") != write_batch_size:
-        reason = (f"its teacher's initial states were drawn per batch of {manifest.get('write_batch_size')} rows, "
-                  f"this run's batch_size is {write_batch_size}")
+        reason = (f"its teacher's initial states were drawn per batch of {clipped(manifest.get('write_batch_size'))} "
+                  f"rows, this run's batch_size is {write_batch_size}")
     else:
         return None
     return f"distill cache: {path} is out of date ({reason}): writing it again"

@@ -160,6 +160,21 @@ def read_adapter_config(directory: str | Path) -> dict[str, Any]:
     return config
 
 
+def recorded_base_dir(directory: Path) -> str | None:
+    """The base model directory the adapter in `directory` records (`base_model_name_or_path`; None: none), as
+    written; a one-line ValueError unless it can be a path (a NUL byte was a bare "embedded null byte" after the
+    adapter loaded, megabytes a warning of megabytes)."""
+    from recurrent_depth.files import PATH_MAX_CHARS, clipped
+
+    base = read_adapter_config(directory).get("base_model_name_or_path")
+    if base is None or base == "":
+        return None
+    if not isinstance(base, str) or len(base) > PATH_MAX_CHARS or "\0" in base:
+        raise ValueError(f"{directory / ADAPTER_CONFIG}: base_model_name_or_path={clipped(base)} is invalid: "
+                         "expected the base model's directory")
+    return base
+
+
 def saved_adapter_settings(directory: str | Path) -> dict[str, Any] | None:
     """`adapter_settings` of the adapter saved in `directory` (a LoRA run's checkpoint), None without one."""
     if not (Path(directory) / ADAPTER_CONFIG).is_file():
@@ -188,6 +203,8 @@ def describe_adapter(settings: dict[str, Any] | None) -> str:
 FINGERPRINT_KEY = "base_model_fingerprint"
 DTYPE_KEY = "base_model_dtype"  # the dtype of the weights fingerprinted (a float16 copy rounds them differently)
 FINGERPRINT_SCHEME = "rd1"  # the recipe below; a recorded fingerprint of another scheme is not compared
+_RECORDED_FINGERPRINT = re.compile(rf"{FINGERPRINT_SCHEME}:[0-9a-f]{{16}}")  # what base_fingerprint gives
+_RECORDED_DTYPE = re.compile(r"[a-z][a-z0-9_]{0,31}")  # a torch dtype's name ("float32"), or "none"
 FINGERPRINT_SAMPLES = 64  # values read from each parameter, spread evenly over it
 FLOAT16_SMALLEST_NORMAL = 2.0**-14  # smaller magnitudes hash as 0: a float16 load keeps them only approximately
 # peft's names for a wrapped layer's own weight (`Wqkv.base_layer.weight`, `lm_head.original_module.weight`),
@@ -237,13 +254,18 @@ def base_record(model: nn.Module) -> dict[str, str]:
 
 
 def _add_weights_metadata(weights: Path, entries: dict[str, str]) -> None:
-    """Add `entries` to the metadata of the adapter weights file peft wrote (rewritten: it is small)."""
+    """Add `entries` to the metadata of the adapter weights file peft wrote (rewritten whole: it is small; through
+    a temporary file, so that an interrupted rewrite leaves peft's file, not a truncated one)."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
+    from recurrent_depth.files import atomic_path
+
     with safe_open(str(weights), "pt") as handle:
         metadata = dict(handle.metadata() or {})
-    save_file(load_file(str(weights)), str(weights), metadata={**metadata, **entries})
+    tensors = load_file(str(weights))
+    with atomic_path(weights) as tmp:
+        save_file(tensors, str(tmp), metadata={**metadata, **entries})
 
 
 def recorded_base(adapter_dir: str | Path) -> dict[str, str]:
@@ -253,9 +275,23 @@ def recorded_base(adapter_dir: str | Path) -> dict[str, str]:
 
     path = check_adapter_dir(adapter_dir)
     check_adapter_files(path)  # (a regular, well-formed safetensors file before safetensors maps it)
+    from recurrent_depth.files import clipped
+
     with safe_open(str(path / ADAPTER_WEIGHTS), "pt") as handle:
         metadata = handle.metadata() or {}
-    return {key: metadata[key] for key in (FINGERPRINT_KEY, DTYPE_KEY) if metadata.get(key)}
+    recorded = {key: metadata[key] for key in (FINGERPRINT_KEY, DTYPE_KEY) if metadata.get(key)}
+
+    def bad(key: str, expected: str) -> ValueError:
+        return ValueError(f"weights file {path / ADAPTER_WEIGHTS}: metadata {key}={clipped(recorded[key])} is "
+                          f"invalid: expected {expected}")
+
+    # Both go into check_adapter_base's message: a forged value (megabytes, a newline) is refused here.
+    fingerprint = recorded.get(FINGERPRINT_KEY, "")
+    if fingerprint.startswith(f"{FINGERPRINT_SCHEME}:") and not _RECORDED_FINGERPRINT.fullmatch(fingerprint):
+        raise bad(FINGERPRINT_KEY, f"{FINGERPRINT_SCHEME}: and 16 hex digits")  # (another scheme is not compared)
+    if DTYPE_KEY in recorded and not _RECORDED_DTYPE.fullmatch(recorded[DTYPE_KEY]):
+        raise bad(DTYPE_KEY, "a dtype name such as float32")
+    return recorded
 
 
 def check_adapter_base(model: nn.Module, adapter_dir: str | Path, strict: bool = False,
@@ -273,7 +309,7 @@ def check_adapter_base(model: nn.Module, adapter_dir: str | Path, strict: bool =
     actual = base_record(model)
     if actual[FINGERPRINT_KEY] == fingerprint:
         return
-    base_dir = read_adapter_config(path).get("base_model_name_or_path")
+    base_dir = recorded_base_dir(path)
     here = f"this model {model_dir}" if model_dir is not None else "this model"
     message = (f"the LoRA adapter {path} was trained on {base_dir or 'an unrecorded base'} (weights fingerprint "
                f"{fingerprint}), but {here} has weights fingerprint {actual[FINGERPRINT_KEY]}")
@@ -281,7 +317,7 @@ def check_adapter_base(model: nn.Module, adapter_dir: str | Path, strict: bool =
     if "float16" in dtypes and dtypes[0] != dtypes[1]:
         message += (f" (it is {dtypes[1]}, the adapter's base was {dtypes[0]}: float16 rounds even the same weights "
                     f"differently, so load it in float32 or bfloat16 to compare)")
-    elif (isinstance(base_dir, str) and base_dir and model_dir is not None
+    elif (base_dir is not None and model_dir is not None
           and adapter_base_dir(path).resolve() == Path(model_dir).resolve()):
         message += " (the weights in that directory changed since the adapter was saved)"
     else:
@@ -349,6 +385,7 @@ def check_adapter_files(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
 
     config = read_adapter_config(path)
     source = path / ADAPTER_CONFIG
+    recorded_base_dir(path)  # (read after the adapter loads: a bad one fails here, before)
 
     def bad(field: str, expected: str) -> ValueError:
         return ValueError(f"{source}: {field}={clipped(config.get(field))} is invalid: expected {expected}")
@@ -564,8 +601,8 @@ def load_lora(model: nn.Module, adapter_dir: str | Path, trainable: bool = False
         raise
     # saved again (`save_adapter`, e.g. after training it further): the base it is on now, by path and fingerprint
     wrapped.lora_base_record = base_record(wrapped)
-    base_dir = model_dir if model_dir is not None else read_adapter_config(path).get("base_model_name_or_path")
-    wrapped.lora_base_dir = str(Path(base_dir).resolve()) if isinstance(base_dir, str | Path) and base_dir else None
+    base_dir = model_dir if model_dir is not None else recorded_base_dir(path)
+    wrapped.lora_base_dir = str(Path(base_dir).resolve()) if base_dir is not None else None
     return wrapped
 
 
@@ -666,8 +703,8 @@ def use_adapter(wrapped: Any, name: str | None) -> None:
 def adapter_base_dir(adapter_dir: str | Path) -> Path:
     """The base model directory an adapter records (`base_model_name_or_path`), relative ones from the adapter."""
     path = check_adapter_dir(adapter_dir)
-    base = read_adapter_config(path).get("base_model_name_or_path")
-    if not base:
+    base = recorded_base_dir(path)
+    if base is None:
         raise ValueError(f"{path / ADAPTER_CONFIG} names no base model (base_model_name_or_path): pass the base "
                          "model directory explicitly")
     if Path(base).is_absolute():

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
+from recurrent_depth.files import PATH_MAX_CHARS, clipped
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 from recurrent_depth.train import checkpointing as ckpt
 from recurrent_depth.train import distributed as ddist
@@ -214,8 +215,13 @@ def check_same_start(path: Path, recorded: Any, start: dict[str, str] | None) ->
     command its tokenizer from there. Nothing to check for a checkpoint that records none (written before
     checkpoints did, or of a run from scratch) or a run that names none. Files rewritten with the same content
     (a copy without its mtimes, a download again) pass on `content`, a sample of their bytes."""
-    if not isinstance(recorded, dict) or start is None:
+    if recorded is None or start is None:
         return
+    if not (isinstance(recorded, dict) and all(isinstance(recorded.get(key), str) for key in start)
+            and len(recorded["directory"]) <= PATH_MAX_CHARS):
+        raise ValueError(f"cannot resume from {path}: its {ckpt.TRAINER_STATE} records start={clipped(recorded)}, "
+                         f"expected the model directory the run started from ({', '.join(start)}: strings); the "
+                         f"checkpoint is damaged")
     if recorded.get("identity") == start["identity"] or recorded.get("content") == start["content"]:
         return
     before, now = recorded.get("directory"), start["directory"]

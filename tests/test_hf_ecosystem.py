@@ -475,9 +475,9 @@ def test_generation_config_json_defaults_follow_transformers_rules_and_reach_rde
 
     args = argparse.Namespace(model=str(tmp_path), generation_config="auto", num_steps=None, kv_quant=None,
                               max_depth=None)
-    apply_generation_defaults(args)
+    rest = apply_generation_defaults(args)  # the rest: the defaults of the fields a request leaves out
     assert (args.num_steps, args.kv_quant) == (3, "k=prod:3.5,v=mse:3.5")
-    assert "requests do not take them as defaults yet" in capsys.readouterr().err
+    assert rest == {"do_sample": True, "temperature": 0.5, "top_k": 5, "exit_criterion": "kl", "stop": ["\n\n"]}
     args = argparse.Namespace(model=str(tmp_path), generation_config="auto", num_steps=7, kv_quant=None,
                               max_depth=None)
     apply_generation_defaults(args)

@@ -708,3 +708,99 @@ def test_with_include_usage_every_chunk_carries_usage_null_but_the_last(server, 
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert len(chunks) >= 2 and all("usage" in c and c["usage"] is None for c in chunks[:-1])
     assert chunks[-1]["usage"]["completion_tokens"] >= 1 and chunks[-1]["choices"] == []
+
+
+def test_rdepth_serve_takes_the_generation_config_json_as_request_defaults(model_dir, reference, tmp_path,
+                                                                           monkeypatch):
+    """As vLLM's --generation-config auto: the fields a request leaves out (temperature, top_k, max_tokens, seed, our
+    init_scale) come from the model directory's generation_config.json on both endpoints, and its eos_token_id stops
+    a row; a request's own values win; --generation-config none ignores the file. rdepth serve took only the file's
+    num_steps: requests without temperature sampled at 1, for 16 tokens / the rest of the context."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from recurrent_depth.cli import main
+    from recurrent_depth.serving.transport import Server
+
+    model, tok = reference
+    eos = model.config.eos_token_id
+    prompt = encode(reference, "The quick")
+    greedy = generate(model, torch.tensor(prompt), max_new_tokens=6, num_steps=3, init_scale=0.0,
+                      stop=[eos]).token_lists()[0]
+    stop = next(t for i, t in enumerate(greedy) if i > 0 and t not in greedy[:i])  # the file's eos: ends row there
+    directory = tmp_path / "model"
+    shutil.copytree(model_dir, directory)
+    (directory / "generation_config.json").write_text(json.dumps({
+        "do_sample": True, "temperature": 0.7, "top_k": 5, "max_new_tokens": 4, "seed": 5, "num_steps": 2,
+        "init_scale": 0.0, "eos_token_id": stop}))
+    messages = [{"role": "user", "content": "add two numbers"}]
+    chat_ids = tok.encode(AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False).ids
+    requests = {"completion": ("/v1/completions", dict(prompt=prompt)),
+                "own": ("/v1/completions", dict(prompt=prompt, temperature=0, max_tokens=6, num_steps=3)),
+                "chat": ("/v1/chat/completions", dict(messages=messages)),
+                "chat_own": ("/v1/chat/completions", dict(messages=messages, temperature=0, max_tokens=1))}
+    answers = {}
+
+    def run(self):
+        with LiveServer(self.config.app) as live:
+            for name, (path, body) in requests.items():
+                r = httpx.post(live.url + path, timeout=60, json=dict(return_steps=True, **body))
+                answers[name] = r.json()["choices"][0]
+
+    monkeypatch.setattr(Server, "run", run)
+    threads = torch.get_num_threads()
+    try:
+        assert main(["serve", "--model", str(directory), "--port", "8124", "--threads", "1",
+                     "--tokenizer-workers", "1"]) == 0
+        file = dict(do_sample=True, temperature=0.7, top_k=5, seed=5, num_steps=2, init_scale=0.0)
+        text, tokens, steps, finish, _ = expected(reference, prompt, 4, stops=[eos, stop], **file)
+        assert answers["completion"]["text"] == text and answers["completion"]["finish_reason"] == finish
+        assert answers["completion"]["steps"] == steps == [2] * len(tokens)
+        own = answers["own"]  # greedy, 6 tokens at depth 3 asked; the file's init_scale and eos still apply
+        assert own["steps"] == [3] * (greedy.index(stop) + 1) and own["finish_reason"] == "stop"
+        chat_stops = [eos, tok.token_to_id("<|end_turn|>"), stop]
+        text, tokens, *_ = expected(reference, chat_ids, 4, stops=chat_stops, **file)
+        assert answers["chat"]["message"]["content"] == text and len(answers["chat"]["steps"]) == len(tokens)
+        text, *_ = expected(reference, chat_ids, 1, stops=chat_stops, num_steps=2, init_scale=0.0)
+        assert answers["chat_own"]["message"]["content"] == text and answers["chat_own"]["steps"] == [2]
+
+        requests.clear()
+        requests["none"] = ("/v1/completions", dict(prompt=prompt, temperature=0, ignore_eos=True))
+        assert main(["serve", "--model", str(directory), "--port", "8124", "--threads", "1",
+                     "--tokenizer-workers", "1", "--generation-config", "none"]) == 0
+        r = model.config.mean_recurrence
+        assert answers["none"]["steps"] == [r] * 16  # OpenAI's 16 tokens at the model's depth: the file unread
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_generation_config_defaults_follow_do_sample_and_bad_ones_fail_at_start_up(reference, capsys):
+    """The file's do_sample decides as in transformers (vLLM would sample at the file's temperature whatever its
+    do_sample); a request's temperature 0 or top_k -1 turns the file's sampling settings off; a value the server
+    refuses, stop strings without a tokenizer or an eos outside the vocabulary fail at start-up naming the file."""
+    from recurrent_depth.serving.protocol import Limits, generation_fields, request_defaults
+
+    def fields(file: dict, body: dict) -> dict:
+        return generation_fields(body, Limits(256, 4, 320, defaults=request_defaults(file)[0]))[0]
+
+    assert fields({"do_sample": False, "temperature": 0.5}, {}) == {"do_sample": False}  # greedy
+    assert fields({"temperature": 0.5, "top_p": 0.9}, {}) == {"do_sample": True, "temperature": 1.0}  # OpenAI's 1
+    assert fields({"temperature": 0.5, "top_p": 0.9}, {"temperature": 0.3}) == {
+        "do_sample": True, "temperature": 0.3, "top_p": 0.9}  # a request that samples: the file's top_p shapes it
+    sampling = {"do_sample": True, "temperature": 0.5, "top_k": 5}
+    assert fields(sampling, {}) == sampling
+    assert fields(sampling, {"temperature": 0}) == {"do_sample": False}
+    assert fields(sampling, {"top_k": -1}) == {"do_sample": True, "temperature": 0.5}
+
+    model = reference[0]
+    for defaults, message in (
+            ({"do_sample": True, "temperature": 500.0}, r": 'temperature'=500.0 is out of range: this server allows "
+                                                        r"at most 100.0 \(rdepth serve --generation-config none"),
+            ({"stop": ["x"]}, r" sets stop strings \['x'\], which need the model directory's tokenizer.json"),
+            ({"eos_token_id": 999}, r": eos_token_id=999 is invalid: expected None, a token id")):
+        with pytest.raises(ValueError, match="^generation_config.json" + message):
+            build_app(model, generation_defaults=defaults, tokenizer_workers=1)
+    build_app(model, generation_defaults={"headway": 2}, tokenizer_workers=1)
+    assert "generation_config.json sets ['headway'], which requests do not take" in capsys.readouterr().err

@@ -453,3 +453,16 @@ def test_serve_flags_are_documented_in_help(capsys):
     text = capsys.readouterr().out
     for flag in ("--allowed-hosts", "--read-timeout", "--stall-timeout", "--tokenizer-workers", "--tokenize-timeout"):
         assert flag in text
+
+
+@pytest.mark.parametrize("body, status", [({"model": "m" * 1_000_000, "prompt": [1]}, 404),
+                                          ({"k" * 1_000_000: 1, "prompt": [1]}, 400)])
+def test_a_huge_model_or_field_name_in_a_request_comes_back_clipped(body, status):
+    # a megabyte-long `model` or unknown field came back whole in the error (the field's twice: message and param)
+    from recurrent_depth.serving.protocol import APIError, Limits, parse_sampling
+
+    with pytest.raises(APIError) as info:
+        parse_sampling(body, Limits(256, 4, 320), {"tiny"}, eos_configured=True)
+    error = info.value
+    assert error.status == status and "(1,000,002 characters)" in error.message, error.message[:300]
+    assert len(error.message) < 1000 and len(error.param) <= 120

@@ -114,6 +114,11 @@ def test_models_lists_the_base_and_each_adapter_and_unknown_names_are_404s(multi
         assert response.status_code == 404
         message = response.json()["error"]["message"]
         assert "'nope' does not exist" in message and all(n in message for n in ("tiny", "sql", "chat")), message
+    huge = "m" * 1_000_000  # (came back whole in the 404, in the request's answer and the model route's)
+    for response in (httpx.get(f"{multi.url}/v1/models/{huge[:8000]}"),
+                     httpx.post(multi.url + "/v1/completions", json={"model": huge, "prompt": [1]})):
+        assert response.status_code == 404 and len(response.text) < 1000, len(response.text)
+        assert " characters) does not exist; this server serves ['chat', 'sql', 'tiny']" in response.text
 
 
 @pytest.mark.parametrize("specs, message", [

@@ -96,8 +96,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "continuous batch stores code rows, and requests without a kv_quant field use it; a request "
                     "asking for another spec runs alone (default: full precision)"})
     add_generation_config_arg(p, "sets --num-steps and --kv-quant where those flags are not given (its num_steps, "
-                                 "kv_quant); the server does not yet take its other settings as request defaults "
-                                 "and names them on stderr")
+                                 "kv_quant), and the fields a request leaves out: temperature, top_p, top_k, min_p "
+                                 "(where do_sample is true, as in transformers; do_sample false: greedy), "
+                                 "repetition_penalty, max_tokens (its max_new_tokens), seed, stop (stop_strings) "
+                                 "and our per-request options (exit_criterion, ...); its eos_token_id joins the stop "
+                                 "ids. A request's own values win (as vLLM's --generation-config auto)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level (default: %(default)s)")
     p.set_defaults(func=run)
@@ -123,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port {args.port} is invalid: expected 1..65535")
     check_port_free(args.host, args.port)  # before the model loads (minutes for a large one), not after
-    apply_generation_defaults(args)
+    request_defaults = apply_generation_defaults(args)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     api_key = resolve_api_key(args.api_key)
     hosts = None if args.allowed_hosts is None else args.allowed_hosts.split(",")
@@ -141,25 +144,22 @@ def run(args: argparse.Namespace) -> int:
         if tokenizer_dir is None and tokenizer_file(args.model) is not None:  # else token ids only, as without --lora
             tokenizer_dir = args.model
     try:
-        _serve(args, model, tokenizer_dir, model_name, hosts, api_key, dtype, lora_modules)
+        _serve(args, model, tokenizer_dir, model_name, hosts, api_key, dtype, lora_modules, request_defaults)
     except ValueError as exc:  # `serve`'s checks name its keyword arguments: say the flags that set them
         raise ValueError(flag_spelled(str(exc), vars(args))) from None
     return 0
 
 
-def apply_generation_defaults(args: argparse.Namespace) -> None:
+def apply_generation_defaults(args: argparse.Namespace) -> dict[str, Any]:
     """The model directory's generation_config.json (`--generation-config auto`) as --num-steps and --kv-quant where
-    those flags are not given; its other settings are named on stderr, as requests do not take them yet."""
-    import sys
-
+    those flags are not given (the server's own settings: its KV pool, lm-eval's depth); the rest of it, the
+    defaults of the fields a request leaves out (`build_app`'s generation_defaults)."""
     defaults = generation_defaults(args.model, args.generation_config, "rdepth serve", args.max_depth)
     for name in ("num_steps", "kv_quant"):
         value = defaults.pop(name, None)
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if defaults:
-        print(f"rdepth serve: {args.model}/generation_config.json sets {sorted(defaults)}: requests do not take "
-              f"them as defaults yet; send them in each request", file=sys.stderr)
+    return defaults
 
 
 def flag_spelled(message: str, flags: dict[str, Any]) -> str:
@@ -173,7 +173,8 @@ def flag_spelled(message: str, flags: dict[str, Any]) -> str:
 
 
 def _serve(args: argparse.Namespace, model: Any, tokenizer_dir: Any, model_name: Any, hosts: Any, api_key: Any,
-           dtype: Any, lora_modules: dict[str, str] | None = None) -> None:
+           dtype: Any, lora_modules: dict[str, str] | None = None,
+           request_defaults: dict[str, Any] | None = None) -> None:
     from recurrent_depth.serving import serve
 
     serve(
@@ -186,6 +187,7 @@ def _serve(args: argparse.Namespace, model: Any, tokenizer_dir: Any, model_name:
         max_depth=args.max_depth, dtype=dtype,
         weights=None if args.lora is not None else args.weights, device=args.device, kv_quant=args.kv_quant,
         max_body_total=args.max_body_total, lora_modules=lora_modules, strict_lora_base=args.strict_lora_base,
+        generation_defaults=request_defaults,
         **({} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}),
     )
 

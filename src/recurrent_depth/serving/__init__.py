@@ -30,7 +30,7 @@ from recurrent_depth.serving.app import MAX_BODY_BYTES, ServerSettings, create_a
 from recurrent_depth.serving.batch import BatchDecoder, RowRequest, TokenResult
 from recurrent_depth.serving.engine import BatchScheduler, Engine
 from recurrent_depth.serving.metrics import Metrics
-from recurrent_depth.serving.protocol import APIError, Limits
+from recurrent_depth.serving.protocol import APIError, Limits, generation_fields, request_defaults, validated
 from recurrent_depth.serving.text import TextCodec, tokenizer_file
 from recurrent_depth.weight_quant import check_weights, quantize_weights
 
@@ -87,6 +87,7 @@ def build_app(
     ttt_max_copy_mb: float = DEFAULT_TTT_MAX_COPY_MB,
     lora_modules: Mapping[str, str | Path] | None = None,
     strict_lora_base: bool = False,
+    generation_defaults: Mapping[str, Any] | None = None,
 ) -> Any:
     """A ready FastAPI app for a model directory (or a loaded `RecurrentDepthLM` plus `tokenizer_dir`).
 
@@ -114,6 +115,10 @@ def build_app(
     request whose `model` is one of the names runs with that adapter, one naming `model_name` with none
     (`serving/adapters.py`; the requests of one adapter run at a time). A loaded model gets the adapters in place.
     `strict_lora_base`: refuse an adapter trained on other weights instead of warning (`train.lora.load_lora`).
+    `generation_defaults`: a generation_config.json's settings by our option names
+    (`recurrent_depth.cli.common.generation_defaults`, which `rdepth serve` passes): a request takes them for the
+    fields it leaves out (`serving.protocol.request_defaults`; docs/serving.md); ones no request takes are named on
+    stderr.
     """
     check_weights(weights)
     if lora_modules is not None and weights is not None:  # (as `--lora`: peft adds adapters to float layers only)
@@ -171,14 +176,26 @@ def build_app(
         raise ValueError(f"the model's mean_recurrence={cfg.mean_recurrence} (the depth of requests that do not "
                          f"set num_steps) is above max_num_steps={steps}: give num_steps <= {steps} (--num-steps), "
                          "or a higher max_num_steps (--max-num-steps, --max-depth)")
+    defaults, unused = request_defaults(dict(generation_defaults or {}))
+    if unused:
+        print(f"rdepth serve: generation_config.json sets {unused}, which requests do not take; they are ignored",
+              file=sys.stderr)
     limits = Limits(cfg.max_seq_len, cfg.mean_recurrence, cfg.vocab_size, max_num_steps=steps,
                     max_sequences=min(max_queue, 256), default_num_steps=num_steps,
-                    gate_threshold=cfg.exit_gate_threshold)
+                    gate_threshold=cfg.exit_gate_threshold, defaults=defaults)
+    try:  # a default no request could run with fails here, once, not as a 400 on every request that leaves it out
+        validated(*generation_fields({}, limits), 1, limits)
+    except APIError as exc:
+        raise ValueError(f"generation_config.json: {exc.message} (rdepth serve --generation-config none ignores "
+                         "the file)") from None
     scheduler = BatchScheduler(model, Metrics(), max_batch=max_batch, max_queue=max_queue,
                                prefill_tokens=prefill_tokens, kv_quant=kv_quant, adapters=adapters)
     if scheduler.kv_quant is not None:
         print(f"rdepth serve: KV cache quantized: {scheduler.kv_quant.label(cfg.head_dim)}", file=sys.stderr)
     codec = TextCodec(tokenizer_dir, cfg.vocab_size, cfg.max_seq_len, required=tokenizer_named)
+    if defaults.get("stop") and not codec.has_tokenizer:  # else every request without 'stop' were a 400
+        raise ValueError(f"generation_config.json sets stop strings {defaults['stop']}, which need the model "
+                         "directory's tokenizer.json (rdepth serve --generation-config none ignores the file)")
     if codec.has_tokenizer and codec.chat is None:
         print(f"rdepth serve: chat is off: {codec.chat_error}", file=sys.stderr)
     settings = ServerSettings(

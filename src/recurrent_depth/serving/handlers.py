@@ -26,7 +26,15 @@ from recurrent_depth.serving.engine import BatchScheduler, EngineUnavailable, Jo
 from recurrent_depth.serving.kernels import KernelWarmup
 from recurrent_depth.serving.kv_pool import SlotKVPool
 from recurrent_depth.serving.prep import PrepPool, PrepSpec
-from recurrent_depth.serving.protocol import APIError, ChatRequest, CompletionRequest, Limits, Sampling, http_spelling
+from recurrent_depth.serving.protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    Limits,
+    Sampling,
+    http_spelling,
+    unknown_model,
+)
 from recurrent_depth.serving.streaming import Channel, OpenRequests, collect, stream
 from recurrent_depth.serving.text import TextCodec, TextState
 from recurrent_depth.serving.transport import BodyBudget, read_body, require_json
@@ -72,6 +80,9 @@ class Handlers:
         self.metrics = scheduler.metrics
         eos_configured = cfg.eos_token_id is not None
         self.base_stops = set(codec.eos_ids) | set(eos_ids(cfg.eos_token_id, "eos_token_id", cfg.vocab_size))
+        for name in ("eos_token_id", "stop_token_ids"):  # generation_config.json's stop ids join the model's eos
+            self.base_stops |= set(eos_ids(self.limits.defaults.get(name), f"generation_config.json: {name}",
+                                           cfg.vocab_size))
         self.pool = PrepPool(PrepSpec(codec.source if codec.has_tokenizer else None, codec.vocab_size,
                                       self.limits, frozenset(self.names | set(self.adapters)), eos_configured,
                                       settings.worker_memory),
@@ -148,9 +159,7 @@ class Handlers:
     async def get_model(self, model_id: str, request: Request) -> JSONResponse:
         self.authorize(request)
         if model_id not in self.names and model_id not in self.adapters:
-            raise APIError(404, f"the model {model_id!r} does not exist; this server serves "
-                                f"{sorted(self.names | set(self.adapters))}",
-                           param="model", code="model_not_found")
+            raise unknown_model(model_id, self.names | set(self.adapters))
         return JSONResponse(self.model_card(model_id if model_id in self.adapters else None))
 
     def adapter_of(self, sampling: Sampling) -> str | None:
@@ -179,12 +188,13 @@ class Handlers:
         jobs, choices = [], []
         for p, prompt in enumerate(prompts):
             max_tokens = sampling.max_tokens
-            if max_tokens is None:  # chat default: the rest of the context
-                max_tokens = limits.max_seq_len - len(prompt)
-                if max_tokens < 1:
+            if max_tokens is None:  # not sent: generation_config.json's max_new_tokens, else (chat) the rest of the
+                room = limits.max_seq_len - len(prompt)  # context; either within the context left (as vLLM's)
+                if room < 1:
                     raise APIError(400, f"the prompt has {len(prompt)} tokens, which fills the model's context of "
-                                        f"{limits.max_seq_len} tokens", param="messages",
+                                        f"{limits.max_seq_len} tokens", param=sampling.given_as.get("prompt", "prompt"),
                                    code="context_length_exceeded")
+                max_tokens = min(room, limits.defaults.get("max_new_tokens", room))
             options = sampling.options(len(prompt), max_tokens, limits)
             try:  # an official compress-sN / compress-rN needs the model's layout
                 options = options.bound(scheduler.model.config.core_layers)

@@ -12,7 +12,8 @@ compute knobs are extra body fields (`extra_body=` in the openai client), the op
 `max_steps`, `kv_budget`, `kv_policy` (`cache_lookup_strategy`), `warm_start`
 (`continuous_compute`), `draft_steps`, `lookahead` (`lookahead_for_draft`),
 `verification_threshold`, `init_scale`, `top_k`, `min_p`, `repetition_penalty`; plus the
-server's `ignore_eos`, `stop_token_ids`, `add_special_tokens` and `return_steps`.
+server's `ignore_eos`, `stop_token_ids`, `add_special_tokens` and `return_steps`. A field a request leaves
+out takes the model directory's generation_config.json value where `rdepth serve` read one (`request_defaults`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from recurrent_depth.cli.common import with_generation_defaults
 from recurrent_depth.inference.options import GenerationOptions, OptionError, ResolvedOptions, spelled_warnings
 from recurrent_depth.inference.schema import OFFICIAL_ALIASES, OPTIONS, canonical, check_type, names_for, negating
 from recurrent_depth.serving.chat_template import content_text
@@ -37,6 +39,10 @@ OPENAI_FIELDS = frozenset({
 })
 SERVER_FIELDS = frozenset({"ignore_eos", "stop_token_ids", "add_special_tokens", "return_steps", "prompt_logprobs"})
 KNOWN_FIELDS = OPENAI_FIELDS | SERVER_FIELDS | set(HTTP_OPTIONS)
+# the generation options a request takes from generation_config.json where it leaves them out (our names: the
+# schema's HTTP options, and do_sample, which the wire spells as temperature)
+FILE_OPTIONS = frozenset({OFFICIAL_ALIASES[n].field if n in OFFICIAL_ALIASES else n for n in HTTP_OPTIONS}
+                         | {"do_sample"})
 
 
 class APIError(Exception):
@@ -74,6 +80,26 @@ def parse_request_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def request_defaults(file_options: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """What a model directory's generation_config.json (`cli.common.generation_defaults`: our option names) sets
+    for requests, and the names of its settings no request takes (named on stderr at start-up): the generation
+    options of `FILE_OPTIONS`, max_new_tokens (max_tokens), seed (one integer), eos_token_id (added to the stop
+    ids) and stop (its strings are the default 'stop', its token ids stop every request, as eos does)."""
+    taken: dict[str, Any] = {}
+    unused = []
+    for name, value in file_options.items():
+        if name == "stop":
+            items = [value] if isinstance(value, str | int) else list(value)
+            taken["stop"] = [t for t in items if isinstance(t, str)]
+            taken["stop_token_ids"] = [t for t in items if not isinstance(t, str)]
+        elif name in FILE_OPTIONS or name in ("max_new_tokens", "eos_token_id") \
+                or (name == "seed" and isinstance(value, int)):
+            taken[name] = value
+        else:
+            unused.append(name)
+    return taken, sorted(unused)
+
+
 @dataclass
 class Limits:
     """What the server accepts: the model's context and depth, and request-size bounds."""
@@ -89,6 +115,9 @@ class Limits:
     max_lookahead: int = 64
     default_num_steps: int | None = None  # depth of requests that do not say (None: mean_recurrence)
     gate_threshold: float | None = None  # the model's own q for exit_criterion "gate" (its exit_gate_threshold)
+    # what the model directory's generation_config.json sets for the fields a request leaves out, by our option
+    # names (`request_defaults`; rdepth serve --generation-config auto)
+    defaults: dict[str, Any] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------- field readers
@@ -204,17 +233,28 @@ def validated(generation: dict[str, Any], given_as: dict[str, str], max_tokens: 
         raise bad(param, str(exc.spelled(spelling))) from None
 
 
+def unknown_model(model: str, served_names: set[str] | frozenset[str]) -> APIError:
+    """The 404 of a request (or /v1/models/{id}) naming a model this server does not serve. The name is clipped:
+    a client's megabytes of `model` came back whole in the answer."""
+    from recurrent_depth.files import clipped, clipped_names
+
+    return APIError(404, f"the model {clipped(model)} does not exist; this server serves "
+                         f"{clipped_names(sorted(served_names), 20)}", param="model", code="model_not_found")
+
+
 def parse_sampling(body: dict, limits: Limits, served_names: set[str], eos_configured: bool) -> Sampling:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model", f"'model' must be a string, got {_describe(model)}")
     if model is not None and model not in served_names:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {sorted(served_names)}",
-                       param="model", code="model_not_found")
+        raise unknown_model(model, served_names)
     unknown = sorted(set(body) - KNOWN_FIELDS)
     if unknown:
-        raise bad(unknown[0], f"'{unknown[0]}' is not a field of this server; the generation options are "
-                              f"{sorted(HTTP_OPTIONS)} (see docs/inference.md)")
+        from recurrent_depth.files import MESSAGE_NAME_CHARS, clipped
+
+        # (clipped: a client's megabyte-long field name came back whole, twice)
+        raise bad(unknown[0][:MESSAGE_NAME_CHARS], f"{clipped(unknown[0])} is not a field of this server; the "
+                  f"generation options are {sorted(HTTP_OPTIONS)} (see docs/inference.md)")
     n = get_int(body, "n", 1, 1, limits.max_n, nullable=True) or 1
     refuse_unsupported(body, n)
     stream = get_bool(body, "stream", False)
@@ -243,7 +283,9 @@ def parse_sampling(body: dict, limits: Limits, served_names: set[str], eos_confi
         raise bad("stop_token_ids", f"'stop_token_ids' must be a list of token ids in [0, {limits.vocab_size}), "
                                     f"got {_describe(body.get('stop_token_ids'))}")
 
-    seed = get_int(body, "seed", None, -(2**63), 2**63 - 1)
+    if body.get("stop") is None and limits.defaults.get("stop"):  # the file's stop strings, unless the request's
+        stop = list(limits.defaults["stop"])
+    seed = get_int(body, "seed", limits.defaults.get("seed"), -(2**63), 2**63 - 1)
     ignore_eos = get_bool(body, "ignore_eos", False)
     generation, given_as = generation_fields(body, limits)
     validated(generation, given_as, 1, limits)  # bad options are a 400 before the prompt is read
@@ -263,36 +305,56 @@ def generation_fields(body: dict, limits: Limits) -> tuple[dict[str, Any], dict[
     server's limits, as `generate` keyword arguments (+ the JSON names they came from).
 
     OpenAI conventions on top: temperature defaults to 1 and 0 means greedy (do_sample is not a
-    wire field); top_k -1 or 0 means no top-k (vLLM's spelling)."""
+    wire field); top_k -1 or 0 means no top-k (vLLM's spelling). The fields the body leaves out take
+    `limits.defaults` (generation_config.json), whose do_sample decides as in transformers."""
     values: dict[str, Any] = {}
+    cleared = set()  # fields the request turned off (top_k -1): the file's value does not come back for them
     for name in HTTP_OPTIONS:
         value = body.get(name)
         if name == "top_k" and value in (-1, 0) and not isinstance(value, bool):
             value = None
+            cleared.add(name)
         if value is None:
             continue
         try:
             check_type(name, value)
         except OptionError as exc:
             raise bad(name, str(exc).replace("None or ", "null or ")) from None
-        option = OPTIONS[OFFICIAL_ALIASES[name].field if name in OFFICIAL_ALIASES else name]
-        cap = getattr(limits, option.http_max) if isinstance(option.http_max, str) else option.http_max
-        if cap is not None and isinstance(value, int | float) and value > cap:
-            flag = " (set by rdepth serve --max-num-steps)" if option.http_max == "max_num_steps" else ""
-            raise bad(name, f"'{name}'={value} is out of range: this server allows at most {cap}{flag}")
+        check_cap(name, OFFICIAL_ALIASES[name].field if name in OFFICIAL_ALIASES else name, value, limits)
         values[name] = value
-    temperature = values.pop("temperature", 1.0)
-    if temperature < 0:
-        raise bad("temperature", f"'temperature'={temperature} is out of range: expected a number >= 0 (0 = greedy)")
-    values["do_sample"] = temperature > 0
-    if temperature > 0:
-        values["temperature"] = temperature
+    temperature = values.pop("temperature", None)
+    if temperature is not None:
+        if temperature < 0:
+            raise bad("temperature", f"'temperature'={temperature} is out of range: expected a number >= 0 "
+                                     "(0 = greedy)")
+        values["do_sample"] = temperature > 0
+        if temperature > 0:
+            values["temperature"] = temperature
     if "num_steps" not in values and limits.default_num_steps is not None:
         values["num_steps"] = limits.default_num_steps
     try:
-        return canonical(values)
+        options, given_as = canonical(values)
     except OptionError as exc:
         raise bad(exc.field, str(exc)) from None
+    # the file's values where the request left a field out; its temperature, top_k, top_p and min_p only where the
+    # request samples (transformers' do_sample rule, as our transformers classes and rdepth generate read the file)
+    file_options = {k: v for k, v in limits.defaults.items() if k in FILE_OPTIONS and k not in cleared}
+    merged = with_generation_defaults(options, file_options)
+    for name in merged.keys() - options.keys():  # the file's values obey the server's bounds too
+        check_cap(name, name, merged[name], limits)
+    options = merged
+    if "do_sample" not in options:  # neither the request nor the file says: OpenAI's temperature 1
+        options.update(do_sample=True, temperature=1.0)
+    return options, given_as
+
+
+def check_cap(name: str, option_name: str, value: Any, limits: Limits) -> None:
+    """400 for a value above the server's bound on this option (its schema `http_max`)."""
+    option = OPTIONS[option_name]
+    cap = getattr(limits, option.http_max) if isinstance(option.http_max, str) else option.http_max
+    if cap is not None and isinstance(value, int | float) and value > cap:
+        flag = " (set by rdepth serve --max-num-steps)" if option.http_max == "max_num_steps" else ""
+        raise bad(name, f"'{name}'={value} is out of range: this server allows at most {cap}{flag}")
 
 
 def http_spelling(given_as: dict[str, str]) -> Any:
@@ -363,7 +425,9 @@ def parse_completion(body: dict, limits: Limits, served_names: set[str], eos_con
     if len(prompts) * sampling.n > limits.max_sequences:
         raise bad("prompt", f"{len(prompts)} prompts x n={sampling.n} is more than the {limits.max_sequences} "
                             "sequences one request may ask for")
-    sampling.max_tokens = get_int(body, "max_tokens", 16, 0, limits.max_seq_len)
+    # not sent: generation_config.json's max_new_tokens (make_jobs: within the context left), else 16 (OpenAI's)
+    default = None if "max_new_tokens" in limits.defaults else 16
+    sampling.max_tokens = get_int(body, "max_tokens", default, 0, limits.max_seq_len)
     logprobs = get_int(body, "logprobs", None, 0, limits.max_top_logprobs)
     echo = get_bool(body, "echo", False)
     return CompletionRequest(sampling, prompts, echo, logprobs, get_bool(body, "add_special_tokens", True))

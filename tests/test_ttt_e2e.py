@@ -251,3 +251,22 @@ def test_cli_generate_takes_the_ttt_flags(model_dir, reference, capsys):  # noqa
     assert f"ttt_flops={out.stats['ttt_flops']}" in captured.err
     assert main(["generate", "--model", str(model_dir), "--prompt", "x y", "--ttt-params", "nope.*"]) == 2
     assert "--ttt-params='nope.*' is invalid" in capsys.readouterr().err
+
+
+def test_adapters_that_are_off_are_neither_copied_nor_trained(tmp_path):
+    """On a `--lora-modules` server every adapter sits on the model and one (or none) is on: `ttt_params` took
+    the others' LoRA tensors too, which change no output but were copied and counted against the copy limit."""
+    from recurrent_depth.train.lora import LoraSpec, add_lora, load_loras, save_adapter, use_adapter
+
+    torch.manual_seed(0)
+    rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).save_pretrained(tmp_path / "base")
+    for i in range(2):
+        save_adapter(add_lora(rd.RecurrentDepthLM.from_pretrained(tmp_path / "base"), LoraSpec(rank=2),
+                              base_dir=tmp_path / "base", seed=i), tmp_path / f"a{i}")
+    model = rd.RecurrentDepthLM.from_pretrained(tmp_path / "base")
+    plain = ttt_e2e.select_parameters(model, "core")
+    wrapper = load_loras(model, [tmp_path / "a0", tmp_path / "a1"])
+    assert [n.replace(".base_layer", "") for n in ttt_e2e.select_parameters(model, "core")] == plain  # all off
+    use_adapter(wrapper, "lora0_")
+    chosen = ttt_e2e.select_parameters(model, "core")
+    assert any("lora0_" in n for n in chosen) and not any("lora1_" in n for n in chosen)

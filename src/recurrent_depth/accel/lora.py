@@ -27,6 +27,23 @@ def _active_unmerged(layer: Any) -> list[str]:
     return [name for name in layer.active_adapters if name in layer.lora_A]
 
 
+def idle_adapter_parameters(model: nn.Module) -> set[str]:
+    """Names of the parameters of LoRA adapters that peft's forward does not add (turned off, disabled or merged):
+    they change no output, so nothing should train or copy them (e.g. the other adapters of a
+    `--lora-modules` server)."""
+    idle: set[str] = set()
+    for prefix, module in model.named_modules():
+        if not is_lora_layer(module):
+            continue
+        active = set(_active_unmerged(module))
+        for name, _ in module.named_parameters(prefix=prefix):
+            tail = name[len(prefix):].split(".")
+            # (peft's adapter tensors: lora_A.<adapter>.weight, lora_magnitude_vector.<adapter>.weight, ...)
+            if len(tail) > 2 and tail[1].startswith("lora_") and tail[2] not in active:
+                idle.add(name)
+    return idle
+
+
 def unsupported_lora(layer: Any) -> str | None:
     """Why `low_rank_term` cannot reproduce this LoRA layer's forward (None: it can)."""
     if not isinstance(getattr(layer, "base_layer", None), nn.Linear) or getattr(layer, "fan_in_fan_out", False):

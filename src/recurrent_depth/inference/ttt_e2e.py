@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from recurrent_depth.accel.lora import idle_adapter_parameters
 from recurrent_depth.inference.engine import Stopped
 from recurrent_depth.inference.options import TTT_OPTIMIZERS, OptionError, ResolvedOptions
 from recurrent_depth.train.flops import training_step_flops
@@ -63,7 +64,8 @@ def select_parameters(model: nn.Module, spec: str) -> list[str]:
         raise OptionError("ttt_params", f"ttt_params={spec!r} is invalid: expected one of "
                           f"{sorted(PARAMETER_SETS)} or comma-separated globs over parameter names")
     patterns = PARAMETER_SETS.get(spec.strip(), tuple(p.strip() for p in spec.split(",")))
-    names = [name for name, _ in model.named_parameters()]
+    idle = idle_adapter_parameters(model)  # (LoRA adapters that are off change nothing: not copied, not trained)
+    names = [name for name, _ in model.named_parameters() if name not in idle]
     chosen: list[str] = []
     for pattern in patterns:
         matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]

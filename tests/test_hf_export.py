@@ -184,11 +184,13 @@ def test_export_to_an_existing_file_names_it(tmp_path, capsys):
 
 
 def test_the_remote_file_knows_huginns_architecture_values_as_the_library_does():
-    """The standalone file refuses any other architecture; its copy of Huginn's values must not drift."""
-    from recurrent_depth.config import HUGINN_ARCHITECTURE
+    """The standalone file refuses any other architecture; its copies of Huginn's values and of the longest window
+    the library accepts must not drift."""
+    from recurrent_depth.config import HUGINN_ARCHITECTURE, MAX_SEQ_LEN
     from recurrent_depth.integrations.remote import modeling_recurrent_depth as remote
 
     assert remote.HUGINN_ARCHITECTURE == HUGINN_ARCHITECTURE
+    assert remote.MAX_WINDOW == MAX_SEQ_LEN
 
 
 def test_remote_file_refuses_bad_ids_in_one_line_and_keeps_output_logits(tmp_path):

@@ -777,7 +777,7 @@ def test_half_precision_equals_transformers_bit_for_bit(tmp_path, name, dtype):
 
 
 @pytest.mark.parametrize("norm", ["norm_unit_offset", "norm_float32_gain"])
-def test_a_model_with_unit_offset_norms_takes_neither_the_fused_runner_nor_the_remote_code(norm):
+def test_a_model_with_non_huginn_norms_takes_neither_the_fused_runner_nor_the_remote_code(norm):
     """The fused runner (accel/runner.py) and the remote-code file implement Huginn's norms only: a model with
     (1 + w) gains or float32 gains, even of Huginn's layout, takes the reference runner, and export refuses it in
     one line."""

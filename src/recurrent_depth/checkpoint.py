@@ -247,10 +247,9 @@ def model_identity(directory: str | os.PathLike[str]) -> str:
     (`train/distill.py`), a training run the model directory it started from (`train/trainer_checkpoints.py`)."""
     directory = Path(directory)
     digest = hashlib.sha256(read_bytes(directory / "config.json", CONFIG_MAX_BYTES, "model config"))
-    for path in sorted(directory.iterdir()):
-        if path.name.endswith((".safetensors", ".bin", ".index.json")) and path.is_file():
-            info = path.stat()
-            digest.update(f"\n{path.name}\0{info.st_size}\0{info.st_mtime_ns}".encode())
+    for path in _fingerprinted_weight_files(directory):
+        info = path.stat()
+        digest.update(f"\n{path.name}\0{info.st_size}\0{info.st_mtime_ns}".encode())
     return digest.hexdigest()
 
 
@@ -261,15 +260,21 @@ def model_content_sample(directory: str | os.PathLike[str], chunks: int = 16, ch
     `trainer_checkpoints.check_same_start` falls back to it when `model_identity`'s mtimes differ."""
     directory = Path(directory)
     digest = hashlib.sha256(read_bytes(directory / "config.json", CONFIG_MAX_BYTES, "model config"))
-    for path in sorted(directory.iterdir()):
-        if path.name.endswith((".safetensors", ".bin", ".index.json")) and path.is_file():
-            fd, size = open_regular(path, None, "weight file")
-            digest.update(f"\n{path.name}\0{size}".encode())
-            with os.fdopen(fd, "rb") as handle:
-                for k in range(chunks):
-                    handle.seek(max(size - chunk_bytes, 0) * k // max(chunks - 1, 1))
-                    digest.update(handle.read(chunk_bytes))
+    for path in _fingerprinted_weight_files(directory):
+        fd, size = open_regular(path, None, "weight file")
+        digest.update(f"\n{path.name}\0{size}".encode())
+        with os.fdopen(fd, "rb") as handle:
+            for k in range(chunks):
+                handle.seek(max(size - chunk_bytes, 0) * k // max(chunks - 1, 1))
+                digest.update(handle.read(chunk_bytes))
     return digest.hexdigest()
+
+
+def _fingerprinted_weight_files(directory: Path) -> list[Path]:
+    """The files `model_identity` and `model_content_sample` read beside config.json, by name: every weight file
+    (`*.safetensors`, `*.bin`) and shard index, so both fingerprints cover the same files."""
+    return [path for path in sorted(directory.iterdir())
+            if path.name.endswith((".safetensors", ".bin", ".index.json")) and path.is_file()]
 
 
 def stored_dtype(path: str | os.PathLike[str]) -> torch.dtype | None:

@@ -197,10 +197,11 @@ class ModelConfig:
     qk_norm_full_width: bool = False  # with qk_norm: one RMSNorm over all heads' q (and k) at once (OLMo-2)
     mlp_activation: str = "silu"  # the MLP's activation (the gate's, when gated): see MLP_ACTIVATIONS
     embedding_scale: bool = True  # wte(x) * sqrt(h) (Huginn); off: wte(x) as is
-    # bf16 / fp16 values rounded where transformers' implementation rounds them (retrofitted Gemma, so it equals
-    # transformers bit for bit): the sqrt(h) embedding scale rounded to the model's dtype before the product, the
-    # rotate-half RoPE (rope_style "half") and the soft-capped attention and final logits computed in the model's
-    # dtype. Off: those in float32 (or the exact sqrt(h)), rounded once (Huginn's). The same values in float32.
+    # bf16 / fp16 values rounded where transformers' implementation rounds them (every retrofitted type but OLMo-2,
+    # so they equal transformers bit for bit): the sqrt(h) embedding scale rounded to the model's dtype before the
+    # product, the rotate-half RoPE (rope_style "half") and the soft-capped attention and final logits computed in
+    # the model's dtype. Off: those in float32 (or the exact sqrt(h)), rounded once (Huginn's). The same values in
+    # float32.
     transformers_rounding: bool = False
     # Every RMSNorm gain stored as w and applied as (1 + w), added and multiplied in float32 and rounded once
     # (transformers' GemmaRMSNorm: retrofitted Gemma 1-3, so they equal transformers in bf16 / fp16 too);

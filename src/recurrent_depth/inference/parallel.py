@@ -62,7 +62,7 @@ def decode(session: Session) -> Iterator[TokenEvent]:
     B, T = session.B, session.T
     limit = opts.max_steps
     name = opts.criterion.name if opts.criterion is not None else None
-    _, logits = session.prefill(opts.num_steps)  # (a model this mode cannot run was refused: check_mode_for_model)
+    _, logits = session.prefill(opts.num_steps)  # (a model it cannot run was refused up front: check_mode_for_model)
     rows = session.unfinished
     first = session.chooser.choose(logits, rows)
     nbytes = session.row_bytes()

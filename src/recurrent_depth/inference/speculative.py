@@ -38,7 +38,7 @@ def decode(session: Session) -> Iterator[TokenEvent]:
     # verifies with such a pass (and its draw), so under official defaults ours does too.
     fresh_verify = (opts.defaults == "official" and opts.init_scale > 0
                     and session.model.config.state_init == "random")
-    _, logits = session.prefill(M)  # (a model this mode cannot run was refused by the session: check_mode_for_model)
+    _, logits = session.prefill(M)  # (a model this mode cannot run was refused up front: check_mode_for_model)
     rows = session.unfinished
     pending = session.chooser.choose(logits, rows)  # [B]
     nbytes = session.row_bytes()

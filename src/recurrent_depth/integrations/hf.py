@@ -36,6 +36,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from recurrent_depth.inference.options import DEFAULTS, OptionError
 from recurrent_depth.inference.schema import OFFICIAL_ALIASES, OPTIONS, canonical, kwarg_spelling, names_for
 from recurrent_depth.integrations.hf_config import HuginnRavenConfig, OuroConfig, RecurrentDepthConfig
+from recurrent_depth.integrations.remote.modeling_recurrent_depth import INPUT_STATES_IN_GENERATE, kept_logits
 from recurrent_depth.model.cache import attend_floats, no_decode_views, parse_kv_policy, update_heads_via_kv
 from recurrent_depth.model.recurrent import RecurrentDepthLM, takase_init_
 from recurrent_depth.weight_quant import check_saveable, check_weights, quantize_weights
@@ -241,12 +242,6 @@ SHARED_GENERATE_OPTIONS = (*names_for("hf", "shared"), "attention_mask")
 # attention weights): a call routed to `recurrent_depth.generate` accepts them; any other value is refused there.
 _NO_OP_GENERATE_VALUES: dict[str, Any] = {"output_attentions": False, "output_hidden_states": False, "num_beams": 1,
                                           "num_return_sequences": 1}
-# generate refuses input_states up front: a forward's s_0 for the positions of that one call, it does not fit the
-# decoding steps' new positions.
-INPUT_STATES_IN_GENERATE = (
-    "generate: input_states is a forward() argument (s_0 for each position of that one call) and generate does not "
-    "take it: set generate's s_0 with init_scale= (0: s_0 = 0), or call the model with input_states= to score a "
-    "sequence from given states")
 # Every option transformers `generate` takes by our names or the official ones (attention_mask is
 # transformers' own): picked out of the kwargs and a GenerationConfig, aliases resolved, together.
 HF_OPTION_NAMES = frozenset((*names_for("hf"), *OFFICIAL_ALIASES))
@@ -582,7 +577,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             keys = attention_layer_keys(self._core.config, sum(out.num_steps))
             attentions = tuple(out.attentions.get(key) for key in keys)
         result = RecurrentDepthCausalLMOutput(
-            loss=loss, logits=_kept_logits(out.logits, logits_to_keep), cache=cache if use_cache else None,
+            # (the exported remote-code file's helper: that file cannot import the library, so this shares it)
+            loss=loss, logits=kept_logits(out.logits, logits_to_keep), cache=cache if use_cache else None,
             hidden_states=hidden, attentions=attentions, latent_states=out.latent_states, final_state=out.final_state,
         )
         return result if return_dict else result.to_tuple()
@@ -978,17 +974,6 @@ def _packed_document_ids(input_ids: Tensor, attention_mask: Tensor | None, posit
     if not bool(restarts.any()):
         return None
     return torch.cat([torch.zeros_like(restarts[:, :1]), restarts], dim=1).long().cumsum(-1)
-
-
-def _kept_logits(logits: Tensor, logits_to_keep: Any) -> Tensor:
-    """transformers' `logits_to_keep` (the loss still reads every position): an int n keeps the last n positions
-    (0: all of them), a 1-D tensor the positions it lists."""
-    if isinstance(logits_to_keep, int) and not isinstance(logits_to_keep, bool) and logits_to_keep >= 0:
-        return logits[:, -logits_to_keep:] if logits_to_keep else logits
-    if isinstance(logits_to_keep, Tensor) and logits_to_keep.dim() == 1 and not logits_to_keep.is_floating_point():
-        return logits[:, logits_to_keep.to(logits.device)]
-    raise ValueError(f"logits_to_keep={logits_to_keep!r} is invalid: expected an integer >= 0 (the last positions "
-                     "to keep, 0: all) or a 1-D tensor of positions")
 
 
 def _cache_alias(cache: Any, kwargs: dict[str, Any]) -> Any:

@@ -311,7 +311,7 @@ def sft_trainer(cfg: TrainConfig, options: SFTOptions | None = None, **trainer_k
 
         model = add_lora(model, options.lora, base_dir=start.model_dir, seed=cfg.seed)
     trainer = Trainer(cfg, model=model, data=source, tokenizer_dir=start.tokenizer_dir, **trainer_kwargs)
-    trainer._owns_group = env.enabled and joined  # (the group joined here is the trainer's to leave: close())
+    trainer.adopt_group(joined)  # (the group joined here is the trainer's to leave: close())
     return trainer
 
 

@@ -529,6 +529,12 @@ class Trainer:
             self._ddp_released = ddist.release_ddp(self) or self._ddp_released
             self._unlock_out()
 
+    def adopt_group(self, joined: bool) -> None:
+        """Leave the process group in `close()` when its caller joined it (`joined`: no group existed before the
+        caller's `init_distributed`). A recipe that joins before building its Trainer, to learn its rank for its
+        data source, hands the group over so: the Trainer saw a group already there, which it does not leave."""
+        self._owns_group = self.env.enabled and joined
+
     def close(self) -> None:
         """Close the logs, free the DDP wrapper, then leave the process group if this Trainer joined it (torchrun's
         environment; a group initialised before the Trainer is left to its owner). Idempotent; also the end of

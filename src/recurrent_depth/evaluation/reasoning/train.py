@@ -328,7 +328,7 @@ def _train(
 
     trainer = Trainer(trainer_config(config), model=model, data=stream, tokenizer_dir=tokenizer_dir, depth=depth,
                       evaluate=evaluate, on_step=log_progress, log=log)
-    trainer._owns_group = env.enabled and joined  # (the group joined here is the trainer's to leave: close())
+    trainer.adopt_group(joined)  # (the group joined here is the trainer's to leave: close())
     result = trainer.run()
     model.eval()
     return result, curriculum, stream

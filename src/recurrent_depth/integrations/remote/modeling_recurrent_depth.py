@@ -99,13 +99,18 @@ def kept_logits(logits: Tensor, logits_to_keep: Any) -> Tensor:
                      "to keep, 0: all) or a 1-D tensor of positions")
 
 
+# generate refuses input_states up front: a forward's s_0 for the positions of that one call, it does not fit the
+# decoding steps' new positions (the library's generate says the same: integrations/hf.py imports this).
+INPUT_STATES_IN_GENERATE = (
+    "generate: input_states is a forward() argument (s_0 for each position of that one call) and generate does not "
+    "take it: set generate's s_0 with init_scale= (0: s_0 = 0), or call the model with input_states= to score a "
+    "sequence from given states")
+
+
 def refuse_library_only(kwargs: dict[str, Any]) -> None:
     """One line naming the options this file cannot run, why, and how to get them."""
     if kwargs.get("input_states") is not None:  # (transformers' loop used them for the prompt, then failed)
-        raise ValueError(
-            "generate: input_states is a forward() argument (s_0 for each position of that one call) and generate "
-            "does not take it: set generate's s_0 with init_scale= (0: s_0 = 0), or call the model with "
-            "input_states= to score a sequence from given states")
+        raise ValueError(INPUT_STATES_IN_GENERATE)
     asked = sorted(k for k in kwargs if k in LIBRARY_ONLY_OPTIONS and kwargs[k] is not None)
     if not asked:
         return

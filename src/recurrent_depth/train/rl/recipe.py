@@ -131,7 +131,7 @@ def build_rl(model: Any, rl: RLConfig, train: TrainConfig, *, tokenizer: Any = N
         raise ValueError(f"RL takes one optimizer step per rollout batch: grad_accum must be 1, got {train.grad_accum}")
     trainer = Trainer(train, model=model, data=source, objective=objective, depth=NoDepthDraw(), log=log,
                       **trainer_kwargs)
-    trainer._owns_group = env.enabled and joined  # (the group joined here is the trainer's to leave: close())
+    trainer.adopt_group(joined)  # (the group joined here is the trainer's to leave: close())
     return trainer
 
 

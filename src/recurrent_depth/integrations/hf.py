@@ -36,7 +36,6 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from recurrent_depth.inference.options import DEFAULTS, OptionError
 from recurrent_depth.inference.schema import OFFICIAL_ALIASES, OPTIONS, canonical, kwarg_spelling, names_for
 from recurrent_depth.integrations.hf_config import HuginnRavenConfig, OuroConfig, RecurrentDepthConfig
-from recurrent_depth.integrations.remote.modeling_recurrent_depth import INPUT_STATES_IN_GENERATE, kept_logits
 from recurrent_depth.model.cache import attend_floats, no_decode_views, parse_kv_policy, update_heads_via_kv
 from recurrent_depth.model.recurrent import RecurrentDepthLM, takase_init_
 from recurrent_depth.weight_quant import check_saveable, check_weights, quantize_weights
@@ -576,9 +575,12 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         if out.attentions is not None:
             keys = attention_layer_keys(self._core.config, sum(out.num_steps))
             attentions = tuple(out.attentions.get(key) for key in keys)
+        # (the exported remote-code file's helper: that file cannot import the library, so this shares it; imported
+        # here, as importing that module imports transformers, whose registration hook imports this one)
+        from recurrent_depth.integrations.remote import modeling_recurrent_depth as remote
+
         result = RecurrentDepthCausalLMOutput(
-            # (the exported remote-code file's helper: that file cannot import the library, so this shares it)
-            loss=loss, logits=kept_logits(out.logits, logits_to_keep), cache=cache if use_cache else None,
+            loss=loss, logits=remote.kept_logits(out.logits, logits_to_keep), cache=cache if use_cache else None,
             hidden_states=hidden, attentions=attentions, latent_states=out.latent_states, final_state=out.final_state,
         )
         return result if return_dict else result.to_tuple()
@@ -604,7 +606,9 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         ``cache_kwargs={"lookup_strategy": ...}`` is ``cache_lookup_strategy``.
         """
         if kwargs.get("input_states") is not None:  # (transformers' loop used them for the prompt, then failed)
-            raise ValueError(INPUT_STATES_IN_GENERATE)
+            from recurrent_depth.integrations.remote import modeling_recurrent_depth as remote
+
+            raise ValueError(remote.INPUT_STATES_IN_GENERATE)
         defaults = kwargs.pop("defaults", None)
         if defaults is not None and defaults not in DEFAULTS:
             raise ValueError(f"generate: defaults={defaults!r} is invalid: expected None or one of {DEFAULTS}")

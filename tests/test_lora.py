@@ -414,6 +414,12 @@ def test_an_adapter_warns_when_loaded_onto_other_weights_of_the_same_shapes_and_
     assert recorded_base(tmp_path / "moved")[FINGERPRINT_KEY] == base_fingerprint(rd.RecurrentDepthLM.from_pretrained(
         other))
     assert read_adapter_config(tmp_path / "moved")["base_model_name_or_path"] == str(other.resolve())
+    # without model_dir= the other model's path is unknown: the old base's path beside the new fingerprint named
+    # a directory whose weights are not the recorded ones (every later load then warned about the wrong base)
+    with pytest.warns(AdapterBaseWarning):
+        save_adapter(load_lora(rd.RecurrentDepthLM.from_pretrained(other), adapter), tmp_path / "unplaced")
+    assert recorded_base(tmp_path / "unplaced")[FINGERPRINT_KEY] == recorded_base(tmp_path / "moved")[FINGERPRINT_KEY]
+    assert read_adapter_config(tmp_path / "unplaced").get("base_model_name_or_path") is None
 
     tiny_model(seed=2).save_pretrained(base)  # the base directory rewritten since
     with pytest.warns(AdapterBaseWarning, match=r"the weights in that directory changed since the adapter was saved"):

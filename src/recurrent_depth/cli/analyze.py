@@ -42,12 +42,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_out_arg(p, "runs/analysis")
     add_seed_arg(p)
     add_device_args(p)
-    p.add_argument("--steps", type=int, default=64, help="recurrence steps recorded and plotted (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=64,
+                   help="recurrence steps recorded and plotted, at least 8 (default: %(default)s)")
     p.add_argument("--limit-steps", type=int, default=128,
                    help="steps from the same s0 to the limit point s* (default: %(default)s)")
     add_max_depth_arg(p)
     p.add_argument("--starts", type=int, default=4,
-                   help="random initial states for path independence (default: %(default)s)")
+                   help="random initial states for path independence, at least 2 (default: %(default)s)")
     add_option_flags(p, ("init_scale",), field_defaults=True)
     p.add_argument("--converge-tol", type=float, default=0.05,
                    help="relative distance to s* that counts as converged (default: %(default)s)")

@@ -583,7 +583,7 @@ def load_lora(model: nn.Module, adapter_dir: str | Path, trainable: bool = False
               model_dir: str | Path | None = None) -> Any:
     """The peft wrapper of `model` with the adapter saved in `adapter_dir` (unmerged). An adapter that records
     another base's fingerprint warns (AdapterBaseWarning), or with strict_base fails (`check_adapter_base`;
-    model_dir: where `model` came from, named in that message)."""
+    model_dir: where `model` came from, named in that message and recorded by `save_adapter`)."""
     peft = require_peft()
     path = check_adapter_dir(adapter_dir)
     header = check_adapter_files(path)
@@ -602,6 +602,13 @@ def load_lora(model: nn.Module, adapter_dir: str | Path, trainable: bool = False
     # saved again (`save_adapter`, e.g. after training it further): the base it is on now, by path and fingerprint
     wrapped.lora_base_record = base_record(wrapped)
     base_dir = model_dir if model_dir is not None else recorded_base_dir(path)
+    if model_dir is None and recorded_base(path).get(FINGERPRINT_KEY) not in (None, wrapped.lora_base_record[
+            FINGERPRINT_KEY]):
+        # on other weights than the recorded base's, from a directory not given: record no path rather than the
+        # old base's beside this model's fingerprint (the peft config holds the old one too)
+        base_dir = None
+        for config in wrapped.peft_config.values():
+            config.base_model_name_or_path = None
     wrapped.lora_base_dir = str(Path(base_dir).resolve()) if base_dir is not None else None
     return wrapped
 

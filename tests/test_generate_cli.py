@@ -219,3 +219,23 @@ def test_a_flag_the_mode_ignores_is_one_warning_line_in_flag_spelling(model_dir,
     notes = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert notes == ["rdepth generate: warning: --lookahead=3 has no effect without speculative decoding "
                      "(set --draft-steps)"]
+
+
+def test_the_generation_config_files_seed_is_used_unless_seed_is_given(model_dir, tmp_path, capsys):
+    """The flag --seed defaulted to 0, so the file's seed never applied (the docs list it among the fields read)."""
+    import shutil
+
+    with_file = tmp_path / "model"
+    shutil.copytree(model_dir, with_file)
+    (with_file / "generation_config.json").write_text(json.dumps({"do_sample": True, "seed": 11}))
+
+    def tokens(model, *flags: str) -> list:
+        argv = ["generate", "--model", str(model), "--prompt", "def add", "--max-new-tokens", "8",
+                "--num-steps", "2", "--json", *flags]
+        assert main(argv) == 0
+        return json.loads(capsys.readouterr().out)["tokens"]
+
+    seeded = tokens(model_dir, "--do-sample", "--seed", "11")
+    assert tokens(with_file) == seeded
+    assert tokens(with_file, "--seed", "0") == tokens(model_dir, "--do-sample")  # the flag wins; 0 stays the default
+    assert seeded != tokens(model_dir, "--do-sample")  # (the seed matters here)

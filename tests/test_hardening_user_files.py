@@ -445,3 +445,22 @@ def test_remote_code_export_refuses_a_generation_config_that_is_no_object_before
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "generation_config.json" in err[0] and message in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv", [[], ["--remote-code"]], ids=["plain", "remote-code"])
+@pytest.mark.parametrize("make, message", [
+    (lambda p: p.write_text("[1, 2]"), "is not a JSON object"),
+    (os.mkfifo, "is not a regular file"),
+    (lambda p: os.symlink("/dev/zero", p), "is not a regular file"),
+], ids=["list", "fifo", "dev-zero"])
+def test_every_export_refuses_a_generation_config_it_cannot_copy_before_writing(tmp_path, capsys, argv, make,
+                                                                                message):
+    # a plain export copied a JSON list as it was, and any export left out a FIFO or a /dev/zero link without a word
+    from recurrent_depth.cli import main
+
+    tiny_model().save_pretrained(tmp_path / "src")
+    make(tmp_path / "src" / "generation_config.json")
+    assert main(["export", "--model", str(tmp_path / "src"), "--out", str(tmp_path / "out"), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "generation_config.json" in err[0] and message in err[0], err
+    assert not (tmp_path / "out").exists()

@@ -447,6 +447,13 @@ def test_rdepth_generate_reads_the_generation_config_json_our_transformers_class
     plain = cli("--generation-config", "none", "--max-new-tokens", "12")  # the model config's depth and eos
     assert plain["steps"][0][1:] == [model.config.mean_recurrence] * (len(plain["steps"][0]) - 1)
 
+    # --exit-threshold auto: the official threshold of the file's exit_criterion, kl's 1e-3 (it exited 2, "needs an
+    # exit_criterion": resolved before the file was read)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"exit_criterion": "kl", "init_scale": 0.0}))
+    auto = cli("--exit-threshold", "auto", "--max-new-tokens", "3", "--num-steps", "6")
+    explicit = cli("--exit-threshold", "0.001", "--max-new-tokens", "3", "--num-steps", "6")
+    assert (auto["tokens"], auto["steps"]) == (explicit["tokens"], explicit["steps"])
+
 
 def test_generation_config_json_defaults_follow_transformers_rules_and_reach_rdepth_serve(tmp_path, capsys):
     """What the file sets, by our names (official aliases resolved, stop_strings as stop); its temperature / top_k

@@ -16,6 +16,7 @@ from lm_eval.utils import handle_arg_string
 
 import recurrent_depth as rd
 from recurrent_depth.cli import build_parser, main
+from recurrent_depth.cli.generate import CLI_DEFAULTS
 from recurrent_depth.evaluation import lm_eval_backend
 from recurrent_depth.evaluation.lm_eval_backend import RecurrentDepthEvalLM
 from recurrent_depth.inference.options import GenerationOptions, OptionError
@@ -86,7 +87,8 @@ def test_cli_flags_are_the_schema():
         if action.dest in OPTIONS:
             option = OPTIONS[action.dest]
             assert action.option_strings[0] == option.flag and action.help == option.describe()
-            assert action.default == option.cli_default
+            # a flag not given is None; its CLI default (--seed 0) applies under generation_config.json
+            assert action.default is None and CLI_DEFAULTS.get(action.dest) == option.cli_default
         else:
             assert action.option_strings[0] == OFFICIAL_ALIASES[action.dest].flag and action.default is None
 

@@ -776,7 +776,7 @@ def test_rdepth_serve_takes_the_generation_config_json_as_request_defaults(model
         torch.set_num_threads(threads)
 
 
-def test_generation_config_defaults_follow_do_sample_and_bad_ones_fail_at_start_up(reference, capsys):
+def test_generation_config_defaults_follow_do_sample_and_bad_ones_fail_at_start_up(reference, model_dir, capsys):
     """The file's do_sample decides as in transformers (vLLM would sample at the file's temperature whatever its
     do_sample); a request's temperature 0 or top_k -1 turns the file's sampling settings off; a value the server
     refuses, stop strings without a tokenizer or an eos outside the vocabulary fail at start-up naming the file."""
@@ -793,14 +793,54 @@ def test_generation_config_defaults_follow_do_sample_and_bad_ones_fail_at_start_
     assert fields(sampling, {}) == sampling
     assert fields(sampling, {"temperature": 0}) == {"do_sample": False}
     assert fields(sampling, {"top_k": -1}) == {"do_sample": True, "temperature": 0.5}
+    # a request's exit_threshold "auto" is the official threshold of the file's exit_criterion (it was a 400
+    # "needs an exit_criterion": resolved before the file joined), as in rdepth generate
+    assert fields({"exit_criterion": "latent-diff"}, {"exit_threshold": "auto", "temperature": 0}) == {
+        "do_sample": False, "exit_criterion": "latent-diff", "exit_threshold": 0.03}
 
     model = reference[0]
     for defaults, message in (
             ({"do_sample": True, "temperature": 500.0}, r": 'temperature'=500.0 is out of range: this server allows "
                                                         r"at most 100.0 \(rdepth serve --generation-config none"),
+            # (a chat answer of 0 tokens was every chat request's default)
+            ({"max_new_tokens": 0}, r": max_new_tokens=0 is invalid as the requests' default: expected an integer"),
             ({"stop": ["x"]}, r" sets stop strings \['x'\], which need the model directory's tokenizer.json"),
             ({"eos_token_id": 999}, r": eos_token_id=999 is invalid: expected None, a token id")):
         with pytest.raises(ValueError, match="^generation_config.json" + message):
             build_app(model, generation_defaults=defaults, tokenizer_workers=1)
+    # more stop strings than a request may send (a 400) were the default of every request without 'stop'
+    with pytest.raises(ValueError, match=r"^generation_config.json: 'stop' has 17 strings; at most 16 are allowed"):
+        build_app(model, tokenizer_dir=model_dir, generation_defaults={"stop": [f"s{i}" for i in range(17)]},
+                  tokenizer_workers=1)
     build_app(model, generation_defaults={"headway": 2}, tokenizer_workers=1)
     assert "generation_config.json sets ['headway'], which requests do not take" in capsys.readouterr().err
+
+
+def test_build_app_reads_the_model_directorys_generation_config_and_its_stop_strings_stop_a_request(model_dir,
+                                                                                                   reference,
+                                                                                                   tmp_path):
+    """`build_app(model_dir)` reads generation_config.json as `rdepth serve` does (it did not: a request sampled at
+    temperature 1 for 16 tokens at the model's depth); the file's stop_strings are the default `stop` of a request
+    without one, and a request's own `stop` replaces them; generation_config="none" ignores the file."""
+    import shutil
+
+    prompt = encode(reference, "The quick")
+    text, tokens, *_ = expected(reference, prompt, 8, num_steps=2, do_sample=False, init_scale=0.0)
+    mark = text[3:5]  # (its first occurrence ends the answer)
+    assert len(text) > 5 and mark.strip(), text
+    directory = tmp_path / "model"
+    shutil.copytree(model_dir, directory)
+    (directory / "generation_config.json").write_text(json.dumps(
+        {"do_sample": False, "init_scale": 0.0, "max_new_tokens": 8, "num_steps": 2, "stop_strings": [mark]}))
+    app = build_app(directory, tokenizer_workers=1)
+    assert "default depth 2," in app.state.banner("")  # the file's num_steps, as rdepth serve's --num-steps
+    with LiveServer(app) as live:
+        answers = [httpx.post(live.url + "/v1/completions", timeout=60, json=dict(prompt=prompt, **body)).json()
+                   for body in ({}, {"stop": "\x00"})]
+    first, own = answers[0]["choices"][0], answers[1]["choices"][0]
+    assert (first["text"], first["finish_reason"]) == (text[:text.index(mark)], "stop"), answers[0]
+    assert own["text"] == text and answers[1]["usage"]["completion_tokens"] == len(tokens), answers[1]
+    r = reference[0].config.mean_recurrence
+    assert f"default depth {r}," in build_app(directory, tokenizer_workers=1, generation_config="none").state.banner("")
+    with pytest.raises(ValueError, match=r"^generation_config='vllm' is invalid: expected one of \['auto', 'none'\]"):
+        build_app(directory, generation_config="vllm")

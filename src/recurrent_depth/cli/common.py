@@ -297,6 +297,15 @@ def generation_defaults(model_dir: str, mode: str, command: str, max_depth: int 
     return options
 
 
+def server_generation_defaults(model_dir: str, mode: str, command: str,
+                               max_depth: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`generation_defaults` for a server (`rdepth serve`, `build_app`): (the file's num_steps and kv_quant, which
+    set the server's own --num-steps / --kv-quant where those are not given: its KV pool, lm-eval's depth; the
+    rest, the defaults of the fields a request leaves out)."""
+    defaults = generation_defaults(model_dir, mode, command, max_depth)
+    return {name: defaults.pop(name, None) for name in ("num_steps", "kv_quant")}, defaults
+
+
 def _token_ids(value: Any) -> bool:
     ids = value if isinstance(value, list) else [value]
     return all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)

@@ -94,9 +94,9 @@ def run(args: argparse.Namespace) -> int:
         args.tokenizer = tokenizer_directory(args.tokenizer)
     if args.tokenizer is not None and not (Path(args.tokenizer) / "tokenizer.json").is_file():
         raise FileNotFoundError(f"--tokenizer {args.tokenizer}: no tokenizer.json in that directory")
+    check_generation_defaults(src, remote_code=args.remote_code)  # fail before writing (or loading) anything
     if args.remote_code:
-        check_exportable(ModelConfig.from_json(src))  # fail before writing anything
-        check_generation_defaults(src)
+        check_exportable(ModelConfig.from_json(src))
     if out is not None and (reshape or not args.remote_code):
         if args.merge_lora is None:
             model = RecurrentDepthLM.from_pretrained(src, dtype=args.dtype)

@@ -28,8 +28,13 @@ from recurrent_depth.cli.common import (
     tokenizer_source,
     with_generation_defaults,
 )
-from recurrent_depth.inference.options import OptionError, spelled_warnings
+from recurrent_depth.inference.options import OPTIONS, OptionError, spelled_warnings
 from recurrent_depth.inference.schema import add_cli_arguments, canonical, cli_spelling, cli_values
+
+# the options whose `rdepth generate` default differs from the library's (--seed 0): under the flags and the
+# directory's generation_config.json
+CLI_DEFAULTS = {name: option.cli_default for name, option in OPTIONS.items()
+                if option.cli and option.cli_default is not None}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -47,6 +52,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         f"{PROMPT_MAX_BYTES >> 20} MiB); repeat for a batch, after any --prompt")
     add_max_depth_arg(p)
     add_cli_arguments(p)  # every generation option, derived from the schema (inference/schema.py)
+    # a flag's own default (--seed 0) applies after generation_config.json, in run: a flag not given stays None
+    p.set_defaults(**{name: None for name in CLI_DEFAULTS})
     add_generation_config_arg(p, f"sets the options no flag sets, as our transformers classes read it: "
                                  f"{GENERATION_CONFIG_KEYS} (as vLLM's --generation-config auto)")
     o = p.add_argument_group("printing")
@@ -95,7 +102,8 @@ def _generation_kwargs(args: argparse.Namespace) -> tuple[dict[str, Any], dict[s
     if values.get("temperature") == 0:
         values["do_sample"] = False
         del values["temperature"]
-    return canonical(values)
+    # (--exit-threshold auto stays "auto": generate resolves it after generation_config.json's exit_criterion joins)
+    return canonical(values, resolve_auto=False)
 
 
 def _stats_line(out: Any) -> str:
@@ -151,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
     # (the directory's generation_config.json under the flags, as our transformers classes and vLLM read it)
     kwargs = with_generation_defaults(kwargs, generation_defaults(args.model, args.generation_config,
                                                                   "rdepth generate", args.max_depth))
+    kwargs = {**CLI_DEFAULTS, **kwargs}
     stream = args.stream if args.stream is not None else (len(rows) == 1 and not args.json)
     if stream and len(rows) > 1:
         raise ValueError("--stream prints one prompt's tokens as they come; use --no-stream for a batch")

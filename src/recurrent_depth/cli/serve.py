@@ -21,7 +21,7 @@ from recurrent_depth.cli.common import (
     add_max_depth_arg,
     check_lora_with_weights,
     check_strict_lora_base,
-    generation_defaults,
+    server_generation_defaults,
 )
 from recurrent_depth.inference.options import DEFAULT_TTT_MAX_COPY_MB
 from recurrent_depth.inference.schema import add_option_flags
@@ -154,9 +154,8 @@ def apply_generation_defaults(args: argparse.Namespace) -> dict[str, Any]:
     """The model directory's generation_config.json (`--generation-config auto`) as --num-steps and --kv-quant where
     those flags are not given (the server's own settings: its KV pool, lm-eval's depth); the rest of it, the
     defaults of the fields a request leaves out (`build_app`'s generation_defaults)."""
-    defaults = generation_defaults(args.model, args.generation_config, "rdepth serve", args.max_depth)
-    for name in ("num_steps", "kv_quant"):
-        value = defaults.pop(name, None)
+    server, defaults = server_generation_defaults(args.model, args.generation_config, "rdepth serve", args.max_depth)
+    for name, value in server.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     return defaults

@@ -89,11 +89,13 @@ def official_auto_threshold(criterion: Any) -> float:
     return resolve_criterion(criterion, None, official=True)[1]  # differs from ours for kl only
 
 
-def canonical(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+def canonical(values: dict[str, Any], resolve_auto: bool = True) -> tuple[dict[str, Any], dict[str, str]]:
     """Official names -> our options: (options by field name, {field: the alias the caller used}).
 
     None means "not given" (the option's default); one option given under two names with two
-    different values is an OptionError."""
+    different values is an OptionError. `resolve_auto=False` leaves exit_threshold="auto" as it is, for
+    options that defaults (generation_config.json) complete first: "auto" means the threshold of the
+    criterion the merged options name (`resolved_auto` of the merge)."""
     out: dict[str, Any] = {}
     given_as: dict[str, str] = {}
     for name, value in values.items():
@@ -116,9 +118,15 @@ def canonical(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
             given_as[field] = name
         else:
             given_as.pop(field, None)
-    if isinstance(out.get("exit_threshold"), str) and out["exit_threshold"] == AUTO:
-        out["exit_threshold"] = official_auto_threshold(out.get("exit_criterion"))
-    return out, given_as
+    return (resolved_auto(out) if resolve_auto else out), given_as
+
+
+def resolved_auto(options: dict[str, Any]) -> dict[str, Any]:
+    """`options` (by field name) with exit_threshold="auto" replaced by the official threshold of their
+    exit_criterion (an OptionError without one)."""
+    if isinstance(options.get("exit_threshold"), str) and options["exit_threshold"] == AUTO:
+        return {**options, "exit_threshold": official_auto_threshold(options.get("exit_criterion"))}
+    return options
 
 
 def unknown_names(names: Any, known: Any) -> list[str]:

@@ -59,16 +59,24 @@ def check_exportable(config: ModelConfig) -> None:
         )
 
 
-def check_generation_defaults(src: Path) -> None:
-    """Refuse (one line, before anything is written) a generation_config.json that sets options only the library
-    runs (an exit criterion, a KV policy, ...): the exported file would refuse every plain `generate` call."""
+def check_generation_defaults(src: Path, remote_code: bool = True) -> None:
+    """Refuse (one line, before anything is written) a generation_config.json that no export can carry: one that is
+    not a regular file (a FIFO, a link to /dev/zero: the copy left it out without a word) or not a JSON object
+    (copied as it was, the copy's every from_pretrained was a TypeError); with `remote_code`, also one that sets
+    options only the library runs (an exit criterion, a KV policy, ...): the exported file would refuse every plain
+    `generate` call."""
+    path = src / GENERATION_CONFIG_FILE
+    if not path.exists() and not path.is_symlink():
+        return
+    if not path.is_file():  # (also a dangling link)
+        raise ValueError(f"{path} is not a regular file: replace or remove it before exporting")
+    values = read_json(path, CONFIG_MAX_BYTES, "generation config")
+    if not isinstance(values, dict):
+        raise ValueError(f"{path} is not a JSON object: fix or remove it before exporting")
+    if not remote_code:
+        return
     from recurrent_depth.integrations.remote.modeling_recurrent_depth import LIBRARY_ONLY_OPTIONS
 
-    if not (src / GENERATION_CONFIG_FILE).is_file():
-        return
-    values = read_json(src / GENERATION_CONFIG_FILE, CONFIG_MAX_BYTES, "generation config")
-    if not isinstance(values, dict):  # (copied as it was, the copy's every from_pretrained was a TypeError)
-        raise ValueError(f"{src / GENERATION_CONFIG_FILE} is not a JSON object: fix or remove it before exporting")
     asked = sorted(k for k in LIBRARY_ONLY_OPTIONS if values.get(k) is not None)
     if asked:
         raise ValueError(f"{src / GENERATION_CONFIG_FILE} sets {asked}, which only the recurrent_depth library runs: "
@@ -83,6 +91,7 @@ def copy_companions(src: Path, out: Path) -> None:
     tokenizer.json linked to /dev/zero filled the disk)."""
     if src.resolve() == out.resolve():
         return
+    check_generation_defaults(src, remote_code=False)  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
     copy_tokenizer(src, out)
     for name, what in ((PROVENANCE_FILE, "retrofit record"), (GENERATION_CONFIG_FILE, "generation config")):

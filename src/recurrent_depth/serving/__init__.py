@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from recurrent_depth.cli.common import GENERATION_CONFIG_MODES, server_generation_defaults
 from recurrent_depth.config import MAX_NUM_STEPS, check_depth, is_int
 from recurrent_depth.inference.options import DEFAULT_TTT_MAX_COPY_MB
 from recurrent_depth.inference.quant_cache import KVQuant
@@ -30,7 +31,14 @@ from recurrent_depth.serving.app import MAX_BODY_BYTES, ServerSettings, create_a
 from recurrent_depth.serving.batch import BatchDecoder, RowRequest, TokenResult
 from recurrent_depth.serving.engine import BatchScheduler, Engine
 from recurrent_depth.serving.metrics import Metrics
-from recurrent_depth.serving.protocol import APIError, Limits, generation_fields, request_defaults, validated
+from recurrent_depth.serving.protocol import (
+    APIError,
+    Limits,
+    generation_fields,
+    request_defaults,
+    stop_strings,
+    validated,
+)
 from recurrent_depth.serving.text import TextCodec, tokenizer_file
 from recurrent_depth.weight_quant import check_weights, quantize_weights
 
@@ -88,6 +96,7 @@ def build_app(
     lora_modules: Mapping[str, str | Path] | None = None,
     strict_lora_base: bool = False,
     generation_defaults: Mapping[str, Any] | None = None,
+    generation_config: str = "auto",
 ) -> Any:
     """A ready FastAPI app for a model directory (or a loaded `RecurrentDepthLM` plus `tokenizer_dir`).
 
@@ -115,12 +124,23 @@ def build_app(
     request whose `model` is one of the names runs with that adapter, one naming `model_name` with none
     (`serving/adapters.py`; the requests of one adapter run at a time). A loaded model gets the adapters in place.
     `strict_lora_base`: refuse an adapter trained on other weights instead of warning (`train.lora.load_lora`).
-    `generation_defaults`: a generation_config.json's settings by our option names
-    (`recurrent_depth.cli.common.generation_defaults`, which `rdepth serve` passes): a request takes them for the
-    fields it leaves out (`serving.protocol.request_defaults`; docs/serving.md); ones no request takes are named on
-    stderr.
+    `generation_config` ("auto" or "none", as `rdepth serve --generation-config`): with "auto" a model directory's
+    generation_config.json sets `num_steps` and `kv_quant` where those are None, and the defaults of the fields a
+    request leaves out (`serving.protocol.request_defaults`; docs/serving.md); its settings no request takes are
+    named on stderr. `generation_defaults`, when given, replaces the file: such settings by our option names
+    (`recurrent_depth.cli.common.generation_defaults`, which `rdepth serve` passes, having read the file itself).
     """
     check_weights(weights)
+    if max_depth is not None and (not is_int(max_depth) or max_depth < 1):
+        raise ValueError(f"max_depth={max_depth!r} is invalid: expected an integer >= 1")
+    if generation_config not in GENERATION_CONFIG_MODES:
+        raise ValueError(f"generation_config={generation_config!r} is invalid: expected one of "
+                         f"{list(GENERATION_CONFIG_MODES)}")
+    if generation_defaults is None and isinstance(model, str | Path):  # as rdepth serve reads it, before loading
+        server, generation_defaults = server_generation_defaults(str(model), generation_config, "build_app",
+                                                                 max_depth)
+        num_steps = server["num_steps"] if num_steps is None else num_steps
+        kv_quant = server["kv_quant"] if kv_quant is None else kv_quant
     if lora_modules is not None and weights is not None:  # (as `--lora`: peft adds adapters to float layers only)
         raise ValueError(f"lora_modules cannot go on weights={weights!r} layers (an unmerged adapter needs the float "
                          "weights): merge an adapter first (rdepth export --merge-lora) and serve it as its own model")
@@ -164,8 +184,6 @@ def build_app(
     if api_key is not None and not api_key.strip():
         raise ValueError("api_key is blank: pass a non-empty key, or None to serve without one")
     cfg = model.config
-    if max_depth is not None and (not is_int(max_depth) or max_depth < 1):
-        raise ValueError(f"max_depth={max_depth!r} is invalid: expected an integer >= 1")
     ceiling = MAX_NUM_STEPS if max_depth is None else max_depth
     steps = max_num_steps if max_num_steps is not None else default_max_num_steps(cfg.mean_recurrence, ceiling)
     check_depth(steps, "max_num_steps", ceiling, low=1)
@@ -177,6 +195,11 @@ def build_app(
                          f"set num_steps) is above max_num_steps={steps}: give num_steps <= {steps} (--num-steps), "
                          "or a higher max_num_steps (--max-num-steps, --max-depth)")
     defaults, unused = request_defaults(dict(generation_defaults or {}))
+    most = defaults.get("max_new_tokens")
+    if most is not None and not (is_int(most) and most >= 1):  # (0: a chat answer needs a token, as in vLLM's
+        # chat; transformers refuses 0 in the file too. A completion request may still send max_tokens 0)
+        raise ValueError(f"generation_config.json: max_new_tokens={most!r} is invalid as the requests' default: "
+                         "expected an integer >= 1 (rdepth serve --generation-config none ignores the file)")
     if unused:
         print(f"rdepth serve: generation_config.json sets {unused}, which requests do not take; they are ignored",
               file=sys.stderr)
@@ -185,6 +208,7 @@ def build_app(
                     gate_threshold=cfg.exit_gate_threshold, defaults=defaults)
     try:  # a default no request could run with fails here, once, not as a 400 on every request that leaves it out
         validated(*generation_fields({}, limits), 1, limits)
+        stop_strings(defaults.get("stop"), limits)  # (more than a request may send, an empty one)
     except APIError as exc:
         raise ValueError(f"generation_config.json: {exc.message} (rdepth serve --generation-config none ignores "
                          "the file)") from None

@@ -24,7 +24,15 @@ from typing import Any
 
 from recurrent_depth.cli.common import with_generation_defaults
 from recurrent_depth.inference.options import GenerationOptions, OptionError, ResolvedOptions, spelled_warnings
-from recurrent_depth.inference.schema import OFFICIAL_ALIASES, OPTIONS, canonical, check_type, names_for, negating
+from recurrent_depth.inference.schema import (
+    OFFICIAL_ALIASES,
+    OPTIONS,
+    canonical,
+    check_type,
+    names_for,
+    negating,
+    resolved_auto,
+)
 from recurrent_depth.serving.chat_template import content_text
 
 HTTP_OPTIONS = names_for("http")  # the schema's extra body fields, official aliases included
@@ -242,6 +250,21 @@ def unknown_model(model: str, served_names: set[str] | frozenset[str]) -> APIErr
                          f"{clipped_names(sorted(served_names), 20)}", param="model", code="model_not_found")
 
 
+def stop_strings(value: Any, limits: Limits) -> list[str]:
+    """A request's 'stop' as a list of strings, checked (400s naming 'stop'); `build_app` checks
+    generation_config.json's stop strings, a request's default, here too."""
+    stop = [] if value is None else [value] if isinstance(value, str) else value
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise bad("stop", f"'stop' must be a string or a list of strings, got {_describe(value)}")
+    if len(stop) > limits.max_stop:
+        raise bad("stop", f"'stop' has {len(stop)} strings; at most {limits.max_stop} are allowed")
+    if any(s == "" for s in stop):
+        raise bad("stop", "'stop' strings must not be empty")
+    for i, s in enumerate(stop):
+        check_text(s, "stop", f"'stop'[{i}]")
+    return stop
+
+
 def parse_sampling(body: dict, limits: Limits, served_names: set[str], eos_configured: bool) -> Sampling:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -263,19 +286,7 @@ def parse_sampling(body: dict, limits: Limits, served_names: set[str], eos_confi
         raise bad("stream_options", f"'stream_options' must be an object, got {_describe(options)}")
     include_usage = bool(stream and options and options.get("include_usage") is True)
 
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise bad("stop", f"'stop' must be a string or a list of strings, got {_describe(body.get('stop'))}")
-    if len(stop) > limits.max_stop:
-        raise bad("stop", f"'stop' has {len(stop)} strings; at most {limits.max_stop} are allowed")
-    if any(s == "" for s in stop):
-        raise bad("stop", "'stop' strings must not be empty")
-    for i, s in enumerate(stop):
-        check_text(s, "stop", f"'stop'[{i}]")
+    stop = stop_strings(body.get("stop"), limits)
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limits.vocab_size for t in stop_ids
@@ -332,8 +343,8 @@ def generation_fields(body: dict, limits: Limits) -> tuple[dict[str, Any], dict[
             values["temperature"] = temperature
     if "num_steps" not in values and limits.default_num_steps is not None:
         values["num_steps"] = limits.default_num_steps
-    try:
-        options, given_as = canonical(values)
+    try:  # (exit_threshold "auto" is resolved below, once the file's exit_criterion has joined, as rdepth generate)
+        options, given_as = canonical(values, resolve_auto=False)
     except OptionError as exc:
         raise bad(exc.field, str(exc)) from None
     # the file's values where the request left a field out; its temperature, top_k, top_p and min_p only where the
@@ -342,7 +353,10 @@ def generation_fields(body: dict, limits: Limits) -> tuple[dict[str, Any], dict[
     merged = with_generation_defaults(options, file_options)
     for name in merged.keys() - options.keys():  # the file's values obey the server's bounds too
         check_cap(name, name, merged[name], limits)
-    options = merged
+    try:
+        options = resolved_auto(merged)
+    except OptionError as exc:
+        raise bad(given_as.get(exc.field, exc.field), str(exc)) from None
     if "do_sample" not in options:  # neither the request nor the file says: OpenAI's temperature 1
         options.update(do_sample=True, temperature=1.0)
     return options, given_as

@@ -260,6 +260,19 @@ def test_routed_generate_accepts_the_values_that_ask_for_nothing(hf_model):
         hf_model.generate(x, max_new_tokens=2, cache_implementation="static", num_return_sequences=2)
 
 
+def test_exit_threshold_auto_takes_the_criterion_of_the_models_generation_config(model_dir):
+    """exit_threshold="auto" was resolved before the model's generation_config (exit_criterion="kl") was merged in:
+    "needs an exit_criterion". It is the official threshold of the criterion in force now."""
+    from recurrent_depth.inference.schema import official_auto_threshold
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, init_scale=0.0).eval()
+    model.generation_config.exit_criterion = "kl"
+    x = ids(batch=1, length=5, seed=4)
+    auto = model.generate(x, max_new_tokens=3, num_steps=3, exit_threshold="auto")
+    spelled = model.generate(x, max_new_tokens=3, num_steps=3, exit_threshold=official_auto_threshold("kl"))
+    assert torch.equal(auto, spelled)
+
+
 @pytest.mark.parametrize("routed", [{}, {"exit_criterion": "kl"}], ids=["transformers-loop", "library"])
 def test_generate_refuses_input_states_up_front(hf_model, routed):
     """input_states are one forward's s_0: transformers' loop took them for the prompt, then failed on the first

@@ -34,7 +34,14 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from recurrent_depth.inference.options import DEFAULTS, OptionError
-from recurrent_depth.inference.schema import OFFICIAL_ALIASES, OPTIONS, canonical, kwarg_spelling, names_for
+from recurrent_depth.inference.schema import (
+    OFFICIAL_ALIASES,
+    OPTIONS,
+    canonical,
+    kwarg_spelling,
+    names_for,
+    resolved_auto,
+)
 from recurrent_depth.integrations.hf_config import HuginnRavenConfig, OuroConfig, RecurrentDepthConfig
 from recurrent_depth.model.cache import attend_floats, no_decode_views, parse_kv_policy, update_heads_via_kv
 from recurrent_depth.model.recurrent import RecurrentDepthLM, takase_init_
@@ -620,13 +627,14 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         try:
             own, own_as = canonical({k: v for k, v in own.items() if k not in _STANDARD_FIELDS})
             base, base_as = canonical(config_options)
-            given, given_as = canonical(picked)
+            # (exit_threshold="auto" is the threshold of the criterion in force: resolved after the merge)
+            given, given_as = canonical(picked, resolve_auto=False)
+            base, base_as = own | base, own_as | base_as
+            # transformers' rule: a keyword argument replaces the generation config's value
+            given = {k: v for k, v in given.items() if v is not None}
+            values = resolved_auto({k: v for k, v in (base | given).items() if v is not None})
         except OptionError as exc:
             raise ValueError(f"generate: {exc}") from None
-        base, base_as = own | base, own_as | base_as
-        # transformers' rule: a keyword argument replaces the generation config's value
-        given = {k: v for k, v in given.items() if v is not None}
-        values = {k: v for k, v in (base | given).items() if v is not None}
         given_as = {k: name for k, name in base_as.items() if k not in given} | given_as
         routed = {k: v for k, v in values.items() if OPTIONS[k].hf == "routed"}
         if set(routed) == {"output_logits"}:  # transformers' own flag too: its loop gives the tuple it documents

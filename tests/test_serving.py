@@ -629,6 +629,13 @@ def test_a_kv_lookup_the_models_mixers_cannot_follow_is_a_400():
                 prompt=[5, 6], max_tokens=2, temperature=0, exit_criterion="kl", kv_policy=policy))
             assert r.status_code == 400 and r.json()["error"]["param"] == "kv_policy", r.text
             assert "softmax attention" in r.json()["error"]["message"]
+    # a mode the model cannot run (self-speculative decoding re-runs cached positions, which a recurrent state
+    # cannot undo): a 400 naming the field before the request runs, as rd.generate refuses it up front
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", mixer={"core": "gated_deltanet"})).eval()
+    with LiveServer(build_app(model, model_name="ids", tokenizer_workers=1)) as live:
+        r = httpx.post(live.url + "/v1/completions", timeout=30, json=dict(
+            prompt=[5, 6], max_tokens=2, temperature=0, num_steps=2, draft_steps=1))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "draft_steps", r.text
 
 
 def test_build_app_refuses_a_nan_request_timeout(reference):

@@ -14,11 +14,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from recurrent_depth.inference.criteria import gate_for
 from recurrent_depth.inference.gradmem import check_prompts
 from recurrent_depth.inference.options import DEFAULT_TTT_MAX_COPY_MB, OptionError, ResolvedOptions, eos_ids
-from recurrent_depth.inference.quant_cache import kv_quant_for_model
-from recurrent_depth.inference.session import check_policy_for_model
+from recurrent_depth.inference.session import check_options_for_model
 from recurrent_depth.inference.ttt_e2e import copy_bytes, inner_depth, select_parameters
 from recurrent_depth.serving import responses
 from recurrent_depth.serving.batch import BatchDecoder, RowRequest
@@ -198,22 +196,16 @@ class Handlers:
             options = sampling.options(len(prompt), max_tokens, limits)
             try:  # an official compress-sN / compress-rN needs the model's layout
                 options = options.bound(scheduler.model.config.core_layers)
-                check_policy_for_model(scheduler.model, options)  # a lookup that needs softmax attention
             except ValueError as exc:
                 raise APIError(400, str(exc), param="kv_policy") from None
-            try:  # exit_criterion="gate" needs a model with an exit gate
-                gate_for(options.criterion, scheduler.model)
-            except ValueError as exc:
-                raise APIError(400, str(exc), param=sampling.given_as.get("exit_criterion", "exit_criterion")) from None
+            try:  # what this model cannot run (a lookup, mode, kv_quant or criterion): 400 now, not 500 later
+                check_options_for_model(scheduler.model, options)
+            except OptionError as exc:
+                raise APIError(400, str(exc), param=sampling.given_as.get(exc.field, exc.field)) from None
             if options.gradmem_tokens:  # GradMem: a prompt too short to split, or a model it cannot take
                 self.check_gradmem(len(prompt), options, sampling.given_as, prompt_scores)
             if options.ttt_params is not None:  # TTT-E2E: a subset this model lacks, or over the copy limit
                 self.check_ttt(len(prompt), options, sampling.given_as)
-            if options.kv_quant is not None:  # a spec this model cannot take: 400 now, not 500 in generation
-                try:
-                    kv_quant_for_model(scheduler.model, options.kv_quant)
-                except ValueError as exc:
-                    raise APIError(400, str(exc), param=sampling.given_as.get("kv_quant", "kv_quant")) from None
             # the slot pool takes most policies; the rest (always-last, randomized, compress-rN) run alone,
             # and so do speculative decoding, the official schedule and a kv_quant other than the pool's
             solo = (sampling.speculative or not scheduler.batches or not SlotKVPool.takes(options.policy)

@@ -463,8 +463,8 @@ def test_generation_config_json_defaults_follow_transformers_rules_and_reach_rde
     import argparse
     import json
 
-    from recurrent_depth.cli.common import generation_defaults, with_generation_defaults
     from recurrent_depth.cli.serve import apply_generation_defaults
+    from recurrent_depth.generation_config import generation_defaults, with_generation_defaults
 
     (tmp_path / "generation_config.json").write_text(json.dumps({
         "do_sample": True, "temperature": 0.5, "top_k": 5, "criterion": "kl", "stop_strings": "\n\n", "num_steps": 3,

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+
+from recurrent_depth.generation_config import GENERATION_CONFIG_MODES
 
 
 def add_model_arg(parser: argparse.ArgumentParser, required: bool = True, help: str | None = None) -> None:
@@ -211,16 +212,6 @@ def int_list(text: str) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------- generation defaults
-GENERATION_CONFIG_MODES = ("auto", "none")
-# generation_config.json entries that set nothing a generate call reads (transformers' bookkeeping, the model
-# config's own special ids): read without a word
-_GENERATION_BOOKKEEPING = frozenset({"transformers_version", "_from_model_config", "bos_token_id", "pad_token_id"})
-# settings that shape sampling only: without do_sample they change nothing (transformers' rule)
-_SAMPLING_SETTINGS = ("temperature", "top_k", "top_p", "min_p")
-# options that run core steps: held to the depth ceiling (--max-depth) as the flags are
-_DEPTH_OPTIONS = ("num_steps", "max_steps", "draft_steps", "inner_steps", "gradmem_depth", "ttt_depth", "ttt_backprop")
-
-
 # what `generation_defaults` reads, for --help
 GENERATION_CONFIG_KEYS = ("num_steps and our other generation options, do_sample, temperature, top_k, top_p, min_p, "
                           "repetition_penalty, max_new_tokens, seed, eos_token_id, stop_strings")
@@ -233,90 +224,3 @@ def add_generation_config_arg(parser: argparse.ArgumentParser, sets: str) -> Non
         "--generation-config", choices=GENERATION_CONFIG_MODES, default="auto",
         help=f"'auto': the model directory's generation_config.json (what transformers' model.generation_config "
              f"saves) {sets}; 'none': ignore the file (default: %(default)s)")
-
-
-def generation_defaults(model_dir: str, mode: str, command: str, max_depth: int | None = None) -> dict[str, Any]:
-    """The generation options a model directory's generation_config.json sets, by our option names ({} with mode
-    "none" or without the file): our options and their official aliases, transformers' sampling fields,
-    max_new_tokens, eos_token_id and stop_strings (as `stop`), as our transformers classes read them. A value of the
-    wrong type, or a depth past the ceiling `max_depth` (--max-depth), is a one-line error naming the file; entries
-    nothing here runs (num_beams, max_length, ...) are named in one warning on stderr."""
-    import sys
-    from pathlib import Path
-
-    from recurrent_depth.config import check_depth
-    from recurrent_depth.files import CONFIG_MAX_BYTES, read_json
-    from recurrent_depth.inference.options import OptionError
-    from recurrent_depth.inference.schema import canonical, check_type, names_for
-
-    path = Path(model_dir) / "generation_config.json"
-    if mode == "none" or not path.is_file():
-        return {}
-    off = "(--generation-config none ignores the file)"
-    values = read_json(path, CONFIG_MAX_BYTES, "generation config")
-    if not isinstance(values, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(values).__name__} {off}")
-    readable = (set(names_for("hf")) & set(names_for("cli"))) - {"defaults"}
-    picked: dict[str, Any] = {}
-    ignored = []
-    for name, value in values.items():
-        if name in readable:
-            try:
-                check_type(name, value)
-            except OptionError as exc:
-                raise ValueError(f"{path}: {exc} {off}") from None
-            picked[name] = value
-        elif name == "eos_token_id":
-            if value is not None and not _token_ids(value):
-                raise ValueError(f"{path}: eos_token_id={value!r} is invalid: expected a token id or a list of them "
-                                 f"{off}")
-            picked[name] = value
-        elif name == "stop_strings":
-            strings = [value] if isinstance(value, str) else value
-            if value is not None and not (isinstance(strings, list) and all(isinstance(t, str) for t in strings)):
-                raise ValueError(f"{path}: stop_strings={value!r} is invalid: expected a string or a list of them "
-                                 f"{off}")
-            if strings:
-                picked["stop_strings"] = list(strings)
-        elif name not in _GENERATION_BOOKKEEPING:
-            ignored.append(name)
-    if ignored:
-        print(f"{command}: {path} sets {sorted(ignored)}, which {command} does not run; they are ignored "
-              f"(--generation-config none ignores the whole file)", file=sys.stderr)
-    strings = picked.pop("stop_strings", [])
-    try:
-        options, _ = canonical(picked)
-    except OptionError as exc:
-        raise ValueError(f"{path}: {exc} {off}") from None
-    options = {k: v for k, v in options.items() if v is not None}
-    for name in _DEPTH_OPTIONS:  # as check_depth_flags checks the flags
-        check_depth(options.get(name), f"{path}: {name}", max_depth)
-    if strings:  # transformers' stop_strings beside our stop option: both stop a row
-        stop = options.get("stop")
-        options["stop"] = ([stop] if isinstance(stop, str | int) else list(stop or [])) + strings
-    return options
-
-
-def server_generation_defaults(model_dir: str, mode: str, command: str,
-                               max_depth: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """`generation_defaults` for a server (`rdepth serve`, `build_app`): (the file's num_steps and kv_quant, which
-    set the server's own --num-steps / --kv-quant where those are not given: its KV pool, lm-eval's depth; the
-    rest, the defaults of the fields a request leaves out)."""
-    defaults = generation_defaults(model_dir, mode, command, max_depth)
-    return {name: defaults.pop(name, None) for name in ("num_steps", "kv_quant")}, defaults
-
-
-def _token_ids(value: Any) -> bool:
-    ids = value if isinstance(value, list) else [value]
-    return all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
-
-
-def with_generation_defaults(given: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
-    """The options given (flags, a request) over a directory's `generation_defaults`; the file's temperature, top_k,
-    top_p and min_p only where the call samples (do_sample decides, as in transformers)."""
-    merged = {**defaults, **given}
-    if not merged.get("do_sample"):
-        for name in _SAMPLING_SETTINGS:
-            if name not in given:
-                merged.pop(name, None)
-    return merged

@@ -23,11 +23,10 @@ from recurrent_depth.cli.common import (
     check_depth_flags,
     check_lora_with_weights,
     check_strict_lora_base,
-    generation_defaults,
     load_cli_tokenizer,
     tokenizer_source,
-    with_generation_defaults,
 )
+from recurrent_depth.generation_config import generation_defaults, with_generation_defaults
 from recurrent_depth.inference.options import OPTIONS, OptionError, spelled_warnings
 from recurrent_depth.inference.schema import add_cli_arguments, canonical, cli_spelling, cli_values
 

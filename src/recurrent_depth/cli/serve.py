@@ -21,8 +21,8 @@ from recurrent_depth.cli.common import (
     add_max_depth_arg,
     check_lora_with_weights,
     check_strict_lora_base,
-    server_generation_defaults,
 )
+from recurrent_depth.generation_config import server_generation_defaults
 from recurrent_depth.inference.options import DEFAULT_TTT_MAX_COPY_MB
 from recurrent_depth.inference.schema import add_option_flags
 

@@ -23,8 +23,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from recurrent_depth.cli.common import GENERATION_CONFIG_MODES, server_generation_defaults
 from recurrent_depth.config import MAX_NUM_STEPS, check_depth, is_int
+from recurrent_depth.generation_config import GENERATION_CONFIG_MODES, server_generation_defaults
 from recurrent_depth.inference.options import DEFAULT_TTT_MAX_COPY_MB
 from recurrent_depth.inference.quant_cache import KVQuant
 from recurrent_depth.serving.app import MAX_BODY_BYTES, ServerSettings, create_app

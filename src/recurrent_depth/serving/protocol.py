@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from recurrent_depth.cli.common import with_generation_defaults
+from recurrent_depth.generation_config import with_generation_defaults
 from recurrent_depth.inference.options import GenerationOptions, OptionError, ResolvedOptions, spelled_warnings
 from recurrent_depth.inference.schema import (
     OFFICIAL_ALIASES,

@@ -84,7 +84,10 @@ def import_graph() -> dict[str, set[str]]:
     """Module -> the package's modules it imports (top level, inside functions, under TYPE_CHECKING: all of
     them). `from a.b import c` is an edge to `a.b.c` when c is a module, else to `a.b`; relative imports resolve."""
     files = {module_name(p): p for p in PACKAGE.rglob("*.py") if REMOTE not in p.parents}
-    graph = {}
+    # the standalone remote-code file is a leaf (it imports nothing of ours): an import of it is an edge to it,
+    # not to the integrations package above it
+    leaves = {module_name(p) for p in REMOTE.rglob("*.py") if p.name != "__init__.py"}
+    graph: dict[str, set[str]] = {leaf: set() for leaf in leaves}
     for name, path in files.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         edges = set()
@@ -100,7 +103,7 @@ def import_graph() -> dict[str, set[str]]:
             else:
                 continue
             for target in targets:
-                while target and target not in files:  # `import a.b.c` of a name inside a module
+                while target and target not in files and target not in leaves:  # `import a.b.c` of a name in a module
                     target = target.rpartition(".")[0]
                 if target and target != name:
                     edges.add(target)

@@ -14,41 +14,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-
-def is_lora_layer(module: Any) -> bool:
-    """A peft LoRA layer (any kind: Linear, Embedding, ...)."""
-    return hasattr(module, "lora_A") and hasattr(module, "base_layer")
-
-
-def _active_unmerged(layer: Any) -> list[str]:
-    """The adapters peft's forward adds on top of the base layer (none when merged or disabled, as peft)."""
-    if layer.disable_adapters or layer.merged:
-        return []
-    return [name for name in layer.active_adapters if name in layer.lora_A]
-
-
-def idle_adapter_parameters(model: nn.Module) -> set[str]:
-    """Names of the parameters of LoRA adapters that peft's forward does not add (turned off, disabled or merged):
-    they change no output, so nothing should train or copy them (e.g. the other adapters of a
-    `--lora-modules` server)."""
-    idle: set[str] = set()
-    for prefix, module in model.named_modules():
-        if not is_lora_layer(module):
-            continue
-        active = set(_active_unmerged(module))
-        for name, _ in module.named_parameters(prefix=prefix):
-            tail = name[len(prefix):].split(".")
-            # (peft's adapter tensors: lora_A.<adapter>.weight, lora_magnitude_vector.<adapter>.weight, ...)
-            if len(tail) > 2 and tail[1].startswith("lora_") and tail[2] not in active:
-                idle.add(name)
-    return idle
+from recurrent_depth.inference.lora_layers import active_unmerged, is_lora_layer
 
 
 def unsupported_lora(layer: Any) -> str | None:
     """Why `low_rank_term` cannot reproduce this LoRA layer's forward (None: it can)."""
     if not isinstance(getattr(layer, "base_layer", None), nn.Linear) or getattr(layer, "fan_in_fan_out", False):
         return f"{type(layer).__name__} over {type(getattr(layer, 'base_layer', None)).__name__}"
-    for name in _active_unmerged(layer):
+    for name in active_unmerged(layer):
         if layer.use_dora.get(name, False):
             return f"adapter {name!r} uses DoRA"
         if getattr(layer, "lora_bias", {}).get(name, False):
@@ -66,7 +39,7 @@ def low_rank_term(layer: Any, dtype: torch.dtype | None = None) -> tuple[Tensor,
     dtype: the activations' (peft may keep the adapters of a bf16 model in float32)."""
     if not is_lora_layer(layer):
         return None
-    names = _active_unmerged(layer)
+    names = active_unmerged(layer)
     if not names:
         return None
     a = torch.cat([layer.lora_A[name].weight for name in names])  # [r, in]

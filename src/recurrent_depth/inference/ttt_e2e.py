@@ -40,8 +40,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from recurrent_depth.accel.lora import idle_adapter_parameters
 from recurrent_depth.inference.engine import Stopped
+from recurrent_depth.inference.lora_layers import idle_adapter_parameters
 from recurrent_depth.inference.options import TTT_OPTIMIZERS, OptionError, ResolvedOptions
 from recurrent_depth.train.flops import training_step_flops
 

@@ -584,7 +584,7 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             attentions = tuple(out.attentions.get(key) for key in keys)
         # (the exported remote-code file's helper: that file cannot import the library, so this shares it; imported
         # here, as importing that module imports transformers, whose registration hook imports this one)
-        from recurrent_depth.integrations.remote import modeling_recurrent_depth as remote
+        import recurrent_depth.integrations.remote.modeling_recurrent_depth as remote
 
         result = RecurrentDepthCausalLMOutput(
             loss=loss, logits=remote.kept_logits(out.logits, logits_to_keep), cache=cache if use_cache else None,
@@ -613,7 +613,7 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         ``cache_kwargs={"lookup_strategy": ...}`` is ``cache_lookup_strategy``.
         """
         if kwargs.get("input_states") is not None:  # (transformers' loop used them for the prompt, then failed)
-            from recurrent_depth.integrations.remote import modeling_recurrent_depth as remote
+            import recurrent_depth.integrations.remote.modeling_recurrent_depth as remote
 
             raise ValueError(remote.INPUT_STATES_IN_GENERATE)
         defaults = kwargs.pop("defaults", None)

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from recurrent_depth.accel.lora import is_lora_layer
+from recurrent_depth.inference.lora_layers import is_lora_layer
 
 # What a served adapter name may hold: what a client types as `model`, without spaces or '=' (NAME=DIR).
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]*")

@@ -717,6 +717,29 @@ def test_with_include_usage_every_chunk_carries_usage_null_but_the_last(server, 
     assert chunks[-1]["usage"]["completion_tokens"] >= 1 and chunks[-1]["choices"] == []
 
 
+def test_a_bad_server_setting_from_generation_config_json_names_the_file(model_dir, tmp_path, capsys):
+    """The file's num_steps / kv_quant become --num-steps / --kv-quant: a bad one was refused as a flag the user
+    never gave. The error now names the file; the flag's own value is refused as before."""
+    import shutil
+    import socket
+
+    from recurrent_depth.cli import main
+
+    directory = tmp_path / "model"
+    shutil.copytree(model_dir, directory)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    for setting, flag in (({"num_steps": 100}, "--num-steps 100"), ({"kv_quant": "k=zzz"}, "--kv-quant 'k=zzz'")):
+        (directory / "generation_config.json").write_text(json.dumps(setting))
+        assert main(["serve", "--model", str(directory), "--port", port, "--threads", "1"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith(f"rdepth serve: error: {flag} is invalid") and err.endswith(
+            f"(set by {directory / 'generation_config.json'}; --generation-config none ignores it)"), err
+    assert main(["serve", "--model", str(directory), "--port", port, "--threads", "1", "--kv-quant", "k=yyy"]) == 2
+    assert "generation_config.json" not in capsys.readouterr().err
+
+
 def test_rdepth_serve_takes_the_generation_config_json_as_request_defaults(model_dir, reference, tmp_path,
                                                                            monkeypatch):
     """As vLLM's --generation-config auto: the fields a request leaves out (temperature, top_k, max_tokens, seed, our

@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 GENERATION_CONFIG_MODES = ("auto", "none")
+# the file's settings a server takes as its own --num-steps / --kv-quant (its KV pool, lm-eval's depth)
+SERVER_SETTINGS = ("num_steps", "kv_quant")
 # generation_config.json entries that set nothing a generate call reads (transformers' bookkeeping, the model
 # config's own special ids): read without a word
 _GENERATION_BOOKKEEPING = frozenset({"transformers_version", "_from_model_config", "bos_token_id", "pad_token_id"})
@@ -84,7 +86,7 @@ def server_generation_defaults(model_dir: str, mode: str, command: str,
     set the server's own --num-steps / --kv-quant where those are not given: its KV pool, lm-eval's depth; the
     rest, the defaults of the fields a request leaves out)."""
     defaults = generation_defaults(model_dir, mode, command, max_depth)
-    return {name: defaults.pop(name, None) for name in ("num_steps", "kv_quant")}, defaults
+    return {name: defaults.pop(name, None) for name in SERVER_SETTINGS}, defaults
 
 
 def _token_ids(value: Any) -> bool:

@@ -22,7 +22,7 @@ from recurrent_depth.cli.common import (
     check_lora_with_weights,
     check_strict_lora_base,
 )
-from recurrent_depth.generation_config import server_generation_defaults
+from recurrent_depth.generation_config import SERVER_SETTINGS, server_generation_defaults
 from recurrent_depth.inference.options import DEFAULT_TTT_MAX_COPY_MB
 from recurrent_depth.inference.schema import add_option_flags
 
@@ -126,7 +126,11 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port {args.port} is invalid: expected 1..65535")
     check_port_free(args.host, args.port)  # before the model loads (minutes for a large one), not after
+    given = {name for name in SERVER_SETTINGS if getattr(args, name) is not None}
     request_defaults = apply_generation_defaults(args)
+    # the file's values checked as flags' would name flags the user never gave: say where they came from
+    from_file = [f"--{n.replace('_', '-')} " for n in SERVER_SETTINGS
+                 if n not in given and getattr(args, n) is not None]
     dtype = getattr(torch, args.dtype) if args.dtype else None
     api_key = resolve_api_key(args.api_key)
     hosts = None if args.allowed_hosts is None else args.allowed_hosts.split(",")
@@ -146,7 +150,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         _serve(args, model, tokenizer_dir, model_name, hosts, api_key, dtype, lora_modules, request_defaults)
     except ValueError as exc:  # `serve`'s checks name its keyword arguments: say the flags that set them
-        raise ValueError(flag_spelled(str(exc), vars(args))) from None
+        message = flag_spelled(str(exc), vars(args))
+        if any(message.startswith(flag) for flag in from_file):
+            message += f" (set by {Path(args.model) / 'generation_config.json'}; --generation-config none ignores it)"
+        raise ValueError(message) from None
     return 0
 
 

@@ -171,8 +171,9 @@ def build_app(
         from recurrent_depth.serving.adapters import ServedAdapters
 
         if model_name in lora_modules:
-            raise ValueError(f"lora_modules (--lora-modules) names an adapter {model_name!r}, the base model's served name: a request "
-                             "could not choose between them; rename the adapter (or --served-model-name)")
+            raise ValueError(f"lora_modules (--lora-modules) names an adapter {model_name!r}, the base model's served "
+                             "name: a request could not choose between them; rename the adapter (or "
+                             "--served-model-name)")
         adapters = ServedAdapters(model, lora_modules, strict_base=strict_lora_base,
                                   model_dir=Path(source) if isinstance(source, str | Path) else None)
     for name, value in (("request_timeout", request_timeout), ("read_timeout", read_timeout),

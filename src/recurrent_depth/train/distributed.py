@@ -134,22 +134,26 @@ def run_on_main(env: DistEnv, what: str, fn: Callable[[], Any], timeout: timedel
         dist.destroy_process_group(group)
 
 
+def summed_over_ranks(values: Any, dtype: torch.dtype, env: DistEnv) -> torch.Tensor:
+    """`values` (numbers, nested lists of them) as a CPU tensor of `dtype`, summed over the ranks (one all-reduce, on
+    the device NCCL needs)."""
+    t = torch.tensor(values, dtype=dtype, device=env.device if env.backend == "nccl" else "cpu")
+    dist.all_reduce(t)
+    return t.cpu()
+
+
 def mean_across_ranks(value: float, env: DistEnv) -> float:
     """The mean of a Python float over ranks (float64 all-reduce)."""
     if not env.enabled:
         return value
-    t = torch.tensor([value], dtype=torch.float64, device=env.device if env.backend == "nccl" else "cpu")
-    dist.all_reduce(t)
-    return float(t.item()) / env.world_size
+    return float(summed_over_ranks([value], torch.float64, env)[0]) / env.world_size
 
 
 def sum_across_ranks(value: int, env: DistEnv) -> int:
     """The sum of a Python int over ranks (int64 all-reduce)."""
     if not env.enabled:
         return value
-    t = torch.tensor([value], dtype=torch.int64, device=env.device if env.backend == "nccl" else "cpu")
-    dist.all_reduce(t)
-    return int(t.item())
+    return int(summed_over_ranks([value], torch.int64, env)[0])
 
 
 def reduce_metrics(values: dict[str, Any], summed: Sequence[str], averaged: Sequence[str],
@@ -164,9 +168,7 @@ def reduce_metrics(values: dict[str, Any], summed: Sequence[str], averaged: Sequ
     def number(key: str) -> bool:
         return isinstance(values.get(key), int | float) and not isinstance(values.get(key), bool)
 
-    t = torch.tensor([[float(values[k]), 1.0] if number(k) else [0.0, 0.0] for k in keys], dtype=torch.float64,
-                     device=env.device if env.backend == "nccl" else "cpu")
-    dist.all_reduce(t)
+    t = summed_over_ranks([[float(values[k]), 1.0] if number(k) else [0.0, 0.0] for k in keys], torch.float64, env)
     out = dict(values)
     for key, (total, count) in zip(keys, t.tolist(), strict=True):
         if count == 0:

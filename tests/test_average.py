@@ -17,7 +17,7 @@ def _save_models(root, count):
         model.save_pretrained(path)
         for name in ("optimizer.safetensors", "optimizer.json", "trainer_state.json"):
             (path / name).write_text("{}")  # the other files of a training checkpoint
-        (path / "tokenizer.json").write_text(f'{{"marker": {i}}}')
+        (path / "tokenizer.json").write_text('{"marker": "the run\'s tokenizer"}')  # (a run's checkpoints share it)
         paths.append(path)
         states.append({k: v.clone() for k, v in model.state_dict().items()})
     return paths, states
@@ -54,7 +54,7 @@ def test_cli_averages_a_run_into_a_loadable_model_dir(tmp_path, capsys):
     wte = model.state_dict()["transformer.wte.weight"]
     expected = 0.5 * states[1]["transformer.wte.weight"] + 0.5 * states[3]["transformer.wte.weight"]
     torch.testing.assert_close(wte, expected)
-    assert (out / "tokenizer.json").read_text() == '{"marker": 3}'  # copied from the newest
+    assert (out / "tokenizer.json").read_text() == (paths[0] / "tokenizer.json").read_text()
 
 
 def test_bad_arguments_are_clean_errors(tmp_path, capsys):
@@ -147,3 +147,75 @@ def test_a_run_started_from_a_bf16_directory_averages_into_bf16(tmp_path, capsys
     (tmp_path / "run" / "run.json").write_text(json.dumps({"config": {"init_from": None}}))  # from scratch: as stored
     assert main(["average", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "ema32")]) == 0
     assert rd.RecurrentDepthLM.from_pretrained(tmp_path / "ema32").dtype == torch.float32
+
+
+def test_checkpoints_of_other_tokenizers_are_refused_unless_one_is_chosen(tmp_path, capsys):
+    """The tokenizer was copied from the newest checkpoint whatever the others held: an average of checkpoints of
+    other tokenizers (other token ids) came out under one of them without a word."""
+    paths, _ = _save_models(tmp_path / "run", 2)
+    (paths[0] / "tokenizer.json").write_text('{"marker": "another tokenizer"}')
+    assert main(["average", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "ema")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"cannot average {paths[0]} and {paths[1]}: they hold different tokenizer.json (other token ids" in err
+    assert "\n" not in err and not (tmp_path / "ema").exists()
+    assert main(["average", "--run", str(tmp_path / "run"), "--tokenizer", str(paths[0]), "--out",
+                 str(tmp_path / "ema")]) == 0
+    assert (tmp_path / "ema" / "tokenizer.json").read_text() == '{"marker": "another tokenizer"}'
+
+
+def _retrofitted_model(tmp_path):
+    """A tiny Qwen3 retrofitted by `rdepth retrofit` (its tokenizer, retrofit.json), with generation defaults."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from recurrent_depth.data import save_tokenizer, special_token_ids, train_tokenizer
+
+    tok = train_tokenizer(["def f(x):\n    return x + 1\n" * 20], vocab_size=300)
+    specials = special_token_ids(tok)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=40, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        bos_token_id=specials["begin_text"], eos_token_id=specials["end_text"], pad_token_id=specials["pad"],
+    )).save_pretrained(tmp_path / "qwen3")
+    save_tokenizer(tok, tmp_path / "qwen3")
+    out = tmp_path / "retrofitted"
+    assert main(["retrofit", "--model", str(tmp_path / "qwen3"), "--prelude", "1", "--core", "1:3", "--coda", "1",
+                 "--out", str(out), "--threads", "1"]) == 0
+    (out / "generation_config.json").write_text('{"max_new_tokens": 2, "num_steps": 1}\n')
+    return out
+
+
+def test_an_average_of_a_retrofitted_model_keeps_what_its_inputs_carry(tmp_path, capsys):
+    """`rdepth average` kept the weights and the tokenizer only: retrofit.json (where the model came from) and
+    generation_config.json (its generation defaults) were lost, so the average generated otherwise than its inputs
+    and exported without its record. An average of two copies of one retrofitted model now generates and exports
+    exactly as that model; copies that disagree on a kept file are refused in one line."""
+    import shutil
+
+    from recurrent_depth.families.retrofit import PROVENANCE_FILE
+
+    model = _retrofitted_model(tmp_path)
+    shutil.copytree(model, tmp_path / "again")
+    capsys.readouterr()
+    out = tmp_path / "ema"
+    assert main(["average", "--checkpoints", str(model), str(tmp_path / "again"), "--out", str(out)]) == 0
+    for name in (PROVENANCE_FILE, "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "chat_template.jinja"):
+        assert (out / name).read_bytes() == (model / name).read_bytes(), name
+    capsys.readouterr()
+    said = []
+    for directory in (model, out):
+        assert main(["generate", "--model", str(directory), "--prompt", "def f(x):", "--threads", "1"]) == 0
+        said.append(capsys.readouterr().out)
+    assert said[0] == said[1]
+    for directory, exported in ((model, tmp_path / "export-model"), (out, tmp_path / "export-ema")):
+        assert main(["export", "--model", str(directory), "--out", str(exported)]) == 0
+    files = sorted(path.name for path in (tmp_path / "export-model").iterdir())
+    assert PROVENANCE_FILE in files and sorted(path.name for path in (tmp_path / "export-ema").iterdir()) == files
+    for name in files:
+        assert (tmp_path / "export-ema" / name).read_bytes() == (tmp_path / "export-model" / name).read_bytes(), name
+    (tmp_path / "again" / "generation_config.json").write_text('{"max_new_tokens": 5}\n')
+    assert main(["average", "--checkpoints", str(model), str(tmp_path / "again"), "--out",
+                 str(tmp_path / "ema2")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "they hold different generation_config.json (other generation defaults" in err and "\n" not in err

@@ -142,6 +142,57 @@ def test_a_resume_from_a_model_directory_changed_since_the_run_started_is_refuse
         Trainer(resumed)
 
 
+def _swap_two_token_ids(tokenizer_json):
+    """The same tokenizer file with two vocabulary entries' ids swapped: the same size, other token ids."""
+    data = json.loads(tokenizer_json.read_text())
+    vocab = data["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[-2:]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    tokenizer_json.write_text(json.dumps(data))
+
+
+def test_a_resume_after_the_start_directorys_tokenizer_was_replaced_in_place_is_refused(train_root, tmp_path):
+    """--resume compared the start directory's config.json and weights only: its tokenizer.json replaced in place
+    (other ids for the same vocabulary size) resumed without a word and trained on other token ids. Now the
+    checkpoint's copy of the tokenizer is compared (one line naming the file); special_tokens_map.json, which
+    training never reads, may change."""
+    source = tmp_path / "source"
+    write_ours(source, train_root)
+    options = dict(init_from=str(source), tokenizer=None, max_steps=1, eval_batches=1)
+    Trainer(tiny_train_config(train_root, tmp_path / "run", **options)).run()
+    (source / "special_tokens_map.json").write_text("{}\n")
+    again = tiny_train_config(train_root, tmp_path / "run", **{**options, "max_steps": 2}, resume=True)
+    assert Trainer(again).run().steps == 2  # (a checkpoint written as before this check: it resumes unchanged)
+    _swap_two_token_ids(source / "tokenizer.json")
+    resumed = tiny_train_config(train_root, tmp_path / "run", **{**options, "max_steps": 3}, resume=True)
+    with pytest.raises(ValueError, match=rf"^cannot resume from \S+step-00000002: the tokenizer in {source} changed "
+                                         r"since the run started \(tokenizer.json differs from the checkpoint's copy\)"
+                                         r", so the run would train on other token ids; put back the tokenizer the "
+                                         r"run started with$"):
+        Trainer(resumed)
+
+
+def test_the_tokenizer_check_covers_the_chat_template_and_passes_a_checkpoint_without_a_copy(tmp_path):
+    """The files that decide what a run trains on: tokenizer.json, and the chat template `rdepth sft` and `rdepth rl`
+    render chats with (chat_template.jinja or tokenizer_config.json's). A checkpoint holding no tokenizer copy (a run
+    given token shards without one) has nothing to compare."""
+    from recurrent_depth.train.trainer_checkpoints import check_same_tokenizer
+
+    checkpoint, tokenizer = tmp_path / "checkpoint", tmp_path / "tokenizer"
+    for directory in (checkpoint, tokenizer):
+        directory.mkdir()
+        (directory / "tokenizer.json").write_text("{}")
+        (directory / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
+    check_same_tokenizer(checkpoint, tokenizer)
+    (tokenizer / "chat_template.jinja").write_text("{{ bos_token }}")  # (it takes precedence over the config's)
+    (tokenizer / "tokenizer_config.json").write_text('{"chat_template": "{{ bos_token }}"}')
+    with pytest.raises(ValueError, match=r"\(tokenizer_config.json, chat_template.jinja differ from"):
+        check_same_tokenizer(checkpoint, tokenizer)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (checkpoint / name).unlink()
+    check_same_tokenizer(checkpoint, tokenizer)
+
+
 @pytest.mark.parametrize("changes, field", [
     ({"model": {"hidden_size": 32}}, "model.hidden_size=32 differs"),
     ({"model": {"vocab_size": 512}}, "model.vocab_size=512 differs"),

@@ -29,10 +29,12 @@ from recurrent_depth.config import ModelConfig
 from recurrent_depth.families import ouro, parcae
 from recurrent_depth.files import (
     CONFIG_MAX_BYTES,
+    TOKENIZER_MAX_BYTES,
     atomic_path,
     atomic_write_text,
     clipped,
     clipped_names,
+    file_sha256,
     inside,
     open_regular,
     parse_json,
@@ -53,6 +55,13 @@ TOKENIZER_FILES = (
     "tokenizer_training.json",
     "tokenizer.model",  # a sentencepiece tokenizer (a retrofitted source's), for transformers' loaders
 )
+# The tokenizer files that decide what a run trains on, so a resume checks them (`trainer_checkpoints`): the
+# vocabulary, merges and added tokens (tokenizer.json) and the chat template with the special tokens it renders
+# (chat_template.jinja, tokenizer_config.json), through which `rdepth sft` and `rdepth rl` turn chats into ids.
+# Not the rest: training never reads special_tokens_map.json (transformers' copy of what tokenizer_config.json
+# names), tokenizer.model (we read tokenizer.json only), tokenizer_training.json (a record of how it was
+# trained) or generation_config.json (RL's rollouts take their options from the command line).
+TRAINING_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 def _dtype_from_name(name: str | torch.dtype | None) -> torch.dtype | None:
@@ -268,6 +277,15 @@ def model_content_sample(directory: str | os.PathLike[str], chunks: int = 16, ch
                 handle.seek(max(size - chunk_bytes, 0) * k // max(chunks - 1, 1))
                 digest.update(handle.read(chunk_bytes))
     return digest.hexdigest()
+
+
+def file_digests(directory: str | os.PathLike[str], names: Collection[str]) -> dict[str, str | None]:
+    """{name: the sha256 of `directory`/name, None where there is none} for each of `names` (a model directory's
+    small files: tokenizer, retrofit.json, ...; bounded reads): whether two directories hold the same such files,
+    and which ones differ."""
+    directory = Path(directory)
+    return {name: file_sha256(directory / name, TOKENIZER_MAX_BYTES, f"file {name}")
+            if (directory / name).exists() else None for name in names}
 
 
 def _fingerprinted_weight_files(directory: Path) -> list[Path]:

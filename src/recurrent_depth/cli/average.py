@@ -30,7 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="take every d-th checkpoint counting back from the newest (default: %(default)s; "
                              "the paper used 7)")
     parser.add_argument("--tokenizer", metavar="DIR", default=None,
-                        help="copy the tokenizer from here (default: from the newest checkpoint)")
+                        help="copy the tokenizer from here (default: the checkpoints' own, which must agree; "
+                             "their retrofit.json and generation_config.json are kept too)")
     parser.add_argument("--out", required=True, metavar="DIR", help="output model directory (required)")
     parser.set_defaults(func=run)
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from recurrent_depth.checkpoint import TOKENIZER_FILES, read_state_dict
+from recurrent_depth.checkpoint import TOKENIZER_FILES, file_digests, read_state_dict
 from recurrent_depth.config import ModelConfig
-from recurrent_depth.files import CONFIG_MAX_BYTES, read_json
+from recurrent_depth.files import CONFIG_MAX_BYTES, atomic_write_bytes, read_bytes, read_json
 from recurrent_depth.train.checkpointing import TRAINER_STATE, StateView, checkpoints_root, list_checkpoints
 
 
@@ -98,6 +98,23 @@ def ema_state(paths: Sequence[Path], beta: float = 0.9) -> dict[str, torch.Tenso
     return {k: v.to(dtypes[k]) for k, v in ema.items()}
 
 
+def agreed_source(paths: Sequence[Path], names: Sequence[str], advice: str) -> Path | None:
+    """The newest of `paths` holding any of `names` (files an averaged model keeps from its inputs), once every input
+    holding any is found to hold the same ones (absent ones included); else a one-line ValueError naming the files
+    and `advice`. An input holding none has no say: a training checkpoint holds no retrofit.json, for one."""
+    found = [(path, digests) for path, digests in ((path, file_digests(path, names)) for path in paths)
+             if any(digest is not None for digest in digests.values())]
+    if not found:
+        return None
+    newest, kept = found[-1]
+    for path, digests in found[:-1]:
+        differing = [name for name in names if digests[name] != kept[name]]
+        if differing:
+            raise ValueError(f"cannot average {path} and {newest}: they hold different {', '.join(differing)} "
+                             f"({advice})")
+    return newest
+
+
 def average_checkpoints(
     paths: Sequence[str | Path],
     out: str | Path,
@@ -110,11 +127,16 @@ def average_checkpoints(
 ) -> Path:
     """Average checkpoints (model directories, oldest first) into the model directory `out`.
 
-    last/dilation select which of `paths` enter the average (default: all). The tokenizer files are
-    copied from `tokenizer_dir` or, by default, from the newest checkpoint. dtype: the floating-point
-    weights are written in it (None: the checkpoints' own; `run_model_dtype` gives a run's). Returns `out`.
+    last/dilation select which of `paths` enter the average (default: all). The average keeps what its inputs
+    carry beside their weights, so that it generates, serves, exports and trains as they do: the tokenizer
+    files (from `tokenizer_dir` when given), retrofit's record of the source (retrofit.json) and the generation
+    defaults (generation_config.json); inputs holding different copies of one are refused (`agreed_source`).
+    dtype: the floating-point weights are written in it (None: the checkpoints' own; `run_model_dtype` gives a
+    run's). Returns `out`.
     """
     from recurrent_depth.checkpoint import copy_tokenizer, save_pretrained
+    from recurrent_depth.families.retrofit import PROVENANCE_FILE
+    from recurrent_depth.integrations.export import GENERATION_CONFIG_FILE, check_generation_defaults
 
     chosen = [Path(p) for p in paths]
     if last is not None or dilation != 1:
@@ -140,15 +162,30 @@ def average_checkpoints(
     if tokenizer_dir is not None and not any((Path(tokenizer_dir) / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"tokenizer_dir={str(tokenizer_dir)!r} holds no tokenizer files "
                          f"({', '.join(TOKENIZER_FILES)})")
+    tokenizer_source = Path(tokenizer_dir) if tokenizer_dir is not None else agreed_source(
+        chosen, TOKENIZER_FILES, "other token ids: average one model's checkpoints, or choose the tokenizer with "
+                                 "--tokenizer / tokenizer_dir=")
+    companions = {  # {file: the input it is copied from}
+        PROVENANCE_FILE: agreed_source(chosen, (PROVENANCE_FILE,), "models retrofitted from other sources or "
+                                                                   "layers: average one model's checkpoints"),
+        GENERATION_CONFIG_FILE: agreed_source(chosen, (GENERATION_CONFIG_FILE,), "other generation defaults: make "
+                                                                                 "the files agree, or remove them"),
+    }
+    if companions[GENERATION_CONFIG_FILE] is not None:  # (a FIFO or a non-object: refused as `rdepth export` does)
+        check_generation_defaults(companions[GENERATION_CONFIG_FILE], remote_code=False)
     state = ema_state(chosen, beta)
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     config = ModelConfig.from_json(chosen[-1] / "config.json")
-    source = Path(tokenizer_dir) if tokenizer_dir is not None else chosen[-1]
-    if any((source / name).exists() for name in TOKENIZER_FILES):
-        # first: a refused tokenizer file (too large, not a regular file) leaves no weights without a tokenizer
-        Path(out).mkdir(parents=True, exist_ok=True)
-        copy_tokenizer(source, out)
+    # first: a refused file (too large, not a regular file) leaves no weights without their tokenizer
+    out.mkdir(parents=True, exist_ok=True)
+    for name in (*TOKENIZER_FILES, *companions):  # (not a mix with those of a model written there before)
+        (out / name).unlink(missing_ok=True)
+    if tokenizer_source is not None:
+        copy_tokenizer(tokenizer_source, out)
+    for name, source in companions.items():
+        if source is not None:
+            atomic_write_bytes(out / name, read_bytes(source / name, CONFIG_MAX_BYTES, name))
     save_pretrained(StateView(config, state), out, metadata={"averaged_from": json.dumps([str(p) for p in chosen]),
                                                                "ema_beta": str(beta)})
     return out

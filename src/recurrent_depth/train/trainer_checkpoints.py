@@ -206,6 +206,33 @@ def check_resumable(path: Path, cfg: TrainConfig, world_size: int, adapter: dict
         raise ValueError(f"cannot resume from {path}: it was written by {trainer_state.get('world_size')} "
                          f"process(es), this run has {world_size}")
     check_same_start(path, trainer_state.get("start"), start)
+    # the run's tokenizer: the one named (--tokenizer, or --init-from's as `init_from.resolved_config` names it),
+    # else the start directory's (`rdepth rl`); a run that trained its own keeps it in its out/tokenizer
+    tokenizer_dir = cfg.tokenizer if cfg.tokenizer is not None else start["directory"] if start else None
+    if tokenizer_dir is not None:
+        check_same_tokenizer(path, Path(tokenizer_dir))
+
+
+def check_same_tokenizer(path: Path, tokenizer_dir: Path) -> None:
+    """Refuse (one ValueError naming the files) to resume checkpoint `path` with a tokenizer changed in place since
+    the run started: its token ids (and chat template) would no longer be the ones the weights trained on. Each
+    checkpoint holds a copy of the run's tokenizer (`write_weights`), so checkpoints written before this check
+    are checked too; one holding none (a run given token shards without a tokenizer) has nothing to compare."""
+    from recurrent_depth.checkpoint import TRAINING_TOKENIZER_FILES, file_digests
+
+    try:
+        saved = file_digests(path, TRAINING_TOKENIZER_FILES)
+        now = file_digests(tokenizer_dir, TRAINING_TOKENIZER_FILES)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot resume from {path}: cannot compare the run's tokenizer files ({exc})") from None
+    if all(digest is None for digest in saved.values()):
+        return
+    changed = [name for name in TRAINING_TOKENIZER_FILES if saved[name] != now[name]]
+    if changed:
+        verb = "differs" if len(changed) == 1 else "differ"
+        raise ValueError(f"cannot resume from {path}: the tokenizer in {tokenizer_dir} changed since the run started "
+                         f"({', '.join(changed)} {verb} from the checkpoint's copy), so the run would train on other "
+                         f"token ids; put back the tokenizer the run started with")
 
 
 def check_same_start(path: Path, recorded: Any, start: dict[str, str] | None) -> None:

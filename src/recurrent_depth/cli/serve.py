@@ -45,6 +45,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "'model' is NAME runs with that adapter (unmerged), one naming --served-model-name with "
                         "none; /v1/models lists them all. The requests of one adapter run at a time (docs/serving.md;"
                         " --strict-lora-base applies to each; needs recurrent-depth[lora]; default: none)")
+    p.add_argument("--lora-updates-root", default=None, metavar="DIR",
+                   help="turn on runtime LoRA loading, as vLLM's: POST /v1/load_lora_adapter {\"lora_name\": NAME, "
+                        "\"lora_path\": PATH} serves the adapter in DIR/PATH (it must stay inside DIR, symlinks "
+                        "resolved) as NAME, POST /v1/unload_lora_adapter {\"lora_name\": NAME} stops serving it; "
+                        "each waits for the running requests to finish (docs/serving.md). With or without "
+                        "--lora-modules; not with --lora or --weights; needs recurrent-depth[lora] (default: off, "
+                        "the two routes answer 404)")
+    p.add_argument("--max-lora-modules", type=int, default=None, metavar="N",
+                   help="LoRA adapters served at most once --lora-updates-root is on, the --lora-modules ones "
+                        "included: a load past it is refused (default: 32)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health; an empty key is refused "
                         "(default: the RDEPTH_API_KEY environment variable, else no key; a blank variable counts "
@@ -121,8 +131,17 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--lora-modules cannot go on --weights {args.weights} layers (an unmerged adapter needs the "
                          f"float weights): merge an adapter first (rdepth export --model M --merge-lora ADAPTER --out "
                          f"MERGED) and serve MERGED with --weights {args.weights}")
+    if args.lora_updates_root is not None and args.lora is not None:
+        raise ValueError("--lora and --lora-updates-root cannot be combined: serve that adapter with --lora-modules "
+                         "NAME=DIR (or load it at run time) beside the base")
+    if args.lora_updates_root is not None and args.weights is not None:
+        raise ValueError(f"--lora-updates-root cannot go with --weights {args.weights} (an unmerged adapter needs the "
+                         "float weights): serve the float model")
+    if args.max_lora_modules is not None and args.lora_updates_root is None:
+        raise ValueError("--max-lora-modules bounds runtime LoRA loads: give --lora-updates-root DIR too")
     check_lora_with_weights(args)
-    check_strict_lora_base(args, "--lora" if lora_modules is None else "--lora-modules")
+    check_strict_lora_base(args, "--lora-modules" if lora_modules is not None else  # (each one's base checked)
+                           "--lora-updates-root" if args.lora_updates_root is not None else "--lora")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port {args.port} is invalid: expected 1..65535")
     check_port_free(args.host, args.port)  # before the model loads (minutes for a large one), not after
@@ -193,6 +212,7 @@ def _serve(args: argparse.Namespace, model: Any, tokenizer_dir: Any, model_name:
         max_depth=args.max_depth, dtype=dtype,
         weights=None if args.lora is not None else args.weights, device=args.device, kv_quant=args.kv_quant,
         max_body_total=args.max_body_total, lora_modules=lora_modules, strict_lora_base=args.strict_lora_base,
+        lora_updates_root=args.lora_updates_root, max_lora_modules=args.max_lora_modules,
         generation_defaults=request_defaults,
         **({} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}),
     )

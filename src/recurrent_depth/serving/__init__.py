@@ -95,6 +95,8 @@ def build_app(
     ttt_max_copy_mb: float = DEFAULT_TTT_MAX_COPY_MB,
     lora_modules: Mapping[str, str | Path] | None = None,
     strict_lora_base: bool = False,
+    lora_updates_root: str | Path | None = None,
+    max_lora_modules: int | None = None,
     generation_defaults: Mapping[str, Any] | None = None,
     generation_config: str = "auto",
 ) -> Any:
@@ -124,6 +126,9 @@ def build_app(
     request whose `model` is one of the names runs with that adapter, one naming `model_name` with none
     (`serving/adapters.py`; the requests of one adapter run at a time). A loaded model gets the adapters in place.
     `strict_lora_base`: refuse an adapter trained on other weights instead of warning (`train.lora.load_lora`).
+    `lora_updates_root` (None: off) turns on runtime LoRA loading (vLLM's `POST /v1/load_lora_adapter` and
+    `/v1/unload_lora_adapter`), of adapters under that directory only, up to `max_lora_modules` adapters in all
+    (default 32; start-up ones count), with or without `lora_modules`; not with `weights`.
     `generation_config` ("auto" or "none", as `rdepth serve --generation-config`): with "auto" a model directory's
     generation_config.json sets `num_steps` and `kv_quant` where those are None, and the defaults of the fields a
     request leaves out (`serving.protocol.request_defaults`; docs/serving.md); its settings no request takes are
@@ -141,6 +146,15 @@ def build_app(
                                                                  max_depth)
         num_steps = server["num_steps"] if num_steps is None else num_steps
         kv_quant = server["kv_quant"] if kv_quant is None else kv_quant
+    if lora_updates_root is not None and weights is not None:  # (as below)
+        raise ValueError(f"lora_updates_root cannot go with weights={weights!r}: an unmerged adapter needs the "
+                         "float weights")
+    if max_lora_modules is not None and (not is_int(max_lora_modules) or max_lora_modules < 1):
+        raise ValueError(f"max_lora_modules={max_lora_modules!r} is invalid: expected an integer >= 1")
+    if max_lora_modules is not None and lora_updates_root is None:
+        raise ValueError("max_lora_modules bounds runtime LoRA loads, which are off: give lora_updates_root too")
+    if lora_updates_root is not None and not Path(lora_updates_root).is_dir():  # (before the model loads)
+        raise ValueError(f"lora_updates_root {str(lora_updates_root)!r} is not a directory")
     if lora_modules is not None and weights is not None:  # (as `--lora`: peft adds adapters to float layers only)
         raise ValueError(f"lora_modules cannot go on weights={weights!r} layers (an unmerged adapter needs the float "
                          "weights): merge an adapter first (rdepth export --merge-lora) and serve it as its own model")
@@ -167,15 +181,18 @@ def build_app(
         quantize_weights(model, weights)
     model_name = model_name or "recurrent-depth"
     adapters = None
-    if lora_modules is not None:
-        from recurrent_depth.serving.adapters import ServedAdapters
+    if lora_modules is not None or lora_updates_root is not None:
+        from recurrent_depth.serving.adapters import DEFAULT_MAX_LORA_MODULES, ServedAdapters
 
+        lora_modules = lora_modules or {}
         if model_name in lora_modules:
             raise ValueError(f"lora_modules (--lora-modules) names an adapter {model_name!r}, the base model's served "
                              "name: a request could not choose between them; rename the adapter (or "
                              "--served-model-name)")
         adapters = ServedAdapters(model, lora_modules, strict_base=strict_lora_base,
-                                  model_dir=Path(source) if isinstance(source, str | Path) else None)
+                                  model_dir=Path(source) if isinstance(source, str | Path) else None,
+                                  updates_root=lora_updates_root,
+                                  max_count=DEFAULT_MAX_LORA_MODULES if max_lora_modules is None else max_lora_modules)
     for name, value in (("request_timeout", request_timeout), ("read_timeout", read_timeout),
                         ("stall_timeout", stall_timeout)):
         if not value > 0:  # also refuses NaN, under which nothing would ever time out

@@ -14,6 +14,10 @@ then joins (as rows and the prefill budget allow), the others keeping their orde
 computes exactly what it computes on a server started with `--lora` of its adapter alone (or with none, for
 the base), whatever the other requests name; the cost is throughput when requests of different adapters
 interleave (docs/serving.md).
+
+With `rdepth serve --lora-updates-root DIR` adapters also load and unload while the server runs (vLLM's
+`POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`): `adapter_dir_inside` keeps a request's path inside
+DIR, and the scheduler calls `add` / `remove` at its switch point, while nothing runs (`engine.BatchScheduler`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from recurrent_depth.inference.lora_layers import is_lora_layer
 
 # What a served adapter name may hold: what a client types as `model`, without spaces or '=' (NAME=DIR).
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]*")
+DEFAULT_MAX_LORA_MODULES = 32  # adapters one server holds at most once runtime loads are on (--max-lora-modules)
 
 
 def parse_lora_modules(specs: list[str]) -> dict[str, str]:
@@ -51,27 +56,70 @@ def check_adapter_name(name: Any, what: str) -> None:
                          "with a letter or digit)")
 
 
+def adapter_dir_inside(root: str | Path, given: Any) -> Path:
+    """The adapter directory a load request names (`lora_path`, relative to `root`, the server's
+    --lora-updates-root), symlinks resolved; a one-line ValueError unless it and the files an adapter is read from
+    stay inside `root` (a client's path is untrusted: `..`, an absolute path or a symlink must not reach out)."""
+    from recurrent_depth.files import clipped
+    from recurrent_depth.train.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, check_adapter_dir
+
+    if not isinstance(given, str) or not given.strip() or "\0" in given:
+        raise ValueError(f"lora_path {clipped(given)} is invalid: expected a directory under the server's "
+                         "--lora-updates-root, as a non-empty string")
+    base = Path(root).resolve()
+    outside = ValueError(f"lora_path {clipped(given)} leads outside the server's --lora-updates-root: give a path "
+                         "relative to it (no '..', absolute paths or symlinks out of it)")
+    try:
+        path = (base / given).resolve()
+        if not path.is_relative_to(base):
+            raise outside
+        try:
+            found = check_adapter_dir(path)  # (itself, or the model/ of a LoRA run directory)
+        except ValueError:  # (its message names the resolved path, which the client did not give)
+            raise ValueError(f"lora_path {clipped(given)} is not a LoRA adapter directory under the server's "
+                             f"--lora-updates-root: it holds no {ADAPTER_CONFIG}") from None
+        if any(not (found / name).resolve().is_relative_to(base) for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)):
+            raise outside
+    except (OSError, RuntimeError) as exc:  # a name too long, a symlink loop
+        raise ValueError(f"lora_path {clipped(given)} is invalid: {exc}") from None
+    return found
+
+
 class ServedAdapters:
     """The named adapters of one served base model, and which one is on.
 
     `model` (a `RecurrentDepthLM`, modified in place: peft's layers go onto it) gets every adapter of `modules`
-    ({served name: adapter directory}); strict_base, model_dir: as for `train.lora.load_lora`."""
+    ({served name: adapter directory}); strict_base, model_dir: as for `train.lora.load_lora`.
+    `updates_root` (None: off): the directory runtime loads (`add`) take adapters from, at most `max_count`
+    adapters in all; `modules` may then be empty."""
 
     def __init__(self, model: Any, modules: Mapping[str, str | Path], strict_base: bool = False,
-                 model_dir: str | Path | None = None) -> None:
-        from recurrent_depth.train.lora import load_loras, several_adapter_name
+                 model_dir: str | Path | None = None, updates_root: str | Path | None = None,
+                 max_count: int = DEFAULT_MAX_LORA_MODULES) -> None:
+        from recurrent_depth.train.lora import load_loras, require_peft, several_adapter_name
 
-        if not modules:
+        if not modules and updates_root is None:
             raise ValueError("lora_modules is empty: name at least one adapter, or pass None")
+        if isinstance(max_count, bool) or not isinstance(max_count, int) or max_count < 1:
+            raise ValueError(f"max_lora_modules={max_count!r} is invalid: expected an integer >= 1")
+        if updates_root is not None and not Path(updates_root).is_dir():
+            raise ValueError(f"lora_updates_root {str(updates_root)!r} is not a directory")
         for name in modules:
             check_adapter_name(name, "lora_modules")
         if any(is_lora_layer(m) for m in model.modules()):  # (peft would stack the new adapters on top of it)
             raise ValueError("the model already carries a LoRA adapter (--lora / attach_adapter): give the plain base "
                              "model, with that adapter as one of lora_modules")
+        require_peft()  # (a server started without adapters fails now, not at its first load)
+        self.model, self.strict_base, self.model_dir = model, strict_base, model_dir
+        self.updates_root = None if updates_root is None else Path(updates_root).resolve()
+        self.max_count = max_count
         self.names = tuple(modules)
+        # the base's modules without peft's layers, which a later adapter's targets are read against (meta: no memory)
+        self.layout = _meta_copy(model) if updates_root is not None else None
         self.wrapper = load_loras(model, [modules[n] for n in self.names], strict_base=strict_base,
-                                  model_dir=model_dir)
+                                  model_dir=model_dir) if modules else None
         self._peft_names = {name: several_adapter_name(i) for i, name in enumerate(self.names)}
+        self._loaded = len(self.names)  # adapters loaded so far: the next one's peft name (never reused)
         self.active: str | None = None  # load_loras leaves them all off
 
     def __contains__(self, name: object) -> bool:
@@ -83,5 +131,47 @@ class ServedAdapters:
 
         if name is not None and name not in self._peft_names:
             raise ValueError(f"no adapter named {name!r}; this server has {list(self.names)}")
-        use_adapter(self.wrapper, None if name is None else self._peft_names[name])
+        if self.wrapper is not None:
+            use_adapter(self.wrapper, None if name is None else self._peft_names[name])
         self.active = name
+
+    def add(self, name: str, directory: str | Path) -> None:
+        """Serve the adapter in `directory` as `name` too, checked as the start-up ones are; all turned off. Only
+        while nothing runs (the scheduler's switch point); a one-line ValueError leaves everything as it was."""
+        from recurrent_depth.train.lora import add_named_lora, several_adapter_name
+
+        if self.layout is None:
+            raise ValueError("runtime LoRA loading is off: start the server with --lora-updates-root DIR")
+        check_adapter_name(name, "lora_name")
+        if name in self:
+            raise ValueError(f"a LoRA adapter named {name!r} is already loaded: unload it first, or choose another "
+                             "lora_name")
+        if len(self.names) >= self.max_count:
+            raise ValueError(f"this server already serves {len(self.names)} LoRA adapters, its limit "
+                             f"(--max-lora-modules {self.max_count}): unload one first")
+        peft_name = several_adapter_name(self._loaded)
+        self.activate(None)
+        self.wrapper = add_named_lora(self.model, self.wrapper, directory, peft_name, self.layout,
+                                      strict_base=self.strict_base, model_dir=self.model_dir)
+        self._loaded += 1
+        self._peft_names[name] = peft_name
+        self.names = (*self.names, name)
+
+    def remove(self, name: str) -> None:
+        """Stop serving adapter `name` (its layers leave the model); all others turned off. Only while nothing
+        runs, and no job waits for it (the scheduler checks)."""
+        from recurrent_depth.train.lora import remove_named_lora
+
+        if name not in self:
+            raise ValueError(f"no LoRA adapter named {name!r} is loaded; this server has {list(self.names)}")
+        self.activate(None)
+        self.wrapper = remove_named_lora(self.wrapper, self._peft_names.pop(name))
+        self.names = tuple(n for n in self.names if n != name)
+
+
+def _meta_copy(model: Any) -> Any:
+    """A model of `model`'s class and config on the meta device: its modules' names and types, no weights."""
+    import torch
+
+    with torch.device("meta"):
+        return type(model)(model.config)

@@ -2,7 +2,8 @@
 
 Routes: `GET /health` (no key needed), `GET /v1/models`, `GET /v1/models/{id}`,
 `POST /v1/completions`, `POST /v1/chat/completions` (both with SSE streaming ending in
-`data: [DONE]`) and `GET /metrics` (Prometheus text). This module wires the routes, errors and
+`data: [DONE]`), `GET /metrics` (Prometheus text) and, with `--lora-updates-root`, vLLM's
+`POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter`. This module wires the routes, errors and
 request metrics; the handlers (`handlers.py`) validate the request (`protocol.py`), turn it into
 scheduler jobs (one per prompt and choice), and turn the scheduler's events back into OpenAI JSON
 (`responses.py`), whole or streamed (`streaming.py`). The event loop never runs the model: the
@@ -106,7 +107,7 @@ def create_app(scheduler: BatchScheduler, codec: TextCodec, settings: ServerSett
             yield
         finally:
             await drain()
-            await handlers.pool.stop()
+            await handlers.close_pools()
 
     app = FastAPI(title="recurrent-depth", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.drain = drain
@@ -134,6 +135,11 @@ def create_app(scheduler: BatchScheduler, codec: TextCodec, settings: ServerSett
     app.get("/metrics")(handlers.prometheus)
     app.post("/v1/completions")(timed(handlers.metrics, "completions", handlers.completions, closing))
     app.post("/v1/chat/completions")(timed(handlers.metrics, "chat", handlers.chat, closing))
+    # runtime LoRA loading (vLLM's routes): a 404 saying how to turn it on unless --lora-updates-root is given
+    app.post("/v1/load_lora_adapter")(timed(handlers.metrics, "load_lora_adapter", handlers.load_lora_adapter,
+                                            closing))
+    app.post("/v1/unload_lora_adapter")(timed(handlers.metrics, "unload_lora_adapter", handlers.unload_lora_adapter,
+                                              closing))
     return app
 
 

@@ -24,7 +24,9 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,6 +49,19 @@ class QueueFull(Exception):
 
 class EngineUnavailable(Exception):
     """The scheduler is stopping or has failed (HTTP 503)."""
+
+
+class UnknownAdapter(ValueError):
+    """A job names a LoRA adapter the scheduler does not serve (HTTP 404: e.g. unloaded since it was checked)."""
+
+    def __init__(self, name: str, served: tuple[str, ...]) -> None:
+        super().__init__(f"a job names the LoRA adapter {name!r}, which this scheduler does not serve (its adapters: "
+                         f"{list(served)})")
+        self.name = name
+
+
+class AdapterBusy(Exception):
+    """An unload of a LoRA adapter that requests still wait for (HTTP 409)."""
 
 
 # ---------------------------------------------------------------------------------------- events
@@ -171,6 +186,10 @@ class BatchScheduler:
         self.stopping = False
         self.failure: str | None = None
         self.thread: threading.Thread | None = None
+        # runtime LoRA loads / unloads (`load_adapter`, `unload_adapter`), run at the switch point in order
+        self.adapter_updates: deque[tuple[Callable[[], None], Future]] = deque()
+        if adapters is not None:
+            self.metrics.gauges["rdepth_lora_adapters"] = lambda: len(self.adapter_names)
         self.metrics.gauges["rdepth_queue_depth"] = lambda: len(self.waiting)
         self.metrics.gauges["rdepth_running_sequences"] = lambda: self.running
         self.metrics.gauges["rdepth_max_batch"] = lambda: self.max_batch
@@ -210,12 +229,12 @@ class BatchScheduler:
 
     def submit(self, jobs: list[Job]) -> None:
         """Queue jobs (all or none). Raises QueueFull or EngineUnavailable, or ValueError for a job naming an
-        adapter this scheduler lacks (refused here: the switch to it would stop the engine for every client)."""
-        for job in jobs:
-            if job.adapter is not None and job.adapter not in self.adapter_names:
-                raise ValueError(f"a job names the LoRA adapter {job.adapter!r}, which this scheduler does not "
-                                 f"serve (its adapters: {list(self.adapter_names)})")
+        adapter this scheduler lacks (`UnknownAdapter`, a ValueError; refused here: the switch to it would stop the
+        engine for every client). The check holds the lock an unload takes, so no job slips in behind one."""
         with self.cond:
+            for job in jobs:
+                if job.adapter is not None and job.adapter not in self.adapter_names:
+                    raise UnknownAdapter(job.adapter, self.adapter_names)
             if not self.healthy:
                 raise EngineUnavailable(self.failure or "the server is shutting down")
             if len(self.waiting) + len(jobs) > self.max_queue:
@@ -225,6 +244,41 @@ class BatchScheduler:
                 )
             self.waiting.extend(jobs)
             self.cond.notify()
+
+    def load_adapter(self, name: str, directory: str | Path) -> Future:
+        """Serve the LoRA adapter in `directory` as `name` too (`ServedAdapters.add`), once nothing runs: the
+        future's result is None, or its error a one-line ValueError (nothing changed)."""
+        return self._update_adapters(lambda: self._served_adapters().add(name, directory))
+
+    def unload_adapter(self, name: str) -> Future:
+        """Stop serving LoRA adapter `name` (`ServedAdapters.remove`), once nothing runs; refused (the future's
+        error: `AdapterBusy`) while requests for it wait, or a ValueError when none is loaded by that name."""
+        return self._update_adapters(lambda: self._unload(name))
+
+    def _unload(self, name: str) -> None:
+        """`unload_adapter`'s work, on the scheduler thread while nothing runs."""
+        with self.cond:  # (submit checks names under it: no job for `name` can be queued behind this check)
+            waiting = sum(job.adapter == name and not job.cancelled for job in self.waiting)
+            if waiting:
+                raise AdapterBusy(f"the LoRA adapter {name!r} has {waiting} requests waiting to run: unload it once "
+                                  "they have finished")
+            self._served_adapters().remove(name)
+
+    def _served_adapters(self) -> ServedAdapters:
+        if self.adapters is None:
+            raise ValueError("this server serves no LoRA adapters: start it with --lora-updates-root DIR")
+        return self.adapters
+
+    def _update_adapters(self, update: Callable[[], None]) -> Future:
+        """Queue `update` of the served adapters for the scheduler thread, which runs it at the point it switches
+        adapters: nothing running (new requests wait until it is done; running ones finish first)."""
+        future: Future = Future()
+        with self.cond:
+            if not self.healthy:
+                raise EngineUnavailable(self.failure or "the server is shutting down")
+            self.adapter_updates.append((update, future))
+            self.cond.notify()
+        return future
 
     def cancel(self, jobs: list[Job]) -> None:
         """The client is gone: free the jobs' rows at the next iteration (no events follow)."""
@@ -258,14 +312,19 @@ class BatchScheduler:
             with torch.inference_mode():
                 while True:
                     with self.cond:
-                        while not self.stopping and not self.waiting and self.running == 0:
+                        while (not self.stopping and not self.waiting and self.running == 0
+                               and not self.adapter_updates):
                             self.cond.wait()
                         if self.stopping:
                             break
                         now = time.monotonic()
                         self._purge_waiting(now)
-                        admitted = self._take_admissible()
+                        # a LoRA load / unload waits for the running requests to end: none starts meanwhile
+                        admitted = [] if self.adapter_updates else self._take_admissible()
                     self._reap(now)
+                    if self.adapter_updates and self.running == 0:
+                        self._run_adapter_updates()
+                        continue
                     if admitted and admitted[0].adapter != self._adapter_in_use():
                         self._switch_adapter(admitted[0].adapter)
                     for job in admitted:
@@ -286,6 +345,12 @@ class BatchScheduler:
             pending += [job for job, _ in self.solos]
             for job in pending:
                 self._fail(job, 503, reason, "service_unavailable")
+            with self.cond:
+                updates = list(self.adapter_updates)
+                self.adapter_updates.clear()
+            for _, future in updates:
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(EngineUnavailable(reason))
 
     def _purge_waiting(self, now: float) -> None:
         """Drop waiting jobs whose client left; fail those whose deadline passed (lock held)."""
@@ -347,6 +412,27 @@ class BatchScheduler:
         if self.batch is not None:
             self.batch.rebuild_runner()
         self.metrics.adapter_switch()
+
+    def _run_adapter_updates(self) -> None:
+        """Run the queued LoRA loads / unloads (nothing runs), each answering its future; then the base is on and
+        the batch's runner is rebuilt from the changed model (peft's layers changed under it)."""
+        assert self.running == 0, "the adapters change only while nothing runs"
+        with self.cond:
+            updates = list(self.adapter_updates)
+            self.adapter_updates.clear()
+        for update, future in updates:
+            if not future.set_running_or_notify_cancel():  # (its client left before it ran)
+                continue
+            try:
+                update()
+            except Exception as exc:  # noqa: BLE001 - the requester's error (a bad adapter), not the engine's
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+        if self.adapters is not None:
+            self.adapters.activate(None)
+        if self.batch is not None:
+            self.batch.rebuild_runner()
 
     def _reap(self, now: float) -> None:
         """Free rows of cancelled jobs; fail jobs past their deadline."""

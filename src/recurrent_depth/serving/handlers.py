@@ -4,11 +4,12 @@ answering it as JSON (`responses.py`) or a stream of server-sent events (`stream
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import secrets
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import Request
@@ -19,8 +20,16 @@ from recurrent_depth.inference.options import DEFAULT_TTT_MAX_COPY_MB, OptionErr
 from recurrent_depth.inference.session import check_options_for_model
 from recurrent_depth.inference.ttt_e2e import copy_bytes, inner_depth, select_parameters
 from recurrent_depth.serving import responses
+from recurrent_depth.serving.adapters import adapter_dir_inside, check_adapter_name
 from recurrent_depth.serving.batch import BatchDecoder, RowRequest
-from recurrent_depth.serving.engine import BatchScheduler, EngineUnavailable, Job, QueueFull
+from recurrent_depth.serving.engine import (
+    AdapterBusy,
+    BatchScheduler,
+    EngineUnavailable,
+    Job,
+    QueueFull,
+    UnknownAdapter,
+)
 from recurrent_depth.serving.kernels import KernelWarmup
 from recurrent_depth.serving.kv_pool import SlotKVPool
 from recurrent_depth.serving.prep import PrepPool, PrepSpec
@@ -31,6 +40,7 @@ from recurrent_depth.serving.protocol import (
     Limits,
     Sampling,
     http_spelling,
+    parse_request_body,
     unknown_model,
 )
 from recurrent_depth.serving.streaming import Channel, OpenRequests, collect, stream
@@ -39,6 +49,7 @@ from recurrent_depth.serving.transport import BodyBudget, read_body, require_jso
 from recurrent_depth.weight_quant import QuantizedLinear
 
 MAX_BODY_BYTES = 32 * 2**20
+LORA_UPDATE_BODY_BYTES = 64 * 2**10  # a load / unload request's body: a name and a path
 BODY_TOTAL_FACTOR = 4  # all bodies held at once, by default: 4 x the per-request limit (128 MiB)
 
 
@@ -74,7 +85,6 @@ class Handlers:
         self.limits = settings.limits or Limits(cfg.max_seq_len, cfg.mean_recurrence, cfg.vocab_size,
                                                 gate_threshold=cfg.exit_gate_threshold)
         self.names = {settings.model_name, *settings.aliases}  # the base's names (no adapter)
-        self.adapters = scheduler.adapter_names  # (the scheduler's own list: a request names only what it runs)
         self.metrics = scheduler.metrics
         eos_configured = cfg.eos_token_id is not None
         self.base_stops = set(codec.eos_ids) | set(eos_ids(cfg.eos_token_id, "eos_token_id", cfg.vocab_size))
@@ -98,6 +108,14 @@ class Handlers:
                              "the limit could never be read")
         self.bodies = BodyBudget(total)
         self.api_key = settings.api_key.encode("utf-8") if settings.api_key is not None else None
+        self.renewing = asyncio.Lock()  # (one preparation pool renewal at a time: the last one knows every name)
+        self.retiring: set[asyncio.Task] = set()  # old preparation pools finishing their requests
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """The served LoRA adapters' names as they are now: the scheduler's own list (a request names only what it
+        runs), which runtime loads and unloads change."""
+        return self.scheduler.adapter_names
 
     # ------------------------------------------------------------------ auth and body
     def authorize(self, request: Request) -> None:
@@ -161,8 +179,12 @@ class Handlers:
         return JSONResponse(self.model_card(model_id if model_id in self.adapters else None))
 
     def adapter_of(self, sampling: Sampling) -> str | None:
-        """The LoRA adapter a request names in `model` (None: the base, also when `model` is left out)."""
-        return sampling.model if sampling.model in self.adapters else None
+        """The LoRA adapter a request names in `model` (None: the base, also when `model` is left out); a 404 for
+        one unloaded since its preparation worker checked the name."""
+        adapters = self.adapters
+        if sampling.model is not None and sampling.model not in self.names and sampling.model not in adapters:
+            raise unknown_model(sampling.model, self.names | set(adapters))
+        return sampling.model if sampling.model in adapters else None
 
     def served_name(self, sampling: Sampling) -> str:
         """The `model` of the answer: the adapter's name for an adapter's request, else the base's."""
@@ -279,6 +301,8 @@ class Handlers:
         except EngineUnavailable as exc:
             self.metrics.reject("unavailable")
             raise APIError(503, str(exc), type="service_unavailable", code="engine_unavailable") from None
+        except UnknownAdapter as exc:  # unloaded between the check of its name and now
+            raise unknown_model(exc.name, self.names | set(self.adapters)) from None
 
     def _stream(self, endpoint: str, jobs: list[Job], choices: list[responses.Choice], channel: Channel,
                 start: float, **parts: Any) -> Response:
@@ -292,6 +316,101 @@ class Handlers:
     async def _collect(self, request: Request, jobs: list[Job], choices: list[responses.Choice],
                        channel: Channel, start: float) -> None:
         await collect(request, jobs, choices, channel, self.open_requests, start + self.settings.request_timeout)
+
+    # ------------------------------------------------------------------ runtime LoRA updates
+    async def load_lora_adapter(self, request: Request, start: float) -> PlainTextResponse:
+        """`POST /v1/load_lora_adapter` {"lora_name", "lora_path"} (vLLM's): serve one more adapter, its path
+        relative to --lora-updates-root. It loads once the running requests have finished (the scheduler's
+        switch point), checked as the start-up adapters are."""
+        body = await self.lora_update_body(request)
+        name, given = body.get("lora_name"), body.get("lora_path")
+        try:
+            check_adapter_name(name, "lora_name")
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="lora_name") from None
+        if name in self.names:
+            raise APIError(400, f"lora_name {name!r} is the base model's served name: choose another",
+                           param="lora_name")
+        if name in self.adapters:  # (ServedAdapters.add checks again, in order with the other loads)
+            raise APIError(400, f"a LoRA adapter named {name!r} is already loaded: unload it first, or choose "
+                                "another lora_name", param="lora_name")
+        root = self.scheduler.adapters.updates_root
+        try:
+            directory = await asyncio.to_thread(adapter_dir_inside, root, given)  # (the file system may be slow)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="lora_path") from None
+        await self.update_adapters("lora_path", self.scheduler.load_adapter, name, directory)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request, start: float) -> PlainTextResponse:
+        """`POST /v1/unload_lora_adapter` {"lora_name"} (vLLM's): stop serving an adapter, once the running
+        requests have finished; 409 while requests for it wait."""
+        name = (await self.lora_update_body(request)).get("lora_name")
+        if name not in self.adapters:  # (ServedAdapters.remove checks again, in order with the loads)
+            from recurrent_depth.files import clipped
+
+            raise APIError(400, f"no LoRA adapter named {clipped(name)} is loaded; this server has "
+                                f"{list(self.adapters)}", param="lora_name")
+        await self.update_adapters("lora_name", self.scheduler.unload_adapter, name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def lora_update_body(self, request: Request) -> dict[str, Any]:
+        """A load / unload request's JSON object, after the key; a 404 saying how to turn the routes on where
+        they are off (no --lora-updates-root)."""
+        self.authorize(request)
+        adapters = self.scheduler.adapters
+        if adapters is None or adapters.updates_root is None:
+            raise APIError(404, f"{request.url.path}: runtime LoRA loading is off on this server (start it with "
+                                "rdepth serve --lora-updates-root DIR)", type="not_found_error")
+        require_json(request.headers.get("content-type"))
+        raw = await read_body(request.receive, LORA_UPDATE_BODY_BYTES, self.settings.read_timeout,
+                              request.headers.get("content-length"))
+        return parse_request_body(raw)
+
+    async def update_adapters(self, param: str, update: Any, *args: Any) -> None:
+        """Run a scheduler's adapter update (`load_adapter` / `unload_adapter`) to its end, its errors as HTTP
+        ones (400: the request's, naming `param`; 409: requests wait for the adapter), then renew the preparation
+        workers."""
+        try:
+            await asyncio.wrap_future(update(*args))  # (cancelled with the request: skipped if it has not run)
+        except ValueError as exc:  # (the server's paths left out: the client gave one relative to the root)
+            root = f"{self.scheduler.adapters.updates_root}/"
+            raise APIError(400, str(exc).replace(root, ""), param=param) from None
+        except AdapterBusy as exc:
+            raise APIError(409, str(exc), type="conflict_error", code="adapter_busy", param="lora_name") from None
+        except EngineUnavailable as exc:
+            raise APIError(503, str(exc), type="service_unavailable", code="engine_unavailable") from None
+        await self.renew_prep_pool()
+
+    async def renew_prep_pool(self) -> None:
+        """Preparation workers that know the served names as they are now (a worker checks a request's `model`
+        against the names it started with); the old ones finish the requests they hold, then stop."""
+        async with self.renewing:
+            old = self.pool
+            fresh = PrepPool(replace(old.spec, names=frozenset(self.names | set(self.adapters))), workers=old.size,
+                             timeout=old.timeout)
+            await fresh.start()
+            self.pool = fresh
+        task = asyncio.get_running_loop().create_task(self.retire(old))
+        self.retiring.add(task)
+        task.add_done_callback(self.retiring.discard)
+
+    async def retire(self, pool: PrepPool) -> None:
+        """Stop `pool` once no request is being prepared in it (at most its timeout: one past it is stopped)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + pool.timeout + 1
+        try:
+            while pool.idle is not None and pool.idle.qsize() < len(pool.all) and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+        finally:  # (also when the server stops first: `close_pools`)
+            await pool.stop()
+
+    async def close_pools(self) -> None:
+        """Stop the preparation workers, the retiring ones too (the server is stopping)."""
+        for task in list(self.retiring):
+            task.cancel()
+        await asyncio.gather(*self.retiring, return_exceptions=True)
+        await self.pool.stop()
 
     # ------------------------------------------------------------------ generation routes
     async def completions(self, request: Request, start: float) -> Response:

@@ -660,7 +660,7 @@ def load_loras(model: nn.Module, adapter_dirs: list[str | Path], strict_base: bo
     `several_adapter_name(i)`, all turned off (`use_adapter` turns one on): one base serving several
     fine-tunes. Each adapter is checked as `load_lora` checks one (files, targets, shapes, loaded tensors,
     the base fingerprint; strict_base, model_dir: as there), the files and targets of all before any loads."""
-    peft = require_peft()
+    require_peft()  # (a clear error before anything is read)
     if not adapter_dirs:
         raise ValueError("load_loras needs at least one adapter directory")
     paths = [check_adapter_dir(d) for d in adapter_dirs]
@@ -671,23 +671,73 @@ def load_loras(model: nn.Module, adapter_dirs: list[str | Path], strict_base: bo
     wrapped: Any = None
     try:
         for i, (path, config) in enumerate(zip(paths, configs)):
-            name = several_adapter_name(i)
-            try:
-                if wrapped is None:
-                    wrapped = peft.PeftModel.from_pretrained(model, str(path), adapter_name=name, config=config)
-                else:
-                    if config is not None:  # (load_adapter then loads only the weights, under this config)
-                        config.inference_mode = True
-                        wrapped.add_adapter(name, config)
-                    wrapped.load_adapter(str(path), adapter_name=name)
-            except (KeyError, RuntimeError, ValueError) as exc:
-                raise _load_error(exc, path) from None
-            check_adapter_loaded(wrapped, path, headers[i], adapter_name=name)
-            check_adapter_base(wrapped, path, strict=strict_base, model_dir=model_dir)
+            wrapped = _load_named(model, wrapped, path, several_adapter_name(i), config, headers[i], strict_base,
+                                  model_dir)
     except ValueError:
         if wrapped is not None:
             wrapped.unload()  # `model` as it was given
         raise
+    use_adapter(wrapped, None)
+    return wrapped
+
+
+def _load_named(model: nn.Module, wrapped: Any, path: Path, name: str, config: Any,
+                header: dict[str, tuple[str, tuple[int, ...]]], strict_base: bool,
+                model_dir: str | Path | None) -> Any:
+    """`wrapped` (None: a new peft wrapper of `model`) with the adapter in `path` loaded as peft adapter `name`
+    (config: `_peft_config`'s; header: `check_adapter_files`'), checked as `load_lora` checks one. All or nothing:
+    on a ValueError the adapter is gone again (a new wrapper unloaded: `model` as it was given)."""
+    peft = require_peft()
+    fresh = wrapped is None
+    try:
+        try:
+            if fresh:
+                wrapped = peft.PeftModel.from_pretrained(model, str(path), adapter_name=name, config=config)
+            else:
+                if config is not None:  # (load_adapter then loads only the weights, under this config)
+                    config.inference_mode = True
+                    wrapped.add_adapter(name, config)
+                wrapped.load_adapter(str(path), adapter_name=name)
+        except (KeyError, RuntimeError, ValueError) as exc:
+            raise _load_error(exc, path) from None
+        check_adapter_loaded(wrapped, path, header, adapter_name=name)
+        check_adapter_base(wrapped, path, strict=strict_base, model_dir=model_dir)
+    except ValueError:
+        if fresh and wrapped is not None:
+            wrapped.unload()
+        elif not fresh and name in wrapped.peft_config:
+            wrapped.delete_adapter(name)
+        raise
+    return wrapped
+
+
+def add_named_lora(model: nn.Module, wrapped: Any, adapter_dir: str | Path, name: str, layout: nn.Module,
+                   strict_base: bool = False, model_dir: str | Path | None = None) -> Any:
+    """One more adapter on a served base (`rdepth serve --lora-updates-root`): the peft wrapper `wrapped` of
+    `model` (None: `model` has none yet) with the adapter in `adapter_dir` loaded as peft adapter `name` (one
+    `several_adapter_name` gives, never reused), off, after `load_loras`' checks. `layout`: a model of the base's
+    modules without peft's layers (e.g. built on the meta device), which the adapter's targets are read against.
+    Nothing changes on a ValueError."""
+    path = check_adapter_dir(adapter_dir)
+    header = check_adapter_files(path)
+    check_adapter_targets(layout, path)
+    wrapped = _load_named(model, wrapped, path, name, _peft_config(layout, path), header, strict_base, model_dir)
+    use_adapter(wrapped, None)
+    return wrapped
+
+
+def remove_named_lora(wrapped: Any, name: str) -> Any:
+    """`wrapped` without its peft adapter `name`, the others off; None once none is left (its model as it was
+    given: peft's layers removed)."""
+    if set(wrapped.peft_config) == {name}:
+        wrapped.unload()
+        return None
+    with warnings.catch_warnings():  # ("Adapter ... was active which is now deleted": all go off below)
+        warnings.simplefilter("ignore", UserWarning)
+        wrapped.delete_adapter(name)
+    for param_name, param in wrapped.named_parameters():  # (peft's delete turns another adapter on, trainable)
+        if "lora_" in param_name:
+            param.requires_grad_(False)
     use_adapter(wrapped, None)
     return wrapped
 

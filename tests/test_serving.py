@@ -347,6 +347,30 @@ def test_echo_logprobs_score_token_prompts_like_a_full_forward(client, reference
             assert max(top.values()) == pytest.approx(float(want[t].max()), abs=TOL)
 
 
+@pytest.mark.parametrize("top", [0, 1])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_legacy_top_logprobs_hold_the_chosen_token_as_openai_and_vllm(client, top, stream):
+    """Completions' `top_logprobs` hold the N most likely tokens and the chosen one (sampled, or the echoed
+    prompt's) when it is not among them: up to N + 1 entries, as OpenAI documents and vLLM answers. A sampled
+    token outside the top N had no entry, and `logprobs: 0` gave `{}` at every position."""
+    kw = dict(model="tiny", prompt="The quick", max_tokens=6, temperature=1.5, seed=3, echo=True, logprobs=top,
+              extra_body=dict(ignore_eos=True))
+    if stream:
+        parts = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kw)
+                 if c.choices and c.choices[0].logprobs is not None]
+        tokens, lps, tops = (sum((getattr(p, f) for p in parts), []) for f in ("tokens", "token_logprobs",
+                                                                              "top_logprobs"))
+    else:
+        lp = client.completions.create(**kw).choices[0].logprobs
+        tokens, lps, tops = lp.tokens, lp.token_logprobs, lp.top_logprobs
+    assert tops[0] is None and len(tokens) == len(tops) > 6  # the first prompt token has no scores
+    sampled_outside = 0
+    for token, logprob, entries in zip(tokens[1:], lps[1:], tops[1:]):
+        assert entries[token] == logprob and len(entries) <= top + 1
+        sampled_outside += len(entries) == top + 1
+    assert sampled_outside > 0  # (this seed samples tokens outside the top 1: the case that lost its entry)
+
+
 def test_lm_eval_local_completions_scores_and_generates_through_the_server(server, reference, model_dir):
     from lm_eval.api.instance import Instance
     from lm_eval.models.openai_completions import LocalCompletionsAPI

@@ -92,6 +92,19 @@ def _with_steps(item: dict[str, Any], steps: list[int] | None, return_steps: boo
 
 
 # ------------------------------------------------------------------ completions
+def legacy_top(codec: TextCodec, token: int, logprob: float | None,
+               top: list[tuple[int, float | None]] | None) -> dict[str, float | None] | None:
+    """One position's legacy `top_logprobs`: the N most likely tokens, plus the token chosen there (sampled, or the
+    prompt's) when it is not among them, so up to N + 1 entries as OpenAI's API and vLLM give: a sampled token
+    outside the top N, and every token with `logprobs: 0`, had no entry. None where the position has no scores
+    (the first prompt token)."""
+    if top is None:
+        return None
+    out = {codec.token_string(i): lp for i, lp in top}
+    out.setdefault(codec.token_string(token), logprob)
+    return out
+
+
 def completion_logprobs(codec: TextCodec, choice: Choice, echo: bool, first: int = 0) -> dict[str, Any]:
     """OpenAI legacy logprobs for tokens [first:] of (echoed prompt +) completion."""
     ids, lps, tops = [], [], []
@@ -111,8 +124,7 @@ def completion_logprobs(codec: TextCodec, choice: Choice, echo: bool, first: int
     return {
         "tokens": [codec.token_string(t) for t in ids[first:]],
         "token_logprobs": lps[first:],
-        "top_logprobs": [None if top is None else {codec.token_string(i): lp for i, lp in top}
-                         for top in tops[first:]],
+        "top_logprobs": [legacy_top(codec, t, lp, top) for t, lp, top in zip(ids[first:], lps[first:], tops[first:])],
         "text_offset": offsets[first:],
     }
 
@@ -129,7 +141,7 @@ def last_token_logprobs(codec: TextCodec, choice: Choice, echo: bool) -> dict[st
     offset = choice.offset
     choice.offset += len(choice.offsets.push(token))
     return {"tokens": [codec.token_string(token)], "token_logprobs": [choice.logprobs[-1]],
-            "top_logprobs": [None if top is None else {codec.token_string(i): lp for i, lp in top}],
+            "top_logprobs": [legacy_top(codec, token, choice.logprobs[-1], top)],
             "text_offset": [offset]}
 
 

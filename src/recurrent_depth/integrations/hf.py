@@ -324,14 +324,17 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         from recurrent_depth.checkpoint import untied_head
 
         if not untied_head(self):
-            return super().save_pretrained(save_directory, *args, **kwargs)
-        # a head no longer tied to the embedding (peft's merge_and_unload of modules_to_save=["lm_head"]): saved
-        # untied, as it computes; a tied config beside two different tensors is a directory that does not load
-        self.config.tie_word_embeddings = False
-        try:
-            return super().save_pretrained(save_directory, *args, **kwargs)
-        finally:
-            self.config.tie_word_embeddings = True
+            out = super().save_pretrained(save_directory, *args, **kwargs)
+        else:
+            # a head no longer tied to the embedding (peft's merge_and_unload of modules_to_save=["lm_head"]): saved
+            # untied, as it computes; a tied config beside two different tensors is a directory that does not load
+            self.config.tie_word_embeddings = False
+            try:
+                out = super().save_pretrained(save_directory, *args, **kwargs)
+            finally:
+                self.config.tie_word_embeddings = True
+        _keep_remote_code(self.config, save_directory)
+        return out
 
     @property
     def base_model(self) -> nn.Module:
@@ -826,6 +829,20 @@ def _check_continued_cache(input_ids: Any, cache: Any) -> None:
         if held and held >= input_ids.shape[1]:
             raise ValueError(f"generate: the cache holds {held} tokens but input_ids has {input_ids.shape[1]}: pass "
                              "the whole conversation (the cached tokens and at least one new one) as input_ids")
+
+
+def _keep_remote_code(config: Any, save_directory: Any) -> None:
+    """A model loaded from an `rdepth export --remote-code` directory keeps that directory's `auto_map` in its config,
+    and transformers writes it back, but not the file it names (our class is the library's, not that file's): the
+    copy then failed to load with `trust_remote_code=True` without the library (OSError: no file named
+    modeling_recurrent_depth.py). Write the file beside the map, as the export does."""
+    from recurrent_depth.files import atomic_write_text
+    from recurrent_depth.integrations.export import REMOTE_CODE_FILE, remote_code_source
+
+    auto_map = getattr(config, "auto_map", None) or {}
+    module = REMOTE_CODE_FILE.removesuffix(".py")
+    if os.path.isdir(save_directory) and any(str(v).startswith(f"{module}.") for v in auto_map.values()):
+        atomic_write_text(Path(save_directory) / REMOTE_CODE_FILE, remote_code_source())
 
 
 def _keep_our_generation_options(config: GenerationConfig | None) -> None:

@@ -90,6 +90,34 @@ def test_prompt_completion_records_learn_the_completion_and_eos(model_dir):
         ("4<|end_turn|>", True)]
 
 
+def test_a_sentencepiece_style_tokenizer_starts_no_piece_but_the_first_with_its_space(tmp_path):
+    """A Metaspace tokenizer (Llama-2, Mistral, TinyLlama) writes '▁' at the start of a text. Each piece tokenized
+    alone got one: the answer `4` after `<|assistant|>\\n` was learned as `▁4`, the second user turn and a
+    completion gained a space, none of which the server's tokens of the whole conversation hold."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    chars = ["<unk>", "<s>", "</s>", "▁", "\n", *"<|>abcdefghijklmnopqrstuvwxyz0123456789+=?"]
+    tok = Tokenizer(models.BPE({c: i for i, c in enumerate(chars)}, [], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    template = ("{{ bos_token }}{% for m in messages %}{{ '<|' + m.role + '|>\\n' + m.content + eos_token + '\\n' }}"
+                "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")  # Zephyr's shape
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                                 "chat_template": template}))
+    encoder = ExampleEncoder(tmp_path, rd.ModelConfig.from_preset("tiny", vocab_size=64, bos_token_id=1,
+                                                                  eos_token_id=2))
+    chat = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+                         {"role": "user", "content": "3+6?"}, {"role": "assistant", "content": "9"}]}
+    example = encoder.encode(conversation(chat, "x:1"), "x:1")
+    whole = "<s><|user|>\n2+2?</s>\n<|assistant|>\n4</s>\n<|user|>\n3+6?</s>\n<|assistant|>\n9</s>\n"
+    assert example.ids == tok.encode(whole, add_special_tokens=False).ids  # what the server would encode
+    assert [tok.decode([i], skip_special_tokens=False) for i, s in zip(example.ids, example.scored) if s] == \
+        ["4", "</s>", "\n", "9", "</s>", "\n"]
+    plain = encoder.encode(conversation({"prompt": "2+2=", "completion": "4"}, "x:2"), "x:2")
+    assert plain.ids == [1, *tok.encode("2+2=4", add_special_tokens=False).ids, 2]
+    assert plain.scored == [False] * 6 + [True, True]  # bos ▁ 2 + 2 =, then 4 and eos
+
 def test_prompt_completion_without_an_eos_token_is_refused_not_trained_without_an_end(model_dir):
     config = rd.ModelConfig.from_json(model_dir / "config.json")
     encoder = ExampleEncoder(model_dir, dataclasses.replace(config, eos_token_id=None))
@@ -107,6 +135,12 @@ def test_bad_records_are_one_line_errors_naming_file_and_line(model_dir, tmp_pat
         "{not json": "not valid JSON",
         json.dumps({"messages": [{"role": "user", "content": "hi"}]}): "no assistant message",
         json.dumps({"messages": [{"role": "user"}]}): r"messages\[0\] must be an object with string 'role'",
+        # a typo'd role was trained on as a turn of its own (or left its answer unlearned), silently
+        json.dumps({"messages": [{"role": "usr", "content": "hi"}, {"role": "assistant", "content": "b"}]}):
+            r"messages\[0\]\.role='usr' is not a chat role: expected one of \['system', 'developer', 'user', ",
+        json.dumps({"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "Assistant",
+                                                                                  "content": "b"}]}):
+            r"completion\[0\]\.role='Assistant' is not a chat role",
         json.dumps({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]},
                                  {"role": "assistant", "content": "b"}]}):
             r"messages\[0\]\.content\[0\] is a part of type 'input_audio', but the model reads text only",

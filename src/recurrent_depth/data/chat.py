@@ -14,7 +14,8 @@ Records (one per JSONL line, or one per row of a local `datasets` file):
 Chats are rendered with the tokenizer directory's chat template (`serving/chat_template.py`, sandboxed).
 The assistant-only rule: the conversation is cut where each learned assistant message starts (the render of
 the messages before it, with the generation prompt: what the model sees when it answers) and where it ends
-(the render up to and with it); each piece is tokenized on its own, so no token straddles a cut, and the
+(the render up to and with it); each piece is tokenized on its own, so no token straddles a cut (as the
+continuation of the piece before it: no sentencepiece '▁' of a text's start inside the text), and the
 tokens of the learned pieces carry the loss: the answer and the end-of-turn marker the template writes after
 it, never the header that opens the turn. A template whose renders are not prefixes of each other cannot be
 cut this way and is refused. Prompt/completion text is not templated: `bos + prompt + completion + eos`,
@@ -178,6 +179,7 @@ def conversation(record: Any, where: str) -> Conversation:
 
 def _messages(value: Any, where: str, key: str) -> list[dict[str, Any]]:
     from recurrent_depth.serving.chat_template import content_text  # (here: the serving package is heavy to import)
+    from recurrent_depth.serving.protocol import ROLES
 
     if not isinstance(value, list) or not value:
         raise ValueError(f"{where}: '{key}' must be a non-empty list of messages")
@@ -186,6 +188,11 @@ def _messages(value: Any, where: str, key: str) -> list[dict[str, Any]]:
         if not (isinstance(message, dict) and isinstance(message.get("role"), str) and "content" in message):
             raise ValueError(f"{where}: {key}[{i}] must be an object with string 'role' and 'content' (or a null "
                              "'content': an assistant turn of tool calls only)")
+        # the server's roles: a typo ('usr', 'Assistant') was rendered as a turn of its own and trained on, or
+        # left an answer unlearned, silently, and the model would be served prompts in which it never occurs
+        if message["role"] not in ROLES:
+            raise ValueError(f"{where}: {key}[{i}].role={message['role'][:40]!r} is not a chat role: expected one "
+                             f"of {list(ROLES)}")
         # a list of text parts is their texts joined, a null content empty text (never the text 'None' a template
         # would write for it), both as the server takes them (`content_text`)
         content = content_text(message["content"], f"{where}: {key}[{i}].content")
@@ -217,14 +224,28 @@ class ExampleEncoder:
         pieces = self._chat_pieces(chat, where) if chat.templated else self._plain_pieces(chat)
         ids: list[int] = []
         scored: list[bool] = []
+        before: str | int | None = None  # the last non-empty piece (None: the start of the text)
         for text, learned in pieces:
-            if isinstance(text, int):
-                piece = [text]
-            else:
-                piece = self.tokenizer.encode(text, add_special_tokens=False).ids if text else []
+            piece = [text] if isinstance(text, int) else self._tokens(text, before)
             ids += piece
             scored += [learned] * len(piece)
+            before = text if text != "" else before
         return Example(ids, scored)
+
+    def _tokens(self, text: str, before: str | int | None) -> list[int]:
+        """`text`'s tokens as they follow the text piece `before`. Alone, a sentencepiece-style tokenizer
+        (Metaspace, Llama-2 / Mistral) starts `text` with '▁' as the start of a text: an answer `4` after
+        `<|assistant|>\n` became `▁4`, a second user turn gained a space, unlike the conversation tokenized whole (what
+        the server encodes). Where a token would straddle the cut, `text` is tokenized alone."""
+        if not text:
+            return []
+        if not isinstance(before, str):  # (the start of the text, or after a bos / eos id)
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        context = self.tokenizer.encode(before, add_special_tokens=False).ids
+        both = self.tokenizer.encode(before + text, add_special_tokens=False).ids
+        if both[: len(context)] == context:
+            return both[len(context):]
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def _plain_pieces(self, chat: Conversation) -> list[tuple[str | int, bool]]:
         prompt, completion = chat.messages[0]["content"], chat.messages[1]["content"]

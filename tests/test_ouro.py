@@ -192,6 +192,18 @@ def test_auto_model_keeps_transformers_output_flags_for_an_ouro_directory():
     assert isinstance(AutoModelForCausalLM.from_pretrained(case, return_dict=False)(ids), tuple)
 
 
+def test_auto_model_takes_the_loading_options_lm_eval_passes_as_none():
+    """lm-eval's hf backend (and our lm-eval backend through it) passes gguf_file, max_memory and
+    quantization_config to from_pretrained, all None: an Ouro directory was refused as "unsupported arguments";
+    one that asks for something is still refused in one line."""
+    case = GOLDENS / "config_a"
+    model = AutoModelForCausalLM.from_pretrained(case, dtype=torch.float32, gguf_file=None, max_memory=None,
+                                                 quantization_config=None)
+    assert isinstance(model, RecurrentDepthForCausalLM)
+    with pytest.raises(ValueError, match="unsupported arguments \\['max_memory'\\]"):
+        AutoModelForCausalLM.from_pretrained(case, max_memory={"cpu": 2**30})
+
+
 def test_auto_sequence_classification_loads_an_ouro_directory(tmp_path):
     """AutoModelForSequenceClassification refused an Ouro directory (unrecognized configuration class OuroConfig);
     now the Ouro backbone with a fresh score head on each row's last token, saved in our format."""

@@ -64,7 +64,7 @@ TOKENIZER_FILES = (
 TRAINING_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def _dtype_from_name(name: str | torch.dtype | None) -> torch.dtype | None:
+def dtype_from_name(name: str | torch.dtype | None) -> torch.dtype | None:
     if name is None or isinstance(name, torch.dtype):
         return name
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -521,7 +521,7 @@ def load_pretrained(
     path = Path(path)
     checked = check_model_dir(path, config_overrides, allow_outside, model_class=model_class)
     config, model, tied_head = checked.config, checked.meta_model, checked.tied_head
-    dtype = _dtype_from_name(dtype)
+    dtype = dtype_from_name(dtype)
     state = read_state_dict(path, dtype, allow_outside)
     # (a diverged run's checkpoint generated token 0 on every step, without a word)
     broken = [name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]

@@ -57,6 +57,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
+from recurrent_depth.checkpoint import dtype_from_name
 from recurrent_depth.data.tokenizer import windowed_encoding
 from recurrent_depth.evaluation.scoring import Scored, batched_logprobs, stepwise_logprobs
 from recurrent_depth.inference.criteria import gate_for
@@ -125,6 +126,11 @@ class RecurrentDepthEvalLM(HFLM):
                         DEFAULT_AUTO_BATCH)
             batch_size = DEFAULT_AUTO_BATCH
         kwargs.setdefault("backend", "causal")
+        if isinstance(kwargs.get("dtype"), str) and kwargs["dtype"] != "auto":  # lm-eval's getattr(torch, dtype)
+            try:  # fails with "module 'torch' has no attribute ...", a traceback through `rdepth lm-eval`
+                kwargs["dtype"] = dtype_from_name(kwargs["dtype"])
+            except ValueError as exc:
+                raise ValueError(f"{exc}, or 'auto'") from None
         try:
             super().__init__(pretrained=pretrained, device=_resolve_device(device), batch_size=batch_size, **kwargs)
         except TypeError as exc:  # an unknown model_arg reaches the model's __init__ through from_pretrained
@@ -230,7 +236,8 @@ class RecurrentDepthEvalLM(HFLM):
                 for i in chunk:
                     context, continuation = list(requests[i][1]), list(requests[i][2])
                     if len(continuation) >= limit:
-                        raise ValueError(f"a continuation of {len(continuation)} tokens exceeds max_length")
+                        raise ValueError(f"a continuation of {len(continuation)} tokens exceeds "
+                                         f"max_length={self.max_length}")
                     keep = limit - len(continuation)
                     batch.append((context[-keep:], continuation))  # left-truncate the context, as HFLM does
                 generators = [self._request_generator(*request) for request in batch]

@@ -104,8 +104,10 @@ def batched_logprobs(
     ids = torch.full((len(rows), T), pad_token_id, dtype=torch.long, device=model.device)
     for b, row in enumerate(rows):
         ids[b, : len(row)] = torch.tensor(row, device=model.device)
-    states = None  # (a model whose s_0 is e draws nothing)
-    if not isinstance(generator, torch.Generator | None) and model.config.state_init == "random":
+    states = None
+    if not isinstance(generator, torch.Generator | None) and model.config.state_init != "random":
+        generator = None  # a model whose s_0 is e draws nothing: no per-request streams to pass on
+    if not isinstance(generator, torch.Generator | None):
         # Each row draws as `generate(context, teacher_tokens=continuation)` does: the context's s_0 at
         # once, then each fed continuation token's, so the same seed gives generate's numbers.
         scale = model.config.init_scale if init_scale is None else init_scale

@@ -884,6 +884,8 @@ def _cache_kwargs_alias(kwargs: dict[str, Any]) -> None:
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
 _NO_EFFECT_KWARGS = ("trust_remote_code", "code_revision", "_from_auto", "_from_pipeline", "attn_implementation",
                      "low_cpu_mem_usage", "use_safetensors")
+# loading options this class has no use for, accepted when they ask for nothing
+_UNSET_ONLY_KWARGS = ("gguf_file", "max_memory", "quantization_config", "offload_folder", "offload_state_dict")
 
 
 class OuroForCausalLM(RecurrentDepthForCausalLM):
@@ -917,6 +919,9 @@ class OuroForCausalLM(RecurrentDepthForCausalLM):
                              f"adapter with peft")
         for name in _NO_EFFECT_KWARGS:
             kwargs.pop(name, None)
+        for name in _UNSET_ONLY_KWARGS:  # (lm-eval's hf backend passes them all, as None)
+            if name in kwargs and kwargs[name] is None:
+                del kwargs[name]
         dtype = kwargs.pop("dtype", None)
         torch_dtype = kwargs.pop("torch_dtype", None)
         dtype = torch_dtype if dtype is None else dtype

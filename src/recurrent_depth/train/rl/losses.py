@@ -24,6 +24,7 @@ A rollout whose reward is missing (`reward_valid` False: its reward function rai
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,18 +41,23 @@ def group_advantages(rewards: Tensor, group_size: int, valid: Tensor | None = No
     """A `[N]` for rewards `[N]` laid out as consecutive groups of `group_size` rollouts of one prompt.
 
     normalize: divide by the group's standard deviation (population, over its valid rollouts) + eps
-    (GRPO); otherwise only subtract the group mean (K2). Invalid rollouts get advantage 0."""
+    (GRPO); otherwise only subtract the group mean (K2). Invalid rollouts get advantage 0, and so does
+    every rollout of a group whose valid rewards are all equal (also at eps=0: no 0 / 0, and no +-1
+    from the rounding error of its mean)."""
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards must be [groups * group_size={group_size}], got shape {tuple(rewards.shape)}")
     valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid.bool()
     r = torch.where(valid, rewards, 0.0).view(-1, group_size).double()
-    v = valid.view(-1, group_size).double()
+    v = valid.view(-1, group_size)
     count = v.sum(dim=1, keepdim=True).clamp(min=1)
     mean = r.sum(dim=1, keepdim=True) / count
-    centred = (r - mean) * v
+    lowest = torch.where(v, r, torch.inf).amin(dim=1, keepdim=True)
+    highest = torch.where(v, r, -torch.inf).amax(dim=1, keepdim=True)
+    varies = v & (lowest < highest)  # the rollouts that can carry a signal
+    centred = torch.where(varies, r - mean, 0.0)
     if normalize:
         std = (centred.square().sum(dim=1, keepdim=True) / count).sqrt()
-        centred = centred / (std + eps)
+        centred = torch.where(varies, centred / (std + eps), 0.0)
     return centred.view(-1).to(rewards.dtype)
 
 
@@ -112,9 +118,10 @@ class GRPO:
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
             raise ValueError(f"GRPO level={self.level!r} is invalid: expected one of {LEVELS}")
-        if not 0 < self.clip_eps < 1 or self.beta < 0:
-            raise ValueError(f"GRPO needs 0 < clip_eps < 1 and beta >= 0, got clip_eps={self.clip_eps}, "
-                             f"beta={self.beta}")
+        # (a NaN passes `beta < 0`; `if beta:` in grpo_loss would then ask for a reference never made)
+        if not 0 < self.clip_eps < 1 or not 0 <= self.beta < math.inf or not 0 <= self.eps < math.inf:
+            raise ValueError(f"GRPO needs 0 < clip_eps < 1 and finite beta >= 0 and eps >= 0, got "
+                             f"clip_eps={self.clip_eps}, beta={self.beta}, eps={self.eps}")
 
     @property
     def needs_reference(self) -> bool:
@@ -139,8 +146,8 @@ class K2:
     tau: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.tau > 0:
-            raise ValueError(f"K2 tau={self.tau!r} is invalid: expected a number > 0")
+        if not 0 < self.tau < math.inf:
+            raise ValueError(f"K2 tau={self.tau!r} is invalid: expected a finite number > 0")
 
     needs_reference = False
 

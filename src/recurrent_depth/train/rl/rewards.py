@@ -25,6 +25,8 @@ from __future__ import annotations
 import importlib
 import math
 import numbers
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -50,10 +52,18 @@ class TaskReward:
 
 
 def load_reward_function(spec: str) -> RewardFunction:
-    """The callable `function` of module `module` for `spec` = "module:function" (trusted code, imported here)."""
+    """The callable `function` of module `module` for `spec` = "module:function" (trusted code, imported here
+    from `sys.path` or the current directory)."""
     module_name, sep, name = spec.partition(":")
     if not sep or not module_name or not name:
         raise ValueError(f"reward function {spec!r} is invalid: expected 'module:function' (e.g. my_rewards:score)")
+    if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
+        raise ValueError(f"reward function {spec!r}: {module_name!r} is a file path; expected a module name "
+                         f"(my_rewards for ./my_rewards.py, run from its directory)")
+    # `python -m` puts the current directory on sys.path, the installed `rdepth` script does not: a module
+    # beside the run (./my_rewards.py) is found either way (appended, so it shadows no installed package)
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -95,6 +105,8 @@ class ShapedReward:
     def __call__(self, prompt: str, completion: str, depths: list[int], num_tokens: int) -> float | None:
         try:
             value = self.base(prompt, completion, list(depths))
+            if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a 0-d torch / numpy number
+                value = value.item()
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
                 raise TypeError(f"returned {value!r}, not a finite number")
         except Exception as exc:  # a user's function may raise anything: report it with its input

@@ -87,6 +87,9 @@ class RolloutSettings:
             if getattr(options, name) != wanted:
                 raise ValueError(f"rollouts need {name}={wanted!r} (the replay recomputes plain token-by-token "
                                  f"decoding), got {getattr(options, name)!r}")
+        if not options.do_sample:
+            raise ValueError("rollouts need do_sample=True (--do-sample, a temperature > 0): greedy decoding from "
+                             "s_0 = 0 gives every rollout of a prompt the same completion, so every advantage is 0")
         if options.min_steps_rule == "skip":
             raise ValueError("rollouts need min_steps_rule='exit': under 'skip' a token at max_steps keeps the logits "
                              "of its last check, not of the state its replay ends at")

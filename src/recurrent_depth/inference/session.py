@@ -79,11 +79,21 @@ def adaptive_schedule(num_steps: int, max_steps: int, min_steps: int, check_ever
                 first_check=min_steps + 1 if skip else 1, check_every=check_every, read_last_check=skip)
 
 
-def check_position_counters(model: Any, policy: Any, rows: int, exit_criterion: str | None, steps: int) -> None:
-    """Refuse what the mixers whose state counts positions (log-linear, TTT-KVB) cannot keep exact: an exit
-    criterion (`exit_criterion`, None when none or under exit_kv='compute') on a batch of several rows, and
-    a KV `policy` (a name or `KVPolicy`) that shares a core slot among the `steps` steps."""
+def check_position_counters(model: Any, policy: Any, rows: int, exit_criterion: str | None, steps: int,
+                            padded: bool = False) -> None:
+    """Refuse what the mixers whose state counts positions (log-linear, TTT-KVB) cannot keep exact: a batch of
+    several rows under left padding (`padded`), an exit criterion (`exit_criterion`, None when none or under
+    exit_kv='compute') on a batch of several rows, and a KV `policy` (a name or `KVPolicy`) that shares a core
+    slot among the `steps` steps."""
     names = mixers_with(model, "shared_counter")
+    if names and rows > 1 and padded:
+        # The count is the batch's column, so a padded row's tokens sit at other counts than alone (log-linear:
+        # other Fenwick levels; TTT-KVB: other mini-batch boundaries) and get other logits.
+        raise ValueError(
+            f"a left-padded batch of {rows} rows: the {', '.join(names)} mixer keeps one position count for all "
+            "rows, which padding shifts for the shorter prompts; give prompts of one length or generate one row "
+            "at a time"
+        )
     if names and rows > 1 and exit_criterion is not None:
         raise ValueError(
             f"exit_criterion={exit_criterion!r} on a batch of {rows} rows: the {', '.join(names)} mixer keeps one "
@@ -239,7 +249,8 @@ class Session:
         if self.options.mode == "autoregressive":
             exits = self.criterion is not None and not self.computing
             check_position_counters(self.model, self.options.policy, self.B,
-                                    self.options.criterion.name if exits else None, self.options.deepest_step)
+                                    self.options.criterion.name if exits else None, self.options.deepest_step,
+                                    padded=self.padded)
 
     def _teacher(self, tokens: Any) -> list[list[int]] | None:
         """Teacher forcing: feed these `[B, >= max_new_tokens]` ids instead of the chosen ones."""

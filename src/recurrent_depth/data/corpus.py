@@ -33,6 +33,9 @@ _BINARY_SNIFF_BYTES = 8192
 _READ_CHUNK_BYTES = 1 << 20
 # A file larger than this is read as several documents of about this many characters (see FileTreeCorpus).
 PART_BYTES = 64 << 20
+# Longest JSONL line read (bytes, without its newline). Lines are read with this bound, so a file with no
+# newline (a wrong file, or one huge JSON array) is refused in bounded memory instead of read whole.
+JSONL_MAX_LINE_BYTES = 4 * PART_BYTES
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,16 @@ class Corpus:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+def require_text(info: CorpusInfo) -> None:
+    """ValueError (one line) for a corpus with no documents, or whose documents are all empty: neither a
+    tokenizer nor a row can be made from it (the errors further on would blame vocab_size or seq_len)."""
+    if info.num_documents == 0:
+        skipped = f" ({info.num_skipped} file(s) skipped: binary or not UTF-8)" if info.num_skipped else ""
+        raise ValueError(f"data: corpus {info.name!r} has no documents{skipped}")
+    if info.num_bytes == 0:
+        raise ValueError(f"data: corpus {info.name!r} has {info.num_documents} document(s), all of them empty")
 
 
 def _id_bytes(doc_id: str) -> bytes:
@@ -238,9 +251,16 @@ class FileTreeCorpus(Corpus):
 
     def __iter__(self) -> Iterator[Document]:
         skipped = 0
+        # A file read in parts has the ids "<rel>#part-NNNNN", which sort after a sibling like "<rel> copy" (a
+        # space sorts before "#"): visit the files in the order of their ids, so documents come sorted by id.
+        planned: list[tuple[str, str, Path | None, bool]] = []
         for rel in self.files():
             full = self.readable(rel)
-            if full is not None and full.stat().st_size > PART_BYTES:
+            parted = full is not None and full.stat().st_size > PART_BYTES
+            planned.append((f"{rel}#part-" if parted else rel, rel, full, parted))
+        planned.sort(key=lambda item: item[0])
+        for _, rel, full, parted in planned:
+            if full is not None and parted:
                 if _is_utf8_text(full):
                     for k, part in enumerate(_text_parts(full, PART_BYTES), start=1):
                         yield Document(f"{rel}#part-{k:05d}", part)
@@ -355,14 +375,25 @@ class JsonlCorpus(Corpus):
         self.text_field = text_field
 
     def __iter__(self) -> Iterator[Document]:
+        limit = JSONL_MAX_LINE_BYTES
         with open(self.path, "rb") as handle:
-            for lineno, raw in enumerate(handle, start=1):
+            for lineno, raw in enumerate(iter(lambda: handle.readline(limit + 1), b""), start=1):
+                where = f"{self.path}:{lineno}"
+                if len(raw) > limit and not raw.endswith(b"\n"):
+                    raise ValueError(f"{where}: line longer than {limit:,} bytes; split the document, or put very "
+                                     "large documents in a directory of text files (read in parts)")
                 if not raw.strip():
                     continue
-                where = f"{self.path}:{lineno}"
                 try:
-                    record = json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    # Decoded here, not by json.loads(bytes), which guesses UTF-16/32 from the first bytes and
+                    # then names the wrong codec; a UTF-8 BOM may start the file.
+                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                except UnicodeDecodeError as exc:
+                    raise ValueError(f"{where}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte "
+                                     f"{exc.start + 1} of the line)") from None
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
                     raise ValueError(f"{where}: not valid JSON ({exc})") from None
                 except RecursionError:
                     raise ValueError(f"{where}: JSON nested too deeply to parse") from None

@@ -20,7 +20,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from recurrent_depth.data.corpus import Corpus, Document, DocumentSplit, load_corpus
+from recurrent_depth.data.corpus import Corpus, Document, DocumentSplit, load_corpus, require_text
 from recurrent_depth.data.packing import PackingStats, pack_documents, tokenize_documents
 from recurrent_depth.data.shards import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -129,8 +129,7 @@ def prepare_dataset(
     dtype = token_dtype(vocab_size)
     corpus = load_corpus(corpus_spec)
     info = corpus.info()
-    if info.num_documents == 0:
-        raise ValueError(f"data: corpus {info.name!r} has no documents")
+    require_text(info)
 
     params = {
         "seq_len": seq_len,

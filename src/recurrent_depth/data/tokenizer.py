@@ -33,7 +33,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from recurrent_depth.data.corpus import Corpus, Document, DocumentSplit, load_corpus
+from recurrent_depth.data.corpus import Corpus, Document, DocumentSplit, load_corpus, require_text
 from recurrent_depth.files import TOKENIZER_MAX_BYTES, atomic_write_text, read_text
 
 BEGIN_TEXT = "<|begin_text|>"
@@ -347,6 +347,10 @@ def save_tokenizer(
         "pad_token": PAD,
         "extra_special_tokens": chat_tokens,  # transformers 5 name
         "clean_up_tokenization_spaces": False,  # would change code text (" ." -> ".") on decode
+        # A decoder-only model continues a prompt from its last column, so `generate(**tok(batch, padding=True))`
+        # needs the padding on the left (our generation refuses right padding; transformers' only warns). Our own
+        # training, SFT and scoring pad their rows themselves, and trl's collators name their side explicitly.
+        "padding_side": "left",
         "model_max_length": model_max_length if model_max_length is not None else int(1e30),
         "chat_template": template,
     }
@@ -460,9 +464,7 @@ def build_tokenizer(
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     source = load_corpus(corpus)
     info = source.info()
-    if info.num_documents == 0:  # (else the BPE trainer's "supports 0 merges" suggests a smaller vocab_size)
-        skipped = f" ({info.num_skipped} file(s) skipped: binary or not UTF-8)" if info.num_skipped else ""
-        raise ValueError(f"data: corpus {info.name!r} has no documents{skipped}")
+    require_text(info)  # (else the BPE trainer's "supports 0 merges" suggests a smaller vocab_size)
     docs: Iterable[Document] = source
     split = None
     if val_fraction > 0:

@@ -367,7 +367,8 @@ def test_a_chat_answer_past_the_context_names_the_length_field_the_client_sent(f
 def test_validation_accepts_the_documented_extra_fields():
     req = parse_completion({"prompt": [[1, 2], [3]], "n": 2, "num_steps": 8, "exit_criterion": "kl",
                             "exit_threshold": 1e-3, "kv_budget": 4, "warm_start": True, "top_k": -1,
-                            "user": "u", "stream_options": {"include_usage": True}}, LIMITS, {"m"}, False)
+                            "user": "u", "stream": True, "stream_options": {"include_usage": True}}, LIMITS, {"m"},
+                           False)
     assert len(req.prompts) == 2 and req.sampling.n == 2
     opts = req.sampling.options(2, 16, LIMITS)
     assert (opts.num_steps, opts.exit_criterion, opts.kv_budget, opts.warm_start, opts.top_k) == (8, "kl", 4, True,

@@ -67,6 +67,11 @@ def test_a_loaded_adapter_answers_as_at_start_and_an_unloaded_one_is_a_404(live,
     assert served(live.url) == ["tiny"]
     gone = httpx.post(live.url + "/v1/completions", json={"model": "sql", "prompt": [1], "max_tokens": 1})
     assert gone.status_code == 404 and "'sql' does not exist; this server serves ['tiny']" in gone.text
+    # (the preparation workers leave `model` to the handlers here: chat's unknown name is the same 404)
+    never = httpx.post(live.url + "/v1/chat/completions", json={"model": "nope", "max_tokens": 1,
+                                                                "messages": [{"role": "user", "content": "x"}]})
+    assert never.status_code == 404 and never.json()["error"]["message"] == (
+        "the model 'nope' does not exist; this server serves ['tiny']")
     assert answers(live.url, "tiny") == base  # (the base as it was: the adapter's layers are gone)
     assert load(live.url, "sql", "sql").status_code == 200  # (loads again, under a new peft name)
     assert answers(live.url, "sql") == want

@@ -107,7 +107,7 @@ def create_app(scheduler: BatchScheduler, codec: TextCodec, settings: ServerSett
             yield
         finally:
             await drain()
-            await handlers.close_pools()
+            await handlers.pool.stop()
 
     app = FastAPI(title="recurrent-depth", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.drain = drain

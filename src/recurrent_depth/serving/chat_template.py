@@ -171,12 +171,15 @@ class ChatTemplate:
                            strftime_now=lambda fmt: datetime.now().strftime(fmt))
         self.template = env.from_string(source)
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text; `tools`: OpenAI tool objects for the template's `tools` variable (transformers'
+        `apply_chat_template(tools=...)` passes JSON-schema dicts the same way; None: no tools)."""
         self.iterations = 0
         out: list[str] = []
         size = 0
         for piece in self.template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
-                                            tools=None, documents=None, **self.variables):
+                                            tools=tools, documents=None, **self.variables):
             size += len(piece)
             if size > self.max_output_chars:
                 raise RenderedTooLong(f"the rendered chat prompt is over {self.max_output_chars} characters")

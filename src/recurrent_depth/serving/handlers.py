@@ -9,7 +9,7 @@ import hmac
 import secrets
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -39,7 +39,7 @@ from recurrent_depth.serving.protocol import (
     CompletionRequest,
     Limits,
     Sampling,
-    http_spelling,
+    option_error,
     parse_request_body,
     unknown_model,
 )
@@ -91,9 +91,13 @@ class Handlers:
         for name in ("eos_token_id", "stop_token_ids"):  # generation_config.json's stop ids join the model's eos
             self.base_stops |= set(eos_ids(self.limits.defaults.get(name), f"generation_config.json: {name}",
                                            cfg.vocab_size))
+        # The workers refuse an unknown `model` before tokenizing, unless runtime LoRA loading can change the
+        # names while they run: then `adapter_of` alone checks it, against the names as they are
+        adapters = scheduler.adapters
+        runtime_updates = adapters is not None and adapters.updates_root is not None
+        names = None if runtime_updates else frozenset(self.names | set(self.adapters))
         self.pool = PrepPool(PrepSpec(codec.source if codec.has_tokenizer else None, codec.vocab_size,
-                                      self.limits, frozenset(self.names | set(self.adapters)), eos_configured,
-                                      settings.worker_memory),
+                                      self.limits, names, eos_configured, settings.worker_memory),
                              workers=settings.tokenizer_workers, timeout=settings.tokenize_timeout)
         self.open_requests = OpenRequests(scheduler)
         self.kernels = KernelWarmup(scheduler.model)  # app.py readies --kv-quant's at start-up
@@ -108,8 +112,6 @@ class Handlers:
                              "the limit could never be read")
         self.bodies = BodyBudget(total)
         self.api_key = settings.api_key.encode("utf-8") if settings.api_key is not None else None
-        self.renewing = asyncio.Lock()  # (one preparation pool renewal at a time: the last one knows every name)
-        self.retiring: set[asyncio.Task] = set()  # old preparation pools finishing their requests
 
     @property
     def adapters(self) -> tuple[str, ...]:
@@ -180,7 +182,8 @@ class Handlers:
 
     def adapter_of(self, sampling: Sampling) -> str | None:
         """The LoRA adapter a request names in `model` (None: the base, also when `model` is left out); a 404 for
-        one unloaded since its preparation worker checked the name."""
+        a name not served now (one unloaded since its preparation worker checked it, or any unknown name where
+        runtime LoRA loading is on: the workers leave the check to this)."""
         adapters = self.adapters
         if sampling.model is not None and sampling.model not in self.names and sampling.model not in adapters:
             raise unknown_model(sampling.model, self.names | set(adapters))
@@ -199,6 +202,7 @@ class Handlers:
                   extra_stops: set[int], channel: Channel,
                   start: float) -> tuple[list[Job], list[responses.Choice]]:
         codec, limits, scheduler = self.codec, self.limits, self.scheduler
+        adapter = self.adapter_of(sampling)  # (first: an unknown model is a 404 whatever else the request asks)
         if sampling.stop and not codec.has_tokenizer:  # no text to search: they could never match
             raise APIError(400, "'stop' strings need the model directory's tokenizer.json, which this server does "
                                 "not have; use 'stop_token_ids'", param="stop")
@@ -223,7 +227,7 @@ class Handlers:
             try:  # what this model cannot run (a lookup, mode, kv_quant or criterion): 400 now, not 500 later
                 check_options_for_model(scheduler.model, options)
             except OptionError as exc:
-                raise APIError(400, str(exc), param=sampling.given_as.get(exc.field, exc.field)) from None
+                raise option_error(exc, sampling.given_as) from None
             if options.gradmem_tokens:  # GradMem: a prompt too short to split, or a model it cannot take
                 self.check_gradmem(len(prompt), options, sampling.given_as, prompt_scores)
             if options.ttt_params is not None:  # TTT-E2E: a subset this model lacks, or over the copy limit
@@ -242,7 +246,7 @@ class Handlers:
                 jobs.append(Job(row=row, max_tokens=max_tokens, stop_ids=frozenset(stops),
                                 text=TextState(codec, sampling.stop), sink=channel.sink, deadline=deadline,
                                 index=index, solo=solo, generation_kwargs=generation, arrival=start,
-                                adapter=self.adapter_of(sampling)))
+                                adapter=adapter))
                 choices.append(responses.Choice(index, list(prompt)))
         return jobs, choices
 
@@ -257,8 +261,7 @@ class Handlers:
         try:
             check_prompts(self.scheduler.model, [prompt_len], options)
         except OptionError as exc:
-            spelling = http_spelling(given_as)
-            raise APIError(400, str(exc.spelled(spelling)), param=spelling(exc.field)) from None
+            raise option_error(exc, given_as) from None
         except ValueError as exc:
             raise APIError(400, str(exc), param="gradmem_tokens") from None
     def check_ttt(self, prompt_len: int, options: ResolvedOptions, given_as: dict[str, str]) -> None:
@@ -271,13 +274,12 @@ class Handlers:
             inner_depth(model, options)
             nbytes = copy_bytes(model, names, options.ttt_optimizer)
         except OptionError as exc:
-            spelling = http_spelling(given_as)
-            message = str(exc.spelled(spelling))
+            note = ""
             if any(isinstance(m, QuantizedLinear) for m in model.modules()):  # their weights are not parameters
-                message += ("; this server's linear layers are weight-quantized (rdepth serve --weights), so "
-                            "TTT-E2E can train only their float parameters (norms, embeddings): serve without "
-                            "--weights to train them")
-            raise APIError(400, message, param=spelling(exc.field)) from None
+                note = ("; this server's linear layers are weight-quantized (rdepth serve --weights), so TTT-E2E "
+                        "can train only their float parameters (norms, embeddings): serve without --weights to "
+                        "train them")
+            raise option_error(exc, given_as, note) from None
         limit = self.settings.ttt_max_copy_bytes
         if nbytes > limit:
             held = "weights and gradients" + (", Adam moments" if options.ttt_optimizer == "adam" else "")
@@ -369,8 +371,7 @@ class Handlers:
 
     async def update_adapters(self, param: str, update: Any, *args: Any) -> None:
         """Run a scheduler's adapter update (`load_adapter` / `unload_adapter`) to its end, its errors as HTTP
-        ones (400: the request's, naming `param`; 409: requests wait for the adapter), then renew the preparation
-        workers."""
+        ones (400: the request's, naming `param`; 409: requests wait for the adapter)."""
         try:
             await asyncio.wrap_future(update(*args))  # (cancelled with the request: skipped if it has not run)
         except ValueError as exc:  # (the server's paths left out: the client gave one relative to the root)
@@ -380,37 +381,6 @@ class Handlers:
             raise APIError(409, str(exc), type="conflict_error", code="adapter_busy", param="lora_name") from None
         except EngineUnavailable as exc:
             raise APIError(503, str(exc), type="service_unavailable", code="engine_unavailable") from None
-        await self.renew_prep_pool()
-
-    async def renew_prep_pool(self) -> None:
-        """Preparation workers that know the served names as they are now (a worker checks a request's `model`
-        against the names it started with); the old ones finish the requests they hold, then stop."""
-        async with self.renewing:
-            old = self.pool
-            fresh = PrepPool(replace(old.spec, names=frozenset(self.names | set(self.adapters))), workers=old.size,
-                             timeout=old.timeout)
-            await fresh.start()
-            self.pool = fresh
-        task = asyncio.get_running_loop().create_task(self.retire(old))
-        self.retiring.add(task)
-        task.add_done_callback(self.retiring.discard)
-
-    async def retire(self, pool: PrepPool) -> None:
-        """Stop `pool` once no request is being prepared in it (at most its timeout: one past it is stopped)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + pool.timeout + 1
-        try:
-            while pool.idle is not None and pool.idle.qsize() < len(pool.all) and loop.time() < deadline:
-                await asyncio.sleep(0.05)
-        finally:  # (also when the server stops first: `close_pools`)
-            await pool.stop()
-
-    async def close_pools(self) -> None:
-        """Stop the preparation workers, the retiring ones too (the server is stopping)."""
-        for task in list(self.retiring):
-            task.cancel()
-        await asyncio.gather(*self.retiring, return_exceptions=True)
-        await self.pool.stop()
 
     # ------------------------------------------------------------------ generation routes
     async def completions(self, request: Request, start: float) -> Response:

@@ -37,7 +37,7 @@ class PrepSpec:
     tokenizer_dir: str | None
     vocab_size: int
     limits: Limits
-    names: frozenset[str]
+    names: frozenset[str] | None  # the served models' names; None: any `model` passes here, the server checks it
     eos_configured: bool
     memory_headroom: int | None = 2 << 30
 
@@ -65,9 +65,10 @@ class Preparer:
 
     def _prepare(self, kind: str, raw: bytes) -> tuple[Any, list[list[int]]]:
         spec, codec, limits = self.spec, self.codec, self.spec.limits
+        names = set(spec.names) if spec.names is not None else None
         body = parse_request_body(raw)
         if kind == "completions":
-            req = parse_completion(body, limits, set(spec.names), spec.eos_configured)
+            req = parse_completion(body, limits, names, spec.eos_configured)
             prompts = []
             for p in req.prompts:
                 if isinstance(p, str):
@@ -87,9 +88,9 @@ class Preparer:
                     prompts.append(p)
             req.prompts = []  # the texts stay here; the ids go back
             return req, prompts
-        req = parse_chat(body, limits, set(spec.names), spec.eos_configured)
+        req = parse_chat(body, limits, names, spec.eos_configured)
         try:
-            prompt = codec.encode_chat(req.messages)
+            prompt = codec.encode_chat(req.messages, req.tools)
         except (ContextTooLong, RenderedTooLong) as exc:
             raise context_error(str(exc), "messages") from None
         except (TemplateLimit, ValueError) as exc:
@@ -99,7 +100,7 @@ class Preparer:
         except Exception as exc:  # noqa: BLE001 - a template error is the request's problem
             raise APIError(400, f"the chat template failed on these messages: {type(exc).__name__}: {exc}",
                            param="messages") from None
-        req.messages = []
+        req.messages, req.tools = [], None  # (rendered: only the ids go back)
         return req, [prompt]
 
 

@@ -5,7 +5,8 @@ what was received and what is allowed (never a stack trace, never a silent clamp
 fields we do not implement are ignored when they cannot change the result (`user`,
 `stream_options` beyond `include_usage`, `metadata`, ...) and refused when they would
 (`logit_bias`, `presence_penalty`/`frequency_penalty` other than 0, `suffix`, `best_of` other
-than n, tools, non-text response formats); any other field is a 400 naming it. Test-time
+than n, tool calls, non-text response formats; chat's `tools` pass with tool_choice "none" only, for the chat
+template); any other field is a 400 naming it. Messages write values as JSON does (null, true, false). Test-time
 compute knobs are extra body fields (`extra_body=` in the openai client), the options the schema
 (`recurrent_depth.inference.schema`, `http=True`) offers over HTTP, with the official aliases:
 `num_steps`, `exit_criterion` (`criterion`), `exit_threshold` (a number or "auto"), `min_steps`,
@@ -19,6 +20,7 @@ out takes the model directory's generation_config.json value where `rdepth serve
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,6 +122,7 @@ class Limits:
     max_sequences: int = 256  # prompts x n in one request
     max_top_logprobs: int = 20
     max_stop: int = 16
+    max_tools: int = 128  # a chat request's `tools` (OpenAI's limit)
     max_lookahead: int = 64
     default_num_steps: int | None = None  # depth of requests that do not say (None: mean_recurrence)
     gate_threshold: float | None = None  # the model's own q for exit_criterion "gate" (its exit_gate_threshold)
@@ -129,8 +132,20 @@ class Limits:
 
 
 # ---------------------------------------------------------------------------------------- field readers
+# A Python string literal ('x', "it's": the client's text, kept whole) or one of Python's constants; an
+# apostrophe inside a word (the model's) opens no literal
+_LITERAL_OR_CONSTANT = re.compile(r"""(?<!\w)('(?:[^'\\\n]|\\.)*'|"(?:[^"\\\n]|\\.)*")(?!\w)|\b(None|True|False)\b""")
+_JSON_CONSTANTS = {"None": "null", "True": "true", "False": "false"}
+
+
+def json_words(message: str) -> str:
+    """`message` with Python's None / True / False written as JSON's null / true / false, outside quoted
+    values: what a JSON client sends and reads (inference/options.py rightly speaks Python to Python callers)."""
+    return _LITERAL_OR_CONSTANT.sub(lambda m: m.group(1) or _JSON_CONSTANTS[m.group(2)], message)
+
+
 def _describe(value: Any) -> str:
-    text = repr(value)
+    text = json_words(repr(value))
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -179,11 +194,10 @@ def refuse_unsupported(body: dict, n: int) -> None:
     best_of = body.get("best_of")
     if best_of is not None and best_of != n:
         raise bad("best_of", f"'best_of'={_describe(best_of)} is not supported (only equal to n={n})")
-    for name in ("tools", "functions"):
-        if body.get(name) not in (None, []):
-            raise bad(name, f"'{name}' (tool calling) is not supported by this server")
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise bad("tool_choice", "'tool_choice' is not supported by this server (no tools)")
+    if body.get("functions") not in (None, []):
+        raise bad("functions", "'functions' (tool calling) is not supported by this server; chat takes 'tools' "
+                               "with tool_choice \"none\" (shown to the chat template only)")
+    # (`tools` and `tool_choice`: `template_tools`)
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise bad("response_format", "'response_format' other than {\"type\": \"text\"} is not supported")
@@ -236,9 +250,15 @@ def validated(generation: dict[str, Any], given_as: dict[str, str], max_tokens: 
         with spelled_warnings(http_spelling(given_as)):  # (logged once per message; the request goes on)
             return options.validate(limits.mean_recurrence, limits.gate_threshold)
     except OptionError as exc:
-        spelling = http_spelling(given_as)
-        param = "temperature" if exc.field == "do_sample" else spelling(exc.field)
-        raise bad(param, str(exc.spelled(spelling))) from None
+        raise option_error(exc, given_as) from None
+
+
+def option_error(exc: OptionError, given_as: dict[str, str], note: str = "") -> APIError:
+    """A bad option as the request's 400 naming the field at fault: option names as the client sent them
+    (`http_spelling`), None / True / False as JSON writes them (`json_words`), then `note`."""
+    spelling = http_spelling(given_as)
+    param = "temperature" if exc.field == "do_sample" else spelling(exc.field)
+    return bad(param, json_words(str(exc.spelled(spelling))) + note)
 
 
 def unknown_model(model: str, served_names: set[str] | frozenset[str]) -> APIError:
@@ -265,11 +285,13 @@ def stop_strings(value: Any, limits: Limits) -> list[str]:
     return stop
 
 
-def parse_sampling(body: dict, limits: Limits, served_names: set[str], eos_configured: bool) -> Sampling:
+def parse_sampling(body: dict, limits: Limits, served_names: set[str] | None, eos_configured: bool) -> Sampling:
+    """The fields both routes share, checked; `served_names` None leaves the check of `model`'s value to the
+    caller (the server's handlers: runtime LoRA loading changes the names while preparation workers run)."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model", f"'model' must be a string, got {_describe(model)}")
-    if model is not None and model not in served_names:
+    if model is not None and served_names is not None and model not in served_names:
         raise unknown_model(model, served_names)
     unknown = sorted(set(body) - KNOWN_FIELDS)
     if unknown:
@@ -284,6 +306,9 @@ def parse_sampling(body: dict, limits: Limits, served_names: set[str], eos_confi
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad("stream_options", f"'stream_options' must be an object, got {_describe(options)}")
+    if options and not stream:  # (an empty object asks nothing: it passes, as in vLLM)
+        raise bad("stream_options", "'stream_options' is only allowed when 'stream' is true (as OpenAI and vLLM "
+                                    "answer): send \"stream\": true, or leave stream_options out")
     include_usage = bool(stream and options and options.get("include_usage") is True)
 
     stop = stop_strings(body.get("stop"), limits)
@@ -330,7 +355,7 @@ def generation_fields(body: dict, limits: Limits) -> tuple[dict[str, Any], dict[
         try:
             check_type(name, value)
         except OptionError as exc:
-            raise bad(name, str(exc).replace("None or ", "null or ")) from None
+            raise bad(name, json_words(str(exc))) from None
         check_cap(name, OFFICIAL_ALIASES[name].field if name in OFFICIAL_ALIASES else name, value, limits)
         values[name] = value
     temperature = values.pop("temperature", None)
@@ -346,7 +371,7 @@ def generation_fields(body: dict, limits: Limits) -> tuple[dict[str, Any], dict[
     try:  # (exit_threshold "auto" is resolved below, once the file's exit_criterion has joined, as rdepth generate)
         options, given_as = canonical(values, resolve_auto=False)
     except OptionError as exc:
-        raise bad(exc.field, str(exc)) from None
+        raise bad(exc.field, json_words(str(exc))) from None
     # the file's values where the request left a field out; its temperature, top_k, top_p and min_p only where the
     # request samples (transformers' do_sample rule, as our transformers classes and rdepth generate read the file)
     file_options = {k: v for k, v in limits.defaults.items() if k in FILE_OPTIONS and k not in cleared}
@@ -356,7 +381,7 @@ def generation_fields(body: dict, limits: Limits) -> tuple[dict[str, Any], dict[
     try:
         options = resolved_auto(merged)
     except OptionError as exc:
-        raise bad(given_as.get(exc.field, exc.field), str(exc)) from None
+        raise bad(given_as.get(exc.field, exc.field), json_words(str(exc))) from None
     if "do_sample" not in options:  # neither the request nor the file says: OpenAI's temperature 1
         options.update(do_sample=True, temperature=1.0)
     return options, given_as
@@ -408,9 +433,11 @@ def refuse_other_route_fields(body: dict, route: str) -> None:
             raise bad(name, message)
 
 
-def parse_completion(body: dict, limits: Limits, served_names: set[str], eos_configured: bool) -> CompletionRequest:
+def parse_completion(body: dict, limits: Limits, served_names: set[str] | None,
+                     eos_configured: bool) -> CompletionRequest:
     sampling = parse_sampling(body, limits, served_names, eos_configured)
     refuse_other_route_fields(body, "completions")
+    template_tools(body, limits, "completions")  # (tools are a 400 here: no chat template)
     if "prompt" not in body:
         raise bad("prompt", "'prompt' is required")
     prompt = body["prompt"]
@@ -453,6 +480,7 @@ class ChatRequest:
     messages: list[dict[str, str]]
     logprobs: bool
     top_logprobs: int | None
+    tools: list[dict[str, Any]] | None = None  # for the chat template's `tools` (tool_choice "none")
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -472,7 +500,7 @@ def _strings(value: Any) -> list[str]:
     return out
 
 
-def parse_chat(body: dict, limits: Limits, served_names: set[str], eos_configured: bool) -> ChatRequest:
+def parse_chat(body: dict, limits: Limits, served_names: set[str] | None, eos_configured: bool) -> ChatRequest:
     sampling = parse_sampling(body, limits, served_names, eos_configured)
     refuse_other_route_fields(body, "chat")
     messages = body.get("messages")
@@ -509,4 +537,56 @@ def parse_chat(body: dict, limits: Limits, served_names: set[str], eos_configure
     top = get_int(body, "top_logprobs", None, 0, limits.max_top_logprobs)
     if top is not None and not logprobs:
         raise bad("top_logprobs", "'top_logprobs' needs 'logprobs': true")
-    return ChatRequest(sampling, clean, logprobs, top)
+    return ChatRequest(sampling, clean, logprobs, top, template_tools(body, limits, "chat"))
+
+
+TOOL_KEYS = frozenset({"type", "function"})
+FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
+
+
+def template_tools(body: dict, limits: Limits, route: str) -> list[dict[str, Any]] | None:
+    """A request's `tools` for the chat template (None: no tools), checked. This server has no tool calling
+    (nothing parses a model's calls), so tools can only be shown to the model, with tool_choice "none": as vLLM
+    renders them without --enable-auto-tool-choice. Any other tool_choice with tools is a 400, and so are tools
+    with tool_choice left out (then OpenAI's default is "auto", and vLLM refuses it likewise)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools in (None, []):
+        if choice not in (None, "none", "auto"):
+            raise bad("tool_choice", f"'tool_choice'={_describe(choice)} needs 'tools' and tool calling; this "
+                                     "server has no tool calling")
+        return None
+    if route != "chat":
+        raise bad("tools", "'tools' belongs to /v1/chat/completions (shown to the chat template with tool_choice "
+                           "\"none\"); /v1/completions has no tools")
+    if choice != "none":
+        given = "'tool_choice' left out (OpenAI's default with tools is \"auto\")" if choice is None \
+            else f"'tool_choice'={_describe(choice)}"
+        raise bad("tool_choice", f"{given} asks for tool calls, which this server cannot make (no "
+                                 "tool calling); send tool_choice \"none\" to show the tools to the chat template "
+                                 "only")
+    if not isinstance(tools, list):
+        raise bad("tools", f"'tools' must be a list of tools, got {_describe(tools)}")
+    if len(tools) > limits.max_tools:
+        raise bad("tools", f"'tools' has {len(tools)} tools; at most {limits.max_tools} are allowed")
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        shape = '{"type": "function", "function": {"name": ..., "parameters": {...}}}'
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise bad("tools", f"{where} must be {shape}, got {_describe(tool)}")
+        function = tool["function"]
+        extra = sorted(set(tool) - TOOL_KEYS) or sorted(set(function) - FUNCTION_KEYS)
+        if extra:
+            from recurrent_depth.files import clipped
+
+            raise bad("tools", f"{where} has the field {clipped(extra[0])}, which a tool does not take (a tool is "
+                               f"{shape}; a function has {sorted(FUNCTION_KEYS)})")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad("tools", f"{where}.function.name must be a non-empty string, got {_describe(name)}")
+        for key, kind, types in (("description", "a string", str), ("parameters", "an object (a JSON Schema)", dict),
+                                 ("strict", "true or false", bool)):
+            if function.get(key) is not None and not isinstance(function[key], types):
+                raise bad("tools", f"{where}.function.{key} must be {kind}, got {_describe(function[key])}")
+        for text in _strings(tool):
+            check_text(text, "tools", where)
+    return tools

@@ -211,10 +211,11 @@ class TextCodec:
         with tokenizer_failures_as_errors():  # a 400 for the request, not a dead worker
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of the chat template applied to `messages`, with the assistant's turn opened.
+    def encode_chat(self, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of the chat template applied to `messages` (and `tools`, the template's `tools` variable),
+        with the assistant's turn opened.
 
-        Special-token strings inside message contents stay plain text (so a message cannot forge
+        Special-token strings inside message contents and tools stay plain text (so a message cannot forge
         a turn): they are swapped for placeholders before rendering, and every text piece between
         the template's own special tokens is encoded with special-token matching turned off.
         """
@@ -223,8 +224,8 @@ class TextCodec:
                              "use /v1/completions")
         for m in messages:
             self.check_fits(m["content"], "message content")
-        escaped, literals = self._escape_specials(messages)
-        text = self.chat.render(escaped)
+        escaped, escaped_tools, literals = self._escape_specials(messages, tools)
+        text = self.chat.render(escaped, tools=escaped_tools)
         if not literals:  # the common case: exactly what tokenizing the rendered text gives
             self.check_fits(text, "rendered chat prompt")
             return self._ids(text, add_special_tokens=False)
@@ -244,10 +245,11 @@ class TextCodec:
             self.tokenizer.encode_special_tokens = False
         return ids
 
-    def _escape_specials(self, messages: list[dict[str, str]]) -> tuple[list[dict[str, str]], list[str]]:
+    def _escape_specials(self, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None = None
+                         ) -> tuple[list[dict[str, str]], list[dict[str, Any]] | None, list[str]]:
         literals: list[str] = []
         if self._special_pattern is None:
-            return messages, literals
+            return messages, tools, literals
         pattern = self._special_pattern
 
         def swap(match: re.Match[str]) -> str:
@@ -268,7 +270,7 @@ class TextCodec:
             return value
 
         out = [{k: escaped(v, f"messages[{i}].{k}") for k, v in m.items()} for i, m in enumerate(messages)]
-        return out, literals
+        return out, None if tools is None else [escaped(t, f"tools[{i}]") for i, t in enumerate(tools)], literals
 
     # ------------------------------------------------------------------ output
     def decode(self, ids: list[int]) -> str:

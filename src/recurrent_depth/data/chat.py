@@ -178,8 +178,7 @@ def conversation(record: Any, where: str) -> Conversation:
 
 
 def _messages(value: Any, where: str, key: str) -> list[dict[str, Any]]:
-    from recurrent_depth.serving.chat_template import content_text  # (here: the serving package is heavy to import)
-    from recurrent_depth.serving.protocol import ROLES
+    from recurrent_depth.serving.chat_template import ROLES, content_text  # (here: the serving package is heavy)
 
     if not isinstance(value, list) or not value:
         raise ValueError(f"{where}: '{key}' must be a non-empty list of messages")

@@ -21,6 +21,9 @@ from typing import Any
 
 from recurrent_depth.files import read_json, read_text
 
+# the roles a chat message may have: what the server takes and what `rdepth sft` trains on (data/chat.py)
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
 MAX_TEMPLATE_BYTES = 1 << 20
 MAX_ITERATIONS = 100_000  # range() iterations per render, all ranges together
 SPECIAL_VARIABLES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")

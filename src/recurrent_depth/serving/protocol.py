@@ -35,7 +35,7 @@ from recurrent_depth.inference.schema import (
     negating,
     resolved_auto,
 )
-from recurrent_depth.serving.chat_template import content_text
+from recurrent_depth.serving.chat_template import ROLES, content_text
 
 HTTP_OPTIONS = names_for("http")  # the schema's extra body fields, official aliases included
 # The standard OpenAI fields of /v1/completions and /v1/chat/completions (read, or ignored where
@@ -482,8 +482,6 @@ class ChatRequest:
     top_logprobs: int | None
     tools: list[dict[str, Any]] | None = None  # for the chat template's `tools` (tool_choice "none")
 
-
-ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _strings(value: Any) -> list[str]:

@@ -115,7 +115,7 @@ def test_a_resume_from_a_model_directory_changed_since_the_run_started_is_refuse
     import os
     import shutil
 
-    from recurrent_depth.checkpoint import model_content_sample, model_identity
+    from recurrent_depth.checkpoint import TRAINING_TOKENIZER_FILES, file_digests, model_content_sample, model_identity
 
     source = tmp_path / "source"
     write_ours(source, train_root)
@@ -123,7 +123,7 @@ def test_a_resume_from_a_model_directory_changed_since_the_run_started_is_refuse
     Trainer(tiny_train_config(train_root, tmp_path / "run", **options)).run()
     state = json.loads((tmp_path / "run" / "checkpoints" / "step-00000001" / "trainer_state.json").read_text())
     start = {"directory": str(source.resolve()), "identity": model_identity(source),
-             "content": model_content_sample(source)}
+             "content": model_content_sample(source), "tokenizer": file_digests(source, TRAINING_TOKENIZER_FILES)}
     assert state["start"] == start and json.loads((tmp_path / "run" / "run.json").read_text())["start"] == start
     shutil.copyfile(source / "model.safetensors", tmp_path / "copy")  # the same bytes, a new mtime
     os.replace(tmp_path / "copy", source / "model.safetensors")
@@ -154,8 +154,8 @@ def _swap_two_token_ids(tokenizer_json):
 def test_a_resume_after_the_start_directorys_tokenizer_was_replaced_in_place_is_refused(train_root, tmp_path):
     """--resume compared the start directory's config.json and weights only: its tokenizer.json replaced in place
     (other ids for the same vocabulary size) resumed without a word and trained on other token ids. Now the
-    checkpoint's copy of the tokenizer is compared (one line naming the file); special_tokens_map.json, which
-    training never reads, may change."""
+    tokenizer's files as the run started (its start record; the checkpoint's copy for a record of older code) are
+    compared (one line naming the file); special_tokens_map.json, which training never reads, may change."""
     source = tmp_path / "source"
     write_ours(source, train_root)
     options = dict(init_from=str(source), tokenizer=None, max_steps=1, eval_batches=1)
@@ -166,9 +166,9 @@ def test_a_resume_after_the_start_directorys_tokenizer_was_replaced_in_place_is_
     _swap_two_token_ids(source / "tokenizer.json")
     resumed = tiny_train_config(train_root, tmp_path / "run", **{**options, "max_steps": 3}, resume=True)
     with pytest.raises(ValueError, match=rf"^cannot resume from \S+step-00000002: the tokenizer in {source} changed "
-                                         r"since the run started \(tokenizer.json differs from the checkpoint's copy\)"
-                                         r", so the run would train on other token ids; put back the tokenizer the "
-                                         r"run started with$"):
+                                         r"since the run started \(tokenizer.json differs from the one the run "
+                                         r"started with\), so the run would train on other token ids; put back the "
+                                         r"tokenizer the run started with$"):
         Trainer(resumed)
 
 

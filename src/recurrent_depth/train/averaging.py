@@ -101,7 +101,8 @@ def ema_state(paths: Sequence[Path], beta: float = 0.9) -> dict[str, torch.Tenso
 def agreed_source(paths: Sequence[Path], names: Sequence[str], advice: str) -> Path | None:
     """The newest of `paths` holding any of `names` (files an averaged model keeps from its inputs), once every input
     holding any is found to hold the same ones (absent ones included); else a one-line ValueError naming the files
-    and `advice`. An input holding none has no say: a training checkpoint holds no retrofit.json, for one."""
+    and `advice`. An input holding none has no say: a checkpoint of a run not started from a retrofitted model holds no
+    retrofit.json, for one."""
     found = [(path, digests) for path, digests in ((path, file_digests(path, names)) for path in paths)
              if any(digest is not None for digest in digests.values())]
     if not found:

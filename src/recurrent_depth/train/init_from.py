@@ -23,7 +23,13 @@ from typing import Any
 
 import torch
 
-from recurrent_depth.checkpoint import model_content_sample, model_identity, stored_dtype
+from recurrent_depth.checkpoint import (
+    TRAINING_TOKENIZER_FILES,
+    file_digests,
+    model_content_sample,
+    model_identity,
+    stored_dtype,
+)
 from recurrent_depth.config import ModelConfig
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 from recurrent_depth.train.config import TrainConfig
@@ -60,12 +66,36 @@ def find_model_dir(path: str | Path) -> Path:
                      + lora_adapter_hint(p, merged_for="start from that"))
 
 
-def start_record(model_dir: Path) -> dict[str, str]:
+def start_record(model_dir: Path, tokenizer_dir: Path) -> dict[str, Any]:
     """What a run's checkpoints record about the model directory it started from: its absolute path,
     `checkpoint.model_identity` and `checkpoint.model_content_sample` (`trainer_checkpoints.check_same_start`
-    compares them on resume)."""
+    compares them on resume), and the digests of the run's tokenizer files as the run started
+    (`trainer_checkpoints.check_same_tokenizer`: a tokenizer replaced before the first checkpoint, whose copy
+    the checkpoint then holds, is still told apart)."""
     return {"directory": str(model_dir.resolve()), "identity": model_identity(model_dir),
-            "content": model_content_sample(model_dir)}
+            "content": model_content_sample(model_dir),
+            "tokenizer": file_digests(tokenizer_dir, TRAINING_TOKENIZER_FILES)}
+
+
+def run_tokenizer_dir(cfg: TrainConfig, model_dir: Path) -> Path:
+    """The tokenizer a run started from `model_dir` trains with: the one `cfg` names (`resolved_config` names
+    DIR's, or `--tokenizer`'s when DIR has none), else DIR's (`rdepth rl`, whose config names none)."""
+    return Path(cfg.tokenizer) if cfg.tokenizer is not None else model_dir
+
+
+def read_start_files(model_dir: Path) -> dict[str, bytes]:
+    """{name: bytes} of what DIR carries beside its weights and tokenizer that its fine-tuned copies keep: retrofit's
+    record of the source (retrofit.json) and the generation defaults (generation_config.json), which `rdepth
+    generate`, `serve` and `export` read. Read (bounded) when the run starts, so a file no export could carry (not a
+    regular file, not a JSON object) is refused before any training rather than at the first save."""
+    from recurrent_depth.families.retrofit import PROVENANCE_FILE
+    from recurrent_depth.files import CONFIG_MAX_BYTES, read_bytes
+    from recurrent_depth.integrations.export import GENERATION_CONFIG_FILE, check_generation_defaults
+
+    check_generation_defaults(model_dir, remote_code=False)
+    kept = ((PROVENANCE_FILE, "retrofit record"), (GENERATION_CONFIG_FILE, "generation config"))
+    return {name: read_bytes(model_dir / name, CONFIG_MAX_BYTES, what)
+            for name, what in kept if (model_dir / name).is_file()}
 
 
 def read_model_config(model_dir: Path) -> ModelConfig:

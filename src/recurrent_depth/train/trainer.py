@@ -61,7 +61,14 @@ from recurrent_depth.train.distill import (
     teacher_summary,
 )
 from recurrent_depth.train.distill_cache import CachedTeacher, has_cache, teacher_change, write_cache
-from recurrent_depth.train.init_from import find_model_dir, load_for_training, resolved_config, start_record
+from recurrent_depth.train.init_from import (
+    find_model_dir,
+    load_for_training,
+    read_start_files,
+    resolved_config,
+    run_tokenizer_dir,
+    start_record,
+)
 from recurrent_depth.train.lora import adapter_settings, base_model_of, is_peft_model
 from recurrent_depth.train.objective import LanguageModeling, Objective
 from recurrent_depth.train.optim import build_optimizers, clip_and_check_grads
@@ -176,7 +183,9 @@ class Trainer:
         and sets it to the directory's stored dtype.
     start_dir: the model directory a given `model` was loaded from (`rdepth rl --init-from`); default: the one
         `cfg.init_from` names, if any. Its identity (`checkpoint.model_identity`) is recorded in each checkpoint
-        (`start`), and a `--resume` from another model directory, or from one changed since, is refused.
+        (`start`, with the run's tokenizer files' digests), and a `--resume` from another model directory, or from
+        one (or a tokenizer) changed since, is refused. Its retrofit.json and generation_config.json are written
+        into every checkpoint and the final model directory of a full-weight run.
     """
 
     def __init__(
@@ -202,8 +211,11 @@ class Trainer:
         cfg = resolved_config(cfg)  # --init-from: the model directory's config and tokenizer
         if start_dir is None and cfg.init_from is not None:
             start_dir = find_model_dir(cfg.init_from)
-        # the model directory the run started from, as each checkpoint records it (None: weights made here)
-        self.start = start_record(Path(start_dir)) if start_dir is not None else None
+        # the model directory the run started from, as each checkpoint records it (None: weights made here), and
+        # the files of it that the run's checkpoints and model/ keep (retrofit.json, generation_config.json)
+        self.start = (start_record(Path(start_dir), run_tokenizer_dir(cfg, Path(start_dir)))
+                      if start_dir is not None else None)
+        self.start_files = read_start_files(Path(start_dir)) if start_dir is not None else {}
         if data is not None and model is None and cfg.init_from is None:
             raise ValueError("Trainer(data=...) needs model=... too: without token shards nothing sets the vocabulary")
         if data is not None and corpus is not None:
@@ -447,11 +459,14 @@ class Trainer:
                 raise ValueError(f"TrainConfig.tokenizer={cfg.tokenizer!r} holds no tokenizer.json")
         else:
             tok_dir = self.out / TOKENIZER_DIR
-            # A resumed run keeps the tokenizer its checkpoint was trained with; a fresh run reuses one
-            # left in `out` only if it was trained for this run's data and settings.
+            # A resumed run keeps the tokenizer its checkpoint was trained with (put back from the checkpoint's
+            # copy if gone, refused if replaced); a fresh run reuses one left in `out` only if it was trained for
+            # this run's data and settings.
             def train_tokenizer() -> None:
-                if (tok_dir / "tokenizer.json").is_file() and (
-                        self.resume_from is not None or self._tokenizer_matches(tok_dir, source)):
+                if self.resume_from is not None:
+                    trainer_checkpoints.keep_run_tokenizer(self.resume_from, tok_dir, self.log)
+                    return
+                if (tok_dir / "tokenizer.json").is_file() and self._tokenizer_matches(tok_dir, source):
                     return
                 start = time.perf_counter()
                 build_tokenizer(source, cfg.tokenizer_vocab_size(), val_fraction=cfg.val_fraction, seed=cfg.seed,

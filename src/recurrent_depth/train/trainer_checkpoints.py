@@ -24,6 +24,7 @@ from recurrent_depth.model.recurrent import RecurrentDepthLM
 from recurrent_depth.train import checkpointing as ckpt
 from recurrent_depth.train import distributed as ddist
 from recurrent_depth.train.config import TrainConfig
+from recurrent_depth.train.init_from import run_tokenizer_dir
 from recurrent_depth.train.lora import (
     adapter_settings,
     base_model_of,
@@ -47,6 +48,8 @@ RESUMABLE_CHANGES = frozenset(
 PATH_FIELDS = frozenset({"init_from", "data", "tokenizer", "teacher", "distill_cache"})
 # The loop counters a checkpoint's trainer_state.json restores (see `LoopState`).
 LOOP_COUNTERS = ("step", "micro_step", "tokens", "skipped_steps", "elapsed_s")
+# The string fields of a run's start record (`init_from.start_record`; its `tokenizer` digests are newer: optional).
+START_STRINGS = ("directory", "identity", "content")
 
 
 # ------------------------------------------------------------------ saving
@@ -125,9 +128,11 @@ def save_model(trainer: Trainer, path: Path) -> Path | None:
 
 
 def write_weights(trainer: Trainer, state: dict[str, torch.Tensor], directory: Path, checkpoint: bool = False) -> None:
-    """`state` (+ config and tokenizer) as a model directory: ours, a transformers model's, or bare weights;
-    a LoRA run's: a peft adapter directory, in a checkpoint with the whole state beside it (what resume reads)."""
+    """`state` (+ config and tokenizer) as a model directory: ours, a transformers model's, or bare weights,
+    with the start directory's retrofit.json and generation_config.json (`trainer.start_files`); a LoRA run's: a
+    peft adapter directory, in a checkpoint with the whole state beside it (what resume reads)."""
     from recurrent_depth.checkpoint import copy_tokenizer, save_pretrained
+    from recurrent_depth.files import atomic_write_bytes
 
     model, tokenizer_dir = trainer.model, trainer.tokenizer_dir
     if is_peft_model(model):
@@ -138,13 +143,18 @@ def write_weights(trainer: Trainer, state: dict[str, torch.Tensor], directory: P
             ckpt.write_json(directory / "config.json", config.to_dict() if hasattr(config, "to_dict") else {})
     elif isinstance(model, RecurrentDepthLM):
         save_pretrained(ckpt.StateView(trainer.model_config, state), directory, tokenizer_dir=tokenizer_dir)
-        return
+        tokenizer_dir = None  # (save_pretrained copied it)
     elif hasattr(model, "save_pretrained"):  # a transformers model: its own format and config
         model.save_pretrained(directory, state_dict=state)
     else:
         _save_bare_weights(state, directory)
     if tokenizer_dir is not None:
         copy_tokenizer(tokenizer_dir, directory)
+    # Not into an adapter directory: `rdepth generate --lora`, `serve` and `export --merge-lora` read these from the
+    # base model directory the adapter is applied to, which holds them.
+    if not is_peft_model(model):
+        for name, data in trainer.start_files.items():
+            atomic_write_bytes(directory / name, data)
 
 
 def _save_bare_weights(state: dict[str, torch.Tensor], directory: Path) -> None:
@@ -180,7 +190,7 @@ def find_resume_checkpoint(root: Path, env: ddist.DistEnv, log: Callable[[str], 
 
 
 def check_resumable(path: Path, cfg: TrainConfig, world_size: int, adapter: dict[str, Any] | None = None,
-                    start: dict[str, str] | None = None) -> None:
+                    start: dict[str, Any] | None = None) -> None:
     """Refuse to resume from `path` with a changed config, another LoRA adapter (`adapter`: this run's
     `lora.adapter_settings`, None: every weight trains), another number of processes or another starting model
     directory (`start`: this run's `init_from.start_record`, see `check_same_start`)."""
@@ -205,37 +215,60 @@ def check_resumable(path: Path, cfg: TrainConfig, world_size: int, adapter: dict
     if trainer_state.get("world_size") != world_size:
         raise ValueError(f"cannot resume from {path}: it was written by {trainer_state.get('world_size')} "
                          f"process(es), this run has {world_size}")
-    check_same_start(path, trainer_state.get("start"), start)
-    # the run's tokenizer: the one named (--tokenizer, or --init-from's as `init_from.resolved_config` names it),
-    # else the start directory's (`rdepth rl`); a run that trained its own keeps it in its out/tokenizer
-    tokenizer_dir = cfg.tokenizer if cfg.tokenizer is not None else start["directory"] if start else None
+    recorded = trainer_state.get("start")
+    check_same_start(path, recorded, start)
+    # the run's tokenizer (`init_from.run_tokenizer_dir`); a run that trained its own keeps it in its out/tokenizer,
+    # which `keep_run_tokenizer` checks
+    if start is not None:
+        tokenizer_dir = run_tokenizer_dir(cfg, Path(start["directory"]))
+    else:
+        tokenizer_dir = Path(cfg.tokenizer) if cfg.tokenizer is not None else None
     if tokenizer_dir is not None:
-        check_same_tokenizer(path, Path(tokenizer_dir))
+        check_same_tokenizer(path, tokenizer_dir, recorded.get("tokenizer") if isinstance(recorded, dict) else None)
 
 
-def check_same_tokenizer(path: Path, tokenizer_dir: Path) -> None:
+def check_same_tokenizer(path: Path, tokenizer_dir: Path, started_with: dict[str, str | None] | None = None) -> None:
     """Refuse (one ValueError naming the files) to resume checkpoint `path` with a tokenizer changed in place since
-    the run started: its token ids (and chat template) would no longer be the ones the weights trained on. Each
-    checkpoint holds a copy of the run's tokenizer (`write_weights`), so checkpoints written before this check
-    are checked too; one holding none (a run given token shards without a tokenizer) has nothing to compare."""
+    the run started: its token ids (and chat template) would no longer be the ones the weights trained on.
+    `started_with`: the files' digests as the run started (its start record's `tokenizer`), so a tokenizer
+    replaced before the first checkpoint is refused too; without it (a checkpoint of older code, a run started
+    from no model directory), the checkpoint's copy of the run's tokenizer (`write_weights`) is compared. A
+    checkpoint holding none (a run given token shards without a tokenizer) has nothing to compare."""
     from recurrent_depth.checkpoint import TRAINING_TOKENIZER_FILES, file_digests
 
     try:
-        saved = file_digests(path, TRAINING_TOKENIZER_FILES)
+        saved = started_with if started_with is not None else file_digests(path, TRAINING_TOKENIZER_FILES)
         now = file_digests(tokenizer_dir, TRAINING_TOKENIZER_FILES)
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot resume from {path}: cannot compare the run's tokenizer files ({exc})") from None
-    if all(digest is None for digest in saved.values()):
+    if all(saved.get(name) is None for name in TRAINING_TOKENIZER_FILES):
         return
-    changed = [name for name in TRAINING_TOKENIZER_FILES if saved[name] != now[name]]
+    changed = [name for name in TRAINING_TOKENIZER_FILES if saved.get(name) != now[name]]
     if changed:
         verb = "differs" if len(changed) == 1 else "differ"
+        what = "the one the run started with" if started_with is not None else "the checkpoint's copy"
         raise ValueError(f"cannot resume from {path}: the tokenizer in {tokenizer_dir} changed since the run started "
-                         f"({', '.join(changed)} {verb} from the checkpoint's copy), so the run would train on other "
-                         f"token ids; put back the tokenizer the run started with")
+                         f"({', '.join(changed)} {verb} from {what}), so the run would train on other token ids; put "
+                         f"back the tokenizer the run started with")
 
 
-def check_same_start(path: Path, recorded: Any, start: dict[str, str] | None) -> None:
+def keep_run_tokenizer(path: Path, tokenizer_dir: Path, log: Callable[[str], None]) -> None:
+    """A resumed run that trained its own tokenizer (out/tokenizer) keeps the one checkpoint `path` trained on: the
+    checkpoint's copy is put back where `tokenizer_dir` lost its tokenizer.json (training one again may give other
+    token ids, and its shards were packed anew), and one replaced since is refused (`check_same_tokenizer`)."""
+    from recurrent_depth.checkpoint import copy_tokenizer
+
+    if (tokenizer_dir / "tokenizer.json").exists():
+        check_same_tokenizer(path, tokenizer_dir)
+        return
+    if not (path / "tokenizer.json").is_file():
+        raise ValueError(f"cannot resume from {path}: {tokenizer_dir} holds no tokenizer.json and the checkpoint no "
+                         f"copy of the tokenizer the run trained; put back the run's tokenizer")
+    copy_tokenizer(path, tokenizer_dir)
+    log(f"{tokenizer_dir} held no tokenizer.json: restored the run's tokenizer from {path}")
+
+
+def check_same_start(path: Path, recorded: Any, start: dict[str, Any] | None) -> None:
     """Refuse (one ValueError naming both directories) to resume checkpoint `path` of a run that started from one
     model directory (`recorded`, its `init_from.start_record`) from another one, or from the same one changed
     since (a model of the same config included): on resume `rdepth rl` takes its reference model and every
@@ -244,11 +277,11 @@ def check_same_start(path: Path, recorded: Any, start: dict[str, str] | None) ->
     (a copy without its mtimes, a download again) pass on `content`, a sample of their bytes."""
     if recorded is None or start is None:
         return
-    if not (isinstance(recorded, dict) and all(isinstance(recorded.get(key), str) for key in start)
-            and len(recorded["directory"]) <= PATH_MAX_CHARS):
+    if not (isinstance(recorded, dict) and all(isinstance(recorded.get(key), str) for key in START_STRINGS)
+            and len(recorded["directory"]) <= PATH_MAX_CHARS and _digests_or_none(recorded.get("tokenizer"))):
         raise ValueError(f"cannot resume from {path}: its {ckpt.TRAINER_STATE} records start={clipped(recorded)}, "
-                         f"expected the model directory the run started from ({', '.join(start)}: strings); the "
-                         f"checkpoint is damaged")
+                         f"expected the model directory the run started from ({', '.join(START_STRINGS)}: strings; "
+                         f"tokenizer: file digests); the checkpoint is damaged")
     if recorded.get("identity") == start["identity"] or recorded.get("content") == start["content"]:
         return
     before, now = recorded.get("directory"), start["directory"]
@@ -256,6 +289,12 @@ def check_same_start(path: Path, recorded: Any, start: dict[str, str] | None) ->
             f"the run started from {before}, this run from {now}")
     raise ValueError(f"cannot resume from {path}: {what} (the model directories' config.json or weights differ); "
                      f"resume with the model the run started from")
+
+
+def _digests_or_none(value: Any) -> bool:
+    """`value` is a start record's `tokenizer` ({file name: sha256 or None}), or absent (a record of older code)."""
+    return value is None or (isinstance(value, dict) and len(value) <= 16
+                             and all(isinstance(v, str | None) for v in value.values()))
 
 
 def resume(trainer: Trainer) -> Path | None:

@@ -59,20 +59,20 @@ def check_exportable(config: ModelConfig) -> None:
         )
 
 
-def check_generation_defaults(src: Path, remote_code: bool = True) -> None:
+def check_generation_defaults(src: Path, remote_code: bool = True, before: str = "exporting") -> None:
     """Refuse (one line, before anything is written) a generation_config.json that no export can carry: one that is
     not a regular file (a FIFO, a link to /dev/zero: the copy left it out without a word) or not a JSON object
     (copied as it was, the copy's every from_pretrained was a TypeError); with `remote_code`, also one that sets
     options only the library runs (an exit criterion, a KV policy, ...): the exported file would refuse every plain
-    `generate` call."""
+    `generate` call. `before`: what the refusal comes before ("exporting", "training", "averaging")."""
     path = src / GENERATION_CONFIG_FILE
     if not path.exists() and not path.is_symlink():
         return
     if not path.is_file():  # (also a dangling link)
-        raise ValueError(f"{path} is not a regular file: replace or remove it before exporting")
+        raise ValueError(f"{path} is not a regular file: replace or remove it before {before}")
     values = read_json(path, CONFIG_MAX_BYTES, "generation config")
     if not isinstance(values, dict):
-        raise ValueError(f"{path} is not a JSON object: fix or remove it before exporting")
+        raise ValueError(f"{path} is not a JSON object: fix or remove it before {before}")
     if not remote_code:
         return
     from recurrent_depth.integrations.remote.modeling_recurrent_depth import LIBRARY_ONLY_OPTIONS

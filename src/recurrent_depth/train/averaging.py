@@ -173,7 +173,7 @@ def average_checkpoints(
                                                                                  "the files agree, or remove them"),
     }
     if companions[GENERATION_CONFIG_FILE] is not None:  # (a FIFO or a non-object: refused as `rdepth export` does)
-        check_generation_defaults(companions[GENERATION_CONFIG_FILE], remote_code=False)
+        check_generation_defaults(companions[GENERATION_CONFIG_FILE], remote_code=False, before="averaging")
     state = ema_state(chosen, beta)
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}

@@ -92,7 +92,7 @@ def read_start_files(model_dir: Path) -> dict[str, bytes]:
     from recurrent_depth.files import CONFIG_MAX_BYTES, read_bytes
     from recurrent_depth.integrations.export import GENERATION_CONFIG_FILE, check_generation_defaults
 
-    check_generation_defaults(model_dir, remote_code=False)
+    check_generation_defaults(model_dir, remote_code=False, before="training")
     kept = ((PROVENANCE_FILE, "retrofit record"), (GENERATION_CONFIG_FILE, "generation config"))
     return {name: read_bytes(model_dir / name, CONFIG_MAX_BYTES, what)
             for name, what in kept if (model_dir / name).is_file()}

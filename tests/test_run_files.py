@@ -67,7 +67,8 @@ def test_a_generation_config_no_export_could_carry_is_refused_before_training(tr
     (start / "generation_config.json").write_text("[1, 2]\n")
     assert main(train_flags(train_root, start, tmp_path / "run", "--max-steps", "1", "--threads", "1")) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("rdepth train: error: ") and "generation_config.json is not a JSON object: fix or remove it before training" in err
+    assert err.startswith("rdepth train: error: ")
+    assert "generation_config.json is not a JSON object: fix or remove it before training" in err
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

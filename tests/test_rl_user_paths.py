@@ -32,17 +32,21 @@ def byte_model() -> rd.RecurrentDepthLM:
 
 
 # ---------------------------------------------------------------------------- the math beside trl's
-def trl_grpo_loss(logp, old, ref, A, mask, loss_type: str, eps_c: float, beta: float) -> torch.Tensor:
+def trl_grpo_loss(logp, old, ref, A, mask, loss_type: str, eps_c: float, beta: float, eps_high: float | None = None,
+                  max_completion_length: int | None = None) -> torch.Tensor:
     """trl 1.16.0's `GRPOTrainer._compute_loss` (trl/trainer/grpo_trainer.py) for importance_sampling_level="token",
-    epsilon_high = epsilon, one process, no gradient accumulation: the lines that make the loss, restated."""
+    one process, no gradient accumulation: the lines that make the loss, restated (epsilon_high None: epsilon)."""
+    eps_high = eps_c if eps_high is None else eps_high
     coef_1 = torch.exp(logp - old)
-    coef_2 = torch.clamp(coef_1, 1 - eps_c, 1 + eps_c)
+    coef_2 = torch.clamp(coef_1, 1 - eps_c, 1 + eps_high)
     per_token_loss = -torch.min(coef_1 * A[:, None], coef_2 * A[:, None])
     if beta != 0.0:
         per_token_loss = per_token_loss + beta * (torch.exp(ref - logp) - (ref - logp) - 1)
     mask = mask.float()
     if loss_type == "grpo":
         return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "dr_grpo":
+        return (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length)
     assert loss_type in ("bnpo", "dapo")  # (dapo divides by num_items_in_batch: the batch's tokens here)
     return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
 

@@ -27,6 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from recurrent_depth.evaluation.reasoning.tasks import TASKS
     from recurrent_depth.inference.schema import add_cli_arguments
     from recurrent_depth.train.optim import OPTIMIZERS
+    from recurrent_depth.train.rl.losses import LEVELS, LOSS_TYPES, SCALES
     from recurrent_depth.train.rl.recipe import OBJECTIVES
     from recurrent_depth.train.rl.rewards import ON_ERROR
 
@@ -67,10 +68,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     o.add_argument("--prompts-per-step", type=int, default=4, metavar="P",
                    help="prompts per update and rank; the update sees P * G rollouts (under torchrun, each rank "
                         "its own P of the world size x P) (default: %(default)s)")
-    o.add_argument("--clip-eps", type=float, default=0.2, help="GRPO's ratio clip (default: %(default)s)")
+    o.add_argument("--clip-eps", type=float, default=0.2,
+                   help="GRPO's ratio clip [1 - eps, 1 + eps] (trl's epsilon) (default: %(default)s)")
+    o.add_argument("--clip-eps-high", type=float, default=None, metavar="EPS",
+                   help="GRPO's upper clip 1 + EPS, DAPO's clip-higher, e.g. 0.28 (trl's epsilon_high) "
+                        "(default: --clip-eps)")
     o.add_argument("--beta", type=float, default=0.0, help="GRPO's KL weight against the start model (default: 0)")
-    o.add_argument("--kl-level", default="token", choices=("token", "sequence"),
-                   help="GRPO's normalisation: over all tokens, or per rollout then over rollouts (default: token)")
+    o.add_argument("--kl-level", default=None, choices=LEVELS,
+                   help="GRPO's normalisation: over all tokens (token), per rollout then over rollouts (sequence), "
+                        "over every rank's tokens (global-token), or per rollouts x --max-new-tokens (constant, "
+                        "Dr. GRPO) (default: token)")
+    o.add_argument("--loss-type", default=None, choices=sorted(LOSS_TYPES),
+                   help="the --kl-level by trl's loss_type name: "
+                        + ", ".join(f"{name}={level}" for name, level in LOSS_TYPES.items()))
+    o.add_argument("--scale-rewards", default="group", choices=SCALES,
+                   help="GRPO's advantage divisor: the std of the group's rewards, of the batch's, or none "
+                        "(Dr. GRPO) (trl's scale_rewards) (default: %(default)s)")
+    o.add_argument("--mask-truncated", action="store_true",
+                   help="rollouts cut by --max-new-tokens before a stop carry no loss (DAPO; trl's "
+                        "mask_truncated_completions)")
     o.add_argument("--tau", type=float, default=1.0, help="K2's ratio weight (default: %(default)s)")
     o.add_argument("--backprop-depth", type=int, default=None, metavar="K",
                    help="gradients through each token's last K core steps (default: the model's mean_backprop_depth)")
@@ -111,6 +127,22 @@ def read_prompts(path: str) -> list[str]:
     return lines
 
 
+def loss_level(args: argparse.Namespace) -> str:
+    """GRPO's normalisation from --kl-level or its trl name --loss-type (one of them, or both agreeing)."""
+    from recurrent_depth.train.rl.losses import LOSS_TYPES
+
+    if args.loss_type is None:
+        return args.kl_level or "token"
+    if args.objective != "grpo":
+        raise ValueError(f"--loss-type {args.loss_type} is a setting of objective='grpo': "
+                         f"objective={args.objective!r} does not use it (leave it out)")
+    level = LOSS_TYPES[args.loss_type]
+    if args.kl_level is not None and args.kl_level != level:
+        raise ValueError(f"--loss-type {args.loss_type} is --kl-level {level}, not --kl-level {args.kl_level}: "
+                         "give one of them")
+    return level
+
+
 def run(args: argparse.Namespace) -> int:
     from recurrent_depth.train.config import TrainConfig
     from recurrent_depth.train.optim import OptimConfig
@@ -125,7 +157,9 @@ def run(args: argparse.Namespace) -> int:
                          "give one or the other")
     rl = RLConfig(task=None if prompts else args.task, difficulties=args.difficulty, prompts=prompts,
                   reward=args.reward, objective=args.objective, group_size=args.group_size, clip_eps=args.clip_eps,
-                  beta=args.beta, level=args.kl_level, tau=args.tau, compute_penalty=args.compute_penalty,
+                  clip_eps_high=args.clip_eps_high, beta=args.beta, level=loss_level(args),
+                  scale_rewards=args.scale_rewards, mask_truncated=args.mask_truncated, tau=args.tau,
+                  compute_penalty=args.compute_penalty,
                   length_penalty=args.length_penalty, on_reward_error=args.on_reward_error,
                   backprop_depth=args.backprop_depth, generation=generation)
     train = TrainConfig(out=args.out, max_steps=args.updates, batch_size=args.prompts_per_step, seed=seed,

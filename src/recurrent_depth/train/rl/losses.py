@@ -8,10 +8,14 @@ GRPO (advantages normalised within each group of G rollouts of one prompt):
 
     A_i  = (r_i - mean_j r_j) / (std_j r_j + eps)
     rho  = pi_theta / pi_old, per token
-    loss = -(1 / sum_i |y_i|) sum_i sum_t min(rho A_i, clip(rho, 1 - eps_c, 1 + eps_c) A_i) + beta KL
+    loss = -(1 / sum_i |y_i|) sum_i sum_t min(rho A_i, clip(rho, 1 - eps_c, 1 + eps_h) A_i) + beta KL
     KL   = k3 per token: pi_ref / pi_theta - log(pi_ref / pi_theta) - 1, normalised like the first term
 
-("token" normalisation; "sequence" averages each rollout's tokens first, then the rollouts.)
+Variants (trl's GRPOTrainer names in brackets): the std is the group's ("group", the default), the whole
+batch's ("batch") or none ("none") [scale_rewards]; eps_h defaults to eps_c [epsilon_high, DAPO's
+clip-higher]; the normalisation (`LEVELS`) is "token" above [bnpo], "sequence" (each rollout's tokens
+first, then the rollouts) [grpo], "global-token" (the tokens of every rank's rollouts; "token" on one
+process) [dapo] or "constant" (rollouts x max_new_tokens, Dr. GRPO) [dr_grpo].
 
 K2 (advantages only centred; sequence log-probs, i.e. the sum over the completion's tokens):
 
@@ -33,19 +37,25 @@ from torch import Tensor, nn
 
 from recurrent_depth.train.rl.rollouts import RolloutSettings, policy_logprobs
 
-LEVELS = ("token", "sequence")
+LEVELS = ("token", "sequence", "global-token", "constant")
+# trl's `loss_type` names for the levels (`rdepth rl --loss-type`): the same numbers on the same inputs
+LOSS_TYPES = {"bnpo": "token", "grpo": "sequence", "dapo": "global-token", "dr_grpo": "constant"}
+SCALES = ("group", "batch", "none")
 
 
 def group_advantages(rewards: Tensor, group_size: int, valid: Tensor | None = None, normalize: bool = True,
-                     eps: float = 1e-4) -> Tensor:
+                     eps: float = 1e-4, scale: str = "group") -> Tensor:
     """A `[N]` for rewards `[N]` laid out as consecutive groups of `group_size` rollouts of one prompt.
 
-    normalize: divide by the group's standard deviation (population, over its valid rollouts) + eps
-    (GRPO); otherwise only subtract the group mean (K2). Invalid rollouts get advantage 0, and so does
-    every rollout of a group whose valid rewards are all equal (also at eps=0: no 0 / 0, and no +-1
+    normalize: divide by a standard deviation (population, over the valid rollouts) + eps (GRPO); otherwise
+    only subtract the group mean (K2). scale (with normalize): whose std, the group's ("group") or the whole
+    batch's rewards ("batch"), or none ("none": as normalize=False). Invalid rollouts get advantage 0, and
+    so does every rollout of a group whose valid rewards are all equal (also at eps=0: no 0 / 0, and no +-1
     from the rounding error of its mean)."""
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards must be [groups * group_size={group_size}], got shape {tuple(rewards.shape)}")
+    if scale not in SCALES:
+        raise ValueError(f"scale={scale!r} is invalid: expected one of {SCALES}")
     valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid.bool()
     r = torch.where(valid, rewards, 0.0).view(-1, group_size).double()
     v = valid.view(-1, group_size)
@@ -55,22 +65,35 @@ def group_advantages(rewards: Tensor, group_size: int, valid: Tensor | None = No
     highest = torch.where(v, r, -torch.inf).amax(dim=1, keepdim=True)
     varies = v & (lowest < highest)  # the rollouts that can carry a signal
     centred = torch.where(varies, r - mean, 0.0)
-    if normalize:
+    if normalize and scale == "group":
         std = (centred.square().sum(dim=1, keepdim=True) / count).sqrt()
+        centred = torch.where(varies, centred / (std + eps), 0.0)
+    elif normalize and scale == "batch":  # the valid rewards' std around the batch's mean (trl's global std)
+        spread = torch.where(v, r - r[v].mean(), 0.0) if v.any() else torch.zeros_like(r)
+        std = (spread.square().sum() / v.sum().clamp(min=1)).sqrt()
         centred = torch.where(varies, centred / (std + eps), 0.0)
     return centred.view(-1).to(rewards.dtype)
 
 
 def grpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_eps: float = 0.2,
-              beta: float = 0.0, ref_logp: Tensor | None = None, level: str = "token") -> tuple[Tensor, dict]:
+              beta: float = 0.0, ref_logp: Tensor | None = None, level: str = "token",
+              clip_eps_high: float | None = None, rows: Tensor | None = None,
+              max_new_tokens: int | None = None) -> tuple[Tensor, dict]:
     """GRPO's loss (module docstring) for log-probs `[B, N]` of the completion tokens, `mask` `[B, N]`
-    marking the scored ones, advantages `[B]`. Returns (loss, statistics)."""
+    marking the scored ones, advantages `[B]`. Returns (loss, statistics).
+
+    clip_eps_high: the upper clip (None: clip_eps). rows (bool `[B]`): the rollouts the "sequence" mean and
+    the "constant" count run over, a row without scored tokens counting 0 (None: the rows with a scored
+    token). max_new_tokens: the "constant" level's length (None: N). "global-token" is "token" here: the
+    trainer weighs each rank's loss by its share of all ranks' tokens (`GRPO.scored_tokens`)."""
     if level not in LEVELS:
         raise ValueError(f"level={level!r} is invalid: expected one of {LEVELS}")
+    high = clip_eps if clip_eps_high is None else clip_eps_high
     mask = mask.to(logp.dtype)
+    rows = mask.sum(dim=1) > 0 if rows is None else rows.bool()
     ratio = (logp - old_logp).exp()
     A = advantages[:, None].to(logp.dtype)
-    surrogate = torch.minimum(ratio * A, ratio.clamp(1 - clip_eps, 1 + clip_eps) * A)
+    surrogate = torch.minimum(ratio * A, ratio.clamp(1 - clip_eps, 1 + high) * A)
     per_token = -surrogate
     kl = None
     if beta:
@@ -80,17 +103,21 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, 
         kl = log_ratio.exp() - log_ratio - 1
         per_token = per_token + beta * kl
 
-    def reduce(x: Tensor) -> Tensor:
-        if level == "token":
+    def reduce(x: Tensor, how: str) -> Tensor:
+        if how in ("token", "global-token"):
             return (x * mask).sum() / mask.sum().clamp(min=1)
-        lengths = mask.sum(dim=1)
-        rows = lengths > 0
-        return ((x * mask).sum(dim=1)[rows] / lengths[rows]).sum() / rows.sum().clamp(min=1)
+        if how == "constant":
+            return (x * mask).sum() / (rows.sum().clamp(min=1) * (max_new_tokens or mask.shape[1]))
+        per_row = (x * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+        return per_row[rows].sum() / rows.sum().clamp(min=1)
 
-    stats = {"clip_fraction": float(reduce(((ratio - 1).abs() > clip_eps).to(logp.dtype)).detach())}
+    # (the statistics are means over tokens, or rollouts: a constant's share of a mean would not read as one)
+    means = "sequence" if level == "sequence" else "token"
+    clipped = (ratio < 1 - clip_eps) | (ratio > 1 + high)
+    stats = {"clip_fraction": float(reduce(clipped.to(logp.dtype), means).detach())}
     if kl is not None:
-        stats["kl"] = float(reduce(kl).detach())
-    return reduce(per_token), stats
+        stats["kl"] = float(reduce(kl, means).detach())
+    return reduce(per_token, level), stats
 
 
 def k2_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, tau: float = 1.0,
@@ -105,6 +132,15 @@ def k2_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
     return err[rows].sum() / rows.sum().clamp(min=1)
 
 
+def check_variants(clip_eps_high: Any, mask_truncated: Any) -> None:
+    """A one-line ValueError for an upper clip not a finite number > 0 (or None), or a mask_truncated not a bool."""
+    high = clip_eps_high
+    if high is not None and (isinstance(high, bool) or not isinstance(high, int | float) or not 0 < high < math.inf):
+        raise ValueError(f"clip_eps_high={high!r} (--clip-eps-high) is invalid: expected a finite number > 0")
+    if not isinstance(mask_truncated, bool):
+        raise ValueError(f"mask_truncated={mask_truncated!r} (--mask-truncated) is invalid: expected True or False")
+
+
 @dataclass
 class GRPO:
     """GRPO as a trainer `Objective` over the batches of a `RolloutSource` with the same `settings`."""
@@ -114,27 +150,48 @@ class GRPO:
     beta: float = 0.0
     level: str = "token"
     eps: float = 1e-4
+    clip_eps_high: float | None = None  # the upper clip 1 + clip_eps_high (None: clip_eps)
+    scale_rewards: str = "group"
+    mask_truncated: bool = False  # a rollout cut by max_new_tokens (no stop) carries no loss (DAPO)
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
             raise ValueError(f"GRPO level={self.level!r} is invalid: expected one of {LEVELS}")
+        if self.scale_rewards not in SCALES:
+            raise ValueError(f"GRPO scale_rewards={self.scale_rewards!r} (--scale-rewards) is invalid: "
+                             f"expected one of {SCALES}")
         # (a NaN passes `beta < 0`; `if beta:` in grpo_loss would then ask for a reference never made)
         if not 0 < self.clip_eps < 1 or not 0 <= self.beta < math.inf or not 0 <= self.eps < math.inf:
             raise ValueError(f"GRPO needs 0 < clip_eps < 1 and finite beta >= 0 and eps >= 0, got "
                              f"clip_eps={self.clip_eps}, beta={self.beta}, eps={self.eps}")
+        check_variants(self.clip_eps_high, self.mask_truncated)
 
     @property
     def needs_reference(self) -> bool:
         return self.beta > 0
 
+    def loss_mask(self, batch: dict[str, Tensor]) -> Tensor:
+        """The tokens that carry the loss `[B, N]`: those of the rollouts with a reward (and, under
+        mask_truncated, that stopped before max_new_tokens)."""
+        rows = batch["reward_valid"]
+        if self.mask_truncated:
+            rows = rows & ~batch["truncated"]
+        return batch["completion_mask"] & rows[:, None]
+
+    def scored_tokens(self, batch: dict[str, Tensor]) -> int | None:
+        """For the "global-token" level, the tokens the trainer weighs this rank's loss by (their share of
+        all ranks': the mean over every rank's tokens, trl's dapo); None leaves each rank's own mean."""
+        return int(self.loss_mask(batch).sum()) if self.level == "global-token" else None
+
     def loss(self, model: nn.Module, batch: dict[str, Tensor], num_steps: Any,
              generator: torch.Generator | None) -> tuple[Tensor, Any]:
         logp = policy_logprobs(model, batch, self.settings)
         valid = batch["reward_valid"]
-        A = group_advantages(batch["rewards"], self.settings.group_size, valid, normalize=True, eps=self.eps)
-        mask = batch["completion_mask"] & valid[:, None]
-        loss, stats = grpo_loss(logp, batch["old_logp"], A, mask, clip_eps=self.clip_eps, beta=self.beta,
-                                ref_logp=batch.get("ref_logp"), level=self.level)
+        A = group_advantages(batch["rewards"], self.settings.group_size, valid, normalize=True, eps=self.eps,
+                             scale=self.scale_rewards)
+        loss, stats = grpo_loss(logp, batch["old_logp"], A, self.loss_mask(batch), clip_eps=self.clip_eps,
+                                clip_eps_high=self.clip_eps_high, beta=self.beta, ref_logp=batch.get("ref_logp"),
+                                level=self.level, rows=valid, max_new_tokens=int(batch["max_new_tokens"]))
         return loss, stats
 
 
@@ -144,10 +201,12 @@ class K2:
 
     settings: RolloutSettings
     tau: float = 1.0
+    mask_truncated: bool = False  # a rollout cut by max_new_tokens (no stop) carries no loss
 
     def __post_init__(self) -> None:
         if not 0 < self.tau < math.inf:
             raise ValueError(f"K2 tau={self.tau!r} is invalid: expected a finite number > 0")
+        check_variants(None, self.mask_truncated)
 
     needs_reference = False
 
@@ -156,5 +215,7 @@ class K2:
         logp = policy_logprobs(model, batch, self.settings)
         valid = batch["reward_valid"]
         A = group_advantages(batch["rewards"], self.settings.group_size, valid, normalize=False)
-        loss = k2_loss(logp, batch["old_logp"], A, batch["completion_mask"], tau=self.tau, rows=valid)
+        # (a truncated rollout keeps its place in its group's mean, as under GRPO, and leaves the loss)
+        rows = valid & ~batch["truncated"] if self.mask_truncated else valid
+        loss = k2_loss(logp, batch["old_logp"], A, batch["completion_mask"], tau=self.tau, rows=rows)
         return loss, {}

@@ -13,6 +13,7 @@ rollout batch (grad_accum 1), so pi_old is the policy that made the rollouts. Th
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import sys
@@ -24,7 +25,7 @@ from typing import Any
 from recurrent_depth.evaluation.reasoning.data import ProblemEncoder
 from recurrent_depth.evaluation.reasoning.tasks import get_task
 from recurrent_depth.train.config import TrainConfig
-from recurrent_depth.train.rl.losses import GRPO, K2, LEVELS
+from recurrent_depth.train.rl.losses import GRPO, K2, LEVELS, SCALES, check_variants
 from recurrent_depth.train.rl.rewards import ShapedReward, get_reward
 from recurrent_depth.train.rl.rollouts import ListPrompts, RolloutSettings, RolloutSource, TaskPrompts
 
@@ -37,8 +38,9 @@ class RLConfig:
 
     task / difficulties: prompts from a reasoning task (`evaluation/reasoning`); prompts: a list of
     prompt texts instead. reward: "task" (the task's checker) or a trusted "module:function".
-    objective: "grpo" (clip_eps, beta, level) or "k2" (tau). generation: the rollouts' `generate`
-    options (see `RolloutSettings`)."""
+    objective: "grpo" (clip_eps, clip_eps_high, beta, level, scale_rewards) or "k2" (tau); mask_truncated
+    (both): a rollout cut by max_new_tokens carries no loss. generation: the rollouts' `generate` options
+    (see `RolloutSettings`)."""
 
     task: str | None = "shells"
     difficulties: Sequence[int] = (3,)
@@ -49,6 +51,9 @@ class RLConfig:
     clip_eps: float = 0.2
     beta: float = 0.0
     level: str = "token"
+    clip_eps_high: float | None = None
+    scale_rewards: str = "group"
+    mask_truncated: bool = False
     tau: float = 1.0
     compute_penalty: float = 0.0
     length_penalty: float = 0.0
@@ -61,11 +66,16 @@ class RLConfig:
             raise ValueError(f"objective={self.objective!r} is invalid: expected one of {OBJECTIVES}")
         if self.level not in LEVELS:
             raise ValueError(f"level={self.level!r} is invalid: expected one of {LEVELS}")
+        check_variants(self.clip_eps_high, self.mask_truncated)  # (before the start model loads)
+        if self.scale_rewards not in SCALES:
+            raise ValueError(f"scale_rewards={self.scale_rewards!r} (--scale-rewards) is invalid: "
+                             f"expected one of {SCALES}")
         if isinstance(self.group_size, int) and not isinstance(self.group_size, bool) and self.group_size == 1:
             raise ValueError("group_size=1 (--group-size) is invalid: an advantage is a reward minus its group's mean, "
                              "so a group of one rollout has advantage 0 and learns nothing; expected >= 2")
         # A setting of the other objective would be ignored (K2 has no clip and no KL term, GRPO no tau): refuse it.
-        unused = ((("clip_eps", "clip-eps", 0.2), ("beta", "beta", 0.0), ("level", "kl-level", "token"))
+        unused = ((("clip_eps", "clip-eps", 0.2), ("beta", "beta", 0.0), ("level", "kl-level", "token"),
+                   ("clip_eps_high", "clip-eps-high", None), ("scale_rewards", "scale-rewards", "group"))
                   if self.objective == "k2" else (("tau", "tau", 1.0),))
         for name, flag, default in unused:
             if getattr(self, name) != default:
@@ -74,6 +84,10 @@ class RLConfig:
                                  f"objective={self.objective!r} does not use it (leave it out)")
         if self.task is None and self.prompts is None:
             raise ValueError("RLConfig needs prompts: a reasoning task (task=) or a list of prompts (prompts=)")
+
+
+# Run settings added after checkpoints first recorded `run`: a checkpoint without one ran with its default.
+ADDED_RUN_SETTINGS = ("clip_eps_high", "scale_rewards", "mask_truncated")
 
 
 def load_start_model(directory: str | Path) -> tuple[Any, Any, Path]:
@@ -112,8 +126,9 @@ def build_rl(model: Any, rl: RLConfig, train: TrainConfig, *, tokenizer: Any = N
     settings = RolloutSettings(group_size=rl.group_size, generation=dict(rl.generation),
                                backprop_depth=rl.backprop_depth, seed=train.seed)
     options = settings.options(model)
-    objective = (GRPO(settings, clip_eps=rl.clip_eps, beta=rl.beta, level=rl.level) if rl.objective == "grpo"
-                 else K2(settings, tau=rl.tau))
+    objective = (GRPO(settings, clip_eps=rl.clip_eps, beta=rl.beta, level=rl.level, clip_eps_high=rl.clip_eps_high,
+                      scale_rewards=rl.scale_rewards, mask_truncated=rl.mask_truncated) if rl.objective == "grpo"
+                 else K2(settings, tau=rl.tau, mask_truncated=rl.mask_truncated))
     reward = ShapedReward(get_reward(rl.reward, task), max_depth=options.deepest_step,
                           max_new_tokens=options.max_new_tokens, compute_penalty=rl.compute_penalty,
                           length_penalty=rl.length_penalty, on_error=rl.on_reward_error, log=log)
@@ -124,9 +139,13 @@ def build_rl(model: Any, rl: RLConfig, train: TrainConfig, *, tokenizer: Any = N
                json.dumps(list(rl.prompts)).encode()).hexdigest(),
            "reward": rl.reward, "objective": rl.objective, "clip_eps": rl.clip_eps, "beta": rl.beta,
            "level": rl.level, "tau": rl.tau, "compute_penalty": rl.compute_penalty,
-           "length_penalty": rl.length_penalty, "on_reward_error": rl.on_reward_error}
+           "length_penalty": rl.length_penalty, "on_reward_error": rl.on_reward_error,
+           # (an upper clip equal to the lower one is the symmetric clip: recorded as None, as when left out)
+           "clip_eps_high": None if rl.clip_eps_high == rl.clip_eps else rl.clip_eps_high,
+           "scale_rewards": rl.scale_rewards, "mask_truncated": rl.mask_truncated}
+    defaults = {f.name: f.default for f in dataclasses.fields(RLConfig) if f.name in ADDED_RUN_SETTINGS}
     source = RolloutSource(model, prompts, reward, settings, encoder=ProblemEncoder(tokenizer), reference=reference,
-                           log=log, run=run, rank=env.rank, world_size=env.world_size)
+                           log=log, run=run, run_defaults=defaults, rank=env.rank, world_size=env.world_size)
     if train.grad_accum != 1:
         raise ValueError(f"RL takes one optimizer step per rollout batch: grad_accum must be 1, got {train.grad_accum}")
     trainer = Trainer(train, model=model, data=source, objective=objective, depth=NoDepthDraw(), log=log,

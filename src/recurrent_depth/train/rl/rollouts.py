@@ -158,7 +158,7 @@ class RolloutSource(BatchSource):
     def __init__(self, policy: nn.Module, prompts: PromptSource, reward: ShapedReward, settings: RolloutSettings, *,
                  encoder: ProblemEncoder | None = None, reference: nn.Module | None = None,
                  log: Callable[[str], None] = print, run: dict[str, Any] | None = None,
-                 rank: int = 0, world_size: int = 1) -> None:
+                 run_defaults: dict[str, Any] | None = None, rank: int = 0, world_size: int = 1) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} is invalid for world_size={world_size}: expected 0 <= rank < world_size")
         self.policy = policy
@@ -166,6 +166,8 @@ class RolloutSource(BatchSource):
         # What else makes the run's trajectory (prompts, reward, objective: `recipe.build_rl`), JSON-plain;
         # kept in checkpoints so a resume with other ones is refused like changed rollout settings.
         self.run = run
+        # run keys added since checkpoints were first written, with the value a checkpoint without them ran with
+        self.run_defaults = dict(run_defaults or {})
         self.prompts = prompts
         self.reward = reward
         self.settings = settings
@@ -236,6 +238,9 @@ class RolloutSource(BatchSource):
             "token_depths": steps[:, (positions - T + 1).clamp(min=0)],
             "completion_ids": completion,
             "completion_mask": torch.arange(N, device=device)[None] < lengths[:, None],
+            # cut by max_new_tokens before a stop (for mask_truncated); max_new_tokens: Dr. GRPO's constant
+            "truncated": torch.tensor([reason == "length" for reason in out.finish_reasons], device=device),
+            "max_new_tokens": self.options.max_new_tokens,
             "old_logp": logits.log_softmax(-1).gather(-1, completion[..., None])[..., 0],
             "temperature": temperature,
             "kv_policy": self.options.policy.name,
@@ -288,6 +293,8 @@ class RolloutSource(BatchSource):
                 saved.pop("generation", None), now.pop("generation")
             raise ValueError(f"cannot resume this RL run: its rollout settings changed ({changes(saved, now)})")
         saved_run, run = state.get("run"), self.run
+        if isinstance(saved_run, dict):
+            saved_run = {**self.run_defaults, **saved_run}
         if saved_run is not None and run is not None and saved_run != run:  # (checkpoints before it: not compared)
             raise ValueError(f"cannot resume this RL run: its prompts, reward or objective changed "
                              f"({changes(saved_run, run)})")

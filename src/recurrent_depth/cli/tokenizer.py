@@ -7,6 +7,12 @@ import json
 
 from recurrent_depth.cli.common import add_model_arg, add_out_arg, add_seed_arg
 
+# What --data and --text-field take (docs/data.md); `rdepth train` shows the same words.
+DATA_HELP = ("corpus: 'stdlib' (the Python standard library's source), a directory of text files, a .jsonl file, "
+             "a .parquet file or a directory of them, or a Hugging Face dataset directory (save_to_disk)")
+TEXT_FIELD_HELP = ("field (JSONL) or column (Parquet, saved dataset) that holds each document's text; an error "
+                   "with 'stdlib' or a directory of text files, which have none")
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -26,12 +32,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     train.add_argument(
-        "--data", default="stdlib", metavar="stdlib|DIR|FILE.jsonl",
-        help="corpus: 'stdlib' (the Python standard library's source), a directory of text files, "
-             "or a JSONL file with a 'text' field (default: %(default)s)",
+        "--data", default="stdlib", metavar="stdlib|DIR|FILE.jsonl|FILE.parquet",
+        help=DATA_HELP + " (default: %(default)s)",
     )
     train.add_argument("--text-field", default="text", metavar="FIELD",
-                       help="JSONL field that holds the text, as `rdepth train --text-field` (default: %(default)s)")
+                       help=TEXT_FIELD_HELP + ", as `rdepth train --text-field` (default: %(default)s)")
     train.add_argument("--follow-symlinks", action="store_true",
                        help="read corpus files that are symlinks to files outside the data directory, as "
                             "`rdepth train --follow-symlinks` (default: off, refused)")

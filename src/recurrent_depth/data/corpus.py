@@ -1,4 +1,5 @@
-"""Document sources: the embedded `stdlib` corpus, a directory of text files, a JSONL file.
+"""Document sources: the embedded `stdlib` corpus, a directory of text files, a JSONL file, Parquet files
+and a Hugging Face dataset saved with `save_to_disk`.
 
 Every corpus is a re-iterable stream of :class:`Document` in a canonical order (sorted by id),
 so a second pass yields exactly the same documents and the content hash in :class:`CorpusInfo`
@@ -21,7 +22,9 @@ import sysconfig
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+
+from recurrent_depth.files import clipped_names
 
 # Path components that put a file outside the embedded corpus (DESIGN.md, "The embedded corpus").
 STDLIB_EXCLUDED_DIRS: frozenset[str] = frozenset(
@@ -36,6 +39,13 @@ PART_BYTES = 64 << 20
 # Longest JSONL line read (bytes, without its newline). Lines are read with this bound, so a file with no
 # newline (a wrong file, or one huge JSON array) is refused in bounded memory instead of read whole.
 JSONL_MAX_LINE_BYTES = 4 * PART_BYTES
+# The field (JSONL) or column (Parquet, saved dataset) that holds a record's text unless told otherwise.
+DEFAULT_TEXT_FIELD = "text"
+# Rows converted to Python strings at a time from a Parquet file or a saved dataset: memory holds this many
+# texts (and, for Parquet, the text column of one row group), never the whole file.
+TABLE_BATCH_ROWS = 1024
+
+CorpusKind = Literal["stdlib", "directory", "jsonl", "parquet", "datasets", "memory"]
 
 
 @dataclass(frozen=True)
@@ -55,7 +65,7 @@ class CorpusInfo:
     """
 
     name: str  # "stdlib", or the path the user gave
-    kind: Literal["stdlib", "directory", "jsonl", "memory"]
+    kind: CorpusKind
     path: str | None  # absolute root directory or file; None for in-memory corpora
     num_documents: int
     num_bytes: int  # UTF-8 bytes of all document texts
@@ -71,7 +81,7 @@ class Corpus:
     """A re-iterable, sorted stream of documents. Subclasses implement :meth:`__iter__`."""
 
     name: str
-    kind: Literal["stdlib", "directory", "jsonl", "memory"]
+    kind: CorpusKind
     path: Path | None = None
     python_version: str | None = None
 
@@ -359,14 +369,14 @@ class DirectoryCorpus(FileTreeCorpus):
 class JsonlCorpus(Corpus):
     """One document per line of a JSONL file, taken from the string field ``text_field``.
 
-    Document ids are the 1-based line numbers, zero-padded (``"line-0000000001"``) so that id
-    order is file order. Blank lines are skipped. A line that is not a JSON object with a
+    Document ids are the 1-based line numbers, zero-padded (``"line-0000000001"``, see `record_id`) so
+    that id order is file order. Blank lines are skipped. A line that is not a JSON object with a
     string ``text_field`` raises ``ValueError`` naming the file and line.
     """
 
     kind = "jsonl"
 
-    def __init__(self, path: str | Path, text_field: str = "text") -> None:
+    def __init__(self, path: str | Path, text_field: str = DEFAULT_TEXT_FIELD) -> None:
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"data: JSONL file {str(path)!r} does not exist")
@@ -415,28 +425,246 @@ class JsonlCorpus(Corpus):
                         f"{where}: field {self.text_field!r} is not valid Unicode text "
                         f"(an unpaired surrogate escape such as \\ud800 at character {exc.start})"
                     ) from None
-                yield Document(f"line-{lineno:010d}", text)
+                yield Document(record_id(lineno), text)
 
 
-def load_corpus(spec: str | Path | Corpus, text_field: str = "text", follow_symlinks: bool = False) -> Corpus:
-    """A corpus from a spec: ``"stdlib"``, a directory path, or a ``.jsonl`` file path.
+def record_id(number: int, prefix: str = "") -> str:
+    """The id of a file's `number`-th record (1-based), zero-padded so that id order is file order.
 
+    JSONL lines, Parquet rows and saved-dataset rows share it, so the same texts in any of these formats
+    are the same corpus: the same hash, the same validation documents, the same rows. `prefix` names the
+    file within a directory of Parquet files."""
+    return f"{prefix}line-{number:010d}"
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _check_no_text_field(text_field: str, spec: str) -> None:
+    """A text field picks a column of records; a corpus of whole text files has none, so a field the user
+    chose must not be dropped silently."""
+    if text_field != DEFAULT_TEXT_FIELD:
+        raise ValueError(
+            f"data: text_field (--text-field) {text_field!r} picks a field of .jsonl, .parquet or saved-dataset "
+            f"records, but {spec!r} is read as whole text files, one document each; leave --text-field out"
+        )
+
+
+def _pyarrow() -> Any:
+    """The pyarrow module (with its Parquet reader); not a core dependency (`datasets` brings it)."""
+    try:
+        import pyarrow
+        import pyarrow.parquet  # noqa: F401 - ParquetFile, used by ParquetCorpus
+    except ImportError:
+        raise ValueError("data: reading Parquet needs pyarrow, which is not installed: pip install pyarrow") from None
+    return pyarrow
+
+
+def _check_text_column(schema: Any, field: str, where: str) -> None:
+    """ValueError (one line, naming `where`) unless the pyarrow `schema` has a string column `field`. A
+    column types every row alike, so a missing or non-string one is named once, for the file."""
+    pa = _pyarrow()
+    if field not in schema.names:
+        raise ValueError(f"{where}: missing column {field!r} (columns: {clipped_names(schema.names)}); "
+                         f"name the text column with --text-field")
+    kind = schema.field(field).type
+    if pa.types.is_dictionary(kind):  # a categorical column (pandas) of strings
+        kind = kind.value_type
+    is_string_view = getattr(pa.types, "is_string_view", lambda _: False)  # (pyarrow >= 16)
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or is_string_view(kind)):
+        raise ValueError(f"{where}: column {field!r} must hold strings, got {schema.field(field).type}")
+
+
+def _table_documents(batches: Iterable[Any], field: str, where: str, prefix: str = "") -> Iterator[Document]:
+    """Documents from pyarrow record batches (or tables) of the string column `field`, rows numbered from 1.
+
+    An empty string is an (empty) document and a null a ValueError naming the row: the rules of a JSONL
+    line's `""` and `null`."""
+    number = 0
+    for batch in batches:
+        for text in batch.column(field).to_pylist():
+            number += 1
+            if text is None:
+                raise ValueError(f"{where}:row {number}: field {field!r} is null; drop the row or give it a text")
+            yield Document(record_id(number, prefix), text)
+
+
+class ParquetCorpus(Corpus):
+    """One document per row of a Parquet file, or of every ``.parquet`` file under a directory, taken
+    from the string column ``text_field``.
+
+    A directory's files are found as :class:`DirectoryCorpus` finds them (recursive; hidden names and
+    ``__pycache__`` left out; the same symlink rule), sorted by path. Paths with a part starting with
+    ``_`` (Spark's ``_SUCCESS``, ``_metadata``, ``_temporary/``) are left out, as pyarrow.dataset leaves
+    them out; any other file that is not ``.parquet`` is a ValueError: a directory is read as Parquet
+    files or as text files, never as a mix of both.
+
+    Ids are :func:`record_id` s: ``line-0000000001`` for the rows of a single file (the ids of a JSONL file
+    with the same texts), ``<relative path>/line-0000000001`` in a directory. Rows are read
+    `TABLE_BATCH_ROWS` at a time with pyarrow's ``iter_batches`` (the text column only), so memory holds
+    about one row group's texts, never the whole file.
+    """
+
+    kind = "parquet"
+
+    def __init__(
+        self, path: str | Path, text_field: str = DEFAULT_TEXT_FIELD, follow_symlinks: bool = False
+    ) -> None:
+        _pyarrow()  # a missing pyarrow is named before anything is read
+        path = Path(path)
+        if path.is_dir():
+            self._files = _parquet_files(DirectoryCorpus(path, follow_symlinks=follow_symlinks))
+        elif path.is_file():
+            self._files = [("", path.resolve())]
+        else:
+            raise ValueError(f"data: Parquet file {str(path)!r} does not exist")
+        self.path = path.resolve()
+        self.name = str(path)
+        self.text_field = text_field
+
+    def _open(self, file: Path) -> Any:
+        """A `pyarrow.parquet.ParquetFile` whose text column is checked; ValueError naming the file otherwise."""
+        pa = _pyarrow()
+        try:
+            handle = pa.parquet.ParquetFile(file)
+        except (pa.ArrowException, OSError) as exc:
+            raise ValueError(f"{file}: not a readable Parquet file ({_one_line(exc)})") from None
+        try:
+            _check_text_column(handle.schema_arrow, self.text_field, str(file))
+        except ValueError:
+            handle.close()
+            raise
+        return handle
+
+    def __iter__(self) -> Iterator[Document]:
+        pa = _pyarrow()
+        for prefix, file in self._files:
+            with self._open(file) as handle:
+                batches = handle.iter_batches(batch_size=TABLE_BATCH_ROWS, columns=[self.text_field])
+                try:
+                    yield from _table_documents(batches, self.text_field, str(file), prefix)
+                except pa.ArrowException as exc:  # a damaged page (our own errors are plain ValueErrors)
+                    raise ValueError(f"{file}: cannot be read ({_one_line(exc)})") from None
+
+    def ids(self) -> Iterator[str]:
+        """From the files' row counts, without reading a text: every row is a document (a null is an error)."""
+        for prefix, file in self._files:
+            with self._open(file) as handle:
+                num_rows = handle.metadata.num_rows
+            for number in range(1, num_rows + 1):
+                yield record_id(number, prefix)
+
+
+def _parquet_files(tree: DirectoryCorpus) -> list[tuple[str, Path]]:
+    """(id prefix, file) for each ``.parquet`` file of `tree`, in the order of their ids (see ParquetCorpus)."""
+    found: list[tuple[str, Path]] = []
+    for rel in tree.files():
+        if any(part.startswith("_") for part in Path(rel).parts):
+            continue  # Spark / Hadoop bookkeeping, not data
+        if not rel.lower().endswith(".parquet"):
+            raise ValueError(
+                f"data: {tree.name!r} holds .parquet files and other files ({rel!r}); a directory is read as "
+                "Parquet files or as text files, not both: move the other files out, or point --data at the "
+                "directory of the Parquet files"
+            )
+        full = tree.readable(rel)  # (a symlink out of the directory is refused unless follow_symlinks)
+        if full is not None:
+            found.append((f"{rel}/", full))
+    # "/" ends the prefix because no file's path starts with another file's path and "/": ordering the files
+    # by prefix orders their ids ("a.parquet" and "a.parquet x.parquet" as paths would not).
+    found.sort(key=lambda item: item[0])
+    return found
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """Whether `path` is a directory written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``."""
+    return ((path / "state.json").is_file() and (path / "dataset_info.json").is_file()) or (
+        path / "dataset_dict.json"
+    ).is_file()
+
+
+class SavedDatasetCorpus(Corpus):
+    """One document per row of a Hugging Face dataset saved with ``save_to_disk``, taken from the string
+    column ``text_field``; of a ``DatasetDict``, its ``train`` split (as ``rdepth sft`` reads one).
+
+    Read with ``datasets.load_from_disk`` (offline), which memory-maps the ``.arrow`` files, and
+    `TABLE_BATCH_ROWS` rows at a time. Ids are :func:`record_id` s of the row numbers, the ids of a
+    JSONL file with the same texts.
+    """
+
+    kind = "datasets"
+
+    def __init__(self, path: str | Path, text_field: str = DEFAULT_TEXT_FIELD) -> None:
+        path = Path(path)
+        if not is_saved_dataset(path):
+            raise ValueError(f"data: {str(path)!r} is not a directory written by save_to_disk "
+                             "(no state.json and dataset_info.json, nor dataset_dict.json)")
+        self.path = path.resolve()
+        self.name = str(path)
+        self.text_field = text_field
+        self._dataset = self._load()
+
+    def _load(self) -> Any:
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only, as data/chat.py reads them
+        try:
+            import datasets
+        except ImportError:
+            raise ValueError(f"data: {self.name!r} is a saved Hugging Face dataset; reading it needs the datasets "
+                             "package, which is not installed: pip install datasets") from None
+        try:
+            table = datasets.load_from_disk(str(self.path))
+        except Exception as exc:  # datasets raises many kinds; the message is what the user needs
+            raise ValueError(f"data: {self.name!r} cannot be read with datasets ({_one_line(exc)})") from None
+        if isinstance(table, datasets.DatasetDict):
+            if "train" not in table:
+                raise ValueError(f"data: {self.name!r} is a DatasetDict with splits {sorted(table)} and no 'train'")
+            table = table["train"]
+        _check_text_column(table.data.schema, self.text_field, str(self.path))
+        return table
+
+    def __iter__(self) -> Iterator[Document]:
+        column = self._dataset.select_columns([self.text_field]).with_format("arrow")
+        yield from _table_documents(column.iter(batch_size=TABLE_BATCH_ROWS), self.text_field, str(self.path))
+
+    def ids(self) -> Iterator[str]:
+        """From the row count, without reading a text: every row is a document (a null is an error)."""
+        return (record_id(number) for number in range(1, self._dataset.num_rows + 1))
+
+
+def load_corpus(
+    spec: str | Path | Corpus, text_field: str = DEFAULT_TEXT_FIELD, follow_symlinks: bool = False
+) -> Corpus:
+    """A corpus from a spec: ``"stdlib"``; a directory (a dataset saved with ``save_to_disk``, a directory
+    of ``.parquet`` files, or else a directory of text files); a ``.jsonl`` or a ``.parquet`` file.
+
+    ``text_field``: the field or column of a record's text (JSONL, Parquet, saved dataset); any other
+    value than the default with ``stdlib`` or a directory of text files is a ValueError, not ignored.
     ``follow_symlinks``: a directory corpus reads files that are symlinks out of the directory."""
     if isinstance(spec, Corpus):
         return spec
     text = str(spec)
+    expected = "expected 'stdlib', a directory, or a .jsonl or .parquet file"
     if text == "stdlib":
+        _check_no_text_field(text_field, text)
         return StdlibCorpus()
     path = Path(text).expanduser()
     if path.is_dir():
-        return DirectoryCorpus(path, follow_symlinks=follow_symlinks)
-    if path.is_file() and path.suffix.lower() == ".jsonl":
+        if is_saved_dataset(path):
+            return SavedDatasetCorpus(path, text_field=text_field)
+        tree = DirectoryCorpus(path, follow_symlinks=follow_symlinks)
+        if any(rel.lower().endswith(".parquet") for rel in tree.files()):
+            return ParquetCorpus(path, text_field=text_field, follow_symlinks=follow_symlinks)
+        _check_no_text_field(text_field, text)
+        return tree
+    suffix = path.suffix.lower()
+    if path.is_file() and suffix == ".jsonl":
         return JsonlCorpus(path, text_field=text_field)
+    if path.is_file() and suffix == ".parquet":
+        return ParquetCorpus(path, text_field=text_field)
     if path.is_file():
-        raise ValueError(
-            f"data: {text!r} is a file but not .jsonl; expected 'stdlib', a directory, or a .jsonl file"
-        )
-    raise ValueError(f"data: {text!r} does not exist; expected 'stdlib', a directory, or a .jsonl file")
+        raise ValueError(f"data: {text!r} is a file but not .jsonl or .parquet; {expected}")
+    raise ValueError(f"data: {text!r} does not exist; {expected}")
 
 
 def _split_key(doc_id: str, seed: int) -> float:

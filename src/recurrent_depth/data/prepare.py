@@ -96,7 +96,9 @@ def prepare_dataset(
     """Write train (and validation) shards of ``seq_len + 1``-token rows; reuse them if current.
 
     Args:
-        corpus_spec: ``"stdlib"``, a directory, a ``.jsonl`` file, or a :class:`Corpus`.
+        corpus_spec: ``"stdlib"``, a directory (of text files, of ``.parquet`` files, or a saved
+            dataset), a ``.jsonl`` or ``.parquet`` file (text field ``text``), or a :class:`Corpus`
+            (``load_corpus(spec, text_field=...)`` for another field).
         tokenizer: a `tokenizers.Tokenizer`, or a directory / ``tokenizer.json`` path.
         seq_len: model context; rows hold ``seq_len + 1`` tokens (inputs + shifted labels).
         val_fraction: share of documents held out, decided per document id (see

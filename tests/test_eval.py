@@ -407,6 +407,19 @@ def test_rdepth_eval_on_one_document_says_the_split_held_none_out_and_val_fracti
     assert results["text"]["documents"] == 1 and sorted(results["text"]["by_depth"]) == ["1", "2"]
 
 
+def test_rdepth_eval_reads_the_text_field_training_read(tmp_path, capsys):
+    """`rdepth eval --data FILE.jsonl` read only the field 'text': held-out documents of a corpus trained with
+    --text-field body could not be scored (every record was refused as missing 'text')."""
+    make_model_dir(tmp_path / "model", max_seq_len=128)
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"body": f"def f{i}(x):\n    return x * {i}\n"}) + "\n" for i in range(3)))
+    argv = ["eval", "--model", str(tmp_path / "model"), "--depths", "1", "--data", str(data), "--val-fraction", "1",
+            "--out", str(tmp_path / "out")]
+    assert main(argv) == 2 and "missing field 'text'" in capsys.readouterr().err
+    assert main([*argv, "--text-field", "body"]) == 0
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["text"]["documents"] == 3
+
+
 @pytest.mark.parametrize("case,message", [("no-tokenizer", "has no tokenizer.json: text measurements need"),
                                           ("no-data", "data: '/nonexistent' does not exist")],
                          ids=["no-tokenizer", "no-data"])

@@ -46,7 +46,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--depths", type=int_list, default=[1, 2, 4, 8, 16, 32],
                         help="test-time recurrences to evaluate (default: 1,2,4,8,16,32)")
     parser.add_argument("--data", default="stdlib",
-                        help="held-out text: 'stdlib', a directory, a .jsonl file, or 'none' to skip (default: stdlib)")
+                        help="held-out text: what `rdepth train --data` takes ('stdlib', a directory, a .jsonl or "
+                             ".parquet file, a saved dataset), or 'none' to skip (default: stdlib)")
+    parser.add_argument("--text-field", default="text",
+                        help="field (JSONL) or column (Parquet, saved dataset) of each document's text, as in "
+                             "training (default: %(default)s)")
     parser.add_argument("--val-fraction", type=float, default=0.02,
                         help="fraction of documents on the validation side of the split; 1 scores every "
                              "document (default: 0.02)")
@@ -85,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = EvalConfig(
         model=args.model, depths=args.depths, out=args.out, data=None if args.data == "none" else args.data,
+        text_field=args.text_field,
         val_fraction=args.val_fraction, split_seed=args.split_seed, max_docs=args.max_docs,
         max_tokens=args.max_tokens, seq_len=args.seq_len,
         reasoning_tasks=[] if args.reasoning == ["none"] else args.reasoning,  # 'none', as --data takes

@@ -72,7 +72,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "saturation": (float, "C: the max logit taken as saturation (T_sat = first step reaching it)"),
         "qk_clip_tau": (float, "tau of the qk-clip runs"),
         "fit_start": (int, "first step of the log-log fit window"),
-        "corpus": (str, "training text: stdlib, a directory or a .jsonl file (read as bytes)"),
+        "corpus": (str, "training text: as rdepth train --data takes it (read as bytes)"),
         "seed": (int, "seed of weights and batches"),
         "out": (str, "output directory for logit_growth.json and logit_growth.png"),
     })
@@ -96,7 +96,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "batch_size": (int, "sequences per step"),
         "seq_len": (int, "bytes per sequence"),
         "seeds": (int, "coordinate-check seeds averaged"),
-        "corpus": (str, "training text: stdlib, a directory or a .jsonl file (read as bytes)"),
+        "corpus": (str, "training text: as rdepth train --data takes it (read as bytes)"),
         "out": (str, "output directory"),
     }
     for name, transfer, text in (

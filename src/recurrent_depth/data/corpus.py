@@ -457,7 +457,8 @@ def _pyarrow() -> Any:
         import pyarrow
         import pyarrow.parquet  # noqa: F401 - ParquetFile, used by ParquetCorpus
     except ImportError:
-        raise ValueError("data: reading Parquet needs pyarrow, which is not installed: pip install pyarrow") from None
+        raise ValueError("data: reading Parquet needs pyarrow, which is not installed: pip install "
+                         "'recurrent-depth[data]' (or pyarrow)") from None
     return pyarrow
 
 
@@ -611,7 +612,8 @@ class SavedDatasetCorpus(Corpus):
             import datasets
         except ImportError:
             raise ValueError(f"data: {self.name!r} is a saved Hugging Face dataset; reading it needs the datasets "
-                             "package, which is not installed: pip install datasets") from None
+                             "package, which is not installed: pip install "
+                             "'recurrent-depth[data]' (or datasets)") from None
         try:
             table = datasets.load_from_disk(str(self.path))
         except Exception as exc:  # datasets raises many kinds; the message is what the user needs

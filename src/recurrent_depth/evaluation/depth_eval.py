@@ -39,6 +39,7 @@ class EvalConfig:
     depths: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
     out: str = "runs/eval"
     data: str | None = "stdlib"  # None: skip the text measurement
+    text_field: str = "text"  # the field / column of a record's text (JSONL, Parquet, saved dataset), as in training
     val_fraction: float = 0.02
     split_seed: int = 0
     max_docs: int = 32
@@ -111,7 +112,7 @@ def _load(path: str, device: str, dtype: str | None, tokenizer_dir: str | None =
 def _documents(config: EvalConfig):
     from recurrent_depth.data.corpus import DocumentSplit, load_corpus
 
-    corpus = load_corpus(config.data)
+    corpus = load_corpus(config.data, config.text_field)
     if config.val_fraction >= 1:  # no split: score the data whole (the first max_docs documents)
         for doc in itertools.islice(corpus, config.max_docs):
             yield doc.text
@@ -253,7 +254,7 @@ def evaluate_depths(config: EvalConfig, log: Any = print) -> dict[str, Any]:
     if config.data is not None:
         from recurrent_depth.data.corpus import load_corpus
 
-        load_corpus(config.data)  # a --data that does not exist: named here, not after the "text:" line
+        load_corpus(config.data, config.text_field)  # a bad --data: named now, not after "text:"
         log(f"text: scoring {config.data} held-out documents at depths {depths}")
         text = _text_quality(model, tokenizer, config, depths)
         results["text"] = text

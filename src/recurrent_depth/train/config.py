@@ -66,8 +66,10 @@ FIELD_HELP: dict[str, str] = {
                      "training shards; written there first when it holds none, or again when its teacher, "
                      "depth, seed or batch size differs; none = teacher on the fly",
     "distill_cache_only": "write distill_cache from the teacher over the training shards and exit",
-    "data": "corpus: 'stdlib' (the Python standard library's source), a directory, or a .jsonl file",
-    "text_field": "JSONL field that holds the text",
+    "data": "corpus: 'stdlib' (the Python standard library's source), a directory of text files, a .jsonl file, "
+            "a .parquet file or a directory of them, or a Hugging Face dataset directory (save_to_disk)",
+    "text_field": "field (JSONL) or column (Parquet, saved dataset) that holds each document's text; an error "
+                  "with 'stdlib' or a directory of text files, which have none",
     "follow_symlinks": "read corpus files that are symlinks to files outside the data directory (else refused)",
     "tokenizer": "tokenizer directory; none = train one on the data (its size sets the model's vocab)",
     "vocab_size": "vocabulary of a tokenizer trained here; none = the preset's (at least 512)",
@@ -220,7 +222,7 @@ class TrainConfig:
         check_field_names(self.model, ModelConfig, "ModelConfig key(s) in TrainConfig.model", listed_as="known")
         self._validate_model_overrides()
         if not isinstance(self.data, str) or not self.data:
-            raise bad("data", "'stdlib', a directory or a .jsonl file")
+            raise bad("data", "'stdlib', a directory, or a .jsonl or .parquet file")
         for name in ("vocab_size", "tokenizer_max_bytes", "seq_len", "max_tokens", "backprop_depth", "max_depth"):
             need_int(name, 1, optional=True)
         need_int("max_steps", 0, optional=True)  # 0: save the starting weights as they are (--init-from)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,13 @@ from recurrent_depth.inference.schema import (
     names_for,
     resolved_auto,
 )
-from recurrent_depth.integrations.hf_config import HuginnRavenConfig, OuroConfig, RecurrentDepthConfig
+from recurrent_depth.integrations.hf_config import (
+    DEFAULT_DEPTH_SCHEME,
+    HuginnRavenConfig,
+    OuroConfig,
+    RecurrentDepthConfig,
+    check_depth_scheme,
+)
 from recurrent_depth.model.cache import attend_floats, no_decode_views, parse_kv_policy, update_heads_via_kv
 from recurrent_depth.model.recurrent import RecurrentDepthLM, takase_init_
 from recurrent_depth.weight_quant import check_saveable, check_weights, quantize_weights
@@ -480,6 +486,12 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         self._core.training = mode
         return self
 
+    def _training_depth(self, generator: torch.Generator | None) -> tuple[int, int]:
+        """(no-grad steps, grad steps) of a training-mode forward given no num_steps: `config.depth_scheme`'s draw
+        around `mean_recurrence` (fixed: exactly it), gradients through the last `mean_backprop_depth` steps."""
+        scheme = check_depth_scheme(getattr(self.config, "depth_scheme", DEFAULT_DEPTH_SCHEME))
+        return replace(self._core.depth_sampler(), scheme=scheme).sample_from(generator)
+
     # ------------------------------------------------------------------ forward
     def forward(
         self,
@@ -505,7 +517,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         """`RecurrentDepthLM.forward` with transformers' conventions.
 
         num_steps / init_scale / input_states / generator: as `RecurrentDepthLM.forward` (None ->
-        `config.mean_recurrence` in eval mode, a sampled depth in train mode; `config.init_scale`).
+        `config.mean_recurrence` in eval mode, in train mode a depth drawn by `config.depth_scheme`: the paper's
+        poisson-lognormal by default, "fixed" for exactly mean_recurrence; `config.init_scale`).
         cache: a `RecurrentDepthCache` (an empty transformers cache is replaced by one); with
         `use_cache=True` and no cache, one is created with `kv_policy` / `kv_budget` (None = one
         entry per step; see `recurrent_depth.model.cache.parse_kv_policy`).
@@ -535,6 +548,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("input_ids is required")
         policy = parse_kv_policy(kv_policy, kv_budget, core_layers=self._core.config.core_layers)
         self._sync_runtime_config()
+        if num_steps is None and self.training:  # (trainers pass none: the config's depth_scheme draws it)
+            num_steps = self._training_depth(generator)
         if use_cache is None:  # as transformers' models do: no cache while training with checkpointing (it would
             # turn the checkpointing off: the core checkpoints only uncached calls)
             use_cache = self.config.use_cache and not (self.training and self.is_gradient_checkpointing)

@@ -21,6 +21,7 @@ from transformers import PretrainedConfig
 
 from recurrent_depth.config import HUGINN_KEY_MAP, HUGINN_MODEL_TYPE, MODEL_TYPE, ModelConfig
 from recurrent_depth.families.ouro import OURO_KEYS, OURO_MODEL_TYPE
+from recurrent_depth.model.depth import SCHEMES
 
 # Keys transformers writes into every config.json; `ModelConfig.from_dict` ignores them.
 _HF_BOOKKEEPING = ("model_type", "architectures", "transformers_version", "dtype", "auto_map", "use_cache")
@@ -30,6 +31,16 @@ _DEFAULT_ID2LABEL = {0: "LABEL_0", 1: "LABEL_1"}
 # Outputs the Trainer leaves out of its predictions (what `compute_metrics` gets is then the logits, as for any
 # causal LM, not a tuple with the cache and the latent states).
 _INFERENCE_EXTRAS = ["cache", "past_key_values", "latent_states", "final_state"]
+# The depth a training-mode forward runs when it is given no num_steps (what trl's and transformers' trainers do):
+# `depth_scheme` on the config, a runtime setting (unlike `init_scale`, not written to config.json).
+DEFAULT_DEPTH_SCHEME = "poisson-lognormal"
+
+
+def check_depth_scheme(value: Any) -> str:
+    """`value` if it names a depth scheme (`recurrent_depth.model.depth.SCHEMES`), else a one-line error."""
+    if value not in SCHEMES:
+        raise ValueError(f"config.depth_scheme={value!r} is invalid: expected one of {', '.join(SCHEMES)}")
+    return value
 
 
 def check_config_file(path: Any) -> None:
@@ -67,6 +78,7 @@ class _CheckedConfigFile:
         out = super().from_dict(config_dict, **kwargs)
         config = out[0] if isinstance(out, tuple) else out
         config.to_model_config()
+        check_depth_scheme(getattr(config, "depth_scheme", DEFAULT_DEPTH_SCHEME))
         return out
 
 
@@ -146,9 +158,13 @@ class RecurrentDepthConfig(_CheckedConfigFile, PretrainedConfig):
     norm_unit_offset: bool = False
     norm_float32_gain: bool = False
     use_cache: bool = True
+    # Training mode without num_steps: "poisson-lognormal" (the paper's randomized depth around mean_recurrence),
+    # "fixed" (mean_recurrence steps) or "uniform"; gradients through the last mean_backprop_depth steps. Not saved.
+    depth_scheme: str = DEFAULT_DEPTH_SCHEME
 
     def __post_init__(self, **kwargs: Any) -> None:
         super().__post_init__(**kwargs)
+        check_depth_scheme(self.depth_scheme)
         resolved = self.to_model_config()  # validates, and fills num_kv_heads / head_dim
         self.num_kv_heads = resolved.num_kv_heads
         self.head_dim = resolved.head_dim
@@ -231,9 +247,11 @@ class HuginnRavenConfig(_CheckedConfigFile, PretrainedConfig):
     eos_token_id: Any = None
     pad_token_id: int | None = None
     use_cache: bool = True
+    depth_scheme: str = DEFAULT_DEPTH_SCHEME  # as RecurrentDepthConfig's (not written to config.json)
 
     def __post_init__(self, **kwargs: Any) -> None:
         super().__post_init__(**kwargs)
+        check_depth_scheme(self.depth_scheme)
         if self.padded_vocab_size is None:
             self.padded_vocab_size = self.vocab_size
         resolved = self.to_model_config()  # validate now, not at the first forward
@@ -257,6 +275,7 @@ class HuginnRavenConfig(_CheckedConfigFile, PretrainedConfig):
         """The official keys; without `auto_map`, whose remote-code files are not saved with us."""
         out = super().to_dict()
         out.pop("auto_map", None)
+        out.pop("depth_scheme", None)  # (a runtime setting, not the official file's)
         return out
 
     def to_model_config(self) -> ModelConfig:

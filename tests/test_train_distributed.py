@@ -194,6 +194,9 @@ def test_distill_cache_only_says_where_the_cache_is_once_under_torchrun(monkeypa
             def __init__(self, cfg) -> None:
                 pass
 
+            def close(self) -> None:
+                pass
+
         monkeypatch.setattr(trainer_module, "Trainer", SetUp)
         assert main(["train", "--teacher", str(tmp_path), "--distill-top-k", "4", "--distill-cache",
                      str(tmp_path / "cache"), "--distill-cache-only", "--out", str(tmp_path / "out"),

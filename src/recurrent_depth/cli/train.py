@@ -168,9 +168,7 @@ def run(args: argparse.Namespace) -> int:
         trainer = Trainer(cfg)
         if trainer.env.is_main:  # (once under torchrun)
             print(f"distill cache: {cfg.distill_cache}")
-        from recurrent_depth.train.distributed import shutdown
-
-        shutdown(trainer.env, trainer)
+        trainer.close()  # (leaves the process group if the Trainer joined it: not a caller's)
         return 0
     spec = lora_spec_from_args(args)
     if spec is None:
@@ -189,7 +187,6 @@ def run(args: argparse.Namespace) -> int:
 
 def run_trainer(trainer, command: str) -> int:
     """Run a set-up Trainer; print the final depth table and the model directory (rank 0)."""
-    from recurrent_depth.train.distributed import shutdown
     from recurrent_depth.train.trainer import TooManySkippedSteps
 
     try:
@@ -198,8 +195,8 @@ def run_trainer(trainer, command: str) -> int:
         if trainer.env.is_main:
             print(f"rdepth {command}: error: {exc}", file=sys.stderr)
         return 1
-    finally:
-        shutdown(trainer.env, trainer)
+    finally:  # (the DDP wrapper freed, then the process group left if the Trainer joined it: not a caller's)
+        trainer.close()
     if trainer.env.is_main and result.final_eval is not None:
         from recurrent_depth.train.report import format_depth_table
 

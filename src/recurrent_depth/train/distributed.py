@@ -210,7 +210,31 @@ def wrap_model(model: nn.Module, env: DistEnv, fsdp: bool = False) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [env.device.index] if env.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids)
+    # (the search for unused parameters walks the autograd graph every step, and DDP warns where it finds none:
+    # only for a model that needs it)
+    return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=loss_may_skip_parameters(model))
+
+
+def loss_may_skip_parameters(model: nn.Module) -> bool:
+    """Whether a training forward of `model` may leave trainable parameters out of the loss. DDP must then look for
+    them every step; otherwise it waits for their gradients and fails the next step ("Expected to have finished
+    reduction in the prior iteration"). So it is with an exit gate (Ouro's, read at inference only), a DSA indexer
+    without its own loss (its top-k choice passes no gradient), and an embedding and prelude that reach the
+    recurrence only as s0 (`state_init="embedding"` without input injection), which a depth draw with
+    no-gradient steps detaches. A LoRA (peft) wrapper's frozen base counts only where it trains."""
+    from recurrent_depth.model.recurrent import RecurrentDepthLM
+
+    skipped: list[nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, RecurrentDepthLM):
+            config = module.config
+            if config.exit_gate:
+                skipped.append(module.transformer.exit_gate)
+            if config.state_init == "embedding" and config.injection == "none":
+                skipped += [module.transformer[k] for k in ("wte", "prelude", "ln_prelude") if k in module.transformer]
+        elif getattr(module, "indexer_loss", None) is False:  # (a DSA mixer)
+            skipped.append(module.indexer)
+    return any(p.requires_grad for part in skipped for p in part.parameters())
 
 
 @contextlib.contextmanager

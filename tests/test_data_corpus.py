@@ -108,13 +108,14 @@ def test_jsonl_reads_text_field_and_skips_blank_lines(tmp_path: Path) -> None:
     "line, message",
     [
         ("{not json", "not valid JSON"),
+        ('{"text": "a"', r"not valid JSON \(Expecting ',' delimiter at column 13\)"),  # (not "line 2 column 1")
         ("[1, 2]", "expected a JSON object, got list"),
         ('{"content": "x"}', "missing field 'text'"),
         ('{"text": 3}', "field 'text' must be a string, got int"),
         ('{"text": "a\\ud800b"}', "field 'text' is not valid Unicode text"),
         ("[" * 100_000 + "]" * 100_000, "JSON nested too deeply to parse"),  # issue 33 item 19
     ],
-    ids=["bad-json", "not-object", "missing-field", "non-string", "lone-surrogate", "nested"],
+    ids=["bad-json", "torn", "not-object", "missing-field", "non-string", "lone-surrogate", "nested"],
 )
 def test_jsonl_bad_lines_name_file_and_line(tmp_path: Path, line: str, message: str) -> None:
     path = tmp_path / "bad.jsonl"

@@ -133,6 +133,7 @@ def test_bad_records_are_one_line_errors_naming_file_and_line(model_dir, tmp_pat
     good = json.dumps({"prompt": "a", "completion": "b"})
     cases = {
         "{not json": "not valid JSON",
+        '{"prompt": "a"': r"not valid JSON \(Expecting ',' delimiter at column 15\)",  # (not "line 2 column 1")
         json.dumps({"messages": [{"role": "user", "content": "hi"}]}): "no assistant message",
         json.dumps({"messages": [{"role": "user"}]}): r"messages\[0\] must be an object with string 'role'",
         # a typo'd role was trained on as a turn of its own (or left its answer unlearned), silently
@@ -152,6 +153,9 @@ def test_bad_records_are_one_line_errors_naming_file_and_line(model_dir, tmp_pat
         path.write_text(f"{good}\n\n{line}\n")
         with pytest.raises(ValueError, match=f"^{path}:3: {message}"):
             load_examples(path, encoder)
+    path.write_bytes(b"\xff\xfe{}\n")  # json.loads(bytes) guessed UTF-16 and named that codec
+    with pytest.raises(ValueError, match=f"^{path}:1: not valid UTF-8 \\(byte 0xff at byte 1 of the line\\)$"):
+        load_examples(path, encoder)
 
 
 @pytest.mark.parametrize("content,words", [

@@ -29,7 +29,6 @@ Files: `.jsonl` is read here, a line at a time with a size cap, and a bad record
 from __future__ import annotations
 
 import csv
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from recurrent_depth.config import ModelConfig
+from recurrent_depth.data.corpus import json_line
 from recurrent_depth.files import read_json
 
 MAX_RECORD_BYTES = 16 << 20  # one JSONL line
@@ -95,12 +95,7 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
                 raise ValueError(f"{where}: the line is longer than {MAX_RECORD_BYTES} bytes")
             if not line.strip():
                 continue
-            try:
-                yield where, json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ValueError(f"{where}: not valid JSON ({exc})") from None
-            except RecursionError:
-                raise ValueError(f"{where}: JSON nested too deeply to parse") from None
+            yield where, json_line(line, where, first=number == 1)
 
 
 def _datasets_rows(path: Path, builder: str | None) -> Iterator[tuple[str, Any]]:

@@ -366,6 +366,24 @@ class DirectoryCorpus(FileTreeCorpus):
         return full
 
 
+def json_line(raw: bytes, where: str, first: bool = False) -> Any:
+    """The JSON value of one JSONL line (bytes, its newline included), or a one-line ValueError naming `where`
+    (FILE:LINE) and the column. Decoded here as UTF-8 (a BOM may start the `first` line), not by json.loads(bytes),
+    which guesses UTF-16/32 from the first bytes and then names the wrong codec; parsed without its newline, which
+    the parser would count as a second line ("line 2 column 1")."""
+    try:
+        line = raw.decode("utf-8-sig" if first else "utf-8").rstrip("\r\n")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{where}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} of the "
+                         "line)") from None
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: JSON nested too deeply to parse") from None
+
+
 class JsonlCorpus(Corpus):
     """One document per line of a JSONL file, taken from the string field ``text_field``.
 
@@ -394,19 +412,7 @@ class JsonlCorpus(Corpus):
                                      "large documents in a directory of text files (read in parts)")
                 if not raw.strip():
                     continue
-                try:
-                    # Decoded here, not by json.loads(bytes), which guesses UTF-16/32 from the first bytes and
-                    # then names the wrong codec; a UTF-8 BOM may start the file.
-                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-                except UnicodeDecodeError as exc:
-                    raise ValueError(f"{where}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte "
-                                     f"{exc.start + 1} of the line)") from None
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{where}: not valid JSON ({exc})") from None
-                except RecursionError:
-                    raise ValueError(f"{where}: JSON nested too deeply to parse") from None
+                record = json_line(raw, where, first=lineno == 1)
                 if not isinstance(record, dict):
                     raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
                 if self.text_field not in record:

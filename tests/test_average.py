@@ -219,3 +219,57 @@ def test_an_average_of_a_retrofitted_model_keeps_what_its_inputs_carry(tmp_path,
                  str(tmp_path / "ema2")]) == 2
     err = capsys.readouterr().err.strip()
     assert "they hold different generation_config.json (other generation defaults" in err and "\n" not in err
+
+
+def _files(directory):
+    return {path.name: path.read_bytes() for path in sorted(directory.iterdir()) if path.is_file()}
+
+
+def test_a_refused_average_leaves_a_model_already_in_out_as_it_was(tmp_path, capsys):
+    """The tokenizer files of `out` were deleted and the new ones written before the kept files were read: a
+    retrofit.json over the size limit or a FIFO in --tokenizer left a model already there without its tokenizer
+    (or with another beside its old weights); --tokenizer OUT --out OUT lost OUT's tokenizer."""
+    import os
+
+    paths, _ = _save_models(tmp_path / "run", 2)
+    out = tmp_path / "ema"
+    assert main(["average", "--run", str(tmp_path / "run"), "--out", str(out)]) == 0
+    before = _files(out)
+    for path in paths:  # (the same in both: agreed; over the 16 MiB a kept file may have)
+        (path / "retrofit.json").write_bytes(b" " * (17 << 20))
+    assert main(["average", "--run", str(tmp_path / "run"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "retrofit.json has 17,825,792 bytes, more than the 16,777,216 allowed" in err and "\n" not in err
+    assert _files(out) == before
+    for path in paths:
+        (path / "retrofit.json").unlink()
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text('{"marker": "another tokenizer"}')
+    os.mkfifo(tokenizer / "tokenizer_config.json")
+    assert main(["average", "--run", str(tmp_path / "run"), "--tokenizer", str(tokenizer), "--out", str(out)]) == 2
+    assert "is not a regular file" in capsys.readouterr().err
+    assert _files(out) == before
+    assert main(["average", "--run", str(tmp_path / "run"), "--tokenizer", str(out), "--out", str(out)]) == 0
+    assert (out / "tokenizer.json").read_bytes() == before["tokenizer.json"]
+
+
+@pytest.mark.parametrize("special", ["dangling", "fifo", "dev-zero"])
+def test_a_kept_file_that_is_no_regular_file_is_refused_in_one_line(tmp_path, capsys, special):
+    """As a run's start refuses it (`read_start_files`): a dangling link was taken for no file, without a word."""
+    import os
+
+    paths, _ = _save_models(tmp_path / "run", 2)
+    for name in ("generation_config.json", "retrofit.json"):
+        target = paths[0] / name
+        if special == "dangling":
+            target.symlink_to(tmp_path / "gone.json")
+        elif special == "fifo":
+            os.mkfifo(target)
+        else:
+            target.symlink_to("/dev/zero")
+        assert main(["average", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "ema")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert name in err and "not a regular file" in err and "\n" not in err, err
+        assert not (tmp_path / "ema").exists()
+        target.unlink()

@@ -72,6 +72,26 @@ def test_a_generation_config_no_export_could_carry_is_refused_before_training(tr
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.parametrize("special", ["fifo", "dev-zero", "dangling"])
+def test_a_retrofit_record_that_is_no_regular_file_is_refused_before_training(train_root, tmp_path, capsys,
+                                                                               special):
+    """As generation_config.json is: such a retrofit.json was left out without a word, and the run's checkpoints
+    and model/ lost the record of their source."""
+    import os
+
+    start = retrofitted(train_root, tmp_path)
+    (start / "retrofit.json").unlink()
+    if special == "fifo":
+        os.mkfifo(start / "retrofit.json")
+    else:
+        (start / "retrofit.json").symlink_to("/dev/zero" if special == "dev-zero" else tmp_path / "gone.json")
+    assert main(train_flags(train_root, start, tmp_path / "run", "--max-steps", "1", "--threads", "1")) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("rdepth train: error: ")
+    assert "retrofit.json is not a regular file: replace or remove it before training" in err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_a_tokenizer_replaced_before_the_first_checkpoint_is_refused_on_resume(train_root, tmp_path):
     """Resume compared the start directory's tokenizer with the checkpoint's copy only: replaced after the run
     started but before its first checkpoint, the copy was the replacement, and the resume trained on other ids.

@@ -7,12 +7,14 @@ one is a 404; paths stay inside the root; the load waits for the running request
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 
 import httpx
 import openai
 import pytest
+import torch
 
 from recurrent_depth.cli import main
 from recurrent_depth.serving import build_app
@@ -95,6 +97,17 @@ def test_paths_outside_the_root_are_refused(live, root, tmp_path):
     assert served(live.url) == ["tiny"]
 
 
+def test_a_path_the_file_system_refuses_is_a_400_without_the_servers_root(live, root):
+    """The OSError's own text named the resolved path, the server's --lora-updates-root in it."""
+    (root / "loop1").symlink_to(root / "loop2")
+    (root / "loop2").symlink_to(root / "loop1")
+    for path, message in (("a" * 300, "File name too long"), ("loop1/model", "symlink loop")):
+        response = load(live.url, "x", path)
+        assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
+        assert str(root) not in response.text
+    assert served(live.url) == ["tiny"]
+
+
 def test_names_are_checked_and_the_count_is_bounded(live):
     for name, message in (("tiny", "the base model's served name"), ("a b", "lora_name name 'a b' is invalid"),
                           (None, "lora_name name None is invalid")):
@@ -151,6 +164,20 @@ def test_an_unload_is_refused_while_requests_wait_for_the_adapter(model_dir, roo
     assert scheduler.adapter_names == () and scheduler.adapters.wrapper is None
 
 
+def test_the_load_checks_the_path_again_when_it_runs(model_dir, root):  # noqa: F811 - the fixture
+    """The handler checks lora_path when the request comes, the scheduler loads once the running requests are done:
+    a symlink in the root pointed out of it meanwhile was followed."""
+    app = build_app(model_dir, model_name="tiny", tokenizer_workers=1, lora_updates_root=root)
+    held = app.state.scheduler.adapters
+    (root / "swapped").mkdir()
+    shutil.copy(root / "sql" / "adapter_config.json", root / "swapped")
+    (root / "swapped" / "adapter_model.safetensors").symlink_to(root.parent / "secret" / "adapter_model.safetensors")
+    for directory in (root / "swapped", root.parent / "secret"):
+        with pytest.raises(ValueError, match="leads outside the server's --lora-updates-root"):
+            held.add("x", directory)
+    assert held.names == () and held.wrapper is None
+
+
 def test_runtime_loading_is_off_by_default(model_dir, root, capsys):  # noqa: F811
     with LiveServer(build_app(model_dir, model_name="tiny", tokenizer_workers=1)) as server:
         response = load(server.url, "sql", "sql")
@@ -164,3 +191,85 @@ def test_runtime_loading_is_off_by_default(model_dir, root, capsys):  # noqa: F8
         assert main(["serve", "--model", str(model_dir), "--port", "1", *argv]) != 0
         errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
         assert len(errors) == 1 and message in errors[0], errors
+
+
+def broken_copy(root, name: str, break_it) -> str:
+    """A copy of the sql adapter under `root` as `name`, changed by `break_it(directory)`."""
+    shutil.rmtree(root / name, ignore_errors=True)
+    shutil.copytree(root / "sql", root / name)
+    break_it(root / name)
+    return name
+
+
+def test_a_failed_load_leaves_the_base_and_later_loads_as_they_were(live, root):
+    """peft's first load on a base put its layers on the model before failing (a tensor of another shape, a
+    modules_to_save the weights lack) and returned nothing to unload: the half-loaded adapter stayed on the model
+    (its forward changed by logits of 3), and every later load failed on the leftover layers."""
+    from safetensors.torch import load_file, save_file
+
+    def other_shape(directory):
+        tensors = load_file(directory / "adapter_model.safetensors")
+        key = next(k for k in tensors if "lora_B" in k)
+        tensors[key] = torch.zeros(tensors[key].shape[0] + 1, tensors[key].shape[1])
+        save_file(tensors, directory / "adapter_model.safetensors")
+
+    def saves_the_head(directory):
+        config = json.loads((directory / "adapter_config.json").read_text())
+        (directory / "adapter_config.json").write_text(json.dumps({**config, "modules_to_save": ["lm_head"]}))
+
+    from recurrent_depth.inference.lora_layers import is_lora_layer
+
+    model = live.server.config.app.state.scheduler.model
+    base = answers(live.url, "tiny")
+    for name, message in ((broken_copy(root, "shape", other_shape), "size mismatch"),
+                          (broken_copy(root, "head", saves_the_head), "lacks tensor")):
+        response = load(live.url, "x", name)
+        assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
+        assert str(root) not in response.text
+        assert not any(is_lora_layer(m) for m in model.modules()), name  # (the model as it was: no peft layers)
+    assert served(live.url) == ["tiny"]
+    assert answers(live.url, "tiny") == base
+    assert load(live.url, "sql", "sql").status_code == 200
+    assert answers(live.url, "sql") != base
+    assert unload(live.url, "sql").status_code == 200
+    assert answers(live.url, "tiny") == base
+
+
+def test_an_invalid_regex_that_peft_compiles_is_a_400_and_leaves_the_loaded_adapters(live, root):
+    """An invalid regex in rank_pattern / alpha_pattern / exclude_modules was a 500 "internal error" (re.error)."""
+    from recurrent_depth.inference.lora_layers import is_lora_layer
+
+    held = live.server.config.app.state.scheduler.adapters
+    assert load(live.url, "sql", "sql").status_code == 200
+    for field, value in (("rank_pattern", {"([": 2}), ("alpha_pattern", {"([": 2}), ("exclude_modules", "([")):
+        def bad_regex(directory):
+            config = json.loads((directory / "adapter_config.json").read_text())
+            (directory / "adapter_config.json").write_text(json.dumps({**config, field: value}))  # noqa: B023
+
+        response = load(live.url, "x", broken_copy(root, "bad_regex", bad_regex))
+        assert response.status_code == 400 and "unterminated character set" in response.text, (field, response.text)
+        assert list(held.wrapper.peft_config) == [held._peft_names["sql"]], field
+    assert unload(live.url, "sql").status_code == 200
+    assert not any(is_lora_layer(m) for m in live.server.config.app.state.scheduler.model.modules())
+
+
+def test_a_target_regex_that_backtracks_is_refused_and_the_server_answers_meanwhile(live, root):
+    """The regex check is timed by SIGALRM on the main thread only; a load runs on the scheduler's thread, where
+    the regex held the GIL for hours: every thread froze (this test then hangs)."""
+    for field, value in (("target_modules", r"([\w.]+)+Z"), ("rank_pattern", {r"([\w.]+)+Z": 2})):
+        def slow_regex(directory):
+            config = json.loads((directory / "adapter_config.json").read_text())
+            (directory / "adapter_config.json").write_text(json.dumps({**config, field: value}))  # noqa: B023
+
+        response = load(live.url, "x", broken_copy(root, "slow", slow_regex))
+        message = response.json()["error"]["message"]
+        assert response.status_code == 400 and "take over 2 s to match" in message and field in message, message
+        assert httpx.get(live.url + "/health", timeout=10).status_code == 200
+    assert served(live.url) == ["tiny"]
+
+
+def test_a_name_of_thousands_of_characters_is_refused(live):
+    response = load(live.url, "a" * 10_000, "sql")
+    message = response.json()["error"]["message"]
+    assert response.status_code == 400 and "expected at most 256 characters" in message and len(message) < 400
+    assert served(live.url) == ["tiny"]

@@ -31,6 +31,9 @@ from recurrent_depth.inference.lora_layers import is_lora_layer
 
 # What a served adapter name may hold: what a client types as `model`, without spaces or '=' (NAME=DIR).
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]*")
+# ... of at most this many characters: a name goes into /v1/models and into messages listing the served names (a
+# runtime load of a 10,000-character name made every later 404 and 400 carry it)
+NAME_MAX_CHARS = 256
 DEFAULT_MAX_LORA_MODULES = 32  # adapters one server holds at most once runtime loads are on (--max-lora-modules)
 
 
@@ -51,9 +54,13 @@ def parse_lora_modules(specs: list[str]) -> dict[str, str]:
 
 def check_adapter_name(name: Any, what: str) -> None:
     """A one-line ValueError unless `name` can be a served adapter's name (`what`: where it was given)."""
+    from recurrent_depth.files import clipped
+
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-        raise ValueError(f"{what} name {name!r} is invalid: expected letters, digits and . _ : / @ + - (starting "
-                         "with a letter or digit)")
+        raise ValueError(f"{what} name {clipped(name)} is invalid: expected letters, digits and . _ : / @ + - "
+                         "(starting with a letter or digit)")
+    if len(name) > NAME_MAX_CHARS:
+        raise ValueError(f"{what} name {clipped(name)} is invalid: expected at most {NAME_MAX_CHARS} characters")
 
 
 def adapter_dir_inside(root: str | Path, given: Any) -> Path:
@@ -80,8 +87,11 @@ def adapter_dir_inside(root: str | Path, given: Any) -> Path:
                              f"--lora-updates-root: it holds no {ADAPTER_CONFIG}") from None
         if any(not (found / name).resolve().is_relative_to(base) for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)):
             raise outside
-    except (OSError, RuntimeError) as exc:  # a name too long, a symlink loop
-        raise ValueError(f"lora_path {clipped(given)} is invalid: {exc}") from None
+    # (not the exception's own text: it names the resolved path, the server's --lora-updates-root in it)
+    except OSError as exc:  # a name too long, ...
+        raise ValueError(f"lora_path {clipped(given)} is invalid: {exc.strerror or type(exc).__name__}") from None
+    except RuntimeError:  # (pathlib's symlink loop)
+        raise ValueError(f"lora_path {clipped(given)} is invalid: it leads into a symlink loop") from None
     return found
 
 
@@ -136,8 +146,9 @@ class ServedAdapters:
         self.active = name
 
     def add(self, name: str, directory: str | Path) -> None:
-        """Serve the adapter in `directory` as `name` too, checked as the start-up ones are; all turned off. Only
-        while nothing runs (the scheduler's switch point); a one-line ValueError leaves everything as it was."""
+        """Serve the adapter in `directory` (inside `updates_root`: `adapter_dir_inside`) as `name` too, checked as
+        the start-up ones are; all turned off. Only while nothing runs (the scheduler's switch point); a one-line
+        ValueError leaves everything as it was."""
         from recurrent_depth.train.lora import add_named_lora, several_adapter_name
 
         if self.layout is None:
@@ -149,6 +160,11 @@ class ServedAdapters:
         if len(self.names) >= self.max_count:
             raise ValueError(f"this server already serves {len(self.names)} LoRA adapters, its limit "
                              f"(--max-lora-modules {self.max_count}): unload one first")
+        # checked again here, on the scheduler thread just before the load: the handler checked the path when the
+        # request came, and a symlink in the root could be pointed out of it while the load waited for the running
+        # requests (the window is now the load's own)
+        directory = adapter_dir_inside(self.updates_root, str(directory))
+        _check_regexes_in_time(directory, self.layout)
         peft_name = several_adapter_name(self._loaded)
         self.activate(None)
         self.wrapper = add_named_lora(self.model, self.wrapper, directory, peft_name, self.layout,
@@ -167,6 +183,53 @@ class ServedAdapters:
         self.activate(None)
         self.wrapper = remove_named_lora(self.wrapper, self._peft_names.pop(name))
         self.names = tuple(n for n in self.names if n != name)
+
+
+# Matches regular expressions against module names in a child interpreter that imports the standard library only
+# (stdin: JSON [[pattern, "fullmatch" or "match"], ...] and the names).
+_REGEX_CHILD = ("import json, re, sys; patterns, names = json.load(sys.stdin); "
+                "[getattr(re, how)(p, n) for p, how in patterns for n in names]")
+
+
+def _check_regexes_in_time(directory: str | Path, layout: Any) -> None:
+    """A one-line ValueError when the regular expressions of the adapter's config take over TARGET_REGEX_SECONDS to
+    match `layout`'s module names, as peft matches them: target_modules and exclude_modules (strings: whole names)
+    and the keys of rank_pattern and alpha_pattern (`(.*\\.)?(KEY)$` from the start). `train.lora` times
+    target_modules only on the main thread (SIGALRM), the others not at all; a load runs on the scheduler's thread,
+    where a regex that backtracks exponentially held the GIL for hours: every thread of the server froze (/health
+    included). So they run first in a child process, killed when over time; the other checks (an invalid regex,
+    one matching nothing) stay `add_named_lora`'s."""
+    import json
+    import subprocess
+    import sys
+
+    from recurrent_depth.files import clipped
+    from recurrent_depth.train.lora import ALL_LINEAR, TARGET_REGEX_SECONDS, check_adapter_dir, read_adapter_config
+
+    path = check_adapter_dir(directory)
+    config = read_adapter_config(path)
+    patterns: list[list[str]] = []
+    fields: list[str] = []  # (those holding a regex, for the message)
+    for field in ("target_modules", "exclude_modules"):  # (a list: names peft matches by suffix, no regex)
+        value = config.get(field)
+        if isinstance(value, str) and value.lower() != ALL_LINEAR:
+            patterns.append([value, "fullmatch"])
+            fields.append(field)
+    for field in ("rank_pattern", "alpha_pattern"):
+        keys = config.get(field) if isinstance(config.get(field), dict) else {}
+        patterns += [[rf"(.*\.)?({key})$", "match"] for key in keys]
+        fields += [field] if keys else []
+    if not patterns:
+        return
+    names = [name for name, _ in layout.named_modules() if name]
+    try:
+        subprocess.run([sys.executable, "-I", "-S", "-c", _REGEX_CHILD], input=json.dumps([patterns, names]),
+                       text=True, capture_output=True, timeout=TARGET_REGEX_SECONDS, check=False)
+    except subprocess.TimeoutExpired:  # (subprocess.run kills the child)
+        shown = ", ".join(f"{field}={clipped(config[field])}" for field in fields)
+        raise ValueError(f"cannot load the LoRA adapter {path}: the regular expressions of its {shown} take over "
+                         f"{TARGET_REGEX_SECONDS:g} s to match this model's {len(names)} module names (one that "
+                         "backtracks exponentially?): simplify them, or list the module names") from None
 
 
 def _meta_copy(model: Any) -> Any:

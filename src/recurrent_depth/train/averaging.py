@@ -22,7 +22,7 @@ import torch
 
 from recurrent_depth.checkpoint import TOKENIZER_FILES, file_digests, read_state_dict
 from recurrent_depth.config import ModelConfig
-from recurrent_depth.files import CONFIG_MAX_BYTES, atomic_write_bytes, read_bytes, read_json
+from recurrent_depth.files import CONFIG_MAX_BYTES, TOKENIZER_MAX_BYTES, atomic_write_bytes, read_bytes, read_json
 from recurrent_depth.train.checkpointing import TRAINER_STATE, StateView, checkpoints_root, list_checkpoints
 
 
@@ -135,9 +135,10 @@ def average_checkpoints(
     dtype: the floating-point weights are written in it (None: the checkpoints' own; `run_model_dtype` gives a
     run's). Returns `out`.
     """
-    from recurrent_depth.checkpoint import copy_tokenizer, save_pretrained
+    from recurrent_depth.checkpoint import save_pretrained
     from recurrent_depth.families.retrofit import PROVENANCE_FILE
-    from recurrent_depth.integrations.export import GENERATION_CONFIG_FILE, check_generation_defaults
+    from recurrent_depth.integrations.export import GENERATION_CONFIG_FILE
+    from recurrent_depth.train.init_from import read_start_files
 
     chosen = [Path(p) for p in paths]
     if last is not None or dilation != 1:
@@ -172,21 +173,26 @@ def average_checkpoints(
         GENERATION_CONFIG_FILE: agreed_source(chosen, (GENERATION_CONFIG_FILE,), "other generation defaults: make "
                                                                                  "the files agree, or remove them"),
     }
-    if companions[GENERATION_CONFIG_FILE] is not None:  # (a FIFO or a non-object: refused as `rdepth export` does)
-        check_generation_defaults(companions[GENERATION_CONFIG_FILE], remote_code=False, before="averaging")
+    # Every file the average keeps beside its weights, read (bounded) before `out` changes: a refused one (a
+    # retrofit.json over the size limit, a FIFO in --tokenizer, a dangling link) left a model already in `out`
+    # without its tokenizer, or with the new one beside its old weights; and --tokenizer OUT lost OUT's tokenizer.
+    # Each input's retrofit.json and generation_config.json are refused as a run's start refuses them.
+    kept: dict[str, bytes] = {}
+    for path in chosen:
+        files = read_start_files(path, before="averaging")
+        kept |= {name: files[name] for name, source in companions.items() if source == path}
+    if tokenizer_source is not None:  # (as `copy_tokenizer` reads them)
+        kept |= {name: read_bytes(tokenizer_source / name, TOKENIZER_MAX_BYTES, "tokenizer file")
+                 for name in TOKENIZER_FILES if (tokenizer_source / name).exists()}
     state = ema_state(chosen, beta)
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     config = ModelConfig.from_json(chosen[-1] / "config.json")
-    # first: a refused file (too large, not a regular file) leaves no weights without their tokenizer
     out.mkdir(parents=True, exist_ok=True)
     for name in (*TOKENIZER_FILES, *companions):  # (not a mix with those of a model written there before)
         (out / name).unlink(missing_ok=True)
-    if tokenizer_source is not None:
-        copy_tokenizer(tokenizer_source, out)
-    for name, source in companions.items():
-        if source is not None:
-            atomic_write_bytes(out / name, read_bytes(source / name, CONFIG_MAX_BYTES, name))
+    for name, data in kept.items():
+        atomic_write_bytes(out / name, data)
     save_pretrained(StateView(config, state), out, metadata={"averaged_from": json.dumps([str(p) for p in chosen]),
                                                                "ema_beta": str(beta)})
     return out

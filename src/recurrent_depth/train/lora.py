@@ -698,17 +698,47 @@ def _load_named(model: nn.Module, wrapped: Any, path: Path, name: str, config: A
                     config.inference_mode = True
                     wrapped.add_adapter(name, config)
                 wrapped.load_adapter(str(path), adapter_name=name)
-        except (KeyError, RuntimeError, ValueError) as exc:
+        # (re.error: an invalid regex in rank_pattern, alpha_pattern or exclude_modules, which peft compiles: it
+        # was a 500 "internal error" of the server, and left a half-added adapter on the wrapper)
+        except (KeyError, RuntimeError, ValueError, re.error) as exc:
             raise _load_error(exc, path) from None
         check_adapter_loaded(wrapped, path, header, adapter_name=name)
         check_adapter_base(wrapped, path, strict=strict_base, model_dir=model_dir)
     except ValueError:
         if fresh and wrapped is not None:
             wrapped.unload()
-        elif not fresh and name in wrapped.peft_config:
+        elif fresh:
+            # peft's from_pretrained put its layers on `model` before its load failed (e.g. a tensor of another
+            # shape), and returned no wrapper to unload: left there, they ran a half-loaded adapter on every request
+            # to the base, and each later load (a new wrapper on top) failed
+            _strip_peft_layers(model)
+        elif name in wrapped.peft_config:
             wrapped.delete_adapter(name)
         raise
     return wrapped
+
+
+def _strip_peft_layers(model: nn.Module) -> None:
+    """`model` without the layers (and `peft_config`) a failed peft load left on it: each peft layer replaced by
+    the layer it wraps. (A helper of `_load_named`.)"""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    replaced: list[str] = []
+    for name, module in list(model.named_modules()):
+        if any(name.startswith(f"{prefix}.") for prefix in replaced):  # (inside a layer already replaced)
+            continue
+        if isinstance(module, ModulesToSaveWrapper):
+            inner = module.original_module
+        elif isinstance(module, BaseTunerLayer):
+            inner = module.get_base_layer()
+        else:
+            continue
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, inner)
+        replaced.append(name)
+    if "peft_config" in vars(model):
+        del model.peft_config
 
 
 def add_named_lora(model: nn.Module, wrapped: Any, adapter_dir: str | Path, name: str, layout: nn.Module,

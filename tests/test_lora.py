@@ -184,6 +184,26 @@ def test_foreign_target_modules_and_modules_to_save_are_one_line_errors_naming_o
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("field", ["rank_pattern", "alpha_pattern"])
+def test_an_invalid_pattern_regex_is_one_line_and_leaves_the_model_as_given(tmp_path, field):
+    """peft compiles rank_pattern / alpha_pattern keys while it puts its layers on the model: "([" was a re.error
+    traceback, and the layers added before it stayed on the caller's model."""
+    from recurrent_depth.inference.lora_layers import is_lora_layer
+
+    save_adapter(add_lora(tiny_model(), LoraSpec(rank=2, parts=("core",))), tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**config, field: {"([": 2}}))
+    model = tiny_model()
+    with torch.no_grad():
+        before = model(ids(), **STEPS).logits
+    with pytest.raises(ValueError, match="^cannot load the LoRA adapter .* onto this model: ") as info:
+        load_lora(model, tmp_path / "adapter")
+    assert "\n" not in str(info.value)
+    assert not any(is_lora_layer(m) for m in model.modules()) and "peft_config" not in vars(model)
+    with torch.no_grad():
+        assert torch.equal(model(ids(), **STEPS).logits, before)
+
+
 def test_a_target_modules_regex_that_backtracks_exponentially_is_a_one_line_error_not_a_hang(tmp_path, monkeypatch):
     """`([\\w.]+)+Z` takes hours on a 35-character module name (here, then in peft's own matching)."""
     import time

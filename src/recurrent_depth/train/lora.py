@@ -591,7 +591,10 @@ def load_lora(model: nn.Module, adapter_dir: str | Path, trainable: bool = False
     config = _peft_config(model, path)
     try:
         wrapped = peft.PeftModel.from_pretrained(model, str(path), is_trainable=trainable, config=config)
-    except (KeyError, RuntimeError, ValueError) as exc:  # e.g. module names or shapes of another model
+    # e.g. module names or shapes of another model; re.error: an invalid regex in rank_pattern, alpha_pattern or
+    # exclude_modules, which peft compiles (a traceback)
+    except (KeyError, RuntimeError, ValueError, re.error) as exc:
+        _strip_peft_layers(model)  # (peft put its layers on `model` before the load failed: `model` as given)
         raise _load_error(exc, path) from None
     check_adapter_loaded(wrapped, path, header)
     try:  # (after the load: an adapter of other shapes fails above, naming what differs, without this warning)

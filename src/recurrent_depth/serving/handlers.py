@@ -373,7 +373,8 @@ class Handlers:
         """Run a scheduler's adapter update (`load_adapter` / `unload_adapter`) to its end, its errors as HTTP
         ones (400: the request's, naming `param`; 409: requests wait for the adapter)."""
         try:
-            await asyncio.wrap_future(update(*args))  # (cancelled with the request: skipped if it has not run)
+            # (a client that disconnects does not call it off: the update runs, and a retry answers 'already loaded')
+            await asyncio.wrap_future(update(*args))
         except ValueError as exc:  # (the server's paths left out: the client gave one relative to the root)
             root = f"{self.scheduler.adapters.updates_root}/"
             raise APIError(400, str(exc).replace(root, ""), param=param) from None

@@ -7,7 +7,8 @@ file's extra `lm_head.weight` is accepted when it equals the embedding, its `fre
 ignored (we compute our own RoPE table). An Ouro directory (`model_type: "ouro"`) is read through
 `families/ouro.py`: its tensors are checked under their own names, then renamed and fused into ours.
 A Parcae directory (`_class_name: "ParcaeConfig"`) is read through `families/parcae.py`: its header
-entries renamed before the checks, its tensors after the read. Saving always writes our own format.
+entries renamed before the checks, its tensors after the read. Saving writes our own format;
+`save_official_layout` writes the official Huginn-0125 one (`rdepth export --official-layout`).
 """
 
 from __future__ import annotations
@@ -102,28 +103,7 @@ def save_pretrained(
             continue  # tied to the embedding: stored once
         seen.add(ptr)
         state[name] = tensor.detach().contiguous().cpu()
-    meta = {"format": "pt", **(metadata or {})}
-    for stale in list(out.glob("model*.safetensors")) + [out / INDEX_NAME]:
-        if stale.exists():
-            stale.unlink()
-    if max_shard_bytes is None or sum(t.nbytes for t in state.values()) <= max_shard_bytes:
-        _atomic_save(state, out / WEIGHTS_NAME, meta)
-    else:
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
-        for name, tensor in state.items():
-            if shards[-1] and size + tensor.nbytes > max_shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][name] = tensor
-            size += tensor.nbytes
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            _atomic_save(shard, out / filename, meta)
-            weight_map.update(dict.fromkeys(shard, filename))
-        index = {"metadata": {"total_size": sum(t.nbytes for t in state.values())}, "weight_map": weight_map}
-        atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=2) + "\n")
+    _write_weights(state, out, max_shard_bytes, metadata)
     config = model.config
     if untied_head(model):  # (saved as the model computes: both tensors, and a config that does not tie them)
         config = dataclasses.replace(config, tie_embeddings=False)
@@ -132,6 +112,60 @@ def save_pretrained(
         copy_tokenizer(tokenizer_dir, out)
     if tokenizer is not None:
         save_tokenizer_files(tokenizer, out, model_max_length=model.config.max_seq_len)
+
+
+def _write_weights(state: dict[str, torch.Tensor], out: Path, max_shard_bytes: int | None,
+                   metadata: dict[str, str] | None) -> None:
+    """`state` as model.safetensors, or as shards of at most `max_shard_bytes` plus their index; the weight files
+    `out` held before are removed first."""
+    meta = {"format": "pt", **(metadata or {})}
+    for stale in list(out.glob("model*.safetensors")) + [out / INDEX_NAME]:
+        if stale.exists():
+            stale.unlink()
+    if max_shard_bytes is None or sum(t.nbytes for t in state.values()) <= max_shard_bytes:
+        _atomic_save(state, out / WEIGHTS_NAME, meta)
+        return
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        if shards[-1] and size + tensor.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += tensor.nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        _atomic_save(shard, out / filename, meta)
+        weight_map.update(dict.fromkeys(shard, filename))
+    index = {"metadata": {"total_size": sum(t.nbytes for t in state.values())}, "weight_map": weight_map}
+    atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=2) + "\n")
+
+
+def save_official_layout(model: torch.nn.Module, path: str | os.PathLike[str],
+                         max_shard_bytes: int | None = None) -> None:
+    """Write `model` as the official Huginn-0125 files are (huginn-0125.md §2), for the official modeling code
+    (`trust_remote_code=True`) and this library alike: `RavenConfig` keys (`ModelConfig.to_huginn_dict`, which
+    refuses a model the official code cannot run) with `torch_dtype`, the same tensor names, the tied
+    `lm_head.weight` stored beside the embedding and the persistent `freqs_cis` RoPE buffer ([1, T, 1, hd/2, 2]
+    (cos, sin), float32), which the official code reads from the file. No tokenizer: the caller copies it."""
+    from recurrent_depth.model.layers import rope_table
+
+    config = model.config
+    if untied_head(model):
+        config = dataclasses.replace(config, tie_embeddings=False)
+    values = config.to_huginn_dict()  # before anything in `path` is touched
+    check_saveable(model, path)
+    state = {name: tensor.detach().contiguous().cpu() for name, tensor in model.state_dict().items()}
+    state["lm_head.weight"] = state["lm_head.weight"].clone()  # (safetensors refuses tensors sharing memory)
+    table = rope_table(config.head_dim, config.max_seq_len, config.rope_base)
+    state["freqs_cis"] = table.unsqueeze(1).unsqueeze(0).contiguous()
+    dtypes = {t.dtype for name, t in state.items() if name != "freqs_cis"}
+    values["torch_dtype"] = str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else "float32"
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_weights(state, out, max_shard_bytes, None)
+    atomic_write_text(out / "config.json", json.dumps(values, indent=2) + "\n")
 
 
 def untied_head(model: torch.nn.Module) -> bool:

@@ -128,6 +128,9 @@ HUGINN_KEY_MAP: dict[str, str] = {
     "pad_token_id": "pad_token_id",
     "init_scale": "init_scale",  # not in the official file; written by our Huginn-format config on save
 }
+# Keys of HUGINN_KEY_MAP that the official code derives (from n_heads) or aliases rather than reads: not written
+# by `ModelConfig.to_huginn_dict`.
+HUGINN_DERIVED_KEYS = frozenset({"num_key_value_heads", "tie_word_embeddings"})
 
 # Keys that describe the file rather than the model (transformers bookkeeping, informational
 # Huginn fields whose value the forward pass hard-codes). Accepted and ignored on load.
@@ -544,6 +547,23 @@ class ModelConfig:
         if unknown:
             warnings.warn(f"ignoring Huginn config keys this library does not use: {unknown}", stacklevel=3)
         return cls(**values)
+
+    def to_huginn_dict(self) -> dict[str, Any]:
+        """This config in the official `RavenConfig` keys (`model_type: huginn_raven`), for a directory the official
+        modeling code loads. The official code derives the head count of k/v and the head width from n_heads and
+        hard-codes the rest of the architecture, so a config it cannot express is refused in one line naming the
+        fields: what `from_dict` reads back from the written keys must be this config."""
+        values = {key: getattr(self, name) for key, name in HUGINN_KEY_MAP.items() if key not in HUGINN_DERIVED_KEYS}
+        values.update(model_type=HUGINN_MODEL_TYPE, architectures=["RavenForCausalLM"], n_layers=self.num_layers,
+                      vocab_size=self.vocab_size)
+        back = type(self).from_dict(values)
+        differs = sorted(f.name for f in dataclasses.fields(self) if getattr(back, f.name) != getattr(self, f.name))
+        if differs:
+            raise ValueError(f"the official Huginn-0125 layout cannot express this model's "
+                             f"{', '.join(f'{name}={getattr(self, name)!r}' for name in differs)} (the official "
+                             f"code hard-codes {', '.join(f'{name}={getattr(back, name)!r}' for name in differs)}): "
+                             f"save it in the library's layout")
+        return {key: values[key] for key in sorted(values)}
 
     @classmethod
     def _from_ouro(cls, data: dict[str, Any]) -> ModelConfig:

@@ -3,6 +3,7 @@
     rdepth export --model runs/quickstart/model --out exported --remote-code
     rdepth export --model huginn-0125/ --out huginn-ours --dtype bfloat16 --max-shard-mb 4000
     rdepth export --model runs/base/model --merge-lora runs/lora/model --out merged
+    rdepth export --model runs/huginn-sft/model --out published --official-layout --official-code huginn-0125/
 
 Without `--remote-code` the model is re-saved in the library's layout (official Huginn-0125
 directories are converted: our config keys, the tied head stored once, no RoPE buffer), optionally
@@ -10,7 +11,10 @@ in another dtype or sharded, optionally with a LoRA adapter merged into its weig
 dtype, before any --dtype cast; the result is a plain model directory). With `--remote-code` the output also holds
 `modeling_recurrent_depth.py` and an `auto_map`, so a plain transformers environment loads it with
 `AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)` (fixed-depth forward and
-`generate()`; softmax-attention models only).
+`generate()`; softmax-attention models only). With `--official-layout` the output is in the official
+Huginn-0125 layout instead (RavenConfig keys, `lm_head.weight` and the `freqs_cis` buffer stored), so a
+Huginn-0125 fine-tuned here can be published for the official modeling code: `--official-code DIR` copies the
+modeling files (and the auto_map) of the official download DIR, which `--model` itself gives when it is one.
 """
 
 from __future__ import annotations
@@ -57,11 +61,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
              "recurrent-depth[lora]; default: none)",
     )
     add_strict_lora_base_arg(parser, "--merge-lora")
+    parser.add_argument(
+        "--official-layout", action="store_true",
+        help="write the official Huginn-0125 layout (RavenConfig keys, lm_head.weight and freqs_cis stored) instead "
+             "of the library's; Huginn-architecture models only (default: off)",
+    )
+    parser.add_argument(
+        "--official-code", default=None, metavar="HUGINN_DIR",
+        help="with --official-layout: copy the modeling files this official Huginn-0125 directory's auto_map names, "
+             "and that auto_map, so trust_remote_code=True runs the official code (default: --model's, if it has "
+             "them)",
+    )
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from recurrent_depth.checkpoint import copy_tokenizer, save_pretrained
+    from recurrent_depth.checkpoint import copy_tokenizer, save_official_layout, save_pretrained
     from recurrent_depth.config import ModelConfig
     from recurrent_depth.data.tokenizer import tokenizer_directory
     from recurrent_depth.files import check_out_dir
@@ -69,7 +84,10 @@ def run(args: argparse.Namespace) -> int:
         check_exportable,
         check_generation_defaults,
         copy_companions,
+        copy_official_code,
         export_remote_code,
+        official_code_files,
+        official_code_present,
     )
     from recurrent_depth.model.recurrent import RecurrentDepthLM
 
@@ -79,7 +97,12 @@ def run(args: argparse.Namespace) -> int:
     if args.max_shard_mb is not None and not 0 < args.max_shard_mb < float("inf"):
         raise ValueError(f"--max-shard-mb={args.max_shard_mb} is invalid: expected a finite size > 0")
     check_strict_lora_base(args, "--merge-lora")
-    reshape = args.dtype is not None or args.max_shard_mb is not None or args.merge_lora is not None
+    if args.official_layout and args.remote_code:
+        raise ValueError("--official-layout and --remote-code write two different layouts: choose one")
+    if args.official_code is not None and not args.official_layout:
+        raise ValueError("--official-code only applies with --official-layout")
+    reshape = (args.dtype is not None or args.max_shard_mb is not None or args.merge_lora is not None
+               or args.official_layout)
     if out is None and (reshape or not args.remote_code):
         raise ValueError("--out is required unless only --remote-code files are added to --model in place")
     if out is not None:
@@ -97,6 +120,14 @@ def run(args: argparse.Namespace) -> int:
     check_generation_defaults(src, remote_code=args.remote_code)  # fail before writing (or loading) anything
     if args.remote_code:
         check_exportable(ModelConfig.from_json(src))
+    code_dir = None  # where the official modeling files come from (None: written without them)
+    if args.official_layout:
+        ModelConfig.from_json(src).to_huginn_dict()  # a model the official code cannot run: refused here
+        if args.official_code is not None:
+            code_dir = Path(args.official_code)
+            official_code_files(code_dir)
+        elif official_code_present(src):
+            code_dir = src
     if out is not None and (reshape or not args.remote_code):
         if args.merge_lora is None:
             model = RecurrentDepthLM.from_pretrained(src, dtype=args.dtype)
@@ -111,12 +142,22 @@ def run(args: argparse.Namespace) -> int:
                 model = model.to(getattr(torch, args.dtype))
         max_bytes = int(args.max_shard_mb * 2**20) if args.max_shard_mb is not None else None
         copy_companions(src, out)  # first: a refused tokenizer file leaves no weights without a tokenizer
-        save_pretrained(model, out, max_shard_bytes=max_bytes)
+        if args.official_layout:
+            save_official_layout(model, out, max_shard_bytes=max_bytes)
+            if code_dir is not None:
+                copy_official_code(code_dir, out)
+        else:
+            save_pretrained(model, out, max_shard_bytes=max_bytes)
         src = out
     written = export_remote_code(src, out) if args.remote_code else src
     if args.tokenizer is not None:
         copy_tokenizer(args.tokenizer, written)
     print(f"wrote {written}" + (" (loads with trust_remote_code=True)" if args.remote_code else ""))
+    if args.official_layout:
+        print("  official Huginn-0125 layout: " + (
+            "AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True) runs the official code"
+            if code_dir is not None else
+            "no official modeling files (--official-code HUGINN_DIR adds them); `import recurrent_depth` loads it"))
     if args.remote_code:
         # transformers 5's AutoTokenizer reads config.json before the tokenizer files, and its auto_map
         # makes transformers ask "Do you wish to run the custom code?" unless told: say it for the tokenizer too.

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from recurrent_depth.checkpoint import copy_tokenizer, save_pretrained
-from recurrent_depth.config import HUGINN_ARCHITECTURE, MODEL_TYPE, ModelConfig
+from recurrent_depth.config import HUGINN_ARCHITECTURE, HUGINN_MODEL_TYPE, MODEL_TYPE, ModelConfig
 from recurrent_depth.families.retrofit import PROVENANCE_FILE
 from recurrent_depth.files import CONFIG_MAX_BYTES, atomic_write_bytes, atomic_write_text, read_bytes, read_json
 from recurrent_depth.model.recurrent import RecurrentDepthLM
@@ -97,6 +97,45 @@ def copy_companions(src: Path, out: Path) -> None:
     for name, what in ((PROVENANCE_FILE, "retrofit record"), (GENERATION_CONFIG_FILE, "generation config")):
         if (src / name).is_file():
             atomic_write_bytes(out / name, read_bytes(src / name, CONFIG_MAX_BYTES, what))
+
+
+def official_code_files(code_dir: Path) -> dict[str, Any]:
+    """The `auto_map` of an official Huginn-0125 directory (`code_dir`, say the download a model was fine-tuned
+    from), checked to name Python files beside it: what `export --official-layout --official-code` copies so that
+    `trust_remote_code=True` runs the official modeling code. One line naming what is missing otherwise."""
+    config = code_dir / "config.json"
+    raw = read_json(config, CONFIG_MAX_BYTES, "config file") if config.is_file() else None
+    auto_map = raw.get("auto_map") if isinstance(raw, dict) and raw.get("model_type") == HUGINN_MODEL_TYPE else None
+    if not isinstance(auto_map, dict) or not auto_map:
+        raise ValueError(f"--official-code {code_dir}: expected an official Huginn-0125 directory, whose config.json "
+                         f"(model_type {HUGINN_MODEL_TYPE!r}) has an auto_map naming its modeling files")
+    for target in auto_map.values():
+        name = f"{str(target).rsplit('.', 1)[0]}.py"
+        if Path(name).name != name or not (code_dir / name).is_file():
+            raise ValueError(f"--official-code {code_dir}: its auto_map names {target!r}, but {name} is not a file "
+                             f"there")
+    return auto_map
+
+
+def official_code_present(model_dir: Path) -> bool:
+    """Whether `model_dir` is an official Huginn-0125 directory holding the modeling files its auto_map names."""
+    try:
+        official_code_files(model_dir)
+    except ValueError:
+        return False
+    return True
+
+
+def copy_official_code(code_dir: Path, out: Path) -> None:
+    """Add the official modeling files `code_dir`'s auto_map names (`official_code_files`) to the official-layout
+    directory `out`, with that auto_map in its config.json."""
+    auto_map = official_code_files(code_dir)
+    for target in auto_map.values():
+        name = f"{str(target).rsplit('.', 1)[0]}.py"
+        atomic_write_bytes(out / name, read_bytes(code_dir / name, CONFIG_MAX_BYTES, "official modeling file"))
+    values = read_json(out / "config.json", CONFIG_MAX_BYTES, "config file")
+    values["auto_map"] = dict(auto_map)
+    atomic_write_text(out / "config.json", json.dumps(values, indent=2) + "\n")
 
 
 def export_remote_code(model_dir: str | Path, out_dir: str | Path | None = None) -> Path:

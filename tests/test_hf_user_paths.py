@@ -37,3 +37,22 @@ def test_saving_an_exported_model_loaded_by_the_library_keeps_its_remote_code(tm
     # a directory that names no remote code gets none
     AutoModelForCausalLM.from_pretrained(tmp_path / "src").save_pretrained(tmp_path / "plain")
     assert not (tmp_path / "plain" / REMOTE_CODE_FILE).exists()
+
+
+def test_library_functions_take_a_model_loaded_through_transformers(tmp_path):
+    """`rd.generate(AutoModelForCausalLM.from_pretrained(dir), ...)` failed deep inside with "'RecurrentDepthConfig'
+    object has no attribute 'uses_huginn_layout'" (and `accuracy_grid` on 'initial_state'): the functions run the
+    library model the wrapper holds, sharing its weights."""
+    import recurrent_depth as rd
+    from recurrent_depth.evaluation.reasoning import accuracy_grid, get_task
+
+    make_model_dir(tmp_path / "m", with_tokenizer=False)
+    wrapped = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    library = rd.RecurrentDepthLM.from_pretrained(tmp_path / "m").eval()
+    x = ids(batch=2, length=5)
+    kwargs = {"max_new_tokens": 4, "num_steps": 2, "init_scale": 0.0, "output_logits": True}
+    got, want = rd.generate(wrapped, x, **kwargs), rd.generate(library, x, **kwargs)
+    assert torch.equal(got.sequences, want.sequences) and torch.equal(got.logits, want.logits)
+    task = get_task("chains")
+    grid = {"difficulties": [1], "depths": [1, 2], "count": 4, "seed": 3}
+    assert accuracy_grid(wrapped, task, **grid).accuracy == accuracy_grid(library, task, **grid).accuracy

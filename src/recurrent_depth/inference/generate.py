@@ -23,6 +23,7 @@ from recurrent_depth.inference.output import GenerationOutput, TokenEvent
 from recurrent_depth.inference.schema import OFFICIAL_ALIASES, canonical, kwarg_spelling, unknown_names
 from recurrent_depth.inference.session import Session, check_options_for_model, prepare_inputs
 from recurrent_depth.inference.ttt_e2e import Adaptation, adapt
+from recurrent_depth.model.recurrent import library_model
 
 _LOOPS = {"autoregressive": autoregressive.decode, "speculative": speculative.decode, "parallel": parallel.decode}
 
@@ -130,6 +131,9 @@ def _options(kwargs: dict[str, Any]) -> tuple[GenerationOptions, Any, Any, dict[
 
 def _stream(model: Any, input_ids: Any, attention_mask: Any, options: GenerationOptions, tokenizer: Any,
             given_as: dict[str, str], should_stop: Callable[[], bool] | None = None) -> GenerationStream:
+    # (a model loaded through transformers runs as the library model it holds: its config is transformers' one,
+    # which the runtime cannot read)
+    model = library_model(model)
     try:
         if not given_as:  # (a caller's own spelling, the CLI's, stays in force)
             return GenerationStream(model, input_ids, attention_mask, options, tokenizer, should_stop=should_stop)
@@ -258,7 +262,7 @@ def generate_from_memory(
     """
     given, tokenizer, _, given_as = _options(dict(options, tokenizer=tokenizer))
     try:
-        stream = GenerationStream(model, query_ids, attention_mask, given, tokenizer, memory=memory)
+        stream = GenerationStream(library_model(model), query_ids, attention_mask, given, tokenizer, memory=memory)
     except OptionError as exc:
         if not given_as:
             raise

@@ -565,6 +565,14 @@ class RecurrentDepthLM(nn.Module):
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
 
 
+def library_model(model: Any) -> Any:
+    """`model` as the library's functions take it: a transformers wrapper (`integrations.hf`'s classes, or peft's
+    around one) gives the `RecurrentDepthLM` it holds (its `core`, sharing every weight, adapters included);
+    anything else is returned as it is (a `RecurrentDepthLM`, or peft's wrapper of one)."""
+    core = getattr(model, "core", None)
+    return core if isinstance(core, RecurrentDepthLM) else model
+
+
 def blocks_of(model: RecurrentDepthLM) -> list[nn.Module]:
     """The model's blocks in order: prelude, core, coda."""
     return [*model.transformer.prelude, *model.transformer.core_block, *model.transformer.coda]

@@ -18,7 +18,7 @@ import torch
 from recurrent_depth.evaluation.readout import check_depths, logits_at_depths
 from recurrent_depth.evaluation.reasoning.data import ProblemEncoder
 from recurrent_depth.evaluation.reasoning.tasks import ReasoningTask, make_problems
-from recurrent_depth.model.recurrent import RecurrentDepthLM
+from recurrent_depth.model.recurrent import RecurrentDepthLM, library_model
 
 
 @dataclass
@@ -141,6 +141,7 @@ def accuracy_grid(
     from tqdm.auto import tqdm
 
     depths = check_depths(depths)
+    model = library_model(model)  # (a transformers-loaded model: the library model it holds)
     encoder = encoder or ProblemEncoder()
     grid = AccuracyGrid(
         task.name, task.difficulty_name, list(difficulties), depths, count,

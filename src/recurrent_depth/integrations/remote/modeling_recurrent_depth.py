@@ -15,7 +15,13 @@ The architecture (Huginn-0125's):
     s_i  = core(adapter(concat[s_{i-1}, e]))             i = 1..r, the same weights every step
     p    = lm_head(ln_f(coda(ln_f(s_r))))                logits in float32
 
-This file covers fixed-depth inference and training with softmax attention (grouped-query
+Training (transformers' Trainer, trl) calls the model without num_steps: in training mode the depth is then drawn
+as the library and the paper draw it, by `config.depth_scheme` ("poisson-lognormal", the default: Poisson(exp(tau))
++ 1 around mean_recurrence; "fixed": mean_recurrence; "uniform"), with gradients through the last
+mean_backprop_depth steps only. `from_pretrained(path, trust_remote_code=True, depth_scheme="fixed",
+init_scale=0.0)` makes a training-mode forward the eval forward; depth_scheme is not written to config.json.
+
+This file covers inference at a given depth and training with softmax attention (grouped-query
 attention and sliding windows, per layer or for all, included); per-token early exit, KV-cache sharing,
 warm starts and the other token mixers need the `recurrent_depth` library, which registers its own classes and
 takes precedence over this file whenever it is imported. Asked for those options, `generate` and
@@ -70,6 +76,46 @@ IGNORED_FORWARD_KWARGS = ("cache_position", "token_type_ids", "tokenizer")
 # The longest sliding window (recurrent_depth.config.MAX_SEQ_LEN, the longest context): a larger one overflows the
 # mask's int64 positions.
 MAX_WINDOW = 2**31 - 1
+
+
+# A training-mode forward given no num_steps (transformers' Trainer, trl) draws its depth by `config.depth_scheme`, as
+# the library does (recurrent_depth.model.depth; tests/test_remote_training.py keeps the two draws equal).
+DEPTH_SCHEMES = ("poisson-lognormal", "fixed", "uniform")
+DEFAULT_DEPTH_SCHEME = "poisson-lognormal"
+DEPTH_SIGMA = 0.5  # the paper's spread of the log-normal (DepthSampler.sigma)
+
+
+def check_depth_scheme(value: Any) -> str:
+    """`value` if it names a depth scheme, else one ValueError line (the library's words)."""
+    if value not in DEPTH_SCHEMES:
+        raise ValueError(f"config.depth_scheme={value!r} is invalid: expected one of {', '.join(DEPTH_SCHEMES)}")
+    return value
+
+
+def training_depth(config: Any, generator: torch.Generator | None) -> tuple[int, int]:
+    """(no-grad steps, grad steps) of a training-mode forward given no num_steps, drawn from `generator` (None: the
+    global RNG) as the library's `DepthSampler(mean_recurrence, mean_backprop_depth, scheme=...).sample_from`:
+
+        poisson-lognormal  r = Poisson(exp(tau)) + 1,  tau ~ Normal(ln(r_bar) - sigma^2 / 2, sigma)   (the paper's)
+        fixed              r = r_bar
+        uniform            r ~ Uniform{1, ..., 2 r_bar - 1}
+
+    and gradients through the last mean_backprop_depth (k) steps only: (max(r - k, 0), min(r, k))."""
+    scheme = check_depth_scheme(getattr(config, "depth_scheme", DEFAULT_DEPTH_SCHEME))
+    mean, k = config.mean_recurrence, config.mean_backprop_depth
+    if mean < 1 or k < 1:
+        raise ValueError(f"num_steps=None in training mode samples a depth around mean_recurrence={mean} with "
+                         f"mean_backprop_depth={k} steps under autograd; both must be >= 1 (or pass num_steps)")
+    device = generator.device if generator is not None else torch.device("cpu")
+    if scheme == "fixed":
+        r = int(mean)
+    elif scheme == "uniform":
+        r = int(torch.randint(1, 2 * int(mean), (), generator=generator, device=device))
+    else:  # mu = ln(r_bar) - sigma^2 / 2 makes E[exp(tau)] = r_bar
+        mu = math.log(mean) - 0.5 * DEPTH_SIGMA**2
+        tau = mu + DEPTH_SIGMA * torch.randn((), generator=generator, dtype=torch.float64, device=device)
+        r = int(torch.poisson(tau.exp(), generator=generator)) + 1
+    return max(r - k, 0), min(r, k)
 
 
 def is_window(value: Any) -> bool:
@@ -168,9 +214,12 @@ class RecurrentDepthConfig(PretrainedConfig):
     # a field, so transformers writes it back as is (not as its own `rope_parameters`, which the library refuses)
     rope_scaling: Any = None
     use_cache: bool = True
+    # Training mode without num_steps (see `training_depth`): a runtime setting, as the library's, not in config.json.
+    depth_scheme: str = DEFAULT_DEPTH_SCHEME
 
     def __post_init__(self, **kwargs: Any) -> None:
         super().__post_init__(**kwargs)
+        check_depth_scheme(self.depth_scheme)
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
         if self.head_dim is None:
@@ -209,6 +258,18 @@ class RecurrentDepthConfig(PretrainedConfig):
     @property
     def num_hidden_layers(self) -> int:
         return self.prelude_layers + self.core_layers + self.coda_layers
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
+        """transformers applies `from_pretrained(..., depth_scheme=...)` after `__post_init__`: checked again."""
+        out = super().from_dict(config_dict, **kwargs)
+        check_depth_scheme((out[0] if isinstance(out, tuple) else out).depth_scheme)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        out.pop("depth_scheme", None)  # (a runtime setting: not saved)
+        return out
 
 
 def rope_table(head_dim: int, max_len: int, base: float, device: torch.device) -> Tensor:
@@ -549,8 +610,11 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         generator: torch.Generator | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
-        """Prelude -> num_steps core steps (None: config.mean_recurrence) -> coda; s_0 scaled by init_scale,
-        drawn from `generator` (None: the global RNG) unless `input_states` gives it.
+        """Prelude -> num_steps core steps -> coda; s_0 scaled by init_scale, drawn from `generator` (None: the
+        global RNG) unless `input_states` gives it.
+
+        num_steps None: config.mean_recurrence in eval mode; in training mode a depth drawn by config.depth_scheme
+        (`training_depth`, from `generator` before s_0), gradients through its last mean_backprop_depth steps.
 
         position_ids [B, T] or [1, T] (None: from attention_mask): the RoPE positions of input_ids.
         logits_to_keep: the last n positions' logits only (0: all), or those of a 1-D tensor of positions.
@@ -628,6 +692,10 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
                              f"got {tuple(getattr(input_states, 'shape', ())) or type(input_states).__name__}")
         if generator is not None and not isinstance(generator, torch.Generator):
             raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+        free_steps = 0  # the first steps, run without autograd (truncated backprop)
+        if num_steps is None and self.training:  # (trainers pass none: drawn before s_0, from the same generator)
+            free_steps, grad_steps = training_depth(cfg, generator)
+            steps = free_steps + grad_steps
         if cache is not None and cache.seen and steps:  # before anything is written: the cached tokens ran as deep
             last = cache.P + cache.C + steps * cache.R - 1
             if last >= len(cache.layers) or cache.layers[last].get_seq_length() < cache.seen:
@@ -651,7 +719,14 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             nn.init.trunc_normal_(state, std=std, a=-3 * std, b=3 * std, generator=generator)
             state = state * self.emb_scale
         states = [state] if output_hidden_states else None  # s_0..s_r, as the library returns them
-        for step in range(steps):
+        if free_steps:
+            with torch.no_grad():
+                for step in range(free_steps):
+                    state = self._core_step(state, e, ctx, step)
+                    if states is not None:
+                        states.append(state)
+            state = state.detach()
+        for step in range(free_steps, steps):
             if checkpointing:
                 run = getattr(self, "_gradient_checkpointing_func", None) or self._default_checkpoint
                 state = run(self._core_step, state, e, ctx, step)

@@ -12,10 +12,10 @@ GRPO (advantages normalised within each group of G rollouts of one prompt):
     KL   = k3 per token: pi_ref / pi_theta - log(pi_ref / pi_theta) - 1, normalised like the first term
 
 Variants (trl's GRPOTrainer names in brackets): the std is the group's ("group", the default), the whole
-batch's ("batch") or none ("none") [scale_rewards]; eps_h defaults to eps_c [epsilon_high, DAPO's
-clip-higher]; the normalisation (`LEVELS`) is "token" above [bnpo], "sequence" (each rollout's tokens
-first, then the rollouts) [grpo], "global-token" (the tokens of every rank's rollouts; "token" on one
-process) [dapo] or "constant" (rollouts x max_new_tokens, Dr. GRPO) [dr_grpo].
+batch's ("batch"; every rank's rewards under torchrun) or none ("none") [scale_rewards]; eps_h defaults to
+eps_c [epsilon_high, DAPO's clip-higher]; the normalisation (`LEVELS`) is "token" above [bnpo], "sequence"
+(each rollout's tokens first, then the rollouts) [grpo], "global-token" (the tokens of every rank's rollouts;
+"token" on one process) [dapo] or "constant" (rollouts x max_new_tokens, Dr. GRPO) [dr_grpo].
 
 K2 (advantages only centred; sequence log-probs, i.e. the sum over the completion's tokens):
 
@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from recurrent_depth.train.distributed import DistEnv, summed_over_ranks
 from recurrent_depth.train.rl.rollouts import RolloutSettings, policy_logprobs
 
 LEVELS = ("token", "sequence", "global-token", "constant")
@@ -44,14 +45,14 @@ SCALES = ("group", "batch", "none")
 
 
 def group_advantages(rewards: Tensor, group_size: int, valid: Tensor | None = None, normalize: bool = True,
-                     eps: float = 1e-4, scale: str = "group") -> Tensor:
+                     eps: float = 1e-4, scale: str = "group", env: DistEnv | None = None) -> Tensor:
     """A `[N]` for rewards `[N]` laid out as consecutive groups of `group_size` rollouts of one prompt.
 
     normalize: divide by a standard deviation (population, over the valid rollouts) + eps (GRPO); otherwise
     only subtract the group mean (K2). scale (with normalize): whose std, the group's ("group") or the whole
-    batch's rewards ("batch"), or none ("none": as normalize=False). Invalid rollouts get advantage 0, and
-    so does every rollout of a group whose valid rewards are all equal (also at eps=0: no 0 / 0, and no +-1
-    from the rounding error of its mean)."""
+    batch's rewards ("batch"; with `env` of several ranks, every rank's: `batch_std`), or none ("none": as
+    normalize=False). Invalid rollouts get advantage 0, and so does every rollout of a group whose valid
+    rewards are all equal (also at eps=0: no 0 / 0, and no +-1 from the rounding error of its mean)."""
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards must be [groups * group_size={group_size}], got shape {tuple(rewards.shape)}")
     if scale not in SCALES:
@@ -68,11 +69,24 @@ def group_advantages(rewards: Tensor, group_size: int, valid: Tensor | None = No
     if normalize and scale == "group":
         std = (centred.square().sum(dim=1, keepdim=True) / count).sqrt()
         centred = torch.where(varies, centred / (std + eps), 0.0)
-    elif normalize and scale == "batch":  # the valid rewards' std around the batch's mean (trl's global std)
-        spread = torch.where(v, r - r[v].mean(), 0.0) if v.any() else torch.zeros_like(r)
-        std = (spread.square().sum() / v.sum().clamp(min=1)).sqrt()
-        centred = torch.where(varies, centred / (std + eps), 0.0)
+    elif normalize and scale == "batch":
+        centred = torch.where(varies, centred / (batch_std(r[v], env) + eps), 0.0)
     return centred.view(-1).to(rewards.dtype)
+
+
+def batch_std(rewards: Tensor, env: DistEnv | None = None) -> float:
+    """The population std of `rewards` (a rank's valid ones) around their mean; with `env` of several ranks, of every
+    rank's together, as trl gathers all processes' rewards for scale_rewards="batch". Every rank must call it (two
+    float64 all-reduces: the count and sum, then the squared deviations from the global mean)."""
+    def total(values: list[float]) -> list[float]:
+        return summed_over_ranks(values, torch.float64, env).tolist() if env is not None and env.enabled else values
+
+    r = rewards.double()
+    count, summed = total([float(r.numel()), float(r.sum())])
+    if count == 0:  # (no valid reward on any rank: every advantage is 0 anyway)
+        return 0.0
+    (squares,) = total([float((r - summed / count).square().sum())])
+    return math.sqrt(squares / count)
 
 
 def grpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_eps: float = 0.2,
@@ -153,6 +167,7 @@ class GRPO:
     clip_eps_high: float | None = None  # the upper clip 1 + clip_eps_high (None: clip_eps)
     scale_rewards: str = "group"
     mask_truncated: bool = False  # a rollout cut by max_new_tokens (no stop) carries no loss (DAPO)
+    env: DistEnv | None = None  # the ranks under torchrun: scale_rewards="batch" takes the std of all their rewards
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
@@ -188,7 +203,7 @@ class GRPO:
         logp = policy_logprobs(model, batch, self.settings)
         valid = batch["reward_valid"]
         A = group_advantages(batch["rewards"], self.settings.group_size, valid, normalize=True, eps=self.eps,
-                             scale=self.scale_rewards)
+                             scale=self.scale_rewards, env=self.env)
         loss, stats = grpo_loss(logp, batch["old_logp"], A, self.loss_mask(batch), clip_eps=self.clip_eps,
                                 clip_eps_high=self.clip_eps_high, beta=self.beta, ref_logp=batch.get("ref_logp"),
                                 level=self.level, rows=valid, max_new_tokens=int(batch["max_new_tokens"]))

@@ -126,9 +126,10 @@ def build_rl(model: Any, rl: RLConfig, train: TrainConfig, *, tokenizer: Any = N
     settings = RolloutSettings(group_size=rl.group_size, generation=dict(rl.generation),
                                backprop_depth=rl.backprop_depth, seed=train.seed)
     options = settings.options(model)
+    # (env: under torchrun, --scale-rewards batch takes the std of every rank's rewards)
     objective = (GRPO(settings, clip_eps=rl.clip_eps, beta=rl.beta, level=rl.level, clip_eps_high=rl.clip_eps_high,
-                      scale_rewards=rl.scale_rewards, mask_truncated=rl.mask_truncated) if rl.objective == "grpo"
-                 else K2(settings, tau=rl.tau, mask_truncated=rl.mask_truncated))
+                      scale_rewards=rl.scale_rewards, mask_truncated=rl.mask_truncated, env=env)
+                 if rl.objective == "grpo" else K2(settings, tau=rl.tau, mask_truncated=rl.mask_truncated))
     reward = ShapedReward(get_reward(rl.reward, task), max_depth=options.deepest_step,
                           max_new_tokens=options.max_new_tokens, compute_penalty=rl.compute_penalty,
                           length_penalty=rl.length_penalty, on_error=rl.on_reward_error, log=log)

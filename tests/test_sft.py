@@ -128,6 +128,96 @@ def test_prompt_completion_without_an_eos_token_is_refused_not_trained_without_a
     assert any(chat.scored)  # a chat's end of turn comes from its template
 
 
+# The chat template of tomg-group-umd/huginn-0125 (its tokenizer_config.json): each answer inside {% generation %},
+# and `<|end_text|>` after the last message when no generation prompt is asked.
+OFFICIAL_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set start_content = '<|begin_header|>' %}"
+    "{% set end_content = message['content'] | trim  + '<|end_turn|>' %}{% if loop.index0 == 0 %}"
+    "{% set start_content = bos_token + start_content %}{% endif %}"
+    "{% if message['role'] == 'Huginn' or message['role'] == 'assistant' %}"
+    "{% set start_content = start_content + 'Huginn<|end_header|>\\n\\n' %}{{ start_content }}"
+    "{% generation %}{{ end_content }}{% endgeneration %}{% else %}"
+    "{% set start_content = start_content + message['role'] + '<|end_header|>\\n\\n' %}{{ start_content }}"
+    "{{ end_content }}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|begin_header|>Huginn<|end_header|>\\n\\n' }}{% else %}{{ '<|end_text|>' }}{% endif %}")
+TWO_ANSWERS = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": " 4 "},
+               {"role": "user", "content": "3+6?"}, {"role": "assistant", "content": "9"}]
+
+
+def with_template(model_dir, directory, template):
+    """A copy of `model_dir` whose tokenizer_config.json holds `template` (as the official checkpoint's does)."""
+    import shutil
+
+    shutil.copytree(model_dir, directory)
+    (directory / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    return directory
+
+
+def test_the_official_huginn_template_learns_what_its_generation_blocks_mark(model_dir, tmp_path):
+    """Its closing `<|end_text|>` makes no render a prefix of the next, and `rdepth sft` refused the template
+    ("does not render a conversation as a prefix of its continuation"). Its {% generation %} blocks decide now:
+    the learned tokens are transformers' assistant mask, each answer with its `<|end_turn|>` and nothing else."""
+    from transformers import AutoTokenizer
+
+    only_last = OFFICIAL_TEMPLATE.replace("{% generation %}{{ end_content }}{% endgeneration %}",
+                                          "{% if loop.last %}{% generation %}{{ end_content }}{% endgeneration %}"
+                                          "{% else %}{{ end_content }}{% endif %}")  # (the first answer unmarked)
+    cases = {OFFICIAL_TEMPLATE: "4<|end_turn|>9<|end_turn|>", only_last: "9<|end_turn|>"}
+    tokenizer = load_tokenizer(model_dir)
+    for i, (template, learned) in enumerate(cases.items()):
+        directory = with_template(model_dir, tmp_path / str(i), template)
+        example = encoder_for(directory).encode(conversation({"messages": TWO_ANSWERS}, "x:1"), "x:1")
+        assert tokenizer.decode([t for t, s in zip(example.ids, example.scored) if s], skip_special_tokens=False) \
+            == learned
+        theirs = AutoTokenizer.from_pretrained(directory).apply_chat_template(
+            TWO_ANSWERS, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        assert example.ids == theirs["input_ids"] and example.scored == [bool(m) for m in theirs["assistant_masks"]]
+    # a conversational prompt/completion record: only the blocks of the completion are learned
+    record = {"prompt": TWO_ANSWERS[:3], "completion": TWO_ANSWERS[3:]}
+    example = encoder_for(tmp_path / "0").encode(conversation(record, "x:2"), "x:2")
+    assert [run for run in scored_runs(example, tokenizer) if run[1]] == [("9<|end_turn|>", True)]
+
+
+def test_generation_blocks_that_mark_nothing_or_cannot_be_placed_are_one_line_errors(model_dir, tmp_path):
+    """An empty block marks nothing (transformers' empty span); blocks that mark no text at all are refused, as trl
+    refuses an example without assistant tokens, not trained on silently. A block whose text is rendered away from
+    where it lands (inside a macro or another block) is refused: transformers marks other characters there. A
+    template that does not compile (an unterminated block) was a jinja TemplateSyntaxError: a traceback from
+    `rdepth sft`, not its one-line error."""
+    tokenizer = load_tokenizer(model_dir)
+    answer = "{% generation %}{{ m.content }}{% endgeneration %}"
+
+    def loop(assistant: str) -> str:  # a template that renders each assistant message with `assistant`
+        return ("{% for m in messages %}{{ m.role }}: {% if m.role == 'assistant' %}" + assistant
+                + "{% else %}{{ m.content }}{% endif %}\n{% endfor %}")
+
+    empty_first = loop("{% if loop.index0 == 1 %}{% generation %}{% endgeneration %}{{ m.content }}"
+                       "{% else %}" + answer + "{% endif %}")
+    example = encoder_for(with_template(model_dir, tmp_path / "empty", empty_first)).encode(
+        conversation({"messages": TWO_ANSWERS}, "x:1"), "x:1")
+    assert [run for run in scored_runs(example, tokenizer) if run[1]] == [("9", True)]
+    refused = {
+        "all_empty": (loop("{% generation %}{% endgeneration %}{{ m.content }}"),
+                      r"^x:1: the chat template's \{% generation %\} blocks mark no text of this record's assistant"),
+        "macro": ("{% macro say(m) %}<{% generation %}{{ m.content }}{% endgeneration %}>{% endmacro %}"
+                  + loop("{{ say(m) }}"), r"^x:1: the chat template failed on this record: a \{% generation "
+                                          r"%\} block renders inside a macro"),
+        "nested": (loop("{% generation %}[{% generation %}{{ m.content }}{% endgeneration %}]{% endgeneration %}"),
+                   r"^x:1: .* block renders inside .*another generation block"),
+    }
+    for name, (template, message) in refused.items():
+        encoder = encoder_for(with_template(model_dir, tmp_path / name, template))
+        with pytest.raises(ValueError, match=message) as error:
+            encoder.encode(conversation({"messages": TWO_ANSWERS}, "x:1"), "x:1")
+        assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match=r"^the chat template of .* does not compile: .*looking for "
+                                         r"'endgeneration'.* \(line 1\)$") as error:
+        encoder_for(with_template(model_dir, tmp_path / "open", loop("{% generation %}{{ m.content }}")))
+    assert "\n" not in str(error.value)
+
+
 def test_bad_records_are_one_line_errors_naming_file_and_line(model_dir, tmp_path):
     encoder = encoder_for(model_dir)
     good = json.dumps({"prompt": "a", "completion": "b"})

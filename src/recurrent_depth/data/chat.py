@@ -12,14 +12,17 @@ Records (one per JSONL line, or one per row of a local `datasets` file):
   completion's assistant messages are learned.
 
 Chats are rendered with the tokenizer directory's chat template (`serving/chat_template.py`, sandboxed).
-The assistant-only rule: the conversation is cut where each learned assistant message starts (the render of
-the messages before it, with the generation prompt: what the model sees when it answers) and where it ends
-(the render up to and with it); each piece is tokenized on its own, so no token straddles a cut (as the
-continuation of the piece before it: no sentencepiece '▁' of a text's start inside the text), and the
-tokens of the learned pieces carry the loss: the answer and the end-of-turn marker the template writes after
-it, never the header that opens the turn. A template whose renders are not prefixes of each other cannot be
-cut this way and is refused. Prompt/completion text is not templated: `bos + prompt + completion + eos`,
-with the loss on the completion and the eos.
+The assistant-only rule: a template with `{% generation %}` blocks (Huginn-0125's, ours) decides itself: the
+text its blocks render is learned, as transformers' `return_assistant_tokens_mask` marks it (in a
+conversational prompt/completion record, only blocks after the prompt). Without blocks, the conversation is
+cut where each learned assistant message starts (the render of the messages before it, with the generation
+prompt: what the model sees when it answers) and where it ends (the render up to and with it); a template
+whose renders are not prefixes of each other cannot be cut this way and is refused. Either way each piece is
+tokenized on its own, so no token straddles a cut (as the continuation of the piece before it: no
+sentencepiece '▁' of a text's start inside the text), and the tokens of the learned pieces carry the loss:
+the answer and the end-of-turn marker the template writes after it, never the header that opens the turn.
+Prompt/completion text is not templated: `bos + prompt + completion + eos`, with the loss on the completion
+and the eos.
 
 Files: `.jsonl` is read here, a line at a time with a size cap, and a bad record is a one-line error naming
 `file:line`; `.parquet`, `.json`, `.csv`, `.arrow` and a `save_to_disk` directory go through `datasets`
@@ -31,13 +34,17 @@ from __future__ import annotations
 import csv
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from recurrent_depth.config import ModelConfig
 from recurrent_depth.data.corpus import json_line
 from recurrent_depth.files import read_json
+
+if TYPE_CHECKING:
+    from recurrent_depth.serving.chat_template import ChatTemplate  # (imported when used: the serving package is heavy)
 
 MAX_RECORD_BYTES = 16 << 20  # one JSONL line
 MAX_JSON_BYTES = 1 << 30  # a .json array, read whole
@@ -53,6 +60,7 @@ class Conversation:
     messages: list[dict[str, Any]]
     learned: list[bool]
     templated: bool = True  # False: prompt/completion text, concatenated without the chat template
+    prompt_messages: int = 0  # a conversational prompt/completion record: its prompt's messages, context only
 
 
 @dataclass
@@ -161,7 +169,8 @@ def conversation(record: Any, where: str) -> Conversation:
                                   [False, True], templated=False)
         elif isinstance(prompt, list) and isinstance(completion, list):
             before, after = _messages(prompt, where, "prompt"), _messages(completion, where, "completion")
-            result = Conversation(before + after, [False] * len(before) + [m["role"] == "assistant" for m in after])
+            result = Conversation(before + after, [False] * len(before) + [m["role"] == "assistant" for m in after],
+                                  prompt_messages=len(before))
         else:
             raise ValueError(f"{where}: 'prompt' and 'completion' must both be strings or both lists of messages")
     else:
@@ -201,15 +210,26 @@ class ExampleEncoder:
 
     def __init__(self, tokenizer_dir: str | Path, config: ModelConfig) -> None:
         from recurrent_depth.data.tokenizer import load_tokenizer
-        from recurrent_depth.serving.chat_template import ChatTemplate, load_template
+        from recurrent_depth.serving.chat_template import load_template
 
         self.tokenizer_dir = Path(tokenizer_dir)
         self.tokenizer = load_tokenizer(self.tokenizer_dir)
         source, variables = load_template(self.tokenizer_dir)
-        self.template = ChatTemplate(source, variables, MAX_RENDERED_CHARS) if source is not None else None
+        self.template = self._compile(source, variables) if source is not None else None
         self.bos = config.bos_token_id
         eos = config.eos_token_id
         self.eos = eos[0] if isinstance(eos, list) else eos
+
+    def _compile(self, source: str, variables: dict[str, str]) -> ChatTemplate:
+        import jinja2
+
+        from recurrent_depth.serving.chat_template import ChatTemplate
+
+        try:
+            return ChatTemplate(source, variables, MAX_RENDERED_CHARS)
+        except Exception as exc:  # a jinja TemplateSyntaxError is no ValueError: rdepth sft printed a traceback
+            detail = f"{exc.message} (line {exc.lineno})" if isinstance(exc, jinja2.TemplateSyntaxError) else exc
+            raise ValueError(f"the chat template of {self.tokenizer_dir} does not compile: {detail}") from None
 
     def encode(self, chat: Conversation, where: str) -> Example:
         if not chat.templated and self.eos is None:  # (the completion's end would be learned by nothing, silently)
@@ -251,6 +271,8 @@ class ExampleEncoder:
         if self.template is None:
             raise ValueError(f"{where}: a chat record, but {self.tokenizer_dir} has no chat template "
                              f"(tokenizer_config.json chat_template or chat_template.jinja)")
+        if self.template.has_generation_blocks:
+            return self._block_pieces(chat, where)
         messages = chat.messages
         full = self._render(messages, False, where)
         pieces: list[tuple[str | int, bool]] = []
@@ -267,11 +289,40 @@ class ExampleEncoder:
             cursor = len(end)
         return [*pieces, (full[cursor:], False)]
 
+    def _block_pieces(self, chat: Conversation, where: str) -> list[tuple[str | int, bool]]:
+        """The learned text is what the template's `{% generation %}` blocks render, as transformers'
+        `return_assistant_tokens_mask` marks it (a message outside every block is not learned). In a
+        conversational prompt/completion record, only blocks after the prompt count: the prompt ends where its
+        render with the generation prompt parts from the whole conversation (trl's `common_prefix_length`)."""
+        with _template_errors(where):
+            full, spans = self.template.generation_spans(chat.messages)
+        begin = 0
+        if chat.prompt_messages:
+            begin = len(os.path.commonprefix([self._render(chat.messages[: chat.prompt_messages], True, where), full]))
+        pieces: list[tuple[str | int, bool]] = []
+        cursor = 0
+        for start, end in sorted(spans):  # (sorted: a nested block is noted before the block around it)
+            start = max(start, begin, cursor)
+            if end > start:
+                pieces += [(full[cursor:start], False), (full[start:end], True)]
+                cursor = end
+        if not any(learned for _, learned in pieces):
+            raise ValueError(f"{where}: the chat template's {{% generation %}} blocks mark no text of this record's "
+                             f"assistant answers, so nothing would be learned")
+        return [*pieces, (full[cursor:], False)]
+
     def _render(self, messages: list[dict[str, str]], open_turn: bool, where: str) -> str:
-        try:
+        with _template_errors(where):
             return self.template.render(messages, add_generation_prompt=open_turn)
-        except Exception as exc:  # jinja's and the sandbox's errors: the template or the record is at fault
-            raise ValueError(f"{where}: the chat template failed on this record: {exc}") from None
+
+
+@contextmanager
+def _template_errors(where: str) -> Iterator[None]:
+    """Jinja's and the sandbox's errors as one line naming `where`: the template or the record is at fault."""
+    try:
+        yield
+    except Exception as exc:
+        raise ValueError(f"{where}: the chat template failed on this record: {exc}") from None
 
 
 def load_examples(path: str | Path, encoder: ExampleEncoder) -> list[Example]:

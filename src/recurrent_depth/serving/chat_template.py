@@ -111,6 +111,9 @@ class ChatTemplate:
         self.max_output_chars = max_output_chars
         self.max_iterations = max_iterations
         self.iterations = 0
+        self.has_generation_blocks = False  # set while compiling: the source has a `{% generation %}` block
+        self.blocks: list[tuple[int, str]] | None = None  # while `generation_spans` renders: (start, text) per block
+        self.rendered = 0  # characters yielded so far by the render under way
         cap = max_output_chars
         owner = self
 
@@ -141,14 +144,23 @@ class ChatTemplate:
 
         class GenerationBlocks(jinja2.ext.Extension):
             """`{% generation %}...{% endgeneration %}`, transformers' marks of the assistant's tokens
-            (`return_assistant_tokens_mask`, trl's `assistant_only_loss`): the body renders unchanged."""
+            (`return_assistant_tokens_mask`, trl's `assistant_only_loss`): the body renders unchanged, as a
+            call block the way transformers' `AssistantTracker` renders it, and `generation_spans` notes
+            where each block's text starts (the length of the text yielded before it)."""
 
             tags = {"generation"}
 
             def parse(self, parser: Any) -> Any:
                 lineno = next(parser.stream).lineno
                 body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-                return jinja2.nodes.Scope(body).set_lineno(lineno)
+                owner.has_generation_blocks = True
+                return jinja2.nodes.CallBlock(self.call_method("_block"), [], [], body).set_lineno(lineno)
+
+            def _block(self, caller: Any) -> str:
+                text = caller()
+                if owner.blocks is not None:
+                    owner.blocks.append((owner.rendered, text))
+                return text
 
         def bounded_range(*args: int) -> Any:
             steps = range(*args)
@@ -179,12 +191,31 @@ class ChatTemplate:
         """The prompt text; `tools`: OpenAI tool objects for the template's `tools` variable (transformers'
         `apply_chat_template(tools=...)` passes JSON-schema dicts the same way; None: no tools)."""
         self.iterations = 0
+        self.rendered = 0
         out: list[str] = []
-        size = 0
         for piece in self.template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
                                             tools=tools, documents=None, **self.variables):
-            size += len(piece)
-            if size > self.max_output_chars:
+            self.rendered += len(piece)
+            if self.rendered > self.max_output_chars:
                 raise RenderedTooLong(f"the rendered chat prompt is over {self.max_output_chars} characters")
             out.append(piece)
         return "".join(out)
+
+    def generation_spans(self, messages: list[dict[str, str]],
+                         add_generation_prompt: bool = False) -> tuple[str, list[tuple[int, int]]]:
+        """The text and the (start, end) character span of each `{% generation %}` block in it, in the order the
+        blocks close (transformers' `generation_indices`: an empty block is an empty span). A block rendered where
+        its place in the text cannot be told (inside a macro, a `{% set %}` or `{% filter %}` block, or another
+        block whose text is not yet written) is a one-line ValueError, where transformers would mark other
+        characters."""
+        self.blocks = []
+        try:
+            text = self.render(messages, add_generation_prompt)
+            blocks = self.blocks
+        finally:
+            self.blocks = None
+        for start, body in blocks:
+            if text[start:start + len(body)] != body:
+                raise ValueError("a {% generation %} block renders inside a macro, a {% set %} or {% filter %} "
+                                 "block or another generation block, so where its text lies cannot be told")
+        return text, [(start, start + len(body)) for start, body in blocks]

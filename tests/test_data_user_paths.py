@@ -23,6 +23,14 @@ def test_a_jsonl_line_that_is_not_utf8_is_named_as_such(tmp_path: Path, bad: byt
         list(JsonlCorpus(path))
 
 
+def test_a_bad_byte_after_a_bom_is_named_at_its_own_place(tmp_path: Path) -> None:
+    """The first line's BOM is stripped before decoding: the byte and place named were the BOM's (0xbf at 3)."""
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"a\xff": 1}\n')
+    with pytest.raises(ValueError, match=r"data\.jsonl:1: not valid UTF-8 \(byte 0xff at byte 7 of the line\)$"):
+        list(JsonlCorpus(path))
+
+
 def test_a_jsonl_file_may_start_with_a_utf8_bom(tmp_path: Path) -> None:
     path = tmp_path / "data.jsonl"
     path.write_bytes(b'\xef\xbb\xbf{"text": "first"}\r\n{"text": "second"}\r\n')

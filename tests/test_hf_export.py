@@ -263,6 +263,17 @@ def test_export_keeps_the_retrofit_record_and_reads_tokenizer_files_bounded(tmp_
     assert not (tmp_path / "zero" / "model.safetensors").exists()  # no weights without their tokenizer
 
 
+def test_export_refuses_a_retrofit_record_that_is_not_a_regular_file(tmp_path, capsys):
+    """As a run's start and an average refuse it: export left a dangling retrofit.json out without a word (the
+    copy lost the record of its source)."""
+    make_model_dir(tmp_path / "src")
+    os.symlink(tmp_path / "gone.json", tmp_path / "src" / "retrofit.json")
+    assert main(["export", "--model", str(tmp_path / "src"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "retrofit.json is not a regular file" in err and "before exporting" in err
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
 def test_remote_file_returns_the_attention_weights_it_uses(tmp_path):
     """output_attentions=True was dropped by the exported file (attentions None); now each attention call's
     weights, in the library's order and equal to the library's."""

@@ -193,6 +193,20 @@ def test_runtime_loading_is_off_by_default(model_dir, root, capsys):  # noqa: F8
         assert len(errors) == 1 and message in errors[0], errors
 
 
+def test_a_missing_updates_root_is_named_by_its_flag(model_dir, tmp_path, capsys):  # noqa: F811
+    """rdepth serve said `lora_updates_root '...' is not a directory`, the Python name of the flag."""
+    import socket
+
+    with socket.socket() as probe:  # (a free port: the check comes after the port's)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    missing = tmp_path / "nothere"
+    argv = ["serve", "--model", str(model_dir), "--port", str(port), "--lora-updates-root", str(missing)]
+    assert main(argv) != 0
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert errors == [f"rdepth serve: error: --lora-updates-root {str(missing)!r} is not a directory"], errors
+
+
 def broken_copy(root, name: str, break_it) -> str:
     """A copy of the sql adapter under `root` as `name`, changed by `break_it(directory)`."""
     shutil.rmtree(root / name, ignore_errors=True)

@@ -374,8 +374,9 @@ def json_line(raw: bytes, where: str, first: bool = False) -> Any:
     try:
         line = raw.decode("utf-8-sig" if first else "utf-8").rstrip("\r\n")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{where}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} of the "
-                         "line)") from None
+        # (exc.start counts from after a BOM that utf-8-sig stripped: count it from the line's start)
+        at = exc.start + len(raw) - len(exc.object)
+        raise ValueError(f"{where}: not valid UTF-8 (byte 0x{raw[at]:02x} at byte {at + 1} of the line)") from None
     try:
         return json.loads(line)
     except json.JSONDecodeError as exc:

@@ -84,6 +84,25 @@ def check_generation_defaults(src: Path, remote_code: bool = True, before: str =
                          f"them there (or load the model with the library)")
 
 
+def read_companions(src: Path, before: str = "exporting") -> dict[str, bytes]:
+    """{name: bytes} of what `src` carries beside its config, weights and tokenizer that its copies keep (an export,
+    a run's checkpoints, an average): retrofit's record of the source (retrofit.json) and the generation defaults
+    (generation_config.json). Read (bounded) before anything is written; a file no copy could carry (not a regular
+    file, not a JSON object) is refused in one line: a retrofit.json that was a FIFO, a link to /dev/zero or a
+    dangling link was left out without a word (the copies then lost the record of their source). `before`: what
+    the refusal comes before ("exporting", "training", "averaging")."""
+    check_generation_defaults(src, remote_code=False, before=before)
+    files: dict[str, bytes] = {}
+    for name, what in ((PROVENANCE_FILE, "retrofit record"), (GENERATION_CONFIG_FILE, "generation config")):
+        path = src / name
+        if not path.exists() and not path.is_symlink():
+            continue
+        if not path.is_file():  # (also a dangling link: as check_generation_defaults refuses one)
+            raise ValueError(f"{path} is not a regular file: replace or remove it before {before}")
+        files[name] = read_bytes(path, CONFIG_MAX_BYTES, what)
+    return files
+
+
 def copy_companions(src: Path, out: Path) -> None:
     """What a model directory carries beside its config and weights: the tokenizer files, retrofit's record of
     the source and the generation defaults that transformers' `generate` reads (generation_config.json: num_steps,
@@ -91,12 +110,11 @@ def copy_companions(src: Path, out: Path) -> None:
     tokenizer.json linked to /dev/zero filled the disk)."""
     if src.resolve() == out.resolve():
         return
-    check_generation_defaults(src, remote_code=False)  # before anything is written
+    companions = read_companions(src)  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
     copy_tokenizer(src, out)
-    for name, what in ((PROVENANCE_FILE, "retrofit record"), (GENERATION_CONFIG_FILE, "generation config")):
-        if (src / name).is_file():
-            atomic_write_bytes(out / name, read_bytes(src / name, CONFIG_MAX_BYTES, what))
+    for name, data in companions.items():
+        atomic_write_bytes(out / name, data)
 
 
 def official_code_files(code_dir: Path) -> dict[str, Any]:
@@ -110,11 +128,16 @@ def official_code_files(code_dir: Path) -> dict[str, Any]:
         raise ValueError(f"--official-code {code_dir}: expected an official Huginn-0125 directory, whose config.json "
                          f"(model_type {HUGINN_MODEL_TYPE!r}) has an auto_map naming its modeling files")
     for target in auto_map.values():
-        name = f"{str(target).rsplit('.', 1)[0]}.py"
+        name = _module_file(target)
         if Path(name).name != name or not (code_dir / name).is_file():
             raise ValueError(f"--official-code {code_dir}: its auto_map names {target!r}, but {name} is not a file "
                              f"there")
     return auto_map
+
+
+def _module_file(target: Any) -> str:
+    """The file an auto_map entry ("module.Class") names: "module.py"."""
+    return f"{str(target).rsplit('.', 1)[0]}.py"
 
 
 def official_code_present(model_dir: Path) -> bool:
@@ -131,7 +154,7 @@ def copy_official_code(code_dir: Path, out: Path) -> None:
     directory `out`, with that auto_map in its config.json."""
     auto_map = official_code_files(code_dir)
     for target in auto_map.values():
-        name = f"{str(target).rsplit('.', 1)[0]}.py"
+        name = _module_file(target)
         atomic_write_bytes(out / name, read_bytes(code_dir / name, CONFIG_MAX_BYTES, "official modeling file"))
     values = read_json(out / "config.json", CONFIG_MAX_BYTES, "config file")
     values["auto_map"] = dict(auto_map)

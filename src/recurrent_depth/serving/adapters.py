@@ -113,7 +113,7 @@ class ServedAdapters:
         if isinstance(max_count, bool) or not isinstance(max_count, int) or max_count < 1:
             raise ValueError(f"max_lora_modules={max_count!r} is invalid: expected an integer >= 1")
         if updates_root is not None and not Path(updates_root).is_dir():
-            raise ValueError(f"lora_updates_root {str(updates_root)!r} is not a directory")
+            raise ValueError(f"lora_updates_root={str(updates_root)!r} is not a directory")  # (rdepth serve: the flag)
         for name in modules:
             check_adapter_name(name, "lora_modules")
         if any(is_lora_layer(m) for m in model.modules()):  # (peft would stack the new adapters on top of it)

@@ -84,27 +84,13 @@ def run_tokenizer_dir(cfg: TrainConfig, model_dir: Path) -> Path:
 
 
 def read_start_files(model_dir: Path, before: str = "training") -> dict[str, bytes]:
-    """{name: bytes} of what DIR carries beside its weights and tokenizer that its fine-tuned copies keep: retrofit's
-    record of the source (retrofit.json) and the generation defaults (generation_config.json), which `rdepth
-    generate`, `serve` and `export` read. Read (bounded) when the run starts, so a file no export could carry (not a
-    regular file, not a JSON object) is refused before any training rather than at the first save; both files
-    alike: a retrofit.json that was a FIFO, a link to /dev/zero or a dangling link was left out without a word (the
-    copies then lost the record of their source). `before`: what the refusal comes before (also "averaging")."""
-    from recurrent_depth.families.retrofit import PROVENANCE_FILE
-    from recurrent_depth.files import CONFIG_MAX_BYTES, read_bytes
-    from recurrent_depth.integrations.export import GENERATION_CONFIG_FILE, check_generation_defaults
+    """{name: bytes} of what DIR carries beside its weights and tokenizer that its fine-tuned copies keep
+    (retrofit.json, generation_config.json: `integrations.export.read_companions`), which `rdepth generate`,
+    `serve` and `export` read. Read when the run starts, so a file no export could carry is refused before any
+    training rather than at the first save. `before`: what the refusal comes before (also "averaging")."""
+    from recurrent_depth.integrations.export import read_companions
 
-    check_generation_defaults(model_dir, remote_code=False, before=before)
-    kept = ((PROVENANCE_FILE, "retrofit record"), (GENERATION_CONFIG_FILE, "generation config"))
-    files: dict[str, bytes] = {}
-    for name, what in kept:
-        path = model_dir / name
-        if not path.exists() and not path.is_symlink():
-            continue
-        if not path.is_file():  # (also a dangling link: as check_generation_defaults refuses one)
-            raise ValueError(f"{path} is not a regular file: replace or remove it before {before}")
-        files[name] = read_bytes(path, CONFIG_MAX_BYTES, what)
-    return files
+    return read_companions(model_dir, before)
 
 
 def read_model_config(model_dir: Path) -> ModelConfig:

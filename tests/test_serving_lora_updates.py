@@ -109,8 +109,8 @@ def test_a_path_the_file_system_refuses_is_a_400_without_the_servers_root(live, 
 
 
 def test_names_are_checked_and_the_count_is_bounded(live):
-    for name, message in (("tiny", "the base model's served name"), ("a b", "lora_name name 'a b' is invalid"),
-                          (None, "lora_name name None is invalid")):
+    for name, message in (("tiny", "the base model's served name"), ("a b", "lora_name 'a b' is invalid"),
+                          (None, "lora_name None is invalid")):
         response = load(live.url, name, "sql")
         assert response.status_code == 400 and message in response.text, response.text
     assert load(live.url, "one", "sql").status_code == 200

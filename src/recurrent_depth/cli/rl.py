@@ -80,7 +80,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "Dr. GRPO) (default: token)")
     o.add_argument("--loss-type", default=None, choices=sorted(LOSS_TYPES),
                    help="the --kl-level by trl's loss_type name: "
-                        + ", ".join(f"{name}={level}" for name, level in LOSS_TYPES.items()))
+                        + ", ".join(f"{name}={level}" for name, level in LOSS_TYPES.items())
+                        + " (default: none, --kl-level decides)")
     o.add_argument("--scale-rewards", default="group", choices=SCALES,
                    help="GRPO's advantage divisor: the std of the group's rewards, of the batch's, or none "
                         "(Dr. GRPO) (trl's scale_rewards) (default: %(default)s)")

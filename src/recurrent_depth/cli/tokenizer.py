@@ -6,10 +6,13 @@ import argparse
 import json
 
 from recurrent_depth.cli.common import add_model_arg, add_out_arg, add_seed_arg
-from recurrent_depth.train.config import FIELD_HELP
 
-# What --data and --text-field take (docs/data.md): the words `rdepth train` shows (TrainConfig's field help)
-DATA_HELP, TEXT_FIELD_HELP = FIELD_HELP["data"], FIELD_HELP["text_field"]
+# What --data and --text-field take (docs/data.md); `rdepth train` and `rdepth sft` show the same words. Here, not
+# in train/config.py's FIELD_HELP: that module loads torch, and `rdepth tokenizer ...` parses without it.
+DATA_HELP = ("corpus: 'stdlib' (the Python standard library's source), a directory of text files, a .jsonl file, "
+             "a .parquet file or a directory of them, or a Hugging Face dataset directory (save_to_disk)")
+TEXT_FIELD_HELP = ("field (JSONL) or column (Parquet, saved dataset) that holds each document's text; an error "
+                   "with 'stdlib' or a directory of text files, which have none")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -88,7 +88,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Train with the paper's recipe: sampled depth per micro-batch, truncated backprop, "
                     "validation at several depths, atomic checkpoints, exact --resume.",
     )
-    add_config_flags(parser)
+    from recurrent_depth.cli.tokenizer import DATA_HELP, TEXT_FIELD_HELP
+
+    add_config_flags(parser, help_overrides={"data": DATA_HELP, "text_field": TEXT_FIELD_HELP})
     parser.set_defaults(func=run)
 
 

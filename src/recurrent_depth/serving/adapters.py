@@ -53,14 +53,20 @@ def parse_lora_modules(specs: list[str]) -> dict[str, str]:
 
 
 def check_adapter_name(name: Any, what: str) -> None:
-    """A one-line ValueError unless `name` can be a served adapter's name (`what`: where it was given)."""
+    """A one-line ValueError unless `name` can be a served adapter's name (`what`: where it was given: a field that
+    is a name, such as lora_name, or one holding names, such as --lora-modules)."""
     from recurrent_depth.files import clipped
 
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-        raise ValueError(f"{what} name {clipped(name)} is invalid: expected letters, digits and . _ : / @ + - "
+        raise ValueError(f"{_named(what)} {clipped(name)} is invalid: expected letters, digits and . _ : / @ + - "
                          "(starting with a letter or digit)")
     if len(name) > NAME_MAX_CHARS:
-        raise ValueError(f"{what} name {clipped(name)} is invalid: expected at most {NAME_MAX_CHARS} characters")
+        raise ValueError(f"{_named(what)} {clipped(name)} is invalid: expected at most {NAME_MAX_CHARS} characters")
+
+
+def _named(what: str) -> str:
+    """How a message names the name given in `what`: lora_name itself, a name of --lora-modules."""
+    return what if what.endswith("_name") else f"{what} name"
 
 
 def adapter_dir_inside(root: str | Path, given: Any) -> Path:

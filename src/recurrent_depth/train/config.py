@@ -66,10 +66,8 @@ FIELD_HELP: dict[str, str] = {
                      "training shards; written there first when it holds none, or again when its teacher, "
                      "depth, seed or batch size differs; none = teacher on the fly",
     "distill_cache_only": "write distill_cache from the teacher over the training shards and exit",
-    "data": "corpus: 'stdlib' (the Python standard library's source), a directory of text files, a .jsonl file, "
-            "a .parquet file or a directory of them, or a Hugging Face dataset directory (save_to_disk)",
-    "text_field": "field (JSONL) or column (Parquet, saved dataset) that holds each document's text; an error "
-                  "with 'stdlib' or a directory of text files, which have none",
+    "data": "corpus (the CLI shows cli/tokenizer.DATA_HELP; docs/data.md)",
+    "text_field": "field or column of each document's text (the CLI shows cli/tokenizer.TEXT_FIELD_HELP)",
     "follow_symlinks": "read corpus files that are symlinks to files outside the data directory (else refused)",
     "tokenizer": "tokenizer directory; none = train one on the data (its size sets the model's vocab)",
     "vocab_size": "vocabulary of a tokenizer trained here; none = the preset's (at least 512)",

@@ -378,6 +378,19 @@ def test_a_looped_model_is_refused_rather_than_retrofitted_without_its_loop(tmp_
     retrofit(hf, prelude=1, core=(1, 3), coda=1)  # the base model converts
 
 
+@pytest.mark.parametrize("case, family", [("parcae/released-layout", "Parcae"), ("ouro/config_a", "Ouro")])
+def test_a_recurrent_depth_source_is_named_as_one(tmp_path, capsys, case, family):
+    """A Parcae directory (whose config.json has no model_type) was refused as "cannot convert model_type None"."""
+    from pathlib import Path
+
+    source = Path(__file__).parent / "goldens" / case
+    code = main(["retrofit", "--model", str(source), "--prelude", "1", "--core", "1:2", "--coda", "0",
+                 "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and f"already a recurrent-depth model ({family}): nothing to retrofit" in err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_model_in_memory_keeps_its_device(bias):
     """The adapter (and the biases the source lacks) were made on the CPU whatever the source's device: a

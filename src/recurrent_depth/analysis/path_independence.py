@@ -81,10 +81,12 @@ def path_independence(
     positions: list[int] | None = None,
     attention_mask: Tensor | None = None,
     row: int = 0,
-    init_scale: float = 1.0,
+    init_scale: float | None = None,
     progress: bool = False,
 ) -> PathIndependence:
     """Run `num_steps` from one random s_0 per seed and measure path independence for row `row`.
+
+    init_scale: the scale of the random starts (> 0); None = the model config's, as the model's forward.
 
     positions: indices among the row's real tokens whose full normed paths to keep (for plots).
     progress: show a progress bar over all starts' steps.
@@ -94,6 +96,8 @@ def path_independence(
     reason = fixed_start_reason(model)
     if reason is not None:
         raise ValueError(f"path independence needs random starts: {reason}")
+    if init_scale is None:
+        init_scale = getattr(model.config, "init_scale", 1.0)
     if not is_real(init_scale) or init_scale <= 0:
         raise ValueError(
             f"init_scale={init_scale!r} is invalid: path independence needs random starts (a finite number > 0)"

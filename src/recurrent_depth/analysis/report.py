@@ -15,7 +15,7 @@ import io
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,12 @@ from recurrent_depth.analysis.correlation import token_correlation
 from recurrent_depth.analysis.depth_view import change_points, prediction_arrays, report_steps, settling_step
 from recurrent_depth.analysis.path_independence import PathIndependence, fixed_start_reason, path_independence
 from recurrent_depth.analysis.pca import PCA, fit_trajectory_pca
-from recurrent_depth.analysis.trajectory import Trajectory, collect_trajectory, remove_trajectory
+from recurrent_depth.analysis.trajectory import (
+    Trajectory,
+    collect_trajectory,
+    remove_trajectory,
+    resolve_init_scale,
+)
 from recurrent_depth.config import is_int, is_real
 
 FIGURES = {
@@ -65,7 +70,9 @@ class AnalysisConfig:
     num_steps: int = 64  # S: recurrence steps recorded and plotted
     limit_steps: int = DEFAULT_LIMIT_STEPS  # steps to the limit point s* (>= num_steps)
     num_starts: int = 4  # random s0 for path independence
-    init_scale: float = 1.0  # scale of the random s0 (0 = zeros; path independence then uses 1)
+    # scale of the random s0; None = the model config's (Huginn 1, Parcae's like-init 1/sqrt(h), its zero init 0);
+    # 0 = zeros (path independence then uses 1)
+    init_scale: float | None = None
     seed: int = 0
     converge_tol: float = DEFAULT_CONVERGE_TOL  # relative distance to s* counted as converged
     tokens: list[int] | None = None  # positions for the PCA plots; None = chosen automatically
@@ -85,7 +92,8 @@ class AnalysisConfig:
         need(is_int(self.limit_steps) and self.limit_steps >= self.num_steps, "limit_steps",
              f"an integer >= num_steps ({self.num_steps})")
         need(is_int(self.num_starts) and self.num_starts >= 2, "num_starts", "an integer >= 2")
-        need(is_real(self.init_scale) and self.init_scale >= 0, "init_scale", "a finite number >= 0")
+        need(self.init_scale is None or (is_real(self.init_scale) and self.init_scale >= 0), "init_scale",
+             "None (the model config's) or a finite number >= 0")
         need(is_int(self.seed), "seed", "an integer")
         need(isinstance(self.converge_tol, float | int) and 0 < self.converge_tol < 1, "converge_tol",
              "a number in (0, 1)")
@@ -230,6 +238,8 @@ def analyze(
     """
     cfg = config or AnalysisConfig()
     cfg.validate()
+    # the s0 scale the model's forward uses unless told otherwise; the report records the value used
+    cfg = replace(cfg, init_scale=resolve_init_scale(model, cfg.init_scale))
     ids = _as_batch(input_ids)
     n_tokens = ids.shape[1]
     if n_tokens < 2:

@@ -170,6 +170,15 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return torch.Generator(device=device).manual_seed(seed)
 
 
+def resolve_init_scale(model: Any, init_scale: float | None) -> float:
+    """The s_0 scale a run uses: `init_scale`, or None for the model config's own, as the model's forward
+    reads it (1 for Huginn; Parcae's like-init is 1/sqrt(h), its zero init 0). A finite number >= 0."""
+    scale = getattr(model.config, "init_scale", 1.0) if init_scale is None else init_scale
+    if not is_real(scale) or scale < 0:
+        raise ValueError(f"init_scale={scale!r} is invalid: expected a finite number >= 0")
+    return float(scale)
+
+
 @torch.no_grad()
 def iterate_states(
     model: Any,
@@ -177,14 +186,15 @@ def iterate_states(
     num_steps: int,
     *,
     attention_mask: Tensor | None = None,
-    init_scale: float = 1.0,
+    init_scale: float | None = None,
     seed: int | None = 0,
     input_states: Tensor | None = None,
 ) -> Iterator[tuple[StepState, Any]]:
     """Yield `(StepState, ctx)` for steps 0..num_steps of one run, computing each on demand.
 
     Runs the recurrence engine over the model's own modules (`inference.engine.Recurrence`), so the
-    states are exactly those of `model(input_ids, num_steps, init_scale=..., generator=...)` (per row, in a batch).
+    states are exactly those of `model(input_ids, num_steps, init_scale=..., generator=...)` (per row, in a batch);
+    init_scale None is the model config's, as in the forward.
     `ctx` is the mixer context, which `model.predict(model.latent(raw), ctx)` needs to read logits.
     s_0 is drawn from a generator seeded with `seed` (or given as `input_states` [B, T, h]); in a batch,
     each row's from its own generator seeded with `seed`, over its real tokens, so a row's states are
@@ -192,8 +202,7 @@ def iterate_states(
     """
     _check_ids(model, input_ids, attention_mask)
     _check_steps("num_steps", num_steps, 0)
-    if not is_real(init_scale) or init_scale < 0:
-        raise ValueError(f"init_scale={init_scale!r} is invalid: expected a finite number >= 0")
+    init_scale = resolve_init_scale(model, init_scale)
     input_ids = input_ids.to(model.device)
     mask = None if attention_mask is None else attention_mask.to(model.device)
     engine = Recurrence(model, fast=False)  # the model's own modules
@@ -243,7 +252,7 @@ def collect_trajectory(
     num_steps: int,
     *,
     attention_mask: Tensor | None = None,
-    init_scale: float = 1.0,
+    init_scale: float | None = None,
     seed: int | None = 0,
     input_states: Tensor | None = None,
     limit_steps: int | None = None,
@@ -258,7 +267,8 @@ def collect_trajectory(
         input_ids: [B, T] token ids; attention_mask [B, T] for left-padded batches.
         num_steps: S, the number of recurrence steps to record.
         init_scale, seed: s_0 ~ the model's truncated normal scaled by init_scale, drawn from a
-            generator seeded with `seed` (same seed -> same trajectory). init_scale 0 -> s_0 = 0.
+            generator seeded with `seed` (same seed -> same trajectory). init_scale 0 -> s_0 = 0;
+            None (default) -> the model config's init_scale, as the model's forward.
         limit_steps: if given (>= num_steps), keep iterating to this many steps from the same s_0
             and store ln_f(s_limit) as the approximate limit point s* (the paper uses 128).
         with_predictions: also record entropy / top token / its probability at every step (runs
@@ -270,6 +280,7 @@ def collect_trajectory(
         a `Trajectory` (float32 arrays; see its docstring for shapes).
     """
     _check_steps("num_steps", num_steps, 0)
+    init_scale = resolve_init_scale(model, init_scale)  # (recorded in the trajectory as the value used)
     if limit_steps is not None:
         _check_steps("limit_steps", limit_steps, num_steps)
     B, T = input_ids.shape if isinstance(input_ids, Tensor) and input_ids.dim() == 2 else (0, 0)

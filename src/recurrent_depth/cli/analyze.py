@@ -49,7 +49,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_max_depth_arg(p)
     p.add_argument("--starts", type=int, default=4,
                    help="random initial states for path independence, at least 2 (default: %(default)s)")
-    add_option_flags(p, ("init_scale",), field_defaults=True)
+    add_option_flags(p, ("init_scale",), helps={"init_scale": (
+        "scale of the random initial state s_0; 0 = zeros, deterministic (default: the model config's init_scale, "
+        "as its forward: 1 for Huginn, 1/sqrt(h) for Parcae's like-init)")})
     p.add_argument("--converge-tol", type=float, default=0.05,
                    help="relative distance to s* that counts as converged (default: %(default)s)")
     p.add_argument("--tokens", default=None,

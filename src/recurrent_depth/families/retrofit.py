@@ -41,7 +41,17 @@ import torch
 from torch import Tensor, nn
 
 from recurrent_depth.checkpoint import TOKENIZER_FILES, read_header_shapes, read_state_dict
-from recurrent_depth.config import MAX_NUM_STEPS, ROPE_SCALING_KEYS, ModelConfig, is_int, is_real
+from recurrent_depth.config import (
+    HUGINN_MODEL_TYPE,
+    MAX_NUM_STEPS,
+    MODEL_TYPE,
+    ROPE_SCALING_KEYS,
+    ModelConfig,
+    is_int,
+    is_real,
+)
+from recurrent_depth.families.ouro import OURO_MODEL_TYPE
+from recurrent_depth.families.parcae import is_parcae_config
 from recurrent_depth.files import (
     CONFIG_MAX_BYTES,
     TOKENIZER_MAX_BYTES,
@@ -131,6 +141,9 @@ _REFUSED_TYPES: dict[str, str] = {
     "gemma3": "Gemma 3's multimodal model (Gemma3ForConditionalGeneration) is not a causal LM of text; its text "
               "model (model_type gemma3_text, Gemma3ForCausalLM) converts",
 }
+# Sources that already are recurrent-depth models (model_type -> whose): there is nothing to retrofit.
+_LOOPED_TYPES: dict[str, str] = {MODEL_TYPE: "saved by this library", HUGINN_MODEL_TYPE: "Huginn-0125",
+                                 OURO_MODEL_TYPE: "Ouro"}
 _IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
@@ -224,6 +237,12 @@ def read_source(model_or_dir: Any) -> Source:
 def check_architecture(hf: Mapping[str, Any]) -> str:
     """The block layout of a supported source, or a one-line ValueError naming what is not supported."""
     model_type = hf.get("model_type")
+    # (a Parcae config.json has no model_type: it was refused as "model_type None", naming nothing)
+    looped = "Parcae" if is_parcae_config(hf) else _LOOPED_TYPES.get(model_type) if isinstance(model_type, str) \
+        else None
+    if looped is not None:
+        raise fail(f"the source is already a recurrent-depth model ({looped}): nothing to retrofit; pass its "
+                   f"directory as --model to rdepth generate / serve / eval, or to train --init-from")
     if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
         reason = _REFUSED_TYPES.get(model_type, "") if isinstance(model_type, str) else ""
         reason = f"{reason}; " if reason else ""

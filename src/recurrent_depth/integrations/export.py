@@ -53,8 +53,8 @@ def check_exportable(config: ModelConfig) -> None:
         if config.attention_scale != config.head_dim**-0.5:
             changed.append(f"attn_scale={config.attention_scale_rule!r}")
         raise ValueError(
-            f"--remote-code implements Huginn's architecture only; this model sets {changed} (an Ouro or "
-            "retrofitted model). Load it with the recurrent_depth library instead (AutoModelForCausalLM works "
+            f"--remote-code implements Huginn's architecture only; this model sets {changed} (an Ouro, Parcae "
+            "or retrofitted model). Load it with the recurrent_depth library instead (AutoModelForCausalLM works "
             "after `import recurrent_depth`)"
         )
 

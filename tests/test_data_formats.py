@@ -4,6 +4,8 @@ datasets saved with `save_to_disk`, read as JSONL is: the same ids, rules, token
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -157,3 +159,75 @@ def test_rdepth_tokenizer_train_reads_parquet_and_refuses_a_text_field_for_text_
     assert cli_main(["tokenizer", "train", "--data", str(texts), "--text-field", "body", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert "leave --text-field out" in err and len(err.splitlines()) == 1
+
+
+def test_untrusted_parquet_files_are_bounded_one_line_errors_naming_the_file_and_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A value over the bound of a JSONL line (refused from the footer's claim when a row group is one huge row,
+    before it is read), bytes that are not UTF-8, a text column named twice and a damaged page: one line each."""
+    monkeypatch.setattr(corpus_module, "TABLE_MAX_VALUE_BYTES", 200)
+    huge = write_parquet(tmp_path / "huge.parquet", {"text": ["ok", "x" * 1000]}, row_group_size=1)
+    with pytest.raises(ValueError, match=rf"^{huge.resolve()}:row 2: field 'text' takes [\d,]+ bytes, more than "
+                                         r"200 a row; split the documents"):
+        list(load_corpus(str(huge)))
+    texts = ["a" * 50] * 3 + ["y" * 500] + ["b" * 50] * 30  # short on average: only the value is too long
+    long = write_parquet(tmp_path / "long.parquet", {"text": texts})
+    with pytest.raises(ValueError, match=rf"^{long.resolve()}:row 4: field 'text' holds 500 bytes, more than 200;"):
+        list(load_corpus(str(long)))
+    not_utf8 = pa.array([b"fine", b"\xed\xa0\x80 a lone surrogate"]).view(pa.string())  # (pyarrow writes it as is)
+    bad = write_parquet(tmp_path / "bad.parquet", {"text": not_utf8})
+    with pytest.raises(ValueError, match=rf"^{bad.resolve()}:row 2: field 'text' is not valid UTF-8$"):
+        list(load_corpus(str(bad)))
+    twice = tmp_path / "twice.parquet"
+    pq.write_table(pa.Table.from_arrays([pa.array(["a"]), pa.array(["b"])], names=["text", "text"]), twice)
+    with pytest.raises(ValueError, match=r"twice.parquet: 2 columns are named 'text'; the text column must be named"):
+        load_corpus(str(twice)).info()
+    damaged = bytearray(write_parquet(tmp_path / "damaged.parquet", {"text": ["z" * 1000] * 50}).read_bytes())
+    damaged[10:200] = bytes(190)  # the first page's (snappy) data zeroed; the footer intact
+    (tmp_path / "damaged.parquet").write_bytes(damaged)
+    with pytest.raises(ValueError, match=r"damaged.parquet: cannot be read \(Corrupt snappy compressed data"):
+        list(load_corpus(str(tmp_path / "damaged.parquet")))
+
+
+def test_a_fifo_named_parquet_is_never_opened_nor_decides_the_format(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe.parquet"
+    os.mkfifo(fifo)  # (opening it would block until a writer came)
+    with pytest.raises(ValueError, match=r"^data: '.*pipe\.parquet' is not a regular file or a directory;"):
+        load_corpus(str(fifo))
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text("hello\n")
+    os.mkfifo(texts / "b.parquet")
+    corpus = load_corpus(str(texts))  # a directory of text files: the FIFO is skipped, as any special file
+    assert corpus.kind == "directory" and [d.text for d in corpus] == ["hello\n"]
+
+
+def test_a_saved_dataset_reads_no_file_outside_its_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    outside = save_to_disk(tmp_path / "outside", {"text": ["secret"]})
+    saved = save_to_disk(tmp_path / "saved", {"text": ["mine"]})
+    arrow = next(saved.glob("*.arrow")).name
+    state = json.loads((saved / "state.json").read_text())
+    state["_data_files"] = [{"filename": f"../outside/{arrow}"}]
+    (saved / "state.json").write_text(json.dumps(state))
+    with pytest.raises(ValueError, match=r"state.json names '\.\./outside/.*' as a data file; expected the name of"):
+        load_corpus(str(saved))
+    state["_data_files"] = [{"filename": arrow}]
+    (saved / "state.json").write_text(json.dumps(state))
+    (saved / arrow).unlink()
+    (saved / arrow).symlink_to(outside / arrow)  # the symlink rule of a text directory
+    with pytest.raises(ValueError, match=rf"'{arrow}' in .* is a symlink to .*outside.*pass --follow-symlinks"):
+        load_corpus(str(saved))
+    assert [d.text for d in load_corpus(str(saved), follow_symlinks=True)] == ["secret"]
+    monkeypatch.setattr(corpus_module, "SAVED_JSON_MAX_BYTES", 10)
+    with pytest.raises(ValueError, match=r"saved': dataset_info.json holds [\d,]+ bytes, more than 10;"):
+        load_corpus(str(saved), follow_symlinks=True)
+    monkeypatch.undo()
+    splits = save_to_disk(tmp_path / "dd", {"text": ["t"]}, splits=("train",))
+    shutil.rmtree(splits / "train")
+    (splits / "train").symlink_to(outside)  # a DatasetDict's train split that is a link out
+    with pytest.raises(ValueError, match=r"split 'train' in .* is a symlink to .*outside"):
+        load_corpus(str(splits))
+    (splits / "dataset_dict.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"dataset_dict.json must list its splits as strings under 'splits', got None"):
+        load_corpus(str(splits))

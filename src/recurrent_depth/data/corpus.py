@@ -44,6 +44,14 @@ DEFAULT_TEXT_FIELD = "text"
 # Rows converted to Python strings at a time from a Parquet file or a saved dataset: memory holds this many
 # texts (and, for Parquet, the text column of one row group), never the whole file.
 TABLE_BATCH_ROWS = 1024
+# Most text bytes converted at a time from a Parquet row group: a row group of long texts is read in batches of
+# fewer rows, sized from its footer, so a batch stays about this large.
+TABLE_BATCH_BYTES = PART_BYTES
+# Longest text value of a Parquet file or a saved dataset (bytes): the bound of a JSONL line.
+TABLE_MAX_VALUE_BYTES = JSONL_MAX_LINE_BYTES
+# Largest state.json, dataset_info.json or dataset_dict.json of a saved dataset read (a few KiB when written by
+# save_to_disk); a larger one is refused before it is read.
+SAVED_JSON_MAX_BYTES = 16 << 20
 
 CorpusKind = Literal["stdlib", "directory", "jsonl", "parquet", "datasets", "memory"]
 
@@ -476,6 +484,9 @@ def _check_text_column(schema: Any, field: str, where: str) -> None:
     if field not in schema.names:
         raise ValueError(f"{where}: missing column {field!r} (columns: {clipped_names(schema.names)}); "
                          f"name the text column with --text-field")
+    if schema.names.count(field) > 1:  # (pyarrow allows it; schema.field() would raise a KeyError)
+        raise ValueError(f"{where}: {schema.names.count(field)} columns are named {field!r}; "
+                         "the text column must be named once")
     kind = schema.field(field).type
     if pa.types.is_dictionary(kind):  # a categorical column (pandas) of strings
         kind = kind.value_type
@@ -488,14 +499,52 @@ def _table_documents(batches: Iterable[Any], field: str, where: str, prefix: str
     """Documents from pyarrow record batches (or tables) of the string column `field`, rows numbered from 1.
 
     An empty string is an (empty) document and a null a ValueError naming the row: the rules of a JSONL
-    line's `""` and `null`."""
+    line's `""` and `null`. So are a text longer than `TABLE_MAX_VALUE_BYTES` (the JSONL line bound) and one
+    that is not UTF-8 (pyarrow does not check the bytes of a string column it reads)."""
     number = 0
     for batch in batches:
-        for text in batch.column(field).to_pylist():
+        column = batch.column(field)
+        _check_value_sizes(column, field, where, number)
+        try:
+            texts = column.to_pylist()
+        except UnicodeDecodeError:
+            raise ValueError(f"{where}:row {number + _first_undecodable(column) + 1}: field {field!r} is not "
+                             "valid UTF-8") from None
+        for text in texts:
             number += 1
             if text is None:
                 raise ValueError(f"{where}:row {number}: field {field!r} is null; drop the row or give it a text")
             yield Document(record_id(number, prefix), text)
+
+
+def _too_long(field: str, size: int) -> str:
+    return (f"field {field!r} holds {size:,} bytes, more than {TABLE_MAX_VALUE_BYTES:,}; split the document, or "
+            "put very large documents in a directory of text files (read in parts)")
+
+
+def _check_value_sizes(column: Any, field: str, where: str, rows_before: int) -> None:
+    """ValueError naming the row of the first value of the pyarrow string `column` longer than
+    `TABLE_MAX_VALUE_BYTES`: the bound a JSONL line has."""
+    pa = _pyarrow()
+    import pyarrow.compute as pc
+
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        column = column.cast(pa.large_string())  # (binary_length takes no dictionary or string_view)
+    lengths = pc.binary_length(column)
+    longest = pc.max(lengths).as_py()
+    if longest is not None and longest > TABLE_MAX_VALUE_BYTES:
+        index = pc.index(pc.greater(lengths, TABLE_MAX_VALUE_BYTES), True).as_py()
+        raise ValueError(f"{where}:row {rows_before + index + 1}: {_too_long(field, lengths[index].as_py())}")
+
+
+def _first_undecodable(column: Any) -> int:
+    """The index of the first value of `column` that is not UTF-8 (on the error path only: one at a time)."""
+    for index in range(len(column)):
+        try:
+            column[index].as_py()
+        except UnicodeDecodeError:
+            return index
+    raise AssertionError("no undecodable value")  # (called after to_pylist() failed to decode one)
 
 
 class ParquetCorpus(Corpus):
@@ -525,6 +574,8 @@ class ParquetCorpus(Corpus):
             self._files = _parquet_files(DirectoryCorpus(path, follow_symlinks=follow_symlinks))
         elif path.is_file():
             self._files = [("", path.resolve())]
+        elif path.exists():
+            raise ValueError(f"data: Parquet file {str(path)!r} is not a regular file")
         else:
             raise ValueError(f"data: Parquet file {str(path)!r} does not exist")
         self.path = path.resolve()
@@ -534,8 +585,8 @@ class ParquetCorpus(Corpus):
     def _open(self, file: Path) -> Any:
         """A `pyarrow.parquet.ParquetFile` whose text column is checked; ValueError naming the file otherwise."""
         pa = _pyarrow()
-        try:
-            handle = pa.parquet.ParquetFile(file)
+        try:  # a buffered stream: a row group's column is read a buffer at a time, not whole into memory
+            handle = pa.parquet.ParquetFile(file, buffer_size=_READ_CHUNK_BYTES, pre_buffer=False)
         except (pa.ArrowException, OSError) as exc:
             raise ValueError(f"{file}: not a readable Parquet file ({_one_line(exc)})") from None
         try:
@@ -549,10 +600,10 @@ class ParquetCorpus(Corpus):
         pa = _pyarrow()
         for prefix, file in self._files:
             with self._open(file) as handle:
-                batches = handle.iter_batches(batch_size=TABLE_BATCH_ROWS, columns=[self.text_field])
+                batches = _row_group_batches(handle, self.text_field, str(file))
                 try:
                     yield from _table_documents(batches, self.text_field, str(file), prefix)
-                except pa.ArrowException as exc:  # a damaged page (our own errors are plain ValueErrors)
+                except (pa.ArrowException, OSError) as exc:  # a damaged page (ours are plain ValueErrors)
                     raise ValueError(f"{file}: cannot be read ({_one_line(exc)})") from None
 
     def ids(self) -> Iterator[str]:
@@ -562,6 +613,28 @@ class ParquetCorpus(Corpus):
                 num_rows = handle.metadata.num_rows
             for number in range(1, num_rows + 1):
                 yield record_id(number, prefix)
+
+
+def _row_group_batches(handle: Any, field: str, where: str) -> Iterator[Any]:
+    """Record batches of the column `field` of the `pyarrow.parquet.ParquetFile` `handle`, one row group at a time.
+
+    A row group's batches hold `TABLE_BATCH_ROWS` rows, or fewer where its footer says the texts are long, so
+    that a batch holds about `TABLE_BATCH_BYTES`. A row group whose footer claims more than
+    `TABLE_MAX_VALUE_BYTES` a row (a single row of 3 GB) is refused before it is read."""
+    metadata = handle.metadata
+    leaf = [metadata.schema.column(i).path for i in range(metadata.num_columns)].index(field)
+    first_row = 1
+    for group in range(metadata.num_row_groups):
+        rows = metadata.row_group(group).num_rows
+        size = metadata.row_group(group).column(leaf).total_uncompressed_size
+        if rows > 0 and size > rows * TABLE_MAX_VALUE_BYTES:
+            span = f"row {first_row}" if rows == 1 else f"rows {first_row}-{first_row + rows - 1}"
+            raise ValueError(f"{where}:{span}: field {field!r} takes {size:,} bytes, more than "
+                             f"{TABLE_MAX_VALUE_BYTES:,} a row; split the documents, or put very large "
+                             "documents in a directory of text files (read in parts)")
+        batch_rows = max(1, min(TABLE_BATCH_ROWS, TABLE_BATCH_BYTES * rows // max(size, 1)))
+        yield from handle.iter_batches(batch_size=batch_rows, row_groups=[group], columns=[field])
+        first_row += rows
 
 
 def _parquet_files(tree: DirectoryCorpus) -> list[tuple[str, Path]]:
@@ -599,11 +672,18 @@ class SavedDatasetCorpus(Corpus):
     Read with ``datasets.load_from_disk`` (offline), which memory-maps the ``.arrow`` files, and
     `TABLE_BATCH_ROWS` rows at a time. Ids are :func:`record_id` s of the row numbers, the ids of a
     JSONL file with the same texts.
+
+    The directory is checked before datasets reads it: its JSON files are bounded (`SAVED_JSON_MAX_BYTES`),
+    and every ``.arrow`` file state.json names must be a file of the directory (a name like ``../x.arrow``
+    is refused), with the symlink rule of :class:`DirectoryCorpus` (a link out is refused unless
+    ``follow_symlinks``), as is a ``train`` split directory that is a link out.
     """
 
     kind = "datasets"
 
-    def __init__(self, path: str | Path, text_field: str = DEFAULT_TEXT_FIELD) -> None:
+    def __init__(
+        self, path: str | Path, text_field: str = DEFAULT_TEXT_FIELD, follow_symlinks: bool = False
+    ) -> None:
         path = Path(path)
         if not is_saved_dataset(path):
             raise ValueError(f"data: {str(path)!r} is not a directory written by save_to_disk "
@@ -611,7 +691,59 @@ class SavedDatasetCorpus(Corpus):
         self.path = path.resolve()
         self.name = str(path)
         self.text_field = text_field
+        self.follow_symlinks = follow_symlinks
         self._dataset = self._load()
+
+    def _inside(self, full: Path, what: str) -> Path:
+        """`full`, unless it resolves outside the directory (a symlink out, without follow_symlinks)."""
+        if not self.follow_symlinks and not full.resolve().is_relative_to(self.path):
+            raise ValueError(f"data: {what} in {self.name} is a symlink to {full.resolve()}, outside the directory; "
+                             "pass --follow-symlinks (follow_symlinks=True) to read it")
+        return full
+
+    def _json(self, file: Path) -> Any:
+        """The JSON object of one of the directory's small JSON files, or a one-line ValueError naming it."""
+        where = f"data: {self.name!r}: {file.name}"
+        if file.stat().st_size > SAVED_JSON_MAX_BYTES:
+            raise ValueError(f"{where} holds {file.stat().st_size:,} bytes, more than {SAVED_JSON_MAX_BYTES:,}; "
+                             "save_to_disk writes a few KiB: is it the file datasets wrote?")
+        value = json_line(file.read_bytes(), where, first=True)
+        if not isinstance(value, dict):
+            raise ValueError(f"{where} must hold a JSON object, got {type(value).__name__}")
+        return value
+
+    def _dataset_directory(self) -> Path:
+        """The directory of the Dataset to read (the root, or a DatasetDict's `train`), its files checked."""
+        root = self.path
+        if not ((root / "state.json").is_file() and (root / "dataset_info.json").is_file()):
+            # a DatasetDict (datasets.load_from_disk tries a Dataset first, as here): only its train split is read
+            splits = self._json(root / "dataset_dict.json").get("splits")
+            if not isinstance(splits, list) or not all(isinstance(split, str) for split in splits):
+                raise ValueError(f"data: {self.name!r}: dataset_dict.json must list its splits as strings "
+                                 f"under 'splits', got {splits!r:.80}")
+            if "train" not in splits:
+                raise ValueError(f"data: {self.name!r} is a DatasetDict with splits {clipped_names(sorted(splits))} "
+                                 "and no 'train'")
+            root = self._inside(root / "train", "split 'train'")
+            for name in ("state.json", "dataset_info.json"):
+                if not (root / name).is_file():
+                    raise ValueError(f"data: {self.name!r}: its split 'train' has no {name}")
+        self._json(root / "dataset_info.json")  # (bounded before datasets reads it whole)
+        files = self._json(root / "state.json").get("_data_files")
+        if not isinstance(files, list) or not files:
+            raise ValueError(f"data: {self.name!r}: state.json must list the .arrow files under '_data_files'")
+        for entry in files:
+            name = entry.get("filename") if isinstance(entry, dict) else None
+            # save_to_disk writes plain file names: "../x.arrow" or "/x.arrow" would read a file of another place
+            if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+                raise ValueError(f"data: {self.name!r}: state.json names {name!r:.80} as a data file; expected the "
+                                 "name of an .arrow file in its directory")
+            full = root / name
+            if not full.is_file():
+                raise ValueError(f"data: {self.name!r}: state.json names {name!r}, which is not a file "
+                                 f"of {root}")
+            self._inside(full, repr(full.relative_to(self.path).as_posix()))
+        return root
 
     def _load(self) -> Any:
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only, as data/chat.py reads them
@@ -621,14 +753,11 @@ class SavedDatasetCorpus(Corpus):
             raise ValueError(f"data: {self.name!r} is a saved Hugging Face dataset; reading it needs the datasets "
                              "package, which is not installed: pip install "
                              "'recurrent-depth[data]' (or datasets)") from None
+        directory = self._dataset_directory()
         try:
-            table = datasets.load_from_disk(str(self.path))
+            table = datasets.Dataset.load_from_disk(str(directory), keep_in_memory=False)
         except Exception as exc:  # datasets raises many kinds; the message is what the user needs
             raise ValueError(f"data: {self.name!r} cannot be read with datasets ({_one_line(exc)})") from None
-        if isinstance(table, datasets.DatasetDict):
-            if "train" not in table:
-                raise ValueError(f"data: {self.name!r} is a DatasetDict with splits {sorted(table)} and no 'train'")
-            table = table["train"]
         _check_text_column(table.data.schema, self.text_field, str(self.path))
         return table
 
@@ -660,9 +789,10 @@ def load_corpus(
     path = Path(text).expanduser()
     if path.is_dir():
         if is_saved_dataset(path):
-            return SavedDatasetCorpus(path, text_field=text_field)
+            return SavedDatasetCorpus(path, text_field=text_field, follow_symlinks=follow_symlinks)
         tree = DirectoryCorpus(path, follow_symlinks=follow_symlinks)
-        if any(rel.lower().endswith(".parquet") for rel in tree.files()):
+        # (a FIFO or a dangling link named .parquet is skipped as in a text directory: it decides nothing)
+        if any(rel.lower().endswith(".parquet") and (tree.path / rel).is_file() for rel in tree.files()):
             return ParquetCorpus(path, text_field=text_field, follow_symlinks=follow_symlinks)
         _check_no_text_field(text_field, text)
         return tree
@@ -673,6 +803,8 @@ def load_corpus(
         return ParquetCorpus(path, text_field=text_field)
     if path.is_file():
         raise ValueError(f"data: {text!r} is a file but not .jsonl or .parquet; {expected}")
+    if path.exists():  # a FIFO, a socket, a device: never opened (a FIFO would block the read)
+        raise ValueError(f"data: {text!r} is not a regular file or a directory; {expected}")
     raise ValueError(f"data: {text!r} does not exist; {expected}")
 
 

@@ -399,7 +399,7 @@ class Handlers:
         part = {**head, "usage": None} if req.sampling.include_usage else head
         opening = None
         if req.echo and req.logprobs is None:  # with logprobs the echo waits for the prompt scores
-            opening = lambda c: {**part, "choices": [{"index": c.index, "text": codec.decode(c.prompt_ids),  # noqa: E731
+            opening = lambda c: {**part, "choices": [{"index": c.index, "text": responses.echoed_prompt(codec, req, c),  # noqa: E731
                                                       "logprobs": None, "finish_reason": None}]}
         if req.sampling.stream:
             return self._stream(

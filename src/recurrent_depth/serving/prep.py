@@ -86,7 +86,8 @@ class Preparer:
                                         f"{limits.max_seq_len} tokens", "prompt")
                 else:
                     prompts.append(p)
-            req.prompts = []  # the texts stay here; the ids go back
+            if not req.echo:  # the texts stay here, the ids go back; `echo` returns a text prompt as it was sent
+                req.prompts = []
             return req, prompts
         req = parse_chat(body, limits, names, spec.eos_configured)
         try:

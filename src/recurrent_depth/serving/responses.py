@@ -105,20 +105,39 @@ def legacy_top(codec: TextCodec, token: int, logprob: float | None,
     return out
 
 
+def echoed_prompt(codec: TextCodec, req: CompletionRequest, choice: Choice) -> str:
+    """The prompt text `echo` returns, as OpenAI and vLLM return it: a string prompt as it was sent, a token-id
+    prompt decoded with its special tokens (vLLM's `tokenizer.decode`). Decoding either with special tokens
+    skipped dropped a ChatML prompt's `<|im_start|>` and `<|im_end|>`, so `text[len(prompt):]` cut the answer."""
+    prompt = req.prompts[choice.index // req.sampling.n]
+    return prompt if isinstance(prompt, str) else codec.decode(choice.prompt_ids, skip_special_tokens=False)
+
+
+def echo_offsets(codec: TextCodec, prompt_ids: list[int]) -> tuple[list[int], int]:
+    """The text offsets of an echoed prompt's tokens, special tokens counted by their text as in
+    `echoed_prompt`, and where the completion's text starts (what the prompt decodes to)."""
+    decoder = IncrementalDecoder(codec, skip_special_tokens=False)
+    offsets, length = [], 0
+    for t in prompt_ids:
+        offsets.append(length)
+        length += len(decoder.push(t))
+    return offsets, len(codec.decode(prompt_ids, skip_special_tokens=False))
+
+
 def completion_logprobs(codec: TextCodec, choice: Choice, echo: bool, first: int = 0) -> dict[str, Any]:
     """OpenAI legacy logprobs for tokens [first:] of (echoed prompt +) completion."""
-    ids, lps, tops = [], [], []
+    ids, lps, tops, offsets, length = [], [], [], [], 0
     if echo:
         scores = choice.prompt_scores
         ids += choice.prompt_ids
         lps += scores.logprobs if scores else [None] * len(choice.prompt_ids)
         tops += scores.top if scores else [None] * len(choice.prompt_ids)
+        offsets, length = echo_offsets(codec, choice.prompt_ids)
     ids += choice.tokens
     lps += choice.logprobs
     tops += choice.tops
-    decoder = IncrementalDecoder(codec, continuation=not echo)  # (offsets into the text returned)
-    offsets, length = [], 0
-    for t in ids:  # offsets into the returned text (echoed prompt + completion)
+    decoder = IncrementalDecoder(codec, continuation=True)  # the completion's text continues its prompt
+    for t in choice.tokens:  # offsets into the returned text (echoed prompt + completion)
         offsets.append(length)
         length += len(decoder.push(t))
     return {
@@ -134,8 +153,9 @@ def last_token_logprobs(codec: TextCodec, choice: Choice, echo: bool) -> dict[st
     decoder measuring text offsets is kept on the choice (decoding every earlier token again for each
     new one made a 2000-token stream cost 12 s of the event loop's time)."""
     if choice.offsets is None:
-        choice.offsets = IncrementalDecoder(codec, continuation=not echo)
-        for t in (choice.prompt_ids if echo else []) + choice.tokens[:-1]:
+        choice.offsets = IncrementalDecoder(codec, continuation=True)
+        choice.offset = len(codec.decode(choice.prompt_ids, skip_special_tokens=False)) if echo else 0
+        for t in choice.tokens[:-1]:
             choice.offset += len(choice.offsets.push(t))
     token, top = choice.tokens[-1], choice.tops[-1]
     offset = choice.offset
@@ -150,7 +170,7 @@ def completion_body(codec: TextCodec, req: CompletionRequest, head: dict[str, An
     """The whole (non-streamed) answer of a completions request."""
     body_choices = []
     for c in choices:
-        text = (codec.decode(c.prompt_ids) if req.echo else "") + c.text
+        text = (echoed_prompt(codec, req, c) if req.echo else "") + c.text
         item: dict[str, Any] = {
             "index": c.index, "text": text,
             "logprobs": completion_logprobs(codec, c, req.echo) if req.logprobs is not None else None,
@@ -173,7 +193,7 @@ def completion_chunks(codec: TextCodec, event: Event, choice: Choice, req: Compl
         lp = None
         if req.logprobs is not None:
             lp = completion_logprobs(codec, choice, echo=True)
-        chunk(codec.decode(choice.prompt_ids), None, lp)
+        chunk(echoed_prompt(codec, req, choice), None, lp)
     elif isinstance(event, TokenOut):
         lp = None
         if req.logprobs is not None:

@@ -273,11 +273,12 @@ class TextCodec:
         return out, None if tools is None else [escaped(t, f"tools[{i}]") for i, t in enumerate(tools)], literals
 
     # ------------------------------------------------------------------ output
-    def decode(self, ids: list[int]) -> str:
-        """Text of token ids, special tokens left out (as OpenAI-compatible servers do)."""
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of token ids, special tokens left out (as OpenAI-compatible servers do: vLLM's
+        `skip_special_tokens=True`) unless `skip_special_tokens` is False (an echoed token-id prompt)."""
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token: int) -> bytes:
         """The raw bytes a token stands for (special tokens: their UTF-8 name)."""
@@ -321,8 +322,8 @@ class TextCodec:
         self._strings[token] = out
         return out
 
-    def decoder(self, continuation: bool = False) -> IncrementalDecoder:
-        return IncrementalDecoder(self, continuation)
+    def decoder(self, continuation: bool = False, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        return IncrementalDecoder(self, continuation, skip_special_tokens)
 
     @cached_property
     def anchor(self) -> list[int]:
@@ -345,10 +346,11 @@ class IncrementalDecoder:
     a delta ending in an incomplete UTF-8 sequence is held back until the next token completes it.
     """
 
-    def __init__(self, codec: TextCodec, continuation: bool = False) -> None:
+    def __init__(self, codec: TextCodec, continuation: bool = False, skip_special_tokens: bool = True) -> None:
         """continuation: the ids continue a text (a completion after its prompt), so a first token's leading
-        space is text (decoded after `codec.anchor`)."""
+        space is text (decoded after `codec.anchor`); skip_special_tokens: as `TextCodec.decode`'s."""
         self.codec = codec
+        self.skip = skip_special_tokens
         self.anchor = codec.anchor if continuation else []
         self.ids: list[int] = []
         self.prefix = 0
@@ -358,8 +360,8 @@ class IncrementalDecoder:
         self.ids.append(token)
         if not self.codec.has_tokenizer:
             return ""
-        before = self.codec.decode(self.anchor + self.ids[self.prefix : self.read])
-        after = self.codec.decode(self.anchor + self.ids[self.prefix :])
+        before = self.codec.decode(self.anchor + self.ids[self.prefix : self.read], self.skip)
+        after = self.codec.decode(self.anchor + self.ids[self.prefix :], self.skip)
         if len(after) > len(before) and not after.endswith(REPLACEMENT):
             self.prefix, self.read = self.read, len(self.ids)
             return after[len(before) :]
@@ -369,8 +371,8 @@ class IncrementalDecoder:
         """Whatever is still held back (an incomplete UTF-8 tail decodes to U+FFFD)."""
         if not self.codec.has_tokenizer or self.read == len(self.ids):
             return ""
-        before = self.codec.decode(self.anchor + self.ids[self.prefix : self.read])
-        after = self.codec.decode(self.anchor + self.ids[self.prefix :])
+        before = self.codec.decode(self.anchor + self.ids[self.prefix : self.read], self.skip)
+        after = self.codec.decode(self.anchor + self.ids[self.prefix :], self.skip)
         self.prefix = self.read = len(self.ids)
         return after[len(before) :]
 

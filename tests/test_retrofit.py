@@ -728,6 +728,32 @@ def test_an_out_directory_keeps_no_tokenizer_of_the_model_written_there_before(t
     assert not (out / "tokenizer.json").exists() and not (out / "chat_template.jinja").exists()
 
 
+def test_the_sources_generation_config_is_kept_and_a_stale_one_removed(tmp_path):
+    """The retrofitted directory lost the source's generation_config.json: a Qwen's eos list [<|im_end|>,
+    <|endoftext|>] and sampling defaults, which `rdepth generate` / `serve` read as transformers reads them."""
+    from recurrent_depth.families.retrofit import retrofit_to_dir
+    from recurrent_depth.generation_config import generation_defaults
+
+    torch.manual_seed(0)
+    src, bare, out = tmp_path / "src", tmp_path / "bare", tmp_path / "rd"
+    for path in (src, bare):
+        LlamaForCausalLM(LlamaConfig(**SHAPE)).save_pretrained(path)
+    (src / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3], "do_sample": True,
+                                                            "temperature": 0.7, "top_p": 0.8}))
+    (bare / "generation_config.json").unlink()
+    retrofit_to_dir(src, out, prelude=1, core=(2, 4), coda=1)
+    assert (out / "generation_config.json").read_bytes() == (src / "generation_config.json").read_bytes()
+    defaults = generation_defaults(str(out), "auto", "generate")
+    assert defaults["eos_token_id"] == [2, 3] and defaults["temperature"] == 0.7
+    retrofit_to_dir(bare, out, prelude=1, core=(2, 4), coda=1)
+    assert not (out / "generation_config.json").exists()
+    (bare / "generation_config.json").write_text("[1]")
+    with pytest.raises(ValueError, match="generation_config.json is not a JSON object: fix or remove it before "
+                                         "retrofitting"):
+        retrofit_to_dir(bare, tmp_path / "never", prelude=1, core=(2, 4), coda=1)
+    assert not (tmp_path / "never").exists()
+
+
 def test_sentencepiece_conversion_gives_a_tokenizer_json_or_one_line_reason(tmp_path):
     import importlib.util
 

@@ -655,18 +655,29 @@ def retrofit_to_dir(
     coda: int, **options: Any,
 ) -> dict[str, Any]:
     """`retrofit` a model directory and save the result to `out` as a model directory of ours (config.json,
-    model.safetensors, the source's tokenizer files, retrofit.json); returns what retrofit.json records."""
+    model.safetensors, the source's tokenizer files and generation_config.json, retrofit.json); returns what
+    retrofit.json records."""
     source_dir, out = Path(model_dir), Path(out)
     if out.resolve() == source_dir.resolve():
         raise fail(f"--out {str(out)!r} is the source directory: write the retrofitted model elsewhere")
     if out.exists() and not out.is_dir():  # (found only after the whole conversion, as "[Errno 17] File exists")
         raise fail(f"--out {str(out)!r} is a file, not a directory: choose a new or existing directory")
+    from recurrent_depth.integrations.export import GENERATION_CONFIG_FILE, check_generation_defaults
+
+    check_generation_defaults(source_dir, remote_code=False, before="retrofitting")  # (before the conversion)
     model = retrofit(source_dir, prelude, core, coda, **options)
     hf = read_json(source_dir / "config.json", CONFIG_MAX_BYTES, "config file")
     num_layers = hf["num_hidden_layers"]
     surgery = Surgery(prelude, parse_core(core) if isinstance(core, str) else tuple(core), coda)
     model.save_pretrained(out)
     copied, note = copy_source_tokenizer(source_dir, out)
+    # the source's generation defaults (its eos ids, e.g. Qwen's [<|im_end|>, <|endoftext|>], and sampling
+    # settings), which `rdepth generate` / `serve` read as transformers reads them for the source
+    if (source_dir / GENERATION_CONFIG_FILE).is_file():
+        atomic_write_bytes(out / GENERATION_CONFIG_FILE,
+                           read_bytes(source_dir / GENERATION_CONFIG_FILE, CONFIG_MAX_BYTES, "generation config"))
+    else:  # (not one of a model written to --out before)
+        (out / GENERATION_CONFIG_FILE).unlink(missing_ok=True)
     record = {
         "source": str(source_dir), "model_type": hf["model_type"], "source_layers": num_layers,
         "layers": {part.replace("core_block", "core"): [src for p, _, src in surgery.layer_map(num_layers) if p == part]

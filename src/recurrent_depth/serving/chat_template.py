@@ -27,6 +27,16 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TEMPLATE_BYTES = 1 << 20
 MAX_ITERATIONS = 100_000  # range() iterations per render, all ranges together
 SPECIAL_VARIABLES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+# The names a request's extra template variables (`chat_template_kwargs`) may not take: the variables `render` sets,
+# the functions it gives the template, Jinja's own globals and the names Jinja gives a meaning inside templates.
+RESERVED_VARIABLES = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", *SPECIAL_VARIABLES,
+    "range", "raise_exception", "strftime_now", "dict", "lipsum", "cycler", "joiner", "namespace",
+    "loop", "self", "caller", "varargs", "kwargs",
+})
+# What `render(continue_final_message=True)` appends to the final message to find where its text ends: the tag
+# transformers' `apply_chat_template` uses, so both cut the same text at the same place.
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 class TemplateLimit(ValueError):
@@ -187,19 +197,34 @@ class ChatTemplate:
         self.template = env.from_string(source)
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-               tools: list[dict[str, Any]] | None = None) -> str:
+               tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+               variables: dict[str, Any] | None = None) -> str:
         """The prompt text; `tools`: OpenAI tool objects for the template's `tools` variable (transformers'
-        `apply_chat_template(tools=...)` passes JSON-schema dicts the same way; None: no tools)."""
+        `apply_chat_template(tools=...)` passes JSON-schema dicts the same way; None: no tools).
+        `continue_final_message`: the text ends where the final message's content ends (no end of its turn), so
+        the model continues it, cut as transformers cuts it. `variables`: extra template variables (a request's
+        `chat_template_kwargs`), none of them `RESERVED_VARIABLES` (a ValueError)."""
+        extra = dict(variables or {})
+        taken = sorted(extra.keys() & (RESERVED_VARIABLES | self.template.environment.globals.keys()))
+        if taken:
+            raise ValueError(f"the chat template variable {taken[0]!r} is set by the server and cannot be overridden")
+        final = ""
+        if continue_final_message:
+            if not messages:
+                raise ValueError("continue_final_message needs a final message to continue")
+            final = messages[-1]["content"]
+            messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + CONTINUE_TAG}]
         self.iterations = 0
         self.rendered = 0
         out: list[str] = []
         for piece in self.template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
-                                            tools=tools, documents=None, **self.variables):
+                                            tools=tools, documents=None, **self.variables, **extra):
             self.rendered += len(piece)
             if self.rendered > self.max_output_chars:
                 raise RenderedTooLong(f"the rendered chat prompt is over {self.max_output_chars} characters")
             out.append(piece)
-        return "".join(out)
+        text = "".join(out)
+        return cut_at_continue_tag(text, final) if continue_final_message else text
 
     def generation_spans(self, messages: list[dict[str, str]],
                          add_generation_prompt: bool = False) -> tuple[str, list[tuple[int, int]]]:
@@ -219,3 +244,14 @@ class ChatTemplate:
                 raise ValueError("a {% generation %} block renders inside a macro, a {% set %} or {% filter %} "
                                  "block or another generation block, so where its text lies cannot be told")
         return text, [(start, start + len(body)) for start, body in blocks]
+
+
+def cut_at_continue_tag(text: str, final: str) -> str:
+    """`text` up to the end of the final message's content `final`, marked by `CONTINUE_TAG` (transformers'
+    `render_jinja_template`): just before the tag, or with trailing space stripped where the template trimmed
+    the tag's own space (it strips the content, so the message's trailing space went too)."""
+    at = text.rfind(CONTINUE_TAG.strip())
+    if at < 0 or final.strip() not in text:
+        raise ValueError("continue_final_message: the chat template does not render the final message's content, "
+                         "so it cannot be continued")
+    return text[:at] if text[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()

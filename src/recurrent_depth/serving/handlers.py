@@ -244,7 +244,9 @@ class Handlers:
                 row = RowRequest(list(prompt), options, seed=base_seed + j, top_logprobs=top,
                                  prompt_logprobs=prompt_scores)
                 jobs.append(Job(row=row, max_tokens=max_tokens, stop_ids=frozenset(stops),
-                                text=TextState(codec, sampling.stop), sink=channel.sink, deadline=deadline,
+                                text=TextState(codec, sampling.stop, sampling.skip_special_tokens,
+                                               sampling.include_stop_str_in_output),
+                                sink=channel.sink, deadline=deadline,
                                 index=index, solo=solo, generation_kwargs=generation, arrival=start,
                                 adapter=adapter))
                 choices.append(responses.Choice(index, list(prompt)))

@@ -91,7 +91,8 @@ class Preparer:
             return req, prompts
         req = parse_chat(body, limits, names, spec.eos_configured)
         try:
-            prompt = codec.encode_chat(req.messages, req.tools)
+            prompt = codec.encode_chat(req.messages, req.tools, req.add_generation_prompt, req.continue_final_message,
+                                       req.template_kwargs)
         except (ContextTooLong, RenderedTooLong) as exc:
             raise context_error(str(exc), "messages") from None
         except (TemplateLimit, ValueError) as exc:
@@ -101,7 +102,7 @@ class Preparer:
         except Exception as exc:  # noqa: BLE001 - a template error is the request's problem
             raise APIError(400, f"the chat template failed on these messages: {type(exc).__name__}: {exc}",
                            param="messages") from None
-        req.messages, req.tools = [], None  # (rendered: only the ids go back)
+        req.messages, req.tools, req.template_kwargs = [], None, {}  # (rendered: only the ids go back)
         return req, [prompt]
 
 

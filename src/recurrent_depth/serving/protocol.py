@@ -13,8 +13,10 @@ compute knobs are extra body fields (`extra_body=` in the openai client), the op
 `max_steps`, `kv_budget`, `kv_policy` (`cache_lookup_strategy`), `warm_start`
 (`continuous_compute`), `draft_steps`, `lookahead` (`lookahead_for_draft`),
 `verification_threshold`, `init_scale`, `top_k`, `min_p`, `repetition_penalty`; plus the
-server's `ignore_eos`, `stop_token_ids`, `add_special_tokens` and `return_steps`. A field a request leaves
-out takes the model directory's generation_config.json value where `rdepth serve` read one (`request_defaults`).
+server's `ignore_eos`, `stop_token_ids`, `add_special_tokens` and `return_steps`, and vLLM's `skip_special_tokens`,
+`include_stop_str_in_output` and (chat) `chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`.
+A field a request leaves out takes the model directory's generation_config.json value where `rdepth serve` read
+one (`request_defaults`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from recurrent_depth.inference.schema import (
     negating,
     resolved_auto,
 )
-from recurrent_depth.serving.chat_template import ROLES, content_text
+from recurrent_depth.serving.chat_template import RESERVED_VARIABLES, ROLES, content_text
 
 HTTP_OPTIONS = names_for("http")  # the schema's extra body fields, official aliases included
 # The standard OpenAI fields of /v1/completions and /v1/chat/completions (read, or ignored where
@@ -47,7 +49,12 @@ OPENAI_FIELDS = frozenset({
     "tools", "tool_choice", "functions", "function_call", "response_format", "modalities", "reasoning_effort",
     "prediction", "audio", "web_search_options", "verbosity", "prompt_cache_key", "safety_identifier",
 })
-SERVER_FIELDS = frozenset({"ignore_eos", "stop_token_ids", "add_special_tokens", "return_steps", "prompt_logprobs"})
+SERVER_FIELDS = frozenset({"ignore_eos", "stop_token_ids", "add_special_tokens", "return_steps", "prompt_logprobs",
+                           # vLLM's extras: both routes' output text, then the chat template's
+                           "skip_special_tokens", "include_stop_str_in_output",
+                           "chat_template_kwargs", "add_generation_prompt", "continue_final_message"})
+MAX_TEMPLATE_KWARGS = 64  # names in a chat request's `chat_template_kwargs`
+_TEMPLATE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 KNOWN_FIELDS = OPENAI_FIELDS | SERVER_FIELDS | set(HTTP_OPTIONS)
 # the generation options a request takes from generation_config.json where it leaves them out (our names: the
 # schema's HTTP options, and do_sample, which the wire spells as temperature)
@@ -222,6 +229,8 @@ class Sampling:
     return_steps: bool
     generation: dict[str, Any] = field(default_factory=dict)  # `generate` keyword arguments
     given_as: dict[str, str] = field(default_factory=dict)  # option -> the JSON field the client sent
+    skip_special_tokens: bool = True  # the answer's text leaves special tokens out (vLLM's default)
+    include_stop_str_in_output: bool = False  # a matched stop string stays at the end of the text
 
     @property
     def speculative(self) -> bool:
@@ -333,6 +342,8 @@ def parse_sampling(body: dict, limits: Limits, served_names: set[str] | None, eo
         model=model, max_tokens=None, n=n, stream=stream, include_usage=include_usage, stop=stop,
         stop_token_ids=list(stop_ids), ignore_eos=ignore_eos, seed=seed,
         return_steps=get_bool(body, "return_steps", False), generation=generation, given_as=given_as,
+        skip_special_tokens=get_bool(body, "skip_special_tokens", True),
+        include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
     )
 
 
@@ -420,7 +431,10 @@ OTHER_ROUTE_FIELDS = {
                     "max_completion_tokens": "'max_completion_tokens' belongs to /v1/chat/completions; "
                                              "/v1/completions takes 'max_tokens'",
                     "top_logprobs": "'top_logprobs' belongs to /v1/chat/completions; /v1/completions takes "
-                                    "'logprobs': N (the N most likely tokens)"},
+                                    "'logprobs': N (the N most likely tokens)",
+                    **{name: f"'{name}' belongs to /v1/chat/completions (it shapes the chat template's prompt); "
+                             "/v1/completions takes the prompt as it is"
+                       for name in ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")}},
     "chat": {"prompt": "'prompt' belongs to /v1/completions; /v1/chat/completions takes 'messages'",
              "echo": "'echo' belongs to /v1/completions (it echoes the prompt there); /v1/chat/completions has "
                      "no echo"},
@@ -481,7 +495,9 @@ class ChatRequest:
     logprobs: bool
     top_logprobs: int | None
     tools: list[dict[str, Any]] | None = None  # for the chat template's `tools` (tool_choice "none")
-
+    add_generation_prompt: bool = True  # the prompt opens the assistant's turn
+    continue_final_message: bool = False  # the prompt ends inside the final (assistant's) message, to continue it
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra chat template variables
 
 
 def _strings(value: Any) -> list[str]:
@@ -535,7 +551,48 @@ def parse_chat(body: dict, limits: Limits, served_names: set[str] | None, eos_co
     top = get_int(body, "top_logprobs", None, 0, limits.max_top_logprobs)
     if top is not None and not logprobs:
         raise bad("top_logprobs", "'top_logprobs' needs 'logprobs': true")
-    return ChatRequest(sampling, clean, logprobs, top, template_tools(body, limits, "chat"))
+    add_prompt, continue_final = chat_turn_fields(body, clean)
+    return ChatRequest(sampling, clean, logprobs, top, template_tools(body, limits, "chat"), add_prompt,
+                       continue_final, template_kwargs(body.get("chat_template_kwargs")))
+
+
+def chat_turn_fields(body: dict, messages: list[dict[str, Any]]) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final_message), checked as vLLM checks them: not both true, and only an
+    assistant's final message can be continued. add_generation_prompt left out is true, or false with
+    continue_final_message (which would otherwise need it sent as false)."""
+    continue_final = get_bool(body, "continue_final_message", False)
+    add_prompt = get_bool(body, "add_generation_prompt", not continue_final)
+    if add_prompt and continue_final:
+        raise bad("continue_final_message", "'continue_final_message' and 'add_generation_prompt' cannot both be "
+                                            "true: continue the final message, or open a new assistant turn")
+    if continue_final and messages[-1]["role"] != "assistant":
+        raise bad("continue_final_message", "'continue_final_message' continues the final message, which must be "
+                                            f"the assistant's; messages[{len(messages) - 1}].role is "
+                                            f"{_describe(messages[-1]['role'])}")
+    return add_prompt, continue_final
+
+
+def template_kwargs(value: Any) -> dict[str, Any]:
+    """A chat request's `chat_template_kwargs` (extra chat template variables, e.g. Qwen3's enable_thinking),
+    checked: an object of at most `MAX_TEMPLATE_KWARGS` JSON values named by identifiers, none a variable the
+    server sets (`RESERVED_VARIABLES`: the messages, tools, add_generation_prompt, special-token variables)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad("chat_template_kwargs", f"'chat_template_kwargs' must be an object, got {_describe(value)}")
+    if len(value) > MAX_TEMPLATE_KWARGS:
+        raise bad("chat_template_kwargs", f"'chat_template_kwargs' has {len(value)} names; at most "
+                                          f"{MAX_TEMPLATE_KWARGS} are allowed")
+    for name, item in value.items():
+        if not _TEMPLATE_NAME.fullmatch(name):
+            raise bad("chat_template_kwargs", f"'chat_template_kwargs' name {_describe(name)} is not an identifier "
+                                              "(letters, digits and _, not starting with a digit)")
+        if name in RESERVED_VARIABLES:
+            raise bad("chat_template_kwargs", f"'chat_template_kwargs' cannot set {name!r}: the server sets it "
+                                              "(send it as its own field, if it is one)")
+        for text in _strings(item):
+            check_text(text, "chat_template_kwargs", f"'chat_template_kwargs'.{name}")
+    return value
 
 
 TOOL_KEYS = frozenset({"type", "function"})

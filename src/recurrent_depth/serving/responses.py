@@ -124,8 +124,10 @@ def echo_offsets(codec: TextCodec, prompt_ids: list[int]) -> tuple[list[int], in
     return offsets, len(codec.decode(prompt_ids, skip_special_tokens=False))
 
 
-def completion_logprobs(codec: TextCodec, choice: Choice, echo: bool, first: int = 0) -> dict[str, Any]:
-    """OpenAI legacy logprobs for tokens [first:] of (echoed prompt +) completion."""
+def completion_logprobs(codec: TextCodec, choice: Choice, echo: bool, first: int = 0,
+                        skip_special_tokens: bool = True) -> dict[str, Any]:
+    """OpenAI legacy logprobs for tokens [first:] of (echoed prompt +) completion; the completion's text offsets
+    count special tokens as its text does (`skip_special_tokens`)."""
     ids, lps, tops, offsets, length = [], [], [], [], 0
     if echo:
         scores = choice.prompt_scores
@@ -136,7 +138,8 @@ def completion_logprobs(codec: TextCodec, choice: Choice, echo: bool, first: int
     ids += choice.tokens
     lps += choice.logprobs
     tops += choice.tops
-    decoder = IncrementalDecoder(codec, continuation=True)  # the completion's text continues its prompt
+    # the completion's text continues its prompt
+    decoder = IncrementalDecoder(codec, continuation=True, skip_special_tokens=skip_special_tokens)
     for t in choice.tokens:  # offsets into the returned text (echoed prompt + completion)
         offsets.append(length)
         length += len(decoder.push(t))
@@ -148,12 +151,13 @@ def completion_logprobs(codec: TextCodec, choice: Choice, echo: bool, first: int
     }
 
 
-def last_token_logprobs(codec: TextCodec, choice: Choice, echo: bool) -> dict[str, Any]:
+def last_token_logprobs(codec: TextCodec, choice: Choice, echo: bool, skip_special_tokens: bool = True
+                        ) -> dict[str, Any]:
     """`completion_logprobs(codec, choice, echo)` of the choice's newest token alone, for a stream: the
     decoder measuring text offsets is kept on the choice (decoding every earlier token again for each
     new one made a 2000-token stream cost 12 s of the event loop's time)."""
     if choice.offsets is None:
-        choice.offsets = IncrementalDecoder(codec, continuation=True)
+        choice.offsets = IncrementalDecoder(codec, continuation=True, skip_special_tokens=skip_special_tokens)
         choice.offset = len(codec.decode(choice.prompt_ids, skip_special_tokens=False)) if echo else 0
         for t in choice.tokens[:-1]:
             choice.offset += len(choice.offsets.push(t))
@@ -173,7 +177,8 @@ def completion_body(codec: TextCodec, req: CompletionRequest, head: dict[str, An
         text = (echoed_prompt(codec, req, c) if req.echo else "") + c.text
         item: dict[str, Any] = {
             "index": c.index, "text": text,
-            "logprobs": completion_logprobs(codec, c, req.echo) if req.logprobs is not None else None,
+            "logprobs": completion_logprobs(codec, c, req.echo, skip_special_tokens=req.sampling.skip_special_tokens)
+            if req.logprobs is not None else None,
             "finish_reason": c.finish_reason,
         }
         body_choices.append(_with_steps(item, c.steps, req.sampling.return_steps))
@@ -192,13 +197,13 @@ def completion_chunks(codec: TextCodec, event: Event, choice: Choice, req: Compl
     if isinstance(event, PromptEvent) and req.echo:
         lp = None
         if req.logprobs is not None:
-            lp = completion_logprobs(codec, choice, echo=True)
+            lp = completion_logprobs(codec, choice, echo=True, skip_special_tokens=req.sampling.skip_special_tokens)
         chunk(echoed_prompt(codec, req, choice), None, lp)
     elif isinstance(event, TokenOut):
         lp = None
         if req.logprobs is not None:
             # text_offset counts from the start of the returned text, the echoed prompt included
-            lp = last_token_logprobs(codec, choice, req.echo)
+            lp = last_token_logprobs(codec, choice, req.echo, req.sampling.skip_special_tokens)
         chunk(event.text, None, lp, [event.steps])
     elif isinstance(event, Done):
         chunk(event.text, event.finish_reason, None)

@@ -211,11 +211,14 @@ class TextCodec:
         with tokenizer_failures_as_errors():  # a 400 for the request, not a dead worker
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_chat(self, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    variables: dict[str, Any] | None = None) -> list[int]:
         """Token ids of the chat template applied to `messages` (and `tools`, the template's `tools` variable),
-        with the assistant's turn opened.
+        with the assistant's turn opened (`add_generation_prompt`) or the final message left open to continue
+        (`continue_final_message`); `variables`: extra template variables (`ChatTemplate.render`'s).
 
-        Special-token strings inside message contents and tools stay plain text (so a message cannot forge
+        Special-token strings inside message contents, tools and variables stay plain text (so a message cannot forge
         a turn): they are swapped for placeholders before rendering, and every text piece between
         the template's own special tokens is encoded with special-token matching turned off.
         """
@@ -224,8 +227,9 @@ class TextCodec:
                              "use /v1/completions")
         for m in messages:
             self.check_fits(m["content"], "message content")
-        escaped, escaped_tools, literals = self._escape_specials(messages, tools)
-        text = self.chat.render(escaped, tools=escaped_tools)
+        escaped, escaped_tools, escaped_variables, literals = self._escape_specials(messages, tools, variables)
+        text = self.chat.render(escaped, add_generation_prompt, escaped_tools, continue_final_message,
+                                escaped_variables)
         if not literals:  # the common case: exactly what tokenizing the rendered text gives
             self.check_fits(text, "rendered chat prompt")
             return self._ids(text, add_special_tokens=False)
@@ -245,11 +249,13 @@ class TextCodec:
             self.tokenizer.encode_special_tokens = False
         return ids
 
-    def _escape_specials(self, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None = None
-                         ) -> tuple[list[dict[str, str]], list[dict[str, Any]] | None, list[str]]:
+    def _escape_specials(self, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None = None,
+                         variables: dict[str, Any] | None = None
+                         ) -> tuple[list[dict[str, str]], list[dict[str, Any]] | None, dict[str, Any] | None,
+                                    list[str]]:
         literals: list[str] = []
         if self._special_pattern is None:
-            return messages, tools, literals
+            return messages, tools, variables, literals
         pattern = self._special_pattern
 
         def swap(match: re.Match[str]) -> str:
@@ -270,7 +276,10 @@ class TextCodec:
             return value
 
         out = [{k: escaped(v, f"messages[{i}].{k}") for k, v in m.items()} for i, m in enumerate(messages)]
-        return out, None if tools is None else [escaped(t, f"tools[{i}]") for i, t in enumerate(tools)], literals
+        out_tools = None if tools is None else [escaped(t, f"tools[{i}]") for i, t in enumerate(tools)]
+        out_variables = None if variables is None else {
+            k: escaped(v, f"chat_template_kwargs.{k}") for k, v in variables.items()}
+        return out, out_tools, out_variables, literals
 
     # ------------------------------------------------------------------ output
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -382,12 +391,16 @@ class TextState:
 
     `push(token)` returns (text safe to emit now, stop string hit). Text that could be the start
     of a stop string is held back until it is clear; a hit cuts the text just before the stop
-    string (which is never returned), as OpenAI's API does.
+    string (which is not returned, as OpenAI's API does, unless `include_stop`: vLLM's
+    include_stop_str_in_output). `skip_special_tokens`: as `TextCodec.decode`'s.
     """
 
-    def __init__(self, codec: TextCodec, stop: list[str]) -> None:
-        self.decoder = codec.decoder(continuation=True)  # (a completion continues its prompt)
+    def __init__(self, codec: TextCodec, stop: list[str], skip_special_tokens: bool = True,
+                 include_stop: bool = False) -> None:
+        # (a completion continues its prompt)
+        self.decoder = codec.decoder(continuation=True, skip_special_tokens=skip_special_tokens)
         self.stop = stop
+        self.include_stop = include_stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.pending = ""
         self.text = ""
@@ -395,9 +408,10 @@ class TextState:
     def push(self, token: int) -> tuple[str, bool]:
         buffer = self.pending + self.decoder.push(token)
         if self.stop:
-            hits = [i for i in (buffer.find(s) for s in self.stop) if i >= 0]
+            hits = [(i, len(s)) for i, s in ((buffer.find(s), s) for s in self.stop) if i >= 0]
             if hits:
-                out = buffer[: min(hits)]
+                at, length = min(hits, key=lambda hit: hit[0])  # the first stop string in the text
+                out = buffer[: at + length if self.include_stop else at]
                 self.pending = ""
                 self.text += out
                 return out, True

@@ -21,7 +21,7 @@ Model args (besides lm-eval's usual ``hf`` ones: ``pretrained``, ``tokenizer``, 
 - ``kv_quant``: a quantized KV cache, e.g. ``k=prod:3.5;v=mse:3.5`` (``;`` for ``,``, which lm-eval's
   model_args use between args; see docs/quant.md);
 - ``warm_start``: each token starts from the previous token's final state;
-- ``init_scale``: scale of the random initial state (0 = deterministic zeros);
+- ``init_scale``: scale of the random initial state (0 = deterministic zeros; default the config's);
 - ``seed`` (this backend's: it seeds the initial-state draws; each scored request draws from a stream
   seeded by it and the request's tokens, so a score does not depend on the batch; each generated
   request gets a seed of its own, drawn in request order) and ``steps_log``
@@ -113,8 +113,6 @@ class RecurrentDepthEvalLM(HFLM):
                 not Path(pretrained).expanduser().is_dir():
             raise FileNotFoundError(f"pretrained={pretrained}: no such directory (expected a saved model directory)")
         values, given_as = _typed({k: kwargs.pop(k) for k in list(kwargs) if k in MODEL_ARGS})
-        if "init_scale" in values and values["init_scale"] is None:  # None = the config's (GenerationOptions
-            del values["init_scale"]  # wants a number); `rdepth eval` passes None when --init-scale is not given
         if isinstance(values.get("kv_quant"), str):  # model_args are split at commas: k=...;v=...
             values["kv_quant"] = values["kv_quant"].replace(";", ",")
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -147,8 +145,9 @@ class RecurrentDepthEvalLM(HFLM):
         self._core = self.model.core
         try:
             with spelled_warnings(kwarg_spelling(given_as)):
-                self.options = GenerationOptions(**values).validate(self._core.config.mean_recurrence,
-                                                                    self._core.config.exit_gate_threshold)
+                config = self._core.config  # (init_scale None, as `rdepth eval` passes it unset: the config's)
+                self.options = GenerationOptions(**values).validate(config.mean_recurrence,
+                                                                    config.exit_gate_threshold, config.init_scale)
         except OptionError as exc:
             raise exc.spelled(kwarg_spelling(given_as)) from None
         gate_for(self.options.criterion, self._core)  # exit_criterion=gate on a model without one: fail now
@@ -182,10 +181,7 @@ class RecurrentDepthEvalLM(HFLM):
 
     def settings(self) -> dict[str, Any]:
         resolved = {name: getattr(self.options, name) for name in MODEL_OPTIONS}
-        return resolved | {
-            "init_scale": self.init_scale if self.init_scale is not None else self._core.config.init_scale,
-            "seed": self.seed,
-        }
+        return resolved | {"seed": self.seed}
 
     def get_model_info(self) -> dict[str, Any]:
         info = super().get_model_info()
@@ -287,8 +283,6 @@ class RecurrentDepthEvalLM(HFLM):
         # generator refuses a CPU draw).
         seed = [int(torch.randint(0, 2**31 - 1, (1,), generator=self._generator, device=self._generator.device))
                 for _ in range(context.shape[0])]
-        if options.get("init_scale") is None:
-            options["init_scale"] = self._core.config.init_scale
         try:
             out = rd_generate(
                 self._core, context, max_new_tokens=max_length - context.shape[1], attention_mask=attention_mask,

@@ -37,7 +37,8 @@ class GenerationStream:
 
     def __init__(self, model: Any, input_ids: Any, attention_mask: Any, options: GenerationOptions,
                  tokenizer: Any, memory: Tensor | None = None, should_stop: Callable[[], bool] | None = None) -> None:
-        resolved = options.validate(model.config.mean_recurrence, model.config.exit_gate_threshold)
+        config = model.config
+        resolved = options.validate(config.mean_recurrence, config.exit_gate_threshold, config.init_scale)
         check_options_for_model(model, resolved)  # before TTT-E2E or GradMem work, and before any event
         self.options: ResolvedOptions = resolved
         self.gradmem: GradMemPlan | None = None
@@ -208,7 +209,8 @@ def generate(
       forces the front to freeze; positions freeze on exit_criterion latent-diff/cosine or at max_steps).
     Sampling: do_sample with temperature, top_k, top_p, min_p; repetition_penalty (1.0 = off) applies to
       greedy too. seed: int (row b uses seed + b) or one int per row; each row draws s_0 and samples
-      from its own generator, so a row in a batch equals the row alone. init_scale=0 gives s_0 = 0.
+      from its own generator, so a row in a batch equals the row alone. init_scale scales s_0 (None:
+      the model config's, as its forward: Huginn's 1.0, Parcae's 1/sqrt(h)); init_scale=0 gives s_0 = 0.
     Stopping: stop ids and stop strings (strings need `tokenizer=`), and the eos ids: eos_token_id=
       (an id or a list) or else the config's. finish_round=True lets a speculative row finish the
       round that reaches max_new_tokens.

@@ -162,13 +162,14 @@ def initial_memory(model: Any, context_ids: Tensor, lengths: list[int], tokens: 
 
 
 def memory_loss(model: Any, memory: Tensor, ids: Tensor, num_steps: int, lengths: list[int] | None = None,
-                init_scale: float = 1.0, generators: RowGenerators | None = None) -> Tensor:
+                init_scale: float | None = None, generators: RowGenerators | None = None) -> Tensor:
     """Per-row mean next-token loss `[B]` of `ids` (`[B, T]`, right-padded to `lengths`) given the
     memory `[B, m, h]` before them, the first id read at the memory's last position; differentiable
     in `memory`. L_write of a context, or the held-out loss of a continuation read from the memory.
 
     s_0 is drawn per row from `generators` (None: the global RNG) over its real positions only, so
-    a row's loss does not depend on the rows beside it."""
+    a row's loss does not depend on the rows beside it; at `init_scale` (None: the model config's)."""
+    init_scale = model.config.init_scale if init_scale is None else init_scale
     B, T = ids.shape
     m = memory.shape[1]
     lengths = [T] * B if lengths is None else lengths
@@ -206,14 +207,16 @@ def write_flops(model: Any, batch: int, seq_len: int, depth: int, steps: int) ->
 
 
 def write_memory(model: Any, context_ids: Any, *, tokens: int, steps: int, lr: float, depth: int | None = None,
-                 lengths: Any = None, init: str = "tail", memory: Tensor | None = None, init_scale: float = 1.0,
-                 seed: Any = None, should_stop: Callable[[], bool] | None = None) -> MemoryWrite:
+                 lengths: Any = None, init: str = "tail", memory: Tensor | None = None,
+                 init_scale: float | None = None, seed: Any = None,
+                 should_stop: Callable[[], bool] | None = None) -> MemoryWrite:
     """GradMem's WRITE: `steps` SGD steps on `tokens` memory tokens prepended to the context.
 
     context_ids: `[T]` or `[B, T]` ids, rows right-padded to `lengths` (None: every row has T).
     depth: recurrence depth of each write pass, >= 1 (None: the model's mean_recurrence).
     init: "tail" or "random" (see `initial_memory`); `memory` (`[m, h]` or `[B, m, h]`) gives M_0 instead.
-    init_scale, seed: s_0's scale and the per-row seeds (an int: row b uses seed + b), as generation's.
+    init_scale, seed: s_0's scale (None: the model config's) and the per-row seeds (an int: row b uses
+      seed + b), as generation's.
     should_stop: checked before each step; when it returns True the write raises `engine.Stopped`.
 
     The model's weights receive no gradient and are left as they were (bit for bit); its

@@ -247,8 +247,9 @@ class GenerationOptions:
     num_steps: int | None = option(None, "depth", "recurrence depth r: core steps per token (the prompt runs at r)",
         "int", shown="the model's mean_recurrence", http=True, http_max="max_num_steps", hf="shared", lm_eval="model",
         low=0)
-    init_scale: float = option(1.0, "depth", "scale of the random initial state s_0; 0 = zeros, deterministic",
-        "float", http=True, http_max=100.0, hf="shared", lm_eval="model", low=0, high=math.inf, high_open=True)
+    init_scale: float | None = option(None, "depth", "scale of the random initial state s_0; 0 = zeros, "
+        "deterministic", "float", shown="the model config's init_scale (Huginn's 1.0, Parcae's 1/sqrt(h) or 0)",
+        http=True, http_max=100.0, hf="shared", lm_eval="model", low=0, high=math.inf, high_open=True)
     exit_criterion: str | None = option(None, "exit", "stop each token's recurrence when this statistic converges",
         "str", choices=criterion_names, shown="none, fixed depth", http=True, hf="routed", lm_eval="model")
     exit_threshold: float | None = option(None, "exit", "the criterion's threshold; 'auto' = the official code's "
@@ -383,11 +384,15 @@ class GenerationOptions:
             return "speculative"
         return "autoregressive"
 
-    def validate(self, mean_recurrence: int, gate_threshold: float | None = None) -> ResolvedOptions:
+    def validate(self, mean_recurrence: int, gate_threshold: float | None = None,
+                 init_scale: float = 1.0) -> ResolvedOptions:
         """Every field checked against its `Option`, the defaults that depend on the profile and on
         the model filled, the criterion, KV policy and KV quantization parsed. `gate_threshold` is the
         model's own q for `exit_criterion="gate"` (`ModelConfig.exit_gate_threshold`, Ouro's
-        early_exit_threshold): the gate's default when `exit_threshold` is not given."""
+        early_exit_threshold): the gate's default when `exit_threshold` is not given. `init_scale` is
+        the model's s_0 scale (`ModelConfig.init_scale`, 1.0 unless set): the option's default, as in
+        the model's forward, under both profiles (the official code's forward default is 1.0, every
+        official checkpoint's)."""
         values = {name: getattr(self, name) for name in OPTIONS}
         given = dict(values)  # the caller's values (ignored_options compares them with the defaults)
         if values["exit_criterion"] == "gate" and values["exit_threshold"] is None and gate_threshold is not None:
@@ -398,6 +403,8 @@ class GenerationOptions:
         _fill_profile_defaults(values)
         if values["num_steps"] is None:
             values["num_steps"] = mean_recurrence
+        if values["init_scale"] is None:
+            values["init_scale"] = init_scale
         for spec in OPTIONS.values():
             spec.check(values)
         official = values["defaults"] == "official"

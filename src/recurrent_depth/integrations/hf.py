@@ -732,7 +732,6 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             else:
                 options["max_new_tokens"] = (max_length or gc.max_length) - input_ids.shape[-1]
         options.setdefault("num_steps", None)  # None: the config's mean_recurrence, as in forward()
-        options.setdefault("init_scale", self.core.config.init_scale)  # the config's, as in forward()
         stop_strings = kwargs.pop("stop_strings", None)
         tokenizer = kwargs.pop("tokenizer", None)
         if stop_strings:

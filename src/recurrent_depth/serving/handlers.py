@@ -9,7 +9,7 @@ import hmac
 import secrets
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import Request
@@ -82,8 +82,10 @@ class Handlers:
     def __init__(self, scheduler: BatchScheduler, codec: TextCodec, settings: ServerSettings) -> None:
         cfg = scheduler.model.config
         self.scheduler, self.codec, self.settings = scheduler, codec, settings
-        self.limits = settings.limits or Limits(cfg.max_seq_len, cfg.mean_recurrence, cfg.vocab_size,
-                                                gate_threshold=cfg.exit_gate_threshold)
+        limits = settings.limits or Limits(cfg.max_seq_len, cfg.mean_recurrence, cfg.vocab_size,
+                                           gate_threshold=cfg.exit_gate_threshold)
+        # s_0's scale is the served model's (Parcae's 1/sqrt(h), 0 for a zero-init model), whoever built the limits
+        self.limits = replace(limits, init_scale=cfg.init_scale)
         self.names = {settings.model_name, *settings.aliases}  # the base's names (no adapter)
         self.metrics = scheduler.metrics
         eos_configured = cfg.eos_token_id is not None

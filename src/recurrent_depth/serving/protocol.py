@@ -133,6 +133,7 @@ class Limits:
     max_lookahead: int = 64
     default_num_steps: int | None = None  # depth of requests that do not say (None: mean_recurrence)
     gate_threshold: float | None = None  # the model's own q for exit_criterion "gate" (its exit_gate_threshold)
+    init_scale: float = 1.0  # the model's s_0 scale (its config's init_scale): requests that leave it out draw at it
     # what the model directory's generation_config.json sets for the fields a request leaves out, by our option
     # names (`request_defaults`; rdepth serve --generation-config auto)
     defaults: dict[str, Any] = field(default_factory=dict)
@@ -257,7 +258,7 @@ def validated(generation: dict[str, Any], given_as: dict[str, str], max_tokens: 
     try:
         options = GenerationOptions(max_new_tokens=max_tokens, **generation)
         with spelled_warnings(http_spelling(given_as)):  # (logged once per message; the request goes on)
-            return options.validate(limits.mean_recurrence, limits.gate_threshold)
+            return options.validate(limits.mean_recurrence, limits.gate_threshold, limits.init_scale)
     except OptionError as exc:
         raise option_error(exc, given_as) from None
 

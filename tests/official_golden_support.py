@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 import recurrent_depth as rd
+from recurrent_depth.checkpoint import save_official_layout
 
 GOLDEN_PATH = Path(__file__).parent / "golden" / "official_59e0b69.json"
 
@@ -88,28 +88,10 @@ def state_dict_sha256(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def official_config_json(config: rd.ModelConfig) -> dict[str, Any]:
-    """An official RavenConfig `config.json` (huginn-0125.md §1 keys) for `config`."""
-    return {
-        "model_type": "huginn_raven", "architectures": ["RavenForCausalLM"], "torch_dtype": "float32",
-        "n_embd": config.hidden_size, "n_heads": config.num_heads, "n_layers": config.num_layers,
-        "n_layers_in_prelude": config.prelude_layers, "n_layers_in_recurrent_block": config.core_layers,
-        "n_layers_in_coda": config.coda_layers, "block_size": config.max_seq_len,
-        "vocab_size": config.vocab_size, "intermediate_size": config.intermediate_size,
-        "mean_recurrence": config.mean_recurrence, "mean_backprop_depth": config.mean_backprop_depth,
-        "rope_base": config.rope_base, "norm_eps": config.norm_eps, "qk_bias": config.qk_bias,
-        "bias": config.bias, "tie_embeddings": config.tie_embeddings,
-        "bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
-        "pad_token_id": config.pad_token_id,
-    }
-
-
 def write_official_dir(model: rd.RecurrentDepthLM, path: Path) -> None:
-    """`model` as an official Huginn directory: RavenConfig keys, official tensor names, fp32."""
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(official_config_json(model.config), indent=2))
-    state = {name: t.detach().to(torch.float32).contiguous().clone() for name, t in model.state_dict().items()}
-    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    """`model` (fp32) as an official Huginn directory: what `rdepth export --official-layout` writes
+    (`save_official_layout`), which tests/golden/check_official_layout.py runs with the official code."""
+    save_official_layout(model, path)
 
 
 def load_golden() -> dict[str, Any]:

@@ -100,9 +100,14 @@ def test_official_layout_refusals_name_the_problem_before_writing(train_root, tm
     source = tmp_path / "gqa"
     torch.manual_seed(0)
     rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", vocab_size=VOCAB, num_kv_heads=2)).save_pretrained(source)
+    # bias=True reads back from the official keys, but the official code puts a bias on the adapter only: it
+    # dropped the 32 attention and MLP biases of the golden-sized model (unexpected keys) and its logits differed.
+    biased = tmp_path / "biased"
+    rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", vocab_size=VOCAB, bias=True)).save_pretrained(biased)
     write_download(tmp_path / "huginn", train_root)
     cases = [
         ([str(source)], "cannot express this model's num_kv_heads=2 (the official code hard-codes num_kv_heads=4)"),
+        ([str(biased)], "cannot express this model's bias=True (the official code's bias is the adapter's only"),
         ([str(tmp_path / "huginn"), "--remote-code"], "--official-layout and --remote-code write two different"),
         ([str(tmp_path / "huginn"), "--official-code", str(source)], f"--official-code {source}: expected an "
                                                                      "official Huginn-0125 directory"),

@@ -563,6 +563,10 @@ class ModelConfig:
                              f"{', '.join(f'{name}={getattr(self, name)!r}' for name in differs)} (the official "
                              f"code hard-codes {', '.join(f'{name}={getattr(back, name)!r}' for name in differs)}): "
                              f"save it in the library's layout")
+        if self.bias:  # (the key reads back, but the official code gives it another meaning)
+            raise ValueError("the official Huginn-0125 layout cannot express this model's bias=True (the official "
+                             "code's bias is the adapter's only; its attention and MLP have none, so it would drop "
+                             "their biases): save it in the library's layout")
         return {key: values[key] for key in sorted(values)}
 
     @classmethod

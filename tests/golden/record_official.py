@@ -266,7 +266,7 @@ def worker(checkout: Path, model_dir: Path, cases_file: Path, out_file: Path) ->
     official = _import_official(checkout)
     model = official.RavenForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     assert model.lm_head.weight is model.transformer.wte.weight
-    # The directory holds no freqs_cis (we do not store it): the table built in __init__ must be intact.
+    # The stored freqs_cis (save_official_layout writes it) must equal the table built in __init__.
     assert torch.equal(model.freqs_cis, model._precompute_freqs_cis())
     segments = _count_steps(model)
     spec = json.loads(cases_file.read_text())

@@ -370,15 +370,15 @@ class BatchDecoder:
 
         Returns (the runner's Step, the rows as a tensor, their columns)."""
         columns = [self.rows[b].length for b in rows]
-        if ids is None:  # core / coda calls read states, not ids; the shape is what matters
-            ids = torch.zeros(len(rows), 1, dtype=torch.long, device=self.device)
+        if ids is None:  # core / coda calls: each row's current token (layers with a value embedding read it)
+            ids = torch.tensor([[self.rows[b].pending] for b in rows], dtype=torch.long, device=self.device)
         step = self.runner.context(ids, None, self.pool, row_columns=columns)
         return step, torch.tensor(rows, dtype=torch.long, device=self.device), step.ctx.positions[:, 0]
 
     def _bind(self, rows: list[int], ids: Tensor | None = None, core_steps: list[int] | None = None) -> Step:
         """Bind the pool to `rows` for the next model call and return its context."""
-        if ids is None:  # the context depends only on which rows and their columns
-            key = (tuple(rows), tuple(self.rows[b].length for b in rows))
+        if ids is None:  # the context depends only on which rows, their columns and their current tokens
+            key = (tuple(rows), tuple((self.rows[b].length, self.rows[b].pending) for b in rows))
             if key not in self._contexts:
                 if len(self._contexts) >= 16:
                     self._contexts.clear()

@@ -8,6 +8,7 @@ import torch
 
 import recurrent_depth as rd
 from recurrent_depth.inference import generate
+from tests.test_gradmem import left_padded
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 
@@ -21,16 +22,6 @@ def model_with(mixer: str, **options) -> rd.RecurrentDepthLM:
     return rd.RecurrentDepthLM(cfg).eval()
 
 
-def left_pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    T = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), T, dtype=torch.long)
-    mask = torch.zeros(len(rows), T, dtype=torch.long)
-    for b, r in enumerate(rows):
-        ids[b, T - len(r):] = r
-        mask[b, T - len(r):] = 1
-    return ids, mask
-
-
 g = torch.Generator().manual_seed(7)
 PROMPTS = [torch.randint(0, 256, (n,), generator=g) for n in (1, 9, 4)]
 
@@ -40,7 +31,7 @@ def test_a_left_padded_batch_of_a_position_counting_mixer_is_refused(mixer, opti
     """These mixers keep one position count for the batch: left padding shifted it for the shorter rows,
     whose logits then differed from the row alone (6e-2 for ttt_kvb) with no error."""
     model = model_with(mixer, **options)
-    ids, mask = left_pad(PROMPTS)
+    ids, mask = left_padded(PROMPTS)
     kw = dict(max_new_tokens=3, num_steps=3, init_scale=0.0, output_logits=True)
     with pytest.raises(ValueError, match="left-padded batch of 3 rows") as info:
         generate(model, ids, attention_mask=mask, **kw)
@@ -67,7 +58,7 @@ WINDOW_MODES = {
 @pytest.mark.parametrize("mode", list(WINDOW_MODES))
 def test_sliding_window_batch_with_a_one_token_prompt_equals_each_row_alone(mode):
     model = model_with("attention", window=3)
-    ids, mask = left_pad(PROMPTS)
+    ids, mask = left_padded(PROMPTS)
     kw = dict(max_new_tokens=5, num_steps=4, init_scale=0.0, output_logits=True)
     kw.update(WINDOW_MODES[mode])
     batch = generate(model, ids, attention_mask=mask, seed=3, **kw)

@@ -4,8 +4,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from recurrent_depth.files import CONFIG_MAX_BYTES, read_json
+
+GENERATION_CONFIG_FILE = "generation_config.json"
 GENERATION_CONFIG_MODES = ("auto", "none")
 # the file's settings a server takes as its own --num-steps / --kv-quant (its KV pool, lm-eval's depth)
 SERVER_SETTINGS = ("num_steps", "kv_quant")
@@ -25,14 +29,12 @@ def generation_defaults(model_dir: str, mode: str, command: str, max_depth: int 
     wrong type, or a depth past the ceiling `max_depth` (--max-depth), is a one-line error naming the file; entries
     nothing here runs (num_beams, max_length, ...) are named in one warning on stderr."""
     import sys
-    from pathlib import Path
 
     from recurrent_depth.config import check_depth
-    from recurrent_depth.files import CONFIG_MAX_BYTES, read_json
     from recurrent_depth.inference.options import OptionError
     from recurrent_depth.inference.schema import canonical, check_type, names_for
 
-    path = Path(model_dir) / "generation_config.json"
+    path = Path(model_dir) / GENERATION_CONFIG_FILE
     if mode == "none" or not path.is_file():
         return {}
     off = "(--generation-config none ignores the file)"
@@ -103,3 +105,28 @@ def with_generation_defaults(given: dict[str, Any], defaults: dict[str, Any]) ->
             if name not in given:
                 merged.pop(name, None)
     return merged
+
+
+def check_generation_defaults(src: Path, remote_code: bool = True, before: str = "exporting") -> None:
+    """Refuse (one line, before anything is written) a generation_config.json that no export can carry: one that is
+    not a regular file (a FIFO, a link to /dev/zero: the copy left it out without a word) or not a JSON object
+    (copied as it was, the copy's every from_pretrained was a TypeError); with `remote_code`, also one that sets
+    options only the library runs (an exit criterion, a KV policy, ...): the exported file would refuse every plain
+    `generate` call. `before`: what the refusal comes before ("exporting", "training", "averaging")."""
+    path = src / GENERATION_CONFIG_FILE
+    if not path.exists() and not path.is_symlink():
+        return
+    if not path.is_file():  # (also a dangling link)
+        raise ValueError(f"{path} is not a regular file: replace or remove it before {before}")
+    values = read_json(path, CONFIG_MAX_BYTES, "generation config")
+    if not isinstance(values, dict):
+        raise ValueError(f"{path} is not a JSON object: fix or remove it before {before}")
+    if not remote_code:
+        return
+    from recurrent_depth.integrations.remote.modeling_recurrent_depth import LIBRARY_ONLY_OPTIONS
+
+    asked = sorted(k for k in LIBRARY_ONLY_OPTIONS if values.get(k) is not None)
+    if asked:
+        raise ValueError(f"{src / GENERATION_CONFIG_FILE} sets {asked}, which only the recurrent_depth library runs: "
+                         f"the --remote-code copy would refuse every generate call that does not unset them; remove "
+                         f"them there (or load the model with the library)")

@@ -662,7 +662,7 @@ def retrofit_to_dir(
         raise fail(f"--out {str(out)!r} is the source directory: write the retrofitted model elsewhere")
     if out.exists() and not out.is_dir():  # (found only after the whole conversion, as "[Errno 17] File exists")
         raise fail(f"--out {str(out)!r} is a file, not a directory: choose a new or existing directory")
-    from recurrent_depth.integrations.export import GENERATION_CONFIG_FILE, check_generation_defaults
+    from recurrent_depth.generation_config import GENERATION_CONFIG_FILE, check_generation_defaults
 
     check_generation_defaults(source_dir, remote_code=False, before="retrofitting")  # (before the conversion)
     model = retrofit(source_dir, prelude, core, coda, **options)

@@ -17,10 +17,10 @@ from recurrent_depth.checkpoint import copy_tokenizer, save_pretrained
 from recurrent_depth.config import HUGINN_ARCHITECTURE, HUGINN_MODEL_TYPE, MODEL_TYPE, ModelConfig
 from recurrent_depth.families.retrofit import PROVENANCE_FILE
 from recurrent_depth.files import CONFIG_MAX_BYTES, atomic_write_bytes, atomic_write_text, read_bytes, read_json
+from recurrent_depth.generation_config import GENERATION_CONFIG_FILE, check_generation_defaults
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 
 REMOTE_CODE_FILE = "modeling_recurrent_depth.py"
-GENERATION_CONFIG_FILE = "generation_config.json"
 AUTO_MAP = {
     "AutoConfig": "modeling_recurrent_depth.RecurrentDepthConfig",
     "AutoModelForCausalLM": "modeling_recurrent_depth.RecurrentDepthForCausalLM",
@@ -57,31 +57,6 @@ def check_exportable(config: ModelConfig) -> None:
             "or retrofitted model). Load it with the recurrent_depth library instead (AutoModelForCausalLM works "
             "after `import recurrent_depth`)"
         )
-
-
-def check_generation_defaults(src: Path, remote_code: bool = True, before: str = "exporting") -> None:
-    """Refuse (one line, before anything is written) a generation_config.json that no export can carry: one that is
-    not a regular file (a FIFO, a link to /dev/zero: the copy left it out without a word) or not a JSON object
-    (copied as it was, the copy's every from_pretrained was a TypeError); with `remote_code`, also one that sets
-    options only the library runs (an exit criterion, a KV policy, ...): the exported file would refuse every plain
-    `generate` call. `before`: what the refusal comes before ("exporting", "training", "averaging")."""
-    path = src / GENERATION_CONFIG_FILE
-    if not path.exists() and not path.is_symlink():
-        return
-    if not path.is_file():  # (also a dangling link)
-        raise ValueError(f"{path} is not a regular file: replace or remove it before {before}")
-    values = read_json(path, CONFIG_MAX_BYTES, "generation config")
-    if not isinstance(values, dict):
-        raise ValueError(f"{path} is not a JSON object: fix or remove it before {before}")
-    if not remote_code:
-        return
-    from recurrent_depth.integrations.remote.modeling_recurrent_depth import LIBRARY_ONLY_OPTIONS
-
-    asked = sorted(k for k in LIBRARY_ONLY_OPTIONS if values.get(k) is not None)
-    if asked:
-        raise ValueError(f"{src / GENERATION_CONFIG_FILE} sets {asked}, which only the recurrent_depth library runs: "
-                         f"the --remote-code copy would refuse every generate call that does not unset them; remove "
-                         f"them there (or load the model with the library)")
 
 
 def read_companions(src: Path, before: str = "exporting") -> dict[str, bytes]:

@@ -256,7 +256,8 @@ def test_a_refused_average_leaves_a_model_already_in_out_as_it_was(tmp_path, cap
 
 @pytest.mark.parametrize("special", ["dangling", "fifo", "dev-zero"])
 def test_a_kept_file_that_is_no_regular_file_is_refused_in_one_line(tmp_path, capsys, special):
-    """As a run's start refuses it (`read_start_files`): a dangling link was taken for no file, without a word."""
+    """As a run's start refuses it (`integrations.export.read_companions`): a dangling link was taken for no file,
+    without a word."""
     import os
 
     paths, _ = _save_models(tmp_path / "run", 2)

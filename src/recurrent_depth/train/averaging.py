@@ -137,8 +137,8 @@ def average_checkpoints(
     """
     from recurrent_depth.checkpoint import save_pretrained
     from recurrent_depth.families.retrofit import PROVENANCE_FILE
-    from recurrent_depth.integrations.export import GENERATION_CONFIG_FILE
-    from recurrent_depth.train.init_from import read_start_files
+    from recurrent_depth.generation_config import GENERATION_CONFIG_FILE
+    from recurrent_depth.integrations.export import read_companions
 
     chosen = [Path(p) for p in paths]
     if last is not None or dilation != 1:
@@ -179,7 +179,7 @@ def average_checkpoints(
     # Each input's retrofit.json and generation_config.json are refused as a run's start refuses them.
     kept: dict[str, bytes] = {}
     for path in chosen:
-        files = read_start_files(path, before="averaging")
+        files = read_companions(path, before="averaging")
         kept |= {name: files[name] for name, source in companions.items() if source == path}
     if tokenizer_source is not None:  # (as `copy_tokenizer` reads them)
         kept |= {name: read_bytes(tokenizer_source / name, TOKENIZER_MAX_BYTES, "tokenizer file")

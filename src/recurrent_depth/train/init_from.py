@@ -83,16 +83,6 @@ def run_tokenizer_dir(cfg: TrainConfig, model_dir: Path) -> Path:
     return Path(cfg.tokenizer) if cfg.tokenizer is not None else model_dir
 
 
-def read_start_files(model_dir: Path, before: str = "training") -> dict[str, bytes]:
-    """{name: bytes} of what DIR carries beside its weights and tokenizer that its fine-tuned copies keep
-    (retrofit.json, generation_config.json: `integrations.export.read_companions`), which `rdepth generate`,
-    `serve` and `export` read. Read when the run starts, so a file no export could carry is refused before any
-    training rather than at the first save. `before`: what the refusal comes before (also "averaging")."""
-    from recurrent_depth.integrations.export import read_companions
-
-    return read_companions(model_dir, before)
-
-
 def read_model_config(model_dir: Path) -> ModelConfig:
     try:
         return ModelConfig.from_json(model_dir / "config.json")

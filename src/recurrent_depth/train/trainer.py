@@ -64,7 +64,6 @@ from recurrent_depth.train.distill_cache import CachedTeacher, has_cache, teache
 from recurrent_depth.train.init_from import (
     find_model_dir,
     load_for_training,
-    read_start_files,
     resolved_config,
     run_tokenizer_dir,
     start_record,
@@ -208,6 +207,8 @@ class Trainer:
         save_dtype: torch.dtype | None = None,
         start_dir: str | Path | None = None,
     ) -> None:
+        from recurrent_depth.integrations.export import read_companions
+
         cfg = resolved_config(cfg)  # --init-from: the model directory's config and tokenizer
         if start_dir is None and cfg.init_from is not None:
             start_dir = find_model_dir(cfg.init_from)
@@ -215,7 +216,7 @@ class Trainer:
         # the files of it that the run's checkpoints and model/ keep (retrofit.json, generation_config.json)
         self.start = (start_record(Path(start_dir), run_tokenizer_dir(cfg, Path(start_dir)))
                       if start_dir is not None else None)
-        self.start_files = read_start_files(Path(start_dir)) if start_dir is not None else {}
+        self.start_files = read_companions(Path(start_dir), before="training") if start_dir is not None else {}
         if data is not None and model is None and cfg.init_from is None:
             raise ValueError("Trainer(data=...) needs model=... too: without token shards nothing sets the vocabulary")
         if data is not None and corpus is not None:

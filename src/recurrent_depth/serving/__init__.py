@@ -149,12 +149,11 @@ def build_app(
     if lora_updates_root is not None and weights is not None:  # (as below)
         raise ValueError(f"lora_updates_root cannot go with weights={weights!r}: an unmerged adapter needs the "
                          "float weights")
-    if max_lora_modules is not None and (not is_int(max_lora_modules) or max_lora_modules < 1):
-        raise ValueError(f"max_lora_modules={max_lora_modules!r} is invalid: expected an integer >= 1")
+    from recurrent_depth.serving.adapters import check_update_settings
+
+    check_update_settings(lora_updates_root, max_lora_modules)  # (before the model loads)
     if max_lora_modules is not None and lora_updates_root is None:
         raise ValueError("max_lora_modules bounds runtime LoRA loads, which are off: give lora_updates_root too")
-    if lora_updates_root is not None and not Path(lora_updates_root).is_dir():  # (before the model loads)
-        raise ValueError(f"lora_updates_root={str(lora_updates_root)!r} is not a directory")  # (rdepth serve: the flag)
     if lora_modules is not None and weights is not None:  # (as `--lora`: peft adds adapters to float layers only)
         raise ValueError(f"lora_modules cannot go on weights={weights!r} layers (an unmerged adapter needs the float "
                          "weights): merge an adapter first (rdepth export --merge-lora) and serve it as its own model")

@@ -101,6 +101,15 @@ def adapter_dir_inside(root: str | Path, given: Any) -> Path:
     return found
 
 
+def check_update_settings(updates_root: str | Path | None, max_count: int | None) -> None:
+    """A one-line ValueError for runtime-loading settings that cannot work: a max_count (--max-lora-modules) that is
+    not an integer >= 1, or an updates_root (--lora-updates-root) that is not a directory."""
+    if max_count is not None and (isinstance(max_count, bool) or not isinstance(max_count, int) or max_count < 1):
+        raise ValueError(f"max_lora_modules={max_count!r} is invalid: expected an integer >= 1")
+    if updates_root is not None and not Path(updates_root).is_dir():
+        raise ValueError(f"lora_updates_root={str(updates_root)!r} is not a directory")  # (rdepth serve: the flag)
+
+
 class ServedAdapters:
     """The named adapters of one served base model, and which one is on.
 
@@ -116,10 +125,7 @@ class ServedAdapters:
 
         if not modules and updates_root is None:
             raise ValueError("lora_modules is empty: name at least one adapter, or pass None")
-        if isinstance(max_count, bool) or not isinstance(max_count, int) or max_count < 1:
-            raise ValueError(f"max_lora_modules={max_count!r} is invalid: expected an integer >= 1")
-        if updates_root is not None and not Path(updates_root).is_dir():
-            raise ValueError(f"lora_updates_root={str(updates_root)!r} is not a directory")  # (rdepth serve: the flag)
+        check_update_settings(updates_root, max_count)
         for name in modules:
             check_adapter_name(name, "lora_modules")
         if any(is_lora_layer(m) for m in model.modules()):  # (peft would stack the new adapters on top of it)

@@ -146,13 +146,16 @@ def k2_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
     return err[rows].sum() / rows.sum().clamp(min=1)
 
 
-def check_variants(clip_eps_high: Any, mask_truncated: Any) -> None:
-    """A one-line ValueError for an upper clip not a finite number > 0 (or None), or a mask_truncated not a bool."""
+def check_variants(clip_eps_high: Any, mask_truncated: Any, scale_rewards: Any = "group") -> None:
+    """A one-line ValueError for an upper clip not a finite number > 0 (or None), a mask_truncated not a bool, or a
+    scale_rewards not one of `SCALES`."""
     high = clip_eps_high
     if high is not None and (isinstance(high, bool) or not isinstance(high, int | float) or not 0 < high < math.inf):
         raise ValueError(f"clip_eps_high={high!r} (--clip-eps-high) is invalid: expected a finite number > 0")
     if not isinstance(mask_truncated, bool):
         raise ValueError(f"mask_truncated={mask_truncated!r} (--mask-truncated) is invalid: expected True or False")
+    if scale_rewards not in SCALES:
+        raise ValueError(f"scale_rewards={scale_rewards!r} (--scale-rewards) is invalid: expected one of {SCALES}")
 
 
 @dataclass
@@ -172,14 +175,11 @@ class GRPO:
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
             raise ValueError(f"GRPO level={self.level!r} is invalid: expected one of {LEVELS}")
-        if self.scale_rewards not in SCALES:
-            raise ValueError(f"GRPO scale_rewards={self.scale_rewards!r} (--scale-rewards) is invalid: "
-                             f"expected one of {SCALES}")
         # (a NaN passes `beta < 0`; `if beta:` in grpo_loss would then ask for a reference never made)
         if not 0 < self.clip_eps < 1 or not 0 <= self.beta < math.inf or not 0 <= self.eps < math.inf:
             raise ValueError(f"GRPO needs 0 < clip_eps < 1 and finite beta >= 0 and eps >= 0, got "
                              f"clip_eps={self.clip_eps}, beta={self.beta}, eps={self.eps}")
-        check_variants(self.clip_eps_high, self.mask_truncated)
+        check_variants(self.clip_eps_high, self.mask_truncated, self.scale_rewards)
 
     @property
     def needs_reference(self) -> bool:

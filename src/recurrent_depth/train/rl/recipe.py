@@ -25,7 +25,7 @@ from typing import Any
 from recurrent_depth.evaluation.reasoning.data import ProblemEncoder
 from recurrent_depth.evaluation.reasoning.tasks import get_task
 from recurrent_depth.train.config import TrainConfig
-from recurrent_depth.train.rl.losses import GRPO, K2, LEVELS, SCALES, check_variants
+from recurrent_depth.train.rl.losses import GRPO, K2, LEVELS, check_variants
 from recurrent_depth.train.rl.rewards import ShapedReward, get_reward
 from recurrent_depth.train.rl.rollouts import ListPrompts, RolloutSettings, RolloutSource, TaskPrompts
 
@@ -66,10 +66,7 @@ class RLConfig:
             raise ValueError(f"objective={self.objective!r} is invalid: expected one of {OBJECTIVES}")
         if self.level not in LEVELS:
             raise ValueError(f"level={self.level!r} is invalid: expected one of {LEVELS}")
-        check_variants(self.clip_eps_high, self.mask_truncated)  # (before the start model loads)
-        if self.scale_rewards not in SCALES:
-            raise ValueError(f"scale_rewards={self.scale_rewards!r} (--scale-rewards) is invalid: "
-                             f"expected one of {SCALES}")
+        check_variants(self.clip_eps_high, self.mask_truncated, self.scale_rewards)  # (before the start model loads)
         if isinstance(self.group_size, int) and not isinstance(self.group_size, bool) and self.group_size == 1:
             raise ValueError("group_size=1 (--group-size) is invalid: an advantage is a reward minus its group's mean, "
                              "so a group of one rollout has advantage 0 and learns nothing; expected >= 2")

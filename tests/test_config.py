@@ -92,6 +92,13 @@ def test_init_scale_in_a_huginn_format_config_is_kept():
     assert cfg.init_scale == 0.0
 
 
+def test_an_official_config_with_bias_true_is_refused_in_one_line():
+    # the official code's bias is the adapter's alone; ours would add attention and MLP biases it lacks
+    with pytest.raises(ValueError, match="bias: true is not supported: the official code puts that bias on the "
+                                         "adapter only"):
+        rd.ModelConfig.from_dict({**HUGINN_CONFIG_JSON, "bias": True})
+
+
 def test_unknown_preset_override_names_the_field():
     with pytest.raises(ValueError, match="hidden_sise"):
         rd.ModelConfig.from_preset("tiny", hidden_sise=32)

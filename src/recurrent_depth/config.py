@@ -543,6 +543,10 @@ class ModelConfig:
         values.setdefault("bos_token_id", 65504 if official_vocab else None)
         values.setdefault("eos_token_id", 65505 if official_vocab else None)
         values.setdefault("pad_token_id", 65509 if official_vocab else None)
+        if values.get("bias") is True:  # (any other value: validation names the field)
+            raise ValueError("an official Huginn config with bias: true is not supported: the official code puts that "
+                             "bias on the adapter only, while this library's bias is on every linear layer (no "
+                             "official checkpoint sets it)")
         unknown = sorted(set(data) - set(HUGINN_KEY_MAP) - IGNORED_KEYS)
         if unknown:
             warnings.warn(f"ignoring Huginn config keys this library does not use: {unknown}", stacklevel=3)

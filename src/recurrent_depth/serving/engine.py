@@ -90,6 +90,9 @@ class Done:
     completion_tokens: int
     core_steps: int
     ttt_flops: float | None = None  # TTT-E2E's inner-loop FLOPs, for usage
+    # vLLM's stop_reason: the stop string matched, or the `stop_token_ids` id that ended it (None: the model's
+    # eos / end of turn, the length, anything else)
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -109,8 +112,10 @@ class Job:
     """One sequence to generate (one choice of one API request).
 
     solo: run through `stream_generate` (needed for speculative decoding); generation_kwargs
-    are then the `generate` arguments. stop_ids end the sequence (the stop token is counted but
-    not shown); text handles stop strings. deadline: `time.monotonic()` after which it fails.
+    are then the `generate` arguments. stop_ids end the sequence (the stop token is counted, and
+    shown only with include_stop_str_in_output); those of them in reported_stop_ids (the request's
+    own, not the model's eos) are its `stop_reason`. text handles stop strings. deadline:
+    `time.monotonic()` after which it fails.
     """
 
     row: RowRequest
@@ -130,6 +135,7 @@ class Job:
     first_token_at: float | None = None
     ttt_flops: float | None = None
     adapter: str | None = None  # the LoRA adapter it runs with (`adapters.ServedAdapters`; None: the base)
+    reported_stop_ids: frozenset[int] = frozenset()
 
     @property
     def trains(self) -> bool:
@@ -539,17 +545,20 @@ class BatchScheduler:
             self.metrics.first_token(now - job.arrival)
         finish = None
         hit = False
+        stop_reason: int | str | None = None
         if result.token in job.stop_ids:
-            text, finish = "", "stop"
+            text, finish = job.text.push_stop_token(result.token), "stop"
+            if result.token in job.reported_stop_ids:
+                stop_reason = result.token
         else:
             text, hit = job.text.push(result.token)
             if hit:
-                finish = "stop"
+                finish, stop_reason = "stop", job.text.matched
         if finish is None and job.completion_tokens >= job.max_tokens and not self._finishes_round(job):
             finish = "length"
         job.emit(TokenOut(job.index, result.token, text, result.steps, result.reason, result.logprob, result.top))
         if finish is not None:
-            self._finish(job, finish, tail=not hit)
+            self._finish(job, finish, tail=not hit, stop_reason=stop_reason)
         return finish is not None
 
     @staticmethod
@@ -559,10 +568,10 @@ class BatchScheduler:
         options = job.row.options
         return job.solo and options.finish_round and options.mode == "speculative"
 
-    def _finish(self, job: Job, reason: str, tail: bool = True) -> None:
+    def _finish(self, job: Job, reason: str, tail: bool = True, stop_reason: int | str | None = None) -> None:
         job.finished = True
         text = job.text.flush() if tail else ""
-        job.emit(Done(job.index, reason, text, job.completion_tokens, job.core_steps, job.ttt_flops))
+        job.emit(Done(job.index, reason, text, job.completion_tokens, job.core_steps, job.ttt_flops, stop_reason))
 
     def _fail(self, job: Job, status: int, message: str, error_type: str) -> None:
         if job.finished:

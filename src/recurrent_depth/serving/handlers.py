@@ -209,7 +209,11 @@ class Handlers:
             raise APIError(400, "'stop' strings need the model directory's tokenizer.json, which this server does "
                                 "not have; use 'stop_token_ids'", param="stop")
         base_seed = sampling.seed if sampling.seed is not None else secrets.randbits(62)
-        stops = set(sampling.stop_token_ids) | extra_stops | (set() if sampling.ignore_eos else self.base_stops)
+        # the model's end of text (and, for chat, of turn): a stop there has no stop_reason, as vLLM's eos has none;
+        # a stop at one of the request's other stop_token_ids reports that id
+        eos = extra_stops | (set() if sampling.ignore_eos else self.base_stops)
+        stops = set(sampling.stop_token_ids) | eos
+        reported = frozenset(set(sampling.stop_token_ids) - eos)
         deadline = start + self.settings.request_timeout
         jobs, choices = [], []
         for p, prompt in enumerate(prompts):
@@ -250,7 +254,7 @@ class Handlers:
                                                sampling.include_stop_str_in_output),
                                 sink=channel.sink, deadline=deadline,
                                 index=index, solo=solo, generation_kwargs=generation, arrival=start,
-                                adapter=adapter))
+                                adapter=adapter, reported_stop_ids=reported))
                 choices.append(responses.Choice(index, list(prompt)))
         return jobs, choices
 

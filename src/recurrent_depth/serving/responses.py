@@ -42,6 +42,7 @@ class Choice:
     tops: list[list[tuple[int, float]] | None] = field(default_factory=list)
     prompt_scores: PromptScores | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or request stop token id that ended it
     completion_tokens: int = 0
     core_steps: int = 0
     ttt_flops: float | None = None  # TTT-E2E's inner forward + backward FLOPs (None: no TTT-E2E)
@@ -65,6 +66,7 @@ def apply_event(event: Event, choices: list[Choice]) -> Choice:
     elif isinstance(event, Done):
         choice.text += event.text
         choice.finish_reason = event.finish_reason
+        choice.stop_reason = event.stop_reason
         choice.completion_tokens = event.completion_tokens
         choice.core_steps = event.core_steps
         choice.ttt_flops = event.ttt_flops
@@ -179,7 +181,7 @@ def completion_body(codec: TextCodec, req: CompletionRequest, head: dict[str, An
             "index": c.index, "text": text,
             "logprobs": completion_logprobs(codec, c, req.echo, skip_special_tokens=req.sampling.skip_special_tokens)
             if req.logprobs is not None else None,
-            "finish_reason": c.finish_reason,
+            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
         }
         body_choices.append(_with_steps(item, c.steps, req.sampling.return_steps))
     return {**head, "choices": body_choices, "usage": usage(choices, prompts)}
@@ -190,8 +192,10 @@ def completion_chunks(codec: TextCodec, event: Event, choice: Choice, req: Compl
     """The stream chunks one event of a completions request makes."""
     out = []
 
-    def chunk(text: str, finish: str | None, logprobs: dict | None, steps: list[int] | None = None) -> None:
-        item: dict[str, Any] = {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    def chunk(text: str, finish: str | None, logprobs: dict | None, steps: list[int] | None = None,
+              **ending: Any) -> None:
+        item: dict[str, Any] = {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                                **ending}
         out.append({**head, "choices": [_with_steps(item, steps, req.sampling.return_steps)]})
 
     if isinstance(event, PromptEvent) and req.echo:
@@ -206,7 +210,7 @@ def completion_chunks(codec: TextCodec, event: Event, choice: Choice, req: Compl
             lp = last_token_logprobs(codec, choice, req.echo, req.sampling.skip_special_tokens)
         chunk(event.text, None, lp, [event.steps])
     elif isinstance(event, Done):
-        chunk(event.text, event.finish_reason, None)
+        chunk(event.text, event.finish_reason, None, stop_reason=event.stop_reason)  # (the choice's last chunk)
     return out
 
 
@@ -230,6 +234,7 @@ def chat_body(codec: TextCodec, req: ChatRequest, head: dict[str, Any], choices:
         item: dict[str, Any] = {
             "index": c.index, "message": {"role": "assistant", "content": c.text},
             "logprobs": chat_logprobs(codec, c) if req.logprobs else None, "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
         }
         body_choices.append(_with_steps(item, c.steps, req.sampling.return_steps))
     return {**head, "object": "chat.completion", "choices": body_choices, "usage": usage(choices, [prompt])}
@@ -249,6 +254,6 @@ def chat_chunks(codec: TextCodec, event: Event, choice: Choice, req: ChatRequest
             out.append({**head, "choices": [{"index": choice.index, "delta": {"content": event.text},
                                              "logprobs": None, "finish_reason": None}]})
         out.append({**head, "choices": [{"index": choice.index, "delta": {}, "logprobs": None,
-                                         "finish_reason": event.finish_reason}]})
+                                         "finish_reason": event.finish_reason, "stop_reason": event.stop_reason}]})
         return out
     return []

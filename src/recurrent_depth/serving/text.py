@@ -392,7 +392,8 @@ class TextState:
     `push(token)` returns (text safe to emit now, stop string hit). Text that could be the start
     of a stop string is held back until it is clear; a hit cuts the text just before the stop
     string (which is not returned, as OpenAI's API does, unless `include_stop`: vLLM's
-    include_stop_str_in_output). `skip_special_tokens`: as `TextCodec.decode`'s.
+    include_stop_str_in_output); `matched` is then that stop string (vLLM's `stop_reason`).
+    `skip_special_tokens`: as `TextCodec.decode`'s.
     """
 
     def __init__(self, codec: TextCodec, stop: list[str], skip_special_tokens: bool = True,
@@ -404,14 +405,15 @@ class TextState:
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.pending = ""
         self.text = ""
+        self.matched: str | None = None  # the stop string generation ended at
 
     def push(self, token: int) -> tuple[str, bool]:
         buffer = self.pending + self.decoder.push(token)
         if self.stop:
-            hits = [(i, len(s)) for i, s in ((buffer.find(s), s) for s in self.stop) if i >= 0]
+            hits = [(i, s) for i, s in ((buffer.find(s), s) for s in self.stop) if i >= 0]
             if hits:
-                at, length = min(hits, key=lambda hit: hit[0])  # the first stop string in the text
-                out = buffer[: at + length if self.include_stop else at]
+                at, self.matched = min(hits, key=lambda hit: hit[0])  # the first stop string in the text
+                out = buffer[: at + len(self.matched) if self.include_stop else at]
                 self.pending = ""
                 self.text += out
                 return out, True
@@ -419,6 +421,18 @@ class TextState:
         out, self.pending = buffer[:cut], buffer[cut:]
         self.text += out
         return out, False
+
+    def push_stop_token(self, token: int) -> str:
+        """Text to emit for the stop token (an eos or `stop_token_ids` id) that ended generation: none, or with
+        `include_stop` (vLLM's include_stop_str_in_output keeps it) the text held back so far and the token's own
+        (e.g. `<|im_end|>` under skip_special_tokens false), not searched for stop strings (vLLM's is not either:
+        the stop token already ended generation). `flush` gives the rest."""
+        if not self.include_stop:
+            return ""
+        out = self.pending + self.decoder.push(token)
+        self.pending = ""
+        self.text += out
+        return out
 
     def flush(self) -> str:
         """The held-back tail once generation ended without hitting a stop string."""

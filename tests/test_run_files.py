@@ -169,6 +169,6 @@ def test_a_resume_whose_own_tokenizer_was_replaced_is_refused_in_one_line(train_
     Trainer(own_tokenizer_run(train_root, run)).run()
     _swap_two_token_ids(run / "tokenizer" / "tokenizer.json")
     with pytest.raises(ValueError, match=rf"^cannot resume from \S+step-00000001: the tokenizer in {run / 'tokenizer'} "
-                                         r"changed since the run started \(tokenizer.json differs from the "
-                                         r"checkpoint's copy\)"):
+                                         r"changed since the run started \(tokenizer.json differs from the one "
+                                         r"the run started with\)"):
         Trainer(own_tokenizer_run(train_root, run, max_steps=2, resume=True))

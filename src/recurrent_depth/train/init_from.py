@@ -66,20 +66,23 @@ def find_model_dir(path: str | Path) -> Path:
                      + lora_adapter_hint(p, merged_for="start from that"))
 
 
-def start_record(model_dir: Path, tokenizer_dir: Path) -> dict[str, Any]:
-    """What a run's checkpoints record about the model directory it started from: its absolute path,
-    `checkpoint.model_identity` and `checkpoint.model_content_sample` (`trainer_checkpoints.check_same_start`
-    compares them on resume), and the digests of the run's tokenizer files as the run started
-    (`trainer_checkpoints.check_same_tokenizer`: a tokenizer replaced before the first checkpoint, whose copy
-    the checkpoint then holds, is still told apart)."""
+def start_record(model_dir: Path | None, tokenizer_dir: Path) -> dict[str, Any]:
+    """What a run's checkpoints record about where it started: the model directory it started from (its absolute
+    path, `checkpoint.model_identity` and `checkpoint.model_content_sample`, which
+    `trainer_checkpoints.check_same_start` compares on resume; none for a run from scratch, `model_dir=None`), and
+    the digests of the run's tokenizer files as the run started (`trainer_checkpoints.check_same_tokenizer`: a
+    tokenizer replaced before the first checkpoint, whose copy the checkpoint then holds, is still told apart)."""
+    tokenizer = {"tokenizer": file_digests(tokenizer_dir, TRAINING_TOKENIZER_FILES)}
+    if model_dir is None:
+        return tokenizer
     return {"directory": str(model_dir.resolve()), "identity": model_identity(model_dir),
-            "content": model_content_sample(model_dir),
-            "tokenizer": file_digests(tokenizer_dir, TRAINING_TOKENIZER_FILES)}
+            "content": model_content_sample(model_dir), **tokenizer}
 
 
-def run_tokenizer_dir(cfg: TrainConfig, model_dir: Path) -> Path:
-    """The tokenizer a run started from `model_dir` trains with: the one `cfg` names (`resolved_config` names
-    DIR's, or `--tokenizer`'s when DIR has none), else DIR's (`rdepth rl`, whose config names none)."""
+def run_tokenizer_dir(cfg: TrainConfig, model_dir: Path | None) -> Path | None:
+    """The tokenizer a run started from `model_dir` (None: from scratch) trains with: the one `cfg` names
+    (`resolved_config` names DIR's, or `--tokenizer`'s when DIR has none), else DIR's (`rdepth rl`, whose config
+    names none); None for a run from scratch that trains its own (out/tokenizer) or is given token shards."""
     return Path(cfg.tokenizer) if cfg.tokenizer is not None else model_dir
 
 

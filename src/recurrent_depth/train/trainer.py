@@ -182,9 +182,9 @@ class Trainer:
         and sets it to the directory's stored dtype.
     start_dir: the model directory a given `model` was loaded from (`rdepth rl --init-from`); default: the one
         `cfg.init_from` names, if any. Its identity (`checkpoint.model_identity`) is recorded in each checkpoint
-        (`start`, with the run's tokenizer files' digests), and a `--resume` from another model directory, or from
-        one (or a tokenizer) changed since, is refused. Its retrofit.json and generation_config.json are written
-        into every checkpoint and the final model directory of a full-weight run.
+        (`start`, with the run's tokenizer files' digests, which a run from scratch records too), and a `--resume`
+        from another model directory, or from one (or a tokenizer) changed since, is refused. Its retrofit.json and
+        generation_config.json are written into every checkpoint and the final model directory of a full-weight run.
     """
 
     def __init__(
@@ -212,11 +212,13 @@ class Trainer:
         cfg = resolved_config(cfg)  # --init-from: the model directory's config and tokenizer
         if start_dir is None and cfg.init_from is not None:
             start_dir = find_model_dir(cfg.init_from)
-        # the model directory the run started from, as each checkpoint records it (None: weights made here), and
-        # the files of it that the run's checkpoints and model/ keep (retrofit.json, generation_config.json)
-        self.start = (start_record(Path(start_dir), run_tokenizer_dir(cfg, Path(start_dir)))
-                      if start_dir is not None else None)
-        self.start_files = read_companions(Path(start_dir), before="training") if start_dir is not None else {}
+        # where the run started, as each checkpoint records it: the model directory (none: weights made here) and the
+        # tokenizer files' digests (a run training its own tokenizer records them once it has it: `_prepare_data`),
+        # and the files of that directory that the run's checkpoints and model/ keep (retrofit.json, ...)
+        start_path = Path(start_dir) if start_dir is not None else None
+        tokenizer = run_tokenizer_dir(cfg, start_path)
+        self.start = start_record(start_path, tokenizer) if tokenizer is not None else None
+        self.start_files = read_companions(start_path, before="training") if start_path is not None else {}
         if data is not None and model is None and cfg.init_from is None:
             raise ValueError("Trainer(data=...) needs model=... too: without token shards nothing sets the vocabulary")
         if data is not None and corpus is not None:
@@ -477,6 +479,8 @@ class Trainer:
 
             # Rank 0 trains it; the others wait as long as that takes (not the process group's 30 minutes).
             ddist.run_on_main(env, "train the tokenizer", train_tokenizer)
+            if self.start is None:  # (resumed: the digests `keep_run_tokenizer` found equal to the checkpoint's)
+                self.start = start_record(None, tok_dir)
         seq_len = cfg.seq_len
         if seq_len is None:
             seq_len = cfg.model_config().max_seq_len

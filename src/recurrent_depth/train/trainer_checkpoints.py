@@ -48,7 +48,8 @@ RESUMABLE_CHANGES = frozenset(
 PATH_FIELDS = frozenset({"init_from", "data", "tokenizer", "teacher", "distill_cache"})
 # The loop counters a checkpoint's trainer_state.json restores (see `LoopState`).
 LOOP_COUNTERS = ("step", "micro_step", "tokens", "skipped_steps", "elapsed_s")
-# The string fields of a run's start record (`init_from.start_record`; its `tokenizer` digests are newer: optional).
+# The string fields of a run's start record (`init_from.start_record`), all absent in a run from scratch's; its
+# `tokenizer` digests are newer: optional.
 START_STRINGS = ("directory", "identity", "content")
 
 
@@ -219,21 +220,25 @@ def check_resumable(path: Path, cfg: TrainConfig, world_size: int, adapter: dict
     check_same_start(path, recorded, start)
     # the run's tokenizer (`init_from.run_tokenizer_dir`); a run that trained its own keeps it in its out/tokenizer,
     # which `keep_run_tokenizer` checks
-    if start is not None:
-        tokenizer_dir = run_tokenizer_dir(cfg, Path(start["directory"]))
-    else:
-        tokenizer_dir = Path(cfg.tokenizer) if cfg.tokenizer is not None else None
+    start_dir = start.get("directory") if start is not None else None
+    tokenizer_dir = run_tokenizer_dir(cfg, Path(start_dir) if start_dir is not None else None)
     if tokenizer_dir is not None:
-        check_same_tokenizer(path, tokenizer_dir, recorded.get("tokenizer") if isinstance(recorded, dict) else None)
+        check_same_tokenizer(path, tokenizer_dir, started_tokenizer(recorded))
+
+
+def started_tokenizer(recorded: Any) -> dict[str, str | None] | None:
+    """The digests of the run's tokenizer files as it started, from a checkpoint's start record (`recorded`, checked
+    by `check_same_start`); None where it holds none (code older than these records)."""
+    return recorded.get("tokenizer") if isinstance(recorded, dict) else None
 
 
 def check_same_tokenizer(path: Path, tokenizer_dir: Path, started_with: dict[str, str | None] | None = None) -> None:
     """Refuse (one ValueError naming the files) to resume checkpoint `path` with a tokenizer changed in place since
     the run started: its token ids (and chat template) would no longer be the ones the weights trained on.
     `started_with`: the files' digests as the run started (its start record's `tokenizer`), so a tokenizer
-    replaced before the first checkpoint is refused too; without it (a checkpoint of older code, a run started
-    from no model directory), the checkpoint's copy of the run's tokenizer (`write_weights`) is compared. A
-    checkpoint holding none (a run given token shards without a tokenizer) has nothing to compare."""
+    replaced before the first checkpoint is refused too; without it (a checkpoint of older code), the checkpoint's
+    copy of the run's tokenizer (`write_weights`) is compared. A checkpoint holding none (a run given token shards
+    without a tokenizer) has nothing to compare."""
     from recurrent_depth.checkpoint import TRAINING_TOKENIZER_FILES, file_digests
 
     try:
@@ -255,36 +260,47 @@ def check_same_tokenizer(path: Path, tokenizer_dir: Path, started_with: dict[str
 def keep_run_tokenizer(path: Path, tokenizer_dir: Path, log: Callable[[str], None]) -> None:
     """A resumed run that trained its own tokenizer (out/tokenizer) keeps the one checkpoint `path` trained on: the
     checkpoint's copy is put back where `tokenizer_dir` lost its tokenizer.json (training one again may give other
-    token ids, and its shards were packed anew), and one replaced since is refused (`check_same_tokenizer`)."""
+    token ids, and its shards were packed anew), and one replaced since the run started is refused
+    (`check_same_tokenizer`, with the digests the checkpoint's start record holds), the copy put back included."""
     from recurrent_depth.checkpoint import copy_tokenizer
 
-    if (tokenizer_dir / "tokenizer.json").exists():
-        check_same_tokenizer(path, tokenizer_dir)
-        return
-    if not (path / "tokenizer.json").is_file():
+    restore = not (tokenizer_dir / "tokenizer.json").exists()
+    if restore and not (path / "tokenizer.json").is_file():
         raise ValueError(f"cannot resume from {path}: {tokenizer_dir} holds no tokenizer.json and the checkpoint no "
                          f"copy of the tokenizer the run trained; put back the run's tokenizer")
-    copy_tokenizer(path, tokenizer_dir)
-    log(f"{tokenizer_dir} held no tokenizer.json: restored the run's tokenizer from {path}")
+    try:
+        recorded = ckpt.read_trainer_state(path).get("start")
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot resume from {path}: unreadable {ckpt.TRAINER_STATE} ({exc})") from exc
+    check_same_tokenizer(path, path if restore else tokenizer_dir, started_tokenizer(recorded))
+    if restore:
+        copy_tokenizer(path, tokenizer_dir)
+        log(f"{tokenizer_dir} held no tokenizer.json: restored the run's tokenizer from {path}")
 
 
 def check_same_start(path: Path, recorded: Any, start: dict[str, Any] | None) -> None:
     """Refuse (one ValueError naming both directories) to resume checkpoint `path` of a run that started from one
     model directory (`recorded`, its `init_from.start_record`) from another one, or from the same one changed
     since (a model of the same config included): on resume `rdepth rl` takes its reference model and every
-    command its tokenizer from there. Nothing to check for a checkpoint that records none (written before
-    checkpoints did, or of a run from scratch) or a run that names none. Files rewritten with the same content
-    (a copy without its mtimes, a download again) pass on `content`, a sample of their bytes."""
-    if recorded is None or start is None:
+    command its tokenizer from there. Nothing to compare for a checkpoint that records none (written before
+    checkpoints did) or a run that names none, nor where neither started from a model directory (runs from
+    scratch record their tokenizer only: `check_same_tokenizer`). Files rewritten with the same content (a copy
+    without its mtimes, a download again) pass on `content`, a sample of their bytes."""
+    if recorded is None:
         return
-    if not (isinstance(recorded, dict) and all(isinstance(recorded.get(key), str) for key in START_STRINGS)
-            and len(recorded["directory"]) <= PATH_MAX_CHARS and _digests_or_none(recorded.get("tokenizer"))):
+    from_scratch = isinstance(recorded, dict) and all(key not in recorded for key in START_STRINGS)
+    if not (isinstance(recorded, dict) and _digests_or_none(recorded.get("tokenizer"))
+            and ((from_scratch and recorded.get("tokenizer") is not None)
+                 or (all(isinstance(recorded.get(key), str) for key in START_STRINGS)
+                     and len(recorded["directory"]) <= PATH_MAX_CHARS))):
         raise ValueError(f"cannot resume from {path}: its {ckpt.TRAINER_STATE} records start={clipped(recorded)}, "
-                         f"expected the model directory the run started from ({', '.join(START_STRINGS)}: strings; "
-                         f"tokenizer: file digests); the checkpoint is damaged")
-    if recorded.get("identity") == start["identity"] or recorded.get("content") == start["content"]:
+                         f"expected where the run started (the model directory's {', '.join(START_STRINGS)}: "
+                         f"strings, none from scratch; tokenizer: file digests); the checkpoint is damaged")
+    if start is None or (from_scratch and "directory" not in start):
         return
-    before, now = recorded.get("directory"), start["directory"]
+    if recorded.get("identity") == start.get("identity") or recorded.get("content") == start.get("content"):
+        return
+    before, now = recorded.get("directory", "scratch"), start.get("directory", "scratch")
     what = (f"{now} changed since the run started from it" if before == now else
             f"the run started from {before}, this run from {now}")
     raise ValueError(f"cannot resume from {path}: {what} (the model directories' config.json or weights differ); "

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from recurrent_depth.data.parquet_pages import column_pages
 from recurrent_depth.files import clipped_names
 
 # Path components that put a file outside the embedded corpus (DESIGN.md, "The embedded corpus").
@@ -600,7 +601,7 @@ class ParquetCorpus(Corpus):
         pa = _pyarrow()
         for prefix, file in self._files:
             with self._open(file) as handle:
-                batches = _row_group_batches(handle, self.text_field, str(file))
+                batches = _row_group_batches(handle, file, self.text_field, str(file))
                 try:
                     yield from _table_documents(batches, self.text_field, str(file), prefix)
                 except (pa.ArrowException, OSError) as exc:  # a damaged page (ours are plain ValueErrors)
@@ -610,31 +611,97 @@ class ParquetCorpus(Corpus):
         """From the files' row counts, without reading a text: every row is a document (a null is an error)."""
         for prefix, file in self._files:
             with self._open(file) as handle:
-                num_rows = handle.metadata.num_rows
+                num_rows = _footer_rows(handle.metadata, str(file))
             for number in range(1, num_rows + 1):
                 yield record_id(number, prefix)
 
 
-def _row_group_batches(handle: Any, field: str, where: str) -> Iterator[Any]:
-    """Record batches of the column `field` of the `pyarrow.parquet.ParquetFile` `handle`, one row group at a time.
+def _footer_rows(metadata: Any, where: str) -> int:
+    """The row count of a Parquet footer, the same in the file's header and its row groups (what `ids()` and
+    `__iter__` count from), else a one-line ValueError naming `where`."""
+    groups = sum(metadata.row_group(group).num_rows for group in range(metadata.num_row_groups))
+    if groups != metadata.num_rows:
+        raise ValueError(f"{where}: damaged footer: it counts {metadata.num_rows:,} rows but its row groups "
+                         f"{groups:,}; rewrite the file")
+    return groups
 
-    A row group's batches hold `TABLE_BATCH_ROWS` rows, or fewer where its footer says the texts are long, so
-    that a batch holds about `TABLE_BATCH_BYTES`. A row group whose footer claims more than
-    `TABLE_MAX_VALUE_BYTES` a row (a single row of 3 GB) is refused before it is read."""
+
+def _group_batch_rows(raw: Any, metadata: Any, group: int, leaf: int, field: str, where: str, first_row: int) -> int:
+    """The rows of a batch read from row group `group`, from its page headers; a ValueError when a page is larger
+    than `TABLE_MAX_VALUE_BYTES` (it holds a text that long, or would be decoded whole to find out), or when its
+    pages hold another number of rows than its footer says.
+
+    A batch holds about `TABLE_BATCH_BYTES` of text: fewer rows where the texts are long, and where a dictionary
+    page could hand the same long text to every row (each row of a batch gets its own copy)."""
+    rows = metadata.row_group(group).num_rows
+    last_row = first_row + rows - 1
+    span = f"row {first_row}" if rows == 1 else f"rows {first_row}-{last_row}"
+    chunk = metadata.row_group(group).column(leaf)
+    claimed = chunk.total_uncompressed_size
+    if rows > 0 and claimed > rows * TABLE_MAX_VALUE_BYTES:
+        raise ValueError(f"{where}:{span}: field {field!r} takes {claimed:,} bytes, more than "
+                         f"{TABLE_MAX_VALUE_BYTES:,} a row; split the documents, or put very large "
+                         "documents in a directory of text files (read in parts)")
+    total = dictionary = counted = 0
+    for page in column_pages(raw, chunk, f"{where}: cannot be read (column {field!r}, row group {group + 1})"):
+        if max(page.uncompressed, page.compressed) > TABLE_MAX_VALUE_BYTES:
+            at = span if page.dictionary or page.rows == 0 else (
+                f"rows {first_row + counted}-{min(first_row + counted + page.rows - 1, last_row)}")
+            raise ValueError(f"{where}:{at}: field {field!r} has a page of {max(page.uncompressed, page.compressed):,} "
+                             f"bytes, more than {TABLE_MAX_VALUE_BYTES:,}, the longest text read: split the "
+                             "documents, or write the file with smaller pages (pyarrow's data_page_size)")
+        total += page.uncompressed
+        dictionary = max(dictionary, page.uncompressed if page.dictionary else 0)
+        counted += page.rows
+    if counted != rows:
+        raise ValueError(f"{where}:{span}: damaged row group: the pages of field {field!r} hold {counted:,} rows, "
+                         f"its footer says {rows:,}; rewrite the file")
+    batch_rows = min(TABLE_BATCH_ROWS, TABLE_BATCH_BYTES * rows // max(total, 1))
+    if dictionary:
+        batch_rows = min(batch_rows, TABLE_BATCH_BYTES // dictionary)
+    return 1 << (max(batch_rows, 1).bit_length() - 1)  # (a power of two: row groups alike share one read)
+
+
+def _row_group_batches(handle: Any, file: Path, field: str, where: str) -> Iterator[Any]:
+    """Record batches of the column `field` of the `pyarrow.parquet.ParquetFile` `handle` of `file`.
+
+    Each row group's page headers are read first (`_group_batch_rows`), so a page that would be too large
+    to decode is refused before it is read, and batches are sized from what the pages hold. Consecutive row
+    groups with the same batch size are read together, up to about `TABLE_BATCH_BYTES`: pyarrow's
+    ``iter_batches`` costs time in the number of row groups of the file at each call, so one call per row
+    group made a file of 100,000 tiny row groups take hours. A read that yields another number of rows than
+    the footer says (what `ids()` counts from) is a ValueError naming the rows."""
     metadata = handle.metadata
+    _footer_rows(metadata, where)
     leaf = [metadata.schema.column(i).path for i in range(metadata.num_columns)].index(field)
+    run: list[int] = []
+    run_rows = run_bytes = run_batch = 0
     first_row = 1
-    for group in range(metadata.num_row_groups):
-        rows = metadata.row_group(group).num_rows
-        size = metadata.row_group(group).column(leaf).total_uncompressed_size
-        if rows > 0 and size > rows * TABLE_MAX_VALUE_BYTES:
-            span = f"row {first_row}" if rows == 1 else f"rows {first_row}-{first_row + rows - 1}"
-            raise ValueError(f"{where}:{span}: field {field!r} takes {size:,} bytes, more than "
-                             f"{TABLE_MAX_VALUE_BYTES:,} a row; split the documents, or put very large "
-                             "documents in a directory of text files (read in parts)")
-        batch_rows = max(1, min(TABLE_BATCH_ROWS, TABLE_BATCH_BYTES * rows // max(size, 1)))
-        yield from handle.iter_batches(batch_size=batch_rows, row_groups=[group], columns=[field])
-        first_row += rows
+
+    def read_run() -> Iterator[Any]:
+        read = 0
+        for batch in handle.iter_batches(batch_size=run_batch, row_groups=run, columns=[field]):
+            read += batch.num_rows
+            yield batch
+        if read != run_rows:
+            raise ValueError(f"{where}:rows {first_row}-{first_row + run_rows - 1}: damaged file: {read:,} rows "
+                             f"read, its footer says {run_rows:,}; rewrite the file")
+
+    with open(file, "rb") as raw:
+        for group in range(metadata.num_row_groups):
+            if metadata.row_group(group).num_rows == 0:
+                continue  # (pyarrow writes one for an empty table, with no pages: nothing to read)
+            batch_rows = _group_batch_rows(raw, metadata, group, leaf, field, where, first_row + run_rows)
+            if run and (batch_rows != run_batch or run_bytes >= TABLE_BATCH_BYTES):
+                yield from read_run()
+                first_row += run_rows
+                run, run_rows, run_bytes = [], 0, 0
+            run.append(group)
+            run_batch = batch_rows
+            run_rows += metadata.row_group(group).num_rows
+            run_bytes += metadata.row_group(group).column(leaf).total_uncompressed_size
+        if run:
+            yield from read_run()
 
 
 def _parquet_files(tree: DirectoryCorpus) -> list[tuple[str, Path]]:

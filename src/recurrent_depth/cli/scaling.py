@@ -46,7 +46,7 @@ def run_fit(args: argparse.Namespace) -> int:
     from recurrent_depth.scaling.fit import check_fit_settings, compute_optimal, fit_law, load_table
     from recurrent_depth.scaling.plots import plot_fit
 
-    check_fit_settings(args.level, args.bootstrap)
+    check_fit_settings(args.level, args.bootstrap, args.budget)  # (before minutes of fits, not after)
     table = load_table(args.table)
     print(f"{len(table.rows)} finished row(s) from {table.source}"
           + (f"; skipped {table.skipped} row(s) whose status is not finished" if table.skipped else ""))

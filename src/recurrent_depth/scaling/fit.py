@@ -21,7 +21,9 @@ BASE_COLUMNS = ("run", "test_depth", "mean_recurrence", "loss", "status")
 NUMERIC_COLUMNS = ("seed", "hidden_size", "prelude_layers", "core_layers", "coda_layers", "mean_recurrence",
                    "train_depth_mean", "test_depth", "lr", "params", "params_non_embedding", "tokens",
                    "train_flops", "flops_per_token_test", "loss")
-POSITIVE_COLUMNS = ("params", "params_non_embedding", "tokens", "train_flops", "loss", "mean_recurrence")
+POSITIVE_COLUMNS = ("params", "params_non_embedding", "tokens", "train_flops", "loss", "mean_recurrence",
+                    "test_depth", "core_layers", "hidden_size")
+NON_NEGATIVE_COLUMNS = ("prelude_layers", "coda_layers")  # (a model may have no prelude or coda; every one a core)
 HUBER_DELTA = 1e-3  # Hoffmann et al. (2022): Huber on log residuals with delta 1e-3
 REFINED_STARTS = 3  # the best grid points (by the Huber objective) refined by least squares
 
@@ -55,6 +57,7 @@ def load_table(path: str | Path) -> ScalingTable:
     if path.stat().st_size > MAX_TABLE_BYTES:
         raise ValueError(f"scaling table {path} is over {MAX_TABLE_BYTES // 2**20} MiB")
     text = read_text(path, MAX_TABLE_BYTES, "scaling table")  # (a file that is not UTF-8: one line naming it)
+    text = text.removeprefix("\ufeff")  # the byte-order mark spreadsheets write ("CSV UTF-8")
     if path.suffix.lower() == ".json":
         data = parse_json(text, f"scaling table {path}")  # (JSON nested too deeply: one line, no traceback)
         data = data.get("rows") if isinstance(data, dict) else data
@@ -63,7 +66,10 @@ def load_table(path: str | Path) -> ScalingTable:
         raw = data
     else:
         try:
-            raw = list(csv.DictReader(io.StringIO(text)))
+            reader = csv.DictReader(io.StringIO(text))
+            if reader.fieldnames:  # a hand-written header's "run, loss, ..." names the columns without the spaces
+                reader.fieldnames = [name.strip() for name in reader.fieldnames]
+            raw = list(reader)
         except csv.Error as exc:  # e.g. a field over the csv module's 128 KiB limit
             raise ValueError(f"scaling table {path} is not a readable CSV table: {exc}") from None
     return parse_rows(raw, str(path))
@@ -76,8 +82,10 @@ def parse_rows(raw: list[dict[str, Any]], source: str = "scaling table") -> Scal
     columns = set(raw[0])
     for column in BASE_COLUMNS:
         if column not in columns:
-            raise ValueError(f"{source} has no column {column!r}")
+            raise ValueError(f"{source} has no column {column!r} (its columns: "
+                             f"{', '.join(repr(c) for c in list(raw[0])[:20])})")
     rows, skipped = [], 0
+    first_row: dict[tuple[str, float], int] = {}
     for number, entry in enumerate(raw, start=1):
         if str(entry.get("status", "")).strip() != "finished":
             skipped += 1
@@ -93,13 +101,22 @@ def parse_rows(raw: list[dict[str, Any]], source: str = "scaling table") -> Scal
                 number_value = float(value)
             except (TypeError, ValueError):
                 raise ValueError(f"{source} row {number}: column {column!r} is {value!r}, not a number") from None
-            if not math.isfinite(number_value) or (column in POSITIVE_COLUMNS and number_value <= 0):
+            positive, non_negative = column in POSITIVE_COLUMNS, column in NON_NEGATIVE_COLUMNS
+            if (not math.isfinite(number_value) or (positive and number_value <= 0)
+                    or (non_negative and number_value < 0)):
+                kind = " positive" if positive else " non-negative" if non_negative else ""
                 raise ValueError(f"{source} row {number}: column {column!r} is {value!r}; it must be a "
-                                 f"finite{' positive' if column in POSITIVE_COLUMNS else ''} number")
+                                 f"finite{kind} number")
             row[column] = number_value
         for column in ("test_depth", "mean_recurrence", "loss"):
             if column not in row:
                 raise ValueError(f"{source} row {number}: column {column!r} is empty")
+        # one loss per run and depth: a second (a table pasted in twice, a copied row) would be fitted silently
+        at = (row["run"], row["test_depth"])
+        if at in first_row:
+            raise ValueError(f"{source} row {number}: run {row['run']!r} already has a row at test_depth "
+                             f"{row['test_depth']:g} (row {first_row[at]}); one row per run and test depth")
+        first_row[at] = number
         rows.append(row)
     if not rows:
         raise ValueError(f"{source}: no finished rows ({skipped} skipped for their status)")
@@ -260,6 +277,22 @@ def bootstrap_samples(form: LawForm, rows: list[dict[str, Any]], params: np.ndar
     return np.array(samples, dtype=float).reshape(-1, len(form.parameters))
 
 
+# What orders runs by training compute, best first: the first that every row has.
+COMPUTE_COLUMNS = (("train_flops",), ("params_non_embedding", "tokens"), ("params", "tokens"),
+                   ("params_non_embedding",), ("params",), ("tokens",))
+
+
+def compute_by_run(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Each run's training compute, to order runs by: `train_flops`, else N D (6 N D without the 6), else N or D
+    alone, whichever every row has (a hand-written table may have no FLOPs: ordering by a column some rows lack
+    would hold out arbitrary runs)."""
+    for columns in COMPUTE_COLUMNS:
+        if all(c in r for r in rows for c in columns):
+            return {r["run"]: math.prod(float(r[c]) for c in columns) for r in rows}
+    raise ValueError("the held-out runs are the largest by train_flops, params or tokens: the table has none of "
+                     "them in every row")
+
+
 def holdout_error(form: LawForm, rows: list[dict[str, Any]], scheme: str = "largest",
                   fraction: float = 0.2, delta: float = HUBER_DELTA) -> dict[str, Any]:
     """Out-of-sample RMSE of log loss.
@@ -267,10 +300,10 @@ def holdout_error(form: LawForm, rows: list[dict[str, Any]], scheme: str = "larg
     scheme="largest": fit on all runs but the largest-compute `fraction` (at least one run), predict those
     (extrapolation, what a scaling law is for). scheme="loo": leave each run out in turn."""
     runs = sorted({r["run"] for r in rows})
-    flops = {r["run"]: r.get("train_flops", r.get("params", 0) * r.get("tokens", 0)) for r in rows}
     if scheme == "none":
         return {}
     if scheme == "largest":
+        flops = compute_by_run(rows)
         held = max(1, round(fraction * len(runs)))
         ordered = sorted(runs, key=lambda run: flops[run])
         folds = [set(ordered[-held:])]
@@ -292,13 +325,16 @@ def holdout_error(form: LawForm, rows: list[dict[str, Any]], scheme: str = "larg
             "log_rmse": float(np.sqrt(np.mean(errors_array**2))), "log_bias": float(np.mean(errors_array))}
 
 
-def check_fit_settings(level: float, bootstrap: int) -> None:
-    """One ValueError for an interval level outside (0, 1) or a negative bootstrap count (a form-independent
-    mistake: `rdepth scaling fit --form all` says it once, before fitting anything)."""
+def check_fit_settings(level: float, bootstrap: int, budget: float | None = None) -> None:
+    """One ValueError for an interval level outside (0, 1), a negative bootstrap count or a compute budget that
+    is not a finite positive number (form-independent mistakes: `rdepth scaling fit --form all` says them once,
+    before fitting anything)."""
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), not {level}")
     if bootstrap < 0:
         raise ValueError(f"bootstrap must be >= 0, not {bootstrap}")
+    if budget is not None and not (math.isfinite(budget) and budget > 0):
+        raise ValueError(f"budget must be a finite positive number of FLOPs, not {budget}")
 
 
 def fit_law(rows: list[dict[str, Any]] | ScalingTable, form: str | LawForm = "joint", bootstrap: int = 200,
@@ -326,8 +362,7 @@ def compute_optimal(fit: ScalingFit, budget: float, flops_per_param_token: float
     bootstrap samples the same formula over each sample gives the interval."""
     if fit.form.name not in ("joint", "iso-depth"):
         raise ValueError(f"compute-optimal N and D need the joint or iso-depth form, not {fit.form.name}")
-    if not budget > 0:
-        raise ValueError(f"budget must be a positive number of FLOPs, not {budget}")
+    check_fit_settings(fit.level, 0, budget)
     names = fit.form.parameters
 
     def optimum(params: np.ndarray) -> tuple[float, float, float]:

@@ -207,7 +207,7 @@ def _check_key(key: Any, source: str, where: str) -> None:
 def _absolute_paths(base: dict[str, Any]) -> dict[str, Any]:
     """Relative paths of the base config, made absolute: the runs start in other directories (Slurm)."""
     out = dict(base)
-    for key in ("data", "tokenizer", "data_dir", "init_from"):
+    for key in ("data", "tokenizer", "data_dir", "init_from", "teacher", "distill_cache"):
         value = out.get(key)
         if isinstance(value, str) and value != "stdlib" and not os.path.isabs(value):
             out[key] = os.path.abspath(os.path.expanduser(value))  # (`~/corpus` is the home's, as the trainer reads it)

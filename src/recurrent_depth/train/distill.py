@@ -166,7 +166,11 @@ class Distillation:
         if self.teacher is None:
             raise ValueError("this distillation reads its teacher's logits from a cache")
         where = self.position() if position is None else position
-        generator = teacher_generator(self.seed, where, input_ids.device)
+        # the rows on the teacher's device: the cache writer reads them from CPU shards, the teacher may be on a GPU
+        device = next(self.teacher.model.parameters()).device
+        input_ids = input_ids.to(device)
+        inputs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in inputs.items()}
+        generator = teacher_generator(self.seed, where, device)
         with torch.no_grad():
             return self.teacher.model(input_ids, num_steps=self.teacher.depth, generator=generator, **inputs).logits
 

@@ -45,8 +45,10 @@ from recurrent_depth.analysis.depth_view import change_points, prediction_arrays
 from recurrent_depth.analysis.path_independence import PathIndependence, fixed_start_reason, path_independence
 from recurrent_depth.analysis.pca import PCA, fit_trajectory_pca
 from recurrent_depth.analysis.trajectory import (
+    DEFAULT_MAX_IN_MEMORY_BYTES,
     Trajectory,
     collect_trajectory,
+    estimate_bytes,
     remove_trajectory,
     resolve_init_scale,
 )
@@ -71,7 +73,7 @@ class AnalysisConfig:
     limit_steps: int = DEFAULT_LIMIT_STEPS  # steps to the limit point s* (>= num_steps)
     num_starts: int = 4  # random s0 for path independence
     # scale of the random s0; None = the model config's (Huginn 1, Parcae's like-init 1/sqrt(h), its zero init 0);
-    # 0 = zeros (path independence then uses 1)
+    # 0 = zeros (path independence then uses the model config's, or 1 where that is 0 too)
     init_scale: float | None = None
     seed: int = 0
     converge_tol: float = DEFAULT_CONVERGE_TOL  # relative distance to s* counted as converged
@@ -254,7 +256,16 @@ def analyze(
     if cfg.tokens is not None:
         bad = [t for t in cfg.tokens if not 0 <= t < n_tokens]
         if bad:
-            raise ValueError(f"tokens={cfg.tokens} has positions {bad} outside the prompt's 0..{n_tokens - 1}")
+            raise ValueError(
+                f"tokens={cfg.tokens} (--tokens) has positions {bad} outside the prompt's 0..{n_tokens - 1}")
+    if states_dir is None:
+        # collect_trajectory's own refusal names its out_dir=, which neither analyze's callers nor the CLI have
+        size = estimate_bytes(cfg.num_steps, 1, n_tokens, model.config.hidden_size)
+        if size > DEFAULT_MAX_IN_MEMORY_BYTES:
+            raise ValueError(
+                f"the trajectory needs {size / 2**20:.0f} MiB, too much to keep in memory: keep the states on disk "
+                "(states_dir=...; save_states=True; rdepth analyze without --no-states), or use fewer steps or tokens"
+            )
     decode = decode or str
     texts = token_texts or [str(int(i)) for i in ids[0]]
     labels = [token_label(t, text) for t, text in enumerate(texts)]
@@ -270,6 +281,9 @@ def analyze(
 
     distance = distance_to_limit(traj)
     converged_at = steps_to_converge(distance, limit_norms(traj), cfg.converge_tol)
+    if cfg.limit_steps == cfg.num_steps:
+        # s* is then step S itself (distance 0 by construction): being within tol only there is no convergence
+        converged_at[converged_at == cfg.num_steps] = -1
     normed = traj.states("normed")
     for step in range(normed.shape[0]):  # say where, not classify's "x contains NaN" (one step at a time: memmaps)
         bad = np.flatnonzero(~np.isfinite(np.asarray(normed[step])).all(axis=-1))
@@ -300,7 +314,8 @@ def analyze(
     fixed_start = fixed_start_reason(model)
     pi = None
     if fixed_start is None:
-        pi_scale = cfg.init_scale if cfg.init_scale > 0 else 1.0
+        # a zero-s_0 main run still measures from the starts the model was trained with (Parcae: 1/sqrt(h))
+        pi_scale = cfg.init_scale or resolve_init_scale(model, None) or 1.0
         seeds = [cfg.seed + 1 + k for k in range(cfg.num_starts)]
         pi = path_independence(model, ids, cfg.num_steps, seeds=seeds, positions=chosen[:3], init_scale=pi_scale,
                                progress=progress)

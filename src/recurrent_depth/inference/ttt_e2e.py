@@ -20,7 +20,8 @@ buffer is the base model's own tensor (shared, not copied). The inner loop train
 generation runs on it, and the base model is never written, so it is bit-identical after a
 request whether the request succeeds or fails, and the server's continuous batch (which runs
 the base model) and concurrent requests never see another request's update. The memory cost
-is the copied subset (plus two Adam moments with `ttt_optimizer="adam"`): `copy_bytes`.
+is the copied subset (plus two Adam moments with `ttt_optimizer="adam"`, and a float32 master of
+bf16 / fp16 weights, which the optimizer steps so that small steps are not rounded away): `copy_bytes`.
 
 COST. Each step is counted by `train.flops.training_step_flops` on the 1 x T prompt at depth
 (n, k) (the library's counter: backward = 2x the forward of what gradients flow through), the
@@ -44,6 +45,11 @@ from recurrent_depth.inference.engine import Stopped
 from recurrent_depth.inference.lora_layers import idle_adapter_parameters
 from recurrent_depth.inference.options import TTT_OPTIMIZERS, OptionError, ResolvedOptions
 from recurrent_depth.train.flops import training_step_flops
+from recurrent_depth.weight_quant import QuantizedLinear, held_weights
+
+# Weights the optimizer steps through a float32 master copy: a small step (SGD at lr 1e-3) is mostly
+# below a bf16 weight's rounding step and would be lost if applied to the weight itself.
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 # Named weight subsets (`ttt_params`); any other value is a comma-separated list of globs over
 # `model.named_parameters()` names.
@@ -58,34 +64,64 @@ PARAMETER_SETS = {
 
 def select_parameters(model: nn.Module, spec: str) -> list[str]:
     """The parameter names `spec` chooses: a `PARAMETER_SETS` name or comma-separated globs
-    (e.g. "transformer.core_block.1.*,transformer.ln_f.weight"). ValueError when it is empty or
-    a glob matches nothing."""
+    (e.g. "transformer.core_block.1.*,transformer.ln_f.weight"; a tied weight answers to each of
+    its names, e.g. "lm_head.weight", and is returned under its first). OptionError when it is
+    empty, a glob matches nothing, a named set finds none of its parts in this model, or it names
+    quantized weights."""
     if not isinstance(spec, str) or not spec.strip():
         raise OptionError("ttt_params", f"ttt_params={spec!r} is invalid: expected one of "
                           f"{sorted(PARAMETER_SETS)} or comma-separated globs over parameter names")
+    named_set = spec.strip() in PARAMETER_SETS
     patterns = PARAMETER_SETS.get(spec.strip(), tuple(p.strip() for p in spec.split(",")))
     idle = idle_adapter_parameters(model)  # (LoRA adapters that are off change nothing: not copied, not trained)
-    names = [name for name, _ in model.named_parameters() if name not in idle]
+    # Every name a parameter answers to (a tied head's too) -> the one name it is counted under.
+    canonical = {id(p): name for name, p in model.named_parameters()}
+    aliases = {name: canonical[id(p)] for name, p in model.named_parameters(remove_duplicate=False)
+               if canonical[id(p)] not in idle}
+    hint = f"named sets: {sorted(PARAMETER_SETS)}; names look like {next(reversed(aliases))!r}"
+    _refuse_quantized(model, spec, patterns)
     chosen: list[str] = []
     for pattern in patterns:
-        matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
-        if not pattern or not matched:
+        matched = [aliases[n] for n in aliases if fnmatch.fnmatchcase(n, pattern)]
+        # a named set's parts may be missing (Ouro has no adapter, prelude or coda); a glob must match
+        if not pattern or (not matched and not named_set):
             raise OptionError("ttt_params", f"ttt_params={spec!r} is invalid: {pattern!r} matches no parameter "
-                              f"of this model (named sets: {sorted(PARAMETER_SETS)}; names look like {names[1]!r})")
+                              f"of this model ({hint})")
         chosen += [n for n in matched if n not in chosen]
+    if not chosen:
+        raise OptionError("ttt_params", f"ttt_params={spec!r} is invalid: this model has no such weights ({hint})")
     return chosen
+
+
+def _refuse_quantized(model: nn.Module, spec: str, patterns: tuple[str, ...]) -> None:
+    """OptionError when `patterns` name a quantized layer's weight: it is held as integers (a buffer,
+    not a parameter), so it cannot take a step, and training the rest instead would ignore the request."""
+    quantized = [f"{name}.weight" for name, module in model.named_modules() if isinstance(module, QuantizedLinear)]
+    hit = next((n for n in quantized for p in patterns if fnmatch.fnmatchcase(n, p)), None)
+    if hit is not None:
+        raise OptionError("ttt_params", f"ttt_params={spec!r} is invalid: it names weights held quantized "
+                          f"({held_weights(model)}), e.g. {hit!r}, which take no gradient step; load the model "
+                          "unquantized for TTT-E2E, or name unquantized weights only")
 
 
 def copy_bytes(model: nn.Module, names: list[str], optimizer: str = "sgd") -> int:
     """Bytes a request's copy of the chosen weights holds: the weights, their gradients, and
-    Adam's two moments (`optimizer="adam"`). Tied weights are counted once."""
+    Adam's two moments (`optimizer="adam"`); for bf16 / fp16 weights also their float32 masters and
+    the masters' gradients (the moments are then float32). Tied weights are counted once."""
     if optimizer not in TTT_OPTIMIZERS:
         raise OptionError("ttt_optimizer", f"ttt_optimizer={optimizer!r} is invalid: expected one of "
                           f"{TTT_OPTIMIZERS}")
     params = dict(model.named_parameters(remove_duplicate=False))
     unique = {id(params[n]): params[n] for n in names}
-    weights = sum(p.numel() * p.element_size() for p in unique.values())
-    return weights * (4 if optimizer == "adam" else 2)
+    total = 0
+    for p in unique.values():
+        low = p.dtype in LOW_PRECISION
+        stepped = 4 if low else p.element_size()  # what the optimizer steps: the weight or its float32 master
+        per = stepped * (4 if optimizer == "adam" else 2)  # it and its gradient (and Adam's two moments)
+        if low:
+            per += 2 * p.element_size()  # the shadow's weight itself and autograd's gradient in its dtype
+        total += p.numel() * per
+    return total
 
 
 def shadow_model(model: nn.Module, names: list[str]) -> tuple[nn.Module, list[nn.Parameter]]:
@@ -206,10 +242,12 @@ def adapt(model: nn.Module, input_ids: Tensor, options: ResolvedOptions, final_l
     with torch.inference_mode(False), torch.enable_grad():
         ids = input_ids.clone()  # an inference-mode tensor cannot be saved for backward
         shadow.eval()
+        # what the optimizer steps: each weight, or a float32 master of a bf16 / fp16 one (LOW_PRECISION)
+        stepped = [p.detach().float() if p.dtype in LOW_PRECISION else p for p in params]
         if options.ttt_optimizer == "adam":
-            optimizer: torch.optim.Optimizer = torch.optim.Adam(params, lr=options.ttt_lr)
+            optimizer: torch.optim.Optimizer = torch.optim.Adam(stepped, lr=options.ttt_lr)
         else:
-            optimizer = torch.optim.SGD(params, lr=options.ttt_lr)
+            optimizer = torch.optim.SGD(stepped, lr=options.ttt_lr)
         for step in range(options.ttt_steps):
             if should_stop is not None and should_stop():
                 raise Stopped("stopped between TTT-E2E inner steps")
@@ -222,16 +260,20 @@ def adapt(model: nn.Module, input_ids: Tensor, options: ResolvedOptions, final_l
                 raise OptionError("ttt_params", f"ttt_params={options.ttt_params!r} get no gradient at the inner "
                                   f"depth {depth} (steps without, with gradients): no inner step would change "
                                   "them; raise ttt_depth / ttt_backprop (or num_steps), or choose other parts")
-            for p, g in zip(params, grads):
-                p.grad = g
+            for q, g in zip(stepped, grads):
+                q.grad = None if g is None else g.to(q.dtype)
             optimizer.step()
+            with torch.no_grad():
+                for p, q in zip(params, stepped):
+                    if q is not p:
+                        p.copy_(q)
             losses.append(float(loss.detach()))
             # a step that diverged would generate from non-finite weights: garbage tokens, NaN stats
             if not math.isfinite(losses[-1]) or not all(bool(p.isfinite().all()) for p in params):
                 raise OptionError("ttt_lr", f"ttt_lr={options.ttt_lr:g} made the inner loop diverge: at step "
                                   f"{step + 1} the context loss is {losses[-1]:g} or the updated weights are not "
                                   "finite; lower ttt_lr")
-        for p in params:  # generation reads the weights only
+        for p in params + stepped:  # generation reads the weights only
             p.grad = None
             p.requires_grad_(False)
         if final_loss:

@@ -86,3 +86,12 @@ def test_quantized_weights_are_refused_not_silently_skipped(tiny_model, spec):
     with pytest.raises(OptionError, match=r"names weights held quantized \(int8\), e\.g\. 'transformer\."):
         rd.generate(model, PROMPT, max_new_tokens=2, ttt_params=spec, ttt_steps=1)
     assert ttt_e2e.select_parameters(model, "transformer.ln_f.weight") == ["transformer.ln_f.weight"]
+
+
+def test_the_copy_limit_message_counts_the_float32_masters_of_bf16_weights(tiny_model):
+    """A bf16 copy holds float32 masters too (copy_bytes counts them); the server's over-the-limit 400 says
+    what the copy holds through copy_parts, which said only "weights and gradients"."""
+    names = ttt_e2e.select_parameters(tiny_model, "core-mlp")
+    assert ttt_e2e.copy_parts(tiny_model, names, "adam") == "weights and gradients, Adam moments"
+    low = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    assert ttt_e2e.copy_parts(low, names, "sgd") == "weights and gradients, float32 masters of its bf16/fp16 weights"

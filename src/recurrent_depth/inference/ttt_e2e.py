@@ -124,6 +124,15 @@ def copy_bytes(model: nn.Module, names: list[str], optimizer: str = "sgd") -> in
     return total
 
 
+def copy_parts(model: nn.Module, names: list[str], optimizer: str = "sgd") -> str:
+    """What `copy_bytes` counts for these weights, in words (for a message about the copy's size)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    parts = "weights and gradients" + (", Adam moments" if optimizer == "adam" else "")
+    if any(params[name].dtype in LOW_PRECISION for name in names):
+        parts += ", float32 masters of its bf16/fp16 weights"
+    return parts
+
+
 def shadow_model(model: nn.Module, names: list[str]) -> tuple[nn.Module, list[nn.Parameter]]:
     """A copy of `model`'s module tree whose parameters `names` are fresh copies (requires_grad)
     and whose other parameters and buffers are `model`'s own tensors (frozen in the shadow only by

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from recurrent_depth.inference.gradmem import check_prompts
 from recurrent_depth.inference.options import DEFAULT_TTT_MAX_COPY_MB, OptionError, ResolvedOptions, eos_ids
 from recurrent_depth.inference.session import check_options_for_model
-from recurrent_depth.inference.ttt_e2e import copy_bytes, inner_depth, select_parameters
+from recurrent_depth.inference.ttt_e2e import copy_bytes, copy_parts, inner_depth, select_parameters
 from recurrent_depth.serving import responses
 from recurrent_depth.serving.adapters import adapter_dir_inside, check_adapter_name
 from recurrent_depth.serving.batch import BatchDecoder, RowRequest
@@ -290,7 +290,7 @@ class Handlers:
             raise option_error(exc, given_as, note) from None
         limit = self.settings.ttt_max_copy_bytes
         if nbytes > limit:
-            held = "weights and gradients" + (", Adam moments" if options.ttt_optimizer == "adam" else "")
+            held = copy_parts(model, names, options.ttt_optimizer)
             raise APIError(400, f"ttt_params={options.ttt_params!r} needs a weight copy of {nbytes / 2**20:.2f} MiB "
                                 f"({held}), over this server's limit of {limit / 2**20:.2f} MiB (rdepth serve "
                                 "--ttt-max-copy-mb); choose a smaller subset", param=param)

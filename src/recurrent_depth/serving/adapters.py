@@ -17,7 +17,8 @@ interleave (docs/serving.md).
 
 With `rdepth serve --lora-updates-root DIR` adapters also load and unload while the server runs (vLLM's
 `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`): `adapter_dir_inside` keeps a request's path inside
-DIR, and the scheduler calls `add` / `remove` at its switch point, while nothing runs (`engine.BatchScheduler`).
+DIR, and the scheduler calls `add` / `retire` and `drop` at its switch point, while nothing runs
+(`engine.BatchScheduler`).
 """
 
 from __future__ import annotations
@@ -185,16 +186,23 @@ class ServedAdapters:
         self._peft_names[name] = peft_name
         self.names = (*self.names, name)
 
-    def remove(self, name: str) -> None:
-        """Stop serving adapter `name` (its layers leave the model); all others turned off. Only while nothing
-        runs, and no job waits for it (the scheduler checks)."""
-        from recurrent_depth.train.lora import remove_named_lora
-
+    def retire(self, name: str) -> str:
+        """Stop serving adapter `name`: it leaves `names` (a job naming it is then refused), its layers stay on
+        the model until `drop` of the peft name returned. No peft work: the scheduler calls it under the lock
+        `submit` takes, so that no job for the name is queued behind its check. Only while nothing runs, and no
+        job waits for it (the scheduler checks)."""
         if name not in self:
             raise ValueError(f"no LoRA adapter named {name!r} is loaded; this server has {list(self.names)}")
-        self.activate(None)
-        self.wrapper = remove_named_lora(self.wrapper, self._peft_names.pop(name))
         self.names = tuple(n for n in self.names if n != name)
+        return self._peft_names.pop(name)
+
+    def drop(self, peft_name: str) -> None:
+        """Delete the layers of the adapter `retire` returned `peft_name` for; all others turned off. Only while
+        nothing runs; peft's work, so the scheduler calls it outside its lock (`submit` does not wait for it)."""
+        from recurrent_depth.train.lora import remove_named_lora
+
+        self.activate(None)
+        self.wrapper = remove_named_lora(self.wrapper, peft_name)
 
 
 # Matches regular expressions against module names in a child interpreter that imports the standard library only

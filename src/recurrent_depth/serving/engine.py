@@ -257,18 +257,23 @@ class BatchScheduler:
         return self._update_adapters(lambda: self._served_adapters().add(name, directory))
 
     def unload_adapter(self, name: str) -> Future:
-        """Stop serving LoRA adapter `name` (`ServedAdapters.remove`), once nothing runs; refused (the future's
+        """Stop serving LoRA adapter `name` (`ServedAdapters.retire`, `drop`), once nothing runs; refused (the future's
         error: `AdapterBusy`) while requests for it wait, or a ValueError when none is loaded by that name."""
         return self._update_adapters(lambda: self._unload(name))
 
     def _unload(self, name: str) -> None:
-        """`unload_adapter`'s work, on the scheduler thread while nothing runs."""
-        with self.cond:  # (submit checks names under it: no job for `name` can be queued behind this check)
+        """`unload_adapter`'s work, on the scheduler thread while nothing runs. The check of the waiting jobs and
+        the name's retirement hold the lock (submit checks names under it: no job for `name` can be queued behind
+        the check, and one submitted later is an `UnknownAdapter`); peft's delete of its layers does not: submit
+        runs on the HTTP event loop, which a lock held through the delete stalled for every request."""
+        adapters = self._served_adapters()
+        with self.cond:
             waiting = sum(job.adapter == name and not job.cancelled for job in self.waiting)
             if waiting:
                 raise AdapterBusy(f"the LoRA adapter {name!r} has {waiting} requests waiting to run: unload it once "
                                   "they have finished")
-            self._served_adapters().remove(name)
+            peft_name = adapters.retire(name)
+        adapters.drop(peft_name)  # (nothing runs meanwhile: this thread is the one that would run it)
 
     def _served_adapters(self) -> ServedAdapters:
         if self.adapters is None:

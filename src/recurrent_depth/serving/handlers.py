@@ -356,7 +356,7 @@ class Handlers:
         """`POST /v1/unload_lora_adapter` {"lora_name"} (vLLM's): stop serving an adapter, once the running
         requests have finished; 409 while requests for it wait."""
         name = (await self.lora_update_body(request)).get("lora_name")
-        if name not in self.adapters:  # (ServedAdapters.remove checks again, in order with the loads)
+        if name not in self.adapters:  # (ServedAdapters.retire checks again, in order with the loads)
             from recurrent_depth.files import clipped
 
             raise APIError(400, f"no LoRA adapter named {clipped(name)} is loaded; this server has "

@@ -69,9 +69,15 @@ class KVQuant:
         except ValueError as exc:
             raise ValueError(f"kv_quant is invalid: {exc}") from None
         try:
+            given: set[str] = set()
             for part in spec.split(","):
                 name, _, value = part.partition("=")
                 name, value = name.strip().lower(), value.strip()
+                if name in ("attn", "seed", "outliers", "window"):
+                    if name in given:  # as k= and v= twice: the last one silently winning hides a typo
+                        raise ValueError(f"{name}= is given twice")
+                    given.add(name)
+                    value = value.lower()  # as the method and side names
                 if name == "attn":
                     if value not in ATTENTION_READS:
                         raise ValueError(f"attn={value!r} is unknown: expected one of {', '.join(ATTENTION_READS)}")

@@ -31,6 +31,9 @@ class Quantizer(ABC):
     """
 
     method: str
+    # What besides (spec, D) its codes depend on: the seed, a calibration's outlier channels; carried
+    # by every `Codes` it makes, so that another quantizer of the same spec refuses them.
+    state_key: tuple = ()
 
     def __init__(self, dim: int) -> None:
         if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
@@ -95,6 +98,11 @@ class Quantizer(ABC):
         if not isinstance(codes, Codes) or codes.method != self.spec or codes.dim != self.dim:
             got = f"{codes.method!r} (D={codes.dim})" if isinstance(codes, Codes) else type(codes).__name__
             raise ValueError(f"codes of {got} cannot be decoded by {self.spec!r} (D={self.dim})")
+        if codes.state != self.state_key:
+            made, this = (key[0] if key else None for key in (codes.state, self.state_key))
+            why = "other outlier channels" if made == this else f"seed {made}, this one's {this}"
+            raise ValueError(f"codes of {codes.method!r} (D={codes.dim}) were made by another quantizer state ({why}); "
+                             "decode them with the quantizer that made them")
 
 
 class RotatedQuantizer(Quantizer):
@@ -103,6 +111,7 @@ class RotatedQuantizer(Quantizer):
     def __init__(self, dim: int, rotation: str, seed: int) -> None:
         super().__init__(dim)
         self.seed = int(seed)
+        self.state_key = (self.seed,)
         self.rotation: Rotation = make_rotation(rotation, dim, derive_seed(seed, "rotation"))
 
     @property

@@ -5,12 +5,15 @@ bits as uint8 [..., nbytes], norms and radii as fp16 [..., k]. `nbytes` is the s
 storage, so the bytes reported are exactly the bytes held; the quantizer's own state (a seed, a
 channel split) is shared by every vector and reported separately (`Quantizer.state_nbytes`).
 Codes of one quantizer concatenate and slice along leading axes, e.g. the token axis of a cache.
+`state` names the quantizer state that made them (its seed, its outlier channels: `Quantizer.state_key`),
+so that codes handed to a quantizer of the same spec but another seed or calibration are refused rather
+than decoded to noise.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -20,6 +23,7 @@ class Codes:
     method: str  # the quantizer's spec string, e.g. "prod:3.5"
     dim: int  # D of the encoded vectors
     fields: dict[str, torch.Tensor]
+    state: tuple = ()  # the quantizer state that made them (`Quantizer.state_key`), not stored per vector
 
     def __post_init__(self) -> None:
         shapes = {tuple(t.shape[:-1]) for t in self.fields.values()}
@@ -49,10 +53,10 @@ class Codes:
 
     def narrow(self, axis: int, start: int, length: int) -> Codes:
         axis = self._leading_axis(axis)
-        return Codes(self.method, self.dim, {k: t.narrow(axis, start, length) for k, t in self.fields.items()})
+        return replace(self, fields={k: t.narrow(axis, start, length) for k, t in self.fields.items()})
 
     def to(self, device: torch.device | str) -> Codes:
-        return Codes(self.method, self.dim, {k: t.to(device) for k, t in self.fields.items()})
+        return replace(self, fields={k: t.to(device) for k, t in self.fields.items()})
 
     @staticmethod
     def cat(codes: Sequence[Codes], axis: int) -> Codes:
@@ -64,14 +68,17 @@ class Codes:
             if (c.method, c.dim, c.fields.keys()) != (first.method, first.dim, first.fields.keys()):
                 raise ValueError(f"cannot concatenate codes of {c.method!r} (D={c.dim}) with {first.method!r} "
                                  f"(D={first.dim})")
+            if c.state != first.state:
+                raise ValueError(f"cannot concatenate codes of {c.method!r} (D={c.dim}) made by quantizers with "
+                                 "different seeds or outlier channels")
         axis = first._leading_axis(axis)
-        return Codes(first.method, first.dim, {k: torch.cat([c.fields[k] for c in codes], axis) for k in first.fields})
+        return replace(first, fields={k: torch.cat([c.fields[k] for c in codes], axis) for k in first.fields})
 
 
 def prefixed(prefix: str, codes: Codes) -> dict[str, torch.Tensor]:
     return {f"{prefix}.{k}": t for k, t in codes.fields.items()}
 
 
-def unprefixed(prefix: str, codes: Codes, method: str, dim: int) -> Codes:
+def unprefixed(prefix: str, codes: Codes, method: str, dim: int, state: tuple) -> Codes:
     start = f"{prefix}."
-    return Codes(method, dim, {k[len(start):]: t for k, t in codes.fields.items() if k.startswith(start)})
+    return Codes(method, dim, {k[len(start):]: t for k, t in codes.fields.items() if k.startswith(start)}, state)

@@ -75,7 +75,7 @@ class PolarQuant(RotatedQuantizer):
             fields[f"angles{level}"] = cb.encode(angle.flatten(-2))
             r = torch.hypot(a, b)
         fields["radius"] = store_norm(r.flatten(-2), "block radius")  # [..., blocks]
-        return Codes(self.spec, self.dim, fields)
+        return Codes(self.spec, self.dim, fields, self.state_key)
 
     def _rotated(self, codes: Codes) -> torch.Tensor:
         self._check_codes(codes)

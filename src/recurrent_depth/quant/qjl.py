@@ -58,6 +58,7 @@ class QJL(Quantizer):
                                             f"at D = {dim}")
         self.sketch_size, self.seed, self.outliers = sketch, int(seed), outliers
         self.outlier_channels = channels
+        self.state_key = (self.seed, tuple(channels))
         self.regular_channels = sorted(set(range(dim)) - set(channels))
         self._out_idx, self._reg_idx = torch.tensor(channels, dtype=torch.long), torch.tensor(self.regular_channels)
         self._sketch_seed = derive_seed(seed, "qjl")  # unchanged by outliers: qjl:b without them is as before
@@ -104,7 +105,7 @@ class QJL(Quantizer):
         fields = {"signs": signs, "norm": norm}
         if self.outliers:
             fields["outliers"] = out.to(OUTLIER_DTYPE)
-        return Codes(self.spec, self.dim, fields)
+        return Codes(self.spec, self.dim, fields, self.state_key)
 
     def _weighted_signs(self, codes: Codes) -> torch.Tensor:
         self._check_codes(codes)

@@ -42,7 +42,12 @@ class Raw16(Quantizer):
 
     def encode(self, x: torch.Tensor) -> Codes:
         self._check_input(x)
-        words = x.to(self.dtype).contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+        values = x.to(self.dtype)
+        # fp16 tops out at 65504: a silent inf would poison attention (bf16's range is float32's: no check, no sync)
+        if self.dtype == torch.float16 and not torch.isfinite(values).all():
+            raise ValueError(f"{self.spec} cannot hold values beyond {self.dtype_name}'s range "
+                             f"({torch.finfo(self.dtype).max:g}): got {x.abs().max().item():g}; use raw:16 (bf16)")
+        words = values.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
         return Codes(self.spec, self.dim, {"values": pack_bits(words, 16)})
 
     def decode(self, codes: Codes) -> torch.Tensor:

@@ -95,7 +95,7 @@ class RowCodec:
         fields = {}
         for (name, dtype, _), part in zip(self.layout, rows.split(self.widths, dim=-1), strict=True):
             fields[name] = part if dtype == torch.uint8 else bytes_as(part, dtype)
-        return Codes(self.quantizer.spec, self.quantizer.dim, fields)
+        return Codes(self.quantizer.spec, self.quantizer.dim, fields, self.quantizer.state_key)
 
     def decode(self, rows: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         return self._gather(self.quantizer.decode(self.codes(rows)), self._unperm).to(dtype)

@@ -104,6 +104,9 @@ class QuantSpec:
                 raise ValueError(f"{method} needs a bit width, e.g. {method}:3.5")
             return cls(method, defaults[method])
         try:
+            # float() also takes "1_6" (16) and non-ASCII digits: a bit width is plain ASCII digits
+            if not parts[1].isascii() or "_" in parts[1]:
+                raise ValueError
             bits = float(parts[1])
         except ValueError:
             raise ValueError(f"bits in {text!r} must be a number, got {parts[1]!r}") from None

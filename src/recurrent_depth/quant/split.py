@@ -71,6 +71,7 @@ class ChannelSplit(Quantizer):
         outliers = checked_outlier_channels(outlier_channels, n_out, dim, f"{bits:g} bits at D = {dim}")
         regular = sorted(set(range(dim)) - set(outliers))
         self.outlier_channels, self.regular_channels = outliers, regular
+        self.state_key = (self.seed, tuple(outliers))
         self._out_idx = torch.tensor(outliers)
         self._reg_idx = torch.tensor(regular)
         self.outlier = make_group(n_out, hi, derive_seed(seed, "outlier"))
@@ -103,13 +104,13 @@ class ChannelSplit(Quantizer):
 
     def _groups(self, codes: Codes) -> tuple[Codes, Codes]:
         self._check_codes(codes)
-        return (unprefixed("outlier", codes, self.outlier.spec, self.outlier.dim),
-                unprefixed("regular", codes, self.regular.spec, self.regular.dim))
+        return (unprefixed("outlier", codes, self.outlier.spec, self.outlier.dim, self.outlier.state_key),
+                unprefixed("regular", codes, self.regular.spec, self.regular.dim, self.regular.state_key))
 
     def encode(self, x: torch.Tensor) -> Codes:
         out, reg = self._split(self._check_input(x))
         fields = {**prefixed("outlier", self.outlier.encode(out)), **prefixed("regular", self.regular.encode(reg))}
-        return Codes(self.spec, self.dim, fields)
+        return Codes(self.spec, self.dim, fields, self.state_key)
 
     def decode(self, codes: Codes) -> torch.Tensor:
         c_out, c_reg = self._groups(codes)

@@ -90,7 +90,7 @@ class TurboQuantMSE(RotatedQuantizer):
     def encode(self, x: torch.Tensor) -> Codes:
         unit, norm = unit_and_norm(self._check_input(x))
         idx = self.codebook.encode(self.rotation.forward(unit))
-        return Codes(self.spec, self.dim, {"idx": idx, "norm": store_norm(norm, "vector norm")})
+        return Codes(self.spec, self.dim, {"idx": idx, "norm": store_norm(norm, "vector norm")}, self.state_key)
 
     def _rotated(self, codes: Codes) -> torch.Tensor:
         self._check_codes(codes)
@@ -144,7 +144,7 @@ class TurboQuantProd(RotatedQuantizer):
         fields["signs"] = pack_bits(signs, 1)
         fields["norm"] = stored
         fields["residual"] = residual_code(y.norm(dim=-1, keepdim=True), signs, self.dither(y), self.residual_step)
-        return Codes(self.spec, self.dim, fields)
+        return Codes(self.spec, self.dim, fields, self.state_key)
 
     def _residual_norm(self, codes: Codes) -> torch.Tensor:
         """n·ρ [..., 1]: the stored norm times the stored residual norm."""

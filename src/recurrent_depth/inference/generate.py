@@ -10,6 +10,7 @@ from typing import Any, get_type_hints
 import torch
 from torch import Tensor
 
+from recurrent_depth.config import ModelConfig
 from recurrent_depth.inference import autoregressive, parallel, speculative
 from recurrent_depth.inference.gradmem import GradMemPlan, read_prompt
 from recurrent_depth.inference.options import (
@@ -130,11 +131,23 @@ def _options(kwargs: dict[str, Any]) -> tuple[GenerationOptions, Any, Any, dict[
     return GenerationOptions(**values), tokenizer, streamer, given_as
 
 
+def _runtime_model(model: Any) -> Any:
+    """The recurrent-depth model that runs `model`: a model loaded through transformers runs as the library
+    model it holds (its config is transformers' one, which the runtime cannot read). Anything else is refused
+    in one line, before any option is read."""
+    model = library_model(model)
+    if not isinstance(getattr(model, "config", None), ModelConfig):
+        raise ValueError(
+            f"generate takes a recurrent-depth model (RecurrentDepthLM, or a transformers class holding one), got "
+            f"{type(model).__name__}: a transformers model looped by recurrent_depth.looping (`rdepth loop`) "
+            "decodes with its own model.generate; `rdepth retrofit` converts a Llama-style model into ours"
+        )
+    return model
+
+
 def _stream(model: Any, input_ids: Any, attention_mask: Any, options: GenerationOptions, tokenizer: Any,
             given_as: dict[str, str], should_stop: Callable[[], bool] | None = None) -> GenerationStream:
-    # (a model loaded through transformers runs as the library model it holds: its config is transformers' one,
-    # which the runtime cannot read)
-    model = library_model(model)
+    model = _runtime_model(model)
     try:
         if not given_as:  # (a caller's own spelling, the CLI's, stays in force)
             return GenerationStream(model, input_ids, attention_mask, options, tokenizer, should_stop=should_stop)
@@ -264,7 +277,7 @@ def generate_from_memory(
     """
     given, tokenizer, _, given_as = _options(dict(options, tokenizer=tokenizer))
     try:
-        stream = GenerationStream(library_model(model), query_ids, attention_mask, given, tokenizer, memory=memory)
+        stream = GenerationStream(_runtime_model(model), query_ids, attention_mask, given, tokenizer, memory=memory)
     except OptionError as exc:
         if not given_as:
             raise

@@ -152,6 +152,18 @@ def check_mode_for_model(model: Any, options: ResolvedOptions) -> None:
                          "this model loops its embedding (injection='none'): decode autoregressively")
 
 
+def check_warm_start_for_model(model: Any, options: ResolvedOptions) -> None:
+    """A one-line ValueError for warm start on a model that reads each token only through its s_0."""
+    if options.warm_start and model.config.injection == "none":
+        # s_0 = e is the token's only way in (no injection at the steps): the previous token's state would
+        # replace it, and every token would get the logits of whatever it was fed.
+        raise ValueError(
+            "warm_start replaces s_0, but this model loops its embedding (injection='none', Ouro's layout): "
+            "s_0 = e is the only way a token enters the recurrence, so each token would ignore what it was fed; "
+            "decode without warm_start"
+        )
+
+
 def check_options_for_model(model: Any, options: ResolvedOptions) -> None:
     """Every refusal of `options` that depends only on the model, before any work (a caller may print the
     prompt once the session exists), as the `OptionError` of the option at fault, so that each interface
@@ -161,6 +173,7 @@ def check_options_for_model(model: Any, options: ResolvedOptions) -> None:
         ("sampler" if options.mode == "parallel" else "draft_steps", lambda: check_mode_for_model(model, options)),
         ("kv_quant", lambda: options.kv_quant is None or kv_quant_for_model(model, options.kv_quant)),
         ("exit_criterion", lambda: gate_for(options.criterion, model)),  # the gate criterion needs an exit gate
+        ("warm_start", lambda: check_warm_start_for_model(model, options)),
     )
     for name, check in checks:
         try:

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
+from torch import Tensor
 
 from recurrent_depth.inference.output import TokenEvent
 from recurrent_depth.inference.session import Session
@@ -61,7 +62,9 @@ def decode(session: Session) -> Iterator[TokenEvent]:
                 session.hide(b, column, column + L)
         feed = torch.where(active, pending, session.pad_token_id)
         ids, states, embeds, injections, drafts = [], [], [], [], []
+        draws: list[list[Tensor | None]] = []  # row generators' states before each draft's s_0 draw
         for t in range(L):  # draft: L tokens at N steps each (fewer near max_seq_len)
+            draws.append(_generator_states(session, rows, fresh_verify))
             token_ids = feed[:, None]
             pass_ = engine.begin(token_ids, session.mask(column + t + 1), cache)
             s = engine.run(session.initial_states(pass_.e, rows), pass_, N)
@@ -130,12 +133,23 @@ def decode(session: Session) -> Iterator[TokenEvent]:
             keep_columns.append(committed)
         # Roll back the columns every row rejected; hide the other rejected ones row by row.
         keep = max(keep_columns, default=L)
-        for b, k in zip(rows, keep_columns):
+        for i, (b, k) in enumerate(zip(rows, keep_columns)):
             if k < keep:
                 session.hide(b, column + k, column + keep)
+            state = draws[k][i] if k < L else None
+            if state is not None:  # the next s_0 is the one greedy decoding draws for that column
+                session.generators[b].set_state(state)
         cache.truncate(column + keep)
         column += keep
     session.stats.update(
         rounds=rounds, drafted_tokens=drafted, accepted_drafts=accepted,
         acceptance_rate=round(accepted / drafted, 4) if drafted else 0.0,
     )
+
+
+def _generator_states(session: Session, rows: list[int], fresh_verify: bool) -> list[Tensor | None]:
+    """Each row's s_0 generator state, so that the draws of rejected drafts can be undone: a row's next column
+    then starts from the s_0 that token-by-token decoding draws for it, and the exact mode equals greedy
+    decoding with a random s_0 too. None where nothing is undone: the official loop's (a fresh verify draw,
+    or torch's global RNG)."""
+    return [None if fresh_verify or (g := session.generators[b]) is None else g.get_state() for b in rows]

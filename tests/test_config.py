@@ -83,6 +83,14 @@ def test_another_transformers_model_type_is_not_read_as_huginn_or_ours(model_typ
         rd.ModelConfig.from_dict({"model_type": model_type, "n_embd": 64, "n_layer": 2, "hidden_size": 64})
 
 
+def test_a_looped_transformers_config_says_how_to_run_it():
+    # it was told to "loop its middle layers with `rdepth loop`", which it already is
+    looped = {"model_type": "llama", "hidden_size": 64, "loop": {"start": 2, "end": 3, "iterations": 2}}
+    with pytest.raises(ValueError, match=r"transformers 'llama' model looped by `rdepth loop` .*"
+                                         r"recurrent_depth.looping.from_pretrained"):
+        rd.ModelConfig.from_dict(looped)
+
+
 def test_init_scale_in_a_huginn_format_config_is_kept():
     # Our transformers config writes init_scale into the Huginn-format config.json; reading it back must
     # not drop it (a model saved with init_scale=0.0 came back with 1.0).

@@ -682,6 +682,12 @@ def check_not_foreign_model_type(data: dict[str, Any]) -> None:
     passes for an official Huginn config.
     """
     model_type = data.get("model_type")
+    if model_type is not None and model_type not in KNOWN_MODEL_TYPES and isinstance(data.get("loop"), dict):
+        # (`recurrent_depth.looping`'s key: a directory `rdepth loop search --save` or save_pretrained wrote)
+        raise ValueError(f"config.json is a transformers {model_type!r} model looped by `rdepth loop` (its config "
+                         f"holds loop=...), not a recurrent-depth one: load it with "
+                         f"recurrent_depth.looping.from_pretrained and decode with its generate, or score it "
+                         f"with `rdepth loop eval --model DIR`")
     if model_type is not None and model_type not in KNOWN_MODEL_TYPES:
         raise ValueError(f"config.json is a transformers {model_type!r} checkpoint, not a recurrent-depth one: "
                          f"convert it with `rdepth retrofit` (Llama, Mistral, Phi-3, Qwen2, Qwen3, OLMo-2) or loop its "

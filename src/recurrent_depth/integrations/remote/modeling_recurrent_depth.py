@@ -123,15 +123,45 @@ def is_window(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_WINDOW
 
 
-def check_ids(input_ids: Tensor, vocab_size: int) -> None:
-    """One ValueError line for an empty prompt or an id outside the vocabulary (not an IndexError
-    from deep inside the embedding), as the library says it."""
+def is_integer_tensor(value: Tensor) -> bool:
+    """Integer dtype: not floating point, bool or complex (the library's test for ids and labels)."""
+    return not (value.dtype.is_floating_point or value.dtype == torch.bool or value.is_complex())
+
+
+def check_ids(input_ids: Any, vocab_size: int) -> None:
+    """One ValueError line for ids that are not integers, an empty prompt or an id outside the vocabulary (not an
+    IndexError or a RuntimeError from deep inside the embedding), as the library says it."""
+    if not isinstance(input_ids, Tensor):
+        raise ValueError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+    if not is_integer_tensor(input_ids):
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must have shape [batch, seq_len>0], got {tuple(input_ids.shape)}")
     if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
         bad = ((input_ids < 0) | (input_ids >= vocab_size)).nonzero()[0].tolist()
         raise ValueError(f"token id {int(input_ids[bad[0], bad[1]])} at (row {bad[0]}, position {bad[1]}) is "
                          f"outside the vocabulary [0, {vocab_size})")
+
+
+def check_mask_and_labels(input_ids: Tensor, attention_mask: Any, labels: Any, past: int, vocab_size: int) -> None:
+    """attention_mask [batch, cached + new] of 0s and 1s, labels [batch, seq_len] of token ids or -100, in the
+    library's words: a mask of another length was a broadcast RuntimeError (or, all ones, silently dropped), one
+    holding document ids (2, 3, ...) attended across documents, a label outside the vocabulary an IndexError."""
+    B, T = input_ids.shape
+    if attention_mask is not None:
+        if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != (B, past + T):
+            got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
+            raise ValueError(f"attention_mask must have shape [batch, cached + new] = {(B, past + T)}, got {got}")
+        if attention_mask.is_complex() or not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise ValueError("attention_mask must contain only 0 (padding) and 1 (real token)")
+    if labels is not None:
+        if not isinstance(labels, Tensor) or tuple(labels.shape) != (B, T):
+            got = tuple(labels.shape) if isinstance(labels, Tensor) else type(labels).__name__
+            raise ValueError(f"labels must have the shape of input_ids {(B, T)}, got {got}")
+        if not is_integer_tensor(labels):
+            raise ValueError(f"labels must hold integer token ids, got dtype {labels.dtype}")
+        if not bool(((labels == -100) | ((labels >= 0) & (labels < vocab_size))).all()):
+            raise ValueError(f"labels must be token ids in [0, {vocab_size}) or -100 (ignored)")
 
 
 def kept_logits(logits: Tensor, logits_to_keep: Any) -> Tensor:
@@ -649,6 +679,7 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
                              "use LoRA)")
         if input_ids is None:
             raise ValueError("input_ids is required")
+        check_ids(input_ids, self.config.vocab_size)  # (before its shape is read)
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
         if output_attentions is None:
@@ -659,8 +690,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         scale = cfg.init_scale if init_scale is None else init_scale
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"num_steps={num_steps!r} is invalid: expected None or an integer >= 0")
-        if scale < 0:
-            raise ValueError(f"init_scale={init_scale!r} is invalid: expected a number >= 0")
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale) or scale < 0:
+            raise ValueError(f"init_scale={scale!r} is invalid: expected a finite number >= 0")  # (nan: trunc_normal_)
         use_cache = cfg.use_cache if use_cache is None else use_cache
         # Activation checkpointing recomputes each core step in the backward pass: without a cache (a recompute
         # would append its keys again) and without output_attentions (they would be appended again).
@@ -678,7 +709,7 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             cache = RecurrentDepthCache(cfg)
         if (cache.seen if cache is not None else 0) + input_ids.shape[1] > cfg.max_seq_len:
             raise ValueError(f"sequence longer than max_seq_len={cfg.max_seq_len}")
-        check_ids(input_ids, cfg.vocab_size)
+        check_mask_and_labels(input_ids, attention_mask, labels, cache.seen if cache is not None else 0, cfg.vocab_size)
         B, T = input_ids.shape
         if position_ids is not None and (
                 not isinstance(position_ids, Tensor) or tuple(position_ids.shape) not in ((B, T), (1, T))

@@ -25,9 +25,11 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(["distance_to_limit", "limit_norms", "steps_to_converge"], "convergence"),
     **dict.fromkeys(["token_correlation", "token_correlation_reference"], "correlation"),
     **dict.fromkeys(["change_points", "prediction_arrays", "settling_step"], "depth_view"),
+    **dict.fromkeys(["ExitGate", "exit_gate_along", "has_exit_gate"], "exit_gate"),
     **dict.fromkeys(["PathIndependence", "path_independence"], "path_independence"),
     **dict.fromkeys(["PCA", "fit_pca", "fit_pca_streaming", "fit_trajectory_pca"], "pca"),
-    **dict.fromkeys(["AnalysisConfig", "AnalysisResult", "analyze", "analyze_to_dir", "write_report"], "report"),
+    **dict.fromkeys(["AnalysisConfig", "AnalysisResult", "analyze", "analyze_to_dir", "token_decoder", "write_report"],
+                    "report"),
     **dict.fromkeys(["Trajectory", "collect_trajectory", "iterate_states"], "trajectory"),
 }
 __all__ = sorted(_EXPORTS)

@@ -7,12 +7,16 @@ Token axes list tokens top to bottom with their text; long prompts show every n-
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator
 
 from recurrent_depth.analysis.classify import KINDS
+from recurrent_depth.analysis.exit_gate import ExitGate
 from recurrent_depth.analysis.path_independence import PathIndependence
 from recurrent_depth.analysis.pca import PCA
 
@@ -22,7 +26,24 @@ MAX_HEIGHT_INCHES = 36.0
 KIND_COLOURS = {"fixed point": "tab:blue", "orbit": "tab:red", "slider": "tab:green"}
 
 
+@lru_cache(maxsize=1)
+def _label_font():  # the font token labels are drawn in (family="monospace")
+    from matplotlib import font_manager
+    from matplotlib.ft2font import FT2Font
+
+    return FT2Font(font_manager.findfont(font_manager.FontProperties(family="monospace")))
+
+
+def drawable(label: str) -> str:
+    """`label` with each character the label font has no glyph for as its escape (`世` -> `\\u4e16`):
+    matplotlib draws every such character as the same empty box, so "世" and "界" would look alike."""
+    font = _label_font()
+    return "".join(c if c.isascii() or font.get_char_index(ord(c)) else c.encode("unicode_escape").decode("ascii")
+                   for c in label)
+
+
 def _token_axis(ax, labels: list[str], axis: str = "y") -> None:
+    labels = [drawable(label) for label in labels]
     n = len(labels)
     stride = max(1, -(-n // MAX_TICK_LABELS[axis]))
     ticks = list(range(0, n, stride))
@@ -118,7 +139,7 @@ def plot_pca_trajectories(
             ax.xaxis.set_major_locator(MaxNLocator(4))
             ax.yaxis.set_major_locator(MaxNLocator(4))
             if c == 0:
-                ax.set_title(f"{labels[pos]}  [{kinds[pos]}]", fontsize=9, loc="left",
+                ax.set_title(f"{drawable(labels[pos])}  [{kinds[pos]}]", fontsize=9, loc="left",
                              color=KIND_COLOURS.get(kinds[pos], "black"))
     if sc is not None:
         cax = fig.add_axes((1 - 0.95 / width, 0.25, 0.18 / width, 0.5))
@@ -166,7 +187,7 @@ def plot_path_independence(
             sub.plot(xy[:, 0], xy[:, 1], color=colour, lw=1.0, alpha=0.8, label=f"seed {pi.seeds[s]}")
             sub.scatter(xy[0, 0], xy[0, 1], marker="x", color=colour, s=30)
             sub.scatter(xy[-1, 0], xy[-1, 1], marker="*", color=colour, s=70, edgecolor="black", lw=0.5)
-        sub.set_title(labels[pos], fontsize=9)
+        sub.set_title(drawable(labels[pos]), fontsize=9)
         sub.set_xlabel("PC1", fontsize=8)
         sub.set_ylabel("PC2", fontsize=8)
         sub.tick_params(labelsize=7)
@@ -223,4 +244,30 @@ def plot_kind_counts(counts: dict[str, int]) -> Figure:
     ax.set_ylabel("tokens")
     ax.set_title("Trajectory shapes", fontsize=10)
     ax.set_ylim(0, max(values + [1]) * 1.2)
+    return fig
+
+
+def plot_exit_gate(gate: ExitGate, labels: list[str]) -> Figure:
+    """Two heatmaps, tokens down and steps 1..S across: the gate's stop probability lambda_i, and the
+    cumulative exit distribution with each token's exit step at the threshold (red box) and its
+    expected exit step (white dot)."""
+    T, S = gate.cumulative.shape
+    fig = Figure(figsize=(13, _heatmap_height(T)), layout="constrained")
+    axes = fig.subplots(1, 2, sharey=True)
+    extent = (0.5, S + 0.5, T - 0.5, -0.5)  # column i is step i + 1
+    panels = [(gate.probability, "stop probability λ at step i (given the token got there)", "λ"),
+              (gate.cumulative, f"cumulative exit probability; red box: exit at q={gate.threshold:g}, "
+               "white dot: expected exit step", "P(exit at a step ≤ i)")]
+    for ax, (values, title, bar) in zip(axes, panels):
+        im = ax.imshow(values, aspect="auto", interpolation="nearest", cmap="viridis", vmin=0, vmax=1, extent=extent)
+        _step_axis(ax, S)
+        ax.set_xlim(0.5, S + 0.5)
+        ax.set_title(title, fontsize=9)
+        fig.colorbar(im, ax=ax, label=bar, shrink=_colorbar_shrink(fig))
+    for t, step in enumerate(gate.exit_step):
+        axes[1].add_patch(Rectangle((step - 0.5, t - 0.5), 1, 1, fill=False, edgecolor="red", lw=1.5))
+    axes[1].scatter(gate.expected_step, np.arange(T), s=12, color="white", edgecolor="black", lw=0.5, zorder=3)
+    _token_axis(axes[0], labels)
+    axes[0].set_ylabel("token (position: text)")
+    fig.suptitle(f"The learned exit gate over {S} steps", fontsize=10)
     return fig

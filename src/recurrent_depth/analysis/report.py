@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -42,6 +42,7 @@ from recurrent_depth.analysis.convergence import (
 )
 from recurrent_depth.analysis.correlation import token_correlation
 from recurrent_depth.analysis.depth_view import change_points, prediction_arrays, report_steps, settling_step
+from recurrent_depth.analysis.exit_gate import ExitGate, exit_gate_along, has_exit_gate
 from recurrent_depth.analysis.path_independence import PathIndependence, fixed_start_reason, path_independence
 from recurrent_depth.analysis.pca import PCA, fit_trajectory_pca
 from recurrent_depth.analysis.trajectory import (
@@ -54,6 +55,9 @@ from recurrent_depth.analysis.trajectory import (
 )
 from recurrent_depth.config import is_int, is_real
 
+if TYPE_CHECKING:
+    from recurrent_depth.serving.text import TextCodec
+
 FIGURES = {
     "convergence": ("convergence.png", "Distance to s* per token and step (paper fig. 11)"),
     "pca": ("pca_trajectories.png", "Trajectories on PCA pairs 1-2, 3-4, 5-6 (paper fig. 12)"),
@@ -61,8 +65,10 @@ FIGURES = {
     "token_correlation": ("token_correlation.png", "Token correlation over steps (paper fig. 5)"),
     "depth_view": ("depth_view.png", "Next-token entropy at each depth and where the top prediction changes"),
     "kinds": ("trajectory_kinds.png", "Counts of trajectory shapes"),
+    "exit_gate": ("exit_gate.png", "The learned exit gate: stop probability per step and cumulative exit distribution"),
 }
 LABEL_CHARS = 14
+REPLACEMENT = "\ufffd"  # what decoding an incomplete UTF-8 sequence yields
 
 
 @dataclass
@@ -131,6 +137,7 @@ class AnalysisResult:
     chosen: list[int]
     timings: dict[str, float]
     model_info: dict[str, Any] = field(default_factory=dict)
+    exit_gate: ExitGate | None = None  # models with a learned exit gate (Ouro) only
 
     def to_json_dict(self) -> dict[str, Any]:
         cfg = asdict(self.config)
@@ -153,6 +160,7 @@ class AnalysisResult:
                 "top_prob": self.top_probs[t].tolist(),
                 "top_prediction_at": {str(s): self.top_texts[t][s] for s in steps},
                 "prediction_settles_at": int(self.settles_at[t]),
+                **({} if self.exit_gate is None else {"exit_gate": self.exit_gate.token_dict(t)}),
             })
         return {
             "prompt": self.prompt,
@@ -173,9 +181,44 @@ class AnalysisResult:
                     if (self.converged_at >= 0).any() else None
                 ),
             },
+            **({} if self.exit_gate is None else {"exit_gate": self.exit_gate.summary()}),
             "timings_s": self.timings,
             "tokens": tokens,
         }
+
+
+def token_decoder(codec: TextCodec) -> Callable[[int], str]:
+    """id -> a text that tells tokens apart, for labels and predictions (`analyze`'s token_texts and decode).
+
+    A token's decoded text where it is whole UTF-8; where it is not (one byte of "世" from a byte-level BPE
+    decodes to U+FFFD, like every other such byte) its bytes as SentencePiece writes them, `<0xE4>`, with any
+    whole characters around them kept; `<id N>` for an id the tokenizer does not have (an embedding's padding
+    rows, which a model may still predict, decode to '').
+    """
+
+    def text(token: int) -> str:
+        if codec.tokenizer is None or codec.tokenizer.id_to_token(token) is None:
+            return f"<id {token}>"
+        decoded = codec.decode([token], skip_special_tokens=False)
+        if REPLACEMENT not in decoded or token in codec.special_ids:
+            return decoded
+        return bytes_text(codec.token_bytes(token))  # the bytes the tokenizer itself maps the token to
+
+    return text
+
+
+def bytes_text(raw: bytes) -> str:
+    """Bytes as text: whole UTF-8 characters as they are, every other byte as `<0xHH>` (b" \\xe4" -> " <0xE4>")."""
+    parts: list[str] = []
+    while raw:
+        try:
+            parts.append(raw.decode("utf-8"))
+            break
+        except UnicodeDecodeError as exc:
+            parts.append(raw[: exc.start].decode("utf-8"))
+            parts.extend(f"<0x{b:02X}>" for b in raw[exc.start : exc.end])
+            raw = raw[exc.end :]
+    return "".join(parts)
 
 
 def token_label(position: int, text: str) -> str:
@@ -306,6 +349,7 @@ def analyze(
     entropy, top_ids, top_probs = prediction_arrays(traj)
     vocab_text: dict[int, str] = {}
     top_texts = [[vocab_text.setdefault(int(i), decode(int(i))) for i in row] for row in top_ids]
+    gate = exit_gate_along(model, traj.states("raw")) if has_exit_gate(model) else None
     timings["measures"] = time.perf_counter() - clock
     clock = time.perf_counter()
 
@@ -333,7 +377,7 @@ def analyze(
         distance=distance, converged_at=converged_at, pca=pca, projected=projected, shapes=shapes,
         counts=counts, path=pi, correlation=correlation, entropy=entropy, top_ids=top_ids,
         top_probs=top_probs, top_texts=top_texts, settles_at=settling_step(top_ids), chosen=chosen,
-        timings=timings, model_info=info,
+        timings=timings, model_info=info, exit_gate=gate,
     )
 
 
@@ -354,6 +398,7 @@ def build_figures(result: AnalysisResult) -> dict[str, Figure]:
         "token_correlation": plots.plot_token_correlation(result.correlation),
         "depth_view": plots.plot_depth_view(result.entropy, change_points(result.top_ids), result.labels),
         "kinds": plots.plot_kind_counts(result.counts),
+        **({} if result.exit_gate is None else {"exit_gate": plots.plot_exit_gate(result.exit_gate, result.labels)}),
     }
 
 
@@ -391,6 +436,17 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def exit_gate_rows(gate: ExitGate) -> list[list[str]]:
+    """The exit gate's summary lines (measure, value): the report page's and `rdepth analyze`'s."""
+    expected, exits = gate.expected_step, gate.exit_step
+    return [
+        [f"exit gate: expected exit step (of {gate.cumulative.shape[-1]})",
+         f"mean {expected.mean():.2f}, tokens {expected.min():.2f} to {expected.max():.2f}"],
+        [f"exit gate: exit step at q={gate.threshold:g}",
+         f"median {np.median(exits):g}, tokens {exits.min()} to {exits.max()}"],
+    ]
+
+
 def render_html(result: AnalysisResult, images: dict[str, bytes]) -> str:
     """The self-contained report page (figures as data: URIs, no external resources)."""
     cfg = result.config
@@ -421,7 +477,9 @@ def render_html(result: AnalysisResult, images: dict[str, bytes]) -> str:
              f"{100 * pi['fraction_ratio_below_1']:.0f}%"]]),
         *[[f"token correlation ({k}) at step 1 -> {S}", f"{corr_first[k]:.3f} -> {corr_last[k]:.3f}"]
           for k in corr_first],
+        *([] if result.exit_gate is None else exit_gate_rows(result.exit_gate)),
     ])
+    gate = result.exit_gate
     token_rows = []
     for t, label in enumerate(result.labels):
         shape = result.shapes[t]
@@ -432,10 +490,12 @@ def render_html(result: AnalysisResult, images: dict[str, bytes]) -> str:
             shape.kind, f"{shape.extent:.3f}", f"{shape.straightness:.2f}", f"{shape.speed_ratio:.2f}",
             "-" if result.path is None else f"{result.path.ratio[t]:.3g}", result.settles_at[t],
             f"{result.top_texts[t][final]!r} ({result.top_probs[t][final]:.2f})", f"{result.entropy[t][final]:.2f}",
+            *([] if gate is None else [f"{gate.expected_step[t]:.2f}", gate.exit_step[t]]),
         ])
     tokens_table = _table(
         ["token", "id", "converged at", "shape", "tail extent", "straightness", "speed ratio",
-         "path spread / sep.", "prediction settles at", f"top prediction at {S}", "entropy"],
+         "path spread / sep.", "prediction settles at", f"top prediction at {S}", "entropy",
+         *([] if gate is None else ["expected exit step", f"exit step at q={gate.threshold:g}"])],
         token_rows,
     )
     steps = report_steps(S)

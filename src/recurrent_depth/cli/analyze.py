@@ -20,7 +20,7 @@ from recurrent_depth.cli.common import (
     add_seed_arg,
     add_tokenizer_arg,
     check_depth_flags,
-    load_cli_tokenizer,
+    tokenizer_source,
 )
 from recurrent_depth.inference.schema import add_option_flags
 
@@ -90,7 +90,7 @@ def _in_flag_names(exc: ValueError) -> ValueError:
 
 def run(args: argparse.Namespace) -> int:
     from recurrent_depth.analysis.path_independence import fixed_start_reason
-    from recurrent_depth.analysis.report import AnalysisConfig, analyze_to_dir
+    from recurrent_depth.analysis.report import AnalysisConfig, analyze_to_dir, exit_gate_rows, token_decoder
     from recurrent_depth.files import check_out_dir
     from recurrent_depth.model.recurrent import RecurrentDepthLM
 
@@ -118,11 +118,15 @@ def run(args: argparse.Namespace) -> int:
         prompt = read_text(args.prompt_file, PROMPT_MAX_BYTES, "--prompt-file")
     model = RecurrentDepthLM.from_pretrained(model_dir, dtype=args.dtype, device=args.device)
 
-    tokenizer = None if args.ids is not None else load_cli_tokenizer(args)
+    codec = None
     if args.ids is not None:
         ids = _int_list(args.ids, "--ids")
     else:
-        ids = tokenizer.encode(prompt, add_special_tokens=not args.no_special_tokens).ids
+        from recurrent_depth.serving.text import TextCodec
+
+        # the codec knows each token's bytes: labels for tokens that are not whole UTF-8 on their own
+        codec = TextCodec(tokenizer_source(args), model.config.vocab_size, required=True)
+        ids = codec.encode(prompt, add_special_tokens=not args.no_special_tokens)
     if not ids:
         raise ValueError("the prompt is empty after tokenization")
     vocab = model.config.vocab_size
@@ -130,11 +134,7 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         raise ValueError(f"token ids {bad[:5]} are outside the model's vocabulary [0, {vocab})")
 
-    if tokenizer is not None:
-        def decode(i: int) -> str:
-            return tokenizer.decode([i], skip_special_tokens=False)
-    else:
-        decode = str
+    decode = str if codec is None else token_decoder(codec)
     texts = [decode(i) for i in ids]
     starts = "one start (s_0 = the embedding)" if fixed_start_reason(model) else f"{config.num_starts} starts"
     print(f"analysing {len(ids)} tokens, {config.num_steps} steps (s* at {config.limit_steps}), {starts}")
@@ -149,6 +149,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         ratio = result.path.summary()["median_ratio"]
         print(f"path independence: median spread / nearest-token distance = {ratio:.3g}")
+    if result.exit_gate is not None:  # a model with a learned exit gate (Ouro)
+        for measure, value in exit_gate_rows(result.exit_gate):
+            print(f"{measure}: {value}")
     print(f"report: {files['html']}  (numbers: {files['json']}, {len(files) - 2} PNGs)")
     print(f"done in {time.perf_counter() - start:.1f}s")
     return 0

@@ -278,7 +278,7 @@ def test_a_cache_write_killed_mid_shard_leaves_no_torn_shard_and_no_manifest(tmp
         distill_cache.write_cache(random_teacher, RowsOnly(4), tmp_path / "cache", top_k=3, vocab_size=VOCAB,
                                   data_key="k", teacher_info={}, batch_size=2, log=lambda _: None)
     names = sorted(p.name for p in (tmp_path / "cache").iterdir())
-    assert names == ["indices_00000.npy", "progress.json", "values_00000.npy"]  # whole shards only
+    assert names == [".write.lock", "indices_00000.npy", "progress.json", "values_00000.npy"]  # whole shards only
     assert not distill_cache.has_cache(tmp_path / "cache")
 
 

@@ -151,7 +151,8 @@ def plan_sweep(data: Any, source: str = "sweep config") -> SweepPlan:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{source}: run {name!r}: {exc}") from None
         runs.append(PlannedRun(name, overrides, config))
-    return SweepPlan(runs=runs, test_depths=sorted(set(test_depths)), threads_per_run=int(threads))
+    return SweepPlan(runs=_separate_distill_caches(runs), test_depths=sorted(set(test_depths)),
+                     threads_per_run=int(threads))
 
 
 def _grid_entries(grid: Any, source: str) -> list[dict[str, Any]]:
@@ -260,10 +261,49 @@ def data_key(config: dict[str, Any]) -> str | None:
     run that names its own tokenizer, data_dir or init_from (those it keeps)."""
     if any(config.get(key) is not None for key in ("tokenizer", "data_dir", "init_from")):
         return None
-    cfg = TrainConfig.from_dict(config)
-    settings = [cfg.data, cfg.text_field, cfg.follow_symlinks, cfg.tokenizer_vocab_size(), cfg.tokenizer_max_bytes,
-                cfg.val_fraction, cfg.keep_all, cfg.seq_len or cfg.model_config().max_seq_len, cfg.seed]
+    return _hash(_data_settings(TrainConfig.from_dict(config)))
+
+
+def _data_settings(cfg: TrainConfig) -> list[Any]:
+    """The settings a run's tokenizer and packed rows depend on (when the run prepares them itself)."""
+    return [cfg.data, cfg.text_field, cfg.follow_symlinks, cfg.tokenizer_vocab_size(), cfg.tokenizer_max_bytes,
+            cfg.val_fraction, cfg.keep_all, cfg.seq_len or cfg.model_config().max_seq_len, cfg.seed]
+
+
+def _hash(settings: list[Any]) -> str:
     return hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:12]
+
+
+# What a distillation cache holds (train/distill_cache.py): the teacher's top-k at its depth over the run's rows
+# (its data settings, or its own tokenizer / shards), and for a teacher whose initial state is random, the noise
+# the seed and the batch size fix. (Counted always: the sweep does not read the teacher.)
+DISTILL_CACHE_SETTINGS = ("teacher", "teacher_depth", "distill_top_k", "seed", "batch_size", "tokenizer",
+                          "data_dir", "init_from")
+
+
+def distill_cache_key(config: dict[str, Any]) -> str:
+    """A hash of the settings a run's distillation cache depends on: runs with the same key can share one."""
+    cfg = TrainConfig.from_dict(config)
+    return _hash([_data_settings(cfg), *(getattr(cfg, name) for name in DISTILL_CACHE_SETTINGS)])
+
+
+def _separate_distill_caches(runs: list[PlannedRun]) -> list[PlannedRun]:
+    """Runs that name one `distill_cache` but need different caches in it (another seed, top-k, seq_len, ...)
+    each get their settings' own `DIR/cache-<key>`. A directory holds one cache: one after another they wrote it
+    again every run (or failed: `does not match this run`), at once (--jobs) over each other's shards. Runs that
+    need the same cache keep DIR and share it (`write_cache` writes it once, under a lock)."""
+    keys: dict[str, set[str]] = {}
+    for run in runs:
+        if run.config.get("distill_cache"):
+            keys.setdefault(run.config["distill_cache"], set()).add(distill_cache_key(run.config))
+    separated = []
+    for run in runs:
+        path = run.config.get("distill_cache")
+        if path and len(keys[path]) > 1:
+            config = {**run.config, "distill_cache": str(Path(path) / f"cache-{distill_cache_key(run.config)}")}
+            run = PlannedRun(run.name, run.overrides, config)
+        separated.append(run)
+    return separated
 
 
 def prepare_shared_data(config: dict[str, Any], where: Path, log: Callable[[str], None] = print) -> None:

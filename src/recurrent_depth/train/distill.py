@@ -206,6 +206,13 @@ class Distillation:
         """Both terms of `distillation_loss` are means over the targets that are not -100."""
         return scored_tokens(batch)
 
+    def loss_terms(self) -> dict[str, float]:
+        """The last `loss` call's two terms, unmixed, for the trainer's metrics (`distill_ce`, `distill_kl`):
+        loss = (1 - alpha) * distill_ce + alpha * T^2 * distill_kl."""
+        if self.last_ce is None or self.last_kl is None:
+            raise ValueError("Distillation.loss_terms: no loss was computed yet")
+        return {"distill_ce": self.last_ce, "distill_kl": self.last_kl}
+
 
 
 def teacher_summary(teacher: Teacher) -> dict[str, Any]:

@@ -25,6 +25,9 @@ Crash safety: each shard is written under a temporary name, fsynced and renamed 
 settings checks those shards' shapes and resumes after the last whole one (the rows come out the same as in
 one go: each batch's teacher noise is seeded by its first row), other settings start over. A shard found
 truncated on load (a copy cut short) is a one-line error.
+
+Runs started together with one cache (a sweep's --jobs) write it one at a time under an flock (`WRITE_LOCK`); one
+that waited finds the cache written with its settings and reuses it.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from recurrent_depth.files import (
     AtomicFile,
     atomic_write_text,
     clipped,
+    held_lock,
     open_regular,
     read_json,
     reopen_path,
@@ -53,6 +57,7 @@ CACHE_FORMAT = "rdepth-distill-cache"
 CACHE_VERSION = 1
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"  # the shards written so far, while a write is under way
+WRITE_LOCK = ".write.lock"  # held while a process writes the cache (an flock: dropped when its holder dies)
 ROWS_PER_SHARD = 1024
 
 
@@ -76,7 +81,17 @@ def write_cache(teacher_logits: Any, dataset: Any, out: str | Path, *, top_k: in
     storage order) and write the top-k shards and manifest to `out`; returns the manifest."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST).unlink(missing_ok=True)  # (an earlier cache's: its shards are written over from here on)
+    # Runs started together with one cache (a sweep's --jobs) write it one at a time: the shards' temporary names
+    # are fixed, so two writers tore each other's files. No time limit: a live holder is writing (hours for a
+    # large teacher), and a dead one's lock is gone.
+    with held_lock(out / WRITE_LOCK, float("inf"), "the distill cache write lock"):
+        return _write_cache_locked(teacher_logits, dataset, out, top_k=top_k, vocab_size=vocab_size,
+                                   data_key=data_key, teacher_info=teacher_info, batch_size=batch_size, log=log)
+
+
+def _write_cache_locked(teacher_logits: Any, dataset: Any, out: Path, *, top_k: int, vocab_size: int,
+                        data_key: str | None, teacher_info: dict[str, Any], batch_size: int,
+                        log: Any) -> dict[str, Any]:
     seq_len = int(dataset.row_len) - 1
     k = min(top_k, vocab_size)
     idx_type = index_dtype(vocab_size)
@@ -85,6 +100,11 @@ def write_cache(teacher_logits: Any, dataset: Any, out: str | Path, *, top_k: in
               "bytes_per_token": bytes_per_token(k, vocab_size), "teacher": teacher_info,
               # a recurrent teacher's s_0 is drawn once per write batch: the rows' noise depends on it
               "write_batch_size": batch_size}
+    written = _read_manifest(out)
+    if written is not None and {key: written.get(key) for key in header} == json.loads(json.dumps(header)):
+        log(f"distill cache: {out} was written meanwhile with these settings (by another run): reusing it")
+        return written
+    (out / MANIFEST).unlink(missing_ok=True)  # (an earlier cache's: its shards are written over from here on)
     shards = _finished_shards(out, header, (seq_len, k), idx_type, log)
     for first in range(len(shards) * ROWS_PER_SHARD, len(dataset), ROWS_PER_SHARD):
         rows = np.arange(first, min(first + ROWS_PER_SHARD, len(dataset)))
@@ -153,6 +173,15 @@ def _finished_shards(out: Path, header: dict[str, Any], row_shape: tuple[int, in
         log(f"distill cache: resuming after {len(done)} whole shard(s) ({sum(d['num_rows'] for d in done)} of "
             f"{header['num_rows']} rows) in {out}")
     return done
+
+
+def _read_manifest(out: Path) -> dict[str, Any] | None:
+    """The finished cache's manifest in `out`; None when there is none or it cannot be read."""
+    try:
+        manifest = read_json(out / MANIFEST, CONFIG_MAX_BYTES, "distill cache manifest")
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
 
 
 def has_cache(path: str | Path) -> bool:

@@ -26,7 +26,7 @@ EVAL_FILE = "eval.jsonl"
 RUN_FILE = "run.json"
 TENSORBOARD_DIR = "tensorboard"
 # Scalars of a step's metrics record that go to tensorboard as `train/<key>`.
-TENSORBOARD_SCALARS = ("loss", "lr", "tokens_per_s", "grad_norm", "max_logit")
+TENSORBOARD_SCALARS = ("loss", "lr", "tokens_per_s", "grad_norm", "max_logit", "distill_ce", "distill_kl")
 
 
 def num_parameters(model: nn.Module) -> int:

@@ -611,7 +611,10 @@ class Trainer:
                 if bar is not None:
                     bar.update(1)
                     loss_text = "nan" if record["loss"] is None else f"{record['loss']:.3f}"  # None: not finite
-                    bar.set_postfix(loss=loss_text, tok_s=f"{record['tokens_per_s']:.0f}",
+                    # a distilled run's CE and KL beside the mixed loss (what --distill-alpha trades)
+                    parts = {key.removeprefix("distill_"): "nan" if record[key] is None else f"{record[key]:.3f}"
+                             for key in ("distill_ce", "distill_kl") if key in record}
+                    bar.set_postfix(loss=loss_text, **parts, tok_s=f"{record['tokens_per_s']:.0f}",
                                     depth=record["num_steps"][-1] if record["num_steps"] else None)
                 step = self.state.step
                 if cfg.eval_interval and step % cfg.eval_interval == 0 and not self._budget_spent():
@@ -686,6 +689,9 @@ class Trainer:
         set_lr(self.optimizer, lr)
         self.wrapped.train()
         loss_sum = torch.zeros((), dtype=torch.float64)
+        # an objective may report its loss's parts (distillation: `distill_ce`, `distill_kl`), logged beside it
+        loss_terms = getattr(self.objective, "loss_terms", None)
+        term_sums: dict[str, float] = {}
         indexer_kl_sum, indexer_kl_count = 0.0, 0
         depths: list[int] = []
         grad_depths: list[int] = []
@@ -717,6 +723,9 @@ class Trainer:
                 total = loss if indexer_kl is None else loss + indexer_kl
                 (total / cfg.grad_accum).backward()
             loss_sum += loss.detach().double().cpu()
+            if loss_terms is not None:  # weighted as the loss is: their mix is the logged loss
+                for key, value in loss_terms().items():
+                    term_sums[key] = term_sums.get(key, 0.0) + (value * weight if weight else 0.0)
             if indexer_kl is not None:
                 indexer_kl_sum += float(indexer_kl.detach())
                 indexer_kl_count += 1
@@ -746,6 +755,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         # (the weighted micro-batch losses: the token mean over every rank's scored tokens of the step)
         loss_value = ddist.mean_across_ranks(float(loss_sum) / cfg.grad_accum, env)
+        terms = {key: ddist.mean_across_ranks(total / cfg.grad_accum, env) for key, total in term_sums.items()}
         # the source's counts and means over every rank's batches (rank 0 writes the record)
         observed = ddist.reduce_metrics(observed, self.source.summed_metrics, self.source.rank_mean_metrics, env)
         state.step += 1
@@ -770,6 +780,7 @@ class Trainer:
             "skipped_total": state.skipped_steps,
             "step_s": seconds,
             "elapsed_s": state.elapsed_s,
+            **{key: value if math.isfinite(value) else None for key, value in terms.items()},
             **extra,
             **clip_record,
             **observed,

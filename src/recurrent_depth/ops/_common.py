@@ -115,6 +115,17 @@ def check_chunk_size(chunk_size: int) -> int:
     return chunk_size
 
 
+def fit_chunk_size(chunk_size: int, T: int) -> int:
+    """The chunk size a call of T tokens runs with: `chunk_size` (checked by `check_chunk_size`), or the
+    smallest power of two >= T when that is smaller.
+
+    Chunking is exact at every power of two, so a short call (a prompt of a few tokens, a multi-token
+    verify step of speculative decoding) gives the same result without padding itself up to one whole
+    long chunk: 3 tokens at chunk_size=1024 cost the gated delta rule 450 ms instead of 1 ms.
+    """
+    return min(check_chunk_size(chunk_size), 1 << (T - 1).bit_length())
+
+
 def acc_dtype(*xs: torch.Tensor | None) -> torch.dtype:
     """Accumulation dtype: float64 when any input is float64 (tight oracles), else float32."""
     return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from recurrent_depth.ops._common import acc_dtype, autocast_off, check_chunk_size, check_like, from_chunks, to_chunks
+from recurrent_depth.ops._common import acc_dtype, autocast_off, check_like, fit_chunk_size, from_chunks, to_chunks
 from recurrent_depth.ops.log_linear_attn.utils import (
     LogLinearState,
     check_log_linear_inputs,
@@ -119,7 +119,7 @@ def chunk_log_linear_gated_delta_rule(
     the recurrent form first.
     """
     B, T, H, K, V, L, scale, levels0, offset = _check(q, k, v, g, beta, level_scales, scale, initial_state)
-    C = check_chunk_size(chunk_size)
+    C = fit_chunk_size(chunk_size, T)
     head = (-offset) % C
     if head:
         cut = min(head, T)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from recurrent_depth.ops._common import autocast_off, check_chunk_size, check_inputs
+from recurrent_depth.ops._common import autocast_off, check_inputs, fit_chunk_size
 from recurrent_depth.ops.gated_delta_rule.chunk import chunk_delta_rule_fwd
 
 
@@ -37,5 +37,6 @@ def chunk_delta_rule(
         `(o [B, T, H, V] in q's dtype, final_state [B, H, K, V] or None)`.
     """
     scale = check_inputs(q, k, v, scale=scale, beta=beta, initial_state=initial_state)[-1]
-    o, S = chunk_delta_rule_fwd(q, k, v, beta, None, scale, initial_state, check_chunk_size(chunk_size))
+    o, S = chunk_delta_rule_fwd(q, k, v, beta, None, scale, initial_state,
+                                fit_chunk_size(chunk_size, q.shape[1]))
     return o.to(q.dtype), S if output_final_state else None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from recurrent_depth.ops._common import acc_dtype, autocast_off, check_chunk_size, check_inputs
+from recurrent_depth.ops._common import acc_dtype, autocast_off, check_inputs, fit_chunk_size
 from recurrent_depth.ops.falcon.naive import FalconState, check_eps, check_falcon_state, previous_keys
 from recurrent_depth.ops.gated_delta_rule.chunk import chunk_delta_rule_fwd
 
@@ -38,5 +38,5 @@ def chunk_falcon(
     x = previous_keys(k.to(dt), initial_state)
     step = beta.to(dt) / (eps + x.pow(2).sum(-1))
     o, S = chunk_delta_rule_fwd(q.to(dt), x, v.to(dt), step, None, scale, S0,
-                                check_chunk_size(chunk_size))
+                                fit_chunk_size(chunk_size, T))
     return o.to(q.dtype), FalconState(S, k[:, -1].to(dt)) if output_final_state else None

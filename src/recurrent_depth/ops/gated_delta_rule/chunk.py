@@ -38,9 +38,9 @@ import torch
 from recurrent_depth.ops._common import (
     acc_dtype,
     autocast_off,
-    check_chunk_size,
     check_inputs,
     entering_states,
+    fit_chunk_size,
     from_chunks,
     matmul_add_,
     to_chunks,
@@ -281,5 +281,6 @@ def chunk_gated_delta_rule(
         `(o [B, T, H, V] in q's dtype, final_state [B, H, K, V] or None)`.
     """
     scale = check_inputs(q, k, v, scale=scale, g=g, beta=beta, initial_state=initial_state)[-1]
-    o, S = chunk_delta_rule_fwd(q, k, v, beta, g, scale, initial_state, check_chunk_size(chunk_size))
+    o, S = chunk_delta_rule_fwd(q, k, v, beta, g, scale, initial_state,
+                                fit_chunk_size(chunk_size, q.shape[1]))
     return o.to(q.dtype), S if output_final_state else None

@@ -26,9 +26,9 @@ import torch
 from recurrent_depth.ops._common import (
     acc_dtype,
     autocast_off,
-    check_chunk_size,
     check_inputs,
     entering_states,
+    fit_chunk_size,
     from_chunks,
     matmul_add_,
     steps,
@@ -139,7 +139,7 @@ def chunk_gla(
         `(o [B, T, H, V] in q's dtype, final_state [B, H, K, V] or None)`.
     """
     B, T, H, K, V, scale = check_inputs(q, k, v, scale=scale, g=g, g_per_key=True, initial_state=initial_state)
-    C = check_chunk_size(chunk_size)
+    C = fit_chunk_size(chunk_size, T)
     dt, out_dtype = acc_dtype(q, initial_state), q.dtype
     qc = to_chunks(q.to(dt) * scale, C)  # [B, H, N, C, K]
     kc = to_chunks(k.to(dt), C)  # [B, H, N, C, K]

@@ -15,8 +15,8 @@ import torch
 from recurrent_depth.ops._common import (
     acc_dtype,
     autocast_off,
-    check_chunk_size,
     check_inputs,
+    fit_chunk_size,
     from_chunks,
     matmul_add_,
     to_chunks,
@@ -104,7 +104,7 @@ def chunk_linear_attn(
     """
     B, T, H, K, V, scale = check_inputs(q, k, v, scale=scale)
     S0, z0 = check_linear_attn_state(initial_state, normalize, B, H, K, V, q)
-    C = check_chunk_size(chunk_size)
+    C = fit_chunk_size(chunk_size, T)
     dt, out_dtype = acc_dtype(q, S0), q.dtype
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
     if normalize:

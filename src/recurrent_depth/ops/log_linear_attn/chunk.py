@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from recurrent_depth.ops._common import acc_dtype, autocast_off, check_chunk_size, from_chunks, steps, to_chunks
+from recurrent_depth.ops._common import acc_dtype, autocast_off, fit_chunk_size, from_chunks, steps, to_chunks
 from recurrent_depth.ops.log_linear_attn.utils import (
     LogLinearState,
     bit_length,
@@ -66,7 +66,7 @@ def chunk_log_linear_attn(
         `(o [B, T, H, V] in q's dtype, final LogLinearState or None)`.
     """
     B, T, H, K, V, L, scale, levels0, offset = check_log_linear_inputs(q, k, v, g, level_scales, scale, initial_state)
-    C = check_chunk_size(chunk_size)
+    C = fit_chunk_size(chunk_size, T)
     c = C.bit_length() - 1
     dt, out_dtype = acc_dtype(q, levels0), q.dtype
     dev = q.device

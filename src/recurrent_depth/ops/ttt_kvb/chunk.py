@@ -39,10 +39,12 @@ def chunk_ttt_kvb(
     else:
         check_ttt_state(initial_state, B, H, K, V, C, q)
         start, current, offset = initial_state.start.to(dt), initial_state.current.to(dt), initial_state.offset
-    # zero-padding `offset` slots before the first token aligns chunks with mini-batches (zeros add nothing)
-    qc, kc, vc = (to_chunks(x.to(dt), C, left=offset) for x in (q * scale, k, v))  # [B, H, N, C, D]
-    bc = to_chunks(beta.to(dt)[..., None], C, left=offset)  # [B, H, N, C, 1]
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    # zero-padding `offset` slots before the first token aligns chunks with mini-batches (zeros add nothing);
+    # a call that ends inside its first mini-batch is one chunk of offset + T, not padded up to C
+    width = min(C, offset + T)
+    qc, kc, vc = (to_chunks(x.to(dt), width, left=offset) for x in (q * scale, k, v))  # [B, H, N, width, D]
+    bc = to_chunks(beta.to(dt)[..., None], width, left=offset)  # [B, H, N, width, 1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=q.device).tril()
     outs = []
     entering = start
     for n in range(qc.shape[2]):

@@ -95,3 +95,15 @@ def test_the_copy_limit_message_counts_the_float32_masters_of_bf16_weights(tiny_
     assert ttt_e2e.copy_parts(tiny_model, names, "adam") == "weights and gradients, Adam moments"
     low = copy.deepcopy(tiny_model).to(torch.bfloat16)
     assert ttt_e2e.copy_parts(low, names, "sgd") == "weights and gradients, float32 masters of its bf16/fp16 weights"
+
+
+def test_a_model_built_under_inference_mode_is_refused_in_one_line(tiny_config):
+    """Its weights are inference tensors, which autograd cannot save: TTT-E2E and GradMem failed with torch's
+    multi-line "Inference tensors cannot be saved for backward" deep in their first step."""
+    with torch.inference_mode():
+        model = rd.RecurrentDepthLM(tiny_config).eval()
+    with pytest.raises(ValueError, match=r"^TTT-E2E \(ttt_params\) backpropagates .* created under "
+                                         r"torch.inference_mode\(\)"):
+        rd.generate(model, PROMPT, max_new_tokens=1, ttt_params="core-mlp", ttt_steps=1)
+    with pytest.raises(ValueError, match=r"^GradMem \(gradmem_tokens\) backpropagates"):
+        rd.generate(model, PROMPT, max_new_tokens=1, gradmem_tokens=2, gradmem_steps=1, gradmem_query_tokens=4)

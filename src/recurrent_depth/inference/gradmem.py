@@ -43,6 +43,7 @@ from recurrent_depth.inference.engine import Stopped
 from recurrent_depth.inference.options import GRADMEM_INITS, OptionError, ResolvedOptions
 from recurrent_depth.inference.sampling import RowGenerators
 from recurrent_depth.inference.session import prepare_inputs
+from recurrent_depth.inference.ttt_e2e import refuse_inference_weights
 from recurrent_depth.train.flops import training_step_flops
 
 
@@ -76,7 +77,8 @@ class MemoryWrite:
 
 def check_model(model: Any) -> None:
     """ValueError unless memory tokens can stand in `model`'s input: a layer with value embeddings
-    reads token ids, which memory positions do not have."""
+    reads token ids, which memory positions do not have; or whose weights autograd cannot use."""
+    refuse_inference_weights(model, "GradMem (gradmem_tokens)")
     if model.config.value_embeddings:
         layers = list(model.config.value_embeddings)
         raise ValueError(f"GradMem needs a model without value embeddings (layers {layers} read token ids, which "

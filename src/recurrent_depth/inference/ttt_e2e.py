@@ -104,6 +104,15 @@ def _refuse_quantized(model: nn.Module, spec: str, patterns: tuple[str, ...]) ->
                           "unquantized for TTT-E2E, or name unquantized weights only")
 
 
+def refuse_inference_weights(model: nn.Module, what: str) -> None:
+    """A one-line ValueError when `model`'s weights were made under `torch.inference_mode()`: autograd cannot
+    save them for a backward pass (torch's own error is a multi-line RuntimeError deep in the first step)."""
+    if any(p.is_inference() for p in model.parameters()):
+        raise ValueError(f"{what} backpropagates through the model, but its weights were created under "
+                         "torch.inference_mode(), which makes tensors no backward pass can use: load or build the "
+                         "model outside inference_mode (torch.no_grad() is fine)")
+
+
 def copy_bytes(model: nn.Module, names: list[str], optimizer: str = "sgd") -> int:
     """Bytes a request's copy of the chosen weights holds: the weights, their gradients, and
     Adam's two moments (`optimizer="adam"`); for bf16 / fp16 weights also their float32 masters and
@@ -237,6 +246,7 @@ def adapt(model: nn.Module, input_ids: Tensor, options: ResolvedOptions, final_l
     if input_ids.shape[1] < 2:
         raise OptionError("ttt_params", "TTT-E2E needs a prompt of at least 2 tokens (its loss predicts token "
                           "t+1 from tokens <= t)")
+    refuse_inference_weights(model, "TTT-E2E (ttt_params)")
     started = time.perf_counter()
     names = select_parameters(model, options.ttt_params)
     nbytes = copy_bytes(model, names, options.ttt_optimizer)

@@ -187,7 +187,8 @@ def test_train_help_shows_defaults(capsys):
     # a literal % in a field's help is printed as is, not as argparse's internal dict
     flat = " ".join(text.split())  # argparse wraps lines at the terminal width
     assert "~25% slower" in flat and "option_strings" not in flat
-    assert "demo, demo-muon, k2-muon or huginn-0125" in flat
+    assert "demo, demo-muon, k2-muon, finetune, finetune-lora or huginn-0125" in flat
+    assert "(default: 0.003; from --init-from 1e-05, with --lora 0.0001)" in flat  # --lr
 
 
 def test_print_config(capsys):

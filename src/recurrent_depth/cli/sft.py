@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.init_from is None:
         raise ValueError("--init-from DIR is required: the model directory to fine-tune")
     if args.print_config:
-        print(json.dumps(resolved_config(cfg).to_dict(), indent=2))
+        print(json.dumps(resolved_config(cfg, lora=args.lora).to_dict(), indent=2))
         return 0
     options = SFTOptions(val_data=args.val_data, packing=args.packing, lora=lora_spec_from_args(args))
     return run_trainer(sft_trainer(cfg, options), "sft")

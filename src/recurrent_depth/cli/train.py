@@ -25,9 +25,9 @@ from typing import Any
 
 # optimizer flag -> OptimConfig field
 OPTIM_FLAGS: dict[str, tuple[str, type, str]] = {
-    "optim_preset": ("preset", str, "optimizer recipe to start from: demo, demo-muon, k2-muon or huginn-0125 (the "
-                     "official launch config: the paper's lr 4e-5 with the config's cool-down; the paper ran "
-                     "at a constant rate)"),
+    "optim_preset": ("preset", str, "optimizer recipe to start from: demo, demo-muon, k2-muon, finetune, "
+                     "finetune-lora or huginn-0125 (the official launch config: the paper's lr 4e-5 with the "
+                     "config's cool-down; the paper ran at a constant rate)"),
     "optimizer": ("name", str, "adamw, ellis-adam (the paper's Adam) or muon (+ AdamW for embeddings and norms)"),
     "lr": ("lr", float, "peak learning rate (AdamW / ellis-adam groups)"),
     "muon_lr": ("muon_lr", float, "Muon's learning rate for the block and adapter matrices"),
@@ -123,11 +123,15 @@ def add_config_flags(parser: argparse.ArgumentParser, skipped: tuple[str, ...] =
     parser.add_argument("--model-set", action="append", type=_model_set, default=[], metavar="KEY=VALUE",
                         help="override a ModelConfig field, e.g. --model-set hidden_size=128 (repeatable; "
                              "default: the preset's values)")
-    optim_defaults = OptimConfig.from_preset("demo")
+    # (a run from scratch's defaults, then those of one from --init-from that names no preset and no --lr)
+    presets = ("demo", "finetune", "finetune-lora")
     for dest, (name, kind, text) in OPTIM_FLAGS.items():
-        default = "demo" if name == "preset" else getattr(optim_defaults, name)
+        demo, tuned, lora = (presets if name == "preset" else
+                             [_default_text(getattr(OptimConfig.from_preset(p), name)) for p in presets])
+        shown = demo if tuned == demo else f"{demo}; from --init-from {tuned}"
+        shown += f", with --lora {lora}" if lora != tuned else ""
         parser.add_argument("--" + dest.replace("_", "-"), dest=dest, type=kind, default=None,
-                            help=f"{text} (default: {_default_text(default)})")
+                            help=f"{text} (default: {shown})")
     from recurrent_depth.train.lora import add_lora_arguments
 
     add_lora_arguments(parser)  # (the adapter is trained on --init-from DIR)
@@ -162,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
         from recurrent_depth.train.init_from import resolved_config
 
         # (--init-from: DIR's model config, tokenizer and seq_len, what the run records, as `rdepth sft` prints)
-        print(json.dumps(resolved_config(cfg).to_dict(), indent=2))
+        print(json.dumps(resolved_config(cfg, lora=args.lora).to_dict(), indent=2))
         return 0
     from recurrent_depth.train.trainer import Trainer
 
@@ -180,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
 
     if cfg.init_from is None:
         raise ValueError("--lora needs --init-from DIR: the saved model the adapter is trained on")
-    cfg = resolved_config(cfg)  # DIR's config and tokenizer (not one trained on the new data)
+    cfg = resolved_config(cfg, lora=True)  # DIR's config and tokenizer (not one trained on the new data)
     start = load_for_training(cfg, "cpu")  # (the Trainer moves it)
     model = add_lora(start.model, spec, base_dir=start.model_dir, seed=cfg.seed)
     # (the adapter in DIR's stored dtype, as `sft --lora` writes it and model/ is written without --lora)

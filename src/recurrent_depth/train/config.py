@@ -3,7 +3,9 @@
 Sources, later ones winning: the dataclass defaults, a YAML file (`TrainConfig.from_yaml`), then
 flat overrides (`TrainConfig.from_sources(path, overrides)`, which is what `rdepth train` calls).
 The YAML mirrors the fields; `model:` holds `ModelConfig` overrides on top of `preset`, and
-`optim:` holds `OptimConfig` fields on top of its `preset` (default "demo")::
+`optim:` holds `OptimConfig` fields on top of its `preset` (default "demo"; a run from a model directory
+that names neither a preset nor an lr gets "finetune", or "finetune-lora" for a LoRA adapter:
+`default_optim_preset`)::
 
     preset: small
     model: {hidden_size: 192}
@@ -39,6 +41,10 @@ DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 COMPILE_MODES: tuple[str, ...] = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 DTYPE_ALIASES: dict[str, str] = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 DEFAULT_OPTIM_PRESET = "demo"
+# The recipes of a run from a model directory (init_from) that names no optimizer preset and no lr: the demo's
+# from-scratch rate would wreck a pretrained model (train/optim.py says why these numbers).
+FINETUNE_OPTIM_PRESET = "finetune"
+FINETUNE_LORA_OPTIM_PRESET = "finetune-lora"
 # ModelConfig fields the tokenizer sets (so their range is only known once it exists).
 TOKEN_ID_FIELDS: tuple[str, ...] = ("bos_token_id", "eos_token_id", "pad_token_id")
 # Validation depths relative to the training mean recurrence r̄: with r̄ = 32 these are the paper's
@@ -84,9 +90,10 @@ FIELD_HELP: dict[str, str] = {
     "max_minutes": "minutes of wall time for the run: training, the final checkpoint and model, and the final "
                    "evaluation (cut to fit) all end inside them; tokenizer training and data packing are not counted",
     "optim": "optimizer recipe (YAML mapping of OptimConfig fields, 'preset' picks the base recipe: demo, "
-             "demo-muon, k2-muon (Kimi K2's Muon), "
+             "demo-muon, k2-muon (Kimi K2's Muon), finetune, finetune-lora, "
              "or huginn-0125 = the official launch config, whose cool-down the paper's "
-             "constant-rate run never had)",
+             "constant-rate run never had); naming neither a preset nor an lr, a run from init_from gets "
+             "finetune (finetune-lora training a LoRA adapter), any other demo",
     "depth_scheme": f"depth sampler per micro-batch: one of {', '.join(SCHEMES)}",
     "mean_recurrence": "sampler's mean depth r̄; none = the model's mean_recurrence",
     "backprop_depth": "gradient steps k (truncated backprop); none = the model's mean_backprop_depth",
@@ -159,7 +166,9 @@ class TrainConfig:
     max_steps: int | None = 1000
     max_tokens: int | None = None
     max_minutes: float | None = None
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig.from_preset(DEFAULT_OPTIM_PRESET))
+    # An OptimConfig, or a mapping of its fields (+ `preset`), which __post_init__ turns into one; the default,
+    # an empty mapping, is the run's default recipe (`default_optim_preset`).
+    optim: OptimConfig | dict[str, Any] = field(default_factory=dict)
     depth_scheme: str = "poisson-lognormal"
     mean_recurrence: float | None = None
     backprop_depth: int | None = None
@@ -191,8 +200,10 @@ class TrainConfig:
     tensorboard: bool = True
 
     def __post_init__(self) -> None:
+        # (the optim settings of a run that named no preset and no lr, and whether for LoRA; None: it named one)
+        self._optim_default: tuple[dict[str, Any], bool] | None = None
         if isinstance(self.optim, dict):
-            self.optim = optim_from_dict(self.optim)
+            self._choose_optim(self.optim, lora=False)
         if isinstance(self.dtype, str) and self.dtype in DTYPE_ALIASES:
             self.dtype = DTYPE_ALIASES[self.dtype]
         if isinstance(self.eval_depths, tuple):
@@ -344,6 +355,39 @@ class TrainConfig:
                 if records_logits:
                     QKClip(model)
 
+    # ------------------------------------------------------------------ the default optimizer
+    def _choose_optim(self, given: dict[str, Any], lora: bool) -> None:
+        """`optim` from a mapping: on its preset; naming an lr but no preset, on demo (as before the fine-tuning
+        presets, so such runs resume); naming neither, on `default_optim_preset` (remembered: see `replace`)."""
+        named = "preset" in given or "lr" in given
+        self.optim = optim_from_dict(given, DEFAULT_OPTIM_PRESET if named else
+                                     default_optim_preset(self.init_from, lora))
+        self._optim_default = None if named else (dict(given), lora)
+
+    @property
+    def optim_default(self) -> str | None:
+        """The preset this run's optimizer was chosen on for it, as it named no optimizer preset and no learning
+        rate (`default_optim_preset`); None when it named one, or gave an OptimConfig."""
+        if self._optim_default is None:
+            return None
+        return default_optim_preset(self.init_from, lora=self._optim_default[1])
+
+    def with_optim_for(self, *, lora: bool | None, resumed: OptimConfig | None = None) -> TrainConfig:
+        """This config for a run that trains a LoRA adapter (`lora`) or every weight (None: as chosen so far, every
+        weight unless a call said otherwise): an optimizer chosen for the run (`optim_default`) is chosen for that,
+        or, given the recipe a checkpoint of the run records (`resumed`), is that recipe with the optim settings
+        the run names on top; one the run named stays."""
+        if self._optim_default is None:
+            return self
+        given, chosen_for_lora = self._optim_default
+        if resumed is not None:  # (named from here on: the run goes on as it started)
+            return self.replace(optim=resumed.updated(**given))
+        if lora is None or chosen_for_lora == lora:
+            return self
+        new = self.replace()
+        new._choose_optim(given, lora)
+        return new
+
     # ------------------------------------------------------------------ derived values
     def model_config(self, vocab_size: int | None = None, **token_ids: int | None) -> ModelConfig:
         """The ModelConfig this run trains: preset + `model` overrides (+ the tokenizer's vocab and ids)."""
@@ -428,13 +472,25 @@ class TrainConfig:
         return cls.from_dict(data)
 
     def replace(self, **changes: Any) -> TrainConfig:
-        return dataclasses.replace(self, **changes)
+        new = dataclasses.replace(self, **changes)
+        if self._optim_default is not None and "optim" not in changes:
+            new._choose_optim(*self._optim_default)  # chosen again: init_from may have changed
+        return new
 
 
-def optim_from_dict(data: dict[str, Any]) -> OptimConfig:
-    """An OptimConfig from a mapping; its optional `preset` key (default "demo") gives the base recipe."""
+def default_optim_preset(init_from: str | None, lora: bool = False) -> str:
+    """The optimizer preset of a run that names no preset and no learning rate: "demo" (tuned for tiny models
+    trained from scratch) for a run from scratch, "finetune" for one from a model directory, "finetune-lora" for
+    a LoRA adapter on one."""
+    if init_from is None:
+        return DEFAULT_OPTIM_PRESET
+    return FINETUNE_LORA_OPTIM_PRESET if lora else FINETUNE_OPTIM_PRESET
+
+
+def optim_from_dict(data: dict[str, Any], default_preset: str = DEFAULT_OPTIM_PRESET) -> OptimConfig:
+    """An OptimConfig from a mapping; its optional `preset` key (default `default_preset`) gives the base recipe."""
     values = dict(data)
-    preset = values.pop("preset", DEFAULT_OPTIM_PRESET)
+    preset = values.pop("preset", default_preset)
     if "betas" in values and isinstance(values["betas"], list):
         values["betas"] = tuple(values["betas"])
     check_field_names(values, OptimConfig, "optim key(s)", listed_as="known", extra=("preset",))

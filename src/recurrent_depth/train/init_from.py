@@ -33,6 +33,7 @@ from recurrent_depth.checkpoint import (
 from recurrent_depth.config import ModelConfig
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 from recurrent_depth.train.config import TrainConfig
+from recurrent_depth.train.optim import OptimConfig
 
 # ModelConfig fields a run started from DIR may set differently from DIR's config.json.
 CHANGEABLE_MODEL_FIELDS = ("mean_recurrence", "mean_backprop_depth")
@@ -144,9 +145,11 @@ def _same_tokenizer(given: Path, model_dir: Path) -> bool:
         return False
 
 
-def resolved_config(cfg: TrainConfig) -> TrainConfig:
+def resolved_config(cfg: TrainConfig, lora: bool | None = None) -> TrainConfig:
     """`cfg` with DIR's model config as its `model` (the depth overrides on top), DIR's tokenizer and, unless
-    set, DIR's max_seq_len as `seq_len`: what the run trains, in run.json. Applying it twice changes nothing."""
+    set, DIR's max_seq_len as `seq_len`, and its optimizer for a run that trains every weight or a LoRA adapter
+    (`lora`, None: as an earlier call said, else every weight; see `resolved_optim`): what the run trains, in
+    run.json. Applying it twice changes nothing."""
     if cfg.init_from is None:
         return cfg
     model_dir = find_model_dir(cfg.init_from)
@@ -154,8 +157,32 @@ def resolved_config(cfg: TrainConfig) -> TrainConfig:
     values = {k: v for k, v in base.to_dict().items() if k != "model_type" and k not in _TOKENIZER_FIELDS}
     values.update(model_overrides(base, cfg, model_dir))
     tokenizer = find_tokenizer(model_dir, cfg, base.vocab_size)
-    return cfg.replace(model=values, tokenizer=str(tokenizer),
-                       seq_len=cfg.seq_len if cfg.seq_len is not None else base.max_seq_len)
+    return resolved_optim(cfg.replace(model=values, tokenizer=str(tokenizer),
+                                      seq_len=cfg.seq_len if cfg.seq_len is not None else base.max_seq_len), lora)
+
+
+def resolved_optim(cfg: TrainConfig, lora: bool | None) -> TrainConfig:
+    """The one place that settles the optimizer of a run from a model directory that named no optimizer preset
+    and no lr (`cfg.optim_default`): the fine-tuning preset for every weight or a LoRA adapter
+    (`config.default_optim_preset`) or, resuming, the recipe its checkpoint records (other optim settings it
+    names on top, which the resume check compares): a run started with another default resumes with it."""
+    resumed = checkpoint_optim(cfg.out) if cfg.optim_default is not None and cfg.resume else None
+    return cfg.with_optim_for(lora=lora, resumed=resumed)
+
+
+def checkpoint_optim(out: str | None) -> OptimConfig | None:
+    """The optimizer recipe the newest readable checkpoint in `<out>/checkpoints` records (None: none does)."""
+    from recurrent_depth.train import checkpointing as ckpt
+
+    if out is None:
+        return None
+    for _, path in reversed(ckpt.list_checkpoints(ckpt.checkpoints_root(out))):
+        try:
+            saved = ckpt.read_trainer_state(path)["config"]["optim"]
+            return OptimConfig.from_dict(saved)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # (a damaged checkpoint: the Trainer sets it aside; an older one records the same run)
+    return None
 
 
 def load_for_training(cfg: TrainConfig, device: torch.device | str = "cpu") -> StartingPoint:

@@ -295,7 +295,7 @@ def sft_trainer(cfg: TrainConfig, options: SFTOptions | None = None, **trainer_k
     options = options or SFTOptions()
     if cfg.init_from is None:
         raise ValueError("SFT needs a model to start from: TrainConfig.init_from (--init-from DIR)")
-    cfg = resolved_config(cfg)
+    cfg = resolved_config(cfg, lora=options.lora is not None)  # (an adapter's default optimizer is LoRA's)
     joined = not ddist.group_initialized()
     env = ddist.init_distributed(trainer_kwargs.get("device"))
     start = build_model(cfg, "cpu")  # the Trainer moves it

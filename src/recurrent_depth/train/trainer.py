@@ -209,7 +209,8 @@ class Trainer:
     ) -> None:
         from recurrent_depth.integrations.export import read_companions
 
-        cfg = resolved_config(cfg)  # --init-from: the model directory's config and tokenizer
+        # --init-from: the model directory's config and tokenizer, and the optimizer for all weights or an adapter
+        cfg = resolved_config(cfg, lora=is_peft_model(model))
         if start_dir is None and cfg.init_from is not None:
             start_dir = find_model_dir(cfg.init_from)
         # where the run started, as each checkpoint records it: the model directory (none: weights made here) and the
@@ -238,6 +239,9 @@ class Trainer:
         self.out = Path(cfg.out) if cfg.out is not None else None
         self.on_step = on_step
         self._log = log if log is not None else print
+        if cfg.init_from is not None and cfg.optim_default is not None:  # (chosen for the run: say which)
+            self.log(f"optimizer: the {cfg.optim_default} preset ({cfg.optim.name}, lr {cfg.optim.lr:g}): the run "
+                     "names no optimizer preset or learning rate (--optim-preset, --lr)")
         self.state = LoopState()
         self.losses: list[float] = []
         self.session_start = 0.0

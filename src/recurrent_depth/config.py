@@ -557,6 +557,10 @@ class ModelConfig:
         modeling code loads. The official code derives the head count of k/v and the head width from n_heads and
         hard-codes the rest of the architecture, so a config it cannot express is refused in one line naming the
         fields: what `from_dict` reads back from the written keys must be this config."""
+        if self.bias:  # (the official code gives the key another meaning)
+            raise ValueError("the official Huginn-0125 layout cannot express this model's bias=True (the official "
+                             "code's bias is the adapter's only; its attention and MLP have none, so it would drop "
+                             "their biases): save it in the library's layout")
         values = {key: getattr(self, name) for key, name in HUGINN_KEY_MAP.items() if key not in HUGINN_DERIVED_KEYS}
         values.update(model_type=HUGINN_MODEL_TYPE, architectures=["RavenForCausalLM"], n_layers=self.num_layers,
                       vocab_size=self.vocab_size)
@@ -567,10 +571,6 @@ class ModelConfig:
                              f"{', '.join(f'{name}={getattr(self, name)!r}' for name in differs)} (the official "
                              f"code hard-codes {', '.join(f'{name}={getattr(back, name)!r}' for name in differs)}): "
                              f"save it in the library's layout")
-        if self.bias:  # (the key reads back, but the official code gives it another meaning)
-            raise ValueError("the official Huginn-0125 layout cannot express this model's bias=True (the official "
-                             "code's bias is the adapter's only; its attention and MLP have none, so it would drop "
-                             "their biases): save it in the library's layout")
         return {key: values[key] for key in sorted(values)}
 
     @classmethod

@@ -107,6 +107,16 @@ def with_generation_defaults(given: dict[str, Any], defaults: dict[str, Any]) ->
     return merged
 
 
+def with_turn_end(eos: Any, turn_end: list[int]) -> Any:
+    """`eos` (an eos_token_id: an id, a list of them or None) with the chat template's end-of-turn ids `turn_end`
+    joined after its own, as chat models on the Hub list them (Llama-3-Instruct's [128001, 128009]): transformers'
+    `generate` then stops at the end of the assistant's turn, not at eos only (it ran on into a made-up next turn).
+    `eos` itself where it holds them all already."""
+    own = [] if eos is None else list(eos) if isinstance(eos, list | tuple) else [eos]
+    missing = [i for i in turn_end if i not in own]
+    return own + missing if missing else eos
+
+
 def check_generation_defaults(src: Path, remote_code: bool = True, before: str = "exporting") -> None:
     """Refuse (one line, before anything is written) a generation_config.json that no export can carry: one that is
     not a regular file (a FIFO, a link to /dev/zero: the copy left it out without a word) or not a JSON object

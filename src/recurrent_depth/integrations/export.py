@@ -17,7 +17,7 @@ from recurrent_depth.checkpoint import copy_tokenizer, save_pretrained
 from recurrent_depth.config import HUGINN_ARCHITECTURE, HUGINN_MODEL_TYPE, MODEL_TYPE, ModelConfig
 from recurrent_depth.families.retrofit import PROVENANCE_FILE
 from recurrent_depth.files import CONFIG_MAX_BYTES, atomic_write_bytes, atomic_write_text, read_bytes, read_json
-from recurrent_depth.generation_config import GENERATION_CONFIG_FILE, check_generation_defaults
+from recurrent_depth.generation_config import GENERATION_CONFIG_FILE, check_generation_defaults, with_turn_end
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 
 REMOTE_CODE_FILE = "modeling_recurrent_depth.py"
@@ -90,6 +90,33 @@ def copy_companions(src: Path, out: Path) -> None:
     copy_tokenizer(src, out)
     for name, data in companions.items():
         atomic_write_bytes(out / name, data)
+    stop_at_turn_end(src, out)
+
+
+def stop_at_turn_end(model_dir: Path, out: Path) -> None:
+    """Make `out`'s generation_config.json stop transformers' `generate` at the end of a chat turn: the ids `rdepth
+    serve` ends a chat at (`turn_end_ids` of `out`'s tokenizer and chat template: `<|end_turn|>`, ChatML's
+    `<|im_end|>`) joined to its eos_token_id, after the file's own ids (a retrofitted Qwen's list), else the model's
+    eos (`model_dir`'s config). Without them `tok.apply_chat_template(..., add_generation_prompt=True)` then
+    `model.generate` stopped at eos only and ran on into a made-up next turn. Nothing is written without a chat
+    template, or where the file lists them already; a new file holds the model config's special ids."""
+    from recurrent_depth.serving.text import turn_end_ids
+
+    config = ModelConfig.from_json(model_dir / "config.json")
+    turn_end = turn_end_ids(out, config.vocab_size)
+    if not turn_end:
+        return
+    path = out / GENERATION_CONFIG_FILE
+    if path.is_file():  # (checked before anything was written: a regular file holding a JSON object)
+        values = read_json(path, CONFIG_MAX_BYTES, "generation config")
+    else:
+        values = {"bos_token_id": config.bos_token_id, "pad_token_id": config.pad_token_id}
+    own = values.get("eos_token_id")
+    joined = with_turn_end(config.eos_token_id if own is None else own, turn_end)
+    if joined == own:
+        return
+    values["eos_token_id"] = joined
+    atomic_write_text(path, json.dumps(values, indent=2) + "\n")
 
 
 def official_code_files(code_dir: Path) -> dict[str, Any]:
@@ -165,4 +192,5 @@ def export_remote_code(model_dir: str | Path, out_dir: str | Path | None = None)
     values["auto_map"] = dict(AUTO_MAP)
     atomic_write_text(out / "config.json", json.dumps(values, indent=2, sort_keys=True) + "\n")
     atomic_write_text(out / REMOTE_CODE_FILE, remote_code_source())
+    stop_at_turn_end(out, out)  # (also in place, where no companions were copied)
     return out

@@ -321,6 +321,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
                 kwargs["dtype"] = dtype
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         quantize_weights(model.core, weights)  # the wrapper shares the core's modules: both quantized
+        if _is_local_dir(pretrained_model_name_or_path) and model.can_generate():
+            _stop_at_turn_end(model, Path(pretrained_model_name_or_path) / (kwargs.get("subfolder") or ""))
         return model
 
     def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
@@ -965,6 +967,7 @@ class OuroForCausalLM(RecurrentDepthForCausalLM):
             wrapped.set_attn_implementation("eager")  # transformers' rule for output_attentions on the config
             wrapped.config.output_attentions = True
         _read_generation_config(wrapped, directory)
+        _stop_at_turn_end(wrapped, directory)
         return wrapped
 
 
@@ -1004,6 +1007,24 @@ def _read_generation_config(model: PreTrainedModel, directory: Path) -> None:
     path = directory / "generation_config.json"
     if path.is_file():
         model.generation_config = GenerationConfig.from_dict(read_json(path, CONFIG_MAX_BYTES, "generation config"))
+
+
+def _stop_at_turn_end(model: RecurrentDepthForCausalLM, directory: Path) -> None:
+    """Join the ids a chat turn ends at in `directory` (its tokenizer's chat template: `<|end_turn|>`, ChatML's
+    `<|im_end|>`; `serving.text.turn_end_ids`, where `rdepth serve` stops a chat) to the loaded generation config's
+    eos_token_id, after its own ids, else the model's eos: a directory saved without them in generation_config.json
+    (the library's layout) stopped transformers' `generate` at eos only, so a chat ran on into a made-up next turn.
+    `integrations.export.stop_at_turn_end` writes the same ids into the directories it exports."""
+    config = getattr(model, "generation_config", None)
+    if not isinstance(config, GenerationConfig) or not (directory / "tokenizer.json").is_file():
+        return  # (no tokenizer: no chat template; the server's text module is not even imported)
+    from recurrent_depth.generation_config import with_turn_end
+    from recurrent_depth.serving.text import turn_end_ids
+
+    turn_end = turn_end_ids(directory, model.core.config.vocab_size)
+    if turn_end:
+        own = config.eos_token_id
+        config.eos_token_id = with_turn_end(model.core.config.eos_token_id if own is None else own, turn_end)
 
 
 def _packed_document_ids(input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None,

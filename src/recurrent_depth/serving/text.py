@@ -89,6 +89,18 @@ def tokenizer_file(path: str | Path | None, required: bool = False) -> Path | No
     return file
 
 
+def turn_end_ids(model_dir: str | Path, vocab_size: int) -> list[int]:
+    """The ids a chat turn ends at in `model_dir`, sorted: what `rdepth serve` stops a chat at
+    (`TextCodec.chat_stop_ids`: `<|end_turn|>` and the chat template's end of turn). [] where the directory has no
+    tokenizer.json, no usable chat template, or a tokenizer that does not fit `vocab_size`. The generation configs
+    that transformers users load add them to eos_token_id (integrations/export.py, integrations/hf.py)."""
+    try:
+        codec = TextCodec(model_dir, vocab_size)
+    except ValueError:  # a tokenizer the model cannot serve: no chat to stop
+        return []
+    return sorted(codec.chat_stop_ids) if codec.chat is not None else []
+
+
 class TextCodec:
     """Encode/decode with a model directory's tokenizer; None-safe when there is none.
 

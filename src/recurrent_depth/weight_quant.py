@@ -195,6 +195,19 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.weight_dtype = torch.float32 if bias is None else bias.dtype  # the dtype `dequantized` restores
 
+    def _apply(self, fn, recurse: bool = True) -> QuantizedLinear:
+        """`model.to(dtype)` / `.half()` / `.float()` keep the stored codes' scales (and zero points) in
+        their own dtype, moving them only: cast, float32 int8 scales reached the C++ product as bf16
+        (a RuntimeError) and bf16 int4 pairs lost bits as fp16. The dtype `dequantized` restores follows."""
+        kept = {name: buffer for name, buffer in self._buffers.items() if buffer is not None}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = self._buffers[name]
+            if after.dtype != before.dtype:
+                self._buffers[name] = before.to(after.device)
+        self.weight_dtype = fn(torch.empty(0, dtype=self.weight_dtype)).dtype
+        return self
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The dequantized weight `[out, in]` in `dtype`."""
         raise NotImplementedError
@@ -407,14 +420,20 @@ def quantize_weights(model: nn.Module, weights: str | None = "int8", include_hea
 
     weights: "int8", "int4" (group 32) or "int4:g<group>" (None: nothing). Every `nn.Linear` under
     `model.transformer` becomes an `Int8WeightLinear` / `Int4WeightLinear`; `include_head` also
-    quantizes an untied `lm_head` (a tied one shares the embedding's storage: ValueError)."""
+    quantizes an untied `lm_head` (a tied one shares the embedding's storage: ValueError). A model already
+    holding this format keeps its codes (only a float head that include_head asks for is quantized); one
+    holding another format is a ValueError."""
     parsed = parse_weights(weights)
     if parsed is None:
         return 0
+    if not isinstance(model, nn.Module) or not isinstance(getattr(model, "transformer", None), nn.Module):
+        raise ValueError(f"quantize_weights takes a RecurrentDepthLM (or our transformers model), got "
+                         f"{type(model).__name__}: it quantizes the linear layers under model.transformer")
     held = held_weights(model)
-    if held is not None:  # quantizing codes again would compound the rounding (or silently keep them)
-        if held == format_weights(*parsed):
-            return 0
+    # the same format again keeps the transformer's codes (quantizing them again would compound the rounding),
+    # but still quantizes a head that include_head asks for
+    same = held == format_weights(*parsed)
+    if held is not None and not same:
         raise ValueError(f"weights={weights!r} cannot be applied: this model already holds {held} weights; "
                          f"call recurrent_depth.weight_quant.dequantize_weights(model) first, or load the "
                          f"float model with weights={weights!r}")
@@ -430,11 +449,13 @@ def quantize_weights(model: nn.Module, weights: str | None = "int8", include_hea
     from recurrent_depth.accel.linear import restore_linears  # (accel imports this module)
 
     with torch.no_grad():
+        count = 0
         # an `accel.apply`d model (the trainer's) holds its linears as a subclass: plain ones again first
-        restore_linears(model.transformer)
+        if not same:
+            restore_linears(model.transformer)
+            count = _replace_children(model.transformer, nn.Linear, make)
         if include_head:
             restore_linears(model.lm_head)
-        count = _replace_children(model.transformer, nn.Linear, make)
         if include_head and type(model.lm_head) is nn.Linear:
             model.lm_head = make(model.lm_head)
             count += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -30,7 +31,18 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tasks():
-    return TaskManager(include_path=str(TASKS_DIR))
+    # Only our rd_* tasks: indexing lm-eval's own ~15k task configs takes 10+ s and no test here needs them.
+    return TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
+
+
+@pytest.fixture
+def shipped_tasks_only(monkeypatch):
+    """lm-eval's CLI and `rdepth eval` build a TaskManager per run, indexing lm-eval's own ~15k task configs
+    (10+ s): here they index only the include_path (our rd_* tasks). test_rdepth_lm_eval_runs_lm_evals_cli
+    keeps the full index, so one run checks our tasks beside lm-eval's."""
+    import lm_eval.tasks
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", functools.partial(TaskManager, include_defaults=False))
 
 
 def evaluate(lm, tasks, names, limit=4, **kwargs):
@@ -118,7 +130,8 @@ def test_rdepth_lm_eval_runs_lm_evals_cli(model_dir, tmp_path):
     assert results["config"]["recurrent_depth"]["num_steps"] == 2
 
 
-def test_init_scale_none_means_the_configs_and_rdepth_eval_runs_lm_eval_tasks(model_dir, tmp_path):
+def test_init_scale_none_means_the_configs_and_rdepth_eval_runs_lm_eval_tasks(model_dir, tmp_path,
+                                                                               shipped_tasks_only):
     # `rdepth eval --lm-eval-tasks ...` without --init-scale (the documented command) passed init_scale=None,
     # which the backend refused: "init_scale=None is invalid: expected a number in [0, inf)".
     lm = RecurrentDepthEvalLM(pretrained=str(model_dir), device="cpu", num_steps=2, init_scale=None)
@@ -130,7 +143,7 @@ def test_init_scale_none_means_the_configs_and_rdepth_eval_runs_lm_eval_tasks(mo
     assert 0 <= results["lm_eval"]["0"]["rd_chains_mc/acc"]["1"] <= 1
 
 
-def test_rdepth_lm_eval_reports_bad_model_args_in_one_line(model_dir, capsys):
+def test_rdepth_lm_eval_reports_bad_model_args_in_one_line(model_dir, capsys, shipped_tasks_only):
     # lm-eval types "-1" as -1.0, so the error read "num_steps=-1.0 ... expected None or an integer",
     # and it came as a traceback: `rdepth lm-eval` is outside main()'s one-line error handler.
     from recurrent_depth.inference.schema import from_text

@@ -58,3 +58,21 @@ def test_cli_token_positions_outside_the_prompt_name_the_flag(model, tmp_path: P
                  "--limit-steps", "8", "--starts", "2", "--no-states", "--out", str(tmp_path / "o")])
     assert code == 2
     assert "tokens=[1, 9] (--tokens) has positions [9] outside the prompt's 0..2" in capsys.readouterr().err
+
+
+def test_cli_analyses_the_weight_quantized_model(model, tmp_path: Path):
+    """`rdepth analyze --weights int8` (as generate, eval and serve take it): the report is the quantized model's,
+    and says so; it was an unrecognized argument."""
+    import json
+
+    model.save_pretrained(tmp_path / "m")
+    reports = {}
+    for weights in (None, "int8"):
+        out = tmp_path / f"o-{weights}"
+        argv = ["analyze", "--model", str(tmp_path / "m"), "--ids", "5,77,120,9", "--steps", "8", "--limit-steps",
+                "8", "--starts", "2", "--no-states", "--out", str(out)]
+        assert main(argv + ([] if weights is None else ["--weights", weights])) == 0
+        reports[weights] = json.loads((out / "analysis.json").read_text())
+    assert reports["int8"]["model"]["weights"] == "int8" and "weights" not in reports[None]["model"]
+    entropy = [[t["entropy"] for t in r["tokens"]] for r in reports.values()]
+    assert entropy[0] != entropy[1]  # (int8 rounding reaches the numbers)

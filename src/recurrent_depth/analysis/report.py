@@ -372,6 +372,10 @@ def analyze(
     if model_cfg is not None:
         info |= {"hidden_size": model_cfg.hidden_size, "vocab_size": model_cfg.vocab_size,
                 "mean_recurrence": model_cfg.mean_recurrence}
+    from recurrent_depth.weight_quant import held_weights
+
+    if (weights := held_weights(model)) is not None:  # (rdepth analyze --weights: the model as it is served)
+        info["weights"] = weights
     return AnalysisResult(
         config=cfg, prompt=prompt, token_ids=[int(i) for i in ids[0]], labels=labels, trajectory=traj,
         distance=distance, converged_at=converged_at, pca=pca, projected=projected, shapes=shapes,

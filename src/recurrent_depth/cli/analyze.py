@@ -19,6 +19,7 @@ from recurrent_depth.cli.common import (
     add_out_arg,
     add_seed_arg,
     add_tokenizer_arg,
+    add_weights_arg,
     check_depth_flags,
     tokenizer_source,
 )
@@ -42,6 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_out_arg(p, "runs/analysis")
     add_seed_arg(p)
     add_device_args(p)
+    add_weights_arg(p)  # (the latent behaviour of the quantized model a user serves)
     p.add_argument("--steps", type=int, default=64,
                    help="recurrence steps recorded and plotted, at least 8 (default: %(default)s)")
     p.add_argument("--limit-steps", type=int, default=128,
@@ -116,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
 
         # Bounded, regular files only: /dev/zero or a FIFO would otherwise be read until memory runs out.
         prompt = read_text(args.prompt_file, PROMPT_MAX_BYTES, "--prompt-file")
-    model = RecurrentDepthLM.from_pretrained(model_dir, dtype=args.dtype, device=args.device)
+    model = RecurrentDepthLM.from_pretrained(model_dir, dtype=args.dtype, device=args.device, weights=args.weights)
 
     codec = None
     if args.ids is not None:

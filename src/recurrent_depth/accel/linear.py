@@ -273,12 +273,11 @@ class FastLowPrecisionLinear(nn.Linear):
                                    _use_blocked(dtype))
             return out.view(*x.shape[:-1], self.out_features)
 
-    @torch.compiler.disable
     def _product_outside_graph(self, x: Tensor) -> Tensor:
         """Under torch.compile (`compile_core`), the product runs here, between the graphs: in the fast
         layout with the cached low-precision weights, while the graphs around it fuse the element-wise
         work. Traced, it would cast and transpose the weights again at every call and take the slow
-        layouts (COMPILED in the module docstring)."""
+        layouts (COMPILED in the module docstring). `convert_linears` marks it `torch.compiler.disable`."""
         return self.forward(x)
 
     def train(self, mode: bool = True) -> FastLowPrecisionLinear:
@@ -320,7 +319,17 @@ def convert_linears(model: nn.Module) -> int:
 
     Only the class changes (parameters, hooks and state dict are the layer's own), so the conversion
     can come before or after the optimizer is built. Subclasses of nn.Linear are left alone."""
+    _keep_product_outside_graphs()
     return swap_class(model, nn.Linear, FastLowPrecisionLinear)
+
+
+def _keep_product_outside_graphs() -> None:
+    """Mark `FastLowPrecisionLinear._product_outside_graph` `torch.compiler.disable` (a graph break), once, when
+    the first layers are made: the decorator imports torch._dynamo (about 1 s), which every command paid at
+    start-up as a decorator at class definition, while only runs that convert layers (training) can need it."""
+    method = FastLowPrecisionLinear.__dict__["_product_outside_graph"]
+    if not getattr(method, "_torchdynamo_disable", False):
+        FastLowPrecisionLinear._product_outside_graph = torch.compiler.disable(method)
 
 
 def restore_linears(model: nn.Module) -> int:

@@ -15,6 +15,7 @@ import os
 import sys
 import warnings
 from collections.abc import Iterator
+from typing import NoReturn
 
 # command name -> module that registers it (order = order in `rdepth --help`)
 COMMANDS: dict[str, str] = {
@@ -65,6 +66,16 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     for name, command_parser in subparsers.choices.items():
         _add_threads_to_leaves(command_parser, measured=name in MEASURE_THREADS)
     return parser
+
+
+def unknown_command(word: str) -> NoReturn:
+    """`rdepth infoo`: argparse listed all the commands; name the one meant, as a mistyped flag gets (exit 2)."""
+    import difflib
+
+    near = difflib.get_close_matches(word, COMMANDS, n=2, cutoff=0.6)
+    hint = f"did you mean {' or '.join(near)}?" if near else f"choose one of {', '.join(COMMANDS)}"
+    # (no command registered: the usage line without importing any command module)
+    build_parser(only="").error(f"unknown command {word!r}: {hint} (rdepth --help lists them)")
 
 
 def _add_threads_to_leaves(parser: argparse.ArgumentParser, measured: bool) -> None:
@@ -142,6 +153,8 @@ def _main(argv: list[str] | None) -> int:
         return run_passthrough(argv[1:])
     from recurrent_depth.cli.parser import parse
 
+    if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
+        unknown_command(argv[0])
     only = argv[0] if argv and argv[0] in COMMANDS else None
     parser = build_parser(only)
     args = parse(parser, argv)

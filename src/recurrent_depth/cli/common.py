@@ -17,22 +17,83 @@ def add_model_arg(parser: argparse.ArgumentParser, required: bool = True, help: 
 
 def model_dir(text: str) -> str:
     """argparse type of --model: a run directory (no config.json, but model/config.json) means its model/."""
+    return run_model_dir(text, "--model")
+
+
+def baseline_dir(text: str) -> str:
+    """argparse type of eval's --baseline: a run directory means its model/, as for --model."""
+    return run_model_dir(text, "--baseline")
+
+
+def run_model_dir(text: str, flag: str) -> str:
+    """`text`, or its model/ when it is a run directory (no config.json, but model/config.json), said on stderr."""
     import sys
     from pathlib import Path
 
     path = Path(text)
     if not (path / "config.json").exists() and (path / "model" / "config.json").is_file():
-        print(f"rdepth: --model {text} is a run directory; using its model {path / 'model'}", file=sys.stderr)
+        print(f"rdepth: {flag} {text} is a run directory; using its model {path / 'model'}", file=sys.stderr)
         return str(path / "model")
     return text
 
 
-def no_model_message(path: str) -> str:
-    """What to pass when --model names a directory without config.json."""
+def check_model_path(path: str, flag: str = "--model") -> None:
+    """A model flag's path checked before anything loads, with the same one-line errors in every command:
+    no such path, a file (a model's own config.json or weights, say), a directory without config.json."""
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_file():
+        # `--model run/model/config.json` (or its model.safetensors): the directory holding it was meant
+        parent = f": pass the directory holding it, {flag} {p.parent}" if p.name in MODEL_FILES or \
+            p.suffix == ".safetensors" else " (expected a saved model directory)"
+        raise NotADirectoryError(f"{flag} {path} is not a directory but a file{parent}")
+    if not p.is_dir():
+        raise FileNotFoundError(f"{flag} {path}: no such directory (expected a saved model directory)")
+    if not (p / "config.json").exists():
+        raise FileNotFoundError(no_model_message(path, flag))
+
+
+# files of a saved model directory: a path to one of them means the directory
+MODEL_FILES = frozenset({"config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                         "model.safetensors.index.json"})
+
+
+def no_model_message(path: str, flag: str = "--model") -> str:
+    """What to pass when a model flag names a directory without config.json."""
     from recurrent_depth.checkpoint import lora_adapter_hint
 
-    return (f"--model {path} has no config.json: expected a saved model directory (config.json, "
-            f"model.safetensors, tokenizer.json) or a run directory holding one in model/" + lora_adapter_hint(path))
+    return (f"{flag} {path} has no config.json: expected a saved model directory (config.json, "
+            f"model.safetensors, tokenizer.json) or a run directory holding one in model/"
+            + (lora_adapter_hint(path) + _adapter_location(path) or _checkpoint_hint(path, flag)))
+
+
+def _adapter_location(path: str) -> str:
+    """Where a LoRA run directory's adapter is and the base it was trained on (its adapter_config.json), so the
+    hint's --lora can be typed: given the run, not its model/, the adapter's path was nowhere in the message."""
+    from pathlib import Path
+
+    from recurrent_depth.files import read_json
+
+    adapter = Path(path) / "model"
+    if not (adapter / "adapter_config.json").is_file():
+        return ""
+    try:
+        base = read_json(adapter / "adapter_config.json", what="LoRA adapter config").get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):  # (an unreadable config: the adapter's path alone still helps)
+        base = None
+    return f" (the adapter: {adapter}" + (f"; its base: {base})" if isinstance(base, str) and base else ")")
+
+
+def _checkpoint_hint(path: str, flag: str) -> str:
+    """'' or, for a run's checkpoints/ directory or a run stopped before it saved model/, its newest checkpoint
+    (step-NNNNNNNN directories, which are model directories) to pass instead."""
+    from pathlib import Path
+
+    p = Path(path)
+    steps = sorted(d for base in (p, p / "checkpoints") if base.is_dir() for d in base.glob("step-*")
+                   if (d / "config.json").is_file())
+    return f"; it holds training checkpoints: pass one, e.g. the newest, {flag} {steps[-1]}" if steps else ""
 
 
 def add_lora_adapter_arg(parser: argparse.ArgumentParser) -> None:
@@ -94,10 +155,23 @@ def _positive_int(text: str) -> int:
 
 def add_device_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
-    parser.add_argument(
-        "--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-        help="load weights in this dtype (default: as stored)",
-    )
+    add_dtype_arg(parser, "load weights in this dtype")
+
+
+# --dtype's values, and the short names `rdepth train --dtype` takes too (bf16 there and here alike)
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+
+
+def add_dtype_arg(parser: argparse.ArgumentParser, what: str) -> None:
+    """`--dtype {float32,bfloat16,float16}` (or fp32 / bf16 / fp16), default None: as stored."""
+    parser.add_argument("--dtype", default=None, choices=DTYPE_CHOICES, type=_dtype_name,
+                        help=f"{what} (or fp32 / bf16 / fp16; default: as stored)")
+
+
+def _dtype_name(text: str) -> str:
+    name = text.lower()
+    return DTYPE_ALIASES.get(name, name)
 
 
 def add_weights_arg(parser: argparse.ArgumentParser) -> None:
@@ -157,10 +231,7 @@ def tokenizer_source(args: argparse.Namespace) -> str:
     if args.tokenizer is not None:
         return args.tokenizer
     model = Path(args.model)
-    if not model.is_dir():
-        raise FileNotFoundError(f"--model {args.model}: no such directory (expected a saved model directory)")
-    if not (model / "config.json").exists():
-        raise FileNotFoundError(no_model_message(args.model))
+    check_model_path(args.model)
     if not (model / "tokenizer.json").exists() and (model / "tokenizer.model").exists():
         raise FileNotFoundError(
             f"{args.model} has only a sentencepiece tokenizer.model, and rdepth reads tokenizer.json: convert it "

@@ -22,7 +22,9 @@ from recurrent_depth.cli.common import (
     add_seed_arg,
     add_tokenizer_arg,
     add_weights_arg,
+    baseline_dir,
     check_depth_flags,
+    check_model_path,
     int_list,
 )
 from recurrent_depth.inference.schema import add_option_flags
@@ -71,8 +73,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--fewshot", type=int_list, default=[0],
                         help="few-shot counts for the lm-eval tasks; several give figure 9 (default: 0)")
     parser.add_argument("--limit", type=int, default=None, help="lm-eval examples per task (default: all)")
-    parser.add_argument("--baseline", default=None, metavar="DIR",
-                        help="a baseline model (e.g. non-recurrent), evaluated at its own depth (default: none)")
+    parser.add_argument("--baseline", default=None, metavar="DIR", type=baseline_dir,
+                        help="a baseline model (e.g. non-recurrent) directory, or a run directory holding one in "
+                             "model/, evaluated at its own depth (default: none)")
     parser.add_argument("--baseline-depth", type=int, default=None,
                         help="depth of the baseline (default: its config's mean_recurrence)")
     add_option_flags(parser, ("init_scale",), helps={
@@ -86,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
     from recurrent_depth.evaluation.depth_eval import EvalConfig, evaluate_depths
 
     check_depth_flags(args, ("depths", "baseline_depth"))  # the depth ceiling every command keeps (README)
+    check_model_path(args.model)
+    if args.baseline is not None:
+        check_model_path(args.baseline, "--baseline")
 
     config = EvalConfig(
         model=args.model, depths=args.depths, out=args.out, data=None if args.data == "none" else args.data,

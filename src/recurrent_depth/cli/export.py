@@ -23,9 +23,11 @@ import argparse
 from pathlib import Path
 
 from recurrent_depth.cli.common import (
+    add_dtype_arg,
     add_model_arg,
     add_strict_lora_base_arg,
     add_tokenizer_arg,
+    check_model_path,
     check_strict_lora_base,
 )
 
@@ -47,10 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--remote-code", action="store_true",
         help="add modeling_recurrent_depth.py + auto_map for trust_remote_code=True (default: off)",
     )
-    parser.add_argument(
-        "--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-        help="cast the weights to this dtype (default: as stored)",
-    )
+    add_dtype_arg(parser, "cast the weights to this dtype")
     parser.add_argument(
         "--max-shard-mb", type=float, default=None, metavar="MB",
         help="split the weights into shards of at most this size (default: one file)",
@@ -91,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from recurrent_depth.model.recurrent import RecurrentDepthLM
 
+    check_model_path(args.model)
     src = Path(args.model)
     out = Path(args.out) if args.out is not None else None
     # `not 0 < x < inf` also refuses nan and inf, which int(x * 2**20) below turned into a traceback.

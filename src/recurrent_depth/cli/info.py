@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from recurrent_depth.cli.common import human_bytes, human_count, model_dir
+from recurrent_depth.cli.common import check_model_path, human_bytes, human_count, model_dir
 from recurrent_depth.inference.schema import add_option_flags
 
 
@@ -64,12 +64,7 @@ def run(args: argparse.Namespace) -> int:
     if args.preset:
         config = ModelConfig.from_preset(args.preset)
     else:
-        if not Path(args.model).is_dir():
-            raise ValueError(f"--model {args.model!r} is not a directory (expected a saved model directory)")
-        if not (Path(args.model) / "config.json").exists():  # (as generate/serve say it: a LoRA run's hint too)
-            from recurrent_depth.cli.common import no_model_message
-
-            raise ValueError(no_model_message(args.model))
+        check_model_path(args.model)  # (as generate/serve say it: a LoRA run's hint too)
         try:
             config = ModelConfig.from_json(args.model)
         except UnicodeDecodeError as exc:

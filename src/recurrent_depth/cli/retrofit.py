@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from recurrent_depth.cli.common import add_model_arg
+from recurrent_depth.cli.common import add_dtype_arg, add_model_arg
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -46,8 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="the model's mean_recurrence (default: %(default)s)")
     parser.add_argument("--backprop-depth", type=int, default=DEFAULT_BACKPROP_DEPTH,
                         help="the model's mean_backprop_depth, the paper's truncation k (default: %(default)s)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                        help="weights' dtype (default: the source's)")
+    add_dtype_arg(parser, "the weights' dtype")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random adapter init (default: %(default)s)")
     parser.set_defaults(func=run)
 

@@ -20,6 +20,7 @@ from recurrent_depth.cli.common import (
     add_load_args,
     add_max_depth_arg,
     check_lora_with_weights,
+    check_model_path,
     check_strict_lora_base,
 )
 from recurrent_depth.generation_config import SERVER_SETTINGS, server_generation_defaults
@@ -145,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port {args.port} is invalid: expected 1..65535")
     check_port_free(args.host, args.port)  # before the model loads (minutes for a large one), not after
+    check_model_path(args.model)
     given = {name for name in SERVER_SETTINGS if getattr(args, name) is not None}
     request_defaults = apply_generation_defaults(args)
     # the file's values checked as flags' would name flags the user never gave: say where they came from

@@ -122,3 +122,8 @@ def test_official_layout_and_plain_exports_list_the_end_of_turn(tmp_path):
     bare = tmp_path / "bare"
     assert main(["export", "--model", str(bare), "--out", str(tmp_path / "bare-out"), "--remote-code"]) == 0
     assert not (tmp_path / "bare-out" / "generation_config.json").exists()
+    # --tokenizer hands the export its chat template after the copy: its end of turn is listed too
+    assert main(["export", "--model", str(bare), "--out", str(tmp_path / "bare-tok"), "--dtype", "float32",
+                 "--tokenizer", str(tmp_path / "src")]) == 0
+    assert json.loads((tmp_path / "bare-tok" / "generation_config.json").read_text())["eos_token_id"] == [
+        EOS, END_TURN]

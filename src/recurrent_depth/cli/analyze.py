@@ -21,6 +21,7 @@ from recurrent_depth.cli.common import (
     add_tokenizer_arg,
     add_weights_arg,
     check_depth_flags,
+    check_model_path,
     tokenizer_source,
 )
 from recurrent_depth.inference.schema import add_option_flags
@@ -98,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_depth_flags(args, ("steps", "limit_steps"))  # the depth ceiling every command keeps (README)
     start = time.perf_counter()
+    check_model_path(args.model)  # (the same one-line errors as the other commands, before anything loads)
     model_dir = Path(args.model)
     config = AnalysisConfig(
         num_steps=args.steps, limit_steps=args.limit_steps, num_starts=args.starts, init_scale=args.init_scale,

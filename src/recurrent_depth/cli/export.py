@@ -87,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         export_remote_code,
         official_code_files,
         official_code_present,
+        stop_at_turn_end,
     )
     from recurrent_depth.model.recurrent import RecurrentDepthLM
 
@@ -152,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
     written = export_remote_code(src, out) if args.remote_code else src
     if args.tokenizer is not None:
         copy_tokenizer(args.tokenizer, written)
+        stop_at_turn_end(Path(args.model), written)  # (the end-of-turn ids of the tokenizer it now holds)
     print(f"wrote {written}" + (" (loads with trust_remote_code=True)" if args.remote_code else ""))
     if args.official_layout:
         print("  official Huginn-0125 layout: " + (

@@ -702,6 +702,13 @@ _DEMO = OptimConfig(
     description="short CPU runs: the paper's optimizer at the lr that won benchmarks/optim_sweep.py",
 )
 
+_FINETUNE = replace(
+    _DEMO,
+    lr=1e-5,
+    weight_decay=0.0,
+    warmup_steps=10,
+    description="fine-tuning every weight of a pretrained model: the paper's optimizer at lr 1e-5",
+)
 OPTIM_PRESETS: dict[str, OptimConfig] = {
     # huginn-0125.md section 5: launch_configs/frontier_nebel_512_nodes.yaml (schedule in micro-batch steps,
     # which equal optimizer steps there: micro-batch 1 per rank, no accumulation). The paper's main run
@@ -763,18 +770,10 @@ OPTIM_PRESETS: dict[str, OptimConfig] = {
     # LoRA (r 8) at 1e-4, 3e-4, 1e-3: 5.63/0.637, 3.97/0.641, 1.62/0.862. The LM loss starts to suffer near a
     # tenth of the pretraining rate, so these defaults are safe, not fast, for a model as small as this one
     # (whose own rate was 75x Huginn's): name --lr to learn faster.
-    "finetune": replace(
-        _DEMO,
-        lr=1e-5,
-        weight_decay=0.0,
-        warmup_steps=10,
-        description="fine-tuning every weight of a pretrained model: the paper's optimizer at lr 1e-5",
-    ),
+    "finetune": _FINETUNE,
     "finetune-lora": replace(
-        _DEMO,
+        _FINETUNE,
         lr=1e-4,
-        weight_decay=0.0,
-        warmup_steps=10,
         description="training a LoRA adapter on a pretrained model: the paper's optimizer at lr 1e-4",
     ),
 }

@@ -482,6 +482,7 @@ class ModelConfig:
     # ------------------------------------------------------------------ presets
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
+        """The named shape in `PRESETS` ("tiny", "small", "huginn-0125", ...) with `overrides` (field=value) on top."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         names = {f.name for f in dataclasses.fields(cls)}

@@ -73,6 +73,12 @@ def takase_init_(module: nn.Module, std: float, linear_std: float) -> None:
 
 
 class RecurrentDepthLM(nn.Module):
+    """A recurrent-depth language model: prelude -> `num_steps` applications of one core block -> coda.
+
+    Build it from a `ModelConfig` (`RecurrentDepthLM(ModelConfig.from_preset("tiny"))`) or load one with
+    `from_pretrained`; `forward` returns a `RecurrentOutput`. The recurrence is in this module's docstring.
+    """
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         config.validate()
@@ -545,12 +551,16 @@ class RecurrentDepthLM(nn.Module):
 
     # ------------------------------------------------------------------ checkpoints
     def save_pretrained(self, path: Any, **kwargs: Any) -> None:
+        """Write config.json and safetensors weights to the directory `path` (and a tokenizer when given);
+        keywords as `recurrent_depth.checkpoint.save_pretrained`."""
         save_pretrained(self, path, **kwargs)
 
     @classmethod
     def from_pretrained(
-        cls, path: Any, dtype: torch.dtype | None = None, device: Any = "cpu", **kwargs: Any
+        cls, path: Any, dtype: torch.dtype | str | None = None, device: Any = "cpu", **kwargs: Any
     ) -> RecurrentDepthLM:
+        """Load a directory written by `save_pretrained` or an official Huginn-0125 (Ouro, Parcae) one, in the
+        stored dtype unless `dtype` is given; other keywords as `recurrent_depth.checkpoint.load_pretrained`."""
         return load_pretrained(path, dtype=dtype, device=device, model_class=cls, **kwargs)
 
     @property

@@ -14,7 +14,10 @@ Two conveniences: the shipped offline tasks (``rd_*``) are added to ``--include_
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import sys
+from typing import Any
 
 LM_EVAL_SUBCOMMANDS = ("run", "ls", "validate")
 
@@ -81,6 +84,31 @@ def take_threads(argv: list[str]) -> tuple[list[str], int | None]:
     return rest, threads
 
 
+def backend_model_args(argv: list[str]) -> dict[str, Any] | None:
+    """The model_args of an lm-eval `run` with our backend (``--model recurrent-depth``), read by lm-eval's own
+    parser (``--model_args X``, ``--model_args=X``, ``-a``, several ``key=value`` words, JSON), so they are
+    the values the backend will get. None for another command or model, with ``--config`` (lm-eval merges
+    its file in), or when lm-eval's parser refuses the arguments (lm-eval then says why, once)."""
+    try:
+        from lm_eval._cli import HarnessCLI  # (lm-eval's own parser: private, so its absence only skips the check)
+    except ImportError:
+        return None
+    from recurrent_depth.integrations.autoregister import LM_EVAL_BACKEND_NAME
+
+    saved = sys.argv
+    sys.argv = ["lm-eval", *argv]  # HarnessCLI.parse_args reads (and may complete) sys.argv
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            args = HarnessCLI().parse_args()
+    except SystemExit:  # --help, a parse error: lm-eval's own run prints it
+        return None
+    finally:
+        sys.argv = saved
+    if args.command != "run" or getattr(args, "config", None) or args.model != LM_EVAL_BACKEND_NAME:
+        return None
+    return dict(args.model_args or {})
+
+
 def run_passthrough(argv: list[str]) -> int:
     """Import recurrent_depth (registering everything), then run lm-eval's CLI main with `argv`."""
     try:
@@ -104,9 +132,15 @@ def run_passthrough(argv: list[str]) -> int:
         torch.set_num_threads(threads)
 
     quiet_git_probe()
+    argv = prepare_argv(argv, torch.cuda.is_available())
     saved = sys.argv
-    sys.argv = ["lm-eval", *prepare_argv(argv, torch.cuda.is_available())]
     try:
+        model_args = backend_model_args(argv)
+        if model_args is not None:  # our checks before lm-eval indexes its ~15k task configs (10+ s)
+            from recurrent_depth.evaluation.lm_eval_backend import preflight
+
+            preflight(model_args)
+        sys.argv = ["lm-eval", *argv]
         cli_evaluate()
     except SystemExit as exc:  # argparse and lm-eval exit with a code
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

@@ -45,9 +45,11 @@ model types.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import re
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -64,6 +66,7 @@ from recurrent_depth.inference.criteria import gate_for
 from recurrent_depth.inference.options import OPTIONS, GenerationOptions, OptionError, spelled_warnings
 from recurrent_depth.inference.schema import canonical, from_text, kwarg_spelling, names_for, unknown_names
 from recurrent_depth.integrations import register_transformers
+from recurrent_depth.integrations.autoregister import LM_EVAL_BACKEND_NAME
 
 log = logging.getLogger(__name__)
 DEFAULT_AUTO_BATCH = 16  # "batch_size=auto" probes GPU memory; on CPU a fixed size is as good
@@ -93,7 +96,69 @@ def _resolve_device(device: str | None) -> str:
     return str(device)
 
 
-@register_model("recurrent-depth")
+def check_model_args(pretrained: Any, seed: Any, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The model_args checks that need no model loaded, as one-line errors (`RecurrentDepthEvalLM.__init__`
+    and `rdepth lm-eval`'s pre-flight run them): our options are taken out of `kwargs` (lm-eval's HF
+    model's args stay, a dtype name made a torch dtype) and returned by field name, with how each was spelled."""
+    # transformers reports a missing local directory as a malformed hub repo id ("Repo id must use
+    # alphanumeric chars ..."): name it. Hub ids ("org/name") never start like a path.
+    if isinstance(pretrained, str) and pretrained.startswith(("/", "./", "../", "~")) and \
+            not Path(pretrained).expanduser().is_dir():
+        raise FileNotFoundError(f"pretrained={pretrained}: no such directory (expected a saved model directory)")
+    values, given_as = _typed({k: kwargs.pop(k) for k in list(kwargs) if k in MODEL_ARGS})
+    if isinstance(values.get("kv_quant"), str):  # model_args are split at commas: k=...;v=...
+        values["kv_quant"] = values["kv_quant"].replace(";", ",")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed={seed!r} is invalid: expected an integer")
+    if isinstance(kwargs.get("dtype"), str) and kwargs["dtype"] != "auto":  # lm-eval's getattr(torch, dtype)
+        try:  # fails with "module 'torch' has no attribute ...", a traceback through `rdepth lm-eval`
+            kwargs["dtype"] = dtype_from_name(kwargs["dtype"])
+        except ValueError as exc:
+            raise ValueError(f"{exc}, or 'auto'") from None
+    return values, given_as
+
+
+def resolve_options(values: dict[str, Any], given_as: dict[str, str], config: Any) -> Any:
+    """`check_model_args`' options checked against the model's `ModelConfig` (num_steps >= 0, the
+    criterion and its threshold, ...), errors and warnings in the spelling the user gave."""
+    try:
+        with spelled_warnings(kwarg_spelling(given_as)):
+            # (init_scale None, as `rdepth eval` passes it unset: the config's)
+            return GenerationOptions(**values).validate(config.mean_recurrence, config.exit_gate_threshold,
+                                                        config.init_scale)
+    except OptionError as exc:
+        raise exc.spelled(kwarg_spelling(given_as)) from None
+
+
+def preflight(model_args: dict[str, Any]) -> None:
+    """The checks of `__init__` that need no weights, for `rdepth lm-eval` to run before lm-eval indexes its
+    task configs (10+ s): a typo is refused at once. Raises what `__init__` would; what it cannot tell without
+    loading the model (a config that does not load, an argument neither transformers nor the model takes) it
+    leaves to `__init__`. Warnings are left to `__init__` too, so that they come once."""
+    if "pretrained" not in model_args:
+        return  # lm-eval's own error, from __init__'s signature
+    kwargs = dict(model_args)
+    pretrained = kwargs.pop("pretrained")
+    values, given_as = check_model_args(pretrained, kwargs.pop("seed", 0), kwargs)
+    if not (isinstance(pretrained, str) and Path(pretrained).expanduser().is_dir()):
+        return  # a hub id: its config is not fetched here
+    register_transformers()
+    from transformers import AutoConfig
+
+    # What the HF model hands on to from_pretrained (mean_recurrence=... overrides the config there).
+    own = {*inspect.signature(HFLM.__init__).parameters, *inspect.signature(RecurrentDepthEvalLM.__init__).parameters}
+    hf_args = {k: v for k, v in kwargs.items() if k not in own or k in ("revision", "subfolder")}
+    try:
+        config = AutoConfig.from_pretrained(str(Path(pretrained).expanduser()), **hf_args)
+        model_config = config.to_model_config()
+    except Exception:  # noqa: BLE001  (whatever it is, loading the model reports it, as without the pre-flight)
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resolve_options(values, given_as, model_config)
+
+
+@register_model(LM_EVAL_BACKEND_NAME)
 class RecurrentDepthEvalLM(HFLM):
     """lm-eval `LM` for recurrent-depth models (ours and official Huginn-0125 directories)."""
 
@@ -107,16 +172,7 @@ class RecurrentDepthEvalLM(HFLM):
         **kwargs: Any,
     ) -> None:
         register_transformers()
-        # transformers reports a missing local directory as a malformed hub repo id ("Repo id must use
-        # alphanumeric chars ..."): name it. Hub ids ("org/name") never start like a path.
-        if isinstance(pretrained, str) and pretrained.startswith(("/", "./", "../", "~")) and \
-                not Path(pretrained).expanduser().is_dir():
-            raise FileNotFoundError(f"pretrained={pretrained}: no such directory (expected a saved model directory)")
-        values, given_as = _typed({k: kwargs.pop(k) for k in list(kwargs) if k in MODEL_ARGS})
-        if isinstance(values.get("kv_quant"), str):  # model_args are split at commas: k=...;v=...
-            values["kv_quant"] = values["kv_quant"].replace(";", ",")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed={seed!r} is invalid: expected an integer")
+        values, given_as = check_model_args(pretrained, seed, kwargs)
         self.seed = seed
         self.steps_log = Path(steps_log) if steps_log else None
         if batch_size == "auto" or (isinstance(batch_size, str) and batch_size.startswith("auto")):
@@ -124,11 +180,6 @@ class RecurrentDepthEvalLM(HFLM):
                         DEFAULT_AUTO_BATCH)
             batch_size = DEFAULT_AUTO_BATCH
         kwargs.setdefault("backend", "causal")
-        if isinstance(kwargs.get("dtype"), str) and kwargs["dtype"] != "auto":  # lm-eval's getattr(torch, dtype)
-            try:  # fails with "module 'torch' has no attribute ...", a traceback through `rdepth lm-eval`
-                kwargs["dtype"] = dtype_from_name(kwargs["dtype"])
-            except ValueError as exc:
-                raise ValueError(f"{exc}, or 'auto'") from None
         try:
             super().__init__(pretrained=pretrained, device=_resolve_device(device), batch_size=batch_size, **kwargs)
         except TypeError as exc:  # an unknown model_arg reaches the model's __init__ through from_pretrained
@@ -143,13 +194,7 @@ class RecurrentDepthEvalLM(HFLM):
             raise OSError(f"pretrained={pretrained}: no such directory, and as a hub id: "
                           f"{' '.join(str(exc).split())}") from None
         self._core = self.model.core
-        try:
-            with spelled_warnings(kwarg_spelling(given_as)):
-                config = self._core.config  # (init_scale None, as `rdepth eval` passes it unset: the config's)
-                self.options = GenerationOptions(**values).validate(config.mean_recurrence,
-                                                                    config.exit_gate_threshold, config.init_scale)
-        except OptionError as exc:
-            raise exc.spelled(kwarg_spelling(given_as)) from None
+        self.options = resolve_options(values, given_as, self._core.config)
         gate_for(self.options.criterion, self._core)  # exit_criterion=gate on a model without one: fail now
         self.model_args = values  # the options given, by field name: every generate request starts from them
         self.depth = self.options.num_steps

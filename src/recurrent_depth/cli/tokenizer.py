@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from recurrent_depth.cli.common import add_model_arg, add_out_arg, add_seed_arg
 
@@ -60,6 +61,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--assistant-name", default="Huginn",
         help="role name the chat template writes for 'assistant' messages (default: %(default)s)",
     )
+    train.add_argument(
+        "--special-token", action="append", default=[], metavar="TOKEN", dest="special_tokens",
+        help="a special token of your own (one id, never split), e.g. '<|tool_call|>'; repeat for more, up to "
+             "26: they take the reserved slots from vocab_size - 26 on, in order (default: none)",
+    )
     add_out_arg(train, default="runs/tokenizer")
     train.set_defaults(func=run)
 
@@ -97,7 +103,10 @@ def _train(args: argparse.Namespace) -> int:
         max_bytes=args.max_bytes,
         out_dir=args.out,
         assistant_name=args.assistant_name,
-        show_progress=True,
+        extra_special_tokens=args.special_tokens,
+        # The `tokenizers` progress bar draws on a terminal only, but still prints its blank lines to a
+        # pipe or log file, ahead of the summary lines below.
+        show_progress=sys.stdout.isatty(),
     )
     corpus = meta["corpus"]
     print(
@@ -107,6 +116,8 @@ def _train(args: argparse.Namespace) -> int:
         + (f", its first {args.max_bytes:,} bytes (--max-bytes)" if args.max_bytes is not None else "")
     )
     print(f"special token ids: {json.dumps(meta['special_token_ids'])}")
+    if meta["extra_special_tokens"]:
+        print(f"your special token ids: {json.dumps(meta['extra_special_tokens'], ensure_ascii=False)}")
     print(f"saved to {args.out} (load with AutoTokenizer.from_pretrained({args.out!r}))")
     return 0
 

@@ -8,7 +8,8 @@ Layout: the last 32 ids of the vocabulary are special tokens, in this order::
     vocab_size - 29  <|end_header|>   chat: closes it
     vocab_size - 28  <|end_turn|>     chat: ends a turn (a stop token)
     vocab_size - 27  <|pad|>
-    vocab_size - 26 .. vocab_size - 1 <|reserved_special_0..25|> (unused)
+    vocab_size - 26 .. vocab_size - 1 <|reserved_special_0..25|> (unused; ``extra_special_tokens``
+                                      take these slots, in order)
 
 so at ``vocab_size = 65536`` the ids are exactly Huginn-0125's (bos 65504, eos 65505,
 end_turn 65508, pad 65509) and at any size a config can compute them from ``vocab_size``.
@@ -27,7 +28,7 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,23 @@ def _cut_point(text: str, start: int, end: int) -> int:
     return end
 
 
+def slot_tokens(extra_special_tokens: Sequence[str] = ()) -> tuple[str, ...]:
+    """The 32 special-slot tokens in id order: `SPECIAL_TOKENS` with `extra_special_tokens` (a user's own,
+    e.g. tool-call markers) in the first reserved slots, so the named tokens keep their ids."""
+    extra = list(extra_special_tokens)
+    free = NUM_SPECIAL_SLOTS - len(SPECIAL_TOKEN_NAMES)
+    if isinstance(extra_special_tokens, str) or not all(isinstance(t, str) and t.strip() == t != "" for t in extra):
+        raise ValueError(f"extra special tokens must be non-empty strings without surrounding whitespace, "
+                         f"got {extra_special_tokens!r}")
+    if len(extra) > free:
+        raise ValueError(f"at most {free} extra special tokens fit the reserved slots, got {len(extra)}")
+    taken = [t for t in extra if t in SPECIAL_TOKENS or extra.count(t) > 1]
+    if taken:
+        raise ValueError(f"extra special token {taken[0]!r} is a built-in special token or given twice")
+    named = len(SPECIAL_TOKEN_NAMES)
+    return SPECIAL_TOKENS[:named] + tuple(extra) + SPECIAL_TOKENS[named + len(extra):]
+
+
 def special_token_layout(vocab_size: int) -> dict[str, int]:
     """The ids `train_tokenizer` gives the named special tokens for a vocabulary of this size."""
     _check_vocab_size(vocab_size)
@@ -172,6 +190,7 @@ def train_tokenizer(
     max_bytes: int | None = None,
     min_frequency: int = 0,
     max_token_length: int | None = None,
+    extra_special_tokens: Sequence[str] = (),
     show_progress: bool = False,
 ) -> Tokenizer:
     """Train a byte-level BPE with the special-token layout described in the module docstring.
@@ -183,13 +202,19 @@ def train_tokenizer(
             (None = all). Training speed is roughly linear in it.
         min_frequency: a merge must occur at least this often.
         max_token_length: longest merged token in characters (None = unlimited).
+        extra_special_tokens: up to 26 tokens of your own (each one id, never split), in the
+            reserved slots from ``vocab_size - 26`` on, in order (`slot_tokens`).
     Returns:
         a `tokenizers.Tokenizer` whose ``encode`` prepends ``<|begin_text|>`` unless called
         with ``add_special_tokens=False``.
     Raises:
         ValueError: bad arguments, or a corpus too small to yield ``vocab_size`` tokens.
     """
+    if isinstance(docs, str | bytes):
+        # (else each character would be one document, and the error would blame the vocabulary size)
+        raise ValueError("docs must be an iterable of documents or strings, got one string; pass [text]")
     _check_vocab_size(vocab_size)
+    slots = slot_tokens(extra_special_tokens)
     if max_bytes is not None and (isinstance(max_bytes, bool) or max_bytes < 1):
         raise ValueError(f"max_bytes must be a positive int or None, got {max_bytes!r}")
     if min_frequency < 0:
@@ -213,12 +238,14 @@ def train_tokenizer(
             f"vocab_size={vocab_size}: the corpus only supports {learned - NUM_BYTE_SYMBOLS} merges "
             f"({learned + NUM_SPECIAL_SLOTS} tokens in all); use a smaller vocab_size or more data"
         )
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in slots])
+    # A learned token with a special token's spelling (possible for an extra one, e.g. "TOOL") keeps its id.
+    base = vocab_size - NUM_SPECIAL_SLOTS
+    for offset, token in enumerate(slots):
+        if tok.token_to_id(token) != base + offset:
+            raise ValueError(f"special token {token!r} is already a learned token (id {tok.token_to_id(token)}); "
+                             f"choose a spelling that is not a word, such as '<|{token}|>'")
     expected = special_token_layout(vocab_size)
-    got = special_token_ids(tok)
-    # A learned merge that spelled out a special token would have captured its string.
-    if got != expected:
-        raise ValueError(f"special tokens landed at {got}, expected {expected}; this is a bug")
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BEGIN_TEXT} $A",
         pair=f"{BEGIN_TEXT} $A {BEGIN_TEXT} $B:1",
@@ -339,7 +366,13 @@ def save_tokenizer(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     template = chat_template(assistant_name)
-    chat_tokens = [BEGIN_HEADER, END_HEADER, END_TURN]
+    # The chat tokens and any extra ones in the reserved slots (`slot_tokens`): special to transformers too
+    # (one id each, dropped by skip_special_tokens).
+    base = tok.token_to_id(BEGIN_TEXT)
+    slots = [tok.id_to_token(base + offset) for offset in range(NUM_SPECIAL_SLOTS)]
+    chat_tokens = [BEGIN_HEADER, END_HEADER, END_TURN] + [
+        t for t in slots[len(SPECIAL_TOKEN_NAMES):] if t is not None and t not in SPECIAL_TOKENS
+    ]
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BEGIN_TEXT,
@@ -448,6 +481,7 @@ def build_tokenizer(
     max_bytes: int | None = None,
     out_dir: str | Path | None = None,
     assistant_name: str = DEFAULT_ASSISTANT_NAME,
+    extra_special_tokens: Sequence[str] = (),
     show_progress: bool = False,
 ) -> tuple[Tokenizer, dict[str, Any]]:
     """Train a tokenizer on a corpus's training documents; optionally save it with metadata.
@@ -462,6 +496,9 @@ def build_tokenizer(
 
     if not (0.0 <= val_fraction < 1.0):
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    # Bad names fail now, not after the (maybe hour-long) training.
+    chat_template(assistant_name)
+    slot_tokens(extra_special_tokens)
     source = load_corpus(corpus)
     info = source.info()
     require_text(info)  # (else the BPE trainer's "supports 0 merges" suggests a smaller vocab_size)
@@ -471,7 +508,8 @@ def build_tokenizer(
         split = DocumentSplit.plan(source.ids(), val_fraction, seed)
         docs = split.select(iter(source), "train")
     start = time.perf_counter()
-    tok = train_tokenizer(docs, vocab_size, max_bytes=max_bytes, show_progress=show_progress)
+    tok = train_tokenizer(docs, vocab_size, max_bytes=max_bytes, extra_special_tokens=extra_special_tokens,
+                          show_progress=show_progress)
     seconds = time.perf_counter() - start
     metadata = {
         "corpus": info.to_dict(),
@@ -481,6 +519,7 @@ def build_tokenizer(
         "train_seconds": round(seconds, 3),
         "tokenizer_sha256": tokenizer_sha256(tok),
         "special_token_ids": special_token_ids(tok),
+        "extra_special_tokens": {t: tok.token_to_id(t) for t in extra_special_tokens},
         "tokenizers_version": tokenizers.__version__,
     }
     if out_dir is not None:

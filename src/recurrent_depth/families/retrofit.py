@@ -96,8 +96,10 @@ _GEMMA2_DEFAULTS: dict[str, dict[str, Any]] = {
 _SLIDING_WINDOW_TYPES = ("mistral", "phi3")
 _LAYER_TYPES_TYPES = ("qwen2", "qwen3")
 _DEFAULT_MAX_WINDOW_LAYERS = 28  # Qwen2Config's and Qwen3Config's
-# The model types whose code reads attention_bias / mlp_bias (Mistral and Phi-3 have no biases).
+# The model types whose code reads attention_bias (Mistral and Phi-3 have no biases); only Llama's reads mlp_bias
+# (a stray mlp_bias in another type's config.json changes nothing there: it was looked for as MLP bias tensors).
 _BIAS_KEY_TYPES = ("llama", "qwen3", "olmo2", "gemma", "gemma2", "gemma3_text")
+_MLP_BIAS_KEY_TYPES = ("llama",)
 # transformers' head_dim where a config.json leaves it out (hidden_size // num_attention_heads for the others).
 _DEFAULT_HEAD_DIM = {"gemma": 256, "gemma2": 256, "gemma3_text": 256, "qwen3": 128}
 # transformers' rms_norm_eps where a config.json leaves it out (1e-6 for the others).
@@ -135,6 +137,8 @@ _REFUSED_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "final_logit_softcapping": (lambda v: v is not None, "null"),
     "partial_rotary_factor": (lambda v: v not in (None, 1, 1.0), "1.0, a fully rotated head"),
     "use_bidirectional_attention": (lambda v: bool(v), "causal attention"),
+    # transformers' mask builders attend both ways unless `getattr(config, "is_causal", True)` is truthy
+    "is_causal": (lambda v: not v, "true, causal attention"),
 }
 # Model types users bring most often among those refused, with what stands in the way.
 _REFUSED_TYPES: dict[str, str] = {
@@ -145,6 +149,8 @@ _REFUSED_TYPES: dict[str, str] = {
 _LOOPED_TYPES: dict[str, str] = {MODEL_TYPE: "saved by this library", HUGINN_MODEL_TYPE: "Huginn-0125",
                                  OURO_MODEL_TYPE: "Ouro"}
 _IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
+# The weights' dtypes `retrofit(dtype=...)` takes (the CLI's --dtype offers the first three).
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def fail(message: str) -> ValueError:
@@ -190,15 +196,19 @@ class Surgery:
         return [i for i in range(num_layers) if i not in kept]
 
 
-def parse_core(text: str) -> tuple[int, int]:
-    """'A:B' -> (A, B), or a one-line ValueError."""
-    a, sep, b = str(text).partition(":")
+def parse_core(core: str | tuple[int, int]) -> tuple[int, int]:
+    """'A:B' or (A, B) -> (A, B), or a one-line ValueError (the values are checked by Surgery.check)."""
+    if not isinstance(core, str):  # (a tuple or list; an int or a 1-tuple was a bare TypeError / unpack error)
+        if isinstance(core, list | tuple) and len(core) == 2:
+            return core[0], core[1]
+        raise fail(f"core={core!r} is invalid: expected (A, B) or 'A:B', a half-open range of source layers")
+    a, sep, b = core.partition(":")
     try:
         if not sep:
             raise ValueError
         return int(a), int(b)
     except ValueError:
-        raise fail(f"core {text!r} is invalid: expected A:B, a half-open range of source layers such as 4:10") from None
+        raise fail(f"core {core!r} is invalid: expected A:B, a half-open range of source layers such as 4:10") from None
 
 
 # ---------------------------------------------------------------------------------------------- the source
@@ -255,6 +265,11 @@ def check_architecture(hf: Mapping[str, Any]) -> str:
         raise fail(f"cannot convert a looped model (its config holds loop={hf[LOOP_CONFIG_KEY]!r}): retrofit would "
                    f"drop the loop; convert the base model (the same weights without the 'loop' entry in config.json, "
                    f"or after recurrent_depth.looping.remove_loop)")
+    quantization = hf.get("quantization_config")
+    if quantization:  # (its packed or scaled tensors were refused later as "an architecture variant")
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise fail(f"cannot convert a quantized checkpoint (quantization_config quant_method={method!r}): convert "
+                   f"its unquantized (float) weights")
     for key, (refused, supported) in _REFUSED_KEYS.items():
         if model_type in _GEMMA2_TYPES and key.endswith("_softcapping"):  # (converted: gemma2_setting)
             continue
@@ -439,8 +454,8 @@ def model_config(hf: Mapping[str, Any], surgery: Surgery, mean_recurrence: int =
     # Llama, Qwen3 and OLMo-2 may bias every attention projection (attention_bias) and Llama the MLP
     # (mlp_bias): our `bias` biases every linear map, the ones the source lacks start at zero. Qwen2
     # always biases q, k and v, never o.
-    any_bias = model_type in _BIAS_KEY_TYPES and (bool(hf.get("attention_bias", False))
-                                                  or bool(hf.get("mlp_bias", False)))
+    attention_bias, mlp_bias = source_biases(hf)
+    any_bias = model_type != "qwen2" and (attention_bias or mlp_bias)
     gemma2 = model_type in _GEMMA2_TYPES
     local_bases: list[float | None] = []
     if model_type == "gemma3_text":  # the sliding layers rotate with their own (local) base
@@ -591,12 +606,19 @@ def convert_state(source: Source, cfg: ModelConfig, surgery: Surgery, adapter_in
     return state
 
 
+def source_biases(hf: Mapping[str, Any]) -> tuple[bool, bool]:
+    """(attention biased, MLP biased) as the source's transformers code reads its config: Qwen2 always biases
+    q/k/v, the _BIAS_KEY_TYPES read attention_bias, Llama alone reads mlp_bias."""
+    model_type = hf.get("model_type")
+    attention = model_type == "qwen2" or (model_type in _BIAS_KEY_TYPES and bool(hf.get("attention_bias", False)))
+    return attention, model_type in _MLP_BIAS_KEY_TYPES and bool(hf.get("mlp_bias", False))
+
+
 def _zero_filled_biases(hf: Mapping[str, Any], names: set[str]) -> set[str]:
     """The bias tensors among `names` that our `bias` adds and the source does not have: attention biases
     unless the source biases its attention (Qwen2 always, the others with attention_bias), MLP biases unless
     mlp_bias. They start at zero, which leaves the function unchanged."""
-    attention = hf.get("model_type") == "qwen2" or bool(hf.get("attention_bias", False))
-    mlp = bool(hf.get("mlp_bias", False))
+    attention, mlp = source_biases(hf)
     return {name for name in names if name.endswith(".bias") and not (mlp if ".mlp." in name else attention)}
 
 
@@ -644,7 +666,9 @@ def retrofit(
         if not is_int(value) or not low <= value <= MAX_NUM_STEPS:
             raise fail(f"{name}={value!r} (--{name.replace('_', '-')}) is invalid: expected an integer in "
                        f"[{low}, {MAX_NUM_STEPS}]")
-    surgery = Surgery(prelude, parse_core(core) if isinstance(core, str) else tuple(core), coda)
+    if dtype is not None and dtype not in _DTYPES:  # (a name or an int dtype failed deep in torch, many lines)
+        raise fail(f"dtype={dtype!r} is invalid: expected None (the source's) or one of {', '.join(map(str, _DTYPES))}")
+    surgery = Surgery(prelude, parse_core(core), coda)
     source = read_source(model_or_dir)
     cfg = model_config(source.config, surgery, mean_recurrence, backprop_depth)
     return model_from_state(cfg, convert_state(source, cfg, surgery, adapter_init, dtype, seed))
@@ -668,7 +692,7 @@ def retrofit_to_dir(
     model = retrofit(source_dir, prelude, core, coda, **options)
     hf = read_json(source_dir / "config.json", CONFIG_MAX_BYTES, "config file")
     num_layers = hf["num_hidden_layers"]
-    surgery = Surgery(prelude, parse_core(core) if isinstance(core, str) else tuple(core), coda)
+    surgery = Surgery(prelude, parse_core(core), coda)
     model.save_pretrained(out)
     copied, note = copy_source_tokenizer(source_dir, out)
     # the source's generation defaults (its eos ids, e.g. Qwen's [<|im_end|>, <|endoftext|>], and sampling

@@ -28,6 +28,7 @@ import torch
 
 from recurrent_depth.config import MAX_NUM_STEPS
 from recurrent_depth.data.tokenizer import tokenizer_directory
+from recurrent_depth.evaluation.quality import check_scoring_window
 from recurrent_depth.evaluation.readout import check_depths
 from recurrent_depth.files import atomic_write_text, check_out_dir, finite_or_null
 from recurrent_depth.weight_quant import check_weights, quantize_weights
@@ -82,13 +83,23 @@ class EvalConfig:
             raise ValueError(f"init_scale={self.init_scale!r} is invalid: expected a number >= 0")
         if self.tokenizer is not None:  # --tokenizer takes the file too; transformers loads a directory
             self.tokenizer = tokenizer_directory(self.tokenizer)
+        check_scoring_window(self.seq_len)  # before any model loads
+        # options that only one measurement reads: given without it, they were silently ignored
+        for name, needs, what in (("baseline_depth", "baseline", "--baseline"),
+                                  ("difficulties", "reasoning_tasks", "--reasoning"),
+                                  ("limit", "lm_eval_tasks", "--lm-eval-tasks")):
+            if getattr(self, name) is not None and not getattr(self, needs):
+                raise ValueError(f"{name}={getattr(self, name)!r} applies to {needs} ({what}), and none is given")
         if self.baseline_depth is not None:  # checked here, not after the model's own scoring
             check_depths([self.baseline_depth], "baseline_depth")
-        from recurrent_depth.evaluation.reasoning.tasks import TASKS
+        from recurrent_depth.evaluation.reasoning.tasks import TASKS, get_task
 
         unknown = [name for name in self.reasoning_tasks if name not in TASKS]
         if unknown:  # checked here, not after the text scoring (whose results were then lost)
             raise ValueError(f"unknown reasoning task(s) {unknown}; choose from {sorted(TASKS)}")
+        for name in self.reasoning_tasks:  # likewise a difficulty out of a task's range
+            for difficulty in self.difficulties or []:
+                get_task(name).check_difficulty(difficulty)
         if self.data is None and not self.reasoning_tasks and not self.lm_eval_tasks:
             raise ValueError("nothing to evaluate: give data (--data), reasoning_tasks (--reasoning) or lm_eval_tasks "
                              "(--lm-eval-tasks)")
@@ -165,13 +176,15 @@ def _text_ids(model, tokenizer, source: str) -> tuple[int, int]:
     return bos, pad
 
 
-def _reasoning(model, config: EvalConfig, task_name: str, depths: list[int]) -> dict[str, Any]:
-    from recurrent_depth.evaluation.reasoning.data import ProblemEncoder
-    from recurrent_depth.evaluation.reasoning.tasks import get_task
-
+def _check_reasoning_model(model) -> None:
     if model.config.vocab_size < 288:
         raise ValueError("reasoning tasks need a model trained on them (byte tokenizer, vocabulary >= 288)")
+
+
+def _reasoning(model, config: EvalConfig, task_name: str, depths: list[int]) -> dict[str, Any]:
+    from recurrent_depth.evaluation.reasoning.data import ProblemEncoder
     from recurrent_depth.evaluation.reasoning.evaluate import accuracy_grid
+    from recurrent_depth.evaluation.reasoning.tasks import get_task
 
     task = get_task(task_name)
     difficulties = config.difficulties or list(range(task.min_difficulty, task.min_difficulty + 9))
@@ -234,6 +247,8 @@ def evaluate_depths(config: EvalConfig, log: Any = print) -> dict[str, Any]:
     depths = config.depths
     if config.data is not None:  # a tokenizer text scoring cannot use: named now, not after the "text:" line
         _text_ids(model, tokenizer, config.model)
+    if config.reasoning_tasks:  # a model that cannot take them: named now, not after the text scoring
+        _check_reasoning_model(model)
     results: dict[str, Any] = {"config": asdict(config), "model_mean_recurrence": model.config.mean_recurrence}
     baseline = None
     if config.baseline is not None:

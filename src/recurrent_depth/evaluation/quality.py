@@ -69,10 +69,15 @@ class TextQuality:
         }
 
 
+def check_scoring_window(seq_len: int | None) -> None:
+    """A scoring window of at least two tokens (one context, one target); None: the model's max_seq_len."""
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2):
+        raise ValueError(f"seq_len={seq_len!r} is invalid: expected an integer >= 2 (or none: the model's max_seq_len)")
+
+
 def windows(token_ids: Sequence[int], seq_len: int) -> list[list[int]]:
     """Windows of at most `seq_len` tokens overlapping by one: each token after the first is a target once."""
-    if seq_len < 2:
-        raise ValueError(f"seq_len={seq_len} is invalid: expected an integer >= 2")
+    check_scoring_window(seq_len)
     out, start = [], 0
     while start < len(token_ids) - 1:
         out.append(list(token_ids[start : start + seq_len]))
@@ -115,7 +120,8 @@ def text_quality(
     depth. A byte cap scores the same text whatever the tokenizer: how a baseline with another
     tokenizer is compared on the text a model was scored on."""
     depths = check_depths(depths)
-    seq_len = min(seq_len or model.config.max_seq_len, model.config.max_seq_len)
+    check_scoring_window(seq_len)  # (0 was taken as "none" and scored whole windows)
+    seq_len = min(model.config.max_seq_len if seq_len is None else seq_len, model.config.max_seq_len)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} is invalid: expected an integer >= 1")
     result = TextQuality(depths, 0, 0, 0, dict.fromkeys(depths, 0.0))

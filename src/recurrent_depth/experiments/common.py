@@ -38,6 +38,9 @@ class ByteWindows(BatchSource):
     windows in the same order for the same seed."""
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, seed: int) -> None:
+        if len(tokens) < seq_len + 2:  # (else torch.randint's bare "from >= to" deep in the first step)
+            raise ValueError(f"seq_len={seq_len} needs a corpus of at least {seq_len + 2} bytes; it holds "
+                             f"{len(tokens)}")
         self.tokens, self.seq_len = tokens, seq_len
         self.generator = torch.Generator().manual_seed(seed)
 

@@ -9,10 +9,10 @@ the max pre-softmax logit of every step (over all layers and recurrence steps, f
 forward), and fits
 
 * the growth exponent p in  S(t) - S(0) ~ t^p  (t = updates done) by least squares on log-log over
-  [t_min, T_sat) (T_sat: first t with S >= C, else the end of the run), with a 95% interval
+  [t_min, T_sat) (T_sat: first t with S >= C or S not finite, else the end of the run), with a 95% interval
   from the fit's standard error (optimistic: neighbouring steps are correlated) and, across the
   learning rates, the mean with a 95% t-interval;
-* the slope q in  T_sat ~ eta^q  over the learning rates whose plain run saturated.
+* the slope q in  T_sat ~ eta^q  over the learning rates whose plain run saturated (T_sat >= 1).
 
 "Matches" means the theory's value (p = 2 Muon, 1 Adam; q = -1 Muon, -2 Adam) lies inside the
 interval. Output: `logit_growth.json` and `logit_growth.png` in `out`.
@@ -32,7 +32,7 @@ import torch
 
 import recurrent_depth as rd
 from recurrent_depth.experiments.common import BYTE_VOCAB, ByteWindows, byte_tokens, train_fixed_depth
-from recurrent_depth.files import check_out_dir
+from recurrent_depth.files import check_out_dir, finite_or_null
 from recurrent_depth.train.optim import OptimConfig
 
 THEORY = {"muon": {"exponent": 2.0, "t_sat_slope": -1.0}, "adamw": {"exponent": 1.0, "t_sat_slope": -2.0}}
@@ -66,8 +66,15 @@ class LogitGrowthConfig:
         unknown = sorted(set(self.variants) - set(VARIANTS))
         if unknown or not self.variants:  # (none: nothing would run, and an empty result would be written)
             raise ValueError(f"logit-growth variants {list(self.variants)}: choose some of {list(VARIANTS)}")
-        if len(self.muon_lrs) < 2 or len(self.adamw_lrs) < 2 or min(*self.muon_lrs, *self.adamw_lrs) <= 0:
-            raise ValueError("logit-growth needs at least 2 learning rates > 0 per optimizer")
+        for name in ("muon_lrs", "adamw_lrs"):
+            lrs = getattr(self, name)
+            # distinct: the summary keys its fits by lr, and the T_sat-vs-lr fit needs different lrs (a NaN or
+            # inf lr would fail only when its runs start, after the other optimizer's runs)
+            if len(lrs) < 2 or len(set(lrs)) != len(lrs) or not all(math.isfinite(lr) and lr > 0 for lr in lrs):
+                raise ValueError(f"{name}={list(lrs)}: logit-growth needs at least 2 learning rates per "
+                                 f"optimizer, distinct, finite and > 0")
+        if not (isinstance(self.fit_start, int) and self.fit_start >= 1):  # (t = 0 has no place on a log axis)
+            raise ValueError(f"fit_start={self.fit_start!r} must be an integer >= 1")
         if not (isinstance(self.steps, int) and self.steps > self.fit_start + 3):
             raise ValueError(f"steps={self.steps!r} must be an integer > fit_start + 3 = {self.fit_start + 3}")
         if self.muon_recipe not in ("torch", "k2"):
@@ -97,13 +104,15 @@ def growth_optimizer(cfg: LogitGrowthConfig, optimizer: str, lr: float) -> Optim
 
 
 def run_one(cfg: LogitGrowthConfig, tokens: torch.Tensor, optimizer: str, lr: float, variant: str) -> dict:
-    """Train one model; return its per-step max logit and loss."""
+    """Train one model; return its per-step max logit (NaN where the forward's logits were not finite: a
+    diverged run is a result) and loss."""
     records: list[dict] = []
     result = train_fixed_depth(
         growth_model(cfg, variant), growth_optimizer(cfg, optimizer, lr), ByteWindows(tokens, cfg.seq_len, cfg.seed),
         cfg.steps, cfg.recurrence, cfg.batch_size, on_step=lambda _, record: records.append(record),
         record_max_logit=True, qk_clip=cfg.qk_clip_tau if variant == "qk-clip" else None)
-    return {"optimizer": optimizer, "lr": lr, "variant": variant, "max_logit": [r["max_logit"] for r in records],
+    max_logit = [math.nan if r["max_logit"] is None else r["max_logit"] for r in records]  # (None: not finite)
+    return {"optimizer": optimizer, "lr": lr, "variant": variant, "max_logit": max_logit,
             "clipped_heads": [r["qk_clipped_heads"] for r in records], "loss": result.losses}
 
 
@@ -122,11 +131,17 @@ def saturation_step(series: list[float], threshold: float) -> int | None:
     """T_sat: the number of updates after which the max logit first reaches the threshold, or None.
 
     `series[t]` is the max logit of the forward after t updates (it is recorded by step t + 1,
-    whose forward runs before its own update), so series[0] is the initial model's."""
+    whose forward runs before its own update), so series[0] is the initial model's. A non-finite value
+    (the logits overflowed: the run diverged) counts as reached."""
     for step, value in enumerate(series):
-        if value >= threshold:
+        if not math.isfinite(value) or value >= threshold:
             return step
     return None
+
+
+def peak(series: list[float]) -> float:
+    """The run's largest max logit; inf once it diverged (a NaN would make `max` depend on the order)."""
+    return max(v if math.isfinite(v) else math.inf for v in series)
 
 
 def growth_fit(series: list[float], cfg: LogitGrowthConfig) -> dict[str, Any] | None:
@@ -135,7 +150,7 @@ def growth_fit(series: list[float], cfg: LogitGrowthConfig) -> dict[str, Any] | 
     t = np.arange(len(s), dtype=np.float64)
     t_sat = saturation_step(series, cfg.saturation)
     end = t_sat if t_sat is not None else len(s)
-    window = slice(max(1, cfg.fit_start), end)
+    window = slice(cfg.fit_start, end)
     growth = s[window] - s[0]
     keep = growth > 0
     if keep.sum() < 4:
@@ -163,12 +178,13 @@ def summarise(runs: list[dict], cfg: LogitGrowthConfig) -> dict[str, Any]:
         across = interval_of_mean(exponents)
         theory = THEORY[optimizer]
         t_sats = [(r["lr"], saturation_step(r["max_logit"], cfg.saturation)) for r in plain]
-        reached = [(lr, t) for lr, t in t_sats if t is not None]
+        # T_sat = 0 (saturated before any update) times no growth, and log 0 has no place in the fit
+        reached = [(lr, t) for lr, t in t_sats if t]
         t_sat_fit = None
         if len(reached) >= 3:
             t_sat_fit = ols(np.log([lr for lr, _ in reached]), np.log([t for _, t in reached]))
         mine = [r for r in runs if r["optimizer"] == optimizer]
-        peak = {v: {str(r["lr"]): max(r["max_logit"]) for r in mine if r["variant"] == v} for v in cfg.variants}
+        peaks = {v: {str(r["lr"]): peak(r["max_logit"]) for r in mine if r["variant"] == v} for v in cfg.variants}
         summary[optimizer] = {
             "learning_rates": list(lrs),
             "growth_fits": fits,
@@ -181,7 +197,7 @@ def summarise(runs: list[dict], cfg: LogitGrowthConfig) -> dict[str, Any]:
             "theory_t_sat_slope": theory["t_sat_slope"],
             "t_sat_slope_matches": bool(t_sat_fit is not None
                                         and t_sat_fit["ci95"][0] <= theory["t_sat_slope"] <= t_sat_fit["ci95"][1]),
-            "peak_max_logit": peak,
+            "peak_max_logit": peaks,
         }
     return summary
 
@@ -211,14 +227,17 @@ def plot(runs: list[dict], summary: dict[str, Any], cfg: LogitGrowthConfig, path
         mean = s["exponent_mean"]
         ax.set_title(f"{optimizer}: S-S0 ~ t^p, p = {mean:.2f}{ci_text} (theory {s['theory_exponent']:g})"
                      if mean is not None else optimizer, fontsize=9)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
+        # log axes need a point to draw: none when every run diverged at its first update (all NaN)
+        shown = [v for r in runs if r["optimizer"] == optimizer for v in r["max_logit"][1:]]
+        if any(math.isfinite(v) and v > 0 for v in shown):
+            ax.set_xscale("log")
+            ax.set_yscale("log")
         ax.set_xlabel("updates t")
         ax.set_ylabel("max pre-softmax logit (all layers, all recurrence steps)")
         ax.legend(fontsize=6, ncol=2)
     ax = axes[2]
     for optimizer, marker in (("muon", "o"), ("adamw", "s")):
-        pts = [(float(lr), t) for lr, t in summary[optimizer]["t_sat"].items() if t is not None]
+        pts = [(float(lr), t) for lr, t in summary[optimizer]["t_sat"].items() if t]  # (log axes: t >= 1)
         if pts:
             ax.plot(*zip(*pts, strict=True), marker=marker, label=optimizer)
     ax.set_xscale("log")
@@ -244,12 +263,13 @@ def run_logit_growth(cfg: LogitGrowthConfig, log=print) -> dict[str, Any]:
         for lr in lrs:
             for variant in cfg.variants:
                 runs.append(run_one(cfg, tokens, optimizer, lr, variant))
-                log(f"{optimizer:<6} lr {lr:<7g} {variant:<8} peak max logit {max(runs[-1]['max_logit']):8.2f}  "
+                log(f"{optimizer:<6} lr {lr:<7g} {variant:<8} peak max logit {peak(runs[-1]['max_logit']):8.2f}  "
                     f"final loss {runs[-1]['loss'][-1]:.3f}  ({time.perf_counter() - start:.0f}s)")
     summary = summarise(runs, cfg)
     result = {"config": asdict(cfg), "summary": summary, "runs": runs,
               "seconds": time.perf_counter() - start, "torch_threads": torch.get_num_threads()}
-    (out / "logit_growth.json").write_text(json.dumps(result, indent=1) + "\n")
+    # strict JSON: a diverged run's NaN / inf (max logit, loss, peak) as null
+    (out / "logit_growth.json").write_text(json.dumps(finite_or_null(result), indent=1, allow_nan=False) + "\n")
     plot(runs, summary, cfg, out / "logit_growth.png")
     return result
 
@@ -274,7 +294,7 @@ def format_summary(summary: dict[str, Any]) -> str:
                      f"{s['theory_exponent']:g}: {verdict}")
         fit = s["t_sat_vs_lr_fit"]
         if fit is None:
-            lines.append(f"  {optimizer}: T_sat reached at fewer than 3 lrs ({s['t_sat']}): no T_sat-vs-lr fit")
+            lines.append(f"  {optimizer}: T_sat >= 1 at fewer than 3 lrs ({s['t_sat']}): no T_sat-vs-lr fit")
         else:
             lines.append(f"  {optimizer}: T_sat ~ lr^{fit['slope']:.2f} (95% CI [{fit['ci95'][0]:.2f}, "
                          f"{fit['ci95'][1]:.2f}]), theory {s['theory_t_sat_slope']:g}: "

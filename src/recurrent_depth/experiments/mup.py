@@ -22,6 +22,7 @@ the pre-fix behaviour; not muP when head_dim grows). All are the same model at t
 from __future__ import annotations
 
 import json
+import math
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -33,7 +34,7 @@ import torch
 import recurrent_depth as rd
 from recurrent_depth.config import MupShapeWarning
 from recurrent_depth.experiments.common import BYTE_VOCAB, ByteWindows, byte_tokens, train_fixed_depth
-from recurrent_depth.files import check_out_dir
+from recurrent_depth.files import check_out_dir, finite_or_null
 from recurrent_depth.train.optim import OptimConfig
 
 PARAMETRIZATIONS = ("standard", "mup", "mup-sqrt-d")
@@ -81,6 +82,13 @@ class MupConfig:
                              f"{self.head_dim} and widths {self.widths} >= 2 multiples of 2 x {heads} heads")
         if len(self.lrs) > 5 or not self.lrs:
             raise ValueError(f"lrs {self.lrs}: give 1 to 5 learning rates")
+        # the results key each lr by its `:g` label: two lrs with one label would overwrite each other
+        if len({f"{lr:g}" for lr in self.lrs}) != len(self.lrs):
+            raise ValueError(f"lrs {self.lrs}: give distinct learning rates")
+        # (else a NaN or negative lr fails only when its run starts, after the coordinate check)
+        for name, values in (("lr", (self.lr,)), ("lrs", self.lrs)):
+            if not all(isinstance(v, int | float) and math.isfinite(v) and v > 0 for v in values):
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: expected finite learning rates > 0")
 
 
 def width_model_config(cfg: MupConfig, width: int, parametrization: str) -> rd.ModelConfig:
@@ -187,7 +195,9 @@ def lr_transfer(cfg: MupConfig, tokens: torch.Tensor | None = None, log=print) -
                 tail = run.losses[-10:]
                 table[str(width)][f"{lr:g}"] = sum(tail) / len(tail)
                 log(f"{parametrization:<9} width {width:<4} lr {lr:<7g} loss {table[str(width)][f'{lr:g}']:.3f}")
-        best = {w: min(row, key=lambda k, row=row: row[k]) for w, row in table.items()}
+        # a diverged run's loss is NaN, which `min` would keep once it held it: it ranks last here
+        best = {w: min(row, key=lambda k, row=row: row[k] if math.isfinite(row[k]) else math.inf)
+                for w, row in table.items()}
         result[parametrization] = {"final_loss": table, "best_lr": best, "transfers": len(set(best.values())) == 1}
     return result
 
@@ -241,7 +251,8 @@ def run_mup(cfg: MupConfig, transfer: bool, log=print) -> dict[str, Any]:
     result = {"config": asdict(cfg), "coordinate_check": coords, "lr_transfer": lrs,
               "seconds": time.perf_counter() - start, "torch_threads": torch.get_num_threads()}
     name = "mup_lr_transfer" if transfer else "mup_coord_check"
-    (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    # strict JSON: a diverged run's NaN loss as null
+    (out / f"{name}.json").write_text(json.dumps(finite_or_null(result), indent=1, allow_nan=False) + "\n")
     plot(coords, lrs, cfg, out / f"{name}.png")
     return result
 

@@ -100,3 +100,14 @@ def test_lr_transfer_never_picks_a_diverged_lr():
 def test_byte_windows_refuse_a_corpus_shorter_than_a_window():
     with pytest.raises(ValueError, match=r"seq_len=64 needs a corpus of at least 66 bytes; it holds 50"):
         ByteWindows(torch.zeros(50, dtype=torch.long), 64, seed=0)
+
+
+@pytest.mark.parametrize("command, written", [("coord-check", "mup_coord_check"), ("lr-transfer", "mup_lr_transfer")])
+def test_the_mup_commands_help_names_the_files_they_write(command, written, capsys):
+    """--out's help said only "output directory" (logit-growth's names its files)."""
+    from recurrent_depth.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["experiment", command, "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert f"output directory for {written}.json and {written}.png" in help_text

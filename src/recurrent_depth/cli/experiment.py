@@ -97,7 +97,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "seq_len": (int, "bytes per sequence"),
         "seeds": (int, "coordinate-check seeds averaged"),
         "corpus": (str, "training text: as rdepth train --data takes it (read as bytes)"),
-        "out": (str, "output directory"),
     }
     for name, transfer, text in (
         ("coord-check", False, "muP coordinate check: activation RMS per layer vs width over the first steps, "
@@ -106,8 +105,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               "the best lr transfer across widths? (JSON + PNG)"),
     ):
         sub = inner.add_parser(name, help=text)
+        written = "mup_lr_transfer" if transfer else "mup_coord_check"
+        fields_here = {**mup_fields, "out": (str, f"output directory for {written}.json and {written}.png")}
         # the coordinate check runs no transfer sweep: it takes no flags it would ignore
-        _add_fields(sub, MupConfig(), {k: v for k, v in mup_fields.items()
+        _add_fields(sub, MupConfig(), {k: v for k, v in fields_here.items()
                                        if transfer or k not in ("lrs", "transfer_steps")})
         sub.set_defaults(func=run_mup_command, transfer=transfer)
     parser.set_defaults(func=lambda args: parser.print_help() or 0)

@@ -26,6 +26,7 @@ ROLLOUT_MAX_NEW_TOKENS = 8  # the reasoning tasks' answers are a few tokens; --m
 def register(subparsers: argparse._SubParsersAction) -> None:
     from recurrent_depth.evaluation.reasoning.tasks import TASKS
     from recurrent_depth.inference.schema import add_cli_arguments
+    from recurrent_depth.train.lora import add_lora_arguments
     from recurrent_depth.train.optim import OPTIMIZERS
     from recurrent_depth.train.rl.losses import LEVELS, LOSS_TYPES, SCALES
     from recurrent_depth.train.rl.recipe import OBJECTIVES
@@ -94,11 +95,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     t = p.add_argument_group("optimisation")
     t.add_argument("--updates", type=int, default=100, metavar="N", help="optimizer steps (default: %(default)s)")
     t.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="(default: %(default)s)")
-    t.add_argument("--lr", type=float, default=1e-5, help="learning rate (default: %(default)s)")
+    t.add_argument("--lr", type=float, default=None,
+                   help="learning rate (default: the finetune presets' 1e-5, 1e-4 with --lora)")
     t.add_argument("--save-every", type=int, default=10, metavar="N",
                    help="checkpoint every N updates (default: %(default)s)")
     t.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     t.add_argument("--json", action="store_true", help="print the run's summary as one JSON object")
+    add_lora_arguments(p)  # (the adapter is trained on --init-from DIR)
     add_max_depth_arg(p)
     add_cli_arguments(p)  # the rollouts' generation options, as `rdepth generate` declares them
     p.set_defaults(func=run)
@@ -145,8 +148,9 @@ def loss_level(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from recurrent_depth.train.config import TrainConfig
-    from recurrent_depth.train.optim import OptimConfig
+    from recurrent_depth.train.config import TrainConfig, default_optim_preset
+    from recurrent_depth.train.lora import lora_spec_from_args
+    from recurrent_depth.train.optim import OPTIM_PRESETS, OptimConfig
     from recurrent_depth.train.rl.recipe import RLConfig, build_rl, load_start_model
 
     generation, seed = rollout_generation(args)
@@ -163,14 +167,21 @@ def run(args: argparse.Namespace) -> int:
                   compute_penalty=args.compute_penalty,
                   length_penalty=args.length_penalty, on_reward_error=args.on_reward_error,
                   backprop_depth=args.backprop_depth, generation=generation)
+    lora = lora_spec_from_args(args)
+    # (no --lr: the rate of the fine-tuning preset of a run from a model directory, for every weight or an adapter)
+    lr = args.lr if args.lr is not None else OPTIM_PRESETS[default_optim_preset(args.init_from, lora is not None)].lr
     train = TrainConfig(out=args.out, max_steps=args.updates, batch_size=args.prompts_per_step, seed=seed,
-                        optim=OptimConfig(name=args.optimizer, lr=args.lr), save_every=args.save_every,
+                        optim=OptimConfig(name=args.optimizer, lr=lr), save_every=args.save_every,
                         resume=args.resume, progress=False, tensorboard=False)
     from recurrent_depth.checkpoint import stored_dtype
     from recurrent_depth.train.init_from import find_model_dir
 
     model, tokenizer, tokenizer_dir = load_start_model(args.init_from)
     start_dir = find_model_dir(args.init_from)
+    if lora is not None:
+        from recurrent_depth.train.lora import add_lora
+
+        model = add_lora(model, lora, base_dir=start_dir, seed=seed)
     # trained in float32 and written back in --init-from's stored dtype, as `train` / `sft --init-from` do;
     # start_dir's identity is recorded, so that --resume from another model directory is refused
     # (closing the trainer leaves the process group it joined under torchrun; rank 0 prints the summary)

@@ -112,6 +112,7 @@ def build_rl(model: Any, rl: RLConfig, train: TrainConfig, *, tokenizer: Any = N
              log: Callable[[str], None] | None = None, **trainer_kwargs: Any) -> Any:
     """The `Trainer` of an RL run (not started): rollout source, objective and reference wired up."""
     from recurrent_depth.train import distributed as ddist
+    from recurrent_depth.train.lora import is_peft_model
     from recurrent_depth.train.trainer import Trainer
 
     log = log if log is not None else (lambda line: print(line, file=sys.stderr))
@@ -146,10 +147,25 @@ def build_rl(model: Any, rl: RLConfig, train: TrainConfig, *, tokenizer: Any = N
                            log=log, run=run, run_defaults=defaults, rank=env.rank, world_size=env.world_size)
     if train.grad_accum != 1:
         raise ValueError(f"RL takes one optimizer step per rollout batch: grad_accum must be 1, got {train.grad_accum}")
+    train, preset = start_model_optim(train, lora=is_peft_model(model))
+    if train.init_from is None:  # (with one, the Trainer settles its optimizer and says which)
+        named = f"the {preset} preset (the run names no optimizer preset or lr), " if preset is not None else ""
+        log(f"optimizer: {named}{train.optim.name}, lr {train.optim.lr:g}")
     trainer = Trainer(train, model=model, data=source, objective=objective, depth=NoDepthDraw(), log=log,
                       **trainer_kwargs)
     trainer.adopt_group(joined)  # (the group joined here is the trainer's to leave: close())
     return trainer
+
+
+def start_model_optim(train: TrainConfig, lora: bool) -> tuple[TrainConfig, str | None]:
+    """`train` with the optimizer of a run from a model directory: RL always starts from a trained model, so a
+    config that names no optimizer preset and no lr gets the fine-tuning preset (finetune-lora for a peft model)
+    that `train/config.py` gives such runs, not the from-scratch demo's lr 3e-3 (its `init_from` is None here).
+    Returns the config and the preset chosen (None: the config named its optimizer)."""
+    if train.optim_default is None or train.init_from is not None:
+        return train, None
+    chosen = train.replace(init_from="start model").with_optim_for(lora=lora)  # (only to choose the preset)
+    return chosen.replace(init_from=None, optim=chosen.optim), chosen.optim_default
 
 
 def run_rl(model: Any, rl: RLConfig, train: TrainConfig, **kwargs: Any) -> Any:

@@ -90,6 +90,9 @@ class RolloutSettings:
         if not options.do_sample:
             raise ValueError("rollouts need do_sample=True (--do-sample, a temperature > 0): greedy decoding from "
                              "s_0 = 0 gives every rollout of a prompt the same completion, so every advantage is 0")
+        if options.max_new_tokens < 1:  # (generate returns no logits for no token: nothing to score or replay)
+            raise ValueError(f"rollouts need max_new_tokens >= 1 (--max-new-tokens): a completion of no token has "
+                             f"nothing to learn from, got max_new_tokens={options.max_new_tokens!r}")
         if options.min_steps_rule == "skip":
             raise ValueError("rollouts need min_steps_rule='exit': under 'skip' a token at max_steps keeps the logits "
                              "of its last check, not of the state its replay ends at")

@@ -156,7 +156,8 @@ def test_rdepth_tokenizer_train_reads_parquet_and_refuses_a_text_field_for_text_
     texts = tmp_path / "texts"
     texts.mkdir()
     (texts / "a.py").write_text("import os\n")
-    assert cli_main(["tokenizer", "train", "--data", str(texts), "--text-field", "body", "--out", str(out)]) == 2
+    assert cli_main(["tokenizer", "train", "--data", str(texts), "--text-field", "body", "--out", str(out),
+                     "--overwrite"]) == 2
     err = capsys.readouterr().err.strip()
     assert "leave --text-field out" in err and len(err.splitlines()) == 1
 

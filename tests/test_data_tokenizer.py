@@ -280,7 +280,7 @@ def test_cli_train_and_encode(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert line["ids"][0] == 300 - 32 and line["num_tokens"] == len(line["tokens"]) == len(line["ids"])
     tok = load_tokenizer(out)
     assert tok.decode(line["ids"]) == "import os"
-    assert cli_main(["tokenizer", "train", "--data", str(tmp_path / "nope"), "--out", str(out)]) == 2
+    assert cli_main(["tokenizer", "train", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "tok2")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
 
@@ -299,10 +299,11 @@ def test_cli_train_reads_the_corpora_rdepth_train_reads(tmp_path: Path, capsys: 
     (data / "a.py").write_text("import os\n")
     (tmp_path / "outside.py").write_text("import sys\n")
     (data / "b.py").symlink_to(tmp_path / "outside.py")
-    assert cli_main(["tokenizer", "train", "--data", str(data), "--vocab-size", "290", "--out", str(out)]) == 2
+    assert cli_main(["tokenizer", "train", "--data", str(data), "--vocab-size", "290", "--out", str(out),
+                     "--overwrite"]) == 2
     assert "--follow-symlinks" in capsys.readouterr().err
     assert cli_main(["tokenizer", "train", "--data", str(data), "--follow-symlinks", "--vocab-size", "290",
-                     "--out", str(out)]) == 0
+                     "--out", str(out), "--overwrite"]) == 0
 
 
 def test_cli_train_says_when_max_bytes_cut_the_corpus(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -42,6 +42,9 @@ COMMANDS: dict[str, str] = {
 # (recurrent_depth.accel.threads); the others keep torch's default unless --threads is given.
 MEASURE_THREADS = frozenset({"quickstart", "train", "sft", "rl", "generate", "eval", "analyze", "serve", "loop",
                              "experiment"})
+# Commands whose --threads bounds another library's threads, which the command sets itself (`rdepth tokenizer`:
+# the tokenizers library's Rayon pool); torch, whose import alone takes seconds, is not imported for them.
+OWN_THREADS = frozenset({"tokenizer"})
 
 
 def _version() -> str:
@@ -91,15 +94,15 @@ def _add_threads_to_leaves(parser: argparse.ArgumentParser, measured: bool) -> N
 
 
 def _configure_threads(args: argparse.Namespace) -> None:
-    import torch
-
-    from recurrent_depth.accel.threads import configure_threads
-
     requested = getattr(args, "threads", None)
     if args.command not in MEASURE_THREADS:
-        if requested is not None:
+        if requested is not None and args.command not in OWN_THREADS:
+            import torch
+
             torch.set_num_threads(requested)
         return
+    from recurrent_depth.accel.threads import configure_threads
+
     # quickstart prints its thread count in its own first line; under torchrun (which sets RANK, and one thread per
     # process unless OMP_NUM_THREADS says otherwise) rank 0 prints it, not every rank
     quiet = args.command == "quickstart" or os.environ.get("RANK", "0") != "0"

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
-from recurrent_depth.cli.common import add_model_arg, add_out_arg, add_seed_arg
+from recurrent_depth.cli.common import _positive_int, add_model_arg, add_out_arg, add_seed_arg
 
 # What --data and --text-field take (docs/data.md); `rdepth train` and `rdepth sft` show the same words. Here, not
 # in train/config.py's FIELD_HELP: that module loads torch, and `rdepth tokenizer ...` parses without it.
@@ -67,6 +69,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
              "26: they take the reserved slots from vocab_size - 26 on, in order (default: none)",
     )
     add_out_arg(train, default="runs/tokenizer")
+    train.add_argument("--overwrite", action="store_true",
+                       help="replace the tokenizer files of an --out that already holds a tokenizer.json, such as "
+                            "a model directory (default: off, refused)")
+    _add_threads_arg(train)
     train.set_defaults(func=run)
 
     encode = actions.add_parser("encode", help="print the token ids and byte-level tokens of a text (JSON)")
@@ -75,11 +81,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     encode.add_argument(
         "--no-bos", action="store_true", help="do not prepend <|begin_text|> (default: prepend it)"
     )
+    _add_threads_arg(encode)
     encode.set_defaults(func=run)
     parser.set_defaults(func=run, _parser=parser)
 
 
+def _add_threads_arg(parser: argparse.ArgumentParser) -> None:
+    """`--threads` here bounds the tokenizers library's own thread pool (Rust's Rayon), not torch's."""
+    parser.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                        help="threads of the tokenizers library (its Rayon pool: sets RAYON_NUM_THREADS) "
+                             "(default: RAYON_NUM_THREADS if set, else one per core)")
+
+
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "threads", None) is not None:
+        # Rayon reads this once, when the tokenizers library first runs in parallel: before any training.
+        os.environ["RAYON_NUM_THREADS"] = str(args.threads)
     if args.action == "train":
         return _train(args)
     if args.action == "encode":
@@ -94,6 +111,9 @@ def _train(args: argparse.Namespace) -> int:
     from recurrent_depth.files import check_out_dir
 
     check_out_dir(args.out)  # before the training, not after it
+    if (Path(args.out) / "tokenizer.json").exists() and not args.overwrite:
+        raise ValueError(f"--out {args.out} already holds a tokenizer (tokenizer.json); choose another directory, "
+                         "or pass --overwrite to replace its tokenizer files")
 
     _, meta = build_tokenizer(
         load_corpus(args.data, text_field=args.text_field, follow_symlinks=args.follow_symlinks),
@@ -109,10 +129,13 @@ def _train(args: argparse.Namespace) -> int:
         show_progress=sys.stdout.isatty(),
     )
     corpus = meta["corpus"]
+    total, trained = corpus["num_documents"], meta["trained_documents"]
+    # --val-fraction's held-out documents (and those past a --max-bytes cut) are not trained on
+    documents = f"{total} documents, " if trained == total else ""
     print(
         f"trained a {args.vocab_size}-token byte-level BPE in {meta['train_seconds']:.1f} s on "
-        f"{corpus['name']} ({corpus['num_documents']} documents, {corpus['num_bytes'] / 1e6:.1f} MB, "
-        f"sha256 {corpus['sha256'][:12]})"
+        + ("" if trained == total else f"{trained} of the {total} documents of ")
+        + f"{corpus['name']} ({documents}{corpus['num_bytes'] / 1e6:.1f} MB, sha256 {corpus['sha256'][:12]})"
         + (f", its first {args.max_bytes:,} bytes (--max-bytes)" if args.max_bytes is not None else "")
     )
     print(f"special token ids: {json.dumps(meta['special_token_ids'])}")

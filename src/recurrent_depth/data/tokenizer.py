@@ -507,14 +507,22 @@ def build_tokenizer(
     if val_fraction > 0:
         split = DocumentSplit.plan(source.ids(), val_fraction, seed)
         docs = split.select(iter(source), "train")
+    read = [0]  # documents the trainer read: the training side of the split, up to the --max-bytes cut
+
+    def counted(documents: Iterable[Document]) -> Iterator[Document]:
+        for doc in documents:
+            read[0] += 1
+            yield doc
+
     start = time.perf_counter()
-    tok = train_tokenizer(docs, vocab_size, max_bytes=max_bytes, extra_special_tokens=extra_special_tokens,
+    tok = train_tokenizer(counted(docs), vocab_size, max_bytes=max_bytes, extra_special_tokens=extra_special_tokens,
                           show_progress=show_progress)
     seconds = time.perf_counter() - start
     metadata = {
         "corpus": info.to_dict(),
         "vocab_size": vocab_size,
         "max_bytes": max_bytes,
+        "trained_documents": read[0],
         "split": None if split is None else split.to_dict(),
         "train_seconds": round(seconds, 3),
         "tokenizer_sha256": tokenizer_sha256(tok),

@@ -18,6 +18,8 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -120,6 +122,7 @@ def _address_space() -> int:
 
 def worker_main(conn: Any, spec: PrepSpec) -> None:
     """A worker's loop: one (kind, raw body) in, one result tuple out, until EOF or None."""
+    conn.send(("started",))  # past the re-import of the parent's __main__ module (see `Worker`)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle, not ours
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     # A tokenizer panic is the request's 400 (TextCodec); Rust would still print a backtrace of its
@@ -150,21 +153,55 @@ def _context() -> Any:
     return ctx
 
 
+START_TIMEOUT = 120.0  # seconds for a worker to start and load the tokenizer
+
+
+def main_guard_message(main: str = "__main__") -> str:
+    """Why a worker died before running `worker_main`: multiprocessing imports the parent's main script again in
+    every new process (standard Python behaviour, as module `__mp_main__`), and a script that starts the server
+    on import fails there."""
+    script = getattr(sys.modules.get(main), "__file__", None)
+    if script is None:  # nothing is imported again (an interactive session, python -c)
+        return "a request-preparation worker exited before it started"
+    return (f"a request-preparation worker exited while importing the main script {script} again, as every new "
+            "Python multiprocessing process does: a script that starts the server must do so under "
+            "`if __name__ == '__main__':`")
+
+
 class Worker:
-    """One worker process and the pipe to it."""
+    """One worker process and the pipe to it. The worker says "started" once it runs `worker_main`, after
+    multiprocessing has imported the parent's __main__ module again in it, and "ready" once its tokenizer is
+    loaded: a worker that dies before the first failed in that import (most often a script without a
+    `__main__` guard), so the error can say so."""
 
     def __init__(self, spec: PrepSpec) -> None:
+        if getattr(multiprocessing.current_process(), "_inheriting", False):
+            # We are such a worker, importing a script that starts a server: multiprocessing would refuse the
+            # next process with a message about freeze_support(); say what to change instead
+            raise RuntimeError(main_guard_message("__mp_main__"))
         ctx = _context()
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=worker_main, args=(child, spec), name="rdepth-prep", daemon=True)
         self.process.start()
         child.close()
-        if not self.conn.poll(120):
+        deadline = time.monotonic() + START_TIMEOUT
+        self._expect("started", deadline, main_guard_message())
+        self._expect("ready", deadline, "a request-preparation worker failed while loading the tokenizer")
+
+    def _expect(self, stage: str, deadline: float, failure: str) -> None:
+        """Wait for the worker's `(stage,)`; a worker that hangs or exits first is killed, and the error says why
+        (`failure`, the worker's exit code; its traceback is on stderr above)."""
+        if not self.conn.poll(max(0.0, deadline - time.monotonic())):
             self.kill()
-            raise RuntimeError("a request-preparation worker did not start within 120 s")
-        ready = self.conn.recv()
-        if ready != ("ready",):
-            raise RuntimeError(f"a request-preparation worker failed to start: {ready!r}")
+            raise RuntimeError(f"a request-preparation worker did not start within {START_TIMEOUT:g} s")
+        try:
+            message = self.conn.recv()
+        except EOFError:
+            self.kill()
+            raise RuntimeError(f"{failure} (the worker exited with code {self.process.exitcode})") from None
+        if message != (stage,):
+            self.kill()
+            raise RuntimeError(f"a request-preparation worker failed to start: {message!r}")
 
     def call(self, kind: str, raw: bytes) -> tuple:
         self.conn.send((kind, raw))

@@ -45,10 +45,11 @@ def test_a_lora_adapter_given_as_the_model_says_how_to_use_it(tmp_path, capsys):
         assert main(argv) == 2
         err = [line for line in capsys.readouterr().err.strip().splitlines() if "error" in line]
         assert len(err) == 1 and "it is a LoRA adapter (adapter_config.json): load its base model with it (--lora " \
-            "on the command line of rdepth generate and serve, peft=ADAPTER in rdepth lm-eval's" in err[0], err
-    assert main(["analyze", "--model", str(tmp_path), "--prompt", "a"]) == 2  # (analyze has no --lora to pass)
+            "on the command line of rdepth generate, serve, eval and analyze, peft=ADAPTER in rdepth lm-eval's" \
+            in err[0], err
+    assert main(["analyze", "--model", str(tmp_path), "--prompt", "a"]) == 2
     err = [line for line in capsys.readouterr().err.strip().splitlines() if "error" in line]
-    assert len(err) == 1 and "--lora on the command line of rdepth generate and serve" in err[0], err
+    assert len(err) == 1 and "--lora on the command line of rdepth generate, serve, eval and analyze" in err[0], err
     data = tmp_path / "chats.jsonl"
     data.write_text('{"prompt": "a", "completion": "b"}\n')
     assert main(["sft", "--init-from", str(tmp_path), "--data", str(data), "--out", str(tmp_path / "r")]) == 2

@@ -442,7 +442,7 @@ def lora_adapter_hint(path: str | os.PathLike[str], merged_for: str | None = Non
     if merged_for is not None:
         return f"; it is a LoRA adapter (adapter_config.json): {merge} and {merged_for}"
     return ("; it is a LoRA adapter (adapter_config.json): load its base model with it (--lora on the command line "
-            "of rdepth generate and serve, peft=ADAPTER in rdepth lm-eval's model_args, "
+            "of rdepth generate, serve, eval and analyze, peft=ADAPTER in rdepth lm-eval's model_args, "
             f"recurrent_depth.train.lora.load_adapter_model in Python), or {merge}")
 
 

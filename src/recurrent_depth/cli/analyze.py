@@ -14,6 +14,7 @@ from pathlib import Path
 
 from recurrent_depth.cli.common import (
     add_device_args,
+    add_lora_adapter_arg,
     add_max_depth_arg,
     add_model_arg,
     add_out_arg,
@@ -21,7 +22,9 @@ from recurrent_depth.cli.common import (
     add_tokenizer_arg,
     add_weights_arg,
     check_depth_flags,
+    check_lora_with_weights,
     check_model_path,
+    check_strict_lora_base,
     tokenizer_source,
 )
 from recurrent_depth.inference.schema import add_option_flags
@@ -36,6 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "a JSON file with the numbers.",
     )
     add_model_arg(p)
+    add_lora_adapter_arg(p)
     add_tokenizer_arg(p)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the text to analyse (tokenized with the model's tokenizer.json)")
@@ -97,9 +101,10 @@ def run(args: argparse.Namespace) -> int:
     from recurrent_depth.files import check_out_dir
     from recurrent_depth.model.recurrent import RecurrentDepthLM
 
+    check_lora_with_weights(args)
+    check_strict_lora_base(args, "--lora")
     check_depth_flags(args, ("steps", "limit_steps"))  # the depth ceiling every command keeps (README)
     start = time.perf_counter()
-    check_model_path(args.model)  # (the same one-line errors as the other commands, before anything loads)
     model_dir = Path(args.model)
     config = AnalysisConfig(
         num_steps=args.steps, limit_steps=args.limit_steps, num_starts=args.starts, init_scale=args.init_scale,
@@ -111,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
         config.validate()  # fail on bad flags before loading weights
     except ValueError as exc:
         raise _in_flag_names(exc) from None
+    check_model_path(args.model)  # (the same one-line errors as the other commands, before anything loads)
     out = Path(args.out)
     check_out_dir(out)
     prompt = args.prompt
@@ -121,6 +127,10 @@ def run(args: argparse.Namespace) -> int:
         # Bounded, regular files only: /dev/zero or a FIFO would otherwise be read until memory runs out.
         prompt = read_text(args.prompt_file, PROMPT_MAX_BYTES, "--prompt-file")
     model = RecurrentDepthLM.from_pretrained(model_dir, dtype=args.dtype, device=args.device, weights=args.weights)
+    if args.lora is not None:  # unmerged, checked as `rdepth generate --lora` checks it
+        from recurrent_depth.train.lora import attach_adapter
+
+        model = attach_adapter(model, args.lora, strict_base=args.strict_lora_base, model_dir=args.model)
 
     codec = None
     if args.ids is not None:
@@ -144,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"analysing {len(ids)} tokens, {config.num_steps} steps (s* at {config.limit_steps}), {starts}")
     result, files = analyze_to_dir(
         model, ids, args.out, token_texts=texts, decode=decode, config=config, prompt=prompt,
-        model_name=str(model_dir), progress=True,
+        model_name=str(model_dir) if args.lora is None else f"{model_dir} with LoRA {args.lora}", progress=True,
     )
     counts = ", ".join(f"{k}: {v}" for k, v in result.counts.items())
     print(f"trajectory shapes: {counts}")

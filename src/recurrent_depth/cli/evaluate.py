@@ -16,6 +16,7 @@ import argparse
 
 from recurrent_depth.cli.common import (
     add_device_args,
+    add_lora_adapter_arg,
     add_max_depth_arg,
     add_model_arg,
     add_out_arg,
@@ -24,7 +25,9 @@ from recurrent_depth.cli.common import (
     add_weights_arg,
     baseline_dir,
     check_depth_flags,
+    check_lora_with_weights,
     check_model_path,
+    check_strict_lora_base,
     int_list,
 )
 from recurrent_depth.inference.schema import add_option_flags
@@ -40,6 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_model_arg(parser)
+    add_lora_adapter_arg(parser)  # (text scores, --reasoning and --lm-eval-tasks; not the --baseline)
     add_tokenizer_arg(parser)
     add_out_arg(parser, "runs/eval")
     add_seed_arg(parser)
@@ -88,6 +92,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from recurrent_depth.evaluation.depth_eval import EvalConfig, evaluate_depths
 
+    check_lora_with_weights(args)
+    check_strict_lora_base(args, "--lora")
     check_depth_flags(args, ("depths", "baseline_depth"))  # the depth ceiling every command keeps (README)
     check_model_path(args.model)
     if args.baseline is not None:
@@ -102,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         difficulties=args.difficulties, count=args.count, lm_eval_tasks=args.lm_eval_tasks, fewshot=args.fewshot,
         limit=args.limit, baseline=args.baseline, baseline_depth=args.baseline_depth, init_scale=args.init_scale,
         seed=args.seed, batch_size=args.batch_size, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
-        weights=args.weights, max_depth=args.max_depth,
+        weights=args.weights, max_depth=args.max_depth, lora=args.lora, strict_lora_base=args.strict_lora_base,
     )
     evaluate_depths(config)
     return 0

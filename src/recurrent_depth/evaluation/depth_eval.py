@@ -62,9 +62,16 @@ class EvalConfig:
     tokenizer: str | None = None  # the model's tokenizer directory; None: the one inside `model`
     weights: str | None = None  # "int8" / "int4" / "int4:g<group>": weight-only quantization at load (weight_quant.py)
     max_depth: int | None = None  # the depth ceiling (None: MAX_NUM_STEPS); the baseline's default depth keeps it too
+    lora: str | None = None  # a peft LoRA adapter directory applied to `model` (not the baseline), unmerged
+    strict_lora_base: bool = False  # refuse the adapter when `model` is not the base it records (default: warn)
 
     def validate(self) -> EvalConfig:
         check_weights(self.weights)
+        if self.lora is not None and self.weights is not None:  # peft adapts float nn.Linear layers only
+            raise ValueError(f"lora={self.lora!r} cannot go on weights={self.weights!r} layers (an unmerged adapter "
+                             f"needs the float weights): merge it first (rdepth export --merge-lora), then quantize")
+        if self.strict_lora_base and self.lora is None:
+            raise ValueError("strict_lora_base checks the base of a lora adapter, and none is given")
         self.depths = check_depths(self.depths, "depths")
         for name in ("max_docs", "max_tokens", "count", "batch_size"):
             value = getattr(self, name)
@@ -118,6 +125,16 @@ def _load(path: str, device: str, dtype: str | None, tokenizer_dir: str | None =
         raise FileNotFoundError(f"--tokenizer {tokenizer_dir}: no tokenizer.json in that directory")
     tokenizer = AutoTokenizer.from_pretrained(str(source)) if (source / "tokenizer.json").is_file() else None
     return model, tokenizer
+
+
+def _with_adapter(model: Any, config: EvalConfig) -> Any:
+    """`model` (loaded from config.model) with config.lora on its layers, unmerged, checked as `rdepth generate
+    --lora` checks it (files, targets, base fingerprint); `model` as it is without one."""
+    if config.lora is None:
+        return model
+    from recurrent_depth.train.lora import attach_adapter
+
+    return attach_adapter(model, config.lora, strict_base=config.strict_lora_base, model_dir=config.model)
 
 
 def _documents(config: EvalConfig):
@@ -219,6 +236,8 @@ def _lm_eval(
                               init_scale=config.init_scale, seed=config.seed,
                               dtype=config.dtype or "auto", **extra)
     quantize_weights(lm.model.core, config.weights)  # the wrapper shares the core's modules: both quantized
+    if path == config.model:  # the adapter onto the core in place: the wrapper shares its modules, so scores use it
+        _with_adapter(lm.model.core, config)
     curves: dict[str, dict[int, float]] = {}
     for depth in depths:
         lm.depth = depth
@@ -244,6 +263,7 @@ def evaluate_depths(config: EvalConfig, log: Any = print) -> dict[str, Any]:
     started = time.time()
     manager = _task_manager(config) if config.lm_eval_tasks else None
     model, tokenizer = _load(config.model, config.device, config.dtype, config.tokenizer, config.weights)
+    model = _with_adapter(model, config)  # a bad adapter: named now, before any scoring
     depths = config.depths
     if config.data is not None:  # a tokenizer text scoring cannot use: named now, not after the "text:" line
         _text_ids(model, tokenizer, config.model)

@@ -641,7 +641,7 @@ def merge_lora(model: Any) -> nn.Module:
     except (RuntimeError, ValueError) as exc:  # e.g. lora_bias=True on layers without a bias: peft cannot merge it
         detail = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         raise ValueError(f"cannot merge this LoRA adapter into the weights: {detail} (use it unmerged: "
-                         f"rdepth generate/serve --lora)") from None
+                         f"rdepth generate/serve/eval/analyze --lora)") from None
 
 
 def attach_adapter(model: nn.Module, adapter_dir: str | Path, strict_base: bool = False,

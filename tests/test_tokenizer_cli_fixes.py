@@ -39,7 +39,9 @@ print("pool", len(os.listdir("/proc/self/task")) - before)
 def test_threads_bounds_the_tokenizer_training_pool(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`--threads N` set torch's threads only; the BPE trainer ran on a Rayon pool of one thread per core."""
     wanted = (os.cpu_count() or 1) + 1  # never the default pool size
-    env = {k: v for k, v in os.environ.items() if k != "RAYON_NUM_THREADS"}
+    # (TOKENIZERS_PARALLELISM=false, which a server started earlier in this process sets for its workers, runs
+    # the trainer without any pool)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAYON_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
     result = subprocess.run(
         [sys.executable, "-c", _COUNT_POOL, "tokenizer", "train", "--data", str(_corpus(tmp_path)),
          "--vocab-size", "300", "--out", str(tmp_path / "tok"), "--threads", str(wanted)],

@@ -81,3 +81,16 @@ def test_summary_counts_the_documents_trained_on(tmp_path: Path, capsys: pytest.
     assert 0 < trained < len(ids)
     assert f" on {trained} of the {len(ids)} documents of " in capsys.readouterr().out
     assert json.loads((out / "tokenizer_training.json").read_text())["trained_documents"] == trained
+
+
+def test_tokenizer_train_runs_without_importing_torch(tmp_path: Path) -> None:
+    """Its only torch import was data/shards.py's, at the package's import: seconds of start-up for a command that
+    trains a BPE (and cli/__init__ imported torch to set --threads)."""
+    code = ("import sys\nfrom recurrent_depth.cli import main\nassert main(sys.argv[1:]) == 0\n"
+            "print('torch imported:', 'torch' in sys.modules)\n")
+    result = subprocess.run(
+        [sys.executable, "-c", code, "tokenizer", "train", "--data", str(_corpus(tmp_path)), "--vocab-size", "300",
+         "--out", str(tmp_path / "tok"), "--threads", "1"],
+        capture_output=True, text=True, timeout=120, check=True,
+    )
+    assert "torch imported: False" in result.stdout, result.stdout + result.stderr

@@ -19,10 +19,9 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from recurrent_depth.config import is_int
 from recurrent_depth.files import (
@@ -34,6 +33,9 @@ from recurrent_depth.files import (
     naming,
     read_json,
 )
+
+if TYPE_CHECKING:  # (imported where a batch is made: the tokenizer tools and corpus readers run without torch)
+    import torch
 
 SHARD_FORMAT = "recurrent-depth-token-shards"
 SHARD_FORMAT_VERSION = 1
@@ -321,12 +323,16 @@ class ShardDataset:
                 self.epoch += 1
                 self.position = 0
         chosen = np.concatenate(picked)[self.rank * batch_size : (self.rank + 1) * batch_size]
+        import torch
+
         return torch.from_numpy(self.rows(chosen))
 
     def iter_batches(self, batch_size: int, drop_last: bool = False) -> Iterator[torch.Tensor]:
         """One pass in storage order (for evaluation); this rank's share; leaves the position alone."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        import torch
+
         mine = np.arange(self.rank, self.num_rows, self.world_size)
         for start in range(0, mine.size, batch_size):
             chunk = mine[start : start + batch_size]

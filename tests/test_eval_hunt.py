@@ -64,3 +64,4 @@ def test_rdepth_eval_names_a_model_reasoning_tasks_cannot_use_before_scoring_tex
                  "--val-fraction", "1", "--reasoning", "chains", "--out", str(tmp_path / "o")]) == 2
     captured = capsys.readouterr()
     assert "text:" not in captured.out and "vocabulary >= 288" in captured.err
+    assert not (tmp_path / "o").exists()  # (refused after the model loaded: --out was made empty before it)

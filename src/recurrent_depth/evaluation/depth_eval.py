@@ -259,7 +259,6 @@ def evaluate_depths(config: EvalConfig, log: Any = print) -> dict[str, Any]:
     config.validate()
     out = Path(config.out)
     check_out_dir(out)
-    out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     manager = _task_manager(config) if config.lm_eval_tasks else None
     model, tokenizer = _load(config.model, config.device, config.dtype, config.tokenizer, config.weights)
@@ -285,6 +284,7 @@ def evaluate_depths(config: EvalConfig, log: Any = print) -> dict[str, Any]:
         if config.data is not None:
             _text_ids(baseline, baseline_tok, f"--baseline {config.baseline}")
         results["baseline"] = {"model": config.baseline, "depth": base_depth}
+    out.mkdir(parents=True, exist_ok=True)  # (after every check: a refused run leaves no empty --out behind)
 
     if config.data is not None:
         from recurrent_depth.data.corpus import load_corpus

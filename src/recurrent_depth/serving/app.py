@@ -2,7 +2,7 @@
 
 Routes: `GET /health` (no key needed), `GET /v1/models`, `GET /v1/models/{id}`,
 `POST /v1/completions`, `POST /v1/chat/completions` (both with SSE streaming ending in
-`data: [DONE]`), `GET /metrics` (Prometheus text) and, with `--lora-updates-root`, vLLM's
+`data: [DONE]`), `GET /metrics` (Prometheus text), `GET /version` and, with `--lora-updates-root`, vLLM's
 `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter`. This module wires the routes, errors and
 request metrics; the handlers (`handlers.py`) validate the request (`protocol.py`), turn it into
 scheduler jobs (one per prompt and choice), and turn the scheduler's events back into OpenAI JSON
@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from recurrent_depth import __version__
 from recurrent_depth.serving.engine import BatchScheduler
 from recurrent_depth.serving.handlers import MAX_BODY_BYTES, Handlers, ServerSettings  # noqa: F401 (MAX_BODY_BYTES: re-exported)
 from recurrent_depth.serving.metrics import Metrics
@@ -123,7 +124,9 @@ def create_app(scheduler: BatchScheduler, codec: TextCodec, settings: ServerSett
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type=kind)
+        response = _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type=kind)
+        response.headers.update(exc.headers or {})  # a 405's `Allow` (RFC 9110 requires it) tells the client the method
+        return response
 
     @app.exception_handler(Exception)
     async def crash(request: Request, exc: Exception) -> JSONResponse:
@@ -133,6 +136,13 @@ def create_app(scheduler: BatchScheduler, codec: TextCodec, settings: ServerSett
     app.get("/v1/models")(handlers.list_models)
     app.get("/v1/models/{model_id:path}")(handlers.get_model)
     app.get("/metrics")(handlers.prometheus)
+
+    @app.get("/version")
+    async def version(request: Request) -> JSONResponse:
+        """The library's version, as vLLM's `GET /version` gives its own."""
+        handlers.authorize(request)
+        return JSONResponse({"version": __version__})
+
     app.post("/v1/completions")(timed(handlers.metrics, "completions", handlers.completions, closing))
     app.post("/v1/chat/completions")(timed(handlers.metrics, "chat", handlers.chat, closing))
     # runtime LoRA loading (vLLM's routes): a 404 saying how to turn it on unless --lora-updates-root is given

@@ -23,7 +23,17 @@ import torch
 from recurrent_depth.checkpoint import TOKENIZER_FILES, file_digests, read_state_dict
 from recurrent_depth.config import ModelConfig
 from recurrent_depth.files import CONFIG_MAX_BYTES, TOKENIZER_MAX_BYTES, atomic_write_bytes, read_bytes, read_json
-from recurrent_depth.train.checkpointing import TRAINER_STATE, StateView, checkpoints_root, list_checkpoints
+from recurrent_depth.train.checkpointing import (
+    CHECKPOINTS_DIR,
+    TRAINER_STATE,
+    StateView,
+    checkpoints_root,
+    list_checkpoints,
+)
+
+# A training run's own folders: training and --resume write there (model/ is republished whole, step-*
+# under checkpoints/ are set aside and pruned; data/, tokenizer/ and tensorboard/ hold the run's files).
+RUN_FOLDERS = (CHECKPOINTS_DIR, "model", "data", "tokenizer", "tensorboard")
 
 
 def select_checkpoints(paths: Sequence[Path], last: int, dilation: int = 1) -> list[Path]:
@@ -34,6 +44,19 @@ def select_checkpoints(paths: Sequence[Path], last: int, dilation: int = 1) -> l
         raise ValueError(f"dilation={dilation!r} is invalid: expected an integer >= 1")
     picked = list(paths)[::-1][::dilation][:last]
     return picked[::-1]
+
+
+def run_folder_holding(path: str | Path) -> Path | None:
+    """The training checkpoint, or run folder (`RUN_FOLDERS` of a directory holding run.json or checkpoints/),
+    that `path` is or lies inside; None if none."""
+    path = Path(path).resolve()
+    for folder in (path, *path.parents):
+        if (folder / TRAINER_STATE).is_file():
+            return folder
+        run = folder.parent
+        if folder.name in RUN_FOLDERS and ((run / "run.json").is_file() or (run / CHECKPOINTS_DIR).is_dir()):
+            return folder
+    return None
 
 
 def run_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -161,6 +184,10 @@ def average_checkpoints(
     if (out / "run.json").is_file() or (out / "checkpoints").is_dir():  # a run's own directory, not a model's
         raise ValueError(f"out={str(out)!r} is a training run directory; writing the average there would mix a "
                          f"model's files into the run's (and hide its model/): choose a new directory")
+    held = run_folder_holding(out)
+    if held is not None:  # (the average would be replaced, set aside or pruned by the run, or mixed into its files)
+        raise ValueError(f"out={str(out)!r} lies in {str(held)!r}, a training run's own folder or checkpoint: training "
+                         f"and --resume write there; choose a directory outside it (beside the run)")
     if tokenizer_dir is not None and not any((Path(tokenizer_dir) / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"tokenizer_dir={str(tokenizer_dir)!r} holds no tokenizer files "
                          f"({', '.join(TOKENIZER_FILES)})")

@@ -2,7 +2,8 @@
 
 Routes: `GET /health` (no key needed), `GET /v1/models`, `GET /v1/models/{id}`,
 `POST /v1/completions`, `POST /v1/chat/completions` (both with SSE streaming ending in
-`data: [DONE]`), `GET /metrics` (Prometheus text), `GET /version` and, with `--lora-updates-root`, vLLM's
+`data: [DONE]`), vLLM's `POST /tokenize` and `POST /detokenize`, `GET /metrics` (Prometheus text), `GET /version`
+and, with `--lora-updates-root`, vLLM's
 `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter`. This module wires the routes, errors and
 request metrics; the handlers (`handlers.py`) validate the request (`protocol.py`), turn it into
 scheduler jobs (one per prompt and choice), and turn the scheduler's events back into OpenAI JSON
@@ -145,6 +146,8 @@ def create_app(scheduler: BatchScheduler, codec: TextCodec, settings: ServerSett
 
     app.post("/v1/completions")(timed(handlers.metrics, "completions", handlers.completions, closing))
     app.post("/v1/chat/completions")(timed(handlers.metrics, "chat", handlers.chat, closing))
+    app.post("/tokenize")(timed(handlers.metrics, "tokenize", handlers.tokenize, closing))
+    app.post("/detokenize")(timed(handlers.metrics, "detokenize", handlers.detokenize, closing))
     # runtime LoRA loading (vLLM's routes): a 404 saying how to turn it on unless --lora-updates-root is given
     app.post("/v1/load_lora_adapter")(timed(handlers.metrics, "load_lora_adapter", handlers.load_lora_adapter,
                                             closing))

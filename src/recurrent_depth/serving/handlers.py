@@ -37,8 +37,10 @@ from recurrent_depth.serving.protocol import (
     APIError,
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
     Limits,
     Sampling,
+    TokenizeRequest,
     option_error,
     parse_request_body,
     unknown_model,
@@ -186,10 +188,15 @@ class Handlers:
         """The LoRA adapter a request names in `model` (None: the base, also when `model` is left out); a 404 for
         a name not served now (one unloaded since its preparation worker checked it, or any unknown name where
         runtime LoRA loading is on: the workers leave the check to this)."""
-        adapters = self.adapters
-        if sampling.model is not None and sampling.model not in self.names and sampling.model not in adapters:
-            raise unknown_model(sampling.model, self.names | set(adapters))
+        adapters = self.adapters  # (one snapshot: a runtime unload may change the names meanwhile)
+        self.check_model(sampling.model, adapters)
         return sampling.model if sampling.model in adapters else None
+
+    def check_model(self, model: str | None, adapters: tuple[str, ...] | None = None) -> None:
+        """404 for a `model` this server does not serve now (None: the base); `adapters`: the names as read."""
+        adapters = self.adapters if adapters is None else adapters
+        if model is not None and model not in self.names and model not in adapters:
+            raise unknown_model(model, self.names | set(adapters))
 
     def served_name(self, sampling: Sampling) -> str:
         """The `model` of the answer: the adapter's name for an adapter's request, else the base's."""
@@ -440,3 +447,21 @@ class Handlers:
                     "role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
         await self._collect(request, jobs, choices, channel, start)
         return JSONResponse(responses.chat_body(codec, req, head, choices, prompt))
+
+    # ------------------------------------------------------------------ vLLM's tokenizer routes
+    async def tokenize(self, request: Request, start: float) -> JSONResponse:
+        """`POST /tokenize` (vLLM's): the ids a completion of `prompt`, or a chat completion of `messages`, runs on;
+        tokenized in a worker process as those are."""
+        self.authorize(request)
+        req: TokenizeRequest
+        req, (ids,) = await self.prepare(request, "tokenize")
+        self.check_model(req.model)
+        return JSONResponse(responses.tokenize_body(req, ids, self.limits.max_seq_len))
+
+    async def detokenize(self, request: Request, start: float) -> JSONResponse:
+        """`POST /detokenize` (vLLM's): token ids back to text, special tokens kept."""
+        self.authorize(request)
+        req: DetokenizeRequest
+        req, _ = await self.prepare(request, "detokenize")
+        self.check_model(req.model)
+        return JSONResponse({"prompt": req.prompt})

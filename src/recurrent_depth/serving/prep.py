@@ -26,7 +26,16 @@ from typing import Any
 
 from recurrent_depth.inference.options import OptionWarning
 from recurrent_depth.serving.chat_template import RenderedTooLong, TemplateLimit
-from recurrent_depth.serving.protocol import APIError, Limits, parse_chat, parse_completion, parse_request_body
+from recurrent_depth.serving.protocol import (
+    APIError,
+    ChatRequest,
+    Limits,
+    parse_chat,
+    parse_completion,
+    parse_detokenize,
+    parse_request_body,
+    parse_tokenize,
+)
 from recurrent_depth.serving.text import ContextTooLong, TextCodec
 
 log = logging.getLogger("recurrent_depth.serving")
@@ -74,12 +83,7 @@ class Preparer:
             prompts = []
             for p in req.prompts:
                 if isinstance(p, str):
-                    try:
-                        ids = codec.encode(p, add_special_tokens=req.add_special_tokens)
-                    except ContextTooLong as exc:
-                        raise context_error(str(exc), "prompt") from None
-                    except ValueError as exc:
-                        raise APIError(400, str(exc), param="prompt") from None
+                    ids = self.text_ids(p, req.add_special_tokens)
                     if not ids:
                         raise APIError(400, "the prompt encodes to no tokens", param="prompt")
                     prompts.append(ids)
@@ -91,10 +95,39 @@ class Preparer:
             if not req.echo:  # the texts stay here, the ids go back; `echo` returns a text prompt as it was sent
                 req.prompts = []
             return req, prompts
+        if kind == "tokenize":  # vLLM's /tokenize: the ids a completion or chat completion of the same runs on
+            tok = parse_tokenize(body, limits, names)
+            ids = self.text_ids(tok.prompt, tok.add_special_tokens) if tok.chat is None else self.chat_ids(tok.chat)
+            tok.prompt = tok.chat = None  # (only the ids go back)
+            if tok.return_token_strs:  # the vocabulary's pieces, as vLLM's (the tokenizer's convert_ids_to_tokens)
+                tok.token_strs = [codec.tokenizer.id_to_token(t) for t in ids]
+            return tok, [ids]
+        if kind == "detokenize":
+            detok = parse_detokenize(body, limits, names)
+            if not codec.has_tokenizer:
+                raise APIError(400, "this model directory has no tokenizer.json: token ids have no text here",
+                               param="tokens")
+            detok.prompt = codec.decode(detok.tokens, skip_special_tokens=False)  # special tokens kept, as vLLM's
+            return detok, []
         req = parse_chat(body, limits, names, spec.eos_configured)
+        prompt = self.chat_ids(req)
+        req.messages, req.tools, req.template_kwargs = [], None, {}  # (rendered: only the ids go back)
+        return req, [prompt]
+
+    def text_ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        """A text prompt's ids, a codec error as the request's 400 naming `prompt`."""
         try:
-            prompt = codec.encode_chat(req.messages, req.tools, req.add_generation_prompt, req.continue_final_message,
-                                       req.template_kwargs)
+            return self.codec.encode(text, add_special_tokens=add_special_tokens)
+        except ContextTooLong as exc:
+            raise context_error(str(exc), "prompt") from None
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="prompt") from None
+
+    def chat_ids(self, req: ChatRequest) -> list[int]:
+        """A chat request's prompt ids (its messages through the chat template), an error as a 400 naming `messages`."""
+        try:
+            return self.codec.encode_chat(req.messages, req.tools, req.add_generation_prompt,
+                                          req.continue_final_message, req.template_kwargs)
         except (ContextTooLong, RenderedTooLong) as exc:
             raise context_error(str(exc), "messages") from None
         except (TemplateLimit, ValueError) as exc:
@@ -104,8 +137,6 @@ class Preparer:
         except Exception as exc:  # noqa: BLE001 - a template error is the request's problem
             raise APIError(400, f"the chat template failed on these messages: {type(exc).__name__}: {exc}",
                            param="messages") from None
-        req.messages, req.tools, req.template_kwargs = [], None, {}  # (rendered: only the ids go back)
-        return req, [prompt]
 
 
 def context_error(message: str, param: str) -> APIError:

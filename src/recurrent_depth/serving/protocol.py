@@ -646,3 +646,84 @@ def template_tools(body: dict, limits: Limits, route: str) -> list[dict[str, Any
         for text in _strings(tool):
             check_text(text, "tools", where)
     return tools
+
+
+# ---------------------------------------------------------------------------------------- vLLM's tokenizer routes
+TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "return_token_strs",
+                             "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools"})
+
+
+@dataclass
+class TokenizeRequest:
+    """`POST /tokenize` (vLLM's): a text `prompt`, or `messages` rendered as a chat completion renders them."""
+
+    model: str | None
+    prompt: str | None
+    chat: ChatRequest | None  # messages, tools and template fields as /v1/chat/completions takes them
+    add_special_tokens: bool
+    return_token_strs: bool
+    token_strs: list[str] | None = None  # filled by the preparation worker, which has the tokenizer
+
+
+@dataclass
+class DetokenizeRequest:
+    """`POST /detokenize` (vLLM's): token ids back to text."""
+
+    model: str | None
+    tokens: list[int]
+    prompt: str = ""  # the text, filled by the preparation worker
+
+
+def _tokenizer_route_model(body: dict, served_names: set[str] | None, fields: frozenset[str], route: str) -> Any:
+    """`model` checked (404 unless served; `served_names` None: the caller checks it) after the fields: a field
+    the route does not take is a 400 naming it."""
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        from recurrent_depth.files import MESSAGE_NAME_CHARS, clipped
+
+        raise bad(unknown[0][:MESSAGE_NAME_CHARS], f"{clipped(unknown[0])} is not a field of {route}; it takes "
+                                                   f"{sorted(fields)}")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model", f"'model' must be a string, got {_describe(model)}")
+    if model is not None and served_names is not None and model not in served_names:
+        raise unknown_model(model, served_names)
+    return model
+
+
+def parse_tokenize(body: dict, limits: Limits, served_names: set[str] | None) -> TokenizeRequest:
+    model = _tokenizer_route_model(body, served_names, TOKENIZE_FIELDS, "/tokenize")
+    return_strs = get_bool(body, "return_token_strs", False)
+    if ("prompt" in body) == ("messages" in body):
+        raise bad("prompt", "/tokenize takes either 'prompt' (a string) or 'messages' (a chat), not both or neither")
+    if "prompt" in body:
+        prompt = body["prompt"]
+        if not isinstance(prompt, str):
+            raise bad("prompt", f"'prompt' must be a string, got {_describe(prompt)}")
+        check_text(prompt, "prompt", "'prompt'")
+        for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools"):
+            if body.get(name) is not None:
+                raise bad(name, f"'{name}' shapes a chat prompt: send it with 'messages', not 'prompt'")
+        return TokenizeRequest(model, prompt, None, get_bool(body, "add_special_tokens", True), return_strs)
+    if get_bool(body, "add_special_tokens", False):  # the template writes its own (a chat completion adds none)
+        raise bad("add_special_tokens", "'add_special_tokens': true is not supported with 'messages': the chat "
+                                        "template writes the special tokens, as for a chat completion")
+    # the chat completion's own checks, so the ids are those a chat completion of these messages runs on; tools are
+    # shown to the template as a chat completion shows them with tool_choice "none"
+    chat_body = {name: body[name] for name in ("messages", "add_generation_prompt", "continue_final_message",
+                                               "chat_template_kwargs", "tools") if name in body}
+    if chat_body.get("tools") not in (None, []):
+        chat_body["tool_choice"] = "none"
+    chat = parse_chat(chat_body, limits, None, False)
+    return TokenizeRequest(model, None, chat, False, return_strs)
+
+
+def parse_detokenize(body: dict, limits: Limits, served_names: set[str] | None) -> DetokenizeRequest:
+    model = _tokenizer_route_model(body, served_names, frozenset({"model", "tokens"}), "/detokenize")
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise bad("tokens", f"'tokens' must be a list of token ids, got {_describe(tokens)}")
+    outside = [t for t in tokens if not 0 <= t < limits.vocab_size]
+    if outside:
+        raise bad("tokens", f"token id {outside[0]} in 'tokens' is outside the vocabulary [0, {limits.vocab_size})")
+    return DetokenizeRequest(model, tokens)

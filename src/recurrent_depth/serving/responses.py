@@ -10,7 +10,7 @@ from typing import Any
 
 from recurrent_depth.serving.batch import PromptScores
 from recurrent_depth.serving.engine import Done, Event, PromptEvent, TokenOut
-from recurrent_depth.serving.protocol import ChatRequest, CompletionRequest
+from recurrent_depth.serving.protocol import ChatRequest, CompletionRequest, TokenizeRequest
 from recurrent_depth.serving.text import IncrementalDecoder, TextCodec
 
 NEGATIVE_INFINITY_LOGPROB = -9999.0  # what JSON (no -Infinity) shows for a token of probability 0
@@ -257,3 +257,11 @@ def chat_chunks(codec: TextCodec, event: Event, choice: Choice, req: ChatRequest
                                          "finish_reason": event.finish_reason, "stop_reason": event.stop_reason}]})
         return out
     return []
+
+
+def tokenize_body(req: TokenizeRequest, ids: list[int], max_model_len: int) -> dict[str, Any]:
+    """vLLM's /tokenize answer: the ids, their count, the context; the pieces when `return_token_strs`."""
+    body: dict[str, Any] = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
+    if req.return_token_strs:
+        body["token_strs"] = req.token_strs
+    return body

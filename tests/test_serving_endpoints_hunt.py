@@ -63,6 +63,7 @@ def test_metrics_are_valid_prometheus_text(live):
     r = httpx.get(live.url + "/metrics", headers=auth())
     assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
     types: dict[str, str] = {}
+    helped: set[str] = set()
     buckets: dict[str, list[float]] = {}
     for line in r.text.splitlines():
         if line.startswith("# TYPE "):
@@ -72,6 +73,7 @@ def test_metrics_are_valid_prometheus_text(live):
             types[name] = kind
             continue
         if line.startswith("# HELP "):
+            helped.add(line.split(" ")[2])
             continue
         match = SAMPLE.match(line)
         assert match, line
@@ -81,6 +83,7 @@ def test_metrics_are_valid_prometheus_text(live):
         if name.endswith("_bucket"):
             buckets.setdefault(family, []).append(value)
     assert types["rdepth_requests_total"] == "counter" and 'status="200"' in r.text
+    assert set(types) <= helped, set(types) - helped  # every family says what it measures (the gauges did not)
     for family, counts in buckets.items():
         assert counts == sorted(counts), family
         assert f"{family}_count {int(counts[-1])}" in r.text, family

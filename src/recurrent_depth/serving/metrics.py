@@ -9,6 +9,15 @@ from collections.abc import Callable
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
+# What the scheduler's live gauges (`Metrics.gauges`, set by serving/engine.py) measure, for their HELP lines.
+GAUGE_HELP = {
+    "rdepth_lora_adapters": "LoRA adapters served (--lora-modules and runtime loads).",
+    "rdepth_queue_depth": "Requests waiting to start.",
+    "rdepth_running_sequences": "Sequences generating now.",
+    "rdepth_max_batch": "Sequences the continuous batch holds at most (--max-batch).",
+    "rdepth_kv_pool_bytes": "Bytes the batch's KV slot pool holds.",
+}
+
 class Histogram:
     """Cumulative-bucket histogram (Prometheus semantics: le buckets, sum and count)."""
 
@@ -114,7 +123,8 @@ class Metrics:
             for name, kind, text, value in scalars:
                 lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {_fmt(value)}"]
             for name, fn in sorted(self.gauges.items()):
-                lines += [f"# TYPE {name} gauge", f"{name} {_fmt(fn())}"]
+                help_line = [f"# HELP {name} {GAUGE_HELP[name]}"] if name in GAUGE_HELP else []
+                lines += [*help_line, f"# TYPE {name} gauge", f"{name} {_fmt(fn())}"]
             lines += ["# HELP rdepth_request_latency_seconds End-to-end latency of successful requests.",
                       "# TYPE rdepth_request_latency_seconds histogram", *self.latency.lines(
                           "rdepth_request_latency_seconds")]

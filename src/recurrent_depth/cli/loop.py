@@ -183,6 +183,8 @@ def _score(args: argparse.Namespace) -> int:
     for name, low in (("max_tokens", 1), ("seq_len", 2), ("batch_size", 1)):  # (a window needs a target token)
         if getattr(args, name) < low:
             raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {getattr(args, name)}")
+    if getattr(args, "top", 0) < 0:  # (a negative slice silently dropped the worst rows from the table)
+        raise ValueError(f"--top must be an integer >= 0, got {args.top}")
     # before the scoring: an existing file there was mkdir's bare errno once every loop had been scored, and
     # transformers' save_pretrained onto a file only logs and returns (we printed "saved")
     check_out_dir(args.out)

@@ -24,6 +24,7 @@ from the pre-loop state (``stash="first"``, free) or an extra pass from the post
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -177,14 +178,17 @@ class Looper:
         self._active = False  # whether the current forward loops
         self._inside = False  # the loop's own layer calls bypass the hooks
         self._calls: dict[int, tuple[tuple, dict[str, Any]]] = {}
+        # The hooks are partials of bound methods, not closures: `copy.deepcopy(model)` then copies them with
+        # this Looper, so a copy's loop passes run the copy's layers (a closure kept running the original's).
         for group in self.groups:
             for i in group:
-                self._handles.append(self.layers[i].register_forward_pre_hook(self._before_layer(i), with_kwargs=True))
+                self._handles.append(
+                    self.layers[i].register_forward_pre_hook(functools.partial(self._before_layer, i), with_kwargs=True)
+                )
             last = group[-1]
             # prepended: later hooks (transformers' output recording) see the combined state
-            self._handles.append(
-                self.layers[last].register_forward_hook(self._after_window(group), with_kwargs=True, prepend=True)
-            )
+            self._handles.append(self.layers[last].register_forward_hook(
+                functools.partial(self._after_window, group), with_kwargs=True, prepend=True))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -211,43 +215,39 @@ class Looper:
         """Whether the stash pass comes after the loop (so the model's own window call must not write)."""
         return self.cfg.stash == "last" and self._past is not None
 
-    def _before_layer(self, index: int):
-        def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]):
-            if self._inside:
-                return None
-            if index == self.cfg.start:
-                self._start_forward(args, kwargs)
-            if not self._active:
-                return None
-            where = f"decoder layer {index} ({type(module).__name__})"
-            hidden_of(args, kwargs, where)
-            self._calls[index] = (args, kwargs)
-            if self._writes_later():
-                return _swap_cache(args, kwargs, self._peek)
+    def _before_layer(self, index: int, module: nn.Module, args: tuple, kwargs: dict[str, Any]):
+        if self._inside:
             return None
-        return hook
+        if index == self.cfg.start:
+            self._start_forward(args, kwargs)
+        if not self._active:
+            return None
+        where = f"decoder layer {index} ({type(module).__name__})"
+        hidden_of(args, kwargs, where)
+        self._calls[index] = (args, kwargs)
+        if self._writes_later():
+            return _swap_cache(args, kwargs, self._peek)
+        return None
 
     def _peek(self, cache: Cache) -> _PeekCache:
         return _PeekCache(cache, self._past or 0)
 
-    def _after_window(self, group: list[int]):
-        def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any):
-            if self._inside or not self._active:
-                return None
-            where = f"decoder layer {group[-1]} ({type(module).__name__})"
-            x0 = hidden_of(*self._calls[group[0]], where)
-            first = output_hidden(output, where)
-            self._inside = True
-            try:
-                with _not_recorded():
-                    out = combine(self.cfg.rule, self.cfg.iterations, self.cfg.beta, x0,
-                                  lambda x: self._window(group, x, write=False), first=first)
-                    if self._writes_later():
-                        self._window(group, out, write=True)
-            finally:
-                self._inside = False
-            return with_output_hidden(output, out)
-        return hook
+    def _after_window(self, group: list[int], module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any):
+        if self._inside or not self._active:
+            return None
+        where = f"decoder layer {group[-1]} ({type(module).__name__})"
+        x0 = hidden_of(*self._calls[group[0]], where)
+        first = output_hidden(output, where)
+        self._inside = True
+        try:
+            with _not_recorded():
+                out = combine(self.cfg.rule, self.cfg.iterations, self.cfg.beta, x0,
+                              lambda x: self._window(group, x, write=False), first=first)
+                if self._writes_later():
+                    self._window(group, out, write=True)
+        finally:
+            self._inside = False
+        return with_output_hidden(output, out)
 
     def _window(self, group: list[int], x: torch.Tensor, *, write: bool) -> torch.Tensor:
         """One pass of the window's layers with the model's own arguments; the cache is written only if `write`."""
@@ -264,10 +264,12 @@ def apply_loop(model: nn.Module, cfg: LoopConfig | dict[str, Any]) -> Looper:
     """Loop `model`'s window in place (replacing any loop applied before) and record it in `model.config.loop`."""
     if isinstance(cfg, dict):
         cfg = LoopConfig.from_dict(cfg)
+    if not isinstance(cfg, LoopConfig):
+        raise ValueError(f"apply_loop needs a LoopConfig or a dict of its fields, got {type(cfg).__name__}")
+    looper = Looper(model, cfg)  # (first: a window that does not fit leaves the loop applied before in place)
     previous = getattr(model, "_looper", None)
     if previous is not None:
         previous.remove()
-    looper = Looper(model, cfg)
     model._looper = looper
     setattr(model.config, CONFIG_KEY, cfg.to_dict())
     return looper

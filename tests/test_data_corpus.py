@@ -254,3 +254,13 @@ def test_a_file_larger_than_a_part_is_read_as_parts_cut_at_newlines(tmp_path: Pa
     assert "".join(d.text for d in parts) == "".join(lines)
     assert all(d.text.endswith("\n") and len(d.text) <= 100 for d in parts)
     assert corpus.num_skipped == 1
+
+
+def test_a_plain_text_file_as_data_says_to_pass_its_directory(tmp_path: Path) -> None:
+    """The message listed "a directory" without saying directories of text files are read, and a single
+    corpus.txt got no hint of what to pass instead."""
+    text = tmp_path / "corpus.txt"
+    text.write_text("def f():\n    return 1\n")
+    with pytest.raises(ValueError, match=r"a directory \(of text files, .*pass the directory holding it\)$"):
+        load_corpus(str(text))
+    assert [d.text for d in load_corpus(str(tmp_path))] == ["def f():\n    return 1\n"]

@@ -849,7 +849,8 @@ def load_corpus(
     if isinstance(spec, Corpus):
         return spec
     text = str(spec)
-    expected = "expected 'stdlib', a directory, or a .jsonl or .parquet file"
+    expected = ("expected 'stdlib', a directory (of text files, of .parquet files, or a dataset saved with "
+                "save_to_disk), or a .jsonl or .parquet file")
     if text == "stdlib":
         _check_no_text_field(text_field, text)
         return StdlibCorpus()
@@ -869,7 +870,8 @@ def load_corpus(
     if path.is_file() and suffix == ".parquet":
         return ParquetCorpus(path, text_field=text_field)
     if path.is_file():
-        raise ValueError(f"data: {text!r} is a file but not .jsonl or .parquet; {expected}")
+        raise ValueError(f"data: {text!r} is a file but not .jsonl or .parquet; {expected} (a text file is read "
+                         "from a directory of them: pass the directory holding it)")
     if path.exists():  # a FIFO, a socket, a device: never opened (a FIFO would block the read)
         raise ValueError(f"data: {text!r} is not a regular file or a directory; {expected}")
     raise ValueError(f"data: {text!r} does not exist; {expected}")

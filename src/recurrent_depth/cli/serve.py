@@ -39,8 +39,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind; use 0.0.0.0 only behind a firewall (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model id clients send (default: the model directory's name)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model id clients send, or several (as vLLM's): a request may give any of them as its "
+                        "model, /v1/models lists each, and answers report the first; a --lora-modules or runtime "
+                        "adapter may not take one of them (default: the model directory's name)")
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=ADAPTER_DIR",
                    help="serve peft LoRA adapters of --model beside it, as vLLM's --lora-modules: a request whose "
                         "'model' is NAME runs with that adapter (unmerged), one naming --served-model-name with "

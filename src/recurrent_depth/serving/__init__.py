@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from recurrent_depth.inference.quant_cache import KVQuant
 from recurrent_depth.serving.app import MAX_BODY_BYTES, ServerSettings, create_app
 from recurrent_depth.serving.batch import BatchDecoder, RowRequest, TokenResult
 from recurrent_depth.serving.engine import BatchScheduler, Engine
+from recurrent_depth.serving.handlers import served_model_names
 from recurrent_depth.serving.metrics import Metrics
 from recurrent_depth.serving.protocol import (
     APIError,
@@ -70,7 +71,7 @@ def default_max_num_steps(mean_recurrence: int, max_depth: int | None = None) ->
 def build_app(
     model: Any,
     *,
-    model_name: str | None = None,
+    model_name: str | Sequence[str] | None = None,
     tokenizer_dir: str | Path | None = None,
     api_key: str | None = None,
     max_batch: int = 32,
@@ -102,6 +103,9 @@ def build_app(
 ) -> Any:
     """A ready FastAPI app for a model directory (or a loaded `RecurrentDepthLM` plus `tokenizer_dir`).
 
+    `model_name`: the base's served name, or several (as vLLM's --served-model-name): a request may give any as its
+    `model`, /v1/models lists each, and answers report the first (default: the model directory's name, else
+    "recurrent-depth").
     `num_steps` is the depth of requests that do not set one (None: the model's mean_recurrence);
     `tokenizer_dir` (a directory or a tokenizer.json; default: the model directory's, where a directory
     without one is served for token ids only) must be a tokenizer when it is given.
@@ -123,7 +127,7 @@ def build_app(
     `weights` ("int8", "int4", "int4:g<group>"; None: as loaded) quantizes the model's linear layers
     (`recurrent_depth.weight_quant`), a loaded model's in place.
     `lora_modules` ({name: adapter directory}) serves LoRA adapters of the model, unmerged, beside it: a
-    request whose `model` is one of the names runs with that adapter, one naming `model_name` with none
+    request whose `model` is one of the names runs with that adapter, one naming a `model_name` with none
     (`serving/adapters.py`; the requests of one adapter run at a time). A loaded model gets the adapters in place.
     `strict_lora_base`: refuse an adapter trained on other weights instead of warning (`train.lora.load_lora`).
     `lora_updates_root` (None: off) turns on runtime LoRA loading (vLLM's `POST /v1/load_lora_adapter` and
@@ -157,11 +161,18 @@ def build_app(
     if lora_modules is not None and weights is not None:  # (as `--lora`: peft adds adapters to float layers only)
         raise ValueError(f"lora_modules cannot go on weights={weights!r} layers (an unmerged adapter needs the float "
                          "weights): merge an adapter first (rdepth export --merge-lora) and serve it as its own model")
+    names = served_model_names(model_name, Path(model).resolve().name if isinstance(model, str | Path)
+                               else "recurrent-depth")
     if lora_modules is not None:  # bad names fail before the model loads
         from recurrent_depth.serving.adapters import check_adapter_name
 
         for name in lora_modules:
             check_adapter_name(name, "lora_modules")
+        clash = [name for name in names if name in lora_modules]
+        if clash:
+            raise ValueError(f"lora_modules (--lora-modules) names an adapter {clash[0]!r}, the base model's served "
+                             "name: a request could not choose between them; rename the adapter (or "
+                             "--served-model-name)")
     if kv_quant is not None:  # a bad spec fails before the model loads
         KVQuant.parse(kv_quant)
     tokenizer_named = tokenizer_dir is not None  # a tokenizer the caller named must be one (not token ids only)
@@ -174,20 +185,14 @@ def build_app(
         if not directory.is_dir():
             raise ValueError(f"--model {str(model)!r} is not a directory (expected a saved model directory)")
         tokenizer_dir = tokenizer_dir if tokenizer_dir is not None else directory
-        model_name = model_name or directory.resolve().name
         model = RecurrentDepthLM.from_pretrained(directory, dtype=dtype, device=device, weights=weights)
     elif weights is not None:  # a model already holding these weights is kept; other ones are refused
         quantize_weights(model, weights)
-    model_name = model_name or "recurrent-depth"
     adapters = None
     if lora_modules is not None or lora_updates_root is not None:
         from recurrent_depth.serving.adapters import DEFAULT_MAX_LORA_MODULES, ServedAdapters
 
         lora_modules = lora_modules or {}
-        if model_name in lora_modules:
-            raise ValueError(f"lora_modules (--lora-modules) names an adapter {model_name!r}, the base model's served "
-                             "name: a request could not choose between them; rename the adapter (or "
-                             "--served-model-name)")
         adapters = ServedAdapters(model, lora_modules, strict_base=strict_lora_base,
                                   model_dir=Path(source) if isinstance(source, str | Path) else None,
                                   updates_root=lora_updates_root,
@@ -240,7 +245,7 @@ def build_app(
     if codec.has_tokenizer and codec.chat is None:
         print(f"rdepth serve: chat is off: {codec.chat_error}", file=sys.stderr)
     settings = ServerSettings(
-        model_name=model_name, api_key=api_key.strip() if api_key is not None else None,
+        model_name=names[0], aliases=names[1:], api_key=api_key.strip() if api_key is not None else None,
         request_timeout=request_timeout, limits=limits, max_body_bytes=max_body_bytes, max_body_total=max_body_total,
         read_timeout=read_timeout,
         stall_timeout=stall_timeout, allowed_hosts=tuple(allowed_hosts) if allowed_hosts is not None else None,

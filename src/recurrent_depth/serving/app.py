@@ -164,6 +164,7 @@ def banner(scheduler: BatchScheduler, settings: ServerSettings, limits: Limits, 
     kv = f", KV cache {scheduler.kv_quant.name}" if scheduler.kv_quant is not None else ""
     names = scheduler.adapter_names
     loras = f" with LoRA adapters {', '.join(map(repr, names))}" if names else ""
-    return (f"rdepth serve: model {settings.model_name!r}{loras} ({params / 1e6:.2f}M parameters, context "
+    aliases = f" (also as {', '.join(map(repr, settings.aliases))})" if settings.aliases else ""
+    return (f"rdepth serve: model {settings.model_name!r}{aliases}{loras} ({params / 1e6:.2f}M parameters, context "
             f"{limits.max_seq_len}), default depth {depth}, max depth {limits.max_num_steps}{kv}, {key}; "
             f"OpenAI API at {url}/v1")

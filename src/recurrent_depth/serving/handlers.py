@@ -9,6 +9,7 @@ import hmac
 import secrets
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -59,11 +60,11 @@ BODY_TOTAL_FACTOR = 4  # all bodies held at once, by default: 4 x the per-reques
 class ServerSettings:
     """What `create_app` (serving/app.py) needs besides the scheduler and the tokenizer."""
 
-    model_name: str
+    model_name: str  # the base's first served name: the `model` of its answers, the `root` of every card
     api_key: str | None = None
     request_timeout: float = 600.0
     limits: Limits | None = None
-    aliases: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()  # the base's other served names (--served-model-name's after the first)
     created: int = field(default_factory=lambda: int(time.time()))
     max_body_bytes: int = MAX_BODY_BYTES
     max_body_total: int | None = None  # bytes of all bodies being read or prepared at once (None: 4 x max_body_bytes)
@@ -77,6 +78,27 @@ class ServerSettings:
     ttt_max_copy_bytes: int = DEFAULT_TTT_MAX_COPY_MB << 20  # a TTT-E2E request's weight copy (--ttt-max-copy-mb)
 
 
+def served_model_names(given: str | Sequence[str] | None, default: str) -> tuple[str, ...]:
+    """The base's served names (`build_app`'s model_name, `rdepth serve --served-model-name`): one name or several,
+    the first answering for all (as vLLM's); None or "" gives `default`. A one-line ValueError for a name that is
+    not a non-blank string, an empty list, or a name given twice."""
+    from recurrent_depth.files import clipped
+
+    if given is None or given == "":
+        return (default,)
+    what = "model_name (--served-model-name)"
+    names = tuple(given) if isinstance(given, list | tuple) else (given,)  # (anything else: refused below)
+    if not names:
+        raise ValueError(f"{what} is an empty list: give at least one served name, or None for the default")
+    for name in names:
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"{what} {clipped(name)} is invalid: expected a non-blank string")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"{what} names {repeated} more than once: give each served name once")
+    return names
+
+
 class Handlers:
     """What the routes share (scheduler, tokenizer, settings, preparation workers, open requests) and
     the routes themselves. Generation handlers take `(request, start)`: `start` is the request's arrival."""
@@ -88,7 +110,8 @@ class Handlers:
                                            gate_threshold=cfg.exit_gate_threshold)
         # s_0's scale is the served model's (Parcae's 1/sqrt(h), 0 for a zero-init model), whoever built the limits
         self.limits = replace(limits, init_scale=cfg.init_scale)
-        self.names = {settings.model_name, *settings.aliases}  # the base's names (no adapter)
+        self.base_names = (settings.model_name, *settings.aliases)  # the base's names (no adapter), in order
+        self.names = set(self.base_names)
         self.metrics = scheduler.metrics
         eos_configured = cfg.eos_token_id is not None
         self.base_stops = set(codec.eos_ids) | set(eos_ids(cfg.eos_token_id, "eos_token_id", cfg.vocab_size))
@@ -165,24 +188,25 @@ class Handlers:
             body["error"] = scheduler.failure
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
-    def model_card(self, adapter: str | None = None) -> dict[str, Any]:
-        """The base's card, or with `adapter` a served LoRA adapter's: `parent` names the base it runs on (as
-        vLLM's); `root` is the base's name (vLLM gives a path there: this server publishes none of its paths)."""
+    def model_card(self, name: str) -> dict[str, Any]:
+        """The card of a served name: one of the base's (each its own card, as vLLM's), or a served LoRA adapter's,
+        whose `parent` names the base it runs on (as vLLM's); `root` is the base's first name (vLLM gives a path
+        there: this server publishes none of its paths)."""
         base = self.settings.model_name
-        return {"id": adapter or base, "object": "model", "created": self.settings.created,
-                "owned_by": "recurrent-depth", "root": base, "parent": base if adapter else None,
+        return {"id": name, "object": "model", "created": self.settings.created,
+                "owned_by": "recurrent-depth", "root": base, "parent": None if name in self.names else base,
                 "max_model_len": self.limits.max_seq_len}
 
     async def list_models(self, request: Request) -> JSONResponse:
         self.authorize(request)
-        cards = [self.model_card()] + [self.model_card(name) for name in self.adapters]
+        cards = [self.model_card(name) for name in (*self.base_names, *self.adapters)]
         return JSONResponse({"object": "list", "data": cards})
 
     async def get_model(self, model_id: str, request: Request) -> JSONResponse:
         self.authorize(request)
         if model_id not in self.names and model_id not in self.adapters:
             raise unknown_model(model_id, self.names | set(self.adapters))
-        return JSONResponse(self.model_card(model_id if model_id in self.adapters else None))
+        return JSONResponse(self.model_card(model_id))
 
     def adapter_of(self, sampling: Sampling) -> str | None:
         """The LoRA adapter a request names in `model` (None: the base, also when `model` is left out); a 404 for
@@ -199,7 +223,8 @@ class Handlers:
             raise unknown_model(model, self.names | set(adapters))
 
     def served_name(self, sampling: Sampling) -> str:
-        """The `model` of the answer: the adapter's name for an adapter's request, else the base's."""
+        """The `model` of the answer: the adapter's name for an adapter's request, else the base's first name (as
+        vLLM's, whichever of the base's names the request gave)."""
         return self.adapter_of(sampling) or self.settings.model_name
 
     async def prometheus(self, request: Request) -> PlainTextResponse:

@@ -264,3 +264,18 @@ def test_a_plain_text_file_as_data_says_to_pass_its_directory(tmp_path: Path) ->
     with pytest.raises(ValueError, match=r"a directory \(of text files, .*pass the directory holding it\)$"):
         load_corpus(str(text))
     assert [d.text for d in load_corpus(str(tmp_path))] == ["def f():\n    return 1\n"]
+
+
+def test_a_training_run_refused_for_its_data_leaves_no_out_directory(tmp_path: Path) -> None:
+    """The refusal came after --out was made and locked: an empty directory holding .rdepth.lock stayed behind. A
+    directory the user made is kept, whatever it holds."""
+    from recurrent_depth.cli import main
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("def f():\n    return 1\n")
+    argv = ["train", "--preset", "tiny", "--data", str(text), "--max-steps", "1", "--threads", "1"]
+    assert main([*argv, "--out", str(tmp_path / "new")]) == 2
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "mine").mkdir()
+    assert main([*argv, "--out", str(tmp_path / "mine")]) == 2
+    assert (tmp_path / "mine").is_dir()

@@ -26,6 +26,7 @@ JSON-lines logs and tensorboard are `train/run_record.py`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import signal
@@ -44,7 +45,7 @@ from recurrent_depth.accel.allocator import keep_freed_memory
 from recurrent_depth.accel.cpu import slow_bf16_warnings
 from recurrent_depth.config import ModelConfig
 from recurrent_depth.data.tokenizer import eos_token_ids
-from recurrent_depth.files import check_out_dir, lock_directory
+from recurrent_depth.files import DIR_LOCK_FILE, check_out_dir, lock_directory
 from recurrent_depth.model.mixers.dsa import pop_indexer_loss
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 from recurrent_depth.train import checkpointing as ckpt
@@ -252,6 +253,7 @@ class Trainer:
         self.save_seconds = 0.0  # the longest checkpoint write of this session
         self.previous_finish: dict[str, Any] | None = None  # how an earlier session of this run ended
         self._out_lock: Any = None  # rank 0's flock on `out` (files.lock_directory), held while set up or running
+        self._made_out = False  # whether this run created `out` (`_open_out_dir`)
         try:
             self._setup(corpus, model, data, tokenizer_dir, depth, evaluate)
             if cfg.teacher is not None and (cfg.distill_alpha > 0 or cfg.distill_cache_only):
@@ -262,8 +264,20 @@ class Trainer:
             elif cfg.teacher is not None:
                 find_teacher_dir(cfg.teacher)  # alpha = 0: plain training, but a wrong path is still an error
         except BaseException:
+            self._discard_new_out()
             self._unlock_out()
             raise
+
+    def _discard_new_out(self) -> None:
+        """A run refused while it sets up (a bad --data, ...) leaves no `out` behind that it created and that holds
+        nothing but its lock file (removed while the lock is held: no other run can be holding it)."""
+        env = getattr(self, "env", None)
+        if not self._made_out or self.out is None or (env is not None and not env.is_main):
+            return
+        with contextlib.suppress(OSError):
+            if {p.name for p in self.out.iterdir()} <= {DIR_LOCK_FILE}:
+                (self.out / DIR_LOCK_FILE).unlink(missing_ok=True)
+                self.out.rmdir()
 
     # ------------------------------------------------------------------ setup
     def log(self, message: str) -> None:
@@ -335,6 +349,7 @@ class Trainer:
         to resume from (refusing to mix a new run into an old one, or to resume with another config, LoRA
         `adapter` (`lora.adapter_settings`), given `model` or starting model directory)."""
         cfg = self.cfg
+        self._made_out = not self.out.exists()
         self.out.mkdir(parents=True, exist_ok=True)
         self._lock_out()
         root = ckpt.checkpoints_root(self.out)

@@ -36,6 +36,8 @@ def _choice_list(allowed: tuple[str, ...]):
 
 
 def _window_list(text: str) -> list[tuple[int, int]]:
+    from recurrent_depth.looping.config import check_window
+
     out = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
         a, sep, b = part.partition("-")
@@ -43,6 +45,10 @@ def _window_list(text: str) -> list[tuple[int, int]]:
             window = (int(a), int(b) if sep else int(a))
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected windows like 2-3,4 (first-last layer), got {text!r}") from None
+        try:  # (at parsing, before the model loads; argparse names --windows)
+            check_window(*window, f"window {part!r}")
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
         out.append(window)
     if not out:
         raise argparse.ArgumentTypeError("expected at least one window")
@@ -193,15 +199,15 @@ def _score(args: argparse.Namespace) -> int:
     model, tokenizer = _load(args)
     check_seq_len(model.config, args.seq_len, "--seq-len")
     stored = getattr(model.config, CONFIG_KEY, None)
+    stored_cfg = None if stored is None else LoopConfig.from_dict(stored)
     num_layers = len(find_decoder_layers(model)[1])
     if args.action == "search":
         windows = candidate_windows(num_layers, args.widths)
         iterations = args.iterations
     else:
         if args.windows is None:
-            if stored is None:
+            if stored_cfg is None:
                 raise ValueError("--windows is needed: the model's config.json holds no loop")
-            stored_cfg = LoopConfig.from_dict(stored)
             args.windows = [(stored_cfg.start, stored_cfg.end)]
             # the stored loop, not a damped block loop over its window (unless the options say otherwise)
             args.rules = args.rules or [stored_cfg.rule]
@@ -213,7 +219,9 @@ def _score(args: argparse.Namespace) -> int:
         LoopConfig(a, b).check_depth(num_layers)
     rules, modes = args.rules or ["damped"], args.modes or ["block"]
     beta = 0.5 if args.beta is None else args.beta
-    configs: list[Any] = [None, *loop_grid(windows, iterations, rules, modes, beta=beta)]
+    # no flag varies the decode-time settings: keep the source's stored ones (a saved loop went back to the defaults)
+    kept = {} if stored_cfg is None else {"stash": stored_cfg.stash, "when": stored_cfg.when}
+    configs: list[Any] = [None, *loop_grid(windows, iterations, rules, modes, beta=beta, **kept)]
     if args.action == "search" and len(configs) == 1:
         raise ValueError(f"--iterations {','.join(map(str, iterations))} gives nothing to search: K = 1 is the "
                          f"base model, give at least one K >= 2")

@@ -56,8 +56,7 @@ class LoopConfig:
         for name in ("start", "end", "iterations"):
             if not is_int(getattr(self, name)):
                 raise ValueError(f"LoopConfig.{name} must be an integer, got {getattr(self, name)!r}")
-        if self.start < 0 or self.end < self.start:
-            raise ValueError(f"LoopConfig window must satisfy 0 <= start <= end, got start={self.start} end={self.end}")
+        check_window(self.start, self.end, "LoopConfig window")
         if not 1 <= self.iterations <= MAX_ITERATIONS:
             raise ValueError(f"LoopConfig.iterations must be in [1, {MAX_ITERATIONS}], got {self.iterations}")
         for name, allowed in (("mode", MODES), ("rule", RULES), ("stash", STASH_POLICIES), ("when", WHEN)):
@@ -103,6 +102,12 @@ class LoopConfig:
         """Short human-readable name, e.g. ``[2,3] block damped K=3``."""
         rule = f"rk β={self.beta:g}" if self.rule == "rk" else self.rule
         return f"[{self.start},{self.end}] {self.mode} {rule} K={self.iterations}"
+
+
+def check_window(start: int, end: int, what: str) -> None:
+    """The window rule, in one place: `LoopConfig` and `rdepth loop eval --windows` name `what` in the error."""
+    if start < 0 or end < start:
+        raise ValueError(f"{what} must satisfy 0 <= start <= end, got start={start} end={end}")
 
 
 def check_loopable_dir(path: str | Path) -> None:

@@ -159,12 +159,17 @@ def candidate_windows(num_layers: int, widths: Sequence[int]) -> list[tuple[int,
 
 
 def loop_grid(windows: Sequence[tuple[int, int]], iterations: Sequence[int], rules: Sequence[str],
-              modes: Sequence[str] = ("block",), beta: float = 0.5) -> list[LoopConfig]:
-    """Every (window, K, rule, mode); K = 1 is the base model and is left out."""
+              modes: Sequence[str] = ("block",), beta: float = 0.5, stash: str = "first", when: str = "prefill"
+              ) -> list[LoopConfig]:
+    """Every (window, K, rule, mode); K = 1 is the base model and is left out.
+
+    `stash` and `when` only matter for cached forwards (scoring runs without a cache), so they are carried
+    as given: a saved loop keeps them.
+    """
     out = []
     for (a, b), k, rule, mode in itertools.product(windows, iterations, rules, modes):
         if k < 1:
             raise ValueError(f"iterations must be >= 1, got {k}")
         if k > 1 and not (mode == "layer" and a == b and "block" in modes):  # one layer: the modes agree
-            out.append(LoopConfig(a, b, iterations=k, rule=rule, mode=mode, beta=beta))
+            out.append(LoopConfig(a, b, iterations=k, rule=rule, mode=mode, beta=beta, stash=stash, when=when))
     return out

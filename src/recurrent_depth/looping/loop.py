@@ -177,6 +177,7 @@ class Looper:
         self._past: int | None = None  # cached tokens before the current forward; None: no cache
         self._active = False  # whether the current forward loops
         self._inside = False  # the loop's own layer calls bypass the hooks
+        # the model's arguments to each window layer (hidden states, cache), held only while that window runs
         self._calls: dict[int, tuple[tuple, dict[str, Any]]] = {}
         # The hooks are partials of bound methods, not closures: `copy.deepcopy(model)` then copies them with
         # this Looper, so a copy's loop passes run the copy's layers (a closure kept running the original's).
@@ -236,10 +237,10 @@ class Looper:
         if self._inside or not self._active:
             return None
         where = f"decoder layer {group[-1]} ({type(module).__name__})"
-        x0 = hidden_of(*self._calls[group[0]], where)
-        first = output_hidden(output, where)
-        self._inside = True
         try:
+            x0 = hidden_of(*self._calls[group[0]], where)
+            first = output_hidden(output, where)
+            self._inside = True
             with _not_recorded():
                 out = combine(self.cfg.rule, self.cfg.iterations, self.cfg.beta, x0,
                               lambda x: self._window(group, x, write=False), first=first)
@@ -247,6 +248,10 @@ class Looper:
                     self._window(group, out, write=True)
         finally:
             self._inside = False
+            # released as the window ends: kept until the next forward, they held the last forward's
+            # activations and its KV cache alive (after `generate`, until the model ran again)
+            for i in group:
+                self._calls.pop(i, None)
         return with_output_hidden(output, out)
 
     def _window(self, group: list[int], x: torch.Tensor, *, write: bool) -> torch.Tensor:

@@ -1,24 +1,18 @@
 """`rdepth average --out` inside a training run's own folders is refused in one line."""
 
 import pytest
-import torch
 
 import recurrent_depth as rd
 from recurrent_depth.cli import main
+from tests.test_average import _save_models
 
 
 def _run_with_checkpoints(run, count=2):
     """A run directory as `rdepth train` leaves it: run.json, model/ and complete step-* checkpoints."""
     run.mkdir()
     (run / "run.json").write_text('{"config": {}}')
-    for i in range(count):
-        torch.manual_seed(i)
-        model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny"))
-        path = run / "checkpoints" / f"step-{(i + 1) * 10:08d}"
-        model.save_pretrained(path)
-        for name in ("optimizer.safetensors", "optimizer.json", "trainer_state.json"):
-            (path / name).write_text("{}")
-    model.save_pretrained(run / "model")
+    paths, _ = _save_models(run, count)
+    rd.RecurrentDepthLM.from_pretrained(paths[-1]).save_pretrained(run / "model")
 
 
 @pytest.mark.parametrize(

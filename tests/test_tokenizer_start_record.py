@@ -11,18 +11,14 @@ from recurrent_depth.train import checkpointing as ckpt
 from recurrent_depth.train.trainer import Trainer
 from recurrent_depth.train.trainer_checkpoints import check_same_start
 from tests.test_init_from import _swap_two_token_ids
-from tests.train_support import OneThread, prepare_root, tiny_train_config
+from tests.train_support import prepare_root, tiny_train_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def train_root(tmp_path_factory):
     return prepare_root(tmp_path_factory.mktemp("tokenizer_start_root"))
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    with OneThread():
-        yield
 
 
 def replace_at_step_one(tokenizer_json):

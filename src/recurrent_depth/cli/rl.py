@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
                   backprop_depth=args.backprop_depth, generation=generation)
     lora = lora_spec_from_args(args)
     # (no --lr: the rate of the fine-tuning preset of a run from a model directory, for every weight or an adapter)
-    lr = args.lr if args.lr is not None else OPTIM_PRESETS[default_optim_preset(args.init_from, lora is not None)].lr
+    lr = args.lr if args.lr is not None else OPTIM_PRESETS[default_optim_preset(True, lora is not None)].lr
     train = TrainConfig(out=args.out, max_steps=args.updates, batch_size=args.prompts_per_step, seed=seed,
                         optim=OptimConfig(name=args.optimizer, lr=lr), save_every=args.save_every,
                         resume=args.resume, progress=False, tensorboard=False)

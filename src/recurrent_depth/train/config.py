@@ -361,7 +361,7 @@ class TrainConfig:
         presets, so such runs resume); naming neither, on `default_optim_preset` (remembered: see `replace`)."""
         named = "preset" in given or "lr" in given
         self.optim = optim_from_dict(given, DEFAULT_OPTIM_PRESET if named else
-                                     default_optim_preset(self.init_from, lora))
+                                     default_optim_preset(self.init_from is not None, lora))
         self._optim_default = None if named else (dict(given), lora)
 
     @property
@@ -370,7 +370,7 @@ class TrainConfig:
         rate (`default_optim_preset`); None when it named one, or gave an OptimConfig."""
         if self._optim_default is None:
             return None
-        return default_optim_preset(self.init_from, lora=self._optim_default[1])
+        return default_optim_preset(self.init_from is not None, lora=self._optim_default[1])
 
     def with_optim_for(self, *, lora: bool | None, resumed: OptimConfig | None = None) -> TrainConfig:
         """This config for a run that trains a LoRA adapter (`lora`) or every weight (None: as chosen so far, every
@@ -387,6 +387,13 @@ class TrainConfig:
         new = self.replace()
         new._choose_optim(given, lora)
         return new
+
+    def with_optim_preset(self, preset: str) -> TrainConfig:
+        """This config with an optimizer chosen for the run (`optim_default`) built on `preset` instead, with the
+        optim settings the run names on top (named from here on); one the run named stays."""
+        if self._optim_default is None:
+            return self
+        return self.replace(optim=optim_from_dict(self._optim_default[0], preset))
 
     # ------------------------------------------------------------------ derived values
     def model_config(self, vocab_size: int | None = None, **token_ids: int | None) -> ModelConfig:
@@ -478,11 +485,11 @@ class TrainConfig:
         return new
 
 
-def default_optim_preset(init_from: str | None, lora: bool = False) -> str:
+def default_optim_preset(from_model: bool, lora: bool = False) -> str:
     """The optimizer preset of a run that names no preset and no learning rate: "demo" (tuned for tiny models
-    trained from scratch) for a run from scratch, "finetune" for one from a model directory, "finetune-lora" for
-    a LoRA adapter on one."""
-    if init_from is None:
+    trained from scratch) for a run from scratch, "finetune" for one from a trained model (a model directory, or
+    the model `rdepth rl` hands over), "finetune-lora" for a LoRA adapter on one."""
+    if not from_model:
         return DEFAULT_OPTIM_PRESET
     return FINETUNE_LORA_OPTIM_PRESET if lora else FINETUNE_OPTIM_PRESET
 

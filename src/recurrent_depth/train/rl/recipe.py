@@ -24,7 +24,7 @@ from typing import Any
 
 from recurrent_depth.evaluation.reasoning.data import ProblemEncoder
 from recurrent_depth.evaluation.reasoning.tasks import get_task
-from recurrent_depth.train.config import TrainConfig
+from recurrent_depth.train.config import TrainConfig, default_optim_preset
 from recurrent_depth.train.rl.losses import GRPO, K2, LEVELS, check_variants
 from recurrent_depth.train.rl.rewards import ShapedReward, get_reward
 from recurrent_depth.train.rl.rollouts import ListPrompts, RolloutSettings, RolloutSource, TaskPrompts
@@ -164,8 +164,8 @@ def start_model_optim(train: TrainConfig, lora: bool) -> tuple[TrainConfig, str 
     Returns the config and the preset chosen (None: the config named its optimizer)."""
     if train.optim_default is None or train.init_from is not None:
         return train, None
-    chosen = train.replace(init_from="start model").with_optim_for(lora=lora)  # (only to choose the preset)
-    return chosen.replace(init_from=None, optim=chosen.optim), chosen.optim_default
+    preset = default_optim_preset(from_model=True, lora=lora)
+    return train.with_optim_preset(preset), preset
 
 
 def run_rl(model: Any, rl: RLConfig, train: TrainConfig, **kwargs: Any) -> Any:

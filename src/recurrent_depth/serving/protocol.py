@@ -295,14 +295,21 @@ def stop_strings(value: Any, limits: Limits) -> list[str]:
     return stop
 
 
-def parse_sampling(body: dict, limits: Limits, served_names: set[str] | None, eos_configured: bool) -> Sampling:
-    """The fields both routes share, checked; `served_names` None leaves the check of `model`'s value to the
-    caller (the server's handlers: runtime LoRA loading changes the names while preparation workers run)."""
+def requested_model(body: dict, served_names: set[str] | None) -> str | None:
+    """A request's `model` (None when left out), checked: a string, and one this server serves (404) unless
+    `served_names` is None (the caller checks it)."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model", f"'model' must be a string, got {_describe(model)}")
     if model is not None and served_names is not None and model not in served_names:
         raise unknown_model(model, served_names)
+    return model
+
+
+def parse_sampling(body: dict, limits: Limits, served_names: set[str] | None, eos_configured: bool) -> Sampling:
+    """The fields both routes share, checked; `served_names` None leaves the check of `model`'s value to the
+    caller (the server's handlers: runtime LoRA loading changes the names while preparation workers run)."""
+    model = requested_model(body, served_names)
     unknown = sorted(set(body) - KNOWN_FIELDS)
     if unknown:
         from recurrent_depth.files import MESSAGE_NAME_CHARS, clipped
@@ -683,12 +690,7 @@ def _tokenizer_route_model(body: dict, served_names: set[str] | None, fields: fr
 
         raise bad(unknown[0][:MESSAGE_NAME_CHARS], f"{clipped(unknown[0])} is not a field of {route}; it takes "
                                                    f"{sorted(fields)}")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad("model", f"'model' must be a string, got {_describe(model)}")
-    if model is not None and served_names is not None and model not in served_names:
-        raise unknown_model(model, served_names)
-    return model
+    return requested_model(body, served_names)
 
 
 def parse_tokenize(body: dict, limits: Limits, served_names: set[str] | None) -> TokenizeRequest:

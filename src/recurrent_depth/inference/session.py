@@ -164,6 +164,20 @@ def check_warm_start_for_model(model: Any, options: ResolvedOptions) -> None:
         )
 
 
+def check_init_scale_for_model(model: Any, options: ResolvedOptions) -> None:
+    """A one-line ValueError for an init_scale that a model whose s_0 is its embedding cannot honour."""
+    cfg = model.config
+    scale = options.init_scale
+    # s_0 = e whatever the scale (`initial_state`): a scale other than the config's own (the default) asked for
+    # a random s_0 the model never draws. 0 (no draw, a deterministic s_0) is what it does anyway: kept, as
+    # RL rollouts and replays pass it for every model.
+    if cfg.state_init == "embedding" and scale != 0 and scale != cfg.init_scale:
+        raise ValueError(
+            f"init_scale={scale!r} scales a random s_0, but this model starts from its embedding "
+            "(state_init='embedding', Ouro's layout): s_0 = e whatever the scale; leave init_scale unset"
+        )
+
+
 def check_options_for_model(model: Any, options: ResolvedOptions) -> None:
     """Every refusal of `options` that depends only on the model, before any work (a caller may print the
     prompt once the session exists), as the `OptionError` of the option at fault, so that each interface
@@ -174,6 +188,7 @@ def check_options_for_model(model: Any, options: ResolvedOptions) -> None:
         ("kv_quant", lambda: options.kv_quant is None or kv_quant_for_model(model, options.kv_quant)),
         ("exit_criterion", lambda: gate_for(options.criterion, model)),  # the gate criterion needs an exit gate
         ("warm_start", lambda: check_warm_start_for_model(model, options)),
+        ("init_scale", lambda: check_init_scale_for_model(model, options)),
     )
     for name, check in checks:
         try:

@@ -289,3 +289,15 @@ def test_the_gate_defaults_to_the_models_own_threshold(model):
     limits = Limits(64, 4, 256, gate_threshold=0.5)
 
     assert validated({"exit_criterion": "gate"}, {}, 4, limits).threshold == 0.5
+
+
+@pytest.mark.parametrize("arg", [{"warm_start": True}, {"init_scale": 5.0}])
+def test_lm_eval_refuses_what_generate_refuses_on_ouro(ouro_dir, arg):
+    """Loglikelihood requests never pass through `generate`: the backend runs the same model checks itself (warm
+    start on Ouro scored -17.10 against -14.89 without, silently; init_scale was ignored)."""
+    from recurrent_depth.evaluation.lm_eval_backend import RecurrentDepthEvalLM
+
+    [(name, value)] = arg.items()
+    with pytest.raises(ValueError, match=f"^{name}") as info:
+        RecurrentDepthEvalLM(pretrained=str(ouro_dir), device="cpu", **arg)
+    assert "\n" not in str(info.value)

@@ -62,9 +62,9 @@ from tqdm import tqdm
 from recurrent_depth.checkpoint import dtype_from_name
 from recurrent_depth.data.tokenizer import windowed_encoding
 from recurrent_depth.evaluation.scoring import Scored, batched_logprobs, stepwise_logprobs
-from recurrent_depth.inference.criteria import gate_for
 from recurrent_depth.inference.options import OPTIONS, GenerationOptions, OptionError, spelled_warnings
 from recurrent_depth.inference.schema import canonical, from_text, kwarg_spelling, names_for, unknown_names
+from recurrent_depth.inference.session import check_options_for_model
 from recurrent_depth.integrations import register_transformers
 from recurrent_depth.integrations.autoregister import LM_EVAL_BACKEND_NAME
 
@@ -195,7 +195,11 @@ class RecurrentDepthEvalLM(HFLM):
                           f"{' '.join(str(exc).split())}") from None
         self._core = self.model.core
         self.options = resolve_options(values, given_as, self._core.config)
-        gate_for(self.options.criterion, self._core)  # exit_criterion=gate on a model without one: fail now
+        try:  # every refusal that depends on the model (a gate criterion without a gate, warm start or an
+            # init_scale on an Ouro-layout model, ...) now: loglikelihood requests do not pass through `generate`
+            check_options_for_model(self._core, self.options)
+        except OptionError as exc:
+            raise exc.spelled(kwarg_spelling(given_as)) from None
         self.model_args = values  # the options given, by field name: every generate request starts from them
         self.depth = self.options.num_steps
         self.init_scale = values.get("init_scale")  # None: the config's

@@ -42,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--text-field", default="text", metavar="FIELD",
                        help=TEXT_FIELD_HELP + ", as `rdepth train --text-field` (default: %(default)s)")
     train.add_argument("--follow-symlinks", action="store_true",
-                       help="read corpus files that are symlinks to files outside the data directory, as "
+                       help="read corpus files and directories that are symlinks out of the data directory, as "
                             "`rdepth train --follow-symlinks` (default: off, refused)")
     train.add_argument(
         "--vocab-size", type=int, default=4096,

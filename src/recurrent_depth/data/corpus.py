@@ -191,12 +191,30 @@ class DocumentListCorpus(Corpus):
         return len(self._docs)
 
 
-def _walk_sorted(root: Path, skip_dir: Callable[[str], bool]) -> list[str]:
-    """Relative POSIX paths of regular files under ``root``, sorted; directory symlinks not followed."""
+def _walk_sorted(
+    root: Path, skip_dir: Callable[[str], bool], follow_dir_link: Callable[[str, Path], bool] | None = None
+) -> list[str]:
+    """Relative POSIX paths of regular files under ``root``, sorted. A directory symlink is followed where
+    ``follow_dir_link(relative path, resolved target)`` says so (never without it); a directory already walked,
+    or one holding ``root``, is not walked again, so a link back to an ancestor cannot loop."""
     found: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not skip_dir(d)]
+    seen: set[Path] = set()
+    top = root.resolve()
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=follow_dir_link is not None):
         rel_dir = Path(dirpath).relative_to(root)
+        kept = []
+        for d in sorted(dirnames):  # (sorted: which of two paths to one directory is walked does not vary)
+            if skip_dir(d):
+                continue
+            if follow_dir_link is not None:
+                target = Path(dirpath, d).resolve()
+                if target in seen or top.is_relative_to(target):
+                    continue
+                if os.path.islink(os.path.join(dirpath, d)) and not follow_dir_link((rel_dir / d).as_posix(), target):
+                    continue
+                seen.add(target)
+            kept.append(d)
+        dirnames[:] = kept
         for fname in filenames:
             found.append((rel_dir / fname).as_posix())
     found.sort()
@@ -340,7 +358,9 @@ class DirectoryCorpus(FileTreeCorpus):
     Binary files (a NUL byte in the first 8 KiB) and files that are not valid UTF-8 are skipped
     and counted in ``num_skipped``. ``suffixes`` (e.g. ``(".py", ".md")``) restricts the files.
     A file symlink that leads out of the directory is a ValueError (a link to ``/etc/passwd`` must not
-    become a training document) unless ``follow_symlinks=True``.
+    become a training document) unless ``follow_symlinks=True``; so is a directory symlink that leads out,
+    whose files ``follow_symlinks=True`` reads (a directory link inside is not followed: its files are read
+    at their own paths).
     """
 
     kind = "directory"
@@ -356,8 +376,18 @@ class DirectoryCorpus(FileTreeCorpus):
         self.suffixes = tuple(suffixes) if suffixes else None
         self.follow_symlinks = follow_symlinks
 
+    def _follow_dir_link(self, rel: str, target: Path) -> bool:
+        if target.is_relative_to(self.path):
+            return False  # (its files are read where they are: following would read them twice)
+        if not self.follow_symlinks:  # (its files were silently left out, even with --follow-symlinks)
+            raise ValueError(
+                f"data: directory {rel!r} in {self.name} is a symlink to {target}, outside the directory; "
+                f"pass --follow-symlinks (follow_symlinks=True) to read its files"
+            )
+        return True
+
     def files(self) -> list[str]:
-        paths = _walk_sorted(self.path, lambda d: d.startswith(".") or d == "__pycache__")
+        paths = _walk_sorted(self.path, lambda d: d.startswith(".") or d == "__pycache__", self._follow_dir_link)
         paths = [p for p in paths if not Path(p).name.startswith(".")]
         if self.suffixes is not None:
             paths = [p for p in paths if p.endswith(self.suffixes)]

@@ -5,9 +5,9 @@ Each document is framed as ``<|begin_text|> tokens [<|end_text|>]`` and the fram
 are concatenated into rows, with no attention masking between them (as the reference).
 
 The paper's rule (Huginn's data script): when a row fills up, the rest of the document that
-filled it is dropped and the next row starts with the next document. So a document
-contributes at most the tail of one row plus the head of the next row, never more than
-``row_len`` tokens. With ``keep_all=True`` the remainder instead flows on into further rows,
+filled it is dropped and the next row starts with the next document. So a document lies
+within one row (it never continues into the next) and contributes at most ``row_len``
+tokens. With ``keep_all=True`` the remainder instead flows on into further rows,
 so every token is used. An unfinished last row is dropped in both modes.
 """
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from recurrent_depth.config import is_int
 from recurrent_depth.data.corpus import Corpus, Document, DocumentSplit, load_corpus, require_text
 from recurrent_depth.data.packing import PackingStats, pack_documents, tokenize_documents
 from recurrent_depth.data.shards import (
@@ -125,6 +126,8 @@ def prepare_dataset(
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
+    if not is_int(seed) or seed < 0:  # (numpy's own error came only after every document was tokenised)
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
     specials = document_token_ids(tok)  # ours, or a retrofitted model's own document tokens
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
@@ -132,6 +135,13 @@ def prepare_dataset(
     corpus = load_corpus(corpus_spec)
     info = corpus.info()
     require_text(info)
+    if val_fraction > 0 and info.num_documents == 1:
+        # (the split takes whole documents: one of them leaves validation empty whatever val_fraction is)
+        raise ValueError(
+            f"data: corpus {info.name!r} holds a single document, and the train/validation split takes whole "
+            "documents: split its text into several files (or JSONL lines); prepare_dataset(val_fraction=0) "
+            "writes no validation split"
+        )
 
     params = {
         "seq_len": seq_len,
@@ -242,7 +252,9 @@ def _load_if_current(out: Path, key: str, splits: tuple[str, ...]) -> PreparedDa
         metadata = read_json(meta_path, CONFIG_MAX_BYTES, "dataset metadata")
     except (ValueError, OSError):
         return None  # unreadable: prepared again
-    if metadata.get("key") != key or set(metadata.get("splits", {})) != set(splits):
+    if not isinstance(metadata, dict) or not isinstance(metadata.get("splits"), dict):
+        return None  # another tool's dataset.json, or a damaged one: prepared again
+    if metadata.get("key") != key or set(metadata["splits"]) != set(splits):
         return None
     if not all(shards_complete(out / f"{split}.json") for split in splits):
         return None

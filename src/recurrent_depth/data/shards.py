@@ -234,6 +234,8 @@ class ShardDataset:
     ) -> None:
         if world_size < 1 or not (0 <= rank < world_size):
             raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
+        if not is_int(seed) or seed < 0:  # (numpy's own error came at the first batch, naming no seed)
+            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
         self.index_path = Path(index_path)
         self.index = read_index(self.index_path)
         self.row_len: int = int(self.index["row_len"])
@@ -356,6 +358,10 @@ class ShardDataset:
         return state
 
     def load_state_dict(self, state: dict[str, int | str]) -> None:
+        for key in ("epoch", "position", "seed", "num_rows", "shuffle", "world_size"):
+            if not is_int(state.get(key)) or state[key] < 0:  # (a state of another data source, or damaged)
+                raise ValueError(f"data state: {key!r} must be an int >= 0, got {state.get(key)!r}; "
+                                 "resume from a checkpoint of a run on token shards")
         for key in ("seed", "num_rows", "shuffle", "world_size"):
             mine = self.state_dict()[key]
             if int(state[key]) != mine:

@@ -74,7 +74,7 @@ FIELD_HELP: dict[str, str] = {
     "distill_cache_only": "write distill_cache from the teacher over the training shards and exit",
     "data": "corpus (the CLI shows cli/tokenizer.DATA_HELP; docs/data.md)",
     "text_field": "field or column of each document's text (the CLI shows cli/tokenizer.TEXT_FIELD_HELP)",
-    "follow_symlinks": "read corpus files that are symlinks to files outside the data directory (else refused)",
+    "follow_symlinks": "read corpus files and directories that are symlinks out of the data directory (else refused)",
     "tokenizer": "tokenizer directory; none = train one on the data (its size sets the model's vocab)",
     "vocab_size": "vocabulary of a tokenizer trained here; none = the preset's (at least 512)",
     "tokenizer_max_bytes": "train the tokenizer on at most this many bytes of training text",

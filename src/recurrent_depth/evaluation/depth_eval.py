@@ -241,6 +241,10 @@ def _lm_eval(
     curves: dict[str, dict[int, float]] = {}
     for depth in depths:
         lm.depth = depth
+        # generate_until draws each request's s_0 seed from the backend's stream: restart it, so that a depth's
+        # generations get the seeds a fresh backend gives them, whatever depths ran before (a score at depth d
+        # depended on the --depths list)
+        lm._generator.manual_seed(config.seed)
         out = lm_eval.simple_evaluate(model=lm, tasks=list(config.lm_eval_tasks), num_fewshot=fewshot,
                                       limit=config.limit, task_manager=manager, random_seed=config.seed,
                                       numpy_random_seed=config.seed, torch_random_seed=config.seed,

@@ -1,7 +1,8 @@
 """Accuracy of a model on a reasoning task, for every (difficulty, test-time depth) pair.
 
 Exact match of the greedy answer: with teacher forcing, greedy decoding writes the answer exactly
-when the argmax at every answer position (and at the end token) is the expected token, so one
+when the argmax at every answer position is the expected token (the end token is not scored:
+every task's answer has a fixed length), so one
 forward per depth decides it (no generation loop). All depths come from one pass
 (`readout.logits_at_depths`), from the same seeded initial state.
 """
@@ -48,7 +49,7 @@ class AccuracyGrid:
     def solved_up_to(self, threshold: float = 0.9) -> int | None:
         """The largest difficulty d such that every difficulty <= d reaches `threshold` at some depth."""
         solved = None
-        for difficulty in self.difficulties:
+        for difficulty in sorted(set(self.difficulties)):  # (given unsorted, an easier failure came too late)
             if self.best(difficulty)[1] < threshold:
                 break
             solved = difficulty
@@ -106,7 +107,7 @@ def answer_correct_at_depths(
     init_scale: float | None = None,
     seed: int = 0,
 ) -> dict[int, torch.Tensor]:
-    """depth -> bool [B]: is the whole answer (and the end token) the greedy choice at that depth.
+    """depth -> bool [B]: is the whole answer (every scored token of `labels`) the greedy choice at that depth.
 
     Each row's s_0 comes from its own stream, seeded by `seed` and the row's tokens (up to its last
     scored one), so a problem gets the same s_0, and the same answer, whatever the batch, its

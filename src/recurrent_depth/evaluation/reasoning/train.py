@@ -93,6 +93,11 @@ class ReasoningRunConfig:
         if lo > hi:
             raise ValueError(f"train_difficulties={self.train_difficulties}: expected (low, high) with low <= high")
         check_depths(self.depths, "depths")
+        if self.test_difficulties is not None:  # checked now, not when the final evaluation meets one after training
+            if not self.test_difficulties:
+                raise ValueError("test_difficulties is empty: give at least one difficulty (or None: the default)")
+            for difficulty in self.test_difficulties:
+                task.check_difficulty(difficulty)
         for name in ("batch_size", "eval_count", "mean_recurrence", "backprop_depth", "log_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

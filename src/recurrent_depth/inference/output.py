@@ -11,7 +11,8 @@ from torch import Tensor
 # Why a token's recurrence stopped (index = code in `GenerationOutput.exit_codes`).
 EXIT_REASONS: tuple[str, ...] = (
     "",            # 0: no token (the row had finished: padding)
-    "prefill",     # 1: predicted by the prompt's last position (full depth)
+    "prefill",     # 1: predicted by the prompt's last position (full depth; with exit_in_prefill or
+                   #    exit_kv="compute" at the step its criterion held, which `steps` gives)
     "fixed",       # 2: fixed depth num_steps
     "converged",   # 3: the exit criterion was met
     "max-steps",   # 4: the criterion was never met within max_steps

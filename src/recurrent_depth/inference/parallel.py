@@ -41,7 +41,9 @@ def _statistic(name: str, new: Tensor, old: Tensor) -> Tensor:
     new, old = new.float(), old.float()
     if name == "latent-diff":
         return (new - old).norm(dim=-1) / new.norm(dim=-1).clamp(min=1e-12)
-    return (1 - F.cosine_similarity(new, old, dim=-1, eps=1e-12)).clamp(min=0)
+    stat = (1 - F.cosine_similarity(new, old, dim=-1, eps=1e-12)).clamp(min=0)
+    # a zero previous state (s_0 at init_scale 0) has no angle: never converged there, as criteria.py's cosine
+    return stat.masked_fill(old.norm(dim=-1) == 0, float("inf"))
 
 
 def _choose(session: Session, logits: Tensor, rows: list[int], spans: list[tuple[int, int]]) -> Tensor:
@@ -158,6 +160,7 @@ def decode(session: Session) -> Iterator[TokenEvent]:
                 if c + 1 < ends[b] and used[b][j + 1] != token:
                     break  # the next position ran on a wrong guess: it refines on the right input first
         sweeps += 1
-    generated = sum(session.recorder.count(b) for b in range(B))
-    session.stats.update(sweeps=sweeps, tokens_per_sweep=round(generated / max(1, sweeps), 3),
+    # the tokens the sweeps committed: each row's first token came from the prefill, not from a sweep
+    swept = sum(max(session.recorder.count(b) - 1, 0) for b in range(B))
+    session.stats.update(sweeps=sweeps, tokens_per_sweep=round(swept / max(1, sweeps), 3),
                          mean_wavefront=round(columns_run / max(1, sweeps), 2))

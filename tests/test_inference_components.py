@@ -506,6 +506,13 @@ def test_temperature_zero_means_greedy_when_not_sampling(model):
     greedy = generate(model, ids, max_new_tokens=4, num_steps=3, init_scale=0.0)
     zero = generate(model, ids, max_new_tokens=4, num_steps=3, init_scale=0.0, temperature=0)
     assert torch.equal(greedy.sequences, zero.sequences)
+    # sampling at 0 is refused with the way to greedy (the bare range "(0, inf)" left users to guess it);
+    # the CLI spells the option names as its flags
+    with pytest.raises(ValueError, match=r"^temperature=0 is invalid: .*\(when sampling; for greedy decoding "
+                                         r"leave do_sample off, where 0 means greedy\)$"):
+        generate(model, ids, max_new_tokens=1, do_sample=True, temperature=0)
+    with pytest.raises(ValueError, match=r"\(0, inf\)$"):  # the hint is for 0 alone
+        generate(model, ids, max_new_tokens=1, do_sample=True, temperature=-1)
 
 
 BAD_INPUTS = {

@@ -91,6 +91,8 @@ class Option:
     low / high: the range `validate` checks (int: low only; float: both, open where low_open /
       high_open). `low` and `low_open` may be functions of the other values where the bound
       depends on them. optional: None stays valid after resolution (off, or not set).
+      range_hint: said after the range where a value is the excluded bound `low` (e.g. how to get what 0 means
+      elsewhere).
     unset: what None means for a str option with choices ("ours", "the profile's"), None where
       None is not allowed.
     cli: a `rdepth generate` flag; cli_default: the flag's default where the CLI differs; metavar:
@@ -112,6 +114,7 @@ class Option:
     high: float | None = None
     low_open: Any = False
     high_open: bool = False
+    range_hint: str = ""
     optional: bool = False
     unset: str | None = None
     cli: bool = True
@@ -167,6 +170,7 @@ class Option:
             lo, hi = "(" if low_open else "[", ")" if self.high_open else "]"
             raise OptionError(
                 self.name, f"{self.name}={value!r} is invalid: expected {extra}a number in {lo}{low}, {self.high}{hi}"
+                + (f" ({self.range_hint})" if self.range_hint and low_open and value == low else "")
             )
 
     def check_choice(self, value: Any) -> None:
@@ -312,6 +316,7 @@ class GenerationOptions:
         shown="greedy; the CLI turns it on with --temperature/--top-k/--top-p/--min-p", hf="shared", lm_eval="gen")
     temperature: float = option(1.0, "sampling", "sampling temperature (0 asks for greedy)", "float", http=True,
         http_max=100.0, hf="shared", lm_eval="gen", low=0, high=math.inf, low_open=sampling_temperature,
+        range_hint="when sampling; for greedy decoding leave do_sample off, where 0 means greedy",
         high_open=True)
     top_k: int | None = option(None, "sampling", "keep the k most likely tokens", "int", shown="all", http=True,
         hf="shared", lm_eval="gen", low=1, optional=True)

@@ -86,3 +86,10 @@ def test_http_is_a_400_naming_the_field(tmp_path):
     error = refused.json()["error"]
     assert error["param"] == "init_scale" and "init_scale=5.0 scales a random s_0" in error["message"], error
     assert plain.status_code == 200, plain.text
+
+
+def test_the_forward_refuses_it_too(ouro):
+    """`rdepth eval`, `rdepth analyze` and users' own loops call the forward: it was ignored there as well."""
+    with pytest.raises(ValueError, match=REFUSAL):
+        ouro(IDS, init_scale=5.0)
+    assert torch.equal(ouro(IDS, init_scale=0.0).logits, ouro(IDS).logits)

@@ -15,7 +15,7 @@ from recurrent_depth.inference.output import Recorder, TokenEvent
 from recurrent_depth.inference.quant_cache import kv_quant_for_model
 from recurrent_depth.inference.sampling import RowGenerators, StopChecker, TokenChooser, decode
 from recurrent_depth.model.mixers.common import RecurrentMixer
-from recurrent_depth.model.recurrent import all_attention, mixers_with
+from recurrent_depth.model.recurrent import all_attention, check_scale_has_a_draw, mixers_with
 
 RANDOMIZED_LOOKUP_STREAM = 1  # `RowGenerators.derived` stream of the randomized KV lookup's draws
 
@@ -166,16 +166,7 @@ def check_warm_start_for_model(model: Any, options: ResolvedOptions) -> None:
 
 def check_init_scale_for_model(model: Any, options: ResolvedOptions) -> None:
     """A one-line ValueError for an init_scale that a model whose s_0 is its embedding cannot honour."""
-    cfg = model.config
-    scale = options.init_scale
-    # s_0 = e whatever the scale (`initial_state`): a scale other than the config's own (the default) asked for
-    # a random s_0 the model never draws. 0 (no draw, a deterministic s_0) is what it does anyway: kept, as
-    # RL rollouts and replays pass it for every model.
-    if cfg.state_init == "embedding" and scale != 0 and scale != cfg.init_scale:
-        raise ValueError(
-            f"init_scale={scale!r} scales a random s_0, but this model starts from its embedding "
-            "(state_init='embedding', Ouro's layout): s_0 = e whatever the scale; leave init_scale unset"
-        )
+    check_scale_has_a_draw(model.config, options.init_scale)
 
 
 def check_options_for_model(model: Any, options: ResolvedOptions) -> None:

@@ -72,6 +72,18 @@ def takase_init_(module: nn.Module, std: float, linear_std: float) -> None:
         module.reset_gain()
 
 
+
+def check_scale_has_a_draw(config: ModelConfig, scale: float) -> None:
+    """A one-line ValueError for an init_scale a model whose s_0 is its embedding cannot honour: s_0 = e whatever
+    the scale (`initial_state`), so a scale other than the config's own (the default) asked for a random s_0 the
+    model never draws. 0 (no draw, a deterministic s_0) is what it does anyway: kept, as RL rollouts and replays
+    pass it for every model."""
+    if config.state_init == "embedding" and scale != 0 and scale != config.init_scale:
+        raise ValueError(
+            f"init_scale={scale!r} scales a random s_0, but this model starts from its embedding "
+            "(state_init='embedding', Ouro's layout): s_0 = e whatever the scale; leave init_scale unset"
+        )
+
 class RecurrentDepthLM(nn.Module):
     """A recurrent-depth language model: prelude -> `num_steps` applications of one core block -> coda.
 
@@ -372,6 +384,7 @@ class RecurrentDepthLM(nn.Module):
         scale = self.config.init_scale if init_scale is None else init_scale
         if not is_real(scale) or scale < 0:
             raise ValueError(f"init_scale={scale!r} is invalid: expected a finite number >= 0")
+        check_scale_has_a_draw(self.config, scale)
         if input_ids.dtype not in (torch.int32, torch.int64):
             input_ids = input_ids.long()  # the embedding lookup takes int32/int64 only
 

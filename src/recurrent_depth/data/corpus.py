@@ -222,8 +222,8 @@ def _walk_sorted(
 
 
 def _text_chunks(path: Path) -> Iterator[str] | None:
-    """The UTF-8 text of a file in pieces of about `_READ_CHUNK_BYTES`, read as they are consumed; None
-    for a binary file, known from its first 8 KiB alone (a sparse 2 GB file is never read further).
+    """The UTF-8 text of a file (less a leading BOM) in pieces of about `_READ_CHUNK_BYTES`, read as they are
+    consumed; None for a binary file, known from its first 8 KiB alone (a sparse 2 GB file is never read further).
     Undecodable bytes raise UnicodeDecodeError when the piece holding them is reached."""
     handle = open(path, "rb")  # noqa: SIM115 - closed by the generator below
     head = handle.read(_BINARY_SNIFF_BYTES)
@@ -232,7 +232,8 @@ def _text_chunks(path: Path) -> Iterator[str] | None:
         return None
 
     def pieces() -> Iterator[str]:
-        decoder = codecs.getincrementaldecoder("utf-8")()
+        # utf-8-sig: a BOM starting the file is not text (an editor's mark; the JSONL reader drops it too)
+        decoder = codecs.getincrementaldecoder("utf-8-sig")()
         with handle:
             chunk = head
             while chunk:

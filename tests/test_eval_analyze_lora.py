@@ -113,6 +113,12 @@ def test_eval_lm_eval_tasks_with_lora_score_with_the_merged_models_numbers(dirs,
     base = run_eval(tmp_path / "base", ["--model", str(dirs["base"])], extra, capsys)
     assert_same_numbers(lora["lm_eval"], merged["lm_eval"])
     assert differs(lora["lm_eval"], base["lm_eval"])
+    # the adapter against its own base (--baseline naming --model's directory): the baseline scores without it
+    # (the adapter went onto both when the two paths were equal)
+    versus = run_eval(tmp_path / "versus", ["--model", str(dirs["base"]), "--lora", str(dirs["adapter"]),
+                                            "--baseline", str(dirs["base"]), "--baseline-depth", "3"], extra, capsys)
+    assert_same_numbers(versus["lm_eval"], merged["lm_eval"])
+    assert_same_numbers(versus["baseline"]["lm_eval"], {k: v["3"] for k, v in base["lm_eval"]["0"].items()})
 
 
 def test_analyze_with_lora_equals_the_merged_model(dirs, tmp_path, capsys):

@@ -224,19 +224,20 @@ def _task_manager(config: EvalConfig) -> Any:
 
 
 def _lm_eval(
-    path: str, config: EvalConfig, depths: list[int], fewshot: int, manager: Any
+    path: str, config: EvalConfig, depths: list[int], fewshot: int, manager: Any, baseline: bool = False
 ) -> dict[int, dict[str, float]]:
-    """task/metric -> {depth: value} for one few-shot count, one backend instance reused across depths."""
+    """task/metric -> {depth: value} for one few-shot count, one backend instance reused across depths. `baseline`:
+    `path` is the baseline's (no --lora, no --tokenizer: the model's alone, even where both name one directory)."""
     import lm_eval
 
     from recurrent_depth.evaluation.lm_eval_backend import RecurrentDepthEvalLM
 
-    extra = {"tokenizer": config.tokenizer} if config.tokenizer is not None and path == config.model else {}
+    extra = {"tokenizer": config.tokenizer} if config.tokenizer is not None and not baseline else {}
     lm = RecurrentDepthEvalLM(pretrained=path, device=config.device, batch_size=config.batch_size,
                               init_scale=config.init_scale, seed=config.seed,
                               dtype=config.dtype or "auto", **extra)
     quantize_weights(lm.model.core, config.weights)  # the wrapper shares the core's modules: both quantized
-    if path == config.model:  # the adapter onto the core in place: the wrapper shares its modules, so scores use it
+    if not baseline:  # the adapter onto the core in place: the wrapper shares its modules, so scores use it
         _with_adapter(lm.model.core, config)
     curves: dict[str, dict[int, float]] = {}
     for depth in depths:
@@ -339,7 +340,8 @@ def evaluate_depths(config: EvalConfig, log: Any = print) -> dict[str, Any]:
         first = by_fewshot[config.fewshot[0]]
         lines = {}
         if config.baseline is not None:
-            base = _lm_eval(config.baseline, config, [results["baseline"]["depth"]], config.fewshot[0], manager)
+            base = _lm_eval(config.baseline, config, [results["baseline"]["depth"]], config.fewshot[0], manager,
+                            baseline=True)
             results["baseline"]["lm_eval"] = {name: next(iter(c.values())) for name, c in base.items()}
             lines = {f"baseline {name}": v for name, v in results["baseline"]["lm_eval"].items()}
         plots.plot_metric_vs_depth(first, out / "accuracy_vs_depth.png", "score",

@@ -55,8 +55,8 @@ def _window_list(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def _add_scoring_args(parser: argparse.ArgumentParser) -> None:
-    from recurrent_depth.looping.config import MODES, RULES
+def _add_scoring_args(parser: argparse.ArgumentParser, default_iterations: str) -> None:
+    from recurrent_depth.looping.config import MAX_ITERATIONS, MODES, RULES
 
     add_model_arg(parser, help="a transformers decoder-only causal LM directory with a tokenizer (Llama-, Qwen-, "
                                "GPT-2-style, e.g. runs/loop-demo/model), or a run directory holding one in model/; "
@@ -64,13 +64,19 @@ def _add_scoring_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default="stdlib", metavar="stdlib|FILE|DIR|FILE.jsonl",
                         help="held-out text: the validation documents of 'stdlib', or a user's text file, directory "
                              "or .jsonl scored whole (default: %(default)s)")
-    parser.add_argument("--val-fraction", type=float, default=0.02,
-                        help="stdlib's validation share, as in training (default: %(default)s)")
-    parser.add_argument("--split-seed", type=int, default=0, help="seed of the document split (default: %(default)s)")
+    # (None: the model's own pretraining split; `rdepth loop pretrain --seed N` splits the documents with seed N)
+    parser.add_argument("--val-fraction", type=float, default=None,
+                        help="stdlib's validation share, as in training (default: the pretrain.json beside the "
+                             "model's, else 0.02)")
+    parser.add_argument("--split-seed", type=int, default=None,
+                        help="seed of the document split (default: the --seed in the pretrain.json beside the "
+                             "model, else 0)")
     parser.add_argument("--max-tokens", type=int, default=8192, help="held-out tokens to score (default: %(default)s)")
     parser.add_argument("--seq-len", type=int, default=128, help="scoring window in tokens (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=8, help="windows per forward (default: %(default)s)")
-    parser.add_argument("--iterations", type=int_list, default=[2, 3], help="K values (default: 2,3)")
+    # (the caller's default: eval sets its own, and its --help said "2,3" while it scored 1,2,3,4)
+    parser.add_argument("--iterations", type=int_list, default=[2, 3],
+                        help=f"K values, each in 1..{MAX_ITERATIONS} (default: {default_iterations})")
     # (None: `eval` of a model's stored loop takes the stored rule, mode and β; otherwise damped, block, 0.5)
     parser.add_argument("--rules", type=_choice_list(RULES), default=None,
                         help=f"update rules, a subset of {','.join(RULES)} (default: damped)")
@@ -106,7 +112,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pretrain.set_defaults(func=run)
 
     search = actions.add_parser("search", help="score candidate windows and K on held-out text; print the best")
-    _add_scoring_args(search)
+    _add_scoring_args(search, "2,3")
     search.add_argument("--widths", type=int_list, default=[1, 2, 3], help="window widths in layers (default: 1,2,3)")
     search.add_argument("--top", type=int, default=10, help="rows of the table to print (default: %(default)s)")
     search.add_argument("--save", default=None, metavar="DIR",
@@ -115,7 +121,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     search.set_defaults(func=run)
 
     evaluate = actions.add_parser("eval", help="held-out loss against K for given windows")
-    _add_scoring_args(evaluate)
+    _add_scoring_args(evaluate, "1,2,3,4")
     evaluate.add_argument("--windows", type=_window_list, default=None,
                           help="windows as first-last layer, e.g. 2-3,4 (default: the loop in the model's config)")
     add_out_arg(evaluate, "runs/loop-eval")
@@ -161,6 +167,27 @@ def _load(args: argparse.Namespace):
     return model, tokenizer
 
 
+def _held_out_split(model: Path, val_fraction: float | None, seed: int | None) -> tuple[float, int]:
+    """The stdlib document split to score on: the flags', else the split `rdepth loop pretrain` trained the model
+    beside its pretrain.json on (its --seed seeds the split: with seed 0's split, a --seed 1 model was scored on
+    its own training documents), else 0.02 and seed 0."""
+    recipe: dict[str, Any] = {}
+    summary = model.parent / "pretrain.json"
+    if summary.is_file():
+        from recurrent_depth.files import CONFIG_MAX_BYTES, read_json
+
+        raw = read_json(summary, CONFIG_MAX_BYTES, "pretrain.json")
+        found = raw.get("recipe") if isinstance(raw, dict) else None
+        recipe = found if isinstance(found, dict) else {}
+    if val_fraction is None:
+        stored = recipe.get("val_fraction")
+        val_fraction = stored if isinstance(stored, float) and 0 < stored < 1 else 0.02
+    if seed is None:
+        stored = recipe.get("seed")
+        seed = stored if isinstance(stored, int) and not isinstance(stored, bool) else 0
+    return val_fraction, seed
+
+
 def _stored_dtype(path: Path) -> Any:
     """The floating dtype `path/config.json` records (`dtype` or `torch_dtype`), or None."""
     import torch
@@ -176,7 +203,7 @@ def _stored_dtype(path: Path) -> Any:
 def _score(args: argparse.Namespace) -> int:
     from recurrent_depth.files import check_out_dir, finite_or_null
     from recurrent_depth.looping import LoopConfig, apply_loop, find_decoder_layers, loop_of
-    from recurrent_depth.looping.config import CONFIG_KEY
+    from recurrent_depth.looping.config import CONFIG_KEY, MAX_ITERATIONS
     from recurrent_depth.looping.evaluate import (
         candidate_windows,
         check_seq_len,
@@ -191,6 +218,14 @@ def _score(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {getattr(args, name)}")
     if getattr(args, "top", 0) < 0:  # (a negative slice silently dropped the worst rows from the table)
         raise ValueError(f"--top must be an integer >= 0, got {args.top}")
+    # before the model loads (these were refused only after it, or --val-fraction 0 as "no held-out text")
+    if args.val_fraction is not None and not 0 < args.val_fraction < 1:
+        raise ValueError(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
+    if args.beta is not None and not 0 <= args.beta <= 1:
+        raise ValueError(f"--beta must be in [0, 1], got {args.beta}")
+    bad_k = [k for k in args.iterations or () if not 1 <= k <= MAX_ITERATIONS]
+    if bad_k:
+        raise ValueError(f"--iterations must each be in 1..{MAX_ITERATIONS}, got {','.join(map(str, bad_k))}")
     # before the scoring: an existing file there was mkdir's bare errno once every loop had been scored, and
     # transformers' save_pretrained onto a file only logs and returns (we printed "saved")
     check_out_dir(args.out)
@@ -227,10 +262,13 @@ def _score(args: argparse.Namespace) -> int:
                          f"base model, give at least one K >= 2")
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else model.config.bos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    texts = held_out_texts(args.data, args.val_fraction, args.split_seed)
+    val_fraction, split_seed = _held_out_split(Path(args.model), args.val_fraction, args.split_seed)
+    texts = held_out_texts(args.data, val_fraction, split_seed)
     rows = held_out_windows(tokenizer, texts, args.seq_len, args.max_tokens, bos)
     targets = sum(len(r) - 1 for r in rows)
-    print(f"scoring {len(configs)} configurations on {targets} held-out tokens ({args.data}), {num_layers} layers")
+    split = f", validation share {val_fraction:g} split with seed {split_seed}" if args.data == "stdlib" else ""
+    print(f"scoring {len(configs)} configurations on {targets} held-out tokens ({args.data}{split}), "
+          f"{num_layers} layers")
 
     def check_base(score: Any) -> None:  # (scored first: refused before the loops are scored)
         if score.config is None and not math.isfinite(score.loss):
@@ -243,6 +281,7 @@ def _score(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary = {"model": str(args.model), "data": args.data, "tokens": targets, "num_layers": num_layers,
+               **({"val_fraction": val_fraction, "split_seed": split_seed} if args.data == "stdlib" else {}),
                "base_loss": round(base, 5), "results": results}
     if args.action == "search":
         # a loop whose loss is NaN or inf (it diverged) ranks last: NaN in the sort key left the order arbitrary

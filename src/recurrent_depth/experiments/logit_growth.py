@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 import recurrent_depth as rd
+from recurrent_depth.config import is_int, is_real
 from recurrent_depth.experiments.common import BYTE_VOCAB, ByteWindows, byte_tokens, train_fixed_depth
 from recurrent_depth.files import check_out_dir, finite_or_null
 from recurrent_depth.train.optim import OptimConfig
@@ -79,8 +80,16 @@ class LogitGrowthConfig:
             raise ValueError(f"steps={self.steps!r} must be an integer > fit_start + 3 = {self.fit_start + 3}")
         if self.muon_recipe not in ("torch", "k2"):
             raise ValueError(f"muon_recipe={self.muon_recipe!r} is unknown; choose 'torch' or 'k2'")
-        if self.saturation <= 0 or self.qk_clip_tau <= 0:
-            raise ValueError("saturation and qk_clip_tau must be > 0")
+        # (a NaN saturation never saturates: the whole run wrote T_sat None everywhere; a NaN tau failed only when
+        # the first qk-clip run started, after two full runs; recurrence 0 failed as "TrainConfig.backprop_depth")
+        for name in ("saturation", "qk_clip_tau", "aux_lr"):
+            value = getattr(self, name)
+            if not is_real(value) or value <= 0:
+                raise ValueError(f"{name}={value!r} is invalid: expected a finite number > 0")
+        for name in ("hidden_size", "num_heads", "recurrence", "batch_size", "seq_len"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise ValueError(f"{name}={value!r} is invalid: expected an integer >= 1")
 
 
 def growth_model(cfg: LogitGrowthConfig, variant: str) -> rd.RecurrentDepthLM:

@@ -62,7 +62,9 @@ class MupConfig:
     def __post_init__(self) -> None:
         # first: the checks below divide by head_dim and base_width, and the runs average over seeds and the
         # last transfer steps (a 0 there was a ZeroDivisionError or IndexError deep in the run)
-        for name, low in (("base_width", 1), ("head_dim", 1), ("seeds", 1), ("steps", 0), ("transfer_steps", 1)):
+        # (recurrence 0 failed as "TrainConfig.backprop_depth=0", naming no flag of this experiment)
+        for name, low in (("base_width", 1), ("head_dim", 1), ("seeds", 1), ("steps", 0), ("transfer_steps", 1),
+                          ("recurrence", 1), ("batch_size", 1), ("seq_len", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name}={value!r} is invalid: expected an integer >= {low}")

@@ -302,7 +302,8 @@ def checkpoint_problem(path: Path) -> str | None:
 def content_problem(path: Path) -> str | None:
     """What in a checkpoint's files contradicts the rest (None: nothing): the loop counters of
     `trainer_state.json` (non-negative integers, `step` the one in the directory's name), the data
-    position, every safetensors header, and the RNG files (a CPU generator state of the right size)."""
+    position, its `config` (an object) and `world_size` (an integer >= 1) where present, every safetensors
+    header, and the RNG files (a CPU generator state of the right size)."""
     state = read_trainer_state(path)
     for name in ("step", "micro_step", "tokens", "skipped_steps"):
         value = state[name]
@@ -320,6 +321,13 @@ def content_problem(path: Path) -> str | None:
     data_problem = _data_state_problem(state["data"])
     if data_problem:
         return f"{TRAINER_STATE}: {data_problem}"
+    # (read by the resume's checks: a list here was a TypeError traceback, a string world_size a riddle)
+    config = state.get("config", {})
+    if not isinstance(config, dict):
+        return f"{TRAINER_STATE}: config must be a JSON object (the run's settings), not {type(config).__name__}"
+    world = state.get("world_size")
+    if world is not None and (isinstance(world, bool) or not isinstance(world, int) or world < 1):
+        return f"{TRAINER_STATE}: world_size must be an integer >= 1, got {world!r}"
     for name in ("model.safetensors", OPTIMIZER_TENSORS):
         try:
             parse_safetensors_header(path / name)

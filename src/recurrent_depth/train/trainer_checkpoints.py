@@ -389,8 +389,9 @@ def load_for_resume(trainer: Trainer, path: Path) -> tuple[ckpt.LoadedCheckpoint
 
 def optimizer_state_problem(optimizer: Any, state: Any) -> str | None:
     """Whether a saved optimizer state fits `optimizer` (an `OptimizerSet` or a torch optimizer): the same
-    optimizers, groups and parameter counts, and every per-parameter tensor the shape of its parameter.
-    Checked before loading, since `load_state_dict` takes mis-shaped moments and fails only at a step."""
+    optimizers, groups and parameter counts, every numeric group setting (eps, betas, ...) a number as this run's
+    is, every per-parameter value a tensor or a number, and every per-parameter tensor the shape of its parameter.
+    Checked before loading, since `load_state_dict` takes all of them as they are and fails only at a step."""
     parts = list(optimizer) if hasattr(optimizer, "optimizers") else [optimizer]
     saved = state.get("optimizers") if isinstance(state, dict) and hasattr(optimizer, "optimizers") else [state]
     if not isinstance(saved, list) or len(saved) != len(parts):
@@ -406,13 +407,39 @@ def optimizer_state_problem(optimizer: Any, state: Any) -> str | None:
             if not isinstance(ids, list) or len(ids) != len(mine["params"]):
                 return f"optimizer {k}: a parameter group does not match this run's ({len(mine['params'])} parameters)"
             params.update(zip(ids, mine["params"]))
+            problem = _group_settings_problem(group, mine)
+            if problem is not None:
+                return f"optimizer {k}: parameter group {mine.get('name', '')!r}: {problem}"
         for pid, entry in per_param.items():
             if pid not in params or not isinstance(entry, dict):
                 return f"optimizer {k}: state for an unknown parameter {pid!r}"
             for name, value in entry.items():
+                if not isinstance(value, torch.Tensor) and not _is_number(value):
+                    return f"optimizer {k}: {name} of parameter {pid} is {clipped(value)}, not a tensor or a number"
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != params[pid].shape:
                     return (f"optimizer {k}: {name} of parameter {pid} has shape {list(value.shape)}, the parameter "
                             f"{list(params[pid].shape)}")
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _group_settings_problem(saved: dict[str, Any], mine: dict[str, Any]) -> str | None:
+    """A saved parameter group's setting that is not a number (or tuple of numbers, as betas) where this run's is:
+    torch loads the saved settings in place of the run's, and a string eps was a TypeError traceback at the first
+    step. Settings the saved group lacks are left to torch (a newer torch fills in those it added)."""
+    for key, now in mine.items():
+        if key == "params" or key not in saved:
+            continue
+        value = saved[key]
+        if _is_number(now) and not _is_number(value):
+            return f"{key} is {clipped(value)}, expected a number"
+        if (isinstance(now, tuple | list) and now and all(_is_number(v) for v in now)
+                and not (isinstance(value, tuple | list) and len(value) == len(now)
+                         and all(_is_number(v) for v in value))):
+            return f"{key} is {clipped(value)}, expected {len(now)} numbers"
     return None
 
 
@@ -422,10 +449,15 @@ def base_state_shapes(trainer: Trainer) -> dict[str, Any]:
 
 
 def apply_checkpoint(trainer: Trainer, loaded: ckpt.LoadedCheckpoint) -> None:
-    """Continue `trainer` from a loaded checkpoint: weights, optimizer, data position, loop counters, RNG."""
+    """Continue `trainer` from a loaded checkpoint: data position (first: a data state this run's data does not take
+    is refused before anything changed), weights, optimizer, loop counters, RNG."""
+    try:
+        trainer.source.load_state_dict(loaded.trainer_state["data"])
+    except (KeyError, TypeError, AttributeError, IndexError) as exc:  # (a source's own checks raise ValueError)
+        raise ValueError(f"cannot resume from {loaded.path}: its data position {clipped(loaded.trainer_state['data'])} "
+                         f"is not one of this run's data ({type(exc).__name__}: {exc})") from None
     ddist.load_full_model_state(trainer.wrapped, loaded.model_state, trainer.env)
     ddist.load_optimizer_state(trainer.wrapped, trainer.optimizer, loaded.optimizer_state, trainer.env)
-    trainer.source.load_state_dict(loaded.trainer_state["data"])
     for name in LOOP_COUNTERS:
         setattr(trainer.state, name, type(getattr(trainer.state, name))(loaded.trainer_state[name]))
     if trainer.tokens_per_step is None and loaded.trainer_state.get("tokens_per_step"):

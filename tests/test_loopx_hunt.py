@@ -107,3 +107,11 @@ def test_logit_growth_refuses_bad_values_up_front(field, value):
 def test_mup_config_refuses_a_zero_depth_batch_or_window(field):
     with pytest.raises(ValueError, match=f"^{field}=0 is invalid"):
         MupConfig(**{field: 0})
+
+
+@pytest.mark.parametrize("command", ["logit-growth", "coord-check"])
+def test_a_bad_corpus_leaves_no_empty_out(tmp_path, capsys, command):
+    """The experiments made --out before loading the corpus: a typo in --corpus left an empty folder behind."""
+    out = tmp_path / "run"
+    assert main(["experiment", command, "--corpus", str(tmp_path / "missing"), "--out", str(out)]) != 0
+    assert "missing" in capsys.readouterr().err and not out.exists()

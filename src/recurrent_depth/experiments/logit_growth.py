@@ -264,8 +264,8 @@ def plot(runs: list[dict], summary: dict[str, Any], cfg: LogitGrowthConfig, path
 def run_logit_growth(cfg: LogitGrowthConfig, log=print) -> dict[str, Any]:
     out = Path(cfg.out)
     check_out_dir(out)  # (an existing file: one line naming it, not mkdir's bare errno)
-    out.mkdir(parents=True, exist_ok=True)
     tokens = byte_tokens(cfg.corpus, max_bytes=1_000_000)
+    out.mkdir(parents=True, exist_ok=True)  # (after the corpus loads: a bad --corpus leaves no empty --out)
     runs = []
     start = time.perf_counter()
     for optimizer, lrs in (("muon", cfg.muon_lrs), ("adamw", cfg.adamw_lrs)):

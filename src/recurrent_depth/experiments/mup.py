@@ -241,9 +241,9 @@ def plot(coords: dict[str, Any], transfer: dict[str, Any] | None, cfg: MupConfig
 def run_mup(cfg: MupConfig, transfer: bool, log=print) -> dict[str, Any]:
     out = Path(cfg.out)
     check_out_dir(out)  # (an existing file: one line naming it, not mkdir's bare errno)
-    out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     tokens = byte_tokens(cfg.corpus, 1_000_000)
+    out.mkdir(parents=True, exist_ok=True)  # (after the corpus loads: a bad --corpus leaves no empty --out)
     coords = coordinate_check(cfg, tokens)
     for parametrization in cfg.parametrizations:
         log(f"coordinate check, {parametrization}: max/min across widths after {cfg.steps} steps of the "

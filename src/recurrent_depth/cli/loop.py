@@ -4,9 +4,10 @@
     rdepth loop search --model runs/loop-demo/model --widths 1,2,3 --iterations 2,3 --save runs/looped
     rdepth loop eval --model runs/loop-demo/model --windows 3-4 --iterations 1,2,3,4 --rules naive,damped,rk
 
-`pretrain` stops at --max-steps or after --max-cpu-minutes of this process's CPU time, whichever
-comes first; on a shared machine the wall clock runs longer (about 20 minutes were seen for the
-6 CPU minutes on a busy 2-core machine). `search` scores every window of the given widths at each
+`pretrain` stops at --max-steps or after --max-cpu-minutes of this process's CPU time in training
+steps (the tokenizer and data preparation before them are not counted), whichever comes first; on
+a shared machine the wall clock runs longer (about 20 minutes were seen for the 6 CPU minutes on a
+busy 2-core machine). `search` scores every window of the given widths at each
 K and rule on held-out text (validation loss of the embedded stdlib corpus by default, or --data
 FILE|DIR|FILE.jsonl) and prints the best;
 `--save DIR` writes the best looped model (its config.json carries the loop, which
@@ -95,8 +96,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     pretrain = actions.add_parser("pretrain", help="train the demo's small Llama-style model on the stdlib corpus",
                                   description="Train the demo's small Llama-style model on the stdlib corpus. "
-                                  "--max-cpu-minutes bounds this process's CPU time, not the wall clock: on a busy "
-                                  "machine the run takes longer than its CPU budget.")
+                                  "--max-cpu-minutes bounds this process's CPU time in training steps (not the "
+                                  "tokenizer and data preparation before them), not the wall clock: on a busy machine "
+                                  "the run takes longer than its CPU budget.")
     from recurrent_depth.looping.pretrain import PretrainRecipe
 
     defaults = PretrainRecipe()

@@ -40,7 +40,7 @@ class PretrainRecipe:
     seq_len: int = 128
     batch_size: int = 16
     max_steps: int = 700
-    max_cpu_minutes: float = 6.0  # this process's CPU time (a shared machine's load does not shorten the run)
+    max_cpu_minutes: float = 6.0  # this process's CPU time in training steps (a busy machine does not shorten the run)
     lr: float = 4e-3
     warmup_steps: int = 30
     val_fraction: float = 0.02

@@ -6,10 +6,12 @@ Records (one per JSONL line, or one per row of a local `datasets` file):
   every assistant message is learned, the rest is context; a message's other fields (`name`, `tool_calls`)
   go to the chat template as they are (a null field as if absent); a null `content` (OpenAI's assistant turn
   of tool calls only) is empty text, and a list of text parts (`[{"type": "text", "text": ...}, ...]`) their
-  texts joined by a newline, as the server reads them (`serving.chat_template.content_text`);
+  texts joined by a newline, as the server reads them (`serving.chat_template.content_text`); an assistant
+  message of OpenAI's fine-tuning `"weight": 0` is context, not learned (`weight` is 0 or 1, never rendered);
+  a learned answer of empty text and no tool calls is refused (only its end of turn would be learned);
 - prompt/completion: `{"prompt": "...", "completion": "..."}`, the completion is learned. Both may also be
   lists of messages (the conversational form): the conversation is `prompt + completion`, and only the
-  completion's assistant messages are learned.
+  completion's assistant messages are learned. An empty completion is refused.
 
 Chats are rendered with the tokenizer directory's chat template (`serving/chat_template.py`, sandboxed).
 The assistant-only rule: a template with `{% generation %}` blocks (Huginn-0125's, ours) decides itself: the
@@ -21,6 +23,8 @@ whose renders are not prefixes of each other cannot be cut this way and is refus
 tokenized on its own, so no token straddles a cut (as the continuation of the piece before it: no
 sentencepiece '▁' of a text's start inside the text), and the tokens of the learned pieces carry the loss:
 the answer and the end-of-turn marker the template writes after it, never the header that opens the turn.
+A special token's text inside a message (`<|end_text|>` in an answer) is plain text, tokenized as the server's
+`TextCodec.encode_chat` does it (a message cannot forge a turn there, so training must not teach one).
 Prompt/completion text is not templated: `bos + prompt + completion + eos`, with the loss on the completion
 and the eos.
 
@@ -32,6 +36,7 @@ Files: `.jsonl` is read here, a line at a time with a size cap, and a bad record
 from __future__ import annotations
 
 import csv
+import dataclasses
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -159,18 +164,19 @@ def conversation(record: Any, where: str) -> Conversation:
         raise ValueError(f"{where}: expected an object with 'messages' or 'prompt' and 'completion', "
                          f"got {type(record).__name__}")
     if record.get("messages") is not None:
-        messages = _messages(record["messages"], where, "messages")
-        learned = [m["role"] == "assistant" for m in messages]
-        result = Conversation(messages, learned)
+        result = Conversation(*_messages(record["messages"], where, "messages", learn=True))
     elif record.get("prompt") is not None and record.get("completion") is not None:
         prompt, completion = record["prompt"], record["completion"]
         if isinstance(prompt, str) and isinstance(completion, str):
+            if not completion.strip():  # (only the eos would be learned: every prompt answered with nothing)
+                raise ValueError(f"{where}: 'completion' is empty, so only the end of the text would be learned; "
+                                 "give it the answer's text or leave the record out")
             result = Conversation([{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}],
                                   [False, True], templated=False)
         elif isinstance(prompt, list) and isinstance(completion, list):
-            before, after = _messages(prompt, where, "prompt"), _messages(completion, where, "completion")
-            result = Conversation(before + after, [False] * len(before) + [m["role"] == "assistant" for m in after],
-                                  prompt_messages=len(before))
+            (before, _), (after, learned) = (_messages(prompt, where, "prompt", learn=False),
+                                             _messages(completion, where, "completion", learn=True))
+            result = Conversation(before + after, [False] * len(before) + learned, prompt_messages=len(before))
         else:
             raise ValueError(f"{where}: 'prompt' and 'completion' must both be strings or both lists of messages")
     else:
@@ -181,12 +187,14 @@ def conversation(record: Any, where: str) -> Conversation:
     return result
 
 
-def _messages(value: Any, where: str, key: str) -> list[dict[str, Any]]:
+def _messages(value: Any, where: str, key: str, learn: bool) -> tuple[list[dict[str, Any]], list[bool]]:
+    """The messages, checked and normalised, and which are learned: with `learn`, each assistant message
+    whose OpenAI fine-tuning `weight` is not 0 (the `weight` field is read here, not rendered)."""
     from recurrent_depth.serving.chat_template import ROLES, content_text  # (here: the serving package is heavy)
 
     if not isinstance(value, list) or not value:
         raise ValueError(f"{where}: '{key}' must be a non-empty list of messages")
-    out = []
+    out, learned = [], []
     for i, message in enumerate(value):
         if not (isinstance(message, dict) and isinstance(message.get("role"), str) and "content" in message):
             raise ValueError(f"{where}: {key}[{i}] must be an object with string 'role' and 'content' (or a null "
@@ -199,10 +207,24 @@ def _messages(value: Any, where: str, key: str) -> list[dict[str, Any]]:
         # a list of text parts is their texts joined, a null content empty text (never the text 'None' a template
         # would write for it), both as the server takes them (`content_text`)
         content = content_text(message["content"], f"{where}: {key}[{i}].content")
-        # every field goes to the template (a tool call, a tool's name); a null one (datasets fills a field some
-        # messages lack with None) is left out, as if absent
-        out.append({k: v for k, v in message.items() if v is not None} | {"content": content})
-    return out
+        # OpenAI's fine-tuning format: an assistant message of `weight` 0 is context, not learned (it was learned,
+        # silently); a training setting, so the template never sees it (the server's prompts have no weight)
+        weight = message.get("weight")
+        if weight is not None and (message["role"] != "assistant" or isinstance(weight, bool) or weight not in (0, 1)):
+            raise ValueError(f"{where}: {key}[{i}].weight={weight!r}: a weight is 0 (not learned) or 1 (learned), "
+                             "on assistant messages only")
+        learns = learn and message["role"] == "assistant" and weight != 0
+        # every other field goes to the template (a tool call, a tool's name); a null one (datasets fills a field
+        # some messages lack with None) is left out, as if absent
+        fields = {k: v for k, v in message.items() if v is not None and k != "weight"} | {"content": content}
+        if learns and not content.strip() and not fields.keys() - {"role", "content", "name"}:
+            # (only the end of the turn would be learned: the model taught to answer with nothing)
+            raise ValueError(f"{where}: {key}[{i}] is an assistant answer with empty content and no tool_calls, "
+                             "so only the end of its turn would be learned; give it text, or weight 0 to keep it "
+                             "as context")
+        out.append(fields)
+        learned.append(learns)
+    return out, learned
 
 
 class ExampleEncoder:
@@ -219,6 +241,11 @@ class ExampleEncoder:
         self.bos = config.bos_token_id
         eos = config.eos_token_id
         self.eos = eos[0] if isinstance(eos, list) else eos
+        # the special tokens' texts: in a message they are plain text, as the server reads them
+        from recurrent_depth.serving.text import LiteralSpecials, special_pattern  # (here: serving is heavy)
+
+        self.specials = special_pattern(self.tokenizer)
+        self.literal = LiteralSpecials(None)  # the special-token texts of the record being encoded
 
     def _compile(self, source: str, variables: dict[str, str]) -> ChatTemplate:
         import jinja2
@@ -235,6 +262,16 @@ class ExampleEncoder:
         if not chat.templated and self.eos is None:  # (the completion's end would be learned by nothing, silently)
             raise ValueError(f"{where}: a prompt/completion record needs the model's eos_token_id (config.json) to "
                              f"learn where a completion ends, and it has none: set eos_token_id, or use chat records")
+        # a special token's text in a message is plain text, tokenized as the server's `TextCodec.encode_chat` does
+        # it (parsed as a token here, an answer's `<|end_text|>` taught the model an eos mid-answer that the server's
+        # prompts never hold)
+        from recurrent_depth.serving.text import LiteralSpecials
+
+        self.literal = LiteralSpecials(self.specials if chat.templated else None)
+        if chat.templated:
+            chat = dataclasses.replace(chat, messages=[
+                {k: self.literal.escape(v, f"{where}: messages[{i}].{k}") for k, v in m.items()}
+                for i, m in enumerate(chat.messages)])
         pieces = self._chat_pieces(chat, where) if chat.templated else self._plain_pieces(chat)
         ids: list[int] = []
         scored: list[bool] = []
@@ -254,12 +291,19 @@ class ExampleEncoder:
         if not text:
             return []
         if not isinstance(before, str):  # (the start of the text, or after a bos / eos id)
-            return self.tokenizer.encode(text, add_special_tokens=False).ids
-        context = self.tokenizer.encode(before, add_special_tokens=False).ids
-        both = self.tokenizer.encode(before + text, add_special_tokens=False).ids
+            return self._encode(text)
+        context = self._encode(before)
+        both = self._encode(before + text)
         if both[: len(context)] == context:
             return both[len(context):]
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self._encode(text)
+
+    def _encode(self, text: str) -> list[int]:
+        """`text`'s ids as the server's `TextCodec.encode_chat` tokenizes a rendered chat (`LiteralSpecials`)."""
+        if not self.literal.literals:
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self.literal.encode(self.tokenizer, text, lambda piece: self.tokenizer.encode(
+            piece, add_special_tokens=False).ids)
 
     def _plain_pieces(self, chat: Conversation) -> list[tuple[str | int, bool]]:
         prompt, completion = chat.messages[0]["content"], chat.messages[1]["content"]
@@ -293,19 +337,27 @@ class ExampleEncoder:
         """The learned text is what the template's `{% generation %}` blocks render, as transformers'
         `return_assistant_tokens_mask` marks it (a message outside every block is not learned). In a
         conversational prompt/completion record, only blocks after the prompt count: the prompt ends where its
-        render with the generation prompt parts from the whole conversation (trl's `common_prefix_length`)."""
+        render with the generation prompt parts from the whole conversation (trl's `common_prefix_length`).
+        An assistant message of weight 0 teaches nothing: its text runs from where the render of the messages
+        before it parts from the whole conversation to where the render with it does."""
         with _template_errors(where):
             full, spans = self.template.generation_spans(chat.messages)
-        begin = 0
+        messages = chat.messages
+        skipped = []  # text no block may teach: the prompt, and each assistant message of weight 0
         if chat.prompt_messages:
-            begin = len(os.path.commonprefix([self._render(chat.messages[: chat.prompt_messages], True, where), full]))
+            skipped.append((0, len(os.path.commonprefix([self._render(messages[: chat.prompt_messages], True, where),
+                                                          full]))))
+        for i in range(chat.prompt_messages, len(messages)):
+            if messages[i]["role"] == "assistant" and not chat.learned[i]:  # (from the end of the message before)
+                start = len(os.path.commonprefix([self._render(messages[:i], False, where), full])) if i else 0
+                skipped.append((start, len(os.path.commonprefix([self._render(messages[: i + 1], False, where),
+                                                                 full]))))
         pieces: list[tuple[str | int, bool]] = []
         cursor = 0
         for start, end in sorted(spans):  # (sorted: a nested block is noted before the block around it)
-            start = max(start, begin, cursor)
-            if end > start:
-                pieces += [(full[cursor:start], False), (full[start:end], True)]
-                cursor = end
+            for a, b in _without(max(start, cursor), end, skipped):
+                pieces += [(full[cursor:a], False), (full[a:b], True)]
+                cursor = b
         if not any(learned for _, learned in pieces):
             raise ValueError(f"{where}: the chat template's {{% generation %}} blocks mark no text of this record's "
                              f"assistant answers, so nothing would be learned")
@@ -314,6 +366,14 @@ class ExampleEncoder:
     def _render(self, messages: list[dict[str, str]], open_turn: bool, where: str) -> str:
         with _template_errors(where):
             return self.template.render(messages, add_generation_prompt=open_turn)
+
+
+def _without(start: int, end: int, skipped: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The non-empty parts of [start, end) outside every interval of `skipped`, in order."""
+    parts = [(start, end)] if end > start else []
+    for lo, hi in skipped:
+        parts = [part for a, b in parts for part in ((a, min(b, lo)), (max(a, hi), b)) if part[1] > part[0]]
+    return sorted(parts)
 
 
 @contextmanager

@@ -25,6 +25,63 @@ _PLACEHOLDER = re.compile("\ufdd0(\\d+)\ufdd1")
 _BYTE_PIECE = re.compile("<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback token
 
 
+def special_pattern(tokenizer: Any) -> re.Pattern[str] | None:
+    """The texts of a `tokenizers.Tokenizer`'s special tokens as one pattern, longest first (None: it has none)."""
+    added = tokenizer.get_added_tokens_decoder()
+    specials = sorted({t.content for t in added.values() if t.special and t.content}, key=len, reverse=True)
+    return re.compile("|".join(re.escape(t) for t in specials)) if specials else None
+
+
+class LiteralSpecials:
+    """Special-token texts inside messages (contents, tool calls, tools, template variables) kept as plain text, so
+    that a message cannot forge a turn: `escape` swaps each for a placeholder (noted in `literals`) before the chat
+    template renders, and `encode` tokenizes the render with each placeholder's text put back as plain text and the
+    template's own special tokens as their ids. The server's prompts (`TextCodec.encode_chat`) and SFT's examples
+    (`data.chat.ExampleEncoder`) are both tokenized this way, so training sees what serving sends."""
+
+    def __init__(self, pattern: re.Pattern[str] | None) -> None:
+        self.pattern = pattern  # `special_pattern(tokenizer)`
+        self.literals: list[str] = []
+
+    def escape(self, value: Any, where: str) -> Any:
+        """`value` (a string, or lists and dicts of them: a tool call's arguments, a tool's name) escaped."""
+        if self.pattern is None:  # (no special token to forge)
+            return value
+        if isinstance(value, str):
+            if PLACEHOLDER_OPEN in value or PLACEHOLDER_CLOSE in value:
+                raise ValueError(f"{where} holds the Unicode noncharacter U+FDD0 or U+FDD1, which rdepth serve "
+                                 "reserves for its own use: remove it")
+            return self.pattern.sub(self._swap, value)
+        if isinstance(value, list):
+            return [self.escape(v, where) for v in value]
+        if isinstance(value, dict):
+            return {self.escape(k, where): self.escape(v, where) for k, v in value.items()}
+        return value
+
+    def _swap(self, match: re.Match[str]) -> str:
+        self.literals.append(match.group(0))
+        return f"{PLACEHOLDER_OPEN}{len(self.literals) - 1}{PLACEHOLDER_CLOSE}"
+
+    def encode(self, tokenizer: Any, text: str, plain_ids: Any) -> list[int]:
+        """The ids of a rendered `text` holding placeholders: each piece between the template's special tokens
+        with its literals put back, encoded by `plain_ids(piece)` with special-token matching off."""
+        pattern = self.pattern
+        pieces = pattern.split(text) if pattern is not None else [text]
+        controls = pattern.findall(text) if pattern is not None else []
+        ids: list[int] = []
+        tokenizer.encode_special_tokens = True
+        try:
+            for i, piece in enumerate(pieces):
+                plain = _PLACEHOLDER.sub(lambda m: self.literals[int(m.group(1))], piece)
+                if plain:
+                    ids += plain_ids(plain)
+                if i < len(controls):
+                    ids.append(tokenizer.token_to_id(controls[i]))
+        finally:
+            tokenizer.encode_special_tokens = False
+        return ids
+
+
 class ContextTooLong(ValueError):
     """A text that cannot fit the model's context, known before tokenizing it."""
 
@@ -140,9 +197,7 @@ class TextCodec:
             end_turn = self.tokenizer.token_to_id("<|end_turn|>")
             if end_turn is not None:
                 self.chat_stop_ids.add(end_turn)
-            specials = sorted({added[i].content for i in self.special_ids if added[i].content}, key=len, reverse=True)
-            if specials:
-                self._special_pattern = re.compile("|".join(re.escape(t) for t in specials))
+            self._special_pattern = special_pattern(self.tokenizer)
         self._strings: dict[int, str] = {}
         byte_level = self.tokenizer is not None and "ByteLevel" in type(self.tokenizer.decoder).__name__
         self._byte_level = byte_level
@@ -239,59 +294,22 @@ class TextCodec:
                              "use /v1/completions")
         for m in messages:
             self.check_fits(m["content"], "message content")
-        escaped, escaped_tools, escaped_variables, literals = self._escape_specials(messages, tools, variables)
+        literal = LiteralSpecials(self._special_pattern)
+        escaped = [{k: literal.escape(v, f"messages[{i}].{k}") for k, v in m.items()} for i, m in enumerate(messages)]
+        escaped_tools = None if tools is None else [literal.escape(t, f"tools[{i}]") for i, t in enumerate(tools)]
+        escaped_variables = None if variables is None else {
+            k: literal.escape(v, f"chat_template_kwargs.{k}") for k, v in variables.items()}
         text = self.chat.render(escaped, add_generation_prompt, escaped_tools, continue_final_message,
                                 escaped_variables)
-        if not literals:  # the common case: exactly what tokenizing the rendered text gives
+        if not literal.literals:  # the common case: exactly what tokenizing the rendered text gives
             self.check_fits(text, "rendered chat prompt")
             return self._ids(text, add_special_tokens=False)
-        ids: list[int] = []
-        pieces = self._special_pattern.split(text) if self._special_pattern else [text]
-        controls = self._special_pattern.findall(text) if self._special_pattern else []
-        self.tokenizer.encode_special_tokens = True
-        try:
-            for i, piece in enumerate(pieces):
-                plain = _PLACEHOLDER.sub(lambda m: literals[int(m.group(1))], piece)
-                if plain:
-                    self.check_fits(plain, "rendered chat prompt")
-                    ids += self._ids(plain, add_special_tokens=False)
-                if i < len(controls):
-                    ids.append(self.tokenizer.token_to_id(controls[i]))
-        finally:
-            self.tokenizer.encode_special_tokens = False
-        return ids
 
-    def _escape_specials(self, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None = None,
-                         variables: dict[str, Any] | None = None
-                         ) -> tuple[list[dict[str, str]], list[dict[str, Any]] | None, dict[str, Any] | None,
-                                    list[str]]:
-        literals: list[str] = []
-        if self._special_pattern is None:
-            return messages, tools, variables, literals
-        pattern = self._special_pattern
+        def plain_ids(piece: str) -> list[int]:
+            self.check_fits(piece, "rendered chat prompt")
+            return self._ids(piece, add_special_tokens=False)
 
-        def swap(match: re.Match[str]) -> str:
-            literals.append(match.group(0))
-            return f"{PLACEHOLDER_OPEN}{len(literals) - 1}{PLACEHOLDER_CLOSE}"
-
-        def escaped(value: Any, where: str) -> Any:
-            """Every string in a field's value (a tool call's arguments, a tool's name) escaped as content is."""
-            if isinstance(value, str):
-                if PLACEHOLDER_OPEN in value or PLACEHOLDER_CLOSE in value:
-                    raise ValueError(f"{where} holds the Unicode noncharacter U+FDD0 or U+FDD1, which this server "
-                                     "reserves for its own use")
-                return pattern.sub(swap, value)
-            if isinstance(value, list):
-                return [escaped(v, where) for v in value]
-            if isinstance(value, dict):
-                return {escaped(k, where): escaped(v, where) for k, v in value.items()}
-            return value
-
-        out = [{k: escaped(v, f"messages[{i}].{k}") for k, v in m.items()} for i, m in enumerate(messages)]
-        out_tools = None if tools is None else [escaped(t, f"tools[{i}]") for i, t in enumerate(tools)]
-        out_variables = None if variables is None else {
-            k: escaped(v, f"chat_template_kwargs.{k}") for k, v in variables.items()}
-        return out, out_tools, out_variables, literals
+        return literal.encode(self.tokenizer, text, plain_ids)
 
     # ------------------------------------------------------------------ output
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -61,6 +61,38 @@ def test_per_part_attention_options_are_counted(mixer, options):
     assert counter.get_total_flops() == flops.total - flops.attention_forward - attention_backward
 
 
+
+@pytest.mark.parametrize(
+    ("changes", "num_steps", "prelude_grad"),
+    [
+        ({"injection": "add"}, (2, 1), True),
+        ({"injection": "diagonal"}, (2, 1), True),
+        ({"injection": "none", "state_init": "embedding"}, (0, 2), True),
+        ({"injection": "none", "state_init": "embedding"}, (2, 1), False),  # truncation detaches e's only path
+        ({"injection": "none"}, (0, 2), False),  # s_0 random and e never injected: the prelude gets no gradient
+        ({"coda_projection": True}, (2, 1), True),
+        ({"value_embeddings": [0, 1, 3]}, (2, 1), True),  # prelude, core (every step) and coda gates
+        ({"injection": "diagonal", "coda_projection": True, "value_embeddings": [1]}, (1, 2), True),  # Parcae's
+    ],
+    ids=["add", "diagonal", "none-embedding", "none-embedding-truncated", "none-random", "coda-projection",
+         "value-embeddings", "parcae"],
+)
+def test_injection_coda_projection_and_value_gates_are_counted(changes, num_steps, prelude_grad):
+    """Every step was charged concat's 2h -> h adapter whatever the injection (add and none have no matmul,
+    diagonal an h x h one), Parcae's coda projection and value-embedding gates were left out, and the prelude's
+    backward was counted where no gradient reaches it."""
+    torch.manual_seed(0)
+    cfg = rd.ModelConfig.from_preset("tiny", hidden_size=48, num_heads=4, intermediate_size=100, vocab_size=300,
+                                     **changes)
+    model = rd.RecurrentDepthLM(cfg).train()
+    B, T = 2, 9
+    with FlopCounterMode(display=False) as counter:
+        model(torch.randint(0, cfg.vocab_size, (B, T)), num_steps=num_steps).logits.sum().backward()
+    flops = training_step_flops(cfg, B, T, num_steps)
+    with_grad = cfg.prelude_layers * prelude_grad + cfg.coda_layers + num_steps[1] * cfg.core_layers
+    attention_backward = 2 * B * T * attention_flops(cfg, T) * with_grad
+    assert counter.get_total_flops() == flops.total - flops.attention_forward - attention_backward
+
 def test_sliding_window_counts_only_the_band():
     cfg = rd.ModelConfig.from_preset("tiny", mixer_options={"core": {"window": 4}})
     full = rd.ModelConfig.from_preset("tiny")

@@ -54,12 +54,14 @@ def plot_loss_curve(metrics: Sequence[dict[str, Any]], path: str | Path, evals: 
         ax.plot(steps, losses, color="0.75", linewidth=0.8, label="train loss")
         ax.plot(steps, _smooth(losses, max(3, steps.size // 10)), color="C0", linewidth=1.6,
                 label="train loss (moving average)")
+    labelled = False
     for record in evals:
-        by_depth = record.get("val_loss_by_depth", {})
-        if by_depth:
-            best = min(by_depth.values())
-            ax.scatter([record["step"]], [best], color="C3", zorder=3, s=18,
-                       label="validation (best depth)" if record is evals[0] else None)
+        # (eval.jsonl writes a diverged depth's loss as null: the best of the finite ones, none if none is)
+        finite = [v for v in (record.get("val_loss_by_depth") or {}).values() if v is not None and np.isfinite(v)]
+        if finite:
+            ax.scatter([record["step"]], [min(finite)], color="C3", zorder=3, s=18,
+                       label=None if labelled else "validation (best depth)")
+            labelled = True
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title("Training loss")
@@ -157,9 +159,10 @@ def write_training_report(
         ("total time", f"{summary.get('total_seconds', 0):.0f} s"),
     ]
     table = depth_table(summary["val_loss_by_depth"])
+    versus = f"vs depth {table[0][0]}"  # (the deltas are against the smallest depth evaluated, not always 1)
     md = [f"# {title}", ""]
     md += [f"- **{k}**: {v}" for k, v in facts]
-    md += ["", "| depth | validation loss | vs depth 1 |", "|---:|---:|---:|"]
+    md += ["", f"| depth | validation loss | {versus} |", "|---:|---:|---:|"]
     md += [f"| {d} | {loss:.4f} | {delta:+.4f} |" for d, loss, delta in table]
     md += [""]
     for caption, image in images.items():
@@ -183,7 +186,7 @@ table{{border-collapse:collapse;margin:1em 0}}td,th{{border:1px solid #ccc;paddi
 th{{text-align:left;background:#f5f5f5}}figure{{display:inline-block;margin:0.5em}}img{{max-width:440px}}
 pre{{background:#f7f7f7;padding:1em;overflow-x:auto}}</style></head><body>
 <h1>{html.escape(title)}</h1><table>{fact_rows}</table>
-<h2>Validation loss by test-time depth</h2><table><tr><th>depth</th><th>validation loss</th><th>vs depth 1</th></tr>
+<h2>Validation loss by test-time depth</h2><table><tr><th>depth</th><th>validation loss</th><th>{versus}</th></tr>
 {rows}</table>{pictures}{sample_html}</body></html>
 """
     html_path = out / "report.html"

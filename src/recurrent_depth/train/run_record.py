@@ -25,8 +25,9 @@ METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
 RUN_FILE = "run.json"
 TENSORBOARD_DIR = "tensorboard"
-# Scalars of a step's metrics record that go to tensorboard as `train/<key>`.
-TENSORBOARD_SCALARS = ("loss", "lr", "tokens_per_s", "grad_norm", "max_logit", "distill_ce", "distill_kl")
+# A step's metrics record goes to tensorboard as `train/<key>`, each of its numbers (what objectives and sources
+# add too: RL's `reward_mean`, SFT's `scored_tokens`, `indexer_kl`, ...) but these, plus `train/depth`.
+TENSORBOARD_SKIPPED = ("step",)
 
 
 def num_parameters(model: nn.Module) -> int:
@@ -48,7 +49,9 @@ def run_metadata(trainer: Trainer) -> dict[str, Any]:
         "sampler": ({"scheme": "baseline", "num_steps": [0, 1]} if cfg.baseline
                     else trainer.sampler.to_dict() if trainer.sampler is not None else None),
         "eval_depths": trainer.eval_depths,
-        "seeds": {"weights": cfg.seed, "data": cfg.seed, "depth": cfg.seed, "initial_state": cfg.seed + 1},
+        # (validation_state: the streams of each validation row's s_0, `validation.row_states`)
+        "seeds": {"weights": cfg.seed, "data": cfg.seed, "depth": cfg.seed, "initial_state": cfg.seed + 1,
+                  "validation_state": cfg.seed},
         "data": trainer.source.describe(),
         "tokenizer_dir": str(trainer.tokenizer_dir) if trainer.tokenizer_dir is not None else None,
         "resumed_from": str(trainer.resume_from) if trainer.resume_from else None,
@@ -69,12 +72,22 @@ def write_run_file(out: Path, metadata: dict[str, Any]) -> None:
     atomic_write_text(out / RUN_FILE, json.dumps(metadata, indent=2, default=str) + "\n")
 
 
-def git_revision() -> dict[str, Any]:
-    """Commit and dirty flag of the checkout this package runs from (None outside a git checkout)."""
-    here = Path(__file__).resolve().parent
+def git_revision(source: str | Path | None = None) -> dict[str, Any]:
+    """Commit and dirty flag of the checkout this package runs from (None outside a git checkout).
+
+    source: a file of the package (default this module). It must be tracked by the repository git finds
+    around it: an installed copy inside another project's checkout (a venv in it, ignored) is not that
+    project's code, so its commit is not recorded as the package's.
+    """
+    source = Path(source if source is not None else __file__).resolve()
+    here = source.parent
     try:
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
         if rev.returncode != 0:
+            return {"commit": None, "dirty": None}
+        tracked = subprocess.run(["git", "ls-files", "--error-unmatch", source.name], cwd=here,
+                                 capture_output=True, text=True, timeout=10)
+        if tracked.returncode != 0:
             return {"commit": None, "dirty": None}
         status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
                                 capture_output=True, text=True, timeout=10)
@@ -166,8 +179,9 @@ def tensorboard_step(tb: Any, record: dict[str, Any]) -> None:
     if tb is None:
         return
     step = record["step"]
-    for key in TENSORBOARD_SCALARS:
-        if record.get(key) is not None:
-            tb.add_scalar(f"train/{key}", record[key], step)
+    for key, value in record.items():
+        # (a flag, a list or a text is not a scalar; None is a value that was not finite)
+        if key not in TENSORBOARD_SKIPPED and isinstance(value, int | float) and not isinstance(value, bool):
+            tb.add_scalar(f"train/{key}", value, step)
     if record["num_steps"]:
         tb.add_scalar("train/depth", sum(record["num_steps"]) / len(record["num_steps"]), step)

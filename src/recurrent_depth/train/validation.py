@@ -124,12 +124,15 @@ def batch_losses(
     generator_seed: int,
     dtype: str = "float32",
 ) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
-    """Summed loss (targets of -100 unscored) and summed per-sequence token correlation per depth of a
-    training batch (`train/batches.py`: the model's keyword arguments + `targets`, e.g. SFT's packed rows
-    with `position_ids` and `document_ids`); one `model(...)` call per depth, each from the same s0 draw."""
+    """Summed loss (targets of -100 unscored) and summed per-sequence token correlation (over the rows' real
+    positions, `real_positions`: padding left out) per depth of a training batch (`train/batches.py`: the
+    model's keyword arguments + `targets`, e.g. SFT's packed rows with `position_ids` and `document_ids`); one
+    `model(...)` call per depth, each from the same s0 draw."""
     inputs = {k: v for k, v in batch.items() if k != "targets"}
     targets = batch["targets"]
     device = targets.device
+    real = real_positions(batch)
+    paired = real.sum(dim=1) >= 2  # (a row with one real position has no pair to correlate)
     losses: dict[int, Tensor] = {}
     corr: dict[int, Tensor] = {}
     for depth in sorted(set(depths)):
@@ -137,8 +140,22 @@ def batch_losses(
         with autocast_context(dtype, device):
             out = model(**inputs, num_steps=depth, generator=gen)
         losses[depth] = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten(), reduction="sum")
-        corr[depth] = token_correlation(out.final_state).sum()
+        # the padding's states left out: its many near-equal states read as collapse. A row without a pair counts
+        # as the mean of the batch's others (the sum stays one value per sequence)
+        per_row = token_correlation(out.final_state, real)
+        corr[depth] = per_row.sum() if bool(paired.all()) else per_row[paired].mean() * per_row.shape[0]
     return losses, corr
+
+
+def real_positions(batch: dict[str, Tensor]) -> Tensor:
+    """[B, T] true on a row's example tokens, false on its padding: packed rows' document id -1, otherwise the
+    tail after the row's last scored target (an example ends on a scored target, its eos; -100 unscored)."""
+    if "document_ids" in batch:
+        return batch["document_ids"] >= 0
+    targets = batch["targets"]
+    positions = torch.arange(targets.shape[1], device=targets.device)
+    last = torch.where(targets != -100, positions, -1).amax(dim=1, keepdim=True)
+    return positions <= last
 
 
 def next_batch_late(started: float, done: int, deadline: float | None) -> bool:

@@ -65,10 +65,27 @@ def resolve_ns_dtype(ns_dtype: str, params: list[Tensor]) -> torch.dtype:
     return getattr(torch, ns_dtype)
 
 
+MAX_NS_STEPS = 99  # torch.optim.Muon's bf16 step raises at 100 or more (its float32 twin here must agree)
+
+
+def check_group(group: dict) -> None:
+    """One-line errors for the settings torch.optim.Muon takes unchecked (or refuses only at its first bf16
+    step): the same group must be valid in either Newton-Schulz dtype, on every machine."""
+    steps, momentum, coefficients = group["ns_steps"], group["momentum"], group["ns_coefficients"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_NS_STEPS:
+        raise ValueError(f"Muon ns_steps={steps!r} is invalid: expected an integer in [1, {MAX_NS_STEPS}]")
+    if isinstance(momentum, bool) or not isinstance(momentum, int | float) or not 0 <= momentum < 1:
+        # momentum 1 never moves the buffer from zero: every update would be 0
+        raise ValueError(f"Muon momentum={momentum!r} is invalid: expected a number in [0, 1)")
+    if not isinstance(coefficients, tuple | list) or len(coefficients) != 3:
+        raise ValueError(f"Muon ns_coefficients={coefficients!r} is invalid: expected three numbers (a, b, c)")
+
+
 class Muon(torch.optim.Muon):
     """torch.optim.Muon with `ns_dtype`: "bfloat16" (torch's step, unchanged), "float32", or "auto"
     (float32 when every parameter is on a CPU that emulates bf16, else bfloat16); and `row_blocks`
-    (see the module docstring), whose parameters always take this class's own step."""
+    (see the module docstring), whose parameters always take this class's own step. Groups are checked by
+    `check_group` (ns_steps in [1, 99], momentum in [0, 1)), so a setting fails at construction on every machine."""
 
     def __init__(self, params, *, ns_dtype: str = "auto", row_blocks: dict[int, tuple[int, ...]] | None = None,
                  **kwargs) -> None:
@@ -81,6 +98,15 @@ class Muon(torch.optim.Muon):
                 if blocks is not None and sum(blocks) != param.shape[0]:
                     raise ValueError(f"Muon row_blocks {blocks} do not add up to the {param.shape[0]} rows "
                                      f"of a {tuple(param.shape)} parameter")
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's (also what `__init__` calls per group), plus `check_group`: a bad group is refused, not kept."""
+        super().add_param_group(param_group)
+        try:
+            check_group(self.param_groups[-1])
+        except ValueError:
+            self.param_groups.pop()
+            raise
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -29,7 +29,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from recurrent_depth.config import FIXED_FAN_IN_MODULES, check_field_names, is_int
-from recurrent_depth.train.muon import NS_DTYPES, Muon
+from recurrent_depth.train.muon import MAX_NS_STEPS, NS_DTYPES, Muon
 from recurrent_depth.train.schedule import lr_at
 
 BIAS_CORRECTIONS: tuple[str, ...] = ("outside", "inside", "none")
@@ -417,7 +417,8 @@ def build_optimizers(model: nn.Module, recipe: OptimConfig) -> OptimizerSet:
     * ``"adamw"`` / ``"ellis-adam"``: one ``torch.optim.AdamW`` / :class:`HuginnAdam` with groups
       ``matrices`` and ``embeddings`` (``recipe.weight_decay``) and ``no_decay`` (norms, biases; wd 0).
     * ``"muon"``: ``torch.optim.Muon`` (:class:`~recurrent_depth.train.muon.Muon`, Newton-Schulz in
-      ``recipe.muon_ns_dtype``) over the ``matrices`` that are linear-layer weights (lr ``recipe.muon_lr``,
+      ``recipe.muon_ns_dtype``) over the ``matrices`` that are linear-layer weights, the diagonal injection's ``B``
+      included (lr ``recipe.muon_lr``,
       so ``lr_scale = muon_lr / lr``) plus AdamW over ``embeddings`` and ``no_decay`` (and any other
       matrix: convolution filters, per-level mixing weights, tensors that are not 2-D).
 
@@ -450,7 +451,11 @@ def build_optimizers(model: nn.Module, recipe: OptimConfig) -> OptimizerSet:
     if recipe.name == "muon":
         # Muon orthogonalises linear maps; other 2-D weights (a depthwise convolution's [channels, taps]
         # filters, per-level mixing weights) are not maps between feature spaces and stay with AdamW.
+        from recurrent_depth.model.layers import DiagonalInjection
+
         linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+        # Parcae's injection (`injection="diagonal"`) holds its adapter matrix B [h, h] (e -> state) bare: a linear map
+        linear_weights |= {id(m.B) for m in model.modules() if isinstance(m, DiagonalInjection)}
         muon_items = [(n, p) for n, p in parts["matrix"] if p.ndim == 2 and id(p) in linear_weights]
         other_matrices = [(n, p) for n, p in parts["matrix"] if not (p.ndim == 2 and id(p) in linear_weights)]
         adam_groups = [
@@ -590,8 +595,9 @@ class OptimConfig:
             raise ValueError(f"optim.bias_correction must be one of {BIAS_CORRECTIONS}, got {self.bias_correction!r}")
         _check_real(self.muon_lr, "optim.muon_lr", low=0.0, low_open=True)
         _check_real(self.muon_momentum, "optim.muon_momentum", low=0.0, high=1.0, high_open=True)
-        if not is_int(self.muon_ns_steps) or self.muon_ns_steps < 1:
-            raise ValueError(f"optim.muon_ns_steps must be an integer >= 1, got {self.muon_ns_steps!r}")
+        if not is_int(self.muon_ns_steps) or not 1 <= self.muon_ns_steps <= MAX_NS_STEPS:
+            raise ValueError(f"optim.muon_ns_steps must be an integer in [1, {MAX_NS_STEPS}], "
+                             f"got {self.muon_ns_steps!r}")
         _check_real(self.muon_weight_decay, "optim.muon_weight_decay", low=0.0)
         if self.muon_adjust_lr is not None and self.muon_adjust_lr not in MUON_ADJUST_LR:
             raise ValueError(

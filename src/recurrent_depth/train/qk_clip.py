@@ -36,7 +36,8 @@ CLIPPABLE_MIXERS: tuple[str, ...] = ("attention", "mla")
 class QKClip:
     """Records per-head max logits of `model`'s attention layers and, with `threshold`, clips them.
 
-    threshold: tau (> 0), or None to record the max logit only (no clipping).
+    threshold: tau (> 0), or None to record the max logit only (no clipping). Clipping needs every attention
+    layer's weights trainable: under a LoRA adapter (frozen base) it is refused; recording works there.
     Call `step()` once after every optimizer step: it reduces the maxima over ranks (all_reduce
     MAX when torch.distributed is initialised), clips (unless `apply=False`), starts the next
     step's maxima and returns `{"max_logit": float | None, "qk_clipped_heads": int}`.
@@ -69,6 +70,13 @@ class QKClip:
         ]
         if not self.layers:
             raise ValueError("QK-clip found no attention layer to record (the model has no softmax attention)")
+        frozen = [name for name, module in self.layers if any(not p.requires_grad for p in module.parameters())]
+        if self.threshold is not None and frozen:
+            # A LoRA run trains and saves only the adapter: clipping would rescale frozen base weights (lost on
+            # save) and leave the adapter's low-rank update, and so the logits, unclipped.
+            raise ValueError(f"QK-clip needs trainable attention weights, but {frozen[0]}'s are frozen (a LoRA adapter "
+                             "cannot be rescaled per head); drop qk_clip (record_max_logit only records) or train "
+                             "every weight")
         for _, module in self.layers:
             module.record_max_logit = True
             module.reset_max_logit()

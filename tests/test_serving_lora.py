@@ -2,7 +2,7 @@
 
 Exactness: a request for adapter X answers exactly what a server with `--lora X` alone answers (the base's
 requests what the base alone answers), token ids and log-probabilities, also while requests for the other
-adapters run at the same time (each adapter's requests run in their own batches)."""
+adapters run at the same time (in the same batches: each row adds its own adapter)."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def test_each_adapter_and_the_base_answer_exactly_as_a_server_of_their_own(multi
 
 def test_concurrent_requests_of_different_adapters_each_equal_their_own(multi):
     """Requests naming the base and both adapters, all at once and interleaved: each equals the same request
-    alone (token ids exactly, log-probabilities to float rounding: same-adapter requests share a batch)."""
+    alone (token ids exactly, log-probabilities to float rounding: the requests share mixed batches)."""
     alone = {name: answers(multi.url, name) for name in ("tiny", "sql", "chat")}
     jobs = [(name, p) for _ in range(3) for name in ("sql", "tiny", "chat") for p in range(len(PROMPTS))]
     before = float(next(line.split()[-1] for line in httpx.get(multi.url + "/metrics").text.splitlines()
@@ -101,7 +101,7 @@ def test_concurrent_requests_of_different_adapters_each_equal_their_own(multi):
         assert r.choices[0].logprobs.token_logprobs == pytest.approx(logprobs, abs=1e-4), (name, p)
     after = float(next(line.split()[-1] for line in httpx.get(multi.url + "/metrics").text.splitlines()
                        if line.startswith("rdepth_adapter_switches_total")))
-    assert after > before  # (the interleaved requests did switch the model between adapters)
+    assert after == before  # (rows of different adapters shared batches: the model switched no adapter)
 
 
 def test_models_lists_the_base_and_each_adapter_and_unknown_names_are_404s(multi):
@@ -241,5 +241,6 @@ def test_the_adapters_a_server_serves_are_its_schedulers(model_dir, adapters):  
                                              r"\['sql'\]\)"):
             scheduler.submit([SimpleNamespace(adapter="chat")])
         answers(live.url, "sql")
-        assert scheduler.healthy and scheduler.adapters.active == "sql"
+        assert scheduler.healthy and scheduler.adapters.active is None  # (the batch's rows add their own)
+        scheduler.adapters.activate("sql")  # (as a solo job's switch does; nothing runs now)
         assert not [name for name, p in model.named_parameters() if p.requires_grad]

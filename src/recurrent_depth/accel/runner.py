@@ -31,8 +31,8 @@ decoding is bound by per-operation overhead, not FLOPs:
 
 Unmerged peft LoRA adapters (`recurrent_depth.train.lora`) on the blocks' linear layers and the adapter
 are applied as peft's forward applies them: `x W^T + (x A^T) (s B)^T` after each product (see
-`accel/lora.py`); a model with LoRA layers the runner cannot reproduce (DoRA, LoRA on the embedding or
-the head, ...) takes the reference runner.
+`accel/lora.py`; a mixed batch's runner adds each row's own adapter); a model with LoRA layers the runner
+cannot reproduce (DoRA, LoRA on the embedding or the head, ...) takes the reference runner.
 
 Quantized weights (`weight_quant.quantize_weights`: int8 / int4 block linears, adapter, an untied head)
 are multiplied by through their own layers, so decode rows take the C++ `int8_linear` / `int4_linear`
@@ -70,7 +70,15 @@ from torch import Tensor
 from recurrent_depth.accel import decode_cpp, enabled_by_default, quant_cpp
 from recurrent_depth.accel.cpu import cpu_emulates_bf16
 from recurrent_depth.accel.decode_cpp import DecodeKernel
-from recurrent_depth.accel.lora import is_lora_layer, low_rank_term, unsupported_lora
+from recurrent_depth.accel.lora import (
+    LowRank,
+    RowLowRank,
+    add_low_rank,
+    is_lora_layer,
+    low_rank_term,
+    split_low_rank,
+    unsupported_lora,
+)
 from recurrent_depth.accel.quant import code_kernels
 from recurrent_depth.inference.runner import ModelRunner, Step, register_fast_runner
 from recurrent_depth.model.cache import ModelCache, combine_key_mask
@@ -217,8 +225,7 @@ class FastRunner(ModelRunner):
         adapter_term = low_rank_term(t.adapter, self.dtype)
         self.adapter_s_term = self.adapter_e_term = None
         if adapter_term is not None:
-            a_t, b_t = adapter_term  # [2h, r], [r, h]
-            self.adapter_s_term, self.adapter_e_term = (a_t[:h], b_t), (a_t[h:], b_t)
+            self.adapter_s_term, self.adapter_e_term = split_low_rank(adapter_term, h)
         self.ln_f = t.ln_f.weight * self._norm_scale(h)
         self.wte = t.wte.weight
         self.lm_head = self._operand(model.lm_head)
@@ -340,7 +347,7 @@ class FastRunner(ModelRunner):
 
     @staticmethod
     def _linear(x: Tensor, weight_t: Tensor | QuantizedLinear, bias: Tensor | None, residual: Tensor | None = None,
-                out: Tensor | None = None, low_rank: tuple[Tensor, Tensor] | None = None,
+                out: Tensor | None = None, low_rank: LowRank | RowLowRank | None = None,
                 sum_once: bool = False) -> Tensor:
         """x @ W^T (+ bias) (+ residual) (+ a LoRA term `(x A^T) (s B)^T`) on 2-D `[N, in]` activations, in
         one `addmm` when possible, or one C++ call for bf16 decode rows (`_bf16_stream`), or a quantized
@@ -366,10 +373,7 @@ class FastRunner(ModelRunner):
             y = y if bias is None else (y + bias if out is None else y.add_(bias))
         else:
             y = torch.mm(x, weight_t, out=out) if bias is None else torch.addmm(bias, x, weight_t, out=out)
-        if low_rank is None:
-            return y
-        a_t, b_t = low_rank
-        return y.addmm(x @ a_t, b_t) if y.requires_grad else y.addmm_(x @ a_t, b_t)
+        return add_low_rank(y, x, low_rank)  # (a mixed batch's runner: each row's own adapter)
 
     def _block(self, x: Tensor, p: dict[str, Any], step: Step, key: tuple, B: int, T: int) -> Tensor:
         """One sandwich block on 2-D activations `x` `[B * T, h]`."""

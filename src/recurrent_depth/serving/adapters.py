@@ -3,17 +3,20 @@
 
 A request's `model` field picks its adapter by name; the base's served name (`--served-model-name`) runs the
 base alone. The adapters are loaded once, unmerged, onto the one base (`train.lora.load_loras`: the same
-checks as `--lora`, the base fingerprint included) and at most one is on at a time (`activate`).
+checks as `--lora`, the base fingerprint included).
 
-The scheduler (`engine.BatchScheduler`) therefore runs the requests of one adapter at a time. While an
-adapter's requests run, waiting requests of it join the batch in arrival order up to the first that names
-another; that one, and every request behind it, waits until nothing runs. Then the model switches to the
-oldest waiting request's adapter (`activate`, and the batch's runner is rebuilt from the switched model: the
-fused runner reads the adapter's low-rank terms when it is built), and every request of that adapter waiting
-then joins (as rows and the prefill budget allow), the others keeping their order behind. A request thus
-computes exactly what it computes on a server started with `--lora` of its adapter alone (or with none, for
-the base), whatever the other requests name; the cost is throughput when requests of different adapters
-interleave (docs/serving.md).
+Rows of different adapters share the continuous batch (`mixes`, as vLLM's punica kernels and peft's
+`adapter_names` batches do): each row adds its own adapter in every model call (`RowAdapters`,
+inference/lora_layers.py: peft's own mixed-batch forward in the model's layers; the fused runner, built for the
+batch, holds every adapter's low-rank terms and adds each row's, accel/lora.py), whichever adapter is turned
+on, so the scheduler (`engine.BatchScheduler`) admits requests in arrival order whatever they name. A request
+thus computes what it computes on a server started with `--lora` of its adapter alone (or with none, for the
+base), to float rounding, as any batched row does. Solo requests (speculative decoding, TTT-E2E, ...) run with
+the adapter turned on (`activate`, at most one at a time): the scheduler runs the solo requests of one adapter
+at a time, the batch's rows going on meanwhile. Where some adapter is not a plain low-rank pair on a linear
+layer (DoRA, a LoRA bias, ...: `plain_lora`), rows do not mix: the scheduler then runs the requests of one
+adapter at a time, switching the adapter (and rebuilding the batch's runner) once nothing runs; the cost is
+throughput when requests of different adapters interleave (docs/serving.md).
 
 With `rdepth serve --lora-updates-root DIR` adapters also load and unload while the server runs (vLLM's
 `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`): `adapter_dir_inside` keeps a request's path inside
@@ -28,7 +31,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from recurrent_depth.inference.lora_layers import is_lora_layer
+from recurrent_depth.inference.lora_layers import RowAdapters, is_lora_layer
 
 # What a served adapter name may hold: what a client types as `model`, without spaces or '=' (NAME=DIR).
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]*")
@@ -112,7 +115,8 @@ def check_update_settings(updates_root: str | Path | None, max_count: int | None
 
 
 class ServedAdapters:
-    """The named adapters of one served base model, and which one is on.
+    """The named adapters of one served base model, which one is on (for solo requests, or for every request
+    where rows do not mix), and `rows`, the per-row adapters of the batch (`mixes`: every adapter can mix).
 
     `model` (a `RecurrentDepthLM`, modified in place: peft's layers go onto it) gets every adapter of `modules`
     ({served name: adapter directory}); strict_base, model_dir: as for `train.lora.load_lora`.
@@ -144,9 +148,18 @@ class ServedAdapters:
         self._peft_names = {name: several_adapter_name(i) for i, name in enumerate(self.names)}
         self._loaded = len(self.names)  # adapters loaded so far: the next one's peft name (never reused)
         self.active: str | None = None  # load_loras leaves them all off
+        # rows of different adapters share a batch (`mixes`) unless an adapter is not a plain low-rank pair
+        self.rows = RowAdapters()
+        self.mixes = self.rows.attach(model)
 
     def __contains__(self, name: object) -> bool:
         return name in self._peft_names
+
+    def peft_name(self, name: str | None) -> str | None:
+        """The peft adapter name of served adapter `name` (None: the base), as `RowAdapters.use` takes it."""
+        if name is not None and name not in self._peft_names:
+            raise ValueError(f"no adapter named {name!r}; this server has {list(self.names)}")
+        return None if name is None else self._peft_names[name]
 
     def activate(self, name: str | None) -> None:
         """Turn adapter `name` on (None: none, the base alone). Only between requests: nothing may be running."""
@@ -185,6 +198,7 @@ class ServedAdapters:
         self._loaded += 1
         self._peft_names[name] = peft_name
         self.names = (*self.names, name)
+        self.mixes = self.rows.attach(self.model)  # (its new layers; one that is not plain stops the mixing)
 
     def retire(self, name: str) -> str:
         """Stop serving adapter `name`: it leaves `names` (a job naming it is then refused), its layers stay on
@@ -203,6 +217,7 @@ class ServedAdapters:
 
         self.activate(None)
         self.wrapper = remove_named_lora(self.wrapper, peft_name)
+        self.mixes = self.rows.attach(self.model)
 
 
 # Matches regular expressions against module names in a child interpreter that imports the standard library only

@@ -31,6 +31,10 @@ architectures, e.g. Ouro): the prefill as `run`, each iteration as `step_rows`;
 token choice, per-row generators and exit statistics (`RowCriterion`) are the inference
 package's own classes. `add(..., should_stop=)` lets a caller end a prefill between core steps.
 
+`BatchDecoder(model, rows, row_adapters=...)` (the multi-adapter server's, `serving/adapters.py`) mixes LoRA
+adapters: `add(..., adapter=NAME)` gives a row its own, which every model call of it adds
+(`inference.lora_layers.RowAdapters`), whichever adapter is turned on.
+
 `BatchDecoder(model, rows, kv_quant=SPEC)` keeps every row's entries as code rows
 (`kv_pool.QuantizedSlotKVPool`): each row then equals `generate(..., kv_quant=SPEC)` alone, and
 takes requests whose `kv_quant` is SPEC or unset.
@@ -39,6 +43,7 @@ takes requests whose `kv_quant` is SPEC or unset.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -48,6 +53,7 @@ from torch import Tensor
 
 from recurrent_depth.inference.criteria import ExitCriterion, Gate, RowCriterion, gate_for
 from recurrent_depth.inference.engine import Pass, Recurrence
+from recurrent_depth.inference.lora_layers import RowAdapters
 from recurrent_depth.inference.options import ResolvedOptions
 from recurrent_depth.inference.quant_cache import KVQuant, kv_quant_for_model
 from recurrent_depth.inference.runner import Step
@@ -147,6 +153,7 @@ class Sequence:
     phase: int | None = None
     exit_step: int | None = None  # exit_kv="compute": the step the criterion held at (None: not yet)
     tag: object = None  # the caller's handle
+    adapter: str | None = None  # the peft name of the LoRA adapter the row adds (None: the base alone)
     # The request never changes once its row exists, so what follows from its options is computed once
     # (the scheduler asks for these several times per row and step).
 
@@ -212,11 +219,15 @@ class BatchDecoder:
         """Whether a request's `kv_quant` is what the pool stores (unset: whatever the pool stores)."""
         return kv_quant is None or KVQuant.parse(kv_quant) == self.kv_quant
 
-    def __init__(self, model: torch.nn.Module, max_rows: int, kv_quant: KVQuant | str | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, max_rows: int, kv_quant: KVQuant | str | None = None,
+                 row_adapters: RowAdapters | None = None) -> None:
+        """row_adapters: the LoRA layers' per-row adapters (the multi-adapter server's `ServedAdapters.rows`, where
+        they mix): each row adds the adapter `add` gave it, in every model call, whichever adapter is on."""
         self.model = model
         self.config = model.config
         self.kv_quant = None if kv_quant is None else kv_quant_for_model(model, kv_quant)
-        self.engine = Recurrence(model)  # over the fast runner (see `supports`), built without autograd
+        self.row_adapters = row_adapters
+        self.engine = self._new_engine()  # over the fast runner (see `supports`), built without autograd
         self.runner = self.engine.runner
         self.device = model.device
         self.max_rows = max_rows
@@ -250,10 +261,21 @@ class BatchDecoder:
         if self.rows:
             raise RuntimeError(f"the runner cannot change under {len(self.rows)} running rows")
         on_step = self.engine.on_step
-        self.engine = Recurrence(self.model)
+        self.engine = self._new_engine()
         self.engine.on_step = on_step
         self.runner = self.engine.runner
         self._contexts.clear()  # (they hold the old runner's steps)
+
+    def _new_engine(self) -> Recurrence:
+        """The recurrence over a new runner; with row adapters, one that adds each row's own (`RowAdapters`)."""
+        with self.row_adapters.for_runner() if self.row_adapters is not None else nullcontext():
+            return Recurrence(self.model)
+
+    def _adapters_of(self, rows: list[int]) -> AbstractContextManager:
+        """The context of a model call of `rows`: each adds its own adapter (no row adapters: nothing)."""
+        if self.row_adapters is None:
+            return nullcontext()
+        return self.row_adapters.use([self.rows[b].adapter for b in rows])
 
     def reset(self) -> None:
         """Forget every row and the KV storage (after an error left them in an unknown state)."""
@@ -264,8 +286,9 @@ class BatchDecoder:
     # ------------------------------------------------------------------ joining and leaving
     @torch.inference_mode()
     def add(self, request: RowRequest, tag: object = None, should_stop: Callable[[], bool] | None = None,
-            ) -> tuple[Sequence | None, TokenResult | None, PromptScores | None]:
-        """Prefill a request into a new row and choose its first token.
+            adapter: str | None = None) -> tuple[Sequence | None, TokenResult | None, PromptScores | None]:
+        """Prefill a request into a new row and choose its first token; adapter: the peft name of the LoRA
+        adapter the row adds (None: the base; needs the batch's `row_adapters`).
 
         Returns (the row, its first token, prompt scores when asked for). With max_new_tokens = 0
         only the prompt is scored and no row is kept (row and token are None). should_stop is
@@ -274,6 +297,9 @@ class BatchDecoder:
         """
         if len(self.rows) >= self.max_rows:
             raise RuntimeError(f"the batch is full ({self.max_rows} rows)")
+        if adapter is not None and self.row_adapters is None:
+            raise ValueError(f"a row of adapter {adapter!r} cannot join a batch without row adapters: build the "
+                             "BatchDecoder with row_adapters")
         request = replace(request, options=request.options.bound(self.config.core_layers))
         opts = request.options
         if not SlotKVPool.takes(opts.policy):
@@ -287,7 +313,7 @@ class BatchDecoder:
         chooser = TokenChooser(opts, self.config.vocab_size, generators)
         ids = torch.tensor([request.prompt], dtype=torch.long, device=self.device)
         chooser.observe_prompt(ids, torch.ones_like(ids, dtype=torch.bool))
-        seq = Sequence(request, generators, chooser, length=T, tag=tag)
+        seq = Sequence(request, generators, chooser, length=T, tag=tag, adapter=adapter)
         row = len(self.rows)
         self.pool.reserve(seq.row_slots, row + 1, T + opts.max_new_tokens,
                           max_rows=self.max_rows, max_capacity=self.config.max_seq_len)
@@ -297,13 +323,15 @@ class BatchDecoder:
         table = torch.tensor([[seq.slot(i) for i in range(depth)]], dtype=torch.long)
         pool.set_policy(row, opts.policy)
         pool.bind_prefill(row, T, table)
-        pass_ = engine.begin(ids, None, pool)
-        engine.should_stop = should_stop
-        try:
-            s, first_steps = prefill_prompt(engine, pass_, opts, generators[0], gate, self.config.vocab_size)
-        finally:
-            engine.should_stop = None
-        logits = engine.readout(s, pass_, last_only=not request.prompt_logprobs)[0]  # [T or 1, V]
+        adapters = nullcontext() if self.row_adapters is None else self.row_adapters.use([adapter])
+        with adapters:
+            pass_ = engine.begin(ids, None, pool)
+            engine.should_stop = should_stop
+            try:
+                s, first_steps = prefill_prompt(engine, pass_, opts, generators[0], gate, self.config.vocab_size)
+            finally:
+                engine.should_stop = None
+            logits = engine.readout(s, pass_, last_only=not request.prompt_logprobs)[0]  # [T or 1, V]
         pool.close_prefill(row, T, depth, seq.row_slots)
 
         scores = None
@@ -396,9 +424,10 @@ class BatchDecoder:
         index = self._select(rows)
         ids = torch.tensor([[r.pending] for r in seqs], dtype=torch.long, device=self.device)
         step = self._bind(rows, ids)
-        e = self.runner.embed(ids, step)  # [m, 1, h]
-        self.embedded[index] = e[:, 0]
-        self.injected[index] = self.runner.inject(e)[:, 0]
+        with self._adapters_of(rows):
+            e = self.runner.embed(ids, step)  # [m, 1, h]
+            self.embedded[index] = e[:, 0]
+            self.injected[index] = self.runner.inject(e)[:, 0]
         for j, (b, r) in enumerate(zip(rows, seqs)):
             opts = r.options
             if opts.warm_start:
@@ -422,7 +451,8 @@ class BatchDecoder:
         index = self._select(rows)
         step = self._bind(rows, core_steps=[r.phase for r in seqs])
         pass_ = Pass(step, self.embedded[index].unsqueeze(1), self.injected[index].unsqueeze(1))
-        state = self.engine.step_rows(self.state[index].unsqueeze(1), pass_)[:, 0]
+        with self._adapters_of(rows):
+            state = self.engine.step_rows(self.state[index].unsqueeze(1), pass_)[:, 0]
         self.state[index] = state
         self.iterations += 1
         self.core_rows += len(rows)
@@ -433,8 +463,9 @@ class BatchDecoder:
         reading = [b for b, r in deciding if self.criteria[r.criterion_key].needs_logits]
         if reading:  # output-based criteria: logits after every step (the coda's KV follows along)
             read_index = self._select(reading)
-            self.logits[read_index] = self.runner.predict(self.state[read_index].unsqueeze(1), self._bind(reading),
-                                                          last_only=True)[:, 0]
+            with self._adapters_of(reading):
+                self.logits[read_index] = self.runner.predict(self.state[read_index].unsqueeze(1),
+                                                              self._bind(reading), last_only=True)[:, 0]
         converged = set()
         for key, crit in self.criteria.items():
             members = [b for b, r in deciding if r.criterion_key == key]
@@ -466,8 +497,9 @@ class BatchDecoder:
         unread = [b for b, r in zip(rows, seqs) if not (r.adaptive and self.criteria[r.criterion_key].needs_logits)]
         if unread:
             unread_index = self._select(unread)
-            self.logits[unread_index] = self.runner.predict(self.state[unread_index].unsqueeze(1), self._bind(unread),
-                                                            last_only=True)[:, 0]
+            with self._adapters_of(unread):
+                self.logits[unread_index] = self.runner.predict(self.state[unread_index].unsqueeze(1),
+                                                                self._bind(unread), last_only=True)[:, 0]
         self.pool.close_tokens(rows, [r.length for r in seqs], [r.phase for r in seqs], [r.row_slots for r in seqs])
         steps = [r.phase if r.exit_step is None else r.exit_step for r in seqs]
         results = self._choose(seqs, self.logits[index], steps, [why for _, why in done])

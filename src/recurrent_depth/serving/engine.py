@@ -41,6 +41,7 @@ from recurrent_depth.serving.solo import SoloRun
 from recurrent_depth.serving.text import TextState
 
 log = logging.getLogger("recurrent_depth.serving")
+_ANY = object()  # (`_take_admissible`: no solo job runs, so one of any adapter may start)
 
 
 class QueueFull(Exception):
@@ -166,8 +167,9 @@ class BatchScheduler:
     ) -> None:
         """kv_quant: the server's KV quantization (None: full precision): the batch's pool stores
         code rows, and requests that do not set `kv_quant` use it (see `handlers.Handlers.make_jobs`).
-        adapters: the LoRA adapters on `model` that jobs name (`Job.adapter`); the jobs of one adapter run at a
-        time (`_take_admissible`)."""
+        adapters: the LoRA adapters on `model` that jobs name (`Job.adapter`): the batch's rows each add their own
+        (`_mixing`), solo jobs run one adapter at a time (`_take_admissible`); where the adapters cannot mix
+        (`ServedAdapters.mixes`), every job does."""
         for name, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 1),
                                  ("prefill_tokens", prefill_tokens, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -181,7 +183,8 @@ class BatchScheduler:
         self.adapters = adapters
         if adapters is not None:
             adapters.activate(None)  # (the base until a job names an adapter)
-        self.batch = BatchDecoder(model, max_batch, self.kv_quant) if BatchDecoder.supports(model) else None
+        self.batch = (BatchDecoder(model, max_batch, self.kv_quant, row_adapters=self._row_adapters())
+                      if BatchDecoder.supports(model) else None)
         # time.monotonic() of the last completed core step or delivered token (None before the first), for /health.
         self.last_progress: float | None = None
         if self.batch is not None:
@@ -336,8 +339,8 @@ class BatchScheduler:
                     if self.adapter_updates and self.running == 0:
                         self._run_adapter_updates()
                         continue
-                    if admitted and admitted[0].adapter != self._adapter_in_use():
-                        self._switch_adapter(admitted[0].adapter)
+                    if admitted:
+                        self._switch_for(admitted)
                     for job in admitted:
                         self._start(job)
                     if self.batch is not None and len(self.batch):
@@ -384,13 +387,22 @@ class BatchScheduler:
         # others keep their place in the queue and the requests behind them go ahead.
         training = any(job.trains for job, _ in self.solos)
         held: list[Job] = []
-        # LoRA adapters (--lora-modules) run one at a time. While one runs, its jobs are admitted up to the first
+        # Where rows do not mix (an adapter that is not a plain low-rank pair), LoRA adapters (--lora-modules) run
+        # one at a time. While one runs, its jobs are admitted up to the first
         # job of another; that one and the jobs behind it wait until nothing runs. Then the oldest waiting job's
         # adapter goes next (`_run` switches to it): every job of it waiting now moves to the front, the others
         # keeping their order behind, so they all join this phase, also those the free rows or this iteration's
         # budget leave for later iterations (held back by the first job of another adapter, they had to wait
         # for a phase of their own: prompts over half the budget ran one row per phase).
-        if self.waiting and not self.running:
+        # Where the batch's rows mix adapters (`_mixing`), only solo jobs run one adapter at a time: a solo job of
+        # another adapter than the running solos' waits, and every solo job behind it too (so it does not starve),
+        # while the batch's jobs behind them go ahead.
+        mixing = self._mixing()
+        solo_adapter: Any = self._adapter_in_use() if self.solos else _ANY
+        solo_blocked = False
+        if mixing:
+            adapter = None  # (unused)
+        elif self.waiting and not self.running:
             adapter = self.waiting[0].adapter
             self.waiting = deque(sorted(self.waiting, key=lambda job: job.adapter != adapter))  # (a stable sort)
         else:
@@ -400,7 +412,13 @@ class BatchScheduler:
             if job.trains and training:
                 held.append(self.waiting.popleft())
                 continue
-            if job.adapter != adapter:
+            if mixing and job.solo:
+                if solo_blocked or solo_adapter not in (_ANY, job.adapter):
+                    solo_blocked = True
+                    held.append(self.waiting.popleft())
+                    continue
+                solo_adapter = job.adapter
+            elif not mixing and job.adapter != adapter:
                 break
             cost = len(job.row.prompt)
             if out and cost > budget:
@@ -414,14 +432,37 @@ class BatchScheduler:
     def _adapter_in_use(self) -> str | None:
         return self.adapters.active if self.adapters is not None else None
 
+    def _mixing(self) -> bool:
+        """Whether the batch's rows each add their own LoRA adapter (`ServedAdapters.mixes`): then the adapter
+        turned on is the solo jobs' alone."""
+        return self.batch is not None and self.batch.row_adapters is not None
+
+    def _row_adapters(self) -> Any:
+        """The batch's per-row adapters (`BatchDecoder(row_adapters=)`): the served adapters' where they mix."""
+        return self.adapters.rows if self.adapters is not None and self.adapters.mixes else None
+
+    def _switch_for(self, admitted: list[Job]) -> None:
+        """Turn on the adapter the admitted jobs need: their first solo job's where rows mix, else the first's."""
+        if self._mixing():
+            job = next((job for job in admitted if job.solo), None)
+            if job is not None and job.adapter != self._adapter_in_use():
+                self._switch_adapter(job.adapter)
+        elif admitted and admitted[0].adapter != self._adapter_in_use():
+            self._switch_adapter(admitted[0].adapter)
+
     def _switch_adapter(self, name: str | None) -> None:
         """Turn LoRA adapter `name` on (None: the base alone) while nothing runs, and rebuild the batch's
-        runner from the switched model."""
-        assert self.running == 0, "the adapter switches only while nothing runs"
+        runner from the switched model; where rows mix, while no solo job runs (the batch's rows add their own
+        adapters whichever is on: its runner stays)."""
         assert self.adapters is not None, "a job names an adapter, but the server has none"
-        self.adapters.activate(name)
-        if self.batch is not None:
-            self.batch.rebuild_runner()
+        if self._mixing():
+            assert not self.solos, "the adapter switches only while no solo job runs"
+            self.adapters.activate(name)
+        else:
+            assert self.running == 0, "the adapter switches only while nothing runs"
+            self.adapters.activate(name)
+            if self.batch is not None:
+                self.batch.rebuild_runner()
         self.metrics.adapter_switch()
 
     def _run_adapter_updates(self) -> None:
@@ -443,6 +484,7 @@ class BatchScheduler:
         if self.adapters is not None:
             self.adapters.activate(None)
         if self.batch is not None:
+            self.batch.row_adapters = self._row_adapters()  # (an adapter loaded that cannot mix: phases again)
             self.batch.rebuild_runner()
 
     def _reap(self, now: float) -> None:
@@ -476,7 +518,8 @@ class BatchScheduler:
                 self.solos.append((job, run))
                 self._advance_solo(job, run)
                 return
-            seq, first, scores = self.batch.add(job.row, tag=job, should_stop=self._expired(job))
+            adapter = self.adapters.peft_name(job.adapter) if self._mixing() else None  # (else the one on)
+            seq, first, scores = self.batch.add(job.row, tag=job, should_stop=self._expired(job), adapter=adapter)
         except Stopped:  # past its deadline (or abandoned) between two prefill steps
             self._stopped(job)
             return

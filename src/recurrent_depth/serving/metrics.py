@@ -117,8 +117,9 @@ class Metrics:
                 ("rdepth_batch_rows_total", "counter", "Sequences summed over batched recurrence steps.",
                  self.batch_rows),
                 ("rdepth_mean_batch_rows", "gauge", "Mean sequences per batched recurrence step.", mean_batch),
-                ("rdepth_adapter_switches_total", "counter", "Changes of the LoRA adapter in use (--lora-modules): "
-                 "the batch drained for requests of another adapter.", self.adapter_switches),
+                ("rdepth_adapter_switches_total", "counter", "Changes of the LoRA adapter turned on (--lora-modules): "
+                 "for solo requests of another adapter, or, where adapters cannot share a batch, the batch drained "
+                 "for requests of another.", self.adapter_switches),
             ]
             for name, kind, text, value in scalars:
                 lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {_fmt(value)}"]

@@ -28,7 +28,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "the training time (default: the task preset's, 18-20), evaluation comes after "
                              "(--minutes is the old name)")
     parser.add_argument("--out", default=None, metavar="DIR",
-                        help="output directory (default: runs/quickstart, or runs/quickstart-TASK)")
+                        help="output directory; a rerun there trains from scratch, reusing the tokenizer and "
+                             "token shards; one holding another run's model/ or checkpoints is refused "
+                             "(default: runs/quickstart, or runs/quickstart-TASK)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     parser.set_defaults(func=run)
 
@@ -42,6 +44,8 @@ def _task_names() -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if args.minutes is not None and not args.minutes > 0:
         raise ValueError(f"--max-minutes={args.minutes} is invalid: expected a number > 0")
+    if not 0 <= args.seed < 2**63:  # (named as the flag, before the tokenizer is trained)
+        raise ValueError(f"--seed={args.seed} is invalid: expected an integer in [0, 2**63)")
     if args.task is not None:
         return run_task(args)
     from recurrent_depth.train.quickstart import check_minutes, quickstart
@@ -63,10 +67,15 @@ def extrapolation_line(task: str, extrapolation: dict) -> str:
 def run_task(args: argparse.Namespace) -> int:
     """Train on a reasoning task, then print the accuracy grid and how far depth carries past training."""
     from recurrent_depth.evaluation.reasoning.train import run_reasoning, task_preset
+    from recurrent_depth.train.trainer import TrainingInterrupted
 
     config = task_preset(args.task, minutes=args.minutes, seed=args.seed, threads=args.threads,
                          out=args.out or f"runs/quickstart-{args.task}")
-    summary = run_reasoning(config)
+    try:
+        summary = run_reasoning(config)
+    except TrainingInterrupted as exc:  # the trainer says "continue with --resume": a quickstart has no --resume
+        exc.args = (f"{str(exc).split(';')[0]}; a quickstart does not resume: run it again to train from scratch",)
+        raise
     print("\n" + extrapolation_line(args.task, summary["extrapolation"]))
     print(f"wrote {config.out}/summary.json, accuracy.json, accuracy_vs_depth.png and model/")
     return 0

@@ -242,6 +242,8 @@ class TrainConfig:
             need_int(name, 1)
         for name in ("eval_interval", "save_every", "seed"):
             need_int(name, 0)
+        if self.seed >= 2**63:  # (torch's generators overflowed at 2**64, after the tokenizer and shards were built)
+            raise bad("seed", "an integer in [0, 2**63)")
         if not is_real(self.val_fraction) or not 0 < self.val_fraction < 1:
             raise bad("val_fraction", "a number in (0, 1): validation needs held-out documents")
         if not is_real(self.max_skipped_fraction) or not 0 <= self.max_skipped_fraction <= 1:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from recurrent_depth.accel.threads import ThreadGuard, choose_threads
-from recurrent_depth.files import locked_directory
+from recurrent_depth.files import check_out_dir, locked_directory
 from recurrent_depth.train.config import TrainConfig
 from recurrent_depth.train.optim import OptimConfig
 
@@ -129,12 +129,46 @@ def prepare_tokenizer(out: Path, recipe: QuickstartRecipe, seed: int, log: Calla
     return tok_dir
 
 
+# What a quickstart run writes in its --out besides the tokenizer and token-shard caches (cleared on a rerun).
+RUN_DIRS = ("checkpoints", "model", "tensorboard")
+RUN_FILES = ("metrics.jsonl", "eval.jsonl", "summary.json", "run.json", "report.md", "report.html",
+             "loss_curve.png", "val_loss_by_depth.png", "sampled_depths.png")
+
+
+def _json_field(path: Path, *keys: str) -> Any:
+    """`path`'s JSON at `keys` (None: no such file, not JSON, or no such field)."""
+    from recurrent_depth.files import read_json
+
+    try:
+        value = read_json(path, 16 << 20, "file")
+        for key in keys:
+            value = value.get(key)
+        return value
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def is_quickstart_run(out: Path) -> bool:
+    """Whether `out` holds an earlier quickstart's run: its summary.json, or (a run stopped before writing it) its
+    run.json, whose tokenizer and token shards are `out`'s caches (a `rdepth train` run records its own or none)."""
+    if _json_field(out / "summary.json", "title") == "rdepth quickstart":
+        return True
+    tokenizer, data_dir = (_json_field(out / "run.json", "config", key) for key in ("tokenizer", "data_dir"))
+    return (isinstance(tokenizer, str) and isinstance(data_dir, str)
+            and Path(tokenizer).resolve() == (out / "tokenizer").resolve()
+            and Path(data_dir).resolve() == (out / "data").resolve())
+
+
 def clear_previous_run(out: Path) -> None:
-    """A quickstart always trains from scratch; tokenizer and token shards are caches and stay."""
-    for name in ("checkpoints", "model", "tensorboard"):
+    """A quickstart always trains from scratch; tokenizer and token shards are caches and stay. Another run's
+    model/, checkpoints and records (a `rdepth train --out` directory, or a user's files) are refused, not deleted."""
+    found = [name for name in RUN_DIRS + RUN_FILES if (out / name).exists()]
+    if found and not is_quickstart_run(out):
+        raise ValueError(f"--out {out} holds {', '.join(found[:4])}{', ...' if len(found) > 4 else ''} of a run that "
+                         f"is not a quickstart's, which a quickstart would delete; choose a new --out")
+    for name in RUN_DIRS:
         shutil.rmtree(out / name, ignore_errors=True)
-    for name in ("metrics.jsonl", "eval.jsonl", "summary.json", "run.json", "report.md", "report.html",
-                 "loss_curve.png", "val_loss_by_depth.png", "sampled_depths.png"):
+    for name in RUN_FILES:
         (out / name).unlink(missing_ok=True)
 
 
@@ -197,13 +231,17 @@ def quickstart(
     from recurrent_depth.data import load_tokenizer, prepare_dataset
     from recurrent_depth.model.recurrent import RecurrentDepthLM
     from recurrent_depth.train import report
-    from recurrent_depth.train.trainer import Trainer
+    from recurrent_depth.train.trainer import Trainer, TrainingInterrupted
 
     check_minutes(minutes, "minutes")
     recipe = recipe or QuickstartRecipe()
+    out = Path(out)
+    # A bad seed (or recipe) and an --out naming a file are refused before the tokenizer and shards are built.
+    cfg = recipe.train_config(out, seed)
+    cfg.validate()
+    check_out_dir(out, "--out")
     start = time.perf_counter()
     deadline = start + 60.0 * minutes
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     # A run training there now is refused, not cleared away; the lock is held while the tokenizer and the token
     # shards are written too (a second quickstart there meanwhile is refused), then the trainer locks it for its run.
@@ -223,7 +261,6 @@ def quickstart(
             f"tokens in {time.perf_counter() - t_data:.1f}s")
     prep_seconds = time.perf_counter() - start
 
-    cfg = recipe.train_config(out, seed)
     specials = data.metadata["tokenizer"]["special_token_ids"]
     probe = RecurrentDepthLM(cfg.model_config(data.metadata["tokenizer"]["vocab_size"],
                                               bos_token_id=specials["begin_text"], eos_token_id=specials["end_text"],
@@ -256,7 +293,12 @@ def quickstart(
         log(f"warning: the {minutes:g}-minute budget will overrun by about {over:.0f}s: preparation left too little "
             f"time for one evaluation batch (~{per_batch:.0f}s on this machine right now)")
     run_start = time.perf_counter()
-    result = trainer.run()
+    try:
+        result = trainer.run()
+    except TrainingInterrupted as exc:  # the trainer says "continue with --resume": a quickstart has no --resume
+        exc.args = (f"{str(exc).split(';')[0]}; a quickstart does not resume: run it again to train from scratch "
+                    f"(the tokenizer and token shards in {out} are reused)",)
+        raise
     run_end = time.perf_counter()
     train_seconds = result.elapsed_s
 
@@ -296,7 +338,8 @@ def quickstart(
         "stable_extrapolation": stable_ok,
         "verdict": verdict,
         "val_tokens": result.final_eval.tokens,
-        "eval_batches": eval_batches,
+        # the batches evaluated: the planned ones stop at the evaluation's deadline (after one at least)
+        "eval_batches": -(-result.final_eval.tokens // (cfg.batch_size * recipe.seq_len)),
         "preset": recipe.preset,
         "parameters": result.model.num_parameters(),
         "steps": result.steps,

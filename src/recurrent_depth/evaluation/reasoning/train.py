@@ -275,6 +275,16 @@ def trainer_config(config: ReasoningRunConfig) -> TrainConfig:
                        progress=False, tensorboard=False)
 
 
+def _run_source(out: Path) -> Any:
+    """The data source `out/run.json` records (None: no run.json, or not readable)."""
+    from recurrent_depth.files import read_json
+
+    try:
+        return read_json(out / "run.json", 16 << 20, "run file")["data"]["source"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def train_reasoning(config: ReasoningRunConfig, log: Any = print) -> tuple[RecurrentDepthLM, dict[str, Any]]:
     """Train on fresh problems until the time or step budget is spent (the `Trainer`, configured by this
     recipe); returns the model and stats. The model directory is written to `<out>/model`."""
@@ -309,6 +319,12 @@ def _train(
         # training there now is refused, not cleared away (the trainer then locks the directory for its run).
         out.mkdir(parents=True, exist_ok=True)
         with locked_directory(out, "--out"):
+            # (another run's checkpoints, a `rdepth train --out`'s, are refused: they were deleted before the trainer
+            # looked; this recipe's: an accuracy.json, or a run.json of reasoning problems for a run stopped early)
+            if ((out / "checkpoints").exists() and not (out / "accuracy.json").is_file()
+                    and _run_source(out) != "reasoning problems"):
+                raise ValueError(f"--out {out} holds the checkpoints of a run that is not a reasoning run's, which "
+                                 f"this run would delete; choose a new --out")
             shutil.rmtree(out / "checkpoints", ignore_errors=True)
             if (out / "accuracy.json").is_file():  # this recipe's earlier model/ (the trainer refuses any other)
                 shutil.rmtree(out / "model", ignore_errors=True)

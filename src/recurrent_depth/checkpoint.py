@@ -13,11 +13,13 @@ entries renamed before the checks, its tensors after the read. Saving writes our
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Collection
+import signal
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,12 +32,14 @@ from recurrent_depth.config import ModelConfig
 from recurrent_depth.families import ouro, parcae
 from recurrent_depth.files import (
     CONFIG_MAX_BYTES,
+    TMP_SUFFIX,
     TOKENIZER_MAX_BYTES,
-    atomic_path,
     atomic_write_text,
     clipped,
     clipped_names,
     file_sha256,
+    fsync_dir,
+    fsync_file,
     inside,
     open_regular,
     parse_json,
@@ -89,6 +93,8 @@ def save_pretrained(
     `tokenizer`: a `tokenizers.Tokenizer`, a transformers tokenizer, or a directory holding one
     (`tokenizer_dir` is the older name for the directory form). `max_shard_bytes` splits the weights
     into shards with an index file (as large checkpoints are). Files get the permissions the umask gives.
+    Over an existing model directory the new weights and config are written beside the old ones and renamed into
+    place at the end, so a process killed while saving leaves the old model or the new one, whole.
     """
     check_saveable(model, path)  # before anything in `path` is touched
     for given in (tokenizer_dir, tokenizer):
@@ -103,11 +109,10 @@ def save_pretrained(
             continue  # tied to the embedding: stored once
         seen.add(ptr)
         state[name] = tensor.detach().contiguous().cpu()
-    _write_weights(state, out, max_shard_bytes, metadata)
     config = model.config
     if untied_head(model):  # (saved as the model computes: both tensors, and a config that does not tie them)
         config = dataclasses.replace(config, tie_embeddings=False)
-    config.to_json(out / "config.json")
+    _write_weights(state, out, max_shard_bytes, metadata, config.to_json())
     if tokenizer_dir is not None:
         copy_tokenizer(tokenizer_dir, out)
     if tokenizer is not None:
@@ -115,31 +120,71 @@ def save_pretrained(
 
 
 def _write_weights(state: dict[str, torch.Tensor], out: Path, max_shard_bytes: int | None,
-                   metadata: dict[str, str] | None) -> None:
-    """`state` as model.safetensors, or as shards of at most `max_shard_bytes` plus their index; the weight files
-    `out` held before are removed first."""
+                   metadata: dict[str, str] | None, config_text: str) -> None:
+    """`state` as model.safetensors, or as shards of at most `max_shard_bytes` plus their index, and `config_text` as
+    config.json, replacing the model `out` held so that a process killed at any point leaves one complete model:
+    every file is written and fsynced under a temporary name first (the slow part; the old model is untouched), then
+    renamed into place, the index last (it decides which files `weight_files` loads); the old weight files the new
+    save does not use are removed only after that."""
     meta = {"format": "pt", **(metadata or {})}
-    for stale in list(out.glob("model*.safetensors")) + [out / INDEX_NAME]:
-        if stale.exists():
-            stale.unlink()
-    if max_shard_bytes is None or sum(t.nbytes for t in state.values()) <= max_shard_bytes:
-        _atomic_save(state, out / WEIGHTS_NAME, meta)
+    total = sum(t.nbytes for t in state.values())
+    files: dict[str, dict[str, torch.Tensor]] = {}
+    index_text = None
+    if max_shard_bytes is None or total <= max_shard_bytes:
+        files[WEIGHTS_NAME] = state
+    else:
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for name, tensor in state.items():
+            if shards[-1] and size + tensor.nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = tensor
+            size += tensor.nbytes
+        files = {f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors": shard for i, shard in enumerate(shards)}
+        weight_map = {name: filename for filename, shard in files.items() for name in shard}
+        index_text = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+    texts = {"config.json": config_text, **({INDEX_NAME: index_text} if index_text is not None else {})}
+    staged: list[tuple[Path, Path]] = []  # (temporary, final): weights, config.json, then the index
+    try:
+        for filename, tensors in files.items():
+            staged.append((out / (filename + TMP_SUFFIX), out / filename))
+            save_file(tensors, str(staged[-1][0]), metadata=meta)
+            os.chmod(staged[-1][0], 0o666 & ~current_umask())  # safetensors creates 0600 files; others follow umask
+            fsync_file(staged[-1][0])
+        for filename, text in texts.items():
+            staged.append((out / (filename + TMP_SUFFIX), out / filename))
+            with open(staged[-1][0], "w", encoding="utf-8") as handle:
+                handle.write(text)
+                handle.flush()
+                os.fsync(handle.fileno())
+    except BaseException:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+        raise
+    stale = [path for path in out.glob("model*.safetensors") if path.name not in files]
+    with _signals_deferred():  # Ctrl-C or SIGTERM between two renames would leave old and new mixed
+        for tmp, final in staged:
+            os.replace(tmp, final)
+        if index_text is None:  # an old sharded save's index would still choose its shards over model.safetensors
+            (out / INDEX_NAME).unlink(missing_ok=True)
+        fsync_dir(out)
+    for path in [*stale, *out.glob(f"model*.safetensors{TMP_SUFFIX}")]:  # (and what a killed save left)
+        path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM (delivered when the block ends) where this thread can block signals (Unix)."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
         return
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in state.items():
-        if shards[-1] and size + tensor.nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += tensor.nbytes
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        _atomic_save(shard, out / filename, meta)
-        weight_map.update(dict.fromkeys(shard, filename))
-    index = {"metadata": {"total_size": sum(t.nbytes for t in state.values())}, "weight_map": weight_map}
-    atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=2) + "\n")
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def save_official_layout(model: torch.nn.Module, path: str | os.PathLike[str],
@@ -164,8 +209,7 @@ def save_official_layout(model: torch.nn.Module, path: str | os.PathLike[str],
     values["torch_dtype"] = str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else "float32"
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    _write_weights(state, out, max_shard_bytes, None)
-    atomic_write_text(out / "config.json", json.dumps(values, indent=2) + "\n")
+    _write_weights(state, out, max_shard_bytes, None, json.dumps(values, indent=2) + "\n")
 
 
 def untied_head(model: torch.nn.Module) -> bool:
@@ -242,12 +286,6 @@ def current_umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
-
-
-def _atomic_save(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    with atomic_path(path) as tmp:
-        save_file(state, str(tmp), metadata=metadata)
-        os.chmod(tmp, 0o666 & ~current_umask())  # safetensors creates 0600 files; other files follow the umask
 
 
 def weight_files(path: Path, allow_outside: bool = False) -> list[Path]:

@@ -182,7 +182,7 @@ def _main(argv: list[str] | None) -> int:
         return 2
     except KeyboardInterrupt as exc:  # a message says what was kept (`rdepth train` saves a checkpoint)
         print(f"rdepth {args.command}: interrupted{f': {exc}' if str(exc) else ''}", file=sys.stderr)
-        return 130
+        return getattr(exc, "exit_status", 130)  # 128 + the signal: 143 when preempted by SIGTERM (TrainingInterrupted)
 
 
 if __name__ == "__main__":

@@ -156,6 +156,15 @@ def sum_across_ranks(value: int, env: DistEnv) -> int:
     return int(summed_over_ranks([value], torch.int64, env)[0])
 
 
+def max_across_ranks(value: int, env: DistEnv) -> int:
+    """The largest of a Python int over ranks (int64 all-reduce): what any one rank saw reaches them all."""
+    if not env.enabled:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=env.device if env.backend == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.cpu()[0])
+
+
 def reduce_metrics(values: dict[str, Any], summed: Sequence[str], averaged: Sequence[str],
                    env: DistEnv) -> dict[str, Any]:
     """`values` (this rank's metrics) with the `summed` keys summed and the `averaged` keys averaged over the ranks;

@@ -108,7 +108,17 @@ class StopTraining(Exception):
 
 
 class TrainingInterrupted(KeyboardInterrupt):
-    """Ctrl-C (SIGINT) during training: raised after the step in progress finished and was checkpointed."""
+    """Ctrl-C (SIGINT), or SIGTERM / SIGUSR1 (a cluster's preemption notice: SLURM, torchrun passing it on), during
+    training: raised after the step in progress finished and was checkpointed. `signum` is the signal;
+    `exit_status` (128 + signum: 130, 143 for SIGTERM, 138 for SIGUSR1 on Linux) is what `rdepth` exits with."""
+
+    def __init__(self, message: str = "", signum: int = signal.SIGINT) -> None:
+        super().__init__(message)
+        self.signum = int(signum)
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum
 
 
 class TooManySkippedSteps(ValueError):
@@ -643,13 +653,15 @@ class Trainer:
                     last_saved = step
                 if self.on_step is not None:
                     self.on_step(self, record)
-                if interrupt.agreed(self.env):
+                signum = interrupt.agreed(self.env)
+                if signum:
                     if last_saved != step:
                         last_checkpoint = self.save_checkpoint()
                     self.close_logs()
                     saved = (f"checkpoint {last_checkpoint} is saved: continue with --resume"
                              if last_checkpoint is not None else "nothing is saved (out is None)")
-                    raise TrainingInterrupted(f"stopped after step {step}; {saved}")
+                    cause = "" if signum == signal.SIGINT else f"{signal.Signals(signum).name} (preempted): "
+                    raise TrainingInterrupted(f"{cause}stopped after step {step}; {saved}", signum)
         finally:
             interrupt.uninstall()
             if bar is not None:
@@ -1061,35 +1073,49 @@ def compile_core(model: RecurrentDepthLM, mode: str = "default") -> None:
 
 
 class _InterruptRequest:
-    """Ctrl-C during the training loop: the first SIGINT asks to stop after the current step (which is then
-    checkpointed: a step cut in half cannot be resumed exactly); a second one interrupts at once.
+    """Ctrl-C, SIGTERM or SIGUSR1 during the training loop: the first asks to stop after the current step (which is
+    then checkpointed: a step cut in half cannot be resumed exactly); a Ctrl-C after it interrupts at once. SIGTERM is
+    how SLURM preempts a job (SIGKILL follows a grace period later) and torchrun stops its workers, and may come twice
+    (from both); SIGUSR1 is what SLURM's --signal option commonly sends ahead. The previous handlers come back after.
 
-    Only the main thread can receive signals; elsewhere (a Trainer run in a thread) nothing is installed."""
+    Only the main thread can receive signals; elsewhere (a Trainer run in a thread) nothing is installed. SIGUSR1 is
+    taken only while it has its default action (it kills), so an embedding program's own use of it is kept."""
 
     def __init__(self) -> None:
-        self.requested = False
-        self._installed = False
-        self._previous: Any = None
+        self.signum = 0  # the first signal received (0: none)
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum != 0
 
     def install(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-            self._installed = True
+        if threading.current_thread() is not threading.main_thread():
+            return
+        wanted = [signal.SIGINT, signal.SIGTERM]
+        if hasattr(signal, "SIGUSR1") and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
+            wanted.append(signal.SIGUSR1)
+        for signum in wanted:
+            # None: a handler set outside Python, which could not be put back (SIGINT has Python's own to restore)
+            if signum == signal.SIGINT or signal.getsignal(signum) is not None:
+                self._previous[signum] = signal.signal(signum, self._handle)
 
     def uninstall(self) -> None:
-        if self._installed:
-            # None: the earlier handler was not set from Python; Python's own (KeyboardInterrupt) stands in
-            signal.signal(signal.SIGINT, self._previous if self._previous is not None else signal.default_int_handler)
-            self._installed = False
+        for signum, previous in self._previous.items():
+            if previous is None:  # (SIGINT's earlier handler was not set from Python: Python's own stands in)
+                previous = signal.default_int_handler
+            signal.signal(signum, previous)
+        self._previous = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.requested:
+        if signum == signal.SIGINT and self.requested:  # (a repeated SIGTERM is a scheduler's: it waits for the step)
             raise KeyboardInterrupt
-        self.requested = True
+        self.signum = self.signum or signum
 
-    def agreed(self, env: ddist.DistEnv) -> bool:
-        """Whether to stop now: rank 0's request on every rank (ranks must stop after the same step)."""
-        return bool(ddist.broadcast_object(self.requested, env)) if env.enabled else self.requested
+    def agreed(self, env: ddist.DistEnv) -> int:
+        """The signal to stop on now (0: go on), the same on every rank: any rank's request stops them all after the
+        same step (a scheduler may signal one rank's process only; the collective runs every step on every rank)."""
+        return ddist.max_across_ranks(self.signum, env)
 
 
 def _progress_bar(cfg: TrainConfig, env: ddist.DistEnv, initial: int):

@@ -168,3 +168,12 @@ def test_a_task_quickstart_keeps_another_runs_checkpoints(tmp_path):
     (stopped / "checkpoints" / "step-00000001").mkdir(parents=True)
     (stopped / "run.json").write_text(json.dumps({"data": {"source": "reasoning problems", "task": "shells"}}))
     assert run_reasoning(config, log=lambda _: None)["train"]["steps"] == 2
+
+
+def test_an_out_that_cannot_be_made_is_named(tmp_path, capsys):
+    """`rdepth train --out` under a file (or /proc) printed mkdir's bare "[Errno 20] Not a directory: ..."."""
+    (tmp_path / "afile").write_text("x")
+    out = tmp_path / "afile" / "run"
+    assert main(["train", "--preset", "tiny", "--max-steps", "1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == f"rdepth train: error: --out {out} cannot be created (Not a directory): choose a writable directory"

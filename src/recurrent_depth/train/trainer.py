@@ -360,7 +360,11 @@ class Trainer:
         `adapter` (`lora.adapter_settings`), given `model` or starting model directory)."""
         cfg = self.cfg
         self._made_out = not self.out.exists()
-        self.out.mkdir(parents=True, exist_ok=True)
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # (mkdir's own message names neither the option nor what to do)
+            raise ValueError(f"--out {self.out} cannot be created ({exc.strerror or exc}): choose a writable "
+                             "directory") from None
         self._lock_out()
         root = ckpt.checkpoints_root(self.out)
         if not ckpt.list_checkpoints(root) and (self.out / MODEL_DIR).exists():  # a new run would replace model/

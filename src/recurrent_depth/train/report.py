@@ -154,7 +154,7 @@ def write_training_report(
         ("data", summary.get("data_description", "")),
         ("training", f"{summary.get('steps')} optimizer steps, {summary.get('tokens', 0):,} tokens, "
                      f"{summary.get('train_seconds', 0):.0f} s ({summary.get('tokens_per_s', 0):.0f} tokens/s)"),
-        ("final train loss", f"{summary.get('final_train_loss', float('nan')):.4f}"),
+        ("final train loss (mean of the last 20 steps)", f"{summary.get('final_train_loss', float('nan')):.4f}"),
         ("depth effect", summary.get("verdict", "")),
         ("total time", f"{summary.get('total_seconds', 0):.0f} s"),
     ]

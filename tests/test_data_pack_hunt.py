@@ -142,3 +142,20 @@ def test_a_text_files_bom_is_not_text(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_bytes(b"\xef\xbb\xbfdef f():\n    return '\xef\xbb\xbf'\n")
     [doc] = list(load_corpus(str(tmp_path)))
     assert doc.text == "def f():\n    return '\ufeff'\n"
+
+
+def test_a_large_files_parts_fall_on_one_side_of_the_split(tmp_path: Path, monkeypatch) -> None:
+    """A file over PART_BYTES is read as parts; each part was split on its own, so one text could be both trained
+    on and validated on. Now the parts share their file's key."""
+    from recurrent_depth.data import corpus as corpus_module
+
+    monkeypatch.setattr(corpus_module, "PART_BYTES", 100)
+    for name in "abcdef":
+        (tmp_path / f"{name}.txt").write_text("".join(f"{name} line {i}\n" for i in range(60)))
+    docs = list(load_corpus(str(tmp_path)))
+    assert len(docs) > 30
+    split = DocumentSplit.plan((d.id for d in docs), 0.5, seed=3)
+    sides: dict[str, set[bool]] = {}
+    for doc in docs:
+        sides.setdefault(doc.id.split("#")[0], set()).add(split.is_validation(doc.id))
+    assert all(len(s) == 1 for s in sides.values()) and {True, False} == set().union(*sides.values())

@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import sysconfig
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -908,9 +909,13 @@ def load_corpus(
     raise ValueError(f"data: {text!r} does not exist; {expected}")
 
 
+_PART_SUFFIX = re.compile(r"#part-\d{5}$")  # a large file's part (`FileTreeCorpus`): "<rel>#part-00001"
+
+
 def _split_key(doc_id: str, seed: int) -> float:
-    """A uniform number in [0, 1) fixed by (seed, id): the same on every machine and Python."""
-    digest = hashlib.sha256(f"{seed}\x00".encode() + _id_bytes(doc_id)).digest()
+    """A uniform number in [0, 1) fixed by (seed, id): the same on every machine and Python. The parts of one large
+    file share their file's number, so they fall on one side (split apart, one text trained and validated on)."""
+    digest = hashlib.sha256(f"{seed}\x00".encode() + _id_bytes(_PART_SUFFIX.sub("", doc_id))).digest()
     return int.from_bytes(digest[:8], "big") / 2.0**64
 
 
@@ -919,9 +924,10 @@ class DocumentSplit:
     """Document-level train/validation assignment.
 
     A document is in validation when ``sha256(seed, id)`` mapped to [0, 1) is below
-    ``val_fraction``. Build it with :meth:`plan`, which also guarantees non-empty sides: when
-    the threshold leaves validation empty (tiny corpora) the document with the smallest key is
-    moved there, and when it leaves training empty the largest-key document is moved back.
+    ``val_fraction`` (the parts of a large file: its path's, so all fall on one side). Build it
+    with :meth:`plan`, which also guarantees non-empty sides: when the threshold leaves validation
+    empty (tiny corpora) the document with the smallest key is moved there, and when it leaves
+    training empty the largest-key document is moved back.
     """
 
     val_fraction: float

@@ -272,7 +272,7 @@ def test_a_failing_build_falls_back_with_one_message(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger=decode_cpp.__name__):
         ours = generate(model, ids, attention_mask=mask, max_new_tokens=3, num_steps=2, init_scale=0.0)
         again = generate(model, ids, attention_mask=mask, max_new_tokens=3, num_steps=2, init_scale=0.0)
-    assert decode_cpp.build_failure() == "RuntimeError: Error building extension 'rdepth_decode'"
+    assert decode_cpp.build_failure() == "RuntimeError: Error building extension 'rdepth_decode': c++: not found"
     assert caplog.text.count("the C++ decode kernels are unavailable (RuntimeError") == 1
     assert torch.equal(ours.sequences, again.sequences)
 

@@ -18,8 +18,8 @@ calls the encode and read on raw pointers (`decode_attend_rows`: no ATen call at
   (it is built with -march=native), not by the environment's paths: virtualenvs share the build.
   `KernelCache` loads only the library its build recorded (sha256, size, a private directory of this
   user's), rebuilding anything else; concurrent first uses wait on an flock, which a killed builder
-  cannot leave held. Where it cannot build (no compiler) it warns once and `accel.quant` runs its
-  compiled or eager path.
+  cannot leave held. Where it cannot build (no compiler) it warns once, with the compiler's reason
+  (`failure_line`), and `accel.quant` runs its compiled or eager path.
 - Off with `RDEPTH_NO_CPP=1` (the torch.compile path then runs, unless `RDEPTH_NO_COMPILE=1`).
 - The read: decode only (T = 1 query row per head), CPU, float32 accumulation (its sums and two small
   matmuls in another order than the reference's, FMA where built with it: within 1e-5 of it). The encode: the same bytes
@@ -1947,7 +1947,8 @@ def load() -> Any:
                 _module = _cache.load()
             except Exception as exc:  # no compiler, no ninja, a failing build, a foreign cache: the other paths run
                 _failure = failure_line(exc)
-                log.warning("the C++ quantized-KV kernel is unavailable (%s); using the compiled path", _failure)
+                log.warning("the C++ kernels (quantized KV, int8 / int4 weights, bf16 rows, norms) are unavailable "
+                            "(%s); their compiled or plain PyTorch paths run", _failure)
     return _module
 
 
@@ -1966,9 +1967,33 @@ def failure() -> str | None:
 
 
 def failure_line(exc: BaseException) -> str:
-    """Why a build or compile failed, in one line (its exception's type and first message line)."""
-    text = str(exc)
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+    """Why a build or compile failed, in one line (its exception's type and first message line).
+
+    torch's "Error building extension 'x': <the whole compile command>" keeps its head and takes the
+    compiler's own reason from the lines below (`build_cause`: "c++: not found", the first error), which
+    its first line never holds."""
+    lines = str(exc).splitlines()
+    head = lines[0] if lines else ""
+    if head.startswith(BUILD_ERROR_HEAD):
+        head = head.split(": ", 1)[0]
+        cause = build_cause(lines[1:])
+        head = head if cause is None else f"{head}: {cause}"
+    return f"{type(exc).__name__}: {head}"
+
+
+BUILD_ERROR_HEAD = "Error building extension"  # torch.utils.cpp_extension's message
+CAUSE_MAX_CHARS = 300
+
+
+def build_cause(lines: list[str]) -> str | None:
+    """The compiler's reason among a failed build's output lines: the first that says "error", "not found" or
+    "cannot" (ninja's own FAILED / "build stopped" lines and the echoed commands aside), else the last other line."""
+    kept = [line.strip() for line in lines
+            if line.strip() and not line.lstrip().startswith(("ninja:", "FAILED:", "[")) and " -c " not in line]
+    for line in kept:
+        if any(word in line.lower() for word in ("error", "not found", "cannot")):
+            return line[:CAUSE_MAX_CHARS]
+    return kept[-1][:CAUSE_MAX_CHARS] if kept else None
 
 
 class EntryLayout:

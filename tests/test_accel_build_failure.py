@@ -65,3 +65,17 @@ def test_a_failing_build_warns_once_with_its_reason_and_the_products_fall_back(m
     assert quant_cpp.failure().endswith("/bin/sh: 1: /nonexistent/c++: not found")
     assert caplog.text.count("are unavailable (RuntimeError") == 1
     assert "/nonexistent/c++: not found" in caplog.text and "-march=native" not in caplog.text
+
+
+def test_no_cache_directory_falls_back_too(monkeypatch):
+    """`kernel_cache()` ran outside the fallback: with no XDG_CACHE_HOME and no home directory (a service account)
+    Path.home()'s RuntimeError escaped from the first quantized product instead of the plain paths running."""
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(quant_cpp.Path, "home", staticmethod(no_home))
+    monkeypatch.setattr(quant_cpp, "_module", None)
+    monkeypatch.setattr(quant_cpp, "_failure", None)
+    assert quant_cpp.load() is None
+    assert quant_cpp.failure() == "RuntimeError: Could not determine home directory."

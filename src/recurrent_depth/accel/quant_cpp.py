@@ -1942,8 +1942,8 @@ def load() -> Any:
     global _module, _failure, _cache
     with _lock:
         if _module is None and _failure is None:
-            _cache = kernel_cache()
             try:
+                _cache = kernel_cache()  # (inside: no cache directory, e.g. no home, falls back too)
                 _module = _cache.load()
             except Exception as exc:  # no compiler, no ninja, a failing build, a foreign cache: the other paths run
                 _failure = failure_line(exc)

@@ -252,6 +252,8 @@ ROUTED_GENERATE_OPTIONS = names_for("hf", "routed")
 SHARED_GENERATE_OPTIONS = (*names_for("hf", "shared"), "attention_mask")
 # transformers' generate arguments at the values that ask for nothing (one beam, one sequence per prompt, no
 # attention weights): a call routed to `recurrent_depth.generate` accepts them; any other value is refused there.
+# transformers' `GenerationConfig._get_default_generation_params()["top_k"]`: the top-k of a sampled call that sets none
+_HF_DEFAULT_TOP_K = 50
 _NO_OP_GENERATE_VALUES: dict[str, Any] = {"output_attentions": False, "output_hidden_states": False, "num_beams": 1,
                                           "num_return_sequences": 1}
 # Every option transformers `generate` takes by our names or the official ones (attention_mask is
@@ -303,26 +305,28 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         (`recurrent_depth.weight_quant`; None: as stored).
         """
         weights = check_weights(kwargs.pop("weights", None))
-        if _is_local_dir(pretrained_model_name_or_path):
+        # the directory transformers reads: a local path joined with `subfolder=`, as transformers joins them
+        local = (Path(pretrained_model_name_or_path) / (kwargs.get("subfolder") or "")
+                 if _is_local_dir(pretrained_model_name_or_path) else None)
+        if local is not None:
             # The library's bounded checks first (config, weight files and headers against the config),
             # so a hostile directory is one line here too, before transformers reads a tensor.
             from recurrent_depth.checkpoint import check_model_dir
 
-            if check_model_dir(pretrained_model_name_or_path, model_class=RecurrentDepthLM,
-                               head_instead=cls._head_instead).is_parcae:
+            if check_model_dir(local, model_class=RecurrentDepthLM, head_instead=cls._head_instead).is_parcae:
                 raise ValueError(f"{pretrained_model_name_or_path} is a Parcae directory, whose tensor names "
                                  f"transformers cannot map: load it with recurrent_depth.RecurrentDepthLM."
                                  f"from_pretrained (and save_pretrained it for transformers)")
         if kwargs.get("dtype") is None and kwargs.get("torch_dtype") is None:
             from recurrent_depth.checkpoint import stored_dtype
 
-            dtype = stored_dtype(pretrained_model_name_or_path)
+            dtype = stored_dtype(local) if local is not None else None
             if dtype is not None:
                 kwargs["dtype"] = dtype
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         quantize_weights(model.core, weights)  # the wrapper shares the core's modules: both quantized
-        if _is_local_dir(pretrained_model_name_or_path) and model.can_generate():
-            _stop_at_turn_end(model, Path(pretrained_model_name_or_path) / (kwargs.get("subfolder") or ""))
+        if local is not None and model.can_generate():
+            _stop_at_turn_end(model, local)
         return model
 
     def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
@@ -621,7 +625,9 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         option the schema marks ``hf="routed"`` (`ROUTED_GENERATE_OPTIONS`: ``exit_criterion``,
         ``exit_threshold``, ``warm_start``, ``draft_steps``, ..., and the official ``criterion``,
         ``continuous_compute``, ``lookahead_for_draft``) routes the call to
-        `recurrent_depth.generate`, which also honours ``eos_token_id`` (an id or a list); it
+        `recurrent_depth.generate`, which also honours ``eos_token_id`` (an id or a list) and
+        ``pad_token_id`` (what fills the rows that stopped early, as in transformers) and samples
+        with transformers' ``top_k=50`` when nothing sets it (``top_k=0``: no filter); it
         returns the sequences, or with ``return_dict_in_generate=True`` the library's output
         (`sequences`, `steps`, ...). ``defaults="official"`` follows the official model's dispatch:
         a routed call takes the official code's defaults (see `GenerationOptions`); any other call
@@ -686,7 +692,7 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             model_own = getattr(self, "generation_config", None)
             model_own = {**model_own.to_diff_dict()} if isinstance(model_own, GenerationConfig) else {}
             for name in ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "eos_token_id",
-                         "stop_strings"):
+                         "pad_token_id", "stop_strings"):
                 if model_own.get(name) is not None and kwargs.get(name) is None:
                     kwargs[name] = model_own[name]
         if defaults is not None:
@@ -734,6 +740,12 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             else:
                 options["max_new_tokens"] = (max_length or gc.max_length) - input_ids.shape[-1]
         options.setdefault("num_steps", None)  # None: the config's mean_recurrence, as in forward()
+        if routed.get("defaults") != "official" and options.get("do_sample"):
+            # transformers' loop samples with top_k=50 when neither the call nor a generation config sets it, and
+            # top_k=0 turns the filter off (the library's None); the official profile applies its own rule
+            top_k = options.setdefault("top_k", _HF_DEFAULT_TOP_K)
+            if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k == 0:
+                del options["top_k"]
         stop_strings = kwargs.pop("stop_strings", None)
         tokenizer = kwargs.pop("tokenizer", None)
         if stop_strings:
@@ -743,8 +755,9 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         eos = kwargs.pop("eos_token_id", None)
         if eos is not None:  # transformers' rule: the call's eos replaces the generation config's
             options["eos_token_id"] = list(eos) if isinstance(eos, list | tuple) else eos
-        for name in ("pad_token_id", "bos_token_id", "use_cache"):
-            kwargs.pop(name, None)  # padding follows the model config in the library
+        pad = _pad_id(kwargs.pop("pad_token_id", None))  # (the library pads with the model config's; set after)
+        for name in ("bos_token_id", "use_cache"):
+            kwargs.pop(name, None)
         for name in _NO_OP_GENERATE_VALUES:  # asking for nothing is no conflict
             if name in kwargs and _asks_for_nothing(name, kwargs[name]):
                 del kwargs[name]
@@ -758,6 +771,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             out = rd_generate(self.core, input_ids, tokenizer=tokenizer, **options)
         except OptionError as exc:
             raise exc.spelled(kwarg_spelling(given_as)) from None
+        if pad is not None and pad != out.pad_token_id:
+            out = _repadded(out, pad)
         return out if return_dict else out.sequences
 
 
@@ -820,6 +835,26 @@ def _asks_for_nothing(name: str, value: Any) -> bool:
     if value is None or (isinstance(nothing, bool) and not value):
         return True
     return isinstance(value, int) and not isinstance(value, bool) and value == nothing
+
+
+def _pad_id(value: Any) -> int | None:
+    """transformers' `pad_token_id` (an int, or a one-element tensor as its loop keeps it) as an int."""
+    if isinstance(value, Tensor) and value.numel() == 1:
+        value = value.item()
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise ValueError(f"generate: pad_token_id={value!r} is invalid: expected one token id (an int)")
+
+
+def _repadded(out: Any, pad: int) -> Any:
+    """The library's output with the positions after each row's last token filled with `pad` (transformers' rule:
+    rows that stopped early are padded with the call's, else the generation config's, pad_token_id)."""
+    new = out.sequences.shape[1] - out.prompt_length
+    done = torch.arange(new) >= out.lengths[:, None]  # [B, new]: past the row's last token
+    sequences = out.sequences.clone()
+    sequences[:, out.prompt_length:] = sequences[:, out.prompt_length:].masked_fill(done, pad)
+    predictions = None if out.predictions is None else out.predictions.masked_fill(done, pad)
+    return replace(out, sequences=sequences, predictions=predictions, pad_token_id=pad)
 
 
 def _split_generation_config(config: Any) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -256,8 +256,15 @@ def test_routed_generate_accepts_the_values_that_ask_for_nothing(hf_model):
         got = hf_model.generate(x, max_new_tokens=3, num_steps=2, init_scale=0.0, num_beams=1,
                                 num_return_sequences=1, output_attentions=False, **routed)
         assert torch.equal(got, want)
+        # (and the other defaults a caller may spell out: they were refused as if they asked for something)
+        got = hf_model.generate(x, max_new_tokens=3, num_steps=2, init_scale=0.0, output_scores=False,
+                                output_logits=False, min_new_tokens=0, min_length=0, length_penalty=1.0,
+                                early_stopping=False, no_repeat_ngram_size=0, num_beam_groups=1, **routed)
+        assert torch.equal(got, want)
     with pytest.raises(ValueError, match=r"\['num_return_sequences'\] cannot be combined"):
         hf_model.generate(x, max_new_tokens=2, cache_implementation="static", num_return_sequences=2)
+    with pytest.raises(ValueError, match=r"\['length_penalty', 'min_new_tokens'\] cannot be combined"):
+        hf_model.generate(x, max_new_tokens=2, cache_implementation="static", min_new_tokens=1, length_penalty=0.5)
 
 
 def test_exit_threshold_auto_takes_the_criterion_of_the_models_generation_config(model_dir):

@@ -254,8 +254,11 @@ SHARED_GENERATE_OPTIONS = (*names_for("hf", "shared"), "attention_mask")
 # attention weights): a call routed to `recurrent_depth.generate` accepts them; any other value is refused there.
 # transformers' `GenerationConfig._get_default_generation_params()["top_k"]`: the top-k of a sampled call that sets none
 _HF_DEFAULT_TOP_K = 50
+# transformers generate arguments at the values that ask for nothing (a caller passing its defaults explicitly)
 _NO_OP_GENERATE_VALUES: dict[str, Any] = {"output_attentions": False, "output_hidden_states": False, "num_beams": 1,
-                                          "num_return_sequences": 1}
+                                          "num_return_sequences": 1, "output_scores": False, "output_logits": False,
+                                          "min_new_tokens": 0, "min_length": 0, "length_penalty": 1.0,
+                                          "early_stopping": False, "no_repeat_ngram_size": 0, "num_beam_groups": 1}
 # Every option transformers `generate` takes by our names or the official ones (attention_mask is
 # transformers' own): picked out of the kwargs and a GenerationConfig, aliases resolved, together.
 HF_OPTION_NAMES = frozenset((*names_for("hf"), *OFFICIAL_ALIASES))
@@ -830,11 +833,12 @@ def _is_local_dir(path: Any) -> bool:
 
 def _asks_for_nothing(name: str, value: Any) -> bool:
     """Whether transformers' generate argument `name` (`_NO_OP_GENERATE_VALUES`) at `value` changes nothing: None, a
-    false flag, or the integer 1 of num_beams / num_return_sequences."""
+    false flag, or the number that asks for nothing (num_beams 1, min_new_tokens 0, length_penalty 1.0, ...)."""
     nothing = _NO_OP_GENERATE_VALUES[name]
     if value is None or (isinstance(nothing, bool) and not value):
         return True
-    return isinstance(value, int) and not isinstance(value, bool) and value == nothing
+    return not isinstance(nothing, bool) and isinstance(value, int | float) and not isinstance(value, bool) and (
+        value == nothing)
 
 
 def _pad_id(value: Any) -> int | None:

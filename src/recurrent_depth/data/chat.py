@@ -302,8 +302,7 @@ class ExampleEncoder:
         """`text`'s ids as the server's `TextCodec.encode_chat` tokenizes a rendered chat (`LiteralSpecials`)."""
         if not self.literal.literals:
             return self.tokenizer.encode(text, add_special_tokens=False).ids
-        return self.literal.encode(self.tokenizer, text, lambda piece: self.tokenizer.encode(
-            piece, add_special_tokens=False).ids)
+        return self.literal.encode(self.tokenizer, text)
 
     def _plain_pieces(self, chat: Conversation) -> list[tuple[str | int, bool]]:
         prompt, completion = chat.messages[0]["content"], chat.messages[1]["content"]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
+from collections.abc import Callable
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
@@ -62,24 +64,72 @@ class LiteralSpecials:
         self.literals.append(match.group(0))
         return f"{PLACEHOLDER_OPEN}{len(self.literals) - 1}{PLACEHOLDER_CLOSE}"
 
-    def encode(self, tokenizer: Any, text: str, plain_ids: Any) -> list[int]:
-        """The ids of a rendered `text` holding placeholders: each piece between the template's special tokens
-        with its literals put back, encoded by `plain_ids(piece)` with special-token matching off."""
-        pattern = self.pattern
-        pieces = pattern.split(text) if pattern is not None else [text]
-        controls = pattern.findall(text) if pattern is not None else []
-        ids: list[int] = []
-        tokenizer.encode_special_tokens = True
-        try:
-            for i, piece in enumerate(pieces):
-                plain = _PLACEHOLDER.sub(lambda m: self.literals[int(m.group(1))], piece)
-                if plain:
-                    ids += plain_ids(plain)
-                if i < len(controls):
-                    ids.append(tokenizer.token_to_id(controls[i]))
-        finally:
-            tokenizer.encode_special_tokens = False
-        return ids
+    def encode(self, tokenizer: Any, text: str, check: Callable[[str], None] | None = None) -> list[int]:
+        """The ids of a rendered `text` holding placeholders, as `tokenizer` encodes the render in one call
+        but with each placeholder's text put back as plain text. Encoding each piece between the template's special
+        tokens alone differed from that: a sentencepiece-style tokenizer (Metaspace "first": Llama-2, Mistral) began
+        every piece with '\u2581' as the start of a text, and a special token's lstrip/rstrip (Phi-3's) no longer took
+        in the whitespace beside it. `check(text)` (a bound on its size) sees the text before it is tokenized."""
+        if self.pattern is None:  # (no special token: `escape` noted no literal)
+            raise ValueError("LiteralSpecials.encode needs the special-token pattern of the tokenizer")
+        copy, alias, back = _aliased(tokenizer, self.pattern)
+        template_text = _PLACEHOLDER.sub("", text)
+        if PLACEHOLDER_OPEN in template_text or PLACEHOLDER_CLOSE in template_text:
+            raise ValueError("the chat template writes the Unicode noncharacter U+FDD0 or U+FDD1, which rdepth "
+                             "reserves for its own use: remove it from the template")
+        controls = 0
+
+        def swap(match: re.Match[str]) -> str:
+            nonlocal controls
+            if match.group(1) is not None:  # a placeholder: the literal's text, which the copy reads as text
+                return self.literals[int(match.group(1))]
+            controls += 1
+            return alias[match.group(0)]
+
+        aliased = re.sub(f"{_PLACEHOLDER.pattern}|{self.pattern.pattern}", swap, text)
+        if check is not None:
+            check(aliased)
+        with tokenizer_failures_as_errors():  # a 400 for the request, not a dead worker
+            ids = copy.encode(aliased, add_special_tokens=False).ids
+        if sum(i in back for i in ids) != controls:  # (a `single_word` special token not standing alone)
+            raise ValueError("the chat template writes a special token where the tokenizer does not read it as one "
+                             "(a single_word token inside a word): fix the template")
+        return [back.get(i, i) for i in ids]
+
+
+# Each tokenizer's copy for `LiteralSpecials.encode` (built on the first message holding a special token's text)
+_ALIASED: weakref.WeakKeyDictionary[Any, tuple[str, Any, dict[str, str], dict[int, int]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _aliased(tokenizer: Any, pattern: re.Pattern[str]) -> tuple[Any, dict[str, str], dict[int, int]]:
+    """A copy of `tokenizer` that reads its special tokens' texts as plain text, in which each special token has a
+    second text, its alias (a number between U+FDD0 and U+FDD1, which `escape` keeps out of the messages: the
+    placeholders' form, all put back before this copy encodes), with the same flags
+    (lstrip, rstrip, normalized): the copy encodes a render with aliases as `tokenizer` does it with the special
+    tokens' texts. Returns the copy, each special text's alias, and each alias id's token id in `tokenizer`."""
+    cached = _ALIASED.get(tokenizer)
+    if cached is not None and cached[0] == pattern.pattern:
+        return cached[1:]
+    from tokenizers import AddedToken, Tokenizer
+
+    specials = {t.content: t for t in tokenizer.get_added_tokens_decoder().values() if t.special and t.content}
+    # (each between U+FDD0 and U+FDD1, which the render holds nowhere else: no alias matches across two of them, even
+    # in tokenizers' separate passes for normalized and raw tokens)
+    alias = {text: f"{PLACEHOLDER_OPEN}{i}{PLACEHOLDER_CLOSE}" for i, text in enumerate(sorted(specials))}
+    copy = Tokenizer.from_str(tokenizer.to_str())
+    copy.encode_special_tokens = True  # the special tokens' texts are plain text; the aliases are not special
+    copy.add_tokens([AddedToken(alias[text], special=False, normalized=t.normalized, lstrip=t.lstrip,
+                                rstrip=t.rstrip, single_word=t.single_word) for text, t in specials.items()])
+    back: dict[int, int] = {}
+    for text, name in alias.items():
+        i = copy.token_to_id(name)
+        if i is None or tokenizer.id_to_token(i) is not None:  # (a vocabulary with gaps in its ids)
+            raise ValueError("this tokenizer's ids leave no free id past its tokens, which a message holding a "
+                             "special token's text needs: remove that text from the message")
+        back[i] = tokenizer.token_to_id(text)
+    _ALIASED[tokenizer] = (pattern.pattern, copy, alias, back)
+    return copy, alias, back
 
 
 class ContextTooLong(ValueError):
@@ -286,8 +336,8 @@ class TextCodec:
         (`continue_final_message`); `variables`: extra template variables (`ChatTemplate.render`'s).
 
         Special-token strings inside message contents, tools and variables stay plain text (so a message cannot forge
-        a turn): they are swapped for placeholders before rendering, and every text piece between
-        the template's own special tokens is encoded with special-token matching turned off.
+        a turn): they are swapped for placeholders before rendering, and the render is tokenized as in one call with
+        those texts read as plain text (`LiteralSpecials.encode`), as a render without them is.
         """
         if self.chat is None:
             raise ValueError(f"this model directory has no usable chat template ({self.chat_error}); "
@@ -304,12 +354,7 @@ class TextCodec:
         if not literal.literals:  # the common case: exactly what tokenizing the rendered text gives
             self.check_fits(text, "rendered chat prompt")
             return self._ids(text, add_special_tokens=False)
-
-        def plain_ids(piece: str) -> list[int]:
-            self.check_fits(piece, "rendered chat prompt")
-            return self._ids(piece, add_special_tokens=False)
-
-        return literal.encode(self.tokenizer, text, plain_ids)
+        return literal.encode(self.tokenizer, text, lambda whole: self.check_fits(whole, "rendered chat prompt"))
 
     # ------------------------------------------------------------------ output
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

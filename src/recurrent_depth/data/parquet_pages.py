@@ -142,6 +142,10 @@ def column_pages(raw: Any, chunk: Any, what: str) -> Iterator[Page]:
         if not all(isinstance(value, int) and value >= 0 for value in (kind, uncompressed, compressed)):
             raise ValueError(f"{what}: the page header at byte {offset:,} is damaged (no page type or sizes)")
         detail = header.get({0: 5, 2: 7, 3: 8}.get(kind, 0), {})  # (data page, dictionary page, data page v2)
-        rows = detail.get(3 if kind == 3 else 1, 0) if kind in (0, 3) else 0  # (v2: num_rows; v1: num_values)
+        # (a damaged header can hold an integer where the page's struct belongs, or a struct for its row count:
+        # an AttributeError / TypeError naming no file before)
+        rows = detail.get(3 if kind == 3 else 1, 0) if kind in (0, 3) and isinstance(detail, dict) else 0
+        if not isinstance(detail, dict) or not (isinstance(rows, int) and rows >= 0):
+            raise ValueError(f"{what}: the page header at byte {offset:,} is damaged (a malformed page row count)")
         yield Page(kind == 2, uncompressed, compressed, rows)
         offset += length + compressed

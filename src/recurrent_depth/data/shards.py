@@ -372,7 +372,7 @@ class ShardDataset:
         saved_key, my_key = state.get("data_key"), self.state_dict().get("data_key")
         if saved_key is not None and my_key is not None and saved_key != my_key:
             raise ValueError(
-                f"data state: the checkpoint's rows were built from other data (key {saved_key[:12]}...) than "
+                f"data state: the checkpoint's rows were built from other data (key {str(saved_key)[:12]}...) than "
                 f"{self.index_path} (key {my_key[:12]}...: another corpus, tokenizer or packing); resume "
                 "with the same data"
             )

@@ -120,8 +120,11 @@ def decode(session: Session) -> Iterator[TokenEvent]:
                                        nbytes_after[t][b])
                 pending[b] = token
                 committed += 1
+                # finish_round goes on past max_new_tokens, but never past max_seq_len tokens in all (the
+                # pending token sits at position[b], this one at position[b] + 1 + i)
                 ends = session.recorder.finished[b] and not (
                     opts.finish_round and session.recorder.finish_reasons[b] == "length"
+                    and position[b] + 2 + i < max_len
                 )
                 if event.finished and not ends and i + 1 < len(emitted):  # finish_round: the round goes on
                     event = replace(event, finished=False)

@@ -54,6 +54,10 @@ SERVER_FIELDS = frozenset({"ignore_eos", "stop_token_ids", "add_special_tokens",
                            "skip_special_tokens", "include_stop_str_in_output",
                            "chat_template_kwargs", "add_generation_prompt", "continue_final_message"})
 MAX_TEMPLATE_KWARGS = 64  # names in a chat request's `chat_template_kwargs`
+# max_tokens past the context is refused once the prompt's length is known (`Sampling.options`: 400
+# context_length_exceeded naming the prompt's tokens, max_tokens and the context, as vLLM's); this bound only
+# keeps the number printable
+MAX_TOKENS_FIELD = 2**31 - 1
 _TEMPLATE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 KNOWN_FIELDS = OPENAI_FIELDS | SERVER_FIELDS | set(HTTP_OPTIONS)
 # the generation options a request takes from generation_config.json where it leaves them out (our names: the
@@ -490,7 +494,7 @@ def parse_completion(body: dict, limits: Limits, served_names: set[str] | None,
                             "sequences one request may ask for")
     # not sent: generation_config.json's max_new_tokens (make_jobs: within the context left), else 16 (OpenAI's)
     default = None if "max_new_tokens" in limits.defaults else 16
-    sampling.max_tokens = get_int(body, "max_tokens", default, 0, limits.max_seq_len)
+    sampling.max_tokens = get_int(body, "max_tokens", default, 0, MAX_TOKENS_FIELD)
     logprobs = get_int(body, "logprobs", None, 0, limits.max_top_logprobs)
     echo = get_bool(body, "echo", False)
     return CompletionRequest(sampling, prompts, echo, logprobs, get_bool(body, "add_special_tokens", True))
@@ -551,7 +555,7 @@ def parse_chat(body: dict, limits: Limits, served_names: set[str] | None, eos_co
     # max_completion_tokens wins when set; null means "not set" for either name
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = body.get(name)
-    sampling.max_tokens = get_int({name: max_tokens}, name, None, 1, limits.max_seq_len)
+    sampling.max_tokens = get_int({name: max_tokens}, name, None, 1, MAX_TOKENS_FIELD)
     if name == "max_completion_tokens":  # errors about the answer's length name the field the client sent
         sampling.given_as["max_new_tokens"] = name
     sampling.given_as["prompt"] = "messages"  # (and a prompt that fills the context names the messages)

@@ -128,6 +128,15 @@ HUGINN_KEY_MAP: dict[str, str] = {
     "pad_token_id": "pad_token_id",
     "init_scale": "init_scale",  # not in the official file; written by our Huginn-format config on save
 }
+# transformers' names for our fields (`RecurrentDepthConfig.attribute_map`), which transformers' loader honours in
+# our own config.json: read the same here (a value that disagrees with our key's is refused), so that the library
+# and transformers build the same model from one file instead of one of them silently taking the default.
+TRANSFORMERS_ALIASES: dict[str, str] = {
+    "max_position_embeddings": "max_seq_len",
+    "num_attention_heads": "num_heads",
+    "num_key_value_heads": "num_kv_heads",
+    "tie_word_embeddings": "tie_embeddings",
+}
 # Keys of HUGINN_KEY_MAP that the official code derives (from n_heads) or aliases rather than reads: not written
 # by `ModelConfig.to_huginn_dict`.
 HUGINN_DERIVED_KEYS = frozenset({"num_key_value_heads", "tie_word_embeddings"})
@@ -263,8 +272,7 @@ class ModelConfig:
                     f"ModelConfig.{name}={getattr(self, name, None)!r} is invalid: expected {expected}"
                 )
 
-        for name in ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-                     "intermediate_size", "max_seq_len"):
+        for name in ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "max_seq_len"):
             value = getattr(self, name)
             need(is_int(value) and value >= 1, name, "an integer >= 1")
         for name in ("prelude_layers", "core_layers", "coda_layers", "mean_recurrence",
@@ -280,6 +288,8 @@ class ModelConfig:
         need(self.max_seq_len <= MAX_SEQ_LEN, "max_seq_len", f"at most {MAX_SEQ_LEN} (MAX_SEQ_LEN)")
         need(self.hidden_size % self.num_heads == 0, "num_heads",
              f"a divisor of hidden_size={self.hidden_size}")
+        # (after num_heads: more heads than channels derives head_dim 0, which would blame head_dim)
+        need(is_int(self.head_dim) and self.head_dim >= 1, "head_dim", "an integer >= 1")
         need(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
              f"a divisor of num_heads={self.num_heads} (grouped-query attention)")
         need(self.head_dim % 2 == 0, "head_dim", "an even number (rotary embedding rotates pairs)")
@@ -320,7 +330,8 @@ class ModelConfig:
         need(self.attn_scale in ATTN_SCALES, "attn_scale", f"None or one of {list(ATTN_SCALES[1:])}")
         need(self.attn_scale != "1/d" or self.mup_base_width is not None, "attn_scale",
              "'1/sqrt(d)' or None without mup_base_width ('1/d' is muP's, its constant set by the base width)")
-        need(self.block_layout in BLOCK_LAYOUTS, "block_layout", f"one of {sorted(BLOCK_LAYOUTS)}")
+        need(isinstance(self.block_layout, str) and self.block_layout in BLOCK_LAYOUTS, "block_layout",
+             f"one of {sorted(BLOCK_LAYOUTS)}")
         need(self.rope_style in ("interleaved", "half"), "rope_style", "'interleaved' or 'half'")
         need(self.mlp_activation in MLP_ACTIVATIONS, "mlp_activation", f"one of {sorted(MLP_ACTIVATIONS)}")
         need(self.injection in INJECTIONS, "injection", f"one of {sorted(INJECTIONS)}")
@@ -482,7 +493,11 @@ class ModelConfig:
     # ------------------------------------------------------------------ presets
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
-        """The named shape in `PRESETS` ("tiny", "small", "huginn-0125", ...) with `overrides` (field=value) on top."""
+        """The named shape in `PRESETS` ("tiny", "small", "huginn-0125", ...) with `overrides` (field=value) on top.
+
+        A preset's head_dim and num_kv_heads that are the derived defaults (hidden_size // num_heads, num_heads)
+        are derived again from overridden hidden_size / num_heads unless overridden themselves, as when unset: a
+        huginn-0125 at hidden_size=2640 has head_dim 48, not a 5280-wide attention in a 2640-wide model."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         names = {f.name for f in dataclasses.fields(cls)}
@@ -490,6 +505,12 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown ModelConfig fields {unknown}; known fields are {sorted(names)}")
         values = dict(PRESETS[name])
+        heads, width = values.get("num_heads"), values.get("hidden_size")
+        if ("hidden_size" in overrides or "num_heads" in overrides) and "head_dim" not in overrides \
+                and is_int(heads) and heads > 0 and values.get("head_dim") == width // heads:
+            values.pop("head_dim", None)
+        if "num_heads" in overrides and "num_kv_heads" not in overrides and values.get("num_kv_heads") == heads:
+            values.pop("num_kv_heads", None)
         values.update(overrides)
         return cls(**values)
 
@@ -502,7 +523,10 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         """Build from our own keys, an official Huginn `config.json` (detected by its keys) or an Ouro one
-        (`model_type: "ouro"`)."""
+        (`model_type: "ouro"`). Our own keys may come with transformers' names for four of them
+        (`TRANSFORMERS_ALIASES`: num_attention_heads, ...), read as transformers reads them; `IGNORED_KEYS`
+        (transformers' bookkeeping, informational Huginn keys) are ignored, and num_hidden_layers must be the sum of
+        the three parts' layers; any other key is a one-line error."""
         if not isinstance(data, dict):
             raise ValueError(f"config must be a JSON object, got {type(data).__name__}")
         if is_parcae_config(data):  # Parcae's own keys (families/parcae.py)
@@ -516,10 +540,23 @@ class ModelConfig:
         if "rope_parameters" in data and data["rope_parameters"] is None:  # what transformers wrote for an unset
             # rope_scaling when a config class (the remote-code file's, before it had the field) did not declare it
             data = {k: v for k, v in data.items() if k != "rope_parameters"}
-        unknown = sorted(set(data) - names - IGNORED_KEYS)
+        unknown = sorted(set(data) - names - IGNORED_KEYS - set(TRANSFORMERS_ALIASES))
         if unknown:
             raise ValueError(f"unknown config keys {unknown}; known keys are {sorted(names)}")
-        return cls(**{k: v for k, v in data.items() if k in names})
+        values = {k: v for k, v in data.items() if k in names}
+        for alias, name in TRANSFORMERS_ALIASES.items():
+            if alias not in data:
+                continue
+            if values.get(name) is not None and values[name] != data[alias]:
+                raise ValueError(f"config keys {alias}={data[alias]!r} and {name}={values[name]!r} disagree ({alias} "
+                                 f"is transformers' name for {name}): keep one")
+            values[name] = data[alias]
+        config = cls(**values)
+        layers = data.get("num_hidden_layers")
+        if layers is not None and layers != config.num_layers:
+            raise ValueError(f"config key num_hidden_layers={layers!r} disagrees with prelude_layers + core_layers + "
+                             f"coda_layers = {config.num_layers} (it is their sum): drop it or set those")
+        return config
 
     @classmethod
     def _from_huginn(cls, data: dict[str, Any]) -> ModelConfig:
@@ -650,7 +687,7 @@ def check_rope_scaling(value: Any) -> None:
     if not isinstance(value, dict):
         raise ValueError(f"ModelConfig.rope_scaling={value!r} is invalid: expected None or a dict")
     kind = value.get("rope_type", value.get("type"))
-    if kind not in ROPE_SCALING_KEYS:
+    if not isinstance(kind, str) or kind not in ROPE_SCALING_KEYS:
         raise ValueError(f"ModelConfig.rope_scaling: rope_type {kind!r} is not supported; supported: "
                          f"{sorted(ROPE_SCALING_KEYS)}")
     for key in ROPE_SCALING_KEYS[kind]:

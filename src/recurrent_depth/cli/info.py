@@ -81,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
         policies[args.kv_policy] = parse_kv_policy(args.kv_policy, core_layers=config.core_layers)
     length = config.max_seq_len
     kv_quant = parse_kv_quant_option(args.kv_quant)
-    if kv_quant is not None and config.mixer != "attention":
+    # (every part with layers: a per-part dict naming 'attention' throughout is softmax attention too)
+    counts = {"prelude": config.prelude_layers, "core": config.core_layers, "coda": config.coda_layers}
+    if kv_quant is not None and any(config.mixer_for(part) != "attention" for part, n in counts.items() if n):
         raise ValueError(f"--kv-quant prices softmax-attention KV entries; this model's mixer is {config.mixer!r}")
 
     def cache_bytes(tokens: int, policy=policies["per-step"]) -> int:
@@ -118,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
         info["kv_quant_bits_per_coordinate"] = kv_quant.bits_per_coordinate(config.head_dim, length)
         bf16 = info["kv_cache_bytes_per_token_bf16_by_kv_policy"]
         info["kv_cache_bytes_per_token_quantized_by_kv_policy"] = {
-            name: round(per // bf16_entry * per_layer) for name, per in bf16.items()
+            # (a true quotient: with per-part num_kv_heads in mixer_options it is not a whole number of layers)
+            name: round(per / bf16_entry * per_layer) for name, per in bf16.items()
         }
     if args.json:
         print(json.dumps(info, sort_keys=True))

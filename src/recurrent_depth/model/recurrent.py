@@ -143,10 +143,14 @@ class RecurrentDepthLM(nn.Module):
                 if window is not None:
                     raise ValueError(f"ModelConfig.attention_windows gives layer {i} a window of {window}, but its "
                                      f"mixer is not 'attention' (the only one that takes a per-layer window)")
-                if base is not None or config.attn_logit_softcapping is not None:
-                    name = "layer_rope_bases" if base is not None else "attn_logit_softcapping"
-                    raise ValueError(f"ModelConfig.{name} applies to layer {i}, whose mixer is not 'attention' (the "
-                                     f"only one implementing it)")
+                # (query_pre_attn_scalar: the other mixers scale their logits by their own head width, silently)
+                unsupported = [name for name, value in (("layer_rope_bases", base),
+                                                        ("attn_logit_softcapping", config.attn_logit_softcapping),
+                                                        ("query_pre_attn_scalar", config.query_pre_attn_scalar))
+                               if value is not None]
+                if unsupported:
+                    raise ValueError(f"ModelConfig.{unsupported[0]} applies to layer {i}, whose mixer is not "
+                                     f"'attention' (the only one implementing it)")
                 continue
             if config.attention_windows:
                 if block.attn.window is not None:

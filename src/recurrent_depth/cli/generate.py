@@ -5,6 +5,8 @@
 
 Prints the completion (token by token with --stream, the default for one prompt) and then a
 stats line on stderr: tokens, mean recurrence steps per token, tokens/s, cache size, exit reasons.
+The completion's text is `rdepth serve`'s: it ends just before the first --stop string (the --json
+tokens keep the token that held it), special tokens left out.
 """
 
 from __future__ import annotations
@@ -105,6 +107,20 @@ def _generation_kwargs(args: argparse.Namespace) -> tuple[dict[str, Any], dict[s
     return canonical(values, resolve_auto=False)
 
 
+def completion_text(codec: Any, stop: list[str], tokens: list[int]) -> str:
+    """A finished completion's text as `rdepth serve` gives it (`TextState`: decoded after an anchor, so a
+    SentencePiece decoder keeps the first token's leading space; cut just before the first stop string)."""
+    from recurrent_depth.serving.text import TextState
+
+    state, parts = TextState(codec, stop), []
+    for token in tokens:
+        part, hit = state.push(token)
+        parts.append(part)
+        if hit:
+            return "".join(parts)
+    return "".join(parts) + state.flush()
+
+
 def _stats_line(out: Any) -> str:
     reasons = Counter(r for row in out.exit_reasons for r in row)
     s = out.summary()
@@ -124,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
     from recurrent_depth.config import MAX_NUM_STEPS
     from recurrent_depth.data.tokenizer import check_fits_vocab, tokenizer_failures_as_errors
     from recurrent_depth.inference import generate, stream_generate
+    from recurrent_depth.serving.text import TextCodec, TextState
 
     check_lora_with_weights(args)
     check_strict_lora_base(args, "--lora")
@@ -135,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
     model = rd.RecurrentDepthLM.from_pretrained(args.model, dtype=args.dtype, device=args.device,
                                              weights=args.weights).eval()
     check_fits_vocab(tokenizer, model.config.vocab_size, tokenizer_source(args))
+    # the completion's text as the server writes it (`TextState`: anchor, UTF-8 tails, stop strings cut)
+    codec = TextCodec(tokenizer_source(args), model.config.vocab_size, required=True)
     ceiling = MAX_NUM_STEPS if args.max_depth is None else args.max_depth
     if args.num_steps is None and model.config.mean_recurrence > ceiling:  # the default depth, past --max-depth
         raise ValueError(f"the model's mean_recurrence={model.config.mean_recurrence} (the default --num-steps) is "
@@ -145,8 +164,11 @@ def run(args: argparse.Namespace) -> int:
         model = attach_adapter(model, args.lora, strict_base=args.strict_lora_base, model_dir=args.model)
     with tokenizer_failures_as_errors():
         rows = [tokenizer.encode(text).ids for text in args.prompt]
-    if any(len(r) == 0 for r in rows):
-        raise ValueError("--prompt must not be empty (it encodes to no tokens)")
+    # each prompt named by its flag: `--prompt-file notes.txt` of an empty file was reported as an empty --prompt
+    names = ["--prompt"] * (len(rows) - len(args.prompt_file)) + [f"--prompt-file {f}" for f in args.prompt_file]
+    for name, row in zip(names, rows):
+        if not row:
+            raise ValueError(f"{name} must not be empty (it encodes to no tokens)")
     width = max(len(r) for r in rows)
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
@@ -164,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--stream prints one prompt's tokens as they come; use --no-stream for a batch")
     if stream and args.json:  # the streamed text would precede the JSON object on stdout
         raise ValueError("--json prints one JSON object at the end; it does not combine with --stream")
+    stop = kwargs.get("stop")
+    stop_strings = [s for s in ([stop] if isinstance(stop, str | int) else stop or []) if isinstance(s, str)]
 
     if stream:
         try:
@@ -172,16 +196,12 @@ def run(args: argparse.Namespace) -> int:
         except OptionError as exc:
             raise exc.spelled(cli_spelling(given_as)) from None
         print(args.prompt[0], end="", flush=True)
-        shown = ""
-        tokens: list[int] = []
+        state, hit = TextState(codec, stop_strings), False
         for event in handle:
-            tokens.append(event.token)
-            text = tokenizer.decode(tokens)
-            # Byte-level tokens can end inside a UTF-8 character; print only completed text.
-            if not text.endswith("\ufffd"):
-                print(text[len(shown):], end="", flush=True)
-                shown = text
-        print(tokenizer.decode(tokens)[len(shown):], flush=True)  # whatever was held back
+            if not hit:  # (the text ends at the stop string; the library may stop a token later)
+                part, hit = state.push(event.token)
+                print(part, end="", flush=True)
+        print("" if hit else state.flush(), flush=True)  # whatever was held back
         out = handle.output
     else:
         try:
@@ -189,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
                 out = generate(model, ids, attention_mask=mask, tokenizer=tokenizer, **kwargs)
         except OptionError as exc:
             raise exc.spelled(cli_spelling(given_as)) from None
-    completions = [tokenizer.decode(t) for t in out.token_lists()]
+    completions = [completion_text(codec, stop_strings, t) for t in out.token_lists()]
     if args.json:
         record = {
             "prompts": args.prompt, "completions": completions, "tokens": out.token_lists(),

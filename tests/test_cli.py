@@ -142,6 +142,15 @@ def test_ctrl_c_is_a_one_line_exit_130(monkeypatch, capsys):
     monkeypatch.setattr(info, "run", interrupted)
     assert main(["info", "--preset", "tiny"]) == 130
     assert capsys.readouterr().err == "rdepth info: interrupted\n"
+    # (and while the command's modules import, before it runs: that was a KeyboardInterrupt traceback)
+    import recurrent_depth.cli as cli
+
+    def importing(only):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", importing)
+    assert main(["info", "--preset", "tiny"]) == 130
+    assert capsys.readouterr().err == "rdepth: interrupted\n"
 
 
 def test_a_missing_optional_dependency_is_a_clean_error(tmp_path, monkeypatch, capsys):

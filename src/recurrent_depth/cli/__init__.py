@@ -142,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         except (AttributeError, OSError, ValueError):
             pass
         return 0
+    except KeyboardInterrupt:  # Ctrl-C while the command's modules import (torch: ~1 s), before it runs
+        print("rdepth: interrupted", file=sys.stderr)
+        return 130
 
 
 def _main(argv: list[str] | None) -> int:

@@ -119,3 +119,21 @@ def test_an_empty_prompt_file_is_named_in_the_error(byte_level_dir, tmp_path, ca
     empty.write_text("")
     assert main(["generate", "--model", str(byte_level_dir), "--prompt", "x", "--prompt-file", str(empty)]) == 2
     assert f"--prompt-file {empty} must not be empty" in capsys.readouterr().err
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(byte_level_dir, tmp_path, capsys, monkeypatch):
+    """As the server (`TextCodec.check_fits`): a 4 MB prompt file took 1.2 GB and 19 s to tokenize before the
+    context-length error."""
+    from tokenizers import Tokenizer as RustTokenizer
+
+    big = tmp_path / "big.txt"
+    big.write_text("word " * 200_000)
+
+    def never(self, *args, **kwargs):
+        raise AssertionError("tokenized")
+
+    monkeypatch.setattr(RustTokenizer, "encode", never)  # (the bound comes first)
+    assert main(["generate", "--model", str(byte_level_dir), "--prompt-file", str(big)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"rdepth generate: error: the --prompt-file {big} is 1000000 bytes, so at least ")
+    assert "more than the model's context of" in err

@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
                                              weights=args.weights).eval()
     check_fits_vocab(tokenizer, model.config.vocab_size, tokenizer_source(args))
     # the completion's text as the server writes it (`TextState`: anchor, UTF-8 tails, stop strings cut)
-    codec = TextCodec(tokenizer_source(args), model.config.vocab_size, required=True)
+    codec = TextCodec(tokenizer_source(args), model.config.vocab_size, model.config.max_seq_len, required=True)
     ceiling = MAX_NUM_STEPS if args.max_depth is None else args.max_depth
     if args.num_steps is None and model.config.mean_recurrence > ceiling:  # the default depth, past --max-depth
         raise ValueError(f"the model's mean_recurrence={model.config.mean_recurrence} (the default --num-steps) is "
@@ -162,10 +162,12 @@ def run(args: argparse.Namespace) -> int:
         from recurrent_depth.train.lora import attach_adapter
 
         model = attach_adapter(model, args.lora, strict_base=args.strict_lora_base, model_dir=args.model)
+    # each prompt named by its flag: `--prompt-file notes.txt` of an empty file was reported as an empty --prompt
+    names = ["--prompt"] * (len(args.prompt) - len(args.prompt_file)) + [f"--prompt-file {f}" for f in args.prompt_file]
+    for name, text in zip(names, args.prompt):  # (a text that cannot fit the context is not tokenized: a 4 MB
+        codec.check_fits(text, name)            # file took 1.2 GB and 19 s before the length error)
     with tokenizer_failures_as_errors():
         rows = [tokenizer.encode(text).ids for text in args.prompt]
-    # each prompt named by its flag: `--prompt-file notes.txt` of an empty file was reported as an empty --prompt
-    names = ["--prompt"] * (len(rows) - len(args.prompt_file)) + [f"--prompt-file {f}" for f in args.prompt_file]
     for name, row in zip(names, rows):
         if not row:
             raise ValueError(f"{name} must not be empty (it encodes to no tokens)")

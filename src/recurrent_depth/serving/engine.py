@@ -190,6 +190,8 @@ class BatchScheduler:
         if self.batch is not None:
             self.batch.engine.on_step = self._progress
         self.solos: list[tuple[Job, SoloRun]] = []
+        # admitted this iteration, not yet prefilled: out of `waiting`, and running (a long prefill read as idle)
+        self.starting: list[Job] = []
         self.waiting: deque[Job] = deque()
         self.cond = threading.Condition()
         self.stopping = False
@@ -217,7 +219,7 @@ class BatchScheduler:
 
     @property
     def running(self) -> int:
-        return (len(self.batch) if self.batch is not None else 0) + len(self.solos)
+        return (len(self.batch) if self.batch is not None else 0) + len(self.solos) + len(self.starting)
 
     @property
     def healthy(self) -> bool:
@@ -340,9 +342,11 @@ class BatchScheduler:
                         self._run_adapter_updates()
                         continue
                     if admitted:
-                        self._switch_for(admitted)
-                    for job in admitted:
-                        self._start(job)
+                        self._switch_for(admitted)  # (before `starting`: it switches only while nothing runs)
+                    self.starting = admitted
+                    while self.starting:
+                        self._start(self.starting[0])
+                        self.starting.pop(0)
                     if self.batch is not None and len(self.batch):
                         self._decode()
                     for job, run in list(self.solos):
@@ -356,7 +360,7 @@ class BatchScheduler:
                 pending = list(self.waiting)
                 self.waiting.clear()
             pending += [seq.tag for seq in (self.batch.rows if self.batch is not None else [])]
-            pending += [job for job, _ in self.solos]
+            pending += [job for job, _ in self.solos] + self.starting
             for job in pending:
                 self._fail(job, 503, reason, "service_unavailable")
             with self.cond:

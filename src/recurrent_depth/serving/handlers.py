@@ -339,7 +339,9 @@ class Handlers:
             self.open_requests.add(jobs, start, channel)
         except QueueFull as exc:
             self.metrics.reject("queue_full")
-            raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from None
+            # (Retry-After, as the body budget's 503: clients that honour it, the openai one included, wait it out)
+            raise APIError(429, str(exc), type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": "1"}) from None
         except EngineUnavailable as exc:
             self.metrics.reject("unavailable")
             raise APIError(503, str(exc), type="service_unavailable", code="engine_unavailable") from None

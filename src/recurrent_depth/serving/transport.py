@@ -249,10 +249,14 @@ class Server(uvicorn.Server):
 
     On shutdown it stops accepting, waits up to `grace` seconds for open requests, then calls
     `drain()` (which ends every open request with a 503) and lets their answers go out before
-    uvicorn's own limit (`grace` + `DRAIN_S`), so no handler is cancelled mid-answer.
+    uvicorn's own limit (`grace` + `DRAIN_S`), so no handler is cancelled mid-answer. A connection
+    still open `ABORT_S` before that limit has a client that does not read its answer (its send is
+    blocked on a full socket): it is aborted, so its handler ends on the disconnect instead of being
+    cancelled by uvicorn (an ERROR traceback per connection).
     """
 
     DRAIN_S = 5.0
+    ABORT_S = 1.0  # time the handlers of aborted connections get to end before uvicorn's limit
 
     def __init__(self, config: uvicorn.Config, *, grace: float, drain: Callable[[], Awaitable[None]],
                  banner: Callable[[str], str] | None = None) -> None:
@@ -274,11 +278,19 @@ class Server(uvicorn.Server):
             await asyncio.sleep(self.grace)
             await self.drain()
 
-        task = asyncio.create_task(drain_after_grace())
+        async def abort_stalled() -> None:
+            await asyncio.sleep(self.grace + self.DRAIN_S - self.ABORT_S)
+            for connection in list(self.server_state.connections):
+                transport = getattr(connection, "transport", None)
+                if transport is not None:
+                    transport.abort()  # (close() would wait for the unread bytes to be sent: forever)
+
+        tasks = [asyncio.create_task(drain_after_grace()), asyncio.create_task(abort_stalled())]
         try:
             await super().shutdown(sockets)
         finally:
-            task.cancel()
+            for task in tasks:
+                task.cancel()
 
 
 def make_server(app: Any, *, host: str, port: int, log_level: str, read_timeout: float, grace: float,

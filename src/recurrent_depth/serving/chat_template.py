@@ -2,10 +2,14 @@
 
 The template is a file someone handed us, so it runs in jinja2's `ImmutableSandboxedEnvironment`
 (no attribute access to internals, no mutation of the inputs) with resource caps on top: every
-`range()` draws from one iteration budget per render, `*`, `+` and `**` may not build values
-beyond the output cap, and rendering stops as soon as the output passes its cap. Whatever the
-caps do not catch (a filter building a huge string, a loop over a long message's characters)
-is stopped by the worker process that renders it (memory limit, wall-clock kill; see `prep.py`).
+`range()` draws from one iteration budget per render, `*`, `+`, `**` and `~` may not build values
+beyond the output cap (nor numbers past `MAX_INT_BITS`), no filter or method call may return one,
+loops and calls stop at a wall-clock deadline, and rendering stops as soon as the output passes
+its cap. So a value cannot keep growing from step to step, and a render that is not in a worker
+(the server's start-up probe of the template, `rdepth sft`) ends too. What one step can still
+build from capped values (a filter asked for a huge width, a replace of every character by a
+long string) is stopped by the worker process that renders it (memory limit, wall-clock kill;
+see `prep.py`).
 
 The environment matches transformers' `apply_chat_template` (trim_blocks, lstrip_blocks,
 loopcontrols, `{% generation %}` blocks, `raise_exception`, `strftime_now`, `tojson`, the
@@ -15,6 +19,8 @@ special-token variables), so templates written for it render the same text.
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Generator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -26,6 +32,11 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 MAX_TEMPLATE_BYTES = 1 << 20
 MAX_ITERATIONS = 100_000  # range() iterations per render, all ranges together
+MAX_INT_BITS = 4096  # the largest number `*` and `**` may build (squaring in a loop otherwise runs for ever)
+MAX_SECONDS = 30.0  # a render's deadline, checked at each loop step, call, filter and operator
+# Names a message's reasoning comes under, the first the one templates read: transformers' `render_jinja_template`
+# gives each message that has one all three (`_alias_reasoning_fields`), so a template reading either sees it.
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 SPECIAL_VARIABLES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 # The names a request's extra template variables (`chat_template_kwargs`) may not take: the variables `render` sets,
 # the functions it gives the template, Jinja's own globals and the names Jinja gives a meaning inside templates.
@@ -109,9 +120,12 @@ class ChatTemplate:
     """A compiled chat template; `render(messages)` opens the assistant's turn."""
 
     def __init__(self, source: str, variables: dict[str, str], max_output_chars: int,
-                 max_iterations: int = MAX_ITERATIONS) -> None:
+                 max_iterations: int = MAX_ITERATIONS, max_seconds: float = MAX_SECONDS) -> None:
+        import functools
+
         import jinja2
         import jinja2.ext
+        from jinja2 import nodes
         from jinja2.compiler import CodeGenerator
         from jinja2.nodes import Impossible
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -121,36 +135,82 @@ class ChatTemplate:
         self.max_output_chars = max_output_chars
         self.max_iterations = max_iterations
         self.iterations = 0
+        self.max_seconds = max_seconds
+        self.deadline = float("inf")  # time.monotonic() past which the render under way stops
         self.has_generation_blocks = False  # set while compiling: the source has a `{% generation %}` block
         self.blocks: list[tuple[int, str]] | None = None  # while `generation_spans` renders: (start, text) per block
         self.rendered = 0  # characters yielded so far by the render under way
         cap = max_output_chars
         owner = self
 
+        def check_time() -> None:
+            if time.monotonic() > owner.deadline:
+                raise TemplateLimit(f"the chat template ran past its {owner.max_seconds:g} s deadline")
+
+        def capped(value: Any) -> Any:
+            """`value`, unless it is a string, list, tuple or dict over the cap (values built step by step)."""
+            if isinstance(value, (str, list, tuple, dict)) and len(value) > cap:
+                raise TemplateLimit(f"the chat template built a value of {len(value)} items (at most {cap})")
+            return value
+
         class NoConstantOutput(CodeGenerator):
-            """Never evaluate output expressions while compiling (jinja would, even unoptimized)."""
+            """Never evaluate output expressions while compiling (jinja would, even unoptimized), and join
+            `a ~ b` through `BoundedSandbox.concat` (jinja joins it in place, past the caps on `+`)."""
 
             def _output_child_to_const(self, node: Any, frame: Any, finalize: Any) -> str:
                 raise Impossible()
 
+            def visit_Concat(self, node: Any, frame: Any) -> None:
+                self.write("environment.concat((")
+                for arg in node.nodes:
+                    self.visit(arg, frame)
+                    self.write(", ")
+                self.write("))")
+
         class BoundedSandbox(ImmutableSandboxedEnvironment):
-            intercepted_binops = frozenset(["*", "+", "**"])
+            intercepted_binops = frozenset(["*", "+", "**", "-", "/", "//", "%"])
             code_generator_class = NoConstantOutput
 
+            def _parse(self, source: str, name: str | None, filename: str | None) -> Any:
+                # every {% for %} loop's steps pass `check_time` (a loop over a string's characters has no range())
+                tree = super()._parse(source, name, filename)
+                for loop in tree.find_all(nodes.For):
+                    loop.iter = nodes.Filter(loop.iter, "rdepth_steps", [], [], None, None, lineno=loop.lineno)
+                return tree
+
+            def concat(self, values: tuple) -> str:
+                check_time()
+                texts = [str(v) for v in values]
+                if sum(map(len, texts)) > cap:  # (checked before the join: the join is what would build it)
+                    raise TemplateLimit(f"the chat template built a value of {sum(map(len, texts))} items "
+                                        f"(at most {cap})")
+                return "".join(texts)
+
+            def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+                check_time()
+                return capped(super().call(__context, __obj, *args, **kwargs))
+
             def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+                check_time()
                 sized = (str, list, tuple)
                 if operator == "**" and isinstance(right, int) and abs(right) > 64:
                     raise TemplateLimit(f"the chat template raised a number to the power {right} (at most 64)")
+                if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0 \
+                        and left.bit_length() * right > MAX_INT_BITS:
+                    raise TemplateLimit(f"the chat template built a number over {MAX_INT_BITS} bits")
                 if operator == "*":
                     seq, count = (left, right) if isinstance(left, sized) else (right, left)
                     if isinstance(seq, sized) and isinstance(count, int) and len(seq) * count > cap:
                         raise TemplateLimit(f"the chat template built a value of {len(seq) * count} items "
                                             f"(at most {cap})")
+                    if isinstance(left, int) and isinstance(right, int) \
+                            and left.bit_length() + right.bit_length() > MAX_INT_BITS:
+                        raise TemplateLimit(f"the chat template built a number over {MAX_INT_BITS} bits")
                 if operator == "+" and isinstance(left, sized) and isinstance(right, sized) \
                         and len(left) + len(right) > cap:
                     raise TemplateLimit(f"the chat template built a value of {len(left) + len(right)} items "
                                         f"(at most {cap})")
-                return super().call_binop(context, operator, left, right)
+                return capped(super().call_binop(context, operator, left, right))
 
         class GenerationBlocks(jinja2.ext.Extension):
             """`{% generation %}...{% endgeneration %}`, transformers' marks of the assistant's tokens
@@ -172,6 +232,28 @@ class ChatTemplate:
                     owner.blocks.append((owner.rendered, text))
                 return text
 
+        def steps(iterable: Any, most: float = float("inf")) -> Any:
+            for count, item in enumerate(iterable):
+                check_time()
+                if count >= most:
+                    raise TemplateLimit(f"the chat template built a sequence of over {cap} items")
+                yield item
+
+        def bounded_filter(function: Any) -> Any:
+            @functools.wraps(function)  # (keeps jinja's pass_context marks)
+            def bounded(*args: Any, **kwargs: Any) -> Any:
+                check_time()
+                value = capped(function(*args, **kwargs))
+                # a lazy result (`slice`, `map`, `unique`) is built by whatever reads it (`| list`): capped there
+                return steps(value, cap) if isinstance(value, Generator) else value
+            return bounded
+
+        def lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:  # noqa: A002
+            if not isinstance(n, int) or not isinstance(max, int) or n * max > cap:
+                raise TemplateLimit(f"the chat template asked lipsum() for {n} paragraphs of up to {max} words "
+                                    f"(at most {cap} words in all)")
+            return jinja2.utils.generate_lorem_ipsum(n, html, min, max)
+
         def bounded_range(*args: int) -> Any:
             steps = range(*args)
             if owner.iterations + len(steps) > owner.max_iterations:
@@ -192,7 +274,8 @@ class ChatTemplate:
         env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True,
                              extensions=[jinja2.ext.loopcontrols, GenerationBlocks], optimized=False)
         env.filters["tojson"] = tojson
-        env.globals.update(range=bounded_range, raise_exception=raise_exception,
+        env.filters.update({name: bounded_filter(f) for name, f in env.filters.items()}, rdepth_steps=steps)
+        env.globals.update(range=bounded_range, lipsum=lipsum, raise_exception=raise_exception,
                            strftime_now=lambda fmt: datetime.now().strftime(fmt))
         self.template = env.from_string(source)
 
@@ -203,7 +286,8 @@ class ChatTemplate:
         `apply_chat_template(tools=...)` passes JSON-schema dicts the same way; None: no tools).
         `continue_final_message`: the text ends where the final message's content ends (no end of its turn), so
         the model continues it, cut as transformers cuts it. `variables`: extra template variables (a request's
-        `chat_template_kwargs`), none of them `RESERVED_VARIABLES` (a ValueError)."""
+        `chat_template_kwargs`), none of them `RESERVED_VARIABLES` (a ValueError). A message's reasoning reaches the
+        template under all of `REASONING_FIELDS`, as transformers passes it. A cap or the deadline: `TemplateLimit`."""
         extra = dict(variables or {})
         taken = sorted(extra.keys() & (RESERVED_VARIABLES | self.template.environment.globals.keys()))
         if taken:
@@ -214,8 +298,10 @@ class ChatTemplate:
                 raise ValueError("continue_final_message needs a final message to continue")
             final = messages[-1]["content"]
             messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + CONTINUE_TAG}]
+        messages = [alias_reasoning(m) for m in messages]
         self.iterations = 0
         self.rendered = 0
+        self.deadline = time.monotonic() + self.max_seconds
         out: list[str] = []
         for piece in self.template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
                                             tools=tools, documents=None, **self.variables, **extra):
@@ -244,6 +330,13 @@ class ChatTemplate:
                 raise ValueError("a {% generation %} block renders inside a macro, a {% set %} or {% filter %} "
                                  "block or another generation block, so where its text lies cannot be told")
         return text, [(start, start + len(body)) for start, body in blocks]
+
+
+def alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    """`message` with its reasoning (under any of `REASONING_FIELDS`, the first set one) under all three names,
+    as transformers gives it to the template (`thinking` for gpt-oss templates, `reasoning_content` for Qwen's)."""
+    reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+    return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def cut_at_continue_tag(text: str, final: str) -> str:

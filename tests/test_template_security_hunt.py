@@ -74,3 +74,25 @@ def test_a_messages_reasoning_reaches_the_template_as_transformers_gives_it():
     assert "<think>r1</think>r1|a" in want  # (what the template reads)
     assert ChatTemplate(source, {}, 10_000).render(messages, add_generation_prompt=False) == want
     assert "reasoning_content" not in messages[1]  # the caller's messages are left as they were
+
+
+def test_tool_call_arguments_sent_as_json_strings_reach_the_template_as_objects():
+    """OpenAI clients send `function.arguments` as a JSON string; templates write `arguments | tojson` (Qwen's), so the
+    string was encoded twice ("{\\"city\\": ...}"). As vLLM, the template gets the object: the render equals
+    transformers' for the same call given as a dict (what transformers' docs ask for). Not JSON: one line."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    source = ("{% for m in messages %}{{ m.role }}:{{ m.content }}{% for c in m.tool_calls or [] %}"
+              "<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>"
+              "{% endfor %}\n{% endfor %}")
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    as_object = [messages[0], {**messages[1], "tool_calls": [
+        {**call, "function": {"name": "weather", "arguments": {"city": "Paris"}}}]}]
+    want = render_jinja_template([as_object], chat_template=source)[0][0]
+    assert '"arguments": {"city": "Paris"}' in want
+    assert ChatTemplate(source, {}, 10_000).render(messages, add_generation_prompt=False) == want
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'  # (left as it was)
+    bad = [messages[0], {**messages[1], "tool_calls": [{**call, "function": {"name": "w", "arguments": "{city"}}]}]
+    with pytest.raises(ValueError, match=r"^tool_calls\[0\]\.function\.arguments is not valid JSON: '\{city'$"):
+        ChatTemplate(source, {}, 10_000).render(bad, add_generation_prompt=False)

@@ -298,7 +298,7 @@ class ChatTemplate:
                 raise ValueError("continue_final_message needs a final message to continue")
             final = messages[-1]["content"]
             messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + CONTINUE_TAG}]
-        messages = [alias_reasoning(m) for m in messages]
+        messages = [tool_arguments_parsed(alias_reasoning(m)) for m in messages]
         self.iterations = 0
         self.rendered = 0
         self.deadline = time.monotonic() + self.max_seconds
@@ -337,6 +337,37 @@ def alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
     as transformers gives it to the template (`thinking` for gpt-oss templates, `reasoning_content` for Qwen's)."""
     reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
     return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
+def tool_arguments_parsed(message: dict[str, Any]) -> dict[str, Any]:
+    """`message` with each tool call's `function.arguments` JSON string (what OpenAI clients send) as the object it
+    encodes, as vLLM gives it to the template: templates write `arguments | tojson` (Qwen's, Llama's), which encoded
+    the string a second time. An empty or null one is `{}`; a string that is not JSON is a one-line ValueError."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list) or not any(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                              and not isinstance(c["function"].get("arguments"), dict | list)
+                                              for c in calls):
+        return message
+    parsed = []
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if not isinstance(function, dict) or isinstance(arguments, dict | list):
+            parsed.append(call)
+            continue
+        if not arguments:
+            value: Any = {}
+        elif not isinstance(arguments, str):
+            raise ValueError(f"tool_calls[{i}].function.arguments must be a JSON string or an object, "
+                             f"got {type(arguments).__name__}")
+        else:
+            try:
+                value = json.loads(arguments)
+            except (ValueError, RecursionError):  # (nesting too deep to parse is not JSON the template can take)
+                raise ValueError(f"tool_calls[{i}].function.arguments is not valid JSON: "
+                                 f"{arguments[:60]!r}") from None
+        parsed.append({**call, "function": {**function, "arguments": value}})
+    return {**message, "tool_calls": parsed}
 
 
 def cut_at_continue_tag(text: str, final: str) -> str:

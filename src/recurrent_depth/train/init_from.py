@@ -63,8 +63,20 @@ def find_model_dir(path: str | Path) -> Path:
     from recurrent_depth.checkpoint import lora_adapter_hint
 
     raise ValueError(f"init_from={str(path)!r} holds no config.json and no model/config.json: expected a model "
-                     f"directory, a run directory holding model/, or an official Huginn-0125 or Ouro directory"
-                     + lora_adapter_hint(p, merged_for="start from that"))
+                     f"directory, a run directory holding model/, or an official Huginn-0125, Ouro or Parcae "
+                     f"directory" + (lora_adapter_hint(p, merged_for="start from that") or _checkpoints_hint(p)))
+
+
+def _checkpoints_hint(p: Path) -> str:
+    """'' or, for a run directory without model/ (its run stopped before the end) or its checkpoints/, where a
+    model directory is: each checkpoint is one."""
+    from recurrent_depth.train import checkpointing as ckpt
+
+    found = ckpt.list_checkpoints(ckpt.checkpoints_root(p)) or ckpt.list_checkpoints(p)
+    if not found:
+        return ""
+    return (f"; it holds checkpoints and no model/ (a run that has not finished): start from a checkpoint, e.g. "
+            f"the newest {found[-1][1]}, or finish that run with --resume")
 
 
 def start_record(model_dir: Path | None, tokenizer_dir: Path) -> dict[str, Any]:

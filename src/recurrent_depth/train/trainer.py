@@ -397,8 +397,14 @@ class Trainer:
 
     def _setup_shards(self, corpus: Any | None, model: nn.Module | None) -> None:
         """The tokenizer and token shards `cfg.data` names; the model config their vocabulary implies."""
-        cfg, env = self.cfg, self.env
+        cfg = self.cfg
         self.tokenizer_dir, self.data = self._prepare_data(corpus)
+        if model is not None:  # its own config (--init-from DIR's), not one built from the tokenizer: DIR's vocabulary
+            # may be padded past the tokenizer's, with special ids there, which that config refused
+            self.model_config = getattr(model, "config", None)
+            self.seq_len = cfg.seq_len if cfg.seq_len is not None else self.data.metadata["params"]["seq_len"]
+            self._open_shard_datasets()
+            return
         tok_meta = self.data.metadata["tokenizer"]
         specials = tok_meta["special_token_ids"]
         overrides: dict[str, Any] = {}
@@ -417,8 +423,11 @@ class Trainer:
         self.seq_len = cfg.resolved_seq_len(self.model_config)
         if self.seq_len != self.data.metadata["params"]["seq_len"]:
             raise AssertionError("prepared rows do not match seq_len")
-        if model is not None:
-            self.model_config = getattr(model, "config", None)
+        self._open_shard_datasets()
+
+    def _open_shard_datasets(self) -> None:
+        """The prepared shards' train and validation splits, and the batches drawn from the train one."""
+        cfg, env = self.cfg, self.env
         self.train_data = self.data.dataset("train", seed=cfg.seed, rank=env.rank, world_size=env.world_size)
         self.val_data = self.data.dataset("validation", shuffle=False, rank=env.rank, world_size=env.world_size)
         self.source = RowBatches(self.train_data, env.device, self.data.metadata)

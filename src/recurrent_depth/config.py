@@ -497,7 +497,10 @@ class ModelConfig:
 
         A preset's head_dim and num_kv_heads that are the derived defaults (hidden_size // num_heads, num_heads)
         are derived again from overridden hidden_size / num_heads unless overridden themselves, as when unset: a
-        huginn-0125 at hidden_size=2640 has head_dim 48, not a 5280-wide attention in a 2640-wide model."""
+        huginn-0125 at hidden_size=2640 has head_dim 48, not a 5280-wide attention in a 2640-wide model. Likewise a
+        preset's special-token ids (bos/eos/pad_token_id) name tokens of its own vocabulary: with vocab_size
+        overridden to another size they are unset (None) unless overridden themselves (give your tokenizer's), so
+        huginn-0125 at vocab_size=32000 does not keep bos_token_id=65504."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         names = {f.name for f in dataclasses.fields(cls)}
@@ -511,6 +514,9 @@ class ModelConfig:
             values.pop("head_dim", None)
         if "num_heads" in overrides and "num_kv_heads" not in overrides and values.get("num_kv_heads") == heads:
             values.pop("num_kv_heads", None)
+        if "vocab_size" in overrides and overrides["vocab_size"] != values.get("vocab_size"):
+            for token in ("bos_token_id", "eos_token_id", "pad_token_id"):  # (the preset's tokenizer's ids)
+                values.pop(token, None)
         values.update(overrides)
         return cls(**values)
 
@@ -690,11 +696,28 @@ def check_rope_scaling(value: Any) -> None:
     if not isinstance(kind, str) or kind not in ROPE_SCALING_KEYS:
         raise ValueError(f"ModelConfig.rope_scaling: rope_type {kind!r} is not supported; supported: "
                          f"{sorted(ROPE_SCALING_KEYS)}")
+    if "rope_type" in value and "type" in value and value["type"] != kind:
+        raise ValueError(f"ModelConfig.rope_scaling: type={value['type']!r} and rope_type={kind!r} disagree (type is "
+                         f"the older name of rope_type): keep one")
+    # transformers' keys per type (its `_validate_*_rope_parameters`, which only warns about others): the type's own,
+    # and partial_rotary_factor at 1 (the whole head rotated, all that is implemented here). Its rope_theta is our
+    # rope_base, a field of its own: read here it would be ignored.
+    for key in sorted(set(value) - {"rope_type", "type", "partial_rotary_factor", *ROPE_SCALING_KEYS[kind]}, key=str):
+        hint = "; set the base with ModelConfig.rope_base" if key == "rope_theta" else ""
+        raise ValueError(f"ModelConfig.rope_scaling[{key!r}] is not a key of rope_type {kind!r}; its keys: "
+                         f"{['rope_type', *ROPE_SCALING_KEYS[kind]]}{hint}")
+    if not (is_real(value.get("partial_rotary_factor", 1)) and value.get("partial_rotary_factor", 1) == 1):
+        raise ValueError(f"ModelConfig.rope_scaling['partial_rotary_factor']={value['partial_rotary_factor']!r} is "
+                         f"not supported: expected 1 (only a fully rotated head is implemented)")
     for key in ROPE_SCALING_KEYS[kind]:
         number = value.get(key)
         if not is_real(number) or number <= 0:
             raise ValueError(f"ModelConfig.rope_scaling[{key!r}]={number!r} is invalid: expected a number > 0 "
                              f"(rope_type {kind!r} needs {list(ROPE_SCALING_KEYS[kind])})")
+    if kind == "llama3" and not is_int(value["original_max_position_embeddings"]):
+        raise ValueError(f"ModelConfig.rope_scaling['original_max_position_embeddings']="
+                         f"{value['original_max_position_embeddings']!r} is invalid: expected an integer > 0 (the "
+                         f"pretraining context length)")
     if kind == "llama3" and not value["high_freq_factor"] > value["low_freq_factor"]:
         raise ValueError("ModelConfig.rope_scaling: llama3 needs high_freq_factor > low_freq_factor")
 

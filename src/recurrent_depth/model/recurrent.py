@@ -30,6 +30,7 @@ from recurrent_depth.model.depth import DepthSampler
 from recurrent_depth.model.layers import DiagonalInjection, RMSNorm, build_block, model_norm
 from recurrent_depth.model.mixers import MixerContext, build_mixer, check_mixer_name
 from recurrent_depth.model.mixers.attention import Attention
+from recurrent_depth.model.mixers.base import check_config_options
 from recurrent_depth.model.replay import DepthReplay, replay_core
 
 NumSteps = int | tuple[int, int] | None
@@ -119,14 +120,11 @@ class RecurrentDepthLM(nn.Module):
             exit_gate=nn.Linear(h, 1) if config.exit_gate else None,  # Ouro's early_exit_gate (with a bias)
         )
         self.transformer = nn.ModuleDict({name: module for name, module in modules.items() if module is not None})
-        if config.qk_norm:
-            for part in MODEL_PARTS:
-                blocks_of_part = self.transformer["core_block" if part == "core" else part]
-                if any(getattr(block.attn, "q_norm", None) is None for block in blocks_of_part):
-                    raise ValueError(
-                        f"ModelConfig.qk_norm=True is implemented by the 'attention' mixer only, but the {part} "
-                        f"uses mixer {config.mixer_for(part)!r}; set qk_norm false or use 'attention' there"
-                    )
+        # config options only some mixers implement (qk_norm, rope_style, num_kv_heads, ...): each mixer class says
+        # which it honours, and a set one that a layer's mixer would ignore is refused (`check_config_options`)
+        parts = [part for part in MODEL_PARTS for _ in range(getattr(config, f"{part}_layers"))]
+        check_config_options(config, [(part, config.mixer_for(part), block.attn)
+                                      for part, block in zip(parts, blocks_of(self), strict=True)])
         for i in config.value_embeddings:
             attn = blocks_of(self)[i].attn
             if not isinstance(attn, Attention):
@@ -135,7 +133,7 @@ class RecurrentDepthLM(nn.Module):
             attn.add_value_embedding(config.vocab_size)
         # The one place each layer's own attention settings are set (the mixer reads them on every path): its
         # window (`attn.window`), its RoPE base (`attn.rope_base`); soft-capping is read from the config by the
-        # mixer. Only the 'attention' mixer implements them.
+        # mixer. Only the 'attention' mixer implements them (the others were refused above).
         for i, block in enumerate(blocks_of(self)):
             window = config.attention_windows[i] if config.attention_windows else None
             base = config.layer_rope_bases[i] if config.layer_rope_bases else None
@@ -143,14 +141,6 @@ class RecurrentDepthLM(nn.Module):
                 if window is not None:
                     raise ValueError(f"ModelConfig.attention_windows gives layer {i} a window of {window}, but its "
                                      f"mixer is not 'attention' (the only one that takes a per-layer window)")
-                # (query_pre_attn_scalar: the other mixers scale their logits by their own head width, silently)
-                unsupported = [name for name, value in (("layer_rope_bases", base),
-                                                        ("attn_logit_softcapping", config.attn_logit_softcapping),
-                                                        ("query_pre_attn_scalar", config.query_pre_attn_scalar))
-                               if value is not None]
-                if unsupported:
-                    raise ValueError(f"ModelConfig.{unsupported[0]} applies to layer {i}, whose mixer is not "
-                                     f"'attention' (the only one implementing it)")
                 continue
             if config.attention_windows:
                 if block.attn.window is not None:

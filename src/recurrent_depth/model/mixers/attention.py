@@ -42,6 +42,10 @@ from recurrent_depth.model.mixers.logits import MaxLogitRecorder, scale_paramete
 
 @register_mixer("attention")
 class Attention(MaxLogitRecorder, nn.Module):
+    # every option of `MIXER_CONFIG_OPTIONS` (base.py): the config's attention settings are this mixer's
+    config_options = frozenset({"qk_norm", "layer_rope_bases", "attn_logit_softcapping", "query_pre_attn_scalar",
+                                "attn_scale", "rope_style", "rope_scaling", "num_kv_heads", "qkv_bias"})
+
     def __init__(
         self, config: ModelConfig, part: str = "core", window: int | None = None, num_kv_heads: int | None = None
     ) -> None:

@@ -8,6 +8,7 @@ one entry per (layer, step). Output projections are named `proj` so the Takase i
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from recurrent_depth.config import MODEL_PARTS, ModelConfig
+from recurrent_depth.config import MODEL_PARTS, ModelConfig, rope_scaling_key
 from recurrent_depth.model.cache import ModelCache
 from recurrent_depth.model.layers import rope_at
 
@@ -65,6 +66,60 @@ class MixerContext:
                       else rope_at(self.positions, dim, self.max_seq_len, base))
             self._rope[key] = (picked[..., 0].unsqueeze(2), picked[..., 1].unsqueeze(2))
         return self._rope[key]
+
+
+# ModelConfig options that only some mixers implement: name -> (its value at unique layer i where a config sets it,
+# None where it is left at its default; how to leave it unset). A mixer class names those it implements in
+# `config_options` and those with nothing to act on in it in `moot_config_options` (a mixer without RoPE has no
+# rotation for rope_style to choose); `check_config_options` refuses any other set option, so none is silently ignored.
+MIXER_CONFIG_OPTIONS: dict[str, tuple[Callable[[ModelConfig, int], Any], str]] = {
+    "qk_norm": (lambda c, i: c.qk_norm or None, "set qk_norm false"),
+    "layer_rope_bases": (lambda c, i: c.layer_rope_bases[i] if c.layer_rope_bases else None,
+                         "give that layer null in layer_rope_bases"),
+    "attn_logit_softcapping": (lambda c, i: c.attn_logit_softcapping, "set attn_logit_softcapping null"),
+    "query_pre_attn_scalar": (lambda c, i: c.query_pre_attn_scalar, "set query_pre_attn_scalar null"),
+    # (muP's default: the rule resolved, so a muP model is told its mixer keeps its own 1/sqrt scale)
+    "attn_scale": (lambda c, i: "1/d" if c.attention_scale_rule == "1/d" else None,
+                   "set attn_scale='1/sqrt(d)' to accept that mixer's own scale"),
+    "rope_style": (lambda c, i: None if c.rope_style == "interleaved" else c.rope_style,
+                   "set rope_style='interleaved'"),
+    "rope_scaling": (lambda c, i: c.rope_scaling if rope_scaling_key(c.rope_scaling) is not None else None,
+                     "set rope_scaling null"),
+    "num_kv_heads": (lambda c, i: None if c.num_kv_heads == c.num_heads else c.num_kv_heads,
+                     "set num_kv_heads to num_heads"),
+    "qkv_bias": (lambda c, i: c.qkv_bias or None, "set qkv_bias false"),
+}
+
+
+def check_config_options(config: ModelConfig, layers: list[tuple[str, str, nn.Module]]) -> None:
+    """A one-line ValueError for a set `MIXER_CONFIG_OPTIONS` entry that a layer's mixer would ignore, or that the
+    config sets away from its default while no layer implements it (every mixer finds it moot). layers: (part, mixer
+    name, mixer) of each unique layer in order.
+    A mixer without the two class attributes (a factory registered elsewhere) is taken to implement none of them."""
+    for option, (value_at, unset) in MIXER_CONFIG_OPTIONS.items():
+        doers = [n for n, f in sorted(_MIXERS.items()) if option in getattr(f, "config_options", ())]
+        ors, ands = " or ".join(map(repr, doers)), " and ".join(map(repr, doers))
+        values = []
+        for i, (part, name, mixer) in enumerate(layers):
+            value = value_at(config, i)
+            if value is None:
+                continue
+            values.append(value)
+            if option in getattr(mixer, "config_options", ()) or option in getattr(mixer, "moot_config_options", ()):
+                continue
+            raise ValueError(
+                f"ModelConfig.{option} applies to layer {i}, whose mixer is not {ors}: {option}={value!r} is "
+                f"implemented by the {ands} mixer{'s' if len(doers) > 1 else ''} only, but the {part} uses mixer "
+                f"{name!r}, which would ignore it; {unset} or use {'one of those mixers' if len(doers) > 1 else 'it'} "
+                f"there")
+        # (a field left at its default, as attn_scale resolved by muP, was not asked for: nothing to refuse)
+        field = next(f for f in dataclasses.fields(config) if f.name == option)
+        if (values and getattr(config, option) != field.default
+                and not any(option in getattr(mixer, "config_options", ()) for _, _, mixer in layers)):
+            used = sorted({name for _, name, _ in layers})
+            verb = "do" if len(doers) > 1 else "does"
+            raise ValueError(f"ModelConfig.{option}={values[0]!r} has no effect: no layer's mixer implements it (this "
+                             f"model's mixers {used} have nothing it acts on; {ands} {verb}); {unset}")
 
 
 MixerFactory = Callable[..., nn.Module]

@@ -211,6 +211,11 @@ class RecurrentMixer(nn.Module):
     """
 
     mixer_name = "recurrent"
+    # `MIXER_CONFIG_OPTIONS` (base.py): none implemented (their projections and norms are their own). No RoPE, no
+    # shared key/value heads and no softmax (every output is normalised, so muP's 1/d rule for softmax logits has
+    # nothing to scale): those options pass here, for the attention layers beside them in a hybrid
+    config_options: frozenset[str] = frozenset()
+    moot_config_options = frozenset({"rope_style", "rope_scaling", "num_kv_heads", "attn_scale"})
     # The state holds one position count for every row of the batch (log-linear's Fenwick offset,
     # TTT-KVB's place in its mini-batch), so rows that skip a step cannot keep their own.
     shared_counter = False

@@ -36,6 +36,9 @@ ATTN_IMPLS = ("auto", "naive", "absorb")
 @register_mixer("mla")
 class MultiHeadLatentAttention(MaxLogitRecorder, nn.Module):
     mixer_name = "mla"
+    # `MIXER_CONFIG_OPTIONS` (base.py) it implements: its decoupled RoPE reads rope_scaling, but it rotates interleaved
+    # pairs, scales by its own (d_nope + d_R)^-1/2, has one shared latent in place of kv heads and bias-free projections
+    config_options = frozenset({"rope_scaling"})
 
     def __init__(
         self,

@@ -101,6 +101,9 @@ def nsa_branches(
 @register_mixer("nsa")
 class NativeSparseAttention(nn.Module):
     mixer_name = "nsa"
+    # `MIXER_CONFIG_OPTIONS` (base.py) it implements: kv heads and rope_scaling; it rotates interleaved pairs, scales
+    # by head_dim^-1/2 and has bias-free projections
+    config_options = frozenset({"num_kv_heads", "rope_scaling"})
 
     def __init__(
         self,

@@ -123,7 +123,8 @@ def test_a_resume_from_a_model_directory_changed_since_the_run_started_is_refuse
     Trainer(tiny_train_config(train_root, tmp_path / "run", **options)).run()
     state = json.loads((tmp_path / "run" / "checkpoints" / "step-00000001" / "trainer_state.json").read_text())
     start = {"directory": str(source.resolve()), "identity": model_identity(source),
-             "content": model_content_sample(source), "tokenizer": file_digests(source, TRAINING_TOKENIZER_FILES)}
+             "content": model_content_sample(source), "tokenizer": file_digests(source, TRAINING_TOKENIZER_FILES),
+             "files": {}}  # (source holds no retrofit.json or generation_config.json)
     assert state["start"] == start and json.loads((tmp_path / "run" / "run.json").read_text())["start"] == start
     shutil.copyfile(source / "model.safetensors", tmp_path / "copy")  # the same bytes, a new mtime
     os.replace(tmp_path / "copy", source / "model.safetensors")

@@ -17,6 +17,7 @@ model directory is written back in DIR's stored dtype, so zero steps reproduce D
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,17 +80,20 @@ def _checkpoints_hint(p: Path) -> str:
             f"the newest {found[-1][1]}, or finish that run with --resume")
 
 
-def start_record(model_dir: Path | None, tokenizer_dir: Path) -> dict[str, Any]:
+def start_record(model_dir: Path | None, tokenizer_dir: Path, files: dict[str, bytes] | None = None) -> dict[str, Any]:
     """What a run's checkpoints record about where it started: the model directory it started from (its absolute
     path, `checkpoint.model_identity` and `checkpoint.model_content_sample`, which
-    `trainer_checkpoints.check_same_start` compares on resume; none for a run from scratch, `model_dir=None`), and
-    the digests of the run's tokenizer files as the run started (`trainer_checkpoints.check_same_tokenizer`: a
-    tokenizer replaced before the first checkpoint, whose copy the checkpoint then holds, is still told apart)."""
+    `trainer_checkpoints.check_same_start` compares on resume; none for a run from scratch, `model_dir=None`), the
+    digests of the run's tokenizer files as the run started (`trainer_checkpoints.check_same_tokenizer`: a
+    tokenizer replaced before the first checkpoint, whose copy the checkpoint then holds, is still told apart) and
+    of the start directory's files the run keeps (`files`: its retrofit.json and generation_config.json as read at
+    the start; a resume takes them from its checkpoint, `trainer_checkpoints.started_files`)."""
     tokenizer = {"tokenizer": file_digests(tokenizer_dir, TRAINING_TOKENIZER_FILES)}
     if model_dir is None:
         return tokenizer
+    kept = {name: hashlib.sha256(data).hexdigest() for name, data in sorted((files or {}).items())}
     return {"directory": str(model_dir.resolve()), "identity": model_identity(model_dir),
-            "content": model_content_sample(model_dir), **tokenizer}
+            "content": model_content_sample(model_dir), **tokenizer, "files": kept}
 
 
 def run_tokenizer_dir(cfg: TrainConfig, model_dir: Path | None) -> Path | None:

@@ -195,7 +195,8 @@ class Trainer:
         `cfg.init_from` names, if any. Its identity (`checkpoint.model_identity`) is recorded in each checkpoint
         (`start`, with the run's tokenizer files' digests, which a run from scratch records too), and a `--resume`
         from another model directory, or from one (or a tokenizer) changed since, is refused. Its retrofit.json and
-        generation_config.json are written into every checkpoint and the final model directory of a full-weight run.
+        generation_config.json are written into every checkpoint and the final model directory of a full-weight run;
+        a resumed one takes them from its checkpoint (as the run started), not from the start directory again.
     """
 
     def __init__(
@@ -229,8 +230,8 @@ class Trainer:
         # and the files of that directory that the run's checkpoints and model/ keep (retrofit.json, ...)
         start_path = Path(start_dir) if start_dir is not None else None
         tokenizer = run_tokenizer_dir(cfg, start_path)
-        self.start = start_record(start_path, tokenizer) if tokenizer is not None else None
         self.start_files = read_companions(start_path, before="training") if start_path is not None else {}
+        self.start = start_record(start_path, tokenizer, self.start_files) if tokenizer is not None else None
         if data is not None and model is None and cfg.init_from is None:
             raise ValueError("Trainer(data=...) needs model=... too: without token shards nothing sets the vocabulary")
         if data is not None and corpus is not None:

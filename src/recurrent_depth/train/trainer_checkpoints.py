@@ -9,6 +9,7 @@ collective: every rank calls it, rank 0 writes, and a failure is the same one-li
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Callable
@@ -19,7 +20,9 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
-from recurrent_depth.files import PATH_MAX_CHARS, clipped
+from recurrent_depth.families.retrofit import PROVENANCE_FILE
+from recurrent_depth.files import CONFIG_MAX_BYTES, PATH_MAX_CHARS, clipped, read_bytes
+from recurrent_depth.generation_config import GENERATION_CONFIG_FILE
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 from recurrent_depth.train import checkpointing as ckpt
 from recurrent_depth.train import distributed as ddist
@@ -51,6 +54,9 @@ LOOP_COUNTERS = ("step", "micro_step", "tokens", "skipped_steps", "elapsed_s")
 # The string fields of a run's start record (`init_from.start_record`), all absent in a run from scratch's; its
 # `tokenizer` digests are newer: optional.
 START_STRINGS = ("directory", "identity", "content")
+# The start directory's files a full-weight run keeps in its checkpoints and model/ (`write_weights`), which its start
+# record's `files` names (`integrations.export.read_companions`: retrofit.json, generation_config.json).
+START_FILES = (PROVENANCE_FILE, GENERATION_CONFIG_FILE)
 
 
 # ------------------------------------------------------------------ saving
@@ -290,12 +296,13 @@ def check_same_start(path: Path, recorded: Any, start: dict[str, Any] | None) ->
         return
     from_scratch = isinstance(recorded, dict) and all(key not in recorded for key in START_STRINGS)
     if not (isinstance(recorded, dict) and _digests_or_none(recorded.get("tokenizer"))
+            and _digests_or_none(recorded.get("files"))
             and ((from_scratch and recorded.get("tokenizer") is not None)
                  or (all(isinstance(recorded.get(key), str) for key in START_STRINGS)
                      and len(recorded["directory"]) <= PATH_MAX_CHARS))):
         raise ValueError(f"cannot resume from {path}: its {ckpt.TRAINER_STATE} records start={clipped(recorded)}, "
                          f"expected where the run started (the model directory's {', '.join(START_STRINGS)}: "
-                         f"strings, none from scratch; tokenizer: file digests); the checkpoint is damaged")
+                         f"strings, none from scratch; files and tokenizer: file digests); the checkpoint is damaged")
     if start is None or (from_scratch and "directory" not in start):
         return
     if recorded.get("identity") == start.get("identity") or recorded.get("content") == start.get("content"):
@@ -450,7 +457,11 @@ def base_state_shapes(trainer: Trainer) -> dict[str, Any]:
 
 def apply_checkpoint(trainer: Trainer, loaded: ckpt.LoadedCheckpoint) -> None:
     """Continue `trainer` from a loaded checkpoint: data position (first: a data state this run's data does not take
-    is refused before anything changed), weights, optimizer, loop counters, RNG."""
+    is refused before anything changed), weights, optimizer, loop counters, RNG, and the start directory's files the
+    run started with (`started_files`)."""
+    recorded = loaded.trainer_state.get("start")
+    # (an adapter's checkpoints hold none: `write_weights`)
+    kept = None if is_peft_model(trainer.model) else started_files(loaded.path, recorded)
     try:
         trainer.source.load_state_dict(loaded.trainer_state["data"])
     except (KeyError, TypeError, AttributeError, IndexError) as exc:  # (a source's own checks raise ValueError)
@@ -464,7 +475,35 @@ def apply_checkpoint(trainer: Trainer, loaded: ckpt.LoadedCheckpoint) -> None:
         trainer.tokens_per_step = int(loaded.trainer_state["tokens_per_step"])
     if loaded.rng:
         ckpt.restore_rng_state(loaded.rng)
+    if kept is not None:
+        trainer.start_files = kept
+        trainer.start = {**trainer.start, "files": recorded["files"]} if trainer.start is not None else None
     trainer.log(f"resumed from {loaded.path} at step {trainer.state.step}")
+
+
+def started_files(path: Path, recorded: Any) -> dict[str, bytes] | None:
+    """{name: bytes} of the start directory's retrofit.json and generation_config.json as the run started: the copies
+    checkpoint `path` holds of those its start record (`recorded`) names in `files`. A resumed run writes these into
+    its checkpoints and model/, not what the start directory holds now (edited, added or removed since: the final
+    model silently took another generation config than its checkpoints). None where the record names none (a run
+    from scratch; a checkpoint of older code: the start directory's are kept, as that code did)."""
+    files = recorded.get("files") if isinstance(recorded, dict) else None
+    if files is None:
+        return None
+    if not _digests_or_none(files):  # (`check_same_start` refuses it first, where a resume checks the start)
+        raise ValueError(f"cannot resume from {path}: its start record's files are {clipped(files)}, not file "
+                         f"digests; the checkpoint is damaged")
+    kept: dict[str, bytes] = {}
+    for name, digest in files.items():
+        try:
+            data = read_bytes(path / name, CONFIG_MAX_BYTES, f"file {name}") if name in START_FILES else None
+        except (OSError, ValueError):
+            data = None
+        if data is None or hashlib.sha256(data).hexdigest() != digest:
+            raise ValueError(f"cannot resume from {path}: it holds no copy of the {clipped(name)} the run started "
+                             f"with (its start record's files); the checkpoint is damaged")
+        kept[name] = data
+    return kept
 
 
 def resume_from_checkpoint(trainer: Trainer, path: Path) -> None:

@@ -43,7 +43,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_tokenizer_arg(parser)
     parser.add_argument(
         "--out", default=None, metavar="DIR",
-        help="output directory (default: write into --model itself; needs --remote-code)",
+        help="output directory; a model it holds is replaced, with the tokenizer files, generation_config.json "
+             "and retrofit.json that the exported model lacks (default: write into --model itself; needs "
+             "--remote-code)",
     )
     parser.add_argument(
         "--remote-code", action="store_true",
@@ -75,9 +77,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from recurrent_depth.checkpoint import copy_tokenizer, save_official_layout, save_pretrained
+    from recurrent_depth.checkpoint import save_official_layout, save_pretrained
     from recurrent_depth.config import ModelConfig
-    from recurrent_depth.data.tokenizer import tokenizer_directory
+    from recurrent_depth.data.tokenizer import check_fits_vocab, load_tokenizer, tokenizer_directory
     from recurrent_depth.files import check_out_dir
     from recurrent_depth.integrations.export import (
         check_exportable,
@@ -87,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         export_remote_code,
         official_code_files,
         official_code_present,
+        replace_tokenizer,
         stop_at_turn_end,
     )
     from recurrent_depth.model.recurrent import RecurrentDepthLM
@@ -118,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
         args.tokenizer = tokenizer_directory(args.tokenizer)
     if args.tokenizer is not None and not (Path(args.tokenizer) / "tokenizer.json").is_file():
         raise FileNotFoundError(f"--tokenizer {args.tokenizer}: no tokenizer.json in that directory")
+    if args.tokenizer is not None:  # (written without a word, every --model load of the export refused it)
+        check_fits_vocab(load_tokenizer(args.tokenizer), ModelConfig.from_json(src).vocab_size, args.tokenizer)
     check_generation_defaults(src, remote_code=args.remote_code)  # fail before writing (or loading) anything
     if args.remote_code:
         check_exportable(ModelConfig.from_json(src))
@@ -152,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         src = out
     written = export_remote_code(src, out) if args.remote_code else src
     if args.tokenizer is not None:
-        copy_tokenizer(args.tokenizer, written)
+        replace_tokenizer(Path(args.tokenizer), written)  # (--model's files it lacks go: its chat template)
         stop_at_turn_end(Path(args.model), written)  # (the end-of-turn ids of the tokenizer it now holds)
     print(f"wrote {written}" + (" (loads with trust_remote_code=True)" if args.remote_code else ""))
     if args.official_layout:

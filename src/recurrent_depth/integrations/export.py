@@ -13,7 +13,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from recurrent_depth.checkpoint import copy_tokenizer, save_pretrained
+from recurrent_depth.checkpoint import TOKENIZER_FILES, copy_tokenizer, save_pretrained
 from recurrent_depth.config import HUGINN_ARCHITECTURE, HUGINN_MODEL_TYPE, MODEL_TYPE, ModelConfig
 from recurrent_depth.families.retrofit import PROVENANCE_FILE
 from recurrent_depth.files import CONFIG_MAX_BYTES, atomic_write_bytes, atomic_write_text, read_bytes, read_json
@@ -27,6 +27,8 @@ AUTO_MAP = {
     "AutoModelForSequenceClassification": "modeling_recurrent_depth.RecurrentDepthForSequenceClassification",
 }
 SUPPORTED_MIXER_OPTIONS = frozenset({"window"})
+# What a model directory carries beside its config, weights and tokenizer (`read_companions`).
+COMPANION_FILES = (PROVENANCE_FILE, GENERATION_CONFIG_FILE)
 
 
 def remote_code_source() -> str:
@@ -68,7 +70,7 @@ def read_companions(src: Path, before: str = "exporting") -> dict[str, bytes]:
     the refusal comes before ("exporting", "training", "averaging")."""
     check_generation_defaults(src, remote_code=False, before=before)
     files: dict[str, bytes] = {}
-    for name, what in ((PROVENANCE_FILE, "retrofit record"), (GENERATION_CONFIG_FILE, "generation config")):
+    for name, what in zip(COMPANION_FILES, ("retrofit record", "generation config"), strict=True):
         path = src / name
         if not path.exists() and not path.is_symlink():
             continue
@@ -82,7 +84,8 @@ def copy_companions(src: Path, out: Path) -> None:
     """What a model directory carries beside its config and weights: the tokenizer files, retrofit's record of
     the source and the generation defaults that transformers' `generate` reads (generation_config.json: num_steps,
     eos_token_id, max_new_tokens, ...; without it the copy generated otherwise); each a bounded read (a
-    tokenizer.json linked to /dev/zero filled the disk)."""
+    tokenizer.json linked to /dev/zero filled the disk). Those of them `src` lacks are removed from `out` (another
+    model's, where `out` held one)."""
     if src.resolve() == out.resolve():
         return
     companions = read_companions(src)  # before anything is written
@@ -90,7 +93,27 @@ def copy_companions(src: Path, out: Path) -> None:
     copy_tokenizer(src, out)
     for name, data in companions.items():
         atomic_write_bytes(out / name, data)
+    remove_absent(out, src, (*TOKENIZER_FILES, *COMPANION_FILES))
     stop_at_turn_end(src, out)
+
+
+def replace_tokenizer(tokenizer_dir: Path, out: Path) -> None:
+    """`out`'s tokenizer files become `tokenizer_dir`'s (`export --tokenizer`): copied, and those it lacks removed
+    (a chat_template.jinja of --model's beside --tokenizer's files was the chat template transformers rendered)."""
+    copy_tokenizer(tokenizer_dir, out)
+    remove_absent(out, tokenizer_dir, TOKENIZER_FILES)
+
+
+def remove_absent(out: Path, src: Path, names: tuple[str, ...]) -> None:
+    """Remove each of `names` from `out` that `src` lacks: an export over a directory that held another model left
+    that model's tokenizer.model, chat template, generation_config.json or retrofit.json beside the new weights,
+    where transformers and our loaders read them as the exported model's."""
+    if src.resolve() == out.resolve():
+        return
+    for name in names:
+        stale = out / name
+        if not (src / name).exists() and (stale.is_symlink() or stale.is_file()):
+            stale.unlink()
 
 
 def stop_at_turn_end(model_dir: Path, out: Path) -> None:
@@ -190,7 +213,9 @@ def export_remote_code(model_dir: str | Path, out_dir: str | Path | None = None)
     values: dict[str, Any] = config.to_dict()
     values["architectures"] = ["RecurrentDepthForCausalLM"]
     values["auto_map"] = dict(AUTO_MAP)
-    atomic_write_text(out / "config.json", json.dumps(values, indent=2, sort_keys=True) + "\n")
+    # The file before the auto_map naming it: a failure between the two left a config.json that transformers
+    # could not load (no module modeling_recurrent_depth), in place the source model's own.
     atomic_write_text(out / REMOTE_CODE_FILE, remote_code_source())
+    atomic_write_text(out / "config.json", json.dumps(values, indent=2, sort_keys=True) + "\n")
     stop_at_turn_end(out, out)  # (also in place, where no companions were copied)
     return out

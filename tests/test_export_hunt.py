@@ -93,3 +93,14 @@ def test_remote_code_failure_leaves_no_auto_map_without_its_file(tmp_path, monke
         export.export_remote_code(tmp_path / "src")
     assert "auto_map" not in json.loads((tmp_path / "src" / "config.json").read_text())
     assert not (tmp_path / "src" / export.REMOTE_CODE_FILE).exists()
+
+
+def test_a_cast_in_place_is_refused_and_the_weights_kept(tmp_path, capsys):
+    """`rdepth export --model m --out m --dtype bf16` replaced the only copy of the float32 weights with bf16 ones."""
+    src = tmp_path / "m"
+    make_model_dir(src, with_tokenizer=False)
+    before = (src / "model.safetensors").read_bytes()
+    assert main(["export", "--model", str(src), "--out", str(src), "--dtype", "bf16"]) == 2
+    assert "--dtype bfloat16 would replace its torch.float32 weights" in capsys.readouterr().err
+    assert (src / "model.safetensors").read_bytes() == before
+    assert main(["export", "--model", str(src), "--out", str(src), "--dtype", "float32"]) == 0  # (no cast: fine)

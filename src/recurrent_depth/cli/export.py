@@ -77,7 +77,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from recurrent_depth.checkpoint import save_official_layout, save_pretrained
+    from recurrent_depth.checkpoint import save_official_layout, save_pretrained, stored_dtype
     from recurrent_depth.config import ModelConfig
     from recurrent_depth.data.tokenizer import check_fits_vocab, load_tokenizer, tokenizer_directory
     from recurrent_depth.files import check_out_dir
@@ -117,6 +117,13 @@ def run(args: argparse.Namespace) -> int:
         for name, path in (("--model", src), ("--merge-lora", Path(args.merge_lora))):
             if out.resolve() == path.resolve():
                 raise ValueError(f"--out {out} is the {name} directory; write the merged model to a new directory")
+    if out is not None and args.dtype is not None and out.resolve() == src.resolve():
+        import torch
+
+        stored = stored_dtype(src)  # (in place, a cast replaced the only copy of the weights at their precision)
+        if stored is not None and getattr(torch, args.dtype) != stored:
+            raise ValueError(f"--out {out} is the --model directory: --dtype {args.dtype} would replace its {stored} "
+                             "weights; write the cast model to a new directory")
     if args.tokenizer is not None:  # --tokenizer takes the file too, as its help says
         args.tokenizer = tokenizer_directory(args.tokenizer)
     if args.tokenizer is not None and not (Path(args.tokenizer) / "tokenizer.json").is_file():

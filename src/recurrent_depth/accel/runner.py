@@ -373,6 +373,8 @@ class FastRunner(ModelRunner):
             y = y if bias is None else (y + bias if out is None else y.add_(bias))
         else:
             y = torch.mm(x, weight_t, out=out) if bias is None else torch.addmm(bias, x, weight_t, out=out)
+        if low_rank is None:  # (no call: the decode step runs this for every linear of every step)
+            return y
         return add_low_rank(y, x, low_rank)  # (a mixed batch's runner: each row's own adapter)
 
     def _block(self, x: Tensor, p: dict[str, Any], step: Step, key: tuple, B: int, T: int) -> Tensor:

@@ -238,7 +238,8 @@ def build_app(
                                prefill_tokens=prefill_tokens, kv_quant=kv_quant, adapters=adapters)
     if scheduler.kv_quant is not None:
         print(f"rdepth serve: KV cache quantized: {scheduler.kv_quant.label(cfg.head_dim)}", file=sys.stderr)
-    codec = TextCodec(tokenizer_dir, cfg.vocab_size, cfg.max_seq_len, required=tokenizer_named)
+    # (its end-of-turn probe renders the template: the app's start-up runs it in a worker, under a memory limit)
+    codec = TextCodec(tokenizer_dir, cfg.vocab_size, cfg.max_seq_len, required=tokenizer_named, probe_end_of_turn=False)
     if defaults.get("stop") and not codec.has_tokenizer:  # else every request without 'stop' were a 400
         raise ValueError(f"generation_config.json sets stop strings {defaults['stop']}, which need the model "
                          "directory's tokenizer.json (rdepth serve --generation-config none ignores the file)")
@@ -277,8 +278,9 @@ SHUTDOWN_GRACE_S = 5.0
 def serve(model: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
           allowed_hosts: Iterable[str] | None = None, read_timeout: float = 30.0, **kwargs: Any) -> None:
     """Build the app and run it with uvicorn until interrupted: open requests get `SHUTDOWN_GRACE_S`,
-    then a 503 (streams: an error event and [DONE]). Host names accepted by default: loopback and
-    `host` (any when `host` is 0.0.0.0 / ::)."""
+    then a 503 (streams: an error event and [DONE]), and this returns (`rdepth serve` exits 0, SIGINT or
+    SIGTERM alike); a second Ctrl-C forces the exit (KeyboardInterrupt). Host names accepted by default:
+    loopback and `host` (any when `host` is 0.0.0.0 / ::)."""
     from recurrent_depth.serving.transport import allowed_host_names, make_server
 
     names = allowed_host_names(host, allowed_hosts)

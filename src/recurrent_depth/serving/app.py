@@ -103,6 +103,8 @@ def create_app(scheduler: BatchScheduler, codec: TextCodec, settings: ServerSett
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await handlers.pool.start()
+        if codec.chat is not None:  # (rendered in a worker, under its memory limit: not in this process)
+            codec.chat_stop_ids |= await handlers.pool.end_of_turn()
         await handlers.kernels.ready(scheduler.kv_quant)  # --kv-quant's kernels before the first request
         scheduler.start()
         try:
@@ -114,6 +116,7 @@ def create_app(scheduler: BatchScheduler, codec: TextCodec, settings: ServerSett
     app = FastAPI(title="recurrent-depth", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.drain = drain
     app.state.scheduler = scheduler
+    app.state.codec = codec
     app.state.banner = lambda url: banner(scheduler, settings, handlers.limits, url)
     hosts = settings.allowed_hosts if settings.allowed_hosts is not None else LOOPBACK_NAMES
     app.add_middleware(HostGuard, names=allowed_host_names("127.0.0.1", hosts))

@@ -102,6 +102,7 @@ class Failed:
     status: int
     message: str
     error_type: str
+    code: str | None = None  # the error body's `code`, as a plain request's answer gives it (e.g. "shutting_down")
 
 
 Event = PromptEvent | TokenOut | Done | Failed
@@ -356,13 +357,14 @@ class BatchScheduler:
             log.error("engine thread crashed:\n%s", traceback.format_exc())
         finally:
             reason = self.failure or "the server is shutting down"
+            code = "engine_unavailable" if self.failure else "shutting_down"  # (the handlers' codes for the same)
             with self.cond:
                 pending = list(self.waiting)
                 self.waiting.clear()
             pending += [seq.tag for seq in (self.batch.rows if self.batch is not None else [])]
             pending += [job for job, _ in self.solos] + self.starting
             for job in pending:
-                self._fail(job, 503, reason, "service_unavailable")
+                self._fail(job, 503, reason, "service_unavailable", code)
             with self.cond:
                 updates = list(self.adapter_updates)
                 self.adapter_updates.clear()
@@ -625,11 +627,11 @@ class BatchScheduler:
         text = job.text.flush() if tail else ""
         job.emit(Done(job.index, reason, text, job.completion_tokens, job.core_steps, job.ttt_flops, stop_reason))
 
-    def _fail(self, job: Job, status: int, message: str, error_type: str) -> None:
+    def _fail(self, job: Job, status: int, message: str, error_type: str, code: str | None = None) -> None:
         if job.finished:
             return
         job.finished = True
-        job.emit(Failed(job.index, status, message, error_type))
+        job.emit(Failed(job.index, status, message, error_type, code))
 
 
 # The scheduler's earlier name (`recurrent_depth.serving.Engine`), kept for code that imports it.

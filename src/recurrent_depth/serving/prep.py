@@ -60,9 +60,13 @@ class Preparer:
 
     def __init__(self, spec: PrepSpec) -> None:
         self.spec = spec
-        self.codec = TextCodec(spec.tokenizer_dir, spec.vocab_size, spec.limits.max_seq_len)
+        # (the template's start-up render waits for the memory limit: `end_of_turn`)
+        self.codec = TextCodec(spec.tokenizer_dir, spec.vocab_size, spec.limits.max_seq_len, probe_end_of_turn=False)
 
     def prepare(self, kind: str, raw: bytes) -> tuple:
+        if kind == "end_of_turn":  # the server's start-up render of the chat template (`PrepPool.end_of_turn`)
+            ids = self.codec.template_end_of_turn() if self.codec.chat is not None else set()
+            return ("ok", sorted(ids), [])
         try:
             with warnings.catch_warnings():  # the server validates the options again and logs each OptionWarning
                 warnings.simplefilter("ignore", OptionWarning)  # once in its own form (this process printed a copy)
@@ -264,6 +268,7 @@ class PrepPool:
         self.timeout = timeout
         self.idle: asyncio.Queue[Worker] | None = None
         self.all: set[Worker] = set()
+        self.respawns: set[asyncio.Task] = set()  # held until done: the loop keeps only weak references to tasks
         self.closed = False
 
     async def start(self) -> None:
@@ -297,7 +302,9 @@ class PrepPool:
             self.all.add(fresh)
             self.idle.put_nowait(fresh)
 
-        asyncio.get_running_loop().create_task(respawn())
+        task = asyncio.get_running_loop().create_task(respawn())
+        self.respawns.add(task)
+        task.add_done_callback(self.respawns.discard)
 
     async def prepare(self, kind: str, raw: bytes) -> tuple[Any, list[list[int]]]:
         """(validated request, token-id prompts), or APIError."""
@@ -326,6 +333,19 @@ class PrepPool:
             _, status, message, type_, param, code = result
             raise APIError(status, message, type=type_, param=param, code=code)
         return result[1], result[2]
+
+    async def end_of_turn(self) -> set[int]:
+        """The chat template's end-of-turn token (`TextCodec.template_end_of_turn`), rendered by a worker: the
+        render runs a file someone handed us, and one step of it can build a huge value before any cap sees it
+        (`" " | center(10**11)`), so it runs under the worker's memory limit and `timeout`, not in the server.
+        A render that fails, runs out of memory or time: no such token (chat then stops at the named ones)."""
+        try:
+            ids, _ = await self.prepare("end_of_turn", b"")
+        except APIError as exc:
+            log.warning("the chat template's end-of-turn probe failed (%s); chat stops at the named end tokens only",
+                        exc.message)
+            return set()
+        return set(ids)
 
     def _release(self, worker: Worker, call: asyncio.Future) -> None:
         _consume(call)

@@ -58,7 +58,8 @@ class OpenRequests:
             if channel is None:
                 continue
             self.scheduler.cancel(jobs)
-            channel.queue.put_nowait(Failed(jobs[0].index if jobs else 0, 503, message, "service_unavailable"))
+            channel.queue.put_nowait(Failed(jobs[0].index if jobs else 0, 503, message, "service_unavailable",
+                                            "shutting_down"))  # (a plain request's 503 says the same code)
             ended += 1
         return ended
 
@@ -109,7 +110,7 @@ async def collect(request: Request, jobs: list[Job], choices: list[Choice], chan
                 if event is None:
                     continue
             if isinstance(event, Failed):
-                raise APIError(event.status, event.message, type=event.error_type)
+                raise APIError(event.status, event.message, type=event.error_type, code=event.code)
             apply_event(event, choices)
             if isinstance(event, Done):
                 remaining -= 1
@@ -156,7 +157,7 @@ def stream(jobs: list[Job], choices: list[Choice], channel: Channel, open_reques
                     continue
                 if isinstance(event, Failed):
                     status = event.status
-                    yield sse(APIError(event.status, event.message, type=event.error_type).body())
+                    yield sse(APIError(event.status, event.message, type=event.error_type, code=event.code).body())
                     break
                 choice = apply_event(event, choices)
                 if isinstance(event, Done):

@@ -216,11 +216,14 @@ class TextCodec:
     """
 
     def __init__(self, model_dir: str | Path | None, vocab_size: int, context: int | None = None,
-                 required: bool = False) -> None:
+                 required: bool = False, probe_end_of_turn: bool = True) -> None:
         """`model_dir`: a directory holding `tokenizer.json` (and the chat template), a `tokenizer.json`
         file (the template is then read beside it), or None. A directory without `tokenizer.json` is
         served for token ids only unless `required` (a tokenizer the user named): then, as for a path
-        that is missing or not a regular file or directory (a FIFO), a ValueError line."""
+        that is missing or not a regular file or directory (a FIFO), a ValueError line.
+        `probe_end_of_turn=False` leaves `template_end_of_turn` (a render of the template) to the caller:
+        the server runs it in a preparation worker, under its memory limit (`PrepPool.end_of_turn`)."""
+        self.probe_end_of_turn = probe_end_of_turn
         self.vocab_size = vocab_size
         self.context = context
         self.tokenizer: Any = None
@@ -276,9 +279,10 @@ class TextCodec:
         except Exception as exc:  # noqa: BLE001 - a broken template only disables chat
             self.chat_error = f"the chat template could not be loaded: {type(exc).__name__}: {exc}"
             return
-        self.chat_stop_ids |= self._template_end_of_turn()
+        if self.probe_end_of_turn:
+            self.chat_stop_ids |= self.template_end_of_turn()
 
-    def _template_end_of_turn(self) -> set[int]:
+    def template_end_of_turn(self) -> set[int]:
         """The special token the chat template writes right after an assistant's content, e.g. ChatML's
         `<|im_end|>`: what `rdepth sft` teaches the model to end its turn with, so chat stops there too
         (only `<|end_turn|>` was known, and a ChatML model's chat ran on to max_tokens)."""

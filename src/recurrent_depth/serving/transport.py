@@ -13,7 +13,8 @@
   web page cannot reach a loopback server through DNS rebinding.
 * `Server`: uvicorn's server that, on Ctrl-C / SIGTERM, gives open requests a grace period, then
   ends them with a 503 error (streams: an error event and `[DONE]`) before uvicorn would cancel
-  them, and prints a start-up banner once the socket is bound.
+  them, returns normally after such a shutdown (`rdepth serve` exits 0), and prints a start-up
+  banner once the socket is bound.
 """
 
 from __future__ import annotations
@@ -253,6 +254,11 @@ class Server(uvicorn.Server):
     still open `ABORT_S` before that limit has a client that does not read its answer (its send is
     blocked on a full socket): it is aborted, so its handler ends on the disconnect instead of being
     cancelled by uvicorn (an ERROR traceback per connection).
+
+    After that graceful shutdown `run()` returns, whichever of SIGINT and SIGTERM asked for it: uvicorn
+    raises the signal again, so `rdepth serve` exited 130 on Ctrl-C but was killed by SIGTERM (status
+    -15 / 143, which systemd and Docker read as a failure). A forced shutdown (a second Ctrl-C) still
+    raises it: KeyboardInterrupt, exit 130.
     """
 
     DRAIN_S = 5.0
@@ -272,6 +278,14 @@ class Server(uvicorn.Server):
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             shown = f"[{host}]" if ":" in host else host
             print(self.banner(f"http://{shown}:{port}"), flush=True)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            captured = getattr(self, "_captured_signals", None)  # (what uvicorn raises again on leaving)
+            if captured is not None and not self.force_exit:
+                captured.clear()
 
     async def shutdown(self, sockets: list | None = None) -> None:
         async def drain_after_grace() -> None:

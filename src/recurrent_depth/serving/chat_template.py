@@ -6,10 +6,10 @@ The template is a file someone handed us, so it runs in jinja2's `ImmutableSandb
 beyond the output cap (nor numbers past `MAX_INT_BITS`), no filter or method call may return one,
 loops and calls stop at a wall-clock deadline, and rendering stops as soon as the output passes
 its cap. So a value cannot keep growing from step to step, and a render that is not in a worker
-(the server's start-up probe of the template, `rdepth sft`) ends too. What one step can still
-build from capped values (a filter asked for a huge width, a replace of every character by a
-long string) is stopped by the worker process that renders it (memory limit, wall-clock kill;
-see `prep.py`).
+(`rdepth sft`, exports reading the end-of-turn ids) ends too. What one step can still build from
+capped values (a filter asked for a huge width, a replace of every character by a long string) is
+stopped by the worker process that renders it in the server (memory limit, wall-clock kill; the
+start-up probe of the template included; see `prep.py`).
 
 The environment matches transformers' `apply_chat_template` (trim_blocks, lstrip_blocks,
 loopcontrols, `{% generation %}` blocks, `raise_exception`, `strftime_now`, `tojson`, the

@@ -527,9 +527,11 @@ class DynamicRecurrentCache(_CacheBase):
                     use = int(self.highest[base][col][b])
                 elif lacking[b]:  # randomized: a slot of this layer at or below this one that the column wrote
                     held = [s for s in range(slot + 1) if self._has(base, s, col, b)]
-                    # (the float32 product, as the static cache rounds it)
-                    pick = int(torch.randint(len(held), ())) if draws is None else int(draws[b, col] * len(held))
-                    use = held[min(pick, len(held) - 1)]
+                    if not held:  # a column the row never wrote (fed after it stopped): hidden, as below
+                        use = -1
+                    else:  # (the float32 product, as the static cache rounds it)
+                        pick = int(torch.randint(len(held), ())) if draws is None else int(draws[b, col] * len(held))
+                        use = held[min(pick, len(held) - 1)]
                 elif not self._has(base, slot, col, b):
                     # remark 6.1: the deepest entry of this layer (under `Skip` it is hidden by key_mask)
                     use = int(self.deepest[base][col][b])

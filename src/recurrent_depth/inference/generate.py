@@ -218,8 +218,9 @@ def generate(
       forward; verification_threshold=1 (exact: identical to greedy at r) or < 1 (accept a draft whose
       verifier probability is at least threshold * the top probability).
     Parallel: sampler="parallel" runs the diffusion-forcing style wavefront sampler (inner_steps core
-      steps per sweep, headway new positions per sweep while fewer than wavefront refine, max_wavefront
-      forces the front to freeze; positions freeze on exit_criterion latent-diff/cosine or at max_steps).
+      steps per sweep, at most max_steps; headway new positions per sweep while fewer than wavefront
+      refine, max_wavefront forces the front to freeze; positions freeze on exit_criterion
+      latent-diff/cosine or at max_steps).
     Sampling: do_sample with temperature, top_k, top_p, min_p; repetition_penalty (1.0 = off) applies to
       greedy too. seed: int (row b uses seed + b) or one int per row; each row draws s_0 and samples
       from its own generator, so a row in a batch equals the row alone. init_scale scales s_0 (None:

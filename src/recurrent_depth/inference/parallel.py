@@ -4,7 +4,7 @@
 Instead of finishing a token's recurrence before starting the next, keep a *wavefront* of
 positions at the end of the sequence whose latent states refine together:
 
-- every sweep runs `inner_steps` core steps on all wavefront positions in one forward, reads
+- every sweep runs `inner_steps` (at most `max_steps`) core steps on all wavefront positions in one forward, reads
   their logits, and uses each position's current prediction as the (guessed) input token of the
   next position; `headway` new positions join the wavefront per sweep;
 - the front position (its input is final) freezes when its latent converges (`exit_criterion`
@@ -63,6 +63,9 @@ def decode(session: Session) -> Iterator[TokenEvent]:
     opts, engine, cache = session.options, session.engine, session.cache
     B, T = session.B, session.T
     limit = opts.max_steps
+    # A sweep never runs more steps than a position may: inner_steps above max_steps (the default 4 at
+    # num_steps 1) ran every token inner_steps deep, past the depth asked.
+    inner = min(opts.inner_steps, limit)
     name = opts.criterion.name if opts.criterion is not None else None
     _, logits = session.prefill(opts.num_steps)  # (a model it cannot run was refused up front: check_mode_for_model)
     rows = session.unfinished
@@ -111,15 +114,15 @@ def decode(session: Session) -> Iterator[TokenEvent]:
         ids = tokens[:, start:end]
         pass_ = engine.begin(ids, session.mask(end), cache)
         active = None if everyone else write
-        previous = engine.run(states[:, start:end], pass_, range(opts.inner_steps - 1), active=active)
-        s = engine.run(previous, pass_, range(opts.inner_steps - 1, opts.inner_steps), active=active)
+        previous = engine.run(states[:, start:end], pass_, range(inner - 1), active=active)
+        s = engine.run(previous, pass_, range(inner - 1, inner), active=active)
         logits = engine.readout(s, pass_)  # [B, W, V]
         cache.write_mask = None
         # (before the write-back below: with one inner step `previous` is a view of `states`)
         statistic = _statistic(name, s, previous) if name is not None else None
         states[:, start:end] = s
-        done[:, start:end] += opts.inner_steps * write
-        fresh[:, start:end] += opts.inner_steps * write
+        done[:, start:end] += inner * write
+        fresh[:, start:end] += inner * write
         cache.close(done[:, start:end], width)
         predicted = _choose(session, logits, rows, [(front[b] - start, ends[b] - start) for b in rows])
         used = ids.tolist()  # the inputs this sweep ran on, before the guesses move

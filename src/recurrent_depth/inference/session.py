@@ -133,7 +133,9 @@ def check_mode_for_model(model: Any, options: ResolvedOptions) -> None:
     mode = options.mode
     if mode == "autoregressive":
         return
-    what = "self-speculative decoding" if mode == "speculative" else "the parallel sampler"
+    # (the option that chose the mode is named: an interface re-spells it as its flag or field)
+    what = (f"self-speculative decoding (draft_steps={options.draft_steps})" if mode == "speculative"
+            else "the parallel sampler (sampler='parallel')")
     # Both modes re-run cached positions; a recurrent state (linear-attention mixers) has absorbed them for good.
     parts = {"prelude": model.transformer.prelude, "core": model.transformer.core_block,
              "coda": model.transformer.coda}
@@ -150,6 +152,35 @@ def check_mode_for_model(model: Any, options: ResolvedOptions) -> None:
         # from noise: a model looped on its own embedding (Ouro) would refine a guess it never revises.
         raise ValueError("sampler='parallel' needs a model with an input injection and a random s_0 (Huginn's); "
                          "this model loops its embedding (injection='none'): decode autoregressively")
+
+
+def short_prompt_option(options: ResolvedOptions) -> str | None:
+    """The option that lets a decoded token run core steps the prompt may not have run (an exit criterion in
+    the autoregressive mode with max_steps > num_steps, or with exit_in_prefill), or None."""
+    if options.mode != "autoregressive" or options.criterion is None:
+        return None
+    if options.exit_in_prefill and options.criterion.name != "none":  # ("none" runs the prompt to max_steps)
+        return "exit_in_prefill"
+    return "max_steps" if options.max_steps > options.num_steps and not options.exit_in_prefill else None
+
+
+def check_depth_for_model(model: Any, options: ResolvedOptions) -> None:
+    """A one-line ValueError when a token may run a core step the prompt did not, on a model whose core keeps a
+    recurrent state: that step has no state of the earlier positions (the generation died there with a
+    RuntimeError, and in a batch a row read the state another row's prompt wrote)."""
+    name = short_prompt_option(options)
+    stateful = any(isinstance(block.attn, RecurrentMixer) for block in model.transformer.core_block)
+    if name is None or not stateful:
+        return
+    if name == "exit_in_prefill":
+        cause = f"exit_in_prefill=True lets the prompt stop before max_steps={options.max_steps}"
+    else:
+        cause = f"max_steps={options.max_steps} runs tokens deeper than the prompt's num_steps={options.num_steps}"
+    raise ValueError(
+        f"{cause}, but this model's core mixer ({model.config.mixer!r}) keeps a recurrent state per step that "
+        "holds no earlier position at the steps the prompt skipped; set max_steps <= num_steps and "
+        "exit_in_prefill=False"
+    )
 
 
 def check_warm_start_for_model(model: Any, options: ResolvedOptions) -> None:
@@ -180,6 +211,7 @@ def check_options_for_model(model: Any, options: ResolvedOptions) -> None:
         ("exit_criterion", lambda: gate_for(options.criterion, model)),  # the gate criterion needs an exit gate
         ("warm_start", lambda: check_warm_start_for_model(model, options)),
         ("init_scale", lambda: check_init_scale_for_model(model, options)),
+        (short_prompt_option(options) or "max_steps", lambda: check_depth_for_model(model, options)),
     )
     for name, check in checks:
         try:
@@ -275,7 +307,10 @@ class Session:
         """Teacher forcing: feed these `[B, >= max_new_tokens]` ids instead of the chosen ones."""
         if tokens is None:
             return None
-        tokens = torch.as_tensor(tokens)
+        try:  # (a string or a ragged list: one line naming the option, not torch's TypeError)
+            tokens = torch.as_tensor(tokens)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"teacher_tokens must be a tensor or a (nested) list of token ids: {exc}") from None
         if tokens.dim() == 1:
             tokens = tokens[None]
         n = self.options.max_new_tokens

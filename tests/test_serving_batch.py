@@ -580,7 +580,7 @@ def test_a_stream_whose_client_left_always_cancels_its_jobs_and_is_counted(left)
 def test_streamed_logprobs_equal_the_whole_answers_at_linear_cost(codec, echo):
     """Each streamed token's logprobs entry recomputed every earlier token's text offset (a quadratic
     stream: 2000 tokens took 12 s of the event loop); it must still equal the whole answer's entries."""
-    from recurrent_depth.serving.responses import Choice, completion_chunks, completion_logprobs
+    from recurrent_depth.serving.responses import Choice, completion_chunks, completion_logprobs, echoed_prompt
 
     req = parse_completion({"prompt": "x", "logprobs": 2, "echo": echo}, Limits(4096, 4, 300), {"m"}, False)
     prompt = codec.encode("héllo 🙂", add_special_tokens=True)
@@ -606,7 +606,8 @@ def test_streamed_logprobs_equal_the_whole_answers_at_linear_cost(codec, echo):
         codec.decode = decode
     entries = [c["choices"][0]["logprobs"] for c in chunks]
     streamed = {k: sum((e[k] for e in entries), []) for k in entries[0]}
-    whole = completion_logprobs(codec, choice, echo, first=len(prompt) if echo else 0)
+    whole = completion_logprobs(codec, choice, echo, first=len(prompt) if echo else 0,
+                                echoed=echoed_prompt(codec, req, choice) if echo else None)  # (offsets into it)
     assert streamed == whole
     assert calls < 4 * (len(prompt) + len(tokens)), calls  # linear: a few decodes per token
 

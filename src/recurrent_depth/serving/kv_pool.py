@@ -156,6 +156,9 @@ class SlotKVPool:
         """
         self._rows = [row]
         self._cols = None
+        # a prefill hides no column (the prompt runs at full depth); a skip lookup's token call left its steps
+        # here when no coda call followed, and key_mask read them with no columns: a 500 for the new request
+        self._token_steps = None
         self._prefill_len = length
         self._read_len = length
         self._slot_table = slot_table.to(self.device)

@@ -81,7 +81,13 @@ class APIError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        # a lone surrogate from the request (an unknown field "\ud800" named in `param`) cannot be written as
+        # UTF-8: the answer was a 500; it is shown escaped instead
+        def text(value: str | None) -> str | None:
+            return value if value is None else value.encode("utf-8", "backslashreplace").decode("utf-8")
+
+        return {"error": {"message": text(self.message), "type": self.type, "param": text(self.param),
+                          "code": self.code}}
 
 
 def bad(param: str, message: str) -> APIError:

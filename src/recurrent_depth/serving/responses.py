@@ -115,28 +115,35 @@ def echoed_prompt(codec: TextCodec, req: CompletionRequest, choice: Choice) -> s
     return prompt if isinstance(prompt, str) else codec.decode(choice.prompt_ids, skip_special_tokens=False)
 
 
-def echo_offsets(codec: TextCodec, prompt_ids: list[int]) -> tuple[list[int], int]:
+def echo_offsets(codec: TextCodec, prompt_ids: list[int], echoed: str | None = None) -> tuple[list[int], int]:
     """The text offsets of an echoed prompt's tokens, special tokens counted by their text as in
-    `echoed_prompt`, and where the completion's text starts (what the prompt decodes to)."""
+    `echoed_prompt`, and where the completion's text starts: in `echoed`, the text echo returns (None: what the
+    prompt decodes to). A string prompt is echoed as sent, without the BOS the tokenizer added: counting the BOS's
+    text (`<|begin_text|>`) put every offset after it, the completion's too, that many characters too far."""
     decoder = IncrementalDecoder(codec, skip_special_tokens=False)
     offsets, length = [], 0
     for t in prompt_ids:
         offsets.append(length)
         length += len(decoder.push(t))
-    return offsets, len(codec.decode(prompt_ids, skip_special_tokens=False))
+    decoded = len(codec.decode(prompt_ids, skip_special_tokens=False))
+    if echoed is None:
+        return offsets, decoded
+    shift = decoded - len(echoed)  # the text the decoded prompt has in front of the echoed one (its BOS)
+    return [min(max(o - shift, 0), len(echoed)) for o in offsets], len(echoed)
 
 
 def completion_logprobs(codec: TextCodec, choice: Choice, echo: bool, first: int = 0,
-                        skip_special_tokens: bool = True) -> dict[str, Any]:
+                        skip_special_tokens: bool = True, echoed: str | None = None) -> dict[str, Any]:
     """OpenAI legacy logprobs for tokens [first:] of (echoed prompt +) completion; the completion's text offsets
-    count special tokens as its text does (`skip_special_tokens`)."""
+    count special tokens as its text does (`skip_special_tokens`), from the start of the returned text (`echoed`:
+    the echoed prompt's, `echo_offsets`)."""
     ids, lps, tops, offsets, length = [], [], [], [], 0
     if echo:
         scores = choice.prompt_scores
         ids += choice.prompt_ids
         lps += scores.logprobs if scores else [None] * len(choice.prompt_ids)
         tops += scores.top if scores else [None] * len(choice.prompt_ids)
-        offsets, length = echo_offsets(codec, choice.prompt_ids)
+        offsets, length = echo_offsets(codec, choice.prompt_ids, echoed)
     ids += choice.tokens
     lps += choice.logprobs
     tops += choice.tops
@@ -153,14 +160,14 @@ def completion_logprobs(codec: TextCodec, choice: Choice, echo: bool, first: int
     }
 
 
-def last_token_logprobs(codec: TextCodec, choice: Choice, echo: bool, skip_special_tokens: bool = True
-                        ) -> dict[str, Any]:
+def last_token_logprobs(codec: TextCodec, choice: Choice, echo: bool, skip_special_tokens: bool = True,
+                        echoed: str | None = None) -> dict[str, Any]:
     """`completion_logprobs(codec, choice, echo)` of the choice's newest token alone, for a stream: the
     decoder measuring text offsets is kept on the choice (decoding every earlier token again for each
     new one made a 2000-token stream cost 12 s of the event loop's time)."""
     if choice.offsets is None:
         choice.offsets = IncrementalDecoder(codec, continuation=True, skip_special_tokens=skip_special_tokens)
-        choice.offset = len(codec.decode(choice.prompt_ids, skip_special_tokens=False)) if echo else 0
+        choice.offset = echo_offsets(codec, choice.prompt_ids, echoed)[1] if echo else 0
         for t in choice.tokens[:-1]:
             choice.offset += len(choice.offsets.push(t))
     token, top = choice.tokens[-1], choice.tops[-1]
@@ -179,7 +186,8 @@ def completion_body(codec: TextCodec, req: CompletionRequest, head: dict[str, An
         text = (echoed_prompt(codec, req, c) if req.echo else "") + c.text
         item: dict[str, Any] = {
             "index": c.index, "text": text,
-            "logprobs": completion_logprobs(codec, c, req.echo, skip_special_tokens=req.sampling.skip_special_tokens)
+            "logprobs": completion_logprobs(codec, c, req.echo, skip_special_tokens=req.sampling.skip_special_tokens,
+                                            echoed=echoed_prompt(codec, req, c) if req.echo else None)
             if req.logprobs is not None else None,
             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
         }
@@ -201,13 +209,16 @@ def completion_chunks(codec: TextCodec, event: Event, choice: Choice, req: Compl
     if isinstance(event, PromptEvent) and req.echo:
         lp = None
         if req.logprobs is not None:
-            lp = completion_logprobs(codec, choice, echo=True, skip_special_tokens=req.sampling.skip_special_tokens)
+            lp = completion_logprobs(codec, choice, echo=True, skip_special_tokens=req.sampling.skip_special_tokens,
+                                     echoed=echoed_prompt(codec, req, choice))
         chunk(echoed_prompt(codec, req, choice), None, lp)
     elif isinstance(event, TokenOut):
         lp = None
         if req.logprobs is not None:
             # text_offset counts from the start of the returned text, the echoed prompt included
-            lp = last_token_logprobs(codec, choice, req.echo, req.sampling.skip_special_tokens)
+            # (the echoed text is read once, by the choice's first token: a token-id prompt is decoded for it)
+            echoed = echoed_prompt(codec, req, choice) if req.echo and choice.offsets is None else None
+            lp = last_token_logprobs(codec, choice, req.echo, req.sampling.skip_special_tokens, echoed)
         chunk(event.text, None, lp, [event.steps])
     elif isinstance(event, Done):
         chunk(event.text, event.finish_reason, None, stop_reason=event.stop_reason)  # (the choice's last chunk)

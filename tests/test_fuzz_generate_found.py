@@ -95,3 +95,11 @@ def test_teacher_tokens_that_are_no_tensor_are_a_one_line_value_error(teacher):
     model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", vocab_size=32, max_seq_len=64)).eval()
     with pytest.raises(ValueError, match=r"^teacher_tokens must be a tensor or a \(nested\) list of token ids: "):
         rd.generate(model, [[5, 6], [7, 8]], max_new_tokens=1, teacher_tokens=teacher)
+
+
+def test_a_lookup_the_official_profile_picked_says_so():
+    """On a gla core, `defaults="official"` with an exit criterion was refused naming kv_policy='full', which the
+    caller never set (the profile picks it): the message now says where it came from."""
+    with pytest.raises(OptionError, match=r"^kv_policy='full' \(defaults='official' picks it with an exit criterion\)"):
+        rd.generate(recurrent_core(), torch.tensor([[1, 2, 3]]), max_new_tokens=2, defaults="official",
+                    exit_criterion="kl")

@@ -10,7 +10,7 @@ from torch import Tensor
 from recurrent_depth.inference.cache import bind_policy, make_cache
 from recurrent_depth.inference.criteria import ExitCriterion, gate_for
 from recurrent_depth.inference.engine import Pass, Recurrence
-from recurrent_depth.inference.options import OptionError, ResolvedOptions, eos_ids
+from recurrent_depth.inference.options import OFFICIAL_KV_POLICY, OptionError, ResolvedOptions, eos_ids
 from recurrent_depth.inference.output import Recorder, TokenEvent
 from recurrent_depth.inference.quant_cache import kv_quant_for_model
 from recurrent_depth.inference.sampling import RowGenerators, StopChecker, TokenChooser, decode
@@ -121,8 +121,11 @@ def check_policy_for_model(model: Any, options: ResolvedOptions) -> None:
         # a slot shared among core layers (compress-rN) takes no 'deepest' lookup: another slot rule is the way out
         advice = ("use the 'deepest' lookup" if options.policy.slots.per_layer
                   else f"{options.policy.slots.name} takes only the 'full' and 'skip' lookups: use another slot rule")
+        # (the official profile's own pick with an exit criterion: the caller may never have named a kv_policy)
+        source = (" (defaults='official' picks it with an exit criterion)"
+                  if options.defaults == "official" and options.kv_policy == OFFICIAL_KV_POLICY else "")
         raise ValueError(
-            f"kv_policy={options.kv_policy!r} hides or picks cache entries of the attention, which needs every "
+            f"kv_policy={options.kv_policy!r}{source} hides or picks cache entries of the attention, which needs every "
             f"layer to be softmax attention; this model's mixer is {model.config.mixer!r} ({advice})"
         )
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from recurrent_depth.config import MAX_NUM_STEPS, PRESETS, ModelConfig, check_field_names, is_int, is_real
+from recurrent_depth.config import MAX_NUM_STEPS, MAX_SEQ_LEN, PRESETS, ModelConfig, check_field_names, is_int, is_real
 from recurrent_depth.files import CONFIG_MAX_BYTES, read_text
 from recurrent_depth.train.depth import SCHEMES
 from recurrent_depth.train.optim import OptimConfig
@@ -108,7 +108,8 @@ FIELD_HELP: dict[str, str] = {
     "qk_clip": "QK-clip threshold tau: after each optimizer step, rescale W_q/W_k of every attention head whose "
                "max logit in the step (all recurrence steps, all ranks) exceeds tau; none = off",
     "record_max_logit": "record each step's max attention logit in metrics.jsonl (on whenever qk_clip is set)",
-    "baseline": "non-recurrent baseline: the same model run with one core pass every step",
+    "baseline": "non-recurrent baseline: the same model run with one core pass every step (its saved config "
+                "says depth 1; refused beside mean_recurrence or backprop_depth)",
     "dtype": "compute dtype: float32, or bfloat16 autocast (weights and optimizer stay float32)",
     "compile": "torch.compile the core block (not the loop: one graph serves every depth)",
     "compile_mode": f"torch.compile mode with compile: one of {', '.join(COMPILE_MODES)}",
@@ -224,16 +225,26 @@ class TrainConfig:
             if not is_int(value) or value < low:
                 raise bad(name, f"{'None or ' if optional else ''}an integer >= {low}")
 
-        if self.preset not in PRESETS:
+        if not isinstance(self.preset, str) or self.preset not in PRESETS:  # (a list or mapping is unhashable)
             raise bad("preset", f"one of {sorted(PRESETS)}")
+        # (before the model overrides, which read seq_len as the context it needs)
+        for name in ("vocab_size", "tokenizer_max_bytes", "seq_len", "max_tokens", "backprop_depth", "max_depth"):
+            need_int(name, 1, optional=True)
+        if self.seq_len is not None and self.seq_len > MAX_SEQ_LEN:
+            raise bad("seq_len", f"None or an integer in [1, {MAX_SEQ_LEN}] (MAX_SEQ_LEN)")
         if not isinstance(self.model, dict):
             raise bad("model", "a mapping of ModelConfig overrides")
         check_field_names(self.model, ModelConfig, "ModelConfig key(s) in TrainConfig.model", listed_as="known")
         self._validate_model_overrides()
         if not isinstance(self.data, str) or not self.data:
             raise bad("data", "'stdlib', a directory, or a .jsonl or .parquet file")
-        for name in ("vocab_size", "tokenizer_max_bytes", "seq_len", "max_tokens", "backprop_depth", "max_depth"):
-            need_int(name, 1, optional=True)
+        # (read as paths and a field name only once the run sets up: a number there failed after the checks)
+        if not isinstance(self.text_field, str) or not self.text_field:
+            raise bad("text_field", "the name of the documents' text field (a non-empty string)")
+        for name in ("tokenizer", "data_dir"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise bad(name, "None or a directory path")
         need_int("max_steps", 0, optional=True)  # 0: save the starting weights as they are (--init-from)
         if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
             raise bad("init_from", "None or a model directory path")
@@ -277,6 +288,15 @@ class TrainConfig:
             raise bad("mean_recurrence", f"at most {ceiling} {depth_hint}")
         if self.backprop_depth is not None and self.backprop_depth > ceiling:
             raise bad("backprop_depth", f"at most {ceiling} {depth_hint}")
+        if self.baseline is True:  # (one core pass every step: a depth named beside it was silently not trained)
+            depths = [f"{name}={getattr(self, name)!r}" for name in ("mean_recurrence", "backprop_depth")
+                      if getattr(self, name) is not None]
+            if self.init_from is None:  # (the model config the baseline saves says depth 1, unless overridden)
+                depths += [f"model.{name}={self.model[name]!r}" for name in ("mean_recurrence", "mean_backprop_depth")
+                           if self.model.get(name, 1) != 1]
+            if depths:
+                raise bad("baseline", f"false with {', '.join(depths)}: a baseline runs one core pass every step "
+                          "(and saves depth 1 in its config); drop one of them")
         if self.compile_mode not in COMPILE_MODES:
             raise bad("compile_mode", f"one of {COMPILE_MODES}")
         if self.dtype not in DTYPES:
@@ -604,5 +624,7 @@ def _matches_hint(value: Any, hint: Any) -> bool:
         return isinstance(value, str)
     if hint is dict or typing.get_origin(hint) is dict:
         return isinstance(value, dict)
+    if typing.get_origin(hint) is list:  # (each item too: the token ids are not checked on a ModelConfig here)
+        return isinstance(value, list | tuple) and all(_matches_hint(item, typing.get_args(hint)[0]) for item in value)
     return True
 

@@ -625,6 +625,8 @@ class OptimConfig:
         _check_real(self.min_lr, "optim.min_lr", low=0.0, high=self.lr)
         if not isinstance(self.skip_first_step, bool):
             raise ValueError(f"optim.skip_first_step must be true or false, got {self.skip_first_step!r}")
+        if not isinstance(self.description, str):  # (a YAML date was accepted, then failed the checkpoint's JSON)
+            raise ValueError(f"optim.description must be a string, got {self.description!r}")
 
     # -- presets and plain-data round trip --
 
@@ -637,7 +639,7 @@ class OptimConfig:
         ``OptimConfig.from_preset("demo", name="adamw")``. The two cool-down lengths are exclusive, so
         overriding one (``cooldown_steps`` or ``cooldown_fraction``) replaces the preset's other.
         """
-        if preset not in OPTIM_PRESETS:
+        if not isinstance(preset, str) or preset not in OPTIM_PRESETS:  # (a list or mapping is unhashable)
             raise ValueError(f"optimizer preset must be one of {tuple(OPTIM_PRESETS)}, got {preset!r}")
         return OPTIM_PRESETS[preset].updated(**overrides)
 

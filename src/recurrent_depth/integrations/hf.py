@@ -68,9 +68,9 @@ class RecurrentDepthCache(DynamicCache):
     and writes slot t mod k, overwriting what an earlier step of the same call wrote there), and
     the official strategies' compressions (`compress-sN`, `compress-anchor`; `compress-rN` keeps one
     store for all core layers, j = 0).
+    Recurrent states of non-attention mixers are kept per (layer, slot) in `states`, by the same rule.
     transformers' own loop runs every token at the same depth, so the lookup rule never applies
     here; per-token exit runs in `recurrent_depth.generate`, whose caches follow the same policies.
-    Recurrent states of non-attention mixers are kept per (layer, step) in `states`.
     Beam search (`reorder_cache`), `batch_select_indices` and `crop` (attention-only) work as in
     transformers; `get_seq_length()` is the number of committed tokens.
     """
@@ -148,11 +148,14 @@ class RecurrentDepthCache(DynamicCache):
         return None  # every token runs every step in transformers' loop: nothing to leave out
 
     def get_state(self, key: tuple) -> Any:
-        return self.states.get(key)
+        return self.states.get(self.policy.split(key, 1 << 62))
 
     def set_state(self, key: tuple, value: Any) -> None:
         self._note_step(key)
-        self.states[key] = value
+        # keyed by the policy's slot, as the library's caches key them: a core step under kv_budget=k reads the state
+        # of slot step mod k (kv_budget on a recurrent-state core was ignored here, and recurrent_depth.generate's
+        # tokens differed from transformers' loop)
+        self.states[self.policy.split(key, 1 << 62)] = value
 
     def advance(self, num_tokens: int) -> None:
         self._seen += num_tokens
@@ -629,8 +632,9 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         ``exit_threshold``, ``warm_start``, ``draft_steps``, ..., and the official ``criterion``,
         ``continuous_compute``, ``lookahead_for_draft``) routes the call to
         `recurrent_depth.generate`, which also honours ``eos_token_id`` (an id or a list) and
-        ``pad_token_id`` (what fills the rows that stopped early, as in transformers) and samples
-        with transformers' ``top_k=50`` when nothing sets it (``top_k=0``: no filter); it
+        ``pad_token_id`` (what fills the rows that stopped early, as in transformers; without an
+        ``attention_mask``, a row's leading pad ids are padding, as transformers infers its mask) and
+        samples with transformers' ``top_k=50`` when nothing sets it (``top_k=0``: no filter); it
         returns the sequences, or with ``return_dict_in_generate=True`` the library's output
         (`sequences`, `steps`, ...). ``defaults="official"`` follows the official model's dispatch:
         a routed call takes the official code's defaults (see `GenerationOptions`); any other call
@@ -665,6 +669,13 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         except OptionError as exc:
             raise ValueError(f"generate: {exc}") from None
         given_as = {k: name for k, name in base_as.items() if k not in given} | given_as
+        # a KV policy asked for by this call (or its GenerationConfig) with no cache to keep it: transformers' loop
+        # decoded exactly, ignoring it, while a routed call (the library always caches) applied it
+        asked = {**config_options, **picked}
+        kv_asked = sorted(k for k in ("kv_budget", "kv_policy", "cache_lookup_strategy") if asked.get(k) is not None)
+        if kv_asked and kwargs.get("use_cache", config_fields.get("use_cache")) is False:
+            raise ValueError(f"generate: use_cache=False decodes without a KV cache, so {', '.join(kv_asked)} (how "
+                             "the cache is kept) would do nothing: drop one of them")
         routed = {k: v for k, v in values.items() if OPTIONS[k].hf == "routed"}
         if set(routed) == {"output_logits"}:  # transformers' own flag too: its loop gives the tuple it documents
             routed = {}
@@ -743,10 +754,11 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             else:
                 options["max_new_tokens"] = (max_length or gc.max_length) - input_ids.shape[-1]
         options.setdefault("num_steps", None)  # None: the config's mean_recurrence, as in forward()
-        if routed.get("defaults") != "official" and options.get("do_sample"):
+        if routed.get("defaults") != "official":
             # transformers' loop samples with top_k=50 when neither the call nor a generation config sets it, and
-            # top_k=0 turns the filter off (the library's None); the official profile applies its own rule
-            top_k = options.setdefault("top_k", _HF_DEFAULT_TOP_K)
+            # top_k=0 turns the filter off (the library's None), in a greedy call too (it was refused there); the
+            # official profile applies its own rule
+            top_k = options.setdefault("top_k", _HF_DEFAULT_TOP_K) if options.get("do_sample") else options.get("top_k")
             if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k == 0:
                 del options["top_k"]
         stop_strings = kwargs.pop("stop_strings", None)
@@ -759,6 +771,12 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         if eos is not None:  # transformers' rule: the call's eos replaces the generation config's
             options["eos_token_id"] = list(eos) if isinstance(eos, list | tuple) else eos
         pad = _pad_id(kwargs.pop("pad_token_id", None))  # (the library pads with the model config's; set after)
+        if routed.get("defaults") != "official" and options.get("attention_mask") is None:
+            # transformers' rule without an attention_mask: a prompt's leading pad ids are padding, not tokens
+            mask = _mask_from_padding(input_ids, gc.pad_token_id if pad is None else pad,
+                                      options.get("eos_token_id", gc.eos_token_id))
+            if mask is not None:
+                options["attention_mask"] = mask
         for name in ("bos_token_id", "use_cache"):
             kwargs.pop(name, None)
         for name in _NO_OP_GENERATE_VALUES:  # asking for nothing is no conflict
@@ -848,6 +866,22 @@ def _pad_id(value: Any) -> int | None:
     if value is None or (isinstance(value, int) and not isinstance(value, bool)):
         return value
     raise ValueError(f"generate: pad_token_id={value!r} is invalid: expected one token id (an int)")
+
+
+def _mask_from_padding(input_ids: Any, pad: Any, eos: Any) -> Tensor | None:
+    """transformers' attention mask for a call that passes none (`_prepare_attention_mask_for_generation`): where the
+    prompt holds the pad id, and it is no eos id, those positions are padding. The library takes left padding, so
+    only each row's leading pad ids are masked; None when no row starts with one (a routed call treated a
+    left-padded batch's pads as tokens: its rows differed from transformers' loop and from the rows alone)."""
+    if isinstance(pad, Tensor) and pad.numel() == 1:
+        pad = pad.item()
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or isinstance(pad, bool) or not isinstance(pad, int):
+        return None
+    eos = eos.tolist() if isinstance(eos, Tensor) else eos
+    if pad in (eos if isinstance(eos, list | tuple) else [eos]):
+        return None  # (transformers' rule: a pad id that is also an eos id says nothing about padding)
+    leading = (input_ids == pad).long().cumprod(-1).bool()
+    return (~leading).long() if bool(leading.any()) else None
 
 
 def _repadded(out: Any, pad: int) -> Any:

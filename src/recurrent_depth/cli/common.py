@@ -31,7 +31,11 @@ def run_model_dir(text: str, flag: str) -> str:
     from pathlib import Path
 
     path = Path(text)
-    if not (path / "config.json").exists() and (path / "model" / "config.json").is_file():
+    try:
+        run_dir = not (path / "config.json").exists() and (path / "model" / "config.json").is_file()
+    except OSError:  # (a name too long for the file system: argparse printed its traceback; check_model_path says it)
+        return text
+    if run_dir:
         print(f"rdepth: {flag} {text} is a run directory; using its model {path / 'model'}", file=sys.stderr)
         return str(path / "model")
     return text
@@ -140,16 +144,27 @@ def add_threads_arg(parser: argparse.ArgumentParser, measured: bool = True) -> N
     default = ("measured at start from the cores other processes leave free; 1 when the machine is busy"
                if measured else "torch's")
     parser.add_argument("--threads", type=_positive_int, default=None, metavar="N",
-                        help=f"torch CPU threads (default: {default})")
+                        help=f"torch CPU threads, at most {THREADS_PER_CORE} per CPU core (default: {default})")
+
+
+# --threads' ceiling per core: a few times the cores can help on a busy machine; 100000 threads made OpenMP's thread
+# creation fail (a segfault at the first matmul), and above 2**31 torch raised "Overflow when unpacking long"
+THREADS_PER_CORE = 8
 
 
 def _positive_int(text: str) -> int:
+    import os
+
     try:
         value = int(text)
     except ValueError:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    limit = THREADS_PER_CORE * (os.cpu_count() or 1)
+    if value > limit:
+        raise argparse.ArgumentTypeError(f"expected an integer <= {limit} ({THREADS_PER_CORE} per CPU core of this "
+                                         f"machine), got {text}")
     return value
 
 

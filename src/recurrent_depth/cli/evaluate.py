@@ -71,10 +71,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="reasoning tasks generated in code, e.g. chains,addition (default: none)")
     parser.add_argument("--difficulties", type=int_list, default=None,
                         help="difficulties of the reasoning tasks (default: the 9 easiest)")
-    parser.add_argument("--count", type=int, default=100, help="problems per difficulty (default: 100)")
+    parser.add_argument("--count", type=int, default=None, help="problems per difficulty (default: 100)")
     parser.add_argument("--lm-eval-tasks", type=_name_list, default=[],
                         help="lm-eval tasks, the shipped offline rd_* ones included (default: none)")
-    parser.add_argument("--fewshot", type=int_list, default=[0],
+    parser.add_argument("--fewshot", type=int_list, default=None,
                         help="few-shot counts for the lm-eval tasks; several give figure 9 (default: 0)")
     parser.add_argument("--limit", type=int, default=None, help="lm-eval examples per task (default: all)")
     parser.add_argument("--baseline", default=None, metavar="DIR", type=baseline_dir,
@@ -95,6 +95,12 @@ def run(args: argparse.Namespace) -> int:
     check_lora_with_weights(args)
     check_strict_lora_base(args, "--lora")
     check_depth_flags(args, ("depths", "baseline_depth"))  # the depth ceiling every command keeps (README)
+    reasoning = [] if args.reasoning == ["none"] else args.reasoning  # 'none', as --data takes
+    # (their defaults are 100 and 0: given without the measurement that reads them, they were ignored, exit 0)
+    for flag, value, needs, what in (("--count", args.count, reasoning, "--reasoning"),
+                                     ("--fewshot", args.fewshot, args.lm_eval_tasks, "--lm-eval-tasks")):
+        if value is not None and not needs:
+            raise ValueError(f"{flag} applies to {what} tasks, and none is given: add {what} or leave {flag} out")
     check_model_path(args.model)
     if args.baseline is not None:
         check_model_path(args.baseline, "--baseline")
@@ -104,8 +110,8 @@ def run(args: argparse.Namespace) -> int:
         text_field=args.text_field,
         val_fraction=args.val_fraction, split_seed=args.split_seed, max_docs=args.max_docs,
         max_tokens=args.max_tokens, seq_len=args.seq_len,
-        reasoning_tasks=[] if args.reasoning == ["none"] else args.reasoning,  # 'none', as --data takes
-        difficulties=args.difficulties, count=args.count, lm_eval_tasks=args.lm_eval_tasks, fewshot=args.fewshot,
+        reasoning_tasks=reasoning, difficulties=args.difficulties, count=100 if args.count is None else args.count,
+        lm_eval_tasks=args.lm_eval_tasks, fewshot=[0] if args.fewshot is None else args.fewshot,
         limit=args.limit, baseline=args.baseline, baseline_depth=args.baseline_depth, init_scale=args.init_scale,
         seed=args.seed, batch_size=args.batch_size, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
         weights=args.weights, max_depth=args.max_depth, lora=args.lora, strict_lora_base=args.strict_lora_base,

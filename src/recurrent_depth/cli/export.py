@@ -97,8 +97,9 @@ def run(args: argparse.Namespace) -> int:
     check_model_path(args.model)
     src = Path(args.model)
     out = Path(args.out) if args.out is not None else None
-    # `not 0 < x < inf` also refuses nan and inf, which int(x * 2**20) below turned into a traceback.
-    if args.max_shard_mb is not None and not 0 < args.max_shard_mb < float("inf"):
+    # `not 0 < x * 2**20 < inf` also refuses nan, inf and 1e308 (inf in bytes), which int(x * 2**20) below turned
+    # into a traceback.
+    if args.max_shard_mb is not None and not 0 < args.max_shard_mb * 2**20 < float("inf"):
         raise ValueError(f"--max-shard-mb={args.max_shard_mb} is invalid: expected a finite size > 0")
     check_strict_lora_base(args, "--merge-lora")
     if args.official_layout and args.remote_code:

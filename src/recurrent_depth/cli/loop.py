@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -144,7 +145,12 @@ def _pretrain(args: argparse.Namespace) -> int:
     from recurrent_depth.looping.pretrain import PretrainRecipe, pretrain
 
     fields = ("data", "num_layers", "hidden_size", "max_steps", "max_cpu_minutes", "seq_len", "vocab_size", "seed")
-    recipe = PretrainRecipe(**{name: getattr(args, name) for name in fields})
+    try:
+        recipe = PretrainRecipe(**{name: getattr(args, name) for name in fields})
+    except ValueError as exc:  # the recipe's field names, as the flags that set them (num_layers: --layers)
+        flags = {name: "--layers" if name == "num_layers" else "--" + name.replace("_", "-") for name in fields}
+        raise ValueError(re.sub(r"PretrainRecipe\.(\w+)", lambda m: flags.get(m.group(1), m.group(0)),
+                                str(exc))) from None
     summary = pretrain(args.out, recipe)
     keys = ("steps", "train_seconds", "train_cpu_seconds", "validation_loss", "model_dir")
     print(json.dumps({k: summary[k] for k in keys}))

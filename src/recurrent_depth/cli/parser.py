@@ -4,7 +4,8 @@ argparse's defaults send users the wrong way: `--num 16` is silently taken as `-
 (an abbreviation that a later flag can make ambiguous), and a mistyped flag is reported by the
 top-level parser with `rdepth`'s usage, not the subcommand's. `Parser` turns abbreviations off,
 remembers which (sub)command parsed the line, and `unrecognized` reports leftovers with that
-command's usage and the closest flags it has.
+command's usage and the closest flags it has. An empty output directory (`--out ''`, say from an unset
+shell variable) is a usage error too: it meant the current directory.
 """
 
 from __future__ import annotations
@@ -52,7 +53,15 @@ def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespac
         delattr(args, _LEAF)
     if extras:
         unrecognized(leaf, extras)
+    for dest in EMPTY_REFUSED:
+        if getattr(args, dest, None) == "":
+            leaf.error(f"argument --{dest}: expected a directory path, got '' (an unset shell variable?)")
     return args
+
+
+# output directories given as '' ($OUT unset): most commands wrote into the current directory, quickstart and
+# scaling fit into their default one; refused as a usage error, before anything is written
+EMPTY_REFUSED = ("out", "save")
 
 
 def unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> NoReturn:

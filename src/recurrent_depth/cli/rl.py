@@ -148,11 +148,13 @@ def loss_level(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from recurrent_depth.checkpoint import usable_device
     from recurrent_depth.train.config import TrainConfig, default_optim_preset
     from recurrent_depth.train.lora import lora_spec_from_args
     from recurrent_depth.train.optim import OPTIM_PRESETS, OptimConfig
     from recurrent_depth.train.rl.recipe import RLConfig, build_rl, load_start_model
 
+    usable_device(args.device)  # before the model loads (--device nan was a traceback from model.to)
     generation, seed = rollout_generation(args)
     prompts = read_prompts(args.prompts) if args.prompts else None
     if prompts is not None and args.reward == "task":

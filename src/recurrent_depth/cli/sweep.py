@@ -56,6 +56,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from recurrent_depth.scaling.sweep import run_sweep
 
+    if args.jobs is not None and args.jobs < 1:  # (as the flag, before the plan and shared data are written)
+        raise ValueError(f"--jobs must be an integer >= 1, got {args.jobs}")
     # --threads (added to every command) is each run's torch thread count here, not this process's
     states = run_sweep(args.config, args.out, jobs=args.jobs, threads=getattr(args, "threads", None))
     left = [name for name, state in states.items() if state != "done"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -86,8 +87,9 @@ class EvalConfig:
             raise ValueError(f"limit={self.limit!r} is invalid: expected an integer >= 1 (examples per task)")
         if not self.fewshot or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in self.fewshot):
             raise ValueError(f"fewshot={self.fewshot!r} is invalid: expected a list of integers >= 0")
-        if self.init_scale is not None and self.init_scale < 0:
-            raise ValueError(f"init_scale={self.init_scale!r} is invalid: expected a number >= 0")
+        # (inf or nan reached trunc_normal_ after the text was scored: a traceback, "from is out of bounds")
+        if self.init_scale is not None and not (math.isfinite(self.init_scale) and self.init_scale >= 0):
+            raise ValueError(f"init_scale={self.init_scale!r} is invalid: expected a finite number >= 0")
         if self.tokenizer is not None:  # --tokenizer takes the file too; transformers loads a directory
             self.tokenizer = tokenizer_directory(self.tokenizer)
         check_scoring_window(self.seq_len)  # before any model loads
@@ -289,12 +291,13 @@ def evaluate_depths(config: EvalConfig, log: Any = print) -> dict[str, Any]:
         if config.data is not None:
             _text_ids(baseline, baseline_tok, f"--baseline {config.baseline}")
         results["baseline"] = {"model": config.baseline, "depth": base_depth}
-    out.mkdir(parents=True, exist_ok=True)  # (after every check: a refused run leaves no empty --out behind)
-
     if config.data is not None:
         from recurrent_depth.data.corpus import load_corpus
 
-        load_corpus(config.data, config.text_field)  # a bad --data: named now, not after "text:"
+        load_corpus(config.data, config.text_field)  # a bad --data: named now, not after "text:" (nor after mkdir)
+    out.mkdir(parents=True, exist_ok=True)  # (after every check: a refused run leaves no empty --out behind)
+
+    if config.data is not None:
         log(f"text: scoring {config.data} held-out documents at depths {depths}")
         text = _text_quality(model, tokenizer, config, depths)
         results["text"] = text

@@ -64,6 +64,9 @@ class PretrainRecipe:
                 raise ValueError(f"PretrainRecipe.{name} must be a number > 0, got {value!r}")
         if not 0 < self.val_fraction < 1:
             raise ValueError(f"PretrainRecipe.val_fraction must be in (0, 1), got {self.val_fraction!r}")
+        # (TrainConfig's range; 1e23 overflowed torch.manual_seed after the tokenizer and shards were written)
+        if not is_int(self.seed) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"PretrainRecipe.seed must be an integer in [0, 2**63), got {self.seed!r}")
 
 
 def llama_config(recipe: PretrainRecipe, vocab_size: int, specials: dict[str, int]):
@@ -114,6 +117,7 @@ def pretrain(out: str | Path, recipe: PretrainRecipe | None = None,
     if (out / "checkpoints").exists() and not (out / "pretrain.json").is_file():
         raise ValueError(f"{out} holds checkpoints that no finished `rdepth loop pretrain` wrote (no pretrain.json): "
                          f"choose a new --out, or delete {out / 'checkpoints'}")
+    corpus = load_corpus(recipe.data)  # (a bad --data: named before --out is made)
     out.mkdir(parents=True, exist_ok=True)
     # The demo always trains from scratch; a run training there now is refused, not cleared away.
     with locked_directory(out, "--out"):
@@ -121,7 +125,6 @@ def pretrain(out: str | Path, recipe: PretrainRecipe | None = None,
         if (out / "pretrain.json").is_file():  # its own earlier model/ (the trainer refuses any other)
             shutil.rmtree(out / "model", ignore_errors=True)
     start = time.perf_counter()
-    corpus = load_corpus(recipe.data)
     tok, tok_meta = build_tokenizer(corpus, recipe.vocab_size, val_fraction=recipe.val_fraction, seed=recipe.seed,
                                     max_bytes=recipe.tokenizer_max_bytes, out_dir=out / "tokenizer")
     log(f"tokenizer: {tok.get_vocab_size()} tokens in {time.perf_counter() - start:.0f}s")

@@ -494,6 +494,8 @@ def run_sweep(config: str | Path, sweep_dir: str | Path, jobs: int | None = None
               log: Callable[[str], None] = print) -> dict[str, str]:
     """Run every unfinished run of the sweep (`jobs` at a time, each with `threads` torch threads, default the
     file's threads_per_run); returns each run's state at the end."""
+    if jobs is not None and (not is_int(jobs) or jobs < 1):  # (before the plan, tokenizer and shards are written)
+        raise ValueError(f"jobs must be an integer >= 1, got {jobs!r}")
     plan = load_sweep(config)
     if threads is not None:
         if not is_int(threads) or threads < 1:
@@ -501,8 +503,6 @@ def run_sweep(config: str | Path, sweep_dir: str | Path, jobs: int | None = None
         plan = SweepPlan(runs=plan.runs, test_depths=plan.test_depths, threads_per_run=threads)
     sweep_dir = Path(sweep_dir).resolve()
     plan = _write_plan(plan, sweep_dir, log)
-    if jobs is not None and (not is_int(jobs) or jobs < 1):
-        raise ValueError(f"jobs must be an integer >= 1, got {jobs!r}")
     jobs = jobs or default_jobs(plan.threads_per_run)
     states = {run.name: run_state(run_dir(sweep_dir, run.name)) for run in plan.runs}
     todo = [run.name for run in plan.runs if states[run.name] != "done"]

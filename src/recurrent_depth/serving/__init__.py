@@ -201,8 +201,10 @@ def build_app(
                         ("stall_timeout", stall_timeout)):
         if not value > 0:  # also refuses NaN, under which nothing would ever time out
             raise ValueError(f"{name}={value} is invalid: expected a number of seconds > 0")
-    if isinstance(ttt_max_copy_mb, bool) or not isinstance(ttt_max_copy_mb, int | float) or not ttt_max_copy_mb >= 0:
-        raise ValueError(f"ttt_max_copy_mb={ttt_max_copy_mb!r} is invalid: expected a number of MiB >= 0")
+    # (inf or 1e308, inf in bytes, was OverflowError from int(ttt_max_copy_mb * 2**20) below)
+    if isinstance(ttt_max_copy_mb, bool) or not isinstance(ttt_max_copy_mb, int | float) or \
+            not 0 <= ttt_max_copy_mb * 2**20 < float("inf"):
+        raise ValueError(f"ttt_max_copy_mb={ttt_max_copy_mb!r} is invalid: expected a finite number of MiB >= 0")
     if api_key is not None and not api_key.strip():
         raise ValueError("api_key is blank: pass a non-empty key, or None to serve without one")
     cfg = model.config

@@ -266,14 +266,14 @@ class Trainer:
         self._out_lock: Any = None  # rank 0's flock on `out` (files.lock_directory), held while set up or running
         self._made_out = False  # whether this run created `out` (`_open_out_dir`)
         try:
+            if cfg.teacher is not None:  # (alpha = 0 too) a wrong path, before `out` holds run.json and the logs
+                find_teacher_dir(cfg.teacher)
             self._setup(corpus, model, data, tokenizer_dir, depth, evaluate)
             if cfg.teacher is not None and (cfg.distill_alpha > 0 or cfg.distill_cache_only):
                 if objective is not None:
                     raise ValueError("TrainConfig.teacher distils with the language-modeling loss: it cannot be "
                                      "combined with another objective")
                 self.objective = self._distillation()
-            elif cfg.teacher is not None:
-                find_teacher_dir(cfg.teacher)  # alpha = 0: plain training, but a wrong path is still an error
         except BaseException:
             self._discard_new_out()
             self._unlock_out()

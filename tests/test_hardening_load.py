@@ -482,4 +482,11 @@ def test_serve_startup_errors_name_the_flags(model_dir, capsys):
     assert flag_spelled("kv_quant='k=prod:3,seed=1' is invalid", flags) == "--kv-quant 'k=prod:3,seed=1' is invalid"
     code, err = run_cli(["serve", "--model", str(model_dir), "--port", "18659", "--max-batch", "0"], capsys)
     assert code == 2
-    assert one_line_error(err) == "rdepth serve: error: --max-batch 0 is invalid: expected an integer >= 1"
+    assert one_line_error(err) == "rdepth serve: error: --max-batch 0 is invalid: expected an integer in [1, 16777216]"
+    # (and the upper bounds: --max-batch 10**23 sized tensors past int64, --tokenizer-workers started that many
+    # processes at once)
+    for flag, value, bound in (("--max-batch", "100000000000000000000000", "16777216"), ("--tokenizer-workers",
+                                                                                       "100000", "256")):
+        code, err = run_cli(["serve", "--model", str(model_dir), "--port", "18659", flag, value], capsys)
+        assert code == 2 and one_line_error(err) == (
+            f"rdepth serve: error: {flag} {value} is invalid: expected an integer in [1, {bound}]")

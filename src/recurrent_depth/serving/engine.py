@@ -42,6 +42,7 @@ from recurrent_depth.serving.text import TextState
 
 log = logging.getLogger("recurrent_depth.serving")
 _ANY = object()  # (`_take_admissible`: no solo job runs, so one of any adapter may start)
+MAX_SCHEDULER_SIZE = 1 << 24  # rows, queued requests or prompt tokens per iteration: past any machine's memory
 
 
 class QueueFull(Exception):
@@ -171,10 +172,11 @@ class BatchScheduler:
         adapters: the LoRA adapters on `model` that jobs name (`Job.adapter`): the batch's rows each add their own
         (`_mixing`), solo jobs run one adapter at a time (`_take_admissible`); where the adapters cannot mix
         (`ServedAdapters.mixes`), every job does."""
+        # (upper bounds keep a typo from sizing tensors past int64: --max-batch 10**23 was a TypeError traceback)
         for name, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 1),
                                  ("prefill_tokens", prefill_tokens, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}={value!r} is invalid: expected an integer >= {low}")
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_SCHEDULER_SIZE:
+                raise ValueError(f"{name}={value!r} is invalid: expected an integer in [{low}, {MAX_SCHEDULER_SIZE}]")
         self.model = model.eval()
         self.metrics = metrics or Metrics()
         self.max_batch = max_batch

@@ -189,6 +189,7 @@ def _context() -> Any:
 
 
 START_TIMEOUT = 120.0  # seconds for a worker to start and load the tokenizer
+MAX_WORKERS = 256  # tokenizer worker processes at most (each starts at once and holds its own tokenizer)
 
 
 def main_guard_message(main: str = "__main__") -> str:
@@ -259,8 +260,9 @@ class PrepPool:
     """`await pool.prepare(kind, raw)`: a worker prepares the request; the event loop stays free."""
 
     def __init__(self, spec: PrepSpec, workers: int = 2, timeout: float = 10.0) -> None:
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"tokenizer_workers={workers!r} is invalid: expected an integer >= 1")
+        # (each is a process started at once: an unbounded count was a fork bomb)
+        if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
+            raise ValueError(f"tokenizer_workers={workers!r} is invalid: expected an integer in [1, {MAX_WORKERS}]")
         if not timeout > 0:
             raise ValueError(f"tokenize_timeout={timeout!r} is invalid: expected a number of seconds > 0")
         self.spec = spec

@@ -233,12 +233,17 @@ def _text_chunks(path: Path) -> Iterator[str] | None:
         return None
 
     def pieces() -> Iterator[str]:
-        # utf-8-sig: a BOM starting the file is not text (an editor's mark; the JSONL reader drops it too)
-        decoder = codecs.getincrementaldecoder("utf-8-sig")()
+        # A BOM starting the file is not text (an editor's mark; the JSONL reader drops it too). Stripped here, not
+        # by the "utf-8-sig" incremental decoder, which reads a file of b"\xef" or b"\xef\xbb" (a cut BOM) as "".
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        at_start = True
         with handle:
             chunk = head
             while chunk:
-                yield decoder.decode(chunk)
+                text = decoder.decode(chunk)
+                if at_start and text:
+                    text, at_start = text.removeprefix("\ufeff"), False
+                yield text
                 chunk = handle.read(_READ_CHUNK_BYTES)
             yield decoder.decode(b"", final=True)
 
@@ -276,7 +281,8 @@ class FileTreeCorpus(Corpus):
     Files are read in chunks, never whole as bytes: a binary file is recognised from its first 8 KiB
     without reading the rest, and a file larger than `PART_BYTES` is checked in one streaming pass
     and then read as several documents (`<path>#part-00001`, ... of about `PART_BYTES` each, cut at a
-    newline), so memory stays bounded by a part, not by the largest file.
+    newline), so memory stays bounded by a part, not by the largest file. A file named like one of
+    those parts beside it (two documents, one id) is a ValueError.
     """
 
     _skipped = 0
@@ -297,6 +303,13 @@ class FileTreeCorpus(Corpus):
             full = self.readable(rel)
             parted = full is not None and full.stat().st_size > PART_BYTES
             planned.append((f"{rel}#part-" if parted else rel, rel, full, parted))
+        large = {rel for _, rel, _, parted in planned if parted}
+        for _, rel, _, _ in planned:
+            match = _PART_SUFFIX.search(rel)
+            if match and rel[: match.start()] in large:  # (one id twice, or ids out of order if it is large too)
+                raise ValueError(f"data: {rel!r} in {self.name} is named like a part of the large file "
+                                 f"{rel[: match.start()]!r}, which is read in parts with ids '<path>#part-NNNNN': "
+                                 "rename it")
         planned.sort(key=lambda item: item[0])
         for _, rel, full, parted in planned:
             if full is not None and parted:
@@ -829,6 +842,8 @@ class SavedDatasetCorpus(Corpus):
                     raise ValueError(f"data: {self.name!r}: its split 'train' has no {name}")
         self._json(root / "dataset_info.json")  # (bounded before datasets reads it whole)
         files = self._json(root / "state.json").get("_data_files")
+        if files == []:  # (save_to_disk of a dataset of no rows writes no .arrow file; datasets cannot load it)
+            raise ValueError(f"data: {self.name!r} is a saved dataset of no rows (state.json lists no .arrow file)")
         if not isinstance(files, list) or not files:
             raise ValueError(f"data: {self.name!r}: state.json must list the .arrow files under '_data_files'")
         for entry in files:

@@ -102,6 +102,8 @@ def prepare_dataset(
             (``load_corpus(spec, text_field=...)`` for another field).
         tokenizer: a `tokenizers.Tokenizer`, or a directory / ``tokenizer.json`` path.
         seq_len: model context; rows hold ``seq_len + 1`` tokens (inputs + shifted labels).
+        out_dir: the shards' directory (a cache); not inside a directory corpus, which would read them
+            as documents (a ValueError; a hidden directory in it is fine).
         val_fraction: share of documents held out, decided per document id (see
             :class:`DocumentSplit`); 0 writes no validation split.
         seed: seeds the split and the document order before packing.
@@ -133,6 +135,7 @@ def prepare_dataset(
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     dtype = token_dtype(vocab_size)
     corpus = load_corpus(corpus_spec)
+    _check_out_outside(corpus, Path(out_dir))
     info = corpus.info()
     require_text(info)
     if val_fraction > 0 and info.num_documents == 1:
@@ -231,6 +234,26 @@ def prepare_dataset(
     }
     atomic_write_text(out / DATASET_FILE, json.dumps(metadata, indent=2, sort_keys=True) + "\n")
     return _result(out, wanted, {**metadata, "reused": False})
+
+
+def _check_out_outside(corpus: Corpus, out: Path) -> None:
+    """A one-line ValueError when `out` lies where the corpus reads every file (a directory of text or Parquet files):
+    the shards and indexes written mid-run would be read as documents (by the next split's pass, and by every later
+    run, whose corpus hash then never matches the cache). A hidden directory in it (".cache/data") is not read."""
+    if corpus.kind not in ("directory", "parquet") or corpus.path is None or not corpus.path.is_dir():
+        return
+    root, target = corpus.path, out.resolve()
+    if not target.is_relative_to(root):
+        return
+    suffixes = getattr(corpus, "suffixes", None)  # (a DirectoryCorpus of .py files reads no .json or .bin file)
+    if suffixes and not any(name.endswith(tuple(suffixes)) for name in ("x.json", "x.bin", "x.tmp")):
+        return
+    skipped = ("_", ".") if corpus.kind == "parquet" else (".",)  # (the parts a directory walk leaves out)
+    if any(part.startswith(skipped) or part == "__pycache__" for part in target.relative_to(root).parts):
+        return
+    raise ValueError(f"data: out_dir {str(out)!r} lies inside the corpus directory {corpus.name!r}, which reads every "
+                     "file under it: its shards would become documents and the cache would never be reused; write "
+                     "them outside it (rdepth train: an --out outside --data, or --data-dir)")
 
 
 def _result(out: Path, splits: tuple[str, ...], metadata: dict[str, Any]) -> PreparedDataset:

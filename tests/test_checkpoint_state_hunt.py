@@ -86,8 +86,8 @@ class _Rows:
 
 def test_a_data_position_the_source_cannot_read_is_one_line_and_changes_nothing(tiny_model, tmp_path):
     before = {k: v.clone() for k, v in tiny_model.state_dict().items()}
-    trainer = types.SimpleNamespace(wrapped=tiny_model, optimizer=None, env=DistEnv(), state=LoopState(),
-                                    source=_Rows(), tokens_per_step=None, log=lambda message: None)
+    trainer = types.SimpleNamespace(model=tiny_model, wrapped=tiny_model, optimizer=None, env=DistEnv(),
+                                    state=LoopState(), source=_Rows(), tokens_per_step=None, log=lambda message: None)
     zeros = {k: torch.zeros_like(v) for k, v in before.items()}
     state = {"step": 4, "micro_step": 4, "tokens": 512, "skipped_steps": 0, "elapsed_s": 1.0,
              "data": {"epoch": 0, "position": 16}}

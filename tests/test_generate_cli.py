@@ -177,8 +177,8 @@ def test_cli_json_refuses_stream_and_names_a_bad_threshold(model_dir, capsys):
 
 
 @pytest.mark.parametrize("flags,words", [
-    (["--draft-steps", "1"], "self-speculative decoding re-runs positions"),
-    (["--sampler", "parallel"], "the parallel sampler re-runs positions"),
+    (["--draft-steps", "1"], "self-speculative decoding (--draft-steps=1) re-runs positions"),
+    (["--sampler", "parallel"], "the parallel sampler (--sampler='parallel') re-runs positions"),
     (["--kv-quant", "k=mse:4,v=mse:4"], "--kv-quant="),  # (the library's kv_quant= was shown in place of the flag)
     (["--exit-criterion", "gate"], "--exit-criterion='gate' reads the model's learned exit gate"),
 ], ids=["speculative", "parallel", "kv-quant", "gate"])

@@ -185,7 +185,7 @@ def stepwise_logprobs(
         raise ValueError("exit_kv='compute' takes exit_in_prefill=False")
     # what generate refuses for this model: a lookup that needs softmax attention, a KV quantization it cannot take
     policy = bind_policy(kv_policy, kv_budget, model.config.core_layers)
-    check_policy_for_model(model, SimpleNamespace(policy=policy, kv_policy=kv_policy))
+    check_policy_for_model(model, SimpleNamespace(policy=policy, kv_policy=kv_policy, defaults=None))
     if kv_quant is not None:
         kv_quant_for_model(model, kv_quant)
     scale = model.config.init_scale if init_scale is None else init_scale

@@ -198,11 +198,6 @@ def check_warm_start_for_model(model: Any, options: ResolvedOptions) -> None:
         )
 
 
-def check_init_scale_for_model(model: Any, options: ResolvedOptions) -> None:
-    """A one-line ValueError for an init_scale that a model whose s_0 is its embedding cannot honour."""
-    check_scale_has_a_draw(model.config, options.init_scale)
-
-
 def check_options_for_model(model: Any, options: ResolvedOptions) -> None:
     """Every refusal of `options` that depends only on the model, before any work (a caller may print the
     prompt once the session exists), as the `OptionError` of the option at fault, so that each interface
@@ -213,7 +208,7 @@ def check_options_for_model(model: Any, options: ResolvedOptions) -> None:
         ("kv_quant", lambda: options.kv_quant is None or kv_quant_for_model(model, options.kv_quant)),
         ("exit_criterion", lambda: gate_for(options.criterion, model)),  # the gate criterion needs an exit gate
         ("warm_start", lambda: check_warm_start_for_model(model, options)),
-        ("init_scale", lambda: check_init_scale_for_model(model, options)),
+        ("init_scale", lambda: check_scale_has_a_draw(model.config, options.init_scale)),  # (the forward's check)
         (short_prompt_option(options) or "max_steps", lambda: check_depth_for_model(model, options)),
     )
     for name, check in checks:

@@ -10,6 +10,9 @@ modules that need them:
   `AutoModelForCausalLM` and `AutoModelForSequenceClassification`;
 - when lm-eval loads `lm_eval.models` (its model table), the ``recurrent-depth`` backend is
   registered as a lazy placeholder (nothing heavy is imported until it is used).
+- when peft loads `peft.utils.constants` (its default-target tables), our model types get the LoRA
+  trainer's default targets there (`hf_peft.py`), so `LoraConfig(task_type="CAUSAL_LM")` needs no
+  `target_modules`.
 
 If a library had already loaded those modules before `recurrent_depth` was imported, the
 registration runs at once. :func:`register_transformers` does the transformers part eagerly.

@@ -1,7 +1,7 @@
 """Register with transformers / lm-eval when (and only when) those libraries load.
 
 Importing transformers' model machinery takes seconds, so `import recurrent_depth` must not do it.
-Instead a small `sys.meta_path` finder watches for three module names and, right after such a
+Instead a small `sys.meta_path` finder watches for a few module names and, right after such a
 module has executed, runs our registration. Nothing else about the import changes: the real
 finder still locates the module and the real loader still executes it.
 """
@@ -20,6 +20,7 @@ from typing import Any
 CONFIG_AUTO = "transformers.models.auto.configuration_auto"
 MODELING_AUTO = "transformers.models.auto.modeling_auto"
 LM_EVAL_MODELS = "lm_eval.models"
+PEFT_CONSTANTS = "peft.utils.constants"  # peft's default-target tables, read when a config lacks target_modules
 INFERENCE_RUNNER = "recurrent_depth.inference.runner"
 LM_EVAL_BACKEND_NAME = "recurrent-depth"
 LM_EVAL_BACKEND_TARGET = "recurrent_depth.evaluation.lm_eval_backend:RecurrentDepthEvalLM"
@@ -50,6 +51,12 @@ def _register_lm_eval(_: ModuleType | None = None) -> None:
         model_registry.register(LM_EVAL_BACKEND_NAME, target=LM_EVAL_BACKEND_TARGET)
 
 
+def _register_peft(module: ModuleType | None = None) -> None:
+    from recurrent_depth.integrations.hf_peft import register_peft
+
+    register_peft(module)
+
+
 def _register_fast_runner(_: ModuleType | None = None) -> None:
     """The fused runner of `accel` offered to `inference.runner` (which imports nothing from accel):
     `accel.runner` registers it as its import ends. When `accel.runner` is imported first, it imports
@@ -66,6 +73,7 @@ _HOOKS: dict[str, Callable[[ModuleType | None], None]] = {
     CONFIG_AUTO: _register_configs,
     MODELING_AUTO: _register_models,
     LM_EVAL_MODELS: _register_lm_eval,
+    PEFT_CONSTANTS: _register_peft,
 }
 
 
@@ -79,9 +87,11 @@ def _run_hook(name: str, module: ModuleType | None) -> None:
     except Exception as exc:  # a failed registration must never break the user's import
         with _lock:
             _done.discard(name)
+        again = ("recurrent_depth.integrations.hf_peft.register_peft()" if name == PEFT_CONSTANTS
+                 else "recurrent_depth.integrations.register_transformers()")
         warnings.warn(
             f"recurrent_depth could not register with {name.split('.')[0]} ({type(exc).__name__}: {exc}); "
-            "call recurrent_depth.integrations.register_transformers() to see the full error",
+            f"call {again} to see the full error",
             RuntimeWarning,
             stacklevel=2,
         )

@@ -1,8 +1,9 @@
 """Export a model directory that a plain transformers environment loads with `trust_remote_code=True`.
 
-The exported directory holds our usual files (config.json, safetensors weights, tokenizer files)
-plus `modeling_recurrent_depth.py` (one self-contained file: torch + transformers) and an
-`auto_map` in config.json that points the Auto classes at it, the way Huginn-0125 itself ships.
+The exported directory holds our usual files (config.json, safetensors weights, tokenizer files, the
+model card README.md where the source has one) plus `modeling_recurrent_depth.py` (one self-contained
+file: torch + transformers) and an `auto_map` in config.json that points the Auto classes at it, the
+way Huginn-0125 itself ships.
 In a process that imported `recurrent_depth`, the library's own classes take precedence.
 """
 
@@ -16,7 +17,15 @@ from typing import Any
 from recurrent_depth.checkpoint import TOKENIZER_FILES, copy_tokenizer, save_pretrained
 from recurrent_depth.config import HUGINN_ARCHITECTURE, HUGINN_MODEL_TYPE, MODEL_TYPE, ModelConfig
 from recurrent_depth.families.retrofit import PROVENANCE_FILE
-from recurrent_depth.files import CONFIG_MAX_BYTES, atomic_write_bytes, atomic_write_text, read_bytes, read_json
+from recurrent_depth.files import (
+    CONFIG_MAX_BYTES,
+    atomic_write_bytes,
+    atomic_write_text,
+    inside,
+    link_note,
+    read_bytes,
+    read_json,
+)
 from recurrent_depth.generation_config import GENERATION_CONFIG_FILE, check_generation_defaults, with_turn_end
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 
@@ -29,6 +38,9 @@ AUTO_MAP = {
 SUPPORTED_MIXER_OPTIONS = frozenset({"window"})
 # What a model directory carries beside its config, weights and tokenizer (`read_companions`).
 COMPANION_FILES = (PROVENANCE_FILE, GENERATION_CONFIG_FILE)
+# The Hugging Face model card. An export carries it (the same model in another format); a run's checkpoints and
+# averages do not (another model than the card describes).
+MODEL_CARD = "README.md"
 
 
 def remote_code_source() -> str:
@@ -80,19 +92,44 @@ def read_companions(src: Path, before: str = "exporting") -> dict[str, bytes]:
     return files
 
 
+def read_model_card(src: Path) -> bytes | None:
+    """`src`'s model card (README.md), None without one: a bounded read of a regular file inside `src`. A link
+    leading out of `src` is refused in one line (an export would publish whatever it names), except a Hugging Face
+    hub snapshot's link into its repository's blob store, which is how a downloaded model holds each file."""
+    path = src / MODEL_CARD
+    if not path.exists() and not path.is_symlink():
+        return None
+    if path.is_symlink() and not _hub_blob(path, src):
+        inside(src, MODEL_CARD, "model card")
+    if not path.exists():
+        raise ValueError(f"model card {path}{link_note(path)} leads nowhere: replace or remove it before exporting")
+    return read_bytes(path, CONFIG_MAX_BYTES, "model card")
+
+
+def _hub_blob(path: Path, src: Path) -> bool:
+    """Whether `path` leads into the blob store of the hub repository whose snapshot `src` is
+    (`<repo>/snapshots/<revision>/README.md` -> `<repo>/blobs/<hash>`)."""
+    snapshot = src.resolve()
+    return snapshot.parent.name == "snapshots" and path.resolve().parent == snapshot.parent.parent / "blobs"
+
+
 def copy_companions(src: Path, out: Path) -> None:
     """What a model directory carries beside its config and weights: the tokenizer files, retrofit's record of
     the source and the generation defaults that transformers' `generate` reads (generation_config.json: num_steps,
     eos_token_id, max_new_tokens, ...; without it the copy generated otherwise); each a bounded read (a
     tokenizer.json linked to /dev/zero filled the disk). Those of them `src` lacks are removed from `out` (another
-    model's, where `out` held one)."""
+    model's, where `out` held one). The model card (README.md, `read_model_card`) is carried too; without one in
+    `src`, a README.md already in `out` is left (no loader reads it, and it may be the user's own)."""
     if src.resolve() == out.resolve():
         return
     companions = read_companions(src)  # before anything is written
+    card = read_model_card(src)
     out.mkdir(parents=True, exist_ok=True)
     copy_tokenizer(src, out)
     for name, data in companions.items():
         atomic_write_bytes(out / name, data)
+    if card is not None:
+        atomic_write_bytes(out / MODEL_CARD, card)
     remove_absent(out, src, (*TOKENIZER_FILES, *COMPANION_FILES))
     stop_at_turn_end(src, out)
 

@@ -43,6 +43,14 @@ KINDS = ("attention", "mlp")
 # The ModuleDict entry of each part's blocks (`transformer.<name>.<i>`), as in the official checkpoint.
 BLOCK_CONTAINERS = {"prelude": "prelude", "core": "core_block", "coda": "coda"}
 KIND_MODULES = {"attention": "attn", "mlp": "mlp"}
+# The names, inside a block's `attn` / `mlp`, of the linear layers of every registered mixer and MLP (the mixers'
+# own names: Wqkv/proj of softmax attention, q/k/v/..._proj of the linear-attention family, MLA's and DSA's).
+KIND_LINEAR_NAMES = {
+    "attention": ("Wqkv", "proj", "ve_gate", "q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj",
+                  "gk_proj.0", "gk_proj.1", "z_proj", "xbc_proj", "dt_proj", "levels.l_proj", "wq", "wq_a", "wq_b",
+                  "wkv_a", "wkv_b", "indexer.wq", "indexer.wk", "indexer.weights"),
+    "mlp": ("fc", "proj"),
+}
 ADAPTER_CONFIG = "adapter_config.json"
 ALL_LINEAR = "all-linear"  # peft's target_modules shorthand: every linear layer but the output head
 OUTPUT_HEAD = "lm_head"
@@ -112,6 +120,14 @@ def target_modules(model: nn.Module, spec: LoraSpec) -> list[str]:
                          f"model (it has {len(transformer['prelude'])} prelude, {len(transformer['core_block'])} core "
                          f"and {len(transformer['coda'])} coda layers)")
     return names
+
+
+def default_target_suffixes() -> list[str]:
+    """`LoraSpec()`'s choice (the trainers' default: every part, both kinds) as module-name suffixes, for tables
+    keyed by model type that cannot look at a model (peft's default `target_modules`): on any model, peft's suffix
+    match of them picks what `target_modules(model, LoraSpec())` lists, whatever its mixers."""
+    return ["transformer.adapter",
+            *(f"{KIND_MODULES[kind]}.{name}" for kind in KINDS for name in KIND_LINEAR_NAMES[kind])]
 
 
 def lora_config(model: nn.Module, spec: LoraSpec) -> Any:

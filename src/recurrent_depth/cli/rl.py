@@ -177,8 +177,16 @@ def run(args: argparse.Namespace) -> int:
                         resume=args.resume, progress=False, tensorboard=False)
     from recurrent_depth.checkpoint import stored_dtype
     from recurrent_depth.train.init_from import find_model_dir
+    from recurrent_depth.train.trainer import check_out_state
 
+    check_out_state(args.out, args.resume)  # (a wrong --out, or --reward module, named before the model loads)
+    if args.reward != "task":  # (imported once: build_rl's import finds it loaded)
+        from recurrent_depth.train.rl.rewards import load_reward_function
+
+        load_reward_function(args.reward)
     model, tokenizer, tokenizer_dir = load_start_model(args.init_from)
+    if args.max_depth is not None:  # (the library's own ceiling, MAX_NUM_STEPS: --max-depth raises it)
+        model.max_depth = args.max_depth
     start_dir = find_model_dir(args.init_from)
     if lora is not None:
         from recurrent_depth.train.lora import add_lora

@@ -75,5 +75,14 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(json.dumps(resolved_config(cfg, lora=args.lora).to_dict(), indent=2))
         return 0
+    from recurrent_depth.data.chat import check_records_path
+    from recurrent_depth.train.trainer import check_out_state
+
+    # (named before the model loads and --data's examples are tokenized, not after)
+    for flag, path in (("--data", cfg.data), ("--val-data", args.val_data)):
+        if path is not None:
+            check_records_path(path, flag)
+    if cfg.out is not None:
+        check_out_state(cfg.out, cfg.resume)
     options = SFTOptions(val_data=args.val_data, packing=args.packing, lora=lora_spec_from_args(args))
     return run_trainer(sft_trainer(cfg, options), "sft")

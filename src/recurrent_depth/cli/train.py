@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         # (--init-from: DIR's model config, tokenizer and seq_len, what the run records, as `rdepth sft` prints)
         print(json.dumps(resolved_config(cfg, lora=args.lora).to_dict(), indent=2))
         return 0
-    from recurrent_depth.train.trainer import Trainer
+    from recurrent_depth.train.trainer import Trainer, check_out_state
 
     if cfg.distill_cache_only:  # the Trainer's setup writes the cache; nothing is trained
         trainer = Trainer(cfg)
@@ -185,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
     if cfg.init_from is None:
         raise ValueError("--lora needs --init-from DIR: the saved model the adapter is trained on")
     cfg = resolved_config(cfg, lora=True)  # DIR's config and tokenizer (not one trained on the new data)
+    if cfg.out is not None:  # (a wrong --out named before the model loads, not after)
+        check_out_state(cfg.out, cfg.resume)
     start = load_for_training(cfg, "cpu")  # (the Trainer moves it)
     model = add_lora(start.model, spec, base_dir=start.model_dir, seed=cfg.seed)
     # (the adapter in DIR's stored dtype, as `sft --lora` writes it and model/ is written without --lora)

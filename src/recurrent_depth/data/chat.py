@@ -76,23 +76,29 @@ class Example:
     scored: list[bool]
 
 
+def check_records_path(path: str | Path, what: str = "SFT data") -> Path:
+    """`path` if `read_records` can read it (a directory, or a file with one of the `SUFFIXES`), else a one-line
+    ValueError naming it as `what`: for a command to check its files before it loads a model."""
+    p = Path(path)
+    if not p.is_dir() and not p.is_file():
+        raise ValueError(f"{what} {str(p)!r} does not exist")
+    if p.is_file() and p.suffix not in SUFFIXES:
+        raise ValueError(f"{what} {str(p)!r}: expected a file ending in one of {', '.join(SUFFIXES)} "
+                         f"or a datasets directory (save_to_disk)")
+    return p
+
+
 def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
     """(where, record) for each record of a local file; `where` is `file:line` or `file:row N`."""
-    p = Path(path)
+    p = check_records_path(path)
     if p.is_dir():
         yield from _datasets_rows(p, None)
-        return
-    if not p.is_file():
-        raise ValueError(f"SFT data {str(p)!r} does not exist")
-    if p.suffix == ".jsonl":
+    elif p.suffix == ".jsonl":
         yield from _jsonl_records(p)
     elif p.suffix == ".json":
         yield from _json_records(p)
-    elif p.suffix in DATASETS_BUILDERS:
-        yield from _datasets_rows(p, DATASETS_BUILDERS[p.suffix])
     else:
-        raise ValueError(f"SFT data {str(p)!r}: expected a file ending in one of {', '.join(SUFFIXES)} "
-                         f"or a datasets directory (save_to_disk)")
+        yield from _datasets_rows(p, DATASETS_BUILDERS[p.suffix])
 
 
 def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:

@@ -236,20 +236,30 @@ def prepare_dataset(
     return _result(out, wanted, {**metadata, "reused": False})
 
 
-def _check_out_outside(corpus: Corpus, out: Path) -> None:
-    """A one-line ValueError when `out` lies where the corpus reads every file (a directory of text or Parquet files):
-    the shards and indexes written mid-run would be read as documents (by the next split's pass, and by every later
-    run, whose corpus hash then never matches the cache). A hidden directory in it (".cache/data") is not read."""
+# a name of each kind of file `prepare_dataset` writes in its out_dir (indexes, shards, temporary files)
+SHARD_FILE_NAMES = ("x.json", "x.bin", "x.tmp")
+
+
+def corpus_would_read(corpus: Corpus, directory: str | Path, names: tuple[str, ...] = SHARD_FILE_NAMES) -> bool:
+    """Whether files like `names` written under `directory` would be read by `corpus` (a directory of text or
+    Parquet files reads every file under it; a hidden directory in it, ".cache/data", is not read)."""
     if corpus.kind not in ("directory", "parquet") or corpus.path is None or not corpus.path.is_dir():
-        return
-    root, target = corpus.path, out.resolve()
+        return False
+    root, target = corpus.path, Path(directory).resolve()
     if not target.is_relative_to(root):
-        return
+        return False
     suffixes = getattr(corpus, "suffixes", None)  # (a DirectoryCorpus of .py files reads no .json or .bin file)
-    if suffixes and not any(name.endswith(tuple(suffixes)) for name in ("x.json", "x.bin", "x.tmp")):
-        return
+    if suffixes and not any(name.endswith(tuple(suffixes)) for name in names):
+        return False
     skipped = ("_", ".") if corpus.kind == "parquet" else (".",)  # (the parts a directory walk leaves out)
-    if any(part.startswith(skipped) or part == "__pycache__" for part in target.relative_to(root).parts):
+    return not any(part.startswith(skipped) or part == "__pycache__" for part in target.relative_to(root).parts)
+
+
+def _check_out_outside(corpus: Corpus, out: Path) -> None:
+    """A one-line ValueError when `out` lies where the corpus reads every file (`corpus_would_read`): the shards
+    and indexes written mid-run would be read as documents (by the next split's pass, and by every later run,
+    whose corpus hash then never matches the cache)."""
+    if not corpus_would_read(corpus, out):
         return
     raise ValueError(f"data: out_dir {str(out)!r} lies inside the corpus directory {corpus.name!r}, which reads every "
                      "file under it: its shards would become documents and the cache would never be reused; write "

@@ -30,6 +30,7 @@ import contextlib
 import json
 import math
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +45,7 @@ from recurrent_depth import accel
 from recurrent_depth.accel.allocator import keep_freed_memory
 from recurrent_depth.accel.cpu import slow_bf16_warnings
 from recurrent_depth.config import ModelConfig
+from recurrent_depth.data.corpus import Corpus, load_corpus
 from recurrent_depth.data.tokenizer import eos_token_ids
 from recurrent_depth.files import DIR_LOCK_FILE, check_out_dir, lock_directory
 from recurrent_depth.model.mixers.dsa import pop_indexer_loss
@@ -95,12 +97,14 @@ from recurrent_depth.train.validation import DepthEval, autocast_context, valida
 __all__ = [
     "EVAL_FILE", "METRICS_FILE", "MODEL_DIR", "RESUMABLE_CHANGES", "RUN_FILE", "TOKENIZER_DIR", "JsonlLog",
     "LoopState", "StopTraining", "TooManySkippedSteps", "Trainer", "TrainingInterrupted", "TrainResult",
-    "compile_core", "git_revision", "hardware_info", "library_versions", "num_parameters", "prepare_model",
-    "train", "validation_by_depth",
+    "check_out_state", "compile_core", "git_revision", "hardware_info", "library_versions", "num_parameters",
+    "prepare_model", "train", "validation_by_depth",
 ]
 
 MODEL_DIR = "model"
 TOKENIZER_DIR = "tokenizer"
+# a name of each kind of file a run writes in `out` (run.json and logs, tokenizer and checkpoint files, shards)
+OUT_FILE_NAMES = ("x.json", "x.jsonl", "x.jinja", "x.safetensors", "x.bin", "x.tmp")
 
 
 class StopTraining(Exception):
@@ -302,6 +306,10 @@ class Trainer:
         for flag, directory in (("--out", self.out), ("--data-dir", cfg.data_dir)):  # before a tokenizer is trained
             if directory is not None:
                 check_out_dir(directory, flag)
+        if data is None:  # (a wrong --data, or an --out inside it, named before `out` is made or a tokenizer trained)
+            corpus = corpus if corpus is not None else load_corpus(
+                cfg.data, text_field=cfg.text_field, follow_symlinks=cfg.follow_symlinks)
+            self._check_outside_corpus(corpus)
         if self.out is not None:
             self._open_out_dir(adapter_settings(model), model)
         elif data is None:
@@ -330,6 +338,10 @@ class Trainer:
             self.model = model.to(env.device)
             self.model_config = getattr(model, "config", None)
         self.sampler = depth if depth is not None else self._default_sampler()
+        base = base_model_of(self.model)
+        if isinstance(self.sampler, DepthSampler) and isinstance(base, RecurrentDepthLM):
+            # the model's depth ceiling covers every depth drawn: max_depth, or none (the draws' tail is uncapped)
+            base.max_depth = max(base.max_depth, self.sampler.max_steps or sys.maxsize)
         self.eval_depths = (cfg.resolved_eval_depths(self.sampler.mean_recurrence)
                             if isinstance(self.sampler, DepthSampler) else None)
         if evaluate is None and self.val_data is not None and isinstance(base_model_of(self.model), RecurrentDepthLM):
@@ -355,6 +367,21 @@ class Trainer:
         if writes:
             write_run_file(self.out, self.run_metadata())
 
+    def _check_outside_corpus(self, corpus: Any) -> None:
+        """Refuse an --out or --data-dir where the directory corpus reads every file: the run's tokenizer, logs,
+        checkpoints and shards would become documents (of this run's packing pass and of every later session)."""
+        from recurrent_depth.data.prepare import SHARD_FILE_NAMES, corpus_would_read
+
+        if not isinstance(corpus, Corpus):  # (a caller's own document source: nothing to compare)
+            return
+        for flag, directory, names in (("--out", self.out, OUT_FILE_NAMES), ("--data-dir", self.cfg.data_dir,
+                                                                             SHARD_FILE_NAMES)):
+            if directory is not None and corpus_would_read(corpus, directory, names):
+                raise ValueError(
+                    f"{flag} {directory} lies inside --data {corpus.name}, a directory whose every file is read: the "
+                    f"run's files would become training documents; choose a {flag} outside it (or a hidden "
+                    "directory in it, such as .runs/)")
+
     def _open_out_dir(self, adapter: dict[str, Any] | None, model: nn.Module | None) -> None:
         """Create `out` and lock it (rank 0: another process training into it is refused); find the checkpoint
         to resume from (refusing to mix a new run into an old one, or to resume with another config, LoRA
@@ -367,17 +394,9 @@ class Trainer:
             raise ValueError(f"--out {self.out} cannot be created ({exc.strerror or exc}): choose a writable "
                              "directory") from None
         self._lock_out()
+        check_out_state(self.out, cfg.resume)  # (again, now that the lock is held)
         root = ckpt.checkpoints_root(self.out)
-        if not ckpt.list_checkpoints(root) and (self.out / MODEL_DIR).exists():  # a new run would replace model/
-            raise ValueError(
-                f"{self.out} holds the model/ of an earlier run and no checkpoint to resume from; choose a new --out, "
-                f"or delete {self.out / MODEL_DIR} to train there from scratch"
-            )
         self.resume_from = trainer_checkpoints.find_resume_checkpoint(root, self.env, self.log) if cfg.resume else None
-        if not cfg.resume and ckpt.list_checkpoints(root):
-            raise ValueError(
-                f"{self.out} already holds checkpoints; pass --resume to continue that run or choose a new --out"
-            )
         if cfg.resume and self.resume_from is None:
             self.log(f"no checkpoint in {root}: starting from scratch")
         if self.resume_from is not None:  # before any data work, which could overwrite the run's caches
@@ -399,15 +418,13 @@ class Trainer:
     def _setup_shards(self, corpus: Any | None, model: nn.Module | None) -> None:
         """The tokenizer and token shards `cfg.data` names; the model config their vocabulary implies."""
         cfg = self.cfg
-        self.tokenizer_dir, self.data = self._prepare_data(corpus)
         if model is not None:  # its own config (--init-from DIR's), not one built from the tokenizer: DIR's vocabulary
             # may be padded past the tokenizer's, with special ids there, which that config refused
+            self.tokenizer_dir, self.data = self._prepare_data(corpus)
             self.model_config = getattr(model, "config", None)
             self.seq_len = cfg.seq_len if cfg.seq_len is not None else self.data.metadata["params"]["seq_len"]
             self._open_shard_datasets()
             return
-        tok_meta = self.data.metadata["tokenizer"]
-        specials = tok_meta["special_token_ids"]
         overrides: dict[str, Any] = {}
         if cfg.baseline:
             overrides = {"mean_recurrence": 1, "mean_backprop_depth": 1}
@@ -417,6 +434,10 @@ class Trainer:
             if cfg.backprop_depth is not None:
                 overrides["mean_backprop_depth"] = cfg.backprop_depth
         base = cfg.replace(model={**overrides, **cfg.model}) if overrides else cfg
+        self._check_vocab_size(base)
+        self.tokenizer_dir, self.data = self._prepare_data(corpus)
+        tok_meta = self.data.metadata["tokenizer"]
+        specials = tok_meta["special_token_ids"]
         self.model_config: ModelConfig = base.model_config(
             tok_meta["vocab_size"],
             bos_token_id=specials["begin_text"], eos_token_id=eos_token_ids(specials), pad_token_id=specials["pad"],
@@ -425,6 +446,26 @@ class Trainer:
         if self.seq_len != self.data.metadata["params"]["seq_len"]:
             raise AssertionError("prepared rows do not match seq_len")
         self._open_shard_datasets()
+
+    def _check_vocab_size(self, base: TrainConfig) -> None:
+        """Refuse a vocabulary setting that the run's tokenizer contradicts before that tokenizer is trained or the
+        shards are packed: a model trained from scratch has exactly the tokenizer's vocabulary (that of --tokenizer
+        DIR, or the --vocab-size of one trained here); `base` is the config its ModelConfig is built from."""
+        cfg = self.cfg
+        if cfg.tokenizer is None:
+            size = cfg.tokenizer_vocab_size()
+        elif (Path(cfg.tokenizer) / "tokenizer.json").is_file():  # (else `_prepare_data` names what is missing)
+            from recurrent_depth.data.tokenizer import load_tokenizer
+
+            size = load_tokenizer(cfg.tokenizer).get_vocab_size(with_added_tokens=True)  # (as the shards record it)
+            if cfg.vocab_size is not None and cfg.vocab_size != size:  # (it was silently ignored)
+                raise ValueError(
+                    f"TrainConfig.vocab_size={cfg.vocab_size} (--vocab-size) sizes a tokenizer trained here, but "
+                    f"--tokenizer {cfg.tokenizer} is given, with {size} tokens, and the model's vocabulary is its "
+                    f"size: drop --vocab-size (or give {size})")
+        else:
+            return
+        base.model_config(size)  # (a model.vocab_size override that disagrees, refused as it is once the shards exist)
 
     def _open_shard_datasets(self) -> None:
         """The prepared shards' train and validation splits, and the batches drawn from the train one."""
@@ -492,7 +533,7 @@ class Trainer:
 
     def _prepare_data(self, corpus: Any | None):
         """Tokenizer (trained here unless given) and token shards; rank 0 builds, the others reuse."""
-        from recurrent_depth.data import build_tokenizer, load_corpus, prepare_dataset
+        from recurrent_depth.data import build_tokenizer, prepare_dataset
         from recurrent_depth.data.prepare import load_prepared, packing_report
 
         cfg, env = self.cfg, self.env
@@ -1018,6 +1059,20 @@ class Trainer:
     def run_metadata(self) -> dict[str, Any]:
         """What `run.json` records (see `run_record`)."""
         return run_metadata(self)
+
+
+def check_out_state(out: str | Path, resume: bool) -> None:
+    """The refusals of a run's `out` that its files alone decide, reading only: an existing file, the model/ of an
+    earlier run (no checkpoint), checkpoints without `resume`. The Trainer checks them once it holds the lock; a
+    command that loads a model or tokenizes data before it builds the Trainer checks them first."""
+    out = Path(out)
+    check_out_dir(out, "--out")
+    held = bool(ckpt.list_checkpoints(ckpt.checkpoints_root(out)))
+    if not held and (out / MODEL_DIR).exists():  # a new run would replace model/
+        raise ValueError(f"{out} holds the model/ of an earlier run and no checkpoint to resume from; choose a new "
+                         f"--out, or delete {out / MODEL_DIR} to train there from scratch")
+    if held and not resume:
+        raise ValueError(f"{out} already holds checkpoints; pass --resume to continue that run or choose a new --out")
 
 
 def validation_by_depth(trainer: Trainer, final: bool) -> DepthEval:

@@ -23,17 +23,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import re
 import types
 import typing
-from dataclasses import dataclass, field, fields
+import warnings
+from collections.abc import Callable, Collection
+from contextvars import ContextVar
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from recurrent_depth.config import MAX_NUM_STEPS, MAX_SEQ_LEN, PRESETS, ModelConfig, check_field_names, is_int, is_real
 from recurrent_depth.files import CONFIG_MAX_BYTES, read_text
 from recurrent_depth.train.depth import SCHEMES
-from recurrent_depth.train.optim import OptimConfig
+from recurrent_depth.train.optim import OPTIM_PRESETS, OptimConfig
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 # torch.compile's modes ("max-autotune-no-cudagraphs" autotunes kernels, measured 1.05x over "default"
@@ -137,6 +141,75 @@ FIELD_HELP: dict[str, str] = {
     "tensorboard": "also write TensorBoard events to <out>/tensorboard (if tensorboard is installed)",
 }
 
+# What a setting needs to be read: (test on the config, True where it is read; the rest of the warning, a
+# str.format template of the config `c`, said when it is not).
+Need = tuple[Callable[["TrainConfig"], bool], str]
+_FROM_SCRATCH: Need = (lambda c: c.init_from is None,
+                       "has no effect with init_from (the model directory's config and tokenizer are used)")
+_HAS_TEACHER: Need = (lambda c: c.teacher is not None, "has no effect without a teacher (no distillation)")
+_DISTILS: Need = (lambda c: c.distill_alpha > 0 or c.distill_cache_only,
+                  "has no effect with distill_alpha=0 (plain training: the teacher is never loaded)")
+_RECURRENT: Need = (lambda c: not c.baseline, "has no effect with baseline (one core pass every step)")
+_LOGNORMAL: Need = (lambda c: c.depth_scheme == "poisson-lognormal",
+                    "has no effect with depth_scheme={c.depth_scheme!r} (only 'poisson-lognormal' draws log-normally)")
+_ELLIS_ADAM: Need = (lambda c: c.optim.name == "ellis-adam",
+                     "has no effect with optim.name={c.optim.name!r} (a switch of 'ellis-adam', HuginnAdam)")
+_MUON: Need = (lambda c: c.optim.name == "muon", "has no effect with optim.name={c.optim.name!r} (a 'muon' setting)")
+
+# Settings read only beside another setting (an "optim." name is an OptimConfig field), each with what it needs,
+# in order. A TrainConfig warns once (`UnusedSettingWarning`, one line) for each one whose first unmet need makes
+# it unread, when it holds another value than its default: a TrainConfig field's dataclass default, an optim
+# field's value in the preset its recipe was built on (`recipe_base`), so a preset's own values never warn (nor
+# those of a recipe a checkpoint recorded, when a run resumes on it). A combination that would change a run's
+# meaning silently is an error in `validate` instead (distill_cache without a teacher, depth_per_rank with fsdp,
+# a depth beside baseline).
+SETTING_NEEDS: dict[str, tuple[Need, ...]] = {
+    "preset": (_FROM_SCRATCH,),
+    # (not vocab_size or tokenizer_max_bytes beside a tokenizer: `rdepth sweep` trains one shared tokenizer from
+    # them and names it in each run's config; vocab_size beside init_from is checked against the directory's)
+    "tokenizer_max_bytes": (_FROM_SCRATCH,),
+    "teacher": (_DISTILS,),
+    "distill_alpha": (_HAS_TEACHER,),
+    **{name: (_HAS_TEACHER, _DISTILS) for name in ("teacher_depth", "distill_temperature", "distill_top_k",
+                                                   "distill_cache")},
+    "depth_scheme": (_RECURRENT,),
+    "depth_sigma": (_RECURRENT, _LOGNORMAL),
+    "depth_curriculum": (_RECURRENT,),
+    "depth_curriculum_start": (_RECURRENT, (lambda c: c.depth_curriculum > 0,
+                                            "has no effect without depth_curriculum (0: no curriculum)")),
+    "depth_per_rank": (_RECURRENT, (lambda c: c.depth_scheme != "fixed",
+                                    "has no effect with depth_scheme='fixed' (every rank draws the same depth)")),
+    "compile_mode": ((lambda c: c.compile, "has no effect without compile"),),
+    **{f"optim.{name}": (_ELLIS_ADAM,) for name in ("atan2", "update_clipping", "running_init")},
+    "optim.bias_correction": (_ELLIS_ADAM, (lambda c: c.optim.atan2 or c.optim.bias_correction == "none",
+                                            "has no effect without optim.atan2 ('outside' and 'inside' are then "
+                                            "the same Adam update)")),
+    "optim.fully_decoupled_wd": (_ELLIS_ADAM, (lambda c: c.optim.weight_decay > 0,
+                                               "has no effect with optim.weight_decay=0")),
+    "optim.eps": ((lambda c: c.optim.name != "ellis-adam" or not c.optim.atan2 or c.optim.update_clipping,
+                   "has no effect with optim.atan2 and without optim.update_clipping (atan2 needs no epsilon)"),),
+    **{f"optim.{name}": (_MUON,) for name in ("muon_lr", "muon_momentum", "muon_nesterov", "muon_ns_steps",
+                                              "muon_weight_decay", "muon_adjust_lr", "muon_ns_dtype",
+                                              "muon_split_fused")},
+    "optim.min_lr": ((lambda c: bool(c.optim.cooldown_steps or c.optim.cooldown_fraction),
+                      "has no effect without a cool-down (optim.cooldown_steps or optim.cooldown_fraction)"),),
+    "optim.warmup_steps": ((lambda c: c.max_steps is None or c.optim.warmup_steps <= c.max_steps,
+                            "is longer than the run (max_steps={c.max_steps}): the learning rate never reaches "
+                            "optim.lr={c.optim.lr!r}"),),
+}
+
+
+class UnusedSettingWarning(UserWarning):
+    """A training setting given a value the run never reads (`SETTING_NEEDS`); `field` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(message)
+
+
+# Set while `TrainConfig.replace` builds a config: it warns only what the derived config adds.
+_DERIVING: ContextVar[bool] = ContextVar("train_config_deriving", default=False)
+
 
 @dataclass
 class TrainConfig:
@@ -203,13 +276,18 @@ class TrainConfig:
     def __post_init__(self) -> None:
         # (the optim settings of a run that named no preset and no lr, and whether for LoRA; None: it named one)
         self._optim_default: tuple[dict[str, Any], bool] | None = None
+        # (the recipe `optim` was built on: its values are not the user's, so they never warn as unused)
         if isinstance(self.optim, dict):
             self._choose_optim(self.optim, lora=False)
+        elif isinstance(self.optim, OptimConfig):
+            self._optim_base = recipe_base(self.optim)
         if isinstance(self.dtype, str) and self.dtype in DTYPE_ALIASES:
             self.dtype = DTYPE_ALIASES[self.dtype]
         if isinstance(self.eval_depths, tuple):
             self.eval_depths = list(self.eval_depths)
         self.validate()
+        if not _DERIVING.get():
+            self._warn_unused(stacklevel=3)  # (the line that built the config: past __post_init__ and __init__)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
@@ -364,8 +442,6 @@ class TrainConfig:
             # Mixer names and options (and qk_norm / value embeddings / QK-clip on them) are checked by the
             # model's constructor and QKClip: build the model on the meta device (no memory, ~10 ms) so that
             # a typo fails now, not after the tokenizer and the shards were built.
-            import warnings
-
             import torch
 
             from recurrent_depth.model.recurrent import RecurrentDepthLM
@@ -382,8 +458,9 @@ class TrainConfig:
         """`optim` from a mapping: on its preset; naming an lr but no preset, on demo (as before the fine-tuning
         presets, so such runs resume); naming neither, on `default_optim_preset` (remembered: see `replace`)."""
         named = "preset" in given or "lr" in given
-        self.optim = optim_from_dict(given, DEFAULT_OPTIM_PRESET if named else
-                                     default_optim_preset(self.init_from is not None, lora))
+        preset = DEFAULT_OPTIM_PRESET if named else default_optim_preset(self.init_from is not None, lora)
+        self.optim = optim_from_dict(given, preset)
+        self._optim_base = OptimConfig.from_preset(given.get("preset", preset))
         self._optim_default = None if named else (dict(given), lora)
 
     @property
@@ -501,10 +578,50 @@ class TrainConfig:
         return cls.from_dict(data)
 
     def replace(self, **changes: Any) -> TrainConfig:
-        new = dataclasses.replace(self, **changes)
-        if self._optim_default is not None and "optim" not in changes:
-            new._choose_optim(*self._optim_default)  # chosen again: init_from may have changed
+        """This config with fields changed; it warns only the unused settings (`unused_settings`) that this one
+        had not (a run derives configs from the user's several times: each setting warns once)."""
+        token = _DERIVING.set(True)
+        try:
+            new = dataclasses.replace(self, **changes)
+        finally:
+            _DERIVING.reset(token)
+        if "optim" not in changes:
+            new._optim_base = self._optim_base
+            if self._optim_default is not None:
+                new._choose_optim(*self._optim_default)  # chosen again: init_from may have changed
+        new._warn_unused(stacklevel=2, known={message for _, message in self.unused_settings()})
         return new
+
+    # ------------------------------------------------------------------ settings that have no effect
+    def unused_settings(self) -> list[tuple[str, str]]:
+        """(setting, one-line message) for each setting of `SETTING_NEEDS` that holds another value than its
+        default (an optim one: than the preset its recipe was built on) and that this run never reads."""
+        found = []
+        for name, needs in SETTING_NEEDS.items():
+            if name.startswith("optim."):
+                value, default = getattr(self.optim, name[6:]), getattr(self._optim_base, name[6:])
+            else:
+                value, default = getattr(self, name), _FIELD_DEFAULTS[name]
+            if value == default:
+                continue
+            why = next((why for test, why in needs if not test(self)), None)
+            if why is not None:
+                found.append((name, f"TrainConfig.{name}={value!r} {why.format(c=self)}"))
+        return found
+
+    def _warn_unused(self, stacklevel: int, known: Collection[str] = ()) -> None:
+        """An `UnusedSettingWarning` for each of `unused_settings` not in `known` (messages), from rank 0 only:
+        under torchrun every rank builds the same config, and one line says it for all. `stacklevel` as
+        `warnings.warn`'s, counted from the caller (1: the caller's line)."""
+        if os.environ.get("RANK", "0") != "0":
+            return
+        for name, message in self.unused_settings():
+            if message not in known:
+                warnings.warn(UnusedSettingWarning(name, message), stacklevel=stacklevel + 1)
+
+
+# The TrainConfig fields' defaults (what `unused_settings` compares with).
+_FIELD_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
 
 
 def default_optim_preset(from_model: bool, lora: bool = False) -> str:
@@ -514,6 +631,13 @@ def default_optim_preset(from_model: bool, lora: bool = False) -> str:
     if not from_model:
         return DEFAULT_OPTIM_PRESET
     return FINETUNE_LORA_OPTIM_PRESET if lora else FINETUNE_OPTIM_PRESET
+
+
+def recipe_base(optim: OptimConfig) -> OptimConfig:
+    """The preset `optim` was built on, known by its description (`OptimConfig.from_preset` and `updated` keep
+    it, and a checkpoint records it); a recipe of its own description: the class defaults."""
+    return next((p for p in OPTIM_PRESETS.values() if optim.description and p.description == optim.description),
+                OptimConfig())
 
 
 def optim_from_dict(data: dict[str, Any], default_preset: str = DEFAULT_OPTIM_PRESET) -> OptimConfig:

@@ -274,14 +274,20 @@ class Handlers:
             # and so do speculative decoding, the official schedule and a kv_quant other than the pool's
             solo = (sampling.speculative or not scheduler.batches or not SlotKVPool.takes(options.policy)
                     or not BatchDecoder.runs(options) or not scheduler.batch.takes_kv_quant(options.kv_quant))
-            generation = dict(sampling.generation, max_new_tokens=max_tokens, stop=sorted(stops) or None)
+            # official defaults also stop at the official code's hard-coded ids, as `generate` does (the batch stops
+            # at the job's ids only: it ran past them)
+            row_stops = stops | set(options.stop_ids([], scheduler.model.config.vocab_size))
+            # the job's stop ids are the whole rule: a solo session must not add the config's eos (it ended an
+            # ignore_eos request there, as "length")
+            generation = dict(sampling.generation, max_new_tokens=max_tokens, stop=sorted(row_stops) or None,
+                              eos_token_id=[])
             if options.kv_quant is None and scheduler.kv_quant is not None:  # the server's memory setting
                 generation["kv_quant"] = scheduler.kv_quant.name
             for j in range(sampling.n):
                 index = p * sampling.n + j
                 row = RowRequest(list(prompt), options, seed=base_seed + j, top_logprobs=top,
                                  prompt_logprobs=prompt_scores)
-                jobs.append(Job(row=row, max_tokens=max_tokens, stop_ids=frozenset(stops),
+                jobs.append(Job(row=row, max_tokens=max_tokens, stop_ids=frozenset(row_stops),
                                 text=TextState(codec, sampling.stop, sampling.skip_special_tokens,
                                                sampling.include_stop_str_in_output),
                                 sink=channel.sink, deadline=deadline,

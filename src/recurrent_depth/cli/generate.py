@@ -158,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
     if args.num_steps is None and model.config.mean_recurrence > ceiling:  # the default depth, past --max-depth
         raise ValueError(f"the model's mean_recurrence={model.config.mean_recurrence} (the default --num-steps) is "
                          f"above the depth ceiling {ceiling}: give --num-steps <= {ceiling}, or raise --max-depth")
+    model.max_depth = ceiling  # (the library's own ceiling: --max-depth raises it)
     if args.lora is not None:
         from recurrent_depth.train.lora import attach_adapter
 

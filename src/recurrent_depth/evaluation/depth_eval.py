@@ -269,6 +269,7 @@ def evaluate_depths(config: EvalConfig, log: Any = print) -> dict[str, Any]:
     started = time.time()
     manager = _task_manager(config) if config.lm_eval_tasks else None
     model, tokenizer = _load(config.model, config.device, config.dtype, config.tokenizer, config.weights)
+    model.max_depth = MAX_NUM_STEPS if config.max_depth is None else config.max_depth  # (the depths it scores)
     model = _with_adapter(model, config)  # a bad adapter: named now, before any scoring
     depths = config.depths
     if config.data is not None:  # a tokenizer text scoring cannot use: named now, not after the "text:" line
@@ -279,6 +280,7 @@ def evaluate_depths(config: EvalConfig, log: Any = print) -> dict[str, Any]:
     baseline = None
     if config.baseline is not None:
         baseline, baseline_tok = _load(config.baseline, config.device, config.dtype, weights=config.weights)
+        baseline.max_depth = model.max_depth
         base_depth = config.baseline_depth if config.baseline_depth is not None else baseline.config.mean_recurrence
         ceiling = MAX_NUM_STEPS if config.max_depth is None else config.max_depth
         if config.baseline_depth is None and base_depth > ceiling:  # before any scoring

@@ -39,7 +39,8 @@ class GenerationStream:
     def __init__(self, model: Any, input_ids: Any, attention_mask: Any, options: GenerationOptions,
                  tokenizer: Any, memory: Tensor | None = None, should_stop: Callable[[], bool] | None = None) -> None:
         config = model.config
-        resolved = options.validate(config.mean_recurrence, config.exit_gate_threshold, config.init_scale)
+        resolved = options.validate(config.mean_recurrence, config.exit_gate_threshold, config.init_scale,
+                                    model.max_depth)
         check_options_for_model(model, resolved)  # before TTT-E2E or GradMem work, and before any event
         self.options: ResolvedOptions = resolved
         self.gradmem: GradMemPlan | None = None

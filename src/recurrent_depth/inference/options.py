@@ -16,10 +16,12 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from recurrent_depth.config import FLOAT32_MAX, MAX_NUM_STEPS
 from recurrent_depth.inference.cache import CACHE_IMPLEMENTATIONS
 from recurrent_depth.inference.criteria import CRITERIA, CriterionSpec, resolve_criterion
 from recurrent_depth.inference.quant_cache import KVQuant, parse_kv_quant_option
 from recurrent_depth.model.cache import KVPolicy, parse_kv_policy
+from recurrent_depth.model.recurrent import DEPTH_CEILING_HINT
 
 SAMPLERS = ("autoregressive", "parallel")
 PARALLEL_CRITERIA = ("latent-diff", "cosine")
@@ -172,6 +174,21 @@ class Option:
                 self.name, f"{self.name}={value!r} is invalid: expected {extra}a number in {lo}{low}, {self.high}{hi}"
                 + (f" ({self.range_hint})" if self.range_hint and low_open and value == low else "")
             )
+
+    @property
+    def counts_steps(self) -> bool:
+        """A number of core steps: at most the depth ceiling (the server's bound is its max_num_steps)."""
+        return self.http_max == "max_num_steps"
+
+    def check_ceiling(self, values: dict[str, Any], ceiling: int) -> None:
+        """OptionError if this option counts core steps and its value in `values` (checked by `check`) is
+        past `ceiling`."""
+        value = values[self.name]
+        if self.counts_steps and value is not None and value > ceiling:
+            extra = "None or " if self.optional else ""
+            low = self.low(values) if callable(self.low) else self.low
+            raise OptionError(self.name, f"{self.name}={value!r} is invalid: expected {extra}an integer in "
+                              f"[{low}, {ceiling}] {DEPTH_CEILING_HINT}")
 
     def check_choice(self, value: Any) -> None:
         """OptionError unless `value` is one of a str option's fixed choices (or None where allowed)."""
@@ -342,7 +359,8 @@ class GenerationOptions:
     ttt_steps: int = option(4, "ttt-e2e", "TTT-E2E: optimizer steps on the prompt, each a forward and backward "
         "pass", "int", http=True, http_max=64, hf="routed", low=0)
     ttt_lr: float = option(1e-3, "ttt-e2e", "TTT-E2E: the inner optimizer's learning rate", "float", http=True,
-        http_max=100.0, hf="routed", low=0, high=math.inf, low_open=True, high_open=True)
+        http_max=100.0, hf="routed", low=0, high=FLOAT32_MAX, low_open=True,
+        high_open=True)  # (torch's optimizers refuse an lr past float32's range: 1e308 was a RuntimeError)
     ttt_optimizer: str = option("sgd", "ttt-e2e", "TTT-E2E: the inner optimizer", "str", choices=TTT_OPTIMIZERS,
         http=True, hf="routed")
     ttt_depth: int | None = option(None, "ttt-e2e", "TTT-E2E: recurrence depth of the inner forward passes",
@@ -390,14 +408,15 @@ class GenerationOptions:
         return "autoregressive"
 
     def validate(self, mean_recurrence: int, gate_threshold: float | None = None,
-                 init_scale: float = 1.0) -> ResolvedOptions:
+                 init_scale: float = 1.0, max_depth: int = MAX_NUM_STEPS) -> ResolvedOptions:
         """Every field checked against its `Option`, the defaults that depend on the profile and on
         the model filled, the criterion, KV policy and KV quantization parsed. `gate_threshold` is the
         model's own q for `exit_criterion="gate"` (`ModelConfig.exit_gate_threshold`, Ouro's
         early_exit_threshold): the gate's default when `exit_threshold` is not given. `init_scale` is
         the model's s_0 scale (`ModelConfig.init_scale`, 1.0 unless set): the option's default, as in
         the model's forward, under both profiles (the official code's forward default is 1.0, every
-        official checkpoint's)."""
+        official checkpoint's). `max_depth` is the depth ceiling of every option that counts core steps
+        (the model's `max_depth`)."""
         values = {name: getattr(self, name) for name in OPTIONS}
         given = dict(values)  # the caller's values (ignored_options compares them with the defaults)
         if values["exit_criterion"] == "gate" and values["exit_threshold"] is None and gate_threshold is not None:
@@ -412,6 +431,9 @@ class GenerationOptions:
             values["init_scale"] = init_scale
         for spec in OPTIONS.values():
             spec.check(values)
+            spec.check_ceiling(values, max_depth)  # (10**30 steps overflowed a kernel, or never ended)
+            if spec.kind == "float" and spec.low is not None and type(values[spec.name]) is int:  # (in range: a
+                values[spec.name] = float(values[spec.name])  # float; torch refused temperature=10**30 past int64)
         official = values["defaults"] == "official"
         try:
             criterion, threshold = resolve_criterion(values["exit_criterion"], values["exit_threshold"],

@@ -24,7 +24,14 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from recurrent_depth.checkpoint import load_pretrained, save_pretrained
-from recurrent_depth.config import FIXED_FAN_IN_MODULES, MODEL_PARTS, ModelConfig, is_real, rope_scaling_key
+from recurrent_depth.config import (
+    FIXED_FAN_IN_MODULES,
+    MAX_NUM_STEPS,
+    MODEL_PARTS,
+    ModelConfig,
+    is_real,
+    rope_scaling_key,
+)
 from recurrent_depth.model.cache import ModelCache
 from recurrent_depth.model.depth import DepthSampler
 from recurrent_depth.model.layers import DiagonalInjection, RMSNorm, build_block, model_norm
@@ -34,6 +41,9 @@ from recurrent_depth.model.mixers.base import check_config_options
 from recurrent_depth.model.replay import DepthReplay, replay_core
 
 NumSteps = int | tuple[int, int] | None
+# Said after a depth past a model's ceiling (`RecurrentDepthLM.max_depth`).
+DEPTH_CEILING_HINT = ("(the depth ceiling, MAX_NUM_STEPS unless raised: set model.max_depth, or --max-depth, to "
+                      "run deeper)")
 # Mixers that take an arbitrary [B, 1, T, T] attention mask, so packed examples can be kept apart.
 DOCUMENT_MASK_MIXERS = frozenset({"attention"})
 
@@ -91,6 +101,11 @@ class RecurrentDepthLM(nn.Module):
     Build it from a `ModelConfig` (`RecurrentDepthLM(ModelConfig.from_preset("tiny"))`) or load one with
     `from_pretrained`; `forward` returns a `RecurrentOutput`. The recurrence is in this module's docstring.
     """
+
+    # The depth ceiling of every call on this model: forward's num_steps and each generation option that counts
+    # core steps (`GenerationOptions.validate`). MAX_NUM_STEPS unless raised for deliberately deep runs (what
+    # `--max-depth` does); an attribute, not a config field, so that no saved config can lift it.
+    max_depth: int = MAX_NUM_STEPS
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -444,14 +459,18 @@ class RecurrentDepthLM(nn.Module):
             raise ValueError(f"num_steps must be an int, a pair (no_grad_steps, grad_steps) or None; "
                              f"got {type(num_steps).__name__} (use int(t) for a tensor)")
         if isinstance(num_steps, int):
-            if num_steps < 0:
-                raise ValueError(f"num_steps={num_steps} is invalid: expected an integer >= 0")
+            if not 0 <= num_steps <= self.max_depth:  # (10**30 ran until interrupted, or overflowed a kernel)
+                raise ValueError(f"num_steps={num_steps} is invalid: expected an integer in [0, {self.max_depth}] "
+                                 f"{DEPTH_CEILING_HINT}")
             return 0, num_steps
         if (
             isinstance(num_steps, tuple | list)
             and len(num_steps) == 2
             and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in num_steps)
         ):
+            if num_steps[0] + num_steps[1] > self.max_depth:
+                raise ValueError(f"num_steps={num_steps!r} is invalid: {num_steps[0] + num_steps[1]} core steps in "
+                                 f"all, expected at most {self.max_depth} {DEPTH_CEILING_HINT}")
             return int(num_steps[0]), int(num_steps[1])
         raise ValueError(
             f"num_steps={num_steps!r} is invalid: expected an int >= 0, a pair of ints >= 0 "

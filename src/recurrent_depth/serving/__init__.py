@@ -211,6 +211,7 @@ def build_app(
     ceiling = MAX_NUM_STEPS if max_depth is None else max_depth
     steps = max_num_steps if max_num_steps is not None else default_max_num_steps(cfg.mean_recurrence, ceiling)
     check_depth(steps, "max_num_steps", ceiling, low=1)
+    model.max_depth = ceiling  # (the library's own ceiling, which the requests' steps run under: max_depth raises it)
     if num_steps is not None and (isinstance(num_steps, bool) or not isinstance(num_steps, int)
                                   or not 0 <= num_steps <= steps):
         raise ValueError(f"num_steps={num_steps!r} is invalid: expected an integer in [0, max_num_steps={steps}]")

@@ -268,7 +268,8 @@ def validated(generation: dict[str, Any], given_as: dict[str, str], max_tokens: 
     try:
         options = GenerationOptions(max_new_tokens=max_tokens, **generation)
         with spelled_warnings(http_spelling(given_as)):  # (logged once per message; the request goes on)
-            return options.validate(limits.mean_recurrence, limits.gate_threshold, limits.init_scale)
+            return options.validate(limits.mean_recurrence, limits.gate_threshold, limits.init_scale,
+                                    limits.max_num_steps)  # (itself within the server's depth ceiling)
     except OptionError as exc:
         raise option_error(exc, given_as) from None
 

@@ -82,7 +82,7 @@ class RolloutSettings:
         if scale != 0:
             raise ValueError(f"rollouts need init_scale=0 (s_0 = 0, replayed exactly), got init_scale={scale!r}")
         options = GenerationOptions(**given, init_scale=0.0, output_logits=True).validate(
-            model.config.mean_recurrence)
+            model.config.mean_recurrence, max_depth=model.max_depth)
         for name, wanted in _REPLAYABLE.items():
             if getattr(options, name) != wanted:
                 raise ValueError(f"rollouts need {name}={wanted!r} (the replay recomputes plain token-by-token "

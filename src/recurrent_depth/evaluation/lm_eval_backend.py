@@ -28,9 +28,11 @@ Model args (besides lm-eval's usual ``hf`` ones: ``pretrained``, ``tokenizer``, 
   (a JSON file to which the steps-per-token statistics are written).
 
 ``--gen_kwargs`` take lm-eval's ``until`` / ``max_gen_toks`` / ``do_sample`` / ``temperature``
-(greedy unless temperature > 0), the sampling options ``top_k``, ``top_p``, ``min_p``,
-``repetition_penalty`` (``lm_eval="gen"``) and per-request overrides of the model args above;
-any other name is refused with the list.
+(greedy unless temperature > 0 or do_sample; do_sample alone samples at temperature 1.0), the
+sampling options ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty`` (``lm_eval="gen"``) and
+per-request overrides of the model args above; any other name is refused with the list, before
+any request runs. Empty stop strings in ``until`` stop nothing, as in lm-eval's post-processing.
+An empty continuation scores log 1 = 0 (greedy), where lm-eval's ``hf`` backend fails.
 
 Scoring requests (`loglikelihood`, `loglikelihood_rolling`) use one batched forward at fixed depth
 with a full cache, else teacher-forced token-by-token recurrence (`evaluation/scoring.py`);
@@ -76,6 +78,16 @@ DEFAULT_AUTO_BATCH = 16  # "batch_size=auto" probes GPU memory; on CPU a fixed s
 MODEL_ARGS = names_for("lm_eval", "model")  # model_args, and per-request gen_kwargs overrides
 GEN_KWARGS = (*MODEL_ARGS, *names_for("lm_eval", "gen"))
 MODEL_OPTIONS = tuple(name for name in MODEL_ARGS if name in OPTIONS)  # the settings a run reports
+# The gen_kwargs lm-eval's generate_until takes for itself (the stops and the length) before it calls _model_generate.
+LM_EVAL_OWN_GEN_KWARGS = ("until", "max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens",
+                          "max_length")
+
+
+def _refuse_unknown_gen_kwargs(names: Any) -> None:
+    unknown = unknown_names(names, GEN_KWARGS)
+    if unknown:
+        raise ValueError(f"generation arguments {unknown} are not supported by the recurrent-depth backend; "
+                         f"it takes {sorted(GEN_KWARGS)}")
 
 
 def _typed(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -261,20 +273,42 @@ class RecurrentDepthEvalLM(HFLM):
         digest = hashlib.sha256(json.dumps([self.seed, context, continuation]).encode()).digest()
         return torch.Generator(device=self.device).manual_seed(int.from_bytes(digest[:8], "little") % 2**63)
 
+    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """lm-eval's, but a continuation that encodes to no tokens after an empty context is scored as
+        `_loglikelihood_tokens` scores an empty continuation (log 1 = 0, greedy): lm-eval's encoding compares
+        its first token with the prefix token and fails there with an IndexError."""
+        empty = {i for i, r in enumerate(requests)
+                 if r.args[0] == "" and not self.tok_encode(r.args[1], add_special_tokens=False)}
+        if not empty:
+            return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+        for i in sorted(empty):
+            self.cache_hook.add_partial("loglikelihood", requests[i].args, (0.0, True))
+        rest = iter(super().loglikelihood([r for i, r in enumerate(requests) if i not in empty],
+                                          disable_tqdm=disable_tqdm))
+        return [(0.0, True) if i in empty else next(rest) for i in range(len(requests))]
+
     def _loglikelihood_tokens(
         self,
         requests: list[tuple[Any, list[int], list[int]]],
         disable_tqdm: bool = False,
         override_bs: int | None = None,
     ) -> list[tuple[float, bool]]:
-        """Score (context, continuation) token lists; longest first, in batches of `batch_size`."""
-        order = sorted(range(len(requests)), key=lambda i: -(len(requests[i][1]) + len(requests[i][2])))
+        """Score (context, continuation) token lists; longest first, in batches of `batch_size`. An empty
+        continuation (a choice "" after its context) is certain: log 1 = 0 and greedy, with no model call (the
+        scorers, and lm-eval's `hf` backend, refuse it, which ended the whole run)."""
+        results: list[Scored | None] = [None if continuation else Scored(0.0, True, [])
+                                        for _, _, continuation in requests]
+        order = sorted((i for i, r in enumerate(results) if r is None),
+                       key=lambda i: -(len(requests[i][1]) + len(requests[i][2])))
         batch_size = int(override_bs or self.batch_size)
-        results: list[Scored | None] = [None] * len(requests)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eot_token_id
         limit = self.max_length + 1  # the last continuation token is never fed
         hidden = True if disable_tqdm or self.rank != 0 else None  # None: tqdm shows the bar on a terminal only
         with tqdm(total=len(requests), disable=hidden, desc="Scoring (recurrent-depth)") as bar:
+            for i, item in enumerate(results):
+                if item is not None and requests[i][0] is not None:
+                    self.cache_hook.add_partial("loglikelihood", requests[i][0], (item.logprob, item.is_greedy))
+            bar.update(len(requests) - len(order))
             for start in range(0, len(order), batch_size):
                 chunk = order[start : start + batch_size]
                 batch = []
@@ -307,6 +341,26 @@ class RecurrentDepthEvalLM(HFLM):
         return [(r.logprob, r.is_greedy) for r in results]  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ generation
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        """lm-eval's, with its requests' gen_kwargs checked first, in one line: lm-eval's loop fails mid-run with a
+        TypeError on a name it passes on itself (`stop=`) or on a stop that is not a string (`until: null`), and an
+        AssertionError when max_gen_toks leaves no room."""
+        from lm_eval.models.utils import normalize_gen_kwargs
+
+        for request in requests:
+            gen_kwargs = request.args[1]
+            if not isinstance(gen_kwargs, dict):
+                continue  # lm-eval's own assertion names it
+            _refuse_unknown_gen_kwargs(k for k in gen_kwargs if k not in LM_EVAL_OWN_GEN_KWARGS)
+            until = gen_kwargs.get("until", [])
+            if not (isinstance(until, str) or isinstance(until, list) and all(isinstance(s, str) for s in until)):
+                raise ValueError(f"until={until!r} is invalid: expected a string or a list of strings")
+            max_gen_toks = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)["max_gen_toks"]
+            if not 0 <= max_gen_toks < self.max_length:
+                raise ValueError(f"max_gen_toks={max_gen_toks} is invalid: expected 0 <= max_gen_toks < "
+                                 f"max_length={self.max_length} (the prompt keeps the rest of max_length)")
+        return super().generate_until(requests, disable_tqdm=disable_tqdm)
+
     def _model_generate(
         self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs: Any
     ) -> torch.Tensor:
@@ -314,17 +368,17 @@ class RecurrentDepthEvalLM(HFLM):
 
         kwargs = dict(generation_kwargs)
         attention_mask = kwargs.pop("attention_mask", None)
-        unknown = unknown_names(kwargs, GEN_KWARGS)
-        if unknown:
-            raise ValueError(f"generation arguments {unknown} are not supported by the recurrent-depth backend; "
-                             f"it takes {sorted(GEN_KWARGS)}")
+        _refuse_unknown_gen_kwargs(kwargs)
         values, given_as = _typed(kwargs)
-        # lm-eval's convention: greedy unless a temperature > 0 (or do_sample) asks for sampling.
-        temperature = values.pop("temperature", 0.0) or 0.0
+        # lm-eval's convention: greedy unless a temperature > 0 (or do_sample) asks for sampling; do_sample without
+        # a temperature samples at generate's default (1.0), as lm-eval's hf backend does at the model's.
+        temperature = values.pop("temperature", None)
         if values.get("do_sample") is None:
-            values["do_sample"] = temperature > 0
-        if values["do_sample"]:
+            values["do_sample"] = (temperature or 0.0) > 0
+        if values["do_sample"] and temperature is not None:
             values["temperature"] = float(temperature)
+        # lm-eval's post-processing ignores an empty stop string; generate refuses one: it stops nothing.
+        stop = [s for s in stop if s] if stop else []
         # Per-request overrides of the model args (lm-eval --gen_kwargs), e.g. num_steps=8.
         options: dict[str, Any] = self.model_args | {"num_steps": self.depth} | values
         # One seed per row, drawn in request order (lm-eval's order does not depend on batch_size), so a request
@@ -335,7 +389,7 @@ class RecurrentDepthEvalLM(HFLM):
         try:
             out = rd_generate(
                 self._core, context, max_new_tokens=max_length - context.shape[1], attention_mask=attention_mask,
-                stop=list(stop) if stop else None, tokenizer=self.tokenizer, seed=seed, **options,
+                stop=stop or None, tokenizer=self.tokenizer, seed=seed, **options,
             )
         except OptionError as exc:
             raise exc.spelled(kwarg_spelling(given_as)) from None

@@ -279,6 +279,13 @@ class ExampleEncoder:
                 {k: self.literal.escape(v, f"{where}: messages[{i}].{k}") for k, v in m.items()}
                 for i, m in enumerate(chat.messages)])
         pieces = self._chat_pieces(chat, where) if chat.templated else self._plain_pieces(chat)
+        for text, _ in pieces:  # (JSON allows a lone surrogate like "\ud800": the tokenizer raised a TypeError on it)
+            if isinstance(text, str):
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ValueError(f"{where}: the record holds text that is not valid Unicode (an unpaired "
+                                     "surrogate escape such as \\ud800)") from None
         ids: list[int] = []
         scored: list[bool] = []
         before: str | int | None = None  # the last non-empty piece (None: the start of the text)

@@ -21,7 +21,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from recurrent_depth.data.tokenizer import MIN_VOCAB_SIZE, special_token_layout, train_tokenizer
+from recurrent_depth.data.tokenizer import (
+    MIN_VOCAB_SIZE,
+    document_token_ids,
+    special_token_layout,
+    train_tokenizer,
+)
 from recurrent_depth.evaluation.reasoning.tasks import Problem, ReasoningTask, make_problems
 from recurrent_depth.files import atomic_write_text
 
@@ -42,7 +47,9 @@ class ProblemEncoder:
 
     def __init__(self, tokenizer: Any = None) -> None:
         self.tokenizer = tokenizer if tokenizer is not None else byte_tokenizer()
-        ids = special_token_layout(self.tokenizer.get_vocab_size())
+        # by the tokens' texts: a retrofitted model's tokenizer (`rdepth rl` from it) has its own <s> / </s>, and the
+        # ids at our layout's positions were ordinary tokens (every prompt began with one, a rollout stopped at one)
+        ids = document_token_ids(self.tokenizer)
         self.bos, self.eos, self.pad = ids["begin_text"], ids["end_text"], ids["pad"]
 
     def encode_text(self, text: str) -> list[int]:

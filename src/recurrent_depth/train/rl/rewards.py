@@ -101,6 +101,10 @@ class ShapedReward:
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name}={value!r} is invalid: expected a finite number >= 0")
+        for name in ("max_depth", "max_new_tokens"):  # (the penalties' divisors: 0 was a ZeroDivisionError per rollout)
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ShapedReward {name}={value!r} is invalid: expected an integer >= 1")
 
     def __call__(self, prompt: str, completion: str, depths: list[int], num_tokens: int) -> float | None:
         try:

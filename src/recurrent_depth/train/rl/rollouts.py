@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from recurrent_depth.evaluation.reasoning.data import ProblemEncoder
 from recurrent_depth.evaluation.reasoning.tasks import ReasoningTask
+from recurrent_depth.files import clipped
 from recurrent_depth.inference.generate import generate
 from recurrent_depth.inference.options import GenerationOptions
 from recurrent_depth.model.depth import stream_seed
@@ -93,6 +94,10 @@ class RolloutSettings:
         if options.max_new_tokens < 1:  # (generate returns no logits for no token: nothing to score or replay)
             raise ValueError(f"rollouts need max_new_tokens >= 1 (--max-new-tokens): a completion of no token has "
                              f"nothing to learn from, got max_new_tokens={options.max_new_tokens!r}")
+        if options.num_steps < 1:  # (the prompt, or every token, ran 0 steps: the replay runs each position >= 1)
+            raise ValueError(f"rollouts need num_steps >= 1 (--num-steps): positions generated at depth 0 cannot be "
+                             f"replayed (a replay runs every position at least one core step), got "
+                             f"num_steps={options.num_steps!r}")
         if options.min_steps_rule == "skip":
             raise ValueError("rollouts need min_steps_rule='exit': under 'skip' a token at max_steps keeps the logits "
                              "of its last check, not of the state its replay ends at")
@@ -176,12 +181,25 @@ class RolloutSource(BatchSource):
         self.settings = settings
         self.options = settings.options(policy)
         self.encoder = encoder if encoder is not None else ProblemEncoder()
+        if isinstance(prompts, ListPrompts):
+            self._check_prompt_lengths(prompts.prompts)
         self.reference = reference
         if reference is not None:
             reference.requires_grad_(False).eval()
         self.log = log
         self.batches = 0
         self.last_rollout_s = 0.0
+
+    def _check_prompt_lengths(self, prompts: Sequence[str]) -> None:
+        """A one-line ValueError naming the first prompt whose rollouts would not fit the model's context (it failed
+        only when drawn, maybe hours into the run, in a line naming no prompt)."""
+        room = int(self.policy.config.max_seq_len) - self.options.max_new_tokens
+        for i, text in enumerate(prompts):
+            length = 1 + len(self.encoder.encode_text(text))  # (+ the begin token, as `_prompt_batch` writes it)
+            if length > room:
+                raise ValueError(f"prompt {i + 1} ({clipped(text, 80)}) is {length} tokens: with max_new_tokens="
+                                 f"{self.options.max_new_tokens} it exceeds the model's max_seq_len="
+                                 f"{self.policy.config.max_seq_len}; shorten it or leave it out")
 
     # ------------------------------------------------------------------ rollouts
     def _prompt_batch(self, texts: list[str]) -> tuple[Tensor, Tensor]:
@@ -211,7 +229,7 @@ class RolloutSource(BatchSource):
         with torch.no_grad():
             out = generate(self.policy, ids.to(device), attention_mask=mask.to(device), init_scale=0.0,
                            output_logits=True, seed=stream_seed(self.settings.seed, n) % 2**62 + first_row,
-                           stop=stops, **kwargs)
+                           stop=stops, tokenizer=self.encoder.tokenizer, **kwargs)  # (stop strings need it)
         self.last_rollout_s = time.perf_counter() - start
         batch = self._record(out, ids, mask)
         errors_before = self.reward.errors

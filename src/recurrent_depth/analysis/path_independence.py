@@ -136,7 +136,10 @@ def path_independence(
         bar.close()
     final_arr = np.stack(finals)
     spread, separation = spread_and_separation(final_arr)
-    ratio = spread / np.where(separation > 0, separation, np.finfo(np.float64).tiny)
+    # A token whose final state coincides with another's is not identifiable, whatever its spread: inf. (Dividing
+    # by the smallest float instead gave 0 for a collapsed model, whose every start ends in one shared state, and
+    # the report called every token identifiable.)
+    ratio = np.divide(spread, separation, out=np.full_like(spread, np.inf), where=separation > 0)
     return PathIndependence(
         seeds=list(seeds), finals=final_arr, spread=spread, separation=separation, ratio=ratio,
         paths={p: np.stack(v) for p, v in paths.items()}, init_scale=float(init_scale),

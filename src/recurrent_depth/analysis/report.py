@@ -13,6 +13,7 @@ import base64
 import html
 import io
 import json
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -54,6 +55,7 @@ from recurrent_depth.analysis.trajectory import (
     resolve_init_scale,
 )
 from recurrent_depth.config import is_int, is_real
+from recurrent_depth.files import finite_or_null
 
 if TYPE_CHECKING:
     from recurrent_depth.serving.text import TextCodec
@@ -102,7 +104,9 @@ class AnalysisConfig:
         need(is_int(self.num_starts) and self.num_starts >= 2, "num_starts", "an integer >= 2")
         need(self.init_scale is None or (is_real(self.init_scale) and self.init_scale >= 0), "init_scale",
              "None (the model config's) or a finite number >= 0")
-        need(is_int(self.seed), "seed", "an integer")
+        # torch's generators take 64-bit seeds: 2**70 was "Overflow when unpacking long long", naming nothing
+        need(is_int(self.seed) and self.seed >= -(2**63) and self.seed + self.num_starts < 2**63, "seed",
+             f"an integer in [-2**63, 2**63 - {self.num_starts}) (the starts are seeded seed + 1 .. seed + num_starts)")
         need(isinstance(self.converge_tol, float | int) and 0 < self.converge_tol < 1, "converge_tol",
              "a number in (0, 1)")
         need(is_int(self.max_plot_tokens) and self.max_plot_tokens >= 1, "max_plot_tokens", "an integer >= 1")
@@ -427,7 +431,9 @@ def write_report(result: AnalysisResult, out_dir: str | Path) -> dict[str, Path]
     for key, (name, _) in FIGURES.items():  # a figure this run has not drawn must not pass for its own
         if key not in images:
             (out / name).unlink(missing_ok=True)
-    (out / "analysis.json").write_text(json.dumps(result.to_json_dict(), indent=1) + "\n")
+    # strict JSON: a ratio that is inf (a token not identifiable) is null, not the `Infinity` no parser takes
+    data = finite_or_null(result.to_json_dict())
+    (out / "analysis.json").write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
     written["json"] = out / "analysis.json"
     (out / "report.html").write_text(render_html(result, images), encoding="utf-8")
     written["html"] = out / "report.html"
@@ -553,14 +559,20 @@ def analyze_to_dir(
     out = Path(out_dir)
     config = kwargs.pop("config", None) or AnalysisConfig()
     states_dir = out / "states"
-    if not config.save_states:
-        result = analyze(model, input_ids, config=config, **kwargs)
-        files = write_report(result, out)
-        remove_trajectory(states_dir)  # an older run's states would sit beside this run's report
-        return result, files
+    created = not out.exists()  # a failed run removes the directory it made (an empty OUT passed for a result)
     try:
-        result = analyze(model, input_ids, config=config, states_dir=states_dir, **kwargs)
-    except BaseException:  # a diverging model, Ctrl-C: no half-written memory maps left behind
-        remove_trajectory(states_dir)
+        if not config.save_states:
+            result = analyze(model, input_ids, config=config, **kwargs)
+            files = write_report(result, out)
+            remove_trajectory(states_dir)  # an older run's states would sit beside this run's report
+            return result, files
+        try:
+            result = analyze(model, input_ids, config=config, states_dir=states_dir, **kwargs)
+        except BaseException:  # a diverging model, Ctrl-C: no half-written memory maps left behind
+            remove_trajectory(states_dir)
+            raise
+        return result, write_report(result, out)
+    except BaseException:
+        if created and out.is_dir():  # (everything in it is this run's)
+            shutil.rmtree(out, ignore_errors=True)
         raise
-    return result, write_report(result, out)

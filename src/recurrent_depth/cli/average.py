@@ -46,7 +46,9 @@ def run(args: argparse.Namespace) -> int:
     )
 
     check_out_dir(args.out)
-    paths = run_checkpoints(args.run) if args.run else list(args.checkpoints)
+    if args.run == "":  # (an unset shell variable: it would have meant the current directory's checkpoints/)
+        raise ValueError("--run '' is empty: expected a training run directory")
+    paths = run_checkpoints(args.run) if args.run is not None else list(args.checkpoints)
     chosen = select_checkpoints(paths, args.last if args.last is not None else len(paths), args.dilation)
     # a run started from a bf16 directory writes its model/ in bf16 (its checkpoints in float32): so does its average
     dtype = run_model_dtype(args.run) if args.run else None

@@ -169,8 +169,16 @@ def _positive_int(text: str) -> int:
 
 
 def add_device_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    parser.add_argument("--device", default="cpu", type=_run_device, help="torch device (default: %(default)s)")
     add_dtype_arg(parser, "load weights in this dtype")
+
+
+def _run_device(text: str) -> str:
+    """argparse type of --device: 'meta' loads (tensors without data) and then failed at the first .item(), a
+    traceback from torch; a usage error here instead."""
+    if text.split(":", 1)[0] == "meta":
+        raise argparse.ArgumentTypeError(f"{text!r} holds no data, nothing can run on it: expected e.g. cpu or cuda")
+    return text
 
 
 # --dtype's values, and the short names `rdepth train --dtype` takes too (bf16 there and here alike)

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from recurrent_depth.model.cache import parse_kv_policy
     from recurrent_depth.model.recurrent import RecurrentDepthLM
 
-    if args.preset:
+    if args.preset is not None:  # (`--preset ''` is an unknown preset, not "no preset": --model is then None)
         config = ModelConfig.from_preset(args.preset)
     else:
         check_model_path(args.model)  # (as generate/serve say it: a LoRA run's hint too)

@@ -43,15 +43,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_fit(args: argparse.Namespace) -> int:
+    from recurrent_depth.files import check_out_dir, finite_or_null
     from recurrent_depth.scaling.fit import check_fit_settings, compute_optimal, fit_law, load_table
     from recurrent_depth.scaling.plots import plot_fit
 
     check_fit_settings(args.level, args.bootstrap, args.budget)  # (before minutes of fits, not after)
+    if args.seed < 0:  # (numpy's own refusal, after the first fit, named nothing: "expected non-negative integer")
+        raise ValueError(f"--seed={args.seed} is invalid: expected an integer >= 0")
     table = load_table(args.table)
     print(f"{len(table.rows)} finished row(s) from {table.source}"
           + (f"; skipped {table.skipped} row(s) whose status is not finished" if table.skipped else ""))
     out = Path(args.out) if args.out else Path(args.table).parent / "fits"
-    out.mkdir(parents=True, exist_ok=True)
+    check_out_dir(out)  # (made at the first plot: a run that fits nothing leaves no empty directory)
     forms = FORM_NAMES if args.form == "all" else (args.form,)
     results, skipped = {}, {}
     print(f"{'form':10} {'runs':>4}  {'parameter':9} {'estimate':>11}  {int(args.level * 100)}% interval"
@@ -72,6 +75,7 @@ def run_fit(args: argparse.Namespace) -> int:
         entry = fit.to_json()
         if args.budget is not None and name in ("joint", "iso-depth"):
             entry["compute_optimal"] = compute_optimal(fit, args.budget)
+        out.mkdir(parents=True, exist_ok=True)
         entry["plot"] = str(plot_fit(fit, out / f"{name}.png"))
         results[name] = entry
         intervals = fit.intervals()
@@ -88,8 +92,9 @@ def run_fit(args: argparse.Namespace) -> int:
     if not results:
         raise ValueError(f"no form could be fitted to {table.source}: "
                          + "; ".join(f"{name}: {why}" for name, why in skipped.items()))
-    (out / "fits.json").write_text(json.dumps({"table": table.source, "skipped_rows": table.skipped,
-                                               "depth": args.depth, "fits": results, "skipped_forms": skipped},
-                                              indent=2) + "\n")
+    # strict JSON: a compute-optimal N that overflows (or is undefined at an exponent of 0) is null, not `NaN`
+    summary = {"table": table.source, "skipped_rows": table.skipped, "depth": args.depth, "fits": results,
+               "skipped_forms": skipped}
+    (out / "fits.json").write_text(json.dumps(finite_or_null(summary), indent=2, allow_nan=False) + "\n")
     print(f"wrote {out / 'fits.json'} and {len(results)} plot(s) in {out}")
     return 0

@@ -98,6 +98,8 @@ def parse_rows(raw: list[dict[str, Any]], source: str = "scaling table") -> Scal
                 continue
             value = entry[column]
             try:
+                if isinstance(value, bool):  # (a JSON table's `true` was fitted as a loss of 1.0)
+                    raise TypeError
                 number_value = float(value)
             except (TypeError, ValueError):
                 raise ValueError(f"{source} row {number}: column {column!r} is {value!r}, not a number") from None

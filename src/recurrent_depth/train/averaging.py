@@ -105,20 +105,34 @@ def ema_state(paths: Sequence[Path], beta: float = 0.9) -> dict[str, torch.Tenso
         if config != configs[0]:
             raise ValueError(f"{path} has a different config.json from {paths[0]}; only one model's checkpoints "
                              "can be averaged")
-    first = read_state_dict(paths[0])
+    first = _finite_state(paths[0])
     dtypes = {k: v.dtype for k, v in first.items()}
     ema = {k: (v.to(torch.float64 if v.dtype == torch.float64 else torch.float32) if v.is_floating_point() else v)
            for k, v in first.items()}
     for path in paths[1:]:
-        state = read_state_dict(path)
+        state = _finite_state(path)
         if set(state) != set(ema):
             raise ValueError(f"{path} holds different tensors from {paths[0]}")
         for name, tensor in state.items():
+            if tensor.shape != ema[name].shape:  # (same config.json, other weights: lerp_'s traceback otherwise)
+                raise ValueError(f"{path} holds {name} of shape {tuple(tensor.shape)}, {paths[0]} of shape "
+                                 f"{tuple(ema[name].shape)}; only one model's checkpoints can be averaged")
             if tensor.is_floating_point():
                 ema[name].lerp_(tensor.to(ema[name].dtype), 1.0 - beta)
             else:
                 ema[name] = tensor
     return {k: v.to(dtypes[k]) for k, v in ema.items()}
+
+
+def _finite_state(path: Path) -> dict[str, torch.Tensor]:
+    """read_state_dict(path), refused where a floating-point tensor holds NaN or inf: one diverged checkpoint
+    would make every averaged weight it touches NaN, a model written without a word."""
+    state = read_state_dict(path)
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{path} holds NaN or inf in {name} (a diverged checkpoint?); leave it out of the "
+                             "average (--checkpoints, --last)")
+    return state
 
 
 def agreed_source(paths: Sequence[Path], names: Sequence[str], advice: str) -> Path | None:

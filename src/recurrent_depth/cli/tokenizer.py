@@ -146,10 +146,11 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _encode(args: argparse.Namespace) -> int:
-    from recurrent_depth.data.tokenizer import load_tokenizer
+    from recurrent_depth.data.tokenizer import load_tokenizer, tokenizer_failures_as_errors
 
     tok = load_tokenizer(args.model)
-    enc = tok.encode(args.text, add_special_tokens=not args.no_bos)
+    with tokenizer_failures_as_errors():  # (a tokenizer.json whose regex gives up on this text: a Rust panic)
+        enc = tok.encode(args.text, add_special_tokens=not args.no_bos)
     # Byte-level token strings, as transformers' convert_ids_to_tokens shows them ("Ġ" = space).
     tokens = [tok.id_to_token(i) for i in enc.ids]
     print(json.dumps({"num_tokens": len(enc.ids), "ids": enc.ids, "tokens": tokens}, ensure_ascii=False))

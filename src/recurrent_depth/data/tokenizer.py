@@ -59,6 +59,10 @@ SPECIAL_TOKEN_NAMES: dict[str, str] = {
 NUM_BYTE_SYMBOLS = 256
 MIN_VOCAB_SIZE = NUM_BYTE_SYMBOLS + NUM_SPECIAL_SLOTS
 DEFAULT_VOCAB_SIZE = 4096
+# Largest vocabulary `train_tokenizer` trains (64x the largest in use, Gemma's 262144): the `tokenizers` BPE trainer
+# reserves tables for vocab_size entries up front, ~66 bytes each, and a request past the machine's memory (2**31 - 1:
+# 141 GB) aborts the process.
+MAX_TRAINED_VOCAB_SIZE = 1 << 24
 DEFAULT_ASSISTANT_NAME = "Huginn"  # the header Huginn-0125's chat template opens the reply with
 
 # Pre-tokenisation split (the widely used cl100k pattern): words with one leading non-letter,
@@ -122,6 +126,12 @@ def slot_tokens(extra_special_tokens: Sequence[str] = ()) -> tuple[str, ...]:
     taken = [t for t in extra if t in SPECIAL_TOKENS or extra.count(t) > 1]
     if taken:
         raise ValueError(f"extra special token {taken[0]!r} is a built-in special token or given twice")
+    # One character of the byte-level alphabet is always a byte symbol's token: refused now, not after the training.
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    symbol = next((t for t in extra if t in alphabet), None)
+    if symbol is not None:
+        raise ValueError(f"extra special token {symbol!r} is the spelling of a byte symbol of the byte-level "
+                         f"vocabulary; choose a spelling that is not a word, such as '<|{symbol}|>'")
     named = len(SPECIAL_TOKEN_NAMES)
     return SPECIAL_TOKENS[:named] + tuple(extra) + SPECIAL_TOKENS[named + len(extra):]
 
@@ -141,6 +151,14 @@ def _check_vocab_size(vocab_size: int) -> None:
             f"vocab_size must be in [{MIN_VOCAB_SIZE}, 2**31 - 1] (256 byte symbols + 32 special "
             f"tokens + merges), got {vocab_size}"
         )
+
+
+def _check_trainable_vocab_size(vocab_size: int) -> None:
+    """`_check_vocab_size`, and at most `MAX_TRAINED_VOCAB_SIZE`, which the BPE trainer can hold."""
+    _check_vocab_size(vocab_size)
+    if vocab_size > MAX_TRAINED_VOCAB_SIZE:
+        raise ValueError(f"vocab_size must be at most {MAX_TRAINED_VOCAB_SIZE} (2**24) to train a tokenizer, got "
+                         f"{vocab_size}")
 
 
 def _texts(docs: Iterable[Document | str], max_bytes: int | None) -> Iterator[str]:
@@ -213,7 +231,7 @@ def train_tokenizer(
     if isinstance(docs, str | bytes):
         # (else each character would be one document, and the error would blame the vocabulary size)
         raise ValueError("docs must be an iterable of documents or strings, got one string; pass [text]")
-    _check_vocab_size(vocab_size)
+    _check_trainable_vocab_size(vocab_size)
     slots = slot_tokens(extra_special_tokens)
     if max_bytes is not None and (isinstance(max_bytes, bool) or max_bytes < 1):
         raise ValueError(f"max_bytes must be a positive int or None, got {max_bytes!r}")
@@ -421,9 +439,17 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         raise ValueError(f"tokenizer: no tokenizer.json at {str(p)!r}; expected a directory or file")
     text = read_text(file, TOKENIZER_MAX_BYTES, "tokenizer file")  # a regular file of bounded size
     try:
-        return Tokenizer.from_str(text)
+        tok = Tokenizer.from_str(text)
     except Exception as exc:  # the Rust side raises a bare Exception for any parse error
-        raise ValueError(f"tokenizer: {str(file)!r} is not a valid tokenizers file ({exc})") from None
+        # (a byte-order mark, which some Windows editors write, reads as "expected value at line 1 column 1")
+        bom = "; it starts with a UTF-8 byte-order mark, which JSON readers refuse: save it without one" \
+            if text.startswith("\ufeff") else ""
+        raise ValueError(f"tokenizer: {str(file)!r} is not a valid tokenizers file ({exc}){bom}") from None
+    # A file's own truncation or padding (some hub tokenizers carry one) would cut or pad every encoding: training
+    # documents, prompts. Callers window and pad ids themselves, as transformers' default call does.
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
 
 
 def check_fits_vocab(tok: Tokenizer, vocab_size: int, source: str | Path) -> None:
@@ -496,7 +522,8 @@ def build_tokenizer(
 
     if not (0.0 <= val_fraction < 1.0):
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    # Bad names fail now, not after the (maybe hour-long) training.
+    # Bad sizes and names fail now, not after reading the corpus or the (maybe hour-long) training.
+    _check_trainable_vocab_size(vocab_size)
     chat_template(assistant_name)
     slot_tokens(extra_special_tokens)
     source = load_corpus(corpus)

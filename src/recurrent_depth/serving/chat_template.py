@@ -64,8 +64,9 @@ def load_template(model_dir: Path) -> tuple[str | None, dict[str, str]]:
     config: dict[str, Any] = {}
     config_path = model_dir / "tokenizer_config.json"
     if config_path.exists():
-        loaded = read_json(config_path, 16 * MAX_TEMPLATE_BYTES, "tokenizer config")
-        config = loaded if isinstance(loaded, dict) else {}
+        config = read_json(config_path, 16 * MAX_TEMPLATE_BYTES, "tokenizer config")
+        if not isinstance(config, dict):  # (was read as no template: chat off, SFT untemplated, without a word)
+            raise ValueError(f"{config_path} must hold a JSON object, got {type(config).__name__}")
     variables = {}
     for name in SPECIAL_VARIABLES:
         value = config.get(name)
@@ -77,9 +78,16 @@ def load_template(model_dir: Path) -> tuple[str | None, dict[str, str]]:
     if file.exists():
         return read_text(file, MAX_TEMPLATE_BYTES, "chat template"), variables
     source = config.get("chat_template")
-    if isinstance(source, list):  # named templates: the default one
-        source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
-    return (source if isinstance(source, str) and source else None), variables
+    if isinstance(source, list):  # named templates: the default one, as transformers' apply_chat_template takes
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        if "default" not in named:
+            raise ValueError(f"{config_path}: chat_template names templates {sorted(map(str, named))[:8]} but none "
+                             "'default', the one a chat renders (transformers refuses it too)")
+        source = named["default"]
+    if source is not None and not isinstance(source, str):  # (a number or object was read as no template)
+        raise ValueError(f"{config_path}: chat_template must be a string (or a list of named templates), got "
+                         f"{type(source).__name__}")
+    return source or None, variables
 
 
 # What joins a message's text parts into the one string a template renders: vLLM, llama.cpp's server and

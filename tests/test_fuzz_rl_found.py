@@ -91,3 +91,22 @@ def test_a_lone_surrogate_in_an_sft_record_is_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"^data.jsonl:3: the record holds text that is not valid Unicode"):
         encoder.encode(conversation(record, "data.jsonl:3"), "data.jsonl:3")
     assert encoder.encode(conversation({"prompt": "hi", "completion": "ok"}, "w"), "w").ids[-1] == 257
+
+
+def test_an_ignored_rollout_option_warns_once(byte_model):
+    """build_rl validated the rollout options and RolloutSource validated them again: every warning twice."""
+    import warnings
+
+    from recurrent_depth.inference.options import OptionWarning
+    from recurrent_depth.train.config import TrainConfig
+    from recurrent_depth.train.rl.recipe import RLConfig, build_rl
+    from tests.test_rl import ROLLOUT
+
+    rl = RLConfig(task="shells", difficulties=[2], reward="tests.test_rl:char_sum", group_size=2,
+                  generation={**ROLLOUT, "headway": 2})  # (headway outside the parallel sampler: ignored)
+    train = TrainConfig(out=None, max_steps=1, batch_size=1, progress=False, tensorboard=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build_rl(byte_model, rl, train, log=lambda line: None)
+    said = [str(w.message) for w in caught if issubclass(w.category, OptionWarning)]
+    assert len(said) == 1 and "headway" in said[0], said

@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Any
 
 from recurrent_depth.evaluation.reasoning.data import ProblemEncoder
 from recurrent_depth.evaluation.reasoning.tasks import get_task
+from recurrent_depth.inference.options import OptionWarning
 from recurrent_depth.train.config import TrainConfig, default_optim_preset
 from recurrent_depth.train.rl.losses import GRPO, K2, LEVELS, check_variants
 from recurrent_depth.train.rl.rewards import ShapedReward, get_reward
@@ -123,7 +125,9 @@ def build_rl(model: Any, rl: RLConfig, train: TrainConfig, *, tokenizer: Any = N
     prompts = ListPrompts(list(rl.prompts)) if rl.prompts is not None else TaskPrompts(task, list(rl.difficulties))
     settings = RolloutSettings(group_size=rl.group_size, generation=dict(rl.generation),
                                backprop_depth=rl.backprop_depth, seed=train.seed)
-    options = settings.options(model)
+    with warnings.catch_warnings():  # (RolloutSource validates them again below and says each warning there once)
+        warnings.simplefilter("ignore", OptionWarning)
+        options = settings.options(model)
     # (env: under torchrun, --scale-rewards batch takes the std of every rank's rewards)
     objective = (GRPO(settings, clip_eps=rl.clip_eps, beta=rl.beta, level=rl.level, clip_eps_high=rl.clip_eps_high,
                       scale_rewards=rl.scale_rewards, mask_truncated=rl.mask_truncated, env=env)

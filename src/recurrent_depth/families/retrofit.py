@@ -386,9 +386,10 @@ def gemma3_rope(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None, fl
     local = dict(params.get("sliding_attention") or {})
     full.setdefault("rope_theta", hf.get("rope_theta", 1_000_000.0))
     local.setdefault("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
-    theta, scaling = rope_settings({"rope_parameters": full})
+    context = {"max_position_embeddings": hf["max_position_embeddings"]} if "max_position_embeddings" in hf else {}
+    theta, scaling = rope_settings({"rope_parameters": full, **context}, top_level_original=False)
     try:
-        local_theta, local_scaling = rope_settings({"rope_parameters": local})
+        local_theta, local_scaling = rope_settings({"rope_parameters": local, **context}, top_level_original=False)
     except ValueError as exc:  # (name the sliding layers' RoPE: their base may be rope_local_base_freq)
         raise fail(f"the sliding layers' RoPE: {str(exc).removeprefix('retrofit: ')}") from None
     if local_scaling is not None:
@@ -397,21 +398,25 @@ def gemma3_rope(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None, fl
     return theta, scaling, local_theta
 
 
-def rope_settings(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(theta, our rope_scaling) from transformers 5's `rope_parameters` or the older rope_theta/rope_scaling."""
+def rope_settings(hf: Mapping[str, Any], top_level_original: bool = True) -> tuple[float, dict[str, Any] | None]:
+    """(theta, our rope_scaling) from transformers 5's `rope_parameters` or the older rope_theta/rope_scaling.
+
+    A llama3 scaling without original_max_position_embeddings takes max_position_embeddings, as in transformers,
+    where a top-level original_max_position_embeddings (Phi-3's key) overrides the rope dict's unless
+    `top_level_original` is false (per-layer-type rope_parameters: Gemma 3)."""
     params = hf.get("rope_parameters")
     for key in ("rope_parameters", "rope_scaling"):
         if hf.get(key) is not None and not isinstance(hf[key], dict):
             raise fail(f"{key}={hf[key]!r} is invalid: expected a JSON object or null")
-    # transformers reads a non-empty `rope_scaling` over `rope_parameters` when a config.json holds both
+    # transformers reads a non-empty `rope_scaling` over `rope_parameters` when a config.json holds both, and the
+    # chosen dict's own rope_theta over the top-level one (a rope_theta inside rope_scaling was ignored)
     if isinstance(params, dict) and params and not hf.get("rope_scaling"):
         if any(isinstance(v, dict) for v in params.values()):
             raise fail(f"cannot convert per-layer-type rope_parameters {sorted(params)}")
-        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        scaling = dict(params)
     else:
-        theta = hf.get("rope_theta", 10000.0)
         scaling = dict(hf.get("rope_scaling") or {})
+    theta = scaling.pop("rope_theta", hf.get("rope_theta", 10000.0))
     # (transformers 5 keeps Phi-3's partial_rotary_factor here: it was ignored, the whole head rotated)
     if scaling.get("partial_rotary_factor") not in (None, 1, 1.0):
         raise fail(f"cannot convert rope partial_rotary_factor={scaling['partial_rotary_factor']!r}: only a fully "
@@ -423,6 +428,12 @@ def rope_settings(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
         raise fail(f"cannot convert rope_type {kind!r}: supported are {', '.join(ROPE_SCALING_KEYS)}")
     if kind == "default":
         return float(theta), None
+    if kind == "llama3":  # as transformers' standardize_rope_params fills the pretraining context length
+        # (was refused as missing, or the top-level value transformers prefers ignored: other frequencies)
+        if top_level_original and "original_max_position_embeddings" in hf:
+            scaling["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+        elif "max_position_embeddings" in hf:
+            scaling.setdefault("original_max_position_embeddings", hf["max_position_embeddings"])
     missing = [key for key in ROPE_SCALING_KEYS[kind] if key not in scaling]
     if missing:
         raise fail(f"rope_type {kind!r} lacks {missing}")
@@ -562,11 +573,20 @@ def convert_state(source: Source, cfg: ModelConfig, surgery: Surgery, adapter_in
         for ours, theirs in _source_layer_names(cfg, source.config["model_type"]).items():
             plan[f"transformer.{part}.{j}.{ours}"] = [f"model.layers.{i}.{name}" for name in theirs]
     wanted = {name for parts in plan.values() for name in parts}
-    zero_filled = _zero_filled_biases(source.config, wanted) - source.names
+    zero_filled = _zero_filled_biases(source.config, wanted)
     missing = sorted(wanted - source.names - zero_filled)
     if missing:
         raise fail(f"the source lacks tensors {missing[:6]}{' ...' if len(missing) > 6 else ''} that a "
                    f"{source.config['model_type']} layer holds")
+    # (a stored bias the config switches off was read, where transformers leaves it out: other logits)
+    unread = sorted(zero_filled & source.names)
+    if unread:
+        model_type = source.config["model_type"]
+        mlp = ".mlp." in unread[0]
+        key, readers = ("mlp_bias", _MLP_BIAS_KEY_TYPES) if mlp else ("attention_bias", _BIAS_KEY_TYPES)
+        why = f"its {key} is not true" if model_type in readers else f"transformers' {model_type} has no such biases"
+        raise fail(f"the source stores bias tensors {unread[:4]}{' ...' if len(unread) > 4 else ''} that transformers "
+                   f"ignores when loading it ({why}): a checkpoint whose config does not match its weights")
     dropped = tuple(f"model.layers.{i}." for i in surgery.dropped(num_layers))
     tied_head = {"lm_head.weight"} & source.names if cfg.tie_embeddings else set()
     unknown = sorted(n for n in source.names - wanted - tied_head

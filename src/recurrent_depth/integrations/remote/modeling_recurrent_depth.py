@@ -310,10 +310,17 @@ def rope_table(head_dim: int, max_len: int, base: float, device: torch.device) -
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate adjacent pairs of x [B, T, H, D] by the angles in cos, sin [B, T, 1, D/2], in float32."""
+    """Rotate adjacent pairs of x [B, T, H, D] by the angles in cos, sin [B, T, 1, D/2], in float32: one complex
+    product per pair, (a + ib)(cos + i sin), as the library computes it (real arithmetic rounds differently: a
+    bfloat16 / float16 export's logits then differed from the library's by a unit in the last place); under
+    torch.compile, which cannot fuse complex numbers, the same formula in real arithmetic, as the library."""
     pairs = x.float().unflatten(-1, (-1, 2))
-    a, b = pairs[..., 0], pairs[..., 1]
-    return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2).to(x.dtype)
+    if torch.compiler.is_compiling():
+        a, b = pairs[..., 0], pairs[..., 1]
+        return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2).to(x.dtype)
+    if pairs.stride(-1) != 1 or any(stride % 2 for stride in pairs.stride()[:-1]):
+        pairs = pairs.contiguous()  # view_as_complex needs (real, imag) adjacent and aligned
+    return torch.view_as_real(torch.view_as_complex(pairs) * torch.complex(cos, sin)).flatten(-2).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -342,10 +349,13 @@ class GatedMLP(nn.Module):
 
 
 class Context:
-    """Per-call facts every layer reads: positions [B, T], the boolean mask or None, the cache."""
+    """Per-call facts every layer reads: positions [B, T], the boolean mask or None, the cache, and with a padded
+    mask each key's position [B, past + T] (real tokens counted, as RoPE counts them; None: the column)."""
 
-    def __init__(self, positions: Tensor, past: int, mask: Tensor | None, cache: Any, config: Any) -> None:
+    def __init__(self, positions: Tensor, past: int, mask: Tensor | None, cache: Any, config: Any,
+                 key_positions: Tensor | None = None) -> None:
         self.positions, self.past, self.mask, self.cache = positions, past, mask, cache
+        self.key_positions = key_positions
         self.attentions: list[Tensor] | None = None  # output_attentions: each attention call's weights, in order
         table = rope_table(config.head_dim, config.max_seq_len, config.rope_base, positions.device)
         picked = table[positions]  # [B, T, D/2, 2]
@@ -397,8 +407,14 @@ class Attention(nn.Module):
         if self.window is not None:
             q_idx = torch.arange(ctx.past, ctx.past + T, device=x.device)[:, None]
             k_idx = torch.arange(k.shape[1], device=x.device)[None, :]
-            allowed = (k_idx <= q_idx) & (k_idx > q_idx - self.window)
-            mask = allowed[None, None] if mask is None else mask & allowed
+            if ctx.key_positions is None:
+                allowed = ((k_idx <= q_idx) & (k_idx > q_idx - self.window))[None, None]
+            else:  # the last `window` real tokens, as the library counts them: a masked column inside a row (a pad
+                # id in the prompt, transformers' inferred mask) is not one of them (by columns, it was)
+                pos = ctx.key_positions
+                recent = pos[:, ctx.past:, None] - pos[:, None, :] < self.window  # [B, T, past + T]
+                allowed = (k_idx <= q_idx)[None, None] & recent[:, None]
+            mask = allowed if mask is None else mask & allowed
             is_causal = False
         if ctx.attentions is not None:  # output_attentions: the same attention as plain math, weights kept
             qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -611,10 +627,11 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         valid = attention_mask.bool() if attention_mask is not None else None
         if valid is not None and bool(valid.all()):
             valid = None
+        key_positions = (valid.long().cumsum(-1) - 1).clamp(min=0) if valid is not None else None
         if position_ids is not None:
             positions = position_ids.to(device).expand(B, T)
-        elif valid is not None:
-            positions = (valid.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+        elif key_positions is not None:
+            positions = key_positions[:, past:]
         else:
             positions = torch.arange(past, past + T, device=device).expand(B, T)
         mask = None
@@ -624,7 +641,7 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             mask = (k_idx <= q_idx)[None, None]
             if valid is not None:  # a padded query sees itself, so no softmax row is empty
                 mask = (mask & valid[:, None, None, :]) | (k_idx == q_idx)[None, None]
-        return Context(positions, past, mask, cache, self.config)
+        return Context(positions, past, mask, cache, self.config, key_positions)
 
     def forward(
         self,
@@ -638,6 +655,7 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         input_states: Tensor | None = None,
         return_dict: bool | None = None,
         generator: torch.Generator | None = None,
+        position_ids: Tensor | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
         """Prelude -> num_steps core steps -> coda; s_0 scaled by init_scale, drawn from `generator` (None: the
@@ -646,7 +664,9 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         num_steps None: config.mean_recurrence in eval mode; in training mode a depth drawn by config.depth_scheme
         (`training_depth`, from `generator` before s_0), gradients through its last mean_backprop_depth steps.
 
-        position_ids [B, T] or [1, T] (None: from attention_mask): the RoPE positions of input_ids.
+        position_ids [B, T] or [1, T] (None: from attention_mask): the RoPE positions of input_ids. A named parameter,
+        as the library's: transformers' `generate` then passes this model the positions it passes the library's
+        (it counts on from a prompt's last position, where a trailing masked token stands at 0).
         logits_to_keep: the last n positions' logits only (0: all), or those of a 1-D tensor of positions.
 
         output_attentions (None: config.output_attentions): `attentions` holds every attention call's weights
@@ -655,7 +675,6 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         """
         refuse_library_only(kwargs)
         return_hidden = kwargs.pop("_return_hidden", False)  # base_model(): the lm_head's input
-        position_ids = kwargs.pop("position_ids", None)
         if (attention_mask is None and isinstance(position_ids, Tensor) and position_ids.dim() == 2
                 and bool((position_ids[:, 1:] == 0).any())):
             raise ValueError("position_ids restart inside a row (packed examples, trl's padding_free / packing): this "

@@ -430,7 +430,7 @@ def run_past_deadline(engine: Engine, prompt: list[int], options: dict, solo: bo
             events.append(event)
             failed.set()
 
-        opts = GenerationOptions(**options).validate(4)
+        opts = GenerationOptions(**options).validate(4, max_depth=engine.model.max_depth)
         start = time.monotonic()
         job = Job(RowRequest(prompt, opts, 0), 2, frozenset(), TextState(TextCodec(None, 256), []),
                   sink, start + 1.0, solo=solo, generation_kwargs=options)
@@ -444,9 +444,10 @@ def run_past_deadline(engine: Engine, prompt: list[int], options: dict, solo: bo
 
 
 @pytest.mark.parametrize("solo", [False, True], ids=["batch", "solo"])
-def test_a_deep_prefill_past_its_deadline_ends_within_a_core_step(model, solo):
+def test_a_deep_prefill_past_its_deadline_ends_within_a_core_step(model, solo, monkeypatch):
     """The deadline is checked between core steps, prefill included: a prompt at 100000 steps (minutes
     of work) with a 1 s timeout fails with a 504 at once, and the engine records its progress."""
+    monkeypatch.setattr(model, "max_depth", 100_000)  # (past MAX_NUM_STEPS, as --max-depth raises it)
     engine = Engine(model, max_batch=2)
     assert engine.last_progress is None
     deep = dict(max_new_tokens=2, num_steps=100_000, init_scale=0.0)

@@ -16,6 +16,10 @@ SERVER_SETTINGS = ("num_steps", "kv_quant")
 # generation_config.json entries that set nothing a generate call reads (transformers' bookkeeping, the model
 # config's own special ids): read without a word
 _GENERATION_BOOKKEEPING = frozenset({"transformers_version", "_from_model_config", "bos_token_id", "pad_token_id"})
+# entries transformers 5 writes into every generation_config.json it derives from a model config, at values that ask
+# for what every decode here does anyway: read without a word too (a retrofit copies the file; a warning on each
+# generate and serve for a file no one wrote by hand would be noise)
+_GENERATION_NEUTRAL = {"output_attentions": False, "output_hidden_states": False, "use_cache": True}
 # settings that shape sampling only: without do_sample they change nothing (transformers' rule)
 _SAMPLING_SETTINGS = ("temperature", "top_k", "top_p", "min_p")
 # options that run core steps: held to the depth ceiling (--max-depth) as the flags are
@@ -63,7 +67,8 @@ def generation_defaults(model_dir: str, mode: str, command: str, max_depth: int 
                                  f"{off}")
             if strings:
                 picked["stop_strings"] = list(strings)
-        elif name not in _GENERATION_BOOKKEEPING:
+        elif name not in _GENERATION_BOOKKEEPING and not (name in _GENERATION_NEUTRAL
+                                                          and value is _GENERATION_NEUTRAL[name]):
             ignored.append(name)
     if ignored:
         print(f"{command}: {path} sets {sorted(ignored)}, which {command} does not run; they are ignored "

@@ -156,7 +156,9 @@ def pretrain(out: str | Path, recipe: PretrainRecipe | None = None,
 
     cfg = TrainConfig(
         batch_size=recipe.batch_size, max_steps=recipe.max_steps, seed=recipe.seed, out=str(out),
-        optim=OptimConfig.from_preset("demo", lr=recipe.lr, warmup_steps=recipe.warmup_steps),
+        # a run shorter than the warmup reaches the peak rate at its last step (else the trainer warns about a
+        # warmup the command has no flag to change, and the rate never reaches lr)
+        optim=OptimConfig.from_preset("demo", lr=recipe.lr, warmup_steps=min(recipe.warmup_steps, recipe.max_steps)),
         eval_interval=0, save_every=0, progress=False, tensorboard=False,
     )
     trainer = Trainer(cfg, model=model, data=RowBatches(data.dataset("train", seed=recipe.seed)),

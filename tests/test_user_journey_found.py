@@ -57,3 +57,22 @@ def test_loop_pretrain_shorter_than_its_warmup_does_not_warn_about_a_setting_it_
         with pytest.raises(Stop):
             pretrain(tmp_path / "out", recipe, log=lambda _: None)
     assert seen["cfg"].optim.warmup_steps == 3 and seen["cfg"].max_steps == 3
+
+
+def test_eval_prints_every_fewshot_count(tmp_path, monkeypatch):
+    """`rdepth eval --fewshot 0,1` measured and stored both counts but printed only the first count's lines,
+    unlabelled."""
+    import recurrent_depth as rd
+    from recurrent_depth.evaluation import depth_eval
+
+    rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).save_pretrained(tmp_path / "m")
+    monkeypatch.setattr(depth_eval, "_task_manager", lambda config: None)
+    monkeypatch.setattr(depth_eval, "_lm_eval", lambda path, config, depths, k, manager, baseline=False:
+                        {"rd_task/acc": {d: 0.25 * (k + 1) for d in depths}})
+    said: list[str] = []
+    results = depth_eval.evaluate_depths(depth_eval.EvalConfig(
+        model=str(tmp_path / "m"), depths=[1, 2], out=str(tmp_path / "out"), data=None,
+        lm_eval_tasks=["rd_task"], fewshot=[0, 1]), log=said.append)
+    assert set(results["lm_eval"]) == {"0", "1"}
+    assert "  rd_task/acc (0-shot): r=1: 0.250  r=2: 0.250" in said
+    assert "  rd_task/acc (1-shot): r=1: 0.500  r=2: 0.500" in said

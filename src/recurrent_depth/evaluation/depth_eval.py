@@ -355,8 +355,9 @@ def evaluate_depths(config: EvalConfig, log: Any = print) -> dict[str, Any]:
             for name in first:
                 plots.plot_fewshot_vs_depth({k: c[name] for k, c in by_fewshot.items()},
                                             out / f"fewshot_vs_depth_{name.replace('/', '_')}.png", name)
-        for name, curve in first.items():
-            log(f"  {name}: " + "  ".join(f"r={d}: {v:.3f}" for d, v in sorted(curve.items())))
+        for k, curves in by_fewshot.items():  # (one line per task and shot count: only the first count's were said)
+            for name, curve in curves.items():
+                log(f"  {name} ({k}-shot): " + "  ".join(f"r={d}: {v:.3f}" for d, v in sorted(curve.items())))
 
     results["seconds"] = round(time.time() - started, 1)
     results["torch_threads"] = torch.get_num_threads()

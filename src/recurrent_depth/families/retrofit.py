@@ -450,10 +450,39 @@ def _activation(hf: Mapping[str, Any]) -> str:
     return "gelu_tanh" if act == "gelu" and hf.get("model_type") == "gemma" else act
 
 
+def transformers_config_default(model_type: str, key: str) -> tuple[str, Any]:
+    """(class name, value) of transformers' config class for `model_type` where a config.json leaves `key` out."""
+    from transformers import CONFIG_MAPPING  # (lazily: only a config.json that leaves such a key out needs it)
+
+    config_class = CONFIG_MAPPING[model_type]
+    return config_class.__name__, getattr(config_class(), key, None)
+
+
+def with_context_length(hf: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`hf` with max_position_embeddings as transformers reads it: its config class's default where config.json
+    leaves the key out (its llama3 RoPE and the sliding-window check read that default too); a value that gives no
+    context length is refused naming the key, not our max_seq_len."""
+    key = "max_position_embeddings"
+    if key in hf and is_int(hf[key]) and hf[key] >= 1:
+        return hf
+    name, default = transformers_config_default(hf["model_type"], key)
+    if key not in hf and is_int(default) and default >= 1:
+        return {**hf, key: default}
+    if key not in hf:  # (no supported type's class lacks one: a guard for a transformers that drops it)
+        raise fail(f"{key} is missing and transformers' {name} has no default: set it to the context length")
+    raise fail(f"{key}={hf[key]!r} is invalid: expected an integer >= 1, the context length (transformers' {name} "
+               f"default, {default!r}, applies only where the key is absent)")
+
+
 def model_config(hf: Mapping[str, Any], surgery: Surgery, mean_recurrence: int = DEFAULT_MEAN_RECURRENCE,
                  backprop_depth: int = DEFAULT_BACKPROP_DEPTH) -> ModelConfig:
-    """Our ModelConfig for the retrofitted model of source config `hf` (a config.json as a dict)."""
+    """Our ModelConfig for the retrofitted model of source config `hf` (a config.json as a dict).
+
+    bos / eos / pad_token_id are config.json's own, None where it leaves them out: transformers' generate reads them
+    from generation_config.json, or without one from config.json as it stands (not the config class's defaults,
+    which only `model.config` shows), so a config.json without eos_token_id never stops there either."""
     layout = check_architecture(hf)
+    hf = with_context_length(hf)
     num_layers = hf.get("num_hidden_layers")
     if not is_int(num_layers) or num_layers < 1:
         raise fail(f"num_hidden_layers={num_layers!r} is invalid: expected an integer >= 1")

@@ -207,16 +207,23 @@ def test_a_setting_of_the_other_objective_is_refused_not_ignored(tmp_path, capsy
     RLConfig(objective="grpo", beta=0.1, clip_eps=0.3, level="sequence")
 
 
-def test_rl_cli_writes_the_model_back_in_the_init_from_dtype(byte_model, tmp_path):
+def test_rl_cli_writes_the_model_back_in_the_init_from_dtype(byte_model, tmp_path, capsys):
     """`train` / `sft --init-from` write model/ in DIR's stored dtype; `rl` wrote float32, so a bf16 model
-    came back twice its size. Checkpoints keep the trained float32."""
+    came back twice its size. Checkpoints keep the trained float32. The summary says the run's rewards (it
+    printed none: they were only in metrics.jsonl)."""
+    import json
+
     from safetensors.torch import load_file
 
     byte_model.to(torch.bfloat16).save_pretrained(tmp_path / "m")
     byte_tokenizer().save(str(tmp_path / "m" / "tokenizer.json"))
     assert main(["rl", "--init-from", str(tmp_path / "m"), "--out", str(tmp_path / "out"), "--threads", "1",
                  "--task", "shells", "--difficulty", "2", "--group-size", "2", "--prompts-per-step", "1",
-                 "--updates", "1", "--max-new-tokens", "2", "--num-steps", "2"]) == 0
+                 "--updates", "1", "--max-new-tokens", "2", "--num-steps", "2", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["reward_mean"] for r in logged if "reward_mean" in r]
+    assert summary["reward_first"] == summary["reward_last"] == round(rewards[0], 4) and len(rewards) == 1
 
     def dtypes(path):
         return {t.dtype for t in load_file(path / "model.safetensors").values()}

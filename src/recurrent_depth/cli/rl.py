@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from recurrent_depth.cli.common import add_max_depth_arg, int_list
 
@@ -195,12 +196,21 @@ def run(args: argparse.Namespace) -> int:
     # trained in float32 and written back in --init-from's stored dtype, as `train` / `sft --init-from` do;
     # start_dir's identity is recorded, so that --resume from another model directory is refused
     # (closing the trainer leaves the process group it joined under torchrun; rank 0 prints the summary)
+    rewards: list[float] = []  # (this session's updates' mean rewards: the summary says where they went)
+
+    def note_reward(_: Any, record: dict[str, Any]) -> None:
+        if record.get("reward_mean") is not None:
+            rewards.append(float(record["reward_mean"]))
+
     with build_rl(model.to(args.device), rl, train, tokenizer=tokenizer, tokenizer_dir=tokenizer_dir,
-                  device=args.device, save_dtype=stored_dtype(start_dir), start_dir=start_dir) as trainer:
+                  device=args.device, save_dtype=stored_dtype(start_dir), start_dir=start_dir,
+                  on_step=note_reward) as trainer:
         result = trainer.run()
         prints = trainer.env.is_main
     summary = {"out": str(result.out), "updates": result.steps, "model": str(result.model_dir),
-               "last_checkpoint": str(result.last_checkpoint), "elapsed_s": round(result.elapsed_s, 2)}
+               "last_checkpoint": str(result.last_checkpoint), "elapsed_s": round(result.elapsed_s, 2),
+               "reward_first": round(rewards[0], 4) if rewards else None,
+               "reward_last": round(rewards[-1], 4) if rewards else None}
     if prints:
         print(json.dumps(summary) if args.json else " ".join(f"{k}={v}" for k, v in summary.items()), file=sys.stdout)
     return 0

@@ -431,7 +431,10 @@ class IncrementalDecoder:
     """Text deltas of a growing token list, without decoding the whole list each time.
 
     Decodes a short window (`ids[prefix:]`) and emits what it adds beyond `ids[prefix:read]`;
-    a delta ending in an incomplete UTF-8 sequence is held back until the next token completes it.
+    an incomplete UTF-8 sequence at the end is held back until a later token completes it, but the
+    text before it is emitted now (`sent` counts it): holding the whole delta held every token of a
+    text whose tokens each end inside a character (CJK in byte-level vocabularies), so nothing
+    streamed, and a stop string in it was never seen when generation then ended (max_tokens, eos).
     """
 
     def __init__(self, codec: TextCodec, continuation: bool = False, skip_special_tokens: bool = True) -> None:
@@ -443,6 +446,7 @@ class IncrementalDecoder:
         self.ids: list[int] = []
         self.prefix = 0
         self.read = 0
+        self.sent = 0  # characters past `ids[prefix:read]`'s text already emitted (before an incomplete tail)
 
     def push(self, token: int) -> str:
         self.ids.append(token)
@@ -450,10 +454,16 @@ class IncrementalDecoder:
             return ""
         before = self.codec.decode(self.anchor + self.ids[self.prefix : self.read], self.skip)
         after = self.codec.decode(self.anchor + self.ids[self.prefix :], self.skip)
+        start = len(before) + self.sent
         if len(after) > len(before) and not after.endswith(REPLACEMENT):
-            self.prefix, self.read = self.read, len(self.ids)
-            return after[len(before) :]
-        return ""
+            self.prefix, self.read, self.sent = self.read, len(self.ids), 0
+            return after[start:]
+        # an incomplete character at the end: the text before it is final (later bytes cannot change it)
+        stable = len(after.rstrip(REPLACEMENT))
+        if stable <= start:
+            return ""
+        self.sent += stable - start
+        return after[start:stable]
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete UTF-8 tail decodes to U+FFFD)."""
@@ -462,7 +472,8 @@ class IncrementalDecoder:
         before = self.codec.decode(self.anchor + self.ids[self.prefix : self.read], self.skip)
         after = self.codec.decode(self.anchor + self.ids[self.prefix :], self.skip)
         self.prefix = self.read = len(self.ids)
-        return after[len(before) :]
+        out, self.sent = after[len(before) + self.sent :], 0
+        return out
 
 
 class TextState:

@@ -126,6 +126,7 @@ class _CacheBase:
         self.seq_len = 0
         self.write_mask: Tensor | None = None
         self.states: dict[tuple, Any] = {}
+        self._state_before: dict[tuple, tuple[int, Any]] = {}  # (columns' start, state before them) per non-core key
         self.depth = torch.zeros(batch_size, 0, dtype=torch.long, device=self.device)
         self._entry_bytes: dict[tuple, int] = {}
         self._skips = self.policy.lookup.hides_columns
@@ -169,16 +170,28 @@ class _CacheBase:
 
     # ------------------------------------------------------------------ protocol
     def get_state(self, key: LayerKey) -> Any:
-        return self.states.get(self.split(key))
+        skey = self.split(key)
+        before = self._state_before.get(skey)
+        if before is not None and before[0] == self.seq_len:  # these columns ran it already: read past them
+            return before[1]
+        return self.states.get(skey)
 
     def set_state(self, key: LayerKey, value: Any) -> None:
         skey = self.split(key)
+        # A prelude / coda layer runs the same columns again at every exit check's readout: each run starts from the
+        # state before those columns (see get_state), so a column enters the state once, as its KV entry is
+        # rewritten in place. (A core slot that several steps share absorbs each of them: not tracked.)
+        if key[0] != "core":
+            before = self._state_before.get(skey)
+            if before is None or before[0] != self.seq_len:
+                self._state_before[skey] = (self.seq_len, self.states.get(skey))
         if self.write_mask is not None:
             value = _masked_state(value, self.states.get(skey), self.write_mask.any(dim=1))
         self.states[skey] = value
 
     def advance(self, num_tokens: int) -> None:
         self.seq_len += num_tokens
+        self._state_before.clear()
 
     def mark_prompt(self, valid: Tensor) -> None:
         """The prompt's real columns (bool `[B, T]`, False: left padding): quantized entries whose spec

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 import recurrent_depth as rd
 from recurrent_depth.cli import main
+from tests.test_fuzz_cli_found import error_line
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,15 +37,6 @@ def _save(path: Path, seed: int = 0, zero: str | None = None) -> Path:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return _save(tmp_path_factory.mktemp("tiny"))
-
-
-def error_line(capsys) -> str:
-    """The command's one error line (stderr may also hold the thread-count note); no traceback."""
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    errors = [line for line in err.splitlines() if ": error:" in line]
-    assert len(errors) == 1 and errors[0].startswith("rdepth "), err
-    return errors[0]
 
 
 def strict_json(path: Path) -> dict:

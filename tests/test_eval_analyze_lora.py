@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -149,8 +150,12 @@ def test_lora_flags_are_checked_as_generate_checks_them(dirs, tmp_path, capsys, 
         return lines[0]
 
     adapter = str(dirs["adapter"])
-    assert "--lora cannot go on --weights int8" in error("--model", str(dirs["base"]), "--lora", adapter,
-                                                         "--weights", "int8")
+    dora = tmp_path / "dora"  # (a DoRA adapter cannot go on --weights layers: its forward reads the float weight)
+    shutil.copytree(adapter, dora)
+    (dora / "adapter_config.json").write_text(json.dumps({**json.loads(
+        (dora / "adapter_config.json").read_text()), "use_dora": True}))
+    assert "onto int8 weights: it is a DoRA adapter" in error("--model", str(dirs["base"]), "--lora", str(dora),
+                                                              "--weights", "int8")
     assert "--strict-lora-base checks the base of a --lora adapter" in error("--model", str(dirs["base"]),
                                                                              "--strict-lora-base")
     assert not (tmp_path / "out").exists()  # (both refused before anything loads)

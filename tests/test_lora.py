@@ -667,15 +667,19 @@ def test_export_of_an_adapter_peft_cannot_merge_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_lora_on_quantized_weights_is_refused_before_loading_in_one_line(tmp_path, capsys):
-    """peft wraps float nn.Linear layers only: --lora with --weights failed naming peft's module types."""
+def test_a_dora_adapter_on_quantized_weights_is_refused_before_loading_in_one_line(tmp_path, capsys):
+    """A plain LoRA adapter goes on --weights layers (tests/test_lora_quantized.py); a DoRA one cannot (its forward
+    reads the float base weight's norm), and is refused before the model loads (here: a model that is not there)."""
     from recurrent_depth.cli import main
 
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "use_dora": True}))
     for command in (["generate", "--prompt", "x"], ["serve"]):
-        flags = [*command, "--model", str(tmp_path / "none"), "--lora", str(tmp_path / "adapter"), "--weights", "int8"]
+        flags = [*command, "--model", str(tmp_path / "none"), "--lora", str(adapter), "--weights", "int8"]
         assert main(flags) == 2
         errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
-        assert len(errors) == 1 and "--lora cannot go on --weights int8" in errors[0], errors
+        assert len(errors) == 1 and "onto int8 weights: it is a DoRA adapter" in errors[0], errors
 
 
 def test_a_lora_run_with_dropout_repeats_whatever_ran_before_it():

@@ -137,7 +137,6 @@ def test_bad_lora_modules_are_one_line_errors(specs, message):
 def test_rdepth_serve_refuses_bad_lora_modules_in_one_line(model_dir, adapters, capsys):  # noqa: F811
     cases = [(["--lora-modules", "sql"], "expected NAME=ADAPTER_DIR"),
              (["--lora-modules", f"sql={adapters['sql']}", "--lora", str(adapters["chat"])], "cannot be combined"),
-             (["--lora-modules", f"sql={adapters['sql']}", "--weights", "int8"], "--weights int8"),
              (["--lora-modules", f"tiny={adapters['sql']}", "--served-model-name", "tiny"], "base model's served name")]
     with socket.socket() as probe:  # a port free now (the last case fails after the model loads)
         probe.bind(("127.0.0.1", 0))

@@ -185,7 +185,6 @@ def test_runtime_loading_is_off_by_default(model_dir, root, capsys):  # noqa: F8
         assert unload(server.url, "sql").status_code == 404
     for argv, message in (
         (["--lora", str(root / "sql"), "--lora-updates-root", str(root)], "--lora and --lora-updates-root cannot"),
-        (["--weights", "int8", "--lora-updates-root", str(root)], "--lora-updates-root cannot go with --weights"),
         (["--max-lora-modules", "3"], "give --lora-updates-root DIR too"),
     ):
         assert main(["serve", "--model", str(model_dir), "--port", "1", *argv]) != 0

@@ -41,6 +41,15 @@ linears hold the dequantized weights (`dequantize_weights`) is the reference of 
 Which layers: every `nn.Linear` of the transformer (the prelude, core and coda blocks' attention and
 MLP linears and the recurrence adapter); the embedding and the output head stay as they are unless
 `include_head=True` (the head is read once per token, not once per step, and carries the logits).
+
+LoRA on quantized weights (QLoRA-style, unmerged): `train.lora` loads peft adapters onto these layers
+(peft's LoRA layer over the quantized one, through peft's custom-module dispatch), and `quantize_weights`
+on a model that already carries adapters quantizes each LoRA layer's `base_layer` only, never the
+adapters' own `lora_A` / `lora_B`. Either way a layer computes `base(x) + scale B A x` with `base` this
+module's product. Each layer keeps `source_samples`, the values of its float weight that the adapters'
+base fingerprint (`train.lora.base_fingerprint`) hashes, so an adapter trained on the float model is
+recognized on its quantized copy. DoRA (which reads the base weight's norm) and merging into these
+weights are refused.
 """
 
 from __future__ import annotations
@@ -63,6 +72,17 @@ INT4_DEFAULT_GROUP = 32
 INT4_KERNEL_N_MULTIPLE = 16  # `_convert_weight_to_int4pack_for_cpu` needs out_features % 16 == 0
 INT4_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INT4_OFFSET = 8  # the kernel reads a stored 4-bit value q as q - 8
+# Values of each weight, spread evenly over it, that `train.lora.base_fingerprint` hashes; a quantized layer keeps
+# those of the float weight it was made from (`QuantizedLinear.source_samples`).
+FINGERPRINT_SAMPLES = 64
+PEFT_ADAPTER_PREFIX = "lora_"  # peft's containers of a LoRA layer's adapters (lora_A, lora_B, lora_dropout, ...)
+
+
+def spread_samples(tensor: Tensor, count: int = FINGERPRINT_SAMPLES) -> Tensor:
+    """`count` values of `tensor` (flattened; all of a smaller one) spread evenly over it, first and last included."""
+    flat = tensor.detach().reshape(-1)
+    index = torch.linspace(0, flat.numel() - 1, min(flat.numel(), count), dtype=torch.float64).round().long()
+    return flat[index.to(flat.device)]
 
 
 def _invalid(weights: object) -> ValueError:
@@ -194,6 +214,14 @@ class QuantizedLinear(nn.Module):
         self.out_features, self.in_features = out_features, in_features
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.weight_dtype = torch.float32 if bias is None else bias.dtype  # the dtype `dequantized` restores
+        # `spread_samples` of the float weight quantized (None: not known), on the CPU: what the base fingerprint of
+        # an adapter (train/lora.py) hashes of this layer, so its quantized copy matches the float base
+        self.source_samples: Tensor | None = None
+
+    def _record_source(self, weight: Tensor) -> None:
+        """Remember what this layer was quantized from: the float weight's dtype and fingerprint samples."""
+        self.weight_dtype = weight.dtype
+        self.source_samples = spread_samples(weight).cpu()
 
     def _apply(self, fn, recurse: bool = True) -> QuantizedLinear:
         """`model.to(dtype)` / `.half()` / `.float()` keep the stored codes' scales (and zero points) in
@@ -261,7 +289,7 @@ class Int8WeightLinear(QuantizedLinear):
     def from_linear(cls, linear: nn.Linear) -> Int8WeightLinear:
         q, scales = quantize_int8(linear.weight)
         layer = cls(q.to(linear.weight.device), scales.to(linear.weight.device), linear.bias)
-        layer.weight_dtype = linear.weight.dtype
+        layer._record_source(linear.weight)
         return layer
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -355,7 +383,7 @@ class Int4WeightLinear(QuantizedLinear):
             pairs = scales_and_zeros.transpose(0, 1).contiguous().to(torch.bfloat16)  # (bf16 values: exact)
         layer = cls(packed.to(weight.device), pairs.to(weight.device), linear.bias, weight.shape[1], group,
                     kernel_layout)
-        layer.weight_dtype = weight.dtype
+        layer._record_source(weight)
         return layer
 
     def unpacked(self) -> Tensor:
@@ -406,8 +434,11 @@ class Int4WeightLinear(QuantizedLinear):
 
 def _replace_children(root: nn.Module, plain: type[nn.Module], make) -> int:
     count = 0
-    # The parents only: a list holding the replaced layers would keep both copies in memory until the end.
-    for parent in [m for m in root.modules() if type(m) is not plain]:
+    # The parents only: a list holding the replaced layers would keep both copies in memory until the end. Inside a
+    # peft LoRA layer only its `base_layer` is the model's: its adapters' layers (in peft's lora_A, lora_B, ...
+    # containers) stay as they are.
+    for parent in [m for name, m in root.named_modules() if type(m) is not plain
+                   and not any(part.startswith(PEFT_ADAPTER_PREFIX) for part in name.split("."))]:
         for name, child in list(parent.named_children()):
             if type(child) is plain:
                 setattr(parent, name, make(child))
@@ -439,6 +470,12 @@ def quantize_weights(model: nn.Module, weights: str | None = "int8", include_hea
                          f"float model with weights={weights!r}")
     if include_head and model.config.tie_embeddings:
         raise ValueError("include_head=True needs an untied lm_head: this model ties it to the embedding")
+    # (peft's LoRA layers hold `use_dora`, by adapter)
+    dora = next((name for name, m in model.named_modules() if any(getattr(m, "use_dora", {}).values())), None)
+    if dora is not None:
+        raise ValueError(f"weights={weights!r} cannot go under the DoRA adapter on {dora} (its forward reads the "
+                         "float base weight's norm): merge it into the float weights first "
+                         "(recurrent_depth.train.lora.merge_lora), then quantize")
     kind, group = parsed
 
     def make(linear: nn.Linear) -> QuantizedLinear:

@@ -1,7 +1,8 @@
 """The low-rank terms of unmerged peft LoRA layers, for runners that read weights directly.
 
 peft's `lora.Linear` keeps the base `nn.Linear` as `base_layer` (its `weight` and `bias` are the base
-layer's) and adds `scale * B (A x)` per active adapter in its forward. The fused decode runner
+layer's; over an int8 / int4 layer of weight_quant.py, the runner multiplies by that layer itself) and adds
+`scale * B (A x)` per active adapter in its forward. The fused decode runner
 (`accel/runner.py`) multiplies by the weights itself instead of calling the module, so it reads
 that term here and adds it, exactly as peft's forward does (dropout is the identity in eval mode).
 Duck-typed on peft's attributes, so nothing here imports peft.
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from recurrent_depth.inference.lora_layers import RowAdapters, active_unmerged, is_lora_layer, plain_lora
+from recurrent_depth.inference.lora_layers import RowAdapters, active_unmerged, is_lora_layer, over_linear, plain_lora
 
 LowRank = tuple[Tensor, Tensor]  # (A^T [in, r], (scale B)^T [r, out])
 
@@ -31,7 +32,7 @@ def unsupported_lora(layer: Any) -> str | None:
     rows = getattr(layer, RowAdapters.ATTR, None)
     if rows is not None and rows.building and not plain_lora(layer):
         return "a mixed batch's adapter that is not a plain low-rank pair"
-    if not isinstance(getattr(layer, "base_layer", None), nn.Linear) or getattr(layer, "fan_in_fan_out", False):
+    if not over_linear(layer) or getattr(layer, "fan_in_fan_out", False):
         return f"{type(layer).__name__} over {type(getattr(layer, 'base_layer', None)).__name__}"
     for name in active_unmerged(layer):
         if layer.use_dora.get(name, False):

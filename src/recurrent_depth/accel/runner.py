@@ -37,8 +37,9 @@ cannot reproduce (DoRA, LoRA on the embedding or the head, ...) takes the refere
 Quantized weights (`weight_quant.quantize_weights`: int8 / int4 block linears, adapter, an untied head)
 are multiplied by through their own layers, so decode rows take the C++ `int8_linear` / `int4_linear`
 while the rest of the step stays this runner's; the adapter then runs whole on `[s | e]` at every step
-(its halves are not split out of the quantized weight), and the float32 C++ decode step is off. A model
-with both quantized and LoRA layers takes the reference runner.
+(its halves are not split out of the quantized weight), and the float32 C++ decode step is off. LoRA
+layers over quantized ones (QLoRA-style, `train.lora`) add their low-rank term to that layer's product,
+as peft's forward does (a quantized adapter's term whole, on `[s | e]`).
 
 Quantized caches attend from their codes through `cache.attend`, with the compiled kernels of
 `recurrent_depth.accel.quant` for decode calls (off with `RDEPTH_NO_COMPILE=1`).
@@ -162,21 +163,14 @@ class FastRunner(ModelRunner):
     @staticmethod
     def _reads_every_layer(model: Any) -> bool:
         """One walk over `model`'s modules: every quantized layer (weight_quant.py) and every LoRA layer is one
-        this runner reads (block and adapter linears; a quantized head too), LoRA is plain, and the two do not
-        mix."""
-        read = {id(model.transformer.adapter)} | {
-            id(layer) for block in blocks_of(model) for layer in FastRunner._block_linears(block).values()}
-        quantized = lora = False
-        for m in model.modules():
-            if isinstance(m, QuantizedLinear):
-                quantized = True
-                if id(m) not in read and m is not model.lm_head:
-                    return False
-            elif is_lora_layer(m):
-                lora = True
-                if id(m) not in read or unsupported_lora(m) is not None:
-                    return False
-        return not (quantized and lora)
+        this runner reads (block and adapter linears, or their LoRA layers' base layers; a quantized head too), and
+        LoRA is plain (`unsupported_lora`), over a float or a quantized base."""
+        layers = [model.transformer.adapter] + [
+            layer for block in blocks_of(model) for layer in FastRunner._block_linears(block).values()]
+        read = {id(layer) for layer in layers} | {id(FastRunner._base(layer)) for layer in layers}
+        return not any((isinstance(m, QuantizedLinear) and id(m) not in read and m is not model.lm_head)
+                       or (is_lora_layer(m) and (id(m) not in read or unsupported_lora(m) is not None))
+                       for m in model.modules())
 
     def __init__(self, model: Any) -> None:
         super().__init__(model)
@@ -203,9 +197,9 @@ class FastRunner(ModelRunner):
             layer for b in (*t.prelude, *t.core_block, *t.coda) for layer in self._block_linears(b).values()
         ]
         # Quantized layers (weight_quant.py) are multiplied by through their own kernels, never copied.
-        self.quantized = any(isinstance(layer, QuantizedLinear) for layer in linears)
+        self.quantized = any(isinstance(self._base(layer), QuantizedLinear) for layer in linears)
         matrices = [layer.weight[:, :h] if layer is t.adapter else layer.weight
-                    for layer in linears if not isinstance(layer, QuantizedLinear)]
+                    for layer in linears if not isinstance(self._base(layer), QuantizedLinear)]
         copy_bytes = sum(w.numel() * w.element_size() for w in matrices if self._wide(w))
         # Measured on CPUs; GPU libraries read either layout at full speed, so no copies there.
         self.copy_weights = model.device.type == "cpu" and copy_bytes <= COPY_LIMIT_BYTES
@@ -216,16 +210,17 @@ class FastRunner(ModelRunner):
         # besides the C++ weight stream's float32 sums (`_bf16_stream`), the one place where this runner's
         # low-precision steps round differently from the model's; the whole product at every step would read h^2
         # more weights a step, ~1.7% more bytes in a Huginn-0125 core step.)
-        self.adapter = t.adapter if isinstance(t.adapter, QuantizedLinear) else None
-        w = None if self.adapter is not None else t.adapter.weight
+        adapter = self._base(t.adapter)
+        self.adapter = adapter if isinstance(adapter, QuantizedLinear) else None
+        w = None if self.adapter is not None else adapter.weight
         self.adapter_s = None if w is None else self._layout(w[:, :h])  # (a strided view of the adapter otherwise)
         self.adapter_e = None if w is None else w[:, h:].t()
-        self.adapter_bias = t.adapter.bias
-        # A LoRA term on the adapter splits as its weight does: A [s; e] = A_s s + A_e e.
-        adapter_term = low_rank_term(t.adapter, self.dtype)
+        self.adapter_bias = adapter.bias
+        # A LoRA term on the adapter splits as its weight does: A [s; e] = A_s s + A_e e (a quantized adapter's whole).
+        self.adapter_term = low_rank_term(t.adapter, self.dtype)
         self.adapter_s_term = self.adapter_e_term = None
-        if adapter_term is not None:
-            self.adapter_s_term, self.adapter_e_term = split_low_rank(adapter_term, h)
+        if self.adapter_term is not None and self.adapter is None:
+            self.adapter_s_term, self.adapter_e_term = split_low_rank(self.adapter_term, h)
         self.ln_f = t.ln_f.weight * self._norm_scale(h)
         self.wte = t.wte.weight
         self.lm_head = self._operand(model.lm_head)
@@ -268,10 +263,17 @@ class FastRunner(ModelRunner):
         are allowed), else the view of the `[out, in]` parameter."""
         return weight.t().contiguous() if self.copy_weights and self._wide(weight) else weight.t()
 
+    @staticmethod
+    def _base(layer: Any) -> Any:
+        """The layer whose weights a linear layer multiplies by: a LoRA layer's `base_layer` (peft's `weight` of one
+        over a quantized layer is its int8 / packed codes), else the layer itself."""
+        return layer.base_layer if is_lora_layer(layer) else layer
+
     def _operand(self, layer: Any) -> Tensor | QuantizedLinear:
-        """What `_linear` multiplies by for a linear layer: its weight's `_layout`, or a quantized layer itself
-        (which takes its own kernels: the C++ int8 / int4 products at decode rows)."""
-        return layer if isinstance(layer, QuantizedLinear) else self._layout(layer.weight)
+        """What `_linear` multiplies by for a linear layer (or a LoRA layer over one): its weight's `_layout`, or a
+        quantized layer itself (which takes its own kernels: the C++ int8 / int4 products at decode rows)."""
+        base = self._base(layer)
+        return base if isinstance(base, QuantizedLinear) else self._layout(base.weight)
 
     @staticmethod
     def _out_features(operand: Tensor | QuantizedLinear) -> int:
@@ -296,7 +298,8 @@ class FastRunner(ModelRunner):
         H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
         linears = self._block_linears(block)
         # `_linear`'s bias term: a quantized layer adds its own bias, so only the q/k bias is left to add
-        biases = {name: None if isinstance(layer, QuantizedLinear) else layer.bias for name, layer in linears.items()}
+        biases = {name: None if isinstance(self._base(layer), QuantizedLinear) else layer.bias
+                  for name, layer in linears.items()}
         bias = biases["qkv"]
         if attn.has_qk_bias:
             qk = (
@@ -356,6 +359,8 @@ class FastRunner(ModelRunner):
         the residual to the rounded product, as the model's blocks do, unless `sum_once` (the split adapter)."""
         if isinstance(weight_t, QuantizedLinear):
             y = weight_t(x)
+            if low_rank is not None:  # (peft's order: the base layer's output, + the adapter's term)
+                y = add_low_rank(y, x, low_rank)
             for term in (bias, residual):
                 if term is not None:
                     y = y.add_(term) if not y.requires_grad else y + term
@@ -437,7 +442,7 @@ class FastRunner(ModelRunner):
             return None
         if not self._decode_tried:
             self._decode_tried = True
-            plain = not self.quantized and self.adapter_s_term is None and all(
+            plain = not self.quantized and self.adapter_term is None and all(
                 term is None for part in self.blocks.values() for p in part for term in p["low_rank"].values())
             # (one attention mask for every layer: a model with per-layer windows keeps the Python path)
             windowless = all(p["window"] is None for part in self.blocks.values() for p in part)
@@ -477,7 +482,8 @@ class FastRunner(ModelRunner):
         if out is not None:
             return out.view(B, T, h)
         if self.adapter is not None:
-            x = self._linear(torch.cat([state, e], dim=-1).reshape(B * T, 2 * h), self.adapter, None)
+            x = self._linear(torch.cat([state, e], dim=-1).reshape(B * T, 2 * h), self.adapter, None,
+                             low_rank=self.adapter_term)
         else:
             x = self._linear(state.reshape(B * T, h), self.adapter_s, None, residual=injected.reshape(B * T, h),
                              low_rank=self.adapter_s_term, sum_once=True)

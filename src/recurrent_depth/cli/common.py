@@ -104,7 +104,8 @@ def add_lora_adapter_arg(parser: argparse.ArgumentParser) -> None:
     """`--lora ADAPTER_DIR` for commands that run a model (the adapter applied by `train.lora.attach_adapter`)."""
     parser.add_argument("--lora", default=None, metavar="ADAPTER_DIR",
                         help="a peft LoRA adapter directory to apply to --model, unmerged (e.g. the model/ of an "
-                             "`rdepth train --lora` run; needs recurrent-depth[lora]; default: none)")
+                             "`rdepth train --lora` run; on --weights int8/int4 layers too, QLoRA-style, but for "
+                             "DoRA; needs recurrent-depth[lora]; default: none)")
     add_strict_lora_base_arg(parser, "--lora")
 
 
@@ -123,13 +124,19 @@ def check_strict_lora_base(args: argparse.Namespace, adapter_flag: str) -> None:
                          f"(or leave it out)")
 
 
-def check_lora_with_weights(args: argparse.Namespace) -> None:
-    """--lora with --weights, refused before the model loads: peft adds an adapter to float nn.Linear layers only
-    (it failed naming peft's supported module types), so the adapter must be merged before quantizing."""
-    if getattr(args, "lora", None) is not None and getattr(args, "weights", None) is not None:
-        raise ValueError(f"--lora cannot go on --weights {args.weights} layers (an unmerged adapter needs the float "
-                         f"weights): merge it first (rdepth export --model M --merge-lora ADAPTER --out MERGED), then "
-                         f"load MERGED with --weights {args.weights}")
+def check_lora_with_weights(args: argparse.Namespace, adapter_dirs: list[str] | None = None) -> None:
+    """--lora with --weights: the adapter goes onto the int8 / int4 layers unmerged (QLoRA-style,
+    `train.lora.on_quantized_layers`); a DoRA adapter, which cannot (it reads the float base weight's norm), is
+    refused before the model loads. adapter_dirs: the adapters to check (default: --lora's; `rdepth serve`'s
+    --lora-modules). (Imports torch when there is one to check: called at run time, not at import.)"""
+    weights = getattr(args, "weights", None)
+    lora = getattr(args, "lora", None)
+    adapter_dirs = adapter_dirs if adapter_dirs is not None else [] if lora is None else [lora]
+    if weights is not None and adapter_dirs:
+        from recurrent_depth.train.lora import check_adapter_dir, refuse_dora_on_quantized
+
+        for adapter_dir in adapter_dirs:
+            refuse_dora_on_quantized(check_adapter_dir(adapter_dir), weights)
 
 
 def add_out_arg(parser: argparse.ArgumentParser, default: str) -> None:
@@ -202,8 +209,9 @@ def add_weights_arg(parser: argparse.ArgumentParser) -> None:
         "--weights", default=None, metavar="FORMAT",
         help="weight-only quantization at load of the transformer's linear layers (not the embedding or the "
              "head): 'int8' (per output channel; about 2x faster bf16 decode of large models on CPU), 'int4' "
-             "(group-wise, 32 input columns a group; 'int4:g64', 'int4:g128', 'int4:g256' for other groups). "
-             "docs/inference.md. Default: the weights as loaded",
+             "(group-wise, 32 input columns a group; 'int4:g64', 'int4:g128', 'int4:g256' for other groups); "
+             "LoRA adapters go on the quantized layers unmerged (QLoRA-style; not DoRA). docs/inference.md. "
+             "Default: the weights as loaded",
     )
 
 

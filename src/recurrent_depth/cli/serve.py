@@ -47,13 +47,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="serve peft LoRA adapters of --model beside it, as vLLM's --lora-modules: a request whose "
                         "'model' is NAME runs with that adapter (unmerged), one naming --served-model-name with "
                         "none; /v1/models lists them all. The requests of one adapter run at a time (docs/serving.md;"
-                        " --strict-lora-base applies to each; needs recurrent-depth[lora]; default: none)")
+                        " on --weights int8/int4 layers too, QLoRA-style, but for DoRA; --strict-lora-base applies "
+                        "to each; needs recurrent-depth[lora]; default: none)")
     p.add_argument("--lora-updates-root", default=None, metavar="DIR",
                    help="turn on runtime LoRA loading, as vLLM's: POST /v1/load_lora_adapter {\"lora_name\": NAME, "
                         "\"lora_path\": PATH} serves the adapter in DIR/PATH (it must stay inside DIR, symlinks "
                         "resolved) as NAME, POST /v1/unload_lora_adapter {\"lora_name\": NAME} stops serving it; "
                         "each waits for the running requests to finish (docs/serving.md). With or without "
-                        "--lora-modules; not with --lora or --weights; needs recurrent-depth[lora] (default: off, "
+                        "--lora-modules and --weights; not with --lora; needs recurrent-depth[lora] (default: off, "
                         "the two routes answer 404)")
     p.add_argument("--max-lora-modules", type=int, default=None, metavar="N",
                    help="LoRA adapters served at most once --lora-updates-root is on, the --lora-modules ones "
@@ -130,19 +131,13 @@ def run(args: argparse.Namespace) -> int:
     if lora_modules is not None and args.lora is not None:
         raise ValueError("--lora and --lora-modules cannot be combined: serve that adapter as one of --lora-modules "
                          "too (the base then answers under --served-model-name)")
-    if lora_modules is not None and args.weights is not None:
-        raise ValueError(f"--lora-modules cannot go on --weights {args.weights} layers (an unmerged adapter needs the "
-                         f"float weights): merge an adapter first (rdepth export --model M --merge-lora ADAPTER --out "
-                         f"MERGED) and serve MERGED with --weights {args.weights}")
     if args.lora_updates_root is not None and args.lora is not None:
         raise ValueError("--lora and --lora-updates-root cannot be combined: serve that adapter with --lora-modules "
                          "NAME=DIR (or load it at run time) beside the base")
-    if args.lora_updates_root is not None and args.weights is not None:
-        raise ValueError(f"--lora-updates-root cannot go with --weights {args.weights} (an unmerged adapter needs the "
-                         "float weights): serve the float model")
     if args.max_lora_modules is not None and args.lora_updates_root is None:
         raise ValueError("--max-lora-modules bounds runtime LoRA loads: give --lora-updates-root DIR too")
-    check_lora_with_weights(args)
+    # (a DoRA adapter cannot go on --weights layers: refused before the model loads; runtime loads: when they come)
+    check_lora_with_weights(args, None if lora_modules is None else list(lora_modules.values()))
     check_strict_lora_base(args, "--lora-modules" if lora_modules is not None else  # (each one's base checked)
                            "--lora-updates-root" if args.lora_updates_root is not None else "--lora")
     if not 0 < args.port < 65536:

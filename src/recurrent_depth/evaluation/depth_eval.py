@@ -68,9 +68,6 @@ class EvalConfig:
 
     def validate(self) -> EvalConfig:
         check_weights(self.weights)
-        if self.lora is not None and self.weights is not None:  # peft adapts float nn.Linear layers only
-            raise ValueError(f"lora={self.lora!r} cannot go on weights={self.weights!r} layers (an unmerged adapter "
-                             f"needs the float weights): merge it first (rdepth export --merge-lora), then quantize")
         if self.strict_lora_base and self.lora is None:
             raise ValueError("strict_lora_base checks the base of a lora adapter, and none is given")
         self.depths = check_depths(self.depths, "depths")

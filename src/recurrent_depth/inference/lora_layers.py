@@ -10,10 +10,18 @@ from typing import Any
 
 from torch import nn
 
+from recurrent_depth.weight_quant import QuantizedLinear
+
 
 def is_lora_layer(module: Any) -> bool:
     """A peft LoRA layer (any kind: Linear, Embedding, ...)."""
     return hasattr(module, "lora_A") and hasattr(module, "base_layer")
+
+
+def over_linear(layer: Any) -> bool:
+    """Whether a LoRA layer wraps a linear product: an nn.Linear, or an int8 / int4 one (weight_quant.py), whose
+    `base(x) + scale B A x` peft's forward and the fused runner compute alike."""
+    return isinstance(getattr(layer, "base_layer", None), nn.Linear | QuantizedLinear)
 
 
 def active_unmerged(layer: Any) -> list[str]:
@@ -45,10 +53,10 @@ BASE_ROW = "__base__"
 
 
 def plain_lora(layer: Any, names: list[str] | None = None) -> bool:
-    """Whether each adapter `names` of a LoRA layer (None: all it holds) is a plain low-rank pair on an nn.Linear
-    (no DoRA, LoRA bias, variant or fan_in_fan_out): what a row of a mixed batch can add by itself, in peft's
-    `_mixed_batch_forward` and in the fused runner (`accel/lora.py`)."""
-    if not isinstance(getattr(layer, "base_layer", None), nn.Linear) or getattr(layer, "fan_in_fan_out", False):
+    """Whether each adapter `names` of a LoRA layer (None: all it holds) is a plain low-rank pair on a linear layer
+    (`over_linear`; no DoRA, LoRA bias, variant or fan_in_fan_out): what a row of a mixed batch can add by itself, in
+    peft's `_mixed_batch_forward` and in the fused runner (`accel/lora.py`)."""
+    if not over_linear(layer) or getattr(layer, "fan_in_fan_out", False):
         return False
     return all(not layer.use_dora.get(name, False) and not getattr(layer, "lora_bias", {}).get(name, False)
                and name not in getattr(layer, "lora_variant", {}) and isinstance(layer.lora_A[name], nn.Linear)

@@ -125,14 +125,15 @@ def build_app(
     `ttt_max_copy_mb`: the largest weight copy (MiB) a TTT-E2E request may hold; such requests run
     one at a time outside the continuous batch (docs/serving.md).
     `weights` ("int8", "int4", "int4:g<group>"; None: as loaded) quantizes the model's linear layers
-    (`recurrent_depth.weight_quant`), a loaded model's in place.
+    (`recurrent_depth.weight_quant`), a loaded model's in place; LoRA adapters go on the quantized layers unmerged
+    (QLoRA-style; a DoRA one is refused).
     `lora_modules` ({name: adapter directory}) serves LoRA adapters of the model, unmerged, beside it: a
     request whose `model` is one of the names runs with that adapter, one naming a `model_name` with none
     (`serving/adapters.py`; the requests of one adapter run at a time). A loaded model gets the adapters in place.
     `strict_lora_base`: refuse an adapter trained on other weights instead of warning (`train.lora.load_lora`).
     `lora_updates_root` (None: off) turns on runtime LoRA loading (vLLM's `POST /v1/load_lora_adapter` and
     `/v1/unload_lora_adapter`), of adapters under that directory only, up to `max_lora_modules` adapters in all
-    (default 32; start-up ones count), with or without `lora_modules`; not with `weights`.
+    (default 32; start-up ones count), with or without `lora_modules` and `weights`.
     `generation_config` ("auto" or "none", as `rdepth serve --generation-config`): with "auto" a model directory's
     generation_config.json sets `num_steps` and `kv_quant` where those are None, and the defaults of the fields a
     request leaves out (`serving.protocol.request_defaults`; docs/serving.md); its settings no request takes are
@@ -150,17 +151,11 @@ def build_app(
                                                                  max_depth)
         num_steps = server["num_steps"] if num_steps is None else num_steps
         kv_quant = server["kv_quant"] if kv_quant is None else kv_quant
-    if lora_updates_root is not None and weights is not None:  # (as below)
-        raise ValueError(f"lora_updates_root cannot go with weights={weights!r}: an unmerged adapter needs the "
-                         "float weights")
     from recurrent_depth.serving.adapters import check_update_settings
 
     check_update_settings(lora_updates_root, max_lora_modules)  # (before the model loads)
     if max_lora_modules is not None and lora_updates_root is None:
         raise ValueError("max_lora_modules bounds runtime LoRA loads, which are off: give lora_updates_root too")
-    if lora_modules is not None and weights is not None:  # (as `--lora`: peft adds adapters to float layers only)
-        raise ValueError(f"lora_modules cannot go on weights={weights!r} layers (an unmerged adapter needs the float "
-                         "weights): merge an adapter first (rdepth export --merge-lora) and serve it as its own model")
     names = served_model_names(model_name, Path(model).resolve().name if isinstance(model, str | Path)
                                else "recurrent-depth")
     if lora_modules is not None:  # bad names fail before the model loads

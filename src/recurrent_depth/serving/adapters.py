@@ -3,7 +3,8 @@
 
 A request's `model` field picks its adapter by name; the base's served name (`--served-model-name`) runs the
 base alone. The adapters are loaded once, unmerged, onto the one base (`train.lora.load_loras`: the same
-checks as `--lora`, the base fingerprint included).
+checks as `--lora`, the base fingerprint included); on a base of int8 / int4 weights (`--weights`) they go on the
+quantized layers, QLoRA-style (`train.lora.on_quantized_layers`), and mix in batches as on float ones.
 
 Rows of different adapters share the continuous batch (`mixes`, as vLLM's punica kernels and peft's
 `adapter_names` batches do): each row adds its own adapter in every model call (`RowAdapters`,

@@ -30,7 +30,7 @@ from recurrent_depth.serving.metrics import Metrics
 from recurrent_depth.serving.protocol import APIError, Limits
 from recurrent_depth.serving.text import TextCodec
 from recurrent_depth.serving.transport import LOOPBACK_NAMES, HostGuard, allowed_host_names
-from recurrent_depth.weight_quant import logical_parameters
+from recurrent_depth.weight_quant import held_weights, logical_parameters
 
 
 def _error(status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
@@ -167,6 +167,8 @@ def banner(scheduler: BatchScheduler, settings: ServerSettings, limits: Limits, 
     kv = f", KV cache {scheduler.kv_quant.name}" if scheduler.kv_quant is not None else ""
     names = scheduler.adapter_names
     loras = f" with LoRA adapters {', '.join(map(repr, names))}" if names else ""
+    weights = held_weights(scheduler.model)  # (the adapters, if any, go on those layers unmerged)
+    loras += f" on {weights} weights" if weights else ""
     aliases = f" (also as {', '.join(map(repr, settings.aliases))})" if settings.aliases else ""
     return (f"rdepth serve: model {settings.model_name!r}{aliases}{loras} ({params / 1e6:.2f}M parameters, context "
             f"{limits.max_seq_len}), default depth {depth}, max depth {limits.max_num_steps}{kv}, {key}; "

@@ -18,6 +18,10 @@ library model under the wrapper (`base_model_of`) runs with the adapter everywhe
 goes: generation's reference runner calls its modules, and the fused decode runner adds the low-rank
 terms itself (`accel/lora.py`). peft is the optional extra `recurrent-depth[lora]`.
 
+On int8 / int4 weights (`weight_quant`, `--weights`) adapters go on the quantized layers unmerged, QLoRA-style:
+every load and `add_lora` registers those layers with peft's custom-module dispatch (`on_quantized_layers`), whose
+LoRA layer (`quantized_lora_layer`) is peft's own over the quantized product; DoRA and merging are refused.
+
 An adapter saved from `add_lora` records a fingerprint of its base model's weights (`base_fingerprint`);
 loading it onto a model whose weights differ (another fine-tune of the same shapes) warns with
 `AdapterBaseWarning`, or with `strict_base=True` fails in one line.
@@ -26,6 +30,7 @@ loading it onto a model whose weights differ (another fine-tune of the same shap
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -37,6 +42,13 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from recurrent_depth.weight_quant import (
+    QuantizedLinear,
+    held_weights,
+    quantized_weights,
+    spread_samples,
+)
 
 PARTS = ("prelude", "adapter", "core", "coda")
 KINDS = ("attention", "mlp")
@@ -54,6 +66,8 @@ KIND_LINEAR_NAMES = {
 ADAPTER_CONFIG = "adapter_config.json"
 ALL_LINEAR = "all-linear"  # peft's target_modules shorthand: every linear layer but the output head
 OUTPUT_HEAD = "lm_head"
+# The layers an adapter goes on: float linear layers, and int8 / int4 ones (weight_quant.py; `quantized_lora_layer`)
+LINEAR_TYPES = (nn.Linear, QuantizedLinear)
 
 
 def require_peft() -> Any:
@@ -105,7 +119,7 @@ def target_modules(model: nn.Module, spec: LoraSpec) -> list[str]:
     names = []
     for part in spec.parts:
         if part == "adapter":
-            if "adapter" in transformer and isinstance(transformer["adapter"], nn.Linear):  # not Parcae's diagonal
+            if "adapter" in transformer and isinstance(transformer["adapter"], LINEAR_TYPES):  # not Parcae's diagonal
                 names.append("transformer.adapter")
             continue
         container = BLOCK_CONTAINERS[part]
@@ -114,7 +128,7 @@ def target_modules(model: nn.Module, spec: LoraSpec) -> list[str]:
                 owner = getattr(block, KIND_MODULES[kind])
                 prefix = f"transformer.{container}.{i}.{KIND_MODULES[kind]}"
                 names += [f"{prefix}.{name}" for name, module in owner.named_modules()
-                          if name and isinstance(module, nn.Linear)]
+                          if name and isinstance(module, LINEAR_TYPES)]
     if not names:
         raise ValueError(f"LoRA parts={list(spec.parts)} kinds={list(spec.kinds)} select no linear layer of this "
                          f"model (it has {len(transformer['prelude'])} prelude, {len(transformer['core_block'])} core "
@@ -131,10 +145,73 @@ def default_target_suffixes() -> list[str]:
 
 
 def lora_config(model: nn.Module, spec: LoraSpec) -> Any:
-    """The peft `LoraConfig` of `spec` for `model`: the chosen modules by their exact names."""
+    """The peft `LoraConfig` of `spec` for `model`: the chosen modules by their exact names (int8 / int4 ones too:
+    `on_quantized_layers`)."""
     peft = require_peft()
-    return peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, bias="none",
-                           target_modules=target_modules(model, spec))
+    return on_quantized_layers(peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+                                               bias="none", target_modules=target_modules(model, spec)), model)
+
+
+# ------------------------------------------------------------------------ LoRA on int8 / int4 weights (QLoRA-style)
+def _merge_refusal(model: nn.Module) -> ValueError:
+    return ValueError(f"cannot merge a LoRA adapter into {held_weights(model)} weights (quantized: the merged "
+                      "weight would need quantizing again): merge it on the float model (rdepth export --model M "
+                      "--merge-lora ADAPTER --out MERGED, or merge_lora on a model loaded without weights=), then "
+                      "load MERGED with --weights / weights=")
+
+
+@functools.cache
+def quantized_lora_layer() -> type:
+    """peft's LoRA layer (`peft.tuners.lora.Linear`) over an int8 / int4 layer of weight_quant.py, which peft's
+    custom-module dispatch makes (`on_quantized_layers`). Its forward is peft's own, `base(x) + scale B A x` with
+    the quantized layer's product as `base` (mixed batches' `adapter_names` too), and the fused runner reads it as
+    it reads peft's (accel/lora.py). A DoRA adapter (its forward reads the base weight's norm) and merging into the
+    quantized weights are refused in one line."""
+    require_peft()
+    from peft.tuners.lora import Linear
+
+    class QuantizedLoraLinear(Linear):
+        def __init__(self, base_layer: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> None:
+            with warnings.catch_warnings():  # (peft's "Unsupported layer type" for any base layer it does not know)
+                warnings.filterwarnings("ignore", "Unsupported layer type", UserWarning)
+                super().__init__(base_layer, adapter_name, *args, **kwargs)
+
+        def update_layer(self, adapter_name: str, *args: Any, **kwargs: Any) -> None:
+            if kwargs.get("use_dora") or getattr(kwargs.get("config"), "use_dora", False):
+                raise ValueError(f"a DoRA adapter cannot go on {held_weights(self)} weights: its forward reads the "
+                                 "float base weight's norm")
+            super().update_layer(adapter_name, *args, **kwargs)
+
+        def merge(self, *args: Any, **kwargs: Any) -> None:
+            if quantized_weights(self.get_base_layer()):
+                raise _merge_refusal(self)
+            super().merge(*args, **kwargs)
+
+    return QuantizedLoraLinear
+
+
+def refuse_dora_on_quantized(adapter_dir: Path, weights: str) -> None:
+    """A one-line ValueError when the adapter in `adapter_dir` is a DoRA one, which cannot go on `weights` (int8 /
+    int4) layers: its forward reads the float base weight's norm. (`rdepth generate --lora --weights` asks before
+    the model loads.)"""
+    if read_adapter_config(adapter_dir).get("use_dora"):
+        raise ValueError(f"cannot load the LoRA adapter {adapter_dir} onto {weights} weights: it is a DoRA adapter "
+                         "(use_dora), whose forward reads the float base weight's norm; load the model without "
+                         "--weights, or merge the adapter into the float model (rdepth export --merge-lora) and "
+                         "quantize that")
+
+
+def on_quantized_layers(config: Any, model: nn.Module) -> Any:
+    """`config` (a peft LoraConfig) able to put its adapter on `model`'s int8 / int4 layers where `model` holds some:
+    peft wraps only the layer types it knows (torch's, bitsandbytes', ...), so these are registered with its
+    custom-module dispatch (`LoraConfig._register_custom_module`, peft's experimental API for layer types of a
+    library's own) to `quantized_lora_layer`. Not saved with the adapter: the adapter is the same on float weights."""
+    if quantized_weights(model):
+        if not hasattr(config, "_register_custom_module"):
+            raise ValueError("LoRA on int8 / int4 weights needs a peft with custom-module dispatch (peft's "
+                             "LoraConfig._register_custom_module): pip install -U peft")
+        config._register_custom_module({QuantizedLinear: quantized_lora_layer()})
+    return config
 
 
 def add_lora(model: nn.Module, spec: LoraSpec, base_dir: str | Path | None = None, seed: int | None = None) -> Any:
@@ -221,7 +298,7 @@ DTYPE_KEY = "base_model_dtype"  # the dtype of the weights fingerprinted (a floa
 FINGERPRINT_SCHEME = "rd1"  # the recipe below; a recorded fingerprint of another scheme is not compared
 _RECORDED_FINGERPRINT = re.compile(rf"{FINGERPRINT_SCHEME}:[0-9a-f]{{16}}")  # what base_fingerprint gives
 _RECORDED_DTYPE = re.compile(r"[a-z][a-z0-9_]{0,31}")  # a torch dtype's name ("float32"), or "none"
-FINGERPRINT_SAMPLES = 64  # values read from each parameter, spread evenly over it
+# (FINGERPRINT_SAMPLES, from weight_quant: values read from each parameter, spread evenly over it)
 FLOAT16_SMALLEST_NORMAL = 2.0**-14  # smaller magnitudes hash as 0: a float16 load keeps them only approximately
 # peft's names for a wrapped layer's own weight (`Wqkv.base_layer.weight`, `lm_head.original_module.weight`),
 # and for the tensors it adds (lora_A/B/..., a trained copy in modules_to_save): the base's names are without them.
@@ -233,10 +310,19 @@ class AdapterBaseWarning(UserWarning):
     """A LoRA adapter was loaded onto a model whose weights differ from the base it was trained on."""
 
 
-def _base_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """`model`'s floating-point parameters by their names without an adapter (a peft wrapper: the base's)."""
-    return {_PEFT_WRAPPER_NAME.sub("", name): p for name, p in base_model_of(model).named_parameters()
-            if not _PEFT_ADDED_NAME.search(name) and p.is_floating_point()}
+def _base_weights(model: nn.Module) -> dict[str, tuple[torch.dtype, tuple[int, ...], torch.Tensor | None]]:
+    """`model`'s floating-point weights by their names without an adapter (a peft wrapper: the base's), each as
+    (dtype, shape, its `spread_samples`): its parameters, and the weight of each int8 / int4 layer as the float one
+    it was quantized from (`QuantizedLinear.source_samples`; None where not known), so that a quantized copy of a
+    base has the base's fingerprint."""
+    base = base_model_of(model)
+    weights = {_PEFT_WRAPPER_NAME.sub("", name): (p.dtype, tuple(p.shape), spread_samples(p))
+               for name, p in base.named_parameters() if not _PEFT_ADDED_NAME.search(name) and p.is_floating_point()}
+    for name, m in base.named_modules():
+        if isinstance(m, QuantizedLinear) and not _PEFT_ADDED_NAME.search(f"{name}."):
+            weights[_PEFT_WRAPPER_NAME.sub("", f"{name}.weight")] = (m.weight_dtype, (m.out_features, m.in_features),
+                                                                      m.source_samples)
+    return weights
 
 
 def base_fingerprint(model: nn.Module) -> str:
@@ -249,12 +335,12 @@ def base_fingerprint(model: nn.Module) -> str:
     digest = hashlib.sha256()
     weights = _base_weights(model)
     for name in sorted(weights):
-        flat = weights[name].detach().reshape(-1)
-        count = min(flat.numel(), FINGERPRINT_SAMPLES)
-        index = torch.linspace(0, flat.numel() - 1, count, dtype=torch.float64).round().long().to(flat.device)
-        values = flat[index].to(torch.bfloat16).cpu()
+        _, shape, samples = weights[name]
+        digest.update(f"{name} {shape}\n".encode())
+        if samples is None:  # (a quantized layer not made from a float one: its name and shape alone)
+            continue
+        values = samples.to(torch.bfloat16).cpu()
         values = torch.where(values.abs() < FLOAT16_SMALLEST_NORMAL, torch.zeros_like(values), values)  # (-0 too)
-        digest.update(f"{name} {tuple(weights[name].shape)}\n".encode())
         digest.update(values.view(torch.int16).numpy().astype("<i2").tobytes())
     return f"{FINGERPRINT_SCHEME}:{digest.hexdigest()[:16]}"
 
@@ -263,9 +349,9 @@ def base_record(model: nn.Module) -> dict[str, str]:
     """What an adapter saved from a wrapper of `model` records of it: its fingerprint and the dtype of most of its
     weights ("float32")."""
     sizes: dict[str, int] = {}
-    for tensor in _base_weights(model).values():
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        sizes[dtype] = sizes.get(dtype, 0) + tensor.numel()
+    for dtype, shape, _ in _base_weights(model).values():
+        name = str(dtype).removeprefix("torch.")
+        sizes[name] = sizes.get(name, 0) + math.prod(shape)
     return {FINGERPRINT_KEY: base_fingerprint(model), DTYPE_KEY: max(sizes, key=sizes.__getitem__, default="none")}
 
 
@@ -473,7 +559,7 @@ def check_adapter_loaded(wrapped: Any, path: Path, header: dict[str, tuple[str, 
 def module_name_patterns(model: nn.Module) -> list[str]:
     """`model`'s linear layer names with block indices as {i} (transformer.core_block.{i}.attn.Wqkv, ...)."""
     return sorted({re.sub(r"\.\d+(?=\.|$)", ".{i}", name) for name, module in model.named_modules()
-                   if isinstance(module, nn.Linear)})
+                   if isinstance(module, LINEAR_TYPES)})
 
 
 TARGET_REGEX_SECONDS = 2.0  # the longest an adapter's target_modules regex may take over the model's module names
@@ -522,7 +608,7 @@ def check_adapter_targets(model: nn.Module, path: Path) -> None:
     config = read_adapter_config(path)
     source = f"cannot load the LoRA adapter {path} onto this model: its {ADAPTER_CONFIG}'s"
     names = [name for name, _ in model.named_modules() if name]
-    linear = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    linear = [name for name, module in model.named_modules() if isinstance(module, LINEAR_TYPES)]
     ours = f"this model's linear layers are {clipped_names(module_name_patterns(model), 20)}"
     targets = config.get("target_modules")
     if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
@@ -558,10 +644,12 @@ def check_adapter_targets(model: nn.Module, path: Path) -> None:
                              f"have (another architecture's names?); its modules are {clipped_names(top, 10)}")
 
 
-def _peft_config(model: nn.Module, path: Path) -> Any:
+def _peft_config(model: nn.Module, path: Path, layout: nn.Module | None = None) -> Any:
     """The peft config to load the adapter in `path` onto `model` with, where the saved one needs changing; None:
-    the saved one as it is."""
+    the saved one as it is. layout: `model`'s modules without peft's layers (default: `model`), which "all-linear"
+    expands over. On int8 / int4 layers: registered for them (`on_quantized_layers`), DoRA refused."""
     peft = require_peft()
+    layout = model if layout is None else layout
     config = None
     if not hasattr(model, "prepare_inputs_for_generation"):
         # An adapter made with peft on the transformers class says task_type="CAUSAL_LM", whose peft wrapper needs
@@ -574,8 +662,12 @@ def _peft_config(model: nn.Module, path: Path) -> Any:
         # peft leaves the output head out of "all-linear" only on a transformers model (it asks for its output
         # embeddings): on the library's it took the lm_head too, which the adapter (made on either) does not hold
         config = config if config is not None else peft.PeftConfig.from_pretrained(str(path))
-        config.target_modules = sorted(name for name, module in model.named_modules()
-                                       if isinstance(module, nn.Linear) and name.split(".")[-1] != OUTPUT_HEAD)
+        config.target_modules = sorted(name for name, module in layout.named_modules()
+                                       if isinstance(module, LINEAR_TYPES) and name.split(".")[-1] != OUTPUT_HEAD)
+    if quantized_weights(model):
+        refuse_dora_on_quantized(path, held_weights(model))
+        config = on_quantized_layers(config if config is not None else peft.PeftConfig.from_pretrained(str(path)),
+                                     model)
     return config
 
 
@@ -648,9 +740,12 @@ def _untie_adapted_head(model: nn.Module) -> None:
 
 
 def merge_lora(model: Any) -> nn.Module:
-    """The base model with every adapter added into its weights (W + scale B A), peft's layers removed."""
+    """The base model with every adapter added into its weights (W + scale B A), peft's layers removed; refused on
+    int8 / int4 weights (merge on the float model, then quantize)."""
     if not is_peft_model(model):
         raise ValueError(f"merge_lora takes a peft model (add_lora / load_lora), got {type(model).__name__}")
+    if quantized_weights(model):
+        raise _merge_refusal(model)
     _untie_adapted_head(model.get_base_model())
     try:
         return model.merge_and_unload()
@@ -770,7 +865,8 @@ def add_named_lora(model: nn.Module, wrapped: Any, adapter_dir: str | Path, name
     path = check_adapter_dir(adapter_dir)
     header = check_adapter_files(path)
     check_adapter_targets(layout, path)
-    wrapped = _load_named(model, wrapped, path, name, _peft_config(layout, path), header, strict_base, model_dir)
+    wrapped = _load_named(model, wrapped, path, name, _peft_config(model, path, layout), header, strict_base,
+                          model_dir)
     use_adapter(wrapped, None)
     return wrapped
 

@@ -159,7 +159,7 @@ def _pretrain(args: argparse.Namespace) -> int:
 
 def _load(args: argparse.Namespace):
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     path = Path(args.model)
     if not (path / "config.json").is_file():
@@ -168,9 +168,12 @@ def _load(args: argparse.Namespace):
 
     check_loopable_dir(path)  # (a config.json describing a million layers: refused before anything is built)
     from recurrent_depth.checkpoint import usable_device
+    from recurrent_depth.looping.loop import load_causal_lm
 
     device = usable_device(args.device)  # (one line, not a traceback from the first copy to a missing device)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    if device.type == "meta":  # (usable_device allows it for building shapes; scoring needs numbers)
+        raise ValueError("--device meta holds no numbers: the loops cannot be scored there; choose cpu or cuda")
+    model = load_causal_lm(path, dtype=torch.float32).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
 
@@ -239,6 +242,9 @@ def _score(args: argparse.Namespace) -> int:
     check_out_dir(args.out)
     if getattr(args, "save", None):
         check_out_dir(args.save, "--save")
+        if Path(args.save).resolve() == Path(args.model).resolve():  # (the source was overwritten by the loop)
+            raise ValueError(f"--save {args.save} is the --model directory: saving there replaces the source "
+                             f"model; choose another directory")
     model, tokenizer = _load(args)
     check_seq_len(model.config, args.seq_len, "--seq-len")
     stored = getattr(model.config, CONFIG_KEY, None)

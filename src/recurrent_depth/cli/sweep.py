@@ -54,10 +54,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from recurrent_depth.files import check_out_dir
     from recurrent_depth.scaling.sweep import run_sweep
 
     if args.jobs is not None and args.jobs < 1:  # (as the flag, before the plan and shared data are written)
         raise ValueError(f"--jobs must be an integer >= 1, got {args.jobs}")
+    check_out_dir(args.out)  # (an existing file: mkdir's bare "[Errno 17] File exists")
     # --threads (added to every command) is each run's torch thread count here, not this process's
     states = run_sweep(args.config, args.out, jobs=args.jobs, threads=getattr(args, "threads", None))
     left = [name for name, state in states.items() if state != "done"]
@@ -67,10 +69,16 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _emit(args: argparse.Namespace) -> int:
+    from recurrent_depth.files import check_out_dir
     from recurrent_depth.scaling.sweep import emit_sweep
 
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+    # each option is one #SBATCH line: a line break would make the rest a line of the script of its own
+    broken = [option for option in args.sbatch if "\n" in option or "\r" in option]
+    if broken:
+        raise ValueError(f"--sbatch {broken[0]!r} holds a line break; give each option as its own --sbatch")
+    check_out_dir(args.out)  # (an existing file: mkdir's bare "[Errno 17] File exists")
     for path in emit_sweep(args.config, args.out, nproc=args.nproc, slurm=args.slurm, slurm_options=args.sbatch):
         print(f"wrote {path}")
     return 0

@@ -901,6 +901,8 @@ def load_corpus(
     if text == "stdlib":
         _check_no_text_field(text_field, text)
         return StdlibCorpus()
+    if not text.strip():  # (Path("") is the current directory: an unset shell variable read every file there)
+        raise ValueError(f"data: {text!r} is empty; {expected}")
     path = Path(text).expanduser()
     if path.is_dir():
         if is_saved_dataset(path):

@@ -153,7 +153,7 @@ def _check_vocab_size(vocab_size: int) -> None:
         )
 
 
-def _check_trainable_vocab_size(vocab_size: int) -> None:
+def check_trainable_vocab_size(vocab_size: int) -> None:
     """`_check_vocab_size`, and at most `MAX_TRAINED_VOCAB_SIZE`, which the BPE trainer can hold."""
     _check_vocab_size(vocab_size)
     if vocab_size > MAX_TRAINED_VOCAB_SIZE:
@@ -231,7 +231,7 @@ def train_tokenizer(
     if isinstance(docs, str | bytes):
         # (else each character would be one document, and the error would blame the vocabulary size)
         raise ValueError("docs must be an iterable of documents or strings, got one string; pass [text]")
-    _check_trainable_vocab_size(vocab_size)
+    check_trainable_vocab_size(vocab_size)
     slots = slot_tokens(extra_special_tokens)
     if max_bytes is not None and (isinstance(max_bytes, bool) or max_bytes < 1):
         raise ValueError(f"max_bytes must be a positive int or None, got {max_bytes!r}")
@@ -523,7 +523,7 @@ def build_tokenizer(
     if not (0.0 <= val_fraction < 1.0):
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     # Bad sizes and names fail now, not after reading the corpus or the (maybe hour-long) training.
-    _check_trainable_vocab_size(vocab_size)
+    check_trainable_vocab_size(vocab_size)
     chat_template(assistant_name)
     slot_tokens(extra_special_tokens)
     source = load_corpus(corpus)

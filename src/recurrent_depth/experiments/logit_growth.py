@@ -65,8 +65,10 @@ class LogitGrowthConfig:
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.variants) - set(VARIANTS))
-        if unknown or not self.variants:  # (none: nothing would run, and an empty result would be written)
-            raise ValueError(f"logit-growth variants {list(self.variants)}: choose some of {list(VARIANTS)}")
+        # (none: nothing would run; one twice: all its runs ran twice, the summary keeping one of each)
+        if unknown or not self.variants or len(set(self.variants)) != len(self.variants):
+            raise ValueError(f"logit-growth variants {list(self.variants)}: choose some of {list(VARIANTS)}, "
+                             f"each once")
         for name in ("muon_lrs", "adamw_lrs"):
             lrs = getattr(self, name)
             # distinct: the summary keys its fits by lr, and the T_sat-vs-lr fit needs different lrs (a NaN or
@@ -90,16 +92,22 @@ class LogitGrowthConfig:
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise ValueError(f"{name}={value!r} is invalid: expected an integer >= 1")
+        for variant in self.variants:  # (a shape the model refuses: before --out is made, not at the first run)
+            growth_model_config(self, variant)
 
 
-def growth_model(cfg: LogitGrowthConfig, variant: str) -> rd.RecurrentDepthLM:
-    torch.manual_seed(cfg.seed)
-    return rd.RecurrentDepthLM(rd.ModelConfig(
+def growth_model_config(cfg: LogitGrowthConfig, variant: str) -> rd.ModelConfig:
+    return rd.ModelConfig(
         vocab_size=BYTE_VOCAB, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads,
         intermediate_size=int(cfg.hidden_size * 2.75), prelude_layers=1, core_layers=1, coda_layers=1,
         mean_recurrence=cfg.recurrence, mean_backprop_depth=cfg.recurrence, max_seq_len=cfg.seq_len,
         qk_norm=variant == "qk-norm", init_scale=0.0,  # s_0 = 0: the logits depend on the weights alone
-    ))
+    )
+
+
+def growth_model(cfg: LogitGrowthConfig, variant: str) -> rd.RecurrentDepthLM:
+    torch.manual_seed(cfg.seed)
+    return rd.RecurrentDepthLM(growth_model_config(cfg, variant))
 
 
 def growth_optimizer(cfg: LogitGrowthConfig, optimizer: str, lr: float) -> OptimConfig:
@@ -265,6 +273,7 @@ def run_logit_growth(cfg: LogitGrowthConfig, log=print) -> dict[str, Any]:
     out = Path(cfg.out)
     check_out_dir(out)  # (an existing file: one line naming it, not mkdir's bare errno)
     tokens = byte_tokens(cfg.corpus, max_bytes=1_000_000)
+    ByteWindows(tokens, cfg.seq_len, cfg.seed)  # (a corpus shorter than a window: refused here, not at the first run)
     out.mkdir(parents=True, exist_ok=True)  # (after the corpus loads: a bad --corpus leaves no empty --out)
     runs = []
     start = time.perf_counter()

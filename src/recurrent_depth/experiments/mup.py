@@ -73,8 +73,10 @@ class MupConfig:
         if self.widen not in WIDENINGS:
             raise ValueError(f"widen={self.widen!r}: expected one of {WIDENINGS}")
         unknown = sorted(set(self.parametrizations) - set(PARAMETRIZATIONS))
-        if unknown or not self.parametrizations:
-            raise ValueError(f"parametrizations {self.parametrizations}: expected some of {PARAMETRIZATIONS}")
+        # (one twice: its runs ran twice, the results keeping one)
+        if unknown or not self.parametrizations or len(set(self.parametrizations)) != len(self.parametrizations):
+            raise ValueError(f"parametrizations {self.parametrizations}: expected some of {PARAMETRIZATIONS}, "
+                             f"each once")
         if self.widen == "heads" and (len(self.widths) < 2 or any(w % self.head_dim for w in self.widths)):
             raise ValueError(f"widths {self.widths} must be >= 2 multiples of head_dim={self.head_dim}")
         heads = self.base_width // self.head_dim
@@ -243,6 +245,11 @@ def run_mup(cfg: MupConfig, transfer: bool, log=print) -> dict[str, Any]:
     check_out_dir(out)  # (an existing file: one line naming it, not mkdir's bare errno)
     start = time.perf_counter()
     tokens = byte_tokens(cfg.corpus, 1_000_000)
+    # before --out is made: a model shape refused or a corpus shorter than a window left an empty --out
+    for width in cfg.widths:
+        for parametrization in cfg.parametrizations:
+            width_model_config(cfg, width, parametrization)
+    ByteWindows(tokens, cfg.seq_len, 0)
     out.mkdir(parents=True, exist_ok=True)  # (after the corpus loads: a bad --corpus leaves no empty --out)
     coords = coordinate_check(cfg, tokens)
     for parametrization in cfg.parametrizations:

@@ -134,18 +134,24 @@ def check_loopable_dir(path: str | Path) -> None:
                 raise ValueError(f"{where}: {name} must be an integer in [1, {upper:,}], got {value!r}")
             sizes.setdefault(names[0], value)
     layers, hidden = sizes.get("num_hidden_layers", 1), sizes.get("hidden_size", 1)
-    inner, vocab = sizes.get("intermediate_size", 4 * hidden), sizes.get("vocab_size", 1)
-    params = 2 * vocab * hidden + layers * (4 * hidden * hidden + 3 * hidden * inner)
-    memory = _physical_memory()
-    if memory is not None and 4 * params > memory:
-        raise ValueError(f"{where} describes a model of about {params / 1e9:,.1f} B parameters "
-                         f"({4 * params / 1e9:,.1f} GB in float32), more than this machine's "
-                         f"{memory / 1e9:,.1f} GB of memory")
+    check_model_memory(layers, hidden, sizes.get("intermediate_size", 4 * hidden), sizes.get("vocab_size", 1),
+                       f"{where} describes")
     if CONFIG_KEY in config and config[CONFIG_KEY] is not None:
         try:
             LoopConfig.from_dict(config[CONFIG_KEY])
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{where}: the stored loop is invalid: {exc}") from None
+
+
+def check_model_memory(layers: int, hidden: int, inner: int, vocab: int, what: str) -> None:
+    """A one-line ValueError when a decoder-only LM of these sizes would not fit this machine's memory in float32
+    (`what` starts the message: "<config> describes"): it is refused before anything allocates."""
+    params = 2 * vocab * hidden + layers * (4 * hidden * hidden + 3 * hidden * inner)
+    memory = _physical_memory()
+    if memory is not None and 4 * params > memory:
+        raise ValueError(f"{what} a model of about {params / 1e9:,.1f} B parameters "
+                         f"({4 * params / 1e9:,.1f} GB in float32), more than this machine's "
+                         f"{memory / 1e9:,.1f} GB of memory")
 
 
 def _physical_memory() -> int | None:

@@ -155,7 +155,8 @@ def candidate_windows(num_layers: int, widths: Sequence[int]) -> list[tuple[int,
     for w in widths:
         if w < 1 or w > num_layers:
             raise ValueError(f"window width {w} is outside 1..{num_layers} (the model's decoder layers)")
-    return [(a, a + w - 1) for w in widths for a in range(num_layers - w + 1)]
+    # (each width once: `--widths 1,1` scored, and listed, every window twice)
+    return [(a, a + w - 1) for w in dict.fromkeys(widths) for a in range(num_layers - w + 1)]
 
 
 def loop_grid(windows: Sequence[tuple[int, int]], iterations: Sequence[int], rules: Sequence[str],
@@ -166,10 +167,10 @@ def loop_grid(windows: Sequence[tuple[int, int]], iterations: Sequence[int], rul
     `stash` and `when` only matter for cached forwards (scoring runs without a cache), so they are carried
     as given: a saved loop keeps them.
     """
-    out = []
+    out: dict[LoopConfig, None] = {}  # (each configuration once: `--iterations 2,2` scored and listed it twice)
     for (a, b), k, rule, mode in itertools.product(windows, iterations, rules, modes):
         if k < 1:
             raise ValueError(f"iterations must be >= 1, got {k}")
         if k > 1 and not (mode == "layer" and a == b and "block" in modes):  # one layer: the modes agree
-            out.append(LoopConfig(a, b, iterations=k, rule=rule, mode=mode, beta=beta, stash=stash, when=when))
-    return out
+            out[LoopConfig(a, b, iterations=k, rule=rule, mode=mode, beta=beta, stash=stash, when=when)] = None
+    return list(out)

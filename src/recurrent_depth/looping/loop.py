@@ -293,17 +293,37 @@ def loop_of(model: nn.Module) -> LoopConfig | None:
     return None if looper is None else looper.cfg
 
 
+def load_causal_lm(path: str | Any, **kwargs: Any) -> nn.Module:
+    """`AutoModelForCausalLM.from_pretrained(path, **kwargs)`, with a config.json transformers cannot build or whose
+    shapes disagree with the weights (hidden_size not divisible by the heads, a vocab_size smaller than its
+    pad_token_id, ...) as one ValueError naming `path`: transformers raises RuntimeError, AssertionError or
+    huggingface_hub's validation errors there, each a traceback. A config.json describing tensors the weights
+    lack (no num_hidden_layers: Llama's default 32 layers over 4 stored) is refused too: transformers only logs
+    them and initialises them at random, and the loops were scored on that model."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoModelForCausalLM
+
+    kwargs.pop("output_loading_info", None)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
+    except (RuntimeError, AssertionError, TypeError, StrictDataclassError) as exc:
+        raise ValueError(f"cannot load {path} as a transformers causal LM: {' '.join(str(exc).split())}") from None
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise ValueError(f"cannot load {path}: its weights lack {len(missing)} tensor(s) its config.json describes "
+                         f"(e.g. {missing[0]}), which would be random; is config.json the one saved with them?")
+    return model
+
+
 def from_pretrained(path: str, loop: LoopConfig | dict[str, Any] | None = None, **kwargs: Any) -> nn.Module:
     """Load a transformers causal LM (`AutoModelForCausalLM`, no remote code) and re-apply the loop in its
     config.json (or `loop`, which overrides it). Other keyword arguments go to `from_pretrained`."""
-    from transformers import AutoModelForCausalLM
-
     if kwargs.get("trust_remote_code"):
         raise ValueError("recurrent_depth.looping.from_pretrained does not run remote code")
     if isinstance(loop, dict):
         loop = LoopConfig.from_dict(loop)  # (refused before the model is built, as the stored one)
     check_loopable_dir(path)
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model = load_causal_lm(path, **kwargs)
     stored = getattr(model.config, CONFIG_KEY, None)
     chosen = loop if loop is not None else stored
     if chosen is not None:

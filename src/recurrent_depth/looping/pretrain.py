@@ -52,6 +52,18 @@ class PretrainRecipe:
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise ValueError(f"PretrainRecipe.{name} must be an integer >= 1, got {value!r}")
+        from recurrent_depth.data.tokenizer import check_trainable_vocab_size
+        from recurrent_depth.looping.config import MAX_DECODER_LAYERS, MAX_WIDTH, check_model_memory
+
+        # before --out is made and the tokenizer trained (a vocab_size of 5 was refused by the tokenizer trainer
+        # after --out was made; --hidden-size 1e9 was torch's allocation error, a traceback, after the data)
+        check_trainable_vocab_size(self.vocab_size)
+        for name, upper in (("num_layers", MAX_DECODER_LAYERS), ("hidden_size", MAX_WIDTH),
+                            ("intermediate_size", MAX_WIDTH)):
+            if getattr(self, name) > upper:
+                raise ValueError(f"PretrainRecipe.{name} must be at most {upper:,}, got {getattr(self, name)}")
+        check_model_memory(self.num_layers, self.hidden_size, self.intermediate_size, self.vocab_size,
+                           "PretrainRecipe describes")
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError("PretrainRecipe: hidden_size must divide by num_heads and num_heads by num_kv_heads")
         if (self.hidden_size // self.num_heads) % 2:  # (transformers refuses it only once the model is built)
@@ -104,7 +116,8 @@ def pretrain(out: str | Path, recipe: PretrainRecipe | None = None,
     from transformers import LlamaForCausalLM
 
     from recurrent_depth.data import build_tokenizer, load_corpus, prepare_dataset
-    from recurrent_depth.files import locked_directory
+    from recurrent_depth.data.prepare import corpus_would_read
+    from recurrent_depth.files import check_out_dir, locked_directory
     from recurrent_depth.train.batches import RowBatches
     from recurrent_depth.train.config import TrainConfig
     from recurrent_depth.train.optim import OptimConfig
@@ -112,12 +125,16 @@ def pretrain(out: str | Path, recipe: PretrainRecipe | None = None,
 
     recipe = recipe or PretrainRecipe()
     out = Path(out)
+    check_out_dir(out)  # (an existing file: mkdir's bare "[Errno 17] File exists")
     # The demo trains from scratch and clears its own earlier checkpoints, but never another run's
     # (`--out` naming an `rdepth train` run by mistake deleted that run's checkpoints).
     if (out / "checkpoints").exists() and not (out / "pretrain.json").is_file():
         raise ValueError(f"{out} holds checkpoints that no finished `rdepth loop pretrain` wrote (no pretrain.json): "
                          f"choose a new --out, or delete {out / 'checkpoints'}")
     corpus = load_corpus(recipe.data)  # (a bad --data: named before --out is made)
+    if corpus_would_read(corpus, out / "data"):  # (refused by prepare_dataset after the tokenizer was written there)
+        raise ValueError(f"--out {out} lies inside --data {corpus.name}, a directory whose every file is read: the "
+                         f"run's tokenizer and shards would become documents; choose an --out outside it")
     out.mkdir(parents=True, exist_ok=True)
     # The demo always trains from scratch; a run training there now is refused, not cleared away.
     with locked_directory(out, "--out"):

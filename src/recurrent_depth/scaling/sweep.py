@@ -55,6 +55,9 @@ EVAL_CACHE = "sweep_eval.json"
 LOG_FILE = "sweep.log"
 # Override keys that are not a TrainConfig / ModelConfig field of the same name.
 ALIASES = {"tokens": "max_tokens", "lr": "optim.lr"}
+# Training config keys the sweep sets itself, with why: a base or run value for them would be replaced unseen.
+SET_BY_SWEEP = {"out": "each run writes into SWEEP_DIR/runs/NAME", "resume": "an unfinished run resumes",
+                "eval_depths": "every run is evaluated at the sweep's test_depths"}
 # Short names for the run directory (others are spelled out).
 NAME_PARTS = {"hidden_size": "h", "prelude_layers": "p", "core_layers": "c", "coda_layers": "d",
               "mean_recurrence": "r", "tokens": "tok", "max_tokens": "tok", "lr": "lr", "seed": "s"}
@@ -118,9 +121,9 @@ def plan_sweep(data: Any, source: str = "sweep config") -> SweepPlan:
     base = data.get("base") or {}
     if not isinstance(base, dict):
         raise ValueError(f"{source}: base must be a mapping of training config keys")
-    for key in ("out", "resume"):
+    for key, why in SET_BY_SWEEP.items():
         if key in base:
-            raise ValueError(f"{source}: base.{key} is set by the sweep (each run writes into SWEEP_DIR/runs/NAME)")
+            raise ValueError(f"{source}: base.{key} is set by the sweep ({why})")
     entries = [_flattened(e, source) for e in
                _grid_entries(data.get("grid"), source) + _listed_entries(data.get("runs"), source)]
     if not entries:
@@ -189,16 +192,36 @@ def _flattened(entry: dict[str, Any], source: str) -> dict[str, Any]:
     size) is spread into single overrides."""
     model = entry.pop("model", None)
     if model is None:
-        return entry
+        return _check_entry(entry, source)
     if not isinstance(model, dict) or not all(isinstance(k, str) and k in MODEL_FIELDS for k in model):
         raise ValueError(f"{source}: a model: value must be a mapping of ModelConfig fields, got {model!r}")
     clash = sorted(set(model) & set(entry))
     if clash:
         raise ValueError(f"{source}: {', '.join(clash)} set twice in one run (in model: and beside it)")
-    return {**entry, **model}
+    return _check_entry({**entry, **model}, source)
+
+
+def _check_entry(entry: dict[str, Any], source: str) -> dict[str, Any]:
+    """Refuse a run whose overrides contradict each other: its name would record settings it does not train
+    with (`tokens` and `max_tokens` both set one budget; a non-recurrent run trains at depth 1, fixed)."""
+    by_setting: dict[str, list[str]] = {}
+    for key in entry:
+        by_setting.setdefault(ALIASES.get(key, key), []).append(key)
+    twice = [" and ".join(keys) for keys in by_setting.values() if len(keys) > 1]
+    if twice:
+        raise ValueError(f"{source}: {'; '.join(twice)} set one setting twice in run {entry!r}: keep one")
+    if entry.get("mean_recurrence") == 1:
+        forced = {"depth_scheme": "fixed", "backprop_depth": 1}
+        bad = [f"{k}={entry[k]!r}" for k, v in forced.items() if k in entry and entry[k] != v]
+        if bad:
+            raise ValueError(f"{source}: run {entry!r}: mean_recurrence 1 is a non-recurrent run (depth_scheme "
+                             f"fixed, backprop_depth 1), which {', '.join(bad)} contradicts")
+    return entry
 
 
 def _check_key(key: Any, source: str, where: str) -> None:
+    if key in SET_BY_SWEEP:
+        raise ValueError(f"{source}: {where}: {key} is set by the sweep ({SET_BY_SWEEP[key]})")
     if not isinstance(key, str) or not (key in ALIASES or key in MODEL_FIELDS or key in TRAIN_FIELDS
                                         or key == "model"):
         raise ValueError(f"{source}: {where}: unknown key {key!r}; expected a ModelConfig or TrainConfig field, "
@@ -210,7 +233,8 @@ def _absolute_paths(base: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key in ("data", "tokenizer", "data_dir", "init_from", "teacher", "distill_cache"):
         value = out.get(key)
-        if isinstance(value, str) and value != "stdlib" and not os.path.isabs(value):
+        # (not "": abspath made it the current directory, which the run then trained on; TrainConfig refuses it)
+        if isinstance(value, str) and value.strip() and value != "stdlib" and not os.path.isabs(value):
             out[key] = os.path.abspath(os.path.expanduser(value))  # (`~/corpus` is the home's, as the trainer reads it)
     return out
 
@@ -388,9 +412,13 @@ def read_plan(sweep_dir: str | Path) -> SweepPlan:
     if not path.is_file():
         raise ValueError(f"{sweep_dir} is not a sweep directory (no {PLAN_FILE}; start one with rdepth sweep run)")
     try:
-        return SweepPlan.from_dict(read_json(path, CONFIG_MAX_BYTES, "sweep plan"))
+        plan = SweepPlan.from_dict(read_json(path, CONFIG_MAX_BYTES, "sweep plan"))
     except (KeyError, TypeError) as exc:
         raise ValueError(f"{path} is damaged: {exc!r}") from None
+    for run in plan.runs:  # (a name is a directory under runs/: an int was a TypeError, "../x" a path outside)
+        if not isinstance(run.name, str) or run.name in ("", ".", "..") or "/" in run.name or "\\" in run.name:
+            raise ValueError(f"{path} is damaged: run name {run.name!r} is not a directory name")
+    return plan
 
 
 def _read_json_or_none(path: Path) -> Any:
@@ -501,6 +529,12 @@ def run_sweep(config: str | Path, sweep_dir: str | Path, jobs: int | None = None
         if not is_int(threads) or threads < 1:
             raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
         plan = SweepPlan(runs=plan.runs, test_depths=plan.test_depths, threads_per_run=threads)
+    from recurrent_depth.cli.common import THREADS_PER_CORE
+
+    limit = THREADS_PER_CORE * (os.cpu_count() or 1)
+    if plan.threads_per_run > limit:  # (each run's `rdepth train --threads` refuses it: every run failed at start)
+        raise ValueError(f"threads_per_run {plan.threads_per_run} is more than each run's rdepth train takes here "
+                         f"(at most {limit}: {THREADS_PER_CORE} per CPU core)")
     sweep_dir = Path(sweep_dir).resolve()
     plan = _write_plan(plan, sweep_dir, log)
     jobs = jobs or default_jobs(plan.threads_per_run)

@@ -98,6 +98,8 @@ def parse_json(text: str | bytes, source: str) -> Any:
         raise ValueError(f"{source} is JSON nested too deeply to parse") from None
     except UnicodeDecodeError as exc:
         raise ValueError(f"{source} is not UTF-8 text: {exc}") from None
+    except ValueError as exc:  # (a number of over 4300 digits: Python's int limit, which named no source)
+        raise ValueError(f"{source} is JSON the parser cannot read: {exc}") from None
 
 
 def read_json(path: str | os.PathLike[str], max_bytes: int = CONFIG_MAX_BYTES, what: str = "file") -> Any:

@@ -9,6 +9,8 @@ Records (one per JSONL line, or one per row of a local `datasets` file):
   texts joined by a newline, as the server reads them (`serving.chat_template.content_text`); an assistant
   message of OpenAI's fine-tuning `"weight": 0` is context, not learned (`weight` is 0 or 1, never rendered);
   a learned answer of empty text and no tool calls is refused (only its end of turn would be learned);
+  a record's `tools` (a list of tool objects, or its JSON text as trl reads it) is the template's `tools`
+  variable, as the server and transformers' `apply_chat_template(tools=...)` pass it;
 - prompt/completion: `{"prompt": "...", "completion": "..."}`, the completion is learned. Both may also be
   lists of messages (the conversational form): the conversation is `prompt + completion`, and only the
   completion's assistant messages are learned. An empty completion is refused.
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -66,6 +69,7 @@ class Conversation:
     learned: list[bool]
     templated: bool = True  # False: prompt/completion text, concatenated without the chat template
     prompt_messages: int = 0  # a conversational prompt/completion record: its prompt's messages, context only
+    tools: list[dict[str, Any]] | None = None  # the record's `tools`, the template's `tools` variable (None: none)
 
 
 @dataclass
@@ -190,7 +194,27 @@ def conversation(record: Any, where: str) -> Conversation:
                          f"{sorted(record)}")
     if not any(result.learned):
         raise ValueError(f"{where}: no assistant message to learn")
-    return result
+    tools = _tools(record.get("tools"), where)
+    if tools is not None and not result.templated:  # (text is not templated: the tools would be dropped, silently)
+        raise ValueError(f"{where}: 'tools' needs a chat (the chat template shows them); a text prompt/completion "
+                         "record has none")
+    return dataclasses.replace(result, tools=tools)
+
+
+def _tools(value: Any, where: str) -> list[dict[str, Any]] | None:
+    """A record's `tools` (OpenAI's fine-tuning format, trl's column; a JSON string as trl reads one, which is how
+    datasets stores tools of differing shapes): a list of tool objects, or None for none."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:  # (JSONDecodeError, and Python's int limit)
+            raise ValueError(f"{where}: 'tools' is a string that is not JSON (a list of tools)") from None
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list) or not all(isinstance(tool, dict) for tool in value):
+        raise ValueError(f"{where}: 'tools' must be a list of tool objects ({{\"type\": \"function\", "
+                         f"\"function\": {{...}}}}), got {type(value).__name__}")
+    return value
 
 
 def _messages(value: Any, where: str, key: str, learn: bool) -> tuple[list[dict[str, Any]], list[bool]]:
@@ -277,7 +301,9 @@ class ExampleEncoder:
         if chat.templated:
             chat = dataclasses.replace(chat, messages=[
                 {k: self.literal.escape(v, f"{where}: messages[{i}].{k}") for k, v in m.items()}
-                for i, m in enumerate(chat.messages)])
+                for i, m in enumerate(chat.messages)],
+                tools=None if chat.tools is None else [self.literal.escape(t, f"{where}: tools[{i}]")
+                                                       for i, t in enumerate(chat.tools)])
         pieces = self._chat_pieces(chat, where) if chat.templated else self._plain_pieces(chat)
         for text, _ in pieces:  # (JSON allows a lone surrogate like "\ud800": the tokenizer raised a TypeError on it)
             if isinstance(text, str):
@@ -330,14 +356,14 @@ class ExampleEncoder:
         if self.template.has_generation_blocks:
             return self._block_pieces(chat, where)
         messages = chat.messages
-        full = self._render(messages, False, where)
+        full = self._render(messages, False, where, chat.tools)
         pieces: list[tuple[str | int, bool]] = []
         cursor = 0
         for i, learned in enumerate(chat.learned):
             if not learned:
                 continue
-            start = self._render(messages[:i], True, where)
-            end = self._render(messages[: i + 1], False, where)
+            start = self._render(messages[:i], True, where, chat.tools)
+            end = self._render(messages[: i + 1], False, where, chat.tools)
             if not (end.startswith(start) and full.startswith(end) and len(start) >= cursor):
                 raise ValueError(f"{where}: the chat template does not render a conversation as a prefix of its "
                                  f"continuation, so the assistant's tokens cannot be told apart")
@@ -353,17 +379,18 @@ class ExampleEncoder:
         An assistant message of weight 0 teaches nothing: its text runs from where the render of the messages
         before it parts from the whole conversation to where the render with it does."""
         with _template_errors(where):
-            full, spans = self.template.generation_spans(chat.messages)
+            full, spans = self.template.generation_spans(chat.messages, tools=chat.tools)
         messages = chat.messages
+
+        def shared(count: int, open_turn: bool) -> int:  # where the render of `count` messages parts from full
+            return len(os.path.commonprefix([self._render(messages[:count], open_turn, where, chat.tools), full]))
+
         skipped = []  # text no block may teach: the prompt, and each assistant message of weight 0
         if chat.prompt_messages:
-            skipped.append((0, len(os.path.commonprefix([self._render(messages[: chat.prompt_messages], True, where),
-                                                          full]))))
+            skipped.append((0, shared(chat.prompt_messages, True)))
         for i in range(chat.prompt_messages, len(messages)):
             if messages[i]["role"] == "assistant" and not chat.learned[i]:  # (from the end of the message before)
-                start = len(os.path.commonprefix([self._render(messages[:i], False, where), full])) if i else 0
-                skipped.append((start, len(os.path.commonprefix([self._render(messages[: i + 1], False, where),
-                                                                 full]))))
+                skipped.append((shared(i, False) if i else 0, shared(i + 1, False)))
         pieces: list[tuple[str | int, bool]] = []
         cursor = 0
         for start, end in sorted(spans):  # (sorted: a nested block is noted before the block around it)
@@ -375,9 +402,10 @@ class ExampleEncoder:
                              f"assistant answers, so nothing would be learned")
         return [*pieces, (full[cursor:], False)]
 
-    def _render(self, messages: list[dict[str, str]], open_turn: bool, where: str) -> str:
+    def _render(self, messages: list[dict[str, str]], open_turn: bool, where: str,
+                tools: list[dict[str, Any]] | None) -> str:
         with _template_errors(where):
-            return self.template.render(messages, add_generation_prompt=open_turn)
+            return self.template.render(messages, add_generation_prompt=open_turn, tools=tools)
 
 
 def _without(start: int, end: int, skipped: list[tuple[int, int]]) -> list[tuple[int, int]]:

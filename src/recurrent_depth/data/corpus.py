@@ -435,6 +435,8 @@ def json_line(raw: bytes, where: str, first: bool = False) -> Any:
         return json.loads(line)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except ValueError as exc:  # (a number of over 4300 digits: Python's int limit, raised without the line)
+        raise ValueError(f"{where}: JSON the parser cannot read ({exc})") from None
     except RecursionError:
         raise ValueError(f"{where}: JSON nested too deeply to parse") from None
 

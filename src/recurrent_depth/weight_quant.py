@@ -277,8 +277,8 @@ class Int8WeightLinear(QuantizedLinear):
     """A linear layer with int8 weights and per-output-channel scales: `y = x (q * s)^T + b`.
 
     Buffers `qweight` (int8 `[out, in]`) and `scales` (float32 `[out]`); the bias (if any) stays a
-    parameter in the model's dtype. Made by `quantize_weights`; inference only (no weight gradient).
-    """
+    parameter in the model's dtype. Made by `quantize_weights`; frozen (no weight gradient), with the input's
+    gradient through the reference's F.linear (what LoRA adapters above it train on, QLoRA)."""
 
     def __init__(self, qweight: Tensor, scales: Tensor, bias: Tensor | None) -> None:
         super().__init__(*qweight.shape, bias)
@@ -351,7 +351,7 @@ class Int4WeightLinear(QuantizedLinear):
     - torch's CPU kernel layout (True; where C++ is off and the kernel takes the shape): `qweight` in
       the kernel's packed form and `scales_and_zeros` `[groups, out, 2]` in the model's dtype holding
       bf16 values (the kernel reads them in the activations' dtype).
-    Made by `quantize_weights`; inference only.
+    Made by `quantize_weights`; frozen, the input's gradient through the reference (QLoRA training).
     """
 
     def __init__(self, qweight: Tensor, scales_and_zeros: Tensor, bias: Tensor | None, in_features: int,
@@ -446,14 +446,17 @@ def _replace_children(root: nn.Module, plain: type[nn.Module], make) -> int:
     return count
 
 
-def quantize_weights(model: nn.Module, weights: str | None = "int8", include_head: bool = False) -> int:
+def quantize_weights(model: nn.Module, weights: str | None = "int8", include_head: bool = False,
+                     kernel_layout: bool | None = None) -> int:
     """Quantize `model` (a `RecurrentDepthLM`) in place; returns the number of layers swapped.
 
     weights: "int8", "int4" (group 32) or "int4:g<group>" (None: nothing). Every `nn.Linear` under
     `model.transformer` becomes an `Int8WeightLinear` / `Int4WeightLinear`; `include_head` also
     quantizes an untied `lm_head` (a tied one shares the embedding's storage: ValueError). A model already
     holding this format keeps its codes (only a float head that include_head asks for is quantized); one
-    holding another format is a ValueError."""
+    holding another format is a ValueError. kernel_layout: the int4 layers' (`Int4WeightLinear.from_linear`'s;
+    QLoRA training passes False: its products take the reference, which reads the plain layout directly, not
+    through one kernel call per input column, and on any device)."""
     parsed = parse_weights(weights)
     if parsed is None:
         return 0
@@ -481,7 +484,7 @@ def quantize_weights(model: nn.Module, weights: str | None = "int8", include_hea
     def make(linear: nn.Linear) -> QuantizedLinear:
         if kind == "int8":
             return Int8WeightLinear.from_linear(linear)
-        return Int4WeightLinear.from_linear(linear, group)
+        return Int4WeightLinear.from_linear(linear, group, kernel_layout)
 
     from recurrent_depth.accel.linear import restore_linears  # (accel imports this module)
 

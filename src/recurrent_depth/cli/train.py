@@ -10,7 +10,8 @@ Every TrainConfig field has a flag (`--max-steps`, `--eval-depths 1,4,8`, `--com
     rdepth train --lora --init-from runs/tiny/model --lora-parts core --data more.txt --out runs/tiny-lora
 
 `--lora` trains a peft LoRA adapter on a saved model (`--init-from`, whose config and tokenizer the run
-takes) instead of every weight (docs/post-training.md).
+takes) instead of every weight (docs/post-training.md); `--weights int8` / `int4` trains it on the model's
+quantized, frozen weights (QLoRA).
 """
 
 from __future__ import annotations

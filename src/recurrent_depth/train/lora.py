@@ -21,6 +21,8 @@ terms itself (`accel/lora.py`). peft is the optional extra `recurrent-depth[lora
 On int8 / int4 weights (`weight_quant`, `--weights`) adapters go on the quantized layers unmerged, QLoRA-style:
 every load and `add_lora` registers those layers with peft's custom-module dispatch (`on_quantized_layers`), whose
 LoRA layer (`quantized_lora_layer`) is peft's own over the quantized product; DoRA and merging are refused.
+Training one there (QLoRA: `LoraSpec(weights="int4")`, `--lora --weights`): `add_lora` quantizes the base first,
+frozen; the adapter saved is an ordinary one, which loads onto the float base too.
 
 An adapter saved from `add_lora` records a fingerprint of its base model's weights (`base_fingerprint`);
 loading it onto a model whose weights differ (another fine-tune of the same shapes) warns with
@@ -45,7 +47,9 @@ from torch import nn
 
 from recurrent_depth.weight_quant import (
     QuantizedLinear,
+    check_weights,
     held_weights,
+    quantize_weights,
     quantized_weights,
     spread_samples,
 )
@@ -82,15 +86,19 @@ def require_peft() -> Any:
 
 @dataclass(frozen=True)
 class LoraSpec:
-    """Which modules get a LoRA adapter and its shape: `B A` of rank `rank`, scaled by `alpha / rank`."""
+    """Which modules get a LoRA adapter and its shape: `B A` of rank `rank`, scaled by `alpha / rank`.
+    weights: "int8" / "int4" / "int4:g<group>" trains the adapter on the base quantized to that format (QLoRA:
+    `add_lora` quantizes it, frozen, before the adapter goes on); None keeps the base's float weights."""
 
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
     parts: tuple[str, ...] = PARTS
     kinds: tuple[str, ...] = KINDS
+    weights: str | None = None
 
     def __post_init__(self) -> None:
+        check_weights(self.weights)  # (a one-line ValueError naming the formats)
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"LoRA rank={self.rank!r} is invalid: expected an integer >= 1")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or not (
@@ -220,8 +228,13 @@ def add_lora(model: nn.Module, spec: LoraSpec, base_dir: str | Path | None = Non
     `adapter_config.json` (`base_model_name_or_path`, made absolute) so `load_adapter_model` finds the
     base from anywhere. seed: the A matrices' random init draws from it (the trainers pass their
     `seed`, so a LoRA run repeats exactly) without touching torch's global RNG; None: from that RNG.
-    The wrapper also keeps `base_record(model)` (the base's fingerprint), which `save_adapter` records."""
+    The wrapper also keeps `base_record(model)` (the base's fingerprint), which `save_adapter` records.
+    spec.weights: `model`'s linear layers are quantized first, in place (QLoRA; the saved adapter is an ordinary
+    one: the quantized layers keep the float base's fingerprint, so it loads onto the float model too)."""
     peft = require_peft()
+    if spec.weights is not None:
+        # plain int4 layout (kernel_layout=False): the training products take the reference, which reads it directly
+        quantize_weights(model, spec.weights, kernel_layout=False)
     record = base_record(model)  # (before peft wraps it: the base's weights alone)
     with torch.random.fork_rng(devices=[]):  # (restores the CPU generator only: peft draws A on the CPU)
         if seed is not None:
@@ -239,7 +252,8 @@ def adapter_settings(model: Any) -> dict[str, Any] | None:
     if not is_peft_model(model):
         return None
     config = next(iter(model.peft_config.values()))
-    return _settings(config.r, config.lora_alpha, config.lora_dropout, config.target_modules)
+    return _settings(config.r, config.lora_alpha, config.lora_dropout, config.target_modules,
+                     held_weights(base_model_of(model)))
 
 
 def read_adapter_config(directory: str | Path) -> dict[str, Any]:
@@ -274,20 +288,22 @@ def saved_adapter_settings(directory: str | Path) -> dict[str, Any] | None:
         return None
     config = read_adapter_config(directory)
     return _settings(config.get("r"), config.get("lora_alpha"), config.get("lora_dropout"),
-                     config.get("target_modules"))
+                     config.get("target_modules"), recorded_base(directory).get(WEIGHTS_KEY))
 
 
-def _settings(rank: Any, alpha: Any, dropout: Any, targets: Any) -> dict[str, Any]:
+def _settings(rank: Any, alpha: Any, dropout: Any, targets: Any, weights: str | None) -> dict[str, Any]:
+    """weights: the int8 / int4 format of the base the adapter trains on (QLoRA), None for float weights."""
     targets = [targets] if isinstance(targets, str) else sorted(targets or ())
     return {"rank": rank, "alpha": float(alpha) if alpha is not None else None,
-            "dropout": float(dropout) if dropout is not None else None, "targets": targets}
+            "dropout": float(dropout) if dropout is not None else None, "targets": targets, "weights": weights}
 
 
 def describe_adapter(settings: dict[str, Any] | None) -> str:
     if settings is None:
         return "no LoRA adapter"
+    weights = settings.get("weights")
     return (f"LoRA rank {settings['rank']} alpha {settings['alpha']:g} dropout {settings['dropout']:g} on "
-            f"{len(settings['targets'])} modules")
+            f"{len(settings['targets'])} modules" + (f" of {weights} weights" if weights else ""))
 
 
 # ------------------------------------------------------------------------ which base an adapter belongs to
@@ -295,9 +311,13 @@ def describe_adapter(settings: dict[str, Any] | None) -> str:
 # "was saved using a higher version of the library" on every load. peft and transformers ignore the metadata.
 FINGERPRINT_KEY = "base_model_fingerprint"
 DTYPE_KEY = "base_model_dtype"  # the dtype of the weights fingerprinted (a float16 copy rounds them differently)
+# The int8 / int4 format of a quantized base (`held_weights`; absent for float weights): what a QLoRA run trained on,
+# which its resume must rebuild (`adapter_settings`)
+WEIGHTS_KEY = "base_model_weights"
 FINGERPRINT_SCHEME = "rd1"  # the recipe below; a recorded fingerprint of another scheme is not compared
 _RECORDED_FINGERPRINT = re.compile(rf"{FINGERPRINT_SCHEME}:[0-9a-f]{{16}}")  # what base_fingerprint gives
 _RECORDED_DTYPE = re.compile(r"[a-z][a-z0-9_]{0,31}")  # a torch dtype's name ("float32"), or "none"
+_RECORDED_WEIGHTS = re.compile(r"(int8|int4:g\d{1,4})(\+(int8|int4:g\d{1,4})){0,4}")  # `held_weights`' (a mix: "+")
 # (FINGERPRINT_SAMPLES, from weight_quant: values read from each parameter, spread evenly over it)
 FLOAT16_SMALLEST_NORMAL = 2.0**-14  # smaller magnitudes hash as 0: a float16 load keeps them only approximately
 # peft's names for a wrapped layer's own weight (`Wqkv.base_layer.weight`, `lm_head.original_module.weight`),
@@ -352,7 +372,9 @@ def base_record(model: nn.Module) -> dict[str, str]:
     for dtype, shape, _ in _base_weights(model).values():
         name = str(dtype).removeprefix("torch.")
         sizes[name] = sizes.get(name, 0) + math.prod(shape)
-    return {FINGERPRINT_KEY: base_fingerprint(model), DTYPE_KEY: max(sizes, key=sizes.__getitem__, default="none")}
+    record = {FINGERPRINT_KEY: base_fingerprint(model), DTYPE_KEY: max(sizes, key=sizes.__getitem__, default="none")}
+    weights = held_weights(model)
+    return record if weights is None else {**record, WEIGHTS_KEY: weights}
 
 
 def _add_weights_metadata(weights: Path, entries: dict[str, str]) -> None:
@@ -381,7 +403,7 @@ def recorded_base(adapter_dir: str | Path) -> dict[str, str]:
 
     with safe_open(str(path / ADAPTER_WEIGHTS), "pt") as handle:
         metadata = handle.metadata() or {}
-    recorded = {key: metadata[key] for key in (FINGERPRINT_KEY, DTYPE_KEY) if metadata.get(key)}
+    recorded = {key: metadata[key] for key in (FINGERPRINT_KEY, DTYPE_KEY, WEIGHTS_KEY) if metadata.get(key)}
 
     def bad(key: str, expected: str) -> ValueError:
         return ValueError(f"weights file {path / ADAPTER_WEIGHTS}: metadata {key}={clipped(recorded[key])} is "
@@ -393,6 +415,8 @@ def recorded_base(adapter_dir: str | Path) -> dict[str, str]:
         raise bad(FINGERPRINT_KEY, f"{FINGERPRINT_SCHEME}: and 16 hex digits")  # (another scheme is not compared)
     if DTYPE_KEY in recorded and not _RECORDED_DTYPE.fullmatch(recorded[DTYPE_KEY]):
         raise bad(DTYPE_KEY, "a dtype name such as float32")
+    if WEIGHTS_KEY in recorded and not _RECORDED_WEIGHTS.fullmatch(recorded[WEIGHTS_KEY]):
+        raise bad(WEIGHTS_KEY, "a weights format such as int8 or int4:g32")
     return recorded
 
 
@@ -675,8 +699,8 @@ def _load_error(exc: Exception, path: Path) -> ValueError:
     """The one-line error for peft failing to load the adapter in `path` (module names or shapes of another
     model, a tensor the weights file lacks)."""
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    # torch's "Error(s) in loading state_dict for PeftModel:" is a header: the first mismatch says what
-    detail = "; ".join(lines[:2]) if lines and lines[0].endswith(":") else (lines[0] if lines else "")
+    # torch's "Error(s) in loading state_dict for PeftModel:" is a header: the first mismatch, after it, says what
+    detail = " ".join(lines[:2]) if lines and lines[0].endswith(":") else (lines[0] if lines else "")
     if isinstance(exc, KeyError):  # (peft's lookup of a tensor the weights file lacks: a bare tensor name)
         from recurrent_depth.files import clipped
 
@@ -931,7 +955,9 @@ def load_adapter_model(adapter_dir: str | Path, base: str | Path | None = None, 
 
 # ---------------------------------------------------------------------------------------------- CLI
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--lora` and the spec's flags, for commands that train (`rdepth train`, `rdepth sft`)."""
+    """`--lora` and the spec's flags, for commands that train (`rdepth train`, `rdepth sft`, `rdepth rl`)."""
+    from recurrent_depth.cli.common import add_weights_arg
+
     group = parser.add_argument_group("LoRA (peft; needs recurrent-depth[lora])")
     group.add_argument("--lora", action="store_true",
                        help="train a LoRA adapter instead of every weight; the run's model/ directory then holds a "
@@ -945,15 +971,23 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"comma-separated parts that get adapters, of {','.join(PARTS)} (default: all)")
     group.add_argument("--lora-kinds", default=",".join(KINDS),
                        help=f"comma-separated layer kinds inside blocks, of {','.join(KINDS)} (default: both)")
+    add_weights_arg(group, "QLoRA: train the adapter on the base's transformer linear layers quantized to 'int8', "
+                    "'int4' (group 32) or 'int4:g64' / 'int4:g128' / 'int4:g256', frozen (needs --lora); the "
+                    "adapter saved is an ordinary one, for the float model as for a --weights load of it "
+                    "(docs/post-training.md). Default: the float weights")
 
 
 def lora_spec_from_args(args: argparse.Namespace) -> LoraSpec | None:
     """The `LoraSpec` that `add_lora_arguments`' flags describe, or None without `--lora`."""
     if not args.lora:
         defaults = {"lora_rank": LoraSpec.rank, "lora_alpha": LoraSpec.alpha, "lora_dropout": LoraSpec.dropout,
-                    "lora_parts": ",".join(PARTS), "lora_kinds": ",".join(KINDS)}
+                    "lora_parts": ",".join(PARTS), "lora_kinds": ",".join(KINDS), "weights": None}
         given = ["--" + name.replace("_", "-") for name, value in defaults.items() if getattr(args, name) != value]
         if given:
+            if given == ["--weights"]:
+                raise ValueError(f"--weights {args.weights} trains a LoRA adapter on quantized base weights (QLoRA: "
+                                 "int8 / int4 weights are frozen, only an adapter trains on them): add --lora (or "
+                                 "leave --weights out)")
             raise ValueError(f"{', '.join(given)} shape a LoRA adapter: add --lora (or leave them out)")
         return None
 
@@ -961,4 +995,4 @@ def lora_spec_from_args(args: argparse.Namespace) -> LoraSpec | None:
         return tuple(name.strip() for name in text.split(",") if name.strip())
 
     return LoraSpec(rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
-                    parts=names(args.lora_parts), kinds=names(args.lora_kinds))
+                    parts=names(args.lora_parts), kinds=names(args.lora_kinds), weights=args.weights)

@@ -31,8 +31,10 @@ TENSORBOARD_SKIPPED = ("step",)
 
 
 def num_parameters(model: nn.Module) -> int:
-    """Trainable + frozen parameters, tied ones once."""
-    return sum(p.numel() for p in model.parameters())
+    """Trainable + frozen parameters, tied ones once; an int8 / int4 layer's (a QLoRA base's) as its float weight's."""
+    from recurrent_depth.weight_quant import logical_parameters
+
+    return logical_parameters(model)
 
 
 def run_metadata(trainer: Trainer) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from recurrent_depth.train.lora import (
     saved_adapter_settings,
 )
 from recurrent_depth.train.optim import OptimConfig
+from recurrent_depth.weight_quant import quantized_weights
 
 # A `train.trainer.Trainer`: named, not imported, since the trainer imports this module (layers point one way).
 Trainer = Any
@@ -68,7 +69,7 @@ def save_checkpoint(trainer: Trainer) -> Path | None:
     env, step, cfg = trainer.env, trainer.state.step, trainer.cfg
     if trainer.out is None:
         return None
-    model_state = ddist.full_model_state(trainer.wrapped, env)
+    model_state = checkpoint_model_state(trainer, ddist.full_model_state(trainer.wrapped, env))
     optim_state = ddist.optimizer_state(trainer.wrapped, trainer.optimizer, env)
     root = ckpt.checkpoints_root(trainer.out)
     tmp = root / f".tmp-{ckpt.checkpoint_name(step)}"
@@ -162,6 +163,21 @@ def write_weights(trainer: Trainer, state: dict[str, torch.Tensor], directory: P
     if not is_peft_model(model):
         for name, data in trainer.start_files.items():
             atomic_write_bytes(directory / name, data)
+
+
+def adapter_only_checkpoints(trainer: Trainer) -> bool:
+    """Whether the trainer's checkpoints hold its trainable (adapter) tensors only: those of a LoRA run on int8 / int4
+    weights (QLoRA), whose frozen base is quantized again from the start directory when the run resumes
+    (`check_same_start` holds it to the same one), as it was when the run began."""
+    return is_peft_model(trainer.model) and quantized_weights(trainer.model)
+
+
+def checkpoint_model_state(trainer: Trainer, state: dict[str, Any]) -> dict[str, Any]:
+    """What of the model's `state` (or its shapes) a checkpoint holds (`adapter_only_checkpoints`)."""
+    if not adapter_only_checkpoints(trainer):
+        return state
+    trainable = {name for name, p in ddist.unwrap(trainer.wrapped).named_parameters() if p.requires_grad}
+    return {name: value for name, value in state.items() if name in trainable}
 
 
 def _save_bare_weights(state: dict[str, torch.Tensor], directory: Path) -> None:
@@ -375,7 +391,7 @@ def load_for_resume(trainer: Trainer, path: Path) -> tuple[ckpt.LoadedCheckpoint
         loaded = ckpt.load_checkpoint(path, rank=trainer.env.rank)
     except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
         return None, ckpt._one_line(exc)
-    expected = {k: tuple(v.shape) for k, v in base_state_shapes(trainer).items()}
+    expected = {k: tuple(v.shape) for k, v in checkpoint_model_state(trainer, base_state_shapes(trainer)).items()}
     found = {k: tuple(v.shape) for k, v in loaded.model_state.items()}
     missing = sorted(set(expected) - set(found) - {"lm_head.weight"})
     unexpected = sorted(set(found) - set(expected))
@@ -467,7 +483,10 @@ def apply_checkpoint(trainer: Trainer, loaded: ckpt.LoadedCheckpoint) -> None:
     except (KeyError, TypeError, AttributeError, IndexError) as exc:  # (a source's own checks raise ValueError)
         raise ValueError(f"cannot resume from {loaded.path}: its data position {clipped(loaded.trainer_state['data'])} "
                          f"is not one of this run's data ({type(exc).__name__}: {exc})") from None
-    ddist.load_full_model_state(trainer.wrapped, loaded.model_state, trainer.env)
+    model_state = loaded.model_state
+    if adapter_only_checkpoints(trainer):  # (the adapter's tensors alone: the rebuilt base's own stay as they are)
+        model_state = {**base_state_shapes(trainer), **model_state}
+    ddist.load_full_model_state(trainer.wrapped, model_state, trainer.env)
     ddist.load_optimizer_state(trainer.wrapped, trainer.optimizer, loaded.optimizer_state, trainer.env)
     for name in LOOP_COUNTERS:
         setattr(trainer.state, name, type(getattr(trainer.state, name))(loaded.trainer_state[name]))

@@ -472,19 +472,20 @@ def test_generation_config_json_defaults_follow_transformers_rules_and_reach_rde
         "transformers_version": "5.0.0"}))
     defaults = generation_defaults(str(tmp_path), "auto", "rdepth generate")
     assert defaults == {"do_sample": True, "temperature": 0.5, "top_k": 5, "exit_criterion": "kl", "stop": ["\n\n"],
-                        "num_steps": 3, "kv_quant": "k=prod:3.5,v=mse:3.5"}
+                        "num_steps": 3, "kv_quant": "k=prod:3.5,v=mse:3.5", "eos_token_id": []}  # (none in the file)
     assert "sets ['max_length', 'num_beams'], which rdepth generate does not run" in capsys.readouterr().err
     assert generation_defaults(str(tmp_path), "none", "rdepth generate") == {}
     greedy = with_generation_defaults({"do_sample": False, "num_steps": 2}, defaults)
     assert greedy == {"do_sample": False, "num_steps": 2, "exit_criterion": "kl", "stop": ["\n\n"],
-                      "kv_quant": "k=prod:3.5,v=mse:3.5"}  # no temperature / top_k: greedy
+                      "kv_quant": "k=prod:3.5,v=mse:3.5", "eos_token_id": []}  # no temperature / top_k: greedy
     assert with_generation_defaults({"top_p": 0.9, "do_sample": True}, defaults)["temperature"] == 0.5
 
     args = argparse.Namespace(model=str(tmp_path), generation_config="auto", num_steps=None, kv_quant=None,
                               max_depth=None)
     rest = apply_generation_defaults(args)  # the rest: the defaults of the fields a request leaves out
     assert (args.num_steps, args.kv_quant) == (3, "k=prod:3.5,v=mse:3.5")
-    assert rest == {"do_sample": True, "temperature": 0.5, "top_k": 5, "exit_criterion": "kl", "stop": ["\n\n"]}
+    assert rest == {"do_sample": True, "temperature": 0.5, "top_k": 5, "exit_criterion": "kl", "stop": ["\n\n"],
+                    "eos_token_id": []}
     args = argparse.Namespace(model=str(tmp_path), generation_config="auto", num_steps=7, kv_quant=None,
                               max_depth=None)
     apply_generation_defaults(args)

@@ -55,7 +55,8 @@ def test_a_run_from_a_retrofitted_model_keeps_its_provenance_and_generation_defa
     for directory in (run / "model", run / "checkpoints" / ckpt.checkpoint_name(1)):
         for name in ("retrofit.json", "generation_config.json"):
             assert (directory / name).read_bytes() == (start / name).read_bytes(), (directory, name)
-    assert generation_defaults(str(run / "model"), "auto", "test") == {"num_steps": 3, "max_new_tokens": 5}
+    assert generation_defaults(str(run / "model"), "auto", "test") == {"num_steps": 3, "max_new_tokens": 5,
+                                                                        "eos_token_id": []}  # (the file sets none)
     for model, out in ((start, tmp_path / "exported-start"), (run / "model", tmp_path / "exported-run")):
         assert main(["export", "--model", str(model), "--out", str(out)]) == 0
     for name in ("retrofit.json", "generation_config.json"):

@@ -458,8 +458,9 @@ def test_a_deep_prefill_past_its_deadline_ends_within_a_core_step(model, solo, m
 
 def test_a_long_ttt_inner_loop_past_its_deadline_ends_within_an_inner_step(model):
     """TTT-E2E's inner loop runs while the request's session is built, before the core steps' deadline
-    check was installed: 100000 inner steps with a 1 s timeout trained on for minutes."""
-    trains = dict(max_new_tokens=2, num_steps=2, init_scale=0.0, ttt_params="core-mlp", ttt_steps=100_000,
+    check was installed: 100000 inner steps with a 1 s timeout trained on for minutes. (ttt_steps' ceiling, 1024
+    inner steps at depth 32: about 30 s on one thread without the check.)"""
+    trains = dict(max_new_tokens=2, num_steps=2, init_scale=0.0, ttt_params="core-mlp", ttt_steps=1024, ttt_depth=32,
                   ttt_lr=1e-6)
     _, _, elapsed = run_past_deadline(Engine(model, max_batch=2), list(range(1, 20)), trains, solo=True)
     assert elapsed < 10

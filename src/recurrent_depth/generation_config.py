@@ -29,9 +29,10 @@ _DEPTH_OPTIONS = ("num_steps", "max_steps", "draft_steps", "inner_steps", "gradm
 def generation_defaults(model_dir: str, mode: str, command: str, max_depth: int | None = None) -> dict[str, Any]:
     """The generation options a model directory's generation_config.json sets, by our option names ({} with mode
     "none" or without the file): our options and their official aliases, transformers' sampling fields,
-    max_new_tokens, eos_token_id and stop_strings (as `stop`), as our transformers classes read them. A value of the
-    wrong type, or a depth past the ceiling `max_depth` (--max-depth), is a one-line error naming the file; entries
-    nothing here runs (num_beams, max_length, ...) are named in one warning on stderr."""
+    max_new_tokens, eos_token_id (`[]`, no eos, where the file has none, as in transformers) and stop_strings (as
+    `stop`), as our transformers classes read them. A value of the wrong type, or a depth past the ceiling `max_depth`
+    (--max-depth), is a one-line error naming the file; entries nothing here runs (num_beams, max_length, ...) are
+    named in one warning on stderr."""
     import sys
 
     from recurrent_depth.config import check_depth
@@ -79,6 +80,9 @@ def generation_defaults(model_dir: str, mode: str, command: str, max_depth: int 
     except OptionError as exc:
         raise ValueError(f"{path}: {exc} {off}") from None
     options = {k: v for k, v in options.items() if v is not None}
+    # transformers' generate takes the eos ids of the file, none where it has none (absent or null): config.json's are
+    # read only without the file, so a retrofitted Llama whose file lacks them stopped here but not there
+    options.setdefault("eos_token_id", [])
     for name in _DEPTH_OPTIONS:  # as check_depth_flags checks the flags
         check_depth(options.get(name), f"{path}: {name}", max_depth)
     if strings:  # transformers' stop_strings beside our stop option: both stop a row

@@ -14,6 +14,10 @@ import argparse
 
 from recurrent_depth.cli.common import _positive_int
 
+# --nproc's ceiling: processes on one node (torchrun's --nproc_per_node), past any machine's GPUs or useful CPU ranks;
+# unbounded, a typo (--nproc 10000000) wrote a script asking Slurm for millions of CPUs per task
+MAX_NPROC = 1024
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -38,7 +42,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     emit.add_argument("--out", required=True, metavar="SWEEP_DIR", help="the sweep's directory")
     emit.add_argument("--slurm", action="store_true", help="also write sweep.slurm, a job array (default: off)")
     emit.add_argument("--nproc", type=int, default=1, metavar="N",
-                      help="processes per run: above 1 each command is a torchrun --standalone run (default: 1)")
+                      help=f"processes per run, at most {MAX_NPROC}: above 1 each command is a torchrun "
+                           "--standalone run (default: 1)")
     emit.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
                       help="an extra #SBATCH line, e.g. --sbatch=--time=01:00:00 (repeatable; default: none)")
     emit.set_defaults(func=_emit)
@@ -72,8 +77,8 @@ def _emit(args: argparse.Namespace) -> int:
     from recurrent_depth.files import check_out_dir
     from recurrent_depth.scaling.sweep import emit_sweep
 
-    if args.nproc < 1:
-        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+    if not 1 <= args.nproc <= MAX_NPROC:
+        raise ValueError(f"--nproc must be an integer in [1, {MAX_NPROC}] (processes per node), got {args.nproc}")
     # each option is one #SBATCH line: a line break would make the rest a line of the script of its own
     broken = [option for option in args.sbatch if "\n" in option or "\r" in option]
     if broken:

@@ -34,6 +34,9 @@ TTT_OPTIMIZERS = ("sgd", "adam")  # TTT-E2E's inner optimizer (inference/ttt_e2e
 DEFAULT_TTT_MAX_COPY_MB = 1024  # the server's bound on a TTT-E2E request's weight copy (rdepth serve --ttt-max-copy-mb)
 # The official code's hard-coded stops (begin_text, end_text, end_turn of Huginn's tokenizer).
 OFFICIAL_STOP_IDS = (65504, 65505, 65508)
+# The ceiling of ttt_steps and gradmem_steps, as MAX_NUM_STEPS is of depths: each step is a forward and backward pass
+# over the prompt (the papers take a handful); unbounded, ttt_steps=10**9 ran forever (the server's cap is 64)
+MAX_TEST_TIME_STEPS = 1024
 OFFICIAL_SPECULATIVE_STEPS = 32  # the official generate_speculative's num_steps default
 OFFICIAL_KV_POLICY = "full"  # the official dynamic cache's default lookup strategy
 GROUPS = {
@@ -90,7 +93,7 @@ class Option:
     choices: allowed values of a str option; a tuple is checked by `validate`, a callable (a
       registry, e.g. the exit criteria) only lists them: the option's own parser checks it.
     shown: the default as help text shows it (None: the field's default).
-    low / high: the range `validate` checks (int: low only; float: both, open where low_open /
+    low / high: the range `validate` checks (int: low, and high where set; float: both, open where low_open /
       high_open). `low` and `low_open` may be functions of the other values where the bound
       depends on them. optional: None stays valid after resolution (off, or not set).
       range_hint: said after the range where a value is the excluded bound `low` (e.g. how to get what 0 means
@@ -164,8 +167,10 @@ class Option:
         low = self.low(values) if callable(self.low) else self.low
         extra = "None or " if self.optional else ""
         if self.kind == "int":
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise OptionError(self.name, f"{self.name}={value!r} is invalid: expected {extra}an integer >= {low}")
+            high = math.inf if self.high is None else self.high
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                bound = f">= {low}" if self.high is None else f"in [{low}, {high}]"
+                raise OptionError(self.name, f"{self.name}={value!r} is invalid: expected {extra}an integer {bound}")
             return
         low_open = self.low_open(values) if callable(self.low_open) else self.low_open
         if not in_range(value, low, self.high, low_open, self.high_open):
@@ -357,7 +362,7 @@ class GenerationOptions:
         "globs over parameter names; the base weights are never written", "str", shown="none, off", http=True,
         hf="routed", metavar="SUBSET")
     ttt_steps: int = option(4, "ttt-e2e", "TTT-E2E: optimizer steps on the prompt, each a forward and backward "
-        "pass", "int", http=True, http_max=64, hf="routed", low=0)
+        "pass", "int", http=True, http_max=64, hf="routed", low=0, high=MAX_TEST_TIME_STEPS)
     ttt_lr: float = option(1e-3, "ttt-e2e", "TTT-E2E: the inner optimizer's learning rate", "float", http=True,
         http_max=100.0, hf="routed", low=0, high=FLOAT32_MAX, low_open=True,
         high_open=True)  # (torch's optimizers refuse an lr past float32's range: 1e308 was a RuntimeError)
@@ -381,7 +386,8 @@ class GenerationOptions:
         "gradient steps on their embeddings (the model frozen), then generate from [memory; query] without the "
         "context; 0 = off", "int", shown="0, off", http=True, http_max=256, hf="routed", low=0)
     gradmem_steps: int = option(8, "ttt", "GradMem: SGD steps on the memory, each a forward and backward pass of "
-        "the context's next-token loss given the memory", "int", http=True, http_max=64, hf="routed", low=0)
+        "the context's next-token loss given the memory", "int", http=True, http_max=64, hf="routed", low=0,
+        high=MAX_TEST_TIME_STEPS)
     gradmem_lr: float = option(1.0, "ttt", "GradMem: the memory's SGD learning rate", "float", http=True,
         http_max=1e4, hf="routed", low=0, high=math.inf, low_open=True, high_open=True)
     gradmem_depth: int | None = option(None, "ttt", "GradMem: recurrence depth of the write passes, >= 1 (a "

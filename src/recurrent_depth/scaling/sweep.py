@@ -146,7 +146,7 @@ def plan_sweep(data: Any, source: str = "sweep config") -> SweepPlan:
             raise ValueError(f"{source}: run name {name[:60]!r}... is longer than {MAX_NAME_CHARS} characters "
                              "(a directory name): vary fewer keys per run")
         if name in seen:
-            raise ValueError(f"{source}: two runs have the same settings {overrides!r} (run {name!r})")
+            raise ValueError(f"{source}: {_name_clash(seen[name], overrides, name)}")
         seen[name] = overrides
         config = run_config(base, overrides, sorted(set(test_depths)))
         try:
@@ -250,6 +250,17 @@ def run_name(overrides: dict[str, Any]) -> str:
         text = "".join(ch if ch.isalnum() or ch in ".-+" else "_" for ch in text)
         parts.append(f"{NAME_PARTS.get(key, key + '=')}{text}")
     return "-".join(parts)
+
+
+def _name_clash(first: dict[str, Any], second: dict[str, Any], name: str) -> str:
+    """Why two runs got the same name `name`: the same settings, or values the name spells alike (a number to 6
+    significant digits, a character outside [A-Za-z0-9.+-] as `_`): then which values collide."""
+    differ = [key for key in sorted(set(first) | set(second)) if first.get(key) != second.get(key)]
+    if not differ:
+        return f"two runs have the same settings {second!r} (run {name!r})"
+    values = "; ".join(f"{key}={first.get(key)!r} and {key}={second.get(key)!r}" for key in differ)
+    return (f"two runs get the same name {name!r}: {values} are spelled alike in a run name (numbers to 6 "
+            f"significant digits, characters other than [A-Za-z0-9.+-] as '_'): make them differ there")
 
 
 def run_config(base: dict[str, Any], overrides: dict[str, Any], test_depths: list[int]) -> dict[str, Any]:

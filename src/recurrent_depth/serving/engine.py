@@ -627,6 +627,8 @@ class BatchScheduler:
     def _finish(self, job: Job, reason: str, tail: bool = True, stop_reason: int | str | None = None) -> None:
         job.finished = True
         text = job.text.flush() if tail else ""
+        if tail and job.text.matched is not None:  # the held-back tail completed a stop string (one with a U+FFFD)
+            reason, stop_reason = "stop", job.text.matched
         job.emit(Done(job.index, reason, text, job.completion_tokens, job.core_steps, job.ttt_flops, stop_reason))
 
     def _fail(self, job: Job, status: int, message: str, error_type: str, code: str | None = None) -> None:

@@ -220,8 +220,11 @@ def completion_chunks(codec: TextCodec, event: Event, choice: Choice, req: Compl
             echoed = echoed_prompt(codec, req, choice) if req.echo and choice.offsets is None else None
             lp = last_token_logprobs(codec, choice, req.echo, req.sampling.skip_special_tokens, echoed)
         chunk(event.text, None, lp, [event.steps])
-    elif isinstance(event, Done):
-        chunk(event.text, event.finish_reason, None, stop_reason=event.stop_reason)  # (the choice's last chunk)
+    elif isinstance(event, Done):  # (the choice's last chunk)
+        # it carries no token: with logprobs asked for, vLLM sends the object with empty lists there, not null
+        lp = {key: [] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")} \
+            if req.logprobs is not None else None
+        chunk(event.text, event.finish_reason, lp, stop_reason=event.stop_reason)
     return out
 
 

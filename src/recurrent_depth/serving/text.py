@@ -497,16 +497,22 @@ class TextState:
         self.text = ""
         self.matched: str | None = None  # the stop string generation ended at
 
+    def _before_stop(self, buffer: str) -> str | None:
+        """`buffer` cut just before its first stop string (after it with `include_stop`), which becomes `matched`;
+        None where it holds none."""
+        hits = [(i, s) for i, s in ((buffer.find(s), s) for s in self.stop) if i >= 0]
+        if not hits:
+            return None
+        at, self.matched = min(hits, key=lambda hit: hit[0])  # the first stop string in the text
+        return buffer[: at + len(self.matched) if self.include_stop else at]
+
     def push(self, token: int) -> tuple[str, bool]:
         buffer = self.pending + self.decoder.push(token)
-        if self.stop:
-            hits = [(i, s) for i, s in ((buffer.find(s), s) for s in self.stop) if i >= 0]
-            if hits:
-                at, self.matched = min(hits, key=lambda hit: hit[0])  # the first stop string in the text
-                out = buffer[: at + len(self.matched) if self.include_stop else at]
-                self.pending = ""
-                self.text += out
-                return out, True
+        out = self._before_stop(buffer)
+        if out is not None:
+            self.pending = ""
+            self.text += out
+            return out, True
         cut = max(0, len(buffer) - self.hold) if self.stop else len(buffer)
         out, self.pending = buffer[:cut], buffer[cut:]
         self.text += out
@@ -525,8 +531,11 @@ class TextState:
         return out
 
     def flush(self) -> str:
-        """The held-back tail once generation ended without hitting a stop string."""
-        out = self.pending + self.decoder.flush()
+        """The held-back tail once generation ended without hitting a stop string, cut at one it completes (the
+        U+FFFD an incomplete UTF-8 tail decodes to, where a stop string holds one): `matched` then says which."""
+        buffer = self.pending + self.decoder.flush()
+        out = self._before_stop(buffer)
+        out = buffer if out is None else out
         self.pending = ""
         self.text += out
         return out

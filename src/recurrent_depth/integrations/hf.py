@@ -653,6 +653,9 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         if defaults is not None and defaults not in DEFAULTS:
             raise ValueError(f"generate: defaults={defaults!r} is invalid: expected None or one of {DEFAULTS}")
         _cache_kwargs_alias(kwargs)
+        # transformers' rule: eos_token_id=None in the call means no eos (its loop then runs to the length); a routed
+        # call read None as "not given" and stopped at the model's eos
+        no_eos = "eos_token_id" in kwargs and kwargs["eos_token_id"] is None
         config_options, config_fields = _split_generation_config(generation_config)
         # the model's own generation config (generation_config.json): our options set on it are defaults too
         own, _ = _split_generation_config(getattr(self, "generation_config", None))
@@ -709,6 +712,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
                          "pad_token_id", "stop_strings"):
                 if model_own.get(name) is not None and kwargs.get(name) is None:
                     kwargs[name] = model_own[name]
+        if no_eos:
+            kwargs["eos_token_id"] = []
         if defaults is not None:
             routed["defaults"] = defaults
         return self._generate_with_library(inputs, routed, kwargs, given_as, call_lengths)

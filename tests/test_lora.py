@@ -521,24 +521,10 @@ def test_lora_the_fused_runner_cannot_apply_takes_the_reference_runner():
 
 # ---------------------------------------------------------------------------------------- training
 def test_the_trainer_trains_only_the_adapter_saves_a_peft_adapter_and_resumes(tmp_path):
-    from recurrent_depth.train.batches import BatchSource
     from recurrent_depth.train.config import TrainConfig
     from recurrent_depth.train.optim import OptimConfig
     from recurrent_depth.train.trainer import Trainer
-
-    class Counting(BatchSource):
-        def __init__(self) -> None:
-            self.generator = torch.Generator().manual_seed(0)
-
-        def next_batch(self, batch_size: int) -> dict[str, torch.Tensor]:
-            rows = (torch.randint(0, 256, (batch_size, 1), generator=self.generator) + torch.arange(17)) % 256
-            return {"input_ids": rows[:, :-1], "targets": rows[:, 1:]}
-
-        def state_dict(self) -> dict:
-            return {"generator": self.generator.get_state().tolist()}
-
-        def load_state_dict(self, state: dict) -> None:
-            self.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
+    from tests.test_qlora_train import Counting  # (rows counting up: learnable from the previous token)
 
     tiny_model().save_pretrained(tmp_path / "base")
 

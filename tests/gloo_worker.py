@@ -24,6 +24,10 @@ Modes:
   reasoning-ranks         the reasoning recipe's ProblemStream as this rank's share (rows right on rank 0,
                           wrong on rank 1), then 2 steps of its `_train`: saves the batches, the curriculum
                           each observe left, the rows trained on, the losses and the final weights.
+  qk-warning              a Trainer (DDP) set up with QK-clip on a model with a shared QK-norm gain: saves the
+                          warnings this rank's setup printed.
+  peer-lost               a Trainer run whose rank 1 fails at its second batch (its own error), then leaves
+                          the process (a crash): saves the exception each rank's run() raised. Last in a launch.
 One launch runs every case, and modes joined by "+" run in one launch (process start-up dominates the time).
 """
 
@@ -279,6 +283,54 @@ def reasoning_ranks(env: DistEnv, out: Path) -> tuple:
             (trained_stream.rank, trained_stream.world_size))
 
 
+def qk_warning(env: DistEnv) -> list[str]:
+    """The warnings a DDP Trainer's setup gives on this rank with QK-clip on a model whose QK-norm gain the heads
+    share (`QKClip` warns that it clips whole layers)."""
+    import warnings
+
+    import recurrent_depth as rd
+    from recurrent_depth.train.config import TrainConfig
+    from recurrent_depth.train.trainer import Trainer
+    from tests.test_train_distributed import masked_rows
+
+    model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", vocab_size=16, qk_norm=True))
+    cfg = TrainConfig(batch_size=2, max_steps=1, out=None, progress=False, tensorboard=False, qk_clip=50.0)
+    with torchrun_environment(env), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(cfg, model=model, data=types.SimpleNamespace(next_batch=lambda size: masked_rows(range(2))),
+                log=lambda _: None).close()
+    return [str(w.message) for w in caught]
+
+
+def peer_lost(env: DistEnv) -> tuple[str, bool, str]:
+    """A DDP Trainer run (the bigram model, 3 steps) whose rank 1 fails at its second batch: what `run()` raised on
+    this rank (its type, whether an OSError, its message)."""
+    from recurrent_depth.train.batches import BatchSource
+    from recurrent_depth.train.config import TrainConfig
+    from recurrent_depth.train.optim import OptimConfig
+    from recurrent_depth.train.trainer import Trainer
+    from tests.test_train_distributed import bigram_model, masked_rows
+
+    class Rows(BatchSource):
+        served = 0
+
+        def next_batch(self, batch_size: int) -> dict:
+            self.served += 1
+            if env.rank == 1 and self.served == 2:
+                raise ValueError("a bad row on rank 1")
+            return masked_rows(range(2 * env.rank, 2 * env.rank + 2))
+
+    cfg = TrainConfig(batch_size=2, max_steps=3, out=None, progress=False, tensorboard=False,
+                      optim=OptimConfig(name="adamw", lr=1e-3, warmup_steps=0))
+    with torchrun_environment(env):
+        trainer = Trainer(cfg, model=bigram_model(), data=Rows(), log=lambda _: None)
+    try:
+        trainer.run()
+    except Exception as exc:  # noqa: BLE001 (what it was is the result)
+        return type(exc).__name__, isinstance(exc, OSError), str(exc)
+    return "nothing", False, ""
+
+
 def main() -> None:
     rank, world, store, out, modes, *args = sys.argv[1:]
     torch.set_num_threads(1)
@@ -311,6 +363,11 @@ def run_mode(env: DistEnv, mode: str, out: str, args: list[str]) -> None:
         torch.save(token_mean(env), Path(out) / f"token-mean-rank{env.rank}.pt")
     elif mode == "reasoning-ranks":
         torch.save(reasoning_ranks(env, Path(out)), Path(out) / f"reasoning-ranks-rank{env.rank}.pt")
+    elif mode == "qk-warning":
+        torch.save(qk_warning(env), Path(out) / f"qk-warning-rank{env.rank}.pt")
+    elif mode == "peer-lost":
+        torch.save(peer_lost(env), Path(out) / f"peer-lost-rank{env.rank}.pt")
+        os._exit(0)  # (a crash: the group is left without a word; nothing after this mode runs)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     dist.barrier()

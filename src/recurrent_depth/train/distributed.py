@@ -46,7 +46,8 @@ class DistEnv:
 def init_distributed(device: str | None = None) -> DistEnv:
     """Join torchrun's process group if its environment is set; pick the device.
 
-    device: None = "cuda:<local_rank>" when CUDA is available, else "cpu".
+    device: None = "cuda:<local_rank>" when CUDA is available, else "cpu"; under torchrun "cuda" without an index is
+    this rank's GPU, "cuda:<local_rank>" too.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -55,6 +56,8 @@ def init_distributed(device: str | None = None) -> DistEnv:
     dev = torch.device(device)
     if world <= 1:
         return DistEnv(device=dev)
+    if dev.type == "cuda" and dev.index is None:  # (set_device("cuda") would put every rank on GPU 0)
+        dev = torch.device("cuda", local_rank)
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -85,6 +88,24 @@ def release_ddp(owner: Any) -> bool:
     owner.wrapped = unwrap(owner.wrapped)
     gc.collect()  # (a DDP wrapper caught in a reference cycle goes now, while the group is alive)
     return True
+
+
+class PeerLost(ConnectionError):
+    """A collective failed because another rank of the run failed or stopped answering: that rank prints its own
+    error; this one ends with one line (an OSError: `rdepth CMD: error: ...`), not gloo's 30-line traceback."""
+
+
+# In the message of every failure of gloo's transport (a connection closed or reset by a peer, a receive timed out):
+# the collective failed for want of another rank, not for anything this rank did.
+GLOO_TRANSPORT = "gloo/transport/"
+
+
+def peer_lost(exc: BaseException, env: DistEnv) -> PeerLost | None:
+    """`exc` as a one-line `PeerLost` when it is a collective's failure for want of another rank; None otherwise."""
+    if not env.enabled or not isinstance(exc, RuntimeError) or GLOO_TRANSPORT not in str(exc):
+        return None
+    return PeerLost(f"rank {env.rank} stopped: another rank of this run failed or stopped answering and left the "
+                    "process group (that rank's own error says why)")
 
 
 def group_initialized() -> bool:

@@ -33,6 +33,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -278,9 +279,12 @@ class Trainer:
                     raise ValueError("TrainConfig.teacher distils with the language-modeling loss: it cannot be "
                                      "combined with another objective")
                 self.objective = self._distillation()
-        except BaseException:
+        except BaseException as exc:
             self._discard_new_out()
             self._unlock_out()
+            lost = ddist.peer_lost(exc, self.env)  # (another rank's failure: one line here, its own error there)
+            if lost is not None:
+                raise lost from exc
             raise
 
     def _discard_new_out(self) -> None:
@@ -352,7 +356,10 @@ class Trainer:
         self.accel = accel.apply(self.model, enabled=cfg.accel and accel.enabled_by_default())
         self.wrapped = prepare_model(self.model, cfg, env)
         self.optimizer = build_optimizers(self.model, cfg.optim)
-        self.qk_clip = QKClip(self.model, cfg.qk_clip) if cfg.qk_clip is not None or cfg.record_max_logit else None
+        with warnings.catch_warnings():
+            if not env.is_main:  # (each rank builds the same clip, and would repeat its warning: rank 0 says it)
+                warnings.simplefilter("ignore")
+            self.qk_clip = QKClip(self.model, cfg.qk_clip) if cfg.qk_clip is not None or cfg.record_max_logit else None
         # Known up front for packed rows (the schedule of a token budget needs it); measured per step otherwise.
         self.tokens_per_step: int | None = (
             cfg.batch_size * self.seq_len * cfg.grad_accum * env.world_size if self.seq_len is not None else None)
@@ -629,6 +636,11 @@ class Trainer:
         try:
             self._lock_out()  # (a later run() takes it again)
             return self._run()
+        except RuntimeError as exc:
+            lost = ddist.peer_lost(exc, self.env)  # (another rank's failure: one line here, its own error there)
+            if lost is None:
+                raise
+            raise lost from exc
         finally:
             self._ddp_released = ddist.release_ddp(self) or self._ddp_released
             self._unlock_out()

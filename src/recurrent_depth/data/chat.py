@@ -10,7 +10,11 @@ Records (one per JSONL line, or one per row of a local `datasets` file):
   message of OpenAI's fine-tuning `"weight": 0` is context, not learned (`weight` is 0 or 1, never rendered);
   a learned answer of empty text and no tool calls is refused (only its end of turn would be learned);
   a record's `tools` (a list of tool objects, or its JSON text as trl reads it) is the template's `tools`
-  variable, as the server and transformers' `apply_chat_template(tools=...)` pass it;
+  variable, as the server and transformers' `apply_chat_template(tools=...)` pass it, and its `chat_template_kwargs`
+  (trl's column: an object of extra template variables such as Qwen3's `enable_thinking`, or its JSON text) reach
+  every render of the record, as transformers' `apply_chat_template(**kwargs)` and the server's request field of
+  that name pass them (checked as the server checks them: a name the renderer sets, such as `messages`, is refused;
+  a null variable is left out, as if absent: datasets fills a name some rows lack with null);
 - prompt/completion: `{"prompt": "...", "completion": "..."}`, the completion is learned. Both may also be
   lists of messages (the conversational form): the conversation is `prompt + completion`, and only the
   completion's assistant messages are learned. An empty completion is refused.
@@ -41,6 +45,8 @@ import csv
 import dataclasses
 import json
 import os
+import re
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -57,6 +63,9 @@ if TYPE_CHECKING:
 MAX_RECORD_BYTES = 16 << 20  # one JSONL line
 MAX_JSON_BYTES = 1 << 30  # a .json array, read whole
 MAX_RENDERED_CHARS = 1 << 24  # one rendered conversation
+# Tokens dropped from the end of a prefix of a text tokenized alone (`ExampleEncoder._prefix`): the cut can change
+# the last ones (a word cut in two, a character's combining marks), never tokens this far before it.
+PREFIX_MARGIN = 64
 DATASETS_BUILDERS = {".parquet": "parquet", ".json": "json", ".csv": "csv", ".arrow": "arrow"}  # -> Dataset.from_*
 SUFFIXES = (".jsonl", *DATASETS_BUILDERS)
 
@@ -70,6 +79,7 @@ class Conversation:
     templated: bool = True  # False: prompt/completion text, concatenated without the chat template
     prompt_messages: int = 0  # a conversational prompt/completion record: its prompt's messages, context only
     tools: list[dict[str, Any]] | None = None  # the record's `tools`, the template's `tools` variable (None: none)
+    variables: dict[str, Any] | None = None  # the record's `chat_template_kwargs`: extra template variables
 
 
 @dataclass
@@ -195,10 +205,12 @@ def conversation(record: Any, where: str) -> Conversation:
     if not any(result.learned):
         raise ValueError(f"{where}: no assistant message to learn")
     tools = _tools(record.get("tools"), where)
-    if tools is not None and not result.templated:  # (text is not templated: the tools would be dropped, silently)
-        raise ValueError(f"{where}: 'tools' needs a chat (the chat template shows them); a text prompt/completion "
-                         "record has none")
-    return dataclasses.replace(result, tools=tools)
+    variables = _template_variables(record.get("chat_template_kwargs"), where)
+    for name, value in (("tools", tools), ("chat_template_kwargs", variables)):
+        if value is not None and not result.templated:  # (text is not templated: it would be dropped, silently)
+            raise ValueError(f"{where}: '{name}' needs a chat (the chat template reads it); a text prompt/completion "
+                             "record has none")
+    return dataclasses.replace(result, tools=tools, variables=variables)
 
 
 def _tools(value: Any, where: str) -> list[dict[str, Any]] | None:
@@ -215,6 +227,25 @@ def _tools(value: Any, where: str) -> list[dict[str, Any]] | None:
         raise ValueError(f"{where}: 'tools' must be a list of tool objects ({{\"type\": \"function\", "
                          f"\"function\": {{...}}}}), got {type(value).__name__}")
     return value
+
+
+def _template_variables(value: Any, where: str) -> dict[str, Any] | None:
+    """A record's `chat_template_kwargs` (trl's column; a JSON string as trl reads a column), checked as the server
+    checks a request's (`protocol.template_kwargs`): an object of template variables, None for none. A null variable
+    is left out, as if absent (datasets fills a name some rows lack with null)."""
+    from recurrent_depth.serving.protocol import APIError, template_kwargs  # (here: the serving package is heavy)
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:  # (JSONDecodeError, and Python's int limit)
+            raise ValueError(f"{where}: 'chat_template_kwargs' is a string that is not JSON (an object of template "
+                             "variables)") from None
+    try:
+        variables = template_kwargs(value)
+    except APIError as exc:
+        raise ValueError(f"{where}: {exc.message}") from None
+    return {k: v for k, v in variables.items() if v is not None} or None
 
 
 def _messages(value: Any, where: str, key: str, learn: bool) -> tuple[list[dict[str, Any]], list[bool]]:
@@ -276,6 +307,15 @@ class ExampleEncoder:
 
         self.specials = special_pattern(self.tokenizer)
         self.literal = LiteralSpecials(None)  # the special-token texts of the record being encoded
+        # where a piece's context may start (`_context`): a special token the tokenizer splits off in the raw text
+        # (not normalized, not single_word, no leading space), provided no added token's text straddles its start
+        added = [t for t in self.tokenizer.get_added_tokens_decoder().values() if t.content]
+        starts = {t.content for t in added if t.special and not t.normalized and not t.single_word
+                  and not t.content[0].isspace()}
+        self.context_starts = _alternatives(starts)
+        every = _alternatives({t.content for t in added})
+        self.added_texts = None if every is None else re.compile(f"(?=({every.pattern}))")  # (overlapping ones too)
+        self.longest_added = max((len(t.content) for t in added), default=0)
 
     def _compile(self, source: str, variables: dict[str, str]) -> ChatTemplate:
         import jinja2
@@ -288,7 +328,10 @@ class ExampleEncoder:
             detail = f"{exc.message} (line {exc.lineno})" if isinstance(exc, jinja2.TemplateSyntaxError) else exc
             raise ValueError(f"the chat template of {self.tokenizer_dir} does not compile: {detail}") from None
 
-    def encode(self, chat: Conversation, where: str) -> Example:
+    def encode(self, chat: Conversation, where: str, most: int | None = None) -> Example:
+        """The example's ids and loss mask. `most`: only its first `most` tokens are wanted (`rdepth sft` keeps
+        `seq_len + 1`): the result is then the whole example's first tokens, more than `most` of them where the
+        example is longer (so the cut is still seen), and the text past them is never tokenized."""
         if not chat.templated and self.eos is None:  # (the completion's end would be learned by nothing, silently)
             raise ValueError(f"{where}: a prompt/completion record needs the model's eos_token_id (config.json) to "
                              f"learn where a completion ends, and it has none: set eos_token_id, or use chat records")
@@ -303,7 +346,9 @@ class ExampleEncoder:
                 {k: self.literal.escape(v, f"{where}: messages[{i}].{k}") for k, v in m.items()}
                 for i, m in enumerate(chat.messages)],
                 tools=None if chat.tools is None else [self.literal.escape(t, f"{where}: tools[{i}]")
-                                                       for i, t in enumerate(chat.tools)])
+                                                       for i, t in enumerate(chat.tools)],
+                variables=None if chat.variables is None else {
+                    k: self.literal.escape(v, f"{where}: chat_template_kwargs.{k}") for k, v in chat.variables.items()})
         pieces = self._chat_pieces(chat, where) if chat.templated else self._plain_pieces(chat)
         for text, _ in pieces:  # (JSON allows a lone surrogate like "\ud800": the tokenizer raised a TypeError on it)
             if isinstance(text, str):
@@ -316,26 +361,81 @@ class ExampleEncoder:
         scored: list[bool] = []
         before: str | int | None = None  # the last non-empty piece (None: the start of the text)
         for text, learned in pieces:
-            piece = [text] if isinstance(text, int) else self._tokens(text, before)
+            if most is not None and len(ids) > most:
+                break
+            want = None if most is None else most + 1 - len(ids)
+            piece = [text] if isinstance(text, int) else self._tokens(text, before, want)
             ids += piece
             scored += [learned] * len(piece)
             before = text if text != "" else before
         return Example(ids, scored)
 
-    def _tokens(self, text: str, before: str | int | None) -> list[int]:
-        """`text`'s tokens as they follow the text piece `before`. Alone, a sentencepiece-style tokenizer
-        (Metaspace, Llama-2 / Mistral) starts `text` with '▁' as the start of a text: an answer `4` after
-        `<|assistant|>\n` became `▁4`, a second user turn gained a space, unlike the conversation tokenized whole (what
-        the server encodes). Where a token would straddle the cut, `text` is tokenized alone."""
+    def _tokens(self, text: str, before: str | int | None, want: int | None = None) -> list[int]:
+        """`text`'s tokens as they follow the text piece `before` (with `want`: their first `want` at least, see
+        `_prefix`). Alone, a sentencepiece-style tokenizer (Metaspace, Llama-2 / Mistral) starts `text` with '▁' as
+        the start of a text: an answer `4` after `<|assistant|>\n` became `▁4`, a second user turn gained a space,
+        unlike the conversation tokenized whole (what the server encodes). Where a token would straddle the cut,
+        `text` is tokenized alone."""
         if not text:
             return []
         if not isinstance(before, str):  # (the start of the text, or after a bos / eos id)
-            return self._encode(text)
+            return self._prefix(text, want)
+        before = self._context(before, text)
         context = self._encode(before)
-        both = self._encode(before + text)
+        both = self._prefix(before + text, None if want is None else len(context) + want)
         if both[: len(context)] == context:
             return both[len(context):]
+        return self._prefix(text, want)
+
+    def _context(self, before: str, text: str) -> str:
+        """The end of `before` that `text` follows as it follows all of `before`: from `before`'s last special
+        token on, where the tokenizer splits there whatever precedes it (it splits special tokens off first and
+        tokenizes the text between them alone), else all of `before`. (A long earlier piece is not tokenized
+        again for each piece after it.) Not with a record's literal special-token texts: their placeholders are
+        tokenized by `LiteralSpecials.encode`'s copy of the tokenizer."""
+        if self.context_starts is None or self.added_texts is None or self.literal.literals:
+            return before
+        last = next(iter(deque(self.context_starts.finditer(before), maxlen=1)), None)
+        if last is None or last.start() == 0:
+            return before
+        # no added token's text may start before the special token and reach into it (then the tokenizer's split
+        # is elsewhere): the texts around its start, `text`'s beginning included
+        start, reach = max(0, last.start() - self.longest_added + 1), last.start() + self.longest_added
+        around = before[start:reach] + text[: max(0, reach - len(before))]
+        at = last.start() - start
+        if any(m.start() < at < m.start() + len(m.group(1)) for m in self.added_texts.finditer(around)):
+            return before
+        return before[last.start():]
+
+    def _prefix(self, text: str, want: int | None) -> list[int]:
+        """`_encode(text)`, or with `want` its first tokens, at least `want` of them where it has that many,
+        tokenizing only a prefix of `text` (a 1 MB message is not tokenized whole for the seq_len it is cut to): one
+        that yields `PREFIX_MARGIN` more, whose last `PREFIX_MARGIN` are dropped (the cut may change them)."""
+        size = len(text) if want is None else 4 * (want + PREFIX_MARGIN)
+        while size < len(text):
+            ids = self._encode(text[: self._cut(text, size)])
+            if len(ids) >= want + PREFIX_MARGIN:
+                return ids[: len(ids) - PREFIX_MARGIN]
+            size *= 2
         return self._encode(text)
+
+    def _cut(self, text: str, size: int) -> int:
+        """Where to cut `text` near `size` (at most `size`) for `_prefix`: never inside a literal's placeholder
+        (`LiteralSpecials.escape`) or an added token's text, nor in or just after a run of whitespace (a special
+        token's lstrip may take it in, and pre-tokenizers split a run by what follows it)."""
+        from recurrent_depth.serving.text import PLACEHOLDER_CLOSE, PLACEHOLDER_OPEN
+
+        while True:
+            cut = len(text[:size].rstrip())
+            opened = text.rfind(PLACEHOLDER_OPEN, 0, cut)
+            if opened >= 0 and text.rfind(PLACEHOLDER_CLOSE, opened, cut) < 0:
+                cut = opened
+            if self.added_texts is not None:  # (the start of an added token's text that the cut runs through)
+                found = self.added_texts.finditer(text, max(0, cut - self.longest_added + 1), cut + self.longest_added)
+                cut = min([m.start() for m in found if m.start() < cut < m.start() + len(m.group(1))] + [cut])
+            if cut == size:
+                return cut
+            size = cut
 
     def _encode(self, text: str) -> list[int]:
         """`text`'s ids as the server's `TextCodec.encode_chat` tokenizes a rendered chat (`LiteralSpecials`)."""
@@ -356,14 +456,14 @@ class ExampleEncoder:
         if self.template.has_generation_blocks:
             return self._block_pieces(chat, where)
         messages = chat.messages
-        full = self._render(messages, False, where, chat.tools)
+        full = self._render(messages, False, where, chat)
         pieces: list[tuple[str | int, bool]] = []
         cursor = 0
         for i, learned in enumerate(chat.learned):
             if not learned:
                 continue
-            start = self._render(messages[:i], True, where, chat.tools)
-            end = self._render(messages[: i + 1], False, where, chat.tools)
+            start = self._render(messages[:i], True, where, chat)
+            end = self._render(messages[: i + 1], False, where, chat)
             if not (end.startswith(start) and full.startswith(end) and len(start) >= cursor):
                 raise ValueError(f"{where}: the chat template does not render a conversation as a prefix of its "
                                  f"continuation, so the assistant's tokens cannot be told apart")
@@ -379,11 +479,11 @@ class ExampleEncoder:
         An assistant message of weight 0 teaches nothing: its text runs from where the render of the messages
         before it parts from the whole conversation to where the render with it does."""
         with _template_errors(where):
-            full, spans = self.template.generation_spans(chat.messages, tools=chat.tools)
+            full, spans = self.template.generation_spans(chat.messages, tools=chat.tools, variables=chat.variables)
         messages = chat.messages
 
         def shared(count: int, open_turn: bool) -> int:  # where the render of `count` messages parts from full
-            return len(os.path.commonprefix([self._render(messages[:count], open_turn, where, chat.tools), full]))
+            return len(os.path.commonprefix([self._render(messages[:count], open_turn, where, chat), full]))
 
         skipped = []  # text no block may teach: the prompt, and each assistant message of weight 0
         if chat.prompt_messages:
@@ -402,10 +502,16 @@ class ExampleEncoder:
                              f"assistant answers, so nothing would be learned")
         return [*pieces, (full[cursor:], False)]
 
-    def _render(self, messages: list[dict[str, str]], open_turn: bool, where: str,
-                tools: list[dict[str, Any]] | None) -> str:
+    def _render(self, messages: list[dict[str, str]], open_turn: bool, where: str, chat: Conversation) -> str:
+        """`messages` rendered with `chat`'s tools and template variables."""
         with _template_errors(where):
-            return self.template.render(messages, add_generation_prompt=open_turn, tools=tools)
+            return self.template.render(messages, add_generation_prompt=open_turn, tools=chat.tools,
+                                        variables=chat.variables)
+
+
+def _alternatives(texts: set[str]) -> re.Pattern[str] | None:
+    """One pattern matching any of `texts`, the longest first (None: no text)."""
+    return re.compile("|".join(re.escape(t) for t in sorted(texts, key=len, reverse=True))) if texts else None
 
 
 def _without(start: int, end: int, skipped: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -425,9 +531,9 @@ def _template_errors(where: str) -> Iterator[None]:
         raise ValueError(f"{where}: the chat template failed on this record: {exc}") from None
 
 
-def load_examples(path: str | Path, encoder: ExampleEncoder) -> list[Example]:
-    """Every record of `path`, checked and tokenized, in file order."""
-    examples = [encoder.encode(conversation(record, where), where) for where, record in read_records(path)]
+def load_examples(path: str | Path, encoder: ExampleEncoder, most: int | None = None) -> list[Example]:
+    """Every record of `path`, checked and tokenized, in file order (`most`: see `ExampleEncoder.encode`)."""
+    examples = [encoder.encode(conversation(record, where), where, most) for where, record in read_records(path)]
     if not examples:
         raise ValueError(f"SFT data {str(path)!r} holds no records")
     return examples

@@ -321,15 +321,16 @@ class ChatTemplate:
         return cut_at_continue_tag(text, final) if continue_final_message else text
 
     def generation_spans(self, messages: list[dict[str, str]], add_generation_prompt: bool = False,
-                         tools: list[dict[str, Any]] | None = None) -> tuple[str, list[tuple[int, int]]]:
-        """The text and the (start, end) character span of each `{% generation %}` block in it, in the order the
-        blocks close (transformers' `generation_indices`: an empty block is an empty span). A block rendered where
-        its place in the text cannot be told (inside a macro, a `{% set %}` or `{% filter %}` block, or another
-        block whose text is not yet written) is a one-line ValueError, where transformers would mark other
-        characters."""
+                         tools: list[dict[str, Any]] | None = None,
+                         variables: dict[str, Any] | None = None) -> tuple[str, list[tuple[int, int]]]:
+        """The text (`render`'s, `variables` included) and the (start, end) character span of each
+        `{% generation %}` block in it, in the order the blocks close (transformers' `generation_indices`: an empty
+        block is an empty span). A block rendered where its place in the text cannot be told (inside a macro, a
+        `{% set %}` or `{% filter %}` block, or another block whose text is not yet written) is a one-line ValueError,
+        where transformers would mark other characters."""
         self.blocks = []
         try:
-            text = self.render(messages, add_generation_prompt, tools)
+            text = self.render(messages, add_generation_prompt, tools, variables=variables)
             blocks = self.blocks
         finally:
             self.blocks = None

@@ -260,10 +260,11 @@ def heldout_evaluation(rows: PackedRows) -> Callable[[Any, bool], DepthEval]:
 def sft_rows(cfg: TrainConfig, options: SFTOptions, encoder: ExampleEncoder,
              pad_id: int) -> tuple[PackedRows, PackedRows, dict[str, Any]]:
     """(training rows, held-out rows, what was read) from `cfg.data` (and `options.val_data`)."""
-    examples = load_examples(cfg.data, encoder)
+    most = cfg.seq_len + 1  # (what `cut_examples` keeps: a long row's text past it is never tokenized)
+    examples = load_examples(cfg.data, encoder, most)
     random.Random(cfg.seed).shuffle(examples)
     if options.val_data is not None:
-        held_out = load_examples(options.val_data, encoder)
+        held_out = load_examples(options.val_data, encoder, most)
     else:
         if len(examples) < 2:
             raise ValueError(f"SFT data {cfg.data!r} holds {len(examples)} example(s): at least 2 are needed to "

@@ -204,12 +204,12 @@ def _dtype_name(text: str) -> str:
     return DTYPE_ALIASES.get(name, name)
 
 
-def add_weights_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup, help_text: str | None = None) -> None:
-    """--weights (the formats of `weight_quant.parse_weights`); help_text: another command's meaning of it."""
+def add_weights_arg(parser: argparse.ArgumentParser) -> None:
+    """--weights at load (the formats of `weight_quant.parse_weights`; training runs' QLoRA flag: train.lora)."""
     parser.add_argument(
         "--weights", default=None, metavar="FORMAT",
-        help=help_text or "weight-only quantization at load of the transformer's linear layers (not the embedding "
-             "or the head): 'int8' (per output channel; about 2x faster bf16 decode of large models on CPU), 'int4' "
+        help="weight-only quantization at load of the transformer's linear layers (not the embedding or the "
+             "head): 'int8' (per output channel; about 2x faster bf16 decode of large models on CPU), 'int4' "
              "(group-wise, 32 input columns a group; 'int4:g64', 'int4:g128', 'int4:g256' for other groups); "
              "LoRA adapters go on the quantized layers unmerged (QLoRA-style; not DoRA). docs/inference.md. "
              "Default: the weights as loaded",

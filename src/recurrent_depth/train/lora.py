@@ -956,8 +956,6 @@ def load_adapter_model(adapter_dir: str | Path, base: str | Path | None = None, 
 # ---------------------------------------------------------------------------------------------- CLI
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     """`--lora` and the spec's flags, for commands that train (`rdepth train`, `rdepth sft`, `rdepth rl`)."""
-    from recurrent_depth.cli.common import add_weights_arg
-
     group = parser.add_argument_group("LoRA (peft; needs recurrent-depth[lora])")
     group.add_argument("--lora", action="store_true",
                        help="train a LoRA adapter instead of every weight; the run's model/ directory then holds a "
@@ -971,10 +969,12 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"comma-separated parts that get adapters, of {','.join(PARTS)} (default: all)")
     group.add_argument("--lora-kinds", default=",".join(KINDS),
                        help=f"comma-separated layer kinds inside blocks, of {','.join(KINDS)} (default: both)")
-    add_weights_arg(group, "QLoRA: train the adapter on the base's transformer linear layers quantized to 'int8', "
-                    "'int4' (group 32) or 'int4:g64' / 'int4:g128' / 'int4:g256', frozen (needs --lora); the "
-                    "adapter saved is an ordinary one, for the float model as for a --weights load of it "
-                    "(docs/post-training.md). Default: the float weights")
+    # (the flag here, not cli.common's add_weights_arg, whose meaning is a load's: cli/ imports train/, not back)
+    group.add_argument("--weights", default=None, metavar="FORMAT",
+                       help="QLoRA: train the adapter on the base's transformer linear layers quantized to 'int8', "
+                            "'int4' (group 32) or 'int4:g64' / 'int4:g128' / 'int4:g256', frozen (needs --lora); the "
+                            "adapter saved is an ordinary one, for the float model as for a --weights load of it "
+                            "(docs/post-training.md). Default: the float weights")
 
 
 def lora_spec_from_args(args: argparse.Namespace) -> LoraSpec | None:

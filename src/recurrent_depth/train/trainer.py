@@ -62,6 +62,7 @@ from recurrent_depth.train.distill import (
     check_vocabularies,
     find_teacher_dir,
     load_teacher,
+    teacher_record,
     teacher_summary,
 )
 from recurrent_depth.train.distill_cache import CachedTeacher, has_cache, teacher_change, write_cache
@@ -270,9 +271,13 @@ class Trainer:
         self.previous_finish: dict[str, Any] | None = None  # how an earlier session of this run ended
         self._out_lock: Any = None  # rank 0's flock on `out` (files.lock_directory), held while set up or running
         self._made_out = False  # whether this run created `out` (`_open_out_dir`)
+        # the teacher the run distils from, as each checkpoint records it (a resume refuses one changed since)
+        self.teacher_start: dict[str, str] | None = None
         try:
             if cfg.teacher is not None:  # (alpha = 0 too) a wrong path, before `out` holds run.json and the logs
                 find_teacher_dir(cfg.teacher)
+                if cfg.distill_alpha > 0 or cfg.distill_cache_only:  # (alpha = 0 never reads it)
+                    self.teacher_start = teacher_record(cfg.teacher)
             self._setup(corpus, model, data, tokenizer_dir, depth, evaluate)
             if cfg.teacher is not None and (cfg.distill_alpha > 0 or cfg.distill_cache_only):
                 if objective is not None:
@@ -409,7 +414,8 @@ class Trainer:
         if self.resume_from is not None:  # before any data work, which could overwrite the run's caches
             if model is not None:  # (first: another config is named field by field, not as another directory)
                 trainer_checkpoints.check_same_model(model, self.resume_from)
-            trainer_checkpoints.check_resumable(self.resume_from, cfg, self.env.world_size, adapter, self.start)
+            trainer_checkpoints.check_resumable(self.resume_from, cfg, self.env.world_size, adapter, self.start,
+                                                self.teacher_start)
             self.previous_finish = _finish_record(self.out)
 
     def _lock_out(self) -> None:

@@ -102,6 +102,7 @@ def save_checkpoint(trainer: Trainer) -> Path | None:
                     "config": cfg.to_dict(),
                     "sampler": trainer.sampler.to_dict() if trainer.sampler is not None else None,
                     "start": trainer.start,  # the model directory the run started from: `check_same_start`
+                    "teacher": trainer.teacher_start,  # the teacher it distils from: `check_same_teacher`
                 })
                 final = ckpt.commit_checkpoint(tmp, step, keep_last=cfg.keep_last, log=trainer.log)
         except ckpt.CheckpointWriteError as exc:
@@ -213,10 +214,11 @@ def find_resume_checkpoint(root: Path, env: ddist.DistEnv, log: Callable[[str], 
 
 
 def check_resumable(path: Path, cfg: TrainConfig, world_size: int, adapter: dict[str, Any] | None = None,
-                    start: dict[str, Any] | None = None) -> None:
+                    start: dict[str, Any] | None = None, teacher: dict[str, str] | None = None) -> None:
     """Refuse to resume from `path` with a changed config, another LoRA adapter (`adapter`: this run's
-    `lora.adapter_settings`, None: every weight trains), another number of processes or another starting model
-    directory (`start`: this run's `init_from.start_record`, see `check_same_start`)."""
+    `lora.adapter_settings`, None: every weight trains), another number of processes, another starting model
+    directory (`start`: this run's `init_from.start_record`, see `check_same_start`) or a teacher changed since
+    (`teacher`: this run's `distill.teacher_record`, see `check_same_teacher`)."""
     try:
         trainer_state = ckpt.read_trainer_state(path)
     except (OSError, ValueError) as exc:
@@ -240,6 +242,7 @@ def check_resumable(path: Path, cfg: TrainConfig, world_size: int, adapter: dict
                          f"process(es), this run has {world_size}")
     recorded = trainer_state.get("start")
     check_same_start(path, recorded, start)
+    check_same_teacher(path, trainer_state.get("teacher"), teacher)
     # the run's tokenizer (`init_from.run_tokenizer_dir`); a run that trained its own keeps it in its out/tokenizer,
     # which `keep_run_tokenizer` checks
     start_dir = start.get("directory") if start is not None else None
@@ -330,6 +333,24 @@ def check_same_start(path: Path, recorded: Any, start: dict[str, Any] | None) ->
                      f"resume with the model the run started from")
 
 
+def check_same_teacher(path: Path, recorded: Any, teacher: dict[str, str] | None) -> None:
+    """Refuse (one ValueError naming the teacher) to resume checkpoint `path` of a distilling run whose teacher
+    (`recorded`: its `distill.teacher_record` as the run started) was retrained or replaced in place since: the run
+    would go on distilling another model's logits (a changed `teacher` path is a config change). Nothing to compare
+    for a checkpoint that records none (older code, or a run that reads no teacher) or a run that reads none;
+    a copy rewritten with the same content passes on `content`, as `check_same_start` does."""
+    if recorded is None or teacher is None:
+        return
+    if not (isinstance(recorded, dict) and all(isinstance(recorded.get(key), str) for key in START_STRINGS)):
+        raise ValueError(f"cannot resume from {path}: its {ckpt.TRAINER_STATE} records teacher={clipped(recorded)}, "
+                         f"expected the teacher's {', '.join(START_STRINGS)} (strings); the checkpoint is damaged")
+    if recorded["identity"] == teacher["identity"] or recorded["content"] == teacher["content"]:
+        return
+    raise ValueError(f"cannot resume from {path}: the teacher {teacher['directory']} changed since the run started "
+                     f"distilling from it (its config.json or weights differ); resume with the teacher the run "
+                     f"started with")
+
+
 def _digests_or_none(value: Any) -> bool:
     """`value` is a start record's `tokenizer` ({file name: sha256 or None}), or absent (a record of older code)."""
     return value is None or (isinstance(value, dict) and len(value) <= 16
@@ -357,7 +378,8 @@ def resume(trainer: Trainer) -> Path | None:
         fallback = f"resuming from {older.name}" if older is not None else "no valid checkpoint is left"
         trainer.log(f"skipping checkpoint {path}: {problem}; moved it to {moved}, {fallback}")
         if older is not None:
-            check_resumable(older, trainer.cfg, env.world_size, adapter_settings(trainer.model), trainer.start)
+            check_resumable(older, trainer.cfg, env.world_size, adapter_settings(trainer.model), trainer.start,
+                            trainer.teacher_start)
         path = older
     trainer.log(f"no checkpoint in {root} could be loaded: starting from scratch")
     return None

@@ -28,6 +28,12 @@ Modes:
                           warnings this rank's setup printed.
   peer-lost               a Trainer run whose rank 1 fails at its second batch (its own error), then leaves
                           the process (a crash): saves the exception each rank's run() raised. Last in a launch.
+  resume-ranks            a Trainer run (tiny model, 2 steps, a checkpoint each, --depth-per-rank); then it
+                          resumes where rank 1 alone fails to read the newest checkpoint's rng-rank1.safetensors
+                          (an I/O error on its node): saves the depths each rank drew, metrics.jsonl, where each
+                          rank resumed (or the error it raised) and what the resume logged.
+  quickstart-lost         `rdepth quickstart --task chains` whose rank 0 dies (leaves the process) while it
+                          prepares the output directory: saves rank 1's exit code and stderr. Last in a launch.
 One launch runs every case, and modes joined by "+" run in one launch (process start-up dominates the time).
 """
 
@@ -331,6 +337,95 @@ def peer_lost(env: DistEnv) -> tuple[str, bool, str]:
     return "nothing", False, ""
 
 
+class StepRows:
+    """Seeded token rows of the tiny model's vocabulary, resumable (its position is its state)."""
+
+    summed_metrics: tuple[str, ...] = ()
+    rank_mean_metrics: tuple[str, ...] = ()
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.served = rank, 0
+
+    def next_batch(self, batch_size: int) -> dict:
+        gen = torch.Generator().manual_seed(100 * self.served + self.rank)
+        self.served += 1
+        tokens = torch.randint(0, 16, (batch_size, 9), generator=gen)
+        return {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+    def observe(self, batch: dict, output: object) -> dict:
+        return {}
+
+    def state_dict(self) -> dict:
+        return {"served": self.served}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.served = int(state["served"])
+
+    def describe(self) -> dict:
+        return {"source": "step rows"}
+
+
+def resume_ranks(env: DistEnv, out: Path) -> dict:
+    """See the module's docstring (resume-ranks)."""
+    import recurrent_depth as rd
+    from recurrent_depth.train import checkpointing as ckpt
+    from recurrent_depth.train.config import TrainConfig
+    from recurrent_depth.train.optim import OptimConfig
+    from recurrent_depth.train.trainer import Trainer
+
+    logged: list[str] = []
+
+    def trainer(**overrides: object) -> Trainer:
+        torch.manual_seed(0)
+        model = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", vocab_size=16))
+        cfg = TrainConfig(**{**dict(batch_size=2, grad_accum=2, max_steps=2, save_every=1, keep_last=2,
+                                    depth_per_rank=True, mean_recurrence=4, out=str(out / "resume"), progress=False,
+                                    tensorboard=False, optim=OptimConfig(name="adamw", lr=1e-3, warmup_steps=0)),
+                             **overrides})
+        return Trainer(cfg, model=model, data=StepRows(env.rank), log=logged.append)
+
+    drawn: list = []
+    with torchrun_environment(env):
+        first = trainer()
+        first.on_step = lambda _, record: drawn.append(record["num_steps"])
+        first.run()
+        first.close()
+        metrics = (out / "resume" / "metrics.jsonl").read_text()
+        newest = sorted((out / "resume" / "checkpoints").glob("step-*"))[-1]
+        read = ckpt.read_tensors
+
+        def fails_on_rank_1(path: Path) -> dict:
+            if env.rank == 1 and path == newest / "rng-rank1.safetensors":
+                raise OSError(f"[Errno 5] Input/output error: '{path}'")
+            return read(path)
+
+        ckpt.read_tensors, logged[:] = fails_on_rank_1, []
+        try:
+            second = trainer(max_steps=3, resume=True)
+            resumed: object = (second.resume_from.name if second.resume_from else None, second.state.step)
+            second.close()
+        except Exception as exc:  # noqa: BLE001 (what it was is the result)
+            resumed = (type(exc).__name__, str(exc))
+        finally:
+            ckpt.read_tensors = read
+    return {"drawn": drawn, "metrics": metrics, "resumed": resumed, "logged": logged}
+
+
+def quickstart_lost(env: DistEnv, out: Path) -> tuple[int, str]:
+    """See the module's docstring (quickstart-lost): rank 1's exit code and stderr."""
+    import io
+
+    from recurrent_depth.cli import main
+    from recurrent_depth.evaluation.reasoning import train as recipe
+
+    if env.rank == 0:
+        recipe.save_tokenizer = lambda *args, **kwargs: os._exit(0)  # (killed while it writes: no word to the others)
+    said = io.StringIO()
+    with torchrun_environment(env), contextlib.redirect_stderr(said):
+        code = main(["quickstart", "--task", "chains", "--out", str(out / "quickstart"), "--threads", "1"])
+    return code, said.getvalue()
+
+
 def main() -> None:
     rank, world, store, out, modes, *args = sys.argv[1:]
     torch.set_num_threads(1)
@@ -368,6 +463,11 @@ def run_mode(env: DistEnv, mode: str, out: str, args: list[str]) -> None:
     elif mode == "peer-lost":
         torch.save(peer_lost(env), Path(out) / f"peer-lost-rank{env.rank}.pt")
         os._exit(0)  # (a crash: the group is left without a word; nothing after this mode runs)
+    elif mode == "resume-ranks":
+        torch.save(resume_ranks(env, Path(out)), Path(out) / f"resume-ranks-rank{env.rank}.pt")
+    elif mode == "quickstart-lost":
+        torch.save(quickstart_lost(env, Path(out)), Path(out) / f"quickstart-lost-rank{env.rank}.pt")
+        os._exit(0)  # (the group is broken: nothing after this mode runs)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     dist.barrier()

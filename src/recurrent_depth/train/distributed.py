@@ -108,6 +108,19 @@ def peer_lost(exc: BaseException, env: DistEnv) -> PeerLost | None:
                     "process group (that rank's own error says why)")
 
 
+@contextlib.contextmanager
+def one_line_if_peer_lost(env: DistEnv) -> Iterator[None]:
+    """The collectives inside end with `PeerLost` (one line) where they fail for want of another rank
+    (`peer_lost`); any other error as it is."""
+    try:
+        yield
+    except RuntimeError as exc:
+        lost = peer_lost(exc, env)
+        if lost is None:
+            raise
+        raise lost from exc
+
+
 def group_initialized() -> bool:
     """Whether this process is in a default process group already."""
     return dist.is_available() and dist.is_initialized()
@@ -134,12 +147,14 @@ def run_on_main(env: DistEnv, what: str, fn: Callable[[], Any], timeout: timedel
     """
     if not env.enabled:
         return fn()
-    dist.barrier()  # every rank is here (a rank gone already fails this, where the new group would wait its timeout)
-    group = dist.new_group(backend="gloo", timeout=timeout)
+    with one_line_if_peer_lost(env):  # (a rank that died, e.g. rank 0 killed while it prepares: one line here)
+        dist.barrier()  # every rank is here (a rank gone already fails this; the new group would wait its timeout)
+        group = dist.new_group(backend="gloo", timeout=timeout)
     try:
         if not env.is_main:
             box: list[Any] = [None, None]  # (rank 0's error, its result when shared)
-            dist.broadcast_object_list(box, src=0, group=group)
+            with one_line_if_peer_lost(env):
+                dist.broadcast_object_list(box, src=0, group=group)
             if box[0] is not None:
                 raise ValueError(f"rank 0 failed to {what}: {box[0]}")
             return box[1]
@@ -147,9 +162,11 @@ def run_on_main(env: DistEnv, what: str, fn: Callable[[], Any], timeout: timedel
             result = fn()
         except BaseException as exc:
             message = " ".join(f"{type(exc).__name__}: {exc}".split())  # (one line)
-            dist.broadcast_object_list([message, None], src=0, group=group)
+            with contextlib.suppress(RuntimeError):  # (the others gone too: rank 0's own error still says why)
+                dist.broadcast_object_list([message, None], src=0, group=group)
             raise
-        dist.broadcast_object_list([None, result if share else None], src=0, group=group)
+        with one_line_if_peer_lost(env):
+            dist.broadcast_object_list([None, result if share else None], src=0, group=group)
         return result
     finally:
         dist.destroy_process_group(group)
@@ -217,6 +234,15 @@ def broadcast_object(obj: Any, env: DistEnv) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def every_rank(obj: Any, env: DistEnv) -> list[Any]:
+    """Every rank's `obj` (picklable), by rank, on every rank (`all_gather_object`); `[obj]` for one process."""
+    if not env.enabled:
+        return [obj]
+    found: list[Any] = [None] * env.world_size
+    dist.all_gather_object(found, obj)
+    return found
 
 
 def wrap_model(model: nn.Module, env: DistEnv, fsdp: bool = False) -> nn.Module:

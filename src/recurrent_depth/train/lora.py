@@ -68,6 +68,8 @@ KIND_LINEAR_NAMES = {
     "mlp": ("fc", "proj"),
 }
 ADAPTER_CONFIG = "adapter_config.json"
+# adapter_config.json's fields peft holds as sets (lists of module names); `save_adapter` writes them sorted
+SET_FIELDS = ("target_modules", "exclude_modules")
 ALL_LINEAR = "all-linear"  # peft's target_modules shorthand: every linear layer but the output head
 OUTPUT_HEAD = "lm_head"
 # The layers an adapter goes on: float linear layers, and int8 / int4 ones (weight_quant.py; `quantized_lora_layer`)
@@ -471,6 +473,9 @@ def save_adapter(model: Any, directory: str | Path, state_dict: dict | None = No
         # import it ("not in the import allowlist"). load_lora drops it again on a RecurrentDepthLM.
         config["task_type"] = "CAUSAL_LM"
         config.pop("auto_mapping", None)
+    for key in SET_FIELDS:  # (peft keeps them as sets: written in another order by each process)
+        if isinstance(config.get(key), list):
+            config[key] = sorted(config[key], key=str)
     (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     record = getattr(model, "lora_base_record", None)
     if record:

@@ -870,6 +870,9 @@ class Trainer:
         state.elapsed_s = self.session_start_elapsed + (time.perf_counter() - self.session_start)
         self.losses.append(loss_value)
         extra = {"indexer_kl": indexer_kl_sum / indexer_kl_count} if indexer_kl_count else {}
+        if cfg.depth_per_rank and env.enabled:  # (each rank drew its own depths; `num_steps` holds rank 0's)
+            ranks = ddist.every_rank((depths, grad_depths), env)
+            extra.update(num_steps_by_rank=[d for d, _ in ranks], grad_steps_by_rank=[g for _, g in ranks])
         return {
             "step": state.step,
             "loss": loss_value if math.isfinite(loss_value) else None,

@@ -367,7 +367,9 @@ def resume(trainer: Trainer) -> Path | None:
     while path is not None:
         check_same_model(trainer.model, path)  # (another model is a refusal, not a damaged checkpoint to set aside)
         loaded, problem = load_for_resume(trainer, path)
-        problem = ddist.broadcast_object(problem, env)  # every rank falls back together
+        # every rank falls back together, or stops, whichever rank's load failed (its own rng-rank<r> file ...)
+        problem = next((p if rank == 0 else f"on rank {rank}: {p}"
+                        for rank, p in enumerate(ddist.every_rank(problem, env)) if p is not None), None)
         if problem is None:
             apply_checkpoint(trainer, loaded)
             return path

@@ -487,6 +487,7 @@ def quantize_weights(model: nn.Module, weights: str | None = "int8", include_hea
         return Int4WeightLinear.from_linear(linear, group, kernel_layout)
 
     from recurrent_depth.accel.linear import restore_linears  # (accel imports this module)
+    from recurrent_depth.inference.lora_layers import is_lora_layer  # (it imports this module)
 
     with torch.no_grad():
         count = 0
@@ -496,10 +497,31 @@ def quantize_weights(model: nn.Module, weights: str | None = "int8", include_hea
             count = _replace_children(model.transformer, nn.Linear, make)
         if include_head:
             restore_linears(model.lm_head)
-        if include_head and type(model.lm_head) is nn.Linear:
-            model.lm_head = make(model.lm_head)
-            count += 1
+            # a head carrying a peft LoRA adapter: its base layer, as inside the transformer (it stayed float)
+            owner, name = (model.lm_head, "base_layer") if is_lora_layer(model.lm_head) else (model, "lm_head")
+            if type(getattr(owner, name)) is nn.Linear:
+                setattr(owner, name, make(getattr(owner, name)))
+                count += 1
+    _as_quantized_lora_layers(model)
     return count
+
+
+def _as_quantized_lora_layers(model: nn.Module) -> None:
+    """peft's own LoRA layers (`peft.tuners.lora.Linear`, an adapter attached to the float model) over the layers
+    just quantized become `train.lora.quantized_lora_layer()`'s subclass, as an adapter loaded onto quantized layers
+    is: the same layers in either order, so that peft's `merge_and_unload` refuses in one line (peft's own merge
+    read `base_layer.weight`: an AttributeError) and so does a DoRA adapter added later."""
+    from recurrent_depth.inference.lora_layers import is_lora_layer  # (it imports this module)
+
+    layers = [m for m in model.modules() if is_lora_layer(m) and isinstance(m.base_layer, QuantizedLinear)]
+    if not layers:
+        return
+    from recurrent_depth.train.lora import quantized_lora_layer  # (peft is there: it made the layers)
+
+    quantized = quantized_lora_layer()
+    for layer in layers:
+        if type(layer) is quantized.__base__:  # (not another peft layer kind, nor ours already)
+            layer.__class__ = quantized
 
 
 def dequantize_weights(model: nn.Module) -> int:

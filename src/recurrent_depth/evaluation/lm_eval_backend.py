@@ -218,6 +218,29 @@ class RecurrentDepthEvalLM(HFLM):
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self.step_counts: dict[str, Counter] = {"loglikelihood": Counter(), "generate_until": Counter()}
 
+    def _create_model(self, pretrained: Any, *args: Any, peft: str | None = None, revision: str | None = "main",
+                      **kwargs: Any) -> None:
+        """HFLM's, but a `peft=` adapter on `weights=int8 / int4` layers goes on through
+        `train.lora.on_quantized_layers`: HFLM's `PeftModel.from_pretrained(model, peft)` knows no quantized layer
+        of ours ("Target module Int4WeightLinear ... is not supported"). (HFLM's resizing of the embedding to the
+        tokenizer's length, for adapters that add tokens, is left out: our trainers add none.)"""
+        if not (peft and kwargs.get("weights")):
+            super()._create_model(pretrained, *args, peft=peft, revision=revision, **kwargs)
+            return
+        from peft import LoraConfig, PeftConfig, PeftModel
+
+        from recurrent_depth.train.lora import on_quantized_layers, refuse_dora_on_quantized
+        from recurrent_depth.weight_quant import check_weights
+
+        check_weights(kwargs["weights"])  # (an invalid format first, not named as the DoRA refusal's)
+        if Path(peft).is_dir():  # (a hub id: peft's own refusal, from the layer)
+            refuse_dora_on_quantized(Path(peft), kwargs["weights"])  # before the model loads
+        super()._create_model(pretrained, *args, peft=None, revision=revision, **kwargs)
+        config = PeftConfig.from_pretrained(peft, revision=revision)
+        if isinstance(config, LoraConfig):  # (another kind, IA3, ...: peft's own error)
+            config = on_quantized_layers(config, self._model)
+        self._model = PeftModel.from_pretrained(self._model, peft, revision=revision, config=config)
+
     # ------------------------------------------------------------------ statistics
     def _record(self, kind: str, steps: list[int]) -> None:
         self.step_counts[kind].update(steps)

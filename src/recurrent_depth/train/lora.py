@@ -187,7 +187,8 @@ def quantized_lora_layer() -> type:
                 super().__init__(base_layer, adapter_name, *args, **kwargs)
 
         def update_layer(self, adapter_name: str, *args: Any, **kwargs: Any) -> None:
-            if kwargs.get("use_dora") or getattr(kwargs.get("config"), "use_dora", False):
+            if (kwargs.get("use_dora") or getattr(kwargs.get("config"), "use_dora", False)) and \
+                    quantized_weights(self.get_base_layer()):  # (not after dequantize_weights: float again)
                 raise ValueError(f"a DoRA adapter cannot go on {held_weights(self)} weights: its forward reads the "
                                  "float base weight's norm")
             super().update_layer(adapter_name, *args, **kwargs)

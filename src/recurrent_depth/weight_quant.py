@@ -12,7 +12,8 @@ dotted in float32, times the scale: the reference to float32 rounding; bf16 rows
 a power of two, dotted exactly in integers, rounded once: within bf16 rounding of the reference, plus
 2^-16 of the row's scale for entries below 2^-8 of its largest; a Huginn-shape bf16 decode at ~0.78 of
 the memory roofline on a 2-core AVX2 EPYC, where torch's kernel reached ~0.58); other bf16 calls
-(prompts) use torch's CPU kernel `aten._weight_int8pack_mm` where it is exact to its bf16 output
+(short prompts: at most KERNEL_MAX_ROWS rows, past which the reference is faster) use torch's CPU kernel
+`aten._weight_int8pack_mm` where it is exact to its bf16 output
 (`in_features` a multiple of 16: measured here, other widths read past the rows and return NaN or
 crash); otherwise (and for calls with autograd through the activations, e.g. GradMem's: torch's kernels
 have no derivative) the plain reference: dequantize (`int8 * scale`, in the activations' dtype) then
@@ -25,7 +26,8 @@ float32 or bf16 activations of at most 8 rows (decoding) take the C++ `accel.qua
 (each packed row streamed once; bf16 rows dotted in integers as for int8: 1.3-2.2x the bf16 weight
 stream per product at Huginn's shapes on a 2-core AVX2 EPYC, 1.24x a whole decode, where torch's int4
 kernel is ~1x; compute-bound there, so below int8's 1.5x); other calls (prompts,
-autograd) take the reference: dequantize in float32, then `F.linear`. With C++ off (`RDEPTH_NO_CPP=1`
+autograd) take the reference: dequantize in float32, then `F.linear` (under autograd its backward
+dequantizes again rather than keep the float weight: `_DequantizedLinear`). With C++ off (`RDEPTH_NO_CPP=1`
 or no compiler) a layer whose shape torch's CPU kernel `aten._weight_int4pack_mm_for_cpu` accepts
 (`out_features % 16 == 0`, `in_features % group == 0`, weights on the CPU: the kernel refuses other
 shapes with an error, and is accurate at every shape it accepts, measured) stores the kernel's packed
@@ -62,6 +64,11 @@ WEIGHT_FORMATS = ("int8", "int4")  # "int4" also takes a group size: "int4:g64"
 
 # The widths `aten._weight_int8pack_mm` computes correctly (measured: K % 16 != 0 gives NaN or a crash).
 KERNEL_K_MULTIPLE = 16
+# The most rows `aten._weight_int8pack_mm` takes: its time grows with the rows (~33 ps a weight a row, measured on
+# a shared 2-core Xeon), the reference's (dequantize once, then a bf16 GEMM) hardly does, so more rows (a long prompt,
+# QLoRA's no-grad recurrence steps) take the reference: at 128 rows 3x faster at 1024 x 5632, even at Huginn's
+# 5280 x 15840; at 512 rows 4-8x. At 16 rows the kernel is 2-7x the faster.
+KERNEL_MAX_ROWS = 64
 # float32 or bf16 activations of at most this many rows (a decode step) take the C++ int8 product; more
 # rows (a prompt) torch's kernel (bf16) or the reference, which read the weight once for all of them.
 CPP_ROWS = 8
@@ -133,7 +140,9 @@ def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
 
 def dequantize_int8(q: Tensor, scales: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """The weight `q * scales[:, None]` in `dtype` (computed in float32, then cast)."""
-    return (q.float() * scales[:, None]).to(dtype)
+    # in place on the one float32 copy (the same product): QLoRA dequantizes every call, and each fresh weight-sized
+    # tensor costs a pass of page faults (measured: half the time of `q.float() * scales`)
+    return q.to(torch.float32, copy=True).mul_(scales.float()[:, None]).to(dtype)
 
 
 # ---------------------------------------------------------------- int4, group-wise
@@ -171,7 +180,10 @@ def dequantize_int4(q: Tensor, scales_and_zeros: Tensor, in_features: int,
     out_features, padded = q.shape
     n_groups = scales_and_zeros.shape[0]
     sz = scales_and_zeros.float().permute(1, 0, 2)  # [out, groups, 2]
-    w = (q.float().view(out_features, n_groups, padded // n_groups) - INT4_OFFSET) * sz[..., :1] + sz[..., 1:]
+    # in place on the one float32 copy (the same operations in the same order): QLoRA dequantizes every call, and
+    # each fresh weight-sized tensor costs a pass of page faults
+    w = q.to(torch.float32, copy=True).view(out_features, n_groups, padded // n_groups)
+    w.sub_(INT4_OFFSET).mul_(sz[..., :1]).add_(sz[..., 1:])
     return w.view(out_features, padded)[:, :in_features].to(dtype)
 
 
@@ -245,7 +257,11 @@ class QuantizedLinear(nn.Module):
         raise NotImplementedError
 
     def _reference(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)) \
+                and not torch.compiler.is_compiling():
+            return _DequantizedLinear.apply(x, bias, self)
+        return F.linear(x, self.dequantize(x.dtype), bias)
 
     def _with_bias(self, out: Tensor, x: Tensor) -> Tensor:
         if self.bias is not None:
@@ -266,6 +282,25 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class _DequantizedLinear(torch.autograd.Function):
+    """`F.linear(x, layer.dequantize(x.dtype), bias)` whose backward dequantizes the layer's codes again rather
+    than keeping the float weight: autograd's own F.linear saves the dequantized copy of every call until the
+    backward, so a QLoRA step held a float copy of each layer per call (the core's once per step backpropagated
+    through: more than the float model's weights), the memory quantized training is for. Same values: the
+    forward is that F.linear, grad_input the same product with the same weight."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, bias: Tensor | None, layer: QuantizedLinear) -> Tensor:
+        ctx.layer = layer  # (its codes are frozen buffers: nothing to save)
+        return F.linear(x, layer.dequantize(x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        grad_x = grad.matmul(ctx.layer.dequantize(grad.dtype)) if ctx.needs_input_grad[0] else None
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_bias, None
 
 
 def _flat_rows(x: Tensor, in_features: int) -> Tensor:
@@ -299,9 +334,10 @@ class Int8WeightLinear(QuantizedLinear):
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales))
 
     def uses_kernel(self, x: Tensor) -> bool:
-        """Whether this call takes torch's int8 kernel (bf16 on CPU at a supported width, no autograd through x:
-        the kernel has no derivative), else the reference."""
+        """Whether this call takes torch's int8 kernel (bf16 on CPU at a supported width, at most KERNEL_MAX_ROWS
+        rows, no autograd through x: the kernel has no derivative), else the reference."""
         return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and self.in_features % KERNEL_K_MULTIPLE == 0
+                and x.numel() <= KERNEL_MAX_ROWS * self.in_features
                 and not (x.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling())
 
     def uses_cpp(self, x: Tensor) -> bool:

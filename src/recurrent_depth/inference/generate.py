@@ -23,7 +23,7 @@ from recurrent_depth.inference.options import (
 from recurrent_depth.inference.output import GenerationOutput, TokenEvent
 from recurrent_depth.inference.schema import OFFICIAL_ALIASES, canonical, kwarg_spelling, unknown_names
 from recurrent_depth.inference.session import Session, check_options_for_model, prepare_inputs
-from recurrent_depth.inference.ttt_e2e import Adaptation, adapt
+from recurrent_depth.inference.ttt_e2e import NOTHING_GENERATED, Adaptation, adapt, skipped
 from recurrent_depth.model.recurrent import library_model
 
 _LOOPS = {"autoregressive": autoregressive.decode, "speculative": speculative.decode, "parallel": parallel.decode}
@@ -65,8 +65,11 @@ class GenerationStream:
         # TTT-E2E: the inner loop trains a shadow of the model (its chosen weights copied) and the
         # session generates from it; `model` itself is never written (inference/ttt_e2e.py).
         if resolved.ttt_params is not None:
-            self.adaptation = adapt(model, ids if mask is None else ids[:, mask[0].nonzero()[0, 0]:], resolved,
-                                    should_stop=should_stop)
+            prompt = ids if mask is None else ids[:, mask[0].nonzero()[0, 0]:]
+            if resolved.max_new_tokens == 0:  # nothing generated reads the weights: the checks, no inner loop
+                self.adaptation = skipped(model, prompt, resolved, NOTHING_GENERATED)
+            else:
+                self.adaptation = adapt(model, prompt, resolved, should_stop=should_stop)
             model = self.adaptation.model
         self.model = model
         # GradMem: the session's prompt is [memory; query], the memory written when iteration starts.

@@ -43,7 +43,7 @@ from recurrent_depth.inference.engine import Stopped
 from recurrent_depth.inference.options import GRADMEM_INITS, OptionError, ResolvedOptions
 from recurrent_depth.inference.sampling import RowGenerators
 from recurrent_depth.inference.session import prepare_inputs
-from recurrent_depth.inference.ttt_e2e import refuse_inference_weights
+from recurrent_depth.inference.ttt_e2e import NOTHING_GENERATED, refuse_inference_weights
 from recurrent_depth.train.flops import training_step_flops
 
 
@@ -374,10 +374,12 @@ class GradMemPlan:
 
     def write(self, session: Any) -> MemoryWrite:
         """Run the WRITE (stoppable like the session's core steps), set the session's prompt
-        embeddings, and add the gradmem_* figures to its stats."""
+        embeddings, and add the gradmem_* figures to its stats. A call that generates nothing
+        (max_new_tokens=0) reads no memory: it keeps M_0, takes no step, and its stats say so."""
         o = self.options
+        skip = o.max_new_tokens == 0
         result = write_memory(
-            self.model, self.context, tokens=o.gradmem_tokens, steps=o.gradmem_steps, lr=o.gradmem_lr,
+            self.model, self.context, tokens=o.gradmem_tokens, steps=0 if skip else o.gradmem_steps, lr=o.gradmem_lr,
             depth=o.num_steps if o.gradmem_depth is None else o.gradmem_depth, lengths=self.context_lengths,
             init=o.gradmem_init, init_scale=o.init_scale, seed=o.seed, should_stop=session.engine.should_stop,
         )
@@ -385,6 +387,8 @@ class GradMemPlan:
         _, _, _, embeds = memory_prompt(self.model, result.memory, q, self.query_lengths if q is not None else None)
         session.prompt_embeds = embeds
         session.stats.update(result.stats())
+        if skip:
+            session.stats["gradmem_skipped"] = NOTHING_GENERATED
         return result
 
 

@@ -659,6 +659,12 @@ def _check_combinations(o: ResolvedOptions, asked_prefill_exit: bool) -> Resolve
                 f"self-speculative decoding (draft_steps={o.draft_steps}) is greedy at a fixed depth; "
                 f"it does not combine with {', '.join(bad)}"
             )
+    # Two alternative ways to compress a context (into weights, into memory tokens): together, TTT-E2E would
+    # also train on GradMem's query and the write would run through the adapted weights, which neither paper defines.
+    if o.gradmem_tokens > 0 and o.ttt_params is not None:
+        raise OptionError("ttt_params", f"ttt_params={o.ttt_params!r} (TTT-E2E: the context into weights) does not "
+                          f"combine with gradmem_tokens={o.gradmem_tokens} (GradMem: the context into memory tokens); "
+                          "set one of them")
     if o.gradmem_tokens > 0 and o.gradmem_depth is None and o.num_steps == 0:
         raise OptionError("gradmem_depth", "gradmem_depth defaults to num_steps=0, but a GradMem write needs depth "
                           ">= 1 (a random s_0 at depth 0 never reads the memory); set gradmem_depth")

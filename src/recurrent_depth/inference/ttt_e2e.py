@@ -51,6 +51,10 @@ from recurrent_depth.weight_quant import QuantizedLinear, held_weights
 # below a bf16 weight's rounding step and would be lost if applied to the weight itself.
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
+# Why a generate call with max_new_tokens=0 skips TTT-E2E's inner loop and GradMem's write steps
+# (their stats' ttt_skipped / gradmem_skipped): no token is generated to read the result.
+NOTHING_GENERATED = "max_new_tokens=0: no token is generated to read the result"
+
 # Named weight subsets (`ttt_params`); any other value is a comma-separated list of globs over
 # `model.named_parameters()` names.
 PARAMETER_SETS = {
@@ -197,13 +201,17 @@ class Adaptation:
     optimizer: str
     copy_bytes: int
     seconds: float
+    skipped: str | None = None  # why the inner loop did not run (`skipped`): then no step, no copy
 
     def stats(self) -> dict[str, Any]:
         """JSON-friendly figures for a `GenerationOutput.stats` (the ttt_* keys)."""
-        return {"ttt_steps": self.steps, "ttt_depth": list(self.depth), "ttt_lr": self.lr,
-                "ttt_optimizer": self.optimizer, "ttt_parameters": len(self.parameters),
-                "ttt_copy_mb": round(self.copy_bytes / 2**20, 3), "ttt_flops": self.flops,
-                "ttt_losses": [round(x, 5) for x in self.losses], "ttt_seconds": round(self.seconds, 4)}
+        stats = {"ttt_steps": self.steps, "ttt_depth": list(self.depth), "ttt_lr": self.lr,
+                 "ttt_optimizer": self.optimizer, "ttt_parameters": len(self.parameters),
+                 "ttt_copy_mb": round(self.copy_bytes / 2**20, 3), "ttt_flops": self.flops,
+                 "ttt_losses": [round(x, 5) for x in self.losses], "ttt_seconds": round(self.seconds, 4)}
+        if self.skipped is not None:
+            stats["ttt_skipped"] = self.skipped
+        return stats
 
 
 def inner_depth(model: nn.Module, options: ResolvedOptions) -> tuple[int, int]:
@@ -235,11 +243,9 @@ def context_loss(model: nn.Module, ids: Tensor, depth: tuple[int, int], init_sca
     return model(ids, num_steps=depth, labels=ids, init_scale=init_scale, generator=generator).loss
 
 
-def adapt(model: nn.Module, input_ids: Tensor, options: ResolvedOptions, final_loss: bool = False,
-          should_stop: Callable[[], bool] | None = None) -> Adaptation:
-    """Run the inner loop on the prompt `input_ids` [1, T] (T >= 2) and return the shadow model
-    that holds the updated weights; `model` itself is never written. should_stop: checked before
-    each inner step (a request's deadline); when it returns True, `engine.Stopped` is raised."""
+def _checked(model: nn.Module, input_ids: Tensor, options: ResolvedOptions) -> tuple[list[str], tuple[int, int]]:
+    """OptionError (or ValueError for the model) unless the inner loop can run on `input_ids`;
+    returns the chosen parameter names and the inner depth (n, k)."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise OptionError("ttt_params", f"TTT-E2E adapts one set of weights to one context: expected one prompt "
                           f"(batch 1), got a batch of {input_ids.shape[0]}")
@@ -247,10 +253,25 @@ def adapt(model: nn.Module, input_ids: Tensor, options: ResolvedOptions, final_l
         raise OptionError("ttt_params", "TTT-E2E needs a prompt of at least 2 tokens (its loss predicts token "
                           "t+1 from tokens <= t)")
     refuse_inference_weights(model, "TTT-E2E (ttt_params)")
+    return select_parameters(model, options.ttt_params), inner_depth(model, options)
+
+
+def skipped(model: nn.Module, input_ids: Tensor, options: ResolvedOptions, reason: str) -> Adaptation:
+    """`adapt`'s checks without its inner loop, for a call whose weights nothing reads (e.g.
+    max_new_tokens=0): no copy, no step; the result's model is `model` and its stats say `reason`."""
+    names, depth = _checked(model, input_ids, options)
+    return Adaptation(model=model, parameters=names, losses=[], flops=0.0, steps=0, depth=depth, lr=options.ttt_lr,
+                      optimizer=options.ttt_optimizer, copy_bytes=0, seconds=0.0, skipped=reason)
+
+
+def adapt(model: nn.Module, input_ids: Tensor, options: ResolvedOptions, final_loss: bool = False,
+          should_stop: Callable[[], bool] | None = None) -> Adaptation:
+    """Run the inner loop on the prompt `input_ids` [1, T] (T >= 2) and return the shadow model
+    that holds the updated weights; `model` itself is never written. should_stop: checked before
+    each inner step (a request's deadline); when it returns True, `engine.Stopped` is raised."""
     started = time.perf_counter()
-    names = select_parameters(model, options.ttt_params)
+    names, depth = _checked(model, input_ids, options)
     nbytes = copy_bytes(model, names, options.ttt_optimizer)
-    depth = inner_depth(model, options)
     seed = options.seed
     if isinstance(seed, list | tuple) and len(seed) == 1:  # one seed per row, for the one row: the same seed
         seed = seed[0]

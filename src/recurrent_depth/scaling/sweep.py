@@ -714,19 +714,26 @@ def _train_flops(steps: list[dict[str, Any]], model_cfg: ModelConfig, cfg: Train
                  world_size: int, finished_step: int) -> tuple[float, float | None]:
     """(training FLOPs at the depths each micro-batch drew, their mean), from metrics.jsonl; without recorded
     depths, every micro-batch of the logged steps (of `finished_step` steps without a log) at the expected
-    depth r̄ (its mean None)."""
+    depth r̄ (its mean None). Under --depth-per-rank a record's `num_steps` is rank 0's depths only; its
+    `num_steps_by_rank` / `grad_steps_by_rank` hold every rank's, each rank's batch run at its own."""
     from recurrent_depth.model.depth import truncate
     from recurrent_depth.train.flops import training_step_flops
 
     rows = cfg.batch_size * world_size
-    total, depths = 0.0, []
+    total, depth_rows, counted_rows = 0.0, 0.0, 0
     for step in steps:
-        drawn, grads = step.get("num_steps") or [], step.get("grad_steps") or []
-        for depth, grad in zip(drawn, grads):
-            total += training_step_flops(model_cfg, rows, seq_len, (depth - grad, grad)).total
-            depths.append(depth)
-    if depths:
-        return total, sum(depths) / len(depths)
+        by_rank = step.get("num_steps_by_rank"), step.get("grad_steps_by_rank")
+        if by_rank[0] and by_rank[1]:  # (rows, depths, grad depths) of each rank's batch
+            parts = [(cfg.batch_size, drawn, grads) for drawn, grads in zip(*by_rank)]
+        else:  # one depth per micro-batch for every rank
+            parts = [(rows, step.get("num_steps") or [], step.get("grad_steps") or [])]
+        for part_rows, drawn, grads in parts:
+            for depth, grad in zip(drawn, grads):
+                total += training_step_flops(model_cfg, part_rows, seq_len, (depth - grad, grad)).total
+                depth_rows += depth * part_rows
+                counted_rows += part_rows
+    if counted_rows:
+        return total, depth_rows / counted_rows
     mean = max(1, round(cfg.mean_recurrence or model_cfg.mean_recurrence))
     k = cfg.backprop_depth or model_cfg.mean_backprop_depth
     micro = (len(steps) or finished_step) * cfg.grad_accum

@@ -274,22 +274,20 @@ class Trainer:
         # the teacher the run distils from, as each checkpoint records it (a resume refuses one changed since)
         self.teacher_start: dict[str, str] | None = None
         try:
-            if cfg.teacher is not None:  # (alpha = 0 too) a wrong path, before `out` holds run.json and the logs
-                find_teacher_dir(cfg.teacher)
-                if cfg.distill_alpha > 0 or cfg.distill_cache_only:  # (alpha = 0 never reads it)
-                    self.teacher_start = teacher_record(cfg.teacher)
-            self._setup(corpus, model, data, tokenizer_dir, depth, evaluate)
-            if cfg.teacher is not None and (cfg.distill_alpha > 0 or cfg.distill_cache_only):
-                if objective is not None:
-                    raise ValueError("TrainConfig.teacher distils with the language-modeling loss: it cannot be "
-                                     "combined with another objective")
-                self.objective = self._distillation()
-        except BaseException as exc:
+            with ddist.one_line_if_peer_lost(self.env):  # (another rank's failure: one line here, its own error there)
+                if cfg.teacher is not None:  # (alpha = 0 too) a wrong path, before `out` holds run.json and the logs
+                    find_teacher_dir(cfg.teacher)
+                    if cfg.distill_alpha > 0 or cfg.distill_cache_only:  # (alpha = 0 never reads it)
+                        self.teacher_start = teacher_record(cfg.teacher)
+                self._setup(corpus, model, data, tokenizer_dir, depth, evaluate)
+                if cfg.teacher is not None and (cfg.distill_alpha > 0 or cfg.distill_cache_only):
+                    if objective is not None:
+                        raise ValueError("TrainConfig.teacher distils with the language-modeling loss: it cannot be "
+                                         "combined with another objective")
+                    self.objective = self._distillation()
+        except BaseException:
             self._discard_new_out()
             self._unlock_out()
-            lost = ddist.peer_lost(exc, self.env)  # (another rank's failure: one line here, its own error there)
-            if lost is not None:
-                raise lost from exc
             raise
 
     def _discard_new_out(self) -> None:
@@ -640,13 +638,9 @@ class Trainer:
             self.wrapped = ddist.wrap_model(self.model, self.env)
             self._ddp_released = False
         try:
-            self._lock_out()  # (a later run() takes it again)
-            return self._run()
-        except RuntimeError as exc:
-            lost = ddist.peer_lost(exc, self.env)  # (another rank's failure: one line here, its own error there)
-            if lost is None:
-                raise
-            raise lost from exc
+            with ddist.one_line_if_peer_lost(self.env):  # (another rank's failure: one line here, its own error there)
+                self._lock_out()  # (a later run() takes it again)
+                return self._run()
         finally:
             self._ddp_released = ddist.release_ddp(self) or self._ddp_released
             self._unlock_out()

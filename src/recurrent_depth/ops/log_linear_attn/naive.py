@@ -52,7 +52,8 @@ def naive_recurrent_log_linear_attn(
         levels = [S * alpha for S in levels]
         kv = torch.einsum("bhk,bhv->bhkv", k_t, v_t)
         levels = [kv] + levels[1:]
-        o_t = sum(lam_t[..., ell, None] * torch.einsum("bhkv,bhk->bhv", S, q_t) for ell, S in enumerate(levels))
+        # a carried state may hold more levels than λ has (L0 > L): those weigh 0, as in the other forms
+        o_t = sum(lam_t[..., ell, None] * torch.einsum("bhkv,bhk->bhv", S, q_t) for ell, S in enumerate(levels[:L]))
         outs.append(o_t)
     o = torch.stack(outs, dim=1).to(out_dtype)  # [B, T, H, V]
     levels += [zero] * (num_levels - len(levels))

@@ -115,3 +115,33 @@ def test_the_reasoning_recipe_closes_its_trainer(tmp_path, monkeypatch, fails):
     else:
         recipe.train_reasoning(config, log=lambda _: None)
     assert len(closed) == 1
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_sft_and_rl_python_entry_points_close_their_trainer(monkeypatch, fails):
+    """`train.sft.sft` and `train.rl.recipe.run_rl` ran a Trainer and never closed it (as `rdepth sft` / `rdepth rl`
+    do): its logs stayed open and a process group it joined under torchrun was never left. Now closed after the run,
+    also one that fails."""
+    from recurrent_depth.train import sft as sft_module
+    from recurrent_depth.train.rl import recipe
+
+    class FakeTrainer:
+        closed = 0
+
+        def run(self):
+            if fails:
+                raise RuntimeError("the run failed")
+            return "result"
+
+        def close(self):
+            FakeTrainer.closed += 1
+
+    monkeypatch.setattr(sft_module, "sft_trainer", lambda *a, **k: FakeTrainer())
+    monkeypatch.setattr(recipe, "build_rl", lambda *a, **k: FakeTrainer())
+    for call in (lambda: sft_module.sft(None), lambda: recipe.run_rl(None, None, None)):
+        if fails:
+            with pytest.raises(RuntimeError, match="the run failed"):
+                call()
+        else:
+            assert call() == "result"
+    assert FakeTrainer.closed == 2

@@ -317,6 +317,11 @@ def sft_trainer(cfg: TrainConfig, options: SFTOptions | None = None, **trainer_k
 
 
 def sft(cfg: TrainConfig, options: SFTOptions | None = None, **trainer_kwargs: Any):
-    """Run SFT; returns the Trainer's `TrainResult` (the model directory is `<out>/model`)."""
-    return sft_trainer(cfg, options, **trainer_kwargs).run()
+    """Run SFT; returns the Trainer's `TrainResult` (the model directory is `<out>/model`). The Trainer is closed
+    after its run, as `rdepth sft` closes it (its logs, and a process group it joined under torchrun)."""
+    trainer = sft_trainer(cfg, options, **trainer_kwargs)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
 

@@ -110,7 +110,7 @@ def test_a_single_document_corpus_is_named_not_blamed_on_seq_len(tmp_path: Path,
 def test_a_foreign_dataset_json_in_the_output_is_rebuilt(tmp_path: Path, tok, text: str) -> None:
     corpus = DocumentListCorpus([Document(f"d{i}", f"document {i} " * 30) for i in range(6)])
     first = prepare_dataset(corpus, tok, SEQ_LEN, tmp_path, val_fraction=0.3, seed=1)
-    (tmp_path / "dataset.json").write_text(text.replace('"k"', f'"{first.metadata["key"]}"'))
+    (first.out_dir / "dataset.json").write_text(text.replace('"k"', f'"{first.metadata["key"]}"'))  # (the key's own)
     again = prepare_dataset(corpus, tok, SEQ_LEN, tmp_path, val_fraction=0.3, seed=1)
     assert not again.metadata["reused"] and again.metadata["splits"] == first.metadata["splits"]
 

@@ -238,10 +238,8 @@ def test_prepare_dataset_is_deterministic(tmp_path: Path, tok) -> None:
     a = prepare_dataset(_corpus(), tok, seq_len=8, out_dir=tmp_path / "a", val_fraction=0.1, seed=2, keep_all=True)
     b = prepare_dataset(_corpus(), tok, seq_len=8, out_dir=tmp_path / "b", val_fraction=0.1, seed=2, keep_all=True)
     for split in ("train", "validation"):
-        files_a = sorted((tmp_path / "a").glob(f"{split}-*.bin"))
-        assert [f.read_bytes() for f in files_a] == [
-            (tmp_path / "b" / f.name).read_bytes() for f in files_a
-        ]
+        files_a = sorted(a.out_dir.glob(f"{split}-*.bin"))  # (the key's own subdirectory)
+        assert files_a and [f.read_bytes() for f in files_a] == [(b.out_dir / f.name).read_bytes() for f in files_a]
     assert a.metadata["key"] == b.metadata["key"]
     # keep_all: every document token ends up in a row, except the unfinished last row
     assert a.metadata["splits"]["train"]["packing"]["tokens_dropped"] < 9
@@ -250,11 +248,11 @@ def test_prepare_dataset_is_deterministic(tmp_path: Path, tok) -> None:
 def test_rebuild_after_interrupted_write(tmp_path: Path, tok) -> None:
     out = tmp_path / "data"
     prepared = prepare_dataset(_corpus(), tok, seq_len=16, out_dir=out, val_fraction=0.2)
-    (out / "train-00000.bin").write_bytes(b"torn")  # as if a crash corrupted a shard
-    (out / "train-00000.bin.tmp").write_bytes(b"leftover")
+    (prepared.out_dir / "train-00000.bin").write_bytes(b"torn")  # as if a crash corrupted a shard
+    (prepared.out_dir / "train-00000.bin.tmp").write_bytes(b"leftover")
     again = prepare_dataset(_corpus(), tok, seq_len=16, out_dir=out, val_fraction=0.2)
     assert not again.metadata["reused"] and again.metadata["key"] == prepared.metadata["key"]
-    assert shards_complete(again.train_index) and not list(out.glob("*.tmp"))
+    assert shards_complete(again.train_index) and not list(out.rglob("*.tmp"))
 
 
 @pytest.mark.parametrize(

@@ -348,20 +348,26 @@ LOCK_POLL_SECONDS = 0.2
 
 
 @contextmanager
-def held_lock(path: str | Path, timeout: float, what: str = "lock") -> Iterator[None]:
+def held_lock(path: str | Path, timeout: float, what: str = "lock", warn_after: float = 0.0) -> Iterator[bool]:
     """An exclusive lock on the file `path` between processes, held for the block.
 
     An flock, not the file's existence: the kernel drops it when its holder ends, however it ends
     (kill -9 included), so a lock file left behind never blocks anyone. A live holder is waited for
-    (one message, naming the file and its pid), for at most `timeout` seconds: then a TimeoutError line.
+    (one message once `warn_after` seconds have passed, naming the file and its pid), for at most `timeout`
+    seconds: then a TimeoutError line. Yields whether the lock is held: False (after a warning) where the file
+    system has no locks, and the block runs unlocked.
     """
+    import errno
     import fcntl
 
     path = Path(path)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with naming(path):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0), 0o600)
     try:
-        deadline = time.monotonic() + timeout
+        began = time.monotonic()
+        deadline = began + timeout
         told = False
+        locked = True
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -371,13 +377,21 @@ def held_lock(path: str | Path, timeout: float, what: str = "lock") -> Iterator[
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"{what} {path} is still held by process {holder} after {timeout:g} s; "
                                        "try again once that process is done") from None
-                if not told:
+                if not told and time.monotonic() - began >= warn_after:
                     log.warning("waiting for %s %s, held by process %s", what, path, holder)
                     told = True
                 time.sleep(LOCK_POLL_SECONDS)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # who holds it, for the messages of those who wait
-        yield
+            except OSError as exc:  # (a file system without locks, as lock_directory: go on unlocked, warned)
+                if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise with_path(exc, path) from None
+                log.warning("%s %s cannot be taken (%s): nothing stops another process meanwhile", what, path,
+                            exc.strerror)
+                locked = False
+                break
+        if locked:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # who holds it, for the messages of those who wait
+        yield locked
     finally:
         os.close(fd)  # (releases the flock)
 

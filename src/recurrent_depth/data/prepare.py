@@ -7,12 +7,24 @@ Peak memory is one batch of documents plus one shard write buffer, whatever the 
 The output directory is a cache: ``dataset.json`` records a key over everything that
 determines the rows (corpus hash, tokenizer hash, every packing parameter); a later call with
 the same key reuses the shards instead of rebuilding them.
+
+Several processes may share the directory (a sweep's runs, two seeds started at once): each key's
+shards live in their own subdirectory ``shards-<key[:16]>/``, built in a hidden temporary one and
+published by one rename, and never changed or removed by a writer of another key, so a reader
+never sees a partial file. Two writers of one key take turns (an flock on ``.shards-<key[:16]>.lock``;
+the second reuses the first's shards), and the temporaries of a writer that died are removed by the
+next writer that finds their key's lock free. The top-level ``dataset.json``, ``train.json`` and
+``validation.json`` describe the key prepared (or reused) last, for tools that open the directory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
+import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,17 +42,30 @@ from recurrent_depth.data.shards import (
     ShardDataset,
     ShardWriter,
     TokenizedDocs,
-    remove_split_files,
+    read_index,
     shards_complete,
     token_dtype,
     write_index,
 )
 from recurrent_depth.data.tokenizer import document_token_ids, load_tokenizer, tokenizer_sha256
-from recurrent_depth.files import CONFIG_MAX_BYTES, atomic_write_text, read_json
+from recurrent_depth.files import (
+    CONFIG_MAX_BYTES,
+    atomic_write_bytes,
+    atomic_write_text,
+    fsync_dir,
+    held_lock,
+    read_json,
+)
+
+log = logging.getLogger(__name__)
 
 DATASET_FILE = "dataset.json"
 PREPARE_VERSION = 1
 SPLITS = ("train", "validation")
+SET_PREFIX = "shards-"  # one key's shards: out_dir/shards-<key[:16]>/
+# How long a writer waits for another packing the same key (a large corpus takes hours), then says who holds it.
+PREPARE_LOCK_TIMEOUT_S = 6 * 3600.0
+VIEW_LOCK_TIMEOUT_S = 300.0  # the top-level indexes are a few small files: rewritten in well under a second
 
 
 @dataclass
@@ -93,6 +118,7 @@ def prepare_dataset(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     batch_size: int = 64,
     progress: bool = False,
+    lock_timeout: float = PREPARE_LOCK_TIMEOUT_S,
 ) -> PreparedDataset:
     """Write train (and validation) shards of ``seq_len + 1``-token rows; reuse them if current.
 
@@ -117,6 +143,8 @@ def prepare_dataset(
         max_shard_bytes: size bound of one shard file.
         batch_size: documents per tokenizer call.
         progress: show tqdm bars.
+        lock_timeout: seconds to wait for another process packing the same key (its shards are then
+            reused) before a TimeoutError naming that process.
     Returns:
         :class:`PreparedDataset` with index paths and metadata: ``corpus`` (CorpusInfo),
         ``tokenizer`` (hash, vocab size, special ids), ``params``, ``splits`` (documents,
@@ -160,80 +188,106 @@ def prepare_dataset(
     key_source = {"version": PREPARE_VERSION, "corpus": info.sha256, "tokenizer": tok_meta["sha256"]}
     key_source.update(params)
     key = hashlib.sha256(json.dumps(key_source, sort_keys=True).encode()).hexdigest()
-
     out = Path(out_dir)
     wanted = SPLITS if val_fraction > 0 else SPLITS[:1]
-    reused = _load_if_current(out, key, wanted)
-    if reused is not None:
-        return reused
+    home = out / set_name(key)
 
-    out.mkdir(parents=True, exist_ok=True)
-    (out / DATASET_FILE).unlink(missing_ok=True)  # invalidate before touching any shard
-    for split in SPLITS:
-        remove_split_files(out, split)
-
-    plan = DocumentSplit.plan(corpus.ids(), val_fraction, seed)
-    split_meta: dict[str, dict[str, Any]] = {}
-    for k, split in enumerate(wanted):
-        counter = {"documents": 0, "bytes": 0}
-        docs = _count_bytes(plan.select(iter(corpus), split), counter)
-        docs = _progress(docs, None, split, progress)
-        store = TokenizedDocs.write(out / f".{split}-docs", tokenize_documents(docs, tok, batch_size), dtype)
-        stats = PackingStats()
-        row_keep_all = keep_all if split == "train" else val_keep_all
-        rows = pack_documents(
-            store,
-            seq_len,
-            specials["begin_text"],
-            specials["end_text"] if append_eos else None,
-            keep_all=row_keep_all,
-            shuffle_seed=(seed, k) if shuffle_documents else None,
-            stats=stats,
-        )
-        with ShardWriter(out, split, seq_len + 1, dtype, max_shard_bytes) as writer:
-            writer.write_rows(rows)
-        store.delete()
-        if writer.num_rows == 0:
-            raise ValueError(
-                f"data: the {split} split of {info.name!r} ({counter['documents']} documents, "
-                f"{stats.tokens_in} tokens) does not fill one row of seq_len + 1 = {seq_len + 1} tokens; "
-                "use a smaller seq_len, more data, or (for validation) a larger val_fraction"
+    def _write_shards(work: Path) -> dict[str, Any]:
+        """Every split's shards and index, then dataset.json, into the private directory `work`."""
+        plan = DocumentSplit.plan(corpus.ids(), val_fraction, seed)
+        split_meta: dict[str, dict[str, Any]] = {}
+        for k, split in enumerate(wanted):
+            counter = {"documents": 0, "bytes": 0}
+            docs = _count_bytes(plan.select(iter(corpus), split), counter)
+            docs = _progress(docs, None, split, progress)
+            store = TokenizedDocs.write(work / f".{split}-docs", tokenize_documents(docs, tok, batch_size), dtype)
+            stats = PackingStats()
+            row_keep_all = keep_all if split == "train" else val_keep_all
+            rows = pack_documents(
+                store,
+                seq_len,
+                specials["begin_text"],
+                specials["end_text"] if append_eos else None,
+                keep_all=row_keep_all,
+                shuffle_seed=(seed, k) if shuffle_documents else None,
+                stats=stats,
             )
-        split_meta[split] = {
-            "documents": counter["documents"],
-            "bytes": counter["bytes"],
-            "keep_all": row_keep_all,
-            "rows": writer.num_rows,
-            "tokens": writer.num_rows * (seq_len + 1),
-            "packing": stats.to_dict(),
-        }
-        write_index(
-            out / f"{split}.json",
-            {
-                "format": SHARD_FORMAT,
-                "version": SHARD_FORMAT_VERSION,
-                "split": split,
-                "dtype": dtype.name,
-                "seq_len": seq_len,
-                "row_len": seq_len + 1,
-                "num_rows": writer.num_rows,
-                "num_tokens": writer.num_rows * (seq_len + 1),
-                "vocab_size": vocab_size,
-                "shards": writer.shards,
-                "key": key,
-            },
-        )
+            with ShardWriter(work, split, seq_len + 1, dtype, max_shard_bytes) as writer:
+                writer.write_rows(rows)
+            store.delete()
+            if writer.num_rows == 0:
+                raise ValueError(
+                    f"data: the {split} split of {info.name!r} ({counter['documents']} documents, "
+                    f"{stats.tokens_in} tokens) does not fill one row of seq_len + 1 = {seq_len + 1} tokens; "
+                    "use a smaller seq_len, more data, or (for validation) a larger val_fraction"
+                )
+            split_meta[split] = {
+                "documents": counter["documents"],
+                "bytes": counter["bytes"],
+                "keep_all": row_keep_all,
+                "rows": writer.num_rows,
+                "tokens": writer.num_rows * (seq_len + 1),
+                "packing": stats.to_dict(),
+            }
+            write_index(
+                work / f"{split}.json",
+                {
+                    "format": SHARD_FORMAT,
+                    "version": SHARD_FORMAT_VERSION,
+                    "split": split,
+                    "dtype": dtype.name,
+                    "seq_len": seq_len,
+                    "row_len": seq_len + 1,
+                    "num_rows": writer.num_rows,
+                    "num_tokens": writer.num_rows * (seq_len + 1),
+                    "vocab_size": vocab_size,
+                    "shards": writer.shards,
+                    "key": key,
+                },
+            )
 
-    metadata = {
-        "key": key,
-        "corpus": info.to_dict(),
-        "tokenizer": tok_meta,
-        "params": params,
-        "split": plan.to_dict(),
-        "splits": split_meta,
-    }
-    atomic_write_text(out / DATASET_FILE, json.dumps(metadata, indent=2, sort_keys=True) + "\n")
-    return _result(out, wanted, {**metadata, "reused": False})
+        metadata = {
+            "key": key,
+            "corpus": info.to_dict(),
+            "tokenizer": tok_meta,
+            "params": params,
+            "split": plan.to_dict(),
+            "splits": split_meta,
+        }
+
+        atomic_write_text(work / DATASET_FILE, json.dumps(metadata, indent=2, sort_keys=True) + "\n")
+        return metadata
+
+    result = _load_if_current(home, key, wanted)
+    if result is None:
+        out.mkdir(parents=True, exist_ok=True)
+        # (the message waits a second: another process only peeking at the lock, to tidy, lets go at once)
+        with held_lock(out / f".{home.name}.lock", lock_timeout, "the token shards lock", warn_after=1.0) as locked:
+            # A writer of this key that held the lock meanwhile has published its shards: reuse them.
+            result = _load_if_current(home, key, wanted)
+            if result is None:
+                if locked:
+                    _remove_temporaries(out, home.name)  # (a dead writer's: with the lock ours, none is alive)
+                work = out / f".{home.name}.tmp-{os.getpid()}"
+                _remove_tree(work)  # (a dead writer's of our pid, on a file system without locks)
+                work.mkdir()
+                try:
+                    metadata = _write_shards(work)
+                    # (unlocked, another writer of this key may have published meanwhile: theirs is kept)
+                    result = None if locked else _load_if_current(home, key, wanted)
+                    if result is None:
+                        _publish_set(work, home)
+                except BaseException:
+                    _remove_tree(work)
+                    raise
+                if result is None:
+                    result = _result(home, wanted, {**metadata, "reused": False})
+                else:
+                    _remove_tree(work)
+    _show(out, home, wanted)
+    with contextlib.suppress(OSError):  # (tidying only: a read-only cache is still reused)
+        _remove_dead_temporaries(out)
+    return result
 
 
 # a name of each kind of file `prepare_dataset` writes in its out_dir (indexes, shards, temporary files)
@@ -274,7 +328,85 @@ def _result(out: Path, splits: tuple[str, ...], metadata: dict[str, Any]) -> Pre
 def load_prepared(out_dir: str | Path, key: str, val_fraction: float) -> PreparedDataset | None:
     """The complete shards in `out_dir` if they were prepared under `key` (the `metadata["key"]` of a
     `prepare_dataset` result), without reading the corpus again; None otherwise."""
-    return _load_if_current(Path(out_dir), key, SPLITS if val_fraction > 0 else SPLITS[:1])
+    return _load_if_current(Path(out_dir) / set_name(key), key, SPLITS if val_fraction > 0 else SPLITS[:1])
+
+
+def set_name(key: str) -> str:
+    """The subdirectory of an out_dir that holds the shards of `key` (64 bits of it: dataset.json there
+    holds the whole key, checked before any reuse)."""
+    return f"{SET_PREFIX}{key[:16]}"
+
+
+def _remove_tree(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _temporaries(out: Path, name: str = "*") -> list[Path]:
+    """The work directories (`.NAME.tmp-PID`) and set-aside damaged sets (`.NAME.old-PID`) of a key's writers."""
+    pattern = name if name != "*" else f"{SET_PREFIX}*"
+    return [*out.glob(f".{pattern}.tmp-*"), *out.glob(f".{pattern}.old-*")]
+
+
+def _remove_temporaries(out: Path, name: str) -> None:
+    """Remove the leftovers of key `name`'s writers; call holding that key's lock (none of them is alive)."""
+    for path in _temporaries(out, name):
+        _remove_tree(path)
+
+
+def _remove_dead_temporaries(out: Path) -> None:
+    """Remove the leftovers of other keys' writers that died (kill -9, a lost node): a key's are removed only
+    when its lock is free, so a live writer's work directory is never touched."""
+    names = {path.name[1:].rsplit(".tmp-" if ".tmp-" in path.name else ".old-", 1)[0] for path in _temporaries(out)}
+    for name in sorted(names):
+        try:
+            with held_lock(out / f".{name}.lock", 0, "the token shards lock") as locked:
+                if locked:  # (unlocked, a live writer's cannot be told from a dead one's)
+                    _remove_temporaries(out, name)
+        except TimeoutError:
+            continue  # (its writer is alive)
+
+
+def _publish_set(work: Path, home: Path) -> None:
+    """Rename the finished `work` to `home`: one rename, so a reader finds all of a key's files or none. A `home`
+    there already failed the completeness check (damaged by hand: this key's lock is ours): it is set aside and
+    removed."""
+    fsync_dir(work)
+    old = None
+    if home.exists() or home.is_symlink():
+        old = home.with_name(f".{home.name}.old-{os.getpid()}")
+        os.rename(home, old)
+    os.rename(work, home)
+    fsync_dir(home.parent)
+    if old is not None:
+        _remove_tree(old)
+
+
+def _show(out: Path, home: Path, splits: tuple[str, ...]) -> None:
+    """Point the top-level dataset.json and split indexes of `out` at `home`'s shards (the key prepared last), for
+    tools that open `out/train.json`; the indexes name files inside `home`, which no other key's writer changes.
+    A run reads its own `home`, so where `out` cannot be written (a read-only cache) this is skipped, with a
+    warning."""
+    try:
+        source = (home / DATASET_FILE).read_bytes()
+        with contextlib.suppress(OSError, ValueError):  # (a missing or foreign view is rewritten)
+            shown = [shard["file"] for split in splits for shard in read_index(out / f"{split}.json")["shards"]]
+            if (out / DATASET_FILE).read_bytes() == source and all(f.startswith(f"{home.name}/") for f in shown):
+                return
+        with held_lock(out / ".view.lock", VIEW_LOCK_TIMEOUT_S, "the token shards view lock", warn_after=5.0):
+            (out / DATASET_FILE).unlink(missing_ok=True)  # (first: a half-rewritten view names no key)
+            for split in SPLITS:
+                if split in splits:
+                    index = read_index(home / f"{split}.json")
+                    index["shards"] = [{**shard, "file": f"{home.name}/{shard['file']}"} for shard in index["shards"]]
+                    write_index(out / f"{split}.json", index)
+                else:
+                    (out / f"{split}.json").unlink(missing_ok=True)
+            atomic_write_bytes(out / DATASET_FILE, source)
+    except OSError as exc:
+        log.warning("token shards: could not update the indexes in %s (%s); the shards are in %s", out, exc, home)
 
 
 def _load_if_current(out: Path, key: str, splits: tuple[str, ...]) -> PreparedDataset | None:

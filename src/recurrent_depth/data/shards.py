@@ -9,9 +9,10 @@ Layout of a split called ``train`` in a directory::
 
 Every file is written streaming (rows never accumulate in memory) into a temporary name,
 fsynced and renamed, and the index is written after its shards, so a crash leaves either a
-complete split or none. :class:`ShardDataset` memory-maps the shards and reads rows lazily in
-a seeded order whose position is a few plain ints (:meth:`ShardDataset.state_dict`), so a
-trainer resumes on exactly the next row.
+complete split or none (`prepare_dataset` also writes a whole key's splits in a private directory
+and publishes it by one rename: see data/prepare.py). :class:`ShardDataset` memory-maps the
+shards and reads rows lazily in a seeded order whose position is a few plain ints
+(:meth:`ShardDataset.state_dict`), so a trainer resumes on exactly the next row.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import numpy as np
 from recurrent_depth.config import is_int
 from recurrent_depth.files import (
     CONFIG_MAX_BYTES,
-    TMP_SUFFIX,
     AtomicFile,
     atomic_write_text,
     inside,
@@ -439,13 +439,3 @@ class TokenizedDocs(Sequence):
         self.tokens = np.empty(0, dtype=self.dtype)  # release the memmap before unlinking
         for suffix in (".tokens", ".offsets"):
             self._path(suffix).unlink(missing_ok=True)
-
-
-def remove_split_files(out_dir: str | Path, split: str) -> None:
-    """Delete a split's index, shards and leftover temporary files (before rewriting it)."""
-    root = Path(out_dir)
-    patterns = [f"{split}.json", f"{split}.json{TMP_SUFFIX}", f"{split}-*.bin", f"{split}-*.bin{TMP_SUFFIX}",
-                f".{split}-docs.tokens", f".{split}-docs.offsets"]
-    for pattern in patterns:
-        for path in root.glob(pattern):
-            path.unlink()

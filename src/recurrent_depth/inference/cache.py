@@ -24,11 +24,27 @@ entry's codec round trip.
 the randomized lookup's draws. A row draws only at the reads where it runs and reads elsewhere, one
 seed from its generator per read, then one uniform per column newest first, so a left-padded row in
 a batch draws what it draws alone and both storages pick the same slots. None: torch's global RNG.
+
+`windows` (base key -> W, from `layer_windows(model)`): sliding-window attention layers whose old columns
+are dropped, so a windowed layer holds O(W) columns instead of the whole context. A query at column c of
+such a layer sees only columns (c - W, c], so when a write at column `start` runs out of room the storage
+keeps the columns from `start - W + 1` on (every query of this call and of later ones sees no older one),
+widened down to a multiple of `WINDOW_ALIGN`, and drops the rest (`first[base]`: the first column it still
+holds; reads return columns [first, end), and `key_mask` and the attention's `window_mask` cut their columns
+to match); it allocates W more columns than it holds then, so it drops once every ~W writes. Exact as long
+as writes never go back: generation passes `windows` in autoregressive decoding only, where every write
+starts at the cache's end and a row has no holes after its left padding (a window over real tokens is
+then a window over columns). Kept in full: every layer of a quantized storage (its codes and bf16 window are kept per
+column), every layer of a cache built without `windows` (speculative rollback and the parallel wavefront
+seek back; rejected drafts leave holes that widen a row's window beyond W columns), a core base shared
+by layers with and without windows (compress-rN). A `seek` or `truncate` that would read dropped columns
+is refused (RuntimeError). Slots of one base share its columns, so the lookup rules (settling at `close`,
+new slots at growth, per-read picks) act on the held columns as they did on all of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -103,12 +119,48 @@ def _gather_slots(store: Tensor, index: Tensor, end: int) -> Tensor:
     return torch.gather(cols, 0, full)[0]
 
 
+# A windowed layer drops whole multiples of this many columns: the attention's reductions over the kept columns
+# then keep their vector lanes and blocks, so its output is bitwise the full cache's (CPU SDPA; dropping any other
+# count rounds its sums otherwise, ~1e-7 a call, which the recurrence amplifies into other logits and tokens).
+WINDOW_ALIGN = 16
+
+
+def window_start(column: int, window: int) -> int:
+    """The first column a windowed layer keeps for a write at `column`: its first query's window, from
+    column - window + 1, widened down to a multiple of `WINDOW_ALIGN`."""
+    return max(0, column - window + 1) // WINDOW_ALIGN * WINDOW_ALIGN
+
+
+def layer_windows(model: Any) -> dict[tuple, int]:
+    """The window W of each base key (`KVPolicy.split`) whose layers are sliding-window softmax attention:
+    `("prelude", i)`, `("core", j)`, `("coda", c)`, and `("core",)` (compress-rN's one store) when every
+    core layer has a window (its largest). Empty for a model without windows (see the module docstring)."""
+    from recurrent_depth.model.mixers.attention import Attention  # (only the 'attention' mixer takes a window)
+
+    parts = getattr(model, "transformer", None)
+    if parts is None:
+        return {}
+    windows: dict[tuple, int] = {}
+    core: list[int | None] = []
+    for part, blocks in (("prelude", "prelude"), ("core", "core_block"), ("coda", "coda")):
+        for i, block in enumerate(getattr(parts, blocks, ())):
+            attn = getattr(block, "attn", None)
+            window = attn.window if type(attn) is Attention else None
+            if window is not None:
+                windows[(part, i)] = window
+            if part == "core":
+                core.append(window)
+    if core and all(w is not None for w in core):
+        windows[("core",)] = max(w for w in core if w is not None)
+    return windows
+
+
 class _CacheBase:
     """What both caches share: policy, states, depth bookkeeping and byte accounting."""
 
     def __init__(self, batch_size: int, num_steps: int, kv_budget: int | None, device: Any,
                  policy: KVPolicy | str | None = None, core_layers: int | None = None,
-                 kv_quant: KVQuant | str | None = None) -> None:
+                 kv_quant: KVQuant | str | None = None, windows: Mapping[tuple, int] | None = None) -> None:
         _check_steps(num_steps)
         self.policy = bind_policy(policy, kv_budget, core_layers)
         # Quantized entries: one key and one value codec per layer, held by the storage (None: floats).
@@ -133,6 +185,9 @@ class _CacheBase:
         self._reads_per_step = self.policy.lookup.reads_per_step
         self._written_end = 0
         self.lookup_generators: list[torch.Generator] | None = None  # see the module docstring
+        # Sliding-window bases that drop old columns (a quantized storage keeps every column: module docstring)
+        self.windows: dict[tuple, int] = dict(windows or {}) if self.codecs is None else {}
+        self.first: dict[tuple, int] = {}  # per windowed base with a storage: the first column it holds
 
     decode_views = no_decode_views  # (the static cache hands out its stores)
 
@@ -166,7 +221,7 @@ class _CacheBase:
         visible = torch.ones(self.batch_size, end, dtype=torch.bool, device=self.device)
         old = min(self.seq_len, self.depth.shape[1])
         visible[:, :old] = self.policy.visible(key, self.depth[:, :old])
-        return visible
+        return visible[:, self.first.get(self.split(key)[0], 0):]  # the columns the storage returned
 
     # ------------------------------------------------------------------ protocol
     def get_state(self, key: LayerKey) -> Any:
@@ -203,9 +258,19 @@ class _CacheBase:
         """Forget every column from `num_columns` on (their storage is reused by later writes)."""
         if not 0 <= num_columns <= self.seq_len:
             raise ValueError(f"cannot truncate a cache of {self.seq_len} columns to {num_columns}")
+        self._check_window_reach(num_columns)
         self.seq_len = num_columns
         if self.codes is not None:
             self.codes.forget_columns(num_columns)
+
+    def _check_window_reach(self, column: int) -> None:
+        """A write at `column` reads a windowed base from column - W + 1 on: refuse one that needs dropped columns."""
+        for base, first in self.first.items():
+            if first and column - self.windows[base] + 1 < first:
+                raise RuntimeError(
+                    f"cannot move a cache to column {column}: layer {base} (window {self.windows[base]}) dropped the "
+                    f"columns before {first}; build the cache without windows= to go back this far"
+                )
 
     def window_positions(self, key: LayerKey, num_tokens: int) -> tuple[list[tuple[Any, int]], Tensor, Tensor | None]:
         """A quantized window's lanes `(layer slot, row)`, the call's columns `[B, T]` and `write_mask`."""
@@ -218,6 +283,7 @@ class _CacheBase:
         steps on columns already written (speculative verification, the parallel wavefront)."""
         if num_columns < 0:
             raise ValueError(f"cannot seek a cache to column {num_columns}")
+        self._check_window_reach(num_columns)
         self.seq_len = num_columns
 
     # ------------------------------------------------------------------ depth and bytes
@@ -235,7 +301,7 @@ class _CacheBase:
 
         valid: bool `[B, >= end]` marking real columns (None: all). Core layers keep
         min(depth, num_slots) entries per column (a lookup reads those, it stores nothing more),
-        prelude and coda layers one.
+        prelude and coda layers one; a windowed base only the columns it still holds (from `first`).
         """
         n = self.seq_len if end is None else end
         depth = self.depth[:, :n]
@@ -244,15 +310,19 @@ class _CacheBase:
         if valid is None:
             valid = torch.ones_like(depth, dtype=torch.bool)
         valid = valid[:, :n].to(depth.device)
-        # (bytes summed per kind of layer first: this runs once a decoded token, for the bytes it reports)
-        core_bytes = sum(nbytes for base, nbytes in self._entry_bytes.items() if base[0] == "core")
-        other_bytes = 0 if core_only else sum(self._entry_bytes.values()) - core_bytes
+        # (bytes summed per kind of layer and first held column: this runs once a decoded token, for the bytes
+        # it reports)
+        groups: dict[tuple[bool, int], int] = {}
+        for base, nbytes in self._entry_bytes.items():
+            core = base[0] == "core"
+            if core or not core_only:
+                group = (core, self.first.get(base, 0))
+                groups[group] = groups.get(group, 0) + nbytes
         total = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
-        if core_bytes:
-            per_col = self.policy.slots.entries(depth).clamp(max=self.core_slots)
-            total += (per_col * valid).sum(dim=1) * core_bytes
-        if other_bytes:
-            total += valid.sum(dim=1) * other_bytes
+        per_col = self.policy.slots.entries(depth).clamp(max=self.core_slots)
+        for (core, first), nbytes in groups.items():
+            held = valid[:, first:]
+            total += ((per_col[:, first:] * held) if core else held).sum(dim=1) * nbytes
         if self.codes is not None and self.codes.window is not None:  # the recent tokens' bf16 entries
             total += self.codes.window.logical_nbytes(self.batch_size, valid, n, core_only).to(total.device)
         return total
@@ -277,9 +347,9 @@ class StaticRecurrentCache(_CacheBase):
     def __init__(
         self, batch_size: int, num_steps: int, kv_budget: int | None = None, capacity: int = 256,
         device: Any = None, policy: KVPolicy | str | None = None, core_layers: int | None = None,
-        kv_quant: KVQuant | str | None = None,
+        kv_quant: KVQuant | str | None = None, windows: Mapping[tuple, int] | None = None,
     ) -> None:
-        super().__init__(batch_size, num_steps, kv_budget, device, policy, core_layers, kv_quant)
+        super().__init__(batch_size, num_steps, kv_budget, device, policy, core_layers, kv_quant, windows)
         self.attends_from_codes = self.codes is not None and self.codes.attends_from_codes
         if capacity < 1:
             raise ValueError(f"capacity={capacity} is invalid: expected an integer >= 1")
@@ -294,18 +364,53 @@ class StaticRecurrentCache(_CacheBase):
             S = self.slot_capacity if base[0] == "core" else 1
             B, _, Hkv, D = k.shape
             Dv = v.shape[-1]
+            capacity = self.capacity
+            if base in self.windows:  # columns before the first query's window are never read
+                first = self.first[base] = window_start(self.seq_len, self.windows[base])
+                capacity = self._window_capacity(base, first)
             self.kv[base] = (
-                torch.zeros(S, B, Hkv, self.capacity, D, dtype=k.dtype, device=k.device),
-                torch.zeros(S, B, Hkv, self.capacity, Dv, dtype=v.dtype, device=v.device),
+                torch.zeros(S, B, Hkv, capacity, D, dtype=k.dtype, device=k.device),
+                torch.zeros(S, B, Hkv, capacity, Dv, dtype=v.dtype, device=v.device),
             )
             self._note_entry(base, k, v)
         return self.kv[base]
+
+    def _window_capacity(self, base: tuple, first: int) -> int:
+        """Columns a windowed base holding columns from `first` allocates: this write's (to `_written_end`) and
+        W more, so that it drops columns once every W writes or so; never more than a full store would hold."""
+        return min(self._written_end - first + self.windows[base], self.capacity - first)
+
+    def _held_from(self, base: tuple) -> int:
+        """The first column `base` holds, after dropping (a windowed base) the columns no query of the write
+        at `seq_len` .. `_written_end` sees, where the write would not fit otherwise."""
+        first = self.first.get(base, 0)
+        if base not in self.windows or base not in self.kv:
+            return first
+        K, V = self.kv[base]
+        start, end = self.seq_len, self._written_end
+        if end - first <= K.shape[3]:
+            return first
+        # the queries of this write and later ones see columns from start - W + 1 on
+        new_first = max(first, window_start(start, self.windows[base]))
+        capacity = self._window_capacity(base, new_first)
+        kept = []
+        for store in (K, V):
+            fresh = store.new_zeros(*store.shape[:3], capacity, store.shape[-1])
+            fresh[..., : start - new_first, :] = store[..., new_first - first : start - first, :]
+            kept.append(fresh)
+        self.kv[base] = (kept[0], kept[1])
+        self.first[base] = new_first
+        self._views.clear()
+        self._decode_lists.clear()
+        return new_first
 
     def _grow(self, needed: int) -> None:
         capacity = self.capacity
         while capacity < needed:
             capacity *= 2
         for base, (K, V) in self.kv.items():
+            if base in self.windows:  # (sized by `_held_from`)
+                continue
             newK = K.new_zeros(*K.shape[:3], capacity, K.shape[-1])
             newV = V.new_zeros(*V.shape[:3], capacity, V.shape[-1])
             newK[..., : self.capacity, :] = K
@@ -326,11 +431,12 @@ class StaticRecurrentCache(_CacheBase):
             if base[0] != "core":
                 continue
             grown = []
+            held = None if fill is None else fill[:, :, self.first.get(base, 0):]  # the columns the base holds
             for store in (K, V):
                 bigger = store.new_zeros(new, *store.shape[1:])
                 bigger[:old] = store
-                if fill is not None:
-                    settle_new_slots(bigger, old, fill)
+                if held is not None and held.shape[2]:
+                    settle_new_slots(bigger, old, held)
                 grown.append(bigger)
             self.kv[base] = (grown[0], grown[1])
         self.slot_capacity = new
@@ -351,16 +457,18 @@ class StaticRecurrentCache(_CacheBase):
         end = self._written_end = start + k.shape[2]
         if end > self.capacity:
             self._grow(end)
+        first = self._held_from(self.split(key)[0]) if self.windows else 0  # (may drop old columns)
         views = self._views.get(key)
         if views is None:
             base, slot = self.split(key)
             if base[0] == "core" and slot >= self.slot_capacity:
                 self._grow_slots(slot)
             K, V = self._storage(base, k.transpose(1, 2), v.transpose(1, 2))
+            first = self.first.get(base, 0)
             views = self._views[key] = (K[slot], V[slot])  # [B, Hkv, capacity, D]
         Ks, Vs = views
         T = end - start
-        new_k, new_v = Ks.narrow(2, start, T), Vs.narrow(2, start, T)
+        new_k, new_v = Ks.narrow(2, start - first, T), Vs.narrow(2, start - first, T)
         if self.write_mask is None:
             new_k.copy_(k)
             new_v.copy_(v)
@@ -374,8 +482,8 @@ class StaticRecurrentCache(_CacheBase):
             index = self.policy.read_slots(key, self.depth[:, :closed], end - closed, uniform)  # [B, end]
             if index is not None:
                 base = self.split(key)[0]
-                return tuple(_gather_slots(store, index, end) for store in self.kv[base])
-        return Ks.narrow(2, 0, end), Vs.narrow(2, 0, end)
+                return tuple(_gather_slots(store, index[:, first:], end - first) for store in self.kv[base])
+        return Ks.narrow(2, 0, end - first), Vs.narrow(2, 0, end - first)
 
     def decode_views(self, keys: Sequence[LayerKey]) -> DecodeViews | None:
         """The stores `[B, Hkv, capacity, width]` of `keys` for a fused decode that writes column `seq_len` of
@@ -385,8 +493,8 @@ class StaticRecurrentCache(_CacheBase):
         codes = self.codes
         if codes is not None and (codes.window is not None or codes.kv_quant.attention != "codes"):
             return None
-        if self.write_mask is not None or self._skips or self._reads_per_step:
-            return None
+        if self.write_mask is not None or self._skips or self._reads_per_step or self.windows:
+            return None  # (a windowed base's columns start at its `first`: the fused decode writes at seq_len)
         found = self._decode_lists.get(keys) if isinstance(keys, tuple) else None
         end = self.seq_len + 1
         if found is None or end > self.capacity:
@@ -434,10 +542,11 @@ class StaticRecurrentCache(_CacheBase):
         src = self.policy.lookup.fill_index(depth, S)  # [S, B, T] or None (nothing to copy)
         if src is None or not bool((depth < S).any()):
             return
-        start, end = self.seq_len, self.seq_len + depth.shape[1]
         for base, (K, V) in self.kv.items():
             if base[0] != "core":
                 continue
+            start = self.seq_len - self.first.get(base, 0)  # (a windowed base's columns start at its first)
+            end = start + depth.shape[1]
             for store in (K, V):
                 cols = store[..., start:end, :]  # [S, B, Hkv, T, D]
                 index = src[:, :, None, :, None].expand_as(cols)
@@ -458,20 +567,21 @@ class DynamicRecurrentCache(_CacheBase):
     """The plain reference: per-column entries, the deepest-entry fallback resolved at read time.
 
     `entries[(base, slot)][col]` is a pair `[B, Hkv, D]`; `written[(base, slot)][col]` is bool `[B]`;
-    `deepest[base][col]` is the slot of the deepest step each row wrote (-1 if none).
+    `deepest[base][col]` is the slot of the deepest step each row wrote (-1 if none). A windowed base's
+    entries before its `first` column are None (dropped; the bookkeeping lists keep every column).
     """
 
     def __init__(
         self, batch_size: int, num_steps: int, kv_budget: int | None = None, device: Any = None,
         policy: KVPolicy | str | None = None, core_layers: int | None = None, kv_quant: KVQuant | str | None = None,
-        **_: Any,
+        windows: Mapping[tuple, int] | None = None, **_: Any,
     ) -> None:
-        super().__init__(batch_size, num_steps, kv_budget, device, policy, core_layers, kv_quant)
+        super().__init__(batch_size, num_steps, kv_budget, device, policy, core_layers, kv_quant, windows)
         if self.kv_quant is not None and self.kv_quant.window:
             raise ValueError(f"kv_quant window={self.kv_quant.window} is read per query from the static cache's "
                              "codes; the dynamic reference cache keeps no window (use cache_implementation='static')")
         self.attends_from_codes = False  # a quantized reference stores each entry's round trip and reads floats
-        self.entries: dict[tuple, list[tuple[Tensor, Tensor]]] = {}
+        self.entries: dict[tuple, list[tuple[Tensor, Tensor] | None]] = {}
         self.written: dict[tuple, list[Tensor]] = {}
         self.deepest: dict[tuple, list[Tensor]] = {}  # slot of the last step each row wrote
         self.highest: dict[tuple, list[Tensor]] = {}  # the highest slot each row wrote
@@ -483,6 +593,8 @@ class DynamicRecurrentCache(_CacheBase):
         self._note_entry(base, k, v)
         B, T = k.shape[:2]
         self._written_end = self.seq_len + T
+        if base in self.windows:
+            self._drop_before(base, window_start(self.seq_len, self.windows[base]))
         entries = self.entries.setdefault((base, slot), [])
         written = self.written.setdefault((base, slot), [])
         deepest = self.deepest.setdefault(base, [])
@@ -493,8 +605,9 @@ class DynamicRecurrentCache(_CacheBase):
                 rows = torch.ones(B, dtype=torch.bool, device=k.device)
             else:
                 rows = self.write_mask[:, t]
-            while len(entries) <= col:
-                entries.append((torch.zeros_like(k[:, 0]), torch.zeros_like(v[:, 0])))
+            while len(entries) <= col:  # (a windowed base holds nothing before its first column)
+                dropped = len(entries) < self.first.get(base, 0)
+                entries.append(None if dropped else (torch.zeros_like(k[:, 0]), torch.zeros_like(v[:, 0])))
                 written.append(torch.zeros(B, dtype=torch.bool, device=k.device))
             while len(deepest) <= col:
                 deepest.append(torch.full((B,), -1, dtype=torch.long, device=k.device))
@@ -518,6 +631,17 @@ class DynamicRecurrentCache(_CacheBase):
             self._entry_bytes[base] = (Hk * self.codecs.nbytes("k", k.shape[-1])
                                        + Hv * self.codecs.nbytes("v", v.shape[-1]))
 
+    def _drop_before(self, base: tuple, column: int) -> None:
+        """A windowed base: no query from here on sees its columns before `column` (module docstring)."""
+        first = self.first.get(base, 0)
+        if column <= first and base in self.first:
+            return
+        for (held_base, _), cols in self.entries.items():
+            if held_base == base:
+                for col in range(first, min(column, len(cols))):
+                    cols[col] = None
+        self.first[base] = max(first, column)
+
     def _has(self, base: tuple, slot: int, col: int, row: int) -> bool:
         written = self.written.get((base, slot), [])
         return col < len(written) and bool(written[col][row])
@@ -532,7 +656,7 @@ class DynamicRecurrentCache(_CacheBase):
         draws = None  # randomized: the static cache's draws, when the generation's generators are set
         if lookup.name == "randomized" and self.lookup_generators is not None:
             draws = self._uniforms(torch.tensor(lacking, device=self.device), end).cpu()
-        for col in range(end):
+        for col in range(self.first.get(base, 0), end):  # (a windowed base holds columns from its first)
             k_rows, v_rows = [], []
             for b in range(self.batch_size):
                 use = slot
@@ -570,12 +694,12 @@ class DynamicRecurrentCache(_CacheBase):
                 store[key] = cols[:num_columns]
 
     def nbytes(self) -> int:
-        total = sum(k.nbytes + v.nbytes for cols in self.entries.values() for k, v in cols)
+        total = sum(k.nbytes + v.nbytes for cols in self.entries.values() for k, v in filter(None, cols))
         return total + _state_bytes(self.states)
 
     def core_nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for (base, _), cols in self.entries.items() if base[0] == "core"
-                   for k, v in cols)
+                   for k, v in filter(None, cols))
 
 
 def _state_bytes(states: dict) -> int:
@@ -597,16 +721,18 @@ CACHE_IMPLEMENTATIONS = ("static", "dynamic")
 def make_cache(
     implementation: str, batch_size: int, num_steps: int, kv_budget: int | None = None,
     capacity: int = 256, device: Any = None, policy: KVPolicy | str | None = None, core_layers: int | None = None,
-    kv_quant: Any = None,
+    kv_quant: Any = None, windows: Mapping[tuple, int] | None = None,
 ) -> StaticRecurrentCache | DynamicRecurrentCache:
     """Build a generation cache: "static" (preallocated, fast) or "dynamic" (plain reference).
     core_layers: the model's core layer count (binds an official compress-sN / compress-rN policy).
+    windows: `layer_windows(model)` to drop the columns sliding-window layers no longer see, where every write
+    starts at the cache's end (see the module docstring); None: every column is kept.
     kv_quant: None, or a spec (see `recurrent_depth.inference.quant_cache`): the static cache stores code
     rows, the dynamic one (its reference) each entry's codec round trip."""
     if implementation == "static":
         return StaticRecurrentCache(batch_size, num_steps, kv_budget, capacity=capacity, device=device, policy=policy,
-                                    core_layers=core_layers, kv_quant=kv_quant)
+                                    core_layers=core_layers, kv_quant=kv_quant, windows=windows)
     if implementation == "dynamic":
         return DynamicRecurrentCache(batch_size, num_steps, kv_budget, device=device, policy=policy,
-                                     core_layers=core_layers, kv_quant=kv_quant)
+                                     core_layers=core_layers, kv_quant=kv_quant, windows=windows)
     raise ValueError(f"cache_implementation={implementation!r} is invalid: expected one of {CACHE_IMPLEMENTATIONS}")

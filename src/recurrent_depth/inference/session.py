@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from recurrent_depth.inference.cache import bind_policy, make_cache
+from recurrent_depth.inference.cache import bind_policy, layer_windows, make_cache
 from recurrent_depth.inference.criteria import ExitCriterion, gate_for
 from recurrent_depth.inference.engine import Pass, Recurrence
 from recurrent_depth.inference.options import OFFICIAL_KV_POLICY, OptionError, ResolvedOptions, eos_ids
@@ -258,6 +258,8 @@ class Session:
             options.cache_implementation, self.B, options.deepest_step,
             capacity=self.T + options.max_new_tokens + slack, device=self.device, policy=options.policy,
             core_layers=cfg.core_layers, kv_quant=options.quant,
+            # sliding-window layers drop the columns no window reaches where writes never go back (inference/cache.py)
+            windows=layer_windows(model) if options.mode == "autoregressive" else None,
         )
         if mask is not None:
             self.cache.mark_prompt(prompt_valid)

@@ -240,8 +240,11 @@ def eager_attention(
 
 def window_mask(ctx: MixerContext, kv_len: int, window: int) -> Tensor:
     """The call's mask further limited to the last `window` keys: [B, 1, T, kv_len] bool (each row from its own
-    column where rows sit at different columns, `ctx.query_columns`)."""
+    column where rows sit at different columns, `ctx.query_columns`). Fewer than past_len + T keys: a cache that
+    drops the columns no window reaches (`inference.cache`) returned the last kv_len columns."""
     T = ctx.positions.shape[1]
+    if ctx.query_columns is None and kv_len < ctx.past_len + T:
+        return window_mask(ctx, ctx.past_len + T, window)[..., ctx.past_len + T - kv_len:]
     k_idx = torch.arange(kv_len, device=ctx.positions.device)[None, :]
     if ctx.query_columns is not None:  # [B, T]: each row's own columns
         q_idx = ctx.query_columns[:, None, :, None]  # [B, 1, T, 1]

@@ -56,6 +56,8 @@ weights are refused.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -523,7 +525,6 @@ def quantize_weights(model: nn.Module, weights: str | None = "int8", include_hea
         return Int4WeightLinear.from_linear(linear, group, kernel_layout)
 
     from recurrent_depth.accel.linear import restore_linears  # (accel imports this module)
-    from recurrent_depth.inference.lora_layers import is_lora_layer  # (it imports this module)
 
     with torch.no_grad():
         count = 0
@@ -534,30 +535,31 @@ def quantize_weights(model: nn.Module, weights: str | None = "int8", include_hea
         if include_head:
             restore_linears(model.lm_head)
             # a head carrying a peft LoRA adapter: its base layer, as inside the transformer (it stayed float)
-            owner, name = (model.lm_head, "base_layer") if is_lora_layer(model.lm_head) else (model, "lm_head")
+            owner, name = (model.lm_head, "base_layer") if _is_lora_layer(model.lm_head) else (model, "lm_head")
             if type(getattr(owner, name)) is nn.Linear:
                 setattr(owner, name, make(getattr(owner, name)))
                 count += 1
-    _as_quantized_lora_layers(model)
+    for hook in _AFTER_QUANTIZE:  # (train.lora's: peft's LoRA layers over the layers just quantized)
+        hook(model)
     return count
 
 
-def _as_quantized_lora_layers(model: nn.Module) -> None:
-    """peft's own LoRA layers (`peft.tuners.lora.Linear`, an adapter attached to the float model) over the layers
-    just quantized become `train.lora.quantized_lora_layer()`'s subclass, as an adapter loaded onto quantized layers
-    is: the same layers in either order, so that peft's `merge_and_unload` refuses in one line (peft's own merge
-    read `base_layer.weight`: an AttributeError) and so does a DoRA adapter added later."""
-    from recurrent_depth.inference.lora_layers import is_lora_layer  # (it imports this module)
+# Called with the model at the end of each `quantize_weights`. `train.lora` registers the one that turns peft's LoRA
+# layers over the layers just quantized into its quantized-base LoRA layer (as an adapter loaded onto quantized
+# layers is made), so that either order gives the same layers; it is imported wherever peft is (the import hook's
+# `integrations.hf_peft`). This module imports nothing of peft's or of train/ and inference/, which import it.
+_AFTER_QUANTIZE: list[Callable[[nn.Module], None]] = []
 
-    layers = [m for m in model.modules() if is_lora_layer(m) and isinstance(m.base_layer, QuantizedLinear)]
-    if not layers:
-        return
-    from recurrent_depth.train.lora import quantized_lora_layer  # (peft is there: it made the layers)
 
-    quantized = quantized_lora_layer()
-    for layer in layers:
-        if type(layer) is quantized.__base__:  # (not another peft layer kind, nor ours already)
-            layer.__class__ = quantized
+def register_after_quantize(hook: Callable[[nn.Module], None]) -> None:
+    """Call `hook(model)` at the end of every `quantize_weights` (once, however often registered)."""
+    if hook not in _AFTER_QUANTIZE:
+        _AFTER_QUANTIZE.append(hook)
+
+
+def _is_lora_layer(module: object) -> bool:
+    """A peft LoRA layer (`inference.lora_layers.is_lora_layer`'s test: that module imports this one)."""
+    return hasattr(module, "lora_A") and hasattr(module, "base_layer")
 
 
 def dequantize_weights(model: nn.Module) -> int:

@@ -51,6 +51,7 @@ from recurrent_depth.weight_quant import (
     held_weights,
     quantize_weights,
     quantized_weights,
+    register_after_quantize,
     spread_samples,
 )
 
@@ -199,6 +200,26 @@ def quantized_lora_layer() -> type:
             super().merge(*args, **kwargs)
 
     return QuantizedLoraLinear
+
+
+def as_quantized_lora_layers(model: nn.Module) -> None:
+    """peft's own LoRA layers (`peft.tuners.lora.Linear`, an adapter attached to the float model) over layers just
+    quantized become `quantized_lora_layer()`'s subclass, as an adapter loaded onto quantized layers is: the same
+    layers in either order, so that peft's `merge_and_unload` refuses in one line (peft's own merge read
+    `base_layer.weight`: an AttributeError) and so does a DoRA adapter added later. Run by every
+    `weight_quant.quantize_weights` (registered below)."""
+    from recurrent_depth.inference.lora_layers import is_lora_layer
+
+    layers = [m for m in model.modules() if is_lora_layer(m) and isinstance(m.base_layer, QuantizedLinear)]
+    if not layers:
+        return
+    quantized = quantized_lora_layer()  # (peft is there: it made the layers)
+    for layer in layers:
+        if type(layer) is quantized.__base__:  # (not another peft layer kind, nor ours already)
+            layer.__class__ = quantized
+
+
+register_after_quantize(as_quantized_lora_layers)
 
 
 def refuse_dora_on_quantized(adapter_dir: Path, weights: str) -> None:

@@ -28,6 +28,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from _args import positive_int
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_CASES = [("small", "fp32", True), ("small", "fp32", False), ("small", "bf16", True)]
 GENERATION_ARGS = ["--num-steps", "8", "--prompt-len", "32", "--new-tokens", "32", "--repeats", "3",
@@ -54,7 +56,10 @@ print(json.dumps(out))
 
 def extract(commit: str, into: Path) -> Path:
     archive = into / "base.tar"
-    subprocess.run(["git", "-C", str(ROOT), "archive", "-o", str(archive), commit, "src", "benchmarks"], check=True)
+    done = subprocess.run(["git", "-C", str(ROOT), "archive", "-o", str(archive), commit, "src", "benchmarks"],
+                          capture_output=True, text=True)
+    if done.returncode != 0:  # an unknown commit: git's own line, not CalledProcessError's traceback
+        raise SystemExit(f"ab_commits.py: error: --base {commit}: {done.stderr.strip().splitlines()[-1]}")
     with tarfile.open(archive) as tar:
         tar.extractall(into / "base", filter="data")
     return into / "base"
@@ -88,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("kind", choices=["train", "generation", "serving"])
     parser.add_argument("--base", default="main", help="commit to compare against (default: %(default)s)")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (default: %(default)s)")
+    parser.add_argument("--rounds", type=positive_int, default=5, help="alternating rounds (default: %(default)s)")
     args = parser.parse_args(argv)
     results: dict[str, list[dict[str, float]]] = {"base": [], "this": []}
     with tempfile.TemporaryDirectory() as tmp:

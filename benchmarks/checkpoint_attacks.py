@@ -20,6 +20,7 @@ Prints one JSON line, then a table.
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import sys
@@ -152,7 +153,9 @@ def run_case(root: Path, work: Path, damage: Callable[[Path], None], straight: l
     return record
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    # No options, but --help must describe the run instead of starting it (and a stray flag is refused).
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

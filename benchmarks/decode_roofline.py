@@ -50,6 +50,7 @@ from recurrent_depth.accel import decode_cpp, quant_cpp
 from recurrent_depth.weight_quant import QuantizedLinear, dequantize_weights, quantize_weights, quantized_weights
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import preset_name  # noqa: E402
 from generation import official_style_loop, read_bandwidth  # noqa: E402  (the frozen official-style loop)
 
 CONFIGS = ("fixed", "kl", "shared-4", "official", "int8", "int4")
@@ -59,7 +60,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="huginn-0125", help="model preset (default: %(default)s)")
+    p.add_argument("--preset", default="huginn-0125", type=preset_name, help="model preset (default: %(default)s)")
     p.add_argument("--layers", type=int, default=None,
                    help="core layers instead of the preset's (fewer for a quick check; default: the preset's)")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp32", "both"), default="auto",

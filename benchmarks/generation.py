@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _args import checked_model_dir, positive_int
 
 import recurrent_depth as rd
 from recurrent_depth.accel import decode_cpp, quant_cpp
@@ -46,31 +47,41 @@ from recurrent_depth.inference import generate, stream_generate
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model directory (default: a random model of the issue's shape)")
-    p.add_argument("--num-steps", type=int, default=None,
+    p.add_argument("--num-steps", type=positive_int, default=None,
                    help="recurrence depth r (default: 16 for the random model, else the config's mean_recurrence)")
-    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens for the speed runs (default: %(default)s)")
-    p.add_argument("--new-tokens", type=int, default=64, help="new tokens per speed run (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=3, help="speed runs per mode, best kept (default: %(default)s)")
-    p.add_argument("--batch", type=int, default=8, help="rows of the batched mode (default: %(default)s)")
-    p.add_argument("--draft-steps", type=int, default=None, help="speculative draft depth (default: r // 4)")
-    p.add_argument("--lookahead", type=int, default=8, help="speculative drafts per round (default: %(default)s)")
-    p.add_argument("--inner-steps", type=int, default=4,
+    p.add_argument("--prompt-len", type=positive_int, default=64,
+                   help="prompt tokens for the speed runs (default: %(default)s)")
+    p.add_argument("--new-tokens", type=positive_int, default=64,
+                   help="new tokens per speed run (default: %(default)s)")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="speed runs per mode, best kept (default: %(default)s)")
+    p.add_argument("--batch", type=positive_int, default=8, help="rows of the batched mode (default: %(default)s)")
+    p.add_argument("--draft-steps", type=positive_int, default=None, help="speculative draft depth (default: r // 4)")
+    p.add_argument("--lookahead", type=positive_int, default=8,
+                   help="speculative drafts per round (default: %(default)s)")
+    p.add_argument("--inner-steps", type=positive_int, default=4,
                    help="parallel sampler steps per sweep (default: %(default)s)")
-    p.add_argument("--wavefront", type=int, default=4,
+    p.add_argument("--wavefront", type=positive_int, default=4,
                    help="parallel sampler positions refining at once (default: %(default)s)")
-    p.add_argument("--agreement-prompts", type=int, default=4,
+    p.add_argument("--agreement-prompts", type=positive_int, default=4,
                    help="held-out prompts for agreement (default: %(default)s)")
-    p.add_argument("--agreement-tokens", type=int, default=128,
+    p.add_argument("--agreement-tokens", type=positive_int, default=128,
                    help="continuation length for agreement (default: %(default)s)")
     p.add_argument("--prompts-file", default=None, help="one prompt per line (needs --model with a tokenizer)")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=positive_int, default=1,
                    help="torch threads (default: %(default)s; one row's fixed-depth decode runs on a team of "
                         "them, streaming the core's weights once a step)")
     p.add_argument("--seed", type=int, default=0, help="seed for the random model and prompts (default: %(default)s)")
     p.add_argument("--no-baselines", action="store_true",
                    help="skip the official-style loop and model-module baselines (default: run them)")
     p.add_argument("--quick", action="store_true", help="tiny settings for a smoke test")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.model = checked_model_dir(p, args.model)
+    if args.prompts_file is not None and args.model is None:
+        p.error("--prompts-file needs --model (its tokenizer encodes the prompts; the random model has none)")
+    if args.prompts_file is not None and not Path(args.prompts_file).is_file():
+        p.error(f"--prompts-file {args.prompts_file}: no such file")
+    return args
 
 
 def random_model(seed: int) -> rd.RecurrentDepthLM:
@@ -307,6 +318,24 @@ def prefix_length(a: list[int], b: list[int]) -> int:
     return n
 
 
+TABLE_COLUMNS = ("tokens_per_s", "cpu_tokens_per_s", "speedup_vs_fixed", "cpu_speedup_vs_fixed", "mean_steps",
+                 "cache_mb", "core_cache_mb", "agreement_teacher_forced", "free_running_prefix")
+
+
+def mode_table(results: dict[str, dict[str, Any]]) -> list[str]:
+    """The JSON's modes as table lines, '-' where a mode has no value; each column as wide as its longest entry,
+    plus a space ("agreement_teacher_forced" ran into its neighbour at a fixed width of 22)."""
+    rows = {name: ["-" if v is None else str(v) for v in
+                   (row.get(c.replace("_vs_fixed", "_vs_single") if name.startswith("batch") else c)
+                    for c in TABLE_COLUMNS)] for name, row in results.items()}
+    widths = [max([len(c), *(len(cells[i]) for cells in rows.values())]) for i, c in enumerate(TABLE_COLUMNS)]
+    name_width = max([20, *(len(name) for name in rows)])
+    lines = [f"{'mode':<{name_width}}" + "".join(f" {c:>{w}}" for c, w in zip(TABLE_COLUMNS, widths))]
+    for name, cells in rows.items():
+        lines.append(f"{name:<{name_width}}" + "".join(f" {v:>{w}}" for v, w in zip(cells, widths)))
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.quick:
@@ -415,12 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         baselines_tokens_per_s=baseline_rows, fixed_depth_roofline=roofline,
     )
     print(json.dumps(record))
-    cols = ["tokens_per_s", "cpu_tokens_per_s", "speedup_vs_fixed", "cpu_speedup_vs_fixed", "mean_steps",
-            "cache_mb", "core_cache_mb", "agreement_teacher_forced", "free_running_prefix"]
-    print(f"\n{'mode':<20}" + "".join(f"{c:>22}" for c in cols))
-    for name, row in results.items():
-        cells = [row.get(c.replace("_vs_fixed", "_vs_single") if name.startswith("batch") else c) for c in cols]
-        print(f"{name:<20}" + "".join(f"{'-' if v is None else v!s:>22}" for v in cells))
+    print("\n" + "\n".join(mode_table(results)))
     if baseline_rows:
         print("\nbaselines, same rounds: tokens/s (CPU-time tokens/s); ours vs each, wall (CPU):")
         for name, base in baseline_rows.items():

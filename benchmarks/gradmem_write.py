@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from _args import checked_model_dir, positive_int
 
 import recurrent_depth as rd
 from recurrent_depth.data.tokenizer import load_tokenizer
@@ -89,8 +90,9 @@ def main() -> None:
     p.add_argument("--init", default="tail", choices=("tail", "random"))
     p.add_argument("--init-scale", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=positive_int, default=1)
     args = p.parse_args()
+    args.model = checked_model_dir(p, args.model)
     torch.set_num_threads(args.threads)
     model = rd.RecurrentDepthLM.from_pretrained(args.model).eval()
     tok = load_tokenizer(args.model)

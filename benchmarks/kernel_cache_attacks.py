@@ -82,6 +82,9 @@ def kill_a_lock_holder(lock: Path) -> None:
     holder.wait()
 
 
+REBUILDS = ("foreign", "truncated", "garbage")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cache", type=Path, default=None, help="XDG_CACHE_HOME to use (default: a fresh temp dir)")
@@ -89,6 +92,11 @@ def main() -> None:
                         help="damaged-library cases, each a real build: foreign,truncated,garbage (default: none)")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per case")
     args = parser.parse_args()
+    unknown = [case for case in args.rebuilds if case not in REBUILDS]
+    if unknown:  # an unknown case was taken for "garbage" after the first two real builds
+        parser.error(f"--rebuilds: unknown {', '.join(unknown)}; choose from {', '.join(REBUILDS)}")
+    if not args.timeout > 0:
+        parser.error(f"--timeout must be positive, got {args.timeout}")
     cache = args.cache or Path(tempfile.mkdtemp(prefix="rdepth-kernel-cache-"))
     directory = kernel_dir(cache)
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)

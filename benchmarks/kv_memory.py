@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _args import checked_model_dir, out_file
 
 import recurrent_depth as rd
 from recurrent_depth.inference import generate
@@ -117,7 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--swaps", type=int, default=8, help="swaps per shells game (default: %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model and prompts without --model")
-    p.add_argument("--plot", default="kv_memory.png", help="bytes vs agreement plot (default: %(default)s)")
+    p.add_argument("--plot", default="kv_memory.png", type=out_file,
+                   help="bytes vs agreement plot (default: %(default)s)")
     p.add_argument("--speed-only", action="store_true",
                    help="decode speeds only (no bytes, agreement or plot): the first call of each configuration "
                         "then includes any first-use compile")
@@ -134,6 +136,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "swaps", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    args.model = checked_model_dir(p, args.model)
+    args.shells_model = checked_model_dir(p, args.shells_model, "--shells-model")
     return args
 
 

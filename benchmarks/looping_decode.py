@@ -18,6 +18,7 @@ import platform
 import time
 
 import torch
+from _args import checked_model_dir, positive_int
 
 from recurrent_depth.looping import LoopConfig, apply_loop, remove_loop
 
@@ -26,13 +27,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a transformers causal LM directory (default: a random Llama)")
     p.add_argument("--window", default="3-4", help="first-last layer of the loop window (default: %(default)s)")
-    p.add_argument("--iterations", type=int, default=3, help="K (default: %(default)s)")
+    p.add_argument("--iterations", type=positive_int, default=3, help="K (default: %(default)s)")
     p.add_argument("--rule", default="damped", help="update rule (default: %(default)s)")
-    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default: %(default)s)")
-    p.add_argument("--new-tokens", type=int, default=64, help="new tokens per run (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=3, help="rounds, best kept (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
-    return p.parse_args(argv)
+    p.add_argument("--prompt-len", type=positive_int, default=64, help="prompt tokens (default: %(default)s)")
+    p.add_argument("--new-tokens", type=positive_int, default=64, help="new tokens per run (default: %(default)s)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="rounds, best kept (default: %(default)s)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads (default: %(default)s)")
+    args = p.parse_args(argv)
+    if args.new_tokens < 2:  # decode speed is the time of N tokens minus that of 1: N = 1 divides by zero
+        p.error(f"--new-tokens must be at least 2, got {args.new_tokens}")
+    a, _, b = args.window.partition("-")
+    try:
+        args.window = (int(a), int(b or a))
+    except ValueError:
+        p.error(f"--window: expected FIRST-LAST layer indices (e.g. 3-4), got {args.window!r}")
+    if not 0 <= args.window[0] <= args.window[1]:
+        p.error(f"--window: expected 0 <= FIRST <= LAST, got {args.window[0]}-{args.window[1]}")
+    args.model = checked_model_dir(p, args.model)
+    return args
 
 
 def _model(path: str | None):
@@ -58,8 +70,10 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     model = _model(args.model)
     num_layers = model.config.num_hidden_layers
-    a, _, b = args.window.partition("-")
-    start, end = int(a), int(b or a)
+    start, end = args.window
+    if end >= num_layers:
+        raise SystemExit(f"looping_decode.py: error: --window {start}-{end}: the model has {num_layers} layers "
+                         f"(0-{num_layers - 1})")
     modes: dict[str, LoopConfig | None] = {
         "base": None,
         "prefill-only": LoopConfig(start, end, iterations=args.iterations, rule=args.rule, when="prefill"),

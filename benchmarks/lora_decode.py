@@ -16,6 +16,7 @@ import json
 import time
 
 import torch
+from _args import positive_int, preset_name
 
 import recurrent_depth as rd
 from recurrent_depth.inference import generate
@@ -34,12 +35,12 @@ def best_seconds(model, ids: torch.Tensor, repeats: int, **kwargs) -> tuple[floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="small")
-    parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--num-steps", type=int, default=8)
-    parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--preset", default="small", type=preset_name)
+    parser.add_argument("--rank", type=positive_int, default=8)
+    parser.add_argument("--num-steps", type=positive_int, default=8)
+    parser.add_argument("--prompt-len", type=positive_int, default=16)
+    parser.add_argument("--new-tokens", type=positive_int, default=32)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)

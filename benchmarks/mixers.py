@@ -24,6 +24,7 @@ import time
 from types import SimpleNamespace
 
 import torch
+from _args import positive_int
 
 import recurrent_depth as rd
 from recurrent_depth.model.mixers import build_mixer
@@ -118,14 +119,14 @@ def measure(case: str, mode: str | None, T: int, cfg: rd.ModelConfig, repeats: i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048],
+    parser.add_argument("--lengths", type=positive_int, nargs="+", default=[256, 1024, 2048],
                         help="sequence lengths T (default: 256 1024 2048)")
     parser.add_argument("--mixers", nargs="+", default=list(CASES), choices=list(CASES),
                         help="mixers to run (default: all)")
-    parser.add_argument("--max-recurrent-len", type=int, default=1024,
+    parser.add_argument("--max-recurrent-len", type=positive_int, default=1024,
                         help="time the step-by-step form only up to this T (default: 1024)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (default: 3)")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default: 1)")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per measurement (default: 3)")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads (default: 1)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cfg = rd.ModelConfig.from_preset("small", max_seq_len=max(args.lengths) + 1)

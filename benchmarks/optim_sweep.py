@@ -21,6 +21,7 @@ import sys
 import time
 
 import torch
+from _args import positive_int
 
 import recurrent_depth as rd
 from recurrent_depth.data.corpus import load_corpus
@@ -114,16 +115,24 @@ def run(spec: str, train: torch.Tensor, val: list[torch.Tensor], args: argparse.
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=150, help="optimizer steps per run (default: 150)")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per step (default: 8)")
-    parser.add_argument("--seq-len", type=int, default=64, help="bytes per sequence (default: 64)")
-    parser.add_argument("--hidden", type=int, default=128, help="hidden size; MLP 2.75x (default: 128)")
+    parser.add_argument("--steps", type=positive_int, default=150, help="optimizer steps per run (default: 150)")
+    parser.add_argument("--batch", type=positive_int, default=8, help="sequences per step (default: 8)")
+    parser.add_argument("--seq-len", type=positive_int, default=64, help="bytes per sequence (default: 64)")
+    parser.add_argument("--hidden", type=positive_int, default=128, help="hidden size; MLP 2.75x (default: 128)")
     parser.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (default: 0.0)")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default: 1)")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads (default: 1)")
     parser.add_argument(
         "--grid", nargs="+", default=DEFAULT_GRID, help="name:lr[:muon_lr] entries (default: %(default)s)"
     )
     args = parser.parse_args()
+    for spec in args.grid:  # a malformed entry failed only when its turn came, after the runs before it
+        parts = spec.split(":")
+        try:
+            if not 2 <= len(parts) <= 3:
+                raise ValueError
+            OptimConfig(name=parts[0], lr=float(parts[1]), **({"muon_lr": float(parts[2])} if len(parts) > 2 else {}))
+        except ValueError as exc:
+            parser.error(f"--grid {spec!r}: expected name:lr[:muon_lr]{f' ({exc})' if str(exc) else ''}")
     torch.set_num_threads(args.threads)
     tokens = load_bytes(4_000_000)
     cut = int(0.95 * len(tokens))

@@ -27,6 +27,7 @@ import time
 from collections import Counter
 
 import torch
+from _args import positive_int
 
 import recurrent_depth as rd
 
@@ -42,7 +43,8 @@ SETTINGS = [  # name, generate options (besides the gate's q)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=24, help="layers of the looped stack (default: Ouro-1.4B's 24)")
+    p.add_argument("--layers", type=positive_int, default=24,
+                   help="layers of the looped stack (default: Ouro-1.4B's 24)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="weights and activations (default: %(default)s; float32 needs ~5.7 GB at 24 layers)")
     p.add_argument("--q", type=float, default=0.5, help="the gate's exit threshold (default: %(default)s)")
@@ -50,11 +52,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="mean exit step the gate's bias is calibrated to on the prompt (default: %(default)s)")
     p.add_argument("--gate-spread", type=float, default=1.5,
                    help="std of the gate's logit over the prompt's positions and steps (default: %(default)s)")
-    p.add_argument("--prompt-len", type=int, default=12, help="prompt tokens (default: %(default)s)")
-    p.add_argument("--new-tokens", type=int, default=8, help="new tokens per run (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=1, help="rounds, best speed kept (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
-    return p.parse_args(argv)
+    p.add_argument("--prompt-len", type=positive_int, default=12, help="prompt tokens (default: %(default)s)")
+    p.add_argument("--new-tokens", type=positive_int, default=8, help="new tokens per run (default: %(default)s)")
+    p.add_argument("--repeats", type=positive_int, default=1, help="rounds, best speed kept (default: %(default)s)")
+    p.add_argument("--threads", type=positive_int, default=2, help="torch threads (default: %(default)s)")
+    args = p.parse_args(argv)
+    # the first token is the prefill's and the first decoded one's KV increment holds the prompt's last entry:
+    # KV bytes per token need two more (fewer divided by zero, or wrote NaN into the JSON)
+    if args.new_tokens < 3:
+        p.error(f"--new-tokens must be at least 3, got {args.new_tokens}")
+    return args
 
 
 def reference_exit_steps(lambdas: torch.Tensor, q: float) -> torch.Tensor:

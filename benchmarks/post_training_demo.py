@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+from _args import checked_model_dir, out_dir, positive_int
 
 import recurrent_depth as rd
 from recurrent_depth.data.tokenizer import load_tokenizer
@@ -99,8 +100,8 @@ def rl(start: Path, out: Path, lr: float, updates: int, args: argparse.Namespace
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", type=Path, required=True, help="the shells model directory (rdepth quickstart)")
-    parser.add_argument("--out", type=Path, default=Path("runs/post-training"))
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=lambda text: Path(out_dir(text)), default=Path("runs/post-training"))
+    parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--sft-lrs", default="3e-4,1e-3,3e-3")
     parser.add_argument("--sft-sweep-steps", type=int, default=60)
     parser.add_argument("--sft-steps", type=int, default=300)
@@ -113,6 +114,7 @@ def main() -> int:
     parser.add_argument("--rl-difficulties", default="20,22,24,26")
     parser.add_argument("--count", type=int, default=300, help="problems per evaluation cell")
     args = parser.parse_args()
+    args.base = Path(checked_model_dir(parser, str(args.base), "--base"))
     torch.set_num_threads(args.threads)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)

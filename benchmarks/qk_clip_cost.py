@@ -17,6 +17,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _args import positive_int, preset_name
 
 import recurrent_depth as rd
 from recurrent_depth.model.mixers import logits
@@ -38,13 +39,13 @@ logits.head_max_logits = timed_head_max_logits  # observe_logits looks it up at 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="small")
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--preset", default="small", type=preset_name)
+    parser.add_argument("--seq-len", type=positive_int, default=512)
+    parser.add_argument("--batch", type=positive_int, default=4)
     parser.add_argument("--no-grad-steps", type=int, default=4)
-    parser.add_argument("--grad-steps", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--grad-steps", type=positive_int, default=4)
+    parser.add_argument("--repeats", type=positive_int, default=4)
+    parser.add_argument("--threads", type=positive_int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

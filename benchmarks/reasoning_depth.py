@@ -15,6 +15,8 @@ import json
 import sys
 import time
 
+from _args import checked_model_dir, out_dir, positive_int, positive_int_list
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -24,12 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=None, help="training step cap (default: none)")
     parser.add_argument("--trained-up-to", type=int, default=6, help="hardest training difficulty (default: 6)")
     parser.add_argument("--difficulties", default="0-12", help="difficulties to measure, LOW-HIGH (default: 0-12)")
-    parser.add_argument("--depths", default="1,2,4,8,16,32", help="depths (default: 1,2,4,8,16,32)")
-    parser.add_argument("--count", type=int, default=100, help="problems per difficulty (default: 100)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--out", default="runs/bench-reasoning",
+    parser.add_argument("--depths", default="1,2,4,8,16,32", type=positive_int_list,
+                        help="depths (default: 1,2,4,8,16,32)")
+    parser.add_argument("--count", type=positive_int, default=100, help="problems per difficulty (default: 100)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--out", default="runs/bench-reasoning", type=out_dir,
                         help="output directory (default: runs/bench-reasoning)")
     args = parser.parse_args(argv)
+    args.model = checked_model_dir(parser, args.model)
 
     import torch
 
@@ -40,8 +44,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    depths = [int(d) for d in args.depths.split(",")]
-    difficulties = difficulty_range(args.difficulties)
+    depths = args.depths
+    try:  # a bad task or range was a traceback, after training when --model was not given
+        get_task(args.task)
+    except ValueError as exc:
+        parser.error(f"--task: {exc}")
+    try:
+        difficulties = difficulty_range(args.difficulties)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"--difficulties: {exc}")
     config = ReasoningRunConfig(task=args.task, minutes=args.minutes, max_steps=args.max_steps, depths=depths,
                                 train_difficulties=(0, args.trained_up_to), out=args.out, threads=args.threads)
     started = time.perf_counter()

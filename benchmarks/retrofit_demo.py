@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _args import checked_model_dir, out_dir, out_file, positive_int
 
 
 @torch.no_grad()
@@ -57,7 +58,7 @@ def base_step_flops(cfg: Any, batch: int, seq_len: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="runs/retrofit-demo")
+    parser.add_argument("--out", default="runs/retrofit-demo", type=out_dir)
     parser.add_argument("--base", default=None, help="a transformers Llama directory (default: pretrain one here)")
     parser.add_argument("--prelude", type=int, default=2)
     parser.add_argument("--core", default="3:6")
@@ -71,9 +72,10 @@ def main() -> None:
     parser.add_argument("--muon-lr", type=float, default=0.005, help="Muon's lr (matrices), both runs")
     parser.add_argument("--depths", default="1,2,4,8,16")
     parser.add_argument("--val-rows", type=int, default=64, help="held-out rows of 128 tokens")
-    parser.add_argument("--plot", default=None, metavar="PNG")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the figures: 1)")
+    parser.add_argument("--plot", default=None, metavar="PNG", type=out_file)
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (the figures: 1)")
     args = parser.parse_args()
+    args.base = checked_model_dir(parser, args.base, "--base")
     torch.set_num_threads(args.threads)
 
     from transformers import AutoModelForCausalLM

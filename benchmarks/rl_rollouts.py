@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 import torch
+from _args import checked_model_dir, positive_int, preset_name
 
 import recurrent_depth as rd
 from recurrent_depth.evaluation.reasoning.data import ProblemEncoder
@@ -46,22 +47,24 @@ from recurrent_depth.train.rl import (
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a model directory (tokenizer inside); default: a seeded preset")
-    p.add_argument("--preset", default="small", help="the seeded model's preset without --model (default: small)")
-    p.add_argument("--num-steps", type=int, default=16, help="r: fixed depth, and the exit's max steps")
+    p.add_argument("--preset", default="small", type=preset_name,
+                   help="the seeded model's preset without --model (default: small)")
+    p.add_argument("--num-steps", type=positive_int, default=16, help="r: fixed depth, and the exit's max steps")
     p.add_argument("--exit-threshold", type=float, default=None, help="KL threshold (default: the criterion's)")
     p.add_argument("--latent-threshold", type=float, default=None,
                    help="latent-diff threshold (default: the criterion's)")
     p.add_argument("--kv-policy", default="per-step+deepest")
-    p.add_argument("--prompts-per-step", type=int, default=4)
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--prompts-per-step", type=positive_int, default=4)
+    p.add_argument("--group-size", type=positive_int, default=8)
+    p.add_argument("--max-new-tokens", type=positive_int, default=16)
     p.add_argument("--swaps", type=int, default=8, help="shells difficulty of the prompts")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--threads", type=positive_int, default=None)
     p.add_argument("--quick", action="store_true", help="tiny model, short rollouts, one repeat")
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.num_steps, args.max_new_tokens, args.repeats, args.group_size = "tiny", 8, 6, 1, 4
+    args.model = checked_model_dir(p, args.model)
     return args
 
 

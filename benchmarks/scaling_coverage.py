@@ -14,6 +14,8 @@ import json
 import math
 import time
 
+from _args import positive_int
+
 from recurrent_depth.scaling import fit_law, parse_rows, synthetic_rows
 from recurrent_depth.scaling.synthetic import DEFAULT_TRUTH
 
@@ -22,12 +24,14 @@ TARGETS = {"kaplan-c": [], "joint": ["alpha", "beta"], "iso-depth": ["alpha", "b
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--draws", type=int, default=100)
-    parser.add_argument("--resamples", type=int, default=100)
+    parser.add_argument("--draws", type=positive_int, default=100)
+    parser.add_argument("--resamples", type=positive_int, default=100)
     parser.add_argument("--level", type=float, default=0.8)
     parser.add_argument("--noise", type=float, default=0.01, help="per-run log-normal noise sd")
-    parser.add_argument("--forms", nargs="+", default=["joint", "iso-depth"])
+    parser.add_argument("--forms", nargs="+", default=["joint", "iso-depth"], choices=list(TARGETS))
     args = parser.parse_args()
+    if not 0 < args.level < 1:  # fit_law's ValueError came after the first form's draws
+        parser.error(f"--level must be in (0, 1), got {args.level}")
     started = time.time()
     results = {}
     for form in args.forms:

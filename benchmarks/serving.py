@@ -34,44 +34,47 @@ from pathlib import Path
 
 import httpx
 import torch
+from _args import checked_model_dir, int_range, out_file, positive_int, positive_int_list, preset_name
 
 import recurrent_depth as rd
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a saved model directory (default: a random --preset model)")
-    p.add_argument("--preset", default="tiny", help="preset of the random model (default: %(default)s)")
-    p.add_argument("--requests", type=int, default=64, help="requests per run (default: %(default)s)")
-    p.add_argument("--concurrency", default="1,8,32", help="concurrent clients per run (default: %(default)s)")
-    p.add_argument("--prompt-tokens", default="8,48", help="prompt length range (default: %(default)s)")
-    p.add_argument("--max-tokens", default="16,48", help="max_tokens range per request (default: %(default)s)")
-    p.add_argument("--num-steps", type=int, default=32, help="recurrence depth (default: %(default)s, the paper's)")
+    p.add_argument("--preset", default="tiny", type=preset_name,
+                   help="preset of the random model (default: %(default)s)")
+    p.add_argument("--requests", type=positive_int, default=64,
+                   help="requests per run (default: %(default)s)")
+    p.add_argument("--concurrency", type=positive_int_list, default="1,8,32",
+                   help="concurrent clients per run (default: %(default)s)")
+    p.add_argument("--prompt-tokens", type=int_range, default="8,48", help="prompt length range (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int_range, default="16,48",
+                   help="max_tokens range per request (default: %(default)s)")
+    p.add_argument("--num-steps", type=positive_int, default=32,
+                   help="recurrence depth (default: %(default)s, the paper's)")
     p.add_argument("--exit-criterion", default="kl", help="criterion of the adaptive mode (default: %(default)s)")
     p.add_argument("--exit-threshold", type=float, default=None,
                    help="threshold of the adaptive mode (default: the criterion's)")
-    p.add_argument("--max-batch", type=int, default=32, help="server --max-batch (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=1, help="server torch threads (default: %(default)s)")
+    p.add_argument("--max-batch", type=positive_int, default=32, help="server --max-batch (default: %(default)s)")
+    p.add_argument("--threads", type=positive_int, default=1, help="server torch threads (default: %(default)s)")
     p.add_argument("--kv-quant", default=None, help="server --kv-quant (default: full precision; "
                    "benchmarks/serving_kv_quant.py compares specs side by side)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model, prompts and lengths (default: %(default)s)")
-    p.add_argument("--single-requests", type=int, default=16,
+    p.add_argument("--single-requests", type=positive_int, default=16,
                    help="requests run by rd.generate at batch 1 for the adaptive-gain ratio (default: %(default)s)")
-    p.add_argument("--out", default=None, help="also write the JSON line to this file")
-    return p.parse_args()
+    p.add_argument("--out", default=None, type=out_file, help="also write the JSON line to this file")
+    args = p.parse_args(argv)
+    args.model = checked_model_dir(p, args.model)
+    return args
 
 
-def pair(text: str) -> tuple[int, int]:
-    a, b = (int(x) for x in text.split(","))
-    return a, b
-
-
-def random_requests(rng: random.Random, vocab_size: int, prompt_tokens: str, max_tokens: str,
-                    count: int) -> list[tuple[list[int], int]]:
-    """(prompt ids, max_tokens) per request, lengths drawn from the "lo,hi" ranges; the same
-    requests for every run; ids below the special-token range."""
-    p_lo, p_hi = pair(prompt_tokens)
-    t_lo, t_hi = pair(max_tokens)
+def random_requests(rng: random.Random, vocab_size: int, prompt_tokens: tuple[int, int],
+                    max_tokens: tuple[int, int], count: int) -> list[tuple[list[int], int]]:
+    """(prompt ids, max_tokens) per request, lengths drawn from the (lo, hi) ranges (`_args.int_range`); the
+    same requests for every run; ids below the special-token range."""
+    p_lo, p_hi = prompt_tokens
+    t_lo, t_hi = max_tokens
     vocab = max(2, vocab_size - 32)
     return [([rng.randrange(vocab) for _ in range(rng.randint(p_lo, p_hi))], rng.randint(t_lo, t_hi))
             for _ in range(count)]
@@ -162,7 +165,7 @@ async def run_load(url: str, bodies: list[dict], concurrency: int) -> dict:
 
 def main() -> int:
     args = parse_args()
-    levels = [int(c) for c in args.concurrency.split(",")]
+    levels = args.concurrency
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is None:

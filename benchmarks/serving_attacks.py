@@ -54,6 +54,7 @@ from pathlib import Path
 import httpx
 import psutil
 import torch
+from _args import out_file
 
 import recurrent_depth as rd
 from recurrent_depth.data.tokenizer import save_tokenizer, special_token_ids, train_tokenizer
@@ -73,7 +74,7 @@ def parse_args() -> argparse.Namespace:
                    help="slow-body: seconds before counting (default: %(default)s)")
     p.add_argument("--trials", type=int, default=4, help="quant-batch: trials (default: %(default)s)")
     p.add_argument("--only", default=None, help="comma-separated attacks to run (default: all)")
-    p.add_argument("--out", default=None, help="also write the JSON line to this file")
+    p.add_argument("--out", default=None, type=out_file, help="also write the JSON line to this file")
     return p.parse_args()
 
 

@@ -1,7 +1,7 @@
 """The server's continuous batch with and without quantized KV memory (`rdepth serve --kv-quant`).
 
     python benchmarks/serving_kv_quant.py                       # random `small` model, ~2 minutes on 2 cores
-    python benchmarks/serving_kv_quant.py --kv-quant none,k=prod:3.5,v=mse:3.5 --concurrency 4
+    python benchmarks/serving_kv_quant.py --kv-quant "none;k=prod:3.5,v=mse:3.5" --concurrency 4
 
 Drives `serving.BatchDecoder` in this process (no HTTP: the figures are the batch's own) the way
 the engine does: `--concurrency` rows run at once, a finished request's row is refilled at once
@@ -26,30 +26,43 @@ import time
 from pathlib import Path
 
 import torch
+from _args import checked_model_dir, int_range, out_file, positive_int, preset_name
 
 import recurrent_depth as rd
+from recurrent_depth.inference.kv_codec import KVQuant
 from recurrent_depth.inference.options import GenerationOptions
 from recurrent_depth.serving.batch import BatchDecoder, RowRequest
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a saved model directory (default: a random --preset model)")
-    p.add_argument("--preset", default="small", help="preset of the random model (default: %(default)s)")
+    p.add_argument("--preset", default="small", type=preset_name,
+                   help="preset of the random model (default: %(default)s)")
     p.add_argument("--kv-quant", default="none;k=prod:3.5,v=mse:3.5;k=prod:2.5,v=mse:2.5",
                    help="';'-separated specs, 'none' = full precision (default: %(default)s)")
-    p.add_argument("--requests", type=int, default=8, help="requests per run (default: %(default)s)")
-    p.add_argument("--concurrency", type=int, default=4, help="rows decoded at once (default: %(default)s)")
-    p.add_argument("--prompt-tokens", default="8,32", help="prompt length range (default: %(default)s)")
-    p.add_argument("--max-tokens", default="12,24", help="new tokens range per request (default: %(default)s)")
-    p.add_argument("--num-steps", type=int, default=16, help="recurrence depth (default: %(default)s)")
+    p.add_argument("--requests", type=positive_int, default=8, help="requests per run (default: %(default)s)")
+    p.add_argument("--concurrency", type=positive_int, default=4, help="rows decoded at once (default: %(default)s)")
+    p.add_argument("--prompt-tokens", type=int_range, default="8,32",
+                   help="prompt length range (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int_range, default="12,24",
+                   help="new tokens range per request (default: %(default)s)")
+    p.add_argument("--num-steps", type=positive_int, default=16, help="recurrence depth (default: %(default)s)")
     p.add_argument("--exit-threshold", type=float, default=5e-4, help="KL exit threshold (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=3,
+    p.add_argument("--repeats", type=positive_int, default=3,
                    help="rounds, the configurations taking turns; the best of each is reported (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model and requests (default: %(default)s)")
-    p.add_argument("--out", default=None, help="also write the JSON line to this file")
-    return p.parse_args()
+    p.add_argument("--out", default=None, type=out_file, help="also write the JSON line to this file")
+    args = p.parse_args(argv)
+    args.model = checked_model_dir(p, args.model)
+    try:  # a bad spec failed only after the model was built and the first warm-up ran
+        for spec in args.kv_quant.split(";"):
+            if spec.strip() != "none":
+                KVQuant.parse(spec.strip())
+    except ValueError as exc:
+        p.error(f"--kv-quant: {exc}")
+    return args
 
 
 def run(model, requests: list[tuple[list[int], int]], options: dict, kv_quant: str | None,

@@ -21,6 +21,8 @@ import shutil
 import time
 from pathlib import Path
 
+from _args import checked_model_dir, out_dir, positive_int_list
+
 
 def write_examples(path: Path, count: int, seed: int = 0) -> Path:
     rng = random.Random(seed)
@@ -38,13 +40,14 @@ def write_examples(path: Path, count: int, seed: int = 0) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="runs/sft-demo")
+    parser.add_argument("--out", default="runs/sft-demo", type=out_dir)
     parser.add_argument("--base", default=None, help="a model directory to fine-tune (default: pretrain tiny here)")
     parser.add_argument("--base-steps", type=int, default=300)
     parser.add_argument("--examples", type=int, default=2000)
     parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--depths", default="1,2,4,8")
+    parser.add_argument("--depths", default="1,2,4,8", type=positive_int_list)
     args = parser.parse_args()
+    args.base = checked_model_dir(parser, args.base, "--base")
 
     from recurrent_depth.train.config import TrainConfig
     from recurrent_depth.train.optim import OptimConfig
@@ -53,7 +56,7 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    depths = [int(d) for d in args.depths.split(",")]
+    depths = args.depths
     quiet = dict(progress=False, tensorboard=False)
     base = args.base
     started = time.perf_counter()

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _args import checked_model_dir, out_file, positive_int
 
 import recurrent_depth as rd
 from recurrent_depth.data.corpus import DocumentSplit, StdlibCorpus
@@ -220,9 +221,12 @@ def main() -> None:
     p.add_argument("--shells-problems", type=int, default=32)
     p.add_argument("--shells-swaps", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--plot", default=None, help="write the figure here (e.g. docs/images/test_time_compute.png)")
+    p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--plot", default=None, type=out_file,
+                   help="write the figure here (e.g. docs/images/test_time_compute.png)")
     args = p.parse_args()
+    args.model = checked_model_dir(p, args.model)
+    args.shells_model = checked_model_dir(p, args.shells_model, "--shells-model")
     torch.set_num_threads(args.threads)
     started = time.time()
     model = rd.RecurrentDepthLM.from_pretrained(args.model).eval()

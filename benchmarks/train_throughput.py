@@ -233,6 +233,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="also run each bf16 recurrent case on the plain model (accel off: the "
                              "composite RMSNorm under autocast), the before of the accel fast paths")
     args = parser.parse_args(argv)
+    # (checked here, not with benchmarks/_args.py: ab_commits.py loads this file alone, without its directory)
+    if args.threads is not None and args.threads < 1:  # 0 silently meant torch's default
+        parser.error(f"--threads must be at least 1, got {args.threads}")
+    if not args.budget > 0:
+        parser.error(f"--budget must be positive, got {args.budget}")
     kept_freed_memory = False if args.default_malloc else keep_freed_memory()
     threads = args.threads or (1 if args.clock == "cpu" else torch.get_num_threads())
     torch.set_num_threads(threads)

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _args import checked_model_dir
 
 import recurrent_depth as rd
 from recurrent_depth.accel import quant_cpp
@@ -79,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--rows must be >= 2 (a standard error), --tokens and --repeats >= 1, --decode-tokens >= 2")
     if args.model is None and not args.kernels_only:
         p.error("--model is required unless --kernels-only")
+    args.model = checked_model_dir(p, args.model)
     args.formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     try:
         for fmt in args.formats:

@@ -183,6 +183,8 @@ def conversation(record: Any, where: str) -> Conversation:
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected an object with 'messages' or 'prompt' and 'completion', "
                          f"got {type(record).__name__}")
+    for key in ("messages", "prompt", "completion"):
+        _check_nesting(record.get(key), where, key)
     if record.get("messages") is not None:
         result = Conversation(*_messages(record["messages"], where, "messages", learn=True))
     elif record.get("prompt") is not None and record.get("completion") is not None:
@@ -207,10 +209,20 @@ def conversation(record: Any, where: str) -> Conversation:
     tools = _tools(record.get("tools"), where)
     variables = _template_variables(record.get("chat_template_kwargs"), where)
     for name, value in (("tools", tools), ("chat_template_kwargs", variables)):
+        _check_nesting(value, where, name)
         if value is not None and not result.templated:  # (text is not templated: it would be dropped, silently)
             raise ValueError(f"{where}: '{name}' needs a chat (the chat template reads it); a text prompt/completion "
                              "record has none")
     return dataclasses.replace(result, tools=tools, variables=variables)
+
+
+def _check_nesting(value: Any, where: str, key: str) -> None:
+    """A one-line error for a field nested deeper than the server takes (`protocol.MAX_JSON_NESTING`): escaping its
+    special-token text and the chat template recurse over it, and overflowed Python's stack (a RecursionError)."""
+    from recurrent_depth.serving.protocol import MAX_JSON_NESTING, json_nesting  # (here: serving is heavy)
+
+    if json_nesting(value) > MAX_JSON_NESTING:
+        raise ValueError(f"{where}: '{key}' nests arrays and objects over {MAX_JSON_NESTING} levels deep")
 
 
 def _tools(value: Any, where: str) -> list[dict[str, Any]] | None:
@@ -221,6 +233,8 @@ def _tools(value: Any, where: str) -> list[dict[str, Any]] | None:
             value = json.loads(value)
         except ValueError:  # (JSONDecodeError, and Python's int limit)
             raise ValueError(f"{where}: 'tools' is a string that is not JSON (a list of tools)") from None
+        except RecursionError:
+            raise ValueError(f"{where}: 'tools' is a JSON string nested too deeply to parse") from None
     if value is None or value == []:
         return None
     if not isinstance(value, list) or not all(isinstance(tool, dict) for tool in value):
@@ -241,6 +255,8 @@ def _template_variables(value: Any, where: str) -> dict[str, Any] | None:
         except ValueError:  # (JSONDecodeError, and Python's int limit)
             raise ValueError(f"{where}: 'chat_template_kwargs' is a string that is not JSON (an object of template "
                              "variables)") from None
+        except RecursionError:
+            raise ValueError(f"{where}: 'chat_template_kwargs' is a JSON string nested too deeply to parse") from None
     try:
         variables = template_kwargs(value)
     except APIError as exc:

@@ -231,7 +231,7 @@ def _check_regexes_in_time(directory: str | Path, layout: Any) -> None:
     """A one-line ValueError when the regular expressions of the adapter's config take over TARGET_REGEX_SECONDS to
     match `layout`'s module names, as peft matches them: target_modules and exclude_modules (strings: whole names)
     and the keys of rank_pattern and alpha_pattern (`(.*\\.)?(KEY)$` from the start). `train.lora` times
-    target_modules only on the main thread (SIGALRM), the others not at all; a load runs on the scheduler's thread,
+    them only on the main thread (SIGALRM); a load runs on the scheduler's thread,
     where a regex that backtracks exponentially held the GIL for hours: every thread of the server froze (/health
     included). So they run first in a child process, killed when over time; the other checks (an invalid regex,
     one matching nothing) stay `add_named_lora`'s."""

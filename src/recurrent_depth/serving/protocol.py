@@ -54,6 +54,10 @@ SERVER_FIELDS = frozenset({"ignore_eos", "stop_token_ids", "add_special_tokens",
                            "skip_special_tokens", "include_stop_str_in_output",
                            "chat_template_kwargs", "add_generation_prompt", "continue_final_message"})
 MAX_TEMPLATE_KWARGS = 64  # names in a chat request's `chat_template_kwargs`
+# levels of arrays / objects in a request body (or an SFT record): the escaping of special-token text and the chat
+# template recurse over tools, template variables and messages, and JSON the parser takes (~990 levels) overflowed
+# Python's stack there (a RecursionError, a traceback in `rdepth sft`)
+MAX_JSON_NESTING = 64
 # max_tokens past the context is refused once the prompt's length is known (`Sampling.options`: 400
 # context_length_exceeded naming the prompt's tokens, max_tokens and the context, as vLLM's); this bound only
 # keeps the number printable
@@ -104,7 +108,23 @@ def parse_request_body(raw: bytes) -> dict[str, Any]:
         raise APIError(400, f"the request body is not valid JSON: {type(exc).__name__}: {exc}") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    if json_nesting(body) > MAX_JSON_NESTING:
+        raise APIError(400, f"the request body nests arrays and objects over {MAX_JSON_NESTING} levels deep")
     return body
+
+
+def json_nesting(value: Any) -> int:
+    """How many levels of lists and dicts `value` (a parsed JSON value) nests (0: a scalar); not recursive, so any
+    depth is counted."""
+    if not isinstance(value, dict | list):
+        return 0
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, level = todo.pop()
+        deepest = max(deepest, level)
+        # (containers only: a body of a million token ids is walked at the speed of its parse)
+        todo += [(v, level + 1) for v in (item.values() if isinstance(item, dict) else item) if type(v) in (dict, list)]
+    return deepest
 
 
 def request_defaults(file_options: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:

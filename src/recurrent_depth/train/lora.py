@@ -37,6 +37,7 @@ import hashlib
 import json
 import math
 import re
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -405,7 +406,7 @@ def _add_weights_metadata(weights: Path, entries: dict[str, str]) -> None:
     """Add `entries` to the metadata of the adapter weights file peft wrote (rewritten whole: it is small; through
     a temporary file, so that an interrupted rewrite leaves peft's file, not a truncated one)."""
     from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file, save
 
     from recurrent_depth.files import atomic_path
 
@@ -413,7 +414,21 @@ def _add_weights_metadata(weights: Path, entries: dict[str, str]) -> None:
         metadata = dict(handle.metadata() or {})
     tensors = load_file(str(weights))
     with atomic_path(weights) as tmp:
-        save_file(tensors, str(tmp), metadata={**metadata, **entries})
+        tmp.write_bytes(_sorted_metadata(save(tensors, metadata={**metadata, **entries})))
+
+
+def _sorted_metadata(data: bytes) -> bytes:
+    """`data` (a safetensors file) with its header's `__metadata__` keys sorted: safetensors writes them in the order
+    of a Rust HashMap, seeded anew for each map, so the same adapter was saved as different bytes each time. Only
+    the order changes (same length, same offsets); a header that compact JSON does not reproduce is left as is."""
+    length = int.from_bytes(data[:8], "little")
+    text = data[8:8 + length].decode("utf-8").rstrip(" ")  # (padded with spaces to 8-byte alignment)
+    header = json.loads(text)
+    if json.dumps(header, separators=(",", ":"), ensure_ascii=False) != text or "__metadata__" not in header:
+        return data
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    ordered = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return data[:8] + ordered.ljust(length) + data[8 + length:]
 
 
 def recorded_base(adapter_dir: str | Path) -> dict[str, str]:
@@ -526,6 +541,8 @@ def check_adapter_dir(adapter_dir: str | Path) -> Path:
 
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# adapter_config.json's true / false fields that change what the adapter computes
+BOOL_FIELDS = ("use_dora", "use_rslora", "fan_in_fan_out", "lora_bias", "use_qalora", "inference_mode")
 FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
 
 
@@ -558,6 +575,12 @@ def check_adapter_files(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     if not (isinstance(targets, str) or (isinstance(targets, list) and targets
                                          and all(isinstance(t, str) for t in targets))):
         raise bad("target_modules", "a module name pattern or a non-empty list of module names")
+    # peft tests these by truth: use_rslora="false" scaled the adapter by alpha/sqrt(r), not alpha/r, silently
+    for field in BOOL_FIELDS:
+        if config.get(field) is not None and not isinstance(config[field], bool):
+            raise bad(field, "true or false")
+    if config.get("megatron_config") is not None:  # (peft then imports the module `megatron_core` names)
+        raise bad("megatron_config", "null (Megatron-parallel LoRA layers are not supported here)")
     for field, number in (("rank_pattern", "an integer >= 1"), ("alpha_pattern", "a finite number > 0")):
         pattern = config.get(field) or {}
         values = list(pattern.values()) if isinstance(pattern, dict) else [None]
@@ -649,6 +672,24 @@ def _fullmatches(pattern: re.Pattern[str], names: list[str], seconds: float) -> 
         signal.signal(signal.SIGALRM, previous)
 
 
+def _regex_matches(source: str, field: str, given: str, regex: str, names: list[str], deadline: float) -> set[str]:
+    """The `names` that `regex` (adapter_config.json's `field`, `given` as written) matches whole, as peft matches
+    them; a one-line error naming the field for an invalid regex or one still matching at `deadline` (monotonic:
+    TARGET_REGEX_SECONDS for all of an adapter's regexes, so that many keys cannot add up to hours)."""
+    from recurrent_depth.files import clipped
+
+    try:
+        pattern = re.compile(regex)
+    except re.error as exc:
+        raise ValueError(f"{source} {field}={clipped(given)} is not a valid regular expression ({exc})") from None
+    matched = _fullmatches(pattern, names, max(deadline - time.monotonic(), 0.001))
+    if matched is None:
+        raise ValueError(f"{source} {field}={clipped(given)} takes over {TARGET_REGEX_SECONDS:g} s to match this "
+                         f"model's {len(names)} module names (a regular expression that backtracks exponentially?): "
+                         f"simplify it, or list the module names")
+    return matched
+
+
 def check_adapter_targets(model: nn.Module, path: Path) -> None:
     """A one-line error naming the option when adapter_config.json's `target_modules` (a regex, or names peft
     matches by suffix) or `modules_to_save` names no module of `model`: peft's own messages name neither our
@@ -662,19 +703,11 @@ def check_adapter_targets(model: nn.Module, path: Path) -> None:
     linear = [name for name, module in model.named_modules() if isinstance(module, LINEAR_TYPES)]
     ours = f"this model's linear layers are {clipped_names(module_name_patterns(model), 20)}"
     targets = config.get("target_modules")
+    deadline = time.monotonic() + TARGET_REGEX_SECONDS
     if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
         pass  # peft's shorthand, not a regular expression (load_lora expands it)
     elif isinstance(targets, str):
-        try:
-            pattern = re.compile(targets)
-        except re.error as exc:
-            raise ValueError(f"{source} target_modules={clipped(targets)} is not a valid regular expression "
-                             f"({exc})") from None
-        matched = _fullmatches(pattern, names, TARGET_REGEX_SECONDS)  # (every module name, as peft matches)
-        if matched is None:
-            raise ValueError(f"{source} target_modules={clipped(targets)} takes over {TARGET_REGEX_SECONDS:g} s to "
-                             f"match this model's {len(names)} module names (a regular expression that backtracks "
-                             f"exponentially?): simplify it, or list the module names")
+        matched = _regex_matches(source, "target_modules", targets, targets, names, deadline)
         if not matched.intersection(linear):
             raise ValueError(f"{source} target_modules={clipped(targets)} (a regular expression, matched against "
                              f"whole module names) matches no linear layer of this model; {ours}")
@@ -683,6 +716,14 @@ def check_adapter_targets(model: nn.Module, path: Path) -> None:
         if len(unmatched) == len(targets):
             raise ValueError(f"{source} target_modules={clipped_names(targets)} matches no linear layer of this "
                              f"model (another architecture's names?); {ours}")
+    # peft matches these against every module name too (`re.fullmatch(exclude_modules, name)`, and each pattern key
+    # as `(.*\.)?(key)$`): a regex that backtracks exponentially hung the load as target_modules' did
+    if isinstance(config.get("exclude_modules"), str):
+        _regex_matches(source, "exclude_modules", config["exclude_modules"], config["exclude_modules"], names,
+                       deadline)
+    for field in ("rank_pattern", "alpha_pattern"):
+        for key in config.get(field) or {}:  # (an object: check_adapter_files)
+            _regex_matches(source, field, key, rf"(.*\.)?({key})", names, deadline)
     saved = config.get("modules_to_save")
     if saved is not None:
         if not (isinstance(saved, list) and all(isinstance(t, str) and t for t in saved)):
@@ -695,29 +736,39 @@ def check_adapter_targets(model: nn.Module, path: Path) -> None:
                              f"have (another architecture's names?); its modules are {clipped_names(top, 10)}")
 
 
+def _saved_peft_config(path: Path) -> Any:
+    """peft's config of the adapter in `path`; a one-line error where peft cannot build it from the file's fields (a
+    wrong-typed sub-config such as eva_config={"rho": "x"} was a TypeError traceback, a task_type peft does not
+    know named no file)."""
+    peft = require_peft()
+    try:
+        return peft.PeftConfig.from_pretrained(str(path))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise _load_error(exc, path) from None
+
+
 def _peft_config(model: nn.Module, path: Path, layout: nn.Module | None = None) -> Any:
     """The peft config to load the adapter in `path` onto `model` with, where the saved one needs changing; None:
     the saved one as it is. layout: `model`'s modules without peft's layers (default: `model`), which "all-linear"
     expands over. On int8 / int4 layers: registered for them (`on_quantized_layers`), DoRA refused."""
-    peft = require_peft()
     layout = model if layout is None else layout
     config = None
     if not hasattr(model, "prepare_inputs_for_generation"):
         # An adapter made with peft on the transformers class says task_type="CAUSAL_LM", whose peft wrapper needs
         # transformers' generation hooks; the layers are the same, so load it as a plain adapter.
-        config = peft.PeftConfig.from_pretrained(str(path))
+        config = _saved_peft_config(path)
         config.task_type = None
     targets = getattr(config, "target_modules", None) if config is not None else read_adapter_config(path).get(
         "target_modules")
     if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
         # peft leaves the output head out of "all-linear" only on a transformers model (it asks for its output
         # embeddings): on the library's it took the lm_head too, which the adapter (made on either) does not hold
-        config = config if config is not None else peft.PeftConfig.from_pretrained(str(path))
+        config = config if config is not None else _saved_peft_config(path)
         config.target_modules = sorted(name for name, module in layout.named_modules()
                                        if isinstance(module, LINEAR_TYPES) and name.split(".")[-1] != OUTPUT_HEAD)
     if quantized_weights(model):
         refuse_dora_on_quantized(path, held_weights(model))
-        config = on_quantized_layers(config if config is not None else peft.PeftConfig.from_pretrained(str(path)),
+        config = on_quantized_layers(config if config is not None else _saved_peft_config(path),
                                      model)
     return config
 
@@ -751,8 +802,9 @@ def load_lora(model: nn.Module, adapter_dir: str | Path, trainable: bool = False
     try:
         wrapped = peft.PeftModel.from_pretrained(model, str(path), is_trainable=trainable, config=config)
     # e.g. module names or shapes of another model; re.error: an invalid regex in rank_pattern, alpha_pattern or
-    # exclude_modules, which peft compiles (a traceback)
-    except (KeyError, RuntimeError, ValueError, re.error) as exc:
+    # exclude_modules, which peft compiles (a traceback); TypeError, AttributeError: a field of the wrong type that
+    # peft reads as it builds the config (eva_config={"rho": "x"}, arrow_config={...}), a traceback too
+    except (KeyError, RuntimeError, ValueError, re.error, TypeError, AttributeError) as exc:
         _strip_peft_layers(model)  # (peft put its layers on `model` before the load failed: `model` as given)
         raise _load_error(exc, path) from None
     check_adapter_loaded(wrapped, path, header)
@@ -864,8 +916,9 @@ def _load_named(model: nn.Module, wrapped: Any, path: Path, name: str, config: A
                     wrapped.add_adapter(name, config)
                 wrapped.load_adapter(str(path), adapter_name=name)
         # (re.error: an invalid regex in rank_pattern, alpha_pattern or exclude_modules, which peft compiles: it
-        # was a 500 "internal error" of the server, and left a half-added adapter on the wrapper)
-        except (KeyError, RuntimeError, ValueError, re.error) as exc:
+        # was a 500 "internal error" of the server, and left a half-added adapter on the wrapper; TypeError,
+        # AttributeError: a wrong-typed sub-config, as in load_lora)
+        except (KeyError, RuntimeError, ValueError, re.error, TypeError, AttributeError) as exc:
             raise _load_error(exc, path) from None
         check_adapter_loaded(wrapped, path, header, adapter_name=name)
         check_adapter_base(wrapped, path, strict=strict_base, model_dir=model_dir)

@@ -202,6 +202,9 @@ class BatchScheduler:
         self.thread: threading.Thread | None = None
         # runtime LoRA loads / unloads (`load_adapter`, `unload_adapter`), run at the switch point in order
         self.adapter_updates: deque[tuple[Callable[[], None], Future]] = deque()
+        # adapters whose unload is accepted but not yet run: no longer served (new jobs naming them are refused), their
+        # layers kept for the jobs running with them until the switch point
+        self.retiring: set[str] = set()
         if adapters is not None:
             self.metrics.gauges["rdepth_lora_adapters"] = lambda: len(self.adapter_names)
         self.metrics.gauges["rdepth_queue_depth"] = lambda: len(self.waiting)
@@ -218,7 +221,9 @@ class BatchScheduler:
     @property
     def adapter_names(self) -> tuple[str, ...]:
         """The served LoRA adapters' names (`--lora-modules`): what a job's `adapter` (a request's `model`) may be."""
-        return self.adapters.names if self.adapters is not None else ()
+        if self.adapters is None:
+            return ()
+        return tuple(name for name in self.adapters.names if name not in self.retiring)
 
     @property
     def running(self) -> int:
@@ -266,8 +271,27 @@ class BatchScheduler:
 
     def unload_adapter(self, name: str) -> Future:
         """Stop serving LoRA adapter `name` (`ServedAdapters.retire`, `drop`), once nothing runs; refused (the future's
-        error: `AdapterBusy`) while requests for it wait, or a ValueError when none is loaded by that name."""
-        return self._update_adapters(lambda: self._unload(name))
+        error: `AdapterBusy`) while requests for it wait, or a ValueError when none is loaded by that name.
+
+        Both are decided now, and an accepted unload stops serving the name at once (`retiring`: a job naming it is
+        then an `UnknownAdapter`): the unload's wait for the running requests held back every new job, so one naming
+        the adapter waited behind it and turned the unload into a 409, which under steady traffic for the adapter
+        every retry met again."""
+        try:
+            self._served_adapters()
+        except ValueError as exc:
+            return _failed(exc)
+        with self.cond:  # (a re-entrant lock: `_update_adapters` takes it too)
+            if name not in self.adapter_names:
+                return _failed(ValueError(f"no LoRA adapter named {name!r} is loaded; this server has "
+                                          f"{list(self.adapter_names)}"))
+            waiting = sum(job.adapter == name and not job.cancelled for job in self.waiting)
+            if waiting:
+                return _failed(AdapterBusy(f"the LoRA adapter {name!r} has {waiting} requests waiting to run: unload "
+                                           "it once they have finished"))
+            future = self._update_adapters(lambda: self._unload(name))
+            self.retiring.add(name)
+        return future
 
     def _unload(self, name: str) -> None:
         """`unload_adapter`'s work, on the scheduler thread while nothing runs. The check of the waiting jobs and
@@ -275,12 +299,16 @@ class BatchScheduler:
         the check, and one submitted later is an `UnknownAdapter`); peft's delete of its layers does not: submit
         runs on the HTTP event loop, which a lock held through the delete stalled for every request."""
         adapters = self._served_adapters()
-        with self.cond:
-            waiting = sum(job.adapter == name and not job.cancelled for job in self.waiting)
-            if waiting:
-                raise AdapterBusy(f"the LoRA adapter {name!r} has {waiting} requests waiting to run: unload it once "
-                                  "they have finished")
-            peft_name = adapters.retire(name)
+        try:
+            with self.cond:
+                waiting = sum(job.adapter == name and not job.cancelled for job in self.waiting)
+                if waiting:
+                    raise AdapterBusy(f"the LoRA adapter {name!r} has {waiting} requests waiting to run: unload it "
+                                      "once they have finished")
+                peft_name = adapters.retire(name)
+        finally:
+            with self.cond:
+                self.retiring.discard(name)  # (retired, or served again where the unload failed)
         adapters.drop(peft_name)  # (nothing runs meanwhile: this thread is the one that would run it)
 
     def _served_adapters(self) -> ServedAdapters:
@@ -636,6 +664,13 @@ class BatchScheduler:
             return
         job.finished = True
         job.emit(Failed(job.index, status, message, error_type, code))
+
+
+def _failed(exc: BaseException) -> Future:
+    """A future already failed with `exc` (an adapter update refused before it is queued)."""
+    future: Future = Future()
+    future.set_exception(exc)
+    return future
 
 
 # The scheduler's earlier name (`recurrent_depth.serving.Engine`), kept for code that imports it.

@@ -40,10 +40,13 @@ seek back; rejected drafts leave holes that widen a row's window beyond W column
 by layers with and without windows (compress-rN). A `seek` or `truncate` that would read dropped columns
 is refused (RuntimeError). Slots of one base share its columns, so the lookup rules (settling at `close`,
 new slots at growth, per-read picks) act on the held columns as they did on all of them.
+`RDEPTH_FULL_WINDOW_CACHE=1` (any value but "", "0") turns the bound off: `layer_windows` then names no layer
+and every column is kept, as before it (benchmarks/window_cache.py measures the two in one process).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -123,6 +126,7 @@ def _gather_slots(store: Tensor, index: Tensor, end: int) -> Tensor:
 # then keep their vector lanes and blocks, so its output is bitwise the full cache's (CPU SDPA; dropping any other
 # count rounds its sums otherwise, ~1e-7 a call, which the recurrence amplifies into other logits and tokens).
 WINDOW_ALIGN = 16
+FULL_WINDOW_CACHE_ENV = "RDEPTH_FULL_WINDOW_CACHE"  # set: windowed layers keep every column (module docstring)
 
 
 def window_start(column: int, window: int) -> int:
@@ -134,7 +138,10 @@ def window_start(column: int, window: int) -> int:
 def layer_windows(model: Any) -> dict[tuple, int]:
     """The window W of each base key (`KVPolicy.split`) whose layers are sliding-window softmax attention:
     `("prelude", i)`, `("core", j)`, `("coda", c)`, and `("core",)` (compress-rN's one store) when every
-    core layer has a window (its largest). Empty for a model without windows (see the module docstring)."""
+    core layer has a window (its largest). Empty for a model without windows, or where `RDEPTH_FULL_WINDOW_CACHE`
+    says to keep every column (see the module docstring)."""
+    if os.environ.get(FULL_WINDOW_CACHE_ENV, "") not in ("", "0"):
+        return {}
     from recurrent_depth.model.mixers.attention import Attention  # (only the 'attention' mixer takes a window)
 
     parts = getattr(model, "transformer", None)

@@ -1,0 +1,246 @@
+"""Sliding-window KV cache benchmark: the bounded cache (O(W) columns per windowed layer) against the full one.
+
+    python benchmarks/window_cache.py                         # layouts mistral, gemma2; W 64, 256; 256-2048 new tokens
+    python benchmarks/window_cache.py --windows 128 --new-tokens 4096 --num-steps 8
+    python benchmarks/window_cache.py --quick                 # smoke test (hidden 32, W 16, 64 new tokens)
+
+A seeded random model (hidden --hidden, 4 heads, 2 KV heads, 1 prelude, 2 core and 1 coda layer, vocab 256,
+float32) with sliding-window attention in one of two layouts (--layouts): `mistral`, every layer windowed W,
+or `gemma2`, windowed and full layers alternating (prelude W, core full / W, coda full). For each layout,
+window W (--windows) and number of new tokens (--new-tokens, after a --prompt-len random prompt), greedy
+autoregressive decoding at r = --num-steps in three variants, in one process, taking turns each round:
+- `bounded`: the library's default, windowed layers drop the columns no query sees (inference/cache.py);
+- `full`: every column kept (`RDEPTH_FULL_WINDOW_CACHE=1`), as the cache did before the bound;
+- `full, no C++ decode`: the same with `RDEPTH_NO_CPP_DECODE=1`. A windowed cache runs the fused runner's
+  Python decode path (the C++ decode of accel/decode_cpp.py writes column `seq_len` of each store, whose
+  columns start at the first it holds in a windowed one: `decode_views` hands out none), so this is the
+  speed baseline on the same path; `cpp_decode` in the JSON says whether `full` ran with the C++ decode.
+Per variant:
+- `held_bytes`: the cache's KV bytes after the last token (`out.cache_bytes`, exact: the columns each layer
+  holds), `peak_held_bytes` its largest value over the run, and `allocated_bytes`: the storage allocated at
+  the end (`out.cache_allocated_bytes`, room for columns not written yet included), float32 entries;
+- `peak_rss_delta_mib`: the process's peak RSS during the call over its RSS before it (VmHWM after a reset,
+  large allocations mmapped so that freed tensors leave the RSS; null where that is refused), largest of
+  the rounds;
+- `tokens_per_s`: decode tokens per second (prefill excluded), best of --repeats rounds, and
+  `cpu_tokens_per_s`: per second of this process's CPU time in the decode (the call's CPU time less a
+  prefill-only call's: steadier on a shared machine; null where the difference is not positive);
+- `agreement`: the fraction of new tokens equal to the `full` variant's (must be 1.0: the bound is exact),
+  and `first_difference`: the index of the first differing token (null if none).
+Per case, `x_held_bytes` / `x_allocated_bytes` / `x_peak_rss`: the full variant's figure over the bounded
+one's (how many times smaller it is), `x_tokens_per_s` / `x_cpu_tokens_per_s`: the bounded one's speed over
+the full one's, and `x_tokens_per_s_same_path`: over `full, no C++ decode`'s.
+Prints one JSON line, then a table. Times depend on the machine and its load (recorded in the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import recurrent_depth as rd
+from recurrent_depth.accel import decode_cpp
+from recurrent_depth.inference import generate
+from recurrent_depth.inference.cache import FULL_WINDOW_CACHE_ENV
+
+sys.path.insert(0, str(Path(__file__).parent))
+from qlora_train import MMAP_SMALL, Memory  # noqa: E402 (the RSS figures, one place)
+
+VOCAB = 256
+LAYOUTS = ("mistral", "gemma2")
+# variant -> the environment it runs under (None: unset)
+VARIANTS: dict[str, dict[str, str | None]] = {
+    "bounded": {FULL_WINDOW_CACHE_ENV: None},
+    "full": {FULL_WINDOW_CACHE_ENV: "1"},
+    "full, no C++ decode": {FULL_WINDOW_CACHE_ENV: "1", decode_cpp.NO_DECODE_ENV: "1"},
+}
+REFERENCE = "full"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS,
+                   help="which layers have windows (default: %(default)s)")
+    p.add_argument("--windows", type=int, nargs="+", default=[64, 256], help="window sizes W (default: %(default)s)")
+    p.add_argument("--new-tokens", type=int, nargs="+", default=[256, 1024, 2048],
+                   help="new tokens per run (default: %(default)s)")
+    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default: %(default)s)")
+    p.add_argument("--num-steps", type=int, default=4, help="recurrence depth r (default: %(default)s)")
+    p.add_argument("--hidden", type=int, default=64, help="hidden size, a multiple of 8 (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds, best speed kept (default: %(default)s: the full grid takes ~5 min on a loaded "
+                        "2-core machine)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and prompt (default: %(default)s)")
+    p.add_argument("--quick", action="store_true", help="hidden 32, W 16, 64 new tokens, r = 2, 1 round")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.hidden, args.windows, args.new_tokens, args.prompt_len = 32, [16], [64], 16
+        args.num_steps, args.repeats = 2, 1
+    for name in ("prompt_len", "num_steps", "repeats", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.hidden < 8 or args.hidden % 8:  # (4 heads of an even size: rotary pairs)
+        p.error(f"--hidden must be a positive multiple of 8, got {args.hidden}")
+    if min(args.windows) < 1:
+        p.error(f"--windows must be >= 1, got {min(args.windows)}")
+    if min(args.new_tokens) < 2:  # (the decode speed counts the tokens after the first)
+        p.error(f"--new-tokens must be >= 2, got {min(args.new_tokens)}")
+    return args
+
+
+def layer_windows_of(layout: str, window: int) -> list[int | None]:
+    """`attention_windows` (prelude, core 0, core 1, coda) of a layout."""
+    return [window] * 4 if layout == "mistral" else [window, None, window, None]
+
+
+def make_model(args: argparse.Namespace, layout: str, window: int) -> rd.RecurrentDepthLM:
+    cfg = rd.ModelConfig(vocab_size=VOCAB, hidden_size=args.hidden, num_heads=4, num_kv_heads=2,
+                         intermediate_size=-(-int(args.hidden * 2.75) // 16) * 16, prelude_layers=1, core_layers=2,
+                         coda_layers=1, max_seq_len=args.prompt_len + max(args.new_tokens),
+                         attention_windows=layer_windows_of(layout, window))
+    torch.manual_seed(args.seed)
+    return rd.RecurrentDepthLM(cfg).eval()
+
+
+@contextmanager
+def environment(values: dict[str, str | None]) -> Iterator[None]:
+    """Run with these environment variables set (None: unset), restored after."""
+    before = {name: os.environ.get(name) for name in values}
+    try:
+        for name, value in values.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def run_once(model: rd.RecurrentDepthLM, prompt: torch.Tensor, new_tokens: int, args: argparse.Namespace,
+             memory: Memory) -> dict[str, Any]:
+    """One greedy decode: its tokens, exact cache bytes, peak RSS over the RSS before it, wall and CPU speed."""
+    common = dict(num_steps=args.num_steps, init_scale=0.0, do_sample=False)
+    before = memory.reset()
+    cpu0 = time.process_time()
+    out = generate(model, prompt, max_new_tokens=new_tokens, **common)
+    cpu1 = time.process_time()
+    peak, _ = memory.since(before, collect=False)
+    cpu2 = time.process_time()
+    generate(model, prompt, max_new_tokens=1, **common)  # the prefill alone
+    decode_cpu = (cpu1 - cpu0) - (time.process_time() - cpu2)
+    return dict(
+        tokens=out.sequences[0, prompt.shape[1]:],
+        held_bytes=int(out.cache_bytes[0, -1]), peak_held_bytes=int(out.cache_bytes.max()),
+        allocated_bytes=int(out.cache_allocated_bytes), peak_rss_delta_mib=peak,
+        tokens_per_s=round(out.tokens_per_second, 1),
+        cpu_tokens_per_s=round((new_tokens - 1) / decode_cpu, 1) if decode_cpu > 0 else None,
+    )
+
+
+def best(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def measure_case(model: rd.RecurrentDepthLM, prompt: torch.Tensor, new_tokens: int, args: argparse.Namespace,
+                 memory: Memory) -> dict[str, Any]:
+    """Every variant over --repeats rounds, taking turns (a change in load hits all alike)."""
+    runs: dict[str, dict[str, Any]] = {}
+    tokens: dict[str, list[torch.Tensor]] = {name: [] for name in VARIANTS}
+    for _ in range(args.repeats):
+        for name, env in VARIANTS.items():
+            with environment(env):
+                r = run_once(model, prompt, new_tokens, args, memory)
+            tokens[name].append(r.pop("tokens"))
+            if name not in runs:
+                runs[name] = r
+                continue
+            kept = runs[name]
+            for key in ("tokens_per_s", "cpu_tokens_per_s", "peak_rss_delta_mib"):
+                kept[key] = best(kept[key], r[key])
+            for key in ("held_bytes", "peak_held_bytes", "allocated_bytes"):  # (the same every round)
+                kept[key] = max(kept[key], r[key])
+    reference = tokens[REFERENCE][0]
+    for name, run in runs.items():
+        same = torch.stack([t == reference for t in tokens[name]])  # [repeats, new]
+        differs = (~same.all(dim=0)).nonzero().flatten()
+        run["agreement"] = round(same.float().mean().item(), 6)
+        run["first_difference"] = int(differs[0]) if len(differs) else None
+    bounded, full, same_path = runs["bounded"], runs[REFERENCE], runs["full, no C++ decode"]
+    return dict(
+        runs=runs,
+        x_held_bytes=ratio(full["held_bytes"], bounded["held_bytes"]),
+        x_allocated_bytes=ratio(full["allocated_bytes"], bounded["allocated_bytes"]),
+        x_peak_rss=ratio(full["peak_rss_delta_mib"], bounded["peak_rss_delta_mib"]),
+        x_tokens_per_s=ratio(bounded["tokens_per_s"], full["tokens_per_s"]),
+        x_cpu_tokens_per_s=ratio(bounded["cpu_tokens_per_s"], full["cpu_tokens_per_s"]),
+        x_tokens_per_s_same_path=ratio(bounded["tokens_per_s"], same_path["tokens_per_s"]),
+    )
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 2) if a is not None and b else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    memory = Memory()
+    memory.mmap_threshold(MMAP_SMALL)  # freed tensors leave the RSS (see benchmarks/qlora_train.py)
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    start = time.perf_counter()
+    prompt = torch.randint(0, VOCAB, (1, args.prompt_len), generator=torch.Generator().manual_seed(args.seed))
+    results = []
+    for layout in args.layouts:
+        for window in args.windows:
+            model = make_model(args, layout, window)
+            generate(model, prompt, max_new_tokens=2, num_steps=args.num_steps, init_scale=0.0)  # (first-call setup)
+            for new_tokens in args.new_tokens:
+                case = measure_case(model, prompt, new_tokens, args, memory)
+                results.append(dict(layout=layout, window=window, attention_windows=layer_windows_of(layout, window),
+                                    new_tokens=new_tokens, context=args.prompt_len + new_tokens, **case))
+    report = dict(
+        benchmark="window_cache", quick=args.quick,
+        model=dict(hidden_size=args.hidden, num_heads=4, num_kv_heads=2, layers="1 prelude, 2 core, 1 coda",
+                   vocab_size=VOCAB, dtype="float32", seed=args.seed),
+        num_steps=args.num_steps, prompt_len=args.prompt_len, repeats=args.repeats, threads=args.threads,
+        machine=platform.processor() or platform.machine(), cpus=os.cpu_count(), load_average_before=load_before,
+        load_average_after=[round(x, 2) for x in os.getloadavg()], torch=torch.__version__,
+        python=platform.python_version(), cpp_decode=decode_cpp.load_decoder() is not None,
+        cpp_decode_failure=decode_cpp.build_failure(), mmap_threshold=MMAP_SMALL if memory.threshold else None,
+        seconds=round(time.perf_counter() - start, 1), results=results,
+    )
+    print(json.dumps(report))
+    print(f"\nr = {args.num_steps}, hidden {args.hidden}, {args.prompt_len}-token prompt, best of {args.repeats}; "
+          f"B = bounded, F = full (F-py: no C++ decode); KiB of float32 KV, RSS in MiB")
+    print(f"{'layout':<9}{'W':>5}{'ctx':>6}{'held B':>9}{'held F':>9}{'x':>6}{'alloc B':>9}{'alloc F':>9}{'x':>6}"
+          f"{'rss B':>7}{'rss F':>7}{'tok/s B':>9}{'F':>7}{'F-py':>7}{'cpu B':>7}{'cpu F':>7}{'agree':>7}")
+    for r in results:
+        b, f, py = r["runs"]["bounded"], r["runs"]["full"], r["runs"]["full, no C++ decode"]
+        rss = "".join(f"{'-' if x is None else f'{x:.1f}':>7}" for x in (b["peak_rss_delta_mib"],
+                                                                          f["peak_rss_delta_mib"]))
+        cpu = "".join(f"{'-' if x is None else f'{x:.0f}':>7}" for x in (b["cpu_tokens_per_s"], f["cpu_tokens_per_s"]))
+        print(f"{r['layout']:<9}{r['window']:>5}{r['context']:>6}{b['held_bytes'] / 1024:>9.0f}"
+              f"{f['held_bytes'] / 1024:>9.0f}{r['x_held_bytes']:>6.1f}{b['allocated_bytes'] / 1024:>9.0f}"
+              f"{f['allocated_bytes'] / 1024:>9.0f}{r['x_allocated_bytes']:>6.1f}{rss}{b['tokens_per_s']:>9.0f}"
+              f"{f['tokens_per_s']:>7.0f}{py['tokens_per_s']:>7.0f}{cpu}{min(b['agreement'], py['agreement']):>7.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -34,6 +34,21 @@ def positive_int_list(text: str) -> list[int]:
     return values
 
 
+def weight_formats(text: str) -> list[str]:
+    """argparse type: comma-separated `--weights` formats ("int8,int4,int4:g128"), each checked as the library does."""
+    from recurrent_depth.weight_quant import check_weights
+
+    formats = [part.strip() for part in text.split(",") if part.strip()]
+    if not formats:
+        raise argparse.ArgumentTypeError(f"expected comma-separated weight formats such as int8,int4, got {text!r}")
+    try:
+        for fmt in formats:
+            check_weights(fmt)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return formats
+
+
 def int_range(text: str) -> tuple[int, int]:
     """argparse type of a "LO,HI" length range (a single N means N,N), both >= 1 and LO <= HI."""
     parts = [part.strip() for part in text.split(",")]

@@ -53,11 +53,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _args import weight_formats
 from torch import nn
 
 import recurrent_depth as rd
 from recurrent_depth.train.lora import LoraSpec, add_lora
-from recurrent_depth.weight_quant import QuantizedLinear, check_weights
+from recurrent_depth.weight_quant import QuantizedLinear
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FLOAT = "float"  # the float base's row
@@ -70,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", default="256,1024", help="comma-separated hidden sizes (default: %(default)s)")
     p.add_argument("--dtypes", default="fp32,bf16", help=f"comma-separated, of {list(DTYPES)} (default: %(default)s)")
-    p.add_argument("--formats", default="int8,int4",
+    p.add_argument("--formats", default="int8,int4", type=weight_formats,
                    help="comma-separated quantized base formats, each against the float base (default: %(default)s)")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank (default: %(default)s)")
     p.add_argument("--batch", type=int, default=2, help="rows per step (default: %(default)s)")
@@ -102,12 +103,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     if not args.dtypes or any(d not in DTYPES for d in args.dtypes):
         p.error(f"--dtypes {args.dtypes} is invalid: expected some of {list(DTYPES)}")
-    args.formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    try:
-        for fmt in args.formats:
-            check_weights(fmt)
-    except ValueError as err:
-        p.error(str(err))
     if min(args.rank, args.batch, args.seq, args.repeats, args.threads, k) < 1 or n < 0 or args.warmup < 1:
         p.error("--rank, --batch, --seq, --repeats, --threads, --warmup and k of --num-steps must be >= 1, n >= 0")
     if args.train_steps < args.warmup + args.repeats:

@@ -46,12 +46,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _args import checked_model_dir
+from _args import checked_model_dir, weight_formats
 
 import recurrent_depth as rd
 from recurrent_depth.accel import quant_cpp
 from recurrent_depth.data.shards import ShardDataset
-from recurrent_depth.weight_quant import Int4WeightLinear, Int8WeightLinear, check_weights, quantize_weights
+from recurrent_depth.weight_quant import Int4WeightLinear, Int8WeightLinear, quantize_weights
 
 # Huginn-0125's linear shapes (K = in, N = out): Wqkv, half of MLP fc (gate or up), MLP proj, adapter.
 HUGINN_SHAPES = {"Wqkv": (5280, 3 * 5280), "mlp.fc/2": (5280, 17920), "mlp.proj": (17920, 5280),
@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a trained model directory (needed unless --kernels-only)")
     p.add_argument("--data", default=None, help="validation shard index (default: MODEL/../data/validation.json)")
-    p.add_argument("--formats", default="int8,int4,int4:g128",
+    p.add_argument("--formats", default="int8,int4,int4:g128", type=weight_formats,
                    help="comma-separated weight formats to compare (default: %(default)s)")
     p.add_argument("--rows", type=int, default=64, help="validation rows for the agreement (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=64, help="positions per row (default: %(default)s)")
@@ -81,12 +81,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.model is None and not args.kernels_only:
         p.error("--model is required unless --kernels-only")
     args.model = checked_model_dir(p, args.model)
-    args.formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    try:
-        for fmt in args.formats:
-            check_weights(fmt)
-    except ValueError as err:
-        p.error(str(err))
     args.shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     unknown = [s for s in args.shapes if s not in HUGINN_SHAPES]
     if unknown:

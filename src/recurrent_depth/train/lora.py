@@ -142,9 +142,14 @@ def target_modules(model: nn.Module, spec: LoraSpec) -> list[str]:
                 names += [f"{prefix}.{name}" for name, module in owner.named_modules()
                           if name and isinstance(module, LINEAR_TYPES)]
     if not names:
+        # (say why the `adapter` part is empty: a family whose injection is no linear layer, e.g. Parcae, Ouro)
+        adapter = transformer["adapter"] if "adapter" in transformer else None  # noqa: SIM401 (ModuleDict: no .get)
+        no_adapter = ("" if "adapter" not in spec.parts or isinstance(adapter, LINEAR_TYPES) else
+                      f"; its input injection is {type(adapter).__name__ if adapter is not None else 'none'}, "
+                      "no linear layer, so the adapter part is empty")
         raise ValueError(f"LoRA parts={list(spec.parts)} kinds={list(spec.kinds)} select no linear layer of this "
                          f"model (it has {len(transformer['prelude'])} prelude, {len(transformer['core_block'])} core "
-                         f"and {len(transformer['coda'])} coda layers)")
+                         f"and {len(transformer['coda'])} coda layers{no_adapter})")
     return names
 
 

@@ -136,6 +136,12 @@ def test_the_sft_and_rl_python_entry_points_close_their_trainer(monkeypatch, fai
         def close(self):
             FakeTrainer.closed += 1
 
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.close()
+
     monkeypatch.setattr(sft_module, "sft_trainer", lambda *a, **k: FakeTrainer())
     monkeypatch.setattr(recipe, "build_rl", lambda *a, **k: FakeTrainer())
     for call in (lambda: sft_module.sft(None), lambda: recipe.run_rl(None, None, None)):

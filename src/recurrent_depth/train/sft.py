@@ -319,9 +319,6 @@ def sft_trainer(cfg: TrainConfig, options: SFTOptions | None = None, **trainer_k
 def sft(cfg: TrainConfig, options: SFTOptions | None = None, **trainer_kwargs: Any):
     """Run SFT; returns the Trainer's `TrainResult` (the model directory is `<out>/model`). The Trainer is closed
     after its run, as `rdepth sft` closes it (its logs, and a process group it joined under torchrun)."""
-    trainer = sft_trainer(cfg, options, **trainer_kwargs)
-    try:
+    with sft_trainer(cfg, options, **trainer_kwargs) as trainer:
         return trainer.run()
-    finally:
-        trainer.close()
 

@@ -350,10 +350,8 @@ def _train(
     trainer = Trainer(trainer_config(config), model=model, data=stream, tokenizer_dir=tokenizer_dir, depth=depth,
                       evaluate=evaluate, on_step=log_progress, log=log)
     trainer.adopt_group(joined)  # (the group joined here is the trainer's to leave: close())
-    try:
+    with trainer:  # (closed after, as `rdepth train` ends: the logs, the DDP wrapper, then a group joined here left)
         result = trainer.run()
-    finally:  # (as `rdepth train` ends: the logs closed, the DDP wrapper freed, then a group joined here left)
-        trainer.close()
     model.eval()
     return result, curriculum, stream
 

@@ -175,8 +175,5 @@ def start_model_optim(train: TrainConfig, lora: bool) -> tuple[TrainConfig, str 
 def run_rl(model: Any, rl: RLConfig, train: TrainConfig, **kwargs: Any) -> Any:
     """Build (`build_rl`) and run an RL training; returns the `TrainResult`. The Trainer is closed after its run, as
     `rdepth rl` closes it (its logs, and a process group it joined under torchrun)."""
-    trainer = build_rl(model, rl, train, **kwargs)
-    try:
+    with build_rl(model, rl, train, **kwargs) as trainer:
         return trainer.run()
-    finally:
-        trainer.close()

@@ -351,6 +351,13 @@ def model_content_sample(directory: str | os.PathLike[str], chunks: int = 16, ch
     return digest.hexdigest()
 
 
+def model_dir_record(directory: str | os.PathLike[str]) -> dict[str, str]:
+    """What a run records of a model directory it reads (where it started, its teacher) so that a resume can refuse
+    one changed since: its absolute path, `model_identity` and `model_content_sample`."""
+    return {"directory": str(Path(directory).resolve()), "identity": model_identity(directory),
+            "content": model_content_sample(directory)}
+
+
 def file_digests(directory: str | os.PathLike[str], names: Collection[str]) -> dict[str, str | None]:
     """{name: the sha256 of `directory`/name, None where there is none} for each of `names` (a model directory's
     small files: tokenizer, retrofit.json, ...; bounded reads): whether two directories hold the same such files,

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from recurrent_depth.checkpoint import lora_adapter_hint, model_content_sample, model_identity, stored_dtype
+from recurrent_depth.checkpoint import lora_adapter_hint, model_dir_record, model_identity, stored_dtype
 from recurrent_depth.config import is_int
 from recurrent_depth.files import CONFIG_MAX_BYTES, read_json
 from recurrent_depth.model.depth import stream_seed
@@ -103,9 +103,7 @@ def teacher_record(path: str | Path) -> dict[str, str]:
     """What a distilling run's checkpoints record about its teacher (`find_teacher_dir(path)`): its absolute path,
     `model_identity` and `model_content_sample`, so that a resume refuses a teacher retrained or replaced in place
     (`trainer_checkpoints.check_same_teacher`), as it refuses a changed --init-from directory."""
-    directory = find_teacher_dir(path)
-    return {"directory": str(directory.resolve()), "identity": model_identity(directory),
-            "content": model_content_sample(directory)}
+    return model_dir_record(find_teacher_dir(path))
 
 
 def load_teacher(path: str | Path, depth: int | None = None, device: torch.device | str = "cpu") -> Teacher:

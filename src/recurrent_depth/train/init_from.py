@@ -27,8 +27,7 @@ import torch
 from recurrent_depth.checkpoint import (
     TRAINING_TOKENIZER_FILES,
     file_digests,
-    model_content_sample,
-    model_identity,
+    model_dir_record,
     stored_dtype,
 )
 from recurrent_depth.config import ModelConfig
@@ -82,7 +81,7 @@ def _checkpoints_hint(p: Path) -> str:
 
 def start_record(model_dir: Path | None, tokenizer_dir: Path, files: dict[str, bytes] | None = None) -> dict[str, Any]:
     """What a run's checkpoints record about where it started: the model directory it started from (its absolute
-    path, `checkpoint.model_identity` and `checkpoint.model_content_sample`, which
+    path, `checkpoint.model_identity` and `checkpoint.model_content_sample`: `checkpoint.model_dir_record`), which
     `trainer_checkpoints.check_same_start` compares on resume; none for a run from scratch, `model_dir=None`), the
     digests of the run's tokenizer files as the run started (`trainer_checkpoints.check_same_tokenizer`: a
     tokenizer replaced before the first checkpoint, whose copy the checkpoint then holds, is still told apart) and
@@ -92,8 +91,7 @@ def start_record(model_dir: Path | None, tokenizer_dir: Path, files: dict[str, b
     if model_dir is None:
         return tokenizer
     kept = {name: hashlib.sha256(data).hexdigest() for name, data in sorted((files or {}).items())}
-    return {"directory": str(model_dir.resolve()), "identity": model_identity(model_dir),
-            "content": model_content_sample(model_dir), **tokenizer, "files": kept}
+    return {**model_dir_record(model_dir), **tokenizer, "files": kept}
 
 
 def run_tokenizer_dir(cfg: TrainConfig, model_dir: Path | None) -> Path | None:

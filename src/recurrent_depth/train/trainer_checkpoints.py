@@ -303,6 +303,12 @@ def keep_run_tokenizer(path: Path, tokenizer_dir: Path, log: Callable[[str], Non
         log(f"{tokenizer_dir} held no tokenizer.json: restored the run's tokenizer from {path}")
 
 
+def same_model_dir(recorded: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether two `checkpoint.model_dir_record`s describe the same model: the same identity, or (a copy rewritten
+    without its mtimes, a download again) the same content sample."""
+    return recorded.get("identity") == now.get("identity") or recorded.get("content") == now.get("content")
+
+
 def check_same_start(path: Path, recorded: Any, start: dict[str, Any] | None) -> None:
     """Refuse (one ValueError naming both directories) to resume checkpoint `path` of a run that started from one
     model directory (`recorded`, its `init_from.start_record`) from another one, or from the same one changed
@@ -324,7 +330,7 @@ def check_same_start(path: Path, recorded: Any, start: dict[str, Any] | None) ->
                          f"strings, none from scratch; files and tokenizer: file digests); the checkpoint is damaged")
     if start is None or (from_scratch and "directory" not in start):
         return
-    if recorded.get("identity") == start.get("identity") or recorded.get("content") == start.get("content"):
+    if same_model_dir(recorded, start):
         return
     before, now = recorded.get("directory", "scratch"), start.get("directory", "scratch")
     what = (f"{now} changed since the run started from it" if before == now else
@@ -344,7 +350,7 @@ def check_same_teacher(path: Path, recorded: Any, teacher: dict[str, str] | None
     if not (isinstance(recorded, dict) and all(isinstance(recorded.get(key), str) for key in START_STRINGS)):
         raise ValueError(f"cannot resume from {path}: its {ckpt.TRAINER_STATE} records teacher={clipped(recorded)}, "
                          f"expected the teacher's {', '.join(START_STRINGS)} (strings); the checkpoint is damaged")
-    if recorded["identity"] == teacher["identity"] or recorded["content"] == teacher["content"]:
+    if same_model_dir(recorded, teacher):
         return
     raise ValueError(f"cannot resume from {path}: the teacher {teacher['directory']} changed since the run started "
                      f"distilling from it (its config.json or weights differ); resume with the teacher the run "

@@ -225,16 +225,23 @@ def _check_nesting(value: Any, where: str, key: str) -> None:
         raise ValueError(f"{where}: '{key}' nests arrays and objects over {MAX_JSON_NESTING} levels deep")
 
 
+def _json_column(value: Any, where: str, key: str, expected: str) -> Any:
+    """A record's `key` value, decoded where it is a JSON string (as trl reads a column of values of differing
+    shapes, which datasets stores as JSON text); other values as they are."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:  # (JSONDecodeError, and Python's int limit)
+        raise ValueError(f"{where}: '{key}' is a string that is not JSON ({expected})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: '{key}' is a JSON string nested too deeply to parse") from None
+
+
 def _tools(value: Any, where: str) -> list[dict[str, Any]] | None:
     """A record's `tools` (OpenAI's fine-tuning format, trl's column; a JSON string as trl reads one, which is how
     datasets stores tools of differing shapes): a list of tool objects, or None for none."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:  # (JSONDecodeError, and Python's int limit)
-            raise ValueError(f"{where}: 'tools' is a string that is not JSON (a list of tools)") from None
-        except RecursionError:
-            raise ValueError(f"{where}: 'tools' is a JSON string nested too deeply to parse") from None
+    value = _json_column(value, where, "tools", "a list of tools")
     if value is None or value == []:
         return None
     if not isinstance(value, list) or not all(isinstance(tool, dict) for tool in value):
@@ -249,14 +256,7 @@ def _template_variables(value: Any, where: str) -> dict[str, Any] | None:
     is left out, as if absent (datasets fills a name some rows lack with null)."""
     from recurrent_depth.serving.protocol import APIError, template_kwargs  # (here: the serving package is heavy)
 
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:  # (JSONDecodeError, and Python's int limit)
-            raise ValueError(f"{where}: 'chat_template_kwargs' is a string that is not JSON (an object of template "
-                             "variables)") from None
-        except RecursionError:
-            raise ValueError(f"{where}: 'chat_template_kwargs' is a JSON string nested too deeply to parse") from None
+    value = _json_column(value, where, "chat_template_kwargs", "an object of template variables")
     try:
         variables = template_kwargs(value)
     except APIError as exc:

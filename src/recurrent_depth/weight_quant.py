@@ -534,11 +534,11 @@ def quantize_weights(model: nn.Module, weights: str | None = "int8", include_hea
             count = _replace_children(model.transformer, nn.Linear, make)
         if include_head:
             restore_linears(model.lm_head)
-            # a head carrying a peft LoRA adapter: its base layer, as inside the transformer (it stayed float)
-            owner, name = (model.lm_head, "base_layer") if _is_lora_layer(model.lm_head) else (model, "lm_head")
-            if type(getattr(owner, name)) is nn.Linear:
-                setattr(owner, name, make(getattr(owner, name)))
+            if type(model.lm_head) is nn.Linear:
+                model.lm_head = make(model.lm_head)
                 count += 1
+            else:  # a head carrying a peft LoRA adapter: its base layer, as inside the transformer (it stayed float)
+                count += _replace_children(model.lm_head, nn.Linear, make)
     for hook in _AFTER_QUANTIZE:  # (train.lora's: peft's LoRA layers over the layers just quantized)
         hook(model)
     return count
@@ -555,11 +555,6 @@ def register_after_quantize(hook: Callable[[nn.Module], None]) -> None:
     """Call `hook(model)` at the end of every `quantize_weights` (once, however often registered)."""
     if hook not in _AFTER_QUANTIZE:
         _AFTER_QUANTIZE.append(hook)
-
-
-def _is_lora_layer(module: object) -> bool:
-    """A peft LoRA layer (`inference.lora_layers.is_lora_layer`'s test: that module imports this one)."""
-    return hasattr(module, "lora_A") and hasattr(module, "base_layer")
 
 
 def dequantize_weights(model: nn.Module) -> int:

@@ -228,6 +228,8 @@ class _CacheBase:
         visible = torch.ones(self.batch_size, end, dtype=torch.bool, device=self.device)
         old = min(self.seq_len, self.depth.shape[1])
         visible[:, :old] = self.policy.visible(key, self.depth[:, :old])
+        if not self.first:  # (no windowed base: every column held)
+            return visible
         return visible[:, self.first.get(self.split(key)[0], 0):]  # the columns the storage returned
 
     # ------------------------------------------------------------------ protocol

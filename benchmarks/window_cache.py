@@ -3,6 +3,7 @@
     python benchmarks/window_cache.py                         # layouts mistral, gemma2; W 64, 256; 256-2048 new tokens
     python benchmarks/window_cache.py --windows 128 --new-tokens 4096 --num-steps 8
     python benchmarks/window_cache.py --quick                 # smoke test (hidden 32, W 16, 64 new tokens)
+    python benchmarks/window_cache.py --kv-quant k=prod:3.5,v=mse:3.5   # the same with a quantized KV cache
 
 A seeded random model (hidden --hidden, 4 heads, 2 KV heads, 1 prelude, 2 core and 1 coda layer, vocab 256,
 float32) with sliding-window attention in one of two layouts (--layouts): `mistral`, every layer windowed W,
@@ -15,6 +16,8 @@ autoregressive decoding at r = --num-steps in three variants, in one process, ta
   Python decode path (the C++ decode of accel/decode_cpp.py writes column `seq_len` of each store, whose
   columns start at the first it holds in a windowed one: `decode_views` hands out none), so this is the
   speed baseline on the same path; `cpp_decode` in the JSON says whether `full` ran with the C++ decode.
+With --kv-quant SPEC every variant runs with that quantized KV cache (`kv_quant=`; the bounded one drops code
+rows, exact against the full quantized cache), and the bytes below are its code rows (and bf16 window, if any).
 Per variant:
 - `held_bytes`: the cache's KV bytes after the last token (`out.cache_bytes`, exact: the columns each layer
   holds), `peak_held_bytes` its largest value over the run, and `allocated_bytes`: the storage allocated at
@@ -52,6 +55,7 @@ import recurrent_depth as rd
 from recurrent_depth.accel import decode_cpp
 from recurrent_depth.inference import generate
 from recurrent_depth.inference.cache import FULL_WINDOW_CACHE_ENV
+from recurrent_depth.inference.kv_codec import parse_kv_quant_option
 
 sys.path.insert(0, str(Path(__file__).parent))
 from qlora_train import MMAP_SMALL, Memory  # noqa: E402 (the RSS figures, one place)
@@ -82,8 +86,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "2-core machine)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model and prompt (default: %(default)s)")
+    p.add_argument("--kv-quant", default=None, metavar="SPEC",
+                   help="run every variant with this quantized KV cache, e.g. k=prod:3.5,v=mse:3.5 (default: float32)")
     p.add_argument("--quick", action="store_true", help="hidden 32, W 16, 64 new tokens, r = 2, 1 round")
     args = p.parse_args(argv)
+    try:
+        args.kv_quant = parse_kv_quant_option(args.kv_quant)
+    except ValueError as exc:
+        p.error(str(exc))
     if args.quick:
         args.hidden, args.windows, args.new_tokens, args.prompt_len = 32, [16], [64], 16
         args.num_steps, args.repeats = 2, 1
@@ -135,7 +145,7 @@ def environment(values: dict[str, str | None]) -> Iterator[None]:
 def run_once(model: rd.RecurrentDepthLM, prompt: torch.Tensor, new_tokens: int, args: argparse.Namespace,
              memory: Memory) -> dict[str, Any]:
     """One greedy decode: its tokens, exact cache bytes, peak RSS over the RSS before it, wall and CPU speed."""
-    common = dict(num_steps=args.num_steps, init_scale=0.0, do_sample=False)
+    common = dict(num_steps=args.num_steps, init_scale=0.0, do_sample=False, kv_quant=args.kv_quant)
     before = memory.reset()
     cpu0 = time.process_time()
     out = generate(model, prompt, max_new_tokens=new_tokens, **common)
@@ -209,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     for layout in args.layouts:
         for window in args.windows:
             model = make_model(args, layout, window)
-            generate(model, prompt, max_new_tokens=2, num_steps=args.num_steps, init_scale=0.0)  # (first-call setup)
+            generate(model, prompt, max_new_tokens=2, num_steps=args.num_steps, init_scale=0.0,
+                     kv_quant=args.kv_quant)  # (first-call setup)
             for new_tokens in args.new_tokens:
                 case = measure_case(model, prompt, new_tokens, args, memory)
                 results.append(dict(layout=layout, window=window, attention_windows=layer_windows_of(layout, window),
@@ -218,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         benchmark="window_cache", quick=args.quick,
         model=dict(hidden_size=args.hidden, num_heads=4, num_kv_heads=2, layers="1 prelude, 2 core, 1 coda",
                    vocab_size=VOCAB, dtype="float32", seed=args.seed),
+        kv_quant=args.kv_quant.name if args.kv_quant is not None else None,
         num_steps=args.num_steps, prompt_len=args.prompt_len, repeats=args.repeats, threads=args.threads,
         machine=platform.processor() or platform.machine(), cpus=os.cpu_count(), load_average_before=load_before,
         load_average_after=[round(x, 2) for x in os.getloadavg()], torch=torch.__version__,
@@ -227,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(json.dumps(report))
     print(f"\nr = {args.num_steps}, hidden {args.hidden}, {args.prompt_len}-token prompt, best of {args.repeats}; "
-          f"B = bounded, F = full (F-py: no C++ decode); KiB of float32 KV, RSS in MiB")
+          f"B = bounded, F = full (F-py: no C++ decode); KiB of "
+          f"{'float32' if args.kv_quant is None else args.kv_quant.name} KV, RSS in MiB")
     print(f"{'layout':<9}{'W':>5}{'ctx':>6}{'held B':>9}{'held F':>9}{'x':>6}{'alloc B':>9}{'alloc F':>9}{'x':>6}"
           f"{'rss B':>7}{'rss F':>7}{'tok/s B':>9}{'F':>7}{'F-py':>7}{'cpu B':>7}{'cpu F':>7}{'agree':>7}")
     for r in results:

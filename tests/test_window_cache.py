@@ -120,5 +120,3 @@ def test_windows_name_the_windowed_layers():
     model = _model([3, None, 5, 4])
     assert layer_windows(model) == {("prelude", 0): 3, ("core", 1): 5, ("coda", 0): 4}
     assert layer_windows(_model([3, 2, 5, 4]))[("core",)] == 5  # compress-rN's one core store: the widest
-    # a quantized storage keeps every column (its codes and bf16 window are per column)
-    assert make_cache("static", 1, 1, kv_quant="k=mse:4,v=mse:4", windows=layer_windows(model)).windows == {}

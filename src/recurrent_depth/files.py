@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import stat
 import time
 from collections.abc import Iterator
@@ -252,6 +253,17 @@ def fsync_file(path: Path) -> None:
     """Flush a file written by someone else's writer (safetensors' `save_file`) to disk."""
     with open(path, "rb") as handle:
         os.fsync(handle.fileno())
+
+
+def remove_tree(path: Path, ignore_errors: bool = False) -> None:
+    """Delete `path`: a directory with everything in it, a file, or a symlink, which loses only the link (what it
+    points to, say a checkpoint moved to another disk, is not ours to delete; rmtree refuses a link anyway).
+    ignore_errors: a missing `path`, and what of a directory cannot be removed, pass in silence (tidying a cache's
+    leftovers, which another process may be removing too); otherwise the OSError is raised."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=ignore_errors)
+    else:
+        path.unlink(missing_ok=ignore_errors)
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:

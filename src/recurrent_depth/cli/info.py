@@ -19,7 +19,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "recurrence (bytes per token, and in all at max_seq_len; each mixer's own cache: KV for attention, a "
         "fixed-size state for linear mixers), for a preset name or a saved model directory; and the same cache "
         "under each KV policy (per-step, shared-4, last-step, and --kv-policy when given), per token and in all; "
-        "with --kv-quant, the same again with the KV entries quantized (every norm counted).",
+        "with --kv-quant, the same again with the KV entries quantized (every norm counted). With sliding-window "
+        "layers, also what autoregressive decoding allocates at max_seq_len (a layer of window W holds about 2W "
+        "columns, from a prompt of about W tokens or fewer; the full-context figures are what speculative and "
+        "parallel decoding, the serving pool and RDEPTH_FULL_WINDOW_CACHE=1 hold).",
     )
     from recurrent_depth.config import PRESETS
 
@@ -57,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from recurrent_depth.config import ModelConfig
+    from recurrent_depth.inference.cache import WINDOW_ALIGN, decoding_window_columns, layer_windows
     from recurrent_depth.inference.quant_cache import parse_kv_quant_option
     from recurrent_depth.model.cache import parse_kv_policy
     from recurrent_depth.model.recurrent import RecurrentDepthLM
@@ -86,13 +90,21 @@ def run(args: argparse.Namespace) -> int:
     if kv_quant is not None and any(config.mixer_for(part) != "attention" for part, n in counts.items() if n):
         raise ValueError(f"--kv-quant prices softmax-attention KV entries; this model's mixer is {config.mixer!r}")
 
-    def cache_bytes(tokens: int, policy=policies["per-step"]) -> int:
+    # Autoregressive decoding's cache drops the columns no sliding window reaches (inference/cache.py): a windowed
+    # store (base key, as the cache keys them) allocates at most `decoding_window_columns` columns; {}: none does.
+    windows = layer_windows(model)
+
+    def cache_bytes(tokens: int, policy=policies["per-step"], decoding: bool = False) -> int:
         slots = policy.slots.num_slots(config.mean_recurrence)
-        blocks = [(1, b) for b in (*model.transformer.prelude, *model.transformer.coda)]
+        blocks = [(1, (part, i), b) for part, container in (("prelude", "prelude"), ("coda", "coda"))
+                  for i, b in enumerate(model.transformer[container])]
         core = list(model.transformer.core_block)
         # compress-rN keeps one store for all core layers
-        blocks += [(slots, b) for b in (core if policy.slots.per_layer else core[:1])]
-        return sum(n * block.attn.state_nbytes(1, tokens, torch.bfloat16) for n, block in blocks)
+        blocks += ([(slots, ("core", j), b) for j, b in enumerate(core)] if policy.slots.per_layer
+                   else [(slots, ("core",), core[0])])
+        return sum(n * block.attn.state_nbytes(1, min(tokens, decoding_window_columns(windows[base]))
+                                               if decoding and base in windows else tokens, torch.bfloat16)
+                   for n, base, block in blocks)
 
     full, empty = cache_bytes(length), cache_bytes(0)
     info = {
@@ -109,6 +121,12 @@ def run(args: argparse.Namespace) -> int:
         "kv_cache_bytes_per_token_bf16_by_kv_policy": {
             policy.name: (cache_bytes(length, policy) - cache_bytes(0, policy)) // length
             for policy in policies.values()
+        },
+        # What autoregressive decoding to max_seq_len allocates: sliding-window layers bounded (the figures above
+        # price every layer over the whole context, as every other mode holds it); the same without windows.
+        "cache_bytes_at_max_seq_len_bf16_autoregressive": cache_bytes(length, decoding=True),
+        "cache_bytes_at_max_seq_len_bf16_autoregressive_by_kv_policy": {
+            policy.name: cache_bytes(length, policy, decoding=True) for policy in policies.values()
         },
     }
     if kv_quant is not None:
@@ -133,10 +151,21 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'unique parameters':>22}  {human_count(params)} ({params:,}; {human_bytes(2 * params)} in bf16)")
     print(f"{'layers at mean depth':>22}  {layers_at_mean}")
     print(f"{'KV cache/token (bf16)':>22}  {human_bytes(per_token)} ({per_token:,} bytes)")
-    print(f"{f'cache at {length} tokens':>22}  {human_bytes(full)} ({full:,} bytes)")
+    decoding = info["cache_bytes_at_max_seq_len_bf16_autoregressive_by_kv_policy"]
+
+    def decode_note(nbytes: int) -> str:  # (with windows: what autoregressive decoding allocates instead)
+        return f"; autoregressive decoding: {human_bytes(nbytes)}" if windows else ""
+
+    if windows:
+        align = WINDOW_ALIGN - 1
+        print(f"{'sliding windows':>22}  {len(set(windows) - {('core',)})} layers: autoregressive decoding holds at "
+              f"most 2W+{align} columns of each (after a prompt of W+{align} tokens or fewer); speculative and "
+              "parallel decoding and the serving pool hold the whole context")
+    print(f"{f'cache at {length} tokens':>22}  {human_bytes(full)} ({full:,} bytes"
+          f"{decode_note(info['cache_bytes_at_max_seq_len_bf16_autoregressive'])})")
     for name, nbytes in info["cache_bytes_at_max_seq_len_bf16_by_kv_policy"].items():
         per = info["kv_cache_bytes_per_token_bf16_by_kv_policy"][name]
-        print(f"{name:>22}  {human_bytes(nbytes)} ({nbytes:,} bytes; {per:,} bytes/token)")
+        print(f"{name:>22}  {human_bytes(nbytes)} ({nbytes:,} bytes; {per:,} bytes/token{decode_note(decoding[name])})")
     for name, per in info.get("kv_cache_bytes_per_token_quantized_by_kv_policy", {}).items():
         ratio = info["kv_cache_bytes_per_token_bf16_by_kv_policy"]["per-step+deepest"] / per
         print(f"{name + ' quantized':>22}  {per:,} bytes/token ({info['kv_quant']}; {ratio:.1f}x smaller than "

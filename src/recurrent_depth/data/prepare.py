@@ -24,7 +24,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +54,7 @@ from recurrent_depth.files import (
     fsync_dir,
     held_lock,
     read_json,
+    remove_tree,
 )
 
 log = logging.getLogger(__name__)
@@ -269,7 +269,7 @@ def prepare_dataset(
                 if locked:
                     _remove_temporaries(out, home.name)  # (a dead writer's: with the lock ours, none is alive)
                 work = out / f".{home.name}.tmp-{os.getpid()}"
-                _remove_tree(work)  # (a dead writer's of our pid, on a file system without locks)
+                remove_tree(work, ignore_errors=True)  # (a dead writer's of our pid, on a file system without locks)
                 work.mkdir()
                 try:
                     metadata = _write_shards(work)
@@ -278,12 +278,12 @@ def prepare_dataset(
                     if result is None:
                         _publish_set(work, home)
                 except BaseException:
-                    _remove_tree(work)
+                    remove_tree(work, ignore_errors=True)
                     raise
                 if result is None:
                     result = _result(home, wanted, {**metadata, "reused": False})
                 else:
-                    _remove_tree(work)
+                    remove_tree(work, ignore_errors=True)
     _show(out, home, wanted)
     with contextlib.suppress(OSError):  # (tidying only: a read-only cache is still reused)
         _remove_dead_temporaries(out)
@@ -337,13 +337,6 @@ def set_name(key: str) -> str:
     return f"{SET_PREFIX}{key[:16]}"
 
 
-def _remove_tree(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-
 def _temporaries(out: Path, name: str = "*") -> list[Path]:
     """The work directories (`.NAME.tmp-PID`) and set-aside damaged sets (`.NAME.old-PID`) of a key's writers."""
     pattern = name if name != "*" else f"{SET_PREFIX}*"
@@ -353,7 +346,7 @@ def _temporaries(out: Path, name: str = "*") -> list[Path]:
 def _remove_temporaries(out: Path, name: str) -> None:
     """Remove the leftovers of key `name`'s writers; call holding that key's lock (none of them is alive)."""
     for path in _temporaries(out, name):
-        _remove_tree(path)
+        remove_tree(path, ignore_errors=True)
 
 
 def _remove_dead_temporaries(out: Path) -> None:
@@ -381,7 +374,7 @@ def _publish_set(work: Path, home: Path) -> None:
     os.rename(work, home)
     fsync_dir(home.parent)
     if old is not None:
-        _remove_tree(old)
+        remove_tree(old, ignore_errors=True)
 
 
 def _show(out: Path, home: Path, splits: tuple[str, ...]) -> None:

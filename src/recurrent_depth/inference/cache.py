@@ -34,12 +34,15 @@ holds; reads return columns [first, end), and `key_mask` and the attention's `wi
 to match); it allocates W more columns than it holds then, so it drops once every ~W writes. Exact as long
 as writes never go back: generation passes `windows` in autoregressive decoding only, where every write
 starts at the cache's end and a row has no holes after its left padding (a window over real tokens is
-then a window over columns). Kept in full: every layer of a quantized storage (its codes and bf16 window are kept per
-column), every layer of a cache built without `windows` (speculative rollback and the parallel wavefront
-seek back; rejected drafts leave holes that widen a row's window beyond W columns), a core base shared
-by layers with and without windows (compress-rN). A `seek` or `truncate` that would read dropped columns
-is refused (RuntimeError). Slots of one base share its columns, so the lookup rules (settling at `close`,
-new slots at growth, per-read picks) act on the held columns as they did on all of them.
+then a window over columns). A quantized storage drops code rows the same way (each row codes one vector; the
+bf16 recent-token window's entries are tagged with their columns and written back where they are held); its
+windowed reads decode the held columns, so it keeps at least the fewest that decode bitwise as a longer read does
+(`kv_codec.exact_decode_columns`: more than W only at tiny head dims). Kept in full: every layer of a cache built
+without `windows` (speculative rollback and the parallel wavefront seek back; rejected drafts leave holes that widen
+a row's window beyond W columns), a core base shared by layers with and without windows (compress-rN). A `seek` or
+`truncate` that would read dropped columns is refused (RuntimeError). Slots of one base share its columns, so the
+lookup rules (settling at `close`, new slots at growth, per-read picks) act on the held columns as they did on all
+of them.
 `RDEPTH_FULL_WINDOW_CACHE=1` (any value but "", "0") turns the bound off: `layer_windows` then names no layer
 and every column is kept, as before it (benchmarks/window_cache.py measures the two in one process).
 """
@@ -58,6 +61,7 @@ from recurrent_depth.inference.kv_codec import (
     KVQuant,
     LayerCodecs,
     attend_through_codec,
+    exact_decode_columns,
     update_heads_through_codec,
     update_kv_head_major,
 )
@@ -135,6 +139,22 @@ def window_start(column: int, window: int) -> int:
     return max(0, column - window + 1) // WINDOW_ALIGN * WINDOW_ALIGN
 
 
+def window_capacity(held: int, window: int) -> int:
+    """Columns a windowed base allocates when a write leaves it holding `held` columns: those and `window` more,
+    so that it drops columns once every `window` writes or so (capped by the caller at a full store's)."""
+    return held + window
+
+
+def decoding_window_columns(window: int) -> int:
+    """The most columns a windowed base of window `window` allocates in autoregressive decoding (one column per
+    write, from a prompt of at most `window + WINDOW_ALIGN - 1` tokens; a longer prompt P allocates P + window until
+    the first drop): `window_capacity` at the write of a column c, holding from `window_start(c, window)`, largest
+    over one alignment period (2 W + WINDOW_ALIGN - 1; reached at a drop on a period's last column: drops come every
+    W + 1 writes). What `rdepth info` prices a windowed layer at."""
+    return max(window_capacity(column + 1 - window_start(column, window), window)
+               for column in range(window - 1, window - 1 + WINDOW_ALIGN))
+
+
 def layer_windows(model: Any) -> dict[tuple, int]:
     """The window W of each base key (`KVPolicy.split`) whose layers are sliding-window softmax attention:
     `("prelude", i)`, `("core", j)`, `("coda", c)`, and `("core",)` (compress-rN's one store) when every
@@ -192,9 +212,10 @@ class _CacheBase:
         self._reads_per_step = self.policy.lookup.reads_per_step
         self._written_end = 0
         self.lookup_generators: list[torch.Generator] | None = None  # see the module docstring
-        # Sliding-window bases that drop old columns (a quantized storage keeps every column: module docstring)
-        self.windows: dict[tuple, int] = dict(windows or {}) if self.codecs is None else {}
+        # Sliding-window bases that drop old columns (module docstring)
+        self.windows: dict[tuple, int] = dict(windows or {})
         self.first: dict[tuple, int] = {}  # per windowed base with a storage: the first column it holds
+        self._decode_floor: dict[tuple, int] = {}  # per windowed quantized base: the columns it keeps at least
 
     decode_views = no_decode_views  # (the static cache hands out its stores)
 
@@ -230,7 +251,7 @@ class _CacheBase:
         visible[:, :old] = self.policy.visible(key, self.depth[:, :old])
         if not self.first:  # (no windowed base: every column held)
             return visible
-        return visible[:, self.first.get(self.split(key)[0], 0):]  # the columns the storage returned
+        return visible[:, self.first_column(key):]  # the columns the storage returned
 
     # ------------------------------------------------------------------ protocol
     def get_state(self, key: LayerKey) -> Any:
@@ -280,6 +301,10 @@ class _CacheBase:
                     f"cannot move a cache to column {column}: layer {base} (window {self.windows[base]}) dropped the "
                     f"columns before {first}; build the cache without windows= to go back this far"
                 )
+
+    def first_column(self, key: LayerKey) -> int:
+        """The first column `key`'s storage holds and its reads return (0 but for a windowed base that dropped)."""
+        return self.first.get(self.split(key)[0], 0)
 
     def window_positions(self, key: LayerKey, num_tokens: int) -> tuple[list[tuple[Any, int]], Tensor, Tensor | None]:
         """A quantized window's lanes `(layer slot, row)`, the call's columns `[B, T]` and `write_mask`."""
@@ -375,7 +400,7 @@ class StaticRecurrentCache(_CacheBase):
             Dv = v.shape[-1]
             capacity = self.capacity
             if base in self.windows:  # columns before the first query's window are never read
-                first = self.first[base] = window_start(self.seq_len, self.windows[base])
+                first = self.first[base] = window_start(self.seq_len, self._reach(base))
                 capacity = self._window_capacity(base, first)
             self.kv[base] = (
                 torch.zeros(S, B, Hkv, capacity, D, dtype=k.dtype, device=k.device),
@@ -387,7 +412,12 @@ class StaticRecurrentCache(_CacheBase):
     def _window_capacity(self, base: tuple, first: int) -> int:
         """Columns a windowed base holding columns from `first` allocates: this write's (to `_written_end`) and
         W more, so that it drops columns once every W writes or so; never more than a full store would hold."""
-        return min(self._written_end - first + self.windows[base], self.capacity - first)
+        return min(window_capacity(self._written_end - first, self._reach(base)), self.capacity - first)
+
+    def _reach(self, base: tuple) -> int:
+        """The columns up to a write that a windowed base keeps: its window W, and for code rows at least the
+        fewest that decode bitwise as a longer read does (`exact_decode_columns`: tiny head dims only)."""
+        return max(self.windows[base], self._decode_floor.get(base, 0))
 
     def _held_from(self, base: tuple) -> int:
         """The first column `base` holds, after dropping (a windowed base) the columns no query of the write
@@ -400,7 +430,7 @@ class StaticRecurrentCache(_CacheBase):
         if end - first <= K.shape[3]:
             return first
         # the queries of this write and later ones see columns from start - W + 1 on
-        new_first = max(first, window_start(start, self.windows[base]))
+        new_first = max(first, window_start(start, self._reach(base)))
         capacity = self._window_capacity(base, new_first)
         kept = []
         for store in (K, V):
@@ -466,6 +496,10 @@ class StaticRecurrentCache(_CacheBase):
         end = self._written_end = start + k.shape[2]
         if end > self.capacity:
             self._grow(end)
+        if self.codecs is not None and self.split(key)[0] in self.windows:
+            codecs = self.codecs.made(key)  # (made by this write's encode)
+            if codecs is not None:
+                self._decode_floor.setdefault(self.split(key)[0], exact_decode_columns(codecs))
         first = self._held_from(self.split(key)[0]) if self.windows else 0  # (may drop old columns)
         views = self._views.get(key)
         if views is None:
@@ -532,8 +566,8 @@ class StaticRecurrentCache(_CacheBase):
         views = self._views.get(key)
         end = self.seq_len + num_tokens
         if (views is None or end > self.capacity or self.write_mask is not None
-                or (self._reads_per_step and key[0] == "core")):
-            return None
+                or (self._reads_per_step and key[0] == "core") or self.split(key)[0] in self.windows):
+            return None  # (a windowed base's columns start at its `first`)
         self._written_end = end
         return views[0], views[1], self.seq_len
 

@@ -150,6 +150,19 @@ class KVQuant:
         return (per_head + window if window else per_head) * num_kv_heads * num_layers
 
 
+# torch's CPU matmul runs a one-row product, and a batched one of fewer multiply-adds per matrix than this (aten's
+# small-bmm loop), with other kernels than longer ones, which round each column's sums differently.
+SMALL_MATMUL = 400
+
+
+def exact_decode_columns(codecs: tuple[Codec, Codec]) -> int:
+    """The fewest columns a decode of these codecs' rows reads so that every column decodes bitwise as in any longer
+    read (CPU): 2, and E·D·S >= `SMALL_MATMUL` for the [S, E] @ [E, D] back-projection of a calibrated (per-head)
+    codec, E >= D entries per row. A cache that drops columns keeps at least this many (`inference.cache`)."""
+    dim = min(codec.quantizer.dim for codec in codecs)
+    return max(2, -(-SMALL_MATMUL // (dim * dim)))
+
+
 def parse_kv_quant_option(spec: Any) -> KVQuant | None:
     """`kv_quant` as the interfaces take it: None (off) or a spec string (see `KVQuant.parse`)."""
     return None if spec is None else KVQuant.parse(spec)
@@ -310,10 +323,13 @@ class CodeRows:
         rows_k, rows_v, ck, cv = self.store(storage, key, k, v)
         K, V = ck.decode(rows_k, k.dtype), cv.decode(rows_v, v.dtype)
         if window is not None:
+            # (the returned columns start at the storage's first held one: a sliding-window layer drops older ones)
+            first = storage.first_column(key) if hasattr(storage, "first_column") else 0
             last = window._replace(qcols=window.qcols[:, -1:])
-            reads = last.in_window()[:, 0] & (window.cols < K.shape[2])  # [B, E]
+            held = (window.cols >= first) & (window.cols < first + K.shape[2])
+            reads = last.in_window()[:, 0] & held  # [B, E]
             for b, e in reads.nonzero().tolist():
-                col = int(window.cols[b, e])
+                col = int(window.cols[b, e]) - first
                 K[b, :, col] = window.k[b, :, e].to(K.dtype)
                 V[b, :, col] = window.v[b, :, e].to(V.dtype)
         return K, V

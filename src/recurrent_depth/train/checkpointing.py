@@ -42,7 +42,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from recurrent_depth.files import file_sha256, fsync_dir, fsync_file, parse_safetensors_header, read_json
+from recurrent_depth.files import (
+    file_sha256,
+    fsync_dir,
+    fsync_file,
+    parse_safetensors_header,
+    read_json,
+    remove_tree,
+)
 
 CHECKPOINTS_DIR = "checkpoints"
 OPTIMIZER_TENSORS = "optimizer.safetensors"
@@ -210,7 +217,7 @@ def begin_checkpoint(root: Path, step: int) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     for entry in root.iterdir():
         if entry.is_dir() and _LEFTOVER.match(entry.name):
-            _remove_tree(entry)
+            remove_tree(entry)
     tmp = root / f".tmp-{checkpoint_name(step)}"
     tmp.mkdir()
     return tmp
@@ -256,17 +263,8 @@ def _prune(root: Path, keep: int) -> None:
     for _, path in found[: max(0, len(found) - keep)]:
         trash = path.with_name(f".trash-{path.name}")
         os.rename(path, trash)
-        _remove_tree(trash)
+        remove_tree(trash)
     fsync_dir(root)
-
-
-def _remove_tree(path: Path) -> None:
-    """Delete a checkpoint directory; one that is a symlink (say, to a copy moved to another disk) loses only
-    the link: what it points to is not this run's to delete (and rmtree refuses a link, failing every save)."""
-    if path.is_symlink():
-        path.unlink()
-    else:
-        shutil.rmtree(path)
 
 
 # ------------------------------------------------------------------ checksums and validation
@@ -524,7 +522,7 @@ def publish_directory(tmp: Path, final: Path) -> None:
     os.rename(tmp, final)
     fsync_dir(final.parent)
     if old is not None:
-        _remove_tree(old)
+        remove_tree(old)
 
 
 class StateView:

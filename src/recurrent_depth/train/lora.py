@@ -58,6 +58,8 @@ from recurrent_depth.weight_quant import (
 
 PARTS = ("prelude", "adapter", "core", "coda")
 KINDS = ("attention", "mlp")
+# The families whose input injection (ModelConfig.injection) is no linear layer: they have no `adapter` part.
+INJECTION_FAMILIES = {"diagonal": "Parcae", "none": "Ouro"}
 # The ModuleDict entry of each part's blocks (`transformer.<name>.<i>`), as in the official checkpoint.
 BLOCK_CONTAINERS = {"prelude": "prelude", "core": "core_block", "coda": "coda"}
 KIND_MODULES = {"attention": "attn", "mlp": "mlp"}
@@ -76,6 +78,10 @@ ALL_LINEAR = "all-linear"  # peft's target_modules shorthand: every linear layer
 OUTPUT_HEAD = "lm_head"
 # The layers an adapter goes on: float linear layers, and int8 / int4 ones (weight_quant.py; `quantized_lora_layer`)
 LINEAR_TYPES = (nn.Linear, QuantizedLinear)
+# The largest LoRA scale (alpha / r; alpha / sqrt(r) with rsLoRA) accepted. Published recipes use 0.5 to 4 (up to
+# ~64 with rsLoRA); a scale of 1e308 was accepted and made every output inf. 1e4 is far beyond any recipe, yet
+# keeps an update of unit size times it inside float16 (max 65504) and bfloat16.
+MAX_LORA_SCALE = 1e4
 
 
 def require_peft() -> Any:
@@ -88,16 +94,28 @@ def require_peft() -> Any:
     return peft
 
 
+def check_lora_scale(alpha: float, rank: int, rslora: bool, field: str) -> None:
+    """A one-line ValueError naming `field` when the LoRA update's scale, alpha / rank (alpha / sqrt(rank) with
+    rsLoRA), is above MAX_LORA_SCALE (`alpha` finite and > 0, `rank` >= 1: checked by the caller first)."""
+    scale = alpha / math.sqrt(rank) if rslora else alpha / rank
+    if not scale <= MAX_LORA_SCALE:  # (written so: a NaN fails it too)
+        raise ValueError(f"{field} is invalid: it scales the adapter's update by {scale:.3g} "
+                         f"(alpha / {'sqrt(r)' if rslora else 'r'}, r={rank}), more than the {MAX_LORA_SCALE:g} "
+                         "allowed (usual: 0.5 to 4)")
+
+
 @dataclass(frozen=True)
 class LoraSpec:
     """Which modules get a LoRA adapter and its shape: `B A` of rank `rank`, scaled by `alpha / rank`.
     weights: "int8" / "int4" / "int4:g<group>" trains the adapter on the base quantized to that format (QLoRA:
-    `add_lora` quantizes it, frozen, before the adapter goes on); None keeps the base's float weights."""
+    `add_lora` quantizes it, frozen, before the adapter goes on); None keeps the base's float weights.
+    parts: None (the default) is every part the model has (Parcae's and Ouro's injection is no linear layer, Ouro
+    has no prelude or coda); a part named here that the model lacks is refused by `target_modules`."""
 
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
-    parts: tuple[str, ...] = PARTS
+    parts: tuple[str, ...] | None = None
     kinds: tuple[str, ...] = KINDS
     weights: str | None = None
 
@@ -108,10 +126,13 @@ class LoraSpec:
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or not (
                 math.isfinite(self.alpha) and self.alpha > 0):
             raise ValueError(f"LoRA alpha={self.alpha!r} is invalid: expected a finite number > 0")
+        check_lora_scale(self.alpha, self.rank, rslora=False, field=f"LoRA alpha={self.alpha!r}")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, int | float) or not 0 <= self.dropout < 1:
             raise ValueError(f"LoRA dropout={self.dropout!r} is invalid: expected a number in [0, 1)")
         for field, allowed in (("parts", PARTS), ("kinds", KINDS)):
             value = getattr(self, field)
+            if value is None and field == "parts":
+                continue
             chosen = (value,) if isinstance(value, str) else tuple(value)
             unknown = [v for v in chosen if v not in allowed]
             if unknown:
@@ -128,11 +149,27 @@ def target_modules(model: nn.Module, spec: LoraSpec) -> list[str]:
     if not isinstance(transformer, nn.ModuleDict) or "core_block" not in transformer:  # (Ouro has no adapter)
         raise ValueError(f"LoRA targets a recurrent-depth model (transformer.prelude/adapter/core_block/coda); "
                          f"{type(model).__name__} has no such modules")
+    adapter = transformer["adapter"] if "adapter" in transformer else None  # noqa: SIM401 (ModuleDict: no .get)
+    has = [part for part in PARTS if (isinstance(adapter, LINEAR_TYPES) if part == "adapter"
+                                      else len(transformer[BLOCK_CONTAINERS[part]]) > 0)]
+    parts = spec.parts if spec.parts is not None else tuple(has)
+    lacking = [part for part in parts if part not in has]
+    if lacking:
+        # (an explicit choice the model cannot honour is refused, not silently narrowed to the parts it has)
+        reasons = [f"it has 0 {part} layers" for part in lacking if part != "adapter"]
+        if "adapter" in lacking:  # (say why: a family whose injection is no linear layer)
+            reasons.append(f"its input injection is {type(adapter).__name__ if adapter is not None else 'none'}, "
+                           "no linear layer, so the adapter part is empty")
+        injection = getattr(getattr(model, "config", None), "injection", None)  # (a transformers config: any)
+        family = INJECTION_FAMILIES.get(injection) if isinstance(injection, str) else None
+        named = " or ".join([", ".join(lacking[:-1]), lacking[-1]] if len(lacking) > 1 else lacking)
+        raise ValueError(f"LoRA parts={list(parts)} select no linear layer of the {named} part: this "
+                         f"{f'{family} ' if family else ''}model has none; choose from the parts it has: "
+                         f"{', '.join(has)} ({'; '.join(reasons)})")
     names = []
-    for part in spec.parts:
+    for part in parts:
         if part == "adapter":
-            if "adapter" in transformer and isinstance(transformer["adapter"], LINEAR_TYPES):  # not Parcae's diagonal
-                names.append("transformer.adapter")
+            names.append("transformer.adapter")
             continue
         container = BLOCK_CONTAINERS[part]
         for i, block in enumerate(transformer[container]):
@@ -142,14 +179,9 @@ def target_modules(model: nn.Module, spec: LoraSpec) -> list[str]:
                 names += [f"{prefix}.{name}" for name, module in owner.named_modules()
                           if name and isinstance(module, LINEAR_TYPES)]
     if not names:
-        # (say why the `adapter` part is empty: a family whose injection is no linear layer, e.g. Parcae, Ouro)
-        adapter = transformer["adapter"] if "adapter" in transformer else None  # noqa: SIM401 (ModuleDict: no .get)
-        no_adapter = ("" if "adapter" not in spec.parts or isinstance(adapter, LINEAR_TYPES) else
-                      f"; its input injection is {type(adapter).__name__ if adapter is not None else 'none'}, "
-                      "no linear layer, so the adapter part is empty")
-        raise ValueError(f"LoRA parts={list(spec.parts)} kinds={list(spec.kinds)} select no linear layer of this "
+        raise ValueError(f"LoRA parts={list(parts)} kinds={list(spec.kinds)} select no linear layer of this "
                          f"model (it has {len(transformer['prelude'])} prelude, {len(transformer['core_block'])} core "
-                         f"and {len(transformer['coda'])} coda layers{no_adapter})")
+                         f"and {len(transformer['coda'])} coda layers)")
     return names
 
 
@@ -592,6 +624,12 @@ def check_adapter_files(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         if not all(not isinstance(v, bool) and isinstance(v, int if field == "rank_pattern" else int | float)
                    and math.isfinite(v) and v > 0 for v in values):
             raise bad(field, f"an object of module names to {number}")
+    # The largest scale any module gets (a pattern's alpha may pair with a pattern's rank: the extremes bound it)
+    all_alphas = [alpha, *(config.get("alpha_pattern") or {}).values()]
+    all_ranks = [rank, *(config.get("rank_pattern") or {}).values()]
+    field = "lora_alpha" if max(all_alphas) == alpha else "alpha_pattern"
+    check_lora_scale(max(all_alphas), min(all_ranks), rslora=bool(config.get("use_rslora")),
+                     field=f"{source}: {field}={clipped(config.get(field))}")
     weights = path / ADAPTER_WEIGHTS
     if not weights.exists() and not weights.is_symlink():
         other = " (it holds adapter_model.bin, a pickle, which this library does not unpickle: convert it " \
@@ -1047,11 +1085,13 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
                             "peft adapter (adapter_config.json + adapter_model.safetensors) for the --init-from model")
     group.add_argument("--lora-rank", type=int, default=LoraSpec.rank, help="LoRA rank r (default %(default)s)")
     group.add_argument("--lora-alpha", type=float, default=LoraSpec.alpha,
-                       help="LoRA alpha: the update is scaled by alpha / r (default %(default)s)")
+                       help=f"LoRA alpha: the update is scaled by alpha / r (a scale above {MAX_LORA_SCALE:g} is "
+                            "refused; default %(default)s)")
     group.add_argument("--lora-dropout", type=float, default=LoraSpec.dropout,
                        help="dropout on the adapter's input in training (default %(default)s)")
-    group.add_argument("--lora-parts", default=",".join(PARTS),
-                       help=f"comma-separated parts that get adapters, of {','.join(PARTS)} (default: all)")
+    group.add_argument("--lora-parts", default=None,
+                       help=f"comma-separated parts that get adapters, of {','.join(PARTS)} (default: every part the "
+                            "model has; one named that it lacks, e.g. Parcae's or Ouro's adapter, is refused)")
     group.add_argument("--lora-kinds", default=",".join(KINDS),
                        help=f"comma-separated layer kinds inside blocks, of {','.join(KINDS)} (default: both)")
     # (the flag here, not cli.common's add_weights_arg, whose meaning is a load's: cli/ imports train/, not back)
@@ -1066,7 +1106,7 @@ def lora_spec_from_args(args: argparse.Namespace) -> LoraSpec | None:
     """The `LoraSpec` that `add_lora_arguments`' flags describe, or None without `--lora`."""
     if not args.lora:
         defaults = {"lora_rank": LoraSpec.rank, "lora_alpha": LoraSpec.alpha, "lora_dropout": LoraSpec.dropout,
-                    "lora_parts": ",".join(PARTS), "lora_kinds": ",".join(KINDS), "weights": None}
+                    "lora_parts": None, "lora_kinds": ",".join(KINDS), "weights": None}
         given = ["--" + name.replace("_", "-") for name, value in defaults.items() if getattr(args, name) != value]
         if given:
             if given == ["--weights"]:
@@ -1080,4 +1120,5 @@ def lora_spec_from_args(args: argparse.Namespace) -> LoraSpec | None:
         return tuple(name.strip() for name in text.split(",") if name.strip())
 
     return LoraSpec(rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
-                    parts=names(args.lora_parts), kinds=names(args.lora_kinds), weights=args.weights)
+                    parts=None if args.lora_parts is None else names(args.lora_parts),
+                    kinds=names(args.lora_kinds), weights=args.weights)

@@ -178,7 +178,9 @@ def test_the_scheduler_runs_one_adapter_at_a_time_and_no_adapter_starves(model_d
 
     def job(name: str) -> SimpleNamespace:
         adapter = None if name.startswith("base") else name[0]
-        return SimpleNamespace(name=name, adapter=adapter, trains=False, row=SimpleNamespace(prompt=[1, 2]))
+        # (lora: what `submit` binds, the scheduler's identity of the adapter)
+        return SimpleNamespace(name=name, adapter=adapter, lora=adapter, trains=False,
+                               row=SimpleNamespace(prompt=[1, 2]))
 
     scheduler = BatchScheduler(rd.RecurrentDepthLM.from_pretrained(model_dir), max_batch=8)
     scheduler.waiting.extend(map(job, ["a1", "b1", "a2", "base1", "a3"]))
@@ -204,7 +206,8 @@ def test_every_job_of_an_adapter_waiting_when_its_phase_starts_joins_it(model_di
     from recurrent_depth.serving.engine import BatchScheduler
 
     def job(name: str) -> SimpleNamespace:
-        return SimpleNamespace(name=name, adapter=name[0], trains=False, row=SimpleNamespace(prompt=[1] * 300))
+        return SimpleNamespace(name=name, adapter=name[0], lora=name[0], trains=False,
+                               row=SimpleNamespace(prompt=[1] * 300))
 
     scheduler = BatchScheduler(rd.RecurrentDepthLM.from_pretrained(model_dir), max_batch=8, prefill_tokens=400)
     scheduler.waiting.extend(map(job, ["a1", "b1", "a2", "b2", "a3"]))

@@ -147,23 +147,6 @@ def test_requests_running_during_a_load_are_unharmed(live):
     assert unload(live.url, "chat").status_code == 200
 
 
-def test_an_unload_is_refused_while_requests_wait_for_the_adapter(model_dir, root):  # noqa: F811
-    """The scheduler's side (it unloads while nothing runs): a job waiting for the adapter makes it a 409."""
-    from types import SimpleNamespace
-
-    from recurrent_depth.serving.engine import AdapterBusy
-
-    scheduler = build_app(model_dir, model_name="tiny", tokenizer_workers=1, lora_updates_root=root).state.scheduler
-    scheduler.adapters.add("sql", root / "sql")  # (its thread is not started: the test is the switch point)
-    scheduler.waiting.append(SimpleNamespace(adapter="sql", cancelled=False))
-    with pytest.raises(AdapterBusy, match=r"'sql' has 1 requests waiting"):
-        scheduler._unload("sql")
-    assert scheduler.adapter_names == ("sql",)
-    scheduler.waiting.clear()
-    scheduler._unload("sql")
-    assert scheduler.adapter_names == () and scheduler.adapters.wrapper is None
-
-
 def test_the_load_checks_the_path_again_when_it_runs(model_dir, root):  # noqa: F811 - the fixture
     """The handler checks lora_path when the request comes, the scheduler loads once the running requests are done:
     a symlink in the root pointed out of it meanwhile was followed."""

@@ -21,13 +21,15 @@ throughput when requests of different adapters interleave (docs/serving.md).
 
 With `rdepth serve --lora-updates-root DIR` adapters also load and unload while the server runs (vLLM's
 `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`): `adapter_dir_inside` keeps a request's path inside
-DIR, and the scheduler calls `add` / `retire` and `drop` at its switch point, while nothing runs
-(`engine.BatchScheduler`).
+DIR. The scheduler (`engine.BatchScheduler`) calls `add` and `drop` at its switch point, while nothing runs, and
+`retire` at once when an unload comes: the name is then free (a later load of it gets a new peft name), while the
+retired adapter's layers stay, `draining`, for the requests already accepted for it, until `drop`.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -148,7 +150,11 @@ class ServedAdapters:
                                   model_dir=model_dir) if modules else None
         self._peft_names = {name: several_adapter_name(i) for i, name in enumerate(self.names)}
         self._loaded = len(self.names)  # adapters loaded so far: the next one's peft name (never reused)
-        self.active: str | None = None  # load_loras leaves them all off
+        # peft names of adapters unloaded (`retire`) whose layers stay until `drop`: accepted requests still use them
+        self.draining: set[str] = set()
+        # `retire` runs on the HTTP side, `add` on the scheduler's thread: each changes the names whole under it
+        self._names_lock = threading.Lock()
+        self.active: str | None = None  # the peft name of the adapter turned on (load_loras leaves them all off)
         # rows of different adapters share a batch (`mixes`) unless an adapter is not a plain low-rank pair
         self.rows = RowAdapters()
         self.mixes = self.rows.attach(model)
@@ -163,14 +169,21 @@ class ServedAdapters:
         return None if name is None else self._peft_names[name]
 
     def activate(self, name: str | None) -> None:
-        """Turn adapter `name` on (None: none, the base alone). Only between requests: nothing may be running."""
+        """Turn served adapter `name` on (None: none, the base alone). Only between requests: nothing may be
+        running."""
+        self.turn_on(self.peft_name(name))
+
+    def turn_on(self, peft_name: str | None) -> None:
+        """Turn on the adapter peft knows as `peft_name` (None: the base alone), served or `draining`: a request
+        runs with the adapter it was accepted for, also once that is unloaded. Only while nothing runs with
+        another."""
         from recurrent_depth.train.lora import use_adapter
 
-        if name is not None and name not in self._peft_names:
-            raise ValueError(f"no adapter named {name!r}; this server has {list(self.names)}")
+        if peft_name is not None and peft_name not in self.draining and peft_name not in self._peft_names.values():
+            raise ValueError(f"no LoRA adapter has the peft name {peft_name!r} (unloaded and dropped?)")
         if self.wrapper is not None:
-            use_adapter(self.wrapper, None if name is None else self._peft_names[name])
-        self.active = name
+            use_adapter(self.wrapper, peft_name)
+        self.active = peft_name
 
     def add(self, name: str, directory: str | Path) -> None:
         """Serve the adapter in `directory` (inside `updates_root`: `adapter_dir_inside`) as `name` too, checked as
@@ -184,9 +197,12 @@ class ServedAdapters:
         if name in self:
             raise ValueError(f"a LoRA adapter named {name!r} is already loaded: unload it first, or choose another "
                              "lora_name")
-        if len(self.names) >= self.max_count:
-            raise ValueError(f"this server already serves {len(self.names)} LoRA adapters, its limit "
-                             f"(--max-lora-modules {self.max_count}): unload one first")
+        if len(self.names) + len(self.draining) >= self.max_count:  # (a draining one holds its memory still)
+            draining = (f", {len(self.draining)} of them unloaded and finishing the requests already accepted for "
+                        "them" if self.draining else "")
+            raise ValueError(f"this server already holds {len(self.names) + len(self.draining)} LoRA adapters"
+                             f"{draining}, its limit (--max-lora-modules {self.max_count}): unload one first"
+                             f"{', or retry once they have finished' if self.draining else ''}")
         # checked again here, on the scheduler thread just before the load: the handler checked the path when the
         # request came, and a symlink in the root could be pointed out of it while the load waited for the running
         # requests (the window is now the load's own)
@@ -197,27 +213,33 @@ class ServedAdapters:
         self.wrapper = add_named_lora(self.model, self.wrapper, directory, peft_name, self.layout,
                                       strict_base=self.strict_base, model_dir=self.model_dir)
         self._loaded += 1
-        self._peft_names[name] = peft_name
-        self.names = (*self.names, name)
+        with self._names_lock:
+            self._peft_names[name] = peft_name
+            self.names = (*self.names, name)
         self.mixes = self.rows.attach(self.model)  # (its new layers; one that is not plain stops the mixing)
 
     def retire(self, name: str) -> str:
-        """Stop serving adapter `name`: it leaves `names` (a job naming it is then refused), its layers stay on
-        the model until `drop` of the peft name returned. No peft work: the scheduler calls it under the lock
-        `submit` takes, so that no job for the name is queued behind its check. Only while nothing runs, and no
-        job waits for it (the scheduler checks)."""
+        """Stop serving adapter `name`: it leaves `names` (a job naming it is then refused, and the name may be
+        loaded again), its layers stay on the model, `draining`, until `drop` of the peft name returned. No peft
+        work: the scheduler calls it under the lock `submit` takes, at once, whatever runs or waits (the jobs
+        accepted for it keep its peft name, `engine.BatchScheduler.submit`)."""
         if name not in self:
             raise ValueError(f"no LoRA adapter named {name!r} is loaded; this server has {list(self.names)}")
-        self.names = tuple(n for n in self.names if n != name)
-        return self._peft_names.pop(name)
+        with self._names_lock:
+            self.names = tuple(n for n in self.names if n != name)
+            peft_name = self._peft_names.pop(name)
+            self.draining.add(peft_name)
+        return peft_name
 
     def drop(self, peft_name: str) -> None:
         """Delete the layers of the adapter `retire` returned `peft_name` for; all others turned off. Only while
-        nothing runs; peft's work, so the scheduler calls it outside its lock (`submit` does not wait for it)."""
+        nothing runs, and no job waits for it; peft's work, so the scheduler calls it outside its lock (`submit`
+        does not wait for it)."""
         from recurrent_depth.train.lora import remove_named_lora
 
         self.activate(None)
         self.wrapper = remove_named_lora(self.wrapper, peft_name)
+        self.draining.discard(peft_name)
         self.mixes = self.rows.attach(self.model)
 
 

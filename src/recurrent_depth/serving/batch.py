@@ -365,6 +365,11 @@ class BatchDecoder:
                 crit.move(last, row)
             self.rows[row] = moved
         self.rows.pop()
+        # A criterion's statistics are per row and restart with each token: drop it with its last row, or
+        # requests with ever new thresholds would add one (with [max_rows, ...] tensors) per threshold, forever.
+        key = seq.criterion_key
+        if key is not None and all(r.criterion_key != key for r in self.rows):
+            self.criteria.pop(key, None)
 
     # ------------------------------------------------------------------ one iteration
     @torch.inference_mode()

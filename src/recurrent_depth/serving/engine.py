@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +61,6 @@ class UnknownAdapter(ValueError):
         super().__init__(f"a job names the LoRA adapter {name!r}, which this scheduler does not serve (its adapters: "
                          f"{list(served)})")
         self.name = name
-
-
-class AdapterBusy(Exception):
-    """An unload of a LoRA adapter that requests still wait for (HTTP 409)."""
 
 
 # ---------------------------------------------------------------------------------------- events
@@ -138,6 +135,9 @@ class Job:
     first_token_at: float | None = None
     ttt_flops: float | None = None
     adapter: str | None = None  # the LoRA adapter it runs with (`adapters.ServedAdapters`; None: the base)
+    # ... its peft name, bound by `submit`: the adapter it was accepted for, also once that is unloaded (and its
+    # name loaded again with other weights); the scheduler's identity of the adapter
+    lora: str | None = None
     reported_stop_ids: frozenset[int] = frozenset()
 
     @property
@@ -202,9 +202,9 @@ class BatchScheduler:
         self.thread: threading.Thread | None = None
         # runtime LoRA loads / unloads (`load_adapter`, `unload_adapter`), run at the switch point in order
         self.adapter_updates: deque[tuple[Callable[[], None], Future]] = deque()
-        # adapters whose unload is accepted but not yet run: no longer served (new jobs naming them are refused), their
-        # layers kept for the jobs running with them until the switch point
-        self.retiring: set[str] = set()
+        # adapters unloaded (no longer served: new jobs naming them are refused) whose layers jobs accepted before
+        # still wait for: {peft name: the unload's answer}, until `_queue_drops` queues their drop
+        self.draining: dict[str, Future] = {}
         if adapters is not None:
             self.metrics.gauges["rdepth_lora_adapters"] = lambda: len(self.adapter_names)
         self.metrics.gauges["rdepth_queue_depth"] = lambda: len(self.waiting)
@@ -223,7 +223,7 @@ class BatchScheduler:
         """The served LoRA adapters' names (`--lora-modules`): what a job's `adapter` (a request's `model`) may be."""
         if self.adapters is None:
             return ()
-        return tuple(name for name in self.adapters.names if name not in self.retiring)
+        return self.adapters.names
 
     @property
     def running(self) -> int:
@@ -249,7 +249,8 @@ class BatchScheduler:
     def submit(self, jobs: list[Job]) -> None:
         """Queue jobs (all or none). Raises QueueFull or EngineUnavailable, or ValueError for a job naming an
         adapter this scheduler lacks (`UnknownAdapter`, a ValueError; refused here: the switch to it would stop the
-        engine for every client). The check holds the lock an unload takes, so no job slips in behind one."""
+        engine for every client). The check holds the lock an unload takes, so no job slips in behind one; each job
+        gets its adapter's peft name (`Job.lora`) under it, which it keeps through an unload."""
         with self.cond:
             for job in jobs:
                 if job.adapter is not None and job.adapter not in self.adapter_names:
@@ -261,6 +262,8 @@ class BatchScheduler:
                     f"the server is at capacity ({len(self.waiting)} requests waiting, at most {self.max_queue}); "
                     "retry later"
                 )
+            for job in jobs:
+                job.lora = None if job.adapter is None else self._served_adapters().peft_name(job.adapter)
             self.waiting.extend(jobs)
             self.cond.notify()
 
@@ -270,46 +273,45 @@ class BatchScheduler:
         return self._update_adapters(lambda: self._served_adapters().add(name, directory))
 
     def unload_adapter(self, name: str) -> Future:
-        """Stop serving LoRA adapter `name` (`ServedAdapters.retire`, `drop`), once nothing runs; refused (the future's
-        error: `AdapterBusy`) while requests for it wait, or a ValueError when none is loaded by that name.
+        """Stop serving LoRA adapter `name` at once (`ServedAdapters.retire`: a job naming it is then an
+        `UnknownAdapter`, and a load may take the name again), and delete its layers (`drop`) once no job accepted
+        for it waits or runs: those finish with it, as vLLM's unload leaves them (each holds its peft name,
+        `submit`). The future's result is None once the layers are gone; its error a ValueError when no adapter of
+        that name is loaded (nothing changed), or the drop's.
 
-        Both are decided now, and an accepted unload stops serving the name at once (`retiring`: a job naming it is
-        then an `UnknownAdapter`): the unload's wait for the running requests held back every new job, so one naming
-        the adapter waited behind it and turned the unload into a 409, which under steady traffic for the adapter
-        every retry met again."""
+        (An unload was a 409 while jobs for the adapter waited: under steady traffic for it every retry met one.)
+        The name goes under the lock `submit` takes, so no job for it is queued behind the check; peft's delete of
+        the layers runs outside it, at the switch point: submit runs on the HTTP event loop, which a lock held
+        through the delete stalled for every request."""
         try:
-            self._served_adapters()
+            adapters = self._served_adapters()
         except ValueError as exc:
             return _failed(exc)
-        with self.cond:  # (a re-entrant lock: `_update_adapters` takes it too)
-            if name not in self.adapter_names:
-                return _failed(ValueError(f"no LoRA adapter named {name!r} is loaded; this server has "
-                                          f"{list(self.adapter_names)}"))
-            waiting = sum(job.adapter == name and not job.cancelled for job in self.waiting)
-            if waiting:
-                return _failed(AdapterBusy(f"the LoRA adapter {name!r} has {waiting} requests waiting to run: unload "
-                                           "it once they have finished"))
-            future = self._update_adapters(lambda: self._unload(name))
-            self.retiring.add(name)
-        return future
-
-    def _unload(self, name: str) -> None:
-        """`unload_adapter`'s work, on the scheduler thread while nothing runs. The check of the waiting jobs and
-        the name's retirement hold the lock (submit checks names under it: no job for `name` can be queued behind
-        the check, and one submitted later is an `UnknownAdapter`); peft's delete of its layers does not: submit
-        runs on the HTTP event loop, which a lock held through the delete stalled for every request."""
-        adapters = self._served_adapters()
-        try:
-            with self.cond:
-                waiting = sum(job.adapter == name and not job.cancelled for job in self.waiting)
-                if waiting:
-                    raise AdapterBusy(f"the LoRA adapter {name!r} has {waiting} requests waiting to run: unload it "
-                                      "once they have finished")
+        answer: Future = Future()
+        with self.cond:
+            if not self.healthy:
+                raise EngineUnavailable(self.failure or "the server is shutting down")
+            try:
                 peft_name = adapters.retire(name)
-        finally:
-            with self.cond:
-                self.retiring.discard(name)  # (retired, or served again where the unload failed)
-        adapters.drop(peft_name)  # (nothing runs meanwhile: this thread is the one that would run it)
+            except ValueError as exc:
+                return _failed(exc)
+            self.draining[peft_name] = answer
+            self._queue_drops()
+        return answer
+
+    def _queue_drops(self) -> None:
+        """Queue the `drop` of each unloaded adapter no waiting job needs any more (lock held): it runs at the
+        switch point, once the running jobs, its own among them, have finished (new ones wait meanwhile, as for a
+        load). Called before the iteration's admission, so the jobs admitted in the last one already run."""
+        for peft_name, answer in list(self.draining.items()):
+            if any(job.lora == peft_name and not job.cancelled for job in self.waiting):
+                continue
+            del self.draining[peft_name]
+            # (a future of its own: the drop must run also where the unload's client left, cancelling `answer`)
+            done: Future = Future()
+            done.add_done_callback(partial(_pass_on, answer))
+            self.adapter_updates.append((partial(self._served_adapters().drop, peft_name), done))
+            self.cond.notify()
 
     def _served_adapters(self) -> ServedAdapters:
         if self.adapters is None:
@@ -366,10 +368,13 @@ class BatchScheduler:
                             break
                         now = time.monotonic()
                         self._purge_waiting(now)
+                        self._queue_drops()  # (an unloaded adapter whose last waiting job started or left)
                         # a LoRA load / unload waits for the running requests to end: none starts meanwhile
                         admitted = [] if self.adapter_updates else self._take_admissible()
                     self._reap(now)
-                    if self.adapter_updates and self.running == 0:
+                    # (not before the jobs admitted above start: an update queued since then skipped them, lost,
+                    # and an unload's drop deleted the layers they were accepted for)
+                    if self.adapter_updates and self.running == 0 and not admitted:
                         self._run_adapter_updates()
                         continue
                     if admitted:
@@ -398,9 +403,10 @@ class BatchScheduler:
             with self.cond:
                 updates = list(self.adapter_updates)
                 self.adapter_updates.clear()
-            for _, future in updates:
-                if future.set_running_or_notify_cancel():
-                    future.set_exception(EngineUnavailable(reason))
+                answers = list(self.draining.values())  # (unloads whose drop was not queued yet)
+                self.draining.clear()
+            for future in [future for _, future in updates] + answers:
+                _settle(future, EngineUnavailable(reason))
 
     def _purge_waiting(self, now: float) -> None:
         """Drop waiting jobs whose client left; fail those whose deadline passed (lock held)."""
@@ -439,8 +445,8 @@ class BatchScheduler:
         if mixing:
             adapter = None  # (unused)
         elif self.waiting and not self.running:
-            adapter = self.waiting[0].adapter
-            self.waiting = deque(sorted(self.waiting, key=lambda job: job.adapter != adapter))  # (a stable sort)
+            adapter = self.waiting[0].lora
+            self.waiting = deque(sorted(self.waiting, key=lambda job: job.lora != adapter))  # (a stable sort)
         else:
             adapter = self._adapter_in_use()
         while self.waiting and len(out) < free:
@@ -449,12 +455,12 @@ class BatchScheduler:
                 held.append(self.waiting.popleft())
                 continue
             if mixing and job.solo:
-                if solo_blocked or solo_adapter not in (_ANY, job.adapter):
+                if solo_blocked or solo_adapter not in (_ANY, job.lora):
                     solo_blocked = True
                     held.append(self.waiting.popleft())
                     continue
-                solo_adapter = job.adapter
-            elif not mixing and job.adapter != adapter:
+                solo_adapter = job.lora
+            elif not mixing and job.lora != adapter:
                 break
             cost = len(job.row.prompt)
             if out and cost > budget:
@@ -466,6 +472,7 @@ class BatchScheduler:
         return out
 
     def _adapter_in_use(self) -> str | None:
+        """The peft name of the adapter turned on (`Job.lora`'s kind; None: the base)."""
         return self.adapters.active if self.adapters is not None else None
 
     def _mixing(self) -> bool:
@@ -481,22 +488,22 @@ class BatchScheduler:
         """Turn on the adapter the admitted jobs need: their first solo job's where rows mix, else the first's."""
         if self._mixing():
             job = next((job for job in admitted if job.solo), None)
-            if job is not None and job.adapter != self._adapter_in_use():
-                self._switch_adapter(job.adapter)
-        elif admitted and admitted[0].adapter != self._adapter_in_use():
-            self._switch_adapter(admitted[0].adapter)
+            if job is not None and job.lora != self._adapter_in_use():
+                self._switch_adapter(job.lora)
+        elif admitted and admitted[0].lora != self._adapter_in_use():
+            self._switch_adapter(admitted[0].lora)
 
-    def _switch_adapter(self, name: str | None) -> None:
-        """Turn LoRA adapter `name` on (None: the base alone) while nothing runs, and rebuild the batch's
-        runner from the switched model; where rows mix, while no solo job runs (the batch's rows add their own
-        adapters whichever is on: its runner stays)."""
+    def _switch_adapter(self, peft_name: str | None) -> None:
+        """Turn the LoRA adapter of `peft_name` (`Job.lora`) on (None: the base alone) while nothing runs, and
+        rebuild the batch's runner from the switched model; where rows mix, while no solo job runs (the batch's rows
+        add their own adapters whichever is on: its runner stays)."""
         assert self.adapters is not None, "a job names an adapter, but the server has none"
         if self._mixing():
             assert not self.solos, "the adapter switches only while no solo job runs"
-            self.adapters.activate(name)
+            self.adapters.turn_on(peft_name)
         else:
             assert self.running == 0, "the adapter switches only while nothing runs"
-            self.adapters.activate(name)
+            self.adapters.turn_on(peft_name)
             if self.batch is not None:
                 self.batch.rebuild_runner()
         self.metrics.adapter_switch()
@@ -554,7 +561,7 @@ class BatchScheduler:
                 self.solos.append((job, run))
                 self._advance_solo(job, run)
                 return
-            adapter = self.adapters.peft_name(job.adapter) if self._mixing() else None  # (else the one on)
+            adapter = job.lora if self._mixing() else None  # (else the one on)
             seq, first, scores = self.batch.add(job.row, tag=job, should_stop=self._expired(job), adapter=adapter)
         except Stopped:  # past its deadline (or abandoned) between two prefill steps
             self._stopped(job)
@@ -664,6 +671,20 @@ class BatchScheduler:
             return
         job.finished = True
         job.emit(Failed(job.index, status, message, error_type, code))
+
+
+def _settle(future: Future, exc: BaseException | None) -> None:
+    """Answer `future` with `exc` (None: done), unless its caller has called it off."""
+    if future.set_running_or_notify_cancel():
+        if exc is None:
+            future.set_result(None)
+        else:
+            future.set_exception(exc)
+
+
+def _pass_on(answer: Future, done: Future) -> None:
+    """Answer `answer` as `done` ended (a drop's outcome, to the unload that asked for it)."""
+    _settle(answer, done.exception())
 
 
 def _failed(exc: BaseException) -> Future:

@@ -24,7 +24,6 @@ from recurrent_depth.serving import responses
 from recurrent_depth.serving.adapters import adapter_dir_inside, check_adapter_name
 from recurrent_depth.serving.batch import BatchDecoder, RowRequest
 from recurrent_depth.serving.engine import (
-    AdapterBusy,
     BatchScheduler,
     EngineUnavailable,
     Job,
@@ -393,8 +392,9 @@ class Handlers:
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload_lora_adapter(self, request: Request, start: float) -> PlainTextResponse:
-        """`POST /v1/unload_lora_adapter` {"lora_name"} (vLLM's): stop serving an adapter, once the running
-        requests have finished; 409 while requests for it wait."""
+        """`POST /v1/unload_lora_adapter` {"lora_name"} (vLLM's): stop serving an adapter at once (a request
+        naming it is then a 404, and the name may be loaded again); the requests accepted for it before finish with
+        it. The answer comes once its layers are gone: after those requests (`BatchScheduler.unload_adapter`)."""
         name = (await self.lora_update_body(request)).get("lora_name")
         if name not in self.adapters:  # (ServedAdapters.retire checks again, in order with the loads)
             from recurrent_depth.files import clipped
@@ -419,15 +419,13 @@ class Handlers:
 
     async def update_adapters(self, param: str, update: Any, *args: Any) -> None:
         """Run a scheduler's adapter update (`load_adapter` / `unload_adapter`) to its end, its errors as HTTP
-        ones (400: the request's, naming `param`; 409: requests wait for the adapter)."""
+        ones (400: the request's, naming `param`)."""
         try:
             # (a client that disconnects does not call it off: the update runs, and a retry answers 'already loaded')
             await asyncio.wrap_future(update(*args))
         except ValueError as exc:  # (the server's paths left out: the client gave one relative to the root)
             root = f"{self.scheduler.adapters.updates_root}/"
             raise APIError(400, str(exc).replace(root, ""), param=param) from None
-        except AdapterBusy as exc:
-            raise APIError(409, str(exc), type="conflict_error", code="adapter_busy", param="lora_name") from None
         except EngineUnavailable as exc:
             raise APIError(503, str(exc), type="service_unavailable", code="engine_unavailable") from None
 
@@ -438,11 +436,13 @@ class Handlers:
         req: CompletionRequest
         req, prompts = await self.prepare(request, "completions")
         channel = Channel()
+        # (named before the jobs are queued: an unload once they are is a 404 for new requests, not for these)
+        model = self.served_name(req.sampling)
         jobs, choices = self.make_jobs(req.sampling, prompts, req.logprobs, req.echo and req.logprobs is not None,
                                        set(), channel, start)
         await self.submit(jobs, start, channel)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": self.served_name(req.sampling)}
+                "model": model}
         # with include_usage every chunk carries "usage": null, the last one the counts (as OpenAI's)
         part = {**head, "usage": None} if req.sampling.include_usage else head
         opening = None
@@ -465,10 +465,11 @@ class Handlers:
         req, (prompt,) = await self.prepare(request, "chat")  # the template writes its own bos
         top = (req.top_logprobs or 0) if req.logprobs else None
         channel = Channel()
+        model = self.served_name(req.sampling)  # (before the jobs are queued, as for completions)
         jobs, choices = self.make_jobs(req.sampling, [prompt], top, False, set(codec.chat_stop_ids), channel, start)
         await self.submit(jobs, start, channel)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": self.served_name(req.sampling)}
+                "model": model}
         part = {**head, "usage": None} if req.sampling.include_usage else head  # (as for completions)
         if req.sampling.stream:
             return self._stream(

@@ -62,6 +62,9 @@ MAX_JSON_NESTING = 64
 # context_length_exceeded naming the prompt's tokens, max_tokens and the context, as vLLM's); this bound only
 # keeps the number printable
 MAX_TOKENS_FIELD = 2**31 - 1
+# distinct option warnings remembered (each logged once) before they are forgotten: a message names the client's value,
+# and Python remembers each one it logged, forever (`forget_warnings_past`)
+MAX_REMEMBERED_WARNINGS = 1024
 _TEMPLATE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 KNOWN_FIELDS = OPENAI_FIELDS | SERVER_FIELDS | set(HTTP_OPTIONS)
 # the generation options a request takes from generation_config.json where it leaves them out (our names: the
@@ -292,6 +295,19 @@ def validated(generation: dict[str, Any], given_as: dict[str, str], max_tokens: 
                                     limits.max_num_steps)  # (itself within the server's depth ceiling)
     except OptionError as exc:
         raise option_error(exc, given_as) from None
+    finally:
+        forget_warnings_past(MAX_REMEMBERED_WARNINGS)
+
+
+def forget_warnings_past(limit: int) -> None:
+    """Start this module's record of logged warnings over once it holds more than `limit` messages. Python logs a
+    warning once per distinct message by keeping each in the calling module's `__warningregistry__`; the option
+    warnings `validated` raises name the client's value (`top_p=0.123 has no effect in greedy decoding`), so a client
+    sending ever new values grew it by one entry per request, for the server's life. (Forgotten messages may be logged
+    once more.)"""
+    registry = globals().get("__warningregistry__")
+    if registry is not None and len(registry) > limit:
+        registry.clear()
 
 
 def option_error(exc: OptionError, given_as: dict[str, str], note: str = "") -> APIError:

@@ -43,6 +43,9 @@ a row's window beyond W columns), a core base shared by layers with and without 
 `truncate` that would read dropped columns is refused (RuntimeError). Slots of one base share its columns, so the
 lookup rules (settling at `close`, new slots at growth, per-read picks) act on the held columns as they did on all
 of them.
+The serving batch's float KV pool (`serving.kv_pool.SlotKVPool`, `windows=layer_windows(model)`) bounds its
+windowed layers the same way, each row holding its own columns from its own first one (a quantized pool keeps
+every column).
 `RDEPTH_FULL_WINDOW_CACHE=1` (any value but "", "0") turns the bound off: `layer_windows` then names no layer
 and every column is kept, as before it (benchmarks/window_cache.py measures the two in one process).
 """

@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from recurrent_depth.inference.cache import layer_windows
 from recurrent_depth.inference.criteria import ExitCriterion, Gate, RowCriterion, gate_for
 from recurrent_depth.inference.engine import Pass, Recurrence
 from recurrent_depth.inference.lora_layers import RowAdapters
@@ -242,7 +243,8 @@ class BatchDecoder:
     def _allocate(self) -> None:
         h, V, R = self.config.hidden_size, self.config.vocab_size, self.max_rows
         dtype = self.model.dtype
-        self.pool = make_pool(self.kv_quant, self.device)
+        # sliding-window layers hold each row's recent columns (kv_pool; `RDEPTH_FULL_WINDOW_CACHE=1`: every column)
+        self.pool = make_pool(self.kv_quant, self.device, layer_windows(self.model))
         # Per-row tensors, indexed like the pool's rows: the current token's state and injection,
         # and the latest logits of rows whose exit criterion reads them.
         self.state = torch.zeros(R, h, dtype=dtype, device=self.device)
@@ -398,29 +400,37 @@ class BatchDecoder:
             return slice(rows[0], rows[0] + len(rows))
         return torch.tensor(rows, device=self.device)
 
-    def _context(self, rows: list[int], ids: Tensor | None = None) -> tuple[Step, Tensor, Tensor]:
-        """A model-call context for one token per row in `rows`, each at its own position.
+    def _context(self, rows: list[int], held: list[int], ids: Tensor | None = None
+                 ) -> tuple[Step, Tensor, Tensor, Tensor | None]:
+        """A model-call context for one token per row in `rows`, each at its own position; `held`: the rows'
+        held positions in the pool's windowed layers (`SlotKVPool.hold`).
 
-        Returns (the runner's Step, the rows as a tensor, their columns)."""
+        Returns (the runner's Step, the rows as a tensor, their columns, their held positions or None where
+        they are the columns)."""
         columns = [self.rows[b].length for b in rows]
         if ids is None:  # core / coda calls: each row's current token (layers with a value embedding read it)
             ids = torch.tensor([[self.rows[b].pending] for b in rows], dtype=torch.long, device=self.device)
         step = self.runner.context(ids, None, self.pool, row_columns=columns)
-        return step, torch.tensor(rows, dtype=torch.long, device=self.device), step.ctx.positions[:, 0]
+        held_cols = None
+        if held != columns:  # windows count keys from each row's held position (only windowed layers read it)
+            held_cols = torch.tensor(held, dtype=torch.long, device=self.device)
+            step.ctx.query_columns = held_cols[:, None]
+        return step, torch.tensor(rows, dtype=torch.long, device=self.device), step.ctx.positions[:, 0], held_cols
 
     def _bind(self, rows: list[int], ids: Tensor | None = None, core_steps: list[int] | None = None) -> Step:
         """Bind the pool to `rows` for the next model call and return its context."""
+        held = self.pool.hold(rows, [self.rows[b].length for b in rows])  # (may move a row's windowed columns)
         if ids is None:  # the context depends only on which rows, their columns and their current tokens
-            key = (tuple(rows), tuple((self.rows[b].length, self.rows[b].pending) for b in rows))
+            key = (tuple(rows), tuple((self.rows[b].length, self.rows[b].pending) for b in rows), tuple(held))
             if key not in self._contexts:
                 if len(self._contexts) >= 16:
                     self._contexts.clear()
-                self._contexts[key] = self._context(rows)
-            step, row_index, cols = self._contexts[key]
+                self._contexts[key] = self._context(rows, held)
+            step, row_index, cols, held_cols = self._contexts[key]
         else:
-            step, row_index, cols = self._context(rows, ids)
+            step, row_index, cols, held_cols = self._context(rows, held, ids)
         core_slots = None if core_steps is None else [self.rows[b].slot(i) for b, i in zip(rows, core_steps)]
-        self.pool.bind_tokens(rows, row_index, cols, step.ctx.past_len + 1, core_slots, core_steps)
+        self.pool.bind_tokens(rows, row_index, cols, step.ctx.past_len + 1, core_slots, core_steps, held_cols)
         return step
 
     def _start(self, rows: list[int]) -> None:

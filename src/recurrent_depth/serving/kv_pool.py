@@ -28,16 +28,31 @@ is then `[S, R, Hkv, C, bytes]` uint8, and the slot rules, growth, settling, key
 moves above apply to the bytes unchanged; calibrated outlier channels are each row's own (from its
 prompt, `RowCodecs`). Prompt and generated tokens are encoded as they are written, and no float
 copy of an entry outlives the call.
+
+Sliding-window layers (`windows`, `inference.cache.layer_windows`; float entries only: a quantized pool keeps
+every column) hold each row's recent columns only, as autoregressive decoding does (`inference.cache`): a
+windowed base's storage is `[S, R, Hkv, Cw, D]`, Cw = `decoding_window_columns(W)` (W the largest window), and
+row r holds its columns from `first[r]` on (a multiple of `WINDOW_ALIGN`: the attention's sums keep their
+lanes, so a row reads bitwise what it reads with every column held) at held positions `column - first[r]`. A
+prefill stores only the prompt's columns the next token's window reaches (its own queries read the call's
+entries); `hold` moves a row's columns down to its next token's window when that token's column runs past the
+room (that row alone). Token calls then write each row at its held position and read held positions
+`[0, Lw)`, Lw = the longest held span among the call's rows: the batch gives the context the rows' held
+positions as `query_columns` (`window_mask` counts keys from them), and `key_mask` reads each row's depths
+from its first held column. Layers without a window keep every column. `RDEPTH_FULL_WINDOW_CACHE=1` turns the
+bound off (`layer_windows` names no layer).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from recurrent_depth.inference.cache import decoding_window_columns, window_start
 from recurrent_depth.inference.kv_codec import (
     Codec,
     CodeRows,
@@ -55,8 +70,16 @@ LayerKey = tuple
 class SlotKVPool:
     """Per-row, per-slot KV storage that grows on demand (slots, rows and columns)."""
 
-    def __init__(self, device: Any = "cpu", kv_quant: KVQuant | str | None = None) -> None:
+    def __init__(self, device: Any = "cpu", kv_quant: KVQuant | str | None = None,
+                 windows: Mapping[tuple, int] | None = None) -> None:
         self.device = torch.device(device)
+        # Sliding-window bases holding each row's recent columns (module docstring; a quantized pool keeps all)
+        self.windows: dict[tuple, int] = dict(windows or {}) if kv_quant is None else {}
+        self.reach = max(self.windows.values(), default=0)  # one held range per row serves every windowed base
+        self.held = decoding_window_columns(self.reach) if self.windows else 0  # columns a windowed base allocates
+        self.first: list[int] = []  # per row: the first column its windowed bases hold
+        self._held_cols: Tensor | None = None  # token calls: [B] held position of each row's column
+        self._held_len = 0  # token calls: held positions a windowed base reads
         # Quantized entries: the codec, choosing each call's codecs from its rows' calibration (None: floats).
         self.row_codecs = RowCodecs(kv_quant) if kv_quant is not None else None
         self.codes = CodeRows(kv_quant, self.row_codecs) if self.row_codecs is not None else None
@@ -99,11 +122,13 @@ class SlotKVPool:
         )
         if self.row_codecs is not None:
             self.row_codecs.reserve(new_r)
+        self.first += [0] * (new_r - len(self.first))
         if (new_s, new_r, new_c) == (self.slots, self.rows, self.capacity):
             return
         for base, (K, V) in self.kv.items():
             S = new_s if base[0] == "core" else 1
-            self.kv[base] = (self._regrow(K, S, new_r, new_c), self._regrow(V, S, new_r, new_c))
+            C = self.held if base in self.windows else new_c  # (a windowed base holds recent columns only)
+            self.kv[base] = (self._regrow(K, S, new_r, C), self._regrow(V, S, new_r, C))
         depth = self.depth.new_zeros(new_r, new_c)
         depth[: self.depth.shape[0], : self.depth.shape[1]] = self.depth
         self.depth = depth
@@ -120,16 +145,52 @@ class SlotKVPool:
             rule = policy.lookup.fill_index(self.depth[row : row + 1], new)  # [new, 1, C] or None
             if rule is not None:
                 fill[:, row : row + 1] = rule
+        held_fill = None
+        if self.windows:  # a windowed base's position p of row r holds column first[r] + p
+            cols = self._held_columns(torch.arange(self.rows, device=self.device), self.held)  # [R, Cw]
+            held_fill = fill.gather(2, cols[None].expand(new, -1, -1))
         for base, (K, V) in self.kv.items():
             if base[0] != "core":
                 continue
+            windowed = base in self.windows
             grown = []
             for store in (K, V):
-                bigger = self._regrow(store, new, self.rows, self.capacity)
-                settle_new_slots(bigger, old, fill)
+                bigger = self._regrow(store, new, self.rows, self.held if windowed else self.capacity)
+                settle_new_slots(bigger, old, held_fill if windowed else fill)
                 grown.append(bigger)
             self.kv[base] = (grown[0], grown[1])
         self.slots = new
+
+    def _held_columns(self, rows: Tensor, length: int) -> Tensor:
+        """Long `[B, length]`: the column each held position of `rows` holds in a windowed base (capped at the
+        last column `depth` records: positions past a row's own column are never read)."""
+        first = torch.tensor(self.first, dtype=torch.long, device=self.device)[rows]
+        cols = first[:, None] + torch.arange(length, device=self.device)[None]
+        return cols.clamp(max=max(self.depth.shape[1] - 1, 0))
+
+    def hold(self, rows: list[int], columns: list[int]) -> list[int]:
+        """Make room in the windowed bases for each row's token at column columns[b] and return its held
+        position there (the column itself without windows). A row whose column runs past its room keeps the
+        columns from its token's window on (`window_start`) and drops the older ones: that row alone moves."""
+        if not self.windows:
+            return columns
+        held = []
+        for r, c in zip(rows, columns):
+            if c - self.first[r] >= self.held:
+                self._compact(r, c)
+            held.append(c - self.first[r])
+        return held
+
+    def _compact(self, row: int, column: int) -> None:
+        """Row `row`'s windowed bases keep its columns window_start(column) .. column, at held positions from 0."""
+        first = window_start(column, self.reach)
+        shift = first - self.first[row]
+        span = min(column + 1, self.first[row] + self.held) - first  # the held ones (the column may be unwritten)
+        for base, (K, V) in self.kv.items():
+            if base in self.windows:
+                for store in (K, V):
+                    store[:, row, :, :span] = store[:, row, :, shift : shift + span].clone()
+        self.first[row] = first
 
     @staticmethod
     def _regrow(old: Tensor, S: int, R: int, C: int) -> Tensor:
@@ -141,10 +202,11 @@ class SlotKVPool:
     def _storage(self, base: tuple, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if base not in self.kv:
             S = self.slots if base[0] == "core" else 1
+            C = self.held if base in self.windows else self.capacity
             Hkv, D, Dv = k.shape[1], k.shape[3], v.shape[3]  # head-major [B, Hkv, T, D]
             self.kv[base] = (
-                torch.zeros(S, self.rows, Hkv, self.capacity, D, dtype=k.dtype, device=self.device),
-                torch.zeros(S, self.rows, Hkv, self.capacity, Dv, dtype=v.dtype, device=self.device),
+                torch.zeros(S, self.rows, Hkv, C, D, dtype=k.dtype, device=self.device),
+                torch.zeros(S, self.rows, Hkv, C, Dv, dtype=v.dtype, device=self.device),
             )
         return self.kv[base]
 
@@ -162,24 +224,29 @@ class SlotKVPool:
         self._prefill_len = length
         self._read_len = length
         self._slot_table = slot_table.to(self.device)
+        if self.windows:  # the prompt's columns its first token's window reaches (module docstring)
+            self.first[row] = window_start(length, self.reach)
         if self.row_codecs is not None:
             self.row_codecs.bind_prefill(row, self.rows)
             self.codes.forget_row(row)  # a new request: the row's old window entries are not its own
 
     def bind_tokens(self, rows: list[int], row_index: Tensor, cols: Tensor, read_len: int,
-                    core_slots: list[int] | None, core_steps: list[int] | None = None) -> None:
+                    core_slots: list[int] | None, core_steps: list[int] | None = None,
+                    held_cols: Tensor | None = None) -> None:
         """The next model call feeds one token to each of `rows` (also as `row_index` `[B]`), at
         columns `cols` `[B]`.
 
         core_slots: the KV slot each row's core step uses (rows may be at different steps), and
         core_steps the steps themselves (what `key_mask` compares depths with); None for prelude /
-        coda calls.
+        coda calls. held_cols: `[B]` the rows' held positions in the windowed bases (`hold`; None: the columns).
         """
         self._rows = rows
         self._row_index = row_index
         self._contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
         self._cols = cols
         self._read_len = read_len
+        self._held_cols = cols if held_cols is None else held_cols
+        self._held_len = read_len if held_cols is None else int(held_cols.max()) + 1
         if self.row_codecs is not None:
             self.row_codecs.bind_tokens(rows, row_index)
         if core_slots and max(core_slots) >= self.slots:
@@ -224,12 +291,19 @@ class SlotKVPool:
         if isinstance(slot, int) and slot >= self.slots:  # a prefill's step (token calls grow in bind_tokens)
             self._grow_slots(slot)
         K, V = self._storage(base, k, v)
+        windowed = base in self.windows
         if self._cols is None:  # prefill: one row, columns [0, T)
             r, T = self._rows[0], self._prefill_len
+            if windowed:  # held: the columns from first[r] on; the prompt's queries read the call's own entries
+                first = self.first[r]
+                K[slot, r, :, : T - first] = k[0, :, first:]
+                V[slot, r, :, : T - first] = v[0, :, first:]
+                return k, v
             K[slot, r, :, :T] = k[0]
             V[slot, r, :, :T] = v[0]
             return K[slot, r : r + 1, :, :T], V[slot, r : r + 1, :, :T]
-        rows, cols, L = self._row_index, self._cols, self._read_len
+        rows = self._row_index
+        cols, L = (self._held_cols, self._held_len) if windowed else (self._cols, self._read_len)
         K[slot, rows, :, cols] = k[:, :, 0]  # [B, Hkv, D] at each row's own column
         V[slot, rows, :, cols] = v[:, :, 0]
         if isinstance(slot, int) and self._contiguous:
@@ -254,9 +328,14 @@ class SlotKVPool:
         """Bool `[B, L]` in token calls with rows whose lookup hides columns (`Skip`), else None."""
         if key[0] != "core" or self._token_steps is None:
             return None
-        L = self._read_len
-        visible = self.depth[self._row_index, :L] > self._token_steps[:, None]
-        return visible | (torch.arange(L, device=self.device)[None] == self._cols[:, None])  # own column
+        if self.base(key) in self.windows:  # held positions: each row's depths from its first held column
+            L, own = self._held_len, self._held_cols
+            depth = self.depth[self._row_index[:, None], self._held_columns(self._row_index, L)]
+        else:
+            L, own = self._read_len, self._cols
+            depth = self.depth[self._row_index, :L]
+        visible = depth > self._token_steps[:, None]
+        return visible | (torch.arange(L, device=self.device)[None] == own[:, None])  # own column
 
     def get_state(self, key: LayerKey) -> Any:
         raise NotImplementedError("the serving KV pool supports attention mixers only")
@@ -309,8 +388,17 @@ class SlotKVPool:
         index = src[:, 0, 0]  # [row_slots]
         for base, (K, V) in self.kv.items():
             if base[0] == "core":
+                held = self._held(row, cols) if base in self.windows else cols
                 for store in (K, V):
-                    store[:row_slots, row, :, cols] = store[index, row, :, cols]
+                    store[:row_slots, row, :, held] = store[index, row, :, held]
+
+    def _held(self, row: int, cols: slice | int) -> slice | int:
+        """Columns `cols` of `row` (a column, or a slice from 0) as held positions of a windowed base; a
+        prompt's columns before the row's first held one are not held."""
+        first = self.first[row]
+        if isinstance(cols, int):
+            return cols - first
+        return slice(max(cols.start - first, 0), max(cols.stop - first, 0))
 
     def close_prefill(self, row: int, length: int, depth: int, row_slots: int) -> None:
         """The prompt columns [0, length) of `row` ran `depth` steps."""
@@ -323,9 +411,12 @@ class SlotKVPool:
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy columns [0, length) of row `src` to row `dst` (keeps running rows contiguous)."""
-        for K, V in self.kv.values():
-            K[:, dst, :, :length] = K[:, src, :, :length]
-            V[:, dst, :, :length] = V[:, src, :, :length]
+        for base, (K, V) in self.kv.items():
+            held = min(length - self.first[src], K.shape[3]) if base in self.windows else length
+            K[:, dst, :, :held] = K[:, src, :, :held]
+            V[:, dst, :, :held] = V[:, src, :, :held]
+        if self.windows:
+            self.first[dst] = self.first[src]
         self.depth[dst, :length] = self.depth[src, :length]
         self.policies[dst] = self.policies.pop(src)
         if self.row_codecs is not None:
@@ -416,6 +507,8 @@ class QuantizedSlotKVPool(SlotKVPool):
         super().__init__(device, kv_quant)
 
 
-def make_pool(kv_quant: KVQuant | None, device: Any = "cpu") -> SlotKVPool:
-    """The batch's KV pool: float entries, or code rows of `kv_quant`."""
-    return SlotKVPool(device) if kv_quant is None else QuantizedSlotKVPool(kv_quant, device)
+def make_pool(kv_quant: KVQuant | None, device: Any = "cpu", windows: Mapping[tuple, int] | None = None
+              ) -> SlotKVPool:
+    """The batch's KV pool: float entries (sliding-window bases `windows` holding recent columns only), or code
+    rows of `kv_quant` (every column held)."""
+    return SlotKVPool(device, windows=windows) if kv_quant is None else QuantizedSlotKVPool(kv_quant, device)

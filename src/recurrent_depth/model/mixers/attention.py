@@ -249,7 +249,9 @@ def window_mask(ctx: MixerContext, kv_len: int, window: int) -> Tensor:
     if ctx.query_columns is not None:  # [B, T]: each row's own columns
         q_idx = ctx.query_columns[:, None, :, None]  # [B, 1, T, 1]
         allowed = (k_idx <= q_idx) & (k_idx > q_idx - window)  # [B, 1, T, kv_len]
-        return allowed if ctx.attn_mask is None else ctx.attn_mask & allowed
+        # (the call's mask hides each row's keys past its own column, as `allowed` does; a pool that holds each
+        # row's recent columns returns fewer keys, counted from the row's first held one as query_columns are)
+        return allowed if ctx.attn_mask is None or ctx.attn_mask.shape[-1] != kv_len else ctx.attn_mask & allowed
     q_idx = torch.arange(ctx.past_len, ctx.past_len + T, device=ctx.positions.device)[:, None]
     allowed = (k_idx <= q_idx) & (k_idx > q_idx - window)  # [T, kv_len]
     if ctx.key_valid is not None and ctx.key_valid.shape[-1] == kv_len:

@@ -1,8 +1,8 @@
-"""LoRA training on a float base vs QLoRA on int8 / int4 bases (`LoraSpec(weights=...)`, `--lora --weights`).
+"""LoRA training on a float base vs QLoRA on int8 / int4 / nf4 bases (`LoraSpec(weights=...)`, `--lora --weights`).
 
     python benchmarks/qlora_train.py                          # hidden 256 and 1024, float32 and bf16
     python benchmarks/qlora_train.py --quick                  # smoke test (hidden 64, float32, 3 steps)
-    python benchmarks/qlora_train.py --hidden 512 --formats int4,int4:g128 --dtypes fp32
+    python benchmarks/qlora_train.py --hidden 512 --formats int4,int4:g128,nf4 --dtypes fp32
 
 For each hidden size (`--hidden`; a "small"-preset model: 1 prelude, 2 core, 1 coda layer, MLP 2.75 h,
 byte vocabulary) and dtype (`--dtypes`), the same model (seeded random init) with a rank-`--rank` adapter on
@@ -10,7 +10,8 @@ every part, once per base format (float, then `--formats`), side by side:
 
 * `linear_bytes`: the resident bytes of the base's transformer linear weights, counted exactly from the
   stored tensors (float: the weights; int8: 1 byte a weight + a float32 scale per output channel; int4:
-  half a byte a weight, padded to whole groups, + a bf16 scale and zero point per group of each channel),
+  half a byte a weight, padded to whole groups, + a bf16 scale and zero point per group of each channel;
+  nf4: half a byte a weight, padded to whole blocks, + a bf16 absmax per block of each channel),
   and `base_bytes`: every tensor of the base but the adapter's (embedding, norms and head included);
 * `build_peak_mib`, `build_resident_mib`: the peak RSS, and the RSS once the build's garbage is freed, over
   the process's RSS before the build (random init in float32, cast to the dtype, quantize, add the adapter:
@@ -71,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", default="256,1024", help="comma-separated hidden sizes (default: %(default)s)")
     p.add_argument("--dtypes", default="fp32,bf16", help=f"comma-separated, of {list(DTYPES)} (default: %(default)s)")
-    p.add_argument("--formats", default="int8,int4", type=weight_formats,
+    p.add_argument("--formats", default="int8,int4,nf4", type=weight_formats,
                    help="comma-separated quantized base formats, each against the float base (default: %(default)s)")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank (default: %(default)s)")
     p.add_argument("--batch", type=int, default=2, help="rows per step (default: %(default)s)")

@@ -1,4 +1,4 @@
-"""Weight-only quantization (`recurrent_depth.weight_quant`), int8 and int4: quality, small-shape
+"""Weight-only quantization (`recurrent_depth.weight_quant`), int8, int4 and nf4: quality, small-shape
 speed, kernel speed.
 
     python benchmarks/weight_quant.py --model runs/quickstart/model            # a trained model directory
@@ -7,7 +7,7 @@ speed, kernel speed.
 
 In one run:
 
-* teacher-forced agreement, per format (`--formats`, default int8, int4 and int4:g128): on `--rows`
+* teacher-forced agreement, per format (`--formats`, default int8, int4, int4:g128 and nf4): on `--rows`
   rows of the model directory's validation shards (`--data`, default `DIR/../data/validation.json`,
   what `rdepth quickstart` writes; held out from training), the first `--tokens` tokens of each, the
   fraction of positions whose argmax token is the same with quantized weights as without, with its
@@ -22,10 +22,11 @@ In one run:
   activations: `x @ W^T` with bf16 weights (ATen), the C++ bf16 stream the bf16 decode uses
   (`quant_cpp.bf16_linear`; "stream", when C++ is on), `Int8WeightLinear` (the C++ `int8_linear` at
   these row counts), `Int4WeightLinear` (group 32: the C++ `int4_linear` where C++ is on, else torch's
-  kernel) and, as "int4_torch", the same in torch's kernel layout (`aten._weight_int4pack_mm_for_cpu`),
-  alternating in `--repeats` rounds (the best of each kept), with the bytes each product reads (packed
+  kernel), as "int4_torch", the same in torch's kernel layout (`aten._weight_int4pack_mm_for_cpu`), and
+  `Nf4WeightLinear` (block 64: no kernel, dequantize then the product, the reference path), alternating
+  in `--repeats` rounds (the best of each kept), with the bytes each product reads (packed
   weights + scales + zero points, counted from the stored tensors) and the GB/s that implies; and at
-  M = 1 the same with float32 activations (fp32 weights against both int4 products in float32).
+  M = 1 the same with float32 activations (fp32 weights against both int4 products and nf4 in float32).
 
 Prints one JSON line, then tables. The clock is CPU time (`time.process_time`) at one thread and
 wall time otherwise; the load average is in the record.
@@ -51,7 +52,7 @@ from _args import checked_model_dir, weight_formats
 import recurrent_depth as rd
 from recurrent_depth.accel import quant_cpp
 from recurrent_depth.data.shards import ShardDataset
-from recurrent_depth.weight_quant import Int4WeightLinear, Int8WeightLinear, quantize_weights
+from recurrent_depth.weight_quant import Int4WeightLinear, Int8WeightLinear, Nf4WeightLinear, quantize_weights
 
 # Huginn-0125's linear shapes (K = in, N = out): Wqkv, half of MLP fc (gate or up), MLP proj, adapter.
 HUGINN_SHAPES = {"Wqkv": (5280, 3 * 5280), "mlp.fc/2": (5280, 17920), "mlp.proj": (17920, 5280),
@@ -63,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a trained model directory (needed unless --kernels-only)")
     p.add_argument("--data", default=None, help="validation shard index (default: MODEL/../data/validation.json)")
-    p.add_argument("--formats", default="int8,int4,int4:g128", type=weight_formats,
+    p.add_argument("--formats", default="int8,int4,int4:g128,nf4", type=weight_formats,
                    help="comma-separated weight formats to compare (default: %(default)s)")
     p.add_argument("--rows", type=int, default=64, help="validation rows for the agreement (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=64, help="positions per row (default: %(default)s)")
@@ -172,7 +173,7 @@ def alternating_best_ms(fns: dict[str, Any], repeats: int) -> dict[str, float]:
 
 
 def shape_timings(K: int, N: int, g: torch.Generator, repeats: int) -> dict[str, dict[str, Any]]:
-    """bf16 / int8 / int4 products at M = 1 and 8 (bf16 activations), and fp32 / int4 at M = 1."""
+    """bf16 / int8 / int4 / nf4 products at M = 1 and 8 (bf16 activations), and fp32 / int4 / nf4 at M = 1."""
     linear = torch.nn.Linear(K, N, bias=False)
     with torch.no_grad():
         linear.weight.normal_(0, K ** -0.5, generator=g)
@@ -186,14 +187,15 @@ def _bf16_rows(linear: torch.nn.Linear, g: torch.Generator, repeats: int) -> dic
     int8 = Int8WeightLinear.from_linear(linear)
     int4 = Int4WeightLinear.from_linear(linear, 32)  # the C++ product where C++ is on
     int4_torch = Int4WeightLinear.from_linear(linear, 32, kernel_layout=True)  # (Huginn's shapes fit at group 32)
+    nf4 = Nf4WeightLinear.from_linear(linear)  # (block 64; the reference: dequantize, then the bf16 product)
     read = dict(bf16=weight.numel() * 2, stream=weight.numel() * 2, int8=int8.quantized_bytes(),
-                int4=int4.quantized_bytes(), int4_torch=int4_torch.quantized_bytes())
+                int4=int4.quantized_bytes(), int4_torch=int4_torch.quantized_bytes(), nf4=nf4.quantized_bytes())
     kernels = quant_cpp.load() if quant_cpp.cpp_enabled() else None
     rows = {}
     for M in (1, 8):
         x = torch.randn(M, linear.in_features, generator=g).to(torch.bfloat16)
         fns = dict(bf16=lambda x=x: x @ weight.t(), int8=lambda x=x: int8(x), int4=lambda x=x: int4(x),
-                   int4_torch=lambda x=x: int4_torch(x))
+                   int4_torch=lambda x=x: int4_torch(x), nf4=lambda x=x: nf4(x))
         if kernels is not None:  # the bf16 decode's own product (`accel.runner._bf16_stream`)
             fns["stream"] = lambda x=x: kernels.bf16_linear(x, weight, None, None)
         rows[f"bf16 M={M}"] = _row(alternating_best_ms(fns, repeats), read)
@@ -204,11 +206,12 @@ def _fp32_row(linear: torch.nn.Linear, g: torch.Generator, repeats: int) -> dict
     weight = linear.weight.detach()
     int4 = Int4WeightLinear.from_linear(linear, 32)
     int4_torch = Int4WeightLinear.from_linear(linear, 32, kernel_layout=True)
+    nf4 = Nf4WeightLinear.from_linear(linear)
     x = torch.randn(1, linear.in_features, generator=g)
-    ms = alternating_best_ms(dict(fp32=lambda: x @ weight.t(), int4=lambda: int4(x), int4_torch=lambda: int4_torch(x)),
-                             repeats)
+    ms = alternating_best_ms(dict(fp32=lambda: x @ weight.t(), int4=lambda: int4(x), int4_torch=lambda: int4_torch(x),
+                                  nf4=lambda: nf4(x)), repeats)
     return _row(ms, dict(fp32=weight.numel() * 4, int4=int4.quantized_bytes(),
-                         int4_torch=int4_torch.quantized_bytes()))
+                         int4_torch=int4_torch.quantized_bytes(), nf4=nf4.quantized_bytes()))
 
 
 def _row(ms: dict[str, float], read: dict[str, int]) -> dict[str, Any]:
@@ -269,14 +272,16 @@ def main(argv: list[str] | None = None) -> int:
                       f"{s.get(fmt, '-'):>14}{s.get('unquantized', '-'):>13}")
     if kernels:
         print(f"\n{'product':<24}{'acts':<8}{'dense ms':>9}{'stream ms':>10}{'int8 ms':>9}{'int4 ms':>9}"
-              f"{'int4 torch ms':>14}{'int8 x':>8}{'int4 x':>8}{'int8 x str':>11}{'int4 x str':>11}"
+              f"{'int4 torch ms':>14}{'nf4 ms':>9}{'int8 x':>8}{'int4 x':>8}{'nf4 x':>8}{'int8 x str':>11}"
+              f"{'int4 x str':>11}"
               f"{'dense GB/s':>11}{'stream GB/s':>12}{'int8 GB/s':>10}{'int4 GB/s':>10}")
         for name, per in kernels.items():
             for acts, k in per.items():
                 dense = "bf16" if acts.startswith("bf16") else "fp32"
                 print(f"{name:<24}{acts:<8}{k[f'{dense}_ms']:>9}{k.get('stream_ms', '-'):>10}"
-                      f"{k.get('int8_ms', '-'):>9}{k['int4_ms']:>9}{k['int4_torch_ms']:>14}"
-                      f"{k.get('int8_speedup', '-'):>8}{k['int4_speedup']:>8}{k.get('int8_vs_stream', '-'):>11}"
+                      f"{k.get('int8_ms', '-'):>9}{k['int4_ms']:>9}{k['int4_torch_ms']:>14}{k['nf4_ms']:>9}"
+                      f"{k.get('int8_speedup', '-'):>8}{k['int4_speedup']:>8}{k['nf4_speedup']:>8}"
+                      f"{k.get('int8_vs_stream', '-'):>11}"
                       f"{k.get('int4_vs_stream', '-'):>11}{k[f'{dense}_gb_s']:>11}{k.get('stream_gb_s', '-'):>12}"
                       f"{k.get('int8_gb_s', '-'):>10}{k['int4_gb_s']:>10}")
     return 0

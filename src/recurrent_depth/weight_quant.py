@@ -36,7 +36,18 @@ the others the reference. Group 32 is the default because it is the only size
 that divides Huginn-0125's width 5280 (so the only one whose layers take torch's kernel there), and the
 most accurate.
 
-Both formats compute `x W^T + b` with the weight their reference dequantizes, so a model whose
+nf4 (`"nf4"` = `"nf4:g64"`; `"nf4:g32"`, `"nf4:g128"`, `"nf4:g256"`): QLoRA's 4-bit NormalFloat
+(Dettmers et al. 2023): per block of `block` consecutive input weights of a row, `w = NF4_LEVELS[q] * absmax`
+with q in 0..15, the 16 levels quantiles of N(0, 1) scaled to [-1, 1] with an exact 0 (`nf4_levels`), the
+absmax stored as a bf16 value (QLoRA keeps float32, or double-quantizes it to 8 bits: not done here), two codes a
+byte as int4's plain layout: 0.53125 bytes a weight at block 64. There is no kernel: every call takes the reference
+(a table lookup of each byte's two levels, times the block's absmax, then `F.linear`), so nf4 decodes at the
+dequantize path's speed, not int4's C++ one. Its point is accuracy per byte: one scale a block where int4 keeps a
+scale and a zero, so at the same bytes its blocks are half as long, and on Gaussian weights its round-trip error is
+below int4's at equal bytes (nf4:gN against int4:g2N, tested; at the same block size int4's two parameters win at
+32 and 64).
+
+All formats compute `x W^T + b` with the weight their reference dequantizes, so a model whose
 linears hold the dequantized weights (`dequantize_weights`) is the reference of a quantized one
 (tested: bit-equal where a layer takes the reference, within the kernel's rounding where not).
 
@@ -62,7 +73,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-WEIGHT_FORMATS = ("int8", "int4")  # "int4" also takes a group size: "int4:g64"
+WEIGHT_FORMATS = ("int8", "int4", "nf4")  # "int4" and "nf4" also take a group (block) size: "int4:g64"
 
 # The widths `aten._weight_int8pack_mm` computes correctly (measured: K % 16 != 0 gives NaN or a crash).
 KERNEL_K_MULTIPLE = 16
@@ -81,6 +92,8 @@ INT4_DEFAULT_GROUP = 32
 INT4_KERNEL_N_MULTIPLE = 16  # `_convert_weight_to_int4pack_for_cpu` needs out_features % 16 == 0
 INT4_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INT4_OFFSET = 8  # the kernel reads a stored 4-bit value q as q - 8
+NF4_BLOCK_SIZES = (32, 64, 128, 256)  # (no kernel constrains them: int4's, with QLoRA's 64 the default)
+NF4_DEFAULT_BLOCK = 64
 # Values of each weight, spread evenly over it, that `train.lora.base_fingerprint` hashes; a quantized layer keeps
 # those of the float weight it was made from (`QuantizedLinear.source_samples`).
 FINGERPRINT_SAMPLES = 64
@@ -94,25 +107,33 @@ def spread_samples(tensor: Tensor, count: int = FINGERPRINT_SAMPLES) -> Tensor:
     return flat[index.to(flat.device)]
 
 
+# The group (block) sizes and the default of each format that takes one ("int4:g64", "nf4:g128").
+_GROUPED = {"int4": (INT4_GROUP_SIZES, INT4_DEFAULT_GROUP), "nf4": (NF4_BLOCK_SIZES, NF4_DEFAULT_BLOCK)}
+
+
 def _invalid(weights: object) -> ValueError:
     groups = ", ".join(f"'int4:g{g}'" for g in INT4_GROUP_SIZES)
+    blocks = ", ".join(f"'nf4:g{g}'" for g in NF4_BLOCK_SIZES)
     return ValueError(f"weights={weights!r} is invalid: expected 'int8', 'int4' (group {INT4_DEFAULT_GROUP}) "
-                      f"or one of {groups} (or None)")
+                      f"or one of {groups}, 'nf4' (block {NF4_DEFAULT_BLOCK}) or one of {blocks} (or None)")
 
 
 def parse_weights(weights: str | None) -> tuple[str, int | None] | None:
-    """("int8", None) or ("int4", group) for a valid `weights` string, None for None; else a one-line ValueError."""
+    """("int8", None), ("int4", group) or ("nf4", block) for a valid `weights` string, None for None; else a
+    one-line ValueError."""
     if weights is None:
         return None
     if weights == "int8":
         return "int8", None
-    if not isinstance(weights, str) or not weights.startswith("int4"):
+    kind = next((k for k in _GROUPED if isinstance(weights, str) and weights.startswith(k)), None)
+    if kind is None:
         raise _invalid(weights)
-    suffix = weights[len("int4"):]
+    sizes, default = _GROUPED[kind]
+    suffix = weights[len(kind):]
     if suffix == "":
-        return "int4", INT4_DEFAULT_GROUP
-    if suffix.startswith(":g") and suffix[2:].isdigit() and int(suffix[2:]) in INT4_GROUP_SIZES:
-        return "int4", int(suffix[2:])
+        return kind, default
+    if suffix.startswith(":g") and suffix[2:].isdigit() and int(suffix[2:]) in sizes:
+        return kind, int(suffix[2:])
     raise _invalid(weights)
 
 
@@ -216,6 +237,70 @@ def unpack_kernel_layout(packed: Tensor, in_features: int, group: int, rows: int
     return torch.cat(cols).t().to(torch.uint8).contiguous()
 
 
+# ---------------------------------------------------------------- nf4, block-wise NormalFloat
+
+
+def nf4_levels(bits: int = 4) -> Tensor:
+    """QLoRA's `2**bits` NormalFloat levels (Dettmers et al. 2023, section 3), sorted float32 in [-1, 1]: quantiles of
+    N(0, 1) at evenly spaced probabilities, scaled so the outermost are -1 and 1, with an exact 0.
+
+    Asymmetric, as the paper builds it: 2^(bits-1) + 1 quantiles for the positive half and 2^(bits-1) for the
+    negative one (each from probability 1/2, whose quantile is 0, out to `outer`), one of the two zeros dropped:
+    8 positive levels, 7 negative and 0. The paper's quantile estimate is infinite at probabilities 0 and 1, so
+    the outermost level takes the centre of the last of n equal-probability slices, 1 - 1/(2n): n = 2^bits for a
+    symmetric type of this many levels, 2^bits - 1 for one with a zero; the asymmetric type sits between them,
+    so the mean of the two."""
+    n = 2**bits
+    outer = ((1 - 1 / (2 * n)) + (1 - 1 / (2 * (n - 1)))) / 2
+    quantiles = lambda count: torch.special.ndtri(torch.linspace(0.5, outer, count, dtype=torch.float64))[1:]  # noqa: E731
+    positive, negative = quantiles(n // 2 + 1), -quantiles(n // 2)
+    levels = torch.cat([negative.flip(0), torch.zeros(1, dtype=torch.float64), positive]) / positive[-1]
+    return levels.float()
+
+
+NF4_LEVELS = nf4_levels()
+# Each byte's two levels (low nibble first, `pack_nibbles`' order): the dequantize's one lookup a byte.
+NF4_BYTE_LEVELS = torch.stack([NF4_LEVELS.repeat(16), NF4_LEVELS.repeat_interleave(16)], dim=-1)
+# Rows quantized at a time: the rounding's float32 and int64 temporaries stay near 2^22 weights, not a layer's.
+_NF4_CHUNK_WEIGHTS = 1 << 22
+
+
+def quantize_nf4(weight: Tensor, block: int = NF4_DEFAULT_BLOCK) -> tuple[Tensor, Tensor]:
+    """Block-wise NormalFloat 4-bit: (q uint8 `[out, padded_in]` holding 0..15, absmax bf16 `[out, blocks]`) with
+    `weight[o, i] ~ NF4_LEVELS[q[o, i]] * absmax[o, i // block]`, each weight / its block's absmax rounded to the
+    nearest level. `padded_in` rounds `in` up to a multiple of `block` (zero columns: the exact 0 level)."""
+    if block not in NF4_BLOCK_SIZES:
+        raise ValueError(f"nf4 block size {block} is invalid: expected one of {list(NF4_BLOCK_SIZES)}")
+    w = weight.detach().float()
+    out_features, in_features = w.shape
+    padded = -(-in_features // block) * block
+    if padded != in_features:
+        w = F.pad(w, (0, padded - in_features))
+    blocks = w.view(out_features, padded // block, block)
+    # rounded to bf16 values first (stored as bf16: half of QLoRA's float32 absmax), so the codes are rounded against
+    # the scale the dequantize reads; a block's largest weight may then sit a bf16 step past 1: level 1 is nearest
+    absmax = blocks.abs().amax(dim=-1).to(torch.bfloat16)
+    absmax = torch.where(absmax > 0, absmax, torch.ones_like(absmax))  # an all-zero block: the 0 level
+    levels = NF4_LEVELS.to(w.device)
+    midpoints = (levels[1:] + levels[:-1]) / 2  # (bucketize: the index of the nearest level)
+    q = torch.empty(out_features, padded, dtype=torch.uint8, device=w.device)
+    rows = max(1, _NF4_CHUNK_WEIGHTS // padded)
+    for start in range(0, out_features, rows):
+        normed = blocks[start:start + rows] / absmax[start:start + rows, :, None].float()
+        q[start:start + rows] = torch.bucketize(normed, midpoints).view(-1, padded)
+    return q, absmax
+
+
+def dequantize_nf4(packed: Tensor, absmax: Tensor, in_features: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The weight `[out, in_features]` of packed nf4 codes (`pack_nibbles` of `quantize_nf4`'s q) and their absmax,
+    in `dtype` (computed in float32, then cast): each byte's two levels looked up, times the block's absmax."""
+    out_features, n_bytes = packed.shape
+    n_blocks = absmax.shape[1]
+    w = NF4_BYTE_LEVELS.to(packed.device).index_select(0, packed.reshape(-1).int())
+    w = w.view(out_features, n_blocks, 2 * n_bytes // n_blocks).mul_(absmax.float()[..., None])
+    return w.view(out_features, 2 * n_bytes)[:, :in_features].to(dtype)
+
+
 # ---------------------------------------------------------------- the layers
 
 
@@ -256,6 +341,10 @@ class QuantizedLinear(nn.Module):
 
     def quantized_bytes(self) -> int:
         """Bytes of the quantized weight as stored: its packed values and their scales (and zero points)."""
+        raise NotImplementedError
+
+    def weights_format(self) -> str:
+        """The `weights` string of this layer's format ("int8", "int4:g32", "nf4:g64")."""
         raise NotImplementedError
 
     def _reference(self, x: Tensor) -> Tensor:
@@ -334,6 +423,9 @@ class Int8WeightLinear(QuantizedLinear):
 
     def quantized_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales))
+
+    def weights_format(self) -> str:
+        return format_weights("int8", None)
 
     def uses_kernel(self, x: Tensor) -> bool:
         """Whether this call takes torch's int8 kernel (bf16 on CPU at a supported width, at most KERNEL_MAX_ROWS
@@ -440,6 +532,9 @@ class Int4WeightLinear(QuantizedLinear):
     def quantized_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales_and_zeros))
 
+    def weights_format(self) -> str:
+        return format_weights("int4", self.group)
+
     def uses_kernel(self, x: Tensor) -> bool:
         """Whether this call takes torch's int4 kernel (a layer in its layout, CPU activations of a dtype
         it takes)."""
@@ -470,6 +565,43 @@ class Int4WeightLinear(QuantizedLinear):
         return self._with_bias(torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.qweight, self.group, sz), x)
 
 
+class Nf4WeightLinear(QuantizedLinear):
+    """A linear layer with block-wise NormalFloat 4-bit weights (QLoRA's NF4): `y = x W^T + b`,
+    `W[o, i] = NF4_LEVELS[q[o, i]] * absmax[o, i // block]`.
+
+    Buffers `qweight` (uint8 `[out, padded_in / 2]`, two codes a byte: `pack_nibbles`) and `absmax` (bf16
+    `[out, blocks]`). No kernel: every call takes the reference (dequantize, then `F.linear`; under autograd
+    `_DequantizedLinear`, QLoRA training), decode rows included. Made by `quantize_weights`; frozen."""
+
+    def __init__(self, qweight: Tensor, absmax: Tensor, bias: Tensor | None, in_features: int, block: int) -> None:
+        super().__init__(qweight.shape[0], in_features, bias)
+        self.block = block
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("absmax", absmax)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, block: int = NF4_DEFAULT_BLOCK) -> Nf4WeightLinear:
+        q, absmax = quantize_nf4(linear.weight, block)
+        layer = cls(pack_nibbles(q), absmax, linear.bias, linear.weight.shape[1], block)
+        layer._record_source(linear.weight)
+        return layer
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        return dequantize_nf4(self.qweight, self.absmax, self.in_features, dtype)
+
+    def quantized_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.absmax))
+
+    def weights_format(self) -> str:
+        return format_weights("nf4", self.block)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self._reference(x)
+
+
+QUANTIZED_LAYERS = (Int8WeightLinear, Int4WeightLinear, Nf4WeightLinear)  # `quantize_weights`' layers, by format
+
+
 def _replace_children(root: nn.Module, plain: type[nn.Module], make) -> int:
     count = 0
     # The parents only: a list holding the replaced layers would keep both copies in memory until the end. Inside a
@@ -488,8 +620,9 @@ def quantize_weights(model: nn.Module, weights: str | None = "int8", include_hea
                      kernel_layout: bool | None = None) -> int:
     """Quantize `model` (a `RecurrentDepthLM`) in place; returns the number of layers swapped.
 
-    weights: "int8", "int4" (group 32) or "int4:g<group>" (None: nothing). Every `nn.Linear` under
-    `model.transformer` becomes an `Int8WeightLinear` / `Int4WeightLinear`; `include_head` also
+    weights: "int8", "int4" (group 32), "int4:g<group>", "nf4" (block 64) or "nf4:g<block>" (None: nothing). Every
+    `nn.Linear` under `model.transformer` becomes an `Int8WeightLinear` / `Int4WeightLinear` / `Nf4WeightLinear`;
+    `include_head` also
     quantizes an untied `lm_head` (a tied one shares the embedding's storage: ValueError). A model already
     holding this format keeps its codes (only a float head that include_head asks for is quantized); one
     holding another format is a ValueError. kernel_layout: the int4 layers' (`Int4WeightLinear.from_linear`'s;
@@ -522,6 +655,8 @@ def quantize_weights(model: nn.Module, weights: str | None = "int8", include_hea
     def make(linear: nn.Linear) -> QuantizedLinear:
         if kind == "int8":
             return Int8WeightLinear.from_linear(linear)
+        if kind == "nf4":
+            return Nf4WeightLinear.from_linear(linear, group)
         return Int4WeightLinear.from_linear(linear, group, kernel_layout)
 
     from recurrent_depth.accel.linear import restore_linears  # (accel imports this module)
@@ -560,24 +695,23 @@ def register_after_quantize(hook: Callable[[nn.Module], None]) -> None:
 def dequantize_weights(model: nn.Module) -> int:
     """Undo `quantize_weights` up to its rounding: every quantized layer becomes the plain nn.Linear
     holding its dequantized weight (in the dtype it was quantized from). Returns how many."""
-    return sum(_replace_children(model, cls, cls.dequantized) for cls in (Int8WeightLinear, Int4WeightLinear))
+    return sum(_replace_children(model, cls, cls.dequantized) for cls in QUANTIZED_LAYERS)
 
 
 def format_weights(kind: str, group: int | None) -> str:
-    """The `weights` string of a parsed format: "int8" or "int4:g<group>"."""
+    """The `weights` string of a parsed format: "int8", "int4:g<group>" or "nf4:g<block>"."""
     return kind if group is None else f"{kind}:g{group}"
 
 
 def held_weights(model: nn.Module) -> str | None:
-    """The format of the quantized layers `model` holds ("int8", "int4:g32", or "int8+int4:g32" for a
+    """The format of the quantized layers `model` holds ("int8", "int4:g32", "nf4:g64", or "int8+int4:g32" for a
     mix), None for none."""
-    formats = {format_weights("int8", None) if isinstance(m, Int8WeightLinear) else format_weights("int4", m.group)
-               for m in model.modules() if isinstance(m, Int8WeightLinear | Int4WeightLinear)}
+    formats = {m.weights_format() for m in model.modules() if isinstance(m, QuantizedLinear)}
     return "+".join(sorted(formats)) or None
 
 
 def quantized_weights(model: nn.Module) -> bool:
-    """Whether any layer of `model` holds quantized (int8 or int4) weights."""
+    """Whether any layer of `model` holds quantized (int8, int4 or nf4) weights."""
     return any(isinstance(m, QuantizedLinear) for m in model.modules())
 
 
@@ -585,7 +719,7 @@ def check_saveable(model: object, path: object) -> None:
     """Refuse to save a model with quantized layers: their `qweight` / `scales` tensors are names no
     loader reads, so the directory written would not load (quantize at load instead)."""
     if isinstance(model, nn.Module) and quantized_weights(model):
-        raise ValueError(f"cannot save to {path}: this model's linear layers hold quantized (int8 / int4) "
+        raise ValueError(f"cannot save to {path}: this model's linear layers hold quantized (int8 / int4 / nf4) "
                          f"weights, which no loader reads; save the float model and quantize at load "
                          f"(weights='int8' / --weights), or call recurrent_depth.weight_quant.dequantize_weights"
                          f"(model) first")

@@ -107,8 +107,9 @@ def check_lora_scale(alpha: float, rank: int, rslora: bool, field: str) -> None:
 @dataclass(frozen=True)
 class LoraSpec:
     """Which modules get a LoRA adapter and its shape: `B A` of rank `rank`, scaled by `alpha / rank`.
-    weights: "int8" / "int4" / "int4:g<group>" trains the adapter on the base quantized to that format (QLoRA:
-    `add_lora` quantizes it, frozen, before the adapter goes on); None keeps the base's float weights.
+    weights: "int8" / "int4" / "int4:g<group>" / "nf4" / "nf4:g<block>" trains the adapter on the base quantized to
+    that format (QLoRA: `add_lora` quantizes it, frozen, before the adapter goes on); None keeps the base's float
+    weights.
     parts: None (the default) is every part the model has (Parcae's and Ouro's injection is no linear layer, Ouro
     has no prelude or coda); a part named here that the model lacks is refused by `target_modules`."""
 
@@ -379,7 +380,8 @@ WEIGHTS_KEY = "base_model_weights"
 FINGERPRINT_SCHEME = "rd1"  # the recipe below; a recorded fingerprint of another scheme is not compared
 _RECORDED_FINGERPRINT = re.compile(rf"{FINGERPRINT_SCHEME}:[0-9a-f]{{16}}")  # what base_fingerprint gives
 _RECORDED_DTYPE = re.compile(r"[a-z][a-z0-9_]{0,31}")  # a torch dtype's name ("float32"), or "none"
-_RECORDED_WEIGHTS = re.compile(r"(int8|int4:g\d{1,4})(\+(int8|int4:g\d{1,4})){0,4}")  # `held_weights`' (a mix: "+")
+# `held_weights`' (a mix: "+")
+_RECORDED_WEIGHTS = re.compile(r"(int8|(int4|nf4):g\d{1,4})(\+(int8|(int4|nf4):g\d{1,4})){0,4}")
 # (FINGERPRINT_SAMPLES, from weight_quant: values read from each parameter, spread evenly over it)
 FLOAT16_SMALLEST_NORMAL = 2.0**-14  # smaller magnitudes hash as 0: a float16 load keeps them only approximately
 # peft's names for a wrapped layer's own weight (`Wqkv.base_layer.weight`, `lm_head.original_module.weight`),
@@ -1097,7 +1099,8 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     # (the flag here, not cli.common's add_weights_arg, whose meaning is a load's: cli/ imports train/, not back)
     group.add_argument("--weights", default=None, metavar="FORMAT",
                        help="QLoRA: train the adapter on the base's transformer linear layers quantized to 'int8', "
-                            "'int4' (group 32) or 'int4:g64' / 'int4:g128' / 'int4:g256', frozen (needs --lora); the "
+                            "'int4' (group 32), 'int4:g64' / 'int4:g128' / 'int4:g256', or QLoRA's 'nf4' (blocks "
+                            "of 64; 'nf4:g32' ... 'nf4:g256'), frozen (needs --lora); the "
                             "adapter saved is an ordinary one, for the float model as for a --weights load of it "
                             "(docs/post-training.md). Default: the float weights")
 

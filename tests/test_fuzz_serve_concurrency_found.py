@@ -3,11 +3,13 @@ streamed and whole, n > 1, depths, exit criteria, kv_quant, solo requests, two L
 unloaded at runtime while its requests run, stop strings, clients that leave mid-stream or mid-body, malformed
 requests, /v1/models and /metrics polled; every answer compared with the same request sent alone).
 
-An accepted unload (`POST /v1/unload_lora_adapter`) waits for the running requests, and no new job starts
-meanwhile: a request naming the adapter that came during that wait was accepted, waited behind the unload, and
-then made it a 409 ("requests waiting"). Under steady traffic for the adapter every retry met the same: the fuzzer
-needed up to 157 tries for 2 unloads, each try draining the whole server. As vLLM's, an accepted unload now stops
-serving the name at once (a later request naming it is a 404) and still waits for the running ones."""
+An accepted unload (`POST /v1/unload_lora_adapter`) used to wait for the running requests with no new job
+starting meanwhile, and a request naming the adapter that came during that wait was accepted, waited behind the
+unload, then made it a 409 ("requests waiting"): under steady traffic for the adapter every retry met the same (the
+fuzzer needed up to 157 tries for 2 unloads, each try draining the whole server). Now an unload drains the adapter,
+as vLLM's (docs/serving.md): the name stops being served at once (a later request naming it is a 404), the requests
+already accepted for it, running or queued, finish with it, and the unload answers once its layers are deleted;
+it is never a 409."""
 
 from __future__ import annotations
 

@@ -221,7 +221,7 @@ def test_a_target_modules_regex_that_backtracks_exponentially_is_a_one_line_erro
         load_lora(tiny_model(), tmp_path / "adapter")
     assert "\n" not in str(info.value) and time.perf_counter() - start < 5
     names = ["transformer.core_block.0.attn.Wqkv", "transformer.coda.0.mlp.proj"]
-    assert lora._fullmatches(re.compile(r".*\.attn\..*"), names, 1.0) == {names[0]}  # an ordinary one, timed
+    assert lora._timed_matches([(r".*\.attn\..*", "fullmatch")], names, 1.0) == [{names[0]}]  # an ordinary one
 
 
 def test_an_adapter_config_saying_all_linear_loads_onto_every_linear_layer_but_the_head(tmp_path):

@@ -30,6 +30,7 @@ calls the encode and read on raw pointers (`decode_attend_rows`: no ATen call at
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -43,7 +44,8 @@ import sysconfig
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -1816,9 +1818,39 @@ def compile_extension(name: str, scratch: Path, source: str = CPP_SOURCE) -> tup
     stay out of the shared cache); (the imported module, its library)."""
     from torch.utils.cpp_extension import load_inline
 
-    module = load_inline(name, cpp_sources=[source], extra_cflags=list(BUILD_FLAGS), extra_ldflags=list(LINK_FLAGS),
-                         build_directory=str(scratch), verbose=False)
+    with torch_build_notes_at_debug():
+        module = load_inline(name, cpp_sources=[source], extra_cflags=list(BUILD_FLAGS),
+                             extra_ldflags=list(LINK_FLAGS), build_directory=str(scratch), verbose=False)
     return module, scratch / f"{name}.so"
+
+
+TORCH_BUILD_LOGGER = "torch.utils.cpp_extension"
+
+
+@contextlib.contextmanager
+def torch_build_notes_at_debug() -> Iterator[None]:
+    """torch's own notes while it builds an extension (its compiler check's "!! WARNING !! Your compiler (...) is
+    not compatible with the compiler Pytorch was built with ...", a record of its logger in torch 2.x, a
+    `warnings` warning before) on this module's log at DEBUG: a build that fails is one line (`failure_line`, in
+    the caller's note), not that paragraph first; one that works needs no notes. Other warnings pass on."""
+
+    def to_debug(record: logging.LogRecord) -> bool:
+        log.debug("torch's extension build: %s", record.getMessage())
+        return False  # (not emitted by torch's handlers)
+
+    torch_log = logging.getLogger(TORCH_BUILD_LOGGER)
+    torch_log.addFilter(to_debug)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+    finally:
+        torch_log.removeFilter(to_debug)
+        for warning in caught:
+            if "cpp_extension" in warning.filename:
+                log.debug("torch's extension build: %s", warning.message)
+            else:  # (another thread's, or the compiler's import of something: not ours to hide)
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
 
 def import_extension(name: str, library: Path) -> Any:

@@ -21,7 +21,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "under each KV policy (per-step, shared-4, last-step, and --kv-policy when given), per token and in all; "
         "with --kv-quant, the same again with the KV entries quantized (every norm counted). With sliding-window "
         "layers, also what autoregressive decoding allocates at max_seq_len (a layer of window W holds about 2W "
-        "columns, from a prompt of about W tokens or fewer; the full-context figures are what speculative and "
+        "columns, from a prompt of about W tokens or fewer; quantized, at least the few columns its codes decode "
+        "exactly from at tiny head dims; the full-context figures are what speculative and "
         "parallel decoding, the serving pool and RDEPTH_FULL_WINDOW_CACHE=1 hold).",
     )
     from recurrent_depth.config import PRESETS
@@ -61,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
 
     from recurrent_depth.config import ModelConfig
     from recurrent_depth.inference.cache import WINDOW_ALIGN, decoding_window_columns, layer_windows
+    from recurrent_depth.inference.kv_codec import exact_decode_columns, shared_codec
     from recurrent_depth.inference.quant_cache import parse_kv_quant_option
     from recurrent_depth.model.cache import parse_kv_policy
     from recurrent_depth.model.recurrent import RecurrentDepthLM
@@ -94,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
     # store (base key, as the cache keys them) allocates at most `decoding_window_columns` columns; {}: none does.
     windows = layer_windows(model)
 
-    def cache_bytes(tokens: int, policy=policies["per-step"], decoding: bool = False) -> int:
+    def cache_bytes(tokens: int, policy=policies["per-step"], decoding: bool = False, floor: int = 0) -> int:
+        """bf16 bytes of every store at `tokens` columns; decoding: windowed ones at what autoregressive decoding
+        allocates, their reach at least `floor` columns (a quantized cache's: `StaticRecurrentCache._reach`)."""
         slots = policy.slots.num_slots(config.mean_recurrence)
         blocks = [(1, (part, i), b) for part, container in (("prelude", "prelude"), ("coda", "coda"))
                   for i, b in enumerate(model.transformer[container])]
@@ -102,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         # compress-rN keeps one store for all core layers
         blocks += ([(slots, ("core", j), b) for j, b in enumerate(core)] if policy.slots.per_layer
                    else [(slots, ("core",), core[0])])
-        return sum(n * block.attn.state_nbytes(1, min(tokens, decoding_window_columns(windows[base]))
+        return sum(n * block.attn.state_nbytes(1, min(tokens, decoding_window_columns(max(windows[base], floor)))
                                                if decoding and base in windows else tokens, torch.bfloat16)
                    for n, base, block in blocks)
 
@@ -141,6 +145,17 @@ def run(args: argparse.Namespace) -> int:
             # (a true quotient: with per-part num_kv_heads in mixer_options it is not a whole number of layers)
             name: round(per / bf16_entry * per_layer) for name, per in bf16.items()
         }
+        # Autoregressive decoding to max_seq_len: a windowed store holds its bounded columns of codes, at least
+        # the fewest its codes decode bitwise from (`exact_decode_columns`: more than W at tiny head dims), and
+        # each store the spec's recent-token bf16 window
+        codes = kv_quant.bytes_per_token(config.head_dim, config.num_kv_heads)
+        floor = exact_decode_columns((shared_codec(kv_quant, "k", config.head_dim),
+                                      shared_codec(kv_quant, "v", config.head_dim)))
+        recent = min(kv_quant.window, length)
+        info["cache_bytes_at_max_seq_len_quantized_autoregressive_by_kv_policy"] = {
+            policy.name: round(cache_bytes(length, policy, decoding=True, floor=floor) / bf16_entry * codes)
+            + cache_bytes(recent, policy) for policy in policies.values()
+        }
     if args.json:
         print(json.dumps(info, sort_keys=True))
         return 0
@@ -168,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name:>22}  {human_bytes(nbytes)} ({nbytes:,} bytes; {per:,} bytes/token{decode_note(decoding[name])})")
     for name, per in info.get("kv_cache_bytes_per_token_quantized_by_kv_policy", {}).items():
         ratio = info["kv_cache_bytes_per_token_bf16_by_kv_policy"]["per-step+deepest"] / per
+        quantized_decoding = info["cache_bytes_at_max_seq_len_quantized_autoregressive_by_kv_policy"][name]
         print(f"{name + ' quantized':>22}  {per:,} bytes/token ({info['kv_quant']}; {ratio:.1f}x smaller than "
-              f"per-step bf16)")
+              f"per-step bf16{decode_note(quantized_decoding)})")
     return 0

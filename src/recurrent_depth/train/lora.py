@@ -37,7 +37,10 @@ import hashlib
 import json
 import math
 import re
-import time
+import signal
+import subprocess
+import sys
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -681,25 +684,51 @@ def module_name_patterns(model: nn.Module) -> list[str]:
                    if isinstance(module, LINEAR_TYPES)})
 
 
-TARGET_REGEX_SECONDS = 2.0  # the longest an adapter's target_modules regex may take over the model's module names
+TARGET_REGEX_SECONDS = 2.0  # the longest all of an adapter's regexes may take over the module names peft matches
+# The extra time a child interpreter (`_matches_in_child`) gets to start: its own timer counts the matching alone
+REGEX_CHILD_START_SECONDS = 5.0
 
 
 class _SlowRegex(Exception):
-    pass
+    """Regex `index` (of those `_timed_matches` was given) was still matching when the time was up."""
+
+    def __init__(self, index: int = 0) -> None:
+        super().__init__(index)
+        self.index = index
 
 
-def _fullmatches(pattern: re.Pattern[str], names: list[str], seconds: float) -> set[str] | None:
-    """The `names` that `pattern` matches whole, or None when matching them all takes over `seconds`: a regex
-    that backtracks exponentially (`([\\w.]+)+Z`) took hours on a 35-character module name, here and then in
-    peft, which matches every module name the same way. Timed by SIGALRM (the regex engine checks for
-    signals) in the main thread when no other timer is set; untimed elsewhere."""
-    import signal
-    import threading
+def adapter_regexes(config: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """The regular expressions peft matches adapter_config.json's fields with against module names, each as (field,
+    its text as written, the regex peft matches, "fullmatch" or "match": how it calls it), as peft 0.17-0.21 builds
+    them (tuners_utils.check_target_module_exists, utils.other.get_pattern_key): target_modules and exclude_modules
+    as strings (a list: names matched by suffix, no regex), each rank_pattern / alpha_pattern key, and
+    layers_pattern (with layers_to_transform and a list of target_modules: around each module's layer index)."""
+    regexes = [(field, value, value, "fullmatch") for field in SET_FIELDS
+               if isinstance(value := config.get(field), str) and value.lower() != ALL_LINEAR]
+    for field in ("rank_pattern", "alpha_pattern"):
+        keys = config.get(field)
+        regexes += [(field, key, rf"(.*\.)?({key})$", "match") for key in (keys if isinstance(keys, dict) else {})]
+    layers = config.get("layers_pattern")
+    layers = [layers] if isinstance(layers, str) else layers if isinstance(layers, list) else []
+    regexes += [("layers_pattern", text, rf"(?:^|.*?\.){text}\.(?P<idx>\d+)\.", "match") for text in layers
+                if isinstance(text, str) and text]
+    return regexes
 
-    timed = (hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
-             and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0))
-    if not timed:
-        return {name for name in names if pattern.fullmatch(name)}
+
+def _match_each(regexes: list[tuple[re.Pattern[str], str]], names: list[str], running: list[int]) -> list[set[str]]:
+    """The `names` each of `regexes` matches (pattern, "fullmatch" or "match"); running[0]: the one matching now."""
+    found = []
+    for index, (pattern, how) in enumerate(regexes):
+        running[0] = index
+        match = getattr(pattern, how)
+        found.append({name for name in names if match(name)})
+    return found
+
+
+def _matches_under_alarm(regexes: list[tuple[re.Pattern[str], str]], names: list[str],
+                         seconds: float) -> list[set[str]]:
+    """`_match_each`, stopped by SIGALRM after `seconds` (the regex engine checks for signals): main thread only."""
+    running = [0]
 
     def expire(signum: int, frame: Any) -> None:
         raise _SlowRegex
@@ -708,52 +737,134 @@ def _fullmatches(pattern: re.Pattern[str], names: list[str], seconds: float) -> 
     try:
         try:
             signal.setitimer(signal.ITIMER_REAL, seconds)
-            return {name for name in names if pattern.fullmatch(name)}
+            return _match_each(regexes, names, running)
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0.0)
     except _SlowRegex:  # (also an alarm firing between the last match and the timer's reset: caught here)
-        return None
+        raise _SlowRegex(running[0]) from None
     finally:
         signal.signal(signal.SIGALRM, previous)
 
 
-def _regex_matches(source: str, field: str, given: str, regex: str, names: list[str], deadline: float) -> set[str]:
-    """The `names` that `regex` (adapter_config.json's `field`, `given` as written) matches whole, as peft matches
-    them; a one-line error naming the field for an invalid regex or one still matching at `deadline` (monotonic:
-    TARGET_REGEX_SECONDS for all of an adapter's regexes, so that many keys cannot add up to hours)."""
+# `_matches_in_child`'s child: the standard library alone (no torch: it starts in ~50 ms), its own SIGALRM timer
+# (exit 3 when it fires), the index of each regex as it starts, then the indices of the names each one matched
+_REGEX_CHILD = """
+import json, re, signal, sys
+regexes, names, seconds = json.load(sys.stdin)
+def expire(signum, frame):
+    sys.exit(3)
+if hasattr(signal, "setitimer"):
+    signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+found = []
+for index, (regex, how) in enumerate(regexes):
+    print(index, flush=True)
+    match = getattr(re.compile(regex), how)
+    found.append([i for i, name in enumerate(names) if match(name)])
+if hasattr(signal, "setitimer"):
+    signal.setitimer(signal.ITIMER_REAL, 0.0)
+print(json.dumps(found), flush=True)
+"""
+
+
+def _matches_in_child(regexes: list[tuple[re.Pattern[str], str]], names: list[str],
+                      seconds: float) -> list[set[str]] | None:
+    """`_match_each` in a child interpreter, killed when over time; None where no child interpreter can start. Off
+    the main thread (the server loads adapters on its scheduler's thread) no timer can stop a regex, and a thread's
+    regex holds the GIL: every thread of the process froze while it ran. The child costs ~50-70 ms."""
+    command = [sys.executable, "-I", "-S", "-c", _REGEX_CHILD]
+    given = json.dumps([[[p.pattern, how] for p, how in regexes], names, seconds])
+    try:
+        done = subprocess.run(command, input=given, capture_output=True, text=True, check=False,
+                              timeout=seconds + REGEX_CHILD_START_SECONDS)
+        output, code = done.stdout, done.returncode
+    except subprocess.TimeoutExpired as exc:  # (run kills the child)
+        output, code = exc.stdout, None
+    except OSError:  # (no interpreter at sys.executable: an embedding application)
+        return None
+    output = output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+    lines = output.splitlines()
+    if code == 0 and lines:
+        return [{names[i] for i in found} for found in json.loads(lines[-1])]
+    if code in (3, None):
+        raise _SlowRegex(int(lines[-1]) if lines and lines[-1].isdigit() else 0)
+    detail = (done.stderr.strip().splitlines() or [f"exit status {code}"])[-1]
+    raise RuntimeError(f"matching the regular expressions in a child interpreter failed: {detail}")
+
+
+def _timed_matches(regexes: list[tuple[str, str]], names: list[str], seconds: float) -> list[set[str]]:
+    """The `names` each of `regexes` ((regex, "fullmatch" or "match"), valid) matches; _SlowRegex(i) when regex i
+    was still matching `seconds` after the first began: a regex that backtracks exponentially (`([\\w.]+)+Z`) took
+    hours on a 35-character module name, here and then in peft, which matches the same names the same way. Timed in
+    any thread: by SIGALRM in the main thread when no other timer runs, else in a child process."""
+    compiled = [(re.compile(regex), how) for regex, how in regexes]
+    if not compiled:
+        return []
+    if (hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+            and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)):
+        return _matches_under_alarm(compiled, names, seconds)
+    found = _matches_in_child(compiled, names, seconds)
+    return found if found is not None else _match_each(compiled, names, [0])  # (untimed: no child could start)
+
+
+def _config_source(path: Path) -> str:
+    """The start of a one-line error about a field of the adapter config in `path`."""
+    return f"cannot load the LoRA adapter {path} onto this model: its {ADAPTER_CONFIG}'s"
+
+
+def check_adapter_regexes(path: Path, config: dict[str, Any], names: list[str]) -> list[tuple[str, set[str]]]:
+    """(field, the `names` it matches) for each of `adapter_regexes(config)` (the adapter in `path`'s), matched as
+    peft matches them; a one-line error naming the field for an invalid regex, or for the one still matching when
+    all have taken TARGET_REGEX_SECONDS (in all: many pattern keys cannot add up to hours). peft then matches the
+    same regexes against `names` (the caller's to make sure), so its own matching ends in about that time too."""
     from recurrent_depth.files import clipped
 
+    regexes = adapter_regexes(config)
+    for field, given, regex, _ in regexes:
+        try:
+            re.compile(regex)
+        except re.error as exc:
+            raise ValueError(f"{_config_source(path)} {field}={clipped(given)} is not a valid regular expression "
+                             f"({exc})") from None
     try:
-        pattern = re.compile(regex)
-    except re.error as exc:
-        raise ValueError(f"{source} {field}={clipped(given)} is not a valid regular expression ({exc})") from None
-    matched = _fullmatches(pattern, names, max(deadline - time.monotonic(), 0.001))
-    if matched is None:
-        raise ValueError(f"{source} {field}={clipped(given)} takes over {TARGET_REGEX_SECONDS:g} s to match this "
-                         f"model's {len(names)} module names (a regular expression that backtracks exponentially?): "
-                         f"simplify it, or list the module names")
-    return matched
+        found = _timed_matches([(regex, how) for _, _, regex, how in regexes], names, TARGET_REGEX_SECONDS)
+    except _SlowRegex as slow:
+        field, given = regexes[slow.index][:2]
+        raise ValueError(f"{_config_source(path)} {field}={clipped(given)} takes over {TARGET_REGEX_SECONDS:g} s "
+                         f"to match this model's {len(names)} module names (a regular expression that backtracks "
+                         f"exponentially?): simplify it, or list the module names") from None
+    return [(field, matched) for (field, *_), matched in zip(regexes, found)]
+
+
+def peft_module_keys(model: nn.Module) -> list[str]:
+    """The module names peft matches an adapter's regexes against when it adds one to `model`: every one but the
+    insides of its LoRA layers (which it skips), those of its modules_to_save wrappers included
+    (`X.original_module`, `X.modules_to_save.<adapter>`), which the base model lacks."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    inside = tuple(f"{name}." for name, module in model.named_modules() if isinstance(module, BaseTunerLayer))
+    return [name for name, _ in model.named_modules() if name and not name.startswith(inside)]
 
 
 def check_adapter_targets(model: nn.Module, path: Path) -> None:
     """A one-line error naming the option when adapter_config.json's `target_modules` (a regex, or names peft
     matches by suffix) or `modules_to_save` names no module of `model`: peft's own messages name neither our
     modules ("Target modules ... not found in the base model") nor, for modules_to_save, the option (a bare
-    KeyError of a tensor name); an invalid regex was a traceback (re.error)."""
+    KeyError of a tensor name); an invalid regex was a traceback (re.error), one that backtracks exponentially a
+    hang (`check_adapter_regexes`: all of them, matched against `model`'s module names as peft matches them)."""
     from recurrent_depth.files import clipped, clipped_names
 
     config = read_adapter_config(path)
-    source = f"cannot load the LoRA adapter {path} onto this model: its {ADAPTER_CONFIG}'s"
+    source = _config_source(path)
     names = [name for name, _ in model.named_modules() if name]
     linear = [name for name, module in model.named_modules() if isinstance(module, LINEAR_TYPES)]
     ours = f"this model's linear layers are {clipped_names(module_name_patterns(model), 20)}"
     targets = config.get("target_modules")
-    deadline = time.monotonic() + TARGET_REGEX_SECONDS
+    matches = dict(check_adapter_regexes(path, config, names))  # (target_modules: one regex at most)
     if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
         pass  # peft's shorthand, not a regular expression (load_lora expands it)
     elif isinstance(targets, str):
-        matched = _regex_matches(source, "target_modules", targets, targets, names, deadline)
-        if not matched.intersection(linear):
+        if not matches["target_modules"].intersection(linear):
             raise ValueError(f"{source} target_modules={clipped(targets)} (a regular expression, matched against "
                              f"whole module names) matches no linear layer of this model; {ours}")
     elif isinstance(targets, list):
@@ -761,14 +872,8 @@ def check_adapter_targets(model: nn.Module, path: Path) -> None:
         if len(unmatched) == len(targets):
             raise ValueError(f"{source} target_modules={clipped_names(targets)} matches no linear layer of this "
                              f"model (another architecture's names?); {ours}")
-    # peft matches these against every module name too (`re.fullmatch(exclude_modules, name)`, and each pattern key
-    # as `(.*\.)?(key)$`): a regex that backtracks exponentially hung the load as target_modules' did
-    if isinstance(config.get("exclude_modules"), str):
-        _regex_matches(source, "exclude_modules", config["exclude_modules"], config["exclude_modules"], names,
-                       deadline)
-    for field in ("rank_pattern", "alpha_pattern"):
-        for key in config.get(field) or {}:  # (an object: check_adapter_files)
-            _regex_matches(source, field, key, rf"(.*\.)?({key})", names, deadline)
+    # peft matches each entry as a regex too (`(^|.*\.)ENTRY($|\..*)`): one naming a module (or a dotted suffix of
+    # one), as checked here, holds only the characters of module names, no repetition to backtrack over
     saved = config.get("modules_to_save")
     if saved is not None:
         if not (isinstance(saved, list) and all(isinstance(t, str) and t for t in saved)):
@@ -956,6 +1061,9 @@ def _load_named(model: nn.Module, wrapped: Any, path: Path, name: str, config: A
             if fresh:
                 wrapped = peft.PeftModel.from_pretrained(model, str(path), adapter_name=name, config=config)
             else:
+                # peft matches the regexes against the names `model` has now: the modules_to_save wrappers of the
+                # adapters already on it add some (`check_adapter_targets` timed them over the base's alone)
+                check_adapter_regexes(path, read_adapter_config(path), peft_module_keys(model))
                 if config is not None:  # (load_adapter then loads only the weights, under this config)
                     config.inference_mode = True
                     wrapped.add_adapter(name, config)

@@ -250,8 +250,8 @@ def test_an_invalid_regex_that_peft_compiles_is_a_400_and_leaves_the_loaded_adap
 
 
 def test_a_target_regex_that_backtracks_is_refused_and_the_server_answers_meanwhile(live, root):
-    """The regex check is timed by SIGALRM on the main thread only; a load runs on the scheduler's thread, where
-    the regex held the GIL for hours: every thread froze (this test then hangs)."""
+    """A load runs on the scheduler's thread, where SIGALRM cannot time the regex check and the regex held the
+    GIL for hours: every thread froze (this test then hangs); `train.lora` matches it in a child interpreter."""
     for field, value in (("target_modules", r"([\w.]+)+Z"), ("rank_pattern", {r"([\w.]+)+Z": 2})):
         def slow_regex(directory):
             config = json.loads((directory / "adapter_config.json").read_text())
@@ -259,7 +259,7 @@ def test_a_target_regex_that_backtracks_is_refused_and_the_server_answers_meanwh
 
         response = load(live.url, "x", broken_copy(root, "slow", slow_regex))
         message = response.json()["error"]["message"]
-        assert response.status_code == 400 and "take over 2 s to match" in message and field in message, message
+        assert response.status_code == 400 and "over 2 s to match" in message and field in message, message
         assert httpx.get(live.url + "/health", timeout=10).status_code == 200
     assert served(live.url) == ["tiny"]
 

@@ -207,7 +207,6 @@ class ServedAdapters:
         # request came, and a symlink in the root could be pointed out of it while the load waited for the running
         # requests (the window is now the load's own)
         directory = adapter_dir_inside(self.updates_root, str(directory))
-        _check_regexes_in_time(directory, self.layout)
         peft_name = several_adapter_name(self._loaded)
         self.activate(None)
         self.wrapper = add_named_lora(self.model, self.wrapper, directory, peft_name, self.layout,
@@ -241,53 +240,6 @@ class ServedAdapters:
         self.wrapper = remove_named_lora(self.wrapper, peft_name)
         self.draining.discard(peft_name)
         self.mixes = self.rows.attach(self.model)
-
-
-# Matches regular expressions against module names in a child interpreter that imports the standard library only
-# (stdin: JSON [[pattern, "fullmatch" or "match"], ...] and the names).
-_REGEX_CHILD = ("import json, re, sys; patterns, names = json.load(sys.stdin); "
-                "[getattr(re, how)(p, n) for p, how in patterns for n in names]")
-
-
-def _check_regexes_in_time(directory: str | Path, layout: Any) -> None:
-    """A one-line ValueError when the regular expressions of the adapter's config take over TARGET_REGEX_SECONDS to
-    match `layout`'s module names, as peft matches them: target_modules and exclude_modules (strings: whole names)
-    and the keys of rank_pattern and alpha_pattern (`(.*\\.)?(KEY)$` from the start). `train.lora` times
-    them only on the main thread (SIGALRM); a load runs on the scheduler's thread,
-    where a regex that backtracks exponentially held the GIL for hours: every thread of the server froze (/health
-    included). So they run first in a child process, killed when over time; the other checks (an invalid regex,
-    one matching nothing) stay `add_named_lora`'s."""
-    import json
-    import subprocess
-    import sys
-
-    from recurrent_depth.files import clipped
-    from recurrent_depth.train.lora import ALL_LINEAR, TARGET_REGEX_SECONDS, check_adapter_dir, read_adapter_config
-
-    path = check_adapter_dir(directory)
-    config = read_adapter_config(path)
-    patterns: list[list[str]] = []
-    fields: list[str] = []  # (those holding a regex, for the message)
-    for field in ("target_modules", "exclude_modules"):  # (a list: names peft matches by suffix, no regex)
-        value = config.get(field)
-        if isinstance(value, str) and value.lower() != ALL_LINEAR:
-            patterns.append([value, "fullmatch"])
-            fields.append(field)
-    for field in ("rank_pattern", "alpha_pattern"):
-        keys = config.get(field) if isinstance(config.get(field), dict) else {}
-        patterns += [[rf"(.*\.)?({key})$", "match"] for key in keys]
-        fields += [field] if keys else []
-    if not patterns:
-        return
-    names = [name for name, _ in layout.named_modules() if name]
-    try:
-        subprocess.run([sys.executable, "-I", "-S", "-c", _REGEX_CHILD], input=json.dumps([patterns, names]),
-                       text=True, capture_output=True, timeout=TARGET_REGEX_SECONDS, check=False)
-    except subprocess.TimeoutExpired:  # (subprocess.run kills the child)
-        shown = ", ".join(f"{field}={clipped(config[field])}" for field in fields)
-        raise ValueError(f"cannot load the LoRA adapter {path}: the regular expressions of its {shown} take over "
-                         f"{TARGET_REGEX_SECONDS:g} s to match this model's {len(names)} module names (one that "
-                         "backtracks exponentially?): simplify them, or list the module names") from None
 
 
 def _meta_copy(model: Any) -> Any:

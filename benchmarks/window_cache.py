@@ -4,6 +4,7 @@
     python benchmarks/window_cache.py --windows 128 --new-tokens 4096 --num-steps 8
     python benchmarks/window_cache.py --quick                 # smoke test (hidden 32, W 16, 64 new tokens)
     python benchmarks/window_cache.py --kv-quant k=prod:3.5,v=mse:3.5   # the same with a quantized KV cache
+    python benchmarks/window_cache.py --mode serving          # the server's batch KV pool: 4 rows, W 64, 2048 tokens
 
 A seeded random model (hidden --hidden, 4 heads, 2 KV heads, 1 prelude, 2 core and 1 coda layer, vocab 256,
 float32) with sliding-window attention in one of two layouts (--layouts): `mistral`, every layer windowed W,
@@ -33,6 +34,23 @@ Per variant:
 Per case, `x_held_bytes` / `x_allocated_bytes` / `x_peak_rss`: the full variant's figure over the bounded
 one's (how many times smaller it is), `x_tokens_per_s` / `x_cpu_tokens_per_s`: the bounded one's speed over
 the full one's, and `x_tokens_per_s_same_path`: over `full, no C++ decode`'s.
+
+`--mode serving` measures the server's continuous batch instead (`serving.batch.BatchDecoder`, driven directly,
+no HTTP): --rows requests (default 4, each its own --prompt-len random prompt) join one decoder and generate the
+new tokens (default 2048, at W 64) together, greedy at r = --num-steps, in two variants taking turns each round:
+`bounded` (the pool's windowed layers hold each row's recent columns, `serving/kv_pool.py`) and `full`
+(`RDEPTH_FULL_WINDOW_CACHE=1`, read when the decoder is built). With --kv-quant the pool stores that codec's
+code rows (whatever the pool then bounds is what the figures show). Per variant:
+- `pool_bytes`: the pool's `nbytes()` after the last token (what /metrics' `rdepth_kv_pool_bytes` shows: the
+  storage allocated, rows' room included), and `peak_pool_bytes` its largest value after any step;
+- `peak_rss_delta_mib`: as above, over the decoder's building, the prefills and the decode;
+- `tokens_per_s` / `cpu_tokens_per_s`: every row's decode tokens (each row's first one comes from its prefill)
+  per second of the step loop, wall and this process's CPU time;
+- `agreement` / `first_difference`: every row's tokens against the `full` pool's (the fraction equal, and the
+  first token index where any row differs), and `agreement_alone` / `first_difference_alone`: row 0's
+  against `rd.generate` of its prompt alone (the library's default cache, with --kv-quant if given).
+Per case, `x_pool_bytes` / `x_peak_pool_bytes` / `x_peak_rss`: the full pool's figure over the bounded one's,
+and `x_tokens_per_s` / `x_cpu_tokens_per_s`: the bounded one's speed over the full one's.
 Prints one JSON line, then a table. Times depend on the machine and its load (recorded in the JSON).
 """
 
@@ -44,7 +62,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -56,8 +74,11 @@ from recurrent_depth.accel import decode_cpp
 from recurrent_depth.inference import generate
 from recurrent_depth.inference.cache import FULL_WINDOW_CACHE_ENV
 from recurrent_depth.inference.kv_codec import parse_kv_quant_option
+from recurrent_depth.inference.options import GenerationOptions
+from recurrent_depth.serving.batch import BatchDecoder, RowRequest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _args import positive_int  # noqa: E402
 from qlora_train import MMAP_SMALL, Memory  # noqa: E402 (the RSS figures, one place)
 
 VOCAB = 256
@@ -68,16 +89,32 @@ VARIANTS: dict[str, dict[str, str | None]] = {
     "full": {FULL_WINDOW_CACHE_ENV: "1"},
     "full, no C++ decode": {FULL_WINDOW_CACHE_ENV: "1", decode_cpp.NO_DECODE_ENV: "1"},
 }
+# --mode serving: the pool's variants (the C++ decode never runs over the pool: `SlotKVPool.decode_views`)
+SERVING_VARIANTS: dict[str, dict[str, str | None]] = {name: VARIANTS[name] for name in ("bounded", "full")}
 REFERENCE = "full"
+MODES = ("generate", "serving")
+SERVING_ROWS = 4  # --rows' default
+# --windows' and --new-tokens' defaults per mode (serving: W 64 and the long decode only, --rows of each, so that
+# both layouts take ~4 min on a loaded 2-core machine)
+DEFAULTS = {"generate": dict(windows=[64, 256], new_tokens=[256, 1024, 2048]),
+            "serving": dict(windows=[64], new_tokens=[2048])}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", default="generate", choices=MODES,
+                   help="generate: rd.generate's cache, one sequence; serving: the server's batch KV pool "
+                        "(BatchDecoder, --rows requests at once) (default: %(default)s)")
+    p.add_argument("--rows", type=positive_int, default=None,
+                   help=f"--mode serving: concurrent requests (default: {SERVING_ROWS})")
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS,
                    help="which layers have windows (default: %(default)s)")
-    p.add_argument("--windows", type=int, nargs="+", default=[64, 256], help="window sizes W (default: %(default)s)")
-    p.add_argument("--new-tokens", type=int, nargs="+", default=[256, 1024, 2048],
-                   help="new tokens per run (default: %(default)s)")
+    p.add_argument("--windows", type=int, nargs="+", default=None,
+                   help=f"window sizes W (default: {DEFAULTS['generate']['windows']}; --mode serving: "
+                        f"{DEFAULTS['serving']['windows']})")
+    p.add_argument("--new-tokens", type=int, nargs="+", default=None,
+                   help=f"new tokens per run (default: {DEFAULTS['generate']['new_tokens']}; --mode serving: "
+                        f"{DEFAULTS['serving']['new_tokens']} per row)")
     p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default: %(default)s)")
     p.add_argument("--num-steps", type=int, default=4, help="recurrence depth r (default: %(default)s)")
     p.add_argument("--hidden", type=int, default=64, help="hidden size, a multiple of 8 (default: %(default)s)")
@@ -94,6 +131,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.kv_quant = parse_kv_quant_option(args.kv_quant)
     except ValueError as exc:
         p.error(str(exc))
+    if args.rows is not None and args.mode != "serving":
+        p.error("--rows applies to --mode serving only")
+    args.rows = args.rows or SERVING_ROWS
+    for name, default in DEFAULTS[args.mode].items():
+        setattr(args, name, getattr(args, name) or default)
     if args.quick:
         args.hidden, args.windows, args.new_tokens, args.prompt_len = 32, [16], [64], 16
         args.num_steps, args.repeats = 2, 1
@@ -167,30 +209,39 @@ def best(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else max(a, b)
 
 
+def rounds(variants: dict[str, dict[str, str | None]], run: Callable[[], dict[str, Any]], repeats: int
+           ) -> tuple[dict[str, dict[str, Any]], dict[str, list[torch.Tensor]]]:
+    """Every variant over `repeats` rounds, taking turns (a change in load hits all alike): each variant's figures,
+    the largest of its rounds (the best speed and RSS; bytes are the same every round), with its tokens'
+    `agreement` against the REFERENCE variant's; and every round's tokens."""
+    runs: dict[str, dict[str, Any]] = {}
+    tokens: dict[str, list[torch.Tensor]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, env in variants.items():
+            with environment(env):
+                r = run()
+            tokens[name].append(r.pop("tokens"))
+            kept = runs.setdefault(name, r)
+            for key, value in r.items():
+                kept[key] = best(kept[key], value)
+    for name, run_ in runs.items():
+        run_.update(agreement(tokens[name], tokens[REFERENCE][0]))
+    return runs, tokens
+
+
+def agreement(tokens: list[torch.Tensor], reference: torch.Tensor, suffix: str = "") -> dict[str, Any]:
+    """`agreement`: the fraction of `tokens` (each round's `[(rows,) new]`) equal to `reference`'s, and
+    `first_difference`: the first token index where any round (or row) differs (None: none), each name + suffix."""
+    same = torch.stack([t == reference for t in tokens])  # [rounds, (rows,) new]
+    differs = (~same).flatten(0, -2).any(dim=0).nonzero().flatten()
+    return {f"agreement{suffix}": round(same.float().mean().item(), 6),
+            f"first_difference{suffix}": int(differs[0]) if len(differs) else None}
+
+
 def measure_case(model: rd.RecurrentDepthLM, prompt: torch.Tensor, new_tokens: int, args: argparse.Namespace,
                  memory: Memory) -> dict[str, Any]:
-    """Every variant over --repeats rounds, taking turns (a change in load hits all alike)."""
-    runs: dict[str, dict[str, Any]] = {}
-    tokens: dict[str, list[torch.Tensor]] = {name: [] for name in VARIANTS}
-    for _ in range(args.repeats):
-        for name, env in VARIANTS.items():
-            with environment(env):
-                r = run_once(model, prompt, new_tokens, args, memory)
-            tokens[name].append(r.pop("tokens"))
-            if name not in runs:
-                runs[name] = r
-                continue
-            kept = runs[name]
-            for key in ("tokens_per_s", "cpu_tokens_per_s", "peak_rss_delta_mib"):
-                kept[key] = best(kept[key], r[key])
-            for key in ("held_bytes", "peak_held_bytes", "allocated_bytes"):  # (the same every round)
-                kept[key] = max(kept[key], r[key])
-    reference = tokens[REFERENCE][0]
-    for name, run in runs.items():
-        same = torch.stack([t == reference for t in tokens[name]])  # [repeats, new]
-        differs = (~same.all(dim=0)).nonzero().flatten()
-        run["agreement"] = round(same.float().mean().item(), 6)
-        run["first_difference"] = int(differs[0]) if len(differs) else None
+    """Every variant of `rd.generate`'s cache (VARIANTS) over --repeats rounds."""
+    runs, _ = rounds(VARIANTS, lambda: run_once(model, prompt, new_tokens, args, memory), args.repeats)
     bounded, full, same_path = runs["bounded"], runs[REFERENCE], runs["full, no C++ decode"]
     return dict(
         runs=runs,
@@ -200,6 +251,57 @@ def measure_case(model: rd.RecurrentDepthLM, prompt: torch.Tensor, new_tokens: i
         x_tokens_per_s=ratio(bounded["tokens_per_s"], full["tokens_per_s"]),
         x_cpu_tokens_per_s=ratio(bounded["cpu_tokens_per_s"], full["cpu_tokens_per_s"]),
         x_tokens_per_s_same_path=ratio(bounded["tokens_per_s"], same_path["tokens_per_s"]),
+    )
+
+
+def serve_once(model: rd.RecurrentDepthLM, prompts: list[list[int]], new_tokens: int, args: argparse.Namespace,
+               memory: Memory) -> dict[str, Any]:
+    """The prompts as concurrent rows of one BatchDecoder (built here: the pool reads the window switch then),
+    greedy, each to `new_tokens` tokens: their tokens `[rows, new]`, the pool's bytes, peak RSS over the RSS
+    before, and the step loop's decode speed (wall and CPU)."""
+    opts = GenerationOptions(max_new_tokens=new_tokens, num_steps=args.num_steps, init_scale=0.0,
+                             do_sample=False).validate(model.config.mean_recurrence)
+    before = memory.reset()
+    decoder = BatchDecoder(model, max_rows=len(prompts), kv_quant=args.kv_quant)
+    tokens: list[list[int]] = []
+    for j, prompt in enumerate(prompts):
+        _, first, _ = decoder.add(RowRequest(prompt, opts, seed=j), tag=j)
+        tokens.append([first.token])
+    peak_pool = decoder.pool.nbytes()
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    while len(decoder):
+        for seq, result in decoder.step():
+            tokens[seq.tag].append(result.token)
+            if len(tokens[seq.tag]) == new_tokens:
+                decoder.remove(seq)  # (the pool keeps its storage, as the server's does)
+        peak_pool = max(peak_pool, decoder.pool.nbytes())
+    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    peak, _ = memory.since(before, collect=False)
+    decoded = len(prompts) * (new_tokens - 1)
+    return dict(
+        tokens=torch.tensor(tokens), pool_bytes=decoder.pool.nbytes(), peak_pool_bytes=peak_pool,
+        peak_rss_delta_mib=peak, tokens_per_s=round(decoded / wall, 1) if wall > 0 else None,
+        cpu_tokens_per_s=round(decoded / cpu, 1) if cpu > 0 else None,
+    )
+
+
+def measure_serving_case(model: rd.RecurrentDepthLM, prompts: list[list[int]], new_tokens: int,
+                         args: argparse.Namespace, memory: Memory) -> dict[str, Any]:
+    """The bounded and full pools (SERVING_VARIANTS) over --repeats rounds; row 0 also against `rd.generate` alone."""
+    runs, tokens = rounds(SERVING_VARIANTS, lambda: serve_once(model, prompts, new_tokens, args, memory),
+                          args.repeats)
+    alone = generate(model, torch.tensor([prompts[0]]), max_new_tokens=new_tokens, num_steps=args.num_steps,
+                     init_scale=0.0, do_sample=False, kv_quant=args.kv_quant).sequences[0, len(prompts[0]):]
+    for name, run in runs.items():
+        run.update(agreement([t[0] for t in tokens[name]], alone, "_alone"))
+    bounded, full = runs["bounded"], runs[REFERENCE]
+    return dict(
+        runs=runs,
+        x_pool_bytes=ratio(full["pool_bytes"], bounded["pool_bytes"]),
+        x_peak_pool_bytes=ratio(full["peak_pool_bytes"], bounded["peak_pool_bytes"]),
+        x_peak_rss=ratio(full["peak_rss_delta_mib"], bounded["peak_rss_delta_mib"]),
+        x_tokens_per_s=ratio(bounded["tokens_per_s"], full["tokens_per_s"]),
+        x_cpu_tokens_per_s=ratio(bounded["cpu_tokens_per_s"], full["cpu_tokens_per_s"]),
     )
 
 
@@ -214,19 +316,26 @@ def main(argv: list[str] | None = None) -> int:
     memory.mmap_threshold(MMAP_SMALL)  # freed tensors leave the RSS (see benchmarks/qlora_train.py)
     load_before = [round(x, 2) for x in os.getloadavg()]
     start = time.perf_counter()
-    prompt = torch.randint(0, VOCAB, (1, args.prompt_len), generator=torch.Generator().manual_seed(args.seed))
+    serving = args.mode == "serving"
+    prompt = torch.randint(0, VOCAB, (args.rows if serving else 1, args.prompt_len),
+                           generator=torch.Generator().manual_seed(args.seed))
+    prompts = prompt.tolist()  # (serving: one row each)
     results = []
     for layout in args.layouts:
         for window in args.windows:
             model = make_model(args, layout, window)
-            generate(model, prompt, max_new_tokens=2, num_steps=args.num_steps, init_scale=0.0,
-                     kv_quant=args.kv_quant)  # (first-call setup)
+            if serving:  # (first-call setup)
+                serve_once(model, prompts[:1], 2, args, memory)
+            else:
+                generate(model, prompt, max_new_tokens=2, num_steps=args.num_steps, init_scale=0.0,
+                         kv_quant=args.kv_quant)
             for new_tokens in args.new_tokens:
-                case = measure_case(model, prompt, new_tokens, args, memory)
+                case = (measure_serving_case(model, prompts, new_tokens, args, memory) if serving
+                        else measure_case(model, prompt, new_tokens, args, memory))
                 results.append(dict(layout=layout, window=window, attention_windows=layer_windows_of(layout, window),
                                     new_tokens=new_tokens, context=args.prompt_len + new_tokens, **case))
     report = dict(
-        benchmark="window_cache", quick=args.quick,
+        benchmark="window_cache", mode=args.mode, rows=args.rows if serving else None, quick=args.quick,
         model=dict(hidden_size=args.hidden, num_heads=4, num_kv_heads=2, layers="1 prelude, 2 core, 1 coda",
                    vocab_size=VOCAB, dtype="float32", seed=args.seed),
         kv_quant=args.kv_quant.name if args.kv_quant is not None else None,
@@ -238,6 +347,16 @@ def main(argv: list[str] | None = None) -> int:
         seconds=round(time.perf_counter() - start, 1), results=results,
     )
     print(json.dumps(report))
+    (print_serving_table if serving else print_table)(results, args)
+    return 0
+
+
+def figures(values: tuple[float | None, ...], width: int, digits: int) -> str:
+    """Table cells of optional figures ('-': None)."""
+    return "".join(f"{'-' if x is None else f'{x:.{digits}f}':>{width}}" for x in values)
+
+
+def print_table(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(f"\nr = {args.num_steps}, hidden {args.hidden}, {args.prompt_len}-token prompt, best of {args.repeats}; "
           f"B = bounded, F = full (F-py: no C++ decode); KiB of "
           f"{'float32' if args.kv_quant is None else args.kv_quant.name} KV, RSS in MiB")
@@ -245,14 +364,30 @@ def main(argv: list[str] | None = None) -> int:
           f"{'rss B':>7}{'rss F':>7}{'tok/s B':>9}{'F':>7}{'F-py':>7}{'cpu B':>7}{'cpu F':>7}{'agree':>7}")
     for r in results:
         b, f, py = r["runs"]["bounded"], r["runs"]["full"], r["runs"]["full, no C++ decode"]
-        rss = "".join(f"{'-' if x is None else f'{x:.1f}':>7}" for x in (b["peak_rss_delta_mib"],
-                                                                          f["peak_rss_delta_mib"]))
-        cpu = "".join(f"{'-' if x is None else f'{x:.0f}':>7}" for x in (b["cpu_tokens_per_s"], f["cpu_tokens_per_s"]))
+        rss = figures((b["peak_rss_delta_mib"], f["peak_rss_delta_mib"]), 7, 1)
+        cpu = figures((b["cpu_tokens_per_s"], f["cpu_tokens_per_s"]), 7, 0)
         print(f"{r['layout']:<9}{r['window']:>5}{r['context']:>6}{b['held_bytes'] / 1024:>9.0f}"
               f"{f['held_bytes'] / 1024:>9.0f}{r['x_held_bytes']:>6.1f}{b['allocated_bytes'] / 1024:>9.0f}"
               f"{f['allocated_bytes'] / 1024:>9.0f}{r['x_allocated_bytes']:>6.1f}{rss}{b['tokens_per_s']:>9.0f}"
               f"{f['tokens_per_s']:>7.0f}{py['tokens_per_s']:>7.0f}{cpu}{min(b['agreement'], py['agreement']):>7.3f}")
-    return 0
+
+
+def print_serving_table(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print(f"\nBatchDecoder, {args.rows} rows, r = {args.num_steps}, hidden {args.hidden}, {args.prompt_len}-token "
+          f"prompts, best of {args.repeats}; B = bounded pool, F = full pool; pool: KiB of "
+          f"{'float32' if args.kv_quant is None else args.kv_quant.name} KV (peak nbytes), RSS in MiB; agree: every "
+          f"row B vs F, alone: row 0 vs rd.generate")
+    print(f"{'layout':<9}{'W':>5}{'ctx':>6}{'pool B':>9}{'pool F':>9}{'x':>6}{'rss B':>7}{'rss F':>7}"
+          f"{'tok/s B':>9}{'F':>7}{'cpu B':>7}{'cpu F':>7}{'x':>6}{'agree':>7}{'alone':>7}")
+    for r in results:
+        b, f = r["runs"]["bounded"], r["runs"]["full"]
+        print(f"{r['layout']:<9}{r['window']:>5}{r['context']:>6}{b['peak_pool_bytes'] / 1024:>9.0f}"
+              f"{f['peak_pool_bytes'] / 1024:>9.0f}{r['x_peak_pool_bytes']:>6.1f}"
+              f"{figures((b['peak_rss_delta_mib'], f['peak_rss_delta_mib']), 7, 1)}"
+              f"{figures((b['tokens_per_s'],), 9, 0)}{figures((f['tokens_per_s'],), 7, 0)}"
+              f"{figures((b['cpu_tokens_per_s'], f['cpu_tokens_per_s']), 7, 0)}"
+              f"{figures((r['x_cpu_tokens_per_s'],), 6, 2)}"
+              f"{b['agreement']:>7.3f}{min(b['agreement_alone'], f['agreement_alone']):>7.3f}")
 
 
 if __name__ == "__main__":

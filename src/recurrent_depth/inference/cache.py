@@ -30,8 +30,9 @@ are dropped, so a windowed layer holds O(W) columns instead of the whole context
 such a layer sees only columns (c - W, c], so when a write at column `start` runs out of room the storage
 keeps the columns from `start - W + 1` on (every query of this call and of later ones sees no older one),
 widened down to a multiple of `WINDOW_ALIGN`, and drops the rest (`first[base]`: the first column it still
-holds; reads return columns [first, end), and `key_mask` and the attention's `window_mask` cut their columns
-to match); it allocates W more columns than it holds then, so it drops once every ~W writes. Exact as long
+holds; reads return columns [first, end), from the start of CPU SDPA's key block where they cross one, as zeros
+before first (`read_start`), and `key_mask` and the attention's `window_mask` cut their columns to match); it
+allocates W more columns than it holds then, so it drops once every ~W writes. Exact as long
 as writes never go back: generation passes `windows` in autoregressive decoding only, where every write
 starts at the cache's end and a row has no holes after its left padding (a window over real tokens is
 then a window over columns). A quantized storage drops code rows the same way (each row codes one vector; the
@@ -43,9 +44,9 @@ a row's window beyond W columns), a core base shared by layers with and without 
 `truncate` that would read dropped columns is refused (RuntimeError). Slots of one base share its columns, so the
 lookup rules (settling at `close`, new slots at growth, per-read picks) act on the held columns as they did on all
 of them.
-The serving batch's float KV pool (`serving.kv_pool.SlotKVPool`, `windows=layer_windows(model)`) bounds its
-windowed layers the same way, each row holding its own columns from its own first one (a quantized pool keeps
-every column).
+The serving batch's KV pool (`serving.kv_pool.SlotKVPool`, `windows=layer_windows(model)`) bounds its
+windowed layers the same way, each row holding its own columns from its own first one (a quantized pool's code
+rows too, at least `exact_decode_columns` of them, its window's entries read back at each row's held place).
 `RDEPTH_FULL_WINDOW_CACHE=1` (any value but "", "0") turns the bound off: `layer_windows` then names no layer
 and every column is kept, as before it (benchmarks/window_cache.py measures the two in one process).
 """
@@ -134,6 +135,31 @@ def _gather_slots(store: Tensor, index: Tensor, end: int) -> Tensor:
 # count rounds its sums otherwise, ~1e-7 a call, which the recurrence amplifies into other logits and tokens).
 WINDOW_ALIGN = 16
 FULL_WINDOW_CACHE_ENV = "RDEPTH_FULL_WINDOW_CACHE"  # set: windowed layers keep every column (module docstring)
+
+
+# CPU SDPA's fused kernel reduces a decode query's keys in blocks of this many columns from the first it is given,
+# rescaling between blocks: a read whose held columns cross a block boundary of the full cache's reads is prefixed
+# with zero columns (masked: outside every window) back to that block's start, so that its blocks are the full cache's
+# (`read_start`; without this, logits differ ~1e-4 from the full cache's once a window crosses column 512).
+SDPA_KV_BLOCK = 512
+
+
+def read_start(first: int, end: int) -> int:
+    """The first column a read of a windowed base holding columns [first, end) returns: `first`, or the start of its
+    `SDPA_KV_BLOCK` block where [first, end) crosses a block boundary (the columns before `first` read as zeros)."""
+    if first % SDPA_KV_BLOCK and first // SDPA_KV_BLOCK != (end - 1) // SDPA_KV_BLOCK:
+        return first - first % SDPA_KV_BLOCK
+    return first
+
+
+def _from_read_start(columns: Tensor, first: int, end: int, dim: int) -> Tensor:
+    """Columns [first, end) along `dim`, prefixed with zero columns back to `read_start(first, end)`."""
+    pad = first - read_start(first, end)
+    if not pad:
+        return columns
+    shape = list(columns.shape)
+    shape[dim] = pad
+    return torch.cat([columns.new_zeros(shape), columns], dim=dim)
 
 
 def window_start(column: int, window: int) -> int:
@@ -306,8 +332,9 @@ class _CacheBase:
                 )
 
     def first_column(self, key: LayerKey) -> int:
-        """The first column `key`'s storage holds and its reads return (0 but for a windowed base that dropped)."""
-        return self.first.get(self.split(key)[0], 0)
+        """The first column `key`'s reads return (0 but for a windowed base that dropped): `read_start` of the
+        columns its storage holds, up to the last write's end."""
+        return read_start(self.first.get(self.split(key)[0], 0), self._written_end)
 
     def window_positions(self, key: LayerKey, num_tokens: int) -> tuple[list[tuple[Any, int]], Tensor, Tensor | None]:
         """A quantized window's lanes `(layer slot, row)`, the call's columns `[B, T]` and `write_mask`."""
@@ -528,8 +555,10 @@ class StaticRecurrentCache(_CacheBase):
             index = self.policy.read_slots(key, self.depth[:, :closed], end - closed, uniform)  # [B, end]
             if index is not None:
                 base = self.split(key)[0]
-                return tuple(_gather_slots(store, index[:, first:], end - first) for store in self.kv[base])
-        return Ks.narrow(2, 0, end - first), Vs.narrow(2, 0, end - first)
+                return tuple(_from_read_start(_gather_slots(store, index[:, first:], end - first), first, end, 2)
+                             for store in self.kv[base])
+        return (_from_read_start(Ks.narrow(2, 0, end - first), first, end, 2),
+                _from_read_start(Vs.narrow(2, 0, end - first), first, end, 2))
 
     def decode_views(self, keys: Sequence[LayerKey]) -> DecodeViews | None:
         """The stores `[B, Hkv, capacity, width]` of `keys` for a fused decode that writes column `seq_len` of
@@ -726,7 +755,9 @@ class DynamicRecurrentCache(_CacheBase):
                 v_rows.append(v_e[b])
             out_k.append(torch.stack(k_rows))
             out_v.append(torch.stack(v_rows))
-        return torch.stack(out_k, dim=1), torch.stack(out_v, dim=1)  # [B, end, Hkv, D]
+        first = self.first.get(base, 0)  # (zero columns before a windowed read that crosses a block: `read_start`)
+        K, V = torch.stack(out_k, dim=1), torch.stack(out_v, dim=1)  # [B, end - first, Hkv, D]
+        return _from_read_start(K, first, end, 1), _from_read_start(V, first, end, 1)
 
     def close(self, depth: Tensor | int, num_tokens: int | None = None) -> None:
         if isinstance(depth, int):

@@ -323,13 +323,15 @@ class CodeRows:
         rows_k, rows_v, ck, cv = self.store(storage, key, k, v)
         K, V = ck.decode(rows_k, k.dtype), cv.decode(rows_v, v.dtype)
         if window is not None:
-            # (the returned columns start at the storage's first held one: a sliding-window layer drops older ones)
+            # (the returned columns start at the storage's first held one: a sliding-window layer drops older ones;
+            # an int, or `[B]` each row's own where rows hold different columns: the serving pool)
             first = storage.first_column(key) if hasattr(storage, "first_column") else 0
+            cols = window.cols - torch.as_tensor(first, device=window.cols.device).reshape(-1, 1)  # [B, E] returned
             last = window._replace(qcols=window.qcols[:, -1:])
-            held = (window.cols >= first) & (window.cols < first + K.shape[2])
+            held = (cols >= 0) & (cols < K.shape[2])
             reads = last.in_window()[:, 0] & held  # [B, E]
             for b, e in reads.nonzero().tolist():
-                col = int(window.cols[b, e]) - first
+                col = int(cols[b, e])
                 K[b, :, col] = window.k[b, :, e].to(K.dtype)
                 V[b, :, col] = window.v[b, :, e].to(V.dtype)
         return K, V

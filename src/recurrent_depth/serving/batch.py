@@ -244,7 +244,7 @@ class BatchDecoder:
         h, V, R = self.config.hidden_size, self.config.vocab_size, self.max_rows
         dtype = self.model.dtype
         # sliding-window layers hold each row's recent columns (kv_pool; `RDEPTH_FULL_WINDOW_CACHE=1`: every column)
-        self.pool = make_pool(self.kv_quant, self.device, layer_windows(self.model))
+        self.pool = make_pool(self.kv_quant, self.device, layer_windows(self.model), self.config.head_dim)
         # Per-row tensors, indexed like the pool's rows: the current token's state and injection,
         # and the latest logits of rows whose exit criterion reads them.
         self.state = torch.zeros(R, h, dtype=dtype, device=self.device)

@@ -29,9 +29,10 @@ moves above apply to the bytes unchanged; calibrated outlier channels are each r
 prompt, `RowCodecs`). Prompt and generated tokens are encoded as they are written, and no float
 copy of an entry outlives the call.
 
-Sliding-window layers (`windows`, `inference.cache.layer_windows`; float entries only: a quantized pool keeps
-every column) hold each row's recent columns only, as autoregressive decoding does (`inference.cache`): a
-windowed base's storage is `[S, R, Hkv, Cw, D]`, Cw = `decoding_window_columns(W)` (W the largest window), and
+Sliding-window layers (`windows`, `inference.cache.layer_windows`) hold each row's recent columns only, as
+autoregressive decoding does (`inference.cache`): a windowed base's storage is `[S, R, Hkv, Cw, D]` (or code rows
+`[S, R, Hkv, Cw, bytes]`), Cw = `decoding_window_columns(reach)` (`reach`: the largest window, and for code rows
+at least `kv_codec.exact_decode_columns`, so that each held column decodes bitwise as in a longer read), and
 row r holds its columns from `first[r]` on (a multiple of `WINDOW_ALIGN`: the attention's sums keep their
 lanes, so a row reads bitwise what it reads with every column held) at held positions `column - first[r]`. A
 prefill stores only the prompt's columns the next token's window reaches (its own queries read the call's
@@ -39,7 +40,9 @@ entries); `hold` moves a row's columns down to its next token's window when that
 room (that row alone). Token calls then write each row at its held position and read held positions
 `[0, Lw)`, Lw = the longest held span among the call's rows: the batch gives the context the rows' held
 positions as `query_columns` (`window_mask` counts keys from them), and `key_mask` reads each row's depths
-from its first held column. Layers without a window keep every column. `RDEPTH_FULL_WINDOW_CACHE=1` turns the
+from its first held column. A quantized window's bf16 entries keep their columns as tags (moves leave them be):
+`first_column` gives each row's first held column, and `CodeRows.update_heads` writes an entry back at its
+column's held position. Layers without a window keep every column. `RDEPTH_FULL_WINDOW_CACHE=1` turns the
 bound off (`layer_windows` names no layer).
 """
 
@@ -58,6 +61,7 @@ from recurrent_depth.inference.kv_codec import (
     CodeRows,
     KVQuant,
     attend_through_codec,
+    exact_decode_columns,
     layer_codec,
     update_heads_through_codec,
     update_kv_head_major,
@@ -71,18 +75,20 @@ class SlotKVPool:
     """Per-row, per-slot KV storage that grows on demand (slots, rows and columns)."""
 
     def __init__(self, device: Any = "cpu", kv_quant: KVQuant | str | None = None,
-                 windows: Mapping[tuple, int] | None = None) -> None:
+                 windows: Mapping[tuple, int] | None = None, head_dim: int | None = None) -> None:
         self.device = torch.device(device)
-        # Sliding-window bases holding each row's recent columns (module docstring; a quantized pool keeps all)
-        self.windows: dict[tuple, int] = dict(windows or {}) if kv_quant is None else {}
+        # Quantized entries: the codec, choosing each call's codecs from its rows' calibration (None: floats).
+        self.row_codecs = RowCodecs(kv_quant) if kv_quant is not None else None
+        self.codes = CodeRows(kv_quant, self.row_codecs) if self.row_codecs is not None else None
+        # Sliding-window bases holding each row's recent columns (module docstring)
+        self.windows: dict[tuple, int] = dict(windows or {})
         self.reach = max(self.windows.values(), default=0)  # one held range per row serves every windowed base
+        if self.windows and self.codes is not None:  # code rows: reads long enough to decode as longer ones do
+            self.reach = max(self.reach, self._decode_floor(head_dim))
         self.held = decoding_window_columns(self.reach) if self.windows else 0  # columns a windowed base allocates
         self.first: list[int] = []  # per row: the first column its windowed bases hold
         self._held_cols: Tensor | None = None  # token calls: [B] held position of each row's column
         self._held_len = 0  # token calls: held positions a windowed base reads
-        # Quantized entries: the codec, choosing each call's codecs from its rows' calibration (None: floats).
-        self.row_codecs = RowCodecs(kv_quant) if kv_quant is not None else None
-        self.codes = CodeRows(kv_quant, self.row_codecs) if self.row_codecs is not None else None
         self.kv_quant = self.codes.kv_quant if self.codes is not None else None
         self.attends_from_codes = self.codes is not None and self.codes.attends_from_codes
         self.kv: dict[tuple, tuple[Tensor, Tensor]] = {}
@@ -101,6 +107,14 @@ class SlotKVPool:
         self._token_steps: Tensor | None = None  # token calls: [B] core step of each row
         self.depth = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # [R, C] steps each column ran
         self.policies: dict[int, KVPolicy] = {}  # row -> its request's policy
+
+    def _decode_floor(self, head_dim: int | None) -> int:
+        """The fewest columns a read of a windowed base's code rows decodes bitwise as a longer read does
+        (`kv_codec.exact_decode_columns`, as the generation cache's `_reach`)."""
+        if head_dim is None:
+            raise ValueError("a quantized KV pool with sliding-window layers needs the model's head_dim")
+        quant = self.codes.kv_quant
+        return exact_decode_columns((layer_codec(quant, "k", head_dim), layer_codec(quant, "v", head_dim)))
 
     # ------------------------------------------------------------------ sizing
     INITIAL_SLOTS = 64  # core slots `reserve` allocates at most; deeper steps grow them (`_grow_slots`)
@@ -315,6 +329,14 @@ class SlotKVPool:
         flat = slot * self.rows + rows  # [B] (slot: an int or one per row)
         return K.flatten(0, 1)[:, :, :L].index_select(0, flat), V.flatten(0, 1)[:, :, :L].index_select(0, flat)
 
+    def first_column(self, key: LayerKey) -> int | Tensor:
+        """The column the bound call's reads of `key` return first: 0, or in a token call of a windowed base each
+        row's first held column `[B]` (a prefill returns its own columns from 0). A quantized window writes its
+        exact entries back at their column's place in the read (`CodeRows.update_heads`)."""
+        if self._cols is None or self.base(key) not in self.windows:
+            return 0
+        return self._cols - self._held_cols
+
     def window_positions(self, key: LayerKey, num_tokens: int) -> tuple[list[tuple[Any, int]], Tensor, None]:
         """A quantized window's lanes `((base, slot), row)` and the call's columns `[B, T]` (every token written)."""
         base, slot = self.base(key), self._slot(key)
@@ -503,12 +525,15 @@ class QuantizedSlotKVPool(SlotKVPool):
     """`SlotKVPool(kv_quant=...)` under its own name: the pool holding the codec of `kv_quant` (see the
     module docstring and `RowCodecs`)."""
 
-    def __init__(self, kv_quant: KVQuant | str, device: Any = "cpu") -> None:
-        super().__init__(device, kv_quant)
+    def __init__(self, kv_quant: KVQuant | str, device: Any = "cpu", windows: Mapping[tuple, int] | None = None,
+                 head_dim: int | None = None) -> None:
+        super().__init__(device, kv_quant, windows, head_dim)
 
 
-def make_pool(kv_quant: KVQuant | None, device: Any = "cpu", windows: Mapping[tuple, int] | None = None
-              ) -> SlotKVPool:
-    """The batch's KV pool: float entries (sliding-window bases `windows` holding recent columns only), or code
-    rows of `kv_quant` (every column held)."""
-    return SlotKVPool(device, windows=windows) if kv_quant is None else QuantizedSlotKVPool(kv_quant, device)
+def make_pool(kv_quant: KVQuant | None, device: Any = "cpu", windows: Mapping[tuple, int] | None = None,
+              head_dim: int | None = None) -> SlotKVPool:
+    """The batch's KV pool: float entries, or code rows of `kv_quant`; sliding-window bases `windows` hold each
+    row's recent columns only (code rows: at least the decode floor of `head_dim`, the model's)."""
+    if kv_quant is None:
+        return SlotKVPool(device, windows=windows)
+    return QuantizedSlotKVPool(kv_quant, device, windows, head_dim)

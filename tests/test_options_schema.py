@@ -41,9 +41,9 @@ model_dir, library_model, hf_model = test_hf.model_dir, test_hf.library_model, t
 LIMITS = Limits(max_seq_len=96, mean_recurrence=4, vocab_size=256, max_num_steps=16)
 # `rdepth generate` flags that are not generation options (input, printing, device).
 CLI_OWN = {"help", "model", "tokenizer", "prompt", "prompt_file", "max_depth", "stream", "json", "device", "dtype",
-           "threads", "lora", "strict_lora_base", "weights", "generation_config"}  # (lora, weights: an adapter
-#  and int8 weights applied as the model loads, not generation options; generation_config: where the defaults of
-#  those options come from)
+           "threads", "lora", "strict_lora_base", "weights", "generation_config", "ignore_eos"}  # (lora, weights: an
+#  adapter and int8 weights applied as the model loads, not generation options; generation_config: where the
+#  defaults of those options come from; ignore_eos: eos_token_id=[] over the config's, as the server's own field)
 
 
 @pytest.fixture(scope="module")

@@ -57,6 +57,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(**{name: None for name in CLI_DEFAULTS})
     add_generation_config_arg(p, f"sets the options no flag sets, as our transformers classes read it: "
                                  f"{GENERATION_CONFIG_KEYS} (as vLLM's --generation-config auto)")
+    # (the server's `ignore_eos` field: without it no CLI run could reproduce such a request's tokens)
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at the model's eos ids (config.json's and generation_config.json's), as the "
+                        "server's ignore_eos; --stop and --stop-id still stop (default: off)")
     o = p.add_argument_group("printing")
     o.add_argument("--stream", dest="stream", action="store_true", default=None,
                    help="print tokens as they are generated (default: on for one prompt)")
@@ -184,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
     kwargs = with_generation_defaults(kwargs, generation_defaults(args.model, args.generation_config,
                                                                   "rdepth generate", args.max_depth))
     kwargs = {**CLI_DEFAULTS, **kwargs}
+    if args.ignore_eos:
+        kwargs["eos_token_id"] = []  # (replaces the config's and the file's ids; --stop / --stop-id are apart)
     stream = args.stream if args.stream is not None else (len(rows) == 1 and not args.json)
     if stream and len(rows) > 1:
         raise ValueError("--stream prints one prompt's tokens as they come; use --no-stream for a batch")

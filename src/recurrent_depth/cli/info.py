@@ -22,8 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "with --kv-quant, the same again with the KV entries quantized (every norm counted). With sliding-window "
         "layers, also what autoregressive decoding allocates at max_seq_len (a layer of window W holds about 2W "
         "columns, from a prompt of about W tokens or fewer; quantized, at least the few columns its codes decode "
-        "exactly from at tiny head dims; the full-context figures are what speculative and "
-        "parallel decoding, the serving pool and RDEPTH_FULL_WINDOW_CACHE=1 hold).",
+        "exactly from at tiny head dims; the serving pool holds the same bound per row; the full-context figures "
+        "are what speculative and parallel decoding and RDEPTH_FULL_WINDOW_CACHE=1 hold).",
     )
     from recurrent_depth.config import PRESETS
 
@@ -174,8 +174,8 @@ def run(args: argparse.Namespace) -> int:
     if windows:
         align = WINDOW_ALIGN - 1
         print(f"{'sliding windows':>22}  {len(set(windows) - {('core',)})} layers: autoregressive decoding holds at "
-              f"most 2W+{align} columns of each (after a prompt of W+{align} tokens or fewer); speculative and "
-              "parallel decoding and the serving pool hold the whole context")
+              f"most 2W+{align} columns of each (after a prompt of W+{align} tokens or fewer), the serving pool "
+              f"2W+{align} a row (W its largest window); speculative and parallel decoding hold the whole context")
     print(f"{f'cache at {length} tokens':>22}  {human_bytes(full)} ({full:,} bytes"
           f"{decode_note(info['cache_bytes_at_max_seq_len_bf16_autoregressive'])})")
     for name, nbytes in info["cache_bytes_at_max_seq_len_bf16_by_kv_policy"].items():

@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 LM_EVAL_SUBCOMMANDS = ("run", "ls", "validate")
@@ -109,6 +111,27 @@ def backend_model_args(argv: list[str]) -> dict[str, Any] | None:
     return dict(args.model_args or {})
 
 
+@contextlib.contextmanager
+def split_include_paths() -> Iterator[None]:
+    """lm-eval's CLI hands `--include_path` to its TaskManager as one path: its help shows `a:b`, but 0.4.13
+    never splits it, so the user's directory joined with ours (`prepare_argv`) named no directory and both sets
+    of tasks went missing ("Tasks not found"). Split it on os.pathsep while lm-eval runs."""
+    from lm_eval.tasks import TaskManager
+
+    init = TaskManager.__init__
+
+    def split_init(self: Any, *args: Any, include_path: Any = None, **kwargs: Any) -> None:
+        if isinstance(include_path, str) and os.pathsep in include_path:
+            include_path = [p for p in include_path.split(os.pathsep) if p]
+        init(self, *args, include_path=include_path, **kwargs)
+
+    TaskManager.__init__ = split_init
+    try:
+        yield
+    finally:
+        TaskManager.__init__ = init
+
+
 def run_passthrough(argv: list[str]) -> int:
     """Import recurrent_depth (registering everything), then run lm-eval's CLI main with `argv`."""
     try:
@@ -141,7 +164,8 @@ def run_passthrough(argv: list[str]) -> int:
 
             preflight(model_args)
         sys.argv = ["lm-eval", *argv]
-        cli_evaluate()
+        with split_include_paths():
+            cli_evaluate()
     except SystemExit as exc:  # argparse and lm-eval exit with a code
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except (ValueError, OSError) as exc:

@@ -179,7 +179,9 @@ class ServedAdapters:
         another."""
         from recurrent_depth.train.lora import use_adapter
 
-        if peft_name is not None and peft_name not in self.draining and peft_name not in self._peft_names.values():
+        with self._names_lock:  # (a `retire` between two unlocked reads hid it from both: the engine stopped)
+            known = peft_name is None or peft_name in self.draining or peft_name in self._peft_names.values()
+        if not known:
             raise ValueError(f"no LoRA adapter has the peft name {peft_name!r} (unloaded and dropped?)")
         if self.wrapper is not None:
             use_adapter(self.wrapper, peft_name)

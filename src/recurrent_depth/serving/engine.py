@@ -361,8 +361,10 @@ class BatchScheduler:
             with torch.inference_mode():
                 while True:
                     with self.cond:
+                        # (`draining` too: where an unloaded adapter's last job started and ended in one iteration,
+                        # no waiting job holds its drop, which `_queue_drops` below queues; asleep, it never did)
                         while (not self.stopping and not self.waiting and self.running == 0
-                               and not self.adapter_updates):
+                               and not self.adapter_updates and not self.draining):
                             self.cond.wait()
                         if self.stopping:
                             break

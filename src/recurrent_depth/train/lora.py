@@ -772,6 +772,8 @@ def _matches_in_child(regexes: list[tuple[re.Pattern[str], str]], names: list[st
     """`_match_each` in a child interpreter, killed when over time; None where no child interpreter can start. Off
     the main thread (the server loads adapters on its scheduler's thread) no timer can stop a regex, and a thread's
     regex holds the GIL: every thread of the process froze while it ran. The child costs ~50-70 ms."""
+    if not sys.executable:  # (None or "" where Python cannot tell its own path: subprocess raised a TypeError)
+        return None
     command = [sys.executable, "-I", "-S", "-c", _REGEX_CHILD]
     given = json.dumps([[[p.pattern, how] for p, how in regexes], names, seconds])
     try:

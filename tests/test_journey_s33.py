@@ -66,7 +66,8 @@ def test_info_states_the_serving_pools_window_bound(tmp_path, capsys, monkeypatc
     config.to_json(tmp_path / "config.json")
     assert main(["info", "--model", str(tmp_path), "--threads", "1"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if "sliding windows" in x)
-    held = int(re.search(r"the serving pool 2W\+(\d+) a row", line).group(1)) + 2 * 8
+    held = int(re.search(r"at most 2W\+(\d+) columns of each", line).group(1)) + 2 * 8
+    assert "the serving pool as many a row" in line
     assert "serving pool hold" not in line
     torch.manual_seed(0)
     dec = BatchDecoder(rd.RecurrentDepthLM(config).eval(), max_rows=1)

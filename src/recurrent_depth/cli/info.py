@@ -174,8 +174,9 @@ def run(args: argparse.Namespace) -> int:
     if windows:
         align = WINDOW_ALIGN - 1
         print(f"{'sliding windows':>22}  {len(set(windows) - {('core',)})} layers: autoregressive decoding holds at "
-              f"most 2W+{align} columns of each (after a prompt of W+{align} tokens or fewer), the serving pool "
-              f"2W+{align} a row (W its largest window); speculative and parallel decoding hold the whole context")
+              f"most 2W+{align} columns of each (2W+511 from W = 512 on; after a prompt of W+{align} tokens or "
+              f"fewer), the serving pool as many a row (W its largest window); speculative and parallel decoding "
+              "hold the whole context")
     print(f"{f'cache at {length} tokens':>22}  {human_bytes(full)} ({full:,} bytes"
           f"{decode_note(info['cache_bytes_at_max_seq_len_bf16_autoregressive'])})")
     for name, nbytes in info["cache_bytes_at_max_seq_len_bf16_by_kv_policy"].items():

@@ -33,8 +33,11 @@ Sliding-window layers (`windows`, `inference.cache.layer_windows`) hold each row
 autoregressive decoding does (`inference.cache`): a windowed base's storage is `[S, R, Hkv, Cw, D]` (or code rows
 `[S, R, Hkv, Cw, bytes]`), Cw = `decoding_window_columns(reach)` (`reach`: the largest window, and for code rows
 at least `kv_codec.exact_decode_columns`, so that each held column decodes bitwise as in a longer read), and
-row r holds its columns from `first[r]` on (a multiple of `WINDOW_ALIGN`: the attention's sums keep their
-lanes, so a row reads bitwise what it reads with every column held) at held positions `column - first[r]`. A
+row r holds its columns from `first[r]` on (`window_start`: a multiple of `WINDOW_ALIGN`, of a whole 512-column
+SDPA block from W = 512 on: the attention's sums keep their lanes and blocks, so a row reads bitwise what it reads
+with every column held; with W < 512 only up to column 512, past which CPU SDPA's block boundaries differ and the
+sums ~1e-7, as rows of one call start at different columns and cannot share `inference.cache.read_start`'s zero
+prefix) at held positions `column - first[r]`. A
 prefill stores only the prompt's columns the next token's window reaches (its own queries read the call's
 entries); `hold` moves a row's columns down to its next token's window when that token's column runs past the
 room (that row alone). Token calls then write each row at its held position and read held positions

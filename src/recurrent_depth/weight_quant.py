@@ -171,6 +171,16 @@ def dequantize_int8(q: Tensor, scales: Tensor, dtype: torch.dtype = torch.float3
 # ---------------------------------------------------------------- int4, group-wise
 
 
+def _padded_blocks(weight: Tensor, size: int) -> Tensor:
+    """`weight` `[out, in]` as float32 `[out, blocks, size]`, its input columns zero-padded up to a multiple of `size`
+    (the groups of int4, the blocks of nf4)."""
+    w = weight.detach().float()
+    padded = -(-w.shape[1] // size) * size
+    if padded != w.shape[1]:
+        w = F.pad(w, (0, padded - w.shape[1]))
+    return w.view(w.shape[0], padded // size, size)
+
+
 def quantize_int4(weight: Tensor, group: int = INT4_DEFAULT_GROUP) -> tuple[Tensor, Tensor]:
     """Asymmetric group-wise 4-bit: (q uint8 `[out, padded_in]` holding 0..15, scales_and_zeros
     float32 `[groups, out, 2]`) with `weight[o, i] ~ (q[o, i] - 8) * scale[g, o] + zero[g, o]`,
@@ -181,12 +191,8 @@ def quantize_int4(weight: Tensor, group: int = INT4_DEFAULT_GROUP) -> tuple[Tens
     bf16 step of the zero, per entry (tested)."""
     if group not in INT4_GROUP_SIZES:
         raise ValueError(f"int4 group size {group} is invalid: expected one of {list(INT4_GROUP_SIZES)}")
-    w = weight.detach().float()
-    out_features, in_features = w.shape
-    padded = -(-in_features // group) * group
-    if padded != in_features:
-        w = F.pad(w, (0, padded - in_features))
-    groups = w.view(out_features, padded // group, group)
+    groups = _padded_blocks(weight, group)
+    out_features, padded = groups.shape[0], groups.shape[1] * group
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     scales = ((high - low) / 15).to(torch.bfloat16).float()
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # a constant group: q = 8 gives it
@@ -271,19 +277,15 @@ def quantize_nf4(weight: Tensor, block: int = NF4_DEFAULT_BLOCK) -> tuple[Tensor
     nearest level. `padded_in` rounds `in` up to a multiple of `block` (zero columns: the exact 0 level)."""
     if block not in NF4_BLOCK_SIZES:
         raise ValueError(f"nf4 block size {block} is invalid: expected one of {list(NF4_BLOCK_SIZES)}")
-    w = weight.detach().float()
-    out_features, in_features = w.shape
-    padded = -(-in_features // block) * block
-    if padded != in_features:
-        w = F.pad(w, (0, padded - in_features))
-    blocks = w.view(out_features, padded // block, block)
+    blocks = _padded_blocks(weight, block)
+    out_features, padded = blocks.shape[0], blocks.shape[1] * block
     # rounded to bf16 values first (stored as bf16: half of QLoRA's float32 absmax), so the codes are rounded against
     # the scale the dequantize reads; a block's largest weight may then sit a bf16 step past 1: level 1 is nearest
     absmax = blocks.abs().amax(dim=-1).to(torch.bfloat16)
     absmax = torch.where(absmax > 0, absmax, torch.ones_like(absmax))  # an all-zero block: the 0 level
-    levels = NF4_LEVELS.to(w.device)
+    levels = NF4_LEVELS.to(blocks.device)
     midpoints = (levels[1:] + levels[:-1]) / 2  # (bucketize: the index of the nearest level)
-    q = torch.empty(out_features, padded, dtype=torch.uint8, device=w.device)
+    q = torch.empty(out_features, padded, dtype=torch.uint8, device=blocks.device)
     rows = max(1, _NF4_CHUNK_WEIGHTS // padded)
     for start in range(0, out_features, rows):
         normed = blocks[start:start + rows] / absmax[start:start + rows, :, None].float()

@@ -537,11 +537,12 @@ class StaticRecurrentCache(_CacheBase):
         end = self._written_end = start + k.shape[2]
         if end > self.capacity:
             self._grow(end)
-        if self.codecs is not None and self.split(key)[0] in self.windows:
-            codecs = self.codecs.made(key)  # (made by this write's encode)
+        base = self.split(key)[0]
+        if self.codecs is not None and base in self.windows and base not in self._decode_floor:
+            codecs = self.codecs.made(key)  # (made by this write's encode; the floor is the base's first write's)
             if codecs is not None:
-                self._decode_floor.setdefault(self.split(key)[0], exact_decode_columns(codecs))
-        first = self._held_from(self.split(key)[0]) if self.windows else 0  # (may drop old columns)
+                self._decode_floor[base] = exact_decode_columns(codecs)
+        first = self._held_from(base) if self.windows else 0  # (may drop old columns)
         views = self._views.get(key)
         if views is None:
             base, slot = self.split(key)

@@ -110,10 +110,8 @@ def test_info_prices_a_quantized_windowed_cache_as_decoding_allocates_it(tmp_pat
     O(W) columns in autoregressive decoding, and at head dim 8 more than W = 4: the 7 its codes decode bitwise
     from (`exact_decode_columns`). Its decode figure is the bytes a real quantized cache allocates."""
     from recurrent_depth.cli import main
-    from recurrent_depth.inference import cache as cache_module
-    from recurrent_depth.inference import generate
     from recurrent_depth.inference.cache import FULL_WINDOW_CACHE_ENV, decoding_window_columns
-    from tests.test_gaps_s33 import CONTEXT, windowed_config
+    from tests.test_gaps_s33 import CONTEXT, peak_store_bytes, windowed_config
 
     monkeypatch.delenv(FULL_WINDOW_CACHE_ENV, raising=False)
     # a 6-token prompt reaches the bound (29 columns at reach 7) within 46 tokens: no need to decode to 112
@@ -125,19 +123,8 @@ def test_info_prices_a_quantized_windowed_cache_as_decoding_allocates_it(tmp_pat
     torch.manual_seed(0)
     model = rd.RecurrentDepthLM(config).to(torch.bfloat16).eval()
 
-    peak: dict[tuple, int] = {}  # each store's largest allocation over the decode
-    write_rows = cache_module.StaticRecurrentCache.write_rows
-
-    def recording(self, key, k, v):
-        out = write_rows(self, key, k, v)
-        for base, (K, V) in self.kv.items():
-            peak[base] = max(peak.get(base, 0), K.nbytes + V.nbytes)
-        return out
-
-    monkeypatch.setattr(cache_module.StaticRecurrentCache, "write_rows", recording)
     prompt = torch.randint(0, 64, (1, prompt_tokens))
-    generate(model, prompt, max_new_tokens=new_tokens, num_steps=config.mean_recurrence,
-             init_scale=0.0, do_sample=False, kv_quant=spec)
+    peak = peak_store_bytes(monkeypatch, model, prompt, max_new_tokens=new_tokens, kv_quant=spec)
     assert set(peak) == {("prelude", 0), ("core", 0), ("core", 1), ("coda", 0)}
     decoding = info["cache_bytes_at_max_seq_len_quantized_autoregressive_by_kv_policy"]
     assert decoding["per-step+deepest"] == sum(peak.values())

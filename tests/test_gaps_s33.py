@@ -145,6 +145,22 @@ def windowed_config(windows: list) -> rd.ModelConfig:
                           attention_windows=windows)
 
 
+def peak_store_bytes(monkeypatch, model, prompt, **options) -> dict[tuple, int]:
+    """Each cache store's largest allocation (K and V bytes) over a greedy `generate` of `model` at its mean depth."""
+    peak: dict[tuple, int] = {}
+    write_rows = cache_module.StaticRecurrentCache.write_rows
+
+    def recording(self, key, k, v):
+        out = write_rows(self, key, k, v)
+        for base, (K, V) in self.kv.items():
+            peak[base] = max(peak.get(base, 0), K.nbytes + V.nbytes)
+        return out
+
+    monkeypatch.setattr(cache_module.StaticRecurrentCache, "write_rows", recording)
+    generate(model, prompt, num_steps=model.config.mean_recurrence, init_scale=0.0, do_sample=False, **options)
+    return peak
+
+
 def test_info_prices_what_autoregressive_decoding_allocates(tmp_path, capsys, monkeypatch):
     """info priced a sliding-window layer's KV over the whole context, while autoregressive decoding holds
     O(W) columns of it: 4x the memory on this model. Its decode figure is the bytes a real bf16 cache allocates."""
@@ -156,19 +172,8 @@ def test_info_prices_what_autoregressive_decoding_allocates(tmp_path, capsys, mo
     torch.manual_seed(0)
     model = rd.RecurrentDepthLM(config).to(torch.bfloat16).eval()
 
-    peak: dict[tuple, int] = {}  # each store's largest allocation over the decode
-    write_rows = cache_module.StaticRecurrentCache.write_rows
-
-    def recording(self, key, k, v):
-        out = write_rows(self, key, k, v)
-        for base, (K, V) in self.kv.items():
-            peak[base] = max(peak.get(base, 0), K.nbytes + V.nbytes)
-        return out
-
-    monkeypatch.setattr(cache_module.StaticRecurrentCache, "write_rows", recording)
     prompt = torch.randint(0, 64, (1, PROMPT))
-    generate(model, prompt, max_new_tokens=CONTEXT - PROMPT, num_steps=config.mean_recurrence, init_scale=0.0,
-             do_sample=False)
+    peak = peak_store_bytes(monkeypatch, model, prompt, max_new_tokens=CONTEXT - PROMPT)
     assert set(peak) == {("prelude", 0), ("core", 0), ("core", 1), ("coda", 0)}
     assert info["cache_bytes_at_max_seq_len_bf16_autoregressive"] == sum(peak.values())
     assert decoding_window_columns(WINDOW) == 2 * WINDOW + cache_module.WINDOW_ALIGN - 1 < CONTEXT

@@ -110,10 +110,10 @@ def test_a_mixed_batch_on_quantized_weights_equals_each_adapter_alone(model_dir,
         with served.rows.use([served.peft_name(n) for n in names]):
             mixed = runner_logits(runner, ids)
         for row, name in enumerate(names):
-            served.activate(name)
+            served.turn_on(served.peft_name(name))
             alone = runner_logits(make_runner(model, fast), ids[row:row + 1])
             torch.testing.assert_close(mixed[row:row + 1], alone, rtol=1e-4, atol=1e-5)
-        served.activate(None)
+        served.turn_on(None)
     assert not torch.allclose(mixed[0], mixed[2], atol=1e-2)  # (the adapters change the rows they run on)
 
 
@@ -126,7 +126,7 @@ def test_runtime_loads_and_unloads_on_quantized_weights(model_dir, adapters, tmp
         model_dir, weights="int4"), adapters["a"])), PROMPT)
     for _ in range(2):  # (after the last unload the layers are the quantized ones again, and take the next load)
         served.add("x", "a")
-        served.activate("x")
+        served.turn_on(served.peft_name("x"))
         torch.testing.assert_close(runner_logits(make_runner(model), PROMPT), want, rtol=0, atol=0)
         served.drop(served.retire("x"))
         assert type(model.transformer.core_block[0].attn.Wqkv) is Int4WeightLinear

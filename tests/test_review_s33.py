@@ -9,9 +9,9 @@ import threading
 import httpx
 import pytest
 
-from recurrent_depth.serving import build_app
-from tests.test_serve_unload_drain import BODY, RUNNING, WAIT, Gates, complete, run, wait_for
-from tests.test_serving import LiveServer, model_dir  # noqa: F401 - fixtures
+from tests.serving_fixtures import BODY, WAIT, Gates, complete, run, runtime_lora_server, wait_for
+from tests.test_serve_unload_drain import RUNNING
+from tests.test_serving import model_dir  # noqa: F401 - fixtures
 from tests.test_serving_lora import adapters  # noqa: F401 - fixtures
 from tests.test_serving_lora_updates import load, unload
 
@@ -24,9 +24,7 @@ def live(model_dir, adapters, tmp_path_factory):  # noqa: F811 - the fixtures
     """Runtime loads on, one row (a second request waits)."""
     root = tmp_path_factory.mktemp("review_root")
     shutil.copytree(adapters["sql"], root / "sql")
-    app = build_app(model_dir, model_name="tiny", tokenizer_workers=1, lora_updates_root=root, max_batch=1)
-    with LiveServer(app) as server:
-        yield server
+    yield from runtime_lora_server(model_dir, root)
 
 
 def test_an_unload_answers_when_its_last_request_ends_in_the_iteration_it_starts(live):
@@ -47,7 +45,7 @@ def test_an_unload_answers_when_its_last_request_ends_in_the_iteration_it_starts
             wait_for(lambda: len(scheduler.waiting) == 1, "the second request did not queue")
             unloader = run(results, "unload", unload, live.url, "sql")
             threads.append(unloader)
-            wait_for(lambda: scheduler.adapters.draining, "the unload was not accepted")
+            wait_for(lambda: scheduler.adapters.retired, "the unload was not accepted")
             gates.open(RUNNING)
             unloader.join(WAIT)
             assert not unloader.is_alive(), "the unload never answered (its drop was not queued)"
@@ -57,11 +55,11 @@ def test_an_unload_answers_when_its_last_request_ends_in_the_iteration_it_starts
                 thread.join(60)
     assert results["unload"].status_code == 200, results["unload"].text
     assert results["short"].status_code == 200 and results["running"].status_code == 200
-    assert not scheduler.draining and not scheduler.adapters.draining and scheduler.adapters.wrapper is None
+    assert not scheduler.pending_unloads and not scheduler.adapters.retired and scheduler.adapters.wrapper is None
 
 
 def test_an_unload_racing_an_adapter_switch_does_not_stop_the_engine(model_dir, adapters):  # noqa: F811
-    """`turn_on` (the scheduler's thread, switching to a job's adapter) read `draining` and then the served names
+    """`turn_on` (the scheduler's thread, switching to a job's adapter) read `retired` and then the served names
     without the lock `retire` (the HTTP side, at once) changes them under: a retire between the two reads hid the
     adapter from both, and the ValueError stopped the engine for every client."""
     import recurrent_depth as rd
@@ -74,7 +72,7 @@ def test_an_unload_racing_an_adapter_switch_does_not_stop_the_engine(model_dir, 
     retiring: list[threading.Thread] = []
 
     class RetiredWhileRead(set):
-        """`draining`, whose first read lets the HTTP side retire "sql" (as a thread switch there would)."""
+        """`retired`, whose first read lets the HTTP side retire "sql" (as a thread switch there would)."""
 
         def __contains__(self, item: object) -> bool:
             found = super().__contains__(item)
@@ -85,12 +83,12 @@ def test_an_unload_racing_an_adapter_switch_does_not_stop_the_engine(model_dir, 
                 retiring[0].join(0.05 if served._names_lock.locked() else WAIT)
             return found
 
-    served.draining = RetiredWhileRead(served.draining)
+    served.retired = RetiredWhileRead(served.retired)
     served.turn_on(peft_name)  # (the job accepted for "sql" runs with it, retired or not)
     retiring[0].join(WAIT)
-    assert served.active == peft_name and peft_name in served.draining and "sql" not in served
+    assert served.active == peft_name and peft_name in served.retired and "sql" not in served
     served.drop(peft_name)
-    assert served.wrapper is None and not served.draining
+    assert served.wrapper is None and not served.retired
 
 
 def test_regexes_off_the_main_thread_match_where_python_cannot_name_its_executable(monkeypatch):

@@ -71,8 +71,9 @@ def run(scheduler: BatchScheduler, names: list[str | None], prompts: list[int] |
                 done.set()
 
     scheduler.submit([Job(RowRequest(PROMPTS[p], opts, 0, top_logprobs=2), TOKENS, frozenset(),
-                          TextState(TextCodec(None, 320), []), collect, time.monotonic() + 120, index=i, adapter=name,
-                          solo=i in solo, generation_kwargs=dict(num_steps=3, init_scale=0.0, max_new_tokens=TOKENS))
+                          TextState(TextCodec(None, 320), []), collect, time.monotonic() + 120, index=i,
+                          served_adapter=name, solo=i in solo,
+                          generation_kwargs=dict(num_steps=3, init_scale=0.0, max_new_tokens=TOKENS))
                       for i, (name, p) in enumerate(zip(names, prompts))])
     assert done.wait(120)
     return [out[i] for i in range(len(names))]
@@ -98,7 +99,7 @@ def watch_rows(scheduler: BatchScheduler) -> list[set]:
     step = scheduler.batch.step
 
     def recording():
-        seen.append({seq.adapter for seq in scheduler.batch.rows})
+        seen.append({seq.peft_adapter for seq in scheduler.batch.rows})
         return step()
 
     scheduler.batch.step = recording

@@ -12,21 +12,18 @@ from __future__ import annotations
 import json
 import shutil
 import threading
-import time
 
 import httpx
 import pytest
 
-from recurrent_depth.serving import build_app
-from tests.test_serving import LiveServer, model_dir  # noqa: F401 - fixtures
+from tests.serving_fixtures import BODY, WAIT, Gates, complete, run, runtime_lora_server, wait_for
+from tests.test_serving import model_dir  # noqa: F401 - fixtures
 from tests.test_serving_lora import adapters  # noqa: F401 - fixtures
 from tests.test_serving_lora_updates import load, served, unload
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-WAIT = 10.0  # seconds for what takes milliseconds unless it waits for a held request
-BODY = {"max_tokens": 4, "temperature": 0, "init_scale": 0, "num_steps": 3, "ignore_eos": True}
 RUNNING, QUEUED, LATER = [5, 17, 33, 2], [40, 41, 42], [7, 8]  # the prompts of three requests for "sql"
 
 
@@ -41,26 +38,12 @@ def root(adapters, tmp_path_factory):  # noqa: F811 - the fixture
 @pytest.fixture(scope="module")
 def live(model_dir, root):  # noqa: F811 - the fixture
     """A server with runtime loads on, no adapter at start, one row (a second request waits), 2 adapters at most."""
-    app = build_app(model_dir, model_name="tiny", tokenizer_workers=1, lora_updates_root=root, max_batch=1,
-                    max_lora_modules=2)
-    with LiveServer(app) as server:
-        yield server
-
-
-def wait_for(condition, what: str) -> None:
-    deadline = time.monotonic() + WAIT
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
+    yield from runtime_lora_server(model_dir, root, max_lora_modules=2)
 
 
 def metric(url: str, name: str) -> float:
     lines = [line for line in httpx.get(url + "/metrics").text.splitlines() if line.startswith(name + " ")]
     return float(lines[0].split()[1])
-
-
-def complete(url: str, model: str, prompt: list[int]) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", json={"model": model, "prompt": prompt, **BODY}, timeout=60)
 
 
 def streamed(url: str, model: str, prompt: list[int]) -> tuple[int, str, list[str | None]]:
@@ -76,48 +59,12 @@ def streamed(url: str, model: str, prompt: list[int]) -> tuple[int, str, list[st
         return response.status_code, text, reasons
 
 
-class Gates:
-    """The scheduler's decode steps wait while the gate of a prompt in the batch is closed (`hold`)."""
-
-    def __init__(self, scheduler, *prompts: list[int]) -> None:
-        self.scheduler, self.step = scheduler, scheduler.batch.step
-        self.gates = {tuple(p): threading.Event() for p in prompts}
-        self.inside = threading.Event()  # (a step has waited)
-
-    def hold(self):
-        for seq in self.scheduler.batch.rows:
-            gate = self.gates.get(tuple(seq.tag.row.prompt))
-            if gate is not None and not gate.is_set():
-                self.inside.set()
-                gate.wait(60)
-        return self.step()
-
-    def open(self, prompt: list[int]) -> None:
-        self.gates[tuple(prompt)].set()
-
-    def __enter__(self) -> Gates:
-        self.scheduler.batch.step = self.hold
-        return self
-
-    def __exit__(self, *exc) -> None:  # (a failure must not leave the scheduler's thread waiting)
-        for gate in self.gates.values():
-            gate.set()
-        self.scheduler.batch.step = self.step
-
-
-def run(results: dict, key: str, call, *args) -> threading.Thread:
-    """`call(*args)` on a thread of its own, its result into results[key]."""
-    thread = threading.Thread(target=lambda: results.update({key: call(*args)}), daemon=True)
-    thread.start()
-    return thread
-
-
 def at_rest(url: str, scheduler, count: int) -> None:
     """Nothing runs or waits, no unloaded adapter's layers are left, `count` adapters are served; /metrics says so."""
     # (a client has its answer just before the scheduler frees the row)
     wait_for(lambda: scheduler.running == 0, "a row was not freed")
     assert not scheduler.waiting and not scheduler.adapter_updates
-    assert not scheduler.draining and not scheduler.adapters.draining
+    assert not scheduler.pending_unloads and not scheduler.adapters.retired
     for name, value in (("rdepth_running_sequences", 0), ("rdepth_queue_depth", 0), ("rdepth_lora_adapters", count)):
         assert metric(url, name) == value, name
 
@@ -158,8 +105,8 @@ def test_an_unload_drains_queued_requests_and_a_reload_serves_new_weights(live, 
                      "the queued request did not start")
             threads.append(run(results, "later", complete, live.url, "sql", LATER))  # (for the new weights)
             wait_for(lambda: len(scheduler.waiting) == 1, "the request after the reload did not queue")
-            assert unloader.is_alive() and len(scheduler.adapters.draining) == 1
-            # the old layers count against --max-lora-modules until they go (2: the new sql and the draining one)
+            assert unloader.is_alive() and len(scheduler.adapters.retired) == 1
+            # the old layers count against --max-lora-modules until they go (2: the new sql and the retired one)
             with pytest.raises(ValueError, match=r"holds 2 LoRA adapters, 1 of them unloaded and finishing"):
                 scheduler.adapters.add("third", root / "chat")
             gates.open(QUEUED)
@@ -228,7 +175,7 @@ def test_an_update_queued_as_jobs_are_admitted_waits_for_them(live, monkeypatch)
 
     def take_then_unload():
         admitted = take()
-        if any(job.adapter == "sql" for job in admitted) and not unloads:
+        if any(job.served_adapter == "sql" for job in admitted) and not unloads:
             unloads.append(scheduler.unload_adapter("sql"))  # (its handler's call, at that moment)
         return admitted
 

@@ -17,8 +17,7 @@ import torch
 import recurrent_depth as rd
 from recurrent_depth.inference import generate
 from recurrent_depth.inference.cache import FULL_WINDOW_CACHE_ENV, decoding_window_columns
-from recurrent_depth.inference.options import GenerationOptions
-from recurrent_depth.serving.batch import BatchDecoder, RowRequest
+from tests.serving_fixtures import serve_rows as serve
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -43,33 +42,6 @@ def jobs() -> list[tuple[list[int], dict]]:
     return [(torch.randint(0, 256, (n,), generator=g).tolist(),
              dict(max_new_tokens=m, init_scale=0.0, **MODES[j % len(MODES)]))
             for j, (n, m) in enumerate(zip(PROMPTS, NEW))]
-
-
-def serve(model, work, max_rows: int = 3) -> tuple[dict[int, list], BatchDecoder, int]:
-    """Rows join as room frees (at most `max_rows` at once, later ones mid-way through others) and leave when
-    done (the last row moves into the freed one). Returns each job's results, the decoder and its largest
-    windowed-layer allocation (bytes) over the run."""
-    dec = BatchDecoder(model, max_rows=max_rows)
-    out: dict[int, list] = {}
-    pending = list(range(len(work)))
-    peak = 0
-    while pending or len(dec):
-        if pending and len(dec) < max_rows:
-            j = pending.pop(0)
-            prompt, kw = work[j]
-            opts = GenerationOptions(**kw).validate(model.config.mean_recurrence)
-            _, first, _ = dec.add(RowRequest(prompt, opts, j, top_logprobs=0), tag=j)
-            out[j] = [first]
-        for seq, result in dec.step():
-            out[seq.tag].append(result)
-            if len(out[seq.tag]) >= work[seq.tag][1]["max_new_tokens"]:
-                dec.remove(seq)
-        peak = max(peak, windowed_nbytes(dec))
-    return out, dec, peak
-
-
-def windowed_nbytes(dec: BatchDecoder) -> int:
-    return sum(K.nbytes + V.nbytes for base, (K, V) in dec.pool.kv.items() if base in dec.pool.windows)
 
 
 def test_windowed_rows_hold_their_recent_columns_and_equal_each_request_alone(model, monkeypatch):

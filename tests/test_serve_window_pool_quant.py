@@ -19,9 +19,9 @@ import recurrent_depth as rd
 from recurrent_depth.inference import generate
 from recurrent_depth.inference.cache import FULL_WINDOW_CACHE_ENV, decoding_window_columns
 from recurrent_depth.inference.kv_codec import exact_decode_columns, layer_codec
-from recurrent_depth.inference.options import GenerationOptions
-from recurrent_depth.serving.batch import BatchDecoder, RowRequest
+from recurrent_depth.serving.batch import BatchDecoder
 from recurrent_depth.serving.kv_pool import QuantizedSlotKVPool
+from tests.serving_fixtures import serve_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -61,25 +61,8 @@ def jobs() -> list[tuple[list[int], dict]]:
 
 
 def serve(model, work, spec: str, max_rows: int = 3) -> tuple[dict[int, list], BatchDecoder, int]:
-    """Rows join as room frees and leave when done (the last row moves into the freed one); each job's results,
-    the decoder and the largest allocation of its windowed layers' code rows over the run."""
-    dec = BatchDecoder(model, max_rows=max_rows, kv_quant=spec)
-    out: dict[int, list] = {}
-    pending = list(range(len(work)))
-    peak = 0
-    while pending or len(dec):
-        if pending and len(dec) < max_rows:
-            j = pending.pop(0)
-            prompt, kw = work[j]
-            opts = GenerationOptions(**kw).validate(model.config.mean_recurrence)
-            _, first, _ = dec.add(RowRequest(prompt, opts, j, top_logprobs=0), tag=j)
-            out[j] = [first]
-        for seq, result in dec.step():
-            out[seq.tag].append(result)
-            if len(out[seq.tag]) >= work[seq.tag][1]["max_new_tokens"]:
-                dec.remove(seq)
-        peak = max(peak, sum(K.nbytes + V.nbytes for base, (K, V) in dec.pool.kv.items() if base in dec.pool.windows))
-    return out, dec, peak
+    """`serving_fixtures.serve_rows` with the quantized pool of `spec`."""
+    return serve_rows(model, work, max_rows, kv_quant=spec)
 
 
 def alone(model, prompt: list[int], kw: dict, seed: int, spec: str) -> tuple[list[int], list[int], list[float]]:

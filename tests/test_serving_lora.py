@@ -178,8 +178,8 @@ def test_the_scheduler_runs_one_adapter_at_a_time_and_no_adapter_starves(model_d
 
     def job(name: str) -> SimpleNamespace:
         adapter = None if name.startswith("base") else name[0]
-        # (lora: what `submit` binds, the scheduler's identity of the adapter)
-        return SimpleNamespace(name=name, adapter=adapter, lora=adapter, trains=False,
+        # (peft_adapter: what `submit` binds, the scheduler's identity of the adapter)
+        return SimpleNamespace(name=name, served_adapter=adapter, peft_adapter=adapter, trains=False,
                                row=SimpleNamespace(prompt=[1, 2]))
 
     scheduler = BatchScheduler(rd.RecurrentDepthLM.from_pretrained(model_dir), max_batch=8)
@@ -206,7 +206,7 @@ def test_every_job_of_an_adapter_waiting_when_its_phase_starts_joins_it(model_di
     from recurrent_depth.serving.engine import BatchScheduler
 
     def job(name: str) -> SimpleNamespace:
-        return SimpleNamespace(name=name, adapter=name[0], lora=name[0], trains=False,
+        return SimpleNamespace(name=name, served_adapter=name[0], peft_adapter=name[0], trains=False,
                                row=SimpleNamespace(prompt=[1] * 300))
 
     scheduler = BatchScheduler(rd.RecurrentDepthLM.from_pretrained(model_dir), max_batch=8, prefill_tokens=400)
@@ -241,8 +241,9 @@ def test_the_adapters_a_server_serves_are_its_schedulers(model_dir, adapters):  
         assert [c["id"] for c in httpx.get(live.url + "/v1/models").json()["data"]] == ["tiny", "sql"]
         with pytest.raises(ValueError, match=r"adapter 'chat', which this scheduler does not serve \(its adapters: "
                                              r"\['sql'\]\)"):
-            scheduler.submit([SimpleNamespace(adapter="chat")])
+            scheduler.submit([SimpleNamespace(served_adapter="chat")])
         answers(live.url, "sql")
         assert scheduler.healthy and scheduler.adapters.active is None  # (the batch's rows add their own)
-        scheduler.adapters.activate("sql")  # (as a solo job's switch does; nothing runs now)
+        # (as a solo job's switch does; nothing runs now)
+        scheduler.adapters.turn_on(scheduler.adapters.peft_name("sql"))
         assert not [name for name, p in model.named_parameters() if p.requires_grad]

@@ -57,7 +57,7 @@ def submit_in_time(scheduler, adapter: str) -> BaseException | None:
 
     def call() -> None:
         try:
-            scheduler.submit([SimpleNamespace(adapter=adapter, cancelled=False)])
+            scheduler.submit([SimpleNamespace(served_adapter=adapter, cancelled=False)])
             outcome.append(None)
         except Exception as exc:  # noqa: BLE001 - returned to the test
             outcome.append(exc)

@@ -224,8 +224,8 @@ def test_scheduler_admits_one_ttt_request_at_a_time(tiny_model):
     from recurrent_depth.serving.engine import BatchScheduler
 
     def job(name: str, trains: bool) -> SimpleNamespace:
-        return SimpleNamespace(name=name, trains=trains, row=SimpleNamespace(prompt=[1, 2, 3]), adapter=None,
-                               lora=None)
+        return SimpleNamespace(name=name, trains=trains, row=SimpleNamespace(prompt=[1, 2, 3]), served_adapter=None,
+                               peft_adapter=None)
 
     scheduler = BatchScheduler(tiny_model, max_batch=8)
     scheduler.waiting.extend([job("ttt-1", True), job("ttt-2", True), job("plain", False), job("ttt-3", True)])

@@ -13,7 +13,7 @@ batch, holds every adapter's low-rank terms and adds each row's, accel/lora.py),
 on, so the scheduler (`engine.BatchScheduler`) admits requests in arrival order whatever they name. A request
 thus computes what it computes on a server started with `--lora` of its adapter alone (or with none, for the
 base), to float rounding, as any batched row does. Solo requests (speculative decoding, TTT-E2E, ...) run with
-the adapter turned on (`activate`, at most one at a time): the scheduler runs the solo requests of one adapter
+the adapter turned on (`turn_on`, at most one at a time): the scheduler runs the solo requests of one adapter
 at a time, the batch's rows going on meanwhile. Where some adapter is not a plain low-rank pair on a linear
 layer (DoRA, a LoRA bias, ...: `plain_lora`), rows do not mix: the scheduler then runs the requests of one
 adapter at a time, switching the adapter (and rebuilding the batch's runner) once nothing runs; the cost is
@@ -23,7 +23,7 @@ With `rdepth serve --lora-updates-root DIR` adapters also load and unload while 
 `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`): `adapter_dir_inside` keeps a request's path inside
 DIR. The scheduler (`engine.BatchScheduler`) calls `add` and `drop` at its switch point, while nothing runs, and
 `retire` at once when an unload comes: the name is then free (a later load of it gets a new peft name), while the
-retired adapter's layers stay, `draining`, for the requests already accepted for it, until `drop`.
+retired adapter's layers stay (`retired`) for the requests already accepted for it, until `drop`.
 """
 
 from __future__ import annotations
@@ -150,8 +150,9 @@ class ServedAdapters:
                                   model_dir=model_dir) if modules else None
         self._peft_names = {name: several_adapter_name(i) for i, name in enumerate(self.names)}
         self._loaded = len(self.names)  # adapters loaded so far: the next one's peft name (never reused)
-        # peft names of adapters unloaded (`retire`) whose layers stay until `drop`: accepted requests still use them
-        self.draining: set[str] = set()
+        # peft names of adapters unloaded (`retire`) whose layers stay until `drop`: accepted requests still use them,
+        # and each holds one of the max_count slots until then
+        self.retired: set[str] = set()
         # `retire` runs on the HTTP side, `add` on the scheduler's thread: each changes the names whole under it
         self._names_lock = threading.Lock()
         self.active: str | None = None  # the peft name of the adapter turned on (load_loras leaves them all off)
@@ -168,19 +169,14 @@ class ServedAdapters:
             raise ValueError(f"no adapter named {name!r}; this server has {list(self.names)}")
         return None if name is None else self._peft_names[name]
 
-    def activate(self, name: str | None) -> None:
-        """Turn served adapter `name` on (None: none, the base alone). Only between requests: nothing may be
-        running."""
-        self.turn_on(self.peft_name(name))
-
     def turn_on(self, peft_name: str | None) -> None:
-        """Turn on the adapter peft knows as `peft_name` (None: the base alone), served or `draining`: a request
+        """Turn on the adapter peft knows as `peft_name` (None: the base alone), served or `retired`: a request
         runs with the adapter it was accepted for, also once that is unloaded. Only while nothing runs with
         another."""
         from recurrent_depth.train.lora import use_adapter
 
         with self._names_lock:  # (a `retire` between two unlocked reads hid it from both: the engine stopped)
-            known = peft_name is None or peft_name in self.draining or peft_name in self._peft_names.values()
+            known = peft_name is None or peft_name in self.retired or peft_name in self._peft_names.values()
         if not known:
             raise ValueError(f"no LoRA adapter has the peft name {peft_name!r} (unloaded and dropped?)")
         if self.wrapper is not None:
@@ -199,18 +195,18 @@ class ServedAdapters:
         if name in self:
             raise ValueError(f"a LoRA adapter named {name!r} is already loaded: unload it first, or choose another "
                              "lora_name")
-        if len(self.names) + len(self.draining) >= self.max_count:  # (a draining one holds its memory still)
-            draining = (f", {len(self.draining)} of them unloaded and finishing the requests already accepted for "
-                        "them" if self.draining else "")
-            raise ValueError(f"this server already holds {len(self.names) + len(self.draining)} LoRA adapters"
-                             f"{draining}, its limit (--max-lora-modules {self.max_count}): unload one first"
-                             f"{', or retry once they have finished' if self.draining else ''}")
+        if len(self.names) + len(self.retired) >= self.max_count:  # (a retired one holds its memory still)
+            retired = (f", {len(self.retired)} of them unloaded and finishing the requests already accepted for "
+                       "them" if self.retired else "")
+            raise ValueError(f"this server already holds {len(self.names) + len(self.retired)} LoRA adapters"
+                             f"{retired}, its limit (--max-lora-modules {self.max_count}): unload one first"
+                             f"{', or retry once they have finished' if self.retired else ''}")
         # checked again here, on the scheduler thread just before the load: the handler checked the path when the
         # request came, and a symlink in the root could be pointed out of it while the load waited for the running
         # requests (the window is now the load's own)
         directory = adapter_dir_inside(self.updates_root, str(directory))
         peft_name = several_adapter_name(self._loaded)
-        self.activate(None)
+        self.turn_on(None)
         self.wrapper = add_named_lora(self.model, self.wrapper, directory, peft_name, self.layout,
                                       strict_base=self.strict_base, model_dir=self.model_dir)
         self._loaded += 1
@@ -221,7 +217,7 @@ class ServedAdapters:
 
     def retire(self, name: str) -> str:
         """Stop serving adapter `name`: it leaves `names` (a job naming it is then refused, and the name may be
-        loaded again), its layers stay on the model, `draining`, until `drop` of the peft name returned. No peft
+        loaded again), its layers stay on the model (`retired`) until `drop` of the peft name returned. No peft
         work: the scheduler calls it under the lock `submit` takes, at once, whatever runs or waits (the jobs
         accepted for it keep its peft name, `engine.BatchScheduler.submit`)."""
         if name not in self:
@@ -229,7 +225,7 @@ class ServedAdapters:
         with self._names_lock:
             self.names = tuple(n for n in self.names if n != name)
             peft_name = self._peft_names.pop(name)
-            self.draining.add(peft_name)
+            self.retired.add(peft_name)
         return peft_name
 
     def drop(self, peft_name: str) -> None:
@@ -238,10 +234,18 @@ class ServedAdapters:
         does not wait for it)."""
         from recurrent_depth.train.lora import remove_named_lora
 
-        self.activate(None)
-        self.wrapper = remove_named_lora(self.wrapper, peft_name)
-        self.draining.discard(peft_name)
-        self.mixes = self.rows.attach(self.model)
+        self.turn_on(None)
+        try:
+            self.wrapper = remove_named_lora(self.wrapper, peft_name)
+        except Exception as exc:
+            # The adapter stays unloaded (its served name is gone already, maybe loaded again) and its slot is
+            # freed: kept in `retired`, it held a --max-lora-modules slot for good, every later load refused as
+            # over the limit. What peft left of its layers stays off (`turn_on` refuses its peft name now).
+            raise RuntimeError(f"the LoRA adapter is unloaded, but deleting its layers failed ({type(exc).__name__}: "
+                               f"{exc}); its --max-lora-modules slot is free again") from exc
+        finally:
+            self.retired.discard(peft_name)
+            self.mixes = self.rows.attach(self.model)  # (its layers changed, also part-way)
 
 
 def _meta_copy(model: Any) -> Any:

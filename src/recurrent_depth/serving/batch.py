@@ -32,7 +32,7 @@ token choice, per-row generators and exit statistics (`RowCriterion`) are the in
 package's own classes. `add(..., should_stop=)` lets a caller end a prefill between core steps.
 
 `BatchDecoder(model, rows, row_adapters=...)` (the multi-adapter server's, `serving/adapters.py`) mixes LoRA
-adapters: `add(..., adapter=NAME)` gives a row its own, which every model call of it adds
+adapters: `add(..., peft_adapter=NAME)` gives a row its own, which every model call of it adds
 (`inference.lora_layers.RowAdapters`), whichever adapter is turned on.
 
 `BatchDecoder(model, rows, kv_quant=SPEC)` keeps every row's entries as code rows
@@ -154,7 +154,7 @@ class Sequence:
     phase: int | None = None
     exit_step: int | None = None  # exit_kv="compute": the step the criterion held at (None: not yet)
     tag: object = None  # the caller's handle
-    adapter: str | None = None  # the peft name of the LoRA adapter the row adds (None: the base alone)
+    peft_adapter: str | None = None  # the peft name of the LoRA adapter the row adds (None: the base alone)
     # The request never changes once its row exists, so what follows from its options is computed once
     # (the scheduler asks for these several times per row and step).
 
@@ -277,7 +277,7 @@ class BatchDecoder:
         """The context of a model call of `rows`: each adds its own adapter (no row adapters: nothing)."""
         if self.row_adapters is None:
             return nullcontext()
-        return self.row_adapters.use([self.rows[b].adapter for b in rows])
+        return self.row_adapters.use([self.rows[b].peft_adapter for b in rows])
 
     def reset(self) -> None:
         """Forget every row and the KV storage (after an error left them in an unknown state)."""
@@ -288,8 +288,8 @@ class BatchDecoder:
     # ------------------------------------------------------------------ joining and leaving
     @torch.inference_mode()
     def add(self, request: RowRequest, tag: object = None, should_stop: Callable[[], bool] | None = None,
-            adapter: str | None = None) -> tuple[Sequence | None, TokenResult | None, PromptScores | None]:
-        """Prefill a request into a new row and choose its first token; adapter: the peft name of the LoRA
+            peft_adapter: str | None = None) -> tuple[Sequence | None, TokenResult | None, PromptScores | None]:
+        """Prefill a request into a new row and choose its first token; peft_adapter: the peft name of the LoRA
         adapter the row adds (None: the base; needs the batch's `row_adapters`).
 
         Returns (the row, its first token, prompt scores when asked for). With max_new_tokens = 0
@@ -299,8 +299,8 @@ class BatchDecoder:
         """
         if len(self.rows) >= self.max_rows:
             raise RuntimeError(f"the batch is full ({self.max_rows} rows)")
-        if adapter is not None and self.row_adapters is None:
-            raise ValueError(f"a row of adapter {adapter!r} cannot join a batch without row adapters: build the "
+        if peft_adapter is not None and self.row_adapters is None:
+            raise ValueError(f"a row of adapter {peft_adapter!r} cannot join a batch without row adapters: build the "
                              "BatchDecoder with row_adapters")
         request = replace(request, options=request.options.bound(self.config.core_layers))
         opts = request.options
@@ -315,7 +315,7 @@ class BatchDecoder:
         chooser = TokenChooser(opts, self.config.vocab_size, generators)
         ids = torch.tensor([request.prompt], dtype=torch.long, device=self.device)
         chooser.observe_prompt(ids, torch.ones_like(ids, dtype=torch.bool))
-        seq = Sequence(request, generators, chooser, length=T, tag=tag, adapter=adapter)
+        seq = Sequence(request, generators, chooser, length=T, tag=tag, peft_adapter=peft_adapter)
         row = len(self.rows)
         self.pool.reserve(seq.row_slots, row + 1, T + opts.max_new_tokens,
                           max_rows=self.max_rows, max_capacity=self.config.max_seq_len)
@@ -325,7 +325,7 @@ class BatchDecoder:
         table = torch.tensor([[seq.slot(i) for i in range(depth)]], dtype=torch.long)
         pool.set_policy(row, opts.policy)
         pool.bind_prefill(row, T, table)
-        adapters = nullcontext() if self.row_adapters is None else self.row_adapters.use([adapter])
+        adapters = nullcontext() if self.row_adapters is None else self.row_adapters.use([peft_adapter])
         with adapters:
             pass_ = engine.begin(ids, None, pool)
             engine.should_stop = should_stop

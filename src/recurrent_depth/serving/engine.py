@@ -134,10 +134,12 @@ class Job:
     core_steps: int = 0
     first_token_at: float | None = None
     ttt_flops: float | None = None
-    adapter: str | None = None  # the LoRA adapter it runs with (`adapters.ServedAdapters`; None: the base)
-    # ... its peft name, bound by `submit`: the adapter it was accepted for, also once that is unloaded (and its
-    # name loaded again with other weights); the scheduler's identity of the adapter
-    lora: str | None = None
+    # the served name of the LoRA adapter it runs with: what the request's `model` named (`--lora-modules`,
+    # `ServedAdapters.names`); None: the base
+    served_adapter: str | None = None
+    # ... that adapter's peft name, bound by `submit`: the adapter it was accepted for, also once that is unloaded
+    # (and its served name loaded again with other weights); the scheduler's identity of the adapter
+    peft_adapter: str | None = None
     reported_stop_ids: frozenset[int] = frozenset()
 
     @property
@@ -169,8 +171,8 @@ class BatchScheduler:
     ) -> None:
         """kv_quant: the server's KV quantization (None: full precision): the batch's pool stores
         code rows, and requests that do not set `kv_quant` use it (see `handlers.Handlers.make_jobs`).
-        adapters: the LoRA adapters on `model` that jobs name (`Job.adapter`): the batch's rows each add their own
-        (`_mixing`), solo jobs run one adapter at a time (`_take_admissible`); where the adapters cannot mix
+        adapters: the LoRA adapters on `model` that jobs name (`Job.served_adapter`): the batch's rows each add their
+        own (`_mixing`), solo jobs run one adapter at a time (`_take_admissible`); where the adapters cannot mix
         (`ServedAdapters.mixes`), every job does."""
         # (upper bounds keep a typo from sizing tensors past int64: --max-batch 10**23 was a TypeError traceback)
         for name, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 1),
@@ -185,7 +187,7 @@ class BatchScheduler:
         self.kv_quant = None if kv_quant is None else kv_quant_for_model(model, kv_quant, "--kv-quant")
         self.adapters = adapters
         if adapters is not None:
-            adapters.activate(None)  # (the base until a job names an adapter)
+            adapters.turn_on(None)  # (the base until a job names an adapter)
         self.batch = (BatchDecoder(model, max_batch, self.kv_quant, row_adapters=self._row_adapters())
                       if BatchDecoder.supports(model) else None)
         # time.monotonic() of the last completed core step or delivered token (None before the first), for /health.
@@ -202,9 +204,10 @@ class BatchScheduler:
         self.thread: threading.Thread | None = None
         # runtime LoRA loads / unloads (`load_adapter`, `unload_adapter`), run at the switch point in order
         self.adapter_updates: deque[tuple[Callable[[], None], Future]] = deque()
-        # adapters unloaded (no longer served: new jobs naming them are refused) whose layers jobs accepted before
-        # still wait for: {peft name: the unload's answer}, until `_queue_drops` queues their drop
-        self.draining: dict[str, Future] = {}
+        # unloads whose drop is not queued yet: adapters unloaded (no longer served: new jobs naming them are refused)
+        # that waiting jobs accepted before still need: {peft name: the unload's answer}, until `_queue_drops` queues
+        # their drop (`ServedAdapters.retired` holds them too, and keeps them until the drop has run)
+        self.pending_unloads: dict[str, Future] = {}
         if adapters is not None:
             self.metrics.gauges["rdepth_lora_adapters"] = lambda: len(self.adapter_names)
         self.metrics.gauges["rdepth_queue_depth"] = lambda: len(self.waiting)
@@ -220,7 +223,8 @@ class BatchScheduler:
 
     @property
     def adapter_names(self) -> tuple[str, ...]:
-        """The served LoRA adapters' names (`--lora-modules`): what a job's `adapter` (a request's `model`) may be."""
+        """The served LoRA adapters' names (`--lora-modules`): what a job's `served_adapter` (a request's `model`)
+        may be."""
         if self.adapters is None:
             return ()
         return self.adapters.names
@@ -250,11 +254,11 @@ class BatchScheduler:
         """Queue jobs (all or none). Raises QueueFull or EngineUnavailable, or ValueError for a job naming an
         adapter this scheduler lacks (`UnknownAdapter`, a ValueError; refused here: the switch to it would stop the
         engine for every client). The check holds the lock an unload takes, so no job slips in behind one; each job
-        gets its adapter's peft name (`Job.lora`) under it, which it keeps through an unload."""
+        gets its adapter's peft name (`Job.peft_adapter`) under it, which it keeps through an unload."""
         with self.cond:
             for job in jobs:
-                if job.adapter is not None and job.adapter not in self.adapter_names:
-                    raise UnknownAdapter(job.adapter, self.adapter_names)
+                if job.served_adapter is not None and job.served_adapter not in self.adapter_names:
+                    raise UnknownAdapter(job.served_adapter, self.adapter_names)
             if not self.healthy:
                 raise EngineUnavailable(self.failure or "the server is shutting down")
             if len(self.waiting) + len(jobs) > self.max_queue:
@@ -263,7 +267,8 @@ class BatchScheduler:
                     "retry later"
                 )
             for job in jobs:
-                job.lora = None if job.adapter is None else self._served_adapters().peft_name(job.adapter)
+                job.peft_adapter = (None if job.served_adapter is None
+                                    else self._served_adapters().peft_name(job.served_adapter))
             self.waiting.extend(jobs)
             self.cond.notify()
 
@@ -295,7 +300,7 @@ class BatchScheduler:
                 peft_name = adapters.retire(name)
             except ValueError as exc:
                 return _failed(exc)
-            self.draining[peft_name] = answer
+            self.pending_unloads[peft_name] = answer
             self._queue_drops()
         return answer
 
@@ -303,10 +308,10 @@ class BatchScheduler:
         """Queue the `drop` of each unloaded adapter no waiting job needs any more (lock held): it runs at the
         switch point, once the running jobs, its own among them, have finished (new ones wait meanwhile, as for a
         load). Called before the iteration's admission, so the jobs admitted in the last one already run."""
-        for peft_name, answer in list(self.draining.items()):
-            if any(job.lora == peft_name and not job.cancelled for job in self.waiting):
+        for peft_name, answer in list(self.pending_unloads.items()):
+            if any(job.peft_adapter == peft_name and not job.cancelled for job in self.waiting):
                 continue
-            del self.draining[peft_name]
+            del self.pending_unloads[peft_name]
             # (a future of its own: the drop must run also where the unload's client left, cancelling `answer`)
             done: Future = Future()
             done.add_done_callback(partial(_pass_on, answer))
@@ -361,10 +366,11 @@ class BatchScheduler:
             with torch.inference_mode():
                 while True:
                     with self.cond:
-                        # (`draining` too: where an unloaded adapter's last job started and ended in one iteration,
-                        # no waiting job holds its drop, which `_queue_drops` below queues; asleep, it never did)
+                        # (`pending_unloads` too: where an unloaded adapter's last job started and ended in one
+                        # iteration, no waiting job holds its drop, which `_queue_drops` below queues; asleep, it
+                        # never did)
                         while (not self.stopping and not self.waiting and self.running == 0
-                               and not self.adapter_updates and not self.draining):
+                               and not self.adapter_updates and not self.pending_unloads):
                             self.cond.wait()
                         if self.stopping:
                             break
@@ -405,8 +411,8 @@ class BatchScheduler:
             with self.cond:
                 updates = list(self.adapter_updates)
                 self.adapter_updates.clear()
-                answers = list(self.draining.values())  # (unloads whose drop was not queued yet)
-                self.draining.clear()
+                answers = list(self.pending_unloads.values())  # (unloads whose drop was not queued yet)
+                self.pending_unloads.clear()
             for future in [future for _, future in updates] + answers:
                 _settle(future, EngineUnavailable(reason))
 
@@ -447,8 +453,8 @@ class BatchScheduler:
         if mixing:
             adapter = None  # (unused)
         elif self.waiting and not self.running:
-            adapter = self.waiting[0].lora
-            self.waiting = deque(sorted(self.waiting, key=lambda job: job.lora != adapter))  # (a stable sort)
+            adapter = self.waiting[0].peft_adapter
+            self.waiting = deque(sorted(self.waiting, key=lambda job: job.peft_adapter != adapter))  # (stable)
         else:
             adapter = self._adapter_in_use()
         while self.waiting and len(out) < free:
@@ -457,12 +463,12 @@ class BatchScheduler:
                 held.append(self.waiting.popleft())
                 continue
             if mixing and job.solo:
-                if solo_blocked or solo_adapter not in (_ANY, job.lora):
+                if solo_blocked or solo_adapter not in (_ANY, job.peft_adapter):
                     solo_blocked = True
                     held.append(self.waiting.popleft())
                     continue
-                solo_adapter = job.lora
-            elif not mixing and job.lora != adapter:
+                solo_adapter = job.peft_adapter
+            elif not mixing and job.peft_adapter != adapter:
                 break
             cost = len(job.row.prompt)
             if out and cost > budget:
@@ -474,7 +480,7 @@ class BatchScheduler:
         return out
 
     def _adapter_in_use(self) -> str | None:
-        """The peft name of the adapter turned on (`Job.lora`'s kind; None: the base)."""
+        """The peft name of the adapter turned on (`Job.peft_adapter`'s kind; None: the base)."""
         return self.adapters.active if self.adapters is not None else None
 
     def _mixing(self) -> bool:
@@ -490,14 +496,14 @@ class BatchScheduler:
         """Turn on the adapter the admitted jobs need: their first solo job's where rows mix, else the first's."""
         if self._mixing():
             job = next((job for job in admitted if job.solo), None)
-            if job is not None and job.lora != self._adapter_in_use():
-                self._switch_adapter(job.lora)
-        elif admitted and admitted[0].lora != self._adapter_in_use():
-            self._switch_adapter(admitted[0].lora)
+            if job is not None and job.peft_adapter != self._adapter_in_use():
+                self._switch_adapter(job.peft_adapter)
+        elif admitted and admitted[0].peft_adapter != self._adapter_in_use():
+            self._switch_adapter(admitted[0].peft_adapter)
 
     def _switch_adapter(self, peft_name: str | None) -> None:
-        """Turn the LoRA adapter of `peft_name` (`Job.lora`) on (None: the base alone) while nothing runs, and
-        rebuild the batch's runner from the switched model; where rows mix, while no solo job runs (the batch's rows
+        """Turn the LoRA adapter of `peft_name` (`Job.peft_adapter`) on (None: the base alone) while nothing runs,
+        and rebuild the batch's runner from the switched model; where rows mix, while no solo job runs (the batch's rows
         add their own adapters whichever is on: its runner stays)."""
         assert self.adapters is not None, "a job names an adapter, but the server has none"
         if self._mixing():
@@ -527,7 +533,7 @@ class BatchScheduler:
             else:
                 future.set_result(None)
         if self.adapters is not None:
-            self.adapters.activate(None)
+            self.adapters.turn_on(None)
         if self.batch is not None:
             self.batch.row_adapters = self._row_adapters()  # (an adapter loaded that cannot mix: phases again)
             self.batch.rebuild_runner()
@@ -563,8 +569,9 @@ class BatchScheduler:
                 self.solos.append((job, run))
                 self._advance_solo(job, run)
                 return
-            adapter = job.lora if self._mixing() else None  # (else the one on)
-            seq, first, scores = self.batch.add(job.row, tag=job, should_stop=self._expired(job), adapter=adapter)
+            peft_adapter = job.peft_adapter if self._mixing() else None  # (else the one on)
+            seq, first, scores = self.batch.add(job.row, tag=job, should_stop=self._expired(job),
+                                                peft_adapter=peft_adapter)
         except Stopped:  # past its deadline (or abandoned) between two prefill steps
             self._stopped(job)
             return

@@ -291,7 +291,7 @@ class Handlers:
                                                sampling.include_stop_str_in_output),
                                 sink=channel.sink, deadline=deadline,
                                 index=index, solo=solo, generation_kwargs=generation, arrival=start,
-                                adapter=adapter, reported_stop_ids=reported))
+                                served_adapter=adapter, reported_stop_ids=reported))
                 choices.append(responses.Choice(index, list(prompt)))
         return jobs, choices
 

@@ -389,10 +389,6 @@ def parse_sampling(body: dict, limits: Limits, served_names: set[str] | None, eo
     ignore_eos = get_bool(body, "ignore_eos", False)
     generation, given_as = generation_fields(body, limits)
     validated(generation, given_as, 1, limits)  # bad options are a 400 before the prompt is read
-    if ignore_eos and generation.get("draft_steps") is not None and eos_configured:
-        raise bad(given_as.get("draft_steps", "ignore_eos"),
-                  "'ignore_eos' cannot be combined with 'draft_steps' for a model whose config sets eos_token_id "
-                  "(speculative sessions always stop there)")
     return Sampling(
         model=model, max_tokens=None, n=n, stream=stream, include_usage=include_usage, stop=stop,
         stop_token_ids=list(stop_ids), ignore_eos=ignore_eos, seed=seed,

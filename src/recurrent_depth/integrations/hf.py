@@ -636,7 +636,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         ``attention_mask``, a row's leading pad ids are padding, as transformers infers its mask) and
         samples with transformers' ``top_k=50`` when nothing sets it (``top_k=0``: no filter); it
         returns the sequences, or with ``return_dict_in_generate=True`` the library's output
-        (`sequences`, `steps`, ...). ``defaults="official"`` follows the official model's dispatch:
+        (`sequences`, `steps`, ...); a ``streamer`` (`TextStreamer`, ...) is fed as transformers' loop
+        feeds it. ``defaults="official"`` follows the official model's dispatch:
         a routed call takes the official code's defaults (see `GenerationOptions`); any other call
         runs in transformers' own loop, as the official `generate` hands it to transformers.
 
@@ -784,6 +785,7 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
                 options["attention_mask"] = mask
         for name in ("bos_token_id", "use_cache"):
             kwargs.pop(name, None)
+        streamer = kwargs.pop("streamer", None)
         for name in _NO_OP_GENERATE_VALUES:  # asking for nothing is no conflict
             if name in kwargs and _asks_for_nothing(name, kwargs[name]):
                 del kwargs[name]
@@ -791,15 +793,56 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError(
                 f"generate: {sorted(kwargs)} cannot be combined with {sorted(routed)}; those run in "
                 f"recurrent_depth.generate, which also takes {list(SHARED_GENERATE_OPTIONS)}, max_length, "
-                "stop_strings (with tokenizer=) and return_dict_in_generate"
+                "stop_strings (with tokenizer=), streamer and return_dict_in_generate"
             )
+        feed = None if streamer is None else _StreamerFeed(streamer, input_ids, pad)
         try:
-            out = rd_generate(self.core, input_ids, tokenizer=tokenizer, **options)
+            out = rd_generate(self.core, input_ids, tokenizer=tokenizer, streamer=feed, **options)
         except OptionError as exc:
             raise exc.spelled(kwarg_spelling(given_as)) from None
         if pad is not None and pad != out.pad_token_id:
             out = _repadded(out, pad)
+        if feed is not None:
+            feed.end(out.pad_token_id)
         return out if return_dict else out.sequences
+
+
+class _StreamerFeed:
+    """A transformers streamer (`TextStreamer`, `TextIteratorStreamer`, any `put`/`end` object) fed by a routed call
+    as transformers' loop feeds it: `put` the prompt ids, then one `[B]` tensor of new tokens per step, then `end()`.
+    The library commits tokens row by row (a speculative row several at once), so step i is put once every row has
+    its token i or has finished before i; a finished row's place holds the pad id, as in transformers' loop (the
+    call's `pad_token_id`, else the library's, known at the end). A routed call refused `streamer=`."""
+
+    def __init__(self, streamer: Any, input_ids: Tensor, pad: int | None) -> None:
+        self.streamer = streamer
+        self.rows = 1 if input_ids.dim() == 1 else input_ids.shape[0]
+        self.pad = pad
+        self.tokens: dict[int, dict[int, int]] = {}  # step -> row -> token
+        self.lengths: dict[int, int] = {}  # row -> its number of new tokens, once finished
+        self.step = 0
+        streamer.put(input_ids.cpu())
+
+    def __call__(self, event: Any) -> None:
+        self.tokens.setdefault(event.index, {})[event.row] = event.token
+        if event.finished:
+            self.lengths[event.row] = event.index + 1
+        self._flush()
+
+    def _flush(self) -> None:
+        while self.step in self.tokens:
+            have = self.tokens[self.step]
+            waiting = [r for r in range(self.rows) if r not in have and self.lengths.get(r, math.inf) > self.step]
+            if waiting or (len(have) < self.rows and self.pad is None):
+                return
+            self.streamer.put(torch.tensor([have.get(r, self.pad) for r in range(self.rows)]))
+            del self.tokens[self.step]
+            self.step += 1
+
+    def end(self, pad: int) -> None:
+        self.pad = pad if self.pad is None else self.pad
+        self._flush()
+        self.streamer.end()
 
 
 class _Backbone(nn.Module):

@@ -242,6 +242,12 @@ def refuse_unsupported(body: dict, n: int) -> None:
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise bad("response_format", "'response_format' other than {\"type\": \"text\"} is not supported")
+    # audio output: the answer would lack the `message.audio` the client asked for (it was silently text only)
+    if body.get("modalities") not in (None, ["text"]):
+        raise bad("modalities", f"'modalities'={_describe(body['modalities'])} is not supported (only [\"text\"]: "
+                                "the model writes text only)")
+    if body.get("audio") is not None:
+        raise bad("audio", "'audio' (audio output) is not supported by this server: the model writes text only")
     if body.get("prompt_logprobs") is not None:
         raise bad("prompt_logprobs", "'prompt_logprobs' is not supported; use echo=true with logprobs")
 

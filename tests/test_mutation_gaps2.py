@@ -170,7 +170,7 @@ def test_huginn_adam_applies_a_weight_decay_of_exactly_1():
 
 # ---------------------------------------------------------------------------------------- RL objectives
 def test_group_advantages_divide_by_the_std_plus_eps():
-    """GRPO: A_i = (r_i - mean_j r_j) / (std_j r_j + eps), the population std of the group's (or the batch's)
+    """GRPO: A_i = (r_i - mean_j r_j) / (std_j r_j + eps), the sample std (trl's) of the group's (or the batch's)
     rewards; a large eps makes `+ eps` visible."""
     import torch
 
@@ -179,10 +179,10 @@ def test_group_advantages_divide_by_the_std_plus_eps():
     rewards = torch.tensor([1.0, 0.0, 3.0, 2.0, 5.0, 1.0], dtype=torch.float64)
     eps = 0.5
     groups = rewards.view(2, 3)
-    mean, std = groups.mean(1, keepdim=True), groups.std(1, unbiased=False, keepdim=True)
+    mean, std = groups.mean(1, keepdim=True), groups.std(1, keepdim=True)
     expected = ((groups - mean) / (std + eps)).view(-1)
     torch.testing.assert_close(group_advantages(rewards, 3, eps=eps), expected)
-    batch = ((groups - mean) / (rewards.std(unbiased=False) + eps)).view(-1)
+    batch = ((groups - mean) / (rewards.std() + eps)).view(-1)
     torch.testing.assert_close(group_advantages(rewards, 3, eps=eps, scale="batch"), batch)
 
 

@@ -68,7 +68,8 @@ def source(model, reward=count_ones, on_error="stop", log=print, **generation) -
 # ---------------------------------------------------------------------------- the losses by hand
 def test_grpo_loss_equals_the_formula_on_a_hand_computed_case():
     A = group_advantages(torch.tensor([1.0, 0.0]), group_size=2, eps=0.0)
-    assert A.tolist() == [1.0, -1.0]  # mean 0.5, population std 0.5
+    assert A.tolist() == pytest.approx([math.sqrt(0.5), -math.sqrt(0.5)])  # mean 0.5, sample std sqrt(0.5) (trl's)
+    A = torch.tensor([1.0, -1.0])  # (the loss below is worked out at A = +-1)
     old = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]])
     ratio = torch.tensor([[1.5, 0.5], [1.1, 7.0]])  # the 7 is masked out
     logp = old + ratio.log()
@@ -98,7 +99,7 @@ def test_k2_loss_equals_the_formula_on_a_hand_computed_case():
 
 def test_a_left_out_rollout_leaves_its_group_statistics():
     A = group_advantages(torch.tensor([1.0, 0.0, 5.0]), 3, valid=torch.tensor([True, True, False]), eps=0.0)
-    assert A.tolist() == [1.0, -1.0, 0.0]
+    assert A.tolist() == pytest.approx([math.sqrt(0.5), -math.sqrt(0.5), 0.0])  # (the sample std of 1, 0)
 
 
 # ---------------------------------------------------------------------------- the depth replay

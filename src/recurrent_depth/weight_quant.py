@@ -31,7 +31,7 @@ dequantizes again rather than keep the float weight: `_DequantizedLinear`). With
 or no compiler) a layer whose shape torch's CPU kernel `aten._weight_int4pack_mm_for_cpu` accepts
 (`out_features % 16 == 0`, `in_features % group == 0`, weights on the CPU: the kernel refuses other
 shapes with an error, and is accurate at every shape it accepts, measured) stores the kernel's packed
-layout and takes it (but for autograd calls: the reference, its 4-bit values read back through the kernel);
+layout and takes it (but for autograd calls: the reference, its 4-bit values read back through the kernel once);
 the others the reference. Group 32 is the default because it is the only size
 that divides Huginn-0125's width 5280 (so the only one whose layers take torch's kernel there), and the
 most accurate.
@@ -521,7 +521,17 @@ class Int4WeightLinear(QuantizedLinear):
     def unpacked(self) -> Tensor:
         """The stored 4-bit values, uint8 `[out, padded_in]` holding 0..15."""
         if self.kernel_layout:
-            return unpack_kernel_layout(self.qweight, self.in_features, self.group)
+            # Read back through the kernel once (in x in x out products: 0.4-0.9 s at 1024 x 2816, where the
+            # plain layout's unpack is ~1 ms) and kept as plain nibbles: autograd calls (GradMem, TTT, a LoRA
+            # on a model quantized before it) dequantize in the forward and again in the backward, every call.
+            # Keyed by the buffer and its version: a move (`.to`) or an in-place load reads it back again (an
+            # inference-mode tensor has no version counter).
+            version = None if self.qweight.is_inference() else self.qweight._version
+            cached = getattr(self, "_plain_codes", None)
+            if cached is None or cached[0] is not self.qweight or cached[1] != version:
+                codes = unpack_kernel_layout(self.qweight, self.in_features, self.group)
+                cached = self._plain_codes = (self.qweight, version, pack_nibbles(codes))
+            return unpack_nibbles(cached[2])
         return unpack_nibbles(self.qweight)
 
     def groups_first(self) -> Tensor:

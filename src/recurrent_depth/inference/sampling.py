@@ -193,7 +193,12 @@ class TokenChooser:
 
 
 class StopChecker:
-    """Stop token ids (including the eos ids) and stop strings (need a tokenizer)."""
+    """Stop token ids (including the eos ids) and stop strings (need a tokenizer).
+
+    A stop string is searched in the row's generated text decoded with special tokens kept: "<|im_end|>" matches
+    that special token, as transformers' `stop_strings` (its StopStringCriteria covers the whole vocabulary,
+    special tokens included), which `integrations.hf` routes here. The server matches its returned text instead
+    (vLLM's rule: special tokens skipped unless skip_special_tokens is false; `serving.text.TextState`)."""
 
     def __init__(self, stop: Any, eos_ids: Sequence[int] = (), vocab_size: int = 0, tokenizer: Any = None) -> None:
         ids: set[int] = set()

@@ -6,7 +6,7 @@ completion log-probs at each token's recorded depth (`policy_logprobs`), the los
 
 GRPO (advantages normalised within each group of G rollouts of one prompt):
 
-    A_i  = (r_i - mean_j r_j) / (std_j r_j + eps)
+    A_i  = (r_i - mean_j r_j) / (std_j r_j + eps)      (the sample std, n - 1: trl's)
     rho  = pi_theta / pi_old, per token
     loss = -(1 / sum_i |y_i|) sum_i sum_t min(rho A_i, clip(rho, 1 - eps_c, 1 + eps_h) A_i) + beta KL
     KL   = k3 per token: pi_ref / pi_theta - log(pi_ref / pi_theta) - 1, normalised like the first term
@@ -48,7 +48,8 @@ def group_advantages(rewards: Tensor, group_size: int, valid: Tensor | None = No
                      eps: float = 1e-4, scale: str = "group", env: DistEnv | None = None) -> Tensor:
     """A `[N]` for rewards `[N]` laid out as consecutive groups of `group_size` rollouts of one prompt.
 
-    normalize: divide by a standard deviation (population, over the valid rollouts) + eps (GRPO); otherwise
+    normalize: divide by a standard deviation (the sample one, n - 1, over the valid rollouts, as trl's GRPOTrainer:
+    its `nanstd` applies Bessel's correction) + eps (GRPO); otherwise
     only subtract the group mean (K2). scale (with normalize): whose std, the group's ("group") or the whole
     batch's rewards ("batch"; with `env` of several ranks, every rank's: `batch_std`), or none ("none": as
     normalize=False). Invalid rollouts get advantage 0, and so does every rollout of a group whose valid
@@ -67,7 +68,8 @@ def group_advantages(rewards: Tensor, group_size: int, valid: Tensor | None = No
     varies = v & (lowest < highest)  # the rollouts that can carry a signal
     centred = torch.where(varies, r - mean, 0.0)
     if normalize and scale == "group":
-        std = (centred.square().sum(dim=1, keepdim=True) / count).sqrt()
+        # (a group that varies has >= 2 valid rewards: count - 1 > 0 where the std is used)
+        std = (centred.square().sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
         centred = torch.where(varies, centred / (std + eps), 0.0)
     elif normalize and scale == "batch":
         centred = torch.where(varies, centred / (batch_std(r[v], env) + eps), 0.0)
@@ -75,18 +77,19 @@ def group_advantages(rewards: Tensor, group_size: int, valid: Tensor | None = No
 
 
 def batch_std(rewards: Tensor, env: DistEnv | None = None) -> float:
-    """The population std of `rewards` (a rank's valid ones) around their mean; with `env` of several ranks, of every
-    rank's together, as trl gathers all processes' rewards for scale_rewards="batch". Every rank must call it (two
-    float64 all-reduces: the count and sum, then the squared deviations from the global mean)."""
+    """The sample std (n - 1, trl's `nanstd`) of `rewards` (a rank's valid ones) around their mean; with `env` of
+    several ranks, of every rank's together, as trl gathers all processes' rewards for scale_rewards="batch". Every
+    rank must call it (two float64 all-reduces: the count and sum, then the squared deviations from the global mean).
+    0 under two rewards (then no group varies: every advantage is 0 anyway)."""
     def total(values: list[float]) -> list[float]:
         return summed_over_ranks(values, torch.float64, env).tolist() if env is not None and env.enabled else values
 
     r = rewards.double()
     count, summed = total([float(r.numel()), float(r.sum())])
-    if count == 0:  # (no valid reward on any rank: every advantage is 0 anyway)
+    if count < 2:  # (no group with two valid rewards on any rank: every advantage is 0 anyway)
         return 0.0
     (squares,) = total([float((r - summed / count).square().sum())])
-    return math.sqrt(squares / count)
+    return math.sqrt(squares / (count - 1))
 
 
 def grpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_eps: float = 0.2,
@@ -129,6 +132,12 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, 
     means = "sequence" if level == "sequence" else "token"
     clipped = (ratio < 1 - clip_eps) | (ratio > 1 + high)
     stats = {"clip_fraction": float(reduce(clipped.to(logp.dtype), means).detach())}
+    # trl's GRPOTrainer metrics, its definitions: the scored tokens where the clip binds (the ratio past the bound
+    # on the side the advantage pushes it), a mean over tokens whatever the level
+    low = (ratio < 1 - clip_eps) & (A < 0)
+    high_side = (ratio > 1 + high) & (A > 0)
+    for name, hit in (("low", low), ("high", high_side), ("region", low | high_side)):
+        stats[f"clip_ratio/{name}_mean"] = float(reduce(hit.to(logp.dtype), "token").detach())
     if kl is not None:
         stats["kl"] = float(reduce(kl, means).detach())
     return reduce(per_token, level), stats

@@ -284,7 +284,8 @@ class RolloutSource(BatchSource):
     # under torchrun, summed over the ranks (a step has one micro-batch): the failures and rollouts left out of
     # every rank, and the tokens per second of all ranks' rollouts; the means are averaged over the ranks
     summed_metrics = ("reward_errors", "rollouts_left_out", "rollout_tokens_per_s")
-    rank_mean_metrics = ("reward_mean", "completion_tokens", "mean_depth", "clip_fraction", "kl")
+    rank_mean_metrics = ("reward_mean", "completion_tokens", "mean_depth", "clip_fraction", "clip_ratio/low_mean",
+                         "clip_ratio/high_mean", "clip_ratio/region_mean", "kl")
 
     def observe(self, batch: dict[str, Any], output: Any) -> dict[str, Any]:
         mask = batch["completion_mask"]

@@ -22,11 +22,15 @@ In one run:
   activations: `x @ W^T` with bf16 weights (ATen), the C++ bf16 stream the bf16 decode uses
   (`quant_cpp.bf16_linear`; "stream", when C++ is on), `Int8WeightLinear` (the C++ `int8_linear` at
   these row counts), `Int4WeightLinear` (group 32: the C++ `int4_linear` where C++ is on, else torch's
-  kernel), as "int4_torch", the same in torch's kernel layout (`aten._weight_int4pack_mm_for_cpu`), and
-  `Nf4WeightLinear` (block 64: no kernel, dequantize then the product, the reference path), alternating
-  in `--repeats` rounds (the best of each kept), with the bytes each product reads (packed
-  weights + scales + zero points, counted from the stored tensors) and the GB/s that implies; and at
-  M = 1 the same with float32 activations (fp32 weights against both int4 products and nf4 in float32).
+  kernel), as "int4_torch", the same in torch's kernel layout (`aten._weight_int4pack_mm_for_cpu`),
+  `Nf4WeightLinear` (block 64: the C++ `nf4_linear` where C++ is on, else the reference), as "nf4_dq" the same with
+  its absmax double-quantized ("nf4:dq"), and as "nf4_ref" nf4's reference path (dequantize, then the product: what
+  nf4 ran before its kernel, and runs with C++ off), alternating in `--repeats` rounds (the best of each kept),
+  with the bytes each product reads (packed weights + scales + zero points, counted from the stored tensors) and
+  the GB/s that implies; and at
+  M = 1 the same with float32 activations (fp32 weights against both int4 products and the nf4 ones in float32).
+  `--shapes` also takes "tinyllama.mlp.fc" (2048 x 5632, a 1B model's MLP: the docs' nf4 figures). Threads: torch's
+  (`OMP_NUM_THREADS=1` or `2` before the command).
 
 Prints one JSON line, then tables. The clock is CPU time (`time.process_time`) at one thread and
 wall time otherwise; the load average is in the record.
@@ -57,6 +61,8 @@ from recurrent_depth.weight_quant import Int4WeightLinear, Int8WeightLinear, Nf4
 # Huginn-0125's linear shapes (K = in, N = out): Wqkv, half of MLP fc (gate or up), MLP proj, adapter.
 HUGINN_SHAPES = {"Wqkv": (5280, 3 * 5280), "mlp.fc/2": (5280, 17920), "mlp.proj": (17920, 5280),
                  "adapter": (2 * 5280, 5280)}
+# Other shapes `--shapes` takes: a 1B model's MLP up / gate (TinyLlama-1.1B: hidden 2048, intermediate 5632).
+SHAPES = {**HUGINN_SHAPES, "tinyllama.mlp.fc": (2048, 5632)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -75,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-decode", action="store_true", help="skip the small-shape decode timings")
     p.add_argument("--kernels-only", action="store_true", help="only the Huginn-shape kernel timings")
     p.add_argument("--shapes", default=",".join(HUGINN_SHAPES),
-                   help="comma-separated Huginn shapes to time (default: %(default)s)")
+                   help=f"comma-separated shapes to time, of {','.join(SHAPES)} (default: %(default)s)")
     args = p.parse_args(argv)
     if args.rows < 2 or args.tokens < 1 or args.decode_tokens < 2 or args.repeats < 1:
         p.error("--rows must be >= 2 (a standard error), --tokens and --repeats >= 1, --decode-tokens >= 2")
@@ -83,9 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--model is required unless --kernels-only")
     args.model = checked_model_dir(p, args.model)
     args.shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    unknown = [s for s in args.shapes if s not in HUGINN_SHAPES]
+    unknown = [s for s in args.shapes if s not in SHAPES]
     if unknown:
-        p.error(f"--shapes {unknown} unknown: expected some of {list(HUGINN_SHAPES)}")
+        p.error(f"--shapes {unknown} unknown: expected some of {list(SHAPES)}")
     return args
 
 
@@ -187,15 +193,15 @@ def _bf16_rows(linear: torch.nn.Linear, g: torch.Generator, repeats: int) -> dic
     int8 = Int8WeightLinear.from_linear(linear)
     int4 = Int4WeightLinear.from_linear(linear, 32)  # the C++ product where C++ is on
     int4_torch = Int4WeightLinear.from_linear(linear, 32, kernel_layout=True)  # (Huginn's shapes fit at group 32)
-    nf4 = Nf4WeightLinear.from_linear(linear)  # (block 64; the reference: dequantize, then the bf16 product)
+    nf4, nf4_dq = _nf4_layers(linear)
     read = dict(bf16=weight.numel() * 2, stream=weight.numel() * 2, int8=int8.quantized_bytes(),
-                int4=int4.quantized_bytes(), int4_torch=int4_torch.quantized_bytes(), nf4=nf4.quantized_bytes())
+                int4=int4.quantized_bytes(), int4_torch=int4_torch.quantized_bytes(), **_nf4_bytes(nf4, nf4_dq))
     kernels = quant_cpp.load() if quant_cpp.cpp_enabled() else None
     rows = {}
     for M in (1, 8):
         x = torch.randn(M, linear.in_features, generator=g).to(torch.bfloat16)
         fns = dict(bf16=lambda x=x: x @ weight.t(), int8=lambda x=x: int8(x), int4=lambda x=x: int4(x),
-                   int4_torch=lambda x=x: int4_torch(x), nf4=lambda x=x: nf4(x))
+                   int4_torch=lambda x=x: int4_torch(x), **_nf4_fns(nf4, nf4_dq, x))
         if kernels is not None:  # the bf16 decode's own product (`accel.runner._bf16_stream`)
             fns["stream"] = lambda x=x: kernels.bf16_linear(x, weight, None, None)
         rows[f"bf16 M={M}"] = _row(alternating_best_ms(fns, repeats), read)
@@ -206,12 +212,25 @@ def _fp32_row(linear: torch.nn.Linear, g: torch.Generator, repeats: int) -> dict
     weight = linear.weight.detach()
     int4 = Int4WeightLinear.from_linear(linear, 32)
     int4_torch = Int4WeightLinear.from_linear(linear, 32, kernel_layout=True)
-    nf4 = Nf4WeightLinear.from_linear(linear)
+    nf4, nf4_dq = _nf4_layers(linear)
     x = torch.randn(1, linear.in_features, generator=g)
     ms = alternating_best_ms(dict(fp32=lambda: x @ weight.t(), int4=lambda: int4(x), int4_torch=lambda: int4_torch(x),
-                                  nf4=lambda: nf4(x)), repeats)
+                                  **_nf4_fns(nf4, nf4_dq, x)), repeats)
     return _row(ms, dict(fp32=weight.numel() * 4, int4=int4.quantized_bytes(),
-                         int4_torch=int4_torch.quantized_bytes(), nf4=nf4.quantized_bytes()))
+                         int4_torch=int4_torch.quantized_bytes(), **_nf4_bytes(nf4, nf4_dq)))
+
+
+def _nf4_layers(linear: torch.nn.Linear) -> tuple[Nf4WeightLinear, Nf4WeightLinear]:
+    """nf4 at block 64 (the C++ product where C++ is on), with a bf16 absmax and double-quantized."""
+    return Nf4WeightLinear.from_linear(linear), Nf4WeightLinear.from_linear(linear, double_quant=True)
+
+
+def _nf4_fns(nf4: Nf4WeightLinear, nf4_dq: Nf4WeightLinear, x: torch.Tensor) -> dict[str, Any]:
+    return dict(nf4=lambda: nf4(x), nf4_dq=lambda: nf4_dq(x), nf4_ref=lambda: nf4._reference(x))
+
+
+def _nf4_bytes(nf4: Nf4WeightLinear, nf4_dq: Nf4WeightLinear) -> dict[str, int]:
+    return dict(nf4=nf4.quantized_bytes(), nf4_dq=nf4_dq.quantized_bytes(), nf4_ref=nf4.quantized_bytes())
 
 
 def _row(ms: dict[str, float], read: dict[str, int]) -> dict[str, Any]:
@@ -232,7 +251,7 @@ def kernel_timings(shapes: list[str], repeats: int, log) -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     out = {}
     for name in shapes:
-        K, N = HUGINN_SHAPES[name]
+        K, N = SHAPES[name]
         start = time.perf_counter()
         out[f"{name} [{K}x{N}]"] = shape_timings(K, N, g, repeats)
         log(f"[kernels] {name}: {out[f'{name} [{K}x{N}]']} ({time.perf_counter() - start:.0f}s)")
@@ -271,15 +290,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{fmt:<10}{dname:<6}{q['argmax_agreement']:>18}{q['standard_error']:>9}{q['mean_kl']:>11}"
                       f"{s.get(fmt, '-'):>14}{s.get('unquantized', '-'):>13}")
     if kernels:
-        print(f"\n{'product':<24}{'acts':<8}{'dense ms':>9}{'stream ms':>10}{'int8 ms':>9}{'int4 ms':>9}"
-              f"{'int4 torch ms':>14}{'nf4 ms':>9}{'int8 x':>8}{'int4 x':>8}{'nf4 x':>8}{'int8 x str':>11}"
+        print(f"\n{'product':<30}{'acts':<8}{'dense ms':>9}{'stream ms':>10}{'int8 ms':>9}{'int4 ms':>9}"
+              f"{'int4 torch ms':>14}{'nf4 ms':>9}{'nf4 dq ms':>10}{'nf4 ref ms':>11}{'int8 x':>8}{'int4 x':>8}"
+              f"{'nf4 x':>8}{'int8 x str':>11}"
               f"{'int4 x str':>11}"
               f"{'dense GB/s':>11}{'stream GB/s':>12}{'int8 GB/s':>10}{'int4 GB/s':>10}")
         for name, per in kernels.items():
             for acts, k in per.items():
                 dense = "bf16" if acts.startswith("bf16") else "fp32"
-                print(f"{name:<24}{acts:<8}{k[f'{dense}_ms']:>9}{k.get('stream_ms', '-'):>10}"
+                print(f"{name:<30}{acts:<8}{k[f'{dense}_ms']:>9}{k.get('stream_ms', '-'):>10}"
                       f"{k.get('int8_ms', '-'):>9}{k['int4_ms']:>9}{k['int4_torch_ms']:>14}{k['nf4_ms']:>9}"
+                      f"{k['nf4_dq_ms']:>10}{k['nf4_ref_ms']:>11}"
                       f"{k.get('int8_speedup', '-'):>8}{k['int4_speedup']:>8}{k['nf4_speedup']:>8}"
                       f"{k.get('int8_vs_stream', '-'):>11}"
                       f"{k.get('int4_vs_stream', '-'):>11}{k[f'{dense}_gb_s']:>11}{k.get('stream_gb_s', '-'):>12}"

@@ -39,13 +39,17 @@ most accurate.
 nf4 (`"nf4"` = `"nf4:g64"`; `"nf4:g32"`, `"nf4:g128"`, `"nf4:g256"`): QLoRA's 4-bit NormalFloat
 (Dettmers et al. 2023): per block of `block` consecutive input weights of a row, `w = NF4_LEVELS[q] * absmax`
 with q in 0..15, the 16 levels quantiles of N(0, 1) scaled to [-1, 1] with an exact 0 (`nf4_levels`), the
-absmax stored as a bf16 value (QLoRA keeps float32, or double-quantizes it to 8 bits: not done here), two codes a
-byte as int4's plain layout: 0.53125 bytes a weight at block 64. There is no kernel: every call takes the reference
-(a table lookup of each byte's two levels, times the block's absmax, then `F.linear`), so nf4 decodes at the
-dequantize path's speed, not int4's C++ one. Its point is accuracy per byte: one scale a block where int4 keeps a
-scale and a zero, so at the same bytes its blocks are half as long, and on Gaussian weights its round-trip error is
-below int4's at equal bytes (nf4:gN against int4:g2N, tested; at the same block size int4's two parameters win at
-32 and 64).
+absmax stored as a bf16 value (QLoRA keeps float32), two codes a byte as int4's plain layout: 0.53125 bytes a weight
+at block 64. `"nf4:dq"` (`"nf4:dq:g<block>"`) double-quantizes the absmax as QLoRA does: an 8-bit code a block and a
+float32 step per 256 blocks (`quantize_nf4_dq`: 0.5159 bytes a weight at block 64). float32 or bf16 activations of
+at most NF4_CPP_ROWS rows (decoding, short prompts) take the C++ `accel.quant_cpp.nf4_linear` (each packed row
+streamed once; per block its 16 levels times its absmax, the reference's float32 weights, looked up a lane permute
+at a time and summed in float32: ~1.1x the time of int4's C++ product for a bf16 decode row at 2048 x 5632,
+docs/inference.md); other calls (longer prompts, autograd, `RDEPTH_NO_CPP=1`) take the reference (a table lookup
+of each byte's two levels, times the block's absmax, then `F.linear`). Its point is accuracy per byte: one scale a
+block where int4 keeps a scale and a zero, so at the same bytes its blocks are half as long, and on Gaussian
+weights its round-trip error is below int4's at equal bytes (nf4:gN against int4:g2N, tested; at the same block
+size int4's two parameters win at 32 and 64).
 
 All formats compute `x W^T + b` with the weight their reference dequantizes, so a model whose
 linears hold the dequantized weights (`dequantize_weights`) is the reference of a quantized one
@@ -73,7 +77,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-WEIGHT_FORMATS = ("int8", "int4", "nf4")  # "int4" and "nf4" also take a group (block) size: "int4:g64"
+WEIGHT_FORMATS = ("int8", "int4", "nf4", "nf4:dq")  # all but int8 also take a group (block) size: "int4:g64"
 
 # The widths `aten._weight_int8pack_mm` computes correctly (measured: K % 16 != 0 gives NaN or a crash).
 KERNEL_K_MULTIPLE = 16
@@ -92,8 +96,17 @@ INT4_DEFAULT_GROUP = 32
 INT4_KERNEL_N_MULTIPLE = 16  # `_convert_weight_to_int4pack_for_cpu` needs out_features % 16 == 0
 INT4_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INT4_OFFSET = 8  # the kernel reads a stored 4-bit value q as q - 8
-NF4_BLOCK_SIZES = (32, 64, 128, 256)  # (no kernel constrains them: int4's, with QLoRA's 64 the default)
+NF4_BLOCK_SIZES = (32, 64, 128, 256)  # (multiples of the C++ product's 32-column chunk: int4's, QLoRA's 64 the default)
 NF4_DEFAULT_BLOCK = 64
+# Double quantization ("nf4:dq"): the absmax of each block as an 8-bit code, a float32 step per NF4_DQ_BLOCK codes
+# (QLoRA's 256) of the layer's flattened [out, blocks] codes: absmax = code * step, code in 1..NF4_DQ_LEVELS.
+NF4_DQ_BLOCK = 256
+NF4_DQ_LEVELS = 255
+# The most rows the C++ nf4 product takes (decode steps and short prompts): far more than int8's and int4's CPP_ROWS,
+# as nf4's reference dequantizes the whole layer through a table before its product (measured at 2048 x 5632, one
+# thread, shared 2-core Xeon: bf16 rows 128 -> 72 ms against the reference's 95, 192 -> 110 against 92; fp32 at 128
+# rows 75 against 122), so longer prompts take the reference.
+NF4_CPP_ROWS = 128
 # Values of each weight, spread evenly over it, that `train.lora.base_fingerprint` hashes; a quantized layer keeps
 # those of the float weight it was made from (`QuantizedLinear.source_samples`).
 FINGERPRINT_SAMPLES = 64
@@ -107,25 +120,28 @@ def spread_samples(tensor: Tensor, count: int = FINGERPRINT_SAMPLES) -> Tensor:
     return flat[index.to(flat.device)]
 
 
-# The group (block) sizes and the default of each format that takes one ("int4:g64", "nf4:g128").
-_GROUPED = {"int4": (INT4_GROUP_SIZES, INT4_DEFAULT_GROUP), "nf4": (NF4_BLOCK_SIZES, NF4_DEFAULT_BLOCK)}
+# The group (block) sizes and the default of each format that takes one ("int4:g64", "nf4:g128", "nf4:dq:g128").
+_GROUPED = {"int4": (INT4_GROUP_SIZES, INT4_DEFAULT_GROUP), "nf4": (NF4_BLOCK_SIZES, NF4_DEFAULT_BLOCK),
+            "nf4:dq": (NF4_BLOCK_SIZES, NF4_DEFAULT_BLOCK)}
 
 
 def _invalid(weights: object) -> ValueError:
     groups = ", ".join(f"'int4:g{g}'" for g in INT4_GROUP_SIZES)
     blocks = ", ".join(f"'nf4:g{g}'" for g in NF4_BLOCK_SIZES)
     return ValueError(f"weights={weights!r} is invalid: expected 'int8', 'int4' (group {INT4_DEFAULT_GROUP}) "
-                      f"or one of {groups}, 'nf4' (block {NF4_DEFAULT_BLOCK}) or one of {blocks} (or None)")
+                      f"or one of {groups}, 'nf4:dq' (8-bit absmax) or 'nf4:dq:g<block>' for any nf4 block, "
+                      f"'nf4' (block {NF4_DEFAULT_BLOCK}) or one of {blocks} (or None)")
 
 
 def parse_weights(weights: str | None) -> tuple[str, int | None] | None:
-    """("int8", None), ("int4", group) or ("nf4", block) for a valid `weights` string, None for None; else a
-    one-line ValueError."""
+    """("int8", None), ("int4", group), ("nf4", block) or ("nf4:dq", block) for a valid `weights` string
+    (`KIND[:g<size>]`), None for None; else a one-line ValueError."""
     if weights is None:
         return None
     if weights == "int8":
         return "int8", None
-    kind = next((k for k in _GROUPED if isinstance(weights, str) and weights.startswith(k)), None)
+    # the longest kind that prefixes it ("nf4:dq:g32" is nf4:dq's, not nf4's with a suffix ":dq:g32")
+    kind = max((k for k in _GROUPED if isinstance(weights, str) and weights.startswith(k)), key=len, default=None)
     if kind is None:
         raise _invalid(weights)
     sizes, default = _GROUPED[kind]
@@ -271,35 +287,76 @@ NF4_BYTE_LEVELS = torch.stack([NF4_LEVELS.repeat(16), NF4_LEVELS.repeat_interlea
 _NF4_CHUNK_WEIGHTS = 1 << 22
 
 
+def _nf4_blocks(weight: Tensor, block: int) -> Tensor:
+    """`weight` as float32 `[out, blocks, block]` (`_padded_blocks`), after checking the block size."""
+    if block not in NF4_BLOCK_SIZES:
+        raise ValueError(f"nf4 block size {block} is invalid: expected one of {list(NF4_BLOCK_SIZES)}")
+    return _padded_blocks(weight, block)
+
+
 def quantize_nf4(weight: Tensor, block: int = NF4_DEFAULT_BLOCK) -> tuple[Tensor, Tensor]:
     """Block-wise NormalFloat 4-bit: (q uint8 `[out, padded_in]` holding 0..15, absmax bf16 `[out, blocks]`) with
     `weight[o, i] ~ NF4_LEVELS[q[o, i]] * absmax[o, i // block]`, each weight / its block's absmax rounded to the
     nearest level. `padded_in` rounds `in` up to a multiple of `block` (zero columns: the exact 0 level)."""
-    if block not in NF4_BLOCK_SIZES:
-        raise ValueError(f"nf4 block size {block} is invalid: expected one of {list(NF4_BLOCK_SIZES)}")
-    blocks = _padded_blocks(weight, block)
-    out_features, padded = blocks.shape[0], blocks.shape[1] * block
+    blocks = _nf4_blocks(weight, block)
     # rounded to bf16 values first (stored as bf16: half of QLoRA's float32 absmax), so the codes are rounded against
     # the scale the dequantize reads; a block's largest weight may then sit a bf16 step past 1: level 1 is nearest
     absmax = blocks.abs().amax(dim=-1).to(torch.bfloat16)
     absmax = torch.where(absmax > 0, absmax, torch.ones_like(absmax))  # an all-zero block: the 0 level
+    return _nf4_codes(blocks, absmax.float()), absmax
+
+
+def quantize_nf4_dq(weight: Tensor, block: int = NF4_DEFAULT_BLOCK) -> tuple[Tensor, Tensor, Tensor]:
+    """`quantize_nf4` with its absmax double-quantized (QLoRA's, section 3): (q as `quantize_nf4`'s, codes uint8
+    `[out, blocks]`, steps float32 `[ceil(out * blocks / NF4_DQ_BLOCK)]`), the block's absmax `codes * step` of its
+    group of NF4_DQ_BLOCK codes (`nf4_absmax`). Each group's step is its largest float32 absmax / 255 and each code
+    the nearest multiple, at least 1 (a block far below its group's largest keeps a nonzero scale, whose rounding of
+    its weights is then within half a step); the weights are rounded against those dequantized absmax. 8 bits a
+    block and 32 per 256 blocks where `quantize_nf4` stores 16 a block: 4.127 bits a weight at block 64, not 4.25
+    (QLoRA's float32 absmax: 4.5)."""
+    blocks = _nf4_blocks(weight, block)
+    absmax = blocks.abs().amax(dim=-1).reshape(-1)
+    groups = -(-absmax.numel() // NF4_DQ_BLOCK)
+    padded = F.pad(absmax, (0, groups * NF4_DQ_BLOCK - absmax.numel())).view(groups, NF4_DQ_BLOCK)
+    steps = padded.amax(dim=-1) / NF4_DQ_LEVELS
+    steps = torch.where(steps > 0, steps, torch.ones_like(steps))  # an all-zero group: code 1, the 0 level
+    codes = torch.round(padded / steps[:, None]).clamp_(1, NF4_DQ_LEVELS).to(torch.uint8)
+    codes = codes.view(-1)[:absmax.numel()].view(blocks.shape[:2])
+    return _nf4_codes(blocks, nf4_absmax(codes, steps)), codes, steps
+
+
+def nf4_absmax(absmax: Tensor, steps: Tensor | None = None) -> Tensor:
+    """The float32 absmax `[out, blocks]` of stored nf4 scales: bf16 `absmax` as it is, or double-quantized codes
+    (uint8) times their group's step (`quantize_nf4_dq`; one float32 product each, as the C++ product computes it)."""
+    if steps is None:
+        return absmax.float()
+    per_code = steps.repeat_interleave(NF4_DQ_BLOCK)[:absmax.numel()].view(absmax.shape)
+    return absmax.float() * per_code
+
+
+def _nf4_codes(blocks: Tensor, absmax: Tensor) -> Tensor:
+    """The 4-bit codes (uint8 `[out, padded_in]`) of float32 `blocks` `[out, blocks, block]`: each weight / its
+    block's (float32, positive) absmax rounded to the nearest level."""
+    out_features, padded = blocks.shape[0], blocks.shape[1] * blocks.shape[2]
     levels = NF4_LEVELS.to(blocks.device)
     midpoints = (levels[1:] + levels[:-1]) / 2  # (bucketize: the index of the nearest level)
     q = torch.empty(out_features, padded, dtype=torch.uint8, device=blocks.device)
     rows = max(1, _NF4_CHUNK_WEIGHTS // padded)
     for start in range(0, out_features, rows):
-        normed = blocks[start:start + rows] / absmax[start:start + rows, :, None].float()
+        normed = blocks[start:start + rows] / absmax[start:start + rows, :, None]
         q[start:start + rows] = torch.bucketize(normed, midpoints).view(-1, padded)
-    return q, absmax
+    return q
 
 
-def dequantize_nf4(packed: Tensor, absmax: Tensor, in_features: int, dtype: torch.dtype = torch.float32) -> Tensor:
-    """The weight `[out, in_features]` of packed nf4 codes (`pack_nibbles` of `quantize_nf4`'s q) and their absmax,
-    in `dtype` (computed in float32, then cast): each byte's two levels looked up, times the block's absmax."""
+def dequantize_nf4(packed: Tensor, absmax: Tensor, in_features: int, dtype: torch.dtype = torch.float32,
+                   steps: Tensor | None = None) -> Tensor:
+    """The weight `[out, in_features]` of packed nf4 codes (`pack_nibbles` of `quantize_nf4`'s q) and their absmax
+    (bf16; or `quantize_nf4_dq`'s uint8 codes with their `steps`), in `dtype` (computed in float32, then cast): each
+    byte's two levels looked up, times the block's absmax (`nf4_absmax`)."""
     out_features, n_bytes = packed.shape
     n_blocks = absmax.shape[1]
     w = NF4_BYTE_LEVELS.to(packed.device).index_select(0, packed.reshape(-1).int())
-    w = w.view(out_features, n_blocks, 2 * n_bytes // n_blocks).mul_(absmax.float()[..., None])
+    w = w.view(out_features, n_blocks, 2 * n_bytes // n_blocks).mul_(nf4_absmax(absmax, steps)[..., None])
     return w.view(out_features, 2 * n_bytes)[:, :in_features].to(dtype)
 
 
@@ -452,17 +509,18 @@ class Int8WeightLinear(QuantizedLinear):
 
 
 def _cpp_kernels() -> object | None:
-    """The C++ kernels' module (`accel.quant_cpp`, built at the first use of a machine) for `int8_linear` and
-    `int4_linear`, or None where C++ is off (`RDEPTH_NO_CPP=1`) or cannot build (then the reference runs)."""
+    """The C++ kernels' module (`accel.quant_cpp`, built at the first use of a machine) for `int8_linear`,
+    `int4_linear` and `nf4_linear`, or None where C++ is off (`RDEPTH_NO_CPP=1`) or cannot build (then the
+    reference runs)."""
     from recurrent_depth.accel import quant_cpp  # (accel imports this module)
 
     return quant_cpp.load() if quant_cpp.cpp_enabled() else None
 
 
-def _decode_rows_for_cpp(layer: QuantizedLinear, x: Tensor) -> bool:
+def _decode_rows_for_cpp(layer: QuantizedLinear, x: Tensor, rows: int = CPP_ROWS) -> bool:
     """Whether `layer(x)` is a decode step the C++ products take: float32 or bf16 CPU activations of at
-    most CPP_ROWS rows, no autograd through them, not under torch.compile, a bias of those dtypes, C++ on."""
-    return (x.device.type == "cpu" and x.dtype in CPP_DTYPES and x.numel() <= CPP_ROWS * layer.in_features
+    most `rows` rows, no autograd through them, not under torch.compile, a bias of those dtypes, C++ on."""
+    return (x.device.type == "cpu" and x.dtype in CPP_DTYPES and x.numel() <= rows * layer.in_features
             and not (x.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling()
             and (layer.bias is None or layer.bias.dtype in CPP_DTYPES) and _cpp_kernels() is not None)
 
@@ -581,33 +639,58 @@ class Nf4WeightLinear(QuantizedLinear):
     """A linear layer with block-wise NormalFloat 4-bit weights (QLoRA's NF4): `y = x W^T + b`,
     `W[o, i] = NF4_LEVELS[q[o, i]] * absmax[o, i // block]`.
 
-    Buffers `qweight` (uint8 `[out, padded_in / 2]`, two codes a byte: `pack_nibbles`) and `absmax` (bf16
-    `[out, blocks]`). No kernel: every call takes the reference (dequantize, then `F.linear`; under autograd
-    `_DequantizedLinear`, QLoRA training), decode rows included. Made by `quantize_weights`; frozen."""
+    Buffers `qweight` (uint8 `[out, padded_in / 2]`, two codes a byte: `pack_nibbles`) and `absmax`: bf16
+    `[out, blocks]`, or double-quantized ("nf4:dq", `quantize_nf4_dq`) uint8 codes `[out, blocks]` with the
+    float32 `absmax_steps` (None otherwise). float32 or bf16 CPU activations of at most NF4_CPP_ROWS rows, without
+    autograd through them, take the C++ `accel.quant_cpp.nf4_linear` where C++ is on (each packed row streamed
+    once, a lookup of each block's 16 levels times its absmax: the reference's float32 weights, summed in float32);
+    anything else the reference (dequantize, then `F.linear`; under autograd `_DequantizedLinear`, QLoRA
+    training). Made by `quantize_weights`; frozen."""
 
-    def __init__(self, qweight: Tensor, absmax: Tensor, bias: Tensor | None, in_features: int, block: int) -> None:
+    def __init__(self, qweight: Tensor, absmax: Tensor, bias: Tensor | None, in_features: int, block: int,
+                 absmax_steps: Tensor | None = None) -> None:
         super().__init__(qweight.shape[0], in_features, bias)
         self.block = block
         self.register_buffer("qweight", qweight)
         self.register_buffer("absmax", absmax)
+        self.register_buffer("absmax_steps", absmax_steps)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, block: int = NF4_DEFAULT_BLOCK) -> Nf4WeightLinear:
-        q, absmax = quantize_nf4(linear.weight, block)
-        layer = cls(pack_nibbles(q), absmax, linear.bias, linear.weight.shape[1], block)
+    def from_linear(cls, linear: nn.Linear, block: int = NF4_DEFAULT_BLOCK,
+                    double_quant: bool = False) -> Nf4WeightLinear:
+        """double_quant: the absmax as 8-bit codes with a float32 step per NF4_DQ_BLOCK of them ("nf4:dq")."""
+        if double_quant:
+            q, absmax, steps = quantize_nf4_dq(linear.weight, block)
+        else:
+            (q, absmax), steps = quantize_nf4(linear.weight, block), None
+        layer = cls(pack_nibbles(q), absmax, linear.bias, linear.weight.shape[1], block, steps)
         layer._record_source(linear.weight)
         return layer
 
+    @property
+    def double_quant(self) -> bool:
+        return self.absmax_steps is not None
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        return dequantize_nf4(self.qweight, self.absmax, self.in_features, dtype)
+        return dequantize_nf4(self.qweight, self.absmax, self.in_features, dtype, self.absmax_steps)
 
     def quantized_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.absmax))
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.absmax, self.absmax_steps)
+                   if t is not None)
 
     def weights_format(self) -> str:
-        return format_weights("nf4", self.block)
+        return format_weights("nf4:dq" if self.double_quant else "nf4", self.block)
+
+    def uses_cpp(self, x: Tensor) -> bool:
+        """Whether this call takes the C++ product (`accel.quant_cpp.nf4_linear`): float32 or bf16 CPU activations
+        of at most NF4_CPP_ROWS rows, no autograd through them, C++ on."""
+        return _decode_rows_for_cpp(self, x, NF4_CPP_ROWS)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.uses_cpp(x):
+            out = _cpp_kernels().nf4_linear(_flat_rows(x, self.in_features), self.qweight, self.absmax,
+                                            self.absmax_steps, NF4_DQ_BLOCK, NF4_LEVELS, self.block, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
         return self._reference(x)
 
 
@@ -632,7 +715,8 @@ def quantize_weights(model: nn.Module, weights: str | None = "int8", include_hea
                      kernel_layout: bool | None = None) -> int:
     """Quantize `model` (a `RecurrentDepthLM`) in place; returns the number of layers swapped.
 
-    weights: "int8", "int4" (group 32), "int4:g<group>", "nf4" (block 64) or "nf4:g<block>" (None: nothing). Every
+    weights: "int8", "int4" (group 32), "int4:g<group>", "nf4" (block 64), "nf4:g<block>", "nf4:dq" or
+    "nf4:dq:g<block>" (double-quantized absmax) (None: nothing). Every
     `nn.Linear` under `model.transformer` becomes an `Int8WeightLinear` / `Int4WeightLinear` / `Nf4WeightLinear`;
     `include_head` also
     quantizes an untied `lm_head` (a tied one shares the embedding's storage: ValueError). A model already
@@ -667,8 +751,8 @@ def quantize_weights(model: nn.Module, weights: str | None = "int8", include_hea
     def make(linear: nn.Linear) -> QuantizedLinear:
         if kind == "int8":
             return Int8WeightLinear.from_linear(linear)
-        if kind == "nf4":
-            return Nf4WeightLinear.from_linear(linear, group)
+        if kind in ("nf4", "nf4:dq"):
+            return Nf4WeightLinear.from_linear(linear, group, double_quant=kind == "nf4:dq")
         return Int4WeightLinear.from_linear(linear, group, kernel_layout)
 
     from recurrent_depth.accel.linear import restore_linears  # (accel imports this module)
@@ -711,13 +795,13 @@ def dequantize_weights(model: nn.Module) -> int:
 
 
 def format_weights(kind: str, group: int | None) -> str:
-    """The `weights` string of a parsed format: "int8", "int4:g<group>" or "nf4:g<block>"."""
+    """The `weights` string of a parsed format: "int8", "int4:g<group>", "nf4:g<block>" or "nf4:dq:g<block>"."""
     return kind if group is None else f"{kind}:g{group}"
 
 
 def held_weights(model: nn.Module) -> str | None:
-    """The format of the quantized layers `model` holds ("int8", "int4:g32", "nf4:g64", or "int8+int4:g32" for a
-    mix), None for none."""
+    """The format of the quantized layers `model` holds ("int8", "int4:g32", "nf4:g64", "nf4:dq:g64", or
+    "int8+int4:g32" for a mix), None for none."""
     formats = {m.weights_format() for m in model.modules() if isinstance(m, QuantizedLinear)}
     return "+".join(sorted(formats)) or None
 

@@ -1743,13 +1743,163 @@ std::vector<torch::Tensor> rms_norm_backward(const torch::Tensor& grad, const to
 """
 
 
-CPP_SOURCE = KERNEL_SOURCE + NORM_SOURCE + r"""
+# nf4 weights at decode row counts (`weight_quant.Nf4WeightLinear`). Not in KERNEL_SOURCE: the decode extension
+# does not need it.
+NF4_SOURCE = r"""
+// nf4 weights (`weight_quant.Nf4WeightLinear`): w[o, e] = L[q[o, e]] a[o, e / block], q in 0..15 two a byte in
+// plain order (as int4: column 2i in byte i's low nibble), L the 16 NormalFloat levels (float32, passed in), a
+// the block's absmax: bf16 [out, blocks], or double-quantized, uint8 codes [out, blocks] times a float32 step
+// per `dq_block` codes of the flattened codes (a = code * step). Each block's 16 levels times its absmax (each
+// product the float32 weight the reference dequantizes, bit for bit) are its lookup table: one `vpermps` looks
+// up 16 weights on AVX-512, two and a blend 8 on AVX2. x is reordered once per call to match the unpack: each
+// chunk of 32 columns (16 bytes) as its 16 even columns (the low nibbles) then its 16 odd ones.
+constexpr int64_t NF4_CHUNK = 32;  // (every block size is a multiple)
+
+inline int64_t nf4_position(int64_t e) {
+  return e / NF4_CHUNK * NF4_CHUNK + (e % 2) * 16 + (e % NF4_CHUNK) / 2;
+}
+
+// The absmax of block b of weight row o, whichever way it is stored.
+struct Nf4Scales {
+  const uint16_t* bf16;  // bf16 bits [out, blocks], or null and then
+  const uint8_t* codes;  // codes [out, blocks] times
+  const float* steps;    // steps [ceil(out * blocks / dq_block)]
+  int64_t blocks, dq_block;
+  float at(int64_t o, int64_t b) const {
+    const int64_t i = o * blocks + b;
+    return bf16 != nullptr ? bf16_bits_to_float(bf16[i]) : static_cast<float>(codes[i]) * steps[i / dq_block];
+  }
+};
+
+// d[j] = x . w[o + j] for `rows` (<= 4) nf4 weight rows (row j's bytes at w + j * row_bytes), x reordered
+// (`nf4_position`, P columns), summed in float32.
+inline void nf4_dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, const Nf4Scales& s, int64_t o,
+                         const float* levels, int64_t P, int64_t block, int64_t rows, float* d) {
+  const int64_t G = P / block, per_block = block / NF4_CHUNK;
+#if defined(__AVX512F__)
+  if (rows == 4) {
+    const __m512 lv = _mm512_loadu_ps(levels);
+    __m512 even[4], odd[4];  // (two sums a row: eight independent chains)
+    for (int j = 0; j < 4; ++j) even[j] = odd[j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 table[4];
+      for (int j = 0; j < 4; ++j) table[j] = _mm512_mul_ps(lv, _mm512_set1_ps(s.at(o + j, g)));
+      for (int64_t c = g * per_block; c < (g + 1) * per_block; ++c) {
+        const __m512 xe = _mm512_loadu_ps(x + NF4_CHUNK * c), xo = _mm512_loadu_ps(x + NF4_CHUNK * c + 16);
+        for (int j = 0; j < 4; ++j) {
+          const uint8_t* bytes = w + j * row_bytes + 16 * c;
+          prefetch_ahead(bytes);
+          // each byte in its own 32-bit lane: `vpermps` reads the low 4 bits (the even column's code); shifted
+          // by 4, the odd one's
+          const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+          even[j] = _mm512_fmadd_ps(_mm512_permutexvar_ps(v, table[j]), xe, even[j]);
+          odd[j] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table[j]), xo, odd[j]);
+        }
+      }
+    }
+    for (int j = 0; j < 4; ++j) d[j] = _mm512_reduce_add_ps(_mm512_add_ps(even[j], odd[j]));
+    return;
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (rows == 4) {
+    const __m256 low8 = _mm256_loadu_ps(levels), high8 = _mm256_loadu_ps(levels + 8);
+    __m256 even[4], odd[4];
+    for (int j = 0; j < 4; ++j) even[j] = odd[j] = _mm256_setzero_ps();
+    // levels 0-7 from `low`, 8-15 from `high`: bit 3 of the lane moved to the sign bit picks
+    const auto lookup = [](__m256i index, __m256 low, __m256 high) {
+      return _mm256_blendv_ps(_mm256_permutevar8x32_ps(low, index), _mm256_permutevar8x32_ps(high, index),
+                              _mm256_castsi256_ps(_mm256_slli_epi32(index, 28)));
+    };
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 low[4], high[4];
+      for (int j = 0; j < 4; ++j) {
+        const __m256 a = _mm256_set1_ps(s.at(o + j, g));
+        low[j] = _mm256_mul_ps(low8, a), high[j] = _mm256_mul_ps(high8, a);
+      }
+      for (int64_t c = g * per_block; c < (g + 1) * per_block; ++c) {
+        for (int64_t h = 0; h < 2; ++h) {  // eight bytes (16 columns) at a time
+          const __m256 xe = _mm256_loadu_ps(x + NF4_CHUNK * c + 8 * h);
+          const __m256 xo = _mm256_loadu_ps(x + NF4_CHUNK * c + 16 + 8 * h);
+          for (int j = 0; j < 4; ++j) {
+            const uint8_t* bytes = w + j * row_bytes + 16 * c + 8 * h;
+            if (h == 0) prefetch_ahead(bytes);
+            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+            even[j] = _mm256_fmadd_ps(lookup(v, low[j], high[j]), xe, even[j]);
+            odd[j] = _mm256_fmadd_ps(lookup(_mm256_srli_epi32(v, 4), low[j], high[j]), xo, odd[j]);
+          }
+        }
+      }
+    }
+    for (int j = 0; j < 4; ++j) d[j] = hsum8(_mm256_add_ps(even[j], odd[j]));
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < rows; ++j) {
+    const uint8_t* row = w + j * row_bytes;
+    float total = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      const float a = s.at(o + j, g);
+      for (int64_t e = g * block; e < (g + 1) * block; ++e) {
+        total += x[nf4_position(e)] * (levels[(row[e / 2] >> (4 * (e % 2))) & 15] * a);
+      }
+    }
+    d[j] = total;
+  }
+}
+
+// y [N, out] = x [N, in] W^T (+ bias) for nf4 weights, x float32 or bf16 (y in its dtype), summed in float32
+// against the reference's float32 weights: each weight row streamed once for every row of x (split across the
+// threads, four rows together, `stream_blocks`). absmax bf16 [out, blocks], or uint8 codes with `steps`.
+torch::Tensor nf4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& absmax,
+                         const c10::optional<torch::Tensor>& steps, int64_t dq_block, const torch::Tensor& levels,
+                         int64_t block, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "nf4_linear: x float32 or bf16 [N, in]");
+  TORCH_CHECK(block > 0 && block % NF4_CHUNK == 0, "nf4_linear: block a multiple of 32");
+  const int64_t N = x.size(0), K = x.size(1), O = packed.size(0), P = 2 * packed.size(1), G = P / block;
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() && P % block == 0
+              && P >= K && P - K < block, "nf4_linear: packed uint8 [out, in padded to whole blocks / 2]");
+  TORCH_CHECK(absmax.dim() == 2 && absmax.size(0) == O && absmax.size(1) == G && absmax.is_contiguous(),
+              "nf4_linear: absmax [out, blocks]");
+  TORCH_CHECK(levels.scalar_type() == at::kFloat && levels.is_contiguous() && levels.numel() == 16,
+              "nf4_linear: levels float32 [16]");
+  const bool dq = steps.has_value() && steps->defined();
+  Nf4Scales s{nullptr, nullptr, nullptr, G, dq_block};
+  if (dq) {
+    TORCH_CHECK(absmax.scalar_type() == at::kByte && dq_block > 0 && steps->scalar_type() == at::kFloat
+                && steps->is_contiguous() && steps->numel() == (O * G + dq_block - 1) / dq_block,
+                "nf4_linear: double-quantized absmax: uint8 codes and float32 steps, one per dq_block codes");
+    s.codes = absmax.data_ptr<uint8_t>(), s.steps = steps->data_ptr<float>();
+  } else {
+    TORCH_CHECK(absmax.scalar_type() == at::kBFloat16, "nf4_linear: absmax bf16 (or uint8 codes with steps)");
+    s.bf16 = reinterpret_cast<const uint16_t*>(absmax.data_ptr<c10::BFloat16>());
+  }
+  const torch::Tensor x32 = x.to(at::kFloat).contiguous(), b32 = float_operand(bias, O, "nf4_linear: bias");
+  const float* xp = x32.data_ptr<float>();
+  std::vector<float> reordered(N * P, 0.0f);  // (zeros past K: the padding's codes are the 0 level)
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t e = 0; e < K; ++e) reordered[n * P + nf4_position(e)] = xp[n * K + e];
+  }
+  torch::Tensor y = torch::empty({N, O}, x32.options());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* lp = levels.data_ptr<float>();
+  stream_blocks(N, O, wp, P / 2, true, nullptr, data_or_null(b32), y.data_ptr<float>(),
+                [&](int64_t n, int64_t o, int64_t rows, float* d) {
+                  nf4_dot_rows(reordered.data() + n * P, wp + o * (P / 2), P / 2, s, o, lp, P, block, rows, d);
+                });
+  return y.to(x.scalar_type());
+}
+"""
+
+
+CPP_SOURCE = KERNEL_SOURCE + NORM_SOURCE + NF4_SOURCE + r"""
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {""" + codec_binding() + r"""
   m.def("rms_norm_scale", &rms_norm_scale);
   m.def("rms_norm_backward", &rms_norm_backward);
   m.def("encode", &encode);
   m.def("int8_linear", &int8_linear);
   m.def("int4_linear", &int4_linear);
+  m.def("nf4_linear", &nf4_linear);
   m.def("bf16_linear", &bf16_linear);
   m.def("encode_pair", &encode_pair);
   m.def("attend", [](const torch::Tensor& q, const Codec& ck, const Codec& cv, torch::Tensor rows_k,
@@ -1979,8 +2129,8 @@ def load() -> Any:
                 _module = _cache.load()
             except Exception as exc:  # no compiler, no ninja, a failing build, a foreign cache: the other paths run
                 _failure = failure_line(exc)
-                log.warning("the C++ kernels (quantized KV, int8 / int4 weights, bf16 rows, norms) are unavailable "
-                            "(%s); their compiled or plain PyTorch paths run", _failure)
+                log.warning("the C++ kernels (quantized KV, int8 / int4 / nf4 weights, bf16 rows, norms) are "
+                            "unavailable (%s); their compiled or plain PyTorch paths run", _failure)
     return _module
 
 

@@ -211,8 +211,8 @@ def add_weights_arg(parser: argparse.ArgumentParser) -> None:
         help="weight-only quantization at load of the transformer's linear layers (not the embedding or the "
              "head): 'int8' (per output channel; about 2x faster bf16 decode of large models on CPU), 'int4' "
              "(group-wise, 32 input columns a group; 'int4:g64', 'int4:g128', 'int4:g256' for other groups), "
-             "'nf4' (QLoRA's NormalFloat, blocks of 64; 'nf4:g32' ... 'nf4:g256'; no kernel: decodes at the "
-             "dequantize path's speed); "
+             "'nf4' (QLoRA's NormalFloat, blocks of 64; 'nf4:g32' ... 'nf4:g256'; 'nf4:dq' / 'nf4:dq:g128' "
+             "double-quantize its absmax to 8 bits; a C++ decode kernel near int4's speed a row); "
              "LoRA adapters go on the quantized layers unmerged (QLoRA-style; not DoRA). docs/inference.md. "
              "Default: the weights as loaded",
     )

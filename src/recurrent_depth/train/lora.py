@@ -384,7 +384,7 @@ FINGERPRINT_SCHEME = "rd1"  # the recipe below; a recorded fingerprint of anothe
 _RECORDED_FINGERPRINT = re.compile(rf"{FINGERPRINT_SCHEME}:[0-9a-f]{{16}}")  # what base_fingerprint gives
 _RECORDED_DTYPE = re.compile(r"[a-z][a-z0-9_]{0,31}")  # a torch dtype's name ("float32"), or "none"
 # `held_weights`' (a mix: "+")
-_RECORDED_WEIGHTS = re.compile(r"(int8|(int4|nf4):g\d{1,4})(\+(int8|(int4|nf4):g\d{1,4})){0,4}")
+_RECORDED_WEIGHTS = re.compile(r"(int8|(int4|nf4|nf4:dq):g\d{1,4})(\+(int8|(int4|nf4|nf4:dq):g\d{1,4})){0,4}")
 # (FINGERPRINT_SAMPLES, from weight_quant: values read from each parameter, spread evenly over it)
 FLOAT16_SMALLEST_NORMAL = 2.0**-14  # smaller magnitudes hash as 0: a float16 load keeps them only approximately
 # peft's names for a wrapped layer's own weight (`Wqkv.base_layer.weight`, `lm_head.original_module.weight`),

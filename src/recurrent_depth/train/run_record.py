@@ -165,15 +165,19 @@ class JsonlLog:
             self.handle = None
 
 
-def open_tensorboard(out: Path | None, enabled: bool):
-    """A tensorboard `SummaryWriter` in `out/tensorboard`; None when disabled or tensorboard is not installed."""
+def open_tensorboard(out: Path | None, enabled: bool, purge_step: int | None = None):
+    """A tensorboard `SummaryWriter` in `out/tensorboard`; None when disabled or tensorboard is not installed.
+
+    purge_step: the first step this session writes. TensorBoard then hides the events of earlier sessions from that
+    step on (a run resumed from step k redoes k+1, ...: without it both sessions' points showed, as metrics.jsonl
+    drops the lines after k)."""
     if not enabled or out is None:
         return None
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # tensorboard not installed: metrics.jsonl has everything
         return None
-    return SummaryWriter(log_dir=str(out / TENSORBOARD_DIR))
+    return SummaryWriter(log_dir=str(out / TENSORBOARD_DIR), purge_step=purge_step)
 
 
 def tensorboard_step(tb: Any, record: dict[str, Any]) -> None:

@@ -271,6 +271,10 @@ class Trainer:
         self.previous_finish: dict[str, Any] | None = None  # how an earlier session of this run ended
         self._out_lock: Any = None  # rank 0's flock on `out` (files.lock_directory), held while set up or running
         self._made_out = False  # whether this run created `out` (`_open_out_dir`)
+        # (step, path) of the newest checkpoint this trainer resumed from or wrote (path None: no `out`): a later
+        # `run()` does not write that step again (an existing checkpoint is never overwritten)
+        self.saved: tuple[int, Path | None] = (-1, None)
+        self._logs_open = False
         # the teacher the run distils from, as each checkpoint records it (a resume refuses one changed since)
         self.teacher_start: dict[str, str] | None = None
         try:
@@ -370,12 +374,21 @@ class Trainer:
         if self.resume_from is not None:
             # (an older checkpoint when this one does not load into the model; None: none is left)
             self.resume_from = trainer_checkpoints.resume(self)
-        writes = env.is_main and self.out is not None
-        self.metrics = JsonlLog(self.out / METRICS_FILE if writes else None, keep_through=self.state.step)
-        self.eval_log = JsonlLog(self.out / EVAL_FILE if writes else None, keep_through=self.state.step)
-        self.tb = open_tensorboard(self.out, enabled=cfg.tensorboard and writes)
-        if writes:
+        if self.resume_from is not None:
+            self.saved = (self.state.step, self.resume_from)
+        self._open_logs()
+        if env.is_main and self.out is not None:
             write_run_file(self.out, self.run_metadata())
+
+    def _open_logs(self) -> None:
+        """metrics.jsonl and eval.jsonl, their lines after this step dropped (a resumed run redoes those steps), and
+        tensorboard, those steps hidden; on rank 0 of a run with `out`. Again at a later `run()` of this trainer,
+        which continues the run after `close_logs` (its steps were not written before)."""
+        writes, step = self.env.is_main and self.out is not None, self.state.step
+        self.metrics = JsonlLog(self.out / METRICS_FILE if writes else None, keep_through=step)
+        self.eval_log = JsonlLog(self.out / EVAL_FILE if writes else None, keep_through=step)
+        self.tb = open_tensorboard(self.out, enabled=self.cfg.tensorboard and writes, purge_step=step + 1)
+        self._logs_open = True
 
     def _check_outside_corpus(self, corpus: Any) -> None:
         """Refuse an --out or --data-dir where the directory corpus reads every file: the run's tokenizer, logs,
@@ -682,6 +695,8 @@ class Trainer:
             f"({self.env.world_size} process{'es' if self.env.world_size > 1 else ''}){depth}"
             f"{' (baseline: one core pass)' if cfg.baseline else ''}; out: {self.out or 'none (nothing is written)'}"
         )
+        if not self._logs_open:  # (a later run() of this trainer: the first one's end closed them)
+            self._open_logs()
         finished = self._finished_before()
         if finished is not None:
             return finished
@@ -690,9 +705,7 @@ class Trainer:
         self.session_start_elapsed = self.state.elapsed_s
         self.session_steps = 0
         self._measure_final_reserve()
-        last_saved = self.state.step if self.resume_from is not None else -1
         stop_reason = "max_steps"
-        last_checkpoint = self.resume_from
         interrupt = _InterruptRequest()
         try:
             interrupt.install()
@@ -716,14 +729,14 @@ class Trainer:
                 if cfg.eval_interval and step % cfg.eval_interval == 0 and not self._budget_spent():
                     self.evaluate(final=False)  # (at the last step the final evaluation follows: not twice)
                 if cfg.save_every and step % cfg.save_every == 0:
-                    last_checkpoint = self._timed_save()
-                    last_saved = step
+                    self._timed_save()
                 if self.on_step is not None:
                     self.on_step(self, record)
                 signum = interrupt.agreed(self.env)
                 if signum:
-                    if last_saved != step:
-                        last_checkpoint = self.save_checkpoint()
+                    if self.saved[0] != step:
+                        self.save_checkpoint()
+                    last_checkpoint = self.saved[1]
                     self.close_logs()
                     saved = (f"checkpoint {last_checkpoint} is saved: continue with --resume"
                              if last_checkpoint is not None else "nothing is saved (out is None)")
@@ -735,8 +748,8 @@ class Trainer:
                 bar.close()
         # Save before the final evaluation: an evaluation that crashes must not cost the run.
         ending = time.perf_counter()
-        if last_saved != self.state.step and self.state.step > 0:
-            last_checkpoint = self.save_checkpoint()
+        if self.saved[0] != self.state.step and self.state.step > 0:
+            self.save_checkpoint()
         model_dir = self.save_model(self.out / MODEL_DIR) if self.out is not None else None
         saved = time.perf_counter()
         budget_end = self.budget_end()
@@ -758,13 +771,14 @@ class Trainer:
         result = TrainResult(
             out=self.out, model=self.model, model_dir=model_dir, steps=self.state.step, tokens=self.state.tokens,
             skipped_steps=self.state.skipped_steps, elapsed_s=self.state.elapsed_s, stop_reason=stop_reason,
-            final_eval=final_eval, last_checkpoint=last_checkpoint, tokenizer_dir=self.tokenizer_dir,
+            final_eval=final_eval, last_checkpoint=self.saved[1], tokenizer_dir=self.tokenizer_dir,
             losses=list(self.losses),
         )
         self._check_skipped_share(result)
         return result
 
     def close_logs(self) -> None:
+        self._logs_open = False
         self.metrics.close()
         self.eval_log.close()
         if self.tb is not None:
@@ -1065,7 +1079,9 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints and run record
     def save_checkpoint(self) -> Path | None:
         """Write checkpoint `step-<step>` (collective); None without `out`. See `trainer_checkpoints`."""
-        return trainer_checkpoints.save_checkpoint(self)
+        path = trainer_checkpoints.save_checkpoint(self)
+        self.saved = (self.state.step, path)  # (without `out` too: the step needs no other save)
+        return path
 
     def save_model(self, path: Path) -> Path | None:
         """The final weights + tokenizer as the model directory `path` (collective; rank 0 writes)."""

@@ -555,15 +555,6 @@ def started_files(path: Path, recorded: Any) -> dict[str, bytes] | None:
     return kept
 
 
-def resume_from_checkpoint(trainer: Trainer, path: Path) -> None:
-    """Continue `trainer` from checkpoint `path` (no fallback: a checkpoint that does not load is a ValueError)."""
-    check_same_model(trainer.model, path)
-    loaded, problem = load_for_resume(trainer, path)
-    if problem is not None:
-        raise ValueError(f"cannot resume from {path}: {problem}")
-    apply_checkpoint(trainer, loaded)
-
-
 def _with_field_defaults(saved: dict[str, Any]) -> dict[str, Any]:
     """A saved run config with the fields it lacks (added to TrainConfig or OptimConfig after it was written)
     at their defaults: a new field's default is the old behaviour, so it must not block a resume."""

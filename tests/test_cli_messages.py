@@ -191,7 +191,7 @@ def test_the_servers_step_cap_names_its_flag():
 
     limits = Limits(max_seq_len=96, mean_recurrence=4, vocab_size=256, max_num_steps=16)
     with pytest.raises(APIError, match=r"at most 16 \(set by rdepth serve --max-num-steps\)"):
-        parse_completion({"prompt": "x", "num_steps": 17}, limits, {"m"}, False)
+        parse_completion({"prompt": "x", "num_steps": 17}, limits, {"m"})
 
 
 def test_the_librarys_own_warnings_print_as_one_line_of_the_command(monkeypatch, capsys, recwarn):

@@ -79,7 +79,7 @@ def test_echo_text_offsets_index_the_returned_text_of_a_string_prompt_with_a_bos
     (OpenAI's text_offset: into the returned text) cut it wrong. Each offset must be where its text starts."""
     codec, prompt = bos_codec, "The quick brown fox"
     req = parse_completion({"prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 3, "stream": stream},
-                           LIMITS, {"m"}, False)
+                           LIMITS, {"m"})
     prompt_ids = codec.encode(prompt, add_special_tokens=True)
     assert codec.token_string(prompt_ids[0]) == "<|begin_text|>"
     tokens = codec.encode(" jumps over", add_special_tokens=False)[:3]

@@ -131,7 +131,7 @@ def test_a_request_preparation_worker_does_not_print_the_servers_warning_again()
     from recurrent_depth.serving.protocol import Limits
 
     spec = PrepSpec(None, 64, Limits(max_seq_len=64, mean_recurrence=4, vocab_size=64), frozenset({"m"}),
-                    eos_configured=False, memory_headroom=None)
+                    memory_headroom=None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = Preparer(spec).prepare("completions", json.dumps(

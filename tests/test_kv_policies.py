@@ -180,10 +180,10 @@ def test_policies_from_transformers_http_and_info(model, capsys):
     assert torch.equal(routed, generate(model, x, kv_policy="skip", **ADAPTIVE).sequences)
 
     limits = Limits(max_seq_len=256, mean_recurrence=4, vocab_size=300, max_num_steps=64)
-    req = parse_completion({"prompt": [1, 2], "kv_policy": "shared-2+skip"}, limits, {"m"}, eos_configured=False)
+    req = parse_completion({"prompt": [1, 2], "kv_policy": "shared-2+skip"}, limits, {"m"})
     assert req.sampling.generation["kv_policy"] == "shared-2+skip"
     with pytest.raises(APIError, match="kv_policy"):
-        parse_completion({"prompt": [1, 2], "kv_policy": "bogus"}, limits, {"m"}, eos_configured=False)
+        parse_completion({"prompt": [1, 2], "kv_policy": "bogus"}, limits, {"m"})
 
     assert main(["info", "--preset", "tiny", "--kv-policy", "shared-2", "--json"]) == 0
     by_policy = json.loads(capsys.readouterr().out)["cache_bytes_at_max_seq_len_bf16_by_kv_policy"]

@@ -83,7 +83,7 @@ def test_a_tokenizer_panic_answers_400_and_the_worker_keeps_serving(panicking_di
     """What a request-preparation worker does with a body (`Preparer.prepare`: a result tuple back; before,
     the panic, a BaseException, ended the worker: a 503)."""
     limits = Limits(256, 4, 320)
-    spec = PrepSpec(str(panicking_dir), 320, limits, frozenset({"tiny"}), eos_configured=True, memory_headroom=None)
+    spec = PrepSpec(str(panicking_dir), 320, limits, frozenset({"tiny"}), memory_headroom=None)
     preparer = Preparer(spec)
     for kind, body in (("completions", {"model": "tiny", "prompt": PANICS}),
                        ("chat", {"model": "tiny", "messages": [{"role": "user", "content": PANICS}]})):

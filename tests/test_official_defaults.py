@@ -278,10 +278,10 @@ def test_http_official_fields_are_checked_with_the_field_named(field, value):
     limits = Limits(max_seq_len=96, mean_recurrence=4, vocab_size=256, max_num_steps=16)
     body = {"prompt": "x", "exit_criterion": "kl", field: value}
     with pytest.raises(APIError) as info:
-        parse_completion(body, limits, {"m"}, False).sampling.options(1, 4, limits)
+        parse_completion(body, limits, {"m"}).sampling.options(1, 4, limits)
     assert info.value.status == 400 and info.value.param == field
     ok = parse_completion({"prompt": "x", "exit_criterion": "kl", "defaults": "official", "check_every": 2}, limits,
-                          {"m"}, False).sampling.options(1, 4, limits)
+                          {"m"}).sampling.options(1, 4, limits)
     assert (ok.exit_in_prefill, ok.min_steps_rule, ok.check_every, ok.threshold) == (True, "skip", 2, 1e-3)
 
 

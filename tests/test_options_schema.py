@@ -102,7 +102,7 @@ def test_http_fields_are_the_schema():
         if name in protocol.HTTP_OPTIONS or name in protocol.OPENAI_FIELDS:
             continue
         with pytest.raises(APIError) as info:
-            parse_completion(body, LIMITS, {"m"}, False)
+            parse_completion(body, LIMITS, {"m"})
         assert info.value.param == name
 
 
@@ -129,7 +129,7 @@ def test_cli_rejects_an_unknown_flag_by_name(model_dir, capsys):
 
 def test_http_rejects_an_unknown_field_by_name():
     with pytest.raises(APIError) as info:
-        parse_completion({"prompt": "x", "num_step": 3}, LIMITS, {"m"}, False)
+        parse_completion({"prompt": "x", "num_step": 3}, LIMITS, {"m"})
     assert info.value.status == 400 and info.value.param == "num_step" and "'num_step'" in info.value.message
 
 
@@ -165,10 +165,10 @@ def test_errors_name_the_option_as_the_caller_spelled_it(model, hf_model, model_
 
     with pytest.raises(APIError) as http:
         parse_completion({"prompt": "x", "num_steps": 4, "draft_steps": 1, "temperature": 0,
-                          "lookahead_for_draft": 0}, LIMITS, {"m"}, False).sampling.options(2, 4, LIMITS)
+                          "lookahead_for_draft": 0}, LIMITS, {"m"}).sampling.options(2, 4, LIMITS)
     assert http.value.param == "lookahead_for_draft" and "lookahead_for_draft=0" in http.value.message
     with pytest.raises(APIError) as http:
-        parse_completion({"prompt": "x", "criterion": "nope"}, LIMITS, {"m"}, False)
+        parse_completion({"prompt": "x", "criterion": "nope"}, LIMITS, {"m"})
     assert http.value.param == "criterion"
 
     with pytest.raises(ValueError, match=r"continuous_compute='yes'"):
@@ -195,7 +195,7 @@ def test_an_option_given_twice_under_two_names_is_refused(model):
     with pytest.raises(ValueError, match="exit_criterion and criterion set the same option"):
         rd.generate(model, prompt(), max_new_tokens=2, exit_criterion="kl", criterion="cosine")
     with pytest.raises(APIError) as info:
-        parse_completion({"prompt": "x", "lookahead": 3, "lookahead_for_draft": 5}, LIMITS, {"m"}, False)
+        parse_completion({"prompt": "x", "lookahead": 3, "lookahead_for_draft": 5}, LIMITS, {"m"})
     assert info.value.param == "lookahead" and "lookahead and lookahead_for_draft" in info.value.message
 
 
@@ -210,7 +210,7 @@ def test_warm_start_and_continuous_compute_disagreeing_are_refused_everywhere(mo
     with pytest.raises(ValueError, match=re.escape(message)):
         hf_model.generate(prompt(), max_new_tokens=2, **values)
     with pytest.raises(APIError) as http:
-        parse_completion({"prompt": "x", **values}, LIMITS, {"m"}, False)
+        parse_completion({"prompt": "x", **values}, LIMITS, {"m"})
     assert http.value.param == "warm_start" and message in http.value.message
     with pytest.raises(ValueError, match=re.escape(message)):
         lm_eval_backend._typed({k: str(v) for k, v in values.items()})
@@ -261,7 +261,7 @@ def test_official_aliases_give_our_tokens(model, hf_model, case):
 
     # HTTP and lm-eval hand the same options to generate
     body = {"prompt": "x", "temperature": 0, "init_scale": 0, "num_steps": 12, **official}
-    http = parse_completion(body, LIMITS, {"m"}, False).sampling.generation
+    http = parse_completion(body, LIMITS, {"m"}).sampling.generation
     assert resolved(http) == resolved({**http, **canonical(ours)[0]})
     lm_eval_values = canonical({k: from_text(k, handle_arg_string(str(v))) for k, v in official.items()})[0]
     assert resolved(lm_eval_values) == resolved(canonical(ours)[0])

@@ -322,7 +322,7 @@ LIMITS = Limits(max_seq_len=256, mean_recurrence=4, vocab_size=300, max_num_step
 ], ids=["depth-over-server-limit", "bool-is-not-int", "string-budget", "string-threshold", "logit-bias", "vocab"])
 def test_validation_names_the_field(body, param):
     with pytest.raises(APIError) as info:
-        parse_completion(body, LIMITS, {"m"}, eos_configured=False)
+        parse_completion(body, LIMITS, {"m"})
     assert info.value.status == 400 and info.value.param == param and param in info.value.message
 
 
@@ -334,7 +334,7 @@ def test_option_conflicts_name_the_field_the_client_sent(body, param, words):
     """Conflicts found by `GenerationOptions.validate` used to come back with param null (or naming
     min_steps, which the client never sent) and spoke of do_sample, which is not a wire field."""
     with pytest.raises(APIError) as info:
-        parse_completion(body, LIMITS, {"m"}, eos_configured=False).sampling.options(2, 4, LIMITS)
+        parse_completion(body, LIMITS, {"m"}).sampling.options(2, 4, LIMITS)
     assert info.value.status == 400 and info.value.param == param, info.value.message
     assert words in info.value.message and "do_sample" not in info.value.message
 
@@ -346,7 +346,7 @@ def test_option_conflicts_name_the_field_the_client_sent(body, param, words):
 ], ids=["null-new-name-falls-back", "new-name-wins", "both-unset"])
 def test_chat_max_tokens_null_means_unset(fields, want):
     """An explicit null max_completion_tokens used to hide max_tokens (the answer ran to the context's end)."""
-    chat = parse_chat({"messages": [{"role": "user", "content": "a"}], **fields}, LIMITS, {"m"}, False)
+    chat = parse_chat({"messages": [{"role": "user", "content": "a"}], **fields}, LIMITS, {"m"})
     assert chat.sampling.max_tokens == want
 
 
@@ -354,7 +354,7 @@ def test_chat_max_tokens_null_means_unset(fields, want):
 def test_a_chat_answer_past_the_context_names_the_length_field_the_client_sent(field):
     """A chat request's max_completion_tokens past the context was refused naming max_tokens (message and param),
     a field the client never sent."""
-    chat = parse_chat({"messages": [{"role": "user", "content": "a"}], field: 60}, LIMITS, {"m"}, False)
+    chat = parse_chat({"messages": [{"role": "user", "content": "a"}], field: 60}, LIMITS, {"m"})
     with pytest.raises(APIError) as info:
         chat.sampling.options(LIMITS.max_seq_len - 10, 60, LIMITS)
     assert info.value.param == field and f"{field} is 60" in info.value.message
@@ -367,15 +367,14 @@ def test_a_chat_answer_past_the_context_names_the_length_field_the_client_sent(f
 def test_validation_accepts_the_documented_extra_fields():
     req = parse_completion({"prompt": [[1, 2], [3]], "n": 2, "num_steps": 8, "exit_criterion": "kl",
                             "exit_threshold": 1e-3, "kv_budget": 4, "warm_start": True, "top_k": -1,
-                            "user": "u", "stream": True, "stream_options": {"include_usage": True}}, LIMITS, {"m"},
-                           False)
+                            "user": "u", "stream": True, "stream_options": {"include_usage": True}}, LIMITS, {"m"})
     assert len(req.prompts) == 2 and req.sampling.n == 2
     opts = req.sampling.options(2, 16, LIMITS)
     assert (opts.num_steps, opts.exit_criterion, opts.kv_budget, opts.warm_start, opts.top_k) == (8, "kl", 4, True,
                                                                                                   None)
     chat = parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                   {"type": "text", "text": "b"}]}]},
-                      LIMITS, {"m"}, False)
+                      LIMITS, {"m"})
     assert chat.messages == [{"role": "user", "content": "a\nb"}]  # text parts joined as vLLM / llama.cpp join them
     with pytest.raises(APIError) as info:
         req.sampling.options(250, 16, LIMITS)
@@ -584,7 +583,7 @@ def test_streamed_logprobs_equal_the_whole_answers_at_linear_cost(codec, echo):
     stream: 2000 tokens took 12 s of the event loop); it must still equal the whole answer's entries."""
     from recurrent_depth.serving.responses import Choice, completion_chunks, completion_logprobs, echoed_prompt
 
-    req = parse_completion({"prompt": "x", "logprobs": 2, "echo": echo}, Limits(4096, 4, 300), {"m"}, False)
+    req = parse_completion({"prompt": "x", "logprobs": 2, "echo": echo}, Limits(4096, 4, 300), {"m"})
     prompt = codec.encode("héllo 🙂", add_special_tokens=True)
     tokens = codec.encode("wörld 🙂 def add(a, b): return a + b\n" * 10)
     choice, chunks = Choice(0, prompt), []

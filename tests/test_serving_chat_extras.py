@@ -150,7 +150,7 @@ def test_bad_values_are_one_line_400s(fields, param, message):
 
 def test_completions_take_the_text_fields_and_refuse_the_chat_ones():
     req = parse_completion({"prompt": "x", "skip_special_tokens": False, "include_stop_str_in_output": True},
-                           LIMITS, {"m"}, False)
+                           LIMITS, {"m"})
     assert not req.sampling.skip_special_tokens and req.sampling.include_stop_str_in_output
     for name, value in (("chat_template_kwargs", {"a": 1}), ("continue_final_message", True),
                         ("add_generation_prompt", True)):

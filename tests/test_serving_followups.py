@@ -33,7 +33,7 @@ def error_of(call, *args, **kwargs) -> APIError:
 
 
 def chat(**fields):
-    return parse_chat({"messages": USER, **fields}, LIMITS, {"m"}, False)
+    return parse_chat({"messages": USER, **fields}, LIMITS, {"m"})
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_stream_options_without_stream_is_a_400_on_both_routes(stream):
                   error_of(chat, **fields)):
         assert error.status == 400 and error.param == "stream_options"
         assert "'stream_options' is only allowed when 'stream' is true" in error.message
-    streamed = parse_completion({"prompt": "x", **fields, "stream": True}, LIMITS, {"m"}, False)
+    streamed = parse_completion({"prompt": "x", **fields, "stream": True}, LIMITS, {"m"})
     assert streamed.sampling.include_usage
     assert not chat(stream_options={}).sampling.include_usage  # (an empty object asks nothing: vLLM passes it)
 
@@ -81,7 +81,7 @@ def test_stream_options_without_stream_is_a_400_on_both_routes(stream):
     ({"stop": [None]}, "'stop' must be a string or a list of strings, got [null]"),
 ])
 def test_option_errors_write_json_values(fields, want):
-    error = error_of(lambda: parse_completion({"prompt": "x", **fields}, LIMITS, {"m"}, False).sampling.options(
+    error = error_of(lambda: parse_completion({"prompt": "x", **fields}, LIMITS, {"m"}).sampling.options(
         1, 4, LIMITS))
     assert want in error.message, error.message
     assert "None" not in error.message and "True" not in error.message and "False" not in error.message

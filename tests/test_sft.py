@@ -263,12 +263,12 @@ def test_content_parts_read_the_same_in_sft_and_the_server(content, words):
 
     messages = [{"role": "user", "content": content}, {"role": "assistant", "content": "c"}]
     if words is None:
-        served = parse_chat({"messages": messages}, Limits(4096, 4, 300), {"m"}, False).messages
+        served = parse_chat({"messages": messages}, Limits(4096, 4, 300), {"m"}).messages
         assert served == conversation({"messages": messages}, "x:1").messages
         assert served[0]["content"] == "a\nb"
         return
     with pytest.raises(APIError) as info:
-        parse_chat({"messages": messages}, Limits(4096, 4, 300), {"m"}, False)
+        parse_chat({"messages": messages}, Limits(4096, 4, 300), {"m"})
     assert (info.value.status, info.value.param) == (400, "messages")
     assert str(info.value).startswith(words) and "\n" not in str(info.value) and "AAAA" not in str(info.value)
     with pytest.raises(ValueError) as sft:
@@ -345,7 +345,7 @@ def test_a_null_content_is_empty_text_as_the_server_takes_it(model_dir):
     assert example == encoder.encode(conversation(empty, "x:1"), "x:1")
     assert "None" not in tokenizer.decode(example.ids, skip_special_tokens=False)
     assert scored_runs(example, tokenizer)[1] == ("<|end_turn|>", True)  # (the empty turn's end is learned)
-    served = parse_chat(null, Limits(4096, 4, 300), {"m"}, False).messages
+    served = parse_chat(null, Limits(4096, 4, 300), {"m"}).messages
     assert served[1] == {"role": "assistant", "content": "", "tool_calls": call}  # (the fields reach the template)
     with pytest.raises(ValueError, match=r"x:1: messages\[0\]\.content must be a string, null or a list of text parts"):
         conversation({"messages": [{"role": "user", "content": 7}]}, "x:1")

@@ -40,7 +40,7 @@ def test_a_streamed_completions_closing_chunk_carries_empty_logprobs(codec, logp
     from openai.types import Completion
 
     body = {"prompt": "x", "max_tokens": 1, **({"logprobs": logprobs} if logprobs is not None else {})}
-    req = parse_completion(body, LIMITS, {"m"}, False)
+    req = parse_completion(body, LIMITS, {"m"})
     token = codec.encode("ab", add_special_tokens=False)[0]
     choices = [Choice(0, [token])]
     chunks = []
@@ -74,7 +74,7 @@ def test_a_stop_string_with_a_replacement_character_is_found_in_the_held_back_ta
     # the server: the scheduler's last delivery (max_tokens) flushes the tail and names the stop string
     torch.manual_seed(0)
     scheduler = BatchScheduler(rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny")).eval(), max_batch=1)
-    req = parse_completion({"prompt": "x", "max_tokens": len(tokens), "stop": [stop]}, LIMITS, {"m"}, False)
+    req = parse_completion({"prompt": "x", "max_tokens": len(tokens), "stop": [stop]}, LIMITS, {"m"})
     events: list = []
     options = GenerationOptions(max_new_tokens=len(tokens)).validate(4)
     job = Job(RowRequest([1], options, 0), len(tokens), frozenset(), TextState(codec, [stop]), events.append,

@@ -112,7 +112,6 @@ class Handlers:
         self.base_names = (settings.model_name, *settings.aliases)  # the base's names (no adapter), in order
         self.names = set(self.base_names)
         self.metrics = scheduler.metrics
-        eos_configured = cfg.eos_token_id is not None
         self.base_stops = set(codec.eos_ids) | set(eos_ids(cfg.eos_token_id, "eos_token_id", cfg.vocab_size))
         for name in ("eos_token_id", "stop_token_ids"):  # generation_config.json's stop ids join the model's eos
             self.base_stops |= set(eos_ids(self.limits.defaults.get(name), f"generation_config.json: {name}",
@@ -123,7 +122,7 @@ class Handlers:
         runtime_updates = adapters is not None and adapters.updates_root is not None
         names = None if runtime_updates else frozenset(self.names | set(self.adapters))
         self.pool = PrepPool(PrepSpec(codec.source if codec.has_tokenizer else None, codec.vocab_size,
-                                      self.limits, names, eos_configured, settings.worker_memory),
+                                      self.limits, names, settings.worker_memory),
                              workers=settings.tokenizer_workers, timeout=settings.tokenize_timeout)
         self.open_requests = OpenRequests(scheduler)
         self.kernels = KernelWarmup(scheduler.model)  # app.py readies --kv-quant's at start-up

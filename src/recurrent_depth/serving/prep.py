@@ -49,7 +49,6 @@ class PrepSpec:
     vocab_size: int
     limits: Limits
     names: frozenset[str] | None  # the served models' names; None: any `model` passes here, the server checks it
-    eos_configured: bool
     memory_headroom: int | None = 2 << 30
 
 
@@ -83,7 +82,7 @@ class Preparer:
         names = set(spec.names) if spec.names is not None else None
         body = parse_request_body(raw)
         if kind == "completions":
-            req = parse_completion(body, limits, names, spec.eos_configured)
+            req = parse_completion(body, limits, names)
             prompts = []
             for p in req.prompts:
                 if isinstance(p, str):
@@ -113,7 +112,7 @@ class Preparer:
                                param="tokens")
             detok.prompt = codec.decode(detok.tokens, skip_special_tokens=False)  # special tokens kept, as vLLM's
             return detok, []
-        req = parse_chat(body, limits, names, spec.eos_configured)
+        req = parse_chat(body, limits, names)
         prompt = self.chat_ids(req)
         req.messages, req.tools, req.template_kwargs = [], None, {}  # (rendered: only the ids go back)
         return req, [prompt]

@@ -359,7 +359,7 @@ def requested_model(body: dict, served_names: set[str] | None) -> str | None:
     return model
 
 
-def parse_sampling(body: dict, limits: Limits, served_names: set[str] | None, eos_configured: bool) -> Sampling:
+def parse_sampling(body: dict, limits: Limits, served_names: set[str] | None) -> Sampling:
     """The fields both routes share, checked; `served_names` None leaves the check of `model`'s value to the
     caller (the server's handlers: runtime LoRA loading changes the names while preparation workers run)."""
     model = requested_model(body, served_names)
@@ -504,9 +504,8 @@ def refuse_other_route_fields(body: dict, route: str) -> None:
             raise bad(name, message)
 
 
-def parse_completion(body: dict, limits: Limits, served_names: set[str] | None,
-                     eos_configured: bool) -> CompletionRequest:
-    sampling = parse_sampling(body, limits, served_names, eos_configured)
+def parse_completion(body: dict, limits: Limits, served_names: set[str] | None) -> CompletionRequest:
+    sampling = parse_sampling(body, limits, served_names)
     refuse_other_route_fields(body, "completions")
     template_tools(body, limits, "completions")  # (tools are a 400 here: no chat template)
     if "prompt" not in body:
@@ -571,8 +570,8 @@ def _strings(value: Any) -> list[str]:
     return out
 
 
-def parse_chat(body: dict, limits: Limits, served_names: set[str] | None, eos_configured: bool) -> ChatRequest:
-    sampling = parse_sampling(body, limits, served_names, eos_configured)
+def parse_chat(body: dict, limits: Limits, served_names: set[str] | None) -> ChatRequest:
+    sampling = parse_sampling(body, limits, served_names)
     refuse_other_route_fields(body, "chat")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -765,7 +764,7 @@ def parse_tokenize(body: dict, limits: Limits, served_names: set[str] | None) ->
                                                "chat_template_kwargs", "tools") if name in body}
     if chat_body.get("tools") not in (None, []):
         chat_body["tool_choice"] = "none"
-    chat = parse_chat(chat_body, limits, None, False)
+    chat = parse_chat(chat_body, limits, None)
     return TokenizeRequest(model, None, chat, False, return_strs)
 
 

@@ -67,13 +67,12 @@ def test_grpo_loss_equals_trls_loss_type_of_the_same_normalisation(level, loss_t
                                atol=1e-7)
 
 
-def test_group_advantages_are_trls_up_to_the_population_std():
-    """trl's scale_rewards="group" divides by the sample std (Bessel): its advantages are ours x sqrt((G-1)/G)
-    (with eps 0; the documented difference)."""
+def test_group_advantages_are_trls():
+    """trl's scale_rewards="group" divides by the sample std (Bessel's n - 1), as ours does (eps 0)."""
     rewards, G = torch.tensor([1.0, 0.0, 0.5, 2.0, 3.0, 7.0]), 3
     grouped = rewards.view(-1, G)
     trl = ((grouped - grouped.mean(1, keepdim=True)) / grouped.std(1, keepdim=True)).view(-1)
-    torch.testing.assert_close(group_advantages(rewards, G, eps=0.0) * math.sqrt((G - 1) / G), trl)
+    torch.testing.assert_close(group_advantages(rewards, G, eps=0.0), trl)
 
 
 def test_a_group_of_equal_rewards_has_zero_advantage_even_at_eps_0():
@@ -81,7 +80,7 @@ def test_a_group_of_equal_rewards_has_zero_advantage_even_at_eps_0():
     at eps=0 (`GRPO(eps=0.0)`), or +-1 where its mean rounds: NaN losses, or a push from nothing."""
     rewards = torch.tensor([0.1, 0.1, 0.1, 1.0, 0.0, 0.5, 2.0, 2.0, 9.0])
     valid = torch.tensor([True, True, True, True, True, True, True, True, False])  # (equal among the valid)
-    for normalize, varied in ((True, [math.sqrt(1.5), -math.sqrt(1.5), 0.0]), (False, [0.5, -0.5, 0.0])):
+    for normalize, varied in ((True, [1.0, -1.0, 0.0]), (False, [0.5, -0.5, 0.0])):  # (sample std: 0.5)
         A = group_advantages(rewards, 3, valid, normalize=normalize, eps=0.0)
         assert A[:3].tolist() == [0.0, 0.0, 0.0] and A[6:].tolist() == [0.0, 0.0, 0.0], A
         assert A[3:6].tolist() == pytest.approx(varied)

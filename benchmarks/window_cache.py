@@ -5,6 +5,8 @@
     python benchmarks/window_cache.py --quick                 # smoke test (hidden 32, W 16, 64 new tokens)
     python benchmarks/window_cache.py --kv-quant k=prod:3.5,v=mse:3.5   # the same with a quantized KV cache
     python benchmarks/window_cache.py --mode serving          # the server's batch KV pool: 4 rows, W 64, 2048 tokens
+    python benchmarks/window_cache.py --mode speculative      # self-speculative decoding: W 64, 1024 tokens
+    python benchmarks/window_cache.py --mode parallel         # the parallel sampler: W 64, 1024 tokens
 
 A seeded random model (hidden --hidden, 4 heads, 2 KV heads, 1 prelude, 2 core and 1 coda layer, vocab 256,
 float32) with sliding-window attention in one of two layouts (--layouts): `mistral`, every layer windowed W,
@@ -51,6 +53,12 @@ code rows (whatever the pool then bounds is what the figures show). Per variant:
   against `rd.generate` of its prompt alone (the library's default cache, with --kv-quant if given).
 Per case, `x_pool_bytes` / `x_peak_pool_bytes` / `x_peak_rss`: the full pool's figure over the bounded one's,
 and `x_tokens_per_s` / `x_cpu_tokens_per_s`: the bounded one's speed over the full one's.
+
+`--mode speculative` (draft at r // 2 steps, --lookahead drafts a round) and `--mode parallel` (the wavefront
+sampler, --wavefront positions) measure those decoding loops of `rd.generate` as the default mode does (one
+sequence, the same figures), in the `bounded` and `full` variants only (neither loop runs the C++ decode): their
+windowed layers keep a round's drafts and rejected-draft holes (speculative) and 16 columns more than W
+(inference/cache.py: `window_back`), and the parallel sampler's latent buffers stay full (not in the KV bytes).
 Prints one JSON line, then a table. Times depend on the machine and its load (recorded in the JSON).
 """
 
@@ -89,22 +97,26 @@ VARIANTS: dict[str, dict[str, str | None]] = {
     "full": {FULL_WINDOW_CACHE_ENV: "1"},
     "full, no C++ decode": {FULL_WINDOW_CACHE_ENV: "1", decode_cpp.NO_DECODE_ENV: "1"},
 }
-# --mode serving: the pool's variants (the C++ decode never runs over the pool: `SlotKVPool.decode_views`)
-SERVING_VARIANTS: dict[str, dict[str, str | None]] = {name: VARIANTS[name] for name in ("bounded", "full")}
+# --mode serving, speculative, parallel: the C++ decode runs in neither (the pool's `decode_views` hands out none;
+# the speculative and parallel loops do not decode a token at a time), so no same-path baseline
+BOUNDED_AND_FULL: dict[str, dict[str, str | None]] = {name: VARIANTS[name] for name in ("bounded", "full")}
 REFERENCE = "full"
-MODES = ("generate", "serving")
+MODES = ("generate", "serving", "speculative", "parallel")
 SERVING_ROWS = 4  # --rows' default
 # --windows' and --new-tokens' defaults per mode (serving: W 64 and the long decode only, --rows of each, so that
 # both layouts take ~4 min on a loaded 2-core machine)
 DEFAULTS = {"generate": dict(windows=[64, 256], new_tokens=[256, 1024, 2048]),
-            "serving": dict(windows=[64], new_tokens=[2048])}
+            "serving": dict(windows=[64], new_tokens=[2048]),
+            "speculative": dict(windows=[64], new_tokens=[1024]),
+            "parallel": dict(windows=[64], new_tokens=[1024])}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", default="generate", choices=MODES,
                    help="generate: rd.generate's cache, one sequence; serving: the server's batch KV pool "
-                        "(BatchDecoder, --rows requests at once) (default: %(default)s)")
+                        "(BatchDecoder, --rows requests at once); speculative, parallel: rd.generate's cache under "
+                        "those decoding loops (default: %(default)s)")
     p.add_argument("--rows", type=positive_int, default=None,
                    help=f"--mode serving: concurrent requests (default: {SERVING_ROWS})")
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS,
@@ -115,6 +127,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, nargs="+", default=None,
                    help=f"new tokens per run (default: {DEFAULTS['generate']['new_tokens']}; --mode serving: "
                         f"{DEFAULTS['serving']['new_tokens']} per row)")
+    p.add_argument("--lookahead", type=positive_int, default=4,
+                   help="--mode speculative: drafted tokens per round (default: %(default)s)")
+    p.add_argument("--wavefront", type=positive_int, default=4,
+                   help="--mode parallel: positions refining at once (default: %(default)s)")
     p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default: %(default)s)")
     p.add_argument("--num-steps", type=int, default=4, help="recurrence depth r (default: %(default)s)")
     p.add_argument("--hidden", type=int, default=64, help="hidden size, a multiple of 8 (default: %(default)s)")
@@ -184,10 +200,20 @@ def environment(values: dict[str, str | None]) -> Iterator[None]:
                 os.environ[name] = value
 
 
+def mode_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`rd.generate`'s options for the decoding loop --mode names (token by token for generate)."""
+    if args.mode == "speculative":
+        return dict(draft_steps=max(1, args.num_steps // 2), lookahead=args.lookahead)
+    if args.mode == "parallel":
+        return dict(sampler="parallel", wavefront=args.wavefront)
+    return {}
+
+
 def run_once(model: rd.RecurrentDepthLM, prompt: torch.Tensor, new_tokens: int, args: argparse.Namespace,
              memory: Memory) -> dict[str, Any]:
     """One greedy decode: its tokens, exact cache bytes, peak RSS over the RSS before it, wall and CPU speed."""
-    common = dict(num_steps=args.num_steps, init_scale=0.0, do_sample=False, kv_quant=args.kv_quant)
+    common = dict(num_steps=args.num_steps, init_scale=0.0, do_sample=False, kv_quant=args.kv_quant,
+                  **mode_options(args))
     before = memory.reset()
     cpu0 = time.process_time()
     out = generate(model, prompt, max_new_tokens=new_tokens, **common)
@@ -240,15 +266,17 @@ def agreement(tokens: list[torch.Tensor], reference: torch.Tensor, suffix: str =
 
 def measure_case(model: rd.RecurrentDepthLM, prompt: torch.Tensor, new_tokens: int, args: argparse.Namespace,
                  memory: Memory) -> dict[str, Any]:
-    """Every variant of `rd.generate`'s cache (VARIANTS) over --repeats rounds."""
-    runs, _ = rounds(VARIANTS, lambda: run_once(model, prompt, new_tokens, args, memory), args.repeats)
-    bounded, full, same_path = runs["bounded"], runs[REFERENCE], runs["full, no C++ decode"]
+    """Every variant of `rd.generate`'s cache (VARIANTS; BOUNDED_AND_FULL under the speculative and parallel
+    loops) over --repeats rounds."""
+    variants = VARIANTS if args.mode == "generate" else BOUNDED_AND_FULL
+    runs, _ = rounds(variants, lambda: run_once(model, prompt, new_tokens, args, memory), args.repeats)
+    bounded, full, same_path = runs["bounded"], runs[REFERENCE], runs.get("full, no C++ decode")
     return dict(
         runs=runs,
         x_held_bytes=ratio(full["held_bytes"], bounded["held_bytes"]),
         x_allocated_bytes=ratio(full["allocated_bytes"], bounded["allocated_bytes"]),
         **shared_ratios(bounded, full),
-        x_tokens_per_s_same_path=ratio(bounded["tokens_per_s"], same_path["tokens_per_s"]),
+        x_tokens_per_s_same_path=ratio(bounded["tokens_per_s"], same_path["tokens_per_s"]) if same_path else None,
     )
 
 
@@ -285,8 +313,8 @@ def serve_once(model: rd.RecurrentDepthLM, prompts: list[list[int]], new_tokens:
 
 def measure_serving_case(model: rd.RecurrentDepthLM, prompts: list[list[int]], new_tokens: int,
                          args: argparse.Namespace, memory: Memory) -> dict[str, Any]:
-    """The bounded and full pools (SERVING_VARIANTS) over --repeats rounds; row 0 also against `rd.generate` alone."""
-    runs, tokens = rounds(SERVING_VARIANTS, lambda: serve_once(model, prompts, new_tokens, args, memory),
+    """The bounded and full pools (BOUNDED_AND_FULL) over --repeats rounds; row 0 also against `rd.generate` alone."""
+    runs, tokens = rounds(BOUNDED_AND_FULL, lambda: serve_once(model, prompts, new_tokens, args, memory),
                           args.repeats)
     alone = generate(model, torch.tensor([prompts[0]]), max_new_tokens=new_tokens, num_steps=args.num_steps,
                      init_scale=0.0, do_sample=False, kv_quant=args.kv_quant).sequences[0, len(prompts[0]):]
@@ -333,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                 serve_once(model, prompts[:1], 2, args, memory)
             else:
                 generate(model, prompt, max_new_tokens=2, num_steps=args.num_steps, init_scale=0.0,
-                         kv_quant=args.kv_quant)
+                         kv_quant=args.kv_quant, **mode_options(args))
             for new_tokens in args.new_tokens:
                 case = (measure_serving_case(model, prompts, new_tokens, args, memory) if serving
                         else measure_case(model, prompt, new_tokens, args, memory))
@@ -341,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                                     new_tokens=new_tokens, context=args.prompt_len + new_tokens, **case))
     report = dict(
         benchmark="window_cache", mode=args.mode, rows=args.rows if serving else None, quick=args.quick,
+        mode_options=mode_options(args),
         model=dict(hidden_size=args.hidden, num_heads=4, num_kv_heads=2, layers="1 prelude, 2 core, 1 coda",
                    vocab_size=VOCAB, dtype="float32", seed=args.seed),
         kv_quant=args.kv_quant.name if args.kv_quant is not None else None,
@@ -362,19 +391,22 @@ def figures(values: tuple[float | None, ...], width: int, digits: int) -> str:
 
 
 def print_table(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    print(f"\nr = {args.num_steps}, hidden {args.hidden}, {args.prompt_len}-token prompt, best of {args.repeats}; "
-          f"B = bounded, F = full (F-py: no C++ decode); KiB of "
+    loop = f"{args.mode} {mode_options(args)}, " if args.mode != "generate" else ""
+    print(f"\n{loop}r = {args.num_steps}, hidden {args.hidden}, {args.prompt_len}-token prompt, best of "
+          f"{args.repeats}; B = bounded, F = full (F-py: no C++ decode); KiB of "
           f"{'float32' if args.kv_quant is None else args.kv_quant.name} KV, RSS in MiB")
     print(f"{'layout':<9}{'W':>5}{'ctx':>6}{'held B':>9}{'held F':>9}{'x':>6}{'alloc B':>9}{'alloc F':>9}{'x':>6}"
           f"{'rss B':>7}{'rss F':>7}{'tok/s B':>9}{'F':>7}{'F-py':>7}{'cpu B':>7}{'cpu F':>7}{'agree':>7}")
     for r in results:
-        b, f, py = r["runs"]["bounded"], r["runs"]["full"], r["runs"]["full, no C++ decode"]
+        b, f = r["runs"]["bounded"], r["runs"]["full"]
+        py = r["runs"].get("full, no C++ decode", {})  # (only --mode generate runs it)
         rss = figures((b["peak_rss_delta_mib"], f["peak_rss_delta_mib"]), 7, 1)
         cpu = figures((b["cpu_tokens_per_s"], f["cpu_tokens_per_s"]), 7, 0)
         print(f"{r['layout']:<9}{r['window']:>5}{r['context']:>6}{b['held_bytes'] / 1024:>9.0f}"
               f"{f['held_bytes'] / 1024:>9.0f}{r['x_held_bytes']:>6.1f}{b['allocated_bytes'] / 1024:>9.0f}"
               f"{f['allocated_bytes'] / 1024:>9.0f}{r['x_allocated_bytes']:>6.1f}{rss}{b['tokens_per_s']:>9.0f}"
-              f"{f['tokens_per_s']:>7.0f}{py['tokens_per_s']:>7.0f}{cpu}{min(b['agreement'], py['agreement']):>7.3f}")
+              f"{f['tokens_per_s']:>7.0f}{figures((py.get('tokens_per_s'),), 7, 0)}{cpu}"
+              f"{min(b['agreement'], py.get('agreement', 1.0)):>7.3f}")
 
 
 def print_serving_table(results: list[dict[str, Any]], args: argparse.Namespace) -> None:

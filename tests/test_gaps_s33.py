@@ -186,7 +186,7 @@ def test_info_keeps_the_full_context_figure_where_the_bound_is_off(tmp_path, cap
     assert main(["info", "--model", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "2 layers: autoregressive decoding holds at most 2W+15 columns" in text
-    assert "; speculative and parallel decoding hold the whole context" in text
+    assert "; speculative and parallel decoding hold a round's drafts and 16 more" in text
     monkeypatch.setenv(FULL_WINDOW_CACHE_ENV, "1")  # every column kept: the two figures agree, no window line
     assert main(["info", "--model", str(tmp_path), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)

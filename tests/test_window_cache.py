@@ -103,8 +103,8 @@ def test_a_long_generation_holds_o_w_columns_per_windowed_layer(monkeypatch):
 
 
 def test_a_windowed_cache_refuses_to_go_back_past_its_dropped_columns():
-    """Speculative rollback and the wavefront seek back: a cache that dropped the columns they need says so
-    (generation builds those without windows)."""
+    """A seek or truncate behind the columns a windowed cache dropped says so, rather than reading zeros (speculative
+    rollback and the wavefront keep what they seek back to through `window_back`)."""
     cache = make_cache("static", 1, 1, capacity=64, windows={("prelude", 0): 4})
     for _ in range(40):
         cache.update_kv(("prelude", 0), torch.randn(1, 1, 1, 2), torch.randn(1, 1, 1, 2))

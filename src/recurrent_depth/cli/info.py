@@ -22,8 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "with --kv-quant, the same again with the KV entries quantized (every norm counted). With sliding-window "
         "layers, also what autoregressive decoding allocates at max_seq_len (a layer of window W holds about 2W "
         "columns, from a prompt of about W tokens or fewer; quantized, at least the few columns its codes decode "
-        "exactly from at tiny head dims; the serving pool holds the same bound per row; the full-context figures "
-        "are what speculative and parallel decoding and RDEPTH_FULL_WINDOW_CACHE=1 hold).",
+        "exactly from at tiny head dims; the serving pool holds the same bound per row; speculative and parallel "
+        "decoding a little more; the full-context figures are what RDEPTH_FULL_WINDOW_CACHE=1 holds).",
     )
     from recurrent_depth.config import PRESETS
 
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
             for policy in policies.values()
         },
         # What autoregressive decoding to max_seq_len allocates: sliding-window layers bounded (the figures above
-        # price every layer over the whole context, as every other mode holds it); the same without windows.
+        # price every layer over the whole context, as RDEPTH_FULL_WINDOW_CACHE=1 holds it); the same without windows.
         "cache_bytes_at_max_seq_len_bf16_autoregressive": cache_bytes(length, decoding=True),
         "cache_bytes_at_max_seq_len_bf16_autoregressive_by_kv_policy": {
             policy.name: cache_bytes(length, policy, decoding=True) for policy in policies.values()
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{'sliding windows':>22}  {len(set(windows) - {('core',)})} layers: autoregressive decoding holds at "
               f"most 2W+{align} columns of each (2W+511 from W = 512 on; after a prompt of W+{align} tokens or "
               f"fewer), the serving pool as many a row (W its largest window); speculative and parallel decoding "
-              "hold the whole context")
+              "hold a round's drafts and 16 more (docs/inference.md)")
     print(f"{f'cache at {length} tokens':>22}  {human_bytes(full)} ({full:,} bytes"
           f"{decode_note(info['cache_bytes_at_max_seq_len_bf16_autoregressive'])})")
     for name, nbytes in info["cache_bytes_at_max_seq_len_bf16_by_kv_policy"].items():

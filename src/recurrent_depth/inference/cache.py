@@ -33,15 +33,17 @@ widened down to a multiple of `WINDOW_ALIGN` (of a whole 512-column SDPA block f
 drops the rest (`first[base]`: the first column it still
 holds; reads return columns [first, end), from the start of CPU SDPA's key block where they cross one, as zeros
 before first (`read_start`), and `key_mask` and the attention's `window_mask` cut their columns to match); it
-allocates W more columns than it holds then, so it drops once every ~W writes. Exact as long
-as writes never go back: generation passes `windows` in autoregressive decoding only, where every write
-starts at the cache's end and a row has no holes after its left padding (a window over real tokens is
-then a window over columns). A quantized storage drops code rows the same way (each row codes one vector; the
-bf16 recent-token window's entries are tagged with their columns and written back where they are held); its
+allocates W more columns than it holds then, so it drops once every ~W writes. Exact where a window
+over a row's real tokens is a window over columns (no holes after its left padding) and no write goes back:
+`window_back` (0 unless a mode sets it) widens every windowed base's reach (`_reach`) by that many columns for
+the modes that write behind a `seek`: speculative decoding sets it each round to the lookahead - 1 drafts its
+verify seeks back over, plus the hidden columns (other rows' rejected drafts) within a row's window and
+`MULTI_QUERY_WINDOW_SLACK` (`speculative._window_back`); the parallel sampler to the slack alone (its wavefront
+never seeks behind its last write's start). A quantized storage drops code rows the same way (each row codes one
+vector; the bf16 recent-token window's entries are tagged with their columns and written back where they are held); its
 windowed reads decode the held columns, so it keeps at least the fewest that decode bitwise as a longer read does
 (`kv_codec.exact_decode_columns`: more than W only at tiny head dims). Kept in full: every layer of a cache built
-without `windows` (speculative rollback and the parallel wavefront seek back; rejected drafts leave holes that widen
-a row's window beyond W columns), a core base shared by layers with and without windows (compress-rN). A `seek` or
+without `windows`, a core base shared by layers with and without windows (compress-rN). A `seek` or
 `truncate` that would read dropped columns is refused (RuntimeError). Slots of one base share its columns, so the
 lookup rules (settling at `close`, new slots at growth, per-read picks) act on the held columns as they did on all
 of them.
@@ -135,6 +137,12 @@ def _gather_slots(store: Tensor, index: Tensor, end: int) -> Tensor:
 # then keep their vector lanes and blocks, so its output is bitwise the full cache's (CPU SDPA; dropping any other
 # count rounds its sums otherwise, ~1e-7 a call, which the recurrence amplifies into other logits and tokens).
 WINDOW_ALIGN = 16
+# A write of several queries behind a seek (a speculative verify, a parallel wavefront) keeps this many columns more
+# than its windows need: with MKL's AVX-512 kernels, CPU SDPA rounds a read of 8 to 11 held columns by 2 or more
+# queries otherwise than the full read at head dim 8. Measured on torch 2.13 (windows 3 to 32, 1 to 24 queries, GQA
+# and MHA): no such read differs at head dims 16, 32, 64 or 128, nor at any on MKL's AVX2 path (MKL_CBWR=AVX2, which
+# the tests pin), nor a single-query decode read; the threshold does not grow with head dim, so one constant serves.
+MULTI_QUERY_WINDOW_SLACK = WINDOW_ALIGN
 FULL_WINDOW_CACHE_ENV = "RDEPTH_FULL_WINDOW_CACHE"  # set: windowed layers keep every column (module docstring)
 
 
@@ -256,6 +264,9 @@ class _CacheBase:
         self.windows: dict[tuple, int] = dict(windows or {})
         self.first: dict[tuple, int] = {}  # per windowed base with a storage: the first column it holds
         self._decode_floor: dict[tuple, int] = {}  # per windowed quantized base: the columns it keeps at least
+        # Columns a later write may start behind a write's start (a speculative round's drafts, then the verify
+        # that seeks back over them): each windowed base keeps that many more (module docstring).
+        self.window_back = 0
 
     decode_views = no_decode_views  # (the static cache hands out its stores)
 
@@ -341,6 +352,12 @@ class _CacheBase:
                     f"cannot move a cache to column {column}: layer {base} (window {self.windows[base]}) dropped the "
                     f"columns before {first}; build the cache without windows= to go back this far"
                 )
+
+    def _reach(self, base: tuple) -> int:
+        """The columns up to a write that a windowed base keeps: its window W (for code rows at least the fewest
+        that decode bitwise as a longer read does, `exact_decode_columns`: tiny head dims only), and `window_back`
+        more for a write that later seeks back behind this one."""
+        return max(self.windows[base], self._decode_floor.get(base, 0)) + self.window_back
 
     def first_column(self, key: LayerKey) -> int:
         """The first column `key`'s reads return (0 but for a windowed base that dropped): `read_start` of the
@@ -455,11 +472,6 @@ class StaticRecurrentCache(_CacheBase):
         W more, so that it drops columns once every W writes or so; never more than a full store would hold."""
         return min(window_capacity(self._written_end - first, self._reach(base)), self.capacity - first)
 
-    def _reach(self, base: tuple) -> int:
-        """The columns up to a write that a windowed base keeps: its window W, and for code rows at least the
-        fewest that decode bitwise as a longer read does (`exact_decode_columns`: tiny head dims only)."""
-        return max(self.windows[base], self._decode_floor.get(base, 0))
-
     def _held_from(self, base: tuple) -> int:
         """The first column `base` holds, after dropping (a windowed base) the columns no query of the write
         at `seq_len` .. `_written_end` sees, where the write would not fit otherwise."""
@@ -476,7 +488,9 @@ class StaticRecurrentCache(_CacheBase):
         kept = []
         for store in (K, V):
             fresh = store.new_zeros(*store.shape[:3], capacity, store.shape[-1])
-            fresh[..., : start - new_first, :] = store[..., new_first - first : start - first, :]
+            # every held column from new_first, those this write rewrites too: a write behind the end (a verify
+            # over its drafts, a wavefront under a write mask) keeps what it does not rewrite
+            fresh[..., : first + store.shape[3] - new_first, :] = store[..., new_first - first :, :]
             kept.append(fresh)
         self.kv[base] = (kept[0], kept[1])
         self.first[base] = new_first
@@ -681,7 +695,7 @@ class DynamicRecurrentCache(_CacheBase):
         B, T = k.shape[:2]
         self._written_end = self.seq_len + T
         if base in self.windows:
-            self._drop_before(base, window_start(self.seq_len, self.windows[base]))
+            self._drop_before(base, window_start(self.seq_len, self._reach(base)))
         entries = self.entries.setdefault((base, slot), [])
         written = self.written.setdefault((base, slot), [])
         deepest = self.deepest.setdefault(base, [])

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from recurrent_depth.inference.cache import MULTI_QUERY_WINDOW_SLACK
 from recurrent_depth.inference.output import TokenEvent
 from recurrent_depth.inference.session import Session
 
@@ -67,6 +68,9 @@ def decode(session: Session) -> Iterator[TokenEvent]:
     # num_steps 1) ran every token inner_steps deep, past the depth asked.
     inner = min(opts.inner_steps, limit)
     name = opts.criterion.name if opts.criterion is not None else None
+    # Windowed layers keep their window from each sweep's start (fronts never move back, so neither do the sweeps'
+    # seeks), and some columns more for the sweeps' multi-query reads (inference/cache.py).
+    cache.window_back = MULTI_QUERY_WINDOW_SLACK
     _, logits = session.prefill(opts.num_steps)  # (a model it cannot run was refused up front: check_mode_for_model)
     rows = session.unfinished
     first = session.chooser.choose(logits, rows)

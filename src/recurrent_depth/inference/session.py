@@ -258,8 +258,9 @@ class Session:
             options.cache_implementation, self.B, options.deepest_step,
             capacity=self.T + options.max_new_tokens + slack, device=self.device, policy=options.policy,
             core_layers=cfg.core_layers, kv_quant=options.quant,
-            # sliding-window layers drop the columns no window reaches where writes never go back (inference/cache.py)
-            windows=layer_windows(model) if options.mode == "autoregressive" else None,
+            # sliding-window layers drop the columns no window reaches (inference/cache.py; a speculative round's
+            # rollback sets `window_back`, the wavefront never seeks behind its last write's start)
+            windows=layer_windows(model),
         )
         if mask is not None:
             self.cache.mark_prompt(prompt_valid)

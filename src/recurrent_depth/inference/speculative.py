@@ -25,6 +25,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from recurrent_depth.inference.cache import MULTI_QUERY_WINDOW_SLACK
 from recurrent_depth.inference.output import TokenEvent
 from recurrent_depth.inference.session import Session
 
@@ -57,6 +58,8 @@ def decode(session: Session) -> Iterator[TokenEvent]:
         position = session.valid[:, :column].sum(1).tolist()
         L = min(opts.lookahead, *(max_len - position[b] for b in rows))
         session.mask(column + L)  # (makes room for the columns hidden below)
+        # windowed layers keep what the verify reads after seeking back over the drafts (inference/cache.py)
+        cache.window_back = _window_back(session, rows, column, L)
         for b in range(session.B):
             if b not in rows:
                 session.hide(b, column, column + L)
@@ -148,6 +151,23 @@ def decode(session: Session) -> Iterator[TokenEvent]:
         rounds=rounds, drafted_tokens=drafted, accepted_drafts=accepted,
         acceptance_rate=round(accepted / drafted, 4) if drafted else 0.0,
     )
+
+
+def _window_back(session: Session, rows: list[int], column: int, lookahead: int) -> int:
+    """The columns a windowed layer keeps beyond its window W while a round drafts `lookahead` tokens from
+    `column`: the lookahead - 1 drafts the verify seeks back over, and the most hidden columns (a batch's rejected
+    drafts) among an unfinished row's last W - 1 real ones before `column`, the widest W's (a query sees W real
+    tokens, so such a row's window spans those columns more; a narrower window's span holds no more of them)."""
+    windows = session.cache.windows
+    if not windows:
+        return 0
+    seen = max(windows.values()) - 1  # the real columns before `column` that a query there sees
+    hidden = 0
+    for b in rows if seen else ():
+        real = session.valid[b, :column].nonzero().flatten()[-seen:]
+        if real.numel():  # the columns from the oldest one seen, less the real ones: the hidden
+            hidden = max(hidden, column - int(real[0]) - real.numel())
+    return lookahead - 1 + hidden + MULTI_QUERY_WINDOW_SLACK  # (the verify reads its L queries at once)
 
 
 def _generator_states(session: Session, rows: list[int], fresh_verify: bool) -> list[Tensor | None]:

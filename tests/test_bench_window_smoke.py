@@ -103,3 +103,18 @@ def test_rows_belongs_to_serving(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--rows", "2"])
     assert "--rows applies to --mode serving only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["speculative", "parallel"])
+def test_quick_seeking_modes_record(capsys, monkeypatch, mode):
+    """--mode speculative / parallel: the bounded cache agrees 100% with the full one and holds fewer bytes."""
+    monkeypatch.setattr(bench.Memory, "mmap_threshold", lambda self, size: None)
+    monkeypatch.delenv(FULL_WINDOW_CACHE_ENV, raising=False)
+    assert bench.main(["--quick", "--mode", mode, "--layouts", "mistral"]) == 0
+    record = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert record["mode"] == mode
+    (case,) = record["results"]
+    bounded, full = case["runs"]["bounded"], case["runs"]["full"]
+    for run in (bounded, full):
+        assert run["agreement"] == 1.0 and run["first_difference"] is None
+    assert 0 < bounded["held_bytes"] < full["held_bytes"]

@@ -341,10 +341,10 @@ def _nf4_codes(blocks: Tensor, absmax: Tensor) -> Tensor:
     levels = NF4_LEVELS.to(blocks.device)
     midpoints = (levels[1:] + levels[:-1]) / 2  # (bucketize: the index of the nearest level)
     q = torch.empty(out_features, padded, dtype=torch.uint8, device=blocks.device)
-    rows = max(1, _NF4_CHUNK_WEIGHTS // padded)
+    rows = max(1, _NF4_CHUNK_WEIGHTS // max(padded, 1))  # (padded 0: a zero-width layer)
     for start in range(0, out_features, rows):
         normed = blocks[start:start + rows] / absmax[start:start + rows, :, None]
-        q[start:start + rows] = torch.bucketize(normed, midpoints).view(-1, padded)
+        q[start:start + rows] = torch.bucketize(normed, midpoints).view(normed.shape[0], padded)
     return q
 
 
@@ -356,7 +356,7 @@ def dequantize_nf4(packed: Tensor, absmax: Tensor, in_features: int, dtype: torc
     out_features, n_bytes = packed.shape
     n_blocks = absmax.shape[1]
     w = NF4_BYTE_LEVELS.to(packed.device).index_select(0, packed.reshape(-1).int())
-    w = w.view(out_features, n_blocks, 2 * n_bytes // n_blocks).mul_(nf4_absmax(absmax, steps)[..., None])
+    w = w.view(out_features, n_blocks, 2 * n_bytes // max(n_blocks, 1)).mul_(nf4_absmax(absmax, steps)[..., None])
     return w.view(out_features, 2 * n_bytes)[:, :in_features].to(dtype)
 
 
@@ -454,7 +454,7 @@ class _DequantizedLinear(torch.autograd.Function):
 
 
 def _flat_rows(x: Tensor, in_features: int) -> Tensor:
-    flat = x.reshape(-1, in_features)
+    flat = x.reshape(x.shape[:-1].numel(), in_features)  # (not -1: ambiguous for a zero-width layer)
     return flat if flat.is_contiguous() else flat.contiguous()
 
 
@@ -582,15 +582,32 @@ class Int4WeightLinear(QuantizedLinear):
             # Read back through the kernel once (in x in x out products: 0.4-0.9 s at 1024 x 2816, where the
             # plain layout's unpack is ~1 ms) and kept as plain nibbles: autograd calls (GradMem, TTT, a LoRA
             # on a model quantized before it) dequantize in the forward and again in the backward, every call.
-            # Keyed by the buffer and its version: a move (`.to`) or an in-place load reads it back again (an
-            # inference-mode tensor has no version counter).
-            version = None if self.qweight.is_inference() else self.qweight._version
+            # Keyed by the buffer and its version: a move (`.to`) or an in-place load reads it back again. An
+            # inference-mode tensor has no version counter (an in-place load under inference_mode would go
+            # unseen), so it is read back every call, uncached.
+            if self.qweight.is_inference():
+                return unpack_kernel_layout(self.qweight, self.in_features, self.group)
+            version = self.qweight._version
             cached = getattr(self, "_plain_codes", None)
             if cached is None or cached[0] is not self.qweight or cached[1] != version:
                 codes = unpack_kernel_layout(self.qweight, self.in_features, self.group)
                 cached = self._plain_codes = (self.qweight, version, pack_nibbles(codes))
             return unpack_nibbles(cached[2])
         return unpack_nibbles(self.qweight)
+
+    def __getstate__(self) -> dict:
+        """Pickles (torch.save of the module) and copy.deepcopy leave out `unpacked`'s cache: a copied tensor's
+        version counter restarts (at 1), so a copy made after an in-place change could match a stale entry."""
+        state = super().__getstate__()
+        state.pop("_plain_codes", None)
+        return state
+
+    def _apply(self, fn, recurse: bool = True) -> Int4WeightLinear:
+        super()._apply(fn, recurse)
+        cached = self.__dict__.get("_plain_codes")
+        if cached is not None and cached[0] is not self.qweight:  # moved: the cache held the old buffer alive
+            del self._plain_codes
+        return self
 
     def groups_first(self) -> Tensor:
         """The (scale, zero) pairs as `[groups, out, 2]` (`quantize_int4`'s order), whichever the layout."""

@@ -70,7 +70,7 @@ def hf_ids(chat_dir: Path, messages: list[dict], **kwargs) -> list[int]:
 
 
 def prepared(chat_dir: Path, **fields) -> list[int]:
-    spec = PrepSpec(str(chat_dir), VOCAB, LIMITS, frozenset({"m"}), False, memory_headroom=None)
+    spec = PrepSpec(str(chat_dir), VOCAB, LIMITS, frozenset({"m"}), memory_headroom=None)
     result = Preparer(spec).prepare("chat", json.dumps({"messages": USER, **fields}).encode())
     assert result[0] == "ok", result
     return result[2][0]
@@ -143,7 +143,7 @@ def test_template_kwargs_strings_stay_text(chat_dir):
     ({"skip_special_tokens": "no"}, "skip_special_tokens", "'skip_special_tokens' must be true or false"),
 ])
 def test_bad_values_are_one_line_400s(fields, param, message):
-    error = error_of(parse_chat, {"messages": USER, **fields}, LIMITS, {"m"}, False)
+    error = error_of(parse_chat, {"messages": USER, **fields}, LIMITS, {"m"})
     assert error.status == 400 and error.param == param and message in error.message, error.message
     assert "\n" not in error.message
 
@@ -154,7 +154,7 @@ def test_completions_take_the_text_fields_and_refuse_the_chat_ones():
     assert not req.sampling.skip_special_tokens and req.sampling.include_stop_str_in_output
     for name, value in (("chat_template_kwargs", {"a": 1}), ("continue_final_message", True),
                         ("add_generation_prompt", True)):
-        error = error_of(parse_completion, {"prompt": "x", name: value}, LIMITS, {"m"}, False)
+        error = error_of(parse_completion, {"prompt": "x", name: value}, LIMITS, {"m"})
         assert error.param == name and "belongs to /v1/chat/completions" in error.message
 
 

@@ -50,9 +50,9 @@ def test_prep_workers_leave_the_model_check_to_the_server_when_names_can_change(
     """With runtime LoRA loading (PrepSpec.names None) any `model` passes preparation and `Handlers.adapter_of`
     checks it against the names as they are now; the pool was renewed after every load and unload instead."""
     body = json.dumps({"model": "loaded-later", "prompt": [1, 2]}).encode()
-    free = Preparer(PrepSpec(None, 64, Limits(64, 4, 64), None, False, memory_headroom=None))
+    free = Preparer(PrepSpec(None, 64, Limits(64, 4, 64), None, memory_headroom=None))
     assert free.prepare("completions", body)[0] == "ok"
-    fixed = Preparer(PrepSpec(None, 64, Limits(64, 4, 64), frozenset({"m"}), False, memory_headroom=None))
+    fixed = Preparer(PrepSpec(None, 64, Limits(64, 4, 64), frozenset({"m"}), memory_headroom=None))
     status, code, message = fixed.prepare("completions", body)[:3]
     assert (status, code) == ("error", 404) and message == (
         "the model 'loaded-later' does not exist; this server serves ['m']")
@@ -62,7 +62,7 @@ def test_prep_workers_leave_the_model_check_to_the_server_when_names_can_change(
 @pytest.mark.parametrize("stream", [None, False])
 def test_stream_options_without_stream_is_a_400_on_both_routes(stream):
     fields = {"stream_options": {"include_usage": True}, **({} if stream is None else {"stream": stream})}
-    for error in (error_of(parse_completion, {"prompt": "x", **fields}, LIMITS, {"m"}, False),
+    for error in (error_of(parse_completion, {"prompt": "x", **fields}, LIMITS, {"m"}),
                   error_of(chat, **fields)):
         assert error.status == 400 and error.param == "stream_options"
         assert "'stream_options' is only allowed when 'stream' is true" in error.message
@@ -101,7 +101,7 @@ def test_tools_with_tool_choice_none_reach_the_chat_template(chat_dir):
     want = (f"<|begin_header|>tool<|end_header|>add={schema}<|end_turn|><|begin_header|>user<|end_header|>hi"
             "<|end_turn|><|begin_header|>assistant<|end_header|>")
     assert codec.chat.render(USER, tools=req.tools) == want
-    spec = PrepSpec(str(chat_dir), 320, LIMITS, frozenset({"m"}), False, memory_headroom=None)
+    spec = PrepSpec(str(chat_dir), 320, LIMITS, frozenset({"m"}), memory_headroom=None)
     result = Preparer(spec).prepare("chat", json.dumps({"messages": USER, "tools": [TOOL], "tool_choice": "none"})
                                     .encode())
     assert result[0] == "ok" and result[2] == [codec.tokenizer.encode(want, add_special_tokens=False).ids]
@@ -138,7 +138,7 @@ def test_tools_are_checked_and_other_tool_choices_are_400s(fields, param, messag
 
 
 def test_tools_are_refused_on_completions_and_tool_choice_none_alone_passes():
-    error = error_of(parse_completion, {"prompt": "x", "tools": [TOOL], "tool_choice": "none"}, LIMITS, {"m"}, False)
+    error = error_of(parse_completion, {"prompt": "x", "tools": [TOOL], "tool_choice": "none"}, LIMITS, {"m"})
     assert error.param == "tools" and "belongs to /v1/chat/completions" in error.message
     assert chat(tool_choice="none").tools is None and chat(tool_choice="auto", tools=[]).tools is None
 

@@ -110,7 +110,7 @@ def test_a_worker_respawn_task_is_held_until_it_is_done(monkeypatch):
     monkeypatch.setattr(prep, "Worker", SlowWorker)
 
     async def main() -> None:
-        pool = PrepPool(PrepSpec(None, 64, Limits(32, 2, 64), None, False, None), workers=1)
+        pool = PrepPool(PrepSpec(None, 64, Limits(32, 2, 64), None, None), workers=1)
         pool.idle = asyncio.Queue()
         old = SlowWorker.__new__(SlowWorker)
         pool.all.add(old)
@@ -266,7 +266,7 @@ def test_a_template_building_a_huge_value_is_stopped_by_the_workers_memory_limit
     (directory / "chat_template.jinja").write_text(HUGE)
 
     async def main() -> tuple[set[int], float]:
-        pool = PrepPool(PrepSpec(str(directory), 320, Limits(256, 2, 320), None, False, 256 << 20), workers=1)
+        pool = PrepPool(PrepSpec(str(directory), 320, Limits(256, 2, 320), None, 256 << 20), workers=1)
         await pool.start()
         try:
             t = time.monotonic()

@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent("""
     from recurrent_depth.serving.prep import PrepPool, PrepSpec
     from recurrent_depth.serving.protocol import Limits
 
-    pool = PrepPool(PrepSpec(None, 64, Limits(32, 2, 64), None, False, None), workers=1)
+    pool = PrepPool(PrepSpec(None, 64, Limits(32, 2, 64), None, None), workers=1)
     try:
         asyncio.run(pool.start())
     except Exception as exc:

@@ -21,7 +21,7 @@ KEY = "sk-tokenize"
 
 
 def prepared(chat_dir, kind: str, body: dict) -> tuple:  # noqa: F811
-    spec = PrepSpec(str(chat_dir), VOCAB, LIMITS, frozenset({"m"}), False, memory_headroom=None)
+    spec = PrepSpec(str(chat_dir), VOCAB, LIMITS, frozenset({"m"}), memory_headroom=None)
     return Preparer(spec).prepare(kind, json.dumps(body).encode())
 
 

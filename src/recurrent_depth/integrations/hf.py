@@ -812,7 +812,10 @@ class _StreamerFeed:
     as transformers' loop feeds it: `put` the prompt ids, then one `[B]` tensor of new tokens per step, then `end()`.
     The library commits tokens row by row (a speculative row several at once), so step i is put once every row has
     its token i or has finished before i; a finished row's place holds the pad id, as in transformers' loop (the
-    call's `pad_token_id`, else the library's, known at the end). A routed call refused `streamer=`."""
+    call's `pad_token_id`, else the library's, known at the end). The prompt goes at the first token (or the end):
+    transformers checks its options before it puts anything, and a call the library refuses (an OptionError) put the
+    prompt with no `end()` after it, a `TextIteratorStreamer`'s reader waiting for good. (Routed calls refused
+    `streamer=` before this feed.)"""
 
     def __init__(self, streamer: Any, input_ids: Tensor, pad: int | None) -> None:
         self.streamer = streamer
@@ -821,9 +824,15 @@ class _StreamerFeed:
         self.tokens: dict[int, dict[int, int]] = {}  # step -> row -> token
         self.lengths: dict[int, int] = {}  # row -> its number of new tokens, once finished
         self.step = 0
-        streamer.put(input_ids.cpu())
+        self.prompt: Tensor | None = input_ids.cpu()  # (None once put)
+
+    def _put_prompt(self) -> None:
+        if self.prompt is not None:
+            prompt, self.prompt = self.prompt, None
+            self.streamer.put(prompt)
 
     def __call__(self, event: Any) -> None:
+        self._put_prompt()
         self.tokens.setdefault(event.index, {})[event.row] = event.token
         if event.finished:
             self.lengths[event.row] = event.index + 1
@@ -840,6 +849,7 @@ class _StreamerFeed:
             self.step += 1
 
     def end(self, pad: int) -> None:
+        self._put_prompt()  # (no token generated: the prompt, then the end, as transformers' loop)
         self.pad = pad if self.pad is None else self.pad
         self._flush()
         self.streamer.end()

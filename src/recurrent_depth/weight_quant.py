@@ -496,7 +496,7 @@ class Int8WeightLinear(QuantizedLinear):
     def uses_cpp(self, x: Tensor) -> bool:
         """Whether this call takes the C++ product (`accel.quant_cpp.int8_linear`, summed in float32): float32
         or bf16 CPU activations of at most CPP_ROWS rows (a decode step), no autograd through them, C++ on."""
-        return _decode_rows_for_cpp(self, x)
+        return _few_rows_for_cpp(self, x)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.uses_cpp(x):
@@ -517,9 +517,10 @@ def _cpp_kernels() -> object | None:
     return quant_cpp.load() if quant_cpp.cpp_enabled() else None
 
 
-def _decode_rows_for_cpp(layer: QuantizedLinear, x: Tensor, rows: int = CPP_ROWS) -> bool:
-    """Whether `layer(x)` is a decode step the C++ products take: float32 or bf16 CPU activations of at
-    most `rows` rows, no autograd through them, not under torch.compile, a bias of those dtypes, C++ on."""
+def _few_rows_for_cpp(layer: QuantizedLinear, x: Tensor, rows: int = CPP_ROWS) -> bool:
+    """Whether the C++ products take `layer(x)` (decode steps; nf4 also short prompts): float32 or bf16 CPU
+    activations of at most `rows` rows, no autograd through them, not under torch.compile, a bias of those
+    dtypes, C++ on."""
     return (x.device.type == "cpu" and x.dtype in CPP_DTYPES and x.numel() <= rows * layer.in_features
             and not (x.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling()
             and (layer.bias is None or layer.bias.dtype in CPP_DTYPES) and _cpp_kernels() is not None)
@@ -630,7 +631,7 @@ class Int4WeightLinear(QuantizedLinear):
     def uses_cpp(self, x: Tensor) -> bool:
         """Whether this call takes the C++ product (`accel.quant_cpp.int4_linear`): a plain-layout layer,
         float32 or bf16 CPU activations of at most CPP_ROWS rows, no autograd through them, C++ on."""
-        return not self.kernel_layout and _decode_rows_for_cpp(self, x)
+        return not self.kernel_layout and _few_rows_for_cpp(self, x)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.uses_cpp(x):
@@ -701,7 +702,7 @@ class Nf4WeightLinear(QuantizedLinear):
     def uses_cpp(self, x: Tensor) -> bool:
         """Whether this call takes the C++ product (`accel.quant_cpp.nf4_linear`): float32 or bf16 CPU activations
         of at most NF4_CPP_ROWS rows, no autograd through them, C++ on."""
-        return _decode_rows_for_cpp(self, x, NF4_CPP_ROWS)
+        return _few_rows_for_cpp(self, x, NF4_CPP_ROWS)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.uses_cpp(x):

@@ -162,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
                 copy_official_code(code_dir, out)
         else:
             save_pretrained(model, out, max_shard_bytes=max_bytes)
+        del model  # (export_remote_code loads the saved copy to check it: one model in memory at a time)
         src = out
     written = export_remote_code(src, out) if args.remote_code else src
     if args.tokenizer is not None:

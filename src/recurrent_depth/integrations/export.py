@@ -242,13 +242,19 @@ def export_remote_code(model_dir: str | Path, out_dir: str | Path | None = None)
                          "exports causal-LM directories (whose auto_map also names the exported file's sequence "
                          "classifier); load this one with AutoModelForSequenceClassification after "
                          "`import recurrent_depth`")
+    # Loaded as the library loads it, also in place (where the weights stay as stored): transformers loads what the
+    # library refuses (a missing tensor, initialised at random; a tied head that differs from the embedding, left
+    # untied; NaN) with a warning, and the export then computed another model's logits.
+    model = RecurrentDepthLM.from_pretrained(src)
     if raw.get("model_type") != MODEL_TYPE or out.resolve() != src.resolve():
         # Re-save through the library: our key names, tied head stored once, no RoPE buffer.
-        model = RecurrentDepthLM.from_pretrained(src)
         copy_companions(src, out)  # first: a refused tokenizer file leaves no weights without a tokenizer
         save_pretrained(model, out)
     values: dict[str, Any] = config.to_dict()
     values["architectures"] = ["RecurrentDepthForCausalLM"]
+    # The dtype the library computes in (the embedding's): without it transformers took the first stored tensor's,
+    # and weights stored in mixed dtypes (in place) ran in bfloat16 where the library ran in float32.
+    values["dtype"] = str(model.transformer.wte.weight.dtype).removeprefix("torch.")
     values["auto_map"] = dict(AUTO_MAP)
     # The file before the auto_map naming it: a failure between the two left a config.json that transformers
     # could not load (no module modeling_recurrent_depth), in place the source model's own.

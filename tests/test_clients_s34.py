@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStream
 from transformers.generation.streamers import BaseStreamer
 
 import recurrent_depth as rd
+from recurrent_depth.inference.options import OptionError
 from recurrent_depth.serving import build_app
 from tests.test_hf import ids, make_model_dir
 from tests.test_serving import LiveServer
@@ -79,6 +80,17 @@ def test_a_refused_routed_call_puts_nothing_to_the_streamer(hf_model):
     with pytest.raises(ValueError, match=r"\['num_return_sequences'\] cannot be combined"):
         hf_model.generate(ids(batch=1), max_new_tokens=2, exit_criterion="kl", num_return_sequences=2,
                           streamer=recorder)
+    assert recorder.puts == [] and recorder.ends == 0
+
+
+@pytest.mark.parametrize("bad", [{"exit_criterion": "kl", "exit_threshold": -1.0}, {"draft_steps": -2}],
+                         ids=["exit_threshold", "draft_steps"])
+def test_a_routed_call_the_library_refuses_puts_nothing_to_the_streamer(hf_model, bad):
+    """(review) an OptionError from the library came after the prompt was put, and no `end()` followed: a
+    `TextIteratorStreamer`'s reader waited for good (transformers checks its options before it puts anything)."""
+    recorder = Recorder()
+    with pytest.raises(OptionError):
+        hf_model.generate(ids(batch=2, length=5), max_new_tokens=3, num_steps=2, streamer=recorder, **bad)
     assert recorder.puts == [] and recorder.ends == 0
 
 

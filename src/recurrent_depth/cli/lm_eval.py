@@ -86,11 +86,12 @@ def take_threads(argv: list[str]) -> tuple[list[str], int | None]:
     return rest, threads
 
 
-def backend_model_args(argv: list[str]) -> dict[str, Any] | None:
-    """The model_args of an lm-eval `run` with our backend (``--model recurrent-depth``), read by lm-eval's own
-    parser (``--model_args X``, ``--model_args=X``, ``-a``, several ``key=value`` words, JSON), so they are
-    the values the backend will get. None for another command or model, with ``--config`` (lm-eval merges
-    its file in), or when lm-eval's parser refuses the arguments (lm-eval then says why, once)."""
+def backend_run_args(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any], Any] | None:
+    """The model_args, gen_kwargs and batch_size (None if not given) of an lm-eval `run` with our backend
+    (``--model recurrent-depth``), read by lm-eval's own parser (``--model_args X``, ``--model_args=X``, ``-a``,
+    several ``key=value`` words, JSON), so they are the values the backend will get. None for another command or
+    model, with ``--config`` (lm-eval merges its file in), or when lm-eval's parser refuses the arguments (lm-eval
+    then says why, once)."""
     try:
         from lm_eval._cli import HarnessCLI  # (lm-eval's own parser: private, so its absence only skips the check)
     except ImportError:
@@ -108,7 +109,9 @@ def backend_model_args(argv: list[str]) -> dict[str, Any] | None:
         sys.argv = saved
     if args.command != "run" or getattr(args, "config", None) or args.model != LM_EVAL_BACKEND_NAME:
         return None
-    return dict(args.model_args or {})
+    gen_kwargs = getattr(args, "gen_kwargs", None)
+    return (dict(args.model_args or {}), dict(gen_kwargs) if isinstance(gen_kwargs, dict) else {},
+            getattr(args, "batch_size", None))
 
 
 @contextlib.contextmanager
@@ -158,11 +161,11 @@ def run_passthrough(argv: list[str]) -> int:
     argv = prepare_argv(argv, torch.cuda.is_available())
     saved = sys.argv
     try:
-        model_args = backend_model_args(argv)
-        if model_args is not None:  # our checks before lm-eval indexes its ~15k task configs (10+ s)
+        run_args = backend_run_args(argv)
+        if run_args is not None:  # our checks before lm-eval indexes its ~15k task configs (10+ s)
             from recurrent_depth.evaluation.lm_eval_backend import preflight
 
-            preflight(model_args)
+            preflight(*run_args)
         sys.argv = ["lm-eval", *argv]
         with split_include_paths():
             cli_evaluate()

@@ -108,6 +108,41 @@ def _resolve_device(device: str | None) -> str:
     return str(device)
 
 
+def _positive_int(name: str, value: Any) -> int:
+    """lm-eval's text value of an integer argument (``4``, or ``"4"`` from its CLI's ``--batch_size``) as an int >= 1,
+    else a one-line error: HFLM takes any value and fails later (``range() arg 3 must not be zero``, a TypeError
+    traceback, or an AttributeError when a negative batch size scored nothing)."""
+    number = value
+    if isinstance(value, str):
+        try:
+            number = int(value)
+        except ValueError:
+            number = None
+    elif isinstance(value, float) and value.is_integer():  # lm-eval types "-1" as -1.0
+        number = value = int(value)
+    if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+        raise ValueError(f"{name}={value!r} is invalid: expected an integer >= 1")
+    return number
+
+
+def check_max_length(max_length: int | None, config: Any) -> None:
+    """max_length within the model's `max_seq_len` (`ModelConfig`): past it every request fails in the forward,
+    once the tasks are built."""
+    if max_length is not None and max_length > config.max_seq_len:
+        raise ValueError(f"max_length={max_length} is invalid: expected at most the model's "
+                         f"max_seq_len={config.max_seq_len}")
+
+
+def check_batch_size(batch_size: Any) -> int | str:
+    """lm-eval's batch size: ``auto`` / ``auto:N`` as given, else an integer >= 1 (see `_positive_int`)."""
+    if isinstance(batch_size, str) and batch_size.startswith("auto"):
+        return batch_size
+    try:
+        return _positive_int("batch_size", batch_size)
+    except ValueError as exc:
+        raise ValueError(f"{exc}, or 'auto'") from None
+
+
 def check_model_args(pretrained: Any, seed: Any, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     """The model_args checks that need no model loaded, as one-line errors (`RecurrentDepthEvalLM.__init__`
     and `rdepth lm-eval`'s pre-flight run them): our options are taken out of `kwargs` (lm-eval's HF
@@ -117,17 +152,37 @@ def check_model_args(pretrained: Any, seed: Any, kwargs: dict[str, Any]) -> tupl
     if isinstance(pretrained, str) and pretrained.startswith(("/", "./", "../", "~")) and \
             not Path(pretrained).expanduser().is_dir():
         raise FileNotFoundError(f"pretrained={pretrained}: no such directory (expected a saved model directory)")
+    tokenizer = kwargs.get("tokenizer")  # (the same for lm-eval's tokenizer=DIR)
+    if isinstance(tokenizer, str) and tokenizer.startswith(("/", "./", "../", "~")) and \
+            not Path(tokenizer).expanduser().exists():
+        raise FileNotFoundError(f"tokenizer={tokenizer}: no such directory (expected a tokenizer directory)")
     values, given_as = _typed({k: kwargs.pop(k) for k in list(kwargs) if k in MODEL_ARGS})
     if isinstance(values.get("kv_quant"), str):  # model_args are split at commas: k=...;v=...
         values["kv_quant"] = values["kv_quant"].replace(";", ",")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed={seed!r} is invalid: expected an integer")
+    if kwargs.get("max_length") is not None:  # (None: the model's)
+        kwargs["max_length"] = _positive_int("max_length", kwargs["max_length"])
     if isinstance(kwargs.get("dtype"), str) and kwargs["dtype"] != "auto":  # lm-eval's getattr(torch, dtype)
         try:  # fails with "module 'torch' has no attribute ...", a traceback through `rdepth lm-eval`
             kwargs["dtype"] = dtype_from_name(kwargs["dtype"])
         except ValueError as exc:
             raise ValueError(f"{exc}, or 'auto'") from None
     return values, given_as
+
+
+def generation_options(model_args: dict[str, Any], gen_kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The options of `generate` for one request: `model_args` (by field name) with the request's gen_kwargs (lm-eval's
+    own taken out) over them, and how each gen_kwarg was spelled."""
+    values, given_as = _typed(gen_kwargs)
+    # lm-eval's convention: greedy unless a temperature > 0 (or do_sample) asks for sampling; do_sample without
+    # a temperature samples at generate's default (1.0), as lm-eval's hf backend does at the model's.
+    temperature = values.pop("temperature", None)
+    if values.get("do_sample") is None:
+        values["do_sample"] = (temperature or 0.0) > 0
+    if values["do_sample"] and temperature is not None:
+        values["temperature"] = float(temperature)
+    return model_args | values, given_as  # per-request overrides of the model args (--gen_kwargs num_steps=8)
 
 
 def resolve_options(values: dict[str, Any], given_as: dict[str, str], config: Any) -> Any:
@@ -142,16 +197,22 @@ def resolve_options(values: dict[str, Any], given_as: dict[str, str], config: An
         raise exc.spelled(kwarg_spelling(given_as)) from None
 
 
-def preflight(model_args: dict[str, Any]) -> None:
-    """The checks of `__init__` that need no weights, for `rdepth lm-eval` to run before lm-eval indexes its
-    task configs (10+ s): a typo is refused at once. Raises what `__init__` would; what it cannot tell without
-    loading the model (a config that does not load, an argument neither transformers nor the model takes) it
-    leaves to `__init__`. Warnings are left to `__init__` too, so that they come once."""
+def preflight(model_args: dict[str, Any], gen_kwargs: dict[str, Any] | None = None, batch_size: Any = None) -> None:
+    """The checks of `__init__` (and of `generate_until` for lm-eval's ``--gen_kwargs``, ``--batch_size``) that
+    need no weights, for `rdepth lm-eval` to run before lm-eval indexes its task configs (10+ s): a typo is refused
+    at once, not after the model loaded or every loglikelihood request ran. Raises what those would; what it cannot
+    tell without loading the model (a config that does not load, an argument neither transformers nor the model
+    takes) it leaves to them. Warnings are left to them too, so that they come once."""
+    if batch_size is not None:
+        check_batch_size(batch_size)
+    ours = {k: v for k, v in (gen_kwargs or {}).items() if k not in LM_EVAL_OWN_GEN_KWARGS}
+    _refuse_unknown_gen_kwargs(ours)
     if "pretrained" not in model_args:
         return  # lm-eval's own error, from __init__'s signature
     kwargs = dict(model_args)
     pretrained = kwargs.pop("pretrained")
     values, given_as = check_model_args(pretrained, kwargs.pop("seed", 0), kwargs)
+    generation, gen_given_as = generation_options(values, ours)  # (the types now: temperature=abc)
     if not (isinstance(pretrained, str) and Path(pretrained).expanduser().is_dir()):
         return  # a hub id: its config is not fetched here
     register_transformers()
@@ -168,6 +229,8 @@ def preflight(model_args: dict[str, Any]) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         resolve_options(values, given_as, model_config)
+        resolve_options(generation, given_as | gen_given_as, model_config)
+    check_max_length(kwargs.get("max_length"), model_config)
 
 
 @register_model(LM_EVAL_BACKEND_NAME)
@@ -187,7 +250,8 @@ class RecurrentDepthEvalLM(HFLM):
         values, given_as = check_model_args(pretrained, seed, kwargs)
         self.seed = seed
         self.steps_log = Path(steps_log) if steps_log else None
-        if batch_size == "auto" or (isinstance(batch_size, str) and batch_size.startswith("auto")):
+        batch_size = check_batch_size(batch_size)
+        if isinstance(batch_size, str):  # auto, auto:N
             log.warning("batch_size=%s: using %d (no memory probing on this backend)", batch_size,
                         DEFAULT_AUTO_BATCH)
             batch_size = DEFAULT_AUTO_BATCH
@@ -206,6 +270,7 @@ class RecurrentDepthEvalLM(HFLM):
             raise OSError(f"pretrained={pretrained}: no such directory, and as a hub id: "
                           f"{' '.join(str(exc).split())}") from None
         self._core = self.model.core
+        check_max_length(self.max_length, self._core.config)
         self.options = resolve_options(values, given_as, self._core.config)
         try:  # every refusal that depends on the model (a gate criterion without a gate, warm start or an
             # init_scale on an Ouro-layout model, ...) now: loglikelihood requests do not pass through `generate`
@@ -213,6 +278,7 @@ class RecurrentDepthEvalLM(HFLM):
         except OptionError as exc:
             raise exc.spelled(kwarg_spelling(given_as)) from None
         self.model_args = values  # the options given, by field name: every generate request starts from them
+        self._given_as = given_as  # (how they were spelled)
         self.depth = self.options.num_steps
         self.init_scale = values.get("init_scale")  # None: the config's
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -367,22 +433,46 @@ class RecurrentDepthEvalLM(HFLM):
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         """lm-eval's, with its requests' gen_kwargs checked first, in one line: lm-eval's loop fails mid-run with a
         TypeError on a name it passes on itself (`stop=`) or on a stop that is not a string (`until: null`), and an
-        AssertionError when max_gen_toks leaves no room."""
+        AssertionError when max_gen_toks leaves no room; a bad option value (``num_steps=-2``, ``top_k=-1``,
+        ``temperature=abc``) failed at the first batch of its task, or as a bare ``could not convert string to
+        float``."""
         from lm_eval.models.utils import normalize_gen_kwargs
 
+        checked: set[str] = set()
         for request in requests:
             gen_kwargs = request.args[1]
             if not isinstance(gen_kwargs, dict):
                 continue  # lm-eval's own assertion names it
-            _refuse_unknown_gen_kwargs(k for k in gen_kwargs if k not in LM_EVAL_OWN_GEN_KWARGS)
+            key = json.dumps(gen_kwargs, sort_keys=True, default=repr)
+            if key in checked:  # (a task's requests share their gen_kwargs: each set is checked once)
+                continue
+            checked.add(key)
+            ours = {k: v for k, v in gen_kwargs.items() if k not in LM_EVAL_OWN_GEN_KWARGS}
+            _refuse_unknown_gen_kwargs(ours)
+            options, given_as = self._generation_options(ours)  # (types first: normalize_gen_kwargs float()s)
+            spelling = kwarg_spelling(self._given_as | given_as)
+            try:
+                with warnings.catch_warnings():  # generate warns, once per batch, as without this check
+                    warnings.simplefilter("ignore")
+                    check_options_for_model(self._core, resolve_options(options, self._given_as | given_as,
+                                                                        self._core.config))
+            except OptionError as exc:
+                raise exc.spelled(spelling) from None
             until = gen_kwargs.get("until", [])
             if not (isinstance(until, str) or isinstance(until, list) and all(isinstance(s, str) for s in until)):
                 raise ValueError(f"until={until!r} is invalid: expected a string or a list of strings")
-            max_gen_toks = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)["max_gen_toks"]
-            if not 0 <= max_gen_toks < self.max_length:
-                raise ValueError(f"max_gen_toks={max_gen_toks} is invalid: expected 0 <= max_gen_toks < "
+            try:
+                max_gen_toks = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)["max_gen_toks"]
+            except ValueError:  # lm-eval's int(): "invalid literal for int() with base 10: 'abc'"
+                max_gen_toks = next(gen_kwargs[k] for k in LM_EVAL_OWN_GEN_KWARGS[1:5] if gen_kwargs.get(k) is not None)
+            if not isinstance(max_gen_toks, int) or not 0 <= max_gen_toks < self.max_length:
+                raise ValueError(f"max_gen_toks={max_gen_toks!r} is invalid: expected 0 <= max_gen_toks < "
                                  f"max_length={self.max_length} (the prompt keeps the rest of max_length)")
         return super().generate_until(requests, disable_tqdm=disable_tqdm)
+
+    def _generation_options(self, gen_kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+        """`generation_options` of this backend's model args at its depth (`rdepth eval` sets `depth` per sweep)."""
+        return generation_options(self.model_args | {"num_steps": self.depth}, gen_kwargs)
 
     def _model_generate(
         self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs: Any
@@ -392,18 +482,9 @@ class RecurrentDepthEvalLM(HFLM):
         kwargs = dict(generation_kwargs)
         attention_mask = kwargs.pop("attention_mask", None)
         _refuse_unknown_gen_kwargs(kwargs)
-        values, given_as = _typed(kwargs)
-        # lm-eval's convention: greedy unless a temperature > 0 (or do_sample) asks for sampling; do_sample without
-        # a temperature samples at generate's default (1.0), as lm-eval's hf backend does at the model's.
-        temperature = values.pop("temperature", None)
-        if values.get("do_sample") is None:
-            values["do_sample"] = (temperature or 0.0) > 0
-        if values["do_sample"] and temperature is not None:
-            values["temperature"] = float(temperature)
+        options, given_as = self._generation_options(kwargs)
         # lm-eval's post-processing ignores an empty stop string; generate refuses one: it stops nothing.
         stop = [s for s in stop if s] if stop else []
-        # Per-request overrides of the model args (lm-eval --gen_kwargs), e.g. num_steps=8.
-        options: dict[str, Any] = self.model_args | {"num_steps": self.depth} | values
         # One seed per row, drawn in request order (lm-eval's order does not depend on batch_size), so a request
         # is generated as it would be alone, in a batch of any size (drawn on the generator's device: a CUDA
         # generator refuses a CPU draw).

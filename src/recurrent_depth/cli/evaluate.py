@@ -74,6 +74,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--count", type=int, default=None, help="problems per difficulty (default: 100)")
     parser.add_argument("--lm-eval-tasks", type=_name_list, default=[],
                         help="lm-eval tasks, the shipped offline rd_* ones included (default: none)")
+    parser.add_argument("--lm-eval-include-path", action="append", default=None, metavar="DIR",
+                        help="a folder of your own lm-eval task YAML files for --lm-eval-tasks, indexed beside the "
+                             "shipped rd_* ones, as lm-eval's --include_path; repeat it or join folders with "
+                             "':' (default: none)")
     parser.add_argument("--fewshot", type=int_list, default=None,
                         help="few-shot counts for the lm-eval tasks; several give figure 9 (default: 0)")
     parser.add_argument("--limit", type=int, default=None, help="lm-eval examples per task (default: all)")
@@ -111,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
         val_fraction=args.val_fraction, split_seed=args.split_seed, max_docs=args.max_docs,
         max_tokens=args.max_tokens, seq_len=args.seq_len,
         reasoning_tasks=reasoning, difficulties=args.difficulties, count=100 if args.count is None else args.count,
-        lm_eval_tasks=args.lm_eval_tasks, fewshot=[0] if args.fewshot is None else args.fewshot,
+        lm_eval_tasks=args.lm_eval_tasks, lm_eval_include_path=args.lm_eval_include_path or [],
+        fewshot=[0] if args.fewshot is None else args.fewshot,
         limit=args.limit, baseline=args.baseline, baseline_depth=args.baseline_depth, init_scale=args.init_scale,
         seed=args.seed, batch_size=args.batch_size, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
         weights=args.weights, max_depth=args.max_depth, lora=args.lora, strict_lora_base=args.strict_lora_base,

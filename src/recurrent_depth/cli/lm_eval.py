@@ -121,11 +121,13 @@ def split_include_paths() -> Iterator[None]:
     of tasks went missing ("Tasks not found"). Split it on os.pathsep while lm-eval runs."""
     from lm_eval.tasks import TaskManager
 
+    from recurrent_depth.evaluation.lm_eval_env import include_path_list
+
     init = TaskManager.__init__
 
     def split_init(self: Any, *args: Any, include_path: Any = None, **kwargs: Any) -> None:
         if isinstance(include_path, str) and os.pathsep in include_path:
-            include_path = [p for p in include_path.split(os.pathsep) if p]
+            include_path = include_path_list(include_path)
         init(self, *args, include_path=include_path, **kwargs)
 
     TaskManager.__init__ = split_init

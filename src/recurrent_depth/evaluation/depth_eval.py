@@ -8,8 +8,9 @@ Three kinds of measurement, each at every depth in `depths`:
    embedded corpus's validation documents;
 2. reasoning tasks generated in code (`reasoning_tasks`, e.g. ``chains``): exact-match accuracy
    per difficulty (`reasoning.accuracy_grid`);
-3. any lm-eval task (`lm_eval_tasks`, the shipped offline ``rd_*`` ones included), through the
-   ``recurrent-depth`` backend, optionally for several few-shot counts (the paper's figure 9).
+3. any lm-eval task (`lm_eval_tasks`: the shipped offline ``rd_*`` ones, lm-eval's own, and the user's in
+   `lm_eval_include_path` folders), through the ``recurrent-depth`` backend, optionally for several few-shot
+   counts (the paper's figure 9).
 
 A baseline model (`baseline`, e.g. a non-recurrent twin trained at fixed depth 1) is evaluated
 once, at its own depth, and drawn as a horizontal line. Writes `results.json` and PNG figures.
@@ -51,6 +52,8 @@ class EvalConfig:
     difficulties: list[int] | None = None
     count: int = 100
     lm_eval_tasks: list[str] = field(default_factory=list)
+    # folders of the user's own lm-eval task YAML files, indexed beside the shipped rd_* ones (an entry may be "a:b")
+    lm_eval_include_path: list[str] = field(default_factory=list)
     fewshot: list[int] = field(default_factory=lambda: [0])
     limit: int | None = None
     baseline: str | None = None
@@ -93,9 +96,11 @@ class EvalConfig:
         # options that only one measurement reads: given without it, they were silently ignored
         for name, needs, what in (("baseline_depth", "baseline", "--baseline"),
                                   ("difficulties", "reasoning_tasks", "--reasoning"),
-                                  ("limit", "lm_eval_tasks", "--lm-eval-tasks")):
-            if getattr(self, name) is not None and not getattr(self, needs):
+                                  ("limit", "lm_eval_tasks", "--lm-eval-tasks"),
+                                  ("lm_eval_include_path", "lm_eval_tasks", "--lm-eval-tasks")):
+            if getattr(self, name) not in (None, []) and not getattr(self, needs):
                 raise ValueError(f"{name}={getattr(self, name)!r} applies to {needs} ({what}), and none is given")
+        self.lm_eval_include_path = _include_dirs(self.lm_eval_include_path)
         if self.baseline_depth is not None:  # checked here, not after the model's own scoring
             check_depths([self.baseline_depth], "baseline_depth")
         from recurrent_depth.evaluation.reasoning.tasks import TASKS, get_task
@@ -110,6 +115,20 @@ class EvalConfig:
             raise ValueError("nothing to evaluate: give data (--data), reasoning_tasks (--reasoning) or lm_eval_tasks "
                              "(--lm-eval-tasks)")
         return self
+
+
+def _include_dirs(value: Any) -> list[str]:
+    """The include path as a list of existing directories; a ValueError naming the first that is not one (lm-eval
+    skips it silently, and its tasks were then only "unknown")."""
+    from recurrent_depth.evaluation.lm_eval_env import include_path_list
+
+    paths = include_path_list(value)
+    for path in paths:
+        if not Path(path).is_dir():
+            what = "is a file, not a directory" if Path(path).exists() else "does not exist"
+            raise ValueError(f"lm_eval_include_path (--lm-eval-include-path) {path!r} {what}: expected a folder of "
+                             f"lm-eval task YAML files")
+    return paths
 
 
 def _load(path: str, device: str, dtype: str | None, tokenizer_dir: str | None = None,
@@ -210,13 +229,16 @@ def _reasoning(model, config: EvalConfig, task_name: str, depths: list[int]) -> 
 
 
 def _task_manager(config: EvalConfig) -> Any:
-    """lm-eval's task index (the shipped rd_* tasks included), the task names checked before any model loads."""
+    """lm-eval's task index (the shipped rd_* tasks and the user's include path included), the task names checked
+    before any model loads."""
     from lm_eval.tasks import TaskManager
 
     from recurrent_depth.evaluation.lm_eval_env import check_task_names, quiet_git_probe
     from recurrent_depth.evaluation.tasks import TASKS_DIR
 
-    manager = TaskManager(include_path=str(TASKS_DIR))
+    # the user's folders, then ours: the order `rdepth lm-eval --include_path` gives (a later path's task of the
+    # same name replaces an earlier one's, so rd_* names mean the shipped tasks in both commands)
+    manager = TaskManager(include_path=[*config.lm_eval_include_path, str(TASKS_DIR)])
     check_task_names(manager, list(config.lm_eval_tasks))
     quiet_git_probe()
     return manager

@@ -25,6 +25,13 @@ def quiet_git_probe() -> None:
     evaluator.get_git_commit_hash = git_commit_hash
 
 
+def include_path_list(value: str | os.PathLike[str] | list[Any] | tuple[Any, ...] | None) -> list[str]:
+    """lm-eval's include_path as a list of directories: each entry split on os.pathsep (lm-eval's help shows
+    `a:b`, but 0.4.13's TaskManager never splits it and reads the whole string as one path), empty parts dropped."""
+    items = [] if value is None else list(value) if isinstance(value, list | tuple) else [value]
+    return [part for item in items for part in os.fspath(item).split(os.pathsep) if part]
+
+
 def check_task_names(manager: Any, names: list[str]) -> None:
     """A ValueError naming the tasks lm-eval does not know (instead of its traceback, after the model loaded)."""
     known = set(manager.all_tasks)

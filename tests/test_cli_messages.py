@@ -96,7 +96,8 @@ def test_a_plain_transformers_directory_points_to_retrofit_and_loop(run_dir, tmp
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"error: config.json is a transformers '{family}' checkpoint, not a recurrent-depth one: convert it " \
-           "with `rdepth retrofit` (Llama, Mistral, Phi-3, Qwen2, Qwen3, OLMo-2) or loop its middle layers with " \
+           "with `rdepth retrofit` (Llama, Mistral, Phi-3, Qwen2, Qwen3, OLMo-2, Gemma 1 / 2 / 3) or loop its middle " \
+           "layers with " \
            "`rdepth loop`" in err
 
 

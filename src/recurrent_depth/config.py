@@ -751,8 +751,8 @@ def check_not_foreign_model_type(data: dict[str, Any]) -> None:
                          f"with `rdepth loop eval --model DIR`")
     if model_type is not None and model_type not in KNOWN_MODEL_TYPES:
         raise ValueError(f"config.json is a transformers {model_type!r} checkpoint, not a recurrent-depth one: "
-                         f"convert it with `rdepth retrofit` (Llama, Mistral, Phi-3, Qwen2, Qwen3, OLMo-2) or loop its "
-                         f"middle layers with `rdepth loop`")
+                         f"convert it with `rdepth retrofit` (Llama, Mistral, Phi-3, Qwen2, Qwen3, OLMo-2, "
+                         f"Gemma 1 / 2 / 3) or loop its middle layers with `rdepth loop`")
 
 
 def is_huginn_config(data: dict[str, Any]) -> bool:

@@ -74,13 +74,16 @@ def no_model_message(path: str, flag: str = "--model") -> str:
 
 def _adapter_location(path: str) -> str:
     """Where a LoRA run directory's adapter is and the base it was trained on (its adapter_config.json), so the
-    hint's --lora can be typed: given the run, not its model/, the adapter's path was nowhere in the message."""
+    hint's --lora can be typed: given the run, not its model/, the adapter's path was nowhere in the message; given
+    the adapter itself (`rdepth info --model run/model`), its base was not."""
     from pathlib import Path
 
     from recurrent_depth.files import read_json
 
     adapter = Path(path) / "model"
-    if not (adapter / "adapter_config.json").is_file():
+    if (Path(path) / "adapter_config.json").is_file():
+        adapter = Path(path)
+    elif not (adapter / "adapter_config.json").is_file():
         return ""
     try:
         base = read_json(adapter / "adapter_config.json", what="LoRA adapter config").get("base_model_name_or_path")

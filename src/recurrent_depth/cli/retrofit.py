@@ -6,7 +6,8 @@ recurrent-depth model.
 
 Layer indices are 0-based: the prelude is source layers [0, N), the core the half-open range A:B, the coda
 the last M layers; the layers between them are dropped. The result is a model directory of ours
-(config.json, model.safetensors, the source's tokenizer files, retrofit.json with the layer map).
+(config.json, model.safetensors, the source's tokenizer files and generation_config.json when it has one,
+retrofit.json with the layer map).
 """
 
 from __future__ import annotations

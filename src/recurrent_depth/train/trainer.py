@@ -203,6 +203,8 @@ class Trainer:
         from another model directory, or from one (or a tokenizer) changed since, is refused. Its retrofit.json and
         generation_config.json are written into every checkpoint and the final model directory of a full-weight run;
         a resumed one takes them from its checkpoint (as the run started), not from the start directory again.
+    budget_flags: the flags that raise the run's budgets, as the command spells them, for the hint a finished run
+        resumed prints (`rdepth rl`: "--updates").
     """
 
     def __init__(
@@ -224,6 +226,7 @@ class Trainer:
         objective: Objective | None = None,
         save_dtype: torch.dtype | None = None,
         start_dir: str | Path | None = None,
+        budget_flags: str = "--max-steps, --max-tokens or --max-minutes",
     ) -> None:
         from recurrent_depth.integrations.export import read_companions
 
@@ -247,6 +250,8 @@ class Trainer:
         self.eval_deadline = eval_deadline
         self.save_dtype = save_dtype
         self.stop_when = stop_when
+        # (`rdepth rl` counts updates with --updates: its --max-steps is the exit criterion's bound)
+        self.budget_flags = budget_flags
         self.objective: Objective = objective if objective is not None else LanguageModeling()
         joined = not ddist.group_initialized()
         self.env = ddist.init_distributed(device)
@@ -982,7 +987,7 @@ class Trainer:
         if not still.get(reason, False) and self.stop_reason() is None:
             return None
         self.log(f"the run in {self.out} already finished at step {self.state.step} ({reason}): nothing to do; "
-                 "raise --max-steps, --max-tokens or --max-minutes to train it further")
+                 f"raise {self.budget_flags} to train it further")
         self._record_finish(reason)
         self.close_logs()
         final = next((r for r in reversed(self.eval_log.kept) if r.get("final") and r.get("step") == self.state.step),

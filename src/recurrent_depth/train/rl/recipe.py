@@ -155,6 +155,7 @@ def build_rl(model: Any, rl: RLConfig, train: TrainConfig, *, tokenizer: Any = N
     if train.init_from is None:  # (with one, the Trainer settles its optimizer and says which)
         named = f"the {preset} preset (the run names no optimizer preset or lr), " if preset is not None else ""
         log(f"optimizer: {named}{train.optim.name}, lr {train.optim.lr:g}")
+    trainer_kwargs.setdefault("budget_flags", "--updates (TrainConfig.max_steps)")  # (rl's --max-steps: the exit's)
     trainer = Trainer(train, model=model, data=source, objective=objective, depth=NoDepthDraw(), log=log,
                       **trainer_kwargs)
     trainer.adopt_group(joined)  # (the group joined here is the trainer's to leave: close())

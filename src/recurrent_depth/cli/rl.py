@@ -51,7 +51,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     d.add_argument("--difficulty", type=int_list, default=[3], metavar="N[,N...]",
                    help="task difficulties, one drawn per prompt (default: 3)")
     d.add_argument("--prompts", default=None, metavar="FILE",
-                   help="prompts from a text file (one per line) instead of --task (then --reward must be a function)")
+                   help="prompts instead of --task (then --reward must be a function): a text file, one per line, "
+                        "or chat prompts in FILE.jsonl, one {\"messages\": [...]} (or trl's {\"prompt\": [...]}) "
+                        "per line, rendered with the chat template and its generation prompt; a chat rollout "
+                        "ends at the turn's end")
     d.add_argument("--reward", default="task", metavar="task|MODULE:FUNCTION",
                    help="'task' (the task's checker: 1 for the right answer) or your function "
                         "f(prompt: str, completion: str, depths: list[int]) -> float, imported and run in this "
@@ -123,10 +126,26 @@ def rollout_generation(args: argparse.Namespace) -> tuple[dict, int]:
     return values, seed
 
 
-def read_prompts(path: str) -> list[str]:
+MAX_PROMPTS_BYTES = 64 << 20
+
+
+def read_prompts(path: str) -> list[str] | list[dict[str, Any]]:
+    """--prompts FILE: its lines, or for FILE.jsonl its chat records, checked (a bad one named FILE:LINE)."""
     from recurrent_depth.files import read_text
 
-    lines = [line for line in read_text(Path(path), 64 << 20, "--prompts file").splitlines() if line.strip()]
+    if path.endswith(".jsonl"):
+        from recurrent_depth.data.chat import check_records_path, prompt_conversation, read_records
+
+        if check_records_path(path, "--prompts file").stat().st_size > MAX_PROMPTS_BYTES:
+            raise ValueError(f"--prompts {path}: the file is over {MAX_PROMPTS_BYTES} bytes")
+        records = []
+        for where, record in read_records(path):
+            prompt_conversation(record, where)
+            records.append(record)
+        if not records:
+            raise ValueError(f"--prompts {path}: the file holds no chat record (one per line)")
+        return records
+    lines = [line for line in read_text(Path(path), MAX_PROMPTS_BYTES, "--prompts file").splitlines() if line.strip()]
     if not lines:
         raise ValueError(f"--prompts {path}: the file holds no prompt (one per line)")
     return lines

@@ -216,6 +216,31 @@ def conversation(record: Any, where: str) -> Conversation:
     return dataclasses.replace(result, tools=tools, variables=variables)
 
 
+def prompt_conversation(record: Any, where: str) -> Conversation:
+    """An RL chat prompt (`rdepth rl --prompts FILE.jsonl`) as a `Conversation` that learns nothing: `{"messages":
+    [...]}`, or trl's conversational prompt `{"prompt": [...]}`, with the record's optional `tools` and
+    `chat_template_kwargs`, each checked as `conversation` checks an SFT record's. The messages end before the
+    model's answer (the last is not the assistant's). Other fields are not read."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected an object with 'messages' (or trl's 'prompt'), "
+                         f"got {type(record).__name__}")
+    given = [key for key in ("messages", "prompt") if record.get(key) is not None]
+    if len(given) != 1:
+        raise ValueError(f"{where}: expected one of 'messages' or 'prompt' (a list of messages ending before the "
+                         f"answer), got keys {sorted(record)[:8]}")
+    key = given[0]
+    _check_nesting(record[key], where, key)
+    messages, _ = _messages(record[key], where, key, learn=False)
+    if messages[-1]["role"] == "assistant":
+        raise ValueError(f"{where}: the last message of '{key}' is the assistant's; a prompt ends where the model's "
+                         "answer starts")
+    tools = _tools(record.get("tools"), where)
+    variables = _template_variables(record.get("chat_template_kwargs"), where)
+    for name, value in (("tools", tools), ("chat_template_kwargs", variables)):
+        _check_nesting(value, where, name)
+    return Conversation(messages, [False] * len(messages), tools=tools, variables=variables)
+
+
 def _check_nesting(value: Any, where: str, key: str) -> None:
     """A one-line error for a field nested deeper than the server takes (`protocol.MAX_JSON_NESTING`): escaping its
     special-token text and the chat template recurse over it, and overflowed Python's stack (a RecursionError)."""
@@ -494,7 +519,7 @@ class ExampleEncoder:
         render with the generation prompt parts from the whole conversation (trl's `common_prefix_length`).
         An assistant message of weight 0 teaches nothing: its text runs from where the render of the messages
         before it parts from the whole conversation to where the render with it does."""
-        with _template_errors(where):
+        with template_errors(where):
             full, spans = self.template.generation_spans(chat.messages, tools=chat.tools, variables=chat.variables)
         messages = chat.messages
 
@@ -520,7 +545,7 @@ class ExampleEncoder:
 
     def _render(self, messages: list[dict[str, str]], open_turn: bool, where: str, chat: Conversation) -> str:
         """`messages` rendered with `chat`'s tools and template variables."""
-        with _template_errors(where):
+        with template_errors(where):
             return self.template.render(messages, add_generation_prompt=open_turn, tools=chat.tools,
                                         variables=chat.variables)
 
@@ -539,7 +564,7 @@ def _without(start: int, end: int, skipped: list[tuple[int, int]]) -> list[tuple
 
 
 @contextmanager
-def _template_errors(where: str) -> Iterator[None]:
+def template_errors(where: str) -> Iterator[None]:
     """Jinja's and the sandbox's errors as one line naming `where`: the template or the record is at fault."""
     try:
         yield

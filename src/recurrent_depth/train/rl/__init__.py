@@ -13,16 +13,19 @@ from recurrent_depth.train.rl.rewards import (
     load_reward_function,
 )
 from recurrent_depth.train.rl.rollouts import (
+    ChatPrompts,
     ListPrompts,
     RolloutSettings,
     RolloutSource,
     TaskPrompts,
+    chat_prompts,
     policy_logprobs,
 )
 
 __all__ = [
     "GRPO",
     "K2",
+    "ChatPrompts",
     "ListPrompts",
     "RewardError",
     "RolloutSettings",
@@ -30,6 +33,7 @@ __all__ = [
     "ShapedReward",
     "TaskPrompts",
     "TaskReward",
+    "chat_prompts",
     "get_reward",
     "group_advantages",
     "grpo_loss",

@@ -29,7 +29,7 @@ from recurrent_depth.inference.options import OptionWarning
 from recurrent_depth.train.config import TrainConfig, default_optim_preset
 from recurrent_depth.train.rl.losses import GRPO, K2, LEVELS, check_variants
 from recurrent_depth.train.rl.rewards import ShapedReward, get_reward
-from recurrent_depth.train.rl.rollouts import ListPrompts, RolloutSettings, RolloutSource, TaskPrompts
+from recurrent_depth.train.rl.rollouts import ListPrompts, RolloutSettings, RolloutSource, TaskPrompts, chat_prompts
 
 OBJECTIVES = ("grpo", "k2")
 
@@ -39,14 +39,16 @@ class RLConfig:
     """What `run_rl` trains for (the optimizer, steps, checkpoints and seed are the `TrainConfig`'s).
 
     task / difficulties: prompts from a reasoning task (`evaluation/reasoning`); prompts: a list of
-    prompt texts instead. reward: "task" (the task's checker) or a trusted "module:function".
+    prompt texts instead, or of chat records (`{"messages": [...]}` or trl's `{"prompt": [...]}`, rendered with the
+    tokenizer directory's chat template: `rollouts.chat_prompts`). reward: "task" (the task's checker) or a trusted
+    "module:function".
     objective: "grpo" (clip_eps, clip_eps_high, beta, level, scale_rewards) or "k2" (tau); mask_truncated
     (both): a rollout cut by max_new_tokens carries no loss. generation: the rollouts' `generate` options
     (see `RolloutSettings`)."""
 
     task: str | None = "shells"
     difficulties: Sequence[int] = (3,)
-    prompts: Sequence[str] | None = None
+    prompts: Sequence[str] | Sequence[dict[str, Any]] | None = None
     reward: str = "task"
     objective: str = "grpo"
     group_size: int = 4
@@ -83,6 +85,8 @@ class RLConfig:
                                  f"objective={self.objective!r} does not use it (leave it out)")
         if self.task is None and self.prompts is None:
             raise ValueError("RLConfig needs prompts: a reasoning task (task=) or a list of prompts (prompts=)")
+        if self.prompts is not None and len({isinstance(p, dict) for p in self.prompts}) > 1:
+            raise ValueError("prompts= mixes texts and chat records: give prompt texts, or chat records only")
 
 
 # Run settings added after checkpoints first recorded `run`: a checkpoint without one ran with its default.
@@ -122,7 +126,9 @@ def build_rl(model: Any, rl: RLConfig, train: TrainConfig, *, tokenizer: Any = N
     joined = not ddist.group_initialized()
     env = ddist.init_distributed(trainer_kwargs.get("device"))
     task = get_task(rl.task) if rl.task is not None else None
-    prompts = ListPrompts(list(rl.prompts)) if rl.prompts is not None else TaskPrompts(task, list(rl.difficulties))
+    prompts = (TaskPrompts(task, list(rl.difficulties)) if rl.prompts is None
+               else chat_prompts(rl.prompts, _tokenizer_dir(trainer_kwargs), model.config)
+               if rl.prompts and isinstance(rl.prompts[0], dict) else ListPrompts(list(rl.prompts)))
     settings = RolloutSettings(group_size=rl.group_size, generation=dict(rl.generation),
                                backprop_depth=rl.backprop_depth, seed=train.seed)
     with warnings.catch_warnings():  # (RolloutSource validates them again below and says each warning there once)
@@ -160,6 +166,15 @@ def build_rl(model: Any, rl: RLConfig, train: TrainConfig, *, tokenizer: Any = N
                       **trainer_kwargs)
     trainer.adopt_group(joined)  # (the group joined here is the trainer's to leave: close())
     return trainer
+
+
+def _tokenizer_dir(trainer_kwargs: dict[str, Any]) -> Path:
+    """The tokenizer directory whose chat template renders chat prompts (`build_rl`'s `tokenizer_dir=`)."""
+    directory = trainer_kwargs.get("tokenizer_dir")
+    if directory is None:
+        raise ValueError("chat prompts are rendered with a tokenizer directory's chat template: pass tokenizer_dir= "
+                         "(load_start_model returns it)")
+    return Path(directory)
 
 
 def start_model_optim(train: TrainConfig, lora: bool) -> tuple[TrainConfig, str | None]:

@@ -4,9 +4,10 @@ A reward function is called once per rollout as
 
     reward(prompt: str, completion: str, depths: list[int]) -> float
 
-prompt: the prompt text (no special tokens); completion: the generated text up to (not including)
-the end token; depths: the core steps that produced each completion token (depths[0] is the
-prompt's last position, at the prompt depth), as the rollout recorded them.
+prompt: the prompt text (no special tokens; a chat prompt's: its render, special tokens as text); completion:
+the generated text up to (not including) the end token (a chat's: its end of turn too); depths: the core steps
+that produced each completion token (depths[0] is the prompt's last position, at the prompt depth), as the
+rollout recorded them.
 
 A user's function is named `module:function` (`load_reward_function`) and runs **in-process, as
 trusted code**: it can do anything the training process can, so only name code you would run yourself.

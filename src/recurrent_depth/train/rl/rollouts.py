@@ -28,6 +28,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -122,7 +123,7 @@ def policy_logprobs(model: nn.Module, batch: dict[str, Tensor], settings: Rollou
 
 
 class PromptSource(Protocol):
-    def draw(self, rng: random.Random, count: int) -> list[str]: ...
+    def draw(self, rng: random.Random, count: int) -> list[Any]: ...  # prompt texts, or `ChatPrompt`s
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,52 @@ class ListPrompts:
         return [rng.choice(list(self.prompts)) for _ in range(count)]
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat prompt as the chat template renders it: its token ids (the template's own bos, no other) and their
+    text (what the reward function gets as `prompt`)."""
+
+    text: str
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ChatPrompts:
+    """Chat prompts drawn (with replacement) from a fixed list (`chat_prompts`); rollouts also stop at `stop_ids`,
+    the chat's end-of-turn ids, where the server's chat route stops."""
+
+    prompts: Sequence[ChatPrompt]
+    stop_ids: Sequence[int]
+
+    def __post_init__(self) -> None:
+        if not self.prompts:
+            raise ValueError("ChatPrompts needs at least one prompt")
+
+    def draw(self, rng: random.Random, count: int) -> list[ChatPrompt]:
+        return [rng.choice(list(self.prompts)) for _ in range(count)]
+
+
+def chat_prompts(records: Sequence[Any], tokenizer_dir: str | Path, config: Any) -> ChatPrompts:
+    """`records` (`data.chat.prompt_conversation`'s: `{"messages": [...]}` or trl's `{"prompt": [...]}`) rendered
+    with the chat template and generation prompt and tokenized as the server's chat route does
+    (`TextCodec.encode_chat`, which `rdepth sft` matches), and the ids a chat turn ends at there
+    (`TextCodec.chat_stop_ids`). A record that cannot be rendered is a one-line ValueError naming it."""
+    from recurrent_depth.data.chat import prompt_conversation, template_errors
+    from recurrent_depth.serving.text import TextCodec  # (here: the serving package is heavy)
+
+    codec = TextCodec(tokenizer_dir, config.vocab_size, context=config.max_seq_len, required=True)
+    if codec.chat is None:
+        raise ValueError(f"chat prompts need a chat template in {tokenizer_dir}: {codec.chat_error}")
+    rendered = []
+    for i, record in enumerate(records):
+        where = f"prompt {i + 1}"
+        chat = prompt_conversation(record, where)
+        with template_errors(where):
+            ids = codec.encode_chat(chat.messages, chat.tools, add_generation_prompt=True, variables=chat.variables)
+        rendered.append(ChatPrompt(codec.decode(ids, skip_special_tokens=False), tuple(ids)))
+    return ChatPrompts(rendered, sorted(codec.chat_stop_ids))
+
+
 class RolloutSource(BatchSource):
     """The trainer's batches for RL: `next_batch(P)` is P prompts times G scored rollouts (module docstring).
 
@@ -181,7 +228,9 @@ class RolloutSource(BatchSource):
         self.settings = settings
         self.options = settings.options(policy)
         self.encoder = encoder if encoder is not None else ProblemEncoder()
-        if isinstance(prompts, ListPrompts):
+        # (a chat rollout also ends at the turn's end, as the server's chat route stops it)
+        self.end_ids = {self.encoder.eos, *(prompts.stop_ids if isinstance(prompts, ChatPrompts) else ())}
+        if isinstance(prompts, ListPrompts | ChatPrompts):
             self._check_prompt_lengths(prompts.prompts)
         self.reference = reference
         if reference is not None:
@@ -190,21 +239,28 @@ class RolloutSource(BatchSource):
         self.batches = 0
         self.last_rollout_s = 0.0
 
-    def _check_prompt_lengths(self, prompts: Sequence[str]) -> None:
+    def _check_prompt_lengths(self, prompts: Sequence[str | ChatPrompt]) -> None:
         """A one-line ValueError naming the first prompt whose rollouts would not fit the model's context (it failed
         only when drawn, maybe hours into the run, in a line naming no prompt)."""
         room = int(self.policy.config.max_seq_len) - self.options.max_new_tokens
-        for i, text in enumerate(prompts):
-            length = 1 + len(self.encoder.encode_text(text))  # (+ the begin token, as `_prompt_batch` writes it)
+        for i, prompt in enumerate(prompts):
+            length = len(self._prompt_ids(prompt))
             if length > room:
+                text = prompt.text if isinstance(prompt, ChatPrompt) else prompt
                 raise ValueError(f"prompt {i + 1} ({clipped(text, 80)}) is {length} tokens: with max_new_tokens="
                                  f"{self.options.max_new_tokens} it exceeds the model's max_seq_len="
                                  f"{self.policy.config.max_seq_len}; shorten it or leave it out")
 
     # ------------------------------------------------------------------ rollouts
-    def _prompt_batch(self, texts: list[str]) -> tuple[Tensor, Tensor]:
+    def _prompt_ids(self, prompt: str | ChatPrompt) -> list[int]:
+        """A prompt's ids: a chat prompt's as its template renders them (its bos included), a text after the bos."""
+        if isinstance(prompt, ChatPrompt):
+            return list(prompt.ids)
+        return [self.encoder.bos, *self.encoder.encode_text(prompt)]
+
+    def _prompt_batch(self, texts: list[str | ChatPrompt]) -> tuple[Tensor, Tensor]:
         """Left-padded ids `[P * G, T]` and mask, each prompt repeated G times in a row."""
-        rows = [[self.encoder.bos, *self.encoder.encode_text(t)] for t in texts]
+        rows = [self._prompt_ids(t) for t in texts]
         T = max(len(r) for r in rows)
         ids = torch.full((len(rows), T), self.encoder.pad, dtype=torch.long)
         mask = torch.zeros(len(rows), T, dtype=torch.long)
@@ -224,7 +280,7 @@ class RolloutSource(BatchSource):
         device = self.policy.device
         kwargs = {k: v for k, v in self.settings.generation.items() if k != "init_scale"}
         stop = kwargs.pop("stop", None)
-        stops = ([stop] if isinstance(stop, int | str) else list(stop or [])) + [self.encoder.eos]
+        stops = ([stop] if isinstance(stop, int | str) else list(stop or [])) + sorted(self.end_ids)
         start = time.perf_counter()
         with torch.no_grad():
             out = generate(self.policy, ids.to(device), attention_mask=mask.to(device), init_scale=0.0,
@@ -268,13 +324,15 @@ class RolloutSource(BatchSource):
             "backprop_depth": self.settings.grad_steps(self.policy),
         }
 
-    def _score(self, texts: list[str], out: Any) -> tuple[Tensor, Tensor]:
-        G, eos = self.settings.group_size, self.encoder.eos
+    def _score(self, texts: list[str | ChatPrompt], out: Any) -> tuple[Tensor, Tensor]:
+        G = self.settings.group_size
         rewards, valid = [], []
         for b, tokens in enumerate(out.token_lists()):
-            body = tokens[: tokens.index(eos)] if eos in tokens else tokens
-            text = self.encoder.tokenizer.decode(body, skip_special_tokens=False)
-            value = self.reward(texts[b // G], text, out.steps[b, : len(tokens)].tolist(), len(tokens))
+            end = next((i for i, token in enumerate(tokens) if token in self.end_ids), len(tokens))
+            text = self.encoder.tokenizer.decode(tokens[:end], skip_special_tokens=False)
+            prompt = texts[b // G]
+            prompt = prompt.text if isinstance(prompt, ChatPrompt) else prompt
+            value = self.reward(prompt, text, out.steps[b, : len(tokens)].tolist(), len(tokens))
             rewards.append(0.0 if value is None else value)
             valid.append(value is not None)
         device = self.policy.device

@@ -151,9 +151,9 @@ class ListPrompts:
 
     def __post_init__(self) -> None:
         if not self.prompts:
-            raise ValueError("ListPrompts needs at least one prompt")
+            raise ValueError(f"{type(self).__name__} needs at least one prompt")
 
-    def draw(self, rng: random.Random, count: int) -> list[str]:
+    def draw(self, rng: random.Random, count: int) -> list[Any]:
         return [rng.choice(list(self.prompts)) for _ in range(count)]
 
 
@@ -167,19 +167,12 @@ class ChatPrompt:
 
 
 @dataclass(frozen=True)
-class ChatPrompts:
+class ChatPrompts(ListPrompts):
     """Chat prompts drawn (with replacement) from a fixed list (`chat_prompts`); rollouts also stop at `stop_ids`,
     the chat's end-of-turn ids, where the server's chat route stops."""
 
     prompts: Sequence[ChatPrompt]
-    stop_ids: Sequence[int]
-
-    def __post_init__(self) -> None:
-        if not self.prompts:
-            raise ValueError("ChatPrompts needs at least one prompt")
-
-    def draw(self, rng: random.Random, count: int) -> list[ChatPrompt]:
-        return [rng.choice(list(self.prompts)) for _ in range(count)]
+    stop_ids: Sequence[int] = ()
 
 
 def chat_prompts(records: Sequence[Any], tokenizer_dir: str | Path, config: Any) -> ChatPrompts:
@@ -230,7 +223,7 @@ class RolloutSource(BatchSource):
         self.encoder = encoder if encoder is not None else ProblemEncoder()
         # (a chat rollout also ends at the turn's end, as the server's chat route stops it)
         self.end_ids = {self.encoder.eos, *(prompts.stop_ids if isinstance(prompts, ChatPrompts) else ())}
-        if isinstance(prompts, ListPrompts | ChatPrompts):
+        if isinstance(prompts, ListPrompts):
             self._check_prompt_lengths(prompts.prompts)
         self.reference = reference
         if reference is not None:

@@ -70,7 +70,7 @@ def decode(session: Session) -> Iterator[TokenEvent]:
     name = opts.criterion.name if opts.criterion is not None else None
     # Windowed layers keep their window from each sweep's start (fronts never move back, so neither do the sweeps'
     # seeks), and some columns more for the sweeps' multi-query reads (inference/cache.py).
-    cache.window_back = MULTI_QUERY_WINDOW_SLACK
+    session.hold_back(MULTI_QUERY_WINDOW_SLACK)
     _, logits = session.prefill(opts.num_steps)  # (a model it cannot run was refused up front: check_mode_for_model)
     rows = session.unfinished
     first = session.chooser.choose(logits, rows)

@@ -346,6 +346,16 @@ class Session:
         self.valid[row, start:end] = False
         self.padded = True
 
+    @property
+    def cache_windows(self) -> dict[tuple, int]:
+        """The sliding windows of the cache's windowed layers (by layer base; empty: none, or the bound is off)."""
+        return self.cache.windows
+
+    def hold_back(self, columns: int) -> None:
+        """Windowed layers keep `columns` more than their windows from here on: what a later write seeks back over
+        (a speculative verify over its drafts) and the multi-query reads' slack (inference/cache.py)."""
+        self.cache.window_back = columns
+
     # ------------------------------------------------------------------ rows
     @property
     def unfinished(self) -> list[int]:

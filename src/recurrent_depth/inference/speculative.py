@@ -59,7 +59,7 @@ def decode(session: Session) -> Iterator[TokenEvent]:
         L = min(opts.lookahead, *(max_len - position[b] for b in rows))
         session.mask(column + L)  # (makes room for the columns hidden below)
         # windowed layers keep what the verify reads after seeking back over the drafts (inference/cache.py)
-        cache.window_back = _window_back(session, rows, column, L)
+        session.hold_back(_window_back(session, rows, column, L))
         for b in range(session.B):
             if b not in rows:
                 session.hide(b, column, column + L)
@@ -158,7 +158,7 @@ def _window_back(session: Session, rows: list[int], column: int, lookahead: int)
     `column`: the lookahead - 1 drafts the verify seeks back over, and the most hidden columns (a batch's rejected
     drafts) among an unfinished row's last W - 1 real ones before `column`, the widest W's (a query sees W real
     tokens, so such a row's window spans those columns more; a narrower window's span holds no more of them)."""
-    windows = session.cache.windows
+    windows = session.cache_windows
     if not windows:
         return 0
     seen = max(windows.values()) - 1  # the real columns before `column` that a query there sees

@@ -9,25 +9,15 @@ import torch
 
 import recurrent_depth as rd
 from recurrent_depth.train.trainer import StopTraining, Trainer
-from tests.train_support import OneThread, prepare_root, tiny_train_config
-
-
-@pytest.fixture(scope="module")
-def train_root(tmp_path_factory):
-    return prepare_root(tmp_path_factory.mktemp("train_root"))
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    with OneThread():
-        yield
+from tests.test_train_loop import one_thread, train_root  # noqa: F401 - fixtures (one_thread is autouse)
+from tests.train_support import tiny_train_config
 
 
 def lines(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_a_resumed_runs_tensorboard_shows_each_step_once(train_root, tmp_path):
+def test_a_resumed_runs_tensorboard_shows_each_step_once(train_root, tmp_path):  # noqa: F811 - the fixture
     """A run crashed after step 5 and resumed from its step-3 checkpoint redoes steps 4 and 5: metrics.jsonl dropped
     the first session's lines for them, but tensorboard kept its points beside the new ones (two curves zigzagging
     over steps 4..5, here with other values: the resume raised --max-steps, which moves the cool-down)."""
@@ -53,7 +43,7 @@ def test_a_resumed_runs_tensorboard_shows_each_step_once(train_root, tmp_path):
     assert [e.step for e in events.Scalars("val_loss/depth_4")] == [2, 4, 6, 7]  # (step 2's from the first session)
 
 
-def test_a_later_run_of_the_same_trainer_continues_the_run_and_logs_it(train_root, tmp_path):
+def test_a_later_run_of_the_same_trainer_continues_the_run_and_logs_it(train_root, tmp_path):  # noqa: F811
     """`Trainer.run()` may be called again (it takes the lock and wraps the model again), say after a `stop_when`
     hook paused it. The second call logged nothing (the first had closed metrics.jsonl and eval.jsonl: its steps
     were trained and checkpointed, but missing from the logs), and one with nothing left to train failed with

@@ -79,8 +79,9 @@ MODEL_ARGS = names_for("lm_eval", "model")  # model_args, and per-request gen_kw
 GEN_KWARGS = (*MODEL_ARGS, *names_for("lm_eval", "gen"))
 MODEL_OPTIONS = tuple(name for name in MODEL_ARGS if name in OPTIONS)  # the settings a run reports
 # The gen_kwargs lm-eval's generate_until takes for itself (the stops and the length) before it calls _model_generate.
-LM_EVAL_OWN_GEN_KWARGS = ("until", "max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens",
-                          "max_length")
+# lm-eval's spellings of the generation budget (normalize_gen_kwargs reads the first given, in this order)
+LM_EVAL_GEN_BUDGET_KWARGS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
+LM_EVAL_OWN_GEN_KWARGS = ("until", *LM_EVAL_GEN_BUDGET_KWARGS, "max_length")
 
 
 def _refuse_unknown_gen_kwargs(names: Any) -> None:
@@ -464,7 +465,7 @@ class RecurrentDepthEvalLM(HFLM):
             try:
                 max_gen_toks = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)["max_gen_toks"]
             except ValueError:  # lm-eval's int(): "invalid literal for int() with base 10: 'abc'"
-                max_gen_toks = next(gen_kwargs[k] for k in LM_EVAL_OWN_GEN_KWARGS[1:5] if gen_kwargs.get(k) is not None)
+                max_gen_toks = next(gen_kwargs[k] for k in LM_EVAL_GEN_BUDGET_KWARGS if gen_kwargs.get(k) is not None)
             if not isinstance(max_gen_toks, int) or not 0 <= max_gen_toks < self.max_length:
                 raise ValueError(f"max_gen_toks={max_gen_toks!r} is invalid: expected 0 <= max_gen_toks < "
                                  f"max_length={self.max_length} (the prompt keeps the rest of max_length)")

@@ -58,7 +58,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     d.add_argument("--reward", default="task", metavar="task|MODULE:FUNCTION",
                    help="'task' (the task's checker: 1 for the right answer) or your function "
                         "f(prompt: str, completion: str, depths: list[int]) -> float, imported and run in this "
-                        "process as TRUSTED code (default: %(default)s)")
+                        "process as TRUSTED code; one that also takes keyword arguments (named ones, e.g. answer, "
+                        "or **kwargs) gets a FILE.jsonl record's other fields, as trl's reward functions get a "
+                        "row's other columns (default: %(default)s)")
     d.add_argument("--compute-penalty", type=float, default=0.0, metavar="W",
                    help="subtract W * mean token depth / max depth from each reward (default: 0)")
     d.add_argument("--length-penalty", type=float, default=0.0, metavar="W",
@@ -129,26 +131,42 @@ def rollout_generation(args: argparse.Namespace) -> tuple[dict, int]:
 MAX_PROMPTS_BYTES = 64 << 20
 
 
-def read_prompts(path: str) -> list[str] | list[dict[str, Any]]:
-    """--prompts FILE: its lines, or for FILE.jsonl its chat records, checked (a bad one named FILE:LINE)."""
+def read_prompts(path: str) -> tuple[list[str] | list[dict[str, Any]], list[str] | None]:
+    """--prompts FILE: its lines, or for FILE.jsonl its chat records, checked (a bad one named FILE:LINE), and the
+    records' FILE:LINE names (None for a text file), for the errors found once the chat template renders them."""
     from recurrent_depth.files import read_text
 
     if path.endswith(".jsonl"):
-        from recurrent_depth.data.chat import check_records_path, prompt_conversation, read_records
+        from recurrent_depth.data.chat import check_records_path, prompt_conversation, prompt_fields, read_records
 
         if check_records_path(path, "--prompts file").stat().st_size > MAX_PROMPTS_BYTES:
             raise ValueError(f"--prompts {path}: the file is over {MAX_PROMPTS_BYTES} bytes")
-        records = []
+        records, names = [], []
         for where, record in read_records(path):
             prompt_conversation(record, where)
+            prompt_fields(record, where)
             records.append(record)
+            names.append(where)
         if not records:
             raise ValueError(f"--prompts {path}: the file holds no chat record (one per line)")
-        return records
+        return records, names
     lines = [line for line in read_text(Path(path), MAX_PROMPTS_BYTES, "--prompts file").splitlines() if line.strip()]
     if not lines:
         raise ValueError(f"--prompts {path}: the file holds no prompt (one per line)")
-    return lines
+    return lines, None
+
+
+def check_reward_fields(keywords: Any, prompts: list[str] | list[dict[str, Any]] | None,
+                        names: list[str] | None) -> None:
+    """`RewardKeywords.check` of each prompt (`read_prompts`'): a record's fields by its FILE:LINE, a text line's or
+    the task's (none)."""
+    from recurrent_depth.data.chat import prompt_fields
+
+    if prompts is None:
+        keywords.check(None, "task prompts")
+    for i, prompt in enumerate(prompts or []):
+        where = names[i] if names is not None else f"prompt {i + 1}"
+        keywords.check(prompt_fields(prompt, where) if isinstance(prompt, dict) else None, where)
 
 
 def loss_level(args: argparse.Namespace) -> str:
@@ -176,13 +194,14 @@ def run(args: argparse.Namespace) -> int:
 
     usable_device(args.device)  # before the model loads (--device nan was a traceback from model.to)
     generation, seed = rollout_generation(args)
-    prompts = read_prompts(args.prompts) if args.prompts else None
+    prompts, names = read_prompts(args.prompts) if args.prompts else (None, None)
     if prompts is not None and args.reward == "task":
         raise ValueError("--prompts has no task checker: give --reward MODULE:FUNCTION")
     if prompts is not None and (args.task != "shells" or args.difficulty != [3]):  # (else they were ignored)
         raise ValueError("--task and --difficulty choose a reasoning task's prompts, which --prompts replaces: "
                          "give one or the other")
     rl = RLConfig(task=None if prompts else args.task, difficulties=args.difficulty, prompts=prompts,
+                  prompt_names=names,
                   reward=args.reward, objective=args.objective, group_size=args.group_size, clip_eps=args.clip_eps,
                   clip_eps_high=args.clip_eps_high, beta=args.beta, level=loss_level(args),
                   scale_rewards=args.scale_rewards, mask_truncated=args.mask_truncated, tau=args.tau,
@@ -201,9 +220,11 @@ def run(args: argparse.Namespace) -> int:
 
     check_out_state(args.out, args.resume)  # (a wrong --out, or --reward module, named before the model loads)
     if args.reward != "task":  # (imported once: build_rl's import finds it loaded)
-        from recurrent_depth.train.rl.rewards import load_reward_function
+        from recurrent_depth.train.rl.rewards import RewardKeywords, load_reward_function
 
-        load_reward_function(args.reward)
+        keywords = RewardKeywords.of(load_reward_function(args.reward))
+        # (a field it takes that a record lacks, also named before the model loads; RolloutSource checks it again)
+        check_reward_fields(keywords, prompts, names)
     model, tokenizer, tokenizer_dir = load_start_model(args.init_from)
     if args.max_depth is not None:  # (the library's own ceiling, MAX_NUM_STEPS: --max-depth raises it)
         model.max_depth = args.max_depth

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 from recurrent_depth.config import ModelConfig
 from recurrent_depth.data.corpus import json_line
-from recurrent_depth.files import read_json
+from recurrent_depth.files import clipped, read_json
 
 if TYPE_CHECKING:
     from recurrent_depth.serving.chat_template import ChatTemplate  # (imported when used: the serving package is heavy)
@@ -220,7 +220,7 @@ def prompt_conversation(record: Any, where: str) -> Conversation:
     """An RL chat prompt (`rdepth rl --prompts FILE.jsonl`) as a `Conversation` that learns nothing: `{"messages":
     [...]}`, or trl's conversational prompt `{"prompt": [...]}`, with the record's optional `tools` and
     `chat_template_kwargs`, each checked as `conversation` checks an SFT record's. The messages end before the
-    model's answer (the last is not the assistant's). Other fields are not read."""
+    model's answer (the last is not the assistant's). Its other fields are `prompt_fields`."""
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected an object with 'messages' (or trl's 'prompt'), "
                          f"got {type(record).__name__}")
@@ -239,6 +239,43 @@ def prompt_conversation(record: Any, where: str) -> Conversation:
     for name, value in (("tools", tools), ("chat_template_kwargs", variables)):
         _check_nesting(value, where, name)
     return Conversation(messages, [False] * len(messages), tools=tools, variables=variables)
+
+
+PROMPT_KEYS = ("messages", "prompt")  # an RL prompt record's conversation (`prompt_conversation`)
+
+
+def prompt_fields(record: dict[str, Any], where: str) -> dict[str, Any]:
+    """An RL prompt record's fields other than its conversation (an `answer`, its `tools`...): what a reward function
+    that takes keyword arguments gets with each of the prompt's completions, as trl's GRPOTrainer passes a row's
+    other columns. Each must be a JSON value (a JSONL line's are; a record built in Python is checked here) nested at
+    most as deep as the server takes; else a one-line ValueError naming `where`."""
+    fields = {key: value for key, value in record.items() if key not in PROMPT_KEYS}
+    for key, value in fields.items():
+        if not isinstance(key, str):
+            raise ValueError(f"{where}: field name {clipped(key)} is not a string (a JSON object's keys are)")
+        _check_nesting(value, where, key[:80])  # (cut: a name read from a file goes into a one-line error)
+        odd = _not_json(value)
+        if odd is not None:
+            raise ValueError(f"{where}: field {clipped(key)} is not a JSON value: it holds {odd}")
+    return fields
+
+
+def _not_json(value: Any) -> str | None:
+    """What in `value` is not what json.loads gives (None: nothing): a tuple, a set, an object, a key not a string.
+    Walked without recursion, as `json_nesting` walks (the nesting is checked before)."""
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, dict):
+            key = next((k for k in item if not isinstance(k, str)), None)
+            if key is not None:
+                return f"the object key {clipped(key)}, not a string"
+            todo += item.values()
+        elif isinstance(item, list):
+            todo += item
+        elif item is not None and not isinstance(item, str | int | float):  # (bool is an int)
+            return f"a {type(item).__name__}"
+    return None
 
 
 def _check_nesting(value: Any, where: str, key: str) -> None:

@@ -7,6 +7,7 @@ objective; the training forward replays each token at its recorded depth (`model
 from recurrent_depth.train.rl.losses import GRPO, K2, group_advantages, grpo_loss, k2_loss
 from recurrent_depth.train.rl.rewards import (
     RewardError,
+    RewardKeywords,
     ShapedReward,
     TaskReward,
     get_reward,
@@ -28,6 +29,7 @@ __all__ = [
     "ChatPrompts",
     "ListPrompts",
     "RewardError",
+    "RewardKeywords",
     "RolloutSettings",
     "RolloutSource",
     "ShapedReward",

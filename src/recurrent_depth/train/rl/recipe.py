@@ -40,7 +40,9 @@ class RLConfig:
 
     task / difficulties: prompts from a reasoning task (`evaluation/reasoning`); prompts: a list of
     prompt texts instead, or of chat records (`{"messages": [...]}` or trl's `{"prompt": [...]}`, rendered with the
-    tokenizer directory's chat template: `rollouts.chat_prompts`). reward: "task" (the task's checker) or a trusted
+    tokenizer directory's chat template: `rollouts.chat_prompts`; a reward function that takes keyword arguments gets
+    a record's other fields, `rewards.RewardKeywords`); prompt_names: the records' names in errors (FILE:LINE, as
+    `rdepth rl --prompts` gives them; None: "prompt N"). reward: "task" (the task's checker) or a trusted
     "module:function".
     objective: "grpo" (clip_eps, clip_eps_high, beta, level, scale_rewards) or "k2" (tau); mask_truncated
     (both): a rollout cut by max_new_tokens carries no loss. generation: the rollouts' `generate` options
@@ -64,6 +66,7 @@ class RLConfig:
     on_reward_error: str = "stop"
     backprop_depth: int | None = None
     generation: dict[str, Any] = field(default_factory=lambda: {"max_new_tokens": 4, "do_sample": True})
+    prompt_names: Sequence[str] | None = None  # (last: a field added after the others, which may be given by place)
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -127,7 +130,7 @@ def build_rl(model: Any, rl: RLConfig, train: TrainConfig, *, tokenizer: Any = N
     env = ddist.init_distributed(trainer_kwargs.get("device"))
     task = get_task(rl.task) if rl.task is not None else None
     prompts = (TaskPrompts(task, list(rl.difficulties)) if rl.prompts is None
-               else chat_prompts(rl.prompts, _tokenizer_dir(trainer_kwargs), model.config)
+               else chat_prompts(rl.prompts, _tokenizer_dir(trainer_kwargs), model.config, rl.prompt_names)
                if rl.prompts and isinstance(rl.prompts[0], dict) else ListPrompts(list(rl.prompts)))
     settings = RolloutSettings(group_size=rl.group_size, generation=dict(rl.generation),
                                backprop_depth=rl.backprop_depth, seed=train.seed)

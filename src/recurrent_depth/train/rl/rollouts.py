@@ -160,10 +160,14 @@ class ListPrompts:
 @dataclass(frozen=True)
 class ChatPrompt:
     """A chat prompt as the chat template renders it: its token ids (the template's own bos, no other) and their
-    text (what the reward function gets as `prompt`)."""
+    text (what the reward function gets as `prompt`); its record's other fields (`data.chat.prompt_fields`), which a
+    reward function that takes keyword arguments gets (`rewards.RewardKeywords`), and the record's name in errors
+    (FILE:LINE, or "prompt N")."""
 
     text: str
     ids: tuple[int, ...]
+    fields: dict[str, Any] = field(default_factory=dict, hash=False)
+    where: str = ""
 
 
 @dataclass(frozen=True)
@@ -175,24 +179,34 @@ class ChatPrompts(ListPrompts):
     stop_ids: Sequence[int] = ()
 
 
-def chat_prompts(records: Sequence[Any], tokenizer_dir: str | Path, config: Any) -> ChatPrompts:
+def _where(prompt: str | ChatPrompt, i: int) -> str:
+    """The `i`-th prompt of a list as errors name it: a chat prompt's record (FILE:LINE), else "prompt N"."""
+    return prompt.where if isinstance(prompt, ChatPrompt) and prompt.where else f"prompt {i + 1}"
+
+
+def chat_prompts(records: Sequence[Any], tokenizer_dir: str | Path, config: Any,
+                 names: Sequence[str] | None = None) -> ChatPrompts:
     """`records` (`data.chat.prompt_conversation`'s: `{"messages": [...]}` or trl's `{"prompt": [...]}`) rendered
     with the chat template and generation prompt and tokenized as the server's chat route does
-    (`TextCodec.encode_chat`, which `rdepth sft` matches), and the ids a chat turn ends at there
-    (`TextCodec.chat_stop_ids`). A record that cannot be rendered is a one-line ValueError naming it."""
-    from recurrent_depth.data.chat import prompt_conversation, template_errors
+    (`TextCodec.encode_chat`, which `rdepth sft` matches), each with its other fields, and the ids a chat turn ends
+    at there (`TextCodec.chat_stop_ids`). A record that cannot be rendered is a one-line ValueError naming it: by
+    its entry of `names` (FILE:LINE, as `rdepth rl --prompts` reads them), else as "prompt N"."""
+    from recurrent_depth.data.chat import prompt_conversation, prompt_fields, template_errors
     from recurrent_depth.serving.text import TextCodec  # (here: the serving package is heavy)
 
     codec = TextCodec(tokenizer_dir, config.vocab_size, context=config.max_seq_len, required=True)
     if codec.chat is None:
         raise ValueError(f"chat prompts need a chat template in {tokenizer_dir}: {codec.chat_error}")
+    if names is not None and len(names) != len(records):
+        raise ValueError(f"chat_prompts: {len(names)} names for {len(records)} records; give one name per record")
     rendered = []
     for i, record in enumerate(records):
-        where = f"prompt {i + 1}"
+        where = names[i] if names is not None else f"prompt {i + 1}"
         chat = prompt_conversation(record, where)
+        fields = prompt_fields(record, where)
         with template_errors(where):
             ids = codec.encode_chat(chat.messages, chat.tools, add_generation_prompt=True, variables=chat.variables)
-        rendered.append(ChatPrompt(codec.decode(ids, skip_special_tokens=False), tuple(ids)))
+        rendered.append(ChatPrompt(codec.decode(ids, skip_special_tokens=False), tuple(ids), fields, where))
     return ChatPrompts(rendered, sorted(codec.chat_stop_ids))
 
 
@@ -225,6 +239,10 @@ class RolloutSource(BatchSource):
         self.end_ids = {self.encoder.eos, *(prompts.stop_ids if isinstance(prompts, ChatPrompts) else ())}
         if isinstance(prompts, ListPrompts):
             self._check_prompt_lengths(prompts.prompts)
+            for i, prompt in enumerate(prompts.prompts):  # (a field the reward needs: said now, not when drawn)
+                reward.keywords.check(prompt.fields if isinstance(prompt, ChatPrompt) else None, _where(prompt, i))
+        else:
+            reward.keywords.check(None, "task prompts")
         self.reference = reference
         if reference is not None:
             reference.requires_grad_(False).eval()
@@ -240,7 +258,7 @@ class RolloutSource(BatchSource):
             length = len(self._prompt_ids(prompt))
             if length > room:
                 text = prompt.text if isinstance(prompt, ChatPrompt) else prompt
-                raise ValueError(f"prompt {i + 1} ({clipped(text, 80)}) is {length} tokens: with max_new_tokens="
+                raise ValueError(f"{_where(prompt, i)} ({clipped(text, 80)}) is {length} tokens: with max_new_tokens="
                                  f"{self.options.max_new_tokens} it exceeds the model's max_seq_len="
                                  f"{self.policy.config.max_seq_len}; shorten it or leave it out")
 
@@ -323,9 +341,10 @@ class RolloutSource(BatchSource):
         for b, tokens in enumerate(out.token_lists()):
             end = next((i for i, token in enumerate(tokens) if token in self.end_ids), len(tokens))
             text = self.encoder.tokenizer.decode(tokens[:end], skip_special_tokens=False)
-            prompt = texts[b // G]
+            prompt = texts[b // G]  # (each of the prompt's G completions gets its text and fields)
+            fields = prompt.fields if isinstance(prompt, ChatPrompt) else None
             prompt = prompt.text if isinstance(prompt, ChatPrompt) else prompt
-            value = self.reward(prompt, text, out.steps[b, : len(tokens)].tolist(), len(tokens))
+            value = self.reward(prompt, text, out.steps[b, : len(tokens)].tolist(), len(tokens), fields)
             rewards.append(0.0 if value is None else value)
             valid.append(value is not None)
         device = self.policy.device

@@ -212,6 +212,8 @@ def test_pretrain_writes_a_transformers_model_directory(tmp_path, capsys):
             "--max-steps", "3", "--seq-len", "16", "--vocab-size", "300"]
     assert main(argv) == 0
     assert main(argv) == 0  # a rerun trains from scratch again (the trainer keeps another run's model/, not its own)
+    # its own earlier record is replaced, not set aside as an earlier session's (Trainer._start_from_scratch)
+    assert not list(out.glob("previous-*")) and len((out / "metrics.jsonl").read_text().splitlines()) == 3
     from recurrent_depth.files import lock_directory
 
     lock = lock_directory(out)  # (a run training there now: its directory is not cleared)

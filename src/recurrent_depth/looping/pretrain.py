@@ -121,7 +121,7 @@ def pretrain(out: str | Path, recipe: PretrainRecipe | None = None,
     from recurrent_depth.train.batches import RowBatches
     from recurrent_depth.train.config import TrainConfig
     from recurrent_depth.train.optim import OptimConfig
-    from recurrent_depth.train.trainer import Trainer
+    from recurrent_depth.train.trainer import EARLIER_RUN_NAMES, Trainer
 
     recipe = recipe or PretrainRecipe()
     out = Path(out)
@@ -139,8 +139,12 @@ def pretrain(out: str | Path, recipe: PretrainRecipe | None = None,
     # The demo always trains from scratch; a run training there now is refused, not cleared away.
     with locked_directory(out, "--out"):
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
-        if (out / "pretrain.json").is_file():  # its own earlier model/ (the trainer refuses any other)
-            shutil.rmtree(out / "model", ignore_errors=True)
+        if (out / "pretrain.json").is_file():  # its own earlier model/ and record (the trainer keeps any other's)
+            for name in EARLIER_RUN_NAMES:
+                if (out / name).is_dir():
+                    shutil.rmtree(out / name, ignore_errors=True)
+                else:
+                    (out / name).unlink(missing_ok=True)
     start = time.perf_counter()
     tok, tok_meta = build_tokenizer(corpus, recipe.vocab_size, val_fraction=recipe.val_fraction, seed=recipe.seed,
                                     max_bytes=recipe.tokenizer_max_bytes, out_dir=out / "tokenizer")

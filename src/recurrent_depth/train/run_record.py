@@ -1,6 +1,7 @@
 """The record a training run leaves in its `out` directory, apart from checkpoints and weights:
 `run.json` (what ran: config, versions, hardware, git revision, data), `metrics.jsonl` and
-`eval.jsonl` (JSON lines, flushed per line, trimmed on resume) and `tensorboard/`."""
+`eval.jsonl` (JSON lines, flushed per line, trimmed on resume) and `tensorboard/`. A run starting from step 0 where
+an earlier session left its record sets that record aside whole (`set_aside_run_record`), never overwriting it."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from recurrent_depth.files import atomic_write_text, finite_or_null, naming
+from recurrent_depth.files import atomic_write_text, finite_or_null, fsync_dir, naming
 
 # A `train.trainer.Trainer`: named, not imported, since the trainer imports this module (layers point one way).
 Trainer = Any
@@ -25,6 +27,8 @@ METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
 RUN_FILE = "run.json"
 TENSORBOARD_DIR = "tensorboard"
+# Where `set_aside_run_record` keeps an earlier session's record: `out/previous-<k>` (the first free k).
+PREVIOUS_DIR = "previous-{k}"
 # A step's metrics record goes to tensorboard as `train/<key>`, each of its numbers (what objectives and sources
 # add too: RL's `reward_mean`, SFT's `scored_tokens`, `indexer_kl`, ...) but these, plus `train/depth`.
 TENSORBOARD_SKIPPED = ("step",)
@@ -122,6 +126,35 @@ def hardware_info(device: torch.device) -> dict[str, Any]:
     if torch.cuda.is_available():
         info["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return info
+
+
+def set_aside_run_record(out: Path, names: Sequence[str]) -> tuple[Path, list[str]] | None:
+    """Move the entries of `names` (run.json, the logs, tensorboard/, model/) that `out` holds with something in them
+    into a new `out/previous-<k>` (the first free k), under their own names: the record of an earlier session that a
+    run starting from step 0 would overwrite, kept whole (a run directory as any tool reads one). Returns that
+    directory and the names moved; None when `out` holds none of them (an empty file or directory records nothing)."""
+    present = [name for name in names if _holds_something(out / name)]
+    if not present:
+        return None
+    k = 1
+    while True:
+        target = out / PREVIOUS_DIR.format(k=k)
+        try:
+            target.mkdir()  # (atomic: an existing entry of that name, file or directory, is never reused)
+            break
+        except FileExistsError:
+            k += 1
+    for name in present:
+        os.rename(out / name, target / name)
+    fsync_dir(target)
+    fsync_dir(out)
+    return target, present
+
+
+def _holds_something(path: Path) -> bool:
+    if path.is_dir():
+        return any(path.iterdir())
+    return path.is_file() and path.stat().st_size > 0
 
 
 class JsonlLog:

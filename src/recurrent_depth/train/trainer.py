@@ -81,6 +81,7 @@ from recurrent_depth.train.run_record import (
     EVAL_FILE,
     METRICS_FILE,
     RUN_FILE,
+    TENSORBOARD_DIR,
     JsonlLog,
     git_revision,
     hardware_info,
@@ -88,6 +89,7 @@ from recurrent_depth.train.run_record import (
     num_parameters,
     open_tensorboard,
     run_metadata,
+    set_aside_run_record,
     tensorboard_step,
     write_run_file,
 )
@@ -107,6 +109,8 @@ MODEL_DIR = "model"
 TOKENIZER_DIR = "tokenizer"
 # a name of each kind of file a run writes in `out` (run.json and logs, tokenizer and checkpoint files, shards)
 OUT_FILE_NAMES = ("x.json", "x.jsonl", "x.jinja", "x.safetensors", "x.bin", "x.tmp")
+# What a run starting from step 0 would overwrite of an earlier session in its `out` (set aside first).
+EARLIER_RUN_NAMES = (RUN_FILE, METRICS_FILE, EVAL_FILE, TENSORBOARD_DIR, MODEL_DIR)
 
 
 class StopTraining(Exception):
@@ -381,9 +385,35 @@ class Trainer:
             self.resume_from = trainer_checkpoints.resume(self)
         if self.resume_from is not None:
             self.saved = (self.state.step, self.resume_from)
+        else:
+            self._start_from_scratch()
         self._open_logs()
         if env.is_main and self.out is not None:
             write_run_file(self.out, self.run_metadata())
+
+    def _start_from_scratch(self) -> None:
+        """A run starting at step 0 (no --resume, or no checkpoint left to resume from) whose `out` holds an earlier
+        session's record (a run that failed before its first checkpoint, or whose every checkpoint was invalid) would
+        empty its logs and replace its run.json and model/: rank 0 sets that record aside (`set_aside_run_record`),
+        said in one line, with the resume's "starting from scratch"."""
+        if self.out is None or not self.env.is_main:
+            return
+        try:
+            moved = set_aside_run_record(self.out, EARLIER_RUN_NAMES)
+        except OSError as exc:  # (nothing is lost: what was moved is in previous-<k>, the rest where it was)
+            raise ValueError(f"cannot set aside the earlier run record in {self.out} ({exc.strerror or exc}) before "
+                             f"starting from scratch: move {', '.join(EARLIER_RUN_NAMES)} out of it, or choose a new "
+                             "--out") from None
+        where = ""
+        if moved is not None:
+            target, names = moved
+            listed = ", ".join(name + "/" * (target / name).is_dir() for name in names)
+            where = f"moved the earlier session's {listed} to {target} (kept, not overwritten)"
+        if self.cfg.resume:
+            root = ckpt.checkpoints_root(self.out)
+            self.log(f"no valid checkpoint in {root}: starting from scratch" + (f"; {where}" if where else ""))
+        elif where:
+            self.log(f"{self.out} holds the record of an earlier run and no checkpoint: starting from scratch; {where}")
 
     def _open_logs(self) -> None:
         """metrics.jsonl and eval.jsonl, their lines after this step dropped (a resumed run redoes those steps), and
@@ -425,8 +455,6 @@ class Trainer:
         check_out_state(self.out, cfg.resume)  # (again, now that the lock is held)
         root = ckpt.checkpoints_root(self.out)
         self.resume_from = trainer_checkpoints.find_resume_checkpoint(root, self.env, self.log) if cfg.resume else None
-        if cfg.resume and self.resume_from is None:
-            self.log(f"no checkpoint in {root}: starting from scratch")
         if self.resume_from is not None:  # before any data work, which could overwrite the run's caches
             if model is not None:  # (first: another config is named field by field, not as another directory)
                 trainer_checkpoints.check_same_model(model, self.resume_from)

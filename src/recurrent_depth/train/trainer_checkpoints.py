@@ -366,7 +366,7 @@ def _digests_or_none(value: Any) -> bool:
 def resume(trainer: Trainer) -> Path | None:
     """Continue `trainer` from `trainer.resume_from`, or from an older valid checkpoint when that one's
     files do not load into this model (set aside like any invalid checkpoint, and said); None when no
-    checkpoint is left (the run starts from scratch: nothing was applied to the trainer)."""
+    checkpoint is left (the run starts from scratch, `Trainer._start_from_scratch`: nothing was applied to it)."""
     path = trainer.resume_from
     root = ckpt.checkpoints_root(trainer.out) if trainer.out is not None else None
     env = trainer.env
@@ -389,8 +389,7 @@ def resume(trainer: Trainer) -> Path | None:
             check_resumable(older, trainer.cfg, env.world_size, adapter_settings(trainer.model), trainer.start,
                             trainer.teacher_start)
         path = older
-    trainer.log(f"no checkpoint in {root} could be loaded: starting from scratch")
-    return None
+    return None  # (the trainer says it starts from scratch, with where the earlier session's record went)
 
 
 def check_same_model(model: Any, path: Path) -> None:

@@ -169,7 +169,8 @@ def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
     The scales are rounded to bf16 values before the rounding to int8, so the kernel (which takes
     them in the activations' dtype) and the float32 reference use the same scale exactly."""
     w = weight.detach().float()
-    amax = w.abs().amax(dim=1)
+    # (amax refuses an empty row: a zero-width layer's rows are all-zero ones)
+    amax = w.abs().amax(dim=1) if w.shape[1] else w.new_zeros(w.shape[0])
     scales = (amax / 127).to(torch.bfloat16).float()
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero row: q = 0 with any scale
     # bf16 rounding can put amax / scale slightly above 127: clamp (the error bound still holds, see the test)
@@ -227,7 +228,7 @@ def dequantize_int4(q: Tensor, scales_and_zeros: Tensor, in_features: int,
     sz = scales_and_zeros.float().permute(1, 0, 2)  # [out, groups, 2]
     # in place on the one float32 copy (the same operations in the same order): QLoRA dequantizes every call, and
     # each fresh weight-sized tensor costs a pass of page faults
-    w = q.to(torch.float32, copy=True).view(out_features, n_groups, padded // n_groups)
+    w = q.to(torch.float32, copy=True).view(out_features, n_groups, padded // max(n_groups, 1))  # (0: zero-width)
     w.sub_(INT4_OFFSET).mul_(sz[..., :1]).add_(sz[..., 1:])
     return w.view(out_features, padded)[:, :in_features].to(dtype)
 
@@ -239,7 +240,8 @@ def pack_nibbles(q: Tensor) -> Tensor:
 
 def unpack_nibbles(packed: Tensor) -> Tensor:
     """The inverse of `pack_nibbles`: uint8 `[out, 2 * bytes]` holding 0..15."""
-    return torch.stack([packed & 15, packed >> 4], dim=-1).view(packed.shape[0], -1)
+    # (not -1: ambiguous for a layer of no output channels)
+    return torch.stack([packed & 15, packed >> 4], dim=-1).view(packed.shape[0], 2 * packed.shape[1])
 
 
 def unpack_kernel_layout(packed: Tensor, in_features: int, group: int, rows: int = 1024) -> Tensor:
@@ -528,7 +530,9 @@ def _few_rows_for_cpp(layer: QuantizedLinear, x: Tensor, rows: int = CPP_ROWS) -
 
 def int4_kernel_fits(out_features: int, in_features: int, group: int, device: torch.device) -> bool:
     """Whether torch's CPU int4 kernel takes a layer of this shape (it refuses others with an error)."""
-    return device.type == "cpu" and out_features % INT4_KERNEL_N_MULTIPLE == 0 and in_features % group == 0
+    # (a zero-size layer keeps the plain layout: the kernel layout's read-back has no columns to read)
+    return (device.type == "cpu" and out_features > 0 and in_features > 0
+            and out_features % INT4_KERNEL_N_MULTIPLE == 0 and in_features % group == 0)
 
 
 class Int4WeightLinear(QuantizedLinear):

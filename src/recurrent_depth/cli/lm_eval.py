@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 LM_EVAL_SUBCOMMANDS = ("run", "ls", "validate")
+INCLUDE_PATH_FLAG = "--include_path"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -48,19 +49,26 @@ def prepare_argv(argv: list[str], cuda_available: bool) -> list[str]:
     if not argv or argv[0] in ("-h", "--help"):
         return argv
     command = argv[0] if argv[0] in LM_EVAL_SUBCOMMANDS else "run"
-    for i, arg in enumerate(argv):
-        if arg == "--include_path" and i + 1 < len(argv):
-            argv[i + 1] = f"{argv[i + 1]}:{TASKS_DIR}"
-            break
-        if arg.startswith("--include_path="):
-            argv[i] = f"{arg}:{TASKS_DIR}"
-            break
-    else:
+    # the last one given is the one lm-eval reads (argparse), under any prefix it takes (`--include DIR`): one
+    # missed left ours last, and lm-eval read ours alone (the user's folder dropped)
+    given = [i for i, arg in enumerate(argv) if names_include_path(arg)]
+    if not given:
         argv += ["--include_path", str(TASKS_DIR)]
+    elif "=" in argv[given[-1]]:
+        argv[given[-1]] += f"{os.pathsep}{TASKS_DIR}"
+    elif given[-1] + 1 < len(argv):
+        argv[given[-1] + 1] += f"{os.pathsep}{TASKS_DIR}"
     has_device = any(a == "--device" or a.startswith("--device=") for a in argv)
     if command == "run" and not has_device and not cuda_available:
         argv += ["--device", "cpu"]
     return argv
+
+
+def names_include_path(arg: str) -> bool:
+    """Whether `arg` is lm-eval's --include_path option (`--include_path`, `--include_path=X`, or a prefix argparse
+    takes for it: `--include`; no other option of lm-eval's begins with `--i`)."""
+    name = arg.partition("=")[0]
+    return len(name) >= len("--i") and INCLUDE_PATH_FLAG.startswith(name)
 
 
 def take_threads(argv: list[str]) -> tuple[list[str], int | None]:
@@ -86,27 +94,44 @@ def take_threads(argv: list[str]) -> tuple[list[str], int | None]:
     return rest, threads
 
 
-def backend_run_args(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any], Any] | None:
-    """The model_args, gen_kwargs and batch_size (None if not given) of an lm-eval `run` with our backend
-    (``--model recurrent-depth``), read by lm-eval's own parser (``--model_args X``, ``--model_args=X``, ``-a``,
-    several ``key=value`` words, JSON), so they are the values the backend will get. None for another command or
-    model, with ``--config`` (lm-eval merges its file in), or when lm-eval's parser refuses the arguments (lm-eval
-    then says why, once)."""
+def parsed_lm_eval_args(argv: list[str]) -> argparse.Namespace | None:
+    """`argv` as lm-eval's own parser reads it (every spelling it takes), or None when it refuses them (--help, a
+    parse error: lm-eval's own run then says why, once) or lm-eval has no such parser."""
     try:
-        from lm_eval._cli import HarnessCLI  # (lm-eval's own parser: private, so its absence only skips the check)
+        from lm_eval._cli import HarnessCLI  # (lm-eval's own parser: private, so its absence only skips the checks)
     except ImportError:
         return None
-    from recurrent_depth.integrations.autoregister import LM_EVAL_BACKEND_NAME
 
     saved = sys.argv
     sys.argv = ["lm-eval", *argv]  # HarnessCLI.parse_args reads (and may complete) sys.argv
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            args = HarnessCLI().parse_args()
-    except SystemExit:  # --help, a parse error: lm-eval's own run prints it
+            return HarnessCLI().parse_args()
+    except SystemExit:
         return None
     finally:
         sys.argv = saved
+
+
+def check_include_path(args: argparse.Namespace | None) -> None:
+    """A ValueError naming the first --include_path folder that is not one (lm-eval only logs it and goes on
+    without its tasks), as `rdepth eval --lm-eval-include-path` says it; `args`: `parsed_lm_eval_args`'s."""
+    from recurrent_depth.evaluation.depth_eval import include_dirs
+
+    if args is not None:
+        include_dirs(getattr(args, "include_path", None), INCLUDE_PATH_FLAG)
+
+
+def backend_run_args(args: argparse.Namespace | None) -> tuple[dict[str, Any], dict[str, Any], Any] | None:
+    """The model_args, gen_kwargs and batch_size (None if not given) of an lm-eval `run` with our backend
+    (``--model recurrent-depth``), read by lm-eval's own parser (``--model_args X``, ``--model_args=X``, ``-a``,
+    several ``key=value`` words, JSON), so they are the values the backend will get. None for another command or
+    model, with ``--config`` (lm-eval merges its file in), or when lm-eval's parser refuses the arguments (lm-eval
+    then says why, once: `args` is None). `args`: `parsed_lm_eval_args`'s."""
+    from recurrent_depth.integrations.autoregister import LM_EVAL_BACKEND_NAME
+
+    if args is None:
+        return None
     if args.command != "run" or getattr(args, "config", None) or args.model != LM_EVAL_BACKEND_NAME:
         return None
     gen_kwargs = getattr(args, "gen_kwargs", None)
@@ -163,7 +188,9 @@ def run_passthrough(argv: list[str]) -> int:
     argv = prepare_argv(argv, torch.cuda.is_available())
     saved = sys.argv
     try:
-        run_args = backend_run_args(argv)
+        parsed = parsed_lm_eval_args(argv)
+        check_include_path(parsed)  # (before our backend's checks: a folder named is the first thing read)
+        run_args = backend_run_args(parsed)
         if run_args is not None:  # our checks before lm-eval indexes its ~15k task configs (10+ s)
             from recurrent_depth.evaluation.lm_eval_backend import preflight
 

@@ -100,7 +100,7 @@ class EvalConfig:
                                   ("lm_eval_include_path", "lm_eval_tasks", "--lm-eval-tasks")):
             if getattr(self, name) not in (None, []) and not getattr(self, needs):
                 raise ValueError(f"{name}={getattr(self, name)!r} applies to {needs} ({what}), and none is given")
-        self.lm_eval_include_path = _include_dirs(self.lm_eval_include_path)
+        self.lm_eval_include_path = include_dirs(self.lm_eval_include_path)
         if self.baseline_depth is not None:  # checked here, not after the model's own scoring
             check_depths([self.baseline_depth], "baseline_depth")
         from recurrent_depth.evaluation.reasoning.tasks import TASKS, get_task
@@ -117,17 +117,17 @@ class EvalConfig:
         return self
 
 
-def _include_dirs(value: Any) -> list[str]:
+def include_dirs(value: Any, name: str = "lm_eval_include_path (--lm-eval-include-path)") -> list[str]:
     """The include path as a list of existing directories; a ValueError naming the first that is not one (lm-eval
-    skips it silently, and its tasks were then only "unknown")."""
+    skips it silently, and its tasks were then only "unknown"). `name`: the setting's, for the message (`rdepth
+    lm-eval` checks its --include_path here too)."""
     from recurrent_depth.evaluation.lm_eval_env import include_path_list
 
     paths = include_path_list(value)
     for path in paths:
         if not Path(path).is_dir():
             what = "is a file, not a directory" if Path(path).exists() else "does not exist"
-            raise ValueError(f"lm_eval_include_path (--lm-eval-include-path) {path!r} {what}: expected a folder of "
-                             f"lm-eval task YAML files")
+            raise ValueError(f"{name} {path!r} {what}: expected a folder of lm-eval task YAML files")
     return paths
 
 

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from recurrent_depth import __version__
+from recurrent_depth.inference.lora_layers import active_unmerged, is_lora_layer
 from recurrent_depth.serving.engine import BatchScheduler
 from recurrent_depth.serving.handlers import MAX_BODY_BYTES, Handlers, ServerSettings  # noqa: F401 (MAX_BODY_BYTES: re-exported)
 from recurrent_depth.serving.metrics import Metrics
@@ -167,9 +168,18 @@ def banner(scheduler: BatchScheduler, settings: ServerSettings, limits: Limits, 
     kv = f", KV cache {scheduler.kv_quant.name}" if scheduler.kv_quant is not None else ""
     names = scheduler.adapter_names
     loras = f" with LoRA adapters {', '.join(map(repr, names))}" if names else ""
+    if scheduler.adapters is None and applies_lora(scheduler.model):  # `--lora`: every request runs with it
+        loras = " with a LoRA adapter on every request"
     weights = held_weights(scheduler.model)  # (the adapters, if any, go on those layers unmerged)
     loras += f" on {weights} weights" if weights else ""
     aliases = f" (also as {', '.join(map(repr, settings.aliases))})" if settings.aliases else ""
+    root = scheduler.adapters.updates_root if scheduler.adapters is not None else None
+    runtime = f", runtime LoRA loading from {str(root)!r}" if root is not None else ""
     return (f"rdepth serve: model {settings.model_name!r}{aliases}{loras} ({params / 1e6:.2f}M parameters, context "
-            f"{limits.max_seq_len}), default depth {depth}, max depth {limits.max_num_steps}{kv}, {key}; "
+            f"{limits.max_seq_len}), default depth {depth}, max depth {limits.max_num_steps}{kv}{runtime}, {key}; "
             f"OpenAI API at {url}/v1")
+
+
+def applies_lora(model: Any) -> bool:
+    """Whether `model` holds a LoRA adapter that its forward adds (`rdepth serve --lora`: attached, unmerged)."""
+    return any(is_lora_layer(m) and active_unmerged(m) for m in model.modules())

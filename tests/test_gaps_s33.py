@@ -134,8 +134,8 @@ def test_remove_tree_is_the_one_both_writers_use(tmp_path):
 
 
 # ------------------------------------------------------------------ 4. info's KV cache under decoding
-# A windowed store drops every W + 1 decoded columns; its allocation peaks (2W + WINDOW_ALIGN - 1 columns) at a
-# drop on the last column of an alignment period: with W = 8 from a 4-token prompt, the drop at column 102.
+# A windowed store drops every W + 1 decoded columns; its allocation peaks (2W + REDUCED_WINDOW_ALIGN - 1 columns in
+# bf16) at a drop on the last column of an alignment period: with W = 8 from a 4-token prompt, before column 112.
 WINDOW, CONTEXT, PROMPT = 8, 112, 4
 
 
@@ -176,8 +176,9 @@ def test_info_prices_what_autoregressive_decoding_allocates(tmp_path, capsys, mo
     peak = peak_store_bytes(monkeypatch, model, prompt, max_new_tokens=CONTEXT - PROMPT)
     assert set(peak) == {("prelude", 0), ("core", 0), ("core", 1), ("coda", 0)}
     assert info["cache_bytes_at_max_seq_len_bf16_autoregressive"] == sum(peak.values())
-    assert decoding_window_columns(WINDOW) == 2 * WINDOW + cache_module.WINDOW_ALIGN - 1 < CONTEXT
-    assert info["cache_bytes_at_max_seq_len_bf16"] == sum(peak.values()) * CONTEXT // decoding_window_columns(WINDOW)
+    bf16_columns = decoding_window_columns(WINDOW, torch.bfloat16)
+    assert bf16_columns == 2 * WINDOW + cache_module.REDUCED_WINDOW_ALIGN - 1 < CONTEXT
+    assert info["cache_bytes_at_max_seq_len_bf16"] == sum(peak.values()) * CONTEXT // bf16_columns
 
 
 def test_info_keeps_the_full_context_figure_where_the_bound_is_off(tmp_path, capsys, monkeypatch):
@@ -185,7 +186,7 @@ def test_info_keeps_the_full_context_figure_where_the_bound_is_off(tmp_path, cap
     config.to_json(tmp_path / "config.json")
     assert main(["info", "--model", str(tmp_path)]) == 0
     text = capsys.readouterr().out
-    assert "2 layers: autoregressive decoding holds at most 2W+15 columns" in text
+    assert "2 layers: autoregressive decoding holds at most 2W+15 columns of each (2W+31 in bf16 / fp16" in text
     assert "; speculative and parallel decoding hold a round's drafts and 16 more" in text
     monkeypatch.setenv(FULL_WINDOW_CACHE_ENV, "1")  # every column kept: the two figures agree, no window line
     assert main(["info", "--model", str(tmp_path), "--json"]) == 0

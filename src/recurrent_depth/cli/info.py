@@ -61,7 +61,12 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from recurrent_depth.config import ModelConfig
-    from recurrent_depth.inference.cache import WINDOW_ALIGN, decoding_window_columns, layer_windows
+    from recurrent_depth.inference.cache import (
+        REDUCED_WINDOW_ALIGN,
+        WINDOW_ALIGN,
+        decoding_window_columns,
+        layer_windows,
+    )
     from recurrent_depth.inference.kv_codec import exact_decode_columns, shared_codec
     from recurrent_depth.inference.quant_cache import parse_kv_quant_option
     from recurrent_depth.model.cache import parse_kv_policy
@@ -96,9 +101,11 @@ def run(args: argparse.Namespace) -> int:
     # store (base key, as the cache keys them) allocates at most `decoding_window_columns` columns; {}: none does.
     windows = layer_windows(model)
 
-    def cache_bytes(tokens: int, policy=policies["per-step"], decoding: bool = False, floor: int = 0) -> int:
+    def cache_bytes(tokens: int, policy=policies["per-step"], decoding: bool = False, floor: int = 0,
+                    aligned_as: torch.dtype | None = torch.bfloat16) -> int:
         """bf16 bytes of every store at `tokens` columns; decoding: windowed ones at what autoregressive decoding
-        allocates, their reach at least `floor` columns (a quantized cache's: `StaticRecurrentCache._reach`)."""
+        allocates, their reach at least `floor` columns (a quantized cache's: `StaticRecurrentCache._reach`), held
+        from the alignment of a store of `aligned_as` (`window_align`; None: code rows, float32's)."""
         slots = policy.slots.num_slots(config.mean_recurrence)
         blocks = [(1, (part, i), b) for part, container in (("prelude", "prelude"), ("coda", "coda"))
                   for i, b in enumerate(model.transformer[container])]
@@ -106,9 +113,12 @@ def run(args: argparse.Namespace) -> int:
         # compress-rN keeps one store for all core layers
         blocks += ([(slots, ("core", j), b) for j, b in enumerate(core)] if policy.slots.per_layer
                    else [(slots, ("core",), core[0])])
-        return sum(n * block.attn.state_nbytes(1, min(tokens, decoding_window_columns(max(windows[base], floor)))
-                                               if decoding and base in windows else tokens, torch.bfloat16)
-                   for n, base, block in blocks)
+        def columns(base: tuple) -> int:
+            if not decoding or base not in windows:
+                return tokens
+            return min(tokens, decoding_window_columns(max(windows[base], floor), aligned_as))
+
+        return sum(n * block.attn.state_nbytes(1, columns(base), torch.bfloat16) for n, base, block in blocks)
 
     full, empty = cache_bytes(length), cache_bytes(0)
     info = {
@@ -153,8 +163,8 @@ def run(args: argparse.Namespace) -> int:
                                       shared_codec(kv_quant, "v", config.head_dim)))
         recent = min(kv_quant.window, length)
         info["cache_bytes_at_max_seq_len_quantized_autoregressive_by_kv_policy"] = {
-            policy.name: round(cache_bytes(length, policy, decoding=True, floor=floor) / bf16_entry * codes)
-            + cache_bytes(recent, policy) for policy in policies.values()
+            policy.name: round(cache_bytes(length, policy, decoding=True, floor=floor, aligned_as=None)
+                               / bf16_entry * codes) + cache_bytes(recent, policy) for policy in policies.values()
         }
     if args.json:
         print(json.dumps(info, sort_keys=True))
@@ -172,10 +182,11 @@ def run(args: argparse.Namespace) -> int:
         return f"; autoregressive decoding: {human_bytes(nbytes)}" if windows else ""
 
     if windows:
-        align = WINDOW_ALIGN - 1
+        align, bf16 = WINDOW_ALIGN - 1, REDUCED_WINDOW_ALIGN - 1  # (`window_align`: the figures above are bf16's)
         print(f"{'sliding windows':>22}  {len(set(windows) - {('core',)})} layers: autoregressive decoding holds at "
-              f"most 2W+{align} columns of each (2W+511 from W = 512 on; after a prompt of W+{align} tokens or "
-              f"fewer), the serving pool as many a row (W its largest window); speculative and parallel decoding "
+              f"most 2W+{align} columns of each (2W+{bf16} in bf16 / fp16, 2W+511 from W = 512 on; after a prompt of "
+              f"W+{align} tokens or fewer, W+{bf16} in bf16), the serving pool as many a row (W its largest window); "
+              "speculative and parallel decoding "
               "hold a round's drafts and 16 more (docs/inference.md)")
     print(f"{f'cache at {length} tokens':>22}  {human_bytes(full)} ({full:,} bytes"
           f"{decode_note(info['cache_bytes_at_max_seq_len_bf16_autoregressive'])})")

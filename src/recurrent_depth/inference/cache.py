@@ -29,7 +29,8 @@ a batch draws what it draws alone and both storages pick the same slots. None: t
 are dropped, so a windowed layer holds O(W) columns instead of the whole context. A query at column c of
 such a layer sees only columns (c - W, c], so when a write at column `start` runs out of room the storage
 keeps the columns from `start - W + 1` on (every query of this call and of later ones sees no older one),
-widened down to a multiple of `WINDOW_ALIGN` (of a whole 512-column SDPA block for W >= 512: `window_align`), and
+widened down to a multiple of `WINDOW_ALIGN` (`REDUCED_WINDOW_ALIGN` in a bf16 / fp16 store, of a whole 512-column
+SDPA block for W >= 512: `window_align`), and
 drops the rest (`first[base]`: the first column it still
 holds; reads return columns [first, end), from the start of CPU SDPA's key block where they cross one, as zeros
 before first (`read_start`), and `key_mask` and the attention's `window_mask` cut their columns to match); it
@@ -137,12 +138,19 @@ def _gather_slots(store: Tensor, index: Tensor, end: int) -> Tensor:
 # then keep their vector lanes and blocks, so its output is bitwise the full cache's (CPU SDPA; dropping any other
 # count rounds its sums otherwise, ~1e-7 a call, which the recurrence amplifies into other logits and tokens).
 WINDOW_ALIGN = 16
+# A 2-byte float store (bf16, fp16) drops multiples of this many: with MKL's AVX-512 kernels (MKL_CBWR unset or
+# AVX512), raw bf16 SDPA reads of 1 to 16 queries whose first held column is an odd multiple of 16 round 1 ulp
+# otherwise than the full read in ~1 % of calls (head dims 8, 16, 64), none of 38,000 from a multiple of 32 (torch
+# 2.13; MKL_CBWR=AVX2 none at either). MKL_CBWR=AVX2,STRICT (the tests') differs from multiples of 32 and 64 too
+# (0.1-0.2 %), none of 12,000 from multiples of 128: bf16 there is not bitwise the full cache's in every read (a
+# cost of 96 more columns not paid for a test-only mode; the tests' bitwise window checks run float32).
+REDUCED_WINDOW_ALIGN = 32
 # A write of several queries behind a seek (a speculative verify, a parallel wavefront) keeps this many columns more
 # than its windows need: with MKL's AVX-512 kernels, CPU SDPA rounds a read of 8 to 11 held columns by 2 or more
 # queries otherwise than the full read at head dim 8. Measured on torch 2.13 (windows 3 to 32, 1 to 24 queries, GQA
 # and MHA): no such read differs at head dims 16, 32, 64 or 128, nor at any on MKL's AVX2 path (MKL_CBWR=AVX2, which
 # the tests pin), nor a single-query decode read; the threshold does not grow with head dim, so one constant serves.
-MULTI_QUERY_WINDOW_SLACK = WINDOW_ALIGN
+MULTI_QUERY_WINDOW_SLACK = 16
 FULL_WINDOW_CACHE_ENV = "RDEPTH_FULL_WINDOW_CACHE"  # set: windowed layers keep every column (module docstring)
 
 
@@ -171,18 +179,22 @@ def _from_read_start(columns: Tensor, first: int, end: int, dim: int) -> Tensor:
     return torch.cat([columns.new_zeros(shape), columns], dim=dim)
 
 
-def window_align(window: int) -> int:
-    """The multiple a windowed layer's first held column is rounded down to: `WINDOW_ALIGN`, or a whole
-    `SDPA_KV_BLOCK` for a window of at least one block. Such a window crosses a block boundary at nearly every
-    read, so `read_start` would copy its held columns behind zeros at every read; starting on a block costs at most
-    511 more columns held (a quarter of 2W at W = 1024, 6 % at Mistral's 4096) and no copy."""
-    return SDPA_KV_BLOCK if window >= SDPA_KV_BLOCK else WINDOW_ALIGN
+def window_align(window: int, dtype: torch.dtype | None = None) -> int:
+    """The multiple a windowed layer's first held column is rounded down to: `WINDOW_ALIGN` (`REDUCED_WINDOW_ALIGN`
+    for a store of 2-byte floats `dtype`; None: float32), or a whole `SDPA_KV_BLOCK` for a window of at least one
+    block. Such a window crosses a block boundary at nearly every read, so `read_start` would copy its held columns
+    behind zeros at every read; starting on a block costs at most 511 more columns held (a quarter of 2W at
+    W = 1024, 6 % at Mistral's 4096) and no copy."""
+    if window >= SDPA_KV_BLOCK:
+        return SDPA_KV_BLOCK
+    reduced = dtype is not None and dtype.is_floating_point and dtype.itemsize < 4
+    return REDUCED_WINDOW_ALIGN if reduced else WINDOW_ALIGN
 
 
-def window_start(column: int, window: int) -> int:
-    """The first column a windowed layer keeps for a write at `column`: its first query's window, from
-    column - window + 1, widened down to a multiple of `window_align(window)`."""
-    align = window_align(window)
+def window_start(column: int, window: int, dtype: torch.dtype | None = None) -> int:
+    """The first column a windowed layer (a store of `dtype`) keeps for a write at `column`: its first query's
+    window, from column - window + 1, widened down to a multiple of `window_align(window, dtype)`."""
+    align = window_align(window, dtype)
     return max(0, column - window + 1) // align * align
 
 
@@ -192,14 +204,15 @@ def window_capacity(held: int, window: int) -> int:
     return held + window
 
 
-def decoding_window_columns(window: int) -> int:
-    """The most columns a windowed base of window `window` allocates in autoregressive decoding (one column per
-    write, from a prompt of at most `window + window_align(window) - 1` tokens; a longer prompt P allocates P + window
-    until the first drop): `window_capacity` at the write of a column c, holding from `window_start(c, window)`,
-    largest over one alignment period (2 W + align - 1: 2W + 15, or 2W + 511 from W = 512 on; reached at a drop on a
-    period's last column: drops come every W + 1 writes). What `rdepth info` prices a windowed layer at."""
-    align = window_align(window)
-    return max(window_capacity(column + 1 - window_start(column, window), window)
+def decoding_window_columns(window: int, dtype: torch.dtype | None = None) -> int:
+    """The most columns a windowed base of window `window` (a store of `dtype`, None: float32) allocates in
+    autoregressive decoding (one column per write, from a prompt of at most `window + window_align(window, dtype) - 1`
+    tokens; a longer prompt P allocates P + window until the first drop): `window_capacity` at the write of a column
+    c, holding from `window_start(c, window, dtype)`, largest over one alignment period (2 W + align - 1: 2W + 15,
+    2W + 31 in bf16 / fp16, or 2W + 511 from W = 512 on; reached at a drop on a period's last column: drops come
+    every W + 1 writes). What `rdepth info` prices a windowed layer at."""
+    align = window_align(window, dtype)
+    return max(window_capacity(column + 1 - window_start(column, window, dtype), window)
                for column in range(window - 1, window - 1 + align))
 
 
@@ -458,7 +471,7 @@ class StaticRecurrentCache(_CacheBase):
             Dv = v.shape[-1]
             capacity = self.capacity
             if base in self.windows:  # columns before the first query's window are never read
-                first = self.first[base] = window_start(self.seq_len, self._reach(base))
+                first = self.first[base] = window_start(self.seq_len, self._reach(base), k.dtype)
                 capacity = self._window_capacity(base, first)
             self.kv[base] = (
                 torch.zeros(S, B, Hkv, capacity, D, dtype=k.dtype, device=k.device),
@@ -483,7 +496,7 @@ class StaticRecurrentCache(_CacheBase):
         if end - first <= K.shape[3]:
             return first
         # the queries of this write and later ones see columns from start - W + 1 on
-        new_first = max(first, window_start(start, self._reach(base)))
+        new_first = max(first, window_start(start, self._reach(base), K.dtype))
         capacity = self._window_capacity(base, new_first)
         kept = []
         for store in (K, V):
@@ -695,7 +708,9 @@ class DynamicRecurrentCache(_CacheBase):
         B, T = k.shape[:2]
         self._written_end = self.seq_len + T
         if base in self.windows:
-            self._drop_before(base, window_start(self.seq_len, self._reach(base)))
+            # (a quantized reference aligns as the static cache's code rows do: `window_align` of no float dtype)
+            dtype = None if self.codes is not None else k.dtype
+            self._drop_before(base, window_start(self.seq_len, self._reach(base), dtype))
         entries = self.entries.setdefault((base, slot), [])
         written = self.written.setdefault((base, slot), [])
         deepest = self.deepest.setdefault(base, [])

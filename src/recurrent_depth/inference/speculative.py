@@ -162,12 +162,18 @@ def _window_back(session: Session, rows: list[int], column: int, lookahead: int)
     if not windows:
         return 0
     seen = max(windows.values()) - 1  # the real columns before `column` that a query there sees
-    hidden = 0
-    for b in rows if seen else ():
-        real = session.valid[b, :column].nonzero().flatten()[-seen:]
-        if real.numel():  # the columns from the oldest one seen, less the real ones: the hidden
-            hidden = max(hidden, column - int(real[0]) - real.numel())
+    hidden = int(hidden_in_window(session.valid[rows, :column], seen).max()) if rows and seen and column else 0
     return lookahead - 1 + hidden + MULTI_QUERY_WINDOW_SLACK  # (the verify reads its L queries at once)
+
+
+def hidden_in_window(valid: Tensor, seen: int) -> Tensor:
+    """Per row of `valid` (bool `[R, C]`: real columns), the hidden columns among its last `seen` real ones: those
+    from the oldest of them on that are not real (0 for a row with no real column). One tensor computation for
+    every row, so that a round reads the result with one device sync."""
+    after = valid.flip(1).cumsum(1, dtype=torch.int32).flip(1)  # real columns from c on: [R, C]
+    counted = after[:, :1].clamp(max=seen)  # the real columns seen: the last min(all, seen)
+    # a hidden column lies after the oldest real one seen iff fewer than `counted` real ones follow it
+    return (~valid & (after < counted)).sum(1)
 
 
 def _generator_states(session: Session, rows: list[int], fresh_verify: bool) -> list[Tensor | None]:

@@ -31,9 +31,10 @@ copy of an entry outlives the call.
 
 Sliding-window layers (`windows`, `inference.cache.layer_windows`) hold each row's recent columns only, as
 autoregressive decoding does (`inference.cache`): a windowed base's storage is `[S, R, Hkv, Cw, D]` (or code rows
-`[S, R, Hkv, Cw, bytes]`), Cw = `decoding_window_columns(reach)` (`reach`: the largest window, and for code rows
+`[S, R, Hkv, Cw, bytes]`), Cw = `decoding_window_columns(reach, dtype)` (`reach`: the largest window, and for code rows
 at least `kv_codec.exact_decode_columns`, so that each held column decodes bitwise as in a longer read), and
-row r holds its columns from `first[r]` on (`window_start`: a multiple of `WINDOW_ALIGN`, of a whole 512-column
+row r holds its columns from `first[r]` on (`window_start`: a multiple of `WINDOW_ALIGN`, of 32 in a bf16 / fp16
+store, of a whole 512-column
 SDPA block from W = 512 on: the attention's sums keep their lanes and blocks, so a row reads bitwise what it reads
 with every column held; with W < 512 only up to column 512, past which CPU SDPA's block boundaries differ and the
 sums ~1e-7, as rows of one call start at different columns and cannot share `inference.cache.read_start`'s zero
@@ -89,6 +90,7 @@ class SlotKVPool:
         if self.windows and self.codes is not None:  # code rows: reads long enough to decode as longer ones do
             self.reach = max(self.reach, self._decode_floor(head_dim))
         self.held = decoding_window_columns(self.reach) if self.windows else 0  # columns a windowed base allocates
+        self.dtype: torch.dtype | None = None  # the windowed stores' (it sets their alignment): from their first write
         self.first: list[int] = []  # per row: the first column its windowed bases hold
         self._held_cols: Tensor | None = None  # token calls: [B] held position of each row's column
         self._held_len = 0  # token calls: held positions a windowed base reads
@@ -200,7 +202,7 @@ class SlotKVPool:
 
     def _compact(self, row: int, column: int) -> None:
         """Row `row`'s windowed bases keep its columns window_start(column) .. column, at held positions from 0."""
-        first = window_start(column, self.reach)
+        first = window_start(column, self.reach, self.dtype)
         shift = first - self.first[row]
         span = min(column + 1, self.first[row] + self.held) - first  # the held ones (the column may be unwritten)
         for base, (K, V) in self.kv.items():
@@ -218,6 +220,8 @@ class SlotKVPool:
 
     def _storage(self, base: tuple, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if base not in self.kv:
+            if base in self.windows and self.dtype is None:  # the first windowed store: its dtype's alignment
+                self._window_dtype(k.dtype)
             S = self.slots if base[0] == "core" else 1
             C = self.held if base in self.windows else self.capacity
             Hkv, D, Dv = k.shape[1], k.shape[3], v.shape[3]  # head-major [B, Hkv, T, D]
@@ -226,6 +230,15 @@ class SlotKVPool:
                 torch.zeros(S, self.rows, Hkv, C, Dv, dtype=v.dtype, device=self.device),
             )
         return self.kv[base]
+
+    def _window_dtype(self, dtype: torch.dtype) -> None:
+        """The windowed stores hold `dtype` (a bf16 / fp16 store starts its rows' held columns on multiples of 32,
+        `window_align`): size them for it and, in the prefill that makes the first one (no row holds a column
+        yet), start its row's held columns there."""
+        self.dtype = dtype
+        self.held = decoding_window_columns(self.reach, dtype)
+        if self._cols is None and self._rows:
+            self.first[self._rows[0]] = window_start(self._prefill_len, self.reach, dtype)
 
     # ------------------------------------------------------------------ binding one model call
     def bind_prefill(self, row: int, length: int, slot_table: Tensor) -> None:
@@ -242,7 +255,7 @@ class SlotKVPool:
         self._read_len = length
         self._slot_table = slot_table.to(self.device)
         if self.windows:  # the prompt's columns its first token's window reaches (module docstring)
-            self.first[row] = window_start(length, self.reach)
+            self.first[row] = window_start(length, self.reach, self.dtype)
         if self.row_codecs is not None:
             self.row_codecs.bind_prefill(row, self.rows)
             self.codes.forget_row(row)  # a new request: the row's old window entries are not its own

@@ -184,7 +184,10 @@ def _main(argv: list[str] | None) -> int:
               f"(or pip install -e '.[{extra}]' in a checkout)", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # a message says what was kept (`rdepth train` saves a checkpoint)
-        print(f"rdepth {args.command}: interrupted{f': {exc}' if str(exc) else ''}", file=sys.stderr)
+        # A trainer's stop (TrainingInterrupted, with its exit_status) is agreed by every rank after the same step and
+        # checkpoint: under torchrun rank 0 says it, as the run's other lines, not once per rank.
+        if not (hasattr(exc, "exit_status") and os.environ.get("RANK", "0") != "0"):
+            print(f"rdepth {args.command}: interrupted{f': {exc}' if str(exc) else ''}", file=sys.stderr)
         return getattr(exc, "exit_status", 130)  # 128 + the signal: 143 when preempted by SIGTERM (TrainingInterrupted)
 
 

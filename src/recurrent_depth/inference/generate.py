@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, get_type_hints
@@ -123,8 +124,10 @@ def _nothing(session: Session) -> Iterator[TokenEvent]:
 def _options(kwargs: dict[str, Any]) -> tuple[GenerationOptions, Any, Any, dict[str, str]]:
     """Keyword arguments (ours or the official aliases) -> options, tokenizer, streamer, and the
     names the caller used (errors speak of those)."""
-    tokenizer = kwargs.pop("tokenizer", None)
+    tokenizer = _decoder(kwargs.pop("tokenizer", None))
     streamer = kwargs.pop("streamer", None)
+    if streamer is not None and not callable(streamer):  # (else a TypeError at the first token, after the prefill)
+        raise TypeError(f"streamer must be a callable receiving each TokenEvent, got {type(streamer).__name__}")
     unknown = unknown_names(kwargs, GenerationOptions.names() | set(OFFICIAL_ALIASES))
     if unknown:
         raise ValueError(
@@ -133,6 +136,19 @@ def _options(kwargs: dict[str, Any]) -> tuple[GenerationOptions, Any, Any, dict[
         )
     values, given_as = canonical(kwargs)
     return GenerationOptions(**values), tokenizer, streamer, given_as
+
+
+def _decoder(tokenizer: Any) -> Any:
+    """`generate`'s tokenizer=: a `tokenizers.Tokenizer` or a transformers tokenizer as given, a directory (or
+    tokenizer.json) loaded; anything without `decode` is refused here, not at the first stop-string check."""
+    if isinstance(tokenizer, str | os.PathLike):
+        from recurrent_depth.data.tokenizer import load_tokenizer
+
+        return load_tokenizer(tokenizer)
+    if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+        raise TypeError(f"tokenizer must be a tokenizers.Tokenizer, a transformers tokenizer or a directory holding "
+                        f"tokenizer.json, got {type(tokenizer).__name__}")
+    return tokenizer
 
 
 def _runtime_model(model: Any) -> Any:
@@ -229,7 +245,8 @@ def generate(
       greedy too. seed: int (row b uses seed + b) or one int per row; each row draws s_0 and samples
       from its own generator, so a row in a batch equals the row alone. init_scale scales s_0 (None:
       the model config's, as its forward: Huginn's 1.0, Parcae's 1/sqrt(h)); init_scale=0 gives s_0 = 0.
-    Stopping: stop ids and stop strings (strings need `tokenizer=`), and the eos ids: eos_token_id=
+    Stopping: stop ids and stop strings (strings need `tokenizer=`: a `tokenizers.Tokenizer`, a transformers
+      tokenizer or a directory holding tokenizer.json), and the eos ids: eos_token_id=
       (an id or a list) or else the config's. finish_round=True lets a speculative row finish the
       round that reaches max_new_tokens.
     GradMem (`recurrent_depth.inference.gradmem`, docs/test-time-training.md): gradmem_tokens=m > 0
@@ -252,7 +269,7 @@ def generate(
     Returns a `GenerationOutput` (`.sequences [B, T + new]`, `.steps [B, new]`, `.exit_reasons`,
     `.cache_bytes [B, new]`, `.lengths`, `.finish_reasons`, timings, mode statistics).
     """
-    given, tokenizer, _, given_as = _options(dict(options, tokenizer=tokenizer))
+    given, tokenizer, _, given_as = _options(dict(options, tokenizer=tokenizer, streamer=streamer))
     stream = _stream(model, input_ids, attention_mask, given, tokenizer, given_as)
     for event in stream:
         if streamer is not None:
@@ -280,7 +297,7 @@ def generate_from_memory(
     `.sequences` starts with the read prompt, a placeholder id at each memory column; the new tokens
     are `.new_tokens` / `.token_lists()`.
     """
-    given, tokenizer, _, given_as = _options(dict(options, tokenizer=tokenizer))
+    given, tokenizer, _, given_as = _options(dict(options, tokenizer=tokenizer, streamer=streamer))
     try:
         stream = GenerationStream(_runtime_model(model), query_ids, attention_mask, given, tokenizer, memory=memory)
     except OptionError as exc:

@@ -109,6 +109,11 @@ class RecurrentDepthLM(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        # (a dict or a path failed at `.validate` with an AttributeError)
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"RecurrentDepthLM takes a ModelConfig (ModelConfig.from_preset(name) or "
+                            f"ModelConfig(...); a saved directory loads with RecurrentDepthLM.from_pretrained), "
+                            f"got {type(config).__name__}")
         config.validate()
         self.config = config
         h = config.hidden_size

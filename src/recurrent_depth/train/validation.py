@@ -254,8 +254,12 @@ def validation_loss_by_depth(
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in depths):
         raise ValueError(f"depths={list(depths)!r} is invalid: expected integers >= 0")
     depths = sorted(set(depths))  # a repeated depth would add its batch losses twice
+    for name, value in (("batch_size", batch_size), ("max_batches", max_batches)):  # (0 or less: clamped, or "too few")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} is invalid: expected an integer >= 1")
     device = torch.device(device)
-    batch_size = max(1, min(batch_size, len(dataset)))
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    batch_size = max(1, min(batch_size, len(dataset)))  # (a split smaller than one batch is one batch)
     num_batches = min(max_batches, len(dataset) // batch_size)
     if num_batches < 1:
         raise ValueError(f"validation split has {len(dataset)} rows: too few to evaluate")
@@ -272,6 +276,9 @@ def validation_loss_by_depth(
             if late and rank0_late(next_batch_late(started, rnd, deadline), world_size, device):
                 break
             rows = torch.as_tensor(rows).to(device)
+            if vocab_size is not None and rows.numel() and int(rows.max()) >= vocab_size:  # (else torch's IndexError)
+                raise ValueError(f"validation rows hold token id {int(rows.max())}, outside the model's vocabulary "
+                                 f"[0, {vocab_size}): the data was tokenized for another model")
             batch_seed = (seed * 1_000_003 + i) % (2**63)
             # each row's s0 from its own stream (storage row i * batch_size + b), not one draw per batch
             states = row_states(model, rows.shape[0], rows.shape[1] - 1, i * batch_size, seed, device)

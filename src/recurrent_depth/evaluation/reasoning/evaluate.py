@@ -142,6 +142,15 @@ def accuracy_grid(
     from tqdm.auto import tqdm
 
     depths = check_depths(depths)
+    if not isinstance(task, ReasoningTask):  # (a task name reached `.name` deep inside: an AttributeError)
+        raise TypeError(f"task must be a ReasoningTask (get_task(name) gives one), got {type(task).__name__}")
+    # (a batch_size <= 0 made range() skip every problem: accuracy 0 everywhere, or range()'s own error)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} is invalid: expected an integer >= 1")
+    if not difficulties:
+        raise ValueError("difficulties is empty: give at least one difficulty")
+    for difficulty in difficulties:  # every one before the first is scored
+        task.check_difficulty(difficulty)
     model = library_model(model)  # (a transformers-loaded model: the library model it holds)
     encoder = encoder or ProblemEncoder()
     grid = AccuracyGrid(

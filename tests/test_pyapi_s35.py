@@ -9,7 +9,7 @@ import torch
 import recurrent_depth as rd
 from recurrent_depth.data import save_tokenizer, train_tokenizer
 from recurrent_depth.evaluation.reasoning import ShellGame, accuracy_grid
-from recurrent_depth.train import validation_loss_by_depth
+from recurrent_depth.train import TrainConfig, Trainer, validation_loss_by_depth
 
 
 class _Rows:
@@ -99,3 +99,21 @@ def test_validation_loss_by_depth_names_ids_outside_the_vocabulary(model_288):
     with pytest.raises(ValueError, match=r"token id 300, outside the model's vocabulary \[0, 288\)"):
         validation_loss_by_depth(model_288, data, [1], batch_size=2, max_batches=2)
     assert validation_loss_by_depth(model_288, _Rows(data.rows[2:]), [1], batch_size=2, max_batches=1).tokens == 16
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda m: {"max_steps": 2}, r"Trainer takes a TrainConfig .* got dict"),  # (was: 'dict' ... no 'init_from')
+    (lambda m: (TrainConfig(max_steps=1), "x"), r"Trainer\(model=\.\.\.\) takes a torch module .* got str"),
+], ids=["config-dict", "model-str"])
+def test_trainer_refuses_arguments_of_the_wrong_type(model_288, build, message):
+    made = build(model_288)
+    cfg, model = made if isinstance(made, tuple) else (made, None)
+    with pytest.raises(TypeError, match=message):
+        Trainer(cfg, model=model)
+
+
+def test_train_result_repr_leaves_the_module_tree_out(model_288):
+    from recurrent_depth.train.trainer import TrainResult
+
+    result = TrainResult(None, model_288, None, 1, 8, 0, 0.1, "max_steps", None, None, None)
+    assert "RecurrentDepthLM(" not in repr(result) and "steps=1" in repr(result)

@@ -160,7 +160,7 @@ class LoopState:
 @dataclass
 class TrainResult:
     out: Path | None  # None: nothing was written
-    model: nn.Module
+    model: nn.Module = field(repr=False)  # (its repr is the whole module tree)
     model_dir: Path | None
     steps: int
     tokens: int
@@ -234,6 +234,13 @@ class Trainer:
     ) -> None:
         from recurrent_depth.integrations.export import read_companions
 
+        # (a dict, or a module that is not one, failed deep inside with an AttributeError)
+        if not isinstance(cfg, TrainConfig):
+            raise TypeError(f"Trainer takes a TrainConfig (TrainConfig(max_steps=...), or TrainConfig.from_yaml(path)),"
+                            f" got {type(cfg).__name__}")
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(f"Trainer(model=...) takes a torch module (RecurrentDepthLM.from_pretrained(path) loads "
+                            f"one; TrainConfig(init_from=path) starts from a directory), got {type(model).__name__}")
         # --init-from: the model directory's config and tokenizer, and the optimizer for all weights or an adapter
         cfg = resolved_config(cfg, lora=is_peft_model(model))
         if start_dir is None and cfg.init_from is not None:

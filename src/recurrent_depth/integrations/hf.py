@@ -445,6 +445,10 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
                 delattr(config, name)
                 if kwargs.get(name) is not None:
                     model_kwargs[name] = kwargs[name]
+        if getattr(config, "dola_layers", None) is not None:
+            import recurrent_depth.integrations.remote.modeling_recurrent_depth as remote  # (shared message)
+
+            raise ValueError(remote.DOLA_IN_GENERATE)
         return config, model_kwargs
 
     def _prepare_generated_length(self, generation_config: Any, *args: Any, **kwargs: Any) -> Any:
@@ -476,6 +480,23 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             model_kwargs["cache"] = RecurrentDepthCache.for_config(
                 self._core.config, model_kwargs.get("kv_budget"), model_kwargs.get("kv_policy"))
         return out
+
+    def _get_candidate_generator(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers' candidate generator; an assistant of another architecture (`assistant_model=` a small Llama)
+        gets none of this model's options, which it failed on as "model_kwargs are not used by the model"."""
+        import recurrent_depth.integrations.remote.modeling_recurrent_depth as remote  # (shared helper, see forward)
+
+        return remote.drop_unread_options(super()._get_candidate_generator(*args, **kwargs), _GENERATE_FORWARD_OPTIONS)
+
+    def _get_logits_processor(self, generation_config: GenerationConfig, *args: Any, **kwargs: Any) -> Any:
+        """transformers' processors, with the call's forward options bound to classifier-free guidance's own forwards
+        (`guidance_scale`): it calls the model for the unconditional logits without the model kwargs, so they ran at
+        config.mean_recurrence and the config's init_scale, not at the call's num_steps / init_scale."""
+        import recurrent_depth.integrations.remote.modeling_recurrent_depth as remote  # (shared helper, see forward)
+
+        processors = super()._get_logits_processor(generation_config, *args, **kwargs)
+        remote.bind_forward_options(processors, kwargs.get("model_kwargs"), _GENERATE_FORWARD_OPTIONS)
+        return processors
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -965,6 +986,10 @@ def _split_generation_config(config: Any) -> tuple[dict[str, Any], dict[str, Any
     values.pop("transformers_version", None)
     ours = {k: v for k, v in values.items() if k in HF_OPTION_NAMES}
     return ours, {k: v for k, v in values.items() if k not in ours}
+
+
+# forward() options that generate passes as model kwargs: what any forward of the same call must run with
+_GENERATE_FORWARD_OPTIONS = ("num_steps", "init_scale", "kv_budget", "kv_policy", "generator")
 
 
 def _check_continued_cache(input_ids: Any, cache: Any) -> None:

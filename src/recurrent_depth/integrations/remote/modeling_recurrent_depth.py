@@ -182,6 +182,44 @@ INPUT_STATES_IN_GENERATE = (
     "take it: set generate's s_0 with init_scale= (0: s_0 = 0), or call the model with input_states= to score a "
     "sequence from given states")
 
+# transformers' DoLa (hub code once trust_remote_code=True) reads hidden_states as per-layer outputs and applies the
+# lm_head to each: here they are the recurrent states s_0..s_r, which the coda reads before the head (and fewer than
+# num_hidden_layers at low depth), so its early-layer logits would be meaningless (integrations/hf.py imports this).
+DOLA_IN_GENERATE = (
+    "generate: dola_layers (DoLa decoding) contrasts the logits of early layers, which a recurrent-depth model does "
+    "not have: its hidden_states are the recurrent states s_0..s_r, which the coda reads before the lm_head")
+
+
+def bind_forward_options(processors: Any, model_kwargs: dict[str, Any] | None, names: tuple[str, ...]) -> None:
+    """Give classifier-free guidance's processor (`guidance_scale`, the one transformers processor that runs the model
+    itself) the call's forward options `names` found in `model_kwargs`: it called the model without them, so its
+    unconditional logits ran at config.mean_recurrence and the config's init_scale, not the call's."""
+    from functools import partial
+
+    from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
+
+    bound = {name: model_kwargs[name] for name in names if (model_kwargs or {}).get(name) is not None}
+    for processor in processors:
+        if bound and isinstance(processor, UnbatchedClassifierFreeGuidanceLogitsProcessor):
+            processor.model = partial(processor.model, **bound)
+
+
+def drop_unread_options(candidate_generator: Any, names: tuple[str, ...]) -> Any:
+    """An assisted-decoding candidate generator whose assistant (`assistant_model=`) is not given the options `names`
+    its forward does not take: transformers hands the assistant a copy of the call's model kwargs, so an assistant of
+    another architecture (a small Llama, GPT-2) failed with "model_kwargs are not used by the model: ['num_steps']".
+    The drafts only set the speed: the model verifies them at the call's options."""
+    import inspect
+
+    assistant = getattr(candidate_generator, "assistant_model", None)
+    kwargs = getattr(candidate_generator, "assistant_kwargs", None)
+    if assistant is not None and isinstance(kwargs, dict):
+        takes = inspect.signature(type(assistant).forward).parameters
+        for name in names:
+            if name not in takes:
+                kwargs.pop(name, None)
+    return candidate_generator
+
 
 def refuse_library_only(kwargs: dict[str, Any]) -> None:
     """One line naming the options this file cannot run, why, and how to get them."""
@@ -569,6 +607,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
                 if value is not None:
                     model_kwargs[name] = value
         refuse_library_only(model_kwargs)
+        if getattr(config, "dola_layers", None) is not None:
+            raise ValueError(DOLA_IN_GENERATE)
         return config, model_kwargs
 
     def _prepare_cache_for_generation(self, generation_config: Any, model_kwargs: dict, generation_mode: Any,
@@ -582,6 +622,19 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         if needs_cache and model_kwargs.get("cache") is None and generation_config.use_cache is not False:
             model_kwargs["cache"] = RecurrentDepthCache(self.config)
         return out
+
+    def _get_candidate_generator(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers' candidate generator; an assistant of another architecture gets none of this model's options
+        (see `drop_unread_options`)."""
+        return drop_unread_options(super()._get_candidate_generator(*args, **kwargs),
+                                   ("num_steps", "init_scale", "generator"))
+
+    def _get_logits_processor(self, generation_config: Any, *args: Any, **kwargs: Any) -> Any:
+        """transformers' processors; classifier-free guidance's own forwards take the call's options (see
+        `bind_forward_options`)."""
+        processors = super()._get_logits_processor(generation_config, *args, **kwargs)
+        bind_forward_options(processors, kwargs.get("model_kwargs"), ("num_steps", "init_scale", "generator"))
+        return processors
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

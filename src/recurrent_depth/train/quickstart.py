@@ -287,7 +287,7 @@ def quickstart(
     log(f"training for up to {max(train_window, 0):.0f}s (keeping {reserve:.0f}s for evaluation at depths "
         f"{', '.join(map(str, recipe.eval_depths))} and saving)")
     if train_window < 30:
-        log("warning: under 30 s left for training; raise --minutes for a meaningful result")
+        log("warning: under 30 s left for training; raise --max-minutes for a meaningful result")
     over = plan.fixed_s + EVAL_MARGIN * per_batch - (deadline - time.perf_counter())
     if over > 1:
         log(f"warning: the {minutes:g}-minute budget will overrun by about {over:.0f}s: preparation left too little "

@@ -113,3 +113,14 @@ def test_dola_is_refused_in_one_line_before_transformers_fetches_it(models, whic
         models[which].generate(ids(batch=1, length=4), max_new_tokens=2, dola_layers="high", trust_remote_code=True,
                                **GREEDY)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("which", ["library", "remote"])
+def test_a_beam_searchs_cache_does_not_continue_the_batch_and_says_why(models, which):
+    model = models[which]
+    x = ids(batch=1, length=3, seed=5)
+    out = model.generate(x, max_new_tokens=2, num_beams=2, return_dict_in_generate=True, **GREEDY)
+    more = torch.cat([out.sequences[:1], ids(batch=1, length=1, seed=9)], dim=1)
+    with pytest.raises(ValueError, match=r"holds 2 rows but this call has 1: .*a beam search's holds batch x "
+                                         r"num_beams rows"):
+        model.generate(more, past_key_values=out.past_key_values, max_new_tokens=1, **GREEDY)

@@ -129,7 +129,8 @@ class RecurrentDepthCache(DynamicCache):
         held = layer.get_seq_length()
         if held and layer.keys.shape[0] != new_k.shape[0]:  # (not torch.cat's "Sizes of tensors must match")
             raise ValueError(f"the cache holds {layer.keys.shape[0]} rows but this call has {new_k.shape[0]}: a cache "
-                             "continues the batch that filled it")
+                             "continues the batch that filled it (a beam search's holds batch x num_beams rows, and "
+                             "num_return_sequences' batch x that many)")
         if held == self._seen:
             layer.update(new_k, new_v)
         elif held == self._seen + T and self.policy.slots.shares_slots:

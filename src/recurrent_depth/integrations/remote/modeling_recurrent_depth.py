@@ -511,7 +511,8 @@ class RecurrentDepthCache(DynamicCache):
             self.layers.append(self.layer_class_to_replicate())
         if self.seen and self.layers[idx].get_seq_length() and self.layers[idx].keys.shape[0] != k.shape[0]:
             raise ValueError(f"the cache holds {self.layers[idx].keys.shape[0]} rows but this call has {k.shape[0]}: "
-                             "a cache continues the batch that filled it")
+                             "a cache continues the batch that filled it (a beam search's holds batch x num_beams "
+                             "rows, and num_return_sequences' batch x that many)")
         if self.layers[idx].get_seq_length() != self.seen:
             raise RuntimeError(f"cache layer {key} is out of step with the {self.seen} cached tokens")
         keys, values = self.layers[idx].update(k.transpose(1, 2), v.transpose(1, 2))

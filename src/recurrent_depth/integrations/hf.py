@@ -989,7 +989,8 @@ def _split_generation_config(config: Any) -> tuple[dict[str, Any], dict[str, Any
     return ours, {k: v for k, v in values.items() if k not in ours}
 
 
-# forward() options that generate passes as model kwargs: what any forward of the same call must run with
+# forward() options that generate passes as model kwargs: what any forward of the same call must run with (the
+# remote file's GENERATE_FORWARD_OPTIONS and the library-only kv_budget, kv_policy)
 _GENERATE_FORWARD_OPTIONS = ("num_steps", "init_scale", "kv_budget", "kv_policy", "generator")
 
 

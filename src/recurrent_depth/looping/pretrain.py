@@ -117,7 +117,7 @@ def pretrain(out: str | Path, recipe: PretrainRecipe | None = None,
 
     from recurrent_depth.data import build_tokenizer, load_corpus, prepare_dataset
     from recurrent_depth.data.prepare import corpus_would_read
-    from recurrent_depth.files import check_out_dir, locked_directory
+    from recurrent_depth.files import check_out_dir, locked_directory, remove_tree
     from recurrent_depth.train.batches import RowBatches
     from recurrent_depth.train.config import TrainConfig
     from recurrent_depth.train.optim import OptimConfig
@@ -140,11 +140,8 @@ def pretrain(out: str | Path, recipe: PretrainRecipe | None = None,
     with locked_directory(out, "--out"):
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
         if (out / "pretrain.json").is_file():  # its own earlier model/ and record (the trainer keeps any other's)
-            for name in EARLIER_RUN_NAMES:
-                if (out / name).is_dir():
-                    shutil.rmtree(out / name, ignore_errors=True)
-                else:
-                    (out / name).unlink(missing_ok=True)
+            for name in EARLIER_RUN_NAMES:  # (a link loses only the link: rmtree refused one, in silence)
+                remove_tree(out / name, ignore_errors=True)
     start = time.perf_counter()
     tok, tok_meta = build_tokenizer(corpus, recipe.vocab_size, val_fraction=recipe.val_fraction, seed=recipe.seed,
                                     max_bytes=recipe.tokenizer_max_bytes, out_dir=out / "tokenizer")

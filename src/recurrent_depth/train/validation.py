@@ -275,10 +275,13 @@ def validation_loss_by_depth(
             late = deadline is not None and rnd > 0
             if late and rank0_late(next_batch_late(started, rnd, deadline), world_size, device):
                 break
-            rows = torch.as_tensor(rows).to(device)
-            if vocab_size is not None and rows.numel() and int(rows.max()) >= vocab_size:  # (else torch's IndexError)
-                raise ValueError(f"validation rows hold token id {int(rows.max())}, outside the model's vocabulary "
+            rows = torch.as_tensor(rows)
+            # (else torch's IndexError; checked before the copy to the device: no device sync a batch)
+            top = int(rows.max()) if vocab_size is not None and rows.numel() else -1
+            if vocab_size is not None and top >= vocab_size:
+                raise ValueError(f"validation rows hold token id {top}, outside the model's vocabulary "
                                  f"[0, {vocab_size}): the data was tokenized for another model")
+            rows = rows.to(device)
             batch_seed = (seed * 1_000_003 + i) % (2**63)
             # each row's s0 from its own stream (storage row i * batch_size + b), not one draw per batch
             states = row_states(model, rows.shape[0], rows.shape[1] - 1, i * batch_size, seed, device)

@@ -190,6 +190,10 @@ DOLA_IN_GENERATE = (
     "not have: its hidden_states are the recurrent states s_0..s_r, which the coda reads before the lm_head")
 
 
+# forward() options that generate passes as model kwargs: what any other forward of the same call must run with
+GENERATE_FORWARD_OPTIONS = ("num_steps", "init_scale", "generator")
+
+
 def bind_forward_options(processors: Any, model_kwargs: dict[str, Any] | None, names: tuple[str, ...]) -> None:
     """Give classifier-free guidance's processor (`guidance_scale`, the one transformers processor that runs the model
     itself) the call's forward options `names` found in `model_kwargs`: it called the model without them, so its
@@ -628,13 +632,13 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         """transformers' candidate generator; an assistant of another architecture gets none of this model's options
         (see `drop_unread_options`)."""
         return drop_unread_options(super()._get_candidate_generator(*args, **kwargs),
-                                   ("num_steps", "init_scale", "generator"))
+                                   GENERATE_FORWARD_OPTIONS)
 
     def _get_logits_processor(self, generation_config: Any, *args: Any, **kwargs: Any) -> Any:
         """transformers' processors; classifier-free guidance's own forwards take the call's options (see
         `bind_forward_options`)."""
         processors = super()._get_logits_processor(generation_config, *args, **kwargs)
-        bind_forward_options(processors, kwargs.get("model_kwargs"), ("num_steps", "init_scale", "generator"))
+        bind_forward_options(processors, kwargs.get("model_kwargs"), GENERATE_FORWARD_OPTIONS)
         return processors
 
     @torch.no_grad()

@@ -16,11 +16,13 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import multiprocessing.resource_tracker
 import os
 import signal
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,6 +160,11 @@ def worker_main(conn: Any, spec: PrepSpec) -> None:
     """A worker's loop: one (kind, raw body) in, one result tuple out, until EOF or None."""
     conn.send(("started",))  # past the re-import of the parent's __main__ module (see `Worker`)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle, not ours
+    # A SIGTERM to the group before now (held by the mask `Worker` started us with) is dropped: the server is
+    # stopping and ends us. A later one ends us, and multiprocessing's exit-time terminate() does too.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, START_SIGNALS)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     # A tokenizer panic is the request's 400 (TextCodec); Rust would still print a backtrace of its
     # internals to the log for each one (the environment may ask for RUST_BACKTRACE=1): its line is enough.
@@ -185,6 +192,25 @@ def _context() -> Any:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
     return ctx
+
+
+# A terminal's Ctrl-C, or a SIGTERM sent to the process group, reaches the forkserver and the workers too; during
+# their start-up (the forkserver's preload import, a worker's before `worker_main`) it killed them with a traceback
+# each and failed the server's start-up. Those signals are the server's to handle (it ends the workers): they start
+# with them blocked, a mask the forkserver keeps and its children inherit; `worker_main` lets SIGTERM in again.
+START_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def _signals_blocked() -> Iterator[None]:
+    """`START_SIGNALS` blocked in this thread (a new process inherits the mask); a pending one is delivered after."""
+    # (the resource tracker's start, on a forkserver's, unblocks these two in this thread: start it before)
+    multiprocessing.resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, START_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 START_TIMEOUT = 120.0  # seconds for a worker to start and load the tokenizer
@@ -217,7 +243,8 @@ class Worker:
         ctx = _context()
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=worker_main, args=(child, spec), name="rdepth-prep", daemon=True)
-        self.process.start()
+        with _signals_blocked():
+            self.process.start()
         child.close()
         deadline = time.monotonic() + START_TIMEOUT
         self._expect("started", deadline, main_guard_message())

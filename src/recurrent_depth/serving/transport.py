@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import re
+import signal
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any
@@ -245,6 +246,19 @@ class HostGuard:
 
 
 # ---------------------------------------------------------------------------------------- server
+class StartupInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) or SIGTERM while the server started: it stopped before serving. `exit_status` (128 + the
+    signal: 130, 143) is what `rdepth serve` exits with, as on an interrupt while the model loads."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"{signal.Signals(signum).name} during start-up; nothing was served")
+        self.signum = int(signum)
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum
+
+
 class Server(uvicorn.Server):
     """uvicorn's server with a bounded, clean shutdown and a start-up banner.
 
@@ -258,7 +272,8 @@ class Server(uvicorn.Server):
     After that graceful shutdown `run()` returns, whichever of SIGINT and SIGTERM asked for it: uvicorn
     raises the signal again, so `rdepth serve` exited 130 on Ctrl-C but was killed by SIGTERM (status
     -15 / 143, which systemd and Docker read as a failure). A forced shutdown (a second Ctrl-C) still
-    raises it: KeyboardInterrupt, exit 130.
+    raises it: KeyboardInterrupt, exit 130. A signal that comes while the app starts (its workers, kernels) stops
+    the server as soon as it has started, and `run()` raises `StartupInterrupted` (exit 130 / 143), no banner.
     """
 
     DRAIN_S = 5.0
@@ -271,9 +286,16 @@ class Server(uvicorn.Server):
         self.grace = grace
         self.drain = drain
         self.banner = banner
+        self.interrupted: int | None = None  # the signal that came while the app started, if one did
 
     async def startup(self, sockets: list | None = None) -> None:
         await super().startup(sockets)
+        captured = getattr(self, "_captured_signals", None)  # (uvicorn's: the signals its handlers caught)
+        if self.started and self.should_exit and captured:
+            # Ctrl-C / SIGTERM while the app started (workers, kernels): uvicorn finished starting, then stops at
+            # once; say so (capture_signals) rather than print the banner of a server that is not serving
+            self.interrupted = captured[0]
+            return
         if self.started and self.banner is not None and self.servers:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             shown = f"[{host}]" if ":" in host else host
@@ -286,6 +308,8 @@ class Server(uvicorn.Server):
             captured = getattr(self, "_captured_signals", None)  # (what uvicorn raises again on leaving)
             if captured is not None and not self.force_exit:
                 captured.clear()
+            if self.interrupted is not None:
+                raise StartupInterrupted(self.interrupted)
 
     async def shutdown(self, sockets: list | None = None) -> None:
         async def drain_after_grace() -> None:

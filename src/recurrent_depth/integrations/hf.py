@@ -20,6 +20,7 @@ drafts) are routed there by :meth:`RecurrentDepthForCausalLM.generate`.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from dataclasses import dataclass, replace
@@ -989,9 +990,10 @@ def _split_generation_config(config: Any) -> tuple[dict[str, Any], dict[str, Any
     return ours, {k: v for k, v in values.items() if k not in ours}
 
 
-# forward() options that generate passes as model kwargs: what any forward of the same call must run with (the
-# remote file's GENERATE_FORWARD_OPTIONS and the library-only kv_budget, kv_policy)
-_GENERATE_FORWARD_OPTIONS = ("num_steps", "init_scale", "kv_budget", "kv_policy", "generator")
+# forward() options that generate passes as model kwargs, what any other forward of the same call must run with:
+# the schema's options that forward() takes (num_steps, init_scale, kv_budget, kv_policy), and the call's generator
+_GENERATE_FORWARD_OPTIONS = (*(name for name in inspect.signature(RecurrentDepthForCausalLM.forward).parameters
+                               if name in HF_OPTION_NAMES), "generator")
 
 
 def _check_continued_cache(input_ids: Any, cache: Any) -> None:

@@ -132,7 +132,13 @@ def set_aside_run_record(out: Path, names: Sequence[str]) -> tuple[Path, list[st
     """Move the entries of `names` (run.json, the logs, tensorboard/, model/) that `out` holds with something in them
     into a new `out/previous-<k>` (the first free k), under their own names: the record of an earlier session that a
     run starting from step 0 would overwrite, kept whole (a run directory as any tool reads one). Returns that
-    directory and the names moved; None when `out` holds none of them (an empty file or directory records nothing)."""
+    directory and the names moved; None when `out` holds none of them (an empty file or directory records nothing).
+
+    All or nothing: when a move fails (OSError), those done are moved back and the empty directory removed before the
+    error is raised, so the record stays whole where it was. They move last to first: a process killed midway leaves
+    the record split between the two, nothing lost, and the model/ the trainer names last already moved (one left
+    with no valid checkpoint is refused by the next run, `check_out_state`). A symbolic link moves as the link; a
+    relative one that resolves is re-pointed, as it resolved from `out`."""
     present = [name for name in names if _holds_something(out / name)]
     if not present:
         return None
@@ -144,14 +150,53 @@ def set_aside_run_record(out: Path, names: Sequence[str]) -> tuple[Path, list[st
             break
         except FileExistsError:
             k += 1
-    for name in present:
-        os.rename(out / name, target / name)
+    moved: list[tuple[str, str | None]] = []
+    try:
+        for name in reversed(present):
+            moved.append((name, _move_down(out / name, target / name)))
+    except OSError:
+        for name, link in reversed(moved):
+            if link is None:
+                os.rename(target / name, out / name)
+            else:
+                os.symlink(link, out / name)
+                (target / name).unlink()
+        target.rmdir()
+        raise
     fsync_dir(target)
     fsync_dir(out)
     return target, present
 
 
+def record_entry_holding(out: Path, names: Sequence[str], path: str | Path) -> Path | None:
+    """The entry `out/<name>` of `names` that `path` lies in (None: none), which `set_aside_run_record` would move
+    away from under it: the path as named runs through the entry, or (the entry not a link, which moves alone) its
+    files do."""
+    named, real = Path(os.path.abspath(path)), Path(path).resolve()
+    for name in names:
+        entry = out / name
+        if named.is_relative_to(os.path.abspath(entry)) or (
+                not entry.is_symlink() and entry.exists() and real.is_relative_to(entry.resolve())):
+            return entry
+    return None
+
+
+def _move_down(source: Path, destination: Path) -> str | None:
+    """Rename `source` to `destination`, in a (real) directory in `source`'s. A relative symbolic link would then
+    resolve from that directory (to nothing, or to something else): it is made anew there, `../` before its text, so
+    it points where it did (one resolving to nothing, dangling or a loop, moves as it is). Returns that link's own
+    text (None: a rename)."""
+    if not source.is_symlink() or os.path.isabs(link := os.readlink(source)) or not source.exists():
+        os.rename(source, destination)
+        return None
+    os.symlink(os.path.join(os.pardir, link), destination)
+    source.unlink()
+    return link
+
+
 def _holds_something(path: Path) -> bool:
+    if path.is_symlink() and not path.exists():  # dangling or a loop: the run would fail on it at its first write
+        return True
     if path.is_dir():
         return any(path.iterdir())
     return path.is_file() and path.stat().st_size > 0
@@ -167,6 +212,9 @@ class JsonlLog:
         self.kept: list[dict[str, Any]] = []  # the records kept from an earlier session
         if path is None:
             return
+        if path.exists() and not path.is_file():  # (a FIFO blocked the read below forever; a socket failed it)
+            raise ValueError(f"{path} is not a regular file, so it cannot be the run's log: move it out of the "
+                             "way, then run again")
         if path.exists():
             kept = []
             for number, line in enumerate(path.read_text().splitlines(), 1):

@@ -88,6 +88,7 @@ from recurrent_depth.train.run_record import (
     library_versions,
     num_parameters,
     open_tensorboard,
+    record_entry_holding,
     run_metadata,
     set_aside_run_record,
     tensorboard_step,
@@ -405,9 +406,18 @@ class Trainer:
         said in one line, with the resume's "starting from scratch"."""
         if self.out is None or not self.env.is_main:
             return
+        # (a directory the run reads inside what moves: its checkpoints and model/ lacked the tokenizer, and its
+        # record named as its start or teacher the model/ it then replaced, so that no resume was possible)
+        reads = {"--init-from": (self.start or {}).get("directory"), "the tokenizer": self.tokenizer_dir,
+                 "--teacher": (self.teacher_start or {}).get("directory")}
+        for flag, directory in reads.items():
+            if directory is not None and (entry := record_entry_holding(self.out, EARLIER_RUN_NAMES, directory)):
+                raise ValueError(f"{flag} {directory} lies in {entry}, of the earlier session's record, which a run "
+                                 f"starting from scratch moves to {self.out / 'previous-<k>'}: move it out of "
+                                 f"{self.out} and name its new place, or choose a new --out")
         try:
             moved = set_aside_run_record(self.out, EARLIER_RUN_NAMES)
-        except OSError as exc:  # (nothing is lost: what was moved is in previous-<k>, the rest where it was)
+        except OSError as exc:  # (nothing moved: what was, was moved back)
             raise ValueError(f"cannot set aside the earlier run record in {self.out} ({exc.strerror or exc}) before "
                              f"starting from scratch: move {', '.join(EARLIER_RUN_NAMES)} out of it, or choose a new "
                              "--out") from None

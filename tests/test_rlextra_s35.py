@@ -4,22 +4,19 @@ before. A record the chat template fails on is named FILE:LINE."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 import recurrent_depth as rd
 from recurrent_depth.cli import main
 from recurrent_depth.data.chat import prompt_fields
-from recurrent_depth.data.tokenizer import save_tokenizer
-from recurrent_depth.evaluation.reasoning.data import byte_tokenizer
 from recurrent_depth.train.rl.rewards import RewardKeywords, ShapedReward
 from recurrent_depth.train.rl.rollouts import chat_prompts
+from tests.test_rlchat_s34 import chat_model  # noqa: F401 (a fixture: the tiny chat model of that file)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -43,16 +40,6 @@ def everything(prompt: str, completion: str, depths: list[int], **kwargs: Any) -
 
 def record(answer: str, **extra: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": f"q-{answer}"}], "answer": answer, **extra}
-
-
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory) -> Path:
-    out: Path = tmp_path_factory.mktemp("rlextra") / "m"
-    torch.manual_seed(3)
-    config = dataclasses.replace(rd.ModelConfig.from_preset("tiny"), vocab_size=288)
-    rd.RecurrentDepthLM(config).save_pretrained(out)
-    save_tokenizer(byte_tokenizer(), out)
-    return out
 
 
 def rl_args(model: Path, out: Path, data: Path, reward: str, *more: str) -> list[str]:
@@ -107,7 +94,7 @@ def test_shaped_reward_passes_fields_to_functions_that_take_them_and_copies_them
     assert failing("p", "c", [1], 1, fields) == 0.0 and "fields={'answer': '4'}" in seen[-1]
 
 
-def test_every_completion_of_a_prompt_gets_that_prompts_fields(chat_model, tmp_path, capsys):
+def test_every_completion_of_a_prompt_gets_that_prompts_fields(chat_model, tmp_path, capsys):  # noqa: F811 - (the fixture imported above)
     data = tmp_path / "chats.jsonl"
     data.write_text("\n".join(json.dumps(record(a)) for a in ("A", "B", "C")) + "\n")
     CALLS.clear()
@@ -119,7 +106,7 @@ def test_every_completion_of_a_prompt_gets_that_prompts_fields(chat_model, tmp_p
         assert len(set(group)) == 1
 
 
-def test_a_required_field_a_record_lacks_is_refused_before_the_model_loads(chat_model, tmp_path, capsys):
+def test_a_required_field_a_record_lacks_is_refused_before_the_model_loads(chat_model, tmp_path, capsys):  # noqa: F811 - (the fixture imported above)
     data = tmp_path / "chats.jsonl"
     data.write_text(json.dumps(record("A")) + "\n" + json.dumps({"messages": record("B")["messages"]}) + "\n")
     assert main(rl_args(chat_model, tmp_path / "run", data, "tests.test_rlextra_s35:graded")) == 2
@@ -132,7 +119,7 @@ def test_a_required_field_a_record_lacks_is_refused_before_the_model_loads(chat_
     assert not (tmp_path / "run").exists()  # refused before the model loads
 
 
-def test_a_field_named_like_an_argument_is_refused_under_kwargs(chat_model, tmp_path, capsys):
+def test_a_field_named_like_an_argument_is_refused_under_kwargs(chat_model, tmp_path, capsys):  # noqa: F811 - (the fixture imported above)
     data = tmp_path / "chats.jsonl"
     data.write_text(json.dumps(record("A", depths=[1])) + "\n")
     assert main(rl_args(chat_model, tmp_path / "run", data, "tests.test_rlextra_s35:everything")) == 2
@@ -141,7 +128,7 @@ def test_a_field_named_like_an_argument_is_refused_under_kwargs(chat_model, tmp_
     assert not (tmp_path / "run").exists()
 
 
-def test_fields_must_be_json_values(chat_model):
+def test_fields_must_be_json_values(chat_model):  # noqa: F811 - (the fixture imported above)
     config = rd.RecurrentDepthLM.from_pretrained(chat_model).config
     with pytest.raises(ValueError, match=r"^prompt 2: field 'answer' is not a JSON value: it holds a set$"):
         chat_prompts([record("A"), {**record("B"), "answer": {1, 2}}], chat_model, config)
@@ -151,7 +138,7 @@ def test_fields_must_be_json_values(chat_model):
     assert prompts.prompts[0].fields == {"answer": "A", "tools": None} and prompts.prompts[0].where == "prompt 1"
 
 
-def test_the_python_api_checks_the_fields_a_reward_needs_before_any_rollout(chat_model):
+def test_the_python_api_checks_the_fields_a_reward_needs_before_any_rollout(chat_model):  # noqa: F811 - (the fixture imported above)
     from recurrent_depth.evaluation.reasoning.tasks import get_task
     from recurrent_depth.train.rl import ListPrompts, RolloutSettings, RolloutSource, TaskPrompts
 
@@ -167,7 +154,7 @@ def test_the_python_api_checks_the_fields_a_reward_needs_before_any_rollout(chat
     RolloutSource(model, chats, ShapedReward(plain, max_depth=2, max_new_tokens=2), settings)  # (ignores fields)
 
 
-def test_a_record_the_chat_template_fails_on_is_named_file_and_line(chat_model, tmp_path, capsys):
+def test_a_record_the_chat_template_fails_on_is_named_file_and_line(chat_model, tmp_path, capsys):  # noqa: F811 - (the fixture imported above)
     model = tmp_path / "m"
     shutil.copytree(chat_model, model)
     refuse = "{%- for m in messages -%}{%- if m['content'] == 'q-boom' -%}{{ raise_exception('no boom') }}" \

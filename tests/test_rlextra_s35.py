@@ -94,7 +94,7 @@ def test_shaped_reward_passes_fields_to_functions_that_take_them_and_copies_them
     assert failing("p", "c", [1], 1, fields) == 0.0 and "fields={'answer': '4'}" in seen[-1]
 
 
-def test_every_completion_of_a_prompt_gets_that_prompts_fields(chat_model, tmp_path, capsys):  # noqa: F811 - (the fixture imported above)
+def test_every_completion_of_a_prompt_gets_that_prompts_fields(chat_model, tmp_path, capsys):  # noqa: F811 - (a fixture)
     data = tmp_path / "chats.jsonl"
     data.write_text("\n".join(json.dumps(record(a)) for a in ("A", "B", "C")) + "\n")
     CALLS.clear()
@@ -106,7 +106,7 @@ def test_every_completion_of_a_prompt_gets_that_prompts_fields(chat_model, tmp_p
         assert len(set(group)) == 1
 
 
-def test_a_required_field_a_record_lacks_is_refused_before_the_model_loads(chat_model, tmp_path, capsys):  # noqa: F811 - (the fixture imported above)
+def test_a_required_field_a_record_lacks_is_refused_before_the_model_loads(chat_model, tmp_path, capsys):  # noqa: F811 - (a fixture)
     data = tmp_path / "chats.jsonl"
     data.write_text(json.dumps(record("A")) + "\n" + json.dumps({"messages": record("B")["messages"]}) + "\n")
     assert main(rl_args(chat_model, tmp_path / "run", data, "tests.test_rlextra_s35:graded")) == 2
@@ -119,7 +119,7 @@ def test_a_required_field_a_record_lacks_is_refused_before_the_model_loads(chat_
     assert not (tmp_path / "run").exists()  # refused before the model loads
 
 
-def test_a_field_named_like_an_argument_is_refused_under_kwargs(chat_model, tmp_path, capsys):  # noqa: F811 - (the fixture imported above)
+def test_a_field_named_like_an_argument_is_refused_under_kwargs(chat_model, tmp_path, capsys):  # noqa: F811 - (a fixture)
     data = tmp_path / "chats.jsonl"
     data.write_text(json.dumps(record("A", depths=[1])) + "\n")
     assert main(rl_args(chat_model, tmp_path / "run", data, "tests.test_rlextra_s35:everything")) == 2
@@ -128,7 +128,7 @@ def test_a_field_named_like_an_argument_is_refused_under_kwargs(chat_model, tmp_
     assert not (tmp_path / "run").exists()
 
 
-def test_fields_must_be_json_values(chat_model):  # noqa: F811 - (the fixture imported above)
+def test_fields_must_be_json_values(chat_model):  # noqa: F811 - (a fixture)
     config = rd.RecurrentDepthLM.from_pretrained(chat_model).config
     with pytest.raises(ValueError, match=r"^prompt 2: field 'answer' is not a JSON value: it holds a set$"):
         chat_prompts([record("A"), {**record("B"), "answer": {1, 2}}], chat_model, config)
@@ -138,7 +138,7 @@ def test_fields_must_be_json_values(chat_model):  # noqa: F811 - (the fixture im
     assert prompts.prompts[0].fields == {"answer": "A", "tools": None} and prompts.prompts[0].where == "prompt 1"
 
 
-def test_the_python_api_checks_the_fields_a_reward_needs_before_any_rollout(chat_model):  # noqa: F811 - (the fixture imported above)
+def test_the_python_api_checks_the_fields_a_reward_needs_before_any_rollout(chat_model):  # noqa: F811 - (a fixture)
     from recurrent_depth.evaluation.reasoning.tasks import get_task
     from recurrent_depth.train.rl import ListPrompts, RolloutSettings, RolloutSource, TaskPrompts
 
@@ -154,7 +154,7 @@ def test_the_python_api_checks_the_fields_a_reward_needs_before_any_rollout(chat
     RolloutSource(model, chats, ShapedReward(plain, max_depth=2, max_new_tokens=2), settings)  # (ignores fields)
 
 
-def test_a_record_the_chat_template_fails_on_is_named_file_and_line(chat_model, tmp_path, capsys):  # noqa: F811 - (the fixture imported above)
+def test_a_record_the_chat_template_fails_on_is_named_file_and_line(chat_model, tmp_path, capsys):  # noqa: F811 - (a fixture)
     model = tmp_path / "m"
     shutil.copytree(chat_model, model)
     refuse = "{%- for m in messages -%}{%- if m['content'] == 'q-boom' -%}{{ raise_exception('no boom') }}" \

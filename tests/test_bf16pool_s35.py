@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import recurrent_depth as rd
 from recurrent_depth.inference.generate import generate
 from tests.serving_fixtures import serve_rows
 from tests.test_window_s35 import VOCAB, _bf16_model
@@ -71,7 +72,7 @@ def test_bf16_pool_rows_equal_each_request_alone_once_the_padded_read_is_the_row
     monkeypatch.setattr(F, "scaled_dot_product_attention", _per_row_sdpa(F.scaled_dot_product_attention))
     work = _jobs(5)
     out, dec, _ = serve_rows(model, work, max_rows=3, kv_quant=spec)
-    assert dec.pool.dtype == torch.bfloat16 and dec.pool.windows
+    assert dec.pool.windows and (spec is not None or dec.pool.dtype == torch.bfloat16)
     assert (dec.pool.codes is not None) == (spec is not None)
     if spec is not None:  # each row's own calibrated channel order (the per-row codec state under test)
         assert dec.pool.orders
@@ -90,3 +91,23 @@ def test_a_row_alone_in_a_bf16_quantized_windowed_pool_is_generate_bitwise():
     out, dec, _ = serve_rows(model, [(prompt, kw)], max_rows=1, kv_quant=SPEC)
     assert dec.pool.first[0] >= 32
     assert [(r.token, r.steps, r.logprob) for r in out[0]] == _alone(model, prompt, kw, SPEC)
+
+
+@pytest.mark.parametrize("windows", [[16, None, 16, None, 16, None], [16] * 6], ids=["mixed", "all-windowed"])
+def test_a_quantized_cache_with_a_recent_window_keeps_the_full_caches_logits_in_bf16(windows, monkeypatch):
+    """docs/inference.md: a quantized windowed cache's logits are bitwise the same quantized cache keeping every
+    column, its bf16 recent-token window (`window=`) included, past the first drop, on a mixed windowed / full
+    layout with soft-capped attention. (Aligning a bf16 model's code rows to 32, reverted, broke this on a
+    retrofitted Gemma-2 of this shape whose exact trigger these random weights do not reproduce.)"""
+    cfg = rd.ModelConfig(vocab_size=VOCAB, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96,
+                         prelude_layers=2, core_layers=2, coda_layers=2, max_seq_len=256, attention_windows=windows,
+                         attn_logit_softcapping=50.0)  # (as the retrofitted Gemma-2 that showed it)
+    torch.manual_seed(0)
+    model = rd.RecurrentDepthLM(cfg).to(torch.bfloat16).eval()
+    prompt = torch.randint(0, VOCAB, (1, 51), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for full in ("", "1"):
+        monkeypatch.setenv("RDEPTH_FULL_WINDOW_CACHE", full)
+        logits.append(generate(model, prompt, max_new_tokens=30, num_steps=4, init_scale=0.0, output_logits=True,
+                               eos_token_id=[], kv_quant=SPEC + ",window=8").logits)
+    assert torch.equal(logits[0], logits[1])

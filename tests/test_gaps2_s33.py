@@ -114,8 +114,7 @@ def test_info_prices_a_quantized_windowed_cache_as_decoding_allocates_it(tmp_pat
     from tests.test_gaps_s33 import CONTEXT, peak_store_bytes, windowed_config
 
     monkeypatch.delenv(FULL_WINDOW_CACHE_ENV, raising=False)
-    # a 6-token prompt reaches the bound (45 columns at reach 7, a bf16 model's code rows aligned to 32: `read_dtype`)
-    # within 46 tokens: no need to decode to 112
+    # a 6-token prompt reaches the bound (29 columns at reach 7) within 46 tokens: no need to decode to 112
     spec, window, prompt_tokens, new_tokens = "k=prod:3.5,v=mse:3.5", 4, 6, 40
     config = windowed_config([window] * 4)
     config.to_json(tmp_path / "config.json")
@@ -131,8 +130,8 @@ def test_info_prices_a_quantized_windowed_cache_as_decoding_allocates_it(tmp_pat
     assert decoding["per-step+deepest"] == sum(peak.values())
     # (at W alone it was 23 columns of the 29 the cache holds; spread over the context, 112)
     per_token = info["kv_cache_bytes_per_token_quantized_by_kv_policy"]["per-step+deepest"]
-    assert decoding_window_columns(window, torch.bfloat16) < decoding_window_columns(7, torch.bfloat16) < CONTEXT
-    assert sum(peak.values()) == per_token * decoding_window_columns(7, torch.bfloat16)
+    assert decoding_window_columns(window) < decoding_window_columns(7) < CONTEXT
+    assert sum(peak.values()) == per_token * decoding_window_columns(7)
     assert main(["info", "--model", str(tmp_path), "--kv-quant", spec]) == 0
     text = capsys.readouterr().out
     assert re.search(r"per-step\+deepest quantized  [\d,]+ bytes/token \(.*x smaller than per-step bf16; "

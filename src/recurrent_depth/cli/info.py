@@ -101,10 +101,11 @@ def run(args: argparse.Namespace) -> int:
     # store (base key, as the cache keys them) allocates at most `decoding_window_columns` columns; {}: none does.
     windows = layer_windows(model)
 
-    def cache_bytes(tokens: int, policy=policies["per-step"], decoding: bool = False, floor: int = 0) -> int:
+    def cache_bytes(tokens: int, policy=policies["per-step"], decoding: bool = False, floor: int = 0,
+                    aligned_as: torch.dtype | None = torch.bfloat16) -> int:
         """bf16 bytes of every store at `tokens` columns; decoding: windowed ones at what autoregressive decoding
         allocates, their reach at least `floor` columns (a quantized cache's: `StaticRecurrentCache._reach`), held
-        from a bf16 store's alignment (`window_align`; a bf16 model's code rows align so too: `read_dtype`)."""
+        from the alignment of a store of `aligned_as` (`window_align`; None: code rows, float32's)."""
         slots = policy.slots.num_slots(config.mean_recurrence)
         blocks = [(1, (part, i), b) for part, container in (("prelude", "prelude"), ("coda", "coda"))
                   for i, b in enumerate(model.transformer[container])]
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         def columns(base: tuple) -> int:
             if not decoding or base not in windows:
                 return tokens
-            return min(tokens, decoding_window_columns(max(windows[base], floor), torch.bfloat16))
+            return min(tokens, decoding_window_columns(max(windows[base], floor), aligned_as))
 
         return sum(n * block.attn.state_nbytes(1, columns(base), torch.bfloat16) for n, base, block in blocks)
 
@@ -162,8 +163,8 @@ def run(args: argparse.Namespace) -> int:
                                       shared_codec(kv_quant, "v", config.head_dim)))
         recent = min(kv_quant.window, length)
         info["cache_bytes_at_max_seq_len_quantized_autoregressive_by_kv_policy"] = {
-            policy.name: round(cache_bytes(length, policy, decoding=True, floor=floor) / bf16_entry * codes)
-            + cache_bytes(recent, policy) for policy in policies.values()
+            policy.name: round(cache_bytes(length, policy, decoding=True, floor=floor, aligned_as=None)
+                               / bf16_entry * codes) + cache_bytes(recent, policy) for policy in policies.values()
         }
     if args.json:
         print(json.dumps(info, sort_keys=True))

@@ -29,8 +29,8 @@ a batch draws what it draws alone and both storages pick the same slots. None: t
 are dropped, so a windowed layer holds O(W) columns instead of the whole context. A query at column c of
 such a layer sees only columns (c - W, c], so when a write at column `start` runs out of room the storage
 keeps the columns from `start - W + 1` on (every query of this call and of later ones sees no older one),
-widened down to a multiple of `WINDOW_ALIGN` (`REDUCED_WINDOW_ALIGN` in a bf16 / fp16 store, code rows that decode
-to one included: `read_dtype`; of a whole 512-column SDPA block for W >= 512: `window_align`), and
+widened down to a multiple of `WINDOW_ALIGN` (`REDUCED_WINDOW_ALIGN` in a bf16 / fp16 store, of a whole 512-column
+SDPA block for W >= 512: `window_align`), and
 drops the rest (`first[base]`: the first column it still
 holds; reads return columns [first, end), from the start of CPU SDPA's key block where they cross one, as zeros
 before first (`read_start`), and `key_mask` and the attention's `window_mask` cut their columns to match); it
@@ -143,9 +143,7 @@ WINDOW_ALIGN = 16
 # otherwise than the full read in ~1 % of calls (head dims 8, 16, 64), none of 38,000 from a multiple of 32 (torch
 # 2.13; MKL_CBWR=AVX2 none at either). MKL_CBWR=AVX2,STRICT (the tests') differs from multiples of 32 and 64 too
 # (0.1-0.2 %), none of 12,000 from multiples of 128: bf16 there is not bitwise the full cache's in every read (a
-# cost of 96 more columns not paid for a test-only mode; the tests' bitwise window checks run float32). A quantized
-# store of a bf16 model too: its windowed layers read the code rows decoded to bf16, then SDPA (k=prod:3.5,v=mse:3.5:
-# 48 of 4,000 such reads differ from odd multiples of 16, none of 4,000 from multiples of 32; `read_dtype`).
+# cost of 96 more columns not paid for a test-only mode; the tests' bitwise window checks run float32).
 REDUCED_WINDOW_ALIGN = 32
 # A write of several queries behind a seek (a speculative verify, a parallel wavefront) keeps this many columns more
 # than its windows need: with MKL's AVX-512 kernels, CPU SDPA rounds a read of 8 to 11 held columns by 2 or more
@@ -191,13 +189,6 @@ def window_align(window: int, dtype: torch.dtype | None = None) -> int:
         return SDPA_KV_BLOCK
     reduced = dtype is not None and dtype.is_floating_point and dtype.itemsize < 4
     return REDUCED_WINDOW_ALIGN if reduced else WINDOW_ALIGN
-
-
-def read_dtype(rows: Tensor, codes: CodeRows | None) -> torch.dtype | None:
-    """The dtype a windowed store of `rows` is read in, which sets its alignment (`window_align`): float rows'
-    own; code rows' the float dtype `codes` decodes them to (a windowed layer reads them decoded, then SDPA: a bf16
-    model's code rows round as bf16 rows do; None before the codec's first store)."""
-    return rows.dtype if rows.is_floating_point() or codes is None else codes.dtype
 
 
 def window_start(column: int, window: int, dtype: torch.dtype | None = None) -> int:
@@ -480,7 +471,7 @@ class StaticRecurrentCache(_CacheBase):
             Dv = v.shape[-1]
             capacity = self.capacity
             if base in self.windows:  # columns before the first query's window are never read
-                first = self.first[base] = window_start(self.seq_len, self._reach(base), read_dtype(k, self.codes))
+                first = self.first[base] = window_start(self.seq_len, self._reach(base), k.dtype)
                 capacity = self._window_capacity(base, first)
             self.kv[base] = (
                 torch.zeros(S, B, Hkv, capacity, D, dtype=k.dtype, device=k.device),
@@ -505,7 +496,7 @@ class StaticRecurrentCache(_CacheBase):
         if end - first <= K.shape[3]:
             return first
         # the queries of this write and later ones see columns from start - W + 1 on
-        new_first = max(first, window_start(start, self._reach(base), read_dtype(K, self.codes)))
+        new_first = max(first, window_start(start, self._reach(base), K.dtype))
         capacity = self._window_capacity(base, new_first)
         kept = []
         for store in (K, V):
@@ -717,8 +708,9 @@ class DynamicRecurrentCache(_CacheBase):
         B, T = k.shape[:2]
         self._written_end = self.seq_len + T
         if base in self.windows:
-            # (a quantized reference's entries are its round trips, in the dtype the static cache's code rows decode to)
-            self._drop_before(base, window_start(self.seq_len, self._reach(base), k.dtype))
+            # (a quantized reference aligns as the static cache's code rows do: `window_align` of no float dtype)
+            dtype = None if self.codes is not None else k.dtype
+            self._drop_before(base, window_start(self.seq_len, self._reach(base), dtype))
         entries = self.entries.setdefault((base, slot), [])
         written = self.written.setdefault((base, slot), [])
         deepest = self.deepest.setdefault(base, [])

@@ -302,16 +302,11 @@ class CodeRows:
         self.window = RecentWindow(self.kv_quant.window) if self.kv_quant.window else None
         # softmax attention calls `attend` (always with a window: its reads are per query)
         self.attends_from_codes = self.kv_quant.attention == "codes" or self.window is not None
-        # The float dtype its rows decode to (the model's, from its first `store`): a windowed store of code rows
-        # aligns its held columns as one of this dtype does (`inference.cache.read_dtype`), for its decoded reads
-        # run SDPA in it.
-        self.dtype: torch.dtype | None = None
 
     def store(self, storage: RowStorage, key: LayerKey, k: Tensor, v: Tensor, kernels: Any = None,
               ) -> tuple[Tensor, Tensor, Codec, Codec]:
         """Encode and write k, v `[B, Hkv, T, D]`; return every column's code rows and the codecs.
         kernels: fused encode and attention for some codecs (`recurrent_depth.accel.quant`), or None."""
-        self.dtype = k.dtype
         ck, cv = self.choose(key, k, v)
         if kernels is not None and kernels.fits(ck, cv, k):
             new_k, new_v = kernels.encode(ck, cv, k, v)

@@ -34,7 +34,7 @@ autoregressive decoding does (`inference.cache`): a windowed base's storage is `
 `[S, R, Hkv, Cw, bytes]`), Cw = `decoding_window_columns(reach, dtype)` (`reach`: the largest window, and for code rows
 at least `kv_codec.exact_decode_columns`, so that each held column decodes bitwise as in a longer read), and
 row r holds its columns from `first[r]` on (`window_start`: a multiple of `WINDOW_ALIGN`, of 32 in a bf16 / fp16
-store or one of code rows that decode to bf16 / fp16 (`read_dtype`), of a whole 512-column
+store, of a whole 512-column
 SDPA block from W = 512 on: the attention's sums keep their lanes and blocks, so a row reads bitwise what it reads
 with every column held; with W < 512 only up to column 512, past which CPU SDPA's block boundaries differ and the
 sums ~1e-7, as rows of one call start at different columns and cannot share `inference.cache.read_start`'s zero
@@ -59,7 +59,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from recurrent_depth.inference.cache import decoding_window_columns, read_dtype, window_start
+from recurrent_depth.inference.cache import decoding_window_columns, window_start
 from recurrent_depth.inference.kv_codec import (
     Codec,
     CodeRows,
@@ -90,8 +90,7 @@ class SlotKVPool:
         if self.windows and self.codes is not None:  # code rows: reads long enough to decode as longer ones do
             self.reach = max(self.reach, self._decode_floor(head_dim))
         self.held = decoding_window_columns(self.reach) if self.windows else 0  # columns a windowed base allocates
-        # the dtype the windowed stores are read in (it sets their alignment; `read_dtype`): from their first write
-        self.dtype: torch.dtype | None = None
+        self.dtype: torch.dtype | None = None  # the windowed stores' (it sets their alignment): from their first write
         self.first: list[int] = []  # per row: the first column its windowed bases hold
         self._held_cols: Tensor | None = None  # token calls: [B] held position of each row's column
         self._held_len = 0  # token calls: held positions a windowed base reads
@@ -222,7 +221,7 @@ class SlotKVPool:
     def _storage(self, base: tuple, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if base not in self.kv:
             if base in self.windows and self.dtype is None:  # the first windowed store: its dtype's alignment
-                self._window_dtype(read_dtype(k, self.codes))
+                self._window_dtype(k.dtype)
             S = self.slots if base[0] == "core" else 1
             C = self.held if base in self.windows else self.capacity
             Hkv, D, Dv = k.shape[1], k.shape[3], v.shape[3]  # head-major [B, Hkv, T, D]
@@ -233,9 +232,9 @@ class SlotKVPool:
         return self.kv[base]
 
     def _window_dtype(self, dtype: torch.dtype) -> None:
-        """The windowed stores are read in `dtype` (a bf16 / fp16 store, or code rows decoding to one, starts its
-        rows' held columns on multiples of 32, `window_align`): size them for it and, in the prefill that makes the
-        first one (no row holds a column yet), start its row's held columns there."""
+        """The windowed stores hold `dtype` (a bf16 / fp16 store starts its rows' held columns on multiples of 32,
+        `window_align`): size them for it and, in the prefill that makes the first one (no row holds a column
+        yet), start its row's held columns there."""
         self.dtype = dtype
         self.held = decoding_window_columns(self.reach, dtype)
         if self._cols is None and self._rows:

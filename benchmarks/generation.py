@@ -46,7 +46,9 @@ from recurrent_depth.inference import generate, stream_generate
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="model directory (default: a random model of the issue's shape)")
+    p.add_argument("--model", default=None,
+                   help="model directory (default: a random model of the issue's shape); its prompts are held-out text "
+                        "through its tokenizer.json, or random ids where it has none")
     p.add_argument("--num-steps", type=positive_int, default=None,
                    help="recurrence depth r (default: 16 for the random model, else the config's mean_recurrence)")
     p.add_argument("--prompt-len", type=positive_int, default=64,
@@ -81,7 +83,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--prompts-file needs --model (its tokenizer encodes the prompts; the random model has none)")
     if args.prompts_file is not None and not Path(args.prompts_file).is_file():
         p.error(f"--prompts-file {args.prompts_file}: no such file")
+    if args.prompts_file is not None and not has_tokenizer(args.model):
+        p.error(f"--prompts-file needs a tokenizer.json in --model {args.model} (it encodes the prompts)")
     return args
+
+
+def has_tokenizer(model_dir: str) -> bool:
+    """Whether a model directory holds its tokenizer (else its prompts are random ids, as the random model's)."""
+    return (Path(model_dir) / "tokenizer.json").is_file()
 
 
 def random_model(seed: int) -> rd.RecurrentDepthLM:
@@ -345,13 +354,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         model = rd.RecurrentDepthLM.from_pretrained(args.model, dtype=torch.float32).eval()
         r = args.num_steps or model.config.mean_recurrence
-        needed = max(args.agreement_prompts, args.batch)
-        prompts = heldout_prompts(Path(args.model), needed, args.prompt_len, args.prompts_file)
     else:
         model = random_model(args.seed)
         r = args.num_steps or 16
+    n = max(args.agreement_prompts, args.batch)
+    if args.model and has_tokenizer(args.model):
+        prompts = heldout_prompts(Path(args.model), n, args.prompt_len, args.prompts_file)
+    else:  # (the random model, or a model directory without a tokenizer: random ids, the speed is the same)
         g = torch.Generator().manual_seed(args.seed)
-        n = max(args.agreement_prompts, args.batch)
         prompts = torch.randint(0, model.config.vocab_size, (n, args.prompt_len), generator=g).tolist()
     draft = args.draft_steps if args.draft_steps is not None else max(1, r // 4)
     inner = args.inner_steps

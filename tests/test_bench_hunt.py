@@ -183,3 +183,18 @@ def test_checks_after_parsing_come_before_the_work(capsys, monkeypatch, module, 
     with pytest.raises(SystemExit) as excinfo:
         bench.main(argv) if module == "train_throughput" else bench.main()
     assert expected in _one_line_error(capsys, excinfo)
+
+
+def test_generation_takes_a_model_directory_without_a_tokenizer(tmp_path, capsys):
+    """Its prompts are random ids then, as the random model's (was: a traceback from load_tokenizer); a prompts file
+    needs the tokenizer (one line)."""
+    from tests.test_hf import make_model_dir
+
+    generation = importlib.import_module("generation")
+    make_model_dir(tmp_path / "m", with_tokenizer=False)
+    (tmp_path / "p.txt").write_text("hello\n")
+    with pytest.raises(SystemExit):
+        generation.parse_args(["--model", str(tmp_path / "m"), "--prompts-file", str(tmp_path / "p.txt")])
+    assert "--prompts-file needs a tokenizer.json in --model" in capsys.readouterr().err
+    assert generation.main(["--model", str(tmp_path / "m"), "--quick", "--no-baselines", "--threads", "1"]) == 0
+    assert '"benchmark": "generation"' in capsys.readouterr().out

@@ -137,14 +137,13 @@ def read_prompts(path: str) -> tuple[list[str] | list[dict[str, Any]], list[str]
     from recurrent_depth.files import read_text
 
     if path.endswith(".jsonl"):
-        from recurrent_depth.data.chat import check_records_path, prompt_conversation, prompt_fields, read_records
+        from recurrent_depth.data.chat import check_records_path, prompt_conversation, read_records
 
         if check_records_path(path, "--prompts file").stat().st_size > MAX_PROMPTS_BYTES:
             raise ValueError(f"--prompts {path}: the file is over {MAX_PROMPTS_BYTES} bytes")
         records, names = [], []
         for where, record in read_records(path):
-            prompt_conversation(record, where)
-            prompt_fields(record, where)
+            prompt_conversation(record, where)  # (its other fields: `check_reward_fields`, which --prompts needs)
             records.append(record)
             names.append(where)
         if not records:
@@ -161,11 +160,12 @@ def check_reward_fields(keywords: Any, prompts: list[str] | list[dict[str, Any]]
     """`RewardKeywords.check` of each prompt (`read_prompts`'): a record's fields by its FILE:LINE, a text line's or
     the task's (none)."""
     from recurrent_depth.data.chat import prompt_fields
+    from recurrent_depth.train.rl.rollouts import prompt_name
 
     if prompts is None:
         keywords.check(None, "task prompts")
     for i, prompt in enumerate(prompts or []):
-        where = names[i] if names is not None else f"prompt {i + 1}"
+        where = prompt_name(names, i)
         keywords.check(prompt_fields(prompt, where) if isinstance(prompt, dict) else None, where)
 
 

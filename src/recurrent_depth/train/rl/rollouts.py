@@ -179,9 +179,15 @@ class ChatPrompts(ListPrompts):
     stop_ids: Sequence[int] = ()
 
 
+def prompt_name(names: Sequence[str] | None, i: int) -> str:
+    """The `i`-th prompt as errors name it: its entry of `names` (FILE:LINE, as `rdepth rl --prompts` reads a
+    file's records), else "prompt N"."""
+    return names[i] if names is not None else f"prompt {i + 1}"
+
+
 def _where(prompt: str | ChatPrompt, i: int) -> str:
     """The `i`-th prompt of a list as errors name it: a chat prompt's record (FILE:LINE), else "prompt N"."""
-    return prompt.where if isinstance(prompt, ChatPrompt) and prompt.where else f"prompt {i + 1}"
+    return prompt.where if isinstance(prompt, ChatPrompt) and prompt.where else prompt_name(None, i)
 
 
 def chat_prompts(records: Sequence[Any], tokenizer_dir: str | Path, config: Any,
@@ -201,7 +207,7 @@ def chat_prompts(records: Sequence[Any], tokenizer_dir: str | Path, config: Any,
         raise ValueError(f"chat_prompts: {len(names)} names for {len(records)} records; give one name per record")
     rendered = []
     for i, record in enumerate(records):
-        where = names[i] if names is not None else f"prompt {i + 1}"
+        where = prompt_name(names, i)
         chat = prompt_conversation(record, where)
         fields = prompt_fields(record, where)
         with template_errors(where):

@@ -60,6 +60,7 @@ MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "recurrent-depth-checkpoint-manifest"
 REQUIRED_FILES = ("config.json", "model.safetensors", OPTIMIZER_TENSORS, OPTIMIZER_META, TRAINER_STATE)
 _NAME = re.compile(r"^step-(\d{8,})$")
+_SET_ASIDE = re.compile(r"^step-\d{8,}\.invalid-\d+$")  # (`set_aside`'s names)
 MAX_JSON_BYTES = 256 << 20  # a manifest / trainer state / optimizer skeleton larger than this is not ours
 # Bytes a checkpoint needs besides its tensors (JSON files, tokenizer, filesystem slack).
 _SPACE_MARGIN = 4 << 20
@@ -202,6 +203,14 @@ def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
         if match and entry.is_dir() and all((entry / f).is_file() for f in REQUIRED_FILES):
             found.append((int(match.group(1)), entry))
     return sorted(found)
+
+
+def holds_any_checkpoint(root: str | Path) -> bool:
+    """Whether `root` holds a checkpoint, valid or not: a `step-N` directory (complete or not), or one set aside as
+    invalid (`step-N.invalid-<k>`, `set_aside`). `list_checkpoints` lists the complete ones only."""
+    root = Path(root)
+    return root.is_dir() and any((_NAME.match(e.name) or _SET_ASIDE.match(e.name)) and e.is_dir()
+                                 for e in root.iterdir())
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:

@@ -137,7 +137,7 @@ def set_aside_run_record(out: Path, names: Sequence[str]) -> tuple[Path, list[st
     All or nothing: when a move fails (OSError), those done are moved back and the empty directory removed before the
     error is raised, so the record stays whole where it was. They move last to first: a process killed midway leaves
     the record split between the two, nothing lost, and the model/ the trainer names last already moved (one left
-    with no valid checkpoint is refused by the next run, `check_out_state`). A symbolic link moves as the link; a
+    beside no checkpoint at all is refused by the next run, `check_out_state`). A symbolic link moves as the link; a
     relative one that resolves is re-pointed, as it resolved from `out`."""
     present = [name for name in names if _holds_something(out / name)]
     if not present:

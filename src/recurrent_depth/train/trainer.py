@@ -1145,13 +1145,24 @@ class Trainer:
 def check_out_state(out: str | Path, resume: bool) -> None:
     """The refusals of a run's `out` that its files alone decide, reading only: an existing file, the model/ of an
     earlier run (no checkpoint), checkpoints without `resume`. The Trainer checks them once it holds the lock; a
-    command that loads a model or tokenizes data before it builds the Trainer checks them first."""
+    command that loads a model or tokenizes data before it builds the Trainer checks them first.
+
+    A model/ beside checkpoints none of which is complete (set aside as invalid, or incomplete) is taken by --resume:
+    it finds no valid checkpoint and starts from scratch, moving model/ with the rest of the record to previous-<k>
+    (`Trainer._start_from_scratch`). A --resume stopped between setting its checkpoints aside and that move leaves
+    this state; refused, it left the user nothing to do but delete model/ by hand."""
     out = Path(out)
     check_out_dir(out, "--out")
-    held = bool(ckpt.list_checkpoints(ckpt.checkpoints_root(out)))
+    root = ckpt.checkpoints_root(out)
+    held = bool(ckpt.list_checkpoints(root))
     if not held and (out / MODEL_DIR).exists():  # a new run would replace model/
-        raise ValueError(f"{out} holds the model/ of an earlier run and no checkpoint to resume from; choose a new "
-                         f"--out, or delete {out / MODEL_DIR} to train there from scratch")
+        if not ckpt.holds_any_checkpoint(root):
+            raise ValueError(f"{out} holds the model/ of an earlier run and no checkpoint to resume from; choose a "
+                             f"new --out, or delete {out / MODEL_DIR} to train there from scratch")
+        if not resume:
+            raise ValueError(f"{out} holds the model/ of an earlier run and only invalid checkpoints in {root}; pass "
+                             f"--resume to start from scratch there (that run's record, model/ included, moves to "
+                             f"{out / 'previous-<k>'}), or choose a new --out")
     if held and not resume:
         raise ValueError(f"{out} already holds checkpoints; pass --resume to continue that run or choose a new --out")
 

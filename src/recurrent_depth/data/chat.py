@@ -53,8 +53,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from recurrent_depth.config import ModelConfig
 from recurrent_depth.data.corpus import json_line
+from recurrent_depth.data.shards import check_token_ids
 from recurrent_depth.files import clipped, read_json
 
 if TYPE_CHECKING:
@@ -377,6 +380,7 @@ class ExampleEncoder:
         self.tokenizer = load_tokenizer(self.tokenizer_dir)
         source, variables = load_template(self.tokenizer_dir)
         self.template = self._compile(source, variables) if source is not None else None
+        self.vocab_size = config.vocab_size
         self.bos = config.bos_token_id
         eos = config.eos_token_id
         self.eos = eos[0] if isinstance(eos, list) else eos
@@ -446,6 +450,11 @@ class ExampleEncoder:
             ids += piece
             scored += [learned] * len(piece)
             before = text if text != "" else before
+        # (an encoder given another model's config: the record named here, not by the model's check of a packed
+        # batch row that no one can trace back to it)
+        check_token_ids(np.asarray([ids], dtype=np.int64), self.vocab_size, lambda _: where,
+                        f"the tokenizer of {self.tokenizer_dir} makes ids past the model's vocabulary: it is not "
+                        "this model's tokenizer (or its tokenizer.json numbers a token past its count)")
         return Example(ids, scored)
 
     def _tokens(self, text: str, before: str | int | None, want: int | None = None) -> list[int]:

@@ -78,7 +78,7 @@ class PreparedDataset:
     metadata: dict[str, Any]
 
     def dataset(self, split: str = "train", **kwargs: Any) -> ShardDataset:
-        """A :class:`ShardDataset` over one split (kwargs: seed, shuffle, rank, world_size)."""
+        """A :class:`ShardDataset` over one split (kwargs: seed, shuffle, rank, world_size, vocab_size)."""
         if split == "train":
             return ShardDataset(self.train_index, **kwargs)
         if split == "validation":

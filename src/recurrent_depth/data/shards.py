@@ -18,7 +18,7 @@ shards and reads rows lazily in a seeded order whose position is a few plain int
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +48,20 @@ def token_dtype(vocab_size: int) -> np.dtype:
     if vocab_size < 1 or vocab_size > 2**32:
         raise ValueError(f"vocab_size must be in [1, 2**32], got {vocab_size}")
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+TOKENIZED_ELSEWHERE = "the data was tokenized for another model (another tokenizer), or is damaged"
+
+
+def check_token_ids(rows: np.ndarray, vocab_size: int, where: Callable[[int], str],
+                    cause: str = TOKENIZED_ELSEWHERE) -> None:
+    """A one-line ValueError for the first id of `rows` [N, L] outside [0, vocab_size): its value, the vocabulary,
+    `where(n)` of its row (the caller's provenance: a shard file and row, a source file and line), its position
+    and the likely `cause`. Host data only (NumPy): it runs on every batch, before the batch reaches the device."""
+    if rows.size and (rows.min() < 0 or rows.max() >= vocab_size):
+        n, t = np.argwhere((rows < 0) | (rows >= vocab_size))[0]
+        raise ValueError(f"token id {int(rows[n, t])}, outside the model's vocabulary [0, {vocab_size}), at "
+                         f"{where(int(n))}, position {int(t)}: {cause}")
 
 
 def _check_ids(tokens: np.ndarray, dtype: np.dtype) -> None:
@@ -220,6 +234,9 @@ class ShardDataset:
     Resume: ``state_dict()`` is ``{"epoch", "position", "seed", "num_rows", "shuffle",
     "world_size"}`` (plain ints); ``load_state_dict`` restores it and checks that the data and
     settings match.
+
+    ``vocab_size`` (the model's): every row read is checked to hold ids in ``[0, vocab_size)``, and an
+    id outside is a one-line error naming its shard file, its row there (:meth:`where`) and its position.
     """
 
     def __init__(
@@ -231,7 +248,11 @@ class ShardDataset:
         rank: int = 0,
         world_size: int = 1,
         allow_outside: bool = False,
+        vocab_size: int | None = None,
     ) -> None:
+        if vocab_size is not None and (not is_int(vocab_size) or vocab_size < 1):
+            raise ValueError(f"vocab_size must be an int >= 1 or None, got {vocab_size!r}")
+        self.vocab_size = vocab_size
         if world_size < 1 or not (0 <= rank < world_size):
             raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
         if not is_int(seed) or seed < 0:  # (numpy's own error came at the first batch, naming no seed)
@@ -283,9 +304,7 @@ class ShardDataset:
         """Row ``i`` in storage order, as int64 ``[row_len]``."""
         if not (-self.num_rows <= i < self.num_rows):
             raise IndexError(f"row {i} out of range for {self.num_rows} rows")
-        i %= self.num_rows
-        k = int(np.searchsorted(self._starts, i, side="right") - 1)
-        return np.asarray(self._shard(k)[i - self._starts[k]], dtype=np.int64)
+        return self.rows([i % self.num_rows])[0]
 
     def rows(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
         """Rows at storage indices, int64 ``[len(indices), row_len]``."""
@@ -295,7 +314,16 @@ class ShardDataset:
         for k in np.unique(shard_of):
             sel = shard_of == k
             out[sel] = self._shard(int(k))[indices[sel] - self._starts[k]]
+        if self.vocab_size is not None:  # (the rows' storage indices name them only if an id is bad)
+            check_token_ids(out, self.vocab_size, lambda n: self.where(int(indices[n])))
         return out
+
+    def where(self, index: int) -> str:
+        """Storage row `index` as a user finds it: its shard file and 0-based row there (and this rank's number
+        under torchrun)."""
+        k = int(np.searchsorted(self._starts, index, side="right") - 1)
+        rank = f" (rank {self.rank} of {self.world_size})" if self.world_size > 1 else ""
+        return f"{self._files[k]} row {index - int(self._starts[k])}{rank}"
 
     def order(self, epoch: int) -> np.ndarray:
         """Storage indices in the order epoch ``epoch`` visits them."""

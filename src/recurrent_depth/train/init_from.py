@@ -141,10 +141,12 @@ def find_tokenizer(model_dir: Path, cfg: TrainConfig, vocab_size: int) -> Path:
         raise ValueError(f"{model_dir} holds no tokenizer.json: copy the model's tokenizer files into it (`rdepth "
                          f"train` also takes --tokenizer DIR; `rdepth sft` and `rdepth rl` read it from {model_dir})")
     directory = model_dir if own else Path(cfg.tokenizer)
-    size = load_tokenizer(directory).get_vocab_size()
+    # (its largest id + 1, not its count: a tokenizer.json numbering a token past its count makes that id, which
+    # failed a batch mid-run, or the save of model/ at the run's end)
+    size = max(load_tokenizer(directory).get_vocab(with_added_tokens=True).values(), default=-1) + 1
     if size > vocab_size:
-        raise ValueError(f"the tokenizer in {directory} has {size} tokens, more than {model_dir}'s vocab_size="
-                         f"{vocab_size}")
+        raise ValueError(f"the tokenizer in {directory} makes ids up to {size - 1}, outside {model_dir}'s "
+                         f"vocab_size={vocab_size}")
     return directory
 
 

@@ -544,7 +544,10 @@ class Trainer:
     def _open_shard_datasets(self) -> None:
         """The prepared shards' train and validation splits, and the batches drawn from the train one."""
         cfg, env = self.cfg, self.env
-        self.train_data = self.data.dataset("train", seed=cfg.seed, rank=env.rank, world_size=env.world_size)
+        # (the model's vocabulary: an id outside it is refused as its row is read, naming the shard file and row)
+        vocab = getattr(self.model_config, "vocab_size", None)
+        self.train_data = self.data.dataset("train", seed=cfg.seed, rank=env.rank, world_size=env.world_size,
+                                            vocab_size=vocab)
         self.val_data = self.data.dataset("validation", shuffle=False, rank=env.rank, world_size=env.world_size)
         self.source = RowBatches(self.train_data, env.device, self.data.metadata)
 
@@ -573,7 +576,7 @@ class Trainer:
             raise ValueError("TrainConfig.distill_cache needs the run's token shards (rdepth train), "
                              "not Trainer(data=...)")
         # Every rank caches (and reads) all rows of the train split, in storage order.
-        dataset = self.data.dataset("train", shuffle=False)
+        dataset = self.data.dataset("train", shuffle=False, vocab_size=student_vocab)
         data_key = self.data.metadata.get("key")
         teacher_info = {**teacher_summary(teacher), "seed": objective.seed}
         # (a teacher retrained in place, or other noise for its initial states: not its cache)

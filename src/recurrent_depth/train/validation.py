@@ -14,11 +14,13 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from recurrent_depth.data.shards import check_token_ids
 from recurrent_depth.inference.engine import Recurrence
 from recurrent_depth.inference.sampling import stream_generator
 from recurrent_depth.model.recurrent import RecurrentDepthLM
@@ -193,13 +195,21 @@ def rank_rounds(num_batches: int, world_size: int) -> Iterator[tuple[int, int]]:
 
 
 def _rank_batches(dataset, batch_size: int, num_batches: int, world_size: int):
-    """(batch index, rows) of this rank per round (`rank_rounds`): batch i is storage rows [i * batch_size,
-    (i + 1) * batch_size)."""
+    """(batch index, batch read, rows) of this rank per round (`rank_rounds`): batch i is storage rows
+    [i * batch_size, (i + 1) * batch_size)."""
     if world_size == 1:
-        yield from zip(range(num_batches), dataset.iter_batches(batch_size, drop_last=True), strict=False)
+        for i, rows in zip(range(num_batches), dataset.iter_batches(batch_size, drop_last=True), strict=False):
+            yield i, i, rows
         return
     for i, read in rank_rounds(num_batches, world_size):
-        yield i, dataset.rows(range(read * batch_size, (read + 1) * batch_size))
+        yield i, read, dataset.rows(range(read * batch_size, (read + 1) * batch_size))
+
+
+def storage_row(dataset, first: int, offset: int) -> str:
+    """Where storage row `first + offset` of `dataset` is: its shard file and row (`ShardDataset.where`), else its
+    index."""
+    where = getattr(dataset, "where", None)
+    return where(first + offset) if where is not None else f"validation row {first + offset}"
 
 
 def reduce_depth_eval(tokens: int, sequences: int, loss_sum: dict[int, float], corr_sum: dict[int, float],
@@ -271,16 +281,13 @@ def validation_loss_by_depth(
     sequences = 0
     try:
         started = time.perf_counter()
-        for rnd, (i, rows) in enumerate(_rank_batches(dataset, batch_size, num_batches, world_size)):
+        for rnd, (i, read, rows) in enumerate(_rank_batches(dataset, batch_size, num_batches, world_size)):
             late = deadline is not None and rnd > 0
             if late and rank0_late(next_batch_late(started, rnd, deadline), world_size, device):
                 break
             rows = torch.as_tensor(rows)
-            # (else torch's IndexError; checked before the copy to the device: no device sync a batch)
-            top = int(rows.max()) if vocab_size is not None and rows.numel() else -1
-            if vocab_size is not None and top >= vocab_size:
-                raise ValueError(f"validation rows hold token id {top}, outside the model's vocabulary "
-                                 f"[0, {vocab_size}): the data was tokenized for another model")
+            if vocab_size is not None:  # (else torch's IndexError; on the host rows: no device sync a batch)
+                check_token_ids(rows.cpu().numpy(), vocab_size, partial(storage_row, dataset, read * batch_size))
             rows = rows.to(device)
             batch_seed = (seed * 1_000_003 + i) % (2**63)
             # each row's s0 from its own stream (storage row i * batch_size + b), not one draw per batch

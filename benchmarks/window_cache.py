@@ -58,7 +58,9 @@ and `x_tokens_per_s` / `x_cpu_tokens_per_s`: the bounded one's speed over the fu
 sampler, --wavefront positions) measure those decoding loops of `rd.generate` as the default mode does (one
 sequence, the same figures), in the `bounded` and `full` variants only (neither loop runs the C++ decode): their
 windowed layers keep a round's drafts and rejected-draft holes (speculative) and 16 columns more than W
-(inference/cache.py: `window_back`), and the parallel sampler's latent buffers stay full (not in the KV bytes).
+(inference/cache.py: `window_back`); --mode parallel also reports `buffer_bytes`, the most bytes the sampler's
+per-column buffers (latent states, inputs, step counts) held, not in the KV bytes: bounded too, as they drop the
+columns every row has frozen (inference/parallel.py), in both variants.
 Prints one JSON line, then a table. Times depend on the machine and its load (recorded in the JSON).
 """
 
@@ -228,6 +230,7 @@ def run_once(model: rd.RecurrentDepthLM, prompt: torch.Tensor, new_tokens: int, 
         allocated_bytes=int(out.cache_allocated_bytes), peak_rss_delta_mib=peak,
         tokens_per_s=round(out.tokens_per_second, 1),
         cpu_tokens_per_s=round((new_tokens - 1) / decode_cpu, 1) if decode_cpu > 0 else None,
+        **({"buffer_bytes": out.stats["buffer_bytes"]} if args.mode == "parallel" else {}),
     )
 
 

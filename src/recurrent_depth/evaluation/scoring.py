@@ -9,7 +9,8 @@ The lm-eval backend calls these for `loglikelihood` requests:
   (teacher forcing), each recurring until its exit criterion holds (at most `num_steps`), so every
   scored prediction runs under the criterion (the engine's `run_adaptive`). Earlier tokens' KV
   entries are read through the inference caches under the request's KV policy (`kv_policy` /
-  `kv_budget`), exactly as `recurrent_depth.generate` does when it decodes (`stepwise_logprobs`);
+  `kv_budget`), exactly as `recurrent_depth.generate` does when it decodes (`stepwise_logprobs`;
+  sliding-window layers hold O(W) columns, as generate's);
   with `exit_kv="compute"` each token runs every step for its KV and is read at its exit step
   (the engine's `run_computing`, the Ouro reference), the whole context too, as `generate`'s
   prefill runs a prompt under it (its last position predicts the first continuation token);
@@ -33,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from recurrent_depth.inference.cache import bind_policy, make_cache
+from recurrent_depth.inference.cache import bind_policy, layer_windows, make_cache
 from recurrent_depth.inference.criteria import ExitCriterion, gate_for, resolve_criterion
 from recurrent_depth.inference.engine import Recurrence
 from recurrent_depth.inference.quant_cache import kv_quant_for_model
@@ -237,8 +238,9 @@ def stepwise_logprobs(
     for b, (context, _) in enumerate(requests):  # left padding: every continuation starts at column Lc
         ctx_ids[b, Lc - len(context) :] = torch.tensor(list(context), device=device)
         mask[b, Lc - len(context) :] = 1
+    # generate's cache: sliding-window layers drop the columns no window reaches (every write is at the end)
     cache = make_cache("static", B, num_steps, kv_budget, capacity=Lc + Ln, device=device, policy=kv_policy,
-                       core_layers=model.config.core_layers, kv_quant=kv_quant)
+                       core_layers=model.config.core_layers, kv_quant=kv_quant, windows=layer_windows(model))
     engine = Recurrence(model, fast=False)  # the model's own modules
     if generator is not None and not isinstance(generator, torch.Generator):  # the randomized lookup's draws, as
         rows = RowGenerators([g.initial_seed() for g in generator], B, device)  # generate derives a row's

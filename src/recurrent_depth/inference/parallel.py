@@ -22,6 +22,9 @@ Every core layer keeps one KV entry per position, its latest (KV sharing with bu
 is what lets positions at different depths attend to each other. Rows of a batch keep their own
 front; a write mask protects positions that one row has frozen while another row still refines
 them, so each row gets what it would get alone.
+
+The sweeps' own per-column buffers (latent states, input tokens, step counts: `_Columns`) hold the columns from
+the sweeps' start on, so like a windowed layer's KV (inference/cache.py) they stay bounded in a long generation.
 """
 
 from __future__ import annotations
@@ -35,6 +38,48 @@ from torch import Tensor
 from recurrent_depth.inference.cache import MULTI_QUERY_WINDOW_SLACK
 from recurrent_depth.inference.output import TokenEvent
 from recurrent_depth.inference.session import Session
+
+# Columns the buffers allocate beyond the sweep's span, so that they reallocate (dropping the frozen columns) once
+# every ~this many committed tokens, each time copying the span only.
+BUFFER_ROOM = 64
+
+
+class _Columns:
+    """The sweeps' per-column buffers over columns [first, first + held): inputs `tokens` `[B, held]` (beyond a
+    row's front, guesses), raw states `states` `[B, held, h]`, `done` (steps run) and `fresh` (steps since the
+    input last changed). A column before every unfinished row's front is final and no sweep reads it again (the
+    fronts never move back), so `hold` drops such columns when a sweep needs a column past the buffers: they hold
+    the sweeps' span and `room` columns more, not the whole generation. Values at held columns never change on a
+    drop; a column never held starts as the full buffers started (padding, zeros)."""
+
+    def __init__(self, B: int, h: int, dtype: torch.dtype, device: torch.device, pad: int, first: int,
+                 room: int) -> None:
+        self.pad, self.room, self.first = pad, room, first
+        self.tokens = torch.full((B, 0), pad, dtype=torch.long, device=device)
+        self.states = torch.zeros(B, 0, h, dtype=dtype, device=device)
+        self.done = torch.zeros(B, 0, dtype=torch.long, device=device)
+        self.fresh = torch.zeros_like(self.done)
+        self.peak_nbytes = 0
+
+    def hold(self, lo: int, hi: int) -> int:
+        """Make columns [lo, hi) held (columns before lo may go); returns `first`, the buffers' column 0."""
+        held = self.tokens.shape[1]
+        if hi <= self.first + held:
+            return self.first
+        skip = min(lo - self.first, held)  # the frozen columns dropped
+        size = hi - lo + self.room
+
+        def moved(old: Tensor, fill: int) -> Tensor:
+            new = old.new_full((old.shape[0], size, *old.shape[2:]), fill)
+            new[:, : held - skip] = old[:, skip:]
+            return new
+
+        self.tokens = moved(self.tokens, self.pad)
+        self.states, self.done, self.fresh = moved(self.states, 0), moved(self.done, 0), moved(self.fresh, 0)
+        self.first = lo
+        nbytes = sum(t.nbytes for t in (self.tokens, self.states, self.done, self.fresh))
+        self.peak_nbytes = max(self.peak_nbytes, nbytes)
+        return self.first
 
 
 def _statistic(name: str, new: Tensor, old: Tensor) -> Tensor:
@@ -82,12 +127,10 @@ def decode(session: Session) -> Iterator[TokenEvent]:
         yield event
     # Column c's prediction is new token number c - T + 1, so the last one needed is T + max_new - 2.
     stop_column = T + opts.max_new_tokens - 1
-    h = session.model.config.hidden_size
-    tokens = torch.full((B, stop_column + 1), session.pad_token_id, dtype=torch.long, device=session.device)
-    tokens[:, T] = first  # inputs of the columns; beyond a row's front they are guesses
-    states = torch.zeros(B, max(stop_column, T), h, dtype=session.model.dtype, device=session.device)
-    done = torch.zeros(B, max(stop_column, T) + 1, dtype=torch.long, device=session.device)
-    fresh = torch.zeros_like(done)  # steps since the column's input token last changed
+    columns = _Columns(B, session.model.config.hidden_size, session.model.dtype, session.device,
+                       session.pad_token_id, first=T, room=BUFFER_ROOM)
+    columns.hold(T, T + 1)
+    columns.tokens[:, 0] = first  # inputs of the columns; beyond a row's front they are guesses
     front = [T] * B  # per row: the first column not yet frozen
     ends = [T] * B  # per row: one past its last column in the wavefront
     sweeps = columns_run = 0
@@ -95,47 +138,51 @@ def decode(session: Session) -> Iterator[TokenEvent]:
         rows = session.unfinished
         # New positions join a row's wavefront while fewer than `wavefront` refine: a position far beyond
         # the front runs on a guess of a guess, and every extra position makes each forward dearer.
+        adds = {b: min(opts.headway, stop_column - ends[b], opts.wavefront - (ends[b] - front[b])) for b in rows}
+        start = min(front[b] for b in rows)
+        end = max(ends[b] + max(adds[b], 0) for b in rows)
+        # Columns before `start` are frozen in every unfinished row: their entries are final, and the buffers
+        # (indexed from column o) may drop them. The sweep reads and writes columns [start, end], tokens to end.
+        o = columns.hold(start, end + 1)
+        a, z = start - o, end - o  # the sweep's columns in the buffers
+        tokens, states, done, fresh = columns.tokens, columns.states, columns.done, columns.fresh
         for b in rows:
-            end_b = ends[b]
-            add = min(opts.headway, stop_column - end_b, opts.wavefront - (end_b - front[b]))
+            end_b, add = ends[b] - o, adds[b]
             if add > 0:
                 tokens[b, end_b + 1 : end_b + add] = tokens[b, end_b]  # unknown yet: repeat the guess
                 states[b, end_b : end_b + add] = session.initial_states(states[:, end_b : end_b + add], [b])[b]
-                ends[b] = end_b + add
-        start = min(front[b] for b in rows)
-        end = max(ends[b] for b in rows)
-        # Columns before `start` are frozen in every unfinished row: their entries are final.
+                ends[b] += add
         cache.seek(start)
         width = end - start
         columns_run += width
-        columns = torch.arange(start, end, device=session.device)
         lo = torch.tensor(front, device=session.device)
         hi = torch.tensor(ends, device=session.device)
-        write = (columns[None] >= lo[:, None]) & (columns[None] < hi[:, None])
+        at = torch.arange(start, end, device=session.device)
+        write = (at[None] >= lo[:, None]) & (at[None] < hi[:, None])
         write &= session.unfinished_mask()[:, None]  # [B, W]: the (row, column) pairs this sweep refines
         everyone = bool(write.all())
         cache.write_mask = None if everyone else write
-        ids = tokens[:, start:end]
+        ids = tokens[:, a:z]
         pass_ = engine.begin(ids, session.mask(end), cache)
         active = None if everyone else write
-        previous = engine.run(states[:, start:end], pass_, range(inner - 1), active=active)
+        previous = engine.run(states[:, a:z], pass_, range(inner - 1), active=active)
         s = engine.run(previous, pass_, range(inner - 1, inner), active=active)
         logits = engine.readout(s, pass_)  # [B, W, V]
         cache.write_mask = None
         # (before the write-back below: with one inner step `previous` is a view of `states`)
         statistic = _statistic(name, s, previous) if name is not None else None
-        states[:, start:end] = s
-        done[:, start:end] += inner * write
-        fresh[:, start:end] += inner * write
-        cache.close(done[:, start:end], width)
+        states[:, a:z] = s
+        done[:, a:z] += inner * write
+        fresh[:, a:z] += inner * write
+        cache.close(done[:, a:z], width)
         predicted = _choose(session, logits, rows, [(front[b] - start, ends[b] - start) for b in rows])
         used = ids.tolist()  # the inputs this sweep ran on, before the guesses move
-        upcoming = tokens[:, start + 1 : end + 1]
+        upcoming = tokens[:, a + 1 : z + 1]
         changed = write & (predicted != upcoming)
-        tokens[:, start + 1 : end + 1] = torch.where(write, predicted, upcoming)
-        fresh[:, start + 1 : end + 1].masked_fill_(changed, 0)
-        predicted_l, done_l = predicted.tolist(), done[:, start:end].tolist()
-        fresh_l = fresh[:, start:end].tolist()
+        tokens[:, a + 1 : z + 1] = torch.where(write, predicted, upcoming)
+        fresh[:, a + 1 : z + 1].masked_fill_(changed, 0)
+        predicted_l, done_l = predicted.tolist(), done[:, a:z].tolist()
+        fresh_l = fresh[:, a:z].tolist()
         stat_l = statistic.tolist() if statistic is not None else None
         # A token chosen at column c reports the bytes of columns [0, c + 1), as autoregressive decoding does:
         # the committed positions, not the guesses of the wavefront ahead of them.
@@ -161,13 +208,13 @@ def decode(session: Session) -> Iterator[TokenEvent]:
                 token = event.token  # the prediction, or the teacher's token
                 yield event
                 front[b] = c + 1
-                if tokens[b, c + 1] != token:  # a teacher's or sampled token that differs from the guess
-                    tokens[b, c + 1] = token
-                    fresh[b, c + 1] = 0
+                if tokens[b, c + 1 - o] != token:  # a teacher's or sampled token that differs from the guess
+                    tokens[b, c + 1 - o] = token
+                    fresh[b, c + 1 - o] = 0
                 if c + 1 < ends[b] and used[b][j + 1] != token:
                     break  # the next position ran on a wrong guess: it refines on the right input first
         sweeps += 1
     # the tokens the sweeps committed: each row's first token came from the prefill, not from a sweep
     swept = sum(max(session.recorder.count(b) - 1, 0) for b in range(B))
     session.stats.update(sweeps=sweeps, tokens_per_sweep=round(swept / max(1, sweeps), 3),
-                         mean_wavefront=round(columns_run / max(1, sweeps), 2))
+                         mean_wavefront=round(columns_run / max(1, sweeps), 2), buffer_bytes=columns.peak_nbytes)

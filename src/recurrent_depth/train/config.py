@@ -495,6 +495,18 @@ class TrainConfig:
         return self.replace(optim=optim_from_dict(self._optim_default[0], preset))
 
     # ------------------------------------------------------------------ derived values
+    def trained_depth_fields(self) -> dict[str, int]:
+        """The model config fields that record the depth this run trains at, for the saved config.json (the
+        default depth of `generate`, `eval`, `serve`): `mean_recurrence` (rounded: a config holds an integer) and
+        `mean_backprop_depth`, from the run's depth settings where it names them. A run from scratch and one from
+        --init-from both take them; a `model` setting of the field (--model-set) wins."""
+        depth: dict[str, int] = {}
+        if self.mean_recurrence is not None:
+            depth["mean_recurrence"] = max(1, round(self.mean_recurrence))
+        if self.backprop_depth is not None:
+            depth["mean_backprop_depth"] = self.backprop_depth
+        return {k: v for k, v in depth.items() if k not in self.model}
+
     def model_config(self, vocab_size: int | None = None, **token_ids: int | None) -> ModelConfig:
         """The ModelConfig this run trains: preset + `model` overrides (+ the tokenizer's vocab and ids)."""
         values = dict(self.model)

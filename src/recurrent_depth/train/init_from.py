@@ -4,7 +4,8 @@ DIR is a model directory of ours, a run directory holding one (`DIR/model`), an 
 Huginn-0125 directory or an Ouro one (`docs/looped-family.md`). The run takes DIR's model config,
 weights and tokenizer, with a fresh optimizer and schedule (an Ouro model is saved in our format).
 What may differ from DIR: the optimizer, learning rate and schedule, the data, the step
-budget, the depth scheme and the config's `mean_recurrence` / `mean_backprop_depth`. Any other change
+budget, the depth scheme and the config's `mean_recurrence` / `mean_backprop_depth` (a run's `mean_recurrence` /
+`backprop_depth` set them, as in a run from scratch, unless `model` names them). Any other change
 (a `--model-set` of a shape field, another vocabulary or tokenizer, rows longer than `max_seq_len`) is a
 one-line error naming the field.
 
@@ -18,6 +19,7 @@ model directory is written back in DIR's stored dtype, so zero steps reproduce D
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,10 +111,12 @@ def read_model_config(model_dir: Path) -> ModelConfig:
 
 
 def model_overrides(base: ModelConfig, cfg: TrainConfig, model_dir: Path) -> dict[str, Any]:
-    """The changes `cfg` makes to DIR's model config: only `CHANGEABLE_MODEL_FIELDS` may differ."""
+    """The changes `cfg` makes to DIR's model config: only `CHANGEABLE_MODEL_FIELDS` may differ. The run's depth
+    settings (--mean-recurrence, --backprop-depth) are among them, as in a run from scratch: the saved config
+    records the depth the model was trained at (`TrainConfig.trained_depth_fields`)."""
     stored = base.to_dict()
     changes: dict[str, Any] = {}
-    for key, value in sorted(cfg.model.items()):
+    for key, value in sorted({**cfg.trained_depth_fields(), **cfg.model}.items()):
         if stored.get(key) == value:
             continue
         if key not in CHANGEABLE_MODEL_FIELDS:
@@ -127,6 +131,24 @@ def model_overrides(base: ModelConfig, cfg: TrainConfig, model_dir: Path) -> dic
         raise ValueError(f"TrainConfig.seq_len={cfg.seq_len} is longer than {model_dir}'s max_seq_len="
                          f"{base.max_seq_len}: rows must fit the model's context")
     return changes
+
+
+def depth_change_note(cfg: TrainConfig, adapter: bool = False, generation_config: bytes | None = None) -> str | None:
+    """One log line naming the depth fields of DIR's config that the run changes (None: none), e.g. a retrofitted
+    model healed at --mean-recurrence 32, whose saved config then says 32 where DIR's said 4. `generation_config`:
+    DIR's generation_config.json as the run keeps it, whose `num_steps` generate reads before the config's depth."""
+    model_dir = find_model_dir(cfg.init_from)
+    base = read_model_config(model_dir)
+    changes = model_overrides(base, cfg, model_dir)
+    if not changes:
+        return None
+    what = ", ".join(f"{key} {getattr(base, key)} -> {value}" for key, value in changes.items())
+    where = ("the base model's, in memory: model/ holds the adapter" if adapter else
+             "model/config.json records it: the default depth of generate, eval and serve")
+    steps = json.loads(generation_config).get("num_steps") if generation_config is not None else None
+    if steps is not None and not adapter:  # (a JSON object: read_companions checked it)
+        where += f", though the generation_config.json kept from {model_dir} sets generate's num_steps={steps}"
+    return f"model config: {what} (the depth this run trains at; {where})"
 
 
 def find_tokenizer(model_dir: Path, cfg: TrainConfig, vocab_size: int) -> Path:

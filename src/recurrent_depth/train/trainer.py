@@ -49,6 +49,7 @@ from recurrent_depth.config import ModelConfig
 from recurrent_depth.data.corpus import Corpus, load_corpus
 from recurrent_depth.data.tokenizer import eos_token_ids
 from recurrent_depth.files import DIR_LOCK_FILE, check_out_dir, lock_directory
+from recurrent_depth.generation_config import GENERATION_CONFIG_FILE
 from recurrent_depth.model.mixers.dsa import pop_indexer_loss
 from recurrent_depth.model.recurrent import RecurrentDepthLM
 from recurrent_depth.train import checkpointing as ckpt
@@ -67,6 +68,7 @@ from recurrent_depth.train.distill import (
 )
 from recurrent_depth.train.distill_cache import CachedTeacher, has_cache, teacher_change, write_cache
 from recurrent_depth.train.init_from import (
+    depth_change_note,
     find_model_dir,
     load_for_training,
     resolved_config,
@@ -277,6 +279,10 @@ class Trainer:
         if cfg.init_from is not None and cfg.optim_default is not None:  # (chosen for the run: say which)
             self.log(f"optimizer: the {cfg.optim_default} preset ({cfg.optim.name}, lr {cfg.optim.lr:g}): the run "
                      "names no optimizer preset or learning rate (--optim-preset, --lr)")
+        depth_note = (depth_change_note(cfg, is_peft_model(model), self.start_files.get(GENERATION_CONFIG_FILE))
+                      if cfg.init_from is not None else None)
+        if depth_note is not None:  # (--mean-recurrence / --backprop-depth / --model-set change DIR's config)
+            self.log(depth_note)
         self.state = LoopState()
         self.losses: list[float] = []
         self.session_start = 0.0
@@ -499,14 +505,7 @@ class Trainer:
             self.seq_len = cfg.seq_len if cfg.seq_len is not None else self.data.metadata["params"]["seq_len"]
             self._open_shard_datasets()
             return
-        overrides: dict[str, Any] = {}
-        if cfg.baseline:
-            overrides = {"mean_recurrence": 1, "mean_backprop_depth": 1}
-        else:
-            if cfg.mean_recurrence is not None:
-                overrides["mean_recurrence"] = max(1, round(cfg.mean_recurrence))
-            if cfg.backprop_depth is not None:
-                overrides["mean_backprop_depth"] = cfg.backprop_depth
+        overrides = {"mean_recurrence": 1, "mean_backprop_depth": 1} if cfg.baseline else cfg.trained_depth_fields()
         base = cfg.replace(model={**overrides, **cfg.model}) if overrides else cfg
         self._check_vocab_size(base)
         self.tokenizer_dir, self.data = self._prepare_data(corpus)

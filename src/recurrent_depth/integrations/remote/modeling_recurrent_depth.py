@@ -4,7 +4,7 @@ Written next to a saved model by `rdepth export --remote-code`, so the directory
 transformers >= 5 environment without the `recurrent_depth` library:
 
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
-    model(input_ids, num_steps=16).logits
+    model(input_ids, num_steps=16).logits        # or num_steps=(12, 4): 12 steps without gradients, then 4 with
     model.generate(input_ids, max_new_tokens=32, num_steps=16)
     scorer = AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=True, num_labels=1)
 
@@ -116,6 +116,25 @@ def training_depth(config: Any, generator: torch.Generator | None) -> tuple[int,
         tau = mu + DEPTH_SIGMA * torch.randn((), generator=generator, dtype=torch.float64, device=device)
         r = int(torch.poisson(tau.exp(), generator=generator)) + 1
     return max(r - k, 0), min(r, k)
+
+
+def resolve_num_steps(num_steps: Any, mean_recurrence: int) -> tuple[int, int]:
+    """(steps run without autograd, steps in all) of a forward's `num_steps`, as the library reads it: None ->
+    mean_recurrence; an int n -> n steps, all under autograd; a pair (n, k) (a list too: a GenerationConfig saved
+    to JSON reads a tuple back as one) -> n steps without autograd, then k with (truncated backprop, the official
+    checkpoint's convention). The logits are those of n + k steps either way."""
+    if num_steps is None:  # (the config's value, from config.json or a from_pretrained keyword: checked too)
+        if isinstance(mean_recurrence, int) and not isinstance(mean_recurrence, bool) and mean_recurrence >= 0:
+            return 0, mean_recurrence
+        raise ValueError(f"config.mean_recurrence={mean_recurrence!r} (the depth of num_steps=None) is invalid: "
+                         "expected an integer >= 0")
+    if isinstance(num_steps, int) and not isinstance(num_steps, bool) and num_steps >= 0:
+        return 0, num_steps
+    if isinstance(num_steps, tuple | list) and len(num_steps) == 2 and all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in num_steps):
+        return int(num_steps[0]), int(num_steps[0]) + int(num_steps[1])
+    raise ValueError(f"num_steps={num_steps!r} is invalid: expected None, an integer >= 0 or a pair of integers "
+                     ">= 0 (no_grad_steps, grad_steps)")
 
 
 def is_window(value: Any) -> bool:
@@ -708,7 +727,7 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         cache: Any = None,
         use_cache: bool | None = None,
         labels: Tensor | None = None,
-        num_steps: int | None = None,
+        num_steps: int | tuple[int, int] | None = None,
         init_scale: float | None = None,
         input_states: Tensor | None = None,
         return_dict: bool | None = None,
@@ -721,6 +740,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
 
         num_steps None: config.mean_recurrence in eval mode; in training mode a depth drawn by config.depth_scheme
         (`training_depth`, from `generator` before s_0), gradients through its last mean_backprop_depth steps.
+        An int n: n steps, gradients through all; a pair (n, k): n steps without gradients, then k with
+        (`resolve_num_steps`).
 
         position_ids [B, T] or [1, T] (None: from attention_mask): the RoPE positions of input_ids. A named parameter,
         as the library's: transformers' `generate` then passes this model the positions it passes the library's
@@ -763,10 +784,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             output_attentions = self.config.output_attentions
         return_dict = self.config.return_dict if return_dict is None else return_dict
         cfg = self.config
-        steps = cfg.mean_recurrence if num_steps is None else num_steps
+        free_steps, steps = resolve_num_steps(num_steps, cfg.mean_recurrence)
         scale = cfg.init_scale if init_scale is None else init_scale
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ValueError(f"num_steps={num_steps!r} is invalid: expected None or an integer >= 0")
         if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale) or scale < 0:
             raise ValueError(f"init_scale={scale!r} is invalid: expected a finite number >= 0")  # (nan: trunc_normal_)
         use_cache = cfg.use_cache if use_cache is None else use_cache
@@ -800,7 +819,6 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
                              f"got {tuple(getattr(input_states, 'shape', ())) or type(input_states).__name__}")
         if generator is not None and not isinstance(generator, torch.Generator):
             raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-        free_steps = 0  # the first steps, run without autograd (truncated backprop)
         if num_steps is None and self.training:  # (trainers pass none: drawn before s_0, from the same generator)
             free_steps, grad_steps = training_depth(cfg, generator)
             steps = free_steps + grad_steps

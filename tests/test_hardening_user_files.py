@@ -402,7 +402,8 @@ def test_retrofit_refuses_a_gemma_without_query_pre_attn_scalar(model_type):
     from recurrent_depth.families.retrofit import Surgery, model_config
 
     hf = dict(model_type=model_type, vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-              num_attention_heads=2, head_dim=16, max_position_embeddings=64, query_pre_attn_scalar=None)
+              num_attention_heads=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+              query_pre_attn_scalar=None)
     with pytest.raises(ValueError, match=f"^retrofit: cannot convert {model_type} with query_pre_attn_scalar=null"):
         model_config(hf, Surgery(1, (1, 3), 1))
     assert model_config({**hf, "query_pre_attn_scalar": 16}, Surgery(1, (1, 3), 1)).query_pre_attn_scalar == 16

@@ -102,6 +102,9 @@ _BIAS_KEY_TYPES = ("llama", "qwen3", "olmo2", "gemma", "gemma2", "gemma3_text")
 _MLP_BIAS_KEY_TYPES = ("llama",)
 # transformers' head_dim where a config.json leaves it out (hidden_size // num_attention_heads for the others).
 _DEFAULT_HEAD_DIM = {"gemma": 256, "gemma2": 256, "gemma3_text": 256, "qwen3": 128}
+# transformers' num_key_value_heads where a config.json leaves it out (num_attention_heads for the others, and for a
+# null in every type): a source without the key was refused as a tensor-shape mismatch.
+_DEFAULT_KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32, "gemma": 16, "gemma2": 4, "gemma3_text": 4}
 # transformers' rms_norm_eps where a config.json leaves it out (1e-6 for the others).
 _DEFAULT_NORM_EPS = {"phi3": 1e-5, "olmo2": 1e-5}
 # transformers' sliding_window where a config.json leaves it out (MistralConfig's 4096: applied; Phi-3's None)
@@ -491,6 +494,10 @@ def model_config(hf: Mapping[str, Any], surgery: Surgery, mean_recurrence: int =
     hidden, heads = hf.get("hidden_size"), hf.get("num_attention_heads")
     if not (is_int(hidden) and is_int(heads) and heads > 0):
         raise fail(f"hidden_size={hidden!r} / num_attention_heads={heads!r} are invalid: expected integers >= 1")
+    kv_heads = hf.get("num_key_value_heads", _DEFAULT_KV_HEADS.get(model_type)) or heads
+    if "num_key_value_heads" not in hf and heads % kv_heads:  # (named: the default is in no file the user has)
+        raise fail(f"num_key_value_heads is missing, and transformers' {model_type} default, {kv_heads}, does not "
+                   f"divide num_attention_heads={heads}: set it in config.json")
     # Llama, Qwen3 and OLMo-2 may bias every attention projection (attention_bias) and Llama the MLP
     # (mlp_bias): our `bias` biases every linear map, the ones the source lacks start at zero. Qwen2
     # always biases q, k and v, never o.
@@ -508,7 +515,7 @@ def model_config(hf: Mapping[str, Any], surgery: Surgery, mean_recurrence: int =
     kept = [windows[src] for _, _, src in surgery.layer_map(num_layers)]
     values = dict(
         vocab_size=hf.get("vocab_size"), hidden_size=hidden, num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        num_kv_heads=kv_heads,
         head_dim=hf.get("head_dim") or _DEFAULT_HEAD_DIM.get(model_type, hidden // heads),
         intermediate_size=hf.get("intermediate_size"),
         prelude_layers=surgery.prelude, core_layers=surgery.core[1] - surgery.core[0], coda_layers=surgery.coda,

@@ -494,7 +494,10 @@ OTHER_ROUTE_FIELDS = {
                        for name in ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")}},
     "chat": {"prompt": "'prompt' belongs to /v1/completions; /v1/chat/completions takes 'messages'",
              "echo": "'echo' belongs to /v1/completions (it echoes the prompt there); /v1/chat/completions has "
-                     "no echo"},
+                     "no echo",
+             # (vLLM's chat adds a BOS on top of the template's for true: it was ignored here, silently)
+             "add_special_tokens": "'add_special_tokens': true is not supported on /v1/chat/completions: the chat "
+                                   "template writes the special tokens (send false, or leave it out)"},
 }
 
 

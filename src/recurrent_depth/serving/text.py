@@ -20,6 +20,7 @@ from recurrent_depth.data.tokenizer import tokenizer_failures_as_errors
 from recurrent_depth.serving.chat_template import ChatTemplate, load_template
 
 REPLACEMENT = "\ufffd"  # what decoding an incomplete UTF-8 sequence yields
+MAX_INCOMPLETE_TOKENS = 3  # tokens an incomplete UTF-8 character can span at the end of a text (its 1-3 bytes)
 MAX_TEXT_CHARS = 64 << 20  # rendered chat prompts stop here whatever the context
 # Unicode noncharacters (reserved for a program's internal use) mark special-token text in messages.
 PLACEHOLDER_OPEN, PLACEHOLDER_CLOSE = "\ufdd0", "\ufdd1"
@@ -460,10 +461,36 @@ class IncrementalDecoder:
             return after[start:]
         # an incomplete character at the end: the text before it is final (later bytes cannot change it)
         stable = len(after.rstrip(REPLACEMENT))
-        if stable <= start:
+        out = ""
+        if stable > start:
+            self.sent += stable - start
+            out, start = after[start:stable], stable
+        # (byte-level decoders only: a SentencePiece byte-fallback decoder shows a whole run of byte tokens as
+        # U+FFFD once any of it is invalid, so there a later token can change the run's earlier text)
+        if self.codec._byte_level and len(self.ids) - self.read > MAX_INCOMPLETE_TOKENS:
+            out += self._settle(after, start)
+        return out
+
+    def _settle(self, after: str, start: int) -> str:
+        """Close the window before its last `MAX_INCOMPLETE_TOKENS` tokens where the text up to there can no longer
+        change: a run of bytes that never completes a character (U+FFFD at the end after every token) kept the
+        window open, so each token decoded the whole run again (quadratic: an echoed 8000-token prompt of such
+        bytes held the event loop 11 s). `after`: the window's text; `start`: how much of it is emitted. Returns
+        the text it emits."""
+        at = len(self.ids) - MAX_INCOMPLETE_TOKENS
+        # an incomplete character has at most 3 bytes, so it lies within the last 3 tokens if each has a byte
+        if any(not self.codec.decode([t], self.skip) for t in self.ids[at:]):
             return ""
-        self.sent += stable - start
-        return after[start:stable]
+        settled = self.codec.decode(self.anchor + self.ids[self.prefix : at], self.skip)
+        # the window from the token before `at` (its context, as a moved window keeps) must read the same after it
+        context = self.codec.decode(self.anchor + self.ids[at - 1 : at], self.skip)
+        rest = self.codec.decode(self.anchor + self.ids[at - 1 :], self.skip)
+        if not after.startswith(settled) or rest[len(context) :] != after[len(settled) :] \
+                or not rest.startswith(context):
+            return ""
+        out = after[start : len(settled)]
+        self.prefix, self.read, self.sent = at - 1, at, max(0, start - len(settled))
+        return out
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete UTF-8 tail decodes to U+FFFD)."""

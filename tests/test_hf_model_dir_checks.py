@@ -29,7 +29,8 @@ def hostile(clean_dir, tmp_path, case: str):
     d = tmp_path / case
     shutil.copytree(clean_dir, d)
     config = json.loads((d / "config.json").read_text())
-    if case == "index-outside":
+    if case == "index-outside":  # (model.safetensors removed: beside it the index is not read, as in transformers)
+        (d / "model.safetensors").unlink()
         (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "../../outside.safetensors"}}))
     elif case == "config-too-large":
         (d / "config.json").write_text(json.dumps({**config, "pad": "x" * (17 << 20)}))

@@ -25,6 +25,7 @@ SETTINGS: dict[str, tuple[dict, dict]] = {
     "rope_scaling": ({}, dict(rope_scaling={"rope_type": "linear", "factor": 8.0})),
     "num_kv_heads": ({}, dict(num_kv_heads=2)),
     "qkv_bias": ({}, dict(qkv_bias=True)),
+    "eager_attention": ({}, dict(eager_attention=True)),  # (plain math rounds unlike SDPA, float64 too)
 }
 
 

@@ -250,7 +250,7 @@ def test_transformers_config_round_trips_every_model_config_field(tmp_path):
                    coda_projection=True, value_embeddings=[1], attention_windows=[None, 3, None, 2],
                    query_pre_attn_scalar=12.0, attn_logit_softcapping=30.0, final_logit_softcapping=20.0,
                    layer_rope_bases=[None, 1e4, None, None], transformers_rounding=True, norm_unit_offset=True,
-                   norm_float32_gain=True)
+                   norm_float32_gain=True, eager_attention=True)
     defaults = rd.ModelConfig()
     assert {name for name in changed if getattr(defaults, name) == changed[name]} == set()
     assert set(HUGINN_ARCHITECTURE) <= set(changed)

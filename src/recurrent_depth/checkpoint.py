@@ -124,8 +124,9 @@ def _write_weights(state: dict[str, torch.Tensor], out: Path, max_shard_bytes: i
     """`state` as model.safetensors, or as shards of at most `max_shard_bytes` plus their index, and `config_text` as
     config.json, replacing the model `out` held so that a process killed at any point leaves one complete model:
     every file is written and fsynced under a temporary name first (the slow part; the old model is untouched), then
-    renamed into place, the index last (it decides which files `weight_files` loads); the old weight files the new
-    save does not use are removed only after that."""
+    renamed into place, the index last, and the other layout's entry file (the old index, or the old model.safetensors
+    that `weight_files` would load before a new index) removed with them; the old shards the new save does not use are
+    removed only after that."""
     meta = {"format": "pt", **(metadata or {})}
     total = sum(t.nbytes for t in state.values())
     files: dict[str, dict[str, torch.Tensor]] = {}
@@ -166,8 +167,10 @@ def _write_weights(state: dict[str, torch.Tensor], out: Path, max_shard_bytes: i
     with _signals_deferred():  # Ctrl-C or SIGTERM between two renames would leave old and new mixed
         for tmp, final in staged:
             os.replace(tmp, final)
-        if index_text is None:  # an old sharded save's index would still choose its shards over model.safetensors
+        if index_text is None:  # (an old sharded save's index, no longer describing this model)
             (out / INDEX_NAME).unlink(missing_ok=True)
+        else:  # an old single-file save's model.safetensors would be loaded before the new index (`weight_files`)
+            (out / WEIGHTS_NAME).unlink(missing_ok=True)
         fsync_dir(out)
     for path in [*stale, *out.glob(f"model*.safetensors{TMP_SUFFIX}")]:  # (and what a killed save left)
         path.unlink(missing_ok=True)
@@ -291,18 +294,20 @@ def current_umask() -> int:
 def weight_files(path: Path, allow_outside: bool = False) -> list[Path]:
     """The safetensors files of a model directory, single or sharded.
 
-    An index's `weight_map` may name only files inside the directory (no absolute or `..` paths)
-    unless `allow_outside=True`; symlinked files are followed (a Hugging Face hub snapshot is made of
-    them into its blob store) to regular files only as large as their header says (`files`).
+    A directory holding both `model.safetensors` and a shard index loads the single file, as transformers'
+    `from_pretrained` does (it looks for the single file first). An index's `weight_map` may name only files inside
+    the directory (no absolute or `..` paths) unless `allow_outside=True`; symlinked files are followed (a Hugging
+    Face hub snapshot is made of them into its blob store) to regular files only as large as their header says
+    (`files`).
     """
+    if (path / WEIGHTS_NAME).is_file():
+        return [path / WEIGHTS_NAME]
     if (path / INDEX_NAME).exists():
         index = read_json(path / INDEX_NAME, CONFIG_MAX_BYTES, "weight index")
         if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
             raise ValueError(f"{path / INDEX_NAME} has no 'weight_map'")
         names = sorted({str(name) for name in index["weight_map"].values()})
         return [inside(path, name, f"{INDEX_NAME}: weight file", allow_outside, follow_links=True) for name in names]
-    if (path / WEIGHTS_NAME).exists():
-        return [path / WEIGHTS_NAME]
     found = sorted(path.glob("*.safetensors"))
     if found:
         return found

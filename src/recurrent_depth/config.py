@@ -223,6 +223,11 @@ class ModelConfig:
     # Olmo2RMSNorm: retrofitted OLMo-2, so it equals transformers in bf16 / fp16 too); off: the normalised x
     # rounded first, then times the gain in x's dtype (Huginn's). The same values in float32.
     norm_float32_gain: bool = False
+    # Every 'attention' layer attends as plain math (`eager_attention`: the logits in the model's dtype under
+    # transformers_rounding, a float32 softmax), never SDPA, whose kernels round differently in bf16 / fp16: set for
+    # retrofitted Gemma 2, whose transformers code always attends that way. Off: SDPA (Huginn's) unless a layer
+    # soft-caps its logits or returns its weights. In float32 the two agree up to rounding.
+    eager_attention: bool = False
     norm_before_coda: bool = True  # the coda reads ln_f(s_r) (Huginn) or s_r itself
     final_norm: bool = True  # logits = lm_head(ln_f(coda output)); off: lm_head(coda output)
     step_norm: bool = False  # ln_f after every core step, and the normed state carried on (Ouro)
@@ -340,7 +345,7 @@ class ModelConfig:
                      "step_norm", "exit_gate"):
             need(isinstance(getattr(self, name), bool), name, "true or false")
         for name in ("mlp_gated", "prelude_norm", "coda_projection", "transformers_rounding", "norm_unit_offset",
-                     "norm_float32_gain"):
+                     "norm_float32_gain", "eager_attention"):
             need(isinstance(getattr(self, name), bool), name, "true or false")
         need(self.rope_style == "half" or not self.transformers_rounding, "transformers_rounding",
              "false unless rope_style is 'half' (transformers' rotation; the interleaved one is Huginn's)")
@@ -683,6 +688,7 @@ HUGINN_ARCHITECTURE: dict[str, Any] = dict(
     injection="concat", state_init="random", exit_gate=False, mlp_gated=True, qk_norm_eps=None, prelude_norm=False,
     coda_projection=False, value_embeddings=[], attn_logit_softcapping=None, final_logit_softcapping=None,
     layer_rope_bases=[], transformers_rounding=False, norm_unit_offset=False, norm_float32_gain=False,
+    eager_attention=False,
 )
 
 

@@ -70,7 +70,8 @@ LOOP_CONFIG_KEY = "loop"  # recurrent_depth.looping.config.CONFIG_KEY (not impor
 # (gate_up_proj) in the row order our Wqkv and mlp.fc use.
 # In bf16 / fp16 every type rounds where its transformers code rounds, so the logits equal transformers' bit for
 # bit in every dtype: all but OLMo-2 rotate (RoPE) in the model's dtype (transformers_rounding); OLMo-2 rotates in
-# float32, as our default, and multiplies its norm gains in float32 before rounding (norm_float32_gain).
+# float32, as our default, and multiplies its norm gains in float32 before rounding (norm_float32_gain). Gemma 2
+# attends as plain math (eager_attention), as transformers' Gemma 2 does by default; the others' default is SDPA.
 SUPPORTED_MODEL_TYPES: dict[str, str] = {"llama": "pre-norm", "mistral": "pre-norm", "phi3": "pre-norm",
                                          "qwen2": "pre-norm", "qwen3": "pre-norm", "olmo2": "post-norm",
                                          "gemma": "pre-norm", "gemma2": "peri-norm", "gemma3_text": "peri-norm"}
@@ -530,6 +531,7 @@ def model_config(hf: Mapping[str, Any], surgery: Surgery, mean_recurrence: int =
         # (bf16 / fp16 rounded where transformers rounds, so equal to it in every dtype: see SUPPORTED_MODEL_TYPES)
         embedding_scale=model_type in _GEMMA_TYPES, norm_unit_offset=model_type in _GEMMA_TYPES,
         transformers_rounding=model_type != "olmo2", norm_float32_gain=model_type == "olmo2",
+        eager_attention=model_type == "gemma2",  # (Gemma 2's transformers code has no SDPA: always eager math)
         norm_before_coda=False, final_norm=True, injection="concat",
         attention_windows=kept if any(w is not None for w in kept) else [],
         query_pre_attn_scalar=gemma2_setting(hf, "query_pre_attn_scalar") if gemma2 else None,

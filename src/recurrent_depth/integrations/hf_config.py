@@ -157,6 +157,7 @@ class RecurrentDepthConfig(_CheckedConfigFile, PretrainedConfig):
     transformers_rounding: bool = False
     norm_unit_offset: bool = False
     norm_float32_gain: bool = False
+    eager_attention: bool = False
     use_cache: bool = True
     # Training mode without num_steps: "poisson-lognormal" (the paper's randomized depth around mean_recurrence),
     # "fixed" (mean_recurrence steps) or "uniform"; gradients through the last mean_backprop_depth steps. Not saved.

@@ -52,6 +52,7 @@ HUGINN_ARCHITECTURE = dict(
     injection="concat", state_init="random", exit_gate=False, mlp_gated=True, qk_norm_eps=None, prelude_norm=False,
     coda_projection=False, value_embeddings=[], attn_logit_softcapping=None, final_logit_softcapping=None,
     layer_rope_bases=[], transformers_rounding=False, norm_unit_offset=False, norm_float32_gain=False,
+    eager_attention=False,
 )
 
 # Options of the library's `generate` (and the official code's names for them) that this file does not

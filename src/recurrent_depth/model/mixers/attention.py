@@ -18,7 +18,8 @@ The logits are q.k times `config.attention_scale`: 1/sqrt(D) (Huginn), or muP's 
 (`attn_scale: "1/d"`, the default under `mup_base_width`), or 1/sqrt(query_pre_attn_scalar) (Gemma 2 / 3). SDPA
 takes it as `scale=`; a quantized cache, whose kernels apply 1/sqrt(D), gets q pre-multiplied by the ratio (its
 scores are linear in q). `config.attn_logit_softcapping` (Gemma 2) caps the scaled logits, cap * tanh(x / cap), before
-the mask: such a layer attends as plain math (`eager_attention`), over a quantized cache's decoded columns.
+the mask: such a layer attends as plain math (`eager_attention`), over a quantized cache's decoded columns; so does
+every layer under `config.eager_attention` (retrofitted Gemma 2, whose transformers code never uses SDPA).
 A layer's own RoPE base (`config.layer_rope_bases`, set by the model as `rope_base`) replaces the config's.
 
 For QK-clip (`recurrent_depth.train.qk_clip`) the mixer can record, during training forwards,
@@ -44,7 +45,8 @@ from recurrent_depth.model.mixers.logits import MaxLogitRecorder, scale_paramete
 class Attention(MaxLogitRecorder, nn.Module):
     # every option of `MIXER_CONFIG_OPTIONS` (base.py): the config's attention settings are this mixer's
     config_options = frozenset({"qk_norm", "layer_rope_bases", "attn_logit_softcapping", "query_pre_attn_scalar",
-                                "attn_scale", "rope_style", "rope_scaling", "num_kv_heads", "qkv_bias"})
+                                "attn_scale", "rope_style", "rope_scaling", "num_kv_heads", "qkv_bias",
+                                "eager_attention"})
 
     def __init__(
         self, config: ModelConfig, part: str = "core", window: int | None = None, num_kv_heads: int | None = None
@@ -68,6 +70,8 @@ class Attention(MaxLogitRecorder, nn.Module):
         self.scale = config.attention_scale
         self.window = window
         self.softcap = config.attn_logit_softcapping  # cap * tanh(logits / cap) before the mask (Gemma 2): plain math
+        # plain math for every call (transformers' Gemma 2 attends eagerly, capped or not), else SDPA where it can
+        self.eager = config.eager_attention or self.softcap is not None
         self.logits_in_model_dtype = config.transformers_rounding  # that plain math as transformers' eager attention
         self.rope_base: float | None = None  # this layer's own unscaled RoPE base (layer_rope_bases), set by the model
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
@@ -130,7 +134,7 @@ class Attention(MaxLogitRecorder, nn.Module):
     def forward(self, x: Tensor, ctx: MixerContext, layer_key: LayerKey) -> Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x, ctx)
-        if ctx.cache is not None and self.window is None and self.softcap is None and ctx.cache.attends_from_codes:
+        if ctx.cache is not None and self.window is None and not self.eager and ctx.cache.attends_from_codes:
             # a quantized cache scores the queries against its key codes (inference/kv_codec.py), at 1/sqrt(D)
             if ctx.attentions is not None:
                 raise ValueError("output_attentions needs a float KV cache; this call's cache is quantized (kv_quant)")
@@ -150,7 +154,7 @@ class Attention(MaxLogitRecorder, nn.Module):
             mask, is_causal = combine_key_mask(mask, key_mask, T), False
         if self.record_max_logit and self.training:
             self.observe_logits(q, k, self.scale, mask, is_causal)
-        if ctx.attentions is not None or self.softcap is not None:  # the weights, or soft-capped: plain math
+        if ctx.attentions is not None or self.eager:  # the weights, or soft-capped / eager_attention: plain math
             out, probs = eager_attention(q, k, v, mask, is_causal, self.scale, self.softcap,
                                          self.logits_in_model_dtype)
             if ctx.attentions is not None:

@@ -77,6 +77,7 @@ MIXER_CONFIG_OPTIONS: dict[str, tuple[Callable[[ModelConfig, int], Any], str]] =
     "layer_rope_bases": (lambda c, i: c.layer_rope_bases[i] if c.layer_rope_bases else None,
                          "give that layer null in layer_rope_bases"),
     "attn_logit_softcapping": (lambda c, i: c.attn_logit_softcapping, "set attn_logit_softcapping null"),
+    "eager_attention": (lambda c, i: c.eager_attention or None, "set eager_attention false"),
     "query_pre_attn_scalar": (lambda c, i: c.query_pre_attn_scalar, "set query_pre_attn_scalar null"),
     # (muP's default: the rule resolved, so a muP model is told its mixer keeps its own 1/sqrt scale)
     "attn_scale": (lambda c, i: "1/d" if c.attention_scale_rule == "1/d" else None,

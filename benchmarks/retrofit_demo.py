@@ -106,10 +106,10 @@ def main() -> None:
     # The held-out rows and the training rows: the pretraining's split and packing (cached shards).
     data = prepare_dataset(load_corpus("stdlib"), base_dir, seq_len, out / "data", val_fraction=recipe.val_fraction,
                            seed=recipe.seed, keep_all=True)
-    val = data.dataset("validation", shuffle=False)
-    val_rows = val.next_batch(min(args.val_rows, val.num_rows))
-
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    # (the model's vocabulary: an id outside it is refused as its row is read, naming the shard file and row)
+    val = data.dataset("validation", shuffle=False, vocab_size=base.config.vocab_size)
+    val_rows = val.next_batch(min(args.val_rows, val.num_rows))
     num_layers = base.config.num_hidden_layers
     a, b = parse_core(args.core)
     Surgery(args.prelude, (a, b), args.coda).check(num_layers)
@@ -159,8 +159,8 @@ def main() -> None:
     t0 = time.perf_counter()
     base_cfg = TrainConfig(out=str(out / "base-further-run"), max_steps=base_steps,
                            **{k: v for k, v in common.items() if k not in ("data", "data_dir", "keep_all")})
-    Trainer(base_cfg, model=further, data=RowBatches(data.dataset("train", seed=recipe.seed)),
-            tokenizer_dir=base_dir, log=lambda _: None).run()
+    rows = data.dataset("train", seed=recipe.seed, vocab_size=further.config.vocab_size)
+    Trainer(base_cfg, model=further, data=RowBatches(rows), tokenizer_dir=base_dir, log=lambda _: None).run()
     timings["base_further_train_s"] = round(time.perf_counter() - t0, 1)
     results["base_further"] = {"loss": rows_loss(further, val_rows)}
 

@@ -46,7 +46,7 @@ from recurrent_depth.data.shards import (
     token_dtype,
     write_index,
 )
-from recurrent_depth.data.tokenizer import document_token_ids, load_tokenizer, tokenizer_sha256
+from recurrent_depth.data.tokenizer import document_token_ids, load_tokenizer, tokenizer_sha256, vocab_span
 from recurrent_depth.files import (
     CONFIG_MAX_BYTES,
     atomic_write_bytes,
@@ -147,7 +147,7 @@ def prepare_dataset(
             reused) before a TimeoutError naming that process.
     Returns:
         :class:`PreparedDataset` with index paths and metadata: ``corpus`` (CorpusInfo),
-        ``tokenizer`` (hash, vocab size, special ids), ``params``, ``splits`` (documents,
+        ``tokenizer`` (hash, vocab size: its largest id + 1, special ids), ``params``, ``splits`` (documents,
         bytes, rows, tokens, dropped tokens per split), ``key`` and ``reused``.
     """
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
@@ -160,7 +160,8 @@ def prepare_dataset(
         raise ValueError(f"seed must be an int >= 0, got {seed!r}")
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
     specials = document_token_ids(tok)  # ours, or a retrofitted model's own document tokens
-    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    # (its largest id + 1, the model's vocabulary: a tokenizer.json numbering a token past its count makes that id)
+    vocab_size = vocab_span(tok)
     dtype = token_dtype(vocab_size)
     corpus = load_corpus(corpus_spec)
     _check_out_outside(corpus, Path(out_dir))
@@ -258,13 +259,13 @@ def prepare_dataset(
         atomic_write_text(work / DATASET_FILE, json.dumps(metadata, indent=2, sort_keys=True) + "\n")
         return metadata
 
-    result = _load_if_current(home, key, wanted)
+    result = _load_if_current(home, key, wanted, tok_meta)
     if result is None:
         out.mkdir(parents=True, exist_ok=True)
         # (the message waits a second: another process only peeking at the lock, to tidy, lets go at once)
         with held_lock(out / f".{home.name}.lock", lock_timeout, "the token shards lock", warn_after=1.0) as locked:
             # A writer of this key that held the lock meanwhile has published its shards: reuse them.
-            result = _load_if_current(home, key, wanted)
+            result = _load_if_current(home, key, wanted, tok_meta)
             if result is None:
                 if locked:
                     _remove_temporaries(out, home.name)  # (a dead writer's: with the lock ours, none is alive)
@@ -274,7 +275,7 @@ def prepare_dataset(
                 try:
                     metadata = _write_shards(work)
                     # (unlocked, another writer of this key may have published meanwhile: theirs is kept)
-                    result = None if locked else _load_if_current(home, key, wanted)
+                    result = None if locked else _load_if_current(home, key, wanted, tok_meta)
                     if result is None:
                         _publish_set(work, home)
                 except BaseException:
@@ -325,10 +326,12 @@ def _result(out: Path, splits: tuple[str, ...], metadata: dict[str, Any]) -> Pre
     return PreparedDataset(out, out / "train.json", val, metadata)
 
 
-def load_prepared(out_dir: str | Path, key: str, val_fraction: float) -> PreparedDataset | None:
+def load_prepared(out_dir: str | Path, key: str, val_fraction: float,
+                  tokenizer: dict[str, Any] | None = None) -> PreparedDataset | None:
     """The complete shards in `out_dir` if they were prepared under `key` (the `metadata["key"]` of a
-    `prepare_dataset` result), without reading the corpus again; None otherwise."""
-    return _load_if_current(Path(out_dir) / set_name(key), key, SPLITS if val_fraction > 0 else SPLITS[:1])
+    `prepare_dataset` result), without reading the corpus again; None otherwise. `tokenizer`: that result's
+    tokenizer metadata, recorded in place of the stored one (`_load_if_current`)."""
+    return _load_if_current(Path(out_dir) / set_name(key), key, SPLITS if val_fraction > 0 else SPLITS[:1], tokenizer)
 
 
 def set_name(key: str) -> str:
@@ -402,7 +405,11 @@ def _show(out: Path, home: Path, splits: tuple[str, ...]) -> None:
         log.warning("token shards: could not update the indexes in %s (%s); the shards are in %s", out, exc, home)
 
 
-def _load_if_current(out: Path, key: str, splits: tuple[str, ...]) -> PreparedDataset | None:
+def _load_if_current(out: Path, key: str, splits: tuple[str, ...],
+                     tokenizer: dict[str, Any] | None = None) -> PreparedDataset | None:
+    """The shards in `out` if prepared under `key` and complete, else None. `tokenizer`: the metadata of the
+    tokenizer the key names, as this code measures it, recorded in place of the stored one (whose vocab_size older
+    code took as the token count, too small for a tokenizer.json that numbers a token past its count)."""
     meta_path = out / DATASET_FILE
     if not meta_path.is_file():
         return None
@@ -416,6 +423,8 @@ def _load_if_current(out: Path, key: str, splits: tuple[str, ...]) -> PreparedDa
         return None
     if not all(shards_complete(out / f"{split}.json") for split in splits):
         return None
+    if tokenizer is not None:
+        metadata["tokenizer"] = tokenizer
     return _result(out, splits, {**metadata, "reused": True})
 
 

@@ -452,10 +452,16 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return tok
 
 
+def vocab_span(tok: Tokenizer) -> int:
+    """The vocabulary a model needs for `tok`: its largest id + 1. That is its token count, unless its tokenizer.json
+    numbers a token past the count (leaving ids unused): the model's embedding still needs a row for every id."""
+    return max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+
+
 def check_fits_vocab(tok: Tokenizer, vocab_size: int, source: str | Path) -> None:
     """ValueError (one line, both sizes) where `tok` makes ids past a model's embedding (`vocab_size`
     rows), which would fail inside the model on the first text that encodes to one."""
-    size = max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+    size = vocab_span(tok)
     if size > vocab_size:
         raise ValueError(f"the tokenizer {str(source)!r} has {size} tokens but the model's vocabulary has "
                          f"{vocab_size} (config.json vocab_size): it is not this model's tokenizer")

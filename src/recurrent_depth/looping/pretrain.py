@@ -153,7 +153,9 @@ def pretrain(out: str | Path, recipe: PretrainRecipe | None = None,
     specials = tok_meta["special_token_ids"]
     torch.manual_seed(recipe.seed)
     model = LlamaForCausalLM(llama_config(recipe, tok.get_vocab_size(), specials))
-    val = data.dataset("validation", shuffle=False)
+    # (the model's vocabulary: an id outside it is refused as its row is read, naming the shard file and row)
+    vocab = model.config.vocab_size
+    val = data.dataset("validation", shuffle=False, vocab_size=vocab)
     val_rows = val.next_batch(min(32, val.num_rows))
 
     def validation(trainer: Trainer, final: bool) -> dict[str, float] | None:
@@ -179,7 +181,7 @@ def pretrain(out: str | Path, recipe: PretrainRecipe | None = None,
         optim=OptimConfig.from_preset("demo", lr=recipe.lr, warmup_steps=min(recipe.warmup_steps, recipe.max_steps)),
         eval_interval=0, save_every=0, progress=False, tensorboard=False,
     )
-    trainer = Trainer(cfg, model=model, data=RowBatches(data.dataset("train", seed=recipe.seed)),
+    trainer = Trainer(cfg, model=model, data=RowBatches(data.dataset("train", seed=recipe.seed, vocab_size=vocab)),
                       tokenizer_dir=out / "tokenizer", evaluate=validation, stop_when=cpu_budget,
                       on_step=progress, log=lambda _: None)
     result = trainer.run()

@@ -500,12 +500,17 @@ class TrainConfig:
         default depth of `generate`, `eval`, `serve`): `mean_recurrence` (rounded: a config holds an integer) and
         `mean_backprop_depth`, from the run's depth settings where it names them. A run from scratch and one from
         --init-from both take them; a `model` setting of the field (--model-set) wins."""
+        return {k: v for k, v in self.depth_settings().items() if k not in self.model}
+
+    def depth_settings(self) -> dict[str, int]:
+        """The model config depth fields this run's depth settings name (`trained_depth_fields` before a `model`
+        setting of the field wins)."""
         depth: dict[str, int] = {}
         if self.mean_recurrence is not None:
             depth["mean_recurrence"] = max(1, round(self.mean_recurrence))
         if self.backprop_depth is not None:
             depth["mean_backprop_depth"] = self.backprop_depth
-        return {k: v for k, v in depth.items() if k not in self.model}
+        return depth
 
     def model_config(self, vocab_size: int | None = None, **token_ids: int | None) -> ModelConfig:
         """The ModelConfig this run trains: preset + `model` overrides (+ the tokenizer's vocab and ids)."""

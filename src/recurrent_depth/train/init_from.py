@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,7 +154,7 @@ def depth_change_note(cfg: TrainConfig, adapter: bool = False, generation_config
 
 def find_tokenizer(model_dir: Path, cfg: TrainConfig, vocab_size: int) -> Path:
     """DIR's tokenizer (a `tokenizer` setting may only name it again, or stand in when DIR has none)."""
-    from recurrent_depth.data.tokenizer import load_tokenizer
+    from recurrent_depth.data.tokenizer import load_tokenizer, vocab_span
 
     own = (model_dir / "tokenizer.json").is_file()
     if cfg.tokenizer is not None and own and not _same_tokenizer(Path(cfg.tokenizer), model_dir):
@@ -165,7 +166,7 @@ def find_tokenizer(model_dir: Path, cfg: TrainConfig, vocab_size: int) -> Path:
     directory = model_dir if own else Path(cfg.tokenizer)
     # (its largest id + 1, not its count: a tokenizer.json numbering a token past its count makes that id, which
     # failed a batch mid-run, or the save of model/ at the run's end)
-    size = max(load_tokenizer(directory).get_vocab(with_added_tokens=True).values(), default=-1) + 1
+    size = vocab_span(load_tokenizer(directory))
     if size > vocab_size:
         raise ValueError(f"the tokenizer in {directory} makes ids up to {size - 1}, outside {model_dir}'s "
                          f"vocab_size={vocab_size}")
@@ -194,6 +195,7 @@ def resolved_config(cfg: TrainConfig, lora: bool | None = None) -> TrainConfig:
     base = read_model_config(model_dir)
     values = {k: v for k, v in base.to_dict().items() if k != "model_type" and k not in _TOKENIZER_FIELDS}
     values.update(model_overrides(base, cfg, model_dir))
+    values.update(kept_checkpoint_depth(cfg, base, values))  # (a run started by older code goes on as it started)
     tokenizer = find_tokenizer(model_dir, cfg, base.vocab_size)
     return resolved_optim(cfg.replace(model=values, tokenizer=str(tokenizer),
                                       seq_len=cfg.seq_len if cfg.seq_len is not None else base.max_seq_len), lora)
@@ -208,19 +210,70 @@ def resolved_optim(cfg: TrainConfig, lora: bool | None) -> TrainConfig:
     return cfg.with_optim_for(lora=lora, resumed=resumed)
 
 
-def checkpoint_optim(out: str | None) -> OptimConfig | None:
-    """The optimizer recipe the newest readable checkpoint in `<out>/checkpoints` records (None: none does)."""
+def checkpoint_configs(out: str | None) -> Iterator[dict[str, Any]]:
+    """The run configs the readable checkpoints in `<out>/checkpoints` record, newest first."""
     from recurrent_depth.train import checkpointing as ckpt
 
     if out is None:
-        return None
+        return
     for _, path in reversed(ckpt.list_checkpoints(ckpt.checkpoints_root(out))):
         try:
-            saved = ckpt.read_trainer_state(path)["config"]["optim"]
-            return OptimConfig.from_dict(saved)
+            config = ckpt.read_trainer_state(path)["config"]
         except (OSError, ValueError, KeyError, TypeError):
             continue  # (a damaged checkpoint: the Trainer sets it aside; an older one records the same run)
+        if isinstance(config, dict):
+            yield config
+
+
+def checkpoint_optim(out: str | None) -> OptimConfig | None:
+    """The optimizer recipe the newest readable checkpoint in `<out>/checkpoints` records (None: none does)."""
+    for config in checkpoint_configs(out):
+        try:
+            return OptimConfig.from_dict(config["optim"])
+        except (ValueError, KeyError, TypeError):
+            continue
     return None
+
+
+def recorded_model(cfg: TrainConfig) -> dict[str, Any] | None:
+    """The model config (`TrainConfig.model`) the newest readable checkpoint of a --resume records, JSON as read;
+    None without --resume or such a checkpoint."""
+    saved = next(checkpoint_configs(cfg.out), None) if cfg.resume else None
+    model = saved.get("model") if saved is not None else None
+    return model if isinstance(model, dict) else None
+
+
+def kept_checkpoint_depth(cfg: TrainConfig, base: ModelConfig, values: dict[str, Any]) -> dict[str, Any]:
+    """{field: DIR's value} of the depth fields a --resume keeps as its checkpoints record them, {} if none: a run
+    started before --init-from runs saved their depth kept DIR's mean_recurrence / mean_backprop_depth where the
+    run's depth settings now set theirs (`TrainConfig.trained_depth_fields`). Only where the recorded model config
+    differs from the resolved one (`values`) in those fields alone, each recorded as DIR's: the run then goes on as
+    it started (the same model config, checkpoint after checkpoint) rather than being refused as changed."""
+    recorded = recorded_model(cfg)
+    if recorded is None:
+        return {}
+    now, stored = json.loads(json.dumps(values)), json.loads(json.dumps(base.to_dict()))
+    differ = {key for key in set(recorded) | set(now) if recorded.get(key) != now.get(key)}
+    kept = {key: stored[key] for key in differ & set(cfg.trained_depth_fields()) if recorded.get(key) == stored[key]}
+    return kept if differ == set(kept) else {}
+
+
+def kept_depth_note(cfg: TrainConfig) -> str | None:
+    """One log line for a resumed run from DIR whose model config keeps DIR's depth where its depth settings name
+    another (`kept_checkpoint_depth`, or a --model-set of DIR's value), as its checkpoints record it; None if none."""
+    recorded = recorded_model(cfg) if cfg.init_from is not None else None
+    if recorded is None:
+        return None
+    model_dir = find_model_dir(cfg.init_from)
+    stored = read_model_config(model_dir).to_dict()
+    kept = {key: value for key, value in sorted(cfg.depth_settings().items())
+            if value != cfg.model.get(key) == stored[key] == recorded.get(key)}
+    if not kept:
+        return None
+    what = ", ".join(f"{key} {stored[key]} (the run trains at {value})" for key, value in kept.items())
+    return (f"model config: keeps {model_dir}'s {what}, as this run's checkpoints record it (a run started before "
+            "--init-from runs saved the depth they train at, or a --model-set): model/config.json records it, the "
+            "default depth of generate, eval and serve")
 
 
 def load_for_training(cfg: TrainConfig, device: torch.device | str = "cpu") -> StartingPoint:

@@ -70,6 +70,7 @@ from recurrent_depth.train.distill_cache import CachedTeacher, has_cache, teache
 from recurrent_depth.train.init_from import (
     depth_change_note,
     find_model_dir,
+    kept_depth_note,
     load_for_training,
     resolved_config,
     run_tokenizer_dir,
@@ -283,6 +284,8 @@ class Trainer:
                       if cfg.init_from is not None else None)
         if depth_note is not None:  # (--mean-recurrence / --backprop-depth / --model-set change DIR's config)
             self.log(depth_note)
+        if (kept_note := kept_depth_note(cfg)) is not None:  # (a resumed --init-from run of older code)
+            self.log(kept_note)
         self.state = LoopState()
         self.losses: list[float] = []
         self.session_start = 0.0
@@ -528,14 +531,14 @@ class Trainer:
         if cfg.tokenizer is None:
             size = cfg.tokenizer_vocab_size()
         elif (Path(cfg.tokenizer) / "tokenizer.json").is_file():  # (else `_prepare_data` names what is missing)
-            from recurrent_depth.data.tokenizer import load_tokenizer
+            from recurrent_depth.data.tokenizer import load_tokenizer, vocab_span
 
-            size = load_tokenizer(cfg.tokenizer).get_vocab_size(with_added_tokens=True)  # (as the shards record it)
+            size = vocab_span(load_tokenizer(cfg.tokenizer))  # (as the shards record it: its largest id + 1)
             if cfg.vocab_size is not None and cfg.vocab_size != size:  # (it was silently ignored)
                 raise ValueError(
                     f"TrainConfig.vocab_size={cfg.vocab_size} (--vocab-size) sizes a tokenizer trained here, but "
-                    f"--tokenizer {cfg.tokenizer} is given, with {size} tokens, and the model's vocabulary is its "
-                    f"size: drop --vocab-size (or give {size})")
+                    f"--tokenizer {cfg.tokenizer} is given, whose ids need a vocabulary of {size} (its largest id + "
+                    f"1), the model's: drop --vocab-size (or give {size})")
         else:
             return
         base.model_config(size)  # (a model.vocab_size override that disagrees, refused as it is once the shards exist)
@@ -663,7 +666,9 @@ class Trainer:
         # rank 0's files (no shared file system), they prepare their own.
         data = ddist.run_on_main(env, "prepare the token shards", prepare, share=True)
         if not env.is_main:
-            data = load_prepared(data_dir, data.metadata["key"], cfg.val_fraction) or prepare_dataset(
+            # (rank 0's tokenizer metadata: the vocabulary as this code measures it, whatever the cache recorded)
+            data = load_prepared(data_dir, data.metadata["key"], cfg.val_fraction,
+                                 data.metadata["tokenizer"]) or prepare_dataset(
                 source, tok_dir, seq_len, data_dir, val_fraction=cfg.val_fraction, seed=cfg.seed, keep_all=cfg.keep_all
             )
         return tok_dir, data

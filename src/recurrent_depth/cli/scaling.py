@@ -48,6 +48,9 @@ def run_fit(args: argparse.Namespace) -> int:
     from recurrent_depth.scaling.plots import plot_fit
 
     check_fit_settings(args.level, args.bootstrap, args.budget)  # (before minutes of fits, not after)
+    if args.budget is not None and args.form not in ("all", "joint", "iso-depth"):  # (was ignored without a word)
+        raise ValueError(f"--budget gives the compute-optimal N and D of the joint and iso-depth forms, not of "
+                         f"--form {args.form}: choose one of those (or all), or leave --budget out")
     if args.seed < 0:  # (numpy's own refusal, after the first fit, named nothing: "expected non-negative integer")
         raise ValueError(f"--seed={args.seed} is invalid: expected an integer >= 0")
     table = load_table(args.table)

@@ -124,7 +124,7 @@ def plan_sweep(data: Any, source: str = "sweep config") -> SweepPlan:
     for key, why in SET_BY_SWEEP.items():
         if key in base:
             raise ValueError(f"{source}: base.{key} is set by the sweep ({why})")
-    entries = [_flattened(e, source) for e in
+    entries = [_flattened(e, source, base.get("mean_recurrence")) for e in
                _grid_entries(data.get("grid"), source) + _listed_entries(data.get("runs"), source)]
     if not entries:
         raise ValueError(f"{source}: no runs: give a non-empty grid: and/or runs:")
@@ -187,34 +187,36 @@ def _listed_entries(runs: Any, source: str) -> list[dict[str, Any]]:
     return [dict(entry) for entry in runs]
 
 
-def _flattened(entry: dict[str, Any], source: str) -> dict[str, Any]:
+def _flattened(entry: dict[str, Any], source: str, base_recurrence: Any = None) -> dict[str, Any]:
     """An entry whose `model:` mapping (several ModelConfig fields that go together, like a width and its MLP
     size) is spread into single overrides."""
     model = entry.pop("model", None)
     if model is None:
-        return _check_entry(entry, source)
+        return _check_entry(entry, source, base_recurrence)
     if not isinstance(model, dict) or not all(isinstance(k, str) and k in MODEL_FIELDS for k in model):
         raise ValueError(f"{source}: a model: value must be a mapping of ModelConfig fields, got {model!r}")
     clash = sorted(set(model) & set(entry))
     if clash:
         raise ValueError(f"{source}: {', '.join(clash)} set twice in one run (in model: and beside it)")
-    return _check_entry({**entry, **model}, source)
+    return _check_entry({**entry, **model}, source, base_recurrence)
 
 
-def _check_entry(entry: dict[str, Any], source: str) -> dict[str, Any]:
+def _check_entry(entry: dict[str, Any], source: str, base_recurrence: Any = None) -> dict[str, Any]:
     """Refuse a run whose overrides contradict each other: its name would record settings it does not train
-    with (`tokens` and `max_tokens` both set one budget; a non-recurrent run trains at depth 1, fixed)."""
+    with (`tokens` and `max_tokens` both set one budget; a non-recurrent run, its own mean_recurrence 1 or else
+    the base's `base_recurrence`, trains at depth 1, fixed)."""
     by_setting: dict[str, list[str]] = {}
     for key in entry:
         by_setting.setdefault(ALIASES.get(key, key), []).append(key)
     twice = [" and ".join(keys) for keys in by_setting.values() if len(keys) > 1]
     if twice:
         raise ValueError(f"{source}: {'; '.join(twice)} set one setting twice in run {entry!r}: keep one")
-    if entry.get("mean_recurrence") == 1:
+    if entry.get("mean_recurrence", base_recurrence) == 1:
         forced = {"depth_scheme": "fixed", "backprop_depth": 1}
         bad = [f"{k}={entry[k]!r}" for k, v in forced.items() if k in entry and entry[k] != v]
         if bad:
-            raise ValueError(f"{source}: run {entry!r}: mean_recurrence 1 is a non-recurrent run (depth_scheme "
+            whose = "" if "mean_recurrence" in entry else " (the base's)"
+            raise ValueError(f"{source}: run {entry!r}: mean_recurrence 1{whose} is a non-recurrent run (depth_scheme "
                              f"fixed, backprop_depth 1), which {', '.join(bad)} contradicts")
     return entry
 
@@ -740,19 +742,25 @@ def _train_flops(steps: list[dict[str, Any]], model_cfg: ModelConfig, cfg: Train
     return micro * training_step_flops(model_cfg, rows, seq_len, truncate(mean, k)).total, None
 
 
-def _losses(out: Path, cfg: TrainConfig, model_cfg: ModelConfig, test_depths: list[int]) -> dict[int, float]:
-    """Validation loss by depth: the run's final evaluation, then the cache, then evaluated now (and cached)."""
-    losses: dict[int, float] = {}
+def _losses(out: Path, cfg: TrainConfig, model_cfg: ModelConfig, test_depths: list[int]) -> dict[int, float | None]:
+    """Validation loss by depth: the run's final evaluation, then the cache, then evaluated now (and cached).
+    None: measured, not finite (a diverged run; the logs hold it as null): its rows are `no_loss`."""
+
+    def loss(value: Any) -> float | None:  # (a null made collect fail with float()'s TypeError)
+        return float(value) if is_real(value) else None
+
+    losses: dict[int, float | None] = {}
     if (out / "eval.jsonl").is_file():
         for line in read_text(out / "eval.jsonl", 1 << 30, "evaluation log").splitlines():
             entry = json.loads(line) if line.strip() else {}
             if entry.get("final") and isinstance(entry.get("val_loss_by_depth"), dict):
-                losses = {int(d): float(v) for d, v in entry["val_loss_by_depth"].items()}
+                losses = {int(d): loss(v) for d, v in entry["val_loss_by_depth"].items()}
     cache = _read_json_or_none(out / EVAL_CACHE) or {}
-    losses.update({int(d): float(v) for d, v in cache.items()})
+    losses.update({int(d): loss(v) for d, v in cache.items()})
     missing = [d for d in test_depths if d not in losses]
     if missing:
-        losses.update(evaluate_run(out, cfg, missing))
+        measured = evaluate_run(out, cfg, missing)
+        losses.update({d: measured.get(d) for d in missing})  # (not finite: None, cached as null, not redone)
         atomic_write_text(out / EVAL_CACHE, json.dumps({str(d): losses[d] for d in sorted(losses)}) + "\n")
     return losses
 

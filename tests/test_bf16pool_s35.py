@@ -97,8 +97,9 @@ def test_a_row_alone_in_a_bf16_quantized_windowed_pool_is_generate_bitwise():
 def test_a_quantized_cache_with_a_recent_window_keeps_the_full_caches_logits_in_bf16(windows, monkeypatch):
     """docs/inference.md: a quantized windowed cache's logits are bitwise the same quantized cache keeping every
     column, its bf16 recent-token window (`window=`) included, past the first drop, on a mixed windowed / full
-    layout with soft-capped attention. (Aligning a bf16 model's code rows to 32, reverted, broke this on a
-    retrofitted Gemma-2 of this shape whose exact trigger these random weights do not reproduce.)"""
+    layout with soft-capped attention. (The retrofitted Gemma-2 divergence once blamed on aligning a bf16 model's code
+    rows to 32 was a softmax over fewer than 16 held columns, at either alignment: `MIN_READ_COLUMNS`,
+    tests/test_kvqwin_s36.py.)"""
     cfg = rd.ModelConfig(vocab_size=VOCAB, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96,
                          prelude_layers=2, core_layers=2, coda_layers=2, max_seq_len=256, attention_windows=windows,
                          attn_logit_softcapping=50.0)  # (as the retrofitted Gemma-2 that showed it)

@@ -32,8 +32,9 @@ keeps the columns from `start - W + 1` on (every query of this call and of later
 widened down to a multiple of `WINDOW_ALIGN` (`REDUCED_WINDOW_ALIGN` in a bf16 / fp16 store, of a whole 512-column
 SDPA block for W >= 512: `window_align`), and
 drops the rest (`first[base]`: the first column it still
-holds; reads return columns [first, end), from the start of CPU SDPA's key block where they cross one, as zeros
-before first (`read_start`), and `key_mask` and the attention's `window_mask` cut their columns to match); it
+holds; reads return columns [first, end), from the start of CPU SDPA's key block where they cross one, or 16
+columns earlier where they hold fewer (`MIN_READ_COLUMNS`), as zeros before first (`read_start`), and
+`key_mask` and the attention's `window_mask` cut their columns to match); it
 allocates W more columns than it holds then, so it drops once every ~W writes. Exact where a window
 over a row's real tokens is a window over columns (no holes after its left padding) and no write goes back:
 `window_back` (0 unless a mode sets it) widens every windowed base's reach (`_reach`) by that many columns for
@@ -159,13 +160,22 @@ FULL_WINDOW_CACHE_ENV = "RDEPTH_FULL_WINDOW_CACHE"  # set: windowed layers keep 
 # with zero columns (masked: outside every window) back to that block's start, so that its blocks are the full cache's
 # (`read_start`; without this, logits differ ~1e-4 from the full cache's once a window crosses column 512).
 SDPA_KV_BLOCK = 512
+# A read returns at least this many columns where it holds fewer (zeros before `first`, as above): torch's CPU softmax
+# sums a row shorter than its float vector (16 lanes with AVX-512, 8 with AVX2) in another order than a longer row,
+# so a soft-capped layer's plain attention (`eager_attention`) over 3 to 15 held columns rounded ~30 % of its float32
+# softmaxes otherwise than the full read (none of 12,500 over 16 to 40 held columns from a multiple of 16): a bf16
+# retrofitted Gemma-2 (window 8) left the full cache's logits by 0.06 after one such read rounded 1 bf16 ulp otherwise.
+MIN_READ_COLUMNS = 16
 
 
 def read_start(first: int, end: int) -> int:
     """The first column a read of a windowed base holding columns [first, end) returns: `first`, or the start of its
-    `SDPA_KV_BLOCK` block where [first, end) crosses a block boundary (the columns before `first` read as zeros)."""
+    `SDPA_KV_BLOCK` block where [first, end) crosses a block boundary, or `MIN_READ_COLUMNS` earlier where it holds
+    fewer (a whole block earlier where `first` starts a block); the columns before `first` read as zeros."""
     if first % SDPA_KV_BLOCK and first // SDPA_KV_BLOCK != (end - 1) // SDPA_KV_BLOCK:
         return first - first % SDPA_KV_BLOCK
+    if first and end - first < MIN_READ_COLUMNS:  # (first: a multiple of 16, `window_align`)
+        return first - (MIN_READ_COLUMNS if first % SDPA_KV_BLOCK else SDPA_KV_BLOCK)
     return first
 
 

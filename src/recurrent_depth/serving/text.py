@@ -8,6 +8,7 @@ text fields are empty and tokens are shown as `token_id:N`.
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 import weakref
@@ -26,6 +27,10 @@ MAX_TEXT_CHARS = 64 << 20  # rendered chat prompts stop here whatever the contex
 PLACEHOLDER_OPEN, PLACEHOLDER_CLOSE = "\ufdd0", "\ufdd1"
 _PLACEHOLDER = re.compile("\ufdd0(\\d+)\ufdd1")
 _BYTE_PIECE = re.compile("<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback token
+# `TextCodec.byte_kind` of a token that is not a byte: one that ends a run of bytes, one that decoding leaves out
+# (a skipped special token), one whose part in a run is not known (the slow, exact way decodes it)
+BOUNDARY, GONE, UNSURE = -1, -2, -3
+_PIECE_CHARS = set("<>0123456789abcdefxABCDEF")  # what a `<0xNN>` piece is written with
 
 
 def special_pattern(tokenizer: Any) -> re.Pattern[str] | None:
@@ -155,6 +160,41 @@ def _piece_rules(decoder: Any) -> tuple[list[tuple[str, str]], bool]:
         elif kind == "ByteFallback":
             fallback = True
     return replacements, fallback
+
+
+def _runs_decode_alone(decoder: Any) -> bool:
+    """Whether `decoder` (a `ByteFallback` chain: Llama's, Mistral's, Gemma's) writes a run of `<0xNN>` pieces after
+    other text as the run alone: the characters of its bytes where they are all valid UTF-8 (each character's text
+    the same after any other text), else one U+FFFD per byte. Steps before `ByteFallback` must leave `<0xNN>`
+    pieces as they are; the later ones act on each character (one-character `Replace`, `Metaspace` that drops no
+    leading replacement) or on the text's start (`Strip` of one character after `Fuse`); none empties a piece, so
+    text before a run keeps `Strip` off it."""
+    try:
+        state = json.loads(decoder.__getstate__())
+    except Exception:  # noqa: BLE001 - no decoder, or one without a readable state
+        return False
+    steps = state.get("decoders") or [] if state.get("type") == "Sequence" else [state]
+    fallback = fused = False
+    for step in steps:
+        kind = step.get("type") if isinstance(step, dict) else None
+        if kind == "ByteFallback":
+            fallback = True
+        elif kind == "Fuse":
+            fused = True
+        elif kind == "Replace" and isinstance((step.get("pattern") or {}).get("String"), str):
+            old, new = step["pattern"]["String"], step.get("content") or ""
+            if REPLACEMENT in old or not new or (len(old) != 1 if fallback else _PIECE_CHARS & set(old + new)):
+                return False
+        elif kind == "Metaspace":  # (any other prepend_scheme drops every replacement of the first piece)
+            if step.get("replacement") in _PIECE_CHARS | {REPLACEMENT} or step.get("prepend_scheme") != "never":
+                return False
+        elif kind == "Strip":  # (after `Fuse`: the text's start, which the text before a run holds)
+            if not (fallback and fused and step.get("content") != REPLACEMENT and step.get("start", 0) <= 1
+                    and step.get("stop", 0) == 0):
+                return False
+        else:
+            return False
+    return fallback
 
 
 @lru_cache(maxsize=1)
@@ -411,6 +451,34 @@ class TextCodec:
         self._strings[token] = out
         return out
 
+    @cached_property
+    def byte_runs(self) -> bool:
+        """Whether `IncrementalDecoder` may write a run of byte-fallback tokens without decoding it again for each
+        token (`ByteRun`): a SentencePiece byte-fallback decoder that `_runs_decode_alone` knows, and an anchor to
+        decode a character after."""
+        return self.tokenizer is not None and not self._byte_level and bool(self.anchor) \
+            and _runs_decode_alone(self.tokenizer.decoder)
+
+    def byte_kind(self, token: int, skip_special_tokens: bool) -> int:
+        """What `token` is to a byte-fallback decoder: its byte (0-255) for a `<0xNN>` piece, GONE for a special
+        token that decoding skips, BOUNDARY for any other piece (it ends a run of bytes), UNSURE for an id without
+        a piece, an empty piece, or a piece the decoder may read as a byte that `_BYTE_PIECE` does not (`<0x+8>`, an
+        added token's)."""
+        if skip_special_tokens and token in self.special_ids:
+            return GONE
+        piece = self.tokenizer.id_to_token(token)
+        if not piece:  # (an empty piece would leave the text before a run empty: `Strip` would reach the run)
+            return UNSURE
+        if len(piece) != 6 or not piece.startswith("<0x") or not piece.endswith(">"):
+            return BOUNDARY
+        byte = _BYTE_PIECE.fullmatch(piece)
+        return int(byte.group(1), 16) if byte is not None and token not in self._added_ids else UNSURE
+
+    @cached_property
+    def _added_ids(self) -> set[int]:
+        """Added tokens' ids (special or not: an added `<0x41>` is not one of the model's byte pieces)."""
+        return set(self.tokenizer.get_added_tokens_decoder())
+
     def decoder(self, continuation: bool = False, skip_special_tokens: bool = True) -> IncrementalDecoder:
         return IncrementalDecoder(self, continuation, skip_special_tokens)
 
@@ -426,6 +494,91 @@ class TextCodec:
             if token is not None and token not in self.special_ids and self.decode([token]) == letter:
                 return [token]
         return []
+
+
+class ByteRun:
+    """The text a byte-fallback decoder (`TextCodec.byte_runs`) writes for a run of `<0xNN>` tokens after other
+    text, kept up to date token by token instead of decoding the run again: its characters while its bytes are
+    whole valid UTF-8, else one U+FFFD per byte. A run that is not valid UTF-8 never becomes valid again (a later
+    byte cannot repair it), so from then on each byte adds one U+FFFD until a token that is not a byte ends the run."""
+
+    def __init__(self, codec: TextCodec, skip_special_tokens: bool, start: int, front: bool) -> None:
+        """start: the index of its first token in the decoder's ids; front: it opens the decoded text, so its first
+        character is decoded alone (a `Strip` of the text's leading space acts on it), the rest after the anchor."""
+        self.codec, self.skip, self.start = codec, skip_special_tokens, start
+        self.front, self.alone = front, front
+        self.bytes = 0
+        self.chars: list[str] | None = []  # its complete characters' text; None once its bytes are not valid UTF-8
+        self.trail = 0  # U+FFFD characters at the end of `chars` (the text of a valid EF BF BD)
+        self.pending: list[int] = []  # the tokens of an incomplete character at its end
+        self.utf8 = codecs.getincrementaldecoder("utf-8")()
+        self.after = len(codec.decode(codec.anchor))
+
+    def add(self, token: int, byte: int) -> None:
+        self.bytes += 1
+        if self.chars is None:
+            return
+        self.pending.append(token)
+        try:
+            if not self.utf8.decode(bytes([byte])):  # (an incomplete character)
+                return
+        except UnicodeDecodeError:
+            self.chars = None
+            return
+        if self.alone:
+            text, self.alone = self.codec.decode(self.pending, self.skip), False
+        else:  # (a character's text does not depend on what it follows: `_runs_decode_alone`)
+            text = self.codec.decode(self.codec.anchor + self.pending, self.skip)[self.after :]
+        self.pending = []
+        kept = text.rstrip(REPLACEMENT)
+        self.trail = len(text) - len(kept) + (self.trail if not kept else 0)
+        self.chars.extend(text)
+
+    def _whole(self) -> list[str] | None:
+        """Its characters where its bytes are whole valid UTF-8 (else its text is one U+FFFD per byte)."""
+        return self.chars if not self.pending else None
+
+    def __len__(self) -> int:
+        chars = self._whole()
+        return len(chars) if chars is not None else self.bytes
+
+    def trailing(self) -> int:
+        """The U+FFFD characters its text ends with."""
+        return self.trail if self._whole() is not None else self.bytes
+
+    def text(self, i: int, j: int) -> str:
+        """Its text's characters [i:j] (0 <= i, j <= len)."""
+        chars = self._whole()
+        return "".join(chars[i:j]) if chars is not None else REPLACEMENT * (j - i)
+
+
+class _Window:
+    """A decoder window's text: `head`, decoded, then a `ByteRun`'s (if any), without joining them."""
+
+    def __init__(self, head: str, run: ByteRun | None = None) -> None:
+        self.head, self.run = head, run
+
+    def __len__(self) -> int:
+        return len(self.head) + (len(self.run) if self.run is not None else 0)
+
+    def incomplete(self) -> bool:
+        """Whether it ends in U+FFFD."""
+        if self.run is not None and len(self.run):
+            return self.run.trailing() > 0
+        return self.head.endswith(REPLACEMENT)
+
+    def stable(self) -> int:
+        """Its length without the U+FFFD at its end."""
+        if self.run is not None and len(self.run) > self.run.trailing():
+            return len(self) - self.run.trailing()
+        return len(self.head.rstrip(REPLACEMENT))
+
+    def slice(self, i: int, j: int) -> str:
+        """Its characters [i:j] (0 <= i, j <= len)."""
+        out, size = self.head[i:j], len(self.head)
+        if self.run is not None and j > size:
+            out += self.run.text(max(i - size, 0), j - size)
+        return out
 
 
 class IncrementalDecoder:
@@ -448,28 +601,69 @@ class IncrementalDecoder:
         self.prefix = 0
         self.read = 0
         self.sent = 0  # characters past `ids[prefix:read]`'s text already emitted (before an incomplete tail)
+        self._texts: dict[tuple[int, int], str] = {}  # `_text`'s decodes of the window's start
+        # byte-fallback decoders: the window's run of bytes (from `_run_from` on, while it is known) and its text
+        self._run_from: int | None = 0
+        self._run: ByteRun | None = None
+
+    def _text(self, end: int) -> str:
+        """`ids[prefix:end]` decoded (after the anchor), kept while it is asked for again: the text before the
+        window's unread tokens, and before its run of bytes."""
+        key = (self.prefix, end)
+        if key not in self._texts:
+            if len(self._texts) > 4:
+                self._texts.clear()
+            self._texts[key] = self.codec.decode(self.anchor + self.ids[self.prefix : end], self.skip)
+        return self._texts[key]
 
     def push(self, token: int) -> str:
         self.ids.append(token)
         if not self.codec.has_tokenizer:
             return ""
-        before = self.codec.decode(self.anchor + self.ids[self.prefix : self.read], self.skip)
-        after = self.codec.decode(self.anchor + self.ids[self.prefix :], self.skip)
+        before = self._text(self.read)
+        after = self._run_window(token) if self.codec.byte_runs else None
+        if after is None:
+            after = _Window(self.codec.decode(self.anchor + self.ids[self.prefix :], self.skip))
         start = len(before) + self.sent
-        if len(after) > len(before) and not after.endswith(REPLACEMENT):
+        if len(after) > len(before) and not after.incomplete():
             self.prefix, self.read, self.sent = self.read, len(self.ids), 0
-            return after[start:]
+            return after.slice(start, len(after))
         # an incomplete character at the end: the text before it is final (later bytes cannot change it)
-        stable = len(after.rstrip(REPLACEMENT))
+        stable = after.stable()
         out = ""
         if stable > start:
             self.sent += stable - start
-            out, start = after[start:stable], stable
+            out, start = after.slice(start, stable), stable
         # (byte-level decoders only: a SentencePiece byte-fallback decoder shows a whole run of byte tokens as
         # U+FFFD once any of it is invalid, so there a later token can change the run's earlier text)
         if self.codec._byte_level and len(self.ids) - self.read > MAX_INCOMPLETE_TOKENS:
-            out += self._settle(after, start)
+            out += self._settle(after.head, start)
         return out
+
+    def _run_window(self, token: int) -> _Window | None:
+        """The window's text where it ends in a run of byte tokens: its text before the run, decoded once, and the
+        run's (`ByteRun`), so a run that never completes a character (which keeps the window open) is not
+        decoded again for each token (quadratic: 8000 lone `<0x80>` tokens cost 32 million decoded ids). None:
+        decode the window (the token ends a run, or the run holds a token of unknown part in it)."""
+        kind = self.codec.byte_kind(token, self.skip)
+        if kind in (BOUNDARY, UNSURE):
+            self._run_from = len(self.ids) if kind == BOUNDARY else None
+            return None
+        if self._run_from is None:
+            return None
+        start = max(self._run_from, self.prefix)  # (the window may begin inside the run)
+        front = start == self.prefix and not self.anchor
+        run = self._run
+        if run is None or run.start != start or run.front != front:  # (a moved window: its run anew)
+            run = self._run = ByteRun(self.codec, self.skip, start, front)
+            added = self.ids[start:]
+        else:
+            added = [token]
+        for t in added:
+            byte = self.codec.byte_kind(t, self.skip)
+            if byte >= 0:
+                run.add(t, byte)
+        return _Window(self._text(start), run)
 
     def _settle(self, after: str, start: int) -> str:
         """Close the window before its last `MAX_INCOMPLETE_TOKENS` tokens where the text up to there can no longer

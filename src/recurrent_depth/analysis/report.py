@@ -55,7 +55,7 @@ from recurrent_depth.analysis.trajectory import (
     resolve_init_scale,
 )
 from recurrent_depth.config import is_int, is_real
-from recurrent_depth.files import finite_or_null
+from recurrent_depth.files import finite_or_null, lock_directory
 
 if TYPE_CHECKING:
     from recurrent_depth.serving.text import TextCodec
@@ -419,12 +419,12 @@ def _png(fig: Figure) -> bytes:
 def write_report(result: AnalysisResult, out_dir: str | Path) -> dict[str, Path]:
     """Write the PNGs, `report.html` (figures embedded) and `analysis.json` into out_dir."""
     out = Path(out_dir)
+    # Every figure drawn before the first file is written: drawing is most of the time spent here, and a run
+    # interrupted there must leave an earlier run's report and figures as they were, not mixed with its own.
+    images = {key: _png(fig) for key, fig in build_figures(result).items()}
     out.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
-    images: dict[str, bytes] = {}
-    for key, fig in build_figures(result).items():
-        data = _png(fig)
-        images[key] = data
+    for key, data in images.items():
         path = out / FIGURES[key][0]
         path.write_bytes(data)
         written[key] = path
@@ -468,8 +468,8 @@ def render_html(result: AnalysisResult, images: dict[str, bytes]) -> str:
     corr_last = {k: v[-1] for k, v in data["token_correlation"].items()}
     settings = _table(["setting", "value"], [
         ["recurrence steps S", S], ["limit point s*", f"{cfg.limit_steps} steps from the same s0"],
-        ["s0", f"random, init_scale={cfg.init_scale}, seed={cfg.seed}" if result.path is not None
-         else "the embedding (state_init='embedding')"],
+        ["s0", "the embedding (state_init='embedding')" if result.path is None else "zeros (init_scale=0)"
+         if cfg.init_scale == 0 else f"random, init_scale={cfg.init_scale}, seed={cfg.seed}"],
         ["convergence tolerance", f"‖ln_f(s_i) − s*‖ ≤ {cfg.converge_tol} ‖s*‖ from step i on"],
         ["path independence", f"skipped: {pi['skipped']}" if result.path is None
          else f"{cfg.num_starts} starts, seeds {pi['seeds']}, init_scale={pi['init_scale']}"],
@@ -560,7 +560,12 @@ def analyze_to_dir(
     config = kwargs.pop("config", None) or AnalysisConfig()
     states_dir = out / "states"
     created = not out.exists()  # a failed run removes the directory it made (an empty OUT passed for a result)
+    lock = None
     try:
+        out.mkdir(parents=True, exist_ok=True)
+        # One run at a time in OUT: a second one truncated the first one's memory-mapped states under it, which
+        # then died of SIGBUS (no message), and the report mixed the two runs' files.
+        lock = lock_directory(out, "output directory")
         if not config.save_states:
             result = analyze(model, input_ids, config=config, **kwargs)
             files = write_report(result, out)
@@ -568,11 +573,14 @@ def analyze_to_dir(
             return result, files
         try:
             result = analyze(model, input_ids, config=config, states_dir=states_dir, **kwargs)
-        except BaseException:  # a diverging model, Ctrl-C: no half-written memory maps left behind
+            return result, write_report(result, out)
+        except BaseException:  # a diverging model, Ctrl-C while computing or drawing: no states without a report
             remove_trajectory(states_dir)
             raise
-        return result, write_report(result, out)
     except BaseException:
         if created and out.is_dir():  # (everything in it is this run's)
             shutil.rmtree(out, ignore_errors=True)
         raise
+    finally:
+        if lock is not None:
+            lock.close()

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from recurrent_depth.config import is_real
 from recurrent_depth.inference.engine import Recurrence
+from recurrent_depth.model.recurrent import check_scale_has_a_draw
 
 # Above this, in-memory collection refuses and asks for `out_dir` (a memory map on disk).
 DEFAULT_MAX_IN_MEMORY_BYTES = 1 << 30
@@ -172,10 +173,12 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 
 def resolve_init_scale(model: Any, init_scale: float | None) -> float:
     """The s_0 scale a run uses: `init_scale`, or None for the model config's own, as the model's forward
-    reads it (1 for Huginn; Parcae's like-init is 1/sqrt(h), its zero init 0). A finite number >= 0."""
+    reads it (1 for Huginn; Parcae's like-init is 1/sqrt(h), its zero init 0). A finite number >= 0, and, for a model
+    whose s_0 is its embedding (Ouro), 0 or its config's own, as the forward refuses any other (it would be ignored)."""
     scale = getattr(model.config, "init_scale", 1.0) if init_scale is None else init_scale
     if not is_real(scale) or scale < 0:
         raise ValueError(f"init_scale={scale!r} is invalid: expected a finite number >= 0")
+    check_scale_has_a_draw(model.config, scale)
     return float(scale)
 
 
@@ -212,9 +215,10 @@ def iterate_states(
         if tuple(input_states.shape) != tuple(e.shape):
             raise ValueError(f"input_states must have shape {tuple(e.shape)}, got {tuple(input_states.shape)}")
         state = input_states.to(device=e.device, dtype=e.dtype)
-    elif seed is not None and e.shape[0] > 1 and model.config.state_init == "random":
+    elif seed is not None and (e.shape[0] > 1 or mask is not None) and model.config.state_init == "random":
         # each row's s_0 drawn alone from `seed` over its real tokens (zeros on its padding), as the row's
         # prompt run alone draws it: a row's trajectory does not depend on its padding or its neighbours
+        # (a single padded row too: drawn over the padded length, its s_0 was another prompt's)
         state = torch.zeros_like(e)
         first = mask.long().argmax(dim=1).tolist() if mask is not None else [0] * e.shape[0]
         for b, start in enumerate(first):

@@ -98,6 +98,7 @@ def _in_flag_names(exc: ValueError) -> ValueError:
 def run(args: argparse.Namespace) -> int:
     from recurrent_depth.analysis.path_independence import fixed_start_reason
     from recurrent_depth.analysis.report import AnalysisConfig, analyze_to_dir, exit_gate_rows, token_decoder
+    from recurrent_depth.analysis.trajectory import resolve_init_scale
     from recurrent_depth.files import check_out_dir
     from recurrent_depth.model.recurrent import RecurrentDepthLM
 
@@ -131,6 +132,10 @@ def run(args: argparse.Namespace) -> int:
         from recurrent_depth.train.lora import attach_adapter
 
         model = attach_adapter(model, args.lora, strict_base=args.strict_lora_base, model_dir=args.model)
+    try:  # (a model whose s_0 is its embedding has no random s_0 for --init-scale to scale: refused, not ignored)
+        resolve_init_scale(model, config.init_scale)
+    except ValueError as exc:
+        raise _in_flag_names(exc) from None
 
     codec = None
     if args.ids is not None:
@@ -141,8 +146,9 @@ def run(args: argparse.Namespace) -> int:
         # the codec knows each token's bytes: labels for tokens that are not whole UTF-8 on their own
         codec = TextCodec(tokenizer_source(args), model.config.vocab_size, required=True)
         ids = codec.encode(prompt, add_special_tokens=not args.no_special_tokens)
-    if not ids:
-        raise ValueError("the prompt is empty after tokenization")
+    if not ids:  # (--ids "," has nothing to tokenize: say which flag is empty)
+        raise ValueError("--ids holds no token ids" if args.ids is not None
+                         else "the prompt is empty after tokenization")
     vocab = model.config.vocab_size
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:

@@ -106,6 +106,13 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, 
     if level not in LEVELS:
         raise ValueError(f"level={level!r} is invalid: expected one of {LEVELS}")
     high = clip_eps if clip_eps_high is None else clip_eps_high
+    # An unscored position (the padding after a stop, a rollout left out) gets ratio 1 and KL 0 here rather than a
+    # weight of 0 below: the pad's log-probs there can drift hundreds of nats apart at a low temperature, and
+    # exp(that) * 0 = inf * 0 = NaN made the whole step's loss and gradient NaN (the step skipped).
+    scored = mask.bool()
+    logp = torch.where(scored, logp, old_logp.to(logp.dtype))
+    if ref_logp is not None:
+        ref_logp = torch.where(scored, ref_logp.to(logp.dtype), logp)
     mask = mask.to(logp.dtype)
     rows = mask.sum(dim=1) > 0 if rows is None else rows.bool()
     ratio = (logp - old_logp).exp()

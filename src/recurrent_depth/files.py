@@ -329,6 +329,7 @@ class AtomicFile:
         self._handle: BinaryIO | None = None
 
     def __enter__(self) -> BinaryIO:
+        self.tmp.unlink(missing_ok=True)  # (a symbolic link of that name would be written through to its target)
         self._handle = open(self.tmp, "wb")  # noqa: SIM115 - closed in __exit__
         return self._handle
 

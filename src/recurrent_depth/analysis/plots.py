@@ -23,6 +23,8 @@ from recurrent_depth.analysis.pca import PCA
 MAX_TICK_LABELS = {"y": 80, "x": 60}  # more token labels than this overlap; show every n-th instead
 ROW_INCHES = 0.24  # height per token row in heatmaps
 MAX_HEIGHT_INCHES = 36.0
+PCA_ROW_INCHES = 3.0  # one row of PCA panels per token
+MAX_PCA_ROWS = 12  # tokens in the PCA figure: 12 rows are about the heatmaps' MAX_HEIGHT_INCHES
 KIND_COLOURS = {"fixed point": "tab:blue", "orbit": "tab:red", "slider": "tab:green"}
 
 
@@ -110,19 +112,28 @@ def _trajectory_panel(ax, xy: np.ndarray, first_step: int) -> object:
     return sc
 
 
+def component_pairs(k: int) -> list[tuple[int, int]]:
+    """The PCA panels' (x, y) components, 0-based: 1-2, 3-4, ...; an odd k pairs its last component with the one
+    before it (k = 5: 1-2, 3-4, 4-5), so every component is drawn; one component is drawn against itself."""
+    pairs = [(a, a + 1) for a in range(0, k - 1, 2)]
+    if k % 2 and k > 1:
+        pairs.append((k - 2, k - 1))
+    return pairs or [(0, 0)]
+
+
 def plot_pca_trajectories(
     projected: dict[int, np.ndarray], labels: list[str], kinds: list[str], pca: PCA, first_step: int = 1
 ) -> Figure:
-    """Figure 12: chosen tokens (rows) projected on PCA pairs 1-2, 3-4, 5-6 (columns).
+    """Figure 12: chosen tokens (rows, in the order of `projected`) projected on pairs of principal components
+    (columns, `component_pairs`: 1-2, 3-4, 5-6 for 6 components).
 
     projected: {position: [steps, k] coordinates}, steps starting at `first_step`. Colour = step;
     x marks the first plotted step, * the last.
     """
     rows = list(projected)
-    k = pca.num_components
-    pairs = [(a, a + 1) for a in range(0, k - 1, 2)] or [(0, 0)]
+    pairs = component_pairs(pca.num_components)
     n_rows = max(1, len(rows))
-    width, height = 3.6 * len(pairs) + 1.4, 3.0 * n_rows + 1.0
+    width, height = 3.6 * len(pairs) + 1.4, PCA_ROW_INCHES * n_rows + 1.0
     # A fixed grid instead of constrained layout: with 18 panels the layout solver dominates
     # the drawing time, and fixed margins look the same here.
     fig = Figure(figsize=(width, height))

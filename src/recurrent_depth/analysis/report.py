@@ -55,14 +55,14 @@ from recurrent_depth.analysis.trajectory import (
     resolve_init_scale,
 )
 from recurrent_depth.config import is_int, is_real
-from recurrent_depth.files import finite_or_null, lock_directory
+from recurrent_depth.files import atomic_write_bytes, atomic_write_text, finite_or_null, link_note, lock_directory
 
 if TYPE_CHECKING:
     from recurrent_depth.serving.text import TextCodec
 
 FIGURES = {
     "convergence": ("convergence.png", "Distance to s* per token and step (paper fig. 11)"),
-    "pca": ("pca_trajectories.png", "Trajectories on PCA pairs 1-2, 3-4, 5-6 (paper fig. 12)"),
+    "pca": ("pca_trajectories.png", "Trajectories on pairs of principal components, 1-2, 3-4, ... (paper fig. 12)"),
     "path_independence": ("path_independence.png", "Path independence across random starts"),
     "token_correlation": ("token_correlation.png", "Token correlation over steps (paper fig. 5)"),
     "depth_view": ("depth_view.png", "Next-token entropy at each depth and where the top prediction changes"),
@@ -109,11 +109,16 @@ class AnalysisConfig:
              f"an integer in [-2**63, 2**63 - {self.num_starts}) (the starts are seeded seed + 1 .. seed + num_starts)")
         need(isinstance(self.converge_tol, float | int) and 0 < self.converge_tol < 1, "converge_tol",
              "a number in (0, 1)")
-        need(is_int(self.max_plot_tokens) and self.max_plot_tokens >= 1, "max_plot_tokens", "an integer >= 1")
+        # a figure taller than that took minutes to draw (230 tokens: 3 minutes, a PNG 76,010 pixels tall)
+        rows = "(the PCA figure draws one row of panels, 3 inches tall, per token)"
+        need(is_int(self.max_plot_tokens) and 1 <= self.max_plot_tokens <= plots.MAX_PCA_ROWS, "max_plot_tokens",
+             f"an integer from 1 to {plots.MAX_PCA_ROWS} {rows}")
         need(is_int(self.max_tokens) and self.max_tokens >= 2, "max_tokens", "an integer >= 2")
         need(is_int(self.pca_components) and self.pca_components >= 2, "pca_components", "an integer >= 2")
         need(self.tokens is None or (len(self.tokens) > 0 and all(is_int(t) for t in self.tokens)),
              "tokens", "None or a non-empty list of token positions")
+        need(self.tokens is None or len(set(self.tokens)) <= plots.MAX_PCA_ROWS, "tokens",
+             f"at most {plots.MAX_PCA_ROWS} different positions {rows}")
 
 
 @dataclass
@@ -264,6 +269,49 @@ def _as_batch(input_ids: Tensor | list[int]) -> Tensor:
     return ids
 
 
+def check_prompt(
+    model: torch.nn.Module,
+    input_ids: Tensor | list[int],
+    config: AnalysisConfig,
+    *,
+    in_memory: bool,
+    token_texts: list[str] | None = None,
+) -> Tensor:
+    """`input_ids` as one [1, T] prompt, or a ValueError line saying why `analyze` refuses it (too short, longer
+    than max_tokens or the model's max_seq_len, a --tokens position outside it, too large to hold in memory).
+
+    `rdepth analyze` calls it before its progress line, `analyze` before any work. in_memory: the trajectory
+    stays in memory (no states_dir)."""
+    ids = _as_batch(input_ids)
+    n_tokens = ids.shape[1]
+    if n_tokens < 2:
+        raise ValueError(f"the prompt has {n_tokens} token; the analysis compares tokens and needs at least 2")
+    if n_tokens > config.max_tokens:
+        raise ValueError(
+            f"the prompt has {n_tokens} tokens, more than max_tokens={config.max_tokens} (--max-tokens); per-token "
+            "plots stop being readable beyond that: shorten the prompt or raise the limit"
+        )
+    if n_tokens > model.config.max_seq_len:  # (collect_trajectory refuses it too, but only once the run starts)
+        raise ValueError(f"the prompt has {n_tokens} tokens but the model's max_seq_len is "
+                         f"{model.config.max_seq_len}; shorten the prompt")
+    if token_texts is not None and len(token_texts) != n_tokens:
+        raise ValueError(f"token_texts has {len(token_texts)} entries for {n_tokens} tokens")
+    if config.tokens is not None:
+        bad = [t for t in config.tokens if not 0 <= t < n_tokens]
+        if bad:
+            raise ValueError(
+                f"tokens={config.tokens} (--tokens) has positions {bad} outside the prompt's 0..{n_tokens - 1}")
+    if in_memory:
+        # collect_trajectory's own refusal names its out_dir=, which neither analyze's callers nor the CLI have
+        size = estimate_bytes(config.num_steps, 1, n_tokens, model.config.hidden_size)
+        if size > DEFAULT_MAX_IN_MEMORY_BYTES:
+            raise ValueError(
+                f"the trajectory needs {size / 2**20:.0f} MiB, too much to keep in memory: keep the states on disk "
+                "(states_dir=...; save_states=True; rdepth analyze without --no-states), or use fewer steps or tokens"
+            )
+    return ids
+
+
 def analyze(
     model: torch.nn.Module,
     input_ids: Tensor | list[int],
@@ -289,30 +337,8 @@ def analyze(
     cfg.validate()
     # the s0 scale the model's forward uses unless told otherwise; the report records the value used
     cfg = replace(cfg, init_scale=resolve_init_scale(model, cfg.init_scale))
-    ids = _as_batch(input_ids)
+    ids = check_prompt(model, input_ids, cfg, in_memory=states_dir is None, token_texts=token_texts)
     n_tokens = ids.shape[1]
-    if n_tokens < 2:
-        raise ValueError(f"the prompt has {n_tokens} token; the analysis compares tokens and needs at least 2")
-    if n_tokens > cfg.max_tokens:
-        raise ValueError(
-            f"the prompt has {n_tokens} tokens, more than max_tokens={cfg.max_tokens} (--max-tokens); per-token "
-            "plots stop being readable beyond that: shorten the prompt or raise the limit"
-        )
-    if token_texts is not None and len(token_texts) != n_tokens:
-        raise ValueError(f"token_texts has {len(token_texts)} entries for {n_tokens} tokens")
-    if cfg.tokens is not None:
-        bad = [t for t in cfg.tokens if not 0 <= t < n_tokens]
-        if bad:
-            raise ValueError(
-                f"tokens={cfg.tokens} (--tokens) has positions {bad} outside the prompt's 0..{n_tokens - 1}")
-    if states_dir is None:
-        # collect_trajectory's own refusal names its out_dir=, which neither analyze's callers nor the CLI have
-        size = estimate_bytes(cfg.num_steps, 1, n_tokens, model.config.hidden_size)
-        if size > DEFAULT_MAX_IN_MEMORY_BYTES:
-            raise ValueError(
-                f"the trajectory needs {size / 2**20:.0f} MiB, too much to keep in memory: keep the states on disk "
-                "(states_dir=...; save_states=True; rdepth analyze without --no-states), or use fewer steps or tokens"
-            )
     decode = decode or str
     texts = token_texts or [str(int(i)) for i in ids[0]]
     labels = [token_label(t, text) for t, text in enumerate(texts)]
@@ -343,7 +369,8 @@ def analyze(
             )
     shapes = classify_tokens(normed, cfg.thresholds)
     counts = count_kinds(shapes)
-    chosen = sorted(set(cfg.tokens)) if cfg.tokens is not None else choose_tokens(shapes, cfg.max_plot_tokens)
+    # --tokens in the order typed (a repeat dropped): its first 3 are the ones path independence draws
+    chosen = choose_tokens(shapes, cfg.max_plot_tokens) if cfg.tokens is None else list(dict.fromkeys(cfg.tokens))
     pca = fit_trajectory_pca(normed, cfg.pca_components, skip_initial=True)
     projected = {t: pca.transform(np.asarray(normed[1:, t])) for t in chosen}
     correlation = {
@@ -423,19 +450,21 @@ def write_report(result: AnalysisResult, out_dir: str | Path) -> dict[str, Path]
     # interrupted there must leave an earlier run's report and figures as they were, not mixed with its own.
     images = {key: _png(fig) for key, fig in build_figures(result).items()}
     out.mkdir(parents=True, exist_ok=True)
+    # Each file through a temporary one renamed over its name: a symbolic link there is replaced, never written
+    # through (analysis.json linked to a user's file overwrote that file), and a reader sees whole files only.
     written: dict[str, Path] = {}
     for key, data in images.items():
         path = out / FIGURES[key][0]
-        path.write_bytes(data)
+        atomic_write_bytes(path, data)
         written[key] = path
     for key, (name, _) in FIGURES.items():  # a figure this run has not drawn must not pass for its own
         if key not in images:
             (out / name).unlink(missing_ok=True)
     # strict JSON: a ratio that is inf (a token not identifiable) is null, not the `Infinity` no parser takes
     data = finite_or_null(result.to_json_dict())
-    (out / "analysis.json").write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
+    atomic_write_text(out / "analysis.json", json.dumps(data, indent=1, allow_nan=False) + "\n")
     written["json"] = out / "analysis.json"
-    (out / "report.html").write_text(render_html(result, images), encoding="utf-8")
+    atomic_write_text(out / "report.html", render_html(result, images))
     written["html"] = out / "report.html"
     return written
 
@@ -545,6 +574,17 @@ else orbit.</p>
 """
 
 
+def states_dir_of(out_dir: str | Path) -> Path:
+    """OUT/states, where `analyze_to_dir` keeps the trajectory; a ValueError line where it is a symbolic link:
+    the run writes there, and removes an older run's files there, inside OUT only."""
+    states = Path(out_dir) / "states"
+    if states.is_symlink():
+        raise ValueError(f"{states} is a symbolic link{link_note(states)}: the trajectory files are written, and an "
+                         "older run's removed, inside the output directory only; remove the link or choose another "
+                         "output directory (--out)")
+    return states
+
+
 def analyze_to_dir(
     model: torch.nn.Module,
     input_ids: Tensor | list[int],
@@ -558,7 +598,7 @@ def analyze_to_dir(
     """
     out = Path(out_dir)
     config = kwargs.pop("config", None) or AnalysisConfig()
-    states_dir = out / "states"
+    states_dir = states_dir_of(out)
     created = not out.exists()  # a failed run removes the directory it made (an empty OUT passed for a result)
     lock = None
     try:

@@ -300,8 +300,9 @@ def collect_trajectory(
     if path is not None:
         path.mkdir(parents=True, exist_ok=True)
         # A reused directory must not mix runs: without this, `Trajectory.load` would pick up an
-        # earlier run's limit point or predictions, and an interrupted run would look complete.
-        for name in (META_FILE, *OPTIONAL_FILES):
+        # earlier run's limit point or predictions, and an interrupted run would look complete. Every file is
+        # made anew: a symbolic link of one's name is replaced, not written through to its target.
+        for name in (META_FILE, *STATE_FILES.values(), *OPTIONAL_FILES):
             (path / name).unlink(missing_ok=True)
     shape = (num_steps + 1, B, T, h)
     raw = _allocate(shape, np.float32, path, STATE_FILES["raw"])

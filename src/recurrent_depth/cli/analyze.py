@@ -62,9 +62,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--converge-tol", type=float, default=0.05,
                    help="relative distance to s* that counts as converged (default: %(default)s)")
     p.add_argument("--tokens", default=None,
-                   help="comma-separated token positions to plot in PCA (default: chosen automatically)")
+                   help="comma-separated token positions to plot in PCA, at most 12, in the order given; the first 3 "
+                        "also in path independence (default: chosen automatically)")
     p.add_argument("--max-plot-tokens", type=int, default=6,
-                   help="tokens chosen automatically for the PCA figure (default: %(default)s)")
+                   help="tokens chosen automatically for the PCA figure, 1 to 12 (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=256,
                    help="refuse prompts longer than this many tokens (default: %(default)s)")
     p.add_argument("--no-special-tokens", action="store_true",
@@ -97,7 +98,14 @@ def _in_flag_names(exc: ValueError) -> ValueError:
 
 def run(args: argparse.Namespace) -> int:
     from recurrent_depth.analysis.path_independence import fixed_start_reason
-    from recurrent_depth.analysis.report import AnalysisConfig, analyze_to_dir, exit_gate_rows, token_decoder
+    from recurrent_depth.analysis.report import (
+        AnalysisConfig,
+        analyze_to_dir,
+        check_prompt,
+        exit_gate_rows,
+        states_dir_of,
+        token_decoder,
+    )
     from recurrent_depth.analysis.trajectory import resolve_init_scale
     from recurrent_depth.files import check_out_dir
     from recurrent_depth.model.recurrent import RecurrentDepthLM
@@ -156,6 +164,9 @@ def run(args: argparse.Namespace) -> int:
 
     decode = str if codec is None else token_decoder(codec)
     texts = [decode(i) for i in ids]
+    # every refusal before the progress line ("analysing 1 tokens ..." was printed above the one-token refusal)
+    check_prompt(model, ids, config, in_memory=args.no_states, token_texts=texts)  # (its messages name the flags)
+    states_dir_of(out)
     starts = "one start (s_0 = the embedding)" if fixed_start_reason(model) else f"{config.num_starts} starts"
     print(f"analysing {len(ids)} tokens, {config.num_steps} steps (s* at {config.limit_steps}), {starts}")
     result, files = analyze_to_dir(

@@ -74,7 +74,8 @@ FIELD_HELP: dict[str, str] = {
                      "vocabulary, gathered there); 0 = the full vocabulary",
     "distill_cache": "directory of cached teacher top-k logits (fp16 values + int16/int32 indices) over the "
                      "training shards; written there first when it holds none, or again when its teacher, "
-                     "depth, seed or batch size differs; none = teacher on the fly",
+                     "depth or batch size differs; a cache of other rows (other data or --seed) is an error: "
+                     "one directory per seed; none = teacher on the fly",
     "distill_cache_only": "write distill_cache from the teacher over the training shards and exit",
     "data": "corpus (the CLI shows cli/tokenizer.DATA_HELP; docs/data.md)",
     "text_field": "field or column of each document's text (the CLI shows cli/tokenizer.TEXT_FIELD_HELP)",

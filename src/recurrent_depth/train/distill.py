@@ -18,10 +18,11 @@ The teacher is any model directory `RecurrentDepthLM.from_pretrained` reads (our
 model/, official Huginn-0125, Ouro, Parcae), or a transformers Llama / Mistral / Phi-3 / Qwen2 / Qwen3 /
 OLMo-2 / Gemma directory (`families.retrofit.SUPPORTED_MODEL_TYPES`; sliding-window layers included), read
 through `families.retrofit` with every layer kept, run at r = 1: exactly the source network. It runs in eval
-mode, without gradients, in its stored dtype, at `teacher_depth` (default: its config's
-mean_recurrence), with its initial state drawn from its OWN generator seeded from the run seed on a
-separate stream (`teacher_generator`), so the student's depth draws and initial states are the same with
-and without a teacher. alpha = 0 never loads or runs the teacher (plain training, bit for bit).
+mode, without gradients, in its stored dtype (autocast off, under --dtype bf16 too: a bf16 teacher is one stored in
+bf16), at `teacher_depth` (default: its config's mean_recurrence), with its initial state drawn from its OWN
+generator seeded from the run seed on a separate stream (`teacher_generator`), so the student's depth draws and
+initial states are the same with and without a teacher. alpha = 0 never loads or runs the teacher (plain
+training, bit for bit).
 """
 
 from __future__ import annotations
@@ -178,7 +179,9 @@ class Distillation:
         input_ids = input_ids.to(device)
         inputs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in inputs.items()}
         generator = teacher_generator(self.seed, where, device)
-        with torch.no_grad():
+        # In its stored dtype, as documented: not under the trainer's bf16 autocast (--dtype bf16), which the cache
+        # writer runs outside of, so cached and on-the-fly targets differ only by the cache's fp16 rounding.
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
             return self.teacher.model(input_ids, num_steps=self.teacher.depth, generator=generator, **inputs).logits
 
     def loss(self, model: nn.Module, batch: dict[str, Tensor], num_steps: NumSteps,

@@ -11,8 +11,10 @@ against 4 * vocab for full fp32 logits (16 KB at vocab 4096, 262 KB at 65536). `
 
 Rows are stored in the shards' storage order (row i of the train split); the trainer finds a batch row's
 cache row by its tokens (`CachedTeacher.lookup`: a hash of the row's token ids -> storage index), so the
-shuffled order, epochs and resumes need nothing extra. A cache is refused (one-line ValueError) when its
-data key, row count, seq_len or k differs from the run's, or a batch row is not in it; a cache of another
+shuffled order, epochs and resumes need nothing extra. A cache is refused (one-line ValueError naming the
+directory to delete or the option to point elsewhere) when its data key, row count, seq_len or k differs from the
+run's, whatever its teacher (`matching_manifest`, checked first: a cache of other rows is never written over), or
+a batch row is not in it; a cache of another
 teacher (`teacher_change`: its identity, a hash of config.json and the weight files' names, sizes and mtimes, or
 its depth differs) or of other teacher noise (a teacher whose initial state is random: the seed or the write batch
 size, which fix each row's draw, differs) is written again by the trainer, which says why; settings the cache does
@@ -225,23 +227,44 @@ def teacher_change(path: str | Path, teacher_info: dict[str, Any], write_batch_s
     return f"distill cache: {path} is out of date ({reason}): writing it again"
 
 
+def rewrite_hint(path: Path) -> str:
+    """How a run gets its own cache where `path` holds another's (one directory holds one cache)."""
+    return f"delete {path} to write it again for this run, or give --distill-cache (distill_cache) another directory"
+
+
+def matching_manifest(path: str | Path, dataset: Any, *, top_k: int, vocab_size: int, data_key: str | None,
+                      seed: int | None = None) -> dict[str, Any]:
+    """The manifest of the finished cache at `path` when it holds this run's rows (data key, row count, seq_len), k
+    and vocabulary; else a one-line ValueError naming the first that differs and how to get this run's cache.
+    Checked before `teacher_change` for every teacher: a cache of other rows is never written over. `seed`: the
+    run's, named when the data key differs with it (the trainer's --seed also splits and packs the data)."""
+    path = Path(path)
+    manifest = read_json(path / MANIFEST, CONFIG_MAX_BYTES, "distill cache manifest")
+    if not isinstance(manifest, dict) or manifest.get("format") != CACHE_FORMAT:
+        raise ValueError(f"distill_cache {path}: {MANIFEST} is not a {CACHE_FORMAT} manifest ({rewrite_hint(path)})")
+    expected = {"version": CACHE_VERSION, "data_key": data_key, "num_rows": len(dataset),
+                "seq_len": int(dataset.row_len) - 1, "top_k": min(top_k, vocab_size), "vocab_size": vocab_size,
+                "index_dtype": index_dtype(vocab_size).name}
+    for name, value in expected.items():
+        if manifest.get(name) != value:
+            recorded = manifest.get("teacher")
+            written_seed = recorded.get("seed") if isinstance(recorded, dict) else None
+            why = (f"; it was written with seed {clipped(written_seed)}, this run's is {seed}, and the seed also "
+                   f"splits and packs the training data" if name == "data_key" and seed is not None
+                   and written_seed is not None and written_seed != seed else "")
+            raise ValueError(f"distill_cache {path} does not match this run: its {name} is "
+                             f"{clipped(manifest.get(name))}, the run's {value!r}{why} ({rewrite_hint(path)})")
+    return manifest
+
+
 class CachedTeacher:
     """The cache at `path`, checked against the run's data; `top(batch)` gives (values, indices) per row."""
 
     def __init__(self, path: str | Path, dataset: Any, *, top_k: int, vocab_size: int, data_key: str | None) -> None:
         self.path = Path(path)
-        manifest = read_json(self.path / MANIFEST, CONFIG_MAX_BYTES, "distill cache manifest")
-        if not isinstance(manifest, dict) or manifest.get("format") != CACHE_FORMAT:
-            raise ValueError(f"distill_cache {self.path}: {MANIFEST} is not a {CACHE_FORMAT} manifest")
+        self.manifest = manifest = matching_manifest(path, dataset, top_k=top_k, vocab_size=vocab_size,
+                                                     data_key=data_key)
         seq_len = int(dataset.row_len) - 1
-        expected = {"version": CACHE_VERSION, "data_key": data_key, "num_rows": len(dataset), "seq_len": seq_len,
-                    "top_k": min(top_k, vocab_size), "vocab_size": vocab_size,
-                    "index_dtype": index_dtype(vocab_size).name}
-        for name, value in expected.items():
-            if manifest.get(name) != value:
-                raise ValueError(f"distill_cache {self.path} does not match this run: its {name} is "
-                                 f"{manifest.get(name)!r}, the run's {value!r} (write it again for these shards)")
-        self.manifest = manifest
         self.values: list[np.ndarray] = []
         self.indices: list[np.ndarray] = []
         self.vocab_size = vocab_size
@@ -255,7 +278,7 @@ class CachedTeacher:
                              f"'values' and 'indices' file names and an integer 'num_rows' >= 0")
         for shard in shards:
             rows = int(shard["num_rows"])
-            shape = (rows, seq_len, expected["top_k"])
+            shape = (rows, seq_len, manifest["top_k"])
             for kind, dtype, into in (("values", np.float16, self.values),
                                       ("indices", index_dtype(vocab_size), self.indices)):
                 name = Path(str(shard[kind])).name  # no paths outside the cache
@@ -275,7 +298,8 @@ class CachedTeacher:
                 into.append(array)
             starts.append(starts[-1] + rows)
         if starts[-1] != len(dataset):
-            raise ValueError(f"distill_cache {self.path}: its shards hold {starts[-1]} rows, the run's {len(dataset)}")
+            raise ValueError(f"distill_cache {self.path}: its shards hold {starts[-1]} rows, the run's {len(dataset)} "
+                             f"({rewrite_hint(self.path)})")
         self.starts = np.asarray(starts)
         self.row_of = {row_key(dataset.rows([i])[0]): i for i in range(len(dataset))}
 
@@ -283,7 +307,7 @@ class CachedTeacher:
         index = self.row_of.get(row_key(row))
         if index is None:
             raise ValueError(f"distill_cache {self.path}: a training row is not in the cache (the cache belongs "
-                             f"to other shards)")
+                             f"to other shards: {rewrite_hint(self.path)})")
         return index
 
     def top(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:

@@ -66,7 +66,13 @@ from recurrent_depth.train.distill import (
     teacher_record,
     teacher_summary,
 )
-from recurrent_depth.train.distill_cache import CachedTeacher, has_cache, teacher_change, write_cache
+from recurrent_depth.train.distill_cache import (
+    CachedTeacher,
+    has_cache,
+    matching_manifest,
+    teacher_change,
+    write_cache,
+)
 from recurrent_depth.train.init_from import (
     depth_change_note,
     find_model_dir,
@@ -581,6 +587,9 @@ class Trainer:
         dataset = self.data.dataset("train", shuffle=False, vocab_size=student_vocab)
         data_key = self.data.metadata.get("key")
         teacher_info = {**teacher_summary(teacher), "seed": objective.seed}
+        if has_cache(cfg.distill_cache):  # a cache of other rows (another --seed too) is refused, whatever the teacher
+            matching_manifest(cfg.distill_cache, dataset, top_k=cfg.distill_top_k, vocab_size=student_vocab,
+                              data_key=data_key, seed=cfg.seed)
         # (a teacher retrained in place, or other noise for its initial states: not its cache)
         changed = teacher_change(cfg.distill_cache, teacher_info, cfg.batch_size)
         if changed is not None:

@@ -94,7 +94,8 @@ def save_pretrained(
     (`tokenizer_dir` is the older name for the directory form). `max_shard_bytes` splits the weights
     into shards with an index file (as large checkpoints are). Files get the permissions the umask gives.
     Over an existing model directory the new weights and config are written beside the old ones and renamed into
-    place at the end, so a process killed while saving leaves the old model or the new one, whole.
+    place at the end, so a process killed while saving leaves the old model or the new one, whole (shards that would
+    replace the old model's shards of the same names are named `model-<i>-of-<n>-b.safetensors` instead).
     """
     check_saveable(model, path)  # before anything in `path` is touched
     for given in (tokenizer_dir, tokenizer):
@@ -124,9 +125,10 @@ def _write_weights(state: dict[str, torch.Tensor], out: Path, max_shard_bytes: i
     """`state` as model.safetensors, or as shards of at most `max_shard_bytes` plus their index, and `config_text` as
     config.json, replacing the model `out` held so that a process killed at any point leaves one complete model:
     every file is written and fsynced under a temporary name first (the slow part; the old model is untouched), then
-    renamed into place, the index last, and the other layout's entry file (the old index, or the old model.safetensors
-    that `weight_files` would load before a new index) removed with them; the old shards the new save does not use are
-    removed only after that."""
+    renamed into place, the index last. The other layout's entry file goes with them: an old index after the new
+    model.safetensors is in place, an old model.safetensors (which `weight_files` loads before an index) just before
+    the new index arrives, once the new shards are in place. The old shards the new save does not use are removed
+    only after that."""
     meta = {"format": "pt", **(metadata or {})}
     total = sum(t.nbytes for t in state.values())
     files: dict[str, dict[str, torch.Tensor]] = {}
@@ -142,7 +144,11 @@ def _write_weights(state: dict[str, torch.Tensor], out: Path, max_shard_bytes: i
                 size = 0
             shards[-1][name] = tensor
             size += tensor.nbytes
-        files = {f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors": shard for i, shard in enumerate(shards)}
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}" for i in range(len(shards))]
+        # Renamed one by one over the old model's shards of the same names, a kill midway would mix the two models:
+        # then this save's shards take other names (the index names them for every reader).
+        mark = "-b" if _loads_any(out, [f"{name}.safetensors" for name in names]) else ""
+        files = {f"{name}{mark}.safetensors": shard for name, shard in zip(names, shards, strict=True)}
         weight_map = {name: filename for filename, shard in files.items() for name in shard}
         index_text = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
     texts = {"config.json": config_text, **({INDEX_NAME: index_text} if index_text is not None else {})}
@@ -166,14 +172,24 @@ def _write_weights(state: dict[str, torch.Tensor], out: Path, max_shard_bytes: i
     stale = [path for path in out.glob("model*.safetensors") if path.name not in files]
     with _signals_deferred():  # Ctrl-C or SIGTERM between two renames would leave old and new mixed
         for tmp, final in staged:
+            if final.name == INDEX_NAME:  # an old single-file save's model.safetensors is loaded before an index
+                # (`weight_files`): gone first, so a kill between the two leaves the new shards, not the old weights
+                (out / WEIGHTS_NAME).unlink(missing_ok=True)
             os.replace(tmp, final)
         if index_text is None:  # (an old sharded save's index, no longer describing this model)
             (out / INDEX_NAME).unlink(missing_ok=True)
-        else:  # an old single-file save's model.safetensors would be loaded before the new index (`weight_files`)
-            (out / WEIGHTS_NAME).unlink(missing_ok=True)
         fsync_dir(out)
     for path in [*stale, *out.glob(f"model*.safetensors{TMP_SUFFIX}")]:  # (and what a killed save left)
         path.unlink(missing_ok=True)
+
+
+def _loads_any(out: Path, names: list[str]) -> bool:
+    """Whether the model in `out` loads from a file of one of these `names` (`weight_files`; False: no model)."""
+    try:
+        loaded = set(weight_files(out))
+    except (OSError, ValueError):
+        return False
+    return any(out / name in loaded for name in names)
 
 
 @contextlib.contextmanager

@@ -54,7 +54,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_dtype_arg(parser, "cast the weights to this dtype")
     parser.add_argument(
         "--max-shard-mb", type=float, default=None, metavar="MB",
-        help="split the weights into shards of at most this size (default: one file)",
+        help="split the weights into shards of at most this size, named by model.safetensors.index.json (over an "
+             "earlier export's shards of the same names: model-*-b.safetensors; default: one file)",
     )
     parser.add_argument(
         "--merge-lora", default=None, metavar="ADAPTER_DIR",

@@ -142,12 +142,12 @@ def decode(session: Session) -> Iterator[TokenEvent]:
         start = min(front[b] for b in rows)
         end = max(ends[b] + max(adds[b], 0) for b in rows)
         # Columns before `start` are frozen in every unfinished row: their entries are final, and the buffers
-        # (indexed from column o) may drop them. The sweep reads and writes columns [start, end], tokens to end.
-        o = columns.hold(start, end + 1)
-        a, z = start - o, end - o  # the sweep's columns in the buffers
+        # (from column `base` on) may drop them. The sweep reads and writes columns [start, end], tokens to end.
+        base = columns.hold(start, end + 1)
+        a, z = start - base, end - base  # the sweep's columns in the buffers
         tokens, states, done, fresh = columns.tokens, columns.states, columns.done, columns.fresh
         for b in rows:
-            end_b, add = ends[b] - o, adds[b]
+            end_b, add = ends[b] - base, adds[b]
             if add > 0:
                 tokens[b, end_b + 1 : end_b + add] = tokens[b, end_b]  # unknown yet: repeat the guess
                 states[b, end_b : end_b + add] = session.initial_states(states[:, end_b : end_b + add], [b])[b]
@@ -208,9 +208,9 @@ def decode(session: Session) -> Iterator[TokenEvent]:
                 token = event.token  # the prediction, or the teacher's token
                 yield event
                 front[b] = c + 1
-                if tokens[b, c + 1 - o] != token:  # a teacher's or sampled token that differs from the guess
-                    tokens[b, c + 1 - o] = token
-                    fresh[b, c + 1 - o] = 0
+                if tokens[b, c + 1 - base] != token:  # a teacher's or sampled token that differs from the guess
+                    tokens[b, c + 1 - base] = token
+                    fresh[b, c + 1 - base] = 0
                 if c + 1 < ends[b] and used[b][j + 1] != token:
                     break  # the next position ran on a wrong guess: it refines on the right input first
         sweeps += 1

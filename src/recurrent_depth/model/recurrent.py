@@ -46,13 +46,16 @@ DEPTH_CEILING_HINT = ("(the depth ceiling, MAX_NUM_STEPS unless raised: set mode
                       "run deeper)")
 # Mixers that take an arbitrary [B, 1, T, T] attention mask, so packed examples can be kept apart.
 DOCUMENT_MASK_MIXERS = frozenset({"attention"})
+# the fewest rows `predict(at=...)` runs the head over (see there); 32 x vocab float32 logits is a few MiB
+HEAD_MIN_ROWS = 32
 
 
 @dataclass
 class RecurrentOutput:
     """What `RecurrentDepthLM.forward` returns.
 
-    logits: [B, T, V] float32. latent_states: ln_f(s_r) [B, T, h] (as the reference).
+    logits: [B, T, V] float32 ([N, V] with `logits_at`: its N positions'). latent_states: ln_f(s_r) [B, T, h] (as
+    the reference).
     final_state: the raw s_r [B, T, h] (what warm starts reuse). all_states: the raw states
     s_0..s_r stacked to [r + 1, B, T, h] when asked for, else None. num_steps: (n, k) as run.
     attentions (with `output_attentions=True`): {layer key: softmax probabilities [B, H, T, T_past + T]}
@@ -343,12 +346,25 @@ class RecurrentDepthLM(nn.Module):
             raise ValueError("this model has no exit gate (ModelConfig.exit_gate is false)")
         return torch.sigmoid(self.transformer.exit_gate(self.latent(state)).squeeze(-1).float())
 
-    def predict(self, latent: Tensor, ctx: MixerContext) -> Tensor:
-        """Logits from latents (`latent`): head(coda(latent)) -> [B, T, V] float32."""
+    def predict(self, latent: Tensor, ctx: MixerContext, at: Tensor | None = None) -> Tensor:
+        """Logits from latents (`latent`): head(coda(latent)) -> [B, T, V] float32; with `at` (bool [B, T]) the
+        head runs at those positions only -> [N, V] in `x[at]`'s order (the coda still runs at every position:
+        its attention reads them all)."""
         x = latent
         for c, block in enumerate(self.transformer.coda):
             x = block(x, ctx, ("coda", c))
-        return self.head(x)
+        if at is None:
+            return self.head(x)
+        rows = x.reshape(-1, x.shape[-1])
+        kept = at.reshape(-1).nonzero()[:, 0]
+        n = len(kept)
+        if n < HEAD_MIN_ROWS:
+            # CPU BLAS (MKL) multiplies few rows (under 16 in float32) by another kernel, whose values differ from
+            # a larger GEMM's in the last bits: pad with other positions to HEAD_MIN_ROWS rows (or all of them),
+            # so that a kept position's logits are bitwise those of the whole head
+            extra = (~at).reshape(-1).nonzero()[: HEAD_MIN_ROWS - n, 0]
+            return self.head(rows[torch.cat([kept, extra])])[:n]
+        return self.head(rows[kept])
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -368,6 +384,7 @@ class RecurrentDepthLM(nn.Module):
         output_all_states: bool = False,
         replay: DepthReplay | None = None,
         output_attentions: bool = False,
+        logits_at: Tensor | None = None,
     ) -> RecurrentOutput:
         """Run prelude -> num_steps core steps -> coda on `input_ids` [B, T].
 
@@ -383,7 +400,12 @@ class RecurrentDepthLM(nn.Module):
         output_attentions: also return every softmax-attention layer's weights (`RecurrentOutput.attentions`),
         computed as plain math instead of the fused kernel (same outputs up to rounding; memory T x S per head
         per layer application).
+        logits_at: bool [B, T]: run the vocabulary head at these positions only, logits `[N, V]` in the order of
+        `x[logits_at]` (a scorer reads a few positions' logits: no `[B, T, V]` tensor); the values are those of
+        the whole head's (bitwise with MKL float32; see `predict`).
         """
+        if logits_at is not None:
+            self.check_logits_at(input_ids, logits_at, labels)
         if generator is not None and not isinstance(generator, torch.Generator):
             raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         if replay is not None and (cache is not None or output_all_states or output_attentions):
@@ -428,7 +450,7 @@ class RecurrentDepthLM(nn.Module):
                 states.append(state)
 
         latent = self.latent(state)
-        logits = self.predict(latent, ctx)
+        logits = self.predict(latent, ctx, logits_at)
         if cache is not None:
             cache.advance(input_ids.shape[1])
         loss = None
@@ -481,6 +503,17 @@ class RecurrentDepthLM(nn.Module):
             f"num_steps={num_steps!r} is invalid: expected an int >= 0, a pair of ints >= 0 "
             "(no_grad_steps, grad_steps), or None"
         )
+
+    @staticmethod
+    def check_logits_at(input_ids: Tensor, logits_at: Tensor, labels: Tensor | None) -> None:
+        if not isinstance(logits_at, Tensor) or logits_at.dtype != torch.bool:
+            raise ValueError(f"logits_at must be a bool torch.Tensor [batch, seq_len], got "
+                             f"{getattr(logits_at, 'dtype', type(logits_at).__name__)}")
+        if tuple(logits_at.shape) != tuple(input_ids.shape):
+            raise ValueError(f"logits_at has shape {tuple(logits_at.shape)}, expected input_ids' "
+                             f"{tuple(input_ids.shape)}")
+        if labels is not None:
+            raise ValueError("logits_at takes no labels: the loss reads every position's logits")
 
     def check_inputs(
         self,

@@ -66,6 +66,7 @@ import torch
 from torch import Tensor
 
 from recurrent_depth.inference.kv_codec import (
+    SMALL_MATMUL,
     CodeRows,
     KVQuant,
     LayerCodecs,
@@ -165,23 +166,44 @@ SDPA_KV_BLOCK = 512
 # so a soft-capped layer's plain attention (`eager_attention`) over 3 to 15 held columns rounded ~30 % of its float32
 # softmaxes otherwise than the full read (none of 12,500 over 16 to 40 held columns from a multiple of 16): a bf16
 # retrofitted Gemma-2 (window 8) left the full cache's logits by 0.06 after one such read rounded 1 bf16 ulp otherwise.
+# At head dims under 25 it is more (`read_floor`): that attention's two float32 matmuls (q @ k^T over D, probs @ v over
+# the columns read) run through aten's small-bmm loop below `SMALL_MATMUL` multiply-adds per matrix and through MKL
+# above, which round otherwise (a decode read of 24 columns at D = 16: loop; the full read's 25 and more: MKL).
 MIN_READ_COLUMNS = 16
 
 
-def read_start(first: int, end: int) -> int:
+def read_floor(head_dim: int | None = None) -> int:
+    """The fewest columns a read of a windowed base that dropped returns (`read_start`) at head dim `head_dim` (None:
+    unknown): `MIN_READ_COLUMNS`, or enough for a single query's matmuls to take MKL's kernels as the full read's do
+    (D x columns >= `SMALL_MATMUL`: 32 at D = 16, 64 at D = 8), a multiple of 16 (its columns keep their lanes)."""
+    if head_dim is None:
+        return MIN_READ_COLUMNS
+    columns = -(-SMALL_MATMUL // head_dim)  # (rounded up)
+    return max(MIN_READ_COLUMNS, -(-columns // 16) * 16)
+
+
+def read_start(first: int, end: int, floor: int = MIN_READ_COLUMNS) -> int:
     """The first column a read of a windowed base holding columns [first, end) returns: `first`, or the start of its
-    `SDPA_KV_BLOCK` block where [first, end) crosses a block boundary, or `MIN_READ_COLUMNS` earlier where it holds
-    fewer (a whole block earlier where `first` starts a block); the columns before `first` read as zeros."""
+    `SDPA_KV_BLOCK` block where [first, end) crosses a block boundary, or `floored_start` (`floor` columns earlier
+    where it holds fewer); the columns before `first` read as zeros."""
     if first % SDPA_KV_BLOCK and first // SDPA_KV_BLOCK != (end - 1) // SDPA_KV_BLOCK:
         return first - first % SDPA_KV_BLOCK
-    if first and end - first < MIN_READ_COLUMNS:  # (first: a multiple of 16, `window_align`)
-        return first - (MIN_READ_COLUMNS if first % SDPA_KV_BLOCK else SDPA_KV_BLOCK)
-    return first
+    return floored_start(first, end, floor)
 
 
-def _from_read_start(columns: Tensor, first: int, end: int, dim: int) -> Tensor:
-    """Columns [first, end) along `dim`, prefixed with zero columns back to `read_start(first, end)`."""
-    pad = first - read_start(first, end)
+def floored_start(first: int, end: int, floor: int = MIN_READ_COLUMNS) -> int:
+    """`first`, or where a read holding fewer than `floor` (`read_floor`) columns [first, end) after a drop starts:
+    `floor` columns earlier (a multiple of 16, as `first`: `window_align`), or the start of the `SDPA_KV_BLOCK` block
+    that column falls in where it falls before `first`'s (a whole block earlier where `first` starts one)."""
+    if not first or end - first >= floor:
+        return first
+    start = max(first - floor, 0)
+    return start if start // SDPA_KV_BLOCK == first // SDPA_KV_BLOCK else start - start % SDPA_KV_BLOCK
+
+
+def _from_read_start(columns: Tensor, first: int, end: int, dim: int, floor: int = MIN_READ_COLUMNS) -> Tensor:
+    """Columns [first, end) along `dim`, prefixed with zero columns back to `read_start(first, end, floor)`."""
+    pad = first - read_start(first, end, floor)
     if not pad:
         return columns
     shape = list(columns.shape)
@@ -287,6 +309,7 @@ class _CacheBase:
         self.windows: dict[tuple, int] = dict(windows or {})
         self.first: dict[tuple, int] = {}  # per windowed base with a storage: the first column it holds
         self._decode_floor: dict[tuple, int] = {}  # per windowed quantized base: the columns it keeps at least
+        self._read_floor: dict[tuple, int] = {}  # per windowed base: `read_floor` of its head dim (first write)
         # Columns a later write may start behind a write's start (a speculative round's drafts, then the verify
         # that seeks back over them): each windowed base keeps that many more (module docstring).
         self.window_back = 0
@@ -385,7 +408,16 @@ class _CacheBase:
     def first_column(self, key: LayerKey) -> int:
         """The first column `key`'s reads return (0 but for a windowed base that dropped): `read_start` of the
         columns its storage holds, up to the last write's end."""
-        return read_start(self.first.get(self.split(key)[0], 0), self._written_end)
+        base = self.split(key)[0]
+        return read_start(self.first.get(base, 0), self._written_end, self._floor(base))
+
+    def _floor(self, base: tuple) -> int:
+        return self._read_floor.get(base, MIN_READ_COLUMNS)
+
+    def _note_head_dim(self, base: tuple, head_dim: int) -> None:
+        """A windowed base's first write: its reads after a drop hold at least `read_floor(head_dim)` columns."""
+        if base in self.windows and base not in self._read_floor:
+            self._read_floor[base] = read_floor(head_dim)
 
     def window_positions(self, key: LayerKey, num_tokens: int) -> tuple[list[tuple[Any, int]], Tensor, Tensor | None]:
         """A quantized window's lanes `(layer slot, row)`, the call's columns `[B, T]` and `write_mask`."""
@@ -579,6 +611,12 @@ class StaticRecurrentCache(_CacheBase):
             codecs = self.codecs.made(key)  # (made by this write's encode; the floor is the base's first write's)
             if codecs is not None:
                 self._decode_floor[base] = exact_decode_columns(codecs)
+        if self.codecs is None:
+            self._note_head_dim(base, min(k.shape[-1], v.shape[-1]))
+        elif base in self.windows and base not in self._read_floor:
+            codecs = self.codecs.made(key)  # (code rows: the head dim its codecs code)
+            if codecs is not None:
+                self._note_head_dim(base, min(codec.quantizer.dim for codec in codecs))
         first = self._held_from(base) if self.windows else 0  # (may drop old columns)
         views = self._views.get(key)
         if views is None:
@@ -604,10 +642,11 @@ class StaticRecurrentCache(_CacheBase):
             index = self.policy.read_slots(key, self.depth[:, :closed], end - closed, uniform)  # [B, end]
             if index is not None:
                 base = self.split(key)[0]
-                return tuple(_from_read_start(_gather_slots(store, index[:, first:], end - first), first, end, 2)
-                             for store in self.kv[base])
-        return (_from_read_start(Ks.narrow(2, 0, end - first), first, end, 2),
-                _from_read_start(Vs.narrow(2, 0, end - first), first, end, 2))
+                return tuple(_from_read_start(_gather_slots(store, index[:, first:], end - first), first, end, 2,
+                                              self._floor(base)) for store in self.kv[base])
+        floor = self._floor(self.split(key)[0])
+        return (_from_read_start(Ks.narrow(2, 0, end - first), first, end, 2, floor),
+                _from_read_start(Vs.narrow(2, 0, end - first), first, end, 2, floor))
 
     def decode_views(self, keys: Sequence[LayerKey]) -> DecodeViews | None:
         """The stores `[B, Hkv, capacity, width]` of `keys` for a fused decode that writes column `seq_len` of
@@ -715,6 +754,7 @@ class DynamicRecurrentCache(_CacheBase):
             k, v = (x.transpose(1, 2) for x in self.codes.round_trip(key, k.transpose(1, 2), v.transpose(1, 2)))
         base, slot = self.split(key)
         self._note_entry(base, k, v)
+        self._note_head_dim(base, min(k.shape[-1], v.shape[-1]))
         B, T = k.shape[:2]
         self._written_end = self.seq_len + T
         if base in self.windows:
@@ -808,7 +848,8 @@ class DynamicRecurrentCache(_CacheBase):
             out_v.append(torch.stack(v_rows))
         first = self.first.get(base, 0)  # (zero columns before a windowed read that crosses a block: `read_start`)
         K, V = torch.stack(out_k, dim=1), torch.stack(out_v, dim=1)  # [B, end - first, Hkv, D]
-        return _from_read_start(K, first, end, 1), _from_read_start(V, first, end, 1)
+        floor = self._floor(base)
+        return _from_read_start(K, first, end, 1, floor), _from_read_start(V, first, end, 1, floor)
 
     def close(self, depth: Tensor | int, num_tokens: int | None = None) -> None:
         if isinstance(depth, int):

@@ -42,9 +42,12 @@ prefix) at held positions `column - first[r]`. A
 prefill stores only the prompt's columns the next token's window reaches (its own queries read the call's
 entries); `hold` moves a row's columns down to its next token's window when that token's column runs past the
 room (that row alone). Token calls then write each row at its held position and read held positions
-`[0, Lw)`, Lw = the longest held span among the call's rows: the batch gives the context the rows' held
-positions as `query_columns` (`window_mask` counts keys from them), and `key_mask` reads each row's depths
-from its first held column. A quantized window's bf16 entries keep their columns as tags (moves leave them be):
+`[0, Lw)`, Lw = the longest held span among the call's rows, after zero columns where a row that dropped holds
+fewer than `read_floor` (`_read_pad`, `inference.cache.floored_start`: as the generation cache's `read_start`, so
+that a soft-capped layer's plain attention over them rounds as over the full cache's read): `hold` returns each
+row's position in that read, which the batch gives the context as `query_columns` (`window_mask` counts keys from
+them), and `key_mask` reads each row's depths from the read's first column. A quantized window's bf16 entries
+keep their columns as tags (moves leave them be):
 `first_column` gives each row's first held column, and `CodeRows.update_heads` writes an entry back at its
 column's held position. Layers without a window keep every column. `RDEPTH_FULL_WINDOW_CACHE=1` turns the
 bound off (`layer_windows` names no layer).
@@ -59,7 +62,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from recurrent_depth.inference.cache import decoding_window_columns, window_start
+from recurrent_depth.inference.cache import decoding_window_columns, floored_start, read_floor, window_start
 from recurrent_depth.inference.kv_codec import (
     Codec,
     CodeRows,
@@ -92,8 +95,11 @@ class SlotKVPool:
         self.held = decoding_window_columns(self.reach) if self.windows else 0  # columns a windowed base allocates
         self.dtype: torch.dtype | None = None  # the windowed stores' (it sets their alignment): from their first write
         self.first: list[int] = []  # per row: the first column its windowed bases hold
-        self._held_cols: Tensor | None = None  # token calls: [B] held position of each row's column
-        self._held_len = 0  # token calls: held positions a windowed base reads
+        self._held_cols: Tensor | None = None  # token calls: [B] position of each row's column in a windowed read
+        self._stored_cols: Tensor | None = None  # token calls: [B] held position of each row's column (in the stores)
+        self._held_len = 0  # token calls: columns a windowed base's read returns
+        self._pad = 0  # token calls: zero columns a windowed read returns before the held ones (`_read_pad`)
+        self.floor = read_floor(head_dim)  # the fewest columns a windowed read after a drop returns
         self.kv_quant = self.codes.kv_quant if self.codes is not None else None
         self.attends_from_codes = self.codes is not None and self.codes.attends_from_codes
         self.kv: dict[tuple, tuple[Tensor, Tensor]] = {}
@@ -180,17 +186,19 @@ class SlotKVPool:
             self.kv[base] = (grown[0], grown[1])
         self.slots = new
 
-    def _held_columns(self, rows: Tensor, length: int) -> Tensor:
-        """Long `[B, length]`: the column each held position of `rows` holds in a windowed base (capped at the
-        last column `depth` records: positions past a row's own column are never read)."""
-        first = torch.tensor(self.first, dtype=torch.long, device=self.device)[rows]
+    def _held_columns(self, rows: Tensor, length: int, pad: int = 0) -> Tensor:
+        """Long `[B, length]`: the column each held position of `rows` holds in a windowed base, or each position of
+        a read that starts `pad` zero columns earlier (capped at the columns `depth` records: positions before a
+        row's first held column or past its own are never read)."""
+        first = torch.tensor(self.first, dtype=torch.long, device=self.device)[rows] - pad
         cols = first[:, None] + torch.arange(length, device=self.device)[None]
-        return cols.clamp(max=max(self.depth.shape[1] - 1, 0))
+        return cols.clamp(min=0, max=max(self.depth.shape[1] - 1, 0))
 
     def hold(self, rows: list[int], columns: list[int]) -> list[int]:
-        """Make room in the windowed bases for each row's token at column columns[b] and return its held
-        position there (the column itself without windows). A row whose column runs past its room keeps the
-        columns from its token's window on (`window_start`) and drops the older ones: that row alone moves."""
+        """Make room in the windowed bases for each row's token at column columns[b] and return its position in
+        the call's windowed reads: its held position, after `_read_pad` zero columns (the column itself without
+        windows). A row whose column runs past its room keeps the columns from its token's window on
+        (`window_start`) and drops the older ones: that row alone moves."""
         if not self.windows:
             return columns
         held = []
@@ -198,7 +206,19 @@ class SlotKVPool:
             if c - self.first[r] >= self.held:
                 self._compact(r, c)
             held.append(c - self.first[r])
-        return held
+        pad = self._read_pad(rows, max(held) + 1)
+        return [h + pad for h in held]
+
+    def _read_pad(self, rows: list[int], span: int) -> int:
+        """Zero columns a token call of `rows` returns before the held positions [0, span) of its windowed reads:
+        where a row that dropped holds fewer than `floor`, `floored_start`'s, the most of any row (a multiple of
+        16: every row's columns keep their lanes), if no row holds fewer dropped columns than that (0 otherwise):
+        each row's zeros then stand for columns it dropped, outside its window (a row that dropped none would see
+        zeros in its window; a batch's padded read is not bitwise a row's own anyway). Not `read_start`'s block
+        rule: rows of one call start at different columns (module docstring)."""
+        firsts = [self.first[r] for r in rows]
+        pad = max(first - floored_start(first, first + span, self.floor) for first in firsts)
+        return pad if pad <= min(firsts) else 0
 
     def _compact(self, row: int, column: int) -> None:
         """Row `row`'s windowed bases keep its columns window_start(column) .. column, at held positions from 0."""
@@ -268,15 +288,20 @@ class SlotKVPool:
 
         core_slots: the KV slot each row's core step uses (rows may be at different steps), and
         core_steps the steps themselves (what `key_mask` compares depths with); None for prelude /
-        coda calls. held_cols: `[B]` the rows' held positions in the windowed bases (`hold`; None: the columns).
+        coda calls. held_cols: `[B]` the rows' positions in the windowed bases' reads (`hold`; None: the columns).
         """
         self._rows = rows
         self._row_index = row_index
         self._contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
         self._cols = cols
         self._read_len = read_len
-        self._held_cols = cols if held_cols is None else held_cols
+        self._held_cols = self._stored_cols = cols if held_cols is None else held_cols
         self._held_len = read_len if held_cols is None else int(held_cols.max()) + 1
+        self._pad = 0
+        if self.windows:  # positions in the read are `_read_pad` zero columns after the held ones (maybe the columns)
+            first = torch.tensor([self.first[r] for r in rows], dtype=torch.long, device=self.device)
+            self._stored_cols = cols - first
+            self._pad = int(self._held_cols[0] - self._stored_cols[0])
         if self.row_codecs is not None:
             self.row_codecs.bind_tokens(rows, row_index)
         if core_slots and max(core_slots) >= self.slots:
@@ -333,17 +358,21 @@ class SlotKVPool:
             V[slot, r, :, :T] = v[0]
             return K[slot, r : r + 1, :, :T], V[slot, r : r + 1, :, :T]
         rows = self._row_index
-        cols, L = (self._held_cols, self._held_len) if windowed else (self._cols, self._read_len)
+        cols, L = (self._stored_cols, self._held_len - self._pad) if windowed else (self._cols, self._read_len)
         K[slot, rows, :, cols] = k[:, :, 0]  # [B, Hkv, D] at each row's own column
         V[slot, rows, :, cols] = v[:, :, 0]
         if isinstance(slot, int) and self._contiguous:
             r0, r1 = self._rows[0], self._rows[0] + len(self._rows)
-            return K[slot, r0:r1, :, :L], V[slot, r0:r1, :, :L]  # views [B, Hkv, L, D]
-        # Scattered rows, or rows at different steps: gather each row's (slot, row) entry.
-        # One index_select over the flattened (slot, row) dimension is several times faster
-        # than advanced indexing with two index tensors.
-        flat = slot * self.rows + rows  # [B] (slot: an int or one per row)
-        return K.flatten(0, 1)[:, :, :L].index_select(0, flat), V.flatten(0, 1)[:, :, :L].index_select(0, flat)
+            read = K[slot, r0:r1, :, :L], V[slot, r0:r1, :, :L]  # views [B, Hkv, L, D]
+        else:
+            # Scattered rows, or rows at different steps: gather each row's (slot, row) entry.
+            # One index_select over the flattened (slot, row) dimension is several times faster
+            # than advanced indexing with two index tensors.
+            flat = slot * self.rows + rows  # [B] (slot: an int or one per row)
+            read = K.flatten(0, 1)[:, :, :L].index_select(0, flat), V.flatten(0, 1)[:, :, :L].index_select(0, flat)
+        if not (windowed and self._pad):
+            return read
+        return tuple(torch.cat([x.new_zeros(*x.shape[:2], self._pad, x.shape[3]), x], dim=2) for x in read)
 
     def first_column(self, key: LayerKey) -> int | Tensor:
         """The column the bound call's reads of `key` return first: 0, or in a token call of a windowed base each
@@ -366,9 +395,9 @@ class SlotKVPool:
         """Bool `[B, L]` in token calls with rows whose lookup hides columns (`Skip`), else None."""
         if key[0] != "core" or self._token_steps is None:
             return None
-        if self.base(key) in self.windows:  # held positions: each row's depths from its first held column
+        if self.base(key) in self.windows:  # positions in the read: each row's depths from the read's first column
             L, own = self._held_len, self._held_cols
-            depth = self.depth[self._row_index[:, None], self._held_columns(self._row_index, L)]
+            depth = self.depth[self._row_index[:, None], self._held_columns(self._row_index, L, self._pad)]
         else:
             L, own = self._read_len, self._cols
             depth = self.depth[self._row_index, :L]
@@ -551,5 +580,5 @@ def make_pool(kv_quant: KVQuant | None, device: Any = "cpu", windows: Mapping[tu
     """The batch's KV pool: float entries, or code rows of `kv_quant`; sliding-window bases `windows` hold each
     row's recent columns only (code rows: at least the decode floor of `head_dim`, the model's)."""
     if kv_quant is None:
-        return SlotKVPool(device, windows=windows)
+        return SlotKVPool(device, windows=windows, head_dim=head_dim)
     return QuantizedSlotKVPool(kv_quant, device, windows, head_dim)

@@ -283,7 +283,9 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "transformer"
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
-    _supports_sdpa = True  # attention runs through F.scaled_dot_product_attention (plain math for output_attentions)
+    # attention runs through F.scaled_dot_product_attention, as plain math for output_attentions, soft-capped layers
+    # and an `eager_attention` config (retrofitted Gemma 2), which reports "eager" (`get_correct_attn_implementation`)
+    _supports_sdpa = True
     _no_split_modules = ["SandwichBlock"]
     _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
     _keys_to_ignore_on_load_unexpected = [r"^freqs_cis$"]  # the official file's RoPE buffer
@@ -301,6 +303,12 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             id(m) for name, m in self.named_modules() if name.endswith(("attn.proj", "mlp.proj"))
         }
         self.post_init()
+
+    def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
+        """transformers' choice (sdpa by default), except "eager" for an `eager_attention` config (retrofitted
+        Gemma 2), whose layers attend as plain math whatever is asked: `config._attn_implementation` says what runs."""
+        chosen = super().get_correct_attn_implementation(requested_attention, is_init_check)
+        return "eager" if getattr(self.config, "eager_attention", False) else chosen
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
@@ -547,6 +555,7 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         inputs_embeds: Tensor | None = None,
         num_items_in_batch: int | Tensor | None = None,
         output_attentions: bool | None = None,
+        logits_to_keep: int | Tensor = 0,
         **kwargs: Any,
     ) -> RecurrentDepthCausalLMOutput | tuple:
         """`RecurrentDepthLM.forward` with transformers' conventions.
@@ -558,13 +567,14 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         `use_cache=True` and no cache, one is created with `kv_policy` / `kv_budget` (None = one
         entry per step; see `recurrent_depth.model.cache.parse_kv_policy`).
         labels: `[B, T]` unshifted, -100 ignored (shifted inside, as transformers does).
-        logits_to_keep (a keyword, as transformers' models take it): the last n positions' logits only (0: all), or
-        those of a 1-D tensor of positions.
+        logits_to_keep (as transformers' models take it): the last n positions' logits only (0: all), or those of a
+        1-D tensor of positions; without labels the vocabulary head runs at those positions only (the library's
+        `logits_at`), so transformers' `generate`, which passes 1 to a forward that names it, makes no [B, T, V]
+        logits for a long prompt.
         output_attentions (None: `config.output_attentions`): the attention weights of every layer application
         (see `RecurrentDepthCausalLMOutput.attentions`), computed as plain math instead of SDPA.
         """
         cache = _cache_alias(cache, kwargs)
-        logits_to_keep = kwargs.pop("logits_to_keep", 0)  # (not a named parameter: generate() would then pass 1)
         unknown = sorted(k for k in kwargs if k not in _IGNORED_FORWARD_KWARGS + _PACKING_KWARGS)
         if position_ids is None and any(kwargs.get(k) is not None for k in _PACKING_KWARGS):
             raise ValueError(f"{[k for k in _PACKING_KWARGS if kwargs.get(k) is not None]} mark packed examples: "
@@ -615,10 +625,20 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         if cache is not None and (num_steps is not None or not self.training):  # (None in training: a drawn depth)
             cache.check_depth(sum(self._core.resolve_num_steps(num_steps)))
 
+        # (the exported remote-code file's helpers: that file cannot import the library, so this shares them; imported
+        # here, as importing that module imports transformers, whose registration hook imports this one)
+        import recurrent_depth.integrations.remote.modeling_recurrent_depth as remote
+
+        kept = remote.kept_positions(logits_to_keep, input_ids.shape[1])
+        logits_at = None
+        if kept is not None and labels is None:  # (a loss reads every position's logits)
+            logits_at = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+            logits_at[:, kept[0].to(input_ids.device)] = True
         out = self._core(
             input_ids, num_steps, labels=None, attention_mask=attention_mask, position_ids=position_ids,
             document_ids=document_ids, input_states=input_states, init_scale=init_scale, generator=generator,
             cache=cache, output_all_states=bool(output_hidden_states), output_attentions=bool(output_attentions),
+            logits_at=logits_at,
         )
         loss = None
         if labels is not None:
@@ -635,12 +655,13 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         if out.attentions is not None:
             keys = attention_layer_keys(self._core.config, sum(out.num_steps))
             attentions = tuple(out.attentions.get(key) for key in keys)
-        # (the exported remote-code file's helper: that file cannot import the library, so this shares it; imported
-        # here, as importing that module imports transformers, whose registration hook imports this one)
-        import recurrent_depth.integrations.remote.modeling_recurrent_depth as remote
-
+        if logits_at is not None:  # [B * kept columns, V] in (row, position) order -> [B, kept, V]
+            logits = out.logits.view(input_ids.shape[0], len(kept[0]), out.logits.shape[-1])
+            logits = logits[:, kept[1].to(logits.device)]
+        else:
+            logits = remote.kept_logits(out.logits, logits_to_keep)
         result = RecurrentDepthCausalLMOutput(
-            loss=loss, logits=remote.kept_logits(out.logits, logits_to_keep), cache=cache if use_cache else None,
+            loss=loss, logits=logits, cache=cache if use_cache else None,
             hidden_states=hidden, attentions=attentions, latent_states=out.latent_states, final_state=out.final_state,
         )
         return result if return_dict else result.to_tuple()
@@ -1056,7 +1077,8 @@ def _cache_kwargs_alias(kwargs: dict[str, Any]) -> None:
 
 
 # transformers' hub arguments (the Auto classes pass them on), and arguments that change nothing here: remote
-# code is never run (our class is registered for the model type), attention is always SDPA.
+# code is never run (our class is registered for the model type), attention runs as the config says (SDPA, or plain
+# math for eager_attention / soft-capped layers).
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
 _NO_EFFECT_KWARGS = ("trust_remote_code", "code_revision", "_from_auto", "_from_pipeline", "attn_implementation",
                      "low_cpu_mem_usage", "use_safetensors")

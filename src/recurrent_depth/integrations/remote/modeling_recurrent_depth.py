@@ -184,15 +184,54 @@ def check_mask_and_labels(input_ids: Tensor, attention_mask: Any, labels: Any, p
             raise ValueError(f"labels must be token ids in [0, {vocab_size}) or -100 (ignored)")
 
 
-def kept_logits(logits: Tensor, logits_to_keep: Any) -> Tensor:
-    """transformers' `logits_to_keep` (the loss still reads every position): an int n keeps the last n positions
-    (0: all of them), a 1-D tensor the positions it lists."""
+# the fewest rows `head_at` runs the vocabulary head over (as the library's `RecurrentDepthLM.predict`)
+HEAD_MIN_ROWS = 32
+
+
+def kept_positions(logits_to_keep: Any, seq_len: int) -> tuple[Tensor, Tensor] | None:
+    """transformers' `logits_to_keep` over `seq_len` positions: None for all of them, else (`columns`: the sorted
+    distinct positions it names, `order`: each kept logit's index into `columns`), so that the kept logits are
+    `logits[:, columns][:, order]`. An int n keeps the last n positions (0: all of them), a 1-D tensor the positions
+    it lists, as `logits[:, tensor]` reads them (negative: from the end; repeats and any order; bool: a mask)."""
     if isinstance(logits_to_keep, int) and not isinstance(logits_to_keep, bool) and logits_to_keep >= 0:
-        return logits[:, -logits_to_keep:] if logits_to_keep else logits
-    if isinstance(logits_to_keep, Tensor) and logits_to_keep.dim() == 1 and not logits_to_keep.is_floating_point():
-        return logits[:, logits_to_keep.to(logits.device)]
+        if logits_to_keep == 0 or logits_to_keep >= seq_len:
+            return None
+        return torch.arange(seq_len - logits_to_keep, seq_len), torch.arange(logits_to_keep)
+    if (isinstance(logits_to_keep, Tensor) and logits_to_keep.dim() == 1 and not logits_to_keep.is_floating_point()
+            and not logits_to_keep.is_complex()):
+        positions = logits_to_keep.cpu()
+        if positions.dtype == torch.bool:
+            if len(positions) != seq_len:
+                raise ValueError(f"logits_to_keep is a bool mask of {len(positions)} positions, expected seq_len="
+                                 f"{seq_len}")
+            positions = positions.nonzero()[:, 0]
+        elif bool(((positions < -seq_len) | (positions >= seq_len)).any()):
+            raise ValueError(f"logits_to_keep lists positions outside [-{seq_len}, {seq_len}) (seq_len={seq_len})")
+        columns, order = torch.unique(positions.long() % seq_len, sorted=True, return_inverse=True)
+        return columns, order
     raise ValueError(f"logits_to_keep={logits_to_keep!r} is invalid: expected an integer >= 0 (the last positions "
                      "to keep, 0: all) or a 1-D tensor of positions")
+
+
+def kept_logits(logits: Tensor, logits_to_keep: Any) -> Tensor:
+    """The logits [B, T, V] at transformers' `logits_to_keep` (`kept_positions`): [B, kept, V]."""
+    kept = kept_positions(logits_to_keep, logits.shape[1])
+    return logits if kept is None else logits[:, kept[0].to(logits.device)][:, kept[1].to(logits.device)]
+
+
+def head_at(head: Any, hidden: Tensor, columns: Tensor) -> Tensor:
+    """`head(hidden)[:, columns]` [B, len(columns), V] without the [B, T, V] tensor: the head runs at those positions
+    only. CPU BLAS (MKL) multiplies few rows (under 16 in float32) by another kernel, whose values differ from a
+    larger GEMM's in the last bits: so it runs over HEAD_MIN_ROWS rows at least (or all of them), padded with other
+    positions, and a kept position's logits are bitwise those of the whole head."""
+    B, T, h = hidden.shape
+    at = torch.zeros(B, T, dtype=torch.bool, device=hidden.device)
+    at[:, columns.to(hidden.device)] = True
+    rows = hidden.reshape(-1, h)
+    kept = at.reshape(-1).nonzero()[:, 0]  # (batch, position) order: the result reshapes to [B, len(columns), V]
+    extra = (~at).reshape(-1).nonzero()[: max(HEAD_MIN_ROWS - len(kept), 0), 0]
+    logits = head(rows[torch.cat([kept, extra])])[: len(kept)]
+    return logits.reshape(B, len(columns), logits.shape[-1])
 
 
 # generate refuses input_states up front: a forward's s_0 for the positions of that one call, it does not fit the
@@ -734,6 +773,7 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         return_dict: bool | None = None,
         generator: torch.Generator | None = None,
         position_ids: Tensor | None = None,
+        logits_to_keep: int | Tensor = 0,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
         """Prelude -> num_steps core steps -> coda; s_0 scaled by init_scale, drawn from `generator` (None: the
@@ -747,7 +787,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         position_ids [B, T] or [1, T] (None: from attention_mask): the RoPE positions of input_ids. A named parameter,
         as the library's: transformers' `generate` then passes this model the positions it passes the library's
         (it counts on from a prompt's last position, where a trailing masked token stands at 0).
-        logits_to_keep: the last n positions' logits only (0: all), or those of a 1-D tensor of positions.
+        logits_to_keep: the last n positions' logits only (0: all), or those of a 1-D tensor of positions; the head
+        runs at those positions only (with no labels), so a named parameter: transformers' `generate` then passes 1.
 
         output_attentions (None: config.output_attentions): `attentions` holds every attention call's weights
         [B, H, T, past + T] in the order they run: the prelude layers, the core layers of step 1, ..., of the
@@ -767,7 +808,6 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         inputs_embeds = kwargs.pop("inputs_embeds", None)
         output_hidden_states = kwargs.pop("output_hidden_states", None)
         output_attentions = kwargs.pop("output_attentions", None)
-        logits_to_keep = kwargs.pop("logits_to_keep", 0)  # (not a named parameter: generate() would then pass 1)
         unknown = sorted(k for k in kwargs if k not in IGNORED_FORWARD_KWARGS)
         if unknown:
             raise ValueError(f"unexpected forward() arguments {unknown}; this model's options are num_steps, "
@@ -808,6 +848,7 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError(f"sequence longer than max_seq_len={cfg.max_seq_len}")
         check_mask_and_labels(input_ids, attention_mask, labels, cache.seen if cache is not None else 0, cfg.vocab_size)
         B, T = input_ids.shape
+        kept = kept_positions(logits_to_keep, T)
         if position_ids is not None and (
                 not isinstance(position_ids, Tensor) or tuple(position_ids.shape) not in ((B, T), (1, T))
                 or position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool
@@ -870,7 +911,10 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
         if return_hidden:
             return BaseModelOutputWithPast(last_hidden_state=hidden, cache=cache if use_cache else None,
                                            hidden_states=tuple(states) if states is not None else None)
-        logits = self.lm_head(hidden).float()
+        if kept is not None and labels is None:  # (generate keeps 1: no [B, T, V] logits for a long prompt)
+            logits = head_at(lambda rows: self.lm_head(rows).float(), hidden, kept[0])[:, kept[1].to(hidden.device)]
+        else:  # (a loss reads every position's logits)
+            logits = self.lm_head(hidden).float()
         loss = None
         if labels is not None:
             loss = F.cross_entropy(
@@ -879,8 +923,8 @@ class RecurrentDepthForCausalLM(PreTrainedModel, GenerationMixin):
             )
             if num_items_in_batch is not None:  # the Trainer then does not divide by gradient accumulation steps
                 loss = loss / num_items_in_batch
-        out = CausalLMOutputWithPast(loss=loss, logits=kept_logits(logits, logits_to_keep),
-                                     cache=cache if use_cache else None,
+            logits = kept_logits(logits, logits_to_keep)
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None,
                                      hidden_states=tuple(states) if states is not None else None,
                                      attentions=tuple(ctx.attentions) if ctx.attentions is not None else None)
         return out if return_dict else out.to_tuple()

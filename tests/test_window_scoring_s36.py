@@ -12,22 +12,11 @@ import recurrent_depth as rd
 from recurrent_depth.evaluation import scoring
 from recurrent_depth.inference import parallel
 from recurrent_depth.inference.generate import generate
+from tests.test_window_cache import _model  # (hidden 32, weights tripled: the recurrence amplifies rounding)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-VOCAB = 61
-
-
-def _model(windows: list[int | None]) -> rd.RecurrentDepthLM:
-    """Hidden 32; weights tripled so that the recurrence amplifies any rounding difference."""
-    cfg = rd.ModelConfig(vocab_size=VOCAB, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=40,
-                         prelude_layers=1, core_layers=2, coda_layers=1, max_seq_len=512, attention_windows=windows)
-    torch.manual_seed(0)
-    model = rd.RecurrentDepthLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(3.0)
-    return model
+VOCAB = 61  # (test_window_cache's)
 
 
 def _tokens(n: int, seed: int) -> list[int]:

@@ -600,12 +600,13 @@ def analyze_to_dir(
     config = kwargs.pop("config", None) or AnalysisConfig()
     states_dir = states_dir_of(out)
     created = not out.exists()  # a failed run removes the directory it made (an empty OUT passed for a result)
-    lock = None
+    lock, locked = None, False
     try:
         out.mkdir(parents=True, exist_ok=True)
         # One run at a time in OUT: a second one truncated the first one's memory-mapped states under it, which
         # then died of SIGBUS (no message), and the report mixed the two runs' files.
         lock = lock_directory(out, "output directory")
+        locked = True  # (the lock is this run's, or there is none: a file system without locks)
         if not config.save_states:
             result = analyze(model, input_ids, config=config, **kwargs)
             files = write_report(result, out)
@@ -618,7 +619,9 @@ def analyze_to_dir(
             remove_trajectory(states_dir)
             raise
     except BaseException:
-        if created and out.is_dir():  # (everything in it is this run's)
+        # (everything in it is this run's; a run refused by another's lock on an OUT both found missing is not
+        # the one that fills it)
+        if created and locked and out.is_dir():
             shutil.rmtree(out, ignore_errors=True)
         raise
     finally:

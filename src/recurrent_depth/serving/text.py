@@ -180,6 +180,8 @@ def _runs_decode_alone(decoder: Any) -> bool:
         if kind == "ByteFallback":
             fallback = True
         elif kind == "Fuse":
+            if not fallback:  # (fused first, the pieces are one string: no `<0xNN>` piece is left to read as a byte)
+                return False
             fused = True
         elif kind == "Replace" and isinstance((step.get("pattern") or {}).get("String"), str):
             old, new = step["pattern"]["String"], step.get("content") or ""

@@ -27,6 +27,7 @@ training, bit for bit).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,7 +182,10 @@ class Distillation:
         generator = teacher_generator(self.seed, where, device)
         # In its stored dtype, as documented: not under the trainer's bf16 autocast (--dtype bf16), which the cache
         # writer runs outside of, so cached and on-the-fly targets differ only by the cache's fp16 rounding.
-        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+        # (a device without autocast, e.g. meta, has none to turn off)
+        no_autocast = (torch.autocast(device.type, enabled=False) if torch.amp.is_autocast_available(device.type)
+                       else contextlib.nullcontext())
+        with torch.no_grad(), no_autocast:
             return self.teacher.model(input_ids, num_steps=self.teacher.depth, generator=generator, **inputs).logits
 
     def loss(self, model: nn.Module, batch: dict[str, Tensor], num_steps: NumSteps,

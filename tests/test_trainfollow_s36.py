@@ -16,24 +16,19 @@ import json
 import shutil
 
 import pytest
-import torch
 
-import recurrent_depth as rd
 from recurrent_depth.cli import main
 from recurrent_depth.train.config import TrainConfig
-from tests.train_support import VOCAB, prepare_root
+from tests.test_leftovers_s36 import train_root  # noqa: F401 - (a fixture)
+from tests.train_support import VOCAB
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    root = prepare_root(tmp_path_factory.mktemp("trainfollow"))
-    torch.manual_seed(7)
-    source = rd.RecurrentDepthLM(rd.ModelConfig.from_preset("tiny", vocab_size=VOCAB, max_seq_len=64,
-                                                            mean_recurrence=4, mean_backprop_depth=2))
-    source.save_pretrained(root / "source", tokenizer=root / "tokenizer")
-    return root
+def root(train_root):  # noqa: F811 - (a fixture)
+    """A tokenizer, a corpus and a tiny source model at depth (4, 2): test_leftovers_s36's."""
+    return train_root
 
 
 COMMON = ("--val-fraction", "0.1", "--keep-all", "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1",
